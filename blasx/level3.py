@@ -1,0 +1,182 @@
+"""GEMM and matmul on the engine, with scipy.linalg.blas ``?gemm`` semantics."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import session
+from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
+from .operands import TokenTable, canonical, is_cupy, make_operand
+from .runtime.call import Call
+from .runtime.stats import CallStats, DeviceInfo
+from .runtime.tasks import SLOT_A, SLOT_B, SLOT_C, plan_gemm
+from .runtime.tiling import OP_N
+from .tile import choose_tile
+
+_tls = threading.local()
+
+
+def last_profile():
+    """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
+    return getattr(_tls, "profile", None)
+
+
+def _op_shape(x, op: int) -> tuple[int, int]:
+    return x.shape if op == OP_N else (x.shape[1], x.shape[0])
+
+
+def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False):
+    """C = alpha op(a) op(b) + beta c, as scipy.linalg.blas.?gemm, on every configured device.
+
+    The dtype is the BLAS type of a, b (and c): float32, float64, complex64 or
+    complex128. numpy arrays give a result in host memory (F-ordered, as
+    scipy's); cupy arrays give a result on a's device. With ``overwrite_c``
+    and a c of the right dtype, the result is written into c and c is
+    returned. Nothing is written when the arguments are rejected.
+    """
+    check_matrix("a", a)
+    check_matrix("b", b)
+    if c is not None:
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
+    trans_a = check_trans("trans_a", trans_a)
+    trans_b = check_trans("trans_b", trans_b)
+    dtype = compute_dtype(a, b) if c is None else compute_dtype(a, b, c)
+    alpha = check_scalar("alpha", alpha, dtype)
+    beta = check_scalar("beta", beta, dtype)
+    m, ka = _op_shape(a, trans_a)
+    kb, n = _op_shape(b, trans_b)
+    if ka != kb:
+        raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
+                         f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
+    if c is not None:
+        if c.shape != (m, n):
+            raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
+        for name, x in (("a", a), ("b", b)):
+            if shares_memory(c, x):
+                raise ValueError(f"c: shares memory with {name}; the output must not alias an input")
+    xp = _xp(on_gpu)
+    a = _as_dtype(a, dtype, xp)
+    b = _as_dtype(b, dtype, xp)
+    if c is None:
+        beta = 0
+    out = _output(c, dtype, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
+    if m and n:
+        _run_gemm(alpha, a, b, beta, out, trans_a, trans_b, dtype, ka)
+    return out
+
+
+def matmul(a, b, out=None):
+    """numpy-style ``a @ b`` for 1-D and 2-D arrays (batches come with the drop-in layer)."""
+    check_array = (isinstance(a, np.ndarray) or is_cupy(a)), (isinstance(b, np.ndarray) or is_cupy(b))
+    if not all(check_array):
+        bad = "a" if not check_array[0] else "b"
+        raise TypeError(f"{bad}: got {type(a if bad == 'a' else b).__name__}, expected a numpy or cupy array")
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim not in (1, 2):
+            raise ValueError(f"{name}: got a {x.ndim}-D array; blasx.matmul takes 1-D or 2-D arrays")
+    on_gpu = same_place(a=a, b=b, out=out)
+    xp = _xp(on_gpu)
+    rt = xp.result_type(a, b)
+    if rt not in (np.float32, np.float64, np.complex64, np.complex128):
+        return xp.matmul(a, b, out=out)  # integers, bool, float16: numpy's own loops, numpy's dtype rules
+    a2 = a[None, :] if a.ndim == 1 else a
+    b2 = b[:, None] if b.ndim == 1 else b
+    if a2.shape[1] != b2.shape[0]:
+        raise ValueError(f"a, b: matmul: a has shape {a.shape} and b has shape {b.shape}; "
+                         f"a's last dimension ({a2.shape[1]}) must equal b's first ({b2.shape[0]})")
+    shape = a2.shape[:1] + b2.shape[1:]
+    final = tuple(d for d, keep in zip(shape, (a.ndim == 2, b.ndim == 2)) if keep)
+    if out is not None:
+        if out.shape != final:
+            raise ValueError(f"out: got shape {out.shape}, expected {final}")
+        if out.dtype != rt:
+            raise TypeError(f"out: got dtype {out.dtype}, expected {rt} (the result type of a and b)")
+        for name, x in (("a", a), ("b", b)):
+            if shares_memory(out, x):
+                raise ValueError(f"out: shares memory with {name}; the output must not alias an input")
+    res = xp.empty(shape, dtype=rt) if out is None else out.reshape(shape)
+    if shape[0] and shape[1]:
+        if a2.shape[1] == 0:
+            res[...] = 0
+        else:
+            _run_gemm(1, _as_dtype(a2, rt, xp), _as_dtype(b2, rt, xp), 0, res, 0, 0, np.dtype(rt), a2.shape[1])
+    if out is not None:
+        return out
+    return res.reshape(final)
+
+
+# ---------------------------------------------------------------- internals
+
+def _xp(on_gpu: bool):
+    if on_gpu:
+        import cupy
+        return cupy
+    return np
+
+
+def _as_dtype(x, dtype, xp):
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _output(c, dtype, shape, overwrite_c, beta, xp, like):
+    """Where the result goes: c itself (overwrite_c, right dtype) or a new F-ordered array."""
+    if c is not None and overwrite_c and c.dtype == dtype:
+        return c
+    if like is not None:
+        with like.device:
+            out = xp.empty(shape, dtype=dtype, order="F")
+    else:
+        out = xp.empty(shape, dtype=dtype, order="F")
+    if c is not None and beta != 0:
+        out[...] = c
+    return out
+
+
+def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
+    """Canonicalise (transpose trick), plan, submit, and keep the profile."""
+    from .operands import column_major_view
+
+    eng = session.engine()
+    cm = column_major_view(c)
+    staging = None
+    if cm is None:  # an output with arbitrary strides: compute into a compact copy, copy back
+        staging = _xp(is_cupy(c)).asfortranarray(c)
+        cm = (staging, False)
+    cv, tp = cm
+    if tp:  # C^T = op(B)^T op(A)^T
+        va, opa = canonical(b, trans_b, True)
+        vb, opb = canonical(a, trans_a, True)
+    else:
+        va, opa = canonical(a, trans_a, False)
+        vb, opb = canonical(b, trans_b, False)
+    m, n = cv.shape
+    tile = choose_tile(eng, m, n, k, dtype)
+    tokens = TokenTable(tile)
+    operands = [make_operand(va, tokens), make_operand(vb, tokens), make_operand(cv, tokens)]
+    tasks = plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
+                      is_complex=dtype.kind == "c")
+    stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
+                      keep_records=session.settings().trace)
+    call = Call("gemm", operands, tasks, dtype, alpha, beta, stats)
+    call.tile = tile
+    for d in _backends(eng):
+        d.prepare_call(call)
+    try:
+        eng.submit(call)
+    finally:
+        for d in _backends(eng):
+            d.finish_call(call)
+        _tls.profile = stats.profile()
+    if staging is not None:
+        c[...] = staging
+
+
+def _backends(eng):
+    """One device of each backend class: per-call host preparation (pinning, CPU thread limits)."""
+    seen = {}
+    for d in eng.devices:
+        seen.setdefault(type(d), d)
+    return list(seen.values())

@@ -1,0 +1,157 @@
+"""Operands in canonical form, and their cache identity (tokens).
+
+The engine works on column-major matrices. A C-ordered array is the
+column-major view of its transpose, so every operand is described by a
+column-major view ``V`` with ``X = V`` or ``X = V.T``, and the op a kernel
+must apply follows from a lookup table on (transposed, conjugated).
+Conjugation without transposition is not a BLAS op; that rare case (a
+complex operand with ``trans=2`` in the other storage order) is materialised
+once as a conjugated copy.
+
+Tokens (see the engine's invariant 3): host arrays that might be written, and
+all device arrays, get a fresh negative base per call; host arrays whose whole
+base chain is read-only get a positive base for their life, so their tiles
+stay cached across calls, and are retired when the array is collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+
+from .runtime.call import Operand
+from .runtime.tiling import OP_C, OP_N, OP_T
+
+# (transposed, conjugated) -> BLAS op on the column-major view; (0, 1) has none.
+OP_OF = {(False, False): OP_N, (True, False): OP_T, (True, True): OP_C}
+
+_call_bases = itertools.count(-1, -1)
+
+
+def is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _is_column_major(x) -> bool:
+    """True if x is a column-major matrix with some leading dimension >= its rows."""
+    r, c = x.shape
+    isz = x.itemsize
+    s0, s1 = x.strides
+    return (r <= 1 or s0 == isz) and (c <= 1 or (s1 > 0 and s1 % isz == 0 and s1 >= isz * r))
+
+
+def column_major_view(x):
+    """(V, t) with V column-major and x == (V.T if t else V); None for other strides."""
+    if _is_column_major(x):
+        return x, False
+    if _is_column_major(x.T):
+        return x.T, True
+    return None
+
+
+def canonical(x, op: int, transposed_problem: bool):
+    """(V, blas_op) such that the problem's operand (op(x), transposed if the problem is) == blas_op(V)."""
+    cm = column_major_view(x)
+    if cm is None:  # arbitrary strides: one contiguous copy
+        x = _xp(x).asfortranarray(x)
+        cm = (x, False)
+    v, t = cm
+    trans = t ^ (op != OP_N) ^ transposed_problem
+    conj = op == OP_C
+    if (trans, conj) not in OP_OF:  # conjugate, no transpose: materialise conj(V)
+        return _xp(v).asfortranarray(v.conj()), OP_N
+    return v, OP_OF[(trans, conj)]
+
+
+def _xp(x):
+    if is_cupy(x):
+        import cupy
+        return cupy
+    return np
+
+
+def leading_dim(v) -> int:
+    isz = v.itemsize
+    return max(1, v.strides[1] // isz if v.shape[1] > 1 else v.shape[0])
+
+
+def address(v) -> int:
+    return int(v.data.ptr) if is_cupy(v) else int(v.ctypes.data)
+
+
+# ---------------------------------------------------------------- read-only tokens
+
+class _ReadOnlyRegistry:
+    """Life-long bases for arrays that cannot be written (invariant 3)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
+        self._next = itertools.count(1)
+        self.on_retire = None  # engine hook: retire the base's cached tiles
+
+    def base_of(self, root) -> int:
+        with self._lock:
+            hit = self._by_id.get(id(root))
+            if hit is not None and hit[0]() is root:
+                return hit[1]
+            base = next(self._next)
+            self._by_id[id(root)] = (weakref.ref(root), base)
+            weakref.finalize(root, self._retire, id(root), base)
+            return base
+
+    def _retire(self, key: int, base: int) -> None:
+        with self._lock:
+            hit = self._by_id.get(key)
+            if hit is not None and hit[1] == base:
+                del self._by_id[key]
+        if self.on_retire is not None:
+            self.on_retire(base)
+
+
+READONLY = _ReadOnlyRegistry()
+
+
+def frozen_root(x):
+    """The owning root array if ``x`` and every array it views are read-only, else None."""
+    if is_cupy(x) or x.flags.writeable:
+        return None
+    node = x
+    while isinstance(node.base, np.ndarray):
+        node = node.base
+        if node.flags.writeable:
+            return None
+    if node.base is None:  # an ndarray owning its memory, read-only
+        return node
+    if isinstance(node.base, bytes):  # immutable Python buffer
+        return node
+    return None
+
+
+class TokenTable:
+    """Tokens of one call: the same memory with the same geometry gets the same token."""
+
+    def __init__(self, tile: int) -> None:
+        self.tile = tile
+        self._seen: dict = {}
+
+    def token(self, v) -> tuple:
+        geom = (address(v), v.shape[0], v.shape[1], leading_dim(v), v.dtype.str, self.tile)
+        tok = self._seen.get(geom)
+        if tok is not None:
+            return tok
+        root = None if is_cupy(v) else frozen_root(v)
+        if root is not None:
+            tok = (READONLY.base_of(root), geom[0] - int(root.ctypes.data)) + geom[1:]
+        else:
+            tok = (next(_call_bases),) + geom[1:]
+        self._seen[geom] = tok
+        return tok
+
+
+def make_operand(v, tokens: TokenTable) -> Operand:
+    device = int(v.device.id) if is_cupy(v) else -1
+    return Operand(v, v.shape[0], v.shape[1], leading_dim(v), address(v), device, tokens.token(v))

@@ -1,0 +1,143 @@
+"""The process-wide engine: ``configure``, ``shutdown`` and lazy start.
+
+One engine serves every calling thread. It is built on first use from
+``configure()`` arguments, else from ``BLASX_DEVICES``, else from what the
+machine has (all CUDA GPUs, or the CPU). ``configure`` replaces it (after
+the running calls finish); ``shutdown`` stops it, and runs at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass
+
+from .runtime.config import DeviceSpec, parse_devices, sim_factors
+from .runtime.devices.base import backend
+from .runtime.engine import Engine, EngineConfig
+
+MiB = 1 << 20
+DEFAULT_SIM_CACHE = 64 * MiB
+DEFAULT_STREAMS = 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    devices: str | None = None
+    tile: int | None = None
+    streams: int = DEFAULT_STREAMS
+    cache_bytes: int | None = None
+    cpu: bool | None = None
+    trace: bool = True
+
+
+_lock = threading.RLock()
+_settings = Settings()
+_engine: Engine | None = None
+
+
+def configure(devices: str | None = None, tile: int | None = None, streams: int = DEFAULT_STREAMS,
+              cache_bytes: int | None = None, cpu: bool | None = None, trace: bool = True) -> None:
+    """Choose the devices and knobs of the blasx engine (replacing a running one).
+
+    devices: a spec (``"cuda"``, ``"cuda:0,1"``, ``"sim:4"``, ``"sim:2,slow=4"``, ``"cpu"``);
+        None means ``$BLASX_DEVICES``, else all CUDA GPUs, else the CPU.
+    tile: tile size T (None: chosen per call).
+    streams: streams (and concurrent tasks) per GPU, the paper's 4 by default.
+    cache_bytes: tile-cache heap per device (None: most of the free GPU memory; 64 MiB per sim).
+    cpu: also run a CPU worker beside the GPUs (None: only when there is no GPU).
+    trace: keep a per-operation timeline in the profiles.
+    """
+    if devices is not None:
+        parse_devices(devices)  # validate now, so a bad spec fails here and not at the first call
+    if tile is not None and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 1):
+        raise ValueError(f"tile: got {tile!r}, need a positive int (or None to choose per call)")
+    if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= 32:
+        raise ValueError(f"streams: got {streams!r}, need an int from 1 to 32")
+    if cache_bytes is not None and (not isinstance(cache_bytes, int) or cache_bytes < 1 << 16):
+        raise ValueError(f"cache_bytes: got {cache_bytes!r}, need an int >= 65536 (or None)")
+    global _settings
+    with _lock:
+        shutdown()
+        _settings = Settings(devices, tile, streams, cache_bytes, cpu, trace)
+
+
+def settings() -> Settings:
+    return _settings
+
+
+def engine() -> Engine:
+    """The running engine, started on first use."""
+    global _engine
+    with _lock:
+        if _engine is None or _engine.closed:
+            _engine = _build(_settings)
+        eng = _engine
+    eng.start()
+    return eng
+
+
+def shutdown() -> None:
+    """Stop the workers and free device memory; the next call starts a new engine."""
+    global _engine
+    with _lock:
+        eng, _engine = _engine, None
+    if eng is not None:
+        eng.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def _cuda_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no GPU all mean: no CUDA here
+        return 0
+
+
+def _build(s: Settings) -> Engine:
+    spec_text = s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if _cuda_count() else "cpu")
+    spec = parse_devices(spec_text)
+    devices = _make_devices(spec, s)
+    eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams))
+    eng.spec = spec_text
+    return eng
+
+
+def _make_devices(spec: DeviceSpec, s: Settings) -> list:
+    if spec.kind == "cpu":
+        return [backend("cpu")(0, name="cpu", trace=s.trace)]
+    if spec.kind == "sim":
+        from .runtime.devices.sim import SimModel
+        opts = spec.options
+        base = SimModel(**{k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts})
+        fail_dev, fail_at = None, None
+        if "fail" in opts:
+            d, _, n = opts["fail"].partition("@")
+            fail_dev, fail_at = int(d), int(n)
+        devs = []
+        for i, f in enumerate(sim_factors(spec)):
+            model = SimModel(base.rate, base.h2d, base.d2h, base.p2p, f)
+            name = f"sim:{i}" + (f" (slow={f:g})" if f != 1 else "")
+            devs.append(backend("sim")(i, nstreams=s.streams, cache_bytes=s.cache_bytes or DEFAULT_SIM_CACHE,
+                                       name=name, model=model, fail_at=fail_at if i == fail_dev else None,
+                                       peers=opts.get("peers", "1") == "1", trace=s.trace))
+    else:
+        from .runtime.devices import cuda  # noqa: F401 - registers the backend (needs CuPy)
+        n = _cuda_count()
+        if n == 0:
+            raise RuntimeError("devices: 'cuda' asked for, but CuPy finds no CUDA GPU here; use 'cpu' or 'sim:N'")
+        ids = spec.ids or tuple(range(n))
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"devices: GPU numbers {bad} do not exist; this machine has {n} (0..{n - 1})")
+        devs = [backend("cuda")(w, ordinal=i, nstreams=s.streams, cache_bytes=s.cache_bytes, trace=s.trace)
+                for w, i in enumerate(ids)]
+    use_cpu = s.cpu if s.cpu is not None else False
+    if use_cpu:
+        from .runtime.devices.cpu import default_threads
+        devs.append(backend("cpu")(len(devs), name="cpu", threads=default_threads(len(devs)), trace=s.trace))
+    return devs

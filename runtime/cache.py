@@ -1,0 +1,98 @@
+"""L1 tile cache: the Approximate LRU of Algorithm 2, one per device.
+
+A line maps a tile key to a block of the device heap. ``readers`` counts the
+issued-but-unfinished operations that use the line (Algorithm 2, line 22):
+it is raised when a step that reads the tile is issued, and lowered by the
+owning worker when the event that ends that step completes. Eviction takes
+the least recently used line *with no readers* (lines 11-18), so with
+asynchronous streams the victim is only approximately the LRU one.
+
+Ownership: the ALRU and its lines belong to one device worker, but peers
+raise/lower reader counts when they copy a line over the peer link (L2 hit),
+and the MESI-X directory lists lines of all devices. All of that metadata is
+therefore read and written only under the directory lock
+(:class:`~blasx.runtime.coherence.Directory`), which every method here
+expects the caller to hold. The heap behind the lines is touched by the
+owning worker alone.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterator
+
+
+class Line:
+    """One cached tile on one device."""
+
+    __slots__ = ("key", "device", "offset", "nbytes", "rows", "cols", "readers", "ready", "dead")
+
+    def __init__(self, key: Hashable, device: int, offset: int, nbytes: int, rows: int, cols: int) -> None:
+        self.key = key
+        self.device = device  # worker index of the holder
+        self.offset = offset  # heap offset of the tile (column-major, ld = rows)
+        self.nbytes = nbytes
+        self.rows = rows
+        self.cols = cols
+        self.readers = 0
+        self.ready = None  # event that ends the copy filling the line; None once it is known done
+        self.dead = False  # its data may no longer be read (token retired); evict first
+
+    def __repr__(self) -> str:
+        return f"Line({self.key!r} on {self.device} @{self.offset} readers={self.readers})"
+
+
+class ALRU:
+    """Lines of one device in recency order (least recent first)."""
+
+    __slots__ = ("device", "_lines", "bytes_cached")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._lines: OrderedDict[Hashable, Line] = OrderedDict()
+        self.bytes_cached = 0
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._lines
+
+    def __iter__(self) -> Iterator[Line]:
+        return iter(self._lines.values())
+
+    def get(self, key: Hashable) -> Line | None:
+        """Translate (Algorithm 2, line 2): the line, moved to most recent, or None."""
+        line = self._lines.get(key)
+        if line is not None:
+            self._lines.move_to_end(key)
+        return line
+
+    def peek(self, key: Hashable) -> Line | None:
+        """The line without touching recency (peers and priority look-ups)."""
+        return self._lines.get(key)
+
+    def insert(self, line: Line) -> None:
+        """Enqueue (Algorithm 2, lines 19-23): a new line becomes the most recent."""
+        if line.key in self._lines:
+            raise KeyError(f"tile {line.key!r} is already cached on device {self.device}")
+        self._lines[line.key] = line
+        self.bytes_cached += line.nbytes
+
+    def victim(self) -> Line | None:
+        """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end.
+
+        Dead lines (tiles nobody may read again) go before live ones.
+        """
+        fallback = None
+        for line in self._lines.values():
+            if line.readers == 0:
+                if line.dead:
+                    return line
+                if fallback is None:
+                    fallback = line
+        return fallback
+
+    def remove(self, line: Line) -> None:
+        del self._lines[line.key]
+        self.bytes_cached -= line.nbytes

@@ -1,0 +1,110 @@
+"""One submitted BLAS call: its operands, tasks, scalars and completion state.
+
+The calling thread builds a :class:`Call`, the engine queues its tasks, and
+workers *account* for every task exactly once: done, cancelled (never
+started, its call having failed) or abandoned (on a broken device). The call
+completes when every task is accounted for, so no worker can still be
+writing into the caller's memory when ``wait`` returns, with or without an
+error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from .stats import CallStats
+from .tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, Task
+
+_call_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Operand:
+    """A matrix in canonical (column-major) form, where it lives, and its cache identity."""
+
+    array: Any  # column-major view: numpy (host) or cupy (device)
+    rows: int
+    cols: int
+    ld: int  # leading dimension, elements
+    ptr: int  # address of element (0, 0)
+    device: int  # -1: host memory; else the CUDA ordinal holding it
+    token: Hashable  # first part of every tile key of this operand
+
+    @property
+    def on_host(self) -> bool:
+        return self.device < 0
+
+
+class Call:
+    def __init__(self, name: str, operands: list[Operand], tasks: list[Task], dtype,
+                 alpha, beta, stats: CallStats, epilogue: Callable | None = None) -> None:
+        self.cid = next(_call_ids)
+        self.name = name
+        self.operands = operands
+        self.tokens = tuple(op.token for op in operands)
+        self.tasks = tasks
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.is_complex = self.dtype.kind == "c"
+        # Scalar table indexed by SC_*; kept alive for the call so devices may pass pointers into it.
+        self.scalars = np.zeros(4, dtype=self.dtype)
+        self.scalars[SC_ALPHA], self.scalars[SC_BETA] = alpha, beta
+        self.scalars[SC_ZERO], self.scalars[SC_ONE] = 0, 1
+        self.stats = stats
+        self.epilogue = epilogue
+        self.device_only = any(not op.on_host for op in operands)
+        self._lock = threading.Lock()
+        self._remaining = len(tasks)
+        self._finished_tids: set[int] = set()
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        for t in tasks:
+            t.call = self
+        if not tasks:
+            self._done.set()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def step_flops(self, step: Step) -> float:
+        f = 2.0 * step.m * step.n * step.k
+        return f * 4.0 if self.is_complex else f
+
+    def is_ready(self, task: Task) -> bool:
+        """A task may start once the tasks it depends on have finished (TRSM)."""
+        if not task.deps:
+            return True
+        fin = self._finished_tids
+        return all(d in fin for d in task.deps)
+
+    def account(self, task: Task, worker: int | None = None) -> None:
+        """``task`` is finished (worker given) or dropped (no worker); complete the call after the last."""
+        with self._lock:
+            if worker is not None and not self.failed:
+                self._finished_tids.add(task.tid)
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self.stats.finish()
+            self._done.set()
+
+    def fail(self, exc: BaseException) -> bool:
+        """Record the first error; returns True if this call just failed."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            self.error = exc
+            return True
+
+    @property
+    def remaining(self) -> int:
+        return self._remaining
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)

@@ -1,0 +1,121 @@
+"""``cpu``: BLASX's CPU worker (Section IV-C.2).
+
+It takes one whole task at a time and solves it on the host with a
+multithreaded BLAS (numpy's), reading tiles in place from the host operands:
+the host is its memory, so it needs no cache, no copies and no streams.
+threadpoolctl limits the BLAS threads while calls run, so every GPU worker
+keeps a core; the previous limits are restored when the last call ends.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..stats import OpRecord
+from .base import Device, register_backend
+from .numpy_kernels import KERNELS
+
+@register_backend
+class CpuDevice(Device):
+    kind = "cpu"
+    streamed = False
+
+    def __init__(self, index: int, *, nstreams: int = 1, cache_bytes: int = 0, name: str = "cpu",
+                 threads: int | None = None, trace: bool = True) -> None:
+        super().__init__(index, nstreams=1, cache_bytes=0, name=name)
+        self.threads = threads
+        self.trace = trace
+        self._limiter = None
+        self._users = 0
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._limiter is not None:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+                self._users = 0
+
+    # Per-call BLAS thread limits, reference counted over concurrent calls.
+    def prepare_call(self, call) -> None:
+        if self.threads is None:
+            return
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                from threadpoolctl import threadpool_limits
+                self._limiter = threadpool_limits(limits=self.threads, user_api="blas")
+
+    def finish_call(self, call) -> None:
+        if self.threads is None:
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._limiter is not None:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+    def run_task(self, task) -> None:
+        """Solve one C tile in place on the host (all steps, then the write)."""
+        call = task.call
+        t0 = time.perf_counter()
+        c_op = call.operands[task.c.slot]
+        cref = task.c
+        c_view = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
+        acc = np.array(c_view, order="F") if task.load_c else np.empty((cref.rows, cref.cols), call.dtype, order="F")
+        for step in task.steps:
+            KERNELS[step.kernel](step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
+        if call.epilogue is not None:
+            call.epilogue(self, 0, acc, task)
+        c_view[...] = acc
+        t1 = time.perf_counter()
+        st = call.stats
+        st.count(self.index, "tasks")
+        st.count(self.index, "steps", len(task.steps))
+        st.count(self.index, "flops", task.flops)
+        if self.trace:
+            st.add_record(OpRecord(self.index, "host", t0, t1, stream=0, flops=task.flops, task=task.tid, name="task"))
+
+    # Stream-device hooks are not used by the CPU worker.
+    def arena_loc(self, offset, rows, cols, dtype):
+        raise NotImplementedError("the cpu device has no arena")
+
+    def copy_in(self, *a, **k):
+        raise NotImplementedError
+
+    def copy_out(self, *a, **k):
+        raise NotImplementedError
+
+    def run_step(self, *a, **k):
+        raise NotImplementedError
+
+    def record(self, s):
+        raise NotImplementedError
+
+    def wait(self, s, event):
+        raise NotImplementedError
+
+    def done(self, event):
+        return True
+
+    def sync(self, event):
+        pass
+
+
+def _tile(call, ref):
+    if ref is None:
+        return None
+    op = call.operands[ref.slot]
+    return op.array[ref.r0:ref.r0 + ref.rows, ref.c0:ref.c0 + ref.cols]
+
+
+def default_threads(n_gpu_workers: int) -> int:
+    """BLAS threads for the CPU worker: every core but one per GPU worker (at least 1)."""
+    return max(1, (os.cpu_count() or 1) - n_gpu_workers)

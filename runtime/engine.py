@@ -1,0 +1,266 @@
+"""The blasx scheduler: a long-lived multi-device service (the BLASX runtime).
+
+This docstring is the design doc. It follows Algorithm 1 of the BLASX paper
+(``../shared/seeds/003_5f0983b53bc3aac8.txt``), with the tile caches of
+Section IV-B, the scheduling infrastructure of Section IV-C (Fig. 4), the
+stream overlap of IV-D and the heap of IV-E.
+
+Policy
+------
+* A call (``gemm``, later every level-3 routine) is split by a pure planner
+  into tasks, one per output tile C_ij (Eq. 2 tasks in all), each a list of
+  k-steps. Tasks go to a **global queue** that never blocks (``queue.py``).
+  Calls whose operands all live in host memory go to the queue every worker
+  serves; calls with CuPy operands go to the queue only CUDA workers serve.
+* One **worker thread per device** (``worker.py``) keeps a **reservation
+  station** of ``streams`` tasks. It pulls from the queue when it has room
+  (demand-driven balance: a device pulls as fast as it finishes, so slow
+  devices get fewer tasks), steals the newest task of the most loaded
+  station when the queue is empty, and starts the station's task of highest
+  **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's L1).
+* Each stream runs one task; a worker issues one k-step of every active task
+  in turn (interleaving over k), with at most ``2 * streams`` tasks in flight.
+* Tiles are read through the **two-level cache**: L1 is the device's ALRU
+  (Algorithm 2) over its preallocated heap; L2 is the other devices' L1,
+  found through the **MESI-X directory** (``coherence.py``) and copied over
+  peer links. A written C tile is M and is written back at once (-> I).
+* The **CPU worker**, when enabled, takes whole tasks and solves each with
+  the host BLAS, its thread count limited by threadpoolctl so every GPU
+  worker keeps a core.
+
+Invariants
+----------
+1. Every task of a call is accounted exactly once (done, cancelled or
+   abandoned); a call returns only then, so no device still writes into the
+   caller's memory after ``submit`` returns or raises.
+2. A cache line's reader count is the number of issued, unfinished
+   operations that read it; only lines with no readers are evicted, and the
+   heap block of a line or of a C buffer is freed only by its device's worker
+   after the event that ends its last use.
+3. A tile key begins with a token that is never reused. Tokens of host
+   arrays that may be written name one call only; read-only arrays (whose
+   whole base chain is read-only) keep their token, and cached tiles, for
+   their life. So no stale tile can be read.
+4. A worker never waits on another device's events: peers copy only from
+   lines whose fill is known complete. A broken device therefore cannot
+   stall or corrupt another.
+5. No exception escapes a worker: it is attached to the calls whose tasks
+   the worker held. Those tasks are handed to live workers, unless their
+   write-back was in flight and C was read (``beta != 0``), in which case the
+   call fails loudly. With no live worker able to run a call, it fails.
+6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker
+   on the queue and joins them all (and the sim stream threads).
+
+State (each field has one owner)
+--------------------------------
+``devices``, ``workers``, ``stations``
+    Fixed at start. A station is pushed/popped by its worker and stolen from
+    by others under its own lock.
+``queues``
+    ``{"any": TaskQueue, "gpu": TaskQueue}``; any thread puts, workers get.
+``directory``
+    The MESI-X directory and every device's ALRU metadata, under
+    ``directory.lock``; heap blocks belong to their device's worker.
+``work_generation``, ``_cv``
+    Bumped and notified when work appears (submit, re-queue, failure,
+    shutdown); idle workers sleep on ``_cv`` until it changes.
+``_calls``
+    Calls in progress, so a failure with no live worker can fail them all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from .call import Call
+from .coherence import Directory
+from .devices.base import DeviceError
+from .queue import TaskQueue
+from .station import ReservationStation
+from .worker import CpuWorker, StreamWorker
+
+
+class _Sentinel:
+    def __repr__(self) -> str:
+        return "<blasx shutdown sentinel>"
+
+
+@dataclass
+class EngineConfig:
+    devices: list  # Device objects, worker index == position
+    tile: int | None = None  # None: choose per call
+    streams: int = 4
+    bind_threads: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    SENTINEL = _Sentinel()
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.devices = list(config.devices)
+        if not self.devices:
+            raise ValueError("devices: got an empty list, need at least one device")
+        self.directory = Directory(len(self.devices))
+        self.queues = {"any": TaskQueue(), "gpu": TaskQueue()}
+        self.stations = [ReservationStation(d.index, max(1, d.nstreams)) for d in self.devices]
+        self.workers = []
+        self.work_generation = 0
+        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._calls: "weakref.WeakSet[Call]" = weakref.WeakSet()
+        self._started = False
+        self._closed = False
+        self.failures: list[tuple[str, BaseException]] = []
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            if self._closed:
+                raise RuntimeError("this blasx engine was shut down; blasx.configure() makes a new one")
+            ncores = os.cpu_count() or 1
+            for d, st in zip(self.devices, self.stations):
+                core = (d.index % ncores) if (self.config.bind_threads and d.streamed and ncores > len(self.devices)) else None
+                cls = StreamWorker if d.streamed else CpuWorker
+                self.workers.append(cls(self, d, st, core))
+            for w in self.workers:
+                w.start()
+            for w in self.workers:
+                w.opened.wait()
+            self._started = True
+        errors = [(w.dev.name, w.open_error) for w in self.workers if w.open_error is not None]
+        if errors and not any(w.alive for w in self.workers):
+            self.shutdown()
+            name, exc = errors[0]
+            raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._started
+        if started:
+            self.queues["any"].put_many([self.SENTINEL] * len(self.workers))
+            self._poke()
+            for w in self.workers:
+                w.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------ worker services
+    def queues_for(self, worker):
+        if worker.dev.reads_device_arrays:
+            return (self.queues["gpu"], self.queues["any"])
+        return (self.queues["any"],)
+
+    def stations_for(self, worker):
+        return [st for st, w in zip(self.stations, self.workers) if w is not worker]
+
+    def can_run(self, worker, call: Call) -> bool:
+        return worker.alive and (not call.device_only or worker.dev.reads_device_arrays)
+
+    @staticmethod
+    def is_ready(task) -> bool:
+        return task.call.is_ready(task)
+
+    def wait_for_work(self, seen_generation: int) -> None:
+        with self._cv:
+            if self.work_generation != seen_generation:
+                return
+            # Tasks waiting in another station may be stolen: look again soon.
+            timeout = 0.002 if any(len(st) for st in self.stations) else None
+            self._cv.wait(timeout)
+
+    def _poke(self) -> None:
+        with self._cv:
+            self.work_generation += 1
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ calls
+    def submit(self, call: Call) -> None:
+        """Run ``call`` to completion on the workers; raise its error, if any."""
+        self.start()
+        if not self._runnable(call):
+            raise DeviceError(self._unrunnable_message(call))
+        self._calls.add(call)
+        call.stats.start()
+        self.queues["gpu" if call.device_only else "any"].put_many(call.tasks)
+        self._poke()
+        try:
+            while not call.wait(0.5):
+                if not self._runnable(call):
+                    self._fail_unrunnable()
+        finally:
+            for op in call.operands:
+                if op.token[0] < 0:  # per-call token: its tiles may never be read again
+                    with self.directory.lock:
+                        self.directory.retire_base(op.token[0])
+        if call.error is not None:
+            err = call.error
+            raise DeviceError(f"{call.name} failed: {err}") from err
+
+    def _runnable(self, call: Call) -> bool:
+        return any(self.can_run(w, call) for w in self.workers)
+
+    def _unrunnable_message(self, call: Call) -> str:
+        live = [w.dev.name for w in self.workers if w.alive]
+        if not live:
+            dead = "; ".join(f"{n}: {e!r}" for n, e in self.failures) or "none started"
+            return f"no live device left to run {call.name} (failures: {dead})"
+        return f"{call.name} has CuPy operands but no live CUDA device can run it (live devices: {live})"
+
+    # ------------------------------------------------------------ failures
+    def worker_failed(self, worker, exc: BaseException, held) -> None:
+        """Hand a broken worker's tasks on, or fail their calls (invariant 5)."""
+        with self._lock:
+            worker.alive = False
+            self.failures.append((worker.dev.name, exc))
+            for task, writeback_issued in held:
+                call = task.call
+                if call.failed:
+                    call.account(task)
+                elif writeback_issued and task.load_c:
+                    self._fail_call(call, DeviceError(
+                        f"{worker.dev.name} failed while writing back tile {task.c[1:3]} of {call.name}; "
+                        f"C was read (beta != 0), so the tile cannot be recomputed safely: {exc!r}"), exc)
+                    call.account(task)
+                elif not self._runnable(call):
+                    self._fail_call(call, DeviceError(self._unrunnable_message(call)), exc)
+                    call.account(task)
+                else:
+                    task.worker = -1
+                    self.queues["gpu" if call.device_only else "any"].put(task)
+        self._fail_unrunnable()
+        self._poke()
+
+    def _fail_call(self, call: Call, err: BaseException, cause: BaseException | None) -> None:
+        if cause is not None and err.__cause__ is None:
+            err.__cause__ = cause
+        call.fail(err)
+
+    def _fail_unrunnable(self) -> None:
+        """Fail and drain every call no live worker can run, so nobody waits forever."""
+        for call in list(self._calls):
+            if not call.failed and not self._runnable(call):
+                cause = self.failures[-1][1] if self.failures else None
+                self._fail_call(call, DeviceError(self._unrunnable_message(call)), cause)
+        dead_stations = [st for st, w in zip(self.stations, self.workers) if not w.alive]
+        for st in dead_stations:
+            for t in st.drain():
+                if t.call.failed:
+                    t.call.account(t)
+                else:
+                    self.queues["gpu" if t.call.device_only else "any"].put(t)
+        if not any(w.alive for w in self.workers):
+            for q in self.queues.values():
+                for t in q.remove_if(lambda t: t is not self.SENTINEL):
+                    t.call.account(t)

@@ -1,0 +1,55 @@
+"""The global task queue (Algorithm 1, line 2).
+
+The paper uses Michael and Scott's non-blocking queue. In CPython,
+``collections.deque.append`` and ``popleft`` are single atomic operations
+under the GIL: no lock is taken, no thread ever waits on another to enqueue
+or dequeue, which is the property the hot path needs. Waiting for work when
+the queue is empty is the engine's business (a condition variable outside
+the hot path), not the queue's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+class TaskQueue(Generic[T]):
+    """A FIFO that never blocks: ``get`` returns None when empty."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+
+    def put_many(self, items: Iterable[T]) -> None:
+        self._items.extend(items)
+
+    def get(self) -> T | None:
+        try:
+            return self._items.popleft()
+        except IndexError:
+            return None
+
+    def remove_if(self, pred) -> list[T]:
+        """Take out every item matching ``pred`` (used to cancel a failed call's tasks).
+
+        Not on the hot path; it drains and refills, so items keep their order.
+        """
+        kept, taken = [], []
+        while True:
+            item = self.get()
+            if item is None:
+                break
+            (taken if pred(item) else kept).append(item)
+        # Anything put meanwhile went to the back; put the survivors in front of it.
+        self._items.extendleft(reversed(kept))
+        return taken
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,100 @@
+"""Reservation stations (Section IV-C, Fig. 4) and the Eq. 3 priority.
+
+Each device worker owns one station: a small buffer of tasks it has pulled
+from the global queue but not yet started. The worker starts the task of
+highest priority, where the priority of a task on device ``d`` is Eq. 3,
+
+    priority = sum over its input tiles X of f(X),
+    f(X) = 2 if X is in d's L1 cache, 1 if it is in another device's (L2), 0 otherwise.
+
+Priorities are refreshed whenever tasks arrive and whenever the worker picks
+(the cache changes under it), which costs a few dict look-ups per tile.
+Ties go to the task pulled first, keeping the planner's locality order.
+
+Other workers may steal from a station when the global queue is empty, so
+the task list is guarded by a lock; the owner holds it only to push or pop.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+from .tasks import Task
+
+# f(X) of Eq. 3b: a lookup table, indexed by where the tile is.
+WHERE_HOST, WHERE_L2, WHERE_L1 = 0, 1, 2
+EQ3_SCORE = {WHERE_HOST: 0, WHERE_L2: 1, WHERE_L1: 2}
+
+
+def priority(task: Task, where: Callable[[object], int], key_of: Callable[[object], object]) -> int:
+    """Eq. 3a: sum of f over the task's input tiles; ``where(key)`` says L1/L2/host."""
+    return sum(EQ3_SCORE[where(key_of(t))] for t in task.input_tiles())
+
+
+class ReservationStation:
+    __slots__ = ("owner", "capacity", "_tasks", "_lock")
+
+    def __init__(self, owner: int, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: got {capacity!r}, need an int >= 1")
+        self.owner = owner
+        self.capacity = capacity
+        self._tasks: list[Task] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self._tasks)
+
+    def push(self, task: Task) -> None:
+        with self._lock:
+            self._tasks.append(task)
+
+    def pop_best(self, score: Callable[[Task], int], ready: Callable[[Task], bool] | None = None) -> Task | None:
+        """Remove and return the ready task of highest score (first pulled wins ties)."""
+        with self._lock:
+            best_i, best_s = -1, -1
+            for i, t in enumerate(self._tasks):
+                if ready is not None and not ready(t):
+                    continue
+                s = score(t)
+                if s > best_s:
+                    best_i, best_s = i, s
+            if best_i < 0:
+                return None
+            return self._tasks.pop(best_i)
+
+    def steal(self, ready: Callable[[Task], bool] | None = None) -> Task | None:
+        """Take the most recently pulled ready task (the one its owner would start last)."""
+        with self._lock:
+            for i in range(len(self._tasks) - 1, -1, -1):
+                if ready is None or ready(self._tasks[i]):
+                    return self._tasks.pop(i)
+            return None
+
+    def drain(self) -> list[Task]:
+        with self._lock:
+            out, self._tasks = self._tasks, []
+            return out
+
+    def remove_if(self, pred: Callable[[Task], bool]) -> list[Task]:
+        with self._lock:
+            taken = [t for t in self._tasks if pred(t)]
+            self._tasks = [t for t in self._tasks if not pred(t)]
+            return taken
+
+    def snapshot(self) -> tuple[Task, ...]:
+        with self._lock:
+            return tuple(self._tasks)
+
+
+def most_loaded(stations: Iterable[ReservationStation], exclude: int) -> ReservationStation | None:
+    """The station with the most waiting tasks, other than ``exclude``'s (steal target)."""
+    best, n = None, 0
+    for st in stations:
+        if st.owner != exclude and len(st) > n:
+            best, n = st, len(st)
+    return best

@@ -1,0 +1,62 @@
+"""Virtual tiling of column-major matrices (the paper's Section III-A).
+
+Everything here is pure integer arithmetic on shapes: no array is touched.
+The front end first brings every operand into *canonical* form, a column-major
+view: a C-ordered ``(m, n)`` array is the column-major ``(n, m)`` matrix, its
+transpose. A stored matrix of ``rows x cols`` is cut into ``T x T`` tiles,
+edge tiles being smaller. ``op(A)`` tile ``(i, k)`` is the stored tile
+``(i, k)`` when ``op`` is N and the stored tile ``(k, i)`` when it is T or C:
+the transpose trick of Section III-C, where the kernel transposes the tile.
+
+Offsets are Python ints, so they are 64-bit (and beyond) by construction.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# op codes, as in BLAS and scipy.linalg.blas: 0 = N, 1 = T, 2 = C (conjugate transpose)
+OP_N, OP_T, OP_C = 0, 1, 2
+OP_NAMES = ("N", "T", "C")
+
+
+class TileRef(NamedTuple):
+    """One tile of a stored operand: which operand, which tile, which elements."""
+
+    slot: int  # index of the operand in the call (planner convention: 0 A, 1 B, 2 C)
+    bi: int  # tile row index in the stored matrix
+    bj: int  # tile column index in the stored matrix
+    r0: int  # first row (elements)
+    c0: int  # first column (elements)
+    rows: int
+    cols: int
+
+
+def n_tiles(extent: int, tile: int) -> int:
+    """Number of tiles along one dimension: ceil(extent / tile)."""
+    return -(-extent // tile)
+
+
+def tile_span(index: int, extent: int, tile: int) -> tuple[int, int]:
+    """(start, length) of tile ``index`` along a dimension of ``extent`` elements."""
+    start = index * tile
+    return start, min(tile, extent - start)
+
+
+def tile_ref(slot: int, bi: int, bj: int, rows: int, cols: int, tile: int) -> TileRef:
+    """The TileRef of stored tile (bi, bj) of a ``rows x cols`` operand."""
+    r0, nr = tile_span(bi, rows, tile)
+    c0, nc = tile_span(bj, cols, tile)
+    return TileRef(slot, bi, bj, r0, c0, nr, nc)
+
+
+def op_tile(slot: int, op: int, i: int, k: int, stored_rows: int, stored_cols: int, tile: int) -> TileRef:
+    """Stored tile holding tile (i, k) of op(X), where X is stored_rows x stored_cols."""
+    if op == OP_N:
+        return tile_ref(slot, i, k, stored_rows, stored_cols, tile)
+    return tile_ref(slot, k, i, stored_rows, stored_cols, tile)
+
+
+def element_offset(r: int, c: int, ld: int) -> int:
+    """Element offset of (r, c) in a column-major matrix with leading dimension ld."""
+    return c * ld + r

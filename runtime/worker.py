@@ -1,0 +1,452 @@
+"""Device workers: Algorithm 1, lines 8-25 (``ComputingKernel``).
+
+One thread per device. A :class:`StreamWorker` drives a stream device
+(``cuda`` or ``sim``: the same code for both); a :class:`CpuWorker` is the
+paper's CPU computation thread. The engine module's docstring is the design
+doc; this module implements the per-device part of it:
+
+1. **retire**: poll the oldest pending event of each stream; at completion,
+   lower reader counts, mark loaded lines ready, free C buffers, count a task
+   done (readers are released at the event that ends their use);
+2. **fill**: top up the reservation station from the global queues, or steal
+   from the most loaded station when the queues are empty;
+3. **assign**: give each free stream the station's best task (Eq. 3), as long
+   as no more than ``2 * streams`` tasks are in flight on the device, so a
+   device pulls work by its real demand (the paper's demand-driven balance);
+4. **issue**: one k-step of every active task, round robin over the streams
+   (interleaving step by step over k, lines 18-25): acquire A and B through
+   the cache (L1 hit, L2 peer copy, or host load), launch the kernel, record
+   one event. After the last step: the epilogue, write-back (M -> I) and an
+   event that completes the task.
+
+Nothing in the issue path blocks except allocation when every cache line is
+busy, which waits for this device's own oldest event (or for peers to
+release their readers). Every exception ends in :meth:`Worker.fail`, which
+hands unfinished tasks to the engine; none escapes the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+
+from .cache import Line
+from .devices.base import DeviceError
+from .station import WHERE_HOST, WHERE_L1, WHERE_L2, EQ3_SCORE, most_loaded
+
+
+FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
+
+
+class _Active:
+    """A task on a stream: which step comes next, and where its C tile is."""
+
+    __slots__ = ("task", "k", "c_loc", "c_off")
+
+    def __init__(self, task) -> None:
+        self.task = task
+        self.k = 0
+        self.c_loc = None
+        self.c_off = None  # heap offset of the C buffer; None when C is used in place
+
+
+class _Pending:
+    """Bookkeeping to do when ``event`` completes."""
+
+    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback")
+
+    def __init__(self, event, seq, release=(), ready=(), free=None, task=None, finished=False, writeback=False):
+        self.event = event
+        self.seq = seq
+        self.release = release  # lines whose reader count drops
+        self.ready = ready  # lines whose fill completes
+        self.free = free  # heap offset to free
+        self.task = task
+        self.finished = finished  # the task is complete at this event
+        self.writeback = writeback  # the task's write-back was issued before this event
+
+
+class Worker(threading.Thread):
+    """Common part: queue/station/steal logic, failure hand-off, thread lifecycle."""
+
+    def __init__(self, engine, device, station, core=None) -> None:
+        super().__init__(name=f"blasx-worker-{device.name}")
+        self.engine = engine
+        self.dev = device
+        self.idx = device.index
+        self.station = station
+        self.core = core
+        self.alive = True
+        self.stopping = False
+        self.opened = threading.Event()
+        self.open_error: BaseException | None = None
+
+    # -- work intake --
+    def _pull(self):
+        """Next task from the global queues this worker serves; None when empty."""
+        for q in self.engine.queues_for(self):
+            t = q.get()
+            if t is not None:
+                return t
+        return None
+
+    def fill_station(self) -> None:
+        st = self.station
+        while not self.stopping and st.free_slots() > 0:
+            t = self._pull()
+            if t is None:
+                break
+            if t is self.engine.SENTINEL:
+                self.stopping = True
+                break
+            if t.call.failed:
+                t.call.account(t)  # cancelled: its call already failed
+                continue
+            st.push(t)
+        if len(st) == 0 and not self.stopping:
+            self._steal()
+
+    def _steal(self) -> None:
+        victim = most_loaded(self.engine.stations_for(self), self.idx)
+        if victim is None:
+            return
+        t = victim.steal(lambda task: self.engine.can_run(self, task.call))
+        if t is not None:
+            self.station.push(t)
+            t.call.stats.count(self.idx, "steals")
+
+    # -- thread body --
+    def run(self) -> None:
+        try:
+            self.dev.bind_thread(self.core)
+            self.dev.open()
+        except BaseException as exc:  # noqa: BLE001 - reported to configure()/the engine
+            self.open_error = exc
+            self.alive = False
+            self.opened.set()
+            self.engine.worker_failed(self, exc, [])
+            return
+        self.opened.set()
+        try:
+            self.loop()
+        except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
+            exc.blasx_traceback = traceback.format_exc()
+            self.fail(exc)
+        finally:
+            try:
+                self.dev.close()
+            except BaseException:  # noqa: BLE001 - closing a broken device may fail too
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        self.alive = False
+        if self.dev.error is None:
+            self.dev.error = exc
+        self.engine.worker_failed(self, exc, self.held_tasks())
+
+    def held_tasks(self):
+        """[(task, writeback_issued)] of every unfinished task this worker holds."""
+        return [(t, False) for t in self.station.drain()]
+
+
+class StreamWorker(Worker):
+    def __init__(self, engine, device, station, core=None) -> None:
+        super().__init__(engine, device, station, core)
+        n = device.nstreams
+        self.slots: list[_Active | None] = [None] * n
+        self.pending: list[deque[_Pending]] = [deque() for _ in range(n)]
+        self.inflight = 0  # tasks started and not yet retired
+        self.max_inflight = 2 * n
+        self.seq = 0
+        self.directory = engine.directory
+        self.alru = engine.directory.alrus[self.idx]
+
+    # ---------------------------------------------------------------- loop
+    def loop(self) -> None:
+        eng = self.engine
+        while True:
+            gen = eng.work_generation
+            self.retire()
+            self.fill_station()
+            self.assign()
+            active = [s for s, a in enumerate(self.slots) if a is not None]
+            if active:
+                for s in active:
+                    self.issue(s)
+                continue
+            if any(self.pending):
+                self.wait_oldest()
+                continue
+            if self.stopping and len(self.station) == 0:
+                return
+            eng.wait_for_work(gen)
+
+    # ---------------------------------------------------------------- retire
+    def retire(self) -> bool:
+        progressed = False
+        for dq in self.pending:
+            while dq and self.dev.done(dq[0].event):
+                self._complete(dq.popleft())
+                progressed = True
+        if progressed:
+            for task, rec in self.dev.take_records():
+                task.call.stats.add_record(rec)
+        return progressed
+
+    def _complete(self, p: _Pending) -> None:
+        if p.release or p.ready:
+            with self.directory.lock:
+                for line in p.release:
+                    line.readers -= 1
+                for line in p.ready:
+                    if line.ready is p.event:
+                        line.ready = None
+        if p.free is not None:
+            self.dev.heap.free(p.free)
+        if p.finished:
+            self.inflight -= 1
+            p.task.call.account(p.task, self.idx)
+
+    def wait_oldest(self) -> None:
+        oldest = min((dq[0] for dq in self.pending if dq), key=lambda p: p.seq)
+        self.dev.sync(oldest.event)
+        self.retire()
+
+    def _push(self, s: int, event, **kw) -> None:
+        self.seq += 1
+        self.pending[s].append(_Pending(event, self.seq, **kw))
+
+    # ---------------------------------------------------------------- assign
+    def assign(self) -> None:
+        eng = self.engine
+        for s, slot in enumerate(self.slots):
+            if slot is not None or self.inflight >= self.max_inflight:
+                continue
+            task = self.station.pop_best(self._score, eng.is_ready)
+            if task is None:
+                return
+            if task.call.failed:
+                task.call.account(task)
+                continue
+            task.worker = self.idx
+            self.slots[s] = _Active(task)
+            self.inflight += 1
+
+    def _score(self, task) -> int:
+        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality)."""
+        call = task.call
+        holders = self.directory.holders
+        tokens = call.tokens
+        me = self.idx
+        total = 0
+        for ref in task.input_tiles():
+            operand = call.operands[ref.slot]
+            if self.dev.holds_array(operand):
+                total += EQ3_SCORE[WHERE_L1]
+                continue
+            h = holders((tokens[ref.slot], ref.bi, ref.bj))
+            if h:
+                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
+        return total
+
+    # ---------------------------------------------------------------- issue
+    def issue(self, s: int) -> None:
+        act = self.slots[s]
+        task = act.task
+        call = task.call
+        dev = self.dev
+        if call.failed:  # stop early; free the C buffer once issued work is done
+            self.slots[s] = None
+            self._push(s, dev.record(s), free=act.c_off, task=task, finished=True)
+            return
+        if act.k == 0 and act.c_loc is None:
+            self._start_c(s, act)
+        step = task.steps[act.k]
+        release, ready = [], []
+        a = self._acquire(s, call, step.a, release, ready, task) if step.a is not None else None
+        b = self._acquire(s, call, step.b, release, ready, task) if step.b is not None else None
+        if ready:
+            # Other streams may use the new lines as soon as their copies are done.
+            ev = dev.record(s)
+            with self.directory.lock:
+                for line in ready:
+                    line.ready = ev
+            self._push(s, ev, ready=tuple(ready))
+        h = dev.begin_op(s)
+        dev.run_step(s, step, call, a, b, act.c_loc, task)
+        dev.end_op(s, h, "kernel", 0, call.step_flops(step), task)
+        call.stats.count(self.idx, "steps")
+        act.k += 1
+        if act.k < len(task.steps):
+            self._push(s, dev.record(s), release=tuple(release))
+            return
+        # Last step: epilogue, write-back (M -> I), and the task's completion event.
+        if call.epilogue is not None:
+            call.epilogue(dev, s, act.c_loc, task)
+        c_op = call.operands[task.c.slot]
+        if act.c_off is not None:
+            h = dev.begin_op(s)
+            dev.copy_out(s, c_op, task.c, act.c_loc, task)
+            nbytes = task.c.rows * task.c.cols * call.itemsize
+            dev.end_op(s, h, "d2h", nbytes, 0.0, task)
+            call.stats.count(self.idx, "bytes_d2h", nbytes)
+        call.stats.count(self.idx, "tasks")
+        call.stats.count(self.idx, "flops", task.flops)
+        self._push(s, dev.record(s), release=tuple(release), free=act.c_off, task=task,
+                   finished=True, writeback=True)
+        self.slots[s] = None
+
+    def _start_c(self, s: int, act: _Active) -> None:
+        task, call, dev = act.task, act.task.call, self.dev
+        c_op = call.operands[task.c.slot]
+        if dev.holds_array(c_op):
+            act.c_loc = dev.array_loc(c_op, task.c)  # in-core: compute into the array itself
+            return
+        nbytes = task.c.rows * task.c.cols * call.itemsize
+        act.c_off = self._alloc(nbytes, call)
+        act.c_loc = dev.arena_loc(act.c_off, task.c.rows, task.c.cols, call.dtype)
+        if task.load_c:
+            self._load(s, act.c_loc, c_op, task.c, None, call, task)
+
+    def _load(self, s, dst, operand, ref, peer_line, call, task) -> None:
+        """Issue the copy that fills ``dst`` with tile ``ref``, from a peer line or the tile's home."""
+        dev = self.dev
+        nbytes = ref.rows * ref.cols * call.itemsize
+        if peer_line is not None:
+            peer = self.engine.devices[peer_line.device]
+            src = ("peer", peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype))
+            kind, field = "p2p", "bytes_p2p"
+        elif operand.device >= 0:
+            src = ("array", operand, ref)
+            kind, field = "p2p", "bytes_p2p"
+        else:
+            src = ("host", operand, ref)
+            kind, field = "h2d", "bytes_h2d"
+        h = dev.begin_op(s)
+        dev.copy_in(s, dst, src, ref.rows, ref.cols, call.dtype, task)
+        dev.end_op(s, h, kind, nbytes, 0.0, task)
+        call.stats.count(self.idx, field, nbytes)
+
+    def _acquire(self, s, call, ref, release, ready, task):
+        """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``."""
+        dev = self.dev
+        operand = call.operands[ref.slot]
+        if dev.holds_array(operand):
+            call.stats.count(self.idx, "l1_hits")
+            return dev.array_loc(operand, ref)
+        key = (call.tokens[ref.slot], ref.bi, ref.bj)
+        directory = self.directory
+        with directory.lock:
+            line = self.alru.get(key)
+            if line is not None and not line.dead:
+                line.readers += 1
+                wait_for = line.ready
+                peer_line = None
+            else:
+                line = None
+                peer_line = directory.peer_source(key, self.idx, self._can_read)
+                if peer_line is not None:
+                    peer_line.readers += 1
+        if line is not None:
+            if wait_for is not None and wait_for is not FILLING:
+                dev.wait(s, wait_for)  # filled on another stream of this device
+            release.append(line)
+            call.stats.count(self.idx, "l1_hits")
+            return dev.arena_loc(line.offset, line.rows, line.cols, call.dtype)
+        try:
+            nbytes = ref.rows * ref.cols * call.itemsize
+            off = self._alloc(nbytes, call)
+        except BaseException:
+            if peer_line is not None:
+                with directory.lock:
+                    peer_line.readers -= 1
+            raise
+        loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
+        self._load(s, loc, operand, ref, peer_line, call, task)
+        call.stats.count(self.idx, "l2_hits" if peer_line is not None else "misses")
+        new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
+        new.readers = 1
+        new.ready = FILLING  # until issue() records the fill event; only this stream sees it meanwhile
+        with directory.lock:
+            directory.add(new)
+        release.append(new)
+        ready.append(new)
+        if peer_line is not None:
+            release.append(peer_line)
+        return loc
+
+    def _can_read(self, holder: int) -> bool:
+        return self.dev.can_read_from(self.engine.devices[holder]) and self.engine.workers[holder].alive
+
+    def _alloc(self, nbytes: int, call) -> int:
+        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work is pending."""
+        heap, directory = self.dev.heap, self.directory
+        spins = 0
+        while True:
+            off = heap.alloc(nbytes)
+            if off is not None:
+                return off
+            with directory.lock:
+                victim = self.alru.victim()
+                if victim is not None:
+                    directory.drop(victim)
+            if victim is not None:
+                heap.free(victim.offset)
+                call.stats.count(self.idx, "evictions")
+                continue
+            if self.retire():
+                continue
+            if any(self.pending):
+                self.wait_oldest()
+                continue
+            with directory.lock:
+                peer_readers = sum(line.readers for line in self.alru)
+            if peer_readers and spins < 200_000:
+                spins += 1
+                time.sleep(0.0002)  # peers are copying from our lines; they release at their events
+                continue
+            raise MemoryError(
+                f"{self.dev.name}: cannot fit a {nbytes}-byte tile in the {heap.capacity}-byte tile cache "
+                f"({heap.bytes_free} bytes free, largest hole {heap.largest_free}): every block is held "
+                f"by this device's active tasks. Raise cache_bytes or lower the tile size.")
+
+    # ---------------------------------------------------------------- failure
+    def held_tasks(self):
+        out = [(t, False) for t in self.station.drain()]
+        for s, act in enumerate(self.slots):
+            if act is not None:
+                out.append((act.task, False))
+                self.slots[s] = None
+        for dq in self.pending:
+            for p in dq:
+                if p.finished:
+                    out.append((p.task, p.writeback))
+            dq.clear()
+        with self.directory.lock:
+            for line in list(self.alru):
+                self.directory.drop(line)
+        return out
+
+
+class CpuWorker(Worker):
+    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile."""
+
+    def loop(self) -> None:
+        eng = self.engine
+        while True:
+            gen = eng.work_generation
+            self.fill_station()
+            task = self.station.pop_best(lambda t: 0, eng.is_ready)
+            if task is not None:
+                if task.call.failed:
+                    task.call.account(task)
+                    continue
+                task.worker = self.idx
+                self.dev.run_task(task)
+                task.call.account(task, self.idx)
+                continue
+            if self.stopping:
+                return
+            eng.wait_for_work(gen)
