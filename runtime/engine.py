@@ -126,7 +126,7 @@ class Engine:
                 raise RuntimeError("this blasx engine was shut down; blasx.configure() makes a new one")
             ncores = os.cpu_count() or 1
             for d, st in zip(self.devices, self.stations):
-                core = (d.index % ncores) if (self.config.bind_threads and d.streamed and ncores > len(self.devices)) else None
+                core = (d.index % ncores) if (self.config.bind_threads and d.binds_thread and ncores > len(self.devices)) else None
                 cls = StreamWorker if d.streamed else CpuWorker
                 self.workers.append(cls(self, d, st, core))
             for w in self.workers:

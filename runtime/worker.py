@@ -188,7 +188,9 @@ class StreamWorker(Worker):
         progressed = False
         for dq in self.pending:
             while dq and self.dev.done(dq[0].event):
-                self._complete(dq.popleft())
+                p = dq.popleft()
+                self._complete(p)
+                self.dev.release_event(p.event)
                 progressed = True
         if progressed:
             for task, rec in self.dev.take_records():

@@ -35,6 +35,8 @@ class Device(ABC):
     streamed: ClassVar[bool] = True
     #: True if the device can read CuPy arrays in place or over a peer link.
     reads_device_arrays: ClassVar[bool] = False
+    #: True if its worker thread should be pinned to a core (Algorithm 1, line 9).
+    binds_thread: ClassVar[bool] = False
 
     def __init__(self, index: int, *, nstreams: int, cache_bytes: int, name: str) -> None:
         if nstreams < 1:
@@ -108,6 +110,9 @@ class Device(ABC):
     @abstractmethod
     def wait(self, s: int, event: Any) -> None:
         """Make stream ``s`` wait for ``event`` (an event of this device)."""
+
+    def release_event(self, event: Any) -> None:
+        """The scheduler no longer refers to ``event``: the backend may reuse it."""
 
     @abstractmethod
     def done(self, event: Any) -> bool: ...

@@ -1,0 +1,434 @@
+"""First-fit offset heap: the BLASX device-memory allocator (paper Sec. IV-E, Fig. 6).
+
+cudaMalloc/cudaFree per tile move-in/move-out is slow enough to dominate at
+scale (paper Fig. 5), so each device preallocates one arena (one cudaMalloc,
+or one numpy byte array in the simulator) and carves it with this heap.
+The heap does pure bookkeeping on integer offsets and never touches memory,
+which is what lets it be fuzzed on the CPU.
+
+Structure (Fig. 6: a meta-data list, an empty list and an occupied list):
+
+* Meta-data list: ``_Block`` nodes in address order, doubly linked through
+  ``prev``/``next``.  Fields: ``off`` (byte offset in the arena), ``size``
+  (bytes, a multiple of the alignment), ``free`` (occupation status).  The
+  block at offset 0 is never removed (coalescing always absorbs the right-hand
+  block into the left one), so it is the permanent list head.
+* Empty list: the free blocks, ``_free`` (offset -> block), segregated by
+  size class so first fit need not walk past every small hole.  A block of
+  ``u = size // alignment`` units is in class ``u.bit_length()`` (sizes
+  ``[2**(k-1), 2**k)`` units for class k); ``_buckets[k]`` holds the offsets
+  of class-k free blocks sorted ascending, and bit k of ``_nonempty`` says
+  whether that bucket has any.  ``_free_sizes`` is the sorted multiset of
+  free sizes: it gives ``largest_free`` in O(1) and lets a request that
+  cannot fit be refused at once (the common case when the tile cache is full
+  and the caller is evicting until it fits).  The segregation is an
+  index over Fig. 6's single empty list, not a change of policy: the block
+  chosen is still the lowest-address one that fits.
+* Occupied list: ``_used``, the hash table offset -> block that ``free``
+  looks segments up in.
+
+Policy:
+
+* ``alloc`` rounds the request up to the alignment and takes the FIRST
+  (lowest-address) free block that fits; the block is split and the
+  remainder stays free, immediately to its right.  First fit is exact: every
+  block of a class above the request's fits, so the lowest candidate is the
+  smallest head offset among those buckets, and only the request's own class
+  is walked (in address order, stopping at that candidate).
+* ``free`` marks the block free and coalesces it with its left and/or right
+  neighbour when they are free.
+* A request that does not fit returns ``None``: running full is normal for a
+  cache (the caller evicts tiles and retries), never an exception.
+
+Invariants (all verified by ``check()``):
+
+1. The blocks tile ``[0, capacity)`` exactly: the first starts at 0, each
+   starts where the previous ends, the last ends at ``capacity``, and the
+   ``prev`` links mirror the ``next`` links.
+2. Every offset is a multiple of ``alignment``, every size a positive one.
+3. No two adjacent blocks are both free (coalescing is eager).
+4. ``_free``/``_buckets``/``_nonempty``/``_free_sizes`` describe exactly the
+   free blocks (each in the bucket of its class, buckets sorted), and
+   ``_used`` exactly the allocated ones.
+5. ``bytes_used`` is the sum of the allocated sizes.
+
+Cost: free is O(log F) plus C-level list shifts (F = number of free
+blocks).  alloc adds one step per non-empty larger class (at most
+log2(capacity / alignment) + 1) and a walk over the holes of the request's
+own class that lie below the best candidate; it stays flat with thousands of
+blocks, where a walk over all holes in address order does not.
+
+Not thread-safe by design: each heap has exactly one owner, the worker
+thread of its device, so there is no lock on the hot path.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left, insort
+
+
+class HeapExhausted(MemoryError):
+    """Raised by callers that must have memory (e.g. after evicting all they
+    can) and still got ``None`` from :meth:`OffsetHeap.alloc`.  The heap itself
+    never raises it: for the heap, full is a normal state."""
+
+
+class _Block:
+    """One node of the meta-data list: a segment ``[off, off + size)``."""
+
+    __slots__ = ("off", "size", "free", "prev", "next")
+
+    def __init__(self, off: int, size: int, free: bool, prev: _Block | None, next: _Block | None):
+        self.off = off
+        self.size = size
+        self.free = free
+        self.prev = prev
+        self.next = next
+
+
+def _positive_int(name: str, value: object, allowed: str) -> int:
+    """Return ``value`` as an int (numpy integers included; bool refused)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {allowed}; got {value!r} (a bool)")
+    try:
+        ivalue = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be {allowed}; got {value!r} of type {type(value).__name__}"
+        ) from None
+    if ivalue <= 0:
+        raise ValueError(f"{name} must be {allowed}; got {ivalue}")
+    return ivalue
+
+
+class OffsetHeap:
+    """First-fit heap over the byte offsets ``[0, capacity)`` of one arena.
+
+    ``alloc(n)`` returns an offset (or ``None`` when nothing fits) and
+    ``free(offset)`` gives it back; the owner maps offsets onto its arena.
+    Not thread-safe: one owner (the device's worker thread) per heap.
+    """
+
+    __slots__ = (
+        "_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free",
+        "_buckets", "_nonempty", "_free_sizes", "_bytes_used",
+    )
+
+    def __init__(self, capacity: int, alignment: int = 256):
+        alignment = _positive_int("alignment", alignment, "a positive power of two")
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a positive power of two; got {alignment}")
+        capacity = _positive_int(
+            "capacity", capacity, f"a positive multiple of alignment ({alignment})"
+        )
+        if capacity % alignment:
+            raise ValueError(
+                f"capacity must be a positive multiple of alignment ({alignment}); "
+                f"got {capacity} (remainder {capacity % alignment})"
+            )
+        self._capacity = capacity
+        self._alignment = alignment
+        self._mask = alignment - 1
+        self._shift = alignment.bit_length() - 1
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every allocation: one free block spanning the arena."""
+        self._head = _Block(0, self._capacity, True, None, None)
+        self._used: dict[int, _Block] = {}
+        n_classes = (self._capacity >> self._shift).bit_length() + 1
+        self._buckets: list[list[int]] = [[] for _ in range(n_classes)]
+        self._nonempty = 0
+        self._bucket_add(n_classes - 1, 0)  # the whole arena is the top class
+        self._free: dict[int, _Block] = {0: self._head}
+        self._free_sizes: list[int] = [self._capacity]
+        self._bytes_used = 0
+
+    # ----------------------------------------------------------------- hot path
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes`` (rounded up to the alignment) at the lowest
+        address that fits; return its offset, or ``None`` if nothing fits."""
+        if nbytes.__class__ is not int or nbytes <= 0:
+            nbytes = _positive_int("nbytes", nbytes, "a positive int (bytes to allocate)")
+        size = (nbytes + self._mask) & ~self._mask
+        free_sizes = self._free_sizes
+        if not free_sizes or size > free_sizes[-1]:
+            return None  # fast refusal: larger than the largest hole
+        buckets = self._buckets
+        shift = self._shift
+        c = (size >> shift).bit_length()
+        # Every block of a larger class fits: the best candidate so far is
+        # the lowest head offset among those buckets.
+        best = self._capacity
+        kb = i = -1
+        m = self._nonempty >> (c + 1) << (c + 1)
+        while m:
+            low = m & -m
+            k = low.bit_length() - 1
+            head = buckets[k][0]
+            if head < best:
+                best, kb, i = head, k, 0
+            m ^= low
+        # Blocks of the request's own class may be too small: walk them in
+        # address order, but only below the candidate found above.
+        free = self._free
+        for j, off in enumerate(buckets[c]):
+            if off >= best:
+                break
+            if free[off].size >= size:
+                best, kb, i = off, c, j
+                break
+        # A block was found: the largest free block fits (checked above).
+        blk = free.pop(best)
+        del free_sizes[bisect_left(free_sizes, blk.size)]
+        rest = blk.size - size
+        if rest:
+            # Split: the remainder stays free, right after the allocation.
+            # No free block lies between them, so in the same class the
+            # remainder simply takes the allocated block's bucket slot.
+            tail_off = best + size
+            nxt = blk.next
+            tail = _Block(tail_off, rest, True, blk, nxt)
+            if nxt is not None:
+                nxt.prev = tail
+            blk.next = tail
+            blk.size = size
+            free[tail_off] = tail
+            insort(free_sizes, rest)
+            kt = (rest >> shift).bit_length()
+            if kt == kb:
+                buckets[kb][i] = tail_off
+            else:
+                self._bucket_del(kb, i)
+                self._bucket_add(kt, tail_off)
+        else:
+            self._bucket_del(kb, i)
+        blk.free = False
+        self._used[best] = blk
+        self._bytes_used += size
+        return best
+
+    def free(self, offset: int) -> None:
+        """Release the allocation that starts at ``offset`` and coalesce it
+        with free neighbours.  ValueError if ``offset`` is not allocated."""
+        try:
+            blk = self._used.pop(offset, None)
+        except TypeError:  # unhashable: certainly not an offset we returned
+            blk = None
+        if blk is None:
+            raise ValueError(self._why_not_allocated(offset))
+        self._bytes_used -= blk.size
+        free = self._free
+        free_sizes = self._free_sizes
+        buckets = self._buckets
+        shift = self._shift
+        right = blk.next
+        kr = j = -1  # class and bucket slot of an absorbed right neighbour
+        if right is not None and right.free:
+            del free[right.off]
+            del free_sizes[bisect_left(free_sizes, right.size)]
+            kr = (right.size >> shift).bit_length()
+            j = bisect_left(buckets[kr], right.off)
+            blk.size += right.size
+            blk.next = right.next
+            if right.next is not None:
+                right.next.prev = blk
+        left = blk.prev
+        if left is not None and left.free:
+            # Merge into the left neighbour, which keeps its offset (so the
+            # head block at offset 0 is never dropped).
+            if kr >= 0:
+                self._bucket_del(kr, j)
+            del free_sizes[bisect_left(free_sizes, left.size)]
+            kl = (left.size >> shift).bit_length()
+            left.size += blk.size
+            left.next = blk.next
+            if blk.next is not None:
+                blk.next.prev = left
+            insort(free_sizes, left.size)
+            k = (left.size >> shift).bit_length()
+            if k != kl:
+                self._bucket_del(kl, bisect_left(buckets[kl], left.off))
+                self._bucket_add(k, left.off)
+        else:
+            blk.free = True
+            free[blk.off] = blk
+            insort(free_sizes, blk.size)
+            k = (blk.size >> shift).bit_length()
+            if k == kr:
+                # No free block lies between blk and its old right
+                # neighbour, so blk takes that neighbour's bucket slot.
+                buckets[k][j] = blk.off
+            else:
+                if kr >= 0:
+                    self._bucket_del(kr, j)
+                self._bucket_add(k, blk.off)
+
+    def _bucket_add(self, k: int, off: int) -> None:
+        insort(self._buckets[k], off)
+        self._nonempty |= 1 << k
+
+    def _bucket_del(self, k: int, i: int) -> None:
+        bucket = self._buckets[k]
+        del bucket[i]
+        if not bucket:
+            self._nonempty &= ~(1 << k)
+
+    # -------------------------------------------------------------- inspection
+
+    def can_fit(self, nbytes: int) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed right now."""
+        nbytes = _positive_int("nbytes", nbytes, "a positive int (bytes to allocate)")
+        size = (nbytes + self._mask) & ~self._mask
+        return bool(self._free_sizes) and size <= self._free_sizes[-1]
+
+    def size_of(self, offset: int) -> int:
+        """Rounded size of the allocation at ``offset`` (ValueError if none)."""
+        try:
+            blk = self._used.get(offset)
+        except TypeError:
+            blk = None
+        if blk is None:
+            raise ValueError(self._why_not_allocated(offset))
+        return blk.size
+
+    def is_allocated(self, offset: int) -> bool:
+        """Whether an allocation starts at ``offset``."""
+        return offset in self._used
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def bytes_used(self) -> int:
+        return self._bytes_used
+
+    @property
+    def bytes_free(self) -> int:
+        return self._capacity - self._bytes_used
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free block (0 when full): the biggest request
+        that can succeed without evicting anything."""
+        return self._free_sizes[-1] if self._free_sizes else 0
+
+    @property
+    def n_allocated(self) -> int:
+        return len(self._used)
+
+    def blocks(self) -> list[tuple[int, int, bool]]:
+        """``(offset, size, is_free)`` of every block, in address order."""
+        out = []
+        blk = self._head
+        while blk is not None:
+            out.append((blk.off, blk.size, blk.free))
+            blk = blk.next
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"OffsetHeap(capacity={self._capacity}, alignment={self._alignment}, "
+            f"used={self._bytes_used}, allocations={len(self._used)}, "
+            f"free_blocks={len(self._free)}, largest_free={self.largest_free})"
+        )
+
+    def _why_not_allocated(self, offset: object) -> str:
+        """Explain why ``offset`` names no allocation (error path only)."""
+        if isinstance(offset, bool) or not hasattr(offset, "__index__"):
+            return (
+                f"offset {offset!r} is not allocated: offsets are the ints that "
+                f"alloc() returned, got type {type(offset).__name__}"
+            )
+        offset = operator.index(offset)
+        if not 0 <= offset < self._capacity:
+            return (
+                f"offset {offset} is not allocated: it lies outside the heap "
+                f"[0, {self._capacity})"
+            )
+        blk = self._head
+        while blk.off + blk.size <= offset:
+            blk = blk.next
+        if blk.free:
+            return (
+                f"offset {offset} is not allocated: it lies in free space (the free "
+                f"block at offset {blk.off}, size {blk.size}); double free, or never allocated"
+            )
+        return (
+            f"offset {offset} is not allocated: it lies inside the allocation at "
+            f"offset {blk.off} (size {blk.size}); free() takes the offset alloc() returned"
+        )
+
+    # --------------------------------------------------------------- invariants
+
+    def check(self) -> None:
+        """Verify every invariant; raise RuntimeError naming the first broken one."""
+
+        def fail(what: str) -> None:
+            raise RuntimeError(f"OffsetHeap invariant broken: {what}")
+
+        align = self._alignment
+        max_blocks = self._capacity // align
+        head = self._head
+        if head is None or head.off != 0 or head.prev is not None:
+            fail("the block list must start with a head block at offset 0 with no prev")
+        end = 0
+        prev = None
+        n = 0
+        used_bytes = 0
+        free_seen: list[_Block] = []
+        used_seen: list[_Block] = []
+        blk = head
+        while blk is not None:
+            n += 1
+            if n > max_blocks:
+                fail(f"more than capacity/alignment = {max_blocks} blocks (cycle in next links?)")
+            if blk.prev is not prev:
+                fail(f"block at {blk.off}: prev link does not point at the preceding block")
+            if blk.off != end:
+                kind = "gap" if blk.off > end else "overlap"
+                fail(f"blocks must tile the heap: {kind} at {end}, next block starts at {blk.off}")
+            if blk.off % align or blk.size % align:
+                fail(f"block ({blk.off}, {blk.size}) is not aligned to {align}")
+            if blk.size <= 0:
+                fail(f"block at {blk.off} has non-positive size {blk.size}")
+            if blk.free:
+                if prev is not None and prev.free:
+                    fail(f"adjacent free blocks at {prev.off} and {blk.off} were not coalesced")
+                free_seen.append(blk)
+            else:
+                used_seen.append(blk)
+                used_bytes += blk.size
+            end = blk.off + blk.size
+            prev = blk
+            blk = blk.next
+        if end != self._capacity:
+            fail(f"blocks end at {end}, not at capacity {self._capacity}")
+
+        if len(self._used) != len(used_seen) or any(
+            self._used.get(b.off) is not b for b in used_seen
+        ):
+            fail("the occupied hash does not match the allocated blocks of the list")
+        if len(self._free) != len(free_seen) or any(
+            self._free.get(b.off) is not b for b in free_seen
+        ):
+            fail("the free-block map does not match the free blocks of the list")
+        shift = self._shift
+        expect: list[list[int]] = [[] for _ in self._buckets]
+        for b in free_seen:  # address order, so each expected bucket is sorted
+            expect[(b.size >> shift).bit_length()].append(b.off)
+        if self._buckets != expect:
+            fail("the size-class buckets do not match the free blocks of the list")
+        if self._nonempty != sum(1 << k for k, bk in enumerate(expect) if bk):
+            fail("the non-empty-bucket bitmask does not match the buckets")
+        if self._free_sizes != sorted(b.size for b in free_seen):
+            fail("the sorted free-size list does not match the free blocks of the list")
+        if self._bytes_used != used_bytes:
+            fail(f"bytes_used is {self._bytes_used} but allocated blocks sum to {used_bytes}")

@@ -1,0 +1,261 @@
+"""``cuda``: one NVIDIA GPU through CuPy's low-level runtime and cuBLAS bindings.
+
+Per device: one arena from a single ``cudaMalloc`` carved by the offset heap
+(no cudaMalloc/cudaFree in the hot path), ``streams`` non-blocking streams
+with one cuBLAS handle each, pooled events, and peer access to every GPU
+that allows it. Copies are ``cudaMemcpy2DAsync`` (host tiles are pitched
+sub-blocks of the pinned host array) or ``cudaMemcpyPeerAsync``; kernels are
+cuBLAS ``?gemm`` with host-pointer scalars taken from the call's scalar
+table, accumulating in place (beta = 1 after the first step): no temporary
+is made per k-step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..hostmem import REGISTRY
+from ..stats import OpRecord
+from .base import Device, DeviceError, register_backend
+
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
+EVENT_DISABLE_TIMING = 2
+STREAM_NON_BLOCKING = 1
+NOT_READY = 600  # cudaErrorNotReady
+RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
+DEFAULT_CACHE_FRACTION = 0.5
+
+
+def _cublas():
+    from cupy_backends.cuda.libs import cublas
+    return cublas
+
+
+@register_backend
+class CudaDevice(Device):
+    kind = "cuda"
+    reads_device_arrays = True
+    binds_thread = True
+
+    def __init__(self, index: int, *, ordinal: int, nstreams: int, cache_bytes: int | None,
+                 trace: bool = True) -> None:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(ordinal)
+        gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        super().__init__(index, nstreams=nstreams, cache_bytes=cache_bytes or 0, name=f"cuda:{ordinal} {gpu}")
+        self.ordinal = ordinal
+        self.trace = trace
+        self._want_cache = cache_bytes
+        self.base = 0
+        self.streams = []
+        self.stream_ptrs: list[int] = []
+        self.handles: list[int] = []
+        self._events: list[int] = []
+        self._timing_events: list[int] = []
+        self._open_records: list = []
+        self._peers: set[int] = set()
+        self._anchor = (0, 0.0)
+        self._gemm = {}
+        self._scal = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        import cupy
+        from cupy.cuda import runtime
+        cublas = _cublas()
+        cupy.cuda.Device(self.ordinal).use()
+        free, _total = runtime.memGetInfo()
+        want = self._want_cache or int(free * DEFAULT_CACHE_FRACTION)
+        want = min(want, max(0, free - RESERVE_BYTES))
+        if want < 1 << 20:
+            raise DeviceError(f"{self.name}: only {free} bytes free, too little for a tile cache")
+        heap = self._make_heap(want, alignment=512)
+        self.cache_bytes = heap.capacity
+        self.base = runtime.malloc(heap.capacity)
+        self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.nstreams)]
+        self.stream_ptrs = [st.ptr for st in self.streams]
+        for st in self.streams:
+            h = cublas.create()
+            cublas.setStream(h, st.ptr)
+            self.handles.append(h)
+        self._gemm = {np.dtype(np.float32): cublas.sgemm, np.dtype(np.float64): cublas.dgemm,
+                      np.dtype(np.complex64): cublas.cgemm, np.dtype(np.complex128): cublas.zgemm}
+        self._scal = {np.dtype(np.float32): cublas.sscal, np.dtype(np.float64): cublas.dscal,
+                      np.dtype(np.complex64): cublas.cscal, np.dtype(np.complex128): cublas.zscal}
+        for peer in range(runtime.getDeviceCount()):
+            if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):
+                try:
+                    runtime.deviceEnablePeerAccess(peer)
+                except runtime.CUDARuntimeError as exc:
+                    if "PeerAccessAlreadyEnabled" not in str(exc):
+                        continue
+                self._peers.add(peer)
+        self._reanchor()
+
+    def close(self) -> None:
+        from cupy.cuda import runtime
+        cublas = _cublas()
+        try:
+            for p in self.stream_ptrs:
+                runtime.streamSynchronize(p)
+        finally:
+            for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
+                    [r[-2] for r in self._open_records]:
+                try:
+                    runtime.eventDestroy(ev)
+                except Exception:  # noqa: BLE001 - best effort on a broken device
+                    pass
+            self._events, self._timing_events, self._open_records = [], [], []
+            for h in self.handles:
+                cublas.destroy(h)
+            self.handles = []
+            self.streams, self.stream_ptrs = [], []
+            if self.base:
+                runtime.free(self.base)
+                self.base = 0
+
+    def _reanchor(self) -> None:
+        from cupy.cuda import runtime
+        ev = runtime.eventCreate()
+        runtime.eventRecord(ev, self.stream_ptrs[0])
+        runtime.eventSynchronize(ev)
+        old = self._anchor[0]
+        self._anchor = (ev, time.perf_counter())
+        if old:
+            runtime.eventDestroy(old)
+
+    # ------------------------------------------------------------ topology and memory
+    def can_read_from(self, other: Device) -> bool:
+        return isinstance(other, CudaDevice) and other.ordinal in self._peers
+
+    def holds_array(self, operand) -> bool:
+        return operand.device == self.ordinal
+
+    def arena_loc(self, offset: int, rows: int, cols: int, dtype):
+        return (self.base + offset, rows)
+
+    def array_loc(self, operand, ref):
+        isz = operand.array.itemsize
+        return (operand.ptr + (ref.c0 * operand.ld + ref.r0) * isz, operand.ld)
+
+    def prepare_call(self, call) -> None:
+        for op in call.operands:
+            if op.on_host:
+                REGISTRY.ensure_pinned(op.array)
+
+    # ------------------------------------------------------------ operations
+    def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
+        from cupy.cuda import runtime
+        kind, obj, where = src
+        isz = np.dtype(dtype).itemsize
+        if kind == "peer":
+            runtime.memcpyPeerAsync(dst[0], self.ordinal, where[0], obj.ordinal, rows * cols * isz,
+                                    self.stream_ptrs[s])
+            return
+        ptr, ld = self.array_loc(obj, where)
+        runtime.memcpy2DAsync(dst[0], rows * isz, ptr, ld * isz, rows * isz, cols, MEMCPY_DEFAULT,
+                              self.stream_ptrs[s])
+
+    def copy_out(self, s, operand, ref, src, task=None):
+        from cupy.cuda import runtime
+        isz = operand.array.itemsize
+        ptr, ld = self.array_loc(operand, ref)
+        runtime.memcpy2DAsync(ptr, ld * isz, src[0], src[1] * isz, ref.rows * isz, ref.cols,
+                              MEMCPY_DEFAULT, self.stream_ptrs[s])
+
+    def run_step(self, s, step, call, a, b, c, task=None):
+        sc = call.scalars.ctypes.data
+        isz = call.itemsize
+        self.streams[s].use()  # CuPy's cuBLAS wrappers bind the handle to the current stream
+        if step.kernel == "gemm":
+            self._gemm[call.dtype](self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
+                                   sc + step.alpha * isz, a[0], a[1], b[0], b[1],
+                                   sc + step.beta * isz, c[0], c[1])
+        elif step.kernel == "scale":
+            self._scale(s, step, call, c)
+        else:
+            raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
+
+    def _scale(self, s, step, call, c) -> None:
+        from cupy.cuda import runtime
+        isz = call.itemsize
+        if call.scalars[step.beta] == 0:
+            if c[1] == step.m:  # a compact tile: one memset
+                runtime.memsetAsync(c[0], 0, step.m * step.n * isz, self.stream_ptrs[s])
+                return
+            for j in range(step.n):  # columns of the tile (ld may exceed rows for in-place C)
+                runtime.memsetAsync(c[0] + j * c[1] * isz, 0, step.m * isz, self.stream_ptrs[s])
+            return
+        sc = call.scalars.ctypes.data + step.beta * isz
+        for j in range(step.n):
+            self._scal[call.dtype](self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
+
+    def record(self, s):
+        from cupy.cuda import runtime
+        ev = self._events.pop() if self._events else runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
+        runtime.eventRecord(ev, self.stream_ptrs[s])
+        return ev
+
+    def release_event(self, ev) -> None:
+        self._events.append(ev)
+
+    def wait(self, s, event):
+        from cupy.cuda import runtime
+        runtime.streamWaitEvent(self.stream_ptrs[s], event)
+
+    def done(self, event) -> bool:
+        from cupy.cuda import runtime
+        st = runtime.eventQuery(event)
+        if st == 0:
+            return True
+        if st == NOT_READY:
+            return False
+        raise DeviceError(f"{self.name}: CUDA error {st} ({runtime.getErrorName(st)})")
+
+    def sync(self, event) -> None:
+        from cupy.cuda import runtime
+        runtime.eventSynchronize(event)
+
+    # ------------------------------------------------------------ tracing
+    def _timing_event(self):
+        from cupy.cuda import runtime
+        return self._timing_events.pop() if self._timing_events else runtime.eventCreate()
+
+    def begin_op(self, s):
+        if not self.trace:
+            return None
+        from cupy.cuda import runtime
+        ev = self._timing_event()
+        runtime.eventRecord(ev, self.stream_ptrs[s])
+        return ev
+
+    def end_op(self, s, handle, kind, nbytes, flops, task):
+        if handle is None:
+            return
+        from cupy.cuda import runtime
+        ev = self._timing_event()
+        runtime.eventRecord(ev, self.stream_ptrs[s])
+        self._open_records.append((task, kind, s, nbytes, flops, handle, ev))
+
+    def take_records(self) -> list:
+        if not self._open_records:
+            return []
+        from cupy.cuda import runtime
+        anchor, t0 = self._anchor
+        out, keep = [], []
+        for rec in self._open_records:
+            task, kind, s, nbytes, flops, start, end = rec
+            if runtime.eventQuery(end) != 0:
+                keep.append(rec)
+                continue
+            a = t0 + runtime.eventElapsedTime(anchor, start) / 1e3
+            b = t0 + runtime.eventElapsedTime(anchor, end) / 1e3
+            out.append((task, OpRecord(self.index, kind, a, b, stream=s, nbytes=nbytes, flops=flops,
+                                       task=task.tid, name=kind)))
+            self._timing_events += (start, end)
+        self._open_records = keep
+        if not keep and time.perf_counter() - t0 > 30.0:
+            self._reanchor()  # float32 milliseconds lose precision far from the anchor
+        return out

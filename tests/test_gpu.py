@@ -1,0 +1,130 @@
+"""Tests on real CUDA GPUs (marker ``gpu``; skipped where CuPy finds none)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+
+cupy = pytest.importorskip("cupy")
+try:
+    NGPU = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001 - no driver
+    NGPU = 0
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
+
+DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
+TOL = {np.float32: 2e-5, np.float64: 1e-12, np.complex64: 2e-5, np.complex128: 1e-12}
+
+
+def rand(rng, shape, dtype):
+    x = rng.standard_normal(shape)
+    if np.dtype(dtype).kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return x.astype(dtype)
+
+
+def rel_err(x, ref):
+    x = np.asarray(x, dtype=np.complex128)
+    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
+
+
+def reference(alpha, a, b, beta, c, ta, tb):
+    ops = (lambda x: x, lambda x: x.T, lambda x: x.conj().T)
+    r = alpha * (ops[ta](a.astype(np.complex128)) @ ops[tb](b.astype(np.complex128)))
+    return r + beta * c.astype(np.complex128) if c is not None else r
+
+
+@pytest.fixture(autouse=True)
+def _engine():
+    blasx.configure(devices="cuda", tile=256, cache_bytes=512 << 20)
+    yield
+    blasx.shutdown()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ta", [0, 1, 2])
+@pytest.mark.parametrize("tb", [0, 1, 2])
+def test_gemm_host_all_gpus(dtype, ta, tb):
+    rng = np.random.default_rng(7 + ta * 3 + tb)
+    m, n, k = 700, 530, 610
+    a = rand(rng, (m, k) if ta == 0 else (k, m), dtype)
+    b = rand(rng, (k, n) if tb == 0 else (n, k), dtype)
+    c = rand(rng, (m, n), dtype)
+    got = blasx.gemm(1.5, a, b, beta=0.5, c=c, trans_a=ta, trans_b=tb)
+    assert rel_err(got, reference(1.5, a, b, 0.5, c, ta, tb)) < TOL[dtype]
+    tasks = blasx.last_profile().counters
+    assert sum(tasks[d]["tasks"] for d in tasks) == 9  # ceil(700/256) * ceil(530/256)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_gemm_c_order_beta_zero_poisoned(order):
+    rng = np.random.default_rng(1)
+    a = np.asarray(rand(rng, (1000, 900), np.float64), order=order)
+    b = np.asarray(rand(rng, (900, 1100), np.float64), order=order)
+    c = np.full((1000, 1100), np.nan, order=order)
+    got = blasx.gemm(2.0, a, b, beta=0.0, c=c, overwrite_c=True)
+    assert got is c
+    assert rel_err(got, reference(2.0, a, b, 0, None, 0, 0)) < 1e-12
+
+
+def test_p2p_seen_in_stats_with_two_gpus():
+    if NGPU < 2:
+        pytest.skip("needs 2 GPUs")
+    rng = np.random.default_rng(3)
+    a = rand(rng, (4096, 4096), np.float64)
+    b = rand(rng, (4096, 4096), np.float64)
+    got = blasx.gemm(1.0, a, b)
+    prof = blasx.last_profile()
+    assert rel_err(got, a @ b) < 1e-12
+    tot = prof.totals()
+    assert tot["bytes_p2p"] > 0 and tot["l2_hits"] > 0, prof.report()
+    assert all(prof.counters[d]["tasks"] > 0 for d in prof.counters), prof.report()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex128])
+def test_cupy_operands_result_on_device(dtype):
+    rng = np.random.default_rng(5)
+    a_h, b_h = rand(rng, (900, 700), dtype), rand(rng, (700, 800), dtype)
+    with cupy.cuda.Device(0):
+        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
+    got = blasx.gemm(1.0, a, b, trans_a=0)
+    assert isinstance(got, cupy.ndarray) and got.device.id == 0
+    assert rel_err(cupy.asnumpy(got), a_h.astype(np.complex128) @ b_h) < TOL[dtype]
+    m = blasx.matmul(a, b)
+    assert isinstance(m, cupy.ndarray) and m.flags.c_contiguous
+    assert rel_err(cupy.asnumpy(m), a_h.astype(np.complex128) @ b_h) < TOL[dtype]
+
+
+def test_cupy_operands_on_other_gpu():
+    if NGPU < 2:
+        pytest.skip("needs 2 GPUs")
+    rng = np.random.default_rng(6)
+    a_h, b_h = rand(rng, (1024, 512), np.float64), rand(rng, (512, 768), np.float64)
+    with cupy.cuda.Device(1):
+        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
+    got = blasx.gemm(1.0, a, b)
+    assert got.device.id == 1
+    assert rel_err(cupy.asnumpy(got), a_h @ b_h) < 1e-12
+
+
+def test_out_of_core_small_cache_evicts():
+    blasx.configure(devices="cuda", tile=256, cache_bytes=32 << 20)
+    rng = np.random.default_rng(9)
+    a, b = rand(rng, (3000, 2500), np.float64), rand(rng, (2500, 2800), np.float64)
+    got = blasx.gemm(1.0, a, b)
+    assert rel_err(got, a @ b) < 1e-12
+    assert blasx.last_profile().totals()["evictions"] > 0
+
+
+def test_threads_share_the_engine():
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(11)
+    probs = [(rand(rng, (300 + 37 * i, 200 + 11 * i), np.float64), rand(rng, (200 + 11 * i, 250), np.float64))
+             for i in range(8)]
+    with ThreadPoolExecutor(8) as ex:
+        outs = list(ex.map(lambda p: blasx.gemm(1.0, *p), probs))
+    for (a, b), got in zip(probs, outs):
+        assert rel_err(got, a @ b) < 1e-12
