@@ -10,7 +10,13 @@ pinned). blasx therefore page-locks host operands in place with
   unregisters it when the root is collected;
 * memory that is already pinned (``cudaHostAlloc``, or registered by someone
   else) is recognised and used as is, and never unregistered by blasx;
-* only ranges blasx registered itself are ever unregistered.
+* only ranges blasx registered itself are ever unregistered;
+* only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
+  are registered. glibc serves such blocks from their own mmap, so their
+  pages hold nothing else. Smaller blocks may share a page with another
+  array, and CUDA rejects a copy from a range that is only partly
+  registered (``cudaErrorInvalidValue``, seen on the H200 host), so those
+  are copied from pageable memory instead; they are small.
 
 Registration costs about 32 ms/GiB on that host, four times less than one
 pageable transfer of the same bytes, and every later call on the same array
@@ -26,6 +32,7 @@ import weakref
 import numpy as np
 
 PAGE = 4096
+MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
 HOST_REGISTER_PORTABLE = 1
 ERROR_ALREADY_REGISTERED = 712
 
@@ -45,7 +52,7 @@ class RegistrationCache:
         self.seconds = 0.0
 
     def ensure_pinned(self, x: np.ndarray) -> str:
-        """Pin the memory under ``x``; returns 'ours', 'foreign' (already pinned) or 'failed'."""
+        """Pin the memory under ``x``; returns 'ours', 'foreign' (already pinned), 'pageable' or 'failed'."""
         import time
 
         from cupy.cuda import runtime
@@ -53,14 +60,16 @@ class RegistrationCache:
         root = _root(x)
         if root.nbytes == 0:
             return "failed"
+        lo = int(root.ctypes.data)
+        if _is_pinned(runtime, lo) and _is_pinned(runtime, lo + root.nbytes - 1):
+            return "foreign"
+        if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
+            return "pageable"
         with self._lock:
             if id(root) in self._ours:
                 return "ours"
-            lo = int(root.ctypes.data)
             start = lo - lo % PAGE
             end = -(-(lo + root.nbytes) // PAGE) * PAGE
-            if _is_pinned(runtime, lo) and _is_pinned(runtime, lo + root.nbytes - 1):
-                return "foreign"
             t0 = time.perf_counter()
             try:
                 runtime.hostRegister(start, end - start, HOST_REGISTER_PORTABLE)

@@ -57,6 +57,10 @@ class Task:
     steps: tuple[Step, ...]
     flops: float
     deps: tuple[int, ...] = ()
+    # The steps commute (a sum of gemm updates): a device may run them from any
+    # starting k, which spreads the first host loads of several devices over
+    # different tiles so that each later finds the rest in a peer's L1 (L2 hits).
+    rotatable: bool = False
     call: Any = field(default=None, repr=False)
     worker: int = -1
 
@@ -69,6 +73,18 @@ class Task:
             if s.b is not None:
                 out.append(s.b)
         return out
+
+
+def rotated_steps(steps: tuple[Step, ...], start: int) -> tuple[Step, ...]:
+    """The steps of a rotatable task beginning at ``start``: the first one run
+    takes the task's initial beta (it initialises C), every other one accumulates."""
+    n = len(steps)
+    start %= n
+    if start == 0:
+        return steps
+    first_beta = steps[0].beta
+    order = steps[start:] + steps[:start]
+    return tuple(s._replace(beta=first_beta if i == 0 else SC_ONE) for i, s in enumerate(order))
 
 
 def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
@@ -126,7 +142,7 @@ def plan_gemm(
                     for kk in range(tk)
                 )
                 flops = gemm_flops(c.rows, c.cols, k, is_complex)
-            tasks.append(Task(len(tasks), c, not beta_zero, steps, flops))
+            tasks.append(Task(len(tasks), c, not beta_zero, steps, flops, rotatable=len(steps) > 1))
     return tasks
 
 

@@ -34,19 +34,21 @@ from collections import deque
 
 from .cache import Line
 from .devices.base import DeviceError
-from .station import WHERE_HOST, WHERE_L1, WHERE_L2, EQ3_SCORE, most_loaded
+from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
+from .tasks import rotated_steps
 
 
 FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
 
 
 class _Active:
-    """A task on a stream: which step comes next, and where its C tile is."""
+    """A task on a stream: its steps in this device's order, which comes next, and where C is."""
 
-    __slots__ = ("task", "k", "c_loc", "c_off")
+    __slots__ = ("task", "steps", "k", "c_loc", "c_off")
 
-    def __init__(self, task) -> None:
+    def __init__(self, task, steps) -> None:
         self.task = task
+        self.steps = steps
         self.k = 0
         self.c_loc = None
         self.c_off = None  # heap offset of the C buffer; None when C is used in place
@@ -162,6 +164,9 @@ class StreamWorker(Worker):
         self.seq = 0
         self.directory = engine.directory
         self.alru = engine.directory.alrus[self.idx]
+        streamed = [d for d in engine.devices if d.streamed]
+        self.n_devices = len(streamed)
+        self.rank = streamed.index(device)
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -233,7 +238,11 @@ class StreamWorker(Worker):
                 task.call.account(task)
                 continue
             task.worker = self.idx
-            self.slots[s] = _Active(task)
+            steps = task.steps
+            if task.rotatable and self.n_devices > 1:
+                # Device d starts at the d-th share of k (see Task.rotatable).
+                steps = rotated_steps(steps, (len(steps) * self.rank) // self.n_devices)
+            self.slots[s] = _Active(task, steps)
             self.inflight += 1
 
     def _score(self, task) -> int:
@@ -249,8 +258,12 @@ class StreamWorker(Worker):
                 total += EQ3_SCORE[WHERE_L1]
                 continue
             h = holders((tokens[ref.slot], ref.bi, ref.bj))
-            if h:
-                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
+            if not h:
+                continue
+            if me in h:
+                total += EQ3_SCORE[WHERE_L1]
+            elif any(line.ready is None for line in h.values()):
+                total += EQ3_SCORE[WHERE_L2]  # only complete lines may be copied by a peer
         return total
 
     # ---------------------------------------------------------------- issue
@@ -265,7 +278,7 @@ class StreamWorker(Worker):
             return
         if act.k == 0 and act.c_loc is None:
             self._start_c(s, act)
-        step = task.steps[act.k]
+        step = act.steps[act.k]
         release, ready = [], []
         a = self._acquire(s, call, step.a, release, ready, task) if step.a is not None else None
         b = self._acquire(s, call, step.b, release, ready, task) if step.b is not None else None
@@ -281,7 +294,7 @@ class StreamWorker(Worker):
         dev.end_op(s, h, "kernel", 0, call.step_flops(step), task)
         call.stats.count(self.idx, "steps")
         act.k += 1
-        if act.k < len(task.steps):
+        if act.k < len(act.steps):
             self._push(s, dev.record(s), release=tuple(release))
             return
         # Last step: epilogue, write-back (M -> I), and the task's completion event.
