@@ -61,17 +61,26 @@ class Directory:
     def holders(self, key: Hashable) -> dict[int, Line]:
         return self._holders.get(key, {})
 
-    def peer_source(self, key: Hashable, device: int, can_read) -> Line | None:
-        """A line of another device that ``device`` can copy from (``can_read(holder)``)."""
+    def peer_source(self, key: Hashable, device: int, can_read, filling=None) -> Line | None:
+        """A line of another device that ``device`` can copy from (``can_read(holder)``).
+
+        A complete line (``ready is None``) is preferred; a line whose fill is
+        in flight (``ready`` is that fill's event) is next best: the reader's
+        stream waits for the event, then copies over the peer link, which
+        still beats the host link. Lines whose fill is not even recorded yet
+        (``ready is filling``) are skipped.
+        """
         holders = self._holders.get(key)
         if not holders:
             return None
+        in_flight = None
         for d, line in holders.items():
-            # Only lines whose fill is known complete: a peer never waits on another
-            # device's events, so a device that breaks cannot stall or poison its peers.
-            if d != device and line.ready is None and not line.dead and can_read(d):
+            if d == device or line.dead or line.ready is filling or not can_read(d):
+                continue
+            if line.ready is None:
                 return line
-        return None
+            in_flight = in_flight or line
+        return in_flight
 
     # -- updates (caller holds the lock) --
 

@@ -41,9 +41,12 @@ Invariants
    arrays that may be written name one call only; read-only arrays (whose
    whole base chain is read-only) keep their token, and cached tiles, for
    their life. So no stale tile can be read.
-4. A worker never waits on another device's events: peers copy only from
-   lines whose fill is known complete. A broken device therefore cannot
-   stall or corrupt another.
+4. Cross-device waits always target an event that was recorded before the
+   wait is issued (a peer's fill event, read under the directory lock while
+   the reader holds a reader count on that line), so waits follow issue
+   order and cannot form a cycle. If the peer breaks before its fill
+   completes, the sim copies from the tile's home instead, so one device's
+   failure neither stalls nor corrupts another.
 5. No exception escapes a worker: it is attached to the calls whose tasks
    the worker held. Those tasks are handed to live workers, unless their
    write-back was in flight and C was read (``beta != 0``), in which case the

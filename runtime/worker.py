@@ -258,12 +258,8 @@ class StreamWorker(Worker):
                 total += EQ3_SCORE[WHERE_L1]
                 continue
             h = holders((tokens[ref.slot], ref.bi, ref.bj))
-            if not h:
-                continue
-            if me in h:
-                total += EQ3_SCORE[WHERE_L1]
-            elif any(line.ready is None for line in h.values()):
-                total += EQ3_SCORE[WHERE_L2]  # only complete lines may be copied by a peer
+            if h:
+                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
         return total
 
     # ---------------------------------------------------------------- issue
@@ -325,19 +321,21 @@ class StreamWorker(Worker):
         if task.load_c:
             self._load(s, act.c_loc, c_op, task.c, None, call, task)
 
-    def _load(self, s, dst, operand, ref, peer_line, call, task) -> None:
-        """Issue the copy that fills ``dst`` with tile ``ref``, from a peer line or the tile's home."""
+    def _load(self, s, dst, operand, ref, peer_line, call, task, peer_wait=None) -> None:
+        """Issue the copy that fills ``dst`` with tile ``ref``: from a peer line (after its
+        fill event ``peer_wait``, if still in flight) or from the tile's home."""
         dev = self.dev
         nbytes = ref.rows * ref.cols * call.itemsize
         if peer_line is not None:
             peer = self.engine.devices[peer_line.device]
-            src = ("peer", peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype))
+            src = ("peer", peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
+                   peer_wait, (operand, ref))
             kind, field = "p2p", "bytes_p2p"
         elif operand.device >= 0:
-            src = ("array", operand, ref)
+            src = ("array", operand, ref, None, None)
             kind, field = "p2p", "bytes_p2p"
         else:
-            src = ("host", operand, ref)
+            src = ("host", operand, ref, None, None)
             kind, field = "h2d", "bytes_h2d"
         h = dev.begin_op(s)
         dev.copy_in(s, dst, src, ref.rows, ref.cols, call.dtype, task)
@@ -361,9 +359,12 @@ class StreamWorker(Worker):
                 peer_line = None
             else:
                 line = None
-                peer_line = directory.peer_source(key, self.idx, self._can_read)
+                peer_line = directory.peer_source(key, self.idx, self._can_read, FILLING)
                 if peer_line is not None:
                     peer_line.readers += 1
+                    # Read under the lock: the owner clears ``ready`` (and only then
+                    # reuses the event) under it too.
+                    peer_wait = peer_line.ready
         if line is not None:
             if wait_for is not None and wait_for is not FILLING:
                 dev.wait(s, wait_for)  # filled on another stream of this device
@@ -379,7 +380,7 @@ class StreamWorker(Worker):
                     peer_line.readers -= 1
             raise
         loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
-        self._load(s, loc, operand, ref, peer_line, call, task)
+        self._load(s, loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
         call.stats.count(self.idx, "l2_hits" if peer_line is not None else "misses")
         new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
         new.readers = 1

@@ -148,9 +148,11 @@ class CudaDevice(Device):
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
         from cupy.cuda import runtime
-        kind, obj, where = src
+        kind, obj, where, after, _home = src
         isz = np.dtype(dtype).itemsize
         if kind == "peer":
+            if after is not None:  # the peer's fill is in flight: order our copy after it
+                runtime.streamWaitEvent(self.stream_ptrs[s], after)
             runtime.memcpyPeerAsync(dst[0], self.ordinal, where[0], obj.ordinal, rows * cols * isz,
                                     self.stream_ptrs[s])
             return

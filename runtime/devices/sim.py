@@ -147,7 +147,7 @@ class SimDevice(Device):
         self.streams[s].submit(op)
 
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
-        kind, obj, where = src
+        kind, obj, where, after, home = src
         if kind == "host":
             view = _host_tile(obj, where)
             engine, rec_kind = "h2d", "h2d"
@@ -156,8 +156,20 @@ class SimDevice(Device):
         else:
             raise DeviceError(f"sim devices cannot read {kind!r} sources")
         nbytes = dst.nbytes
+        peer_ok = [True]
+        if after is not None:
+            # A stream waiting on an event holds no engine (as on a GPU): wait first, then copy.
+            def wait_op():
+                peer_ok[0] = _wait_peer(after)
+            self.streams[s].submit(wait_op)
 
         def work():
+            if not peer_ok[0]:
+                # The peer broke before its fill completed: read the tile's home instead,
+                # so one device's failure never corrupts or stalls another.
+                dst[...] = _host_tile(*home)
+                self.bytes_in += nbytes
+                return
             dst[...] = view
             if engine == "p2p":
                 self.bytes_p2p += nbytes
@@ -218,6 +230,14 @@ class SimDevice(Device):
         with self._rec_lock:
             out, self._records = self._records, []
         return out
+
+
+def _wait_peer(event: SimEvent) -> bool:
+    """Wait for a peer's event; False if the peer broke before it fired."""
+    while not event._flag.wait(0.05):
+        if event.device.error is not None:
+            return event._flag.is_set()
+    return True
 
 
 def _host_tile(operand, ref) -> np.ndarray:
