@@ -40,7 +40,12 @@ def check_scalar(name: str, value, dtype: np.dtype):
 
 def compute_dtype(*arrays) -> np.dtype:
     """The BLAS type for these arrays, as scipy's find_best_blas_type picks it."""
-    dt = np.result_type(*[a.dtype for a in arrays])
+    try:
+        dt = np.result_type(*[a.dtype for a in arrays])
+    except TypeError:  # numpy's DTypePromotionError (datetimes, mixed incompatible types)
+        got = ", ".join(str(a.dtype) for a in arrays)
+        raise TypeError(f"dtype: got {got}, which have no common BLAS type; "
+                        f"allowed: float32, float64, complex64, complex128") from None
     if dt.kind in "biu":
         return np.dtype(np.float64)
     if dt == np.float16:

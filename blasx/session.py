@@ -13,6 +13,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from .operands import READONLY
 from .runtime.config import DeviceSpec, parse_devices, sim_factors
 from .runtime.devices.base import backend
 from .runtime.engine import Engine, EngineConfig
@@ -88,6 +89,16 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
+
+
+def _retire_readonly(base: int) -> None:
+    """A read-only array was collected: its cached tiles become dead in the running engine."""
+    eng = _engine
+    if eng is not None and not eng.closed:
+        eng.retire_base(base)
+
+
+READONLY.on_retire = _retire_readonly
 
 
 def _cuda_count() -> int:

@@ -18,9 +18,26 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from .stats import CallStats
-from .tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, Task
+from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO,
+                    Step, Task)
 
 _call_ids = itertools.count(1)
+
+
+def _gemm_like(step: Step) -> float:
+    return 2.0 * step.m * step.n * step.k
+
+
+# Real flops of one step by kernel (times 4 for complex types), for the stats and the sim's cost model.
+STEP_FLOPS = {
+    "scale": lambda s: float(s.m * s.n),
+    "syrk": lambda s: 1.0 * s.n * (s.n + 1) * s.k,
+    "herk": lambda s: 1.0 * s.n * (s.n + 1) * s.k,
+    "syr2k": lambda s: 2.0 * s.n * (s.n + 1) * s.k,
+    "her2k": lambda s: 2.0 * s.n * (s.n + 1) * s.k,
+    "trmm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
+    "trsm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
+}
 
 
 @dataclass(eq=False)
@@ -51,10 +68,15 @@ class Call:
         self.dtype = np.dtype(dtype)
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"
-        # Scalar table indexed by SC_*; kept alive for the call so devices may pass pointers into it.
-        self.scalars = np.zeros(4, dtype=self.dtype)
+        # Scalar tables indexed by SC_*; kept alive for the call so devices may pass pointers
+        # into them. ``real_scalars`` holds the real parts, for kernels whose BLAS scalars are
+        # real (herk's alpha and beta, her2k's beta).
+        self.scalars = np.zeros(N_SCALARS, dtype=self.dtype)
         self.scalars[SC_ALPHA], self.scalars[SC_BETA] = alpha, beta
-        self.scalars[SC_ZERO], self.scalars[SC_ONE] = 0, 1
+        self.scalars[SC_ZERO], self.scalars[SC_ONE], self.scalars[SC_MINUS_ONE] = 0, 1, -1
+        self.scalars[SC_ALPHA_CONJ] = np.conj(self.scalars[SC_ALPHA])
+        self.real_scalars = np.ascontiguousarray(self.scalars.real)
+        self.on_finish = None  # engine hook: a finished task may make others ready (deps)
         self.stats = stats
         self.epilogue = epilogue
         self.device_only = any(not op.on_host for op in operands)
@@ -73,7 +95,7 @@ class Call:
         return self.error is not None
 
     def step_flops(self, step: Step) -> float:
-        f = 2.0 * step.m * step.n * step.k
+        f = STEP_FLOPS.get(step.kernel, _gemm_like)(step)
         return f * 4.0 if self.is_complex else f
 
     def is_ready(self, task: Task) -> bool:
@@ -93,6 +115,8 @@ class Call:
         if last:
             self.stats.finish()
             self._done.set()
+        elif self.on_finish is not None and worker is not None:
+            self.on_finish()
 
     def fail(self, exc: BaseException) -> bool:
         """Record the first error; returns True if this call just failed."""

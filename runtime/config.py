@@ -59,6 +59,13 @@ def parse_devices(spec: str) -> DeviceSpec:
         if ids and ids[0] < 1:
             raise ValueError(f"devices: sim count must be >= 1, got {ids[0]} in {spec!r}")
         _check_sim_options(options, spec)
+        n = ids[0] if ids else 2
+        if "speeds" in options and len(options["speeds"].split("/")) != n:
+            raise ValueError(f"devices: speeds lists {len(options['speeds'].split('/'))} factors "
+                             f"for {n} sim devices in {spec!r}")
+        if "fail" in options and not 0 <= int(options["fail"].partition("@")[0]) < n:
+            raise ValueError(f"devices: fail names sim device {options['fail'].partition('@')[0]}, "
+                             f"but {spec!r} has devices 0..{n - 1}")
     if kind == "cuda" and options:
         raise ValueError(f"devices: 'cuda' takes GPU numbers only, got options {sorted(options)} in {spec!r}")
     if len(set(ids)) != len(ids):

@@ -195,6 +195,8 @@ class Engine:
         if not self._runnable(call):
             raise DeviceError(self._unrunnable_message(call))
         self._calls.add(call)
+        if any(t.deps for t in call.tasks):
+            call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
         call.stats.start()
         self.queues["gpu" if call.device_only else "any"].put_many(call.tasks)
         self._poke()
@@ -205,11 +207,15 @@ class Engine:
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again
-                    with self.directory.lock:
-                        self.directory.retire_base(op.token[0])
+                    self.retire_base(op.token[0])
         if call.error is not None:
             err = call.error
             raise DeviceError(f"{call.name} failed: {err}") from err
+
+    def retire_base(self, base: int) -> None:
+        """Tiles of token base ``base`` may never be read again (a read-only array died)."""
+        with self.directory.lock:
+            self.directory.retire_base(base)
 
     def _runnable(self, call: Call) -> bool:
         return any(self.can_run(w, call) for w in self.workers)

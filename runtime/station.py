@@ -46,6 +46,10 @@ class ReservationStation:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    def load(self) -> float:
+        """Waiting work: the flops of the tasks held (at least 1 per task, for flop-less ones)."""
+        return sum(max(t.flops, 1.0) for t in self._tasks)
+
     def free_slots(self) -> int:
         return self.capacity - len(self._tasks)
 
@@ -92,9 +96,16 @@ class ReservationStation:
 
 
 def most_loaded(stations: Iterable[ReservationStation], exclude: int) -> ReservationStation | None:
-    """The station with the most waiting tasks, other than ``exclude``'s (steal target)."""
-    best, n = None, 0
+    """The station holding the most waiting work (flops), other than ``exclude``'s (steal target).
+
+    Tasks carry their real workload, so a station with two heavy tasks outweighs
+    one with three light ones.
+    """
+    best, load = None, 0.0
     for st in stations:
-        if st.owner != exclude and len(st) > n:
-            best, n = st, len(st)
+        if st.owner == exclude:
+            continue
+        w = st.load()
+        if w > load:
+            best, load = st, w
     return best

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 from .tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
 
-SC_ALPHA, SC_BETA, SC_ZERO, SC_ONE = 0, 1, 2, 3
+SC_ALPHA, SC_BETA, SC_ZERO, SC_ONE, SC_MINUS_ONE, SC_ALPHA_CONJ = 0, 1, 2, 3, 4, 5
+N_SCALARS = 6
 
 # Operand slots used by the GEMM planner.
 SLOT_A, SLOT_B, SLOT_C = 0, 1, 2
@@ -45,6 +46,12 @@ class Step(NamedTuple):
     k: int
     alpha: int  # scalar index
     beta: int  # scalar index
+    # Flags of the triangular/symmetric tile kernels (syrk, symm, trmm, trsm, ...),
+    # with BLAS meanings: side 0 = left, 1 = right; uplo 0 = upper, 1 = lower;
+    # diag 0 = non-unit, 1 = unit. gemm and scale ignore them.
+    side: int = 0
+    uplo: int = 0
+    diag: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +68,9 @@ class Task:
     # starting k, which spreads the first host loads of several devices over
     # different tiles so that each later finds the rest in a peer's L1 (L2 hits).
     rotatable: bool = False
+    # Keep the finished C tile cached as a clean line (MESI-X E instead of I) because
+    # later tasks of the call read it (TRSM reads solved tiles).
+    keep_c: bool = False
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

@@ -142,6 +142,10 @@ class Worker(threading.Thread):
             except BaseException:  # noqa: BLE001 - closing a broken device may fail too
                 pass
 
+    def _work_waiting(self) -> bool:
+        """True if a queue this worker serves holds tasks and the station has room for them."""
+        return self.station.free_slots() > 0 and any(len(q) for q in self.engine.queues_for(self))
+
     def fail(self, exc: BaseException) -> None:
         self.alive = False
         if self.dev.error is None:
@@ -186,21 +190,28 @@ class StreamWorker(Worker):
                 continue
             if self.stopping and len(self.station) == 0:
                 return
+            if self._work_waiting():
+                continue  # e.g. assign() just dropped cancelled tasks: pull again, don't sleep
             eng.wait_for_work(gen)
 
     # ---------------------------------------------------------------- retire
     def retire(self) -> bool:
-        progressed = False
-        for dq in self.pending:
-            while dq and self.dev.done(dq[0].event):
-                p = dq.popleft()
-                self._complete(p)
-                self.dev.release_event(p.event)
-                progressed = True
-        if progressed:
-            for task, rec in self.dev.take_records():
-                task.call.stats.add_record(rec)
-        return progressed
+        finished = []
+        try:
+            for dq in self.pending:
+                while dq and self.dev.done(dq[0].event):
+                    finished.append(dq.popleft())
+        finally:
+            # Even if done() raised (the device broke), what completed is completed: its
+            # tasks are accounted and its peer reads released before the failure is handled.
+            if finished:
+                # Records first: a call may complete below, and its caller then reads the profile.
+                for task, rec in self.dev.take_records():
+                    task.call.stats.add_record(rec)
+                for p in finished:
+                    self._complete(p)
+                    self.dev.release_event(p.event)
+        return bool(finished)
 
     def _complete(self, p: _Pending) -> None:
         if p.release or p.ready:
@@ -435,12 +446,16 @@ class StreamWorker(Worker):
             if act is not None:
                 out.append((act.task, False))
                 self.slots[s] = None
+        peer_reads = []
         for dq in self.pending:
             for p in dq:
                 if p.finished:
                     out.append((p.task, p.writeback))
+                peer_reads += [line for line in p.release if line.device != self.idx]
             dq.clear()
         with self.directory.lock:
+            for line in peer_reads:  # our copies from peers will never complete: unpin their lines
+                line.readers -= 1
             for line in list(self.alru):
                 self.directory.drop(line)
         return out
@@ -465,4 +480,6 @@ class CpuWorker(Worker):
                 continue
             if self.stopping:
                 return
+            if self._work_waiting():
+                continue
             eng.wait_for_work(gen)

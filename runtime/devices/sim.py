@@ -79,7 +79,8 @@ class _Stream:
             try:
                 op()
             except BaseException as exc:  # noqa: BLE001 - becomes the device's error, seen by its worker
-                self.dev.error = exc
+                if self.dev.error is None:  # keep the first error: later ones are its consequences
+                    self.dev.error = exc
 
 
 @register_backend

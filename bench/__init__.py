@@ -1,0 +1,1 @@
+"""Benchmarks of blasx against cuBLAS-XT, in-core CuPy and NumPy (see bench/README.md)."""

@@ -1,0 +1,74 @@
+"""Shared fixtures of the blasx test suite (no GPU needed: the ``sim`` backend stands in).
+
+* every test ends with ``blasx.shutdown()``, so no engine (or worker thread)
+  outlives the test that made it; each test configures what it needs;
+* ``rel_err(x, ref)``: ||x - ref||_F / ||ref||_F in float64 / complex128;
+* ``rand(shape, dtype, seed=0, order="F")``: random entries that are never zero
+  (complex dtypes get random real and imaginary parts).
+
+pytest runs with ``--import-mode=importlib``, so test modules cannot import
+this file; the helpers are handed out as fixtures (session-scoped, so
+hypothesis tests may use them too).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+
+
+def _rel_err(x, ref) -> float:
+    x = np.asarray(x)
+    ref = np.asarray(ref)
+    wide = np.complex128 if (np.iscomplexobj(x) or np.iscomplexobj(ref)) else np.float64
+    x = x.astype(wide)
+    ref = ref.astype(wide)
+    assert x.shape == ref.shape, f"shape {x.shape} != reference shape {ref.shape}"
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(x - ref)
+    if den == 0:
+        return float(num)
+    return float(num / den)
+
+
+def _nonzero(rng, shape) -> np.ndarray:
+    """Uniform in +-[0.25, 1.25): never zero, both signs."""
+    mag = rng.uniform(0.25, 1.25, size=shape)
+    sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
+    return mag * sign
+
+
+def _rand(shape, dtype=np.float64, seed=0, order="F") -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "c":
+        x = _nonzero(rng, shape) + 1j * _nonzero(rng, shape)
+    else:
+        x = _nonzero(rng, shape)
+    return np.asarray(x, dtype=dt, order=order).copy(order=order)
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_blasx():
+    yield
+    blasx.shutdown()
+
+
+@pytest.fixture(scope="session")
+def rel_err():
+    return _rel_err
+
+
+@pytest.fixture(scope="session")
+def rand():
+    return _rand
+
+
+@pytest.fixture(scope="session")
+def tol():
+    """Relative-error tolerance of a dtype: ~1e-5 single, ~1e-12 double precision."""
+    def _tol(dtype) -> float:
+        return 1e-5 if np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.complex64)) else 1e-12
+    return _tol

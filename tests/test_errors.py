@@ -1,0 +1,266 @@
+"""Bad arguments: every error names the parameter, the value received and what is
+allowed, and nothing is written (c is compared byte for byte before and after)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx.runtime.devices.base import DeviceError
+
+
+@pytest.fixture
+def sim2():
+    blasx.configure(devices="sim:2", tile=16)
+
+
+@pytest.fixture
+def abc(rand):
+    """a 20x30, b 30x10, c 20x10 float64, and c's bytes before the call."""
+    a, b, c = rand((20, 30), np.float64, 1), rand((30, 10), np.float64, 2), rand((20, 10), np.float64, 3)
+    return a, b, c, c.tobytes()
+
+
+def expect(exc_type, *fragments, call):
+    """Run ``call``; it must raise ``exc_type`` with every fragment in the message."""
+    with pytest.raises(exc_type) as info:
+        call()
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return msg
+
+
+# --------------------------------------------------------------------------- shapes
+
+def test_inner_dimension_mismatch_names_a_and_b(sim2, rand, abc):
+    a, _, c, before = abc
+    b = rand((25, 10), np.float64, 4)
+    expect(ValueError, "a, b", "a.shape=(20, 30)", "b.shape=(25, 10)", "inner dimensions must match",
+           call=lambda: blasx.gemm(1.0, a, b, 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+    # with transposes the message gives op(a) and op(b) and the flags
+    expect(ValueError, "op(a) is 30x20", "trans_a=1", "op(b) is 30x10",
+           call=lambda: blasx.gemm(1.0, a, rand((30, 10)), trans_a=1))
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])
+def test_non_2d_operands(sim2, abc, shape):
+    a, b, c, before = abc
+    bad = np.ones(shape)
+    expect(ValueError, "a:", f"{len(shape)}-D", str(shape), "2-D matrix",
+           call=lambda: blasx.gemm(1.0, bad, b, 1.0, c, overwrite_c=True))
+    expect(ValueError, "b:", f"{len(shape)}-D", call=lambda: blasx.gemm(1.0, a, bad, 1.0, c, overwrite_c=True))
+    expect(ValueError, "c:", f"{len(shape)}-D", call=lambda: blasx.gemm(1.0, a, b, 1.0, bad, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+@pytest.mark.parametrize("shape", [(10, 20), (20, 11), (1, 1)])
+def test_c_of_wrong_shape(sim2, abc, shape):
+    a, b, _, _ = abc
+    c = np.ones(shape)
+    before = c.tobytes()
+    expect(ValueError, "c:", f"got shape {shape}", "expected (20, 10)",
+           call=lambda: blasx.gemm(1.0, a, b, 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+# --------------------------------------------------------------------------- dtypes
+
+@pytest.mark.parametrize("bad_dtype,fragment", [
+    (object, "object"), (np.longdouble, str(np.dtype(np.longdouble))),
+    (np.clongdouble, str(np.dtype(np.clongdouble))), ("U3", "<U"),
+])
+def test_unknown_dtypes(sim2, abc, bad_dtype, fragment):
+    a, b, c, before = abc
+    bad = np.ones((20, 30)).astype(bad_dtype)
+    for call in (lambda: blasx.gemm(1.0, bad, b, 1.0, c, overwrite_c=True),
+                 lambda: blasx.gemm(1.0, bad, bad.T.copy(), 1.0, c, overwrite_c=True)):
+        expect(TypeError, "dtype:", fragment, "allowed: float32, float64, complex64, complex128", call=call)
+    assert c.tobytes() == before
+
+
+@pytest.mark.parametrize("bad_dtype", ["M8[s]", "m8[s]"])
+def test_unpromotable_dtypes_get_a_blasx_message(sim2, abc, bad_dtype):
+    """Regression: numpy's DTypePromotionError used to escape compute_dtype unexplained."""
+    a, b, c, before = abc
+    bad = np.ones((20, 30)).astype(bad_dtype)
+    expect(TypeError, "dtype:", str(np.dtype(bad_dtype)), "allowed: float32, float64, complex64, complex128",
+           call=lambda: blasx.gemm(1.0, bad, b, 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+# --------------------------------------------------------------------------- aliasing
+
+def test_c_aliasing_an_input_is_rejected(sim2, rand):
+    a, b = rand((24, 24), np.float64, 1), rand((24, 24), np.float64, 2)
+    for c, name in ((a, "a"), (b, "b"), (a.T, "a"), (a[:, ::-1], "a"), (b[::1, :], "b")):
+        before = c.tobytes()
+        expect(ValueError, "c:", f"shares memory with {name}", "must not alias",
+               call=lambda: blasx.gemm(1.0, a, b, 1.0, c, overwrite_c=True))
+        assert c.tobytes() == before
+    # partial overlap of views of one buffer
+    big = rand((40, 40), np.float64, 3)
+    a, c = big[:20, :20], big[10:30, 10:30]
+    before = big.tobytes()
+    expect(ValueError, "shares memory with a", call=lambda: blasx.gemm(1.0, a, b[:20, :20], 1.0, c, overwrite_c=True))
+    assert big.tobytes() == before
+    # disjoint views of one buffer are fine
+    c = big[20:40, 20:40]
+    ref = a @ b[:20, :20] + c
+    assert blasx.gemm(1.0, a, b[:20, :20], 1.0, c, overwrite_c=True) is c
+    np.testing.assert_allclose(c, ref, rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- flags and scalars
+
+@pytest.mark.parametrize("value", [3, -1, "x", "N", True, False, 1.0, None, np.bool_(True)])
+@pytest.mark.parametrize("name", ["trans_a", "trans_b"])
+def test_bad_trans_flags(sim2, abc, name, value):
+    a, b, c, before = abc
+    msg = expect(ValueError, f"{name}:", repr(value), "allowed: 0 (N), 1 (T), 2 (C",
+                 call=lambda: blasx.gemm(1.0, a, b.T.copy() if name == "trans_b" else b, 1.0, c,
+                                         overwrite_c=True, **{name: value}))
+    assert msg.startswith(name)
+    assert c.tobytes() == before
+
+
+def test_numpy_integer_trans_flags_are_accepted(sim2, abc, rel_err):
+    a, b, _, _ = abc
+    out = blasx.gemm(1.0, a.T.copy(), b, trans_a=np.int64(1), trans_b=np.uint8(0))
+    assert rel_err(out, a @ b) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["alpha", "beta"])
+@pytest.mark.parametrize("value", ["2.0", None, [1.0], np.ones(1), True])
+def test_non_numeric_scalars(sim2, abc, name, value):
+    a, b, c, before = abc
+    kw = {"alpha": 1.0, "beta": 1.0, name: value}
+    expect(TypeError, f"{name}:", repr(value), "expected a number",
+           call=lambda: blasx.gemm(kw["alpha"], a, b, kw["beta"], c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+@pytest.mark.parametrize("name", ["alpha", "beta"])
+def test_complex_scalar_for_real_dtype(sim2, abc, name):
+    a, b, c, before = abc
+    kw = {"alpha": 1.0, "beta": 1.0, name: 1 + 2j}
+    expect(TypeError, f"{name}:", "(1+2j)", "real float64",
+           call=lambda: blasx.gemm(kw["alpha"], a, b, kw["beta"], c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+# --------------------------------------------------------------------------- foreign objects
+
+class FakeCupy:
+    """Looks like a CuPy array to blasx's duck check, without CuPy."""
+    __module__ = "cupy._core.core"
+    ndim = 2
+    shape = (30, 10)
+    dtype = np.dtype(np.float64)
+
+
+@pytest.mark.parametrize("bad", [[[1.0, 2.0]], ((1.0,),), 3.0, "ab", None], ids=repr)
+def test_non_arrays(sim2, abc, bad):
+    a, b, c, before = abc
+    if bad is not None:
+        expect(TypeError, "a:", f"got {type(bad).__name__}", "expected a numpy or cupy array",
+               call=lambda: blasx.gemm(1.0, bad, b, 1.0, c, overwrite_c=True))
+    expect(TypeError, "b:", f"got {type(bad).__name__}",
+           call=lambda: blasx.gemm(1.0, a, bad, 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+def test_mixing_numpy_with_a_device_array(sim2, abc):
+    a, _, c, before = abc
+    expect(TypeError, "operands:", "a=numpy", "b=cupy", "all numpy arrays",
+           call=lambda: blasx.gemm(1.0, a, FakeCupy(), 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+# --------------------------------------------------------------------------- matmul
+
+def test_matmul_errors(sim2, rand):
+    a, b = rand((6, 4)), rand((5, 3))
+    expect(TypeError, "a:", "got list", call=lambda: blasx.matmul([[1.0]], b))
+    expect(TypeError, "b:", "got tuple", call=lambda: blasx.matmul(a, ((1.0,),)))
+    expect(ValueError, "a:", "3-D", call=lambda: blasx.matmul(np.ones((2, 2, 2)), b))
+    expect(ValueError, "b:", "0-D", call=lambda: blasx.matmul(a, np.ones(())))
+    expect(ValueError, "a, b", "(6, 4)", "(5, 3)", call=lambda: blasx.matmul(a, b))
+    b = rand((4, 3))
+    out = np.zeros((6, 4))
+    before = out.tobytes()
+    expect(ValueError, "out:", "(6, 4)", "expected (6, 3)", call=lambda: blasx.matmul(a, b, out=out))
+    out = np.zeros((6, 3), dtype=np.float32)
+    expect(TypeError, "out:", "float32", "float64", call=lambda: blasx.matmul(a, b, out=out))
+    big = rand((6, 8))
+    a2, out2 = big[:, :4], big[:, 2:5]
+    before = big.tobytes()
+    expect(ValueError, "out:", "shares memory with a", call=lambda: blasx.matmul(a2, b, out=out2))
+    assert big.tobytes() == before
+
+
+# --------------------------------------------------------------------------- configure
+
+@pytest.mark.parametrize("spec", ["gpu", "sim:0", "sim:2,slow=0", "sim:2,bogus=1", "cpu:2", "cuda:a", ""])
+def test_configure_rejects_bad_device_specs(spec):
+    msg = expect(ValueError, "devices:", call=lambda: blasx.configure(devices=spec))
+    assert repr(spec) in msg
+
+
+@pytest.mark.parametrize("kw,fragments", [
+    (dict(tile=0), ("tile:", "got 0", "positive int")),
+    (dict(tile=-16), ("tile:", "got -16",)),
+    (dict(tile=16.0), ("tile:", "got 16.0",)),
+    (dict(tile=True), ("tile:", "got True",)),
+    (dict(tile="32"), ("tile:", "got '32'",)),
+    (dict(streams=0), ("streams:", "got 0", "from 1 to 32")),
+    (dict(streams=33), ("streams:", "got 33",)),
+    (dict(streams=2.0), ("streams:", "got 2.0",)),
+    (dict(streams=True), ("streams:", "got True",)),
+    (dict(cache_bytes=1000), ("cache_bytes:", "got 1000", ">= 65536")),
+    (dict(cache_bytes=65535), ("cache_bytes:", "got 65535",)),
+    (dict(cache_bytes=1.5e6), ("cache_bytes:", "got 1500000.0",)),
+])
+def test_configure_rejects_bad_knobs(kw, fragments):
+    expect(ValueError, *fragments, call=lambda: blasx.configure(devices="sim:1", **kw))
+
+
+def test_bad_configure_keeps_the_previous_settings(rand, rel_err):
+    blasx.configure(devices="sim:2", tile=16)
+    with pytest.raises(ValueError):
+        blasx.configure(devices="sim:2", tile=0)
+    a, b = rand((40, 30)), rand((30, 20))
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    assert blasx.engine().spec == "sim:2" and blasx.engine().config.tile == 16
+
+
+@pytest.mark.parametrize("spec,fragment", [("sim:2,speeds=1/1/4", "speeds lists 3 factors for 2 sim devices"),
+                                           ("sim:2,fail=5@1", "fail names sim device 5"),
+                                           ("sim:1,fail=1@1", "fail names sim device 1")])
+def test_configure_rejects_inconsistent_sim_specs(spec, fragment):
+    """Regression: the speeds count was checked only at the first call, the fail device never."""
+    expect(ValueError, "devices:", fragment, repr(spec), call=lambda: blasx.configure(devices=spec))
+
+
+def test_tile_too_big_for_cache_raises_at_call_time(rand):
+    blasx.configure(devices="sim:1", tile=256, cache_bytes=1 << 20)  # accepted: checked per call
+    a, b, c = rand((300, 300)), rand((300, 300)), rand((300, 300))
+    before = c.tobytes()
+    expect(ValueError, "tile:", "256", "cache", "lower the tile size or raise cache_bytes",
+           call=lambda: blasx.gemm(1.0, a, b, 1.0, c, overwrite_c=True))
+    assert c.tobytes() == before
+
+
+def test_auto_tile_shrinks_to_fit_a_small_cache(rand, rel_err):
+    blasx.configure(devices="sim:2", cache_bytes=1 << 16)
+    a, b = rand((200, 150)), rand((150, 170))
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    # complex128 tiles of the smallest size do not fit 64 KiB: a clear error naming tile
+    ac, bc = rand((50, 50), np.complex128), rand((50, 50), np.complex128)
+    expect(ValueError, "tile:", "cache_bytes", call=lambda: blasx.gemm(1.0, ac, bc))
+
+
+def test_device_error_is_exported():
+    assert blasx.DeviceError is DeviceError and issubclass(DeviceError, RuntimeError)

@@ -1,0 +1,644 @@
+"""The scheduler on simulated GPUs: demand-driven balance and stealing, the two-level
+tile cache (exact hit counts where the schedule is deterministic, exact invariants
+where it is not), read-only reuse across calls, out-of-core runs, many calling
+threads, fail-over, thread hygiene, traces and the epilogue hook."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import blasx
+import blasx.level3
+from blasx.operands import TokenTable, make_operand
+from blasx.runtime.call import Call
+from blasx.runtime.config import parse_devices, sim_factors
+from blasx.runtime.devices.sim import SimDevice
+from blasx.runtime.stats import CallStats, DeviceInfo
+from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.tiling import OP_N
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Records the task lists the front end plans, so tests can see which worker ran each task."""
+    plans = []
+    original = blasx.level3.plan_gemm
+
+    def spy(*args, **kwargs):
+        tasks = original(*args, **kwargs)
+        plans.append(tasks)
+        return tasks
+
+    monkeypatch.setattr(blasx.level3, "plan_gemm", spy)
+    return plans
+
+
+def distinct_inputs(tasks, worker=None):
+    """Distinct (operand slot, tile row, tile col) read by the tasks (of one worker)."""
+    return {(r.slot, r.bi, r.bj) for t in tasks if worker is None or t.worker == worker
+            for r in t.input_tiles()}
+
+
+def lookups(tasks, worker=None):
+    return sum(len(t.input_tiles()) for t in tasks if worker is None or t.worker == worker)
+
+
+# =========================================================================== balance and stealing
+
+@pytest.mark.slow
+def test_heterogeneous_devices_share_tasks_by_speed(rand, rel_err):
+    """Demand-driven balance: each device's share of tasks is within 15% (relative) of its
+    speed share (1/f_i) / sum_j (1/f_j). The simulated kernel time (6.5 ms per 32^3 step on a
+    fast device) dominates the Python overhead, and one stream per device keeps the buffering
+    (and so the end effect) small; 529 tasks."""
+    spec = "sim:4,slow=4"
+    factors = sim_factors(parse_devices(spec))
+    assert factors == [1.0, 1.0, 1.0, 4.0]
+    speed = [1 / f for f in factors]
+    speed_share = [s / sum(speed) for s in speed]
+    blasx.configure(devices=spec + ",rate=1e7", tile=32, streams=1)
+    a, b = rand((23 * 32, 32)), rand((32, 23 * 32), seed=1)
+    out = blasx.gemm(1.0, a, b)
+    assert rel_err(out, a @ b) < 1e-12
+    prof = blasx.last_profile()
+    tasks = [prof.counters[i]["tasks"] for i in range(4)]
+    assert sum(tasks) == 23 * 23
+    shares = [t / sum(tasks) for t in tasks]
+    for i, (got, want) in enumerate(zip(shares, speed_share)):
+        assert abs(got - want) <= 0.15 * want, f"device {i}: share {got:.3f} vs speed share {want:.3f} ({tasks})"
+    assert sum(prof.counters[i]["steals"] for i in range(4)) > 0
+
+
+def test_every_task_runs_exactly_once(rand, planned):
+    blasx.configure(devices="sim:3,speeds=1/2/3", tile=16)
+    blasx.gemm(1.0, rand((100, 60)), rand((60, 90)))
+    (tasks,) = planned
+    prof = blasx.last_profile()
+    assert all(t.worker in (0, 1, 2) for t in tasks)
+    for d in range(3):
+        assert prof.counters[d]["tasks"] == sum(t.worker == d for t in tasks)
+        assert prof.counters[d]["steps"] == sum(len(t.steps) for t in tasks if t.worker == d)
+    assert prof.totals()["tasks"] == len(tasks) == 7 * 6
+    assert prof.totals()["flops"] == 2 * 100 * 60 * 90
+
+
+# =========================================================================== L1 / L2 tile caches
+
+def test_l1_hits_hand_computed_single_device(rand, rel_err):
+    """One device, a cache that holds everything: each distinct tile misses once, every
+    other look-up hits. C 37x19, K 48, T 16: 3x2 tasks of 3 steps, 2 look-ups per step =
+    36 look-ups over 3x3 A tiles + 3x2 B tiles = 15 misses, 21 L1 hits."""
+    T, m, n, k = 16, 37, 19, 48
+    blasx.configure(devices="sim:1", tile=T)
+    a, b, c = rand((m, k), seed=1), rand((k, n), seed=2), rand((m, n), seed=3)
+    out = blasx.gemm(1.0, a, b, 2.0, c)
+    assert rel_err(out, a @ b + 2.0 * c) < 1e-12
+    t = blasx.last_profile().totals()
+    assert (t["tasks"], t["steps"], t["misses"], t["l1_hits"], t["l2_hits"], t["evictions"]) == (6, 18, 15, 21, 0, 0)
+    assert t["flops"] == 2 * m * n * k and t["steals"] == 0
+    # every A, B and C element crosses the host link once; C is written back once
+    assert t["bytes_h2d"] == (m * k + k * n + m * n) * 8
+    assert t["bytes_d2h"] == m * n * 8 and t["bytes_p2p"] == 0
+    dev = blasx.engine().devices[0]
+    assert (dev.bytes_in, dev.bytes_out, dev.bytes_p2p) == (t["bytes_h2d"], t["bytes_d2h"], 0)
+
+
+def test_one_stream_runs_tasks_one_at_a_time_in_plan_order(rand):
+    blasx.configure(devices="sim:1", tile=8, streams=1)
+    blasx.gemm(1.0, rand((24, 24)), rand((24, 24), seed=1))
+    prof = blasx.last_profile()
+    assert prof.totals()["misses"] == 9 + 9 and prof.totals()["l1_hits"] == 2 * 27 - 18
+    kernels = sorted((r for r in prof.records if r.kind == "kernel"), key=lambda r: r.start)
+    order = [r.task for r in kernels]
+    assert order and order == sorted(order)  # task 0's steps, then task 1's, ...
+    for r1, r2 in zip(kernels, kernels[1:]):  # never two kernels at once
+        assert r1.end <= r2.start + 1e-9
+
+
+@pytest.mark.parametrize("spec", ["sim:3", "sim:2,speeds=1/8", "sim:4,peers=0"])
+def test_cache_counters_match_each_workers_tasks(spec, rand, planned):
+    """Schedule-independent invariants: with no eviction, a worker misses (or copies from a
+    peer) each distinct tile of its tasks exactly once and hits on every other look-up."""
+    T = 16
+    blasx.configure(devices=spec, tile=T)
+    a, b = rand((8 * T, 6 * T)), rand((6 * T, 7 * T), seed=1)
+    blasx.gemm(1.0, a, b)
+    (tasks,) = planned
+    prof = blasx.last_profile()
+    tile_bytes = T * T * 8
+    for d, c in prof.counters.items():
+        mine = distinct_inputs(tasks, d)
+        assert c["misses"] + c["l2_hits"] == len(mine), (d, c)
+        assert c["l1_hits"] == lookups(tasks, d) - len(mine), (d, c)
+        assert c["bytes_p2p"] == c["l2_hits"] * tile_bytes  # every tile is a full one here
+        assert c["bytes_h2d"] == c["misses"] * tile_bytes
+        dev = blasx.engine().devices[d]
+        assert (dev.bytes_in, dev.bytes_p2p, dev.bytes_out) == (c["bytes_h2d"], c["bytes_p2p"], c["bytes_d2h"])
+
+
+def test_l2_peer_copies_only_with_peer_links(rand, rel_err):
+    """sim:1 is 8x slower, so sim:0 has long finished loading the tiles that sim:1's later
+    tasks need: those come over the peer link (L2 hits). Without peer links, never."""
+    a, b = rand((128, 128)), rand((128, 128), seed=1)
+    results = {}
+    for peers in ("1", "0"):
+        blasx.configure(devices=f"sim:2,speeds=1/8,peers={peers}", tile=16)
+        out = blasx.gemm(1.0, a, b)
+        assert rel_err(out, a @ b) < 1e-12
+        t = blasx.last_profile().totals()
+        results[peers] = (t["l2_hits"], t["bytes_p2p"], [d.bytes_p2p for d in blasx.engine().devices])
+        blasx.shutdown()
+    l2, p2p, dev_p2p = results["1"]
+    assert l2 > 0 and p2p == l2 * 16 * 16 * 8 and sum(dev_p2p) == p2p
+    assert results["0"] == (0, 0, [0, 0])
+
+
+# =========================================================================== reuse across calls
+
+def test_read_only_operand_is_cached_across_calls(rand, rel_err):
+    T = 16
+    blasx.configure(devices="sim:1", tile=T)
+    a = rand((4 * T, 3 * T))
+    a.flags.writeable = False
+    b1, b2 = rand((3 * T, 2 * T), seed=1), rand((3 * T, 2 * T), seed=2)
+    n_a, n_b, n_lookups = 4 * 3, 3 * 2, 2 * (4 * 2 * 3)
+    blasx.gemm(1.0, a, b1)
+    first = blasx.last_profile().totals()
+    assert (first["misses"], first["l1_hits"]) == (n_a + n_b, n_lookups - n_a - n_b)
+    out = blasx.gemm(1.0, a, b2)
+    assert rel_err(out, a @ b2) < 1e-12
+    second = blasx.last_profile().totals()
+    assert (second["misses"], second["l1_hits"]) == (n_b, n_lookups - n_b)  # all of A hits
+    assert second["bytes_h2d"] == n_b * T * T * 8
+
+
+def test_writable_operand_is_never_reused_across_calls(rand, rel_err):
+    T = 16
+    blasx.configure(devices="sim:1", tile=T)
+    a, b = rand((4 * T, 3 * T)), rand((3 * T, 2 * T), seed=1)
+    blasx.gemm(1.0, a, b)
+    first = blasx.last_profile().totals()
+    blasx.gemm(1.0, a, b)
+    second = blasx.last_profile().totals()
+    assert second["misses"] == first["misses"] == 4 * 3 + 3 * 2
+    assert second["l1_hits"] == first["l1_hits"]
+    # changed in place between calls: the result follows (no stale tile)
+    a *= -3.0
+    a[5, 7] = 42.0
+    b[:, 1] += 1.0
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    # a read-only *view* of a writable array is not frozen: it may change under it
+    v = a.view()
+    v.flags.writeable = False
+    assert rel_err(blasx.gemm(1.0, v, b), a @ b) < 1e-12
+    a += 1.0
+    assert rel_err(blasx.gemm(1.0, v, b), a @ b) < 1e-12
+
+
+def test_a_new_read_only_array_never_sees_old_tiles(rand, rel_err):
+    blasx.configure(devices="sim:2", tile=16)
+    b = rand((48, 40), seed=9)
+    for seed in range(4):  # same shape each time: freed memory is likely to be reused
+        a = rand((64, 48), seed=seed)
+        a.flags.writeable = False
+        assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+        del a
+        gc.collect()
+
+
+def test_collected_read_only_array_tiles_are_retired(rand):
+    """Regression: READONLY.on_retire was never set, so lines of collected read-only arrays
+    stayed live (listed, not evicted first) forever."""
+    from blasx.operands import READONLY
+
+    blasx.configure(devices="sim:1", tile=16)
+    a = rand((32, 32))
+    a.flags.writeable = False
+    blasx.gemm(1.0, a, rand((32, 32), seed=1))
+    base = READONLY.base_of(a)
+    directory = blasx.engine().directory
+    assert directory.lines_of_base(base) == 4
+    del a
+    gc.collect()
+    assert directory.lines_of_base(base) == 0
+
+
+# =========================================================================== out of core
+
+@pytest.mark.parametrize("beta", [0.0, -0.5])
+def test_out_of_core(rand, rel_err, beta):
+    """A + B + C is over 10x the 256 KiB tile cache of each device: tiles are evicted and
+    reloaded, and the result is still right. 390 is not a multiple of 32: edge tiles of
+    several sizes fragment the heap."""
+    cache = 256 * 1024
+    blasx.configure(devices="sim:2", tile=32, cache_bytes=cache)
+    m = n = k = 390
+    a, b, c = rand((m, k)), rand((k, n), seed=1), rand((m, n), seed=2)
+    assert a.nbytes + b.nbytes + c.nbytes >= 10 * cache
+    out = blasx.gemm(1.0, a, b, beta, c)
+    assert rel_err(out, a @ b + beta * c) < 1e-12
+    t = blasx.last_profile().totals()
+    assert t["evictions"] > 0
+    assert t["bytes_h2d"] > a.nbytes + b.nbytes  # some tiles were loaded more than once
+
+
+# =========================================================================== many calling threads
+
+def test_sixteen_threads_at_once(rand, rel_err, tol):
+    blasx.configure(devices="sim:3", tile=16)
+    dtypes = (np.float32, np.float64, np.complex64, np.complex128)
+    start = threading.Barrier(16)
+
+    def one(i):
+        rng = np.random.default_rng(i)
+        m, n, k = (int(x) for x in rng.integers(1, 90, size=3))
+        dtype = dtypes[i % 4]
+        ta, tb = i % 3, (i // 3) % 3
+        a = rand((m, k) if ta == 0 else (k, m), dtype, seed=i, order="FC"[i % 2])
+        b = rand((k, n) if tb == 0 else (n, k), dtype, seed=100 + i)
+        c = rand((m, n), dtype, seed=200 + i)
+        start.wait()
+        out = blasx.gemm(2.0, a, b, 0.5, c, ta, tb)
+        opa = (a, a.T, a.conj().T)[ta].astype(np.complex128)
+        opb = (b, b.T, b.conj().T)[tb].astype(np.complex128)
+        err = rel_err(out, 2.0 * opa @ opb + 0.5 * c)
+        tasks = blasx.last_profile().totals()["tasks"]  # this thread's own profile
+        return err, tol(dtype), tasks, ceil_div(m, 16) * ceil_div(n, 16)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for i, (err, limit, tasks, want) in enumerate(results):
+        assert err < limit, (i, err)
+        assert tasks == want, (i, tasks, want)
+
+
+# =========================================================================== failures
+
+def _run_with_timeout(fn, timeout=30.0):
+    """Run fn on a thread; return (result, exception, seconds). Fails if it hangs."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["exc"] = exc
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=target, name="test-caller", daemon=True)
+    th.start()
+    th.join(timeout)
+    assert not th.is_alive(), f"call still running after {timeout} s"
+    return box.get("result"), box.get("exc"), time.perf_counter() - t0
+
+
+def test_fail_over_to_the_other_devices(rand, rel_err):
+    blasx.configure(devices="sim:3,fail=1@3", tile=16)
+    a, b = rand((128, 96)), rand((96, 112), seed=1)
+    out, exc, _ = _run_with_timeout(lambda: blasx.gemm(1.0, a, b))
+    assert exc is None, repr(exc)
+    assert rel_err(out, a @ b) < 1e-12
+    failures = blasx.engine().failures
+    assert [name for name, _ in failures] == ["sim:1"]
+    assert "injected fault" in repr(failures[0][1])  # the root cause, not a consequence
+    # the engine keeps serving with the two live devices
+    out = blasx.gemm(1.0, b.T, a.T)
+    assert rel_err(out, (a @ b).T) < 1e-12
+    assert blasx.last_profile().counters[1]["tasks"] == 0
+
+
+def test_fail_over_with_beta_is_right_or_loud(rand, rel_err):
+    """With beta != 0 a task whose write-back was in flight cannot be redone: the call may
+    fail, but must never return a wrong C, nor hang."""
+    a, b, c = rand((96, 64)), rand((64, 80), seed=1), rand((96, 80), seed=2)
+    for fail_at in (2, 5, 9):
+        blasx.configure(devices=f"sim:2,fail=0@{fail_at}", tile=16)
+        out, exc, _ = _run_with_timeout(lambda: blasx.gemm(1.0, a, b, 1.0, c))
+        if exc is None:
+            assert rel_err(out, a @ b + c) < 1e-12
+        else:
+            assert isinstance(exc, blasx.DeviceError), repr(exc)
+            assert "sim:0" in str(exc)
+        blasx.shutdown()
+
+
+def test_fail_over_to_the_cpu_worker(rand, rel_err):
+    """The CPU worker may take every task before the sim runs its 2nd kernel; repeat the call
+    until the sim has failed (every result must be right, failed device or not)."""
+    blasx.configure(devices="sim:1,fail=0@2", tile=16, cpu=True)
+    a, b = rand((160, 70)), rand((70, 160), seed=1)
+    for _ in range(20):
+        out, exc, _ = _run_with_timeout(lambda: blasx.gemm(1.0, a, b))
+        assert exc is None, repr(exc)
+        assert rel_err(out, a @ b) < 1e-12
+        if blasx.engine().failures:
+            break
+    assert [n for n, _ in blasx.engine().failures] == ["sim:0"]
+    out = blasx.gemm(1.0, b, a)  # the CPU alone from now on
+    assert rel_err(out, b @ a) < 1e-12
+    assert blasx.last_profile().counters[0]["tasks"] == 0
+
+
+def test_no_device_left_raises_with_the_worker_traceback(rand):
+    blasx.configure(devices="sim:1,fail=0@2", tile=16)
+    a, b = rand((64, 64)), rand((64, 64), seed=1)
+    c = rand((64, 64), seed=2)
+    _, exc, took = _run_with_timeout(lambda: blasx.gemm(1.0, a, b, 1.0, c))
+    assert isinstance(exc, blasx.DeviceError), repr(exc)
+    assert took < 30
+    assert "sim:0" in str(exc)
+    cause = exc.__cause__
+    assert cause is not None
+    text = "".join(traceback.format_exception(cause))
+    assert "sim.py" in text and "injected fault at kernel" in text
+    assert "worker.py" in text  # where the worker met the failure
+    # a later call fails at once too, and shutdown does not hang
+    _, exc2, took2 = _run_with_timeout(lambda: blasx.gemm(1.0, a, b))
+    assert isinstance(exc2, blasx.DeviceError) and "no live device" in str(exc2)
+    assert took2 < 5
+    _, exc3, took3 = _run_with_timeout(blasx.shutdown, timeout=10)
+    assert exc3 is None and took3 < 5
+    assert _blasx_threads() == []  # the broken device's threads are gone too
+    # a new engine works again
+    blasx.configure(devices="sim:1", tile=16)
+    out = blasx.gemm(1.0, a, b)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-12)
+
+
+# =========================================================================== threads and traces
+
+def _blasx_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("blasx-"))
+
+
+def test_no_threads_leak(rand):
+    blasx.shutdown()
+    before = set(threading.enumerate())
+    for config in (dict(devices="sim:3", streams=2), dict(devices="sim:2", cpu=True), dict(devices="cpu")):
+        blasx.configure(tile=16, **config)
+        blasx.gemm(1.0, rand((50, 40)), rand((40, 30), seed=1))
+        names = _blasx_threads()
+        assert any(n.startswith("blasx-worker-") for n in names)
+        blasx.shutdown()
+        assert _blasx_threads() == []
+    assert set(threading.enumerate()) == before
+
+
+def test_shutdown_is_idempotent_and_restarts_lazily(rand, rel_err):
+    blasx.configure(devices="sim:2", tile=16)
+    eng = blasx.engine()
+    blasx.shutdown()
+    blasx.shutdown()
+    assert eng.closed
+    a, b = rand((20, 20)), rand((20, 20), seed=1)
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    assert blasx.engine() is not eng and blasx.engine().spec == "sim:2"
+
+
+def test_trace_profile_and_chrome_trace(rand):
+    blasx.configure(devices="sim:3", tile=16, trace=True)
+    blasx.gemm(1.0, rand((128, 96)), rand((96, 128), seed=1))
+    prof = blasx.last_profile()
+    assert prof.records and prof.wall > 0
+    assert {r.kind for r in prof.records} >= {"kernel", "h2d", "d2h"}
+    trace = prof.to_chrome_trace()
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    ran = {d for d, c in prof.counters.items() if c["tasks"] > 0}
+    assert ran and {e["pid"] for e in events} >= ran
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"sim:0", "sim:1", "sim:2"}
+    bd = prof.breakdown()
+    for row in bd:
+        assert abs(row.busy + row.comm + row.idle - prof.wall) < 1e-6
+    # the summary is JSON-ready and counts every look-up once
+    s = prof.summary()
+    assert abs(s["l1_hit_rate"] + s["l2_hit_rate"] + s["miss_rate"] - 1.0) < 1e-12
+
+
+def test_no_trace_keeps_counters_only(rand):
+    blasx.configure(devices="sim:2", tile=16, trace=False)
+    blasx.gemm(1.0, rand((64, 64)), rand((64, 64), seed=1))
+    prof = blasx.last_profile()
+    assert prof.records == () and prof.totals()["tasks"] == 16
+
+
+def test_profile_has_every_record_even_if_the_worker_is_descheduled(rand, monkeypatch):
+    """Regression, deterministic form of a race: StreamWorker.retire used to complete the call
+    before handing the device's last OpRecords to the stats; a worker paused in between (as a
+    descheduled thread would be) made the caller's profile miss them."""
+    original = SimDevice.take_records
+
+    def late(self):
+        time.sleep(0.05)
+        return original(self)
+
+    monkeypatch.setattr(SimDevice, "take_records", late)
+    blasx.configure(devices="sim:1", tile=16, streams=1)
+    blasx.gemm(1.0, rand((32, 32)), rand((32, 32), seed=1))
+    prof = blasx.last_profile()
+    assert sum(r.kind == "kernel" for r in prof.records) == prof.totals()["steps"] == 8
+
+
+# =========================================================================== epilogue hook
+
+def _gemm_with_epilogue(a, b, tile, epilogue):
+    """What blasx.gemm does, with an epilogue: F-ordered a (m x k), b (k x n), beta = 0."""
+    eng = blasx.engine()
+    m, k = a.shape
+    n = b.shape[1]
+    out = np.empty((m, n), order="F")
+    tokens = TokenTable(tile)
+    operands = [make_operand(x, tokens) for x in (a, b, out)]
+    tasks = plan_gemm(m, n, k, tile, OP_N, OP_N)
+    stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices])
+    eng.submit(Call("gemm", operands, tasks, np.float64, 1.0, 0.0, stats, epilogue=epilogue))
+    return out, tasks
+
+
+def test_epilogue_runs_on_every_tile_before_write_back(rand):
+    a, b = rand((70, 40)), rand((40, 50), seed=1)
+    relu = np.maximum(a @ b, 0)
+
+    blasx.configure(devices="sim:2", tile=16)
+    seen = []
+
+    def on_stream(dev, s, c_loc, task):  # sim: enqueue behind the task's kernels on its stream
+        seen.append(task.tid)
+        dev.streams[s].submit(lambda: np.maximum(c_loc, 0, out=c_loc))
+
+    out, tasks = _gemm_with_epilogue(a, b, 16, on_stream)
+    np.testing.assert_allclose(out, relu, rtol=1e-12, atol=1e-12)
+    assert sorted(seen) == [t.tid for t in tasks]
+    blasx.shutdown()
+
+    blasx.configure(devices="cpu", tile=32)
+
+    def on_host(dev, s, acc, task):  # cpu: called with the finished tile, synchronously
+        np.maximum(acc, 0, out=acc)
+
+    out, _ = _gemm_with_epilogue(a, b, 32, on_host)
+    np.testing.assert_allclose(out, relu, rtol=1e-12, atol=1e-12)
+
+
+# =========================================================================== engine-internal regressions
+
+def test_failed_worker_releases_its_reads_of_peer_lines():
+    """Regression, unit form (no threads started): worker 0 has an L2 copy from device 1's line
+    in flight when it breaks. StreamWorker.held_tasks used to drop its pending events without
+    releasing those reads: after ``sim:2,fail=0@K`` calls, dozens of device 1's lines kept
+    readers == 1 with no work left, and could never be evicted."""
+    from blasx.runtime.cache import Line
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.worker import StreamWorker, _Pending
+
+    devs = [SimDevice(i, nstreams=1, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+    eng = Engine(EngineConfig(devices=devs))
+    w0 = StreamWorker(eng, devs[0], eng.stations[0])
+    key = ((-1, 0, 8, 8, 8, "<f8", 8), 0, 0)
+    peer_line, own_line = Line(key, 1, 0, 512, 8, 8), Line(key, 0, 0, 512, 8, 8)
+    with eng.directory.lock:
+        eng.directory.add(peer_line)
+        eng.directory.add(own_line)
+        peer_line.readers = own_line.readers = 1  # read by worker 0's copy, not yet retired
+    w0.pending[0].append(_Pending(object(), 1, release=(own_line, peer_line), ready=(own_line,)))
+    w0.held_tasks()
+    assert own_line.key not in eng.directory.alrus[0]  # the broken device's lines are dropped
+    assert peer_line.readers == 0  # ... and its reads of device 1's line are over
+
+
+def test_sim_waiting_for_a_peer_fill_does_not_hold_the_copy_engine():
+    """Regression (a hang seen with plain ``sim:2``, 128x128 gemm, tile 16, after ~15-60 calls,
+    while the sim waited for a peer's fill inside its p2p engine lock): dev1 stream 1 copies
+    after E0 (dev0's fill); E0 comes after E1 (dev1's fill on stream 0); E1 is behind a p2p copy
+    on dev1 stream 0. Every wait targets an event recorded before it, so this must finish, as
+    it would on GPUs (cudaStreamWaitEvent blocks the stream, not the copy engine)."""
+    from types import SimpleNamespace
+
+    from blasx.runtime.tiling import TileRef
+
+    devs = [SimDevice(i, nstreams=2, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+    for d in devs:
+        d.open()
+    d0, d1 = devs
+    f8 = np.float64
+    home = (SimpleNamespace(array=np.ones((4, 4))), TileRef(0, 0, 0, 0, 0, 4, 4))
+    gate = threading.Event()
+    finished = False
+    try:
+        d1.streams[0].submit(lambda: gate.wait(10))  # stream 0 of dev1 is busy (a long kernel)
+        d1.copy_in(0, d1.arena_loc(0, 4, 4, f8), ("peer", d0, d0.arena_loc(0, 4, 4, f8), None, home), 4, 4, f8)
+        e1 = d1.record(0)  # dev1's fill of line X
+        d0.copy_in(0, d0.arena_loc(256, 4, 4, f8), ("peer", d1, d1.arena_loc(0, 4, 4, f8), e1, home), 4, 4, f8)
+        e0 = d0.record(0)  # dev0's fill of line Y, from X in flight
+        d1.copy_in(1, d1.arena_loc(256, 4, 4, f8), ("peer", d0, d0.arena_loc(256, 4, 4, f8), e0, home), 4, 4, f8)
+        e2 = d1.record(1)  # dev1 copies Y in flight
+        time.sleep(0.2)
+        gate.set()
+        finished = e2._flag.wait(3)
+    finally:
+        gate.set()
+        if not finished:  # break the cycle so the stream threads can end
+            d0.error = RuntimeError("test: breaking a deadlock")
+        for d in devs:
+            d.close()
+    assert finished
+
+
+def test_sim_device_keeps_its_first_error():
+    """Regression: a stream op failing *because* the device broke (a wait on its own event)
+    used to overwrite the device's error, so the injected fault vanished from the reports."""
+    from types import SimpleNamespace
+
+    dev = SimDevice(0, nstreams=2, cache_bytes=1 << 16, name="sim:0", fail_at=1, trace=False)
+    dev.open()
+    gate = threading.Event()
+    try:
+        dev.streams[1].submit(lambda: gate.wait(10))
+        step = plan_gemm(2, 2, 2, 2, OP_N, OP_N)[0].steps[0]
+        dev.run_step(1, step, SimpleNamespace(step_flops=lambda st: 0.0, scalars=None), None, None, None)
+        ev = dev.record(1)  # never fires: the kernel before it fails
+        dev.wait(0, ev)  # stream 0 waits for it, then gives up because the device broke
+        gate.set()
+        deadline = time.monotonic() + 5
+        while dev.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # give the waiting stream time to notice the failure
+    finally:
+        gate.set()
+        dev.close()
+    assert "injected fault at kernel 1" in repr(dev.error)
+
+
+def test_worker_does_not_sleep_while_tasks_are_queued():
+    """Deterministic form of a hang seen in ~1 of 30-60 ``sim:2,fail=0@5`` calls with beta != 0:
+    the failed worker re-queues its station's tasks, then fails the call on a write-back. The
+    live worker's station is full, so fill_station pulls nothing; assign cancels the station's
+    tasks (their call failed); with no slot busy and nothing pending the loop sleeps, while
+    the re-queued tasks (and the call's untouched ones) wait in the queue forever."""
+    from blasx.runtime.engine import Engine, EngineConfig
+
+    dev = SimDevice(0, nstreams=1, cache_bytes=1 << 16, name="sim:0", trace=False)
+    eng = Engine(EngineConfig(devices=[dev], streams=1))
+    tokens = TokenTable(2)
+    operands = [make_operand(np.ones((4, 4), order="F"), tokens) for _ in range(3)]
+    tasks = plan_gemm(4, 4, 4, 2, OP_N, OP_N)
+    call = Call("gemm", operands, tasks, np.float64, 1.0, 0.0, CallStats([DeviceInfo(0, "sim:0", "sim")]))
+    call.fail(RuntimeError("failed on another device"))
+    eng.stations[0].push(tasks[0])  # a full station (capacity 1)
+    eng.queues["any"].put_many(tasks[1:])
+    eng.start()
+    try:
+        completed = call.wait(2)
+    finally:
+        eng._poke()  # unstick the worker so that shutdown can join it
+        eng.shutdown()
+    assert completed
+
+
+def test_retire_loses_no_completed_entry_when_the_device_breaks():
+    """Deterministic form: stream 0's oldest event is done (task 0 finished, it read device 1's
+    line); stream 1's is not, and the device is broken, so done() raises there. Task 0 must
+    be accounted (or handed over) and its read of the peer line released. End to end, after
+    ``sim:3,fail=1@3`` calls ~1 in 3 runs left lines of live devices pinned (readers == 1)."""
+    from blasx.runtime.cache import Line
+    from blasx.runtime.devices.base import DeviceError
+    from blasx.runtime.devices.sim import SimEvent
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.worker import StreamWorker, _Pending
+
+    devs = [SimDevice(i, nstreams=2, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+    eng = Engine(EngineConfig(devices=devs))
+    w0 = StreamWorker(eng, devs[0], eng.stations[0])
+    tokens = TokenTable(2)
+    operands = [make_operand(np.ones((4, 4), order="F"), tokens) for _ in range(3)]
+    tasks = plan_gemm(4, 4, 2, 2, OP_N, OP_N)
+    call = Call("gemm", operands, tasks, np.float64, 1.0, 0.0,
+                CallStats([DeviceInfo(i, d.name, "sim") for i, d in enumerate(devs)]))
+    peer_line = Line((call.tokens[0], 0, 0), 1, 0, 32, 2, 2)
+    with eng.directory.lock:
+        eng.directory.add(peer_line)
+        peer_line.readers = 1  # task 0's copy from device 1
+    done_ev, stuck_ev = SimEvent(devs[0]), SimEvent(devs[0])
+    done_ev._flag.set()
+    w0.inflight = 2
+    w0.pending[0].append(_Pending(done_ev, 1, release=(peer_line,), task=tasks[0], finished=True, writeback=True))
+    w0.pending[1].append(_Pending(stuck_ev, 2, task=tasks[1], finished=True, writeback=True))
+    devs[0].error = RuntimeError("broken")
+    with pytest.raises(DeviceError):
+        w0.retire()
+    held = [t.tid for t, _ in w0.held_tasks()]  # what Worker.fail hands to the engine
+    assert 1 in held
+    assert call.remaining == len(tasks) - 1 or 0 in held  # task 0: accounted, or handed over
+    assert peer_line.readers == 0
