@@ -71,6 +71,8 @@ class Task:
     # Keep the finished C tile cached as a clean line (MESI-X E instead of I) because
     # later tasks of the call read it (TRSM reads solved tiles).
     keep_c: bool = False
+    # Where the C buffer's first contents come from when ``load_c`` (None: the C tile itself).
+    c_init: TileRef | None = None
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

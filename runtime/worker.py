@@ -316,7 +316,19 @@ class StreamWorker(Worker):
             call.stats.count(self.idx, "bytes_d2h", nbytes)
         call.stats.count(self.idx, "tasks")
         call.stats.count(self.idx, "flops", task.flops)
-        self._push(s, dev.record(s), release=tuple(release), free=act.c_off, task=task,
+        ev = dev.record(s)
+        free, kept = act.c_off, ()
+        if task.keep_c and act.c_off is not None:
+            # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
+            ref = task.c
+            line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
+                        ref.rows * ref.cols * call.itemsize, ref.rows, ref.cols)
+            line.ready = ev
+            with self.directory.lock:
+                if self.alru.peek(line.key) is None:
+                    self.directory.add(line)
+                    free, kept = None, (line,)
+        self._push(s, ev, release=tuple(release), ready=kept, free=free, task=task,
                    finished=True, writeback=True)
         self.slots[s] = None
 
@@ -330,7 +342,8 @@ class StreamWorker(Worker):
         act.c_off = self._alloc(nbytes, call)
         act.c_loc = dev.arena_loc(act.c_off, task.c.rows, task.c.cols, call.dtype)
         if task.load_c:
-            self._load(s, act.c_loc, c_op, task.c, None, call, task)
+            src = task.c_init or task.c  # TRSM starts from B's tile, written to X's
+            self._load(s, act.c_loc, call.operands[src.slot], src, None, call, task)
 
     def _load(self, s, dst, operand, ref, peer_line, call, task, peer_wait=None) -> None:
         """Issue the copy that fills ``dst`` with tile ``ref``: from a peer line (after its

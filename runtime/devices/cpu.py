@@ -69,7 +69,10 @@ class CpuDevice(Device):
         c_op = call.operands[task.c.slot]
         cref = task.c
         c_view = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
-        acc = np.array(c_view, order="F") if task.load_c else np.empty((cref.rows, cref.cols), call.dtype, order="F")
+        if task.load_c:
+            acc = np.array(_tile(call, task.c_init or cref), order="F")
+        else:
+            acc = np.empty((cref.rows, cref.cols), call.dtype, order="F")
         for step in task.steps:
             KERNELS[step.kernel](step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
         if call.epilogue is not None:
