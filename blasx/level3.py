@@ -156,8 +156,10 @@ def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
     tile = choose_tile(eng, m, n, k, dtype)
     tokens = TokenTable(tile)
     operands = [make_operand(va, tokens), make_operand(vb, tokens), make_operand(cv, tokens)]
+    streams = session.settings().streams
+    block = (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
     tasks = plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
-                      is_complex=dtype.kind == "c")
+                      is_complex=dtype.kind == "c", block=block)
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
     call = Call("gemm", operands, tasks, dtype, alpha, beta, stats)

@@ -14,10 +14,10 @@ MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
 
 
 def tiles_needed(streams: int) -> int:
-    """Tiles a device's cache must hold to always make progress: a C buffer per
-    in-flight task (2 per stream), A and B of the step being issued, and slack
-    for fragmentation."""
-    return 4 * streams + 4
+    """Tiles a device's cache must hold to always make progress: a C buffer and
+    a late-C buffer per in-flight task (2 tasks per stream), A and B of the step
+    being issued, and slack for fragmentation."""
+    return 5 * streams + 4
 
 
 def choose_tile(eng, m: int, n: int, k: int, dtype) -> int:

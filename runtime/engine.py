@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from .call import Call
 from .coherence import Directory
 from .devices.base import DeviceError
+from .knobs import Knobs
 from .queue import TaskQueue
 from .station import ReservationStation
 from .worker import CpuWorker, StreamWorker
@@ -97,7 +98,7 @@ class EngineConfig:
     tile: int | None = None  # None: choose per call
     streams: int = 4
     bind_threads: bool = True
-    extra: dict = field(default_factory=dict)
+    knobs: Knobs = field(default_factory=Knobs.from_env)
 
 
 class Engine:

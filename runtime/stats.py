@@ -143,6 +143,15 @@ class CallStats:
         with self._lock:
             self._counters[device][field] += n
 
+    def owned_row(self, device: int) -> dict:
+        """The counters of ``device``, for its worker alone to increment without the lock.
+
+        Each device's row has one writer, its worker thread (one owner per piece of
+        state), so the hot path needs no lock; ``count`` remains for everyone else.
+        """
+        self._check_device(device)
+        return self._counters[device]
+
     def _check_record(self, rec: OpRecord) -> None:
         self._check_device(rec.device)
         if rec.kind not in KIND_CLASS:

@@ -35,7 +35,7 @@ from collections import deque
 from .cache import Line
 from .devices.base import DeviceError
 from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
-from .tasks import rotated_steps
+from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
 
 
 FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
@@ -44,7 +44,7 @@ FILLING = object()  # a line's ready marker while its fill is being issued on th
 class _Active:
     """A task on a stream: its steps in this device's order, which comes next, and where C is."""
 
-    __slots__ = ("task", "steps", "k", "c_loc", "c_off")
+    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off")
 
     def __init__(self, task, steps) -> None:
         self.task = task
@@ -52,6 +52,18 @@ class _Active:
         self.k = 0
         self.c_loc = None
         self.c_off = None  # heap offset of the C buffer; None when C is used in place
+        self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
+        self.old_loc = None
+        self.old_off = None
+
+    def buffers(self) -> tuple:
+        """Heap offsets this task holds (freed at its last event)."""
+        return tuple(o for o in (self.c_off, self.old_off) if o is not None)
+
+    def fold_step(self) -> Step:
+        """C += beta * old C, after the last product step (Knobs.late_c)."""
+        c = self.task.c
+        return Step("axpby", None, None, 0, 0, c.rows, c.cols, 0, SC_ONE, SC_BETA)
 
 
 class _Pending:
@@ -59,12 +71,12 @@ class _Pending:
 
     __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback")
 
-    def __init__(self, event, seq, release=(), ready=(), free=None, task=None, finished=False, writeback=False):
+    def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False):
         self.event = event
         self.seq = seq
         self.release = release  # lines whose reader count drops
         self.ready = ready  # lines whose fill completes
-        self.free = free  # heap offset to free
+        self.free = free  # heap offsets to free
         self.task = task
         self.finished = finished  # the task is complete at this event
         self.writeback = writeback  # the task's write-back was issued before this event
@@ -171,6 +183,10 @@ class StreamWorker(Worker):
         streamed = [d for d in engine.devices if d.streamed]
         self.n_devices = len(streamed)
         self.rank = streamed.index(device)
+        knobs = engine.config.knobs
+        self.chain_kernels = knobs.chain_kernels
+        self.late_c = knobs.late_c
+        self._chain = None  # (event after the last kernel issued, its stream)
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -210,6 +226,8 @@ class StreamWorker(Worker):
                     task.call.stats.add_record(rec)
                 for p in finished:
                     self._complete(p)
+                    if self._chain is not None and self._chain[0] is p.event:
+                        self._chain = None  # done: nothing left to wait for (and never wait on a reused event)
                     self.dev.release_event(p.event)
         return bool(finished)
 
@@ -221,8 +239,8 @@ class StreamWorker(Worker):
                 for line in p.ready:
                     if line.ready is p.event:
                         line.ready = None
-        if p.free is not None:
-            self.dev.heap.free(p.free)
+        for off in p.free:
+            self.dev.heap.free(off)
         if p.finished:
             self.inflight -= 1
             p.task.call.account(p.task, self.idx)
@@ -279,12 +297,20 @@ class StreamWorker(Worker):
         task = act.task
         call = task.call
         dev = self.dev
-        if call.failed:  # stop early; free the C buffer once issued work is done
+        if call.failed:  # stop early; free the buffers once the issued work is done
             self.slots[s] = None
-            self._push(s, dev.record(s), free=act.c_off, task=task, finished=True)
+            self._push(s, dev.record(s), free=act.buffers(), task=task, finished=True)
             return
+        row = call.stats.owned_row(self.idx)
         if act.k == 0 and act.c_loc is None:
             self._start_c(s, act)
+        nsteps = len(act.steps)
+        if act.late and act.k == nsteps - 2:
+            # Fetch the old C now, one step before it is folded in (Knobs.late_c).
+            src = task.c_init or task.c
+            act.old_off = self._alloc(src.rows * src.cols * call.itemsize, call)
+            act.old_loc = dev.arena_loc(act.old_off, src.rows, src.cols, call.dtype)
+            self._load(s, act.old_loc, call.operands[src.slot], src, None, call, task)
         step = act.steps[act.k]
         release, ready = [], []
         a = self._acquire(s, call, step.a, release, ready, task) if step.a is not None else None
@@ -296,15 +322,23 @@ class StreamWorker(Worker):
                 for line in ready:
                     line.ready = ev
             self._push(s, ev, ready=tuple(ready))
+        chain = self._chain
+        if chain is not None and chain[1] != s:
+            dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
         h = dev.begin_op(s)
         dev.run_step(s, step, call, a, b, act.c_loc, task)
+        if act.late and act.k == nsteps - 1:
+            dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
         dev.end_op(s, h, "kernel", 0, call.step_flops(step), task)
-        call.stats.count(self.idx, "steps")
+        row["steps"] += 1
         act.k += 1
-        if act.k < len(act.steps):
-            self._push(s, dev.record(s), release=tuple(release))
+        ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
+        if self.chain_kernels:
+            self._chain = (ev, s)
+        self._push(s, ev, release=tuple(release))
+        if act.k < nsteps:
             return
-        # Last step: epilogue, write-back (M -> I), and the task's completion event.
+        # Last step done: epilogue, write-back (M -> I), and the task's completion event.
         if call.epilogue is not None:
             call.epilogue(dev, s, act.c_loc, task)
         c_op = call.operands[task.c.slot]
@@ -313,11 +347,11 @@ class StreamWorker(Worker):
             dev.copy_out(s, c_op, task.c, act.c_loc, task)
             nbytes = task.c.rows * task.c.cols * call.itemsize
             dev.end_op(s, h, "d2h", nbytes, 0.0, task)
-            call.stats.count(self.idx, "bytes_d2h", nbytes)
-        call.stats.count(self.idx, "tasks")
-        call.stats.count(self.idx, "flops", task.flops)
+            row["bytes_d2h"] += nbytes
+        row["tasks"] += 1
+        row["flops"] += task.flops
         ev = dev.record(s)
-        free, kept = act.c_off, ()
+        free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
             ref = task.c
@@ -327,9 +361,8 @@ class StreamWorker(Worker):
             with self.directory.lock:
                 if self.alru.peek(line.key) is None:
                     self.directory.add(line)
-                    free, kept = None, (line,)
-        self._push(s, ev, release=tuple(release), ready=kept, free=free, task=task,
-                   finished=True, writeback=True)
+                    free, kept = tuple(o for o in free if o != act.c_off), (line,)
+        self._push(s, ev, ready=kept, free=free, task=task, finished=True, writeback=True)
         self.slots[s] = None
 
     def _start_c(self, s: int, act: _Active) -> None:
@@ -341,9 +374,15 @@ class StreamWorker(Worker):
         nbytes = task.c.rows * task.c.cols * call.itemsize
         act.c_off = self._alloc(nbytes, call)
         act.c_loc = dev.arena_loc(act.c_off, task.c.rows, task.c.cols, call.dtype)
-        if task.load_c:
-            src = task.c_init or task.c  # TRSM starts from B's tile, written to X's
-            self._load(s, act.c_loc, call.operands[src.slot], src, None, call, task)
+        if not task.load_c:
+            return
+        if self.late_c and task.rotatable and len(act.steps) >= 2:
+            # Knobs.late_c: start from beta = 0; the old C is fetched near the end and folded in.
+            act.late = True
+            act.steps = (act.steps[0]._replace(beta=SC_ZERO),) + act.steps[1:]
+            return
+        src = task.c_init or task.c  # TRSM starts from B's tile, written to X's
+        self._load(s, act.c_loc, call.operands[src.slot], src, None, call, task)
 
     def _load(self, s, dst, operand, ref, peer_line, call, task, peer_wait=None) -> None:
         """Issue the copy that fills ``dst`` with tile ``ref``: from a peer line (after its
@@ -364,14 +403,14 @@ class StreamWorker(Worker):
         h = dev.begin_op(s)
         dev.copy_in(s, dst, src, ref.rows, ref.cols, call.dtype, task)
         dev.end_op(s, h, kind, nbytes, 0.0, task)
-        call.stats.count(self.idx, field, nbytes)
+        call.stats.owned_row(self.idx)[field] += nbytes
 
     def _acquire(self, s, call, ref, release, ready, task):
         """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``."""
         dev = self.dev
         operand = call.operands[ref.slot]
         if dev.holds_array(operand):
-            call.stats.count(self.idx, "l1_hits")
+            call.stats.owned_row(self.idx)["l1_hits"] += 1
             return dev.array_loc(operand, ref)
         key = (call.tokens[ref.slot], ref.bi, ref.bj)
         directory = self.directory
@@ -393,7 +432,7 @@ class StreamWorker(Worker):
             if wait_for is not None and wait_for is not FILLING:
                 dev.wait(s, wait_for)  # filled on another stream of this device
             release.append(line)
-            call.stats.count(self.idx, "l1_hits")
+            call.stats.owned_row(self.idx)["l1_hits"] += 1
             return dev.arena_loc(line.offset, line.rows, line.cols, call.dtype)
         try:
             nbytes = ref.rows * ref.cols * call.itemsize
@@ -405,7 +444,7 @@ class StreamWorker(Worker):
             raise
         loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
         self._load(s, loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
-        call.stats.count(self.idx, "l2_hits" if peer_line is not None else "misses")
+        call.stats.owned_row(self.idx)["l2_hits" if peer_line is not None else "misses"] += 1
         new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
         new.readers = 1
         new.ready = FILLING  # until issue() records the fill event; only this stream sees it meanwhile
@@ -434,7 +473,7 @@ class StreamWorker(Worker):
                     directory.drop(victim)
             if victim is not None:
                 heap.free(victim.offset)
-                call.stats.count(self.idx, "evictions")
+                call.stats.owned_row(self.idx)["evictions"] += 1
                 continue
             if self.retire():
                 continue

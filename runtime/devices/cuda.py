@@ -59,6 +59,8 @@ class CudaDevice(Device):
         self._anchor = (0, 0.0)
         self._gemm = {}
         self._scal = {}
+        self._geam = {}
+        self._kernels = {}
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -84,6 +86,9 @@ class CudaDevice(Device):
                       np.dtype(np.complex64): cublas.cgemm, np.dtype(np.complex128): cublas.zgemm}
         self._scal = {np.dtype(np.float32): cublas.sscal, np.dtype(np.float64): cublas.dscal,
                       np.dtype(np.complex64): cublas.cscal, np.dtype(np.complex128): cublas.zscal}
+        self._geam = {np.dtype(np.float32): cublas.sgeam, np.dtype(np.float64): cublas.dgeam,
+                      np.dtype(np.complex64): cublas.cgeam, np.dtype(np.complex128): cublas.zgeam}
+        self._kernels = {"gemm": self._k_gemm, "scale": self._k_scale, "axpby": self._k_axpby}
         for peer in range(runtime.getDeviceCount()):
             if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):
                 try:
@@ -168,19 +173,25 @@ class CudaDevice(Device):
                               MEMCPY_DEFAULT, self.stream_ptrs[s])
 
     def run_step(self, s, step, call, a, b, c, task=None):
-        sc = call.scalars.ctypes.data
-        isz = call.itemsize
-        self.streams[s].use()  # CuPy's cuBLAS wrappers bind the handle to the current stream
-        if step.kernel == "gemm":
-            self._gemm[call.dtype](self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
-                                   sc + step.alpha * isz, a[0], a[1], b[0], b[1],
-                                   sc + step.beta * isz, c[0], c[1])
-        elif step.kernel == "scale":
-            self._scale(s, step, call, c)
-        else:
+        kernel = self._kernels.get(step.kernel)
+        if kernel is None:
             raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
+        self.streams[s].use()  # CuPy's cuBLAS wrappers bind the handle to the current stream
+        kernel(s, step, call, a, b, c)
 
-    def _scale(self, s, step, call, c) -> None:
+    def _k_gemm(self, s, step, call, a, b, c) -> None:
+        sc, isz = call.scalars.ctypes.data, call.itemsize
+        self._gemm[call.dtype](self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
+                               sc + step.alpha * isz, a[0], a[1], b[0], b[1],
+                               sc + step.beta * isz, c[0], c[1])
+
+    def _k_axpby(self, s, step, call, a, b, c) -> None:
+        """c = alpha c + beta b (cuBLAS geam, in place on c)."""
+        sc, isz = call.scalars.ctypes.data, call.itemsize
+        self._geam[call.dtype](self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
+                               sc + step.beta * isz, b[0], b[1], c[0], c[1])
+
+    def _k_scale(self, s, step, call, a, b, c) -> None:
         from cupy.cuda import runtime
         isz = call.itemsize
         if call.scalars[step.beta] == 0:

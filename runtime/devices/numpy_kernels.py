@@ -31,4 +31,9 @@ def scale(step, scalars, a, b, c) -> None:
         c *= beta
 
 
-KERNELS = {"gemm": gemm, "scale": scale}
+def axpby(step, scalars, a, b, c) -> None:
+    """c += beta * b: folds the old C tile (b) into a product computed with beta = 0."""
+    c += scalars[step.beta] * b
+
+
+KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby}

@@ -1,0 +1,39 @@
+"""Scheduling switches, for A/B measurements of the choices the engine makes.
+
+Defaults are the measured winners (``bench/results/NOTES.md``); the
+environment variable ``BLASX_KNOBS`` (``"chain_kernels=0,late_c=1"``)
+flips them for an experiment without touching code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class Knobs:
+    #: Queue GEMM's C tiles in blocks of 2 x (streams / 2) tiles, so one round on a
+    #: device shares both A row panels and B column panels.
+    block_order: bool = True
+    #: Run a device's kernels one at a time in issue order (an event chain across its
+    #: streams). Concurrent cuBLAS kernels share the SMs and finish together, which
+    #: bunches every write-back at the end; chained, they finish staggered and the
+    #: copies overlap the kernels still running.
+    chain_kernels: bool = True
+    #: For beta != 0, compute alpha op(A) op(B) first and fetch the old C tile only for
+    #: the last steps (then C += beta * old): C's host traffic moves out of the start,
+    #: where A and B loads already saturate the host link.
+    late_c: bool = True
+
+    @classmethod
+    def from_env(cls, text: str | None = None) -> "Knobs":
+        text = os.environ.get("BLASX_KNOBS", "") if text is None else text
+        names = {f.name for f in fields(cls)}
+        changes = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in names or value not in ("0", "1"):
+                raise ValueError(f"BLASX_KNOBS: got {item!r}; expected name=0 or name=1 with name in {sorted(names)}")
+            changes[key] = value == "1"
+        return replace(cls(), **changes)
