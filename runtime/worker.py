@@ -44,7 +44,7 @@ FILLING = object()  # a line's ready marker while its fill is being issued on th
 class _Active:
     """A task on a stream: its steps in this device's order, which comes next, and where C is."""
 
-    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off")
+    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
 
     def __init__(self, task, steps) -> None:
         self.task = task
@@ -55,6 +55,7 @@ class _Active:
         self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
         self.old_loc = None
         self.old_off = None
+        self.old_ready = None  # event: the old C tile is in old_loc
 
     def buffers(self) -> tuple:
         """Heap offsets this task holds (freed at its last event)."""
@@ -174,7 +175,8 @@ class StreamWorker(Worker):
         super().__init__(engine, device, station, core)
         n = device.nstreams
         self.slots: list[_Active | None] = [None] * n
-        self.pending: list[deque[_Pending]] = [deque() for _ in range(n)]
+        # One deque per stream, compute and copy streams alike (events complete in order within one).
+        self.pending: list[deque[_Pending]] = [deque() for _ in range(device.n_all_streams)]
         self.inflight = 0  # tasks started and not yet retired
         self.max_inflight = 2 * n
         self.seq = 0
@@ -299,35 +301,36 @@ class StreamWorker(Worker):
         dev = self.dev
         if call.failed:  # stop early; free the buffers once the issued work is done
             self.slots[s] = None
+            h2d = dev.record(dev.h2d_stream)  # a late-C copy may still be filling a buffer
+            self._push(dev.h2d_stream, h2d)
+            dev.wait(s, h2d)
             self._push(s, dev.record(s), free=act.buffers(), task=task, finished=True)
             return
         row = call.stats.owned_row(self.idx)
+        fills: dict = {}
         if act.k == 0 and act.c_loc is None:
-            self._start_c(s, act)
+            self._start_c(s, act, fills)
         nsteps = len(act.steps)
         if act.late and act.k == nsteps - 2:
             # Fetch the old C now, one step before it is folded in (Knobs.late_c).
             src = task.c_init or task.c
             act.old_off = self._alloc(src.rows * src.cols * call.itemsize, call)
             act.old_loc = dev.arena_loc(act.old_off, src.rows, src.cols, call.dtype)
-            self._load(s, act.old_loc, call.operands[src.slot], src, None, call, task)
+            cs = self._load(act.old_loc, call.operands[src.slot], src, None, call, task)
+            act.old_ready = dev.record(cs)
+            self._push(cs, act.old_ready)
         step = act.steps[act.k]
-        release, ready = [], []
-        a = self._acquire(s, call, step.a, release, ready, task) if step.a is not None else None
-        b = self._acquire(s, call, step.b, release, ready, task) if step.b is not None else None
-        if ready:
-            # Other streams may use the new lines as soon as their copies are done.
-            ev = dev.record(s)
-            with self.directory.lock:
-                for line in ready:
-                    line.ready = ev
-            self._push(s, ev, ready=tuple(ready))
+        release: list = []
+        a = self._acquire(s, call, step.a, release, fills, task) if step.a is not None else None
+        b = self._acquire(s, call, step.b, release, fills, task) if step.b is not None else None
+        self._flush(s, fills)
         chain = self._chain
         if chain is not None and chain[1] != s:
             dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
         h = dev.begin_op(s)
         dev.run_step(s, step, call, a, b, act.c_loc, task)
         if act.late and act.k == nsteps - 1:
+            dev.wait(s, act.old_ready)
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
         dev.end_op(s, h, "kernel", 0, call.step_flops(step), task)
         row["steps"] += 1
@@ -342,15 +345,19 @@ class StreamWorker(Worker):
         if call.epilogue is not None:
             call.epilogue(dev, s, act.c_loc, task)
         c_op = call.operands[task.c.slot]
+        out = s
         if act.c_off is not None:
-            h = dev.begin_op(s)
-            dev.copy_out(s, c_op, task.c, act.c_loc, task)
+            # Write-back on the D2H stream, after this kernel: the compute stream goes on.
+            out = dev.d2h_stream
+            dev.wait(out, ev)
+            h = dev.begin_op(out)
+            dev.copy_out(out, c_op, task.c, act.c_loc, task)
             nbytes = task.c.rows * task.c.cols * call.itemsize
-            dev.end_op(s, h, "d2h", nbytes, 0.0, task)
+            dev.end_op(out, h, "d2h", nbytes, 0.0, task)
             row["bytes_d2h"] += nbytes
         row["tasks"] += 1
         row["flops"] += task.flops
-        ev = dev.record(s)
+        ev = dev.record(out)
         free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
@@ -362,10 +369,10 @@ class StreamWorker(Worker):
                 if self.alru.peek(line.key) is None:
                     self.directory.add(line)
                     free, kept = tuple(o for o in free if o != act.c_off), (line,)
-        self._push(s, ev, ready=kept, free=free, task=task, finished=True, writeback=True)
+        self._push(out, ev, ready=kept, free=free, task=task, finished=True, writeback=True)
         self.slots[s] = None
 
-    def _start_c(self, s: int, act: _Active) -> None:
+    def _start_c(self, s: int, act: _Active, fills: dict) -> None:
         task, call, dev = act.task, act.task.call, self.dev
         c_op = call.operands[task.c.slot]
         if dev.holds_array(c_op):
@@ -382,35 +389,58 @@ class StreamWorker(Worker):
             act.steps = (act.steps[0]._replace(beta=SC_ZERO),) + act.steps[1:]
             return
         src = task.c_init or task.c  # TRSM starts from B's tile, written to X's
-        self._load(s, act.c_loc, call.operands[src.slot], src, None, call, task)
+        cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
+        fills.setdefault(cs, ([], []))  # the step's kernel waits for this copy too
 
-    def _load(self, s, dst, operand, ref, peer_line, call, task, peer_wait=None) -> None:
-        """Issue the copy that fills ``dst`` with tile ``ref``: from a peer line (after its
-        fill event ``peer_wait``, if still in flight) or from the tile's home."""
+    def _load(self, dst, operand, ref, peer_line, call, task, peer_wait=None) -> int:
+        """Issue the copy that fills ``dst`` with tile ``ref``, on the device's copy stream
+        for its source: from a peer line (after its fill event ``peer_wait``, if still in
+        flight) or from the tile's home. Returns the copy stream."""
         dev = self.dev
         nbytes = ref.rows * ref.cols * call.itemsize
         if peer_line is not None:
             peer = self.engine.devices[peer_line.device]
             src = ("peer", peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
                    peer_wait, (operand, ref))
-            kind, field = "p2p", "bytes_p2p"
+            kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         elif operand.device >= 0:
             src = ("array", operand, ref, None, None)
-            kind, field = "p2p", "bytes_p2p"
+            kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         else:
             src = ("host", operand, ref, None, None)
-            kind, field = "h2d", "bytes_h2d"
-        h = dev.begin_op(s)
-        dev.copy_in(s, dst, src, ref.rows, ref.cols, call.dtype, task)
-        dev.end_op(s, h, kind, nbytes, 0.0, task)
+            kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
+        h = dev.begin_op(cs)
+        dev.copy_in(cs, dst, src, ref.rows, ref.cols, call.dtype, task)
+        dev.end_op(cs, h, kind, nbytes, 0.0, task)
         call.stats.owned_row(self.idx)[field] += nbytes
+        return cs
 
-    def _acquire(self, s, call, ref, release, ready, task):
-        """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``."""
+    def _flush(self, s: int, fills: dict) -> None:
+        """One event per copy stream used by this step: it marks the new lines ready,
+        releases the peer lines read, and stream ``s`` waits for it before the kernel."""
+        dev = self.dev
+        for cs, (lines, peers) in fills.items():
+            ev = dev.record(cs)
+            if lines:
+                with self.directory.lock:
+                    for line in lines:
+                        line.ready = ev
+            self._push(cs, ev, ready=tuple(lines), release=tuple(peers))
+            dev.wait(s, ev)
+        fills.clear()
+
+    def _acquire(self, s, call, ref, release, fills, task):
+        """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``.
+
+        An L1 hit makes stream ``s`` wait for the line's fill if it is still in flight; a
+        miss allocates a line and issues its copy (peer or home) on a copy stream, noted in
+        ``fills`` for ``_flush``. Every line used is added to ``release`` (its reader count
+        drops when this step's kernel is done)."""
         dev = self.dev
         operand = call.operands[ref.slot]
+        row = call.stats.owned_row(self.idx)
         if dev.holds_array(operand):
-            call.stats.owned_row(self.idx)["l1_hits"] += 1
+            row["l1_hits"] += 1
             return dev.array_loc(operand, ref)
         key = (call.tokens[ref.slot], ref.bi, ref.bj)
         directory = self.directory
@@ -430,9 +460,9 @@ class StreamWorker(Worker):
                     peer_wait = peer_line.ready
         if line is not None:
             if wait_for is not None and wait_for is not FILLING:
-                dev.wait(s, wait_for)  # filled on another stream of this device
+                dev.wait(s, wait_for)  # its fill is still in flight on a copy stream
             release.append(line)
-            call.stats.owned_row(self.idx)["l1_hits"] += 1
+            row["l1_hits"] += 1
             return dev.arena_loc(line.offset, line.rows, line.cols, call.dtype)
         try:
             nbytes = ref.rows * ref.cols * call.itemsize
@@ -443,17 +473,18 @@ class StreamWorker(Worker):
                     peer_line.readers -= 1
             raise
         loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
-        self._load(s, loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
-        call.stats.owned_row(self.idx)["l2_hits" if peer_line is not None else "misses"] += 1
+        cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+        row["l2_hits" if peer_line is not None else "misses"] += 1
         new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
         new.readers = 1
-        new.ready = FILLING  # until issue() records the fill event; only this stream sees it meanwhile
+        new.ready = FILLING  # until _flush records the fill event; only this thread sees it meanwhile
         with directory.lock:
             directory.add(new)
         release.append(new)
-        ready.append(new)
+        lines, peers = fills.setdefault(cs, ([], []))
+        lines.append(new)
         if peer_line is not None:
-            release.append(peer_line)
+            peers.append(peer_line)  # released when the peer copy is done
         return loc
 
     def _can_read(self, holder: int) -> bool:

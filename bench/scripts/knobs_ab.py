@@ -16,7 +16,7 @@ import blasx
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 GPUS = sys.argv[2] if len(sys.argv) > 2 else None
-SETTINGS = ["", "chain_kernels=0", "block_order=0", "late_c=0", "chain_kernels=0,block_order=0,late_c=0"]
+SETTINGS = ["", "late_c=0", "block_order=0", "chain_kernels=1"]
 out = []
 rng = np.random.default_rng(0)
 arrays = {}

@@ -42,7 +42,14 @@ class Device(ABC):
         if nstreams < 1:
             raise ValueError(f"streams: got {nstreams!r}, need an int >= 1")
         self.index = index  # worker index in the engine
-        self.nstreams = nstreams
+        self.nstreams = nstreams  # compute streams 0 .. nstreams-1, one task each
+        # Copy streams after them: host loads, peer loads and write-backs each queue on
+        # their own, so a copy never waits behind a kernel of the stream that needs it
+        # next (prefetch), and a peer copy waiting for a peer's fill never holds up host loads.
+        self.h2d_stream = nstreams
+        self.p2p_stream = nstreams + 1
+        self.d2h_stream = nstreams + 2
+        self.n_all_streams = nstreams + 3
         self.cache_bytes = cache_bytes
         self.name = name
         self.heap: OffsetHeap | None = None

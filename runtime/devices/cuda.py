@@ -76,9 +76,9 @@ class CudaDevice(Device):
         heap = self._make_heap(want, alignment=512)
         self.cache_bytes = heap.capacity
         self.base = runtime.malloc(heap.capacity)
-        self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.nstreams)]
+        self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.n_all_streams)]
         self.stream_ptrs = [st.ptr for st in self.streams]
-        for st in self.streams:
+        for st in self.streams[:self.nstreams]:  # cuBLAS runs on the compute streams only
             h = cublas.create()
             cublas.setStream(h, st.ptr)
             self.handles.append(h)

@@ -36,4 +36,153 @@ def axpby(step, scalars, a, b, c) -> None:
     c += scalars[step.beta] * b
 
 
-KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby}
+# ---------------------------------------------------------------- rank-k updates (diagonal tiles)
+
+def _tri_update(c, prod, beta, uplo: int) -> None:
+    """c = prod + beta c on the ``uplo`` triangle of the square c (beta == 0: c not read)."""
+    idx = np.tril_indices(c.shape[0]) if uplo else np.triu_indices(c.shape[0])
+    if beta == 0:
+        c[idx] = prod[idx]
+    else:
+        c[idx] = beta * c[idx] + prod[idx]
+
+
+def _zero_diag_imag(c) -> None:
+    d = np.arange(c.shape[0])
+    c[d, d] = c[d, d].real
+
+
+def _rank_product(step, a, b, alpha, alpha2, conj: bool):
+    """alpha op(a) op(b)^T (+ alpha2 op(b) op(a)^T when b is given); ^H when conj; zeros for k == 0."""
+    if step.k == 0 or a is None:
+        return None
+    x = OPS[step.op_a](a)
+    t = (lambda y: y.conj().T) if conj else (lambda y: y.T)
+    if b is None:
+        prod = x @ t(x)
+        prod *= alpha
+        return prod
+    y = OPS[step.op_a](b)
+    prod = x @ t(y)
+    prod *= alpha
+    prod += alpha2 * (y @ t(x))
+    return prod
+
+
+def _rank_update(step, c, prod, beta) -> None:
+    if prod is None:  # k == 0: C_tri = beta C_tri
+        prod = np.zeros_like(c)
+    _tri_update(c, prod, beta, step.uplo)
+
+
+def syrk(step, scalars, a, b, c) -> None:
+    """c = alpha op(a) op(a)^T + beta c on the uplo triangle; op_a in {N, T}; n = step.n, k = step.k.
+    k == 0 (a is None): c_tri = beta c_tri. (cublasXsyrk(uplo, trans=op_a, n, k, alpha, a, lda, beta, c, ldc))"""
+    _rank_update(step, c, _rank_product(step, a, None, scalars[step.alpha], 0, False), scalars[step.beta])
+
+
+def herk(step, scalars, a, b, c) -> None:
+    """c = alpha op(a) op(a)^H + beta c on the uplo triangle, op_a in {N, C}, alpha and beta
+    real (the real parts of the scalars); the diagonal's imaginary part is set to 0.
+    k == 0 (a is None): c_tri = beta c_tri, imaginary diagonal zeroed. (cublasXherk)"""
+    alpha, beta = scalars[step.alpha].real, scalars[step.beta].real
+    _rank_update(step, c, _rank_product(step, a, None, alpha, 0, True), beta)
+    _zero_diag_imag(c)
+
+
+def syr2k(step, scalars, a, b, c) -> None:
+    """c = alpha op(a) op(b)^T + alpha op(b) op(a)^T + beta c on the uplo triangle, op_a in {N, T}
+    (for both a and b). k == 0: c_tri = beta c_tri.
+    (cublasXsyr2k(uplo, trans=op_a, n, k, alpha, a, lda, b, ldb, beta, c, ldc))"""
+    alpha = scalars[step.alpha]
+    _rank_update(step, c, _rank_product(step, a, b, alpha, alpha, False), scalars[step.beta])
+
+
+def her2k(step, scalars, a, b, c) -> None:
+    """c = alpha op(a) op(b)^H + conj(alpha) op(b) op(a)^H + beta c on the uplo triangle, op_a in
+    {N, C}, beta real; the diagonal's imaginary part is set to 0. k == 0: c_tri = beta c_tri.
+    (cublasXher2k)"""
+    alpha = scalars[step.alpha]
+    _rank_update(step, c, _rank_product(step, a, b, alpha, np.conj(alpha), True), scalars[step.beta].real)
+    _zero_diag_imag(c)
+
+
+# ---------------------------------------------------------------- symmetric / Hermitian multiply
+
+def _full_symmetric(a, uplo: int, hermitian: bool):
+    """The symmetric (Hermitian) matrix defined by the uplo triangle of the square a; the other
+    triangle is not read, nor (Hermitian) the diagonal's imaginary part (BLAS: assumed 0)."""
+    tri = np.tril(a) if uplo else np.triu(a)
+    strict = np.tril(a, -1) if uplo else np.triu(a, 1)
+    full = tri + (strict.conj().T if hermitian else strict.T)
+    if hermitian:
+        np.fill_diagonal(full, a.diagonal().real)
+    return full
+
+
+def _symm(step, scalars, a, b, c, hermitian: bool) -> None:
+    s = _full_symmetric(a, step.uplo, hermitian)
+    prod = s @ b if step.side == 0 else b @ s
+    alpha, beta = scalars[step.alpha], scalars[step.beta]
+    if alpha != 1:
+        prod *= alpha
+    if beta == 0:
+        c[...] = prod
+    else:
+        if beta != 1:
+            c *= beta
+        c += prod
+
+
+def symm(step, scalars, a, b, c) -> None:
+    """side 0: c = alpha S b + beta c; side 1: c = alpha b S + beta c; S symmetric, defined by the
+    uplo triangle of the square a; m = step.m, n = step.n are c's dims.
+    (cublasXsymm(side, uplo, m, n, alpha, a, lda, b, ldb, beta, c, ldc))"""
+    _symm(step, scalars, a, b, c, False)
+
+
+def hemm(step, scalars, a, b, c) -> None:
+    """As ``symm`` with S Hermitian (the imaginary part of a's diagonal is not read). (cublasXhemm)"""
+    _symm(step, scalars, a, b, c, True)
+
+
+# ---------------------------------------------------------------- triangular multiply / solve
+
+def _triangle(a, uplo: int, unit: int):
+    """The uplo triangle of the square a (unit diagonal, a's not read, if unit)."""
+    if unit:
+        t = np.tril(a, -1) if uplo else np.triu(a, 1)
+        np.fill_diagonal(t, 1)
+        return t
+    return np.tril(a) if uplo else np.triu(a)
+
+
+def trmm(step, scalars, a, b, c) -> None:
+    """side 0: c = alpha op(T) b; side 1: c = alpha b op(T); T the uplo triangle of a (unit
+    diagonal if diag). Overwrites c: no beta, c not read.
+    (cublasXtrmm(side, uplo, trans=op_a, diag, m, n, alpha, a, lda, b, ldb, c, ldc), out of place)"""
+    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
+    prod = t @ b if step.side == 0 else b @ t
+    prod *= scalars[step.alpha]
+    c[...] = prod
+
+
+_TRSM = {}
+
+
+def trsm(step, scalars, a, b, c) -> None:
+    """side 0: c = alpha op(T)^-1 c; side 1: c = alpha c op(T)^-1, in place; T the uplo triangle
+    of a (unit diagonal if diag); b is not used. No singularity check (BLAS semantics).
+    (cublasXtrsm(side, uplo, trans=op_a, diag, m, n, alpha, a, lda, c, ldc))"""
+    f = _TRSM.get(c.dtype)
+    if f is None:
+        f = _TRSM[c.dtype] = _blas.get_blas_funcs("trsm", dtype=c.dtype)
+    res = f(scalars[step.alpha], a, c, side=step.side, lower=step.uplo, trans_a=step.op_a,
+            diag=step.diag, overwrite_b=1)
+    if res is not c:
+        c[...] = res
+
+
+KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby,
+           "syrk": syrk, "herk": herk, "syr2k": syr2k, "her2k": her2k,
+           "symm": symm, "hemm": hemm, "trmm": trmm, "trsm": trsm}

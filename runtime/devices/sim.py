@@ -110,7 +110,7 @@ class SimDevice(Device):
     def open(self) -> None:
         heap = self._make_heap(self.cache_bytes)
         self.arena = np.empty(heap.capacity, dtype=np.uint8)
-        self.streams = [_Stream(self, s) for s in range(self.nstreams)]
+        self.streams = [_Stream(self, s) for s in range(self.n_all_streams)]
 
     def close(self) -> None:
         for st in self.streams:

@@ -1,0 +1,382 @@
+"""Planners of the level-3 routines beyond GEMM (the paper's Eq. 1b-1f, Section IV-A).
+
+Like :func:`~blasx.runtime.tasks.plan_gemm`, every planner here is a pure
+function of shapes and flags that returns the call's tasks, one per output
+tile it writes, in canonical (column-major) form with explicit flags:
+
+* ``tile`` is the tile size T; edge tiles are smaller (``tile_ref``);
+* ``lower`` names the *stored* triangle that is read (A of SYMM/HEMM, TRMM,
+  TRSM) or written (C of SYRK/HERK/SYR2K/HER2K): 1 lower, 0 upper;
+* ``op`` is the op code (0 N, 1 T, 2 C) applied to the stored operand;
+* ``alpha_zero`` / ``beta_zero`` let the plan follow BLAS: with alpha == 0
+  A and B are not read, with beta == 0 the written part of C is not read.
+
+Operand slots (indices into the call's operand list) per routine:
+
+==================  ====================================================
+plan_symm           0 A (the square symmetric/Hermitian factor), 1 B, 2 C
+plan_syrk           0 A, 1 C
+plan_syr2k          0 A, 1 B, 2 C
+plan_trmm           0 A (triangular), 1 B (read only), 2 C (the output)
+plan_trsm           0 A (triangular), 1 B (right-hand side, read only as
+                    each task's initial C), 2 X (the output; may be the
+                    same array as B when solving in place)
+==================  ====================================================
+
+Diagonal tiles run the matching tile kernel (``symm``, ``hemm``, ``syrk``,
+``herk``, ``syr2k``, ``her2k``, ``trmm``, ``trsm``: see
+``devices/numpy_kernels.py`` for the contract); every other contribution is a
+``gemm`` step on a *stored* tile, the mirror tile (k, i) with op T (C for the
+Hermitian routines) standing for the unstored (i, k). A task's ``flops`` is
+the sum of its steps' flops by the conventions of ``call.STEP_FLOPS`` (complex
+counts 4 times), so tasks of one call really differ in weight.
+
+Scheduling flags:
+
+* tasks whose steps are all full-tile accumulations (``c = alpha X + beta_s c``)
+  are ``rotatable``; diagonal tiles of the triangle-only routines are not: the
+  late-C fold of the worker (``Knobs.late_c``) adds ``beta * old C`` over the
+  whole tile, which would clobber the triangle that must stay as loaded;
+* a C tile that is only partly written has ``load_c=True`` even with
+  ``beta == 0`` (the untouched triangle is written back as loaded), its
+  kernels then still get ``SC_ZERO`` as beta (the written triangle is not read);
+* TRSM tasks have ``deps`` on the tasks that solve the X tiles they read, read
+  those through TileRefs of slot 2 (kept cached: ``keep_c``), start from B's
+  tile (``c_init``) and are listed level by level (every column of the first
+  block row solved, then the next...), so ready work comes first.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .call import STEP_FLOPS
+from .tasks import (SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step, Task,
+                    tile_order)
+from .tiling import OP_C, OP_N, OP_T, n_tiles, op_tile, tile_ref
+
+# Operand slots, per routine (see the module docstring).
+SYMM_A, SYMM_B, SYMM_C = 0, 1, 2
+SYRK_A, SYRK_C = 0, 1
+SYR2K_A, SYR2K_B, SYR2K_C = 0, 1, 2
+TRMM_A, TRMM_B, TRMM_C = 0, 1, 2
+TRSM_A, TRSM_B, TRSM_X = 0, 1, 2
+
+SIDE_LEFT, SIDE_RIGHT = 0, 1
+UPPER, LOWER = 0, 1
+
+
+def step_flops(step: Step, is_complex: bool) -> float:
+    """Real flops of one step (as ``Call.step_flops``: complex counts 4 times)."""
+    f = STEP_FLOPS[step.kernel](step) if step.kernel in STEP_FLOPS else 2.0 * step.m * step.n * step.k
+    return 4.0 * f if is_complex else f
+
+
+def task_flops(steps: Iterable[Step], is_complex: bool) -> float:
+    return float(sum(step_flops(s, is_complex) for s in steps))
+
+
+def _first_beta(beta_zero: bool) -> int:
+    return SC_ZERO if beta_zero else SC_BETA
+
+
+def _scale(c, beta_ix: int) -> Step:
+    return Step("scale", None, None, OP_N, OP_N, c.rows, c.cols, 0, SC_ALPHA, beta_ix)
+
+
+def _width(index: int, extent: int, tile: int) -> int:
+    return min(tile, extent - index * tile)
+
+
+def _mirror_op(hermitian: bool) -> int:
+    return OP_C if hermitian else OP_T
+
+
+# =========================================================================== SYMM / HEMM
+
+def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bool = False,
+              alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+              block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha S B + beta C`` (side 0) or ``C = alpha B S + beta C`` (side 1).
+
+    C and B are m x n; S is the symmetric (``hermitian``: Hermitian) matrix
+    defined by the ``lower`` (else upper) triangle of the stored square A
+    (m x m for side 0, n x n for side 1). Eq. 1f: C_ij sums S_ik B_kj over k;
+    the diagonal S_ii is a ``symm``/``hemm`` step on A(i, i), a stored S_ik is
+    a gemm on A(i, k) with op N, an unstored one a gemm on the mirror A(k, i)
+    with op T (C). Steps run in k order; the first takes the task's beta.
+    """
+    kernel = "hemm" if hermitian else "symm"
+    mirror = _mirror_op(hermitian)
+    s_dim = m if side == SIDE_LEFT else n
+    tm, tn, ts = n_tiles(m, tile), n_tiles(n, tile), n_tiles(s_dim, tile)
+    first = _first_beta(beta_zero)
+    tasks: list[Task] = []
+    for i, j in tile_order(tm, tn, block):
+        c = tile_ref(SYMM_C, i, j, m, n, tile)
+        if alpha_zero:
+            steps = (_scale(c, first),)
+        else:
+            steps = []
+            for k in range(ts):
+                beta_ix = first if k == 0 else SC_ONE
+                kw = _width(k, s_dim, tile)
+                if side == SIDE_LEFT:  # S_ik B_kj
+                    b = tile_ref(SYMM_B, k, j, m, n, tile)
+                    if k == i:
+                        steps.append(Step(kernel, tile_ref(SYMM_A, i, i, m, m, tile), b, OP_N, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
+                    else:
+                        stored = (i > k) == bool(lower)
+                        a = tile_ref(SYMM_A, i, k, m, m, tile) if stored else tile_ref(SYMM_A, k, i, m, m, tile)
+                        steps.append(Step("gemm", a, b, OP_N if stored else mirror, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
+                else:  # B_ik S_kj
+                    bt = tile_ref(SYMM_B, i, k, m, n, tile)
+                    if k == j:
+                        steps.append(Step(kernel, tile_ref(SYMM_A, j, j, n, n, tile), bt, OP_N, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
+                    else:
+                        stored = (k > j) == bool(lower)
+                        a = tile_ref(SYMM_A, k, j, n, n, tile) if stored else tile_ref(SYMM_A, j, k, n, n, tile)
+                        steps.append(Step("gemm", bt, a, OP_N, OP_N if stored else mirror,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
+            steps = tuple(steps)
+        tasks.append(Task(len(tasks), c, not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=len(steps) > 1))
+    return tasks
+
+
+# =========================================================================== SYRK / HERK
+
+def _triangle(tn: int, lower: int, block: tuple[int, int]) -> list[tuple[int, int]]:
+    """The C tiles (i, j) of the ``lower`` (i >= j) or upper (i <= j) triangle, in block order."""
+    return [(i, j) for i, j in tile_order(tn, tn, block) if (i >= j if lower else i <= j)]
+
+
+def _rank_op(op: int, hermitian: bool) -> int:
+    """The op applied to the second factor's stored tile: op(A)_jk^T (^H) in terms of stored tiles."""
+    if op == OP_N:
+        return _mirror_op(hermitian)
+    return OP_N
+
+
+def _rank_tile(slot: int, op: int, i: int, kk: int, n: int, k: int, tile: int):
+    """Stored tile of op(X) tile (i, kk), op(X) being n x k.
+
+    It is also the right factor of a rank-k gemm step, with op ``_rank_op(op)``:
+    for op N, op(X)_jk^T is X(j, kk) with op T (C); for op T (C), op(X)_jk =
+    X(kk, j)^T (^H), whose transpose (conjugate transpose) is X(kk, j) with op N."""
+    rows, cols = (n, k) if op == OP_N else (k, n)
+    return op_tile(slot, op, i, kk, rows, cols, tile)
+
+
+def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
+              alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+              block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha op(A) op(A)^T + beta C`` (``hermitian``: ^H, real alpha, beta)
+    on the ``lower`` (else upper) triangle of the n x n C (Eq. 1b).
+
+    ``op(A)`` is n x k: A is stored n x k for op N, k x n for op T (SYRK) or C
+    (HERK). Only tiles of the triangle get tasks. A diagonal tile runs one
+    ``syrk``/``herk`` step per k tile on A's tile (load_c always: its other
+    triangle is written back as loaded; not rotatable); an off-diagonal tile
+    runs gemm steps ``op(A)_ik op(A)_jk^T``. With ``alpha == 0`` or ``k == 0``
+    diagonal tiles get one ``syrk``/``herk`` step with ``k == 0`` and no tile
+    (``C_tri = beta C_tri``; HERK also zeroes the diagonal's imaginary part), the
+    others a ``scale``.
+    """
+    kernel = "herk" if hermitian else "syrk"
+    op2 = _rank_op(op, hermitian)
+    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
+    first = _first_beta(beta_zero)
+    skip = alpha_zero or k == 0
+    tasks: list[Task] = []
+    for i, j in _triangle(tn, lower, block):
+        c = tile_ref(SYRK_C, i, j, n, n, tile)
+        diag = i == j
+        if skip:
+            steps = ((Step(kernel, None, None, op, OP_N, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
+                     if diag else (_scale(c, first),))
+        elif diag:
+            steps = tuple(
+                Step(kernel, _rank_tile(SYRK_A, op, i, kk, n, k, tile), None, op, OP_N,
+                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
+                for kk in range(tk))
+        else:
+            steps = tuple(
+                Step("gemm", _rank_tile(SYRK_A, op, i, kk, n, k, tile),
+                     _rank_tile(SYRK_A, op, j, kk, n, k, tile), op, op2,
+                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE)
+                for kk in range(tk))
+        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=(not diag) and len(steps) > 1))
+    return tasks
+
+
+# =========================================================================== SYR2K / HER2K
+
+def plan_syr2k(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
+               alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+               block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha op(A) op(B)^T + alpha op(B) op(A)^T + beta C`` (Eq. 1e) on the
+    ``lower`` (else upper) triangle; ``hermitian``: ``alpha op(A) op(B)^H +
+    conj(alpha) op(B) op(A)^H``, beta real.
+
+    A and B have the same shape (n x k for op N, k x n for op T / C). A
+    diagonal tile runs one ``syr2k``/``her2k`` step per k tile (a = A's tile,
+    b = B's); an off-diagonal tile runs two gemm steps per k tile:
+    ``alpha op(A)_ik op(B)_jk^T`` then ``alpha' op(B)_ik op(A)_jk^T`` with
+    alpha' = conj(alpha) (SC_ALPHA_CONJ) for HER2K.
+    """
+    kernel = "her2k" if hermitian else "syr2k"
+    op2 = _rank_op(op, hermitian)
+    alpha2 = SC_ALPHA_CONJ if hermitian else SC_ALPHA
+    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
+    first = _first_beta(beta_zero)
+    skip = alpha_zero or k == 0
+    tasks: list[Task] = []
+    for i, j in _triangle(tn, lower, block):
+        c = tile_ref(SYR2K_C, i, j, n, n, tile)
+        diag = i == j
+        if skip:
+            steps = ((Step(kernel, None, None, op, op, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
+                     if diag else (_scale(c, first),))
+        elif diag:
+            steps = tuple(
+                Step(kernel, _rank_tile(SYR2K_A, op, i, kk, n, k, tile), _rank_tile(SYR2K_B, op, i, kk, n, k, tile),
+                     op, op, c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
+                for kk in range(tk))
+        else:
+            steps = []
+            for kk in range(tk):
+                kw = _width(kk, k, tile)
+                steps.append(Step("gemm", _rank_tile(SYR2K_A, op, i, kk, n, k, tile),
+                                  _rank_tile(SYR2K_B, op, j, kk, n, k, tile), op, op2,
+                                  c.rows, c.cols, kw, SC_ALPHA, first if kk == 0 else SC_ONE))
+                steps.append(Step("gemm", _rank_tile(SYR2K_B, op, i, kk, n, k, tile),
+                                  _rank_tile(SYR2K_A, op, j, kk, n, k, tile), op, op2,
+                                  c.rows, c.cols, kw, alpha2, SC_ONE))
+            steps = tuple(steps)
+        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=(not diag) and len(steps) > 1))
+    return tasks
+
+
+# =========================================================================== TRMM
+
+def effective_lower(lower: int, op: int) -> bool:
+    """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
+    return bool(lower) != (op != OP_N)
+
+
+def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: int, *,
+              alpha_zero: bool = False, is_complex: bool = False,
+              block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1), out of place
+    (Eq. 1d): C (slot 2) is a separate m x n output; B (slot 1) is only read.
+
+    A is the ``lower`` (else upper) triangle of the stored square A (m x m for
+    side 0, n x n for side 1), with a unit diagonal if ``unit``. Task (i, j)
+    runs the diagonal ``trmm`` step first (it initialises C; no beta, load_c
+    False), then gemm steps ``alpha op(A)_ik B_kj`` (side 0) or ``alpha B_ik
+    op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE. Not
+    rotatable. With ``alpha == 0``, C = 0 and A, B are not read.
+    """
+    eff_lower = effective_lower(lower, op)
+    tm, tn = n_tiles(m, tile), n_tiles(n, tile)
+    tasks: list[Task] = []
+    for i, j in tile_order(tm, tn, block):
+        c = tile_ref(TRMM_C, i, j, m, n, tile)
+        if alpha_zero:
+            steps = (_scale(c, SC_ZERO),)
+        elif side == SIDE_LEFT:  # C_ij = sum_k op(A)_ik B_kj, k <= i (lower) or k >= i (upper)
+            steps = [Step("trmm", tile_ref(TRMM_A, i, i, m, m, tile), tile_ref(TRMM_B, i, j, m, n, tile),
+                          op, OP_N, c.rows, c.cols, c.rows, SC_ALPHA, SC_ZERO, side, lower, unit)]
+            for k in (range(i) if eff_lower else range(i + 1, tm)):
+                steps.append(Step("gemm", op_tile(TRMM_A, op, i, k, m, m, tile), tile_ref(TRMM_B, k, j, m, n, tile),
+                                  op, OP_N, c.rows, c.cols, _width(k, m, tile), SC_ALPHA, SC_ONE))
+            steps = tuple(steps)
+        else:  # C_ij = sum_k B_ik op(A)_kj, k >= j (lower) or k <= j (upper)
+            steps = [Step("trmm", tile_ref(TRMM_A, j, j, n, n, tile), tile_ref(TRMM_B, i, j, m, n, tile),
+                          op, OP_N, c.rows, c.cols, c.cols, SC_ALPHA, SC_ZERO, side, lower, unit)]
+            for k in (range(j + 1, tn) if eff_lower else range(j)):
+                steps.append(Step("gemm", tile_ref(TRMM_B, i, k, m, n, tile), op_tile(TRMM_A, op, k, j, n, n, tile),
+                                  OP_N, op, c.rows, c.cols, _width(k, n, tile), SC_ALPHA, SC_ONE))
+            steps = tuple(steps)
+        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
+    return tasks
+
+
+# =========================================================================== TRSM
+
+def trsm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> list[int]:
+    """Block rows (side 0) or block columns (side 1) of X in solve order (Eq. 1c)."""
+    eff_lower = effective_lower(lower, op)
+    count = n_tiles(m if side == SIDE_LEFT else n, tile)
+    # left: lower op(A) is forward substitution; right: X op(A), upper op(A) is forward.
+    forward = eff_lower if side == SIDE_LEFT else not eff_lower
+    return list(range(count)) if forward else list(range(count - 1, -1, -1))
+
+
+def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: int, *,
+              alpha_zero: bool = False, is_complex: bool = False) -> list[Task]:
+    """Tasks of the solve ``op(A) X = alpha B`` (side 0) or ``X op(A) = alpha B`` (side 1).
+
+    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored
+    square A (m x m for side 0, n x n for side 1), unit diagonal if ``unit``.
+    Left side, forward case (Eq. 1c with the order reversed for the backward
+    case): ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``.
+
+    Task (i, j) starts from B_ij (``c_init``, load_c), runs one gemm step
+    ``c = -op(A)_ik X_kj + beta_s c`` per solved tile (beta_s = SC_ALPHA for the
+    first one: it scales B by alpha, then SC_ONE), then the diagonal ``trsm``
+    step with alpha SC_ONE (SC_ALPHA if it had no update). X tiles are read
+    through TileRefs of slot 2; ``deps`` are the tasks that solve them;
+    ``keep_c`` is set on the tasks whose X tile a later task reads. Tasks are
+    listed level by level (block rows for side 0, block columns for side 1, in
+    solve order), all tiles of a level together. With ``alpha == 0`` X = 0:
+    ``scale`` tasks with no dependencies, A and B not read.
+    """
+    tm, tn = n_tiles(m, tile), n_tiles(n, tile)
+    s_dim = m if side == SIDE_LEFT else n
+    levels = trsm_levels(m, n, tile, side, lower, op)
+    tasks: list[Task] = []
+    if alpha_zero:
+        for i in range(tm):
+            for j in range(tn):
+                c = tile_ref(TRSM_X, i, j, m, n, tile)
+                steps = (_scale(c, SC_ZERO),)
+                tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
+        return tasks
+    tid_of: dict[tuple[int, int], int] = {}
+    last = len(levels) - 1
+    for depth, lv in enumerate(levels):
+        done = levels[:depth]  # solved before this level, in solve order
+        others = range(tn) if side == SIDE_LEFT else range(tm)
+        for o in others:
+            i, j = (lv, o) if side == SIDE_LEFT else (o, lv)
+            c = tile_ref(TRSM_X, i, j, m, n, tile)
+            steps = []
+            deps = []
+            for k in done:
+                beta_ix = SC_ALPHA if not steps else SC_ONE
+                kw = _width(k, s_dim, tile)
+                if side == SIDE_LEFT:
+                    a = op_tile(TRSM_A, op, i, k, m, m, tile)
+                    x = tile_ref(TRSM_X, k, j, m, n, tile)
+                    steps.append(Step("gemm", a, x, op, OP_N, c.rows, c.cols, kw, SC_MINUS_ONE, beta_ix))
+                    deps.append(tid_of[(k, j)])
+                else:
+                    x = tile_ref(TRSM_X, i, k, m, n, tile)
+                    a = op_tile(TRSM_A, op, k, j, n, n, tile)
+                    steps.append(Step("gemm", x, a, OP_N, op, c.rows, c.cols, kw, SC_MINUS_ONE, beta_ix))
+                    deps.append(tid_of[(i, k)])
+            diag = tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile)
+            steps.append(Step("trsm", diag, None, op, OP_N, c.rows, c.cols, diag.rows,
+                              SC_ONE if steps else SC_ALPHA, SC_ONE, side, lower, unit))
+            steps = tuple(steps)
+            tid_of[(i, j)] = len(tasks)
+            tasks.append(Task(len(tasks), c, True, steps, task_flops(steps, is_complex), deps=tuple(deps),
+                              keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile)))
+    return tasks
