@@ -20,7 +20,7 @@ class Knobs:
     #: streams). Concurrent cuBLAS kernels share the SMs and finish together, which
     #: bunches every write-back at the end; chained, they finish staggered and the
     #: copies overlap the kernels still running.
-    chain_kernels: bool = False
+    chain_kernels: bool = True
     #: For beta != 0, compute alpha op(A) op(B) first and fetch the old C tile only for
     #: the last steps (then C += beta * old): C's host traffic moves out of the start,
     #: where A and B loads already saturate the host link.
