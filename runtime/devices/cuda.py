@@ -28,6 +28,10 @@ RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own Cu
 DEFAULT_CACHE_FRACTION = 0.5
 
 
+_PREFIX = {np.dtype(np.float32): "s", np.dtype(np.float64): "d",
+           np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"}
+
+
 def _cublas():
     from cupy_backends.cuda.libs import cublas
     return cublas
@@ -57,10 +61,8 @@ class CudaDevice(Device):
         self._open_records: list = []
         self._peers: set[int] = set()
         self._anchor = (0, 0.0)
-        self._gemm = {}
-        self._scal = {}
-        self._geam = {}
         self._kernels = {}
+        self._blas = {}
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -82,13 +84,12 @@ class CudaDevice(Device):
             h = cublas.create()
             cublas.setStream(h, st.ptr)
             self.handles.append(h)
-        self._gemm = {np.dtype(np.float32): cublas.sgemm, np.dtype(np.float64): cublas.dgemm,
-                      np.dtype(np.complex64): cublas.cgemm, np.dtype(np.complex128): cublas.zgemm}
-        self._scal = {np.dtype(np.float32): cublas.sscal, np.dtype(np.float64): cublas.dscal,
-                      np.dtype(np.complex64): cublas.cscal, np.dtype(np.complex128): cublas.zscal}
-        self._geam = {np.dtype(np.float32): cublas.sgeam, np.dtype(np.float64): cublas.dgeam,
-                      np.dtype(np.complex64): cublas.cgeam, np.dtype(np.complex128): cublas.zgeam}
-        self._kernels = {"gemm": self._k_gemm, "scale": self._k_scale, "axpby": self._k_axpby}
+        self._kernels = {"gemm": self._k_gemm, "scale": self._k_scale, "axpby": self._k_axpby,
+                         "syrk": self._k_rank_k, "herk": self._k_rank_k,
+                         "syr2k": self._k_rank_2k, "her2k": self._k_rank_2k,
+                         "symm": self._k_symm, "hemm": self._k_symm,
+                         "trmm": self._k_trmm, "trsm": self._k_trsm}
+        self._blas = {}
         for peer in range(runtime.getDeviceCount()):
             if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):
                 try:
@@ -181,14 +182,60 @@ class CudaDevice(Device):
 
     def _k_gemm(self, s, step, call, a, b, c) -> None:
         sc, isz = call.scalars.ctypes.data, call.itemsize
-        self._gemm[call.dtype](self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
+        self._routine("gemm", call.dtype)(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
                                sc + step.alpha * isz, a[0], a[1], b[0], b[1],
                                sc + step.beta * isz, c[0], c[1])
+
+    # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
+    # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
+    # codes agree with BLAS. herk's alpha/beta and her2k's beta are real: their pointers go
+    # into the call's real scalar table.
+    def _routine(self, name: str, dtype):
+        key = (name, dtype)
+        fn = self._blas.get(key)
+        if fn is None:
+            fn = getattr(_cublas(), _PREFIX[np.dtype(dtype)] + name)
+            self._blas[key] = fn
+        return fn
+
+    @staticmethod
+    def _ptrs(call, step, real_alpha: bool, real_beta: bool):
+        cplx, real = call.scalars.ctypes.data, call.real_scalars.ctypes.data
+        isz, rsz = call.itemsize, call.real_scalars.itemsize
+        alpha = real + step.alpha * rsz if real_alpha else cplx + step.alpha * isz
+        beta = real + step.beta * rsz if real_beta else cplx + step.beta * isz
+        return alpha, beta
+
+    def _k_rank_k(self, s, step, call, a, b, c) -> None:
+        herm = step.kernel == "herk"
+        alpha, beta = self._ptrs(call, step, herm, herm)
+        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
+                                               alpha, a[0], a[1], beta, c[0], c[1])
+
+    def _k_rank_2k(self, s, step, call, a, b, c) -> None:
+        alpha, beta = self._ptrs(call, step, False, step.kernel == "her2k")
+        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
+                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
+
+    def _k_symm(self, s, step, call, a, b, c) -> None:
+        alpha, beta = self._ptrs(call, step, False, False)
+        self._routine(step.kernel, call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.m, step.n,
+                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
+
+    def _k_trmm(self, s, step, call, a, b, c) -> None:
+        alpha, _ = self._ptrs(call, step, False, False)
+        self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
+                                          step.m, step.n, alpha, a[0], a[1], b[0], b[1], c[0], c[1])
+
+    def _k_trsm(self, s, step, call, a, b, c) -> None:
+        alpha, _ = self._ptrs(call, step, False, False)
+        self._routine("trsm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
+                                          step.m, step.n, alpha, a[0], a[1], c[0], c[1])
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
         """c = alpha c + beta b (cuBLAS geam, in place on c)."""
         sc, isz = call.scalars.ctypes.data, call.itemsize
-        self._geam[call.dtype](self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
+        self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
                                sc + step.beta * isz, b[0], b[1], c[0], c[1])
 
     def _k_scale(self, s, step, call, a, b, c) -> None:
@@ -203,7 +250,7 @@ class CudaDevice(Device):
             return
         sc = call.scalars.ctypes.data + step.beta * isz
         for j in range(step.n):
-            self._scal[call.dtype](self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
+            self._routine("scal", call.dtype)(self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
 
     def record(self, s):
         from cupy.cuda import runtime
