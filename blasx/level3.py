@@ -11,7 +11,7 @@ from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same
 from .operands import TokenTable, canonical, is_cupy, make_operand
 from .runtime.call import Call
 from .runtime.stats import CallStats, DeviceInfo
-from .runtime.tasks import SLOT_A, SLOT_B, SLOT_C, plan_gemm
+from .runtime.tasks import plan_gemm
 from .runtime.tiling import OP_N
 from .tile import choose_tile
 
@@ -139,7 +139,6 @@ def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
     """Canonicalise (transpose trick), plan, submit, and keep the profile."""
     from .operands import column_major_view
 
-    eng = session.engine()
     cm = column_major_view(c)
     staging = None
     if cm is None:  # an output with arbitrary strides: compute into a compact copy, copy back
@@ -153,16 +152,37 @@ def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
         va, opa = canonical(a, trans_a, False)
         vb, opb = canonical(b, trans_b, False)
     m, n = cv.shape
-    tile = choose_tile(eng, m, n, k, dtype)
-    tokens = TokenTable(tile)
-    operands = [make_operand(va, tokens), make_operand(vb, tokens), make_operand(cv, tokens)]
+    submit_planned(
+        "gemm", [va, vb, cv],
+        lambda tile, block: plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
+                                      is_complex=dtype.kind == "c", block=block),
+        dtype, alpha, beta, (m, n, k))
+    if staging is not None:
+        c[...] = staging
+
+
+def block_shape(eng) -> tuple[int, int]:
+    """Blocks of C tiles in queue order (``Knobs.block_order``): 2 x (streams / 2), else single tiles."""
     streams = session.settings().streams
-    block = (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
-    tasks = plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
-                      is_complex=dtype.kind == "c", block=block)
+    return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
+
+
+def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int]) -> None:
+    """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
+
+    ``views`` are the operands in canonical (column-major) form, in the planner's
+    slot order; ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)``
+    sizes the call for the tile choice. Raises the call's error, if any.
+    """
+    eng = session.engine()
+    dtype = np.dtype(dtype)
+    tile = choose_tile(eng, *dims, dtype)
+    tokens = TokenTable(tile)
+    operands = [make_operand(v, tokens) for v in views]
+    tasks = plan(tile, block_shape(eng))
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
-    call = Call("gemm", operands, tasks, dtype, alpha, beta, stats)
+    call = Call(name, operands, tasks, dtype, alpha, beta, stats)
     call.tile = tile
     for d in _backends(eng):
         d.prepare_call(call)
@@ -172,8 +192,6 @@ def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
         for d in _backends(eng):
             d.finish_call(call)
         _tls.profile = stats.profile()
-    if staging is not None:
-        c[...] = staging
 
 
 def _backends(eng):

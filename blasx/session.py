@@ -88,6 +88,11 @@ def shutdown() -> None:
         eng.shutdown()
 
 
+# Workers are non-daemon threads, and the interpreter joins those *before* running atexit
+# hooks: register where concurrent.futures does, so shutdown runs first (a script that never
+# calls blasx.shutdown() must still exit). atexit stays as a fallback for other runtimes.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(shutdown)
 atexit.register(shutdown)
 
 

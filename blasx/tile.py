@@ -1,13 +1,23 @@
 """The tile size, the one tuning knob (the paper's Section V-B).
 
-Per call: the configured tile if any; else the backend's default, shrunk
+Per call: the configured tile if any; else the tile measured best for the
+call's perf-db key (``blasx.tune``, :mod:`blasx.perfdb`), shrunk while a
+device's tile cache could not hold it; else the backend's default, shrunk
 while the call would give the devices too few tasks to share, and while a
 device's tile cache could not hold the tiles its in-flight tasks need.
+
+The perf-db is read once per engine (and again after this process stores
+into it), into a table kept beside the engine: no sqlite query per call.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
+
+from . import perfdb
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
@@ -20,7 +30,7 @@ def tiles_needed(streams: int) -> int:
     return 5 * streams + 4
 
 
-def choose_tile(eng, m: int, n: int, k: int, dtype) -> int:
+def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int:
     itemsize = np.dtype(dtype).itemsize
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
@@ -28,7 +38,14 @@ def choose_tile(eng, m: int, n: int, k: int, dtype) -> int:
         _check_fits(streamed, tile, itemsize)
         return tile
     kind = streamed[0].kind if streamed else "cpu"
-    tile, floor = DEFAULT_TILE[kind], MIN_TILE[kind]
+    floor = MIN_TILE[kind]
+    tile = db_tile(eng, m, n, k, dtype, routine)
+    if tile is not None:
+        while tile > floor and not _fits(streamed, tile, itemsize):
+            tile //= 2
+        if _fits(streamed, tile, itemsize):
+            return tile
+    tile = DEFAULT_TILE[kind]
     tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
     workers = max(1, len(eng.devices))
     while tile > floor and -(-m // tile) * -(-n // tile) < 2 * workers:
@@ -59,3 +76,47 @@ def _check_fits(devices, tile: int, itemsize: int) -> None:
                 f"tile: {tile} needs a tile cache of at least {need} bytes on {d.name} "
                 f"({tiles_needed(d.nstreams)} tiles of {tile}x{tile}x{itemsize} bytes), but it has "
                 f"{d.cache_capacity()}; lower the tile size or raise cache_bytes")
+
+
+# ---------------------------------------------------------------- perf-db look-up
+
+_db_lock = threading.Lock()
+# engine -> (db generation, db location, {(dtype, routine, shape): tile}) of its device model and count
+_db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | None:
+    """The perf-db's tile for this call on ``eng`` (the routine's own entry, else gemm's), or None.
+
+    Never raises: a missing or unreadable db, or anything odd in it, means no entry.
+    """
+    try:
+        if perfdb.disabled():
+            return None
+        table = _table(eng)
+        if not table:
+            return None
+        dt = perfdb.dtype_char(dtype)
+        shape = perfdb.shape_class(m, n, k)
+        tile = table.get((dt, routine, shape))
+        if tile is None and routine != "gemm":
+            tile = table.get((dt, "gemm", shape))
+        return tile
+    except Exception:  # noqa: BLE001 - the perf-db is advice: never break a BLAS call over it
+        return None
+
+
+def _table(eng) -> dict:
+    gen, where = perfdb.generation(), perfdb.location_state()
+    entry = _db_tables.get(eng)
+    if entry is not None and entry[0] == gen and entry[1] == where:
+        return entry[2]
+    with _db_lock:
+        entry = _db_tables.get(eng)
+        if entry is None or entry[0] != gen or entry[1] != where:
+            model, ndev = perfdb.device_key(eng.devices)
+            rows = perfdb.PerfDb().table(model, ndev)
+            table = {(key.dtype, key.routine, key.shape): tile for key, tile in rows.items()}
+            entry = (gen, where, table)
+            _db_tables[eng] = entry
+        return entry[2]

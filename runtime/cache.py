@@ -82,16 +82,18 @@ class ALRU:
     def victim(self) -> Line | None:
         """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end.
 
-        Dead lines (tiles nobody may read again) go before live ones.
+        Dead lines (tiles nobody may read again) sit at the LRU end (``bury``), so they
+        go first and the scan stops at the first idle line.
         """
-        fallback = None
         for line in self._lines.values():
             if line.readers == 0:
-                if line.dead:
-                    return line
-                if fallback is None:
-                    fallback = line
-        return fallback
+                return line
+        return None
+
+    def bury(self, line: Line) -> None:
+        """Mark a line dead and move it to the LRU end: it is the next to go."""
+        line.dead = True
+        self._lines.move_to_end(line.key, last=False)
 
     def remove(self, line: Line) -> None:
         del self._lines[line.key]

@@ -87,7 +87,7 @@ class Directory:
     def add(self, line: Line) -> None:
         self.alrus[line.device].insert(line)
         if line.key[0][0] in self._dead_tokens:
-            line.dead = True
+            self.alrus[line.device].bury(line)
             return
         self._holders.setdefault(line.key, {})[line.device] = line
 
@@ -111,7 +111,7 @@ class Directory:
             del self._dead_tokens[next(iter(self._dead_tokens))]
         for key in [k for k in self._holders if k[0][0] == base]:
             for line in self._holders.pop(key).values():
-                line.dead = True
+                self.alrus[line.device].bury(line)
 
     def lines_of_base(self, base: int, live_only: bool = True) -> int:
         return sum(1 for alru in self.alrus for line in alru

@@ -365,11 +365,12 @@ class StreamWorker(Worker):
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
                         ref.rows * ref.cols * call.itemsize, ref.rows, ref.cols)
             line.ready = ev
+            line.readers = 1  # its kernel and write-back are still queued: not evictable until ev
             with self.directory.lock:
                 if self.alru.peek(line.key) is None:
                     self.directory.add(line)
                     free, kept = tuple(o for o in free if o != act.c_off), (line,)
-        self._push(out, ev, ready=kept, free=free, task=task, finished=True, writeback=True)
+        self._push(out, ev, ready=kept, release=kept, free=free, task=task, finished=True, writeback=True)
         self.slots[s] = None
 
     def _start_c(self, s: int, act: _Active, fills: dict) -> None:

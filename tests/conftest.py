@@ -72,3 +72,9 @@ def tol():
     def _tol(dtype) -> float:
         return 1e-5 if np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.complex64)) else 1e-12
     return _tol
+
+
+@pytest.fixture(autouse=True)
+def _no_perfdb(monkeypatch):
+    """A developer's own `blasx tune` entries must not change the tile sizes tests rely on."""
+    monkeypatch.setenv("BLASX_PERFDB", "off")

@@ -393,8 +393,9 @@ def test_alru_recency_and_victims():
     # readers block eviction
     lines[1].readers = 1
     assert c.victim().key == "c"
-    # dead lines go first, even if more recent
-    lines[0].dead = True
+    # dead lines go first, even if more recent (bury moves them to the LRU end)
+    c.bury(lines[0])
+    assert lines[0].dead and [ln.key for ln in c][0] == "a"
     assert c.victim().key == "a"
     lines[0].readers = 2  # ... unless read
     assert c.victim().key == "c"

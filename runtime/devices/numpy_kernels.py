@@ -3,9 +3,20 @@
 Each kernel updates the C tile ``c`` in place from tiles ``a`` and ``b``,
 with scalars taken from the call's scalar table by the step's indices. BLAS
 rules hold: with ``beta == 0`` C is overwritten and never read.
+
+The triangular/symmetric kernels below are the tile-kernel contract that the
+CUDA backend mirrors with cuBLAS (named in each docstring). Op codes 0 N, 1 T,
+2 C apply to the tile as stored; ``uplo`` 1 = lower; ``side`` 0 = left;
+``diag`` 1 = unit. Only the triangle a kernel reads (``uplo`` of ``a``; the
+diagonal not at all with ``diag`` = 1) is read, and only the triangle it
+writes (``uplo`` of ``c`` for the rank-k kernels) is written, so NaNs in the
+other parts neither leak in nor get overwritten.
 """
 
 from __future__ import annotations
+
+import numpy as np
+from scipy.linalg import blas as _blas
 
 OPS = (lambda x: x, lambda x: x.T, lambda x: x.conj().T)  # indexed by op code N, T, C
 

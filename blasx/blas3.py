@@ -1,0 +1,433 @@
+"""SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM on the engine, with scipy.linalg.blas semantics.
+
+The generic functions (``symm``, ``syrk``, ...) take scipy's signatures,
+defaults and semantics and pick the BLAS type from the arrays (float32,
+float64, complex64, complex128; the Hermitian routines use the complex type
+of the same precision for real input). The prefixed ones (``dsyrk``,
+``zhemm``, ...) are made from a table and cast every array to their type, as
+scipy's do.
+
+Results follow scipy: numpy arrays in, a numpy (F-ordered) result out; cupy
+arrays in, a cupy result out, on a's device. ``overwrite_c`` (``overwrite_b``)
+writes into c (b) and returns it when c (b) is F-contiguous with the
+routine's dtype; otherwise a new array is returned, as f2py does. Operands
+that are neither F- nor C-ordered column-major views are copied to F order
+first (scipy does the same through f2py); C-ordered ones are used through
+their transpose where the routine allows it.
+
+The rank-k routines write only the ``lower`` (else upper) triangle of c; the
+other triangle keeps c's values (zeros when c is None, as scipy's new
+output). HERK and HER2K take real beta (and HERK real alpha) and trans 0 or
+2; scipy's ``zherk`` silently returns zeros for trans=1, blasx raises.
+Following BLAS, with alpha == 0 A and B are not read, with beta == 0 the
+written part of c is not read (NaNs there do not leak), and with alpha == 0
+(or k == 0) and beta == 1 nothing is computed at all.
+
+Input errors name the parameter, the value received and what is allowed;
+nothing is written when the arguments are rejected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+
+import numpy as np
+
+from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
+from .level3 import _as_dtype, _xp, submit_planned
+from .operands import canonical, column_major_view, is_cupy
+from .runtime.plans import plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm
+from .runtime.tiling import OP_C, OP_N, OP_T
+
+COMPLEX_OF = {np.dtype(np.float32): np.dtype(np.complex64), np.dtype(np.float64): np.dtype(np.complex128),
+              np.dtype(np.complex64): np.dtype(np.complex64), np.dtype(np.complex128): np.dtype(np.complex128)}
+DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
+                   "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
+
+
+# ---------------------------------------------------------------- checks
+
+def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
+    """A 0/1 flag (bools allowed): side, lower, diag."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):
+        raise ValueError(f"{name}: got {value!r}, allowed: 0 ({meaning[0]}) or 1 ({meaning[1]})")
+    return int(value)
+
+
+SIDE = ("left: op(a) on the left of b", "right: b on the left of op(a)")
+LOWER = ("upper triangle of a is used", "lower triangle is used")
+LOWER_C = ("upper triangle of c is written", "lower triangle is written")
+DIAG = ("non-unit diagonal, read from a", "unit diagonal, a's diagonal is not read")
+
+
+def _check_real(name: str, value, routine: str):
+    """HERK's alpha and beta, HER2K's beta: real numbers (a complex with zero imaginary part is fine)."""
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        if value.imag != 0:
+            raise TypeError(f"{name}: got complex {value!r}; {routine} takes a real {name}")
+        value = value.real
+    return value
+
+
+def _dtype(forced, *arrays) -> np.dtype:
+    return forced if forced is not None else compute_dtype(*[x for x in arrays if x is not None])
+
+
+def _check_shape(name: str, x, shape: tuple[int, int], why: str) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {shape} ({why})")
+
+
+def _check_no_alias(out_name: str, out, **inputs) -> None:
+    for name, x in inputs.items():
+        if x is not None and shares_memory(out, x):
+            raise ValueError(f"{out_name}: shares memory with {name}; the output must not alias an input")
+
+
+# ---------------------------------------------------------------- operands and outputs
+
+def _writable_in_place(x, dtype, overwrite) -> bool:
+    """f2py's rule: x is written in place when asked to, if it is F-contiguous with the right dtype."""
+    return (x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous
+            and getattr(x.flags, "writeable", True))
+
+
+def _new(xp, shape, dtype, like, fill=None):
+    def make():
+        out = xp.empty(shape, dtype=dtype, order="F") if fill is None else xp.zeros(shape, dtype=dtype, order="F")
+        return out
+    if like is not None and is_cupy(like):
+        with like.device:
+            return make()
+    return make()
+
+
+def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
+    """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype), else a new
+    F-ordered array holding c's values where they survive (``keep_other``: the whole of c,
+    for triangle-only routines or beta != 0), or zeros when c is None."""
+    if _writable_in_place(c, dtype, overwrite_c):
+        return c, True
+    if c is None:
+        return _new(xp, shape, dtype, like, fill=0), False
+    out = _new(xp, shape, dtype, like)
+    if keep_other:
+        out[...] = c
+    return out, False
+
+
+def _f_view(x, xp):
+    """A column-major, non-transposed view of x (x itself when it is one), else an F copy."""
+    cm = column_major_view(x)
+    if cm is not None and not cm[1]:
+        return x
+    return xp.asfortranarray(x)
+
+
+def _tri_view(a, op: int, lower: int, xp):
+    """(V, op', lower'): op'(V) == op(a), V column-major, lower' the triangle of V holding a's."""
+    cm = column_major_view(a)
+    if cm is None:
+        a = xp.asfortranarray(a)
+        cm = (a, False)
+    v, op2 = canonical(a, op, False)
+    # a C-ordered a is V^T (or conj(V^T) materialised): its lower triangle is V's upper one.
+    return v, op2, (1 - lower) if cm[1] else lower
+
+
+def _rank_view(x, trans: int, allowed: tuple[int, ...], xp):
+    """(V, op) with op(V) == op_trans(x) and op in ``allowed``; falls back to an F copy."""
+    v, op = canonical(x, trans, False)
+    if op in allowed:
+        return v, op
+    return _f_view(x, xp), trans
+
+
+# ---------------------------------------------------------------- SYMM / HEMM
+
+def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, name):
+    check_matrix("a", a)
+    check_matrix("b", b)
+    if c is not None:
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
+    side = _check_flag("side", side, SIDE)
+    lower = _check_flag("lower", lower, LOWER)
+    dtype = _dtype(dtype, a, b, c)
+    if hermitian:
+        dtype = COMPLEX_OF[dtype]
+    alpha = check_scalar("alpha", alpha, dtype)
+    beta = check_scalar("beta", beta, dtype)
+    m, n = b.shape
+    s_dim = m if side == 0 else n
+    which = "hermitian" if hermitian else "symmetric"
+    _check_shape("a", a, (s_dim, s_dim),
+                 f"the square {which} factor: with side={side} it has b's {'rows' if side == 0 else 'columns'}, "
+                 f"b.shape={tuple(b.shape)}")
+    if c is not None:
+        _check_shape("c", c, (m, n), "c has b's shape")
+    xp = _xp(on_gpu)
+    if c is None:
+        beta = 0
+    out, in_place = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a)
+    if in_place:
+        _check_no_alias("c", out, a=a, b=b)
+    if m == 0 or n == 0 or (alpha == 0 and beta == 1):
+        return out
+    a = _as_dtype(a, dtype, xp)
+    b = _as_dtype(b, dtype, xp)
+    cm = column_major_view(a)
+    if cm is not None and cm[1] and not hermitian:
+        va, lower = a.T, 1 - lower  # a = V^T and S = S^T: V's other triangle defines the same S
+    else:
+        va = _f_view(a, xp)  # (a Hermitian S from a C-ordered a would need a conjugate copy anyway)
+    vb = _f_view(b, xp)
+    is_complex = dtype.kind == "c"
+    submit_planned(
+        name, [va, vb, out],
+        lambda tile, block: plan_symm(m, n, tile, side, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
+                                      beta_zero=(beta == 0), is_complex=is_complex, block=block),
+        dtype, alpha, beta, (m, n, s_dim))
+    return out
+
+
+def symm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
+    """c = alpha S b + beta c (side=0) or alpha b S + beta c (side=1), as scipy.linalg.blas.?symm.
+
+    S is the symmetric matrix defined by the ``lower`` (else upper) triangle of
+    the square a (m x m for side 0, n x n for side 1, b and c being m x n); the
+    other triangle of a is not read. See the module docstring for dtypes,
+    outputs and layouts.
+    """
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, dtype=None, name="symm")
+
+
+def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
+    """As :func:`symm` with S Hermitian (scipy.linalg.blas.?hemm): the other triangle of a and
+    the imaginary part of its diagonal are not read."""
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, dtype=None, name="hemm")
+
+
+# ---------------------------------------------------------------- SYRK / HERK / SYR2K / HER2K
+
+def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
+    if hermitian:
+        if isinstance(trans, (bool, np.bool_)) or not isinstance(trans, numbers.Integral) or int(trans) not in (0, 2):
+            raise ValueError(f"trans: got {trans!r}; {routine} allows 0 (N: op(a) = a) or 2 (C: op(a) = a^H); "
+                             f"1 (T) is not a Hermitian update")
+        return int(trans)
+    trans = check_trans("trans", trans)
+    if dtype.kind == "c" and trans == 2:
+        raise ValueError(f"trans: got 2 (C) for complex {routine}; allowed: 0 (N) or 1 (T) "
+                         f"(the conjugate transpose update is her{routine[3:]})")
+    return 1 if trans == 2 else trans  # real: C is T
+
+
+def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dtype, name):
+    check_matrix("a", a)
+    if two:
+        check_matrix("b", b)
+    if c is not None:
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
+    lower = _check_flag("lower", lower, LOWER_C)
+    dtype = _dtype(dtype, a, b, c)
+    if hermitian:
+        dtype = COMPLEX_OF[dtype]
+    routine = ("her2k" if two else "herk") if hermitian else ("syr2k" if two else "syrk")
+    trans = _check_rank_trans(trans, dtype, hermitian, routine)
+    if hermitian and not two:
+        alpha = _check_real("alpha", alpha, routine)
+    alpha = check_scalar("alpha", alpha, dtype)
+    if hermitian:
+        beta = _check_real("beta", beta, routine)
+    beta = check_scalar("beta", beta, dtype)
+    n, k = a.shape if trans == OP_N else a.shape[::-1]
+    if two and tuple(b.shape) != tuple(a.shape):
+        raise ValueError(f"b: got shape {tuple(b.shape)}, expected {tuple(a.shape)} (the shape of a)")
+    if c is not None:
+        _check_shape("c", c, (n, n), f"n x n with n = rows of op(a), a.shape={tuple(a.shape)}, trans={trans}")
+    xp = _xp(on_gpu)
+    if c is None:
+        beta = 0
+    out, in_place = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
+    if in_place:
+        _check_no_alias("c", out, a=a, b=b)
+    if n == 0 or ((alpha == 0 or k == 0) and beta == 1):
+        return out  # BLAS quick return: c untouched (also HERK's imaginary diagonal)
+    a = _as_dtype(a, dtype, xp)
+    allowed = (OP_N, OP_C) if hermitian else (OP_N, OP_T)
+    va, op = _rank_view(a, trans, allowed, xp)
+    views = [va]
+    if two:
+        b = _as_dtype(b, dtype, xp)
+        vb, op_b = _rank_view(b, trans, allowed, xp)
+        if op_b != op:  # a and b in different layouts: one op for both, through F views
+            va, op, vb = _f_view(a, xp), trans, _f_view(b, xp)
+            views = [va]
+        views.append(vb)
+    views.append(out)
+    planner = plan_syr2k if two else plan_syrk
+    is_complex = dtype.kind == "c"
+    submit_planned(
+        name, views,
+        lambda tile, block: planner(n, k, tile, op, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
+                                    beta_zero=(beta == 0), is_complex=is_complex, block=block),
+        dtype, alpha, beta, (n, n, k))
+    return out
+
+
+def syrk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+    """c = alpha op(a) op(a)^T + beta c on the ``lower`` (else upper) triangle, as scipy.linalg.blas.?syrk.
+
+    op(a) = a (trans=0) or a^T (trans=1; 2 means 1 for real types and is an
+    error for complex ones). The other triangle of c keeps its values (zeros if
+    c is None). See the module docstring for dtypes, outputs and layouts.
+    """
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, dtype=None,
+                 name="syrk")
+
+
+def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+    """c = alpha op(a) op(a)^H + beta c on the ``lower`` (else upper) triangle, as scipy.linalg.blas.?herk.
+
+    alpha and beta are real; trans is 0 (op(a) = a) or 2 (op(a) = a^H); trans=1
+    raises ValueError (scipy's zherk returns zeros). The diagonal's imaginary
+    part is set to 0 (unless alpha == 0 and beta == 1: then c is untouched, as in BLAS).
+    """
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, dtype=None,
+                 name="herk")
+
+
+def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+    """c = alpha op(a) op(b)^T + alpha op(b) op(a)^T + beta c on the ``lower`` (else upper)
+    triangle, as scipy.linalg.blas.?syr2k (a and b have the same shape; trans as for :func:`syrk`)."""
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, dtype=None,
+                 name="syr2k")
+
+
+def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+    """c = alpha op(a) op(b)^H + conj(alpha) op(b) op(a)^H + beta c on the ``lower`` (else upper)
+    triangle, as scipy.linalg.blas.?her2k: beta real, trans 0 or 2 (as for :func:`herk`)."""
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, dtype=None,
+                 name="her2k")
+
+
+# ---------------------------------------------------------------- TRMM / TRSM
+
+def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, name):
+    check_matrix("a", a)
+    check_matrix("b", b)
+    on_gpu = same_place(a=a, b=b)
+    side = _check_flag("side", side, SIDE)
+    lower = _check_flag("lower", lower, LOWER)
+    trans_a = check_trans("trans_a", trans_a)
+    diag = _check_flag("diag", diag, DIAG)
+    dtype = _dtype(dtype, a, b)
+    alpha = check_scalar("alpha", alpha, dtype)
+    m, n = b.shape
+    s_dim = m if side == 0 else n
+    _check_shape("a", a, (s_dim, s_dim),
+                 f"the square triangular factor: with side={side} it has b's {'rows' if side == 0 else 'columns'}, "
+                 f"b.shape={tuple(b.shape)}")
+    xp = _xp(on_gpu)
+    in_place = _writable_in_place(b, dtype, overwrite_b)
+    if in_place:
+        _check_no_alias("b", b, a=a)
+    if m == 0 or n == 0:
+        return b if in_place else _new(xp, (m, n), dtype, a)
+    a = _as_dtype(a, dtype, xp)
+    vb = b if in_place else _f_view(_as_dtype(b, dtype, xp), xp)
+    va, op, lower_v = _tri_view(a, trans_a, lower, xp)
+    # TRSM writes X over B tile by tile (each B tile is read only by the task that writes it);
+    # TRMM reads every B tile from many tasks, so it computes out of place and copies back.
+    out = b if (solve and in_place) else _new(xp, (m, n), dtype, a)
+    is_complex = dtype.kind == "c"
+
+    def plan(tile, block):
+        if solve:
+            return plan_trsm(m, n, tile, side, lower_v, op, diag, alpha_zero=(alpha == 0), is_complex=is_complex)
+        return plan_trmm(m, n, tile, side, lower_v, op, diag, alpha_zero=(alpha == 0), is_complex=is_complex,
+                         block=block)
+
+    submit_planned(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim))
+    if in_place and out is not b:
+        b[...] = out
+        return b
+    return out
+
+
+def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
+    """b = alpha op(A) b (side=0) or alpha b op(A) (side=1), as scipy.linalg.blas.?trmm.
+
+    A is the ``lower`` (else upper) triangle of the square a, with a unit
+    diagonal (not read) if ``diag``; op is N, T or C for ``trans_a`` 0, 1, 2.
+    The positional order is scipy's: (alpha, a, b, side, lower, trans_a, diag,
+    overwrite_b). The product is computed out of place, then copied into b
+    when ``overwrite_b`` and b is F-contiguous of the right dtype.
+    """
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
+
+
+def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
+    """x with op(A) x = alpha b (side=0) or x op(A) = alpha b (side=1), as scipy.linalg.blas.?trsm.
+
+    A as for :func:`trmm` (positional order as scipy's). With ``overwrite_b``
+    and b F-contiguous of the right dtype, x is written over b, tile by tile.
+    No singularity check is made (BLAS semantics: a zero pivot gives inf/nan).
+    """
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, dtype=None, name="trsm")
+
+
+# ---------------------------------------------------------------- prefixed names (s/d/c/z)
+
+#: routine -> (generic function, its implementation, keyword arguments of the implementation, prefixes)
+_TABLE = {
+    "symm": (symm, _symm, {"hermitian": False}, "sdcz"),
+    "hemm": (hemm, _symm, {"hermitian": True}, "cz"),
+    "syrk": (syrk, _rank, {"hermitian": False, "two": False}, "sdcz"),
+    "herk": (herk, _rank, {"hermitian": True, "two": False}, "cz"),
+    "syr2k": (syr2k, _rank, {"hermitian": False, "two": True}, "sdcz"),
+    "her2k": (her2k, _rank, {"hermitian": True, "two": True}, "cz"),
+    "trmm": (trmm, _tri, {"solve": False}, "sdcz"),
+    "trsm": (trsm, _tri, {"solve": True}, "sdcz"),
+}
+
+
+def _prefixed(prefix: str, routine: str):
+    generic, impl, kw, _ = _TABLE[routine]
+    sig = inspect.signature(generic)
+    dtype = DTYPE_OF_PREFIX[prefix]
+    name = prefix + routine
+
+    def f(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        if routine in ("syrk", "herk"):
+            args["b"] = None
+        order = (("alpha", "a", "b", "side", "lower", "trans_a", "diag", "overwrite_b")
+                 if routine in ("trmm", "trsm") else
+                 ("alpha", "a", "b", "beta", "c", "side", "lower", "overwrite_c")
+                 if routine in ("symm", "hemm") else
+                 ("alpha", "a", "b", "beta", "c", "trans", "lower", "overwrite_c"))
+        return impl(*(args[p] for p in order), dtype=dtype, name=name, **kw)
+
+    f.__name__ = f.__qualname__ = name
+    f.__signature__ = sig
+    f.__module__ = __name__
+    f.__doc__ = (f"{routine.upper()} in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to "
+                 f"{dtype.name} first.\n\n" + (generic.__doc__ or ""))
+    return f
+
+
+PREFIXED = {}
+for _routine, (_g, _i, _kw, _prefixes) in _TABLE.items():
+    for _p in _prefixes:
+        PREFIXED[_p + _routine] = globals()[_p + _routine] = _prefixed(_p, _routine)
+del _routine, _g, _i, _kw, _prefixes, _p
+
+__all__ = list(_TABLE) + sorted(PREFIXED)

@@ -1,0 +1,407 @@
+"""numpy-style ``matmul``, ``dot`` and ``tensordot`` on the blasx engine.
+
+The semantics are numpy's (``np.matmul``, ``np.dot``, ``np.tensordot``):
+shapes, broadcasting, the promotion of 1-D operands, result dtypes, ``out=``
+and the errors. What runs on blasx is the float32 / float64 / complex64 /
+complex128 arithmetic:
+
+* ``matmul`` broadcasts the batch dimensions and runs one gemm per batch
+  item, or one larger gemm when the batch can be stacked without a copy: a
+  shared right operand and a left operand whose batch rows lie at one stride
+  (``(N, n, k) @ (k, m)`` is the ``(N*n, k) @ (k, m)`` gemm), or a shared
+  left operand and a stackable right one (through the transpose).
+* ``dot`` and ``tensordot`` reshape the operands into one gemm, as numpy does.
+
+Everything else falls back to numpy's own functions, unchanged: other dtypes
+(integers, bool, float16, longdouble, object), ndarray subclasses and array-likes
+that override ufuncs, and the ufunc keyword arguments blasx does not handle
+(``order``, ``subok``, ``axes``, ``axis``, ``signature``). Invalid calls are
+handed to numpy too, so the error raised is numpy's own.
+
+Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
+GPU) are computed per batch item on the engine and come back as CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+
+from . import level3
+from .checks import BLAS_DTYPES, shares_memory
+from .operands import is_cupy
+
+# numpy's own functions, taken at import: blasx.offload may replace the ``numpy``
+# module's attributes later, and the fallbacks here must never reach those wrappers.
+_np_matmul = np.matmul
+_np_dot = np.dot
+_np_tensordot = np.tensordot
+
+__all__ = ["matmul", "dot", "tensordot"]
+
+# matmul keyword arguments handled here; any other one goes to np.matmul as given.
+_MATMUL_DEFAULTS = {"casting": "same_kind", "dtype": None}
+
+
+# ---------------------------------------------------------------- matmul
+
+def matmul(x1, x2, /, out=None, **kwargs):
+    """``np.matmul(x1, x2, out=out, **kwargs)`` with the BLAS-type products run on blasx.
+
+    Batch dimensions broadcast; a 1-D first operand is a row (its dimension is
+    removed from the result), a 1-D second operand a column; ``dtype=`` and
+    ``casting=`` select the computation type as numpy's; ``out`` may have any
+    dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
+    returns a numpy scalar, as np.matmul does.
+    """
+    plan = _matmul_plan(x1, x2, out, kwargs)
+    if plan is None:
+        return _fallback_matmul(x1, x2, out, kwargs)
+    a, b, out, ct, casting, xp = plan
+    a1 = a[..., None, :] if a.ndim == 1 else a
+    b1 = b[..., :, None] if b.ndim == 1 else b
+    n, k = a1.shape[-2:]
+    if b1.shape[-2] != k:
+        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's core-dimension mismatch error
+    m = b1.shape[-1]
+    try:
+        batch = np.broadcast_shapes(a1.shape[:-2], b1.shape[:-2])
+    except ValueError:
+        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's broadcast error
+    final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
+    if out is not None and (tuple(out.shape) != final or final == ()):
+        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's output-shape error (or a 0-d out)
+    a1 = _cast(a1, ct)
+    b1 = _cast(b1, ct)
+    direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
+    res = out if direct else xp.empty(final, dtype=ct)
+    if final == ():
+        c = res.reshape(1, 1)  # a fresh 0-d array: a view
+    else:
+        c = res[..., None, :] if a.ndim == 1 else res
+        c = c[..., :, None] if b.ndim == 1 else c
+    a3 = xp.broadcast_to(a1, batch + (n, k))
+    b3 = xp.broadcast_to(b1, batch + (k, m))
+    run_batch(a3, b3, c, xp)
+    if out is not None:
+        if not direct:
+            xp.copyto(out, res, casting=casting)
+        return out
+    if final == ():
+        return res[()]  # numpy returns a scalar for 1-D @ 1-D
+    return res
+
+
+def _matmul_plan(x1, x2, out, kwargs):
+    """(a, b, out, compute dtype, casting, xp) when blasx computes this matmul, else None (numpy does)."""
+    extra = set(kwargs) - set(_MATMUL_DEFAULTS)
+    if extra:
+        return None
+    casting = kwargs.get("casting", "same_kind")
+    if isinstance(out, tuple):
+        if len(out) != 1:
+            return None
+        out = out[0]
+    gpu = is_cupy(x1) or is_cupy(x2) or (out is not None and is_cupy(out))
+    if gpu:
+        if not (is_cupy(x1) and is_cupy(x2) and (out is None or is_cupy(out))):
+            return None
+        import cupy as xp
+        a, b = x1, x2
+    else:
+        xp = np
+        a, b = _plain(x1), _plain(x2)
+        if a is None or b is None or (out is not None and type(out) is not np.ndarray):
+            return None
+    if a.ndim == 0 or b.ndim == 0:
+        return None
+    try:
+        ct = np.dtype(kwargs["dtype"]) if kwargs.get("dtype") is not None else np.result_type(a.dtype, b.dtype)
+    except TypeError:
+        return None
+    if ct not in BLAS_DTYPES or not isinstance(casting, str):
+        return None
+    try:
+        if not (np.can_cast(a.dtype, ct, casting) and np.can_cast(b.dtype, ct, casting)):
+            return None
+        if out is not None and not np.can_cast(ct, out.dtype, casting):
+            return None
+    except (TypeError, ValueError):
+        return None
+    if out is not None and not out.flags.writeable:
+        return None
+    return a, b, out, ct, casting, xp
+
+
+def _fallback_matmul(x1, x2, out, kwargs):
+    if out is not None:
+        kwargs = dict(kwargs, out=out)
+    if any(is_cupy(x) for x in (x1, x2)):
+        import cupy
+        return cupy.matmul(x1, x2, **kwargs)
+    return _np_matmul(x1, x2, **kwargs)
+
+
+# ---------------------------------------------------------------- dot
+
+def dot(a, b, out=None):
+    """``np.dot(a, b, out=out)`` with the BLAS-type products run on blasx as one gemm.
+
+    N-D operands follow np.dot: ``dot(a, b)[i, j, k, m] = sum(a[i, j, :] * b[k, :, m])``,
+    computed as ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out``
+    must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
+    """
+    gpu = is_cupy(a) or is_cupy(b)
+    if gpu:
+        if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
+            return _fallback_dot(a, b, out)
+        import cupy as xp
+        x, y = a, b
+    else:
+        xp = np
+        x, y = _plain(a), _plain(b)
+        if x is None or y is None or (out is not None and type(out) is not np.ndarray):
+            return _fallback_dot(a, b, out)
+    if x.ndim == 0 or y.ndim == 0:
+        return _fallback_dot(a, b, out)  # a product with a scalar: numpy's multiply
+    try:
+        ct = np.result_type(x.dtype, y.dtype)
+    except TypeError:
+        return _fallback_dot(a, b, out)
+    if ct not in BLAS_DTYPES:
+        return _fallback_dot(a, b, out)
+    k = x.shape[-1]
+    kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
+    if k != kb:
+        return _fallback_dot(a, b, out)  # numpy's "shapes not aligned" error
+    final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
+    if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous
+                            or not out.flags.writeable):
+        return _fallback_dot(a, b, out)  # numpy's "output array is not acceptable" error
+    rows = math.prod(x.shape[:-1])
+    cols = math.prod(y.shape[:-2]) * y.shape[-1] if y.ndim >= 2 else 1
+    a2 = _cast(x, ct).reshape(rows, k)
+    b2 = _cast(y, ct).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(_cast(y, ct), -2, 0).reshape(k, cols)
+    direct = out is not None and not _aliases(out, x, y)
+    res = out if direct else xp.empty(final, dtype=ct)
+    gemm_into(a2, b2, res.reshape(a2.shape[0], b2.shape[1]))
+    if out is not None:
+        if not direct:
+            out[...] = res
+        return out
+    if final == ():
+        return res[()]  # numpy returns a scalar for 1-D . 1-D
+    return res
+
+
+def _fallback_dot(a, b, out):
+    if any(is_cupy(x) for x in (a, b)):
+        import cupy
+        return cupy.dot(a, b, out=out)
+    return _np_dot(a, b, out)
+
+
+# ---------------------------------------------------------------- tensordot
+
+def tensordot(a, b, axes=2):
+    """``np.tensordot(a, b, axes)`` with the BLAS-type contraction run on blasx as one gemm.
+
+    ``axes`` is an int N (the last N axes of a with the first N of b) or a pair
+    of axis sequences (or single axes); the free axes of a, then of b, make
+    the result, as numpy's.
+    """
+    gpu = is_cupy(a) or is_cupy(b)
+    if gpu:
+        if not (is_cupy(a) and is_cupy(b)):
+            return _fallback_tensordot(a, b, axes)
+        import cupy as xp
+        x, y = a, b
+    else:
+        xp = np
+        x, y = _plain(a), _plain(b)
+        if x is None or y is None:
+            return _fallback_tensordot(a, b, axes)
+    try:
+        ct = np.result_type(x.dtype, y.dtype)
+    except TypeError:
+        return _fallback_tensordot(a, b, axes)
+    if ct not in BLAS_DTYPES:
+        return _fallback_tensordot(a, b, axes)
+    parsed = _tensordot_axes(x, y, axes)
+    if parsed is None:
+        return _fallback_tensordot(a, b, axes)  # numpy's own error for bad axes or shapes
+    axes_a, axes_b = parsed
+    free_a = [i for i in range(x.ndim) if i not in axes_a]
+    free_b = [i for i in range(y.ndim) if i not in axes_b]
+    kdim = math.prod(x.shape[i] for i in axes_a)
+    mdim = math.prod(x.shape[i] for i in free_a)
+    ndim_ = math.prod(y.shape[i] for i in free_b)
+    a2 = _cast(x, ct).transpose(free_a + axes_a).reshape(mdim, kdim)
+    b2 = _cast(y, ct).transpose(axes_b + free_b).reshape(kdim, ndim_)
+    res = xp.empty((mdim, ndim_), dtype=ct)
+    gemm_into(a2, b2, res)
+    return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
+
+
+def _tensordot_axes(x, y, axes):
+    """numpy's axes rules, as normalized lists (axes_a, axes_b); None when numpy would raise."""
+    try:
+        iter(axes)
+    except TypeError:
+        try:
+            n = operator.index(axes)
+        except TypeError:
+            return None
+        if n < 0 or n > x.ndim or n > y.ndim:
+            return None
+        axes_a, axes_b = list(range(x.ndim - n, x.ndim)), list(range(n))
+    else:
+        try:
+            axes_a, axes_b = axes
+        except (TypeError, ValueError):
+            return None
+        axes_a = _axis_list(axes_a)
+        axes_b = _axis_list(axes_b)
+        if axes_a is None or axes_b is None or len(axes_a) != len(axes_b):
+            return None
+    norm_a, norm_b = [], []
+    for i, j in zip(axes_a, axes_b):
+        if not (-x.ndim <= i < x.ndim and -y.ndim <= j < y.ndim):
+            return None
+        i %= x.ndim
+        j %= y.ndim
+        if x.shape[i] != y.shape[j]:
+            return None
+        norm_a.append(i)
+        norm_b.append(j)
+    if len(set(norm_a)) != len(norm_a) or len(set(norm_b)) != len(norm_b):
+        return None
+    return norm_a, norm_b
+
+
+def _axis_list(v):
+    try:
+        return [operator.index(i) for i in v]
+    except TypeError:
+        try:
+            return [operator.index(v)]
+        except TypeError:
+            return None
+
+
+def _fallback_tensordot(a, b, axes):
+    if any(is_cupy(x) for x in (a, b)):
+        import cupy
+        return cupy.tensordot(a, b, axes)
+    return _np_tensordot(a, b, axes)
+
+
+# ---------------------------------------------------------------- the gemm building blocks
+
+def gemm_into(a2, b2, c2) -> None:
+    """``c2[...] = a2 @ b2`` on the engine; 2-D operands of one BLAS dtype, c2 aliasing neither."""
+    m, k = a2.shape
+    n = b2.shape[1]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        c2[...] = 0
+        return
+    level3.gemm(1, a2, b2, 0, c=c2, overwrite_c=True)
+
+
+def run_batch(a, b, c, xp=np) -> None:
+    """``c[i] = a[i] @ b[i]`` over the common batch dimensions of a (..., n, k), b (..., k, m), c (..., n, m).
+
+    a and b may be broadcast views (zero batch strides); c must be writable
+    and alias neither. One gemm when the batch stacks (see the module
+    docstring), else one gemm per batch item.
+    """
+    batch = tuple(c.shape[:-2])
+    n, k = a.shape[-2:]
+    m = b.shape[-1]
+    count = math.prod(batch)
+    if count == 0 or n == 0 or m == 0:
+        return
+    if k == 0:
+        c[...] = 0
+        return
+    if count == 1:
+        z = (0,) * len(batch)
+        gemm_into(a[z], b[z], c[z])
+        return
+    if xp is np:
+        if _batch_shared(b):  # (N*n, k) @ (k, m)
+            rows = _stack_rows(a)
+            if rows is not None:
+                z = (0,) * len(batch)
+                _stacked(rows, b[z], c, count * n, m, False)
+                return
+        if _batch_shared(a):  # c^T = b^T a^T: (N*m, k) @ (k, n)
+            bt = _stack_rows(np.swapaxes(b, -1, -2))
+            if bt is not None:
+                z = (0,) * len(batch)
+                _stacked(bt, a[z].T, c, count * m, n, True)
+                return
+    for idx in np.ndindex(*batch):
+        gemm_into(a[idx], b[idx], c[idx])
+
+
+def _stacked(lhs, rhs, c, rows: int, cols: int, transposed: bool) -> None:
+    """One gemm of the stacked problem into c's stacked view, or into a buffer copied into c."""
+    target = np.swapaxes(c, -1, -2) if transposed else c
+    view = _stack_rows(target)
+    if view is not None:
+        gemm_into(lhs, rhs, view)
+        return
+    buf = np.empty((rows, cols), dtype=c.dtype)
+    gemm_into(lhs, rhs, buf)
+    target[...] = buf.reshape(target.shape)
+
+
+def _batch_shared(x) -> bool:
+    """True when every batch item of x is the same matrix (all batch strides 0, or size 1)."""
+    return all(s == 0 or d == 1 for d, s in zip(x.shape[:-2], x.strides[:-2]))
+
+
+def _stack_rows(x):
+    """A 2-D view (prod(shape[:-1]), shape[-1]) of x without a copy, or None when its rows
+    do not lie at one stride."""
+    dims = [(d, s) for d, s in zip(x.shape[:-1], x.strides[:-1]) if d != 1]
+    rows = math.prod(x.shape[:-1])
+    for (d0, s0), (d1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * d1:
+            return None
+    row_stride = dims[-1][1] if dims else x.itemsize * max(1, x.shape[-1])
+    if dims and row_stride == 0:
+        return None
+    return np.lib.stride_tricks.as_strided(x, (rows, x.shape[-1]), (row_stride, x.strides[-1]),
+                                           writeable=x.flags.writeable)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _plain(x):
+    """x as a base-class ndarray (array-likes converted), or None when numpy's dispatch must decide
+    (ndarray subclasses, objects with __array_ufunc__ / __array_function__ overrides)."""
+    if type(x) is np.ndarray:
+        return x
+    if isinstance(x, np.generic):
+        return np.asarray(x)
+    if isinstance(x, np.ndarray) or hasattr(type(x), "__array_ufunc__") or hasattr(type(x), "__array_function__"):
+        return None
+    try:
+        arr = np.asarray(x)
+    except Exception:  # noqa: BLE001 - numpy's own call will report it
+        return None
+    return arr if arr.dtype != object else None
+
+
+def _cast(x, dtype):
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _aliases(out, *inputs) -> bool:
+    return any(shares_memory(out, x) for x in inputs)

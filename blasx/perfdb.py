@@ -1,0 +1,440 @@
+"""The perf-db: measured best tile sizes, kept in the user's cache directory.
+
+The tile size is the one tuning knob of BLASX (the paper's Section V-B), and
+its best value depends on the GPU model, the number of GPUs, the precision
+and the problem size. ``blasx.tune()`` measures the candidates and stores
+the winner here; the runtime reads it back when it picks a call's tile
+(``blasx.tile.choose_tile``), before falling back to its heuristic.
+
+Entries are keyed like MIOpen's find-db (a record per problem description,
+looked up before any search is run): a :class:`PerfKey` of
+
+* ``device``: the device model, the device name without its ordinal
+  (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``).
+  Mixed GPU models join with ``+``; a CPU worker beside GPUs adds ``+cpu``;
+* ``ndev``: the number of GPUs (stream devices); 1 for the CPU alone;
+* ``dtype``: the BLAS type character ``s``, ``d``, ``c`` or ``z``;
+* ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
+* ``shape``: the shape class ``(M, N, K)``, each dimension rounded to the
+  nearest power of two in log scale (:func:`shape_class`).
+
+Its text form is ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``.
+
+The file is ``perfdb.sqlite`` in ``$BLASX_CACHE_DIR``, else
+``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``. Each entry keeps the
+winning tile, the measured TFLOPS of every candidate, the date and the blasx
+version. A missing, corrupt, locked or foreign-version file reads as "no
+entry": a BLAS call never fails because of the perf-db. Writers open one
+connection per operation, with a busy timeout and ``BEGIN IMMEDIATE``
+transactions, so several threads or processes may store at once.
+``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+FILENAME = "perfdb.sqlite"
+TIMEOUT_S = 10.0  # sqlite busy timeout: how long a writer waits for another one
+READ_TIMEOUT_S = 1.0  # how long a read waits for a writer's lock before it counts as "no entry"
+DTYPE_CHARS = {np.dtype(np.float32): "s", np.dtype(np.float64): "d",
+               np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"}
+_SEP = "|"
+
+# Bumped by every store/clear in this process, so cached tables (blasx.tile) reload.
+_generation = 0
+_gen_lock = threading.Lock()
+
+
+class PerfDbError(RuntimeError):
+    """The perf-db file could not be written (corrupt, locked too long, not writable)."""
+
+
+class PerfKey(NamedTuple):
+    """What an entry is keyed by (see the module docstring)."""
+
+    device: str
+    ndev: int
+    dtype: str
+    routine: str
+    shape: tuple[int, int, int]
+
+    @property
+    def text(self) -> str:
+        m, n, k = self.shape
+        return _SEP.join((self.device, str(self.ndev), self.dtype, self.routine, f"{m}x{n}x{k}"))
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def parse(cls, text: str) -> "PerfKey":
+        """The key of a text form ``"device|ndev|dtype|routine|MxNxK"``."""
+        parts = text.split(_SEP) if isinstance(text, str) else []
+        try:
+            device, ndev, dtype, routine, shape = parts
+            dims = tuple(int(x) for x in shape.split("x"))
+            if len(dims) != 3:
+                raise ValueError
+            return _checked_key(cls(device, int(ndev), dtype, routine, dims))
+        except ValueError:
+            raise ValueError(f"key: got {text!r}, expected 'device|ndev|dtype|routine|MxNxK' "
+                             f"such as 'NVIDIA H200|2|d|gemm|4096x4096x4096'") from None
+
+
+def generation() -> int:
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    with _gen_lock:
+        _generation += 1
+
+
+def disabled() -> bool:
+    """True when ``$BLASX_PERFDB`` is off/0/no/false: the runtime ignores the db."""
+    return os.environ.get("BLASX_PERFDB", "").strip().lower() in ("0", "off", "no", "false")
+
+
+def cache_dir() -> Path:
+    """``$BLASX_CACHE_DIR``, else ``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``."""
+    d = os.environ.get("BLASX_CACHE_DIR")
+    if d:
+        return Path(d).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "blasx"
+    return Path.home() / ".cache" / "blasx"
+
+
+def default_path() -> Path:
+    return cache_dir() / FILENAME
+
+
+def location_state() -> tuple:
+    """The variables :func:`default_path` depends on (cheap to compare; the runtime reloads when they change)."""
+    env = os.environ
+    return env.get("BLASX_CACHE_DIR"), env.get("XDG_CACHE_HOME"), env.get("HOME")
+
+
+# ---------------------------------------------------------------- keys
+
+def _round_pow2(name: str, x) -> int:
+    if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{name}: got {x!r}, need an int >= 0")
+    x = int(x)
+    if x == 0:
+        return 0
+    p = 1 << (x.bit_length() - 1)  # p <= x < 2p
+    return 2 * p if x * x >= 2 * p * p else p  # nearest power of two in log scale (p * sqrt 2 splits)
+
+
+def shape_class(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """The size bucket of an M x N x K problem: each dimension rounded to the
+    nearest power of two in log scale (5792 -> 4096, 5793 -> 8192; 0 stays 0)."""
+    return _round_pow2("m", m), _round_pow2("n", n), _round_pow2("k", k)
+
+
+def dtype_char(dtype) -> str:
+    """``s``/``d``/``c``/``z`` of a numpy dtype (or of the character itself)."""
+    if isinstance(dtype, str) and dtype in ("s", "d", "c", "z"):
+        return dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in DTYPE_CHARS:
+        raise ValueError(f"dtype: got {dtype!r}, need float32, float64, complex64, complex128 "
+                         f"(or their BLAS characters s, d, c, z)")
+    return DTYPE_CHARS[dt]
+
+
+def device_model(device) -> str:
+    """The model part of a device name: ``"cuda:0 NVIDIA H200"`` -> ``"NVIDIA H200"``;
+    sims and the CPU are ``"sim"`` and ``"cpu"``. Takes a Device or a name."""
+    name = device if isinstance(device, str) else getattr(device, "name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"devices: got {device!r}, need Device objects or device names such as 'cuda:0 NVIDIA H200'")
+    kind = name.partition(":")[0].partition(" ")[0].strip() if isinstance(device, str) else device.kind
+    if kind in ("sim", "cpu"):
+        return kind
+    head, _, rest = name.partition(" ")
+    model = rest.strip() if ":" in head else name.strip()
+    return (model or kind).replace(_SEP, "/")
+
+
+def _is_streamed(device) -> bool:
+    if isinstance(device, str):
+        return device.partition(":")[0].strip() != "cpu"
+    return bool(getattr(device, "streamed", True))
+
+
+def device_key(devices) -> tuple[str, int]:
+    """``(device model, number of GPUs)`` of an engine's device list (see the module docstring)."""
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices: got an empty list, need at least one device")
+    streamed = [d for d in devices if _is_streamed(d)]
+    if not streamed:
+        return "cpu", 1
+    models = sorted({device_model(d) for d in streamed})
+    model = "+".join(models)
+    if len(streamed) < len(devices):
+        model += "+cpu"
+    return model, len(streamed)
+
+
+def _check_routine(routine) -> str:
+    if not isinstance(routine, str) or not routine or not routine.replace("_", "").isalnum() \
+            or routine.lower() != routine:
+        raise ValueError(f"routine: got {routine!r}, need a lower-case routine name such as 'gemm'")
+    return routine
+
+
+def key_for(devices, dtype, m: int, n: int, k: int, routine: str = "gemm") -> PerfKey:
+    """The perf-db key of an M x N x K ``routine`` call in ``dtype`` on ``devices``
+    (Device objects, e.g. ``blasx.engine().devices``, or their names)."""
+    model, ndev = device_key(devices)
+    return PerfKey(model, ndev, dtype_char(dtype), _check_routine(routine), shape_class(m, n, k))
+
+
+def _checked_key(key) -> PerfKey:
+    if not isinstance(key, tuple) or len(key) != 5:
+        raise ValueError(f"key: got {key!r}, need a PerfKey from blasx.perfdb.key_for(...)")
+    key = PerfKey(*key)
+    if not isinstance(key.device, str) or not key.device or _SEP in key.device:
+        raise ValueError(f"key: device {key.device!r} must be a non-empty name without {_SEP!r}")
+    if not isinstance(key.ndev, int) or isinstance(key.ndev, bool) or key.ndev < 1:
+        raise ValueError(f"key: ndev {key.ndev!r} must be an int >= 1")
+    if key.dtype not in ("s", "d", "c", "z"):
+        raise ValueError(f"key: dtype {key.dtype!r} must be one of s, d, c, z")
+    _check_routine(key.routine)
+    if not (isinstance(key.shape, tuple) and len(key.shape) == 3):
+        raise ValueError(f"key: shape {key.shape!r} must be a shape class (M, N, K) from shape_class()")
+    if shape_class(*key.shape) != key.shape:
+        raise ValueError(f"key: shape {key.shape!r} is not a shape class; shape_class() gives "
+                         f"{shape_class(*key.shape)}")
+    return key
+
+
+# ---------------------------------------------------------------- the db
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS schema (version INTEGER NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS entries ("
+    " device TEXT NOT NULL, ndev INTEGER NOT NULL, dtype TEXT NOT NULL, routine TEXT NOT NULL,"
+    " m INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,"
+    " tile INTEGER NOT NULL, results TEXT NOT NULL, date TEXT NOT NULL, version TEXT NOT NULL,"
+    " PRIMARY KEY (device, ndev, dtype, routine, m, n, k))",
+)
+_COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
+
+
+def _blasx_version() -> str:
+    try:
+        from . import __version__
+        return __version__
+    except ImportError:  # blasx half-imported (only during its own import): ask the metadata
+        try:
+            from importlib.metadata import version
+            return version("blasx")
+        except Exception:  # noqa: BLE001 - not installed: still store the entry
+            return "unknown"
+
+
+def _positive_tile(v) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+class PerfDb:
+    """The perf-db file (default: :func:`default_path`, resolved when the object is made)."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path: got {path!r}, need a file path (str or os.PathLike) or None for the default")
+        self.path = Path(path).expanduser() if path is not None else default_path()
+
+    def __repr__(self) -> str:
+        return f"PerfDb({str(self.path)!r})"
+
+    # -- connections: one per operation --
+
+    def _read(self) -> sqlite3.Connection | None:
+        """A read-only connection to a db of this schema version, or None (no file, corrupt, foreign)."""
+        if not self.path.is_file():
+            return None
+        conn = None
+        try:
+            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=READ_TIMEOUT_S)
+            row = conn.execute("SELECT version FROM schema").fetchone()
+            if row is None or row[0] != SCHEMA_VERSION:
+                conn.close()
+                return None
+            return conn
+        except (sqlite3.Error, OSError, ValueError):
+            if conn is not None:
+                conn.close()
+            return None
+
+    def _write(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(self.path), timeout=TIMEOUT_S, isolation_level=None)
+        except (sqlite3.Error, OSError) as e:
+            raise PerfDbError(f"perf-db {self.path}: cannot open it for writing: {e}") from e
+        return conn
+
+    # -- reads (never raise for a bad file) --
+
+    def lookup(self, key: PerfKey) -> int | None:
+        """The stored tile for ``key``, or None (no entry, or no readable db)."""
+        key = _checked_key(key)
+        conn = self._read()
+        if conn is None:
+            return None
+        try:
+            row = conn.execute(
+                "SELECT tile FROM entries WHERE device=? AND ndev=? AND dtype=? AND routine=? AND m=? AND n=? AND k=?",
+                (key.device, key.ndev, key.dtype, key.routine, *key.shape)).fetchone()
+        except sqlite3.Error:
+            return None
+        finally:
+            conn.close()
+        return _positive_tile(row[0]) if row else None
+
+    def table(self, device: str | None = None, ndev: int | None = None) -> dict[PerfKey, int]:
+        """Every valid entry as ``{key: tile}`` (optionally of one device model and count);
+        empty when the db is missing or unreadable. The runtime loads this once per engine."""
+        out: dict[PerfKey, int] = {}
+        for e in self._rows(device, ndev):
+            tile = _positive_tile(e["tile"])
+            if tile is not None:
+                out[e["key"]] = tile
+        return out
+
+    def entries(self) -> list[dict]:
+        """Every entry, as dicts: key (PerfKey), text, device, ndev, dtype, routine,
+        shape, tile, results ({tile: TFLOPS}), date, version."""
+        return self._rows(None, None)
+
+    def _rows(self, device, ndev) -> list[dict]:
+        conn = self._read()
+        if conn is None:
+            return []
+        try:
+            sql, args = f"SELECT {_COLS} FROM entries", ()
+            if device is not None and ndev is not None:
+                sql, args = sql + " WHERE device=? AND ndev=?", (device, ndev)
+            rows = conn.execute(sql + " ORDER BY device, ndev, dtype, routine, m, n, k", args).fetchall()
+        except sqlite3.Error:
+            return []
+        finally:
+            conn.close()
+        out = []
+        for device_, ndev_, dtype, routine, m, n, k, tile, results, date, version in rows:
+            try:
+                key = _checked_key((device_, ndev_, dtype, routine, (m, n, k)))
+                res = {int(t): float(v) for t, v in json.loads(results).items()}
+            except (ValueError, TypeError, AttributeError):
+                continue  # a row some other tool wrote badly: skip it, keep the rest
+            out.append({"key": key, "text": key.text, "device": device_, "ndev": ndev_, "dtype": dtype,
+                        "routine": routine, "shape": (m, n, k), "tile": tile, "results": res,
+                        "date": date, "version": version})
+        return out
+
+    # -- writes (raise PerfDbError when the file cannot take them) --
+
+    def store(self, key: PerfKey, tile: int, results: dict[int, float]) -> None:
+        """Record ``tile`` as the best for ``key``, with the TFLOPS measured for every candidate
+        (``results``: {tile: TFLOPS}); replaces an older entry of the same key."""
+        key = _checked_key(key)
+        if _positive_tile(tile) is None:
+            raise ValueError(f"tile: got {tile!r}, need a positive int")
+        if not isinstance(results, dict):
+            raise ValueError(f"results: got {type(results).__name__}, need a dict {{tile: TFLOPS}}")
+        clean = {}
+        for t, v in results.items():
+            if _positive_tile(t) is None:
+                raise ValueError(f"results: tile {t!r} is not a positive int")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"results: TFLOPS of tile {t} is {v!r}, need a finite number >= 0")
+            clean[str(int(t))] = float(v)
+        if clean and str(tile) not in clean:
+            raise ValueError(f"tile: {tile} is not among the measured tiles {sorted(int(t) for t in clean)}")
+        row = (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile), json.dumps(clean),
+               datetime.now(timezone.utc).isoformat(timespec="seconds"), _blasx_version())
+        conn = self._write()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            self._ensure_schema(conn)
+            conn.execute(f"INSERT OR REPLACE INTO entries ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", row)
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            _rollback(conn)
+            raise PerfDbError(f"perf-db {self.path}: could not store {key.text}: {e} "
+                              f"(`blasx tune --clear` resets a damaged file)") from e
+        finally:
+            conn.close()
+        _bump()
+
+    def clear(self) -> int:
+        """Remove every entry; returns how many there were. A damaged or foreign-version file is deleted."""
+        if not self.path.exists():
+            return 0
+        conn = self._write()
+        damaged = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            self._ensure_schema(conn)
+            n = conn.execute("DELETE FROM entries").rowcount
+            conn.execute("COMMIT")
+        except PerfDbError:  # another schema version
+            _rollback(conn)
+            damaged, n = True, 0
+        except sqlite3.OperationalError as e:  # locked, unreadable: leave the file alone
+            _rollback(conn)
+            raise PerfDbError(f"perf-db {self.path}: could not clear it: {e}") from e
+        except sqlite3.DatabaseError:  # not a database (corrupt)
+            _rollback(conn)
+            damaged, n = True, 0
+        finally:
+            conn.close()
+        if damaged:
+            self._remove()
+        _bump()
+        return max(n, 0)
+
+    def _remove(self) -> int:
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            raise PerfDbError(f"perf-db {self.path}: damaged and cannot be removed: {e}") from e
+        return 0
+
+    def _ensure_schema(self, conn: sqlite3.Connection) -> None:
+        for stmt in _SCHEMA:
+            conn.execute(stmt)
+        row = conn.execute("SELECT version FROM schema").fetchone()
+        if row is None:
+            conn.execute("INSERT INTO schema (version) VALUES (?)", (SCHEMA_VERSION,))
+        elif row[0] != SCHEMA_VERSION:
+            raise PerfDbError(f"perf-db {self.path}: schema version {row[0]}, this blasx uses {SCHEMA_VERSION}; "
+                              f"`blasx tune --clear` starts a new one")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass  # nothing to roll back

@@ -1,0 +1,233 @@
+"""``blasx.tune``: measure the candidate tile sizes and store the winners in the perf-db.
+
+The tile size is the only tuning parameter of BLASX (Section V-B of the
+paper): large tiles saturate the GPU and the PCI-E link, small ones give
+more parallelism. Its best value is measured here, once per device model,
+device count, precision and shape class (see :mod:`blasx.perfdb`), and the
+runtime then reads it back for every call of that class.
+
+For each dtype and size: random host arrays, then for each candidate tile
+an engine configured with that tile, one untimed warm-up call and ``runs``
+timed ``blasx.gemm`` calls (the best one counts), a check of a few rows of C
+against numpy, and finally the fastest correct candidate is stored.
+
+Tuning reconfigures the process-wide engine: run it when no other thread
+uses blasx. The previous ``blasx.configure`` settings are restored at the
+end, also when tuning fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+
+from . import perfdb, session
+
+#: Candidate tiles per backend (capped by the problem's largest dimension).
+DEFAULT_TILES = {"cuda": (2048, 3072, 4096, 6144, 8192), "sim": (32, 64, 128, 256), "cpu": (256, 512, 1024, 2048)}
+#: Problem sizes N (M = N = K) tuned when ``sizes`` is None.
+DEFAULT_SIZES = {"cuda": (8192, 16384), "sim": (256, 512), "cpu": (1024, 2048)}
+DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
+
+
+def default_tiles(kind: str, m: int, n: int, k: int) -> list[int]:
+    """The backend's candidates, each capped at max(M, N, K) (larger tiles cut nothing more)."""
+    if kind not in DEFAULT_TILES:
+        raise ValueError(f"kind: got {kind!r}, need one of {sorted(DEFAULT_TILES)}")
+    cap = max(m, n, k, 1)
+    return sorted({min(t, cap) for t in DEFAULT_TILES[kind]})
+
+
+def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str | None = None, db=None,
+         check_rows: int = 64, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Measure GEMM for every candidate tile and store each winner in the perf-db.
+
+    sizes: N, or a list of sizes, each N (square: M = N = K) or an (M, N, K) triple, e.g.
+        ``[4096, (8192, 8192, 16384)]``; None: the backend's defaults (cuda 8192, 16384;
+        sim 256, 512; cpu 1024, 2048). Sizes of one shape class share one entry (the last wins).
+    dtypes: BLAS characters or numpy dtypes, e.g. ``("d", "s")`` or ``"d,s"``.
+    tiles: candidate tile sizes; None: by backend (cuda 2048/3072/4096/6144/8192,
+        sim 32/64/128/256, cpu 256..2048), capped by the problem size.
+    runs: timed calls per candidate (after one warm-up); the fastest counts.
+    devices: device spec as in ``blasx.configure`` (None: the current setting).
+    db: a :class:`blasx.perfdb.PerfDb`, a file path, or None for the user's perf-db
+        (the one the runtime reads).
+    check_rows: rows of C compared against numpy after each candidate (0: no check).
+    progress: called with one line of text per measured candidate.
+
+    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k,
+    shape (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}),
+    seconds ({tile: [timed runs]}), errors ({tile: relative error of the checked rows}),
+    bad (tiles whose result failed the check: never winners), skipped ({tile: why}, e.g. a
+    tile too big for the tile cache), tile (the winner, or None) and stored (True once in the db).
+    """
+    problems = _check_sizes(sizes)
+    dtype_chars = _check_dtypes(dtypes)
+    candidates = _check_tiles(tiles)
+    if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
+        raise ValueError(f"runs: got {runs!r}, need an int >= 1")
+    if not isinstance(check_rows, int) or isinstance(check_rows, bool) or check_rows < 0:
+        raise ValueError(f"check_rows: got {check_rows!r}, need an int >= 0")
+    if db is None or isinstance(db, perfdb.PerfDb):
+        pdb = db if db is not None else perfdb.PerfDb()
+    elif isinstance(db, str) or hasattr(db, "__fspath__"):
+        pdb = perfdb.PerfDb(db)
+    else:
+        raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
+    say = progress or (lambda line: None)
+
+    prev = session.settings()
+    base = dataclasses.replace(prev, tile=None, trace=False,
+                               devices=devices if devices is not None else prev.devices)
+    rows: list[dict] = []
+    try:
+        session.configure(**dataclasses.asdict(base))  # validates the device spec
+        devs = session.engine().devices
+        streamed = [d for d in devs if d.streamed]
+        kind = streamed[0].kind if streamed else "cpu"
+        if problems is None:
+            problems = [(s, s, s) for s in DEFAULT_SIZES[kind]]
+        rng = np.random.default_rng(seed)
+        for dc in dtype_chars:
+            for m, n, k in problems:
+                row = _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, say)
+                if row["tile"] is not None:
+                    try:
+                        pdb.store(perfdb.PerfKey.parse(row["key"]), row["tile"],
+                                  {t: row["tflops"][t] for t in row["tflops"] if t not in row["bad"]})
+                        row["stored"] = True
+                    except perfdb.PerfDbError as e:
+                        warnings.warn(f"blasx.tune: {e}", RuntimeWarning, stacklevel=2)
+                rows.append(row)
+    finally:
+        session.configure(**dataclasses.asdict(prev))
+    return rows
+
+
+def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, say) -> dict:
+    from .level3 import gemm
+
+    dtype = np.dtype(DTYPES[dc])
+    key = perfdb.key_for(devs, dtype, m, n, k)
+    cands = candidates if candidates is not None else default_tiles(kind, m, n, k)
+    a, b = _rand(rng, (m, k), dtype), _rand(rng, (k, n), dtype)
+    c = np.empty((m, n), dtype, order="F")
+    flops = (8 if dtype.kind == "c" else 2) * m * n * k
+    rows = min(check_rows, m)
+    ref = None
+    if rows:
+        wide = np.complex128 if dtype.kind == "c" else np.float64
+        ref = a[:rows].astype(wide) @ b.astype(wide)
+    tol = 1e-4 if dtype in (np.float32, np.complex64) else 1e-10
+    out = {"key": key.text, "device": key.device, "ndev": key.ndev, "dtype": dc, "routine": key.routine,
+           "m": m, "n": n, "k": k, "shape": key.shape, "tiles": list(cands), "tflops": {}, "seconds": {},
+           "errors": {}, "skipped": {}, "bad": [], "tile": None, "stored": False}
+    for t in cands:
+        session.configure(**dataclasses.asdict(dataclasses.replace(base, tile=t)))
+        try:
+            gemm(1.0, a, b, c=c, overwrite_c=True)  # warm-up: engine start, caches, handles
+        except ValueError as e:  # the tile does not fit a device's tile cache
+            out["skipped"][t] = str(e)
+            say(f"{dc}gemm {m}x{n}x{k} tile {t}: skipped ({e})")
+            continue
+        times = []
+        for _ in range(runs):
+            c[...] = np.nan  # poison: every element must be written again
+            t0 = time.perf_counter()
+            gemm(1.0, a, b, c=c, overwrite_c=True)
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        out["seconds"][t] = times
+        out["tflops"][t] = flops / best / 1e12
+        note = ""
+        if ref is not None:
+            err = float(np.linalg.norm(c[:rows] - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
+            out["errors"][t] = err
+            if not (np.isfinite(err) and err < tol and np.isfinite(c).all()):
+                out["bad"].append(t)
+                note = f", WRONG (relative error {err:.2e} > {tol:g})"
+                warnings.warn(f"blasx.tune: {dc}gemm {m}x{n}x{k} with tile {t} gave a relative error of "
+                              f"{err:.2e} on {rows} rows (tolerance {tol:g}); not a candidate",
+                              RuntimeWarning, stacklevel=3)
+        say(f"{dc}gemm {m}x{n}x{k} tile {t}: {best:.4f} s, {out['tflops'][t]:.4g} TFLOPS{note}")
+    good = {t: v for t, v in out["tflops"].items() if t not in out["bad"]}
+    if good:
+        out["tile"] = max(good, key=lambda t: (good[t], -t))  # ties: the smaller tile (more parallelism)
+    return out
+
+
+def _rand(rng, shape, dtype) -> np.ndarray:
+    x = rng.standard_normal(shape)
+    if dtype.kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return x.astype(dtype)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+
+def _check_sizes(sizes) -> list[tuple[int, int, int]] | None:
+    if sizes is None:
+        return None
+    items = [sizes] if _positive_int(sizes) else sizes
+    out = []
+    if isinstance(items, (list, tuple)):
+        for s in items:
+            if _positive_int(s):
+                out.append((int(s),) * 3)
+            elif isinstance(s, (tuple, list)) and len(s) == 3 and all(_positive_int(x) for x in s):
+                out.append(tuple(int(x) for x in s))
+            else:
+                out = []
+                break
+    if not out:
+        raise ValueError(f"sizes: got {sizes!r}, need N or a non-empty list of sizes, each N (square) or an "
+                         f"(M, N, K) triple of positive ints, e.g. [4096, (8192, 8192, 16384)]; "
+                         f"or None for the backend's defaults")
+    return out
+
+
+def _check_dtypes(dtypes) -> list[str]:
+    given = dtypes
+    if isinstance(dtypes, str):
+        if "," in dtypes or " " in dtypes:
+            dtypes = dtypes.replace(",", " ").split()
+        elif set(dtypes) <= set("sdcz"):
+            dtypes = list(dtypes)  # "ds"
+        else:
+            dtypes = [dtypes]  # "float64"
+    try:
+        items = list(dtypes)
+    except TypeError:
+        items = [given]
+    out: list[str] = []
+    for d in items:
+        try:
+            c = perfdb.dtype_char(d)
+        except ValueError:
+            raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of s, d, c, z "
+                             f"(float32, float64, complex64, complex128)") from None
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise ValueError(f"dtypes: got {given!r}, need one or more of s, d, c, z")
+    return out
+
+
+def _check_tiles(tiles) -> list[int] | None:
+    if tiles is None:
+        return None
+    items = [tiles] if _positive_int(tiles) else tiles
+    try:
+        items = list(items)
+    except TypeError:
+        items = []
+    if not items or not all(_positive_int(t) for t in items):
+        raise ValueError(f"tiles: got {tiles!r}, need positive ints (candidate tile sizes), or None for the "
+                         f"backend's defaults")
+    return sorted({int(t) for t in items})
