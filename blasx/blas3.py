@@ -95,14 +95,13 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
             and getattr(x.flags, "writeable", True))
 
 
-def _new(xp, shape, dtype, like, fill=None):
-    def make():
-        out = xp.empty(shape, dtype=dtype, order="F") if fill is None else xp.zeros(shape, dtype=dtype, order="F")
-        return out
+def _new(xp, shape, dtype, like, zeros=False):
+    """A new F-ordered array (on ``like``'s device for cupy)."""
+    make = xp.zeros if zeros else xp.empty
     if like is not None and is_cupy(like):
         with like.device:
-            return make()
-    return make()
+            return make(shape, dtype=dtype, order="F")
+    return make(shape, dtype=dtype, order="F")
 
 
 def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
@@ -112,7 +111,7 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
     if _writable_in_place(c, dtype, overwrite_c):
         return c, True
     if c is None:
-        return _new(xp, shape, dtype, like, fill=0), False
+        return _new(xp, shape, dtype, like, zeros=True), False
     out = _new(xp, shape, dtype, like)
     if keep_other:
         out[...] = c
@@ -397,24 +396,25 @@ _TABLE = {
 }
 
 
+#: the implementation's positional parameters, per routine family
+_ORDER = {_symm: ("alpha", "a", "b", "beta", "c", "side", "lower", "overwrite_c"),
+          _rank: ("alpha", "a", "b", "beta", "c", "trans", "lower", "overwrite_c"),
+          _tri: ("alpha", "a", "b", "side", "lower", "trans_a", "diag", "overwrite_b")}
+
+
 def _prefixed(prefix: str, routine: str):
+    """``prefix + routine`` (e.g. ``dsyrk``): the generic routine's signature, every array cast to the prefix's type."""
     generic, impl, kw, _ = _TABLE[routine]
     sig = inspect.signature(generic)
     dtype = DTYPE_OF_PREFIX[prefix]
     name = prefix + routine
+    order = _ORDER[impl]
 
     def f(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        args = dict(bound.arguments)
-        if routine in ("syrk", "herk"):
-            args["b"] = None
-        order = (("alpha", "a", "b", "side", "lower", "trans_a", "diag", "overwrite_b")
-                 if routine in ("trmm", "trsm") else
-                 ("alpha", "a", "b", "beta", "c", "side", "lower", "overwrite_c")
-                 if routine in ("symm", "hemm") else
-                 ("alpha", "a", "b", "beta", "c", "trans", "lower", "overwrite_c"))
-        return impl(*(args[p] for p in order), dtype=dtype, name=name, **kw)
+        given = bound.arguments
+        return impl(*(given.get(p) for p in order), dtype=dtype, name=name, **kw)  # syrk/herk: b is None
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
