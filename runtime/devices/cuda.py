@@ -194,7 +194,11 @@ class CudaDevice(Device):
         key = (name, dtype)
         fn = self._blas.get(key)
         if fn is None:
-            fn = getattr(_cublas(), _PREFIX[np.dtype(dtype)] + name)
+            prefix = _PREFIX[np.dtype(dtype)]
+            fn = getattr(_cublas(), prefix + name, None)
+            if fn is None:  # not bound by CuPy: the same libcublas through ctypes
+                from .cublas_ctypes import routine
+                fn = routine(prefix, name)
             self._blas[key] = fn
         return fn
 

@@ -1,0 +1,54 @@
+"""cuBLAS routines that CuPy's bindings lack, called through ctypes.
+
+CuPy 14's ``cupy_backends.cuda.libs.cublas`` has gemm, syrk and trsm but not
+symm, hemm, syr2k, her2k, herk or trmm (seen on the H200 machine). These are
+taken from the very libcublas CuPy loaded (found in ``/proc/self/maps``), so a
+handle CuPy created is valid here. ctypes releases the GIL during the call.
+Argument types are declared per routine: pointers must not be truncated to C ints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+P, I = ctypes.c_void_p, ctypes.c_int
+_CODES = {"P": P, "i": I}
+# handle, then the routine's arguments (P: pointer, i: int), as in cublas_api.h (v2 API)
+SIGNATURES = {
+    "symm": "PiiiiPPiPiPPi", "hemm": "PiiiiPPiPiPPi",
+    "syr2k": "PiiiiPPiPiPPi", "her2k": "PiiiiPPiPiPPi",
+    "syrk": "PiiiiPPiPPi", "herk": "PiiiiPPiPPi",
+    "trmm": "PiiiiiiPPiPiPi", "trsm": "PiiiiiiPPiPi",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def libcublas() -> ctypes.CDLL:
+    """The libcublas already mapped into this process (CuPy loads it first)."""
+    from cupy_backends.cuda.libs import cublas  # noqa: F401 - makes sure it is loaded
+    paths = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "/libcublas.so" in path and path not in paths:
+                paths.append(path)
+    if not paths:
+        raise OSError("libcublas is not loaded in this process (looked in /proc/self/maps)")
+    return ctypes.CDLL(paths[0])
+
+
+@functools.lru_cache(maxsize=None)
+def routine(prefix: str, name: str):
+    """cublas<prefix><name>_v2 with its argument types, returning a checked callable."""
+    sym = f"cublas{prefix.upper()}{name}_v2"
+    fn = getattr(libcublas(), sym)
+    fn.argtypes = [_CODES[c] for c in SIGNATURES[name]]
+    fn.restype = I
+
+    def call(*args):
+        status = fn(*args)
+        if status != 0:
+            raise RuntimeError(f"{sym} failed with cublasStatus_t {status}")
+    call.__name__ = sym
+    return call
