@@ -100,8 +100,8 @@ class Call:
 
     def is_ready(self, task: Task) -> bool:
         """A task may start once the tasks it depends on have finished (TRSM)."""
-        if not task.deps:
-            return True
+        if not task.deps or self.error is not None:
+            return True  # a failed call's tasks are "ready" to be dropped, so none is stuck waiting
         fin = self._finished_tids
         return all(d in fin for d in task.deps)
 

@@ -247,8 +247,9 @@ class Engine:
                     self._fail_call(call, DeviceError(self._unrunnable_message(call)), exc)
                     call.account(task)
                 else:
+                    # In front: later tasks of the call may depend on it (TRSM).
                     task.worker = -1
-                    self.queues["gpu" if call.device_only else "any"].put(task)
+                    self.queues["gpu" if call.device_only else "any"].put_front(task)
         self._fail_unrunnable()
         self._poke()
 
@@ -269,7 +270,7 @@ class Engine:
                 if t.call.failed:
                     t.call.account(t)
                 else:
-                    self.queues["gpu" if t.call.device_only else "any"].put(t)
+                    self.queues["gpu" if t.call.device_only else "any"].put_front(t)
         if not any(w.alive for w in self.workers):
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):

@@ -27,6 +27,10 @@ class TaskQueue(Generic[T]):
     def put(self, item: T) -> None:
         self._items.append(item)
 
+    def put_front(self, item: T) -> None:
+        """Put ``item`` first (re-queued work that others may depend on)."""
+        self._items.appendleft(item)
+
     def put_many(self, items: Iterable[T]) -> None:
         self._items.extend(items)
 

@@ -53,6 +53,10 @@ class ReservationStation:
     def free_slots(self) -> int:
         return self.capacity - len(self._tasks)
 
+    def any_ready(self, ready: Callable[[Task], bool]) -> bool:
+        with self._lock:
+            return any(ready(t) for t in self._tasks)
+
     def push(self, task: Task) -> None:
         with self._lock:
             self._tasks.append(task)

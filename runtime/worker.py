@@ -109,7 +109,10 @@ class Worker(threading.Thread):
 
     def fill_station(self) -> None:
         st = self.station
-        while not self.stopping and st.free_slots() > 0:
+        # Up to capacity; beyond it (to 4x) only while nothing held is ready, so a station
+        # full of tasks waiting on dependencies cannot starve the tasks they wait for.
+        while not self.stopping and (st.free_slots() > 0 or
+                                     (len(st) < 4 * st.capacity and not st.any_ready(self.engine.is_ready))):
             t = self._pull()
             if t is None:
                 break

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -457,3 +460,25 @@ def test_trsm_on_a_slow_device_respects_dependencies(rand, rel_err, monkeypatch)
     assert x_reads == 40 * (1 + 2)
     assert totals["misses"] <= 6 * 3, totals
     assert totals["l1_hits"] + totals["l2_hits"] >= x_reads
+
+
+def test_trsm_survives_a_device_failure():
+    """A device breaks in the middle of a TRSM (a chain of 12 dependent tiles): the call must end,
+    with the right X or with a DeviceError, never hang. Run in a subprocess: a hang is a timeout."""
+    script = textwrap.dedent("""
+        import numpy as np, scipy.linalg.blas as sb, blasx
+        blasx.configure(devices="sim:2,fail=0@2", tile=16)
+        rng = np.random.default_rng(0)
+        m, n = 192, 16
+        a = np.asfortranarray(rng.standard_normal((m, m)) / (2 * m) + 2 * np.eye(m))
+        b = np.asfortranarray(rng.standard_normal((m, n)))
+        try:
+            x = blasx.trsm(1.0, a, b, lower=1)
+            assert np.linalg.norm(x - sb.dtrsm(1.0, a, b, lower=1)) <= 1e-12 * np.linalg.norm(x)
+        except blasx.DeviceError as exc:
+            print("failed loudly:", exc)
+        blasx.shutdown()
+        print("finished")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=8)
+    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]

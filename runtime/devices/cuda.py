@@ -210,14 +210,26 @@ class CudaDevice(Device):
         beta = real + step.beta * rsz if real_beta else cplx + step.beta * isz
         return alpha, beta
 
+    @staticmethod
+    def _inputs(step, c, *tiles):
+        """(pointer, ld) of each input tile; a step with k == 0 has none (alpha == 0 or an
+        empty inner dimension: only C = beta C on the triangle), so pass C's pointer, which
+        cuBLAS does not read then, with a valid leading dimension."""
+        if step.k == 0:
+            dummy = (c[0], max(1, step.n))
+            return tuple(dummy for _ in tiles)
+        return tiles
+
     def _k_rank_k(self, s, step, call, a, b, c) -> None:
         herm = step.kernel == "herk"
         alpha, beta = self._ptrs(call, step, herm, herm)
+        (a,) = self._inputs(step, c, a)
         self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
                                                alpha, a[0], a[1], beta, c[0], c[1])
 
     def _k_rank_2k(self, s, step, call, a, b, c) -> None:
         alpha, beta = self._ptrs(call, step, False, step.kernel == "her2k")
+        a, b = self._inputs(step, c, a, b)
         self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
                                                alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
 
