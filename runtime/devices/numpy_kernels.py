@@ -21,9 +21,8 @@ from scipy.linalg import blas as _blas
 OPS = (lambda x: x, lambda x: x.T, lambda x: x.conj().T)  # indexed by op code N, T, C
 
 
-def gemm(step, scalars, a, b, c) -> None:
-    prod = OPS[step.op_a](a) @ OPS[step.op_b](b)
-    alpha, beta = scalars[step.alpha], scalars[step.beta]
+def _accumulate(c, prod, alpha, beta) -> None:
+    """c = alpha prod + beta c in place (``prod`` is a temporary it may scale); beta 0: C not read."""
     if alpha != 1:
         prod *= alpha
     if beta == 0:
@@ -32,6 +31,10 @@ def gemm(step, scalars, a, b, c) -> None:
         if beta != 1:
             c *= beta
         c += prod
+
+
+def gemm(step, scalars, a, b, c) -> None:
+    _accumulate(c, OPS[step.op_a](a) @ OPS[step.op_b](b), scalars[step.alpha], scalars[step.beta])
 
 
 def scale(step, scalars, a, b, c) -> None:
@@ -133,16 +136,7 @@ def _full_symmetric(a, uplo: int, hermitian: bool):
 
 def _symm(step, scalars, a, b, c, hermitian: bool) -> None:
     s = _full_symmetric(a, step.uplo, hermitian)
-    prod = s @ b if step.side == 0 else b @ s
-    alpha, beta = scalars[step.alpha], scalars[step.beta]
-    if alpha != 1:
-        prod *= alpha
-    if beta == 0:
-        c[...] = prod
-    else:
-        if beta != 1:
-            c *= beta
-        c += prod
+    _accumulate(c, s @ b if step.side == 0 else b @ s, scalars[step.alpha], scalars[step.beta])
 
 
 def symm(step, scalars, a, b, c) -> None:
