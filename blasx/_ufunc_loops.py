@@ -27,9 +27,16 @@ ctypes-only trampoline would run Python for every ``@`` (about +2.6 us a call
 here, +100% and more for small matrices), so the trampoline is a few lines of
 C (``TRAMPOLINE_C`` below), compiled once with the system C compiler into the
 blasx cache directory (``$BLASX_CACHE_DIR``, ``$XDG_CACHE_HOME/blasx``,
-``~/.cache/blasx``) and loaded with ctypes. Without a C compiler the same
-logic runs as a ctypes callback (``TRAMPOLINE`` tells which is in use) and a
-RuntimeWarning says what that costs.
+``~/.cache/blasx``) and loaded with ctypes. Without a C compiler (or with
+``$BLASX_OFFLOAD_PURE_CTYPES`` set) the same logic runs as ctypes callbacks
+(``trampoline().kind`` is ``"c"`` or ``"ctypes"``) and a RuntimeWarning says
+what that costs.
+
+Install order: numpy's loop is read from the ufunc object first (``peek_loop``:
+the ``functions``/``types`` fields of the public PyUFuncObject struct, used
+only when they agree with the ufunc's Python attributes) and handed to the
+trampoline before the trampoline goes in, so a thread running ``@`` meanwhile
+never finds it without a loop to call; ``oldfunc`` is then checked against it.
 
 Threshold: calls whose flop count ``f * N * n * k * m`` (f = 2 real, 8
 complex) is >= the threshold go to the hook; zero-flop calls never do. The
@@ -318,7 +325,8 @@ _trampoline_lock = threading.Lock()
 
 
 def trampoline():
-    """The process' trampoline (built on first use): a ``_CTrampoline`` or, without a C compiler, a ``_PyTrampoline``."""
+    """The process' trampoline, built on first use: a ``_CTrampoline``, or a ``_PyTrampoline`` without a
+    C compiler (or with ``$BLASX_OFFLOAD_PURE_CTYPES`` set)."""
     global _trampoline
     with _trampoline_lock:
         if _trampoline is None:

@@ -5,11 +5,13 @@ shapes, broadcasting, the promotion of 1-D operands, result dtypes, ``out=``
 and the errors. What runs on blasx is the float32 / float64 / complex64 /
 complex128 arithmetic:
 
-* ``matmul`` broadcasts the batch dimensions and runs one gemm per batch
-  item, or one larger gemm when the batch can be stacked without a copy: a
-  shared right operand and a left operand whose batch rows lie at one stride
-  (``(N, n, k) @ (k, m)`` is the ``(N*n, k) @ (k, m)`` gemm), or a shared
-  left operand and a stackable right one (through the transpose).
+* ``matmul`` broadcasts the batch dimensions. When one operand is the same
+  for every batch item it runs one larger gemm: ``(N, n, k) @ (k, m)`` is the
+  ``(N*n, k) @ (k, m)`` gemm (on a view when the batch rows lie at one
+  stride, else on a copy of the left operand), ``(n, k) @ (N, k, m)`` is
+  ``(n, k) @ (k, N*m)`` (the right operand copied side by side, or the
+  transposed problem on a view where its layout allows). Otherwise it runs
+  one gemm per batch item.
 * ``dot`` and ``tensordot`` reshape the operands into one gemm, as numpy does.
 
 Everything else falls back to numpy's own functions, unchanged: other dtypes
@@ -333,18 +335,29 @@ def run_batch(a, b, c, xp=np) -> None:
         gemm_into(a[z], b[z], c[z])
         return
     if xp is np:
-        if _batch_shared(b):  # (N*n, k) @ (k, m)
+        z = (0,) * len(batch)
+        shared_a, shared_b = _batch_shared(a), _batch_shared(b)
+        if shared_a and shared_b:  # every item is the same product
+            gemm_into(a[z], b[z], c[z])
+            c[...] = c[z]
+            return
+        if shared_b:  # (N*n, k) @ (k, m); a copied to stacked rows when its rows lie at several strides
             rows = _stack_rows(a)
-            if rows is not None:
-                z = (0,) * len(batch)
-                _stacked(rows, b[z], c, count * n, m, False)
-                return
-        if _batch_shared(a):  # c^T = b^T a^T: (N*m, k) @ (k, n)
+            if rows is None:
+                rows = np.ascontiguousarray(a).reshape(count * n, k)
+            _stacked(rows, b[z], c, count * n, m, False)
+            return
+        if shared_a:
             bt = _stack_rows(np.swapaxes(b, -1, -2))
-            if bt is not None:
-                z = (0,) * len(batch)
+            if bt is not None:  # c^T = b^T a^T: (N*m, k) @ (k, n)
                 _stacked(bt, a[z].T, c, count * m, n, True)
                 return
+            # a @ [b_1 ... b_N]: b copied side by side, (n, k) @ (k, N*m)
+            wide = np.ascontiguousarray(np.moveaxis(b.reshape(count, k, m), 0, 1)).reshape(k, count * m)
+            buf = np.empty((n, count * m), dtype=c.dtype)
+            gemm_into(a[z], wide, buf)
+            c[...] = np.moveaxis(buf.reshape(n, count, m), 1, 0).reshape(c.shape)
+            return
     for idx in np.ndindex(*batch):
         gemm_into(a[idx], b[idx], c[idx])
 

@@ -183,21 +183,21 @@ def test_mixing_numpy_with_a_device_array(sim2, abc):
 
 def test_matmul_errors(sim2, rand):
     a, b = rand((6, 4)), rand((5, 3))
-    expect(TypeError, "a:", "got list", call=lambda: blasx.matmul([[1.0]], b))
-    expect(TypeError, "b:", "got tuple", call=lambda: blasx.matmul(a, ((1.0,),)))
-    expect(ValueError, "a:", "3-D", call=lambda: blasx.matmul(np.ones((2, 2, 2)), b))
-    expect(ValueError, "b:", "0-D", call=lambda: blasx.matmul(a, np.ones(())))
-    expect(ValueError, "a, b", "(6, 4)", "(5, 3)", call=lambda: blasx.matmul(a, b))
+    expect(TypeError, "a:", "got list", call=lambda: blasx.level3.matmul([[1.0]], b))
+    expect(TypeError, "b:", "got tuple", call=lambda: blasx.level3.matmul(a, ((1.0,),)))
+    expect(ValueError, "a:", "3-D", call=lambda: blasx.level3.matmul(np.ones((2, 2, 2)), b))
+    expect(ValueError, "b:", "0-D", call=lambda: blasx.level3.matmul(a, np.ones(())))
+    expect(ValueError, "a, b", "(6, 4)", "(5, 3)", call=lambda: blasx.level3.matmul(a, b))
     b = rand((4, 3))
     out = np.zeros((6, 4))
     before = out.tobytes()
-    expect(ValueError, "out:", "(6, 4)", "expected (6, 3)", call=lambda: blasx.matmul(a, b, out=out))
+    expect(ValueError, "out:", "(6, 4)", "expected (6, 3)", call=lambda: blasx.level3.matmul(a, b, out=out))
     out = np.zeros((6, 3), dtype=np.float32)
-    expect(TypeError, "out:", "float32", "float64", call=lambda: blasx.matmul(a, b, out=out))
+    expect(TypeError, "out:", "float32", "float64", call=lambda: blasx.level3.matmul(a, b, out=out))
     big = rand((6, 8))
     a2, out2 = big[:, :4], big[:, 2:5]
     before = big.tobytes()
-    expect(ValueError, "out:", "shares memory with a", call=lambda: blasx.matmul(a2, b, out=out2))
+    expect(ValueError, "out:", "shares memory with a", call=lambda: blasx.level3.matmul(a2, b, out=out2))
     assert big.tobytes() == before
 
 

@@ -1,0 +1,323 @@
+"""``scipy.linalg.blas`` with the level-3 routines running on blasx: ``from blasx.linalg import blas``.
+
+The level-3 wrappers ``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm
+?trsm`` (s, d, c, z as scipy has them: ``hemm``, ``herk`` and ``her2k`` only c
+and z) have scipy's names, positional order, keywords, defaults and return
+conventions, and f2py's conversions:
+
+* every array argument is converted to the routine's dtype first (lists
+  accepted; complex to real discards the imaginary part with numpy's
+  ComplexWarning, as f2py's cast does); a 0-d argument is a 1x1 matrix, a 1-D
+  one a column;
+* alpha and beta are converted as f2py does (a complex value for a real
+  routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads as
+  real, lose their imaginary part, with a ComplexWarning here); the int flags
+  (``trans*``, ``side``, ``lower``, ``diag``, ``overwrite_*``) are converted
+  with ``int()``;
+* the result is a new F-ordered array, or c (b for trmm/trsm) itself when
+  ``overwrite_c`` (``overwrite_b``) is set and c is F-contiguous, writable and
+  of the routine's dtype, exactly when scipy writes in place;
+* ``?trmm`` takes a larger ``a`` whose leading ``k x k`` block is the
+  triangle, as scipy's wrapper does (``k <= a.shape[1] <= a.shape[0]``).
+
+Where scipy hands a bad value to BLAS (which prints "On entry to ZHERK
+parameter number 2 had an illegal value" and returns an unspecified array,
+e.g. ``zherk(trans=1)``, ``zsyrk(trans=2)``, inconsistent shapes that pass
+f2py's checks), blasx raises ValueError naming the parameter, the value and
+what is allowed. Errors that scipy raises, blasx raises too (ValueError or
+TypeError, with its own message).
+
+``get_blas_funcs`` and ``find_best_blas_type`` select the prefix exactly as
+scipy's do. Level-3 functions they return are blasx's, with the attributes
+scipy's carry: ``typecode`` and ``prefix`` (``'d'`` ...), ``dtype``,
+``int_dtype``, and ``module_name = 'blasx'`` (scipy puts ``'fblas'`` or
+``'cblas'`` there, naming the extension module the routine came from; blasx
+names itself). Every other name of scipy.linalg.blas (level 1 and 2
+routines, ``HAS_ILP64``, ...) is scipy's own object, forwarded through the
+module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
+
+The level-3 functions always run on the blasx engine (no size threshold: use
+:func:`blasx.offload` to keep small calls on the CPU BLAS).
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import warnings
+
+import numpy as np
+import scipy.linalg.blas as _sp
+
+from ..operands import is_cupy
+
+MODULE_NAME = "blasx"
+
+#: routine -> the prefixes scipy.linalg.blas has for it
+LEVEL3 = {"gemm": "sdcz", "symm": "sdcz", "hemm": "cz", "syrk": "sdcz", "herk": "cz",
+          "syr2k": "sdcz", "her2k": "cz", "trmm": "sdcz", "trsm": "sdcz"}
+
+DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
+                   "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
+
+# scipy's parameter order per routine family: (name, default or REQUIRED)
+REQUIRED = inspect.Parameter.empty
+_PARAMS = {
+    "gemm": (("alpha", REQUIRED), ("a", REQUIRED), ("b", REQUIRED), ("beta", 0.0), ("c", None),
+             ("trans_a", 0), ("trans_b", 0), ("overwrite_c", 0)),
+    "symm": (("alpha", REQUIRED), ("a", REQUIRED), ("b", REQUIRED), ("beta", 0.0), ("c", None),
+             ("side", 0), ("lower", 0), ("overwrite_c", 0)),
+    "syrk": (("alpha", REQUIRED), ("a", REQUIRED), ("beta", 0.0), ("c", None), ("trans", 0), ("lower", 0),
+             ("overwrite_c", 0)),
+    "syr2k": (("alpha", REQUIRED), ("a", REQUIRED), ("b", REQUIRED), ("beta", 0.0), ("c", None), ("trans", 0),
+              ("lower", 0), ("overwrite_c", 0)),
+    "trmm": (("alpha", REQUIRED), ("a", REQUIRED), ("b", REQUIRED), ("side", 0), ("lower", 0), ("trans_a", 0),
+             ("diag", 0), ("overwrite_b", 0)),
+}
+_FAMILY = {"gemm": "gemm", "symm": "symm", "hemm": "symm", "syrk": "syrk", "herk": "syrk",
+           "syr2k": "syr2k", "her2k": "syr2k", "trmm": "trmm", "trsm": "trmm"}
+_ARRAYS = ("a", "b", "c")
+_FLAGS = ("trans_a", "trans_b", "trans", "side", "lower", "diag")
+_OVERWRITE = ("overwrite_c", "overwrite_b")
+
+
+def signature_of(routine: str) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+                              for n, d in _PARAMS[_FAMILY[routine]]])
+
+
+# ---------------------------------------------------------------- f2py-style conversions
+
+def _scalar(name: str, value, dtype: np.dtype, real: bool):
+    """alpha / beta as f2py converts them: a number (or a one-element array) of the routine's type."""
+    if isinstance(value, np.ndarray) or is_cupy(value):
+        if value.size != 1:
+            raise ValueError(f"{name}: got an array of shape {tuple(value.shape)}; expected a number "
+                             f"(or an array holding one)")
+        value = value.item() if not is_cupy(value) else value.get().item()
+    if isinstance(value, (bool, np.bool_)):
+        value = int(value)
+    if not isinstance(value, numbers.Number):
+        raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected a number")
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        if real or dtype.kind != "c":
+            if value.imag != 0:
+                what = f"a {dtype.name} routine" if dtype.kind != "c" else "this routine, which reads it as real"
+                warnings.warn(f"{name}: complex {value!r} for {what}: the imaginary part is discarded (as scipy does)",
+                              np.exceptions.ComplexWarning, stacklevel=4)
+            return float(value.real)
+        return complex(value)
+    return complex(value) if dtype.kind == "c" and not real else float(value)
+
+
+def _flag(name: str, value) -> int:
+    """An int argument, converted with int() as f2py does (bools and integral floats included)."""
+    if isinstance(value, (bool, np.bool_, numbers.Integral)):
+        return int(value)
+    if isinstance(value, numbers.Real) or isinstance(value, str):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int")
+
+
+def _matrix(name: str, x, dtype: np.dtype):
+    """An array argument as f2py converts it: to the routine's dtype, 0-d -> 1x1, 1-D -> a column."""
+    if not is_cupy(x):
+        try:
+            x = np.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: cannot make an array of {type(x).__name__}: {e}") from None
+    if x.dtype != dtype:
+        try:
+            x = x.astype(dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: cannot convert the {x.dtype} array to {dtype.name}: {e}") from None
+    if x.ndim == 0:
+        return x.reshape(1, 1)
+    if x.ndim == 1:
+        return x.reshape(-1, 1)
+    if x.ndim > 2:
+        raise ValueError(f"{name}: got a {x.ndim}-D array of shape {tuple(x.shape)}; allowed: a matrix "
+                         f"(0-, 1- or 2-D)")
+    return x
+
+
+def _in_place(original, converted, dtype, overwrite: int) -> bool:
+    """scipy writes c (b) in place when asked to and it is F-contiguous, writable, of the routine's dtype."""
+    return (bool(overwrite) and converted is original and original.dtype == dtype
+            and original.flags.f_contiguous and getattr(original.flags, "writeable", True))
+
+
+# ---------------------------------------------------------------- the routines
+
+def _impl(prefix: str, routine: str):
+    import blasx
+    if routine == "gemm":
+        return blasx.gemm
+    fn = getattr(blasx, prefix + routine, None)
+    if fn is None:
+        raise NotImplementedError(f"blasx.{prefix}{routine} is not available in this blasx build")
+    return fn
+
+
+def _make(prefix: str, routine: str):
+    sig = signature_of(routine)
+    dtype = DTYPE_OF_PREFIX[prefix]
+    name = prefix + routine
+    hermitian = routine in ("herk", "her2k")
+
+    def f(*args, **kwargs):
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
+        bound.apply_defaults()
+        v = dict(bound.arguments)
+        originals = {k: v[k] for k in _ARRAYS if k in v}
+        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=(routine == "herk"))
+        if "beta" in v:
+            v["beta"] = _scalar("beta", v["beta"], dtype, real=hermitian)
+        for k in _FLAGS:
+            if k in v:
+                v[k] = _flag(k, v[k])
+        for k in _OVERWRITE:
+            if k in v:
+                v[k] = _flag(k, v[k])
+        for k in _ARRAYS:
+            if k in v and v[k] is not None:
+                v[k] = _matrix(k, v[k], dtype)
+        if routine == "gemm":
+            v["overwrite_c"] = v["c"] is not None and _in_place(originals["c"], v["c"], dtype, v["overwrite_c"])
+        if routine == "trmm":
+            a, b = v["a"], v["b"]
+            need = b.shape[0] if v["side"] == 0 else b.shape[1]
+            if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
+                v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
+        return _impl(prefix, routine)(**v)
+
+    f.__name__ = f.__qualname__ = name
+    f.__signature__ = sig
+    f.__module__ = __name__
+    f.__doc__ = (f"{name} on blasx, with scipy.linalg.blas.{name}'s signature and conversions "
+                 f"(see blasx.linalg.blas).\n\n" + (getattr(getattr(_sp, name, None), "__doc__", None) or ""))
+    f.typecode = f.prefix = prefix
+    f.dtype = dtype
+    f.int_dtype = np.dtype(np.intc)
+    f.module_name = MODULE_NAME
+    return f
+
+
+#: every level-3 function of this module, by scipy name
+FUNCTIONS = {p + r: _make(p, r) for r, ps in LEVEL3.items() for p in ps}
+globals().update(FUNCTIONS)
+
+
+# ---------------------------------------------------------------- prefix selection
+
+# scipy's type scores (scipy.linalg.blas._type_score / _type_conv, taken from the installed scipy when
+# it has them): small types (bool, int8/16, uint8/16, float16, float32) 1 -> 's'; larger ints, float64
+# and longdouble 2 -> 'd'; complex64 3 -> 'c'; complex128 and clongdouble 4 -> 'z'; anything else -> 'd'.
+_TYPE_SCORE = dict(getattr(_sp, "_type_score", None) or {
+    "?": 1, "b": 1, "B": 1, "h": 1, "H": 1, "e": 1, "f": 1, "i": 2, "I": 2, "l": 2, "L": 2, "q": 2, "Q": 2,
+    "d": 2, "F": 3, "D": 4, "g": 2, "G": 4})
+_TYPE_CONV = dict(getattr(_sp, "_type_conv", None) or {
+    1: ("s", np.dtype("float32")), 2: ("d", np.dtype("float64")),
+    3: ("c", np.dtype("complex64")), 4: ("z", np.dtype("complex128"))})
+
+
+def _fortran(x) -> bool:
+    flags = x.flags
+    try:
+        return bool(flags["FORTRAN"])
+    except (KeyError, TypeError):
+        return bool(flags.f_contiguous)
+
+
+def find_best_blas_type(arrays=(), dtype=None):
+    """(prefix, dtype, prefer_fortran) for these arrays, as scipy.linalg.blas.find_best_blas_type.
+
+    The most generic type of the arrays wins (float32 < float64 < complex64 <
+    complex128, with scipy's scores for the other types; float64 with complex64
+    gives complex128); with no arrays, ``dtype`` decides. prefer_fortran is True when
+    the array of the winning type is F-contiguous.
+    """
+    dtype = np.dtype(dtype)
+    max_score = _TYPE_SCORE.get(dtype.char, 5)
+    prefer_fortran = False
+    if arrays:
+        if len(arrays) == 1:
+            max_score = _TYPE_SCORE.get(arrays[0].dtype.char, 5)
+            prefer_fortran = _fortran(arrays[0])
+        else:
+            scores = [_TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
+            max_score = max(scores)
+            ind = scores.index(max_score)
+            if max_score == 3 and 2 in scores:
+                max_score = 4
+            if _fortran(arrays[ind]):
+                prefer_fortran = True
+    prefix, dt = _TYPE_CONV.get(max_score, ("d", np.dtype("float64")))
+    return prefix, dt, prefer_fortran
+
+
+_ILP64 = {}
+
+
+def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
+    """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs; level-3 ones are blasx's.
+
+    ``names`` is a str (one function returned) or a sequence (a list). The
+    prefix comes from :func:`find_best_blas_type`. Names blasx does not
+    provide come from scipy (which raises ValueError for unknown ones).
+    """
+    if isinstance(ilp64, str):
+        if ilp64 != "preferred":
+            raise ValueError(f"ilp64: got {ilp64!r}; allowed: True, False or 'preferred'")
+        ilp64 = _sp.HAS_ILP64
+    if ilp64 and not _sp.HAS_ILP64:
+        raise RuntimeError("ilp64: BLAS ILP64 routine requested, but scipy was compiled only with 32-bit BLAS "
+                           "(scipy.linalg.blas.HAS_ILP64 is False)")
+    unpack = isinstance(names, str)
+    if unpack:
+        names = (names,)
+    prefix, _, _ = find_best_blas_type(arrays, dtype)
+    funcs = []
+    for name in names:
+        if name in LEVEL3 and prefix in LEVEL3[name]:
+            fn = FUNCTIONS[prefix + name]
+            if ilp64:
+                fn = _ILP64.get(fn.__name__) or _ILP64.setdefault(fn.__name__, _with_int64(fn))
+            funcs.append(fn)
+        else:
+            funcs.append(_sp.get_blas_funcs(name, arrays, dtype, ilp64=ilp64))
+    return funcs[0] if unpack else funcs
+
+
+def _with_int64(fn):
+    def g(*args, **kwargs):
+        return fn(*args, **kwargs)
+    for attr in ("__name__", "__qualname__", "__doc__", "__signature__", "__module__", "typecode", "prefix", "dtype",
+                 "module_name"):
+        setattr(g, attr, getattr(fn, attr))
+    g.int_dtype = np.dtype(np.int64)
+    return g
+
+
+# ---------------------------------------------------------------- everything else: scipy's
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return getattr(_sp, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor has scipy.linalg.blas)") from None
+
+
+def __dir__():
+    return sorted(set(globals()) | {n for n in dir(_sp) if not n.startswith("__")})
+
+
+__all__ = ["get_blas_funcs", "find_best_blas_type", *sorted(FUNCTIONS)]

@@ -1,0 +1,545 @@
+"""Redirecting unmodified numpy / scipy code to blasx: ``with blasx.offload(threshold=...):``.
+
+While offload is on, these run on the blasx engine when their flop count is at
+least the threshold, and exactly as before otherwise:
+
+* ``a @ b`` and ``np.matmul`` on float32 / float64 / complex64 / complex128
+  arrays: numpy's matmul inner loops for these dtypes are replaced through
+  numpy's C-API (:mod:`blasx._ufunc_loops`); below the threshold the
+  replacement calls numpy's own loop from C, without Python or the engine;
+* ``np.dot`` (the ``numpy.dot`` attribute is replaced; ``ndarray.dot`` and names
+  imported with ``from numpy import dot`` before enabling are not affected);
+* the level-3 functions of ``scipy.linalg.blas`` (``dgemm``, ``zherk``, ...:
+  the module's attributes are replaced; ``get_blas_funcs`` still returns
+  scipy's own routines).
+
+Only plain ``numpy.ndarray`` operands are offloaded (subclasses, CuPy arrays
+and other array-likes go the usual way). The result is what numpy / scipy
+give, computed by blasx. Flops count ``2 m n k`` (real) and ``8 m n k``
+(complex) for a product; the rank-k and triangular routines count theirs.
+
+``offload_enable(threshold=None)`` / ``offload_disable()`` and the
+``offload(threshold=None)`` context (also a decorator) nest: the patches go in
+with the first and come out with the last, restoring numpy's loops and the
+original attributes exactly. Thresholds: ``offload_enable(threshold=T)`` sets
+the process-wide one until its matching ``offload_disable()``;
+``offload(threshold=T)`` overrides it for the calling thread inside the block.
+Without either, the default is ``$BLASX_OFFLOAD_THRESHOLD`` if set, else
+``DEFAULT_THRESHOLDS`` for the kind of device blasx is configured with.
+Offload is process-wide: while any thread has it on, every thread's large
+products go to blasx (with the process-wide threshold unless that thread
+overrides it).
+
+Calls made by blasx's own worker threads, and calls made while blasx is
+already running one for the same thread, always stay on numpy. A call that
+fails on blasx is computed again by numpy (for ``@`` and ``np.dot``; the output
+is not read by these, so nothing is lost) with a RuntimeWarning; a scipy
+routine that blasx rejects with TypeError / ValueError (before anything is
+written) goes to scipy, which then does whatever scipy does; other errors of
+an offloaded scipy call propagate.
+
+CPU BLAS threads: blasx's CPU worker (``devices="cpu"`` or ``cpu=True``)
+limits the BLAS threads through threadpoolctl for the duration of each call
+and restores them when it returns (also on errors); GPU workers do not touch
+them. An offloaded call therefore leaves the thread settings as it found
+them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import numbers
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from . import _ufunc_loops, numpy_api
+
+#: Default offload thresholds in flops, per device kind of the blasx configuration.
+#:
+#: cpu: measured on this development machine (2-core x86_64 VM, numpy 2.4.6 with OpenBLAS 0.3.31,
+#: ``python -m bench.offload_threshold --devices cpu --dtypes d,s``, N = 32..2048): blasx on the
+#: CPU device never beat numpy's own matmul; numpy time / blasx time was 0.03, 0.05, 0.41, 0.32, 0.45,
+#: 0.62, 0.64 at N = 32 .. 2048 in float64 and 0.02 .. 0.65 in float32 (the CPU device runs the same
+#: BLAS tile by tile, plus scheduling). Offloading to the CPU device never pays: inf.
+#: sim: the simulated GPUs are a test stand-in, slower than numpy: inf (tests pass a threshold).
+#: cuda: NOT measured here (no GPU on this machine): an estimate, 2 * 2048**3 ~ 1.7e10 flops. A host-
+#: resident gemm on a GPU pays ~1 ms of engine and launch overhead plus 3 N^2 words over PCIe/NVLink;
+#: a many-core host BLAS runs ~1-3 TFLOPS, so the GPU wins from N ~ 1500-2000. Replace it with
+#: ``python -m bench.offload_threshold --devices cuda`` on the GPU server.
+DEFAULT_THRESHOLDS = {"cpu": math.inf, "sim": math.inf, "cuda": 2.0 * 2048 ** 3}
+
+ENV_THRESHOLD = "BLASX_OFFLOAD_THRESHOLD"
+
+__all__ = ["offload", "offload_enable", "offload_disable", "offload_threshold", "offload_active",
+           "offload_stats", "default_threshold", "DEFAULT_THRESHOLDS"]
+
+
+# ---------------------------------------------------------------- state
+
+class _Entry:
+    """One active enable (``kind`` "enable") or ``with offload()`` block ("context")."""
+    __slots__ = ("kind", "thread", "threshold")
+
+    def __init__(self, kind: str, threshold) -> None:
+        self.kind = kind
+        self.thread = threading.get_ident()
+        self.threshold = threshold
+
+
+_lock = threading.RLock()
+_entries: list[_Entry] = []
+_default: float = math.inf      # resolved when the patches go in
+
+
+class _ThreadState(threading.local):
+    """Per thread: ``stack`` of (entry, threshold or None) of its ``with offload()`` blocks, ``local`` the
+    override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in.
+    Class-level defaults: a missing attribute never raises (getattr with a default costs ~0.7 us)."""
+    stack = None
+    local = None
+    busy = 0
+
+
+_tls = _ThreadState()
+_loops = _ufunc_loops.MatmulLoops()
+_saved: dict[tuple[object, str], tuple[object, object]] = {}  # (module, name) -> (original, our wrapper)
+_stats = {"matmul": 0, "dot": 0, "scipy": 0, "fallback": 0}
+_global_now = math.inf          # _global_threshold(), kept current for the wrappers' fast path
+_last_error: BaseException | None = None
+
+
+def _check_threshold(value):
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"threshold: got {value!r} of type {type(value).__name__}; allowed: a number of flops "
+                        f">= 0 (math.inf: never offload), or None for the default")
+    value = float(value)
+    if not value >= 0:  # also NaN
+        raise ValueError(f"threshold: got {value!r}; allowed: a number of flops >= 0 (math.inf: never offload), "
+                         f"or None for the default")
+    return value
+
+
+def _device_kind() -> str:
+    from . import session
+    from .runtime.config import parse_devices
+    spec = session.settings().devices or os.environ.get("BLASX_DEVICES")
+    if not spec:
+        spec = "cuda" if session._cuda_count() else "cpu"
+    return parse_devices(spec).kind
+
+
+def default_threshold() -> float:
+    """``$BLASX_OFFLOAD_THRESHOLD`` if set, else ``DEFAULT_THRESHOLDS`` for the configured device kind."""
+    env = os.environ.get(ENV_THRESHOLD, "").strip()
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'") from None
+        if not value >= 0:
+            raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'")
+        return value
+    return DEFAULT_THRESHOLDS.get(_device_kind(), math.inf)
+
+
+def _global_threshold() -> float:
+    for e in reversed(_entries):
+        if e.kind == "enable" and e.threshold is not None:
+            return e.threshold
+    return _default
+
+
+def _stack() -> list:
+    st = _tls.stack
+    if st is None:
+        st = _tls.stack = []
+    return st
+
+
+def _local_threshold():
+    for _, thr in reversed(_tls.stack or ()):
+        if thr is not None:
+            return thr
+    return None
+
+
+def _sync_global() -> None:
+    """Publish the process-wide threshold to the wrappers and the matmul trampoline (under _lock)."""
+    global _global_now
+    _global_now = _global_threshold()
+    _ufunc_loops.trampoline().set_global(_global_now)
+
+
+def _sync_local() -> None:
+    """Publish the calling thread's override to the wrappers and the trampoline's thread-local copy."""
+    _tls.local = _local_threshold()
+    _ufunc_loops.trampoline().set_local(_tls.local)
+
+
+def offload_threshold() -> float:
+    """The threshold (flops) in force for the calling thread."""
+    local = _local_threshold()
+    if local is not None:
+        return local
+    with _lock:
+        return _global_threshold() if _entries else default_threshold()
+
+
+def offload_active() -> bool:
+    """True while offload is on (some enable or ``with offload()`` block is active)."""
+    return bool(_entries)
+
+
+def offload_stats() -> dict:
+    """Calls offloaded so far in this process (``matmul``, ``dot``, ``scipy``) and those that fell back
+    to numpy after failing on blasx (``fallback``; the last error is ``last_error``)."""
+    return dict(_stats, last_error=_last_error)
+
+
+# ---------------------------------------------------------------- enable / disable
+
+def offload_enable(threshold=None) -> None:
+    """Turn offload on (nesting: each call needs one :func:`offload_disable`).
+
+    threshold: flops from which a call runs on blasx, process-wide until the
+    matching disable; None keeps the current one (the default: see the module
+    docstring).
+    """
+    thr = _check_threshold(threshold)
+    with _lock:
+        if not _entries:
+            _install()
+        _entries.append(_Entry("enable", thr))
+        _sync_global()
+
+
+def offload_disable() -> None:
+    """Undo one :func:`offload_enable` (the calling thread's latest, else the latest one); the last one
+    restores numpy's matmul loops, ``numpy.dot`` and the scipy.linalg.blas functions."""
+    with _lock:
+        enables = [i for i, e in enumerate(_entries) if e.kind == "enable"]
+        if not enables:
+            if _entries:
+                raise RuntimeError("offload_disable: no offload_enable() is active (offload is on only through "
+                                   "`with blasx.offload()` blocks, which end by themselves)")
+            raise RuntimeError("offload_disable: offload is not enabled (more offload_disable() than "
+                               "offload_enable() calls)")
+        me = threading.get_ident()
+        mine = [i for i in enables if _entries[i].thread == me]
+        del _entries[(mine or enables)[-1]]
+        _after_removal()
+
+
+def _after_removal() -> None:
+    if _entries:
+        _sync_global()
+    else:
+        _uninstall()
+
+
+class offload(contextlib.ContextDecorator):
+    """``with blasx.offload(threshold=None):`` (or ``@blasx.offload(...)``): offload on inside the block.
+
+    threshold: flops from which a call runs on blasx, for the calling thread
+    inside the block (nested blocks override it and restore it on exit); None
+    inherits the enclosing block's, else the process-wide one. The same object
+    may be entered again, nested or from several threads.
+    """
+
+    def __init__(self, threshold=None) -> None:
+        self.threshold = _check_threshold(threshold)
+
+    def __enter__(self):
+        entry = _Entry("context", self.threshold)
+        with _lock:
+            if not _entries:
+                _install()
+            _entries.append(entry)
+        _stack().append((entry, self.threshold))
+        _sync_local()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = _stack()
+        if not stack:
+            raise RuntimeError("offload: leaving a block this thread did not enter (the __exit__ of a "
+                               "`with blasx.offload()` must run in the thread that ran its __enter__)")
+        entry, _ = stack.pop()
+        _sync_local()
+        with _lock:
+            _entries.remove(entry)
+            _after_removal()
+
+    def __repr__(self) -> str:
+        return f"blasx.offload(threshold={self.threshold!r})"
+
+
+# ---------------------------------------------------------------- installing the patches
+
+def _install() -> None:
+    """Replace numpy's matmul loops, numpy.dot and scipy.linalg.blas's level-3 functions (under _lock)."""
+    global _default
+    _default = default_threshold()
+    _sync_global()
+    _loops.install(_HOOKS)
+    try:
+        global _dot_next
+        _patch(np, "dot", _dot_wrapper)
+        _dot_next = _saved[(np, "dot")][0]
+        import scipy.linalg.blas as spblas
+        from .linalg import blas as ours
+        for name, fn in ours.FUNCTIONS.items():
+            original = getattr(spblas, name, None)
+            if original is not None:
+                _patch(spblas, name, _scipy_wrapper(name, original, fn))
+    except BaseException:
+        _unpatch_all()
+        _loops.uninstall()
+        raise
+
+
+def _uninstall() -> None:
+    try:
+        _loops.uninstall()
+    finally:
+        _unpatch_all()
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Offload still on at exit: put numpy's loops back before the interpreter (and the engine) go.
+    (Registered after blasx.session's shutdown hook, so it runs before it.)"""
+    with _lock:
+        if _entries:
+            _entries.clear()
+            _uninstall()
+
+
+def _patch(module, name: str, wrapper) -> None:
+    original = getattr(module, name)
+    _saved[(module, name)] = (original, wrapper)
+    setattr(module, name, wrapper)
+
+
+def _unpatch_all() -> None:
+    displaced = []
+    for (module, name), (original, wrapper) in list(_saved.items()):
+        if getattr(module, name, None) is wrapper:
+            setattr(module, name, original)
+        else:
+            displaced.append(f"{module.__name__}.{name}")
+        del _saved[(module, name)]
+    if displaced:
+        warnings.warn(f"blasx.offload_disable: {', '.join(displaced)} no longer held blasx's wrapper (replaced by "
+                      f"someone else meanwhile); left as found", RuntimeWarning, stacklevel=4)
+
+
+# ---------------------------------------------------------------- what runs inside
+
+def _bypass() -> bool:
+    """blasx's own threads, and a thread already inside a blasx call, stay on numpy."""
+    return _tls.busy > 0 or threading.current_thread().name.startswith("blasx-")
+
+
+@contextlib.contextmanager
+def _busy():
+    _tls.busy += 1
+    try:
+        yield
+    finally:
+        _tls.busy -= 1
+
+
+def _failed(what: str, err: BaseException) -> None:
+    global _last_error
+    _last_error = err
+    _stats["fallback"] += 1
+    try:
+        warnings.warn(f"blasx.offload: {what} failed on blasx ({type(err).__name__}: {err}); computed by "
+                      f"numpy instead", RuntimeWarning, stacklevel=3)
+    except Exception:  # noqa: BLE001 - warnings turned into errors: the error is kept in offload_stats()
+        pass
+
+
+class _Raw:
+    """An __array_interface__ over memory numpy hands the loop (strides in bytes, any sign)."""
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, shape, strides, dtype) -> None:
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
+                                    "typestr": dtype.str, "version": 3}
+
+
+def _view(ptr, shape, strides, dtype) -> np.ndarray:
+    return np.asarray(_Raw(ptr, shape, strides, dtype))
+
+
+def _matmul_hook(slot: int, args, dims, steps, data) -> None:
+    """The Python side of the matmul trampoline: the call is at or above the threshold."""
+    if not _bypass():
+        dt = _ufunc_loops.SLOT_DTYPES[slot]
+        try:
+            N, n, k, m = dims[0], dims[1], dims[2], dims[3]
+            s = [steps[i] for i in range(9)]
+            a = _view(args[0], (N, n, k), (s[0], s[3], s[4]), dt)
+            b = _view(args[1], (N, k, m), (s[1], s[5], s[6]), dt)
+            c = _view(args[2], (N, n, m), (s[2], s[7], s[8]), dt)
+            with _busy():
+                numpy_api.run_batch(a, b, c)
+            _stats["matmul"] += 1
+            return
+        except BaseException as e:  # noqa: BLE001 - nothing may escape a C callback
+            _failed(f"matmul ({dt.name})", e)
+            if isinstance(e, KeyboardInterrupt):
+                import _thread
+                _thread.interrupt_main()
+    _loops_orig(slot)(args, dims, steps, data)
+
+
+_orig_callables: dict[int, object] = {}
+
+
+def _loops_orig(slot: int):
+    ptr = _loops.orig[slot]
+    fn = _orig_callables.get(ptr)
+    if fn is None:
+        fn = _orig_callables[ptr] = _ufunc_loops.LOOP(ptr)
+    return fn
+
+
+def _make_hook(slot: int):
+    def hook(args, dims, steps, data):
+        _matmul_hook(slot, args, dims, steps, data)
+    return hook
+
+
+# kept alive for the life of the process: numpy (or a thread still inside the trampoline) may call them
+_HOOKS = [_ufunc_loops.LOOP(_make_hook(i)) for i in range(4)]
+
+_BLAS_CHARS = frozenset("fdFD")
+
+
+def _threshold_now() -> float:
+    local = _tls.local
+    return _global_now if local is None else local
+
+
+_ndarray = np.ndarray
+_dot_next = numpy_api._np_dot  # what numpy.dot was when offload went in (numpy's own, unless patched before)
+
+
+def _dot_wrapper(a, b, out=None):
+    if type(a) is _ndarray and type(b) is _ndarray:
+        local = _tls.local
+        thr = _global_now if local is None else local
+        # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads
+        if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass():
+            try:
+                with _busy():
+                    res = numpy_api.dot(a, b, out)
+                _stats["dot"] += 1
+                return res
+            except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
+                _failed("np.dot", e)
+    return _dot_next(a, b, out)
+
+
+def _dot_flops(a, b) -> float:
+    if a.dtype.char not in _BLAS_CHARS or b.dtype.char not in _BLAS_CHARS or not a.ndim or not b.ndim:
+        return 0.0
+    k = a.shape[-1]
+    if not k or k != (b.shape[0] if b.ndim == 1 else b.shape[-2]):
+        return 0.0
+    return (8.0 if (a.dtype.kind == "c" or b.dtype.kind == "c") else 2.0) * (a.size // k) * b.size
+
+
+_dot_wrapper.__doc__ = ("np.dot, offloaded to blasx above the threshold by blasx.offload.\n\n"
+                        + (numpy_api._np_dot.__doc__ or ""))
+_dot_wrapper.__wrapped__ = numpy_api._np_dot
+
+
+def _arg(args, kwargs, spec, name):
+    i, default = spec[name]
+    if i < len(args):
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _is_matrix(x) -> bool:
+    return type(x) is _ndarray and x.ndim == 2
+
+
+def _scipy_flops(family: str, spec: dict, is_complex: bool, args, kwargs) -> float:
+    """The flop count of a scipy level-3 call on plain 2-D ndarrays, else 0 (then scipy runs it)."""
+    if len(args) > len(spec):
+        return 0.0
+    try:
+        a = _arg(args, kwargs, spec, "a")
+        if not _is_matrix(a):
+            return 0.0
+        if family == "gemm":
+            b = _arg(args, kwargs, spec, "b")
+            if not _is_matrix(b):
+                return 0.0
+            m, k = a.shape if int(_arg(args, kwargs, spec, "trans_a")) == 0 else a.shape[::-1]
+            n = b.shape[1] if int(_arg(args, kwargs, spec, "trans_b")) == 0 else b.shape[0]
+            flops = 2.0 * m * n * k
+        elif family in ("symm", "trmm"):
+            b = _arg(args, kwargs, spec, "b")
+            if not _is_matrix(b):
+                return 0.0
+            m, n = b.shape
+            flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(_arg(args, kwargs, spec, "side")) == 0
+                                                                    else n)
+        else:
+            if family == "syr2k" and not _is_matrix(_arg(args, kwargs, spec, "b")):
+                return 0.0
+            n, k = a.shape if int(_arg(args, kwargs, spec, "trans")) == 0 else a.shape[::-1]
+            flops = (2.0 if family == "syr2k" else 1.0) * n * n * k
+        if "c" in spec:
+            c = _arg(args, kwargs, spec, "c")
+            if c is not None and type(c) is not _ndarray:
+                return 0.0
+    except (TypeError, ValueError, KeyError, IndexError):
+        return 0.0
+    return flops * 4.0 if is_complex else flops
+
+
+def _scipy_wrapper(name: str, original, ours):
+    from .linalg.blas import _FAMILY, _PARAMS
+    family = _FAMILY[name[1:]]
+    spec = {p: (i, d) for i, (p, d) in enumerate(_PARAMS[family])}
+    is_complex = name[0] in "cz"
+
+    rank1 = family == "syrk"
+
+    def wrapper(*args, **kwargs):
+        local = _tls.local
+        thr = _global_now if local is None else local
+        # 8 a.size b.size (a.size^2 for ?syrk/?herk) bounds the flop count: small calls leave early
+        a = args[1] if len(args) > 1 else kwargs.get("a")
+        x = a if rank1 else (args[2] if len(args) > 2 else kwargs.get("b"))
+        if (type(a) is _ndarray and type(x) is _ndarray and 8.0 * a.size * x.size >= thr
+                and (flops := _scipy_flops(family, spec, is_complex, args, kwargs)) and flops >= thr
+                and not _bypass()):
+            try:
+                with _busy():
+                    res = ours(*args, **kwargs)
+                _stats["scipy"] += 1
+                return res
+            except (TypeError, ValueError):
+                pass  # rejected before anything was written: scipy's own behaviour follows
+        return original(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = (f"scipy.linalg.blas.{name}, offloaded to blasx above the threshold by blasx.offload.\n\n"
+                       + (getattr(original, "__doc__", None) or ""))
+    wrapper.__wrapped__ = original
+    return wrapper

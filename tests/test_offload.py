@@ -1,0 +1,450 @@
+"""blasx.offload: unmodified `a @ b`, np.matmul, np.dot and scipy.linalg.blas level-3 calls run on
+blasx above the threshold (the profile shows it), stay on numpy below it, and everything is put back
+exactly when offload ends (numpy's matmul loops, numpy.dot, the scipy functions)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import timeit
+
+import numpy as np
+import pytest
+import scipy.linalg.blas as S
+
+import blasx
+from blasx import _ufunc_loops
+
+O = importlib.import_module("blasx.offload")
+ORIGINAL_LOOPS = {dt: _ufunc_loops.peek_loop(np.matmul, dt) for dt in _ufunc_loops.SLOT_DTYPES}
+ORIGINAL_DOT = np.dot
+ORIGINAL_SCIPY = {n: getattr(S, n) for n in blasx.linalg.blas.FUNCTIONS}
+
+T = 1e4  # a threshold that the 40x30x20 products here (48000 flops) pass
+
+
+@pytest.fixture(autouse=True)
+def _sim_and_clean():
+    blasx.configure(devices="sim:2", tile=16)
+    yield
+    leaked = O.offload_active()
+    while O._entries:  # never let one test's offload reach the next
+        with O._lock:
+            O._entries.clear()
+            O._uninstall()
+    assert not leaked, "the test left offload on"
+    _assert_restored()
+
+
+def _assert_restored():
+    for dt, ptr in ORIGINAL_LOOPS.items():
+        if ptr is not None:
+            assert _ufunc_loops.peek_loop(np.matmul, dt) == ptr, dt
+    assert np.dot is ORIGINAL_DOT
+    for n, f in ORIGINAL_SCIPY.items():
+        assert getattr(S, n) is f, n
+
+
+def _close(x, ref, tol=1e-12):
+    """||x - ref|| / ||ref|| < tol, with numpy's shape and dtype."""
+    x, ref = np.asarray(x), np.asarray(ref)
+    assert x.shape == ref.shape and x.dtype == ref.dtype, (x.shape, ref.shape, x.dtype, ref.dtype)
+    err = np.linalg.norm((x - ref).ravel()) / max(np.linalg.norm(ref.ravel()), 1e-300)
+    assert err < tol, err
+
+
+def _mark():
+    return blasx.last_profile()
+
+
+def _offloaded(before) -> bool:
+    p = blasx.last_profile()
+    return p is not None and p is not before and p.totals()["tasks"] > 0
+
+
+def _ab(rand, dtype=np.float64, m=40, k=30, n=20):
+    return rand((m, k), dtype, seed=1, order="C"), rand((k, n), dtype, seed=2, order="C")
+
+
+# ---------------------------------------------------------------- unmodified code runs on blasx
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
+def test_at_operator_runs_on_blasx_and_back_on_numpy_after(dtype, rand, rel_err, tol):
+    a, b = _ab(rand, dtype)
+    ref = np.einsum("ik,kj->ij", a, b)
+    with blasx.offload(threshold=T):
+        m = _mark()
+        c = a @ b
+        assert _offloaded(m)
+        assert c.dtype == dtype and c.flags.c_contiguous and rel_err(c, ref) < 10 * tol(dtype)
+        m = _mark()
+        c = np.matmul(a, b)
+        assert _offloaded(m)
+        assert rel_err(c, ref) < 10 * tol(dtype)
+    m = _mark()
+    assert rel_err(a @ b, ref) < 10 * tol(dtype)
+    assert blasx.last_profile() is m  # numpy's loop again
+
+
+def test_np_dot_and_scipy_dgemm_run_on_blasx(rand):
+    a, b = _ab(rand)
+    ref = a @ b
+    z = rand((30, 20), np.complex128, seed=3)
+    with blasx.offload(threshold=T):
+        assert np.dot is not ORIGINAL_DOT and S.dgemm is not ORIGINAL_SCIPY["dgemm"]
+        m = _mark()
+        _close(np.dot(a, b), ref)
+        assert _offloaded(m)
+        m = _mark()
+        c = S.dgemm(1.0, a, b)
+        assert _offloaded(m)
+        _close(c, ref)
+        assert c.flags.f_contiguous  # scipy's conventions
+        m = _mark()
+        h = S.zherk(1.0, z, lower=1)
+        assert _offloaded(m)
+        _close(h, ORIGINAL_SCIPY["zherk"](1.0, z, lower=1))
+    _assert_restored()
+    m = _mark()
+    np.dot(a, b), S.dgemm(1.0, a, b)
+    assert blasx.last_profile() is m
+
+
+def test_batched_broadcast_strided_and_out(rand):
+    a3 = rand((3, 40, 30), seed=1, order="C")
+    b = rand((30, 20), seed=2, order="C")
+    b3 = rand((3, 30, 20), seed=3, order="C")
+    big = rand((60, 80), seed=4, order="C")
+    cases = [
+        (a3, b), (a3[0], b3), (a3, b3),          # shared b, shared a, per item
+        (a3[None], b3[:, None]),                 # (1, 3, 40, 30) @ (3, 1, 30, 20): broadcast batch
+        (big[::-1, ::2][:40, :30], b[::-1]),     # negative and non-unit strides
+        (a3[0], b[:, 0]), (a3[0, 0], b),         # 1-D operands
+        (np.asfortranarray(a3[0]), np.asfortranarray(b)),
+    ]
+    with blasx.offload(threshold=1e3):  # the 1-D products have 1200 and 2400 flops
+        for x, y in cases:
+            ref = np.einsum("...ik,...kj->...ij", x if x.ndim > 1 else x[None], y if y.ndim > 1 else y[:, None])
+            if x.ndim == 1:
+                ref = ref[..., 0, :]
+            if y.ndim == 1:
+                ref = ref[..., 0]
+            m = _mark()
+            got = x @ y
+            assert _offloaded(m)
+            _close(got, ref)
+        out = np.empty((3, 40, 20))
+        m = _mark()
+        assert np.matmul(a3, b, out=out) is out
+        assert _offloaded(m)
+        _close(out, np.einsum("bik,kj->bij", a3, b))
+
+
+def test_small_calls_stay_on_numpy(rand):
+    a, b = _ab(rand, m=8, k=8, n=8)
+    with blasx.offload(threshold=T):
+        stats = O.offload_stats()
+        m = _mark()
+        _close(a @ b, np.einsum("ik,kj->ij", a, b))
+        np.dot(a, b), S.dgemm(1.0, a, b)
+        assert blasx.last_profile() is m
+        after = O.offload_stats()
+        assert (after["matmul"], after["dot"], after["scipy"]) == (stats["matmul"], stats["dot"], stats["scipy"])
+
+
+def test_small_calls_stay_within_5_percent_of_numpys_time(rand):
+    from threadpoolctl import threadpool_limits
+    if _ufunc_loops.trampoline().kind != "c":
+        pytest.skip("no C compiler: the ctypes trampoline adds ~3 us per `@` (see blasx._ufunc_loops)")
+
+    def ratio(a, b, number):
+        """best on / best off over interleaved rounds (the VM's noise only ever adds time)."""
+        off = on = math.inf
+        for _ in range(15):
+            off = min(off, timeit.timeit(lambda: a @ b, number=number))
+            with blasx.offload(threshold=1e12):
+                on = min(on, timeit.timeit(lambda: a @ b, number=number))
+        return on / off
+
+    with threadpool_limits(1, user_api="blas"):  # a quiet single-threaded BLAS: timings that repeat
+        for n, number in ((4, 5000), (64, 500)):
+            a, b = rand((n, n), seed=1, order="C"), rand((n, n), seed=2, order="C")
+            ratios = []
+            for _ in range(3):  # a noisy neighbour can spoil one attempt, not three
+                ratios.append(ratio(a, b, number))
+                if ratios[-1] <= 1.05:
+                    break
+            assert min(ratios) <= 1.05, (n, ratios)
+
+
+# ---------------------------------------------------------------- nesting, thresholds, threads
+
+def test_nested_contexts_and_thresholds(rand):
+    a, b = _ab(rand)
+    assert not O.offload_active()
+    with blasx.offload(threshold=T):
+        assert O.offload_threshold() == T
+        with blasx.offload(threshold=math.inf):
+            assert O.offload_threshold() == math.inf
+            m = _mark()
+            a @ b
+            assert blasx.last_profile() is m  # the inner block keeps it on numpy
+            with blasx.offload():  # None: inherits the enclosing block's
+                assert O.offload_threshold() == math.inf
+        assert O.offload_threshold() == T
+        m = _mark()
+        a @ b
+        assert _offloaded(m)
+        blasx.offload_enable(threshold=5e9)  # process-wide; this thread's block still overrides it
+        assert O.offload_threshold() == T
+        blasx.offload_disable()
+        assert O.offload_active()
+    assert not O.offload_active()
+    _assert_restored()
+
+
+def test_enable_disable_pairs(rand):
+    a, b = _ab(rand)
+    blasx.offload_enable(threshold=T)
+    blasx.offload_enable()
+    assert O.offload_threshold() == T
+    blasx.offload_enable(threshold=math.inf)
+    assert O.offload_threshold() == math.inf
+    blasx.offload_disable()
+    assert O.offload_threshold() == T
+    blasx.offload_disable()
+    assert O.offload_active()
+    m = _mark()
+    a @ b
+    assert _offloaded(m)
+    blasx.offload_disable()
+    assert not O.offload_active()
+    _assert_restored()
+    with pytest.raises(RuntimeError, match="not enabled"):
+        blasx.offload_disable()
+    with blasx.offload(threshold=T):
+        with pytest.raises(RuntimeError, match="offload_enable"):
+            blasx.offload_disable()  # a block is not ended by offload_disable
+
+
+def test_decorator_and_reentrant_object(rand):
+    a, b = _ab(rand)
+    ctx = blasx.offload(threshold=T)
+
+    @ctx
+    def work():
+        m = _mark()
+        a @ b
+        return _offloaded(m)
+
+    assert work()
+    with ctx:
+        with ctx:
+            assert O.offload_active()
+        assert O.offload_active()
+    assert not O.offload_active()
+
+
+def test_bad_thresholds():
+    for bad, exc in ((-1, ValueError), (float("nan"), ValueError), ("1e9", TypeError), (True, TypeError),
+                     ([1], TypeError)):
+        with pytest.raises(exc, match="threshold"):
+            blasx.offload(threshold=bad)
+        with pytest.raises(exc, match="threshold"):
+            blasx.offload_enable(threshold=bad)
+    assert not O.offload_active()
+
+
+def test_default_threshold(monkeypatch, rand):
+    assert O.default_threshold() == math.inf  # sim (and cpu, measured): never worth it
+    blasx.configure(devices="cpu")
+    assert O.default_threshold() == O.DEFAULT_THRESHOLDS["cpu"] == math.inf
+    monkeypatch.setenv(O.ENV_THRESHOLD, "12345")
+    assert O.default_threshold() == 12345.0
+    monkeypatch.setenv(O.ENV_THRESHOLD, "lots")
+    with pytest.raises(ValueError, match=O.ENV_THRESHOLD):
+        O.default_threshold()
+    monkeypatch.delenv(O.ENV_THRESHOLD)
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = _ab(rand, m=200, k=200, n=200)
+    with blasx.offload():  # the default: inf on sim
+        m = _mark()
+        a @ b
+        assert blasx.last_profile() is m
+    monkeypatch.setenv(O.ENV_THRESHOLD, "1e4")
+    with blasx.offload():
+        assert O.offload_threshold() == 1e4
+        m = _mark()
+        a @ b
+        assert _offloaded(m)
+
+
+def test_several_threads(rand):
+    n_threads = 4
+    results, errors = {}, []
+    barrier = threading.Barrier(n_threads)
+
+    def work(i):
+        try:
+            a = rand((40, 30), seed=10 + i, order="C")
+            b = rand((30, 20), seed=20 + i, order="C")
+            thr = math.inf if i == 0 else T  # thread 0 keeps its products on numpy
+            with blasx.offload(threshold=thr):
+                barrier.wait()
+                outs = []
+                for _ in range(5):
+                    outs.append(a @ b)
+                    outs.append(np.dot(a, b))
+                ok = all(np.allclose(o, np.einsum("ik,kj->ij", a, b), rtol=1e-12) for o in outs)
+                results[i] = (ok, blasx.last_profile())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    assert all(ok for ok, _ in results.values())
+    assert results[0][1] is None  # its own threshold (inf) kept it on numpy
+    assert all(results[i][1] is not None for i in range(1, n_threads))
+
+
+def test_enable_disable_from_many_threads(rand):
+    errors = []
+
+    def churn():
+        try:
+            for _ in range(20):
+                blasx.offload_enable(threshold=T)
+                a = np.ones((40, 30))
+                assert (a @ np.ones((30, 20)) == 30).all()
+                blasx.offload_disable()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=churn) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors, errors
+    assert not O.offload_active()
+    _assert_restored()
+
+
+# ---------------------------------------------------------------- safety
+
+def test_engine_workers_stay_on_numpy(rand):
+    """With the CPU device, blasx's own tile kernels use `@`: with threshold 0 they must not recurse."""
+    blasx.configure(devices="cpu", tile=256)
+    a, b = _ab(rand, m=600, k=500, n=400)
+    with blasx.offload(threshold=0):
+        m = _mark()
+        c = a @ b
+        assert _offloaded(m)
+    _close(c, a @ b)
+
+
+def test_blas_thread_settings_are_left_as_found(rand):
+    from threadpoolctl import threadpool_info
+
+    def threads():
+        return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info() if i["user_api"] == "blas")
+
+    for spec in (dict(devices="sim:2", tile=16), dict(devices="sim:2", tile=16, cpu=True), dict(devices="cpu")):
+        blasx.configure(**spec)
+        before = threads()
+        a, b = _ab(rand, m=300, k=300, n=300)
+        with blasx.offload(threshold=T):
+            m = _mark()
+            a @ b
+            assert _offloaded(m)
+            assert threads() == before
+        assert threads() == before
+
+
+def test_a_failing_blasx_call_is_computed_by_numpy(monkeypatch, rand):
+    from blasx import numpy_api
+
+    def boom(*args, **kwargs):
+        raise blasx.DeviceError("simulated device failure")
+    monkeypatch.setattr(numpy_api, "run_batch", boom)
+    monkeypatch.setattr(numpy_api, "gemm_into", boom)
+    a, b = _ab(rand)
+    before = O.offload_stats()["fallback"]
+    with blasx.offload(threshold=T):
+        with pytest.warns(RuntimeWarning, match="simulated device failure"):
+            c = a @ b
+        with pytest.warns(RuntimeWarning, match="simulated device failure"):
+            d = np.dot(a, b)
+    _close(c, np.einsum("ik,kj->ij", a, b))
+    _close(d, c)
+    assert O.offload_stats()["fallback"] == before + 2
+    assert isinstance(O.offload_stats()["last_error"], blasx.DeviceError)
+
+
+def test_scipy_behaviour_kept_for_calls_blasx_rejects(rand):
+    a, b = _ab(rand)
+    with blasx.offload(threshold=T):
+        with pytest.raises(Exception) as info:  # noqa: B017
+            S.dgemm(1.0, a, b, trans_a=3)
+        assert type(info.value).__name__ == "error"  # scipy's own _fblas.error
+        _close(S.dgemm(1.0, a.tolist(), b), a @ b)  # lists: scipy's path
+
+
+def test_failed_install_changes_nothing(monkeypatch):
+    t = _ufunc_loops.trampoline()
+    monkeypatch.setattr(t, "calls", lambda slot: 0)  # as if `@` did not reach the new loop
+    with pytest.raises(RuntimeError, match="does not call the new loop"):
+        blasx.offload_enable(threshold=T)
+    assert not O.offload_active()
+    _assert_restored()
+
+
+def test_pure_ctypes_trampoline_works():
+    """Without a C compiler the trampoline is a ctypes callback: same behaviour, slower small calls."""
+    code = textwrap.dedent("""
+        import warnings, numpy as np, blasx
+        from blasx import _ufunc_loops
+        blasx.configure(devices="sim:2", tile=16)
+        a, b = np.random.rand(40, 30), np.random.rand(30, 20)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with blasx.offload(threshold=1e4):
+                assert _ufunc_loops.trampoline().kind == "ctypes"
+                m = blasx.last_profile()
+                c = a @ b
+                assert blasx.last_profile() is not m
+                m = blasx.last_profile()
+                np.ones((4, 4)) @ np.ones((4, 4))
+                assert blasx.last_profile() is m
+        assert any("C compiler" in str(x.message) for x in w)
+        np.testing.assert_allclose(c, np.einsum("ik,kj->ij", a, b), rtol=1e-10)
+        m = blasx.last_profile()
+        a @ b
+        assert blasx.last_profile() is m
+        print("OK")
+    """)
+    env = dict(os.environ, BLASX_OFFLOAD_PURE_CTYPES="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- the threshold benchmark
+
+def test_bench_offload_threshold_runs(capsys):
+    bench = importlib.import_module("bench.offload_threshold")
+    rows = [{"flops": 1.0, "speedup": 0.5}, {"flops": 2.0, "speedup": 1.2}, {"flops": 3.0, "speedup": 1.5}]
+    assert bench.crossover(rows) == 2.0
+    assert bench.crossover(rows[:1]) == math.inf
+    assert bench.crossover([{"flops": 1.0, "speedup": 2.0}, {"flops": 2.0, "speedup": 0.9}]) == math.inf
+    assert bench.main(["--devices", "sim:2", "--tile", "16", "--sizes", "16,32", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "crossover (float64)" in out and "numpy ms" in out
