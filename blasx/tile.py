@@ -37,7 +37,11 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
         tile = eng.config.tile
         _check_fits(streamed, tile, itemsize)
         return tile
-    kind = streamed[0].kind if streamed else "cpu"
+    if not streamed:
+        # The CPU alone: its BLAS already uses every core, so tiling only adds copies and
+        # hand-offs; one task per call keeps blasx at numpy's speed.
+        return max(1, m, n, k)
+    kind = streamed[0].kind
     floor = MIN_TILE[kind]
     tile = db_tile(eng, m, n, k, dtype, routine)
     if tile is not None:
