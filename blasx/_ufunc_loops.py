@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .perfdb import cache_dir  # one cache directory for the perf-db and the compiled trampoline
+
 #: the dtypes whose matmul loops are replaced, in slot order
 SLOT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128))
 FLOP_FACTOR = (2.0, 2.0, 8.0, 8.0)
@@ -194,17 +196,6 @@ def replace_loop(ufunc, dtype: np.dtype, new_ptr: int) -> int:
 
 # ---------------------------------------------------------------- the trampoline
 
-def _cache_dir() -> Path:
-    """The blasx cache directory (the perf-db's): $BLASX_CACHE_DIR, $XDG_CACHE_HOME/blasx, ~/.cache/blasx."""
-    d = os.environ.get("BLASX_CACHE_DIR")
-    if d:
-        return Path(d).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "blasx"
-    return Path.home() / ".cache" / "blasx"
-
-
 def _compiler() -> list[str] | None:
     for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
         if not cand:
@@ -221,7 +212,7 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         return None
     tag = hashlib.sha256((TRAMPOLINE_C + sys.platform).encode()).hexdigest()[:16]
-    for base in (_cache_dir(), Path(tempfile.gettempdir()) / f"blasx-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+    for base in (cache_dir(), Path(tempfile.gettempdir()) / f"blasx-{os.getuid() if hasattr(os, 'getuid') else 0}"):
         lib = base / f"matmul_trampoline_{tag}.so"
         if not lib.exists():
             try:
