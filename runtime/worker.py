@@ -551,6 +551,15 @@ class StreamWorker(Worker):
 class CpuWorker(Worker):
     """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile."""
 
+    current = None  # the task being solved (it writes C in place)
+
+    def held_tasks(self):
+        out = super().held_tasks()
+        if self.current is not None:
+            out.append((self.current, True))  # C may be partly written: as an issued write-back
+            self.current = None
+        return out
+
     def loop(self) -> None:
         eng = self.engine
         while True:
@@ -562,7 +571,9 @@ class CpuWorker(Worker):
                     task.call.account(task)
                     continue
                 task.worker = self.idx
+                self.current = task
                 self.dev.run_task(task)
+                self.current = None
                 task.call.account(task, self.idx)
                 continue
             if self.stopping:

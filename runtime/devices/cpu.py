@@ -68,16 +68,15 @@ class CpuDevice(Device):
         t0 = time.perf_counter()
         c_op = call.operands[task.c.slot]
         cref = task.c
-        c_view = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
-        if task.load_c:
-            acc = np.array(_tile(call, task.c_init or cref), order="F")
-        else:
-            acc = np.empty((cref.rows, cref.cols), call.dtype, order="F")
+        # The host is this device's memory: compute in C's own tile, no copy in or out.
+        # (Only this task writes it; TRSM reads only tiles whose tasks have finished.)
+        acc = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
+        if task.load_c and task.c_init is not None:
+            acc[...] = _tile(call, task.c_init)  # TRSM: start from B's tile (a no-op when X is B)
         for step in task.steps:
             KERNELS[step.kernel](step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
         if call.epilogue is not None:
             call.epilogue(self, 0, acc, task)
-        c_view[...] = acc
         t1 = time.perf_counter()
         st = call.stats
         st.count(self.index, "tasks")

@@ -34,7 +34,13 @@ def _accumulate(c, prod, alpha, beta) -> None:
 
 
 def gemm(step, scalars, a, b, c) -> None:
-    _accumulate(c, OPS[step.op_a](a) @ OPS[step.op_b](b), scalars[step.alpha], scalars[step.beta])
+    alpha, beta = scalars[step.alpha], scalars[step.beta]
+    if beta == 0:  # straight into c: no temporary the size of C
+        np.matmul(OPS[step.op_a](a), OPS[step.op_b](b), out=c)
+        if alpha != 1:
+            c *= alpha
+        return
+    _accumulate(c, OPS[step.op_a](a) @ OPS[step.op_b](b), alpha, beta)
 
 
 def scale(step, scalars, a, b, c) -> None:
