@@ -642,3 +642,20 @@ def test_retire_loses_no_completed_entry_when_the_device_breaks():
     assert 1 in held
     assert call.remaining == len(tasks) - 1 or 0 in held  # task 0: accounted, or handed over
     assert peer_line.readers == 0
+
+
+def test_cpu_worker_task_that_raises_fails_the_call_not_hangs(rand, monkeypatch):
+    """A task raising inside the CPU worker (C written in place) is handed to the engine: with no
+    other device the call fails loudly with the cause attached, within a bounded time."""
+    from blasx.runtime.devices import cpu as cpu_mod
+
+    def boom(self, task):
+        raise FloatingPointError("injected CPU task failure")
+
+    monkeypatch.setattr(cpu_mod.CpuDevice, "run_task", boom)
+    blasx.configure(devices="cpu")
+    a, b = rand((64, 48)), rand((48, 40), seed=1)
+    _, exc, took = _run_with_timeout(lambda: blasx.gemm(1.0, a, b))
+    assert isinstance(exc, blasx.DeviceError), repr(exc)
+    assert took < 30
+    assert "injected CPU task failure" in repr(exc.__cause__) or "injected CPU task failure" in str(exc)
