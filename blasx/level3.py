@@ -163,7 +163,7 @@ def _run_gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype, k) -> None:
 
 def block_shape(eng) -> tuple[int, int]:
     """Blocks of C tiles in queue order (``Knobs.block_order``): 2 x (streams / 2), else single tiles."""
-    streams = session.settings().streams
+    streams = eng.config.streams
     return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
 
 
