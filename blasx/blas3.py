@@ -341,21 +341,19 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     a = _as_dtype(a, dtype, xp)
     vb = b if in_place else _f_view(_as_dtype(b, dtype, xp), xp)
     va, op, lower_v = _tri_view(a, trans_a, lower, xp)
-    # TRSM writes X over B tile by tile (each B tile is read only by the task that writes it);
-    # TRMM reads every B tile from many tasks, so it computes out of place and copies back.
-    out = b if (solve and in_place) else _new(xp, (m, n), dtype, a)
+    # In place, both write over B tile by tile, ordered by dependencies (TRSM: a tile is read
+    # once solved; TRMM: a tile is overwritten once its old value has been read by every task).
+    # Otherwise both write a new array (TRMM with no dependencies; TRSM starts each tile from B's).
+    out = b if in_place else _new(xp, (m, n), dtype, a)
     is_complex = dtype.kind == "c"
 
     def plan(tile, block):
         if solve:
             return plan_trsm(m, n, tile, side, lower_v, op, diag, alpha_zero=(alpha == 0), is_complex=is_complex)
         return plan_trmm(m, n, tile, side, lower_v, op, diag, alpha_zero=(alpha == 0), is_complex=is_complex,
-                         block=block)
+                         block=block, in_place=in_place)
 
     submit_planned(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim))
-    if in_place and out is not b:
-        b[...] = out
-        return b
     return out
 
 
@@ -365,8 +363,9 @@ def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     A is the ``lower`` (else upper) triangle of the square a, with a unit
     diagonal (not read) if ``diag``; op is N, T or C for ``trans_a`` 0, 1, 2.
     The positional order is scipy's: (alpha, a, b, side, lower, trans_a, diag,
-    overwrite_b). The product is computed out of place, then copied into b
-    when ``overwrite_b`` and b is F-contiguous of the right dtype.
+    overwrite_b). With ``overwrite_b`` and b F-contiguous of the right dtype,
+    the product is written over b tile by tile (each tile once every task
+    reading its old value is done); otherwise into a new array.
     """
     return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
 

@@ -17,7 +17,8 @@ Operand slots (indices into the call's operand list) per routine:
 plan_symm           0 A (the square symmetric/Hermitian factor), 1 B, 2 C
 plan_syrk           0 A, 1 C
 plan_syr2k          0 A, 1 B, 2 C
-plan_trmm           0 A (triangular), 1 B (read only), 2 C (the output)
+plan_trmm           0 A (triangular), 1 B (read only), 2 C (the output; the
+                    same array as B with ``in_place``)
 plan_trsm           0 A (triangular), 1 B (right-hand side, read only as
                     each task's initial C), 2 X (the output; may be the
                     same array as B when solving in place)
@@ -43,7 +44,9 @@ Scheduling flags:
 * TRSM tasks have ``deps`` on the tasks that solve the X tiles they read, read
   those through TileRefs of slot 2 (kept cached: ``keep_c``), start from B's
   tile (``c_init``) and are listed level by level (every column of the first
-  block row solved, then the next...), so ready work comes first.
+  block row solved, then the next...), so ready work comes first;
+* in-place TRMM tasks have the mirror ``deps`` (write after read): a B tile is
+  overwritten only once every task reading its old value has finished.
 """
 
 from __future__ import annotations
@@ -270,11 +273,24 @@ def effective_lower(lower: int, op: int) -> bool:
     return bool(lower) != (op != OP_N)
 
 
+def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> list[int]:
+    """Block rows (side 0) or block columns (side 1) of B in the order an in-place TRMM writes them.
+
+    A row (column) is written only after every task that reads its old value:
+    left side, lower op(A): C_ij reads B_kj for k <= i, so the bottom row goes
+    first; upper: the top row first; right side, lower op(A): C_ij reads B_ik
+    for k >= j, so the left column first; upper: the right column first.
+    """
+    eff_lower = effective_lower(lower, op)
+    count = n_tiles(m if side == SIDE_LEFT else n, tile)
+    ascending = (not eff_lower) if side == SIDE_LEFT else eff_lower
+    return list(range(count)) if ascending else list(range(count - 1, -1, -1))
+
+
 def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: int, *,
               alpha_zero: bool = False, is_complex: bool = False,
-              block: tuple[int, int] = (1, 1)) -> list[Task]:
-    """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1), out of place
-    (Eq. 1d): C (slot 2) is a separate m x n output; B (slot 1) is only read.
+              block: tuple[int, int] = (1, 1), in_place: bool = False) -> list[Task]:
+    """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1) (Eq. 1d).
 
     A is the ``lower`` (else upper) triangle of the stored square A (m x m for
     side 0, n x n for side 1), with a unit diagonal if ``unit``. Task (i, j)
@@ -282,11 +298,26 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
     False), then gemm steps ``alpha op(A)_ik B_kj`` (side 0) or ``alpha B_ik
     op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE. Not
     rotatable. With ``alpha == 0``, C = 0 and A, B are not read.
+
+    Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
+    is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
+    same array as B, so a tile may be written only once every task reading
+    its old value has finished. Tasks are listed level by level
+    (:func:`trmm_levels`) and depend on every task of the earlier levels in
+    their block column (side 0) or block row (side 1): write-after-read
+    dependencies, the mirror of TRSM's read-after-write ones.
     """
     eff_lower = effective_lower(lower, op)
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
+    if in_place and not alpha_zero:
+        levels = trmm_levels(m, n, tile, side, lower, op)
+        others = range(tn) if side == SIDE_LEFT else range(tm)
+        order = [((lv, o) if side == SIDE_LEFT else (o, lv)) for lv in levels for o in others]
+    else:
+        order = list(tile_order(tm, tn, block))
     tasks: list[Task] = []
-    for i, j in tile_order(tm, tn, block):
+    tid_of: dict[tuple[int, int], int] = {}
+    for i, j in order:
         c = tile_ref(TRMM_C, i, j, m, n, tile)
         if alpha_zero:
             steps = (_scale(c, SC_ZERO),)
@@ -304,7 +335,13 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                 steps.append(Step("gemm", tile_ref(TRMM_B, i, k, m, n, tile), op_tile(TRMM_A, op, k, j, n, n, tile),
                                   OP_N, op, c.rows, c.cols, _width(k, n, tile), SC_ALPHA, SC_ONE))
             steps = tuple(steps)
-        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
+        deps: tuple[int, ...] = ()
+        if in_place and not alpha_zero:
+            # Every task that reads B_ij's old value sits in an earlier level of this column (row).
+            line = [(i, jj) for jj in range(tn)] if side == SIDE_RIGHT else [(ii, j) for ii in range(tm)]
+            deps = tuple(sorted(tid_of[x] for x in line if x in tid_of))
+        tid_of[(i, j)] = len(tasks)
+        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps))
     return tasks
 
 

@@ -20,7 +20,7 @@ import scipy.linalg.blas as sblas
 from blasx.runtime.devices.numpy_kernels import KERNELS
 from blasx.runtime.plans import (
     SYMM_A, SYMM_B, SYMM_C, SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A, SYRK_C, TRMM_A, TRMM_B, TRMM_C, TRSM_A,
-    TRSM_B, TRSM_X, effective_lower, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, step_flops,
+    TRSM_B, TRSM_X, effective_lower, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, step_flops, trmm_levels,
     trsm_levels,
 )
 from blasx.runtime.tasks import (
@@ -161,6 +161,37 @@ def test_plan_trmm_left_lower_hand_computed():
     t0, t1 = plan_trmm(6, 3, 4, 0, 1, OP_T, 0)
     assert [s.kernel for s in t0.steps] == ["trmm", "gemm"] and [s.kernel for s in t1.steps] == ["trmm"]
     assert t0.steps[1].a == TileRef(TRMM_A, 1, 0, 4, 0, 2, 4) and t0.steps[1].op_a == OP_T
+
+
+def test_plan_trmm_in_place_orders_writes_after_reads():
+    # B 6x5 (row tiles 4 + 2, column tiles 4 + 1), A lower, op N, left: C_1j reads B_0j and B_1j,
+    # so row 1 is written first and row 0 waits for the task of its column in row 1
+    tasks = plan_trmm(6, 5, 4, 0, 1, OP_N, 0, in_place=True)
+    assert [(t.c.bi, t.c.bj) for t in tasks] == [(1, 0), (1, 1), (0, 0), (0, 1)]
+    assert [t.deps for t in tasks] == [(), (), (0,), (1,)]
+    assert trmm_levels(6, 5, 4, 0, 1, OP_N) == [1, 0] and trmm_levels(6, 5, 4, 0, 1, OP_T) == [0, 1]
+    # right side, lower op(A): C_ij reads B_ik for k >= j, so the left column is written first
+    assert trmm_levels(5, 9, 4, 1, 1, OP_N) == [0, 1, 2] and trmm_levels(5, 9, 4, 1, 0, OP_N) == [2, 1, 0]
+    tasks = plan_trmm(5, 9, 4, 1, 0, OP_N, 0, in_place=True)  # upper: right column first
+    assert [(t.c.bi, t.c.bj) for t in tasks] == [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0)]
+    assert [t.deps for t in tasks] == [(), (), (0,), (1,), (0, 2), (1, 3)]
+    # the same steps as out of place, and alpha == 0 needs no order
+    flat = {(t.c.bi, t.c.bj): t.steps for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0)}
+    assert {(t.c.bi, t.c.bj): t.steps for t in tasks} == flat
+    assert not any(t.deps for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0, alpha_zero=True, in_place=True))
+
+
+@pytest.mark.parametrize("m,n,T", [(9, 5, 4), (4, 13, 4), (13, 13, 3)])
+def test_plan_trmm_in_place_every_reader_precedes_the_writer(m, n, T):
+    for side, lower, op in itertools.product((0, 1), (0, 1), (OP_N, OP_T, OP_C)):
+        tasks = plan_trmm(m, n, T, side, lower, op, 0, in_place=True)
+        writer = {(t.c.bi, t.c.bj): t for t in tasks}
+        for t in tasks:
+            for s in t.steps:
+                ref = s.b if side == 0 else s.a if s.kernel == "gemm" else s.b
+                if ref.slot != TRMM_B or (ref.bi, ref.bj) == (t.c.bi, t.c.bj):
+                    continue
+                assert t.tid in writer[(ref.bi, ref.bj)].deps, (side, lower, op, t.c, ref)
 
 
 def test_plan_trsm_left_lower_hand_computed():
@@ -409,6 +440,10 @@ def test_executed_trsm_and_trmm_plans_match_scipy(dtype):
         execute(plan_trmm(m, n, T, side, lower, op, unit), [pa, b, c], sc)
         ref = getattr(sblas, p + "trmm")(alpha, a, b, side=side, lower=lower, trans_a=op, diag=unit)
         assert _err(c, ref) < _tol(dtype), ("trmm", side, lower, op, unit)
+        for seed in range(3):  # in place: any order the deps allow reads every B tile before it is written
+            bb = b.copy(order="F")
+            execute(plan_trmm(m, n, T, side, lower, op, unit, in_place=True), [pa, bb, bb], sc, seed)
+            assert _err(bb, ref) < _tol(dtype), ("trmm in place", side, lower, op, unit, seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

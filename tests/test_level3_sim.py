@@ -151,6 +151,20 @@ def test_trmm_trsm_all_flags(sim3, rand, rel_err, tol, routine, side, lower, dty
         assert rel_err(out, expect) < tol(dtype), (m, n, trans_a, diag)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.complex64], **ids)
+def test_trmm_trsm_in_place_all_flags(sim3, rand, rel_err, tol, dtype):
+    """overwrite_b with an F-ordered b: written over b tile by tile, under dependencies."""
+    alpha, _ = scalars(dtype)
+    for routine, side, lower, trans_a, diag in itertools.product(("trmm", "trsm"), (0, 1), (0, 1), (0, 1, 2), (0, 1)):
+        m, n = 37, 29
+        s = m if side == 0 else n
+        a, b = well_conditioned(rand, s, dtype, 7), rand((m, n), dtype, 8)
+        expect = ref(routine, dtype, alpha, a, b, side=side, lower=lower, trans_a=trans_a, diag=diag)
+        out = getattr(blasx, routine)(alpha, poisoned(a, lower, unit=diag), b, side=side, lower=lower,
+                                      trans_a=trans_a, diag=diag, overwrite_b=True)
+        assert out is b and rel_err(b, expect) < tol(dtype), (routine, side, lower, trans_a, diag)
+
+
 def test_prefixed_functions_cast_like_scipy(sim3, rand, rel_err, tol):
     a, b, c = rand((13, 13), np.float64, 1), rand((13, 9), np.float64, 2), rand((13, 9), np.float64, 3)
     for p, dt in (("s", np.float32), ("d", np.float64), ("c", np.complex64), ("z", np.complex128)):
