@@ -1,21 +1,48 @@
 """The ``blasx`` command line.
 
-``blasx gemm``: the main job, an out-of-core GEMM on the devices found,
-checked against numpy, with a report. ``blasx info``: the devices.
-``blasx tune``: measure the tile sizes and store the best in the perf-db
-(``--show`` lists it, ``--clear`` empties it).
+``blasx gemm``: the main job, an out-of-core GEMM on the devices found, checked against
+numpy, with a progress line (stderr) and a report. ``blasx info``: the devices, their
+memory and peer links, the perf-db entries, and with ``--measure`` the host <-> device and
+peer bandwidths and the in-core GEMM rate of each device (:mod:`blasx.probe`).
+``blasx tune``: measure the tile sizes and store the best in the perf-db (``--show`` lists
+it, ``--clear`` empties it). ``blasx bench NAME ...``: the benchmarks of a source checkout
+(``bench/``), their arguments passed on.
+
+Bad options end with a one-line error and exit status 2, as argparse's own; the settings of
+``blasx.configure`` in force before a command are back in force after it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
+DTYPE_NAMES = {"float32": "s", "float64": "d", "complex64": "c", "complex128": "z",
+               "single": "s", "double": "d"}
+MIN_CACHE_BYTES = 1 << 16
+DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
+                "(default: $BLASX_DEVICES, else all CUDA GPUs, else cpu)")
 
+#: ``blasx bench NAME``: (module of the checkout's bench/ package, what it measures).
+BENCHES = {
+    "gemm": ("bench.gemm", "GEMM on host arrays: blasx vs cuBLAS-XT vs in-core CuPy vs numpy (GPU)"),
+    "level3": ("bench.level3", "SYMM, SYRK, SYR2K, TRMM, TRSM beside GEMM: blasx vs cuBLAS-XT (GPU)"),
+    "offload-threshold": ("bench.offload_threshold",
+                          "the size from which blasx beats numpy: the offload threshold (any device)"),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# argument types: each error names what was received and what is allowed
 
 def _positive(text: str) -> int:
     try:
@@ -27,6 +54,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}, need an integer >= 0") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"got {v}, need an integer >= 0")
+    return v
+
+
 def _positive_list(text: str) -> list[int]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
@@ -34,87 +71,275 @@ def _positive_list(text: str) -> list[int]:
     return [_positive(x) for x in items]
 
 
+def _dtype_char(text: str) -> str | None:
+    t = text.strip().lower()
+    return t if t in DTYPES else DTYPE_NAMES.get(t)
+
+
+def _dtype(text: str) -> str:
+    ch = _dtype_char(text)
+    if ch is None:
+        raise argparse.ArgumentTypeError(f"got {text!r}, need one of s, d, c, z "
+                                         f"(or float32, float64, complex64, complex128)")
+    return ch
+
+
 def _dtype_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in DTYPES]
-    if not items or bad:
+    chars = [_dtype_char(x) for x in items]
+    if not items or None in chars:
         raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(sorted(DTYPES))} "
                                          f"separated by commas")
-    return items
+    return list(dict.fromkeys(chars))
+
+
+def _devices(text: str) -> str:
+    from .runtime.config import parse_devices
+
+    try:
+        parse_devices(text)
+    except ValueError as exc:
+        msg = str(exc)
+        raise argparse.ArgumentTypeError(msg[len("devices: "):] if msg.startswith("devices: ") else msg) from None
+    return text
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """'1048576', '64M', '64MiB', '1.5G', '2GB' (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"got {text!r}, need a byte count such as 268435456, 256M or 2G")
+    v = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if v < MIN_CACHE_BYTES:
+        raise argparse.ArgumentTypeError(f"got {text!r} ({v} bytes), need at least {MIN_CACHE_BYTES} (64K)")
+    return v
+
+
+# ------------------------------------------------------------------------------------------------
+# the parser
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs keep their line breaks; option help is wrapped."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=30)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blasx", description="Multi-GPU tiled level-3 BLAS (the BLASX design).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("gemm", help="run C = alpha A B + beta C on host arrays, check it, and report",
-                       description="Out-of-core GEMM on host (numpy) arrays across the configured devices, "
-                                   "checked against numpy on a sample of rows.")
-    g.add_argument("--n", type=_positive, default=4096, help="N (and M, K unless given); default 4096")
-    g.add_argument("--m", type=_positive, help="rows of C (default N)")
-    g.add_argument("--k", type=_positive, help="inner dimension (default N)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="d", help="s, d, c or z (default d)")
-    g.add_argument("--devices", help="device spec: cuda, cuda:0,1, sim:4, cpu (default: $BLASX_DEVICES or all GPUs or cpu)")
-    g.add_argument("--tile", type=_positive, help="tile size (default: chosen per call)")
-    g.add_argument("--cache-bytes", type=_positive, help="tile cache per device in bytes")
-    g.add_argument("--cpu", action="store_true", help="add the CPU as a worker beside the GPUs")
-    g.add_argument("--runs", type=_positive, default=2, help="timed calls (default 2)")
-    g.add_argument("--check-rows", type=int, default=256, help="rows checked against numpy (0: none)")
-    g.add_argument("--trace", help="write the last call's timeline as Chrome-trace JSON here")
-    g.add_argument("--profile", help="write the last call's profile plot (PNG, needs matplotlib) here")
-    sub.add_parser("info", help="show the devices blasx would use")
-    t = sub.add_parser("tune", help="measure the tile sizes and store the best in the perf-db",
-                       description="Time GEMM on host arrays with each candidate tile size, check the results, "
-                                   "and store the fastest per device model, device count, dtype and shape class "
-                                   "in the perf-db, which later calls read (the paper's Section V-B: the tile "
-                                   "size is the only tuning parameter).")
-    t.add_argument("--n", type=_positive_list, help="sizes N, comma-separated (M = K = N unless given); "
-                                                    "default by backend (cuda 8192,16384)")
-    t.add_argument("--m", type=_positive, help="rows of C for every N")
-    t.add_argument("--k", type=_positive, help="inner dimension for every N")
-    t.add_argument("--dtype", type=_dtype_list, default=["d", "s"], help="dtypes, comma-separated (default d,s)")
-    t.add_argument("--devices", help="device spec: cuda, cuda:0,1, sim:4, cpu (default: as blasx gemm)")
-    t.add_argument("--tiles", type=_positive_list, help="candidate tiles, comma-separated "
-                                                        "(default by backend: cuda 2048,3072,4096,6144,8192)")
-    t.add_argument("--cache-bytes", type=_positive, help="tile cache per device in bytes")
+    p = argparse.ArgumentParser(
+        prog="blasx", formatter_class=_Formatter,
+        description="blasx: level-3 BLAS on every GPU of a server, on host matrices larger than GPU "
+                    "memory\n(the BLASX design: tile caches, work stealing, peer reads).",
+        epilog="examples:\n"
+               "  blasx gemm --n 16384 --dtype d          an out-of-core DGEMM, checked, with a report\n"
+               "  blasx info --measure                    devices, links, bandwidths, GEMM rates\n"
+               "  blasx tune --n 8192,16384               store the best tile sizes in the perf-db\n"
+               "  blasx bench gemm --n 16384 --gpus 2     blasx vs cuBLAS-XT (from a source checkout)\n"
+               "\n'blasx COMMAND --help' shows a command's options.")
+    from . import __version__
+    p.add_argument("--version", action="version", version=f"blasx {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
+    p.commands = {}
+
+    g = sub.add_parser(
+        "gemm", formatter_class=_Formatter,
+        help="run C = A B on host arrays across the devices, check it, report",
+        description="Out-of-core GEMM C = A B on random host (numpy) arrays across the configured devices,\n"
+                    "timed, checked against numpy on a sample of rows, with the per-device profile.\n"
+                    "A progress line (tiles done / total, rate) is drawn on stderr when it is a terminal.",
+        epilog="examples:\n"
+               "  blasx gemm --n 16384                          DGEMM 16384^3 on all GPUs\n"
+               "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
+               "  blasx gemm --n 2048 --devices sim:2 --trace t.json   simulated GPUs, Chrome trace\n"
+               "\nexit status: 0 checked ok, 1 wrong result or device failure, 2 bad options.")
+    p.commands["gemm"] = g
+    size = g.add_argument_group("problem")
+    size.add_argument("--n", type=_positive, default=4096, metavar="N",
+                      help="columns of C, and M and K unless given (default 4096)")
+    size.add_argument("--m", type=_positive, metavar="M", help="rows of C (default N)")
+    size.add_argument("--k", type=_positive, metavar="K", help="inner dimension (default N)")
+    size.add_argument("--dtype", type=_dtype, default="d", metavar="{s,d,c,z}",
+                      help="float32, float64, complex64 or complex128 (default d)")
+    run = g.add_argument_group("devices and runs")
+    run.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
+    run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
+    run.add_argument("--cache-bytes", type=_bytes, metavar="BYTES",
+                     help="tile cache per device, e.g. 8G (default: half the free GPU memory; 64M per sim)")
+    run.add_argument("--cpu", action="store_true", help="add the CPU as a worker beside the GPUs")
+    run.add_argument("--runs", type=_positive, default=2, metavar="R", help="timed calls (default 2)")
+    run.add_argument("--check-rows", type=_nonnegative, default=256, metavar="ROWS",
+                     help="rows checked against numpy (default 256; 0: no check)")
+    out = g.add_argument_group("output")
+    shown = out.add_mutually_exclusive_group()
+    shown.add_argument("--progress", dest="progress", action="store_true", default=None,
+                       help="draw the progress line on stderr even when it is not a terminal")
+    shown.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="no progress line")
+    out.add_argument("--trace", metavar="FILE", help="write the last call's timeline as Chrome-trace JSON")
+    out.add_argument("--profile", metavar="FILE", help="write the last call's profile plot (PNG; needs matplotlib)")
+
+    i = sub.add_parser(
+        "info", formatter_class=_Formatter,
+        help="show the devices, their memory and links, rates, and the perf-db",
+        description="The devices blasx would use: memory, tile cache, peer links, and the perf-db entries\n"
+                    "(those that calls on these devices use are marked *). With --measure, also the rates:\n"
+                    "  cuda  pinned host->device and device->host copies (256 MiB), peer copies over each\n"
+                    "        peer link (256 MiB), cuBLAS DGEMM and SGEMM (N = 8192): about a second per GPU;\n"
+                    "  sim   the configured cost model (not measured);\n"
+                    "  cpu   numpy's DGEMM and SGEMM.")
+    p.commands["info"] = i
+    i.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
+    i.add_argument("--measure", action="store_true",
+                   help="measure bandwidths and GEMM rates (about a second per GPU)")
+    i.add_argument("--db", metavar="FILE", help="perf-db file to list (default: the one blasx calls read)")
+
+    t = sub.add_parser(
+        "tune", formatter_class=_Formatter,
+        help="measure the tile sizes and store the best in the perf-db",
+        description="Time GEMM on host arrays with each candidate tile size, check the results, and store\n"
+                    "the fastest per device model, device count, dtype and shape class in the perf-db,\n"
+                    "which later calls read (the paper's Section V-B: the tile size is the only tuning\n"
+                    "parameter).",
+        epilog="examples:\n"
+               "  blasx tune --n 8192,16384              default candidates, double and single\n"
+               "  blasx tune --n 16384 --dtype d --tiles 4096,8192\n"
+               "  blasx tune --show                      list the entries")
+    p.commands["tune"] = t
+    t.add_argument("--n", type=_positive_list, metavar="N[,N...]",
+                   help="sizes N, comma-separated (M = K = N unless given); default by backend "
+                        "(cuda 8192,16384)")
+    t.add_argument("--m", type=_positive, metavar="M", help="rows of C for every N")
+    t.add_argument("--k", type=_positive, metavar="K", help="inner dimension for every N")
+    t.add_argument("--dtype", type=_dtype_list, default=["d", "s"], metavar="D[,D...]",
+                   help="dtypes s, d, c, z, comma-separated (default d,s)")
+    t.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
+    t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
+                   help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
+    t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G")
     t.add_argument("--cpu", action="store_true", help="add the CPU as a worker beside the GPUs")
-    t.add_argument("--runs", type=_positive, default=2, help="timed calls per tile after one warm-up (default 2)")
-    t.add_argument("--check-rows", type=int, default=64, help="rows checked against numpy (0: none)")
-    t.add_argument("--db", help="perf-db file (default: perfdb.sqlite in $BLASX_CACHE_DIR, "
-                                "$XDG_CACHE_HOME/blasx or ~/.cache/blasx, the one blasx calls read)")
+    t.add_argument("--runs", type=_positive, default=2, metavar="R",
+                   help="timed calls per tile after one warm-up (default 2)")
+    t.add_argument("--check-rows", type=_nonnegative, default=64, metavar="ROWS",
+                   help="rows checked against numpy (default 64; 0: no check)")
+    t.add_argument("--db", metavar="FILE", help="perf-db file (default: perfdb.sqlite in $BLASX_CACHE_DIR, "
+                                                "$XDG_CACHE_HOME/blasx or ~/.cache/blasx, the one blasx calls read)")
     what = t.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="list the perf-db entries and exit")
     what.add_argument("--clear", action="store_true", help="remove every perf-db entry and exit")
+
+    width = max(map(len, BENCHES))
+    b = sub.add_parser(
+        "bench", formatter_class=_Formatter,
+        help="run a benchmark of a source checkout: " + ", ".join(BENCHES),
+        description="Run one of the benchmarks of a blasx source checkout (the bench/ folder, not installed);\n"
+                    "the arguments after its name go to it ('blasx bench gemm --help' lists them).\n\n"
+                    "benchmarks:\n" + "\n".join(f"  {k:<{width}}  {v[1]}" for k, v in BENCHES.items()),
+        epilog="examples:\n"
+               "  blasx bench gemm --n 16384 --dtypes d,s --gpus 2 --runs 3\n"
+               "  blasx bench level3 --n 16384 --runs 2\n"
+               "  blasx bench offload-threshold --devices cpu --dtypes d,s")
+    p.commands["bench"] = b
+    b.add_argument("bench", choices=list(BENCHES), metavar="BENCH", help=", ".join(BENCHES))
+    b.add_argument("args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the benchmark")
     return p
 
 
+# ------------------------------------------------------------------------------------------------
+# main
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    bench_argv = argv[1:] if argv[:1] == ["bench"] else None
+    args = None
+    if bench_argv is None:  # a benchmark's arguments, --help included, are its own: no argparse here
+        args = parser.parse_args(argv)
+        if args.cmd == "bench":
+            bench_argv = [args.bench, *args.args]
     import blasx
+
+    prev = blasx.session.settings()
     try:
+        if bench_argv is not None:
+            return _bench(parser.commands["bench"], bench_argv)
+        sub = parser.commands[args.cmd]
         if args.cmd == "info":
-            return _info(blasx)
+            return _info(blasx, sub, args)
         if args.cmd == "tune":
-            return _tune(blasx, args)
-        return _gemm(blasx, args)
+            return _tune(blasx, sub, args)
+        return _gemm(blasx, sub, args)
     finally:
-        blasx.shutdown()
+        blasx.configure(**dataclasses.asdict(prev))  # the settings before, and no engine left running
 
 
-def _info(blasx) -> int:
-    eng = blasx.engine()
-    print(f"devices ({eng.spec}):")
-    for d in eng.devices:
-        cap = f", tile cache {d.cache_capacity() / 2**30:.2f} GiB" if d.streamed else ""
-        print(f"  [{d.index}] {d.name} ({d.kind}, {d.nstreams} stream(s){cap})")
-    return 0
+def _error(parser: argparse.ArgumentParser, message: str) -> int:
+    """A failure that is not the options' fault: one line on stderr, status 1."""
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 1
 
 
-def _gemm(blasx, args) -> int:
+def _start(blasx, parser, **settings):
+    """Configure and start the engine; device-spec problems are usage errors (exit 2)."""
+    from .runtime.devices.base import DeviceError
+
+    prev = blasx.session.settings()
+    merged = {**dataclasses.asdict(prev), **{k: v for k, v in settings.items() if v is not None}}
+    try:
+        blasx.configure(**merged)
+        return blasx.engine()
+    except DeviceError:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        msg = str(exc)
+        if isinstance(exc, RuntimeError) and not msg.startswith("devices:"):
+            raise
+        if msg.startswith("devices:"):
+            if settings.get("devices") is not None:
+                msg = "argument --devices:" + msg[len("devices:"):]
+            elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
+                msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
+        parser.error(msg)
+
+
+def _check_output_path(parser, option: str, path: str | None) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"argument {option}: got {path!r}, but its folder {folder} does not exist")
+    if os.path.isdir(path):
+        parser.error(f"argument {option}: got {path!r}, which is a folder; need a file name")
+
+
+def _gemm(blasx, parser, args) -> int:
+    from . import probe
+    from .progress import Progress, wanted
+    from .runtime.devices.base import DeviceError
+
     m, k = args.m or args.n, args.k or args.n
     n = args.n
     dtype = np.dtype(DTYPES[args.dtype])
-    blasx.configure(devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
-                    cpu=True if args.cpu else None)
+    _check_output_path(parser, "--trace", args.trace)
+    _check_output_path(parser, "--profile", args.profile)
+    if args.profile:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
+                         f"which is not installed (pip install 'blasx[plot]')")
+    nbytes = (m * k + k * n + m * n) * dtype.itemsize
+    _total, avail = probe.host_memory()
+    if avail is not None and nbytes > avail:
+        parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
+                     f"{probe.format_bytes(nbytes)}, but only {probe.format_bytes(avail)} of host memory is available")
+    try:
+        eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
+                     cpu=True if args.cpu else None)
+    except DeviceError as exc:
+        return _error(parser, str(exc))
     rng = np.random.default_rng(0)
 
     def rand(shape):
@@ -124,13 +349,20 @@ def _gemm(blasx, args) -> int:
     a, b = rand((m, k)), rand((k, n))
     c = np.empty((m, n), dtype, order="F")
     flops = (8 if dtype.kind == "c" else 2) * m * n * k
-    print(f"blasx gemm: {m}x{n}x{k} {dtype.name}, {(a.nbytes + b.nbytes + c.nbytes) / 2**30:.2f} GiB of operands")
-    for r in range(args.runs):
-        c[...] = np.nan  # poison: every element must be written
-        t = time.perf_counter()
-        blasx.gemm(1.0, a, b, c=c, overwrite_c=True)
-        t = time.perf_counter() - t
-        print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS")
+    names = ", ".join(d.name for d in eng.devices)
+    print(f"blasx gemm: {m}x{n}x{k} {dtype.name}, {probe.format_bytes(nbytes)} of operands, "
+          f"on {eng.spec} ({names})", flush=True)
+    show = wanted(args.progress, sys.stderr)
+    try:
+        for r in range(args.runs):
+            c[...] = np.nan  # poison: every element must be written
+            with Progress(sys.stderr, label=f"run {r}", flops=flops, enabled=show):
+                t = time.perf_counter()
+                blasx.gemm(1.0, a, b, c=c, overwrite_c=True)
+                t = time.perf_counter() - t
+            print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
+    except DeviceError as exc:
+        return _error(parser, str(exc))
     prof = blasx.last_profile()
     print(prof.report())
     status = 0
@@ -152,8 +384,49 @@ def _gemm(blasx, args) -> int:
     return status
 
 
-def _tune(blasx, args) -> int:
+def _versions(blasx) -> str:
+    text = f"blasx {blasx.__version__}, numpy {np.__version__}"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            rt = cupy.cuda.runtime.runtimeGetVersion()
+            drv = cupy.cuda.runtime.driverGetVersion()
+            text += f", cupy {cupy.__version__} (CUDA runtime {rt // 1000}.{rt % 1000 // 10}, driver {drv // 1000}.{drv % 1000 // 10})"
+        except Exception:  # noqa: BLE001 - versions are a courtesy
+            text += f", cupy {getattr(cupy, '__version__', '?')}"
+    return text
+
+
+def _info(blasx, parser, args) -> int:
+    from . import probe
+    from .perfdb import PerfDb, device_key, disabled
+    from .runtime.devices.base import DeviceError
+
+    try:
+        eng = _start(blasx, parser, devices=args.devices)
+    except DeviceError as exc:
+        return _error(parser, str(exc))
+    devices = list(eng.devices)
+    facts = probe.device_facts(devices)
+    links = probe.peer_links(devices)
+    print(_versions(blasx))
+    for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
+        print(line)
+    if args.measure:
+        blasx.shutdown()  # frees the tile caches: the GPU measurements need the memory
+        print("measuring...", file=sys.stderr, flush=True)
+        rates = probe.measure(devices, links)
+        for line in probe.format_rates(facts, rates):
+            print(line)
+    db = PerfDb(args.db)
+    for line in probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled()):
+        print(line)
+    return 0
+
+
+def _tune(blasx, parser, args) -> int:
     from .perfdb import PerfDb
+    from .runtime.devices.base import DeviceError
     from .tune import tune
 
     db = PerfDb(args.db)
@@ -163,19 +436,14 @@ def _tune(blasx, args) -> int:
         n = db.clear()
         print(f"perf-db {db.path}: removed {n} entr{'y' if n == 1 else 'ies'}")
         return 0
-    if args.check_rows < 0:
-        print(f"blasx tune: error: --check-rows: got {args.check_rows}, need an int >= 0", file=sys.stderr)
-        return 2
+    if (args.m or args.k) and args.n is None:
+        parser.error("arguments --m/--k: need --n (the sizes they go with)")
     sizes = None if args.n is None else [(args.m or n, n, args.k or n) for n in args.n]
-    if args.m or args.k:
-        if sizes is None:
-            print("blasx tune: error: --m/--k need --n", file=sys.stderr)
-            return 2
-    prev = blasx.session.settings()
-    blasx.configure(devices=args.devices if args.devices is not None else prev.devices, streams=prev.streams,
-                    cache_bytes=args.cache_bytes if args.cache_bytes is not None else prev.cache_bytes,
-                    cpu=True if args.cpu else prev.cpu, trace=prev.trace)
-    eng = blasx.engine()
+    try:
+        eng = _start(blasx, parser, devices=args.devices, cache_bytes=args.cache_bytes,
+                     cpu=True if args.cpu else None)
+    except DeviceError as exc:
+        return _error(parser, str(exc))
     names = ", ".join(d.name for d in eng.devices)
     print(f"blasx tune: {eng.spec} ({names}); perf-db {db.path}")
     rows = tune(sizes=sizes, dtypes=args.dtype, tiles=args.tiles, runs=args.runs, db=db,
@@ -203,20 +471,84 @@ def _tune(blasx, args) -> int:
 
 
 def _show(db) -> int:
-    entries = db.entries()
-    if not entries:
-        print(f"perf-db {db.path}: no entries")
-        return 0
-    print(f"perf-db {db.path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
-    print(f"{'device':<20}{'gpus':>5}  {'dtype':<6}{'routine':<9}{'shape class':<22}{'tile':>6}"
-          f"{'TFLOPS':>11}  {'date':<26}blasx")
-    for e in entries:
-        shape = "x".join(map(str, e["shape"]))
-        best = e["results"].get(e["tile"])
-        tf = f"{best:.4g}" if best is not None else "-"
-        print(f"{e['device']:<20}{e['ndev']:>5}  {e['dtype']:<6}{e['routine']:<9}{shape:<22}{e['tile']:>6}"
-              f"{tf:>11}  {e['date']:<26}{e['version']}")
+    from .perfdb import disabled
+    from .probe import format_perfdb
+
+    for line in format_perfdb(db.path, db.entries(), disabled=disabled()):
+        print(line)
     return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# blasx bench
+
+def _bench_roots() -> list[Path]:
+    """Folders that may hold the checkout's bench/ package: the working directory, then the
+    checkout this blasx runs from (an editable install)."""
+    roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
+    return list(dict.fromkeys(r for r in roots if (r / "bench" / "__init__.py").is_file()))
+
+
+def _import_bench(module: str):
+    """The benchmark module, or None when no bench/ package of a checkout is importable."""
+    leaf = module.rpartition(".")[2]
+    for root in _bench_roots():
+        if not (root / "bench" / f"{leaf}.py").is_file():
+            continue
+        added = str(root) not in sys.path
+        if added:
+            sys.path.insert(0, str(root))
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("bench", module):
+                raise  # the benchmark itself misses a dependency: say which
+            continue
+        finally:
+            if added:
+                sys.path.remove(str(root))
+        if callable(getattr(mod, "main", None)):
+            return mod
+    try:  # a bench package on the path already (python -m from the checkout, PYTHONPATH)
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", module):
+            raise
+        return None
+    return mod if callable(getattr(mod, "main", None)) else None
+
+
+def _bench(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    choices = ", ".join(BENCHES)
+    if argv[:1] in (["-h"], ["--help"]):
+        parser.parse_args(argv[:1])  # prints the help, which lists the benchmarks, and exits 0
+    if not argv:
+        parser.error(f"the following arguments are required: BENCH (one of {choices})")
+    if argv[0].startswith("-"):
+        parser.error(f"argument BENCH: got {argv[0]!r}, need a benchmark name first (one of {choices}); "
+                     f"its options follow it")
+    name, rest = argv[0].replace("_", "-"), argv[1:]
+    if name not in BENCHES:
+        parser.error(f"argument BENCH: invalid choice: {argv[0]!r} (choose from {choices})")
+    module = BENCHES[name][0]
+    try:
+        mod = _import_bench(module)
+    except ModuleNotFoundError as exc:
+        return _error(parser, f"{module} needs {exc.name!r}, which is not installed: {exc}")
+    if mod is None:
+        return _error(parser, f"the benchmarks are the bench/ folder of a blasx source checkout, which is not "
+                              f"importable here (blasx is installed from {Path(__file__).resolve().parent}); "
+                              f"run 'blasx bench {name} ...' (or 'python -m {module} ...') from the checkout's "
+                              f"root folder")
+    old_prog = sys.argv[0] if sys.argv else None
+    try:
+        if sys.argv:
+            sys.argv[0] = f"blasx bench {name}"  # the usage line of benchmarks that take argparse's default
+        status = mod.main(rest)
+    finally:
+        if old_prog is not None:
+            sys.argv[0] = old_prog
+    return int(status or 0)
 
 
 if __name__ == "__main__":

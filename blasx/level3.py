@@ -17,6 +17,20 @@ from .tile import choose_tile
 
 _tls = threading.local()
 
+# The call each thread is running now (thread ident -> Call), for progress displays in other
+# threads (``running_call``). Written only by the calling thread, under the lock.
+_running: dict = {}
+_running_lock = threading.Lock()
+
+
+def running_call(thread_ident: int):
+    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None.
+
+    Read-only, for progress displays: ``len(call.tasks) - call.remaining`` tasks are accounted
+    for (done, or dropped when the call fails). Safe to call from any thread."""
+    with _running_lock:
+        return _running.get(thread_ident)
+
 
 def last_profile():
     """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
@@ -186,9 +200,18 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
     call.tile = tile
     for d in _backends(eng):
         d.prepare_call(call)
+    ident = threading.get_ident()
+    with _running_lock:
+        outer = _running.get(ident)
+        _running[ident] = call
     try:
         eng.submit(call)
     finally:
+        with _running_lock:
+            if outer is None:
+                _running.pop(ident, None)
+            else:
+                _running[ident] = outer
         for d in _backends(eng):
             d.finish_call(call)
         _tls.profile = stats.profile()

@@ -14,12 +14,11 @@ import threading
 from dataclasses import dataclass
 
 from .operands import READONLY
-from .runtime.config import DeviceSpec, parse_devices, sim_factors
+from .runtime.config import DeviceSpec, parse_devices
 from .runtime.devices.base import backend
 from .runtime.engine import Engine, EngineConfig
 
 MiB = 1 << 20
-DEFAULT_SIM_CACHE = 64 * MiB
 DEFAULT_STREAMS = 4
 
 
@@ -127,20 +126,8 @@ def _make_devices(spec: DeviceSpec, s: Settings) -> list:
     if spec.kind == "cpu":
         return [backend("cpu")(0, name="cpu", trace=s.trace)]
     if spec.kind == "sim":
-        from .runtime.devices.sim import SimModel
-        opts = spec.options
-        base = SimModel(**{k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts})
-        fail_dev, fail_at = None, None
-        if "fail" in opts:
-            d, _, n = opts["fail"].partition("@")
-            fail_dev, fail_at = int(d), int(n)
-        devs = []
-        for i, f in enumerate(sim_factors(spec)):
-            model = SimModel(base.rate, base.h2d, base.d2h, base.p2p, f)
-            name = f"sim:{i}" + (f" (slow={f:g})" if f != 1 else "")
-            devs.append(backend("sim")(i, nstreams=s.streams, cache_bytes=s.cache_bytes or DEFAULT_SIM_CACHE,
-                                       name=name, model=model, fail_at=fail_at if i == fail_dev else None,
-                                       peers=opts.get("peers", "1") == "1", trace=s.trace))
+        from .runtime.devices.sim import build_sim_devices
+        devs = build_sim_devices(spec, streams=s.streams, cache_bytes=s.cache_bytes, trace=s.trace)
     else:
         from .runtime.devices import cuda  # noqa: F401 - registers the backend (needs CuPy)
         n = _cuda_count()

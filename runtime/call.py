@@ -83,6 +83,7 @@ class Call:
         self._lock = threading.Lock()
         self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
+        self._started_tids: set[int] = set()  # assigned to a worker and not handed back (gates)
         self._done = threading.Event()
         self.error: BaseException | None = None
         for t in tasks:
@@ -99,11 +100,37 @@ class Call:
         return f * 4.0 if self.is_complex else f
 
     def is_ready(self, task: Task) -> bool:
-        """A task may start once the tasks it depends on have finished (TRSM)."""
+        """Every task ``task`` depends on has finished (what a whole-task CPU worker needs)."""
         if not task.deps or self.error is not None:
             return True  # a failed call's tasks are "ready" to be dropped, so none is stuck waiting
         fin = self._finished_tids
         return all(d in fin for d in task.deps)
+
+    def is_startable(self, task: Task) -> bool:
+        """A stream device may start ``task``: its deps have finished or, with gates, started."""
+        if not task.gates or self.error is not None:
+            return self.is_ready(task)
+        fin, started = self._finished_tids, self._started_tids
+        return all(d in fin or d in started for d in task.deps)
+
+    def gate_open(self, task: Task, k: int) -> bool:
+        """Step ``k`` (the write-back for ``k == len(steps)``) of a gated task may be issued."""
+        if not task.gates or self.error is not None:
+            return True
+        fin = self._finished_tids
+        return all(d in fin for d in task.gates[k])
+
+    def gate_lost(self, task: Task, k: int) -> bool:
+        """A dependency of gate ``k`` is neither finished nor started: it went back to the queue."""
+        fin, started = self._finished_tids, self._started_tids
+        return any(d not in fin and d not in started for d in task.gates[k])
+
+    def started(self, task: Task) -> None:
+        self._started_tids.add(task.tid)  # one owner per tid at a time: the worker running it
+
+    def unstarted(self, task: Task) -> None:
+        """``task`` goes back to a queue (its device failed, or it gave up waiting)."""
+        self._started_tids.discard(task.tid)
 
     def account(self, task: Task, worker: int | None = None) -> None:
         """``task`` is finished (worker given) or dropped (no worker); complete the call after the last."""

@@ -15,14 +15,54 @@ A spec names one backend and its arguments:
 
 Sim options ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s) set its
 cost model. The CPU worker joins GPU workers with ``configure(cpu=True)``.
+
+Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices``
+(``runtime/devices/sim.py`` has the details; ``bench/scaling_sim.py`` uses them):
+
+``timing=1`` (or ``data=0``)
+    data-free timing mode: no arena bytes, kernels and copies do no numpy
+    work and only take their cost-model time, host operands are never read
+    or written. Default ``timing=0`` (``data=1``): real data, as before.
+``mem=BYTES``
+    each sim's tile-cache heap (default 64 MiB; ``configure(cache_bytes=)``
+    sets it too, but not both at once). An int, or a number with a suffix:
+    ``K M G T`` decimal (``141G`` = 141e9), ``Ki Mi Gi Ti`` binary
+    (``64Mi`` = 2**26); an optional trailing ``B`` is ignored.
+``dilate=F``
+    every duration of every sim times F (time dilation, so that host-side
+    scheduler overhead is small next to the simulated times; divide measured
+    wall times by F). Unlike ``slow=``, which slows the last sim only.
+``issue=SECONDS``
+    host time of one kernel or copy launch, slept by the issuing worker thread
+    (times ``dilate``), so that with dilation a worker still issues work at a
+    realistic pace relative to the device. Default 0.
+``host=BYTES_PER_S``
+    a host-side bandwidth cap shared by the host copies (H2D and D2H) of
+    several sims (e.g. the host's memory bandwidth, or a PCIe switch
+    uplink); suffixes as for ``mem`` (``200G``). Default: none (every sim
+    has its own independent host link).
+``hostgroup=G``
+    sims 0..G-1 share one cap, G..2G-1 the next, ... (default: all share one).
+``hostduplex=1``
+    separate caps for the two directions (a PCIe link); default 0: one cap
+    for H2D and D2H together (memory bandwidth).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 KNOWN_KINDS = ("cuda", "sim", "cpu")
 SIM_FLOAT_OPTIONS = ("slow", "rate", "h2d", "d2h", "p2p")
+#: Options of the data-free timing mode and of the shared host link (see the module docstring).
+SIM_TIMING_OPTIONS = ("timing", "data", "mem", "dilate", "issue", "host", "hostgroup", "hostduplex")
+SIM_OPTIONS = SIM_FLOAT_OPTIONS + ("speeds", "fail", "peers") + SIM_TIMING_OPTIONS
+MIN_SIM_MEM = 1 << 16  # the smallest tile-cache heap (configure's cache_bytes has the same floor)
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*$")
 
 
 @dataclass(frozen=True)
@@ -73,11 +113,70 @@ def parse_devices(spec: str) -> DeviceSpec:
     return DeviceSpec(kind, tuple(ids), options)
 
 
+def parse_size(value: str) -> float:
+    """'141G' -> 141e9, '64Mi' -> 2**26, '1.5e9' -> 1.5e9 (K M G T decimal, Ki Mi Gi Ti binary,
+    an optional trailing B). Raises ValueError naming the value and the grammar."""
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"got {value!r}; expected a number with an optional suffix "
+                         f"K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024), e.g. 141G or 64Mi")
+    return float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
+
+
+_TIMING_RULES = {
+    "timing": "0 or 1",
+    "data": "0 or 1",
+    "mem": f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9",
+    "dilate": "a number > 0",
+    "issue": "seconds, at least 0 and below 1, e.g. 2e-5",
+    "host": "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10",
+    "hostgroup": "an int >= 1",
+    "hostduplex": "0 or 1",
+}
+
+
+def _check_timing_option(k: str, v: str, spec: str) -> None:
+    ok = True
+    try:
+        if k in ("timing", "data", "hostduplex"):
+            ok = v in ("0", "1")
+        elif k == "mem":
+            x = parse_size(v)
+            ok = x >= MIN_SIM_MEM and x == int(x)
+        elif k == "dilate":
+            ok = float(v) > 0 and float(v) != float("inf")
+        elif k == "issue":
+            ok = 0 <= float(v) < 1
+        elif k == "host":
+            x = parse_size(v)
+            ok = x > 0 and x != float("inf")
+        elif k == "hostgroup":
+            ok = int(v) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}; "
+                         f"allowed: {_TIMING_RULES[k]}")
+
+
+def _check_timing_combination(options: dict, spec: str) -> None:
+    if "timing" in options and "data" in options and options["timing"] == options["data"]:
+        raise ValueError(f"devices: sim options timing={options['timing']} and data={options['data']} "
+                         f"contradict each other in {spec!r}; timing=1 is data=0 (give one of them)")
+    for k in ("hostgroup", "hostduplex"):
+        if k in options and "host" not in options:
+            raise ValueError(f"devices: sim option {k}={options[k]} in {spec!r} needs host=BYTES_PER_S "
+                             f"(the shared host cap it shapes)")
+
+
 def _check_sim_options(options: dict, spec: str) -> None:
-    allowed = SIM_FLOAT_OPTIONS + ("speeds", "fail", "peers")
+    allowed = SIM_OPTIONS
     for k, v in options.items():
         if k not in allowed:
             raise ValueError(f"devices: unknown sim option {k!r} in {spec!r}; allowed: {', '.join(allowed)}")
+        if k in SIM_TIMING_OPTIONS:
+            _check_timing_option(k, v, spec)
+            continue
         try:
             if k in SIM_FLOAT_OPTIONS:
                 if float(v) <= 0:
@@ -92,6 +191,7 @@ def _check_sim_options(options: dict, spec: str) -> None:
                 raise ValueError
         except ValueError:
             raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}") from None
+    _check_timing_combination(options, spec)
 
 
 def sim_factors(spec: DeviceSpec) -> list[float]:
@@ -106,3 +206,31 @@ def sim_factors(spec: DeviceSpec) -> list[float]:
     if "slow" in spec.options:
         f[-1] = float(spec.options["slow"])
     return f
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """The typed sim options of a spec that are not per-device factors (see the module docstring)."""
+
+    timing: bool = False  # data-free timing mode
+    mem: int | None = None  # tile-cache heap bytes per sim (None: the caller's default)
+    dilate: float = 1.0  # every duration of every sim times this
+    issue: float = 0.0  # host seconds per launched kernel or copy (times dilate)
+    host: float | None = None  # shared host cap, bytes/s (None: independent links)
+    hostgroup: int | None = None  # sims per shared cap (None: all of them)
+    hostduplex: bool = False  # separate H2D and D2H caps
+
+
+def sim_settings(spec: DeviceSpec) -> SimSettings:
+    """Typed timing-mode and host-link options of a parsed sim spec."""
+    o = spec.options
+    timing = o.get("timing") == "1" or o.get("data") == "0"
+    return SimSettings(
+        timing=timing,
+        mem=int(parse_size(o["mem"])) if "mem" in o else None,
+        dilate=float(o.get("dilate", 1.0)),
+        issue=float(o.get("issue", 0.0)),
+        host=parse_size(o["host"]) if "host" in o else None,
+        hostgroup=int(o["hostgroup"]) if "hostgroup" in o else None,
+        hostduplex=o.get("hostduplex") == "1",
+    )

@@ -49,8 +49,9 @@ Invariants
    failure neither stalls nor corrupts another.
 5. No exception escapes a worker: it is attached to the calls whose tasks
    the worker held. Those tasks are handed to live workers, unless their
-   write-back was in flight and C was read (``beta != 0``), in which case the
-   call fails loudly. With no live worker able to run a call, it fails.
+   write-back was in flight and the task reads its own tile (``beta != 0``,
+   or an in-place TRMM), in which case the call fails loudly. With no live
+   worker able to run a call, it fails.
 6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker
    on the queue and joins them all (and the sim stream threads).
 
@@ -85,6 +86,14 @@ from .knobs import Knobs
 from .queue import TaskQueue
 from .station import ReservationStation
 from .worker import CpuWorker, StreamWorker
+
+
+def _reads_own_tile(task) -> bool:
+    """The task reads the memory it writes: C itself (beta != 0), or its tile of B in place."""
+    if task.load_c:
+        return True
+    tokens, c = task.call.tokens, task.c
+    return any(tokens[r.slot] == tokens[c.slot] and (r.bi, r.bj) == (c.bi, c.bj) for r in task.input_tiles())
 
 
 class _Sentinel:
@@ -172,10 +181,6 @@ class Engine:
     def can_run(self, worker, call: Call) -> bool:
         return worker.alive and (not call.device_only or worker.dev.reads_device_arrays)
 
-    @staticmethod
-    def is_ready(task) -> bool:
-        return task.call.is_ready(task)
-
     def wait_for_work(self, seen_generation: int) -> None:
         with self._cv:
             if self.work_generation != seen_generation:
@@ -238,10 +243,11 @@ class Engine:
                 call = task.call
                 if call.failed:
                     call.account(task)
-                elif writeback_issued and task.load_c:
+                elif writeback_issued and _reads_own_tile(task):
                     self._fail_call(call, DeviceError(
                         f"{worker.dev.name} failed while writing back tile {task.c[1:3]} of {call.name}; "
-                        f"C was read (beta != 0), so the tile cannot be recomputed safely: {exc!r}"), exc)
+                        f"the task reads that tile (beta != 0, or in place), so it cannot be recomputed "
+                        f"safely from a partly written tile: {exc!r}"), exc)
                     call.account(task)
                 elif not self._runnable(call):
                     self._fail_call(call, DeviceError(self._unrunnable_message(call)), exc)
@@ -249,8 +255,14 @@ class Engine:
                 else:
                     # In front: later tasks of the call may depend on it (TRSM).
                     task.worker = -1
+                    call.unstarted(task)
                     self.queues["gpu" if call.device_only else "any"].put_front(task)
         self._fail_unrunnable()
+        self._poke()
+
+    def requeue(self, task) -> None:
+        """Put a task a worker gave back (unstarted) in front of its queue and wake the workers."""
+        self.queues["gpu" if task.call.device_only else "any"].put_front(task)
         self._poke()
 
     def _fail_call(self, call: Call, err: BaseException, cause: BaseException | None) -> None:

@@ -95,6 +95,19 @@ class RegistrationCache:
         except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone already
             pass
 
+    def describe(self, lo: int, hi: int) -> str:
+        """Why a copy from host bytes [lo, hi) may have been refused: their pinned state and the
+        blasx registrations overlapping them (for error messages)."""
+        try:
+            from cupy.cuda import runtime
+            ends = f"pinned at first byte: {_is_pinned(runtime, lo)}, at last byte: {_is_pinned(runtime, hi - 1)}"
+        except Exception as exc:  # noqa: BLE001 - a description must not raise
+            ends = f"pinned state unknown ({exc!r})"
+        with self._lock:
+            overlap = [f"[{s:#x}, {s + n:#x})" for s, n in self._ours.values() if s < hi and lo < s + n]
+        return (f"host bytes [{lo:#x}, {hi:#x}): {ends}; blasx registrations overlapping: "
+                f"{', '.join(overlap) or 'none'}")
+
     def is_ours(self, x: np.ndarray) -> bool:
         with self._lock:
             return id(_root(x)) in self._ours

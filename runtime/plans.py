@@ -46,7 +46,10 @@ Scheduling flags:
   tile (``c_init``) and are listed level by level (every column of the first
   block row solved, then the next...), so ready work comes first;
 * in-place TRMM tasks have the mirror ``deps`` (write after read): a B tile is
-  overwritten only once every task reading its old value has finished.
+  overwritten only once every task reading its old value has finished;
+* both carry ``gates`` (see ``Task``): TRSM's step k waits only for the X tile
+  it reads, TRMM's write-back alone waits, so tasks start early and overlap
+  their loads and updates with the tasks they depend on.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bo
     return tasks
 
 
-# =========================================================================== SYRK / HERK
+# =========================================================================== SYRK / HERK, SYR2K / HER2K
 
 def _triangle(tn: int, lower: int, block: tuple[int, int]) -> list[tuple[int, int]]:
     """The C tiles (i, j) of the ``lower`` (i >= j) or upper (i <= j) triangle, in block order."""
@@ -174,6 +177,54 @@ def _rank_tile(slot: int, op: int, i: int, kk: int, n: int, k: int, tile: int):
     return op_tile(slot, op, i, kk, rows, cols, tile)
 
 
+def _plan_rank_k(n: int, k: int, tile: int, op: int, lower: int, kernel: str, c_slot: int,
+                 diag_slots: tuple[int, int | None], terms: tuple[tuple[int, int, int], ...], *,
+                 hermitian: bool, alpha_zero: bool, beta_zero: bool, is_complex: bool,
+                 block: tuple[int, int]) -> list[Task]:
+    """The loop :func:`plan_syrk` and :func:`plan_syr2k` share: tasks of the ``lower`` (else
+    upper) triangle of the n x n C in slot ``c_slot``, op(X) being n x k for every operand.
+
+    A diagonal tile runs one ``kernel`` step per k tile on the tiles (i, kk) of the
+    ``diag_slots`` (a, b) operands (b None: no b tile, op_b N); an off-diagonal tile runs,
+    per k tile, one gemm step ``alpha_s op(X)_ik op(Y)_jk^T`` per (X, Y, alpha_s) of
+    ``terms``. A task's first step takes its beta, the later ones accumulate. With
+    ``alpha == 0`` or ``k == 0`` a diagonal tile gets one ``kernel`` step with ``k == 0``
+    and no tiles, the others a ``scale``.
+    """
+    a_slot, b_slot = diag_slots
+    op_b = OP_N if b_slot is None else op
+    op2 = _rank_op(op, hermitian)
+    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
+    first = _first_beta(beta_zero)
+    skip = alpha_zero or k == 0
+
+    def x_tile(slot, i, kk):
+        return None if slot is None else _rank_tile(slot, op, i, kk, n, k, tile)
+
+    tasks: list[Task] = []
+    for i, j in _triangle(tn, lower, block):
+        c = tile_ref(c_slot, i, j, n, n, tile)
+        diag = i == j
+        if skip:
+            steps = ((Step(kernel, None, None, op, op_b, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
+                     if diag else (_scale(c, first),))
+        elif diag:
+            steps = tuple(
+                Step(kernel, x_tile(a_slot, i, kk), x_tile(b_slot, i, kk), op, op_b,
+                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
+                for kk in range(tk))
+        else:
+            steps = tuple(
+                Step("gemm", x_tile(x, i, kk), x_tile(y, j, kk), op, op2, c.rows, c.cols, _width(kk, k, tile),
+                     alpha_ix, first if kk == 0 and t == 0 else SC_ONE)
+                for kk in range(tk) for t, (x, y, alpha_ix) in enumerate(terms))
+        # A diagonal tile's other triangle is written back as loaded: always load_c, and no
+        # rotation (the late-C fold adds beta * old C over the whole tile).
+        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=(not diag) and len(steps) > 1))
+    return tasks
+
+
 def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
               alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
               block: tuple[int, int] = (1, 1)) -> list[Task]:
@@ -189,35 +240,10 @@ def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool
     (``C_tri = beta C_tri``; HERK also zeroes the diagonal's imaginary part), the
     others a ``scale``.
     """
-    kernel = "herk" if hermitian else "syrk"
-    op2 = _rank_op(op, hermitian)
-    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
-    first = _first_beta(beta_zero)
-    skip = alpha_zero or k == 0
-    tasks: list[Task] = []
-    for i, j in _triangle(tn, lower, block):
-        c = tile_ref(SYRK_C, i, j, n, n, tile)
-        diag = i == j
-        if skip:
-            steps = ((Step(kernel, None, None, op, OP_N, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
-                     if diag else (_scale(c, first),))
-        elif diag:
-            steps = tuple(
-                Step(kernel, _rank_tile(SYRK_A, op, i, kk, n, k, tile), None, op, OP_N,
-                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
-                for kk in range(tk))
-        else:
-            steps = tuple(
-                Step("gemm", _rank_tile(SYRK_A, op, i, kk, n, k, tile),
-                     _rank_tile(SYRK_A, op, j, kk, n, k, tile), op, op2,
-                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE)
-                for kk in range(tk))
-        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
-                          rotatable=(not diag) and len(steps) > 1))
-    return tasks
+    return _plan_rank_k(n, k, tile, op, lower, "herk" if hermitian else "syrk", SYRK_C, (SYRK_A, None),
+                        ((SYRK_A, SYRK_A, SC_ALPHA),), hermitian=hermitian, alpha_zero=alpha_zero,
+                        beta_zero=beta_zero, is_complex=is_complex, block=block)
 
-
-# =========================================================================== SYR2K / HER2K
 
 def plan_syr2k(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
                alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
@@ -230,40 +256,13 @@ def plan_syr2k(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: boo
     diagonal tile runs one ``syr2k``/``her2k`` step per k tile (a = A's tile,
     b = B's); an off-diagonal tile runs two gemm steps per k tile:
     ``alpha op(A)_ik op(B)_jk^T`` then ``alpha' op(B)_ik op(A)_jk^T`` with
-    alpha' = conj(alpha) (SC_ALPHA_CONJ) for HER2K.
+    alpha' = conj(alpha) (SC_ALPHA_CONJ) for HER2K. ``alpha == 0`` or ``k == 0``
+    as in :func:`plan_syrk`.
     """
-    kernel = "her2k" if hermitian else "syr2k"
-    op2 = _rank_op(op, hermitian)
     alpha2 = SC_ALPHA_CONJ if hermitian else SC_ALPHA
-    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
-    first = _first_beta(beta_zero)
-    skip = alpha_zero or k == 0
-    tasks: list[Task] = []
-    for i, j in _triangle(tn, lower, block):
-        c = tile_ref(SYR2K_C, i, j, n, n, tile)
-        diag = i == j
-        if skip:
-            steps = ((Step(kernel, None, None, op, op, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
-                     if diag else (_scale(c, first),))
-        elif diag:
-            steps = tuple(
-                Step(kernel, _rank_tile(SYR2K_A, op, i, kk, n, k, tile), _rank_tile(SYR2K_B, op, i, kk, n, k, tile),
-                     op, op, c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
-                for kk in range(tk))
-        else:
-            steps = []
-            for kk in range(tk):
-                kw = _width(kk, k, tile)
-                steps.append(Step("gemm", _rank_tile(SYR2K_A, op, i, kk, n, k, tile),
-                                  _rank_tile(SYR2K_B, op, j, kk, n, k, tile), op, op2,
-                                  c.rows, c.cols, kw, SC_ALPHA, first if kk == 0 else SC_ONE))
-                steps.append(Step("gemm", _rank_tile(SYR2K_B, op, i, kk, n, k, tile),
-                                  _rank_tile(SYR2K_A, op, j, kk, n, k, tile), op, op2,
-                                  c.rows, c.cols, kw, alpha2, SC_ONE))
-            steps = tuple(steps)
-        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
-                          rotatable=(not diag) and len(steps) > 1))
-    return tasks
+    return _plan_rank_k(n, k, tile, op, lower, "her2k" if hermitian else "syr2k", SYR2K_C, (SYR2K_A, SYR2K_B),
+                        ((SYR2K_A, SYR2K_B, SC_ALPHA), (SYR2K_B, SYR2K_A, alpha2)), hermitian=hermitian,
+                        alpha_zero=alpha_zero, beta_zero=beta_zero, is_complex=is_complex, block=block)
 
 
 # =========================================================================== TRMM
@@ -336,12 +335,15 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                                   OP_N, op, c.rows, c.cols, _width(k, n, tile), SC_ALPHA, SC_ONE))
             steps = tuple(steps)
         deps: tuple[int, ...] = ()
+        gates: tuple[tuple[int, ...], ...] = ()
         if in_place and not alpha_zero:
             # Every task that reads B_ij's old value sits in an earlier level of this column (row).
+            # Only the write-back waits for them: the task reads nothing they write.
             line = [(i, jj) for jj in range(tn)] if side == SIDE_RIGHT else [(ii, j) for ii in range(tm)]
             deps = tuple(sorted(tid_of[x] for x in line if x in tid_of))
+            gates = ((),) * len(steps) + (deps,)
         tid_of[(i, j)] = len(tasks)
-        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps))
+        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates))
     return tasks
 
 
@@ -414,6 +416,9 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                               SC_ONE if steps else SC_ALPHA, SC_ONE, side, lower, unit))
             steps = tuple(steps)
             tid_of[(i, j)] = len(tasks)
+            # Step by step: each update waits only for the X tile it reads, so a task starts (loads B_ij
+            # and its A tiles, applies the solved updates) while the rest of its column is being solved.
+            gates = tuple((d,) for d in deps) + ((), ())
             tasks.append(Task(len(tasks), c, True, steps, task_flops(steps, is_complex), deps=tuple(deps),
-                              keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile)))
+                              keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile), gates=gates))
     return tasks

@@ -73,6 +73,13 @@ class Task:
     keep_c: bool = False
     # Where the C buffer's first contents come from when ``load_c`` (None: the C tile itself).
     c_init: TileRef | None = None
+    # ``deps`` step by step: when set, ``gates[k]`` (tids, a subset of ``deps``) must have
+    # finished before step k is issued, ``gates[len(steps)]`` before the write-back; a stream
+    # device may then start the task once every dep has *started* (started tasks finish
+    # without waiting for later ones, so this cannot deadlock). Without gates every dep must
+    # have finished before the task starts. A CPU worker runs a task whole: it always waits
+    # for every dep.
+    gates: tuple[tuple[int, ...], ...] = ()
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

@@ -99,6 +99,11 @@ class Worker(threading.Thread):
         self.open_error: BaseException | None = None
 
     # -- work intake --
+    @staticmethod
+    def ready(task) -> bool:
+        """``task`` may start here: a whole-task worker waits for every dependency."""
+        return task.call.is_ready(task)
+
     def _pull(self):
         """Next task from the global queues this worker serves; None when empty."""
         for q in self.engine.queues_for(self):
@@ -109,10 +114,10 @@ class Worker(threading.Thread):
 
     def fill_station(self) -> None:
         st = self.station
-        # Up to capacity; beyond it (to 4x) only while nothing held is ready, so a station
-        # full of tasks waiting on dependencies cannot starve the tasks they wait for.
-        while not self.stopping and (st.free_slots() > 0 or
-                                     (len(st) < 4 * st.capacity and not st.any_ready(self.engine.is_ready))):
+        # Up to capacity; beyond it only while nothing held is ready, so a station full of
+        # tasks waiting on dependencies cannot starve the tasks they wait for (a dependency
+        # handed back by a failed device sits at the queue's head, behind any number of them).
+        while not self.stopping and (st.free_slots() > 0 or not st.any_ready(self.ready)):
             t = self._pull()
             if t is None:
                 break
@@ -203,13 +208,17 @@ class StreamWorker(Worker):
             self.assign()
             active = [s for s, a in enumerate(self.slots) if a is not None]
             if active:
+                progressed = False
                 for s in active:
-                    self.issue(s)
-                continue
+                    progressed |= self.issue(s)
+                if progressed or self._abandon_lost():
+                    continue
+                # Every active task waits at a gate (a dependency still running): sleep until
+                # this device's oldest operation ends, or until another device finishes a task.
             if any(self.pending):
                 self.wait_oldest()
                 continue
-            if self.stopping and len(self.station) == 0:
+            if self.stopping and len(self.station) == 0 and not active:
                 return
             if self._work_waiting():
                 continue  # e.g. assign() just dropped cancelled tasks: pull again, don't sleep
@@ -260,20 +269,25 @@ class StreamWorker(Worker):
         self.pending[s].append(_Pending(event, self.seq, **kw))
 
     # ---------------------------------------------------------------- assign
+    @staticmethod
+    def ready(task) -> bool:
+        """``task`` may start on a stream: a gated task waits step by step (``Task.gates``)."""
+        return task.call.is_startable(task)
+
     def assign(self) -> None:
-        eng = self.engine
         for s, slot in enumerate(self.slots):
             if slot is not None or self.inflight >= self.max_inflight:
                 continue
-            task = self.station.pop_best(self._score, eng.is_ready)
+            task = self.station.pop_best(self._score, self.ready)
             if task is None:
                 return
             if task.call.failed:
                 task.call.account(task)
                 continue
             task.worker = self.idx
+            task.call.started(task)
             steps = task.steps
-            if task.rotatable and self.n_devices > 1:
+            if task.rotatable and not task.gates and self.n_devices > 1:
                 # Device d starts at the d-th share of k (see Task.rotatable).
                 steps = rotated_steps(steps, (len(steps) * self.rank) // self.n_devices)
             self.slots[s] = _Active(task, steps)
@@ -297,7 +311,9 @@ class StreamWorker(Worker):
         return total
 
     # ---------------------------------------------------------------- issue
-    def issue(self, s: int) -> None:
+    def issue(self, s: int) -> bool:
+        """Issue the next k-step (or the write-back) of the task on stream ``s``; False if it
+        waits at a gate."""
         act = self.slots[s]
         task = act.task
         call = task.call
@@ -308,12 +324,17 @@ class StreamWorker(Worker):
             self._push(dev.h2d_stream, h2d)
             dev.wait(s, h2d)
             self._push(s, dev.record(s), free=act.buffers(), task=task, finished=True)
-            return
+            return True
+        nsteps = len(act.steps)
+        if task.gates and not call.gate_open(task, act.k):
+            return False
+        if act.k == nsteps:  # a write-back that waited for its gate
+            self._finish(s, act, None)
+            return True
         row = call.stats.owned_row(self.idx)
         fills: dict = {}
         if act.k == 0 and act.c_loc is None:
             self._start_c(s, act, fills)
-        nsteps = len(act.steps)
         if act.late and act.k == nsteps - 2:
             # Fetch the old C now, one step before it is folded in (Knobs.late_c).
             src = task.c_init or task.c
@@ -342,11 +363,22 @@ class StreamWorker(Worker):
         if self.chain_kernels:
             self._chain = (ev, s)
         self._push(s, ev, release=tuple(release))
-        if act.k < nsteps:
-            return
-        # Last step done: epilogue, write-back (M -> I), and the task's completion event.
+        if act.k < nsteps or (task.gates and not call.gate_open(task, nsteps)):
+            return True
+        self._finish(s, act, ev)
+        return True
+
+    def _finish(self, s: int, act: _Active, ev) -> None:
+        """After the last step (whose event on ``s`` is ``ev``; None: record one now): epilogue,
+        write-back (M -> I) and the task's completion event."""
+        task, call, dev = act.task, act.task.call, self.dev
+        row = call.stats.owned_row(self.idx)
         if call.epilogue is not None:
             call.epilogue(dev, s, act.c_loc, task)
+            ev = None  # the write-back must follow the epilogue too
+        if ev is None:
+            ev = dev.record(s)
+            self._push(s, ev)
         c_op = call.operands[task.c.slot]
         out = s
         if act.c_off is not None:
@@ -375,6 +407,24 @@ class StreamWorker(Worker):
                     free, kept = tuple(o for o in free if o != act.c_off), (line,)
         self._push(out, ev, ready=kept, release=kept, free=free, task=task, finished=True, writeback=True)
         self.slots[s] = None
+
+    def _abandon_lost(self) -> bool:
+        """Hand back one waiting task whose gate names a task that went back to the queue (its
+        device failed): the waiter might otherwise hold every slot that task could run in."""
+        for s, act in enumerate(self.slots):
+            if act is None or not act.task.gates:
+                continue
+            task, call = act.task, act.task.call
+            if call.gate_open(task, act.k) or not call.gate_lost(task, act.k):
+                continue
+            self.slots[s] = None
+            self._push(s, self.dev.record(s), free=act.buffers())  # after the steps already issued
+            self.inflight -= 1
+            call.unstarted(task)
+            task.worker = -1
+            self.engine.requeue(task)
+            return True
+        return False
 
     def _start_c(self, s: int, act: _Active, fills: dict) -> None:
         task, call, dev = act.task, act.task.call, self.dev
@@ -565,12 +615,13 @@ class CpuWorker(Worker):
         while True:
             gen = eng.work_generation
             self.fill_station()
-            task = self.station.pop_best(lambda t: 0, eng.is_ready)
+            task = self.station.pop_best(lambda t: 0, self.ready)
             if task is not None:
                 if task.call.failed:
                     task.call.account(task)
                     continue
                 task.worker = self.idx
+                task.call.started(task)
                 self.current = task
                 self.dev.run_task(task)
                 self.current = None

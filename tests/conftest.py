@@ -4,7 +4,9 @@
   outlives the test that made it; each test configures what it needs;
 * ``rel_err(x, ref)``: ||x - ref||_F / ||ref||_F in float64 / complex128;
 * ``rand(shape, dtype, seed=0, order="F")``: random entries that are never zero
-  (complex dtypes get random real and imaginary parts).
+  (complex dtypes get random real and imaginary parts);
+* ``expect(exc_type, *fragments, call=...)``: ``call()`` must raise ``exc_type``
+  with every fragment in its message (returned).
 
 pytest runs with ``--import-mode=importlib``, so test modules cannot import
 this file; the helpers are handed out as fixtures (session-scoped, so
@@ -50,6 +52,16 @@ def _rand(shape, dtype=np.float64, seed=0, order="F") -> np.ndarray:
     return np.asarray(x, dtype=dt, order=order).copy(order=order)
 
 
+def _expect(exc_type, *fragments, call):
+    """Run ``call``; it must raise ``exc_type`` with every fragment in the message."""
+    with pytest.raises(exc_type) as info:
+        call()
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    return msg
+
+
 @pytest.fixture(autouse=True)
 def _shutdown_blasx():
     yield
@@ -64,6 +76,11 @@ def rel_err():
 @pytest.fixture(scope="session")
 def rand():
     return _rand
+
+
+@pytest.fixture(scope="session")
+def expect():
+    return _expect
 
 
 @pytest.fixture(scope="session")

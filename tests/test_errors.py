@@ -22,19 +22,9 @@ def abc(rand):
     return a, b, c, c.tobytes()
 
 
-def expect(exc_type, *fragments, call):
-    """Run ``call``; it must raise ``exc_type`` with every fragment in the message."""
-    with pytest.raises(exc_type) as info:
-        call()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
-    return msg
-
-
 # --------------------------------------------------------------------------- shapes
 
-def test_inner_dimension_mismatch_names_a_and_b(sim2, rand, abc):
+def test_inner_dimension_mismatch_names_a_and_b(sim2, rand, abc, expect):
     a, _, c, before = abc
     b = rand((25, 10), np.float64, 4)
     expect(ValueError, "a, b", "a.shape=(20, 30)", "b.shape=(25, 10)", "inner dimensions must match",
@@ -46,7 +36,7 @@ def test_inner_dimension_mismatch_names_a_and_b(sim2, rand, abc):
 
 
 @pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])
-def test_non_2d_operands(sim2, abc, shape):
+def test_non_2d_operands(sim2, abc, shape, expect):
     a, b, c, before = abc
     bad = np.ones(shape)
     expect(ValueError, "a:", f"{len(shape)}-D", str(shape), "2-D matrix",
@@ -57,7 +47,7 @@ def test_non_2d_operands(sim2, abc, shape):
 
 
 @pytest.mark.parametrize("shape", [(10, 20), (20, 11), (1, 1)])
-def test_c_of_wrong_shape(sim2, abc, shape):
+def test_c_of_wrong_shape(sim2, abc, shape, expect):
     a, b, _, _ = abc
     c = np.ones(shape)
     before = c.tobytes()
@@ -72,7 +62,7 @@ def test_c_of_wrong_shape(sim2, abc, shape):
     (object, "object"), (np.longdouble, str(np.dtype(np.longdouble))),
     (np.clongdouble, str(np.dtype(np.clongdouble))), ("U3", "<U"),
 ])
-def test_unknown_dtypes(sim2, abc, bad_dtype, fragment):
+def test_unknown_dtypes(sim2, abc, bad_dtype, fragment, expect):
     a, b, c, before = abc
     bad = np.ones((20, 30)).astype(bad_dtype)
     for call in (lambda: blasx.gemm(1.0, bad, b, 1.0, c, overwrite_c=True),
@@ -82,7 +72,7 @@ def test_unknown_dtypes(sim2, abc, bad_dtype, fragment):
 
 
 @pytest.mark.parametrize("bad_dtype", ["M8[s]", "m8[s]"])
-def test_unpromotable_dtypes_get_a_blasx_message(sim2, abc, bad_dtype):
+def test_unpromotable_dtypes_get_a_blasx_message(sim2, abc, bad_dtype, expect):
     """Regression: numpy's DTypePromotionError used to escape compute_dtype unexplained."""
     a, b, c, before = abc
     bad = np.ones((20, 30)).astype(bad_dtype)
@@ -93,7 +83,7 @@ def test_unpromotable_dtypes_get_a_blasx_message(sim2, abc, bad_dtype):
 
 # --------------------------------------------------------------------------- aliasing
 
-def test_c_aliasing_an_input_is_rejected(sim2, rand):
+def test_c_aliasing_an_input_is_rejected(sim2, rand, expect):
     a, b = rand((24, 24), np.float64, 1), rand((24, 24), np.float64, 2)
     for c, name in ((a, "a"), (b, "b"), (a.T, "a"), (a[:, ::-1], "a"), (b[::1, :], "b")):
         before = c.tobytes()
@@ -117,7 +107,7 @@ def test_c_aliasing_an_input_is_rejected(sim2, rand):
 
 @pytest.mark.parametrize("value", [3, -1, "x", "N", True, False, 1.0, None, np.bool_(True)])
 @pytest.mark.parametrize("name", ["trans_a", "trans_b"])
-def test_bad_trans_flags(sim2, abc, name, value):
+def test_bad_trans_flags(sim2, abc, name, value, expect):
     a, b, c, before = abc
     msg = expect(ValueError, f"{name}:", repr(value), "allowed: 0 (N), 1 (T), 2 (C",
                  call=lambda: blasx.gemm(1.0, a, b.T.copy() if name == "trans_b" else b, 1.0, c,
@@ -134,7 +124,7 @@ def test_numpy_integer_trans_flags_are_accepted(sim2, abc, rel_err):
 
 @pytest.mark.parametrize("name", ["alpha", "beta"])
 @pytest.mark.parametrize("value", ["2.0", None, [1.0], np.ones(1), True])
-def test_non_numeric_scalars(sim2, abc, name, value):
+def test_non_numeric_scalars(sim2, abc, name, value, expect):
     a, b, c, before = abc
     kw = {"alpha": 1.0, "beta": 1.0, name: value}
     expect(TypeError, f"{name}:", repr(value), "expected a number",
@@ -143,7 +133,7 @@ def test_non_numeric_scalars(sim2, abc, name, value):
 
 
 @pytest.mark.parametrize("name", ["alpha", "beta"])
-def test_complex_scalar_for_real_dtype(sim2, abc, name):
+def test_complex_scalar_for_real_dtype(sim2, abc, name, expect):
     a, b, c, before = abc
     kw = {"alpha": 1.0, "beta": 1.0, name: 1 + 2j}
     expect(TypeError, f"{name}:", "(1+2j)", "real float64",
@@ -162,7 +152,7 @@ class FakeCupy:
 
 
 @pytest.mark.parametrize("bad", [[[1.0, 2.0]], ((1.0,),), 3.0, "ab", None], ids=repr)
-def test_non_arrays(sim2, abc, bad):
+def test_non_arrays(sim2, abc, bad, expect):
     a, b, c, before = abc
     if bad is not None:
         expect(TypeError, "a:", f"got {type(bad).__name__}", "expected a numpy or cupy array",
@@ -172,7 +162,7 @@ def test_non_arrays(sim2, abc, bad):
     assert c.tobytes() == before
 
 
-def test_mixing_numpy_with_a_device_array(sim2, abc):
+def test_mixing_numpy_with_a_device_array(sim2, abc, expect):
     a, _, c, before = abc
     expect(TypeError, "operands:", "a=numpy", "b=cupy", "all numpy arrays",
            call=lambda: blasx.gemm(1.0, a, FakeCupy(), 1.0, c, overwrite_c=True))
@@ -181,7 +171,7 @@ def test_mixing_numpy_with_a_device_array(sim2, abc):
 
 # --------------------------------------------------------------------------- matmul
 
-def test_matmul_errors(sim2, rand):
+def test_matmul_errors(sim2, rand, expect):
     a, b = rand((6, 4)), rand((5, 3))
     expect(TypeError, "a:", "got list", call=lambda: blasx.level3.matmul([[1.0]], b))
     expect(TypeError, "b:", "got tuple", call=lambda: blasx.level3.matmul(a, ((1.0,),)))
@@ -204,7 +194,7 @@ def test_matmul_errors(sim2, rand):
 # --------------------------------------------------------------------------- configure
 
 @pytest.mark.parametrize("spec", ["gpu", "sim:0", "sim:2,slow=0", "sim:2,bogus=1", "cpu:2", "cuda:a", ""])
-def test_configure_rejects_bad_device_specs(spec):
+def test_configure_rejects_bad_device_specs(spec, expect):
     msg = expect(ValueError, "devices:", call=lambda: blasx.configure(devices=spec))
     assert repr(spec) in msg
 
@@ -223,7 +213,7 @@ def test_configure_rejects_bad_device_specs(spec):
     (dict(cache_bytes=65535), ("cache_bytes:", "got 65535",)),
     (dict(cache_bytes=1.5e6), ("cache_bytes:", "got 1500000.0",)),
 ])
-def test_configure_rejects_bad_knobs(kw, fragments):
+def test_configure_rejects_bad_knobs(kw, fragments, expect):
     expect(ValueError, *fragments, call=lambda: blasx.configure(devices="sim:1", **kw))
 
 
@@ -239,12 +229,12 @@ def test_bad_configure_keeps_the_previous_settings(rand, rel_err):
 @pytest.mark.parametrize("spec,fragment", [("sim:2,speeds=1/1/4", "speeds lists 3 factors for 2 sim devices"),
                                            ("sim:2,fail=5@1", "fail names sim device 5"),
                                            ("sim:1,fail=1@1", "fail names sim device 1")])
-def test_configure_rejects_inconsistent_sim_specs(spec, fragment):
+def test_configure_rejects_inconsistent_sim_specs(spec, fragment, expect):
     """Regression: the speeds count was checked only at the first call, the fail device never."""
     expect(ValueError, "devices:", fragment, repr(spec), call=lambda: blasx.configure(devices=spec))
 
 
-def test_tile_too_big_for_cache_raises_at_call_time(rand):
+def test_tile_too_big_for_cache_raises_at_call_time(rand, expect):
     blasx.configure(devices="sim:1", tile=256, cache_bytes=1 << 20)  # accepted: checked per call
     a, b, c = rand((300, 300)), rand((300, 300)), rand((300, 300))
     before = c.tobytes()
@@ -253,7 +243,7 @@ def test_tile_too_big_for_cache_raises_at_call_time(rand):
     assert c.tobytes() == before
 
 
-def test_auto_tile_shrinks_to_fit_a_small_cache(rand, rel_err):
+def test_auto_tile_shrinks_to_fit_a_small_cache(rand, rel_err, expect):
     blasx.configure(devices="sim:2", cache_bytes=1 << 16)
     a, b = rand((200, 150)), rand((150, 170))
     assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12

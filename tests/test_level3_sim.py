@@ -339,16 +339,7 @@ def test_empty_outputs(sim3):
 
 # =========================================================================== bad arguments
 
-def expect(exc_type, *fragments, call):
-    with pytest.raises(exc_type) as info:
-        call()
-    msg = str(info.value)
-    for f in fragments:
-        assert f in msg, f"{f!r} not in {msg!r}"
-    return msg
-
-
-def test_bad_flags_name_the_parameter_and_write_nothing(sim3, rand):
+def test_bad_flags_name_the_parameter_and_write_nothing(sim3, rand, expect):
     a, b = rand((9, 9), np.float64, 1), rand((9, 5), np.float64, 2)
     c, cz = rand((9, 9), np.float64, 3), rand((9, 9), np.complex128, 4)
     saved = [(x, x.copy()) for x in (a, b, c, cz)]
@@ -372,7 +363,7 @@ def test_bad_flags_name_the_parameter_and_write_nothing(sim3, rand):
         assert np.array_equal(x, before)
 
 
-def test_bad_shapes_name_the_parameter_and_write_nothing(sim3, rand):
+def test_bad_shapes_name_the_parameter_and_write_nothing(sim3, rand, expect):
     a, b = rand((9, 9), np.float64, 1), rand((9, 5), np.float64, 2)
     c = rand((9, 9), np.float64, 3)
     saved = [(x, x.copy()) for x in (a, b, c)]

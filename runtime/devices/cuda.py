@@ -163,15 +163,29 @@ class CudaDevice(Device):
                                     self.stream_ptrs[s])
             return
         ptr, ld = self.array_loc(obj, where)
-        runtime.memcpy2DAsync(dst[0], rows * isz, ptr, ld * isz, rows * isz, cols, MEMCPY_DEFAULT,
-                              self.stream_ptrs[s])
+        try:
+            runtime.memcpy2DAsync(dst[0], rows * isz, ptr, ld * isz, rows * isz, cols, MEMCPY_DEFAULT,
+                                  self.stream_ptrs[s])
+        except runtime.CUDARuntimeError as exc:
+            raise self._copy_error("in", exc, obj, ptr, ld, rows, cols, isz) from exc
 
     def copy_out(self, s, operand, ref, src, task=None):
         from cupy.cuda import runtime
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
-        runtime.memcpy2DAsync(ptr, ld * isz, src[0], src[1] * isz, ref.rows * isz, ref.cols,
-                              MEMCPY_DEFAULT, self.stream_ptrs[s])
+        try:
+            runtime.memcpy2DAsync(ptr, ld * isz, src[0], src[1] * isz, ref.rows * isz, ref.cols,
+                                  MEMCPY_DEFAULT, self.stream_ptrs[s])
+        except runtime.CUDARuntimeError as exc:
+            raise self._copy_error("out", exc, operand, ptr, ld, ref.rows, ref.cols, isz) from exc
+
+    def _copy_error(self, direction, exc, operand, ptr, ld, rows, cols, isz) -> DeviceError:
+        """A refused tile copy, with what the driver saw of the memory (CUDA says only 'invalid argument')."""
+        span = ((cols - 1) * ld + rows) * isz
+        where = (REGISTRY.describe(ptr, ptr + span) if operand.on_host
+                 else f"device {operand.device} bytes [{ptr:#x}, {ptr + span:#x})")
+        return DeviceError(f"{self.name}: tile copy {direction} of {rows}x{cols} elements (ld {ld}, "
+                           f"{isz} bytes each) refused: {exc}; {where}")
 
     def run_step(self, s, step, call, a, b, c, task=None):
         kernel = self._kernels.get(step.kernel)

@@ -15,6 +15,42 @@ StreamWorker), with:
 * optional fault injection (``fail_at``: the n-th kernel raises), to test
   fail-over;
 * peer links that can be set (``peers``).
+
+Data-free timing mode (``timing=True``; spec ``sim:8,timing=1`` or
+``data=0``), for predictions on machines one does not have
+(``bench/scaling_sim.py``):
+
+* no arena: the offset heap still runs over the full ``cache_bytes`` (spec
+  ``mem=``, e.g. ``mem=70G``), so tile-cache capacity and evictions behave as
+  on the real GPU, but no byte of it exists; locations are small
+  :class:`TimingLoc` records;
+* kernels and copies do no numpy work at all: each holds its engine for its
+  cost-model time (``flops / rate``, ``bytes / bandwidth``, times ``slow``
+  and ``dilate``) and sleeps; host operands are never read or written, so an ``Operand``
+  with ``array=None`` will do;
+* everything else is as in data mode: stream threads, engines as locks,
+  events, byte counters, the heap, and the same StreamWorker.
+
+Time dilation: the scheduler's host-side work (tens of microseconds per
+operation) would distort millisecond-scale simulated operations, so every
+duration may be multiplied by a factor (spec ``dilate=F``,
+``SimModel.dilate``); divide measured times by F.
+
+Launch cost (spec ``issue=SECONDS``, ``SimModel.issue``, default 0): the
+host time one kernel or copy launch takes on the real device's API (driver
+call, bindings); the calling worker thread sleeps that long (times the
+dilation) in ``copy_in``/``copy_out``/``run_step``, releasing the GIL as a
+driver call would. With dilation, it keeps the pace at which a worker issues
+work realistic relative to the device, which decides, e.g., how far ahead of
+its peers one device has queued its loads.
+
+Shared host link (``host_link``; spec ``host=BYTES_PER_S``, optionally
+``hostgroup=G``, ``hostduplex=1``): a :class:`HostLink` shared by several
+sims caps their host copies (H2D and D2H) together, e.g. at the host's
+memory bandwidth or a PCIe switch's uplink. Each host copy then lasts until
+both its own link (``h2d``/``d2h``) and its turn on the shared link (FIFO
+reservations of ``bytes / bandwidth`` each) are done, so the aggregate rate
+never exceeds the cap. Default: none (independent links).
 """
 
 from __future__ import annotations
@@ -39,13 +75,70 @@ class SimModel:
     h2d: float = 8e9  # bytes/s host -> device
     d2h: float = 8e9
     p2p: float = 16e9
-    slow: float = 1.0  # every duration is multiplied by this
+    slow: float = 1.0  # every duration is multiplied by this (a slower GPU)
+    issue: float = 0.0  # host seconds per launched kernel or copy, spent by the calling thread
+    dilate: float = 1.0  # time dilation: every duration and issue time is multiplied by this too
 
     def kernel_time(self, flops: float) -> float:
-        return flops / self.rate * self.slow
+        return flops / self.rate * self.slow * self.dilate
 
     def copy_time(self, nbytes: int, engine: str) -> float:
-        return nbytes / getattr(self, engine) * self.slow
+        return nbytes / getattr(self, engine) * self.slow * self.dilate
+
+    def issue_time(self) -> float:
+        return self.issue * self.dilate
+
+
+class HostLink:
+    """A host-side bandwidth cap shared by the host copies of several sims.
+
+    Every H2D/D2H copy reserves ``nbytes / bandwidth * dilate`` seconds on the link, first
+    come first served; it ends no earlier than its reservation. With ``duplex`` the two
+    directions have separate reservations (a PCIe link); else they share one (host memory).
+    """
+
+    def __init__(self, bandwidth: float, *, dilate: float = 1.0, duplex: bool = False,
+                 name: str = "host") -> None:
+        if not bandwidth > 0:
+            raise ValueError(f"host: got bandwidth {bandwidth!r}, need bytes/s > 0")
+        if not dilate > 0:
+            raise ValueError(f"dilate: got {dilate!r}, need a number > 0")
+        self.bandwidth = float(bandwidth)
+        self.dilate = float(dilate)
+        self.duplex = duplex
+        self.name = name
+        self._lock = threading.Lock()
+        self._free_at = {"h2d": 0.0, "d2h": 0.0}
+        self.bytes = {"h2d": 0, "d2h": 0}
+
+    def reserve(self, direction: str, t0: float, nbytes: int) -> float:
+        """Book ``nbytes`` in ``direction`` from time ``t0`` on; returns when the booking ends."""
+        ch = direction if self.duplex else "h2d"
+        with self._lock:
+            start = max(t0, self._free_at[ch])
+            end = start + nbytes / self.bandwidth * self.dilate
+            self._free_at[ch] = end
+            self.bytes[direction] += nbytes
+        return end
+
+    def __repr__(self) -> str:
+        return (f"<HostLink {self.name} {self.bandwidth / 1e9:g} GB/s"
+                f"{' per direction' if self.duplex else ''}>")
+
+
+class TimingLoc:
+    """A location in a timing-mode sim's (nonexistent) arena: where and how big, no data."""
+
+    __slots__ = ("offset", "rows", "cols", "nbytes")
+
+    def __init__(self, offset: int, rows: int, cols: int, itemsize: int) -> None:
+        self.offset = offset
+        self.rows = rows
+        self.cols = cols
+        self.nbytes = rows * cols * itemsize
+
+    def __repr__(self) -> str:
+        return f"<TimingLoc @{self.offset} {self.rows}x{self.cols} {self.nbytes} B>"
 
 
 class SimEvent:
@@ -89,12 +182,15 @@ class SimDevice(Device):
 
     def __init__(self, index: int, *, nstreams: int, cache_bytes: int, name: str,
                  model: SimModel = SimModel(), fail_at: int | None = None,
-                 peers: bool = True, trace: bool = True) -> None:
+                 peers: bool = True, trace: bool = True, timing: bool = False,
+                 host_link: HostLink | None = None) -> None:
         super().__init__(index, nstreams=nstreams, cache_bytes=cache_bytes, name=name)
         self.model = model
         self.fail_at = fail_at
         self.peers = peers
         self.trace = trace
+        self.timing = timing  # data-free timing mode: no arena, no numpy work, host arrays untouched
+        self.host_link = host_link  # shared host cap of H2D/D2H copies, or None
         self.arena: np.ndarray | None = None
         self.streams: list[_Stream] = []
         self._compute = threading.Lock()
@@ -109,7 +205,8 @@ class SimDevice(Device):
     # -- lifecycle --
     def open(self) -> None:
         heap = self._make_heap(self.cache_bytes)
-        self.arena = np.empty(heap.capacity, dtype=np.uint8)
+        # Timing mode: the heap runs over the full size, but no byte of it is allocated.
+        self.arena = None if self.timing else np.empty(heap.capacity, dtype=np.uint8)
         self.streams = [_Stream(self, s) for s in range(self.n_all_streams)]
 
     def close(self) -> None:
@@ -127,16 +224,27 @@ class SimDevice(Device):
     # -- memory --
     def arena_loc(self, offset: int, rows: int, cols: int, dtype):
         dt = np.dtype(dtype)
+        if self.timing:
+            return TimingLoc(offset, rows, cols, dt.itemsize)
         return np.ndarray((rows, cols), dtype=dt, buffer=self.arena, offset=offset,
                           strides=(dt.itemsize, rows * dt.itemsize))
 
     # -- operations --
     def _timed(self, s: int, kind: str, lock, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
+        """Queue an operation on stream ``s``: it holds ``lock`` (its engine) for at least
+        ``cost`` seconds (and, for host copies with a shared host link, until its booking
+        there ends), doing ``work`` (None: nothing, in timing mode) meanwhile."""
+        link = self.host_link if kind in ("h2d", "d2h") else None
+
         def op():
             with lock:
                 t0 = time.perf_counter()
-                work()
-                left = cost - (time.perf_counter() - t0)
+                if work is not None:
+                    work()
+                end = t0 + cost
+                if link is not None:
+                    end = max(end, link.reserve(kind, t0, nbytes))
+                left = end - time.perf_counter()
                 if left > 0:
                     time.sleep(left)
                 t1 = time.perf_counter()
@@ -150,7 +258,7 @@ class SimDevice(Device):
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
         kind, obj, where, after, home = src
         if kind == "host":
-            view = _host_tile(obj, where)
+            view = None if self.timing else _host_tile(obj, where)
             engine, rec_kind = "h2d", "h2d"
         elif kind == "peer":
             view, engine, rec_kind = where, "p2p", "p2p"
@@ -164,29 +272,36 @@ class SimDevice(Device):
                 peer_ok[0] = _wait_peer(after)
             self.streams[s].submit(wait_op)
 
+        timing = self.timing
+
         def work():
             if not peer_ok[0]:
                 # The peer broke before its fill completed: read the tile's home instead,
                 # so one device's failure never corrupts or stalls another.
-                dst[...] = _host_tile(*home)
+                if not timing:
+                    dst[...] = _host_tile(*home)
                 self.bytes_in += nbytes
                 return
-            dst[...] = view
+            if not timing:
+                dst[...] = view
             if engine == "p2p":
                 self.bytes_p2p += nbytes
             else:
                 self.bytes_in += nbytes
         self._timed(s, rec_kind, self._engines[engine], self.model.copy_time(nbytes, engine), work,
                     task, nbytes)
+        self._launch_cost()
 
     def copy_out(self, s, operand, ref, src, task=None):
-        view = _host_tile(operand, ref)
+        view = None if self.timing else _host_tile(operand, ref)
         nbytes = src.nbytes
 
         def work():
-            view[...] = src
+            if view is not None:
+                view[...] = src
             self.bytes_out += nbytes
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
+        self._launch_cost()
 
     def run_step(self, s, step, call, a, b, c, task=None):
         flops = call.step_flops(step)
@@ -196,12 +311,21 @@ class SimDevice(Device):
 
             def work():
                 raise DeviceError(f"{self.name}: injected fault at kernel {n}")
+        elif self.timing:
+            work = None  # the cost model's time only
         else:
             kern = KERNELS[step.kernel]
 
             def work():
                 kern(step, call.scalars, a, b, c)
         self._timed(s, "kernel", self._compute, self.model.kernel_time(flops), work, task, 0, flops)
+        self._launch_cost()
+
+    def _launch_cost(self) -> None:
+        """The host time of one launch on the real device's API (``SimModel.issue``), on the caller."""
+        t = self.model.issue_time()
+        if t > 0:
+            time.sleep(t)
 
     def record(self, s):
         ev = SimEvent(self)
@@ -243,3 +367,48 @@ def _wait_peer(event: SimEvent) -> bool:
 
 def _host_tile(operand, ref) -> np.ndarray:
     return operand.array[ref.r0:ref.r0 + ref.rows, ref.c0:ref.c0 + ref.cols]
+
+
+DEFAULT_SIM_CACHE = 64 << 20  # tile-cache heap per sim when neither mem= nor cache_bytes says
+
+
+def build_sim_devices(spec, *, streams: int, cache_bytes: int | None = None,
+                      trace: bool = True) -> list[SimDevice]:
+    """The sim devices of a parsed ``sim`` spec (``runtime.config.parse_devices``), every option
+    applied: cost model, per-device factors (``slow``/``speeds``), fault injection, peers, and the
+    timing-mode options (``timing``/``data``, ``mem``, ``dilate``, ``issue``, ``host``,
+    ``hostgroup``, ``hostduplex``). ``cache_bytes`` (configure's) and ``mem=`` both set the heap: give one."""
+    from ..config import sim_factors, sim_settings
+
+    if spec.kind != "sim":
+        raise ValueError(f"devices: build_sim_devices needs a 'sim' spec, got kind {spec.kind!r}")
+    opts = spec.options
+    ts = sim_settings(spec)
+    if cache_bytes is not None and ts.mem is not None and cache_bytes != ts.mem:
+        raise ValueError(f"cache_bytes: got {cache_bytes!r}, but the device spec sets mem={opts['mem']} "
+                         f"({ts.mem} bytes); give one of them")
+    heap_bytes = cache_bytes if cache_bytes is not None else (ts.mem if ts.mem is not None else DEFAULT_SIM_CACHE)
+    base = SimModel(**{k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts})
+    fail_dev, fail_at = None, None
+    if "fail" in opts:
+        d, _, n = opts["fail"].partition("@")
+        fail_dev, fail_at = int(d), int(n)
+    factors = sim_factors(spec)
+    links: list[HostLink | None] = [None] * len(factors)
+    if ts.host is not None:
+        group = ts.hostgroup or len(factors)
+        for g0 in range(0, len(factors), group):
+            members = range(g0, min(g0 + group, len(factors)))
+            link = HostLink(ts.host, dilate=ts.dilate, duplex=ts.hostduplex,
+                            name=f"host[{members[0]}..{members[-1]}]")
+            for i in members:
+                links[i] = link
+    devs = []
+    for i, f in enumerate(factors):
+        model = SimModel(base.rate, base.h2d, base.d2h, base.p2p, f, ts.issue, ts.dilate)
+        name = f"sim:{i}" + (f" (slow={f:g})" if f != 1 else "")
+        devs.append(SimDevice(i, nstreams=streams, cache_bytes=heap_bytes, name=name, model=model,
+                              fail_at=fail_at if i == fail_dev else None,
+                              peers=opts.get("peers", "1") == "1", trace=trace,
+                              timing=ts.timing, host_link=links[i]))
+    return devs

@@ -1,0 +1,402 @@
+"""What ``blasx info`` reports: device facts, peer links, quick measurements, perf-db entries.
+
+Facts are instant and come from a started engine's devices (:func:`device_facts`,
+:func:`peer_links`). Measurements (``blasx info --measure``, :func:`measure`, about a second
+per device) depend on the backend:
+
+* ``cuda``: a pinned host -> device and device -> host copy of 256 MiB, a peer copy of
+  256 MiB over every peer link (from the device that reads to the device that is read), and
+  cuBLAS DGEMM and SGEMM of N = 8192 through CuPy's matmul; each timed with CUDA events,
+  the best of a few after one warm-up. Run them with the engine shut down (its tile cache
+  holds half of each GPU's memory);
+* ``sim``: the configured cost model (``rate``, ``h2d``, ``d2h``, ``p2p`` over the slowdown
+  factor): nothing is measured;
+* ``cpu``: numpy's GEMM (the host BLAS) in double and single precision, at the first size
+  from 512 that takes 0.1 s (at most 4096), best of 3.
+
+A measurement that fails is reported with its reason and never stops the others. CuPy is
+imported only inside the CUDA measurements and memory queries, so this module imports
+anywhere.
+
+The ``format_*`` functions are pure: plain data in (:class:`DeviceFacts`, :class:`Rate`,
+perf-db entry dicts), lines of text out, so they are tested with made-up numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+COPY_BYTES = 256 << 20  # host <-> device and peer copies
+GEMM_N = 8192  # cuBLAS GEMM size
+GPU_REPS = 3  # timed repetitions after one warm-up (best is kept)
+CPU_GEMM_SIZES = (512, 1024, 2048, 4096)
+CPU_GEMM_TARGET_S = 0.1
+BANDWIDTH_KINDS = ("H2D", "D2H", "P2P")
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """One engine device, as ``blasx info`` shows it."""
+
+    index: int  # worker index in the engine
+    name: str  # "cuda:0 NVIDIA H200", "sim:1 (slow=4)", "cpu"
+    kind: str  # "cuda" | "sim" | "cpu"
+    streams: int
+    cache_bytes: int | None = None  # tile-cache heap (stream devices)
+    memory_total: int | None = None  # device memory (host memory for the cpu), bytes
+    memory_free: int | None = None  # free now (on a GPU: besides blasx's tile cache), bytes
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One measured (or modelled) rate of one device.
+
+    ``what``: ``"H2D"``, ``"D2H"``, ``"P2P"`` (bytes/s) or ``"DGEMM"``, ``"SGEMM"``, ``"GEMM"``
+    (flop/s). ``value`` None: the measurement failed and ``how`` says why. ``peer``: for P2P,
+    the worker index of the device read from."""
+
+    device: int
+    what: str
+    value: float | None
+    how: str = ""
+    peer: int | None = None
+
+    @property
+    def is_bandwidth(self) -> bool:
+        return self.what in BANDWIDTH_KINDS
+
+
+# ---------------------------------------------------------------------------------------------
+# facts (instant)
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, available) host memory in bytes, None where unknown."""
+    total = avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    v = int(rest.split()[0]) * 1024
+                    total, avail = (v, avail) if key == "MemTotal" else (total, v)
+    except (OSError, ValueError, IndexError):
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    return total, avail
+
+
+def _cuda_memory(ordinal: int) -> tuple[int | None, int | None]:
+    try:
+        import cupy
+        with cupy.cuda.Device(ordinal):
+            free, total = cupy.cuda.runtime.memGetInfo()
+        return int(total), int(free)
+    except Exception:  # noqa: BLE001 - a fact we cannot read is shown as unknown
+        return None, None
+
+
+def device_facts(devices) -> list[DeviceFacts]:
+    """Facts of an engine's devices (``blasx.engine().devices``, opened: the tile cache is known)."""
+    out = []
+    for d in devices:
+        total = free = None
+        if d.kind == "cuda":
+            total, free = _cuda_memory(d.ordinal)
+        elif d.kind == "cpu":
+            total, free = host_memory()
+        cache = d.cache_capacity() if d.streamed else None
+        out.append(DeviceFacts(d.index, d.name, d.kind, d.nstreams, cache, total, free))
+    return out
+
+
+def peer_links(devices) -> list[tuple[int, int]]:
+    """Ordered pairs (i, j) of worker indices where device i reads device j's memory directly."""
+    devs = [d for d in devices if d.streamed]
+    return [(a.index, b.index) for a in devs for b in devs if a is not b and a.can_read_from(b)]
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+def _failed(device: int, what: str, exc: BaseException, peer: int | None = None) -> Rate:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return Rate(device, what, None, "failed: " + (text if len(text) <= 160 else text[:157] + "..."), peer)
+
+
+def measure(devices, links=None, *, copy_bytes: int = COPY_BYTES, gemm_n: int = GEMM_N,
+            dtypes: tuple[str, ...] = ("d", "s"), reps: int = GPU_REPS) -> list[Rate]:
+    """Rates of each device (Device objects of an engine, which may be shut down).
+
+    ``links``: the peer links to measure (default :func:`peer_links`). Never raises for a
+    failed measurement: it becomes a :class:`Rate` with ``value=None``."""
+    devices = list(devices)
+    links = peer_links(devices) if links is None else list(links)
+    for name, v in (("copy_bytes", copy_bytes), ("gemm_n", gemm_n), ("reps", reps)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: got {v!r}, need a positive int")
+    bad = [x for x in dtypes if x not in ("s", "d")]
+    if bad or not dtypes:
+        raise ValueError(f"dtypes: got {dtypes!r}, need 's' and/or 'd'")
+    by_index = {d.index: d for d in devices}
+    rates: list[Rate] = []
+    for d in devices:
+        if d.kind == "sim":
+            rates += _sim_rates(d, [j for i, j in links if i == d.index])
+        elif d.kind == "cpu":
+            rates += _cpu_rates(d.index, dtypes)
+        elif d.kind == "cuda":
+            peers = [(j, by_index[j].ordinal) for i, j in links if i == d.index and by_index[j].kind == "cuda"]
+            rates += _cuda_rates(d.index, d.ordinal, peers, copy_bytes, gemm_n, dtypes, reps)
+        else:
+            rates.append(Rate(d.index, "GEMM", None, f"not measured: unknown device kind {d.kind!r}"))
+    return rates
+
+
+def _sim_rates(dev, peers: list[int]) -> list[Rate]:
+    m = dev.model
+    how = "sim model" + (f" (slow={m.slow:g})" if m.slow != 1 else "")
+    out = [Rate(dev.index, "H2D", m.h2d / m.slow, how), Rate(dev.index, "D2H", m.d2h / m.slow, how)]
+    out += [Rate(dev.index, "P2P", m.p2p / m.slow, how, peer=j) for j in peers]
+    out.append(Rate(dev.index, "GEMM", m.rate / m.slow, how))
+    return out
+
+
+def _cpu_gemm_rate(dtype, sizes=None, target_s: float | None = None,
+                   reps: int = 3, clock=time.perf_counter) -> tuple[float, int]:
+    """(flop/s, n): numpy's n x n GEMM at the first size of ``sizes`` (default CPU_GEMM_SIZES)
+    whose best of ``reps`` calls takes ``target_s`` (default CPU_GEMM_TARGET_S), else the last."""
+    sizes = tuple(CPU_GEMM_SIZES if sizes is None else sizes)
+    target_s = CPU_GEMM_TARGET_S if target_s is None else target_s
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        a = rng.standard_normal((n, n)).astype(dtype)
+        b = rng.standard_normal((n, n)).astype(dtype)
+        c = np.empty((n, n), dtype)
+        np.matmul(a, b, out=c)  # warm-up (thread pool start)
+        best = math.inf
+        for _ in range(reps):
+            t = clock()
+            np.matmul(a, b, out=c)
+            best = min(best, clock() - t)
+        if best >= target_s or n == sizes[-1]:
+            return 2.0 * n ** 3 / max(best, 1e-9), n
+    raise AssertionError("unreachable")
+
+
+def _cpu_rates(index: int, dtypes) -> list[Rate]:
+    out = []
+    for ch in dtypes:
+        what = ch.upper() + "GEMM"
+        try:
+            rate, n = _cpu_gemm_rate(np.float64 if ch == "d" else np.float32)
+            out.append(Rate(index, what, rate, f"numpy (host BLAS), N={n}"))
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            out.append(_failed(index, what, exc))
+    return out
+
+
+def _best_gpu_seconds(issue, stream, reps: int) -> float:
+    """Best time of ``issue()`` on ``stream`` by CUDA events, after one warm-up."""
+    import cupy
+
+    issue()
+    stream.synchronize()
+    best = math.inf
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        issue()
+        end.record(stream)
+        end.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return best
+
+
+def _enable_peer(ordinal: int, peer: int) -> None:
+    import cupy
+    from cupy.cuda import runtime
+
+    with cupy.cuda.Device(ordinal):
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except runtime.CUDARuntimeError as exc:
+            if "PeerAccessAlreadyEnabled" not in str(exc):
+                raise
+
+
+def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: int, n: int,
+                dtypes, reps: int) -> list[Rate]:
+    try:
+        import cupy
+        from cupy.cuda import runtime
+    except Exception as exc:  # noqa: BLE001
+        return [_failed(index, "H2D", exc)]
+    out: list[Rate] = []
+    mib = f"{nbytes / (1 << 20):g} MiB"
+
+    def copies():
+        with cupy.cuda.Device(ordinal):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            host = cupy.cuda.alloc_pinned_memory(nbytes)
+            buf = cupy.empty(nbytes, dtype=cupy.uint8)
+            for what, dst, src, kind in (("H2D", buf.data.ptr, host.ptr, runtime.memcpyHostToDevice),
+                                         ("D2H", host.ptr, buf.data.ptr, runtime.memcpyDeviceToHost)):
+                try:
+                    t = _best_gpu_seconds(
+                        lambda: runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr), stream, reps)
+                    out.append(Rate(index, what, nbytes / t, f"pinned host memory, {mib}"))
+                except Exception as exc:  # noqa: BLE001
+                    out.append(_failed(index, what, exc))
+            del buf, host
+
+    def peer_copy(j: int, peer_ordinal: int):
+        # The reader (this device) copies from the peer's memory, as the engine's L2 reads do.
+        _enable_peer(ordinal, peer_ordinal)
+        with cupy.cuda.Device(peer_ordinal):
+            src = cupy.empty(nbytes, dtype=cupy.uint8)
+        with cupy.cuda.Device(ordinal):
+            dst = cupy.empty(nbytes, dtype=cupy.uint8)
+            stream = cupy.cuda.Stream(non_blocking=True)
+            t = _best_gpu_seconds(lambda: runtime.memcpyPeerAsync(dst.data.ptr, ordinal, src.data.ptr,
+                                                                  peer_ordinal, nbytes, stream.ptr), stream, reps)
+        out.append(Rate(index, "P2P", nbytes / t, f"from cuda:{peer_ordinal}, {mib}", peer=j))
+
+    def gemm(ch: str):
+        dtype = cupy.float64 if ch == "d" else cupy.float32
+        with cupy.cuda.Device(ordinal):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                a = cupy.random.random((n, n)).astype(dtype)
+                b = cupy.random.random((n, n)).astype(dtype)
+                c = cupy.empty((n, n), dtype=dtype)
+                t = _best_gpu_seconds(lambda: cupy.matmul(a, b, out=c), stream, reps)
+            del a, b, c
+        out.append(Rate(index, ch.upper() + "GEMM", 2.0 * n ** 3 / t, f"cuBLAS (CuPy matmul), N={n}"))
+
+    try:
+        copies()
+    except Exception as exc:  # noqa: BLE001
+        out.append(_failed(index, "H2D", exc))
+    for j, peer_ordinal in peers:
+        try:
+            peer_copy(j, peer_ordinal)
+        except Exception as exc:  # noqa: BLE001
+            out.append(_failed(index, "P2P", exc, peer=j))
+    for ch in dtypes:
+        try:
+            gemm(ch)
+        except Exception as exc:  # noqa: BLE001
+            out.append(_failed(index, ch.upper() + "GEMM", exc))
+    try:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    except Exception:  # noqa: BLE001 - freeing the pools is a courtesy
+        pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting (pure)
+
+def format_bytes(n: int | None) -> str:
+    """1.5 * 2**30 -> '1.50 GiB'; None -> '?'."""
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_rate(rate: Rate) -> str:
+    """'55.2 GB/s', '59.8 TFLOPS', '34.5 GFLOPS' (below 1 TFLOPS), 'failed'."""
+    if rate.value is None:
+        return "failed"
+    if rate.is_bandwidth:
+        return f"{rate.value / 1e9:.4g} GB/s"
+    if rate.value < 1e12:
+        return f"{rate.value / 1e9:.4g} GFLOPS"
+    return f"{rate.value / 1e12:.4g} TFLOPS"
+
+
+def format_devices(spec: str, facts: list[DeviceFacts]) -> list[str]:
+    lines = [f"devices ({spec}):"]
+    for f in facts:
+        extra = [f"{f.streams} stream{'s' if f.streams != 1 else ''}"]
+        if f.kind == "cuda":
+            extra.append(f"memory {format_bytes(f.memory_total)}")
+        elif f.kind == "cpu" and f.memory_total is not None:
+            extra.append(f"host memory {format_bytes(f.memory_total)}")
+        if f.cache_bytes is not None:
+            extra.append(f"tile cache {format_bytes(f.cache_bytes)}")
+        if f.memory_free is not None:
+            extra.append(f"{format_bytes(f.memory_free)} free")
+        lines.append(f"  [{f.index}] {f.name} ({f.kind}, {', '.join(extra)})")
+    return lines
+
+
+def format_links(facts: list[DeviceFacts], links: list[tuple[int, int]]) -> list[str]:
+    """'peer links: [0] <-> [1]' (both ways), '[0] -> [1]' (one way), or 'none'; nothing for
+    fewer than two stream devices."""
+    streamed = [f for f in facts if f.kind != "cpu"]
+    if len(streamed) < 2:
+        return []
+    pairs = set(links)
+    text = []
+    for i, j in sorted(pairs):
+        if (j, i) in pairs:
+            if i < j:
+                text.append(f"[{i}] <-> [{j}]")
+        else:
+            text.append(f"[{i}] -> [{j}]")
+    return ["peer links: " + (", ".join(text) if text else "none (tiles of other devices are read from host memory)")]
+
+
+def format_rates(facts: list[DeviceFacts], rates: list[Rate]) -> list[str]:
+    """Per device, one line per rate: what, value, how it was had."""
+    names = {f.index: f.name for f in facts}
+    lines = ["rates (blasx info --measure):"]
+    for index in sorted({r.device for r in rates}):
+        lines.append(f"  [{index}] {names.get(index, '?')}")
+        for r in (r for r in rates if r.device == index):
+            what = r.what if r.peer is None else f"{r.what} <- [{r.peer}]"
+            lines.append(f"      {what:<12}{format_rate(r):>16}   {r.how}")
+    if len(lines) == 1:
+        lines.append("  (nothing measured)")
+    return lines
+
+
+def format_perfdb(path, entries: list[dict], this_key: tuple[str, int] | None = None,
+                  disabled: bool = False) -> list[str]:
+    """The perf-db table (as ``blasx tune --show``); ``this_key`` (device model, GPUs): entries
+    that calls on these devices would use are marked ``*``."""
+    note = " (ignored by the runtime: BLASX_PERFDB is off)" if disabled else ""
+    if not entries:
+        return [f"perf-db {path}: no entries{note}"]
+    n = len(entries)
+    lines = [f"perf-db {path}: {n} entr{'y' if n == 1 else 'ies'}{note}",
+             f"  {'device':<20}{'gpus':>5}  {'dtype':<6}{'routine':<9}{'shape class':<22}{'tile':>6}"
+             f"{'TFLOPS':>11}  {'date':<26}blasx"]
+    mine = 0
+    for e in entries:
+        shape = "x".join(map(str, e["shape"]))
+        best = e["results"].get(e["tile"])
+        tf = f"{best:.4g}" if best is not None else "-"
+        mark = "*" if this_key is not None and (e["device"], e["ndev"]) == tuple(this_key) else " "
+        mine += mark == "*"
+        lines.append(f"{mark} {e['device']:<20}{e['ndev']:>5}  {e['dtype']:<6}{e['routine']:<9}{shape:<22}"
+                     f"{e['tile']:>6}{tf:>11}  {e['date']:<26}{e['version']}")
+    if this_key is not None:
+        lines.append(f"(* {mine} entr{'y' if mine == 1 else 'ies'} for these devices: "
+                     f"{this_key[0]}, {this_key[1]} GPU{'s' if this_key[1] != 1 else ''})")
+    return lines

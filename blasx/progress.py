@@ -1,0 +1,153 @@
+"""A progress line for blasx calls: tiles done / total, rate, elapsed, on a text stream.
+
+A blasx call blocks its calling thread inside the engine, so the line is drawn by a small
+monitor thread that reads the running call of the calling thread
+(:func:`blasx.level3.running_call`) a few times a second::
+
+    with Progress(sys.stderr, label="run 0", flops=2 * n**3):
+        blasx.gemm(1.0, a, b)
+
+The line is redrawn in place (``\\r``) and finished with a newline when the block ends; the
+monitor thread is joined on the way out, also when the call raises. :func:`wanted` is the
+command line's rule: on when asked for, off when asked so, else on when the stream is a
+terminal. :func:`render` is pure, so the text is tested without threads.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from .level3 import running_call
+
+INTERVAL_S = 0.2  # between redraws: a few updates a second
+BAR_WIDTH = 24
+THREAD_NAME = "blasx-progress"
+
+
+def wanted(flag: bool | None, stream) -> bool:
+    """``--progress`` (True) / ``--no-progress`` (False) / neither (None: only on a terminal)."""
+    if flag is not None:
+        return bool(flag)
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def render(label: str, done: int, total: int, elapsed: float, flops: float | None = None,
+           state: str = "") -> str:
+    """One progress line (no ``\\r``, no newline), e.g.
+    ``run 0 [############------------]  128/256 tiles  50%  61.2 tiles/s  0.51 TFLOPS  2.1 s``.
+
+    ``flops``: the whole call's flops, for an estimated rate (tiles are near equal);
+    ``state``: appended as is (``"failed"``, ``"done"``)."""
+    frac = done / total if total > 0 else 0.0
+    frac = min(max(frac, 0.0), 1.0)
+    fill = int(round(frac * BAR_WIDTH))
+    bar = "[" + "#" * fill + "-" * (BAR_WIDTH - fill) + "]"
+    parts = [f"{label} {bar}" if label else bar, f"{done:>{len(str(total))}}/{total} tiles", f"{frac * 100:3.0f}%"]
+    if elapsed > 0:
+        parts.append(f"{done / elapsed:.3g} tiles/s")
+        if flops:
+            parts.append(flop_rate(frac * flops / elapsed))
+    parts.append(f"{elapsed:.1f} s")
+    if state:
+        parts.append(state)
+    return "  ".join(parts)
+
+
+def flop_rate(v: float) -> str:
+    """'61.2 TFLOPS', '512 GFLOPS', '20.9 MFLOPS' (sims run slow)."""
+    for unit, scale in (("TFLOPS", 1e12), ("GFLOPS", 1e9)):
+        if v >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v / 1e6:.3g} MFLOPS"
+
+
+def call_counts(call) -> tuple[int, int]:
+    """(tasks accounted for, tasks) of a running :class:`~blasx.runtime.call.Call`."""
+    total = len(call.tasks)
+    return max(0, total - call.remaining), total
+
+
+class Progress:
+    """Draw a progress line on ``stream`` while the calling thread runs blasx calls.
+
+    A context manager; ``enabled=False`` makes it do nothing. ``thread``: the ident of the
+    thread whose calls are shown (default: the thread that enters). Calls made inside the
+    block replace each other on the line (the count is the current call's). The monitor
+    thread is a daemon and is always joined in ``__exit__``.
+    """
+
+    def __init__(self, stream=None, label: str = "", flops: float | None = None, enabled: bool = True,
+                 interval: float | None = None, thread: int | None = None, clock=time.perf_counter) -> None:
+        if interval is not None and not interval > 0:
+            raise ValueError(f"interval: got {interval!r}, need a number of seconds > 0")
+        self.stream = stream if stream is not None else sys.stderr
+        self.label = label
+        self.flops = flops
+        self.enabled = enabled
+        self.interval = interval if interval is not None else INTERVAL_S
+        self.thread_ident = thread
+        self.clock = clock
+        self.updates = 0  # lines drawn (intermediate and final)
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._call = None
+        self._t0 = 0.0
+        self._width = 0
+
+    # ---------------------------------------------------------------- drawing
+    def _draw(self, line: str, end: str = "") -> None:
+        pad = max(0, self._width - len(line))
+        try:
+            self.stream.write("\r" + line + " " * pad + end)
+            self.stream.flush()
+        except (ValueError, OSError):  # the stream was closed under us: stop drawing, never fail the call
+            self.enabled = False
+            return
+        self._width = len(line)
+        self.updates += 1
+
+    def _snapshot(self, state: str = "") -> str | None:
+        call = running_call(self.thread_ident)
+        if call is not None:
+            self._call = call
+        if self._call is None:
+            return None
+        done, total = call_counts(self._call)
+        return render(self.label, done, total, self.clock() - self._t0, self.flops, state)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            line = self._snapshot()
+            if line is not None and self.enabled:
+                self._draw(line)
+
+    # ---------------------------------------------------------------- context manager
+    def __enter__(self) -> "Progress":
+        if not self.enabled:
+            return self
+        if self.thread_ident is None:
+            self.thread_ident = threading.get_ident()
+        self._t0 = self.clock()
+        self._stop.clear()
+        self._monitor = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._monitor.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        self._stop.set()
+        monitor.join()
+        if not self.enabled:
+            return
+        line = self._snapshot("failed" if exc_type is not None else "")
+        if line is not None:
+            self._draw(line, "\n")
+        elif self.updates:
+            self._draw("", "\n")

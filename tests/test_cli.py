@@ -1,0 +1,520 @@
+"""The ``blasx`` command line (blasx/cli.py), its progress line (blasx/progress.py) and the
+``blasx info`` facts, measurements and formatting (blasx/probe.py). Everything runs on the
+``sim`` and ``cpu`` backends; the CUDA measurements only show that they fail politely here."""
+
+import io
+import os
+import sys
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import blasx
+import blasx.cli as cli
+import blasx.probe as probe
+import blasx.progress as progress
+from blasx.perfdb import PerfDb, key_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOW_SIM = "sim:2,rate=2e7"  # 16 tiles of 64: a call of about 0.9 s
+
+
+def progress_threads():
+    return [t for t in threading.enumerate() if t.name == progress.THREAD_NAME]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLASX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BLASX_PERFDB", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fast_progress(monkeypatch):
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.05)
+
+
+def updates(err: str) -> list[tuple[int, int]]:
+    """(done, total) of every progress line drawn on stderr."""
+    out = []
+    for chunk in err.replace("\n", "\r").split("\r"):
+        if " tiles " in chunk:
+            done, total = chunk.split(" tiles ")[0].split()[-1].split("/")
+            out.append((int(done), int(total)))
+    return out
+
+
+# --------------------------------------------------------------------------- help
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["gemm", "info", "tune", "bench", "examples:"]),
+    (["gemm"], ["--n N", "--dtype {s,d,c,z}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
+    (["info"], ["--measure", "--devices SPEC", "--db FILE", "perf-db", "cuBLAS"]),
+    (["tune"], ["--tiles", "--show", "--clear", "perf-db"]),
+    (["bench"], ["gemm", "level3", "offload-threshold", "source checkout"]),
+])
+def test_help_reads_well(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: blasx")
+    for w in words:
+        assert w in out, w
+    assert max(map(len, out.splitlines())) <= 100
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and blasx.__version__ in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- bad options
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["gemm", "--n", "-5"], "argument --n: got -5, need a positive integer"),
+    (["gemm", "--n", "0"], "argument --n: got 0, need a positive integer"),
+    (["gemm", "--m", "x"], "argument --m: got 'x', need a positive integer"),
+    (["gemm", "--dtype", "h"], "argument --dtype: got 'h', need one of s, d, c, z"),
+    (["gemm", "--devices", "gpu"], "argument --devices: unknown backend 'gpu' in 'gpu'; allowed: cuda, sim, cpu"),
+    (["gemm", "--devices", "sim:0"], "argument --devices: sim count must be >= 1"),
+    (["gemm", "--devices", "cpu:1"], "argument --devices: 'cpu' takes no arguments"),
+    (["gemm", "--cache-bytes", "10"], "argument --cache-bytes: got '10' (10 bytes), need at least 65536"),
+    (["gemm", "--cache-bytes", "lots"], "argument --cache-bytes: got 'lots', need a byte count"),
+    (["gemm", "--check-rows", "-1"], "argument --check-rows: got -1, need an integer >= 0"),
+    (["gemm", "--runs", "0"], "argument --runs: got 0, need a positive integer"),
+    (["gemm", "--progress", "--no-progress"], "not allowed with argument --progress"),
+    (["gemm", "--trace", "/no/such/folder/t.json"], "argument --trace: got '/no/such/folder/t.json', but its folder"),
+    (["gemm", "--n", "10000000", "--devices", "sim:1"], "of host memory is available"),
+    (["info", "--devices", "sim:2,speeds=1"], "argument --devices: speeds lists 1 factors for 2 sim devices"),
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["tune", "--m", "64"], "arguments --m/--k: need --n"),
+    (["tune", "--check-rows", "-2"], "argument --check-rows: got -2, need an integer >= 0"),
+    (["tune", "--dtype", "d,h"], "argument --dtype: got 'd,h'"),
+    (["frob"], "invalid choice: 'frob'"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_bad_options_are_one_line_errors_with_status_2(capsys, argv, fragment):
+    before = blasx.session.settings()
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("blasx") and ": error: " in last and fragment in last, err
+    assert blasx.session.settings() == before
+
+
+def test_a_bad_blasx_devices_variable_is_named(capsys, monkeypatch):
+    monkeypatch.setenv("BLASX_DEVICES", "gpu:1")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info"])
+    assert e.value.code == 2
+    assert "blasx info: error: $BLASX_DEVICES: unknown backend 'gpu'" in capsys.readouterr().err
+
+
+def test_missing_cuda_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(blasx.session, "_cuda_count", lambda: 0)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["gemm", "--devices", "cuda", "--n", "8"])
+    assert e.value.code == 2
+    assert "argument --devices: 'cuda' asked for, but CuPy finds no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("65536", 65536), ("64K", 65536), ("64k", 65536), ("1M", 1 << 20),
+                                         ("1.5GiB", 3 << 29), ("2gb", 2 << 30), ("256 MiB", 256 << 20)])
+def test_byte_counts(text, value):
+    assert cli._bytes(text) == value
+
+
+def test_dtype_names():
+    assert [cli._dtype(x) for x in ("s", "D", "float64", "complex64", "double")] == ["s", "d", "d", "c", "d"]
+    assert cli._dtype_list("d,float32,d") == ["d", "s"]
+
+
+# --------------------------------------------------------------------------- gemm
+
+def test_gemm_on_sims_checks_and_restores_the_settings(capsys):
+    blasx.configure(devices="sim:3", tile=48)
+    before = blasx.session.settings()
+    assert cli.main(["gemm", "--n", "96", "--k", "64", "--devices", "sim:2", "--tile", "32", "--runs", "1",
+                     "--dtype", "z"]) == 0
+    cap = capsys.readouterr()
+    assert "blasx gemm: 96x96x64 complex128" in cap.out and "sim:2 (sim:0, sim:1)" in cap.out
+    assert "run 0:" in cap.out and "check: 96 rows" in cap.out and "(ok," in cap.out
+    assert "\r" not in cap.err  # stderr is not a terminal: no progress line
+    assert blasx.session.settings() == before
+
+
+def test_progress_line_with_a_slow_sim(capsys, fast_progress):
+    assert cli.main(["gemm", "--n", "256", "--tile", "64", "--devices", SLOW_SIM, "--runs", "1",
+                     "--check-rows", "8", "--progress"]) == 0
+    cap = capsys.readouterr()
+    seen = updates(cap.err)
+    assert seen and all(total == 16 for _, total in seen)
+    assert any(0 < done < 16 for done, _ in seen), cap.err  # drawn while the call ran
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never goes back
+    assert seen[-1] == (16, 16) and cap.err.endswith("\n")  # finished with a newline
+    assert "run 0 [" in cap.err and "tiles/s" in cap.err
+    assert "\r" not in cap.out  # the progress line is on stderr only
+    assert progress_threads() == []
+
+
+def test_no_progress_and_not_a_terminal(capsys, fast_progress):
+    for extra in (["--no-progress"], []):
+        assert cli.main(["gemm", "--n", "128", "--tile", "32", "--devices", "sim:2,rate=1e8", "--runs", "1",
+                         "--check-rows", "0", *extra]) == 0
+        assert "tiles" not in capsys.readouterr().err
+    assert progress_threads() == []
+
+
+def test_progress_thread_is_joined_when_the_call_fails(capsys, fast_progress):
+    assert cli.main(["gemm", "--n", "256", "--tile", "32", "--devices", "sim:1,rate=2e7,fail=0@60",
+                     "--runs", "1", "--progress"]) == 1
+    err = capsys.readouterr().err
+    assert "blasx gemm: error: gemm failed" in err and "injected fault" in err
+    assert "Traceback" not in err
+    lines = [x for x in err.split("\n") if " tiles " in x]
+    assert lines and lines[-1].rstrip().endswith("failed")
+    assert progress_threads() == []
+
+
+# --------------------------------------------------------------------------- progress (unit)
+
+def test_render():
+    line = progress.render("run 0", 4, 16, 2.0, flops=16e12)
+    assert line.startswith("run 0 [######------------------]")
+    assert " 4/16 tiles" in line and " 25%" in line and "2 tiles/s" in line and "2 TFLOPS" in line
+    assert line.endswith("2.0 s")
+    assert progress.flop_rate(5e11) == "500 GFLOPS" and progress.flop_rate(2.09e7) == "20.9 MFLOPS"
+    assert progress.render("", 0, 0, 0.0, state="failed").startswith("[------------------------]  0/0 tiles")
+    assert progress.render("x", 9, 4, 1.0).count("#") == progress.BAR_WIDTH  # clipped
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class _Closed(io.StringIO):
+    def isatty(self):
+        raise ValueError("I/O operation on closed file")
+
+
+def test_wanted():
+    assert progress.wanted(None, _Tty()) and not progress.wanted(None, io.StringIO())
+    assert progress.wanted(True, io.StringIO()) and not progress.wanted(False, _Tty())
+    assert not progress.wanted(None, _Closed()) and not progress.wanted(None, object())
+
+
+class _FakeCall:
+    def __init__(self, total):
+        self.tasks = [None] * total
+        self.remaining = total
+
+
+def test_progress_monitor_reads_the_running_call(monkeypatch):
+    import time
+
+    call = _FakeCall(10)
+    asked = []
+    monkeypatch.setattr(progress, "running_call", lambda ident: asked.append(ident) or call)
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="boom"):
+        with progress.Progress(out, label="x", interval=0.01) as p:
+            for left in (7, 3):
+                call.remaining = left
+                drawn = p.updates
+                deadline = time.monotonic() + 5
+                while p.updates < drawn + 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            raise RuntimeError("boom")
+    assert progress_threads() == []
+    assert set(asked) == {threading.get_ident()}  # the thread that entered
+    text = out.getvalue()
+    assert " 3/10 tiles" in text and " 7/10 tiles" in text and text.endswith("failed\n")
+    assert text.count("\n") == 1 and p.updates >= 4
+
+
+def test_progress_disabled_starts_nothing():
+    out = io.StringIO()
+    with progress.Progress(out, enabled=False):
+        assert progress_threads() == []
+    assert out.getvalue() == ""
+    with pytest.raises(ValueError, match="interval: got 0"):
+        progress.Progress(out, interval=0)
+
+
+def test_running_call_is_set_only_during_the_call():
+    blasx.configure(devices="sim:2,rate=1e8", tile=64)
+    a = np.ones((256, 256))
+    ident = threading.get_ident()
+    seen = []
+    assert blasx.level3.running_call(ident) is None
+
+    def watch():
+        import time
+        for _ in range(200):
+            c = blasx.level3.running_call(ident)
+            if c is not None:
+                seen.append(progress.call_counts(c))
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    blasx.gemm(1.0, a, a)
+    t.join()
+    assert seen and seen[0][1] == 16 and 0 <= seen[0][0] <= 16
+    assert blasx.level3.running_call(ident) is None
+
+
+# --------------------------------------------------------------------------- info
+
+def test_info_on_sims(capsys, cache):
+    PerfDb().store(key_for(["sim:0", "sim:1"], np.float64, 256, 256, 256), 64, {32: 0.5, 64: 0.75})
+    PerfDb().store(key_for(["cpu"], np.float32, 512, 512, 512), 256, {256: 0.1})
+    assert cli.main(["info", "--devices", "sim:2,slow=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"blasx {blasx.__version__}" in out
+    assert "devices (sim:2,slow=2):" in out and "[1] sim:1 (slow=2) (sim, 4 streams, tile cache 64.00 MiB)" in out
+    assert "peer links: [0] <-> [1]" in out
+    assert "rates" not in out  # measurements only with --measure
+    assert "perf-db" in out and "2 entries" in out and "(* 1 entry for these devices: sim, 2 GPUs)" in out
+    marked = [x for x in out.splitlines() if x.startswith("* ")]
+    assert len(marked) == 1 and "256x256x256" in marked[0] and "0.75" in marked[0]
+
+
+def test_info_measure_on_sims_reports_the_model(capsys, cache):
+    assert cli.main(["info", "--devices", "sim:2,slow=4,h2d=2e9,p2p=1e10,rate=1e12", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "rates (blasx info --measure):" in out and "no entries" in out
+    lines = out.splitlines()
+    i = lines.index("  [1] sim:1 (slow=4)")
+    assert lines[i + 1].split()[:3] == ["H2D", "0.5", "GB/s"] and "sim model (slow=4)" in lines[i + 1]
+    assert lines[i + 3].split()[:5] == ["P2P", "<-", "[0]", "2.5", "GB/s"]
+    assert lines[i + 4].split()[:3] == ["GEMM", "250", "GFLOPS"]
+
+
+def test_info_measure_on_the_cpu(capsys, cache, monkeypatch):
+    monkeypatch.setattr(probe, "CPU_GEMM_SIZES", (64, 128))
+    assert cli.main(["info", "--devices", "cpu", "--measure", "--db", str(cache / "none.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert "[0] cpu (cpu, 1 stream, host memory" in out and "peer links" not in out
+    assert "DGEMM" in out and "SGEMM" in out and "numpy (host BLAS), N=128" in out
+    assert "none.sqlite: no entries" in out
+
+
+def test_measure_never_raises_for_a_gpu_it_cannot_use(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # "import cupy" fails, as without CuPy
+    dev = SimpleNamespace(index=0, kind="cuda", ordinal=0, streamed=True, can_read_from=lambda o: False)
+    rates = probe.measure([dev])
+    assert rates and all(r.value is None and r.how.startswith("failed: ") for r in rates)
+    with pytest.raises(ValueError, match="gemm_n: got 0, need a positive int"):
+        probe.measure([dev], gemm_n=0)
+    with pytest.raises(ValueError, match="dtypes: got"):
+        probe.measure([dev], dtypes=("z",))
+
+
+# --------------------------------------------------------------------------- probe formatting
+
+FACTS = [probe.DeviceFacts(0, "cuda:0 NVIDIA H200", "cuda", 4, 70 << 30, 143 << 30, 60 << 30),
+         probe.DeviceFacts(1, "cuda:1 NVIDIA H200", "cuda", 4, 70 << 30, 143 << 30, None),
+         probe.DeviceFacts(2, "cpu", "cpu", 1, None, 512 << 30, None)]
+
+
+def test_format_devices_and_links():
+    lines = probe.format_devices("cuda", FACTS)
+    assert lines == ["devices (cuda):",
+                     "  [0] cuda:0 NVIDIA H200 (cuda, 4 streams, memory 143.00 GiB, tile cache 70.00 GiB, 60.00 GiB free)",
+                     "  [1] cuda:1 NVIDIA H200 (cuda, 4 streams, memory 143.00 GiB, tile cache 70.00 GiB)",
+                     "  [2] cpu (cpu, 1 stream, host memory 512.00 GiB)"]
+    assert probe.format_links(FACTS, [(0, 1), (1, 0)]) == ["peer links: [0] <-> [1]"]
+    assert probe.format_links(FACTS, [(1, 0)]) == ["peer links: [1] -> [0]"]
+    assert probe.format_links(FACTS, [])[0].startswith("peer links: none")
+    assert probe.format_links(FACTS[:1] + FACTS[2:], []) == []
+
+
+def test_format_rates_with_made_up_numbers():
+    rates = [probe.Rate(0, "H2D", 55.25e9, "pinned host memory, 256 MiB"),
+             probe.Rate(0, "P2P", 389.9e9, "from cuda:1, 256 MiB", peer=1),
+             probe.Rate(0, "DGEMM", 59.81e12, "cuBLAS (CuPy matmul), N=8192"),
+             probe.Rate(1, "SGEMM", None, "failed: OutOfMemoryError: out of memory"),
+             probe.Rate(2, "DGEMM", 1.5e11, "numpy (host BLAS), N=2048")]
+    lines = probe.format_rates(FACTS, rates)
+    assert lines[0] == "rates (blasx info --measure):"
+    assert lines[1] == "  [0] cuda:0 NVIDIA H200"
+    assert lines[2].split() == ["H2D", "55.25", "GB/s", "pinned", "host", "memory,", "256", "MiB"]
+    assert lines[3].split()[:5] == ["P2P", "<-", "[1]", "389.9", "GB/s"]
+    assert lines[4].split()[:3] == ["DGEMM", "59.81", "TFLOPS"]
+    assert lines[6].split()[:2] == ["SGEMM", "failed"] and "out of memory" in lines[6]
+    assert lines[8].split()[:3] == ["DGEMM", "150", "GFLOPS"]
+    assert probe.format_rates(FACTS, []) == ["rates (blasx info --measure):", "  (nothing measured)"]
+    assert probe.format_bytes(None) == "?" and probe.format_bytes(512) == "512 B"
+
+
+def test_format_perfdb():
+    e = {"device": "NVIDIA H200", "ndev": 2, "dtype": "d", "routine": "gemm", "shape": (16384, 16384, 16384),
+         "tile": 4096, "results": {4096: 95.5, 8192: 90.0}, "date": "2026-11-22T03:39:52+00:00", "version": "0.1.0"}
+    lines = probe.format_perfdb("/x/perfdb.sqlite", [e, dict(e, ndev=1)], ("NVIDIA H200", 2))
+    assert lines[0] == "perf-db /x/perfdb.sqlite: 2 entries"
+    assert lines[2].startswith("* NVIDIA H200") and "95.5" in lines[2] and lines[3].startswith("  NVIDIA H200")
+    assert lines[-1] == "(* 1 entry for these devices: NVIDIA H200, 2 GPUs)"
+    assert probe.format_perfdb("p", [], disabled=True) == ["perf-db p: no entries (ignored by the runtime: "
+                                                           "BLASX_PERFDB is off)"]
+
+
+# --------------------------------------------------------------------------- bench
+
+def test_bench_gemm_help_is_the_benchmarks(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "gemm", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "bench.gemm" in out and "--dtypes" in out and "--xt-blocks" in out
+
+
+def test_bench_offload_threshold_runs_on_sims(capsys):
+    before = blasx.session.settings()
+    assert cli.main(["bench", "offload_threshold", "--devices", "sim:2", "--sizes", "16,32", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "blasx devices: sim:0, sim:1" in out and "crossover (float64)" in out
+    assert blasx.session.settings() == before
+
+
+def test_bench_usage_of_a_benchmark_without_prog_names_blasx(capsys):
+    argv0 = sys.argv[0]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "offload-threshold", "--runs", "many"])
+    assert e.value.code == 2
+    assert "usage: blasx bench offload-threshold" in capsys.readouterr().err
+    assert sys.argv[0] == argv0
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "frob"], "argument BENCH: invalid choice: 'frob' (choose from gemm, level3, offload-threshold)"),
+    (["bench"], "required: BENCH (one of gemm, level3, offload-threshold)"),
+    (["bench", "--n", "5"], "argument BENCH: got '--n', need a benchmark name first"),
+])
+def test_bench_bad_names(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_bench_outside_a_checkout_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_bench_roots", lambda: [])
+    for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path
+                                      if not os.path.isfile(os.path.join(p or ".", "bench", "__init__.py"))])
+    monkeypatch.chdir(os.path.dirname(ROOT))
+    assert cli.main(["bench", "gemm", "--help"]) == 1
+    err = capsys.readouterr().err
+    assert "blasx bench: error: the benchmarks are the bench/ folder of a blasx source checkout" in err
+    assert "run 'blasx bench gemm ...'" in err
+
+
+def test_bench_roots_find_this_checkout(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert cli._bench_roots() == [__import__("pathlib").Path(ROOT)]
+
+
+# --------------------------------------------------------------------------- CUDA measurements, faked
+
+class _FakeCupy:
+    """Just enough of CuPy for blasx.probe's CUDA measurements: every timed span lasts 2 ms."""
+
+    uint8, float32, float64 = "uint8", "float32", "float64"
+
+    def __init__(self):
+        self.calls = []
+        self.current = [0]
+        fake = self
+
+        class Err(Exception):
+            pass
+
+        class Device:
+            def __init__(self, ordinal):
+                self.ordinal = ordinal
+
+            def __enter__(self):
+                fake.current.append(self.ordinal)
+
+            def __exit__(self, *exc):
+                fake.current.pop()
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.ptr = 1000 + fake.current[-1]
+
+            def synchronize(self):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                pass
+
+        class Event:
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+        def enable(peer):
+            fake.calls.append(("enable", fake.current[-1], peer))
+            if peer == 0:
+                raise Err("cudaErrorPeerAccessAlreadyEnabled: peer access is already enabled")
+
+        runtime = SimpleNamespace(
+            memcpyHostToDevice=1, memcpyDeviceToHost=2, CUDARuntimeError=Err,
+            memcpyAsync=lambda *a: fake.calls.append(("memcpy", *a)),
+            memcpyPeerAsync=lambda *a: fake.calls.append(("peer", *a)),
+            deviceEnablePeerAccess=enable, memGetInfo=lambda: (60 << 30, 143 << 30))
+        pool = SimpleNamespace(free_all_blocks=lambda: None)
+        self.cuda = SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=runtime,
+                                    alloc_pinned_memory=lambda n: SimpleNamespace(ptr=7),
+                                    get_elapsed_time=lambda a, b: 2.0)
+        self.random = SimpleNamespace(random=lambda shape: SimpleNamespace(astype=lambda dt: ("array", dt)))
+        self.get_default_memory_pool = self.get_default_pinned_memory_pool = lambda: pool
+
+    def empty(self, shape, dtype=None):
+        return SimpleNamespace(data=SimpleNamespace(ptr=100 + self.current[-1]))
+
+    def matmul(self, a, b, out=None):
+        self.calls.append(("matmul", a[1], self.current[-1]))
+
+
+def test_cuda_measurements_with_a_fake_cupy(monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    devs = [SimpleNamespace(index=i, kind="cuda", ordinal=o, streamed=True, name=f"cuda:{o} X",
+                            can_read_from=lambda other: True) for i, o in ((0, 0), (1, 1))]
+    rates = probe.measure(devs, copy_bytes=1 << 20, gemm_n=1000, reps=2)
+    got = {(r.device, r.what, r.peer): r for r in rates}
+    assert all(r.value is not None for r in rates), [r.how for r in rates if r.value is None]
+    assert sorted(got) == sorted((d, w, p) for d in (0, 1) for w, p in
+                                 (("H2D", None), ("D2H", None), ("P2P", 1 - d), ("DGEMM", None), ("SGEMM", None)))
+    assert got[0, "H2D", None].value == pytest.approx((1 << 20) / 2e-3)
+    assert got[1, "DGEMM", None].value == pytest.approx(2e9 / 2e-3)
+    assert got[0, "P2P", 1].how == "from cuda:1, 1 MiB"
+    # device 0 reads device 1: the copy goes into 0's buffer from 1's, on a stream of device 0
+    assert ("peer", 100, 0, 101, 1, 1 << 20, 1000) in fake.calls
+    assert ("memcpy", 101, 7, 1 << 20, 1, 1001) in fake.calls  # H2D on device 1
+    assert ("matmul", "float32", 1) in fake.calls
+    facts = probe.device_facts([SimpleNamespace(index=0, kind="cuda", ordinal=0, streamed=True, name="cuda:0 X",
+                                                nstreams=4, cache_capacity=lambda: 1 << 30)])
+    assert facts[0].memory_total == 143 << 30 and facts[0].memory_free == 60 << 30
+    text = "\n".join(probe.format_rates(facts + [probe.DeviceFacts(1, "cuda:1 X", "cuda", 4)], rates))
+    assert "P2P <- [1]" in text and "DGEMM" in text and "failed" not in text
