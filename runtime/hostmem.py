@@ -12,11 +12,15 @@ pinned). blasx therefore page-locks host operands in place with
   else) is recognised and used as is, and never unregistered by blasx;
 * only ranges blasx registered itself are ever unregistered;
 * only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
-  are registered. glibc serves such blocks from their own mmap, so their
-  pages hold nothing else. Smaller blocks may share a page with another
-  array, and CUDA rejects a copy from a range that is only partly
-  registered (``cudaErrorInvalidValue``, seen on the H200 host), so those
-  are copied from pageable memory instead; they are small.
+  are registered, and only the pages that lie wholly inside them. CUDA
+  rejects a copy from a range that is only partly registered
+  (``cudaErrorInvalidValue``). glibc may serve even a large block from its
+  heap, next to other arrays in the same page (seen on the H200 host: a
+  small array after a registered one failed), so a registration must never
+  reach past the array's own bytes. The array's partial first and last pages
+  stay pageable: the device copies the few tiles that straddle a boundary of
+  the registered span through a pinned bounce buffer (``straddles``).
+  Smaller arrays are copied from pageable memory; they are small.
 
 Registration costs about 32 ms/GiB on that host, four times less than one
 pageable transfer of the same bytes, and every later call on the same array
@@ -37,6 +41,20 @@ HOST_REGISTER_PORTABLE = 1
 ERROR_ALREADY_REGISTERED = 712
 
 
+def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:
+    """[start, end): the whole pages inside bytes [lo, lo + nbytes) (empty: start >= end)."""
+    return -(-lo // PAGE) * PAGE, (lo + nbytes) // PAGE * PAGE
+
+
+def straddles(span: tuple[int, int] | None, lo: int, hi: int) -> bool:
+    """Bytes [lo, hi) are partly inside and partly outside the pinned ``span``: CUDA copies
+    them neither as pinned nor as pageable memory."""
+    if span is None:
+        return False
+    start, end = span
+    return lo < end and hi > start and not (start <= lo and hi <= end)
+
+
 def _root(x: np.ndarray) -> np.ndarray:
     node = x
     while isinstance(node.base, np.ndarray):
@@ -51,37 +69,39 @@ class RegistrationCache:
         self.registered_bytes = 0
         self.seconds = 0.0
 
-    def ensure_pinned(self, x: np.ndarray) -> str:
-        """Pin the memory under ``x``; returns 'ours', 'foreign' (already pinned), 'pageable' or 'failed'."""
+    def ensure_pinned(self, x: np.ndarray) -> tuple[str, tuple[int, int] | None]:
+        """Pin the memory under ``x``; returns (how, span): how is 'ours', 'foreign' (already
+        pinned), 'pageable' or 'failed'; span the pinned bytes [start, end) of its root, or None."""
         import time
 
         from cupy.cuda import runtime
 
         root = _root(x)
         if root.nbytes == 0:
-            return "failed"
+            return "failed", None
         lo = int(root.ctypes.data)
+        whole = (lo, lo + root.nbytes)
         if _is_pinned(runtime, lo) and _is_pinned(runtime, lo + root.nbytes - 1):
-            return "foreign"
+            return "foreign", whole
         if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
-            return "pageable"
+            return "pageable", None
         with self._lock:
-            if id(root) in self._ours:
-                return "ours"
-            start = lo - lo % PAGE
-            end = -(-(lo + root.nbytes) // PAGE) * PAGE
+            hit = self._ours.get(id(root))
+            if hit is not None:
+                return "ours", (hit[0], hit[0] + hit[1])
+            start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
             t0 = time.perf_counter()
             try:
                 runtime.hostRegister(start, end - start, HOST_REGISTER_PORTABLE)
             except runtime.CUDARuntimeError as exc:
                 if getattr(exc, "status", None) == ERROR_ALREADY_REGISTERED:
-                    return "foreign"
-                return "failed"
+                    return "foreign", whole
+                return "failed", None
             self.seconds += time.perf_counter() - t0
             self._ours[id(root)] = (start, end - start)
             self.registered_bytes += end - start
             weakref.finalize(root, self._unregister, id(root), start)
-            return "ours"
+            return "ours", (start, end)
 
     def _unregister(self, key: int, start: int) -> None:
         with self._lock:

@@ -128,3 +128,22 @@ def test_threads_share_the_engine():
         outs = list(ex.map(lambda p: blasx.gemm(1.0, *p), probs))
     for (a, b), got in zip(probs, outs):
         assert rel_err(got, a @ b) < 1e-12
+
+
+def test_registered_arrays_next_to_small_ones():
+    """Large arrays are page-locked on their whole pages only; their edge tiles go through the
+    bounce buffer, and small arrays in the pages next to them still copy as pageable memory
+    (a registration reaching into a neighbour's page made CUDA refuse the neighbour's copies)."""
+    blasx.configure(devices="cuda", tile=1024)
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        n = 2400  # 46 MiB: registered; served from glibc's heap or its own mapping
+        a, b, c = (rand(rng, (n, n), np.float64) for _ in range(3))
+        small = [rand(rng, (300, 300), np.float64) for _ in range(4)]  # likely to land beside them
+        got = blasx.gemm(1.5, a, b, beta=0.5, c=c)
+        assert rel_err(got, reference(1.5, a, b, 0.5, c, 0, 0)) < 1e-12
+        s = blasx.gemm(1.0, small[0], small[1], beta=1.0, c=small[2])
+        assert rel_err(s, reference(1.0, small[0], small[1], 1.0, small[2], 0, 0)) < 1e-12
+        out = np.empty((n, n), order="F")
+        blasx.gemm(1.0, a, b, c=out, overwrite_c=True)  # written back through the edges too
+        assert rel_err(out, reference(1.0, a, b, 0, None, 0, 0)) < 1e-12

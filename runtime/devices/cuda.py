@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from ..hostmem import REGISTRY
+from ..hostmem import REGISTRY, straddles
 from ..stats import OpRecord
 from .base import Device, DeviceError, register_backend
 
@@ -63,6 +63,9 @@ class CudaDevice(Device):
         self._anchor = (0, 0.0)
         self._kernels = {}
         self._blas = {}
+        self._bounce_mem = None  # pinned host buffer for straddling tiles, and its size
+        self._bounce_size = 0
+        self._bounce_stream = None  # the stream of its last asynchronous use
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -149,7 +152,7 @@ class CudaDevice(Device):
     def prepare_call(self, call) -> None:
         for op in call.operands:
             if op.on_host:
-                REGISTRY.ensure_pinned(op.array)
+                op.pinned = REGISTRY.ensure_pinned(op.array)[1]
 
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
@@ -163,6 +166,9 @@ class CudaDevice(Device):
                                     self.stream_ptrs[s])
             return
         ptr, ld = self.array_loc(obj, where)
+        if obj.on_host and straddles(obj.pinned, ptr, ptr + ((cols - 1) * ld + rows) * isz):
+            self._bounce_in(s, dst, obj, where, rows, cols, isz)
+            return
         try:
             runtime.memcpy2DAsync(dst[0], rows * isz, ptr, ld * isz, rows * isz, cols, MEMCPY_DEFAULT,
                                   self.stream_ptrs[s])
@@ -173,11 +179,45 @@ class CudaDevice(Device):
         from cupy.cuda import runtime
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
+        if operand.on_host and straddles(operand.pinned, ptr, ptr + ((ref.cols - 1) * ld + ref.rows) * isz):
+            self._bounce_out(s, operand, ref, src, isz)
+            return
         try:
             runtime.memcpy2DAsync(ptr, ld * isz, src[0], src[1] * isz, ref.rows * isz, ref.cols,
                                   MEMCPY_DEFAULT, self.stream_ptrs[s])
         except runtime.CUDARuntimeError as exc:
             raise self._copy_error("out", exc, operand, ptr, ld, ref.rows, ref.cols, isz) from exc
+
+    # A tile straddling the edge of a registered span (the array's partial first or last page)
+    # goes through a pinned bounce buffer, synchronously: rare, at most the corner tiles.
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        from cupy.cuda import runtime
+        if self._bounce_stream is not None:
+            runtime.streamSynchronize(self._bounce_stream)  # its last copy has read it
+            self._bounce_stream = None
+        if self._bounce_size < nbytes:
+            import cupy
+            self._bounce_mem = cupy.cuda.alloc_pinned_memory(nbytes)  # as cupyx.empty_pinned does
+            self._bounce_size = nbytes
+        return np.ndarray((nbytes,), np.uint8, buffer=self._bounce_mem)
+
+    def _bounce_in(self, s, dst, operand, ref, rows, cols, isz) -> None:
+        from cupy.cuda import runtime
+        buf = self._bounce(rows * cols * isz).view(operand.array.dtype).reshape((rows, cols), order="F")
+        np.copyto(buf, operand.array[ref.r0:ref.r0 + rows, ref.c0:ref.c0 + cols])
+        runtime.memcpy2DAsync(dst[0], rows * isz, buf.ctypes.data, rows * isz, rows * isz, cols, MEMCPY_DEFAULT,
+                              self.stream_ptrs[s])
+        self._bounce_stream = self.stream_ptrs[s]
+
+    def _bounce_out(self, s, operand, ref, src, isz) -> None:
+        from cupy.cuda import runtime
+        rows, cols = ref.rows, ref.cols
+        buf = self._bounce(rows * cols * isz).view(operand.array.dtype).reshape((rows, cols), order="F")
+        runtime.memcpy2DAsync(buf.ctypes.data, rows * isz, src[0], src[1] * isz, rows * isz, cols, MEMCPY_DEFAULT,
+                              self.stream_ptrs[s])
+        runtime.streamSynchronize(self.stream_ptrs[s])
+        self._bounce_stream = None
+        np.copyto(operand.array[ref.r0:ref.r0 + rows, ref.c0:ref.c0 + cols], buf)
 
     def _copy_error(self, direction, exc, operand, ptr, ld, rows, cols, isz) -> DeviceError:
         """A refused tile copy, with what the driver saw of the memory (CUDA says only 'invalid argument')."""
