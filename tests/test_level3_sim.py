@@ -487,3 +487,29 @@ def test_trsm_survives_a_device_failure():
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=8)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_in_place_trmm_trsm_survive_device_failures():
+    """Fault injection over many points, one stream per device (a station then holds waiting tasks
+    beyond its capacity): each call ends with the right answer or a DeviceError, never a wrong
+    answer (an in-place task failing mid write-back would reread its own half-written tile) and
+    never a hang. In a subprocess: a hang is a timeout."""
+    script = textwrap.dedent("""
+        import numpy as np, scipy.linalg.blas as sb, blasx
+        for routine in ("trmm", "trsm"):
+            for dev, at in ((0, 4), (1, 4), (0, 9), (1, 13), (0, 21)):
+                blasx.configure(devices=f"sim:2,fail={dev}@{at}", tile=16, streams=1)
+                rng = np.random.default_rng(at)
+                a = np.asfortranarray(rng.standard_normal((160, 160)) / 320 + 2 * np.eye(160))
+                b = np.asfortranarray(rng.standard_normal((160, 16)))  # one column: a chain of 10
+                want = getattr(sb, "d" + routine)(1.0, a, b, lower=1)
+                try:
+                    x = getattr(blasx, routine)(1.0, a, b, lower=1, overwrite_b=True)
+                    assert np.linalg.norm(x - want) <= 1e-12 * np.linalg.norm(want), (routine, at)
+                except blasx.DeviceError:
+                    pass
+                blasx.shutdown()
+        print("finished")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
