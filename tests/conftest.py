@@ -15,6 +15,8 @@ hypothesis tests may use them too).
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -63,7 +65,11 @@ def _expect(exc_type, *fragments, call):
 
 
 @pytest.fixture(autouse=True)
-def _shutdown_blasx():
+def _shutdown_blasx(monkeypatch):
+    """Every test starts from the same session: its engine is stopped after it, and what it set
+    with blasx.configure() is put back (shutdown() alone keeps the settings for the next engine)."""
+    session = importlib.import_module("blasx.session")
+    monkeypatch.setattr(session, "_settings", session.settings())
     yield
     blasx.shutdown()
 

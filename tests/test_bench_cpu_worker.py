@@ -1,7 +1,6 @@
 """CPU tests of bench/cpu_worker.py: the shuffled schedule, the CPU shares, the table, and the
 whole comparison on sim devices, where the CPU worker must get tasks and every result be right."""
 
-import importlib
 import json
 import os
 import sys
@@ -14,17 +13,6 @@ if ROOT not in sys.path:
 
 from bench import cpu_worker as W  # noqa: E402
 
-import blasx  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_blasx_settings(monkeypatch):
-    """blasx.configure() here must not leak into later test files: shutdown() (conftest) stops the
-    engine but keeps the settings, so they are put back (with the engine stopped) after each test."""
-    session = importlib.import_module("blasx.session")
-    monkeypatch.setattr(session, "_settings", session.settings())
-    yield
-    blasx.shutdown()
 
 
 def test_parse_args_defaults_and_errors(capsys):

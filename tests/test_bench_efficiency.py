@@ -4,7 +4,6 @@ page-locking, which needs CUDA)."""
 
 import contextlib
 import gc
-import importlib
 import json
 import os
 import sys
@@ -21,16 +20,6 @@ from bench import efficiency as E  # noqa: E402
 from bench import level3 as L  # noqa: E402
 
 import blasx  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_blasx_settings(monkeypatch):
-    """blasx.configure() here must not leak into later test files: shutdown() (conftest) stops the
-    engine but keeps the settings, so they are put back (with the engine stopped) after each test."""
-    session = importlib.import_module("blasx.session")
-    monkeypatch.setattr(session, "_settings", session.settings())
-    yield
-    blasx.shutdown()
 
 
 # --------------------------------------------------------------------------- options

@@ -4,7 +4,6 @@ numpy stand-ins (nothing here needs a GPU or CuPy)."""
 
 import contextlib
 import ctypes
-import importlib
 import json
 import os
 import sys
@@ -19,16 +18,6 @@ if ROOT not in sys.path:
 from bench import level3 as L  # noqa: E402
 
 import blasx  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _restore_blasx_settings(monkeypatch):
-    """blasx.configure() here must not leak into later test files: shutdown() (conftest) stops the
-    engine but keeps the settings, so they are put back (with the engine stopped) after each test."""
-    session = importlib.import_module("blasx.session")
-    monkeypatch.setattr(session, "_settings", session.settings())
-    yield
-    blasx.shutdown()
 
 
 # --------------------------------------------------------------------------- options
