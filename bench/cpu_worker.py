@@ -26,8 +26,8 @@ import random
 import statistics
 
 from .efficiency import (
-    _cell, add_common_options, checked_gemm, finish_args, gemm_tflops, log, new_report, pin_context, product_rows,
-    run_dtypes, views, CHECK_TEXT,
+    _cell, add_common_options, checked_gemm, finish_args, finish_markdown, gemm_tflops, log, new_report,
+    pin_context, product_rows, run_dtypes, views, CHECK_TEXT,
 )
 from .level3 import CHECK_ROWS, dtype_words, sample_rows, tolerance, write_json_md
 
@@ -140,12 +140,7 @@ def format_markdown(report: dict) -> str:
           "- " + CHECK_TEXT.format(rows=CHECK_ROWS, tol=tol), "",
           "## Results", "", report["table"], "",
           "`with / without` > 1 means the CPU worker made the call faster.", ""]
-    prof = format_profiles(report["records"])
-    if prof:
-        md += ["## Per-device breakdown of the best call (blasx profile)", "", *(f"- {x}" for x in prof), ""]
-    if report.get("failures"):
-        md += ["## Failures", "", *(f"- {x}" for x in report["failures"]), ""]
-    return "\n".join(md).rstrip() + "\n"
+    return finish_markdown(md, format_profiles(report["records"]), report.get("failures"))
 
 
 def write_report(report: dict, out_dir: str) -> tuple[str, str]:

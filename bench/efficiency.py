@@ -400,11 +400,15 @@ def format_markdown(report: dict) -> str:
     avg = format_averages(report["averages"], gpus)
     if avg:
         md += ["## Average efficiency over the sizes", "", *(f"- {x}" for x in avg), ""]
-    prof = format_profiles(report["records"])
+    return finish_markdown(md, format_profiles(report["records"]), report.get("failures"))
+
+
+def finish_markdown(md: list[str], prof: list[str], failures) -> str:
+    """The sections every sweep report ends with (each bench's profile lines, failures), joined."""
     if prof:
         md += ["## Per-device breakdown of the best call (blasx profile)", "", *(f"- {x}" for x in prof), ""]
-    if report.get("failures"):
-        md += ["## Failures", "", *(f"- {x}" for x in report["failures"]), ""]
+    if failures:
+        md += ["## Failures", "", *(f"- {x}" for x in failures), ""]
     return "\n".join(md).rstrip() + "\n"
 
 

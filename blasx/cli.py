@@ -44,24 +44,21 @@ BENCHES = {
 # ------------------------------------------------------------------------------------------------
 # argument types: each error names what was received and what is allowed
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need a positive integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"got {v}, need a positive integer")
-    return v
+def _int_at_least(low: int, need: str):
+    """An argparse type: an int >= ``low``; errors say what was received and ``need``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}, need {need}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"got {v}, need {need}")
+        return v
+    return parse
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need an integer >= 0") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"got {v}, need an integer >= 0")
-    return v
+_positive = _int_at_least(1, "a positive integer")
+_nonnegative = _int_at_least(0, "an integer >= 0")
 
 
 def _positive_list(text: str) -> list[int]:

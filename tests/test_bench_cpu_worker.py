@@ -14,7 +14,6 @@ if ROOT not in sys.path:
 from bench import cpu_worker as W  # noqa: E402
 
 
-
 def test_parse_args_defaults_and_errors(capsys):
     args = W.parse_args([])
     assert args.n == [2048, 4096, 8192, 16384] and args.gpus == [1, 2] and args.runs == 3
