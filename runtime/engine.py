@@ -204,7 +204,7 @@ class Engine:
         if any(t.deps for t in call.tasks):
             call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
         call.stats.start()
-        self.queues["gpu" if call.device_only else "any"].put_many(call.tasks)
+        self.queue_of(call).put_many(call.tasks)
         self._poke()
         try:
             while not call.wait(0.5):
@@ -256,13 +256,17 @@ class Engine:
                     # In front: later tasks of the call may depend on it (TRSM).
                     task.worker = -1
                     call.unstarted(task)
-                    self.queues["gpu" if call.device_only else "any"].put_front(task)
+                    self.queue_of(call).put_front(task)
         self._fail_unrunnable()
         self._poke()
 
+    def queue_of(self, call: Call):
+        """The global queue of a call's tasks: CUDA workers alone serve calls with CuPy operands."""
+        return self.queues["gpu" if call.device_only else "any"]
+
     def requeue(self, task) -> None:
         """Put a task a worker gave back (unstarted) in front of its queue and wake the workers."""
-        self.queues["gpu" if task.call.device_only else "any"].put_front(task)
+        self.queue_of(task.call).put_front(task)
         self._poke()
 
     def _fail_call(self, call: Call, err: BaseException, cause: BaseException | None) -> None:
@@ -282,7 +286,7 @@ class Engine:
                 if t.call.failed:
                     t.call.account(t)
                 else:
-                    self.queues["gpu" if t.call.device_only else "any"].put_front(t)
+                    self.queue_of(t.call).put_front(t)
         if not any(w.alive for w in self.workers):
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):

@@ -37,6 +37,11 @@ def _cublas():
     return cublas
 
 
+def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
+    """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
+    return ((cols - 1) * ld + rows) * isz
+
+
 @register_backend
 class CudaDevice(Device):
     kind = "cuda"
@@ -166,7 +171,7 @@ class CudaDevice(Device):
                                     self.stream_ptrs[s])
             return
         ptr, ld = self.array_loc(obj, where)
-        if obj.on_host and straddles(obj.pinned, ptr, ptr + ((cols - 1) * ld + rows) * isz):
+        if obj.on_host and straddles(obj.pinned, ptr, ptr + _tile_bytes(rows, cols, ld, isz)):
             self._bounce_in(s, dst, obj, where, rows, cols, isz)
             return
         try:
@@ -179,7 +184,7 @@ class CudaDevice(Device):
         from cupy.cuda import runtime
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
-        if operand.on_host and straddles(operand.pinned, ptr, ptr + ((ref.cols - 1) * ld + ref.rows) * isz):
+        if operand.on_host and straddles(operand.pinned, ptr, ptr + _tile_bytes(ref.rows, ref.cols, ld, isz)):
             self._bounce_out(s, operand, ref, src, isz)
             return
         try:
@@ -221,7 +226,7 @@ class CudaDevice(Device):
 
     def _copy_error(self, direction, exc, operand, ptr, ld, rows, cols, isz) -> DeviceError:
         """A refused tile copy, with what the driver saw of the memory (CUDA says only 'invalid argument')."""
-        span = ((cols - 1) * ld + rows) * isz
+        span = _tile_bytes(rows, cols, ld, isz)
         where = (REGISTRY.describe(ptr, ptr + span) if operand.on_host
                  else f"device {operand.device} bytes [{ptr:#x}, {ptr + span:#x})")
         return DeviceError(f"{self.name}: tile copy {direction} of {rows}x{cols} elements (ld {ld}, "
