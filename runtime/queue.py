@@ -34,6 +34,13 @@ class TaskQueue(Generic[T]):
     def put_many(self, items: Iterable[T]) -> None:
         self._items.extend(items)
 
+    def peek(self) -> T | None:
+        """The head item without taking it (another thread may take it first); None when empty."""
+        try:
+            return self._items[0]
+        except IndexError:
+            return None
+
     def get(self) -> T | None:
         try:
             return self._items.popleft()

@@ -105,12 +105,49 @@ class Worker(threading.Thread):
         return task.call.is_ready(task)
 
     def _pull(self):
-        """Next task from the global queues this worker serves; None when empty."""
+        """Next task from the global queues this worker serves; None when empty, or when the
+        head task is left for a peer (:meth:`_leave_for_peer`)."""
         for q in self.engine.queues_for(self):
+            head = q.peek()
+            if head is None:
+                continue
+            if head is not self.engine.SENTINEL and self._leave_for_peer(head.call):
+                return None
             t = q.get()
             if t is not None:
                 return t
         return None
+
+    def _leave_for_peer(self, call) -> bool:
+        """The fair-share rule for small calls: True if this worker should not take more of
+        ``call`` now.
+
+        A call with fewer tasks than one worker can hold (station + streams) would otherwise
+        go wholly to whichever worker wakes first (measured: N=4096 and 8192 DGEMM on 2 GPUs
+        ran all 4 tasks on one GPU). So a worker that already holds its share,
+        max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
+        run it, has room in its station and holds less than its share (that peer takes it at its next
+        pull; it does not sleep while the queue holds work it may take). Never while this
+        worker has nothing it can run, so no device idles and a gated task's dependency is
+        never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
+        """
+        eligible = sum(1 for w in self.engine.workers if self.engine.can_run(w, call))
+        share = max(1, len(call.tasks) // max(1, eligible))
+        if self.holding(call) < share or not self.has_runnable():
+            return False
+        for w in self.engine.workers:
+            if w is not self and self.engine.can_run(w, call) and w.station.free_slots() > 0 \
+                    and w.holding(call) < share:
+                return True
+        return False
+
+    def holding(self, call) -> int:
+        """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
+        return sum(1 for t in self.station.snapshot() if t.call is call)
+
+    def has_runnable(self) -> bool:
+        """This worker holds a task it can run now (or is running one)."""
+        return self.station.any_ready(self.ready)
 
     def fill_station(self) -> None:
         st = self.station
@@ -164,8 +201,15 @@ class Worker(threading.Thread):
                 pass
 
     def _work_waiting(self) -> bool:
-        """True if a queue this worker serves holds tasks and the station has room for them."""
-        return self.station.free_slots() > 0 and any(len(q) for q in self.engine.queues_for(self))
+        """True if a queue this worker serves holds a task this worker would take now, and the
+        station has room for it."""
+        if self.station.free_slots() <= 0:
+            return False
+        for q in self.engine.queues_for(self):
+            head = q.peek()
+            if head is not None:
+                return head is self.engine.SENTINEL or not self._leave_for_peer(head.call)
+        return False
 
     def fail(self, exc: BaseException) -> None:
         self.alive = False
@@ -186,6 +230,7 @@ class StreamWorker(Worker):
         # One deque per stream, compute and copy streams alike (events complete in order within one).
         self.pending: list[deque[_Pending]] = [deque() for _ in range(device.n_all_streams)]
         self.inflight = 0  # tasks started and not yet retired
+        self.inflight_of: dict = {}  # call -> its tasks among them (read lock-free by peers)
         self.max_inflight = 2 * n
         self.seq = 0
         self.directory = engine.directory
@@ -256,7 +301,7 @@ class StreamWorker(Worker):
         for off in p.free:
             self.dev.heap.free(off)
         if p.finished:
-            self.inflight -= 1
+            self._ended(p.task)
             p.task.call.account(p.task, self.idx)
 
     def wait_oldest(self) -> None:
@@ -267,6 +312,21 @@ class StreamWorker(Worker):
     def _push(self, s: int, event, **kw) -> None:
         self.seq += 1
         self.pending[s].append(_Pending(event, self.seq, **kw))
+
+    def _ended(self, task) -> None:
+        """``task`` is retired from this device, or handed back."""
+        self.inflight -= 1
+        left = self.inflight_of[task.call] - 1
+        if left:
+            self.inflight_of[task.call] = left
+        else:
+            del self.inflight_of[task.call]
+
+    def holding(self, call) -> int:
+        return super().holding(call) + self.inflight_of.get(call, 0)
+
+    def has_runnable(self) -> bool:
+        return self.inflight > 0 or super().has_runnable()
 
     # ---------------------------------------------------------------- assign
     @staticmethod
@@ -292,6 +352,7 @@ class StreamWorker(Worker):
                 steps = rotated_steps(steps, (len(steps) * self.rank) // self.n_devices)
             self.slots[s] = _Active(task, steps)
             self.inflight += 1
+            self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
 
     def _score(self, task) -> int:
         """Eq. 3 for this device (a lock-free read: a stale answer only costs locality)."""
@@ -419,7 +480,7 @@ class StreamWorker(Worker):
                 continue
             self.slots[s] = None
             self._push(s, self.dev.record(s), free=act.buffers())  # after the steps already issued
-            self.inflight -= 1
+            self._ended(task)
             call.unstarted(task)
             task.worker = -1
             self.engine.requeue(task)
@@ -602,6 +663,13 @@ class CpuWorker(Worker):
     """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile."""
 
     current = None  # the task being solved (it writes C in place)
+
+    def holding(self, call) -> int:
+        cur = self.current
+        return super().holding(call) + (cur is not None and cur.call is call)
+
+    def has_runnable(self) -> bool:
+        return self.current is not None or super().has_runnable()
 
     def held_tasks(self):
         out = super().held_tasks()

@@ -632,7 +632,7 @@ def test_retire_loses_no_completed_entry_when_the_device_breaks():
         peer_line.readers = 1  # task 0's copy from device 1
     done_ev, stuck_ev = SimEvent(devs[0]), SimEvent(devs[0])
     done_ev._flag.set()
-    w0.inflight = 2
+    w0.inflight, w0.inflight_of = 2, {call: 2}
     w0.pending[0].append(_Pending(done_ev, 1, release=(peer_line,), task=tasks[0], finished=True, writeback=True))
     w0.pending[1].append(_Pending(stuck_ev, 2, task=tasks[1], finished=True, writeback=True))
     devs[0].error = RuntimeError("broken")
@@ -659,3 +659,17 @@ def test_cpu_worker_task_that_raises_fails_the_call_not_hangs(rand, monkeypatch)
     assert isinstance(exc, blasx.DeviceError), repr(exc)
     assert took < 30
     assert "injected CPU task failure" in repr(exc.__cause__) or "injected CPU task failure" in str(exc)
+
+
+@pytest.mark.parametrize("spec, want", [("sim:2", [2, 2]), ("sim:3", [1, 1, 2])])
+def test_a_small_call_is_shared_by_every_device(spec, want, rand, rel_err):
+    """4 tasks, 4 streams a device: the first worker to wake could hold them all (it did, on
+    2 H200s at N=4096 and 8192); the fair-share rule (``Worker._leave_for_peer``) leaves each
+    device its share, max(1, floor(tasks / devices)), every time."""
+    blasx.configure(devices=spec + ",rate=1e7", tile=32, streams=4)
+    a, b = rand((64, 50)), rand((50, 64), seed=1)
+    for _ in range(8):
+        out = blasx.gemm(1.0, a, b)
+        assert rel_err(out, a @ b) < 1e-12
+        prof = blasx.last_profile()
+        assert sorted(prof.counters[i]["tasks"] for i in range(len(want))) == want
