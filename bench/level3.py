@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default=None,
                    help="blasx device spec (default cuda:0,..,gpus-1); cuBLAS-XT still needs the GPUs (the CPU "
                         "tests run the loop with sim:2 and cuBLAS-XT replaced by numpy)")
+    p.add_argument("--tile", type=positive_int("--tile"), default=None,
+                   help="blasx tile size for every routine (default: blasx's choice per call)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="h200x2")
     return p
@@ -452,7 +454,8 @@ def format_markdown(report: dict) -> str:
             f"Machine: {report.get('machine', '?')}\n\n"
             f"Best of {report['runs']} shuffled runs after one warm-up each; {dtype_words(dtypes)} "
             f"precision, registered host arrays, upper / no transpose / left / non-unit, alpha "
-            f"{report['alpha']:g}, beta {report['beta']:g}. Checked on {CHECK_ROWS} sampled rows "
+            f"{report['alpha']:g}, beta {report['beta']:g}, blasx tile "
+            f"{report.get('tile') or 'chosen per call'}. Checked on {CHECK_ROWS} sampled rows "
             f"against float64 numpy; tolerance on the relative error {tol} x max(1, sqrt(N/8192)).\n\n"
             f"{report['table']}\n"
             + ("\n## Failures\n\n" + "".join(f"- {x}\n" for x in report["failures"]) if report.get("failures") else ""))
@@ -588,7 +591,7 @@ def main(argv=None):
                 print(f"== N={n} {DTYPE_NAMES[dtype]}: arrays {4 * A.nbytes / 2**30:.1f} GiB made in "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
                 try:
-                    blasx.configure(devices=devices)
+                    blasx.configure(devices=devices, tile=args.tile)
                     with registered(A, B, C0, out) as reg, CublasXt(gpus, block_dim=args.xt_block) as xt:
                         print(f"   registered {reg.nbytes / 2**30:.1f} GiB in {reg.seconds:.1f} s", flush=True)
                         run_case(blasx, xt, args, n, dtype, A, B, C0, out, results)
@@ -609,6 +612,7 @@ def main(argv=None):
         stamp, date = utc_stamp()
         report = {"tag": args.tag, "date": date, "stamp": stamp, "command": command_line("bench.level3", argv),
                   "machine": machine_name(), "dtypes": args.dtypes, "runs": args.runs, "alpha": ALPHA, "beta": BETA,
+                  "tile": args.tile,
                   "table": text, "failures": problems + format_failures(results)}
         base = os.path.join(args.out, f"level3-{args.tag}-{stamp}")
         data = {**{k: v for k, v in report.items() if k != "table"},
