@@ -25,7 +25,7 @@ from typing import Hashable, Iterator
 class Line:
     """One cached tile on one device."""
 
-    __slots__ = ("key", "device", "offset", "nbytes", "rows", "cols", "readers", "ready", "dead")
+    __slots__ = ("key", "device", "offset", "nbytes", "rows", "cols", "readers", "ready", "dead", "fill_mark")
 
     def __init__(self, key: Hashable, device: int, offset: int, nbytes: int, rows: int, cols: int) -> None:
         self.key = key
@@ -37,6 +37,9 @@ class Line:
         self.readers = 0
         self.ready = None  # event that ends the copy filling the line; None once it is known done
         self.dead = False  # its data may no longer be read (token retired); evict first
+        # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this
+        # fill is done, so a peer can tell how much host traffic is still ahead of it. Else None.
+        self.fill_mark = None
 
     def __repr__(self) -> str:
         return f"Line({self.key!r} on {self.device} @{self.offset} readers={self.readers})"

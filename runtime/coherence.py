@@ -61,14 +61,15 @@ class Directory:
     def holders(self, key: Hashable) -> dict[int, Line]:
         return self._holders.get(key, {})
 
-    def peer_source(self, key: Hashable, device: int, can_read, filling=None) -> Line | None:
+    def peer_source(self, key: Hashable, device: int, can_read, filling=None, soon=None) -> Line | None:
         """A line of another device that ``device`` can copy from (``can_read(holder)``).
 
         A complete line (``ready is None``) is preferred; a line whose fill is
         in flight (``ready`` is that fill's event) is next best: the reader's
         stream waits for the event, then copies over the peer link, which
         still beats the host link. Lines whose fill is not even recorded yet
-        (``ready is filling``) are skipped.
+        (``ready is filling``) are skipped, and so are in-flight lines for which
+        ``soon(line)`` is false (the reader's own host link would be faster).
         """
         holders = self._holders.get(key)
         if not holders:
@@ -79,7 +80,8 @@ class Directory:
                 continue
             if line.ready is None:
                 return line
-            in_flight = in_flight or line
+            if in_flight is None and (soon is None or soon(line)):
+                in_flight = line
         return in_flight
 
     # -- updates (caller holds the lock) --

@@ -25,6 +25,10 @@ class Knobs:
     #: the last steps (then C += beta * old): C's host traffic moves out of the start,
     #: where A and B loads already saturate the host link.
     late_c: bool = True
+    #: Read a tile a peer is still loading from the host (L2, after its fill) only when the
+    #: peer's host link will deliver it before this device's own link could; else load it
+    #: from the host here. Off: always wait for the peer's in-flight fill.
+    peer_wait_if_sooner: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -70,9 +70,10 @@ class _Active:
 class _Pending:
     """Bookkeeping to do when ``event`` completes."""
 
-    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback")
+    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes")
 
-    def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False):
+    def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False,
+                 h2d_bytes=0):
         self.event = event
         self.seq = seq
         self.release = release  # lines whose reader count drops
@@ -81,6 +82,7 @@ class _Pending:
         self.task = task
         self.finished = finished  # the task is complete at this event
         self.writeback = writeback  # the task's write-back was issued before this event
+        self.h2d_bytes = h2d_bytes  # host-to-device bytes this event ends (the h2d backlog)
 
 
 class Worker(threading.Thread):
@@ -242,6 +244,12 @@ class StreamWorker(Worker):
         self.chain_kernels = knobs.chain_kernels
         self.late_c = knobs.late_c
         self._chain = None  # (event after the last kernel issued, its stream)
+        # Host-link backlog, in bytes: issued host loads, and those retired. Peers read them
+        # (lock-free ints) to decide whether to wait for a tile this device is still loading.
+        self.h2d_issued = 0
+        self.h2d_done = 0
+        self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
+        self.peer_wait_if_sooner = knobs.peer_wait_if_sooner
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -288,6 +296,8 @@ class StreamWorker(Worker):
                     if self._chain is not None and self._chain[0] is p.event:
                         self._chain = None  # done: nothing left to wait for (and never wait on a reused event)
                     self.dev.release_event(p.event)
+                if not self.pending[self.dev.h2d_stream]:
+                    self.h2d_done = self._h2d_pushed  # every host load pushed so far is done
         return bool(finished)
 
     def _complete(self, p: _Pending) -> None:
@@ -300,6 +310,7 @@ class StreamWorker(Worker):
                         line.ready = None
         for off in p.free:
             self.dev.heap.free(off)
+        self.h2d_done += p.h2d_bytes
         if p.finished:
             self._ended(p.task)
             p.task.call.account(p.task, self.idx)
@@ -310,6 +321,9 @@ class StreamWorker(Worker):
         self.retire()
 
     def _push(self, s: int, event, **kw) -> None:
+        if s == self.dev.h2d_stream:  # this event ends every host load issued since the last one
+            kw["h2d_bytes"] = self.h2d_issued - self._h2d_pushed
+            self._h2d_pushed = self.h2d_issued
         self.seq += 1
         self.pending[s].append(_Pending(event, self.seq, **kw))
 
@@ -524,6 +538,7 @@ class StreamWorker(Worker):
         else:
             src = ("host", operand, ref, None, None)
             kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
+            self.h2d_issued += nbytes
         h = dev.begin_op(cs)
         dev.copy_in(cs, dst, src, ref.rows, ref.cols, call.dtype, task)
         dev.end_op(cs, h, kind, nbytes, 0.0, task)
@@ -537,9 +552,11 @@ class StreamWorker(Worker):
         for cs, (lines, peers) in fills.items():
             ev = dev.record(cs)
             if lines:
+                mark = self.h2d_issued if cs == dev.h2d_stream else None
                 with self.directory.lock:
                     for line in lines:
                         line.ready = ev
+                        line.fill_mark = mark
             self._push(cs, ev, ready=tuple(lines), release=tuple(peers))
             dev.wait(s, ev)
         fills.clear()
@@ -567,7 +584,8 @@ class StreamWorker(Worker):
                 peer_line = None
             else:
                 line = None
-                peer_line = directory.peer_source(key, self.idx, self._can_read, FILLING)
+                peer_line = directory.peer_source(key, self.idx, self._can_read, FILLING,
+                                                  self._peer_fill_sooner if self.peer_wait_if_sooner else None)
                 if peer_line is not None:
                     peer_line.readers += 1
                     # Read under the lock: the owner clears ``ready`` (and only then
@@ -601,6 +619,19 @@ class StreamWorker(Worker):
         if peer_line is not None:
             peers.append(peer_line)  # released when the peer copy is done
         return loc
+
+    def _peer_fill_sooner(self, line) -> bool:
+        """Wait for a peer's in-flight host load of ``line`` only if it will be done before a
+        load of it on this device's own host link: the host bytes still ahead of it on the
+        peer's link are at most those ahead of a load issued here now (equal link speeds).
+        Otherwise two devices that start a call together queue every shared tile on one link
+        while the other idles (measured on 2 H200s, N=4096: the second GPU started 2.4 ms
+        late and then read 4 of its 6 input tiles from the first one's queue)."""
+        mark = line.fill_mark
+        if mark is None:
+            return True  # filled over a peer link: no host backlog ahead of it
+        ahead = mark - self.engine.workers[line.device].h2d_done
+        return ahead <= self.h2d_issued - self.h2d_done + line.nbytes
 
     def _can_read(self, holder: int) -> bool:
         return self.dev.can_read_from(self.engine.devices[holder]) and self.engine.workers[holder].alive

@@ -61,7 +61,16 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default="2048,4096")
     p.add_argument("--gpus", default="1,2")
     p.add_argument("--out", required=True)
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run (default: leave Python's)")
+    p.add_argument("--ld-factor", type=int, default=1,
+                   help="allocate N x (f N) arrays and use N x N views with leading dimension f N "
+                        "(as bench.efficiency does), default 1")
+    p.add_argument("--tag", default="", help="suffix of the output file names")
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        import sys
+        sys.setswitchinterval(args.switch_interval)
     import blasx
     from bench.cublasxt import registered
     sizes = [int(x) for x in args.n.split(",")]
@@ -71,11 +80,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     lines = []
     for n in sizes:
-        a = np.asfortranarray(rng.standard_normal((n, n)))
-        b = np.asfortranarray(rng.standard_normal((n, n)))
-        c = np.asfortranarray(rng.standard_normal((n, n)))
+        f = args.ld_factor
+        big = [np.asfortranarray(rng.standard_normal((f * n, n))) for _ in range(3)]
+        a, b, c = (x[:n] for x in big)
         rows = np.sort(rng.choice(n, 32, replace=False))
-        with registered(a, b, c):
+        with registered(*big):
             for g in gpus:
                 for t in tiles:
                     blasx.configure(devices="cuda:" + ",".join(map(str, range(g))), tile=t, trace=True)
@@ -94,7 +103,7 @@ def main(argv=None) -> int:
                         if k and (best is None or wall < best[0]):
                             best = (wall, phases, blasx.last_profile())
                     wall, phases, prof = best
-                    tag = f"g{g}-n{n}-t{t}"
+                    tag = f"g{g}-n{n}-t{t}{args.tag}"
                     prof.to_chrome_trace(os.path.join(args.out, f"timeline-{tag}.json"))
                     lines.append(f"\n## {tag}: wall {wall * 1e3:.2f} ms, engine window {prof.wall * 1e3:.2f} ms")
                     lines.append("phases (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items()))
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
                             busy_to = max(busy_to, r.end)
                     print("\n".join(lines[-3:]), flush=True)
         blasx.shutdown()
-    with open(os.path.join(args.out, "small_call_timeline.txt"), "w") as f:
+    with open(os.path.join(args.out, f"small_call_timeline{args.tag}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0
 
