@@ -6,7 +6,7 @@ blasx DGEMM C := alpha A B + beta C (alpha 1.5, beta 0.5) on host arrays, with t
 alone (``blasx.configure(devices="cuda:0[,1]", cpu=False)``) and with the CPU worker beside them
 (``cpu=True``: one more worker that solves whole tasks with numpy's BLAS on every core but one per
 GPU worker). A, B, C are allocated once at the largest N (F-ordered, standard normal), page-locked
-once, and every N uses the top-left views.
+once, and every N uses compact N x N arrays in their buffers (``--layout``, as bench.efficiency).
 
 Per N, the ``--runs`` timed calls of the four configurations (1 or 2 GPUs, with or without the CPU
 worker) run in one shuffled order; the engine is reconfigured whenever the configuration changes,
@@ -27,7 +27,7 @@ import statistics
 
 from .efficiency import (
     _cell, add_common_options, checked_gemm, finish_args, finish_markdown, gemm_tflops, log, new_report,
-    pin_context, product_rows, run_dtypes, views, CHECK_TEXT,
+    pin_context, product_rows, run_dtypes, views, CHECK_TEXT, LAYOUT_TEXT,
 )
 from .level3 import CHECK_ROWS, dtype_words, sample_rows, tolerance, write_json_md
 
@@ -131,7 +131,8 @@ def format_markdown(report: dict) -> str:
           f"- dtypes: {dtype_words(report['dtypes'])}; GEMM alpha {report['alpha']:g}, beta {report['beta']:g}; "
           f"tile {report['tile'] or 'blasx default'}",
           "- devices: " + ", ".join(f"{g} GPU(s): `{s}` (+ `cpu=True`)" for g, s in report["specs"].items()),
-          f"- A, B, C allocated once at N = {report['sizes'][-1]}, each N uses the top-left views; "
+          f"- A, B, C allocated once at N = {report['sizes'][-1]}, each N uses "
+          f"{LAYOUT_TEXT[report.get('layout', 'views')]}; "
           f"page-locking: {report['pinning']}",
           f"- per N: {report['runs']} timed calls of each configuration in one shuffled order; one untimed warm-up "
           f"after every reconfiguration and at every new N; TFLOPS = 2 N^3 / best time",
@@ -164,7 +165,7 @@ def compare_dtype(blasx, args, dtype: str, arrays: dict, report: dict) -> None:
         current = None
         try:
             for n in args.n:
-                a, b, c = views(arrays, n)
+                a, b, c = views(arrays, n, args.layout)
                 rows = sample_rows(n, CHECK_ROWS, args.seed)
                 ab = product_rows(a, b, rows)
                 tol = tolerance(dtype, n)

@@ -4,8 +4,9 @@
 
 A, B and C are allocated once, at the largest N: F-ordered, standard normal, drawn in float64
 (float32 is the float64 draws cast once; when both dtypes run, double runs first and its arrays
-are freed as they are cast). They are page-locked once per dtype, and every N uses the top-left
-views A[:n, :n], B[:n, :n], C[:n, :n] (column-major with leading dimension N_max). The loop runs
+are freed as they are cast). They are page-locked once per dtype, and every N uses compact
+F-ordered N x N arrays made of the first N*N elements of those buffers (``--layout views``: the
+top-left views A[:n, :n], ..., with leading dimension N_max, as before 2026-11-22). The loop runs
 by GPU count g (the engine is configured once per g: devices ``cuda:0``, ``cuda:0,1``, ...), then
 by N: one warm-up, then ``--runs`` timed calls of C := alpha A B + beta C (alpha 1.5, beta 0.5)
 with ``overwrite_c=True``.
@@ -143,6 +144,9 @@ def add_common_options(p: argparse.ArgumentParser, *, n_default: str, gpus_defau
     p.add_argument("--pin", choices=PIN_MODES, default="auto",
                    help="page-lock the host arrays once (auto: when the devices are CUDA and CuPy imports)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrays (and of the run order)")
+    p.add_argument("--layout", choices=LAYOUTS, default="contiguous",
+                   help="operands of each N: compact N x N arrays in the N_max buffers (contiguous, default) "
+                        "or their top-left N x N views (leading dimension N_max)")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="result directory (default bench/results)")
     p.add_argument("--tag", default=None, help="name in the result files (default h200x2; sim / cpu backends: sim / cpu)")
 
@@ -220,8 +224,23 @@ def pin_context(arrays, mode: str, spec: str):
     return registered(*arrays), None
 
 
-def views(arrays: dict[str, np.ndarray], n: int):
-    return arrays["a"][:n, :n], arrays["b"][:n, :n], arrays["c"][:n, :n]
+LAYOUTS = ("contiguous", "views")
+LAYOUT_TEXT = {"contiguous": "compact F-ordered N x N arrays in the first N*N elements of those buffers",
+               "views": "the top-left N x N views (leading dimension N_max)"}
+
+
+def views(arrays: dict[str, np.ndarray], n: int, layout: str = "views"):
+    """A, B, C for size ``n``, sharing the N_max arrays' memory (so registered once).
+
+    ``views``: the top-left N x N blocks (leading dimension N_max); ``contiguous``: the first
+    N*N elements of each array's column-major buffer, as a compact F-ordered N x N array (what
+    a user's own arrays are). Host copies of strided tiles are slower (2-D copies with a long
+    pitch: 34 vs 51 GB/s measured on H200 for 2048-tiles at ld = 4N), which the views layout
+    charges to small N.
+    """
+    if layout == "views":
+        return arrays["a"][:n, :n], arrays["b"][:n, :n], arrays["c"][:n, :n]
+    return tuple(arrays[k].ravel(order="F")[:n * n].reshape((n, n), order="F") for k in "abc")
 
 
 def product_rows(a: np.ndarray, b: np.ndarray, rows) -> np.ndarray:
@@ -391,8 +410,8 @@ def format_markdown(report: dict) -> str:
           f"sizes {report['sizes'][0]}..{report['sizes'][-1]} ({len(report['sizes'])}); tile "
           f"{report['tile'] or 'blasx default'}",
           f"- devices per GPU count: " + ", ".join(f"{g}: `{s}`" for g, s in report["specs"].items()),
-          f"- A, B, C allocated once at N = {report['sizes'][-1]} (F-ordered), each N uses the top-left "
-          f"views; page-locking: {report['pinning']}",
+          f"- A, B, C allocated once at N = {report['sizes'][-1]} (F-ordered); each N uses "
+          f"{LAYOUT_TEXT[report.get('layout', 'views')]}; page-locking: {report['pinning']}",
           f"- per (GPU count, N): {report['warmup']} warm-up + {report['runs']} timed calls; T = best timed call; "
           f"efficiency = {efficiency_formula(min(gpus))}",
           "- " + CHECK_TEXT.format(rows=CHECK_ROWS, tol=tol), "",
@@ -433,7 +452,7 @@ def sweep_dtype(blasx, args, dtype: str, arrays: dict[str, np.ndarray], report: 
             blasx.configure(devices=args.specs[g], tile=args.tile, cpu=False)
             try:
                 for n in args.n:
-                    a, b, c = views(arrays, n)
+                    a, b, c = views(arrays, n, args.layout)
                     rows = sample_rows(n, CHECK_ROWS, args.seed)
                     if n not in ab_cache:
                         ab_cache[n] = product_rows(a, b, rows)
@@ -460,6 +479,7 @@ def new_report(args, argv, module: str) -> dict:
             "argv": sys.argv[1:] if argv is None else list(argv), "machine": machine_name(),
             "dtypes": args.dtypes, "sizes": args.n, "gpus": args.gpus, "runs": args.runs,
             "warmup": getattr(args, "warmup", 1), "alpha": args.alpha, "beta": args.beta, "tile": args.tile,
+            "layout": args.layout,
             "backend": args.backend, "specs": {str(g): s for g, s in args.specs.items()}, "pinning": "",
             "registration": [], "generate_seconds": {}, "records": [], "failures": []}
 

@@ -264,3 +264,24 @@ def test_a_failing_sweep_still_writes_the_report(tmp_path):
     assert len(files) == 2
     md = open(tmp_path / files[1]).read()
     assert "## Failures" in md and "MemoryError: out of host memory" in md
+
+
+def test_contiguous_layout_shares_the_buffers_and_is_compact():
+    arrs = E.allocate(40, "d", seed=4)
+    a, b, c = E.views(arrs, 24, "contiguous")
+    for x, k in zip((a, b, c), "abc"):
+        assert x.shape == (24, 24) and x.flags.f_contiguous
+        assert np.shares_memory(x, arrs[k])
+        assert np.array_equal(x.ravel(order="F"), arrs[k].ravel(order="F")[:24 * 24])
+
+
+def test_blasx_gemm_on_contiguous_layout_on_sim():
+    blasx.configure(devices="sim:2", tile=16)
+    arrs = E.allocate(64, "d", seed=5)
+    before = {k: v.copy(order="F") for k, v in arrs.items()}
+    a, b, c = E.views(arrs, 40, "contiguous")
+    A, B, C = (x.copy() for x in (a, b, c))
+    blasx.gemm(1.5, a, b, beta=0.5, c=c, overwrite_c=True)
+    assert L.rel_err(c, 1.5 * A @ B + 0.5 * C) < 1e-14
+    tail = before["c"].ravel(order="F")[40 * 40:]
+    assert np.array_equal(arrs["c"].ravel(order="F")[40 * 40:], tail)   # beyond the N x N array: untouched
