@@ -28,7 +28,12 @@ Policy
 * Tiles are read through the **two-level cache**: L1 is the device's ALRU
   (Algorithm 2) over its preallocated heap; L2 is the other devices' L1,
   found through the **MESI-X directory** (``coherence.py``) and copied over
-  peer links. A written C tile is M and is written back at once (-> I).
+  peer links. A peer's line still being filled from the host is read (after
+  its fill) only if the host bytes ahead of it on the peer's link do not
+  exceed this device's own host backlog plus the tile
+  (``Knobs.peer_wait_if_sooner``); else the tile is loaded here, so devices
+  that start together use both host links. A written C tile is M and is
+  written back at once (-> I).
 * The **CPU worker**, when enabled, takes whole tasks and solves each with
   the host BLAS, its thread count limited by threadpoolctl so every GPU
   worker keeps a core.

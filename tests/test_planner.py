@@ -466,6 +466,22 @@ def test_directory_peer_source():
     assert d.peer_source(k, 2, everyone, FILLING) is p1 and p1.ready is event  # 2's own line is never used
 
 
+def test_directory_peer_source_skips_in_flight_lines_that_would_come_late():
+    """``soon(line)`` vetoes in-flight lines only: a complete line is always a source."""
+    d = Directory(3)
+    k = _key(-3)
+    FILLING = object()
+    everyone = lambda holder: True  # noqa: E731
+    p1, p2 = _line(k, dev=1), _line(k, dev=2)
+    p1.ready = p2.ready = object()  # both in flight
+    d.add(p1)
+    d.add(p2)
+    assert d.peer_source(k, 0, everyone, FILLING, soon=lambda line: False) is None
+    assert d.peer_source(k, 0, everyone, FILLING, soon=lambda line: line is p2) is p2
+    p1.ready = None  # complete
+    assert d.peer_source(k, 0, everyone, FILLING, soon=lambda line: False) is p1
+
+
 def test_directory_retire_base():
     d = Directory(2)
     ka, kb, other = _key(-5, 0, 0), _key(-5, 1, 0), _key(-6)

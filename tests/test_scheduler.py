@@ -673,3 +673,43 @@ def test_a_small_call_is_shared_by_every_device(spec, want, rand, rel_err):
         assert rel_err(out, a @ b) < 1e-12
         prof = blasx.last_profile()
         assert sorted(prof.counters[i]["tasks"] for i in range(len(want))) == want
+
+
+def test_peer_fill_sooner_compares_host_bytes_ahead():
+    """``StreamWorker._peer_fill_sooner``: wait for a peer's in-flight host load only if the host
+    bytes still ahead of it on the peer's link (its fill mark minus the peer's retired bytes)
+    are at most those a load issued here now would wait behind (this device's backlog plus
+    the tile). Exact values on two workers' counters."""
+    from blasx.runtime.cache import Line
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.worker import StreamWorker
+
+    devs = [SimDevice(i, nstreams=2, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+    eng = Engine(EngineConfig(devices=devs))
+    eng.workers = [StreamWorker(eng, d, st) for d, st in zip(devs, eng.stations)]
+    me, peer = eng.workers
+    line = Line(("t", 0, 0), 1, 0, 100, 5, 5)  # 100 bytes, held by device 1
+    line.fill_mark = 1000  # the peer's link is done with it once it has moved 1000 bytes
+    peer.h2d_done = 700  # 300 bytes ahead of it there
+    me.h2d_issued, me.h2d_done = 500, 300  # 200 queued here + 100 for the tile = 300: a tie waits
+    assert me._peer_fill_sooner(line)
+    me.h2d_done = 301  # 199 + 100 < 300: load it here
+    assert not me._peer_fill_sooner(line)
+    peer.h2d_done = 800
+    assert me._peer_fill_sooner(line)
+    line.fill_mark = None  # filled over a peer link: nothing on a host link ahead of it
+    peer.h2d_done = 0
+    assert me._peer_fill_sooner(line)
+
+
+def test_h2d_backlog_counts_every_host_load_and_drains_to_zero(rand, rel_err):
+    """After a call, every host byte a worker issued is retired (the backlog its peers read is 0),
+    and the bytes issued equal the call's H2D counter."""
+    blasx.configure(devices="sim:2", tile=16, streams=2)
+    a, b, c = rand((70, 50)), rand((50, 60), seed=1), rand((70, 60), seed=2)
+    out = blasx.gemm(1.0, a, b, 0.5, c)
+    assert rel_err(out, a @ b + 0.5 * c) < 1e-12
+    eng = blasx.session.engine()
+    prof = blasx.last_profile()
+    for w in eng.workers:
+        assert w.h2d_done == w.h2d_issued == prof.counters[w.idx]["bytes_h2d"]
