@@ -80,6 +80,13 @@ State (each field has one owner)
     shutdown); idle workers sleep on ``_cv`` until it changes.
 ``_calls``
     Calls in progress, so a failure with no live worker can fail them all.
+Per worker (``worker.py``), written by that worker alone
+    ``slots`` (the task on each stream), ``pending`` (events per stream),
+    ``inflight`` / ``inflight_of`` (tasks started and not retired, in all
+    and per call), ``h2d_issued`` / ``h2d_done`` (host bytes loaded, and
+    retired). Peers read ``inflight_of`` and the station length for the
+    fair-share rule and ``h2d_*`` for the peer-wait rule, without a lock:
+    a stale value only costs balance, never correctness.
 """
 
 from __future__ import annotations
