@@ -38,11 +38,12 @@ routine that blasx rejects with TypeError / ValueError (before anything is
 written) goes to scipy, which then does whatever scipy does; other errors of
 an offloaded scipy call propagate.
 
-CPU BLAS threads: blasx's CPU worker (``devices="cpu"`` or ``cpu=True``)
-limits the BLAS threads through threadpoolctl for the duration of each call
-and restores them when it returns (also on errors); GPU workers do not touch
-them. An offloaded call therefore leaves the thread settings as it found
-them.
+CPU BLAS threads: blasx's CPU worker beside GPUs (``cpu=True``) limits the
+BLAS threads through threadpoolctl for the duration of each call (every GPU
+worker keeps a core) and restores them when it returns (also on errors); with
+the CPU alone (``devices="cpu"``) calls run in the calling thread with the
+BLAS threads as they are, and GPU workers do not touch them. An offloaded
+call therefore leaves the thread settings as it found them.
 """
 
 from __future__ import annotations

@@ -292,3 +292,67 @@ def test_gemm_other_device_sets(config, rand, rel_err, tol):
         assert rel_err(out, reference(scalar(alpha, dtype), a, b, scalar(beta, dtype), c, ta, tb)) < tol(dtype)
     tile = blasx.engine().config.tile
     assert blasx.last_profile().totals()["tasks"] == -(-70 // tile) * -(-45 // tile)
+
+
+# --------------------------------------------------------------------------- CPU only: the host fast path
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_cpu_only_gemm_runs_in_the_calling_thread(rand, rel_err, tol, dtype):
+    """No GPU, no tile configured: GEMM is the host BLAS on the canonical views, in this thread
+    (no planning, no engine hand-off), with BLAS semantics and a one-task profile."""
+    import threading
+    blasx.configure(devices="cpu")
+    complex_ = np.dtype(dtype).kind == "c"
+    alpha, beta = (0.75 - 0.5j, 0.5j) if complex_ else (-1.25, 0.5)
+    threads_before = threading.active_count()
+    for ta, tb in itertools.product((0, 1, 2), repeat=2):
+        for order in ("F", "C"):
+            m, n, k = 37, 19, 23
+            a = rand(stored_shape(m, k, ta), dtype, 1, order=order)
+            b = rand(stored_shape(k, n, tb), dtype, 2, order=order)
+            c = rand((m, n), dtype, 3, order=order)
+            c0 = c.copy()
+            out = blasx.gemm(alpha, a, b, beta, c, ta, tb)
+            want = reference(scalar(alpha, dtype), a, b, scalar(beta, dtype), c0, ta, tb)
+            assert rel_err(out, want) < tol(dtype)
+            assert np.array_equal(c, c0)  # no overwrite_c: c untouched
+            out = blasx.gemm(alpha, a, b, beta, c, ta, tb, overwrite_c=True)
+            assert rel_err(c if out is c else out, want) < tol(dtype)
+    prof = blasx.last_profile()
+    assert prof.totals()["tasks"] == 1 and prof.totals()["flops"] == (8 if complex_ else 2) * 37 * 19 * 23
+    assert threading.active_count() == threads_before  # no worker thread was needed
+
+
+def test_cpu_only_gemm_follows_blas_on_zero_scalars_and_empty_k(rand):
+    blasx.configure(devices="cpu")
+    a, b, c = rand((5, 4)), rand((4, 6), seed=1), rand((5, 6), seed=2)
+    a_nan = a.copy()
+    a_nan[0, 0] = np.nan
+    out = blasx.gemm(0.0, a_nan, b, 0.5, c)  # alpha 0: A and B are not read
+    assert np.array_equal(out, 0.5 * c)
+    c_nan = c.copy()
+    c_nan[1, 1] = np.nan
+    out = blasx.gemm(2.0, a, b, 0.0, c_nan)  # beta 0: C is not read
+    assert np.allclose(out, 2.0 * a @ b)
+    out = blasx.gemm(2.0, rand((5, 0)), rand((0, 6)), 0.0, c_nan)  # k == 0, beta 0: zeros
+    assert np.array_equal(out, np.zeros((5, 6)))
+    assert blasx.last_profile().totals()["flops"] == 0
+
+
+def test_cpu_only_routines_and_threads(rand, rel_err):
+    """Level-3 routines other than GEMM run their planned tasks inline; many threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+    import scipy.linalg.blas as sb
+    blasx.configure(devices="cpu")
+    a = rand((40, 40)) + 40 * np.eye(40)
+    b = rand((40, 30), seed=1)
+
+    def work(i):
+        x = blasx.linalg.blas.dtrsm(1.5, a, b, lower=i % 2)
+        assert rel_err(x, sb.dtrsm(1.5, a, b, lower=i % 2)) < 1e-12
+        y = blasx.matmul(a, b)
+        assert rel_err(y, a @ b) < 1e-12
+        return True
+
+    with ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(work, range(32)))

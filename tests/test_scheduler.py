@@ -389,7 +389,8 @@ def test_no_threads_leak(rand):
         blasx.configure(tile=16, **config)
         blasx.gemm(1.0, rand((50, 40)), rand((40, 30), seed=1))
         names = _blasx_threads()
-        assert any(n.startswith("blasx-worker-") for n in names)
+        # the CPU alone runs calls in the calling thread (Engine.inline): no worker at all
+        assert any(n.startswith("blasx-worker-") for n in names) == (config["devices"] != "cpu")
         blasx.shutdown()
         assert _blasx_threads() == []
     assert set(threading.enumerate()) == before
@@ -644,21 +645,28 @@ def test_retire_loses_no_completed_entry_when_the_device_breaks():
     assert peer_line.readers == 0
 
 
-def test_cpu_worker_task_that_raises_fails_the_call_not_hangs(rand, monkeypatch):
-    """A task raising inside the CPU worker (C written in place) is handed to the engine: with no
-    other device the call fails loudly with the cause attached, within a bounded time."""
+@pytest.mark.parametrize("config", [dict(devices="sim:1,fail=0@0", cpu=True), dict(devices="cpu", tile=16)],
+                         ids=["cpu-worker-thread", "cpu-only-inline"])
+def test_cpu_worker_task_that_raises_fails_the_call_not_hangs(config, rand, monkeypatch):
+    """A task raising on the CPU (C written in place) fails the call loudly with the cause
+    attached, within a bounded time: in the CPU worker thread once the only other device has
+    failed (its tasks are handed to the CPU), and in the calling thread when the CPU is the
+    only device (``Engine.inline``; a configured tile makes several tasks)."""
     from blasx.runtime.devices import cpu as cpu_mod
 
     def boom(self, task):
         raise FloatingPointError("injected CPU task failure")
 
     monkeypatch.setattr(cpu_mod.CpuDevice, "run_task", boom)
-    blasx.configure(devices="cpu")
+    blasx.configure(**config)
     a, b = rand((64, 48)), rand((48, 40), seed=1)
     _, exc, took = _run_with_timeout(lambda: blasx.gemm(1.0, a, b))
     assert isinstance(exc, blasx.DeviceError), repr(exc)
     assert took < 30
     assert "injected CPU task failure" in repr(exc.__cause__) or "injected CPU task failure" in str(exc)
+    if config["devices"] == "cpu":  # an inline failure breaks nothing: the next call runs
+        monkeypatch.undo()
+        assert np.allclose(blasx.gemm(1.0, a, b), a @ b)
 
 
 @pytest.mark.parametrize("spec, want", [("sim:2", [2, 2]), ("sim:3", [1, 1, 2])])

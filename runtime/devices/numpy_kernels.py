@@ -34,17 +34,25 @@ def _accumulate(c, prod, alpha, beta) -> None:
 
 
 def gemm(step, scalars, a, b, c) -> None:
-    alpha, beta = scalars[step.alpha], scalars[step.beta]
+    gemm_views(a, b, c, step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta])
+
+
+def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
+    """c = alpha op_a(a) op_b(b) + beta c in place (the gemm kernel, without a Step)."""
     if beta == 0:  # straight into c: no temporary the size of C
-        np.matmul(OPS[step.op_a](a), OPS[step.op_b](b), out=c)
+        np.matmul(OPS[op_a](a), OPS[op_b](b), out=c)
         if alpha != 1:
             c *= alpha
         return
-    _accumulate(c, OPS[step.op_a](a) @ OPS[step.op_b](b), alpha, beta)
+    _accumulate(c, OPS[op_a](a) @ OPS[op_b](b), alpha, beta)
 
 
 def scale(step, scalars, a, b, c) -> None:
-    beta = scalars[step.beta]
+    scale_views(c, scalars[step.beta])
+
+
+def scale_views(c, beta) -> None:
+    """c = beta c in place; beta 0: c is not read (NaNs do not survive)."""
     if beta == 0:
         c[...] = 0
     else:
