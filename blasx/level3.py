@@ -38,7 +38,22 @@ def running_call(thread_ident: int):
 
 def last_profile():
     """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
-    return getattr(_tls, "profile", None)
+    stats = getattr(_tls, "stats", None)
+    if stats is None:
+        return None
+    prof = getattr(_tls, "profile", None)
+    if prof is None or _tls.profile_of is not stats:
+        prof = _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
+        _tls.profile_of = stats
+    return prof
+
+
+def _keep_profile(stats) -> None:
+    """``stats`` becomes this thread's last call; its profile is made when asked for. A call
+    that failed before its last task may have no finish time yet: it ends now."""
+    if not stats.finished:
+        stats.finish()
+    _tls.stats = stats
 
 
 def _op_shape(x, op: int) -> tuple[int, int]:
@@ -203,7 +218,7 @@ def _gemm_on_host(eng, alpha, a, op_a, b, op_b, beta, c, dtype, k) -> None:
     row["tasks"], row["steps"], row["flops"] = 1, 1, flops
     stats.add_record(OpRecord(0, "host", t0, t1, flops=flops, task=0, name="task"))
     stats.finish(t1)
-    _tls.profile = stats.profile()
+    _keep_profile(stats)
 
 
 def block_shape(eng) -> tuple[int, int]:
@@ -248,7 +263,7 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
                 _running[ident] = outer
         for d in _backends(eng):
             d.finish_call(call)
-        _tls.profile = stats.profile()
+        _keep_profile(stats)
 
 
 def _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims) -> None:
@@ -264,7 +279,7 @@ def _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims) -> None:
     try:
         eng.submit(call)
     finally:
-        _tls.profile = stats.profile()
+        _keep_profile(stats)
 
 
 # Token of every operand of an inline (CPU-only) call: nothing is cached, so none is needed;

@@ -183,6 +183,10 @@ class CallStats:
         with self._lock:
             self._finish = clock() if t is None else float(t)
 
+    @property
+    def finished(self) -> bool:
+        return self._finish is not None
+
     def __enter__(self) -> CallStats:
         self.start()
         return self
