@@ -380,3 +380,27 @@ def test_from_blasx_linalg_import_blas():
     assert linalg.blas is B
     assert linalg.get_blas_funcs is B.get_blas_funcs
     assert blasx.linalg is linalg
+
+
+def test_fast_binder_agrees_with_inspect_bind():
+    """The wrappers bind arguments without inspect (for speed); every binding that works gives
+    inspect's arguments with defaults applied, every other one defers to inspect's error."""
+    import inspect
+    from blasx.linalg.blas import _fast_binder, signature_of
+    for routine in ("gemm", "symm", "syrk", "her2k", "trsm"):
+        sig = signature_of(routine)
+        bind = _fast_binder(sig)
+        names = list(sig.parameters)
+        cases = [((1.0, "A", "B"), {}), ((1.0,), {names[1]: "A", names[2]: "B"}), ((1.0, "A", "B", "x"), {}),
+                 ((), {}), ((1.0,), {}), ((1.0, "A", "B"), {"nope": 1}), ((1.0, "A", "B"), {names[0]: 2.0}),
+                 (tuple(range(len(names) + 1)), {}), ((1.0, "A", "B"), {names[-1]: 1})]
+        for args, kwargs in cases:
+            try:
+                b = sig.bind(*args, **kwargs)
+            except TypeError:
+                assert bind(args, kwargs) is None, (routine, args, kwargs)
+                continue
+            b.apply_defaults()
+            assert bind(args, kwargs) == dict(b.arguments), (routine, args, kwargs)
+    with pytest.raises(TypeError, match="dgemm\\(\\): missing a required argument"):
+        B.dgemm(1.0)
