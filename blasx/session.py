@@ -117,7 +117,12 @@ def _build(s: Settings) -> Engine:
     spec_text = s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if _cuda_count() else "cpu")
     spec = parse_devices(spec_text)
     devices = _make_devices(spec, s)
-    eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams))
+    si = os.environ.get("BLASX_SWITCH_INTERVAL")  # an experiment switch (runtime/switching.py)
+    try:
+        si = float(si) if si else None
+    except ValueError:
+        raise ValueError(f"BLASX_SWITCH_INTERVAL: got {si!r}, need seconds, e.g. 0.0002") from None
+    eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams, switch_interval=si))
     eng.spec = spec_text
     return eng
 

@@ -83,6 +83,9 @@ State (each field has one owner)
     shutdown); idle workers sleep on ``_cv`` until it changes.
 ``_calls``
     Calls in progress, so a failure with no live worker can fail them all.
+``_switching``
+    Python's switch interval while calls are in flight (``switching.py``;
+    off unless ``EngineConfig.switch_interval`` is set).
 Per worker (``worker.py``), written by that worker alone
     ``slots`` (the task on each stream), ``pending`` (events per stream),
     ``inflight`` / ``inflight_of`` (tasks started and not retired, in all
@@ -106,6 +109,7 @@ from .devices.base import DeviceError
 from .knobs import Knobs
 from .queue import TaskQueue
 from .station import ReservationStation
+from .switching import SwitchInterval
 from .worker import CpuWorker, StreamWorker
 
 
@@ -129,6 +133,7 @@ class EngineConfig:
     streams: int = 4
     bind_threads: bool = True
     knobs: Knobs = field(default_factory=Knobs.from_env)
+    switch_interval: float | None = None  # Python's switch interval while calls run (switching.py)
 
 
 class Engine:
@@ -150,6 +155,7 @@ class Engine:
         self._started = False
         self._closed = False
         self.failures: list[tuple[str, BaseException]] = []
+        self._switching = SwitchInterval(config.switch_interval)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -235,11 +241,12 @@ class Engine:
             if self.inline:
                 self._run_inline(call)
             else:
-                self.queue_of(call).put_many(call.tasks)
-                self._poke()
-                while not call.wait(0.5):
-                    if not self._runnable(call):
-                        self._fail_unrunnable()
+                with self._switching:
+                    self.queue_of(call).put_many(call.tasks)
+                    self._poke()
+                    while not call.wait(0.5):
+                        if not self._runnable(call):
+                            self._fail_unrunnable()
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again

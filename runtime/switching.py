@@ -1,0 +1,47 @@
+"""Python's thread switch interval while calls run (an experiment switch, off by default).
+
+Every device worker is a Python thread, so a worker that wants to issue waits for the GIL
+until the thread holding it blocks or the switch interval (5 ms by default) runs out. At
+the start of a small call one worker issues its whole first round while the others wait:
+on 2 H200s the second GPU started 2.4 ms late at N=4096 (bench/results/
+small-call-timeline-h200x2-20261122/). A shorter interval while any call is in flight
+bounds that wait. It is process-wide state, so it is set when the first concurrent call
+starts and put back when the last one ends (unless someone else changed it meanwhile).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+
+class SwitchInterval:
+    """Reference-counted ``sys.setswitchinterval(seconds)`` around calls; None: leave it alone."""
+
+    def __init__(self, seconds: float | None) -> None:
+        if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds < 1):
+            raise ValueError(f"switch_interval: got {seconds!r}, need seconds in (0, 1), or None")
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: float | None = None
+        self._ours: float | None = None  # the value as Python stores it (microseconds, rounded)
+
+    def __enter__(self) -> "SwitchInterval":
+        if self.seconds is not None:
+            with self._lock:
+                self._users += 1
+                if self._users == 1:
+                    self._saved = sys.getswitchinterval()
+                    sys.setswitchinterval(self.seconds)
+                    self._ours = sys.getswitchinterval()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.seconds is not None:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    if sys.getswitchinterval() == self._ours:  # not changed by anyone else since
+                        sys.setswitchinterval(self._saved)
+                    self._saved = None
