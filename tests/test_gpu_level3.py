@@ -109,3 +109,24 @@ def test_trmm_trsm(dtype, side, lower, trans, diag):
         ref = getattr(sblas, p + name)(1.5, a, b, lower=lower, trans_a=trans, side=side, diag=diag)
         got = getattr(blasx, p + name)(1.5, a, b, lower=lower, trans_a=trans, side=side, diag=diag)
         assert rel_err(got, ref) < TOL[dtype] * 10, name
+
+
+@pytest.mark.parametrize("dtype", list(PREFIX))
+@pytest.mark.parametrize("side,lower,trans,diag", list(itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1))))
+def test_trsm_blocked_diagonal_tiles(monkeypatch, dtype, side, lower, trans, diag):
+    """Diagonal tiles above CudaDevice.TRSM_LEAF are solved recursively (runtime/trsm_blocks.py):
+    a leaf of 64 and tiles of 256 exercise it on every flag combination, in place and not."""
+    from blasx.runtime.devices.cuda import CudaDevice
+    monkeypatch.setattr(CudaDevice, "TRSM_LEAF", 64)
+    blasx.configure(tile=256)
+    rng = np.random.default_rng(7)
+    m, n = 600, 450
+    a = well_conditioned_triangle(rng, m if side == 0 else n, dtype)
+    b = rand(rng, (m, n), dtype)
+    p = PREFIX[dtype]
+    ref = getattr(sblas, p + "trsm")(1.5, a, b, lower=lower, trans_a=trans, side=side, diag=diag)
+    got = getattr(blasx, p + "trsm")(1.5, a, b, lower=lower, trans_a=trans, side=side, diag=diag)
+    assert rel_err(got, ref) < TOL[dtype] * 10
+    b2 = b.copy(order="F")
+    out = getattr(blasx, p + "trsm")(1.5, a, b2, lower=lower, trans_a=trans, side=side, diag=diag, overwrite_b=True)
+    assert out is b2 and rel_err(b2, ref) < TOL[dtype] * 10
