@@ -721,3 +721,38 @@ def test_h2d_backlog_counts_every_host_load_and_drains_to_zero(rand, rel_err):
     prof = blasx.last_profile()
     for w in eng.workers:
         assert w.h2d_done == w.h2d_issued == prof.counters[w.idx]["bytes_h2d"]
+
+
+def test_abandon_lost_hands_back_a_waiter_whose_dependency_went_back_to_the_queue():
+    """Deterministic form of ``StreamWorker._abandon_lost``: a gated TRSM task sits on a stream,
+    waiting at its first gate for a task that was started and then handed back (its device
+    failed). The waiter gives its stream up: it goes to the front of the queue, unstarted,
+    the worker's in-flight counts drop, and its buffers are freed after the work already issued."""
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.plans import plan_trsm
+    from blasx.runtime.worker import StreamWorker, _Active
+
+    dev = SimDevice(0, nstreams=2, cache_bytes=1 << 16, name="sim:0", trace=False)
+    eng = Engine(EngineConfig(devices=[dev], streams=2))
+    w = StreamWorker(eng, dev, eng.stations[0])
+    dev.open()
+    try:
+        tokens = TokenTable(2)
+        operands = [make_operand(np.eye(4, order="F") + 1.0, tokens) for _ in range(3)]
+        tasks = plan_trsm(4, 2, 2, 0, 1, 0, 0)  # left, lower: block row 1 waits for block row 0
+        call = Call("trsm", operands, tasks, np.float64, 1.0, 0.0, CallStats([DeviceInfo(0, "sim:0", "sim")]))
+        dep, waiter = tasks[0], tasks[1]
+        assert waiter.gates and waiter.gates[0] == (dep.tid,)
+        call.started(dep)
+        call.started(waiter)
+        w.slots[0] = _Active(waiter, waiter.steps)
+        w.inflight, w.inflight_of = 1, {call: 1}
+        assert not w._abandon_lost()  # the dependency is running: keep waiting
+        call.unstarted(dep)  # its device failed: it went back to the queue
+        assert w._abandon_lost()
+        assert w.slots[0] is None and w.inflight == 0 and w.inflight_of == {}
+        assert eng.queues["any"].peek() is waiter and waiter.worker == -1
+        assert not call.is_startable(waiter)  # it waits for dep to start again
+        assert len(w.pending[0]) == 1  # one event ends the issued work before the buffers go
+    finally:
+        dev.close()
