@@ -132,16 +132,17 @@ class Worker(threading.Thread):
         pull; it does not sleep while the queue holds work it may take). Never while this
         worker has nothing it can run, so no device idles and a gated task's dependency is
         never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
+        Only stream devices (GPUs) share this way: nothing is left for the CPU worker, which
+        is ~100x slower per tile on a GPU server (one of four tasks on it would make a small
+        call wait seconds), and the CPU worker itself takes work by demand alone.
         """
-        eligible = sum(1 for w in self.engine.workers if self.engine.can_run(w, call))
-        share = max(1, len(call.tasks) // max(1, eligible))
+        if not self.dev.streamed:
+            return False
+        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
+        share = max(1, len(call.tasks) // max(1, len(peers)))
         if self.holding(call) < share or not self.has_runnable():
             return False
-        for w in self.engine.workers:
-            if w is not self and self.engine.can_run(w, call) and w.station.free_slots() > 0 \
-                    and w.holding(call) < share:
-                return True
-        return False
+        return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
 
     def holding(self, call) -> int:
         """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""

@@ -756,3 +756,36 @@ def test_abandon_lost_hands_back_a_waiter_whose_dependency_went_back_to_the_queu
         assert len(w.pending[0]) == 1  # one event ends the issued work before the buffers go
     finally:
         dev.close()
+
+
+def test_fair_share_counts_stream_devices_only():
+    """``Worker._leave_for_peer`` on constructed workers (2 sims + the CPU worker, none started):
+    a sim holding its share leaves the rest to the other sim while that one has room and holds
+    less, never to the CPU worker (~100x slower per tile on a GPU server); the CPU worker never
+    leaves work."""
+    from blasx.runtime.devices.cpu import CpuDevice
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.worker import CpuWorker, StreamWorker
+
+    devs = [SimDevice(i, nstreams=4, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+    devs.append(CpuDevice(2))
+    eng = Engine(EngineConfig(devices=devs, streams=4))
+    eng.workers = [StreamWorker(eng, devs[0], eng.stations[0]), StreamWorker(eng, devs[1], eng.stations[1]),
+                   CpuWorker(eng, devs[2], eng.stations[2])]
+    s0, s1, cpu = eng.workers
+    tokens = TokenTable(2)
+    operands = [make_operand(np.ones((4, 4), order="F"), tokens) for _ in range(3)]
+    tasks = plan_gemm(4, 4, 4, 2, OP_N, OP_N)  # 4 tasks: share 4 // 2 sims = 2
+    call = Call("gemm", operands, tasks, np.float64, 1.0, 0.0, CallStats([DeviceInfo(i, "d", "sim") for i in range(3)]))
+    eng.stations[0].push(tasks[0])
+    assert not s0._leave_for_peer(call)  # holds 1 < 2
+    eng.stations[0].push(tasks[1])
+    assert s0._leave_for_peer(call)  # holds 2, sim 1 has room and holds 0
+    eng.stations[1].push(tasks[2])
+    eng.stations[1].push(tasks[3])
+    assert not s0._leave_for_peer(call)  # sim 1 holds its share too; the CPU worker does not count
+    assert not cpu._leave_for_peer(call)
+    for t in eng.stations[1].drain():
+        pass
+    s1.alive = False  # a dead peer cannot take anything
+    assert not s0._leave_for_peer(call)
