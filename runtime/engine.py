@@ -18,11 +18,12 @@ Policy
   devices get fewer tasks), steals the newest task of the most loaded
   station when the queue is empty, and starts the station's task of highest
   **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's L1).
-  **Fair share of small calls**: a worker holding max(1, tasks // workers)
-  of a call leaves the rest to a peer with room that holds less, unless it
-  has nothing else to run (``Worker._leave_for_peer``); otherwise a call
-  smaller than one device's station + streams all goes to the first worker
-  to wake.
+  **Fair share of small calls**: a stream-device worker holding
+  max(1, tasks // stream workers) of a call leaves the rest to a stream peer
+  with room that holds less, unless it has nothing else to run
+  (``Worker._leave_for_peer``); otherwise a call smaller than one device's
+  station + streams all goes to the first worker to wake. Nothing is left
+  for the CPU worker, which takes work by demand alone.
 * Each stream runs one task; a worker issues one k-step of every active task
   in turn (interleaving over k), with at most ``2 * streams`` tasks in flight.
 * Tiles are read through the **two-level cache**: L1 is the device's ALRU
