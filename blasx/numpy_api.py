@@ -61,10 +61,11 @@ def matmul(x1, x2, /, out=None, **kwargs):
     if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray
             and x1.ndim == 2 and x2.ndim == 2 and x1.dtype == x2.dtype and x1.dtype in BLAS_DTYPES
             and x1.shape[1] == x2.shape[0]):
-        # The common case (two matrices of one BLAS type), without the general planning.
-        res = np.empty((x1.shape[0], x2.shape[1]), dtype=x1.dtype)
-        gemm_into(x1, x2, res)
-        return res
+        # The common case (two matrices of one BLAS type), without the general planning:
+        # (x2^T x1^T)^T, so the result is C-ordered like numpy's.
+        if x1.shape[1] == 0:
+            return np.zeros((x1.shape[0], x2.shape[1]), dtype=x1.dtype)
+        return level3.gemm(1.0, x2.T, x1.T).T
     plan = _matmul_plan(x1, x2, out, kwargs)
     if plan is None:
         return _fallback_matmul(x1, x2, out, kwargs)

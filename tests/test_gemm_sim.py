@@ -356,3 +356,26 @@ def test_cpu_only_routines_and_threads(rand, rel_err):
 
     with ThreadPoolExecutor(8) as ex:
         assert all(ex.map(work, range(32)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_cpu_only_fast_path_without_c(rand, rel_err, tol, dtype):
+    """``gemm(alpha, a, b)`` / ``matmul(a, b)`` on numpy matrices of one BLAS type, CPU only: the
+    shortest path (no c, a real alpha) gives numpy's results, layouts and errors."""
+    blasx.configure(devices="cpu")
+    for ta, tb in itertools.product((0, 1, 2), repeat=2):
+        for order, (m, n, k) in itertools.product(("F", "C"), ((37, 19, 23), (1, 1, 1), (5, 0, 3), (4, 3, 0))):
+            a = rand(stored_shape(m, k, ta), dtype, 1, order=order)
+            b = rand(stored_shape(k, n, tb), dtype, 2, order=order)
+            out = blasx.gemm(-1.25, a, b, trans_a=ta, trans_b=tb)
+            assert out.shape == (m, n) and out.dtype == dtype and out.flags.f_contiguous
+            want = reference(scalar(-1.25, dtype), a, b, 0.0, None, ta, tb)
+            if m and n and k:
+                assert rel_err(out, want) < tol(dtype)
+            else:
+                assert np.array_equal(out, np.zeros((m, n)))
+        mm = blasx.matmul(rand((6, 4), dtype, 3), rand((4, 5), dtype, 4))
+        assert mm.flags.c_contiguous and mm.dtype == dtype
+    assert blasx.last_profile().totals()["tasks"] == 1
+    with pytest.raises(ValueError, match="inner dimensions must match"):
+        blasx.gemm(1.0, rand((3, 4), dtype, 5), rand((5, 3), dtype, 6))
