@@ -106,19 +106,21 @@ class Worker(threading.Thread):
         """``task`` may start here: a whole-task worker waits for every dependency."""
         return task.call.is_ready(task)
 
-    def _pull(self):
-        """Next task from the global queues this worker serves; None when empty, or when the
-        head task is left for a peer (:meth:`_leave_for_peer`)."""
+    def _head(self):
+        """(queue, head) of the first queue this worker serves that holds anything, and whether
+        this worker takes that head now (a sentinel always; a task unless it is left for a
+        peer, :meth:`_leave_for_peer`); (None, None, False) when every queue is empty."""
         for q in self.engine.queues_for(self):
             head = q.peek()
-            if head is None:
-                continue
-            if head is not self.engine.SENTINEL and self._leave_for_peer(head.call):
-                return None
-            t = q.get()
-            if t is not None:
-                return t
-        return None
+            if head is not None:
+                return q, head, head is self.engine.SENTINEL or not self._leave_for_peer(head.call)
+        return None, None, False
+
+    def _pull(self):
+        """Next task from the global queues this worker serves; None when they are empty, when
+        the head is left for a peer, or when another worker took it first."""
+        q, _, takes = self._head()
+        return q.get() if takes else None
 
     def _leave_for_peer(self, call) -> bool:
         """The fair-share rule for small calls: True if this worker should not take more of
@@ -206,13 +208,7 @@ class Worker(threading.Thread):
     def _work_waiting(self) -> bool:
         """True if a queue this worker serves holds a task this worker would take now, and the
         station has room for it."""
-        if self.station.free_slots() <= 0:
-            return False
-        for q in self.engine.queues_for(self):
-            head = q.peek()
-            if head is not None:
-                return head is self.engine.SENTINEL or not self._leave_for_peer(head.call)
-        return False
+        return self.station.free_slots() > 0 and self._head()[2]
 
     def fail(self, exc: BaseException) -> None:
         self.alive = False
