@@ -232,11 +232,12 @@ class Engine:
     def submit(self, call: Call) -> None:
         """Run ``call`` to completion on the workers; raise its error, if any."""
         self.start()
-        if not self.inline and not self._runnable(call):
-            raise DeviceError(self._unrunnable_message(call))
-        self._calls.add(call)
-        if any(t.deps for t in call.tasks):
-            call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
+        if not self.inline:  # workers run it: they may fail, and need waking for dependents
+            if not self._runnable(call):
+                raise DeviceError(self._unrunnable_message(call))
+            self._calls.add(call)
+            if any(t.deps for t in call.tasks):
+                call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
         call.stats.start()
         try:
             if self.inline:
