@@ -38,7 +38,7 @@ import numpy as np
 
 from .level3 import (
     DTYPE_NAMES, DTYPES, ArgError, blasx_routine, command_line, dtype_words, finite, machine_name,
-    parse_dtypes, positive_int, random_matrix, rows64, rows_times, sample_rows, tolerance,
+    parse_dtypes, parse_positive_list, positive_int, random_matrix, rows64, rows_times, sample_rows, tolerance,
     utc_stamp, write_json_md, CHECK_ROWS, _column_chunks, _parallel,
 )
 
@@ -77,12 +77,9 @@ def parse_sizes(text: str, option: str = "--n") -> list[int]:
 def parse_counts(text: str, option: str = "--gpus") -> list[int]:
     """'1,2' -> [1, 2]: distinct positive GPU counts, ascending."""
     try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
-        raise ArgError(f"{option}: got {text!r}; allowed: a comma list of positive GPU counts, e.g. 1,2")
-    return sorted(set(values))
+        return sorted(parse_positive_list(text, option))
+    except ArgError:
+        raise ArgError(f"{option}: got {text!r}; allowed: a comma list of positive GPU counts, e.g. 1,2") from None
 
 
 def parse_scalar(option: str):
