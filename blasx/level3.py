@@ -238,7 +238,7 @@ def _gemm_on_host(eng, alpha, a, op_a, b, op_b, beta, c, dtype, k) -> None:
     """The CPU is the only device: the host BLAS on the canonical views, in this thread, with
     the profile of a one-task call. What the planner would run (one task: the gemm kernel, or
     C = beta C when alpha == 0 or k == 0, A and B unread), without the planning, operands and
-    engine hand-off that cost ~0.1 ms a call (measured: 134 -> 45 us over numpy's 20 at N=64)."""
+    engine hand-off that cost ~0.1 ms a call (bench/results/NOTES.md, third session)."""
     t = dtype.type
     t0 = clock()
     if alpha == 0 or k == 0:
