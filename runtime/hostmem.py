@@ -103,6 +103,17 @@ class RegistrationCache:
             weakref.finalize(root, self._unregister, id(root), start)
             return "ours", (start, end)
 
+    def release(self, x: np.ndarray) -> bool:
+        """Unregister now what blasx registered under ``x``'s root (True if there was such a
+        registration). The next call on it pins again; memory pinned by others is left alone."""
+        root = _root(x)
+        with self._lock:
+            hit = self._ours.get(id(root))
+        if hit is None:
+            return False
+        self._unregister(id(root), hit[0])
+        return True
+
     def _unregister(self, key: int, start: int) -> None:
         with self._lock:
             hit = self._ours.pop(key, None)

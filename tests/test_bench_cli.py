@@ -323,6 +323,21 @@ def test_run_mode_with_fake_contenders(beta):
                                    + ["multi[2]"] * 2)
 
 
+def test_pageable_runs_start_from_unpinned_arrays(monkeypatch):
+    from blasx.runtime import hostmem
+    released = []
+    monkeypatch.setattr(hostmem.REGISTRY, "release", lambda x: released.append(x) or False)
+    args = G.parse_args(["--quick", "--dtypes", "d"])
+    p = G.make_problem(args, "d", 40, 30, 20, [0])
+    p.ref = G._reference_cpu(p, np.dtype(np.float64))
+    p.ref_norm = G.frobenius(p.ref)
+    for mode, expect in (("registered", []), ("pageable", [p.a, p.b, p.c_init, p.c_out])):
+        p.mode = mode
+        released.clear()
+        G.execute(NumpyLike(args, "good"), None, p, 0)
+        assert [id(x) for x in released] == [id(x) for x in expect]
+
+
 def test_schedule_is_shuffled_and_seeded():
     args = G.parse_args(["--runs", "4"])
     p = G.make_problem(args, "s", 4, 4, 4, [0])

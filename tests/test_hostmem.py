@@ -37,3 +37,13 @@ def test_straddles_only_ranges_cut_by_the_span_edges():
     assert straddles(span, PAGE + 16, 3 * PAGE)  # the first tile: head page + pinned pages
     assert straddles(span, 10 * PAGE, 11 * PAGE + 40)  # the last tile
     assert straddles(span, PAGE, 12 * PAGE)  # the whole array
+
+
+def test_release_forgets_only_blasx_registrations_of_that_root():
+    reg = RegistrationCache()
+    a, b = np.ones((64, 64)), np.ones((64, 64))
+    reg._ours[id(a)] = (a.ctypes.data, a.nbytes)  # as ensure_pinned records it
+    reg.registered_bytes = a.nbytes
+    assert reg.release(a[3:, ::2]) is True  # a view releases its root
+    assert not reg.is_ours(a) and reg.registered_bytes == 0
+    assert reg.release(a) is False and reg.release(b) is False  # nothing (left) to release
