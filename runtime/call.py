@@ -51,7 +51,7 @@ class Operand:
     ptr: int  # address of element (0, 0)
     device: int  # -1: host memory; else the CUDA ordinal holding it
     token: Hashable  # first part of every tile key of this operand
-    pinned: tuple[int, int] | None = None  # host bytes [start, end) page-locked (set by the cuda backend)
+    pinning: Any = None  # how its host memory is page-locked (hostmem.Pinning; set by the cuda backend)
 
     @property
     def on_host(self) -> bool:

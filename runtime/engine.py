@@ -145,6 +145,8 @@ class Engine:
         self.devices = list(config.devices)
         if not self.devices:
             raise ValueError("devices: got an empty list, need at least one device")
+        for d in self.devices:
+            d.knobs = config.knobs
         self.directory = Directory(len(self.devices))
         self.queues = {"any": TaskQueue(), "gpu": TaskQueue()}
         self.stations = [ReservationStation(d.index, max(1, d.nstreams)) for d in self.devices]

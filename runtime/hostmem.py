@@ -1,42 +1,48 @@
-"""Pinning host arrays for asynchronous copies: a registration cache.
+"""Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
 Copies between pageable memory and a GPU are staged by the driver and do not
-overlap anything (7.8 GB/s measured on the H200 host, against 55 GB/s
+overlap anything (7.8-8.4 GB/s measured on the H200 host, against 55 GB/s
 pinned). blasx therefore page-locks host operands in place with
 ``cudaHostRegister`` (portable, so every GPU sees them as pinned):
 
-* the whole buffer of the array's root (the ndarray owning the memory) is
+* the buffer of the array's root (the ndarray owning the memory) is
   registered once and stays registered while that root lives; a finalizer
-  unregisters it when the root is collected;
+  unregisters it when the root is collected (or ``release`` does, now);
 * memory that is already pinned (``cudaHostAlloc``, or registered by someone
   else) is recognised and used as is, and never unregistered by blasx;
-* only ranges blasx registered itself are ever unregistered;
 * only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
-  are registered, and only the pages that lie wholly inside them. CUDA
-  rejects a copy from a range that is only partly registered
-  (``cudaErrorInvalidValue``). glibc may serve even a large block from its
-  heap, next to other arrays in the same page (seen on the H200 host: a
-  small array after a registered one failed), so a registration must never
-  reach past the array's own bytes. The array's partial first and last pages
-  stay pageable: the device copies the few tiles that straddle a boundary of
-  the registered span through a pinned bounce buffer (``straddles``).
-  Smaller arrays are copied from pageable memory; they are small.
+  are registered, and only the pages that lie wholly inside them: glibc may
+  serve even a large block from its heap, next to other arrays in the same
+  page (seen on the H200 host), so a registration must never reach past the
+  array's own bytes. Smaller arrays are copied from pageable memory.
 
-Registration costs about 32 ms/GiB on that host, four times less than one
-pageable transfer of the same bytes, and every later call on the same array
-is free, which is why it is preferred to bounce buffers (see
-``bench/results/NOTES.md`` for the measurement).
+**Registration runs beside the call.** It costs 19 ms/GiB on that host (57 GB/s,
+``bench/results/host-pinning-*``), about a host link's rate, and more threads do
+not make it faster (the same 57 GB/s from 1 to 16). A one-shot DGEMM at N=16384
+spent 0.2 s pinning 6 GiB before its first tile could move. So a root's interior
+is cut into chunks of ``CHUNK_BYTES`` (each its own registration), and one
+thread per call registers the call's chunks in the order the call is likely to
+need them (the operands' chunks round-robin, each operand in address order);
+a tile copy waits only for the chunks it touches (``Pinning.pieces``).
+
+CUDA refuses a copy from a range that is only partly registered
+(``cudaErrorInvalidValue``), so a copy never spans two regions: it is split at
+every region boundary inside it (``split_2d``) into pieces that each lie in one
+chunk or in the pageable head/tail of the root. A chunk whose registration
+failed is copied as pageable memory (correct, slower).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import numpy as np
 
 PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
+CHUNK_BYTES = 256 << 20  # one registration: ~5 ms at the measured 57 GB/s
 HOST_REGISTER_PORTABLE = 1
 ERROR_ALREADY_REGISTERED = 712
 
@@ -46,13 +52,85 @@ def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:
     return -(-lo // PAGE) * PAGE, (lo + nbytes) // PAGE * PAGE
 
 
-def straddles(span: tuple[int, int] | None, lo: int, hi: int) -> bool:
-    """Bytes [lo, hi) are partly inside and partly outside the pinned ``span``: CUDA copies
-    them neither as pinned nor as pageable memory."""
-    if span is None:
-        return False
-    start, end = span
-    return lo < end and hi > start and not (start <= lo and hi <= end)
+def chunk_spans(start: int, end: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[start, end) (page-aligned) cut into consecutive page-aligned spans of at most ``chunk`` bytes."""
+    step = max(PAGE, chunk // PAGE * PAGE)
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
+def round_robin(lists) -> list:
+    """Items of the lists interleaved: the first of each, then the second of each, ..."""
+    out, longest = [], max((len(x) for x in lists), default=0)
+    for i in range(longest):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
+
+
+def split_2d(ptr: int, pitch: int, width: int, cols: int, cuts) -> list[tuple[int, int, int, int]]:
+    """Pieces ``(c0, ncols, b0, b1)`` of a 2-D copy of ``cols`` columns of ``width`` bytes, column c
+    at ``ptr + c * pitch``: bytes [b0, b1) of columns c0 .. c0 + ncols - 1. No piece's byte extent
+    (first to last byte, gaps included) contains a cut: a cut x separates [.., x) from [x, ..)."""
+    extent = (cols - 1) * pitch + width if cols else 0
+    breaks, inside = {0, cols}, {}
+    for x in cuts:
+        r = x - ptr
+        if not 0 < r < extent:
+            continue
+        c, off = divmod(r, pitch)
+        if off == 0:
+            breaks.add(c)  # at a column's first byte
+        elif off >= width:
+            breaks.add(c + 1)  # in the gap after a column
+        else:
+            inside.setdefault(c, set()).add(off)
+            breaks.update((c, c + 1))
+    pieces = []
+    points = sorted(breaks)
+    for a, b in zip(points, points[1:]):
+        if a in inside:
+            edges = [0, *sorted(inside[a]), width]
+            pieces += [(a, 1, e0, e1) for e0, e1 in zip(edges, edges[1:])]
+        else:
+            pieces.append((a, b - a, 0, width))
+    return pieces
+
+
+class Pinning:
+    """The page-locked state of one root's memory: chunks [start, end) registered (or being
+    registered) by blasx, or the whole root pinned by someone else (``foreign``). The rest of
+    the root is pageable. Chunk states are written by the registering thread only, each
+    before its event is set; readers wait on the events."""
+
+    def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False) -> None:
+        self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
+        self.ok = [foreign] * len(chunks)  # registered (by blasx)
+        self.ready = [threading.Event() for _ in chunks]
+        self.claimed = [False] * len(chunks)  # a thread has taken it on (under the cache's lock)
+        if foreign:
+            for ev in self.ready:
+                ev.set()
+        # region boundaries a copy must not span: the chunks' edges
+        self.cuts = sorted({x for span in chunks for x in span} - {lo, hi})
+
+    @classmethod
+    def whole(cls, lo: int, hi: int) -> "Pinning":
+        return cls(lo, hi, [(lo, hi)], foreign=True)
+
+    def wait(self, lo: int, hi: int) -> None:
+        """Until every chunk overlapping bytes [lo, hi) is registered or has failed."""
+        for (s, e), ev in zip(self.chunks, self.ready):
+            if s < hi and lo < e:
+                ev.wait()
+
+    def pieces(self, ptr: int, pitch: int, width: int, cols: int) -> list[tuple[int, int, int, int]]:
+        """The 2-D copy split so each piece lies in one region, once those regions are ready."""
+        end = ptr + (cols - 1) * pitch + width
+        self.wait(ptr, end)
+        return split_2d(ptr, pitch, width, cols, [x for x in self.cuts if ptr < x < end])
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(e - s for (s, e), ok in zip(self.chunks, self.ok) if ok)
 
 
 def _root(x: np.ndarray) -> np.ndarray:
@@ -65,64 +143,93 @@ def _root(x: np.ndarray) -> np.ndarray:
 class RegistrationCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ours: dict[int, tuple[int, int]] = {}  # id(root) -> (start, size) registered by blasx
+        self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self.registered_bytes = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # spent in cudaHostRegister, all threads
 
-    def ensure_pinned(self, x: np.ndarray) -> tuple[str, tuple[int, int] | None]:
-        """Pin the memory under ``x``; returns (how, span): how is 'ours', 'foreign' (already
-        pinned), 'pageable' or 'failed'; span the pinned bytes [start, end) of its root, or None."""
-        import time
-
+    def pin(self, arrays) -> tuple[list, "PinJob | None"]:
+        """Start pinning the roots of ``arrays`` (the host operands of one call), their chunks
+        round-robin in address order: a call's first tasks read (or write) the first tiles of
+        every operand, and its later tasks the later ones. Returns each array's :class:`Pinning` (None: copied as pageable memory) and the job
+        registering their missing chunks in a thread of its own (None: nothing to do); the
+        caller joins the job when the call is over."""
         from cupy.cuda import runtime
 
+        pinnings, chunks = [], []
+        for x in arrays:
+            p, mine = self._pinning(runtime, x)
+            pinnings.append(p)
+            chunks.append(mine)
+        order = round_robin(chunks)
+        if not order:
+            return pinnings, None
+        job = PinJob(self, order)
+        job.start()
+        return pinnings, job
+
+    def _pinning(self, runtime, x):
+        """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
         root = _root(x)
         if root.nbytes == 0:
-            return "failed", None
+            return None, []
         lo = int(root.ctypes.data)
-        whole = (lo, lo + root.nbytes)
-        if _is_pinned(runtime, lo) and _is_pinned(runtime, lo + root.nbytes - 1):
-            return "foreign", whole
-        if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
-            return "pageable", None
+        hi = lo + root.nbytes
         with self._lock:
-            hit = self._ours.get(id(root))
-            if hit is not None:
-                return "ours", (hit[0], hit[0] + hit[1])
-            start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
+            p = self._ours.get(id(root))
+            if p is None:
+                if _is_pinned(runtime, lo) and _is_pinned(runtime, hi - 1):
+                    return Pinning.whole(lo, hi), []
+                if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
+                    return None, []
+                start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
+                p = self._ours[id(root)] = Pinning(lo, hi, chunk_spans(start, end, CHUNK_BYTES))
+                weakref.finalize(root, self._unregister, id(root), p)
+            mine = [i for i, taken in enumerate(p.claimed) if not taken]
+            for i in mine:
+                p.claimed[i] = True
+        return p, [(p, i) for i in mine]
+
+    def register_chunk(self, p: Pinning, i: int) -> None:
+        """Register chunk i of p (called by its PinJob's thread); always sets its event."""
+        try:
+            from cupy.cuda import runtime
+            start, end = p.chunks[i]
             t0 = time.perf_counter()
             try:
                 runtime.hostRegister(start, end - start, HOST_REGISTER_PORTABLE)
-            except runtime.CUDARuntimeError as exc:
-                if getattr(exc, "status", None) == ERROR_ALREADY_REGISTERED:
-                    return "foreign", whole
-                return "failed", None
-            self.seconds += time.perf_counter() - t0
-            self._ours[id(root)] = (start, end - start)
-            self.registered_bytes += end - start
-            weakref.finalize(root, self._unregister, id(root), start)
-            return "ours", (start, end)
+                p.ok[i] = True
+            except runtime.CUDARuntimeError:  # already registered by others, or no lockable memory: pageable
+                p.ok[i] = False
+            with self._lock:
+                self.seconds += time.perf_counter() - t0
+                if p.ok[i]:
+                    self.registered_bytes += end - start
+        finally:
+            p.ready[i].set()
 
     def release(self, x: np.ndarray) -> bool:
         """Unregister now what blasx registered under ``x``'s root (True if there was such a
         registration). The next call on it pins again; memory pinned by others is left alone."""
         root = _root(x)
         with self._lock:
-            hit = self._ours.get(id(root))
-        if hit is None:
+            p = self._ours.get(id(root))
+        if p is None:
             return False
-        self._unregister(id(root), hit[0])
+        p.wait(p.lo, p.hi)  # a chunk still being registered by a running call
+        self._unregister(id(root), p)
         return True
 
-    def _unregister(self, key: int, start: int) -> None:
+    def _unregister(self, key: int, p: Pinning) -> None:
         with self._lock:
-            hit = self._ours.pop(key, None)
-            if hit is None or hit[0] != start:
+            if self._ours.get(key) is not p:
                 return
-            self.registered_bytes -= hit[1]
+            del self._ours[key]
+            self.registered_bytes -= p.pinned_bytes
         try:
             from cupy.cuda import runtime
-            runtime.hostUnregister(start)
+            for (start, _), ok in zip(p.chunks, p.ok):
+                if ok:
+                    runtime.hostUnregister(start)
         except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone already
             pass
 
@@ -135,13 +242,41 @@ class RegistrationCache:
         except Exception as exc:  # noqa: BLE001 - a description must not raise
             ends = f"pinned state unknown ({exc!r})"
         with self._lock:
-            overlap = [f"[{s:#x}, {s + n:#x})" for s, n in self._ours.values() if s < hi and lo < s + n]
+            overlap = [f"[{s:#x}, {e:#x}){'' if ok else ' (failed)'}" for p in self._ours.values()
+                       for (s, e), ok in zip(p.chunks, p.ok) if s < hi and lo < e]
         return (f"host bytes [{lo:#x}, {hi:#x}): {ends}; blasx registrations overlapping: "
                 f"{', '.join(overlap) or 'none'}")
 
     def is_ours(self, x: np.ndarray) -> bool:
         with self._lock:
             return id(_root(x)) in self._ours
+
+
+class PinJob:
+    """One call's chunks, registered in order by a thread of its own (not a daemon: ``join``
+    ends it, and the call joins it before returning, so no registration outlives the call
+    that holds the arrays)."""
+
+    def __init__(self, cache: RegistrationCache, chunks: list) -> None:
+        self.cache, self.chunks = cache, chunks
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="blasx-pin", daemon=False)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for p, i in self.chunks:
+                self.cache.register_chunk(p, i)
+        finally:
+            for p, i in self.chunks:  # after an unexpected error: nobody waits forever
+                p.ready[i].set()
+            self.seconds = time.perf_counter() - t0
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def _is_pinned(runtime, ptr: int) -> bool:

@@ -24,7 +24,7 @@ import numbers
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 __all__ = [
@@ -130,6 +130,9 @@ class CallStats:
         self._records: list[OpRecord] = []
         self._start = clock()
         self._finish: float | None = None
+        # Host-side work of the call outside the devices' timelines (set by the backends):
+        # "pin_seconds" registering host memory, beside the call; "pinned_bytes".
+        self.host: dict[str, float] = {}
 
     def _check_device(self, device: int) -> None:
         if not 0 <= device < len(self.devices):
@@ -204,7 +207,7 @@ class CallStats:
         start, finish, counters, records = self._snapshot()
         return Profile(devices=self.devices, start=start,
                        finish=clock() if finish is None else finish,
-                       counters=dict(enumerate(counters)), records=records)
+                       counters=dict(enumerate(counters)), records=records, host=dict(self.host))
 
     def merge(self, other: CallStats) -> None:
         """Add other's counters and records; the window grows to cover both."""
@@ -281,6 +284,7 @@ class Profile:
     finish: float
     counters: dict[int, dict[str, float]]     # per worker index
     records: tuple[OpRecord, ...]
+    host: dict[str, float] = field(default_factory=dict)  # CallStats.host
 
     @property
     def wall(self) -> float:
@@ -336,6 +340,7 @@ class Profile:
             "p2p_bytes": t["bytes_p2p"],
             "totals": t,
             "devices": self._device_rows(self.breakdown(), t),
+            "host": dict(self.host),
         }
 
     def report(self) -> str:
@@ -356,6 +361,9 @@ class Profile:
         head = (f"blasx profile: {len(self.devices)} device(s), wall {self.wall:.4f} s, "
                 f"{total['tflops']:.3f} TFLOPS, {t['tasks']:.0f} tasks  "
                 f"(busy = COMPT, comm = unoverlapped COMM, idle = OTHER)")
+        if self.host.get("pinned_bytes"):
+            lines.append(f"host memory page-locked during the call: {human_bytes(self.host['pinned_bytes'])} in "
+                         f"{self.host.get('pin_seconds', 0.0):.4f} s (beside the devices' work)")
         return "\n".join([head, *lines])
 
     def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:

@@ -131,8 +131,8 @@ def test_threads_share_the_engine():
 
 
 def test_registered_arrays_next_to_small_ones():
-    """Large arrays are page-locked on their whole pages only; their edge tiles go through the
-    bounce buffer, and small arrays in the pages next to them still copy as pageable memory
+    """Large arrays are page-locked on their whole pages only; their edge tiles are copied in
+    pieces (pageable head/tail, registered chunks), and small arrays in the pages next to them still copy as pageable memory
     (a registration reaching into a neighbour's page made CUDA refuse the neighbour's copies)."""
     blasx.configure(devices="cuda", tile=1024)
     rng = np.random.default_rng(7)
@@ -147,3 +147,41 @@ def test_registered_arrays_next_to_small_ones():
         out = np.empty((n, n), order="F")
         blasx.gemm(1.0, a, b, c=out, overwrite_c=True)  # written back through the edges too
         assert rel_err(out, reference(1.0, a, b, 0, None, 0, 0)) < 1e-12
+
+
+@pytest.mark.parametrize("order", ["F", "C"])
+def test_chunked_registration_splits_copies(monkeypatch, order):
+    """Host arrays registered in many small chunks while the call runs: every tile copy is cut at
+    the chunk edges (CUDA refuses a copy across two registrations), in and out, with the
+    partial first/last pages pageable; a chunk someone else registered first fails for blasx and
+    is copied as it is (pinned by them). Results exact, registrations released."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 23 * hostmem.PAGE)  # not a multiple of a column: cuts inside columns
+    blasx.configure(devices="cuda", tile=256, cache_bytes=256 << 20)
+    rng = np.random.default_rng(21)
+    m, n, k = 900, 700, 800
+    a = np.asarray(rand(rng, (m, k), np.float64), order=order)
+    b = np.asarray(rand(rng, (k, n), np.float64), order=order)
+    c = np.asarray(rand(rng, (m, n), np.float64), order=order)
+    chunk = hostmem.CHUNK_BYTES
+    lo = hostmem.interior_pages(b.ctypes.data, b.nbytes)[0] + 2 * chunk
+    cupy.cuda.runtime.hostRegister(lo, chunk, 1)  # b's third chunk, pinned by someone else: blasx's attempt fails
+    out = None
+    try:
+        want = reference(1.5, a, b, 0.5, c, 0, 0)
+        got = blasx.gemm(1.5, a, b, beta=0.5, c=c)
+        assert rel_err(got, want) < 1e-12
+        host = blasx.last_profile().host
+        assert host["pinned_bytes"] > 0 and host["pin_seconds"] > 0
+        out = np.full((m, n), np.nan, order="F")
+        blasx.gemm(1.5, a, b, beta=0.5, c=c.copy(order="F"), overwrite_c=True)
+        blasx.gemm(1.0, a, b, c=out, overwrite_c=True)  # written back piece by piece
+        assert rel_err(out, reference(1.0, a, b, 0, None, 0, 0)) < 1e-12
+        p = hostmem.REGISTRY._ours[id(b)]
+        assert not all(p.ok) and any(p.ok)
+    finally:
+        for x in (a, b, c, out):
+            if x is not None:
+                hostmem.REGISTRY.release(x)
+        cupy.cuda.runtime.hostUnregister(lo)

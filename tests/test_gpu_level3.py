@@ -111,13 +111,24 @@ def test_trmm_trsm(dtype, side, lower, trans, diag):
         assert rel_err(got, ref) < TOL[dtype] * 10, name
 
 
+# How a diagonal TRSM tile is solved: with the triangle's inverse (runtime/tri_inverse.py, the
+# default), its leaves and products exercised by a leaf of 64 on tiles of 256, with every inverse
+# kept or only one (each new diagonal block then waits for the old one's readers and frees it);
+# or by cuBLAS trsm recursively blocked (runtime/trsm_blocks.py), leaf 64.
+DIAGONAL_SOLVES = {"inverse": ({"INVERSE_LEAF": 64}, ""), "inverse-1-slot": ({"INVERSE_LEAF": 64, "INVERSE_SLOTS": 1}, ""),
+                   "blocked": ({"TRSM_LEAF": 64}, "trsm_inverse=0")}
+
+
+@pytest.mark.parametrize("solve", list(DIAGONAL_SOLVES))
 @pytest.mark.parametrize("dtype", list(PREFIX))
 @pytest.mark.parametrize("side,lower,trans,diag", list(itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1))))
-def test_trsm_blocked_diagonal_tiles(monkeypatch, dtype, side, lower, trans, diag):
-    """Diagonal tiles above CudaDevice.TRSM_LEAF are solved recursively (runtime/trsm_blocks.py):
-    a leaf of 64 and tiles of 256 exercise it on every flag combination, in place and not."""
+def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag):
+    """Every flag combination, in place and not, for each way of solving the diagonal tiles."""
     from blasx.runtime.devices.cuda import CudaDevice
-    monkeypatch.setattr(CudaDevice, "TRSM_LEAF", 64)
+    attrs, knobs = DIAGONAL_SOLVES[solve]
+    for name, value in attrs.items():
+        monkeypatch.setattr(CudaDevice, name, value)
+    monkeypatch.setenv("BLASX_KNOBS", knobs)
     blasx.configure(tile=256)
     rng = np.random.default_rng(7)
     m, n = 600, 450

@@ -1,23 +1,19 @@
-"""The registration cache's bookkeeping that runs without CUDA."""
+"""The registration cache's bookkeeping that runs without CUDA: chunking, the registration
+order, the splitting of tile copies at region boundaries, waiting for chunks, release."""
+
+import itertools
+import threading
 
 import numpy as np
+import pytest
 
-from blasx.runtime.hostmem import PAGE, RegistrationCache, _root, interior_pages, straddles
+from blasx.runtime.hostmem import (PAGE, Pinning, RegistrationCache, _root, chunk_spans, interior_pages,
+                                   round_robin, split_2d)
 
 
 def test_root_follows_views_to_the_owner():
     a = np.zeros((8, 8))
     assert _root(a[2:, ::2].T) is a and _root(a) is a
-
-
-def test_describe_names_the_range_and_overlapping_registrations():
-    reg = RegistrationCache()
-    reg._ours[1] = (0x10000, 0x4000)  # as ensure_pinned records it
-    reg._ours[2] = (0x40000, 0x1000)
-    text = reg.describe(0x12000, 0x20000)
-    assert "[0x12000, 0x20000)" in text and "[0x10000, 0x14000)" in text and "0x40000" not in text
-    assert "pinned" in text  # the first/last byte state, or why it is unknown here
-    assert "overlapping: none" in reg.describe(0x20000, 0x30000)
 
 
 def test_interior_pages_never_reach_a_neighbour():
@@ -28,22 +24,170 @@ def test_interior_pages_never_reach_a_neighbour():
     assert start >= 123 and end <= 123 + 5 * PAGE and start % PAGE == 0 == end % PAGE
 
 
-def test_straddles_only_ranges_cut_by_the_span_edges():
-    span = (2 * PAGE, 11 * PAGE)
-    assert not straddles(None, 0, 10)  # pageable operand: nothing pinned
-    assert not straddles(span, 3 * PAGE, 5 * PAGE)  # inside: pinned copy
-    assert not straddles(span, PAGE + 16, 2 * PAGE)  # the partial head page alone: pageable copy
-    assert not straddles(span, 11 * PAGE, 11 * PAGE + 40)  # the partial tail page alone
-    assert straddles(span, PAGE + 16, 3 * PAGE)  # the first tile: head page + pinned pages
-    assert straddles(span, 10 * PAGE, 11 * PAGE + 40)  # the last tile
-    assert straddles(span, PAGE, 12 * PAGE)  # the whole array
+def test_chunks_cover_the_interior_page_aligned():
+    assert chunk_spans(2 * PAGE, 11 * PAGE, 4 * PAGE) == [(2 * PAGE, 6 * PAGE), (6 * PAGE, 10 * PAGE),
+                                                          (10 * PAGE, 11 * PAGE)]
+    assert chunk_spans(0, 3 * PAGE, PAGE + 5) == [(0, PAGE), (PAGE, 2 * PAGE), (2 * PAGE, 3 * PAGE)]
+    assert chunk_spans(5 * PAGE, 5 * PAGE) == []
+
+
+def test_round_robin_interleaves_in_order():
+    assert round_robin([[1, 2, 3], ["a"], [10, 20]]) == [1, "a", 10, 2, 20, 3]
+    assert round_robin([]) == []
+
+
+def _covered(pieces, ptr, pitch):
+    """Every byte each piece copies, as absolute addresses."""
+    out = []
+    for c0, n, b0, b1 in pieces:
+        for c in range(c0, c0 + n):
+            out += range(ptr + c * pitch + b0, ptr + c * pitch + b1)
+    return out
+
+
+@pytest.mark.parametrize("width,pitch,cols", [(4, 4, 5), (3, 7, 4), (5, 9, 1), (8, 8, 3)])
+def test_split_2d_copies_every_byte_once_and_no_piece_spans_a_cut(width, pitch, cols):
+    ptr = 1000
+    want = _covered([(0, cols, 0, width)], ptr, pitch)
+    extent = range(ptr - 2, ptr + (cols - 1) * pitch + width + 2)
+    for ncuts in (0, 1, 2, 3):
+        for cuts in itertools.combinations(extent, ncuts):
+            pieces = split_2d(ptr, pitch, width, cols, cuts)
+            assert sorted(_covered(pieces, ptr, pitch)) == want, cuts
+            for c0, n, b0, b1 in pieces:
+                first, last = ptr + c0 * pitch + b0, ptr + (c0 + n - 1) * pitch + b1  # last: one past
+                assert 0 < b1 - b0 and n >= 1
+                assert not any(first < x < last for x in cuts), (cuts, (c0, n, b0, b1))
+
+
+def test_split_2d_exact_pieces():
+    # 4 columns of 10 bytes, pitch 16, at 0: a cut inside column 1, one in the gap after column 2
+    assert split_2d(0, 16, 10, 4, [20, 44]) == [(0, 1, 0, 10), (1, 1, 0, 4), (1, 1, 4, 10), (2, 1, 0, 10),
+                                               (3, 1, 0, 10)]
+    assert split_2d(0, 16, 10, 4, []) == [(0, 4, 0, 10)]
+    assert split_2d(0, 16, 10, 4, [32]) == [(0, 2, 0, 10), (2, 2, 0, 10)]  # at a column's first byte
+
+
+def test_pieces_wait_for_the_chunks_they_touch_only():
+    p = Pinning(0, 10 * PAGE, [(PAGE, 4 * PAGE), (4 * PAGE, 7 * PAGE), (7 * PAGE, 9 * PAGE)])
+    assert p.cuts == [PAGE, 4 * PAGE, 7 * PAGE, 9 * PAGE]
+    p.ok[0] = True
+    p.ready[0].set()
+    # inside chunk 0: no wait, one piece
+    assert p.pieces(PAGE, PAGE, PAGE // 2, 3) == [(0, 3, 0, PAGE // 2)]
+    # across chunks 0 and 1: blocks until chunk 1 is ready, then two pieces
+    got = []
+    t = threading.Thread(target=lambda: got.append(p.pieces(2 * PAGE, PAGE, PAGE, 4)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got
+    p.ready[1].set()
+    t.join(5)
+    assert got == [[(0, 2, 0, PAGE), (2, 2, 0, PAGE)]]
+    assert p.pinned_bytes == 3 * PAGE
+
+
+def test_foreign_memory_is_one_ready_region():
+    p = Pinning.whole(100, 100 + 5 * PAGE)
+    assert p.cuts == [] and p.pieces(100, 64, 32, 10) == [(0, 10, 0, 32)]
+
+
+def test_describe_names_the_range_and_overlapping_registrations():
+    reg = RegistrationCache()
+    p = reg._ours[1] = Pinning(0x10000, 0x50000, [(0x10000, 0x14000), (0x40000, 0x41000)])
+    p.ok[0] = True
+    text = reg.describe(0x12000, 0x20000)
+    assert "[0x12000, 0x20000)" in text and "[0x10000, 0x14000)" in text and "0x40000" not in text
+    assert "pinned" in text  # the first/last byte state, or why it is unknown here
+    assert "overlapping: none" in reg.describe(0x20000, 0x30000)
+    assert "(failed)" in reg.describe(0x40000, 0x40010)
 
 
 def test_release_forgets_only_blasx_registrations_of_that_root():
     reg = RegistrationCache()
     a, b = np.ones((64, 64)), np.ones((64, 64))
-    reg._ours[id(a)] = (a.ctypes.data, a.nbytes)  # as ensure_pinned records it
+    p = reg._ours[id(a)] = Pinning(a.ctypes.data, a.ctypes.data + a.nbytes, [(a.ctypes.data, a.ctypes.data + a.nbytes)])
+    p.ok[0] = True
+    p.ready[0].set()
     reg.registered_bytes = a.nbytes
     assert reg.release(a[3:, ::2]) is True  # a view releases its root
     assert not reg.is_ours(a) and reg.registered_bytes == 0
     assert reg.release(a) is False and reg.release(b) is False  # nothing (left) to release
+
+
+class FakeRuntime:
+    """cupy.cuda.runtime as the registration cache uses it: registrations are recorded, one
+    address can be made to fail, nothing is pinned beforehand."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, fail_at=None):
+        self.registered, self.unregistered, self.fail_at = [], [], fail_at
+
+    def pointerGetAttributes(self, ptr):
+        raise self.CUDARuntimeError("not a CUDA pointer")
+
+    def hostRegister(self, start, size, flags):
+        if start == self.fail_at:
+            raise self.CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        self.registered.append((start, size))
+
+    def hostUnregister(self, start):
+        self.unregistered.append(start)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import sys
+    import types
+
+    def install(**kw):
+        rt = FakeRuntime(**kw)
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.ModuleType("cupy.cuda")
+        cupy.cuda.runtime = rt
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+        return rt
+    return install
+
+
+def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    rt = fake_cuda()
+    reg = RegistrationCache()
+    a, b, c = (np.ones((1 << 14,)) for _ in range(3))  # 128 KiB each: 1-2 interior chunks
+    small = np.ones(16)
+    pinnings, job = reg.pin([a, b, small, c])
+    job.join()
+    assert pinnings[2] is None  # too small: pageable
+    chunks = [p.chunks for p in (pinnings[0], pinnings[1], pinnings[3])]
+    want = round_robin(chunks)
+    assert [(s, n) for s, n in rt.registered] == [(s, e - s) for s, e in want]
+    assert all(all(p.ok) for p in (pinnings[0], pinnings[1], pinnings[3]))
+    assert reg.registered_bytes == sum(e - s for s, e in want) and job.seconds >= 0
+    # a second call finds everything registered: no job, the same Pinning objects
+    again, job2 = reg.pin([b, a[10:]])
+    assert job2 is None and again[0] is pinnings[1] and again[1] is pinnings[0]
+    assert reg.release(a) and [x for x in rt.unregistered] == [s for s, _ in chunks[0]]
+
+
+def test_a_failed_chunk_is_copied_as_pageable_memory(fake_cuda, monkeypatch):
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    a = np.ones((1 << 15,))  # 256 KiB
+    start, end = interior_pages(a.ctypes.data, a.nbytes)
+    rt = fake_cuda(fail_at=start + (1 << 16))
+    reg = RegistrationCache()
+    (p,), job = reg.pin([a])
+    job.join()
+    assert p.ok[0] and not p.ok[1] and all(ev.is_set() for ev in p.ready)
+    assert reg.registered_bytes == p.pinned_bytes == end - start - (1 << 16)
+    # the cuts still separate the failed chunk from its registered neighbours
+    assert start + (1 << 16) in p.cuts and start + (2 << 16) in p.cuts
+    reg.release(a)
+    assert start + (1 << 16) not in rt.unregistered and start in rt.unregistered

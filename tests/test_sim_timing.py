@@ -232,3 +232,11 @@ def test_builder_makes_the_devices_the_session_makes(text):
     got = build_sim_devices(spec, streams=3, trace=False)
     key = lambda d: (d.index, d.name, d.nstreams, d.cache_bytes, d.model, d.fail_at, d.peers, d.trace)  # noqa: E731
     assert [key(d) for d in got] == [key(d) for d in want]
+
+
+def test_the_engine_hands_its_knobs_to_every_device():
+    """Kernels read their switches (Knobs.trsm_inverse) from the device, set by the engine."""
+    devs = build_sim_devices(parse_devices("sim:2"), streams=1)
+    knobs = Knobs(trsm_inverse=False)
+    Engine(EngineConfig(devices=devs, streams=1, knobs=knobs))
+    assert all(d.knobs is knobs for d in devs)

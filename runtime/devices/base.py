@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from ...heap import OffsetHeap
+from ..knobs import Knobs
 
 
 class DeviceError(RuntimeError):
@@ -37,6 +38,8 @@ class Device(ABC):
     reads_device_arrays: ClassVar[bool] = False
     #: True if its worker thread should be pinned to a core (Algorithm 1, line 9).
     binds_thread: ClassVar[bool] = False
+    #: The engine's scheduling switches (set by the engine; the kernels read theirs).
+    knobs: Knobs = Knobs()
 
     def __init__(self, index: int, *, nstreams: int, cache_bytes: int, name: str) -> None:
         if nstreams < 1:

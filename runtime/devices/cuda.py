@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
-from ..hostmem import REGISTRY, straddles
+from ..hostmem import REGISTRY
 from ..stats import OpRecord
 from ..tasks import SC_MINUS_ONE, SC_ONE
+from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .base import Device, DeviceError, register_backend
 
@@ -70,9 +71,7 @@ class CudaDevice(Device):
         self._anchor = (0, 0.0)
         self._kernels = {}
         self._blas = {}
-        self._bounce_mem = None  # pinned host buffer for straddling tiles, and its size
-        self._bounce_size = 0
-        self._bounce_stream = None  # the stream of its last asynchronous use
+        self._inverses: dict = {}  # (call id, diagonal TileRef) -> _Inverse, least recently used first
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -117,6 +116,9 @@ class CudaDevice(Device):
             for p in self.stream_ptrs:
                 runtime.streamSynchronize(p)
         finally:
+            for inv in self._inverses.values():  # the streams are idle (or broken): no sync
+                self._events += inv.events()
+            self._inverses = {}
             for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
                     [r[-2] for r in self._open_records]:
                 try:
@@ -157,9 +159,21 @@ class CudaDevice(Device):
         return (operand.ptr + (ref.c0 * operand.ld + ref.r0) * isz, operand.ld)
 
     def prepare_call(self, call) -> None:
-        for op in call.operands:
-            if op.on_host:
-                op.pinned = REGISTRY.ensure_pinned(op.array)[1]
+        """Start page-locking the host operands (hostmem.py): the call's tile copies wait only
+        for the chunks they touch, so its first tiles move while the rest is registered."""
+        host = [op for op in call.operands if op.on_host]
+        if host:
+            pinnings, call.pin_job = REGISTRY.pin([op.array for op in host])
+            for op, p in zip(host, pinnings):
+                op.pinning = p
+
+    def finish_call(self, call) -> None:
+        job = getattr(call, "pin_job", None)
+        if job is not None:  # registration never outlives the call that holds the arrays
+            job.join()
+            call.stats.host["pin_seconds"] = job.seconds
+            call.stats.host["pinned_bytes"] = sum(p.chunks[i][1] - p.chunks[i][0] for p, i in job.chunks
+                                                  if p.ok[i])
 
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
@@ -173,58 +187,29 @@ class CudaDevice(Device):
                                     self.stream_ptrs[s])
             return
         ptr, ld = self.array_loc(obj, where)
-        if obj.on_host and straddles(obj.pinned, ptr, ptr + _tile_bytes(rows, cols, ld, isz)):
-            self._bounce_in(s, dst, obj, where, rows, cols, isz)
-            return
-        try:
-            runtime.memcpy2DAsync(dst[0], rows * isz, ptr, ld * isz, rows * isz, cols, MEMCPY_DEFAULT,
-                                  self.stream_ptrs[s])
-        except runtime.CUDARuntimeError as exc:
-            raise self._copy_error("in", exc, obj, ptr, ld, rows, cols, isz) from exc
+        self._copy_2d(s, "in", obj, dst[0], rows * isz, ptr, ld * isz, rows, cols, isz)
 
     def copy_out(self, s, operand, ref, src, task=None):
-        from cupy.cuda import runtime
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
-        if operand.on_host and straddles(operand.pinned, ptr, ptr + _tile_bytes(ref.rows, ref.cols, ld, isz)):
-            self._bounce_out(s, operand, ref, src, isz)
-            return
+        self._copy_2d(s, "out", operand, ptr, ld * isz, src[0], src[1] * isz, ref.rows, ref.cols, isz)
+
+    def _copy_2d(self, s, direction, operand, dst, dpitch, src, spitch, rows, cols, isz) -> None:
+        """One tile copy between the arena and ``operand`` (on the ``host`` side: ``src`` for
+        "in", ``dst`` for "out"). A host tile is split where its bytes change registration
+        (hostmem.Pinning.pieces): a piece lies in one registered chunk, or in pageable memory,
+        never across, which CUDA refuses; it waits for the chunks it reads or writes."""
+        from cupy.cuda import runtime
+        host, pitch = (src, spitch) if direction == "in" else (dst, dpitch)
+        pinning = operand.pinning if operand.on_host else None
+        width = rows * isz
+        pieces = ((0, cols, 0, width),) if pinning is None else pinning.pieces(host, pitch, width, cols)
         try:
-            runtime.memcpy2DAsync(ptr, ld * isz, src[0], src[1] * isz, ref.rows * isz, ref.cols,
-                                  MEMCPY_DEFAULT, self.stream_ptrs[s])
+            for c0, n, b0, b1 in pieces:
+                runtime.memcpy2DAsync(dst + c0 * dpitch + b0, dpitch, src + c0 * spitch + b0, spitch, b1 - b0, n,
+                                      MEMCPY_DEFAULT, self.stream_ptrs[s])
         except runtime.CUDARuntimeError as exc:
-            raise self._copy_error("out", exc, operand, ptr, ld, ref.rows, ref.cols, isz) from exc
-
-    # A tile straddling the edge of a registered span (the array's partial first or last page)
-    # goes through a pinned bounce buffer, synchronously: rare, at most the corner tiles.
-    def _bounce(self, nbytes: int) -> np.ndarray:
-        from cupy.cuda import runtime
-        if self._bounce_stream is not None:
-            runtime.streamSynchronize(self._bounce_stream)  # its last copy has read it
-            self._bounce_stream = None
-        if self._bounce_size < nbytes:
-            import cupy
-            self._bounce_mem = cupy.cuda.alloc_pinned_memory(nbytes)  # as cupyx.empty_pinned does
-            self._bounce_size = nbytes
-        return np.ndarray((nbytes,), np.uint8, buffer=self._bounce_mem)
-
-    def _bounce_in(self, s, dst, operand, ref, rows, cols, isz) -> None:
-        from cupy.cuda import runtime
-        buf = self._bounce(rows * cols * isz).view(operand.array.dtype).reshape((rows, cols), order="F")
-        np.copyto(buf, operand.array[ref.r0:ref.r0 + rows, ref.c0:ref.c0 + cols])
-        runtime.memcpy2DAsync(dst[0], rows * isz, buf.ctypes.data, rows * isz, rows * isz, cols, MEMCPY_DEFAULT,
-                              self.stream_ptrs[s])
-        self._bounce_stream = self.stream_ptrs[s]
-
-    def _bounce_out(self, s, operand, ref, src, isz) -> None:
-        from cupy.cuda import runtime
-        rows, cols = ref.rows, ref.cols
-        buf = self._bounce(rows * cols * isz).view(operand.array.dtype).reshape((rows, cols), order="F")
-        runtime.memcpy2DAsync(buf.ctypes.data, rows * isz, src[0], src[1] * isz, rows * isz, cols, MEMCPY_DEFAULT,
-                              self.stream_ptrs[s])
-        runtime.streamSynchronize(self.stream_ptrs[s])
-        self._bounce_stream = None
-        np.copyto(operand.array[ref.r0:ref.r0 + rows, ref.c0:ref.c0 + cols], buf)
+            raise self._copy_error(direction, exc, operand, host, pitch // isz, rows, cols, isz) from exc
 
     def _copy_error(self, direction, exc, operand, ptr, ld, rows, cols, isz) -> DeviceError:
         """A refused tile copy, with what the driver saw of the memory (CUDA says only 'invalid argument')."""
@@ -311,8 +296,14 @@ class CudaDevice(Device):
 
     def _k_trsm(self, s, step, call, a, b, c) -> None:
         alpha, _ = self._ptrs(call, step, False, False)
-        trsm = self._routine("trsm", call.dtype)
         h, uplo = self.handles[s], 1 - step.uplo
+        if self.knobs.trsm_inverse:  # X = op(A)^-1 C = op(A^-1) C, A^-1 made once per device
+            inv = self._inverse(s, step, call, a)
+            self._routine("trmm", call.dtype)(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha,
+                                              inv.ptr, inv.ld, c[0], c[1], c[0], c[1])
+            inv.used(self, s)
+            return
+        trsm = self._routine("trsm", call.dtype)
         if (step.m if step.side == 0 else step.n) <= self.TRSM_LEAF:
             trsm(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha, a[0], a[1], c[0], c[1])
             return
@@ -335,6 +326,62 @@ class CudaDevice(Device):
                 gemm(h, step.op_a, 0, crows, ccols, xrows, minus_one, ap, lda, xp, ldc, scale, cp, ldc)
             else:  # C = scale C - X op(A)
                 gemm(h, 0, step.op_a, crows, ccols, xcols, minus_one, xp, ldc, ap, lda, scale, cp, ldc)
+
+    #: Leaves of the recursive triangle inversion (tri_inverse.py), and how many inverses a
+    #: device keeps (least recently used dropped first; each is one diagonal tile, 134 MB for
+    #: a 4096 double tile, allocated from CuPy's pool outside the tile cache).
+    INVERSE_LEAF = 512
+    INVERSE_SLOTS = 4
+
+    def _inverse(self, s, step, call, a) -> "_Inverse":
+        """The inverse of the stored triangle of diagonal tile ``step.a`` (loaded at ``a``), made on
+        stream ``s`` at its first use on this device in this call; a later use on another stream
+        waits for it. Keyed by the call's unique id: nothing outlives the data it was made from."""
+        from cupy.cuda import runtime
+        key = (call.cid, step.a)
+        inv = self._inverses.pop(key, None)
+        if inv is None:
+            self._drop_inverses(call.cid)
+            inv = self._make_inverse(s, step, call, a)
+        elif inv.stream != s:
+            runtime.streamWaitEvent(self.stream_ptrs[s], inv.ready)
+        self._inverses[key] = inv  # most recently used last
+        return inv
+
+    def _drop_inverses(self, cid: int) -> None:
+        """Make room for one more inverse: other calls' first, then the least recently used,
+        each once the kernels that read it are done."""
+        stale = [k for k in self._inverses if k[0] != cid]
+        while self._inverses and (stale or len(self._inverses) >= self.INVERSE_SLOTS):
+            key = stale.pop(0) if stale else next(iter(self._inverses))
+            for ev in self._inverses.pop(key).events():
+                self.sync(ev)
+                self.release_event(ev)
+
+    def _make_inverse(self, s, step, call, a) -> "_Inverse":
+        import cupy
+        from cupy.cuda import runtime
+        size, isz, lower = step.a.rows, call.itemsize, step.uplo
+        h, uplo = self.handles[s], 1 - lower
+        sc = call.scalars.ctypes.data
+        one, minus_one = sc + SC_ONE * isz, sc + SC_MINUS_ONE * isz
+        buf = cupy.empty((size, size), dtype=call.dtype, order="F")  # on stream s: run_step made it current
+        base = buf.data.ptr
+        runtime.memcpy2DAsync(base, size * isz, a[0], a[1] * isz, size * isz, size, MEMCPY_DEFAULT,
+                              self.stream_ptrs[s])
+        trsm, trmm = self._routine("trsm", call.dtype), self._routine("trmm", call.dtype)
+        for o in tri_inverse_ops(size, lower, self.INVERSE_LEAF):
+            if type(o) is Leaf:  # the block's inverse: a solve against the identity, copied in
+                ident = cupy.eye(o.size, dtype=call.dtype).T  # F-ordered (symmetric)
+                blk = base + (o.d0 + o.d0 * size) * isz
+                trsm(h, 0, uplo, 0, step.diag, o.size, o.size, one, blk, size, ident.data.ptr, o.size)
+                buf[o.d0:o.d0 + o.size, o.d0:o.d0 + o.size] = ident
+                continue
+            r0, c0, rows, cols = o.blk
+            bp = base + (r0 + c0 * size) * isz
+            trmm(h, o.side, uplo, 0, step.diag, rows, cols, minus_one if o.negate else one,
+                 base + (o.a0 + o.a0 * size) * isz, size, bp, size, bp, size)
+        return _Inverse(buf, size, s, self.record(s))
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
         """c = alpha c + beta b (cuBLAS geam, in place on c)."""
@@ -423,3 +470,24 @@ class CudaDevice(Device):
         if not keep and time.perf_counter() - t0 > 30.0:
             self._reanchor()  # float32 milliseconds lose precision far from the anchor
         return out
+
+
+class _Inverse:
+    """One triangle inverse on a device: its buffer, the stream that made it, the event that
+    ends its making, and the last use on each stream (what must finish before it is freed).
+    Owned by the device's worker thread."""
+
+    __slots__ = ("buf", "ptr", "ld", "stream", "ready", "last_use")
+
+    def __init__(self, buf, ld: int, stream: int, ready) -> None:
+        self.buf, self.ptr, self.ld, self.stream, self.ready = buf, buf.data.ptr, ld, stream, ready
+        self.last_use: dict = {}
+
+    def used(self, dev: CudaDevice, s: int) -> None:
+        old = self.last_use.get(s)
+        self.last_use[s] = dev.record(s)
+        if old is not None:  # stream order: the newer use ends after it
+            dev.release_event(old)
+
+    def events(self) -> list:
+        return [self.ready, *self.last_use.values()]
