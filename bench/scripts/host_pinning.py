@@ -86,6 +86,31 @@ def main(argv=None) -> int:
         note(f"hostRegister, {t} thread(s) x {len(parts)} chunk(s)", reg_t)
         note(f"hostUnregister, {t} thread(s)", unreg_t)
 
+    # Fresh arrays, as a one-shot caller has them: the first registration of memory that was
+    # never registered, against registering it again (what a best-of-3 measures), whole and in
+    # blasx's chunks.
+    for label, parts_of in (("whole", lambda lo_, nb: chunks(lo_, nb, 1)),
+                            ("256 MiB chunks", lambda lo_, nb: [(s0, n0) for s0, n0 in chunks(lo_, nb, max(1, nb >> 28))])):
+        first, again = float("inf"), float("inf")
+        for _ in range(2):
+            y = np.empty_like(x, order="F")
+            np.copyto(y, x)  # touched by its producer
+            parts = parts_of(y.ctypes.data, y.nbytes)
+            for which in ("first", "again"):
+                t0 = time.perf_counter()
+                for p0, n0 in parts:
+                    runtime.hostRegister(p0, n0, 1)
+                t1 = time.perf_counter()
+                for p0, _ in parts:
+                    runtime.hostUnregister(p0)
+                if which == "first":
+                    first = min(first, t1 - t0)
+                else:
+                    again = min(again, t1 - t0)
+            del y
+        note(f"hostRegister fresh array, {label}, first", first)
+        note(f"hostRegister fresh array, {label}, again", again)
+
     pinned_mem = cupy.cuda.alloc_pinned_memory(nbytes)
     pinned = np.frombuffer(pinned_mem, dtype=x.dtype, count=x.size).reshape(x.shape, order="F")
     for t in threads:

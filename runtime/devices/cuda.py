@@ -40,6 +40,17 @@ def _cublas():
     return cublas
 
 
+def cublas_routine(name: str, dtype):
+    """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm): CuPy's binding, else the
+    same libcublas through ctypes."""
+    prefix = _PREFIX[np.dtype(dtype)]
+    fn = getattr(_cublas(), prefix + name, None)
+    if fn is None:
+        from .cublas_ctypes import routine
+        fn = routine(prefix, name)
+    return fn
+
+
 def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
     """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
     return ((cols - 1) * ld + rows) * isz
@@ -240,12 +251,7 @@ class CudaDevice(Device):
         key = (name, dtype)
         fn = self._blas.get(key)
         if fn is None:
-            prefix = _PREFIX[np.dtype(dtype)]
-            fn = getattr(_cublas(), prefix + name, None)
-            if fn is None:  # not bound by CuPy: the same libcublas through ctypes
-                from .cublas_ctypes import routine
-                fn = routine(prefix, name)
-            self._blas[key] = fn
+            fn = self._blas[key] = cublas_routine(name, dtype)
         return fn
 
     @staticmethod
@@ -361,26 +367,11 @@ class CudaDevice(Device):
     def _make_inverse(self, s, step, call, a) -> "_Inverse":
         import cupy
         from cupy.cuda import runtime
-        size, isz, lower = step.a.rows, call.itemsize, step.uplo
-        h, uplo = self.handles[s], 1 - lower
-        sc = call.scalars.ctypes.data
-        one, minus_one = sc + SC_ONE * isz, sc + SC_MINUS_ONE * isz
+        size, isz = step.a.rows, call.itemsize
         buf = cupy.empty((size, size), dtype=call.dtype, order="F")  # on stream s: run_step made it current
-        base = buf.data.ptr
-        runtime.memcpy2DAsync(base, size * isz, a[0], a[1] * isz, size * isz, size, MEMCPY_DEFAULT,
+        runtime.memcpy2DAsync(buf.data.ptr, size * isz, a[0], a[1] * isz, size * isz, size, MEMCPY_DEFAULT,
                               self.stream_ptrs[s])
-        trsm, trmm = self._routine("trsm", call.dtype), self._routine("trmm", call.dtype)
-        for o in tri_inverse_ops(size, lower, self.INVERSE_LEAF):
-            if type(o) is Leaf:  # the block's inverse: a solve against the identity, copied in
-                ident = cupy.eye(o.size, dtype=call.dtype).T  # F-ordered (symmetric)
-                blk = base + (o.d0 + o.d0 * size) * isz
-                trsm(h, 0, uplo, 0, step.diag, o.size, o.size, one, blk, size, ident.data.ptr, o.size)
-                buf[o.d0:o.d0 + o.size, o.d0:o.d0 + o.size] = ident
-                continue
-            r0, c0, rows, cols = o.blk
-            bp = base + (r0 + c0 * size) * isz
-            trmm(h, o.side, uplo, 0, step.diag, rows, cols, minus_one if o.negate else one,
-                 base + (o.a0 + o.a0 * size) * isz, size, bp, size, bp, size)
+        invert_triangle(self.handles[s], buf, step.uplo, step.diag, self.INVERSE_LEAF, self._routine)
         return _Inverse(buf, size, s, self.record(s))
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
@@ -470,6 +461,29 @@ class CudaDevice(Device):
         if not keep and time.perf_counter() - t0 > 30.0:
             self._reanchor()  # float32 milliseconds lose precision far from the anchor
         return out
+
+
+def invert_triangle(handle, buf, lower: int, diag: int, leaf: int, routine) -> None:
+    """Replace the stored triangle of the square F-ordered CuPy array ``buf`` by its inverse
+    (tri_inverse.py's ops: leaf solves against the identity, then TRMMs), on the current stream,
+    which must be ``handle``'s; ``routine(name, dtype)`` gives the cuBLAS function."""
+    import cupy
+    size, isz, dtype = buf.shape[0], buf.itemsize, buf.dtype
+    scalars = np.array([1, -1], dtype=dtype)  # host scalars: read when each call is made
+    one, minus_one = scalars.ctypes.data, scalars.ctypes.data + isz
+    uplo, base = 1 - lower, buf.data.ptr
+    trsm, trmm = routine("trsm", dtype), routine("trmm", dtype)
+    for o in tri_inverse_ops(size, lower, leaf):
+        if type(o) is Leaf:  # the block's inverse: a solve against the identity, copied in
+            ident = cupy.eye(o.size, dtype=dtype).T  # F-ordered (symmetric)
+            blk = base + (o.d0 + o.d0 * size) * isz
+            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, size, ident.data.ptr, o.size)
+            buf[o.d0:o.d0 + o.size, o.d0:o.d0 + o.size] = ident
+            continue
+        r0, c0, rows, cols = o.blk
+        bp = base + (r0 + c0 * size) * isz
+        trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
+             base + (o.a0 + o.a0 * size) * isz, size, bp, size, bp, size)
 
 
 class _Inverse:
