@@ -44,6 +44,7 @@ PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
 CHUNK_BYTES = 256 << 20  # one registration: ~5 ms at the measured 57 GB/s
 HOST_REGISTER_PORTABLE = 1
+WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 ERROR_ALREADY_REGISTERED = 712
 
 
@@ -117,10 +118,12 @@ class Pinning:
         return cls(lo, hi, [(lo, hi)], foreign=True)
 
     def wait(self, lo: int, hi: int) -> None:
-        """Until every chunk overlapping bytes [lo, hi) is registered or has failed."""
+        """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
+        done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
         for (s, e), ev in zip(self.chunks, self.ready):
-            if s < hi and lo < e:
-                ev.wait()
+            if s < hi and lo < e and not ev.wait(WAIT_SECONDS):
+                raise TimeoutError(f"host memory bytes [{s:#x}, {e:#x}) were not page-locked within "
+                                   f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes takes ~5 ms per 256 MiB)")
 
     def pieces(self, ptr: int, pitch: int, width: int, cols: int) -> list[tuple[int, int, int, int]]:
         """The 2-D copy split so each piece lies in one region, once those regions are ready."""

@@ -191,3 +191,13 @@ def test_a_failed_chunk_is_copied_as_pageable_memory(fake_cuda, monkeypatch):
     assert start + (1 << 16) in p.cuts and start + (2 << 16) in p.cuts
     reg.release(a)
     assert start + (1 << 16) not in rt.unregistered and start in rt.unregistered
+
+
+def test_a_chunk_never_registered_fails_the_wait_instead_of_hanging(monkeypatch):
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "WAIT_SECONDS", 0.05)
+    p = Pinning(0, 4 * PAGE, [(0, 2 * PAGE), (2 * PAGE, 4 * PAGE)])
+    p.ready[0].set()
+    assert p.pieces(0, PAGE, PAGE, 2) == [(0, 2, 0, PAGE)]
+    with pytest.raises(TimeoutError, match=r"\[0x2000, 0x4000\) were not page-locked within 0.05 s"):
+        p.pieces(0, PAGE, PAGE, 3)

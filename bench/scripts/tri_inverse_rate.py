@@ -56,8 +56,12 @@ def main(argv=None) -> int:
     x = b.copy(order="F")
     line("trsm tile (diagonal step, direct)",
          timed(lambda: trsm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n)))
-    line("trmm tile (diagonal step with A^-1)",
+    line("trmm tile, in place",
          timed(lambda: trmm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n, x.data.ptr, n)))
+    y = cupy.empty_like(x, order="F")
+    line("trmm tile, out of place + copy back (with A^-1)",
+         timed(lambda: (trmm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n, y.data.ptr, n),
+                        x.__setitem__(Ellipsis, y))))
     want = np.linalg.inv(np.triu(a_h).astype(np.complex128))
     for leaf in (int(v) for v in args.leaves.split(",")):
         w = a.copy(order="F")

@@ -83,6 +83,7 @@ class CudaDevice(Device):
         self._kernels = {}
         self._blas = {}
         self._inverses: dict = {}  # (call id, diagonal TileRef) -> _Inverse, least recently used first
+        self._scratches: dict = {}  # compute stream -> CuPy buffer for out-of-place tile kernels
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -129,7 +130,7 @@ class CudaDevice(Device):
         finally:
             for inv in self._inverses.values():  # the streams are idle (or broken): no sync
                 self._events += inv.events()
-            self._inverses = {}
+            self._inverses, self._scratches = {}, {}
             for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
                     [r[-2] for r in self._open_records]:
                 try:
@@ -304,9 +305,16 @@ class CudaDevice(Device):
         alpha, _ = self._ptrs(call, step, False, False)
         h, uplo = self.handles[s], 1 - step.uplo
         if self.knobs.trsm_inverse:  # X = op(A)^-1 C = op(A^-1) C, A^-1 made once per device
+            from cupy.cuda import runtime
             inv = self._inverse(s, step, call, a)
+            # Out of place, then copied back: cuBLAS's in-place DTRMM ran at 29 TFLOPS on an H200
+            # against 54 out of place (bench/results/tri-inverse-rate-*).
+            isz = call.itemsize
+            tmp = self._scratch(s, step.m * step.n * isz)
             self._routine("trmm", call.dtype)(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha,
-                                              inv.ptr, inv.ld, c[0], c[1], c[0], c[1])
+                                              inv.ptr, inv.ld, c[0], c[1], tmp, step.m)
+            runtime.memcpy2DAsync(c[0], c[1] * isz, tmp, step.m * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
+                                  self.stream_ptrs[s])
             inv.used(self, s)
             return
         trsm = self._routine("trsm", call.dtype)
@@ -334,10 +342,12 @@ class CudaDevice(Device):
                 gemm(h, 0, step.op_a, crows, ccols, xcols, minus_one, xp, ldc, ap, lda, scale, cp, ldc)
 
     #: Leaves of the recursive triangle inversion (tri_inverse.py), and how many inverses a
-    #: device keeps (least recently used dropped first; each is one diagonal tile, 134 MB for
-    #: a 4096 double tile, allocated from CuPy's pool outside the tile cache).
+    #: device keeps (least recently used dropped first). Each inverse, and each compute
+    #: stream's scratch tile, is one diagonal tile (134 MB for a 4096 double tile) from
+    #: CuPy's pool, outside the tile cache: within the memory the cache leaves free
+    #: (RESERVE_BYTES).
     INVERSE_LEAF = 512
-    INVERSE_SLOTS = 4
+    INVERSE_SLOTS = 3
 
     def _inverse(self, s, step, call, a) -> "_Inverse":
         """The inverse of the stored triangle of diagonal tile ``step.a`` (loaded at ``a``), made on
@@ -353,6 +363,15 @@ class CudaDevice(Device):
             runtime.streamWaitEvent(self.stream_ptrs[s], inv.ready)
         self._inverses[key] = inv  # most recently used last
         return inv
+
+    def _scratch(self, s: int, nbytes: int) -> int:
+        """Pointer to a device buffer of at least ``nbytes`` for stream ``s`` alone (stream order
+        keeps its uses apart), from CuPy's pool, kept until the device closes."""
+        import cupy
+        buf = self._scratches.get(s)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratches[s] = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
+        return buf.data.ptr
 
     def _drop_inverses(self, cid: int) -> None:
         """Make room for one more inverse: other calls' first, then the least recently used,
@@ -473,6 +492,7 @@ def invert_triangle(handle, buf, lower: int, diag: int, leaf: int, routine) -> N
     one, minus_one = scalars.ctypes.data, scalars.ctypes.data + isz
     uplo, base = 1 - lower, buf.data.ptr
     trsm, trmm = routine("trsm", dtype), routine("trmm", dtype)
+    scratch = None
     for o in tri_inverse_ops(size, lower, leaf):
         if type(o) is Leaf:  # the block's inverse: a solve against the identity, copied in
             ident = cupy.eye(o.size, dtype=dtype).T  # F-ordered (symmetric)
@@ -481,9 +501,12 @@ def invert_triangle(handle, buf, lower: int, diag: int, leaf: int, routine) -> N
             buf[o.d0:o.d0 + o.size, o.d0:o.d0 + o.size] = ident
             continue
         r0, c0, rows, cols = o.blk
-        bp = base + (r0 + c0 * size) * isz
+        if scratch is None:
+            scratch = cupy.empty((size, size), dtype=dtype, order="F")
+        # out of place into the scratch block, then copied back (in-place TRMM is twice as slow)
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
-             base + (o.a0 + o.a0 * size) * isz, size, bp, size, bp, size)
+             base + (o.a0 + o.a0 * size) * isz, size, base + (r0 + c0 * size) * isz, size, scratch.data.ptr, size)
+        buf[r0:r0 + rows, c0:c0 + cols] = scratch[:rows, :cols]
 
 
 class _Inverse:
