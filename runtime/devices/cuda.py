@@ -484,29 +484,40 @@ class CudaDevice(Device):
 
 def invert_triangle(handle, buf, lower: int, diag: int, leaf: int, routine) -> None:
     """Replace the stored triangle of the square F-ordered CuPy array ``buf`` by its inverse
-    (tri_inverse.py's ops: leaf solves against the identity, then TRMMs), on the current stream,
-    which must be ``handle``'s; ``routine(name, dtype)`` gives the cuBLAS function."""
+    (tri_inverse.py's ops), on the current stream, which must be ``handle``'s; ``routine(name,
+    dtype)`` gives the cuBLAS function. Leaves are solved against an identity in a scratch
+    block and copied in; products go out of place into the scratch block and are copied back
+    (in-place TRMM runs at half speed). Only cuBLAS calls and pitched copies are issued: they
+    are cheap to issue, so the GPU does not wait for the host between them."""
     import cupy
+    from cupy.cuda import runtime
     size, isz, dtype = buf.shape[0], buf.itemsize, buf.dtype
+    stream = cupy.cuda.get_current_stream().ptr
     scalars = np.array([1, -1], dtype=dtype)  # host scalars: read when each call is made
     one, minus_one = scalars.ctypes.data, scalars.ctypes.data + isz
     uplo, base = 1 - lower, buf.data.ptr
     trsm, trmm = routine("trsm", dtype), routine("trmm", dtype)
-    scratch = None
-    for o in tri_inverse_ops(size, lower, leaf):
-        if type(o) is Leaf:  # the block's inverse: a solve against the identity, copied in
-            ident = cupy.eye(o.size, dtype=dtype).T  # F-ordered (symmetric)
+    ops = tri_inverse_ops(size, lower, leaf)
+    big = max(o.size for o in ops if type(o) is Leaf)
+    eye = cupy.eye(big, dtype=dtype)  # symmetric, so also F-ordered; its top-left blocks are identities
+    scratch = cupy.empty((size, size), dtype=dtype, order="F")
+    sp = scratch.data.ptr
+
+    def copy(dst, dld, src, sld, rows, cols):
+        runtime.memcpy2DAsync(dst, dld * isz, src, sld * isz, rows * isz, cols, MEMCPY_DEFAULT, stream)
+
+    for o in ops:
+        if type(o) is Leaf:
             blk = base + (o.d0 + o.d0 * size) * isz
-            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, size, ident.data.ptr, o.size)
-            buf[o.d0:o.d0 + o.size, o.d0:o.d0 + o.size] = ident
+            copy(sp, size, eye.data.ptr, big, o.size, o.size)
+            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, size, sp, size)
+            copy(blk, size, sp, size, o.size, o.size)
             continue
         r0, c0, rows, cols = o.blk
-        if scratch is None:
-            scratch = cupy.empty((size, size), dtype=dtype, order="F")
-        # out of place into the scratch block, then copied back (in-place TRMM is twice as slow)
+        bp = base + (r0 + c0 * size) * isz
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
-             base + (o.a0 + o.a0 * size) * isz, size, base + (r0 + c0 * size) * isz, size, scratch.data.ptr, size)
-        buf[r0:r0 + rows, c0:c0 + cols] = scratch[:rows, :cols]
+             base + (o.a0 + o.a0 * size) * isz, size, bp, size, sp, size)
+        copy(bp, size, sp, size, rows, cols)
 
 
 class _Inverse:
