@@ -296,9 +296,11 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
 TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands")
 #: ``auto`` lists level by level when the grid has at most this many tiles, else as a wave. In the
 #: 2-GPU timing sim (bench/results/NOTES.md, fourth session) the wave won from 5 x 5 tiles up
-#: (+5% at 5 x 5, +6% at 8 x 8, +2% at 12 x 12) but lost 10% at 4 x 4, where the whole call fits
-#: in the two devices' stations and streams at once (2 x 8 tasks) and the order only decides
-#: which device gets which tasks.
+#: (+7% at 5 x 5 and 6 x 6, +5% at 8 x 8, +1% at 12 x 12) but lost 12% at 4 x 4 (N = 16384, T =
+#: 4096), where the whole call is held at once (2 devices x (station 4 + streams 4)) and the order
+#: only decides which device gets which tasks: level by level, one device takes level 0 and the
+#: other level 1, and they share B's tiles. The rule follows the 2-GPU case; it costs 5% at 3 x 3,
+#: and 4 GPUs would prefer the wave at 4 x 4 too (+8%).
 AUTO_LEVELS_MAX_TILES = 16
 
 
