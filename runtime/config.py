@@ -46,6 +46,11 @@ Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices`
 ``hostduplex=1``
     separate caps for the two directions (a PCIe link); default 0: one cap
     for H2D and D2H together (memory bandwidth).
+``krate=KERNEL:F/KERNEL:F...``
+    per-kernel rate factors: a ``KERNEL`` step runs at ``F`` times ``rate``
+    (e.g. ``krate=trmm:0.9/trsm:0.35``: the diagonal TRMM and TRSM tile
+    kernels measured at 54 and 21 TFLOPS where GEMM steps ran at 60 on
+    H200). Kernels not named run at ``rate``. Default: none.
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ from dataclasses import dataclass, field
 KNOWN_KINDS = ("cuda", "sim", "cpu")
 SIM_FLOAT_OPTIONS = ("slow", "rate", "h2d", "d2h", "p2p")
 #: Options of the data-free timing mode and of the shared host link (see the module docstring).
-SIM_TIMING_OPTIONS = ("timing", "data", "mem", "dilate", "issue", "host", "hostgroup", "hostduplex")
+SIM_TIMING_OPTIONS = ("timing", "data", "mem", "dilate", "issue", "host", "hostgroup", "hostduplex", "krate")
+#: Tile kernels a sim runs (``devices/numpy_kernels.KERNELS``), the names ``krate=`` accepts.
+SIM_KERNELS = ("gemm", "scale", "axpby", "syrk", "herk", "syr2k", "her2k", "symm", "hemm", "trmm", "trsm")
 SIM_OPTIONS = SIM_FLOAT_OPTIONS + ("speeds", "fail", "peers") + SIM_TIMING_OPTIONS
 MIN_SIM_MEM = 1 << 16  # the smallest tile-cache heap (configure's cache_bytes has the same floor)
 
@@ -123,6 +130,19 @@ def parse_size(value: str) -> float:
     return float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
 
 
+def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
+    """'trmm:0.9/trsm:0.35' -> (('trmm', 0.9), ('trsm', 0.35)); ValueError on a bad item."""
+    out: dict[str, float] = {}
+    for item in value.split("/"):
+        name, sep, factor = item.partition(":")
+        name = name.strip()
+        f = float(factor) if sep else float("nan")  # ValueError for a non-number
+        if name not in SIM_KERNELS or name in out or not 0 < f < float("inf"):
+            raise ValueError(f"krate: bad item {item!r}")
+        out[name] = f
+    return tuple(out.items())
+
+
 _TIMING_RULES = {
     "timing": "0 or 1",
     "data": "0 or 1",
@@ -132,6 +152,7 @@ _TIMING_RULES = {
     "host": "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10",
     "hostgroup": "an int >= 1",
     "hostduplex": "0 or 1",
+    "krate": f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}",
 }
 
 
@@ -152,6 +173,8 @@ def _check_timing_option(k: str, v: str, spec: str) -> None:
             ok = x > 0 and x != float("inf")
         elif k == "hostgroup":
             ok = int(v) >= 1
+        elif k == "krate":
+            parse_krate(v)
     except ValueError:
         ok = False
     if not ok:
@@ -219,6 +242,7 @@ class SimSettings:
     host: float | None = None  # shared host cap, bytes/s (None: independent links)
     hostgroup: int | None = None  # sims per shared cap (None: all of them)
     hostduplex: bool = False  # separate H2D and D2H caps
+    krate: tuple[tuple[str, float], ...] = ()  # (kernel, rate factor) pairs; others run at ``rate``
 
 
 def sim_settings(spec: DeviceSpec) -> SimSettings:
@@ -233,4 +257,5 @@ def sim_settings(spec: DeviceSpec) -> SimSettings:
         host=parse_size(o["host"]) if "host" in o else None,
         hostgroup=int(o["hostgroup"]) if "hostgroup" in o else None,
         hostduplex=o.get("hostduplex") == "1",
+        krate=parse_krate(o["krate"]) if "krate" in o else (),
     )

@@ -46,7 +46,11 @@ Scheduling flags:
   tile (``c_init``) and are listed level by level (every column of the first
   block row solved, then the next...), so ready work comes first;
 * in-place TRMM tasks have the mirror ``deps`` (write after read): a B tile is
-  overwritten only once every task reading its old value has finished;
+  overwritten only once every task reading its old value has finished. The
+  block columns (side 0) or rows (side 1) of B are independent *lines*; tasks
+  are listed as a wave over them (``trmm_order``: line l starts one level after
+  line l - 1), so B comes from the host one line per level instead of all of
+  it for the first level (level by level for grids of at most 16 tiles);
 * both carry ``gates`` (see ``Task``): TRSM's step k waits only for the X tile
   it reads, TRMM's write-back alone waits, so tasks start early and overlap
   their loads and updates with the tasks they depend on.
@@ -286,9 +290,88 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
     return list(range(count)) if ascending else list(range(count - 1, -1, -1))
 
 
+#: Order families of in-place TRMM tasks (:func:`trmm_order`); ``lines``, ``wave``, ``work`` and
+#: ``bands`` take a number. Only ``auto`` (the default), ``levels`` and ``wave`` are meant for use;
+#: the others are kept so that ``bench/level3_sim.py`` can reproduce the comparison in NOTES.md.
+TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands")
+#: ``auto`` lists level by level when the grid has at most this many tiles, else as a wave. In the
+#: 2-GPU timing sim (bench/results/NOTES.md, fourth session) the wave won from 5 x 5 tiles up
+#: (+7% at 5 x 5 and 6 x 6, +5% at 8 x 8, +1% at 12 x 12) but lost 12% at 4 x 4 (N = 16384, T =
+#: 4096), where the whole call is held at once (2 devices x (station 4 + streams 4)) and the order
+#: only decides which device gets which tasks: level by level, one device takes level 0 and the
+#: other level 1, and they share B's tiles. The rule follows the 2-GPU case; it costs 5% at 3 x 3,
+#: and 4 GPUs would prefer the wave at 4 x 4 too (+8%).
+AUTO_LEVELS_MAX_TILES = 16
+
+
+def _order_key(order: str, levels: int, lines: int):
+    """The sort key of (depth, line) cells for ``order`` (see :func:`trmm_order`)."""
+    family = order.rstrip("0123456789.")
+    arg = order[len(family):]
+    try:
+        x = float(arg) if arg else None
+    except ValueError:
+        x = None
+        family = "?"
+    integral = family in ("lines", "bands", "work")
+    if (family not in TRMM_ORDERS or (x is None and family in ("work", "bands"))
+            or (x is not None and (family in ("auto", "levels") or not x > 0 or (integral and x != int(x))))):
+        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], lines[Q], work[Q], bands[B] "
+                         f"(S a number > 0, default 1; Q and B ints >= 1, lines' default 1)")
+    if family == "auto":
+        family, x = ("levels", None) if levels * lines <= AUTO_LEVELS_MAX_TILES else ("wave", None)
+    if family == "levels":
+        return lambda c: (c[0], c[1])
+    if family == "wave":
+        s = 1.0 if x is None else x
+        return lambda c: (c[0] + s * c[1], c[1])
+    if family == "lines":
+        q = 1 if x is None else int(x)
+        return lambda c: (c[1] // q, c[0], c[1])
+    if family == "bands":
+        b = int(x)
+        return lambda c: (c[0] // b, c[1], c[0])
+    # work: line l starts once 1/q of a line's steps are listed (a level of depth d has levels - d steps)
+    before = [sum(levels - e for e in range(d)) for d in range(levels + 1)]
+    start = before[levels] / x
+    return lambda c: (before[c[0]] + c[1] * start, c[1])
+
+
+def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order: str = "auto") -> list[tuple[int, int]]:
+    """The tiles (i, j) of an in-place TRMM, in task-list order.
+
+    A *line* is a block column of B (side 0) or a block row (side 1). Its tiles
+    read and overwrite only tiles of the same line, so they depend only on each
+    other, level by level: the tile of depth d (``trmm_levels(...)[d]``) is
+    written after the tiles of depth < d of its line. Every order below keeps
+    each line's tiles in depth order, so every task is listed after its
+    dependencies; they differ in how the lines are interleaved:
+
+    * ``levels``: depth 0 of every line, then depth 1, ... The first level reads
+      all of B (side 0, upper: C_0j reads B_kj for every k), so a device's first
+      tasks each need a whole column of B from the host before any reuse.
+    * ``wave[S]`` (S default 1): line l starts S levels after line l - 1; cell
+      (d, l) sorts by d + S l, then by line. With S = 1 one new line of B and
+      one new row of A enter per level, and the loads of a new line overlap the
+      updates of the lines already started.
+    * ``lines[Q]``: Q lines at a time, level by level among them (Q = 1: line
+      by line).
+    * ``work[Q]``: as ``wave``, with depths weighted by their steps: line l
+      starts once 1/Q of a line's steps have been listed.
+    * ``bands[B]``: B levels at a time, line by line within them.
+    * ``auto`` (default): ``levels`` for grids of at most ``AUTO_LEVELS_MAX_TILES``
+      tiles, else ``wave``.
+    """
+    levels = trmm_levels(m, n, tile, side, lower, op)
+    lines = n_tiles(n if side == SIDE_LEFT else m, tile)
+    key = _order_key(order, len(levels), lines)
+    cells = sorted(((d, ln) for d in range(len(levels)) for ln in range(lines)), key=key)
+    return [(levels[d], ln) if side == SIDE_LEFT else (ln, levels[d]) for d, ln in cells]
+
+
 def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: int, *,
               alpha_zero: bool = False, is_complex: bool = False,
-              block: tuple[int, int] = (1, 1), in_place: bool = False) -> list[Task]:
+              block: tuple[int, int] = (1, 1), in_place: bool = False, order: str = "auto") -> list[Task]:
     """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1) (Eq. 1d).
 
     A is the ``lower`` (else upper) triangle of the stored square A (m x m for
@@ -301,22 +384,22 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
     Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
     is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
     same array as B, so a tile may be written only once every task reading
-    its old value has finished. Tasks are listed level by level
-    (:func:`trmm_levels`) and depend on every task of the earlier levels in
-    their block column (side 0) or block row (side 1): write-after-read
-    dependencies, the mirror of TRSM's read-after-write ones.
+    its old value has finished. Each task depends on every task of the earlier
+    levels (:func:`trmm_levels`) in its block column (side 0) or block row
+    (side 1): write-after-read dependencies, the mirror of TRSM's
+    read-after-write ones. Tasks are listed in ``order`` (:func:`trmm_order`;
+    every order lists a task after its dependencies, and the dependencies do
+    not depend on the order); ``order`` is not used out of place.
     """
     eff_lower = effective_lower(lower, op)
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
     if in_place and not alpha_zero:
-        levels = trmm_levels(m, n, tile, side, lower, op)
-        others = range(tn) if side == SIDE_LEFT else range(tm)
-        order = [((lv, o) if side == SIDE_LEFT else (o, lv)) for lv in levels for o in others]
+        cells = trmm_order(m, n, tile, side, lower, op, order)
     else:
-        order = list(tile_order(tm, tn, block))
+        cells = list(tile_order(tm, tn, block))
     tasks: list[Task] = []
     tid_of: dict[tuple[int, int], int] = {}
-    for i, j in order:
+    for i, j in cells:
         c = tile_ref(TRMM_C, i, j, m, n, tile)
         if alpha_zero:
             steps = (_scale(c, SC_ZERO),)

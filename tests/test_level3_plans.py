@@ -20,8 +20,8 @@ import scipy.linalg.blas as sblas
 from blasx.runtime.devices.numpy_kernels import KERNELS
 from blasx.runtime.plans import (
     SYMM_A, SYMM_B, SYMM_C, SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A, SYRK_C, TRMM_A, TRMM_B, TRMM_C, TRSM_A,
-    TRSM_B, TRSM_X, effective_lower, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, step_flops, trmm_levels,
-    trsm_levels,
+    TRSM_B, TRSM_X, AUTO_LEVELS_MAX_TILES, effective_lower, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm,
+    step_flops, trmm_levels, trmm_order, trsm_levels,
 )
 from blasx.runtime.tasks import (
     N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step,
@@ -181,10 +181,84 @@ def test_plan_trmm_in_place_orders_writes_after_reads():
     assert not any(t.deps for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0, alpha_zero=True, in_place=True))
 
 
-@pytest.mark.parametrize("m,n,T", [(9, 5, 4), (4, 13, 4), (13, 13, 3)])
-def test_plan_trmm_in_place_every_reader_precedes_the_writer(m, n, T):
+def test_plan_trmm_in_place_wave_order_hand_computed():
+    # B 10x8 in 2x2 tiles: 5 block rows (levels; upper op(A), left: row 0 first) x 4 block columns
+    # (lines). 20 tiles > AUTO_LEVELS_MAX_TILES, so the default order is the wave: cell (depth d,
+    # line l) sorts by d + l, then by line.
+    tasks = plan_trmm(10, 8, 2, 0, 0, OP_N, 0, in_place=True)
+    assert [(t.c.bi, t.c.bj) for t in tasks] == [
+        (0, 0),
+        (1, 0), (0, 1),
+        (2, 0), (1, 1), (0, 2),
+        (3, 0), (2, 1), (1, 2), (0, 3),
+        (4, 0), (3, 1), (2, 2), (1, 3),
+        (4, 1), (3, 2), (2, 3),
+        (4, 2), (3, 3),
+        (4, 3)]
+    # write after read: a tile waits for the tasks of the rows above it in its column
+    assert [t.deps for t in tasks] == [
+        (),
+        (0,), (),
+        (0, 1), (2,), (),
+        (0, 1, 3), (2, 4), (5,), (),
+        (0, 1, 3, 6), (2, 4, 7), (5, 8), (9,),
+        (2, 4, 7, 11), (5, 8, 12), (9, 13),
+        (5, 8, 12, 15), (9, 13, 16),
+        (9, 13, 16, 18)]
+    # only the write-back waits: row i has 5 - i steps, then the gate
+    assert all(t.gates == ((),) * (5 - t.c.bi) + (t.deps,) and len(t.steps) == 5 - t.c.bi for t in tasks)
+    # the same tasks and the same dependencies (as tiles) as level by level
+    levels = plan_trmm(10, 8, 2, 0, 0, OP_N, 0, in_place=True, order="levels")
+    assert [(t.c.bi, t.c.bj) for t in levels] == [(i, j) for i in range(5) for j in range(4)]
+
+    def by_tile(ts):
+        tile = {t.tid: (t.c.bi, t.c.bj) for t in ts}
+        return {tile[t.tid]: (t.steps, {tile[d] for d in t.deps}) for t in ts}
+    assert by_tile(tasks) == by_tile(levels)
+
+
+def test_trmm_order_hand_computed():
+    # right side, upper op(A): lines are block rows, the right column is written first
+    # (levels [2, 1, 0]); wave: (d, l) = (0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (2, 1)
+    assert trmm_order(6, 9, 3, 1, 0, OP_N, "wave") == [(0, 2), (0, 1), (1, 2), (0, 0), (1, 1), (1, 0)]
+    assert trmm_order(6, 9, 3, 1, 0, OP_N, "levels") == [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0)]
+    # left, lower op(A) (upper stored, transposed): the bottom row first; edge tiles count as tiles
+    assert trmm_levels(7, 5, 3, 0, 0, OP_T) == [2, 1, 0]
+    assert trmm_order(7, 5, 3, 0, 0, OP_T, "wave") == [(2, 0), (1, 0), (2, 1), (0, 0), (1, 1), (0, 1)]
+    assert trmm_order(7, 5, 3, 0, 0, OP_T, "lines") == [(2, 0), (1, 0), (0, 0), (2, 1), (1, 1), (0, 1)]
+    assert trmm_order(7, 5, 3, 0, 0, OP_T, "bands2") == [(2, 0), (1, 0), (2, 1), (1, 1), (0, 0), (0, 1)]
+    # wave2: a line starts 2 levels after the previous one; lines2: 2 lines at a time, by level
+    assert trmm_order(9, 9, 3, 0, 0, OP_N, "wave2") == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+                                                        (0, 2), (1, 2), (2, 2)]
+    assert trmm_order(9, 9, 3, 0, 0, OP_N, "lines2") == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
+                                                         (0, 2), (1, 2), (2, 2)]
+    # work4: depths weighted by their steps (3, 2, 1 of 6): line l starts 1.5 steps after line l - 1
+    assert trmm_order(9, 9, 3, 0, 0, OP_N, "work4") == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0),
+                                                        (1, 2), (2, 1), (2, 2)]
+
+
+def test_trmm_order_auto():
+    # up to AUTO_LEVELS_MAX_TILES tiles level by level, above them the wave
+    assert AUTO_LEVELS_MAX_TILES == 16
+    for m, n in ((16, 16), (8, 32), (32, 8), (20, 16)):
+        want = "levels" if n_tiles(m, 4) * n_tiles(n, 4) <= 16 else "wave"
+        for side, lower, op in itertools.product((0, 1), (0, 1), (OP_N, OP_T, OP_C)):
+            assert trmm_order(m, n, 4, side, lower, op) == trmm_order(m, n, 4, side, lower, op, want)
+    assert trmm_order(20, 16, 4, 0, 0, OP_N)[:3] == [(0, 0), (1, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("order", ["wave-1", "wave0", "lines1.5", "bands", "work", "levels2", "auto3", "zigzag", ""])
+def test_trmm_order_rejects_bad_names(order, expect):
+    expect(ValueError, "order:", repr(order), "allowed: auto, levels, wave[S], lines[Q]",
+           call=lambda: plan_trmm(8, 8, 2, 0, 0, OP_N, 0, in_place=True, order=order))
+
+
+@pytest.mark.parametrize("order", ["auto", "levels", "wave", "wave2", "wave0.5", "lines", "lines2", "work4", "bands3"])
+@pytest.mark.parametrize("m,n,T", [(9, 5, 4), (4, 13, 4), (13, 13, 3), (17, 11, 2)])
+def test_plan_trmm_in_place_every_reader_precedes_the_writer(m, n, T, order):
     for side, lower, op in itertools.product((0, 1), (0, 1), (OP_N, OP_T, OP_C)):
-        tasks = plan_trmm(m, n, T, side, lower, op, 0, in_place=True)
+        tasks = plan_trmm(m, n, T, side, lower, op, 0, in_place=True, order=order)
+        assert all(d < t.tid for t in tasks for d in t.deps)  # listed after its dependencies
         writer = {(t.c.bi, t.c.bj): t for t in tasks}
         for t in tasks:
             for s in t.steps:

@@ -165,6 +165,30 @@ def test_trmm_trsm_in_place_all_flags(sim3, rand, rel_err, tol, dtype):
         assert out is b and rel_err(b, expect) < tol(dtype), (routine, side, lower, trans_a, diag)
 
 
+@pytest.mark.parametrize("order", ["levels", "wave", "wave2", "lines", "lines2", "work4", "bands3"])
+def test_in_place_trmm_every_order(sim3, rand, rel_err, tol, monkeypatch, order):
+    """Every listing order of runtime.plans.trmm_order runs on the scheduler (3 sims, 5 x 4 tiles
+    with edge tiles) and gives scipy's result for every flag combination: the order changes only
+    which tasks are pulled first, never the write-after-read dependencies."""
+    import blasx.blas3
+    from blasx.runtime.plans import plan_trmm
+
+    planned = []
+
+    def plan(*a, **kw):
+        planned.append(kw["in_place"])
+        return plan_trmm(*a, **kw, order=order)
+    monkeypatch.setattr(blasx.blas3, "plan_trmm", plan)
+    for side, lower, trans_a in itertools.product((0, 1), (0, 1), (0, 1, 2)):
+        m, n = (37, 29) if side == 0 else (29, 37)
+        s = m if side == 0 else n
+        a, b = well_conditioned(rand, s, np.float64, 7), rand((m, n), np.float64, 8)
+        expect = ref("trmm", np.float64, -1.25, a, b, side=side, lower=lower, trans_a=trans_a)
+        out = blasx.trmm(-1.25, poisoned(a, lower), b, side=side, lower=lower, trans_a=trans_a, overwrite_b=True)
+        assert out is b and rel_err(b, expect) < tol(np.float64), (order, side, lower, trans_a)
+    assert planned == [True] * 12
+
+
 def test_prefixed_functions_cast_like_scipy(sim3, rand, rel_err, tol):
     a, b, c = rand((13, 13), np.float64, 1), rand((13, 9), np.float64, 2), rand((13, 9), np.float64, 3)
     for p, dt in (("s", np.float32), ("d", np.float64), ("c", np.complex64), ("z", np.complex128)):

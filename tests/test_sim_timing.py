@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from blasx.runtime.call import Call, Operand
-from blasx.runtime.config import SimSettings, parse_devices, parse_size, sim_settings
+from blasx.runtime.config import SIM_KERNELS, SimSettings, parse_devices, parse_size, sim_settings
 from blasx.runtime.devices import sim as sim_mod
 from blasx.runtime.devices.sim import HostLink, SimModel, TimingLoc, build_sim_devices
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
+from blasx.runtime.plans import plan_trmm
 from blasx.runtime.stats import CallStats, DeviceInfo
 from blasx.runtime.tasks import plan_gemm
 from blasx.runtime.tiling import OP_N
@@ -176,6 +177,47 @@ def test_sim_settings():
     s = sim_settings(parse_devices("sim:8,data=0,mem=70.5G,dilate=20,issue=2e-5,host=200G"))
     assert s == SimSettings(timing=True, mem=70_500_000_000, dilate=20.0, issue=2e-5, host=200e9)
     assert sim_settings(parse_devices("sim:2,timing=0")).timing is False
+    assert sim_settings(parse_devices("sim:2,krate=trsm:0.35/trmm:0.9")).krate == (("trsm", 0.35), ("trmm", 0.9))
+
+
+def test_krate_names_every_sim_kernel():
+    assert set(SIM_KERNELS) == set(sim_mod.KERNELS)
+
+
+def test_kernel_rate_factors():
+    model = SimModel(rate=4e9, dilate=2.0, krate=(("trsm", 0.25), ("trmm", 0.5)))
+    assert model.kernel_time(4e9) == 2.0  # gemm (and any kernel not named) at rate
+    assert model.kernel_time(4e9, "syrk") == 2.0
+    assert model.kernel_time(4e9, "trmm") == 4.0
+    assert model.kernel_time(4e9, "trsm") == 8.0
+    devs = build_sim_devices(parse_devices("sim:2,slow=3,krate=trsm:0.25"), streams=1)
+    assert [d.model.krate for d in devs] == [(("trsm", 0.25),)] * 2
+    assert devs[1].model.kernel_time(4e9, "trsm") == 12.0  # slow applies on top
+
+
+def test_timing_mode_kernels_take_their_own_rate(no_numpy_kernels):
+    # One 32 x 32 TRMM tile (32^3 flops, one trmm step): at rate 1e6 it lasts 32.8 ms; krate=trmm:0.25 x4.
+    tile, rate = 32, 1e6
+    busy = {}
+    for extra in ("", ",krate=trmm:0.25"):
+        devs = build_sim_devices(parse_devices(f"sim:1,timing=1,rate={rate:g},h2d=1e12,d2h=1e12{extra}"),
+                                 streams=1)
+        eng = Engine(EngineConfig(devices=devs, streams=1, knobs=Knobs()))
+        dt = np.dtype(np.float64)
+        ops = [Operand(None, tile, tile, tile, (i + 1) << 40, -1, (next(_bases), tile, tile, tile, dt.str, tile))
+               for i in range(3)]
+        stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs])
+        call = Call("trmm", ops, plan_trmm(tile, tile, tile, 0, 0, OP_N, 0), dt, 1.0, 0.0, stats)
+        try:
+            eng.start()
+            eng.submit(call)
+        finally:
+            eng.shutdown()
+        assert call.error is None
+        busy[extra] = stats.profile().breakdown()[0].busy
+    bound = tile ** 3 / rate
+    assert bound <= busy[""] <= 1.3 * bound, busy
+    assert 4 * bound <= busy[",krate=trmm:0.25"] <= 1.3 * 4 * bound, busy
 
 
 @pytest.mark.parametrize("text,option,allowed", [
@@ -191,6 +233,11 @@ def test_sim_settings():
     ("sim:2,host=fast", "host", "a bandwidth in bytes/s > 0"),
     ("sim:2,host=1G,hostgroup=0", "hostgroup", "an int >= 1"),
     ("sim:2,host=1G,hostduplex=2", "hostduplex", "0 or 1"),
+    ("sim:2,krate=trsm", "krate", "KERNEL:FACTOR pairs"),
+    ("sim:2,krate=trsm:0", "krate", "KERNEL:FACTOR pairs"),
+    ("sim:2,krate=trsm:x", "krate", "KERNEL:FACTOR pairs"),
+    ("sim:2,krate=potrf:0.5", "krate", "KERNEL:FACTOR pairs"),
+    ("sim:2,krate=trsm:0.3/trsm:0.4", "krate", "KERNEL:FACTOR pairs joined by '/', each kernel once"),
 ])
 def test_bad_option_values_name_option_value_and_what_is_allowed(text, option, allowed):
     with pytest.raises(ValueError) as info:
