@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import scipy.linalg.blas as _sp_blas
 
 from . import session
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
@@ -12,11 +13,25 @@ from .operands import TokenTable, canonical, is_cupy, leading_dim, make_operand
 from .runtime.call import Call, Operand
 from .runtime.devices import numpy_kernels
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
-from .runtime.tasks import gemm_flops, plan_gemm
-from .runtime.tiling import OP_N
+from .runtime.tasks import plan_gemm
+from .runtime.tiling import OP_N, OP_T
 from .tile import choose_tile
 
-_tls = threading.local()
+
+class _ThreadCalls(threading.local):
+    """Per thread: ``stats`` of its last call, and that call's ``profile`` once made. Class-level
+    defaults: a missing attribute never raises (getattr with a default costs ~0.7 us)."""
+    stats = None
+    profile = None
+    profile_of = None
+
+
+_tls = _ThreadCalls()
+
+#: This thread's last call, for the host fast paths of the front ends to set: ``last_call.stats``
+#: is a CallStats, or a host record ``(device, t0, t1, dtype, real flops)`` that
+#: :func:`last_profile` turns into one when asked (a tuple: recording a call costs ~50 ns).
+last_call = _tls
 
 #: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
 ROUTINES = frozenset(("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
@@ -38,12 +53,12 @@ def running_call(thread_ident: int):
 
 def last_profile():
     """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
-    stats = getattr(_tls, "stats", None)
+    stats = _tls.stats
     if stats is None:
         return None
-    if type(stats) is _HostCall:
-        stats = _tls.stats = stats.call_stats()
-    prof = getattr(_tls, "profile", None)
+    if type(stats) is tuple:
+        stats = _tls.stats = _host_stats(*stats)
+    prof = _tls.profile
     if prof is None or _tls.profile_of is not stats:
         prof = _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
         _tls.profile_of = stats
@@ -53,31 +68,39 @@ def last_profile():
 def _keep_profile(stats) -> None:
     """``stats`` becomes this thread's last call; its profile is made when asked for. A call
     that failed before its last task may have no finish time yet: it ends now."""
-    if type(stats) is not _HostCall and not stats.finished:
+    if not stats.finished:
         stats.finish()
     _tls.stats = stats
 
 
-class _HostCall:
-    """What a CPU-only GEMM leaves for :func:`last_profile`: its stats, made only when asked for."""
+def keep_host_call(dev, t0: float, dtype: np.dtype, real_flops: float) -> None:
+    """A call the host BLAS ran in this thread from ``t0`` until now becomes this thread's last
+    call: one clock read and one tuple (the hot paths write the same tuple themselves).
+    ``real_flops`` counts a real call's flops (a complex one counts 4 times that)."""
+    _tls.stats = (dev, t0, clock(), dtype, real_flops)
 
-    __slots__ = ("dev", "t0", "t1", "flops", "trace")
 
-    def __init__(self, dev, t0: float, t1: float, flops: float, trace: bool) -> None:
-        self.dev, self.t0, self.t1, self.flops, self.trace = dev, t0, t1, flops, trace
-
-    def call_stats(self) -> CallStats:
-        dev = self.dev
-        stats = CallStats([DeviceInfo(dev.index, dev.name, dev.kind)], keep_records=self.trace)
-        stats.start(self.t0)
-        row = stats.owned_row(0)
-        row["tasks"], row["steps"], row["flops"] = 1, 1, self.flops
-        stats.add_record(OpRecord(0, "host", self.t0, self.t1, flops=self.flops, task=0, name="task"))
-        stats.finish(self.t1)
-        return stats
+def _host_stats(dev, t0: float, t1: float, dtype: np.dtype, real_flops: float) -> CallStats:
+    """The stats of a host call recorded by :func:`keep_host_call`: one task on the CPU device."""
+    flops = real_flops * (4.0 if dtype.kind == "c" else 1.0)
+    stats = CallStats([DeviceInfo(dev.index, dev.name, dev.kind)], keep_records=dev.trace)
+    stats.start(t0)
+    row = stats.owned_row(0)
+    row["tasks"], row["steps"], row["flops"] = 1, 1, flops
+    stats.add_record(OpRecord(0, "host", t0, t1, flops=flops, task=0, name="task"))
+    stats.finish(t1)
+    return stats
 
 
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.complex64, np.complex128))
+
+# scipy's own ?gemm per dtype (taken from scipy.linalg._fblas through get_blas_funcs, never the
+# module attribute that blasx.offload may replace): the host BLAS of a CPU-only gemm.
+_HOST_GEMM = {dt: _sp_blas.get_blas_funcs("gemm", dtype=dt) for dt in _FAST_DTYPES}
+
+# An operand's op seen through its transpose: a C-ordered x is the F-ordered x.T, so op N of x is
+# op T of x.T and op T is op N (op C of x, conj without transpose of x.T, has no BLAS form).
+_FLIP = {OP_N: OP_T, OP_T: OP_N}
 
 
 def _op_shape(x, op: int) -> tuple[int, int]:
@@ -101,6 +124,9 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
         m, ka = _op_shape(a, trans_a)
         kb, n = _op_shape(b, trans_b)
         if ka == kb:  # else the checks below raise the error
+            dev = session.host_device
+            if dev is not None and m and n and ka and alpha != 0:
+                return _host_gemm(dev, alpha, a, b, trans_a, trans_b, m, n, ka)
             out = np.empty((m, n), dtype=a.dtype, order="F")
             if m and n:
                 _run_gemm(alpha, a, b, 0, out, trans_a, trans_b, a.dtype, ka)
@@ -135,6 +161,27 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     if m and n:
         _run_gemm(alpha, a, b, beta, out, trans_a, trans_b, dtype, ka)
     return out
+
+
+def _host_gemm(dev, alpha, a, b, trans_a: int, trans_b: int, m: int, n: int, k: int):
+    """The CPU alone (``session.host_device``): scipy's own ?gemm, on F-ordered views where the
+    operands allow it (scipy would copy a C-ordered operand first). Only for a call that passed
+    every check by construction, with m, n, k > 0 and alpha != 0 (BLAS's quick returns, and
+    A and B not read when alpha is 0, stay with the general path)."""
+    va, opa = _blas_view(a, trans_a)
+    vb, opb = _blas_view(b, trans_b)
+    t0 = clock()
+    out = _HOST_GEMM[a.dtype](alpha, va, vb, 0.0, None, opa, opb)
+    _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * m * n * k)
+    return out
+
+
+def _blas_view(x, op: int):
+    """(x or x.T, op): an F-ordered operand for the BLAS where x is C-ordered and op is N or T."""
+    flags = x.flags
+    if op in _FLIP and flags.c_contiguous and not flags.f_contiguous:
+        return x.T, _FLIP[op]
+    return x, op
 
 
 def matmul(a, b, out=None):
@@ -246,8 +293,8 @@ def _gemm_on_host(eng, alpha, a, op_a, b, op_b, beta, c, dtype, k) -> None:
         flops = 0.0
     else:
         numpy_kernels.gemm_views(a, b, c, op_a, op_b, t(alpha), t(beta))
-        flops = gemm_flops(c.shape[0], c.shape[1], k, dtype.kind == "c")
-    _keep_profile(_HostCall(eng.devices[0], t0, clock(), flops, session.settings().trace))
+        flops = 2.0 * c.shape[0] * c.shape[1] * k
+    keep_host_call(eng.devices[0], t0, dtype, flops)
 
 
 def block_shape(eng) -> tuple[int, int]:
