@@ -34,6 +34,7 @@ import numbers
 
 import numpy as np
 
+from . import hostpath
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
 from .level3 import _as_dtype, _xp, submit_planned
 from .operands import canonical, column_major_view, is_cupy
@@ -409,12 +410,13 @@ def _prefixed(prefix: str, routine: str):
     name = prefix + routine
     order = _ORDER[impl]
 
-    def f(*args, **kwargs):
+    def general(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
         return impl(*(given.get(p) for p in order), dtype=dtype, name=name, **kw)  # syrk/herk: b is None
 
+    f = hostpath.with_host_path(prefix, routine, general)  # the CPU alone: scipy's routine for plain calls
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__
