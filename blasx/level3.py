@@ -11,6 +11,7 @@ from . import session
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
 from .operands import TokenTable, canonical, is_cupy, leading_dim, make_operand
 from .runtime.call import Call, Operand
+from .runtime.engine import EngineClosed
 from .runtime.devices import numpy_kernels
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
 from .runtime.tasks import plan_gemm
@@ -309,12 +310,30 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
     ``views`` are the operands in canonical (column-major) form, in the planner's
     slot order; ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)``
     sizes the call for the tile choice. Raises the call's error, if any.
+    A call that finds its engine shut down before its tasks were queued (configure() or
+    shutdown() in another thread) runs on the engine that replaces it.
     """
-    eng = session.engine()
     dtype = np.dtype(dtype)
-    if eng.inline:
-        _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims)
-        return
+    for attempt in range(_ENGINE_ATTEMPTS):
+        eng = session.engine()
+        if eng.inline:
+            _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims)
+            return
+        try:
+            _submit_on(eng, name, views, plan, dtype, alpha, beta, dims)
+            return
+        except EngineClosed:
+            if attempt == _ENGINE_ATTEMPTS - 1:
+                raise
+
+
+# Engines a call tries when each is shut down before it was queued: enough for a configure()
+# racing the call, bounded for an exit (atexit's shutdown) racing it.
+_ENGINE_ATTEMPTS = 3
+
+
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims) -> None:
+    """:func:`submit_planned` on the worker engine ``eng`` (raises EngineClosed from eng.submit)."""
     tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]

@@ -343,3 +343,50 @@ def test_threads_keep_their_own_profiles(rand, rel_err, tol):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_reconfigure_while_threads_call(rand, rel_err):
+    """Calls racing configure() run either on the host or on the new engine, never fail or go wrong."""
+    a, b = rand((12, 10), seed=1, order="C"), rand((10, 8), seed=2, order="C")
+    ref = a @ b
+    stop = threading.Event()
+    errors = []
+
+    def work():
+        try:
+            while not stop.is_set():
+                assert rel_err(blasx.matmul(a, b), ref) < 1e-12
+                assert rel_err(blasx.gemm(1.0, a, b), ref) < 1e-12
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for spec in ("sim:2", "cpu", "sim:2", "cpu"):
+        blasx.configure(devices=spec)
+        blasx.engine()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert session.host_device is not None
+
+
+def test_a_call_whose_engine_was_shut_down_runs_on_the_new_one(rand, rel_err, monkeypatch):
+    """The engine a call fetched is shut down before its tasks are queued (configure() in another
+    thread): the call runs on the new engine instead of waiting forever behind the sentinels."""
+    blasx.configure(devices="sim:2", tile=4)
+    old = blasx.engine()
+    old.shutdown()
+    fetched = iter([old])
+    real = session.engine
+    monkeypatch.setattr(session, "engine", lambda: next(fetched, None) or real())
+    a = rand((10, 6), seed=1)
+    got = blasx.dsyrk(1.0, a, lower=1)
+    assert rel_err(np.tril(got), np.tril(a @ a.T)) < 1e-12
+    assert blasx.last_profile().devices[0].kind == "sim"
+    from blasx.runtime.engine import EngineClosed
+    with pytest.raises(EngineClosed, match="shut down"):  # every engine it tries is shut down: it says so
+        monkeypatch.setattr(session, "engine", lambda: old)
+        blasx.dsyrk(1.0, a)
