@@ -3,6 +3,7 @@
     python -m bench.offload_threshold                      # default devices, float64, 32..2048
     python -m bench.offload_threshold --devices cpu --dtypes d,s --runs 5
     python -m bench.offload_threshold --devices cuda --sizes 256,512,1024,2048,4096,8192
+    python -m bench.offload_threshold --offload --dtypes s,d,c,z --rounds 40
 
 For each square size N it times numpy's own ``a @ b`` and ``blasx.matmul(a, b)`` on the same
 host arrays (best of ``--runs`` after one untimed warm-up call each, the two interleaved),
@@ -10,6 +11,14 @@ checks blasx's result, and prints the ratio. The crossover is the flop count 2 N
 for complex types) of the smallest N from which blasx is faster at every measured size; the
 offload threshold should be set there (``blasx.offload(threshold=...)``,
 ``$BLASX_OFFLOAD_THRESHOLD``, or ``DEFAULT_THRESHOLDS`` in blasx/offload.py per device kind).
+
+``--offload`` measures the other side: what offload costs the calls it leaves alone. For each
+size (16..512 by default) it times ``a @ b``, ``np.dot(a, b)`` and ``scipy.linalg.blas.?gemm(1.0,
+a, b)`` outside offload and inside ``blasx.offload(threshold=--threshold)`` (default 1e15 flops:
+above every size, and finite, so that the wrappers work out their size bound), interleaved
+(rounds alternate which side goes first; one timing runs ``number`` calls, calibrated to
+``--target-ms``), and reports per call the best and median time of each side and their ratio.
+It checks that nothing was offloaded and that both sides give the same result.
 """
 
 from __future__ import annotations
@@ -17,12 +26,16 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import statistics
+import sys
 import time
+import timeit
 
 import numpy as np
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 DEFAULT_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+OFFLOAD_SIZES = (16, 32, 64, 128, 256, 512)
 
 
 def flops(n: int, dtype) -> float:
@@ -63,6 +76,83 @@ def measure(sizes, dtype, runs: int) -> list[dict]:
     return rows
 
 
+def _operands(n: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.standard_normal((n, n)).astype(dtype)
+        b = b + 1j * rng.standard_normal((n, n)).astype(dtype)
+    return a, b
+
+
+def offload_calls(a, b) -> dict:
+    """The unmodified calls offload may redirect. Attributes are looked up at each call, so inside
+    offload they reach its replacements (numpy's matmul loops, numpy.dot, scipy's ?gemm)."""
+    import scipy.linalg.blas as spblas
+    gemm = {"f": "sgemm", "d": "dgemm", "F": "cgemm", "D": "zgemm"}[a.dtype.char]
+    return {"a @ b": lambda: a @ b, "np.dot": lambda: np.dot(a, b),
+            f"scipy {gemm}": lambda: getattr(spblas, gemm)(1.0, a, b)}
+
+
+def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float) -> list[dict]:
+    """Per size and call: best and median per-call time outside and inside blasx.offload(threshold)."""
+    import importlib
+
+    import blasx
+    off = importlib.import_module("blasx.offload")  # the module (blasx.offload is the context manager)
+
+    rows = []
+    for n in sizes:
+        a, b = _operands(n, dtype)
+        calls = offload_calls(a, b)
+        outside = {name: fn() for name, fn in calls.items()}
+        with blasx.offload(threshold=threshold):
+            before = off.offload_stats()
+            inside = {name: fn() for name, fn in calls.items()}
+        for name in calls:
+            if not np.array_equal(inside[name], outside[name]):
+                raise AssertionError(f"{name}, N={n}: the result inside offload differs from the one outside")
+        number = {name: max(1, int(target_s / max(timeit.Timer(fn).timeit(3) / 3, 1e-9))) for name, fn in calls.items()}
+        times = {(name, side): [] for name in calls for side in ("out", "in")}
+
+        def time_side(side):
+            for name, fn in calls.items():
+                times[(name, side)].append(timeit.Timer(fn).timeit(number[name]) / number[name])
+
+        for r in range(rounds):
+            for side in (("out", "in") if r % 2 == 0 else ("in", "out")):
+                if side == "in":
+                    with blasx.offload(threshold=threshold):
+                        time_side("in")
+                else:
+                    time_side("out")
+        after = off.offload_stats()
+        moved = {k: after[k] - before[k] for k in ("matmul", "dot", "scipy")}
+        if any(moved.values()):
+            raise AssertionError(f"N={n}: calls below the threshold were offloaded: {moved}")
+        for name in calls:
+            t_out, t_in = times[(name, "out")], times[(name, "in")]
+            rows.append({"n": n, "call": name, "number": number[name],
+                         "out_best": min(t_out), "out_med": statistics.median(t_out),
+                         "in_best": min(t_in), "in_med": statistics.median(t_in),
+                         "ratio_best": min(t_in) / min(t_out),
+                         "ratio_med": statistics.median(t_in) / statistics.median(t_out)})
+    return rows
+
+
+def print_offload(rows: list[dict], dtype) -> None:
+    print(f"\n{np.dtype(dtype).name} (per-call us; ratio = inside / outside):")
+    print(f"{'N':>5} {'call':<12} {'out best':>9} {'out med':>9} {'in best':>9} {'in med':>9} "
+          f"{'ratio best':>10} {'ratio med':>9}")
+    for r in rows:
+        print(f"{r['n']:>5} {r['call']:<12} {r['out_best'] * 1e6:>9.2f} {r['out_med'] * 1e6:>9.2f} "
+              f"{r['in_best'] * 1e6:>9.2f} {r['in_med'] * 1e6:>9.2f} {r['ratio_best']:>10.3f} {r['ratio_med']:>9.3f}")
+    worst = max(rows, key=lambda r: r["ratio_best"])
+    print(f"worst best-ratio ({np.dtype(dtype).name}): {worst['ratio_best']:.3f} ({worst['call']}, N={worst['n']}); "
+          f"within 5%: {'yes' if worst['ratio_best'] <= 1.05 else 'NO'}")
+
+
 def crossover(rows: list[dict]) -> float:
     """Flops of the smallest size from which blasx wins at every larger measured size (inf: never)."""
     best = math.inf
@@ -79,9 +169,19 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default=None, help="blasx devices spec (default: blasx's default: all GPUs, else cpu)")
     p.add_argument("--tile", type=int, default=None, help="blasx tile size (default: chosen per call)")
     p.add_argument("--dtypes", default="d", help="comma list of s,d,c,z (default d)")
-    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of N")
+    p.add_argument("--sizes", default=None, help=f"comma list of N (default {','.join(map(str, DEFAULT_SIZES))}; "
+                                                  f"with --offload {','.join(map(str, OFFLOAD_SIZES))})")
     p.add_argument("--runs", type=int, default=3, help="timed runs per contender and size (x4 below N=512)")
+    p.add_argument("--offload", action="store_true",
+                   help="instead: time a @ b, np.dot and scipy ?gemm below the threshold inside blasx.offload() "
+                        "against the same calls outside it")
+    p.add_argument("--threshold", type=float, default=1e15, help="--offload: the threshold inside the block "
+                   "(default 1e15 flops: above every size, finite so that the wrappers work out their bound)")
+    p.add_argument("--rounds", type=int, default=30, help="--offload: interleaved rounds per size (default 30)")
+    p.add_argument("--target-ms", type=float, default=2.0, help="--offload: length of one timing in ms (default 2)")
     args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = ",".join(map(str, OFFLOAD_SIZES if args.offload else DEFAULT_SIZES))
 
     import blasx
     import threadpoolctl
@@ -93,9 +193,20 @@ def main(argv=None) -> int:
     blas = threadpoolctl.threadpool_info()
     blas_txt = ", ".join(f"{i.get('internal_api')} {i.get('version')} x{i.get('num_threads')}" for i in blas
                          if i.get("user_api") == "blas")
+    print(f"# command: python -m bench.offload_threshold {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, numpy {np.__version__} "
           f"({blas_txt}), blasx devices: {devices}")
     try:
+        if args.offload:
+            from blasx import _ufunc_loops
+            t = _ufunc_loops.trampoline()
+            fwd = t.forwarder(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+            print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
+                  f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing")
+            for code in args.dtypes.split(","):
+                dtype = DTYPES[code.strip()]
+                print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3), dtype)
+            return 0
         for code in args.dtypes.split(","):
             dtype = DTYPES[code.strip()]
             rows = measure(sizes, dtype, args.runs)

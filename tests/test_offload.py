@@ -488,3 +488,14 @@ def test_bench_offload_threshold_runs(capsys):
     assert bench.main(["--devices", "sim:2", "--tile", "16", "--sizes", "16,32", "--runs", "1"]) == 0
     out = capsys.readouterr().out
     assert "crossover (float64)" in out and "numpy ms" in out
+
+
+def test_bench_offload_mode_runs(capsys):
+    bench = importlib.import_module("bench.offload_threshold")
+    assert bench.main(["--offload", "--devices", "cpu", "--dtypes", "s,z", "--sizes", "8", "--rounds", "2",
+                       "--target-ms", "0.2"]) == 0
+    out = capsys.readouterr().out
+    for what in ("a @ b", "np.dot", "scipy sgemm", "scipy zgemm", "within 5%", "ratio best"):
+        assert what in out, what
+    assert not O.offload_active()
+
