@@ -9,6 +9,7 @@ inputs), raise the same errors, and leave a profile for last_profile(), in every
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import threading
 
@@ -390,3 +391,14 @@ def test_a_call_whose_engine_was_shut_down_runs_on_the_new_one(rand, rel_err, mo
     with pytest.raises(EngineClosed, match="shut down"):  # every engine it tries is shut down: it says so
         monkeypatch.setattr(session, "engine", lambda: old)
         blasx.dsyrk(1.0, a)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def test_bench_cpu_overhead_runs(capsys):
+    bench = importlib.import_module("bench.cpu_overhead")
+    assert bench.main(["--sizes", "8", "--dtypes", "d,c", "--rounds", "2", "--target-ms", "0.2"]) == 0
+    out = capsys.readouterr().out
+    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best"):
+        assert what in out, what
+    assert "WRONG" not in out
