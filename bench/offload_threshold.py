@@ -200,7 +200,8 @@ def main(argv=None) -> int:
         if args.offload:
             from blasx import _ufunc_loops
             t = _ufunc_loops.trampoline()
-            fwd = t.forwarder(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+            make = getattr(t, "forwarder", None)  # absent before the forwarders: measures that version too
+            fwd = make is not None and make(np.dot, np.dot, (0, "a"), (1, "b")) is not None
             print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
                   f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing")
             for code in args.dtypes.split(","):
