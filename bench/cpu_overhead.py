@@ -17,6 +17,7 @@ median). Every blasx result is checked against the peer's (relative error).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
 import statistics
@@ -122,36 +123,50 @@ def main(argv=None) -> int:
     p.add_argument("--entries", default=None, help="comma list of entry names (default: all; see the output)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per entry (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="length of one timing in ms (default 2)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
+                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
+                        "spinning after a call, and calls that alternate between the two libraries then take "
+                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
     args = p.parse_args(argv)
+
+    import threadpoolctl
 
     import blasx
 
     blasx.configure(devices="cpu")
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
+              else contextlib.nullcontext())
     wanted = set(args.entries.split(",")) if args.entries else None
     print(f"# command: python -m bench.cpu_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
+    try:
+        with limits:
+            return _run(args, sizes, wanted)
+    finally:
+        blasx.shutdown()
+
+
+def _run(args, sizes, wanted) -> int:
     print(header())
     print("# per-call us: best / median over the rounds; overhead = blasx - peer")
     print(f"{'dtype':>6} {'N':>5} {'entry':<14} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
           f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'ratio':>6} {'rel err':>8}")
-    try:
-        for code in args.dtypes.split(","):
-            for n in sizes:
-                for name, (ours, peer) in entries(code.strip(), n).items():
-                    if wanted is not None and name not in wanted:
-                        continue
-                    err = rel_err(ours(), peer())
-                    r = compare(ours, peer, args.rounds, args.target_ms / 1e3)
-                    us = {k: v * 1e6 for k, v in r.items() if k != "number"}
-                    print(f"{code:>6} {n:>5} {name:<14} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
-                          f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
-                          f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
-                          f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}", flush=True)
-                    if not err < (1e-4 if code in "sc" else 1e-12) * max(1.0, math.sqrt(n)):
-                        print(f"# WRONG RESULT: {name} {code} N={n}: rel err {err:.1e}")
-                        return 1
-    finally:
-        blasx.shutdown()
+    for code in args.dtypes.split(","):
+        for n in sizes:
+            for name, (ours, peer) in entries(code.strip(), n).items():
+                if wanted is not None and name not in wanted:
+                    continue
+                err = rel_err(ours(), peer())
+                r = compare(ours, peer, args.rounds, args.target_ms / 1e3)
+                us = {k: v * 1e6 for k, v in r.items() if k != "number"}
+                print(f"{code:>6} {n:>5} {name:<14} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
+                      f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
+                      f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
+                      f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}", flush=True)
+                if not err < (1e-4 if code in "sc" else 1e-12) * max(1.0, math.sqrt(n)):
+                    print(f"# WRONG RESULT: {name} {code} N={n}: rel err {err:.1e}")
+                    return 1
     return 0
 
 

@@ -24,6 +24,7 @@ It checks that nothing was offloaded and that both sides give the same result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
 import statistics
@@ -153,6 +154,24 @@ def print_offload(rows: list[dict], dtype) -> None:
           f"within 5%: {'yes' if worst['ratio_best'] <= 1.05 else 'NO'}")
 
 
+def _offload_mode(args, sizes) -> int:
+    import threadpoolctl
+
+    from blasx import _ufunc_loops
+    t = _ufunc_loops.trampoline()
+    make = getattr(t, "forwarder", None)  # absent before the forwarders: measures that version too
+    fwd = make is not None and make(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+    threads = ", ".join(f"{i.get('version')} x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info()
+                        if i.get("user_api") == "blas")
+    print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
+          f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing; "
+          f"BLAS threads while timing: {threads}")
+    for code in args.dtypes.split(","):
+        dtype = DTYPES[code.strip()]
+        print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3), dtype)
+    return 0
+
+
 def crossover(rows: list[dict]) -> float:
     """Flops of the smallest size from which blasx wins at every larger measured size (inf: never)."""
     best = math.inf
@@ -179,6 +198,11 @@ def main(argv=None) -> int:
                    "(default 1e15 flops: above every size, finite so that the wrappers work out their bound)")
     p.add_argument("--rounds", type=int, default=30, help="--offload: interleaved rounds per size (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="--offload: length of one timing in ms (default 2)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
+                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
+                        "spinning after a call, and calls that alternate between the two libraries then take "
+                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = ",".join(map(str, OFFLOAD_SIZES if args.offload else DEFAULT_SIZES))
@@ -196,35 +220,32 @@ def main(argv=None) -> int:
     print(f"# command: python -m bench.offload_threshold {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, numpy {np.__version__} "
           f"({blas_txt}), blasx devices: {devices}")
+    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
+              else contextlib.nullcontext())
     try:
-        if args.offload:
-            from blasx import _ufunc_loops
-            t = _ufunc_loops.trampoline()
-            make = getattr(t, "forwarder", None)  # absent before the forwarders: measures that version too
-            fwd = make is not None and make(np.dot, np.dot, (0, "a"), (1, "b")) is not None
-            print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
-                  f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing")
-            for code in args.dtypes.split(","):
-                dtype = DTYPES[code.strip()]
-                print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3), dtype)
-            return 0
-        for code in args.dtypes.split(","):
-            dtype = DTYPES[code.strip()]
-            rows = measure(sizes, dtype, args.runs)
-            print(f"\n{np.dtype(dtype).name}:")
-            print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9}")
-            for r in rows:
-                print(f"{r['n']:>6} {r['flops']:>10.3g} {r['numpy_s'] * 1e3:>10.3f} {r['blasx_s'] * 1e3:>10.3f} "
-                      f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e}")
-            x = crossover(rows)
-            if math.isinf(x):
-                print(f"crossover ({np.dtype(dtype).name}): blasx never wins at these sizes -> threshold inf")
-            else:
-                print(f"crossover ({np.dtype(dtype).name}): blasx wins from {x:.3g} flops on")
+        with limits:
+            if args.offload:
+                return _offload_mode(args, sizes)
+            _threshold_mode(args, sizes)
     finally:
         blasx.shutdown()
     return 0
 
+
+def _threshold_mode(args, sizes) -> None:
+    for code in args.dtypes.split(","):
+        dtype = DTYPES[code.strip()]
+        rows = measure(sizes, dtype, args.runs)
+        print(f"\n{np.dtype(dtype).name}:")
+        print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9}")
+        for r in rows:
+            print(f"{r['n']:>6} {r['flops']:>10.3g} {r['numpy_s'] * 1e3:>10.3f} {r['blasx_s'] * 1e3:>10.3f} "
+                  f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e}")
+        x = crossover(rows)
+        if math.isinf(x):
+            print(f"crossover ({np.dtype(dtype).name}): blasx never wins at these sizes -> threshold inf")
+        else:
+            print(f"crossover ({np.dtype(dtype).name}): blasx wins from {x:.3g} flops on")
 
 if __name__ == "__main__":
     raise SystemExit(main())
