@@ -11,7 +11,8 @@ header lists them, and each entry is compared with the peer it replaces). The tw
 interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
 with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times are reported
 as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
-median). Every blasx result is checked against the peer's (relative error).
+median, and "paired": the median over the rounds of the difference of a round's two timings,
+which are next to each other in time). Every blasx result is checked against the peer's (relative error).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def compare(ours, peer, rounds: int, target_s: float) -> dict:
         for timer, out in pair:
             out.append(timer.timeit(number) / number)
     return {"number": number, "ours_best": min(t_ours), "ours_med": statistics.median(t_ours),
-            "peer_best": min(t_peer), "peer_med": statistics.median(t_peer)}
+            "peer_best": min(t_peer), "peer_med": statistics.median(t_peer),
+            # each round's two timings are next to each other in time: the median of their
+            # differences is the least sensitive to drift and to one lucky timing
+            "paired": statistics.median(o - p for o, p in zip(t_ours, t_peer))}
 
 
 def header() -> str:
@@ -149,9 +153,10 @@ def main(argv=None) -> int:
 
 def _run(args, sizes, wanted) -> int:
     print(header())
-    print("# per-call us: best / median over the rounds; overhead = blasx - peer")
+    print("# per-call us: best / median over the rounds; overhead = blasx - peer (best, median, paired: median of "
+          "the rounds' differences)")
     print(f"{'dtype':>6} {'N':>5} {'entry':<14} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
-          f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'ratio':>6} {'rel err':>8}")
+          f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'paired':>7} {'ratio':>6} {'rel err':>8}")
     for code in args.dtypes.split(","):
         for n in sizes:
             for name, (ours, peer) in entries(code.strip(), n).items():
@@ -163,6 +168,7 @@ def _run(args, sizes, wanted) -> int:
                 print(f"{code:>6} {n:>5} {name:<14} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
                       f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
                       f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
+                      f"{us['paired']:>7.2f} "
                       f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}", flush=True)
                 if not err < (1e-4 if code in "sc" else 1e-12) * max(1.0, math.sqrt(n)):
                     print(f"# WRONG RESULT: {name} {code} N={n}: rel err {err:.1e}")
