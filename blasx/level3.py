@@ -15,7 +15,7 @@ from .runtime.engine import EngineClosed
 from .runtime.devices import numpy_kernels
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
 from .runtime.tasks import plan_gemm
-from .runtime.tiling import OP_N, OP_T
+from .runtime.tiling import OP_C, OP_N, OP_T
 from .tile import choose_tile
 
 
@@ -99,9 +99,8 @@ _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.comple
 # module attribute that blasx.offload may replace): the host BLAS of a CPU-only gemm.
 _HOST_GEMM = {dt: _sp_blas.get_blas_funcs("gemm", dtype=dt) for dt in _FAST_DTYPES}
 
-# An operand's op seen through its transpose: a C-ordered x is the F-ordered x.T, so op N of x is
-# op T of x.T and op T is op N (op C of x, conj without transpose of x.T, has no BLAS form).
-_FLIP = {OP_N: OP_T, OP_T: OP_N}
+_OPS = frozenset((OP_N, OP_T, OP_C))
+_ndarray = np.ndarray
 
 
 def _op_shape(x, op: int) -> tuple[int, int]:
@@ -117,6 +116,17 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     and a c of the right dtype, the result is written into c and c is
     returned. Nothing is written when the arguments are rejected.
     """
+    dev = session.host_device
+    if (dev is not None and c is None and type(a) is _ndarray and type(b) is _ndarray and (dt := a.dtype) is b.dtype
+            and dt in _FAST_DTYPES and (type(alpha) is float or type(alpha) is int) and alpha != 0
+            and type(trans_a) is int and type(trans_b) is int and trans_a in _OPS and trans_b in _OPS
+            and a.ndim == 2 and b.ndim == 2):
+        # The CPU alone and the commonest call, which passes every check below by construction
+        # (``is`` for the dtypes: numpy's builtin dtypes are singletons; an equal one that is another
+        # object takes the shortcut below)
+        out = _host_gemm(dev, alpha, a, b, trans_a, trans_b, dt)
+        if out is not None:
+            return out
     if (c is None and type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2
             and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and type(alpha) in (float, int)
             and type(trans_a) is int and type(trans_b) is int and trans_a in (0, 1, 2) and trans_b in (0, 1, 2)):
@@ -125,9 +135,6 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
         m, ka = _op_shape(a, trans_a)
         kb, n = _op_shape(b, trans_b)
         if ka == kb:  # else the checks below raise the error
-            dev = session.host_device
-            if dev is not None and m and n and ka and alpha != 0:
-                return _host_gemm(dev, alpha, a, b, trans_a, trans_b, m, n, ka)
             out = np.empty((m, n), dtype=a.dtype, order="F")
             if m and n:
                 _run_gemm(alpha, a, b, 0, out, trans_a, trans_b, a.dtype, ka)
@@ -164,25 +171,29 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     return out
 
 
-def _host_gemm(dev, alpha, a, b, trans_a: int, trans_b: int, m: int, n: int, k: int):
+def _host_gemm(dev, alpha, a, b, trans_a: int, trans_b: int, dtype):
     """The CPU alone (``session.host_device``): scipy's own ?gemm, on F-ordered views where the
-    operands allow it (scipy would copy a C-ordered operand first). Only for a call that passed
-    every check by construction, with m, n, k > 0 and alpha != 0 (BLAS's quick returns, and
-    A and B not read when alpha is 0, stay with the general path)."""
-    va, opa = _blas_view(a, trans_a)
-    vb, opb = _blas_view(b, trans_b)
+    operands allow it (scipy would copy a C-ordered operand first), for a call that passed every
+    check by construction (see gemm). None when the shapes do not fit or a dimension is 0: the
+    general path raises, or makes BLAS's quick return (A and B are not read then, nor when
+    alpha is 0, which the caller leaves to it too)."""
+    sa, sb = a.shape, b.shape
+    m, k = (sa[1], sa[0]) if trans_a else sa
+    kb, n = (sb[1], sb[0]) if trans_b else sb
+    if k != kb or not (m and n and k):
+        return None
+    if trans_a != OP_C:  # a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back
+        flags = a.flags
+        if flags.c_contiguous and not flags.f_contiguous:
+            a, trans_a = a.T, 1 - trans_a
+    if trans_b != OP_C:  # (op C of x would be conj without transpose of x.T: no BLAS form)
+        flags = b.flags
+        if flags.c_contiguous and not flags.f_contiguous:
+            b, trans_b = b.T, 1 - trans_b
     t0 = clock()
-    out = _HOST_GEMM[a.dtype](alpha, va, vb, 0.0, None, opa, opb)
-    _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * m * n * k)
+    out = _HOST_GEMM[dtype](alpha, a, b, 0.0, None, trans_a, trans_b)
+    _tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
     return out
-
-
-def _blas_view(x, op: int):
-    """(x or x.T, op): an F-ordered operand for the BLAS where x is C-ordered and op is N or T."""
-    flags = x.flags
-    if op in _FLIP and flags.c_contiguous and not flags.f_contiguous:
-        return x.T, _FLIP[op]
-    return x, op
 
 
 def matmul(a, b, out=None):
