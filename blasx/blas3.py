@@ -431,4 +431,29 @@ for _routine, (_g, _i, _kw, _prefixes) in _TABLE.items():
         PREFIXED[_p + _routine] = globals()[_p + _routine] = _prefixed(_p, _routine)
 del _routine, _g, _i, _kw, _prefixes, _p
 
+
+def _generic_host_path(routine: str):
+    """The generic ``routine`` (``symm``, ``syrk``, ...) with the CPU-only path of
+    :mod:`blasx.hostpath` for plain calls: a's dtype picks the prefix whose path checks the call
+    (b of the same dtype, ...), and a call it does not take runs the generic function itself, so
+    the dtype rules stay the generic ones (a real a for ``herk`` has no path: the generic one)."""
+    generic, _, _, prefixes = _TABLE[routine]
+    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic) for p in prefixes}
+    ndarray = np.ndarray
+
+    def f(*args, **kwargs):
+        a = args[1] if len(args) > 1 else None
+        path = paths.get(a.dtype) if type(a) is ndarray else None
+        return (path or generic)(*args, **kwargs)
+
+    f.__name__ = f.__qualname__ = routine
+    f.__signature__ = inspect.signature(generic)
+    f.__doc__ = generic.__doc__
+    f.__wrapped__ = generic
+    return f
+
+
+symm, hemm, syrk, herk, syr2k, her2k, trmm, trsm = (_generic_host_path(r) for r in
+                                                   ("symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
+
 __all__ = list(_TABLE) + sorted(PREFIXED)

@@ -248,14 +248,16 @@ def _ops(prefix, routine, rand, order):
             yield (1.5, np.asarray(a, order=order), b), {"side": side, "lower": lower, "trans_a": ta, "diag": diag}
 
 
-# blasx.linalg.blas's functions, and blasx's prefixed ones (there is no blasx.dgemm: blasx.gemm is generic)
-CASES = [(m, p, r) for r, ps in B.LEVEL3.items() for p in ps for m in ("linalg", "blasx")
+# blasx.linalg.blas's functions, blasx's prefixed ones (there is no blasx.dgemm: blasx.gemm is generic)
+# and blasx's generic ones (blasx.syrk ...) on arrays of the prefix's dtype
+CASES = [(m, p, r) for r, ps in B.LEVEL3.items() for p in ps for m in ("linalg", "blasx", "generic")
          if not (m == "blasx" and r == "gemm")]
 
 
 @pytest.mark.parametrize("module, prefix, routine", CASES)
 def test_level3_fast_path(module, prefix, routine, rand, rel_err, tol, monkeypatch):
-    fn = getattr(B if module == "linalg" else blasx, prefix + routine)
+    fn = {"linalg": lambda: getattr(B, prefix + routine), "blasx": lambda: getattr(blasx, prefix + routine),
+          "generic": lambda: getattr(blasx, routine)}[module]()
     sp = S.get_blas_funcs(routine, dtype=DT[prefix])
     calls = [(args, kw, order) for order in "FC" for args, kw in _ops(prefix, routine, rand, order)]
     slow = _general(lambda: [fn(*args, **kw) for args, kw, _ in calls])
@@ -285,6 +287,17 @@ def test_level3_errors_are_unchanged(call):
     fast = _error_of(call)
     assert fast == _general(lambda: _error_of(call))
     assert fast[0] in (ValueError, TypeError)
+
+
+def test_generic_level3_keeps_its_dtype_rules(rand, rel_err, tol):
+    """blasx.syrk & co. pick the dtype from all the arrays: mixed ones take the general path."""
+    a32, b64 = rand((6, 4), np.float32, seed=1), rand((6, 4), np.float64, seed=2)
+    got = blasx.syr2k(1.0, a32, b64)
+    assert got.dtype == np.float64
+    ref = a32.astype(np.float64) @ b64.T + b64 @ a32.astype(np.float64).T
+    _rel_ok(rel_err, tol, np.triu(got), np.triu(ref))
+    assert blasx.herk(1.0, b64).dtype == np.complex128  # a real a for herk: the complex type
+    assert blasx.symm(1.0, rand((4, 4), np.float32), b64[:4]).dtype == np.float64
 
 
 def test_level3_non_plain_calls_take_the_general_path(rand, rel_err, tol):
