@@ -75,7 +75,10 @@ from . import _ufunc_loops, numpy_api
 #: ``python -m bench.offload_threshold --devices cpu --dtypes d,s``, N = 32..2048): blasx on the
 #: CPU device never beat numpy's own matmul; numpy time / blasx time was 0.03, 0.05, 0.41, 0.32, 0.45,
 #: 0.62, 0.64 at N = 32 .. 2048 in float64 and 0.02 .. 0.65 in float32 (the CPU device runs the same
-#: BLAS tile by tile, plus scheduling). Offloading to the CPU device never pays: inf.
+#: BLAS tile by tile, plus scheduling). Since 2026-11-23 a plain CPU-only blasx.matmul IS numpy's
+#: matmul plus ~0.6 us of checks (``offload-threshold-cpu-vm2core-20261123.log``: 0.73-0.95 up to
+#: N = 128, 1.00 +- 0.01 from N = 512, noise; its "crossover" at 2048 is a ratio of 1.004). Offloading
+#: to the CPU device never pays: inf.
 #: sim: the simulated GPUs are a test stand-in, slower than numpy: inf (tests pass a threshold).
 #: cuda: NOT measured here (no GPU on this machine): an estimate, 2 * 2048**3 ~ 1.7e10 flops. A host-
 #: resident gemm on a GPU pays ~1 ms of engine and launch overhead plus 3 N^2 words over PCIe/NVLink;
