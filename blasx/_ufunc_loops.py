@@ -342,7 +342,8 @@ def _build():
     cc = _compiler()
     if cc is None:
         return None
-    inc = _python_include()
+    # the forwarders only where the GIL guards their reads of the arrays (as peek_loop's)
+    inc = None if sysconfig.get_config_var("Py_GIL_DISABLED") else _python_include()
     variants = [(_PY_PRELUDE + TRAMPOLINE_C + FORWARD_C, ["-I", inc], True)] if inc else []
     variants.append((TRAMPOLINE_C, [], False))
     for source, flags, forwarders in variants:
