@@ -3,6 +3,7 @@
     python -m bench.offload_threshold                      # default devices, float64, 32..2048
     python -m bench.offload_threshold --devices cpu --dtypes d,s --runs 5
     python -m bench.offload_threshold --devices cuda --sizes 256,512,1024,2048,4096,8192
+    python -m bench.offload_threshold --offload --dtypes s,d,c,z --rounds 40
 
 For each square size N it times numpy's own ``a @ b`` and ``blasx.matmul(a, b)`` on the same
 host arrays (best of ``--runs`` after one untimed warm-up call each, the two interleaved),
@@ -10,19 +11,34 @@ checks blasx's result, and prints the ratio. The crossover is the flop count 2 N
 for complex types) of the smallest N from which blasx is faster at every measured size; the
 offload threshold should be set there (``blasx.offload(threshold=...)``,
 ``$BLASX_OFFLOAD_THRESHOLD``, or ``DEFAULT_THRESHOLDS`` in blasx/offload.py per device kind).
+
+``--offload`` measures the other side: what offload costs the calls it leaves alone. For each
+size (16..512 by default) it times ``a @ b``, ``np.dot(a, b)`` and ``scipy.linalg.blas.?gemm(1.0,
+a, b)`` outside offload and inside ``blasx.offload(threshold=--threshold)`` (default 1e15 flops:
+above every size, and finite, so that the wrappers work out their size bound), interleaved
+(rounds alternate which side goes first; one timing runs ``number`` calls, calibrated to
+``--target-ms``), and reports per call the best and median time of each side, their ratios, and
+the median of the per-round ratios ("paired": the two timings of a round are next to each other
+in time, so drift and one lucky timing matter least; the 5% verdict uses it).
+It checks that nothing was offloaded and that both sides give the same result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
+import statistics
+import sys
 import time
+import timeit
 
 import numpy as np
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 DEFAULT_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+OFFLOAD_SIZES = (16, 32, 64, 128, 256, 512)
 
 
 def flops(n: int, dtype) -> float:
@@ -63,6 +79,108 @@ def measure(sizes, dtype, runs: int) -> list[dict]:
     return rows
 
 
+def _operands(n: int, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, n)).astype(dtype)
+    b = rng.standard_normal((n, n)).astype(dtype)
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * rng.standard_normal((n, n)).astype(dtype)
+        b = b + 1j * rng.standard_normal((n, n)).astype(dtype)
+    return a, b
+
+
+def offload_calls(a, b) -> dict:
+    """The unmodified calls offload may redirect. Attributes are looked up at each call, so inside
+    offload they reach its replacements (numpy's matmul loops, numpy.dot, scipy's ?gemm)."""
+    import scipy.linalg.blas as spblas
+    gemm = {"f": "sgemm", "d": "dgemm", "F": "cgemm", "D": "zgemm"}[a.dtype.char]
+    return {"a @ b": lambda: a @ b, "np.dot": lambda: np.dot(a, b),
+            f"scipy {gemm}": lambda: getattr(spblas, gemm)(1.0, a, b)}
+
+
+def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float) -> list[dict]:
+    """Per size and call: best and median per-call time outside and inside blasx.offload(threshold)."""
+    import importlib
+
+    import blasx
+    off = importlib.import_module("blasx.offload")  # the module (blasx.offload is the context manager)
+
+    rows = []
+    for n in sizes:
+        a, b = _operands(n, dtype)
+        calls = offload_calls(a, b)
+        outside = {name: fn() for name, fn in calls.items()}
+        with blasx.offload(threshold=threshold):
+            before = off.offload_stats()
+            inside = {name: fn() for name, fn in calls.items()}
+        for name in calls:
+            if not np.array_equal(inside[name], outside[name]):
+                raise AssertionError(f"{name}, N={n}: the result inside offload differs from the one outside")
+        number = {name: max(1, int(target_s / max(timeit.Timer(fn).timeit(3) / 3, 1e-9))) for name, fn in calls.items()}
+        times = {(name, side): [] for name in calls for side in ("out", "in")}
+
+        def time_side(side):
+            for name, fn in calls.items():
+                times[(name, side)].append(timeit.Timer(fn).timeit(number[name]) / number[name])
+
+        for r in range(rounds):
+            for side in (("out", "in") if r % 2 == 0 else ("in", "out")):
+                if side == "in":
+                    with blasx.offload(threshold=threshold):
+                        time_side("in")
+                else:
+                    time_side("out")
+        after = off.offload_stats()
+        moved = {k: after[k] - before[k] for k in ("matmul", "dot", "scipy")}
+        if any(moved.values()):
+            raise AssertionError(f"N={n}: calls below the threshold were offloaded: {moved}")
+        for name in calls:
+            t_out, t_in = times[(name, "out")], times[(name, "in")]
+            rows.append({"n": n, "call": name, "number": number[name],
+                         "out_best": min(t_out), "out_med": statistics.median(t_out),
+                         "in_best": min(t_in), "in_med": statistics.median(t_in),
+                         "ratio_best": min(t_in) / min(t_out),
+                         "ratio_med": statistics.median(t_in) / statistics.median(t_out),
+                         # each round's two timings are next to each other in time: the median of
+                         # their ratios is the least sensitive to drift and to one lucky timing
+                         "ratio_pair": statistics.median(i / o for i, o in zip(t_in, t_out))})
+    return rows
+
+
+def print_offload(rows: list[dict], dtype) -> None:
+    print(f"\n{np.dtype(dtype).name} (per-call us; ratio = inside / outside):")
+    print(f"{'N':>5} {'call':<12} {'out best':>9} {'out med':>9} {'in best':>9} {'in med':>9} "
+          f"{'ratio best':>10} {'ratio med':>9} {'paired':>7}")
+    for r in rows:
+        print(f"{r['n']:>5} {r['call']:<12} {r['out_best'] * 1e6:>9.2f} {r['out_med'] * 1e6:>9.2f} "
+              f"{r['in_best'] * 1e6:>9.2f} {r['in_med'] * 1e6:>9.2f} {r['ratio_best']:>10.3f} {r['ratio_med']:>9.3f} "
+              f"{r['ratio_pair']:>7.3f}")
+    name = np.dtype(dtype).name
+    worst_best = max(rows, key=lambda r: r["ratio_best"])
+    worst = max(rows, key=lambda r: r["ratio_pair"])
+    print(f"worst best-ratio ({name}): {worst_best['ratio_best']:.3f} ({worst_best['call']}, N={worst_best['n']}); "
+          f"worst paired ratio: {worst['ratio_pair']:.3f} ({worst['call']}, N={worst['n']}); "
+          f"within 5% (paired): {'yes' if worst['ratio_pair'] <= 1.05 else 'NO'}")
+
+
+def _offload_mode(args, sizes) -> int:
+    import threadpoolctl
+
+    from blasx import _ufunc_loops
+    t = _ufunc_loops.trampoline()
+    make = getattr(t, "forwarder", None)  # absent before the forwarders: measures that version too
+    fwd = make is not None and make(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+    threads = ", ".join(f"{i.get('version')} x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info()
+                        if i.get("user_api") == "blas")
+    print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
+          f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing; "
+          f"BLAS threads while timing: {threads}")
+    for code in args.dtypes.split(","):
+        dtype = DTYPES[code.strip()]
+        print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3), dtype)
+    return 0
+
+
 def crossover(rows: list[dict]) -> float:
     """Flops of the smallest size from which blasx wins at every larger measured size (inf: never)."""
     best = math.inf
@@ -79,9 +197,24 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default=None, help="blasx devices spec (default: blasx's default: all GPUs, else cpu)")
     p.add_argument("--tile", type=int, default=None, help="blasx tile size (default: chosen per call)")
     p.add_argument("--dtypes", default="d", help="comma list of s,d,c,z (default d)")
-    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of N")
+    p.add_argument("--sizes", default=None, help=f"comma list of N (default {','.join(map(str, DEFAULT_SIZES))}; "
+                                                  f"with --offload {','.join(map(str, OFFLOAD_SIZES))})")
     p.add_argument("--runs", type=int, default=3, help="timed runs per contender and size (x4 below N=512)")
+    p.add_argument("--offload", action="store_true",
+                   help="instead: time a @ b, np.dot and scipy ?gemm below the threshold inside blasx.offload() "
+                        "against the same calls outside it")
+    p.add_argument("--threshold", type=float, default=1e15, help="--offload: the threshold inside the block "
+                   "(default 1e15 flops: above every size, finite so that the wrappers work out their bound)")
+    p.add_argument("--rounds", type=int, default=30, help="--offload: interleaved rounds per size (default 30)")
+    p.add_argument("--target-ms", type=float, default=2.0, help="--offload: length of one timing in ms (default 2)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
+                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
+                        "spinning after a call, and calls that alternate between the two libraries then take "
+                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
     args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = ",".join(map(str, OFFLOAD_SIZES if args.offload else DEFAULT_SIZES))
 
     import blasx
     import threadpoolctl
@@ -93,26 +226,35 @@ def main(argv=None) -> int:
     blas = threadpoolctl.threadpool_info()
     blas_txt = ", ".join(f"{i.get('internal_api')} {i.get('version')} x{i.get('num_threads')}" for i in blas
                          if i.get("user_api") == "blas")
+    print(f"# command: python -m bench.offload_threshold {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, numpy {np.__version__} "
           f"({blas_txt}), blasx devices: {devices}")
+    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
+              else contextlib.nullcontext())
     try:
-        for code in args.dtypes.split(","):
-            dtype = DTYPES[code.strip()]
-            rows = measure(sizes, dtype, args.runs)
-            print(f"\n{np.dtype(dtype).name}:")
-            print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9}")
-            for r in rows:
-                print(f"{r['n']:>6} {r['flops']:>10.3g} {r['numpy_s'] * 1e3:>10.3f} {r['blasx_s'] * 1e3:>10.3f} "
-                      f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e}")
-            x = crossover(rows)
-            if math.isinf(x):
-                print(f"crossover ({np.dtype(dtype).name}): blasx never wins at these sizes -> threshold inf")
-            else:
-                print(f"crossover ({np.dtype(dtype).name}): blasx wins from {x:.3g} flops on")
+        with limits:
+            if args.offload:
+                return _offload_mode(args, sizes)
+            _threshold_mode(args, sizes)
     finally:
         blasx.shutdown()
     return 0
 
+
+def _threshold_mode(args, sizes) -> None:
+    for code in args.dtypes.split(","):
+        dtype = DTYPES[code.strip()]
+        rows = measure(sizes, dtype, args.runs)
+        print(f"\n{np.dtype(dtype).name}:")
+        print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9}")
+        for r in rows:
+            print(f"{r['n']:>6} {r['flops']:>10.3g} {r['numpy_s'] * 1e3:>10.3f} {r['blasx_s'] * 1e3:>10.3f} "
+                  f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e}")
+        x = crossover(rows)
+        if math.isinf(x):
+            print(f"crossover ({np.dtype(dtype).name}): blasx never wins at these sizes -> threshold inf")
+        else:
+            print(f"crossover ({np.dtype(dtype).name}): blasx wins from {x:.3g} flops on")
 
 if __name__ == "__main__":
     raise SystemExit(main())

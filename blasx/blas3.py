@@ -34,6 +34,7 @@ import numbers
 
 import numpy as np
 
+from . import hostpath
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
 from .level3 import _as_dtype, _xp, submit_planned
 from .operands import canonical, column_major_view, is_cupy
@@ -409,12 +410,13 @@ def _prefixed(prefix: str, routine: str):
     name = prefix + routine
     order = _ORDER[impl]
 
-    def f(*args, **kwargs):
+    def general(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
         return impl(*(given.get(p) for p in order), dtype=dtype, name=name, **kw)  # syrk/herk: b is None
 
+    f = hostpath.with_host_path(prefix, routine, general)  # the CPU alone: scipy's routine for plain calls
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__
@@ -428,5 +430,30 @@ for _routine, (_g, _i, _kw, _prefixes) in _TABLE.items():
     for _p in _prefixes:
         PREFIXED[_p + _routine] = globals()[_p + _routine] = _prefixed(_p, _routine)
 del _routine, _g, _i, _kw, _prefixes, _p
+
+
+def _generic_host_path(routine: str):
+    """The generic ``routine`` (``symm``, ``syrk``, ...) with the CPU-only path of
+    :mod:`blasx.hostpath` for plain calls: a's dtype picks the prefix whose path checks the call
+    (b of the same dtype, ...), and a call it does not take runs the generic function itself, so
+    the dtype rules stay the generic ones (a real a for ``herk`` has no path: the generic one)."""
+    generic, _, _, prefixes = _TABLE[routine]
+    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic) for p in prefixes}
+    ndarray = np.ndarray
+
+    def f(*args, **kwargs):
+        a = args[1] if len(args) > 1 else None
+        path = paths.get(a.dtype) if type(a) is ndarray else None
+        return (path or generic)(*args, **kwargs)
+
+    f.__name__ = f.__qualname__ = routine
+    f.__signature__ = inspect.signature(generic)
+    f.__doc__ = generic.__doc__
+    f.__wrapped__ = generic
+    return f
+
+
+symm, hemm, syrk, herk, syr2k, her2k, trmm, trsm = (_generic_host_path(r) for r in
+                                                   ("symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
 
 __all__ = list(_TABLE) + sorted(PREFIXED)

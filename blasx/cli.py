@@ -37,7 +37,8 @@ BENCHES = {
     "gemm": ("bench.gemm", "GEMM on host arrays: blasx vs cuBLAS-XT vs in-core CuPy vs numpy (GPU)"),
     "level3": ("bench.level3", "SYMM, SYRK, SYR2K, TRMM, TRSM beside GEMM: blasx vs cuBLAS-XT (GPU)"),
     "offload-threshold": ("bench.offload_threshold",
-                          "the size from which blasx beats numpy: the offload threshold (any device)"),
+                          "where blasx beats numpy (the threshold); --offload: its cost below"),
+    "cpu-overhead": ("bench.cpu_overhead", "CPU only: blasx's entry points against numpy's / scipy's"),
 }
 
 

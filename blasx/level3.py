@@ -5,18 +5,34 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import scipy.linalg.blas as _sp_blas
 
 from . import session
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
 from .operands import TokenTable, canonical, is_cupy, leading_dim, make_operand
 from .runtime.call import Call, Operand
+from .runtime.engine import EngineClosed
 from .runtime.devices import numpy_kernels
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
-from .runtime.tasks import gemm_flops, plan_gemm
-from .runtime.tiling import OP_N
+from .runtime.tasks import plan_gemm
+from .runtime.tiling import OP_C, OP_N, OP_T
 from .tile import choose_tile
 
-_tls = threading.local()
+
+class _ThreadCalls(threading.local):
+    """Per thread: ``stats`` of its last call, and that call's ``profile`` once made. Class-level
+    defaults: a missing attribute never raises (getattr with a default costs ~0.7 us)."""
+    stats = None
+    profile = None
+    profile_of = None
+
+
+_tls = _ThreadCalls()
+
+#: This thread's last call, for the host fast paths of the front ends to set: ``last_call.stats``
+#: is a CallStats, or a host record ``(device, t0, t1, dtype, real flops)`` that
+#: :func:`last_profile` turns into one when asked (a tuple: recording a call costs ~50 ns).
+last_call = _tls
 
 #: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
 ROUTINES = frozenset(("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
@@ -38,12 +54,12 @@ def running_call(thread_ident: int):
 
 def last_profile():
     """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
-    stats = getattr(_tls, "stats", None)
+    stats = _tls.stats
     if stats is None:
         return None
-    if type(stats) is _HostCall:
-        stats = _tls.stats = stats.call_stats()
-    prof = getattr(_tls, "profile", None)
+    if type(stats) is tuple:
+        stats = _tls.stats = _host_stats(*stats)
+    prof = _tls.profile
     if prof is None or _tls.profile_of is not stats:
         prof = _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
         _tls.profile_of = stats
@@ -53,31 +69,38 @@ def last_profile():
 def _keep_profile(stats) -> None:
     """``stats`` becomes this thread's last call; its profile is made when asked for. A call
     that failed before its last task may have no finish time yet: it ends now."""
-    if type(stats) is not _HostCall and not stats.finished:
+    if not stats.finished:
         stats.finish()
     _tls.stats = stats
 
 
-class _HostCall:
-    """What a CPU-only GEMM leaves for :func:`last_profile`: its stats, made only when asked for."""
+def keep_host_call(dev, t0: float, dtype: np.dtype, real_flops: float) -> None:
+    """A call the host BLAS ran in this thread from ``t0`` until now becomes this thread's last
+    call: one clock read and one tuple (the hot paths write the same tuple themselves).
+    ``real_flops`` counts a real call's flops (a complex one counts 4 times that)."""
+    _tls.stats = (dev, t0, clock(), dtype, real_flops)
 
-    __slots__ = ("dev", "t0", "t1", "flops", "trace")
 
-    def __init__(self, dev, t0: float, t1: float, flops: float, trace: bool) -> None:
-        self.dev, self.t0, self.t1, self.flops, self.trace = dev, t0, t1, flops, trace
-
-    def call_stats(self) -> CallStats:
-        dev = self.dev
-        stats = CallStats([DeviceInfo(dev.index, dev.name, dev.kind)], keep_records=self.trace)
-        stats.start(self.t0)
-        row = stats.owned_row(0)
-        row["tasks"], row["steps"], row["flops"] = 1, 1, self.flops
-        stats.add_record(OpRecord(0, "host", self.t0, self.t1, flops=self.flops, task=0, name="task"))
-        stats.finish(self.t1)
-        return stats
+def _host_stats(dev, t0: float, t1: float, dtype: np.dtype, real_flops: float) -> CallStats:
+    """The stats of a host call recorded by :func:`keep_host_call`: one task on the CPU device."""
+    flops = real_flops * (4.0 if dtype.kind == "c" else 1.0)
+    stats = CallStats([DeviceInfo(dev.index, dev.name, dev.kind)], keep_records=dev.trace)
+    stats.start(t0)
+    row = stats.owned_row(0)
+    row["tasks"], row["steps"], row["flops"] = 1, 1, flops
+    stats.add_record(OpRecord(0, "host", t0, t1, flops=flops, task=0, name="task"))
+    stats.finish(t1)
+    return stats
 
 
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.complex64, np.complex128))
+
+# scipy's own ?gemm per dtype (taken from scipy.linalg._fblas through get_blas_funcs, never the
+# module attribute that blasx.offload may replace): the host BLAS of a CPU-only gemm.
+_HOST_GEMM = {dt: _sp_blas.get_blas_funcs("gemm", dtype=dt) for dt in _FAST_DTYPES}
+
+_OPS = frozenset((OP_N, OP_T, OP_C))
+_ndarray = np.ndarray
 
 
 def _op_shape(x, op: int) -> tuple[int, int]:
@@ -93,6 +116,17 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     and a c of the right dtype, the result is written into c and c is
     returned. Nothing is written when the arguments are rejected.
     """
+    dev = session.host_device
+    if (dev is not None and c is None and type(a) is _ndarray and type(b) is _ndarray and (dt := a.dtype) is b.dtype
+            and dt in _FAST_DTYPES and (type(alpha) is float or type(alpha) is int) and alpha != 0
+            and type(trans_a) is int and type(trans_b) is int and trans_a in _OPS and trans_b in _OPS
+            and a.ndim == 2 and b.ndim == 2):
+        # The CPU alone and the commonest call, which passes every check below by construction
+        # (``is`` for the dtypes: numpy's builtin dtypes are singletons; an equal one that is another
+        # object takes the shortcut below)
+        out = _host_gemm(dev, alpha, a, b, trans_a, trans_b, dt)
+        if out is not None:
+            return out
     if (c is None and type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2
             and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and type(alpha) in (float, int)
             and type(trans_a) is int and type(trans_b) is int and trans_a in (0, 1, 2) and trans_b in (0, 1, 2)):
@@ -134,6 +168,31 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     out = _output(c, dtype, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
     if m and n:
         _run_gemm(alpha, a, b, beta, out, trans_a, trans_b, dtype, ka)
+    return out
+
+
+def _host_gemm(dev, alpha, a, b, trans_a: int, trans_b: int, dtype):
+    """The CPU alone (``session.host_device``): scipy's own ?gemm, on F-ordered views where the
+    operands allow it (scipy would copy a C-ordered operand first), for a call that passed every
+    check by construction (see gemm). None when the shapes do not fit or a dimension is 0: the
+    general path raises, or makes BLAS's quick return (A and B are not read then, nor when
+    alpha is 0, which the caller leaves to it too)."""
+    sa, sb = a.shape, b.shape
+    m, k = (sa[1], sa[0]) if trans_a else sa
+    kb, n = (sb[1], sb[0]) if trans_b else sb
+    if k != kb or not (m and n and k):
+        return None
+    if trans_a != OP_C:  # a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back
+        flags = a.flags
+        if flags.c_contiguous and not flags.f_contiguous:
+            a, trans_a = a.T, 1 - trans_a
+    if trans_b != OP_C:  # (op C of x would be conj without transpose of x.T: no BLAS form)
+        flags = b.flags
+        if flags.c_contiguous and not flags.f_contiguous:
+            b, trans_b = b.T, 1 - trans_b
+    t0 = clock()
+    out = _HOST_GEMM[dtype](alpha, a, b, 0.0, None, trans_a, trans_b)
+    _tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
     return out
 
 
@@ -246,8 +305,8 @@ def _gemm_on_host(eng, alpha, a, op_a, b, op_b, beta, c, dtype, k) -> None:
         flops = 0.0
     else:
         numpy_kernels.gemm_views(a, b, c, op_a, op_b, t(alpha), t(beta))
-        flops = gemm_flops(c.shape[0], c.shape[1], k, dtype.kind == "c")
-    _keep_profile(_HostCall(eng.devices[0], t0, clock(), flops, session.settings().trace))
+        flops = 2.0 * c.shape[0] * c.shape[1] * k
+    keep_host_call(eng.devices[0], t0, dtype, flops)
 
 
 def block_shape(eng) -> tuple[int, int]:
@@ -262,12 +321,30 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
     ``views`` are the operands in canonical (column-major) form, in the planner's
     slot order; ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)``
     sizes the call for the tile choice. Raises the call's error, if any.
+    A call that finds its engine shut down before its tasks were queued (configure() or
+    shutdown() in another thread) runs on the engine that replaces it.
     """
-    eng = session.engine()
     dtype = np.dtype(dtype)
-    if eng.inline:
-        _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims)
-        return
+    for attempt in range(_ENGINE_ATTEMPTS):
+        eng = session.engine()
+        if eng.inline:
+            _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims)
+            return
+        try:
+            _submit_on(eng, name, views, plan, dtype, alpha, beta, dims)
+            return
+        except EngineClosed:
+            if attempt == _ENGINE_ATTEMPTS - 1:
+                raise
+
+
+# Engines a call tries when each is shut down before it was queued: enough for a configure()
+# racing the call, bounded for an exit (atexit's shutdown) racing it.
+_ENGINE_ATTEMPTS = 3
+
+
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims) -> None:
+    """:func:`submit_planned` on the worker engine ``eng`` (raises EngineClosed from eng.submit)."""
     tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]

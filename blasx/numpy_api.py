@@ -20,6 +20,14 @@ that override ufuncs, and the ufunc keyword arguments blasx does not handle
 (``order``, ``subok``, ``axes``, ``axis``, ``signature``). Invalid calls are
 handed to numpy too, so the error raised is numpy's own.
 
+With the CPU as the only device (``blasx.configure(devices="cpu")``, or no GPU,
+and no fixed tile), blasx's kernel is the host BLAS, and a plain call runs
+numpy's own function on it: ``matmul`` of C- or F-contiguous ndarrays of one
+BLAS type with no ``out`` or keywords, ``dot`` of 1-D / 2-D ndarrays of one BLAS
+type with no ``out``, ``tensordot`` of ndarrays of one BLAS type. That costs
+numpy's time plus a few checks and the record of the call for
+``blasx.last_profile()`` (well under a microsecond).
+
 Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
 GPU) are computed per batch item on the engine and come back as CuPy arrays.
 """
@@ -31,9 +39,14 @@ import operator
 
 import numpy as np
 
-from . import level3
+from . import level3, session
 from .checks import BLAS_DTYPES, shares_memory
 from .operands import is_cupy
+from .runtime.stats import clock
+
+_last = level3.last_call  # this thread's last call, for last_profile()
+_ndarray = np.ndarray
+_FAST_DTYPES = frozenset(BLAS_DTYPES)  # a hashed lookup: ~25 ns against ~60 for the tuple
 
 # numpy's own functions, taken at import: blasx.offload may replace the ``numpy``
 # module's attributes later, and the fallbacks here must never reach those wrappers.
@@ -58,6 +71,17 @@ def matmul(x1, x2, /, out=None, **kwargs):
     dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
     returns a numpy scalar, as np.matmul does.
     """
+    dev = session.host_device
+    if (dev is not None and out is None and not kwargs and type(x1) is _ndarray and type(x2) is _ndarray
+            and x1.dtype == x2.dtype and x1.dtype in _FAST_DTYPES and x1.flags.forc and x2.flags.forc):
+        # The CPU alone: numpy's own matmul is the host BLAS on C- or F-contiguous operands of a
+        # BLAS type, whatever their dimensions (other strides take numpy's loop without BLAS, so
+        # they stay below, where they are copied); a call it rejects raises numpy's error, as the
+        # general path's fallback would. The result is C-ordered, as numpy's.
+        t0 = clock()
+        res = _np_matmul(x1, x2)
+        _last.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
+        return res
     if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray
             and x1.ndim == 2 and x2.ndim == 2 and x1.dtype == x2.dtype and x1.dtype in BLAS_DTYPES
             and x1.shape[1] == x2.shape[0]):
@@ -163,6 +187,16 @@ def dot(a, b, out=None):
     computed as ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out``
     must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
     """
+    dev = session.host_device
+    if (dev is not None and out is None and type(a) is _ndarray and type(b) is _ndarray
+            and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and a.ndim in _DOT_NDIMS and b.ndim in _DOT_NDIMS):
+        # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands of one BLAS
+        # type (copying those of other strides first; N-D ones take its loop without BLAS, so
+        # they stay below) and raises numpy's errors, as the fallbacks below do.
+        t0 = clock()
+        res = _np_dot(a, b)
+        _last.stats = (dev, t0, clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
+        return res
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
@@ -206,6 +240,9 @@ def dot(a, b, out=None):
     return res
 
 
+_DOT_NDIMS = (1, 2)
+
+
 def _fallback_dot(a, b, out):
     if any(is_cupy(x) for x in (a, b)):
         import cupy
@@ -222,6 +259,9 @@ def tensordot(a, b, axes=2):
     of axis sequences (or single axes); the free axes of a, then of b, make
     the result, as numpy's.
     """
+    dev = session.host_device
+    if dev is not None and type(a) is _ndarray and type(b) is _ndarray and a.dtype == b.dtype and a.dtype in _FAST_DTYPES:
+        return _host_tensordot(dev, a, b, axes)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b)):
@@ -253,6 +293,17 @@ def tensordot(a, b, axes=2):
     res = xp.empty((mdim, ndim_), dtype=ct)
     gemm_into(a2, b2, res)
     return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
+
+
+def _host_tensordot(dev, a, b, axes):
+    """The CPU alone: numpy's own tensordot, one np.dot of the reshaped operands on the host BLAS
+    (numpy's errors for bad axes). The contracted size K comes from the sizes:
+    a.size * b.size = (M K)(K N) and the result has M N elements."""
+    t0 = clock()
+    res = _np_tensordot(a, b, axes)
+    k = math.isqrt(a.size * b.size // res.size) if res.size else 0
+    level3.keep_host_call(dev, t0, a.dtype, 2.0 * res.size * k)
+    return res
 
 
 def _tensordot_axes(x, y, axes):

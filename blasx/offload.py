@@ -13,6 +13,15 @@ least the threshold, and exactly as before otherwise:
   the module's attributes are replaced; ``get_blas_funcs`` still returns
   scipy's own routines).
 
+What a call below the threshold costs: ``@`` nothing measurable (the trampoline
+decides in C); ``np.dot`` and the scipy functions go through a C forwarder
+(:data:`blasx._ufunc_loops.FORWARD_C`, built with the trampoline) that calls
+the original function itself when the operands' sizes bound the flop count
+below the threshold (``8 a.size b.size``), ~30 ns, and runs the Python wrapper,
+which decides exactly, only above that bound. Without a C compiler or Python's
+headers the Python wrappers stand alone (~0.25-0.35 us a call).
+``python -m bench.offload_threshold --offload`` measures it.
+
 Only plain ``numpy.ndarray`` operands are offloaded (subclasses, CuPy arrays
 and other array-likes go the usual way). The result is what numpy / scipy
 give, computed by blasx. Flops count ``2 m n k`` (real) and ``8 m n k``
@@ -66,7 +75,10 @@ from . import _ufunc_loops, numpy_api
 #: ``python -m bench.offload_threshold --devices cpu --dtypes d,s``, N = 32..2048): blasx on the
 #: CPU device never beat numpy's own matmul; numpy time / blasx time was 0.03, 0.05, 0.41, 0.32, 0.45,
 #: 0.62, 0.64 at N = 32 .. 2048 in float64 and 0.02 .. 0.65 in float32 (the CPU device runs the same
-#: BLAS tile by tile, plus scheduling). Offloading to the CPU device never pays: inf.
+#: BLAS tile by tile, plus scheduling). Since 2026-11-23 a plain CPU-only blasx.matmul IS numpy's
+#: matmul plus ~0.6 us of checks (``offload-threshold-cpu-vm2core-20261123.log``: 0.73-0.95 up to
+#: N = 128, 1.00 +- 0.01 from N = 512, noise; its "crossover" at 2048 is a ratio of 1.004). Offloading
+#: to the CPU device never pays: inf.
 #: sim: the simulated GPUs are a test stand-in, slower than numpy: inf (tests pass a threshold).
 #: cuda: NOT measured here (no GPU on this machine): an estimate, 2 * 2048**3 ~ 1.7e10 flops. A host-
 #: resident gemm on a GPU pays ~1 ms of engine and launch overhead plus 3 N^2 words over PCIe/NVLink;
@@ -292,14 +304,15 @@ def _install() -> None:
     _loops.install(_HOOKS)
     try:
         global _dot_next
-        _patch(np, "dot", _dot_wrapper)
-        _dot_next = _saved[(np, "dot")][0]
+        _dot_next = np.dot
+        _patch(np, "dot", _forwarded(_dot_next, _dot_wrapper, (0, "a"), (1, "b")))
         import scipy.linalg.blas as spblas
         from .linalg import blas as ours
         for name, fn in ours.FUNCTIONS.items():
             original = getattr(spblas, name, None)
             if original is not None:
-                _patch(spblas, name, _scipy_wrapper(name, original, fn))
+                b = None if name[1:] in ("syrk", "herk") else (2, "b")  # their bound is 8 a.size^2
+                _patch(spblas, name, _forwarded(original, _scipy_wrapper(name, original, fn), (1, "a"), b))
     except BaseException:
         _unpatch_all()
         _loops.uninstall()
@@ -321,6 +334,19 @@ def _at_exit() -> None:
         if _entries:
             _entries.clear()
             _uninstall()
+
+
+def _forwarded(original, wrapper, a: tuple[int, str], b: tuple[int, str] | None):
+    """``wrapper`` behind the trampoline's C forwarder (``_ufunc_loops.FORWARD_C``), which calls
+    ``original`` itself for every call the wrapper would hand it at once (operands not exact
+    ndarrays, or whose sizes bound the flops below the threshold): ~30 ns a call instead of the
+    wrapper's ~0.25-0.35 us. The wrapper alone where no forwarder can be built."""
+    fwd = _ufunc_loops.trampoline().forwarder(original, wrapper, a, b)
+    if fwd is None:
+        return wrapper
+    for attr in ("__name__", "__qualname__", "__doc__", "__wrapped__", "__module__"):
+        setattr(fwd, attr, getattr(wrapper, attr))
+    return fwd
 
 
 def _patch(module, name: str, wrapper) -> None:
@@ -464,6 +490,7 @@ def _dot_flops(a, b) -> float:
 _dot_wrapper.__doc__ = ("np.dot, offloaded to blasx above the threshold by blasx.offload.\n\n"
                         + (numpy_api._np_dot.__doc__ or ""))
 _dot_wrapper.__wrapped__ = numpy_api._np_dot
+_dot_wrapper.__name__ = _dot_wrapper.__qualname__ = "dot"  # what it stands in for, as the scipy wrappers
 
 
 def _arg(args, kwargs, spec, name):

@@ -36,6 +36,14 @@ _lock = threading.RLock()
 _settings = Settings()
 _engine: Engine | None = None
 
+#: The CPU device of the running engine while that engine runs every call in its caller's thread
+#: on the host BLAS with no fixed tile (the CPU alone: ``Engine.inline``, ``tile=None``), else None.
+#: The front ends' fast paths read this one attribute instead of calling engine() (0.36 us, a
+#: tenth of numpy's time for a 32 x 32 product). engine() sets it once that engine has started;
+#: shutdown() (and so configure()) clears it before stopping the engine. None also before the
+#: first call: that call takes the ordinary path, which starts the engine.
+host_device = None
+
 
 def configure(devices: str | None = None, tile: int | None = None, streams: int = DEFAULT_STREAMS,
               cache_bytes: int | None = None, cpu: bool | None = None, trace: bool = True) -> None:
@@ -75,14 +83,31 @@ def engine() -> Engine:
             _engine = _build(_settings)
         eng = _engine
     eng.start()
+    if host_device is None and _runs_on_host(eng):
+        _publish_host(eng)
     return eng
+
+
+def _runs_on_host(eng: Engine) -> bool:
+    """Every call of ``eng`` is one host BLAS call in the caller's thread: the CPU alone, no fixed tile."""
+    return eng.inline and eng.config.tile is None
+
+
+def _publish_host(eng: Engine) -> None:
+    """Set ``host_device``, unless ``eng`` was replaced or shut down since this thread started it
+    (a stale device would send calls to the host after configure() chose other devices)."""
+    global host_device
+    with _lock:
+        if _engine is eng and not eng.closed:
+            host_device = eng.devices[0]
 
 
 def shutdown() -> None:
     """Stop the workers and free device memory; the next call starts a new engine."""
-    global _engine
+    global _engine, host_device
     with _lock:
         eng, _engine = _engine, None
+        host_device = None
     if eng is not None:
         eng.shutdown()
 

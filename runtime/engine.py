@@ -122,6 +122,11 @@ def _reads_own_tile(task) -> bool:
     return any(tokens[r.slot] == tokens[c.slot] and (r.bi, r.bj) == (c.bi, c.bj) for r in task.input_tiles())
 
 
+class EngineClosed(RuntimeError):
+    """The engine was shut down before a call's tasks were queued: nothing of the call ran, and
+    it may run on another engine (``blasx.level3.submit_planned`` does so on the new one)."""
+
+
 class _Sentinel:
     def __repr__(self) -> str:
         return "<blasx shutdown sentinel>"
@@ -246,8 +251,7 @@ class Engine:
                 self._run_inline(call)
             else:
                 with self._switching:
-                    self.queue_of(call).put_many(call.tasks)
-                    self._poke()
+                    self._enqueue(call)
                     while not call.wait(0.5):
                         if not self._runnable(call):
                             self._fail_unrunnable()
@@ -258,6 +262,18 @@ class Engine:
         if call.error is not None:
             err = call.error
             raise DeviceError(f"{call.name} failed: {err}") from err
+
+    def _enqueue(self, call: Call) -> None:
+        """Queue ``call``'s tasks, unless shutdown has begun: the workers stop at its sentinels,
+        so tasks queued after them would never run and the caller would wait forever (seen:
+        a call racing ``blasx.configure()``). Under the lock that shutdown() sets ``_closed``
+        with, so the tasks go in before the sentinels or not at all (EngineClosed)."""
+        with self._lock:
+            if self._closed:
+                raise EngineClosed(f"{call.name}: this blasx engine was shut down (configure() or shutdown() "
+                                   f"ran) before the call was queued; nothing of it ran")
+            self.queue_of(call).put_many(call.tasks)
+        self._poke()
 
     @property
     def inline(self) -> bool:

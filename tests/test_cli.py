@@ -54,7 +54,7 @@ def updates(err: str) -> list[tuple[int, int]]:
     (["gemm"], ["--n N", "--dtype {s,d,c,z}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
     (["info"], ["--measure", "--devices SPEC", "--db FILE", "perf-db", "cuBLAS"]),
     (["tune"], ["--tiles", "--show", "--clear", "perf-db"]),
-    (["bench"], ["gemm", "level3", "offload-threshold", "source checkout"]),
+    (["bench"], ["gemm", "level3", "offload-threshold", "cpu-overhead", "source checkout"]),
 ])
 def test_help_reads_well(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
@@ -397,8 +397,8 @@ def test_bench_usage_of_a_benchmark_without_prog_names_blasx(capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["bench", "frob"], "argument BENCH: invalid choice: 'frob' (choose from gemm, level3, offload-threshold)"),
-    (["bench"], "required: BENCH (one of gemm, level3, offload-threshold)"),
+    (["bench", "frob"], "argument BENCH: invalid choice: 'frob' (choose from gemm, level3, offload-threshold, cpu-overhead)"),
+    (["bench"], "required: BENCH (one of gemm, level3, offload-threshold, cpu-overhead)"),
     (["bench", "--n", "5"], "argument BENCH: got '--n', need a benchmark name first"),
 ])
 def test_bench_bad_names(capsys, argv, fragment):

@@ -399,6 +399,46 @@ def test_scipy_behaviour_kept_for_calls_blasx_rejects(rand):
         _close(S.dgemm(1.0, a.tolist(), b), a @ b)  # lists: scipy's path
 
 
+def _has_forwarders() -> bool:
+    return _ufunc_loops.trampoline().forwarder(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+
+
+def test_wrappers_are_c_forwarders_that_look_like_the_wrappers():
+    if not _has_forwarders():
+        pytest.skip("no C compiler or no Python headers: the Python wrappers stand alone")
+    with blasx.offload(threshold=T):
+        assert type(np.dot).__name__ == "forwarder" and type(S.dgemm).__name__ == "forwarder"
+        assert np.dot.__name__ == "dot" and np.dot.__wrapped__ is ORIGINAL_DOT
+        assert S.zherk.__name__ == "zherk" and S.zherk.__wrapped__ is ORIGINAL_SCIPY["zherk"]
+        assert "offloaded to blasx" in S.dgemm.__doc__ and "offloaded to blasx" in np.dot.__doc__
+
+
+def test_operands_found_by_position_and_keyword(rand):
+    """Above the threshold whether a and b come by position or keyword; the exact flop count
+    decides where the size bound passes (a matrix times a vector); array-likes go to numpy."""
+    a, b = _ab(rand)  # 48000 flops >= T
+    v = rand((30,), seed=3)  # a @ v: 2400 flops < T, but 8 a.size v.size >= T
+    offloaded = [lambda: S.dgemm(1.0, a, b), lambda: S.dgemm(1.0, a, b=b), lambda: S.dgemm(alpha=1.0, a=a, b=b),
+                 lambda: np.dot(a, b), lambda: np.dot(a, b=b), lambda: np.dot(a=a, b=b),
+                 lambda: S.dsyrk(1.0, a), lambda: S.dsyrk(1.0, a=a, lower=1), lambda: S.dsyr2k(1.0, a, a)]
+    kept = [lambda: np.dot(a, v), lambda: np.dot(a.tolist(), b), lambda: S.dgemm(1.0, a[:4], b[:, :4].copy()[:30]),
+            lambda: S.dsyrk(1.0, a[:4, :4])]
+    with blasx.offload(threshold=T):
+        for call in offloaded:
+            m = _mark()
+            got = call()
+            assert _offloaded(m)
+            assert np.all(np.isfinite(got))
+        for call in kept:
+            m = _mark()
+            call()
+            assert blasx.last_profile() is m
+    with blasx.offload(threshold=T):
+        _close(np.dot(a=a, b=b), a @ b)
+        _close(S.dgemm(alpha=2.0, a=a, b=b), 2 * (a @ b))
+        _close(np.tril(S.dsyrk(1.0, a=a, lower=1)), np.tril(a @ a.T))
+
+
 def test_failed_install_changes_nothing(monkeypatch):
     t = _ufunc_loops.trampoline()
     monkeypatch.setattr(t, "calls", lambda slot: 0)  # as if `@` did not reach the new loop
@@ -448,3 +488,14 @@ def test_bench_offload_threshold_runs(capsys):
     assert bench.main(["--devices", "sim:2", "--tile", "16", "--sizes", "16,32", "--runs", "1"]) == 0
     out = capsys.readouterr().out
     assert "crossover (float64)" in out and "numpy ms" in out
+
+
+def test_bench_offload_mode_runs(capsys):
+    bench = importlib.import_module("bench.offload_threshold")
+    assert bench.main(["--offload", "--devices", "cpu", "--dtypes", "s,z", "--sizes", "8", "--rounds", "2",
+                       "--target-ms", "0.2"]) == 0
+    out = capsys.readouterr().out
+    for what in ("a @ b", "np.dot", "scipy sgemm", "scipy zgemm", "within 5%", "ratio best"):
+        assert what in out, what
+    assert not O.offload_active()
+

@@ -37,7 +37,10 @@ routines, ``HAS_ILP64``, ...) is scipy's own object, forwarded through the
 module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
 
 The level-3 functions always run on the blasx engine (no size threshold: use
-:func:`blasx.offload` to keep small calls on the CPU BLAS).
+:func:`blasx.offload` to keep small calls on the CPU BLAS). With the CPU as the
+only device, the engine's kernel is the host BLAS, and a plain call (required
+arguments positional, int flags by keyword, 2-D ndarrays of the routine's
+dtype) runs scipy's own routine as is (:mod:`blasx.hostpath`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import warnings
 import numpy as np
 import scipy.linalg.blas as _sp
 
+from .. import hostpath
 from ..operands import is_cupy
 
 MODULE_NAME = "blasx"
@@ -201,7 +205,7 @@ def _make(prefix: str, routine: str):
 
     bind = _fast_binder(sig)
 
-    def f(*args, **kwargs):
+    def general(*args, **kwargs):
         v = bind(args, kwargs)
         if v is None:
             try:
@@ -232,6 +236,7 @@ def _make(prefix: str, routine: str):
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
         return _impl(prefix, routine)(**v)
 
+    f = hostpath.with_host_path(prefix, routine, general)
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__

@@ -1,0 +1,180 @@
+"""What a small blasx call costs over the library it stands in for, with the CPU as the only device.
+
+    python -m bench.cpu_overhead                                  # N = 16..128, d and z, every entry point
+    python -m bench.cpu_overhead --sizes 32 --dtypes s,d,c,z --rounds 50
+    python -m bench.cpu_overhead --entries matmul,gemm-C,linalg-gemm
+
+Each entry point is timed against its peer on the same arrays: ``blasx.matmul`` / ``dot`` /
+``tensordot`` against numpy's own function, ``blasx.gemm`` and the ``blasx.linalg.blas`` level-3
+functions against ``scipy.linalg.blas``'s (numpy and scipy may link different BLAS builds: the
+header lists them, and each entry is compared with the peer it replaces). The two are
+interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
+with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times are reported
+as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
+median, and "paired": the median over the rounds of the difference of a round's two timings,
+which are next to each other in time). Every blasx result is checked against the peer's (relative error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import platform
+import statistics
+import sys
+import timeit
+
+import numpy as np
+
+DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
+DEFAULT_SIZES = (16, 32, 64, 128)
+
+
+def _arrays(n: int, dtype, order: str, seed: int = 0):
+    """Random n x n operands (never zero), a triangular-safe square a (diagonal boosted for TRSM)."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+
+    def one():
+        x = rng.uniform(0.25, 1.25, (n, n)) * rng.choice([-1.0, 1.0], (n, n))
+        if dt.kind == "c":
+            x = x + 1j * rng.uniform(0.25, 1.25, (n, n))
+        return np.asarray(x, dtype=dt, order=order).copy(order=order)
+
+    a, b = one(), one()
+    a_tri = np.asarray(a + n * np.eye(n, dtype=dt), order=order)
+    return a, b, a_tri
+
+
+def entries(prefix: str, n: int):
+    """name -> (blasx call, peer call) on fresh n x n operands of the prefix's dtype."""
+    import scipy.linalg.blas as sp
+
+    import blasx
+    from blasx import numpy_api
+    from blasx.linalg import blas as bl
+
+    dtype = DTYPES[prefix]
+    a, b, _ = _arrays(n, dtype, "C")
+    af, bf, tri = _arrays(n, dtype, "F", seed=1)
+    np_matmul, np_dot, np_tensordot = numpy_api._np_matmul, numpy_api._np_dot, numpy_api._np_tensordot
+    spf = {r: sp.get_blas_funcs(r, dtype=dtype) for r in bl.LEVEL3 if prefix in bl.LEVEL3[r]}
+    table = {
+        "matmul": (lambda: blasx.matmul(a, b), lambda: np_matmul(a, b)),
+        "dot": (lambda: blasx.dot(a, b), lambda: np_dot(a, b)),
+        "tensordot": (lambda: blasx.tensordot(a, b, 1), lambda: np_tensordot(a, b, 1)),
+        "gemm-C": (lambda: blasx.gemm(1.0, a, b), lambda: spf["gemm"](1.0, a, b)),
+        "gemm-F": (lambda: blasx.gemm(1.0, af, bf), lambda: spf["gemm"](1.0, af, bf)),
+    }
+    two = {"gemm": (af, bf), "symm": (af, bf), "hemm": (af, bf), "syrk": (af,), "herk": (af,),
+           "syr2k": (af, bf), "her2k": (af, bf), "trmm": (tri, bf), "trsm": (tri, bf)}
+    for r, ops in two.items():
+        if r in spf:
+            ours, theirs = getattr(bl, prefix + r), spf[r]
+            table[f"linalg-{r}"] = (lambda f=ours, o=ops: f(1.0, *o), lambda f=theirs, o=ops: f(1.0, *o))
+    return table
+
+
+def rel_err(x, ref) -> float:
+    x, ref = np.asarray(x, dtype=np.complex128), np.asarray(ref, dtype=np.complex128)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def calibrate(fn, target_s: float) -> int:
+    """Calls per timing so that one timing takes about ``target_s``."""
+    t = timeit.Timer(fn).timeit(10) / 10
+    return max(1, int(target_s / max(t, 1e-9)))
+
+
+def compare(ours, peer, rounds: int, target_s: float) -> dict:
+    """Interleaved timings of ours and peer: per-call best and median (seconds) of each."""
+    number = calibrate(peer, target_s)
+    t_ours, t_peer = [], []
+    to = timeit.Timer(ours)
+    tp = timeit.Timer(peer)
+    for r in range(rounds):
+        pair = ((tp, t_peer), (to, t_ours)) if r % 2 == 0 else ((to, t_ours), (tp, t_peer))
+        for timer, out in pair:
+            out.append(timer.timeit(number) / number)
+    return {"number": number, "ours_best": min(t_ours), "ours_med": statistics.median(t_ours),
+            "peer_best": min(t_peer), "peer_med": statistics.median(t_peer),
+            # each round's two timings are next to each other in time: the median of their
+            # differences is the least sensitive to drift and to one lucky timing
+            "paired": statistics.median(o - p for o, p in zip(t_ours, t_peer))}
+
+
+def header() -> str:
+    import scipy
+    import threadpoolctl
+
+    import blasx
+    from blasx import session
+    blas = "; ".join(f"{i.get('filepath', '?').rsplit('/', 1)[-1]} {i.get('internal_api')} {i.get('version')} "
+                     f"x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
+    eng = blasx.engine()
+    flag = getattr(session, "host_device", "n/a (no fast path in this version)")
+    return (f"# {platform.node()} {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
+            f"numpy {np.__version__}, scipy {scipy.__version__}\n# BLAS: {blas}\n"
+            f"# blasx devices: {', '.join(d.name for d in eng.devices)} (inline: {eng.inline}); "
+            f"session.host_device: {flag}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of N")
+    p.add_argument("--dtypes", default="d,z", help="comma list of s,d,c,z (default d,z)")
+    p.add_argument("--entries", default=None, help="comma list of entry names (default: all; see the output)")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per entry (default 30)")
+    p.add_argument("--target-ms", type=float, default=2.0, help="length of one timing in ms (default 2)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
+                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
+                        "spinning after a call, and calls that alternate between the two libraries then take "
+                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
+    args = p.parse_args(argv)
+
+    import threadpoolctl
+
+    import blasx
+
+    blasx.configure(devices="cpu")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
+              else contextlib.nullcontext())
+    wanted = set(args.entries.split(",")) if args.entries else None
+    print(f"# command: python -m bench.cpu_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
+    try:
+        with limits:
+            return _run(args, sizes, wanted)
+    finally:
+        blasx.shutdown()
+
+
+def _run(args, sizes, wanted) -> int:
+    print(header())
+    print("# per-call us: best / median over the rounds; overhead = blasx - peer (best, median, paired: median of "
+          "the rounds' differences)")
+    print(f"{'dtype':>6} {'N':>5} {'entry':<14} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
+          f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'paired':>7} {'ratio':>6} {'rel err':>8}")
+    for code in args.dtypes.split(","):
+        for n in sizes:
+            for name, (ours, peer) in entries(code.strip(), n).items():
+                if wanted is not None and name not in wanted:
+                    continue
+                err = rel_err(ours(), peer())
+                r = compare(ours, peer, args.rounds, args.target_ms / 1e3)
+                us = {k: v * 1e6 for k, v in r.items() if k != "number"}
+                print(f"{code:>6} {n:>5} {name:<14} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
+                      f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
+                      f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
+                      f"{us['paired']:>7.2f} "
+                      f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}", flush=True)
+                if not err < (1e-4 if code in "sc" else 1e-12) * max(1.0, math.sqrt(n)):
+                    print(f"# WRONG RESULT: {name} {code} N={n}: rel err {err:.1e}")
+                    return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

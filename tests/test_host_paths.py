@@ -1,0 +1,417 @@
+"""The CPU alone: the fast paths of blasx.matmul / dot / tensordot, blasx.gemm, the
+blasx.linalg.blas level-3 wrappers and the prefixed level-3 functions (blasx.dsyrk ...).
+
+With ``devices="cpu"`` and no fixed tile, a plain call runs numpy's or scipy's own routine (the
+host BLAS) behind ``session.host_device``. These tests check that the flag follows configure /
+shutdown, that the fast paths are taken for plain calls (the general path is made to fail), give
+what numpy / scipy give and what the general path gives (by relative error, on random non-zero
+inputs), raise the same errors, and leave a profile for last_profile(), in every thread."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import threading
+
+import numpy as np
+import pytest
+import scipy.linalg.blas as S
+
+import blasx
+from blasx import blas3, level3, numpy_api, session
+from blasx.linalg import blas as B
+
+BLAS = (np.float32, np.float64, np.complex64, np.complex128)
+DT = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    blasx.configure(devices="cpu")
+    blasx.engine()  # publishes session.host_device
+    yield
+
+
+def _general_fails(monkeypatch):
+    """Make every general path raise: a call that still succeeds took a fast path."""
+    def boom(*a, **k):
+        raise AssertionError("the general path ran")
+    for mod, name in ((level3, "_run_gemm"), (level3, "submit_planned"), (blas3, "submit_planned"),
+                      (numpy_api, "run_batch"), (numpy_api, "gemm_into"), (B, "_impl")):
+        monkeypatch.setattr(mod, name, boom)
+
+
+def _rel_ok(rel_err, tol, got, ref, factor=50):
+    assert rel_err(got, ref) < factor * tol(np.asarray(ref).dtype), rel_err(got, ref)
+
+
+def _general(fn):
+    """fn() with the fast paths off (a fixed tile: the engine plans the call), then back on."""
+    blasx.configure(devices="cpu", tile=8)
+    try:
+        return fn()
+    finally:
+        blasx.configure(devices="cpu")
+        blasx.engine()
+
+
+# ---------------------------------------------------------------- the flag
+
+def test_flag_follows_configure_and_shutdown(rand):
+    a = rand((6, 5), order="C")
+    assert session.host_device is not None and session.host_device.kind == "cpu"
+    blasx.shutdown()
+    assert session.host_device is None
+    blasx.matmul(a, a.T)  # the first call takes the general path, which starts the engine
+    assert session.host_device is not None
+    blasx.configure(devices="sim:2")
+    assert session.host_device is None
+    blasx.matmul(a, a.T)
+    assert session.host_device is None
+    assert blasx.last_profile().devices[0].kind == "sim"  # ran through the engine, on the sims
+    blasx.configure(devices="cpu", tile=4)  # a fixed tile: the engine plans tiles, no fast path
+    blasx.gemm(1.0, a, a.T)
+    assert session.host_device is None
+    assert blasx.last_profile().totals()["tasks"] > 1
+    blasx.configure(devices="cpu")
+    blasx.gemm(1.0, a, a.T)
+    assert session.host_device is not None
+    blasx.shutdown()
+    assert session.host_device is None
+
+
+def test_a_stale_engine_is_not_published():
+    eng = blasx.engine()
+    blasx.configure(devices="sim:2")
+    session._publish_host(eng)  # a thread that started eng before configure() replaced it
+    assert session.host_device is None
+
+
+# ---------------------------------------------------------------- numpy's functions
+
+LAYOUTS = {"C": lambda x: x, "F": np.asfortranarray}
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+@pytest.mark.parametrize("la, lb", list(itertools.product("CF", "CF")))
+def test_matmul_fast_path(dtype, la, lb, rand, rel_err, tol, monkeypatch):
+    a = LAYOUTS[la](rand((17, 13), dtype, seed=1, order="C"))
+    b = LAYOUTS[lb](rand((13, 11), dtype, seed=2, order="C"))
+    ref = np.matmul(a, b)
+    slow = _general(lambda: blasx.matmul(a, b))
+    _general_fails(monkeypatch)
+    got = blasx.matmul(a, b)
+    assert got.dtype == ref.dtype and got.shape == ref.shape and got.flags.c_contiguous
+    assert slow.flags.c_contiguous
+    _rel_ok(rel_err, tol, got, ref)
+    _rel_ok(rel_err, tol, got, slow)
+    p = blasx.last_profile()
+    factor = 8 if np.dtype(dtype).kind == "c" else 2
+    assert p.totals()["tasks"] == 1 and p.totals()["flops"] == factor * 17 * 13 * 11
+    assert p.devices[0].kind == "cpu"
+
+
+@pytest.mark.parametrize("sa, sb", [((20,), (20,)), ((20,), (20, 7)), ((9, 20), (20,)), ((3, 9, 20), (20, 7)),
+                                    ((2, 1, 9, 5), (3, 5, 7)), ((0, 9, 5), (5, 7)), ((9, 0), (0, 7))])
+def test_matmul_fast_path_shapes(sa, sb, rand, rel_err, tol, monkeypatch):
+    a, b = rand(sa, seed=1, order="C"), rand(sb, seed=2, order="C")
+    ref = np.matmul(a, b)
+    _general_fails(monkeypatch)
+    got = blasx.matmul(a, b)
+    assert type(got) is type(ref) and np.shape(got) == np.shape(ref)
+    if np.size(ref):
+        _rel_ok(rel_err, tol, got, ref)
+
+
+def test_matmul_strided_operands_skip_numpys_matmul(rand, rel_err, tol, monkeypatch):
+    """numpy runs its loop without BLAS on strides like these: blasx keeps them on its gemm."""
+    a = rand((30, 40), order="C")[::2, ::3]
+    b = rand((14, 9), seed=2, order="F")
+    ref = np.matmul(a, b)
+
+    def boom(*x, **k):
+        raise AssertionError("numpy's matmul ran")
+    monkeypatch.setattr(numpy_api, "_np_matmul", boom)
+    _rel_ok(rel_err, tol, blasx.matmul(a, b), ref)
+
+
+@pytest.mark.parametrize("sa, sb", [((20,), (20,)), ((20,), (20, 7)), ((9, 20), (20,)), ((9, 20), (20, 7))])
+@pytest.mark.parametrize("dtype", BLAS)
+def test_dot_fast_path(sa, sb, dtype, rand, rel_err, tol, monkeypatch):
+    a, b = rand(sa, dtype, seed=1, order="C"), rand(sb, dtype, seed=2, order="F")
+    ref = np.dot(a, b)
+    slow = _general(lambda: blasx.dot(a, b))
+    _general_fails(monkeypatch)
+    got = blasx.dot(a, b)
+    assert type(got) is type(ref) and np.shape(got) == np.shape(ref) and np.asarray(got).dtype == ref.dtype
+    _rel_ok(rel_err, tol, got, ref)
+    _rel_ok(rel_err, tol, got, slow)
+    factor = 8 if np.dtype(dtype).kind == "c" else 2
+    assert blasx.last_profile().totals()["flops"] == factor * np.size(ref) * 20
+
+
+@pytest.mark.parametrize("axes, sb", [(2, (5, 6, 3)), (1, (6, 7)), (0, (2, 3)), (([1, 0], [0, 1]), (5, 4, 3)),
+                                      (([2], [1]), (2, 6)), ((1, 0), (5, 2))])
+def test_tensordot_fast_path(axes, sb, rand, rel_err, tol, monkeypatch):
+    a = rand((4, 5, 6), np.complex128, seed=1, order="C")
+    b = rand(sb, np.complex128, seed=2, order="C")
+    ref = np.tensordot(a, b, axes)
+    slow = _general(lambda: blasx.tensordot(a, b, axes))
+    _general_fails(monkeypatch)
+    got = blasx.tensordot(a, b, axes)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    _rel_ok(rel_err, tol, got, ref)
+    _rel_ok(rel_err, tol, got, slow)
+    k = a.size * b.size // ref.size
+    assert blasx.last_profile().totals()["flops"] == pytest.approx(8 * ref.size * np.sqrt(k))
+
+
+def _error_of(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x, y: blasx.matmul(x, y), lambda x, y: blasx.dot(x, y), lambda x, y: blasx.tensordot(x, y, 1),
+    lambda x, y: blasx.tensordot(x, y, 3), lambda x, y: blasx.matmul(x, np.ones((), x.dtype)),
+])
+def test_numpy_errors_are_unchanged(call, rand):
+    a, b = rand((4, 5), seed=1, order="C"), rand((4, 5), seed=2, order="C")
+    fast = _error_of(lambda: call(a, b))
+    slow = _general(lambda: _error_of(lambda: call(a, b)))
+    assert fast == slow
+
+
+# ---------------------------------------------------------------- blasx.gemm
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_gemm_fast_path(dtype, rand, rel_err, tol, monkeypatch):
+    fn = S.get_blas_funcs("gemm", dtype=dtype)
+    for ta, tb, la, lb, alpha in itertools.product((0, 1, 2), (0, 1, 2), "CFS", "CF", (1.5, 2, -0.5)):
+        a = rand((9, 7) if ta == 0 else (7, 9), dtype, seed=1, order="F")
+        b = rand((7, 5) if tb == 0 else (5, 7), dtype, seed=2, order="F")
+        a = np.ascontiguousarray(a) if la == "C" else a
+        a = rand((20, 20), dtype, seed=3, order="C")[:a.shape[0] * 2:2, 1:a.shape[1] + 1] if la == "S" else a
+        b = np.ascontiguousarray(b) if lb == "C" else b
+        ref = fn(alpha, a, b, trans_a=ta, trans_b=tb)
+        with monkeypatch.context() as mp:
+            _general_fails(mp)
+            got = blasx.gemm(alpha, a, b, trans_a=ta, trans_b=tb)
+        assert got.dtype == ref.dtype and got.shape == ref.shape and got.flags.f_contiguous
+        _rel_ok(rel_err, tol, got, ref)
+    factor = 8 if np.dtype(dtype).kind == "c" else 2
+    assert blasx.last_profile().totals()["flops"] == factor * 9 * 7 * 5
+
+
+def test_gemm_edge_cases_keep_the_general_path(rand):
+    a, b = rand((6, 4), seed=1), rand((4, 5), seed=2)
+    a[0, 0] = np.nan
+    assert np.all(blasx.gemm(0.0, a, b) == 0)  # alpha 0: a and b are not read (BLAS)
+    assert blasx.gemm(1.0, np.ones((6, 0)), np.ones((0, 5))).tolist() == np.zeros((6, 5)).tolist()
+    assert blasx.gemm(1.0, np.ones((0, 3)), np.ones((3, 5))).shape == (0, 5)
+
+
+def test_gemm_errors_are_unchanged(rand):
+    a, b = rand((6, 4), seed=1), rand((5, 3), seed=2)
+    for call in (lambda: blasx.gemm(1.0, a, b), lambda: blasx.gemm(1.0, a, b, trans_a=3),
+                 lambda: blasx.gemm(1.0, a, a, trans_a=True), lambda: blasx.gemm(1.0, a[0], b),
+                 lambda: blasx.gemm(1.0, a, b.astype(np.float32))):
+        assert _error_of(call) == _general(lambda: _error_of(call))
+
+
+# ---------------------------------------------------------------- the scipy-signature level 3
+
+def _ops(prefix, routine, rand, order):
+    """Plain (args, kwargs) calls for prefix + routine, every flag value blasx allows."""
+    dt = DT[prefix]
+    m, n, k = 9, 7, 5
+    a_sq = {0: rand((m, m), dt, seed=1, order=order), 1: rand((n, n), dt, seed=1, order=order)}
+    b = rand((m, n), dt, seed=2, order=order)
+    if routine == "gemm":
+        for ta, tb in itertools.product((0, 1, 2), (0, 1, 2)):
+            x = rand((m, k) if ta == 0 else (k, m), dt, seed=3, order=order)
+            y = rand((k, n) if tb == 0 else (n, k), dt, seed=4, order=order)
+            yield (1.5, x, y), {"trans_a": ta, "trans_b": tb}
+    elif routine in ("symm", "hemm"):
+        for side, lower in itertools.product((0, 1), (0, 1)):
+            yield (1.5, a_sq[side], b), {"side": side, "lower": lower}
+    elif routine in ("syrk", "herk", "syr2k", "her2k"):
+        trans = (0, 2) if routine.startswith("her") else ((0, 1) if prefix in "cz" else (0, 1, 2))
+        for t, lower in itertools.product(trans, (0, 1)):
+            x = rand((n, k) if t == 0 else (k, n), dt, seed=3, order=order)
+            args = (1.5, x) if routine in ("syrk", "herk") else (1.5, x, rand(x.shape, dt, seed=4, order=order))
+            yield args, {"trans": t, "lower": lower}
+    else:
+        for side, lower, ta, diag in itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1)):
+            a = a_sq[side] + (4 * np.eye(a_sq[side].shape[0], dtype=dt) if routine == "trsm" else 0)
+            yield (1.5, np.asarray(a, order=order), b), {"side": side, "lower": lower, "trans_a": ta, "diag": diag}
+
+
+# blasx.linalg.blas's functions, blasx's prefixed ones (there is no blasx.dgemm: blasx.gemm is generic)
+# and blasx's generic ones (blasx.syrk ...) on arrays of the prefix's dtype
+CASES = [(m, p, r) for r, ps in B.LEVEL3.items() for p in ps for m in ("linalg", "blasx", "generic")
+         if not (m == "blasx" and r == "gemm")]
+
+
+@pytest.mark.parametrize("module, prefix, routine", CASES)
+def test_level3_fast_path(module, prefix, routine, rand, rel_err, tol, monkeypatch):
+    fn = {"linalg": lambda: getattr(B, prefix + routine), "blasx": lambda: getattr(blasx, prefix + routine),
+          "generic": lambda: getattr(blasx, routine)}[module]()
+    sp = S.get_blas_funcs(routine, dtype=DT[prefix])
+    calls = [(args, kw, order) for order in "FC" for args, kw in _ops(prefix, routine, rand, order)]
+    slow = _general(lambda: [fn(*args, **kw) for args, kw, _ in calls])
+    with monkeypatch.context() as mp:
+        _general_fails(mp)
+        for (args, kw, order), ref_slow in zip(calls, slow):
+            ref = sp(*args, **kw)
+            got = fn(*args, **kw)
+            assert got.dtype == ref.dtype and got.shape == ref.shape and got.flags.f_contiguous
+            np.testing.assert_array_equal(got, ref)  # it is scipy's own routine
+            _rel_ok(rel_err, tol, got, ref_slow)     # and what the engine computes
+            assert blasx.last_profile().totals()["flops"] > 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda: B.zherk(1.0, np.ones((3, 2), complex), trans=1),     # scipy hands it to BLAS; blasx raises
+    lambda: B.zsyrk(1.0, np.ones((3, 2), complex), trans=2),
+    lambda: B.dgemm(1.0, np.ones((3, 2)), np.ones((3, 2))),      # shapes scipy may not check
+    lambda: B.dsymm(1.0, np.ones((3, 3)), np.ones((4, 2))),
+    lambda: B.dtrsm(1.0, np.ones((3, 3)), np.ones((4, 2))),
+    lambda: B.dsyr2k(1.0, np.ones((3, 2)), np.ones((3, 3))),
+    lambda: B.dgemm(1.0, np.ones((3, 2)), np.ones((2, 2)), trans_a=3),
+    lambda: B.dtrmm(1.0, np.ones((3, 3)), np.ones((3, 2)), diag=2),
+    lambda: blasx.dsyrk(1.0, np.ones((3, 2)), lower=2),
+])
+def test_level3_errors_are_unchanged(call):
+    fast = _error_of(call)
+    assert fast == _general(lambda: _error_of(call))
+    assert fast[0] in (ValueError, TypeError)
+
+
+def test_generic_level3_keeps_its_dtype_rules(rand, rel_err, tol):
+    """blasx.syrk & co. pick the dtype from all the arrays: mixed ones take the general path."""
+    a32, b64 = rand((6, 4), np.float32, seed=1), rand((6, 4), np.float64, seed=2)
+    got = blasx.syr2k(1.0, a32, b64)
+    assert got.dtype == np.float64
+    ref = a32.astype(np.float64) @ b64.T + b64 @ a32.astype(np.float64).T
+    _rel_ok(rel_err, tol, np.triu(got), np.triu(ref))
+    assert blasx.herk(1.0, b64).dtype == np.complex128  # a real a for herk: the complex type
+    assert blasx.symm(1.0, rand((4, 4), np.float32), b64[:4]).dtype == np.float64
+
+
+def test_level3_non_plain_calls_take_the_general_path(rand, rel_err, tol):
+    """c, beta, overwrite_*, other dtypes, alpha 0 or complex, subclasses: the general path, as before."""
+    a, b = rand((6, 6), seed=1), rand((6, 4), seed=2)
+    c = rand((6, 6), seed=3)
+    ran = []
+    real = blas3.submit_planned
+    mp = pytest.MonkeyPatch()
+    mp.setattr(blas3, "submit_planned", lambda *x: (ran.append(x[0]), real(*x)))
+    try:
+        B.dsyrk(1.0, a, 0.5, c)
+        B.dsyrk(1.0, a.astype(np.float32))
+        B.dsyrk(1.0 + 0j, a)
+        B.dsymm(1.0, a, b, side=False)
+        B.dtrmm(1.0, a, np.asfortranarray(b), overwrite_b=1)
+        B.dsyrk(1.0, a.view(np.matrix))
+    finally:
+        mp.undo()
+    assert len(ran) == 6
+    a[0, 0] = np.nan
+    assert np.all(B.dtrmm(0.0, a, b) == 0)  # alpha 0: a and b are not read (blasx's rule, the general path)
+
+
+# ---------------------------------------------------------------- profiles and threads
+
+def test_profile_without_trace(rand):
+    blasx.configure(devices="cpu", trace=False)
+    blasx.engine()
+    a = rand((8, 8), order="C")
+    blasx.matmul(a, a)
+    p = blasx.last_profile()
+    assert p.totals()["tasks"] == 1 and p.totals()["flops"] == 2 * 8 ** 3
+    assert blasx.last_profile() is p  # made once
+
+
+def test_threads_keep_their_own_profiles(rand, rel_err, tol):
+    errors = []
+
+    def work(i):
+        try:
+            n = 8 + i
+            a, b = rand((n, n), seed=i, order="C"), rand((n, n), seed=i + 100, order="F")
+            for _ in range(200):
+                got = blasx.matmul(a, b)
+                assert rel_err(got, np.matmul(a, b)) < 1e-12
+                assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
+                got = B.dgemm(1.0, a, b)
+                assert rel_err(got, S.dgemm(1.0, a, b)) < 1e-12
+                assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_reconfigure_while_threads_call(rand, rel_err):
+    """Calls racing configure() run either on the host or on the new engine, never fail or go wrong."""
+    a, b = rand((12, 10), seed=1, order="C"), rand((10, 8), seed=2, order="C")
+    ref = a @ b
+    stop = threading.Event()
+    errors = []
+
+    def work():
+        try:
+            while not stop.is_set():
+                assert rel_err(blasx.matmul(a, b), ref) < 1e-12
+                assert rel_err(blasx.gemm(1.0, a, b), ref) < 1e-12
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for spec in ("sim:2", "cpu", "sim:2", "cpu"):
+        blasx.configure(devices=spec)
+        blasx.engine()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert session.host_device is not None
+
+
+def test_a_call_whose_engine_was_shut_down_runs_on_the_new_one(rand, rel_err, monkeypatch):
+    """The engine a call fetched is shut down before its tasks are queued (configure() in another
+    thread): the call runs on the new engine instead of waiting forever behind the sentinels."""
+    blasx.configure(devices="sim:2", tile=4)
+    old = blasx.engine()
+    old.shutdown()
+    fetched = iter([old])
+    real = session.engine
+    monkeypatch.setattr(session, "engine", lambda: next(fetched, None) or real())
+    a = rand((10, 6), seed=1)
+    got = blasx.dsyrk(1.0, a, lower=1)
+    assert rel_err(np.tril(got), np.tril(a @ a.T)) < 1e-12
+    assert blasx.last_profile().devices[0].kind == "sim"
+    from blasx.runtime.engine import EngineClosed
+    with pytest.raises(EngineClosed, match="shut down"):  # every engine it tries is shut down: it says so
+        monkeypatch.setattr(session, "engine", lambda: old)
+        blasx.dsyrk(1.0, a)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def test_bench_cpu_overhead_runs(capsys):
+    bench = importlib.import_module("bench.cpu_overhead")
+    assert bench.main(["--sizes", "8", "--dtypes", "d,c", "--rounds", "2", "--target-ms", "0.2"]) == 0
+    out = capsys.readouterr().out
+    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best"):
+        assert what in out, what
+    assert "WRONG" not in out
