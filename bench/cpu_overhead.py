@@ -18,7 +18,6 @@ which are next to each other in time). Every blasx result is checked against the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import platform
 import statistics
@@ -26,6 +25,8 @@ import sys
 import timeit
 
 import numpy as np
+
+from .offload_threshold import add_blas_threads_option, blas_thread_limits
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 DEFAULT_SIZES = (16, 32, 64, 128)
@@ -127,21 +128,14 @@ def main(argv=None) -> int:
     p.add_argument("--entries", default=None, help="comma list of entry names (default: all; see the output)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per entry (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="length of one timing in ms (default 2)")
-    p.add_argument("--blas-threads", type=int, default=None,
-                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
-                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
-                        "spinning after a call, and calls that alternate between the two libraries then take "
-                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
+    add_blas_threads_option(p)
     args = p.parse_args(argv)
-
-    import threadpoolctl
 
     import blasx
 
     blasx.configure(devices="cpu")
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
-              else contextlib.nullcontext())
+    limits = blas_thread_limits(args.blas_threads)
     wanted = set(args.entries.split(",")) if args.entries else None
     print(f"# command: python -m bench.cpu_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     try:

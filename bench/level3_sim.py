@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import shlex
@@ -57,7 +56,8 @@ from blasx.runtime.stats import CallStats, DeviceInfo
 from blasx.runtime.tasks import plan_gemm
 from blasx.runtime.tiling import OP_N
 
-from .scaling_sim import FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, cuda_heap_bytes, spec_for
+from .scaling_sim import (FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, cuda_heap_bytes, retried, spec_for,
+                          write_report)
 
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing mode) "
               "with the cost model fitted to the 2x H200 GEMM measurement; no GPU was used.")
@@ -168,15 +168,8 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
 
 
 def run_one(case, n, gpus, tile, model, krate, dilate) -> dict:
-    """``run_once``, again (up to RETRIES times) while the kernels took over MAX_INFLATION x their model time."""
-    tries = []
-    for _ in range(1 + RETRIES):
-        r = run_once(case, n, gpus, tile, model, krate, dilate)
-        tries.append(r["busy_inflation"])
-        if r["busy_inflation"] <= MAX_INFLATION:
-            break
-    r["tries_busy_inflation"] = tries
-    return r
+    """``run_once``, retried while the host disturbed it (scaling_sim.retried)."""
+    return retried(lambda: run_once(case, n, gpus, tile, model, krate, dilate))
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -319,17 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host": {"machine": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version()},
         "elapsed_s": time.perf_counter() - t_start,
     }
-    md = markdown(doc)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        base = os.path.join(args.out, "level3-sim-" + (f"{args.tag}-" if args.tag else "") + stamp)
-        with open(base + ".json", "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, default=float)
-        with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(md)
-        log(f"wrote {base}.json and {base}.md")
-    else:
-        log(md)
+    write_report(args.out, "level3-sim-" + (f"{args.tag}-" if args.tag else "") + stamp, doc, markdown(doc), log)
     return doc
 
 

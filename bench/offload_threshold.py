@@ -192,6 +192,20 @@ def crossover(rows: list[dict]) -> float:
     return best
 
 
+def add_blas_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
+                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
+                        "spinning after a call, and calls that alternate between the two libraries then take "
+                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
+
+
+def blas_thread_limits(threads: int | None):
+    """A context limiting every BLAS library to ``threads`` (None or 0: left as they are)."""
+    import threadpoolctl
+    return threadpoolctl.threadpool_limits(threads, user_api="blas") if threads else contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", default=None, help="blasx devices spec (default: blasx's default: all GPUs, else cpu)")
@@ -207,11 +221,7 @@ def main(argv=None) -> int:
                    "(default 1e15 flops: above every size, finite so that the wrappers work out their bound)")
     p.add_argument("--rounds", type=int, default=30, help="--offload: interleaved rounds per size (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="--offload: length of one timing in ms (default 2)")
-    p.add_argument("--blas-threads", type=int, default=None,
-                   help="limit every BLAS library (numpy's and scipy's) to this many threads while timing "
-                        "(default: as they are). On a 2-core VM, numpy's and scipy's OpenBLAS each keep 2 threads "
-                        "spinning after a call, and calls that alternate between the two libraries then take "
-                        "ms instead of us from N ~ 64 on: 1 gives repeatable timings")
+    add_blas_threads_option(p)
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = ",".join(map(str, OFFLOAD_SIZES if args.offload else DEFAULT_SIZES))
@@ -229,8 +239,7 @@ def main(argv=None) -> int:
     print(f"# command: python -m bench.offload_threshold {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, numpy {np.__version__} "
           f"({blas_txt}), blasx devices: {devices}")
-    limits = (threadpoolctl.threadpool_limits(args.blas_threads, user_api="blas") if args.blas_threads
-              else contextlib.nullcontext())
+    limits = blas_thread_limits(args.blas_threads)
     try:
         with limits:
             if args.offload:

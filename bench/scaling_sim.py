@@ -192,17 +192,22 @@ MAX_INFLATION = 1.05  # kernels that took 5% over their cost model: the host was
 RETRIES = 2
 
 
-def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
-    """``_run_once``, run again (up to RETRIES times) while the sims' kernels took more than
+def retried(run) -> dict:
+    """``run()``, again (up to RETRIES times) while the sims' kernels took more than
     MAX_INFLATION x their cost-model time (this host was busy with something else)."""
     tries = []
     for _ in range(1 + RETRIES):
-        r = _run_once(n, gpus, dt, model, beta, scenario, dilate)
+        r = run()
         tries.append(r["busy_inflation"])
         if r["busy_inflation"] <= MAX_INFLATION:
             break
     r["tries_busy_inflation"] = tries
     return r
+
+
+def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
+    """``_run_once``, retried while the host disturbed it."""
+    return retried(lambda: _run_once(n, gpus, dt, model, beta, scenario, dilate))
 
 
 def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
@@ -471,6 +476,20 @@ def _names(text: str, name: str, allowed, empty_ok: bool = False) -> list[str]:
     return vals
 
 
+def write_report(out: str | None, name: str, doc: dict, md: str, log) -> None:
+    """``out``/``name``.json and .md, or the markdown to ``log`` when there is no ``out``."""
+    if not out:
+        log(md)
+        return
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, name)
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, default=float)
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(md)
+    log(f"wrote {base}.json and {base}.md")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.scaling_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", default="16384,32768,49152", help="matrix sizes N (N x N x N)")
@@ -587,17 +606,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host": {"machine": platform.node() or "unknown", "cpus": os.cpu_count(), "python": platform.python_version()},
         "elapsed_s": time.perf_counter() - t_start,
     }
-    md = markdown(doc)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        base = os.path.join(args.out, f"scaling-sim-{stamp}")
-        with open(base + ".json", "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, default=float)
-        with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(md)
-        log(f"wrote {base}.json and {base}.md")
-    else:
-        log(md)
+    write_report(args.out, f"scaling-sim-{stamp}", doc, markdown(doc), log)
     return doc
 
 
