@@ -438,7 +438,7 @@ def _generic_host_path(routine: str):
     (b of the same dtype, ...), and a call it does not take runs the generic function itself, so
     the dtype rules stay the generic ones (a real a for ``herk`` has no path: the generic one)."""
     generic, _, _, prefixes = _TABLE[routine]
-    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic) for p in prefixes}
+    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic, convert=False) for p in prefixes}
     ndarray = np.ndarray
 
     def f(*args, **kwargs):
