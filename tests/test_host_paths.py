@@ -778,6 +778,8 @@ def test_bench_cpu_overhead_runs(capsys):
     bench = importlib.import_module("bench.cpu_overhead")
     assert bench.main(["--sizes", "8", "--dtypes", "d,c", "--rounds", "2", "--target-ms", "0.2"]) == 0
     out = capsys.readouterr().out
-    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best"):
+    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best", "gemm-c", "gemm-ow",
+                 "matmul-out", "matmul-dtype", "linalg-syrk-ow", "linalg-her2k-conv", "linalg-trsm-a0", "blasx-trmm-ow",
+                 "blasx-hemm-c"):
         assert what in out, what
     assert "WRONG" not in out
