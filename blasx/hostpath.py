@@ -1,4 +1,4 @@
-"""The CPU alone: level-3 calls of the scipy signature run scipy's own routine as is.
+"""The CPU alone: level-3 calls of the scipy signature run scipy's own routine.
 
 With the CPU as the only device (``session.host_device`` set: the engine runs every call in its
 caller's thread on the host BLAS, no fixed tile), blasx's kernel is the host BLAS, so a call
@@ -11,8 +11,8 @@ for scipy's own cost plus a few checks. Two lanes, tried in turn:
   the arguments unchanged;
 * any other call that binds to the signature (``c``, ``beta``, ``overwrite_*``, alpha == 0, a
   complex alpha or beta where the routine takes one, arrays of another BLAS type that the
-  routine converts): the arguments are checked, converted and handed to scipy's routine in
-  the form that makes it do what blasx does (see ``_lane``).
+  routine converts): the arguments are checked and handed to scipy's routine in the form that
+  makes it do what blasx does (``LANES``: one function per family; see the comment above them).
 
 Both need int flags within what blasx allows (blasx raises where scipy hands a bad flag to
 BLAS, e.g. ``zherk(trans=1)``, ``zsyrk(trans=2)``) and shapes that fit with every dimension > 0

@@ -553,6 +553,21 @@ def test_level3_second_lane_aliases(rand, rel_err, tol):
     _same(c, want, rel_err, tol)
 
 
+def test_level3_second_lane_tells_binding_errors_from_its_own(rand, monkeypatch):
+    """Arguments that do not bind to scipy's signature go to the general path (its message); a
+    TypeError raised inside the lane (here by scipy's routine) is raised as it is."""
+    def broken(*args, **kwargs):
+        raise TypeError("from inside")
+    monkeypatch.setattr(hostpath._sp, "get_blas_funcs", lambda *a, **k: broken)
+    ran = []
+    f = hostpath.with_host_path("d", "syrk", lambda *a, **k: ran.append(k) or "general")
+    a, c = rand((6, 4), seed=1), rand((6, 6), seed=2)
+    assert f(1.0, a, 0.5, c, bogus=1) == "general" and ran == [{"bogus": 1}]
+    with pytest.raises(TypeError, match="from inside"):
+        f(1.0, a, 0.5, c)
+    assert len(ran) == 1
+
+
 @pytest.mark.parametrize("call", [
     lambda a, c: B.dsyrk(1.0, a, 0.5, c[:5]),                     # c's shape
     lambda a, c: blasx.dsyrk(1.0, a, 0.5, c[0]),                   # a 1-D c
