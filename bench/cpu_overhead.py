@@ -2,12 +2,15 @@
 
     python -m bench.cpu_overhead                                  # N = 16..128, d and z, every entry point
     python -m bench.cpu_overhead --sizes 32 --dtypes s,d,c,z --rounds 50
-    python -m bench.cpu_overhead --entries matmul,gemm-C,linalg-gemm
+    python -m bench.cpu_overhead --entries matmul,gemm-C,linalg-gemm,gemm-c,linalg-syrk-ow
 
 Each entry point is timed against its peer on the same arrays: ``blasx.matmul`` / ``dot`` /
 ``tensordot`` against numpy's own function, ``blasx.gemm`` and the ``blasx.linalg.blas`` level-3
 functions against ``scipy.linalg.blas``'s (numpy and scipy may link different BLAS builds: the
-header lists them, and each entry is compared with the peer it replaces). The two are
+header lists them, and each entry is compared with the peer it replaces). Entries with a suffix
+(``gemm-c``, ``matmul-out``, ``linalg-syrk-ow``, ``blasx-syrk-c``, ...) are calls with c and
+beta, outputs written in place, alpha 0, arrays converted to the routine's type, and matmul's
+``out=`` / ``dtype=`` (see ``general_entries``). The two are
 interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
 with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times are reported
 as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
@@ -74,7 +77,77 @@ def entries(prefix: str, n: int):
         if r in spf:
             ours, theirs = getattr(bl, prefix + r), spf[r]
             table[f"linalg-{r}"] = (lambda f=ours, o=ops: f(1.0, *o), lambda f=theirs, o=ops: f(1.0, *o))
+    table.update(general_entries(prefix, n, spf, two))
     return table
+
+
+def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
+    """The calls that took blasx's general path before 2026-11-23's second CPU-only pass: c and
+    beta, overwrite_* (the output written in place), alpha == 0, arrays of another BLAS type
+    (converted), matmul with out= or dtype=.
+
+    In-place calls get an output of their own on each side (blasx's and the peer's), so that
+    neither reads what the other wrote; each converges (c = alpha op(a) op(b) + c / 2) or stays
+    put (trmm / trsm in place use a diagonal of +-1: the BLAS does the same work whatever the
+    values, and repeated calls neither overflow nor sink into subnormals)."""
+    import blasx
+    from blasx import numpy_api
+    from blasx.linalg import blas as bl
+
+    dtype = DTYPES[prefix]
+    a, b, _ = _arrays(n, dtype, "C", seed=2)
+    af, bf, _ = _arrays(n, dtype, "F", seed=3)
+    cf = _arrays(n, dtype, "F", seed=4)[0]
+    other = DTYPES[OTHER_PRECISION[prefix]]  # converted to the routine's type by both
+    conv = {r: tuple(x.astype(other) for x in ops) for r, ops in two.items()}
+    signs = np.asfortranarray(np.diag(np.random.default_rng(5).choice([-1.0, 1.0], n)).astype(dtype))
+    np_matmul = numpy_api._np_matmul
+
+    def fresh():
+        return cf.copy(order="F")
+
+    def pair(ours, theirs, make):
+        """(blasx call, peer call) of fn(out), each side on an output of its own."""
+        mine, peers = make(), make()
+        return (lambda: ours(mine), lambda: theirs(peers))
+
+    g = spf["gemm"]
+    table = {
+        "gemm-c": (lambda: blasx.gemm(1.0, af, bf, 0.5, cf), lambda: g(1.0, af, bf, 0.5, cf)),
+        "gemm-c-C": (lambda: blasx.gemm(1.0, a, b, 0.5, cf), lambda: g(1.0, a, b, 0.5, cf)),
+        "gemm-ow": pair(lambda c: blasx.gemm(1.0, af, bf, 0.5, c, overwrite_c=True),
+                        lambda c: g(1.0, af, bf, 0.5, c, overwrite_c=True), fresh),
+        "matmul-out": pair(lambda o: blasx.matmul(a, b, out=o), lambda o: np_matmul(a, b, out=o),
+                           lambda: np.empty((n, n), dtype)),
+        "matmul-dtype": (lambda: blasx.matmul(a, b, dtype=dtype), lambda: np_matmul(a, b, dtype=dtype)),
+    }
+    for r, ops in two.items():
+        if r not in spf:
+            continue
+        ours, theirs, pre = getattr(bl, prefix + r), spf[r], getattr(blasx, prefix + r, None)
+        cv = conv[r]
+        if r in ("trmm", "trsm"):  # no c: b in place, alpha 0 (b = 0)
+            table[f"linalg-{r}-ow"] = pair(lambda x, f=ours: f(1.0, signs, x, overwrite_b=1),
+                                           lambda x, f=theirs: f(1.0, signs, x, overwrite_b=1), lambda: bf.copy(order="F"))
+            table[f"linalg-{r}-a0"] = (lambda f=ours, o=ops: f(0.0, *o), lambda f=theirs, o=ops: f(0.0, *o))
+            table[f"linalg-{r}-conv"] = (lambda f=ours, o=cv: f(1.0, *o), lambda f=theirs, o=cv: f(1.0, *o))
+            if pre is not None:
+                table[f"blasx-{r}-ow"] = pair(lambda x, f=pre: f(1.0, signs, x, overwrite_b=1),
+                                              lambda x, f=theirs: f(1.0, signs, x, overwrite_b=1),
+                                              lambda: bf.copy(order="F"))
+            continue
+        table[f"linalg-{r}-c"] = (lambda f=ours, o=ops: f(1.0, *o, 0.5, cf), lambda f=theirs, o=ops: f(1.0, *o, 0.5, cf))
+        table[f"linalg-{r}-ow"] = pair(lambda c, f=ours, o=ops: f(1.0, *o, 0.5, c, overwrite_c=1),
+                                       lambda c, f=theirs, o=ops: f(1.0, *o, 0.5, c, overwrite_c=1), fresh)
+        table[f"linalg-{r}-a0"] = (lambda f=ours, o=ops: f(0.0, *o, 0.5, cf), lambda f=theirs, o=ops: f(0.0, *o, 0.5, cf))
+        table[f"linalg-{r}-conv"] = (lambda f=ours, o=cv: f(1.0, *o, 0.5, cf), lambda f=theirs, o=cv: f(1.0, *o, 0.5, cf))
+        if pre is not None:
+            table[f"blasx-{r}-c"] = (lambda f=pre, o=ops: f(1.0, *o, 0.5, cf), lambda f=theirs, o=ops: f(1.0, *o, 0.5, cf))
+    return table
+
+
+# prefix -> the prefix of the other precision of the same kind: the arrays of a "-conv" entry
+OTHER_PRECISION = {"s": "d", "d": "s", "c": "z", "z": "c"}
 
 
 def rel_err(x, ref) -> float:
@@ -149,7 +222,7 @@ def _run(args, sizes, wanted) -> int:
     print(header())
     print("# per-call us: best / median over the rounds; overhead = blasx - peer (best, median, paired: median of "
           "the rounds' differences)")
-    print(f"{'dtype':>6} {'N':>5} {'entry':<14} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
+    print(f"{'dtype':>6} {'N':>5} {'entry':<18} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
           f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'paired':>7} {'ratio':>6} {'rel err':>8}")
     for code in args.dtypes.split(","):
         for n in sizes:
@@ -159,7 +232,7 @@ def _run(args, sizes, wanted) -> int:
                 err = rel_err(ours(), peer())
                 r = compare(ours, peer, args.rounds, args.target_ms / 1e3)
                 us = {k: v * 1e6 for k, v in r.items() if k != "number"}
-                print(f"{code:>6} {n:>5} {name:<14} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
+                print(f"{code:>6} {n:>5} {name:<18} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
                       f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
                       f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
                       f"{us['paired']:>7.2f} "

@@ -416,7 +416,7 @@ def _prefixed(prefix: str, routine: str):
         given = bound.arguments
         return impl(*(given.get(p) for p in order), dtype=dtype, name=name, **kw)  # syrk/herk: b is None
 
-    f = hostpath.with_host_path(prefix, routine, general)  # the CPU alone: scipy's routine for plain calls
+    f = hostpath.with_host_path(prefix, routine, general)  # the CPU alone: scipy's routine where it does as blasx
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__
@@ -433,12 +433,13 @@ del _routine, _g, _i, _kw, _prefixes, _p
 
 
 def _generic_host_path(routine: str):
-    """The generic ``routine`` (``symm``, ``syrk``, ...) with the CPU-only path of
-    :mod:`blasx.hostpath` for plain calls: a's dtype picks the prefix whose path checks the call
-    (b of the same dtype, ...), and a call it does not take runs the generic function itself, so
-    the dtype rules stay the generic ones (a real a for ``herk`` has no path: the generic one)."""
+    """The generic ``routine`` (``symm``, ``syrk``, ...) with the CPU-only paths of
+    :mod:`blasx.hostpath`: a's dtype picks the prefix whose path checks the call (b and c of
+    the same dtype: ``convert=False``, ...), and a call it does not take runs the generic function
+    itself, so the dtype rules stay the generic ones (a real a for ``herk`` has no path: the
+    generic one)."""
     generic, _, _, prefixes = _TABLE[routine]
-    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic) for p in prefixes}
+    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic, convert=False) for p in prefixes}
     ndarray = np.ndarray
 
     def f(*args, **kwargs):

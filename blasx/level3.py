@@ -100,6 +100,11 @@ _FAST_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.comple
 _HOST_GEMM = {dt: _sp_blas.get_blas_funcs("gemm", dtype=dt) for dt in _FAST_DTYPES}
 
 _OPS = frozenset((OP_N, OP_T, OP_C))
+
+_REAL_SCALARS = frozenset((float, int))
+#: dtype -> the Python types of alpha and beta the host gemm takes as they are (blasx rejects a
+#: complex scalar with a non-zero imaginary part for a real type: the general path)
+_HOST_SCALARS = {dt: _REAL_SCALARS | ({complex} if dt.kind == "c" else set()) for dt in _FAST_DTYPES}
 _ndarray = np.ndarray
 
 
@@ -117,14 +122,14 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     returned. Nothing is written when the arguments are rejected.
     """
     dev = session.host_device
-    if (dev is not None and c is None and type(a) is _ndarray and type(b) is _ndarray and (dt := a.dtype) is b.dtype
-            and dt in _FAST_DTYPES and (type(alpha) is float or type(alpha) is int) and alpha != 0
+    if (dev is not None and type(a) is _ndarray and type(b) is _ndarray and (dt := a.dtype) is b.dtype
+            and (scalars := _HOST_SCALARS.get(dt)) is not None and type(alpha) in scalars and type(beta) in scalars
             and type(trans_a) is int and type(trans_b) is int and trans_a in _OPS and trans_b in _OPS
-            and a.ndim == 2 and b.ndim == 2):
-        # The CPU alone and the commonest call, which passes every check below by construction
-        # (``is`` for the dtypes: numpy's builtin dtypes are singletons; an equal one that is another
-        # object takes the shortcut below)
-        out = _host_gemm(dev, alpha, a, b, trans_a, trans_b, dt)
+            and a.ndim == 2 and b.ndim == 2 and (c is None or (type(c) is _ndarray and c.dtype is dt and c.ndim == 2))):
+        # The CPU alone, and a call that passes every check below by construction (``is`` for the
+        # dtypes: numpy's builtin dtypes are singletons; an equal one that is another object
+        # takes the shortcut below)
+        out = _host_gemm(dev, alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dt)
         if out is not None:
             return out
     if (c is None and type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2
@@ -171,29 +176,77 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     return out
 
 
-def _host_gemm(dev, alpha, a, b, trans_a: int, trans_b: int, dtype):
+def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_c, dtype):
     """The CPU alone (``session.host_device``): scipy's own ?gemm, on F-ordered views where the
     operands allow it (scipy would copy a C-ordered operand first), for a call that passed every
-    check by construction (see gemm). None when the shapes do not fit or a dimension is 0: the
-    general path raises, or makes BLAS's quick return (A and B are not read then, nor when
-    alpha is 0, which the caller leaves to it too)."""
+    check by construction (see gemm). None when the shapes do not fit or a dimension is 0 (the
+    general path raises, or makes BLAS's quick return), or when c is not one :func:`_c_mode`
+    takes. scipy's ?gemm reads neither a nor b when alpha is 0, nor c when beta is 0."""
     sa, sb = a.shape, b.shape
     m, k = (sa[1], sa[0]) if trans_a else sa
     kb, n = (sb[1], sb[0]) if trans_b else sb
     if k != kb or not (m and n and k):
         return None
-    if trans_a != OP_C:  # a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back
-        flags = a.flags
-        if flags.c_contiguous and not flags.f_contiguous:
-            a, trans_a = a.T, 1 - trans_a
-    if trans_b != OP_C:  # (op C of x would be conj without transpose of x.T: no BLAS form)
-        flags = b.flags
-        if flags.c_contiguous and not flags.f_contiguous:
-            b, trans_b = b.T, 1 - trans_b
+    fa, fb = a.flags, b.flags  # (made once: 35 ns each)
+    mode = _C_NONE
+    if c is not None:
+        if c.shape != (m, n):
+            return None
+        mode = _c_mode(c, overwrite_c, a, b, fa.owndata and fb.owndata)
+        if mode is None:
+            return None
+        if mode == _C_IN_PLACE_T:  # C^T = op(B)^T op(A)^T, written into the F-ordered c.T
+            swapped = _SWAPPED_OPS[dtype.kind == "c"]
+            if trans_a not in swapped or trans_b not in swapped:
+                return None  # (op C transposed is conj without transpose: no BLAS form)
+            a, b, fa, fb, trans_a, trans_b = b, a, fb, fa, swapped[trans_b], swapped[trans_a]
+    # a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (op C of x would be
+    # conj without transpose of x.T: no BLAS form)
+    if trans_a != OP_C and fa.c_contiguous and not fa.f_contiguous:
+        a, trans_a = a.T, 1 - trans_a
+    if trans_b != OP_C and fb.c_contiguous and not fb.f_contiguous:
+        b, trans_b = b.T, 1 - trans_b
     t0 = clock()
-    out = _HOST_GEMM[dtype](alpha, a, b, 0.0, None, trans_a, trans_b)
-    _tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
+    if mode == _C_NONE:  # beta is ignored without c (scipy would scale its zero c by it)
+        out = _HOST_GEMM[dtype](alpha, a, b, 0.0, None, trans_a, trans_b)
+    else:
+        out = _HOST_GEMM[dtype](alpha, a, b, beta, c.T if mode == _C_IN_PLACE_T else c, trans_a, trans_b,
+                                mode != _C_COPY)
+        if mode != _C_COPY:
+            out = c
+    _tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
     return out
+
+
+# How _host_gemm writes c: no c; into a new array (scipy copies c); in place into the F-ordered c;
+# in place into c.T, the F-ordered view of a C-ordered c
+_C_NONE, _C_COPY, _C_IN_PLACE, _C_IN_PLACE_T = 0, 1, 2, 3
+
+# op of x -> op of x.T giving the transposed product, for real types (op C is op T) and complex ones
+_SWAPPED_OPS = ({OP_N: OP_T, OP_T: OP_N, OP_C: OP_N}, {OP_N: OP_T, OP_T: OP_N})
+
+_OVERWRITE_TYPES = frozenset((int, bool))
+
+
+def _c_mode(c, overwrite_c, a, b, inputs_own_data: bool):
+    """How _host_gemm writes the c of a host gemm, or None (the general path) when it cannot:
+    blasx.gemm raises when c may alias a or b (written in place or not: the general path
+    raises, here only no alias is proven: cheaply for arrays that each own their buffer, c and
+    both inputs (``inputs_own_data``), else by numpy's bounds test), and with ``overwrite_c``
+    writes into c whatever its layout (here only an F- or C-contiguous, writable, aligned c;
+    scipy would copy any other, and write into a read-only one)."""
+    if type(overwrite_c) not in _OVERWRITE_TYPES or a is c or b is c:
+        return None
+    fl = c.flags
+    if not (inputs_own_data and fl.owndata) and (np.may_share_memory(c, a) or np.may_share_memory(c, b)):
+        return None
+    if not overwrite_c:
+        return _C_COPY
+    if not (fl.writeable and fl.aligned):
+        return None
+    if fl.f_contiguous:
+        return _C_IN_PLACE
+    return _C_IN_PLACE_T if fl.c_contiguous else None
 
 
 def matmul(a, b, out=None):

@@ -23,7 +23,8 @@ handed to numpy too, so the error raised is numpy's own.
 With the CPU as the only device (``blasx.configure(devices="cpu")``, or no GPU,
 and no fixed tile), blasx's kernel is the host BLAS, and a plain call runs
 numpy's own function on it: ``matmul`` of C- or F-contiguous ndarrays of one
-BLAS type with no ``out`` or keywords, ``dot`` of 1-D / 2-D ndarrays of one BLAS
+BLAS type (with ``out=`` a C- or F-contiguous ndarray of the computation type,
+``dtype=`` a BLAS type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS
 type with no ``out``, ``tensordot`` of ndarrays of one BLAS type. That costs
 numpy's time plus a few checks and the record of the call for
 ``blasx.last_profile()`` (well under a microsecond).
@@ -72,16 +73,20 @@ def matmul(x1, x2, /, out=None, **kwargs):
     returns a numpy scalar, as np.matmul does.
     """
     dev = session.host_device
-    if (dev is not None and out is None and not kwargs and type(x1) is _ndarray and type(x2) is _ndarray
+    if (dev is not None and type(x1) is _ndarray and type(x2) is _ndarray
             and x1.dtype == x2.dtype and x1.dtype in _FAST_DTYPES and x1.flags.forc and x2.flags.forc):
         # The CPU alone: numpy's own matmul is the host BLAS on C- or F-contiguous operands of a
         # BLAS type, whatever their dimensions (other strides take numpy's loop without BLAS, so
         # they stay below, where they are copied); a call it rejects raises numpy's error, as the
         # general path's fallback would. The result is C-ordered, as numpy's.
-        t0 = clock()
-        res = _np_matmul(x1, x2)
-        _last.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
-        return res
+        if out is None and not kwargs:
+            t0 = clock()
+            res = _np_matmul(x1, x2)
+            _last.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
+            return res
+        res = _host_matmul_out(dev, x1, x2, out, kwargs)
+        if res is not None:
+            return res
     if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray
             and x1.ndim == 2 and x2.ndim == 2 and x1.dtype == x2.dtype and x1.dtype in BLAS_DTYPES
             and x1.shape[1] == x2.shape[0]):
@@ -125,6 +130,45 @@ def matmul(x1, x2, /, out=None, **kwargs):
         return out
     if final == ():
         return res[()]  # numpy returns a scalar for 1-D @ 1-D
+    return res
+
+
+# ``dtype=`` spellings -> numpy's dtype, for the ones _host_matmul_out takes (a dict look-up costs
+# ~30 ns, np.dtype(...) ~150)
+_DTYPE_KW = {k: np.dtype(k) for t in BLAS_DTYPES for k in (t, t.type, t.name, t.char)} | {
+    float: np.dtype(float), complex: np.dtype(complex)}
+
+
+def _host_matmul_out(dev, x1, x2, out, kwargs):
+    """The CPU alone, matmul with ``out=`` or keywords: numpy's own matmul with them, for a call
+    whose computation type ``ct`` (``dtype=``, else the operands') is a BLAS type and whose
+    ``out`` is a C- or F-contiguous ndarray of type ``ct`` (numpy runs BLAS only into those,
+    its loop without BLAS into others: those, other out dtypes and other keywords take the
+    general path). numpy then computes what blasx does: the product in ``ct``, the operands
+    cast under ``casting`` (blasx's general path hands every call whose casts numpy refuses to
+    numpy, for numpy's error), written into out (numpy copies an operand that overlaps out);
+    and raises numpy's errors for bad shapes or a read-only out, as blasx's fallback does.
+    None when the call is not one of these."""
+    ct = x1.dtype
+    if kwargs:
+        for key in kwargs:
+            if key not in _MATMUL_DEFAULTS:
+                return None
+        want = kwargs.get("dtype")
+        if want is not None:
+            try:
+                ct = _DTYPE_KW.get(want)
+            except TypeError:  # an unhashable dtype= (numpy raises for it)
+                return None
+            if ct is None:
+                return None
+        if type(kwargs.get("casting", "")) is not str:
+            return None
+    if out is not None and not (type(out) is _ndarray and out.dtype is ct and out.flags.forc):
+        return None
+    t0 = clock()
+    res = _np_matmul(x1, x2, out=out, **kwargs)
+    _last.stats = (dev, t0, clock(), ct, 2.0 * res.size * x1.shape[-1])  # (numpy scalars have .size too)
     return res
 
 

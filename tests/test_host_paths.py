@@ -2,10 +2,13 @@
 blasx.linalg.blas level-3 wrappers and the prefixed level-3 functions (blasx.dsyrk ...).
 
 With ``devices="cpu"`` and no fixed tile, a plain call runs numpy's or scipy's own routine (the
-host BLAS) behind ``session.host_device``. These tests check that the flag follows configure /
-shutdown, that the fast paths are taken for plain calls (the general path is made to fail), give
-what numpy / scipy give and what the general path gives (by relative error, on random non-zero
-inputs), raise the same errors, and leave a profile for last_profile(), in every thread."""
+host BLAS) behind ``session.host_device``, and so do calls with c, beta, overwrite_*, alpha 0,
+complex scalars, converted arrays and matmul's out= / dtype= (the second lanes). These tests
+check that the flag follows configure / shutdown, that the fast paths are taken (the general
+path is made to fail), give what numpy / scipy give and what the general path gives (by
+relative error, on random non-zero inputs, outputs poisoned with NaN where they are not read),
+write in place exactly when the general path does, raise the same errors, and leave a profile
+for last_profile(), in every thread."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import pytest
 import scipy.linalg.blas as S
 
 import blasx
-from blasx import blas3, level3, numpy_api, session
+from blasx import blas3, hostpath, level3, numpy_api, session
 from blasx.linalg import blas as B
 
 BLAS = (np.float32, np.float64, np.complex64, np.complex128)
@@ -204,10 +207,12 @@ def test_gemm_fast_path(dtype, rand, rel_err, tol, monkeypatch):
     assert blasx.last_profile().totals()["flops"] == factor * 9 * 7 * 5
 
 
-def test_gemm_edge_cases_keep_the_general_path(rand):
+def test_gemm_edge_cases(rand):
+    """alpha 0 (scipy's ?gemm, which reads neither a nor b, as BLAS), k == 0 and empty results
+    (the general path: BLAS's quick return)."""
     a, b = rand((6, 4), seed=1), rand((4, 5), seed=2)
     a[0, 0] = np.nan
-    assert np.all(blasx.gemm(0.0, a, b) == 0)  # alpha 0: a and b are not read (BLAS)
+    assert np.all(blasx.gemm(0.0, a, b) == 0)
     assert blasx.gemm(1.0, np.ones((6, 0)), np.ones((0, 5))).tolist() == np.zeros((6, 5)).tolist()
     assert blasx.gemm(1.0, np.ones((0, 3)), np.ones((3, 5))).shape == (0, 5)
 
@@ -300,8 +305,10 @@ def test_generic_level3_keeps_its_dtype_rules(rand, rel_err, tol):
     assert blasx.symm(1.0, rand((4, 4), np.float32), b64[:4]).dtype == np.float64
 
 
-def test_level3_non_plain_calls_take_the_general_path(rand, rel_err, tol):
-    """c, beta, overwrite_*, other dtypes, alpha 0 or complex, subclasses: the general path, as before."""
+def test_level3_calls_the_lanes_cannot_take_run_the_general_path(rand):
+    """numpy scalars, a complex alpha for a real routine, bool flags, subclasses, complex arrays
+    for a real routine, an output that may alias an input (it raises there, before the engine):
+    blasx's general path, as before."""
     a, b = rand((6, 6), seed=1), rand((6, 4), seed=2)
     c = rand((6, 6), seed=3)
     ran = []
@@ -309,17 +316,391 @@ def test_level3_non_plain_calls_take_the_general_path(rand, rel_err, tol):
     mp = pytest.MonkeyPatch()
     mp.setattr(blas3, "submit_planned", lambda *x: (ran.append(x[0]), real(*x)))
     try:
-        B.dsyrk(1.0, a, 0.5, c)
-        B.dsyrk(1.0, a.astype(np.float32))
-        B.dsyrk(1.0 + 0j, a)
-        B.dsymm(1.0, a, b, side=False)
-        B.dtrmm(1.0, a, np.asfortranarray(b), overwrite_b=1)
-        B.dsyrk(1.0, a.view(np.matrix))
+        blasx.dsyrk(np.float64(1.0), a)
+        blasx.dsyrk(1.0 + 0j, a)
+        blasx.dsyrk(1.0, a, lower=True)
+        blasx.dsymm(1.0, a, b, side=False)
+        blasx.dsyrk(1.0, a.view(np.matrix))
+        with pytest.warns(np.exceptions.ComplexWarning):
+            blasx.dsyrk(1.0, a + 0.5j)
+        with pytest.raises(ValueError, match="shares memory with a"):  # c is a, seen through a view
+            blasx.dsyrk(1.0, a, 0.5, a[:, :], overwrite_c=1)
+        blasx.syr2k(1.0, a.astype(np.float32), a)  # the generic ones: no conversion (their dtype rules)
     finally:
         mp.undo()
-    assert len(ran) == 6
-    a[0, 0] = np.nan
-    assert np.all(B.dtrmm(0.0, a, b) == 0)  # alpha 0: a and b are not read (blasx's rule, the general path)
+    assert ran == ["dsyrk", "dsyrk", "dsyrk", "dsymm", "dsyrk", "dsyrk", "syr2k"]
+
+
+# ---------------------------------------------------------------- the second lanes (c, beta, out=, ...)
+
+def _host_general(fn):
+    """fn() on blasx's general path on this very engine (the CPU alone, no fixed tile), which is
+    what these calls ran before the second lanes: the fast paths read session.host_device, and
+    engine() publishes it again once the general path has started it."""
+    session.host_device = None
+    try:
+        return fn()
+    finally:
+        blasx.engine()
+
+
+def _same(got, ref, rel_err, tol):
+    """Same type, dtype, shape, memory order and NaN pattern; the numbers equal within the dtype's tolerance."""
+    assert type(got) is type(ref)
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert (got.flags.f_contiguous, got.flags.c_contiguous) == (ref.flags.f_contiguous, ref.flags.c_contiguous)
+    nan = np.isnan(got)
+    np.testing.assert_array_equal(nan, np.isnan(ref))
+    assert rel_err(np.where(nan, 0, got), np.where(nan, 0, ref)) < 50 * tol(got.dtype)
+
+
+OTHER_PRECISION = {"s": "d", "d": "s", "c": "z", "z": "c"}
+# Scalars of the lanes' calls: "cplx" is a complex value where the routine takes one (else the real one)
+COMPLEX_ALPHA = {"alpha": 1.5 - 0.5j, "beta": 0.5 + 0.25j}
+REAL_ONLY = {"alpha": ("herk",), "beta": ("herk", "her2k")}
+
+# The calls with c (every routine but trmm/trsm): label, alpha, beta, c (None, "rand", "nan",
+# "other": random of the other precision), overwrite_c, NaN in a and b, arrays of the other
+# precision (converted: not for the generic functions), every argument positional, compared
+# with scipy (not where blasx deliberately differs)
+C_CALLS = [
+    dict(label="c, positional", alpha=1.5, beta=0.5, c="rand", positional=True),
+    dict(label="c, complex scalars", alpha="cplx", beta="cplx", c="rand", complex_only=True),
+    dict(label="beta 0: c is not read", alpha=1.5, beta=0.0, c="nan"),
+    dict(label="alpha 0: a, b are not read", alpha=0.0, beta=0.5, c="rand", nan_inputs=True),
+    dict(label="alpha 0, beta 1: c as it is", alpha=0.0, beta=1.0, c="rand", nan_inputs=True),
+    dict(label="overwrite_c", alpha=1.5, beta=0.5, c="rand", overwrite=1),
+    dict(label="overwrite_c, beta 0", alpha=1.5, beta=0.0, c="nan", overwrite=True),
+    dict(label="int scalars, overwrite 0", alpha=2, beta=1, c="rand", overwrite=0),
+    dict(label="beta without c is ignored", alpha=1.5, beta=float("nan"), c=None, scipy=False),
+    dict(label="alpha 0 without c", alpha=0.0, beta=0.5, c=None, nan_inputs=True),
+    dict(label="converted arrays", alpha=1.5, beta=0.5, c="other", other=True, overwrite=1),
+    dict(label="converted c only", alpha=1.5, beta=0.5, c="other", overwrite=1),
+]
+B_CALLS = [  # trmm / trsm: b is the output
+    dict(label="positional", alpha=1.5, positional=True),
+    dict(label="overwrite_b", alpha=1.5, overwrite=1),
+    dict(label="complex alpha, overwrite_b", alpha="cplx", overwrite=True, complex_only=True),
+    dict(label="alpha 0: a, b are not read", alpha=0.0, nan_inputs=True),
+    dict(label="alpha 0, overwrite_b", alpha=0, nan_inputs=True, overwrite=1),
+    dict(label="converted arrays", alpha=1.5, other=True, overwrite=1),
+]
+
+
+def _scalar(name, value, routine, dtype):
+    if value != "cplx":
+        return value
+    return COMPLEX_ALPHA[name] if routine not in REAL_ONLY[name] else COMPLEX_ALPHA[name].real
+
+
+def _lane_call(prefix, routine, order, flags, spec, rand):
+    """(args, kwargs, output) of one call, fresh arrays each time (the same values): the output is
+    the array the call may write in place (c, or b for trmm/trsm), None without c."""
+    dt = DT[prefix]
+    src = DT[OTHER_PRECISION[prefix]] if spec.get("other") else dt
+    m, n, k = 7, 5, 4
+
+    def arr(shape, seed, dtype=src):
+        x = rand(shape, dtype, seed=seed, order=order)
+        if spec.get("nan_inputs"):
+            x[1, 0] = np.nan
+        return x
+
+    if routine == "gemm":
+        ops = [arr((k, m) if flags["trans_a"] else (m, k), 1), arr((n, k) if flags["trans_b"] else (k, n), 2)]
+        c_shape = (m, n)
+    elif routine in ("symm", "hemm", "trmm", "trsm"):
+        s = n if flags["side"] else m
+        a = arr((s, s), 1)
+        if routine == "trsm":
+            a = np.asarray(a + 4 * np.eye(s, dtype=src), order=order)
+        ops, c_shape = [a, arr((m, n), 2)], (m, n)
+    else:
+        shape = (k, n) if flags["trans"] else (n, k)
+        ops = [arr(shape, 1)] + ([arr(shape, 2)] if routine in ("syr2k", "her2k") else [])
+        c_shape = (n, n)
+    alpha = _scalar("alpha", spec["alpha"], routine, dt)
+    if routine in ("trmm", "trsm"):
+        out, named = ops[1], {"overwrite_b": spec.get("overwrite", 0)}
+        head = [alpha, *ops]
+    else:
+        c = spec.get("c")
+        c = None if c is None else rand(c_shape, DT[OTHER_PRECISION[prefix]] if c == "other" else dt, seed=3,
+                                        order=order)
+        if spec.get("c") == "nan":
+            c[...] = np.nan
+        out = c
+        head = [alpha, *ops, _scalar("beta", spec["beta"], routine, dt), c]
+        named = {"overwrite_c": spec.get("overwrite", 0)}
+    if spec.get("positional"):
+        return head + list(flags.values()) + list(named.values()), {}, out
+    if routine not in ("trmm", "trsm"):  # beta and c by keyword
+        named.update(beta=head.pop(-2), c=head.pop(-1))
+    return head, {**flags, **named}, out
+
+
+def _lane_cases(prefix, routine, convert):
+    """(spec, flags): every call of C_CALLS / B_CALLS that applies, each with the next combination
+    of the flags blasx allows (so that the calls go through all of them)."""
+    cplx = prefix in "cz"
+    names = hostpath.FLAG_ORDER[routine]
+    allowed = hostpath.FAST_FLAGS[routine][cplx]
+    combos = list(itertools.product(*(sorted(allowed[x]) for x in names)))
+    specs = B_CALLS if routine in ("trmm", "trsm") else C_CALLS
+    specs = [s for s in specs if (cplx or not s.get("complex_only")) and (convert or not s.get("other")
+                                                                           and s.get("c") != "other")]
+    return [(s, dict(zip(names, combos[i % len(combos)]))) for i, s in enumerate(specs)]
+
+
+def _no_blas_form(module, prefix, routine, order, spec, flags) -> bool:
+    """blasx.gemm writes a C-ordered c in place through c.T, which complex op C has no BLAS form for:
+    the general path."""
+    return (module == "generic" and routine == "gemm" and prefix in "cz" and order == "C"
+            and bool(spec.get("overwrite")) and spec.get("c") and 2 in flags.values())
+
+
+def _untouched(routine, flags):
+    """Mask of the part of c that a rank-k routine does not write (the other triangle), or None."""
+    if routine not in ("syrk", "herk", "syr2k", "her2k"):
+        return None
+    n = 5
+    return np.triu(np.ones((n, n), bool), 1) if flags["lower"] else np.tril(np.ones((n, n), bool), -1)
+
+
+@pytest.mark.parametrize("module, prefix, routine", CASES)
+def test_level3_second_lane(module, prefix, routine, rand, rel_err, tol, monkeypatch):
+    """c, beta, overwrite_*, alpha 0, complex scalars, conversions: scipy's routine, with blasx's
+    results (the general path's, scipy's where they agree), outputs, untouched triangles, NaN
+    rules and profiles, for C- and F-ordered operands."""
+    fn = {"linalg": lambda: getattr(B, prefix + routine), "blasx": lambda: getattr(blasx, prefix + routine),
+          "generic": lambda: getattr(blasx, routine)}[module]()
+    sp = S.get_blas_funcs(routine, dtype=DT[prefix])
+    for order, (spec, flags) in itertools.product("FC", _lane_cases(prefix, routine, module != "generic")):
+        what = f"{spec['label']}, {order}, {flags}"
+
+        def call(runner=lambda f: f()):
+            args, kw, out = _lane_call(prefix, routine, order, flags, spec, rand)
+            return runner(lambda: fn(*args, **kw)), out
+
+        with monkeypatch.context() as mp:
+            if not _no_blas_form(module, prefix, routine, order, spec, flags):
+                _general_fails(mp)
+            got, out = call()
+        prof = blasx.last_profile().totals()
+        ref, ref_out = call(_host_general)
+        assert (got is out) == (ref is ref_out), what  # written in place exactly when blasx does
+        _same(got, ref, rel_err, tol)
+        if out is not None and got is not out:  # not written
+            np.testing.assert_array_equal(out, _lane_call(prefix, routine, order, flags, spec, rand)[2], what)
+        if spec.get("scipy", True):
+            args, kw, _ = _lane_call(prefix, routine, order, flags, spec, rand)
+            want = sp(*args, **kw)
+            if module == "generic" and routine == "gemm":  # blasx.gemm: c.T may be written (C^T = B^T A^T)
+                _same(got if got.flags.f_contiguous else np.asfortranarray(got), want, rel_err, tol)
+            else:
+                np.testing.assert_array_equal(got, want, what)  # it is scipy's routine
+        if spec["alpha"] != 0 or spec.get("beta") not in (1, 1.0):  # (the general path's quick return records nothing)
+            assert prof["tasks"] == 1 and prof["flops"] == blasx.last_profile().totals()["flops"], what
+        mask = _untouched(routine, flags)
+        c0 = _lane_call(prefix, routine, order, flags, spec, rand)[2]
+        if mask is not None:  # the other triangle: c's (zeros without c), all the rest written and finite
+            np.testing.assert_array_equal(got[mask], 0 if c0 is None else c0[mask].astype(got.dtype), what)
+            assert np.isfinite(got[~mask]).all(), what
+        else:
+            assert np.isfinite(got).all(), what
+
+
+def test_level3_second_lane_is_taken(rand, monkeypatch):
+    """Each kind of call above takes the lane (the general path made to fail), and a read-only c
+    with overwrite_c gets a new array (scipy would write into it)."""
+    a, c = rand((6, 4), seed=1), rand((6, 6), seed=2)
+    ro = c.copy(order="F")
+    ro.flags.writeable = False
+    ro0 = ro.copy()
+    _general_fails(monkeypatch)
+    monkeypatch.setattr(blas3, "_rank", lambda *x, **k: pytest.fail("blasx.dsyrk's general path ran"))
+    for fn in (B.dsyrk, blasx.dsyrk, blasx.syrk):
+        got = fn(1.0, a, 0.5, ro, overwrite_c=1)
+        assert got is not ro and np.array_equal(ro, ro0)
+        assert fn(0.0, a, beta=0.5, c=c) is not c
+        assert fn(1.5, a, 1, c, 0, 1, True) is c
+    assert B.dsyrk(1.0, a.astype(np.float32), 0.5, c.astype(np.float32), overwrite_c=1).dtype == np.float64
+
+
+def test_level3_second_lane_aliases(rand, rel_err, tol):
+    """An output written in place that shares memory with an input: blasx's error, as before; one
+    whose bounds overlap an input's but whose elements do not: the general path's exact check
+    finds them disjoint, and the call runs in place."""
+    a = rand((6, 6), seed=1)
+    for fn in (B.dsyrk, blasx.dsyrk, blasx.syrk):
+        for c in (a, a[:, :]):
+            err = _error_of(lambda: fn(1.0, a, 0.5, c, overwrite_c=1))
+            assert err == _host_general(lambda: _error_of(lambda: fn(1.0, a, 0.5, c, overwrite_c=1)))
+            assert err[0] is ValueError and "shares memory with a" in err[1]
+    b = a[:, :4].copy(order="F")
+    for fn in (B.dtrmm, blasx.dtrmm, blasx.trmm, B.dtrsm):
+        err = _error_of(lambda: fn(1.0, b[:4, :4], b, side=1, overwrite_b=1))
+        assert err == _host_general(lambda: _error_of(lambda: fn(1.0, b[:4, :4], b, side=1, overwrite_b=1)))
+        assert "b: shares memory with a" in err[1]
+    # c = buf[50:86] (F-ordered 6 x 6), a: buf[i + 90 j], around c's block but never in it
+    buf = rand((460,), seed=3)
+    c = buf[50:86].reshape(6, 6, order="F")
+    x = np.lib.stride_tricks.as_strided(buf, (6, 4), (8, 720))
+    assert np.may_share_memory(c, x) and not np.shares_memory(c, x)
+    want = S.dsyrk(1.0, x, 0.5, c.copy(order="F"))
+    assert B.dsyrk(1.0, x, 0.5, c, overwrite_c=1) is c
+    _same(c, want, rel_err, tol)
+
+
+def test_level3_second_lane_tells_binding_errors_from_its_own(rand, monkeypatch):
+    """Arguments that do not bind to scipy's signature go to the general path (its message); a
+    TypeError raised inside the lane (here by scipy's routine) is raised as it is."""
+    def broken(*args, **kwargs):
+        raise TypeError("from inside")
+    monkeypatch.setattr(hostpath._sp, "get_blas_funcs", lambda *a, **k: broken)
+    ran = []
+    f = hostpath.with_host_path("d", "syrk", lambda *a, **k: ran.append(k) or "general")
+    a, c = rand((6, 4), seed=1), rand((6, 6), seed=2)
+    assert f(1.0, a, 0.5, c, bogus=1) == "general" and ran == [{"bogus": 1}]
+    with pytest.raises(TypeError, match="from inside"):
+        f(1.0, a, 0.5, c)
+    assert len(ran) == 1
+
+
+@pytest.mark.parametrize("call", [
+    lambda a, c: B.dsyrk(1.0, a, 0.5, c[:5]),                     # c's shape
+    lambda a, c: blasx.dsyrk(1.0, a, 0.5, c[0]),                   # a 1-D c
+    lambda a, c: blasx.dsyrk(1.0, a, 0.5 + 1j, c),                 # complex beta for a real routine
+    lambda a, c: blasx.zherk(1.0, a + 0j, 0.5 + 1j, c + 0j),       # complex beta for herk
+    lambda a, c: blasx.zherk(1.0, a + 0j, 0.5, c + 0j, trans=1),   # zherk trans 1 (scipy: zeros)
+    lambda a, c: blasx.dsyrk(1.0, a, "x", c),                      # beta not a number
+    lambda a, c: B.dsyrk(1.0, a, 0.5, c, overwrite_c="yes"),       # overwrite_c not an int
+    lambda a, c: B.dsymm(1.0, c, a, 0.5, c[:, :4], side=2),        # side 2
+    lambda a, c: B.dsyr2k(1.0, a, c, 0.5, c),                      # b's shape
+    lambda a, c: B.dtrmm(1.0, c, a, overwrite_b=1, diag=2),        # diag 2
+    lambda a, c: B.dtrsm(1.0, c, a.T, 0, overwrite_b=1),           # a's shape
+    lambda a, c: B.dgemm(1.0, a, a, 0.5, c),                       # inner dimensions
+    lambda a, c: B.dgemm(1.0, a, a.T, 0.5, c, overwrite_c=1, bogus=1),
+    lambda a, c: B.zsyrk(1.0, a + 0j, 0.5, c + 0j, trans=2),       # zsyrk trans 2
+])
+def test_level3_second_lane_errors_are_unchanged(call, rand):
+    a, c = rand((6, 4), seed=1), rand((6, 6), seed=2)
+    fast = _error_of(lambda: call(a, c))
+    assert fast == _host_general(lambda: _error_of(lambda: call(a, c)))
+    assert fast == _general(lambda: _error_of(lambda: call(a, c)))
+    assert fast[0] in (ValueError, TypeError)
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_gemm_with_c(dtype, rand, rel_err, tol, monkeypatch):
+    """blasx.gemm with c, beta, overwrite_c, alpha 0, complex scalars: scipy's ?gemm, with blasx's
+    outputs (c written in place whatever its layout: a C-ordered c through c.T) and results."""
+    fn = S.get_blas_funcs("gemm", dtype=dtype)
+    cplx = np.dtype(dtype).kind == "c"
+    alphas, betas = ((1.5 - 0.5j, 0.5 + 0.25j) if cplx else (1.5, 0.5)), ((1.5, 0.0), (0.0, 0.5))
+    for i, (ta, tb, la, lc, ow) in enumerate(itertools.product((0, 1, 2), (0, 1, 2), "CF", "CF", (0, True))):
+        alpha, beta = (alphas, *betas)[i % 3]
+
+        def args():
+            a = rand((9, 7) if ta == 0 else (7, 9), dtype, seed=1, order=la)
+            b = rand((7, 5) if tb == 0 else (5, 7), dtype, seed=2, order=la)
+            c = rand((9, 5), dtype, seed=3, order=lc)
+            if beta == 0:
+                c[...] = np.nan
+            if alpha == 0:
+                a[0, 0] = b[0, 0] = np.nan
+            return a, b, c
+
+        a, b, c = args()
+        slow = cplx and ow and lc == "C" and 2 in (ta, tb)  # (no BLAS form of that product into c.T)
+        with monkeypatch.context() as mp:
+            if not slow:
+                _general_fails(mp)
+            got = blasx.gemm(alpha, a, b, beta, c, ta, tb, ow)
+        prof = blasx.last_profile().totals()
+        ga, gb, gc = args()
+        ref = _host_general(lambda: blasx.gemm(alpha, ga, gb, beta, gc, ta, tb, ow))
+        assert (got is c) == (ref is gc) == bool(ow)
+        _same(got, ref, rel_err, tol)
+        assert prof == blasx.last_profile().totals()
+        sa, sb, sc = args()
+        _same(np.asfortranarray(got), fn(alpha, sa, sb, beta, sc, ta, tb), rel_err, tol)
+        assert np.isfinite(got).all()
+        if not ow:
+            np.testing.assert_array_equal(c, args()[2])  # c not written
+
+
+def test_gemm_with_c_errors_and_aliases(rand):
+    """Bad arguments and a c that shares memory with a (blasx checks it even when it copies c):
+    the errors of before."""
+    a, b, c = rand((6, 4), seed=1), rand((4, 6), seed=2), rand((6, 6), seed=3)
+    for call in (lambda: blasx.gemm(1.0, a, b, 0.5, c[:5]), lambda: blasx.gemm(1.0, a, b, "x", c),
+                 lambda: blasx.gemm(1.0, a, b, 0.5 + 1j, c),
+                 lambda: blasx.gemm(1.0, a, b, 0.5, c[0]), lambda: blasx.gemm(1.0, c[:, :4], b, 0.5, c),
+                 lambda: blasx.gemm(1.0, c[:, :4], b, 0.5, c, overwrite_c=True),
+                 lambda: blasx.gemm(1.0, a, c[:4], 0.5, c, overwrite_c=True),
+                 lambda: blasx.gemm(1.0, a, b, 0.5, c.T, overwrite_c=True, trans_b=3)):
+        fast = _error_of(call)
+        assert fast == _host_general(lambda: _error_of(call))
+        assert fast[0] in (ValueError, TypeError)
+    assert "c: shares memory with a" in _error_of(lambda: blasx.gemm(1.0, c[:, :4], b, 0.5, c))[1]
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+@pytest.mark.parametrize("sa, sb", [((9, 6), (6, 5)), ((6,), (6, 5)), ((9, 6), (6,)), ((3, 9, 6), (6, 5)),
+                                    ((2, 1, 9, 6), (3, 6, 5))])
+def test_matmul_out_and_keywords(dtype, sa, sb, rand, rel_err, tol, monkeypatch):
+    """matmul with out= (C- and F-ordered, poisoned with NaN; one that is an operand), dtype=,
+    casting=: numpy's own matmul, with blasx's results and the same out returned."""
+    other = {np.float32: np.float64, np.float64: np.float32, np.complex64: np.complex128,
+             np.complex128: np.complex64}[dtype]
+    x1, x2 = rand(sa, dtype, seed=1, order="C"), rand(sb, dtype, seed=2, order="F")
+    shape = np.matmul(x1, x2).shape
+    for out_order, kw in itertools.product(("none", "C", "F"), ({}, {"dtype": dtype}, {"dtype": np.dtype(other).name},
+                                                                   {"casting": "no"}, {"casting": "unsafe", "dtype": other})):
+        ct = np.dtype(kw.get("dtype") or dtype)
+
+        def out():
+            return None if out_order == "none" else np.full(shape, np.nan, ct, order=out_order)
+
+        o = out()
+        with monkeypatch.context() as mp:
+            _general_fails(mp)
+            got = blasx.matmul(x1, x2, out=o, **kw)
+        g = out()
+        ref = _host_general(lambda: blasx.matmul(x1, x2, out=g, **kw))
+        assert (got is o) == (ref is g) == (o is not None)
+        _same(got, ref, rel_err, tol)
+        _same(got, np.matmul(x1, x2, out=out(), **kw), rel_err, tol)
+        assert blasx.last_profile().totals()["flops"] > 0
+    sq = rand((6, 6), dtype, seed=3, order="C")
+    want = np.matmul(sq, sq)
+    with monkeypatch.context() as mp:
+        _general_fails(mp)
+        assert blasx.matmul(sq, sq.copy(), out=sq) is sq  # out is an operand: numpy copies it first
+    _same(sq, want, rel_err, tol)
+
+
+@pytest.mark.parametrize("call", [
+    lambda a, o: blasx.matmul(a, a.T, out=o[:3]),                     # out's shape
+    lambda a, o: blasx.matmul(a, a.T, out=o.astype(np.int64)),        # out's dtype (numpy's casting error)
+    lambda a, o: blasx.matmul(a, a.T, out=_readonly(o)),
+    lambda a, o: blasx.matmul(a, a.T, dtype=np.float32, casting="no"),
+    lambda a, o: blasx.matmul(a, a.T, casting="bogus"),
+    lambda a, o: blasx.matmul(a, a, out=o),                           # core dimensions
+    lambda a, o: blasx.matmul(a + 1j, a.T, dtype=np.float64),          # complex to real under same_kind
+])
+def test_matmul_out_errors_are_unchanged(call, rand):
+    a, o = rand((4, 5), seed=1, order="C"), np.empty((4, 4))
+    fast = _error_of(lambda: call(a, o))
+    assert fast == _host_general(lambda: _error_of(lambda: call(a, o)))
+
+
+def _readonly(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
 
 
 # ---------------------------------------------------------------- profiles and threads
@@ -412,6 +793,8 @@ def test_bench_cpu_overhead_runs(capsys):
     bench = importlib.import_module("bench.cpu_overhead")
     assert bench.main(["--sizes", "8", "--dtypes", "d,c", "--rounds", "2", "--target-ms", "0.2"]) == 0
     out = capsys.readouterr().out
-    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best"):
+    for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best", "gemm-c", "gemm-ow",
+                 "matmul-out", "matmul-dtype", "linalg-syrk-ow", "linalg-her2k-conv", "linalg-trsm-a0", "blasx-trmm-ow",
+                 "blasx-hemm-c"):
         assert what in out, what
     assert "WRONG" not in out

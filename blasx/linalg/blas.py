@@ -38,9 +38,10 @@ module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
 
 The level-3 functions always run on the blasx engine (no size threshold: use
 :func:`blasx.offload` to keep small calls on the CPU BLAS). With the CPU as the
-only device, the engine's kernel is the host BLAS, and a plain call (required
-arguments positional, int flags by keyword, 2-D ndarrays of the routine's
-dtype) runs scipy's own routine as is (:mod:`blasx.hostpath`).
+only device, the engine's kernel is the host BLAS, and a call whose arguments
+scipy's routine treats as blasx does (2-D ndarrays of a BLAS type, Python
+numbers for the scalars, int flags within what blasx allows, outputs written in
+place that provably alias no input) runs scipy's own routine (:mod:`blasx.hostpath`).
 """
 
 from __future__ import annotations
