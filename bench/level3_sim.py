@@ -56,8 +56,8 @@ from blasx.runtime.stats import CallStats, DeviceInfo
 from blasx.runtime.tasks import plan_gemm
 from blasx.runtime.tiling import OP_N
 
-from .scaling_sim import (FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, cuda_heap_bytes, retried, spec_for,
-                          write_report)
+from .scaling_sim import (FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, _ints, cuda_heap_bytes, retried,
+                          spec_for, write_report)
 
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing mode) "
               "with the cost model fitted to the 2x H200 GEMM measurement; no GPU was used.")
@@ -218,16 +218,6 @@ def markdown(doc: dict) -> str:
     L += ["", f"Host: {doc['host']['machine']}, {doc['host']['cpus']} CPUs, python {doc['host']['python']}; "
           f"the run took {doc['elapsed_s']:.0f} s.", ""]
     return "\n".join(L)
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--{name}: got {text!r}, expected a comma list of ints") from None
-    if not out or any(x < 1 for x in out):
-        raise SystemExit(f"--{name}: got {text!r}, expected a comma list of ints >= 1")
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
