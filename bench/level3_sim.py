@@ -53,6 +53,7 @@ from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.plans import plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, trmm_order
 from blasx.runtime.stats import CallStats, DeviceInfo
+from blasx.runtime.switching import SwitchInterval
 from blasx.runtime.tasks import plan_gemm
 from blasx.runtime.tiling import OP_N
 
@@ -265,12 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.quiet:
             print(msg, flush=True)
 
-    old_switch = sys.getswitchinterval()
-    sys.setswitchinterval(args.switch_interval)
     t_start = time.perf_counter()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs: dict = {(n, c): [] for n in ns for c in cases}
-    try:
+    with SwitchInterval(args.switch_interval):  # put back afterwards, even on errors
         for n in ns:
             for rep in range(args.repeats):
                 for c in cases:
@@ -278,8 +277,6 @@ def main(argv: list[str] | None = None) -> dict:
                     runs[(n, c)].append(r)
                     log(f"N={n:6d} {c:14s} run {rep + 1}: {r['tflops']:6.1f} TFLOPS  busy {r['busy'] * 1e3:6.1f} "
                         f"comm {r['comm'] * 1e3:5.1f} idle {r['idle'] * 1e3:5.1f} ms  ({r['sim_wall_s']:.1f} s)")
-    finally:
-        sys.setswitchinterval(old_switch)
     points = []
     for n in ns:
         gemm = aggregate(runs[(n, "gemm")])

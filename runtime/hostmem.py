@@ -281,6 +281,11 @@ class PinJob:
     def join(self) -> None:
         self._thread.join()
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes this job registered (its chunks that succeeded)."""
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i])
+
 
 def _is_pinned(runtime, ptr: int) -> bool:
     try:

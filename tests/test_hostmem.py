@@ -168,7 +168,7 @@ def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
     want = round_robin(chunks)
     assert [(s, n) for s, n in rt.registered] == [(s, e - s) for s, e in want]
     assert all(all(p.ok) for p in (pinnings[0], pinnings[1], pinnings[3]))
-    assert reg.registered_bytes == sum(e - s for s, e in want) and job.seconds >= 0
+    assert reg.registered_bytes == sum(e - s for s, e in want) == job.pinned_bytes and job.seconds >= 0
     # a second call finds everything registered: no job, the same Pinning objects
     again, job2 = reg.pin([b, a[10:]])
     assert job2 is None and again[0] is pinnings[1] and again[1] is pinnings[0]

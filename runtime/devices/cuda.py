@@ -184,8 +184,7 @@ class CudaDevice(Device):
         if job is not None:  # registration never outlives the call that holds the arrays
             job.join()
             call.stats.host["pin_seconds"] = job.seconds
-            call.stats.host["pinned_bytes"] = sum(p.chunks[i][1] - p.chunks[i][0] for p, i in job.chunks
-                                                  if p.ok[i])
+            call.stats.host["pinned_bytes"] = job.pinned_bytes
 
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
