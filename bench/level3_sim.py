@@ -47,9 +47,7 @@ import numpy as np
 from blasx import operands as _operands
 from blasx.level3 import block_shape
 from blasx.runtime.call import Call, Operand
-from blasx.runtime.config import parse_devices, parse_krate
-from blasx.runtime.devices.sim import build_sim_devices
-from blasx.runtime.engine import Engine, EngineConfig
+from blasx.runtime.config import parse_krate
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.plans import plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, trmm_order
 from blasx.runtime.stats import CallStats, DeviceInfo
@@ -58,7 +56,7 @@ from blasx.runtime.tasks import plan_gemm
 from blasx.runtime.tiling import OP_N
 
 from .scaling_sim import (FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, _ints, cuda_heap_bytes, retried,
-                          spec_for, write_report)
+                          spec_for, submit_on_sims, write_report)
 
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing mode) "
               "with the cost model fitted to the 2x H200 GEMM measurement; no GPU was used.")
@@ -124,10 +122,8 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
     dtype = np.dtype(np.float64)
     heap = cuda_heap_bytes(model.gpu_mem)
     spec = spec_for(gpus, "d", model, heap, dilate, "independent") + (f",krate={krate}" if krate else "")
-    devs = build_sim_devices(parse_devices(spec), streams=model.streams, trace=True)
-    eng = Engine(EngineConfig(devices=devs, tile=None, streams=model.streams, knobs=Knobs.from_env()))
-    try:
-        eng.start()
+
+    def make_call(eng, devs):
         tasks, slots = plan_case(case, n, tile, block_shape(eng))
         base = next(_operands._call_bases)
         # fake, distinct addresses: never dereferenced; an in-place output is B's operand itself
@@ -138,13 +134,12 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
         stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs], keep_records=True)
         call = Call(routine_of(case), ops, tasks, dtype, ALPHA, BETA, stats)  # TRMM/TRSM plans read no beta
         call.tile = tile
-        t0 = time.perf_counter()
-        eng.submit(call)
-        sim_wall = time.perf_counter() - t0
-    finally:
-        eng.shutdown()
+        return call
+
+    devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call)
     if call.error is not None:
         raise call.error
+    stats, tasks = call.stats, call.tasks
     prof = stats.profile()
     flops = FLOPS[routine_of(case)] * float(n) ** 3
     wall = prof.wall / dilate

@@ -205,6 +205,21 @@ def retried(run) -> dict:
     return r
 
 
+def submit_on_sims(spec: str, streams: int, make_call) -> tuple[list, Call, float]:
+    """Build timing sims from ``spec`` and a fresh engine on them, submit ``make_call(engine,
+    devices)`` and shut the engine down; returns (devices, call, seconds the submit took)."""
+    devs = build_sim_devices(parse_devices(spec), streams=streams, trace=True)
+    eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams, knobs=Knobs.from_env()))
+    try:
+        eng.start()
+        call = make_call(eng, devs)
+        t0 = time.perf_counter()
+        eng.submit(call)
+        return devs, call, time.perf_counter() - t0
+    finally:
+        eng.shutdown()
+
+
 def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
     """``_run_once``, retried while the host disturbed it."""
     return retried(lambda: _run_once(n, gpus, dt, model, beta, scenario, dilate))
@@ -215,11 +230,9 @@ def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: s
     dtype = DTYPES[dt]
     heap = cuda_heap_bytes(model.gpu_mem)
     spec = spec_for(gpus, dt, model, heap, dilate, scenario)
-    devs = build_sim_devices(parse_devices(spec), streams=model.streams, trace=True)
-    eng = Engine(EngineConfig(devices=devs, tile=None, streams=model.streams, knobs=Knobs.from_env()))
-    try:
-        eng.start()
-        tile = cuda_tile(n, n, n, gpus, dtype.itemsize, heap, model.streams)
+    tile = cuda_tile(n, n, n, gpus, dtype.itemsize, heap, model.streams)
+
+    def make_call(eng, devs):
         ops = [Operand(None, n, n, n, (1 + i) << 44, -1,  # fake, distinct addresses: never dereferenced
                        (next(_operands._call_bases), n, n, n, dtype.str, tile)) for i in range(3)]
         tasks = plan_gemm(n, n, n, tile, OP_N, OP_N, alpha_zero=False, beta_zero=(beta == 0),
@@ -227,11 +240,10 @@ def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: s
         stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs], keep_records=True)
         call = Call("gemm", ops, tasks, dtype, model.alpha, beta, stats)
         call.tile = tile
-        t0 = time.perf_counter()
-        eng.submit(call)
-        sim_wall = time.perf_counter() - t0
-    finally:
-        eng.shutdown()
+        return call
+
+    devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call)
+    stats = call.stats
     prof = stats.profile()
     summ = prof.summary()
     wall = prof.wall / dilate
