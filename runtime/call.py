@@ -85,6 +85,11 @@ class Call:
         self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
         self._started_tids: set[int] = set()  # assigned to a worker and not handed back (gates)
+        # Write-after-read gates (``Task.war``): tasks whose kernels are done, and those among
+        # them whose readers' write-backs were let through on that (they can never run again).
+        self.war_gated = any(t.war for t in tasks)
+        self._computed_tids: set[int] = set()
+        self._relied_tids: set[int] = set()
         self._done = threading.Event()
         self.error: BaseException | None = None
         for t in tasks:
@@ -115,11 +120,43 @@ class Call:
         return all(d in fin or d in started for d in task.deps)
 
     def gate_open(self, task: Task, k: int) -> bool:
-        """Step ``k`` (the write-back for ``k == len(steps)``) of a gated task may be issued."""
+        """Step ``k`` (the write-back for ``k == len(steps)``) of a gated task may be issued.
+
+        A write-after-read gate (``task.war``) needs its tasks' kernels done, not their
+        write-backs; once it opens, they are *relied on*: they read the old tile that is now
+        overwritten, so none of them may be recomputed (``recompute_safe``)."""
         if not task.gates or self.error is not None:
             return True
-        fin = self._finished_tids
-        return all(d in fin for d in task.gates[k])
+        gate = task.gates[k]
+        if not task.war:
+            fin = self._finished_tids
+            return all(d in fin for d in gate)
+        with self._lock:  # atomic with recompute_safe: a hand-back never races the overwrite
+            done = self._computed_tids
+            if not all(d in done for d in gate):
+                return False
+            self._relied_tids.update(gate)
+            return True
+
+    def computed(self, task: Task) -> None:
+        """Every kernel of ``task`` is done (its write-back may still be in flight); opens the
+        write-after-read gates that wait for it."""
+        with self._lock:
+            self._computed_tids.add(task.tid)
+        if self.on_finish is not None:
+            self.on_finish()
+
+    def recompute_safe(self, task: Task) -> bool:
+        """``task`` may run again from the start (its device failed before it finished): False
+        once a write-after-read gate relied on its kernels, since the tiles it read may have been
+        overwritten. When True, it no longer counts as computed."""
+        if not self.war_gated:
+            return True
+        with self._lock:
+            if task.tid in self._relied_tids:
+                return False
+            self._computed_tids.discard(task.tid)
+            return True
 
     def gate_lost(self, task: Task, k: int) -> bool:
         """A dependency of gate ``k`` is neither finished nor started: it went back to the queue."""
@@ -138,6 +175,7 @@ class Call:
         with self._lock:
             if worker is not None and not self.failed:
                 self._finished_tids.add(task.tid)
+                self._computed_tids.add(task.tid)
             self._remaining -= 1
             last = self._remaining == 0
         if last:

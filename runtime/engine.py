@@ -335,6 +335,12 @@ class Engine:
                         f"the task reads that tile (beta != 0, or in place), so it cannot be recomputed "
                         f"safely from a partly written tile: {exc!r}"), exc)
                     call.account(task)
+                elif not call.recompute_safe(task):
+                    self._fail_call(call, DeviceError(
+                        f"{worker.dev.name} failed before finishing tile {task.c[1:3]} of {call.name}, whose old "
+                        f"tiles have since been overwritten in place (its computed result let them be), so it "
+                        f"cannot be recomputed: {exc!r}"), exc)
+                    call.account(task)
                 elif not self._runnable(call):
                     self._fail_call(call, DeviceError(self._unrunnable_message(call)), exc)
                     call.account(task)

@@ -34,6 +34,10 @@ class Knobs:
     #: tile runs at 21 TFLOPS on an H200, a DTRMM tile at 54. Off: cuBLAS trsm, recursively
     #: blocked (``trsm_blocks.py``).
     trsm_inverse: bool = True
+    #: Make those inverses with cuSOLVER's ``Xtrtri`` (one library call) instead of
+    #: ``tri_inverse.py``'s recursion of cuBLAS calls (3.2 ms for a 4096 double triangle on an
+    #: H200). Falls back to the recursion where libcusolver cannot be loaded.
+    trsm_trtri: bool = False
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -46,7 +46,8 @@ Scheduling flags:
   tile (``c_init``) and are listed level by level (every column of the first
   block row solved, then the next...), so ready work comes first;
 * in-place TRMM tasks have the mirror ``deps`` (write after read): a B tile is
-  overwritten only once every task reading its old value has finished. The
+  overwritten only once the kernels of every task reading its old value are
+  done (``Task.war``: their own write-backs need not be). The
   block columns (side 0) or rows (side 1) of B are independent *lines*; tasks
   are listed as a wave over them (``trmm_order``: line l starts one level after
   line l - 1), so B comes from the host one line per level instead of all of
@@ -383,8 +384,8 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
 
     Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
     is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
-    same array as B, so a tile may be written only once every task reading
-    its old value has finished. Each task depends on every task of the earlier
+    same array as B, so a tile may be written only once the kernels of every
+    task reading its old value are done (``war``). Each task depends on every task of the earlier
     levels (:func:`trmm_levels`) in its block column (side 0) or block row
     (side 1): write-after-read dependencies, the mirror of TRSM's
     read-after-write ones. Tasks are listed in ``order`` (:func:`trmm_order`;
@@ -426,7 +427,8 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
             deps = tuple(sorted(tid_of[x] for x in line if x in tid_of))
             gates = ((),) * len(steps) + (deps,)
         tid_of[(i, j)] = len(tasks)
-        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates))
+        tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates,
+                          war=bool(gates)))
     return tasks
 
 

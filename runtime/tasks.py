@@ -80,6 +80,10 @@ class Task:
     # have finished before the task starts. A CPU worker runs a task whole: it always waits
     # for every dep.
     gates: tuple[tuple[int, ...], ...] = ()
+    # Write after read (in-place TRMM): the gates name tasks that *read* what this task
+    # overwrites, so a gate opens once their kernels are done (``Call.computed``), not their
+    # write-backs: a line's write-backs then no longer wait for each other in a chain.
+    war: bool = False
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

@@ -70,10 +70,11 @@ class _Active:
 class _Pending:
     """Bookkeeping to do when ``event`` completes."""
 
-    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes")
+    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes",
+                 "computed")
 
     def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False,
-                 h2d_bytes=0):
+                 h2d_bytes=0, computed=None):
         self.event = event
         self.seq = seq
         self.release = release  # lines whose reader count drops
@@ -83,6 +84,7 @@ class _Pending:
         self.finished = finished  # the task is complete at this event
         self.writeback = writeback  # the task's write-back was issued before this event
         self.h2d_bytes = h2d_bytes  # host-to-device bytes this event ends (the h2d backlog)
+        self.computed = computed  # a task whose last kernel this event ends (write-after-read gates)
 
 
 class Worker(threading.Thread):
@@ -308,6 +310,8 @@ class StreamWorker(Worker):
         for off in p.free:
             self.dev.heap.free(off)
         self.h2d_done += p.h2d_bytes
+        if p.computed is not None:
+            p.computed.call.computed(p.computed)
         if p.finished:
             self._ended(p.task)
             p.task.call.account(p.task, self.idx)
@@ -434,8 +438,9 @@ class StreamWorker(Worker):
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
         if self.chain_kernels:
             self._chain = (ev, s)
-        self._push(s, ev, release=tuple(release))
-        if act.k < nsteps or (task.gates and not call.gate_open(task, nsteps)):
+        last = act.k == nsteps
+        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None)
+        if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
         self._finish(s, act, ev)
         return True
@@ -488,6 +493,10 @@ class StreamWorker(Worker):
                 continue
             task, call = act.task, act.task.call
             if call.gate_open(task, act.k) or not call.gate_lost(task, act.k):
+                continue
+            if not call.recompute_safe(task):
+                # A write-after-read gate let a tile it read be overwritten: it must finish here
+                # (its lost dependency runs in another slot), never run again from the start.
                 continue
             self.slots[s] = None
             self._push(s, self.dev.record(s), free=act.buffers())  # after the steps already issued

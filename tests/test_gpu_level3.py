@@ -114,9 +114,9 @@ def test_trmm_trsm(dtype, side, lower, trans, diag):
 # How a diagonal TRSM tile is solved: with the triangle's inverse (runtime/tri_inverse.py, the
 # default), its leaves and products exercised by a leaf of 64 on tiles of 256, with every inverse
 # kept or only one (each new diagonal block then waits for the old one's readers and frees it);
-# or by cuBLAS trsm recursively blocked (runtime/trsm_blocks.py), leaf 64.
+# or with cuSOLVER's Xtrtri making the inverse (Knobs.trsm_trtri); or by cuBLAS trsm recursively blocked (runtime/trsm_blocks.py), leaf 64.
 DIAGONAL_SOLVES = {"inverse": ({"INVERSE_LEAF": 64}, ""), "inverse-1-slot": ({"INVERSE_LEAF": 64, "INVERSE_SLOTS": 1}, ""),
-                   "blocked": ({"TRSM_LEAF": 64}, "trsm_inverse=0")}
+                   "trtri": ({}, "trsm_trtri=1"), "blocked": ({"TRSM_LEAF": 64}, "trsm_inverse=0")}
 
 
 @pytest.mark.parametrize("solve", list(DIAGONAL_SOLVES))
@@ -129,6 +129,9 @@ def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag
     for name, value in attrs.items():
         monkeypatch.setattr(CudaDevice, name, value)
     monkeypatch.setenv("BLASX_KNOBS", knobs)
+    if solve == "trtri":
+        from blasx.runtime.devices import cusolver_ctypes
+        assert cusolver_ctypes.available(), "libcusolver could not be loaded: the trtri case would test nothing"
     blasx.configure(tile=256)
     rng = np.random.default_rng(7)
     m, n = 600, 450

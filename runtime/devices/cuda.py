@@ -22,6 +22,7 @@ from ..tasks import SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .base import Device, DeviceError, register_backend
+from . import cusolver_ctypes
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 EVENT_DISABLE_TIMING = 2
@@ -84,6 +85,7 @@ class CudaDevice(Device):
         self._blas = {}
         self._inverses: dict = {}  # (call id, diagonal TileRef) -> _Inverse, least recently used first
         self._scratches: dict = {}  # compute stream -> CuPy buffer for out-of-place tile kernels
+        self._trtri: dict = {}  # compute stream -> cusolver_ctypes.Trtri (Knobs.trsm_trtri)
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -131,6 +133,9 @@ class CudaDevice(Device):
             for inv in self._inverses.values():  # the streams are idle (or broken): no sync
                 self._events += inv.events()
             self._inverses, self._scratches = {}, {}
+            for t in self._trtri.values():
+                t.close()
+            self._trtri = {}
             for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
                     [r[-2] for r in self._open_records]:
                 try:
@@ -389,7 +394,13 @@ class CudaDevice(Device):
         buf = cupy.empty((size, size), dtype=call.dtype, order="F")  # on stream s: run_step made it current
         runtime.memcpy2DAsync(buf.data.ptr, size * isz, a[0], a[1] * isz, size * isz, size, MEMCPY_DEFAULT,
                               self.stream_ptrs[s])
-        invert_triangle(self.handles[s], buf, step.uplo, step.diag, self.INVERSE_LEAF, self._routine)
+        if self.knobs.trsm_trtri and cusolver_ctypes.available():  # one cuSOLVER call
+            trtri = self._trtri.get(s)
+            if trtri is None:
+                trtri = self._trtri[s] = cusolver_ctypes.Trtri(self.stream_ptrs[s])
+            trtri.invert(buf.data.ptr, size, size, step.uplo, step.diag, call.dtype)
+        else:
+            invert_triangle(self.handles[s], buf, step.uplo, step.diag, self.INVERSE_LEAF, self._routine)
         return _Inverse(buf, size, s, self.record(s))
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
