@@ -13,7 +13,8 @@ left side, no transpose, non-unit diagonal, registered host arrays, TRMM and TRS
 (``overwrite_b=True``: slot 2 is B itself).
 
 Cases (``--cases``): ``gemm``, ``symm``, ``syrk``, ``syr2k``, ``trsm`` (in place), ``trmm``
-(in place, the planner's default order), ``trmm:ORDER`` (in place, an order that
+(in place, the planner's default order), ``trsm-blocked`` (in place, diagonal tiles solved by
+the blocked trsm kernel instead of the inverses' tasks), ``trmm:ORDER`` (in place, an order that
 ``runtime.plans.trmm_order`` takes: ``levels``, ``wave``, ``lines2``, ...), ``trmm-oop`` (out of
 place, into a separate C). Rates use bench.level3's flop counts (GEMM, SYMM, SYR2K 2N^3; SYRK,
 TRMM, TRSM N^3), and every case is also given as a ratio to the GEMM of the same N in the same
@@ -23,7 +24,10 @@ Per-kernel rates (``--krate``, the sim's ``krate=`` option): a factor of the GEM
 tile kernel. Measured on H200 inside level-3 calls
 (``bench/results/l3-kernel-rates-h200x2-20261122/README.md``): GEMM steps 60 TFLOPS, the 4096
 DTRMM diagonal step 54 (factor 0.9), DTRSM 21 (0.35) with one cuBLAS call, 23.5 (0.39) with the
-recursive blocking the cuda backend runs now. Default: ``trmm:0.9/trsm:0.39`` (as measured);
+recursive blocking the cuda backend runs now; with TRSM's inverses
+(``bench/results/tri-inverse-rate-h200x2-20261123.log``) the diagonal multiply (out of place +
+copy back) 41 (``invmm`` 0.68) and the 4096 inversion 3.2 ms, i.e. 7.2 TFLOPS of its n^3/3 flops
+(``trtri`` 0.12). Default: ``trmm:0.9/trsm:0.39/invmm:0.68/trtri:0.12`` (as measured);
 ``--krate none``: every kernel at the GEMM rate, as scaling_sim.
 
 Repeats run round robin over the cases (all cases once, then again), so a busy spell of this
@@ -49,7 +53,7 @@ from blasx.level3 import block_shape
 from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_krate
 from blasx.runtime.knobs import Knobs
-from blasx.runtime.plans import plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, trmm_order
+from blasx.runtime.plans import inverse_shape, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, trmm_order
 from blasx.runtime.stats import CallStats, DeviceInfo
 from blasx.runtime.switching import SwitchInterval
 from blasx.runtime.tasks import plan_gemm
@@ -65,10 +69,10 @@ PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backen
 FLOPS = {"gemm": 2, "symm": 2, "syrk": 1, "syr2k": 2, "trmm": 1, "trsm": 1}
 ALPHA, BETA = 1.5, 0.5
 UPPER, LEFT, NONUNIT = 0, 0, 0
-BASE_CASES = ("gemm", "symm", "syrk", "syr2k", "trmm", "trmm-oop", "trsm")
+BASE_CASES = ("gemm", "symm", "syrk", "syr2k", "trmm", "trmm-oop", "trsm", "trsm-blocked")
 DEFAULT_CASES = "gemm,symm,syrk,syr2k,trmm,trsm"
 #: tile-kernel rates / the GEMM step rate, measured in level-3 calls on H200 (see the module docstring)
-DEFAULT_KRATE = "trmm:0.9/trsm:0.39"
+DEFAULT_KRATE = "trmm:0.9/trsm:0.39/invmm:0.68/trtri:0.12"
 
 
 def parse_cases(text: str) -> list[str]:
@@ -94,7 +98,7 @@ def _is_trmm_order(case: str) -> bool:
 
 
 def routine_of(case: str) -> str:
-    return case.split(":")[0].removesuffix("-oop")
+    return case.split(":")[0].removesuffix("-oop").removesuffix("-blocked")
 
 
 def plan_case(case: str, n: int, tile: int, block: tuple[int, int]) -> tuple[list, list[int]]:
@@ -109,8 +113,9 @@ def plan_case(case: str, n: int, tile: int, block: tuple[int, int]) -> tuple[lis
         return plan_syrk(n, n, tile, OP_N, UPPER, beta_zero=False, block=block), [0, 2]
     if r == "syr2k":
         return plan_syr2k(n, n, tile, OP_N, UPPER, beta_zero=False, block=block), [0, 1, 2]
-    if r == "trsm":
-        return plan_trsm(n, n, tile, LEFT, UPPER, OP_N, NONUNIT), [0, 1, 1]
+    if r == "trsm":  # in place; with the inverses of the diagonal blocks (operand 3) unless -blocked
+        inverse = case == "trsm"
+        return plan_trsm(n, n, tile, LEFT, UPPER, OP_N, NONUNIT, inverse=inverse), [0, 1, 1] + [3] * inverse
     if case == "trmm-oop":
         return plan_trmm(n, n, tile, LEFT, UPPER, OP_N, NONUNIT, block=block), [0, 1, 2]
     kw = {"order": case.split(":")[1]} if ":" in case else {}
@@ -128,8 +133,9 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
         base = next(_operands._call_bases)
         # fake, distinct addresses: never dereferenced; an in-place output is B's operand itself
         # (the same token, so the cache and the write-after-read rules see one array)
-        made = [Operand(None, n, n, n, (1 + i) << 44, -1, (base - 1000 * i, n, n, n, dtype.str, tile))
-                for i in range(3)]
+        shapes = [(n, n)] * 3 + [inverse_shape(n, tile)]  # A, B, C; TRSM's inverses
+        made = [Operand(None, r, c, r, (1 + i) << 44, -1, (base - 1000 * i, r, c, r, dtype.str, tile))
+                for i, (r, c) in enumerate(shapes)]
         ops = [made[i] for i in slots]
         stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs], keep_records=True)
         call = Call(routine_of(case), ops, tasks, dtype, ALPHA, BETA, stats)  # TRMM/TRSM plans read no beta

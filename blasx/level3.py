@@ -17,6 +17,7 @@ from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
 from .runtime.tasks import plan_gemm
 from .runtime.tiling import OP_C, OP_N, OP_T
 from .tile import choose_tile
+from .scratch import POOL as SCRATCH
 
 
 class _ThreadCalls(threading.local):
@@ -368,12 +369,16 @@ def block_shape(eng) -> tuple[int, int]:
     return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
 
 
-def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int]) -> None:
+def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int],
+                   scratch=None) -> None:
     """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
 
     ``views`` are the operands in canonical (column-major) form, in the planner's
     slot order; ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)``
-    sizes the call for the tile choice. Raises the call's error, if any.
+    sizes the call for the tile choice. ``scratch(engine, tile)``, if given, returns
+    the shape of one more operand the planner writes and reads (None: none); it is
+    made like ``views[0]`` (host: from ``scratch.POOL``), appended to the operands,
+    and the plan is then ``plan(tile, block, True)``. Raises the call's error, if any.
     A call that finds its engine shut down before its tasks were queued (configure() or
     shutdown() in another thread) runs on the engine that replaces it.
     """
@@ -384,7 +389,7 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
             _submit_on_host(eng, name, views, plan, dtype, alpha, beta, dims)
             return
         try:
-            _submit_on(eng, name, views, plan, dtype, alpha, beta, dims)
+            _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch)
             return
         except EngineClosed:
             if attempt == _ENGINE_ATTEMPTS - 1:
@@ -396,12 +401,26 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
 _ENGINE_ATTEMPTS = 3
 
 
-def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims) -> None:
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch=None) -> None:
     """:func:`submit_planned` on the worker engine ``eng`` (raises EngineClosed from eng.submit)."""
     tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
+    shape = scratch(eng, tile) if scratch is not None else None
+    if shape is None:
+        _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile)
+        return
+    if isinstance(views[0], np.ndarray):
+        with SCRATCH.take(shape, dtype) as extra:
+            _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile)
+        return
+    import cupy
+    with cupy.cuda.Device(views[0].device.id):
+        extra = cupy.empty(shape, dtype=dtype, order="F")
+    _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile)
+
+
+def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
-    tasks = plan(tile, block_shape(eng))
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
     call = Call(name, operands, tasks, dtype, alpha, beta, stats)

@@ -37,6 +37,8 @@ STEP_FLOPS = {
     "her2k": lambda s: 2.0 * s.n * (s.n + 1) * s.k,
     "trmm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
     "trsm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
+    "invmm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
+    "trtri": lambda s: s.m ** 3 / 3.0,
 }
 
 

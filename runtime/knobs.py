@@ -29,15 +29,16 @@ class Knobs:
     #: peer's host link will deliver it before this device's own link could; else load it
     #: from the host here. Off: always wait for the peer's in-flight fill.
     peer_wait_if_sooner: bool = True
-    #: Solve a diagonal TRSM tile as a TRMM with the explicit inverse of its triangle, made
-    #: once per device and diagonal block (``tri_inverse.py``; CUDA only): a cuBLAS DTRSM
-    #: tile runs at 21 TFLOPS on an H200, a DTRMM tile at 54. Off: cuBLAS trsm, recursively
-    #: blocked (``trsm_blocks.py``).
+    #: TRSM with the explicit inverses of A's diagonal blocks (``plans.plan_trsm(inverse=True)``):
+    #: one inversion task per block (``tri_inverse.py`` on GPUs), shared by every device through
+    #: the tile cache, and each diagonal solve a triangular multiply by it (a cuBLAS DTRSM tile
+    #: runs at 21 TFLOPS on an H200, the multiply at 41). Used when a GPU or sim device is in the
+    #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
+    #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
-    #: Make those inverses with cuSOLVER's ``Xtrtri`` (one library call) instead of
-    #: ``tri_inverse.py``'s recursion of cuBLAS calls (3.2 ms for a 4096 double triangle on an
-    #: H200). Falls back to the recursion where libcusolver cannot be loaded.
-    trsm_trtri: bool = False
+    #: Split SYRK/HERK/SYR2K/HER2K diagonal tiles above ``CudaDevice.RANK_K_LEAF`` into smaller
+    #: diagonal blocks and GEMMs (``rank_k_blocks.py``; CUDA only).
+    rank_k_blocks: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

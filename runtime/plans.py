@@ -21,7 +21,9 @@ plan_trmm           0 A (triangular), 1 B (read only), 2 C (the output; the
                     same array as B with ``in_place``)
 plan_trsm           0 A (triangular), 1 B (right-hand side, read only as
                     each task's initial C), 2 X (the output; may be the
-                    same array as B when solving in place)
+                    same array as B when solving in place); with
+                    ``inverse``, 3 V (scratch: the inverses of A's
+                    diagonal blocks, ``inverse_ref``)
 ==================  ====================================================
 
 Diagonal tiles run the matching tile kernel (``symm``, ``hemm``, ``syrk``,
@@ -54,7 +56,16 @@ Scheduling flags:
   it for the first level (level by level for grids of at most 16 tiles);
 * both carry ``gates`` (see ``Task``): TRSM's step k waits only for the X tile
   it reads, TRMM's write-back alone waits, so tasks start early and overlap
-  their loads and updates with the tasks they depend on.
+  their loads and updates with the tasks they depend on;
+* TRSM with ``inverse``: one more task per diagonal block inverts A's
+  triangle (``trtri``, from A's tile into V's, kept cached) and each diagonal
+  solve becomes a triangular multiply by that inverse (``invmm``), gated on
+  it. A cuBLAS DTRSM tile ran at 21 TFLOPS on an H200, the multiply at 41
+  (out of place + copy back) and an inversion costs ~1.5 of them; the inverse
+  is made once for the call (not once per device) and read by the other
+  devices over the peer link (L2). Each inversion is listed two levels ahead
+  of the tiles that use it, so it runs while earlier levels are solved; the
+  first level keeps trsm steps (waiting for an inversion would idle it).
 """
 
 from __future__ import annotations
@@ -64,14 +75,14 @@ from typing import Iterable
 from .call import STEP_FLOPS
 from .tasks import (SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step, Task,
                     tile_order)
-from .tiling import OP_C, OP_N, OP_T, n_tiles, op_tile, tile_ref
+from .tiling import OP_C, OP_N, OP_T, TileRef, n_tiles, op_tile, tile_ref
 
 # Operand slots, per routine (see the module docstring).
 SYMM_A, SYMM_B, SYMM_C = 0, 1, 2
 SYRK_A, SYRK_C = 0, 1
 SYR2K_A, SYR2K_B, SYR2K_C = 0, 1, 2
 TRMM_A, TRMM_B, TRMM_C = 0, 1, 2
-TRSM_A, TRSM_B, TRSM_X = 0, 1, 2
+TRSM_A, TRSM_B, TRSM_X, TRSM_V = 0, 1, 2, 3
 
 SIDE_LEFT, SIDE_RIGHT = 0, 1
 UPPER, LOWER = 0, 1
@@ -443,8 +454,20 @@ def trsm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
     return list(range(count)) if forward else list(range(count - 1, -1, -1))
 
 
+def inverse_shape(s_dim: int, tile: int) -> tuple[int, int]:
+    """Shape of TRSM's scratch V (column-major): diagonal block k's inverse sits in rows
+    [0, w_k), columns [k T, k T + w_k) (w_k the block's width), one block per column tile."""
+    return min(tile, s_dim), s_dim
+
+
+def inverse_ref(k: int, s_dim: int, tile: int) -> TileRef:
+    """V's tile holding the inverse of A's diagonal block ``k`` (a square of its width)."""
+    w = _width(k, s_dim, tile)
+    return TileRef(TRSM_V, 0, k, 0, k * tile, w, w)
+
+
 def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: int, *,
-              alpha_zero: bool = False, is_complex: bool = False) -> list[Task]:
+              alpha_zero: bool = False, is_complex: bool = False, inverse: bool = False) -> list[Task]:
     """Tasks of the solve ``op(A) X = alpha B`` (side 0) or ``X op(A) = alpha B`` (side 1).
 
     X and B are m x n; A is the ``lower`` (else upper) triangle of the stored
@@ -461,6 +484,16 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
     listed level by level (block rows for side 0, block columns for side 1, in
     solve order), all tiles of a level together. With ``alpha == 0`` X = 0:
     ``scale`` tasks with no dependencies, A and B not read.
+
+    ``inverse``: the diagonal block of each level but the first is inverted once
+    by a task of its own (``trtri`` on V's tile, ``inverse_ref``, loaded from A's:
+    ``c_init``; ``keep_c``, ``urgent``), listed two levels ahead of its use (the
+    first two before level 0); the diagonal step of a tile is then ``invmm`` (``c =
+    op(V_kk) c``, side 0; ``c = c op(V_kk)``, side 1) on V's tile, gated on that
+    task, which is in ``deps``. The first level keeps ``trsm`` steps: its tiles
+    have nothing else to do, so waiting for an inversion (load, invert, write
+    back) would idle every device at the start, while the next inversions run
+    beside them.
     """
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
     s_dim = m if side == SIDE_LEFT else n
@@ -474,8 +507,22 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                 tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
         return tasks
     tid_of: dict[tuple[int, int], int] = {}
+    inv_of: dict[int, int] = {}
     last = len(levels) - 1
+
+    def add_inverse(lv: int) -> None:
+        v = inverse_ref(lv, s_dim, tile)
+        step = Step("trtri", None, None, OP_N, OP_N, v.rows, v.cols, v.rows, SC_ONE, SC_ONE, side, lower, unit)
+        inv_of[lv] = len(tasks)
+        tasks.append(Task(len(tasks), v, True, (step,), task_flops((step,), is_complex), keep_c=True,
+                          c_init=tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile), urgent=True))
+
+    if inverse:
+        for lv in levels[1:3]:
+            add_inverse(lv)
     for depth, lv in enumerate(levels):
+        if inverse and depth + 3 < len(levels):
+            add_inverse(levels[depth + 3])  # two levels ahead of the tiles that use it
         done = levels[:depth]  # solved before this level, in solve order
         others = range(tn) if side == SIDE_LEFT else range(tm)
         for o in others:
@@ -496,14 +543,23 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                     a = op_tile(TRSM_A, op, k, j, n, n, tile)
                     steps.append(Step("gemm", x, a, OP_N, op, c.rows, c.cols, kw, SC_MINUS_ONE, beta_ix))
                     deps.append(tid_of[(i, k)])
-            diag = tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile)
-            steps.append(Step("trsm", diag, None, op, OP_N, c.rows, c.cols, diag.rows,
-                              SC_ONE if steps else SC_ALPHA, SC_ONE, side, lower, unit))
+            scale = SC_ONE if steps else SC_ALPHA
+            if inverse and depth:
+                diag = inverse_ref(lv, s_dim, tile)
+                steps.append(Step("invmm", diag, None, op, OP_N, c.rows, c.cols, diag.rows, scale, SC_ONE,
+                                  side, lower, unit))
+                diag_gate = (inv_of[lv],)
+            else:
+                diag = tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile)
+                steps.append(Step("trsm", diag, None, op, OP_N, c.rows, c.cols, diag.rows, scale, SC_ONE,
+                                  side, lower, unit))
+                diag_gate = ()
             steps = tuple(steps)
             tid_of[(i, j)] = len(tasks)
             # Step by step: each update waits only for the X tile it reads, so a task starts (loads B_ij
             # and its A tiles, applies the solved updates) while the rest of its column is being solved.
-            gates = tuple((d,) for d in deps) + ((), ())
+            gates = tuple((d,) for d in deps) + (diag_gate, ())
+            deps.extend(diag_gate)
             tasks.append(Task(len(tasks), c, True, steps, task_flops(steps, is_complex), deps=tuple(deps),
                               keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile), gates=gates))
     return tasks

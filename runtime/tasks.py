@@ -84,6 +84,9 @@ class Task:
     # overwrites, so a gate opens once their kernels are done (``Call.computed``), not their
     # write-backs: a line's write-backs then no longer wait for each other in a chain.
     war: bool = False
+    # Started ahead of Eq. 3's choice in a station (it reads no A/B tile, so Eq. 3 would rank it
+    # last): later tasks of the call wait for it (TRSM's inversions of the diagonal blocks).
+    urgent: bool = False
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

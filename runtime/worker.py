@@ -38,6 +38,7 @@ from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
 from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
 
 
+URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
 FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
 
 
@@ -370,7 +371,10 @@ class StreamWorker(Worker):
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
 
     def _score(self, task) -> int:
-        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality)."""
+        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an
+        ``urgent`` task outranks every other."""
+        if task.urgent:
+            return URGENT_SCORE
         call = task.call
         holders = self.directory.holders
         tokens = call.tokens

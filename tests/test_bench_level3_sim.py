@@ -24,7 +24,8 @@ def test_in_place_cases_write_into_b():
     assert slots == [0, 1, 1]  # slot 2 (C) is B's operand: one array, one token
     want = plan_trmm(64, 64, 16, 0, 0, OP_N, 0, in_place=True, order="levels")
     assert [(t.c, t.steps, t.deps, t.gates) for t in tasks] == [(t.c, t.steps, t.deps, t.gates) for t in want]
-    assert level3_sim.plan_case("trsm", 64, 16, (2, 2))[1] == [0, 1, 1]
+    assert level3_sim.plan_case("trsm", 64, 16, (2, 2))[1] == [0, 1, 1, 3]  # + the inverses' scratch
+    assert level3_sim.plan_case("trsm-blocked", 64, 16, (2, 2))[1] == [0, 1, 1]
     assert level3_sim.plan_case("trmm-oop", 64, 16, (2, 2))[1] == [0, 1, 2]
     assert level3_sim.plan_case("syrk", 64, 16, (2, 2))[1] == [0, 2]
     # the default order is the planner's: a wave for 8 x 8 tiles

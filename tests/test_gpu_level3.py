@@ -111,12 +111,11 @@ def test_trmm_trsm(dtype, side, lower, trans, diag):
         assert rel_err(got, ref) < TOL[dtype] * 10, name
 
 
-# How a diagonal TRSM tile is solved: with the triangle's inverse (runtime/tri_inverse.py, the
-# default), its leaves and products exercised by a leaf of 64 on tiles of 256, with every inverse
-# kept or only one (each new diagonal block then waits for the old one's readers and frees it);
-# or with cuSOLVER's Xtrtri making the inverse (Knobs.trsm_trtri); or by cuBLAS trsm recursively blocked (runtime/trsm_blocks.py), leaf 64.
-DIAGONAL_SOLVES = {"inverse": ({"INVERSE_LEAF": 64}, ""), "inverse-1-slot": ({"INVERSE_LEAF": 64, "INVERSE_SLOTS": 1}, ""),
-                   "trtri": ({}, "trsm_trtri=1"), "blocked": ({"TRSM_LEAF": 64}, "trsm_inverse=0")}
+# How a diagonal TRSM tile is solved: with the inverse of its block, made once per call by an
+# inversion task (plans.plan_trsm(inverse=True), the default), its leaves and products exercised
+# by a leaf of 64 on tiles of 256; or by cuBLAS trsm recursively blocked (runtime/trsm_blocks.py),
+# leaf 64.
+DIAGONAL_SOLVES = {"inverse": ({"INVERSE_LEAF": 64}, ""), "blocked": ({"TRSM_LEAF": 64}, "trsm_inverse=0")}
 
 
 @pytest.mark.parametrize("solve", list(DIAGONAL_SOLVES))
@@ -129,9 +128,6 @@ def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag
     for name, value in attrs.items():
         monkeypatch.setattr(CudaDevice, name, value)
     monkeypatch.setenv("BLASX_KNOBS", knobs)
-    if solve == "trtri":
-        from blasx.runtime.devices import cusolver_ctypes
-        assert cusolver_ctypes.available(), "libcusolver could not be loaded: the trtri case would test nothing"
     blasx.configure(tile=256)
     rng = np.random.default_rng(7)
     m, n = 600, 450
@@ -144,3 +140,32 @@ def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag
     b2 = b.copy(order="F")
     out = getattr(blasx, p + "trsm")(1.5, a, b2, lower=lower, trans_a=trans, side=side, diag=diag, overwrite_b=True)
     assert out is b2 and rel_err(b2, ref) < TOL[dtype] * 10
+
+
+# Diagonal rank-k tiles split into smaller diagonal blocks and GEMMs (runtime/rank_k_blocks.py),
+# exercised with a leaf of 64 on tiles of 256 (edge tiles of 700 = 2 x 256 + 188 included), for
+# every routine, dtype, triangle and allowed transpose, with beta != 0 and with c not given.
+@pytest.mark.parametrize("dtype", list(PREFIX))
+@pytest.mark.parametrize("routine", ["syrk", "syr2k", "herk", "her2k"])
+@pytest.mark.parametrize("lower,trans", list(itertools.product((0, 1), (0, 1))))
+def test_rank_k_diagonal_blocks(monkeypatch, dtype, routine, lower, trans):
+    from blasx.runtime.devices.cuda import CudaDevice
+    herm = routine.startswith("her")
+    if herm and np.dtype(dtype).kind != "c":
+        pytest.skip("herk/her2k are complex only")
+    monkeypatch.setattr(CudaDevice, "RANK_K_LEAF", 64)
+    rng = np.random.default_rng(11)
+    n, k = 700, 300
+    shape = (n, k) if trans == 0 else (k, n)
+    a, b = rand(rng, shape, dtype), rand(rng, shape, dtype)
+    c = rand(rng, (n, n), dtype)
+    if herm:
+        c = np.asfortranarray(c + c.conj().T)
+    trans_code = (2 if herm else 1) if trans else 0
+    p = PREFIX[dtype]
+    args = (a,) if routine in ("syrk", "herk") else (a, b)
+    mask = np.tril(np.ones((n, n), bool)) if lower else np.triu(np.ones((n, n), bool))
+    for beta, cc in ((0.5, c), (0.0, None)):
+        ref = getattr(sblas, p + routine)(1.5, *args, beta=beta, c=cc, trans=trans_code, lower=lower)
+        got = getattr(blasx, p + routine)(1.5, *args, beta=beta, c=cc, trans=trans_code, lower=lower)
+        assert rel_err(np.asarray(got)[mask], np.asarray(ref)[mask]) < TOL[dtype] * 10, (beta,)

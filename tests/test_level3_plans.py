@@ -20,8 +20,8 @@ import scipy.linalg.blas as sblas
 from blasx.runtime.devices.numpy_kernels import KERNELS
 from blasx.runtime.plans import (
     SYMM_A, SYMM_B, SYMM_C, SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A, SYRK_C, TRMM_A, TRMM_B, TRMM_C, TRSM_A,
-    TRSM_B, TRSM_X, AUTO_LEVELS_MAX_TILES, effective_lower, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm,
-    step_flops, trmm_levels, trmm_order, trsm_levels,
+    TRSM_B, TRSM_V, TRSM_X, AUTO_LEVELS_MAX_TILES, effective_lower, inverse_ref, inverse_shape, plan_symm,
+    plan_syr2k, plan_syrk, plan_trmm, plan_trsm, step_flops, trmm_levels, trmm_order, trsm_levels,
 )
 from blasx.runtime.tasks import (
     N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step,
@@ -293,6 +293,44 @@ def test_plan_trsm_left_lower_hand_computed():
     assert sum(t.flops for t in tasks) == 6 * 6 * 5  # m^2 n, the whole TRSM
 
 
+def test_plan_trsm_with_inverses_hand_computed():
+    # A 10x10 lower in tiles 4 + 4 + 2, B 10x5 (column tiles 4 + 1): levels 0, 1, 2
+    tasks = plan_trsm(10, 5, 4, 0, 1, OP_N, 0, inverse=True)
+    assert inverse_shape(10, 4) == (4, 10)
+    v1, v2 = inverse_ref(1, 10, 4), inverse_ref(2, 10, 4)
+    assert v1 == TileRef(TRSM_V, 0, 1, 0, 4, 4, 4) and v2 == TileRef(TRSM_V, 0, 2, 0, 8, 2, 2)
+    # the inversions of levels 1 and 2 first (level 0 solves with trsm steps), then the levels
+    kinds = [(t.steps[0].kernel, t.c.bi, t.c.bj) if t.steps[0].kernel == "trtri" else ("x", t.c.bi, t.c.bj)
+             for t in tasks]
+    assert kinds == [("trtri", 0, 1), ("trtri", 0, 2), ("x", 0, 0), ("x", 0, 1), ("x", 1, 0), ("x", 1, 1),
+                     ("x", 2, 0), ("x", 2, 1)]
+    i1, i2, t00, t01, t10, t11, t20, t21 = tasks
+    assert i1.steps == (Step("trtri", None, None, OP_N, OP_N, 4, 4, 4, SC_ONE, SC_ONE, 0, 1, 0),)
+    assert i1.c == v1 and i1.c_init == TileRef(TRSM_A, 1, 1, 4, 4, 4, 4)
+    assert i1.load_c and i1.keep_c and i1.urgent and i1.deps == () and i1.flops == 4 ** 3 / 3
+    assert i2.c_init == TileRef(TRSM_A, 2, 2, 8, 8, 2, 2) and i2.flops == 2 ** 3 / 3
+    assert t00.steps == (Step("trsm", TileRef(TRSM_A, 0, 0, 0, 0, 4, 4), None, OP_N, OP_N, 4, 4, 4,
+                              SC_ALPHA, SC_ONE, 0, 1, 0),) and t00.deps == ()
+    assert t10.steps[1] == Step("invmm", v1, None, OP_N, OP_N, 4, 4, 4, SC_ONE, SC_ONE, 0, 1, 0)
+    assert t10.deps == (2, 0) and t10.gates == ((2,), (0,), ())
+    assert t21.steps[-1] == Step("invmm", v2, None, OP_N, OP_N, 2, 1, 2, SC_ONE, SC_ONE, 0, 1, 0)
+    assert t21.deps == (3, 5, 1) and t21.gates == ((3,), (5,), (1,), ())
+    assert not any(t.urgent for t in tasks[2:])
+    # the solve's flops, plus n^3 / 3 per inverted block
+    assert sum(t.flops for t in tasks) == 10 * 10 * 5 + (4 ** 3 + 2 ** 3) / 3
+
+
+def test_plan_trsm_inversions_run_two_levels_ahead():
+    tasks = plan_trsm(10, 2, 2, 0, 0, OP_N, 1, inverse=True)  # upper: levels 4, 3, 2, 1, 0
+    order = [("V", t.c.bj) if t.steps[0].kernel == "trtri" else ("X", t.c.bi) for t in tasks]
+    assert order == [("V", 3), ("V", 2), ("V", 1), ("X", 4), ("V", 0), ("X", 3), ("X", 2), ("X", 1),
+                     ("X", 0)]
+    assert all(t.deps[-1] < t.tid for t in tasks if t.deps)
+    one_level = [plan_trsm(3, 9, 4, 0, 1, OP_N, 0, inverse=inv) for inv in (True, False)]
+    assert [[(t.c, t.steps, t.deps, t.gates) for t in p] for p in one_level] == \
+        [[(t.c, t.steps, t.deps, t.gates) for t in one_level[1]]] * 2  # a single level: nothing to invert
+
+
 def test_plan_trsm_right_upper_transposed_is_backward():
     # X op(A) = alpha B with A upper, op T: op(A) is lower, so columns are solved last to first
     tasks = plan_trsm(3, 9, 4, 1, 0, OP_T, 1, is_complex=True)
@@ -505,11 +543,12 @@ def test_executed_trsm_and_trmm_plans_match_scipy(dtype):
         b = _rand((m, n), dtype, rng)
         pa = _poison_triangle(a, lower, unit)
         sc = _scalars(dtype, alpha, 0)
-        for seed in range(2):
+        ref = getattr(sblas, p + "trsm")(alpha, a, b, side=side, lower=lower, trans_a=op, diag=unit)
+        for seed, inverse in itertools.product(range(2), (False, True)):
             x = np.full((m, n), np.nan, dtype=dtype, order="F")  # unsolved X tiles poison their readers
-            execute(plan_trsm(m, n, T, side, lower, op, unit), [pa, b, x], sc, seed)
-            ref = getattr(sblas, p + "trsm")(alpha, a, b, side=side, lower=lower, trans_a=op, diag=unit)
-            assert _err(x, ref) < _tol(dtype), ("trsm", side, lower, op, unit, seed)
+            v = np.full(inverse_shape(s_dim, T), np.nan, dtype=dtype, order="F")  # as are unmade inverses
+            execute(plan_trsm(m, n, T, side, lower, op, unit, inverse=inverse), [pa, b, x, v], sc, seed)
+            assert _err(x, ref) < _tol(dtype), ("trsm", side, lower, op, unit, seed, inverse)
         c = np.full((m, n), np.nan, dtype=dtype, order="F")
         execute(plan_trmm(m, n, T, side, lower, op, unit), [pa, b, c], sc)
         ref = getattr(sblas, p + "trmm")(alpha, a, b, side=side, lower=lower, trans_a=op, diag=unit)

@@ -165,6 +165,28 @@ def test_trmm_trsm_in_place_all_flags(sim3, rand, rel_err, tol, dtype):
         assert out is b and rel_err(b, expect) < tol(dtype), (routine, side, lower, trans_a, diag)
 
 
+@pytest.mark.parametrize("inverse", [1, 0])
+def test_trsm_every_flag_with_and_without_inverses(rand, rel_err, tol, monkeypatch, inverse):
+    """Knobs.trsm_inverse: diagonal blocks inverted once (trtri tasks, invmm steps) or solved in
+    place (trsm steps); 3 sims, tiles of 8, in place and not."""
+    monkeypatch.setenv("BLASX_KNOBS", f"trsm_inverse={inverse}")
+    blasx.configure(devices="sim:3", tile=8)
+    for dtype in (np.float32, np.complex128):
+        alpha, _ = scalars(dtype)
+        for side, lower, trans_a, diag in itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1)):
+            m, n = 29, 21
+            s = m if side == 0 else n
+            a, b = well_conditioned(rand, s, dtype, 7), rand((m, n), dtype, 8)
+            expect = ref("trsm", dtype, alpha, a, b, side=side, lower=lower, trans_a=trans_a, diag=diag)
+            for overwrite in (False, True):
+                bb = b.copy(order="F")
+                out = blasx.trsm(alpha, poisoned(a, lower, unit=diag), bb, side=side, lower=lower,
+                                 trans_a=trans_a, diag=diag, overwrite_b=overwrite)
+                assert (out is bb) == overwrite and rel_err(out, expect) < tol(dtype), (side, lower, trans_a, diag)
+            tiles, blocks = -(-m // 8) * -(-n // 8), -(-s // 8)  # an inversion per diagonal block but the first
+            assert blasx.last_profile().totals()["tasks"] == tiles + inverse * (blocks - 1)
+
+
 @pytest.mark.parametrize("order", ["levels", "wave", "wave2", "lines", "lines2", "work4", "bands3"])
 def test_in_place_trmm_every_order(sim3, rand, rel_err, tol, monkeypatch, order):
     """Every listing order of runtime.plans.trmm_order runs on the scheduler (3 sims, 5 x 4 tiles
@@ -454,7 +476,9 @@ def test_cpu_worker_beside_sims(rand, rel_err):
 
 # =========================================================================== TRSM on heterogeneous devices
 
-def test_trsm_on_a_slow_device_respects_dependencies(rand, rel_err, monkeypatch):
+@pytest.mark.parametrize("inverse", [True, False])
+def test_trsm_on_a_slow_device_respects_dependencies(rand, rel_err, monkeypatch, inverse):
+    monkeypatch.setenv("BLASX_KNOBS", f"trsm_inverse={int(inverse)}")
     blasx.configure(devices="sim:3,slow=4,rate=5e6", tile=16)  # simulated kernel time dominates
     finished = []
     original = blasx.runtime.call.Call.account
@@ -472,23 +496,26 @@ def test_trsm_on_a_slow_device_respects_dependencies(rand, rel_err, monkeypatch)
     prof = blasx.last_profile()
     tasks = [prof.counters[i]["tasks"] for i in range(3)]
     flops = [prof.counters[i]["flops"] for i in range(3)]
-    assert sum(tasks) == 120
+    count = 120 + 2 * inverse  # with inverses: an inversion task per diagonal block but the first
+    assert sum(tasks) == count
     # sim:2 is 4x slower: pulling work by demand, it runs fewer tasks and less work
     assert tasks[2] < min(tasks[0], tasks[1]) and flops[2] < min(flops[0], flops[1]), (tasks, flops)
     # every task finished after the tasks it depends on (the plan is the one planned for this call)
-    from blasx.runtime.plans import plan_trsm
-    plan = plan_trsm(m, n, 16, 0, 0, 0, 0)
+    from blasx.runtime.plans import TRSM_V, TRSM_X, plan_trsm
+    plan = plan_trsm(m, n, 16, 0, 0, 0, 0, inverse=inverse)
     position = {tid: i for i, tid in enumerate(finished)}
-    assert sorted(finished) == list(range(120))
+    assert sorted(finished) == list(range(count))
     for t in plan:
         assert all(position[d] < position[t.tid] for d in t.deps), t.tid
-    # Solved X tiles are read from the device caches (kept as E lines: L1 on the writer, L2 on
-    # the others), never from the host: the only misses are A's 6 stored tiles, once per device.
+    # Solved X tiles (and the inverses) are read from the device caches (kept as E lines: L1 on
+    # the writer, L2 on the others), never from the host: the only misses are A's stored tiles,
+    # once per device (with inverses, A(1,1) and A(2,2) only by their inversion tasks).
     totals = prof.totals()
-    x_reads = sum(len(t.steps) - 1 for t in plan)
-    assert x_reads == 40 * (1 + 2)
-    assert totals["misses"] <= 6 * 3, totals
-    assert totals["l1_hits"] + totals["l2_hits"] >= x_reads
+    cached_reads = sum(1 for t in plan for st in t.steps for r in (st.a, st.b)
+                       if r is not None and r.slot in (TRSM_X, TRSM_V))
+    assert cached_reads == 40 * (1 + 2) + 80 * inverse
+    assert totals["misses"] <= (4 * 3 + 2 if inverse else 6 * 3), totals
+    assert totals["l1_hits"] + totals["l2_hits"] >= cached_reads
 
 
 def test_trsm_survives_a_device_failure():

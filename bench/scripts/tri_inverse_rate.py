@@ -5,7 +5,7 @@
 On one GPU, for an upper triangle of ``--n`` (well conditioned) and as many right-hand sides:
 cuBLAS trsm on the tile (what a TRSM diagonal step costs without the inverse), trmm on the tile
 (what it costs with one), the in-place inversion of runtime/devices/cuda.py (``invert_triangle``)
-at each leaf size, cuSOLVER's Xtrtri (``Knobs.trsm_trtri``), and a plain trsm against the identity. Median of 5 runs each, timed with CUDA
+at each leaf size, and a plain trsm against the identity. Median of 5 runs each, timed with CUDA
 events; the inverse is checked against numpy.
 """
 
@@ -65,20 +65,14 @@ def main(argv=None) -> int:
     want = np.linalg.inv(np.triu(a_h).astype(np.complex128))
     for leaf in (int(v) for v in args.leaves.split(",")):
         w = a.copy(order="F")
-        invert_triangle(handle, w, 0, 0, leaf, cublas_routine)
+        scratch = cupy.empty((n, n), dtype=dt, order="F")
+        stream = cupy.cuda.get_current_stream().ptr
+
+        def invert(buf):
+            invert_triangle(handle, buf.data.ptr, n, n, dt, 0, 0, leaf, cublas_routine, scratch.data.ptr, stream)
+        invert(w)
         err = np.linalg.norm(np.triu(cupy.asnumpy(w)) - want) / np.linalg.norm(want)
-        line(f"invert_triangle, leaf {leaf} (err {err:.1e})",
-             timed(lambda: invert_triangle(handle, a.copy(order="F"), 0, 0, leaf, cublas_routine)))
-    from blasx.runtime.devices import cusolver_ctypes
-    if cusolver_ctypes.available():
-        tri = cusolver_ctypes.Trtri(cupy.cuda.get_current_stream().ptr)
-        w = a.copy(order="F")
-        tri.invert(w.data.ptr, n, n, 0, 0, dt)
-        err = np.linalg.norm(np.triu(cupy.asnumpy(w)) - want) / np.linalg.norm(want)
-        line(f"cusolverDnXtrtri (err {err:.1e})", timed(lambda: tri.invert(a.copy(order="F").data.ptr, n, n, 0, 0, dt)))
-        tri.close()
-    else:
-        print("cusolverDnXtrtri: libcusolver not available", flush=True)
+        line(f"invert_triangle, leaf {leaf} (err {err:.1e})", timed(lambda: invert(a.copy(order="F"))))
     ident = cupy.eye(n, dtype=dt)
     line("trsm against the identity (n^3)",
          timed(lambda: trsm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, ident.copy().data.ptr, n)))

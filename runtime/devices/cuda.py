@@ -18,11 +18,11 @@ import numpy as np
 
 from ..hostmem import REGISTRY
 from ..stats import OpRecord
-from ..tasks import SC_MINUS_ONE, SC_ONE
+from ..rank_k_blocks import Tri, rank_k_tile_ops
+from ..tasks import SC_ALPHA_CONJ, SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .base import Device, DeviceError, register_backend
-from . import cusolver_ctypes
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 EVENT_DISABLE_TIMING = 2
@@ -83,9 +83,7 @@ class CudaDevice(Device):
         self._anchor = (0, 0.0)
         self._kernels = {}
         self._blas = {}
-        self._inverses: dict = {}  # (call id, diagonal TileRef) -> _Inverse, least recently used first
         self._scratches: dict = {}  # compute stream -> CuPy buffer for out-of-place tile kernels
-        self._trtri: dict = {}  # compute stream -> cusolver_ctypes.Trtri (Knobs.trsm_trtri)
 
     # ------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -111,7 +109,8 @@ class CudaDevice(Device):
                          "syrk": self._k_rank_k, "herk": self._k_rank_k,
                          "syr2k": self._k_rank_2k, "her2k": self._k_rank_2k,
                          "symm": self._k_symm, "hemm": self._k_symm,
-                         "trmm": self._k_trmm, "trsm": self._k_trsm}
+                         "trmm": self._k_trmm, "trsm": self._k_trsm,
+                         "invmm": self._k_invmm, "trtri": self._k_trtri}
         self._blas = {}
         for peer in range(runtime.getDeviceCount()):
             if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):
@@ -130,12 +129,7 @@ class CudaDevice(Device):
             for p in self.stream_ptrs:
                 runtime.streamSynchronize(p)
         finally:
-            for inv in self._inverses.values():  # the streams are idle (or broken): no sync
-                self._events += inv.events()
-            self._inverses, self._scratches = {}, {}
-            for t in self._trtri.values():
-                t.close()
-            self._trtri = {}
+            self._scratches = {}
             for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
                     [r[-2] for r in self._open_records]:
                 try:
@@ -281,14 +275,56 @@ class CudaDevice(Device):
         herm = step.kernel == "herk"
         alpha, beta = self._ptrs(call, step, herm, herm)
         (a,) = self._inputs(step, c, a)
-        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
-                                               alpha, a[0], a[1], beta, c[0], c[1])
+        fn = self._routine(step.kernel, call.dtype)
+        h, uplo, isz = self.handles[s], 1 - step.uplo, call.itemsize
+
+        def tri(d0, size):
+            fn(h, uplo, step.op_a, size, step.k, alpha, self._rows(a, d0, step.op_a, isz), a[1], beta,
+               c[0] + (d0 + d0 * c[1]) * isz, c[1])
+        self._rank_blocks(s, step, call, c, ((a, a, step.alpha),), tri)
 
     def _k_rank_2k(self, s, step, call, a, b, c) -> None:
-        alpha, beta = self._ptrs(call, step, False, step.kernel == "her2k")
+        her2k = step.kernel == "her2k"
+        alpha, beta = self._ptrs(call, step, False, her2k)
         a, b = self._inputs(step, c, a, b)
-        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
-                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
+        fn = self._routine(step.kernel, call.dtype)
+        h, uplo, isz, op = self.handles[s], 1 - step.uplo, call.itemsize, step.op_a
+
+        def tri(d0, size):
+            fn(h, uplo, op, size, step.k, alpha, self._rows(a, d0, op, isz), a[1], self._rows(b, d0, op, isz), b[1],
+               beta, c[0] + (d0 + d0 * c[1]) * isz, c[1])
+        self._rank_blocks(s, step, call, c, ((a, b, step.alpha), (b, a, SC_ALPHA_CONJ if her2k else step.alpha)),
+                          tri)
+
+    #: Diagonal rank-k tiles larger than this are split (runtime/rank_k_blocks.py, Knobs.rank_k_blocks)
+    #: so that most of their flops run as GEMMs.
+    RANK_K_LEAF = 1024
+
+    @staticmethod
+    def _rows(x, r0: int, op: int, isz: int) -> int:
+        """Pointer to row r0 of op(X), X at ``x`` = (pointer, ld): a row of the stored n x k tile
+        (op N), else a column of the stored k x n one."""
+        return x[0] + (r0 if op == 0 else r0 * x[1]) * isz
+
+    def _rank_blocks(self, s, step, call, c, terms, tri) -> None:
+        """A rank-k diagonal step as ``tri(d0, size)`` calls on diagonal blocks and GEMMs on the
+        others: C_rc = sum over ``terms`` (X, Y, alpha index) of alpha op(X)_r op(Y)_c^T (^H) +
+        beta C_rc (beta on the first term only). One ``tri(0, n)`` when the tile is small, k is 0
+        or ``Knobs.rank_k_blocks`` is off."""
+        if step.k == 0 or step.n <= self.RANK_K_LEAF or not self.knobs.rank_k_blocks:
+            tri(0, step.n)
+            return
+        gemm = self._routine("gemm", call.dtype)
+        h, isz, sc, op = self.handles[s], call.itemsize, call.scalars.ctypes.data, step.op_a
+        right = ((2 if step.kernel in ("herk", "her2k") else 1) if op == 0 else 0)  # op(Y)^T or ^H
+        for o in rank_k_tile_ops(step.n, step.uplo, self.RANK_K_LEAF):
+            if type(o) is Tri:
+                tri(o.d0, o.size)
+                continue
+            cp = c[0] + (o.r0 + o.c0 * c[1]) * isz
+            for i, (x, y, alpha_ix) in enumerate(terms):
+                gemm(h, op, right, o.rows, o.cols, step.k, sc + alpha_ix * isz, self._rows(x, o.r0, op, isz), x[1],
+                     self._rows(y, o.c0, op, isz), y[1], sc + (step.beta if i == 0 else SC_ONE) * isz, cp, c[1])
 
     def _k_symm(self, s, step, call, a, b, c) -> None:
         alpha, beta = self._ptrs(call, step, False, False)
@@ -308,19 +344,6 @@ class CudaDevice(Device):
     def _k_trsm(self, s, step, call, a, b, c) -> None:
         alpha, _ = self._ptrs(call, step, False, False)
         h, uplo = self.handles[s], 1 - step.uplo
-        if self.knobs.trsm_inverse:  # X = op(A)^-1 C = op(A^-1) C, A^-1 made once per device
-            from cupy.cuda import runtime
-            inv = self._inverse(s, step, call, a)
-            # Out of place, then copied back: cuBLAS's in-place DTRMM ran at 29 TFLOPS on an H200
-            # against 54 out of place (bench/results/tri-inverse-rate-*).
-            isz = call.itemsize
-            tmp = self._scratch(s, step.m * step.n * isz)
-            self._routine("trmm", call.dtype)(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha,
-                                              inv.ptr, inv.ld, c[0], c[1], tmp, step.m)
-            runtime.memcpy2DAsync(c[0], c[1] * isz, tmp, step.m * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
-                                  self.stream_ptrs[s])
-            inv.used(self, s)
-            return
         trsm = self._routine("trsm", call.dtype)
         if (step.m if step.side == 0 else step.n) <= self.TRSM_LEAF:
             trsm(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha, a[0], a[1], c[0], c[1])
@@ -345,28 +368,27 @@ class CudaDevice(Device):
             else:  # C = scale C - X op(A)
                 gemm(h, 0, step.op_a, crows, ccols, xcols, minus_one, xp, ldc, ap, lda, scale, cp, ldc)
 
-    #: Leaves of the recursive triangle inversion (tri_inverse.py), and how many inverses a
-    #: device keeps (least recently used dropped first). Each inverse, and each compute
-    #: stream's scratch tile, is one diagonal tile (134 MB for a 4096 double tile) from
-    #: CuPy's pool, outside the tile cache: within the memory the cache leaves free
-    #: (RESERVE_BYTES).
+    #: Leaves of the recursive triangle inversion (tri_inverse.py).
     INVERSE_LEAF = 512
-    INVERSE_SLOTS = 3
 
-    def _inverse(self, s, step, call, a) -> "_Inverse":
-        """The inverse of the stored triangle of diagonal tile ``step.a`` (loaded at ``a``), made on
-        stream ``s`` at its first use on this device in this call; a later use on another stream
-        waits for it. Keyed by the call's unique id: nothing outlives the data it was made from."""
+    def _k_trtri(self, s, step, call, a, b, c) -> None:
+        """TRSM's inversion task (plans.plan_trsm with ``inverse``): c's stored triangle -> its inverse."""
+        isz = call.itemsize
+        invert_triangle(self.handles[s], c[0], c[1], step.m, call.dtype, step.uplo, step.diag, self.INVERSE_LEAF,
+                        self._routine, self._scratch(s, step.m * step.m * isz), self.stream_ptrs[s])
+
+    def _k_invmm(self, s, step, call, a, b, c) -> None:
+        """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse: out of
+        place into the stream's scratch tile, then copied back (cuBLAS's in-place DTRMM ran at 29
+        TFLOPS on an H200 against 41 this way: bench/results/tri-inverse-rate-*)."""
         from cupy.cuda import runtime
-        key = (call.cid, step.a)
-        inv = self._inverses.pop(key, None)
-        if inv is None:
-            self._drop_inverses(call.cid)
-            inv = self._make_inverse(s, step, call, a)
-        elif inv.stream != s:
-            runtime.streamWaitEvent(self.stream_ptrs[s], inv.ready)
-        self._inverses[key] = inv  # most recently used last
-        return inv
+        alpha, _ = self._ptrs(call, step, False, False)
+        isz = call.itemsize
+        tmp = self._scratch(s, step.m * step.n * isz)
+        self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
+                                          step.m, step.n, alpha, a[0], a[1], c[0], c[1], tmp, step.m)
+        runtime.memcpy2DAsync(c[0], c[1] * isz, tmp, step.m * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
+                              self.stream_ptrs[s])
 
     def _scratch(self, s: int, nbytes: int) -> int:
         """Pointer to a device buffer of at least ``nbytes`` for stream ``s`` alone (stream order
@@ -376,32 +398,6 @@ class CudaDevice(Device):
         if buf is None or buf.nbytes < nbytes:
             buf = self._scratches[s] = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
         return buf.data.ptr
-
-    def _drop_inverses(self, cid: int) -> None:
-        """Make room for one more inverse: other calls' first, then the least recently used,
-        each once the kernels that read it are done."""
-        stale = [k for k in self._inverses if k[0] != cid]
-        while self._inverses and (stale or len(self._inverses) >= self.INVERSE_SLOTS):
-            key = stale.pop(0) if stale else next(iter(self._inverses))
-            for ev in self._inverses.pop(key).events():
-                self.sync(ev)
-                self.release_event(ev)
-
-    def _make_inverse(self, s, step, call, a) -> "_Inverse":
-        import cupy
-        from cupy.cuda import runtime
-        size, isz = step.a.rows, call.itemsize
-        buf = cupy.empty((size, size), dtype=call.dtype, order="F")  # on stream s: run_step made it current
-        runtime.memcpy2DAsync(buf.data.ptr, size * isz, a[0], a[1] * isz, size * isz, size, MEMCPY_DEFAULT,
-                              self.stream_ptrs[s])
-        if self.knobs.trsm_trtri and cusolver_ctypes.available():  # one cuSOLVER call
-            trtri = self._trtri.get(s)
-            if trtri is None:
-                trtri = self._trtri[s] = cusolver_ctypes.Trtri(self.stream_ptrs[s])
-            trtri.invert(buf.data.ptr, size, size, step.uplo, step.diag, call.dtype)
-        else:
-            invert_triangle(self.handles[s], buf, step.uplo, step.diag, self.INVERSE_LEAF, self._routine)
-        return _Inverse(buf, size, s, self.record(s))
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
         """c = alpha c + beta b (cuBLAS geam, in place on c)."""
@@ -492,60 +488,53 @@ class CudaDevice(Device):
         return out
 
 
-def invert_triangle(handle, buf, lower: int, diag: int, leaf: int, routine) -> None:
-    """Replace the stored triangle of the square F-ordered CuPy array ``buf`` by its inverse
-    (tri_inverse.py's ops), on the current stream, which must be ``handle``'s; ``routine(name,
-    dtype)`` gives the cuBLAS function. Leaves are solved against an identity in a scratch
-    block and copied in; products go out of place into the scratch block and are copied back
-    (in-place TRMM runs at half speed). Only cuBLAS calls and pitched copies are issued: they
-    are cheap to issue, so the GPU does not wait for the host between them."""
-    import cupy
+def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, diag: int, leaf: int, routine,
+                    scratch: int, stream: int) -> None:
+    """Replace the stored triangle of the ``size`` x ``size`` column-major matrix at ``ptr``
+    (leading dimension ``ld``) by its inverse (tri_inverse.py's ops), on ``stream``, which must be
+    ``handle``'s; ``routine(name, dtype)`` gives the cuBLAS function; ``scratch`` points to a device
+    buffer of size^2 elements that only this stream uses. Leaves are solved against an identity in
+    the scratch block and copied in; products go out of place into it and are copied back
+    (in-place TRMM runs at half speed). Only cuBLAS calls and pitched copies are issued: they are
+    cheap to issue, so the GPU does not wait for the host between them."""
     from cupy.cuda import runtime
-    size, isz, dtype = buf.shape[0], buf.itemsize, buf.dtype
-    stream = cupy.cuda.get_current_stream().ptr
+    dtype = np.dtype(dtype)
+    isz = dtype.itemsize
     scalars = np.array([1, -1], dtype=dtype)  # host scalars: read when each call is made
     one, minus_one = scalars.ctypes.data, scalars.ctypes.data + isz
-    uplo, base = 1 - lower, buf.data.ptr
+    uplo = 1 - lower
     trsm, trmm = routine("trsm", dtype), routine("trmm", dtype)
     ops = tri_inverse_ops(size, lower, leaf)
     big = max(o.size for o in ops if type(o) is Leaf)
-    eye = cupy.eye(big, dtype=dtype)  # symmetric, so also F-ordered; its top-left blocks are identities
-    scratch = cupy.empty((size, size), dtype=dtype, order="F")
-    sp = scratch.data.ptr
+    eye = _identity(big, dtype)  # symmetric, so also F-ordered; its top-left blocks are identities
 
     def copy(dst, dld, src, sld, rows, cols):
         runtime.memcpy2DAsync(dst, dld * isz, src, sld * isz, rows * isz, cols, MEMCPY_DEFAULT, stream)
 
     for o in ops:
         if type(o) is Leaf:
-            blk = base + (o.d0 + o.d0 * size) * isz
-            copy(sp, size, eye.data.ptr, big, o.size, o.size)
-            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, size, sp, size)
-            copy(blk, size, sp, size, o.size, o.size)
+            blk = ptr + (o.d0 + o.d0 * ld) * isz
+            copy(scratch, size, eye.data.ptr, big, o.size, o.size)
+            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, ld, scratch, size)
+            copy(blk, ld, scratch, size, o.size, o.size)
             continue
         r0, c0, rows, cols = o.blk
-        bp = base + (r0 + c0 * size) * isz
+        bp = ptr + (r0 + c0 * ld) * isz
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
-             base + (o.a0 + o.a0 * size) * isz, size, bp, size, sp, size)
-        copy(bp, size, sp, size, rows, cols)
+             ptr + (o.a0 + o.a0 * ld) * isz, ld, bp, ld, scratch, size)
+        copy(bp, ld, scratch, size, rows, cols)
 
 
-class _Inverse:
-    """One triangle inverse on a device: its buffer, the stream that made it, the event that
-    ends its making, and the last use on each stream (what must finish before it is freed).
-    Owned by the device's worker thread."""
+_IDENTITIES: dict = {}
 
-    __slots__ = ("buf", "ptr", "ld", "stream", "ready", "last_use")
 
-    def __init__(self, buf, ld: int, stream: int, ready) -> None:
-        self.buf, self.ptr, self.ld, self.stream, self.ready = buf, buf.data.ptr, ld, stream, ready
-        self.last_use: dict = {}
-
-    def used(self, dev: CudaDevice, s: int) -> None:
-        old = self.last_use.get(s)
-        self.last_use[s] = dev.record(s)
-        if old is not None:  # stream order: the newer use ends after it
-            dev.release_event(old)
-
-    def events(self) -> list:
-        return [self.ready, *self.last_use.values()]
+def _identity(size: int, dtype):
+    """A ``size`` x ``size`` identity of ``dtype`` on the current device, made once and never written."""
+    import cupy
+    key = (cupy.cuda.runtime.getDevice(), size, np.dtype(dtype))
+    eye = _IDENTITIES.get(key)
+    if eye is None:
+        eye = cupy.eye(size, dtype=dtype)
+        cupy.cuda.get_current_stream().synchronize()  # filled before another stream reads it
+        _IDENTITIES[key] = eye
+    return eye

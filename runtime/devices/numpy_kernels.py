@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.linalg import blas as _blas
+from scipy.linalg.lapack import get_lapack_funcs
 
 OPS = (lambda x: x, lambda x: x.T, lambda x: x.conj().T)  # indexed by op code N, T, C
 
@@ -202,6 +203,34 @@ def trsm(step, scalars, a, b, c) -> None:
         c[...] = res
 
 
+def invmm(step, scalars, a, b, c) -> None:
+    """side 0: c = alpha op(T) c; side 1: c = alpha c op(T), in place; T the uplo triangle of a
+    (unit diagonal if diag), here a diagonal block's inverse made by ``trtri``; b is not used.
+    (cublasXtrmm out of place into a scratch tile, then copied back)"""
+    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
+    prod = t @ c if step.side == 0 else c @ t
+    prod *= scalars[step.alpha]
+    c[...] = prod
+
+
+_TRTRI = {}
+
+
+def trtri(step, scalars, a, b, c) -> None:
+    """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
+    written, if diag); the other triangle is left as it is. a and b are not used. No
+    singularity check (as trsm). (LAPACK ?trtri; on GPUs runtime.devices.cuda.invert_triangle)"""
+    f = _TRTRI.get(c.dtype)
+    if f is None:
+        f = _TRTRI[c.dtype] = get_lapack_funcs("trtri", dtype=c.dtype)
+    inv, _info = f(c, lower=step.uplo, unitdiag=step.diag)
+    keep = np.tril(np.ones(c.shape, dtype=bool), -1 if step.diag else 0)
+    if not step.uplo:
+        keep = keep.T
+    c[keep] = inv[keep]
+
+
 KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby,
            "syrk": syrk, "herk": herk, "syr2k": syr2k, "her2k": her2k,
-           "symm": symm, "hemm": hemm, "trmm": trmm, "trsm": trsm}
+           "symm": symm, "hemm": hemm, "trmm": trmm, "trsm": trsm,
+           "invmm": invmm, "trtri": trtri}
