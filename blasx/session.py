@@ -17,7 +17,6 @@ from .operands import READONLY
 from .runtime.config import DeviceSpec, parse_devices
 from .runtime.devices.base import backend
 from .runtime.engine import Engine, EngineConfig
-from .scratch import POOL as SCRATCH
 
 MiB = 1 << 20
 DEFAULT_STREAMS = 4
@@ -111,7 +110,6 @@ def shutdown() -> None:
         host_device = None
     if eng is not None:
         eng.shutdown()
-    SCRATCH.clear()
 
 
 # Workers are non-daemon threads, and the interpreter joins those *before* running atexit

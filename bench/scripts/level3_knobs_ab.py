@@ -3,14 +3,15 @@
     python -m bench.scripts.level3_knobs_ab [--n 32768] [--runs 2] \
         [--cases gemm,trsm,trsm@trsm_inverse=0,trmm,syrk] [--tile 4096]
 
-A case is ``ROUTINE`` or ``ROUTINE@KNOBS`` (``BLASX_KNOBS`` syntax, ``+`` between knobs); the
-engine is configured anew for each case and run, and warmed by one untimed call of the routine on
-8192 x 8192 corners of the arrays. Registered host arrays, double,
+A case is ``ROUTINE`` or ``ROUTINE@KNOBS`` (``BLASX_KNOBS`` syntax, ``+`` between knobs). Knobs
+read per call or step (``LIVE_KNOBS``) are switched on the running engine; others get a new
+engine for the case. Registered host arrays, double,
 upper / no transpose / left / non-unit, alpha 1.5, beta 0.5 (gemm, syrk); TRSM and TRMM in place
 (``overwrite_b``, B restored untimed before each run). Cases alternate run by run after one
 warm-up round; each timed run prints TFLOPS (GEMM 2n^3, SYRK n^3 + n^2, TRSM/TRMM n^3), the ratio
 to the best GEMM so far, and the per-device busy / unoverlapped comm / idle of its profile.
-The first timed round checks every result on 64 sampled rows against float64 numpy.
+The first round is untimed: it warms every case and checks its result on 64 sampled rows
+against float64 numpy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,29 @@ def parse_case(text: str) -> tuple[str, str]:
     if routine not in FLOPS:
         raise SystemExit(f"--cases: got {text!r}; routines: {sorted(FLOPS)}")
     return routine, knobs.replace("+", ",")
+
+
+#: Knobs read per call or per step, which a running engine may change between calls; any other
+#: knob is read by the workers when they start and needs a new engine.
+LIVE_KNOBS = {"trsm_inverse", "rank_k_blocks", "block_order"}
+
+
+def use_knobs(blasx, text: str, tile) -> None:
+    """Run the next calls under the knobs ``text``: on the running engine when only LIVE_KNOBS
+    differ from the defaults, else on a new one (its first call then opens the devices, ~70 ms:
+    each case's first round is untimed)."""
+    from blasx.runtime.knobs import Knobs
+    knobs = Knobs.from_env(text)
+    names = {item.partition("=")[0] for item in filter(None, text.split(","))}
+    os.environ["BLASX_KNOBS"] = text
+    eng = blasx.session.engine() if blasx.session.settings().tile == tile else None
+    if eng is None or not names <= LIVE_KNOBS or any(getattr(eng.config.knobs, k) != getattr(Knobs(), k)
+                                                     for k in vars(Knobs()) if k not in LIVE_KNOBS):
+        blasx.configure(tile=tile)
+        eng = blasx.session.engine()
+    eng.config.knobs = knobs
+    for d in eng.devices:
+        d.knobs = knobs
 
 
 def breakdown(profile) -> str:
@@ -60,13 +84,7 @@ def main(argv=None) -> int:
         with registered(a, b, c):
             for run in range(args.runs + 1):
                 for text, (routine, knobs) in zip(args.cases.split(","), cases):
-                    os.environ["BLASX_KNOBS"] = knobs
-                    blasx.configure(tile=args.tile)
-                    # A new engine opens its devices, handles and scratch buffers at its first
-                    # call (~70 ms, measured): one untimed call on a corner of the arrays first.
-                    w = min(n, 8192)
-                    run_blasx(blasx, "d", routine, w, a[:w, :w], b[:w, :w], c0[:w, :w],
-                              (b if routine in ("trsm", "trmm") else c)[:w, :w], 1.5, 0.5)
+                    use_knobs(blasx, knobs, args.tile)
                     parallel_copy(b, b0)
                     parallel_copy(c, c0)
                     t0 = time.perf_counter()
