@@ -36,9 +36,6 @@ class Knobs:
     #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
     #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
-    #: Split SYRK/HERK/SYR2K/HER2K diagonal tiles above ``CudaDevice.RANK_K_LEAF`` into smaller
-    #: diagonal blocks and GEMMs (``rank_k_blocks.py``; CUDA only).
-    rank_k_blocks: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -516,6 +516,12 @@ class StreamWorker(Worker):
         c_op = call.operands[task.c.slot]
         if dev.holds_array(c_op):
             act.c_loc = dev.array_loc(c_op, task.c)  # in-core: compute into the array itself
+            src = task.c_init
+            if task.load_c and src is not None and (call.tokens[src.slot], src.bi, src.bj) != (
+                    call.tokens[task.c.slot], task.c.bi, task.c.bj):
+                # C starts from another tile (TRSM's inversions start from A's): copy it in first
+                cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
+                fills.setdefault(cs, ([], []))
             return
         nbytes = task.c.rows * task.c.cols * call.itemsize
         act.c_off = self._alloc(nbytes, call)

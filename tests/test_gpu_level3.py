@@ -141,31 +141,3 @@ def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag
     out = getattr(blasx, p + "trsm")(1.5, a, b2, lower=lower, trans_a=trans, side=side, diag=diag, overwrite_b=True)
     assert out is b2 and rel_err(b2, ref) < TOL[dtype] * 10
 
-
-# Diagonal rank-k tiles split into smaller diagonal blocks and GEMMs (runtime/rank_k_blocks.py),
-# exercised with a leaf of 64 on tiles of 256 (edge tiles of 700 = 2 x 256 + 188 included), for
-# every routine, dtype, triangle and allowed transpose, with beta != 0 and with c not given.
-@pytest.mark.parametrize("dtype", list(PREFIX))
-@pytest.mark.parametrize("routine", ["syrk", "syr2k", "herk", "her2k"])
-@pytest.mark.parametrize("lower,trans", list(itertools.product((0, 1), (0, 1))))
-def test_rank_k_diagonal_blocks(monkeypatch, dtype, routine, lower, trans):
-    from blasx.runtime.devices.cuda import CudaDevice
-    herm = routine.startswith("her")
-    if herm and np.dtype(dtype).kind != "c":
-        pytest.skip("herk/her2k are complex only")
-    monkeypatch.setattr(CudaDevice, "RANK_K_LEAF", 64)
-    rng = np.random.default_rng(11)
-    n, k = 700, 300
-    shape = (n, k) if trans == 0 else (k, n)
-    a, b = rand(rng, shape, dtype), rand(rng, shape, dtype)
-    c = rand(rng, (n, n), dtype)
-    if herm:
-        c = np.asfortranarray(c + c.conj().T)
-    trans_code = (2 if herm else 1) if trans else 0
-    p = PREFIX[dtype]
-    args = (a,) if routine in ("syrk", "herk") else (a, b)
-    mask = np.tril(np.ones((n, n), bool)) if lower else np.triu(np.ones((n, n), bool))
-    for beta, cc in ((0.5, c), (0.0, None)):
-        ref = getattr(sblas, p + routine)(1.5, *args, beta=beta, c=cc, trans=trans_code, lower=lower)
-        got = getattr(blasx, p + routine)(1.5, *args, beta=beta, c=cc, trans=trans_code, lower=lower)
-        assert rel_err(np.asarray(got)[mask], np.asarray(ref)[mask]) < TOL[dtype] * 10, (beta,)

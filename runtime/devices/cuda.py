@@ -18,8 +18,7 @@ import numpy as np
 
 from ..hostmem import REGISTRY
 from ..stats import OpRecord
-from ..rank_k_blocks import Tri, rank_k_tile_ops
-from ..tasks import SC_ALPHA_CONJ, SC_MINUS_ONE, SC_ONE
+from ..tasks import SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .base import Device, DeviceError, register_backend
@@ -197,7 +196,7 @@ class CudaDevice(Device):
                                     self.stream_ptrs[s])
             return
         ptr, ld = self.array_loc(obj, where)
-        self._copy_2d(s, "in", obj, dst[0], rows * isz, ptr, ld * isz, rows, cols, isz)
+        self._copy_2d(s, "in", obj, dst[0], dst[1] * isz, ptr, ld * isz, rows, cols, isz)
 
     def copy_out(self, s, operand, ref, src, task=None):
         isz = operand.array.itemsize
@@ -275,56 +274,14 @@ class CudaDevice(Device):
         herm = step.kernel == "herk"
         alpha, beta = self._ptrs(call, step, herm, herm)
         (a,) = self._inputs(step, c, a)
-        fn = self._routine(step.kernel, call.dtype)
-        h, uplo, isz = self.handles[s], 1 - step.uplo, call.itemsize
-
-        def tri(d0, size):
-            fn(h, uplo, step.op_a, size, step.k, alpha, self._rows(a, d0, step.op_a, isz), a[1], beta,
-               c[0] + (d0 + d0 * c[1]) * isz, c[1])
-        self._rank_blocks(s, step, call, c, ((a, a, step.alpha),), tri)
+        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
+                                               alpha, a[0], a[1], beta, c[0], c[1])
 
     def _k_rank_2k(self, s, step, call, a, b, c) -> None:
-        her2k = step.kernel == "her2k"
-        alpha, beta = self._ptrs(call, step, False, her2k)
+        alpha, beta = self._ptrs(call, step, False, step.kernel == "her2k")
         a, b = self._inputs(step, c, a, b)
-        fn = self._routine(step.kernel, call.dtype)
-        h, uplo, isz, op = self.handles[s], 1 - step.uplo, call.itemsize, step.op_a
-
-        def tri(d0, size):
-            fn(h, uplo, op, size, step.k, alpha, self._rows(a, d0, op, isz), a[1], self._rows(b, d0, op, isz), b[1],
-               beta, c[0] + (d0 + d0 * c[1]) * isz, c[1])
-        self._rank_blocks(s, step, call, c, ((a, b, step.alpha), (b, a, SC_ALPHA_CONJ if her2k else step.alpha)),
-                          tri)
-
-    #: Diagonal rank-k tiles larger than this are split (runtime/rank_k_blocks.py, Knobs.rank_k_blocks)
-    #: so that most of their flops run as GEMMs.
-    RANK_K_LEAF = 1024
-
-    @staticmethod
-    def _rows(x, r0: int, op: int, isz: int) -> int:
-        """Pointer to row r0 of op(X), X at ``x`` = (pointer, ld): a row of the stored n x k tile
-        (op N), else a column of the stored k x n one."""
-        return x[0] + (r0 if op == 0 else r0 * x[1]) * isz
-
-    def _rank_blocks(self, s, step, call, c, terms, tri) -> None:
-        """A rank-k diagonal step as ``tri(d0, size)`` calls on diagonal blocks and GEMMs on the
-        others: C_rc = sum over ``terms`` (X, Y, alpha index) of alpha op(X)_r op(Y)_c^T (^H) +
-        beta C_rc (beta on the first term only). One ``tri(0, n)`` when the tile is small, k is 0
-        or ``Knobs.rank_k_blocks`` is off."""
-        if step.k == 0 or step.n <= self.RANK_K_LEAF or not self.knobs.rank_k_blocks:
-            tri(0, step.n)
-            return
-        gemm = self._routine("gemm", call.dtype)
-        h, isz, sc, op = self.handles[s], call.itemsize, call.scalars.ctypes.data, step.op_a
-        right = ((2 if step.kernel in ("herk", "her2k") else 1) if op == 0 else 0)  # op(Y)^T or ^H
-        for o in rank_k_tile_ops(step.n, step.uplo, self.RANK_K_LEAF):
-            if type(o) is Tri:
-                tri(o.d0, o.size)
-                continue
-            cp = c[0] + (o.r0 + o.c0 * c[1]) * isz
-            for i, (x, y, alpha_ix) in enumerate(terms):
-                gemm(h, op, right, o.rows, o.cols, step.k, sc + alpha_ix * isz, self._rows(x, o.r0, op, isz), x[1],
-                     self._rows(y, o.c0, op, isz), y[1], sc + (step.beta if i == 0 else SC_ONE) * isz, cp, c[1])
+        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
+                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
 
     def _k_symm(self, s, step, call, a, b, c) -> None:
         alpha, beta = self._ptrs(call, step, False, False)
