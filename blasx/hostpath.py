@@ -359,11 +359,13 @@ LANES = {"gemm": _gemm_lane, "symm": _symm_lane, "hemm": _symm_lane, "syrk": _ra
 
 def _unlisted(args: tuple, n_args: int):
     """``args`` with the nested lists among a (and b) made arrays as the general paths make them
-    (``np.asarray``), or None when there are none or numpy cannot make one (the general path says why)."""
+    (``np.asarray``; F-ordered, as scipy would copy them), or None when there are none or numpy
+    cannot make one (the general path says why)."""
     if not any(type(x) is list for x in args[1:n_args]):
         return None
     try:
-        return (args[0], *(np.asarray(x) if type(x) is list else x for x in args[1:n_args]), *args[n_args:])
+        return (args[0], *(np.asarray(x, order="F") if type(x) is list else x for x in args[1:n_args]),
+                *args[n_args:])
     except Exception:  # noqa: BLE001 - the general path converts again and raises its own message
         return None
 
