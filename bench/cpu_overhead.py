@@ -225,6 +225,11 @@ def header() -> str:
                      f"x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
     eng = blasx.engine()
     flag = getattr(session, "host_device", "n/a (no fast path in this version)")
+    try:
+        from blasx import _hostcall
+        flag = f"{flag}; entry points: {_hostcall.kind()}"
+    except ImportError:  # before the C entry points
+        pass
     return (f"# {platform.node()} {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
             f"numpy {np.__version__}, scipy {scipy.__version__}\n# BLAS: {blas}\n"
             f"# blasx devices: {', '.join(d.name for d in eng.devices)} (inline: {eng.inline}); "

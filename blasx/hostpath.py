@@ -377,9 +377,10 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True, lis
     ``general(*args, **kwargs)``. ``convert``: arrays of another BLAS type are converted to the
     prefix's (the prefixed functions), else they take ``general`` (the generic ones). ``lists``:
     nested lists as a and b are made arrays first, as ``general`` makes them (blasx.linalg.blas,
-    which takes what scipy takes; blasx's own functions reject lists). The plain call's checks run in C where blasx._hostcall's
-    library is built (the function returned is then its C callable, whose ``__wrapped__`` is the
-    Python function below), else in Python, written out: each call level costs ~70 ns."""
+    which takes what scipy takes; blasx's own functions reject lists). The plain call's checks
+    run in C where blasx._hostcall's library is built (the function returned is then its C
+    callable, whose ``__wrapped__`` is the Python function below), else in Python, written out:
+    each call level costs ~70 ns."""
     dtype = DTYPE_OF_PREFIX[prefix]
     native = _sp.get_blas_funcs(routine, dtype=dtype)
     flags = FAST_FLAGS[routine][prefix in "cz"]
@@ -399,7 +400,7 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True, lis
 
     def second(*args, **kwargs):
         """A call the plain call's checks did not take: the second lane (again with lists made
-        arrays, where convert), else the general path."""
+        arrays, where ``lists``), else the general path."""
         if session.host_device is not None:
             try:
                 res = lane(*args, **kwargs)

@@ -253,7 +253,7 @@ def dot(a, b, out=None):
     if dev is not None and (type(a) is list or type(b) is list):
         x, y = _plain(a), _plain(b)  # nested lists: the arrays numpy makes of them, then the checks above
         if x is not None and y is not None:
-            return dot(x, y, out)
+            return dot(x, y) if out is None else dot(x, y, out)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
