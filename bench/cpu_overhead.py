@@ -10,7 +10,9 @@ functions against ``scipy.linalg.blas``'s (numpy and scipy may link different BL
 header lists them, and each entry is compared with the peer it replaces). Entries with a suffix
 (``gemm-c``, ``matmul-out``, ``linalg-syrk-ow``, ``blasx-syrk-c``, ...) are calls with c and
 beta, outputs written in place, alpha 0, arrays converted to the routine's type, and matmul's
-``out=`` / ``dtype=`` (see ``general_entries``). The two are
+``out=`` / ``dtype=`` (see ``general_entries``); ``-np`` (alpha a numpy scalar), ``-list`` (operands
+given as nested lists), ``-sub`` (blocks of larger arrays) and ``-strided`` (every other row and
+column) are the calls of ``common_entries``. The two are
 interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
 with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times are reported
 as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
@@ -78,7 +80,42 @@ def entries(prefix: str, n: int):
             ours, theirs = getattr(bl, prefix + r), spf[r]
             table[f"linalg-{r}"] = (lambda f=ours, o=ops: f(1.0, *o), lambda f=theirs, o=ops: f(1.0, *o))
     table.update(general_entries(prefix, n, spf, two))
+    table.update(common_entries(prefix, n, spf))
     return table
+
+
+def common_entries(prefix: str, n: int, spf: dict) -> dict:
+    """Calls a demanding user makes that took the general path before the third CPU-only pass:
+    alpha a numpy scalar of the routine's type (``-np``), operands given as nested lists
+    (``-list``), blocks of larger arrays (``-sub``: a unit stride and a leading dimension of 2 n)
+    and every other row and column of one (``-strided``)."""
+    import blasx
+    from blasx import numpy_api
+    from blasx.linalg import blas as bl
+
+    dtype = DTYPES[prefix]
+    big = _arrays(2 * n, dtype, "C", seed=6)[0]
+    af, bf, _ = _arrays(n, dtype, "F", seed=7)
+    sub_a, sub_b = big[:n, :n], big[n:, n:]
+    st_a, st_b = big[::2, ::2], big[1::2, 1::2]
+    la, lb = af.tolist(), bf.tolist()
+    alpha = np.dtype(dtype).type(1.5)
+    np_matmul, np_dot = numpy_api._np_matmul, numpy_api._np_dot
+    g, k = spf["gemm"], spf["syrk"]
+    lg, ls, bs = getattr(bl, prefix + "gemm"), getattr(bl, prefix + "syrk"), getattr(blasx, prefix + "syrk")
+    return {
+        "matmul-sub": (lambda: blasx.matmul(sub_a, sub_b), lambda: np_matmul(sub_a, sub_b)),
+        "matmul-strided": (lambda: blasx.matmul(st_a, st_b), lambda: np_matmul(st_a, st_b)),
+        "matmul-list": (lambda: blasx.matmul(la, lb), lambda: np_matmul(la, lb)),
+        "dot-sub": (lambda: blasx.dot(sub_a, sub_b), lambda: np_dot(sub_a, sub_b)),
+        "dot-list": (lambda: blasx.dot(la, lb), lambda: np_dot(la, lb)),
+        "gemm-sub": (lambda: blasx.gemm(1.0, sub_a, sub_b), lambda: g(1.0, sub_a, sub_b)),
+        "gemm-np": (lambda: blasx.gemm(alpha, af, bf), lambda: g(alpha, af, bf)),
+        "linalg-gemm-np": (lambda: lg(alpha, af, bf), lambda: g(alpha, af, bf)),
+        "linalg-gemm-list": (lambda: lg(1.0, la, lb), lambda: g(1.0, la, lb)),
+        "linalg-syrk-np": (lambda: ls(alpha, af), lambda: k(alpha, af)),
+        "blasx-syrk-np": (lambda: bs(alpha, af), lambda: k(alpha, af)),
+    }
 
 
 def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
@@ -188,6 +225,11 @@ def header() -> str:
                      f"x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
     eng = blasx.engine()
     flag = getattr(session, "host_device", "n/a (no fast path in this version)")
+    try:
+        from blasx import _hostcall
+        flag = f"{flag}; entry points: {_hostcall.kind()}"
+    except ImportError:  # before the C entry points
+        pass
     return (f"# {platform.node()} {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
             f"numpy {np.__version__}, scipy {scipy.__version__}\n# BLAS: {blas}\n"
             f"# blasx devices: {', '.join(d.name for d in eng.devices)} (inline: {eng.inline}); "

@@ -6,20 +6,21 @@ whose arguments scipy's routine treats exactly as blasx does can run scipy's rou
 for scipy's own cost plus a few checks. Two lanes, tried in turn:
 
 * the plain call: the routine's required arguments positionally (``alpha, a, b``; ``alpha, a``
-  for ``?syrk`` / ``?herk``), alpha a Python float or int other than 0, the arrays 2-D
+  for ``?syrk`` / ``?herk``), alpha other than 0 of the routine's scalar types (``SCALAR_TYPES``:
+  Python's and numpy's numbers, complex ones where BLAS reads alpha complex), the arrays 2-D
   ``numpy.ndarray`` of the routine's dtype, only int flags by keyword; scipy's routine gets
-  the arguments unchanged;
-* any other call that binds to the signature (``c``, ``beta``, ``overwrite_*``, alpha == 0, a
-  complex alpha or beta where the routine takes one, arrays of another BLAS type that the
-  routine converts): the arguments are checked and handed to scipy's routine in the form that
+  the arguments unchanged. Checked in C where blasx._hostcall's library is built, else here;
+* any other call that binds to the signature (``c``, ``beta``, ``overwrite_*``, alpha == 0,
+  arrays of another BLAS type that the routine converts; nested lists for blasx.linalg.blas,
+  made arrays first): the arguments are checked and handed to scipy's routine in the form that
   makes it do what blasx does (``LANES``: one function per family; see the comment above them).
 
 Both need int flags within what blasx allows (blasx raises where scipy hands a bad flag to
 BLAS, e.g. ``zherk(trans=1)``, ``zsyrk(trans=2)``) and shapes that fit with every dimension > 0
 (blasx raises on shapes scipy may pass to BLAS, and returns early on empty ones). Anything else
-(lists, 0-d or 1-D arrays, numpy scalars, bad input, outputs that may alias an input)
-takes the general path, with its checks and messages. The call is recorded for
-:func:`blasx.last_profile` as one host task (two clock reads and a tuple).
+(0-d or 1-D arrays, complex scalars where BLAS reads a real one, bools, bad input, outputs
+that may alias an input) takes the general path, with its checks and messages. The call is
+recorded for :func:`blasx.last_profile` as one host task (two clock reads and a tuple).
 
 Verified against scipy (its OpenBLAS), and kept by tests/test_host_paths.py: with alpha == 0
 scipy's routines read neither a nor b, with beta == 0 not the written part of c (NaNs there do
@@ -33,7 +34,7 @@ import itertools
 import numpy as np
 import scipy.linalg.blas as _sp
 
-from . import level3, session
+from . import _hostcall, level3, session
 from .runtime.stats import clock
 
 DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
@@ -118,8 +119,12 @@ FAST_SHAPES = {"gemm": (_gemm_flops, True), "symm": (_symm_flops, True), "hemm":
 #   and in C: astype from Python costs ~0.4 us more an array), into a new array: an output of
 #   another type is never written in place, by blasx nor by scipy given overwrite 0.
 
-_REAL = frozenset((float, int))
-_ANY = frozenset((float, int, complex))
+#: numpy scalars f2py and blasx convert alike: real ones as float() (complex() for a complex
+#: routine), complex ones as complex(); not bool (blasx.gemm rejects it), not longdouble
+NUMPY_REAL = frozenset((np.float64, np.float32, np.int64, np.int32))
+NUMPY_COMPLEX = frozenset((np.complex128, np.complex64))
+_REAL = frozenset((float, int)) | NUMPY_REAL
+_ANY = _REAL | {complex} | NUMPY_COMPLEX
 _OVERWRITE_TYPES = frozenset((int, bool))  # f2py and blasx read overwrite_* by truth value
 
 #: (routine, complex prefix) -> (types of alpha, types of beta) taken as they are. A complex
@@ -352,19 +357,36 @@ LANES = {"gemm": _gemm_lane, "symm": _symm_lane, "hemm": _symm_lane, "syrk": _ra
          "syr2k": _rank2_lane, "her2k": _rank2_lane, "trmm": _tri_lane, "trsm": _tri_lane}
 
 
-def with_host_path(prefix: str, routine: str, general, convert: bool = True):
+def _unlisted(args: tuple, n_args: int):
+    """``args`` with the nested lists among a (and b) made arrays as the general paths make them
+    (``np.asarray``; F-ordered, as scipy would copy them), or None when there are none or numpy
+    cannot make one (the general path says why)."""
+    if not any(type(x) is list for x in args[1:n_args]):
+        return None
+    try:
+        return (args[0], *(np.asarray(x, order="F") if type(x) is list else x for x in args[1:n_args]),
+                *args[n_args:])
+    except Exception:  # noqa: BLE001 - the general path converts again and raises its own message
+        return None
+
+
+def with_host_path(prefix: str, routine: str, general, convert: bool = True, lists: bool = False):
     """``prefix + routine`` with scipy's signature: scipy's own routine (from scipy.linalg._fblas
     through get_blas_funcs, never the module attribute blasx.offload may replace) for a call of
     either lane while the CPU is the only device (see the module docstring), else
-    ``general(*args, **kwargs)``. ``convert``: arrays of another BLAS type are converted to
-    the prefix's (the prefixed functions), else they take ``general`` (the generic ones).
-    The plain call's checks are written out here: each call level costs ~70 ns, a tenth of
-    what the whole path adds."""
+    ``general(*args, **kwargs)``. ``convert``: arrays of another BLAS type are converted to the
+    prefix's (the prefixed functions), else they take ``general`` (the generic ones). ``lists``:
+    nested lists as a and b are made arrays first, as ``general`` makes them (blasx.linalg.blas,
+    which takes what scipy takes; blasx's own functions reject lists). The plain call's checks
+    run in C where blasx._hostcall's library is built (the function returned is then its C
+    callable, whose ``__wrapped__`` is the Python function below), else in Python, written out:
+    each call level costs ~70 ns."""
     dtype = DTYPE_OF_PREFIX[prefix]
     native = _sp.get_blas_funcs(routine, dtype=dtype)
     flags = FAST_FLAGS[routine][prefix in "cz"]
     flops_of, two = FAST_SHAPES[routine]
     n_args = 3 if two else 2  # alpha, a(, b): b is args[n_args - 1], so a itself for ?syrk / ?herk
+    plain_alpha = SCALAR_TYPES[(routine, prefix in "cz")][0]
     last = level3.last_call
     ndarray = np.ndarray
     lane = LANES[routine](prefix, routine, convert)
@@ -376,30 +398,40 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True):
                 return False
         return True
 
-    def f(*args, **kwargs):
-        dev = session.host_device
-        if dev is not None:
-            if len(args) == n_args:
-                alpha, a, b = args[0], args[1], args[n_args - 1]
-                # ``is`` for the dtype: numpy's dtypes of the builtin types are singletons; an equal
-                # dtype that is another object (byte order spelled out, metadata) takes the general path
-                # (keywords first: one that is not a flag, e.g. overwrite_b, sends the call to the
-                # second lane at once)
-                if ((not kwargs or flags_ok(kwargs)) and (type(alpha) is float or type(alpha) is int) and alpha != 0
-                        and type(a) is ndarray and type(b) is ndarray and a.dtype is dtype and b.dtype is dtype
-                        and a.ndim == 2 and b.ndim == 2 and (flops := flops_of(a, b, kwargs))):
-                    t0 = clock()
-                    res = native(*args, **kwargs)
-                    last.stats = (dev, t0, clock(), dtype, flops)
-                    return res
+    def second(*args, **kwargs):
+        """A call the plain call's checks did not take: the second lane (again with lists made
+        arrays, where ``lists``), else the general path."""
+        if session.host_device is not None:
             try:
                 res = lane(*args, **kwargs)
             except TypeError as e:
                 if e.__traceback__.tb_next is not None:
                     raise  # raised inside the lane, not by binding its arguments (one frame only)
                 res = None  # the arguments do not bind: the general path says how
+            if res is None and lists and (listed := _unlisted(args, n_args)) is not None:
+                try:
+                    res = lane(*listed, **kwargs)
+                except TypeError as e:
+                    if e.__traceback__.tb_next is not None:
+                        raise
             if res is not None:
                 return res
         return general(*args, **kwargs)
 
-    return f
+    def f(*args, **kwargs):
+        dev = session.host_device
+        if dev is not None and len(args) == n_args:
+            alpha, a, b = args[0], args[1], args[n_args - 1]
+            # ``is`` for the dtype: numpy's dtypes of the builtin types are singletons; an equal
+            # dtype that is another object (byte order spelled out, metadata) takes the second lane
+            # (keywords first: one that is not a flag, e.g. overwrite_b, sends the call there at once)
+            if ((not kwargs or flags_ok(kwargs)) and type(alpha) in plain_alpha and alpha != 0
+                    and type(a) is ndarray and type(b) is ndarray and a.dtype is dtype and b.dtype is dtype
+                    and a.ndim == 2 and b.ndim == 2 and (flops := flops_of(a, b, kwargs))):
+                t0 = clock()
+                res = native(*args, **kwargs)
+                last.stats = (dev, t0, clock(), dtype, flops)
+                return res
+        return second(*args, **kwargs)
+
+    return _hostcall.lane(second, f, native, routine, dtype, plain_alpha, flags, n_args)

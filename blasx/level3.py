@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import scipy.linalg.blas as _sp_blas
 
-from . import session
+from . import _hostcall, session
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
 from .operands import TokenTable, canonical, is_cupy, leading_dim, make_operand
 from .runtime.call import Call, Operand
@@ -101,10 +101,12 @@ _HOST_GEMM = {dt: _sp_blas.get_blas_funcs("gemm", dtype=dt) for dt in _FAST_DTYP
 
 _OPS = frozenset((OP_N, OP_T, OP_C))
 
-_REAL_SCALARS = frozenset((float, int))
-#: dtype -> the Python types of alpha and beta the host gemm takes as they are (blasx rejects a
-#: complex scalar with a non-zero imaginary part for a real type: the general path)
-_HOST_SCALARS = {dt: _REAL_SCALARS | ({complex} if dt.kind == "c" else set()) for dt in _FAST_DTYPES}
+_REAL_SCALARS = frozenset((float, int, np.float64, np.float32, np.int64, np.int32))
+#: dtype -> the types of alpha and beta the host gemm takes as they are: Python's and numpy's
+#: numbers, which scipy's ?gemm and blasx's kernels convert alike (blasx rejects a complex scalar
+#: with a non-zero imaginary part for a real type, and a bool: the general path)
+_HOST_SCALARS = {dt: _REAL_SCALARS | ({complex, np.complex128, np.complex64} if dt.kind == "c" else set())
+                 for dt in _FAST_DTYPES}
 _ndarray = np.ndarray
 
 
@@ -174,6 +176,11 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     if m and n:
         _run_gemm(alpha, a, b, beta, out, trans_a, trans_b, dtype, ka)
     return out
+
+
+# The CPU alone: blasx.gemm's plain call (alpha, a, b; trans_* by keyword) is checked in C and runs
+# _host_gemm's call there (blasx._hostcall), every other call the Python function above
+gemm = _hostcall.gemm(gemm, _HOST_GEMM, _HOST_SCALARS)
 
 
 def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_c, dtype):

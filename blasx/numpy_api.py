@@ -22,12 +22,15 @@ handed to numpy too, so the error raised is numpy's own.
 
 With the CPU as the only device (``blasx.configure(devices="cpu")``, or no GPU,
 and no fixed tile), blasx's kernel is the host BLAS, and a plain call runs
-numpy's own function on it: ``matmul`` of C- or F-contiguous ndarrays of one
-BLAS type (with ``out=`` a C- or F-contiguous ndarray of the computation type,
-``dtype=`` a BLAS type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS
-type with no ``out``, ``tensordot`` of ndarrays of one BLAS type. That costs
-numpy's time plus a few checks and the record of the call for
-``blasx.last_profile()`` (well under a microsecond).
+numpy's own function on it: ``matmul`` of ndarrays of one BLAS type that numpy
+runs BLAS on (any strides from numpy 2.3.1, else C- or F-contiguous ones; with
+``out=`` a C- or F-contiguous ndarray of the computation type, ``dtype=`` a BLAS
+type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS type with no
+``out``, ``tensordot`` of ndarrays of one BLAS type; nested lists are made the
+arrays numpy makes of them first. That costs numpy's time plus a few checks and
+the record of the call for ``blasx.last_profile()``: ~0.2 us for the plain
+``matmul`` / ``dot``, whose checks run in C (:mod:`blasx._hostcall`), under a
+microsecond for the others.
 
 Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
 GPU) are computed per batch item on the engine and come back as CuPy arrays.
@@ -40,7 +43,7 @@ import operator
 
 import numpy as np
 
-from . import level3, session
+from . import _hostcall, level3, session
 from .checks import BLAS_DTYPES, shares_memory
 from .operands import is_cupy
 from .runtime.stats import clock
@@ -73,11 +76,12 @@ def matmul(x1, x2, /, out=None, **kwargs):
     returns a numpy scalar, as np.matmul does.
     """
     dev = session.host_device
-    if (dev is not None and type(x1) is _ndarray and type(x2) is _ndarray
-            and x1.dtype == x2.dtype and x1.dtype in _FAST_DTYPES and x1.flags.forc and x2.flags.forc):
-        # The CPU alone: numpy's own matmul is the host BLAS on C- or F-contiguous operands of a
-        # BLAS type, whatever their dimensions (other strides take numpy's loop without BLAS, so
-        # they stay below, where they are copied); a call it rejects raises numpy's error, as the
+    if (dev is not None and type(x1) is _ndarray and type(x2) is _ndarray and x1.dtype == x2.dtype
+            and x1.dtype in _FAST_DTYPES and (_ANY_STRIDES or (x1.flags.forc and x2.flags.forc))):
+        # The CPU alone: numpy's own matmul is the host BLAS on operands of a BLAS type, whatever
+        # their dimensions, and whatever their strides from numpy 2.3.1 (it copies those BLAS cannot
+        # read); before, only C- or F-contiguous ones (others take numpy's loop without BLAS, so
+        # they stay below, where they are copied). A call it rejects raises numpy's error, as the
         # general path's fallback would. The result is C-ordered, as numpy's.
         if out is None and not kwargs:
             t0 = clock()
@@ -87,6 +91,11 @@ def matmul(x1, x2, /, out=None, **kwargs):
         res = _host_matmul_out(dev, x1, x2, out, kwargs)
         if res is not None:
             return res
+    elif dev is not None and (type(x1) is list or type(x2) is list):
+        # nested lists: the arrays numpy (and the general path below) makes of them, then the checks above
+        a, b = _plain(x1), _plain(x2)
+        if a is not None and b is not None:
+            return matmul(a, b, out=out, **kwargs)
     if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray
             and x1.ndim == 2 and x2.ndim == 2 and x1.dtype == x2.dtype and x1.dtype in BLAS_DTYPES
             and x1.shape[1] == x2.shape[0]):
@@ -241,6 +250,10 @@ def dot(a, b, out=None):
         res = _np_dot(a, b)
         _last.stats = (dev, t0, clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
         return res
+    if dev is not None and (type(a) is list or type(b) is list):
+        x, y = _plain(a), _plain(b)  # nested lists: the arrays numpy makes of them, then the checks above
+        if x is not None and y is not None:
+            return dot(x, y) if out is None else dot(x, y, out)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
@@ -285,6 +298,13 @@ def dot(a, b, out=None):
 
 
 _DOT_NDIMS = (1, 2)
+
+# The CPU alone: the plain calls of matmul (two exact ndarrays of one BLAS type that numpy's matmul
+# runs BLAS on) and dot (1-D / 2-D ones) are checked in C and run numpy's function there
+# (blasx._hostcall); every other call runs the Python functions above.
+_ANY_STRIDES = _hostcall.NUMPY_COPIES_STRIDES
+matmul = _hostcall.matmul(matmul, _np_matmul)
+dot = _hostcall.dot(dot, _np_dot)
 
 
 def _fallback_dot(a, b, out):

@@ -39,9 +39,10 @@ module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
 The level-3 functions always run on the blasx engine (no size threshold: use
 :func:`blasx.offload` to keep small calls on the CPU BLAS). With the CPU as the
 only device, the engine's kernel is the host BLAS, and a call whose arguments
-scipy's routine treats as blasx does (2-D ndarrays of a BLAS type, Python
-numbers for the scalars, int flags within what blasx allows, outputs written in
-place that provably alias no input) runs scipy's own routine (:mod:`blasx.hostpath`).
+scipy's routine treats as blasx does (2-D ndarrays of a BLAS type or nested lists
+of numbers, Python's or numpy's numbers for the scalars, int flags within what
+blasx allows, outputs written in place that provably alias no input) runs scipy's
+own routine (:mod:`blasx.hostpath`; a plain call's checks in C, :mod:`blasx._hostcall`).
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def _make(prefix: str, routine: str):
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
         return _impl(prefix, routine)(**v)
 
-    f = hostpath.with_host_path(prefix, routine, general)
+    f = hostpath.with_host_path(prefix, routine, general, lists=True)
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__

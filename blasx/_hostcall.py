@@ -1,0 +1,530 @@
+"""C entry points of the CPU-only fast paths: ``blasx.matmul``, ``dot``, ``gemm`` and the scipy-signature
+level-3 functions (``blasx.linalg.blas.?xxx``, ``blasx.<prefix>xxx``) as C callables.
+
+With the CPU as the only device (``session.host_device`` set), a plain call of these runs numpy's or
+scipy's own function, and the Python that decides so (the call of a Python function, a dozen checks,
+two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
+same decision is made in C (``HOSTCALL_C``; 0.15-0.25 us, most of it the two clock reads and the
+record): a callable whose vectorcall checks the arguments, calls the
+original function with them as they came, and records the call in ``level3.last_call.stats`` as
+the Python paths do (``(device, t0, t1, dtype, real flops)``); any other call goes, with its
+arguments unchanged, to the Python function (``slow``), which decides everything as before. What
+the C code takes, per kind:
+
+* ``matmul(x1, x2)``: two exact ndarrays of one BLAS dtype on which numpy's matmul runs BLAS
+  (any strides from numpy 2.3.1, which copies the others into a buffer, numpy PR #23752; before,
+  C-/F-contiguous ones or matrices with a unit stride, numpy's ``is_blasable2d``); numpy's errors;
+* ``dot(a, b)``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides);
+* ``gemm(alpha, a, b)`` (``trans_a`` / ``trans_b`` by keyword): 2-D exact ndarrays of one BLAS
+  dtype, alpha of the types ``level3.gemm``'s host path takes, dimensions > 0 that fit: scipy's
+  ?gemm on F-ordered views (a C-ordered operand through its transpose), as ``level3._host_gemm``;
+* a scipy-signature routine (``lane``): hostpath's plain call (required arguments positionally,
+  alpha of the routine's plain types and not 0, 2-D exact ndarrays of its dtype, flags by keyword
+  within what blasx allows, dimensions > 0 that fit): scipy's routine with the arguments as given.
+
+The arrays are read through numpy's public ``PyArrayObject`` layout (data, nd, dimensions, strides,
+base, descr, flags: the fields every numpy since 1.7 starts with), checked against Python's view
+of a few probe arrays when the library loads. Built with the system C compiler into the blasx
+cache directory (next to the matmul trampoline, ``_ufunc_loops._compile``) on first import (~0.2 s,
+once per source, Python version and platform); without
+a compiler, without Python's headers, on a free-threaded build or with ``$BLASX_HOST_PYTHON`` set,
+the Python functions stand alone (``kind()`` says which). ``clock`` is CLOCK_MONOTONIC where that
+is what ``time.perf_counter`` reads (Linux), else perf_counter itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+import sysconfig
+import time
+
+import numpy as np
+
+HOSTCALL_C = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <time.h>
+
+typedef struct {
+    PyObject_HEAD char *data; int nd; Py_ssize_t *dimensions; Py_ssize_t *strides;
+    PyObject *base; PyObject *descr; int flags;
+} hc_array;
+#define HC_CONTIG 0x3                     /* NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS */
+#define HC_C 0x1
+
+enum { HC_MATMUL, HC_DOT, HC_GEMM, HC_LANE };
+enum { HC_FL_GEMM, HC_FL_SYMM, HC_FL_SYRK, HC_FL_SYR2K, HC_FL_TRI };
+
+static PyTypeObject *hc_ndarray;
+static PyObject *hc_descr[4];             /* float32, float64, complex64, complex128 */
+static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
+static PyObject *hc_session;              /* session.__dict__ */
+static PyObject *hc_tls;                  /* level3.last_call */
+static PyObject *hc_clock;                /* time.perf_counter */
+static int hc_native_clock, hc_any_strides;
+static PyObject *s_host_device, *s_stats, *s_T, *s_qualname, *hc_flag[3], *hc_zero;
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int kind, flops, nargs;
+    PyObject *slow;       /* the Python function: every other call */
+    PyObject *fn;         /* numpy's / scipy's function; GEMM: scipy's ?gemm per dtype (4-tuple) */
+    PyObject *dtype;      /* LANE: the routine's dtype */
+    PyObject *alpha;      /* LANE: frozenset of alpha's types; GEMM: one per dtype (4-tuple) */
+    PyObject *flags;      /* LANE, GEMM: keyword -> (frozenset of allowed ints, role 0/1/2) */
+    PyObject *dict;
+} hc_call;
+
+static PyObject *hc_now(void) {
+#if defined(__linux__)
+    if (hc_native_clock) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return PyFloat_FromDouble((double)((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9);
+    }
+#endif
+    return PyObject_CallNoArgs(hc_clock);
+}
+
+PyObject *blasx_hc_now(void) { return hc_now(); }
+
+/* session.host_device (a new reference), or NULL when the CPU is not the only device */
+static PyObject *hc_device(void) {
+    PyObject *d = PyDict_GetItemWithError(hc_session, s_host_device);
+    if (d == NULL || d == Py_None) { PyErr_Clear(); return NULL; }
+    Py_INCREF(d);
+    return d;
+}
+
+static int hc_dtype(PyObject *x) {        /* index of x's dtype for an exact ndarray of a BLAS type, else -1 */
+    int i;
+    if (Py_TYPE(x) != hc_ndarray) return -1;
+    for (i = 0; i < 4; i++) if (((hc_array *)x)->descr == hc_descr[i]) return i;
+    return -1;
+}
+
+static double hc_size(PyObject *x) {      /* elements of an ndarray; 1 for a numpy scalar */
+    double s = 1.0;
+    int d;
+    if (!PyObject_TypeCheck(x, hc_ndarray)) return 1.0;
+    for (d = 0; d < ((hc_array *)x)->nd; d++) s *= (double)((hc_array *)x)->dimensions[d];
+    return s;
+}
+
+/* numpy's matmul runs BLAS on x as it is: numpy's is_blasable2d on the last two dimensions */
+static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
+    Py_ssize_t s0, s1, d0, d1;
+    if (hc_any_strides || (x->flags & HC_CONTIG)) return 1;
+    if (x->nd == 1) return x->strides[0] == sz;
+    if (x->nd < 2) return 0;
+    s0 = x->strides[x->nd - 2]; s1 = x->strides[x->nd - 1];
+    d0 = x->dimensions[x->nd - 2]; d1 = x->dimensions[x->nd - 1];
+    return (s1 == sz && s0 % sz == 0 && s0 / sz >= d1) || (s0 == sz && s1 % sz == 0 && s1 / sz >= d0);
+}
+
+/* level3.last_call.stats = (dev, t0, now, dtype, flops); steals t0 */
+static int hc_record(PyObject *dev, PyObject *t0, PyObject *dtype, double flops) {
+    PyObject *rec = PyTuple_New(5), *t1 = hc_now(), *fl = PyFloat_FromDouble(flops);
+    int rc;
+    if (rec == NULL || t1 == NULL || fl == NULL) {
+        Py_XDECREF(rec); Py_XDECREF(t1); Py_XDECREF(fl); Py_DECREF(t0);
+        return -1;
+    }
+    Py_INCREF(dev); Py_INCREF(dtype);
+    PyTuple_SET_ITEM(rec, 0, dev); PyTuple_SET_ITEM(rec, 1, t0); PyTuple_SET_ITEM(rec, 2, t1);
+    PyTuple_SET_ITEM(rec, 3, dtype); PyTuple_SET_ITEM(rec, 4, fl);
+    rc = PyObject_SetAttr(hc_tls, s_stats, rec);
+    Py_DECREF(rec);
+    return rc;
+}
+
+/* fn(*args, **kw) as one host call: timed and recorded; steals dev */
+static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *dev,
+                        PyObject *dtype, double flops, PyObject *x1) {
+    PyObject *t0 = hc_now(), *res = NULL;
+    if (t0 != NULL) {
+        res = PyObject_Vectorcall(fn, args, nargsf, kwnames);
+        if (res == NULL) Py_DECREF(t0);
+        else {
+            if (flops < 0.0)    /* matmul: from the result */
+                flops = 2.0 * hc_size(res) * (double)((hc_array *)x1)->dimensions[((hc_array *)x1)->nd - 1];
+            if (hc_record(dev, t0, dtype, flops) < 0) Py_CLEAR(res);
+        }
+    }
+    Py_DECREF(dev);
+    return res;
+}
+
+/* the keyword flags: each one of self->flags with an allowed int; roles 1 and 2 into f[1], f[2] */
+static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long f[3]) {
+    Py_ssize_t i, n = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    f[1] = f[2] = 0;
+    for (i = 0; i < n; i++) {
+        PyObject *spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(kwnames, i)), *v = kw[i];
+        if (spec == NULL || !PyLong_CheckExact(v) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), v) != 1) {
+            PyErr_Clear();
+            return 0;
+        }
+        f[PyLong_AsLong(PyTuple_GET_ITEM(spec, 1))] = PyLong_AsLong(v);
+    }
+    return 1;
+}
+
+static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *dev;
+    int i;
+    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) return NULL;
+    i = hc_dtype(args[0]);
+    if (i < 0 || hc_dtype(args[1]) != i || !hc_blas_ready((hc_array *)args[0], hc_itemsize[i])
+            || !hc_blas_ready((hc_array *)args[1], hc_itemsize[i]) || (dev = hc_device()) == NULL)
+        return NULL;
+    return hc_run(self->fn, args, nargsf, NULL, dev, hc_descr[i], -1.0, args[0]);
+}
+
+static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    hc_array *a, *b;
+    PyObject *dev;
+    Py_ssize_t k;
+    int i;
+    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) return NULL;
+    i = hc_dtype(args[0]);
+    a = (hc_array *)args[0]; b = (hc_array *)args[1];
+    if (i < 0 || hc_dtype(args[1]) != i || a->nd < 1 || a->nd > 2 || b->nd < 1 || b->nd > 2
+            || (dev = hc_device()) == NULL)
+        return NULL;
+    k = a->dimensions[a->nd - 1];
+    return hc_run(self->fn, args, nargsf, NULL, dev, hc_descr[i],
+                  k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
+}
+
+static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *alpha, *x[2], *dev, *call[7], *res;
+    hc_array *a, *b;
+    Py_ssize_t m, k, kb, n;
+    long f[3];
+    int i, j, nz;
+    if (PyVectorcall_NARGS(nargsf) != 3) return NULL;
+    alpha = args[0];
+    i = hc_dtype(args[1]);
+    a = (hc_array *)args[1]; b = (hc_array *)args[2];
+    if (i < 0 || hc_dtype(args[2]) != i || a->nd != 2 || b->nd != 2
+            || PySet_Contains(PyTuple_GET_ITEM(self->alpha, i), (PyObject *)Py_TYPE(alpha)) != 1
+            || !hc_flags(self, args + 3, kwnames, f)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    m = a->dimensions[0]; k = a->dimensions[1];
+    if (f[1]) { m = k; k = a->dimensions[0]; }
+    kb = b->dimensions[0]; n = b->dimensions[1];
+    if (f[2]) { kb = n; n = b->dimensions[0]; }
+    if (k != kb || !m || !n || !k || (nz = PyObject_IsTrue(alpha)) < 0 || (dev = hc_device()) == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
+    for (j = 0; j < 2; j++) {
+        hc_array *y = j ? b : a;
+        if (f[j + 1] != 2 && (y->flags & HC_CONTIG) == HC_C) {
+            x[j] = PyObject_GetAttr((PyObject *)y, s_T);
+            f[j + 1] = 1 - f[j + 1];
+        } else {
+            x[j] = (PyObject *)y;
+            Py_INCREF(x[j]);
+        }
+    }
+    if (x[0] == NULL || x[1] == NULL) {
+        Py_XDECREF(x[0]); Py_XDECREF(x[1]); Py_DECREF(dev);
+        return NULL;   /* (an error set: raised) */
+    }
+    call[0] = alpha; call[1] = x[0]; call[2] = x[1]; call[3] = hc_zero; call[4] = Py_None;
+    call[5] = hc_flag[f[1]]; call[6] = hc_flag[f[2]];
+    res = hc_run(PyTuple_GET_ITEM(self->fn, i), call, 7, NULL, dev, hc_descr[i],
+                 nz ? 2.0 * (double)m * (double)n * (double)k : 0.0, NULL);
+    Py_DECREF(x[0]); Py_DECREF(x[1]);
+    return res;
+}
+
+static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *alpha, *dev;
+    hc_array *a, *b;
+    Py_ssize_t d0, d1, s;
+    long f[3];
+    double flops = 0.0;
+    int nz;
+    if (PyVectorcall_NARGS(nargsf) != self->nargs) return NULL;
+    alpha = args[0];
+    a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
+    if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
+            || a->nd != 2 || b->nd != 2 || PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
+            || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = PyObject_IsTrue(alpha)) != 1) {
+        PyErr_Clear();
+        return NULL;
+    }
+    switch (self->flops) {   /* hostpath.FAST_SHAPES; 0 when the shapes do not fit or a dimension is 0 */
+    case HC_FL_GEMM: {
+        Py_ssize_t m = a->dimensions[0], k = a->dimensions[1], kb = b->dimensions[0], n = b->dimensions[1];
+        if (f[1]) { m = k; k = a->dimensions[0]; }
+        if (f[2]) { kb = n; n = b->dimensions[0]; }
+        if (k == kb) flops = 2.0 * (double)m * (double)n * (double)k;
+        break;
+    }
+    case HC_FL_SYMM: case HC_FL_TRI:
+        d0 = b->dimensions[0]; d1 = b->dimensions[1];
+        s = f[1] ? d1 : d0;
+        if (a->dimensions[0] == s && a->dimensions[1] == s)
+            flops = (self->flops == HC_FL_SYMM ? 2.0 : 1.0) * (double)d0 * (double)d1 * (double)s;
+        break;
+    case HC_FL_SYRK: case HC_FL_SYR2K:
+        d0 = a->dimensions[f[1] ? 1 : 0]; d1 = a->dimensions[f[1] ? 0 : 1];
+        if (self->flops == HC_FL_SYRK) flops = (double)d0 * (d0 + 1.0) * (double)d1;
+        else if (b->dimensions[0] == a->dimensions[0] && b->dimensions[1] == a->dimensions[1])
+            flops = 2.0 * (double)d0 * (d0 + 1.0) * (double)d1;
+        break;
+    }
+    if (flops == 0.0 || (dev = hc_device()) == NULL) return NULL;
+    return hc_run(self->fn, args, nargsf, kwnames, dev, self->dtype, flops, NULL);
+}
+
+static PyObject *hc_vectorcall(PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    hc_call *self = (hc_call *)obj;
+    PyObject *res;
+    switch (self->kind) {
+    case HC_MATMUL: res = hc_matmul(self, args, nargsf, kwnames); break;
+    case HC_DOT: res = hc_dot(self, args, nargsf, kwnames); break;
+    case HC_GEMM: res = hc_gemm(self, args, nargsf, kwnames); break;
+    default: res = hc_lane(self, args, nargsf, kwnames); break;
+    }
+    if (res != NULL || PyErr_Occurred()) return res;   /* taken here (its result or its error) */
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+/* pickled as what it stands for: the module attribute named by __qualname__ */
+static PyObject *hc_reduce(PyObject *self, PyObject *unused) { return PyObject_GetAttr(self, s_qualname); }
+
+static PyMethodDef hc_methods[] = {{"__reduce__", hc_reduce, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
+static PyGetSetDef hc_getset[] = {{"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+                                  {NULL, NULL, NULL, NULL, NULL}};
+
+static void hc_dealloc(PyObject *obj) {
+    hc_call *self = (hc_call *)obj;
+    Py_XDECREF(self->slow); Py_XDECREF(self->fn); Py_XDECREF(self->dtype); Py_XDECREF(self->alpha);
+    Py_XDECREF(self->flags); Py_XDECREF(self->dict);
+    Py_TYPE(obj)->tp_free(obj);
+}
+
+static PyTypeObject hc_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "blasx.hostcall",
+    .tp_basicsize = sizeof(hc_call),
+    .tp_dealloc = hc_dealloc,
+    .tp_vectorcall_offset = offsetof(hc_call, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = PyObject_GenericGetAttr,
+    .tp_setattro = PyObject_GenericSetAttr,
+    .tp_dictoffset = offsetof(hc_call, dict),
+    .tp_methods = hc_methods,
+    .tp_getset = hc_getset,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A blasx entry point: numpy's / scipy's own function for a plain CPU-only call, else the Python one.",
+};
+
+int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, PyObject *tls, PyObject *clock,
+                  int native_clock, int any_strides) {
+    int i;
+    if (!PyType_Check(ndarray) || !PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != 4
+            || !PyDict_Check(session_dict)) {
+        PyErr_SetString(PyExc_TypeError, "blasx_hc_init: bad arguments");
+        return -1;
+    }
+    if (!(hc_type.tp_flags & Py_TPFLAGS_READY) && PyType_Ready(&hc_type) < 0) return -1;
+    if (s_stats == NULL) {
+        s_host_device = PyUnicode_InternFromString("host_device");
+        s_stats = PyUnicode_InternFromString("stats");
+        s_T = PyUnicode_InternFromString("T");
+        s_qualname = PyUnicode_InternFromString("__qualname__");
+        for (i = 0; i < 3; i++) hc_flag[i] = PyLong_FromLong(i);
+        hc_zero = PyFloat_FromDouble(0.0);
+        if (PyErr_Occurred()) return -1;
+    }
+    Py_INCREF(ndarray); Py_XSETREF(hc_ndarray, (PyTypeObject *)ndarray);
+    for (i = 0; i < 4; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(descrs, i));
+        Py_XSETREF(hc_descr[i], PyTuple_GET_ITEM(descrs, i));
+    }
+    Py_INCREF(session_dict); Py_XSETREF(hc_session, session_dict);
+    Py_INCREF(tls); Py_XSETREF(hc_tls, tls);
+    Py_INCREF(clock); Py_XSETREF(hc_clock, clock);
+    hc_native_clock = native_clock;
+    hc_any_strides = any_strides;
+    return 0;
+}
+
+PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, PyObject *alpha, PyObject *flags,
+                       int flops, int nargs) {
+    hc_call *self;
+    if (hc_session == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "blasx_hc_new before blasx_hc_init");
+        return NULL;
+    }
+    self = PyObject_New(hc_call, &hc_type);
+    if (self == NULL) return NULL;
+    self->vectorcall = hc_vectorcall;
+    self->kind = kind; self->flops = flops; self->nargs = nargs;
+    Py_INCREF(slow); self->slow = slow;
+    Py_INCREF(fn); self->fn = fn;
+    Py_INCREF(dtype); self->dtype = dtype;
+    Py_INCREF(alpha); self->alpha = alpha;
+    Py_INCREF(flags); self->flags = flags;
+    self->dict = NULL;
+    return (PyObject *)self;
+}
+
+/* what the C code reads of x: (nd, shape, strides, flags, dtype), for the layout check */
+PyObject *blasx_hc_probe(PyObject *x) {
+    hc_array *a = (hc_array *)x;
+    PyObject *shape, *strides;
+    int d;
+    if (Py_TYPE(x) != hc_ndarray) Py_RETURN_NONE;
+    shape = PyTuple_New(a->nd); strides = PyTuple_New(a->nd);
+    if (shape == NULL || strides == NULL) { Py_XDECREF(shape); Py_XDECREF(strides); return NULL; }
+    for (d = 0; d < a->nd; d++) {
+        PyTuple_SET_ITEM(shape, d, PyLong_FromSsize_t(a->dimensions[d]));
+        PyTuple_SET_ITEM(strides, d, PyLong_FromSsize_t(a->strides[d]));
+    }
+    return Py_BuildValue("(iNNiO)", a->nd, shape, strides, a->flags, a->descr);
+}
+"""
+
+KINDS = {"matmul": 0, "dot": 1, "gemm": 2, "lane": 3}
+#: routine -> how the C code counts its flops (hostpath.FAST_SHAPES)
+FLOPS = {"gemm": 0, "symm": 1, "hemm": 1, "syrk": 2, "herk": 2, "syr2k": 3, "her2k": 3, "trmm": 4, "trsm": 4}
+ROLE = {"trans_a": 1, "trans_b": 2, "side": 1, "trans": 1}  # flags the flop count reads (others: 0)
+
+BLAS = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128))
+#: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies
+#: from 2.3 (numpy PR #23752; 2.3.0's bug with a non-contiguous out, fixed in 2.3.1)
+NUMPY_COPIES_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
+
+ENV_PYTHON = "BLASX_HOST_PYTHON"
+
+_lib = None
+_state = None  # None: not tried; "c" or "python"
+
+
+def kind() -> str:
+    """``"c"`` when the entry points are C callables, else ``"python"``."""
+    _library()
+    return _state
+
+
+def _library():
+    """The loaded library (ctypes.PyDLL) with its globals set, or None (the Python functions then)."""
+    global _lib, _state
+    if _state is not None:
+        return _lib
+    _state = "python"
+    if os.environ.get(ENV_PYTHON) or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    try:
+        lib = _load()
+    except Exception:  # noqa: BLE001 - whatever fails here, the Python functions do the work
+        return None
+    if lib is not None:
+        _lib, _state = lib, "c"
+    return lib
+
+
+def _load():
+    from . import _ufunc_loops as loops
+    cc, inc = loops._compiler(), loops._python_include()
+    path = loops._compile(cc, HOSTCALL_C, ["-I", inc]) if cc and inc else None
+    if path is None:
+        return None
+    lib = ctypes.PyDLL(str(path))
+    lib.blasx_hc_init.restype = ctypes.c_int
+    lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.blasx_hc_new.restype = ctypes.py_object
+    lib.blasx_hc_new.argtypes = [ctypes.c_int] + [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.blasx_hc_probe.restype = ctypes.py_object
+    lib.blasx_hc_probe.argtypes = [ctypes.py_object]
+    lib.blasx_hc_now.restype = ctypes.py_object
+    lib.blasx_hc_now.argtypes = []
+    if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
+        return None
+    return lib
+
+
+def _init(lib, any_strides: bool) -> int:
+    """The library's globals; ``any_strides``: numpy's matmul takes operands of any strides."""
+    session = importlib.import_module("blasx.session")
+    last_call = importlib.import_module("blasx.level3").last_call  # (level3 may be importing: it is set first)
+    native = time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
+    return lib.blasx_hc_init(np.ndarray, BLAS, vars(session), last_call, time.perf_counter, int(native),
+                             int(any_strides))
+
+
+def _layout_ok(lib) -> bool:
+    """What the C code reads of an array is what Python sees, on arrays of every layout it looks at."""
+    x = np.zeros((6, 4), dtype=np.complex64)
+    ro = np.ones((3, 5), order="F")
+    ro.flags.writeable = False
+    for y in (x, x.T, x[::2, 1:], x[0], np.ones(7, np.float32)[::-3], ro, np.empty((2, 0, 3))):
+        got = lib.blasx_hc_probe(y)
+        bits = (y.flags.c_contiguous, y.flags.f_contiguous, y.flags.owndata, y.flags.writeable)
+        if got is None or got[:3] != (y.ndim, y.shape, y.strides) or got[4] is not y.dtype or tuple(
+                bool(got[3] & m) for m in (0x1, 0x2, 0x4, 0x400)) != bits:
+            return False
+    return True
+
+
+def _clock_ok(lib) -> bool:
+    """The C clock reads time.perf_counter's clock."""
+    for _ in range(3):
+        t0 = time.perf_counter()
+        t = lib.blasx_hc_now()
+        if t0 <= t <= time.perf_counter():
+            return True
+    return False
+
+
+def _new(slow, kind_: str, fn, dtype=None, alpha=None, flags=None, flops: int = 0, nargs: int = 0):
+    lib = _library()
+    if lib is None:
+        return slow
+    obj = lib.blasx_hc_new(KINDS[kind_], slow, fn, dtype, alpha, flags or {}, flops, nargs)
+    functools.update_wrapper(obj, slow)  # __name__, __doc__, __module__, __qualname__, __wrapped__ ...
+    return obj
+
+
+def matmul(slow, numpy_matmul):
+    """``slow`` (blasx.matmul in Python) behind the C check, or ``slow`` itself without the library."""
+    return _new(slow, "matmul", numpy_matmul)
+
+
+def dot(slow, numpy_dot):
+    return _new(slow, "dot", numpy_dot)
+
+
+def gemm(slow, routines: dict, scalars: dict):
+    """blasx.gemm: ``routines`` (dtype -> scipy's ?gemm) and ``scalars`` (dtype -> alpha's types)."""
+    return _new(slow, "gemm", tuple(routines[d] for d in BLAS), alpha=tuple(frozenset(scalars[d]) for d in BLAS),
+                flags={k: (frozenset((0, 1, 2)), ROLE[k]) for k in ("trans_a", "trans_b")})
+
+
+def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flags: dict, nargs: int):
+    """A scipy-signature routine's plain call in C (hostpath.with_host_path): ``native`` (scipy's routine)
+    for a call of ``nargs`` positional arguments, alpha of ``alpha_types`` and not 0, flags by keyword
+    in ``flags`` (name -> allowed ints), 2-D arrays of ``dtype`` that fit; else ``slow``.
+    ``wrapped``: what ``__wrapped__`` names (the whole Python function)."""
+    lib = _library()
+    if lib is None:
+        return wrapped
+    obj = lib.blasx_hc_new(KINDS["lane"], slow, native, dtype, frozenset(alpha_types),
+                           {k: (frozenset(v), ROLE.get(k, 0)) for k, v in flags.items()}, FLOPS[routine], nargs)
+    obj.__wrapped__ = wrapped
+    return obj
