@@ -11,7 +11,8 @@ looked up before any search is run): a :class:`PerfKey` of
 
 * ``device``: the device model, the device name without its ordinal
   (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``).
-  Mixed GPU models join with ``+``; a CPU worker beside GPUs adds ``+cpu``;
+  Mixed GPU models join with ``+``; a CPU worker beside GPUs adds ``+cpu`` (one in auto
+  mode does not: it takes no task in most calls, so the GPUs' entries apply);
 * ``ndev``: the number of GPUs (stream devices); 1 for the CPU alone;
 * ``dtype``: the BLAS type character ``s``, ``d``, ``c`` or ``z``;
 * ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
@@ -190,7 +191,7 @@ def device_key(devices) -> tuple[str, int]:
         return "cpu", 1
     models = sorted({device_model(d) for d in streamed})
     model = "+".join(models)
-    if len(streamed) < len(devices):
+    if any(not _is_streamed(d) and not getattr(d, "auto", False) for d in devices):
         model += "+cpu"
     return model, len(streamed)
 

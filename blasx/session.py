@@ -28,7 +28,7 @@ class Settings:
     tile: int | None = None
     streams: int = DEFAULT_STREAMS
     cache_bytes: int | None = None
-    cpu: bool | None = None
+    cpu: bool | str | None = None
     trace: bool = True
 
 
@@ -46,7 +46,7 @@ host_device = None
 
 
 def configure(devices: str | None = None, tile: int | None = None, streams: int = DEFAULT_STREAMS,
-              cache_bytes: int | None = None, cpu: bool | None = None, trace: bool = True) -> None:
+              cache_bytes: int | None = None, cpu: bool | str | None = None, trace: bool = True) -> None:
     """Choose the devices and knobs of the blasx engine (replacing a running one).
 
     devices: a spec (``"cuda"``, ``"cuda:0,1"``, ``"sim:4"``, ``"sim:2,slow=4"``, ``"cpu"``);
@@ -54,7 +54,11 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
     tile: tile size T (None: chosen per call).
     streams: streams (and concurrent tasks) per GPU, the paper's 4 by default.
     cache_bytes: tile-cache heap per device (None: most of the free GPU memory; 64 MiB per sim).
-    cpu: also run a CPU worker beside the GPUs (None: only when there is no GPU).
+    cpu: the CPU worker beside the GPUs. None (default): beside CUDA GPUs in auto mode, where
+        it takes a task only when it is predicted to finish it before the GPUs would finish
+        the rest of the call (``blasx/runtime/admission.py``); none beside sims; with no GPU
+        the CPU is the device. ``"auto"``: auto mode beside any GPUs or sims. True: always,
+        taking tasks by demand. False: never.
     trace: keep a per-operation timeline in the profiles.
     """
     if devices is not None:
@@ -65,6 +69,8 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         raise ValueError(f"streams: got {streams!r}, need an int from 1 to 32")
     if cache_bytes is not None and (not isinstance(cache_bytes, int) or cache_bytes < 1 << 16):
         raise ValueError(f"cache_bytes: got {cache_bytes!r}, need an int >= 65536 (or None)")
+    if not (cpu is None or isinstance(cpu, bool) or (isinstance(cpu, str) and cpu == "auto")):
+        raise ValueError(f"cpu: got {cpu!r}, need True, False, 'auto' or None")
     global _settings
     with _lock:
         shutdown()
@@ -169,8 +175,24 @@ def _make_devices(spec: DeviceSpec, s: Settings) -> list:
             raise ValueError(f"devices: GPU numbers {bad} do not exist; this machine has {n} (0..{n - 1})")
         devs = [backend("cuda")(w, ordinal=i, nstreams=s.streams, cache_bytes=s.cache_bytes, trace=s.trace)
                 for w, i in enumerate(ids)]
-    use_cpu = s.cpu if s.cpu is not None else False
-    if use_cpu:
+    mode = cpu_mode(s.cpu, spec.kind)
+    if mode and spec.kind == "sim" and devs and devs[0].timing:
+        raise ValueError("cpu: a CPU worker cannot run beside timing-mode sims (timing=1 / data=0): "
+                         "their operands hold no data; use cpu=False")
+    if mode:
         from .runtime.devices.cpu import default_threads
-        devs.append(backend("cpu")(len(devs), name="cpu", threads=default_threads(len(devs)), trace=s.trace))
+        devs.append(backend("cpu")(len(devs), name="cpu", threads=default_threads(len(devs)), trace=s.trace,
+                                   auto=mode == "auto"))
     return devs
+
+
+def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:
+    """How the CPU worker joins stream devices of ``kind``: ``"always"`` (by demand), ``"auto"``
+    (by the admission rule) or None (no CPU worker). ``cpu=None`` is auto beside CUDA GPUs and
+    none beside sims, whose speed bears no relation to this host's CPU (and whose timing mode
+    has no data for a CPU to compute on)."""
+    if cpu is None:
+        return "auto" if kind == "cuda" else None
+    if cpu == "auto":
+        return "auto"
+    return "always" if cpu else None

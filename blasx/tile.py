@@ -51,7 +51,7 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
             return tile
     tile = DEFAULT_TILE[kind]
     tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
-    workers = max(1, len(eng.devices))
+    workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     while tile > floor and -(-m // tile) * -(-n // tile) < 2 * workers:
         tile //= 2
     while tile > floor and not _fits(streamed, tile, itemsize):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -22,6 +23,7 @@ from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, S
                     Step, Task)
 
 _call_ids = itertools.count(1)
+_clock = time.perf_counter
 
 
 def _gemm_like(step: Step) -> float:
@@ -83,6 +85,12 @@ class Call:
         self.stats = stats
         self.epilogue = epilogue
         self.device_only = any(not op.on_host for op in operands)
+        self.has_deps = any(t.deps for t in tasks)  # some task waits for others (TRSM)
+        # The engine's rate meter and this call's flops not started / running, kept only when
+        # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
+        self.meter = None
+        self.flops_waiting = 0.0
+        self.flops_running = 0.0
         self._lock = threading.Lock()
         self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
@@ -165,21 +173,52 @@ class Call:
         fin, started = self._finished_tids, self._started_tids
         return any(d not in fin and d not in started for d in task.gates[k])
 
+    def meter_with(self, meter) -> None:
+        """Report starts and finishes to ``meter`` (an ``admission.RateMeter``) and keep the
+        flops waiting / running; before any task is queued."""
+        self.flops_waiting = float(sum(t.flops for t in self.tasks))
+        self.flops_running = 0.0
+        self.meter = meter
+
     def started(self, task: Task) -> None:
-        self._started_tids.add(task.tid)  # one owner per tid at a time: the worker running it
+        """``task`` starts on worker ``task.worker`` (called from that worker's thread)."""
+        meter = self.meter
+        if meter is None:
+            self._started_tids.add(task.tid)  # one owner per tid at a time: the worker running it
+            return
+        with self._lock:
+            self._started_tids.add(task.tid)
+            self.flops_waiting -= task.flops
+            self.flops_running += task.flops
+        meter.started(task.worker, _clock())
 
     def unstarted(self, task: Task) -> None:
         """``task`` goes back to a queue (its device failed, or it gave up waiting)."""
-        self._started_tids.discard(task.tid)
+        if self.meter is None:
+            self._started_tids.discard(task.tid)
+            return
+        with self._lock:
+            if task.tid in self._started_tids:
+                self._started_tids.discard(task.tid)
+                self.flops_running -= task.flops
+                self.flops_waiting += task.flops
 
     def account(self, task: Task, worker: int | None = None) -> None:
         """``task`` is finished (worker given) or dropped (no worker); complete the call after the last."""
+        meter = self.meter
         with self._lock:
             if worker is not None and not self.failed:
                 self._finished_tids.add(task.tid)
                 self._computed_tids.add(task.tid)
+            if meter is not None:
+                if task.tid in self._started_tids:
+                    self.flops_running -= task.flops
+                else:
+                    self.flops_waiting -= task.flops
             self._remaining -= 1
             last = self._remaining == 0
+        if meter is not None and worker is not None:
+            meter.finished(worker, self.dtype.char, task.flops, _clock())
         if last:
             self.stats.finish()
             self._done.set()

@@ -14,7 +14,9 @@ A spec names one backend and its arguments:
 ==================  ==========================================================
 
 Sim options ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s) set its
-cost model. The CPU worker joins GPU workers with ``configure(cpu=True)``.
+cost model. The CPU worker joins CUDA GPUs by default in auto mode (it takes a task only
+when that is predicted to help: ``runtime/admission.py``), joins any devices with
+``configure(cpu="auto")``, always with ``cpu=True``, never with ``cpu=False``.
 
 Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices``
 (``runtime/devices/sim.py`` has the details; ``bench/scaling_sim.py`` uses them):

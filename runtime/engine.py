@@ -23,7 +23,8 @@ Policy
   with room that holds less, unless it has nothing else to run
   (``Worker._leave_for_peer``); otherwise a call smaller than one device's
   station + streams all goes to the first worker to wake. Nothing is left
-  for the CPU worker, which takes work by demand alone.
+  for the CPU worker, which takes work by demand (``cpu=True``) or by its
+  admission rule (auto mode, below).
 * Each stream runs one task; a worker issues one k-step of every active task
   in turn (interleaving over k), with at most ``2 * streams`` tasks in flight.
 * Tiles are read through the **two-level cache**: L1 is the device's ALRU
@@ -37,9 +38,16 @@ Policy
   written back at once (-> I).
 * The **CPU worker**, when enabled, takes whole tasks and solves each with
   the host BLAS, its thread count limited by threadpoolctl so every GPU
-  worker keeps a core. When the CPU is the only device, a call's tasks run
-  in the calling thread instead (``Engine.inline``): the hand-off to a
-  worker thread and back cost ~0.4 ms a call, 20x numpy's time at N=64.
+  worker keeps a core. With ``cpu=True`` it takes them by demand. In **auto
+  mode** (``configure(cpu=None)`` beside CUDA GPUs, ``cpu="auto"`` beside
+  any) it takes a task, from the queue or by stealing, only when
+  ``admission.py``'s rule predicts that it finishes it before the GPUs
+  would finish the rest of the call (rates measured per worker over its
+  finished tasks, the CPU's seeded by a probe); never a task of a call with
+  dependencies or of a call the GPUs can hold at once. When the CPU is the
+  only device, a call's tasks run in the calling thread instead
+  (``Engine.inline``): the hand-off to a worker thread and back cost
+  ~0.4 ms a call, 20x numpy's time at N=64.
 
 Invariants
 ----------
@@ -87,6 +95,11 @@ State (each field has one owner)
 ``_switching``
     Python's switch interval while calls are in flight (``switching.py``;
     off unless ``EngineConfig.switch_interval`` is set).
+``admission``
+    The auto-mode CPU worker's rule and its rate meter (``admission.py``,
+    which lists their fields), or None (no CPU worker in auto mode). Calls
+    of an engine that has one report every task start and finish to its
+    meter and keep their flops waiting / running (``Call.meter_with``).
 Per worker (``worker.py``), written by that worker alone
     ``slots`` (the task on each stream), ``pending`` (events per stream),
     ``inflight`` / ``inflight_of`` (tasks started and not retired, in all
@@ -104,6 +117,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 
+from .admission import Admission
 from .call import Call
 from .coherence import Directory
 from .devices.base import DeviceError
@@ -164,6 +178,10 @@ class Engine:
         self._closed = False
         self.failures: list[tuple[str, BaseException]] = []
         self._switching = SwitchInterval(config.switch_interval)
+        # The CPU worker's admission rule (admission.py), when a CPU device in auto mode sits
+        # beside stream devices; None: the CPU worker (if any) takes work by demand.
+        auto_cpu = any(not d.streamed and getattr(d, "auto", False) for d in self.devices)
+        self.admission = Admission(self) if auto_cpu and any(d.streamed for d in self.devices) else None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -222,12 +240,14 @@ class Engine:
     def can_run(self, worker, call: Call) -> bool:
         return worker.alive and (not call.device_only or worker.dev.reads_device_arrays)
 
-    def wait_for_work(self, seen_generation: int) -> None:
+    def wait_for_work(self, seen_generation: int, poll: float | None = None) -> None:
+        """Sleep until work changes; at most ``poll`` seconds (None: no bound), or 2 ms while a
+        station holds tasks (they may be stolen)."""
         with self._cv:
             if self.work_generation != seen_generation:
                 return
             # Tasks waiting in another station may be stolen: look again soon.
-            timeout = 0.002 if any(len(st) for st in self.stations) else None
+            timeout = 0.002 if any(len(st) for st in self.stations) else poll
             self._cv.wait(timeout)
 
     def _poke(self) -> None:
@@ -243,8 +263,10 @@ class Engine:
             if not self._runnable(call):
                 raise DeviceError(self._unrunnable_message(call))
             self._calls.add(call)
-            if any(t.deps for t in call.tasks):
+            if call.has_deps:
                 call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
+            if self.admission is not None:
+                call.meter_with(self.admission.meter)  # rates and the call's flops left, for the CPU
         call.stats.start()
         try:
             if self.inline:

@@ -9,7 +9,8 @@ doc; this module implements the per-device part of it:
    lower reader counts, mark loaded lines ready, free C buffers, count a task
    done (readers are released at the event that ends their use);
 2. **fill**: top up the reservation station from the global queues, or steal
-   from the most loaded station when the queues are empty;
+   from the most loaded station when the queues are empty (a CPU worker in
+   auto mode pulls and steals only the tasks ``admission.py`` admits);
 3. **assign**: give each free stream the station's best task (Eq. 3), as long
    as no more than ``2 * streams`` tasks are in flight on the device, so a
    device pulls work by its real demand (the paper's demand-driven balance);
@@ -116,8 +117,16 @@ class Worker(threading.Thread):
         for q in self.engine.queues_for(self):
             head = q.peek()
             if head is not None:
-                return q, head, head is self.engine.SENTINEL or not self._leave_for_peer(head.call)
+                return q, head, head is self.engine.SENTINEL or self._takes(head)
         return None, None, False
+
+    def _takes(self, task) -> bool:
+        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
+        return not self._leave_for_peer(task.call)
+
+    def _may_steal(self, task) -> bool:
+        """This worker may steal ``task`` from a peer's station (one it can run)."""
+        return True
 
     def _pull(self):
         """Next task from the global queues this worker serves; None when they are empty, when
@@ -139,7 +148,8 @@ class Worker(threading.Thread):
         never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
         Only stream devices (GPUs) share this way: nothing is left for the CPU worker, which
         is ~100x slower per tile on a GPU server (one of four tasks on it would make a small
-        call wait seconds), and the CPU worker itself takes work by demand alone.
+        call wait seconds); the CPU worker takes work by demand (``cpu=True``) or, in auto
+        mode, by its admission rule (``admission.py``), which leaves small calls to the GPUs.
         """
         if not self.dev.streamed:
             return False
@@ -180,7 +190,7 @@ class Worker(threading.Thread):
         victim = most_loaded(self.engine.stations_for(self), self.idx)
         if victim is None:
             return
-        t = victim.steal(lambda task: self.engine.can_run(self, task.call))
+        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
         if t is not None:
             self.station.push(t)
             t.call.stats.count(self.idx, "steals")
@@ -707,9 +717,37 @@ class StreamWorker(Worker):
 
 
 class CpuWorker(Worker):
-    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile."""
+    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile.
+
+    By demand (``engine.admission`` None: ``configure(cpu=True)``) it takes the queue's head
+    whenever it is idle, and steals when the queue is empty. In auto mode it takes a task, from
+    the queue or a GPU's station, only when ``engine.admission`` admits it (the rule in
+    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes
+    (every 2 ms while stations hold tasks), asking again with fresher rates.
+    """
 
     current = None  # the task being solved (it writes C in place)
+
+    def _takes(self, task) -> bool:
+        adm = self.engine.admission
+        return adm is None or adm.admits(self, task)
+
+    def _may_steal(self, task) -> bool:
+        return self._takes(task)
+
+    def _pull(self):
+        """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
+        took that one between the look and the take) is put back unless admitted too, so the
+        CPU never runs a task it did not decide on."""
+        q, head, takes = self._head()
+        if not takes:
+            return None
+        t = q.get()
+        if self.engine.admission is None or t is None or t is head or t is self.engine.SENTINEL \
+                or self._takes(t):
+            return t
+        self.engine.requeue(t)  # in front again, and the workers are woken for it
+        return None
 
     def holding(self, call) -> int:
         cur = self.current
@@ -738,6 +776,7 @@ class CpuWorker(Worker):
                 task.worker = self.idx
                 task.call.started(task)
                 self.current = task
+                self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
                 self.dev.run_task(task)
                 self.current = None
                 task.call.account(task, self.idx)
@@ -746,4 +785,7 @@ class CpuWorker(Worker):
                 return
             if self._work_waiting():
                 continue
-            eng.wait_for_work(gen)
+            # Auto mode: a task it left in the queue may be admitted later (rates measured,
+            # the GPUs' share grown): look again every 2 ms while the queue holds any.
+            declined = eng.admission is not None and any(len(q) for q in eng.queues_for(self))
+            eng.wait_for_work(gen, 0.002 if declined else None)

@@ -5,6 +5,14 @@ multithreaded BLAS (numpy's), reading tiles in place from the host operands:
 the host is its memory, so it needs no cache, no copies and no streams.
 threadpoolctl limits the BLAS threads while calls run, so every GPU worker
 keeps a core; the previous limits are restored when the last call ends.
+
+In auto mode (``auto=True``: the worker takes tasks by the admission rule of
+``runtime/admission.py``) the limit is set only once the worker runs a probe
+or a task (``engage``), and restored when the last call running then ends: a
+call in which the CPU takes nothing (the usual case beside fast GPUs) leaves
+the BLAS threads alone and pays nothing for threadpoolctl (~0.7 ms a call).
+``probe`` times a small GEMM once per dtype: the admission rule's first
+estimate of this CPU's rate.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ class CpuDevice(Device):
     streamed = False
 
     def __init__(self, index: int, *, nstreams: int = 1, cache_bytes: int = 0, name: str = "cpu",
-                 threads: int | None = None, trace: bool = True) -> None:
+                 threads: int | None = None, trace: bool = True, auto: bool = False) -> None:
         super().__init__(index, nstreams=1, cache_bytes=0, name=name)
         self.threads = threads
         self.trace = trace
+        self.auto = auto  # beside GPUs: takes tasks by the admission rule, not by demand
         self._limiter = None
         self._users = 0
         self._lock = threading.Lock()
@@ -49,9 +58,36 @@ class CpuDevice(Device):
             return
         with self._lock:
             self._users += 1
-            if self._users == 1:
-                from threadpoolctl import threadpool_limits
-                self._limiter = threadpool_limits(limits=self.threads, user_api="blas")
+            if self._users == 1 and not self.auto:
+                self._limit()
+
+    def _limit(self) -> None:
+        from threadpoolctl import threadpool_limits
+        self._limiter = threadpool_limits(limits=self.threads, user_api="blas")
+
+    def engage(self) -> None:
+        """Auto mode: limit the BLAS threads now (a task or probe is about to run here), until
+        the last call running ends. A no-op when they are limited already or never are."""
+        if self.threads is None or self._limiter is not None:
+            return
+        with self._lock:
+            if self._users > 0 and self._limiter is None:
+                self._limit()
+
+    def probe(self, dtype, n: int = 256, runs: int = 3) -> tuple[float, float]:
+        """(flops, seconds) of the fastest of ``runs`` n x n x n GEMMs in ``dtype`` on this
+        device's BLAS threads: the admission rule's first estimate of the CPU's rate."""
+        self.engage()
+        dt = np.dtype(dtype)
+        rng = np.random.default_rng(0)
+        a = np.asfortranarray(rng.standard_normal((n, n))).astype(dt)
+        b = np.asfortranarray(rng.standard_normal((n, n))).astype(dt)
+        best = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            np.matmul(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return (8.0 if dt.kind == "c" else 2.0) * n ** 3, best
 
     def finish_call(self, call) -> None:
         if self.threads is None:
