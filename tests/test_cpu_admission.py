@@ -382,3 +382,25 @@ def test_auto_engines_shut_down_cleanly(rand):
     assert "blasx-worker-cpu" in threads()
     blasx.shutdown()
     assert threads() == before
+
+
+def test_auto_cpu_limits_its_blas_threads_after_another_engine_did(rand, monkeypatch):
+    """threadpoolctl lets only the thread that first set OpenBLAS's thread count set it again;
+    a cpu=True engine sets it from the calling thread, an auto one from its worker thread: the
+    second must still run its tasks on its own thread count (``cpu._release_blas_control``)."""
+    from threadpoolctl import threadpool_info
+    seen = []
+    original = CpuDevice.run_task
+
+    def run_task(self, task):
+        seen.append((self.threads, [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]))
+        return original(self, task)
+
+    monkeypatch.setattr(CpuDevice, "run_task", run_task)
+    a = rand((256, 256))
+    for cpu in (True, "auto", True, "auto"):
+        blasx.configure(devices=SLOW_SIMS, tile=32, cpu=cpu)
+        blasx.gemm(1.0, a, a)
+        blasx.gemm(1.0, a, a)  # auto mode: rates known, the CPU takes tasks
+        assert cpu_tasks() > 0
+    assert seen and all(all(n == threads for n in found) for threads, found in seen), seen[:5]
