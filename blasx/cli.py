@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
     run.add_argument("--cache-bytes", type=_bytes, metavar="BYTES",
                      help="tile cache per device, e.g. 8G (default: half the free GPU memory; 64M per sim)")
-    run.add_argument("--cpu", action="store_true", help="add the CPU as a worker beside the GPUs")
+    run.add_argument("--cpu", action="store_true", help="the CPU worker beside the GPUs always takes tasks by demand (cpu=True; default: auto mode beside CUDA GPUs, none beside sims)")
     run.add_argument("--runs", type=_positive, default=2, metavar="R", help="timed calls (default 2)")
     run.add_argument("--check-rows", type=_nonnegative, default=256, metavar="ROWS",
                      help="rows checked against numpy (default 256; 0: no check)")
@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
     t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G")
-    t.add_argument("--cpu", action="store_true", help="add the CPU as a worker beside the GPUs")
+    t.add_argument("--cpu", action="store_true", help="the CPU worker beside the GPUs always takes tasks by demand (cpu=True; default: auto mode beside CUDA GPUs, none beside sims)")
     t.add_argument("--runs", type=_positive, default=2, metavar="R",
                    help="timed calls per tile after one warm-up (default 2)")
     t.add_argument("--check-rows", type=_nonnegative, default=64, metavar="ROWS",

@@ -49,7 +49,9 @@ an offloaded scipy call propagate.
 
 CPU BLAS threads: blasx's CPU worker beside GPUs (``cpu=True``) limits the
 BLAS threads through threadpoolctl for the duration of each call (every GPU
-worker keeps a core) and restores them when it returns (also on errors); with
+worker keeps a core) and restores them when it returns (also on errors); in
+auto mode (the default beside CUDA GPUs) only from the first task or probe it
+runs until the calls running then have returned; with
 the CPU alone (``devices="cpu"``) calls run in the calling thread with the
 BLAS threads as they are, and GPU workers do not touch them. An offloaded
 call therefore leaves the thread settings as it found them.

@@ -38,11 +38,12 @@ a GPU's station), with G the live stream workers that can run ``c``:
    BLAS slowed by the GPU workers' threads and copies).
 
 :func:`decide` is the rule as a pure function of those numbers (tested by exact values);
-:meth:`Admission.admits` gathers them. With the rates of 2x H200 (~37 TFLOPS a GPU measured
-per call, a few hundred GFLOPS for the CPU) a 4096-tile DGEMM task is taken only when the call
-has more than ~1000 tasks left: in practice never, which is the right answer there. Against
-slow GPUs (sims with ``rate=`` far below the host's BLAS) it takes a growing share of every
-large call.
+:meth:`Admission.admits` gathers them. With the rates of 2x H200 (DGEMM N = 16384: 75
+TFLOPS for the two GPUs over a call; the CPU's 4096-tile task, 5.5e11 flops, in 2.6 s: 0.21
+TFLOPS) a task is taken only while more than 1.5 x 75 / 0.21 = ~530 tasks of the call are
+left besides it, whatever the tile: in practice never (N = 16384 has 16 tasks, N = 65536
+256), which is the right answer there. Against slow GPUs (sims with ``rate=`` far below the
+host's BLAS) it takes a growing share of every large call.
 
 Measured rates (``RateMeter``)
 ------------------------------
@@ -91,6 +92,12 @@ State (each field has one owner)
     device's row).
 ``Admission.last``
     The latest :class:`Decision` (for tests and debugging).
+
+Cost: a decision takes ~3.4 us (2 GPUs, the 2-core VM); a CPU worker that leaves work asks ~4
+times per 2 ms poll (the queue's head, its own pull, the tasks of the station it would steal
+from), ~0.7% of one core while a call runs. Beside 2 H200-like timing sims it changed no call's
+time (``bench/results/cpu-auto-timing-sim-h200x2model-20261123.log``: auto / off 1.000 at
+N = 16384, 0.997 at 32768; the sims' 8x time dilation thins the polling out 8x there).
 
 Thread limits: in auto mode the CPU device limits the BLAS threads (every core but one per GPU
 worker) only once it runs a probe or a task, and restores them when the last call running then

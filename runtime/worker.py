@@ -785,7 +785,7 @@ class CpuWorker(Worker):
                 return
             if self._work_waiting():
                 continue
-            # Auto mode: a task it left in the queue may be admitted later (rates measured,
-            # the GPUs' share grown): look again every 2 ms while the queue holds any.
+            # Auto mode: a task it left in the queue may be admitted later (once the GPUs'
+            # rates are measured): look again every 2 ms while the queue holds any.
             declined = eng.admission is not None and any(len(q) for q in eng.queues_for(self))
             eng.wait_for_work(gen, 0.002 if declined else None)

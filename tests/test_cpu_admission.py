@@ -63,7 +63,7 @@ def test_decide_compares_the_two_finish_times():
     # Nothing left but the task itself: the GPUs are done at once.
     assert A.decide(4.0, 20, False, 16, 2.0, [2.0], 4.0, 0.0) == A.Decision(False, A.LATER, 3.0, 0.0)
     # The 2x H200 case: 37 TFLOPS a GPU, a 200 GFLOPS CPU, 4096 tiles of an N=65536 DGEMM (256
-    # tasks of 2 * 4096^2 * 65536 flops), none started: the CPU would need 3.3 s, the GPUs 0.60 s.
+    # tasks of 2 * 4096^2 * 65536 flops), none started: the CPU would need 16.5 s, the GPUs 7.6 s.
     f = 2.0 * 4096 ** 2 * 65536
     got = A.decide(f, 256, False, 16, 2e11, [3.7e13, 3.7e13], 256 * f, 0.0)
     assert not got.admit and got.reason == A.LATER
