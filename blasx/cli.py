@@ -29,6 +29,8 @@ DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex12
 DTYPE_NAMES = {"float32": "s", "float64": "d", "complex64": "c", "complex128": "z",
                "single": "s", "double": "d"}
 MIN_CACHE_BYTES = 1 << 16
+CPU_HELP = ("the CPU worker beside the GPUs takes tasks by demand (cpu=True; default: auto mode beside CUDA "
+            "GPUs, taking a task only when predicted to help; none beside sims)")
 DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
                 "(default: $BLASX_DEVICES, else all CUDA GPUs, else cpu)")
 
@@ -166,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
     run.add_argument("--cache-bytes", type=_bytes, metavar="BYTES",
                      help="tile cache per device, e.g. 8G (default: half the free GPU memory; 64M per sim)")
-    run.add_argument("--cpu", action="store_true", help="the CPU worker beside the GPUs always takes tasks by demand (cpu=True; default: auto mode beside CUDA GPUs, none beside sims)")
+    run.add_argument("--cpu", action="store_true", help=CPU_HELP)
     run.add_argument("--runs", type=_positive, default=2, metavar="R", help="timed calls (default 2)")
     run.add_argument("--check-rows", type=_nonnegative, default=256, metavar="ROWS",
                      help="rows checked against numpy (default 256; 0: no check)")
@@ -217,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
     t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G")
-    t.add_argument("--cpu", action="store_true", help="the CPU worker beside the GPUs always takes tasks by demand (cpu=True; default: auto mode beside CUDA GPUs, none beside sims)")
+    t.add_argument("--cpu", action="store_true", help=CPU_HELP)
     t.add_argument("--runs", type=_positive, default=2, metavar="R",
                    help="timed calls per tile after one warm-up (default 2)")
     t.add_argument("--check-rows", type=_nonnegative, default=64, metavar="ROWS",

@@ -334,7 +334,8 @@ def test_fast_timing_sims_leave_the_cpu_nothing():
             ops = [Operand(None, n, n, n, (1 + i) << 44, -1, (next(_operands._call_bases), n, n, n, dtype.str, tile))
                    for i in range(3)]
             tasks = plan_gemm(n, n, n, tile, OP_N, OP_N, beta_zero=True, block=(2, 2))
-            call = Call("gemm", ops, tasks, dtype, 1.0, 0.0, CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs]))
+            stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in devs])
+            call = Call("gemm", ops, tasks, dtype, 1.0, 0.0, stats)
             eng.submit(call)
             assert call.stats.profile().counters[2]["tasks"] == 0
         assert eng.failures == []
