@@ -1,8 +1,8 @@
 """When the CPU worker takes a task beside the GPUs (issue 5; the paper's Fig. 9).
 
 The CPU worker (``worker.CpuWorker``) solves whole tasks with the host BLAS. Beside GPUs it is
-one to three orders of magnitude slower per task (2x H200, N = 16384, tile 4096: ~2.7 s for one
-task on 30 cores, 0.1-0.2 s for the whole call on the GPUs), so taking work *by demand* (what
+one to three orders of magnitude slower per task (2x H200, N = 16384, tile 4096: 2.6 s for one
+task on 30 cores, 0.12-0.19 s for the whole call on the GPUs), so taking work *by demand* (what
 ``configure(cpu=True)`` does) makes every call wait for its CPU task. In **auto** mode
 (``configure(cpu=None)`` beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) the CPU
 worker takes a task only when the rule below predicts that this makes the call end no later.
@@ -57,10 +57,12 @@ devices. (An exponentially weighted average of flops and of seconds, weight 0.25
 first: it weights the long interval that opens a burst more than the short ones that end it.
 Two sims modelled at 1e8 flop/s, tile 32, N = 256, whose steady state was 5.9 ms a task, i.e.
 0.89e8: after the first burst of 4 completions the window read 0.68e8 and 0.51e8, the average
-0.42e8 and 0.31e8; after 12 tasks 0.72e8 / 0.69e8 against 0.81e8 / 0.78e8.) The CPU's first sample is the probe: a
-256-square GEMM of the call's dtype (``CpuDevice.probe``), best of three, on the CPU worker's
-BLAS threads (~0.4 ms in float64 on a 2-core VM; a small GEMM runs below the rate of a
-large tile, so it errs low). The GPUs get no seed: until one of them finishes a task the CPU
+0.42e8 and 0.31e8; after 12 tasks 0.72e8 / 0.69e8 against 0.81e8 / 0.78e8.)
+
+The CPU's first sample is the probe: a 256-square GEMM of the call's dtype
+(``CpuDevice.probe``), best of three, on the CPU worker's BLAS threads (~0.4 ms in float64 on
+a 2-core VM; a small GEMM runs below the rate of a large tile, so it errs low). The GPUs get
+no seed: until one of them finishes a task the CPU
 takes nothing (**gpu rate unknown**), so in an engine's first call it joins only after the
 GPUs' first completions. Nothing is seeded from the perf-db: its entries are whole-call rates
 of one tile choice, not per-worker rates.
