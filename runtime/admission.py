@@ -128,6 +128,9 @@ NO_GPU_RATE = "gpu rate unknown"
 NO_CPU_RATE = "cpu rate unknown"
 SOONER = "sooner"
 LATER = "later"
+#: Reasons that hold for the whole call, whatever the rates: nothing to look at again until
+#: another call is posted.
+NEVER_FOR_THE_CALL = frozenset({DEPS, SMALL})
 REASONS = (ALONE, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, SOONER, LATER)
 
 clock = time.perf_counter

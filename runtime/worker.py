@@ -33,6 +33,7 @@ import time
 import traceback
 from collections import deque
 
+from .admission import NEVER_FOR_THE_CALL
 from .cache import Line
 from .devices.base import DeviceError
 from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
@@ -786,6 +787,11 @@ class CpuWorker(Worker):
             if self._work_waiting():
                 continue
             # Auto mode: a task it left in the queue may be admitted later (once the GPUs'
-            # rates are measured): look again every 2 ms while the queue holds any.
-            declined = eng.admission is not None and any(len(q) for q in eng.queues_for(self))
+            # rates are measured, or their work left shrinks): look again every 2 ms while the
+            # queue holds any, unless the call can never be admitted (it has dependencies, or
+            # the GPUs hold all of it): then sleep until new work is posted, so that a small
+            # GPU call does not share the GIL with a thread that wakes every 2 ms.
+            adm = eng.admission
+            declined = adm is not None and any(len(q) for q in eng.queues_for(self)) and not (
+                adm.last is not None and adm.last.reason in NEVER_FOR_THE_CALL)
             eng.wait_for_work(gen, 0.002 if declined else None)

@@ -405,3 +405,23 @@ def test_auto_cpu_limits_its_blas_threads_after_another_engine_did(rand, monkeyp
         blasx.gemm(1.0, a, a)  # auto mode: rates known, the CPU takes tasks
         assert cpu_tasks() > 0
     assert seen and all(all(n == threads for n in found) for threads, found in seen), seen[:5]
+
+
+def test_cpu_worker_does_not_poll_while_calls_can_never_be_admitted(rand, monkeypatch):
+    """A small call (or one with dependencies) is declined for the whole call: the CPU worker then
+    sleeps until new work is posted instead of looking again every 2 ms beside the GPUs."""
+    blasx.configure(devices="sim:2", tile=16, cpu="auto")
+    eng = blasx.engine()
+    waits = []
+    original = eng.wait_for_work
+
+    def spy(gen, timeout=None):
+        if threading.current_thread() is eng.workers[2]:
+            waits.append((timeout, eng.admission.last.reason if eng.admission.last else None))
+        return original(gen, timeout)
+
+    monkeypatch.setattr(eng, "wait_for_work", spy)
+    a, b = rand((64, 64)), rand((64, 64), seed=1)  # 16 tasks: the two sims hold them all
+    for _ in range(5):
+        blasx.gemm(1.0, a, b)
+    assert all(timeout is None for timeout, reason in waits if reason in A.NEVER_FOR_THE_CALL), waits
