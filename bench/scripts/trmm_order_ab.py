@@ -25,12 +25,6 @@ def parse_variant(text: str) -> tuple[str, bool]:
     return order, rule == ""
 
 
-def breakdown(profile) -> str:
-    rows = profile.summary()["devices"] if profile is not None else []
-    return "  ".join(f"dev{r['device']} busy {r['busy'] * 1e3:5.1f} comm {r['comm'] * 1e3:5.1f} "
-                     f"idle {r['idle'] * 1e3:5.1f} ms" for r in rows)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=32768)
@@ -40,6 +34,7 @@ def main(argv=None) -> int:
     import blasx
     from blasx import blas3
     from bench.cublasxt import registered
+    from bench.scripts.level3_knobs_ab import breakdown
 
     n = args.n
     rng = np.random.default_rng(0)

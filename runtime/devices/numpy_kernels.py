@@ -177,14 +177,19 @@ def _triangle(a, uplo: int, unit: int):
     return np.tril(a) if uplo else np.triu(a)
 
 
+def _tri_product(step, scalars, a, x):
+    """alpha op(T) x (side 0) or alpha x op(T) (side 1), a new array; T the uplo triangle of a."""
+    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
+    prod = t @ x if step.side == 0 else x @ t
+    prod *= scalars[step.alpha]
+    return prod
+
+
 def trmm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T) b; side 1: c = alpha b op(T); T the uplo triangle of a (unit
     diagonal if diag). Overwrites c: no beta, c not read.
     (cublasXtrmm(side, uplo, trans=op_a, diag, m, n, alpha, a, lda, b, ldb, c, ldc), out of place)"""
-    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
-    prod = t @ b if step.side == 0 else b @ t
-    prod *= scalars[step.alpha]
-    c[...] = prod
+    c[...] = _tri_product(step, scalars, a, b)
 
 
 _TRSM = {}
@@ -207,10 +212,7 @@ def invmm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T) c; side 1: c = alpha c op(T), in place; T the uplo triangle of a
     (unit diagonal if diag), here a diagonal block's inverse made by ``trtri``; b is not used.
     (cublasXtrmm out of place into a scratch tile, then copied back)"""
-    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
-    prod = t @ c if step.side == 0 else c @ t
-    prod *= scalars[step.alpha]
-    c[...] = prod
+    c[...] = _tri_product(step, scalars, a, c)
 
 
 _TRTRI = {}
