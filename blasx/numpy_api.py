@@ -303,7 +303,7 @@ _DOT_NDIMS = (1, 2)
 # runs BLAS on) and dot (1-D / 2-D ones) are checked in C and run numpy's function there
 # (blasx._hostcall); every other call runs the Python functions above.
 _ANY_STRIDES = _hostcall.NUMPY_COPIES_STRIDES
-matmul = _hostcall.matmul(matmul, _np_matmul)
+matmul = _hostcall.matmul(matmul, _np_matmul, _DTYPE_KW)
 dot = _hostcall.dot(dot, _np_dot)
 
 
@@ -368,6 +368,11 @@ def _host_tensordot(dev, a, b, axes):
     k = math.isqrt(a.size * b.size // res.size) if res.size else 0
     level3.keep_host_call(dev, t0, a.dtype, 2.0 * res.size * k)
     return res
+
+
+# The CPU alone: tensordot of two ndarrays of one BLAS type (axes positional or by keyword) is
+# checked in C and runs numpy's tensordot there (blasx._hostcall); every other call the function above.
+tensordot = _hostcall.tensordot(tensordot, _np_tensordot)
 
 
 def _tensordot_axes(x, y, axes):
