@@ -6,7 +6,7 @@ scipy's own function, and the Python that decides so (the call of a Python funct
 two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
 same decision is made in C (``HOSTCALL_C``; 0.15-0.25 us, most of it the two clock reads and the
 record): a callable whose vectorcall checks the arguments, calls the
-original function with them as they came, and records the call in ``level3.last_call.stats`` as
+original function with them (as they came, or as the Python path passes them), and records the call in ``level3.last_call.stats`` as
 the Python paths do (``(device, t0, t1, dtype, real flops)``); any other call goes, with its
 arguments unchanged, to the Python function (``slow``), which decides everything as before. What
 the C code takes, per kind:
@@ -14,13 +14,29 @@ the C code takes, per kind:
 * ``matmul(x1, x2)``: two exact ndarrays of one BLAS dtype on which numpy's matmul runs BLAS
   (any strides from numpy 2.3.1, which copies the others into a buffer, numpy PR #23752; before,
   C-/F-contiguous ones or matrices with a unit stride, numpy's ``is_blasable2d``); numpy's errors;
+  with ``out`` (by keyword or position), ``dtype=`` and ``casting=`` as
+  ``numpy_api._host_matmul_out`` takes them (a computation type of a BLAS type, out None or a C- or
+  F-contiguous exact ndarray of that type, casting a str), numpy's matmul with them as given;
 * ``dot(a, b)``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides);
-* ``gemm(alpha, a, b)`` (``trans_a`` / ``trans_b`` by keyword): 2-D exact ndarrays of one BLAS
-  dtype, alpha of the types ``level3.gemm``'s host path takes, dimensions > 0 that fit: scipy's
-  ?gemm on F-ordered views (a C-ordered operand through its transpose), as ``level3._host_gemm``;
+* ``tensordot(a, b[, axes])``: two exact ndarrays of one BLAS dtype: numpy's tensordot
+  (``numpy_api._host_tensordot``; K for the flop count from the sizes, as there);
+* ``gemm`` (arguments bound to its signature in C): 2-D exact ndarrays of one BLAS dtype (c too),
+  alpha and beta of the types ``level3.gemm``'s host path takes, trans flags 0-2, dimensions > 0
+  that fit: scipy's ?gemm on F-ordered views (a C-ordered operand through its transpose), c copied
+  or written in place (an F-ordered one; a C-ordered one through c.T, C^T = op(B)^T op(A)^T), as
+  ``level3._host_gemm`` and ``_c_mode`` decide;
 * a scipy-signature routine (``lane``): hostpath's plain call (required arguments positionally,
   alpha of the routine's plain types and not 0, 2-D exact ndarrays of its dtype, flags by keyword
-  within what blasx allows, dimensions > 0 that fit): scipy's routine with the arguments as given.
+  within what blasx allows, dimensions > 0 that fit): scipy's routine with the arguments as given;
+  else hostpath's second lane (``LANES``: the arguments bound to scipy's signature, c and beta,
+  ``overwrite_*``, alpha 0, arrays scipy converts), checked as the lane checks them and scipy's
+  routine called as the lane calls it.
+
+An output written in place (and ?gemm's c, always) must provably alias no input: arrays that each
+own their buffer, else numpy's bounds test (``np.may_share_memory``) written in C; a maybe, a
+misaligned output, or anything else goes to the Python function, which decides (and raises blasx's
+error where they do share memory). Trailing arguments that hold scipy's defaults (beta 0.0 without
+c, c None, flags 0, overwrite 0) are left out of scipy's call: f2py parses each positional one.
 
 The arrays are read through numpy's public ``PyArrayObject`` layout (data, nd, dimensions, strides,
 base, descr, flags: the fields every numpy since 1.7 starts with), checked against Python's view
