@@ -6,7 +6,7 @@ scipy's own function, and the Python that decides so (the call of a Python funct
 two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
 same decision is made in C (``HOSTCALL_C``; 0.15-0.25 us, most of it the two clock reads and the
 record): a callable whose vectorcall checks the arguments, calls the
-original function with them as they came, and records the call in ``level3.last_call.stats`` as
+original function with them (as they came, or as the Python path passes them), and records the call in ``level3.last_call.stats`` as
 the Python paths do (``(device, t0, t1, dtype, real flops)``); any other call goes, with its
 arguments unchanged, to the Python function (``slow``), which decides everything as before. What
 the C code takes, per kind:
@@ -14,13 +14,29 @@ the C code takes, per kind:
 * ``matmul(x1, x2)``: two exact ndarrays of one BLAS dtype on which numpy's matmul runs BLAS
   (any strides from numpy 2.3.1, which copies the others into a buffer, numpy PR #23752; before,
   C-/F-contiguous ones or matrices with a unit stride, numpy's ``is_blasable2d``); numpy's errors;
+  with ``out`` (by keyword or position), ``dtype=`` and ``casting=`` as
+  ``numpy_api._host_matmul_out`` takes them (a computation type of a BLAS type, out None or a C- or
+  F-contiguous exact ndarray of that type, casting a str), numpy's matmul with them as given;
 * ``dot(a, b)``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides);
-* ``gemm(alpha, a, b)`` (``trans_a`` / ``trans_b`` by keyword): 2-D exact ndarrays of one BLAS
-  dtype, alpha of the types ``level3.gemm``'s host path takes, dimensions > 0 that fit: scipy's
-  ?gemm on F-ordered views (a C-ordered operand through its transpose), as ``level3._host_gemm``;
+* ``tensordot(a, b[, axes])``: two exact ndarrays of one BLAS dtype: numpy's tensordot
+  (``numpy_api._host_tensordot``; K for the flop count from the sizes, as there);
+* ``gemm`` (arguments bound to its signature in C): 2-D exact ndarrays of one BLAS dtype (c too),
+  alpha and beta of the types ``level3.gemm``'s host path takes, trans flags 0-2, dimensions > 0
+  that fit: scipy's ?gemm on F-ordered views (a C-ordered operand through its transpose), c copied
+  or written in place (an F-ordered one; a C-ordered one through c.T, C^T = op(B)^T op(A)^T), as
+  ``level3._host_gemm`` and ``_c_mode`` decide;
 * a scipy-signature routine (``lane``): hostpath's plain call (required arguments positionally,
   alpha of the routine's plain types and not 0, 2-D exact ndarrays of its dtype, flags by keyword
-  within what blasx allows, dimensions > 0 that fit): scipy's routine with the arguments as given.
+  within what blasx allows, dimensions > 0 that fit): scipy's routine with the arguments as given;
+  else hostpath's second lane (``LANES``: the arguments bound to scipy's signature, c and beta,
+  ``overwrite_*``, alpha 0, arrays scipy converts), checked as the lane checks them and scipy's
+  routine called as the lane calls it.
+
+An output written in place (and ?gemm's c, always) must provably alias no input: arrays that each
+own their buffer, else numpy's bounds test (``np.may_share_memory``) written in C; a maybe, a
+misaligned output, or anything else goes to the Python function, which decides (and raises blasx's
+error where they do share memory). Trailing arguments that hold scipy's defaults (beta 0.0 without
+c, c None, flags 0, overwrite 0) are left out of scipy's call: f2py parses each positional one.
 
 The arrays are read through numpy's public ``PyArrayObject`` layout (data, nd, dimensions, strides,
 base, descr, flags: the fields every numpy since 1.7 starts with), checked against Python's view
@@ -38,6 +54,7 @@ import ctypes
 import functools
 import importlib
 import os
+import sys
 import sysconfig
 import time
 
@@ -55,8 +72,12 @@ typedef struct {
 } hc_array;
 #define HC_CONTIG 0x3                     /* NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_F_CONTIGUOUS */
 #define HC_C 0x1
+#define HC_F 0x2
+#define HC_OWN 0x4                        /* NPY_ARRAY_OWNDATA */
+#define HC_ALIGNED 0x100
+#define HC_WRITE 0x400
 
-enum { HC_MATMUL, HC_DOT, HC_GEMM, HC_LANE };
+enum { HC_MATMUL, HC_DOT, HC_GEMM, HC_LANE, HC_TENSORDOT };
 enum { HC_FL_GEMM, HC_FL_SYMM, HC_FL_SYRK, HC_FL_SYR2K, HC_FL_TRI };
 
 static PyTypeObject *hc_ndarray;
@@ -66,7 +87,19 @@ static PyObject *hc_session;              /* session.__dict__ */
 static PyObject *hc_tls;                  /* level3.last_call */
 static PyObject *hc_clock;                /* time.perf_counter */
 static int hc_native_clock, hc_any_strides;
-static PyObject *s_host_device, *s_stats, *s_T, *s_qualname, *hc_flag[3], *hc_zero;
+static PyObject *s_host_device, *s_stats, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
+    *hc_zero;
+
+/* the scipy-signature families (hostpath.LANES), by flop code: where each parameter is in the
+   signature (names), -1 where the family has none */
+typedef struct { int n, b, beta, c, f0, nf, ow; } hc_family;
+static const hc_family hc_fam[5] = {
+    {8, 2, 3, 4, 5, 2, 7},      /* gemm:  alpha a b beta c trans_a trans_b overwrite_c */
+    {8, 2, 3, 4, 5, 2, 7},      /* symm:  alpha a b beta c side lower overwrite_c */
+    {7, -1, 2, 3, 4, 2, 6},     /* syrk:  alpha a beta c trans lower overwrite_c */
+    {8, 2, 3, 4, 5, 2, 7},      /* syr2k: alpha a b beta c trans lower overwrite_c */
+    {8, 2, -1, -1, 3, 4, 7},    /* trmm:  alpha a b side lower trans_a diag overwrite_b */
+};
 
 typedef struct {
     PyObject_HEAD
@@ -76,7 +109,10 @@ typedef struct {
     PyObject *fn;         /* numpy's / scipy's function; GEMM: scipy's ?gemm per dtype (4-tuple) */
     PyObject *dtype;      /* LANE: the routine's dtype */
     PyObject *alpha;      /* LANE: frozenset of alpha's types; GEMM: one per dtype (4-tuple) */
-    PyObject *flags;      /* LANE, GEMM: keyword -> (frozenset of allowed ints, role 0/1/2) */
+    PyObject *flags;      /* LANE: keyword -> (frozenset of allowed ints, role 0/1/2) */
+    PyObject *names;      /* LANE, GEMM: the parameter names in order; MATMUL: dtype= -> dtype (numpy_api._DTYPE_KW) */
+    PyObject *beta;       /* LANE: frozenset of beta's types */
+    int convert;          /* LANE: bit i: arrays of hc_descr[i] are converted (hostpath.CONVERTIBLE) */
     PyObject *dict;
 } hc_call;
 
@@ -175,15 +211,111 @@ static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long 
     return 1;
 }
 
-static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *dev;
+/* the arguments bound to names (as Python binds them to parameters of these names, none
+   positional-only) into v (NULL: not given); 0 when they do not bind (too many, an unknown or a
+   repeated keyword: the Python function raises Python's TypeError) */
+static int hc_bind(PyObject *names, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject **v) {
+    Py_ssize_t n = PyTuple_GET_SIZE(names), np = PyVectorcall_NARGS(nargsf), i, j;
+    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (np > n) return 0;
+    for (i = 0; i < n; i++) v[i] = i < np ? args[i] : NULL;
+    for (i = 0; i < nk; i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        for (j = 0; j < n && PyTuple_GET_ITEM(names, j) != key; j++) ;
+        if (j == n)   /* (a keyword name that is not interned) */
+            for (j = 0; j < n && PyUnicode_Compare(PyTuple_GET_ITEM(names, j), key) != 0; j++) ;
+        if (PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        if (j == n || v[j] != NULL) return 0;
+        v[j] = args[np + i];
+    }
+    return 1;
+}
+
+/* numpy's np.may_share_memory (max_work=None: the bounds of the memory each array spans meet) */
+static void hc_extent(hc_array *x, Py_ssize_t itemsize, size_t *lo, size_t *hi) {
+    Py_ssize_t low = 0, up = 0, o;
+    int d;
+    for (d = 0; d < x->nd; d++) {
+        if (x->dimensions[d] == 0) { *lo = *hi = (size_t)x->data; return; }
+        o = x->strides[d] * (x->dimensions[d] - 1);
+        if (o > 0) up += o; else low += o;
+    }
+    *lo = (size_t)x->data + (size_t)low;
+    *hi = (size_t)x->data + (size_t)(up + itemsize);
+}
+
+static Py_ssize_t hc_itemsize_of(hc_array *x) {
     int i;
-    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) return NULL;
+    for (i = 0; i < 4; i++) if (x->descr == hc_descr[i]) return hc_itemsize[i];
+    return -1;
+}
+
+static int hc_may_share(hc_array *x, hc_array *y) {
+    size_t s1, e1, s2, e2;
+    Py_ssize_t ix = hc_itemsize_of(x), iy = hc_itemsize_of(y);
+    if (ix < 0 || iy < 0) return 1;
+    hc_extent(x, ix, &s1, &e1); hc_extent(y, iy, &s2, &e2);
+    return s1 < e2 && s2 < e1 && s1 < e1 && s2 < e2;
+}
+
+/* hostpath._in_place: 1 when out is written in place, 0 when not, -1 when the C code cannot
+   take the call (a misaligned output; one that may alias a or b where blasx checks); b may be NULL */
+static int hc_in_place(hc_array *out, PyObject *dtype, int overwrite, hc_array *a, hc_array *b, int always) {
+    int in_place = 0;
+    if (overwrite && out->descr == dtype && (out->flags & HC_F) && (out->flags & HC_WRITE)) {
+        if (!(out->flags & HC_ALIGNED)) return -1;
+        in_place = 1;
+    }
+    if (in_place || always) {
+        if (a == out || b == out) return -1;
+        if (!((out->flags & HC_OWN) && (a->flags & HC_OWN) && (b == NULL || (b->flags & HC_OWN)))
+                && (hc_may_share(out, a) || (b != NULL && hc_may_share(out, b))))
+            return -1;
+    }
+    return in_place;
+}
+
+/* overwrite_*: absent (0), else an int or a bool (f2py and blasx read it by truth value): its
+   truth value; -1 for any other type */
+static int hc_overwrite(PyObject *x) {
+    if (x == NULL) return 0;
+    if (!PyLong_CheckExact(x) && !PyBool_Check(x)) return -1;
+    return PyObject_IsTrue(x);
+}
+
+/* numpy_api.matmul's host paths: matmul(x1, x2) as it came; with out= (also positional), dtype=
+   and casting= (numpy_api._host_matmul_out): a computation type ct (dtype=, else the operands')
+   of a BLAS type, casting a str, out None or a C- or F-contiguous exact ndarray of type ct */
+static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *dev, *out = NULL, *want = NULL, *casting = NULL, *ct;
+    Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), j;
+    int i;
+    if (np < 2 || np > 3) return NULL;
+    if (np == 3) out = args[2];
+    for (j = 0; j < nk; j++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, j), **slot;
+        if (key == s_out || PyUnicode_Compare(key, s_out) == 0) slot = &out;
+        else if (key == s_dtype || PyUnicode_Compare(key, s_dtype) == 0) slot = &want;
+        else if (key == s_casting || PyUnicode_Compare(key, s_casting) == 0) slot = &casting;
+        else { PyErr_Clear(); return NULL; }
+        if (*slot != NULL) return NULL;   /* out twice: Python's TypeError */
+        *slot = args[np + j];
+    }
     i = hc_dtype(args[0]);
     if (i < 0 || hc_dtype(args[1]) != i || !hc_blas_ready((hc_array *)args[0], hc_itemsize[i])
-            || !hc_blas_ready((hc_array *)args[1], hc_itemsize[i]) || (dev = hc_device()) == NULL)
+            || !hc_blas_ready((hc_array *)args[1], hc_itemsize[i]))
         return NULL;
-    return hc_run(self->fn, args, nargsf, NULL, dev, hc_descr[i], -1.0, args[0]);
+    ct = hc_descr[i];
+    if (want != NULL && want != Py_None) {
+        ct = PyDict_GetItemWithError(self->names, want);   /* (an unhashable dtype=: numpy raises) */
+        if (ct == NULL) { PyErr_Clear(); return NULL; }
+    }
+    if (casting != NULL && !PyUnicode_CheckExact(casting)) return NULL;
+    if (out != NULL && out != Py_None && !(Py_TYPE(out) == hc_ndarray && ((hc_array *)out)->descr == ct
+                                           && (((hc_array *)out)->flags & HC_CONTIG)))
+        return NULL;
+    if ((dev = hc_device()) == NULL) return NULL;
+    return hc_run(self->fn, args, nargsf, kwnames, dev, ct, -1.0, args[0]);
 }
 
 static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -202,19 +334,44 @@ static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyO
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
 }
 
+/* the call's length without its trailing arguments that hold scipy's defaults (beta 0.0 without c,
+   c None, flags 0, overwrite False): f2py parses each positional argument (~12 ns each) */
+static size_t hc_trim(PyObject *const *call, size_t nc, size_t keep) {
+    while (nc > keep && (call[nc - 1] == Py_False || call[nc - 1] == Py_None || call[nc - 1] == hc_flag[0]
+                         || call[nc - 1] == hc_zero))
+        nc--;
+    return nc;
+}
+
+/* a trans flag: absent (0), else an exact int in 0..2; -1 for anything else */
+static long hc_op(PyObject *x) {
+    long v;
+    if (x == NULL) return 0;
+    if (!PyLong_CheckExact(x)) return -1;
+    v = PyLong_AsLong(x);
+    if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+    return v >= 0 && v <= 2 ? v : -1;
+}
+
+/* level3.gemm's host path (level3._host_gemm and _c_mode): how c is written */
+enum { HC_C_NONE, HC_C_COPY, HC_C_IN_PLACE, HC_C_IN_PLACE_T };
+
 static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *alpha, *x[2], *dev, *call[7], *res;
-    hc_array *a, *b;
+    PyObject *v[8], *alpha, *beta, *cobj, *scalars, *x[2], *dev, *call[8], *res, *t0;
+    hc_array *a, *b, *c = NULL;
     Py_ssize_t m, k, kb, n;
     long f[3];
-    int i, j, nz;
-    if (PyVectorcall_NARGS(nargsf) != 3) return NULL;
-    alpha = args[0];
-    i = hc_dtype(args[1]);
-    a = (hc_array *)args[1]; b = (hc_array *)args[2];
-    if (i < 0 || hc_dtype(args[2]) != i || a->nd != 2 || b->nd != 2
-            || PySet_Contains(PyTuple_GET_ITEM(self->alpha, i), (PyObject *)Py_TYPE(alpha)) != 1
-            || !hc_flags(self, args + 3, kwnames, f)) {
+    int i, j, nz, mode = HC_C_NONE, ow;
+    if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL || v[2] == NULL)
+        return NULL;
+    alpha = v[0]; beta = v[3] == NULL ? hc_zero : v[3]; cobj = v[4] == NULL ? Py_None : v[4];
+    i = hc_dtype(v[1]);
+    a = (hc_array *)v[1]; b = (hc_array *)v[2];
+    if (i < 0 || hc_dtype(v[2]) != i || a->nd != 2 || b->nd != 2 || (f[1] = hc_op(v[5])) < 0 || (f[2] = hc_op(v[6])) < 0)
+        return NULL;
+    scalars = PyTuple_GET_ITEM(self->alpha, i);
+    if (PySet_Contains(scalars, (PyObject *)Py_TYPE(alpha)) != 1 || PySet_Contains(scalars, (PyObject *)Py_TYPE(beta)) != 1
+            || (cobj != Py_None && (hc_dtype(cobj) != i || ((hc_array *)cobj)->nd != 2))) {
         PyErr_Clear();
         return NULL;
     }
@@ -222,10 +379,31 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     if (f[1]) { m = k; k = a->dimensions[0]; }
     kb = b->dimensions[0]; n = b->dimensions[1];
     if (f[2]) { kb = n; n = b->dimensions[0]; }
-    if (k != kb || !m || !n || !k || (nz = PyObject_IsTrue(alpha)) < 0 || (dev = hc_device()) == NULL) {
-        PyErr_Clear();
-        return NULL;
+    if (k != kb || !m || !n || !k) return NULL;
+    if (cobj != Py_None) {   /* _c_mode */
+        c = (hc_array *)cobj;
+        if (c->dimensions[0] != m || c->dimensions[1] != n || (ow = hc_overwrite(v[7])) < 0 || a == c || b == c) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (!((a->flags & HC_OWN) && (b->flags & HC_OWN) && (c->flags & HC_OWN)) && (hc_may_share(c, a) || hc_may_share(c, b)))
+            return NULL;
+        if (!ow) mode = HC_C_COPY;
+        else if (!((c->flags & HC_WRITE) && (c->flags & HC_ALIGNED))) return NULL;
+        else if (c->flags & HC_F) mode = HC_C_IN_PLACE;
+        else if (c->flags & HC_C) mode = HC_C_IN_PLACE_T;
+        else return NULL;
+        if (mode == HC_C_IN_PLACE_T) {   /* C^T = op(B)^T op(A)^T, written into the F-ordered c.T */
+            int cplx = i >= 2;
+            long ta = f[1], tb = f[2];
+            hc_array *t;
+            if (cplx && (ta == 2 || tb == 2)) return NULL;   /* (op C transposed: no BLAS form) */
+            f[1] = tb == 0 ? 1 : 0; f[2] = ta == 0 ? 1 : 0;   /* N -> T; T, C (real: T) -> N */
+            t = a; a = b; b = t;
+        }
     }
+    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((dev = hc_device()) == NULL) return NULL;
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
         hc_array *y = j ? b : a;
@@ -237,15 +415,28 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             Py_INCREF(x[j]);
         }
     }
-    if (x[0] == NULL || x[1] == NULL) {
-        Py_XDECREF(x[0]); Py_XDECREF(x[1]); Py_DECREF(dev);
-        return NULL;   /* (an error set: raised) */
+    call[0] = alpha; call[1] = x[0]; call[2] = x[1]; call[5] = hc_flag[f[1]]; call[6] = hc_flag[f[2]];
+    call[7] = mode == HC_C_IN_PLACE || mode == HC_C_IN_PLACE_T ? Py_True : Py_False;
+    if (mode == HC_C_NONE) { call[3] = hc_zero; call[4] = Py_None; }   /* beta is ignored without c */
+    else {
+        call[3] = beta;
+        call[4] = mode == HC_C_IN_PLACE_T ? PyObject_GetAttr(cobj, s_T) : (Py_INCREF(cobj), cobj);
     }
-    call[0] = alpha; call[1] = x[0]; call[2] = x[1]; call[3] = hc_zero; call[4] = Py_None;
-    call[5] = hc_flag[f[1]]; call[6] = hc_flag[f[2]];
-    res = hc_run(PyTuple_GET_ITEM(self->fn, i), call, 7, NULL, dev, hc_descr[i],
-                 nz ? 2.0 * (double)m * (double)n * (double)k : 0.0, NULL);
-    Py_DECREF(x[0]); Py_DECREF(x[1]);
+    res = NULL;
+    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && (t0 = hc_now()) != NULL) {
+        res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), call, hc_trim(call, 8, 3), NULL);
+        if (res == NULL) Py_DECREF(t0);
+        else {
+            if (mode == HC_C_IN_PLACE || mode == HC_C_IN_PLACE_T) {   /* c itself */
+                Py_DECREF(res);
+                Py_INCREF(cobj);
+                res = cobj;
+            }
+            if (hc_record(dev, t0, hc_descr[i], nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
+        }
+    }
+    if (mode != HC_C_NONE) Py_XDECREF(call[4]);
+    Py_XDECREF(x[0]); Py_XDECREF(x[1]); Py_DECREF(dev);
     return res;
 }
 
@@ -290,6 +481,160 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     return hc_run(self->fn, args, nargsf, kwnames, dev, self->dtype, flops, NULL);
 }
 
+/* an array the second lane takes: an exact 2-D ndarray of the routine's dtype or one it converts */
+static int hc_lane_array(hc_call *self, PyObject *x) {
+    int i;
+    if (Py_TYPE(x) != hc_ndarray || ((hc_array *)x)->nd != 2) return 0;
+    if (((hc_array *)x)->descr == self->dtype) return 1;
+    for (i = 0; i < 4; i++) if (((hc_array *)x)->descr == hc_descr[i]) return (self->convert >> i) & 1;
+    return 0;
+}
+
+/* hostpath's second lane (LANES: c and beta, overwrite_*, alpha 0, arrays converted by scipy):
+   the arguments bound to scipy's signature, checked as the lane checks them, and scipy's routine
+   called as the lane calls it (positionally: beta 0.0 without c, overwrite as in_place) */
+static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    const hc_family *fm = &hc_fam[self->flops];
+    PyObject *v[8], *alpha, *beta, *cobj, *dev, *call[8], *t0, *res;
+    hc_array *a, *b = NULL, *c = NULL;
+    Py_ssize_t m, n, k, s = 0;
+    long f[4];
+    int j, ow, nz, in_place = 0, nc = 0;
+    double flops;
+    if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL
+            || (fm->b >= 0 && v[fm->b] == NULL))
+        return NULL;
+    alpha = v[0];
+    beta = fm->beta >= 0 && v[fm->beta] != NULL ? v[fm->beta] : hc_zero;
+    cobj = fm->c >= 0 && v[fm->c] != NULL ? v[fm->c] : Py_None;
+    if (PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
+            || (fm->beta >= 0 && PySet_Contains(self->beta, (PyObject *)Py_TYPE(beta)) != 1)
+            || (ow = hc_overwrite(v[fm->ow])) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    for (j = 0; j < fm->nf; j++) {
+        PyObject *x = v[fm->f0 + j], *spec;
+        if (x == NULL) { f[j] = 0; continue; }
+        spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(self->names, fm->f0 + j));
+        if (spec == NULL || !PyLong_CheckExact(x) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), x) != 1) {
+            PyErr_Clear();
+            return NULL;
+        }
+        f[j] = PyLong_AsLong(x);
+    }
+    a = (hc_array *)v[1];
+    if (!hc_lane_array(self, v[1]) || (fm->b >= 0 && !hc_lane_array(self, v[fm->b]))
+            || (cobj != Py_None && !hc_lane_array(self, cobj)))
+        return NULL;
+    if (fm->b >= 0) b = (hc_array *)v[fm->b];
+    if (cobj != Py_None) c = (hc_array *)cobj;
+    /* the shapes: every dimension > 0, c's shape; the flops */
+    switch (self->flops) {
+    case HC_FL_GEMM:
+        m = a->dimensions[0]; k = a->dimensions[1];
+        if (f[0]) { m = k; k = a->dimensions[0]; }
+        s = b->dimensions[0]; n = b->dimensions[1];   /* s: op(b)'s rows */
+        if (f[1]) { s = n; n = b->dimensions[0]; }
+        if (!(k == s && m && n && k)) return NULL;
+        flops = 2.0 * (double)m * (double)n * (double)k;
+        break;
+    case HC_FL_SYMM: case HC_FL_TRI:
+        m = b->dimensions[0]; n = b->dimensions[1];
+        s = f[0] ? n : m;
+        if (!(m && n && a->dimensions[0] == s && a->dimensions[1] == s)) return NULL;
+        flops = (self->flops == HC_FL_SYMM ? 2.0 : 1.0) * (double)m * (double)n * (double)s;
+        break;
+    default:   /* syrk, syr2k */
+        n = a->dimensions[0]; k = a->dimensions[1];
+        if (f[0]) { n = k; k = a->dimensions[0]; }
+        if (!(n && k) || (b != NULL && (b->dimensions[0] != a->dimensions[0] || b->dimensions[1] != a->dimensions[1])))
+            return NULL;
+        m = n;
+        flops = (self->flops == HC_FL_SYRK ? 1.0 : 2.0) * (double)n * ((double)n + 1.0) * (double)k;
+        break;
+    }
+    if (c != NULL && (c->dimensions[0] != m || c->dimensions[1] != n)) return NULL;
+    /* the output written in place (hostpath._in_place) */
+    if (self->flops == HC_FL_TRI) {
+        if (ow && (in_place = hc_in_place(b, self->dtype, ow, a, NULL, 0)) < 0) return NULL;
+    } else if (c != NULL && (self->flops == HC_FL_GEMM || ow)) {
+        if ((in_place = hc_in_place(c, self->dtype, ow, a, b, self->flops == HC_FL_GEMM)) < 0) return NULL;
+    }
+    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
+        flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
+    if ((dev = hc_device()) == NULL) return NULL;
+    call[nc++] = alpha; call[nc++] = v[1];
+    if (b != NULL) call[nc++] = (PyObject *)b;
+    if (fm->c >= 0) { call[nc++] = c != NULL ? beta : hc_zero; call[nc++] = cobj; }
+    for (j = 0; j < fm->nf; j++) call[nc++] = v[fm->f0 + j] != NULL ? v[fm->f0 + j] : hc_flag[0];
+    call[nc++] = in_place ? Py_True : Py_False;
+    res = NULL;
+    if ((t0 = hc_now()) != NULL) {
+        res = PyObject_Vectorcall(self->fn, call, hc_trim(call, nc, b != NULL ? 3 : 2), NULL);
+        if (res == NULL) Py_DECREF(t0);
+        else if (hc_record(dev, t0, self->dtype, flops) < 0) Py_CLEAR(res);
+    }
+    Py_DECREF(dev);
+    return res;
+}
+
+#if defined(__SIZEOF_INT128__)
+typedef unsigned __int128 hc_u128;
+
+static double hc_isqrt(hc_u128 q) {   /* floor(sqrt(q)) (math.isqrt) */
+    hc_u128 x, y;
+    int bits = 0;
+    if (q == 0) return 0.0;
+    for (x = q; x; x >>= 1) bits++;
+    x = (hc_u128)1 << ((bits + 1) / 2);   /* >= sqrt(q): Newton from above */
+    for (;;) {
+        y = (x + q / x) / 2;
+        if (y >= x) return (double)x;
+        x = y;
+    }
+}
+
+static hc_u128 hc_count(PyObject *x) {
+    hc_u128 s = 1;
+    int d;
+    if (!PyObject_TypeCheck(x, hc_ndarray)) return 1;
+    for (d = 0; d < ((hc_array *)x)->nd; d++) s *= (hc_u128)((hc_array *)x)->dimensions[d];
+    return s;
+}
+
+/* numpy_api._host_tensordot: tensordot(a, b[, axes]) of two exact ndarrays of one BLAS dtype */
+static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *dev, *t0, *res;
+    Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    int i;
+    if (np < 2 || np + nk > 3 || (nk && PyTuple_GET_ITEM(kwnames, 0) != s_axes
+                                  && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_axes) != 0)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    i = hc_dtype(args[0]);
+    if (i < 0 || hc_dtype(args[1]) != i || (dev = hc_device()) == NULL) return NULL;
+    res = NULL;
+    if ((t0 = hc_now()) != NULL) {
+        res = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+        if (res == NULL) Py_DECREF(t0);
+        else {
+            hc_u128 r = hc_count(res);
+            double kk = r ? hc_isqrt(hc_count(args[0]) * hc_count(args[1]) / r) : 0.0;
+            if (hc_record(dev, t0, hc_descr[i], 2.0 * (double)r * kk) < 0) Py_CLEAR(res);
+        }
+    }
+    Py_DECREF(dev);
+    return res;
+}
+#else
+static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return NULL;
+}
+#endif
+
 static PyObject *hc_vectorcall(PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     hc_call *self = (hc_call *)obj;
     PyObject *res;
@@ -297,7 +642,11 @@ static PyObject *hc_vectorcall(PyObject *obj, PyObject *const *args, size_t narg
     case HC_MATMUL: res = hc_matmul(self, args, nargsf, kwnames); break;
     case HC_DOT: res = hc_dot(self, args, nargsf, kwnames); break;
     case HC_GEMM: res = hc_gemm(self, args, nargsf, kwnames); break;
-    default: res = hc_lane(self, args, nargsf, kwnames); break;
+    case HC_TENSORDOT: res = hc_tensordot(self, args, nargsf, kwnames); break;
+    default:
+        res = hc_lane(self, args, nargsf, kwnames);
+        if (res == NULL && !PyErr_Occurred()) res = hc_lane2(self, args, nargsf, kwnames);
+        break;
     }
     if (res != NULL || PyErr_Occurred()) return res;   /* taken here (its result or its error) */
     return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
@@ -313,7 +662,7 @@ static PyGetSetDef hc_getset[] = {{"__dict__", PyObject_GenericGetDict, PyObject
 static void hc_dealloc(PyObject *obj) {
     hc_call *self = (hc_call *)obj;
     Py_XDECREF(self->slow); Py_XDECREF(self->fn); Py_XDECREF(self->dtype); Py_XDECREF(self->alpha);
-    Py_XDECREF(self->flags); Py_XDECREF(self->dict);
+    Py_XDECREF(self->flags); Py_XDECREF(self->names); Py_XDECREF(self->beta); Py_XDECREF(self->dict);
     Py_TYPE(obj)->tp_free(obj);
 }
 
@@ -347,6 +696,10 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
         s_stats = PyUnicode_InternFromString("stats");
         s_T = PyUnicode_InternFromString("T");
         s_qualname = PyUnicode_InternFromString("__qualname__");
+        s_out = PyUnicode_InternFromString("out");
+        s_dtype = PyUnicode_InternFromString("dtype");
+        s_casting = PyUnicode_InternFromString("casting");
+        s_axes = PyUnicode_InternFromString("axes");
         for (i = 0; i < 3; i++) hc_flag[i] = PyLong_FromLong(i);
         hc_zero = PyFloat_FromDouble(0.0);
         if (PyErr_Occurred()) return -1;
@@ -365,10 +718,17 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
 }
 
 PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, PyObject *alpha, PyObject *flags,
-                       int flops, int nargs) {
+                       int flops, int nargs, PyObject *names, PyObject *beta, int convert) {
     hc_call *self;
     if (hc_session == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "blasx_hc_new before blasx_hc_init");
+        return NULL;
+    }
+    if (((kind == HC_LANE || kind == HC_GEMM) && !(PyTuple_CheckExact(names)
+                                                  && PyTuple_GET_SIZE(names) == (kind == HC_GEMM ? 8 : hc_fam[flops].n)))
+            || (kind == HC_MATMUL && !PyDict_CheckExact(names)) || (kind == HC_LANE && !PyAnySet_Check(beta))
+            || flops < 0 || flops > 4) {
+        PyErr_SetString(PyExc_TypeError, "blasx_hc_new: bad arguments");
         return NULL;
     }
     self = PyObject_New(hc_call, &hc_type);
@@ -380,6 +740,9 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     Py_INCREF(dtype); self->dtype = dtype;
     Py_INCREF(alpha); self->alpha = alpha;
     Py_INCREF(flags); self->flags = flags;
+    Py_INCREF(names); self->names = names;
+    Py_INCREF(beta); self->beta = beta;
+    self->convert = convert;
     self->dict = NULL;
     return (PyObject *)self;
 }
@@ -400,10 +763,15 @@ PyObject *blasx_hc_probe(PyObject *x) {
 }
 """
 
-KINDS = {"matmul": 0, "dot": 1, "gemm": 2, "lane": 3}
+KINDS = {"matmul": 0, "dot": 1, "gemm": 2, "lane": 3, "tensordot": 4}
 #: routine -> how the C code counts its flops (hostpath.FAST_SHAPES)
 FLOPS = {"gemm": 0, "symm": 1, "hemm": 1, "syrk": 2, "herk": 2, "syr2k": 3, "her2k": 3, "trmm": 4, "trsm": 4}
 ROLE = {"trans_a": 1, "trans_b": 2, "side": 1, "trans": 1}  # flags the flop count reads (others: 0)
+#: flop code -> where the second lane's C code reads each parameter (HOSTCALL_C's hc_fam): the
+#: number of parameters, b, beta, c (-1: none), the first flag, the number of flags, overwrite_*
+FAMILY = {0: (8, 2, 3, 4, 5, 2, 7), 1: (8, 2, 3, 4, 5, 2, 7), 2: (7, -1, 2, 3, 4, 2, 6), 3: (8, 2, 3, 4, 5, 2, 7),
+          4: (8, 2, -1, -1, 3, 4, 7)}
+GEMM_NAMES = ("alpha", "a", "b", "beta", "c", "trans_a", "trans_b", "overwrite_c")
 
 BLAS = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128))
 #: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies
@@ -449,7 +817,8 @@ def _load():
     lib.blasx_hc_init.restype = ctypes.c_int
     lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.blasx_hc_new.restype = ctypes.py_object
-    lib.blasx_hc_new.argtypes = [ctypes.c_int] + [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.blasx_hc_new.argtypes = ([ctypes.c_int] + [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
+                                 + [ctypes.py_object] * 2 + [ctypes.c_int])
     lib.blasx_hc_probe.restype = ctypes.py_object
     lib.blasx_hc_probe.argtypes = [ctypes.py_object]
     lib.blasx_hc_now.restype = ctypes.py_object
@@ -473,11 +842,13 @@ def _layout_ok(lib) -> bool:
     x = np.zeros((6, 4), dtype=np.complex64)
     ro = np.ones((3, 5), order="F")
     ro.flags.writeable = False
-    for y in (x, x.T, x[::2, 1:], x[0], np.ones(7, np.float32)[::-3], ro, np.empty((2, 0, 3))):
+    odd = np.frombuffer(bytearray(8 * 13), dtype=np.uint8)[1:97].view(np.float64).reshape(4, 3)  # misaligned
+    for y in (x, x.T, x[::2, 1:], x[0], np.ones(7, np.float32)[::-3], ro, np.empty((2, 0, 3)), odd):
         got = lib.blasx_hc_probe(y)
-        bits = (y.flags.c_contiguous, y.flags.f_contiguous, y.flags.owndata, y.flags.writeable)
+        fl = y.flags
+        bits = (fl.c_contiguous, fl.f_contiguous, fl.owndata, fl.writeable, fl.aligned)
         if got is None or got[:3] != (y.ndim, y.shape, y.strides) or got[4] is not y.dtype or tuple(
-                bool(got[3] & m) for m in (0x1, 0x2, 0x4, 0x400)) != bits:
+                bool(got[3] & m) for m in (0x1, 0x2, 0x4, 0x400, 0x100)) != bits:
             return False
     return True
 
@@ -492,18 +863,23 @@ def _clock_ok(lib) -> bool:
     return False
 
 
-def _new(slow, kind_: str, fn, dtype=None, alpha=None, flags=None, flops: int = 0, nargs: int = 0):
+def _new(slow, kind_: str, fn, dtype=None, alpha=None, flags=None, flops: int = 0, nargs: int = 0, names=None):
     lib = _library()
     if lib is None:
         return slow
-    obj = lib.blasx_hc_new(KINDS[kind_], slow, fn, dtype, alpha, flags or {}, flops, nargs)
+    obj = lib.blasx_hc_new(KINDS[kind_], slow, fn, dtype, alpha, flags or {}, flops, nargs, names, None, 0)
     functools.update_wrapper(obj, slow)  # __name__, __doc__, __module__, __qualname__, __wrapped__ ...
     return obj
 
 
-def matmul(slow, numpy_matmul):
-    """``slow`` (blasx.matmul in Python) behind the C check, or ``slow`` itself without the library."""
-    return _new(slow, "matmul", numpy_matmul)
+def matmul(slow, numpy_matmul, dtype_kw: dict):
+    """``slow`` (blasx.matmul in Python) behind the C check, or ``slow`` itself without the library.
+    ``dtype_kw``: the ``dtype=`` values taken (-> the computation type; numpy_api._DTYPE_KW)."""
+    return _new(slow, "matmul", numpy_matmul, names=dtype_kw)
+
+
+def tensordot(slow, numpy_tensordot):
+    return _new(slow, "tensordot", numpy_tensordot)
 
 
 def dot(slow, numpy_dot):
@@ -512,19 +888,42 @@ def dot(slow, numpy_dot):
 
 def gemm(slow, routines: dict, scalars: dict):
     """blasx.gemm: ``routines`` (dtype -> scipy's ?gemm) and ``scalars`` (dtype -> alpha's types)."""
+    names = _names(slow)
+    if names != GEMM_NAMES:
+        raise TypeError(f"gemm: parameters {names}, the C code reads {GEMM_NAMES}")
     return _new(slow, "gemm", tuple(routines[d] for d in BLAS), alpha=tuple(frozenset(scalars[d]) for d in BLAS),
-                flags={k: (frozenset((0, 1, 2)), ROLE[k]) for k in ("trans_a", "trans_b")})
+                names=names)
 
 
-def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flags: dict, nargs: int):
-    """A scipy-signature routine's plain call in C (hostpath.with_host_path): ``native`` (scipy's routine)
-    for a call of ``nargs`` positional arguments, alpha of ``alpha_types`` and not 0, flags by keyword
-    in ``flags`` (name -> allowed ints), 2-D arrays of ``dtype`` that fit; else ``slow``.
-    ``wrapped``: what ``__wrapped__`` names (the whole Python function)."""
+def _names(fn) -> tuple:
+    """The names of fn's parameters (positional-or-keyword, in order), interned (the C code
+    compares keywords by identity first)."""
+    code = fn.__code__
+    if code.co_posonlyargcount or code.co_kwonlyargcount or code.co_flags & 0x0C:  # (no / * ** in the signature)
+        raise TypeError(f"{fn.__qualname__}: only positional-or-keyword parameters")
+    return tuple(sys.intern(n) for n in code.co_varnames[:code.co_argcount])
+
+
+def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flags: dict, nargs: int,
+         second, beta_types, convertible):
+    """A scipy-signature routine in C (hostpath.with_host_path): ``native`` (scipy's routine) for
+    the plain call (``nargs`` positional arguments, alpha of ``alpha_types`` and not 0, flags by
+    keyword in ``flags``: name -> allowed ints, 2-D arrays of ``dtype`` that fit) as it came, and
+    for a call of the second lane (``second``: hostpath.LANES' function, whose parameters name
+    scipy's; beta of ``beta_types``, arrays of ``dtype`` or ``convertible`` dtypes) as that
+    function calls it; else ``slow``. ``wrapped``: what ``__wrapped__`` names (the whole Python
+    function)."""
     lib = _library()
     if lib is None:
         return wrapped
+    names = _names(second)
+    n, b, beta, c, f0, nf, ow = FAMILY[FLOPS[routine]]
+    if (len(names) != n or names[:2] != ("alpha", "a") or (b >= 0 and names[b] != "b")
+            or (beta >= 0 and names[beta] != "beta") or (c >= 0 and names[c] != "c")
+            or not names[ow].startswith("overwrite_") or set(names[f0:f0 + nf]) != set(flags)):
+        raise TypeError(f"{routine}: parameters {names} are not where the C code reads them")
     obj = lib.blasx_hc_new(KINDS["lane"], slow, native, dtype, frozenset(alpha_types),
-                           {k: (frozenset(v), ROLE.get(k, 0)) for k, v in flags.items()}, FLOPS[routine], nargs)
+                           {k: (frozenset(v), ROLE.get(k, 0)) for k, v in flags.items()}, FLOPS[routine], nargs,
+                           names, frozenset(beta_types), sum(1 << i for i, d in enumerate(BLAS) if d in convertible))
     obj.__wrapped__ = wrapped
     return obj

@@ -14,6 +14,8 @@ for scipy's own cost plus a few checks. Two lanes, tried in turn:
   arrays of another BLAS type that the routine converts; nested lists for blasx.linalg.blas,
   made arrays first): the arguments are checked and handed to scipy's routine in the form that
   makes it do what blasx does (``LANES``: one function per family; see the comment above them).
+  Checked in C too where the library is built (blasx._hostcall: the same checks and the same call
+  of scipy's routine, for arrays, not nested lists); what C does not take comes here.
 
 Both need int flags within what blasx allows (blasx raises where scipy hands a bad flag to
 BLAS, e.g. ``zherk(trans=1)``, ``zsyrk(trans=2)``) and shapes that fit with every dimension > 0
@@ -434,4 +436,5 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True, lis
                 return res
         return second(*args, **kwargs)
 
-    return _hostcall.lane(second, f, native, routine, dtype, plain_alpha, flags, n_args)
+    return _hostcall.lane(second, f, native, routine, dtype, plain_alpha, flags, n_args, lane,
+                          SCALAR_TYPES[(routine, prefix in "cz")][1], CONVERTIBLE[prefix] if convert else frozenset())

@@ -178,8 +178,9 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     return out
 
 
-# The CPU alone: blasx.gemm's plain call (alpha, a, b; trans_* by keyword) is checked in C and runs
-# _host_gemm's call there (blasx._hostcall), every other call the Python function above
+# The CPU alone: a blasx.gemm call that _host_gemm takes (c, beta, overwrite_c included; arguments by
+# position or keyword) is checked in C and runs _host_gemm's call there (blasx._hostcall), every
+# other call the Python function above
 gemm = _hostcall.gemm(gemm, _HOST_GEMM, _HOST_SCALARS)
 
 

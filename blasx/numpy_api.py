@@ -28,9 +28,9 @@ runs BLAS on (any strides from numpy 2.3.1, else C- or F-contiguous ones; with
 type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS type with no
 ``out``, ``tensordot`` of ndarrays of one BLAS type; nested lists are made the
 arrays numpy makes of them first. That costs numpy's time plus a few checks and
-the record of the call for ``blasx.last_profile()``: ~0.2 us for the plain
-``matmul`` / ``dot``, whose checks run in C (:mod:`blasx._hostcall`), under a
-microsecond for the others.
+the record of the call for ``blasx.last_profile()``: ~0.2 us for ``matmul``
+(``out=``, ``dtype=``, ``casting=`` included), ``dot`` and ``tensordot`` of ndarrays, whose
+checks run in C (:mod:`blasx._hostcall`); about a microsecond for nested lists.
 
 Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
 GPU) are computed per batch item on the engine and come back as CuPy arrays.
@@ -299,11 +299,12 @@ def dot(a, b, out=None):
 
 _DOT_NDIMS = (1, 2)
 
-# The CPU alone: the plain calls of matmul (two exact ndarrays of one BLAS type that numpy's matmul
-# runs BLAS on) and dot (1-D / 2-D ones) are checked in C and run numpy's function there
-# (blasx._hostcall); every other call runs the Python functions above.
+# The CPU alone: the calls of matmul (two exact ndarrays of one BLAS type that numpy's matmul runs
+# BLAS on; out= / dtype= / casting= as _host_matmul_out takes them) and dot (1-D / 2-D ones) are
+# checked in C and run numpy's function there (blasx._hostcall); every other call runs the Python
+# functions above.
 _ANY_STRIDES = _hostcall.NUMPY_COPIES_STRIDES
-matmul = _hostcall.matmul(matmul, _np_matmul)
+matmul = _hostcall.matmul(matmul, _np_matmul, _DTYPE_KW)
 dot = _hostcall.dot(dot, _np_dot)
 
 
@@ -368,6 +369,11 @@ def _host_tensordot(dev, a, b, axes):
     k = math.isqrt(a.size * b.size // res.size) if res.size else 0
     level3.keep_host_call(dev, t0, a.dtype, 2.0 * res.size * k)
     return res
+
+
+# The CPU alone: tensordot of two ndarrays of one BLAS type (axes positional or by keyword) is
+# checked in C and runs numpy's tensordot there (blasx._hostcall); every other call the function above.
+tensordot = _hostcall.tensordot(tensordot, _np_tensordot)
 
 
 def _tensordot_axes(x, y, axes):

@@ -441,3 +441,347 @@ def test_level3_lists_keep_aliases_and_errors(rand):
                  lambda: blasx.syrk(1.0, a.tolist()), lambda: blasx.dsyrk(1.0, a.tolist()),
                  lambda: blasx.gemm(1.0, a.tolist(), a.T), lambda: blasx.dtrmm(1.0, np.eye(6).tolist(), a)):
         assert _error_of(call) == _general(lambda: _error_of(call))
+
+
+# ---------------------------------------------------------------- keyword calls in C (issue 5's fourth pass)
+
+def _in_c(fn):
+    """fn()'s result, asserting that no blasx Python function ran in it: the C entry point took the
+    call whole (where the library is built)."""
+    if _hostcall.kind() != "c":
+        return fn()
+    ran = []
+    mark = os.sep + "blasx" + os.sep
+
+    def prof(frame, event, arg):
+        if event == "call" and mark in frame.f_code.co_filename:
+            ran.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        res = fn()
+    finally:
+        sys.setprofile(None)
+    assert not ran, f"blasx's Python ran: {ran}"
+    return res
+
+
+def _py(f):
+    """The Python function behind an entry point (f itself without the library)."""
+    return getattr(f, "__wrapped__", f)
+
+
+def _profile():
+    t = blasx.last_profile().totals()
+    return t["tasks"], t["flops"]
+
+
+def _poisoned_c(shape, dtype, how, rand, seed, nan=False):
+    c = _laid_out(rand(shape, dtype, seed=seed, order="C"), how)
+    if nan:
+        c[...] = np.nan
+    return c
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_gemm_with_c_in_c(dtype, rand, rel_err, tol):
+    """blasx.gemm with beta, c (every layout, NaN around), overwrite_c (int / bool), alpha 0 (NaN in
+    a and b), by position and by keyword: from C where the Python host path takes the call (c
+    written in place when F-ordered, through c.T when C-ordered), else the Python function; both
+    give the same array (bit for bit), the same object (c itself exactly when overwrite_c), the
+    same profile, and scipy's ?gemm's values; c is not written when it is not the output."""
+    fn = S.get_blas_funcs("gemm", dtype=dtype)
+    cplx = np.dtype(dtype).kind == "c"
+    rng = np.random.default_rng(11)
+    specs = list(itertools.product((0, 1, 2), (0, 1, 2), ("F", "C", "blockF", "block", "strided"),
+                                   (0, 1, False, True)))
+    for ta, tb, lc, ow in specs:
+        alpha = [1.5, 0.0, np.float64(-0.5), 2][int(rng.integers(4))]
+        beta = [0.5, 0.0, np.float32(1.5), 1][int(rng.integers(4))]
+        if cplx and rng.random() < 0.5:
+            alpha, beta = alpha + 0.5j, beta - 0.25j
+        la, lb = LAYOUTS[int(rng.integers(6))], ("C", "F", "block")[int(rng.integers(3))]
+        positional = rng.random() < 0.5
+
+        def args():
+            a = _laid_out(rand((7, 6) if ta == 0 else (6, 7), dtype, seed=1, order="C"), la)
+            b = _laid_out(rand((6, 5) if tb == 0 else (5, 6), dtype, seed=2, order="C"), lb)
+            if alpha == 0:
+                a[0, 0] = b[-1, -1] = np.nan
+            return a, b, _poisoned_c((7, 5), dtype, lc, rand, 3, nan=beta == 0)
+
+        def call(f, x):
+            a, b, c = x
+            if positional:
+                return f(alpha, a, b, beta, c, ta, tb, ow)
+            return f(alpha, a, b, c=c, beta=beta, overwrite_c=ow, trans_b=tb, trans_a=ta)
+
+        in_c = not ow or lc == "F" or (lc == "C" and not (cplx and 2 in (ta, tb)))
+        x1, x2 = args(), args()
+        got = _in_c(lambda: call(blasx.gemm, x1)) if in_c else call(blasx.gemm, x1)
+        prof = _profile()
+        ref = call(_py(blasx.gemm), x2)
+        assert prof == _profile()
+        assert (got is x1[2]) == (ref is x2[2]) == bool(ow)
+        assert got.dtype == np.dtype(dtype) and got.shape == (7, 5) and np.isfinite(got).all()
+        np.testing.assert_array_equal(got, ref)
+        sa, sb, sc = (np.asfortranarray(x) for x in args())
+        _ok(rel_err, tol, got, fn(alpha, sa, sb, beta, sc, ta, tb))
+        if not ow:
+            np.testing.assert_array_equal(x1[2], args()[2])
+
+
+def _other(dt):
+    return {np.float32: np.float64, np.float64: np.float32, np.complex64: np.complex128,
+            np.complex128: np.complex64}[dt]
+
+
+def _lane_calls(routine, dt, rand):
+    """(label, args, kwargs, output index or None) of the second lane's calls of ``routine``: c and
+    beta by position and keyword, flags by position, overwrite_* (an F-ordered c: in place; a
+    C-ordered or block one: a new array), alpha 0 (NaN in a and b), beta 0 (NaN in c), arrays of
+    the other precision (converted by scipy)."""
+    tri, rank = routine in ("trmm", "trsm"), routine in ("syrk", "herk")
+    a = rand((5, 5), dt, seed=1, order="F") + 3 * np.eye(5, dtype=dt)
+    b = rand((5, 4) if tri else (5, 4), dt, seed=2, order="F")
+    if routine in ("symm", "hemm"):
+        ops, cshape = (a, b), (5, 4)
+    elif rank:
+        ops, cshape = (b,), (5, 5)
+    elif routine in ("syr2k", "her2k"):
+        ops, cshape = (b, rand((5, 4), dt, seed=4, order="F")), (5, 5)
+    elif routine == "gemm":
+        ops, cshape = (b, rand((4, 3), dt, seed=4, order="F")), (5, 3)
+    else:
+        ops, cshape = (a, b), None
+    nan_ops = tuple(x.copy(order="F") for x in ops)
+    for x in nan_ops:
+        x[0, 0] = np.nan
+    conv = tuple(x.astype(_other(dt)) for x in ops)
+    flags = {"gemm": (0, 0), "symm": (0, 1), "hemm": (0, 1), "syrk": (0, 1), "herk": (0, 0), "syr2k": (0, 1),
+             "her2k": (0, 1), "trmm": (0, 1, 1, 0), "trsm": (0, 0, 2, 1)}[routine]
+    out = []
+    if tri:
+        bb = lambda how: _laid_out(ops[1], how)  # noqa: E731
+        out += [("overwrite_b F", (1.5, ops[0], bb("F")), {"overwrite_b": 1, "lower": 1}, 2),
+                ("overwrite_b C", (1.5, ops[0], bb("C")), {"overwrite_b": True}, 2),
+                ("overwrite_b block", (1.5, ops[0], bb("blockF")), {"overwrite_b": 1, "side": 0}, 2),
+                ("flags positional", (1.5, ops[0], bb("F"), *flags, 1), {}, 2),
+                ("alpha 0", (0.0, *nan_ops), {"lower": 1}, None),
+                ("converted", (2, *conv), {"trans_a": 1}, None),
+                ("converted in place", (2, conv[0], bb("F")), {"overwrite_b": 1}, 2)]
+        return out
+    c = lambda how, nan=False: _poisoned_c(cshape, dt, how, rand, 5, nan)  # noqa: E731
+    n = len(ops)
+    out += [("c positional", (1.5, *ops, 0.5, c("F")), {}, None),
+            ("c keyword", (1.5, *ops), {"c": c("C"), "beta": 0.5}, None),
+            ("beta 0, NaN c", (1.5, *ops, 0.0, c("blockF", True)), {}, None),
+            ("beta without c", (1.5, *ops, 0.5), {}, None),
+            ("flags positional", (1.5, *ops, 1.0, c("F"), *flags), {}, None),
+            ("overwrite F", (1.5, *ops, 0.5, c("F")), {"overwrite_c": 1}, n + 2),
+            ("overwrite bool", (1.5, *ops), {"beta": 1, "c": c("F"), "overwrite_c": True}, None),
+            ("overwrite C", (1.5, *ops, 0.5, c("C")), {"overwrite_c": 1}, n + 2),
+            ("overwrite block", (1.5, *ops, 0.5, c("blockF")), {"overwrite_c": 1}, n + 2),
+            ("alpha 0", (0.0, *nan_ops, 0.5, c("F")), {}, None),
+            ("alpha 0 in place", (0, *nan_ops, 0.5, c("F")), {"overwrite_c": 1}, n + 2),
+            ("converted", (1.5, *conv, 0.5, c("F").astype(_other(dt))), {}, None),
+            ("converted, c in place", (1.5, *conv, 0.5, c("F")), {"overwrite_c": 1}, n + 2)]
+    return out
+
+
+@pytest.mark.parametrize("prefix, routine", LEVEL3)
+def test_level3_second_lane_in_c(prefix, routine, rand):
+    """The scipy-signature functions (blasx.linalg.blas and blasx's prefixed ones) with c and beta,
+    overwrite_*, flags by position, alpha 0, converted arrays: from C (no Python frame), scipy's
+    routine called as the Python lane calls it, bit for bit; the Python function (``__wrapped__``)
+    gives the same array, the same object and the same profile."""
+    dt = DT[prefix]
+    sp = S.get_blas_funcs(routine, dtype=dt)
+    fns = [getattr(B, prefix + routine)] + ([getattr(blasx, prefix + routine)] if routine != "gemm" else [])
+    for label, args, kw, out in _lane_calls(routine, dt, rand):
+        fresh = lambda: ([x.copy(order="A") if isinstance(x, np.ndarray) else x for x in args],  # noqa: E731
+                         {k: v.copy(order="A") if isinstance(v, np.ndarray) else v for k, v in kw.items()})
+        for fn in fns:
+            a1, k1 = fresh()
+            got = _in_c(lambda: fn(*a1, **k1))
+            prof = _profile()
+            a2, k2 = fresh()
+            ref = _py(fn)(*a2, **k2)
+            assert prof == _profile(), label
+            a3, k3 = fresh()
+            want = sp(*a3, **k3)
+            np.testing.assert_array_equal(got, want, label)
+            np.testing.assert_array_equal(got, ref, label)
+            assert got.dtype == np.dtype(dt), label
+            if not (label == "beta 0, NaN c" and routine in ("syrk", "herk", "syr2k", "her2k")):  # (c's other triangle)
+                assert np.isfinite(got).all(), label
+            if out is not None:  # written in place exactly when scipy writes in place
+                assert (got is a1[out]) == (ref is a2[out]) == (want is a3[out]), label
+
+
+def test_second_lane_in_c_declines_what_python_decides(rand, rel_err, tol):
+    """Outputs the C code cannot prove safe go to the Python function, with the results and errors
+    of before: c sharing memory with a (blasx's error), c whose bounds overlap a's but whose
+    elements do not (numpy's exact test: in place), a misaligned c, a read-only c (a new array)."""
+    a = rand((6, 6), seed=1, order="F")
+    for fn in (B.dsyrk, blasx.dsyrk, blasx.gemm):
+        args = (a, a.T) if fn is blasx.gemm else (a,)
+        for c in (a, a[:, :]):
+            err = _error_of(lambda: fn(1.0, *args, 0.5, c, overwrite_c=1))
+            assert err == _error_of(lambda: _py(fn)(1.0, *args, 0.5, c, overwrite_c=1))
+            assert err[0] is ValueError and "shares memory with a" in err[1]
+    buf = rand((460,), seed=3)
+    x = np.lib.stride_tricks.as_strided(buf, (6, 4), (8, 720))
+    for fn, extra in ((B.dsyrk, ()), (B.dgemm, (np.ones((4, 6)),)), (blasx.gemm, (np.ones((4, 6)),))):
+        c = buf[50:86].reshape(6, 6, order="F")
+        c0 = c.copy()
+        want = (S.dsyrk(1.0, x, 0.5, c0) if fn is B.dsyrk else S.dgemm(1.0, x, extra[0], 0.5, c0))
+        assert fn(1.0, x, *extra, 0.5, c, overwrite_c=1) is c
+        _ok(rel_err, tol, c, want)
+        c[...] = c0
+    raw = np.zeros(6 * 6 * 8 + 8, np.uint8)
+    odd = raw[1:1 + 288].view(np.float64).reshape(6, 6).T  # F-ordered, misaligned
+    assert not odd.flags.aligned and odd.flags.f_contiguous
+    odd[...] = rand((6, 6), seed=4)
+    want = S.dsyrk(1.0, a, 0.5, odd.copy(order="F"))
+    for fn in (B.dsyrk, blasx.dsyrk):
+        o = odd.copy()
+        got = fn(1.0, a, 0.5, odd, overwrite_c=1)
+        assert got is odd
+        _ok(rel_err, tol, got, want)
+        odd[...] = o
+    ro = rand((6, 6), seed=5, order="F")
+    ro.flags.writeable = False
+    for fn in (B.dsyrk, blasx.dsyrk):
+        got = _in_c(lambda: fn(1.0, a, 0.5, ro, overwrite_c=1))
+        assert got is not ro and np.array_equal(got, S.dsyrk(1.0, a, 0.5, ro))
+
+
+def test_keyword_binding_in_c(rand):
+    """The C code binds arguments as Python does: keywords by name (interned or not), in any order;
+    a repeated, unknown or missing argument, or too many, goes to the Python function, which
+    raises its TypeError."""
+    a, b, c = rand((5, 4), seed=1, order="F"), rand((4, 3), seed=2, order="F"), rand((5, 3), seed=3, order="F")
+    name = "".join(["be", "ta"])  # a str that is not the interned one
+    for fn in (B.dgemm, blasx.gemm):
+        want = S.dgemm(1.5, a, b, 0.5, c)
+        np.testing.assert_array_equal(_in_c(lambda: fn(1.5, a, b, **{name: 0.5, "c": c})), want)
+        np.testing.assert_array_equal(_in_c(lambda: fn(c=c, b=b, a=a, alpha=1.5, beta=0.5)), want)
+        for args, kw in (((1.5, a, b), {"alpha": 2.0}), ((1.5, a, b, 0.5, c), {"gamma": 1}),
+                         ((), {"a": a, "b": b}), ((1.5, a, b, 0.5, c, 0, 0, 0, 0), {}),
+                         ((1.5, a, b, 0.5, c), {"c": c})):
+            err = _error_of(lambda: fn(*args, **kw))
+            assert err[0] is TypeError and err == _error_of(lambda: _py(fn)(*args, **kw))
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_matmul_out_and_dtype_in_c(dtype, rand, rel_err, tol):
+    """matmul with out= (by keyword or position, C- or F-ordered, NaN-filled), dtype= (every spelling
+    taken), casting=: numpy's matmul from C, bit for bit, the same out returned, the profile of the
+    Python function; an out numpy writes without BLAS (non-contiguous, another dtype) and other
+    keywords go to the Python function, with the results and errors of before."""
+    other = _other(dtype)
+    x1 = _laid_out(rand((7, 6), dtype, seed=1, order="C"), "block")
+    x2 = rand((6, 5), dtype, seed=2, order="F")
+    for out_how, kw in itertools.product(("none", "C", "F", "positional"),
+                                         ({}, {"dtype": dtype}, {"dtype": np.dtype(other)}, {"dtype": np.dtype(dtype).char},
+                                          {"dtype": np.dtype(other).name}, {"casting": "same_kind"},
+                                          {"casting": "unsafe", "dtype": other}, {"dtype": None})):
+        ct = np.dtype(kw.get("dtype") or dtype)
+
+        def out():
+            return None if out_how == "none" else np.full((7, 5), np.nan, ct, order="F" if out_how == "F" else "C")
+
+        def call(f, o):
+            if out_how == "positional":
+                return f(x1, x2, o, **kw)
+            return f(x1, x2, **kw) if o is None else f(x1, x2, out=o, **kw)
+
+        o1, o2, o3 = out(), out(), out()
+        got = _in_c(lambda: call(blasx.matmul, o1))
+        prof = _profile()
+        ref = call(_py(blasx.matmul), o2)
+        assert prof == _profile()
+        want = call(np.matmul, o3)
+        assert (got is o1) == (ref is o2) == (o1 is not None)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, ref)
+    for make in (lambda: np.empty((7, 10), dtype)[:, ::2], lambda: np.empty((7, 5), other),
+                 lambda: np.empty((7, 5), np.complex128)):
+        o, o2 = make(), make()
+        assert blasx.matmul(x1, x2, out=o) is o and _py(blasx.matmul)(x1, x2, out=o2) is o2
+        np.testing.assert_array_equal(o, o2)
+        _ok(rel_err, tol, o, np.matmul(x1, x2, out=np.empty_like(o)))
+    for call in (lambda f: f(x1, x2, np.empty((7, 5), dtype), out=np.empty((7, 5), dtype)),
+                 lambda f: f(x1, x2, out=np.empty((7, 4), dtype)),
+                 lambda f: f(x1, x2, out=_readonly(np.empty((7, 5), dtype))),
+                 lambda f: f(x1, x2, dtype=np.int32),
+                 lambda f: f(x1, x2, dtype=[1]),
+                 lambda f: f(x1, x2, casting="bogus"),
+                 lambda f: f(x1, x2, casting=None),
+                 lambda f: f(x1, x2, bogus=1),
+                 lambda f: f(x1, x1, out=np.empty((7, 6), dtype)),
+                 lambda f: f(x1, x2, dtype=other, casting="no")):
+        fast, slow = _outcome(lambda: call(blasx.matmul)), _outcome(lambda: call(_py(blasx.matmul)))
+        assert fast[0][0] == slow[0][0] and fast[1] == slow[1]
+        if fast[0][0] == "error":
+            assert fast == slow
+        else:
+            np.testing.assert_array_equal(fast[0][1], slow[0][1])
+
+
+def _readonly(x):
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_tensordot_in_c(dtype, rand):
+    """tensordot of two ndarrays of one BLAS type (axes an int, a pair, by keyword, the default):
+    numpy's tensordot from C, bit for bit, with the Python function's profile; numpy's errors; other
+    operands go to the Python function."""
+    a = rand((3, 4, 5), dtype, seed=1, order="C")
+    b = _laid_out(rand((5, 6), dtype, seed=2, order="C"), "strided")
+    sq = rand((4, 5), dtype, seed=3, order="F")
+    for args, kw in (((a, b, 1), {}), ((a, b), {"axes": 1}), ((a, b, ([2], [0])), {}), ((sq, sq), {}),
+                     ((sq, sq, 0), {}), ((a, rand((4, 5, 2), dtype, seed=4)), {}), ((a, b, ((2,), (0,))), {})):
+        got = _in_c(lambda: blasx.tensordot(*args, **kw))
+        prof = _profile()
+        ref = _py(blasx.tensordot)(*args, **kw)
+        assert prof == _profile()
+        want = np.tensordot(*args, **kw)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, ref)
+    for call in (lambda f: f(a, b, 2), lambda f: f(a, b, axes=([0], [0])), lambda f: f(a, b, 1, axes=1),
+                 lambda f: f(a, b, bogus=1), lambda f: f(a, b.astype(_other(dtype)), 1)):
+        fast = _outcome(lambda: call(blasx.tensordot))
+        slow = _outcome(lambda: call(_py(blasx.tensordot)))
+        assert fast[0][0] == slow[0][0] and fast[1] == slow[1]
+        if fast[0][0] == "error":
+            assert fast[0][1] is slow[0][1]
+
+
+def test_keyword_calls_in_c_keep_refcounts(rand):
+    """Many calls of each new C case change no argument's reference count (a leak or a lost
+    reference would)."""
+    a, b = rand((5, 5), seed=1, order="F"), rand((5, 5), seed=2, order="F")
+    c, o = rand((5, 5), seed=3, order="F"), np.empty((5, 5))
+    cc = np.ascontiguousarray(c)
+    a32 = a.astype(np.float32)
+    eye, bb = np.asfortranarray(np.eye(5)), b.copy(order="F")
+    alpha, beta = 1.5, 0.5
+    calls = [lambda: blasx.gemm(alpha, a, b, beta, c), lambda: blasx.gemm(alpha, a, b, beta, c, overwrite_c=True),
+             lambda: blasx.gemm(alpha, a, b, beta, cc, overwrite_c=1), lambda: B.dgemm(0.0, a, b, beta, c),
+             lambda: B.dsyrk(alpha, a32, beta=beta, c=c, overwrite_c=1), lambda: blasx.dtrsm(1.0, eye, bb, overwrite_b=1),
+             lambda: blasx.matmul(a, b, out=o), lambda: blasx.matmul(a, b, dtype=np.float32),
+             lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1)]
+    objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device)
+    for f in calls:
+        f()
+        before = [sys.getrefcount(x) for x in objs]
+        for _ in range(2000):
+            f()
+        assert [sys.getrefcount(x) for x in objs] == before, f
