@@ -17,7 +17,9 @@ Policy
   (demand-driven balance: a device pulls as fast as it finishes, so slow
   devices get fewer tasks), steals the newest task of the most loaded
   station when the queue is empty, and starts the station's task of highest
-  **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's L1).
+  **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's L1);
+  an ``urgent`` task (TRSM's inversions of diagonal blocks, which read no A/B
+  tile and which later tasks wait for) goes first.
   **Fair share of small calls**: a stream-device worker holding
   max(1, tasks // stream workers) of a call leaves the rest to a stream peer
   with room that holds less, unless it has nothing else to run
@@ -71,8 +73,10 @@ Invariants
 5. No exception escapes a worker: it is attached to the calls whose tasks
    the worker held. Those tasks are handed to live workers, unless their
    write-back was in flight and the task reads its own tile (``beta != 0``,
-   or an in-place TRMM), in which case the call fails loudly. With no live
-   worker able to run a call, it fails.
+   or an in-place TRMM), or a write-after-read gate already let a tile it
+   read be overwritten (``Call.recompute_safe``: in-place TRMM overwrites a
+   tile once its readers' *kernels* are done), in which case the call fails
+   loudly. With no live worker able to run a call, it fails.
 6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker
    on the queue and joins them all (and the sim stream threads). An inline
    engine (the CPU alone) starts no thread at all.
