@@ -723,8 +723,9 @@ class CpuWorker(Worker):
     By demand (``engine.admission`` None: ``configure(cpu=True)``) it takes the queue's head
     whenever it is idle, and steals when the queue is empty. In auto mode it takes a task, from
     the queue or a GPU's station, only when ``engine.admission`` admits it (the rule in
-    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes
-    (every 2 ms while stations hold tasks), asking again with fresher rates.
+    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes,
+    or for 2 ms when it was declined on rates (not for a call it can never join: one with
+    dependencies, or one the GPUs hold whole), asking again with fresher rates.
     """
 
     current = None  # the task being solved (it writes C in place)
