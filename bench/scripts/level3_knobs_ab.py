@@ -39,16 +39,15 @@ LIVE_KNOBS = {"trsm_inverse", "block_order"}
 
 
 def use_knobs(blasx, text: str, tile) -> None:
-    """Run the next calls under the knobs ``text``: on the running engine when only LIVE_KNOBS
-    differ from the defaults, else on a new one (its first call then opens the devices, ~70 ms:
+    """Run the next calls under the knobs ``text``: on the running engine when they differ from
+    its own in LIVE_KNOBS only, else on a new one (its first call then opens the devices, ~70 ms:
     each case's first round is untimed)."""
     from blasx.runtime.knobs import Knobs
     knobs = Knobs.from_env(text)
-    names = {item.partition("=")[0] for item in filter(None, text.split(","))}
     os.environ["BLASX_KNOBS"] = text
     eng = blasx.session.engine() if blasx.session.settings().tile == tile else None
-    if eng is None or not names <= LIVE_KNOBS or any(getattr(eng.config.knobs, k) != getattr(Knobs(), k)
-                                                     for k in vars(Knobs()) if k not in LIVE_KNOBS):
+    if eng is None or any(getattr(knobs, k) != getattr(eng.config.knobs, k) for k in vars(knobs)
+                          if k not in LIVE_KNOBS):
         blasx.configure(tile=tile)
         eng = blasx.session.engine()
     eng.config.knobs = knobs
