@@ -40,6 +40,8 @@ Scheduling flags:
   are ``rotatable``; diagonal tiles of the triangle-only routines are not: the
   late-C fold of the worker (``Knobs.late_c``) adds ``beta * old C`` over the
   whole tile, which would clobber the triangle that must stay as loaded;
+  TRMM's tasks rotate their gemm steps only (``fixed=1``: the diagonal step,
+  which initialises C, stays first; TRMM never loads C, so no late-C fold);
 * a C tile that is only partly written has ``load_c=True`` even with
   ``beta == 0`` (the untouched triangle is written back as loaded), its
   kernels then still get ``SC_ZERO`` as beta (the written triangle is not read);
@@ -303,10 +305,12 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
 
 
 #: Order families of in-place TRMM tasks (:func:`trmm_order`); ``lines``, ``wave``, ``work`` and
-#: ``bands`` take a number. Only ``auto`` (the default), ``levels`` and ``wave`` are meant for use;
-#: the others are kept so that ``bench/level3_sim.py`` can reproduce the comparison in NOTES.md.
-TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands")
-#: ``auto`` lists level by level when the grid has at most this many tiles, else as a wave. In the
+#: ``bands`` take a number. Only ``auto`` (the default), ``levels``, ``wave`` and ``blocks`` are meant
+#: for use; the others are kept so that ``bench/level3_sim.py`` can reproduce the comparison in NOTES.md.
+TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands", "blocks")
+#: ``auto`` lists level by level when the grid has at most this many tiles, else in blocks of 2 x 2
+#: (on 2x H200 at N = 32768, 8 x 8 tiles, with the gemm steps rotated per device: 0.896-0.903 of
+#: GEMM in 3 runs, the wave 0.866-0.880; NOTES.md, sixth session). Before blocks, the wave: in the
 #: 2-GPU timing sim (bench/results/NOTES.md, fourth session) the wave won from 5 x 5 tiles up
 #: (+7% at 5 x 5 and 6 x 6, +5% at 8 x 8, +1% at 12 x 12) but lost 12% at 4 x 4 (N = 16384, T =
 #: 4096), where the whole call is held at once (2 devices x (station 4 + streams 4)) and the order
@@ -325,13 +329,14 @@ def _order_key(order: str, levels: int, lines: int):
     except ValueError:
         x = None
         family = "?"
-    integral = family in ("lines", "bands", "work")
+    integral = family in ("lines", "bands", "work", "blocks")
     if (family not in TRMM_ORDERS or (x is None and family in ("work", "bands"))
             or (x is not None and (family in ("auto", "levels") or not x > 0 or (integral and x != int(x))))):
-        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], lines[Q], work[Q], bands[B] "
-                         f"(S a number > 0, default 1; Q and B ints >= 1, lines' default 1)")
+        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], lines[Q], work[Q], bands[B], "
+                         f"blocks[B] (S a number > 0, default 1; Q and B ints >= 1, lines' default 1, "
+                         f"blocks' 2)")
     if family == "auto":
-        family, x = ("levels", None) if levels * lines <= AUTO_LEVELS_MAX_TILES else ("wave", None)
+        family, x = ("levels", None) if levels * lines <= AUTO_LEVELS_MAX_TILES else ("blocks", None)
     if family == "levels":
         return lambda c: (c[0], c[1])
     if family == "wave":
@@ -343,6 +348,9 @@ def _order_key(order: str, levels: int, lines: int):
     if family == "bands":
         b = int(x)
         return lambda c: (c[0] // b, c[1], c[0])
+    if family == "blocks":
+        b = 2 if x is None else int(x)
+        return lambda c: (c[0] // b + c[1] // b, c[0] // b, c[0], c[1])
     # work: line l starts once 1/q of a line's steps are listed (a level of depth d has levels - d steps)
     before = [sum(levels - e for e in range(d)) for d in range(levels + 1)]
     start = before[levels] / x
@@ -371,8 +379,13 @@ def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order:
     * ``work[Q]``: as ``wave``, with depths weighted by their steps: line l
       starts once 1/Q of a line's steps have been listed.
     * ``bands[B]``: B levels at a time, line by line within them.
+    * ``blocks[B]`` (B default 2): blocks of B levels x B lines, listed as a
+      wave over blocks (block (D, L) by D + L, then D), level by level within a
+      block. The B^2 tasks of a block (one device's streams take them together)
+      share B rows of A and B lines of B, and the next block of a front shares
+      those rows of A (read over the peer link) with B new lines.
     * ``auto`` (default): ``levels`` for grids of at most ``AUTO_LEVELS_MAX_TILES``
-      tiles, else ``wave``.
+      tiles, else ``blocks``.
     """
     levels = trmm_levels(m, n, tile, side, lower, op)
     lines = n_tiles(n if side == SIDE_LEFT else m, tile)
@@ -390,8 +403,9 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
     side 0, n x n for side 1), with a unit diagonal if ``unit``. Task (i, j)
     runs the diagonal ``trmm`` step first (it initialises C; no beta, load_c
     False), then gemm steps ``alpha op(A)_ik B_kj`` (side 0) or ``alpha B_ik
-    op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE. Not
-    rotatable. With ``alpha == 0``, C = 0 and A, B are not read.
+    op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE: those
+    rotate (``rotatable`` with ``fixed=1``: the diagonal step stays first). With
+    ``alpha == 0``, C = 0 and A, B are not read.
 
     Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
     is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
@@ -438,8 +452,10 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
             deps = tuple(sorted(tid_of[x] for x in line if x in tid_of))
             gates = ((),) * len(steps) + (deps,)
         tid_of[(i, j)] = len(tasks)
+        # The gemm steps after the diagonal one commute: devices start them at different k
+        # (rotatable, fixed=1), so that two devices loading one row of A split it between them.
         tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates,
-                          war=bool(gates)))
+                          war=bool(gates), rotatable=len(steps) > 2, fixed=1))
     return tasks
 
 

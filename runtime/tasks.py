@@ -68,6 +68,9 @@ class Task:
     # starting k, which spreads the first host loads of several devices over
     # different tiles so that each later finds the rest in a peer's L1 (L2 hits).
     rotatable: bool = False
+    # With ``rotatable``: the first ``fixed`` steps always run first, only the rest rotate
+    # (TRMM's diagonal step initialises C; the gemm steps after it commute).
+    fixed: int = 0
     # Keep the finished C tile cached as a clean line (MESI-X E instead of I) because
     # later tasks of the call read it (TRSM reads solved tiles).
     keep_c: bool = False

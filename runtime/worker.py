@@ -365,7 +365,7 @@ class StreamWorker(Worker):
         for s, slot in enumerate(self.slots):
             if slot is not None or self.inflight >= self.max_inflight:
                 continue
-            task = self.station.pop_best(self._score, self.ready)
+            task = self.station.pop_best(self._score, self._startable)
             if task is None:
                 return
             if task.call.failed:
@@ -374,12 +374,22 @@ class StreamWorker(Worker):
             task.worker = self.idx
             task.call.started(task)
             steps = task.steps
-            if task.rotatable and not task.gates and self.n_devices > 1:
-                # Device d starts at the d-th share of k (see Task.rotatable).
-                steps = rotated_steps(steps, (len(steps) * self.rank) // self.n_devices)
+            if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
+                # Device d starts at the d-th share of k (see Task.rotatable); only a
+                # write-back gate (in-place TRMM) is unaffected by the order of the steps.
+                head, body = steps[:task.fixed], steps[task.fixed:]
+                steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
             self.slots[s] = _Active(task, steps)
             self.inflight += 1
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
+
+    def _startable(self, task) -> bool:
+        """``task`` may take a stream now: it is ready, and its call runs fewer than its
+        ``max_active`` tasks on this device (0: no bound)."""
+        if not self.ready(task):
+            return False
+        cap = task.call.max_active
+        return not cap or sum(1 for a in self.slots if a is not None and a.task.call is task.call) < cap
 
     def _score(self, task) -> int:
         """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an

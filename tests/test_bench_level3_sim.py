@@ -28,9 +28,9 @@ def test_in_place_cases_write_into_b():
     assert level3_sim.plan_case("trsm-blocked", 64, 16, (2, 2))[1] == [0, 1, 1]
     assert level3_sim.plan_case("trmm-oop", 64, 16, (2, 2))[1] == [0, 1, 2]
     assert level3_sim.plan_case("syrk", 64, 16, (2, 2))[1] == [0, 2]
-    # the default order is the planner's: a wave for 8 x 8 tiles
+    # the default order is the planner's: blocks of 2 x 2 for 8 x 8 tiles
     default = [(t.c.bi, t.c.bj) for t in level3_sim.plan_case("trmm", 128, 16, (2, 2))[0]]
-    assert default[:3] == [(0, 0), (1, 0), (0, 1)]
+    assert default[:5] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2)]
 
 
 def test_tiny_run_writes_the_tables(tmp_path):

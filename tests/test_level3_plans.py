@@ -24,7 +24,7 @@ from blasx.runtime.plans import (
     plan_syr2k, plan_syrk, plan_trmm, plan_trsm, step_flops, trmm_levels, trmm_order, trsm_levels,
 )
 from blasx.runtime.tasks import (
-    N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step,
+    N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step, rotated_steps,
 )
 from blasx.runtime.tiling import OP_C, OP_N, OP_T, TileRef, n_tiles, tile_ref
 
@@ -183,9 +183,8 @@ def test_plan_trmm_in_place_orders_writes_after_reads():
 
 def test_plan_trmm_in_place_wave_order_hand_computed():
     # B 10x8 in 2x2 tiles: 5 block rows (levels; upper op(A), left: row 0 first) x 4 block columns
-    # (lines). 20 tiles > AUTO_LEVELS_MAX_TILES, so the default order is the wave: cell (depth d,
-    # line l) sorts by d + l, then by line.
-    tasks = plan_trmm(10, 8, 2, 0, 0, OP_N, 0, in_place=True)
+    # (lines). The wave: cell (depth d, line l) sorts by d + l, then by line.
+    tasks = plan_trmm(10, 8, 2, 0, 0, OP_N, 0, in_place=True, order="wave")
     assert [(t.c.bi, t.c.bj) for t in tasks] == [
         (0, 0),
         (1, 0), (0, 1),
@@ -238,13 +237,47 @@ def test_trmm_order_hand_computed():
 
 
 def test_trmm_order_auto():
-    # up to AUTO_LEVELS_MAX_TILES tiles level by level, above them the wave
+    # up to AUTO_LEVELS_MAX_TILES tiles level by level, above them blocks of 2 x 2
     assert AUTO_LEVELS_MAX_TILES == 16
     for m, n in ((16, 16), (8, 32), (32, 8), (20, 16)):
-        want = "levels" if n_tiles(m, 4) * n_tiles(n, 4) <= 16 else "wave"
+        want = "levels" if n_tiles(m, 4) * n_tiles(n, 4) <= 16 else "blocks"
         for side, lower, op in itertools.product((0, 1), (0, 1), (OP_N, OP_T, OP_C)):
             assert trmm_order(m, n, 4, side, lower, op) == trmm_order(m, n, 4, side, lower, op, want)
-    assert trmm_order(20, 16, 4, 0, 0, OP_N)[:3] == [(0, 0), (1, 0), (0, 1)]
+    assert trmm_order(20, 16, 4, 0, 0, OP_N)[:5] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2)]
+
+
+def test_plan_trmm_in_place_blocks_order_hand_computed():
+    # B 10x8 in 2x2 tiles: 5 levels (rows, top first) x 4 lines (columns). Blocks of 2 levels x 2
+    # lines, (D, L) by D + L then D; level by level inside; the last level is a block of its own
+    # height 1.
+    tasks = plan_trmm(10, 8, 2, 0, 0, OP_N, 0, in_place=True, order="blocks")
+    assert [(t.c.bi, t.c.bj) for t in tasks] == [
+        (0, 0), (0, 1), (1, 0), (1, 1),          # block (0, 0)
+        (0, 2), (0, 3), (1, 2), (1, 3),          # (0, 1): rows 0-1 of A again, new lines
+        (2, 0), (2, 1), (3, 0), (3, 1),          # (1, 0)
+        (2, 2), (2, 3), (3, 2), (3, 3),          # (1, 1)
+        (4, 0), (4, 1),                          # (2, 0)
+        (4, 2), (4, 3)]                          # (2, 1)
+    assert trmm_order(10, 8, 2, 0, 0, OP_N, "blocks") == trmm_order(10, 8, 2, 0, 0, OP_N, "blocks2")
+    # every task is listed after its dependencies, in every blocks size and flag combination
+    for b, side, lower, op in itertools.product((1, 2, 3), (0, 1), (0, 1), (OP_N, OP_T)):
+        ts = plan_trmm(14, 10, 2, side, lower, op, 0, in_place=True, order=f"blocks{b}")
+        assert all(d < t.tid for t in ts for d in t.deps)
+
+
+def test_plan_trmm_gemm_steps_rotate_after_the_diagonal_step():
+    # the diagonal trmm step initialises C and stays first (fixed=1); the gemm steps rotate
+    for in_place in (False, True):
+        tasks = plan_trmm(8, 6, 2, 0, 0, OP_N, 0, in_place=in_place)
+        for t in tasks:
+            assert t.steps[0].kernel == "trmm" and t.fixed == 1
+            assert t.rotatable == (len(t.steps) > 2)
+    t = next(t for t in plan_trmm(8, 6, 2, 0, 0, OP_N, 0) if len(t.steps) == 4)
+    head, body = t.steps[:t.fixed], t.steps[t.fixed:]
+    rotated = head + rotated_steps(body, 2)
+    assert [s.kernel for s in rotated] == ["trmm", "gemm", "gemm", "gemm"]
+    assert [s.b for s in rotated] == [t.steps[0].b, t.steps[3].b, t.steps[1].b, t.steps[2].b]
+    assert all(s.beta == SC_ONE for s in rotated[1:])
 
 
 @pytest.mark.parametrize("order", ["wave-1", "wave0", "lines1.5", "bands", "work", "levels2", "auto3", "zigzag", ""])

@@ -20,6 +20,7 @@ SIGNATURES = {
     "syr2k": "PiiiiPPiPiPPi", "her2k": "PiiiiPPiPiPPi",
     "syrk": "PiiiiPPiPPi", "herk": "PiiiiPPiPPi",
     "trmm": "PiiiiiiPPiPiPi", "trsm": "PiiiiiiPPiPi",
+    "syrkx": "PiiiiPPiPiPPi", "herkx": "PiiiiPPiPiPPi", "gemm": "PiiiiiPPiPiPPi",
 }
 
 
@@ -40,9 +41,13 @@ def libcublas() -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def routine(prefix: str, name: str):
-    """cublas<prefix><name>_v2 with its argument types, returning a checked callable."""
+    """cublas<prefix><name>_v2 (cublas<prefix><name> for routines without a v2 form, such as
+    syrkx) with its argument types, returning a checked callable."""
+    lib = libcublas()
     sym = f"cublas{prefix.upper()}{name}_v2"
-    fn = getattr(libcublas(), sym)
+    if not hasattr(lib, sym):
+        sym = sym[:-3]
+    fn = getattr(lib, sym)
     fn.argtypes = [_CODES[c] for c in SIGNATURES[name]]
     fn.restype = I
 
