@@ -64,7 +64,9 @@ HOSTCALL_C = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <time.h>
+#include "pythread.h"
 
 typedef struct {
     PyObject_HEAD char *data; int nd; Py_ssize_t *dimensions; Py_ssize_t *strides;
@@ -84,10 +86,10 @@ static PyTypeObject *hc_ndarray;
 static PyObject *hc_descr[4];             /* float32, float64, complex64, complex128 */
 static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
 static PyObject *hc_session;              /* session.__dict__ */
-static PyObject *hc_tls;                  /* level3.last_call */
+static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
 static int hc_native_clock, hc_any_strides;
-static PyObject *s_host_device, *s_stats, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
+static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
 
 /* the scipy-signature families (hostpath.LANES), by flop code: where each parameter is in the
@@ -113,21 +115,146 @@ typedef struct {
     PyObject *names;      /* LANE, GEMM: the parameter names in order; MATMUL: dtype= -> dtype (numpy_api._DTYPE_KW) */
     PyObject *beta;       /* LANE: frozenset of beta's types */
     int convert;          /* LANE: bit i: arrays of hc_descr[i] are converted (hostpath.CONVERTIBLE) */
+    int di;               /* LANE: the index of dtype in hc_descr */
     PyObject *dict;
 } hc_call;
 
-static PyObject *hc_now(void) {
+/* time.perf_counter's value (a failed fallback call: -1.0 with the exception set) */
+static double hc_now_python(void) {
+    PyObject *t = PyObject_CallNoArgs(hc_clock);
+    double d;
+    if (t == NULL) return -1.0;
+    d = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    return d;
+}
+
+/* time.perf_counter's value now: CLOCK_MONOTONIC read here where that is perf_counter's clock,
+   converted as CPython converts it (int64 ns / 1e9: the same double), else perf_counter called.
+   (CLOCK_MONOTONIC_COARSE would cost ~5 ns instead of ~22, at a resolution of 1-4 ms: a small
+   call would end when it started.) */
+static inline double hc_now(void) {
 #if defined(__linux__)
     if (hc_native_clock) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        return PyFloat_FromDouble((double)((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9);
+        return (double)((int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
     }
 #endif
-    return PyObject_CallNoArgs(hc_clock);
+    return hc_now_python();
+}
+#define HC_NOW_FAILED(t) ((t) == -1.0 && PyErr_Occurred())
+
+PyObject *blasx_hc_now(void) {
+    double t = hc_now();
+    return HC_NOW_FAILED(t) ? NULL : PyFloat_FromDouble(t);
 }
 
-PyObject *blasx_hc_now(void) { return hc_now(); }
+/* This thread's last call taken here, kept as C values in thread-local storage: no Python object
+   is made, and no attribute set, per call (the tuple and the setattr on level3.last_call cost
+   ~0.13 us of a ~0.2 us floor). blasx.level3.last_record reads it (hc_last_record) and takes it
+   when it ended after the Python paths' record (level3.last_call.stats): both read perf_counter's
+   clock at the end of a call, in program order, so the later end is the later call.
+
+   The device is held by a guard object kept in this thread's level3.last_call (an attribute,
+   set on the thread's first call here and again when the device changes): a record lives as
+   long as the thread's last_call, as the Python paths' records do, and a thread that ends drops
+   its device with its last_call (threading.local clears a thread's attributes in that thread).
+   A guard freed in another thread (the threading.local itself freed: at exit) cannot reach its
+   thread's storage: it bumps hc_epoch, and every record of an older epoch is void. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *dev;            /* the device of its thread's record (a reference) */
+    unsigned long owner;      /* PyThread_get_thread_ident() of its thread */
+} hc_guard;
+
+typedef struct {
+    PyObject *dev;            /* borrowed from guard->dev; NULL: no record */
+    hc_guard *guard;          /* borrowed from this thread's last_call; NULL: none */
+    uint64_t epoch;           /* hc_epoch when the guard was made */
+    double t0, t1, flops;     /* perf_counter's values; real flops */
+    int di;                   /* the dtype: an index in hc_descr */
+} hc_rec;
+
+static _Thread_local hc_rec hc_last;
+static uint64_t hc_epoch = 1;     /* (written under the GIL) */
+static PyObject *s_guard;
+
+static void hc_guard_dealloc(PyObject *obj) {
+    hc_guard *g = (hc_guard *)obj;
+    hc_rec *r = &hc_last;
+    if (r->guard == g) { r->guard = NULL; r->dev = NULL; }   /* its thread's last_call let it go */
+    else if (g->owner != PyThread_get_thread_ident()) hc_epoch++;
+    Py_XDECREF(g->dev);
+    PyObject_Free(obj);
+}
+
+static PyTypeObject hc_guard_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "blasx.hostcall_record",
+    .tp_basicsize = sizeof(hc_guard),
+    .tp_dealloc = hc_guard_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Holds the device of this thread's last call taken by blasx's C entry points.",
+};
+
+/* r's guard (made and set on last_call when r has none of this epoch) takes dev */
+static int hc_adopt(hc_rec *r, PyObject *dev) {
+    hc_guard *g;
+    PyObject *old;
+    if (r->guard == NULL || r->epoch != hc_epoch) {
+        r->guard = NULL; r->dev = NULL;
+        g = PyObject_New(hc_guard, &hc_guard_type);
+        if (g == NULL) return -1;
+        g->dev = NULL;
+        g->owner = PyThread_get_thread_ident();
+        r->guard = g; r->epoch = hc_epoch;   /* (first: a guard this replaces is not taken for r's) */
+        if (PyObject_SetAttr(hc_tls, s_guard, (PyObject *)g) < 0) {
+            r->guard = NULL;
+            Py_DECREF(g);
+            return -1;
+        }
+        Py_DECREF(g);   /* last_call holds it */
+    }
+    g = r->guard;
+    Py_INCREF(dev);
+    old = g->dev;
+    g->dev = dev; r->dev = dev;
+    Py_XDECREF(old);   /* last: freeing a device may run Python code */
+    return 0;
+}
+
+/* the call that ran from t0 until now becomes this thread's record */
+static inline int hc_record(PyObject *dev, double t0, int di, double flops) {
+    hc_rec *r = &hc_last;
+    double t1 = hc_now();
+    if (HC_NOW_FAILED(t1)) return -1;
+    if ((r->dev != dev || r->epoch != hc_epoch) && hc_adopt(r, dev) < 0) return -1;
+    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di;
+    return 0;
+}
+
+/* level3.last_record's question: this thread's record as (dev, t0, t1, dtype, real flops) when it
+   ended after `end` (perf_counter's clock: the end of the Python paths' record), else None */
+static PyObject *hc_last_record(PyObject *unused, PyObject *end) {
+    hc_rec *r = &hc_last;
+    double e = PyFloat_AsDouble(end);
+    if (e == -1.0 && PyErr_Occurred()) return NULL;
+    if (r->dev == NULL || r->guard == NULL || r->epoch != hc_epoch || !(r->t1 > e)) Py_RETURN_NONE;
+    return Py_BuildValue("(OddOd)", r->dev, r->t0, r->t1, hc_descr[r->di], r->flops);
+}
+
+static PyMethodDef hc_last_record_def = {
+    "last_record", hc_last_record, METH_O,
+    "last_record(end): this thread's last call taken by blasx's C entry points, (device, t0, t1, dtype, "
+    "real flops), if it ended after end (time.perf_counter's clock), else None."};
+
+/* the index of an ndarray's descr in hc_descr (one of them) */
+static inline int hc_index(PyObject *descr) {
+    int i;
+    for (i = 0; i < 3 && hc_descr[i] != descr; i++) ;
+    return i;
+}
 
 /* session.host_device (a new reference), or NULL when the CPU is not the only device */
 static PyObject *hc_device(void) {
@@ -163,33 +290,17 @@ static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
     return (s1 == sz && s0 % sz == 0 && s0 / sz >= d1) || (s0 == sz && s1 % sz == 0 && s1 / sz >= d0);
 }
 
-/* level3.last_call.stats = (dev, t0, now, dtype, flops); steals t0 */
-static int hc_record(PyObject *dev, PyObject *t0, PyObject *dtype, double flops) {
-    PyObject *rec = PyTuple_New(5), *t1 = hc_now(), *fl = PyFloat_FromDouble(flops);
-    int rc;
-    if (rec == NULL || t1 == NULL || fl == NULL) {
-        Py_XDECREF(rec); Py_XDECREF(t1); Py_XDECREF(fl); Py_DECREF(t0);
-        return -1;
-    }
-    Py_INCREF(dev); Py_INCREF(dtype);
-    PyTuple_SET_ITEM(rec, 0, dev); PyTuple_SET_ITEM(rec, 1, t0); PyTuple_SET_ITEM(rec, 2, t1);
-    PyTuple_SET_ITEM(rec, 3, dtype); PyTuple_SET_ITEM(rec, 4, fl);
-    rc = PyObject_SetAttr(hc_tls, s_stats, rec);
-    Py_DECREF(rec);
-    return rc;
-}
-
 /* fn(*args, **kw) as one host call: timed and recorded; steals dev */
 static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *dev,
-                        PyObject *dtype, double flops, PyObject *x1) {
-    PyObject *t0 = hc_now(), *res = NULL;
-    if (t0 != NULL) {
+                        int di, double flops, PyObject *x1) {
+    PyObject *res = NULL;
+    double t0 = hc_now();
+    if (!HC_NOW_FAILED(t0)) {
         res = PyObject_Vectorcall(fn, args, nargsf, kwnames);
-        if (res == NULL) Py_DECREF(t0);
-        else {
+        if (res != NULL) {
             if (flops < 0.0)    /* matmul: from the result */
                 flops = 2.0 * hc_size(res) * (double)((hc_array *)x1)->dimensions[((hc_array *)x1)->nd - 1];
-            if (hc_record(dev, t0, dtype, flops) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, di, flops) < 0) Py_CLEAR(res);
         }
     }
     Py_DECREF(dev);
@@ -315,7 +426,7 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
                                            && (((hc_array *)out)->flags & HC_CONTIG)))
         return NULL;
     if ((dev = hc_device()) == NULL) return NULL;
-    return hc_run(self->fn, args, nargsf, kwnames, dev, ct, -1.0, args[0]);
+    return hc_run(self->fn, args, nargsf, kwnames, dev, hc_index(ct), -1.0, args[0]);
 }
 
 static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -330,7 +441,7 @@ static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyO
             || (dev = hc_device()) == NULL)
         return NULL;
     k = a->dimensions[a->nd - 1];
-    return hc_run(self->fn, args, nargsf, NULL, dev, hc_descr[i],
+    return hc_run(self->fn, args, nargsf, NULL, dev, i,
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
 }
 
@@ -357,11 +468,12 @@ static long hc_op(PyObject *x) {
 enum { HC_C_NONE, HC_C_COPY, HC_C_IN_PLACE, HC_C_IN_PLACE_T };
 
 static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *v[8], *alpha, *beta, *cobj, *scalars, *x[2], *dev, *call[8], *res, *t0;
+    PyObject *v[8], *alpha, *beta, *cobj, *scalars, *x[2], *dev, *call[8], *res;
     hc_array *a, *b, *c = NULL;
     Py_ssize_t m, k, kb, n;
     long f[3];
     int i, j, nz, mode = HC_C_NONE, ow;
+    double t0;
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL || v[2] == NULL)
         return NULL;
     alpha = v[0]; beta = v[3] == NULL ? hc_zero : v[3]; cobj = v[4] == NULL ? Py_None : v[4];
@@ -423,16 +535,15 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
         call[4] = mode == HC_C_IN_PLACE_T ? PyObject_GetAttr(cobj, s_T) : (Py_INCREF(cobj), cobj);
     }
     res = NULL;
-    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && (t0 = hc_now()) != NULL) {
+    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && !HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), call, hc_trim(call, 8, 3), NULL);
-        if (res == NULL) Py_DECREF(t0);
-        else {
+        if (res != NULL) {
             if (mode == HC_C_IN_PLACE || mode == HC_C_IN_PLACE_T) {   /* c itself */
                 Py_DECREF(res);
                 Py_INCREF(cobj);
                 res = cobj;
             }
-            if (hc_record(dev, t0, hc_descr[i], nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
         }
     }
     if (mode != HC_C_NONE) Py_XDECREF(call[4]);
@@ -478,7 +589,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
         break;
     }
     if (flops == 0.0 || (dev = hc_device()) == NULL) return NULL;
-    return hc_run(self->fn, args, nargsf, kwnames, dev, self->dtype, flops, NULL);
+    return hc_run(self->fn, args, nargsf, kwnames, dev, self->di, flops, NULL);
 }
 
 /* an array the second lane takes: an exact 2-D ndarray of the routine's dtype or one it converts */
@@ -495,12 +606,12 @@ static int hc_lane_array(hc_call *self, PyObject *x) {
    called as the lane calls it (positionally: beta 0.0 without c, overwrite as in_place) */
 static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     const hc_family *fm = &hc_fam[self->flops];
-    PyObject *v[8], *alpha, *beta, *cobj, *dev, *call[8], *t0, *res;
+    PyObject *v[8], *alpha, *beta, *cobj, *dev, *call[8], *res;
     hc_array *a, *b = NULL, *c = NULL;
     Py_ssize_t m, n, k, s = 0;
     long f[4];
     int j, ow, nz, in_place = 0, nc = 0;
-    double flops;
+    double flops, t0;
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL
             || (fm->b >= 0 && v[fm->b] == NULL))
         return NULL;
@@ -571,10 +682,9 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     for (j = 0; j < fm->nf; j++) call[nc++] = v[fm->f0 + j] != NULL ? v[fm->f0 + j] : hc_flag[0];
     call[nc++] = in_place ? Py_True : Py_False;
     res = NULL;
-    if ((t0 = hc_now()) != NULL) {
+    if (!HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(self->fn, call, hc_trim(call, nc, b != NULL ? 3 : 2), NULL);
-        if (res == NULL) Py_DECREF(t0);
-        else if (hc_record(dev, t0, self->dtype, flops) < 0) Py_CLEAR(res);
+        if (res != NULL && hc_record(dev, t0, self->di, flops) < 0) Py_CLEAR(res);
     }
     Py_DECREF(dev);
     return res;
@@ -606,9 +716,10 @@ static hc_u128 hc_count(PyObject *x) {
 
 /* numpy_api._host_tensordot: tensordot(a, b[, axes]) of two exact ndarrays of one BLAS dtype */
 static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *dev, *t0, *res;
+    PyObject *dev, *res;
     Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int i;
+    double t0;
     if (np < 2 || np + nk > 3 || (nk && PyTuple_GET_ITEM(kwnames, 0) != s_axes
                                   && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_axes) != 0)) {
         PyErr_Clear();
@@ -617,13 +728,12 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
     i = hc_dtype(args[0]);
     if (i < 0 || hc_dtype(args[1]) != i || (dev = hc_device()) == NULL) return NULL;
     res = NULL;
-    if ((t0 = hc_now()) != NULL) {
+    if (!HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-        if (res == NULL) Py_DECREF(t0);
-        else {
+        if (res != NULL) {
             hc_u128 r = hc_count(res);
             double kk = r ? hc_isqrt(hc_count(args[0]) * hc_count(args[1]) / r) : 0.0;
-            if (hc_record(dev, t0, hc_descr[i], 2.0 * (double)r * kk) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, i, 2.0 * (double)r * kk) < 0) Py_CLEAR(res);
         }
     }
     Py_DECREF(dev);
@@ -691,9 +801,10 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
         return -1;
     }
     if (!(hc_type.tp_flags & Py_TPFLAGS_READY) && PyType_Ready(&hc_type) < 0) return -1;
-    if (s_stats == NULL) {
+    if (!(hc_guard_type.tp_flags & Py_TPFLAGS_READY) && PyType_Ready(&hc_guard_type) < 0) return -1;
+    if (s_guard == NULL) {
         s_host_device = PyUnicode_InternFromString("host_device");
-        s_stats = PyUnicode_InternFromString("stats");
+        s_guard = PyUnicode_InternFromString("c_guard");
         s_T = PyUnicode_InternFromString("T");
         s_qualname = PyUnicode_InternFromString("__qualname__");
         s_out = PyUnicode_InternFromString("out");
@@ -727,7 +838,7 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     if (((kind == HC_LANE || kind == HC_GEMM) && !(PyTuple_CheckExact(names)
                                                   && PyTuple_GET_SIZE(names) == (kind == HC_GEMM ? 8 : hc_fam[flops].n)))
             || (kind == HC_MATMUL && !PyDict_CheckExact(names)) || (kind == HC_LANE && !PyAnySet_Check(beta))
-            || flops < 0 || flops > 4) {
+            || flops < 0 || flops > 4 || (kind == HC_LANE && hc_descr[hc_index(dtype)] != dtype)) {
         PyErr_SetString(PyExc_TypeError, "blasx_hc_new: bad arguments");
         return NULL;
     }
@@ -743,8 +854,18 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     Py_INCREF(names); self->names = names;
     Py_INCREF(beta); self->beta = beta;
     self->convert = convert;
+    self->di = kind == HC_LANE ? hc_index(dtype) : 0;
     self->dict = NULL;
     return (PyObject *)self;
+}
+
+/* the reader of this thread's record: hc_last_record as a builtin function */
+PyObject *blasx_hc_reader(void) {
+    if (hc_session == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "blasx_hc_reader before blasx_hc_init");
+        return NULL;
+    }
+    return PyCFunction_New(&hc_last_record_def, NULL);
 }
 
 /* what the C code reads of x: (nd, shape, strides, flags, dtype), for the layout check */
@@ -823,9 +944,19 @@ def _load():
     lib.blasx_hc_probe.argtypes = [ctypes.py_object]
     lib.blasx_hc_now.restype = ctypes.py_object
     lib.blasx_hc_now.argtypes = []
+    lib.blasx_hc_reader.restype = ctypes.py_object
+    lib.blasx_hc_reader.argtypes = []
     if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
         return None
     return lib
+
+
+def record_reader():
+    """The reader of this thread's record of the C entry points, ``last_record(end)``: the last call
+    they took on this thread, ``(device, t0, t1, dtype, real flops)``, when it ended after ``end``
+    (perf_counter's clock), else None; None without the library (level3.last_record)."""
+    lib = _library()
+    return None if lib is None else lib.blasx_hc_reader()
 
 
 def _init(lib, any_strides: bool) -> int:
