@@ -103,6 +103,18 @@ static const hc_family hc_fam[5] = {
     {8, 2, -1, -1, 3, 4, 7},    /* trmm:  alpha a b side lower trans_a diag overwrite_b */
 };
 
+/* a few types, borrowed from the frozenset a hc_call holds: a scan of pointers costs ~1 ns a type
+   where a frozenset look-up costs ~6-15 ns */
+#define HC_NTYPES 16
+typedef struct { int n; PyObject *t[HC_NTYPES]; } hc_types;
+
+static inline int hc_of_type(const hc_types *ts, PyObject *x) {
+    PyObject *t = (PyObject *)Py_TYPE(x);
+    int i;
+    for (i = 0; i < ts->n; i++) if (ts->t[i] == t) return 1;
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -116,6 +128,9 @@ typedef struct {
     PyObject *beta;       /* LANE: frozenset of beta's types */
     int convert;          /* LANE: bit i: arrays of hc_descr[i] are converted (hostpath.CONVERTIBLE) */
     int di;               /* LANE: the index of dtype in hc_descr */
+    hc_types types[4];    /* GEMM: alpha's (and beta's) types per dtype; LANE: [0] alpha's, [1] beta's */
+    unsigned long fmask[4];   /* LANE: per flag of the family (names[f0 + j]): bit v: the int v allowed */
+    int frole[4];         /* LANE: per flag: its role (where hc_flags puts it) */
     PyObject *dict;
 } hc_call;
 
@@ -307,17 +322,31 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
-/* the keyword flags: each one of self->flags with an allowed int; roles 1 and 2 into f[1], f[2] */
+/* flag j of the family (self->names[f0 + j]) given as v: its value when v is an exact int that blasx
+   allows there, else -1 */
+static inline long hc_flag_value(hc_call *self, int j, PyObject *v) {
+    long x;
+    if (!PyLong_CheckExact(v)) return -1;
+    x = PyLong_AsLong(v);
+    if (x < 0 || x > 63) { PyErr_Clear(); return -1; }
+    return (self->fmask[j] >> x) & 1 ? x : -1;
+}
+
+/* the keyword flags: each one a flag of the family with an allowed int; roles 1 and 2 into f[1], f[2] */
 static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long f[3]) {
+    const hc_family *fm = &hc_fam[self->flops];
     Py_ssize_t i, n = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    int j;
+    long x;
     f[1] = f[2] = 0;
     for (i = 0; i < n; i++) {
-        PyObject *spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(kwnames, i)), *v = kw[i];
-        if (spec == NULL || !PyLong_CheckExact(v) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), v) != 1) {
-            PyErr_Clear();
-            return 0;
-        }
-        f[PyLong_AsLong(PyTuple_GET_ITEM(spec, 1))] = PyLong_AsLong(v);
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        for (j = 0; j < fm->nf && PyTuple_GET_ITEM(self->names, fm->f0 + j) != key; j++) ;
+        if (j == fm->nf)   /* (a keyword name that is not interned) */
+            for (j = 0; j < fm->nf && PyUnicode_Compare(PyTuple_GET_ITEM(self->names, fm->f0 + j), key) != 0; j++) ;
+        if (PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        if (j == fm->nf || (x = hc_flag_value(self, j, kw[i])) < 0) return 0;
+        f[self->frole[j]] = x;
     }
     return 1;
 }
@@ -468,7 +497,7 @@ static long hc_op(PyObject *x) {
 enum { HC_C_NONE, HC_C_COPY, HC_C_IN_PLACE, HC_C_IN_PLACE_T };
 
 static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *v[8], *alpha, *beta, *cobj, *scalars, *x[2], *dev, *call[8], *res;
+    PyObject *v[8], *alpha, *beta, *cobj, *x[2], *dev, *call[8], *res;
     hc_array *a, *b, *c = NULL;
     Py_ssize_t m, k, kb, n;
     long f[3];
@@ -481,12 +510,9 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     a = (hc_array *)v[1]; b = (hc_array *)v[2];
     if (i < 0 || hc_dtype(v[2]) != i || a->nd != 2 || b->nd != 2 || (f[1] = hc_op(v[5])) < 0 || (f[2] = hc_op(v[6])) < 0)
         return NULL;
-    scalars = PyTuple_GET_ITEM(self->alpha, i);
-    if (PySet_Contains(scalars, (PyObject *)Py_TYPE(alpha)) != 1 || PySet_Contains(scalars, (PyObject *)Py_TYPE(beta)) != 1
-            || (cobj != Py_None && (hc_dtype(cobj) != i || ((hc_array *)cobj)->nd != 2))) {
-        PyErr_Clear();
+    if (!hc_of_type(&self->types[i], alpha) || !hc_of_type(&self->types[i], beta)
+            || (cobj != Py_None && (hc_dtype(cobj) != i || ((hc_array *)cobj)->nd != 2)))
         return NULL;
-    }
     m = a->dimensions[0]; k = a->dimensions[1];
     if (f[1]) { m = k; k = a->dimensions[0]; }
     kb = b->dimensions[0]; n = b->dimensions[1];
@@ -562,7 +588,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     alpha = args[0];
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
     if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
-            || a->nd != 2 || b->nd != 2 || PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
+            || a->nd != 2 || b->nd != 2 || !hc_of_type(&self->types[0], alpha)
             || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = PyObject_IsTrue(alpha)) != 1) {
         PyErr_Clear();
         return NULL;
@@ -618,21 +644,15 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     alpha = v[0];
     beta = fm->beta >= 0 && v[fm->beta] != NULL ? v[fm->beta] : hc_zero;
     cobj = fm->c >= 0 && v[fm->c] != NULL ? v[fm->c] : Py_None;
-    if (PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
-            || (fm->beta >= 0 && PySet_Contains(self->beta, (PyObject *)Py_TYPE(beta)) != 1)
+    if (!hc_of_type(&self->types[0], alpha) || (fm->beta >= 0 && !hc_of_type(&self->types[1], beta))
             || (ow = hc_overwrite(v[fm->ow])) < 0) {
         PyErr_Clear();
         return NULL;
     }
     for (j = 0; j < fm->nf; j++) {
-        PyObject *x = v[fm->f0 + j], *spec;
-        if (x == NULL) { f[j] = 0; continue; }
-        spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(self->names, fm->f0 + j));
-        if (spec == NULL || !PyLong_CheckExact(x) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), x) != 1) {
-            PyErr_Clear();
-            return NULL;
-        }
-        f[j] = PyLong_AsLong(x);
+        PyObject *x = v[fm->f0 + j];
+        if (x == NULL) f[j] = 0;
+        else if ((f[j] = hc_flag_value(self, j, x)) < 0) return NULL;
     }
     a = (hc_array *)v[1];
     if (!hc_lane_array(self, v[1]) || (fm->b >= 0 && !hc_lane_array(self, v[fm->b]))
@@ -828,6 +848,63 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
     return 0;
 }
 
+/* ts: the types in set (none for None) */
+static int hc_fill_types(hc_types *ts, PyObject *set) {
+    PyObject *it, *x;
+    ts->n = 0;
+    if (set == Py_None) return 0;
+    if (!PyAnySet_Check(set) || PySet_GET_SIZE(set) > HC_NTYPES) {
+        PyErr_Format(PyExc_TypeError, "blasx_hc_new: a set of at most %d types expected", HC_NTYPES);
+        return -1;
+    }
+    if ((it = PyObject_GetIter(set)) == NULL) return -1;
+    while ((x = PyIter_Next(it)) != NULL) {
+        ts->t[ts->n++] = x;
+        if (x == (PyObject *)&PyFloat_Type) { ts->t[ts->n - 1] = ts->t[0]; ts->t[0] = x; }   /* (alpha's usual type first) */
+        Py_DECREF(x);   /* (the set keeps it) */
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* the C tables of a new hc_call: GEMM's types per dtype, LANE's types and flags */
+static int hc_tables(hc_call *self) {
+    int i, j;
+    if (self->kind == HC_GEMM) {
+        if (!PyTuple_Check(self->alpha) || PyTuple_GET_SIZE(self->alpha) != 4) {
+            PyErr_SetString(PyExc_TypeError, "blasx_hc_new: gemm's alpha types: a set per dtype");
+            return -1;
+        }
+        for (i = 0; i < 4; i++) if (hc_fill_types(&self->types[i], PyTuple_GET_ITEM(self->alpha, i)) < 0) return -1;
+    } else if (self->kind == HC_LANE) {
+        const hc_family *fm = &hc_fam[self->flops];
+        if (hc_fill_types(&self->types[0], self->alpha) < 0 || hc_fill_types(&self->types[1], self->beta) < 0) return -1;
+        if (!PyDict_Check(self->flags) || PyDict_GET_SIZE(self->flags) != fm->nf) goto bad_flags;
+        for (j = 0; j < fm->nf; j++) {   /* flags: name -> (frozenset of allowed ints, role) */
+            PyObject *spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(self->names, fm->f0 + j)), *it, *x;
+            long v;
+            if (spec == NULL || !PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 2) goto bad_flags;
+            self->frole[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(spec, 1));
+            if (self->frole[j] < 0 || self->frole[j] > 2) goto bad_flags;
+            self->fmask[j] = 0;
+            if ((it = PyObject_GetIter(PyTuple_GET_ITEM(spec, 0))) == NULL) return -1;
+            while ((x = PyIter_Next(it)) != NULL) {
+                v = PyLong_AsLong(x);
+                Py_DECREF(x);
+                if (v < 0 || v > 63) { Py_DECREF(it); goto bad_flags; }
+                self->fmask[j] |= 1UL << v;
+            }
+            Py_DECREF(it);
+            if (PyErr_Occurred()) return -1;
+        }
+    }
+    return 0;
+bad_flags:
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "blasx_hc_new: flags: each flag of the routine -> (ints in 0..63, role 0-2)");
+    return -1;
+}
+
 PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, PyObject *alpha, PyObject *flags,
                        int flops, int nargs, PyObject *names, PyObject *beta, int convert) {
     hc_call *self;
@@ -856,6 +933,7 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     self->convert = convert;
     self->di = kind == HC_LANE ? hc_index(dtype) : 0;
     self->dict = NULL;
+    if (hc_tables(self) < 0) { Py_DECREF(self); return NULL; }
     return (PyObject *)self;
 }
 
