@@ -171,12 +171,14 @@ PyObject *blasx_hc_now(void) {
    when it ended after the Python paths' record (level3.last_call.stats): both read perf_counter's
    clock at the end of a call, in program order, so the later end is the later call.
 
-   The device is held by a guard object kept in this thread's level3.last_call (an attribute,
-   set on the thread's first call here and again when the device changes): a record lives as
-   long as the thread's last_call, as the Python paths' records do, and a thread that ends drops
-   its device with its last_call (threading.local clears a thread's attributes in that thread).
-   A guard freed in another thread (the threading.local itself freed: at exit) cannot reach its
-   thread's storage: it bumps hc_epoch, and every record of an older epoch is void. */
+   The device is held by a guard object in this thread's level3.last_call (attribute c_guard, set
+   on the thread's first call here; it takes the new device when the device changes): a record
+   lives as long as the thread's last_call, as the Python paths' records do, and a thread that
+   ends drops its device with its last_call (threading.local clears a thread's attributes in that
+   thread). A guard released in another thread (a thread state cleared by another: other threads'
+   at exit, and in a child after fork) cannot tell whether its thread still points at it: it keeps
+   its memory and its device (a small leak, there only), so that no record ever points at freed
+   memory. */
 typedef struct {
     PyObject_HEAD
     PyObject *dev;            /* the device of its thread's record (a reference) */
@@ -186,20 +188,19 @@ typedef struct {
 typedef struct {
     PyObject *dev;            /* borrowed from guard->dev; NULL: no record */
     hc_guard *guard;          /* borrowed from this thread's last_call; NULL: none */
-    uint64_t epoch;           /* hc_epoch when the guard was made */
     double t0, t1, flops;     /* perf_counter's values; real flops */
     int di;                   /* the dtype: an index in hc_descr */
 } hc_rec;
 
 static _Thread_local hc_rec hc_last;
-static uint64_t hc_epoch = 1;     /* (written under the GIL) */
 static PyObject *s_guard;
 
 static void hc_guard_dealloc(PyObject *obj) {
     hc_guard *g = (hc_guard *)obj;
-    hc_rec *r = &hc_last;
-    if (r->guard == g) { r->guard = NULL; r->dev = NULL; }   /* its thread's last_call let it go */
-    else if (g->owner != PyThread_get_thread_ident()) hc_epoch++;
+    hc_rec *r;
+    if (g->owner != PyThread_get_thread_ident()) return;   /* kept (see above) */
+    r = &hc_last;
+    if (r->guard == g) { r->guard = NULL; r->dev = NULL; }   /* the thread's last_call let it go */
     Py_XDECREF(g->dev);
     PyObject_Free(obj);
 }
@@ -213,23 +214,24 @@ static PyTypeObject hc_guard_type = {
     .tp_doc = "Holds the device of this thread's last call taken by blasx's C entry points.",
 };
 
-/* r's guard (made and set on last_call when r has none of this epoch) takes dev */
+/* r's guard (made, and set on this thread's last_call, where r has none) takes dev */
 static int hc_adopt(hc_rec *r, PyObject *dev) {
     hc_guard *g;
     PyObject *old;
-    if (r->guard == NULL || r->epoch != hc_epoch) {
-        r->guard = NULL; r->dev = NULL;
+    if (r->guard == NULL) {
+        r->dev = NULL;
         g = PyObject_New(hc_guard, &hc_guard_type);
         if (g == NULL) return -1;
         g->dev = NULL;
         g->owner = PyThread_get_thread_ident();
-        r->guard = g; r->epoch = hc_epoch;   /* (first: a guard this replaces is not taken for r's) */
+        r->guard = g;   /* (first: a guard this one replaces on last_call is not r's) */
         if (PyObject_SetAttr(hc_tls, s_guard, (PyObject *)g) < 0) {
             r->guard = NULL;
             Py_DECREF(g);
             return -1;
         }
         Py_DECREF(g);   /* last_call holds it */
+        if (r->guard != g) return 0;   /* (dropped at once by code the setattr ran: no record) */
     }
     g = r->guard;
     Py_INCREF(dev);
@@ -244,7 +246,7 @@ static inline int hc_record(PyObject *dev, double t0, int di, double flops) {
     hc_rec *r = &hc_last;
     double t1 = hc_now();
     if (HC_NOW_FAILED(t1)) return -1;
-    if ((r->dev != dev || r->epoch != hc_epoch) && hc_adopt(r, dev) < 0) return -1;
+    if (r->dev != dev && hc_adopt(r, dev) < 0) return -1;
     r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di;
     return 0;
 }
@@ -255,7 +257,7 @@ static PyObject *hc_last_record(PyObject *unused, PyObject *end) {
     hc_rec *r = &hc_last;
     double e = PyFloat_AsDouble(end);
     if (e == -1.0 && PyErr_Occurred()) return NULL;
-    if (r->dev == NULL || r->guard == NULL || r->epoch != hc_epoch || !(r->t1 > e)) Py_RETURN_NONE;
+    if (r->dev == NULL || !(r->t1 > e)) Py_RETURN_NONE;
     return Py_BuildValue("(OddOd)", r->dev, r->t0, r->t1, hc_descr[r->di], r->flops);
 }
 

@@ -62,7 +62,7 @@ VARIANTS_BEFORE = {
 #: after the C record (issue5-record): the record is C values in thread-local storage
 VARIANTS_AFTER = {
     "full": [],
-    "-record": [("    if ((r->dev != dev || r->epoch != hc_epoch) && hc_adopt(r, dev) < 0) return -1;\n"
+    "-record": [("    if (r->dev != dev && hc_adopt(r, dev) < 0) return -1;\n"
                  "    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di;",
                  "    (void)r; (void)dev; (void)t0; (void)di; (void)flops;")],
     "-clock": [("static inline double hc_now(void) {",
