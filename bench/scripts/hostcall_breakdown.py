@@ -222,6 +222,7 @@ def main(argv=None) -> int:
     cases = {
         "matmul": (blasx.matmul, lambda f: (lambda: f(a, b)), lambda: numpy_api._np_matmul(a, b)),
         "dot": (blasx.dot, lambda f: (lambda: f(a, b)), lambda: numpy_api._np_dot(a, b)),
+        "tensordot": (blasx.tensordot, lambda f: (lambda: f(a, b, 1)), lambda: numpy_api._np_tensordot(a, b, 1)),
         "gemm-F": (blasx.gemm, lambda f: (lambda: f(1.0, af, bf)), lambda: g(1.0, af, bf)),
         "linalg-gemm": (getattr(bl, pre + "gemm"), lambda f: (lambda: f(1.0, af, bf)), lambda: g(1.0, af, bf)),
         "linalg-gemm-c": (getattr(bl, pre + "gemm"), lambda f: (lambda: f(1.0, af, bf, 0.5, cf)),
