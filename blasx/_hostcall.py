@@ -4,12 +4,24 @@ level-3 functions (``blasx.linalg.blas.?xxx``, ``blasx.<prefix>xxx``) as C calla
 With the CPU as the only device (``session.host_device`` set), a plain call of these runs numpy's or
 scipy's own function, and the Python that decides so (the call of a Python function, a dozen checks,
 two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
-same decision is made in C (``HOSTCALL_C``; 0.15-0.25 us, most of it the two clock reads and the
-record): a callable whose vectorcall checks the arguments, calls the
-original function with them (as they came, or as the Python path passes them), and records the call in ``level3.last_call.stats`` as
-the Python paths do (``(device, t0, t1, dtype, real flops)``); any other call goes, with its
-arguments unchanged, to the Python function (``slow``), which decides everything as before. What
-the C code takes, per kind:
+same decision is made in C (``HOSTCALL_C``): a callable whose vectorcall checks the arguments, calls
+the original function with them (as they came, or as the Python path passes them), and records the
+call; any other call goes, with its arguments unchanged, to the Python function (``slow``), which
+decides everything as before. A call taken here costs 0.06-0.15 us over numpy's / scipy's own at
+N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` 0.06-0.07, ``tensordot`` 0.11-0.12,
+``gemm`` and the level-3 functions 0.08-0.10, their keyword calls 0.07-0.15; outputs written in place
+below scipy's call, which parses its keyword): two CLOCK_MONOTONIC reads 10-45 ns (exact t0 and t1
+need both), the ``session.host_device`` look-up ~10 ns, the checks 20-55 ns, the record ~5 ns
+(``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece taken out;
+bench/results/NOTES.md, "The C record of host calls").
+
+The record (``(device, t0, t1, dtype, real flops)``, what the Python paths put in
+``level3.last_call.stats``) is kept as C values in thread-local storage, no Python object made per
+call: ``record_reader()`` gives ``level3.last_record`` the thread's record when it ended after the
+Python paths' one (both end on perf_counter's clock, read at the end of each call in program order:
+the later end is the later call), and ``last_profile()`` turns the newer into the profile. The
+record's device is held by a guard object in the thread's ``level3.last_call`` (``c_guard``), so it
+is let go when the thread ends, as the Python paths' records are. What the C code takes, per kind:
 
 * ``matmul(x1, x2)``: two exact ndarrays of one BLAS dtype on which numpy's matmul runs BLAS
   (any strides from numpy 2.3.1, which copies the others into a buffer, numpy PR #23752; before,
@@ -44,8 +56,9 @@ of a few probe arrays when the library loads. Built with the system C compiler i
 cache directory (next to the matmul trampoline, ``_ufunc_loops._compile``) on first import (~0.2 s,
 once per source, Python version and platform); without
 a compiler, without Python's headers, on a free-threaded build or with ``$BLASX_HOST_PYTHON`` set,
-the Python functions stand alone (``kind()`` says which). ``clock`` is CLOCK_MONOTONIC where that
-is what ``time.perf_counter`` reads (Linux), else perf_counter itself.
+the Python functions stand alone (``kind()`` says which). The clock is CLOCK_MONOTONIC read in C,
+converted as CPython converts it, where that is what ``time.perf_counter`` reads (Linux), else
+perf_counter called from C (two calls a call); either way the record holds perf_counter's values.
 """
 
 from __future__ import annotations
