@@ -29,7 +29,8 @@ is let go when the thread ends, as the Python paths' records are. What the C cod
   with ``out`` (by keyword or position), ``dtype=`` and ``casting=`` as
   ``numpy_api._host_matmul_out`` takes them (a computation type of a BLAS type, out None or a C- or
   F-contiguous exact ndarray of that type, casting a str), numpy's matmul with them as given;
-* ``dot(a, b)``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides);
+* ``dot(a, b[, out])``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides),
+  ``out`` by position or keyword as it came (numpy checks it), not with out where both are 1-D;
 * ``tensordot(a, b[, axes])``: two exact ndarrays of one BLAS dtype: numpy's tensordot
   (``numpy_api._host_tensordot``; K for the flop count from the sizes, as there);
 * ``gemm`` (arguments bound to its signature in C): 2-D exact ndarrays of one BLAS dtype (c too),
@@ -473,19 +474,29 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
     return hc_run(self->fn, args, nargsf, kwnames, dev, hc_index(ct), -1.0, args[0]);
 }
 
+/* numpy_api.dot's host path: dot(a, b[, out]) of two exact 1-D / 2-D ndarrays of one BLAS dtype, out
+   (by position or keyword) as it came: numpy checks it; not with out where both are 1-D (numpy
+   returns a scalar there, blasx out) */
 static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     hc_array *a, *b;
-    PyObject *dev;
-    Py_ssize_t k;
+    PyObject *dev, *out = NULL;
+    Py_ssize_t k, np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int i;
-    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) return NULL;
+    if (np < 2 || np + nk > 3) return NULL;
+    if (nk) {
+        if (PyTuple_GET_ITEM(kwnames, 0) != s_out && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_out) != 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+        out = args[2];
+    } else if (np == 3) out = args[2];
     i = hc_dtype(args[0]);
     a = (hc_array *)args[0]; b = (hc_array *)args[1];
     if (i < 0 || hc_dtype(args[1]) != i || a->nd < 1 || a->nd > 2 || b->nd < 1 || b->nd > 2
-            || (dev = hc_device()) == NULL)
+            || (out != NULL && out != Py_None && a->nd + b->nd == 2) || (dev = hc_device()) == NULL)
         return NULL;
     k = a->dimensions[a->nd - 1];
-    return hc_run(self->fn, args, nargsf, NULL, dev, i,
+    return hc_run(self->fn, args, nargsf, kwnames, dev, i,
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
 }
 

@@ -258,6 +258,44 @@ def test_dot_every_layout(dtype, rand, rel_err, tol, monkeypatch):
             assert blasx.last_profile().totals()["flops"] == _flops(dtype) * ref.size * 6
 
 
+@pytest.mark.parametrize("dtype", BLAS)
+def test_dot_out_in_c(dtype, rand, monkeypatch):
+    """dot(a, b, out) of 1-D / 2-D operands (out by position or keyword, NaN-filled, one that is a
+    itself): numpy's dot from C, bit for bit, out returned, the profile of the Python function; an
+    out numpy refuses raises numpy's error, as the general path did; 1-D . 1-D with out keeps the
+    general path (numpy would return a scalar, blasx returns out)."""
+    a, b = rand((6, 6), dtype, seed=1, order="C"), rand((6, 5), dtype, seed=2, order="C")
+    v = rand((6,), dtype, seed=3)
+    for x, y in ((a, b), (v, b), (a, v), (a[:, ::2], b[::2])):
+        shape = np.dot(x, y).shape
+        for how in ("keyword", "positional"):
+            o1, o2, o3 = (np.full(shape, np.nan, dtype) for _ in range(3))
+
+            def call(f, o):
+                return f(x, y, out=o) if how == "keyword" else f(x, y, o)
+
+            with monkeypatch.context() as mp:
+                _general_fails(mp)
+                got = _in_c(lambda: call(blasx.dot, o1))
+                prof = _profile()
+                assert call(_py(blasx.dot), o2) is o2 and prof == _profile()
+            assert got is o1 and call(np.dot, o3) is o3
+            np.testing.assert_array_equal(o1, o3)
+            np.testing.assert_array_equal(o2, o3)
+    x = a.copy()
+    want = np.dot(a, a)
+    assert _in_c(lambda: blasx.dot(x, x, out=x)) is x   # numpy computes through a copy
+    np.testing.assert_array_equal(x, want)
+    for bad in (np.empty((6, 5), _other(dtype)), np.empty((5, 6), dtype).T, np.empty((6, 4), dtype),
+                _readonly(np.empty((6, 5), dtype)), np.empty((6, 5), dtype).tolist(), np.empty((1, 6, 5), dtype)):
+        got = _error_of(lambda: blasx.dot(a, b, out=bad))
+        assert got == _general(lambda: _error_of(lambda: blasx.dot(a, b, out=bad))) == _error_of(lambda: np.dot(a, b, out=bad))
+    o, o2 = np.empty((), dtype), np.empty((), dtype)
+    assert blasx.dot(v, v, out=o) is o and _general(lambda: blasx.dot(v, v, out=o2)) is o2
+    _ok(lambda p, q: abs(complex(p) - complex(q)) / abs(complex(q)), lambda d: np.finfo(d).eps, o[()], np.dot(v, v))
+    assert _error_of(lambda: blasx.dot(a, b, o, out=o))[0] is TypeError
+
+
 def test_matmul_and_dot_of_lists(rand, monkeypatch):
     """Nested lists: numpy's arrays of them, then the fast paths (numpy's result, bit for bit); lists
     numpy makes other arrays of (ints, ragged ones) keep the paths they had (numpy's results and
@@ -778,7 +816,8 @@ def test_keyword_calls_in_c_keep_refcounts(rand):
              lambda: blasx.gemm(alpha, a, b, beta, cc, overwrite_c=1), lambda: B.dgemm(0.0, a, b, beta, c),
              lambda: B.dsyrk(alpha, a32, beta=beta, c=c, overwrite_c=1), lambda: blasx.dtrsm(1.0, eye, bb, overwrite_b=1),
              lambda: blasx.matmul(a, b, out=o), lambda: blasx.matmul(a, b, dtype=np.float32),
-             lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1)]
+             lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1),
+             lambda: blasx.dot(a, b, out=o), lambda: blasx.dot(a, b, o)]
     objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device, a.dtype, a32.dtype)
     for f in calls:
         f()
