@@ -464,7 +464,7 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
     ct = hc_descr[i];
     if (want != NULL && want != Py_None) {
         ct = PyDict_GetItemWithError(self->names, want);   /* (an unhashable dtype=: numpy raises) */
-        if (ct == NULL) { PyErr_Clear(); return NULL; }
+        if (ct == NULL || hc_descr[hc_index(ct)] != ct) { PyErr_Clear(); return NULL; }   /* (one of the four) */
     }
     if (casting != NULL && !PyUnicode_CheckExact(casting)) return NULL;
     if (out != NULL && out != Py_None && !(Py_TYPE(out) == hc_ndarray && ((hc_array *)out)->descr == ct

@@ -132,6 +132,10 @@ def _preload():
 
 
 def _build(hc, source: str):
+    """source compiled and loaded as a library of its own, its globals set as blasx sets its own.
+    (Every library keeps its record's guard in the one attribute ``level3.last_call.c_guard``: a
+    call of another variant's callable replaces it, so the first call of each timing makes a new
+    guard; one setattr per ``number`` calls.)"""
     from blasx import _ufunc_loops as loops
     cc, inc = loops._compiler(), loops._python_include()
     path = loops._compile(cc, source + MICRO_C, ["-I", inc])
