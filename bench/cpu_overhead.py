@@ -8,9 +8,9 @@ Each entry point is timed against its peer on the same arrays: ``blasx.matmul`` 
 ``tensordot`` against numpy's own function, ``blasx.gemm`` and the ``blasx.linalg.blas`` level-3
 functions against ``scipy.linalg.blas``'s (numpy and scipy may link different BLAS builds: the
 header lists them, and each entry is compared with the peer it replaces). Entries with a suffix
-(``gemm-c``, ``matmul-out``, ``linalg-syrk-ow``, ``blasx-syrk-c``, ...) are calls with c and
+(``gemm-c``, ``matmul-out``, ``dot-out``, ``linalg-syrk-ow``, ``blasx-syrk-c``, ...) are calls with c and
 beta, outputs written in place, alpha 0, arrays converted to the routine's type, and matmul's
-``out=`` / ``dtype=`` (see ``general_entries``); ``-np`` (alpha a numpy scalar), ``-list`` (operands
+``out=`` / ``dtype=`` and dot's ``out=`` (see ``general_entries``); ``-np`` (alpha a numpy scalar), ``-list`` (operands
 given as nested lists), ``-sub`` (blocks of larger arrays) and ``-strided`` (every other row and
 column) are the calls of ``common_entries``. The two are
 interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
@@ -121,7 +121,8 @@ def common_entries(prefix: str, n: int, spf: dict) -> dict:
 def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
     """The calls that took blasx's general path before 2026-11-23's second CPU-only pass: c and
     beta, overwrite_* (the output written in place), alpha == 0, arrays of another BLAS type
-    (converted), matmul with out= or dtype=.
+    (converted), matmul with out= or dtype=; and dot with out= (``dot-out``), which took the general
+    path until the C record's pass (2026-11-23).
 
     In-place calls get an output of their own on each side (blasx's and the peer's), so that
     neither reads what the other wrote; each converges (c = alpha op(a) op(b) + c / 2) or stays
@@ -138,7 +139,7 @@ def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
     other = DTYPES[OTHER_PRECISION[prefix]]  # converted to the routine's type by both
     conv = {r: tuple(x.astype(other) for x in ops) for r, ops in two.items()}
     signs = np.asfortranarray(np.diag(np.random.default_rng(5).choice([-1.0, 1.0], n)).astype(dtype))
-    np_matmul = numpy_api._np_matmul
+    np_matmul, np_dot = numpy_api._np_matmul, numpy_api._np_dot
 
     def fresh():
         return cf.copy(order="F")
@@ -157,6 +158,7 @@ def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
         "matmul-out": pair(lambda o: blasx.matmul(a, b, out=o), lambda o: np_matmul(a, b, out=o),
                            lambda: np.empty((n, n), dtype)),
         "matmul-dtype": (lambda: blasx.matmul(a, b, dtype=dtype), lambda: np_matmul(a, b, dtype=dtype)),
+        "dot-out": pair(lambda o: blasx.dot(a, b, out=o), lambda o: np_dot(a, b, out=o), lambda: np.empty((n, n), dtype)),
     }
     for r, ops in two.items():
         if r not in spf:

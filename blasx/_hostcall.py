@@ -4,12 +4,24 @@ level-3 functions (``blasx.linalg.blas.?xxx``, ``blasx.<prefix>xxx``) as C calla
 With the CPU as the only device (``session.host_device`` set), a plain call of these runs numpy's or
 scipy's own function, and the Python that decides so (the call of a Python function, a dozen checks,
 two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
-same decision is made in C (``HOSTCALL_C``; 0.15-0.25 us, most of it the two clock reads and the
-record): a callable whose vectorcall checks the arguments, calls the
-original function with them (as they came, or as the Python path passes them), and records the call in ``level3.last_call.stats`` as
-the Python paths do (``(device, t0, t1, dtype, real flops)``); any other call goes, with its
-arguments unchanged, to the Python function (``slow``), which decides everything as before. What
-the C code takes, per kind:
+same decision is made in C (``HOSTCALL_C``): a callable whose vectorcall checks the arguments, calls
+the original function with them (as they came, or as the Python path passes them), and records the
+call; any other call goes, with its arguments unchanged, to the Python function (``slow``), which
+decides everything as before. A call taken here costs 0.06-0.15 us over numpy's / scipy's own at
+N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` 0.06-0.07, ``tensordot`` 0.11-0.12,
+``gemm`` and the level-3 functions 0.08-0.10, their keyword calls 0.07-0.15; outputs written in place
+below scipy's call, which parses its keyword): two CLOCK_MONOTONIC reads 10-45 ns (exact t0 and t1
+need both), the ``session.host_device`` look-up ~10 ns, the checks 20-55 ns, the record ~5 ns
+(``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece taken out;
+bench/results/NOTES.md, "The C record of host calls").
+
+The record (``(device, t0, t1, dtype, real flops)``, what the Python paths put in
+``level3.last_call.stats``) is kept as C values in thread-local storage, no Python object made per
+call: ``record_reader()`` gives ``level3.last_record`` the thread's record when it ended after the
+Python paths' one (both end on perf_counter's clock, read at the end of each call in program order:
+the later end is the later call), and ``last_profile()`` turns the newer into the profile. The
+record's device is held by a guard object in the thread's ``level3.last_call`` (``c_guard``), so it
+is let go when the thread ends, as the Python paths' records are. What the C code takes, per kind:
 
 * ``matmul(x1, x2)``: two exact ndarrays of one BLAS dtype on which numpy's matmul runs BLAS
   (any strides from numpy 2.3.1, which copies the others into a buffer, numpy PR #23752; before,
@@ -17,7 +29,8 @@ the C code takes, per kind:
   with ``out`` (by keyword or position), ``dtype=`` and ``casting=`` as
   ``numpy_api._host_matmul_out`` takes them (a computation type of a BLAS type, out None or a C- or
   F-contiguous exact ndarray of that type, casting a str), numpy's matmul with them as given;
-* ``dot(a, b)``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides);
+* ``dot(a, b[, out])``: two exact 1-D / 2-D ndarrays of one BLAS dtype (numpy copies other strides),
+  ``out`` by position or keyword as it came (numpy checks it), not with out where both are 1-D;
 * ``tensordot(a, b[, axes])``: two exact ndarrays of one BLAS dtype: numpy's tensordot
   (``numpy_api._host_tensordot``; K for the flop count from the sizes, as there);
 * ``gemm`` (arguments bound to its signature in C): 2-D exact ndarrays of one BLAS dtype (c too),
@@ -44,8 +57,9 @@ of a few probe arrays when the library loads. Built with the system C compiler i
 cache directory (next to the matmul trampoline, ``_ufunc_loops._compile``) on first import (~0.2 s,
 once per source, Python version and platform); without
 a compiler, without Python's headers, on a free-threaded build or with ``$BLASX_HOST_PYTHON`` set,
-the Python functions stand alone (``kind()`` says which). ``clock`` is CLOCK_MONOTONIC where that
-is what ``time.perf_counter`` reads (Linux), else perf_counter itself.
+the Python functions stand alone (``kind()`` says which). The clock is CLOCK_MONOTONIC read in C,
+converted as CPython converts it, where that is what ``time.perf_counter`` reads (Linux), else
+perf_counter called from C (two calls a call); either way the record holds perf_counter's values.
 """
 
 from __future__ import annotations
@@ -64,7 +78,9 @@ HOSTCALL_C = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <time.h>
+#include "pythread.h"
 
 typedef struct {
     PyObject_HEAD char *data; int nd; Py_ssize_t *dimensions; Py_ssize_t *strides;
@@ -84,10 +100,10 @@ static PyTypeObject *hc_ndarray;
 static PyObject *hc_descr[4];             /* float32, float64, complex64, complex128 */
 static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
 static PyObject *hc_session;              /* session.__dict__ */
-static PyObject *hc_tls;                  /* level3.last_call */
+static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
 static int hc_native_clock, hc_any_strides;
-static PyObject *s_host_device, *s_stats, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
+static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
 
 /* the scipy-signature families (hostpath.LANES), by flop code: where each parameter is in the
@@ -101,6 +117,18 @@ static const hc_family hc_fam[5] = {
     {8, 2, -1, -1, 3, 4, 7},    /* trmm:  alpha a b side lower trans_a diag overwrite_b */
 };
 
+/* a few types, borrowed from the frozenset a hc_call holds: a scan of pointers costs ~1 ns a type
+   where a frozenset look-up costs ~6-15 ns */
+#define HC_NTYPES 16
+typedef struct { int n; PyObject *t[HC_NTYPES]; } hc_types;
+
+static inline int hc_of_type(const hc_types *ts, PyObject *x) {
+    PyObject *t = (PyObject *)Py_TYPE(x);
+    int i;
+    for (i = 0; i < ts->n; i++) if (ts->t[i] == t) return 1;
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -113,21 +141,151 @@ typedef struct {
     PyObject *names;      /* LANE, GEMM: the parameter names in order; MATMUL: dtype= -> dtype (numpy_api._DTYPE_KW) */
     PyObject *beta;       /* LANE: frozenset of beta's types */
     int convert;          /* LANE: bit i: arrays of hc_descr[i] are converted (hostpath.CONVERTIBLE) */
+    int di;               /* LANE: the index of dtype in hc_descr */
+    hc_types types[4];    /* GEMM: alpha's (and beta's) types per dtype; LANE: [0] alpha's, [1] beta's */
+    unsigned long fmask[4];   /* LANE: per flag of the family (names[f0 + j]): bit v: the int v allowed */
+    int frole[4];         /* LANE: per flag: its role (where hc_flags puts it) */
     PyObject *dict;
 } hc_call;
 
-static PyObject *hc_now(void) {
+/* time.perf_counter's value (a failed fallback call: -1.0 with the exception set) */
+static double hc_now_python(void) {
+    PyObject *t = PyObject_CallNoArgs(hc_clock);
+    double d;
+    if (t == NULL) return -1.0;
+    d = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    return d;
+}
+
+/* time.perf_counter's value now: CLOCK_MONOTONIC read here where that is perf_counter's clock,
+   converted as CPython converts it (int64 ns / 1e9: the same double), else perf_counter called.
+   (CLOCK_MONOTONIC_COARSE would cost ~5 ns instead of ~22, at a resolution of 1-4 ms: a small
+   call would end when it started.) */
+static inline double hc_now(void) {
 #if defined(__linux__)
     if (hc_native_clock) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        return PyFloat_FromDouble((double)((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9);
+        return (double)((int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
     }
 #endif
-    return PyObject_CallNoArgs(hc_clock);
+    return hc_now_python();
+}
+#define HC_NOW_FAILED(t) ((t) == -1.0 && PyErr_Occurred())
+
+PyObject *blasx_hc_now(void) {
+    double t = hc_now();
+    return HC_NOW_FAILED(t) ? NULL : PyFloat_FromDouble(t);
 }
 
-PyObject *blasx_hc_now(void) { return hc_now(); }
+/* This thread's last call taken here, kept as C values in thread-local storage: no Python object
+   is made, and no attribute set, per call (the tuple and the setattr on level3.last_call cost
+   ~0.13 us of a ~0.2 us floor). blasx.level3.last_record reads it (hc_last_record) and takes it
+   when it ended after the Python paths' record (level3.last_call.stats): both read perf_counter's
+   clock at the end of a call, in program order, so the later end is the later call.
+
+   The device is held by a guard object in this thread's level3.last_call (attribute c_guard, set
+   on the thread's first call here; it takes the new device when the device changes): a record
+   lives as long as the thread's last_call, as the Python paths' records do, and a thread that
+   ends drops its device with its last_call (threading.local clears a thread's attributes in that
+   thread). A guard released in another thread (a thread state cleared by another: other threads'
+   at exit, and in a child after fork) cannot tell whether its thread still points at it: it keeps
+   its memory and its device (a small leak, there only), so that no record ever points at freed
+   memory. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *dev;            /* the device of its thread's record (a reference) */
+    unsigned long owner;      /* PyThread_get_thread_ident() of its thread */
+} hc_guard;
+
+typedef struct {
+    PyObject *dev;            /* borrowed from guard->dev; NULL: no record */
+    hc_guard *guard;          /* borrowed from this thread's last_call; NULL: none */
+    double t0, t1, flops;     /* perf_counter's values; real flops */
+    int di;                   /* the dtype: an index in hc_descr */
+} hc_rec;
+
+static _Thread_local hc_rec hc_last;
+static PyObject *s_guard;
+
+static void hc_guard_dealloc(PyObject *obj) {
+    hc_guard *g = (hc_guard *)obj;
+    hc_rec *r;
+    if (g->owner != PyThread_get_thread_ident()) return;   /* kept (see above) */
+    r = &hc_last;
+    if (r->guard == g) { r->guard = NULL; r->dev = NULL; }   /* the thread's last_call let it go */
+    Py_XDECREF(g->dev);
+    PyObject_Free(obj);
+}
+
+static PyTypeObject hc_guard_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "blasx.hostcall_record",
+    .tp_basicsize = sizeof(hc_guard),
+    .tp_dealloc = hc_guard_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Holds the device of this thread's last call taken by blasx's C entry points.",
+};
+
+/* r's guard (made, and set on this thread's last_call, where r has none) takes dev */
+static int hc_adopt(hc_rec *r, PyObject *dev) {
+    hc_guard *g;
+    PyObject *old;
+    if (r->guard == NULL) {
+        r->dev = NULL;
+        g = PyObject_New(hc_guard, &hc_guard_type);
+        if (g == NULL) return -1;
+        g->dev = NULL;
+        g->owner = PyThread_get_thread_ident();
+        r->guard = g;   /* (first: a guard this one replaces on last_call is not r's) */
+        if (PyObject_SetAttr(hc_tls, s_guard, (PyObject *)g) < 0) {
+            r->guard = NULL;
+            Py_DECREF(g);
+            return -1;
+        }
+        Py_DECREF(g);   /* last_call holds it */
+        if (r->guard != g) return 0;   /* (dropped at once by code the setattr ran: no record) */
+    }
+    g = r->guard;
+    Py_INCREF(dev);
+    old = g->dev;
+    g->dev = dev; r->dev = dev;
+    Py_XDECREF(old);   /* last: freeing a device may run Python code */
+    return 0;
+}
+
+/* the call that ran from t0 until now becomes this thread's record */
+static inline int hc_record(PyObject *dev, double t0, int di, double flops) {
+    hc_rec *r = &hc_last;
+    double t1 = hc_now();
+    if (HC_NOW_FAILED(t1)) return -1;
+    if (r->dev != dev && hc_adopt(r, dev) < 0) return -1;
+    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di;
+    return 0;
+}
+
+/* level3.last_record's question: this thread's record as (dev, t0, t1, dtype, real flops) when it
+   ended after `end` (perf_counter's clock: the end of the Python paths' record), else None */
+static PyObject *hc_last_record(PyObject *unused, PyObject *end) {
+    hc_rec *r = &hc_last;
+    double e = PyFloat_AsDouble(end);
+    if (e == -1.0 && PyErr_Occurred()) return NULL;
+    if (r->dev == NULL || !(r->t1 > e)) Py_RETURN_NONE;
+    return Py_BuildValue("(OddOd)", r->dev, r->t0, r->t1, hc_descr[r->di], r->flops);
+}
+
+static PyMethodDef hc_last_record_def = {
+    "last_record", hc_last_record, METH_O,
+    "last_record(end): this thread's last call taken by blasx's C entry points, (device, t0, t1, dtype, "
+    "real flops), if it ended after end (time.perf_counter's clock), else None."};
+
+/* the index of an ndarray's descr in hc_descr (one of them) */
+static inline int hc_index(PyObject *descr) {
+    int i;
+    for (i = 0; i < 3 && hc_descr[i] != descr; i++) ;
+    return i;
+}
 
 /* session.host_device (a new reference), or NULL when the CPU is not the only device */
 static PyObject *hc_device(void) {
@@ -163,50 +321,48 @@ static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
     return (s1 == sz && s0 % sz == 0 && s0 / sz >= d1) || (s0 == sz && s1 % sz == 0 && s1 / sz >= d0);
 }
 
-/* level3.last_call.stats = (dev, t0, now, dtype, flops); steals t0 */
-static int hc_record(PyObject *dev, PyObject *t0, PyObject *dtype, double flops) {
-    PyObject *rec = PyTuple_New(5), *t1 = hc_now(), *fl = PyFloat_FromDouble(flops);
-    int rc;
-    if (rec == NULL || t1 == NULL || fl == NULL) {
-        Py_XDECREF(rec); Py_XDECREF(t1); Py_XDECREF(fl); Py_DECREF(t0);
-        return -1;
-    }
-    Py_INCREF(dev); Py_INCREF(dtype);
-    PyTuple_SET_ITEM(rec, 0, dev); PyTuple_SET_ITEM(rec, 1, t0); PyTuple_SET_ITEM(rec, 2, t1);
-    PyTuple_SET_ITEM(rec, 3, dtype); PyTuple_SET_ITEM(rec, 4, fl);
-    rc = PyObject_SetAttr(hc_tls, s_stats, rec);
-    Py_DECREF(rec);
-    return rc;
-}
-
 /* fn(*args, **kw) as one host call: timed and recorded; steals dev */
 static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *dev,
-                        PyObject *dtype, double flops, PyObject *x1) {
-    PyObject *t0 = hc_now(), *res = NULL;
-    if (t0 != NULL) {
+                        int di, double flops, PyObject *x1) {
+    PyObject *res = NULL;
+    double t0 = hc_now();
+    if (!HC_NOW_FAILED(t0)) {
         res = PyObject_Vectorcall(fn, args, nargsf, kwnames);
-        if (res == NULL) Py_DECREF(t0);
-        else {
+        if (res != NULL) {
             if (flops < 0.0)    /* matmul: from the result */
                 flops = 2.0 * hc_size(res) * (double)((hc_array *)x1)->dimensions[((hc_array *)x1)->nd - 1];
-            if (hc_record(dev, t0, dtype, flops) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, di, flops) < 0) Py_CLEAR(res);
         }
     }
     Py_DECREF(dev);
     return res;
 }
 
-/* the keyword flags: each one of self->flags with an allowed int; roles 1 and 2 into f[1], f[2] */
+/* flag j of the family (self->names[f0 + j]) given as v: its value when v is an exact int that blasx
+   allows there, else -1 */
+static inline long hc_flag_value(hc_call *self, int j, PyObject *v) {
+    long x;
+    if (!PyLong_CheckExact(v)) return -1;
+    x = PyLong_AsLong(v);
+    if (x < 0 || x > 63) { PyErr_Clear(); return -1; }
+    return (self->fmask[j] >> x) & 1 ? x : -1;
+}
+
+/* the keyword flags: each one a flag of the family with an allowed int; roles 1 and 2 into f[1], f[2] */
 static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long f[3]) {
+    const hc_family *fm = &hc_fam[self->flops];
     Py_ssize_t i, n = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    int j;
+    long x;
     f[1] = f[2] = 0;
     for (i = 0; i < n; i++) {
-        PyObject *spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(kwnames, i)), *v = kw[i];
-        if (spec == NULL || !PyLong_CheckExact(v) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), v) != 1) {
-            PyErr_Clear();
-            return 0;
-        }
-        f[PyLong_AsLong(PyTuple_GET_ITEM(spec, 1))] = PyLong_AsLong(v);
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        for (j = 0; j < fm->nf && PyTuple_GET_ITEM(self->names, fm->f0 + j) != key; j++) ;
+        if (j == fm->nf)   /* (a keyword name that is not interned) */
+            for (j = 0; j < fm->nf && PyUnicode_Compare(PyTuple_GET_ITEM(self->names, fm->f0 + j), key) != 0; j++) ;
+        if (PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        if (j == fm->nf || (x = hc_flag_value(self, j, kw[i])) < 0) return 0;
+        f[self->frole[j]] = x;
     }
     return 1;
 }
@@ -308,29 +464,39 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
     ct = hc_descr[i];
     if (want != NULL && want != Py_None) {
         ct = PyDict_GetItemWithError(self->names, want);   /* (an unhashable dtype=: numpy raises) */
-        if (ct == NULL) { PyErr_Clear(); return NULL; }
+        if (ct == NULL || hc_descr[hc_index(ct)] != ct) { PyErr_Clear(); return NULL; }   /* (one of the four) */
     }
     if (casting != NULL && !PyUnicode_CheckExact(casting)) return NULL;
     if (out != NULL && out != Py_None && !(Py_TYPE(out) == hc_ndarray && ((hc_array *)out)->descr == ct
                                            && (((hc_array *)out)->flags & HC_CONTIG)))
         return NULL;
     if ((dev = hc_device()) == NULL) return NULL;
-    return hc_run(self->fn, args, nargsf, kwnames, dev, ct, -1.0, args[0]);
+    return hc_run(self->fn, args, nargsf, kwnames, dev, hc_index(ct), -1.0, args[0]);
 }
 
+/* numpy_api.dot's host path: dot(a, b[, out]) of two exact 1-D / 2-D ndarrays of one BLAS dtype, out
+   (by position or keyword) as it came: numpy checks it; not with out where both are 1-D (numpy
+   returns a scalar there, blasx out) */
 static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     hc_array *a, *b;
-    PyObject *dev;
-    Py_ssize_t k;
+    PyObject *dev, *out = NULL;
+    Py_ssize_t k, np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int i;
-    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) return NULL;
+    if (np < 2 || np + nk > 3) return NULL;
+    if (nk) {
+        if (PyTuple_GET_ITEM(kwnames, 0) != s_out && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_out) != 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+        out = args[2];
+    } else if (np == 3) out = args[2];
     i = hc_dtype(args[0]);
     a = (hc_array *)args[0]; b = (hc_array *)args[1];
     if (i < 0 || hc_dtype(args[1]) != i || a->nd < 1 || a->nd > 2 || b->nd < 1 || b->nd > 2
-            || (dev = hc_device()) == NULL)
+            || (out != NULL && out != Py_None && a->nd + b->nd == 2) || (dev = hc_device()) == NULL)
         return NULL;
     k = a->dimensions[a->nd - 1];
-    return hc_run(self->fn, args, nargsf, NULL, dev, hc_descr[i],
+    return hc_run(self->fn, args, nargsf, kwnames, dev, i,
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
 }
 
@@ -357,11 +523,12 @@ static long hc_op(PyObject *x) {
 enum { HC_C_NONE, HC_C_COPY, HC_C_IN_PLACE, HC_C_IN_PLACE_T };
 
 static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *v[8], *alpha, *beta, *cobj, *scalars, *x[2], *dev, *call[8], *res, *t0;
+    PyObject *v[8], *alpha, *beta, *cobj, *x[2], *dev, *call[8], *res;
     hc_array *a, *b, *c = NULL;
     Py_ssize_t m, k, kb, n;
     long f[3];
     int i, j, nz, mode = HC_C_NONE, ow;
+    double t0;
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL || v[2] == NULL)
         return NULL;
     alpha = v[0]; beta = v[3] == NULL ? hc_zero : v[3]; cobj = v[4] == NULL ? Py_None : v[4];
@@ -369,12 +536,9 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     a = (hc_array *)v[1]; b = (hc_array *)v[2];
     if (i < 0 || hc_dtype(v[2]) != i || a->nd != 2 || b->nd != 2 || (f[1] = hc_op(v[5])) < 0 || (f[2] = hc_op(v[6])) < 0)
         return NULL;
-    scalars = PyTuple_GET_ITEM(self->alpha, i);
-    if (PySet_Contains(scalars, (PyObject *)Py_TYPE(alpha)) != 1 || PySet_Contains(scalars, (PyObject *)Py_TYPE(beta)) != 1
-            || (cobj != Py_None && (hc_dtype(cobj) != i || ((hc_array *)cobj)->nd != 2))) {
-        PyErr_Clear();
+    if (!hc_of_type(&self->types[i], alpha) || !hc_of_type(&self->types[i], beta)
+            || (cobj != Py_None && (hc_dtype(cobj) != i || ((hc_array *)cobj)->nd != 2)))
         return NULL;
-    }
     m = a->dimensions[0]; k = a->dimensions[1];
     if (f[1]) { m = k; k = a->dimensions[0]; }
     kb = b->dimensions[0]; n = b->dimensions[1];
@@ -423,16 +587,15 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
         call[4] = mode == HC_C_IN_PLACE_T ? PyObject_GetAttr(cobj, s_T) : (Py_INCREF(cobj), cobj);
     }
     res = NULL;
-    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && (t0 = hc_now()) != NULL) {
+    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && !HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), call, hc_trim(call, 8, 3), NULL);
-        if (res == NULL) Py_DECREF(t0);
-        else {
+        if (res != NULL) {
             if (mode == HC_C_IN_PLACE || mode == HC_C_IN_PLACE_T) {   /* c itself */
                 Py_DECREF(res);
                 Py_INCREF(cobj);
                 res = cobj;
             }
-            if (hc_record(dev, t0, hc_descr[i], nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
         }
     }
     if (mode != HC_C_NONE) Py_XDECREF(call[4]);
@@ -451,7 +614,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     alpha = args[0];
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
     if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
-            || a->nd != 2 || b->nd != 2 || PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
+            || a->nd != 2 || b->nd != 2 || !hc_of_type(&self->types[0], alpha)
             || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = PyObject_IsTrue(alpha)) != 1) {
         PyErr_Clear();
         return NULL;
@@ -478,7 +641,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
         break;
     }
     if (flops == 0.0 || (dev = hc_device()) == NULL) return NULL;
-    return hc_run(self->fn, args, nargsf, kwnames, dev, self->dtype, flops, NULL);
+    return hc_run(self->fn, args, nargsf, kwnames, dev, self->di, flops, NULL);
 }
 
 /* an array the second lane takes: an exact 2-D ndarray of the routine's dtype or one it converts */
@@ -495,33 +658,27 @@ static int hc_lane_array(hc_call *self, PyObject *x) {
    called as the lane calls it (positionally: beta 0.0 without c, overwrite as in_place) */
 static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     const hc_family *fm = &hc_fam[self->flops];
-    PyObject *v[8], *alpha, *beta, *cobj, *dev, *call[8], *t0, *res;
+    PyObject *v[8], *alpha, *beta, *cobj, *dev, *call[8], *res;
     hc_array *a, *b = NULL, *c = NULL;
     Py_ssize_t m, n, k, s = 0;
     long f[4];
     int j, ow, nz, in_place = 0, nc = 0;
-    double flops;
+    double flops, t0;
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL
             || (fm->b >= 0 && v[fm->b] == NULL))
         return NULL;
     alpha = v[0];
     beta = fm->beta >= 0 && v[fm->beta] != NULL ? v[fm->beta] : hc_zero;
     cobj = fm->c >= 0 && v[fm->c] != NULL ? v[fm->c] : Py_None;
-    if (PySet_Contains(self->alpha, (PyObject *)Py_TYPE(alpha)) != 1
-            || (fm->beta >= 0 && PySet_Contains(self->beta, (PyObject *)Py_TYPE(beta)) != 1)
+    if (!hc_of_type(&self->types[0], alpha) || (fm->beta >= 0 && !hc_of_type(&self->types[1], beta))
             || (ow = hc_overwrite(v[fm->ow])) < 0) {
         PyErr_Clear();
         return NULL;
     }
     for (j = 0; j < fm->nf; j++) {
-        PyObject *x = v[fm->f0 + j], *spec;
-        if (x == NULL) { f[j] = 0; continue; }
-        spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(self->names, fm->f0 + j));
-        if (spec == NULL || !PyLong_CheckExact(x) || PySet_Contains(PyTuple_GET_ITEM(spec, 0), x) != 1) {
-            PyErr_Clear();
-            return NULL;
-        }
-        f[j] = PyLong_AsLong(x);
+        PyObject *x = v[fm->f0 + j];
+        if (x == NULL) f[j] = 0;
+        else if ((f[j] = hc_flag_value(self, j, x)) < 0) return NULL;
     }
     a = (hc_array *)v[1];
     if (!hc_lane_array(self, v[1]) || (fm->b >= 0 && !hc_lane_array(self, v[fm->b]))
@@ -571,10 +728,9 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     for (j = 0; j < fm->nf; j++) call[nc++] = v[fm->f0 + j] != NULL ? v[fm->f0 + j] : hc_flag[0];
     call[nc++] = in_place ? Py_True : Py_False;
     res = NULL;
-    if ((t0 = hc_now()) != NULL) {
+    if (!HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(self->fn, call, hc_trim(call, nc, b != NULL ? 3 : 2), NULL);
-        if (res == NULL) Py_DECREF(t0);
-        else if (hc_record(dev, t0, self->dtype, flops) < 0) Py_CLEAR(res);
+        if (res != NULL && hc_record(dev, t0, self->di, flops) < 0) Py_CLEAR(res);
     }
     Py_DECREF(dev);
     return res;
@@ -587,6 +743,12 @@ static double hc_isqrt(hc_u128 q) {   /* floor(sqrt(q)) (math.isqrt) */
     hc_u128 x, y;
     int bits = 0;
     if (q == 0) return 0.0;
+    if (q < ((hc_u128)1 << 52)) {   /* exact as a double: its sqrt, corrected (128-bit Newton steps cost ~40 ns) */
+        uint64_t z = (uint64_t)__builtin_sqrt((double)q), v = (uint64_t)q;
+        while (z * z > v) z--;
+        while ((z + 1) * (z + 1) <= v) z++;
+        return (double)z;
+    }
     for (x = q; x; x >>= 1) bits++;
     x = (hc_u128)1 << ((bits + 1) / 2);   /* >= sqrt(q): Newton from above */
     for (;;) {
@@ -606,9 +768,10 @@ static hc_u128 hc_count(PyObject *x) {
 
 /* numpy_api._host_tensordot: tensordot(a, b[, axes]) of two exact ndarrays of one BLAS dtype */
 static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *dev, *t0, *res;
+    PyObject *dev, *res;
     Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int i;
+    double t0;
     if (np < 2 || np + nk > 3 || (nk && PyTuple_GET_ITEM(kwnames, 0) != s_axes
                                   && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_axes) != 0)) {
         PyErr_Clear();
@@ -617,13 +780,12 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
     i = hc_dtype(args[0]);
     if (i < 0 || hc_dtype(args[1]) != i || (dev = hc_device()) == NULL) return NULL;
     res = NULL;
-    if ((t0 = hc_now()) != NULL) {
+    if (!HC_NOW_FAILED(t0 = hc_now())) {
         res = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-        if (res == NULL) Py_DECREF(t0);
-        else {
-            hc_u128 r = hc_count(res);
-            double kk = r ? hc_isqrt(hc_count(args[0]) * hc_count(args[1]) / r) : 0.0;
-            if (hc_record(dev, t0, hc_descr[i], 2.0 * (double)r * kk) < 0) Py_CLEAR(res);
+        if (res != NULL) {
+            hc_u128 r = hc_count(res), q = hc_count(args[0]) * hc_count(args[1]);
+            double kk = r ? hc_isqrt(q >> 64 ? q / r : (hc_u128)((uint64_t)q / (uint64_t)r)) : 0.0;   /* (64-bit division where it fits) */
+            if (hc_record(dev, t0, i, 2.0 * (double)r * kk) < 0) Py_CLEAR(res);
         }
     }
     Py_DECREF(dev);
@@ -691,9 +853,10 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
         return -1;
     }
     if (!(hc_type.tp_flags & Py_TPFLAGS_READY) && PyType_Ready(&hc_type) < 0) return -1;
-    if (s_stats == NULL) {
+    if (!(hc_guard_type.tp_flags & Py_TPFLAGS_READY) && PyType_Ready(&hc_guard_type) < 0) return -1;
+    if (s_guard == NULL) {
         s_host_device = PyUnicode_InternFromString("host_device");
-        s_stats = PyUnicode_InternFromString("stats");
+        s_guard = PyUnicode_InternFromString("c_guard");
         s_T = PyUnicode_InternFromString("T");
         s_qualname = PyUnicode_InternFromString("__qualname__");
         s_out = PyUnicode_InternFromString("out");
@@ -717,6 +880,63 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
     return 0;
 }
 
+/* ts: the types in set (none for None) */
+static int hc_fill_types(hc_types *ts, PyObject *set) {
+    PyObject *it, *x;
+    ts->n = 0;
+    if (set == Py_None) return 0;
+    if (!PyAnySet_Check(set) || PySet_GET_SIZE(set) > HC_NTYPES) {
+        PyErr_Format(PyExc_TypeError, "blasx_hc_new: a set of at most %d types expected", HC_NTYPES);
+        return -1;
+    }
+    if ((it = PyObject_GetIter(set)) == NULL) return -1;
+    while ((x = PyIter_Next(it)) != NULL) {
+        ts->t[ts->n++] = x;
+        if (x == (PyObject *)&PyFloat_Type) { ts->t[ts->n - 1] = ts->t[0]; ts->t[0] = x; }   /* (alpha's usual type first) */
+        Py_DECREF(x);   /* (the set keeps it) */
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* the C tables of a new hc_call: GEMM's types per dtype, LANE's types and flags */
+static int hc_tables(hc_call *self) {
+    int i, j;
+    if (self->kind == HC_GEMM) {
+        if (!PyTuple_Check(self->alpha) || PyTuple_GET_SIZE(self->alpha) != 4) {
+            PyErr_SetString(PyExc_TypeError, "blasx_hc_new: gemm's alpha types: a set per dtype");
+            return -1;
+        }
+        for (i = 0; i < 4; i++) if (hc_fill_types(&self->types[i], PyTuple_GET_ITEM(self->alpha, i)) < 0) return -1;
+    } else if (self->kind == HC_LANE) {
+        const hc_family *fm = &hc_fam[self->flops];
+        if (hc_fill_types(&self->types[0], self->alpha) < 0 || hc_fill_types(&self->types[1], self->beta) < 0) return -1;
+        if (!PyDict_Check(self->flags) || PyDict_GET_SIZE(self->flags) != fm->nf) goto bad_flags;
+        for (j = 0; j < fm->nf; j++) {   /* flags: name -> (frozenset of allowed ints, role) */
+            PyObject *spec = PyDict_GetItemWithError(self->flags, PyTuple_GET_ITEM(self->names, fm->f0 + j)), *it, *x;
+            long v;
+            if (spec == NULL || !PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 2) goto bad_flags;
+            self->frole[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(spec, 1));
+            if (self->frole[j] < 0 || self->frole[j] > 2) goto bad_flags;
+            self->fmask[j] = 0;
+            if ((it = PyObject_GetIter(PyTuple_GET_ITEM(spec, 0))) == NULL) return -1;
+            while ((x = PyIter_Next(it)) != NULL) {
+                v = PyLong_AsLong(x);
+                Py_DECREF(x);
+                if (v < 0 || v > 63) { Py_DECREF(it); goto bad_flags; }
+                self->fmask[j] |= 1UL << v;
+            }
+            Py_DECREF(it);
+            if (PyErr_Occurred()) return -1;
+        }
+    }
+    return 0;
+bad_flags:
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "blasx_hc_new: flags: each flag of the routine -> (ints in 0..63, role 0-2)");
+    return -1;
+}
+
 PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, PyObject *alpha, PyObject *flags,
                        int flops, int nargs, PyObject *names, PyObject *beta, int convert) {
     hc_call *self;
@@ -727,7 +947,7 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     if (((kind == HC_LANE || kind == HC_GEMM) && !(PyTuple_CheckExact(names)
                                                   && PyTuple_GET_SIZE(names) == (kind == HC_GEMM ? 8 : hc_fam[flops].n)))
             || (kind == HC_MATMUL && !PyDict_CheckExact(names)) || (kind == HC_LANE && !PyAnySet_Check(beta))
-            || flops < 0 || flops > 4) {
+            || flops < 0 || flops > 4 || (kind == HC_LANE && hc_descr[hc_index(dtype)] != dtype)) {
         PyErr_SetString(PyExc_TypeError, "blasx_hc_new: bad arguments");
         return NULL;
     }
@@ -743,8 +963,19 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     Py_INCREF(names); self->names = names;
     Py_INCREF(beta); self->beta = beta;
     self->convert = convert;
+    self->di = kind == HC_LANE ? hc_index(dtype) : 0;
     self->dict = NULL;
+    if (hc_tables(self) < 0) { Py_DECREF(self); return NULL; }
     return (PyObject *)self;
+}
+
+/* the reader of this thread's record: hc_last_record as a builtin function */
+PyObject *blasx_hc_reader(void) {
+    if (hc_session == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "blasx_hc_reader before blasx_hc_init");
+        return NULL;
+    }
+    return PyCFunction_New(&hc_last_record_def, NULL);
 }
 
 /* what the C code reads of x: (nd, shape, strides, flags, dtype), for the layout check */
@@ -823,9 +1054,19 @@ def _load():
     lib.blasx_hc_probe.argtypes = [ctypes.py_object]
     lib.blasx_hc_now.restype = ctypes.py_object
     lib.blasx_hc_now.argtypes = []
+    lib.blasx_hc_reader.restype = ctypes.py_object
+    lib.blasx_hc_reader.argtypes = []
     if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
         return None
     return lib
+
+
+def record_reader():
+    """The reader of this thread's record of the C entry points, ``last_record(end)``: the last call
+    they took on this thread, ``(device, t0, t1, dtype, real flops)``, when it ended after ``end``
+    (perf_counter's clock), else None; None without the library (level3.last_record)."""
+    lib = _library()
+    return None if lib is None else lib.blasx_hc_reader()
 
 
 def _init(lib, any_strides: bool) -> int:

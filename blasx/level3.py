@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -20,18 +21,23 @@ from .tile import choose_tile
 
 
 class _ThreadCalls(threading.local):
-    """Per thread: ``stats`` of its last call, and that call's ``profile`` once made. Class-level
-    defaults: a missing attribute never raises (getattr with a default costs ~0.7 us)."""
+    """Per thread: ``stats`` of its last call made in Python, and that call's ``profile`` once
+    made; ``c_guard``: what holds the device of the thread's last call taken by the C entry
+    points (blasx._hostcall). Class-level defaults: a missing attribute never raises (getattr with
+    a default costs ~0.7 us)."""
     stats = None
     profile = None
     profile_of = None
+    c_guard = None
 
 
 _tls = _ThreadCalls()
 
-#: This thread's last call, for the host fast paths of the front ends to set: ``last_call.stats``
-#: is a CallStats, or a host record ``(device, t0, t1, dtype, real flops)`` that
-#: :func:`last_profile` turns into one when asked (a tuple: recording a call costs ~50 ns).
+#: This thread's last call made in Python, for the host fast paths of the front ends to set:
+#: ``last_call.stats`` is a CallStats, or a host record ``(device, t0, t1, dtype, real flops)``
+#: that :func:`last_profile` turns into one when asked (a tuple: recording a call costs ~50 ns).
+#: The C entry points keep their record in C (blasx._hostcall): :func:`last_record` is the newer
+#: of the two, the thread's last call.
 last_call = _tls
 
 #: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
@@ -52,9 +58,29 @@ def running_call(thread_ident: int):
         return _running.get(thread_ident)
 
 
+def last_record():
+    """This thread's last blasx call: a CallStats, a host record ``(device, t0, t1, dtype, real
+    flops)`` or None. The newer of the Python paths' record (``last_call.stats``) and the C entry
+    points' (blasx._hostcall, read when the library is loaded): both end on perf_counter's clock,
+    read at the end of the call in program order, so the later end is the later call. A C record
+    that is newer becomes ``last_call.stats`` (then they end together, and the Python one is kept)."""
+    stats = _tls.stats
+    if _c_record is not None:
+        if stats is None:
+            end = -math.inf
+        elif type(stats) is tuple:
+            end = stats[2]
+        else:
+            end = stats.finish_time
+        rec = _c_record(end)
+        if rec is not None:
+            stats = _tls.stats = rec
+    return stats
+
+
 def last_profile():
     """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
-    stats = _tls.stats
+    stats = last_record()
     if stats is None:
         return None
     if type(stats) is tuple:
@@ -182,6 +208,8 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
 # position or keyword) is checked in C and runs _host_gemm's call there (blasx._hostcall), every
 # other call the Python function above
 gemm = _hostcall.gemm(gemm, _HOST_GEMM, _HOST_SCALARS)
+#: the C entry points' reader of this thread's record (see last_record), or None without them
+_c_record = _hostcall.record_reader()
 
 
 def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_c, dtype):

@@ -25,12 +25,12 @@ and no fixed tile), blasx's kernel is the host BLAS, and a plain call runs
 numpy's own function on it: ``matmul`` of ndarrays of one BLAS type that numpy
 runs BLAS on (any strides from numpy 2.3.1, else C- or F-contiguous ones; with
 ``out=`` a C- or F-contiguous ndarray of the computation type, ``dtype=`` a BLAS
-type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS type with no
-``out``, ``tensordot`` of ndarrays of one BLAS type; nested lists are made the
+type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS type (with ``out``
+unless both are 1-D), ``tensordot`` of ndarrays of one BLAS type; nested lists are made the
 arrays numpy makes of them first. That costs numpy's time plus a few checks and
-the record of the call for ``blasx.last_profile()``: ~0.2 us for ``matmul``
+the record of the call for ``blasx.last_profile()``: 0.06-0.12 us for ``matmul``
 (``out=``, ``dtype=``, ``casting=`` included), ``dot`` and ``tensordot`` of ndarrays, whose
-checks run in C (:mod:`blasx._hostcall`); about a microsecond for nested lists.
+checks and record are in C (:mod:`blasx._hostcall`); about a microsecond for nested lists.
 
 Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
 GPU) are computed per batch item on the engine and come back as CuPy arrays.
@@ -241,13 +241,17 @@ def dot(a, b, out=None):
     must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
     """
     dev = session.host_device
-    if (dev is not None and out is None and type(a) is _ndarray and type(b) is _ndarray
-            and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and a.ndim in _DOT_NDIMS and b.ndim in _DOT_NDIMS):
+    if (dev is not None and type(a) is _ndarray and type(b) is _ndarray
+            and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and a.ndim in _DOT_NDIMS and b.ndim in _DOT_NDIMS
+            and (out is None or a.ndim + b.ndim > 2)):
         # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands of one BLAS
         # type (copying those of other strides first; N-D ones take its loop without BLAS, so
-        # they stay below) and raises numpy's errors, as the fallbacks below do.
+        # they stay below) and raises numpy's errors, as the fallbacks below do. With out, numpy
+        # checks it (an ndarray, C-contiguous, writeable, of the exact dtype and shape) and raises
+        # the error the code below has numpy raise; an out that overlaps a or b it computes through
+        # a copy, as the code below does. (1-D . 1-D: numpy returns a scalar, not out; below.)
         t0 = clock()
-        res = _np_dot(a, b)
+        res = _np_dot(a, b) if out is None else _np_dot(a, b, out)
         _last.stats = (dev, t0, clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
         return res
     if dev is not None and (type(a) is list or type(b) is list):

@@ -799,7 +799,7 @@ def test_bench_cpu_overhead_runs(capsys):
     assert bench.main(["--sizes", "8", "--dtypes", "d,c", "--rounds", "2", "--target-ms", "0.2"]) == 0
     out = capsys.readouterr().out
     for what in ("matmul", "tensordot", "gemm-C", "linalg-trsm", "linalg-her2k", "ovh best", "gemm-c", "gemm-ow",
-                 "matmul-out", "matmul-dtype", "linalg-syrk-ow", "linalg-her2k-conv", "linalg-trsm-a0", "blasx-trmm-ow",
+                 "matmul-out", "dot-out", "matmul-dtype", "linalg-syrk-ow", "linalg-her2k-conv", "linalg-trsm-a0", "blasx-trmm-ow",
                  "blasx-hemm-c", "matmul-sub", "matmul-strided", "matmul-list", "dot-list", "gemm-np",
                  "linalg-gemm-list", "blasx-syrk-np"):
         assert what in out, what

@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -255,6 +256,44 @@ def test_dot_every_layout(dtype, rand, rel_err, tol, monkeypatch):
             assert type(got) is type(ref) and got.dtype == ref.dtype and got.shape == ref.shape
             _ok(rel_err, tol, got, ref)
             assert blasx.last_profile().totals()["flops"] == _flops(dtype) * ref.size * 6
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_dot_out_in_c(dtype, rand, monkeypatch):
+    """dot(a, b, out) of 1-D / 2-D operands (out by position or keyword, NaN-filled, one that is a
+    itself): numpy's dot from C, bit for bit, out returned, the profile of the Python function; an
+    out numpy refuses raises numpy's error, as the general path did; 1-D . 1-D with out keeps the
+    general path (numpy would return a scalar, blasx returns out)."""
+    a, b = rand((6, 6), dtype, seed=1, order="C"), rand((6, 5), dtype, seed=2, order="C")
+    v = rand((6,), dtype, seed=3)
+    for x, y in ((a, b), (v, b), (a, v), (a[:, ::2], b[::2])):
+        shape = np.dot(x, y).shape
+        for how in ("keyword", "positional"):
+            o1, o2, o3 = (np.full(shape, np.nan, dtype) for _ in range(3))
+
+            def call(f, o):
+                return f(x, y, out=o) if how == "keyword" else f(x, y, o)
+
+            with monkeypatch.context() as mp:
+                _general_fails(mp)
+                got = _in_c(lambda: call(blasx.dot, o1))
+                prof = _profile()
+                assert call(_py(blasx.dot), o2) is o2 and prof == _profile()
+            assert got is o1 and call(np.dot, o3) is o3
+            np.testing.assert_array_equal(o1, o3)
+            np.testing.assert_array_equal(o2, o3)
+    x = a.copy()
+    want = np.dot(a, a)
+    assert _in_c(lambda: blasx.dot(x, x, out=x)) is x   # numpy computes through a copy
+    np.testing.assert_array_equal(x, want)
+    for bad in (np.empty((6, 5), _other(dtype)), np.empty((5, 6), dtype).T, np.empty((6, 4), dtype),
+                _readonly(np.empty((6, 5), dtype)), np.empty((6, 5), dtype).tolist(), np.empty((1, 6, 5), dtype)):
+        got = _error_of(lambda: blasx.dot(a, b, out=bad))
+        assert got == _general(lambda: _error_of(lambda: blasx.dot(a, b, out=bad))) == _error_of(lambda: np.dot(a, b, out=bad))
+    o, o2 = np.empty((), dtype), np.empty((), dtype)
+    assert blasx.dot(v, v, out=o) is o and _general(lambda: blasx.dot(v, v, out=o2)) is o2
+    _ok(lambda p, q: abs(complex(p) - complex(q)) / abs(complex(q)), lambda d: np.finfo(d).eps, o[()], np.dot(v, v))
+    assert _error_of(lambda: blasx.dot(a, b, o, out=o))[0] is TypeError
 
 
 def test_matmul_and_dot_of_lists(rand, monkeypatch):
@@ -777,11 +816,229 @@ def test_keyword_calls_in_c_keep_refcounts(rand):
              lambda: blasx.gemm(alpha, a, b, beta, cc, overwrite_c=1), lambda: B.dgemm(0.0, a, b, beta, c),
              lambda: B.dsyrk(alpha, a32, beta=beta, c=c, overwrite_c=1), lambda: blasx.dtrsm(1.0, eye, bb, overwrite_b=1),
              lambda: blasx.matmul(a, b, out=o), lambda: blasx.matmul(a, b, dtype=np.float32),
-             lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1)]
-    objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device)
+             lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1),
+             lambda: blasx.dot(a, b, out=o), lambda: blasx.dot(a, b, o)]
+    objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device, a.dtype, a32.dtype)
     for f in calls:
         f()
         before = [sys.getrefcount(x) for x in objs]
         for _ in range(2000):
             f()
         assert [sys.getrefcount(x) for x in objs] == before, f
+
+
+# ---------------------------------------------------------------- the record of the last call
+
+def _recorded_calls(n: int, rand, general: bool = True):
+    """(name, call, real flops x dtype factor) of calls of n-sized operands that record on each
+    path: the C entry points (plain and keyword calls), the Python fast paths (the Python
+    functions, a mixed-dtype gemm) and, with ``general``, blasx's general path (a CallStats). Each
+    call's shape differs from the others' (m, k, p below), so its flops name it."""
+    m, k, p = n + 2, n + 1, n
+    a, b = rand((m, k), seed=1, order="C"), rand((k, p), seed=2, order="C")
+    af, bf, cf = rand((m, k), seed=3), rand((k, p), seed=4), rand((m, p), seed=5)
+    z1, z2 = rand((m + 1, k), np.complex128, seed=6), rand((k, p), np.complex128, seed=7)
+    a32 = a.astype(np.float32)
+    sq = rand((m, m), seed=8)
+    calls = [
+        ("C matmul", lambda: blasx.matmul(a, b), 2 * m * k * p),
+        ("C dot", lambda: blasx.dot(a[:-1], b), 2 * (m - 1) * k * p),
+        ("C gemm", lambda: blasx.gemm(1.0, af[:, :-1], bf[:-1]), 2 * m * (k - 1) * p),
+        ("C gemm c", lambda: blasx.gemm(1.0, af, bf, 0.5, cf), 2 * m * k * p),
+        ("C zgemm", lambda: B.zgemm(1.0, z1, z2), 8 * (m + 1) * k * p),
+        ("C dsymm c", lambda: B.dsymm(1.0, sq, cf, 0.5, cf), 2 * m * p * m),
+        ("C tensordot", lambda: blasx.tensordot(a, b[:, :-1], 1), 2 * m * k * (p - 1)),
+        ("Python matmul", lambda: _py(blasx.matmul)(a[1:], b), 2 * (m - 1) * k * p),
+        ("Python dgemm", lambda: _py(B.dgemm)(1.0, af[1:], bf), 2 * (m - 1) * k * p),
+        ("Python gemm mixed", lambda: blasx.gemm(1.0, a32, b[:, 1:]), 2 * m * k * (p - 1)),
+    ]
+    if general:
+        calls.append(("general gemm", lambda: _general(lambda: blasx.gemm(1.0, af[2:], bf)), 2 * (m - 2) * k * p))
+    return calls
+
+
+def _check_record(name, call, flops, errors):
+    """call() becomes this thread's last call: its profile's flops, one CPU device, a window within
+    the call; a C call leaves level3.last_call.stats alone (no Python object per call)."""
+    before = level3.last_call.stats
+    t0 = time.perf_counter()
+    call()
+    t1 = time.perf_counter()
+    if name.startswith("C ") and _hostcall.kind() == "c" and level3.last_call.stats is not before:
+        errors.append(f"{name}: the C path wrote level3.last_call.stats")
+    p = blasx.last_profile()
+    got = (p.totals()["flops"], p.totals()["tasks"], [d.kind for d in p.devices], t0 <= p.start <= p.finish <= t1)
+    if got != (flops, 1, ["cpu"], True) and not (name.startswith("general") and got[0] == flops and got[3]):
+        errors.append(f"{name}: profile {got}, expected flops {flops} in [{t0}, {t1}]")
+    if blasx.last_profile() is not p:
+        errors.append(f"{name}: a second last_profile() made another profile")
+
+
+def test_record_of_interleaved_c_and_python_calls(rand):
+    """C and Python paths interleaved on one thread, the profile read after some calls only: it is
+    always the latest call's (the newer of C's record and Python's wins), whichever path made it
+    and whatever made the one before."""
+    calls = _recorded_calls(6, rand)
+    rng = np.random.default_rng(0)
+    errors = []
+    pending = None
+    for i in range(300):
+        name, call, flops = calls[rng.integers(len(calls))]
+        if rng.random() < 0.4:   # not read: the next read must still pick the latest of several
+            call()
+            pending = (name, flops)
+            continue
+        _check_record(name, call, flops, errors)
+        pending = None
+    if pending is not None:
+        assert blasx.last_profile().totals()["flops"] == pending[1], pending
+    for name, call, flops in calls:   # each path after each path
+        for name2, call2, flops2 in calls:
+            call()
+            _check_record(name2, call2, flops2, errors)
+    assert not errors, errors[:5]
+
+
+def test_record_per_thread(rand):
+    """Many threads calling the C and Python paths at once: each thread's profile is its own last
+    call's (operands of a size of its own: the flops say whose); a new thread has no record."""
+    import threading
+    nthreads, rounds = 4, 150
+    barrier = threading.Barrier(nthreads)
+    errors = []
+
+    def work(t):
+        try:
+            if blasx.last_profile() is not None:
+                errors.append(f"thread {t}: a profile before its first call")
+            calls = _recorded_calls(5 + 3 * t, rand, general=False)
+            rng = np.random.default_rng(t)
+            barrier.wait()
+            for _ in range(rounds):
+                name, call, flops = calls[rng.integers(len(calls))]
+                _check_record(f"{name} (thread {t})", call, flops, errors)
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append(f"thread {t}: {e!r}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # threads switch between and inside calls
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:5]
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
+def test_c_record_holds_its_device_while_its_thread_keeps_it(rand):
+    """The C record's device is held by a guard in the thread's level3.last_call: a thread that
+    ends lets its device go, a new device replaces the old one, and a guard dropped drops the
+    record (the Python record then stands)."""
+    import threading
+    a = rand((4, 4))
+    blasx.matmul(a, a)
+    dev = session.host_device
+    refs = sys.getrefcount(dev)
+    seen = []
+
+    def work():
+        blasx.matmul(a, a)
+        seen.append((level3.last_record()[0] is dev, level3.last_call.c_guard is not None))
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert seen == [(True, True)] and sys.getrefcount(dev) == refs
+
+    blasx.configure(devices="cpu")
+    blasx.engine()
+    new = session.host_device
+    refs = sys.getrefcount(dev)
+    blasx.matmul(a, a)
+    assert new is not dev and sys.getrefcount(dev) == refs - 1 and level3.last_record()[0] is new
+
+    level3.last_call.stats = None
+    blasx.dot(a, a)
+    del level3.last_call.c_guard   # (what the thread's end does): the C record goes with it
+    assert level3.last_record() is None and blasx.last_profile() is None
+    blasx.dot(a, a)
+    assert level3.last_call.c_guard is not None and blasx.last_profile().totals()["flops"] == 2 * 4 ** 3
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
+def test_record_with_perf_counter_called_from_c(tmp_path):
+    """Where perf_counter does not read CLOCK_MONOTONIC the C code calls it (twice a call): the
+    records are right, and the newer record still wins."""
+    code = (
+        "import time\n"
+        "info, perf = time.get_clock_info, time.perf_counter\n"
+        "calls = [0]\n"
+        "def get_clock_info(name):\n"
+        "    got = info(name)\n"
+        "    if name == 'perf_counter':\n"
+        "        got.implementation = 'another clock'\n"
+        "    return got\n"
+        "def counted():\n"
+        "    calls[0] += 1\n"
+        "    return perf()\n"
+        "time.get_clock_info, time.perf_counter = get_clock_info, counted\n"
+        "import numpy as np, blasx\n"
+        "from blasx import _hostcall, level3\n"
+        "from blasx.linalg import blas as B\n"
+        "blasx.configure(devices='cpu')\n"
+        "blasx.engine()\n"
+        "assert _hostcall.kind() == 'c'\n"
+        "a, b = np.ones((3, 4)), np.ones((4, 5))\n"
+        "for f, flops in ((lambda: blasx.matmul(a, b), 120), (lambda: B.dgemm.__wrapped__(1.0, a[1:], b), 80),\n"
+        "                 (lambda: B.dgemm(1.0, a, b), 120), (lambda: blasx.dot(a[1:], b), 80)):\n"
+        "    n, t0 = calls[0], perf()\n"
+        "    f()\n"
+        "    t1, n = perf(), calls[0] - n\n"
+        "    p = blasx.last_profile()\n"
+        "    assert p.totals()['flops'] == flops and t0 <= p.start <= p.finish <= t1, (p.totals(), flops)\n"
+        "    assert n == 2, n\n"
+        "print('ok')\n")
+    env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or _hostcall.kind() != "c", reason="fork; the C entry points' record")
+def test_c_record_after_fork(tmp_path):
+    """In a child forked while another thread holds a record, the forking thread keeps its own
+    record (the other thread's guard, released there by the forking thread, is left alone), and
+    calls record as before."""
+    code = (
+        "import os, threading, numpy as np, blasx\n"
+        "from blasx import level3\n"
+        "blasx.configure(devices='cpu')\n"
+        "blasx.engine()\n"
+        "a = np.ones((4, 4))\n"
+        "held, done = threading.Event(), threading.Event()\n"
+        "def work():\n"
+        "    blasx.matmul(a[:3], a)\n"
+        "    held.set()\n"
+        "    done.wait()\n"
+        "th = threading.Thread(target=work)\n"
+        "th.start()\n"
+        "held.wait()\n"
+        "blasx.dot(a[:2], a)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    ok = blasx.last_profile().totals()['flops'] == 2 * 2 * 4 * 4\n"
+        "    blasx.matmul(a[:1], a)\n"
+        "    ok = ok and blasx.last_profile().totals()['flops'] == 2 * 1 * 4 * 4\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "done.set()\n"
+        "th.join()\n"
+        "assert os.waitstatus_to_exitcode(status) == 0, status\n"
+        "assert blasx.last_profile().totals()['flops'] == 2 * 2 * 4 * 4\n"
+        "print('ok')\n")
+    env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
