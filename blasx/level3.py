@@ -464,17 +464,6 @@ def _scratch_home(eng, like) -> int | None:
     return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
-#: Tasks of one call a stream device runs at once, by routine, where not one per stream, and the
-#: knob that switches it (``Knobs``).
-MAX_ACTIVE = {"trsm": (2, "trsm_two_active")}
-
-
-def _max_active(eng, name: str) -> int:
-    """``Call.max_active`` of a call of routine ``name`` ("dtrsm"; 0: one task per stream)."""
-    cap, knob = MAX_ACTIVE.get(name[1:], (0, None))
-    return cap if knob is not None and getattr(eng.config.knobs, knob) else 0
-
-
 def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
@@ -482,7 +471,6 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
                       keep_records=session.settings().trace)
     call = Call(name, operands, tasks, dtype, alpha, beta, stats)
     call.tile = tile
-    call.max_active = _max_active(eng, name)
     for d in _backends(eng):
         d.prepare_call(call)
     ident = threading.get_ident()

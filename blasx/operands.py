@@ -88,7 +88,9 @@ class _ReadOnlyRegistry:
     """Life-long bases for arrays that cannot be written (invariant 3)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: ``_retire`` is a finalizer, run wherever the garbage collector frees a root,
+        # also inside ``base_of``'s critical section in the same thread.
+        self._lock = threading.RLock()
         self._by_id: dict[int, tuple[weakref.ref, int]] = {}
         self._next = itertools.count(1)
         self.on_retire = None  # engine hook: retire the base's cached tiles

@@ -86,9 +86,6 @@ class Call:
         self.epilogue = epilogue
         self.device_only = any(not op.on_host for op in operands)
         self.has_deps = any(t.deps for t in tasks)  # some task waits for others (TRSM)
-        # Tasks of this call one stream device runs at once (0: one per stream; set by the front
-        # end, e.g. Knobs.trsm_two_active).
-        self.max_active = 0
         # The engine's rate meter and this call's flops not started / running, kept only when
         # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
         self.meter = None

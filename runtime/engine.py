@@ -115,6 +115,7 @@ Per worker (``worker.py``), written by that worker alone
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import traceback
@@ -177,6 +178,7 @@ class Engine:
         self.work_generation = 0
         self._cv = threading.Condition()
         self._lock = threading.Lock()
+        self._retired: collections.deque[int] = collections.deque()  # retire_base's backlog
         self._calls: "weakref.WeakSet[Call]" = weakref.WeakSet()
         self._started = False
         self._closed = False
@@ -263,6 +265,8 @@ class Engine:
     def submit(self, call: Call) -> None:
         """Run ``call`` to completion on the workers; raise its error, if any."""
         self.start()
+        if self._retired:
+            self._drain_retired()
         if not self.inline:  # workers run it: they may fail, and need waking for dependents
             if not self._runnable(call):
                 raise DeviceError(self._unrunnable_message(call))
@@ -331,9 +335,24 @@ class Engine:
                 call.account(task)
 
     def retire_base(self, base: int) -> None:
-        """Tiles of token base ``base`` may never be read again (a read-only array died)."""
-        with self.directory.lock:
-            self.directory.retire_base(base)
+        """Tiles of token base ``base`` may never be read again (a read-only array died).
+
+        Called by a finalizer, so in whatever frame the garbage collector frees the array, which
+        may hold the directory lock in this very thread: it never waits for that lock. A base it
+        cannot retire now waits in ``_retired`` for the next one that can, at the latest the next
+        call's submission (a base is never reused, so its lines are only dead a little later)."""
+        self._retired.append(base)
+        self._drain_retired()
+
+    def _drain_retired(self) -> None:
+        lock = self.directory.lock
+        if not lock.acquire(blocking=False):
+            return
+        try:
+            while self._retired:
+                self.directory.retire_base(self._retired.popleft())
+        finally:
+            lock.release()
 
     def _runnable(self, call: Call) -> bool:
         return any(self.can_run(w, call) for w in self.workers)

@@ -145,7 +145,11 @@ def _root(x: np.ndarray) -> np.ndarray:
 
 class RegistrationCache:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a root's finalizer (``_unregister``) runs wherever the garbage collector
+        # frees the root, which may be inside this very class's critical section in the same
+        # thread (seen on 2x H200: a GC pass in ``Pinning.__init__`` under ``_pinning``'s lock
+        # freed an earlier call's array, and a plain Lock hung the test forever).
+        self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self.registered_bytes = 0
         self.seconds = 0.0  # spent in cudaHostRegister, all threads

@@ -36,11 +36,6 @@ class Knobs:
     #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
     #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
-    #: A device runs at most two tasks of one TRSM call at once (``Call.max_active``), not one per
-    #: stream: each task's steps wait for solved tiles, so four interleaved tasks were committed to
-    #: a device long before they could run, and the last level ended on one device while the other
-    #: idled (2x H200, N = 32768: 0.89-0.92 of GEMM with two, 0.82-0.89 with four).
-    trsm_two_active: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -365,7 +365,7 @@ class StreamWorker(Worker):
         for s, slot in enumerate(self.slots):
             if slot is not None or self.inflight >= self.max_inflight:
                 continue
-            task = self.station.pop_best(self._score, self._startable)
+            task = self.station.pop_best(self._score, self.ready)
             if task is None:
                 return
             if task.call.failed:
@@ -382,14 +382,6 @@ class StreamWorker(Worker):
             self.slots[s] = _Active(task, steps)
             self.inflight += 1
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
-
-    def _startable(self, task) -> bool:
-        """``task`` may take a stream now: it is ready, and its call runs fewer than its
-        ``max_active`` tasks on this device (0: no bound)."""
-        if not self.ready(task):
-            return False
-        cap = task.call.max_active
-        return not cap or sum(1 for a in self.slots if a is not None and a.task.call is task.call) < cap
 
     def _score(self, task) -> int:
         """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an

@@ -201,3 +201,35 @@ def test_a_chunk_never_registered_fails_the_wait_instead_of_hanging(monkeypatch)
     assert p.pieces(0, PAGE, PAGE, 2) == [(0, 2, 0, PAGE)]
     with pytest.raises(TimeoutError, match=r"\[0x2000, 0x4000\) were not page-locked within 0.05 s"):
         p.pieces(0, PAGE, PAGE, 3)
+
+
+def test_a_root_freed_inside_the_cache_lock_unregisters_without_hanging(fake_cuda, monkeypatch):
+    """A root's finalizer runs wherever the garbage collector frees the root; on 2x H200 that was
+    inside ``_pinning``'s critical section of the same thread (a GC pass while making the next
+    call's Pinning), and with a non-reentrant lock the call hung forever."""
+    import gc
+
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    rt = fake_cuda()
+    reg = RegistrationCache()
+    a = np.ones((1 << 15,))
+    a_cycle = [a]
+    a_cycle.append(a_cycle)  # only the cyclic collector frees it: at any allocation, in any frame
+    (p,), job = reg.pin([a])
+    job.join()
+    start = p.chunks[0][0]
+    del a, p
+    done = threading.Event()
+
+    def free_inside_the_lock():
+        with reg._lock:  # as _pinning holds it when the collector runs
+            a_cycle.clear()
+            gc.collect()
+        done.set()
+    t = threading.Thread(target=free_inside_the_lock, daemon=True)  # a deadlocked one must not block exit
+    t.start()
+    t.join(10)
+    assert done.is_set(), "the finalizer deadlocked on the registration cache's lock"
+    assert start in rt.unregistered and reg.registered_bytes == 0

@@ -212,33 +212,6 @@ def test_in_place_trmm_every_order(sim3, rand, rel_err, tol, monkeypatch, order)
     assert planned == [True] * 12
 
 
-@pytest.mark.parametrize("two", [1, 0])
-def test_trsm_runs_two_tasks_per_device_at_once(rand, rel_err, tol, monkeypatch, two):
-    """Knobs.trsm_two_active: a stream device runs at most 2 tasks of a TRSM call at once (the
-    rest stay in its station, where a peer may steal them); TRMM still runs one per stream."""
-    from blasx.runtime.worker import StreamWorker
-
-    most: dict[str, int] = {}
-    assign = StreamWorker.assign
-
-    def counted(self):
-        assign(self)
-        for a in self.slots:
-            if a is not None:
-                name = a.task.call.name
-                n = sum(1 for b in self.slots if b is not None and b.task.call is a.task.call)
-                most[name] = max(most.get(name, 0), n)
-    monkeypatch.setattr(StreamWorker, "assign", counted)
-    monkeypatch.setenv("BLASX_KNOBS", f"trsm_two_active={two}")
-    blasx.configure(devices="sim:2", tile=8)
-    a, b = well_conditioned(rand, 64, np.float64, 7), rand((64, 64), np.float64, 8)
-    for routine in ("trsm", "trmm"):
-        expect = ref(routine, np.float64, 1.5, a, b)
-        out = getattr(blasx, "d" + routine)(1.5, poisoned(a, 0), b)
-        assert rel_err(out, expect) < tol(np.float64), routine
-    assert most["dtrsm"] == (2 if two else 4) and most["dtrmm"] == 4
-
-
 def test_prefixed_functions_cast_like_scipy(sim3, rand, rel_err, tol):
     a, b, c = rand((13, 13), np.float64, 1), rand((13, 9), np.float64, 2), rand((13, 9), np.float64, 3)
     for p, dt in (("s", np.float32), ("d", np.float64), ("c", np.complex64), ("z", np.complex128)):

@@ -234,6 +234,29 @@ def test_collected_read_only_array_tiles_are_retired(rand):
     assert directory.lines_of_base(base) == 0
 
 
+def test_a_read_only_array_collected_under_the_directory_lock_is_retired_later(rand):
+    """The retirement hook runs in whatever frame the collector frees the array, possibly one
+    holding the directory lock in the same thread: it must not wait for the lock (a deadlock),
+    and the lines die at the next call's submission instead."""
+    from blasx.operands import READONLY
+
+    blasx.configure(devices="sim:1", tile=16)
+    a = rand((32, 32))
+    a.flags.writeable = False
+    a_cycle = [a]
+    a_cycle.append(a_cycle)  # freed by the cyclic collector only
+    blasx.gemm(1.0, a, rand((32, 32), seed=1))
+    base = READONLY.base_of(a)
+    eng = blasx.engine()
+    del a
+    with eng.directory.lock:  # as a worker holds it when the collector runs
+        a_cycle.clear()
+        gc.collect()  # the finalizer returns at once (a plain wait here would never end)
+    assert eng.directory.lines_of_base(base) == 4
+    blasx.gemm(1.0, rand((8, 8)), rand((8, 8), seed=1))
+    assert eng.directory.lines_of_base(base) == 0
+
+
 # =========================================================================== out of core
 
 @pytest.mark.parametrize("beta", [0.0, -0.5])
