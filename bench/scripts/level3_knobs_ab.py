@@ -113,8 +113,9 @@ def log_stations() -> None:
 
 
 def save_profile(profile, path: str) -> None:
-    """The profile's window, devices and records (OpRecord fields, one list per record) as gzipped
-    JSON: the input of bench/scripts/trace_study.py."""
+    """The profile's window, devices, counters, records (OpRecord fields, one list per record)
+    and the station operations of its window (STATION_LOG) as gzipped JSON: the input of
+    bench/scripts/trace_study.py."""
     import dataclasses
     import gzip
     import json
