@@ -80,6 +80,11 @@ Invariants
 6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker
    on the queue and joins them all (and the sim stream threads). An inline
    engine (the CPU alone) starts no thread at all.
+7. No finalizer waits for a lock: a finalizer runs wherever the garbage
+   collector frees its object, which may be inside a critical section of the
+   same lock in the same thread. The locks finalizers take are re-entrant
+   (host registrations, read-only tokens), and ``retire_base`` only tries the
+   directory lock, leaving a base it cannot retire now in ``_retired``.
 
 State (each field has one owner)
 --------------------------------
@@ -96,6 +101,10 @@ State (each field has one owner)
     shutdown); idle workers sleep on ``_cv`` until it changes.
 ``_calls``
     Calls in progress, so a failure with no live worker can fail them all.
+``_retired``
+    Bases of collected read-only arrays whose tiles are still to be marked
+    dead (invariant 7); any thread appends, the holder of the directory
+    lock drains (``retire_base``, and every ``submit``).
 ``_switching``
     Python's switch interval while calls are in flight (``switching.py``;
     off unless ``EngineConfig.switch_interval`` is set).
