@@ -18,7 +18,6 @@ GEMM rate on its useful flops would reach the GEMM figure. Each result is checke
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import numpy as np
 
@@ -32,20 +31,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy
 
+    from bench.scripts.tri_inverse_rate import timed
     from blasx.runtime.devices.cuda import cublas_routine
 
     handle = cupy.cuda.device.get_cublas_handle()
-
-    def timed(fn, runs=7):
-        ts = []
-        for _ in range(runs + 1):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-        return statistics.median(ts[1:])
 
     for code in args.dtypes.split(","):
         dt = np.dtype(DTYPES[code])
@@ -89,7 +78,7 @@ def main(argv=None) -> int:
 
             for name, fn in (("gemm", run_gemm), (rk, run_syrk), (rk + "x", run_syrkx), ("split", run_split)):
                 try:
-                    sec = timed(fn)
+                    sec = timed(fn, runs=7)
                 except Exception as e:  # a routine this cuBLAS lacks: say so, go on
                     print(f"{code} T={t:5d} {name:>6}: failed: {e!r}", flush=True)
                     continue

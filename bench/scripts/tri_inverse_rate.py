@@ -19,6 +19,21 @@ import numpy as np
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 
 
+def timed(fn, runs: int = 5) -> float:
+    """Median seconds of ``runs`` calls of ``fn`` on the current CUDA stream (CUDA events), after
+    one untimed call (the first pays compilation and allocation)."""
+    import cupy
+    ts = []
+    for _ in range(runs + 1):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ts.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(ts[1:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=4096)
@@ -38,16 +53,6 @@ def main(argv=None) -> int:
     one = np.array([1], dtype=dt)
     flops = float(n) ** 3 * (4 if dt.kind == "c" else 1)
 
-    def timed(fn, runs=5):
-        ts = []
-        for _ in range(runs + 1):
-            start, end = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ts.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
-        return statistics.median(ts[1:])  # the first run pays compilation and allocation
 
     def line(what, seconds, f=flops):
         print(f"{what:<40} {seconds * 1e3:8.3f} ms  {f / seconds / 1e12:6.1f} TFLOPS (of n^3)", flush=True)
