@@ -1038,13 +1038,8 @@ def _library():
     return lib
 
 
-def _load():
-    from . import _ufunc_loops as loops
-    cc, inc = loops._compiler(), loops._python_include()
-    path = loops._compile(cc, HOSTCALL_C, ["-I", inc]) if cc and inc else None
-    if path is None:
-        return None
-    lib = ctypes.PyDLL(str(path))
+def declare(lib):
+    """``lib`` (a build of HOSTCALL_C, or of a variant of it) with its functions' C signatures."""
     lib.blasx_hc_init.restype = ctypes.c_int
     lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
     lib.blasx_hc_new.restype = ctypes.py_object
@@ -1056,6 +1051,16 @@ def _load():
     lib.blasx_hc_now.argtypes = []
     lib.blasx_hc_reader.restype = ctypes.py_object
     lib.blasx_hc_reader.argtypes = []
+    return lib
+
+
+def _load():
+    from . import _ufunc_loops as loops
+    cc, inc = loops._compiler(), loops._python_include()
+    path = loops._compile(cc, HOSTCALL_C, ["-I", inc]) if cc and inc else None
+    if path is None:
+        return None
+    lib = declare(ctypes.PyDLL(str(path)))
     if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
         return None
     return lib

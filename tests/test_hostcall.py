@@ -1002,6 +1002,11 @@ def test_record_with_perf_counter_called_from_c(tmp_path):
         "    assert p.totals()['flops'] == flops and t0 <= p.start <= p.finish <= t1, (p.totals(), flops)\n"
         "    assert n == 2, n\n"
         "print('ok')\n")
+    _child_prints_ok(code, tmp_path)
+
+
+def _child_prints_ok(code: str, tmp_path) -> None:
+    """Run ``code`` in a fresh interpreter (its own C library build, in tmp_path): it must print ok."""
     env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -1039,6 +1044,4 @@ def test_c_record_after_fork(tmp_path):
         "assert os.waitstatus_to_exitcode(status) == 0, status\n"
         "assert blasx.last_profile().totals()['flops'] == 2 * 2 * 4 * 4\n"
         "print('ok')\n")
-    env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _child_prints_ok(code, tmp_path)

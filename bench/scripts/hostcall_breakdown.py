@@ -141,12 +141,7 @@ def _build(hc, source: str):
     path = loops._compile(cc, source + MICRO_C, ["-I", inc])
     if path is None:
         raise RuntimeError("the variant did not compile")
-    lib = ctypes.PyDLL(str(path))
-    lib.blasx_hc_init.restype = ctypes.c_int
-    lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
-    lib.blasx_hc_new.restype = ctypes.py_object
-    lib.blasx_hc_new.argtypes = ([ctypes.c_int] + [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
-                                 + [ctypes.py_object] * 2 + [ctypes.c_int])
+    lib = hc.declare(ctypes.PyDLL(str(path)))
     lib.blasx_hc_micro.restype = ctypes.c_double
     lib.blasx_hc_micro.argtypes = [ctypes.c_int, ctypes.c_long]
     if hc._init(lib, hc.NUMPY_COPIES_STRIDES) != 0:
