@@ -37,14 +37,14 @@ import time
 import numpy as np
 
 from .level3 import (
-    DTYPE_NAMES, DTYPES, ArgError, blasx_routine, command_line, dtype_words, finite, machine_name,
+    DTYPE_NAMES, DTYPES, ArgError, blasx_routine, command_line, dtype_words, finite, gpu_tag, machine_name,
     parse_dtypes, parse_positive_list, positive_int, random_matrix, rows64, rows_times, sample_rows, tolerance,
     utc_stamp, write_json_md, CHECK_ROWS, _column_chunks, _parallel,
 )
 
 BACKENDS = ("cuda", "sim", "cpu")
 PIN_MODES = ("auto", "on", "off")
-DEFAULT_TAG = {"cuda": "h200x2", "sim": "sim", "cpu": "cpu"}
+DEFAULT_TAG = {"sim": "sim", "cpu": "cpu"}  # cuda: the GPU model and count, level3.gpu_tag
 #: seed offsets of A, B, C
 _WHICH = {"a": 0, "b": 1, "c": 2}
 
@@ -145,7 +145,7 @@ def add_common_options(p: argparse.ArgumentParser, *, n_default: str, gpus_defau
                    help="operands of each N: compact N x N arrays in the N_max buffers (contiguous, default) "
                         "or their top-left N x N views (leading dimension N_max)")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="result directory (default bench/results)")
-    p.add_argument("--tag", default=None, help="name in the result files (default h200x2; sim / cpu backends: sim / cpu)")
+    p.add_argument("--tag", default=None, help="name in the result files (default: GPU model and largest --gpus, h200x2; sim / cpu backends: sim / cpu)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +162,7 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         args.specs = {g: device_spec(args.backend, g, args.devices_spec) for g in args.gpus}
     except ArgError as e:
         p.error(str(e))
-    args.tag = args.tag or DEFAULT_TAG[args.backend]
+    args.tag = args.tag or DEFAULT_TAG.get(args.backend) or gpu_tag(max(args.gpus))
     if hasattr(args, "dtypes"):  # double first: the float32 arrays are cast from its arrays
         args.dtypes = sorted(args.dtypes, key="ds".index)
     return args

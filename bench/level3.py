@@ -26,6 +26,7 @@ import gc
 import json
 import math
 import os
+import re
 import random
 import shlex
 import socket
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=positive_int("--tile"), default=None,
                    help="blasx tile size for every routine (default: blasx's choice per call)")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--tag", default="h200x2")
+    p.add_argument("--tag", default=None, help="name in the result files (default: GPU model and --gpus, 'h200x2')")
     return p
 
 
@@ -461,8 +462,8 @@ def format_markdown(report: dict) -> str:
             + ("\n## Failures\n\n" + "".join(f"- {x}\n" for x in report["failures"]) if report.get("failures") else ""))
 
 
-def machine_name() -> str:
-    """'2x NVIDIA H200' from `nvidia-smi -L`, else from CuPy, else the host name and 'no GPU'."""
+def gpu_names() -> list[str]:
+    """The GPUs' names from `nvidia-smi -L` (['NVIDIA H200', ...]); [] where there is none."""
     names: list[str] = []
     try:
         res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
@@ -472,6 +473,20 @@ def machine_name() -> str:
                     names.append(line.split(":", 1)[1].split("(UUID")[0].strip())
     except (OSError, subprocess.SubprocessError):
         pass
+    return names
+
+
+def gpu_tag(count: int, names: list[str] | None = None) -> str:
+    """The default result-file tag: 'h200x2' for 2 GPUs named 'NVIDIA H200', 'gpux2' if unnamed."""
+    names = gpu_names() if names is None else names
+    found = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", names[0]) if names else None  # H200, A100, L40S
+    model = found.group(1).lower() if found else "gpu"
+    return f"{model}x{count}"
+
+
+def machine_name() -> str:
+    """'2x NVIDIA H200' from `nvidia-smi -L`, else from CuPy, else the host name and 'no GPU'."""
+    names = gpu_names()
     if not names and "cupy" in sys.modules:  # only if CuPy is already in use: never start CUDA here
         try:
             rt = sys.modules["cupy"].cuda.runtime
@@ -610,6 +625,7 @@ def main(argv=None):
         text = format_table(results, args.routines, args.dtypes)
         print(text)
         stamp, date = utc_stamp()
+        args.tag = args.tag or gpu_tag(args.gpus)
         report = {"tag": args.tag, "date": date, "stamp": stamp, "command": command_line("bench.level3", argv),
                   "machine": machine_name(), "dtypes": args.dtypes, "runs": args.runs, "alpha": ALPHA, "beta": BETA,
                   "tile": args.tile,

@@ -58,7 +58,8 @@ def test_device_spec():
         E.device_spec("cpu", 2)
 
 
-def test_parse_args(capsys):
+def test_parse_args(capsys, monkeypatch):
+    monkeypatch.setattr(E, "gpu_tag", lambda count: f"h200x{count}")  # as on 2 H200s, without nvidia-smi
     args = E.parse_args([])
     assert args.n == [4096 * k for k in range(1, 11)] and args.gpus == [1, 2] and args.runs == 2
     assert args.dtypes == ["d"] and args.specs == {1: "cuda:0", 2: "cuda:0,1"} and args.tag == "h200x2"

@@ -298,3 +298,10 @@ def test_failed_rows_in_table():
             "tflops": 1.0, "ok": True}]
     line = L.format_table(res, ["gemm"], ["d"]).splitlines()[2]
     assert line == "| 8 | d | dgemm | - | 1.0 | - | - | FAILED (blasx) |"
+
+
+def test_gpu_tag_names_the_model_and_count():
+    assert L.gpu_tag(2, ["NVIDIA H200", "NVIDIA H200"]) == "h200x2"
+    assert L.gpu_tag(1, ["NVIDIA H100 80GB HBM3"]) == "h100x1"
+    assert L.gpu_tag(4, ["NVIDIA L40S"]) == "l40sx4"
+    assert L.gpu_tag(1, []) == "gpux1"
