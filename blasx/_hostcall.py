@@ -421,12 +421,23 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
+/* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
+static inline int hc_truth(PyObject *x) {
+    return PyFloat_CheckExact(x) ? PyFloat_AS_DOUBLE(x) != 0.0 : PyObject_IsTrue(x);
+}
+
+/* an exact int: its value when it is CPython's cached 0, 1 or 2 (flags as written; one compare
+   each where PyLong_AsLong is a call), else PyLong_AsLong's */
+static inline long hc_int(PyObject *v) {
+    return v == hc_flag[0] ? 0 : v == hc_flag[1] ? 1 : v == hc_flag[2] ? 2 : PyLong_AsLong(v);
+}
+
 /* flag j of the family (self->names[f0 + j]) given as v: its value when v is an exact int that blasx
    allows there, else -1 */
 static inline long hc_flag_value(hc_call *self, int j, PyObject *v) {
     long x;
     if (!PyLong_CheckExact(v)) return -1;
-    x = PyLong_AsLong(v);
+    x = hc_int(v);
     if (x < 0 || x > 63) { PyErr_Clear(); return -1; }
     return (self->fmask[j] >> x) & 1 ? x : -1;
 }
@@ -597,7 +608,7 @@ static long hc_op(PyObject *x) {
     long v;
     if (x == NULL) return 0;
     if (!PyLong_CheckExact(x)) return -1;
-    v = PyLong_AsLong(x);
+    v = hc_int(x);
     if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
     return v >= 0 && v <= 2 ? v : -1;
 }
@@ -612,6 +623,29 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     long f[3];
     int i, j, nz, mode = HC_C_NONE, ow;
     hc_stamp t0;
+    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {
+        /* gemm(alpha, a, b) of operands that are not C-ordered only: what the code below calls,
+           scipy's ?gemm with the arguments as they came (the defaults trimmed), without binding
+           eight parameters and building the call */
+        a = (hc_array *)args[1]; b = (hc_array *)args[2];
+        if ((i = hc_dtype(args[1])) < 0 || hc_dtype(args[2]) != i || a->nd != 2 || b->nd != 2
+                || (a->flags & HC_CONTIG) == HC_C || (b->flags & HC_CONTIG) == HC_C
+                || !hc_of_type(&self->types[i], args[0]) || !hc_of_type(&self->types[i], hc_zero))
+            goto general;
+        m = a->dimensions[0]; k = a->dimensions[1]; n = b->dimensions[1];
+        if (k != b->dimensions[0] || !m || !n || !k) return NULL;
+        if ((nz = hc_truth(args[0])) < 0) { PyErr_Clear(); return NULL; }
+        if ((dev = hc_device()) == NULL) return NULL;
+        res = NULL;
+        if (hc_stamp_now(&t0) == 0) {
+            res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);
+            if (res != NULL && hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0)
+                Py_CLEAR(res);
+        }
+        Py_DECREF(dev);
+        return res;
+    }
+general:
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL || v[2] == NULL)
         return NULL;
     alpha = v[0]; beta = v[3] == NULL ? hc_zero : v[3]; cobj = v[4] == NULL ? Py_None : v[4];
@@ -649,7 +683,7 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             t = a; a = b; b = t;
         }
     }
-    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
     if ((dev = hc_device()) == NULL) return NULL;
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
@@ -698,7 +732,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
     if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
             || a->nd != 2 || b->nd != 2 || !hc_of_type(&self->types[0], alpha)
-            || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = PyObject_IsTrue(alpha)) != 1) {
+            || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = hc_truth(alpha)) != 1) {
         PyErr_Clear();
         return NULL;
     }
@@ -802,7 +836,7 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     } else if (c != NULL && (self->flops == HC_FL_GEMM || ow)) {
         if ((in_place = hc_in_place(c, self->dtype, ow, a, b, self->flops == HC_FL_GEMM)) < 0) return NULL;
     }
-    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
     if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
         flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
     if ((dev = hc_device()) == NULL) return NULL;
