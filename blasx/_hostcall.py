@@ -730,9 +730,10 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     if (PyVectorcall_NARGS(nargsf) != self->nargs) return NULL;
     alpha = args[0];
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
-    if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
-            || a->nd != 2 || b->nd != 2 || !hc_of_type(&self->types[0], alpha)
-            || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = hc_truth(alpha)) != 1) {
+    /* (alpha 0 first: the second lane takes it, and pays for this lane's checks otherwise) */
+    if (!hc_of_type(&self->types[0], alpha) || (nz = hc_truth(alpha)) != 1
+            || Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
+            || a->nd != 2 || b->nd != 2 || !hc_flags(self, args + self->nargs, kwnames, f)) {
         PyErr_Clear();
         return NULL;
     }
