@@ -7,19 +7,22 @@ two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 
 same decision is made in C (``HOSTCALL_C``): a callable whose vectorcall checks the arguments, calls
 the original function with them (as they came, or as the Python path passes them), and records the
 call; any other call goes, with its arguments unchanged, to the Python function (``slow``), which
-decides everything as before. A call taken here costs 0.06-0.15 us over numpy's / scipy's own at
-N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` 0.06-0.07, ``tensordot`` 0.11-0.12,
-``gemm`` and the level-3 functions 0.08-0.10, their keyword calls 0.07-0.15; outputs written in place
-below scipy's call, which parses its keyword): two CLOCK_MONOTONIC reads 10-45 ns (exact t0 and t1
-need both), the ``session.host_device`` look-up ~10 ns, the checks 20-55 ns, the record ~5 ns
-(``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece taken out;
-bench/results/NOTES.md, "The C record of host calls").
+decides everything as before. A call taken here costs 0.03-0.13 us over numpy's / scipy's own at
+N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` / ``gemm`` 0.03-0.05,
+``tensordot`` 0.08, the level-3 functions 0.07, with c / beta, converted arrays or matmul's
+keywords 0.07-0.12, alpha 0 0.13 against scipy's quick return; outputs written in place below
+scipy's call, which parses its keyword): two TSC stamps ~15 ns in all (rdtsc ~10 ns each, partly
+overlapped), the ``session.host_device`` look-up ~10-20 ns, the checks ~10-20 ns (the second lane's
+~50), the record ~5 ns (``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece
+taken out; bench/results/NOTES.md, "The C record of host calls" and "Seventh session").
 
 The record (``(device, t0, t1, dtype, real flops)``, what the Python paths put in
 ``level3.last_call.stats``) is kept as C values in thread-local storage, no Python object made per
-call: ``record_reader()`` gives ``level3.last_record`` the thread's record when it ended after the
-Python paths' one (both end on perf_counter's clock, read at the end of each call in program order:
-the later end is the later call), and ``last_profile()`` turns the newer into the profile. The
+call: ``record_reader()`` gives ``level3`` ``take_record`` (the thread's record when it is newer
+than the Python paths' one, which it then becomes) and ``end_clock`` (perf_counter's value, read by
+the Python paths at the end of a call right before they write their record: the C record is then
+older). The order is program order, never a comparison of times, which TSC stamps converted to
+seconds could get wrong within some ns; ``last_profile()`` turns the newer into the profile. The
 record's device is held by a guard object in the thread's ``level3.last_call`` (``c_guard``), so it
 is let go when the thread ends, as the Python paths' records are. What the C code takes, per kind:
 
@@ -57,9 +60,13 @@ of a few probe arrays when the library loads. Built with the system C compiler i
 cache directory (next to the matmul trampoline, ``_ufunc_loops._compile``) on first import (~0.2 s,
 once per source, Python version and platform); without
 a compiler, without Python's headers, on a free-threaded build or with ``$BLASX_HOST_PYTHON`` set,
-the Python functions stand alone (``kind()`` says which). The clock is CLOCK_MONOTONIC read in C,
-converted as CPython converts it, where that is what ``time.perf_counter`` reads (Linux), else
-perf_counter called from C (two calls a call); either way the record holds perf_counter's values.
+the Python functions stand alone (``kind()`` says which). The clock (``clock()`` says which): on
+x86-64 Linux with an invariant TSC (constant_tsc and nonstop_tsc, tsc an available clock source;
+``$BLASX_HOST_TSC=0`` turns it off) and CLOCK_MONOTONIC as perf_counter's clock, raw rdtsc stamps,
+converted to perf_counter's seconds when the record is read (against a TSC / CLOCK_MONOTONIC pair
+read then and one read at load: within ~10 ns plus the record's age times CLOCK_MONOTONIC's NTP
+drift against the TSC, a few ppm); else CLOCK_MONOTONIC read in C, converted as CPython converts it
+(Linux), else perf_counter called from C (two calls a call). The record reads as perf_counter's values.
 """
 
 from __future__ import annotations

@@ -71,6 +71,13 @@ VARIANTS_AFTER = {
     "-checks": _FORWARD,
 }
 
+#: _FORWARD for the source with gemm's plain-call fast path (forwarded before it, as before the binding)
+_FORWARD_FLOOR = [_FORWARD[0],
+                  ("    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {\n        /* gemm(alpha, a, b)",
+                   "    if (PyVectorcall_NARGS(nargsf) == 3 && kwnames == NULL && (i = hc_dtype(args[1])) >= 0)\n"
+                   "        return PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);\n"
+                   "    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {\n        /* gemm(alpha, a, b)")]
+
 #: after the host-call floor (issue5-floor): stamps of the TSC (or the fallback clock), the record's
 #: order kept in program order (hc_take / hc_end)
 VARIANTS_FLOOR = {
@@ -82,7 +89,7 @@ VARIANTS_FLOOR = {
                 "static inline int hc_stamp_now(hc_stamp *t) { t->tick = 1; return 0; }\n"
                 "static inline int hc_stamp_now_off(hc_stamp *t) {")],
     "-session": VARIANTS_BEFORE["-session"],
-    "-checks": _FORWARD,
+    "-checks": _FORWARD_FLOOR,
 }
 
 MICRO_C = r"""
