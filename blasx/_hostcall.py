@@ -7,19 +7,22 @@ two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 
 same decision is made in C (``HOSTCALL_C``): a callable whose vectorcall checks the arguments, calls
 the original function with them (as they came, or as the Python path passes them), and records the
 call; any other call goes, with its arguments unchanged, to the Python function (``slow``), which
-decides everything as before. A call taken here costs 0.06-0.15 us over numpy's / scipy's own at
-N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` 0.06-0.07, ``tensordot`` 0.11-0.12,
-``gemm`` and the level-3 functions 0.08-0.10, their keyword calls 0.07-0.15; outputs written in place
-below scipy's call, which parses its keyword): two CLOCK_MONOTONIC reads 10-45 ns (exact t0 and t1
-need both), the ``session.host_device`` look-up ~10 ns, the checks 20-55 ns, the record ~5 ns
-(``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece taken out;
-bench/results/NOTES.md, "The C record of host calls").
+decides everything as before. A call taken here costs 0.03-0.13 us over numpy's / scipy's own at
+N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` / ``gemm`` 0.03-0.05,
+``tensordot`` 0.08, the level-3 functions 0.07, with c / beta, converted arrays or matmul's
+keywords 0.07-0.12, alpha 0 0.13 against scipy's quick return; outputs written in place below
+scipy's call, which parses its keyword): two TSC stamps ~15 ns in all (rdtsc ~10 ns each, partly
+overlapped), the ``session.host_device`` look-up ~10-20 ns, the checks ~10-20 ns (the second lane's
+~50), the record ~5 ns (``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece
+taken out; bench/results/NOTES.md, "The C record of host calls" and "Seventh session").
 
 The record (``(device, t0, t1, dtype, real flops)``, what the Python paths put in
 ``level3.last_call.stats``) is kept as C values in thread-local storage, no Python object made per
-call: ``record_reader()`` gives ``level3.last_record`` the thread's record when it ended after the
-Python paths' one (both end on perf_counter's clock, read at the end of each call in program order:
-the later end is the later call), and ``last_profile()`` turns the newer into the profile. The
+call: ``record_reader()`` gives ``level3`` ``take_record`` (the thread's record when it is newer
+than the Python paths' one, which it then becomes) and ``end_clock`` (perf_counter's value, read by
+the Python paths at the end of a call right before they write their record: the C record is then
+older). The order is program order, never a comparison of times, which TSC stamps converted to
+seconds could get wrong within some ns; ``last_profile()`` turns the newer into the profile. The
 record's device is held by a guard object in the thread's ``level3.last_call`` (``c_guard``), so it
 is let go when the thread ends, as the Python paths' records are. What the C code takes, per kind:
 
@@ -57,9 +60,13 @@ of a few probe arrays when the library loads. Built with the system C compiler i
 cache directory (next to the matmul trampoline, ``_ufunc_loops._compile``) on first import (~0.2 s,
 once per source, Python version and platform); without
 a compiler, without Python's headers, on a free-threaded build or with ``$BLASX_HOST_PYTHON`` set,
-the Python functions stand alone (``kind()`` says which). The clock is CLOCK_MONOTONIC read in C,
-converted as CPython converts it, where that is what ``time.perf_counter`` reads (Linux), else
-perf_counter called from C (two calls a call); either way the record holds perf_counter's values.
+the Python functions stand alone (``kind()`` says which). The clock (``clock()`` says which): on
+x86-64 Linux with an invariant TSC (constant_tsc and nonstop_tsc, tsc an available clock source;
+``$BLASX_HOST_TSC=0`` turns it off) and CLOCK_MONOTONIC as perf_counter's clock, raw rdtsc stamps,
+converted to perf_counter's seconds when the record is read (against a TSC / CLOCK_MONOTONIC pair
+read then and one read at load: within ~10 ns plus the record's age times CLOCK_MONOTONIC's NTP
+drift against the TSC, a few ppm); else CLOCK_MONOTONIC read in C, converted as CPython converts it
+(Linux), else perf_counter called from C (two calls a call). The record reads as perf_counter's values.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import ctypes
 import functools
 import importlib
 import os
+import platform
 import sys
 import sysconfig
 import time
@@ -81,6 +89,12 @@ HOSTCALL_C = r"""
 #include <stdint.h>
 #include <time.h>
 #include "pythread.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HC_HAVE_TSC 1
+#include <x86intrin.h>
+#else
+#define HC_HAVE_TSC 0
+#endif
 
 typedef struct {
     PyObject_HEAD char *data; int nd; Py_ssize_t *dimensions; Py_ssize_t *strides;
@@ -102,7 +116,7 @@ static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
 static PyObject *hc_session;              /* session.__dict__ */
 static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
-static int hc_native_clock, hc_any_strides;
+static int hc_native_clock, hc_any_strides, hc_tsc;
 static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
 
@@ -158,21 +172,74 @@ static double hc_now_python(void) {
     return d;
 }
 
+/* CLOCK_MONOTONIC in perf_counter's seconds, converted as CPython converts it (int64 ns / 1e9:
+   the same double) */
+static inline double hc_mono(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)((int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
+}
+
 /* time.perf_counter's value now: CLOCK_MONOTONIC read here where that is perf_counter's clock,
-   converted as CPython converts it (int64 ns / 1e9: the same double), else perf_counter called.
-   (CLOCK_MONOTONIC_COARSE would cost ~5 ns instead of ~22, at a resolution of 1-4 ms: a small
-   call would end when it started.) */
+   else perf_counter called. (CLOCK_MONOTONIC_COARSE would cost ~5 ns instead of ~22, at a
+   resolution of 1-4 ms: a small call would end when it started.) */
 static inline double hc_now(void) {
 #if defined(__linux__)
-    if (hc_native_clock) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (double)((int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9;
-    }
+    if (hc_native_clock) return hc_mono();
 #endif
     return hc_now_python();
 }
 #define HC_NOW_FAILED(t) ((t) == -1.0 && PyErr_Occurred())
+
+/* A call's start and end as the record keeps them: with hc_tsc (x86-64, an invariant TSC, and
+   CLOCK_MONOTONIC perf_counter's clock) the raw time-stamp counter (rdtsc ~10 ns; a clock_gettime
+   ~23 ns and its division), converted to perf_counter's seconds only when the record is read
+   (hc_seconds); else perf_counter's value. rdtsc is not ordered with the instructions around it:
+   a few ns either way on a call of ~0.5 us or more. */
+typedef union { double s; uint64_t tick; } hc_stamp;
+
+static inline int hc_stamp_now(hc_stamp *t) {
+#if HC_HAVE_TSC
+    if (hc_tsc) { t->tick = __rdtsc(); return 0; }
+#endif
+    t->s = hc_now();
+    return HC_NOW_FAILED(t->s) ? -1 : 0;
+}
+
+#if HC_HAVE_TSC
+/* The TSC against CLOCK_MONOTONIC: one pair read at load (hc_cal_*), one when a record is read; a
+   tick is then (m - m0) / (k - k0) seconds over a baseline of >= 2 ms (at most 2 ms spent waiting
+   once, where a record is read that early), and a stamp k' is m - (k - k') * that. Its error: the
+   pairs' read skew (each pair the tightest of 3 reads, <~10 ns) plus the record's age times the
+   drift of CLOCK_MONOTONIC's rate (NTP slew) against its mean since load, a few ppm: ns for a
+   record read within a ms of its call; a duration t1 - t0 within the same ppm. */
+static uint64_t hc_cal_tick;
+static double hc_cal_mono;
+#define HC_CAL_MIN 2e-3
+
+static void hc_pair(uint64_t *tick, double *mono) {
+    uint64_t a, b, best = UINT64_MAX;
+    double m;
+    int i;
+    for (i = 0; i < 3; i++) {
+        _mm_lfence(); a = __rdtsc(); _mm_lfence();
+        m = hc_mono();
+        _mm_lfence(); b = __rdtsc(); _mm_lfence();
+        if (b - a < best) { best = b - a; *tick = a + (b - a) / 2; *mono = m; }
+    }
+}
+
+/* the stamps t[0..n) in perf_counter's seconds, in place */
+static void hc_seconds(hc_stamp *t, int n) {
+    uint64_t k;
+    double m, per;
+    int i;
+    hc_pair(&k, &m);
+    while (m - hc_cal_mono < HC_CAL_MIN) hc_pair(&k, &m);
+    per = (m - hc_cal_mono) / (double)(k - hc_cal_tick);
+    for (i = 0; i < n; i++) t[i].s = m - (double)(int64_t)(k - t[i].tick) * per;
+}
+#endif
 
 PyObject *blasx_hc_now(void) {
     double t = hc_now();
@@ -181,9 +248,12 @@ PyObject *blasx_hc_now(void) {
 
 /* This thread's last call taken here, kept as C values in thread-local storage: no Python object
    is made, and no attribute set, per call (the tuple and the setattr on level3.last_call cost
-   ~0.13 us of a ~0.2 us floor). blasx.level3.last_record reads it (hc_last_record) and takes it
-   when it ended after the Python paths' record (level3.last_call.stats): both read perf_counter's
-   clock at the end of a call, in program order, so the later end is the later call.
+   ~0.13 us of a ~0.2 us floor). Which of it and the Python paths' record (level3.last_call.stats)
+   is the thread's last call is kept in program order, not read from the clocks (a stamp converted
+   from the TSC may be off by some ns, and two calls can end within that): a call here marks the
+   record fresh; the Python paths read the end of their call through hc_end, which marks it stale,
+   right before they write their record; blasx.level3.last_record takes a fresh record (hc_take:
+   it becomes last_call.stats, and stale here).
 
    The device is held by a guard object in this thread's level3.last_call (attribute c_guard, set
    on the thread's first call here; it takes the new device when the device changes): a record
@@ -202,8 +272,10 @@ typedef struct {
 typedef struct {
     PyObject *dev;            /* borrowed from guard->dev; NULL: no record */
     hc_guard *guard;          /* borrowed from this thread's last_call; NULL: none */
-    double t0, t1, flops;     /* perf_counter's values; real flops */
+    hc_stamp t0, t1;          /* the call's start and end (hc_stamp_now) */
+    double flops;             /* real flops */
     int di;                   /* the dtype: an index in hc_descr */
+    int fresh;                /* newer than the Python paths' record (see above) */
 } hc_rec;
 
 static _Thread_local hc_rec hc_last;
@@ -256,29 +328,47 @@ static int hc_adopt(hc_rec *r, PyObject *dev) {
 }
 
 /* the call that ran from t0 until now becomes this thread's record */
-static inline int hc_record(PyObject *dev, double t0, int di, double flops) {
+static inline int hc_record(PyObject *dev, hc_stamp t0, int di, double flops) {
     hc_rec *r = &hc_last;
-    double t1 = hc_now();
-    if (HC_NOW_FAILED(t1)) return -1;
+    hc_stamp t1;
+    if (hc_stamp_now(&t1) < 0) return -1;
     if (r->dev != dev && hc_adopt(r, dev) < 0) return -1;
-    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di;
+    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di; r->fresh = 1;
     return 0;
 }
 
-/* level3.last_record's question: this thread's record as (dev, t0, t1, dtype, real flops) when it
-   ended after `end` (perf_counter's clock: the end of the Python paths' record), else None */
-static PyObject *hc_last_record(PyObject *unused, PyObject *end) {
+/* level3.last_record's question: this thread's record as (dev, t0, t1, dtype, real flops), t0 and
+   t1 on perf_counter's clock, when it is newer than the Python paths' record (then it is taken:
+   the caller keeps it as that record), else None */
+static PyObject *hc_take(PyObject *unused, PyObject *unused2) {
     hc_rec *r = &hc_last;
-    double e = PyFloat_AsDouble(end);
-    if (e == -1.0 && PyErr_Occurred()) return NULL;
-    if (r->dev == NULL || !(r->t1 > e)) Py_RETURN_NONE;
-    return Py_BuildValue("(OddOd)", r->dev, r->t0, r->t1, hc_descr[r->di], r->flops);
+    hc_stamp t[2];
+    if (r->dev == NULL || !r->fresh) Py_RETURN_NONE;
+    r->fresh = 0;
+    t[0] = r->t0; t[1] = r->t1;
+#if HC_HAVE_TSC
+    if (hc_tsc) hc_seconds(t, 2);
+#endif
+    return Py_BuildValue("(OddOd)", r->dev, t[0].s, t[1].s, hc_descr[r->di], r->flops);
 }
 
-static PyMethodDef hc_last_record_def = {
-    "last_record", hc_last_record, METH_O,
-    "last_record(end): this thread's last call taken by blasx's C entry points, (device, t0, t1, dtype, "
-    "real flops), if it ended after end (time.perf_counter's clock), else None."};
+/* the Python paths' clock for the end of a call, read right before they write their record:
+   perf_counter's value now (as hc_now), and this thread's C record is older than that record */
+static PyObject *hc_end(PyObject *unused, PyObject *unused2) {
+    double t;
+    hc_last.fresh = 0;
+    t = hc_now();
+    return HC_NOW_FAILED(t) ? NULL : PyFloat_FromDouble(t);
+}
+
+static PyMethodDef hc_take_def = {
+    "take_record", hc_take, METH_NOARGS,
+    "take_record(): this thread's last call taken by blasx's C entry points, (device, t0, t1, dtype, "
+    "real flops), if it is newer than level3.last_call.stats (it is then taken), else None."};
+static PyMethodDef hc_end_def = {
+    "end_clock", hc_end, METH_NOARGS,
+    "end_clock(): time.perf_counter(), for the end of a call whose record level3.last_call.stats is "
+    "about to take: this thread's record of blasx's C entry points is then older."};
 
 /* the index of an ndarray's descr in hc_descr (one of them) */
 static inline int hc_index(PyObject *descr) {
@@ -325,8 +415,8 @@ static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
 static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *dev,
                         int di, double flops, PyObject *x1) {
     PyObject *res = NULL;
-    double t0 = hc_now();
-    if (!HC_NOW_FAILED(t0)) {
+    hc_stamp t0;
+    if (hc_stamp_now(&t0) == 0) {
         res = PyObject_Vectorcall(fn, args, nargsf, kwnames);
         if (res != NULL) {
             if (flops < 0.0)    /* matmul: from the result */
@@ -338,12 +428,23 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
+/* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
+static inline int hc_truth(PyObject *x) {
+    return PyFloat_CheckExact(x) ? PyFloat_AS_DOUBLE(x) != 0.0 : PyObject_IsTrue(x);
+}
+
+/* an exact int: its value when it is CPython's cached 0, 1 or 2 (flags as written; one compare
+   each where PyLong_AsLong is a call), else PyLong_AsLong's */
+static inline long hc_int(PyObject *v) {
+    return v == hc_flag[0] ? 0 : v == hc_flag[1] ? 1 : v == hc_flag[2] ? 2 : PyLong_AsLong(v);
+}
+
 /* flag j of the family (self->names[f0 + j]) given as v: its value when v is an exact int that blasx
    allows there, else -1 */
 static inline long hc_flag_value(hc_call *self, int j, PyObject *v) {
     long x;
     if (!PyLong_CheckExact(v)) return -1;
-    x = PyLong_AsLong(v);
+    x = hc_int(v);
     if (x < 0 || x > 63) { PyErr_Clear(); return -1; }
     return (self->fmask[j] >> x) & 1 ? x : -1;
 }
@@ -514,7 +615,7 @@ static long hc_op(PyObject *x) {
     long v;
     if (x == NULL) return 0;
     if (!PyLong_CheckExact(x)) return -1;
-    v = PyLong_AsLong(x);
+    v = hc_int(x);
     if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
     return v >= 0 && v <= 2 ? v : -1;
 }
@@ -528,7 +629,30 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     Py_ssize_t m, k, kb, n;
     long f[3];
     int i, j, nz, mode = HC_C_NONE, ow;
-    double t0;
+    hc_stamp t0;
+    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {
+        /* gemm(alpha, a, b) of operands that are not C-ordered only: what the code below calls,
+           scipy's ?gemm with the arguments as they came (the defaults trimmed), without binding
+           eight parameters and building the call */
+        a = (hc_array *)args[1]; b = (hc_array *)args[2];
+        if ((i = hc_dtype(args[1])) < 0 || hc_dtype(args[2]) != i || a->nd != 2 || b->nd != 2
+                || (a->flags & HC_CONTIG) == HC_C || (b->flags & HC_CONTIG) == HC_C
+                || !hc_of_type(&self->types[i], args[0]) || !hc_of_type(&self->types[i], hc_zero))
+            goto general;
+        m = a->dimensions[0]; k = a->dimensions[1]; n = b->dimensions[1];
+        if (k != b->dimensions[0] || !m || !n || !k) return NULL;
+        if ((nz = hc_truth(args[0])) < 0) { PyErr_Clear(); return NULL; }
+        if ((dev = hc_device()) == NULL) return NULL;
+        res = NULL;
+        if (hc_stamp_now(&t0) == 0) {
+            res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);
+            if (res != NULL && hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0)
+                Py_CLEAR(res);
+        }
+        Py_DECREF(dev);
+        return res;
+    }
+general:
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL || v[2] == NULL)
         return NULL;
     alpha = v[0]; beta = v[3] == NULL ? hc_zero : v[3]; cobj = v[4] == NULL ? Py_None : v[4];
@@ -566,7 +690,7 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             t = a; a = b; b = t;
         }
     }
-    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
     if ((dev = hc_device()) == NULL) return NULL;
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
@@ -587,7 +711,7 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
         call[4] = mode == HC_C_IN_PLACE_T ? PyObject_GetAttr(cobj, s_T) : (Py_INCREF(cobj), cobj);
     }
     res = NULL;
-    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && !HC_NOW_FAILED(t0 = hc_now())) {
+    if (x[0] != NULL && x[1] != NULL && (mode == HC_C_NONE || call[4] != NULL) && hc_stamp_now(&t0) == 0) {
         res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), call, hc_trim(call, 8, 3), NULL);
         if (res != NULL) {
             if (mode == HC_C_IN_PLACE || mode == HC_C_IN_PLACE_T) {   /* c itself */
@@ -613,9 +737,10 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     if (PyVectorcall_NARGS(nargsf) != self->nargs) return NULL;
     alpha = args[0];
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
-    if (Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
-            || a->nd != 2 || b->nd != 2 || !hc_of_type(&self->types[0], alpha)
-            || !hc_flags(self, args + self->nargs, kwnames, f) || (nz = PyObject_IsTrue(alpha)) != 1) {
+    /* (alpha 0 first: the second lane takes it, and pays for this lane's checks otherwise) */
+    if (!hc_of_type(&self->types[0], alpha) || (nz = hc_truth(alpha)) != 1
+            || Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
+            || a->nd != 2 || b->nd != 2 || !hc_flags(self, args + self->nargs, kwnames, f)) {
         PyErr_Clear();
         return NULL;
     }
@@ -663,7 +788,8 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     Py_ssize_t m, n, k, s = 0;
     long f[4];
     int j, ow, nz, in_place = 0, nc = 0;
-    double flops, t0;
+    double flops;
+    hc_stamp t0;
     if (!hc_bind(self->names, args, nargsf, kwnames, v) || v[0] == NULL || v[1] == NULL
             || (fm->b >= 0 && v[fm->b] == NULL))
         return NULL;
@@ -718,7 +844,7 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     } else if (c != NULL && (self->flops == HC_FL_GEMM || ow)) {
         if ((in_place = hc_in_place(c, self->dtype, ow, a, b, self->flops == HC_FL_GEMM)) < 0) return NULL;
     }
-    if ((nz = PyObject_IsTrue(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
     if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
         flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
     if ((dev = hc_device()) == NULL) return NULL;
@@ -728,7 +854,7 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     for (j = 0; j < fm->nf; j++) call[nc++] = v[fm->f0 + j] != NULL ? v[fm->f0 + j] : hc_flag[0];
     call[nc++] = in_place ? Py_True : Py_False;
     res = NULL;
-    if (!HC_NOW_FAILED(t0 = hc_now())) {
+    if (hc_stamp_now(&t0) == 0) {
         res = PyObject_Vectorcall(self->fn, call, hc_trim(call, nc, b != NULL ? 3 : 2), NULL);
         if (res != NULL && hc_record(dev, t0, self->di, flops) < 0) Py_CLEAR(res);
     }
@@ -771,7 +897,7 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
     PyObject *dev, *res;
     Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int i;
-    double t0;
+    hc_stamp t0;
     if (np < 2 || np + nk > 3 || (nk && PyTuple_GET_ITEM(kwnames, 0) != s_axes
                                   && PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), s_axes) != 0)) {
         PyErr_Clear();
@@ -780,7 +906,7 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
     i = hc_dtype(args[0]);
     if (i < 0 || hc_dtype(args[1]) != i || (dev = hc_device()) == NULL) return NULL;
     res = NULL;
-    if (!HC_NOW_FAILED(t0 = hc_now())) {
+    if (hc_stamp_now(&t0) == 0) {
         res = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
         if (res != NULL) {
             hc_u128 r = hc_count(res), q = hc_count(args[0]) * hc_count(args[1]);
@@ -845,7 +971,7 @@ static PyTypeObject hc_type = {
 };
 
 int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, PyObject *tls, PyObject *clock,
-                  int native_clock, int any_strides) {
+                  int native_clock, int any_strides, int tsc) {
     int i;
     if (!PyType_Check(ndarray) || !PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) != 4
             || !PyDict_Check(session_dict)) {
@@ -876,6 +1002,16 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
     Py_INCREF(tls); Py_XSETREF(hc_tls, tls);
     Py_INCREF(clock); Py_XSETREF(hc_clock, clock);
     hc_native_clock = native_clock;
+    hc_tsc = 0;
+#if HC_HAVE_TSC && defined(__linux__)
+    if (tsc && native_clock) {   /* the caller checked that the TSC is invariant */
+        uint64_t k;
+        double m;
+        hc_pair(&hc_cal_tick, &hc_cal_mono);
+        hc_pair(&k, &m);
+        hc_tsc = k > hc_cal_tick && m >= hc_cal_mono;
+    }
+#endif
     hc_any_strides = any_strides;
     return 0;
 }
@@ -969,13 +1105,18 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     return (PyObject *)self;
 }
 
-/* the reader of this thread's record: hc_last_record as a builtin function */
+/* (take_record, end_clock) as builtin functions (hc_take, hc_end) */
 PyObject *blasx_hc_reader(void) {
     if (hc_session == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "blasx_hc_reader before blasx_hc_init");
         return NULL;
     }
-    return PyCFunction_New(&hc_last_record_def, NULL);
+    return Py_BuildValue("(NN)", PyCFunction_New(&hc_take_def, NULL), PyCFunction_New(&hc_end_def, NULL));
+}
+
+/* the clock of the records: "tsc", "monotonic" (CLOCK_MONOTONIC read here) or "perf_counter" (called) */
+PyObject *blasx_hc_clock(void) {
+    return PyUnicode_FromString(hc_tsc ? "tsc" : hc_native_clock ? "monotonic" : "perf_counter");
 }
 
 /* what the C code reads of x: (nd, shape, strides, flags, dtype), for the layout check */
@@ -1010,6 +1151,7 @@ BLAS = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.d
 NUMPY_COPIES_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
 
 ENV_PYTHON = "BLASX_HOST_PYTHON"
+ENV_TSC = "BLASX_HOST_TSC"
 
 _lib = None
 _state = None  # None: not tried; "c" or "python"
@@ -1041,7 +1183,7 @@ def _library():
 def declare(lib):
     """``lib`` (a build of HOSTCALL_C, or of a variant of it) with its functions' C signatures."""
     lib.blasx_hc_init.restype = ctypes.c_int
-    lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.blasx_hc_init.argtypes = [ctypes.py_object] * 5 + [ctypes.c_int] * 3
     lib.blasx_hc_new.restype = ctypes.py_object
     lib.blasx_hc_new.argtypes = ([ctypes.c_int] + [ctypes.py_object] * 5 + [ctypes.c_int, ctypes.c_int]
                                  + [ctypes.py_object] * 2 + [ctypes.c_int])
@@ -1051,6 +1193,8 @@ def declare(lib):
     lib.blasx_hc_now.argtypes = []
     lib.blasx_hc_reader.restype = ctypes.py_object
     lib.blasx_hc_reader.argtypes = []
+    lib.blasx_hc_clock.restype = ctypes.py_object
+    lib.blasx_hc_clock.argtypes = []
     return lib
 
 
@@ -1067,11 +1211,38 @@ def _load():
 
 
 def record_reader():
-    """The reader of this thread's record of the C entry points, ``last_record(end)``: the last call
-    they took on this thread, ``(device, t0, t1, dtype, real flops)``, when it ended after ``end``
-    (perf_counter's clock), else None; None without the library (level3.last_record)."""
+    """``(take_record, end_clock)`` of the C entry points' record, or None without the library
+    (level3.last_record). ``take_record()``: the last call they took on this thread, ``(device, t0,
+    t1, dtype, real flops)`` (perf_counter's clock), when it is newer than ``level3.last_call.stats``
+    (the caller then keeps it there), else None. ``end_clock()``: ``time.perf_counter()``, read by
+    the Python paths at the end of a call right before they write ``last_call.stats``: the C record
+    is then older (the order is kept in program order, not by comparing clocks)."""
     lib = _library()
     return None if lib is None else lib.blasx_hc_reader()
+
+
+def clock() -> str:
+    """The clock of the C record: ``"tsc"`` (raw time-stamp counter, converted when read),
+    ``"monotonic"`` (CLOCK_MONOTONIC read in C), ``"perf_counter"`` (called from C), or ``"python"``
+    without the library."""
+    lib = _library()
+    return "python" if lib is None else lib.blasx_hc_clock()
+
+
+def _invariant_tsc() -> bool:
+    """x86-64 Linux whose kernel reports an invariant TSC (constant_tsc and nonstop_tsc: one rate,
+    running in every C-state) and keeps it as a clock source (not marked unstable, e.g. unsynchronized
+    between sockets); ``$BLASX_HOST_TSC=0`` turns the TSC off."""
+    if os.environ.get(ENV_TSC, "1") == "0" or not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), ())
+        with open("/sys/devices/system/clocksource/clocksource0/available_clocksource") as f:
+            sources = f.read().split()
+    except OSError:
+        return False
+    return "constant_tsc" in flags and "nonstop_tsc" in flags and "tsc" in sources
 
 
 def _init(lib, any_strides: bool) -> int:
@@ -1080,7 +1251,7 @@ def _init(lib, any_strides: bool) -> int:
     last_call = importlib.import_module("blasx.level3").last_call  # (level3 may be importing: it is set first)
     native = time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
     return lib.blasx_hc_init(np.ndarray, BLAS, vars(session), last_call, time.perf_counter, int(native),
-                             int(any_strides))
+                             int(any_strides), int(native and _invariant_tsc()))
 
 
 def _layout_ok(lib) -> bool:

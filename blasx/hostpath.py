@@ -37,6 +37,7 @@ import numpy as np
 import scipy.linalg.blas as _sp
 
 from . import _hostcall, level3, session
+from .level3 import end_clock
 from .runtime.stats import clock
 
 DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
@@ -217,7 +218,7 @@ def _gemm_lane(prefix: str, routine: str, convert: bool):
             return None
         t0 = clock()
         res = native(alpha, a, b, beta if c is not None else 0.0, c, trans_a, trans_b, in_place)
-        last.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
+        last.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
         return res
 
     return lane
@@ -250,7 +251,7 @@ def _symm_lane(prefix: str, routine: str, convert: bool):
         t0 = clock()
         res = native(alpha, a, b, beta if c is not None else 0.0, c, side, lower, in_place)
         # alpha == 0: the general path's plan records C = beta C, m n flops
-        last.stats = (dev, t0, clock(), dtype, 2.0 * m * n * s if alpha != 0 else float(m * n))
+        last.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * s if alpha != 0 else float(m * n))
         return res
 
     return lane
@@ -282,7 +283,7 @@ def _rank_lane(prefix: str, routine: str, convert: bool):
             return None
         t0 = clock()
         res = native(alpha, a, beta if c is not None else 0.0, c, trans, lower, in_place)
-        last.stats = (dev, t0, clock(), dtype, n * (n + 1.0) * k if alpha != 0 else 0.0)
+        last.stats = (dev, t0, end_clock(), dtype, n * (n + 1.0) * k if alpha != 0 else 0.0)
         return res
 
     return lane
@@ -315,7 +316,7 @@ def _rank2_lane(prefix: str, routine: str, convert: bool):
             return None
         t0 = clock()
         res = native(alpha, a, b, beta if c is not None else 0.0, c, trans, lower, in_place)
-        last.stats = (dev, t0, clock(), dtype, 2.0 * n * (n + 1.0) * k if alpha != 0 else 0.0)
+        last.stats = (dev, t0, end_clock(), dtype, 2.0 * n * (n + 1.0) * k if alpha != 0 else 0.0)
         return res
 
     return lane
@@ -348,7 +349,7 @@ def _tri_lane(prefix: str, routine: str, convert: bool):
         t0 = clock()
         res = native(alpha, a, b, side, lower, trans_a, diag, in_place)
         # alpha == 0: the general path's plan records B = 0, m n flops
-        last.stats = (dev, t0, clock(), dtype, 1.0 * m * n * s if alpha != 0 else float(m * n))
+        last.stats = (dev, t0, end_clock(), dtype, 1.0 * m * n * s if alpha != 0 else float(m * n))
         return res
 
     return lane
@@ -432,7 +433,7 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True, lis
                     and a.ndim == 2 and b.ndim == 2 and (flops := flops_of(a, b, kwargs))):
                 t0 = clock()
                 res = native(*args, **kwargs)
-                last.stats = (dev, t0, clock(), dtype, flops)
+                last.stats = (dev, t0, end_clock(), dtype, flops)
                 return res
         return second(*args, **kwargs)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -37,7 +36,8 @@ _tls = _ThreadCalls()
 #: ``last_call.stats`` is a CallStats, or a host record ``(device, t0, t1, dtype, real flops)``
 #: that :func:`last_profile` turns into one when asked (a tuple: recording a call costs ~50 ns).
 #: The C entry points keep their record in C (blasx._hostcall): :func:`last_record` is the newer
-#: of the two, the thread's last call.
+#: of the two, the thread's last call. A writer of a record reads the end of its call with
+#: :data:`end_clock` right before it writes: that marks the C record older.
 last_call = _tls
 
 #: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
@@ -61,21 +61,15 @@ def running_call(thread_ident: int):
 def last_record():
     """This thread's last blasx call: a CallStats, a host record ``(device, t0, t1, dtype, real
     flops)`` or None. The newer of the Python paths' record (``last_call.stats``) and the C entry
-    points' (blasx._hostcall, read when the library is loaded): both end on perf_counter's clock,
-    read at the end of the call in program order, so the later end is the later call. A C record
-    that is newer becomes ``last_call.stats`` (then they end together, and the Python one is kept)."""
-    stats = _tls.stats
-    if _c_record is not None:
-        if stats is None:
-            end = -math.inf
-        elif type(stats) is tuple:
-            end = stats[2]
-        else:
-            end = stats.finish_time
-        rec = _c_record(end)
+    points' (blasx._hostcall, when the library is loaded), in program order: a C call marks its
+    record newer, a Python path's :data:`end_clock` read marks it older. A C record that is newer
+    is taken: it becomes ``last_call.stats``."""
+    if _c_take is not None:
+        rec = _c_take()
         if rec is not None:
-            stats = _tls.stats = rec
-    return stats
+            _tls.stats = rec
+            return rec
+    return _tls.stats
 
 
 def last_profile():
@@ -97,6 +91,7 @@ def _keep_profile(stats) -> None:
     that failed before its last task may have no finish time yet: it ends now."""
     if not stats.finished:
         stats.finish()
+    end_clock()  # (the C record is older)
     _tls.stats = stats
 
 
@@ -104,7 +99,7 @@ def keep_host_call(dev, t0: float, dtype: np.dtype, real_flops: float) -> None:
     """A call the host BLAS ran in this thread from ``t0`` until now becomes this thread's last
     call: one clock read and one tuple (the hot paths write the same tuple themselves).
     ``real_flops`` counts a real call's flops (a complex one counts 4 times that)."""
-    _tls.stats = (dev, t0, clock(), dtype, real_flops)
+    _tls.stats = (dev, t0, end_clock(), dtype, real_flops)
 
 
 def _host_stats(dev, t0: float, t1: float, dtype: np.dtype, real_flops: float) -> CallStats:
@@ -208,8 +203,9 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
 # position or keyword) is checked in C and runs _host_gemm's call there (blasx._hostcall), every
 # other call the Python function above
 gemm = _hostcall.gemm(gemm, _HOST_GEMM, _HOST_SCALARS)
-#: the C entry points' reader of this thread's record (see last_record), or None without them
-_c_record = _hostcall.record_reader()
+#: the C entry points' record (see last_record): its taker, and the clock a Python path reads for the
+#: end of a call it records (perf_counter's value; the C record becomes older), perf_counter without them
+_c_take, end_clock = _hostcall.record_reader() or (None, clock)
 
 
 def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_c, dtype):
@@ -250,7 +246,7 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
                                 mode != _C_COPY)
         if mode != _C_COPY:
             out = c
-    _tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
+    _tls.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
     return out
 
 

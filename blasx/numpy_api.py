@@ -46,6 +46,7 @@ import numpy as np
 from . import _hostcall, level3, session
 from .checks import BLAS_DTYPES, shares_memory
 from .operands import is_cupy
+from .level3 import end_clock
 from .runtime.stats import clock
 
 _last = level3.last_call  # this thread's last call, for last_profile()
@@ -86,7 +87,7 @@ def matmul(x1, x2, /, out=None, **kwargs):
         if out is None and not kwargs:
             t0 = clock()
             res = _np_matmul(x1, x2)
-            _last.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
+            _last.stats = (dev, t0, end_clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
             return res
         res = _host_matmul_out(dev, x1, x2, out, kwargs)
         if res is not None:
@@ -177,7 +178,7 @@ def _host_matmul_out(dev, x1, x2, out, kwargs):
         return None
     t0 = clock()
     res = _np_matmul(x1, x2, out=out, **kwargs)
-    _last.stats = (dev, t0, clock(), ct, 2.0 * res.size * x1.shape[-1])  # (numpy scalars have .size too)
+    _last.stats = (dev, t0, end_clock(), ct, 2.0 * res.size * x1.shape[-1])  # (numpy scalars have .size too)
     return res
 
 
@@ -252,7 +253,7 @@ def dot(a, b, out=None):
         # a copy, as the code below does. (1-D . 1-D: numpy returns a scalar, not out; below.)
         t0 = clock()
         res = _np_dot(a, b) if out is None else _np_dot(a, b, out)
-        _last.stats = (dev, t0, clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
+        _last.stats = (dev, t0, end_clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
         return res
     if dev is not None and (type(a) is list or type(b) is list):
         x, y = _plain(a), _plain(b)  # nested lists: the arrays numpy makes of them, then the checks above

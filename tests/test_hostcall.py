@@ -934,6 +934,73 @@ def test_record_per_thread(rand):
 
 
 @pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
+def test_record_order_is_program_order_not_the_clocks(rand):
+    """Which record is the last call is decided by program order, never by comparing their times:
+    a Python record written right after a C call (well within a microsecond of its end, as the
+    Python paths write theirs: end_clock(), then the record) is the last one even where its times
+    say it is older, and a C call after a Python record is the last one even where that record's
+    times lie in the future. The C record, once taken, is not reported again."""
+    a = rand((3, 3))
+    dev = session.host_device
+    for i in range(200):
+        blasx.matmul(a, a)                                    # C: 54 flops
+        level3.keep_host_call(dev, time.perf_counter(), a.dtype, 7.0)
+        assert level3.last_record()[4] == 7.0, i
+        blasx.dot(a, a)                                       # C: 54 flops
+        level3.end_clock()
+        level3.last_call.stats = (dev, 0.0, 0.0, a.dtype, 5.0)  # ends (by its times) before the C call
+        assert level3.last_record()[4] == 5.0 and level3.last_record()[4] == 5.0, i
+        level3.last_call.stats = (dev, 0.0, float("inf"), a.dtype, 3.0)
+        blasx.matmul(a[:2], a)                                # C: 36 flops, "before" the record by its times
+        got = level3.last_record()
+        assert got[4] == 36.0 and level3.last_record() is got, i
+        assert blasx.last_profile().totals()["flops"] == 36.0
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
+def test_c_record_times_on_perf_counters_clock(rand):
+    """Whatever clock the C code stamps with (the TSC converted when read, CLOCK_MONOTONIC, or
+    perf_counter), a record read at once or 50 ms later lies within perf_counter's window around
+    its call, its duration within that window's."""
+    assert _hostcall.clock() in ("tsc", "monotonic", "perf_counter")
+    a = rand((24, 24))
+    for wait in (0.0, 0.05, 0.0):
+        for _ in range(20):
+            t0 = time.perf_counter()
+            blasx.matmul(a, a)
+            t1 = time.perf_counter()
+            if wait:
+                time.sleep(wait)
+            rec = level3.last_record()
+            assert t0 <= rec[1] <= rec[2] <= t1, (wait, t0, rec[1:3], t1)
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
+def test_record_with_clock_gettime_where_the_tsc_is_off(tmp_path):
+    """$BLASX_HOST_TSC=0: the C code stamps with CLOCK_MONOTONIC (perf_counter's clock here); the
+    records and their order are as with the TSC."""
+    if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+        pytest.skip("perf_counter does not read CLOCK_MONOTONIC here")
+    code = (
+        "import time, numpy as np, blasx\n"
+        "from blasx import _hostcall, level3\n"
+        "from blasx.linalg import blas as B\n"
+        "blasx.configure(devices='cpu')\n"
+        "blasx.engine()\n"
+        "assert _hostcall.clock() == 'monotonic', _hostcall.clock()\n"
+        "a, b = np.ones((3, 4)), np.ones((4, 5))\n"
+        "for f, flops in ((lambda: blasx.matmul(a, b), 120), (lambda: B.dgemm.__wrapped__(1.0, a[1:], b), 80),\n"
+        "                 (lambda: B.dgemm(1.0, a, b), 120), (lambda: blasx.dot(a[1:], b), 80)) * 3:\n"
+        "    t0 = time.perf_counter()\n"
+        "    f()\n"
+        "    t1 = time.perf_counter()\n"
+        "    p = blasx.last_profile()\n"
+        "    assert p.totals()['flops'] == flops and t0 <= p.start <= p.finish <= t1, (p.totals(), flops)\n"
+        "print('ok')\n")
+    _child_prints_ok(code, tmp_path, BLASX_HOST_TSC="0")
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
 def test_c_record_holds_its_device_while_its_thread_keeps_it(rand):
     """The C record's device is held by a guard in the thread's level3.last_call: a thread that
     ends lets its device go, a new device replaces the old one, and a guard dropped drops the
@@ -1005,9 +1072,10 @@ def test_record_with_perf_counter_called_from_c(tmp_path):
     _child_prints_ok(code, tmp_path)
 
 
-def _child_prints_ok(code: str, tmp_path) -> None:
-    """Run ``code`` in a fresh interpreter (its own C library build, in tmp_path): it must print ok."""
-    env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path))
+def _child_prints_ok(code: str, tmp_path, **env_vars) -> None:
+    """Run ``code`` in a fresh interpreter (its own C library build, in tmp_path; ``env_vars`` set):
+    it must print ok."""
+    env = dict(os.environ, BLASX_CACHE_DIR=str(tmp_path), **env_vars)
     out = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 

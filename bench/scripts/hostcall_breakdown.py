@@ -71,11 +71,33 @@ VARIANTS_AFTER = {
     "-checks": _FORWARD,
 }
 
+#: _FORWARD for the source with gemm's plain-call fast path (forwarded before it, as before the binding)
+_FORWARD_FLOOR = [_FORWARD[0],
+                  ("    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {\n        /* gemm(alpha, a, b)",
+                   "    if (PyVectorcall_NARGS(nargsf) == 3 && kwnames == NULL && (i = hc_dtype(args[1])) >= 0)\n"
+                   "        return PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);\n"
+                   "    if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {\n        /* gemm(alpha, a, b)")]
+
+#: after the host-call floor (issue5-floor): stamps of the TSC (or the fallback clock), the record's
+#: order kept in program order (hc_take / hc_end)
+VARIANTS_FLOOR = {
+    "full": [],
+    "-record": [("    if (r->dev != dev && hc_adopt(r, dev) < 0) return -1;\n"
+                 "    r->t0 = t0; r->t1 = t1; r->flops = flops; r->di = di; r->fresh = 1;",
+                 "    (void)r; (void)dev; (void)t0; (void)t1; (void)di; (void)flops;")],
+    "-clock": [("static inline int hc_stamp_now(hc_stamp *t) {",
+                "static inline int hc_stamp_now(hc_stamp *t) { t->tick = 1; return 0; }\n"
+                "static inline int hc_stamp_now_off(hc_stamp *t) {")],
+    "-session": VARIANTS_BEFORE["-session"],
+    "-checks": _FORWARD_FLOOR,
+}
+
 MICRO_C = r"""
 #include <stdint.h>
 /* ns per operation, over n of them: 0 clock_gettime(CLOCK_MONOTONIC), 1 a float made and freed,
    2 a 5-tuple of borrowed items made and freed, 3 a setattr of one tuple on the threading.local,
-   4 the session look-up, 5 PySet_Contains of a type in a frozenset of 6 types */
+   4 the session look-up, 5 PySet_Contains of a type in a frozenset of 6 types, 6 rdtsc (x86-64; else
+   nothing) */
 static PyObject *hc_micro_set;
 double blasx_hc_micro(int what, long n) {
     struct timespec a, b;
@@ -97,7 +119,12 @@ double blasx_hc_micro(int what, long n) {
             for (j = 0; j < 5; j++) { Py_INCREF(Py_None); PyTuple_SET_ITEM(t, j, Py_None); } Py_DECREF(t); }
         else if (what == 3) { if (PyObject_SetAttr(hc_tls, name, keep) < 0) { PyErr_Clear(); break; } }
         else if (what == 4) { PyObject *d = PyDict_GetItemWithError(hc_session, s_host_device); sink += d != NULL; }
-        else sink += PySet_Contains(hc_micro_set, (PyObject *)&PyFloat_Type);
+        else if (what == 5) sink += PySet_Contains(hc_micro_set, (PyObject *)&PyFloat_Type);
+        else {
+#if defined(HC_HAVE_TSC) && HC_HAVE_TSC
+            sink += (long)__rdtsc();
+#endif
+        }
     }
     clock_gettime(CLOCK_MONOTONIC, &b);
     if (what == 3) PyObject_DelAttr(hc_tls, name);
@@ -108,7 +135,7 @@ double blasx_hc_micro(int what, long n) {
 
 MICRO_OPS = ("clock_gettime(CLOCK_MONOTONIC)", "PyFloat made + freed", "5-tuple made + freed",
              "setattr on level3.last_call (threading.local)", "session dict look-up",
-             "PySet_Contains(frozenset of 6 types, float)")
+             "PySet_Contains(frozenset of 6 types, float)", "rdtsc")
 
 
 def _preload():
@@ -180,7 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--target-ms", type=float, default=1.0)
     p.add_argument("--cases", default="matmul,dot,gemm-F,linalg-gemm,linalg-gemm-c,linalg-syrk-ow")
-    p.add_argument("--variants", default="auto", help="before, after or auto (after where the source has the C record)")
+    p.add_argument("--variants", default="auto",
+                   help="before, after, floor or auto (the set written for the source: floor, after, before)")
     p.add_argument("--micro", action="store_true", help="also the C cost of single operations")
     args = p.parse_args(argv)
 
@@ -196,8 +224,8 @@ def main(argv=None) -> int:
     blasx.engine()
     kind = args.variants
     if kind == "auto":
-        kind = "after" if "hc_last_record" in hc.HOSTCALL_C else "before"
-    variants = VARIANTS_AFTER if kind == "after" else VARIANTS_BEFORE
+        kind = "floor" if "hc_take" in hc.HOSTCALL_C else "after" if "hc_last_record" in hc.HOSTCALL_C else "before"
+    variants = {"floor": VARIANTS_FLOOR, "after": VARIANTS_AFTER, "before": VARIANTS_BEFORE}[kind]
     libs, src = {}, hc.HOSTCALL_C
     for name, subs in variants.items():
         for old, new in subs:
