@@ -428,7 +428,11 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
-/* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
+/* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; the Python function's
+   general path plans C = beta C. BLAS says A and B are then not read, but some OpenBLAS builds
+   (scipy's wheels on the GPU hosts, 2026-11-23) still multiply them: a NaN in A or B leaked into C.
+
+   alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
 static inline int hc_truth(PyObject *x) {
     return PyFloat_CheckExact(x) ? PyFloat_AS_DOUBLE(x) != 0.0 : PyObject_IsTrue(x);
 }
@@ -641,7 +645,7 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             goto general;
         m = a->dimensions[0]; k = a->dimensions[1]; n = b->dimensions[1];
         if (k != b->dimensions[0] || !m || !n || !k) return NULL;
-        if ((nz = hc_truth(args[0])) < 0) { PyErr_Clear(); return NULL; }
+        if ((nz = hc_truth(args[0])) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
         if ((dev = hc_device()) == NULL) return NULL;
         res = NULL;
         if (hc_stamp_now(&t0) == 0) {
@@ -690,7 +694,7 @@ general:
             t = a; a = b; b = t;
         }
     }
-    if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if ((nz = hc_truth(alpha)) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
     if ((dev = hc_device()) == NULL) return NULL;
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
@@ -845,6 +849,7 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
         if ((in_place = hc_in_place(c, self->dtype, ow, a, b, self->flops == HC_FL_GEMM)) < 0) return NULL;
     }
     if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
+    if (!nz && self->flops == HC_FL_GEMM) return NULL;   /* HC_GEMM_ALPHA0 */
     if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
         flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
     if ((dev = hc_device()) == NULL) return NULL;

@@ -206,8 +206,8 @@ def _gemm_lane(prefix: str, routine: str, convert: bool):
         k2, n = b.shape
         if trans_b:
             k2, n = n, k2
-        if not (k == k2 and m and n and k and (c is None or c.shape == (m, n))):
-            return None
+        if not (k == k2 and m and n and k and (c is None or c.shape == (m, n))) or alpha == 0:
+            return None  # (alpha 0: the general path, as blasx.gemm's; _hostcall's HC_GEMM_ALPHA0)
         in_place = False
         if c is not None:  # blasx.gemm checks c against a and b even when it copies c
             in_place = _in_place(c, dtype, overwrite_c, a, b, True)

@@ -213,7 +213,11 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
     operands allow it (scipy would copy a C-ordered operand first), for a call that passed every
     check by construction (see gemm). None when the shapes do not fit or a dimension is 0 (the
     general path raises, or makes BLAS's quick return), or when c is not one :func:`_c_mode`
-    takes. scipy's ?gemm reads neither a nor b when alpha is 0, nor c when beta is 0."""
+    takes; None for alpha 0 too: BLAS reads neither a nor b then, but some OpenBLAS builds do (a
+    NaN leaked in; _hostcall's HC_GEMM_ALPHA0), so the general path's plan (C = beta C) runs it.
+    scipy's ?gemm does not read c when beta is 0."""
+    if alpha == 0:
+        return None
     sa, sb = a.shape, b.shape
     m, k = (sa[1], sa[0]) if trans_a else sa
     kb, n = (sb[1], sb[0]) if trans_b else sb

@@ -213,8 +213,8 @@ def test_gemm_fast_path(dtype, rand, rel_err, tol, monkeypatch):
 
 
 def test_gemm_edge_cases(rand):
-    """alpha 0 (scipy's ?gemm, which reads neither a nor b, as BLAS), k == 0 and empty results
-    (the general path: BLAS's quick return)."""
+    """alpha 0, k == 0 and empty results: the general path (alpha 0: C = beta C, reading neither a
+    nor b, as BLAS says; some OpenBLAS builds' ?gemm read them: never handed one), BLAS's quick return."""
     a, b = rand((6, 4), seed=1), rand((4, 5), seed=2)
     a[0, 0] = np.nan
     assert np.all(blasx.gemm(0.0, a, b) == 0)
@@ -459,8 +459,11 @@ def _lane_cases(prefix, routine, convert):
 
 
 def _no_blas_form(module, prefix, routine, order, spec, flags) -> bool:
-    """blasx.gemm writes a C-ordered c in place through c.T, which complex op C has no BLAS form for:
-    the general path."""
+    """The general path: blasx.gemm writes a C-ordered c in place through c.T, which complex op C
+    has no BLAS form for; a gemm with alpha 0 is never handed to the host's ?gemm (some OpenBLAS
+    builds read a and b then)."""
+    if routine == "gemm" and spec.get("alpha", 1) == 0:
+        return True
     return (module == "generic" and routine == "gemm" and prefix in "cz" and order == "C"
             and bool(spec.get("overwrite")) and spec.get("c") and 2 in flags.values())
 
@@ -618,7 +621,8 @@ def test_gemm_with_c(dtype, rand, rel_err, tol, monkeypatch):
             return a, b, c
 
         a, b, c = args()
-        slow = cplx and ow and lc == "C" and 2 in (ta, tb)  # (no BLAS form of that product into c.T)
+        # (no BLAS form of that product into c.T; alpha 0 is never handed to the host's ?gemm)
+        slow = (cplx and ow and lc == "C" and 2 in (ta, tb)) or alpha == 0
         with monkeypatch.context() as mp:
             if not slow:
                 _general_fails(mp)
@@ -804,3 +808,23 @@ def test_bench_cpu_overhead_runs(capsys):
                  "linalg-gemm-list", "blasx-syrk-np"):
         assert what in out, what
     assert "WRONG" not in out
+
+
+@pytest.mark.parametrize("entry", ["blasx.gemm", "linalg.dgemm"])
+def test_gemm_with_alpha_zero_never_reaches_the_host_gemm(rand, entry):
+    """An alpha-0 gemm in every form the fast paths take (plain, with c and beta, keywords, C-ordered
+    operands, in place): C = beta C, no NaN of a or b in it (test_hostcall checks that the host's ?gemm
+    is never called: some OpenBLAS builds multiply a NaN by the 0)."""
+    fn = {"blasx.gemm": blasx.gemm, "linalg.dgemm": B.dgemm}[entry]
+    a, b = rand((6, 4), seed=1), rand((4, 5), seed=2)
+    a[0, 0] = b[1, 1] = np.nan
+    c0 = rand((6, 5), seed=3)
+    for alpha in (0.0, np.float64(0.0), 0):
+        for kw in ({}, {"beta": 0.5, "c": c0.copy(order="F")}, {"beta": 0.5, "c": c0.copy(order="F"), "overwrite_c": 1},
+                   {"beta": 0.5, "c": np.ascontiguousarray(c0)}):
+            for x, y in ((a, b), (np.ascontiguousarray(a), np.ascontiguousarray(b))):
+                want = 0.5 * c0 if kw else np.zeros((6, 5))
+                kw2 = {k: v.copy(order="K") if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+                got = fn(alpha, x, y, **kw2)
+                assert not np.isnan(got).any(), (entry, alpha, kw)
+                np.testing.assert_allclose(got, want, rtol=1e-15)

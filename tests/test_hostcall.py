@@ -555,7 +555,8 @@ def test_gemm_with_c_in_c(dtype, rand, rel_err, tol):
                 return f(alpha, a, b, beta, c, ta, tb, ow)
             return f(alpha, a, b, c=c, beta=beta, overwrite_c=ow, trans_b=tb, trans_a=ta)
 
-        in_c = not ow or lc == "F" or (lc == "C" and not (cplx and 2 in (ta, tb)))
+        # (alpha 0: never the host's ?gemm, some OpenBLAS builds read a and b then: the general path)
+        in_c = alpha != 0 and (not ow or lc == "F" or (lc == "C" and not (cplx and 2 in (ta, tb))))
         x1, x2 = args(), args()
         got = _in_c(lambda: call(blasx.gemm, x1)) if in_c else call(blasx.gemm, x1)
         prof = _profile()
@@ -642,7 +643,8 @@ def test_level3_second_lane_in_c(prefix, routine, rand):
                          {k: v.copy(order="A") if isinstance(v, np.ndarray) else v for k, v in kw.items()})
         for fn in fns:
             a1, k1 = fresh()
-            got = _in_c(lambda: fn(*a1, **k1))
+            general = routine == "gemm" and label.startswith("alpha 0")  # (as in test_gemm_with_c_in_c)
+            got = fn(*a1, **k1) if general else _in_c(lambda: fn(*a1, **k1))
             prof = _profile()
             a2, k2 = fresh()
             ref = _py(fn)(*a2, **k2)
@@ -1113,3 +1115,41 @@ def test_c_record_after_fork(tmp_path):
         "assert blasx.last_profile().totals()['flops'] == 2 * 2 * 4 * 4\n"
         "print('ok')\n")
     _child_prints_ok(code, tmp_path)
+
+
+def test_gemm_never_hands_alpha_zero_to_the_host_gemm(rand, monkeypatch):
+    """BLAS reads neither a nor b when alpha is 0, but some OpenBLAS builds' ?gemm multiply them
+    (scipy's wheels on the GPU hosts: a NaN of a leaked into C). blasx.gemm's C entry point and its
+    Python host path hand an alpha-0 call to the general path (C = beta C) instead: here the host
+    ?gemm is a spy that fails on alpha 0, for every form both paths take."""
+    from blasx import level3
+    seen = []
+
+    def spy_of(real):
+        def spy(*args, **kw):
+            alpha = args[0] if args else kw["alpha"]
+            seen.append(alpha)
+            if alpha == 0:
+                raise AssertionError("alpha 0 reached the host ?gemm")
+            return real(*args, **kw)
+        return spy
+
+    spies = {dt: spy_of(f) for dt, f in level3._HOST_GEMM.items()}
+    monkeypatch.setattr(level3, "_HOST_GEMM", spies)  # (the Python host path reads it per call)
+    py = _py(blasx.gemm)
+    entries = [py] + ([_hostcall.gemm(py, spies, level3._HOST_SCALARS)] if _hostcall.kind() == "c" else [])
+    a, b = rand((6, 4), seed=1), rand((4, 5), seed=2)
+    a[0, 0] = b[1, 1] = np.nan
+    c0 = rand((6, 5), seed=3)
+    for f in entries:
+        for alpha in (0.0, np.float64(0.0), 0):
+            for kw in ({}, {"beta": 0.5, "c": np.asfortranarray(c0)},
+                       {"beta": 0.5, "c": np.asfortranarray(c0), "overwrite_c": 1},
+                       {"beta": 0.5, "c": np.ascontiguousarray(c0), "overwrite_c": 1}):
+                for x, y in ((np.asfortranarray(a), np.asfortranarray(b)), (np.ascontiguousarray(a), b)):
+                    kw2 = {k: v.copy(order="K") if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+                    got = f(alpha, x, y, **kw2)
+                    np.testing.assert_array_equal(got, 0.5 * c0 if kw else np.zeros((6, 5)))
+        before = len(seen)
+        f(1.5, np.asfortranarray(np.nan_to_num(a)), np.asfortranarray(np.nan_to_num(b)))
+        assert len(seen) == before + 1  # the spy is the host ?gemm this entry calls
