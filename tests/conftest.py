@@ -101,3 +101,18 @@ def tol():
 def _no_perfdb(monkeypatch):
     """A developer's own `blasx tune` entries must not change the tile sizes tests rely on."""
     monkeypatch.setenv("BLASX_PERFDB", "off")
+
+
+@pytest.fixture(scope="session")
+def gemm_alpha0_reads():
+    """``gemm_alpha0_reads(dtype)``: scipy's own ?gemm of this machine multiplies a and b even when
+    alpha is 0 (a NaN in a reaches C). BLAS says it does not read them, and some OpenBLAS builds do
+    (scipy 1.18.1 / OpenBLAS 0.3.31 SkylakeX on the GPU hosts, s and d): tests that compare blasx
+    with scipy's ?gemm at alpha 0 then compare with blasx's general path only."""
+    import scipy.linalg.blas as S
+
+    def reads(dtype) -> bool:
+        a = np.ones((4, 4), dtype=dtype, order="F")
+        a[0, 0] = np.nan
+        return bool(np.isnan(S.get_blas_funcs("gemm", dtype=np.dtype(dtype))(0.0, a, np.ones_like(a))).any())
+    return reads

@@ -477,7 +477,7 @@ def _untouched(routine, flags):
 
 
 @pytest.mark.parametrize("module, prefix, routine", CASES)
-def test_level3_second_lane(module, prefix, routine, rand, rel_err, tol, monkeypatch):
+def test_level3_second_lane(module, prefix, routine, rand, rel_err, tol, monkeypatch, gemm_alpha0_reads):
     """c, beta, overwrite_*, alpha 0, complex scalars, conversions: scipy's routine, with blasx's
     results (the general path's, scipy's where they agree), outputs, untouched triangles, NaN
     rules and profiles, for C- and F-ordered operands."""
@@ -501,7 +501,8 @@ def test_level3_second_lane(module, prefix, routine, rand, rel_err, tol, monkeyp
         _same(got, ref, rel_err, tol)
         if out is not None and got is not out:  # not written
             np.testing.assert_array_equal(out, _lane_call(prefix, routine, order, flags, spec, rand)[2], what)
-        if spec.get("scipy", True):
+        scipy_blas = not (routine == "gemm" and spec["alpha"] == 0 and gemm_alpha0_reads(DT[prefix]))
+        if spec.get("scipy", True) and scipy_blas:  # (scipy's ?gemm reading a, b at alpha 0: not BLAS's)
             args, kw, _ = _lane_call(prefix, routine, order, flags, spec, rand)
             want = sp(*args, **kw)
             if module == "generic" and routine == "gemm":  # blasx.gemm: c.T may be written (C^T = B^T A^T)
@@ -601,7 +602,7 @@ def test_level3_second_lane_errors_are_unchanged(call, rand):
 
 
 @pytest.mark.parametrize("dtype", BLAS)
-def test_gemm_with_c(dtype, rand, rel_err, tol, monkeypatch):
+def test_gemm_with_c(dtype, rand, rel_err, tol, monkeypatch, gemm_alpha0_reads):
     """blasx.gemm with c, beta, overwrite_c, alpha 0, complex scalars: scipy's ?gemm, with blasx's
     outputs (c written in place whatever its layout: a C-ordered c through c.T) and results."""
     fn = S.get_blas_funcs("gemm", dtype=dtype)
@@ -634,7 +635,8 @@ def test_gemm_with_c(dtype, rand, rel_err, tol, monkeypatch):
         _same(got, ref, rel_err, tol)
         assert prof == blasx.last_profile().totals()
         sa, sb, sc = args()
-        _same(np.asfortranarray(got), fn(alpha, sa, sb, beta, sc, ta, tb), rel_err, tol)
+        if not (alpha == 0 and gemm_alpha0_reads(dtype)):  # (scipy's ?gemm reading a, b at alpha 0: not BLAS's)
+            _same(np.asfortranarray(got), fn(alpha, sa, sb, beta, sc, ta, tb), rel_err, tol)
         assert np.isfinite(got).all()
         if not ow:
             np.testing.assert_array_equal(c, args()[2])  # c not written

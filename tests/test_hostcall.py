@@ -11,6 +11,7 @@ bounds shows), the profile recorded, errors unchanged, and that they behave as f
 
 from __future__ import annotations
 
+import gc
 import inspect
 import itertools
 import os
@@ -523,7 +524,7 @@ def _poisoned_c(shape, dtype, how, rand, seed, nan=False):
 
 
 @pytest.mark.parametrize("dtype", BLAS)
-def test_gemm_with_c_in_c(dtype, rand, rel_err, tol):
+def test_gemm_with_c_in_c(dtype, rand, rel_err, tol, gemm_alpha0_reads):
     """blasx.gemm with beta, c (every layout, NaN around), overwrite_c (int / bool), alpha 0 (NaN in
     a and b), by position and by keyword: from C where the Python host path takes the call (c
     written in place when F-ordered, through c.T when C-ordered), else the Python function; both
@@ -566,7 +567,8 @@ def test_gemm_with_c_in_c(dtype, rand, rel_err, tol):
         assert got.dtype == np.dtype(dtype) and got.shape == (7, 5) and np.isfinite(got).all()
         np.testing.assert_array_equal(got, ref)
         sa, sb, sc = (np.asfortranarray(x) for x in args())
-        _ok(rel_err, tol, got, fn(alpha, sa, sb, beta, sc, ta, tb))
+        if not (alpha == 0 and gemm_alpha0_reads(dtype)):  # (scipy's ?gemm reading a, b at alpha 0: not BLAS's)
+            _ok(rel_err, tol, got, fn(alpha, sa, sb, beta, sc, ta, tb))
         if not ow:
             np.testing.assert_array_equal(x1[2], args()[2])
 
@@ -630,7 +632,7 @@ def _lane_calls(routine, dt, rand):
 
 
 @pytest.mark.parametrize("prefix, routine", LEVEL3)
-def test_level3_second_lane_in_c(prefix, routine, rand):
+def test_level3_second_lane_in_c(prefix, routine, rand, gemm_alpha0_reads):
     """The scipy-signature functions (blasx.linalg.blas and blasx's prefixed ones) with c and beta,
     overwrite_*, flags by position, alpha 0, converted arrays: from C (no Python frame), scipy's
     routine called as the Python lane calls it, bit for bit; the Python function (``__wrapped__``)
@@ -651,7 +653,8 @@ def test_level3_second_lane_in_c(prefix, routine, rand):
             assert prof == _profile(), label
             a3, k3 = fresh()
             want = sp(*a3, **k3)
-            np.testing.assert_array_equal(got, want, label)
+            if not (general and gemm_alpha0_reads(dt)):  # (a ?gemm that reads a, b at alpha 0: not BLAS's)
+                np.testing.assert_array_equal(got, want, label)
             np.testing.assert_array_equal(got, ref, label)
             assert got.dtype == np.dtype(dt), label
             if not (label == "beta 0, NaN c" and routine in ("syrk", "herk", "syr2k", "her2k")):  # (c's other triangle)
@@ -815,18 +818,19 @@ def test_keyword_calls_in_c_keep_refcounts(rand):
     eye, bb = np.asfortranarray(np.eye(5)), b.copy(order="F")
     alpha, beta = 1.5, 0.5
     calls = [lambda: blasx.gemm(alpha, a, b, beta, c), lambda: blasx.gemm(alpha, a, b, beta, c, overwrite_c=True),
-             lambda: blasx.gemm(alpha, a, b, beta, cc, overwrite_c=1), lambda: B.dgemm(0.0, a, b, beta, c),
+             lambda: blasx.gemm(alpha, a, b, beta, cc, overwrite_c=1), lambda: B.dsymm(0.0, a, b, beta, c),
              lambda: B.dsyrk(alpha, a32, beta=beta, c=c, overwrite_c=1), lambda: blasx.dtrsm(1.0, eye, bb, overwrite_b=1),
              lambda: blasx.matmul(a, b, out=o), lambda: blasx.matmul(a, b, dtype=np.float32),
              lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1),
              lambda: blasx.dot(a, b, out=o), lambda: blasx.dot(a, b, o)]
     objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device, a.dtype, a32.dtype)
-    for f in calls:
+    for i, f in enumerate(calls):
         f()
+        gc.collect()  # (garbage of earlier calls, freed by a collection inside the loop, would count)
         before = [sys.getrefcount(x) for x in objs]
         for _ in range(2000):
             f()
-        assert [sys.getrefcount(x) for x in objs] == before, f
+        assert [sys.getrefcount(x) for x in objs] == before, i
 
 
 # ---------------------------------------------------------------- the record of the last call
