@@ -824,6 +824,12 @@ def test_keyword_calls_in_c_keep_refcounts(rand):
              lambda: blasx.tensordot(a, b, 1), lambda: B.dsymm(alpha, a, b, beta, c, 1, 1),
              lambda: blasx.dot(a, b, out=o), lambda: blasx.dot(a, b, o)]
     objs = (a, b, c, cc, o, a32, eye, bb, alpha, beta, np.float32, 1, True, session.host_device, a.dtype, a32.dtype)
+    gc.collect()
+    r0 = sys.getrefcount(a.dtype)
+    for _ in range(200):
+        np.dot(a, b)
+    if sys.getrefcount(a.dtype) != r0:  # numpy 2.5.2's own dot / tensordot gain a dtype reference a call
+        objs = objs[:-2]
     for i, f in enumerate(calls):
         f()
         gc.collect()  # (garbage of earlier calls, freed by a collection inside the loop, would count)
