@@ -632,7 +632,7 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
     hc_array *a, *b, *c = NULL;
     Py_ssize_t m, k, kb, n;
     long f[3];
-    int i, j, nz, mode = HC_C_NONE, ow;
+    int i, j, mode = HC_C_NONE, ow;
     hc_stamp t0;
     if (kwnames == NULL && PyVectorcall_NARGS(nargsf) == 3) {
         /* gemm(alpha, a, b) of operands that are not C-ordered only: what the code below calls,
@@ -645,12 +645,12 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             goto general;
         m = a->dimensions[0]; k = a->dimensions[1]; n = b->dimensions[1];
         if (k != b->dimensions[0] || !m || !n || !k) return NULL;
-        if ((nz = hc_truth(args[0])) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
+        if (hc_truth(args[0]) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
         if ((dev = hc_device()) == NULL) return NULL;
         res = NULL;
         if (hc_stamp_now(&t0) == 0) {
             res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);
-            if (res != NULL && hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0)
+            if (res != NULL && hc_record(dev, t0, i, 2.0 * (double)m * (double)n * (double)k) < 0)
                 Py_CLEAR(res);
         }
         Py_DECREF(dev);
@@ -694,7 +694,7 @@ general:
             t = a; a = b; b = t;
         }
     }
-    if ((nz = hc_truth(alpha)) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
+    if (hc_truth(alpha) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
     if ((dev = hc_device()) == NULL) return NULL;
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
@@ -723,7 +723,7 @@ general:
                 Py_INCREF(cobj);
                 res = cobj;
             }
-            if (hc_record(dev, t0, i, nz ? 2.0 * (double)m * (double)n * (double)k : 0.0) < 0) Py_CLEAR(res);
+            if (hc_record(dev, t0, i, 2.0 * (double)m * (double)n * (double)k) < 0) Py_CLEAR(res);
         }
     }
     if (mode != HC_C_NONE) Py_XDECREF(call[4]);

@@ -218,7 +218,7 @@ def _gemm_lane(prefix: str, routine: str, convert: bool):
             return None
         t0 = clock()
         res = native(alpha, a, b, beta if c is not None else 0.0, c, trans_a, trans_b, in_place)
-        last.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
+        last.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k)
         return res
 
     return lane

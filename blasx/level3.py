@@ -250,7 +250,7 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
                                 mode != _C_COPY)
         if mode != _C_COPY:
             out = c
-    _tls.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k if alpha != 0 else 0.0)
+    _tls.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k)
     return out
 
 
