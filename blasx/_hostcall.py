@@ -430,9 +430,9 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
 
 /* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; the Python function's
    general path plans C = beta C. BLAS says A and B are then not read, but some OpenBLAS builds
-   (scipy's wheels on the GPU hosts, 2026-11-23) still multiply them: a NaN in A or B leaked into C.
+   (scipy's wheels on the GPU hosts, 2026-11-23) still multiply them: a NaN in A or B leaked into C. */
 
-   alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
+/* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
 static inline int hc_truth(PyObject *x) {
     return PyFloat_CheckExact(x) ? PyFloat_AS_DOUBLE(x) != 0.0 : PyObject_IsTrue(x);
 }
@@ -737,12 +737,11 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     Py_ssize_t d0, d1, s;
     long f[3];
     double flops = 0.0;
-    int nz;
     if (PyVectorcall_NARGS(nargsf) != self->nargs) return NULL;
     alpha = args[0];
     a = (hc_array *)args[1]; b = (hc_array *)args[self->nargs - 1];
     /* (alpha 0 first: the second lane takes it, and pays for this lane's checks otherwise) */
-    if (!hc_of_type(&self->types[0], alpha) || (nz = hc_truth(alpha)) != 1
+    if (!hc_of_type(&self->types[0], alpha) || hc_truth(alpha) != 1
             || Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
             || a->nd != 2 || b->nd != 2 || !hc_flags(self, args + self->nargs, kwnames, f)) {
         PyErr_Clear();
