@@ -18,6 +18,12 @@ with ``number`` calibrated so that one timing takes ``--target-ms``; per-call ti
 as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
 median, and "paired": the median over the rounds of the difference of a round's two timings,
 which are next to each other in time). Every blasx result is checked against the peer's (relative error).
+
+Noise: each round also times the peer a second time (the six orders of the three timings in turn), and
+``noise`` is the median over the rounds of the gap between the peer's two timings: how far apart two
+back-to-back timings of numpy's / scipy's very same call typically are here. An entry whose paired
+overhead is within it is "noise" (a user cannot tell it from the peer's own spread); the run ends with
+the entries that are slower by more (``--no-noise`` skips the A/A timing).
 """
 
 from __future__ import annotations
@@ -200,21 +206,36 @@ def calibrate(fn, target_s: float) -> int:
     return max(1, int(target_s / max(t, 1e-9)))
 
 
-def compare(ours, peer, rounds: int, target_s: float) -> dict:
-    """Interleaved timings of ours and peer: per-call best and median (seconds) of each."""
+# the six orders of (ours, peer, peer again) in a round: each timing is first, second and last equally often
+ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
+
+
+def compare(ours, peer, rounds: int, target_s: float, noise: bool = True) -> dict:
+    """Interleaved timings of ours and peer: per-call best and median (seconds) of each.
+
+    With ``noise``, each round also times the peer a second time (an A/A pair, in one of the six orders
+    of the three timings, in turn): ``noise`` is the median over the rounds of |peer again - peer|, how
+    far apart two timings of the very same call next to each other in time typically are on this
+    machine, and ``aa`` the median of their signed difference (~0 when the orders are balanced). An
+    overhead (``paired``) within ``noise`` is one a user cannot tell from numpy's / scipy's own spread.
+    """
     number = calibrate(peer, target_s)
-    t_ours, t_peer = [], []
-    to = timeit.Timer(ours)
-    tp = timeit.Timer(peer)
+    timers = (timeit.Timer(ours), timeit.Timer(peer), timeit.Timer(peer))
+    times: tuple[list, list, list] = ([], [], [])
     for r in range(rounds):
-        pair = ((tp, t_peer), (to, t_ours)) if r % 2 == 0 else ((to, t_ours), (tp, t_peer))
-        for timer, out in pair:
-            out.append(timer.timeit(number) / number)
-    return {"number": number, "ours_best": min(t_ours), "ours_med": statistics.median(t_ours),
-            "peer_best": min(t_peer), "peer_med": statistics.median(t_peer),
-            # each round's two timings are next to each other in time: the median of their
-            # differences is the least sensitive to drift and to one lucky timing
-            "paired": statistics.median(o - p for o, p in zip(t_ours, t_peer))}
+        order = ORDERS[r % len(ORDERS)] if noise else ((0, 1) if r % 2 else (1, 0))
+        for i in order:
+            times[i].append(timers[i].timeit(number) / number)
+    t_ours, t_peer, t_again = times
+    out = {"number": number, "ours_best": min(t_ours), "ours_med": statistics.median(t_ours),
+           "peer_best": min(t_peer), "peer_med": statistics.median(t_peer),
+           # each round's timings are next to each other in time: the median of their
+           # differences is the least sensitive to drift and to one lucky timing
+           "paired": statistics.median(o - p for o, p in zip(t_ours, t_peer))}
+    if noise:
+        out["noise"] = statistics.median(abs(q - p) for q, p in zip(t_again, t_peer))
+        out["aa"] = statistics.median(q - p for q, p in zip(t_again, t_peer))
+    return out
 
 
 def header() -> str:
@@ -245,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--entries", default=None, help="comma list of entry names (default: all; see the output)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per entry (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="length of one timing in ms (default 2)")
+    p.add_argument("--no-noise", dest="noise", action="store_false",
+                   help="skip the A/A timing of each peer (the noise column; a third less time)")
     add_blas_threads_option(p)
     args = p.parse_args(argv)
 
@@ -266,25 +289,44 @@ def _run(args, sizes, wanted) -> int:
     print(header())
     print("# per-call us: best / median over the rounds; overhead = blasx - peer (best, median, paired: median of "
           "the rounds' differences)")
+    if args.noise:
+        print("# noise: median over the rounds of |peer - peer timed again| in the same round (A/A); verdict: "
+              "'noise' when paired <= noise, 'SLOWER' when above it, 'faster' when paired < -noise")
     print(f"{'dtype':>6} {'N':>5} {'entry':<18} {'peer best':>9} {'peer med':>9} {'blasx best':>10} "
-          f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'paired':>7} {'ratio':>6} {'rel err':>8}")
+          f"{'blasx med':>10} {'ovh best':>9} {'ovh med':>8} {'paired':>7} {'ratio':>6} {'rel err':>8}"
+          + (f" {'noise':>6} {'verdict':>7}" if args.noise else ""))
+    slower = []
     for code in args.dtypes.split(","):
         for n in sizes:
             for name, (ours, peer) in entries(code.strip(), n).items():
                 if wanted is not None and name not in wanted:
                     continue
                 err = rel_err(ours(), peer())
-                r = compare(ours, peer, args.rounds, args.target_ms / 1e3)
+                r = compare(ours, peer, args.rounds, args.target_ms / 1e3, noise=args.noise)
                 us = {k: v * 1e6 for k, v in r.items() if k != "number"}
-                print(f"{code:>6} {n:>5} {name:<18} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
-                      f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
-                      f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
-                      f"{us['paired']:>7.2f} "
-                      f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}", flush=True)
+                line = (f"{code:>6} {n:>5} {name:<18} {us['peer_best']:>9.2f} {us['peer_med']:>9.2f} "
+                        f"{us['ours_best']:>10.2f} {us['ours_med']:>10.2f} "
+                        f"{us['ours_best'] - us['peer_best']:>9.2f} {us['ours_med'] - us['peer_med']:>8.2f} "
+                        f"{us['paired']:>7.2f} "
+                        f"{r['ours_best'] / r['peer_best']:>6.3f} {err:>8.1e}")
+                if args.noise:
+                    verdict = verdict_of(r["paired"], r["noise"])
+                    if verdict == "SLOWER":
+                        slower.append(f"{code} {n} {name} (+{us['paired']:.2f} us, noise {us['noise']:.2f})")
+                    line += f" {us['noise']:>6.2f} {verdict:>7}"
+                print(line, flush=True)
                 if not err < (1e-4 if code in "sc" else 1e-12) * max(1.0, math.sqrt(n)):
                     print(f"# WRONG RESULT: {name} {code} N={n}: rel err {err:.1e}")
                     return 1
+    if args.noise:
+        print(f"# slower than the peer by more than its noise: {len(slower)}" + "".join(f"\n#   {x}" for x in slower))
     return 0
+
+
+def verdict_of(paired: float, noise: float) -> str:
+    """'SLOWER' when blasx's paired overhead exceeds the peer's A/A noise, 'faster' when it is below minus
+    the noise, else 'noise'."""
+    return "SLOWER" if paired > noise else "faster" if paired < -noise else "noise"
 
 
 if __name__ == "__main__":

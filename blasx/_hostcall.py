@@ -116,6 +116,7 @@ static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
 static PyObject *hc_session;              /* session.__dict__ */
 static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
+static PyObject *hc_scale;                /* level3.host_scale (set_scale), or NULL: alpha-0 gemms go to the Python function */
 static int hc_native_clock, hc_any_strides, hc_tsc;
 static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
@@ -428,13 +429,32 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
-/* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; the Python function's
-   general path plans C = beta C. BLAS says A and B are then not read, but some OpenBLAS builds
+/* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; hc_alpha0 makes C = beta C
+   through level3.host_scale instead, as the Python function's host path does. BLAS says A and B are then not read, but some OpenBLAS builds
    (scipy's wheels on the GPU hosts, 2026-11-23) still multiply them: a NaN in A or B leaked into C. */
 
 /* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
 static inline int hc_truth(PyObject *x) {
     return PyFloat_CheckExact(x) ? PyFloat_AS_DOUBLE(x) != 0.0 : PyObject_IsTrue(x);
+}
+
+/* an alpha-0 gemm (HC_GEMM_ALPHA0): host_scale(beta, c or None, in_place, (m, n), dtype), recorded with
+   no flops as the Python paths record it; steals dev. NULL without an error when no host_scale is set */
+static PyObject *hc_alpha0(PyObject *dev, int di, PyObject *beta, PyObject *cobj, int in_place, Py_ssize_t m,
+                           Py_ssize_t n) {
+    PyObject *shape, *call[5], *res = NULL;
+    hc_stamp t0;
+    if (hc_scale != NULL && (shape = Py_BuildValue("(nn)", m, n)) != NULL) {
+        call[0] = beta; call[1] = cobj; call[2] = in_place ? Py_True : Py_False; call[3] = shape;
+        call[4] = hc_descr[di];
+        if (hc_stamp_now(&t0) == 0) {
+            res = PyObject_Vectorcall(hc_scale, call, 5, NULL);
+            if (res != NULL && hc_record(dev, t0, di, 0.0) < 0) Py_CLEAR(res);
+        }
+        Py_DECREF(shape);
+    }
+    Py_DECREF(dev);
+    return res;
 }
 
 /* an exact int: its value when it is CPython's cached 0, 1 or 2 (flags as written; one compare
@@ -645,8 +665,9 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
             goto general;
         m = a->dimensions[0]; k = a->dimensions[1]; n = b->dimensions[1];
         if (k != b->dimensions[0] || !m || !n || !k) return NULL;
-        if (hc_truth(args[0]) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
+        if ((j = hc_truth(args[0])) < 0) { PyErr_Clear(); return NULL; }
         if ((dev = hc_device()) == NULL) return NULL;
+        if (!j) return hc_alpha0(dev, i, hc_zero, Py_None, 0, m, n);   /* HC_GEMM_ALPHA0 */
         res = NULL;
         if (hc_stamp_now(&t0) == 0) {
             res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);
@@ -672,6 +693,7 @@ general:
     kb = b->dimensions[0]; n = b->dimensions[1];
     if (f[2]) { kb = n; n = b->dimensions[0]; }
     if (k != kb || !m || !n || !k) return NULL;
+    if ((j = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
     if (cobj != Py_None) {   /* _c_mode */
         c = (hc_array *)cobj;
         if (c->dimensions[0] != m || c->dimensions[1] != n || (ow = hc_overwrite(v[7])) < 0 || a == c || b == c) {
@@ -685,7 +707,7 @@ general:
         else if (c->flags & HC_F) mode = HC_C_IN_PLACE;
         else if (c->flags & HC_C) mode = HC_C_IN_PLACE_T;
         else return NULL;
-        if (mode == HC_C_IN_PLACE_T) {   /* C^T = op(B)^T op(A)^T, written into the F-ordered c.T */
+        if (mode == HC_C_IN_PLACE_T && j) {   /* C^T = op(B)^T op(A)^T, written into the F-ordered c.T */
             int cplx = i >= 2;
             long ta = f[1], tb = f[2];
             hc_array *t;
@@ -694,8 +716,8 @@ general:
             t = a; a = b; b = t;
         }
     }
-    if (hc_truth(alpha) != 1) { PyErr_Clear(); return NULL; }   /* alpha 0: see HC_GEMM_ALPHA0 */
     if ((dev = hc_device()) == NULL) return NULL;
+    if (!j) return hc_alpha0(dev, i, beta, cobj, mode >= HC_C_IN_PLACE, m, n);   /* HC_GEMM_ALPHA0 */
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
         hc_array *y = j ? b : a;
@@ -848,10 +870,10 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
         if ((in_place = hc_in_place(c, self->dtype, ow, a, b, self->flops == HC_FL_GEMM)) < 0) return NULL;
     }
     if ((nz = hc_truth(alpha)) < 0) { PyErr_Clear(); return NULL; }
-    if (!nz && self->flops == HC_FL_GEMM) return NULL;   /* HC_GEMM_ALPHA0 */
     if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
         flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
     if ((dev = hc_device()) == NULL) return NULL;
+    if (!nz && self->flops == HC_FL_GEMM) return hc_alpha0(dev, self->di, beta, cobj, in_place, m, n);   /* HC_GEMM_ALPHA0 */
     call[nc++] = alpha; call[nc++] = v[1];
     if (b != NULL) call[nc++] = (PyObject *)b;
     if (fm->c >= 0) { call[nc++] = c != NULL ? beta : hc_zero; call[nc++] = cobj; }
@@ -1109,6 +1131,16 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     return (PyObject *)self;
 }
 
+/* level3.host_scale, for the alpha-0 gemms (hc_alpha0) */
+int blasx_hc_set_scale(PyObject *fn) {
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "blasx_hc_set_scale: not callable");
+        return -1;
+    }
+    Py_INCREF(fn); Py_XSETREF(hc_scale, fn);
+    return 0;
+}
+
 /* (take_record, end_clock) as builtin functions (hc_take, hc_end) */
 PyObject *blasx_hc_reader(void) {
     if (hc_session == NULL) {
@@ -1199,6 +1231,8 @@ def declare(lib):
     lib.blasx_hc_reader.argtypes = []
     lib.blasx_hc_clock.restype = ctypes.py_object
     lib.blasx_hc_clock.argtypes = []
+    lib.blasx_hc_set_scale.restype = ctypes.c_int
+    lib.blasx_hc_set_scale.argtypes = [ctypes.py_object]
     return lib
 
 
@@ -1212,6 +1246,14 @@ def _load():
     if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
         return None
     return lib
+
+
+def set_scale(host_scale) -> None:
+    """The C entry points make an alpha-0 gemm's C = beta C with ``host_scale(beta, c or None, in_place,
+    (m, n), dtype)`` (level3.host_scale); before this they hand it to the Python function."""
+    lib = _library()
+    if lib is not None and lib.blasx_hc_set_scale(host_scale) != 0:
+        raise TypeError("set_scale: host_scale is not callable")
 
 
 def record_reader():

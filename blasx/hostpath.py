@@ -206,8 +206,8 @@ def _gemm_lane(prefix: str, routine: str, convert: bool):
         k2, n = b.shape
         if trans_b:
             k2, n = n, k2
-        if not (k == k2 and m and n and k and (c is None or c.shape == (m, n))) or alpha == 0:
-            return None  # (alpha 0: the general path, as blasx.gemm's; _hostcall's HC_GEMM_ALPHA0)
+        if not (k == k2 and m and n and k and (c is None or c.shape == (m, n))):
+            return None
         in_place = False
         if c is not None:  # blasx.gemm checks c against a and b even when it copies c
             in_place = _in_place(c, dtype, overwrite_c, a, b, True)
@@ -217,6 +217,10 @@ def _gemm_lane(prefix: str, routine: str, convert: bool):
         if dev is None:
             return None
         t0 = clock()
+        if alpha == 0:  # never scipy's ?gemm (_hostcall's HC_GEMM_ALPHA0): C = beta C, a and b unread
+            res = level3.host_scale(beta, c, in_place, (m, n), dtype)
+            last.stats = (dev, t0, end_clock(), dtype, 0.0)
+            return res
         res = native(alpha, a, b, beta if c is not None else 0.0, c, trans_a, trans_b, in_place)
         last.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k)
         return res

@@ -213,11 +213,9 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
     operands allow it (scipy would copy a C-ordered operand first), for a call that passed every
     check by construction (see gemm). None when the shapes do not fit or a dimension is 0 (the
     general path raises, or makes BLAS's quick return), or when c is not one :func:`_c_mode`
-    takes; None for alpha 0 too: BLAS reads neither a nor b then, but some OpenBLAS builds do (a
-    NaN leaked in; _hostcall's HC_GEMM_ALPHA0), so the general path's plan (C = beta C) runs it.
-    scipy's ?gemm does not read c when beta is 0."""
-    if alpha == 0:
-        return None
+    takes. Alpha 0 is never handed to scipy's ?gemm: BLAS reads neither a nor b then, but some
+    OpenBLAS builds do (a NaN leaked in; _hostcall's HC_GEMM_ALPHA0), so :func:`host_scale` makes
+    C = beta C here, as the general path's plan would. scipy's ?gemm does not read c when beta is 0."""
     sa, sb = a.shape, b.shape
     m, k = (sa[1], sa[0]) if trans_a else sa
     kb, n = (sb[1], sb[0]) if trans_b else sb
@@ -231,11 +229,16 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
         mode = _c_mode(c, overwrite_c, a, b, fa.owndata and fb.owndata)
         if mode is None:
             return None
-        if mode == _C_IN_PLACE_T:  # C^T = op(B)^T op(A)^T, written into the F-ordered c.T
-            swapped = _SWAPPED_OPS[dtype.kind == "c"]
-            if trans_a not in swapped or trans_b not in swapped:
-                return None  # (op C transposed is conj without transpose: no BLAS form)
-            a, b, fa, fb, trans_a, trans_b = b, a, fb, fa, swapped[trans_b], swapped[trans_a]
+    if alpha == 0:
+        t0 = clock()
+        out = host_scale(beta, None if mode == _C_NONE else c, mode in (_C_IN_PLACE, _C_IN_PLACE_T), (m, n), dtype)
+        _tls.stats = (dev, t0, end_clock(), dtype, 0.0)  # (the general path's C = beta C records no flops)
+        return out
+    if mode == _C_IN_PLACE_T:  # C^T = op(B)^T op(A)^T, written into the F-ordered c.T
+        swapped = _SWAPPED_OPS[dtype.kind == "c"]
+        if trans_a not in swapped or trans_b not in swapped:
+            return None  # (op C transposed is conj without transpose: no BLAS form)
+        a, b, fa, fb, trans_a, trans_b = b, a, fb, fa, swapped[trans_b], swapped[trans_a]
     # a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (op C of x would be
     # conj without transpose of x.T: no BLAS form)
     if trans_a != OP_C and fa.c_contiguous and not fa.f_contiguous:
@@ -252,6 +255,23 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
             out = c
     _tls.stats = (dev, t0, end_clock(), dtype, 2.0 * m * n * k)
     return out
+
+
+def host_scale(beta, c, in_place: bool, shape: tuple, dtype):
+    """C = beta C of an alpha-0 gemm on the host, A and B unread: in c itself (``in_place``: c is of
+    ``dtype``, writable, C- or F-contiguous) and c returned, else a new F-ordered array of ``shape``
+    (zeros without c). beta 0: c is not read, so its NaNs do not leak in (BLAS)."""
+    if in_place:
+        numpy_kernels.scale_views(c, dtype.type(beta))
+        return c
+    if c is None or beta == 0:
+        return np.zeros(shape, dtype=dtype, order="F")
+    out = np.array(c, dtype=dtype, order="F")
+    out *= dtype.type(beta)
+    return out
+
+
+_hostcall.set_scale(host_scale)  # the C entry points' alpha-0 gemms
 
 
 # How _host_gemm writes c: no c; into a new array (scipy copies c); in place into the F-ordered c;

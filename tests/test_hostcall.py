@@ -485,16 +485,17 @@ def test_level3_lists_keep_aliases_and_errors(rand):
 
 # ---------------------------------------------------------------- keyword calls in C (issue 5's fourth pass)
 
-def _in_c(fn):
-    """fn()'s result, asserting that no blasx Python function ran in it: the C entry point took the
-    call whole (where the library is built)."""
+def _in_c(fn, allow=()):
+    """fn()'s result, asserting that no blasx Python function ran in it, but those named in ``allow``
+    (what the C code calls itself: host_scale for an alpha-0 gemm): the C entry point took the call
+    (where the library is built)."""
     if _hostcall.kind() != "c":
         return fn()
     ran = []
     mark = os.sep + "blasx" + os.sep
 
     def prof(frame, event, arg):
-        if event == "call" and mark in frame.f_code.co_filename:
+        if event == "call" and mark in frame.f_code.co_filename and frame.f_code.co_name not in allow:
             ran.append(frame.f_code.co_name)
 
     sys.setprofile(prof)
@@ -504,6 +505,9 @@ def _in_c(fn):
         sys.setprofile(None)
     assert not ran, f"blasx's Python ran: {ran}"
     return res
+
+
+ALPHA0 = ("host_scale",)  # what the C entry points call for an alpha-0 gemm (C = beta C)
 
 
 def _py(f):
@@ -556,10 +560,11 @@ def test_gemm_with_c_in_c(dtype, rand, rel_err, tol, gemm_alpha0_reads):
                 return f(alpha, a, b, beta, c, ta, tb, ow)
             return f(alpha, a, b, c=c, beta=beta, overwrite_c=ow, trans_b=tb, trans_a=ta)
 
-        # (alpha 0: never the host's ?gemm, some OpenBLAS builds read a and b then: the general path)
-        in_c = alpha != 0 and (not ow or lc == "F" or (lc == "C" and not (cplx and 2 in (ta, tb))))
+        # (alpha 0: never the host's ?gemm, some OpenBLAS builds read a and b then: C = beta C, where
+        # no transposed product is needed)
+        in_c = not ow or lc == "F" or (lc == "C" and (alpha == 0 or not (cplx and 2 in (ta, tb))))
         x1, x2 = args(), args()
-        got = _in_c(lambda: call(blasx.gemm, x1)) if in_c else call(blasx.gemm, x1)
+        got = _in_c(lambda: call(blasx.gemm, x1), ALPHA0 if alpha == 0 else ()) if in_c else call(blasx.gemm, x1)
         prof = _profile()
         ref = call(_py(blasx.gemm), x2)
         assert prof == _profile()
@@ -645,15 +650,15 @@ def test_level3_second_lane_in_c(prefix, routine, rand, gemm_alpha0_reads):
                          {k: v.copy(order="A") if isinstance(v, np.ndarray) else v for k, v in kw.items()})
         for fn in fns:
             a1, k1 = fresh()
-            general = routine == "gemm" and label.startswith("alpha 0")  # (as in test_gemm_with_c_in_c)
-            got = fn(*a1, **k1) if general else _in_c(lambda: fn(*a1, **k1))
+            alpha0_gemm = routine == "gemm" and label.startswith("alpha 0")  # (C = beta C, no ?gemm)
+            got = _in_c(lambda: fn(*a1, **k1), ALPHA0 if alpha0_gemm else ())
             prof = _profile()
             a2, k2 = fresh()
             ref = _py(fn)(*a2, **k2)
             assert prof == _profile(), label
             a3, k3 = fresh()
             want = sp(*a3, **k3)
-            if not (general and gemm_alpha0_reads(dt)):  # (a ?gemm that reads a, b at alpha 0: not BLAS's)
+            if not (alpha0_gemm and gemm_alpha0_reads(dt)):  # (a ?gemm that reads a, b at alpha 0: not BLAS's)
                 np.testing.assert_array_equal(got, want, label)
             np.testing.assert_array_equal(got, ref, label)
             assert got.dtype == np.dtype(dt), label
@@ -1130,10 +1135,15 @@ def test_c_record_after_fork(tmp_path):
 def test_gemm_never_hands_alpha_zero_to_the_host_gemm(rand, monkeypatch):
     """BLAS reads neither a nor b when alpha is 0, but some OpenBLAS builds' ?gemm multiply them
     (scipy's wheels on the GPU hosts: a NaN of a leaked into C). blasx.gemm's C entry point and its
-    Python host path hand an alpha-0 call to the general path (C = beta C) instead: here the host
-    ?gemm is a spy that fails on alpha 0, for every form both paths take."""
+    Python host path make C = beta C themselves (level3.host_scale), a host call of no flops, never
+    through the general path: here the host ?gemm is a spy that fails on alpha 0, and the general
+    path's gemm fails at once, for every form both paths take."""
     from blasx import level3
     seen = []
+
+    def general(*args, **kw):
+        raise AssertionError("an alpha-0 gemm took the general path")
+    monkeypatch.setattr(level3, "_run_gemm", general)
 
     def spy_of(real):
         def spy(*args, **kw):
@@ -1160,6 +1170,9 @@ def test_gemm_never_hands_alpha_zero_to_the_host_gemm(rand, monkeypatch):
                     kw2 = {k: v.copy(order="K") if isinstance(v, np.ndarray) else v for k, v in kw.items()}
                     got = f(alpha, x, y, **kw2)
                     np.testing.assert_array_equal(got, 0.5 * c0 if kw else np.zeros((6, 5)))
+                    assert (got is kw2.get("c")) == bool(kw.get("overwrite_c"))
+                    prof = blasx.last_profile()
+                    assert prof.records[0].kind == "host" and prof.totals()["flops"] == 0.0
         before = len(seen)
         f(1.5, np.asfortranarray(np.nan_to_num(a)), np.asfortranarray(np.nan_to_num(b)))
         assert len(seen) == before + 1  # the spy is the host ?gemm this entry calls
