@@ -1,19 +1,25 @@
 """Level-3 routines beside GEMM: blasx against cuBLAS-XT, in one process, on the same arrays.
 
     python -m bench.level3 --n 8192,16384 --dtypes d,s --gpus 2 --runs 3 --xt-block 8192 --out bench/results
+    python -m bench.level3 --n 16384,32768 --dtypes z,c --gpus 1 --runs 1 \\
+        --routines gemm,symm,hemm,syrk,herk,syr2k,her2k,trmm,trsm
 
-Single (s) and double (d) precision, F-ordered host arrays page-locked before timing (the
-"registered" case), alpha 1.5 / beta 0.5, upper triangle, no transpose, left side, non-unit
-diagonal. Every result is checked on a sample of rows spread over the matrix against a float64
-reference computed by numpy (for TRSM: the residual op(A) X - alpha B on those rows); the
-tolerance on the relative error is 1e-9 (d) or 1e-4 (s), times sqrt(N / 8192) above N = 8192.
-Rates use each routine's flop count (GEMM 2N^3, SYMM 2N^3, SYRK N^3, SYR2K 2N^3, TRMM N^3,
-TRSM N^3), so a routine at GEMM's rate means GEMM-like efficiency.
+Single (s), double (d), single complex (c) and double complex (z) precision, F-ordered host
+arrays page-locked before timing (the "registered" case), upper triangle, no transpose, left side,
+non-unit diagonal. alpha 1.5 / beta 0.5 for s and d; alpha 1.5-0.5j / beta 0.5+0.25j for c and z,
+except where BLAS takes real scalars: HERK (alpha 1.5, beta 0.5) and HER2K (beta 0.5). The
+Hermitian routines (HEMM, HERK, HER2K) exist for c and z only. Every result is checked on a
+sample of rows spread over the matrix against a float64 (complex128 for c and z) reference
+computed by numpy (for TRSM: the residual op(A) X - alpha B on those rows); the tolerance on the
+relative error is 1e-9 (d, z) or 1e-4 (s, c), times sqrt(N / 8192) above N = 8192. Rates use each
+routine's flop count (GEMM, SYMM, HEMM 2N^3, SYRK, HERK N^3, SYR2K, HER2K 2N^3, TRMM, TRSM N^3;
+x4 for complex types, whose multiply-add is 8 real flops against 2), so a routine at GEMM's rate
+means GEMM-like efficiency.
 
-The arrays of one (N, dtype) exist only while that case runs; float32 arrays are made from
-float64 random numbers cast chunk by chunk (never a full float64 copy). The pure pieces (argument
-parsing, array generation, the checks, the tables) are also used by ``bench.efficiency`` and
-``bench.cpu_worker``; CuPy and cuBLAS-XT are only touched inside :func:`main`'s run loop.
+The arrays of one (N, dtype) exist only while that case runs; float32 and complex arrays are made
+from float64 random numbers cast chunk by chunk (never a full float64 copy). The pure pieces
+(argument parsing, array generation, the checks, the tables) are also used by ``bench.efficiency``
+and ``bench.cpu_worker``; CuPy and cuBLAS-XT are only touched inside :func:`main`'s run loop.
 """
 
 from __future__ import annotations
@@ -41,25 +47,71 @@ from .cublasxt import CublasXt, _check, registered
 UPPER_XT, LEFT, NOTRANS, NONUNIT = 1, 0, 0, 0  # cuBLAS enums: FILL_MODE_UPPER = 1
 S, P, I = C.c_size_t, C.c_void_p, C.c_int
 
+
+class CuComplex(C.Structure):
+    """cuComplex (float2): how cuBLAS-XT reads a single complex scalar."""
+    _fields_ = [("x", C.c_float), ("y", C.c_float)]
+
+
+class CuDoubleComplex(C.Structure):
+    """cuDoubleComplex (double2): how cuBLAS-XT reads a double complex scalar."""
+    _fields_ = [("x", C.c_double), ("y", C.c_double)]
+
+
 #: dtype letter -> numpy dtype
-DTYPES = {"s": np.dtype(np.float32), "d": np.dtype(np.float64)}
-DTYPE_NAMES = {"s": "single", "d": "double"}
+DTYPES = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
+          "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
+DTYPE_NAMES = {"s": "single", "d": "double", "c": "single complex", "z": "double complex"}
+#: the dtypes that :func:`parse_dtypes` allows by default (bench.efficiency's --dtypes: real only)
+REAL_DTYPES = ("s", "d")
 #: relative-error tolerance of the checks at N <= 8192 (grows as sqrt(N / 8192) above)
-BASE_TOLERANCE = {"s": 1e-4, "d": 1e-9}
+BASE_TOLERANCE = {"s": 1e-4, "d": 1e-9, "c": 1e-4, "z": 1e-9}
 #: dtype letter -> ctypes type of the host scalars alpha and beta that cuBLAS-XT reads through pointers
-XT_SCALAR = {"s": C.c_float, "d": C.c_double}
-#: routine -> argtypes of cublasXt<S|D><routine> (the S and D layouts are the same; alpha/beta are pointers)
+XT_SCALAR = {"s": C.c_float, "d": C.c_double, "c": CuComplex, "z": CuDoubleComplex}
+#: dtype letter -> ctypes type of a real scalar of its precision (HERK's alpha and beta, HER2K's beta)
+XT_REAL = {"s": C.c_float, "d": C.c_double, "c": C.c_float, "z": C.c_double}
+#: routine -> the dtype letters it exists for (cublasXt<letter><routine>, blasx.<letter><routine>)
+ROUTINE_DTYPES = {"gemm": "sdcz", "symm": "sdcz", "hemm": "cz", "syrk": "sdcz", "herk": "cz",
+                  "syr2k": "sdcz", "her2k": "cz", "trmm": "sdcz", "trsm": "sdcz"}
+#: routine -> argtypes of cublasXt<S|D|C|Z><routine> (alpha/beta are pointers, so one layout per
+#: routine: HEMM's is SYMM's, HERK's SYRK's, HER2K's SYR2K's; only the scalars' types differ)
 XT_ARGTYPES = {
     "gemm": [P, I, I, S, S, S, P, P, S, P, S, P, P, S],
     "symm": [P, I, I, S, S, P, P, S, P, S, P, P, S],
+    "hemm": [P, I, I, S, S, P, P, S, P, S, P, P, S],
     "syrk": [P, I, I, S, S, P, P, S, P, P, S],
+    "herk": [P, I, I, S, S, P, P, S, P, P, S],
     "syr2k": [P, I, I, S, S, P, P, S, P, S, P, P, S],
+    "her2k": [P, I, I, S, S, P, P, S, P, S, P, P, S],
     "trmm": [P, I, I, I, I, S, S, P, P, S, P, S, P, S],
     "trsm": [P, I, I, I, I, S, S, P, P, S, P, S],
 }
+#: routine -> the routine whose cuBLAS-XT argument order it shares
+XT_LAYOUT = {"hemm": "symm", "herk": "syrk", "her2k": "syr2k"}
 ALPHA, BETA = 1.5, 0.5
-FLOPS = {"gemm": 2, "symm": 2, "syrk": 1, "syr2k": 2, "trmm": 1, "trsm": 1}  # x N^3
-ROUTINES = tuple(FLOPS)
+COMPLEX_ALPHA, COMPLEX_BETA = 1.5 - 0.5j, 0.5 + 0.25j
+#: dtype letter -> (alpha, beta) of its routines
+SCALARS = {"s": (ALPHA, BETA), "d": (ALPHA, BETA), "c": (COMPLEX_ALPHA, COMPLEX_BETA),
+           "z": (COMPLEX_ALPHA, COMPLEX_BETA)}
+#: routine -> (alpha is real, beta is real) where BLAS takes real scalars whatever the dtype
+REAL_SCALARS = {"herk": (True, True), "her2k": (False, True)}
+FLOPS = {"gemm": 2, "symm": 2, "hemm": 2, "syrk": 1, "herk": 1, "syr2k": 2, "her2k": 2,
+         "trmm": 1, "trsm": 1}  # real flops x N^3
+#: dtype letter -> real flops per flop of FLOPS (a complex multiply-add is 8 real flops, a real one 2)
+FLOP_FACTOR = {"s": 1, "d": 1, "c": 4, "z": 4}
+#: every routine, in table order
+ALL_ROUTINES = tuple(ROUTINE_DTYPES)
+#: the routines of every dtype (the default --routines for s and d)
+ROUTINES = tuple(r for r in ALL_ROUTINES if ROUTINE_DTYPES[r] == "sdcz")
+#: the complex-only ones (HEMM, HERK, HER2K)
+HERMITIAN = tuple(r for r in ALL_ROUTINES if r not in ROUTINES)
+#: the routines that update C (out starts as C0); the others (TRMM, TRSM) start from B
+C_ROUTINES = ("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k")
+#: the routines that write only the upper triangle of C (checked there only)
+UPPER_ONLY = ("syrk", "herk", "syr2k", "her2k")
+#: routine -> blasx's operands before alpha (the C routines; TRMM/TRSM take (A, B) in place)
+BLASX_OPERANDS = {"gemm": ("A", "B"), "symm": ("A", "B"), "hemm": ("A", "B"), "syrk": ("A",), "herk": ("A",),
+                  "syr2k": ("A", "B"), "her2k": ("A", "B")}
 #: sampled rows per check
 CHECK_ROWS = 64
 #: column chunk of generation and copies (fixed, so that the random numbers do not depend on threads)
@@ -74,14 +126,21 @@ class ArgError(argparse.ArgumentTypeError, ValueError):
 # --------------------------------------------------------------------------- arguments
 
 
-def parse_dtypes(text: str, option: str = "--dtypes") -> list[str]:
-    """'d,s' -> ['d', 's'] (order kept, duplicates dropped)."""
+def parse_dtypes(text: str, option: str = "--dtypes", allowed=REAL_DTYPES) -> list[str]:
+    """'d,s' -> ['d', 's'] (order kept, duplicates dropped), each letter one of `allowed`. The
+    default is s and d, the dtypes of bench.efficiency (which takes this parser); bench.level3's
+    own --dtypes allows c and z too (:func:`parse_level3_dtypes`)."""
     values = [x.strip().lower() for x in str(text).split(",") if x.strip()]
-    bad = [v for v in values if v not in DTYPES]
+    bad = [v for v in values if v not in allowed]
     if not values or bad:
-        raise ArgError(f"{option}: got {text!r}; allowed: a comma list of {', '.join(DTYPES)} "
-                       f"(s = float32, d = float64)")
+        raise ArgError(f"{option}: got {text!r}; allowed: a comma list of {', '.join(allowed)} "
+                       f"({', '.join(f'{d} = {DTYPES[d].name}' for d in allowed)})")
     return list(dict.fromkeys(values))
+
+
+def parse_level3_dtypes(text: str) -> list[str]:
+    """bench.level3's --dtypes: 'z,c' -> ['z', 'c'], any of s, d, c, z."""
+    return parse_dtypes(text, "--dtypes", tuple(DTYPES))
 
 
 def parse_positive_list(text: str, option: str) -> list[int]:
@@ -95,12 +154,41 @@ def parse_positive_list(text: str, option: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def _only_for(routines) -> str:
+    """'hemm, herk: c, z only' for the routines of some dtypes only ('' if none)."""
+    groups: dict[str, list[str]] = {}
+    for r in routines:
+        if ROUTINE_DTYPES[r] != "".join(DTYPES):
+            groups.setdefault(ROUTINE_DTYPES[r], []).append(r)
+    return "; ".join(f"{', '.join(rs)}: {', '.join(ds)} only" for ds, rs in groups.items())
+
+
 def parse_routines(text: str) -> list[str]:
     values = [x.strip().lower() for x in str(text).split(",") if x.strip()]
     bad = [v for v in values if v not in FLOPS]
     if not values or bad:
-        raise ArgError(f"--routines: got {text!r}; allowed: a comma list of {', '.join(ROUTINES)}")
+        raise ArgError(f"--routines: got {text!r}; allowed: a comma list of {', '.join(ALL_ROUTINES)} "
+                       f"({_only_for(ALL_ROUTINES)})")
     return list(dict.fromkeys(values))
+
+
+def routines_for(dtype: str, routines) -> list[str]:
+    """The routines of `routines` that exist for `dtype` (order kept): 'd' drops hemm, herk, her2k."""
+    return [r for r in routines if dtype in ROUTINE_DTYPES[r]]
+
+
+def resolve_routines(routines, dtypes) -> list[str]:
+    """--routines against --dtypes. None (the default) -> every routine of at least one selected
+    dtype, in table order (s, d: the six of every dtype; with c or z also hemm, herk, her2k).
+    A list keeps its order; a routine of no selected dtype (hemm with --dtypes d,s) is an error."""
+    if routines is None:
+        return [r for r in ALL_ROUTINES if any(routines_for(d, [r]) for d in dtypes)]
+    orphans = [r for r in routines if not any(routines_for(d, [r]) for d in dtypes)]
+    if orphans:
+        raise ArgError(f"--routines: got {','.join(routines)!r}; {_only_for(orphans)}, and --dtypes is "
+                       f"{','.join(dtypes)!r}: add one of those dtypes to --dtypes or drop "
+                       f"{', '.join(orphans)} from --routines")
+    return list(routines)
 
 
 def positive_int(option: str):
@@ -119,13 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.level3", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=lambda t: parse_positive_list(t, "--n"), default=[8192, 16384],
                    help="comma list of N (default 8192,16384)")
-    p.add_argument("--dtypes", type=parse_dtypes, default=["d", "s"],
-                   help="comma list of s,d (default d,s)")
+    p.add_argument("--dtypes", type=parse_level3_dtypes, default=["d", "s"],
+                   help="comma list of s,d,c,z (float32, float64, complex64, complex128; default d,s)")
     p.add_argument("--gpus", type=positive_int("--gpus"), default=2, help="GPU count (devices 0..count-1)")
     p.add_argument("--runs", type=positive_int("--runs"), default=3, help="timed runs per routine and contender")
     p.add_argument("--xt-block", type=positive_int("--xt-block"), default=8192, help="cuBLAS-XT block dim")
-    p.add_argument("--routines", type=parse_routines, default=list(ROUTINES),
-                   help=f"comma list of {','.join(ROUTINES)} (default all)")
+    p.add_argument("--routines", type=parse_routines, default=None,
+                   help=f"comma list of {','.join(ALL_ROUTINES)}. Each dtype runs those that exist for it: "
+                        f"{','.join(HERMITIAN)} for c and z only (with --dtypes d,z they run for z alone); one "
+                        f"that exists for no selected dtype is an error. Default: every routine of a selected "
+                        f"dtype ({','.join(ROUTINES)} for s and d; for c and z the Hermitian ones too)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrays and of the run order")
     p.add_argument("--devices", default=None,
                    help="blasx device spec (default cuda:0,..,gpus-1); cuBLAS-XT still needs the GPUs (the CPU "
@@ -138,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        args.routines = resolve_routines(args.routines, args.dtypes)
+    except ArgError as e:
+        p.error(str(e))
+    return args
 
 
 # --------------------------------------------------------------------------- arrays
@@ -170,7 +267,9 @@ def random_matrix(rows: int, cols: int, dtype, seed, scale: float = 1.0, threads
     """F-ordered standard normal matrix (times `scale`) in `dtype`, drawn in float64 by column
     chunks on a thread pool. Chunk j uses the generator seeded with (*seed, j), so the values do
     not depend on the thread count, and a float32 matrix holds the same draws as the float64 one
-    of the same seed, rounded: there is never a full-size float64 temporary."""
+    of the same seed, rounded: there is never a full-size float64 temporary. A complex matrix
+    draws its real parts, then its imaginary parts, from each chunk's generator (both standard
+    normal: never zero; complex64 holds complex128's draws rounded)."""
     dtype = np.dtype(dtype)
     seed = [int(x) for x in seed] if isinstance(seed, (list, tuple)) else [int(seed)]
     out = np.empty((rows, cols), dtype=dtype, order="F")
@@ -179,16 +278,17 @@ def random_matrix(rows: int, cols: int, dtype, seed, scale: float = 1.0, threads
         index, (j0, j1) = chunk
         rng = np.random.default_rng([*seed, index])
         block = out[:, j0:j1]
-        if dtype == np.float64:
-            rng.standard_normal(out=block)
-            if scale != 1.0:
-                block *= scale
-        else:
-            tmp = np.empty((rows, j1 - j0), order="F")  # same memory order as the float64 fill
-            rng.standard_normal(out=tmp)
-            if scale != 1.0:
-                tmp *= scale
-            block[...] = tmp
+        for part in (block.real, block.imag) if np.iscomplexobj(block) else (block,):
+            if part.dtype == np.float64 and part.flags.f_contiguous:
+                rng.standard_normal(out=part)
+                if scale != 1.0:
+                    part *= scale
+            else:
+                tmp = np.empty((rows, j1 - j0), order="F")  # same memory order as the float64 fill
+                rng.standard_normal(out=tmp)
+                if scale != 1.0:
+                    tmp *= scale
+                part[...] = tmp
 
     _parallel(fill, enumerate(_column_chunks(cols)), threads)
     return out
@@ -215,18 +315,24 @@ def sample_rows(n: int, count: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
     return np.sort(np.concatenate([[0, n - 1], inner])).astype(np.intp)
 
 
+def wide(dtype) -> np.dtype:
+    """The dtype of the references of `dtype`'s results: float64 (s, d) or complex128 (c, z)."""
+    return np.promote_types(dtype, np.float64)
+
+
 def rows64(x: np.ndarray, rows) -> np.ndarray:
-    """x[rows] in float64."""
-    return np.asarray(x[rows], dtype=np.float64)
+    """x[rows] in float64 (complex128 for a complex x)."""
+    return np.asarray(x[rows], dtype=wide(x.dtype))
 
 
 def _cast64(block: np.ndarray, threads: int | None = None) -> np.ndarray:
-    """block in float64: itself if it is float64, else a copy in its own memory order, made by
-    slabs on a thread pool (a chunk of a multi-GiB float32 matrix)."""
-    if block.dtype == np.float64:
+    """block in float64 (complex128 if complex): itself if it is so already, else a copy in its own
+    memory order, made by slabs on a thread pool (a chunk of a multi-GiB float32 matrix)."""
+    target = wide(block.dtype)
+    if block.dtype == target:
         return block
     f_order = block.flags.f_contiguous or (not block.flags.c_contiguous and block.strides[0] <= block.strides[1])
-    buf = np.empty(block.shape, dtype=np.float64, order="F" if f_order else "C")
+    buf = np.empty(block.shape, dtype=target, order="F" if f_order else "C")
     along = 1 if f_order else 0            # slabs along the axis that is outer in memory
     size = block.shape[along]
     step = max(1, -(-size // (2 * _threads())))
@@ -240,15 +346,23 @@ def _cast64(block: np.ndarray, threads: int | None = None) -> np.ndarray:
 
 
 def rows_times(left64: np.ndarray, right: np.ndarray, width: int | None = None) -> np.ndarray:
-    """left64 @ right in float64, `right` (any dtype, any strides, e.g. a transposed view) cast by
-    column chunks so that no full-size float64 copy of it is made."""
+    """left64 @ right in float64 (complex128 if either is complex), `right` (any dtype, any
+    strides, e.g. a transposed view) cast by column chunks of at most 256 MiB so that no full-size
+    copy of it is made."""
     n = right.shape[1]
-    width = width or max(1, (1 << 25) // max(1, right.shape[0]))
-    out = np.empty((left64.shape[0], n), dtype=np.float64)
+    dtype = np.promote_types(wide(left64.dtype), wide(right.dtype))
+    width = width or max(1, (1 << 28) // (dtype.itemsize * max(1, right.shape[0])))
+    out = np.empty((left64.shape[0], n), dtype=dtype)
     for j0 in range(0, n, width):
         j1 = min(n, j0 + width)
         np.matmul(left64, _cast64(right[:, j0:j1]), out=out[:, j0:j1])
     return out
+
+
+def rows_times_h(left64: np.ndarray, right: np.ndarray, width: int | None = None) -> np.ndarray:
+    """left64 @ right^H (conjugate transpose) in float64 / complex128, as conj(conj(left64) @ right^T):
+    no conjugated copy of `right` is made."""
+    return np.conj(rows_times(np.conj(left64), right.T, width))
 
 
 def _upper_mask(rows, n: int) -> np.ndarray:
@@ -256,49 +370,70 @@ def _upper_mask(rows, n: int) -> np.ndarray:
     return np.arange(n)[None, :] >= np.asarray(rows)[:, None]
 
 
-def symmetric_rows(a: np.ndarray, rows) -> np.ndarray:
-    """Rows of the symmetric matrix whose upper triangle is a's, in float64, without forming it."""
+def _real_diagonal(x: np.ndarray, rows) -> np.ndarray:
+    """x (the rows `rows` of a square matrix) with the imaginary part of its diagonal entries
+    x[i, rows[i]] dropped, in place; x returned."""
+    if np.iscomplexobj(x):
+        i, r = np.arange(len(rows)), np.asarray(rows)
+        x[i, r] = x[i, r].real
+    return x
+
+
+def symmetric_rows(a: np.ndarray, rows, hermitian: bool = False) -> np.ndarray:
+    """Rows of the symmetric (`hermitian`: Hermitian) matrix whose upper triangle is a's, in float64
+    (complex128), without forming it: below the diagonal a's transposed (conjugated) upper part;
+    a Hermitian matrix's diagonal is the real part of a's (BLAS does not read its imaginary part)."""
     mask = _upper_mask(rows, a.shape[1])
-    return np.where(mask, rows64(a, rows), np.asarray(a[:, rows], dtype=np.float64).T)
+    lower = np.asarray(a[:, rows], dtype=wide(a.dtype)).T
+    full = np.where(mask, rows64(a, rows), np.conj(lower) if hermitian else lower)
+    return _real_diagonal(full, rows) if hermitian else full
 
 
 def triu_rows(a: np.ndarray, rows) -> np.ndarray:
-    """Rows of triu(a) in float64."""
+    """Rows of triu(a) in float64 (complex128)."""
     return np.where(_upper_mask(rows, a.shape[1]), rows64(a, rows), 0.0)
 
 
 def rel_err(got, ref) -> float:
-    got = np.asarray(got, dtype=np.float64)
+    got = np.asarray(got)
+    got = np.asarray(got, dtype=wide(got.dtype))
     den = float(np.linalg.norm(ref))
     num = float(np.linalg.norm(got - ref))
     return num / den if den > 0 else num
 
 
 def reference(routine, A, B, C0, alpha, beta, rows) -> np.ndarray:
-    """What `check` compares with, on the sampled rows, in float64: the routine's result (C
-    routines, TRMM), or alpha B[rows] (TRSM, checked by its residual). It depends on the inputs
-    only, so a case computes it once for all its runs and contenders."""
+    """What `check` compares with, on the sampled rows, in float64 (complex128 for complex
+    arrays): the routine's result (C routines, TRMM), or alpha B[rows] (TRSM, checked by its
+    residual). HEMM reads A's upper triangle as a Hermitian matrix (the diagonal's imaginary part
+    ignored); HERK / HER2K give a real diagonal (BLAS sets its imaginary part to 0). It depends
+    on the inputs only, so a case computes it once for all its runs and contenders."""
     r = np.asarray(rows)
     if routine == "gemm":
         return alpha * rows_times(rows64(A, r), B) + beta * rows64(C0, r)
-    if routine == "symm":
-        return alpha * rows_times(symmetric_rows(A, r), B) + beta * rows64(C0, r)
+    if routine in ("symm", "hemm"):
+        return alpha * rows_times(symmetric_rows(A, r, routine == "hemm"), B) + beta * rows64(C0, r)
     if routine == "syrk":
         return alpha * rows_times(rows64(A, r), A.T) + beta * rows64(C0, r)
+    if routine == "herk":
+        return _real_diagonal(alpha * rows_times_h(rows64(A, r), A) + beta * rows64(C0, r), r)
     if routine == "syr2k":
         return alpha * (rows_times(rows64(A, r), B.T) + rows_times(rows64(B, r), A.T)) + beta * rows64(C0, r)
+    if routine == "her2k":
+        return _real_diagonal(alpha * rows_times_h(rows64(A, r), B) + np.conj(alpha) * rows_times_h(rows64(B, r), A)
+                              + beta * rows64(C0, r), r)
     if routine == "trmm":
         return alpha * rows_times(triu_rows(A, r), B)
     if routine == "trsm":
         return alpha * rows64(B, r)
-    raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(ROUTINES)}")
+    raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(ALL_ROUTINES)}")
 
 
 def compare(routine, A, out, rows, ref) -> float:
     """Relative error (float64) of the result `out` on `rows` against reference(...); NaN if the
-    rows hold NaN. SYRK/SYR2K: upper triangle only. TRSM: the residual triu(A) X - alpha B."""
+    rows hold NaN. SYRK/HERK/SYR2K/HER2K: upper triangle only. TRSM: the residual triu(A) X - alpha B."""
     r = np.asarray(rows)
-    if routine in ("syrk", "syr2k"):
+    if routine in UPPER_ONLY:
         mask = _upper_mask(r, A.shape[0])  # only the upper triangle is defined
         return rel_err(rows64(out, r)[mask], ref[mask])
     if routine == "trsm":
@@ -313,7 +448,8 @@ def check(routine, A, B, C0, out, alpha, beta, rows) -> float:
 
 
 def make_arrays(n: int, dtype: str, seed: int = 0):
-    """A (scaled, diagonal + 4: well conditioned for TRSM), B, C0 (pristine C) and out, F-ordered."""
+    """A (scaled, diagonal + 4: well conditioned for TRSM), B, C0 (pristine C) and out, F-ordered
+    (complex types: standard normal real and imaginary parts, the diagonal's real part + 4)."""
     dt_ = DTYPES[dtype]
     A = random_matrix(n, n, dt_, [seed, n, 0], scale=1.0 / math.sqrt(n))
     A[np.diag_indices(n)] += 4.0
@@ -327,36 +463,69 @@ def make_arrays(n: int, dtype: str, seed: int = 0):
 
 
 def xt_symbol(dtype: str, routine: str) -> str:
-    """'s', 'gemm' -> 'cublasXtSgemm'."""
+    """'s', 'gemm' -> 'cublasXtSgemm'; 'z', 'her2k' -> 'cublasXtZher2k' (HEMM, HERK, HER2K: c and z only)."""
     if dtype not in XT_SCALAR:
         raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(XT_SCALAR)}")
     if routine not in XT_ARGTYPES:
         raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(XT_ARGTYPES)}")
+    if dtype not in ROUTINE_DTYPES[routine]:
+        raise ValueError(f"routine: got {routine!r} for dtype {dtype!r}; {routine} exists for dtypes "
+                         f"{', '.join(ROUTINE_DTYPES[routine])} only")
     return f"cublasXt{dtype.upper()}{routine}"
 
 
-def xt_scalars(dtype: str, alpha: float, beta: float):
-    """alpha and beta as host scalars of the routine's precision (cuBLAS-XT reads them through
-    pointers: a double where a float is expected would be read as garbage)."""
-    ctype = XT_SCALAR[dtype]
-    return ctype(alpha), ctype(beta)
+def scalars(dtype: str, routine: str) -> tuple:
+    """(alpha, beta) of `routine` in `dtype`: SCALARS[dtype], with the real part only where BLAS
+    takes a real scalar (HERK's alpha and beta, HER2K's beta)."""
+    alpha, beta = SCALARS[dtype]
+    real_alpha, real_beta = REAL_SCALARS.get(routine, (False, False))
+    return (alpha.real if real_alpha else alpha), (beta.real if real_beta else beta)
+
+
+def xt_scalar_types(dtype: str, routine: str = "gemm") -> tuple:
+    """The ctypes types of the scalars that cublasXt<dtype><routine> reads through its alpha and
+    beta pointers: the dtype's own (float, double, cuComplex, cuDoubleComplex), or its real type
+    where BLAS takes a real scalar (HERK: both; HER2K: beta)."""
+    real_alpha, real_beta = REAL_SCALARS.get(routine, (False, False))
+    return (XT_REAL if real_alpha else XT_SCALAR)[dtype], (XT_REAL if real_beta else XT_SCALAR)[dtype]
+
+
+def _xt_value(ctype, value, what: str, dtype: str, routine: str):
+    """value as a `ctype` host scalar: a complex struct gets (real, imaginary); a real type refuses
+    a value with an imaginary part."""
+    z = complex(value)
+    if issubclass(ctype, C.Structure):
+        return ctype(z.real, z.imag)
+    if z.imag != 0:
+        raise ValueError(f"{what}: got {value!r}; allowed: a real value for {dtype}{routine} "
+                         f"(cuBLAS-XT reads a {ctype.__name__} there)")
+    return ctype(z.real)
+
+
+def xt_scalars(dtype: str, alpha, beta, routine: str = "gemm"):
+    """alpha and beta as host scalars of the routine's precision and kind (cuBLAS-XT reads them
+    through pointers: a double where a float is expected, or a real where a complex is, would be
+    read as garbage)."""
+    ta, tb = xt_scalar_types(dtype, routine)
+    return _xt_value(ta, alpha, "alpha", dtype, routine), _xt_value(tb, beta, "beta", dtype, routine)
 
 
 def xt_args(routine: str, n: int, ra: int, pa: int, pb: int, rb: int, pc: int) -> tuple:
     """The cuBLAS-XT arguments after the handle (ra, rb: addresses of alpha, beta)."""
-    if routine == "gemm":
+    layout = XT_LAYOUT.get(routine, routine)  # hemm as symm, herk as syrk, her2k as syr2k
+    if layout == "gemm":
         return NOTRANS, NOTRANS, n, n, n, ra, pa, n, pb, n, rb, pc, n
-    if routine == "symm":
+    if layout == "symm":
         return LEFT, UPPER_XT, n, n, ra, pa, n, pb, n, rb, pc, n
-    if routine == "syrk":
+    if layout == "syrk":
         return UPPER_XT, NOTRANS, n, n, ra, pa, n, rb, pc, n
-    if routine == "syr2k":
+    if layout == "syr2k":
         return UPPER_XT, NOTRANS, n, n, ra, pa, n, pb, n, rb, pc, n
-    if routine == "trmm":  # out-of-place: C = alpha A B
+    if layout == "trmm":  # out-of-place: C = alpha A B
         return LEFT, UPPER_XT, NOTRANS, NONUNIT, n, n, ra, pa, n, pb, n, pc, n
-    if routine == "trsm":  # in place on out (= B)
+    if layout == "trsm":  # in place on out (= B)
         return LEFT, UPPER_XT, NOTRANS, NONUNIT, n, n, ra, pa, n, pc, n
-    raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(ROUTINES)}")
+    raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(ALL_ROUTINES)}")
 
 
 def _xt_call(xt, name, routine, *args):
@@ -366,14 +535,14 @@ def _xt_call(xt, name, routine, *args):
 
 
 def run_xt(xt, dtype, routine, n, A, B, C0, out, alpha, beta):
-    al, be = xt_scalars(dtype, alpha, beta)  # kept alive in this frame during the call
+    al, be = xt_scalars(dtype, alpha, beta, routine)  # kept alive in this frame during the call
     args = xt_args(routine, n, C.addressof(al), A.ctypes.data, B.ctypes.data, C.addressof(be), out.ctypes.data)
     _xt_call(xt, xt_symbol(dtype, routine), routine, *args)
 
 
 def blasx_routine(blasx, dtype: str, routine: str):
-    """blasx.<dtype><routine> (scipy names); GEMM falls back to the generic blasx.gemm, which
-    keeps the operands' dtype, where the package has no prefixed gemm."""
+    """blasx.<dtype><routine> (scipy names: dsyrk, zherk, ...); GEMM falls back to the generic
+    blasx.gemm, which keeps the operands' dtype, where the package has no prefixed gemm."""
     fn = getattr(blasx, dtype + routine, None)
     if fn is None and routine == "gemm":
         fn = blasx.gemm
@@ -383,10 +552,12 @@ def blasx_routine(blasx, dtype: str, routine: str):
 
 
 def run_blasx(blasx, dtype, routine, n, A, B, C0, out, alpha, beta):
+    """One blasx call, scipy's signature: the C routines update `out` in place (HERK / HER2K with
+    trans 0, their real scalars as given), TRMM / TRSM overwrite `out` (= B)."""
     fn = blasx_routine(blasx, dtype, routine)
-    if routine in ("gemm", "symm", "syrk", "syr2k"):
-        args = {"gemm": (A, B), "symm": (A, B), "syrk": (A,), "syr2k": (A, B)}[routine]
-        fn(alpha, *args, beta=beta, c=out, overwrite_c=True)
+    if routine in BLASX_OPERANDS:
+        operands = {"A": A, "B": B}
+        fn(alpha, *(operands[x] for x in BLASX_OPERANDS[routine]), beta=beta, c=out, overwrite_c=True)
     else:
         fn(alpha, A, out, overwrite_b=True)
 
@@ -446,18 +617,49 @@ def dtype_words(dtypes) -> str:
     return ", ".join(f"{DTYPE_NAMES[d]} ({d})" for d in dtypes)
 
 
+def _scalar_text(v) -> str:
+    return f"{v:g}"
+
+
+def scalar_words(dtypes) -> str:
+    """'alpha 1.5, beta 0.5' for s and d; with c or z: each group of dtypes with its scalars, and
+    the Hermitian routines' real ones ('herk: alpha 1.5, beta 0.5; her2k: beta 0.5')."""
+    groups: dict = {}
+    for d in dtypes:
+        groups.setdefault(SCALARS[d], []).append(d)
+    parts = []
+    for (alpha, beta), ds in groups.items():
+        text = f"alpha {_scalar_text(alpha)}, beta {_scalar_text(beta)}"
+        real = [f"{r}: " + ", ".join(f"{w} {_scalar_text(v)}" for w, v, flag in
+                                     zip(("alpha", "beta"), scalars(ds[0], r), REAL_SCALARS[r]) if flag)
+                for r in REAL_SCALARS if any(d in ROUTINE_DTYPES[r] for d in ds)]
+        notes = ([", ".join(ds)] if len(groups) > 1 else []) + real
+        parts.append(text + (f" ({'; '.join(notes)})" if notes else ""))
+    return "; ".join(parts)
+
+
+def scalar_table(dtypes, routines) -> dict:
+    """{dtype: {routine: [alpha, beta]}} of the routines run, for the JSON (a complex value as
+    [real, imaginary])."""
+    def js(v):
+        return [v.real, v.imag] if isinstance(v, complex) else v
+    return {d: {r: [js(v) for v in scalars(d, r)] for r in routines_for(d, routines)} for d in dtypes}
+
+
 def format_markdown(report: dict) -> str:
     dtypes = report["dtypes"]
     tol = ", ".join(f"{BASE_TOLERANCE[d]:g} ({d})" for d in dtypes)
+    ref = "float64" + (" / complex128" if any(DTYPES[d].kind == "c" for d in dtypes) else "")
     return (f"# Level-3 routines: blasx vs cuBLAS-XT ({report['tag']}, {report['date']} UTC), "
             f"dtypes: {dtype_words(dtypes)}\n\n"
             f"```\n{report['command']}\n```\n\n"
             f"Machine: {report.get('machine', '?')}\n\n"
             f"Best of {report['runs']} shuffled runs after one warm-up each; {dtype_words(dtypes)} "
-            f"precision, registered host arrays, upper / no transpose / left / non-unit, alpha "
-            f"{report['alpha']:g}, beta {report['beta']:g}, blasx tile "
+            f"precision, registered host arrays, upper / no transpose / left / non-unit, "
+            f"{scalar_words(dtypes)}, blasx tile "
             f"{report.get('tile') or 'chosen per call'}. Checked on {CHECK_ROWS} sampled rows "
-            f"against float64 numpy; tolerance on the relative error {tol} x max(1, sqrt(N/8192)).\n\n"
+            f"against {ref} numpy; tolerance on the relative error {tol} x max(1, sqrt(N/8192)). "
+            f"TFLOPS count real flops (complex: 4x the real routine's).\n\n"
             f"{report['table']}\n"
             + ("\n## Failures\n\n" + "".join(f"- {x}\n" for x in report["failures"]) if report.get("failures") else ""))
 
@@ -552,9 +754,9 @@ def run_case(blasx, xt, args, n: int, dtype: str, A, B, C0, out, results: list) 
     """The warm-ups, then the shuffled timed runs, of every routine and contender on one
     (N, dtype). A call that raises is recorded as a failure and its (contender, routine) is not
     run again in this case."""
-    alpha, beta = ALPHA, BETA
     rows = sample_rows(n, CHECK_ROWS, args.seed)
-    order = [(who, rt, k) for rt in args.routines for who in ("blasx", "cublasxt") for k in range(args.runs + 1)]
+    routines = routines_for(dtype, args.routines)  # d: no hemm, herk, her2k
+    order = [(who, rt, k) for rt in routines for who in ("blasx", "cublasxt") for k in range(args.runs + 1)]
     random.Random(f"{args.seed}:{n}:{dtype}").shuffle(order)
     order.sort(key=lambda x: x[2] > 0)  # warm-ups first, then the shuffled timed runs
     failed: set = set()
@@ -562,7 +764,8 @@ def run_case(blasx, xt, args, n: int, dtype: str, A, B, C0, out, results: list) 
     for who, rt, k in order:
         if (who, rt) in failed:
             continue
-        parallel_copy(out, C0 if rt in ("gemm", "symm", "syrk", "syr2k") else B)  # untimed reset
+        alpha, beta = scalars(dtype, rt)
+        parallel_copy(out, C0 if rt in C_ROUTINES else B)  # untimed reset
         t = time.perf_counter()
         try:
             if who == "blasx":
@@ -583,7 +786,7 @@ def run_case(blasx, xt, args, n: int, dtype: str, A, B, C0, out, results: list) 
             refs[rt] = reference(rt, A, B, C0, alpha, beta, rows)
         err = compare(rt, A, out, rows, refs[rt])
         ok = bool(err <= tolerance(dtype, n))
-        tf = FLOPS[rt] * n**3 / t / 1e12
+        tf = FLOPS[rt] * FLOP_FACTOR[dtype] * n**3 / t / 1e12
         print(f"   {who:<8} {dtype}{rt:<6} run {k}: {t:.4f} s {tf:7.2f} TFLOPS err {err:.1e} "
               f"{'ok' if ok else 'WRONG'}", flush=True)
         results.append({"who": who, "routine": rt, "dtype": dtype, "n": n, "run": k, "seconds": t,
@@ -634,6 +837,8 @@ def main(argv=None):
         data = {**{k: v for k, v in report.items() if k != "table"},
                 "argv": sys.argv[1:] if argv is None else list(argv), "routines": args.routines, "n": args.n,
                 "xt_block": args.xt_block, "gpus": args.gpus, "devices": devices,
+                "scalars": scalar_table(args.dtypes, args.routines),
+                "flop_factor": {d: FLOP_FACTOR[d] for d in args.dtypes},
                 "tolerance": {d: BASE_TOLERANCE[d] for d in args.dtypes}, "registration": registration,
                 "results": results}
         paths = write_json_md(base, data, format_markdown(report))

@@ -430,8 +430,9 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
 }
 
 /* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; hc_alpha0 makes C = beta C
-   through level3.host_scale instead, as the Python function's host path does. BLAS says A and B are then not read, but some OpenBLAS builds
-   (scipy's wheels on the GPU hosts, 2026-11-23) still multiply them: a NaN in A or B leaked into C. */
+   through level3.host_scale instead, as the Python function's host path does. BLAS says A and B are
+   then not read, but some OpenBLAS builds (scipy's wheels on the GPU hosts, 2026-11-23) still
+   multiply them: a NaN in A or B leaked into C. */
 
 /* alpha's truth value (PyObject_IsTrue; a float's inline: a call through the PLT costs more) */
 static inline int hc_truth(PyObject *x) {

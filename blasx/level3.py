@@ -266,7 +266,9 @@ def host_scale(beta, c, in_place: bool, shape: tuple, dtype):
         return c
     if c is None or beta == 0:
         return np.zeros(shape, dtype=dtype, order="F")
-    out = np.array(c, dtype=dtype, order="F")
+    if c.dtype is dtype:  # one ufunc call makes the F-ordered product (beta of c's type: no promotion)
+        return np.multiply(c, dtype.type(beta), order="F")
+    out = np.array(c, dtype=dtype, order="F")  # (c of another BLAS type: converted, as scipy converts it)
     out *= dtype.type(beta)
     return out
 

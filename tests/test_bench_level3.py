@@ -31,7 +31,10 @@ def test_defaults_and_dtypes():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--dtypes", "d,z"], ["--dtypes", "'d,z'", "s, d"]),
+    (["--dtypes", "d,q"], ["--dtypes", "'d,q'", "s, d, c, z", "complex128"]),
+    (["--routines", "gemm,hemm", "--dtypes", "d,s"], ["--routines", "'gemm,hemm'", "hemm: c, z only", "'d,s'"]),
+    (["--routines", "herk,her2k,trsm"],
+     ["--routines", "'herk,her2k,trsm'", "herk, her2k: c, z only", "--dtypes is 'd,s'"]),
     (["--dtypes", ""], ["--dtypes", "''"]),
     (["--n", "0"], ["--n", "'0'", "positive"]),
     (["--routines", "gemm,gemv"], ["--routines", "'gemm,gemv'", "trsm"]),
@@ -49,6 +52,36 @@ def test_bad_options_name_parameter_value_and_allowed(argv, words, capsys):
 def test_parse_dtypes_raises_value_error_outside_argparse():
     with pytest.raises(ValueError, match=r"--dtypes: got 'q'; allowed: a comma list of s, d"):
         L.parse_dtypes("q")
+
+
+def test_complex_dtypes_and_default_routines_per_dtype():
+    assert L.ALL_ROUTINES == ("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm")
+    assert L.ROUTINES == ("gemm", "symm", "syrk", "syr2k", "trmm", "trsm") and L.HERMITIAN == ("hemm", "herk", "her2k")
+    args = L.parse_args(["--dtypes", "z,c"])
+    assert args.dtypes == ["z", "c"] and args.routines == list(L.ALL_ROUTINES)   # default: + the Hermitian ones
+    assert L.parse_args(["--dtypes", "d,z"]).routines == list(L.ALL_ROUTINES)
+    assert L.parse_args(["--dtypes", "s"]).routines == list(L.ROUTINES)          # as before for real dtypes
+    args = L.parse_args(["--n", "16384,32768", "--dtypes", "z,c", "--gpus", "1", "--runs", "1",
+                         "--routines", "gemm,symm,hemm,syrk,herk,syr2k,her2k,trmm,trsm"])
+    assert args.routines == list(L.ALL_ROUTINES) and args.gpus == 1 and args.n == [16384, 32768]
+    args = L.parse_args(["--dtypes", "d,z", "--routines", "herk,gemm"])          # mixed: herk for z only
+    assert args.routines == ["herk", "gemm"]
+    assert L.routines_for("d", args.routines) == ["gemm"] and L.routines_for("z", args.routines) == ["herk", "gemm"]
+
+
+def test_dtype_and_routine_errors_outside_argparse():
+    # parse_dtypes' default stays s, d: bench.efficiency's --dtypes takes it as is
+    with pytest.raises(ValueError,
+                       match=r"--dtypes: got 'z'; allowed: a comma list of s, d \(s = float32, d = float64\)"):
+        L.parse_dtypes("z")
+    assert L.parse_level3_dtypes("Z, c,z") == ["z", "c"]
+    with pytest.raises(ValueError, match=r"--dtypes: got 'x'; allowed: a comma list of s, d, c, z \(.*c = complex64, "
+                                         r"z = complex128\)"):
+        L.parse_level3_dtypes("x")
+    with pytest.raises(ValueError, match=r"--routines: got 'gemv'; allowed: .*hemm, herk, her2k: c, z only"):
+        L.parse_routines("gemv")
+    with pytest.raises(ValueError, match=r"--routines: got 'hemm,gemm'; hemm: c, z only, and --dtypes is 's'"):
+        L.resolve_routines(["hemm", "gemm"], ["s"])
 
 
 # --------------------------------------------------------------------------- arrays
@@ -98,18 +131,57 @@ def test_symmetric_and_triangular_rows():
     assert np.array_equal(L.triu_rows(a, rows), np.triu(a)[rows])
 
 
+def test_random_matrix_complex_parts_and_make_arrays():
+    z = L.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5)
+    c = L.random_matrix(30, 600, np.complex64, [1, 2], scale=0.5)
+    assert z.flags.f_contiguous and c.flags.f_contiguous and c.dtype == np.complex64
+    assert np.array_equal(z.astype(np.complex64), c)
+    assert np.array_equal(z.real, L.random_matrix(30, 600, np.float64, [1, 2], scale=0.5))  # real parts: the d draws
+    assert np.all(z.imag != 0) and 0.45 < z.imag.std() < 0.55 and not np.array_equal(z.real, z.imag)
+    assert np.array_equal(z, L.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5, threads=1))
+    for d in "zc":
+        A, B, C0, out = L.make_arrays(40, d, seed=3)
+        assert all(x.dtype == L.DTYPES[d] and x.flags.f_contiguous for x in (A, B, C0, out))
+        assert np.all(np.diag(A).real > 3) and all(np.all(x.real != 0) and np.all(x.imag != 0) for x in (A, B, C0))
+
+
+def test_complex_rows_times_and_hermitian_rows():
+    rng = np.random.default_rng(2)
+    b = np.asfortranarray((rng.standard_normal((70, 50)) + 1j * rng.standard_normal((70, 50))).astype(np.complex64))
+    left = rng.standard_normal((5, 50)) + 1j * rng.standard_normal((5, 50))
+    b128 = b.astype(np.complex128)
+    got = L.rows_times(left, b.T, width=9)
+    assert got.dtype == np.complex128
+    np.testing.assert_allclose(got, left @ b128.T, rtol=1e-12)
+    np.testing.assert_allclose(L.rows_times_h(left, b, width=7), left @ b128.conj().T, rtol=1e-12)
+    assert L.rows_times(rng.standard_normal((2, 70)), b).dtype == np.complex128
+    a = rng.standard_normal((9, 9)) + 1j * rng.standard_normal((9, 9))
+    rows = [0, 4, 8]
+    her = np.triu(a, 1) + np.triu(a, 1).conj().T + np.diag(np.diag(a).real)
+    assert np.array_equal(L.symmetric_rows(a, rows, hermitian=True), her[rows])
+    assert np.array_equal(L.symmetric_rows(a, rows), (np.triu(a) + np.triu(a, 1).T)[rows])   # csymm: no conjugate
+
+
 # --------------------------------------------------------------------------- checks
 
 def numpy_result(routine, A, B, C0, alpha, beta):
-    """A correct result of each routine, in the arrays' dtype."""
-    A64, B64, C64 = (x.astype(np.float64) for x in (A, B, C0))
+    """A correct result of each routine, in the arrays' dtype, from full matrices (float64 or
+    complex128): HEMM's Hermitian matrix from A's upper triangle and the real part of its diagonal;
+    HERK / HER2K with a real diagonal."""
+    A64, B64, C64 = (x.astype(np.promote_types(x.dtype, np.float64)) for x in (A, B, C0))
     U = np.triu(A64)
+    H = np.triu(A64, 1) + np.triu(A64, 1).conj().T + np.diag(np.diag(A64).real)
     res = {"gemm": lambda: alpha * A64 @ B64 + beta * C64,
            "symm": lambda: alpha * (U + np.triu(A64, 1).T) @ B64 + beta * C64,
+           "hemm": lambda: alpha * H @ B64 + beta * C64,
            "syrk": lambda: alpha * A64 @ A64.T + beta * C64,
+           "herk": lambda: alpha * A64 @ A64.conj().T + beta * C64,
            "syr2k": lambda: alpha * (A64 @ B64.T + B64 @ A64.T) + beta * C64,
+           "her2k": lambda: alpha * A64 @ B64.conj().T + np.conj(alpha) * B64 @ A64.conj().T + beta * C64,
            "trmm": lambda: alpha * U @ B64,
            "trsm": lambda: np.linalg.solve(U, alpha * B64)}[routine]()
+    if routine in ("herk", "her2k"):
+        res[np.diag_indices(len(res))] = np.diag(res).real
     return np.asfortranarray(res.astype(A.dtype))
 
 
@@ -132,6 +204,78 @@ def test_check_accepts_right_and_catches_wrong(routine, dtype):
     assert not L.check(routine, A, B, C0, wrong, 1.5, 0.5, rows) <= L.tolerance(dtype, n)
 
 
+@pytest.mark.parametrize("dtype", ["z", "c"])
+@pytest.mark.parametrize("routine", L.ALL_ROUTINES)
+def test_check_complex_accepts_right_and_catches_wrong(routine, dtype):
+    n = 40
+    A, B, C0, _ = L.make_arrays(n, dtype, seed=1)
+    rows = L.sample_rows(n, 8)
+    alpha, beta = L.scalars(dtype, routine)
+    out = numpy_result(routine, A, B, C0, alpha, beta)
+    err = L.check(routine, A, B, C0, out, alpha, beta, rows)
+    assert err < (1e-13 if dtype == "z" else 1e-5) and err <= L.tolerance(dtype, n)
+    wrong = out.copy(order="F")
+    i = rows[2]
+    wrong[i, min(n - 1, i + 1)] += 0.05j * np.abs(out[i]).max() * 40   # an imaginary error, upper triangle
+    assert L.check(routine, A, B, C0, wrong, alpha, beta, rows) > L.tolerance(dtype, n)
+    wrong[...] = out
+    wrong[i, :] = np.nan
+    assert not L.check(routine, A, B, C0, wrong, alpha, beta, rows) <= L.tolerance(dtype, n)
+
+
+def test_complex_references_equal_numpy_on_every_row():
+    """reference() against the full numpy computation, all rows, complex128: what each routine reads
+    (the upper triangle; HEMM: no imaginary diagonal) and writes (HERK / HER2K: a real diagonal)."""
+    n = 24
+    A, B, C0, _ = L.make_arrays(n, "z", seed=5)
+    rows = np.arange(n)
+    for rt in L.ALL_ROUTINES:
+        alpha, beta = L.scalars("z", rt)
+        ref = L.reference(rt, A, B, C0, alpha, beta, rows)
+        want = alpha * B if rt == "trsm" else numpy_result(rt, A, B, C0, alpha, beta)
+        np.testing.assert_allclose(ref, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=rt)
+    A2 = A.copy(order="F")
+    A2[np.diag_indices(n)] += 3j        # HEMM does not read the imaginary part of A's diagonal ...
+    al, be = L.scalars("z", "hemm")
+    assert np.array_equal(L.reference("hemm", A2, B, C0, al, be, rows), L.reference("hemm", A, B, C0, al, be, rows))
+    assert not np.allclose(L.reference("symm", A2, B, C0, al, be, rows),   # ... CSYMM/ZSYMM do
+                           L.reference("symm", A, B, C0, al, be, rows))
+
+
+def test_complex_checks_tell_the_hermitian_routines_from_their_symmetric_twins():
+    n = 40
+    A, B, C0, _ = L.make_arrays(n, "z", seed=4)
+    rows = L.sample_rows(n, 10)
+    tol = L.tolerance("z", n)
+    for her, sym in (("hemm", "symm"), ("herk", "syrk"), ("her2k", "syr2k")):
+        al, be = L.scalars("z", her)
+        assert L.check(her, A, B, C0, numpy_result(sym, A, B, C0, al, be), al, be, rows) > tol, her
+        al, be = L.scalars("z", sym)
+        assert L.check(sym, A, B, C0, numpy_result(her, A, B, C0, al, be), al, be, rows) > tol, sym
+    for rt in ("herk", "her2k"):   # a diagonal left with beta * Im(C0) fails
+        al, be = L.scalars("z", rt)
+        out = numpy_result(rt, A, B, C0, al, be)
+        out[np.diag_indices(n)] += 1j * be * np.diag(C0).imag
+        assert L.check(rt, A, B, C0, out, al, be, rows) > tol, rt
+    al, be = L.scalars("z", "her2k")   # alpha for conj(alpha) in the second term fails
+    A64 = A.astype(np.complex128)
+    bad = al * (A64 @ B.conj().T + B @ A64.conj().T) + be * C0
+    bad[np.diag_indices(n)] = np.diag(bad).real
+    assert L.check("her2k", A, B, C0, np.asfortranarray(bad), al, be, rows) > tol
+
+
+def test_scalars_per_dtype_and_routine():
+    assert L.scalars("d", "gemm") == (1.5, 0.5) and L.scalars("s", "syrk") == (1.5, 0.5)
+    assert L.scalars("z", "gemm") == (1.5 - 0.5j, 0.5 + 0.25j) == L.scalars("c", "trsm")
+    assert L.scalars("z", "hemm") == (1.5 - 0.5j, 0.5 + 0.25j)
+    al, be = L.scalars("c", "herk")
+    assert (al, be) == (1.5, 0.5) and type(al) is float and type(be) is float        # BLAS: real alpha, beta
+    al, be = L.scalars("z", "her2k")
+    assert al == 1.5 - 0.5j and be == 0.5 and type(be) is float                      # real beta
+    assert L.FLOP_FACTOR == {"s": 1, "d": 1, "c": 4, "z": 4}
+    assert {r: L.FLOPS[r] for r in L.HERMITIAN} == {"hemm": 2, "herk": 1, "her2k": 2}
+
+
 def test_tolerance_per_dtype():
     assert L.tolerance("d", 4096) == 1e-9 and L.tolerance("s", 8192) == 1e-4
     assert L.tolerance("s", 32768) == pytest.approx(2e-4)
@@ -150,6 +294,20 @@ def test_blasx_routines_on_sim_pass_the_check(dtype):
         assert out.dtype == L.DTYPES[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["z", "c"])
+def test_blasx_complex_routines_on_sim_pass_the_check(dtype):
+    blasx.configure(devices="sim:2", tile=16)
+    n = 48
+    A, B, C0, out = L.make_arrays(n, dtype, seed=2)
+    rows = L.sample_rows(n, 12)
+    for rt in L.ALL_ROUTINES:
+        alpha, beta = L.scalars(dtype, rt)
+        L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
+        L.run_blasx(blasx, dtype, rt, n, A, B, C0, out, alpha, beta)
+        assert L.check(rt, A, B, C0, out, alpha, beta, rows) <= L.tolerance(dtype, n), rt
+        assert out.dtype == L.DTYPES[dtype]
+
+
 # --------------------------------------------------------------------------- cuBLAS-XT table
 
 def test_xt_symbols_scalars_and_argument_counts():
@@ -163,10 +321,86 @@ def test_xt_symbols_scalars_and_argument_counts():
         assert len(args) + 1 == len(L.XT_ARGTYPES[rt]), rt  # + the handle
         assert args.count(7) >= 3 and 105 in args and 101 in args
         assert (104 in args) == (rt not in ("trmm", "trsm"))  # beta only where the routine has one
-    with pytest.raises(ValueError, match="dtype: got 'z'"):
-        L.xt_symbol("z", "gemm")
+    with pytest.raises(ValueError, match="dtype: got 'q'"):
+        L.xt_symbol("q", "gemm")
     with pytest.raises(ValueError, match="routine: got 'gemv'"):
         L.xt_symbol("d", "gemv")
+
+
+#: cublasXt.h: each level-3 entry point's parameters (the handle first); HEMM's are SYMM's, HERK's SYRK's,
+#: HER2K's SYR2K's
+XT_HEADER = {
+    "gemm": "handle transa transb m n k alpha A lda B ldb beta C ldc",
+    "symm": "handle side uplo m n alpha A lda B ldb beta C ldc",
+    "hemm": "handle side uplo m n alpha A lda B ldb beta C ldc",
+    "syrk": "handle uplo trans n k alpha A lda beta C ldc",
+    "herk": "handle uplo trans n k alpha A lda beta C ldc",
+    "syr2k": "handle uplo trans n k alpha A lda B ldb beta C ldc",
+    "her2k": "handle uplo trans n k alpha A lda B ldb beta C ldc",
+    "trmm": "handle side uplo trans diag m n alpha A lda B ldb C ldc",
+    "trsm": "handle side uplo trans diag m n alpha A lda B ldb",
+}
+#: the scalars cublasXt.h declares real (const float* / const double*) in the C and Z routines
+XT_HEADER_REAL = {"herk": ("alpha", "beta"), "her2k": ("beta",)}
+XT_ENUMS = {"transa", "transb", "trans", "side", "uplo", "diag"}   # cublas*_t enums: int
+XT_SIZES = {"m", "n", "k", "lda", "ldb", "ldc"}                    # size_t
+
+
+def header_argtypes(routine):
+    return [ctypes.c_int if p in XT_ENUMS else ctypes.c_size_t if p in XT_SIZES else ctypes.c_void_p
+            for p in XT_HEADER[routine].split()]
+
+
+def header_scalar_type(dtype, routine, which):
+    """(precision, is complex) of the scalar `which` of cublasXt<dtype><routine>."""
+    prec = ctypes.c_float if dtype in "sc" else ctypes.c_double
+    return prec, dtype in "cz" and which not in XT_HEADER_REAL.get(routine, ())
+
+
+def read_scalar(dtype, routine, which, address):
+    prec, cplx = header_scalar_type(dtype, routine, which)
+    vals = (prec * (2 if cplx else 1)).from_address(address)
+    return complex(vals[0], vals[1]) if cplx else vals[0]
+
+
+def test_xt_table_of_every_dtype_and_routine():
+    names = {L.xt_symbol(d, rt) for rt in L.ALL_ROUTINES for d in L.ROUTINE_DTYPES[rt]}
+    assert {x for x in names if x[8] in "CZ" and x[9:] in L.HERMITIAN} == {
+        "cublasXtChemm", "cublasXtCherk", "cublasXtCher2k", "cublasXtZhemm", "cublasXtZherk", "cublasXtZher2k"}
+    assert len(names) == 6 * 4 + 3 * 2
+    assert ctypes.sizeof(L.CuComplex) == 8 and ctypes.sizeof(L.CuDoubleComplex) == 16
+    for rt in L.ALL_ROUTINES:
+        assert L.XT_ARGTYPES[rt] == header_argtypes(rt), rt
+        params = XT_HEADER[rt].split()[1:]
+        args = L.xt_args(rt, 7, 101, 102, 103, 104, 105)
+        assert len(args) == len(params), rt
+        got = dict(zip(params, args))
+        assert got["alpha"] == 101 and got["A"] == 102 and got.get("beta", 104) == 104
+        assert (got["B"] == 105) if rt == "trsm" else (got.get("B", 103) == 103 and got["C"] == 105)
+        assert got.get("uplo") in (1, None) and all(got.get(p, 0) == 0 for p in ("side", "trans", "transa",
+                                                                                   "transb", "diag"))
+        assert all(v == 7 for p, v in got.items() if p in XT_SIZES)
+        for d in "sdcz":
+            if d not in L.ROUTINE_DTYPES[rt]:
+                with pytest.raises(ValueError,
+                                   match=f"routine: got '{rt}' for dtype '{d}'; {rt} exists for dtypes c, z"):
+                    L.xt_symbol(d, rt)
+                continue
+            assert L.xt_symbol(d, rt) == f"cublasXt{d.upper()}{rt}"
+            alpha, beta = L.scalars(d, rt)
+            scal = L.xt_scalars(d, alpha, beta, rt)
+            assert tuple(type(x) for x in scal) == L.xt_scalar_types(d, rt)
+            for which, value, obj in zip(("alpha", "beta"), (alpha, beta), scal):
+                prec, cplx = header_scalar_type(d, rt, which)
+                if cplx:
+                    assert isinstance(obj, ctypes.Structure) and [f[1] for f in obj._fields_] == [prec, prec]
+                else:
+                    assert type(obj) is prec
+                assert read_scalar(d, rt, which, ctypes.addressof(obj)) == value, (d, rt, which)
+    with pytest.raises(ValueError, match=r"alpha: got \(1.5-0.5j\); allowed: a real value for zherk"):
+        L.xt_scalars("z", 1.5 - 0.5j, 0.5, "herk")
+    with pytest.raises(ValueError, match=r"beta: got \(0.5\+0.25j\); allowed: a real value for cher2k"):
+        L.xt_scalars("c", 1.5 - 0.5j, 0.5 + 0.25j, "her2k")
 
 
 def test_blasx_routine_names():
@@ -268,6 +502,129 @@ def test_main_loop_on_sim_with_numpy_standins(tmp_path, monkeypatch, capsys):
     md = open(tmp_path / files[1]).read()
     assert "double (d), single (s)" in md.splitlines()[0]
     assert "| 40 | s | ssyr2k |" in md and "WRONG" not in md
+
+
+class FakeXtLib:
+    """cuBLAS-XT's level-3 entry points by numpy, on the host memory behind the pointers: a call
+    checks its argtypes and flags against cublasXt.h (XT_HEADER), reads alpha and beta as the
+    header's types, and writes C (B for TRSM; the upper triangle only for the rank-k updates)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if not name.startswith("cublasXt"):
+            raise AttributeError(name)
+        return FakeXtFn(self, name)
+
+
+class FakeXtFn:
+    def __init__(self, lib, name):
+        self.lib, self.name, self.argtypes, self.restype = lib, name, None, None
+
+    def __call__(self, handle, *args):
+        d, rt = self.name[8].lower(), self.name[9:]
+        assert handle == FakeXtSession._handle and d in L.ROUTINE_DTYPES[rt], self.name
+        assert self.argtypes == header_argtypes(rt) and self.restype is ctypes.c_int, self.name
+        v = dict(zip(XT_HEADER[rt].split()[1:], args, strict=True))
+        assert v.get("uplo", 1) == 1 and all(v.get(p, 0) == 0 for p in ("side", "trans", "transa", "transb", "diag"))
+        n = v["n"]
+        assert all(v[p] == n for p in XT_SIZES if p in v)
+        dtype = L.DTYPES[d]
+
+        def mat(p):
+            buf = (ctypes.c_char * (n * n * dtype.itemsize)).from_address(p)
+            return np.frombuffer(buf, dtype=dtype).reshape((n, n), order="F")
+
+        alpha = read_scalar(d, rt, "alpha", v["alpha"])
+        beta = read_scalar(d, rt, "beta", v["beta"]) if "beta" in v else 0.0
+        A = mat(v["A"])
+        B = mat(v["B"]) if "B" in v else A
+        if rt == "trsm":
+            B[...] = numpy_result("trsm", A, B, B, alpha, 0.0)
+        else:
+            C = mat(v["C"])
+            res = numpy_result(rt, A, B, C, alpha, beta)
+            if rt in ("syrk", "herk", "syr2k", "her2k"):
+                C[np.triu_indices(n)] = res[np.triu_indices(n)]
+            else:
+                C[...] = res
+        self.lib.calls.append(self.name)
+        return 0
+
+
+class FakeXtSession(FakeXt):
+    """What bench.cublasxt.CublasXt gives run_xt: _lib (here FakeXtLib) and _handle."""
+    _handle = 4242
+
+    def __init__(self, lib, gpus=(0,), block_dim=8192):
+        super().__init__(gpus, block_dim)
+        self._lib = lib
+
+
+@pytest.mark.parametrize("dtype", ["s", "d", "c", "z"])
+def test_run_xt_calls_every_routine_as_the_header_declares(dtype):
+    n = 24
+    lib = FakeXtLib()
+    xt = FakeXtSession(lib)
+    A, B, C0, out = L.make_arrays(n, dtype, seed=6)
+    rows = np.arange(n)
+    routines = L.routines_for(dtype, L.ALL_ROUTINES)
+    for rt in routines:
+        alpha, beta = L.scalars(dtype, rt)
+        L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
+        L.run_xt(xt, dtype, rt, n, A, B, C0, out, alpha, beta)
+        assert L.check(rt, A, B, C0, out, alpha, beta, rows) < (1e-13 if dtype in "dz" else 1e-5), rt
+    assert lib.calls == [f"cublasXt{dtype.upper()}{rt}" for rt in routines]
+
+
+def table_rows(md):
+    lines = [x for x in md.splitlines() if x.startswith("| ") and not x.startswith("| N ")]
+    return {x.split("|")[3].strip(): [c.strip() for c in x.split("|")[1:-1]] for x in lines[1:]}
+
+
+def test_main_loop_complex_on_sim_through_the_fake_library(tmp_path, monkeypatch):
+    lib = FakeXtLib()
+    monkeypatch.setattr(L, "CublasXt", lambda gpus, block_dim: FakeXtSession(lib, gpus, block_dim))
+    monkeypatch.setattr(L, "registered", fake_registered)
+    rc = L.main(["--n", "40", "--dtypes", "z,c", "--runs", "1", "--devices", "sim:2", "--out", str(tmp_path),
+                 "--tag", "cpu", "--routines", "gemm,symm,hemm,syrk,herk,syr2k,her2k,trmm,trsm"])
+    assert rc == 0
+    js, md_path = sorted(tmp_path.iterdir())
+    data = json.loads(js.read_text())
+    res = data["results"]
+    assert len(res) == 2 * 9 * 2 and all(r["ok"] for r in res)
+    assert {(r["dtype"], r["routine"]) for r in res} == {(d, rt) for d in "zc" for rt in L.ALL_ROUTINES}
+    assert sorted(lib.calls) == sorted(f"cublasXt{d}{rt}" for d in "ZC" for rt in L.ALL_ROUTINES for _ in range(2))
+    for r in res:   # complex rates: 4x the real flops
+        assert r["tflops"] == pytest.approx(4 * L.FLOPS[r["routine"]] * 40**3 / r["seconds"] / 1e12)
+    assert data["dtypes"] == ["z", "c"] and data["flop_factor"] == {"z": 4, "c": 4}
+    assert data["scalars"]["z"]["gemm"] == [[1.5, -0.5], [0.5, 0.25]]
+    assert data["scalars"]["c"]["herk"] == [1.5, 0.5] and data["scalars"]["z"]["her2k"] == [[1.5, -0.5], 0.5]
+    md = md_path.read_text()
+    assert "double complex (z), single complex (c)" in md.splitlines()[0]
+    assert "alpha 1.5-0.5j, beta 0.5+0.25j (herk: alpha 1.5, beta 0.5; her2k: beta 0.5)" in md
+    assert "1e-09 (z), 0.0001 (c)" in md and "complex128" in md and "WRONG" not in md
+    body = table_rows(md)
+    assert list(body) == [d + rt for d in "zc" for rt in L.ALL_ROUTINES]
+    assert all(row[5].endswith("x") and row[6] != "-" and row[7] == "ok" for row in body.values())
+    assert body["zgemm"][6] == "1.00" and body["cher2k"][1] == "c"
+
+
+def test_main_mixed_dtypes_run_the_hermitian_routines_for_complex_only(tmp_path, monkeypatch):
+    lib = FakeXtLib()
+    monkeypatch.setattr(L, "CublasXt", lambda gpus, block_dim: FakeXtSession(lib, gpus, block_dim))
+    monkeypatch.setattr(L, "registered", fake_registered)
+    rc = L.main(["--n", "32", "--dtypes", "d,z", "--runs", "1", "--devices", "sim:2", "--out", str(tmp_path),
+                 "--routines", "gemm,herk,trsm"])
+    assert rc == 0
+    data = json.loads(sorted(tmp_path.glob("*.json"))[0].read_text())
+    assert {(r["dtype"], r["routine"]) for r in data["results"]} == {
+        ("d", "gemm"), ("d", "trsm"), ("z", "gemm"), ("z", "herk"), ("z", "trsm")}
+    assert all(r["ok"] for r in data["results"]) and data["routines"] == ["gemm", "herk", "trsm"]
+    assert set(lib.calls) == {"cublasXtDgemm", "cublasXtDtrsm", "cublasXtZgemm", "cublasXtZherk", "cublasXtZtrsm"}
+    md = sorted(tmp_path.glob("*.md"))[0].read_text()
+    assert list(table_rows(md)) == ["dgemm", "dtrsm", "zgemm", "zherk", "ztrsm"]
 
 
 def test_main_records_a_failing_routine_and_goes_on(tmp_path, monkeypatch):
