@@ -216,8 +216,7 @@ def compare(ours, peer, rounds: int, target_s: float, noise: bool = True) -> dic
     With ``noise``, each round also times the peer a second time (an A/A pair, in one of the six orders
     of the three timings, in turn): ``noise`` is the median over the rounds of |peer again - peer|, how
     far apart two timings of the very same call next to each other in time typically are on this
-    machine, and ``aa`` the median of their signed difference (~0 when the orders are balanced). An
-    overhead (``paired``) within ``noise`` is one a user cannot tell from numpy's / scipy's own spread.
+    machine. An overhead (``paired``) within ``noise`` is one a user cannot tell from numpy's / scipy's own spread.
     """
     number = calibrate(peer, target_s)
     timers = (timeit.Timer(ours), timeit.Timer(peer), timeit.Timer(peer))
@@ -234,7 +233,6 @@ def compare(ours, peer, rounds: int, target_s: float, noise: bool = True) -> dic
            "paired": statistics.median(o - p for o, p in zip(t_ours, t_peer))}
     if noise:
         out["noise"] = statistics.median(abs(q - p) for q, p in zip(t_again, t_peer))
-        out["aa"] = statistics.median(q - p for q, p in zip(t_again, t_peer))
     return out
 
 

@@ -231,7 +231,7 @@ def _host_gemm(dev, alpha, a, b, beta, c, trans_a: int, trans_b: int, overwrite_
             return None
     if alpha == 0:
         t0 = clock()
-        out = host_scale(beta, None if mode == _C_NONE else c, mode in (_C_IN_PLACE, _C_IN_PLACE_T), (m, n), dtype)
+        out = host_scale(beta, c, mode in (_C_IN_PLACE, _C_IN_PLACE_T), (m, n), dtype)
         _tls.stats = (dev, t0, end_clock(), dtype, 0.0)  # (the general path's C = beta C records no flops)
         return out
     if mode == _C_IN_PLACE_T:  # C^T = op(B)^T op(A)^T, written into the F-ordered c.T
