@@ -20,7 +20,8 @@ a GPU's station), with G the live stream workers that can run ``c``:
    compute streams (what the GPUs can hold at once: the fair-share rule of
    ``Worker._leave_for_peer`` spreads such a call over the GPUs alone): never.
 4. **rates**: with ``r_cpu`` the CPU's rate and ``r_g`` each GPU's rate in the call's dtype
-   (flop/s, :class:`RateMeter`): a GPU of G whose rate is not known yet counts as fast as the
+   (flop/s, :class:`RateMeter`): a GPU's rate is known once it has finished as many tasks as it
+   has streams (one burst, below); a GPU of G whose rate is not known yet counts as fast as the
    fastest one known; if none is known, never (**gpu rate unknown**). If the CPU's rate is not
    known, the worker probes it once (``CpuDevice.probe``) and decides again; if it is still
    unknown, never (**cpu rate unknown**).
@@ -53,7 +54,11 @@ completion, or from the start of its first task after being idle, to its own com
 ratio of sums, not an average of per-task ratios: a GPU with ``2 * streams`` tasks in flight
 finishes them in bursts (the first after a long interval, the next ones a few microseconds
 apart), and only the sum over a burst is its throughput; 16 covers two bursts of 4-stream
-devices. (An exponentially weighted average of flops and of seconds, weight 0.25, was tried
+devices. A GPU's first sample alone reads low: its interval is shared by the tasks that ran
+interleaved with it, so with n streams it can read up to n times below the device's rate (a
+sim pair on a slow 2-core VM, tile 16: the CPU, probed at 1e5 flop/s, was admitted on that one
+sample in 2 of 6 first calls). So the rule uses a GPU's rate only once it has as many samples
+as the GPU has streams. (An exponentially weighted average of flops and of seconds, weight 0.25, was tried
 first: it weights the long interval that opens a burst more than the short ones that end it.
 Two sims modelled at 1e8 flop/s, tile 32, N = 256, whose steady state was 5.9 ms a task, i.e.
 0.89e8: after the first burst of 4 completions the window read 0.68e8 and 0.51e8, the average
@@ -253,7 +258,8 @@ class Admission:
         meter = self.meter
         args = (task.flops, len(call.tasks), call.has_deps,
                 sum(w.station.capacity + w.dev.nstreams for w in gpus))
-        gpu_rates = [meter.rate(w.idx, key) for w in gpus]
+        gpu_rates = [meter.rate(w.idx, key) if meter.samples.get((w.idx, key), 0) >= w.dev.nstreams else None
+                     for w in gpus]  # (one burst first: module docstring, "Measured rates")
         d = self._decide(args, meter.rate(cpu_worker.idx, key), gpu_rates, call)
         if d.reason == NO_CPU_RATE:
             flops, seconds = cpu_worker.dev.probe(call.dtype)

@@ -158,7 +158,9 @@ def test_admission_on_constructed_workers():
     task = call.tasks[0]
     assert not cpu._takes(task) and adm.last == A.Decision(False, A.NO_GPU_RATE)
     assert adm.meter.rate(2, "d") is None  # no probe while the GPUs' rate is unknown
-    adm.meter.seed(0, "d", 1024.0, 1.0)  # sim 0: 1024 flop/s; sim 1 unknown, counts as fast
+    adm.meter.seed(0, "d", 1024.0, 1.0)  # sim 0: one sample, fewer than its 2 streams: not known yet
+    assert not cpu._takes(task) and adm.last == A.Decision(False, A.NO_GPU_RATE)
+    adm.meter._add(0, "d", 1024.0, 1.0)  # a burst: sim 0 at 1024 flop/s; sim 1 unknown, counts as fast
     # The probe: 2^20 flops in 2^-10 s = 2^30 flop/s. cpu_s = 1.5 * 256 / 2^30; gpu_s = 35 * 256 / 2048.
     assert cpu._takes(task)
     assert adm.last == A.Decision(True, A.SOONER, 1.5 * 256 / 2.0 ** 30, 35 * 256 / 2048)
@@ -176,7 +178,7 @@ def test_admission_on_constructed_workers():
     # Every GPU dead: the CPU takes everything.
     s0.alive = s1.alive = False
     assert cpu._takes(task) and adm.last == A.Decision(True, A.ALONE)
-    assert adm.counts[A.SOONER] == 3 and adm.counts[A.LATER] == 1 and adm.counts[A.NO_GPU_RATE] == 1
+    assert adm.counts[A.SOONER] == 3 and adm.counts[A.LATER] == 1 and adm.counts[A.NO_GPU_RATE] == 2
     assert adm.counts[A.ALONE] == 1
 
 
