@@ -37,7 +37,7 @@ import timeit
 
 import numpy as np
 
-from .offload_threshold import add_blas_threads_option, blas_thread_limits
+from .offload_threshold import ORDERS, add_blas_threads_option, blas_thread_limits
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 DEFAULT_SIZES = (16, 32, 64, 128)
@@ -204,10 +204,6 @@ def calibrate(fn, target_s: float) -> int:
     """Calls per timing so that one timing takes about ``target_s``."""
     t = timeit.Timer(fn).timeit(10) / 10
     return max(1, int(target_s / max(t, 1e-9)))
-
-
-# the six orders of (ours, peer, peer again) in a round: each timing is first, second and last equally often
-ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
 
 
 def compare(ours, peer, rounds: int, target_s: float, noise: bool = True) -> dict:

@@ -20,7 +20,11 @@ above every size, and finite, so that the wrappers work out their size bound), i
 ``--target-ms``), and reports per call the best and median time of each side, their ratios, and
 the median of the per-round ratios ("paired": the two timings of a round are next to each other
 in time, so drift and one lucky timing matter least; the 5% verdict uses it).
-It checks that nothing was offloaded and that both sides give the same result.
+It checks that nothing was offloaded and that both sides give the same result. Each round also
+times the outside once more (the six orders of the three timings in turn, ``ORDERS``): ``noise``
+is the median over the rounds of |outside again / outside - 1|, how far apart two back-to-back
+timings of the very same numpy / scipy call typically are, and each row's verdict says whether
+offload's paired cost is within it ("noise"), above it ("SLOWER") or below minus it ("faster").
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ import timeit
 import numpy as np
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
+# the six orders of three timings in a round (ours, the peer, the peer again): each is first, second
+# and last equally often (also bench.cpu_overhead's)
+ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
 DEFAULT_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 OFFLOAD_SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -117,25 +124,26 @@ def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float
             if not np.array_equal(inside[name], outside[name]):
                 raise AssertionError(f"{name}, N={n}: the result inside offload differs from the one outside")
         number = {name: max(1, int(target_s / max(timeit.Timer(fn).timeit(3) / 3, 1e-9))) for name, fn in calls.items()}
-        times = {(name, side): [] for name in calls for side in ("out", "in")}
+        sides = ("in", "out", "again")  # "again": outside once more, the A/A pair of "out"
+        times = {(name, side): [] for name in calls for side in sides}
 
         def time_side(side):
             for name, fn in calls.items():
                 times[(name, side)].append(timeit.Timer(fn).timeit(number[name]) / number[name])
 
         for r in range(rounds):
-            for side in (("out", "in") if r % 2 == 0 else ("in", "out")):
+            for side in (sides[i] for i in ORDERS[r % len(ORDERS)]):
                 if side == "in":
                     with blasx.offload(threshold=threshold):
                         time_side("in")
                 else:
-                    time_side("out")
+                    time_side(side)
         after = off.offload_stats()
         moved = {k: after[k] - before[k] for k in ("matmul", "dot", "scipy")}
         if any(moved.values()):
             raise AssertionError(f"N={n}: calls below the threshold were offloaded: {moved}")
         for name in calls:
-            t_out, t_in = times[(name, "out")], times[(name, "in")]
+            t_out, t_in, t_again = times[(name, "out")], times[(name, "in")], times[(name, "again")]
             rows.append({"n": n, "call": name, "number": number[name],
                          "out_best": min(t_out), "out_med": statistics.median(t_out),
                          "in_best": min(t_in), "in_med": statistics.median(t_in),
@@ -143,24 +151,31 @@ def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float
                          "ratio_med": statistics.median(t_in) / statistics.median(t_out),
                          # each round's two timings are next to each other in time: the median of
                          # their ratios is the least sensitive to drift and to one lucky timing
-                         "ratio_pair": statistics.median(i / o for i, o in zip(t_in, t_out))})
+                         "ratio_pair": statistics.median(i / o for i, o in zip(t_in, t_out)),
+                         "noise": statistics.median(abs(g / o - 1.0) for g, o in zip(t_again, t_out))})
     return rows
+
+
+def verdict(ratio_pair: float, noise: float) -> str:
+    """'SLOWER' when the paired ratio exceeds 1 + noise, 'faster' when it is below 1 - noise, else 'noise'."""
+    return "SLOWER" if ratio_pair - 1.0 > noise else "faster" if 1.0 - ratio_pair > noise else "noise"
 
 
 def print_offload(rows: list[dict], dtype) -> None:
     print(f"\n{np.dtype(dtype).name} (per-call us; ratio = inside / outside):")
     print(f"{'N':>5} {'call':<12} {'out best':>9} {'out med':>9} {'in best':>9} {'in med':>9} "
-          f"{'ratio best':>10} {'ratio med':>9} {'paired':>7}")
+          f"{'ratio best':>10} {'ratio med':>9} {'paired':>7} {'noise':>6} {'verdict':>7}")
     for r in rows:
         print(f"{r['n']:>5} {r['call']:<12} {r['out_best'] * 1e6:>9.2f} {r['out_med'] * 1e6:>9.2f} "
               f"{r['in_best'] * 1e6:>9.2f} {r['in_med'] * 1e6:>9.2f} {r['ratio_best']:>10.3f} {r['ratio_med']:>9.3f} "
-              f"{r['ratio_pair']:>7.3f}")
+              f"{r['ratio_pair']:>7.3f} {r['noise']:>6.3f} {verdict(r['ratio_pair'], r['noise']):>7}")
     name = np.dtype(dtype).name
     worst_best = max(rows, key=lambda r: r["ratio_best"])
     worst = max(rows, key=lambda r: r["ratio_pair"])
     print(f"worst best-ratio ({name}): {worst_best['ratio_best']:.3f} ({worst_best['call']}, N={worst_best['n']}); "
           f"worst paired ratio: {worst['ratio_pair']:.3f} ({worst['call']}, N={worst['n']}); "
-          f"within 5% (paired): {'yes' if worst['ratio_pair'] <= 1.05 else 'NO'}")
+          f"within 5% (paired): {'yes' if worst['ratio_pair'] <= 1.05 else 'NO'}; "
+          f"beyond the noise: {sum(verdict(r['ratio_pair'], r['noise']) == 'SLOWER' for r in rows)} of {len(rows)}")
 
 
 def _offload_mode(args, sizes) -> int:

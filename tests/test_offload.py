@@ -495,7 +495,9 @@ def test_bench_offload_mode_runs(capsys):
     assert bench.main(["--offload", "--devices", "cpu", "--dtypes", "s,z", "--sizes", "8", "--rounds", "2",
                        "--target-ms", "0.2"]) == 0
     out = capsys.readouterr().out
-    for what in ("a @ b", "np.dot", "scipy sgemm", "scipy zgemm", "within 5%", "ratio best"):
+    for what in ("a @ b", "np.dot", "scipy sgemm", "scipy zgemm", "within 5%", "ratio best", "noise", "verdict",
+                 "beyond the noise"):
         assert what in out, what
     assert not O.offload_active()
+    assert [bench.verdict(x, 0.02) for x in (1.01, 0.99, 1.03, 0.97)] == ["noise", "noise", "SLOWER", "faster"]
 
