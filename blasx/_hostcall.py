@@ -12,7 +12,8 @@ N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` / ``gemm`` 0.0
 ``tensordot`` 0.08, the level-3 functions 0.07, with c / beta, converted arrays or matmul's
 keywords 0.07-0.12, alpha 0 0.13 against scipy's quick return; outputs written in place below
 scipy's call, which parses its keyword): two TSC stamps ~15 ns in all (rdtsc ~10 ns each, partly
-overlapped), the ``session.host_device`` look-up ~10-20 ns, the checks ~10-20 ns (the second lane's
+overlapped; 22 ns each on a GPU host's Xeon), the ``session.host_device`` look-up ~10-20 ns (on
+Python >= 3.12 a cached pointer that a dict watcher on the session's dict drops at any change), the checks ~10-20 ns (the second lane's
 ~50), the record ~5 ns (``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece
 taken out; bench/results/NOTES.md, "The C record of host calls" and "Seventh session").
 
@@ -378,9 +379,42 @@ static inline int hc_index(PyObject *descr) {
     return i;
 }
 
+#if PY_VERSION_HEX >= 0x030C0000
+/* Python >= 3.12: session.host_device cached, kept right by a dict watcher on the session's dict,
+   which runs before any change of that key (or of the whole dict) and drops the cache: the
+   borrowed pointer is only used while the dict still holds it. Without a free watcher (8 per
+   interpreter), the look-up every call. */
+static int hc_watcher = -1;
+static int hc_cached;                     /* hc_cache holds the dict's value (NULL: no such key) */
+static PyObject *hc_cache;                /* borrowed from hc_session */
+
+static int hc_session_changed(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *new_value) {
+    if (dict == hc_session && (key == NULL || key == s_host_device
+                               || (PyUnicode_Check(key) && PyUnicode_Compare(key, s_host_device) == 0)))
+        hc_cached = 0;
+    return 0;
+}
+
+static void hc_watch(PyObject *session_dict) {
+    hc_cached = 0;
+    if (hc_watcher < 0) hc_watcher = PyDict_AddWatcher(hc_session_changed);
+    if (hc_watcher < 0 || PyDict_Watch(hc_watcher, session_dict) < 0) { PyErr_Clear(); hc_watcher = -1; }
+}
+#endif
+
 /* session.host_device (a new reference), or NULL when the CPU is not the only device */
 static PyObject *hc_device(void) {
-    PyObject *d = PyDict_GetItemWithError(hc_session, s_host_device);
+    PyObject *d;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (hc_cached) d = hc_cache;
+    else {
+        d = PyDict_GetItemWithError(hc_session, s_host_device);
+        if (d == NULL && PyErr_Occurred()) { PyErr_Clear(); return NULL; }
+        if (hc_watcher >= 0) { hc_cache = d; hc_cached = 1; }
+    }
+#else
+    d = PyDict_GetItemWithError(hc_session, s_host_device);
+#endif
     if (d == NULL || d == Py_None) { PyErr_Clear(); return NULL; }
     Py_INCREF(d);
     return d;
@@ -1026,6 +1060,9 @@ int blasx_hc_init(PyObject *ndarray, PyObject *descrs, PyObject *session_dict, P
         Py_XSETREF(hc_descr[i], PyTuple_GET_ITEM(descrs, i));
     }
     Py_INCREF(session_dict); Py_XSETREF(hc_session, session_dict);
+#if PY_VERSION_HEX >= 0x030C0000
+    hc_watch(session_dict);
+#endif
     Py_INCREF(tls); Py_XSETREF(hc_tls, tls);
     Py_INCREF(clock); Py_XSETREF(hc_clock, clock);
     hc_native_clock = native_clock;

@@ -1017,6 +1017,65 @@ def test_record_with_clock_gettime_where_the_tsc_is_off(tmp_path):
     _child_prints_ok(code, tmp_path, BLASX_HOST_TSC="0")
 
 
+def _in_python(fn):
+    """fn()'s result, asserting that blasx's Python function ran (the C entry point declined)."""
+    ran = []
+    mark = os.sep + "blasx" + os.sep
+
+    def prof(frame, event, arg):
+        if event == "call" and mark in frame.f_code.co_filename:
+            ran.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        res = fn()
+    finally:
+        sys.setprofile(None)
+    assert ran, "no blasx Python function ran"
+    return res
+
+
+@pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points")
+def test_c_entry_points_see_every_change_of_the_host_device(rand):
+    """The C code reads session.host_device at every call (on Python >= 3.12 a cached pointer that a
+    dict watcher drops): set to None or to another device, by assignment or through the module
+    dict, restored, or replaced by a fresh engine, each change takes effect at the next call (None:
+    the Python function, which runs the general path on the engine and publishes the device again)."""
+    from blasx.runtime.devices.cpu import CpuDevice
+    a = rand((5, 5))
+    want = a @ a
+    dev = session.host_device
+    assert dev is not None
+    np.testing.assert_array_equal(_in_c(lambda: blasx.matmul(a, a)), want)
+    d = vars(session)
+    try:
+        for change, back in ((lambda: setattr(session, "host_device", None), lambda: setattr(session, "host_device", dev)),
+                             (lambda: d.update({"host_device": None}), lambda: d.__setitem__("host_device", dev))):
+            for _ in range(3):  # (the general path's engine() publishes the device again: change it each time)
+                change()
+                np.testing.assert_allclose(_in_python(lambda: blasx.matmul(a, a)), want, rtol=1e-13)
+            back()
+            for _ in range(3):
+                np.testing.assert_array_equal(_in_c(lambda: blasx.matmul(a, a)), want)
+                assert level3.last_record()[0] is dev
+        other = CpuDevice(0)
+        for put in (lambda x: setattr(session, "host_device", x), lambda x: d.update(host_device=x)):
+            put(other)
+            np.testing.assert_array_equal(_in_c(lambda: blasx.matmul(a, a)), want)
+            assert level3.last_record()[0] is other
+            put(dev)
+            np.testing.assert_array_equal(_in_c(lambda: blasx.matmul(a, a)), want)
+            assert level3.last_record()[0] is dev
+    finally:
+        d["host_device"] = dev
+    blasx.configure(devices="cpu")
+    blasx.engine()
+    new = session.host_device
+    assert new is not dev
+    np.testing.assert_array_equal(_in_c(lambda: blasx.matmul(a, a)), want)
+    assert level3.last_record()[0] is new
+
+
 @pytest.mark.skipif(_hostcall.kind() != "c", reason="the C entry points' record")
 def test_c_record_holds_its_device_while_its_thread_keeps_it(rand):
     """The C record's device is held by a guard in the thread's level3.last_call: a thread that
