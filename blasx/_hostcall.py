@@ -12,10 +12,11 @@ N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` / ``gemm`` 0.0
 ``tensordot`` 0.08, the level-3 functions 0.07, with c / beta, converted arrays or matmul's
 keywords 0.07-0.12, alpha 0 0.13 against scipy's quick return; outputs written in place below
 scipy's call, which parses its keyword): two TSC stamps ~15 ns in all (rdtsc ~10 ns each, partly
-overlapped; 22 ns each on a GPU host's Xeon), the ``session.host_device`` look-up ~10-20 ns (on
-Python >= 3.12 a cached pointer that a dict watcher on the session's dict drops at any change), the checks ~10-20 ns (the second lane's
-~50), the record ~5 ns (``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece
-taken out; bench/results/NOTES.md, "The C record of host calls" and "Seventh session").
+overlapped; 18-22 ns each on a GPU host's Xeon), the ``session.host_device`` look-up ~10-20 ns (on
+Python >= 3.12 a cached pointer, which a dict watcher on the session's dict drops at any change:
+2-7 ns), the checks ~10-20 ns (the second lane's ~50), the record ~5 ns
+(``bench/scripts/hostcall_breakdown.py`` rebuilds this source with each piece taken out;
+bench/results/NOTES.md, "The C record of host calls", "Seventh session" and "Eighth session").
 
 The record (``(device, t0, t1, dtype, real flops)``, what the Python paths put in
 ``level3.last_call.stats``) is kept as C values in thread-local storage, no Python object made per
@@ -117,7 +118,7 @@ static Py_ssize_t hc_itemsize[4] = {4, 8, 8, 16};
 static PyObject *hc_session;              /* session.__dict__ */
 static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
-static PyObject *hc_scale;                /* level3.host_scale (set_scale), or NULL: alpha-0 gemms go to the Python function */
+static PyObject *hc_scale;                /* level3.host_scale (set_scale); NULL: alpha-0 gemms go to Python */
 static int hc_native_clock, hc_any_strides, hc_tsc;
 static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
@@ -908,7 +909,8 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     if (!nz)   /* the general path's plan records C = beta C (B = 0): m n flops, or none */
         flops = self->flops == HC_FL_SYMM || self->flops == HC_FL_TRI ? (double)m * (double)n : 0.0;
     if ((dev = hc_device()) == NULL) return NULL;
-    if (!nz && self->flops == HC_FL_GEMM) return hc_alpha0(dev, self->di, beta, cobj, in_place, m, n);   /* HC_GEMM_ALPHA0 */
+    if (!nz && self->flops == HC_FL_GEMM)   /* HC_GEMM_ALPHA0 */
+        return hc_alpha0(dev, self->di, beta, cobj, in_place, m, n);
     call[nc++] = alpha; call[nc++] = v[1];
     if (b != NULL) call[nc++] = (PyObject *)b;
     if (fm->c >= 0) { call[nc++] = c != NULL ? beta : hc_zero; call[nc++] = cobj; }

@@ -281,26 +281,14 @@ def test_tolerance_per_dtype():
     assert L.tolerance("s", 32768) == pytest.approx(2e-4)
 
 
-@pytest.mark.parametrize("dtype", ["d", "s"])
+@pytest.mark.parametrize("dtype", ["d", "s", "z", "c"])
 def test_blasx_routines_on_sim_pass_the_check(dtype):
+    """Every routine of the dtype (the Hermitian ones for c and z), with its scalars, on 2 sims."""
     blasx.configure(devices="sim:2", tile=16)
     n = 48
     A, B, C0, out = L.make_arrays(n, dtype, seed=2)
     rows = L.sample_rows(n, 12)
-    for rt in L.ROUTINES:
-        L.parallel_copy(out, C0 if rt in ("gemm", "symm", "syrk", "syr2k") else B)
-        L.run_blasx(blasx, dtype, rt, n, A, B, C0, out, 1.5, 0.5)
-        assert L.check(rt, A, B, C0, out, 1.5, 0.5, rows) <= L.tolerance(dtype, n), rt
-        assert out.dtype == L.DTYPES[dtype]
-
-
-@pytest.mark.parametrize("dtype", ["z", "c"])
-def test_blasx_complex_routines_on_sim_pass_the_check(dtype):
-    blasx.configure(devices="sim:2", tile=16)
-    n = 48
-    A, B, C0, out = L.make_arrays(n, dtype, seed=2)
-    rows = L.sample_rows(n, 12)
-    for rt in L.ALL_ROUTINES:
+    for rt in L.routines_for(dtype, L.ALL_ROUTINES):
         alpha, beta = L.scalars(dtype, rt)
         L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
         L.run_blasx(blasx, dtype, rt, n, A, B, C0, out, alpha, beta)

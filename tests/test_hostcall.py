@@ -485,17 +485,13 @@ def test_level3_lists_keep_aliases_and_errors(rand):
 
 # ---------------------------------------------------------------- keyword calls in C (issue 5's fourth pass)
 
-def _in_c(fn, allow=()):
-    """fn()'s result, asserting that no blasx Python function ran in it, but those named in ``allow``
-    (what the C code calls itself: host_scale for an alpha-0 gemm): the C entry point took the call
-    (where the library is built)."""
-    if _hostcall.kind() != "c":
-        return fn()
+def _python_run(fn):
+    """(fn(), the names of the blasx Python functions called in it)."""
     ran = []
     mark = os.sep + "blasx" + os.sep
 
     def prof(frame, event, arg):
-        if event == "call" and mark in frame.f_code.co_filename and frame.f_code.co_name not in allow:
+        if event == "call" and mark in frame.f_code.co_filename:
             ran.append(frame.f_code.co_name)
 
     sys.setprofile(prof)
@@ -503,6 +499,17 @@ def _in_c(fn, allow=()):
         res = fn()
     finally:
         sys.setprofile(None)
+    return res, ran
+
+
+def _in_c(fn, allow=()):
+    """fn()'s result, asserting that no blasx Python function ran in it, but those named in ``allow``
+    (what the C code calls itself: host_scale for an alpha-0 gemm): the C entry point took the call
+    (where the library is built)."""
+    if _hostcall.kind() != "c":
+        return fn()
+    res, ran = _python_run(fn)
+    ran = [name for name in ran if name not in allow]
     assert not ran, f"blasx's Python ran: {ran}"
     return res
 
@@ -1019,18 +1026,7 @@ def test_record_with_clock_gettime_where_the_tsc_is_off(tmp_path):
 
 def _in_python(fn):
     """fn()'s result, asserting that blasx's Python function ran (the C entry point declined)."""
-    ran = []
-    mark = os.sep + "blasx" + os.sep
-
-    def prof(frame, event, arg):
-        if event == "call" and mark in frame.f_code.co_filename:
-            ran.append(frame.f_code.co_name)
-
-    sys.setprofile(prof)
-    try:
-        res = fn()
-    finally:
-        sys.setprofile(None)
+    res, ran = _python_run(fn)
     assert ran, "no blasx Python function ran"
     return res
 
