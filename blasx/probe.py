@@ -7,8 +7,10 @@ per device) depend on the backend:
 * ``cuda``: a pinned host -> device and device -> host copy of 256 MiB, a peer copy of
   256 MiB over every peer link (from the device that reads to the device that is read), and
   cuBLAS DGEMM and SGEMM of N = 8192 through CuPy's matmul; each timed with CUDA events,
-  the best of a few after one warm-up. Run them with the engine shut down (its tile cache
-  holds half of each GPU's memory);
+  the best of a few after a warm-up of at least ``GPU_WARM_S`` of the same operation (one
+  warm-up copy was not enough: an idle GPU's first host -> device copies ran at 29.6 GB/s
+  for tens of ms, then 55, on every H200 measured, 2026-11-22 and -23). Run them with the
+  engine shut down (its tile cache holds half of each GPU's memory);
 * ``sim``: the configured cost model (``rate``, ``h2d``, ``d2h``, ``p2p`` over the slowdown
   factor): nothing is measured;
 * ``cpu``: numpy's GEMM (the host BLAS) in double and single precision, at the first size
@@ -33,7 +35,8 @@ import numpy as np
 
 COPY_BYTES = 256 << 20  # host <-> device and peer copies
 GEMM_N = 8192  # cuBLAS GEMM size
-GPU_REPS = 3  # timed repetitions after one warm-up (best is kept)
+GPU_REPS = 3  # timed repetitions after the warm-up (best is kept)
+GPU_WARM_S = 0.1  # the warm-up: the operation repeated for at least this long (and at least once)
 CPU_GEMM_SIZES = (512, 1024, 2048, 4096)
 CPU_GEMM_TARGET_S = 0.1
 BANDWIDTH_KINDS = ("H2D", "D2H", "P2P")
@@ -205,12 +208,18 @@ def _cpu_rates(index: int, dtypes) -> list[Rate]:
     return out
 
 
-def _best_gpu_seconds(issue, stream, reps: int) -> float:
-    """Best time of ``issue()`` on ``stream`` by CUDA events, after one warm-up."""
+def _best_gpu_seconds(issue, stream, reps: int, warm_s: float | None = None) -> float:
+    """Best time of ``issue()`` on ``stream`` by CUDA events, after ``issue()`` repeated for at least
+    ``warm_s`` seconds (default ``GPU_WARM_S``; at least once)."""
     import cupy
 
-    issue()
-    stream.synchronize()
+    warm_s = GPU_WARM_S if warm_s is None else warm_s
+    t0 = time.perf_counter()
+    while True:
+        issue()
+        stream.synchronize()
+        if time.perf_counter() - t0 >= warm_s:
+            break
     best = math.inf
     for _ in range(reps):
         start, end = cupy.cuda.Event(), cupy.cuda.Event()

@@ -6,6 +6,7 @@ import io
 import os
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -499,6 +500,7 @@ def test_cuda_measurements_with_a_fake_cupy(monkeypatch):
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    monkeypatch.setattr(probe, "GPU_WARM_S", 0.0)  # one warm-up call each (test_gpu_warm_up_lasts: the duration)
     devs = [SimpleNamespace(index=i, kind="cuda", ordinal=o, streamed=True, name=f"cuda:{o} X",
                             can_read_from=lambda other: True) for i, o in ((0, 0), (1, 1))]
     rates = probe.measure(devs, copy_bytes=1 << 20, gemm_n=1000, reps=2)
@@ -518,3 +520,25 @@ def test_cuda_measurements_with_a_fake_cupy(monkeypatch):
     assert facts[0].memory_total == 143 << 30 and facts[0].memory_free == 60 << 30
     text = "\n".join(probe.format_rates(facts + [probe.DeviceFacts(1, "cuda:1 X", "cuda", 4)], rates))
     assert "P2P <- [1]" in text and "DGEMM" in text and "failed" not in text
+
+
+def test_gpu_warm_up_lasts(monkeypatch):
+    """A GPU measurement repeats the operation for GPU_WARM_S before it times any (an idle H200's first
+    host -> device copies ran at half speed for tens of ms), at least once, then times ``reps``."""
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    stream = SimpleNamespace(synchronize=lambda: None)
+    calls = []
+
+    def issue():
+        calls.append(time.perf_counter())
+        time.sleep(0.004)
+
+    assert probe._best_gpu_seconds(issue, stream, 3, warm_s=0.03) == 2e-3  # (the fake events' time)
+    warm = len(calls) - 3
+    assert warm >= 2 and calls[warm] - calls[0] >= 0.03 and calls[warm - 1] - calls[0] < 0.03
+    calls.clear()
+    probe._best_gpu_seconds(issue, stream, 2, warm_s=0.0)
+    assert len(calls) == 3  # one warm-up call at least
+    assert probe.GPU_WARM_S >= 0.05
