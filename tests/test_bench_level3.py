@@ -185,38 +185,21 @@ def numpy_result(routine, A, B, C0, alpha, beta):
     return np.asfortranarray(res.astype(A.dtype))
 
 
-@pytest.mark.parametrize("dtype", ["d", "s"])
-@pytest.mark.parametrize("routine", L.ROUTINES)
+@pytest.mark.parametrize("routine, dtype", [(rt, d) for d in "dszc" for rt in L.routines_for(d, L.ALL_ROUTINES)])
 def test_check_accepts_right_and_catches_wrong(routine, dtype):
-    n = 40
-    A, B, C0, _ = L.make_arrays(n, dtype, seed=1)
-    rows = L.sample_rows(n, 8)
-    out = numpy_result(routine, A, B, C0, 1.5, 0.5)
-    err = L.check(routine, A, B, C0, out, 1.5, 0.5, rows)
-    assert err <= L.tolerance(dtype, n)
-    assert err < (1e-13 if dtype == "d" else 1e-5)
-    wrong = out.copy(order="F")
-    i = rows[2]
-    wrong[i, min(n - 1, i + 1)] += 0.05 * np.abs(out[i]).max() * 40  # upper triangle: seen by syrk too
-    assert L.check(routine, A, B, C0, wrong, 1.5, 0.5, rows) > L.tolerance(dtype, n)
-    wrong[...] = out
-    wrong[i, :] = np.nan
-    assert not L.check(routine, A, B, C0, wrong, 1.5, 0.5, rows) <= L.tolerance(dtype, n)
-
-
-@pytest.mark.parametrize("dtype", ["z", "c"])
-@pytest.mark.parametrize("routine", L.ALL_ROUTINES)
-def test_check_complex_accepts_right_and_catches_wrong(routine, dtype):
+    """The check passes numpy's result and catches one wrong element (imaginary for c and z) in the
+    upper triangle (seen by the rank-k routines too), and a row of NaN."""
     n = 40
     A, B, C0, _ = L.make_arrays(n, dtype, seed=1)
     rows = L.sample_rows(n, 8)
     alpha, beta = L.scalars(dtype, routine)
     out = numpy_result(routine, A, B, C0, alpha, beta)
     err = L.check(routine, A, B, C0, out, alpha, beta, rows)
-    assert err < (1e-13 if dtype == "z" else 1e-5) and err <= L.tolerance(dtype, n)
+    assert err <= L.tolerance(dtype, n)
+    assert err < (1e-13 if dtype in "dz" else 1e-5)
     wrong = out.copy(order="F")
     i = rows[2]
-    wrong[i, min(n - 1, i + 1)] += 0.05j * np.abs(out[i]).max() * 40   # an imaginary error, upper triangle
+    wrong[i, min(n - 1, i + 1)] += (0.05j if dtype in "cz" else 0.05) * np.abs(out[i]).max() * 40
     assert L.check(routine, A, B, C0, wrong, alpha, beta, rows) > L.tolerance(dtype, n)
     wrong[...] = out
     wrong[i, :] = np.nan
