@@ -245,7 +245,10 @@ def header() -> str:
     try:
         from blasx import _hostcall
         flag = f"{flag}; entry points: {_hostcall.kind()}"
-    except ImportError:  # before the C entry points
+        direct = _hostcall.direct()
+        flag += (f"; direct BLAS: numpy's {'/'.join(direct['numpy']) if direct['numpy'] else 'off'}, "
+                 f"scipy's routines {'on' if direct['scipy'] else 'off'}")
+    except (ImportError, AttributeError):  # before the C entry points / their direct calls
         pass
     return (f"# {platform.node()} {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
             f"numpy {np.__version__}, scipy {scipy.__version__}\n# BLAS: {blas}\n"

@@ -5,9 +5,10 @@ With the CPU as the only device (``session.host_device`` set), a plain call of t
 scipy's own function, and the Python that decides so (the call of a Python function, a dozen checks,
 two clock reads, the record of the call) costs 0.6-0.9 us, about half of a 16 x 16 product. Here the
 same decision is made in C (``HOSTCALL_C``): a callable whose vectorcall checks the arguments, calls
-the original function with them (as they came, or as the Python path passes them), and records the
-call; any other call goes, with its arguments unchanged, to the Python function (``slow``), which
-decides everything as before. A call taken here costs 0.03-0.13 us over numpy's / scipy's own at
+the original function with them (as they came, or as the Python path passes them) or its BLAS
+routine directly ("Direct BLAS" below), and records the call; any other call goes, with its
+arguments unchanged, to the Python function (``slow``), which decides everything as before.
+Without the direct calls, a call taken here costs 0.03-0.13 us over numpy's / scipy's own at
 N = 16-32 (median per family on a 2-core VM: ``matmul`` / ``dot`` / ``gemm`` 0.03-0.05,
 ``tensordot`` 0.08, the level-3 functions 0.07, with c / beta, converted arrays or matmul's
 keywords 0.07-0.12, alpha 0 0.13 against scipy's quick return; outputs written in place below
@@ -49,6 +50,18 @@ is let go when the thread ends, as the Python paths' records are. What the C cod
   else hostpath's second lane (``LANES``: the arguments bound to scipy's signature, c and beta,
   ``overwrite_*``, alpha 0, arrays scipy converts), checked as the lane checks them and scipy's
   routine called as the lane calls it.
+
+Direct BLAS (``_blas_symbols``; ``direct()`` says which are on, ``$BLASX_HOST_DIRECT=0`` turns them
+off): where numpy's / scipy's function would only wrap one BLAS call, the C code makes that call
+itself, with the arguments the function would pass, into an array made as the function makes it:
+``matmul`` / ``dot`` of two 2-D C- or F-contiguous operands (numpy's ``cblas_?gemm``; not a @ a.T,
+numpy's syrk, nor a dimension 1, numpy's gemv), ``gemm`` and every scipy-signature routine on
+F-ordered operands of their type with Python scalars, c and overwrite_* too (scipy's own routine
+from ``scipy.linalg.cython_blas``, called as its f2py wrapper calls it). That skips numpy's ufunc
+/ dot machinery (~0.7 us) and f2py's parsing (~0.1-0.25 us): the same bits, checked at load
+(``_direct_ok``, ``_lane_ok``) and by the tests, bit for bit, against the functions themselves.
+numpy's floating-point warnings are kept: a flag raised in a direct matmul / dot hands the call to
+numpy's function, which computes it again and warns or raises as ``np.errstate`` says.
 
 An output written in place (and ?gemm's c, always) must provably alias no input: arrays that each
 own their buffer, else numpy's bounds test (``np.may_share_memory``) written in C; a maybe, a
@@ -161,6 +174,7 @@ typedef struct {
     int di;               /* LANE: the index of dtype in hc_descr */
     hc_types types[4];    /* GEMM: alpha's (and beta's) types per dtype; LANE: [0] alpha's, [1] beta's */
     unsigned long fmask[4];   /* LANE: per flag of the family (names[f0 + j]): bit v: the int v allowed */
+    void *f77;            /* LANE: scipy's routine itself (cython_blas), or NULL: its wrapper is called */
     int frole[4];         /* LANE: per flag: its role (where hc_flags puts it) */
     PyObject *dict;
 } hc_call;
@@ -464,6 +478,235 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
     return res;
 }
 
+/* ---- Direct BLAS: the plain 2-D products call numpy's / scipy's own gemm (blasx._blas_symbols)
+
+   numpy's matmul and dot cost ~0.7 us around their BLAS call (the ufunc / dot machinery), scipy's
+   ?gemm ~0.25 (f2py's parsing); a 16 x 16 product itself ~0.3. For the calls below the C code
+   calls the routine they would call, with the arguments they would pass, into an array made as
+   theirs is: the same bits (checked when the library loads, _hostcall._direct_ok), in 0.3-0.7 us
+   less. A NULL pointer leaves that family to numpy's / scipy's function.
+
+   * matmul(a, b), dot(a, b): 2-D exact ndarrays of one BLAS dtype, aligned, each C- or
+     F-contiguous, every dimension >= 2 (numpy's gemv / dot cases are others), not one buffer
+     (numpy's syrk case: a @ a.T); numpy's cblas_?gemm row-major, an F-ordered operand transposed
+     (numpy's matmul and dot both call it so), into a new C-ordered array. Both check the
+     floating-point status after the call (the warnings of np.errstate): a flag raised here hands
+     the call to numpy's function, which computes it again and warns or raises as numpy does.
+   * ?gemm with no c, with c written in place (hc_gemm's HC_C_NONE / HC_C_IN_PLACE(_T)) or an
+     F-ordered c copied (HC_C_COPY):
+     operands as scipy's wrapper gets them (F-contiguous as they are, C-ordered ones transposed),
+     alpha / beta a Python float or int (complex too for c / z), as f2py converts them; into a new
+     F-ordered array (f2py's zeros: beta is 0, so C is not read) or into c.
+   * the scipy-signature routines (both lanes): hc_f77_call, below, with each lane's own routine.
+
+   The GIL is let go for products of m n k >= HC_NOGIL (numpy's matmul lets it go for all; a
+   16 x 16 product would pay ~0.1 us for it). */
+#include <fenv.h>
+#include <string.h>
+#define HC_FE (FE_DIVBYZERO | FE_OVERFLOW | FE_UNDERFLOW | FE_INVALID)
+#define HC_NOGIL 262144.0
+#define HC_INT_MAX 2147483647
+typedef PyObject *(*hc_new_fn)(PyTypeObject *, PyObject *, int, const Py_ssize_t *, const Py_ssize_t *, void *, int,
+                               PyObject *);
+typedef void (*hc_cblas_s)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void *, int64_t,
+                           const void *, int64_t, float, void *, int64_t);
+typedef void (*hc_cblas_d)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, const void *, int64_t,
+                           const void *, int64_t, double, void *, int64_t);
+typedef void (*hc_cblas_c)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int64_t,
+                           const void *, int64_t, const void *, void *, int64_t);
+typedef void (*hc_f77_fn)(char *, char *, int *, int *, int *, void *, void *, int *, void *, int *, void *, void *,
+                          int *);
+static hc_new_fn hc_new_array;            /* numpy's PyArray_NewFromDescr */
+static void *hc_cblas[4];                 /* numpy's cblas_?gemm, by dtype; NULL: no direct matmul / dot */
+static void *hc_f77[4];                   /* scipy's ?gemm (scipy.linalg.cython_blas), by dtype; NULL: none */
+static unsigned long long hc_direct_calls;   /* direct calls made (with the GIL held: no race), for tests */
+static const float hc_one_c[2] = {1.0f, 0.0f}, hc_zero_c[2] = {0.0f, 0.0f};
+static const double hc_one_z[2] = {1.0, 0.0}, hc_zero_z[2] = {0.0, 0.0};
+enum { HC_ROW_MAJOR = 101, HC_NO_TRANS = 111, HC_TRANS = 112 };
+
+/* a new m x n array of hc_descr[i], C- or F-ordered (fortran) */
+static PyObject *hc_empty(int i, Py_ssize_t m, Py_ssize_t n, int fortran) {
+    Py_ssize_t d[2] = {m, n};
+    Py_INCREF(hc_descr[i]);   /* (stolen) */
+    return hc_new_array(hc_ndarray, hc_descr[i], 2, d, NULL, NULL, fortran, NULL);
+}
+
+static int hc_may_share(hc_array *x, hc_array *y);
+
+/* numpy's is_blasable2d: a matrix of d1 x d2 with byte strides s1, s2 BLAS reads row-major, leading
+   dimension s1 / itemsize */
+static inline int hc_blasable(Py_ssize_t s1, Py_ssize_t s2, Py_ssize_t d2, Py_ssize_t sz) {
+    return s2 == sz && s1 % sz == 0 && s1 / sz >= d2 && s1 / sz <= HC_INT_MAX;
+}
+
+/* an operand or an output numpy's matmul hands BLAS as it is: 2-D, aligned, dimensions 2..INT_MAX,
+   blasable row- or column-major (contiguous only: numpy's dot copies the others) */
+static inline int hc_plain(hc_array *x, int i, int contiguous) {
+    Py_ssize_t sz = hc_itemsize[i];
+    if (x->nd != 2 || !(x->flags & HC_ALIGNED) || x->dimensions[0] < 2 || x->dimensions[1] < 2
+            || x->dimensions[0] > HC_INT_MAX || x->dimensions[1] > HC_INT_MAX)
+        return 0;
+    if (contiguous) return (x->flags & HC_CONTIG) != 0;
+    return hc_blasable(x->strides[0], x->strides[1], x->dimensions[1], sz)
+        || hc_blasable(x->strides[1], x->strides[0], x->dimensions[0], sz);
+}
+
+/* numpy's @TYPE@_matmul_matrixmatrix: op (m x p, row stride os_m) = ip1 (m x n) ip2 (n x p) through
+   numpy's cblas_?gemm, row-major, an operand that is not row-major blasable transposed; the
+   floating-point flags raised (those raised before are cleared first: numpy's order; testing is
+   cheap where clearing is not) */
+static int hc_cblas_mm(int i, char *ip1, Py_ssize_t is1_m, Py_ssize_t is1_n, char *ip2, Py_ssize_t is2_n,
+                       Py_ssize_t is2_p, char *op, Py_ssize_t os_m, Py_ssize_t m, Py_ssize_t n, Py_ssize_t p) {
+    Py_ssize_t sz = hc_itemsize[i];
+    int64_t ta = HC_NO_TRANS, tb = HC_NO_TRANS, lda = is1_m / sz, ldb = is2_n / sz, ldc = os_m / sz;
+    PyThreadState *ts;
+    int fe;
+    if (!hc_blasable(is1_m, is1_n, n, sz)) { ta = HC_TRANS; lda = is1_n / sz; }
+    if (!hc_blasable(is2_n, is2_p, p, sz)) { tb = HC_TRANS; ldb = is2_p / sz; }
+    if (fetestexcept(HC_FE)) feclearexcept(HC_FE);
+    hc_direct_calls++;
+    ts = (double)m * (double)n * (double)p >= HC_NOGIL ? PyEval_SaveThread() : NULL;
+    switch (i) {
+    case 0: ((hc_cblas_s)hc_cblas[0])(HC_ROW_MAJOR, ta, tb, m, p, n, 1.0f, ip1, lda, ip2, ldb, 0.0f, op, ldc); break;
+    case 1: ((hc_cblas_d)hc_cblas[1])(HC_ROW_MAJOR, ta, tb, m, p, n, 1.0, ip1, lda, ip2, ldb, 0.0, op, ldc); break;
+    case 2: ((hc_cblas_c)hc_cblas[2])(HC_ROW_MAJOR, ta, tb, m, p, n, hc_one_c, ip1, lda, ip2, ldb, hc_zero_c, op, ldc); break;
+    default: ((hc_cblas_c)hc_cblas[3])(HC_ROW_MAJOR, ta, tb, m, p, n, hc_one_z, ip1, lda, ip2, ldb, hc_zero_z, op, ldc); break;
+    }
+    fe = fetestexcept(HC_FE);
+    if (ts != NULL) PyEval_RestoreThread(ts);
+    return fe;
+}
+
+/* the product a b into out (row- or column-major blasable; numpy's matmul writes a column-major one
+   as matmul(b.T, a.T, out.T)); the floating-point flags raised */
+static int hc_cblas_into(int i, hc_array *a, hc_array *b, hc_array *out) {
+    Py_ssize_t m = a->dimensions[0], n = a->dimensions[1], p = b->dimensions[1];
+    if (hc_blasable(out->strides[0], out->strides[1], p, hc_itemsize[i]))
+        return hc_cblas_mm(i, a->data, a->strides[0], a->strides[1], b->data, b->strides[0], b->strides[1],
+                           out->data, out->strides[0], m, n, p);
+    return hc_cblas_mm(i, b->data, b->strides[1], b->strides[0], a->data, a->strides[1], a->strides[0],
+                       out->data, out->strides[1], p, n, m);
+}
+
+/* matmul(a, b[, out]) / dot(a, b[, out]) where numpy's function makes one cblas_?gemm call that
+   hc_cblas_into makes too (matmul: operands blasable; dot: contiguous, out C-contiguous): a and b
+   2-D exact ndarrays of dtype i, not one buffer (numpy's syrk, a @ a.T), every dimension >= 2
+   (numpy's gemv and dot cases); out (NULL: a new C-ordered array) an exact ndarray of dtype i of
+   their product's shape, writable, that shares no memory with them. 0: another call */
+static int hc_product_ready(PyObject *const *args, PyObject *out, int i, int matmul) {
+    hc_array *a = (hc_array *)args[0], *b = (hc_array *)args[1], *o = (hc_array *)out;
+    if (hc_cblas[i] == NULL || !hc_plain(a, i, !matmul) || !hc_plain(b, i, !matmul)
+            || a->dimensions[1] != b->dimensions[0] || a->data == b->data)
+        return 0;
+    return out == NULL || (Py_TYPE(out) == hc_ndarray && o->descr == hc_descr[i] && (o->flags & HC_WRITE)
+                           && hc_plain(o, i, !matmul) && (matmul || (o->flags & HC_C))
+                           && o->dimensions[0] == a->dimensions[0] && o->dimensions[1] == b->dimensions[1]
+                           && !hc_may_share(o, a) && !hc_may_share(o, b));
+}
+
+/* the call hc_product_ready took, timed and recorded: out, or a new array; a floating-point flag
+   raised hands the call to numpy's function fn (computed again: numpy's warnings and errors); steals dev */
+static PyObject *hc_product(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *out,
+                            int i, PyObject *dev) {
+    hc_array *a = (hc_array *)args[0], *b = (hc_array *)args[1];
+    PyObject *res;
+    hc_stamp t0;
+    if (hc_stamp_now(&t0) < 0) { Py_DECREF(dev); return NULL; }
+    if (out != NULL) { Py_INCREF(out); res = out; }
+    else if ((res = hc_empty(i, a->dimensions[0], b->dimensions[1], 0)) == NULL) { Py_DECREF(dev); return NULL; }
+    if (hc_cblas_into(i, a, b, (hc_array *)res)) {
+        Py_DECREF(res);
+        feclearexcept(HC_FE);
+        return hc_run(fn, args, nargsf, kwnames, dev, i, -1.0, args[0]);
+    }
+    if (hc_record(dev, t0, i, 2.0 * (double)a->dimensions[0] * (double)b->dimensions[1] * (double)a->dimensions[1]) < 0)
+        Py_CLEAR(res);
+    Py_DECREF(dev);
+    return res;
+}
+
+/* a scalar as f2py converts it for a routine of dtype i (a double, or a complex pair, cast to float for
+   s / c): through float() (f2py's double_from_pyobj: a Python float as it is, anything else by
+   PyNumber_Float), complex() for c / z (complex_double_from_pyobj: numpy's complex scalars by
+   value, real numbers with imaginary part 0), for the types the callers took (hc_of_type: Python's
+   and numpy's numbers); 0: it cannot be converted (f2py raises: the wrapper's error then) */
+static int hc_scalar(PyObject *x, int i, double v[2]) {
+    if (PyFloat_CheckExact(x)) { v[0] = PyFloat_AS_DOUBLE(x); v[1] = 0.0; return 1; }
+    if (i < 2) {
+        v[0] = PyFloat_AsDouble(x); v[1] = 0.0;
+        if (v[0] == -1.0 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+    } else {
+        Py_complex z = PyComplex_AsCComplex(x);
+        if (z.real == -1.0 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
+        v[0] = z.real; v[1] = z.imag;
+    }
+    return 1;
+}
+
+/* how scipy's wrapper hands x to BLAS: F-contiguous as it is, C-ordered (only) as its transpose
+   (op N <-> T; not op C); its F-ordered rows and columns and BLAS's op in *op (0 N, 1 T, 2 C);
+   0: not so (f2py would copy it) */
+static int hc_f77_operand(hc_array *x, long *op, Py_ssize_t *rows, Py_ssize_t *cols) {
+    if (!(x->flags & HC_ALIGNED)) return 0;
+    if (x->flags & HC_F) { *rows = x->dimensions[0]; *cols = x->dimensions[1]; }
+    else if ((x->flags & HC_C) && *op != 2) { *rows = x->dimensions[1]; *cols = x->dimensions[0]; *op = 1 - *op; }
+    else return 0;
+    return *rows <= HC_INT_MAX && *cols <= HC_INT_MAX;
+}
+
+/* scipy's ?gemm(alpha, a, b, beta, c, ta, tb) as its wrapper calls BLAS, with c None (a new
+   F-ordered result), an F-ordered c written in place (c, or c.T's view for a C-ordered c:
+   transposed_c) or copied first (copy_c: the wrapper's copy; an F-ordered c only);
+   NULL without an exception: not such a call (the caller then calls scipy's); recorded on dev (NULL: not) */
+static PyObject *hc_f77_gemm(int i, PyObject *alpha, PyObject *beta, hc_array *a, hc_array *b, long ta, long tb,
+                             PyObject *cobj, int transposed_c, int copy_c, PyObject *dev) {
+    static char ops[3] = {'N', 'T', 'C'};
+    Py_ssize_t ra, ca, rb, cb, mm, nn, kk;
+    int m, n, k, lda, ldb, ldc;
+    double al[2], be[2];
+    float alf[2], bef[2];
+    void *pa, *pb;
+    char *cdata, opa, opb;
+    PyObject *res;
+    hc_stamp t0;
+    if (hc_f77[i] == NULL || !hc_scalar(alpha, i, al) || !hc_scalar(beta, i, be)
+            || !hc_f77_operand(a, &ta, &ra, &ca) || !hc_f77_operand(b, &tb, &rb, &cb))
+        return NULL;
+    mm = ta ? ca : ra; kk = ta ? ra : ca; nn = tb ? rb : cb;
+    if (kk != (tb ? cb : rb) || !mm || !nn || !kk) return NULL;
+    m = (int)mm; n = (int)nn; k = (int)kk;
+    lda = ra > 1 ? (int)ra : 1; ldb = rb > 1 ? (int)rb : 1; ldc = m > 1 ? m : 1;
+    alf[0] = (float)al[0]; alf[1] = (float)al[1]; bef[0] = (float)be[0]; bef[1] = (float)be[1];
+    pa = i == 0 || i == 2 ? (void *)alf : (void *)al; pb = i == 0 || i == 2 ? (void *)bef : (void *)be;
+    opa = ops[ta]; opb = ops[tb];
+    if (dev != NULL && hc_stamp_now(&t0) < 0) return NULL;
+    if (cobj == Py_None) {
+        if ((res = hc_empty(i, mm, nn, 1)) == NULL) return NULL;
+    } else {
+        hc_array *c = (hc_array *)cobj;
+        if ((transposed_c ? c->dimensions[1] : c->dimensions[0]) != mm
+                || (transposed_c ? c->dimensions[0] : c->dimensions[1]) != nn || (copy_c && !(c->flags & HC_F)))
+            return NULL;
+        if (copy_c) {
+            if ((res = hc_empty(i, mm, nn, 1)) == NULL) return NULL;
+            memcpy(((hc_array *)res)->data, c->data, (size_t)(mm * nn * hc_itemsize[i]));
+        } else {
+            Py_INCREF(cobj);
+            res = cobj;
+        }
+    }
+    cdata = ((hc_array *)res)->data;
+    {
+        PyThreadState *ts;
+        hc_direct_calls++;
+        ts = (double)mm * (double)nn * (double)kk >= HC_NOGIL ? PyEval_SaveThread() : NULL;
+        ((hc_f77_fn)hc_f77[i])(&opa, &opb, &m, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, cdata, &ldc);
+        if (ts != NULL) PyEval_RestoreThread(ts);
+    }
+    if (dev != NULL && hc_record(dev, t0, i, 2.0 * (double)mm * (double)nn * (double)kk) < 0) Py_CLEAR(res);
+    return res;
+}
+
 /* HC_GEMM_ALPHA0: a ?gemm with alpha 0 is never handed to the host BLAS; hc_alpha0 makes C = beta C
    through level3.host_scale instead, as the Python function's host path does. BLAS says A and B are
    then not read, but some OpenBLAS builds (scipy's wheels on the GPU hosts, 2026-11-23) still
@@ -476,10 +719,67 @@ static inline int hc_truth(PyObject *x) {
 
 /* an alpha-0 gemm (HC_GEMM_ALPHA0): host_scale(beta, c or None, in_place, (m, n), dtype), recorded with
    no flops as the Python paths record it; steals dev. NULL without an error when no host_scale is set */
+/* host_scale's C = beta C for a real type (one IEEE product an element, as numpy's multiply; beta 0:
+   zeros, c not read) of a C- or F-contiguous c of that type, in place or into a new F-ordered
+   array; beta a Python / numpy float, or an int float32 holds exactly (dtype.type(beta) rounds
+   once). Py_None: not such a call; NULL: an error. The caller stamps t0 first (hc_stamp_now). */
+static PyObject *hc_scale_real(int di, PyObject *beta, PyObject *cobj, int in_place, Py_ssize_t m, Py_ssize_t n) {
+    hc_array *c = (hc_array *)cobj, *out;
+    PyObject *res;
+    double bv;
+    Py_ssize_t r, q, len = m * n;
+    int fortran;
+    if (Py_TYPE(cobj) != hc_ndarray || c->descr != hc_descr[di] || !(c->flags & HC_CONTIG) || !(c->flags & HC_ALIGNED)
+            || c->nd != 2 || c->dimensions[0] != m || c->dimensions[1] != n)
+        Py_RETURN_NONE;
+    if (PyFloat_Check(beta)) bv = PyFloat_AS_DOUBLE(beta);
+    else if (PyLong_CheckExact(beta)) {
+        long v = PyLong_AsLong(beta);
+        if ((v == -1 && PyErr_Occurred()) || v > (1L << 24) || v < -(1L << 24)) { PyErr_Clear(); Py_RETURN_NONE; }
+        bv = (double)v;
+    } else Py_RETURN_NONE;
+    fortran = (c->flags & HC_F) != 0;
+    if (in_place) { Py_INCREF(cobj); res = cobj; }
+    else if ((res = hc_empty(di, m, n, 1)) == NULL) return NULL;
+    out = (hc_array *)res;
+    if (bv == 0.0) memset(out->data, 0, (size_t)(len * hc_itemsize[di]));
+    else if (di == 0) {
+        float b = (float)bv, *x = (float *)c->data, *y = (float *)out->data;
+        if (in_place || fortran) for (r = 0; r < len; r++) y[r] = b * x[r];
+        else for (r = 0; r < m; r++) for (q = 0; q < n; q++) y[r + q * m] = b * x[r * n + q];
+    } else {
+        double *x = (double *)c->data, *y = (double *)out->data;
+        if (in_place || fortran) for (r = 0; r < len; r++) y[r] = bv * x[r];
+        else for (r = 0; r < m; r++) for (q = 0; q < n; q++) y[r + q * m] = bv * x[r * n + q];
+    }
+    return res;
+}
+
 static PyObject *hc_alpha0(PyObject *dev, int di, PyObject *beta, PyObject *cobj, int in_place, Py_ssize_t m,
                            Py_ssize_t n) {
     PyObject *shape, *call[5], *res = NULL;
     hc_stamp t0;
+    if (!in_place && (cobj == Py_None || (PyFloat_CheckExact(beta) && PyFloat_AS_DOUBLE(beta) == 0.0))
+            && hc_new_array != NULL) {   /* host_scale's zeros, made here */
+        if (hc_stamp_now(&t0) == 0 && (res = hc_empty(di, m, n, 1)) != NULL) {
+            memset(((hc_array *)res)->data, 0, (size_t)(m * n * hc_itemsize[di]));
+            if (hc_record(dev, t0, di, 0.0) < 0) Py_CLEAR(res);
+        }
+        Py_DECREF(dev);
+        return res;
+    }
+    if (di < 2 && cobj != Py_None && hc_new_array != NULL) {   /* a real type's C = beta C, made here */
+        if (hc_stamp_now(&t0) < 0 || (res = hc_scale_real(di, beta, cobj, in_place, m, n)) == NULL) {
+            Py_DECREF(dev);
+            return NULL;
+        }
+        if (res != Py_None) {
+            if (hc_record(dev, t0, di, 0.0) < 0) Py_CLEAR(res);
+            Py_DECREF(dev);
+            return res;
+        }
+        Py_CLEAR(res);   /* (not such a call: host_scale's) */
+    }
     if (hc_scale != NULL && (shape = Py_BuildValue("(nn)", m, n)) != NULL) {
         call[0] = beta; call[1] = cobj; call[2] = in_place ? Py_True : Py_False; call[3] = shape;
         call[4] = hc_descr[di];
@@ -510,7 +810,7 @@ static inline long hc_flag_value(hc_call *self, int j, PyObject *v) {
 }
 
 /* the keyword flags: each one a flag of the family with an allowed int; roles 1 and 2 into f[1], f[2] */
-static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long f[3]) {
+static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long f[3], long fv[4]) {
     const hc_family *fm = &hc_fam[self->flops];
     Py_ssize_t i, n = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     int j;
@@ -524,6 +824,7 @@ static int hc_flags(hc_call *self, PyObject *const *kw, PyObject *kwnames, long 
         if (PyErr_Occurred()) { PyErr_Clear(); return 0; }
         if (j == fm->nf || (x = hc_flag_value(self, j, kw[i])) < 0) return 0;
         f[self->frole[j]] = x;
+        fv[j] = x;
     }
     return 1;
 }
@@ -632,6 +933,8 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
                                            && (((hc_array *)out)->flags & HC_CONTIG)))
         return NULL;
     if ((dev = hc_device()) == NULL) return NULL;
+    if (casting == NULL && ct == hc_descr[i] && hc_product_ready(args, out == Py_None ? NULL : out, i, 1))
+        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev);
     return hc_run(self->fn, args, nargsf, kwnames, dev, hc_index(ct), -1.0, args[0]);
 }
 
@@ -656,6 +959,8 @@ static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyO
     if (i < 0 || hc_dtype(args[1]) != i || a->nd < 1 || a->nd > 2 || b->nd < 1 || b->nd > 2
             || (out != NULL && out != Py_None && a->nd + b->nd == 2) || (dev = hc_device()) == NULL)
         return NULL;
+    if (hc_product_ready(args, out == Py_None ? NULL : out, i, 0))
+        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev);
     k = a->dimensions[a->nd - 1];
     return hc_run(self->fn, args, nargsf, kwnames, dev, i,
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
@@ -704,7 +1009,8 @@ static PyObject *hc_gemm(hc_call *self, PyObject *const *args, size_t nargsf, Py
         if ((j = hc_truth(args[0])) < 0) { PyErr_Clear(); return NULL; }
         if ((dev = hc_device()) == NULL) return NULL;
         if (!j) return hc_alpha0(dev, i, hc_zero, Py_None, 0, m, n);   /* HC_GEMM_ALPHA0 */
-        res = NULL;
+        res = hc_f77_gemm(i, args[0], hc_zero, a, b, 0, 0, Py_None, 0, 0, dev);
+        if (res != NULL || PyErr_Occurred()) { Py_DECREF(dev); return res; }
         if (hc_stamp_now(&t0) == 0) {
             res = PyObject_Vectorcall(PyTuple_GET_ITEM(self->fn, i), args, 3, NULL);
             if (res != NULL && hc_record(dev, t0, i, 2.0 * (double)m * (double)n * (double)k) < 0)
@@ -754,6 +1060,9 @@ general:
     }
     if ((dev = hc_device()) == NULL) return NULL;
     if (!j) return hc_alpha0(dev, i, beta, cobj, mode >= HC_C_IN_PLACE, m, n);   /* HC_GEMM_ALPHA0 */
+    res = hc_f77_gemm(i, alpha, mode == HC_C_NONE ? hc_zero : beta, a, b, f[1], f[2], cobj, mode == HC_C_IN_PLACE_T,
+                      mode == HC_C_COPY, dev);
+    if (res != NULL || PyErr_Occurred()) { Py_DECREF(dev); return res; }
     /* a C-ordered x is the F-ordered x.T: op N of x is op T of x.T and back (not op C: no BLAS form) */
     for (j = 0; j < 2; j++) {
         hc_array *y = j ? b : a;
@@ -789,11 +1098,108 @@ general:
     return res;
 }
 
+/* scipy's level-3 routine of a lane (hc_call.f77: scipy.linalg.cython_blas's), called as scipy's f2py
+   wrapper calls it (scipy/linalg/fblas_l3.pyf.src): flags as its characters, dimensions and leading
+   dimensions from the shapes, the result a new F-ordered array of zeros (the wrapper's; only
+   ?gemm's is left unset: beta is 0 there and BLAS does not read C), or a copy of c / of trmm's and
+   trsm's b, or that array itself (in_place). Only for arrays of the routine's dtype that are
+   F-contiguous and aligned (the wrapper copies others, an F-contiguous c copied here with memcpy),
+   and alpha / beta a Python float, int or complex (hc_scalar). f: the family's flags in the
+   signature's order (hc_fam). NULL without an exception: not such a call. */
+typedef void (*hc_f77_symm_fn)(char *, char *, int *, int *, void *, void *, int *, void *, int *, void *, void *, int *);
+typedef void (*hc_f77_syrk_fn)(char *, char *, int *, int *, void *, void *, int *, void *, void *, int *);
+typedef void (*hc_f77_tri_fn)(char *, char *, char *, char *, int *, int *, void *, void *, int *, void *, int *);
+static int hc_f77_lanes;                  /* the lanes' direct calls are on (blasx_hc_set_direct) */
+
+static inline int hc_fortran(hc_array *x, PyObject *dtype) {
+    return x->descr == dtype && (x->flags & HC_F) && (x->flags & HC_ALIGNED) && x->dimensions[0] <= HC_INT_MAX
+        && x->dimensions[1] <= HC_INT_MAX;
+}
+
+static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_array *a, hc_array *b, hc_array *c,
+                             const long *f, int in_place, PyObject *dev, double flops) {
+    static char trans[3] = {'N', 'T', 'C'};
+    double al[2], be[2];
+    float alf[2], bef[2];
+    void *pa, *pb;
+    char c1, c2, c3, c4;
+    int m, n, k, lda, ldb, ldc, fam = self->flops, i = self->di;
+    Py_ssize_t rm, rn;
+    hc_array *out, *src;   /* the array written; what it starts as (NULL: zeros) */
+    PyObject *res;
+    hc_stamp t0;
+    if (!hc_f77_lanes || self->f77 == NULL || !hc_scalar(alpha, i, al) || !hc_scalar(beta, i, be)
+            || !hc_fortran(a, self->dtype) || (b != NULL && !hc_fortran(b, self->dtype))
+            || (c != NULL && !(c->descr == self->dtype && (c->flags & HC_F))))
+        return NULL;
+    lda = a->dimensions[0] > 1 ? (int)a->dimensions[0] : 1;
+    ldb = b == NULL ? 0 : b->dimensions[0] > 1 ? (int)b->dimensions[0] : 1;
+    switch (fam) {
+    case HC_FL_GEMM:
+        m = (int)a->dimensions[f[0] ? 1 : 0]; k = (int)a->dimensions[f[0] ? 0 : 1];
+        n = (int)b->dimensions[f[1] ? 0 : 1];
+        rm = m; rn = n;
+        break;
+    case HC_FL_SYMM: case HC_FL_TRI:
+        m = (int)b->dimensions[0]; n = (int)b->dimensions[1]; k = 0;
+        rm = m; rn = n;
+        break;
+    default:   /* syrk, syr2k */
+        n = (int)a->dimensions[f[0] ? 1 : 0]; k = (int)a->dimensions[f[0] ? 0 : 1]; m = n;
+        rm = n; rn = n;
+        break;
+    }
+    src = fam == HC_FL_TRI ? b : c;
+    if (dev != NULL && hc_stamp_now(&t0) < 0) return NULL;
+    if (in_place) {
+        Py_INCREF((PyObject *)src);
+        res = (PyObject *)src;
+    } else {
+        if ((res = hc_empty(i, rm, rn, 1)) == NULL) return NULL;
+        if (src != NULL) memcpy(((hc_array *)res)->data, src->data, (size_t)(rm * rn * hc_itemsize[i]));
+        else if (fam != HC_FL_GEMM) memset(((hc_array *)res)->data, 0, (size_t)(rm * rn * hc_itemsize[i]));
+    }
+    out = (hc_array *)res;
+    ldc = m > 1 ? m : 1;
+    alf[0] = (float)al[0]; alf[1] = (float)al[1]; bef[0] = (float)be[0]; bef[1] = (float)be[1];
+    pa = i == 0 || i == 2 ? (void *)alf : (void *)al; pb = i == 0 || i == 2 ? (void *)bef : (void *)be;
+    {
+        PyThreadState *ts;
+        hc_direct_calls++;
+        ts = flops >= 2.0 * HC_NOGIL ? PyEval_SaveThread() : NULL;
+        switch (fam) {
+        case HC_FL_GEMM:
+            c1 = trans[f[0]]; c2 = trans[f[1]];
+            ((hc_f77_fn)self->f77)(&c1, &c2, &m, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            break;
+        case HC_FL_SYMM:
+            c1 = f[0] ? 'R' : 'L'; c2 = f[1] ? 'L' : 'U';
+            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &m, &n, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            break;
+        case HC_FL_SYRK:
+            c1 = f[1] ? 'L' : 'U'; c2 = trans[f[0]];
+            ((hc_f77_syrk_fn)self->f77)(&c1, &c2, &n, &k, pa, a->data, &lda, pb, out->data, &ldc);
+            break;
+        case HC_FL_SYR2K:
+            c1 = f[1] ? 'L' : 'U'; c2 = trans[f[0]];
+            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            break;
+        default:   /* trmm, trsm: B in place */
+            c1 = f[0] ? 'R' : 'L'; c2 = f[1] ? 'L' : 'U'; c3 = trans[f[2]]; c4 = f[3] ? 'U' : 'N';
+            ((hc_f77_tri_fn)self->f77)(&c1, &c2, &c3, &c4, &m, &n, pa, a->data, &lda, out->data, &ldc);
+            break;
+        }
+        if (ts != NULL) PyEval_RestoreThread(ts);
+    }
+    if (dev != NULL && hc_record(dev, t0, i, flops) < 0) Py_CLEAR(res);
+    return res;
+}
+
 static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     PyObject *alpha, *dev;
     hc_array *a, *b;
     Py_ssize_t d0, d1, s;
-    long f[3];
+    long f[3], fv[4] = {0, 0, 0, 0};
     double flops = 0.0;
     if (PyVectorcall_NARGS(nargsf) != self->nargs) return NULL;
     alpha = args[0];
@@ -801,7 +1207,7 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
     /* (alpha 0 first: the second lane takes it, and pays for this lane's checks otherwise) */
     if (!hc_of_type(&self->types[0], alpha) || hc_truth(alpha) != 1
             || Py_TYPE(a) != hc_ndarray || Py_TYPE(b) != hc_ndarray || a->descr != self->dtype || b->descr != self->dtype
-            || a->nd != 2 || b->nd != 2 || !hc_flags(self, args + self->nargs, kwnames, f)) {
+            || a->nd != 2 || b->nd != 2 || !hc_flags(self, args + self->nargs, kwnames, f, fv)) {
         PyErr_Clear();
         return NULL;
     }
@@ -827,6 +1233,11 @@ static PyObject *hc_lane(hc_call *self, PyObject *const *args, size_t nargsf, Py
         break;
     }
     if (flops == 0.0 || (dev = hc_device()) == NULL) return NULL;
+    if (self->f77 != NULL) {   /* scipy's routine itself */
+        PyObject *res = hc_f77_call(self, alpha, hc_zero, a, hc_fam[self->flops].b >= 0 ? b : NULL, NULL, fv, 0, dev,
+                                    flops);
+        if (res != NULL || PyErr_Occurred()) { Py_DECREF(dev); return res; }
+    }
     return hc_run(self->fn, args, nargsf, kwnames, dev, self->di, flops, NULL);
 }
 
@@ -911,6 +1322,10 @@ static PyObject *hc_lane2(hc_call *self, PyObject *const *args, size_t nargsf, P
     if ((dev = hc_device()) == NULL) return NULL;
     if (!nz && self->flops == HC_FL_GEMM)   /* HC_GEMM_ALPHA0 */
         return hc_alpha0(dev, self->di, beta, cobj, in_place, m, n);
+    if (self->f77 != NULL) {   /* scipy's routine itself */
+        res = hc_f77_call(self, alpha, c != NULL ? beta : hc_zero, a, b, c, f, in_place, dev, flops);
+        if (res != NULL || PyErr_Occurred()) { Py_DECREF(dev); return res; }
+    }
     call[nc++] = alpha; call[nc++] = v[1];
     if (b != NULL) call[nc++] = (PyObject *)b;
     if (fm->c >= 0) { call[nc++] = c != NULL ? beta : hc_zero; call[nc++] = cobj; }
@@ -1166,9 +1581,93 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     Py_INCREF(beta); self->beta = beta;
     self->convert = convert;
     self->di = kind == HC_LANE ? hc_index(dtype) : 0;
+    self->f77 = NULL;
     self->dict = NULL;
     if (hc_tables(self) < 0) { Py_DECREF(self); return NULL; }
     return (PyObject *)self;
+}
+
+/* the direct calls' routines (blasx._blas_symbols): numpy's PyArray_NewFromDescr, numpy's cblas_?gemm and
+   scipy's ?gemm (4-tuples of addresses, or None: that family calls numpy's / scipy's function) */
+int blasx_hc_set_direct(PyObject *new_array, PyObject *cblas, PyObject *f77) {
+    void *p[9] = {NULL};
+    int i, j;
+    PyObject *t[2] = {cblas, f77};
+    if (new_array != Py_None && (p[0] = PyLong_AsVoidPtr(new_array)) == NULL && PyErr_Occurred()) return -1;
+    for (j = 0; j < 2; j++) {
+        if (t[j] == Py_None) continue;
+        if (!PyTuple_Check(t[j]) || PyTuple_GET_SIZE(t[j]) != 4) {
+            PyErr_SetString(PyExc_TypeError, "blasx_hc_set_direct: 4 addresses or None expected");
+            return -1;
+        }
+        for (i = 0; i < 4; i++)
+            if ((p[1 + 4 * j + i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(t[j], i))) == NULL && PyErr_Occurred()) return -1;
+    }
+    hc_new_array = (hc_new_fn)p[0];
+    for (i = 0; i < 4; i++) {
+        hc_cblas[i] = hc_new_array != NULL ? p[1 + i] : NULL;
+        hc_f77[i] = hc_new_array != NULL ? p[5 + i] : NULL;
+    }
+    hc_f77_lanes = hc_new_array != NULL && f77 != Py_None;   /* (the lanes' routines: blasx_hc_lane_direct) */
+    return 0;
+}
+
+/* a lane's own scipy routine (an address, or None) */
+int blasx_hc_lane_direct(PyObject *obj, PyObject *addr) {
+    void *p = NULL;
+    if (Py_TYPE(obj) != &hc_type || ((hc_call *)obj)->kind != HC_LANE) {
+        PyErr_SetString(PyExc_TypeError, "blasx_hc_lane_direct: a lane expected");
+        return -1;
+    }
+    if (addr != Py_None && (p = PyLong_AsVoidPtr(addr)) == NULL && PyErr_Occurred()) return -1;
+    ((hc_call *)obj)->f77 = p;
+    return 0;
+}
+
+/* the number of direct calls made so far */
+PyObject *blasx_hc_direct_calls(void) { return PyLong_FromUnsignedLongLong(hc_direct_calls); }
+
+/* a lane's own scipy routine: its address, or None */
+PyObject *blasx_hc_lane_routine(PyObject *obj) {
+    if (Py_TYPE(obj) != &hc_type || ((hc_call *)obj)->kind != HC_LANE || ((hc_call *)obj)->f77 == NULL) Py_RETURN_NONE;
+    return PyLong_FromVoidPtr(((hc_call *)obj)->f77);
+}
+
+/* a lane's direct call alone, unrecorded: routine(alpha, a[, b], flags...) (flags: the family's, in
+   order), a new result; None where it does not apply */
+PyObject *blasx_hc_lane_probe(PyObject *obj, PyObject *alpha, PyObject *a, PyObject *b, PyObject *flags) {
+    hc_call *self = (hc_call *)obj;
+    long f[4] = {0, 0, 0, 0};
+    Py_ssize_t j;
+    PyObject *res;
+    if (Py_TYPE(obj) != &hc_type || self->kind != HC_LANE || !PyTuple_Check(flags) || PyTuple_GET_SIZE(flags) > 4
+            || Py_TYPE(a) != hc_ndarray || ((hc_array *)a)->nd != 2
+            || (b != Py_None && (Py_TYPE(b) != hc_ndarray || ((hc_array *)b)->nd != 2)))
+        Py_RETURN_NONE;
+    for (j = 0; j < PyTuple_GET_SIZE(flags); j++)
+        if ((f[j] = PyLong_AsLong(PyTuple_GET_ITEM(flags, j))) < 0 || f[j] > 2) { PyErr_Clear(); Py_RETURN_NONE; }
+    res = hc_f77_call(self, alpha, hc_zero, (hc_array *)a, b == Py_None ? NULL : (hc_array *)b, NULL, f, 0, NULL, 0.0);
+    if (res == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return res;
+}
+
+/* the direct call alone, unrecorded, whatever the session: which 0, matmul(a, b) (numpy's cblas); 1,
+   scipy's ?gemm(alpha, a, b, trans_a=ta, trans_b=tb); None where it does not apply */
+PyObject *blasx_hc_direct(int which, PyObject *alpha, PyObject *a, PyObject *b, int ta, int tb) {
+    PyObject *args[2] = {a, b}, *res;
+    int i = hc_dtype(a);
+    if (i < 0 || hc_dtype(b) != i || ((hc_array *)a)->nd != 2 || ((hc_array *)b)->nd != 2 || ta < 0 || ta > 2
+            || tb < 0 || tb > 2)
+        Py_RETURN_NONE;
+    if (which == 0) {
+        if (!hc_product_ready(args, NULL, i, 1)) Py_RETURN_NONE;
+        res = hc_empty(i, ((hc_array *)a)->dimensions[0], ((hc_array *)b)->dimensions[1], 0);
+        if (res != NULL) hc_cblas_into(i, (hc_array *)a, (hc_array *)b, (hc_array *)res);
+        return res;
+    }
+    res = hc_f77_gemm(i, alpha, hc_zero, (hc_array *)a, (hc_array *)b, ta, tb, Py_None, 0, 0, NULL);
+    if (res == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return res;
 }
 
 /* level3.host_scale, for the alpha-0 gemms (hc_alpha0) */
@@ -1228,9 +1727,11 @@ NUMPY_COPIES_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
 
 ENV_PYTHON = "BLASX_HOST_PYTHON"
 ENV_TSC = "BLASX_HOST_TSC"
+ENV_DIRECT = "BLASX_HOST_DIRECT"  # "0": no direct BLAS calls (numpy's / scipy's functions are called)
 
 _lib = None
 _state = None  # None: not tried; "c" or "python"
+_direct = {"numpy": None, "scipy": False}  # direct()
 
 
 def kind() -> str:
@@ -1273,6 +1774,18 @@ def declare(lib):
     lib.blasx_hc_clock.argtypes = []
     lib.blasx_hc_set_scale.restype = ctypes.c_int
     lib.blasx_hc_set_scale.argtypes = [ctypes.py_object]
+    lib.blasx_hc_set_direct.restype = ctypes.c_int
+    lib.blasx_hc_set_direct.argtypes = [ctypes.py_object] * 3
+    lib.blasx_hc_direct.restype = ctypes.py_object
+    lib.blasx_hc_direct.argtypes = [ctypes.c_int] + [ctypes.py_object] * 3 + [ctypes.c_int] * 2
+    lib.blasx_hc_lane_direct.restype = ctypes.c_int
+    lib.blasx_hc_lane_direct.argtypes = [ctypes.py_object] * 2
+    lib.blasx_hc_lane_probe.restype = ctypes.py_object
+    lib.blasx_hc_lane_probe.argtypes = [ctypes.py_object] * 5
+    lib.blasx_hc_lane_routine.restype = ctypes.py_object
+    lib.blasx_hc_lane_routine.argtypes = [ctypes.py_object]
+    lib.blasx_hc_direct_calls.restype = ctypes.py_object
+    lib.blasx_hc_direct_calls.argtypes = []
     return lib
 
 
@@ -1285,7 +1798,84 @@ def _load():
     lib = declare(ctypes.PyDLL(str(path)))
     if _init(lib, NUMPY_COPIES_STRIDES) != 0 or not _layout_ok(lib) or not _clock_ok(lib):
         return None
+    direct_on = os.environ.get(ENV_DIRECT, "1") != "0"
+    set_direct(lib, direct_on, direct_on)
     return lib
+
+
+def set_direct(lib, numpy_gemm=True, scipy_gemm=True) -> dict:
+    """Give ``lib`` the routines of its direct calls (_blas_symbols), keep those whose results are
+    numpy's / scipy's bit for bit (``_direct_ok``), and return ``direct()``'s value; False for either
+    family: that family calls numpy's / scipy's function."""
+    from . import _blas_symbols as sym
+    global _direct
+    new = sym.new_from_descr()
+    found = sym.numpy_gemm() if numpy_gemm else None
+    f77 = sym.scipy_gemm() if scipy_gemm else None
+    lib.blasx_hc_set_direct(new, found and found[1], f77)
+    try:
+        ok = _direct_ok(lib, found is not None, f77 is not None)
+    except Exception:  # noqa: BLE001 - whatever fails here, numpy's / scipy's functions do the work
+        ok = (False, False)
+    if (found is not None, f77 is not None) != ok:
+        lib.blasx_hc_set_direct(new, found[1] if ok[0] else None, f77 if ok[1] else None)
+    _direct = {"numpy": found[0] if ok[0] else None, "scipy": ok[1]}
+    return dict(_direct)
+
+
+def direct() -> dict:
+    """Which direct calls the C entry points make (none without the library): ``"numpy"``, the
+    names of numpy's cblas gemm routines that matmul and dot call (None: numpy's functions do),
+    ``"scipy"``, whether gemm calls scipy's ?gemm routine itself."""
+    _library()
+    return dict(_direct)
+
+
+def describe() -> str:
+    """One line for ``blasx info``: how CPU-only calls are made."""
+    if kind() != "c":
+        return "host calls: Python entry points (no C compiler or Python headers, or $BLASX_HOST_PYTHON)"
+    d = direct()
+    numpy_part = f"numpy's {d['numpy'][1]} (and s/c/z)" if d["numpy"] else "off"
+    return (f"host calls: C entry points, clock {clock()}; direct BLAS for matmul/dot: {numpy_part}, "
+            f"for the scipy routines: {'scipy.linalg.cython_blas' if d['scipy'] else 'off'}"
+            + (f" (${ENV_DIRECT}=0)" if os.environ.get(ENV_DIRECT, "1") == "0" else ""))
+
+
+def direct_calls() -> int:
+    """How many direct BLAS calls the C entry points have made in this process (0 without the library)."""
+    lib = _library()
+    return 0 if lib is None else lib.blasx_hc_direct_calls()
+
+
+def _direct_ok(lib, numpy_gemm: bool, scipy_gemm: bool) -> tuple[bool, bool]:
+    """Whether each family's direct call gives numpy's (matmul and dot) / scipy's (?gemm) bits, on
+    products of every type, operand order and op."""
+    import scipy.linalg.blas as sblas
+    rng = np.random.default_rng(20261123)
+    ok_np, ok_sp = numpy_gemm, scipy_gemm
+    for dt in BLAS:
+        def rand(shape, order):
+            x = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dt.kind == "c" else 0)
+            return np.asarray(x, dtype=dt, order=order)
+        for (m, k, n), oa, ob in ((s, oa, ob) for s in ((5, 3, 4), (33, 17, 9)) for oa in "CF" for ob in "CF"):
+            a, b = rand((m, k), oa), rand((k, n), ob)
+            if ok_np:
+                got, ref = lib.blasx_hc_direct(0, None, a, b, 0, 0), np.matmul(a, b)
+                ok_np = (got is not None and got.flags.c_contiguous and got.dtype == dt
+                         and got.tobytes() == ref.tobytes() == np.dot(a, b).tobytes())
+            if ok_sp:
+                gemm = sblas.get_blas_funcs("gemm", dtype=dt)
+                for alpha, ta, tb in ((1.0, 0, 0), (0.75, 1, 0), (-1.25, 0, 2), (2, 2, 1)):
+                    # F-ordered operands: the wrapper makes the very call the direct one makes (it copies
+                    # a C-ordered one, which blasx.gemm hands BLAS as its transpose: another call, whose
+                    # bits may differ, 1 ulp with OpenBLAS's small-matrix kernels on a Xeon)
+                    x = np.asfortranarray(a if ta == 0 else a.T)
+                    y = np.asfortranarray(b if tb == 0 else b.T)
+                    got, ref = lib.blasx_hc_direct(1, alpha, x, y, ta, tb), gemm(alpha, x, y, trans_a=ta, trans_b=tb)
+                    ok_sp = ok_sp and (got is not None and got.flags.f_contiguous and got.dtype == dt
+                                       and got.tobytes(order="F") == ref.tobytes(order="F"))
+    return ok_np, ok_sp
 
 
 def set_scale(host_scale) -> None:
@@ -1429,4 +2019,47 @@ def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flag
                            {k: (frozenset(v), ROLE.get(k, 0)) for k, v in flags.items()}, FLOPS[routine], nargs,
                            names, frozenset(beta_types), sum(1 << i for i, d in enumerate(BLAS) if d in convertible))
     obj.__wrapped__ = wrapped
+    _lane_direct(lib, obj, routine, np.dtype(dtype), native, flags, names[f0:f0 + nf])
     return obj
+
+
+def _lane_direct(lib, obj, routine: str, dtype: np.dtype, native, flags: dict, order: tuple) -> None:
+    """Give the lane ``obj`` its scipy routine itself (_blas_symbols.scipy_routine), kept where its
+    results are the bits of ``native`` (scipy's wrapper) with each flag at its smallest and at its
+    largest allowed value. ``order``: the family's flags in the order the C code reads them."""
+    from . import _blas_symbols as sym
+    addr = sym.scipy_routine("sdcz"[BLAS.index(dtype)], routine)
+    if addr is None:
+        return
+    lib.blasx_hc_lane_direct(obj, addr)
+    try:
+        ok = all(_lane_ok(lib, obj, FLOPS[routine], dtype, native, dict(zip(order, (pick(flags[f]) for f in order))))
+                 for pick in (min, max))
+    except Exception:  # noqa: BLE001 - whatever fails here, scipy's wrapper does the work
+        ok = False
+    if not ok:
+        lib.blasx_hc_lane_direct(obj, None)
+
+
+def _lane_ok(lib, obj, family: int, dtype: np.dtype, native, flags: dict) -> bool:
+    """The lane's direct call gives ``native(1.5, a[, b], **flags)``'s bits on F-ordered operands
+    of ``dtype``, m, n, k = 5, 4, 3."""
+    rng = np.random.default_rng(20261123)
+    fl = tuple(flags.values())
+
+    def rand(shape, diag=0.0):
+        x = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype.kind == "c" else 0)
+        return np.asfortranarray(x + diag * np.eye(*shape), dtype=dtype)
+    m, n, k = 5, 4, 3
+    if family == 0:  # gemm
+        a, b = rand((k, m) if fl[0] else (m, k)), rand((n, k) if fl[1] else (k, n))
+    elif family in (1, 4):  # symm / hemm, trmm / trsm: a is s x s (a well-conditioned triangle)
+        s = n if fl[0] else m
+        a, b = rand((s, s), diag=4.0), rand((m, n))
+    else:  # syrk / herk, syr2k / her2k
+        a = rand((k, n) if fl[0] else (n, k))
+        b = rand(a.shape) if family == 3 else None
+    got = lib.blasx_hc_lane_probe(obj, 1.5, a, b, fl)
+    ref = native(1.5, a, **flags) if b is None else native(1.5, a, b, **flags)
+    return (got is not None and got.dtype == ref.dtype and got.shape == ref.shape and got.flags.f_contiguous
+            and got.tobytes(order="F") == ref.tobytes(order="F"))

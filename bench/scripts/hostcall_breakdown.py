@@ -15,7 +15,9 @@ median over the rounds of a variant's timing minus the peer's of the same round)
 between two consecutive variants is what the piece taken out cost. ``--micro`` adds the C cost of
 single operations (a clock read, a float, a tuple, a setattr on the threading.local), timed in
 loops of 10^6 in C. Variants made for the design measured are listed in ``VARIANTS``; the numbers
-are only meaningful for the source they were written against.
+are only meaningful for the source they were written against. The variants' libraries are not
+given the direct BLAS calls (``_hostcall.set_direct``): they time the calls of numpy's / scipy's
+functions, the path blasx takes with ``$BLASX_HOST_DIRECT=0``.
 """
 
 from __future__ import annotations
