@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "tune":
             return _tune(blasx, sub, args)
         return _gemm(blasx, sub, args)
+    except BrokenPipeError:  # (`blasx info | head`: the reader left; Python's documented way out)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         blasx.configure(**dataclasses.asdict(prev))  # the settings before, and no engine left running
 
@@ -410,6 +413,8 @@ def _info(blasx, parser, args) -> int:
     facts = probe.device_facts(devices)
     links = probe.peer_links(devices)
     print(_versions(blasx))
+    from . import _hostcall
+    print(_hostcall.describe())
     for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
         print(line)
     if args.measure:

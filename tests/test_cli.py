@@ -283,6 +283,8 @@ def test_info_on_sims(capsys, cache):
     assert cli.main(["info", "--devices", "sim:2,slow=2"]) == 0
     out = capsys.readouterr().out
     assert f"blasx {blasx.__version__}" in out
+    from blasx import _hostcall
+    assert _hostcall.describe() in out and "host calls: " in out
     assert "devices (sim:2,slow=2):" in out and "[1] sim:1 (slow=2) (sim, 4 streams, tile cache 64.00 MiB)" in out
     assert "peer links: [0] <-> [1]" in out
     assert "rates" not in out  # measurements only with --measure
@@ -542,3 +544,24 @@ def test_gpu_warm_up_lasts(monkeypatch):
     probe._best_gpu_seconds(issue, stream, 2, warm_s=0.0)
     assert len(calls) == 3  # one warm-up call at least
     assert probe.GPU_WARM_S >= 0.05
+
+
+def test_info_into_a_pipe_closed_early(cache):
+    """`blasx info | head -1`: the reader leaves (here stdout raises BrokenPipeError after its first
+    line, as a closed pipe does); blasx ends quietly, status 0, no traceback."""
+    import subprocess
+    code = ("import sys\n"
+            "from blasx import cli\n"
+            "class Closed:\n"
+            "    lines = 0\n"
+            "    def write(self, text):\n"
+            "        Closed.lines += 1\n"
+            "        if Closed.lines > 1:\n"
+            "            raise BrokenPipeError(32, 'Broken pipe')\n"
+            "        return len(text)\n"
+            "    def flush(self): pass\n"
+            "    def fileno(self): return 1\n"
+            "sys.stdout = Closed()\n"
+            "sys.exit(cli.main(['info', '--devices', 'sim:2']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "Broken" not in proc.stderr, proc.stderr
