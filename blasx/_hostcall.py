@@ -450,6 +450,14 @@ static double hc_size(PyObject *x) {      /* elements of an ndarray; 1 for a num
     return s;
 }
 
+#define HC_INT_MAX 2147483647
+
+/* numpy's is_blasable2d: a matrix of d1 x d2 with byte strides s1, s2 BLAS reads row-major, leading
+   dimension s1 / itemsize */
+static inline int hc_blasable(Py_ssize_t s1, Py_ssize_t s2, Py_ssize_t d2, Py_ssize_t sz) {
+    return s2 == sz && s1 % sz == 0 && s1 / sz >= d2 && s1 / sz <= HC_INT_MAX;
+}
+
 /* numpy's matmul runs BLAS on x as it is: numpy's is_blasable2d on the last two dimensions */
 static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
     Py_ssize_t s0, s1, d0, d1;
@@ -458,7 +466,7 @@ static int hc_blas_ready(hc_array *x, Py_ssize_t sz) {
     if (x->nd < 2) return 0;
     s0 = x->strides[x->nd - 2]; s1 = x->strides[x->nd - 1];
     d0 = x->dimensions[x->nd - 2]; d1 = x->dimensions[x->nd - 1];
-    return (s1 == sz && s0 % sz == 0 && s0 / sz >= d1) || (s0 == sz && s1 % sz == 0 && s1 / sz >= d0);
+    return hc_blasable(s0, s1, d1, sz) || hc_blasable(s1, s0, d0, sz);
 }
 
 /* fn(*args, **kw) as one host call: timed and recorded; steals dev */
@@ -505,7 +513,6 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
 #include <string.h>
 #define HC_FE (FE_DIVBYZERO | FE_OVERFLOW | FE_UNDERFLOW | FE_INVALID)
 #define HC_NOGIL 262144.0
-#define HC_INT_MAX 2147483647
 typedef PyObject *(*hc_new_fn)(PyTypeObject *, PyObject *, int, const Py_ssize_t *, const Py_ssize_t *, void *, int,
                                PyObject *);
 typedef void (*hc_cblas_s)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void *, int64_t,
@@ -532,12 +539,6 @@ static PyObject *hc_empty(int i, Py_ssize_t m, Py_ssize_t n, int fortran) {
 }
 
 static int hc_may_share(hc_array *x, hc_array *y);
-
-/* numpy's is_blasable2d: a matrix of d1 x d2 with byte strides s1, s2 BLAS reads row-major, leading
-   dimension s1 / itemsize */
-static inline int hc_blasable(Py_ssize_t s1, Py_ssize_t s2, Py_ssize_t d2, Py_ssize_t sz) {
-    return s2 == sz && s1 % sz == 0 && s1 / sz >= d2 && s1 / sz <= HC_INT_MAX;
-}
 
 /* an operand or an output numpy's matmul hands BLAS as it is: 2-D, aligned, dimensions 2..INT_MAX,
    blasable row- or column-major (contiguous only: numpy's dot copies the others) */
@@ -643,6 +644,18 @@ static int hc_scalar(PyObject *x, int i, double v[2]) {
     return 1;
 }
 
+/* alpha and beta as a routine of dtype i reads them (hc_scalar's values; floats for s and c): *pa and
+   *pb point into v; 0: hc_scalar's 0 */
+typedef struct { double d[2][2]; float f[2][2]; } hc_scalars;
+static int hc_scalars_of(PyObject *alpha, PyObject *beta, int i, hc_scalars *v, void **pa, void **pb) {
+    int j;
+    if (!hc_scalar(alpha, i, v->d[0]) || !hc_scalar(beta, i, v->d[1])) return 0;
+    if (i == 1 || i == 3) { *pa = v->d[0]; *pb = v->d[1]; return 1; }
+    for (j = 0; j < 2; j++) { v->f[j][0] = (float)v->d[j][0]; v->f[j][1] = (float)v->d[j][1]; }
+    *pa = v->f[0]; *pb = v->f[1];
+    return 1;
+}
+
 /* how scipy's wrapper hands x to BLAS: F-contiguous as it is, C-ordered (only) as its transpose
    (op N <-> T; not op C); its F-ordered rows and columns and BLAS's op in *op (0 N, 1 T, 2 C);
    0: not so (f2py would copy it) */
@@ -663,21 +676,18 @@ static PyObject *hc_f77_gemm(int i, PyObject *alpha, PyObject *beta, hc_array *a
     static char ops[3] = {'N', 'T', 'C'};
     Py_ssize_t ra, ca, rb, cb, mm, nn, kk;
     int m, n, k, lda, ldb, ldc;
-    double al[2], be[2];
-    float alf[2], bef[2];
+    hc_scalars sc;
     void *pa, *pb;
     char *cdata, opa, opb;
     PyObject *res;
     hc_stamp t0;
-    if (hc_f77[i] == NULL || !hc_scalar(alpha, i, al) || !hc_scalar(beta, i, be)
+    if (hc_f77[i] == NULL || !hc_scalars_of(alpha, beta, i, &sc, &pa, &pb)
             || !hc_f77_operand(a, &ta, &ra, &ca) || !hc_f77_operand(b, &tb, &rb, &cb))
         return NULL;
     mm = ta ? ca : ra; kk = ta ? ra : ca; nn = tb ? rb : cb;
     if (kk != (tb ? cb : rb) || !mm || !nn || !kk) return NULL;
     m = (int)mm; n = (int)nn; k = (int)kk;
     lda = ra > 1 ? (int)ra : 1; ldb = rb > 1 ? (int)rb : 1; ldc = m > 1 ? m : 1;
-    alf[0] = (float)al[0]; alf[1] = (float)al[1]; bef[0] = (float)be[0]; bef[1] = (float)be[1];
-    pa = i == 0 || i == 2 ? (void *)alf : (void *)al; pb = i == 0 || i == 2 ? (void *)bef : (void *)be;
     opa = ops[ta]; opb = ops[tb];
     if (dev != NULL && hc_stamp_now(&t0) < 0) return NULL;
     if (cobj == Py_None) {
@@ -1119,8 +1129,7 @@ static inline int hc_fortran(hc_array *x, PyObject *dtype) {
 static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_array *a, hc_array *b, hc_array *c,
                              const long *f, int in_place, PyObject *dev, double flops) {
     static char trans[3] = {'N', 'T', 'C'};
-    double al[2], be[2];
-    float alf[2], bef[2];
+    hc_scalars sc;
     void *pa, *pb;
     char c1, c2, c3, c4;
     int m, n, k, lda, ldb, ldc, fam = self->flops, i = self->di;
@@ -1128,7 +1137,7 @@ static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_
     hc_array *out, *src;   /* the array written; what it starts as (NULL: zeros) */
     PyObject *res;
     hc_stamp t0;
-    if (!hc_f77_lanes || self->f77 == NULL || !hc_scalar(alpha, i, al) || !hc_scalar(beta, i, be)
+    if (!hc_f77_lanes || self->f77 == NULL || !hc_scalars_of(alpha, beta, i, &sc, &pa, &pb)
             || !hc_fortran(a, self->dtype) || (b != NULL && !hc_fortran(b, self->dtype))
             || (c != NULL && !(c->descr == self->dtype && (c->flags & HC_F))))
         return NULL;
@@ -1161,8 +1170,6 @@ static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_
     }
     out = (hc_array *)res;
     ldc = m > 1 ? m : 1;
-    alf[0] = (float)al[0]; alf[1] = (float)al[1]; bef[0] = (float)be[0]; bef[1] = (float)be[1];
-    pa = i == 0 || i == 2 ? (void *)alf : (void *)al; pb = i == 0 || i == 2 ? (void *)bef : (void *)be;
     {
         PyThreadState *ts;
         hc_direct_calls++;
