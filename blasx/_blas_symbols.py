@@ -17,8 +17,9 @@ arguments instead, so it gets the same bits for less. What is read here:
   routines scipy's own wrappers call), taken only where the capsule's signature is the one the C
   code calls (Fortran arguments, 32-bit integers: ``int``, or scipy 1.18's ``blas_int`` where a
   safe call shows it is 32 bits, as in scipy's wheels).
-* numpy's ``PyArray_NewFromDescr``: slot 94 of numpy's C-API table (the ``_ARRAY_API`` capsule),
-  where every numpy since 1.0 has it (``numpy/__multiarray_api.h``; a test reads it there).
+* numpy's ``PyArray_NewFromDescr`` and ``PyArray_CopyInto``: slots 94 and 50 of numpy's C-API
+  table (the ``_ARRAY_API`` capsule), where every numpy since 1.x has them
+  (``numpy/__multiarray_api.h``; a test reads them there).
 
 _hostcall checks the outcome when it loads: a direct call must give numpy's / scipy's bits on a
 few products of every type and order, else that family is left to numpy / scipy.
@@ -33,8 +34,8 @@ import re
 import struct
 import sys
 
-#: numpy's C-API table slot of PyArray_NewFromDescr
-NEW_FROM_DESCR_SLOT = 94
+#: numpy's C-API table slots of the functions the C code calls (numpy/__multiarray_api.h)
+API_SLOTS = {"PyArray_NewFromDescr": 94, "PyArray_CopyInto": 50}
 PREFIXES = "sdcz"  # the order of _hostcall.BLAS: float32, float64, complex64, complex128
 #: a cblas gemm's name: any prefix and one of the suffixes BLAS builds give (scipy-openblas: 64_,
 #: MKL's ILP64: _64); not cblas_dgemm_batch and the like
@@ -190,8 +191,8 @@ def scipy_gemm() -> tuple[int, ...] | None:
     return None if None in addrs else addrs
 
 
-def new_from_descr() -> int | None:
-    """The address of numpy's PyArray_NewFromDescr (its C-API table), or None."""
+def numpy_api() -> tuple[int, int] | None:
+    """The addresses of numpy's PyArray_NewFromDescr and PyArray_CopyInto (its C-API table), or None."""
     try:
         from numpy._core import _multiarray_umath as umath
     except ImportError:
@@ -200,4 +201,5 @@ def new_from_descr() -> int | None:
     if capsule is None:
         return None
     table = _capsule_pointer(capsule)
-    return ctypes.c_void_p.from_address(table + NEW_FROM_DESCR_SLOT * ctypes.sizeof(ctypes.c_void_p)).value
+    slots = tuple(ctypes.c_void_p.from_address(table + k * ctypes.sizeof(ctypes.c_void_p)).value for k in API_SLOTS.values())
+    return None if None in slots else slots

@@ -523,7 +523,9 @@ typedef void (*hc_cblas_c)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                            const void *, int64_t, const void *, void *, int64_t);
 typedef void (*hc_f77_fn)(char *, char *, int *, int *, int *, void *, void *, int *, void *, int *, void *, void *,
                           int *);
+typedef int (*hc_copy_into_fn)(PyObject *, PyObject *);
 static hc_new_fn hc_new_array;            /* numpy's PyArray_NewFromDescr */
+static hc_copy_into_fn hc_copy_into;      /* numpy's PyArray_CopyInto */
 static void *hc_cblas[4];                 /* numpy's cblas_?gemm, by dtype; NULL: no direct matmul / dot */
 static void *hc_f77[4];                   /* scipy's ?gemm (scipy.linalg.cython_blas), by dtype; NULL: none */
 static unsigned long long hc_direct_calls;   /* direct calls made (with the GIL held: no race), for tests */
@@ -656,64 +658,85 @@ static int hc_scalars_of(PyObject *alpha, PyObject *beta, int i, hc_scalars *v, 
     return 1;
 }
 
-/* how scipy's wrapper hands x to BLAS: F-contiguous as it is, C-ordered (only) as its transpose
-   (op N <-> T; not op C); its F-ordered rows and columns and BLAS's op in *op (0 N, 1 T, 2 C);
-   0: not so (f2py would copy it) */
-static int hc_f77_operand(hc_array *x, long *op, Py_ssize_t *rows, Py_ssize_t *cols) {
-    if (!(x->flags & HC_ALIGNED)) return 0;
-    if (x->flags & HC_F) { *rows = x->dimensions[0]; *cols = x->dimensions[1]; }
-    else if ((x->flags & HC_C) && *op != 2) { *rows = x->dimensions[1]; *cols = x->dimensions[0]; *op = 1 - *op; }
-    else return 0;
-    return *rows <= HC_INT_MAX && *cols <= HC_INT_MAX;
+/* x as scipy's f2py wrapper hands it to BLAS (numpy's f2py, ndarray_from_pyobj): x itself where it is
+   an aligned F-contiguous array of dtype i (and no copy is asked: intent(in,out,copy) arrays are
+   copied), else a new F-ordered array of dtype i with x's values (the wrapper's PyArray_NewFromDescr
+   and PyArray_CopyInto: numpy's cast; a plain copy of an F-ordered array of that type with memcpy);
+   a new reference; NULL: numpy's error */
+static PyObject *hc_as_fortran(hc_array *x, int i, int copy) {
+    PyObject *res;
+    int same = x->descr == hc_descr[i] && (x->flags & HC_F);
+    if (!copy && same && (x->flags & HC_ALIGNED)) {
+        Py_INCREF((PyObject *)x);
+        return (PyObject *)x;
+    }
+    if ((res = hc_empty(i, x->dimensions[0], x->dimensions[1], 1)) == NULL) return NULL;
+    if (same) memcpy(((hc_array *)res)->data, x->data, (size_t)(x->dimensions[0] * x->dimensions[1] * hc_itemsize[i]));
+    else if (hc_copy_into(res, (PyObject *)x) < 0) Py_CLEAR(res);
+    return res;
 }
 
-/* scipy's ?gemm(alpha, a, b, beta, c, ta, tb) as its wrapper calls BLAS, with c None (a new
-   F-ordered result), an F-ordered c written in place (c, or c.T's view for a C-ordered c:
-   transposed_c) or copied first (copy_c: the wrapper's copy; an F-ordered c only);
-   NULL without an exception: not such a call (the caller then calls scipy's); recorded on dev (NULL: not) */
+static inline int hc_fits(hc_array *x) {   /* a 2-D array whose dimensions BLAS's int holds */
+    return x->nd == 2 && x->dimensions[0] <= HC_INT_MAX && x->dimensions[1] <= HC_INT_MAX;
+}
+
+/* blasx.gemm's operand x for scipy's ?gemm: an aligned C-ordered one (not with op C) as its F-ordered
+   transpose x.T, op N <-> T (level3._host_gemm's choice), else as scipy's wrapper takes x
+   (hc_as_fortran; *copied: 1 where that is a copy); its F-ordered rows and columns, op in *op */
+static int hc_gemm_operand(hc_array *x, long *op, Py_ssize_t *rows, Py_ssize_t *cols, int *transposed) {
+    *transposed = !(x->flags & HC_F) && (x->flags & HC_C) && (x->flags & HC_ALIGNED) && *op != 2;
+    if (*transposed) { *rows = x->dimensions[1]; *cols = x->dimensions[0]; *op = 1 - *op; }
+    else { *rows = x->dimensions[0]; *cols = x->dimensions[1]; }
+    return hc_fits(x);
+}
+
+/* scipy's ?gemm(alpha, a, b, beta, c, ta, tb) as its wrapper calls BLAS (operands by hc_gemm_operand),
+   with c None (a new F-ordered result), c written in place (an F-ordered c, or c.T's view for a
+   C-ordered c: transposed_c) or copied first (copy_c: the wrapper's copy, hc_as_fortran); NULL
+   without an exception: not such a call (the caller then calls scipy's); recorded on dev (NULL: not) */
 static PyObject *hc_f77_gemm(int i, PyObject *alpha, PyObject *beta, hc_array *a, hc_array *b, long ta, long tb,
                              PyObject *cobj, int transposed_c, int copy_c, PyObject *dev) {
     static char ops[3] = {'N', 'T', 'C'};
     Py_ssize_t ra, ca, rb, cb, mm, nn, kk;
-    int m, n, k, lda, ldb, ldc;
+    int m, n, k, lda, ldb, ldc, tra, trb;
     hc_scalars sc;
     void *pa, *pb;
-    char *cdata, opa, opb;
-    PyObject *res;
+    char opa, opb;
+    PyObject *res = NULL, *x = NULL, *y = NULL;
     hc_stamp t0;
     if (hc_f77[i] == NULL || !hc_scalars_of(alpha, beta, i, &sc, &pa, &pb)
-            || !hc_f77_operand(a, &ta, &ra, &ca) || !hc_f77_operand(b, &tb, &rb, &cb))
+            || !hc_gemm_operand(a, &ta, &ra, &ca, &tra) || !hc_gemm_operand(b, &tb, &rb, &cb, &trb))
         return NULL;
     mm = ta ? ca : ra; kk = ta ? ra : ca; nn = tb ? rb : cb;
     if (kk != (tb ? cb : rb) || !mm || !nn || !kk) return NULL;
+    if (cobj != Py_None) {
+        hc_array *c = (hc_array *)cobj;
+        if ((transposed_c ? c->dimensions[1] : c->dimensions[0]) != mm
+                || (transposed_c ? c->dimensions[0] : c->dimensions[1]) != nn)
+            return NULL;
+    }
     m = (int)mm; n = (int)nn; k = (int)kk;
     lda = ra > 1 ? (int)ra : 1; ldb = rb > 1 ? (int)rb : 1; ldc = m > 1 ? m : 1;
     opa = ops[ta]; opb = ops[tb];
     if (dev != NULL && hc_stamp_now(&t0) < 0) return NULL;
-    if (cobj == Py_None) {
-        if ((res = hc_empty(i, mm, nn, 1)) == NULL) return NULL;
-    } else {
-        hc_array *c = (hc_array *)cobj;
-        if ((transposed_c ? c->dimensions[1] : c->dimensions[0]) != mm
-                || (transposed_c ? c->dimensions[0] : c->dimensions[1]) != nn || (copy_c && !(c->flags & HC_F)))
-            return NULL;
-        if (copy_c) {
-            if ((res = hc_empty(i, mm, nn, 1)) == NULL) return NULL;
-            memcpy(((hc_array *)res)->data, c->data, (size_t)(mm * nn * hc_itemsize[i]));
-        } else {
-            Py_INCREF(cobj);
-            res = cobj;
-        }
+    /* (a transposed operand is read where it is; the others as the wrapper takes them) */
+    if (tra) { Py_INCREF((PyObject *)a); x = (PyObject *)a; } else x = hc_as_fortran(a, i, 0);
+    if (x != NULL) { if (trb) { Py_INCREF((PyObject *)b); y = (PyObject *)b; } else y = hc_as_fortran(b, i, 0); }
+    if (x != NULL && y != NULL) {
+        if (cobj == Py_None) res = hc_empty(i, mm, nn, 1);
+        else if (copy_c) res = hc_as_fortran((hc_array *)cobj, i, 1);
+        else { Py_INCREF(cobj); res = cobj; }
     }
-    cdata = ((hc_array *)res)->data;
-    {
+    if (res != NULL) {
         PyThreadState *ts;
         hc_direct_calls++;
         ts = (double)mm * (double)nn * (double)kk >= HC_NOGIL ? PyEval_SaveThread() : NULL;
-        ((hc_f77_fn)hc_f77[i])(&opa, &opb, &m, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, cdata, &ldc);
+        ((hc_f77_fn)hc_f77[i])(&opa, &opb, &m, &n, &k, pa, ((hc_array *)x)->data, &lda, ((hc_array *)y)->data, &ldb,
+                               pb, ((hc_array *)res)->data, &ldc);
         if (ts != NULL) PyEval_RestoreThread(ts);
+        if (dev != NULL && hc_record(dev, t0, i, 2.0 * (double)mm * (double)nn * (double)kk) < 0) Py_CLEAR(res);
     }
-    if (dev != NULL && hc_record(dev, t0, i, 2.0 * (double)mm * (double)nn * (double)kk) < 0) Py_CLEAR(res);
+    Py_XDECREF(x); Py_XDECREF(y);
     return res;
 }
 
@@ -1110,21 +1133,17 @@ general:
 
 /* scipy's level-3 routine of a lane (hc_call.f77: scipy.linalg.cython_blas's), called as scipy's f2py
    wrapper calls it (scipy/linalg/fblas_l3.pyf.src): flags as its characters, dimensions and leading
-   dimensions from the shapes, the result a new F-ordered array of zeros (the wrapper's; only
-   ?gemm's is left unset: beta is 0 there and BLAS does not read C), or a copy of c / of trmm's and
-   trsm's b, or that array itself (in_place). Only for arrays of the routine's dtype that are
-   F-contiguous and aligned (the wrapper copies others, an F-contiguous c copied here with memcpy),
-   and alpha / beta a Python float, int or complex (hc_scalar). f: the family's flags in the
-   signature's order (hc_fam). NULL without an exception: not such a call. */
+   dimensions from the shapes, the operands as the wrapper takes them (hc_as_fortran: as they are,
+   or numpy's F-ordered copy of another order or type), the result a new F-ordered array of zeros
+   (the wrapper's; only ?gemm's is left unset: beta is 0 there and BLAS does not read C), or a
+   copy of c / of trmm's and trsm's b, or that array itself (in_place); alpha / beta of the types
+   the lane took (hc_scalars_of). a, b, c: 2-D exact ndarrays (the lanes' checks). f: the family's
+   flags in the signature's order (hc_fam). NULL without an exception: not such a call; with one:
+   numpy's error converting an array (the wrapper's too). */
 typedef void (*hc_f77_symm_fn)(char *, char *, int *, int *, void *, void *, int *, void *, int *, void *, void *, int *);
 typedef void (*hc_f77_syrk_fn)(char *, char *, int *, int *, void *, void *, int *, void *, void *, int *);
 typedef void (*hc_f77_tri_fn)(char *, char *, char *, char *, int *, int *, void *, void *, int *, void *, int *);
 static int hc_f77_lanes;                  /* the lanes' direct calls are on (blasx_hc_set_direct) */
-
-static inline int hc_fortran(hc_array *x, PyObject *dtype) {
-    return x->descr == dtype && (x->flags & HC_F) && (x->flags & HC_ALIGNED) && x->dimensions[0] <= HC_INT_MAX
-        && x->dimensions[1] <= HC_INT_MAX;
-}
 
 static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_array *a, hc_array *b, hc_array *c,
                              const long *f, int in_place, PyObject *dev, double flops) {
@@ -1134,12 +1153,11 @@ static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_
     char c1, c2, c3, c4;
     int m, n, k, lda, ldb, ldc, fam = self->flops, i = self->di;
     Py_ssize_t rm, rn;
-    hc_array *out, *src;   /* the array written; what it starts as (NULL: zeros) */
-    PyObject *res;
+    hc_array *src;   /* what the result starts as (NULL: zeros) */
+    PyObject *res = NULL, *x, *y = NULL;
     hc_stamp t0;
-    if (!hc_f77_lanes || self->f77 == NULL || !hc_scalars_of(alpha, beta, i, &sc, &pa, &pb)
-            || !hc_fortran(a, self->dtype) || (b != NULL && !hc_fortran(b, self->dtype))
-            || (c != NULL && !(c->descr == self->dtype && (c->flags & HC_F))))
+    if (!hc_f77_lanes || self->f77 == NULL || !hc_scalars_of(alpha, beta, i, &sc, &pa, &pb) || !hc_fits(a)
+            || (b != NULL && !hc_fits(b)) || (c != NULL && !hc_fits(c)))
         return NULL;
     lda = a->dimensions[0] > 1 ? (int)a->dimensions[0] : 1;
     ldb = b == NULL ? 0 : b->dimensions[0] > 1 ? (int)b->dimensions[0] : 1;
@@ -1158,47 +1176,47 @@ static PyObject *hc_f77_call(hc_call *self, PyObject *alpha, PyObject *beta, hc_
         rm = n; rn = n;
         break;
     }
+    ldc = m > 1 ? m : 1;
     src = fam == HC_FL_TRI ? b : c;
     if (dev != NULL && hc_stamp_now(&t0) < 0) return NULL;
-    if (in_place) {
-        Py_INCREF((PyObject *)src);
-        res = (PyObject *)src;
-    } else {
-        if ((res = hc_empty(i, rm, rn, 1)) == NULL) return NULL;
-        if (src != NULL) memcpy(((hc_array *)res)->data, src->data, (size_t)(rm * rn * hc_itemsize[i]));
-        else if (fam != HC_FL_GEMM) memset(((hc_array *)res)->data, 0, (size_t)(rm * rn * hc_itemsize[i]));
-    }
-    out = (hc_array *)res;
-    ldc = m > 1 ? m : 1;
-    {
+    /* the operands and the result as the wrapper makes them: b of trmm / trsm is the result */
+    if ((x = hc_as_fortran(a, i, 0)) == NULL) return NULL;
+    if (b != NULL && fam != HC_FL_TRI && (y = hc_as_fortran(b, i, 0)) == NULL) { Py_DECREF(x); return NULL; }
+    if (in_place) { Py_INCREF((PyObject *)src); res = (PyObject *)src; }
+    else if (src != NULL) res = hc_as_fortran(src, i, 1);
+    else if ((res = hc_empty(i, rm, rn, 1)) != NULL && fam != HC_FL_GEMM)
+        memset(((hc_array *)res)->data, 0, (size_t)(rm * rn * hc_itemsize[i]));
+    if (res != NULL) {
+        char *ad = ((hc_array *)x)->data, *bd = y == NULL ? NULL : ((hc_array *)y)->data, *out = ((hc_array *)res)->data;
         PyThreadState *ts;
         hc_direct_calls++;
         ts = flops >= 2.0 * HC_NOGIL ? PyEval_SaveThread() : NULL;
         switch (fam) {
         case HC_FL_GEMM:
             c1 = trans[f[0]]; c2 = trans[f[1]];
-            ((hc_f77_fn)self->f77)(&c1, &c2, &m, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            ((hc_f77_fn)self->f77)(&c1, &c2, &m, &n, &k, pa, ad, &lda, bd, &ldb, pb, out, &ldc);
             break;
         case HC_FL_SYMM:
             c1 = f[0] ? 'R' : 'L'; c2 = f[1] ? 'L' : 'U';
-            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &m, &n, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &m, &n, pa, ad, &lda, bd, &ldb, pb, out, &ldc);
             break;
         case HC_FL_SYRK:
             c1 = f[1] ? 'L' : 'U'; c2 = trans[f[0]];
-            ((hc_f77_syrk_fn)self->f77)(&c1, &c2, &n, &k, pa, a->data, &lda, pb, out->data, &ldc);
+            ((hc_f77_syrk_fn)self->f77)(&c1, &c2, &n, &k, pa, ad, &lda, pb, out, &ldc);
             break;
         case HC_FL_SYR2K:
             c1 = f[1] ? 'L' : 'U'; c2 = trans[f[0]];
-            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &n, &k, pa, a->data, &lda, b->data, &ldb, pb, out->data, &ldc);
+            ((hc_f77_symm_fn)self->f77)(&c1, &c2, &n, &k, pa, ad, &lda, bd, &ldb, pb, out, &ldc);
             break;
         default:   /* trmm, trsm: B in place */
             c1 = f[0] ? 'R' : 'L'; c2 = f[1] ? 'L' : 'U'; c3 = trans[f[2]]; c4 = f[3] ? 'U' : 'N';
-            ((hc_f77_tri_fn)self->f77)(&c1, &c2, &c3, &c4, &m, &n, pa, a->data, &lda, out->data, &ldc);
+            ((hc_f77_tri_fn)self->f77)(&c1, &c2, &c3, &c4, &m, &n, pa, ad, &lda, out, &ldc);
             break;
         }
         if (ts != NULL) PyEval_RestoreThread(ts);
+        if (dev != NULL && hc_record(dev, t0, i, flops) < 0) Py_CLEAR(res);
     }
-    if (dev != NULL && hc_record(dev, t0, i, flops) < 0) Py_CLEAR(res);
+    Py_DECREF(x); Py_XDECREF(y);
     return res;
 }
 
@@ -1594,13 +1612,23 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     return (PyObject *)self;
 }
 
-/* the direct calls' routines (blasx._blas_symbols): numpy's PyArray_NewFromDescr, numpy's cblas_?gemm and
-   scipy's ?gemm (4-tuples of addresses, or None: that family calls numpy's / scipy's function) */
-int blasx_hc_set_direct(PyObject *new_array, PyObject *cblas, PyObject *f77) {
-    void *p[9] = {NULL};
+/* the direct calls' routines (blasx._blas_symbols): numpy's PyArray_NewFromDescr and PyArray_CopyInto
+   (a 2-tuple of addresses, or None: no direct calls), numpy's cblas_?gemm and scipy's ?gemm (4-tuples
+   of addresses, or None: that family calls numpy's / scipy's function) */
+int blasx_hc_set_direct(PyObject *numpy_api, PyObject *cblas, PyObject *f77) {
+    void *p[9] = {NULL}, *from = NULL;
     int i, j;
     PyObject *t[2] = {cblas, f77};
-    if (new_array != Py_None && (p[0] = PyLong_AsVoidPtr(new_array)) == NULL && PyErr_Occurred()) return -1;
+    if (numpy_api != Py_None) {
+        if (!PyTuple_Check(numpy_api) || PyTuple_GET_SIZE(numpy_api) != 2) {
+            PyErr_SetString(PyExc_TypeError, "blasx_hc_set_direct: 2 addresses or None expected");
+            return -1;
+        }
+        if (((p[0] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(numpy_api, 0))) == NULL
+             || (from = PyLong_AsVoidPtr(PyTuple_GET_ITEM(numpy_api, 1))) == NULL) && PyErr_Occurred())
+            return -1;
+        if (from == NULL) p[0] = NULL;
+    }
     for (j = 0; j < 2; j++) {
         if (t[j] == Py_None) continue;
         if (!PyTuple_Check(t[j]) || PyTuple_GET_SIZE(t[j]) != 4) {
@@ -1611,6 +1639,7 @@ int blasx_hc_set_direct(PyObject *new_array, PyObject *cblas, PyObject *f77) {
             if ((p[1 + 4 * j + i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(t[j], i))) == NULL && PyErr_Occurred()) return -1;
     }
     hc_new_array = (hc_new_fn)p[0];
+    hc_copy_into = (hc_copy_into_fn)from;
     for (i = 0; i < 4; i++) {
         hc_cblas[i] = hc_new_array != NULL ? p[1 + i] : NULL;
         hc_f77[i] = hc_new_array != NULL ? p[5 + i] : NULL;
@@ -1816,7 +1845,7 @@ def set_direct(lib, numpy_gemm=True, scipy_gemm=True) -> dict:
     family: that family calls numpy's / scipy's function."""
     from . import _blas_symbols as sym
     global _direct
-    new = sym.new_from_descr()
+    new = sym.numpy_api()
     found = sym.numpy_gemm() if numpy_gemm else None
     f77 = sym.scipy_gemm() if scipy_gemm else None
     lib.blasx_hc_set_direct(new, found and found[1], f77)
