@@ -1,10 +1,11 @@
-"""Where numpy's and scipy's own gemm routines are: the addresses the C entry points call directly
+"""Where numpy's and scipy's own BLAS routines are: the addresses the C entry points call directly
 (``_hostcall``, "Direct BLAS").
 
 numpy's matmul and dot spend ~0.7 us around their BLAS call on a 16 x 16 product (the ufunc /
-dot machinery: ~0.8 us for 2 x 2), scipy's ?gemm ~0.25 (f2py's parsing). A plain 2-D call of
-``blasx.matmul`` / ``dot`` / ``gemm`` on the CPU calls the same BLAS routine with the same
-arguments instead, so it gets the same bits for less. What is read here:
+dot machinery: ~0.8 us for 2 x 2), scipy's wrappers ~0.1-0.25 (f2py's parsing). A 2-D call of
+``blasx.matmul`` / ``dot`` / ``gemm`` or of a ``blasx.linalg.blas`` routine on the CPU calls the
+same BLAS routine with the same arguments instead, so it gets the same bits for less. What is
+read here:
 
 * numpy's ``cblas_?gemm``: the names numpy's ``_multiarray_umath`` imports (its ELF dynamic symbol
   table: ``scipy_cblas_dgemm64_`` for numpy's wheels, ``cblas_dgemm`` for a build on a system

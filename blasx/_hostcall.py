@@ -55,10 +55,12 @@ Direct BLAS (``_blas_symbols``; ``direct()`` says which are on, ``$BLASX_HOST_DI
 off): where numpy's / scipy's function would only wrap one BLAS call, the C code makes that call
 itself, with the arguments the function would pass, into an array made as the function makes it:
 ``matmul`` / ``dot`` of two 2-D C- or F-contiguous operands (numpy's ``cblas_?gemm``; not a @ a.T,
-numpy's syrk, nor a dimension 1, numpy's gemv), ``gemm`` and every scipy-signature routine on
-F-ordered operands of their type with Python scalars, c and overwrite_* too (scipy's own routine
-from ``scipy.linalg.cython_blas``, called as its f2py wrapper calls it). That skips numpy's ufunc
-/ dot machinery (~0.7 us) and f2py's parsing (~0.1-0.25 us): the same bits, checked at load
+numpy's syrk, nor a dimension 1, numpy's gemv; blocks of larger arrays for matmul, out=), ``gemm``
+and every scipy-signature routine on 2-D operands, with Python's or numpy's scalars, c and
+overwrite_* too (scipy's own routine from ``scipy.linalg.cython_blas``, called as its f2py wrapper
+calls it, on what the wrapper would make of the operands: the same arrays, or F-ordered copies of
+another order or type made by the same numpy functions). That skips numpy's ufunc / dot
+machinery (~0.7 us) and f2py's parsing (~0.1-0.25 us): the same bits, checked at load
 (``_direct_ok``, ``_lane_ok``) and by the tests, bit for bit, against the functions themselves.
 numpy's floating-point warnings are kept: a flag raised in a direct matmul / dot hands the call to
 numpy's function, which computes it again and warns or raises as ``np.errstate`` says.
@@ -500,11 +502,11 @@ static PyObject *hc_run(PyObject *fn, PyObject *const *args, size_t nargsf, PyOb
      (numpy's matmul and dot both call it so), into a new C-ordered array. Both check the
      floating-point status after the call (the warnings of np.errstate): a flag raised here hands
      the call to numpy's function, which computes it again and warns or raises as numpy does.
-   * ?gemm with no c, with c written in place (hc_gemm's HC_C_NONE / HC_C_IN_PLACE(_T)) or an
-     F-ordered c copied (HC_C_COPY):
-     operands as scipy's wrapper gets them (F-contiguous as they are, C-ordered ones transposed),
-     alpha / beta a Python float or int (complex too for c / z), as f2py converts them; into a new
-     F-ordered array (f2py's zeros: beta is 0, so C is not read) or into c.
+   * ?gemm with no c, with c written in place (hc_gemm's HC_C_NONE / HC_C_IN_PLACE(_T)) or c
+     copied (HC_C_COPY): aligned C-ordered operands transposed (blasx.gemm's own rule), the others
+     as scipy's wrapper takes them (hc_as_fortran), alpha / beta converted as f2py converts them;
+     into a new F-ordered array (f2py's zeros: beta is 0, so C is not read), into c, or into the
+     wrapper's copy of c.
    * the scipy-signature routines (both lanes): hc_f77_call, below, with each lane's own routine.
 
    The GIL is let go for products of m n k >= HC_NOGIL (numpy's matmul lets it go for all; a
