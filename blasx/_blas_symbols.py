@@ -18,7 +18,7 @@ read here:
   routines scipy's own wrappers call), taken only where the capsule's signature is the one the C
   code calls (Fortran arguments, 32-bit integers: ``int``, or scipy 1.18's ``blas_int`` where a
   safe call shows it is 32 bits, as in scipy's wheels).
-* numpy's ``PyArray_NewFromDescr`` and ``PyArray_CopyInto``: slots 94 and 50 of numpy's C-API
+* numpy's ``PyArray_NewFromDescr``, ``PyArray_CopyInto`` and ``PyArray_FromAny``: slots 94, 50 and 69 of numpy's C-API
   table (the ``_ARRAY_API`` capsule), where every numpy since 1.x has them
   (``numpy/__multiarray_api.h``; a test reads them there).
 
@@ -36,7 +36,7 @@ import struct
 import sys
 
 #: numpy's C-API table slots of the functions the C code calls (numpy/__multiarray_api.h)
-API_SLOTS = {"PyArray_NewFromDescr": 94, "PyArray_CopyInto": 50}
+API_SLOTS = {"PyArray_NewFromDescr": 94, "PyArray_CopyInto": 50, "PyArray_FromAny": 69}
 PREFIXES = "sdcz"  # the order of _hostcall.BLAS: float32, float64, complex64, complex128
 #: a cblas gemm's name: any prefix and one of the suffixes BLAS builds give (scipy-openblas: 64_,
 #: MKL's ILP64: _64); not cblas_dgemm_batch and the like
@@ -192,8 +192,8 @@ def scipy_gemm() -> tuple[int, ...] | None:
     return None if None in addrs else addrs
 
 
-def numpy_api() -> tuple[int, int] | None:
-    """The addresses of numpy's PyArray_NewFromDescr and PyArray_CopyInto (its C-API table), or None."""
+def numpy_api() -> tuple[int, int, int] | None:
+    """The addresses of numpy's API_SLOTS functions (its C-API table), in that order, or None."""
     try:
         from numpy._core import _multiarray_umath as umath
     except ImportError:

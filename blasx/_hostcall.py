@@ -177,6 +177,7 @@ typedef struct {
     hc_types types[4];    /* GEMM: alpha's (and beta's) types per dtype; LANE: [0] alpha's, [1] beta's */
     unsigned long fmask[4];   /* LANE: per flag of the family (names[f0 + j]): bit v: the int v allowed */
     void *f77;            /* LANE: scipy's routine itself (cython_blas), or NULL: its wrapper is called */
+    int lists;            /* nested lists as operands are made arrays (matmul, dot, blasx.linalg.blas's lanes) */
     int frole[4];         /* LANE: per flag: its role (where hc_flags puts it) */
     PyObject *dict;
 } hc_call;
@@ -526,8 +527,10 @@ typedef void (*hc_cblas_c)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
 typedef void (*hc_f77_fn)(char *, char *, int *, int *, int *, void *, void *, int *, void *, int *, void *, void *,
                           int *);
 typedef int (*hc_copy_into_fn)(PyObject *, PyObject *);
+typedef PyObject *(*hc_from_any_fn)(PyObject *, PyObject *, int, int, int, PyObject *);
 static hc_new_fn hc_new_array;            /* numpy's PyArray_NewFromDescr */
 static hc_copy_into_fn hc_copy_into;      /* numpy's PyArray_CopyInto */
+static hc_from_any_fn hc_from_any;        /* numpy's PyArray_FromAny */
 static void *hc_cblas[4];                 /* numpy's cblas_?gemm, by dtype; NULL: no direct matmul / dot */
 static void *hc_f77[4];                   /* scipy's ?gemm (scipy.linalg.cython_blas), by dtype; NULL: none */
 static unsigned long long hc_direct_calls;   /* direct calls made (with the GIL held: no race), for tests */
@@ -1428,19 +1431,55 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
 }
 #endif
 
-static PyObject *hc_vectorcall(PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    hc_call *self = (hc_call *)obj;
+/* the call taken in C, or NULL without an exception */
+static PyObject *hc_dispatch(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     PyObject *res;
     switch (self->kind) {
-    case HC_MATMUL: res = hc_matmul(self, args, nargsf, kwnames); break;
-    case HC_DOT: res = hc_dot(self, args, nargsf, kwnames); break;
-    case HC_GEMM: res = hc_gemm(self, args, nargsf, kwnames); break;
-    case HC_TENSORDOT: res = hc_tensordot(self, args, nargsf, kwnames); break;
+    case HC_MATMUL: return hc_matmul(self, args, nargsf, kwnames);
+    case HC_DOT: return hc_dot(self, args, nargsf, kwnames);
+    case HC_GEMM: return hc_gemm(self, args, nargsf, kwnames);
+    case HC_TENSORDOT: return hc_tensordot(self, args, nargsf, kwnames);
     default:
         res = hc_lane(self, args, nargsf, kwnames);
         if (res == NULL && !PyErr_Occurred()) res = hc_lane2(self, args, nargsf, kwnames);
-        break;
+        return res;
     }
+}
+
+/* the operands given as nested lists, numpy's arrays of them (PyArray_FromAny with no type: np.asarray),
+   then the call again (what the Python functions do with lists): matmul's / dot's two operands,
+   blasx.linalg.blas's a and b (hc_call.lists; blasx's own functions reject lists), by position;
+   NULL without an exception: another call (the Python function then converts them itself: ragged
+   lists, lists of ints, ...) */
+#define HC_LIST_ARGS 8
+static PyObject *hc_dispatch_lists(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), j;
+    Py_ssize_t first = self->kind == HC_MATMUL || self->kind == HC_DOT ? 0 : 1, last = first + 1, n = np + nk;
+    PyObject *conv[HC_LIST_ARGS], *res = NULL;
+    int any = 0, ok = 1;
+    if (hc_from_any == NULL || !self->lists || n > HC_LIST_ARGS) return NULL;
+    if (self->kind == HC_LANE && hc_fam[self->flops].b < 0) last = first;   /* (syrk, herk: a only) */
+    for (j = 0; j < n; j++) {
+        PyObject *x = args[j];
+        if (ok && j >= first && j <= last && j < np && PyList_CheckExact(x)) {
+            any = 1;
+            /* (F-ordered for scipy's routines, as hostpath._unlisted makes them, HC_F being numpy's
+               NPY_ARRAY_F_CONTIGUOUS; numpy's matmul and dot make C-ordered ones) */
+            if ((x = hc_from_any(x, NULL, 0, 0, self->kind == HC_LANE ? HC_F : 0, NULL)) == NULL) {
+                PyErr_Clear(); ok = 0; x = Py_None; Py_INCREF(x);
+            }
+        } else Py_INCREF(x);
+        conv[j] = x;
+    }
+    if (any && ok) res = hc_dispatch(self, conv, nargsf, kwnames);
+    for (j = 0; j < n; j++) Py_DECREF(conv[j]);
+    return res;
+}
+
+static PyObject *hc_vectorcall(PyObject *obj, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    hc_call *self = (hc_call *)obj;
+    PyObject *res = hc_dispatch(self, args, nargsf, kwnames);
+    if (res == NULL && !PyErr_Occurred()) res = hc_dispatch_lists(self, args, nargsf, kwnames);
     if (res != NULL || PyErr_Occurred()) return res;   /* taken here (its result or its error) */
     return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
 }
@@ -1609,27 +1648,27 @@ PyObject *blasx_hc_new(int kind, PyObject *slow, PyObject *fn, PyObject *dtype, 
     self->convert = convert;
     self->di = kind == HC_LANE ? hc_index(dtype) : 0;
     self->f77 = NULL;
+    self->lists = kind == HC_MATMUL || kind == HC_DOT;
     self->dict = NULL;
     if (hc_tables(self) < 0) { Py_DECREF(self); return NULL; }
     return (PyObject *)self;
 }
 
-/* the direct calls' routines (blasx._blas_symbols): numpy's PyArray_NewFromDescr and PyArray_CopyInto
-   (a 2-tuple of addresses, or None: no direct calls), numpy's cblas_?gemm and scipy's ?gemm (4-tuples
+/* the direct calls' routines (blasx._blas_symbols): numpy's PyArray_NewFromDescr, PyArray_CopyInto and
+   PyArray_FromAny (a 3-tuple of addresses, or None: no direct calls), numpy's cblas_?gemm and scipy's ?gemm (4-tuples
    of addresses, or None: that family calls numpy's / scipy's function) */
 int blasx_hc_set_direct(PyObject *numpy_api, PyObject *cblas, PyObject *f77) {
-    void *p[9] = {NULL}, *from = NULL;
+    void *p[9] = {NULL}, *api[3] = {NULL, NULL, NULL};
     int i, j;
     PyObject *t[2] = {cblas, f77};
     if (numpy_api != Py_None) {
-        if (!PyTuple_Check(numpy_api) || PyTuple_GET_SIZE(numpy_api) != 2) {
-            PyErr_SetString(PyExc_TypeError, "blasx_hc_set_direct: 2 addresses or None expected");
+        if (!PyTuple_Check(numpy_api) || PyTuple_GET_SIZE(numpy_api) != 3) {
+            PyErr_SetString(PyExc_TypeError, "blasx_hc_set_direct: 3 addresses or None expected");
             return -1;
         }
-        if (((p[0] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(numpy_api, 0))) == NULL
-             || (from = PyLong_AsVoidPtr(PyTuple_GET_ITEM(numpy_api, 1))) == NULL) && PyErr_Occurred())
-            return -1;
-        if (from == NULL) p[0] = NULL;
+        for (i = 0; i < 3; i++)
+            if ((api[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(numpy_api, i))) == NULL && PyErr_Occurred()) return -1;
+        if (api[1] != NULL && api[2] != NULL) p[0] = api[0];
     }
     for (j = 0; j < 2; j++) {
         if (t[j] == Py_None) continue;
@@ -1641,12 +1680,23 @@ int blasx_hc_set_direct(PyObject *numpy_api, PyObject *cblas, PyObject *f77) {
             if ((p[1 + 4 * j + i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(t[j], i))) == NULL && PyErr_Occurred()) return -1;
     }
     hc_new_array = (hc_new_fn)p[0];
-    hc_copy_into = (hc_copy_into_fn)from;
+    hc_copy_into = (hc_copy_into_fn)api[1];
+    hc_from_any = (hc_from_any_fn)api[2];
     for (i = 0; i < 4; i++) {
         hc_cblas[i] = hc_new_array != NULL ? p[1 + i] : NULL;
         hc_f77[i] = hc_new_array != NULL ? p[5 + i] : NULL;
     }
     hc_f77_lanes = hc_new_array != NULL && f77 != Py_None;   /* (the lanes' routines: blasx_hc_lane_direct) */
+    return 0;
+}
+
+/* whether a lane makes nested lists given as a and b arrays (blasx.linalg.blas's lanes) */
+int blasx_hc_lane_lists(PyObject *obj, int lists) {
+    if (Py_TYPE(obj) != &hc_type || ((hc_call *)obj)->kind != HC_LANE) {
+        PyErr_SetString(PyExc_TypeError, "blasx_hc_lane_lists: a lane expected");
+        return -1;
+    }
+    ((hc_call *)obj)->lists = lists != 0;
     return 0;
 }
 
@@ -1816,6 +1866,8 @@ def declare(lib):
     lib.blasx_hc_set_direct.argtypes = [ctypes.py_object] * 3
     lib.blasx_hc_direct.restype = ctypes.py_object
     lib.blasx_hc_direct.argtypes = [ctypes.c_int] + [ctypes.py_object] * 3 + [ctypes.c_int] * 2
+    lib.blasx_hc_lane_lists.restype = ctypes.c_int
+    lib.blasx_hc_lane_lists.argtypes = [ctypes.py_object, ctypes.c_int]
     lib.blasx_hc_lane_direct.restype = ctypes.c_int
     lib.blasx_hc_lane_direct.argtypes = [ctypes.py_object] * 2
     lib.blasx_hc_lane_probe.restype = ctypes.py_object
@@ -2036,14 +2088,14 @@ def _names(fn) -> tuple:
 
 
 def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flags: dict, nargs: int,
-         second, beta_types, convertible):
+         second, beta_types, convertible, lists: bool = False):
     """A scipy-signature routine in C (hostpath.with_host_path): ``native`` (scipy's routine) for
     the plain call (``nargs`` positional arguments, alpha of ``alpha_types`` and not 0, flags by
     keyword in ``flags``: name -> allowed ints, 2-D arrays of ``dtype`` that fit) as it came, and
     for a call of the second lane (``second``: hostpath.LANES' function, whose parameters name
     scipy's; beta of ``beta_types``, arrays of ``dtype`` or ``convertible`` dtypes) as that
     function calls it; else ``slow``. ``wrapped``: what ``__wrapped__`` names (the whole Python
-    function)."""
+    function). ``lists``: nested lists as a and b are made arrays first (blasx.linalg.blas)."""
     lib = _library()
     if lib is None:
         return wrapped
@@ -2057,6 +2109,7 @@ def lane(slow, wrapped, native, routine: str, dtype: np.dtype, alpha_types, flag
                            {k: (frozenset(v), ROLE.get(k, 0)) for k, v in flags.items()}, FLOPS[routine], nargs,
                            names, frozenset(beta_types), sum(1 << i for i, d in enumerate(BLAS) if d in convertible))
     obj.__wrapped__ = wrapped
+    lib.blasx_hc_lane_lists(obj, int(lists))
     _lane_direct(lib, obj, routine, np.dtype(dtype), native, flags, names[f0:f0 + nf])
     return obj
 

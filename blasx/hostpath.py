@@ -442,4 +442,5 @@ def with_host_path(prefix: str, routine: str, general, convert: bool = True, lis
         return second(*args, **kwargs)
 
     return _hostcall.lane(second, f, native, routine, dtype, plain_alpha, flags, n_args, lane,
-                          SCALAR_TYPES[(routine, prefix in "cz")][1], CONVERTIBLE[prefix] if convert else frozenset())
+                          SCALAR_TYPES[(routine, prefix in "cz")][1], CONVERTIBLE[prefix] if convert else frozenset(),
+                          lists)

@@ -489,3 +489,29 @@ def test_alpha_zero_gemm_scales_c_in_c(dtype, rand):
         if beta == 0.0:
             assert not np.isnan(got).any()
         assert blasx.last_profile().totals()["flops"] == 0.0
+
+
+def test_nested_lists_are_made_arrays_in_c(rand):
+    """matmul / dot of nested lists and blasx.linalg.blas routines of lists as a and b: numpy's arrays
+    of them made in C (np.asarray), then the direct call, numpy's / scipy's bits, no Python; lists
+    numpy makes other arrays of (ints) or none of (ragged), and blasx's own functions (which reject
+    lists), keep their paths."""
+    a, b = rand((6, 4), seed=1, order="C"), rand((4, 5), seed=2, order="C")
+    la, lb = a.tolist(), b.tolist()
+    cases = [(blasx.matmul, np.matmul, (la, lb)), (blasx.matmul, np.matmul, (a, lb)), (blasx.dot, np.dot, (la, b)),
+             (B.dgemm, S.dgemm, (1.5, la, lb)), (B.dsyrk, S.dsyrk, (0.5, la)), (B.zgemm, S.zgemm, (1j, la, b)),
+             (B.dtrmm, S.dtrmm, (2.0, (np.eye(6) + np.triu(a @ a.T)).tolist(), a.tolist()))]
+    for f, ref, args in cases:
+        calls = _hostcall.direct_calls()
+        got, ran = _python_run(lambda: f(*args))
+        assert not ran, ran
+        assert _hostcall.direct_calls() == calls + 1
+        assert _bits(np.asarray(got)) == _bits(np.asarray(ref(*args)))
+    ints = [[1, 2], [3, 4]]
+    assert blasx.matmul(ints, ints).dtype == np.matmul(ints, ints).dtype
+    calls = _hostcall.direct_calls()
+    with pytest.raises(ValueError):
+        blasx.matmul([[1.0, 2.0], [3.0]], ints)
+    assert _hostcall.direct_calls() == calls
+    with pytest.raises(Exception):
+        blasx.dsyrk(1.0, la)  # (blasx's own functions reject lists)
