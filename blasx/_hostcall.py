@@ -1452,6 +1452,20 @@ static PyObject *hc_dispatch(hc_call *self, PyObject *const *args, size_t nargsf
    NULL without an exception: another call (the Python function then converts them itself: ragged
    lists, lists of ints, ...) */
 #define HC_LIST_ARGS 8
+
+/* a list of lists of Python floats (and complex numbers, with cplx) only */
+static int hc_floats(PyObject *x, int cplx) {
+    Py_ssize_t r, q;
+    for (r = 0; r < PyList_GET_SIZE(x); r++) {
+        PyObject *row = PyList_GET_ITEM(x, r);
+        if (!PyList_CheckExact(row)) return 0;
+        for (q = 0; q < PyList_GET_SIZE(row); q++) {
+            PyObject *v = PyList_GET_ITEM(row, q);
+            if (!PyFloat_CheckExact(v) && !(cplx && PyComplex_CheckExact(v))) return 0;
+        }
+    }
+    return 1;
+}
 static PyObject *hc_dispatch_lists(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), j;
     Py_ssize_t first = self->kind == HC_MATMUL || self->kind == HC_DOT ? 0 : 1, last = first + 1, n = np + nk;
@@ -1464,8 +1478,12 @@ static PyObject *hc_dispatch_lists(hc_call *self, PyObject *const *args, size_t 
         if (ok && j >= first && j <= last && j < np && PyList_CheckExact(x)) {
             any = 1;
             /* (F-ordered for scipy's routines, as hostpath._unlisted makes them, HC_F being numpy's
-               NPY_ARRAY_F_CONTIGUOUS; numpy's matmul and dot make C-ordered ones) */
-            if ((x = hc_from_any(x, NULL, 0, 0, self->kind == HC_LANE ? HC_F : 0, NULL)) == NULL) {
+               NPY_ARRAY_F_CONTIGUOUS, of the routine's type where every number is a float (or a
+               complex, for c / z): np.asarray's array cast to it, without its type discovery, as
+               scipy converts them; numpy's matmul and dot make C-ordered ones of the discovered type) */
+            PyObject *want = NULL;
+            if (self->kind == HC_LANE && hc_floats(x, self->di >= 2)) { want = self->dtype; Py_INCREF(want); }
+            if ((x = hc_from_any(x, want, 0, 0, self->kind == HC_LANE ? HC_F : 0, NULL)) == NULL) {
                 PyErr_Clear(); ok = 0; x = Py_None; Py_INCREF(x);
             }
         } else Py_INCREF(x);

@@ -63,6 +63,13 @@ def _python_run(fn):
         sys.setprofile(None)
 
 
+def _outcome(fn):
+    try:
+        return "ok", _bits(np.asarray(fn()))
+    except Exception as e:  # noqa: BLE001 - compared
+        return "error", type(e).__name__, str(e)
+
+
 def _spy(real, seen):
     def spy(*args, **kw):
         seen.append(args)
@@ -500,7 +507,9 @@ def test_nested_lists_are_made_arrays_in_c(rand):
     la, lb = a.tolist(), b.tolist()
     cases = [(blasx.matmul, np.matmul, (la, lb)), (blasx.matmul, np.matmul, (a, lb)), (blasx.dot, np.dot, (la, b)),
              (B.dgemm, S.dgemm, (1.5, la, lb)), (B.dsyrk, S.dsyrk, (0.5, la)), (B.zgemm, S.zgemm, (1j, la, b)),
-             (B.dtrmm, S.dtrmm, (2.0, (np.eye(6) + np.triu(a @ a.T)).tolist(), a.tolist()))]
+             (B.dtrmm, S.dtrmm, (2.0, (np.eye(6) + np.triu(a @ a.T)).tolist(), a.tolist())),
+             (B.sgemm, S.sgemm, (1.5, la, lb)), (B.cgemm, S.cgemm, (2.0, (a + 1j).tolist(), lb)),
+             (B.zsyrk, S.zsyrk, (1.0, [[1.5, 2j], [0.5 - 1j, 3.0]]))]  # (typed conversions: floats / complex)
     for f, ref, args in cases:
         calls = _hostcall.direct_calls()
         got, ran = _python_run(lambda: f(*args))
@@ -515,3 +524,6 @@ def test_nested_lists_are_made_arrays_in_c(rand):
     assert _hostcall.direct_calls() == calls
     with pytest.raises(Exception):
         blasx.dsyrk(1.0, la)  # (blasx's own functions reject lists)
+    odd = [[1.0, None], [2.0, 3.0]]  # (None: numpy's typed conversion would make it NaN; the Python path decides)
+    got, ran = _python_run(lambda: _outcome(lambda: B.dgemm(1.0, odd, odd)))
+    assert got == _outcome(lambda: B.dgemm.__wrapped__(1.0, odd, odd)) and "second" in ran
