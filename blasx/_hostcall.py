@@ -1446,26 +1446,14 @@ static PyObject *hc_dispatch(hc_call *self, PyObject *const *args, size_t nargsf
     }
 }
 
-/* the operands given as nested lists, numpy's arrays of them (PyArray_FromAny with no type: np.asarray),
-   then the call again (what the Python functions do with lists): matmul's / dot's two operands,
-   blasx.linalg.blas's a and b (hc_call.lists; blasx's own functions reject lists), by position;
-   NULL without an exception: another call (the Python function then converts them itself: ragged
-   lists, lists of ints, ...) */
+/* the operands given as nested lists, numpy's arrays of them, then the call again: matmul's / dot's
+   two operands as numpy makes them (PyArray_FromAny with no type: np.asarray), blasx.linalg.blas's
+   a and b (hc_call.lists; blasx's own functions reject lists) as scipy's wrapper does (of the
+   routine's type), by position; NULL without an exception: another call (the Python function then
+   converts them itself: ragged lists, lists of ints for matmul, complex numbers for a real
+   routine, ...) */
 #define HC_LIST_ARGS 8
 
-/* a list of lists of Python floats (and complex numbers, with cplx) only */
-static int hc_floats(PyObject *x, int cplx) {
-    Py_ssize_t r, q;
-    for (r = 0; r < PyList_GET_SIZE(x); r++) {
-        PyObject *row = PyList_GET_ITEM(x, r);
-        if (!PyList_CheckExact(row)) return 0;
-        for (q = 0; q < PyList_GET_SIZE(row); q++) {
-            PyObject *v = PyList_GET_ITEM(row, q);
-            if (!PyFloat_CheckExact(v) && !(cplx && PyComplex_CheckExact(v))) return 0;
-        }
-    }
-    return 1;
-}
 static PyObject *hc_dispatch_lists(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t np = PyVectorcall_NARGS(nargsf), nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames), j;
     Py_ssize_t first = self->kind == HC_MATMUL || self->kind == HC_DOT ? 0 : 1, last = first + 1, n = np + nk;
@@ -1477,12 +1465,12 @@ static PyObject *hc_dispatch_lists(hc_call *self, PyObject *const *args, size_t 
         PyObject *x = args[j];
         if (ok && j >= first && j <= last && j < np && PyList_CheckExact(x)) {
             any = 1;
-            /* (F-ordered for scipy's routines, as hostpath._unlisted makes them, HC_F being numpy's
-               NPY_ARRAY_F_CONTIGUOUS, of the routine's type where every number is a float (or a
-               complex, for c / z): np.asarray's array cast to it, without its type discovery, as
-               scipy converts them; numpy's matmul and dot make C-ordered ones of the discovered type) */
+            /* (scipy's routines: F-ordered arrays of the routine's type, HC_F being numpy's
+               NPY_ARRAY_F_CONTIGUOUS, as scipy's wrapper converts lists (no FORCECAST: complex
+               numbers for a real routine fail here and the Python path decides); numpy's matmul and
+               dot: C-ordered ones of the type numpy finds, as numpy makes them) */
             PyObject *want = NULL;
-            if (self->kind == HC_LANE && hc_floats(x, self->di >= 2)) { want = self->dtype; Py_INCREF(want); }
+            if (self->kind == HC_LANE) { want = self->dtype; Py_INCREF(want); }   /* (stolen) */
             if ((x = hc_from_any(x, want, 0, 0, self->kind == HC_LANE ? HC_F : 0, NULL)) == NULL) {
                 PyErr_Clear(); ok = 0; x = Py_None; Py_INCREF(x);
             }

@@ -499,10 +499,11 @@ def test_alpha_zero_gemm_scales_c_in_c(dtype, rand):
 
 
 def test_nested_lists_are_made_arrays_in_c(rand):
-    """matmul / dot of nested lists and blasx.linalg.blas routines of lists as a and b: numpy's arrays
-    of them made in C (np.asarray), then the direct call, numpy's / scipy's bits, no Python; lists
-    numpy makes other arrays of (ints) or none of (ragged), and blasx's own functions (which reject
-    lists), keep their paths."""
+    """matmul / dot of nested lists (numpy's arrays of them, as np.asarray makes them) and
+    blasx.linalg.blas routines of lists as a and b (arrays of the routine's type, as scipy's wrapper
+    makes them) made in C, then the direct call: numpy's / scipy's bits, no Python. Lists numpy
+    makes other arrays of for matmul (ints) or none of (ragged), complex numbers for a real
+    routine, and blasx's own functions (which reject lists) keep their paths."""
     a, b = rand((6, 4), seed=1, order="C"), rand((4, 5), seed=2, order="C")
     la, lb = a.tolist(), b.tolist()
     cases = [(blasx.matmul, np.matmul, (la, lb)), (blasx.matmul, np.matmul, (a, lb)), (blasx.dot, np.dot, (la, b)),
@@ -524,6 +525,16 @@ def test_nested_lists_are_made_arrays_in_c(rand):
     assert _hostcall.direct_calls() == calls
     with pytest.raises(Exception):
         blasx.dsyrk(1.0, la)  # (blasx's own functions reject lists)
-    odd = [[1.0, None], [2.0, 3.0]]  # (None: numpy's typed conversion would make it NaN; the Python path decides)
-    got, ran = _python_run(lambda: _outcome(lambda: B.dgemm(1.0, odd, odd)))
-    assert got == _outcome(lambda: B.dgemm.__wrapped__(1.0, odd, odd)) and "second" in ran
+    # lists scipy converts to the routine's type (ints, None as NaN): scipy's bits, as the Python path
+    # gives them; complex numbers for a real routine (numpy's typed conversion refuses): the Python path
+    for odd in ([[1, 2], [3, 4]], [[1.0, None], [2.0, 3.0]]):
+        got, ran = _python_run(lambda: _outcome(lambda: B.dgemm(1.0, odd, odd)))
+        assert not ran and got == _outcome(lambda: S.dgemm(1.0, odd, odd))
+    cplx = [[1.0, 2j], [3.0, 4.0]]
+    seen = []
+    for f in (B.dgemm, B.dgemm.__wrapped__):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, ran = _python_run(lambda: _outcome(lambda: f(1.0, cplx, cplx)))
+        seen.append((got, [str(w.message) for w in caught], "second" in ran))
+    assert seen[0] == seen[1] and seen[0][2] and "discards the imaginary part" in seen[0][1][0]
