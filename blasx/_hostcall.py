@@ -549,14 +549,22 @@ static int hc_may_share(hc_array *x, hc_array *y);
 
 /* an operand or an output numpy's matmul hands BLAS as it is: 2-D, aligned, dimensions 2..INT_MAX,
    blasable row- or column-major (contiguous only: numpy's dot copies the others) */
-static inline int hc_plain(hc_array *x, int i, int contiguous) {
+static int hc_copies[2];                  /* [0] matmul, [1] dot: operands numpy copies to C order first are
+                                             copied here too (_direct_ok checks numpy does so) */
+
+/* an operand or an output as numpy's matmul (matmul) / dot hands it to BLAS: 2-D, aligned, dimensions
+   2..INT_MAX; 1: as it is (matmul: blasable row- or column-major; dot: contiguous), 2: a C-ordered
+   copy of it (what numpy copies, where hc_copies says numpy does), 0: neither */
+static inline int hc_plain(hc_array *x, int i, int matmul) {
     Py_ssize_t sz = hc_itemsize[i];
     if (x->nd != 2 || !(x->flags & HC_ALIGNED) || x->dimensions[0] < 2 || x->dimensions[1] < 2
             || x->dimensions[0] > HC_INT_MAX || x->dimensions[1] > HC_INT_MAX)
         return 0;
-    if (contiguous) return (x->flags & HC_CONTIG) != 0;
-    return hc_blasable(x->strides[0], x->strides[1], x->dimensions[1], sz)
-        || hc_blasable(x->strides[1], x->strides[0], x->dimensions[0], sz);
+    if (matmul ? hc_blasable(x->strides[0], x->strides[1], x->dimensions[1], sz)
+                 || hc_blasable(x->strides[1], x->strides[0], x->dimensions[0], sz)
+               : (x->flags & HC_CONTIG) != 0)
+        return 1;
+    return hc_copies[!matmul] ? 2 : 0;
 }
 
 /* numpy's @TYPE@_matmul_matrixmatrix: op (m x p, row stride os_m) = ip1 (m x n) ip2 (n x p) through
@@ -597,32 +605,52 @@ static int hc_cblas_into(int i, hc_array *a, hc_array *b, hc_array *out) {
 }
 
 /* matmul(a, b[, out]) / dot(a, b[, out]) where numpy's function makes one cblas_?gemm call that
-   hc_cblas_into makes too (matmul: operands blasable; dot: contiguous, out C-contiguous): a and b
-   2-D exact ndarrays of dtype i, not one buffer (numpy's syrk, a @ a.T), every dimension >= 2
+   hc_product_into makes too (operands as hc_plain takes them; out as it is, C-ordered for dot): a
+   and b 2-D exact ndarrays of dtype i, not one buffer (numpy's syrk, a @ a.T), every dimension >= 2
    (numpy's gemv and dot cases); out (NULL: a new C-ordered array) an exact ndarray of dtype i of
    their product's shape, writable, that shares no memory with them. 0: another call */
 static int hc_product_ready(PyObject *const *args, PyObject *out, int i, int matmul) {
     hc_array *a = (hc_array *)args[0], *b = (hc_array *)args[1], *o = (hc_array *)out;
-    if (hc_cblas[i] == NULL || !hc_plain(a, i, !matmul) || !hc_plain(b, i, !matmul)
+    if (hc_cblas[i] == NULL || !hc_plain(a, i, matmul) || !hc_plain(b, i, matmul)
             || a->dimensions[1] != b->dimensions[0] || a->data == b->data)
         return 0;
     return out == NULL || (Py_TYPE(out) == hc_ndarray && o->descr == hc_descr[i] && (o->flags & HC_WRITE)
-                           && hc_plain(o, i, !matmul) && (matmul || (o->flags & HC_C))
+                           && hc_plain(o, i, matmul) == 1 && (matmul || (o->flags & HC_C))
                            && o->dimensions[0] == a->dimensions[0] && o->dimensions[1] == b->dimensions[1]
                            && !hc_may_share(o, a) && !hc_may_share(o, b));
+}
+
+/* x, or its C-ordered copy where hc_plain says numpy copies it (new reference; NULL: numpy's error) */
+static PyObject *hc_operand(hc_array *x, int i, int matmul) {
+    PyObject *c;
+    if (hc_plain(x, i, matmul) != 2) { Py_INCREF((PyObject *)x); return (PyObject *)x; }
+    if ((c = hc_empty(i, x->dimensions[0], x->dimensions[1], 0)) != NULL && hc_copy_into(c, (PyObject *)x) < 0)
+        Py_CLEAR(c);
+    return c;
+}
+
+/* the product of a and b (hc_product_ready's) into out: the floating-point flags raised, -1: an error */
+static int hc_product_into(int i, hc_array *a, hc_array *b, hc_array *out, int matmul) {
+    PyObject *x = hc_operand(a, i, matmul), *y = x == NULL ? NULL : hc_operand(b, i, matmul);
+    int fe = -1;
+    if (y != NULL) fe = hc_cblas_into(i, (hc_array *)x, (hc_array *)y, out);
+    Py_XDECREF(x); Py_XDECREF(y);
+    return fe;
 }
 
 /* the call hc_product_ready took, timed and recorded: out, or a new array; a floating-point flag
    raised hands the call to numpy's function fn (computed again: numpy's warnings and errors); steals dev */
 static PyObject *hc_product(PyObject *fn, PyObject *const *args, size_t nargsf, PyObject *kwnames, PyObject *out,
-                            int i, PyObject *dev) {
+                            int i, PyObject *dev, int matmul) {
     hc_array *a = (hc_array *)args[0], *b = (hc_array *)args[1];
     PyObject *res;
     hc_stamp t0;
+    int fe;
     if (hc_stamp_now(&t0) < 0) { Py_DECREF(dev); return NULL; }
     if (out != NULL) { Py_INCREF(out); res = out; }
     else if ((res = hc_empty(i, a->dimensions[0], b->dimensions[1], 0)) == NULL) { Py_DECREF(dev); return NULL; }
-    if (hc_cblas_into(i, a, b, (hc_array *)res)) {
+    if ((fe = hc_product_into(i, a, b, (hc_array *)res, matmul)) < 0) { Py_DECREF(res); Py_DECREF(dev); return NULL; }
+    if (fe) {
         Py_DECREF(res);
         feclearexcept(HC_FE);
         return hc_run(fn, args, nargsf, kwnames, dev, i, -1.0, args[0]);
@@ -972,7 +1000,7 @@ static PyObject *hc_matmul(hc_call *self, PyObject *const *args, size_t nargsf, 
         return NULL;
     if ((dev = hc_device()) == NULL) return NULL;
     if (casting == NULL && ct == hc_descr[i] && hc_product_ready(args, out == Py_None ? NULL : out, i, 1))
-        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev);
+        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev, 1);
     return hc_run(self->fn, args, nargsf, kwnames, dev, hc_index(ct), -1.0, args[0]);
 }
 
@@ -998,7 +1026,7 @@ static PyObject *hc_dot(hc_call *self, PyObject *const *args, size_t nargsf, PyO
             || (out != NULL && out != Py_None && a->nd + b->nd == 2) || (dev = hc_device()) == NULL)
         return NULL;
     if (hc_product_ready(args, out == Py_None ? NULL : out, i, 0))
-        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev);
+        return hc_product(self->fn, args, nargsf, kwnames, out == Py_None ? NULL : out, i, dev, 0);
     k = a->dimensions[a->nd - 1];
     return hc_run(self->fn, args, nargsf, kwnames, dev, i,
                   k ? 2.0 * hc_size(args[0]) * hc_size(args[1]) / (double)k : 0.0, NULL);
@@ -1718,6 +1746,10 @@ int blasx_hc_lane_direct(PyObject *obj, PyObject *addr) {
     return 0;
 }
 
+/* whether operands numpy copies before its BLAS call are copied and the call made directly: matmul's
+   (numpy >= 2.3.1 copies what BLAS cannot read), dot's (numpy copies what is not contiguous) */
+void blasx_hc_set_copies(int matmul, int dot) { hc_copies[0] = matmul; hc_copies[1] = dot; }
+
 /* the number of direct calls made so far */
 PyObject *blasx_hc_direct_calls(void) { return PyLong_FromUnsignedLongLong(hc_direct_calls); }
 
@@ -1745,18 +1777,19 @@ PyObject *blasx_hc_lane_probe(PyObject *obj, PyObject *alpha, PyObject *a, PyObj
     return res;
 }
 
-/* the direct call alone, unrecorded, whatever the session: which 0, matmul(a, b) (numpy's cblas); 1,
-   scipy's ?gemm(alpha, a, b, trans_a=ta, trans_b=tb); None where it does not apply */
+/* the direct call alone, unrecorded, whatever the session: which 0, matmul(a, b) (numpy's cblas); 2,
+   dot(a, b); 1, scipy's ?gemm(alpha, a, b, trans_a=ta, trans_b=tb); None where it does not apply */
 PyObject *blasx_hc_direct(int which, PyObject *alpha, PyObject *a, PyObject *b, int ta, int tb) {
     PyObject *args[2] = {a, b}, *res;
     int i = hc_dtype(a);
     if (i < 0 || hc_dtype(b) != i || ((hc_array *)a)->nd != 2 || ((hc_array *)b)->nd != 2 || ta < 0 || ta > 2
             || tb < 0 || tb > 2)
         Py_RETURN_NONE;
-    if (which == 0) {
-        if (!hc_product_ready(args, NULL, i, 1)) Py_RETURN_NONE;
+    if (which == 0 || which == 2) {
+        if (!hc_product_ready(args, NULL, i, which == 0)) Py_RETURN_NONE;
         res = hc_empty(i, ((hc_array *)a)->dimensions[0], ((hc_array *)b)->dimensions[1], 0);
-        if (res != NULL) hc_cblas_into(i, (hc_array *)a, (hc_array *)b, (hc_array *)res);
+        if (res != NULL && hc_product_into(i, (hc_array *)a, (hc_array *)b, (hc_array *)res, which == 0) < 0)
+            Py_CLEAR(res);
         return res;
     }
     res = hc_f77_gemm(i, alpha, hc_zero, (hc_array *)a, (hc_array *)b, ta, tb, Py_None, 0, 0, NULL);
@@ -1825,7 +1858,7 @@ ENV_DIRECT = "BLASX_HOST_DIRECT"  # "0": no direct BLAS calls (numpy's / scipy's
 
 _lib = None
 _state = None  # None: not tried; "c" or "python"
-_direct = {"numpy": None, "scipy": False}  # direct()
+_direct = {"numpy": None, "scipy": False, "copies": (False, False)}  # direct()
 
 
 def kind() -> str:
@@ -1872,6 +1905,8 @@ def declare(lib):
     lib.blasx_hc_set_direct.argtypes = [ctypes.py_object] * 3
     lib.blasx_hc_direct.restype = ctypes.py_object
     lib.blasx_hc_direct.argtypes = [ctypes.c_int] + [ctypes.py_object] * 3 + [ctypes.c_int] * 2
+    lib.blasx_hc_set_copies.restype = None
+    lib.blasx_hc_set_copies.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.blasx_hc_lane_lists.restype = ctypes.c_int
     lib.blasx_hc_lane_lists.argtypes = [ctypes.py_object, ctypes.c_int]
     lib.blasx_hc_lane_direct.restype = ctypes.c_int
@@ -1915,14 +1950,40 @@ def set_direct(lib, numpy_gemm=True, scipy_gemm=True) -> dict:
         ok = (False, False)
     if (found is not None, f77 is not None) != ok:
         lib.blasx_hc_set_direct(new, found[1] if ok[0] else None, f77 if ok[1] else None)
-    _direct = {"numpy": found[0] if ok[0] else None, "scipy": ok[1]}
+    copies = (False, False)
+    if ok[0]:
+        lib.blasx_hc_set_copies(1, 1)
+        try:
+            copies = _copies_ok(lib)
+        except Exception:  # noqa: BLE001 - numpy's functions then copy them
+            pass
+    lib.blasx_hc_set_copies(*map(int, copies))
+    _direct = {"numpy": found[0] if ok[0] else None, "scipy": ok[1], "copies": copies}
     return dict(_direct)
+
+
+def _copies_ok(lib) -> tuple[bool, bool]:
+    """Whether direct calls that first copy the operands numpy copies give numpy's bits: matmul of
+    operands BLAS cannot read (every other row and column), dot of blocks of larger arrays."""
+    rng = np.random.default_rng(20261124)
+    ok = [True, True]
+    for dt in BLAS:
+        big = np.asarray(rng.standard_normal((40, 36)) + (1j * rng.standard_normal((40, 36)) if dt.kind == "c" else 0),
+                         dtype=dt)
+        for which, (a, b), ref in ((0, (big[::2, ::2], big[1::2, 1::2].T), np.matmul),
+                                   (2, (big[:17, 3:12], big[20:29, 1:6]), np.dot),
+                                   (2, (big[:9, :7], np.asfortranarray(big)[5:12, 2:10]), np.dot)):
+            got = lib.blasx_hc_direct(which, None, a, b, 0, 0)
+            ok[which // 2] = ok[which // 2] and got is not None and got.tobytes() == ref(a, b).tobytes()
+    return ok[0], ok[1]
 
 
 def direct() -> dict:
     """Which direct calls the C entry points make (none without the library): ``"numpy"``, the
     names of numpy's cblas gemm routines that matmul and dot call (None: numpy's functions do),
-    ``"scipy"``, whether gemm calls scipy's ?gemm routine itself."""
+    ``"scipy"``, whether gemm and the scipy-signature routines call scipy's routines themselves,
+    ``"copies"``, whether matmul / dot copy the operands numpy copies before its BLAS call (else
+    numpy's functions take those calls)."""
     _library()
     return dict(_direct)
 
@@ -1932,7 +1993,9 @@ def describe() -> str:
     if kind() != "c":
         return "host calls: Python entry points (no C compiler or Python headers, or $BLASX_HOST_PYTHON)"
     d = direct()
-    numpy_part = f"numpy's {d['numpy'][1]} (and s/c/z)" if d["numpy"] else "off"
+    numpy_part = (f"numpy's {d['numpy'][1]} (and s/c/z; operands numpy copies copied too: matmul "
+                  f"{'yes' if d['copies'][0] else 'no'}, dot {'yes' if d['copies'][1] else 'no'})"
+                  if d["numpy"] else "off")
     return (f"host calls: C entry points, clock {clock()}; direct BLAS for matmul/dot: {numpy_part}, "
             f"for the scipy routines: {'scipy.linalg.cython_blas' if d['scipy'] else 'off'}"
             + (f" (${ENV_DIRECT}=0)" if os.environ.get(ENV_DIRECT, "1") == "0" else ""))

@@ -169,20 +169,33 @@ def test_matmul_and_dot_give_numpys_bits_without_numpys_function(dtype, rand):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.complex64])
 def test_other_products_are_numpys_own(dtype, rand):
-    """What numpy computes otherwise (syrk for a @ a.T, gemv for a dimension 1, copies of strided
-    operands, out=, batches) goes to numpy's function, whose result it is."""
+    """What numpy computes otherwise (syrk for a @ a.T, gemv for a dimension 1, batches, operands of
+    two types) goes to numpy's function, whose result it is. Operands numpy copies before its BLAS
+    call (strided, reversed) are copied as numpy copies them and the call made directly, where
+    the load check found numpy's bits so (``direct()["copies"]``), else numpy's function takes them."""
     a, b = _pair(6, 5, 4, dtype, "C", "F", rand)
     sq = rand((5, 5), dtype, seed=9)
-    cases = [(a, a.T), (sq, sq), (a[:1], b), (a, b[:, :1]), (a[:, ::2], b[::2]), (a[None], b),
-             (a.astype(np.complex128), b.astype(np.complex128)[::-1]), (a, b.astype(np.complex128))]
-    for x, y in cases:
-        for fn, ref_fn, make in ((blasx.matmul, np.matmul, lambda f, s: _hostcall.matmul(f, s, numpy_api._DTYPE_KW)),
-                                 (blasx.dot, np.dot, _hostcall.dot)):
+    wide = np.complex128
+    own = [(a, a.T), (sq, sq), (a[:1], b), (a, b[:, :1]), (a[None], b), (a, b.astype(wide))]
+    copied = [(a[:, ::2], b[::2]), (a.astype(wide), b.astype(wide)[::-1])]
+    for (x, y), is_copied in [(c, False) for c in own] + [(c, True) for c in copied]:
+        for k, (fn, ref_fn, make) in enumerate(((blasx.matmul, np.matmul, lambda f, s: _hostcall.matmul(f, s, numpy_api._DTYPE_KW)),
+                                                (blasx.dot, np.dot, _hostcall.dot))):
             if fn is blasx.dot and x.ndim == 3:
                 continue
             seen = []
             got = make(fn.__wrapped__, _spy(ref_fn, seen))(x, y)
-            assert _bits(got) == _bits(ref_fn(x, y)) and len(seen) == (x.dtype == y.dtype)
+            direct = is_copied and _hostcall.direct()["copies"][k]
+            assert _bits(got) == _bits(ref_fn(x, y)) and len(seen) == (x.dtype == y.dtype and not direct)
+    lib = _hostcall._library()
+    try:
+        lib.blasx_hc_set_copies(0, 0)
+        for x, y in copied:
+            seen = []
+            got = _hostcall.matmul(blasx.matmul.__wrapped__, _spy(np.matmul, seen), numpy_api._DTYPE_KW)(x, y)
+            assert len(seen) == 1 and _bits(got) == _bits(np.matmul(x, y))
+    finally:
+        lib.blasx_hc_set_copies(*map(int, _hostcall.direct()["copies"]))
 
 
 def _block(x, order):
@@ -197,8 +210,9 @@ def _block(x, order):
 def test_outputs_blocks_and_keywords(dtype, rand):
     """matmul: blocks of larger arrays (numpy hands BLAS their leading dimension), out= C- or
     F-ordered (numpy writes the latter as out.T = b.T a.T), dtype= of the operands' type: direct,
-    numpy's bits. dot: out= C-ordered direct; blocks (numpy's dot copies them), an F-ordered out
-    (numpy refuses it) and outputs that overlap an input: numpy's function, its result or error."""
+    numpy's bits. dot: out= C-ordered direct, blocks direct through a C-ordered copy (numpy's dot
+    copies them); an F-ordered out (numpy refuses it) and outputs that overlap an input: numpy's
+    function, its result or error."""
     if _hostcall.direct()["numpy"] is None:
         pytest.skip("no direct matmul here")
     a, b = _pair(7, 5, 6, dtype, "C", "F", rand)
@@ -212,7 +226,7 @@ def test_outputs_blocks_and_keywords(dtype, rand):
         (mm, np.matmul, (a, b), {"dtype": np.dtype(dtype)}, True),
         (mm, np.matmul, (a, b), {"dtype": np.dtype(dtype), "casting": "same_kind"}, False),
         (dot, np.dot, (a, b), {"out": "C"}, True), (dot, np.dot, (a, b), {"out": "F"}, False),
-        (dot, np.dot, (_block(a, "C"), b), {}, False),
+        (dot, np.dot, (_block(a, "C"), b), {}, _hostcall.direct()["copies"][1]),
     ]
     for make, ref_fn, args, kw, direct in cases:
         outs = []
