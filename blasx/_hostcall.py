@@ -1428,6 +1428,59 @@ static hc_u128 hc_count(PyObject *x) {
     return s;
 }
 
+/* numpy's tensordot(a, b, axes) with axes an int n (absent: 2) of C-ordered a and b: a.reshape(M, K)
+   and b.reshape(K, N) are views, numpy's dot of them one cblas_?gemm call (M, K, N >= 2: not its
+   gemv / dot cases), the result that call's C-ordered output as a.shape[:-n] + b.shape[n:]; made
+   directly here (hc_cblas_into), into an array of that shape. NULL without an exception: not such a
+   call, or a floating-point flag raised (numpy's function then computes it: its warnings), dev
+   kept; else dev taken */
+static PyObject *hc_tensordot_direct(PyObject *const *args, PyObject *axes, int i, PyObject *dev) {
+    hc_array *a = (hc_array *)args[0], *b = (hc_array *)args[1], av, bv, ov;
+    Py_ssize_t shape[64], m = 1, k = 1, n = 1, sz = hc_itemsize[i];
+    Py_ssize_t da[2], db[2], dc[2], sa[2], sb[2], sc[2];
+    long nax = 2;
+    int j, nd, fe;
+    PyObject *res;
+    hc_stamp t0;
+    if (hc_cblas[i] == NULL || !(a->flags & HC_C) || !(b->flags & HC_C) || !(a->flags & HC_ALIGNED)
+            || !(b->flags & HC_ALIGNED) || a->data == b->data)
+        return NULL;
+    if (axes != NULL) {
+        if (!PyLong_CheckExact(axes)) return NULL;
+        nax = PyLong_AsLong(axes);
+        if (nax == -1 && PyErr_Occurred()) { PyErr_Clear(); return NULL; }
+    }
+    if (nax < 1 || nax > a->nd || nax > b->nd || a->nd + b->nd - 2 * nax > 64) return NULL;
+    for (j = 0; j < nax; j++)
+        if (a->dimensions[a->nd - nax + j] != b->dimensions[j]) return NULL;   /* (numpy's error) */
+    nd = 0;
+    for (j = 0; j < a->nd - nax; j++) { m *= a->dimensions[j]; shape[nd++] = a->dimensions[j]; }
+    for (j = a->nd - (int)nax; j < a->nd; j++) k *= a->dimensions[j];
+    for (j = (int)nax; j < b->nd; j++) { n *= b->dimensions[j]; shape[nd++] = b->dimensions[j]; }
+    if (m < 2 || k < 2 || n < 2 || m > HC_INT_MAX || k > HC_INT_MAX || n > HC_INT_MAX) return NULL;
+    if (hc_stamp_now(&t0) < 0) { Py_DECREF(dev); return NULL; }
+    Py_INCREF(hc_descr[i]);   /* (stolen) */
+    if ((res = hc_new_array(hc_ndarray, hc_descr[i], nd, shape, NULL, NULL, 0, NULL)) == NULL) {
+        Py_DECREF(dev);
+        return NULL;
+    }
+    /* the C-ordered 2-D views numpy's tensordot hands dot, as the fields hc_cblas_into reads */
+    av = *a; bv = *b; ov = *(hc_array *)res;
+    da[0] = m; da[1] = k; sa[0] = k * sz; sa[1] = sz;
+    db[0] = k; db[1] = n; sb[0] = n * sz; sb[1] = sz;
+    dc[0] = m; dc[1] = n; sc[0] = n * sz; sc[1] = sz;
+    av.nd = bv.nd = ov.nd = 2;
+    av.dimensions = da; av.strides = sa; bv.dimensions = db; bv.strides = sb; ov.dimensions = dc; ov.strides = sc;
+    if ((fe = hc_cblas_into(i, &av, &bv, &ov)) != 0) {   /* numpy's function: its warnings, its errors */
+        Py_DECREF(res);
+        feclearexcept(HC_FE);
+        return NULL;
+    }
+    if (hc_record(dev, t0, i, 2.0 * (double)m * (double)n * (double)k) < 0) Py_CLEAR(res);
+    Py_DECREF(dev);
+    return res;
+}
+
 /* numpy_api._host_tensordot: tensordot(a, b[, axes]) of two exact ndarrays of one BLAS dtype */
 static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     PyObject *dev, *res;
@@ -1441,7 +1494,8 @@ static PyObject *hc_tensordot(hc_call *self, PyObject *const *args, size_t nargs
     }
     i = hc_dtype(args[0]);
     if (i < 0 || hc_dtype(args[1]) != i || (dev = hc_device()) == NULL) return NULL;
-    res = NULL;
+    if ((res = hc_tensordot_direct(args, np + nk == 3 ? args[2] : NULL, i, dev)) != NULL || PyErr_Occurred())
+        return res;   /* (it took dev) */
     if (hc_stamp_now(&t0) == 0) {
         res = PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
         if (res != NULL) {

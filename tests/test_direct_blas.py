@@ -552,3 +552,33 @@ def test_nested_lists_are_made_arrays_in_c(rand):
             got, ran = _python_run(lambda: _outcome(lambda: f(1.0, cplx, cplx)))
         seen.append((got, [str(w.message) for w in caught], "second" in ran))
     assert seen[0] == seen[1] and seen[0][2] and "discards the imaginary part" in seen[0][1][0]
+
+
+@pytest.mark.parametrize("dtype", BLAS)
+def test_tensordot_of_c_ordered_operands_is_one_direct_call(dtype, rand):
+    """tensordot(a, b, n) with an int n (or the default 2) of C-ordered operands: numpy's tensordot
+    is dot(a.reshape(M, K), b.reshape(K, N)).reshape(...) on views, one cblas_?gemm call, made
+    directly here: numpy's bits and shape, numpy's function not called. Other calls (axes as
+    pairs, F-ordered operands, a dimension 1, mismatched shapes, overflow) are numpy's function's."""
+    if _hostcall.direct()["numpy"] is None:
+        pytest.skip("no direct calls of numpy's BLAS here")
+    seen = []
+    entry = _hostcall.tensordot(blasx.tensordot.__wrapped__, _spy(np.tensordot, seen))
+    c3, d3 = rand((4, 5, 6), dtype, seed=1, order="C"), rand((5, 6, 7), dtype, seed=2, order="C")
+    a, b = rand((9, 8), dtype, seed=3, order="C"), rand((8, 5), dtype, seed=4, order="C")
+    direct = [((a, b, 1), {}), ((c3, d3), {}), ((c3, d3, 2), {}), ((c3, rand((6, 3), dtype, seed=5, order="C"), 1), {}),
+              ((c3, d3), {"axes": 2})]
+    for args, kw in direct:
+        calls = _hostcall.direct_calls()
+        got = entry(*args, **kw)
+        assert _hostcall.direct_calls() == calls + 1 and not seen
+        assert _bits(got) == _bits(np.tensordot(*args, **kw)) and got.flags.c_contiguous
+    others = [((a, b), {"axes": ([1], [0])}), ((np.asfortranarray(a), b, 1), {}), ((a[:1], b, 1), {}),
+              ((c3, d3, 1), {}), ((a, a, 1), {}), ((np.full((4, 3), 1e200), np.full((3, 5), 1e200), 1), {})]
+    for args, kw in others:
+        seen.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, ref = _outcome(lambda: entry(*args, **kw)), _outcome(lambda: np.tensordot(*args, **kw))
+        assert got == ref and len(seen) == (args[0].dtype == args[1].dtype)
+        assert len(caught) % 2 == 0  # (the overflow: numpy's warning once for each)
