@@ -549,8 +549,10 @@ static int hc_may_share(hc_array *x, hc_array *y);
 
 /* an operand or an output numpy's matmul hands BLAS as it is: 2-D, aligned, dimensions 2..INT_MAX,
    blasable row- or column-major (contiguous only: numpy's dot copies the others) */
-static int hc_copies[2];                  /* [0] matmul, [1] dot: operands numpy copies to C order first are
-                                             copied here too (_direct_ok checks numpy does so) */
+static int hc_copies[2];                  /* [0] matmul, [1] dot: operands numpy copies first are copied here
+                                             too, 1: to C order, 2: to the order nearest their strides (F
+                                             where the row stride is the smaller); 0: not (_copies_ok
+                                             finds which gives numpy's bits) */
 
 /* an operand or an output as numpy's matmul (matmul) / dot hands it to BLAS: 2-D, aligned, dimensions
    2..INT_MAX; 1: as it is (matmul: blasable row- or column-major; dot: contiguous), 2: a C-ordered
@@ -620,11 +622,13 @@ static int hc_product_ready(PyObject *const *args, PyObject *out, int i, int mat
                            && !hc_may_share(o, a) && !hc_may_share(o, b));
 }
 
-/* x, or its C-ordered copy where hc_plain says numpy copies it (new reference; NULL: numpy's error) */
+/* x, or its copy (hc_copies' order) where hc_plain says numpy copies it (new reference; NULL: numpy's error) */
 static PyObject *hc_operand(hc_array *x, int i, int matmul) {
     PyObject *c;
     if (hc_plain(x, i, matmul) != 2) { Py_INCREF((PyObject *)x); return (PyObject *)x; }
-    if ((c = hc_empty(i, x->dimensions[0], x->dimensions[1], 0)) != NULL && hc_copy_into(c, (PyObject *)x) < 0)
+    if ((c = hc_empty(i, x->dimensions[0], x->dimensions[1],
+                      hc_copies[!matmul] == 2 && Py_ABS(x->strides[0]) < Py_ABS(x->strides[1]))) != NULL
+            && hc_copy_into(c, (PyObject *)x) < 0)
         Py_CLEAR(c);
     return c;
 }
@@ -1912,7 +1916,7 @@ ENV_DIRECT = "BLASX_HOST_DIRECT"  # "0": no direct BLAS calls (numpy's / scipy's
 
 _lib = None
 _state = None  # None: not tried; "c" or "python"
-_direct = {"numpy": None, "scipy": False, "copies": (False, False)}  # direct()
+_direct = {"numpy": None, "scipy": False, "copies": (False, False), "copy_order": (None, None)}  # direct()
 
 
 def kind() -> str:
@@ -2004,15 +2008,18 @@ def set_direct(lib, numpy_gemm=True, scipy_gemm=True) -> dict:
         ok = (False, False)
     if (found is not None, f77 is not None) != ok:
         lib.blasx_hc_set_direct(new, found[1] if ok[0] else None, f77 if ok[1] else None)
-    copies = (False, False)
+    modes = [0, 0]
     if ok[0]:
-        lib.blasx_hc_set_copies(1, 1)
-        try:
-            copies = _copies_ok(lib)
-        except Exception:  # noqa: BLE001 - numpy's functions then copy them
-            pass
-    lib.blasx_hc_set_copies(*map(int, copies))
-    _direct = {"numpy": found[0] if ok[0] else None, "scipy": ok[1], "copies": copies}
+        for mode in (1, 2):  # (C order, as numpy 2.4 copies; the operand's nearest order)
+            lib.blasx_hc_set_copies(mode, mode)
+            try:
+                found_ok = _copies_ok(lib)
+            except Exception:  # noqa: BLE001 - numpy's functions then copy them
+                found_ok = (False, False)
+            modes = [m or (mode if f else 0) for m, f in zip(modes, found_ok)]
+    lib.blasx_hc_set_copies(*modes)
+    _direct = {"numpy": found[0] if ok[0] else None, "scipy": ok[1], "copies": tuple(m != 0 for m in modes),
+               "copy_order": tuple({0: None, 1: "C", 2: "nearest"}[m] for m in modes)}
     return dict(_direct)
 
 
@@ -2037,7 +2044,8 @@ def direct() -> dict:
     names of numpy's cblas gemm routines that matmul and dot call (None: numpy's functions do),
     ``"scipy"``, whether gemm and the scipy-signature routines call scipy's routines themselves,
     ``"copies"``, whether matmul / dot copy the operands numpy copies before its BLAS call (else
-    numpy's functions take those calls)."""
+    numpy's functions take those calls), ``"copy_order"`` in which order ("C", or "nearest" the
+    operand's strides)."""
     _library()
     return dict(_direct)
 
