@@ -589,3 +589,20 @@ def test_tensordot_of_c_ordered_operands_is_one_direct_call(dtype, rand):
             got, ref = _outcome(lambda: entry(*args, **kw)), _outcome(lambda: np.tensordot(*args, **kw))
         assert got == ref and len(seen) == (args[0].dtype == args[1].dtype)
         assert len(caught) % 2 == 0  # (the overflow: numpy's warning once for each)
+
+
+def test_direct_scipy_calls_on_many_threads(rand):
+    """Large enough to let the GIL go during the BLAS call (m n k >= 64^3): the lanes' and gemm's direct
+    calls from several threads at once, each the wrapper's bits, each recorded on its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+    a, b, c = (rand((96, 96), np.float64, seed=s) for s in (1, 2, 3))
+    calls = [(B.dgemm, S.dgemm, (1.5, a, b)), (B.dsyrk, S.dsyrk, (0.5, a)), (B.dtrsm, S.dtrsm, (2.0, a + 96 * np.eye(96), b)),
+             (B.dsymm, S.dsymm, (1.0, a, b, 0.5, c))]
+    refs = [_bits(ref(*args)) for _, ref, args in calls]
+
+    def work(i):
+        f, _, args = calls[i % len(calls)]
+        got = f(*args)
+        return _bits(got) == refs[i % len(calls)] and blasx.last_profile().totals()["tasks"] == 1
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(80)))
