@@ -134,6 +134,8 @@ static PyObject *hc_session;              /* session.__dict__ */
 static PyObject *hc_tls;                  /* level3.last_call: holds each thread's record guard (hc_guard) */
 static PyObject *hc_clock;                /* time.perf_counter */
 static PyObject *hc_scale;                /* level3.host_scale (set_scale); NULL: alpha-0 gemms go to Python */
+static PyObject *hc_multiply;             /* np.multiply (set_scale): host_scale's complex products, called here */
+static PyObject *s_order, *hc_kw_order, *hc_kw_out, *hc_F;
 static int hc_native_clock, hc_any_strides, hc_tsc;
 static PyObject *s_host_device, *s_T, *s_qualname, *s_out, *s_dtype, *s_casting, *s_axes, *hc_flag[3],
     *hc_zero;
@@ -825,6 +827,29 @@ static PyObject *hc_scale_real(int di, PyObject *beta, PyObject *cobj, int in_pl
     return res;
 }
 
+/* host_scale's C = beta C for a complex type, its very calls of np.multiply (c * beta into a new F-ordered
+   array, or c *= beta), for a C- or F-contiguous c of that type and beta a Python number (numpy casts it
+   to c's type, as host_scale's dtype.type(beta); a numpy scalar would promote: host_scale's); beta 0:
+   zeros, c not read. Py_None: not such a call; NULL: an error */
+static PyObject *hc_scale_complex(int di, PyObject *beta, PyObject *cobj, int in_place, Py_ssize_t m, Py_ssize_t n) {
+    hc_array *c = (hc_array *)cobj;
+    PyObject *call[3] = {cobj, beta, in_place ? cobj : hc_F}, *res;
+    Py_complex z;
+    if (Py_TYPE(cobj) != hc_ndarray || c->descr != hc_descr[di] || !(c->flags & HC_CONTIG) || !(c->flags & HC_ALIGNED)
+            || c->nd != 2 || c->dimensions[0] != m || c->dimensions[1] != n
+            || !(PyFloat_CheckExact(beta) || PyComplex_CheckExact(beta) || PyLong_CheckExact(beta)))
+        Py_RETURN_NONE;
+    z = PyComplex_AsCComplex(beta);
+    if (z.real == -1.0 && PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
+    if (z.real == 0.0 && z.imag == 0.0) {
+        if (in_place) { Py_INCREF(cobj); res = cobj; }
+        else if ((res = hc_empty(di, m, n, 1)) == NULL) return NULL;
+        memset(((hc_array *)res)->data, 0, (size_t)(m * n * hc_itemsize[di]));
+        return res;
+    }
+    return PyObject_Vectorcall(hc_multiply, call, 2, in_place ? hc_kw_out : hc_kw_order);
+}
+
 static PyObject *hc_alpha0(PyObject *dev, int di, PyObject *beta, PyObject *cobj, int in_place, Py_ssize_t m,
                            Py_ssize_t n) {
     PyObject *shape, *call[5], *res = NULL;
@@ -837,6 +862,18 @@ static PyObject *hc_alpha0(PyObject *dev, int di, PyObject *beta, PyObject *cobj
         }
         Py_DECREF(dev);
         return res;
+    }
+    if (di >= 2 && cobj != Py_None && hc_multiply != NULL) {   /* a complex type's: host_scale's ufunc call, made here */
+        if (hc_stamp_now(&t0) < 0 || (res = hc_scale_complex(di, beta, cobj, in_place, m, n)) == NULL) {
+            Py_DECREF(dev);
+            return NULL;
+        }
+        if (res != Py_None) {
+            if (hc_record(dev, t0, di, 0.0) < 0) Py_CLEAR(res);
+            Py_DECREF(dev);
+            return res;
+        }
+        Py_CLEAR(res);   /* (not such a call: host_scale's) */
     }
     if (di < 2 && cobj != Py_None && hc_new_array != NULL) {   /* a real type's C = beta C, made here */
         if (hc_stamp_now(&t0) < 0 || (res = hc_scale_real(di, beta, cobj, in_place, m, n)) == NULL) {
@@ -1856,12 +1893,17 @@ PyObject *blasx_hc_direct(int which, PyObject *alpha, PyObject *a, PyObject *b, 
 }
 
 /* level3.host_scale, for the alpha-0 gemms (hc_alpha0) */
-int blasx_hc_set_scale(PyObject *fn) {
-    if (!PyCallable_Check(fn)) {
+int blasx_hc_set_scale(PyObject *fn, PyObject *multiply) {
+    if (!PyCallable_Check(fn) || !PyCallable_Check(multiply)) {
         PyErr_SetString(PyExc_TypeError, "blasx_hc_set_scale: not callable");
         return -1;
     }
+    if (s_order == NULL && ((s_order = PyUnicode_InternFromString("order")) == NULL
+                            || (hc_kw_order = PyTuple_Pack(1, s_order)) == NULL
+                            || (hc_kw_out = Py_BuildValue("(s)", "out")) == NULL || (hc_F = PyUnicode_FromString("F")) == NULL))
+        return -1;
     Py_INCREF(fn); Py_XSETREF(hc_scale, fn);
+    Py_INCREF(multiply); Py_XSETREF(hc_multiply, multiply);
     return 0;
 }
 
@@ -1958,7 +2000,7 @@ def declare(lib):
     lib.blasx_hc_clock.restype = ctypes.py_object
     lib.blasx_hc_clock.argtypes = []
     lib.blasx_hc_set_scale.restype = ctypes.c_int
-    lib.blasx_hc_set_scale.argtypes = [ctypes.py_object]
+    lib.blasx_hc_set_scale.argtypes = [ctypes.py_object] * 2
     lib.blasx_hc_set_direct.restype = ctypes.c_int
     lib.blasx_hc_set_direct.argtypes = [ctypes.py_object] * 3
     lib.blasx_hc_direct.restype = ctypes.py_object
@@ -2103,7 +2145,7 @@ def set_scale(host_scale) -> None:
     """The C entry points make an alpha-0 gemm's C = beta C with ``host_scale(beta, c or None, in_place,
     (m, n), dtype)`` (level3.host_scale); before this they hand it to the Python function."""
     lib = _library()
-    if lib is not None and lib.blasx_hc_set_scale(host_scale) != 0:
+    if lib is not None and lib.blasx_hc_set_scale(host_scale, np.multiply) != 0:
         raise TypeError("set_scale: host_scale is not callable")
 
 

@@ -495,16 +495,17 @@ def test_a_lane_whose_routine_differs_keeps_the_wrapper(rand):
     assert lib.blasx_hc_lane_routine(fn) == sym.scipy_routine("d", "symm")
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", BLAS)
 def test_alpha_zero_gemm_scales_c_in_c(dtype, rand):
-    """gemm with alpha 0 on a real type: C = beta C made in C, as host_scale makes it (the same
-    products; beta 0: zeros, NaN in c not read), in place or into a new F-ordered array, for every
-    entry (blasx.gemm, linalg.blas.?gemm), c C- or F-ordered; A and B (NaN) unread."""
+    """gemm with alpha 0: C = beta C made in C, as host_scale makes it (real types: the same products
+    in a loop; complex: host_scale's np.multiply call; beta 0: zeros, NaN in c not read), in place or
+    into a new F-ordered array, for every entry (blasx.gemm, linalg.blas.?gemm), c C- or F-ordered;
+    A and B (NaN) unread; no blasx Python (not even host_scale)."""
     a, b = rand((6, 4), dtype, seed=1), rand((4, 5), dtype, seed=2)
     a[0, 0] = b[1, 1] = np.nan
-    lane = getattr(B, {np.float32: "sgemm", np.float64: "dgemm"}[dtype])
-    for f, order, beta, ow, nan in itertools.product((blasx.gemm, lane), "FC", (0.5, -3, np.float64(1.5), 0.0),
-                                                       (0, 1), (False, True)):
+    lane = getattr(B, "sdcz"[BLAS.index(dtype)] + "gemm")
+    betas = (0.5, -3, 0.0) + ((np.float64(1.5),) if np.dtype(dtype).kind == "f" else (0.5 - 2j, 1j))
+    for f, order, beta, ow, nan in itertools.product((blasx.gemm, lane), "FC", betas, (0, 1), (False, True)):
         c0 = rand((6, 5), dtype, seed=3, order=order)
         if nan:
             c0[2, 3] = np.nan
