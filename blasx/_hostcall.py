@@ -624,15 +624,22 @@ static int hc_product_ready(PyObject *const *args, PyObject *out, int i, int mat
                            && !hc_may_share(o, a) && !hc_may_share(o, b));
 }
 
+/* a new C- or F-ordered (fortran) 2-D array of dtype i with x's values: numpy's PyArray_CopyInto (its
+   cast), a memcpy where x is of that type and order already; NULL: numpy's error */
+static PyObject *hc_copy(hc_array *x, int i, int fortran) {
+    PyObject *res = hc_empty(i, x->dimensions[0], x->dimensions[1], fortran);
+    if (res == NULL) return NULL;
+    if (x->descr == hc_descr[i] && (x->flags & (fortran ? HC_F : HC_C)))
+        memcpy(((hc_array *)res)->data, x->data, (size_t)(x->dimensions[0] * x->dimensions[1] * hc_itemsize[i]));
+    else if (hc_copy_into(res, (PyObject *)x) < 0)
+        Py_CLEAR(res);
+    return res;
+}
+
 /* x, or its copy (hc_copies' order) where hc_plain says numpy copies it (new reference; NULL: numpy's error) */
 static PyObject *hc_operand(hc_array *x, int i, int matmul) {
-    PyObject *c;
     if (hc_plain(x, i, matmul) != 2) { Py_INCREF((PyObject *)x); return (PyObject *)x; }
-    if ((c = hc_empty(i, x->dimensions[0], x->dimensions[1],
-                      hc_copies[!matmul] == 2 && Py_ABS(x->strides[0]) < Py_ABS(x->strides[1]))) != NULL
-            && hc_copy_into(c, (PyObject *)x) < 0)
-        Py_CLEAR(c);
-    return c;
+    return hc_copy(x, i, hc_copies[!matmul] == 2 && Py_ABS(x->strides[0]) < Py_ABS(x->strides[1]));
 }
 
 /* the product of a and b (hc_product_ready's) into out: the floating-point flags raised, -1: an error */
@@ -703,16 +710,11 @@ static int hc_scalars_of(PyObject *alpha, PyObject *beta, int i, hc_scalars *v, 
    and PyArray_CopyInto: numpy's cast; a plain copy of an F-ordered array of that type with memcpy);
    a new reference; NULL: numpy's error */
 static PyObject *hc_as_fortran(hc_array *x, int i, int copy) {
-    PyObject *res;
-    int same = x->descr == hc_descr[i] && (x->flags & HC_F);
-    if (!copy && same && (x->flags & HC_ALIGNED)) {
+    if (!copy && x->descr == hc_descr[i] && (x->flags & HC_F) && (x->flags & HC_ALIGNED)) {
         Py_INCREF((PyObject *)x);
         return (PyObject *)x;
     }
-    if ((res = hc_empty(i, x->dimensions[0], x->dimensions[1], 1)) == NULL) return NULL;
-    if (same) memcpy(((hc_array *)res)->data, x->data, (size_t)(x->dimensions[0] * x->dimensions[1] * hc_itemsize[i]));
-    else if (hc_copy_into(res, (PyObject *)x) < 0) Py_CLEAR(res);
-    return res;
+    return hc_copy(x, i, 1);
 }
 
 static inline int hc_fits(hc_array *x) {   /* a 2-D array whose dimensions BLAS's int holds */
@@ -863,20 +865,10 @@ static PyObject *hc_alpha0(PyObject *dev, int di, PyObject *beta, PyObject *cobj
         Py_DECREF(dev);
         return res;
     }
-    if (di >= 2 && cobj != Py_None && hc_multiply != NULL) {   /* a complex type's: host_scale's ufunc call, made here */
-        if (hc_stamp_now(&t0) < 0 || (res = hc_scale_complex(di, beta, cobj, in_place, m, n)) == NULL) {
-            Py_DECREF(dev);
-            return NULL;
-        }
-        if (res != Py_None) {
-            if (hc_record(dev, t0, di, 0.0) < 0) Py_CLEAR(res);
-            Py_DECREF(dev);
-            return res;
-        }
-        Py_CLEAR(res);   /* (not such a call: host_scale's) */
-    }
-    if (di < 2 && cobj != Py_None && hc_new_array != NULL) {   /* a real type's C = beta C, made here */
-        if (hc_stamp_now(&t0) < 0 || (res = hc_scale_real(di, beta, cobj, in_place, m, n)) == NULL) {
+    /* C = beta C made here: a real type's products in C, a complex type's host_scale's ufunc call */
+    if (cobj != Py_None && (di >= 2 ? hc_multiply != NULL : hc_new_array != NULL)) {
+        if (hc_stamp_now(&t0) < 0
+                || (res = (di >= 2 ? hc_scale_complex : hc_scale_real)(di, beta, cobj, in_place, m, n)) == NULL) {
             Py_DECREF(dev);
             return NULL;
         }
@@ -2065,14 +2057,19 @@ def set_direct(lib, numpy_gemm=True, scipy_gemm=True) -> dict:
     return dict(_direct)
 
 
+def _probe_array(rng, shape, dtype: np.dtype, order: str = "C") -> np.ndarray:
+    """Random values of ``dtype`` (complex ones with an imaginary part) for the load checks."""
+    x = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype.kind == "c" else 0)
+    return np.asarray(x, dtype=dtype, order=order)
+
+
 def _copies_ok(lib) -> tuple[bool, bool]:
     """Whether direct calls that first copy the operands numpy copies give numpy's bits: matmul of
     operands BLAS cannot read (every other row and column), dot of blocks of larger arrays."""
     rng = np.random.default_rng(20261124)
     ok = [True, True]
     for dt in BLAS:
-        big = np.asarray(rng.standard_normal((40, 36)) + (1j * rng.standard_normal((40, 36)) if dt.kind == "c" else 0),
-                         dtype=dt)
+        big = _probe_array(rng, (40, 36), dt)
         for which, (a, b), ref in ((0, (big[::2, ::2], big[1::2, 1::2].T), np.matmul),
                                    (2, (big[:17, 3:12], big[20:29, 1:6]), np.dot),
                                    (2, (big[:9, :7], np.asfortranarray(big)[5:12, 2:10]), np.dot)):
@@ -2118,11 +2115,8 @@ def _direct_ok(lib, numpy_gemm: bool, scipy_gemm: bool) -> tuple[bool, bool]:
     rng = np.random.default_rng(20261123)
     ok_np, ok_sp = numpy_gemm, scipy_gemm
     for dt in BLAS:
-        def rand(shape, order):
-            x = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dt.kind == "c" else 0)
-            return np.asarray(x, dtype=dt, order=order)
         for (m, k, n), oa, ob in ((s, oa, ob) for s in ((5, 3, 4), (33, 17, 9)) for oa in "CF" for ob in "CF"):
-            a, b = rand((m, k), oa), rand((k, n), ob)
+            a, b = _probe_array(rng, (m, k), dt, oa), _probe_array(rng, (k, n), dt, ob)
             if ok_np:
                 got, ref = lib.blasx_hc_direct(0, None, a, b, 0, 0), np.matmul(a, b)
                 ok_np = (got is not None and got.flags.c_contiguous and got.dtype == dt
@@ -2312,8 +2306,7 @@ def _lane_ok(lib, obj, family: int, dtype: np.dtype, native, flags: dict) -> boo
     fl = tuple(flags.values())
 
     def rand(shape, diag=0.0):
-        x = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype.kind == "c" else 0)
-        return np.asfortranarray(x + diag * np.eye(*shape), dtype=dtype)
+        return np.asfortranarray(_probe_array(rng, shape, dtype) + diag * np.eye(*shape, dtype=dtype))
     m, n, k = 5, 4, 3
     if family == 0:  # gemm
         a, b = rand((k, m) if fl[0] else (m, k)), rand((n, k) if fl[1] else (k, n))
