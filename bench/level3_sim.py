@@ -18,7 +18,13 @@ the blocked trsm kernel instead of the inverses' tasks), ``trmm:ORDER`` (in plac
 ``runtime.plans.trmm_order`` takes: ``levels``, ``wave``, ``lines2``, ...), ``trmm-oop`` (out of
 place, into a separate C). Rates use bench.level3's flop counts (GEMM, SYMM, SYR2K 2N^3; SYRK,
 TRMM, TRSM N^3), and every case is also given as a ratio to the GEMM of the same N in the same
-run. ``--gpus`` changes the number of simulated GPUs (the model stays one H200's).
+run. ``--gpus`` changes the number of simulated GPUs (the model stays one H200's). Any case
+may end in ``@KNOBS`` (``syrk@commit_steps=0``; ``+`` between knobs): its engine runs with those
+``runtime.knobs.Knobs``, so an A/B of a scheduling choice runs round robin in one process
+(compare ``gemm@...`` with ``gemm`` for the knob's cost on GEMM itself). ``--speeds 1/1.06``
+slows the second GPU by 6% (kernels and copies): two GPUs of one model differ run to run (on
+H200s, 52-60 TFLOPS sustained, dips to 43), which the demand-driven balance absorbs except in
+what each GPU has already committed when the queues run dry.
 
 Per-kernel rates (``--krate``, the sim's ``krate=`` option): a factor of the GEMM rate for a
 tile kernel. Measured on H200 inside level-3 calls
@@ -78,12 +84,32 @@ DEFAULT_KRATE = "trmm:0.9/trsm:0.39/invmm:0.68/trtri:0.12"
 def parse_cases(text: str) -> list[str]:
     """'gemm,trmm:wave' -> ['gemm', 'trmm:wave']; gemm is added first when missing (the ratio's base)."""
     cases = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-    bad = [c for c in cases if c not in BASE_CASES and not _is_trmm_order(c)]
+    bad = [c for c in cases if (base_of(c) not in BASE_CASES and not _is_trmm_order(base_of(c)))
+           or not _knobs_ok(c)]
     if bad or not cases:
         raise SystemExit(f"--cases: got {text!r}; allowed (comma list): {', '.join(BASE_CASES)}, or trmm:ORDER "
                          f"with ORDER one of auto, levels, wave[S], lines[Q], work[Q], bands[B] "
-                         f"(runtime.plans.trmm_order)")
+                         f"(runtime.plans.trmm_order); any of them may end in @KNOBS, e.g. syrk@commit_steps=0 "
+                         f"(runtime.knobs.Knobs, '+' between knobs: the engine of that case runs with them)")
     return cases if "gemm" in cases else ["gemm"] + cases
+
+
+def base_of(case: str) -> str:
+    """'syrk@commit_steps=0' -> 'syrk'."""
+    return case.partition("@")[0]
+
+
+def knobs_of(case: str) -> str:
+    """'syrk@commit_steps=0+late_c=0' -> 'commit_steps=0,late_c=0' (BLASX_KNOBS' syntax)."""
+    return case.partition("@")[2].replace("+", ",")
+
+
+def _knobs_ok(case: str) -> bool:
+    try:
+        Knobs.from_env(knobs_of(case))
+    except ValueError:
+        return False
+    return True
 
 
 def _is_trmm_order(case: str) -> bool:
@@ -98,12 +124,13 @@ def _is_trmm_order(case: str) -> bool:
 
 
 def routine_of(case: str) -> str:
-    return case.split(":")[0].removesuffix("-oop").removesuffix("-blocked")
+    return base_of(case).split(":")[0].removesuffix("-oop").removesuffix("-blocked")
 
 
 def plan_case(case: str, n: int, tile: int, block: tuple[int, int]) -> tuple[list, list[int]]:
     """(tasks, operand slot -> operand index) of ``case`` on N x N operands; in-place cases map
     their output slot to B's operand."""
+    case = base_of(case)
     r = routine_of(case)
     if r == "gemm":
         return plan_gemm(n, n, n, tile, OP_N, OP_N, beta_zero=False, block=block), [0, 1, 2]
@@ -122,11 +149,13 @@ def plan_case(case: str, n: int, tile: int, block: tuple[int, int]) -> tuple[lis
     return plan_trmm(n, n, tile, LEFT, UPPER, OP_N, NONUNIT, block=block, in_place=True, **kw), [0, 1, 1]
 
 
-def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, dilate: float) -> dict:
+def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, dilate: float,
+             speeds: str = "") -> dict:
     """One simulated call of ``case`` on a fresh engine of ``gpus`` timing sims; times undilated."""
     dtype = np.dtype(np.float64)
     heap = cuda_heap_bytes(model.gpu_mem)
-    spec = spec_for(gpus, "d", model, heap, dilate, "independent") + (f",krate={krate}" if krate else "")
+    spec = (spec_for(gpus, "d", model, heap, dilate, "independent") + (f",krate={krate}" if krate else "")
+            + (f",speeds={speeds}" if speeds else ""))
 
     def make_call(eng, devs):
         tasks, slots = plan_case(case, n, tile, block_shape(eng))
@@ -142,7 +171,16 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
         call.tile = tile
         return call
 
-    devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call)
+    old_knobs = os.environ.get("BLASX_KNOBS")
+    if "@" in case:  # this case's engine runs with its own knobs (read from the environment)
+        os.environ["BLASX_KNOBS"] = knobs_of(case)
+    try:
+        devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call)
+    finally:
+        if old_knobs is None:
+            os.environ.pop("BLASX_KNOBS", None)
+        else:
+            os.environ["BLASX_KNOBS"] = old_knobs
     if call.error is not None:
         raise call.error
     stats, tasks = call.stats, call.tasks
@@ -169,9 +207,9 @@ def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, 
             "ideal_busy": ideal_busy, "busy_inflation": mean("busy") / ideal_busy, "devices": per}
 
 
-def run_one(case, n, gpus, tile, model, krate, dilate) -> dict:
+def run_one(case, n, gpus, tile, model, krate, dilate, speeds="") -> dict:
     """``run_once``, retried while the host disturbed it (scaling_sim.retried)."""
-    return retried(lambda: run_once(case, n, gpus, tile, model, krate, dilate))
+    return retried(lambda: run_once(case, n, gpus, tile, model, krate, dilate, speeds))
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -194,7 +232,8 @@ def markdown(doc: dict) -> str:
          f"{doc['rate'] / 1e12:g} TFLOPS per GPU, host links {doc['link'] / 1e9:g} GB/s each way, "
          f"P2P {doc['p2p'] / 1e9:g} GB/s, heap {doc['heap_bytes'] / 1e9:.1f} GB per GPU, "
          f"{doc['issue'] * 1e6:g} us per launch, dilation {doc['dilate']:g}); per-kernel rate factors: "
-         f"{doc['krate'] or 'none (every kernel at the GEMM rate)'}. Double, alpha {ALPHA}, beta {BETA} "
+         f"{doc['krate'] or 'none (every kernel at the GEMM rate)'}; per-GPU slowdowns: "
+         f"{doc.get('speeds') or 'none'}. Double, alpha {ALPHA}, beta {BETA} "
          f"(GEMM, SYMM, SYRK, SYR2K), upper, left, no transpose, non-unit; TRMM and TRSM in place "
          f"unless `-oop`. Tile {doc['tile']}, {doc['streams']} streams, knobs {doc['knobs']}. "
          f"{doc['repeats']} run(s) per case, round robin.", "",
@@ -232,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="runs per case and N")
     ap.add_argument("--krate", default=DEFAULT_KRATE,
                     help=f"per-kernel rate factors (sim krate=), default {DEFAULT_KRATE}; 'none': all at the GEMM rate")
+    ap.add_argument("--speeds", default="",
+                    help="per-GPU slowdown factors joined by '/', e.g. 1/1.06 (one GPU's clock 6%% lower: GPUs "
+                         "of one model differ run to run); default: all alike")
     ap.add_argument("--link", type=float, default=FITTED_LINK, help="H2D = D2H bytes/s per GPU")
     ap.add_argument("--dilate", type=float, default=8.0, help="time dilation factor (>= 1)")
     ap.add_argument("--issue", type=float, default=MODEL.issue, help="host seconds per kernel/copy launch")
@@ -254,6 +296,14 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError:
             raise SystemExit(f"--krate: got {args.krate!r}; expected KERNEL:FACTOR pairs joined by '/', "
                              f"factors > 0, e.g. trmm:0.9/trsm:0.35") from None
+    if args.speeds:
+        try:
+            factors = [float(x) for x in args.speeds.split("/")]
+        except ValueError:
+            factors = []
+        if len(factors) != args.gpus or not all(f >= 1 for f in factors):
+            raise SystemExit(f"--speeds: got {args.speeds!r}; expected {args.gpus} factors >= 1 joined by '/', "
+                             f"one per GPU, e.g. {'/'.join(['1'] * (args.gpus - 1) + ['1.06'])}")
     if not args.dilate >= 1:
         raise SystemExit(f"--dilate: got {args.dilate}, need a number >= 1")
     if not args.link > 0:
@@ -274,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
         for n in ns:
             for rep in range(args.repeats):
                 for c in cases:
-                    r = run_one(c, n, args.gpus, args.tile, model, args.krate, args.dilate)
+                    r = run_one(c, n, args.gpus, args.tile, model, args.krate, args.dilate, args.speeds)
                     runs[(n, c)].append(r)
                     log(f"N={n:6d} {c:14s} run {rep + 1}: {r['tflops']:6.1f} TFLOPS  busy {r['busy'] * 1e3:6.1f} "
                         f"comm {r['comm'] * 1e3:5.1f} idle {r['idle'] * 1e3:5.1f} ms  ({r['sim_wall_s']:.1f} s)")
@@ -291,8 +341,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m bench.level3_sim " + " ".join(shlex.quote(a) for a in
                                                             (sys.argv[1:] if argv is None else argv)),
         "spec_example": spec_for(args.gpus, "d", model, heap, args.dilate, "independent")
-        + (f",krate={args.krate}" if args.krate else ""),
-        "gpus": args.gpus, "rate": model.rate["d"], "link": args.link, "p2p": model.p2p, "heap_bytes": heap,
+        + (f",krate={args.krate}" if args.krate else "") + (f",speeds={args.speeds}" if args.speeds else ""),
+        "speeds": args.speeds, "gpus": args.gpus, "rate": model.rate["d"], "link": args.link, "p2p": model.p2p, "heap_bytes": heap,
         "issue": args.issue, "dilate": args.dilate, "krate": args.krate, "tile": args.tile,
         "streams": model.streams, "knobs": dict(vars(Knobs.from_env())), "repeats": args.repeats,
         "switch_interval": args.switch_interval, "cases": cases, "n": ns, "points": points,

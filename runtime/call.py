@@ -89,6 +89,7 @@ class Call:
         # The engine's rate meter and this call's flops not started / running, kept only when
         # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
         self.meter = None
+        self._full_step: float | None = None  # flops of the largest step (``full_step``)
         self.flops_waiting = 0.0
         self.flops_running = 0.0
         self._lock = threading.Lock()
@@ -114,6 +115,15 @@ class Call:
     def step_flops(self, step: Step) -> float:
         f = STEP_FLOPS.get(step.kernel, _gemm_like)(step)
         return f * 4.0 if self.is_complex else f
+
+    @property
+    def full_step(self) -> float:
+        """Flops of the call's largest k-step, a full tile step: the unit of ``Knobs.commit_steps``
+        (computed once, by whichever worker asks first; the value is the same for all)."""
+        f = self._full_step
+        if f is None:
+            f = self._full_step = max((self.step_flops(st) for t in self.tasks for st in t.steps), default=0.0)
+        return f
 
     def is_ready(self, task: Task) -> bool:
         """Every task ``task`` depends on has finished (what a whole-task CPU worker needs)."""

@@ -1,8 +1,8 @@
 """Scheduling switches, for A/B measurements of the choices the engine makes.
 
 Defaults are the measured winners (``bench/results/NOTES.md``); the
-environment variable ``BLASX_KNOBS`` (``"chain_kernels=0,late_c=1"``)
-flips them for an experiment without touching code.
+environment variable ``BLASX_KNOBS`` (``"chain_kernels=0,late_c=1,commit_steps=64"``)
+changes them for an experiment without touching code.
 """
 
 from __future__ import annotations
@@ -36,15 +36,33 @@ class Knobs:
     #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
     #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
+    #: A GPU starts (commits to a stream) another task only while the kernels it has committed
+    #: and not yet run add up to less than this many full tile steps (2 T^3 flops, 8 T^3 for
+    #: complex types, T the call's tile), and never more than 2 x streams tasks (the only rule
+    #: before; 0 keeps it alone). A committed task cannot move to another GPU, so what each GPU
+    #: has committed when the queues run dry is the call's tail imbalance. Counted in tasks, a GPU
+    #: holding cheap tasks (SYRK's diagonal tiles: half the flops) has committed less time than
+    #: its peer: on 2 H200s the last tasks were committed ~150 ms ahead of their kernels and one
+    #: GPU ended 10-35 ms early. 64 steps is the old depth for N = 32768 with T = 4096 (8 tasks
+    #: of 8 steps), counted in flops; in the 2-GPU sim it costs GEMM nothing, and with one GPU 6%
+    #: slower SYR2K's tail fell from 19 to 11 ms (``bench/results/NOTES.md``, tenth session).
+    commit_steps: int = 64
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":
         text = os.environ.get("BLASX_KNOBS", "") if text is None else text
-        names = {f.name for f in fields(cls)}
+        kinds = {f.name: type(getattr(cls(), f.name)) for f in fields(cls)}
         changes = {}
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, _, value = item.partition("=")
-            if key not in names or value not in ("0", "1"):
-                raise ValueError(f"BLASX_KNOBS: got {item!r}; expected name=0 or name=1 with name in {sorted(names)}")
-            changes[key] = value == "1"
+            kind = kinds.get(key)
+            if kind is bool and value in ("0", "1"):
+                changes[key] = value == "1"
+            elif kind is int and value.isdigit():
+                changes[key] = int(value)
+            else:
+                switches = sorted(k for k, t in kinds.items() if t is bool)
+                counts = sorted(k for k, t in kinds.items() if t is int)
+                raise ValueError(f"BLASX_KNOBS: got {item!r}; expected name=0 or name=1 with name in {switches}, "
+                                 f"or name=N (an int >= 0) with name in {counts}")
         return replace(cls(), **changes)

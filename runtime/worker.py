@@ -12,8 +12,14 @@ doc; this module implements the per-device part of it:
    from the most loaded station when the queues are empty (a CPU worker in
    auto mode pulls and steals only the tasks ``admission.py`` admits);
 3. **assign**: give each free stream the station's best task (Eq. 3), as long
-   as no more than ``2 * streams`` tasks are in flight on the device, so a
-   device pulls work by its real demand (the paper's demand-driven balance);
+   as the device's committed work (the flops of its issued, unfinished kernels
+   and of the unissued steps of its active tasks) is below
+   ``Knobs.commit_steps`` full tile steps, and no more than ``2 * streams``
+   tasks are in flight on it; so a device pulls work by its real demand (the
+   paper's demand-driven balance), and a task waits in a station, where an
+   idle peer can steal it, until some device can start it soon. A worker
+   steals only a task it can start now: a thief with no room would hold it
+   in its own station, from which the victim would steal it back;
 4. **issue**: one k-step of every active task, round robin over the streams
    (interleaving step by step over k, lines 18-25): acquire A and B through
    the cache (L1 hit, L2 peer copy, or host load), launch the kernel, record
@@ -47,12 +53,13 @@ FILLING = object()  # a line's ready marker while its fill is being issued on th
 class _Active:
     """A task on a stream: its steps in this device's order, which comes next, and where C is."""
 
-    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
+    __slots__ = ("task", "steps", "k", "left", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
 
     def __init__(self, task, steps) -> None:
         self.task = task
         self.steps = steps
         self.k = 0
+        self.left = sum(map(task.call.step_flops, steps))  # flops of the steps not yet issued
         self.c_loc = None
         self.c_off = None  # heap offset of the C buffer; None when C is used in place
         self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
@@ -74,10 +81,10 @@ class _Pending:
     """Bookkeeping to do when ``event`` completes."""
 
     __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes",
-                 "computed")
+                 "computed", "work")
 
     def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False,
-                 h2d_bytes=0, computed=None):
+                 h2d_bytes=0, computed=None, work=0.0):
         self.event = event
         self.seq = seq
         self.release = release  # lines whose reader count drops
@@ -88,6 +95,7 @@ class _Pending:
         self.writeback = writeback  # the task's write-back was issued before this event
         self.h2d_bytes = h2d_bytes  # host-to-device bytes this event ends (the h2d backlog)
         self.computed = computed  # a task whose last kernel this event ends (write-after-read gates)
+        self.work = work  # flops of the kernel this event ends (the device's committed work drops)
 
 
 class Worker(threading.Thread):
@@ -127,6 +135,10 @@ class Worker(threading.Thread):
 
     def _may_steal(self, task) -> bool:
         """This worker may steal ``task`` from a peer's station (one it can run)."""
+        return True
+
+    def _room_for(self, task) -> bool:
+        """This worker could start ``task`` now (a stream worker: its commitment rule)."""
         return True
 
     def _pull(self):
@@ -191,7 +203,8 @@ class Worker(threading.Thread):
         victim = most_loaded(self.engine.stations_for(self), self.idx)
         if victim is None:
             return
-        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
+        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task)
+                         and self.ready(task) and self._room_for(task))
         if t is not None:
             self.station.push(t)
             t.call.stats.count(self.idx, "steals")
@@ -245,6 +258,7 @@ class StreamWorker(Worker):
         self.inflight = 0  # tasks started and not yet retired
         self.inflight_of: dict = {}  # call -> its tasks among them (read lock-free by peers)
         self.max_inflight = 2 * n
+        self.issued_work = 0.0  # flops of issued kernels whose events have not retired
         self.seq = 0
         self.directory = engine.directory
         self.alru = engine.directory.alrus[self.idx]
@@ -322,6 +336,7 @@ class StreamWorker(Worker):
         for off in p.free:
             self.dev.heap.free(off)
         self.h2d_done += p.h2d_bytes
+        self.issued_work -= p.work
         if p.computed is not None:
             p.computed.call.computed(p.computed)
         if p.finished:
@@ -361,11 +376,35 @@ class StreamWorker(Worker):
         """``task`` may start on a stream: a gated task waits step by step (``Task.gates``)."""
         return task.call.is_startable(task)
 
+    @property
+    def commit_steps(self) -> int:
+        """``Knobs.commit_steps``, read live (an A/B may switch it on a running engine)."""
+        return self.engine.config.knobs.commit_steps
+
+    def committed(self) -> float:
+        """Flops this device has committed and not yet run: its issued, unretired kernels and the
+        unissued steps of its active tasks (``Knobs.commit_steps``)."""
+        return self.issued_work + sum(a.left for a in self.slots if a is not None)
+
+    def _room_for(self, task, committed: float | None = None) -> bool:
+        """``task`` may be committed to a stream now: the in-flight cap, then the commitment
+        horizon (``Knobs.commit_steps`` full steps of ``task``'s call), which an idle device and
+        an urgent task (one others wait for) always pass."""
+        if self.inflight >= self.max_inflight:
+            return False
+        if self.inflight == 0 or not self.commit_steps or task.urgent:
+            return True
+        if committed is None:
+            committed = self.committed()
+        return committed <= 0 or committed < self.commit_steps * task.call.full_step
+
     def assign(self) -> None:
         for s, slot in enumerate(self.slots):
             if slot is not None or self.inflight >= self.max_inflight:
                 continue
-            task = self.station.pop_best(self._score, self.ready)
+            committed = self.committed()
+            task = self.station.pop_best(self._score,
+                                         lambda t: self._room_for(t, committed) and self.ready(t))
             if task is None:
                 return
             if task.call.failed:
@@ -449,14 +488,17 @@ class StreamWorker(Worker):
         if act.late and act.k == nsteps - 1:
             dev.wait(s, act.old_ready)
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
-        dev.end_op(s, h, "kernel", 0, call.step_flops(step), task)
+        work = call.step_flops(step)
+        dev.end_op(s, h, "kernel", 0, work, task)
         row["steps"] += 1
         act.k += 1
+        act.left -= work
+        self.issued_work += work
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
         if self.chain_kernels:
             self._chain = (ev, s)
         last = act.k == nsteps
-        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None)
+        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=work)
         if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
         self._finish(s, act, ev)
@@ -711,6 +753,7 @@ class StreamWorker(Worker):
                     out.append((p.task, p.writeback))
                 peer_reads += [line for line in p.release if line.device != self.idx]
             dq.clear()
+        self.issued_work = 0.0
         with self.directory.lock:
             for line in peer_reads:  # our copies from peers will never complete: unpin their lines
                 line.readers -= 1
