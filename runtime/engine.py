@@ -28,12 +28,10 @@ Policy
   for the CPU worker, which takes work by demand (``cpu=True``) or by its
   admission rule (auto mode, below).
 * Each stream runs one task; a worker issues one k-step of every active task
-  in turn (interleaving over k), with at most ``2 * streams`` tasks in flight,
-  and starts another task only while the kernels it has committed and not
-  run add up to less than ``Knobs.commit_steps`` full tile steps: a started
-  task cannot move to another device, so the shallower the commitment, the
-  less one device can be left behind when the queues run dry. A worker
-  steals only a ready task it can start at once.
+  in turn (interleaving over k), with at most ``2 * streams`` tasks in flight
+  (``Knobs.commit_steps`` adds a horizon in flops: a started task cannot move
+  to another device, so what each device has committed when the queues run
+  dry is the call's tail).
 * Tiles are read through the **two-level cache**: L1 is the device's ALRU
   (Algorithm 2) over its preallocated heap; L2 is the other devices' L1,
   found through the **MESI-X directory** (``coherence.py``) and copied over

@@ -36,17 +36,17 @@ class Knobs:
     #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
     #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
-    #: A GPU starts (commits to a stream) another task only while the kernels it has committed
-    #: and not yet run add up to less than this many full tile steps (2 T^3 flops, 8 T^3 for
-    #: complex types, T the call's tile), and never more than 2 x streams tasks (the only rule
-    #: before; 0 keeps it alone). A committed task cannot move to another GPU, so what each GPU
-    #: has committed when the queues run dry is the call's tail imbalance. Counted in tasks, a GPU
-    #: holding cheap tasks (SYRK's diagonal tiles: half the flops) has committed less time than
-    #: its peer: on 2 H200s the last tasks were committed ~150 ms ahead of their kernels and one
-    #: GPU ended 10-35 ms early. 64 steps is the old depth for N = 32768 with T = 4096 (8 tasks
-    #: of 8 steps), counted in flops; in the 2-GPU sim it costs GEMM nothing, and with one GPU 6%
-    #: slower SYR2K's tail fell from 19 to 11 ms (``bench/results/NOTES.md``, tenth session).
-    commit_steps: int = 64
+    #: A horizon for what a GPU commits: it starts another task only while the kernels it has
+    #: committed and not yet run add up to less than this many full tile steps (2 T^3 flops,
+    #: 8 T^3 for complex types, T the call's tile), besides the cap of 2 x streams tasks in
+    #: flight. 0 (default): the cap alone. A committed task cannot move to another GPU, so what
+    #: each GPU has committed when the queues run dry is the call's tail imbalance: on 2 H200s
+    #: the last tasks were committed ~150 ms ahead of their kernels and one GPU ended 10-35 ms
+    #: before the other. 64 is the cap's depth at N = 32768 with T = 4096, counted in flops and
+    #: independent of N. In the 2-GPU sim it helped with one GPU 6% slower (SYR2K 0.928 -> 0.955
+    #: of GEMM) and cost 0.4-0.7% at N = 49152 with equal GPUs; on one H200 it changed nothing.
+    #: Not the default until two real GPUs say so (``bench/results/NOTES.md``, tenth session).
+    commit_steps: int = 0
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":
