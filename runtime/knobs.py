@@ -43,8 +43,9 @@ class Knobs:
     #: each GPU has committed when the queues run dry is the call's tail imbalance: on 2 H200s
     #: the last tasks were committed ~150 ms ahead of their kernels and one GPU ended 10-35 ms
     #: before the other. 64 is the cap's depth at N = 32768 with T = 4096, counted in flops and
-    #: independent of N. In the 2-GPU sim it helped with one GPU 6% slower (SYR2K 0.928 -> 0.955
-    #: of GEMM) and cost 0.4-0.7% at N = 49152 with equal GPUs; on one H200 it changed nothing.
+    #: independent of N. In the 2-GPU sim it helped with one GPU 6% slower (SYR2K 0.923 -> 0.965
+    #: of GEMM, TRMM 0.863 -> 0.891), was mixed with equal GPUs (SYRK +1.5%, TRSM -2%) and cost
+    #: 0.4-0.7% at N = 49152; on one H200 it changed nothing.
     #: Not the default until two real GPUs say so (``bench/results/NOTES.md``, tenth session).
     commit_steps: int = 0
 
