@@ -383,25 +383,21 @@ class StreamWorker(Worker):
         unissued steps of its active tasks (``Knobs.commit_steps``)."""
         return self.issued_work + sum(a.left for a in self.slots if a is not None)
 
-    def _room_for(self, task, committed: float | None = None) -> bool:
-        """``task`` may be committed to a stream now: the in-flight cap, then the commitment
-        horizon (``Knobs.commit_steps`` full steps of ``task``'s call), which an idle device and
-        an urgent task (one others wait for) always pass."""
-        if self.inflight >= self.max_inflight:
-            return False
+    def _within_horizon(self, task, committed: float) -> bool:
+        """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
+        ``Knobs.commit_steps`` full steps of its call; an idle device, and an urgent task, one
+        that others wait for, always may)."""
         if self.inflight == 0 or not self.commit_steps or task.urgent:
             return True
-        if committed is None:
-            committed = self.committed()
         return committed <= 0 or committed < self.commit_steps * task.call.full_step
 
     def assign(self) -> None:
         for s, slot in enumerate(self.slots):
             if slot is not None or self.inflight >= self.max_inflight:
                 continue
-            committed = self.committed()
+            committed = self.committed() if self.commit_steps else 0.0
             task = self.station.pop_best(self._score,
-                                         lambda t: self._room_for(t, committed) and self.ready(t))
+                                         lambda t: self._within_horizon(t, committed) and self.ready(t))
             if task is None:
                 return
             if task.call.failed:

@@ -54,8 +54,8 @@ def _task(full_step, urgent=False):
     return types.SimpleNamespace(urgent=urgent, call=types.SimpleNamespace(full_step=full_step))
 
 
-def _worker(inflight, commit_steps=4, max_inflight=8):
-    return types.SimpleNamespace(inflight=inflight, max_inflight=max_inflight, commit_steps=commit_steps)
+def _worker(inflight, commit_steps=4):
+    return types.SimpleNamespace(inflight=inflight, commit_steps=commit_steps)
 
 
 @pytest.mark.parametrize("inflight, committed, commit_steps, urgent, want", [
@@ -63,14 +63,12 @@ def _worker(inflight, commit_steps=4, max_inflight=8):
     (3, 39.0, 4, False, True),     # below 4 full steps of 10 flops
     (3, 40.0, 4, False, False),    # at the horizon
     (3, 0.0, 4, False, True),      # tasks in flight whose kernels are all done (write-backs)
-    (3, 40.0, 0, False, True),     # commit_steps=0: tasks counted only
+    (3, 40.0, 0, False, True),     # commit_steps=0: no horizon (the cap of 2 x streams tasks alone)
     (3, 40.0, 4, True, True),      # urgent: others wait for it
-    (8, 0.0, 4, True, False),      # the in-flight cap binds even so
-    (8, 0.0, 0, False, False),
 ])
-def test_room_for(inflight, committed, commit_steps, urgent, want):
+def test_within_horizon(inflight, committed, commit_steps, urgent, want):
     w = _worker(inflight, commit_steps)
-    assert StreamWorker._room_for(w, _task(10.0, urgent), committed) is want
+    assert StreamWorker._within_horizon(w, _task(10.0, urgent), committed) is want
 
 
 # =========================================================================== on simulated GPUs

@@ -4,9 +4,9 @@
 
 ``engine``: blasx's rule (a worker whose station is empty steals the newest task of the most
 loaded station that it can run, whether or not it can start it now). ``start-now``: it steals
-only a ready task it can start at once (a free stream within its commitment), which ends the
-back-and-forth of a call's last tasks between two full stations seen on 2 H200s, but leaves the
-tail's tasks to whichever device frees a stream first. Cases alternate run by run; prints each
+only a ready task it can start at once (below its cap of tasks in flight and within
+``Knobs.commit_steps``), which ends the back-and-forth of a call's last tasks between two full
+stations seen on 2 H200s, but leaves the tail's tasks to whichever device frees a stream first. Cases alternate run by run; prints each
 run and the medians (TFLOPS, ratio to the same rule's GEMM, idle ms per GPU, steals per call).
 A PREDICTION, NOT A MEASUREMENT.
 """
@@ -31,7 +31,8 @@ def start_now_steal(self) -> None:
     if victim is None:
         return
     t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task)
-                     and self.ready(task) and self._room_for(task))
+                     and self.ready(task) and self.inflight < self.max_inflight
+                     and self._within_horizon(task, self.committed()))
     if t is not None:
         self.station.push(t)
         t.call.stats.count(self.idx, "steals")
