@@ -4,7 +4,7 @@
 
 On one GPU, for an upper triangle of ``--n`` (well conditioned) and as many right-hand sides:
 cuBLAS trsm on the tile (what a TRSM diagonal step costs without the inverse), trmm on the tile
-(what it costs with one), the in-place inversion of runtime/devices/cuda.py (``invert_triangle``)
+(what it costs with one: in place, out of place with and without the copy back, and the copy), the in-place inversion of runtime/devices/cuda.py (``invert_triangle``)
 at each leaf size, and a plain trsm against the identity. Median of 5 runs each, timed with CUDA
 events; the inverse is checked against numpy.
 """
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
 
 
     def line(what, seconds, f=flops):
-        print(f"{what:<40} {seconds * 1e3:8.3f} ms  {f / seconds / 1e12:6.1f} TFLOPS (of n^3)", flush=True)
+        rate = f"{f / seconds / 1e12:6.1f} TFLOPS (of n^3)" if f else f"{n * n * dt.itemsize / seconds / 1e9:6.0f} GB/s"
+        print(f"{what:<40} {seconds * 1e3:8.3f} ms  {rate}", flush=True)
 
     trsm, trmm = cublas_routine("trsm", dt), cublas_routine("trmm", dt)
     x = b.copy(order="F")
@@ -67,6 +68,16 @@ def main(argv=None) -> int:
     line("trmm tile, out of place + copy back (with A^-1)",
          timed(lambda: (trmm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n, y.data.ptr, n),
                         x.__setitem__(Ellipsis, y))))
+    line("trmm tile, out of place alone",
+         timed(lambda: trmm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n, y.data.ptr, n)))
+    from cupy.cuda import runtime
+    stream = cupy.cuda.get_current_stream().ptr
+    nbytes = n * dt.itemsize
+    line("the copy back alone (memcpy2DAsync, cudaMemcpyDefault, as cuda.py)",
+         timed(lambda: runtime.memcpy2DAsync(x.data.ptr, nbytes, y.data.ptr, nbytes, nbytes, n, 4, stream)), f=0.0)
+    line("trmm tile, out of place + memcpy2DAsync back (cuda.py's invmm)",
+         timed(lambda: (trmm(handle, 0, 1, 0, 0, n, n, one.ctypes.data, a.data.ptr, n, x.data.ptr, n, y.data.ptr, n),
+                        runtime.memcpy2DAsync(x.data.ptr, nbytes, y.data.ptr, nbytes, nbytes, n, 4, stream))))
     want = np.linalg.inv(np.triu(a_h).astype(np.complex128))
     for leaf in (int(v) for v in args.leaves.split(",")):
         w = a.copy(order="F")
