@@ -33,10 +33,9 @@ DTRMM diagonal step 54 (factor 0.9), DTRSM 21 (0.35) with one cuBLAS call, 23.5 
 recursive blocking the cuda backend runs now; with TRSM's inverses
 (``bench/results/tri-inverse-rate-h200x2-20261123.log``) the 4096 inversion 3.2 ms, i.e. 7.2
 TFLOPS of its n^3/3 flops (``trtri`` 0.12), and the diagonal multiply as the cuda backend runs
-it (out of place, then ``memcpy2DAsync`` back) 48.0 (``invmm`` 0.8;
-``tri-inverse-rate-h200x1-20261123-copyback.log``: 54.1 without the copy back; the 41 used
-before this was timed with a CuPy elementwise copy back). Default:
-``trmm:0.9/trsm:0.39/invmm:0.8/trtri:0.12`` (as measured);
+it on host operands (out of place into a fresh heap block, ``Knobs.invmm_new_block``) 54.1
+(``invmm`` 0.9; ``tri-inverse-rate-h200x1-20261123-copyback.log``; with the copy back of the
+knob's off setting 48.0, 0.8). Default: ``trmm:0.9/trsm:0.39/invmm:0.9/trtri:0.12`` (as measured);
 ``--krate none``: every kernel at the GEMM rate, as scaling_sim.
 
 Repeats run round robin over the cases (all cases once, then again), so a busy spell of this
@@ -81,7 +80,7 @@ UPPER, LEFT, NONUNIT = 0, 0, 0
 BASE_CASES = ("gemm", "symm", "syrk", "syr2k", "trmm", "trmm-oop", "trsm", "trsm-blocked")
 DEFAULT_CASES = "gemm,symm,syrk,syr2k,trmm,trsm"
 #: tile-kernel rates / the GEMM step rate, measured in level-3 calls on H200 (see the module docstring)
-DEFAULT_KRATE = "trmm:0.9/trsm:0.39/invmm:0.8/trtri:0.12"
+DEFAULT_KRATE = "trmm:0.9/trsm:0.39/invmm:0.9/trtri:0.12"
 
 
 def parse_cases(text: str) -> list[str]:

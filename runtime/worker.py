@@ -20,8 +20,11 @@ doc; this module implements the per-device part of it:
 4. **issue**: one k-step of every active task, round robin over the streams
    (interleaving step by step over k, lines 18-25): acquire A and B through
    the cache (L1 hit, L2 peer copy, or host load), launch the kernel, record
-   one event. After the last step: the epilogue, write-back (M -> I) and an
-   event that completes the task.
+   one event. A kernel the device can run out of place (``OUT_OF_PLACE``:
+   TRSM's diagonal multiply) writes into a fresh heap block that becomes the
+   task's C, the old C block freed at that event (``Knobs.invmm_new_block``).
+   After the last step: the epilogue, write-back (M -> I) and an event that
+   completes the task.
 
 Nothing in the issue path blocks except allocation when every cache line is
 busy, which waits for this device's own oldest event (or for peers to
@@ -473,11 +476,23 @@ class StreamWorker(Worker):
         a = self._acquire(s, call, step.a, release, fills, task) if step.a is not None else None
         b = self._acquire(s, call, step.b, release, fills, task) if step.b is not None else None
         self._flush(s, fills)
+        out_off, freed = None, ()
+        if step.kernel in dev.OUT_OF_PLACE and act.c_off is not None and self.engine.config.knobs.invmm_new_block:
+            # The product goes into a fresh block, which becomes C: no copy back over the old C
+            # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
+            c = task.c
+            out_off = self._alloc(c.rows * c.cols * call.itemsize, call)
         chain = self._chain
         if chain is not None and chain[1] != s:
             dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
         h = dev.begin_op(s)
-        dev.run_step(s, step, call, a, b, act.c_loc, task)
+        if out_off is None:
+            dev.run_step(s, step, call, a, b, act.c_loc, task)
+        else:
+            out_loc = dev.arena_loc(out_off, task.c.rows, task.c.cols, call.dtype)
+            dev.run_step(s, step, call, a, b, act.c_loc, task, out=out_loc)
+            freed = (act.c_off,)
+            act.c_off, act.c_loc = out_off, out_loc
         if act.late and act.k == nsteps - 1:
             dev.wait(s, act.old_ready)
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
@@ -491,7 +506,8 @@ class StreamWorker(Worker):
         if self.chain_kernels:
             self._chain = (ev, s)
         last = act.k == nsteps
-        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=work)
+        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=work,
+                   free=freed)
         if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
         self._finish(s, act, ev)

@@ -187,6 +187,52 @@ def test_trsm_every_flag_with_and_without_inverses(rand, rel_err, tol, monkeypat
             assert blasx.last_profile().totals()["tasks"] == tiles + inverse * (blocks - 1)
 
 
+@pytest.mark.parametrize("new_block", [1, 0])
+def test_trsm_diagonal_multiply_into_a_new_block(rand, rel_err, tol, monkeypatch, new_block):
+    """Knobs.invmm_new_block: each diagonal multiply by a block's inverse writes into a fresh heap
+    block, which becomes the task's C (the old C freed once the kernel read it), instead of over C.
+    The same answers; every heap block left after the calls is a cache line (none leaked)."""
+    from blasx.runtime.devices.sim import SimDevice
+    monkeypatch.setenv("BLASX_KNOBS", f"invmm_new_block={new_block}")
+    outs = []
+    original = SimDevice.run_step
+
+    def run_step(self, s, step, call, a, b, c, task=None, out=None):
+        if step.kernel == "invmm":
+            outs.append(out is not None)
+        return original(self, s, step, call, a, b, c, task, out)
+
+    monkeypatch.setattr(SimDevice, "run_step", run_step)
+    blasx.configure(devices="sim:3", tile=8)
+    for dtype in (np.float64, np.complex64):
+        alpha, _ = scalars(dtype)
+        for side, lower, trans_a in itertools.product((0, 1), (0, 1), (0, 2)):
+            m, n = 29, 21
+            a, b = well_conditioned(rand, m if side == 0 else n, dtype, 7), rand((m, n), dtype, 8)
+            out = blasx.trsm(alpha, a, b, side=side, lower=lower, trans_a=trans_a)
+            want = ref("trsm", dtype, alpha, a, b, side=side, lower=lower, trans_a=trans_a)
+            assert rel_err(out, want) < tol(dtype), (dtype, side, lower, trans_a)
+    assert outs and set(outs) == {bool(new_block)}
+    eng = blasx.session.engine()
+    for w in eng.workers:
+        lines = list(eng.directory.alrus[w.idx])
+        assert w.dev.heap.n_allocated == len(lines) and all(w.dev.heap.is_allocated(x.offset) for x in lines)
+
+
+def test_invmm_kernel_writes_out_and_only_reads_c(rand):
+    """The numpy kernel's contract for an out-of-place diagonal multiply (runtime.devices.numpy_kernels)."""
+    from blasx.runtime.devices.numpy_kernels import invmm
+    from blasx.runtime.tasks import SC_ONE, Step
+    v, c = np.triu(rand((6, 6), np.float64, 1)), rand((6, 5), np.float64, 2)
+    scal = np.array([0.0, 0.0, 0.0, 1.0, -1.0, 0.0])
+    step = Step("invmm", None, None, 0, 0, 6, 5, 6, SC_ONE, SC_ONE, 0, 0, 0)
+    out, c0 = np.full((6, 5), np.nan, order="F"), c.copy()
+    invmm(step, scal, v, None, c, out=out)
+    assert np.array_equal(c, c0) and np.allclose(out, v @ c0, rtol=1e-14)
+    invmm(step, scal, v, None, c)
+    assert np.array_equal(c, out)
+
+
 @pytest.mark.parametrize("order", ["levels", "wave", "wave2", "lines", "lines2", "work4", "bands3", "blocks",
                                    "blocks3"])
 def test_in_place_trmm_every_order(sim3, rand, rel_err, tol, monkeypatch, order):

@@ -38,7 +38,7 @@ def parse_case(text: str) -> tuple[str, str]:
 
 #: Knobs read per call or per step, which a running engine may change between calls; any other
 #: knob is read by the workers when they start and needs a new engine.
-LIVE_KNOBS = {"trsm_inverse", "block_order", "commit_steps"}
+LIVE_KNOBS = {"trsm_inverse", "block_order", "commit_steps", "invmm_new_block"}
 
 
 def use_knobs(blasx, text: str, tile, streams=None) -> None:

@@ -109,9 +109,15 @@ class Device(ABC):
     def copy_out(self, s: int, operand: Any, ref: Any, src: Any) -> None:
         """Write the finished tile at ``src`` back to its home in ``operand``."""
 
+    #: Tile kernels that can write their result into another tile (``run_step``'s ``out``)
+    #: instead of over ``c``: a worker then gives them a fresh block, which becomes the task's C.
+    OUT_OF_PLACE: frozenset = frozenset({"invmm"})
+
     @abstractmethod
-    def run_step(self, s: int, step: Any, call: Any, a: Any, b: Any, c: Any) -> None:
-        """Launch the step's tile kernel (``step.kernel``) with scalars from ``call``."""
+    def run_step(self, s: int, step: Any, call: Any, a: Any, b: Any, c: Any, task: Any = None,
+                 out: Any = None) -> None:
+        """Launch the step's tile kernel (``step.kernel``) with scalars from ``call``; with ``out``
+        (a kernel of ``OUT_OF_PLACE`` only) the result goes there and ``c`` is only read."""
 
     @abstractmethod
     def record(self, s: int) -> Any:

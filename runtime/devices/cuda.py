@@ -228,12 +228,15 @@ class CudaDevice(Device):
         return DeviceError(f"{self.name}: tile copy {direction} of {rows}x{cols} elements (ld {ld}, "
                            f"{isz} bytes each) refused: {exc}; {where}")
 
-    def run_step(self, s, step, call, a, b, c, task=None):
+    def run_step(self, s, step, call, a, b, c, task=None, out=None):
         kernel = self._kernels.get(step.kernel)
         if kernel is None:
             raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
         self.streams[s].use()  # CuPy's cuBLAS wrappers bind the handle to the current stream
-        kernel(s, step, call, a, b, c)
+        if out is None:
+            kernel(s, step, call, a, b, c)
+        else:
+            kernel(s, step, call, a, b, c, out)
 
     def _k_gemm(self, s, step, call, a, b, c) -> None:
         sc, isz = call.scalars.ctypes.data, call.itemsize
@@ -334,18 +337,20 @@ class CudaDevice(Device):
         invert_triangle(self.handles[s], c[0], c[1], step.m, call.dtype, step.uplo, step.diag, self.INVERSE_LEAF,
                         self._routine, self._scratch(s, step.m * step.m * isz), self.stream_ptrs[s])
 
-    def _k_invmm(self, s, step, call, a, b, c) -> None:
-        """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse: out of
-        place into the stream's scratch tile, then copied back (cuBLAS's in-place DTRMM ran at 29
-        TFLOPS on an H200 against 41 this way: bench/results/tri-inverse-rate-*)."""
+    def _k_invmm(self, s, step, call, a, b, c, out=None) -> None:
+        """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse, out of
+        place: into ``out`` when the worker gives one (a fresh heap block), else into the stream's
+        scratch tile, then copied back. cuBLAS's in-place DTRMM ran at 29 TFLOPS on an H200; out of
+        place 54.1, 48.0 with the copy back (bench/results/tri-inverse-rate-*)."""
         from cupy.cuda import runtime
         alpha, _ = self._ptrs(call, step, False, False)
         isz = call.itemsize
-        tmp = self._scratch(s, step.m * step.n * isz)
+        dst, ld = out if out is not None else (self._scratch(s, step.m * step.n * isz), step.m)
         self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
-                                          step.m, step.n, alpha, a[0], a[1], c[0], c[1], tmp, step.m)
-        runtime.memcpy2DAsync(c[0], c[1] * isz, tmp, step.m * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
-                              self.stream_ptrs[s])
+                                          step.m, step.n, alpha, a[0], a[1], c[0], c[1], dst, ld)
+        if out is None:
+            runtime.memcpy2DAsync(c[0], c[1] * isz, dst, ld * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
+                                  self.stream_ptrs[s])
 
     def _scratch(self, s: int, nbytes: int) -> int:
         """Pointer to a device buffer of at least ``nbytes`` for stream ``s`` alone (stream order

@@ -208,11 +208,12 @@ def trsm(step, scalars, a, b, c) -> None:
         c[...] = res
 
 
-def invmm(step, scalars, a, b, c) -> None:
-    """side 0: c = alpha op(T) c; side 1: c = alpha c op(T), in place; T the uplo triangle of a
-    (unit diagonal if diag), here a diagonal block's inverse made by ``trtri``; b is not used.
-    (cublasXtrmm out of place into a scratch tile, then copied back)"""
-    c[...] = _tri_product(step, scalars, a, c)
+def invmm(step, scalars, a, b, c, out=None) -> None:
+    """side 0: c = alpha op(T) c; side 1: c = alpha c op(T), in place, or into ``out`` (c then
+    only read); T the uplo triangle of a (unit diagonal if diag), here a diagonal block's inverse
+    made by ``trtri``; b is not used. (cublasXtrmm out of place: into ``out``, or into a scratch
+    tile copied back)"""
+    (c if out is None else out)[...] = _tri_product(step, scalars, a, c)
 
 
 _TRTRI = {}

@@ -311,7 +311,7 @@ class SimDevice(Device):
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
 
-    def run_step(self, s, step, call, a, b, c, task=None):
+    def run_step(self, s, step, call, a, b, c, task=None, out=None):
         flops = call.step_flops(step)
         self._kernels_run += 1
         if self.fail_at is not None and self._kernels_run >= self.fail_at:
@@ -323,9 +323,10 @@ class SimDevice(Device):
             work = None  # the cost model's time only
         else:
             kern = KERNELS[step.kernel]
+            extra = {} if out is None else {"out": out}
 
             def work():
-                kern(step, call.scalars, a, b, c)
+                kern(step, call.scalars, a, b, c, **extra)
         self._timed(s, "kernel", self._compute, self.model.kernel_time(flops, step.kernel), work, task, 0, flops)
         self._launch_cost()
 
