@@ -480,8 +480,7 @@ class StreamWorker(Worker):
         if step.kernel in dev.OUT_OF_PLACE and act.c_off is not None and self.engine.config.knobs.invmm_new_block:
             # The product goes into a fresh block, which becomes C: no copy back over the old C
             # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
-            c = task.c
-            out_off = self._alloc(c.rows * c.cols * call.itemsize, call)
+            out_off = self._alloc(task.c.rows * task.c.cols * call.itemsize, call)
         chain = self._chain
         if chain is not None and chain[1] != s:
             dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
