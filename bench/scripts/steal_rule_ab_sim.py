@@ -1,6 +1,6 @@
 """The steal rule, A/B in the 2-GPU sim (timing mode, bench.level3_sim's model), in one process.
 
-    python -m bench.scripts.steal_rule_ab_sim [--speeds 1/1.06] [--n 32768] [--repeats 3]
+    python -m bench.scripts.steal_rule_ab_sim [--speeds 1/1.06] [--n 32768] [--repeats 3] [--cases gemm,trsm]
 
 ``engine``: blasx's rule (a worker whose station is empty steals the newest task of the most
 loaded station that it can run, whether or not it can start it now). ``start-now``: it steals
@@ -19,10 +19,11 @@ import statistics
 from blasx.runtime import worker as W
 from blasx.runtime.station import most_loaded
 
+from .. import level3_sim as L
 from ..level3_sim import ALPHA, BETA, DEFAULT_KRATE, run_one
 from ..scaling_sim import FITTED_LINK, MODEL, Model
 
-CASES = ("gemm", "syrk", "syr2k", "trsm", "trmm")
+CASES = ("gemm", "syrk", "syr2k", "trsm", "trmm")  # the default --cases
 
 
 def start_now_steal(self) -> None:
@@ -52,14 +53,16 @@ def main(argv=None) -> int:
     ap.add_argument("--speeds", default="", help="per-GPU slowdowns joined by '/', e.g. 1/1.06 (level3_sim's)")
     ap.add_argument("--n", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list (bench.level3_sim's cases)")
     args = ap.parse_args(argv)
+    cases = L.parse_cases(args.cases)
     model = Model(rate=MODEL.rate, h2d=FITTED_LINK, d2h=FITTED_LINK, p2p=MODEL.p2p, gpu_mem=MODEL.gpu_mem,
                   streams=MODEL.streams, alpha=ALPHA, beta=BETA, issue=MODEL.issue)
     rules = {"engine": None, "start-now": start_now_steal}  # None: the engine's own (inherited) method
     res: dict = {}
     try:
         for _ in range(args.repeats):
-            for c in CASES:
+            for c in cases:
                 for name, fn in rules.items():
                     _use(fn)
                     r = run_one(c, args.n, 2, 4096, model, DEFAULT_KRATE, 8.0, args.speeds)
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     for name in rules:
         g = med("gemm", name, 0)
         print(f"{name:9s} " + "  ".join(f"{c} {med(c, name, 0):.1f} ({med(c, name, 0) / g:.3f}) idle "
-                                       f"{med(c, name, 1):.1f} steals {med(c, name, 2):.0f}" for c in CASES))
+                                       f"{med(c, name, 1):.1f} steals {med(c, name, 2):.0f}" for c in cases))
     return 0
 
 
