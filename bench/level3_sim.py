@@ -151,6 +151,13 @@ def plan_case(case: str, n: int, tile: int, block: tuple[int, int]) -> tuple[lis
     return plan_trmm(n, n, tile, LEFT, UPPER, OP_N, NONUNIT, block=block, in_place=True, **kw), [0, 1, 1]
 
 
+def sim_model(link: float = FITTED_LINK, issue: float = MODEL.issue) -> Model:
+    """The 2x H200 cost model these runs use (``bench/scaling_sim.py``'s fitted one), with this
+    bench's alpha / beta; ``link``: H2D = D2H bytes/s per GPU, ``issue``: seconds per launch."""
+    return Model(rate=MODEL.rate, h2d=link, d2h=link, p2p=MODEL.p2p, gpu_mem=MODEL.gpu_mem,
+                 streams=MODEL.streams, alpha=ALPHA, beta=BETA, issue=issue)
+
+
 def run_once(case: str, n: int, gpus: int, tile: int, model: Model, krate: str, dilate: float,
              speeds: str = "") -> dict:
     """One simulated call of ``case`` on a fresh engine of ``gpus`` timing sims; times undilated."""
@@ -312,8 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--link: got {args.link}, need bytes/s > 0")
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
         raise SystemExit(f"--tag: got {args.tag!r}; letters, digits, '-' and '_' only")
-    model = Model(rate=MODEL.rate, h2d=args.link, d2h=args.link, p2p=MODEL.p2p, gpu_mem=MODEL.gpu_mem,
-                  streams=MODEL.streams, alpha=ALPHA, beta=BETA, issue=args.issue)
+    model = sim_model(args.link, args.issue)
 
     def log(msg: str) -> None:
         if not args.quiet:

@@ -53,13 +53,12 @@ FILLING = object()  # a line's ready marker while its fill is being issued on th
 class _Active:
     """A task on a stream: its steps in this device's order, which comes next, and where C is."""
 
-    __slots__ = ("task", "steps", "k", "left", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
+    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
 
     def __init__(self, task, steps) -> None:
         self.task = task
         self.steps = steps
         self.k = 0
-        self.left = sum(map(task.call.step_flops, steps))  # flops of the steps not yet issued
         self.c_loc = None
         self.c_off = None  # heap offset of the C buffer; None when C is used in place
         self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
@@ -383,8 +382,9 @@ class StreamWorker(Worker):
 
     def committed(self) -> float:
         """Flops this device has committed and not yet run: its issued, unretired kernels and the
-        unissued steps of its active tasks (``Knobs.commit_steps``)."""
-        return self.issued_work + sum(a.left for a in self.slots if a is not None)
+        unissued steps of its active tasks (``Knobs.commit_steps``; asked only when it is set)."""
+        return self.issued_work + sum(a.task.call.step_flops(st) for a in self.slots if a is not None
+                                      for st in a.steps[a.k:])
 
     def _within_horizon(self, task, committed: float) -> bool:
         """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
@@ -499,7 +499,6 @@ class StreamWorker(Worker):
         dev.end_op(s, h, "kernel", 0, work, task)
         row["steps"] += 1
         act.k += 1
-        act.left -= work
         self.issued_work += work
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
         if self.chain_kernels:

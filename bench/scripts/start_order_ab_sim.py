@@ -20,7 +20,6 @@ import statistics
 from blasx.runtime import worker as W
 
 from .. import level3_sim as L
-from ..scaling_sim import FITTED_LINK, MODEL, Model
 
 VARIANTS = ("base", "rev", "norot", "split")
 
@@ -54,8 +53,7 @@ def main(argv=None) -> int:
         finally:
             self.slots.reverse()
 
-    model = Model(rate=MODEL.rate, h2d=FITTED_LINK, d2h=FITTED_LINK, p2p=MODEL.p2p, gpu_mem=MODEL.gpu_mem,
-                  streams=MODEL.streams, alpha=L.ALPHA, beta=L.BETA, issue=MODEL.issue)
+    model = L.sim_model()
     cases = L.parse_cases(args.cases)
     res: dict = {}
     L.plan_case, W.StreamWorker.assign = planned, reversed_assign

@@ -6,8 +6,9 @@
 loaded station that it can run, whether or not it can start it now). ``start-now``: it steals
 only a ready task it can start at once (below its cap of tasks in flight and within
 ``Knobs.commit_steps``), which ends the back-and-forth of a call's last tasks between two full
-stations seen on 2 H200s, but leaves the tail's tasks to whichever device frees a stream first. Cases alternate run by run; prints each
-run and the medians (TFLOPS, ratio to the same rule's GEMM, idle ms per GPU, steals per call).
+stations seen on 2 H200s, but leaves the tail's tasks to whichever device frees a stream first.
+Cases alternate run by run; prints each run and the medians (TFLOPS, ratio to the same rule's
+GEMM, idle ms per GPU, steals per call).
 A PREDICTION, NOT A MEASUREMENT.
 """
 
@@ -20,8 +21,6 @@ from blasx.runtime import worker as W
 from blasx.runtime.station import most_loaded
 
 from .. import level3_sim as L
-from ..level3_sim import ALPHA, BETA, DEFAULT_KRATE, run_one
-from ..scaling_sim import FITTED_LINK, MODEL, Model
 
 CASES = ("gemm", "syrk", "syr2k", "trsm", "trmm")  # the default --cases
 
@@ -56,8 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help="comma list (bench.level3_sim's cases)")
     args = ap.parse_args(argv)
     cases = L.parse_cases(args.cases)
-    model = Model(rate=MODEL.rate, h2d=FITTED_LINK, d2h=FITTED_LINK, p2p=MODEL.p2p, gpu_mem=MODEL.gpu_mem,
-                  streams=MODEL.streams, alpha=ALPHA, beta=BETA, issue=MODEL.issue)
+    model = L.sim_model()
     rules = {"engine": None, "start-now": start_now_steal}  # None: the engine's own (inherited) method
     res: dict = {}
     try:
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
             for c in cases:
                 for name, fn in rules.items():
                     _use(fn)
-                    r = run_one(c, args.n, 2, 4096, model, DEFAULT_KRATE, 8.0, args.speeds)
+                    r = L.run_one(c, args.n, 2, 4096, model, L.DEFAULT_KRATE, 8.0, args.speeds)
                     steals = sum(d["steals"] for d in r["devices"])
                     res.setdefault((c, name), []).append((r["tflops"], r["idle"] * 1e3, steals))
                     print(f"{c:6s} {name:9s} {r['tflops']:6.1f} TFLOPS idle {r['idle'] * 1e3:5.1f} ms "
