@@ -64,7 +64,7 @@ from blasx.runtime.knobs import Knobs
 from blasx.runtime.plans import inverse_shape, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm, trmm_order
 from blasx.runtime.stats import CallStats, DeviceInfo
 from blasx.runtime.switching import SwitchInterval
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 
 from .scaling_sim import (FITTED_LINK, MAX_INFLATION, MODEL, RETRIES, Model, _ints, cuda_heap_bytes, retried,

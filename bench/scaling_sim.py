@@ -67,7 +67,7 @@ from blasx.runtime.devices.sim import build_sim_devices
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.tasks import gemm_flops, plan_gemm
+from blasx.runtime.plans import gemm_flops, plan_gemm
 from blasx.runtime.tiling import OP_N
 from blasx.tile import DEFAULT_TILE, MIN_TILE, _pow2_at_least, tiles_needed
 

@@ -14,7 +14,7 @@ from .runtime.call import Call, Operand
 from .runtime.engine import EngineClosed
 from .runtime.devices import numpy_kernels
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
-from .runtime.tasks import plan_gemm
+from .runtime.plans import plan_gemm
 from .runtime.tiling import OP_C, OP_N, OP_T
 from .tile import choose_tile
 

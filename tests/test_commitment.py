@@ -17,7 +17,7 @@ import blasx
 from blasx.runtime.call import Call
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.stats import CallStats
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 from blasx.runtime.worker import StreamWorker
 

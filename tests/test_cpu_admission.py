@@ -24,7 +24,7 @@ from blasx.runtime.devices.cpu import CpuDevice
 from blasx.runtime.devices.sim import SimDevice, build_sim_devices
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 from blasx.runtime.worker import CpuWorker, StreamWorker
 

@@ -17,10 +17,8 @@ from blasx.runtime.queue import TaskQueue
 from blasx.runtime.station import (
     EQ3_SCORE, WHERE_HOST, WHERE_L1, WHERE_L2, ReservationStation, most_loaded, priority,
 )
-from blasx.runtime.tasks import (
-    SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, SLOT_A, SLOT_B, SLOT_C, Step, gemm_flops, plan_gemm,
-    rotated_steps,
-)
+from blasx.runtime.plans import SLOT_A, SLOT_B, SLOT_C, gemm_flops, plan_gemm
+from blasx.runtime.tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
 from blasx.runtime.tiling import (
     OP_C, OP_N, OP_NAMES, OP_T, TileRef, element_offset, n_tiles, op_tile, tile_ref, tile_span,
 )

@@ -21,7 +21,7 @@ from blasx.runtime.call import Call
 from blasx.runtime.config import parse_devices, sim_factors
 from blasx.runtime.devices.sim import SimDevice
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 
 

@@ -21,7 +21,7 @@ from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.plans import plan_trmm
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 
 _bases = itertools.count(-(10 ** 9), -1)

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from blasx.runtime.queue import TaskQueue
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 
 TILE = 256
 TASKS = plan_gemm(32 * TILE, 32 * TILE, 4 * TILE, TILE, 0, 0)  # 1024 tasks of 4 k-steps

@@ -16,7 +16,7 @@ import pytest
 from blasx.runtime.cache import Line
 from blasx.runtime.coherence import Directory
 from blasx.runtime.station import EQ3_SCORE, WHERE_L1, WHERE_L2, ReservationStation, most_loaded, priority
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 
 TILE = 1024
 TASKS = plan_gemm(2 * TILE, 4 * TILE, 8 * TILE, TILE, 0, 0)  # 8 tasks x 8 k-steps

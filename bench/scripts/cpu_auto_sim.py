@@ -30,7 +30,7 @@ from blasx.runtime.devices.sim import build_sim_devices
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.tasks import plan_gemm
+from blasx.runtime.plans import plan_gemm
 from blasx.runtime.tiling import OP_N
 
 from bench.scaling_sim import FITTED_LINK, MODEL, cuda_heap_bytes, cuda_tile, spec_for

@@ -1,0 +1,45 @@
+"""What the level-3 planners share: operand slots, flags, step and task flops, small step makers."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..call import STEP_FLOPS
+from ..tasks import SC_ALPHA, SC_BETA, SC_ZERO, Step
+from ..tiling import OP_C, OP_N, OP_T
+
+# Operand slots, per routine (see the module docstring).
+SYMM_A, SYMM_B, SYMM_C = 0, 1, 2
+SYRK_A, SYRK_C = 0, 1
+SYR2K_A, SYR2K_B, SYR2K_C = 0, 1, 2
+TRMM_A, TRMM_B, TRMM_C = 0, 1, 2
+TRSM_A, TRSM_B, TRSM_X, TRSM_V = 0, 1, 2, 3
+
+SIDE_LEFT, SIDE_RIGHT = 0, 1
+UPPER, LOWER = 0, 1
+
+
+def step_flops(step: Step, is_complex: bool) -> float:
+    """Real flops of one step (as ``Call.step_flops``: complex counts 4 times)."""
+    f = STEP_FLOPS[step.kernel](step) if step.kernel in STEP_FLOPS else 2.0 * step.m * step.n * step.k
+    return 4.0 * f if is_complex else f
+
+
+def task_flops(steps: Iterable[Step], is_complex: bool) -> float:
+    return float(sum(step_flops(s, is_complex) for s in steps))
+
+
+def _first_beta(beta_zero: bool) -> int:
+    return SC_ZERO if beta_zero else SC_BETA
+
+
+def _scale(c, beta_ix: int) -> Step:
+    return Step("scale", None, None, OP_N, OP_N, c.rows, c.cols, 0, SC_ALPHA, beta_ix)
+
+
+def _width(index: int, extent: int, tile: int) -> int:
+    return min(tile, extent - index * tile)
+
+
+def _mirror_op(hermitian: bool) -> int:
+    return OP_C if hermitian else OP_T

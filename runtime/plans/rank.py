@@ -1,0 +1,117 @@
+"""SYRK / HERK and SYR2K / HER2K's planners (Eq. 1c, 1d): the written triangle's tiles only."""
+
+from __future__ import annotations
+
+from ..tasks import SC_ALPHA, SC_ALPHA_CONJ, SC_ONE, Step, Task
+from ..tiling import OP_N, n_tiles, op_tile, tile_ref
+from .common import SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A, SYRK_C, _first_beta, _mirror_op, _scale, _width, task_flops
+from .gemm import tile_order
+
+def _triangle(tn: int, lower: int, block: tuple[int, int]) -> list[tuple[int, int]]:
+    """The C tiles (i, j) of the ``lower`` (i >= j) or upper (i <= j) triangle, in block order."""
+    return [(i, j) for i, j in tile_order(tn, tn, block) if (i >= j if lower else i <= j)]
+
+
+def _rank_op(op: int, hermitian: bool) -> int:
+    """The op applied to the second factor's stored tile: op(A)_jk^T (^H) in terms of stored tiles."""
+    if op == OP_N:
+        return _mirror_op(hermitian)
+    return OP_N
+
+
+def _rank_tile(slot: int, op: int, i: int, kk: int, n: int, k: int, tile: int):
+    """Stored tile of op(X) tile (i, kk), op(X) being n x k.
+
+    It is also the right factor of a rank-k gemm step, with op ``_rank_op(op)``:
+    for op N, op(X)_jk^T is X(j, kk) with op T (C); for op T (C), op(X)_jk =
+    X(kk, j)^T (^H), whose transpose (conjugate transpose) is X(kk, j) with op N."""
+    rows, cols = (n, k) if op == OP_N else (k, n)
+    return op_tile(slot, op, i, kk, rows, cols, tile)
+
+
+def _plan_rank_k(n: int, k: int, tile: int, op: int, lower: int, kernel: str, c_slot: int,
+                 diag_slots: tuple[int, int | None], terms: tuple[tuple[int, int, int], ...], *,
+                 hermitian: bool, alpha_zero: bool, beta_zero: bool, is_complex: bool,
+                 block: tuple[int, int]) -> list[Task]:
+    """The loop :func:`plan_syrk` and :func:`plan_syr2k` share: tasks of the ``lower`` (else
+    upper) triangle of the n x n C in slot ``c_slot``, op(X) being n x k for every operand.
+
+    A diagonal tile runs one ``kernel`` step per k tile on the tiles (i, kk) of the
+    ``diag_slots`` (a, b) operands (b None: no b tile, op_b N); an off-diagonal tile runs,
+    per k tile, one gemm step ``alpha_s op(X)_ik op(Y)_jk^T`` per (X, Y, alpha_s) of
+    ``terms``. A task's first step takes its beta, the later ones accumulate. With
+    ``alpha == 0`` or ``k == 0`` a diagonal tile gets one ``kernel`` step with ``k == 0``
+    and no tiles, the others a ``scale``.
+    """
+    a_slot, b_slot = diag_slots
+    op_b = OP_N if b_slot is None else op
+    op2 = _rank_op(op, hermitian)
+    tn, tk = n_tiles(n, tile), n_tiles(k, tile)
+    first = _first_beta(beta_zero)
+    skip = alpha_zero or k == 0
+
+    def x_tile(slot, i, kk):
+        return None if slot is None else _rank_tile(slot, op, i, kk, n, k, tile)
+
+    tasks: list[Task] = []
+    for i, j in _triangle(tn, lower, block):
+        c = tile_ref(c_slot, i, j, n, n, tile)
+        diag = i == j
+        if skip:
+            steps = ((Step(kernel, None, None, op, op_b, c.rows, c.cols, 0, SC_ALPHA, first, 0, lower),)
+                     if diag else (_scale(c, first),))
+        elif diag:
+            steps = tuple(
+                Step(kernel, x_tile(a_slot, i, kk), x_tile(b_slot, i, kk), op, op_b,
+                     c.rows, c.cols, _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE, 0, lower)
+                for kk in range(tk))
+        else:
+            steps = tuple(
+                Step("gemm", x_tile(x, i, kk), x_tile(y, j, kk), op, op2, c.rows, c.cols, _width(kk, k, tile),
+                     alpha_ix, first if kk == 0 and t == 0 else SC_ONE)
+                for kk in range(tk) for t, (x, y, alpha_ix) in enumerate(terms))
+        # A diagonal tile's other triangle is written back as loaded: always load_c, and no
+        # rotation (the late-C fold adds beta * old C over the whole tile).
+        tasks.append(Task(len(tasks), c, diag or not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=(not diag) and len(steps) > 1))
+    return tasks
+
+
+def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
+              alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+              block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha op(A) op(A)^T + beta C`` (``hermitian``: ^H, real alpha, beta)
+    on the ``lower`` (else upper) triangle of the n x n C (Eq. 1b).
+
+    ``op(A)`` is n x k: A is stored n x k for op N, k x n for op T (SYRK) or C
+    (HERK). Only tiles of the triangle get tasks. A diagonal tile runs one
+    ``syrk``/``herk`` step per k tile on A's tile (load_c always: its other
+    triangle is written back as loaded; not rotatable); an off-diagonal tile
+    runs gemm steps ``op(A)_ik op(A)_jk^T``. With ``alpha == 0`` or ``k == 0``
+    diagonal tiles get one ``syrk``/``herk`` step with ``k == 0`` and no tile
+    (``C_tri = beta C_tri``; HERK also zeroes the diagonal's imaginary part), the
+    others a ``scale``.
+    """
+    return _plan_rank_k(n, k, tile, op, lower, "herk" if hermitian else "syrk", SYRK_C, (SYRK_A, None),
+                        ((SYRK_A, SYRK_A, SC_ALPHA),), hermitian=hermitian, alpha_zero=alpha_zero,
+                        beta_zero=beta_zero, is_complex=is_complex, block=block)
+
+
+def plan_syr2k(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
+               alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+               block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha op(A) op(B)^T + alpha op(B) op(A)^T + beta C`` (Eq. 1e) on the
+    ``lower`` (else upper) triangle; ``hermitian``: ``alpha op(A) op(B)^H +
+    conj(alpha) op(B) op(A)^H``, beta real.
+
+    A and B have the same shape (n x k for op N, k x n for op T / C). A
+    diagonal tile runs one ``syr2k``/``her2k`` step per k tile (a = A's tile,
+    b = B's); an off-diagonal tile runs two gemm steps per k tile:
+    ``alpha op(A)_ik op(B)_jk^T`` then ``alpha' op(B)_ik op(A)_jk^T`` with
+    alpha' = conj(alpha) (SC_ALPHA_CONJ) for HER2K. ``alpha == 0`` or ``k == 0``
+    as in :func:`plan_syrk`.
+    """
+    alpha2 = SC_ALPHA_CONJ if hermitian else SC_ALPHA
+    return _plan_rank_k(n, k, tile, op, lower, "her2k" if hermitian else "syr2k", SYR2K_C, (SYR2K_A, SYR2K_B),
+                        ((SYR2K_A, SYR2K_B, SC_ALPHA), (SYR2K_B, SYR2K_A, alpha2)), hermitian=hermitian,
+                        alpha_zero=alpha_zero, beta_zero=beta_zero, is_complex=is_complex, block=block)

@@ -1,0 +1,60 @@
+"""SYMM / HEMM's planner (Eq. 1b)."""
+
+from __future__ import annotations
+
+from ..tasks import SC_ALPHA, SC_ONE, Step, Task
+from ..tiling import OP_N, n_tiles, tile_ref
+from .common import SIDE_LEFT, SYMM_A, SYMM_B, SYMM_C, _first_beta, _mirror_op, _scale, _width, task_flops
+from .gemm import tile_order
+
+def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bool = False,
+              alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
+              block: tuple[int, int] = (1, 1)) -> list[Task]:
+    """Tasks of ``C = alpha S B + beta C`` (side 0) or ``C = alpha B S + beta C`` (side 1).
+
+    C and B are m x n; S is the symmetric (``hermitian``: Hermitian) matrix
+    defined by the ``lower`` (else upper) triangle of the stored square A
+    (m x m for side 0, n x n for side 1). Eq. 1f: C_ij sums S_ik B_kj over k;
+    the diagonal S_ii is a ``symm``/``hemm`` step on A(i, i), a stored S_ik is
+    a gemm on A(i, k) with op N, an unstored one a gemm on the mirror A(k, i)
+    with op T (C). Steps run in k order; the first takes the task's beta.
+    """
+    kernel = "hemm" if hermitian else "symm"
+    mirror = _mirror_op(hermitian)
+    s_dim = m if side == SIDE_LEFT else n
+    tm, tn, ts = n_tiles(m, tile), n_tiles(n, tile), n_tiles(s_dim, tile)
+    first = _first_beta(beta_zero)
+    tasks: list[Task] = []
+    for i, j in tile_order(tm, tn, block):
+        c = tile_ref(SYMM_C, i, j, m, n, tile)
+        if alpha_zero:
+            steps = (_scale(c, first),)
+        else:
+            steps = []
+            for k in range(ts):
+                beta_ix = first if k == 0 else SC_ONE
+                kw = _width(k, s_dim, tile)
+                if side == SIDE_LEFT:  # S_ik B_kj
+                    b = tile_ref(SYMM_B, k, j, m, n, tile)
+                    if k == i:
+                        steps.append(Step(kernel, tile_ref(SYMM_A, i, i, m, m, tile), b, OP_N, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
+                    else:
+                        stored = (i > k) == bool(lower)
+                        a = tile_ref(SYMM_A, i, k, m, m, tile) if stored else tile_ref(SYMM_A, k, i, m, m, tile)
+                        steps.append(Step("gemm", a, b, OP_N if stored else mirror, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
+                else:  # B_ik S_kj
+                    bt = tile_ref(SYMM_B, i, k, m, n, tile)
+                    if k == j:
+                        steps.append(Step(kernel, tile_ref(SYMM_A, j, j, n, n, tile), bt, OP_N, OP_N,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
+                    else:
+                        stored = (k > j) == bool(lower)
+                        a = tile_ref(SYMM_A, k, j, n, n, tile) if stored else tile_ref(SYMM_A, j, k, n, n, tile)
+                        steps.append(Step("gemm", bt, a, OP_N, OP_N if stored else mirror,
+                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
+            steps = tuple(steps)
+        tasks.append(Task(len(tasks), c, not beta_zero, steps, task_flops(steps, is_complex),
+                          rotatable=len(steps) > 1))
+    return tasks
