@@ -205,11 +205,13 @@ def retried(run) -> dict:
     return r
 
 
-def submit_on_sims(spec: str, streams: int, make_call) -> tuple[list, Call, float]:
-    """Build timing sims from ``spec`` and a fresh engine on them, submit ``make_call(engine,
-    devices)`` and shut the engine down; returns (devices, call, seconds the submit took)."""
+def submit_on_sims(spec: str, streams: int, make_call, knobs: Knobs | None = None) -> tuple[list, Call, float]:
+    """Build timing sims from ``spec`` and a fresh engine on them (``knobs``, default
+    ``$BLASX_KNOBS``'), submit ``make_call(engine, devices)`` and shut the engine down; returns
+    (devices, call, seconds the submit took)."""
     devs = build_sim_devices(parse_devices(spec), streams=streams, trace=True)
-    eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams, knobs=Knobs.from_env()))
+    eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams,
+                              knobs=Knobs.from_env() if knobs is None else knobs))
     try:
         eng.start()
         call = make_call(eng, devs)
