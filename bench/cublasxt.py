@@ -28,6 +28,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from blasx.runtime.dtypes import ALLOWED, TYPES, BlasType
+
 __all__ = [
     "CublasXt", "find_libcublas", "load_libcublas", "cublas_version", "plan_gemm", "GemmPlan",
     "register_host", "unregister_host", "registered", "Registration",
@@ -77,13 +79,17 @@ class _GemmEntry:
     is_complex: bool
 
 
+def scalar_ctype(t: BlasType, real: bool = False) -> type:
+    """The ctypes type cuBLAS reads a scalar of BLAS type ``t`` as (``real``: its real type's, as
+    HERK's alpha and beta)."""
+    base = ctypes.c_float if t.real.itemsize == 4 else ctypes.c_double
+    if real or not t.is_complex:
+        return base
+    return _CuComplex if base is ctypes.c_float else _CuDoubleComplex
+
+
 #: numpy dtype -> cuBLAS-XT gemm routine and its scalar type
-GEMM_TABLE = {
-    np.dtype(np.float32): _GemmEntry("cublasXtSgemm", ctypes.c_float, False),
-    np.dtype(np.float64): _GemmEntry("cublasXtDgemm", ctypes.c_double, False),
-    np.dtype(np.complex64): _GemmEntry("cublasXtCgemm", _CuComplex, True),
-    np.dtype(np.complex128): _GemmEntry("cublasXtZgemm", _CuDoubleComplex, True),
-}
+GEMM_TABLE = {t.dtype: _GemmEntry(f"cublasXt{t.prefix.upper()}gemm", scalar_ctype(t), t.is_complex) for t in TYPES}
 
 # --------------------------------------------------------------------------- finding libcublas
 
@@ -334,8 +340,7 @@ def plan_gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, trans_a=0, trans_b=0)
     if not (a.dtype == b.dtype == c.dtype):
         raise TypeError(f"dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
     if a.dtype not in GEMM_TABLE:
-        raise TypeError(f"unsupported dtype {a.dtype}: one of float32, float64, complex64, "
-                        "complex128")
+        raise TypeError(f"unsupported dtype {a.dtype}: one of {ALLOWED}")
     if not a.dtype.isnative:
         raise TypeError(f"non-native byte order {a.dtype.str}")
     if not c.flags.writeable:

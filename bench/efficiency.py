@@ -36,8 +36,10 @@ import time
 
 import numpy as np
 
+from blasx.runtime.dtypes import BY_PREFIX
+
 from .level3 import (
-    DTYPE_NAMES, DTYPES, ArgError, blasx_routine, command_line, dtype_words, finite, gpu_tag, machine_name,
+    DTYPE_NAMES, ArgError, blasx_routine, command_line, dtype_words, finite, gpu_tag, machine_name,
     parse_dtypes, parse_positive_list, positive_int, random_matrix, rows64, rows_times, sample_rows, tolerance,
     utc_stamp, write_json_md, CHECK_ROWS, _column_chunks, _parallel,
 )
@@ -120,7 +122,7 @@ def device_spec(backend: str, g: int, template: str | None = None) -> str:
 
 def add_common_options(p: argparse.ArgumentParser, *, n_default: str, gpus_default: str, runs_default: int,
                        dtypes: bool = True) -> None:
-    """Options shared with bench.cpu_worker."""
+    """The options of the efficiency bench (sizes, GPU counts, runs, scalars, devices, layout, output)."""
     p.add_argument("--n", type=parse_sizes, default=parse_sizes(n_default),
                    help=f"sizes: start:stop:step (stop included) or a comma list (default {n_default})")
     if dtypes:
@@ -178,7 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def allocate(nmax: int, dtype: str, seed: int) -> dict[str, np.ndarray]:
     """A, B, C at N_max in `dtype` (float32: the float64 draws of the same seed, cast by chunks)."""
-    return {k: random_matrix(nmax, nmax, DTYPES[dtype], [seed, nmax, i]) for k, i in _WHICH.items()}
+    return {k: random_matrix(nmax, nmax, BY_PREFIX[dtype].dtype, [seed, nmax, i]) for k, i in _WHICH.items()}
 
 
 def cast_arrays(arrays: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -187,7 +189,7 @@ def cast_arrays(arrays: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarr
     out = {}
     for k in list(arrays):
         src = arrays.pop(k)
-        dst = np.empty(src.shape, dtype=DTYPES[dtype], order="F")
+        dst = np.empty(src.shape, dtype=BY_PREFIX[dtype].dtype, order="F")
         _parallel(lambda c: np.copyto(dst[:, c[0]:c[1]], src[:, c[0]:c[1]], casting="unsafe"),
                   _column_chunks(src.shape[1], 1024))
         out[k] = dst

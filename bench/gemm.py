@@ -37,17 +37,12 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from blasx.runtime.dtypes import BY_PREFIX, PREFIXES
+
 from .cublasxt import CublasXt, cublas_version, find_libcublas, registered
 
 # --------------------------------------------------------------------------- constants
 
-DTYPES = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
-          "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
-#: the reference is computed in this precision
-REF_DTYPES = {"s": np.dtype(np.float64), "d": np.dtype(np.float64),
-              "c": np.dtype(np.complex128), "z": np.dtype(np.complex128)}
-#: ||C - ref||_F / ||ref||_F tolerance at K <= 8192 (grows as sqrt(K / 8192) above)
-BASE_TOLERANCE = {"s": 1e-4, "c": 1e-4, "d": 1e-10, "z": 1e-10}
 MODES = ("registered", "pageable")
 CONTENDER_ORDER = ("blasx", "cublasxt", "cupy", "numpy")
 
@@ -119,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"--quick: {','.join(map(str, QUICK_N))})")
     size.add_argument("--m", type=int, default=None, help="M for every N (default: N)")
     size.add_argument("--k", type=int, default=None, help="K for every N (default: N)")
-    size.add_argument("--dtypes", type=_choice_list(tuple(DTYPES), "dtype"), default=["d", "s"],
+    size.add_argument("--dtypes", type=_choice_list(tuple(PREFIXES), "dtype"), default=["d", "s"],
                       help="comma list of s,d,c,z (default d,s)")
     size.add_argument("--alpha", type=_complex, default=complex(1.5),
                       help="alpha (default 1.5; complex like 1.5+0.5j for c,z only)")
@@ -188,8 +183,8 @@ def _safe_name(text: str) -> str:
 
 
 def flop_count(dtype: str, m: int, n: int, k: int) -> float:
-    """2MNK real flops; a complex multiply-add is 4 real ones."""
-    return 2.0 * m * n * k * (4 if DTYPES[dtype].kind == "c" else 1)
+    """2MNK real flops; a complex multiply-add is 4 real ones (the type's flop_factor)."""
+    return 2.0 * m * n * k * BY_PREFIX[dtype].flop_factor
 
 
 def tflops(dtype: str, m: int, n: int, k: int, seconds: float | None) -> float | None:
@@ -199,11 +194,14 @@ def tflops(dtype: str, m: int, n: int, k: int, seconds: float | None) -> float |
 
 
 def tolerance(dtype: str, k: int) -> float:
-    return BASE_TOLERANCE[dtype] * max(1.0, math.sqrt(k / 8192))
+    """||C - ref||_F / ||ref||_F allowed: 1e-4 in single, 1e-10 in double precision, times
+    sqrt(K / 8192) above K = 8192."""
+    base = 1e-4 if BY_PREFIX[dtype].real.itemsize == 4 else 1e-10
+    return base * max(1.0, math.sqrt(k / 8192))
 
 
 def typed_scalar(value: complex, dtype: str):
-    return complex(value) if DTYPES[dtype].kind == "c" else float(complex(value).real)
+    return complex(value) if BY_PREFIX[dtype].is_complex else float(complex(value).real)
 
 
 def _column_chunks(rows: int, cols: int, elements: int = 1 << 22) -> list[tuple[int, int]]:
@@ -307,8 +305,8 @@ def size_label(m: int, n: int, k: int) -> str:
 
 def make_problem(args: argparse.Namespace, dtype: str, m: int, n: int, k: int,
                  gpus: list[int]) -> Problem:
-    rng = np.random.default_rng([args.seed, "sdcz".index(dtype), m, n, k])
-    dt = DTYPES[dtype]
+    rng = np.random.default_rng([args.seed, PREFIXES.index(dtype), m, n, k])
+    dt = BY_PREFIX[dtype].dtype
     beta = typed_scalar(args.beta, dtype)
     a = random_matrix(rng, m, k, dt)
     b = random_matrix(rng, k, n, dt)
@@ -319,7 +317,7 @@ def make_problem(args: argparse.Namespace, dtype: str, m: int, n: int, k: int,
 
 
 def host_bytes_needed(dtype: str, m: int, n: int, k: int, beta) -> int:
-    item, ref_item = DTYPES[dtype].itemsize, REF_DTYPES[dtype].itemsize
+    item, ref_item = BY_PREFIX[dtype].itemsize, BY_PREFIX[dtype].wide.itemsize
     arrays = m * k + k * n + m * n * (2 if beta != 0 else 1)
     return arrays * item + m * n * ref_item
 
@@ -398,7 +396,7 @@ def _reference_cpu(p: Problem, ref_dtype: np.dtype) -> np.ndarray:
 def compute_reference(p: Problem) -> tuple[np.ndarray, dict]:
     """The reference result in higher precision: cuBLAS on the first GPU when A, B, C fit in
     its free memory at the reference precision, else NumPy on the CPU."""
-    ref_dtype = REF_DTYPES[p.dtype]
+    ref_dtype = BY_PREFIX[p.dtype].wide
     device = p.gpus[0]
     need = (p.m * p.k + p.k * p.n + p.m * p.n) * ref_dtype.itemsize + max(p.a.nbytes, p.b.nbytes)
     info: dict = {"dtype": str(ref_dtype)}

@@ -19,7 +19,7 @@ means GEMM-like efficiency.
 The arrays of one (N, dtype) exist only while that case runs; float32 and complex arrays are made
 from float64 random numbers cast chunk by chunk (never a full float64 copy). The pure pieces
 (argument parsing, array generation, the checks, the tables) are also used by ``bench.efficiency``
-and ``bench.cpu_worker``; CuPy and cuBLAS-XT are only touched inside :func:`main`'s run loop.
+and ``bench.ab``; CuPy and cuBLAS-XT are only touched inside :func:`main`'s run loop.
 """
 
 from __future__ import annotations
@@ -42,34 +42,26 @@ import time
 
 import numpy as np
 
-from .cublasxt import CublasXt, _check, registered
+from blasx.runtime.dtypes import BY_PREFIX, PREFIXES, TYPES, of
+
+from .cublasxt import CublasXt, _check, registered, scalar_ctype
 
 UPPER_XT, LEFT, NOTRANS, NONUNIT = 1, 0, 0, 0  # cuBLAS enums: FILL_MODE_UPPER = 1
 S, P, I = C.c_size_t, C.c_void_p, C.c_int
 
 
-class CuComplex(C.Structure):
-    """cuComplex (float2): how cuBLAS-XT reads a single complex scalar."""
-    _fields_ = [("x", C.c_float), ("y", C.c_float)]
-
-
-class CuDoubleComplex(C.Structure):
-    """cuDoubleComplex (double2): how cuBLAS-XT reads a double complex scalar."""
-    _fields_ = [("x", C.c_double), ("y", C.c_double)]
-
-
-#: dtype letter -> numpy dtype
-DTYPES = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
-          "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
-DTYPE_NAMES = {"s": "single", "d": "double", "c": "single complex", "z": "double complex"}
+#: dtype letter -> words for tables ("double complex"), from the BLAS type table
+DTYPE_NAMES = {t.prefix: ("single" if t.real.itemsize == 4 else "double") + (" complex" if t.is_complex else "")
+               for t in TYPES}
 #: the dtypes that :func:`parse_dtypes` allows by default (bench.efficiency's --dtypes: real only)
-REAL_DTYPES = ("s", "d")
-#: relative-error tolerance of the checks at N <= 8192 (grows as sqrt(N / 8192) above)
-BASE_TOLERANCE = {"s": 1e-4, "d": 1e-9, "c": 1e-4, "z": 1e-9}
-#: dtype letter -> ctypes type of the host scalars alpha and beta that cuBLAS-XT reads through pointers
-XT_SCALAR = {"s": C.c_float, "d": C.c_double, "c": CuComplex, "z": CuDoubleComplex}
-#: dtype letter -> ctypes type of a real scalar of its precision (HERK's alpha and beta, HER2K's beta)
-XT_REAL = {"s": C.c_float, "d": C.c_double, "c": C.c_float, "z": C.c_double}
+REAL_DTYPES = tuple(t.prefix for t in TYPES if not t.is_complex)
+
+
+def base_tolerance(dtype: str) -> float:
+    """Relative-error tolerance of the checks at N <= 8192: 1e-4 in single, 1e-9 in double precision."""
+    return 1e-4 if BY_PREFIX[dtype].real.itemsize == 4 else 1e-9
+
+
 #: routine -> the dtype letters it exists for (cublasXt<letter><routine>, blasx.<letter><routine>)
 ROUTINE_DTYPES = {"gemm": "sdcz", "symm": "sdcz", "hemm": "cz", "syrk": "sdcz", "herk": "cz",
                   "syr2k": "sdcz", "her2k": "cz", "trmm": "sdcz", "trsm": "sdcz"}
@@ -96,9 +88,7 @@ SCALARS = {"s": (ALPHA, BETA), "d": (ALPHA, BETA), "c": (COMPLEX_ALPHA, COMPLEX_
 #: routine -> (alpha is real, beta is real) where BLAS takes real scalars whatever the dtype
 REAL_SCALARS = {"herk": (True, True), "her2k": (False, True)}
 FLOPS = {"gemm": 2, "symm": 2, "hemm": 2, "syrk": 1, "herk": 1, "syr2k": 2, "her2k": 2,
-         "trmm": 1, "trsm": 1}  # real flops x N^3
-#: dtype letter -> real flops per flop of FLOPS (a complex multiply-add is 8 real flops, a real one 2)
-FLOP_FACTOR = {"s": 1, "d": 1, "c": 4, "z": 4}
+         "trmm": 1, "trsm": 1}  # real flops x N^3, times the type's flop_factor (complex: 4)
 #: every routine, in table order
 ALL_ROUTINES = tuple(ROUTINE_DTYPES)
 #: the routines of every dtype (the default --routines for s and d)
@@ -134,13 +124,13 @@ def parse_dtypes(text: str, option: str = "--dtypes", allowed=REAL_DTYPES) -> li
     bad = [v for v in values if v not in allowed]
     if not values or bad:
         raise ArgError(f"{option}: got {text!r}; allowed: a comma list of {', '.join(allowed)} "
-                       f"({', '.join(f'{d} = {DTYPES[d].name}' for d in allowed)})")
+                       f"({', '.join(f'{d} = {BY_PREFIX[d].dtype.name}' for d in allowed)})")
     return list(dict.fromkeys(values))
 
 
 def parse_level3_dtypes(text: str) -> list[str]:
     """bench.level3's --dtypes: 'z,c' -> ['z', 'c'], any of s, d, c, z."""
-    return parse_dtypes(text, "--dtypes", tuple(DTYPES))
+    return parse_dtypes(text, "--dtypes", tuple(PREFIXES))
 
 
 def parse_positive_list(text: str, option: str) -> list[int]:
@@ -158,7 +148,7 @@ def _only_for(routines) -> str:
     """'hemm, herk: c, z only' for the routines of some dtypes only ('' if none)."""
     groups: dict[str, list[str]] = {}
     for r in routines:
-        if ROUTINE_DTYPES[r] != "".join(DTYPES):
+        if ROUTINE_DTYPES[r] != PREFIXES:
             groups.setdefault(ROUTINE_DTYPES[r], []).append(r)
     return "; ".join(f"{', '.join(rs)}: {', '.join(ds)} only" for ds, rs in groups.items())
 
@@ -242,7 +232,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tolerance(dtype: str, n: int) -> float:
-    return BASE_TOLERANCE[dtype] * max(1.0, math.sqrt(n / 8192))
+    return base_tolerance(dtype) * max(1.0, math.sqrt(n / 8192))
 
 
 def _threads() -> int:
@@ -316,8 +306,8 @@ def sample_rows(n: int, count: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
 
 
 def wide(dtype) -> np.dtype:
-    """The dtype of the references of `dtype`'s results: float64 (s, d) or complex128 (c, z)."""
-    return np.promote_types(dtype, np.float64)
+    """The dtype of the references of `dtype`'s results: its row's `wide` type (float64 or complex128)."""
+    return of(dtype).wide
 
 
 def rows64(x: np.ndarray, rows) -> np.ndarray:
@@ -450,7 +440,7 @@ def check(routine, A, B, C0, out, alpha, beta, rows) -> float:
 def make_arrays(n: int, dtype: str, seed: int = 0):
     """A (scaled, diagonal + 4: well conditioned for TRSM), B, C0 (pristine C) and out, F-ordered
     (complex types: standard normal real and imaginary parts, the diagonal's real part + 4)."""
-    dt_ = DTYPES[dtype]
+    dt_ = BY_PREFIX[dtype].dtype
     A = random_matrix(n, n, dt_, [seed, n, 0], scale=1.0 / math.sqrt(n))
     A[np.diag_indices(n)] += 4.0
     B = random_matrix(n, n, dt_, [seed, n, 1])
@@ -464,8 +454,8 @@ def make_arrays(n: int, dtype: str, seed: int = 0):
 
 def xt_symbol(dtype: str, routine: str) -> str:
     """'s', 'gemm' -> 'cublasXtSgemm'; 'z', 'her2k' -> 'cublasXtZher2k' (HEMM, HERK, HER2K: c and z only)."""
-    if dtype not in XT_SCALAR:
-        raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(XT_SCALAR)}")
+    if dtype not in BY_PREFIX:
+        raise ValueError(f"dtype: got {dtype!r}; allowed: {', '.join(PREFIXES)}")
     if routine not in XT_ARGTYPES:
         raise ValueError(f"routine: got {routine!r}; allowed: {', '.join(XT_ARGTYPES)}")
     if dtype not in ROUTINE_DTYPES[routine]:
@@ -487,7 +477,8 @@ def xt_scalar_types(dtype: str, routine: str = "gemm") -> tuple:
     beta pointers: the dtype's own (float, double, cuComplex, cuDoubleComplex), or its real type
     where BLAS takes a real scalar (HERK: both; HER2K: beta)."""
     real_alpha, real_beta = REAL_SCALARS.get(routine, (False, False))
-    return (XT_REAL if real_alpha else XT_SCALAR)[dtype], (XT_REAL if real_beta else XT_SCALAR)[dtype]
+    t = BY_PREFIX[dtype]
+    return scalar_ctype(t, real_alpha), scalar_ctype(t, real_beta)
 
 
 def _xt_value(ctype, value, what: str, dtype: str, routine: str):
@@ -648,8 +639,8 @@ def scalar_table(dtypes, routines) -> dict:
 
 def format_markdown(report: dict) -> str:
     dtypes = report["dtypes"]
-    tol = ", ".join(f"{BASE_TOLERANCE[d]:g} ({d})" for d in dtypes)
-    ref = "float64" + (" / complex128" if any(DTYPES[d].kind == "c" for d in dtypes) else "")
+    tol = ", ".join(f"{base_tolerance(d):g} ({d})" for d in dtypes)
+    ref = "float64" + (" / complex128" if any(BY_PREFIX[d].is_complex for d in dtypes) else "")
     return (f"# Level-3 routines: blasx vs cuBLAS-XT ({report['tag']}, {report['date']} UTC), "
             f"dtypes: {dtype_words(dtypes)}\n\n"
             f"```\n{report['command']}\n```\n\n"
@@ -786,7 +777,7 @@ def run_case(blasx, xt, args, n: int, dtype: str, A, B, C0, out, results: list) 
             refs[rt] = reference(rt, A, B, C0, alpha, beta, rows)
         err = compare(rt, A, out, rows, refs[rt])
         ok = bool(err <= tolerance(dtype, n))
-        tf = FLOPS[rt] * FLOP_FACTOR[dtype] * n**3 / t / 1e12
+        tf = FLOPS[rt] * BY_PREFIX[dtype].flop_factor * n**3 / t / 1e12
         print(f"   {who:<8} {dtype}{rt:<6} run {k}: {t:.4f} s {tf:7.2f} TFLOPS err {err:.1e} "
               f"{'ok' if ok else 'WRONG'}", flush=True)
         results.append({"who": who, "routine": rt, "dtype": dtype, "n": n, "run": k, "seconds": t,
@@ -838,8 +829,8 @@ def main(argv=None):
                 "argv": sys.argv[1:] if argv is None else list(argv), "routines": args.routines, "n": args.n,
                 "xt_block": args.xt_block, "gpus": args.gpus, "devices": devices,
                 "scalars": scalar_table(args.dtypes, args.routines),
-                "flop_factor": {d: FLOP_FACTOR[d] for d in args.dtypes},
-                "tolerance": {d: BASE_TOLERANCE[d] for d in args.dtypes}, "registration": registration,
+                "flop_factor": {d: BY_PREFIX[d].flop_factor for d in args.dtypes},
+                "tolerance": {d: base_tolerance(d) for d in args.dtypes}, "registration": registration,
                 "results": results}
         paths = write_json_md(base, data, format_markdown(report))
         print("wrote", paths[0], "and", paths[1])

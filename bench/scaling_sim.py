@@ -64,6 +64,7 @@ from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_devices
 from blasx.runtime.devices import cuda as _cuda_backend  # heap-sizing constants only (imports no CuPy)
 from blasx.runtime.devices.sim import build_sim_devices
+from blasx.runtime.dtypes import BY_PREFIX
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.stats import CallStats, DeviceInfo
@@ -74,7 +75,6 @@ from blasx.tile import DEFAULT_TILE, MIN_TILE, _pow2_at_least, tiles_needed
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing "
               "mode) with a cost model taken from the 2x H200 measurement; no 4- or 8-GPU machine was used.")
 
-DTYPES = {"d": np.dtype(np.float64), "s": np.dtype(np.float32)}
 GPU_MEM = 141e9  # bytes per H200, as the issue states (nvidia-smi reports 140 GiB = 150e9 on the measured host)
 
 
@@ -158,7 +158,7 @@ def spec_for(gpus: int, dt: str, model: Model, heap: int, dilate: float, scenari
 def floor_time(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str) -> dict:
     """Lower bounds (s): compute, and host traffic if every A/B tile crossed the host link once
     (the rest over peer links) and C once in (beta != 0) and once out."""
-    isz = DTYPES[dt].itemsize
+    isz = BY_PREFIX[dt].dtype.itemsize
     flops = gemm_flops(n, n, n, False)
     mat = n * n * isz
     host_in, host_out = (3 if beta else 2) * mat, mat
@@ -205,11 +205,13 @@ def retried(run) -> dict:
     return r
 
 
-def submit_on_sims(spec: str, streams: int, make_call) -> tuple[list, Call, float]:
-    """Build timing sims from ``spec`` and a fresh engine on them, submit ``make_call(engine,
-    devices)`` and shut the engine down; returns (devices, call, seconds the submit took)."""
+def submit_on_sims(spec: str, streams: int, make_call, knobs: Knobs | None = None) -> tuple[list, Call, float]:
+    """Build timing sims from ``spec`` and a fresh engine on them (``knobs``, default
+    ``$BLASX_KNOBS``'), submit ``make_call(engine, devices)`` and shut the engine down; returns
+    (devices, call, seconds the submit took)."""
     devs = build_sim_devices(parse_devices(spec), streams=streams, trace=True)
-    eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams, knobs=Knobs.from_env()))
+    eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams,
+                              knobs=Knobs.from_env() if knobs is None else knobs))
     try:
         eng.start()
         call = make_call(eng, devs)
@@ -227,7 +229,7 @@ def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str
 
 def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
     """One simulated GEMM call on a fresh engine of ``gpus`` timing sims; times undilated."""
-    dtype = DTYPES[dt]
+    dtype = BY_PREFIX[dt].dtype
     heap = cuda_heap_bytes(model.gpu_mem)
     spec = spec_for(gpus, dt, model, heap, dilate, scenario)
     tile = cuda_tile(n, n, n, gpus, dtype.itemsize, heap, model.streams)
@@ -535,11 +537,11 @@ def main(argv: list[str] | None = None) -> dict:
         return doc
 
     ns, gpus_list, reps = _ints(args.n, "n"), _ints(args.gpus, "gpus"), _ints(args.repeats, "repeats")
-    dts = _names(args.dtypes, "dtypes", DTYPES)
+    dts = _names(args.dtypes, "dtypes", MODEL.rate)
     models = _names(args.models, "models", VARIANTS)
     scenarios = _names(args.scenarios, "scenarios", SCENARIOS)
     shared_models = _names(args.shared_models, "shared-models", VARIANTS, empty_ok=True)
-    shared_dts = _names(args.shared_dtypes, "shared-dtypes", DTYPES, empty_ok=True)
+    shared_dts = _names(args.shared_dtypes, "shared-dtypes", MODEL.rate, empty_ok=True)
     if not args.dilate >= 1:
         raise SystemExit(f"--dilate: got {args.dilate}, need a number >= 1")
     if not 0 <= args.issue < 1e-2:

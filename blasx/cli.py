@@ -5,8 +5,8 @@ numpy, with a progress line (stderr) and a report. ``blasx info``: the devices, 
 memory and peer links, the perf-db entries, and with ``--measure`` the host <-> device and
 peer bandwidths and the in-core GEMM rate of each device (:mod:`blasx.probe`).
 ``blasx tune``: measure the tile sizes and store the best in the perf-db (``--show`` lists
-it, ``--clear`` empties it). ``blasx bench NAME ...``: the benchmarks of a source checkout
-(``bench/``), their arguments passed on.
+it, ``--clear`` empties it). The benchmarks are not part of the package: from a source
+checkout, ``python -m bench.gemm ...`` (``bench/README.md``).
 
 Bad options end with a one-line error and exit status 2, as argparse's own; the settings of
 ``blasx.configure`` in force before a command are back in force after it.
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -33,15 +31,6 @@ CPU_HELP = ("the CPU worker beside the GPUs takes tasks by demand (cpu=True; def
             "GPUs, taking a task only when predicted to help; none beside sims)")
 DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
                 "(default: $BLASX_DEVICES, else all CUDA GPUs, else cpu)")
-
-#: ``blasx bench NAME``: (module of the checkout's bench/ package, what it measures).
-BENCHES = {
-    "gemm": ("bench.gemm", "GEMM on host arrays: blasx vs cuBLAS-XT vs in-core CuPy vs numpy (GPU)"),
-    "level3": ("bench.level3", "SYMM, SYRK, SYR2K, TRMM, TRSM beside GEMM: blasx vs cuBLAS-XT (GPU)"),
-    "offload-threshold": ("bench.offload_threshold",
-                          "where blasx beats numpy (the threshold); --offload: its cost below"),
-    "cpu-overhead": ("bench.cpu_overhead", "CPU only: blasx's entry points against numpy's / scipy's"),
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,7 +126,6 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx gemm --n 16384 --dtype d          an out-of-core DGEMM, checked, with a report\n"
                "  blasx info --measure                    devices, links, bandwidths, GEMM rates\n"
                "  blasx tune --n 8192,16384               store the best tile sizes in the perf-db\n"
-               "  blasx bench gemm --n 16384 --gpus 2     blasx vs cuBLAS-XT (from a source checkout)\n"
                "\n'blasx COMMAND --help' shows a command's options.")
     from . import __version__
     p.add_argument("--version", action="version", version=f"blasx {__version__}")
@@ -230,20 +218,6 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--show", action="store_true", help="list the perf-db entries and exit")
     what.add_argument("--clear", action="store_true", help="remove every perf-db entry and exit")
 
-    width = max(map(len, BENCHES))
-    b = sub.add_parser(
-        "bench", formatter_class=_Formatter,
-        help="run a benchmark of a source checkout: " + ", ".join(BENCHES),
-        description="Run one of the benchmarks of a blasx source checkout (the bench/ folder, not installed);\n"
-                    "the arguments after its name go to it ('blasx bench gemm --help' lists them).\n\n"
-                    "benchmarks:\n" + "\n".join(f"  {k:<{width}}  {v[1]}" for k, v in BENCHES.items()),
-        epilog="examples:\n"
-               "  blasx bench gemm --n 16384 --dtypes d,s --gpus 2 --runs 3\n"
-               "  blasx bench level3 --n 16384 --runs 2\n"
-               "  blasx bench offload-threshold --devices cpu --dtypes d,s")
-    p.commands["bench"] = b
-    b.add_argument("bench", choices=list(BENCHES), metavar="BENCH", help=", ".join(BENCHES))
-    b.add_argument("args", nargs=argparse.REMAINDER, metavar="...", help="arguments of the benchmark")
     return p
 
 
@@ -253,18 +227,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    bench_argv = argv[1:] if argv[:1] == ["bench"] else None
-    args = None
-    if bench_argv is None:  # a benchmark's arguments, --help included, are its own: no argparse here
-        args = parser.parse_args(argv)
-        if args.cmd == "bench":
-            bench_argv = [args.bench, *args.args]
+    args = parser.parse_args(argv)
     import blasx
 
     prev = blasx.session.settings()
     try:
-        if bench_argv is not None:
-            return _bench(parser.commands["bench"], bench_argv)
         sub = parser.commands[args.cmd]
         if args.cmd == "info":
             return _info(blasx, sub, args)
@@ -482,78 +449,6 @@ def _show(db) -> int:
     for line in format_perfdb(db.path, db.entries(), disabled=disabled()):
         print(line)
     return 0
-
-
-# ------------------------------------------------------------------------------------------------
-# blasx bench
-
-def _bench_roots() -> list[Path]:
-    """Folders that may hold the checkout's bench/ package: the working directory, then the
-    checkout this blasx runs from (an editable install)."""
-    roots = [Path.cwd(), Path(__file__).resolve().parents[1]]
-    return list(dict.fromkeys(r for r in roots if (r / "bench" / "__init__.py").is_file()))
-
-
-def _import_bench(module: str):
-    """The benchmark module, or None when no bench/ package of a checkout is importable."""
-    leaf = module.rpartition(".")[2]
-    for root in _bench_roots():
-        if not (root / "bench" / f"{leaf}.py").is_file():
-            continue
-        added = str(root) not in sys.path
-        if added:
-            sys.path.insert(0, str(root))
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("bench", module):
-                raise  # the benchmark itself misses a dependency: say which
-            continue
-        finally:
-            if added:
-                sys.path.remove(str(root))
-        if callable(getattr(mod, "main", None)):
-            return mod
-    try:  # a bench package on the path already (python -m from the checkout, PYTHONPATH)
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", module):
-            raise
-        return None
-    return mod if callable(getattr(mod, "main", None)) else None
-
-
-def _bench(parser: argparse.ArgumentParser, argv: list[str]) -> int:
-    choices = ", ".join(BENCHES)
-    if argv[:1] in (["-h"], ["--help"]):
-        parser.parse_args(argv[:1])  # prints the help, which lists the benchmarks, and exits 0
-    if not argv:
-        parser.error(f"the following arguments are required: BENCH (one of {choices})")
-    if argv[0].startswith("-"):
-        parser.error(f"argument BENCH: got {argv[0]!r}, need a benchmark name first (one of {choices}); "
-                     f"its options follow it")
-    name, rest = argv[0].replace("_", "-"), argv[1:]
-    if name not in BENCHES:
-        parser.error(f"argument BENCH: invalid choice: {argv[0]!r} (choose from {choices})")
-    module = BENCHES[name][0]
-    try:
-        mod = _import_bench(module)
-    except ModuleNotFoundError as exc:
-        return _error(parser, f"{module} needs {exc.name!r}, which is not installed: {exc}")
-    if mod is None:
-        return _error(parser, f"the benchmarks are the bench/ folder of a blasx source checkout, which is not "
-                              f"importable here (blasx is installed from {Path(__file__).resolve().parent}); "
-                              f"run 'blasx bench {name} ...' (or 'python -m {module} ...') from the checkout's "
-                              f"root folder")
-    old_prog = sys.argv[0] if sys.argv else None
-    try:
-        if sys.argv:
-            sys.argv[0] = f"blasx bench {name}"  # the usage line of benchmarks that take argparse's default
-        status = mod.main(rest)
-    finally:
-        if old_prog is not None:
-            sys.argv[0] = old_prog
-    return int(status or 0)
 
 
 if __name__ == "__main__":

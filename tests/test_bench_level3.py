@@ -141,7 +141,7 @@ def test_random_matrix_complex_parts_and_make_arrays():
     assert np.array_equal(z, L.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5, threads=1))
     for d in "zc":
         A, B, C0, out = L.make_arrays(40, d, seed=3)
-        assert all(x.dtype == L.DTYPES[d] and x.flags.f_contiguous for x in (A, B, C0, out))
+        assert all(x.dtype == L.BY_PREFIX[d].dtype and x.flags.f_contiguous for x in (A, B, C0, out))
         assert np.all(np.diag(A).real > 3) and all(np.all(x.real != 0) and np.all(x.imag != 0) for x in (A, B, C0))
 
 
@@ -255,7 +255,7 @@ def test_scalars_per_dtype_and_routine():
     assert (al, be) == (1.5, 0.5) and type(al) is float and type(be) is float        # BLAS: real alpha, beta
     al, be = L.scalars("z", "her2k")
     assert al == 1.5 - 0.5j and be == 0.5 and type(be) is float                      # real beta
-    assert L.FLOP_FACTOR == {"s": 1, "d": 1, "c": 4, "z": 4}
+    assert {d: L.BY_PREFIX[d].flop_factor for d in "sdcz"} == {"s": 1, "d": 1, "c": 4, "z": 4}
     assert {r: L.FLOPS[r] for r in L.HERMITIAN} == {"hemm": 2, "herk": 1, "her2k": 2}
 
 
@@ -276,7 +276,7 @@ def test_blasx_routines_on_sim_pass_the_check(dtype):
         L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
         L.run_blasx(blasx, dtype, rt, n, A, B, C0, out, alpha, beta)
         assert L.check(rt, A, B, C0, out, alpha, beta, rows) <= L.tolerance(dtype, n), rt
-        assert out.dtype == L.DTYPES[dtype]
+        assert out.dtype == L.BY_PREFIX[dtype].dtype
 
 
 # --------------------------------------------------------------------------- cuBLAS-XT table
@@ -339,7 +339,8 @@ def test_xt_table_of_every_dtype_and_routine():
     assert {x for x in names if x[8] in "CZ" and x[9:] in L.HERMITIAN} == {
         "cublasXtChemm", "cublasXtCherk", "cublasXtCher2k", "cublasXtZhemm", "cublasXtZherk", "cublasXtZher2k"}
     assert len(names) == 6 * 4 + 3 * 2
-    assert ctypes.sizeof(L.CuComplex) == 8 and ctypes.sizeof(L.CuDoubleComplex) == 16
+    assert [ctypes.sizeof(L.xt_scalar_types(d)[0]) for d in "sdcz"] == [4, 8, 8, 16]
+    assert [ctypes.sizeof(t) for t in L.xt_scalar_types("z", "herk")] == [8, 8]  # HERK's real alpha, beta
     for rt in L.ALL_ROUTINES:
         assert L.XT_ARGTYPES[rt] == header_argtypes(rt), rt
         params = XT_HEADER[rt].split()[1:]
@@ -447,7 +448,7 @@ def numpy_xt(xt, dtype, routine, n, A, B, C0, out, alpha, beta):
     """cuBLAS-XT's effect on `out`, by numpy (out holds C0 for the C routines, B for TRMM/TRSM)."""
     assert isinstance(xt, FakeXt)
     al, be = L.xt_scalars(dtype, alpha, beta)
-    assert type(al) is L.XT_SCALAR[dtype]
+    assert type(al) is L.xt_scalar_types(dtype)[0]
     if routine == "trsm":
         out[...] = numpy_result("trsm", A, out, C0, alpha, beta)
     elif routine == "trmm":      # out of place: C = alpha A B
@@ -501,7 +502,7 @@ class FakeXtFn:
         assert v.get("uplo", 1) == 1 and all(v.get(p, 0) == 0 for p in ("side", "trans", "transa", "transb", "diag"))
         n = v["n"]
         assert all(v[p] == n for p in XT_SIZES if p in v)
-        dtype = L.DTYPES[d]
+        dtype = L.BY_PREFIX[d].dtype
 
         def mat(p):
             buf = (ctypes.c_char * (n * n * dtype.itemsize)).from_address(p)

@@ -3,7 +3,6 @@
 ``sim`` and ``cpu`` backends; the CUDA measurements only show that they fail politely here."""
 
 import io
-import os
 import sys
 import threading
 import time
@@ -18,7 +17,6 @@ import blasx.probe as probe
 import blasx.progress as progress
 from blasx.perfdb import PerfDb, key_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW_SIM = "sim:2,rate=2e7"  # 16 tiles of 64: a call of about 0.9 s
 
 
@@ -51,11 +49,10 @@ def updates(err: str) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- help
 
 @pytest.mark.parametrize("argv, words", [
-    ([], ["gemm", "info", "tune", "bench", "examples:"]),
+    ([], ["gemm", "info", "tune", "examples:"]),
     (["gemm"], ["--n N", "--dtype {s,d,c,z}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
     (["info"], ["--measure", "--devices SPEC", "--db FILE", "perf-db", "cuBLAS"]),
     (["tune"], ["--tiles", "--show", "--clear", "perf-db"]),
-    (["bench"], ["gemm", "level3", "offload-threshold", "cpu-overhead", "source checkout"]),
 ])
 def test_help_reads_well(capsys, argv, words):
     with pytest.raises(SystemExit) as e:
@@ -372,61 +369,14 @@ def test_format_perfdb():
                                                            "BLASX_PERFDB is off)"]
 
 
-# --------------------------------------------------------------------------- bench
+# --------------------------------------------------------------------------- no bench command
 
-def test_bench_gemm_help_is_the_benchmarks(capsys):
+def test_bench_is_not_a_command(capsys):
+    """The benchmarks live in a source checkout (python -m bench.gemm), not in the installed CLI."""
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "gemm", "--help"])
-    assert e.value.code == 0
-    out = capsys.readouterr().out
-    assert "bench.gemm" in out and "--dtypes" in out and "--xt-blocks" in out
-
-
-def test_bench_offload_threshold_runs_on_sims(capsys):
-    before = blasx.session.settings()
-    assert cli.main(["bench", "offload_threshold", "--devices", "sim:2", "--sizes", "16,32", "--runs", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "blasx devices: sim:0, sim:1" in out and "crossover (float64)" in out
-    assert blasx.session.settings() == before
-
-
-def test_bench_usage_of_a_benchmark_without_prog_names_blasx(capsys):
-    argv0 = sys.argv[0]
-    with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "offload-threshold", "--runs", "many"])
+        cli.main(["bench", "gemm"])
     assert e.value.code == 2
-    assert "usage: blasx bench offload-threshold" in capsys.readouterr().err
-    assert sys.argv[0] == argv0
-
-
-@pytest.mark.parametrize("argv, fragment", [
-    (["bench", "frob"], "argument BENCH: invalid choice: 'frob' (choose from gemm, level3, offload-threshold, cpu-overhead)"),
-    (["bench"], "required: BENCH (one of gemm, level3, offload-threshold, cpu-overhead)"),
-    (["bench", "--n", "5"], "argument BENCH: got '--n', need a benchmark name first"),
-])
-def test_bench_bad_names(capsys, argv, fragment):
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
-    assert e.value.code == 2
-    assert fragment in capsys.readouterr().err
-
-
-def test_bench_outside_a_checkout_says_so(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_bench_roots", lambda: [])
-    for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path
-                                      if not os.path.isfile(os.path.join(p or ".", "bench", "__init__.py"))])
-    monkeypatch.chdir(os.path.dirname(ROOT))
-    assert cli.main(["bench", "gemm", "--help"]) == 1
-    err = capsys.readouterr().err
-    assert "blasx bench: error: the benchmarks are the bench/ folder of a blasx source checkout" in err
-    assert "run 'blasx bench gemm ...'" in err
-
-
-def test_bench_roots_find_this_checkout(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    assert cli._bench_roots() == [__import__("pathlib").Path(ROOT)]
+    assert "invalid choice: 'bench'" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- CUDA measurements, faked

@@ -1,0 +1,295 @@
+"""Write docs/performance.md from the latest result files in bench/results.
+
+    python -m bench.report                       # bench/results -> docs/performance.md
+    python -m bench.report --results DIR --out FILE
+
+One section per benchmark, one table per result file: the machine, the date, the command
+that reproduces it and the figures, blasx beside its peer (cuBLAS-XT, in-core cuBLAS through
+CuPy, numpy). Of several runs of one command on one machine only the latest is shown. A
+benchmark is one entry of READERS: a file pattern and a function from a file to its table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from blasx.runtime.dtypes import BY_PREFIX, PREFIXES
+
+from .level3 import ALL_ROUTINES
+
+
+@dataclass
+class Table:
+    """One result file as a table: where and how it was measured, and its rows."""
+    machine: str
+    date: str
+    command: str
+    header: list
+    rows: list
+    notes: list = field(default_factory=list)
+    file: str = ""
+
+
+@dataclass(frozen=True)
+class Reader:
+    title: str
+    pattern: str  # glob in the results folder
+    read: Callable[[str], Table]
+    about: str
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _machine(text: str) -> str:
+    """'vm: 2x NVIDIA H200' -> '2x NVIDIA H200' (the host name says nothing to a reader)."""
+    return text.split(": ", 1)[1] if ": " in text else text
+
+
+def _dtype(d: str) -> str:
+    return f"{BY_PREFIX[d].dtype.name} ({d})"
+
+
+def _load(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def read_gemm(path: str) -> Table:
+    doc = _load(path)
+    gpus = doc["env"].get("gpus") or []
+    machine = f"{len(doc['config']['gpus'])}x {gpus[0]['name']}" if gpus else doc["env"].get("host", "?")
+    best: dict = {}
+    for s in doc["summary"]:
+        key = (s["dtype"], s["mode"], s["m"], s["n"], s["k"])
+        if s["status"] == "ok":
+            best.setdefault(key, {})[s["label"]] = s
+    ratios = {(r["dtype"], r["mode"], r["m"], r["n"], r["k"]): r for r in doc.get("ratios", [])}
+    rows = []
+    for key, by in best.items():
+        xt = max((s for lb, s in by.items() if lb.startswith("cublasxt")), key=lambda s: s["tflops_best"] or 0,
+                 default=None)
+        bx, cp, np_ = by.get("blasx"), by.get("cupy"), by.get("numpy")
+        g = len(doc["config"]["gpus"])
+        d, mode, m, n, k = key
+        size = str(n) if m == n == k else f"{m}x{n}x{k}"
+        rows.append([_dtype(d), mode, size, _f(bx and bx["tflops_best"]),
+                     f"{_f(xt['tflops_best'])} ({xt['label'].partition('=')[2].rstrip(']')})" if xt else "-",
+                     _f(ratios.get(key, {}).get("blasx_over_xt_best"), 2),
+                     _f(cp and cp["tflops_best"]),
+                     _f(bx["tflops_best"] / (g * cp["tflops_best"]), 2) if bx and cp else "-",
+                     _f(np_ and np_["tflops_best"], 2)])
+    return Table(machine, doc["date"][:16].replace("T", " "), doc["command"],
+                 ["dtype", "mode", "N", "blasx", "cuBLAS-XT (block)", "blasx / XT", "cupy in-core, 1 GPU",
+                  "blasx / (cupy x GPUs)", "numpy"], rows,
+                 [f"TFLOPS of the best of {doc['config']['runs']} run(s); alpha {doc['config']['alpha']}, "
+                  f"beta {doc['config']['beta']}."])
+
+
+def read_level3(path: str) -> Table:
+    doc = _load(path)
+    best: dict = {}
+    for r in doc["results"]:
+        if r.get("ok") and r.get("tflops"):
+            key = (r["n"], r["dtype"], r["routine"], r["who"])
+            best[key] = max(best.get(key, 0.0), r["tflops"])
+    rows = []
+    order = sorted((k for k in best if k[3] == "blasx"),
+                   key=lambda k: (PREFIXES.index(k[1]), k[0], ALL_ROUTINES.index(k[2])))
+    for n, d, rt, _ in order:
+        tf, xt, gemm = best[(n, d, rt, "blasx")], best.get((n, d, rt, "cublasxt")), best.get((n, d, "gemm", "blasx"))
+        rows.append([_dtype(d), n, rt, _f(tf), _f(xt), _f(tf / xt, 2) if xt else "-", _f(tf / gemm, 2) if gemm else "-"])
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["dtype", "N", "routine", "blasx", "cuBLAS-XT", "blasx / XT", "of blasx GEMM"], rows,
+                 [f"TFLOPS of the best of {doc['runs']} run(s) (complex: 4x the real flops); upper, left, "
+                  f"no transpose, TRMM and TRSM in place."])
+
+
+def read_efficiency(path: str) -> Table:
+    doc = _load(path)
+    gs = sorted(int(g) for g in doc["gpus"])
+    rows = [[_dtype(s["dtype"]), s["n"]]
+            + [x for g in gs for x in (_f(s["per_g"].get(str(g), {}).get("tflops")),)]
+            + [_f(s["per_g"].get(str(g), {}).get("efficiency"), 2) for g in gs[1:]] for s in doc["summary"]]
+    notes = [f"{_dtype(d)}, {g} GPUs: mean efficiency {v['mean']:.3f} over {v['sizes']} sizes"
+             for d, per in doc.get("averages", {}).items() for g, v in per.items()]
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["dtype", "N"] + [f"TFLOPS, {g} GPU{'s' * (g > 1)}" for g in gs]
+                 + [f"efficiency, {g} GPUs" for g in gs[1:]], rows, notes)
+
+
+def read_cpu_worker(path: str) -> Table:
+    doc = _load(path)
+    modes = [m for m in doc.get("modes", ["off", "on"]) if m != "off"]  # the first version ran off and on
+    key = {"on": ("on", "with_cpu"), "auto": ("auto",)}
+    rows = []
+    for s in doc["summary"]:
+        base = s.get("gpus_only") or {}
+        row = [_dtype(s["dtype"]), s["n"], s["gpus"], _f(base.get("tflops"))]
+        for m in modes:
+            r = next((s[k] for k in key[m] if s.get(k)), {})
+            row += [_f(r.get("tflops")), _f(100 * r["cpu_flop_share"], 1) if "cpu_flop_share" in r else "-"]
+        rows.append(row)
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["dtype", "N", "GPUs", "GPUs only"] + [x for m in modes for x in (f"+ CPU ({m})", f"CPU flops % ({m})")],
+                 rows, ["TFLOPS of the best run; the CPU worker is now compared with "
+                        "`python -m bench.ab --a cpu=False --b cpu=auto`."])
+
+
+def read_scaling_sim(path: str) -> Table:
+    doc = _load(path)
+    pts = [p for p in doc["points"] if p["scenario"] == "independent" and p.get("model") in (None, "fitted")]
+    rows = [[_dtype(p["dtype"]), p["n"], p["gpus"], _f(p["tflops"]), _f(p.get("efficiency"), 2)] for p in pts]
+    stamp = doc["stamp"]
+    return Table("simulated H200s (timing mode)", f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}", doc["command"],
+                 ["dtype", "N", "GPUs", "TFLOPS", "efficiency"], rows, [doc["statement"]])
+
+
+def read_offload_threshold(path: str) -> Table:
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    command = next((x.partition("# command: ")[2] for x in lines if x.startswith("# command: ")),
+                   "python -m bench.offload_threshold ...")
+    devices = next((x.partition("blasx devices: ")[2] for x in lines if "blasx devices: " in x), "?")
+    rows, dtype = [], None
+    for x in lines:
+        if re.fullmatch(r"(float|complex)\d+:", x.strip()):
+            dtype = x.strip()[:-1]
+        elif dtype and re.match(r"\s+\d+\s+\S+e[+-]\d+", x):
+            n, _, numpy_ms, blasx_ms, speedup = x.split()[:5]
+            rows.append([dtype, n, numpy_ms, blasx_ms, speedup])
+    return Table(_devices(devices), _file_date(path), command, ["dtype", "N", "numpy ms", "blasx ms", "numpy / blasx"],
+                 rows, [x for x in lines if x.startswith("crossover")])
+
+
+def read_ab(path: str) -> Table:
+    doc = _load(path)
+    rows = [[r["n"], r["routine"], r["config"], f"{r['median_s']:.4f}", _f(r["tflops"]), _f(r["vs_a"], 3),
+             _f(r["of_gemm"], 3)] for r in doc["summary"]]
+    notes = ["Configurations: " + "; ".join(f"{c['label']} = `{c['text'] or 'defaults'}`" for c in doc["configs"])]
+    return Table(doc["where"], doc["date"][:16], doc["command"],
+                 ["N", "routine", "config", "median s", "TFLOPS", "vs A", "of GEMM"], rows, notes)
+
+
+def _devices(text: str) -> str:
+    """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
+    names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
+    if text.strip() == "cpu":
+        return "CPU only"
+    return f"{len(names)}x {names[0]}" if names and names[0] else text
+
+
+def _file_date(path: str) -> str:
+    m = re.search(r"(\d{4})(\d{2})(\d{2})", os.path.basename(path))
+    return "-".join(m.groups()) if m else "?"
+
+
+READERS = [
+    Reader("GEMM on host arrays", "gemm-*.json", read_gemm,
+           "`bench.gemm`: C = alpha A B + beta C on numpy arrays, blasx beside cuBLAS-XT (its best block), "
+           "in-core cuBLAS on one GPU (CuPy, operands already on the GPU) and numpy; every result checked."),
+    Reader("Level 3 beside GEMM", "level3-*.json", read_level3,
+           "`bench.level3`: every level-3 routine, blasx beside cuBLAS-XT, and its share of blasx's own GEMM rate."),
+    Reader("Parallel efficiency of GEMM", "efficiency-*.json", read_efficiency,
+           "`bench.efficiency`: T(1) / (g T(g)) per N."),
+    Reader("Offload threshold", "offload-threshold-*.log", read_offload_threshold,
+           "`bench.offload_threshold`: where blasx starts beating numpy on the same call."),
+    Reader("CPU worker beside the GPUs", "cpu-worker-*.json", read_cpu_worker,
+           "The BLASX paper's Fig. 9 question: GPUs only against the CPU worker by demand or in auto mode."),
+    Reader("Knob A/Bs", "ab-*.json", read_ab, "`bench.ab`: engine configurations alternating on one set of arrays."),
+    Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
+           "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
+]
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def _same_run_key(table: Table) -> tuple:
+    """(machine, command without --out / --tag): runs of one command on one machine."""
+    words = shlex.split(table.command.replace("python3 ", "python ", 1))
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in ("--out", "--tag"):
+            skip = True
+        elif not w.startswith(("--out=", "--tag=")):
+            out.append(w)
+    return table.machine, tuple(out)
+
+
+def _align(rows: list, col: int) -> str:
+    """Markdown alignment of a column: right for numbers, left for words."""
+    try:
+        [float(str(r[col]).split()[0]) for r in rows if str(r[col]) != "-"]
+    except (ValueError, IndexError):
+        return ":--"
+    return "--:"
+
+
+def latest(tables: list[Table]) -> list[Table]:
+    """The newest table of each (machine, command), newest first."""
+    keep: dict = {}
+    for t in sorted(tables, key=lambda t: (t.date, t.file), reverse=True):
+        keep.setdefault(_same_run_key(t), t)
+    return list(keep.values())
+
+
+def render(results: str, readers=READERS) -> str:
+    lines = ["# Performance", "",
+             "Generated by `python -m bench.report` from the result files in `bench/results/` "
+             "(do not edit by hand). TFLOPS are 1e12 flops per second. Each table names the machine, "
+             "the date and the command that reproduces it; `bench/results/NOTES.md` says what each "
+             "scheduling choice gained.", ""]
+    for rd in readers:
+        files = sorted(glob.glob(os.path.join(results, rd.pattern)))
+        tables = []
+        for path in files:
+            t = rd.read(path)
+            t.file = os.path.basename(path)
+            tables.append(t)
+        if not tables:
+            continue
+        lines += [f"## {rd.title}", "", rd.about, ""]
+        for t in latest(tables):
+            lines += [f"**{t.machine}**, {t.date} (`{t.file}`):", "", "```", t.command, "```", "",
+                      "| " + " | ".join(t.header) + " |",
+                      "| " + " | ".join(_align(t.rows, i) for i in range(len(t.header))) + " |"]
+            lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in t.rows]
+            lines += [""] + [f"{n}" for n in t.notes] + ([""] if t.notes else [])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=os.path.join("bench", "results"), help="folder of result files")
+    p.add_argument("--out", default=os.path.join("docs", "performance.md"), help="the page to write ('-': stdout)")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.results):
+        p.error(f"--results: got {args.results!r}, which is not a folder")
+    page = render(args.results)
+    if args.out == "-":
+        sys.stdout.write(page)
+        return 0
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
