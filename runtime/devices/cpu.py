@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from .. import dtypes
 from ..stats import OpRecord
 from .base import HostDevice, register_backend
 from .numpy_kernels import KERNELS
@@ -93,7 +94,7 @@ class CpuDevice(HostDevice):
             t0 = time.perf_counter()
             np.matmul(a, b)
             best = min(best, time.perf_counter() - t0)
-        return (8.0 if dt.kind == "c" else 2.0) * n ** 3, best
+        return 2.0 * dtypes.BY_DTYPE[dt].flop_factor * n ** 3, best
 
     def finish_call(self, call) -> None:
         if self.threads is None:
