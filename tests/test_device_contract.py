@@ -4,12 +4,14 @@ and can run here: ``sim`` and ``cpu`` everywhere, ``cuda`` where CuPy finds a GP
 Stream devices do a round trip by hand, as a StreamWorker would: arena locations, host loads on
 the H2D stream, gemm steps on a compute stream that waits for them, a write-back on the D2H
 stream, events between them; then a peer copy, event semantics and close after a failure. The
-host device runs whole tasks. Results are compared with numpy.
+host device runs whole tasks. Results are compared with numpy. Last, the numpy tile kernels that
+sim and cpu share warn about non-finite values only where numpy's matmul would.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from blasx.operands import TokenTable, make_operand
 from blasx.runtime.call import Call
 from blasx.runtime.devices import (ArraySource, DeviceError, HostDevice, HostSource, PeerSource, StreamDevice,
                                    backend, backends)
+from blasx.runtime.devices.numpy_kernels import KERNELS, OPS
 from blasx.runtime.devices.sim import SimDevice, SimModel
 from blasx.runtime.plans import plan_gemm
 from blasx.runtime.stats import CallStats, DeviceInfo
@@ -328,3 +331,42 @@ def test_host_device_runs_tasks_in_place(kind, dtype):
         dev.close()
     assert _rel(call.operands[2].array, 1.5 * (a @ b) + 0.5 * c0) < _tol(dtype)
     assert call.stats.profile().totals()["tasks"] == len(call.tasks)
+
+
+# ---------------------------------------------------------------- tile kernels: floating-point warnings
+
+def _warns(fn) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return any(issubclass(w.category, RuntimeWarning) for w in caught)
+
+
+def _kernel_inputs(dtype, fill):
+    a = np.ones((4, 4), dtype=dtype, order="F")
+    b = np.ones((4, 4), dtype=dtype, order="F")
+    c = np.ones((4, 4), dtype=dtype, order="F")
+    a[0, 0], a[2, 1], a[1, 2] = -fill, fill, fill  # in both triangles and off the diagonal
+    b[3, 0] = fill
+    c[0, 0] = c[3, 3] = fill  # with -fill from a: fill - fill where C is accumulated
+    return a, b, c
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+@pytest.mark.parametrize("dtype", [np.float64, np.complex64])
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_tile_kernels_warn_only_where_numpy_matmul_would(name, dtype, fill):
+    """NaN inputs never warn (numpy's matmul does not); gemm's product warns exactly when numpy's
+    matmul of the same tiles does; the other kernels, like their BLAS routines, never warn."""
+    scalars = np.array([2, 0.5, 0, 1, -1, 2], dtype=dtype)
+    for side, op in ((0, 0), (1, 1)):
+        a, b, c = _kernel_inputs(dtype, fill)
+        step = Step(name, None, None, op, 0, 4, 4, 4, 0, 1, side, 1, 0)
+        warned = _warns(lambda: KERNELS[name](step, scalars, a, b, c))
+        if name == "gemm":
+            a, b, _ = _kernel_inputs(dtype, fill)
+            assert warned == _warns(lambda: np.matmul(OPS[op](a), b)), (side, op)
+        else:
+            assert not warned, (side, op)
+        if fill is np.nan:
+            assert not warned
