@@ -295,8 +295,8 @@ class CudaDevice(StreamDevice):
                                           step.m, step.n, alpha, a[0], a[1], b[0], b[1], c[0], c[1])
 
     #: Largest triangle one cuBLAS trsm call solves; bigger diagonal tiles are split
-    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs (a 4096
-    #: DTRSM tile ran at 21 TFLOPS on an H200 against 60 for a DGEMM tile).
+    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs, which cuBLAS
+    #: runs about three times as fast as a large solve.
     TRSM_LEAF = 1024
 
     def _k_trsm(self, s, step, call, a, b, c) -> None:
@@ -338,8 +338,8 @@ class CudaDevice(StreamDevice):
     def _k_invmm(self, s, step, call, a, b, c, out=None) -> None:
         """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse, out of
         place: into ``out`` when the worker gives one (a fresh heap block), else into the stream's
-        scratch tile, then copied back. cuBLAS's in-place DTRMM ran at 29 TFLOPS on an H200; out of
-        place 54.1, 48.0 with the copy back (bench/results/tri-inverse-rate-*)."""
+        scratch tile, then copied back: cuBLAS's in-place TRMM runs at about half the speed of
+        its out-of-place form."""
         from cupy.cuda import runtime
         alpha, _ = self._ptrs(call, step, False, False)
         isz = call.itemsize
