@@ -48,6 +48,14 @@ def _cuda(i: int):
     return backend("cuda")(i, ordinal=i, nstreams=2, cache_bytes=32 << 20)
 
 
+def _use(dev) -> None:
+    """Make ``dev`` the calling thread's current device where the backend has one (CUDA events and
+    kernels belong to the current device; a worker thread drives one device, this test several)."""
+    if dev.kind == "cuda":
+        import cupy
+        cupy.cuda.Device(dev.ordinal).use()
+
+
 def _cpu(i: int):
     return backend("cpu")(i, name="cpu", threads=1)
 
@@ -207,10 +215,12 @@ def test_stream_device_peer_copy(kind):
         if not d1.can_read_from(d0):
             assert kind == "cuda", f"{kind}: two devices of this kind are peers"
             pytest.skip("these GPUs have no peer link")
+        _use(d0)
         _, loc0 = _alloc_tile(d0, call, ref)
-        _, loc1 = _alloc_tile(d1, call, ref)
         d0.copy_in(d0.h2d_stream, loc0, HostSource(host, ref), ref.rows, ref.cols, call.dtype)
         filled = d0.record(d0.h2d_stream)  # in flight: the peer copy is ordered after it
+        _use(d1)
+        _, loc1 = _alloc_tile(d1, call, ref)
         d1.copy_in(d1.p2p_stream, loc1, PeerSource(d0, loc0, filled, host, ref), ref.rows, ref.cols, call.dtype)
         copied = d1.record(d1.p2p_stream)
         d1.wait(d1.d2h_stream, copied)
@@ -218,8 +228,9 @@ def test_stream_device_peer_copy(kind):
         d1.sync(d1.record(d1.d2h_stream))
         d0.sync(filled)
     finally:
-        d1.close()
-        d0.close()
+        for d in (d1, d0):
+            _use(d)
+            d.close()
     np.testing.assert_array_equal(out.array, a[:TILE, :TILE])
 
 
