@@ -23,9 +23,8 @@ import time
 
 import numpy as np
 
-DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
-DTYPE_NAMES = {"float32": "s", "float64": "d", "complex64": "c", "complex128": "z",
-               "single": "s", "double": "d"}
+from .runtime import dtypes
+
 MIN_CACHE_BYTES = 1 << 16
 CPU_HELP = ("the CPU worker beside the GPUs takes tasks by demand (cpu=True; default: auto mode beside CUDA "
             "GPUs, taking a task only when predicted to help; none beside sims)")
@@ -61,15 +60,18 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _dtype_char(text: str) -> str | None:
-    t = text.strip().lower()
-    return t if t in DTYPES else DTYPE_NAMES.get(t)
+    """The BLAS prefix named by a prefix or a type name (``d``, ``float64``, ``double``), else None."""
+    try:
+        return dtypes.parse(text).prefix
+    except ValueError:
+        return None
 
 
 def _dtype(text: str) -> str:
     ch = _dtype_char(text)
     if ch is None:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one of s, d, c, z "
-                                         f"(or float32, float64, complex64, complex128)")
+        raise argparse.ArgumentTypeError(f"got {text!r}, need one of {', '.join(dtypes.PREFIXES)} "
+                                         f"(or {dtypes.ALLOWED})")
     return ch
 
 
@@ -77,7 +79,7 @@ def _dtype_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     chars = [_dtype_char(x) for x in items]
     if not items or None in chars:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(sorted(DTYPES))} "
+        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(dtypes.PREFIXES)} "
                                          f"separated by commas")
     return list(dict.fromkeys(chars))
 
@@ -150,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--m", type=_positive, metavar="M", help="rows of C (default N)")
     size.add_argument("--k", type=_positive, metavar="K", help="inner dimension (default N)")
     size.add_argument("--dtype", type=_dtype, default="d", metavar="{s,d,c,z}",
-                      help="float32, float64, complex64 or complex128 (default d)")
+                      help=f"{dtypes.ALLOWED} (default d)")
     run = g.add_argument_group("devices and runs")
     run.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
@@ -291,7 +293,8 @@ def _gemm(blasx, parser, args) -> int:
 
     m, k = args.m or args.n, args.k or args.n
     n = args.n
-    dtype = np.dtype(DTYPES[args.dtype])
+    blas_type = dtypes.BY_PREFIX[args.dtype]
+    dtype = blas_type.dtype
     _check_output_path(parser, "--trace", args.trace)
     _check_output_path(parser, "--profile", args.profile)
     if args.profile:
@@ -318,7 +321,7 @@ def _gemm(blasx, parser, args) -> int:
 
     a, b = rand((m, k)), rand((k, n))
     c = np.empty((m, n), dtype, order="F")
-    flops = (8 if dtype.kind == "c" else 2) * m * n * k
+    flops = 2 * blas_type.flop_factor * m * n * k
     names = ", ".join(d.name for d in eng.devices)
     print(f"blasx gemm: {m}x{n}x{k} {dtype.name}, {probe.format_bytes(nbytes)} of operands, "
           f"on {eng.spec} ({names})", flush=True)
@@ -338,10 +341,9 @@ def _gemm(blasx, parser, args) -> int:
     status = 0
     if args.check_rows:
         rows = min(args.check_rows, m)
-        wide = np.complex128 if dtype.kind == "c" else np.float64
-        ref = a[:rows].astype(wide) @ b.astype(wide)
+        ref = a[:rows].astype(blas_type.wide) @ b.astype(blas_type.wide)
         err = np.linalg.norm(c[:rows] - ref) / np.linalg.norm(ref)
-        tol = 1e-4 if dtype in (np.float32, np.complex64) else 1e-10
+        tol = 1e-4 if blas_type.real.itemsize == 4 else 1e-10
         ok = bool(np.isfinite(c).all()) and err < tol
         print(f"check: {rows} rows against numpy, relative error {err:.2e} ({'ok' if ok else 'WRONG'}, tolerance {tol:g})")
         status = 0 if ok else 1

@@ -44,12 +44,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .runtime import dtypes
+
 SCHEMA_VERSION = 1
 FILENAME = "perfdb.sqlite"
 TIMEOUT_S = 10.0  # sqlite busy timeout: how long a writer waits for another one
 READ_TIMEOUT_S = 1.0  # how long a read waits for a writer's lock before it counts as "no entry"
-DTYPE_CHARS = {np.dtype(np.float32): "s", np.dtype(np.float64): "d",
-               np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"}
 _SEP = "|"
 
 # Bumped by every store/clear in this process, so cached tables (blasx.tile) reload.
@@ -149,16 +149,13 @@ def shape_class(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 def dtype_char(dtype) -> str:
     """``s``/``d``/``c``/``z`` of a numpy dtype (or of the character itself)."""
-    if isinstance(dtype, str) and dtype in ("s", "d", "c", "z"):
+    if isinstance(dtype, str) and dtype in dtypes.BY_PREFIX:
         return dtype
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt not in DTYPE_CHARS:
-        raise ValueError(f"dtype: got {dtype!r}, need float32, float64, complex64, complex128 "
-                         f"(or their BLAS characters s, d, c, z)")
-    return DTYPE_CHARS[dt]
+    t = dtypes.of(dtype)
+    if t is None:
+        raise ValueError(f"dtype: got {dtype!r}, need {dtypes.ALLOWED} "
+                         f"(or their BLAS characters {', '.join(dtypes.PREFIXES)})")
+    return t.prefix
 
 
 def device_model(device) -> str:
@@ -218,8 +215,8 @@ def _checked_key(key) -> PerfKey:
         raise ValueError(f"key: device {key.device!r} must be a non-empty name without {_SEP!r}")
     if not isinstance(key.ndev, int) or isinstance(key.ndev, bool) or key.ndev < 1:
         raise ValueError(f"key: ndev {key.ndev!r} must be an int >= 1")
-    if key.dtype not in ("s", "d", "c", "z"):
-        raise ValueError(f"key: dtype {key.dtype!r} must be one of s, d, c, z")
+    if key.dtype not in dtypes.BY_PREFIX:
+        raise ValueError(f"key: dtype {key.dtype!r} must be one of {', '.join(dtypes.PREFIXES)}")
     _check_routine(key.routine)
     if not (isinstance(key.shape, tuple) and len(key.shape) == 3):
         raise ValueError(f"key: shape {key.shape!r} must be a shape class (M, N, K) from shape_class()")

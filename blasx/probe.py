@@ -7,10 +7,9 @@ per device) depend on the backend:
 * ``cuda``: a pinned host -> device and device -> host copy of 256 MiB, a peer copy of
   256 MiB over every peer link (from the device that reads to the device that is read), and
   cuBLAS DGEMM and SGEMM of N = 8192 through CuPy's matmul; each timed with CUDA events,
-  the best of a few after a warm-up of at least ``GPU_WARM_S`` of the same operation (one
-  warm-up copy was not enough: an idle GPU's first host -> device copies ran at 29.6 GB/s
-  for tens of ms, then 55, on every H200 measured, 2026-11-22 and -23). Run them with the
-  engine shut down (its tile cache holds half of each GPU's memory);
+  the best of a few after a warm-up of at least ``GPU_WARM_S`` of the same operation (an idle
+  GPU's first copies run slower for tens of milliseconds, so one warm-up copy is not enough).
+  Run them with the engine shut down (its tile cache holds half of each GPU's memory);
 * ``sim``: the configured cost model (``rate``, ``h2d``, ``d2h``, ``p2p`` over the slowdown
   factor): nothing is measured;
 * ``cpu``: numpy's GEMM (the host BLAS) in double and single precision, at the first size
@@ -32,6 +31,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from .runtime import dtypes as blas_types
 
 COPY_BYTES = 256 << 20  # host <-> device and peer copies
 GEMM_N = 8192  # cuBLAS GEMM size
@@ -201,7 +202,7 @@ def _cpu_rates(index: int, dtypes) -> list[Rate]:
     for ch in dtypes:
         what = ch.upper() + "GEMM"
         try:
-            rate, n = _cpu_gemm_rate(np.float64 if ch == "d" else np.float32)
+            rate, n = _cpu_gemm_rate(blas_types.BY_PREFIX[ch].dtype)
             out.append(Rate(index, what, rate, f"numpy (host BLAS), N={n}"))
         except Exception as exc:  # noqa: BLE001 - report, go on
             out.append(_failed(index, what, exc))
@@ -281,7 +282,7 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
         out.append(Rate(index, "P2P", nbytes / t, f"from cuda:{peer_ordinal}, {mib}", peer=j))
 
     def gemm(ch: str):
-        dtype = cupy.float64 if ch == "d" else cupy.float32
+        dtype = blas_types.BY_PREFIX[ch].dtype
         with cupy.cuda.Device(ordinal):
             stream = cupy.cuda.Stream(non_blocking=True)
             with stream:

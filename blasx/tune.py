@@ -26,12 +26,12 @@ from typing import Callable
 import numpy as np
 
 from . import perfdb, session
+from .runtime import dtypes as blas_types
 
 #: Candidate tiles per backend (capped by the problem's largest dimension).
 DEFAULT_TILES = {"cuda": (2048, 3072, 4096, 6144, 8192), "sim": (32, 64, 128, 256), "cpu": (256, 512, 1024, 2048)}
 #: Problem sizes N (M = N = K) tuned when ``sizes`` is None.
 DEFAULT_SIZES = {"cuda": (8192, 16384), "sim": (256, 512), "cpu": (1024, 2048)}
-DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 
 
 def default_tiles(kind: str, m: int, n: int, k: int) -> list[int]:
@@ -111,18 +111,18 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
 def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, say) -> dict:
     from .level3 import gemm
 
-    dtype = np.dtype(DTYPES[dc])
+    blas_type = blas_types.BY_PREFIX[dc]
+    dtype = blas_type.dtype
     key = perfdb.key_for(devs, dtype, m, n, k)
     cands = candidates if candidates is not None else default_tiles(kind, m, n, k)
     a, b = _rand(rng, (m, k), dtype), _rand(rng, (k, n), dtype)
     c = np.empty((m, n), dtype, order="F")
-    flops = (8 if dtype.kind == "c" else 2) * m * n * k
+    flops = 2 * blas_type.flop_factor * m * n * k
     rows = min(check_rows, m)
     ref = None
     if rows:
-        wide = np.complex128 if dtype.kind == "c" else np.float64
-        ref = a[:rows].astype(wide) @ b.astype(wide)
-    tol = 1e-4 if dtype in (np.float32, np.complex64) else 1e-10
+        ref = a[:rows].astype(blas_type.wide) @ b.astype(blas_type.wide)
+    tol = 1e-4 if blas_type.real.itemsize == 4 else 1e-10
     out = {"key": key.text, "device": key.device, "ndev": key.ndev, "dtype": dc, "routine": key.routine,
            "m": m, "n": n, "k": k, "shape": key.shape, "tiles": list(cands), "tflops": {}, "seconds": {},
            "errors": {}, "skipped": {}, "bad": [], "tile": None, "stored": False}
@@ -197,7 +197,7 @@ def _check_dtypes(dtypes) -> list[str]:
     if isinstance(dtypes, str):
         if "," in dtypes or " " in dtypes:
             dtypes = dtypes.replace(",", " ").split()
-        elif set(dtypes) <= set("sdcz"):
+        elif set(dtypes) <= set(blas_types.PREFIXES):
             dtypes = list(dtypes)  # "ds"
         else:
             dtypes = [dtypes]  # "float64"
@@ -210,12 +210,12 @@ def _check_dtypes(dtypes) -> list[str]:
         try:
             c = perfdb.dtype_char(d)
         except ValueError:
-            raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of s, d, c, z "
-                             f"(float32, float64, complex64, complex128)") from None
+            raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of {', '.join(blas_types.PREFIXES)} "
+                             f"({blas_types.ALLOWED})") from None
         if c not in out:
             out.append(c)
     if not out:
-        raise ValueError(f"dtypes: got {given!r}, need one or more of s, d, c, z")
+        raise ValueError(f"dtypes: got {given!r}, need one or more of {', '.join(blas_types.PREFIXES)}")
     return out
 
 

@@ -1,9 +1,9 @@
-"""When the CPU worker takes a task beside the GPUs (issue 5; the paper's Fig. 9).
+"""When the CPU worker takes a task beside the GPUs (the paper's Fig. 9).
 
 The CPU worker (``worker.CpuWorker``) solves whole tasks with the host BLAS. Beside GPUs it is
-one to three orders of magnitude slower per task (2x H200, N = 16384, tile 4096: 2.6 s for one
-task on 30 cores, 0.12-0.19 s for the whole call on the GPUs), so taking work *by demand* (what
-``configure(cpu=True)`` does) makes every call wait for its CPU task. In **auto** mode
+one to three orders of magnitude slower per task (one of its tasks can outlast a whole call on
+the GPUs), so taking work *by demand* (what ``configure(cpu=True)`` does) makes every call wait
+for its CPU task. In **auto** mode
 (``configure(cpu=None)`` beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) the CPU
 worker takes a task only when the rule below predicts that this makes the call end no later.
 
@@ -39,12 +39,10 @@ a GPU's station), with G the live stream workers that can run ``c``:
    BLAS slowed by the GPU workers' threads and copies).
 
 :func:`decide` is the rule as a pure function of those numbers (tested by exact values);
-:meth:`Admission.admits` gathers them. With the rates of 2x H200 (DGEMM N = 16384: 75
-TFLOPS for the two GPUs over a call; the CPU's 4096-tile task, 5.5e11 flops, in 2.6 s: 0.21
-TFLOPS) a task is taken only while more than 1.5 x 75 / 0.21 = ~530 tasks of the call are
-left besides it, whatever the tile: in practice never (N = 16384 has 16 tasks, N = 65536
-256), which is the right answer there. Against slow GPUs (sims with ``rate=`` far below the
-host's BLAS) it takes a growing share of every large call.
+:meth:`Admission.admits` gathers them. Beside fast GPUs the CPU takes a task only while
+``MARGIN * sum(r_g) / r_cpu`` (hundreds) of the call's tasks are left besides it: in practice
+never. Against slow GPUs (sims with ``rate=`` far below the host's BLAS) it takes a growing
+share of every large call.
 
 Measured rates (``RateMeter``)
 ------------------------------
@@ -55,21 +53,16 @@ ratio of sums, not an average of per-task ratios: a GPU with ``2 * streams`` tas
 finishes them in bursts (the first after a long interval, the next ones a few microseconds
 apart), and only the sum over a burst is its throughput; 16 covers two bursts of 4-stream
 devices. A GPU's first sample alone reads low: its interval is shared by the tasks that ran
-interleaved with it, so with n streams it can read up to n times below the device's rate (a
-sim pair on a slow 2-core VM, tile 16: the CPU, probed at 1e5 flop/s, was admitted on that one
-sample in 2 of 6 first calls). So the rule uses a GPU's rate only once it has as many samples
-as the GPU has streams. (An exponentially weighted average of flops and of seconds, weight 0.25, was tried
-first: it weights the long interval that opens a burst more than the short ones that end it.
-Two sims modelled at 1e8 flop/s, tile 32, N = 256, whose steady state was 5.9 ms a task, i.e.
-0.89e8: after the first burst of 4 completions the window read 0.68e8 and 0.51e8, the average
-0.42e8 and 0.31e8; after 12 tasks 0.72e8 / 0.69e8 against 0.81e8 / 0.78e8.)
+interleaved with it, so with n streams it can read up to n times below the device's rate. So
+the rule uses a GPU's rate only once it has as many samples as the GPU has streams. (A
+window beats an exponentially weighted average, which weights the long interval that opens a
+burst more than the short ones that end it.)
 
 The CPU's first sample is the probe: a 256-square GEMM of the call's dtype
-(``CpuDevice.probe``), best of three, on the CPU worker's BLAS threads (~0.4 ms in float64 on
-a 2-core VM; a small GEMM runs below the rate of a large tile, so it errs low). The GPUs get
-no seed: until one of them finishes a task the CPU
-takes nothing (**gpu rate unknown**), so in an engine's first call it joins only after the
-GPUs' first completions. Nothing is seeded from the perf-db: its entries are whole-call rates
+(``CpuDevice.probe``), best of three, on the CPU worker's BLAS threads (a small GEMM runs
+below the rate of a large tile, so it errs low). The GPUs get no seed: until one of them
+finishes a task the CPU takes nothing (**gpu rate unknown**), so in an engine's first call it
+joins only after the GPUs' first completions. Nothing is seeded from the perf-db: its entries are whole-call rates
 of one tile choice, not per-worker rates.
 
 State (each field has one owner)
@@ -100,11 +93,9 @@ State (each field has one owner)
 ``Admission.last``
     The latest :class:`Decision` (for tests and debugging).
 
-Cost: a decision takes ~3.4 us (2 GPUs, the 2-core VM); a CPU worker that leaves work asks ~4
-times per 2 ms poll (the queue's head, its own pull, the tasks of the station it would steal
-from), ~0.7% of one core while a call runs. Beside 2 H200-like timing sims it changed no call's
-time (``bench/results/cpu-auto-timing-sim-h200x2model-20261123.log``: auto / off 1.000 at
-N = 16384, 0.997 at 32768; the sims' 8x time dilation thins the polling out 8x there).
+Cost: a decision is a few dictionary reads and a division; a CPU worker that leaves work asks
+a few times per poll (the queue's head, its own pull, the tasks of the station it would steal
+from), a small fraction of one core while a call runs.
 
 Thread limits: in auto mode the CPU device limits the BLAS threads (every core but one per GPU
 worker) only once it runs a probe or a task, and restores them when the last call running then

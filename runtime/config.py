@@ -24,7 +24,7 @@ Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices`
 ``timing=1`` (or ``data=0``)
     data-free timing mode: no arena bytes, kernels and copies do no numpy
     work and only take their cost-model time, host operands are never read
-    or written. Default ``timing=0`` (``data=1``): real data, as before.
+    or written. Default ``timing=0`` (``data=1``): real data.
 ``mem=BYTES``
     each sim's tile-cache heap (default 64 MiB; ``configure(cache_bytes=)``
     sets it too, but not both at once). An int, or a number with a suffix:
@@ -50,9 +50,9 @@ Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices`
     for H2D and D2H together (memory bandwidth).
 ``krate=KERNEL:F/KERNEL:F...``
     per-kernel rate factors: a ``KERNEL`` step runs at ``F`` times ``rate``
-    (e.g. ``krate=trmm:0.9/trsm:0.35``: the diagonal TRMM and TRSM tile
-    kernels measured at 54 and 21 TFLOPS where GEMM steps ran at 60 on
-    H200). Kernels not named run at ``rate``. Default: none.
+    (e.g. ``krate=trmm:0.9/trsm:0.35``: on GPUs the diagonal TRMM and TRSM
+    tile kernels run slower than GEMM steps). Kernels not named run at
+    ``rate``. Default: none.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Copies between pageable memory and a GPU are staged by the driver and do not
-overlap anything (7.8-8.4 GB/s measured on the H200 host, against 55 GB/s
-pinned). blasx therefore page-locks host operands in place with
+Copies between pageable memory and a GPU are staged by the driver, do not
+overlap anything and run at a fraction of the pinned rate. blasx therefore page-locks host operands in place with
 ``cudaHostRegister`` (portable, so every GPU sees them as pinned):
 
 * the buffer of the array's root (the ndarray owning the memory) is
@@ -13,13 +12,12 @@ pinned). blasx therefore page-locks host operands in place with
 * only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
   are registered, and only the pages that lie wholly inside them: glibc may
   serve even a large block from its heap, next to other arrays in the same
-  page (seen on the H200 host), so a registration must never reach past the
+  page, so a registration must never reach past the
   array's own bytes. Smaller arrays are copied from pageable memory.
 
-**Registration runs beside the call.** It costs 19 ms/GiB on that host (57 GB/s,
-``bench/results/host-pinning-*``), about a host link's rate, and more threads do
-not make it faster (the same 57 GB/s from 1 to 16). A one-shot DGEMM at N=16384
-spent 0.2 s pinning 6 GiB before its first tile could move. So a root's interior
+**Registration runs beside the call.** It runs at about a host link's rate, and
+more threads do not make it faster, so pinning every operand before the first
+tile moves would delay a one-shot call by as long as one pass over its data. So a root's interior
 is cut into chunks of ``CHUNK_BYTES`` (each its own registration), and one
 thread per call registers the call's chunks in the order the call is likely to
 need them (the operands' chunks round-robin, each operand in address order);
@@ -42,7 +40,7 @@ import numpy as np
 
 PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
-CHUNK_BYTES = 256 << 20  # one registration: ~5 ms at the measured 57 GB/s
+CHUNK_BYTES = 256 << 20  # one registration: short next to a call, few per GiB
 HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 ERROR_ALREADY_REGISTERED = 712
@@ -123,7 +121,7 @@ class Pinning:
         for (s, e), ev in zip(self.chunks, self.ready):
             if s < hi and lo < e and not ev.wait(WAIT_SECONDS):
                 raise TimeoutError(f"host memory bytes [{s:#x}, {e:#x}) were not page-locked within "
-                                   f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes takes ~5 ms per 256 MiB)")
+                                   f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes usually takes milliseconds)")
 
     def pieces(self, ptr: int, pitch: int, width: int, cols: int) -> list[tuple[int, int, int, int]]:
         """The 2-D copy split so each piece lies in one region, once those regions are ready."""
@@ -147,8 +145,8 @@ class RegistrationCache:
     def __init__(self) -> None:
         # Re-entrant: a root's finalizer (``_unregister``) runs wherever the garbage collector
         # frees the root, which may be inside this very class's critical section in the same
-        # thread (seen on 2x H200: a GC pass in ``Pinning.__init__`` under ``_pinning``'s lock
-        # freed an earlier call's array, and a plain Lock hung the test forever).
+        # thread (a GC pass in ``Pinning.__init__`` under ``_pinning``'s lock may free an earlier
+        # call's array: a plain Lock would deadlock).
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self.registered_bytes = 0

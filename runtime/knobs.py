@@ -1,6 +1,6 @@
 """Scheduling switches, for A/B measurements of the choices the engine makes.
 
-Defaults are the measured winners (``bench/results/NOTES.md``); the
+Defaults are the choices that won their A/B measurements; the
 environment variable ``BLASX_KNOBS`` (``"chain_kernels=0,late_c=1,commit_steps=64"``)
 changes them for an experiment without touching code.
 """
@@ -31,27 +31,23 @@ class Knobs:
     peer_wait_if_sooner: bool = True
     #: TRSM with the explicit inverses of A's diagonal blocks (``plans.plan_trsm(inverse=True)``):
     #: one inversion task per block (``tri_inverse.py`` on GPUs), shared by every device through
-    #: the tile cache, and each diagonal solve a triangular multiply by it (a cuBLAS DTRSM tile
-    #: runs at 21 TFLOPS on an H200, the multiply at 41). Used when a GPU or sim device is in the
+    #: the tile cache, and each diagonal solve a triangular multiply by it (cuBLAS runs a
+    #: triangular multiply about twice as fast as a solve). Used when a GPU or sim device is in the
     #: engine. Off: each diagonal tile is solved where it is, by cuBLAS trsm recursively blocked
     #: (``trsm_blocks.py``).
     trsm_inverse: bool = True
     #: TRSM's diagonal multiply by a block's inverse (``invmm``) writes into a fresh heap block,
-    #: which becomes the task's C tile, instead of into a scratch tile copied back over C (on an
-    #: H200 the copy is 0.166 of 1.433 ms for a 4096 double tile). Off: scratch and copy back.
+    #: which becomes the task's C tile, instead of into a scratch tile copied back over C (the
+    #: copy back is a tenth of the kernel's time). Off: scratch and copy back.
     #: Where C is the caller's device array itself, the copy stays.
     invmm_new_block: bool = True
     #: A horizon for what a GPU commits: it starts another task only while the kernels it has
     #: committed and not yet run add up to less than this many full tile steps (2 T^3 flops,
     #: 8 T^3 for complex types, T the call's tile), besides the cap of 2 x streams tasks in
     #: flight. 0 (default): the cap alone. A committed task cannot move to another GPU, so what
-    #: each GPU has committed when the queues run dry is the call's tail imbalance: on 2 H200s
-    #: the last tasks were committed ~150 ms ahead of their kernels and one GPU ended 10-35 ms
-    #: before the other. 64 is the cap's depth at N = 32768 with T = 4096, counted in flops and
-    #: independent of N. In the 2-GPU sim it helped with one GPU 6% slower (SYR2K 0.923 -> 0.965
-    #: of GEMM, TRMM 0.863 -> 0.891), was mixed with equal GPUs (SYRK +1.5%, TRSM -2%) and cost
-    #: 0.4-0.7% at N = 49152; on one H200 it changed nothing.
-    #: Not the default until two real GPUs say so (``bench/results/NOTES.md``, tenth session).
+    #: each GPU has committed when the queues run dry is the call's tail imbalance; 64 is the
+    #: cap's depth at N = 32768 with T = 4096, counted in flops and so independent of N. Off by
+    #: default: it helped only with unequal GPUs in the sim, and real GPUs have not confirmed it.
     commit_steps: int = 0
 
     @classmethod

@@ -1,10 +1,8 @@
 """Python's thread switch interval while calls run (an experiment switch, off by default).
 
 Every device worker is a Python thread, so a worker that wants to issue waits for the GIL
-until the thread holding it blocks or the switch interval (5 ms by default) runs out. At
-the start of a small call one worker issues its whole first round while the others wait:
-on 2 H200s the second GPU started 2.4 ms late at N=4096 (bench/results/
-small-call-timeline-h200x2-20261122/). A shorter interval while any call is in flight
+until the thread holding it blocks or the switch interval runs out. At the start of a small
+call one worker may issue its whole first round while the others wait. A shorter interval while any call is in flight
 bounds that wait. It is process-wide state, so it is set when the first concurrent call
 starts and put back when the last one ends (unless someone else changed it meanwhile).
 """

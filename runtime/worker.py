@@ -41,7 +41,7 @@ from collections import deque
 
 from .admission import NEVER_FOR_THE_CALL
 from .cache import Line
-from .devices.base import DeviceError
+from .devices.base import ArraySource, DeviceError, HostSource, PeerSource
 from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
 from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
 
@@ -607,14 +607,14 @@ class StreamWorker(Worker):
         nbytes = ref.rows * ref.cols * call.itemsize
         if peer_line is not None:
             peer = self.engine.devices[peer_line.device]
-            src = ("peer", peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
-                   peer_wait, (operand, ref))
+            src = PeerSource(peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
+                             peer_wait, operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         elif operand.device >= 0:
-            src = ("array", operand, ref, None, None)
+            src = ArraySource(operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         else:
-            src = ("host", operand, ref, None, None)
+            src = HostSource(operand, ref)
             kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
             self.h2d_issued += nbytes
         h = dev.begin_op(cs)

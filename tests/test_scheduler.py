@@ -550,6 +550,7 @@ def test_sim_waiting_for_a_peer_fill_does_not_hold_the_copy_engine():
     it would on GPUs (cudaStreamWaitEvent blocks the stream, not the copy engine)."""
     from types import SimpleNamespace
 
+    from blasx.runtime.devices.base import PeerSource
     from blasx.runtime.tiling import TileRef
 
     devs = [SimDevice(i, nstreams=2, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
@@ -562,11 +563,11 @@ def test_sim_waiting_for_a_peer_fill_does_not_hold_the_copy_engine():
     finished = False
     try:
         d1.streams[0].submit(lambda: gate.wait(10))  # stream 0 of dev1 is busy (a long kernel)
-        d1.copy_in(0, d1.arena_loc(0, 4, 4, f8), ("peer", d0, d0.arena_loc(0, 4, 4, f8), None, home), 4, 4, f8)
+        d1.copy_in(0, d1.arena_loc(0, 4, 4, f8), PeerSource(d0, d0.arena_loc(0, 4, 4, f8), None, *home), 4, 4, f8)
         e1 = d1.record(0)  # dev1's fill of line X
-        d0.copy_in(0, d0.arena_loc(256, 4, 4, f8), ("peer", d1, d1.arena_loc(0, 4, 4, f8), e1, home), 4, 4, f8)
+        d0.copy_in(0, d0.arena_loc(256, 4, 4, f8), PeerSource(d1, d1.arena_loc(0, 4, 4, f8), e1, *home), 4, 4, f8)
         e0 = d0.record(0)  # dev0's fill of line Y, from X in flight
-        d1.copy_in(1, d1.arena_loc(256, 4, 4, f8), ("peer", d0, d0.arena_loc(256, 4, 4, f8), e0, home), 4, 4, f8)
+        d1.copy_in(1, d1.arena_loc(256, 4, 4, f8), PeerSource(d0, d0.arena_loc(256, 4, 4, f8), e0, *home), 4, 4, f8)
         e2 = d1.record(1)  # dev1 copies Y in flight
         time.sleep(0.2)
         gate.set()

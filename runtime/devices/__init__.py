@@ -1,6 +1,8 @@
-"""Device backends: a base class with hooks and a registry (``cuda``, ``sim``, ``cpu``)."""
+"""Device backends: the contract (a stream protocol, a host protocol) and a registry (``cuda``, ``sim``, ``cpu``)."""
 
-from .base import Device, DeviceError, backend, register_backend
+from .base import (ArraySource, Device, DeviceError, HostDevice, HostSource, PeerSource, StreamDevice, backend,
+                   backends, register_backend)
 from . import cpu, sim  # noqa: F401 - register the always-available backends
 
-__all__ = ["Device", "DeviceError", "backend", "register_backend"]
+__all__ = ["ArraySource", "Device", "DeviceError", "HostDevice", "HostSource", "PeerSource", "StreamDevice",
+           "backend", "backends", "register_backend"]

@@ -10,7 +10,7 @@ In auto mode (``auto=True``: the worker takes tasks by the admission rule of
 ``runtime/admission.py``) the limit is set only once the worker runs a probe
 or a task (``engage``), and restored when the last call running then ends: a
 call in which the CPU takes nothing (the usual case beside fast GPUs) leaves
-the BLAS threads alone and pays nothing for threadpoolctl (~0.7 ms a call).
+the BLAS threads alone and pays nothing for threadpoolctl.
 ``probe`` times a small GEMM once per dtype: the admission rule's first
 estimate of this CPU's rate.
 """
@@ -23,18 +23,19 @@ import time
 
 import numpy as np
 
+from .. import dtypes
 from ..stats import OpRecord
-from .base import Device, register_backend
+from .base import HostDevice, register_backend
 from .numpy_kernels import KERNELS
 
-@register_backend
-class CpuDevice(Device):
-    kind = "cpu"
-    streamed = False
 
-    def __init__(self, index: int, *, nstreams: int = 1, cache_bytes: int = 0, name: str = "cpu",
-                 threads: int | None = None, trace: bool = True, auto: bool = False) -> None:
-        super().__init__(index, nstreams=1, cache_bytes=0, name=name)
+@register_backend
+class CpuDevice(HostDevice):
+    kind = "cpu"
+
+    def __init__(self, index: int, *, name: str = "cpu", threads: int | None = None, trace: bool = True,
+                 auto: bool = False) -> None:
+        super().__init__(index, name=name)
         self.threads = threads
         self.trace = trace
         self.auto = auto  # beside GPUs: takes tasks by the admission rule, not by demand
@@ -93,7 +94,7 @@ class CpuDevice(Device):
             t0 = time.perf_counter()
             np.matmul(a, b)
             best = min(best, time.perf_counter() - t0)
-        return (8.0 if dt.kind == "c" else 2.0) * n ** 3, best
+        return 2.0 * dtypes.BY_DTYPE[dt].flop_factor * n ** 3, best
 
     def finish_call(self, call) -> None:
         if self.threads is None:
@@ -126,31 +127,6 @@ class CpuDevice(Device):
         if self.trace:
             st.add_record(OpRecord(self.index, "host", t0, t1, stream=0, flops=task.flops, task=task.tid, name="task"))
 
-    # Stream-device hooks are not used by the CPU worker.
-    def arena_loc(self, offset, rows, cols, dtype):
-        raise NotImplementedError("the cpu device has no arena")
-
-    def copy_in(self, *a, **k):
-        raise NotImplementedError
-
-    def copy_out(self, *a, **k):
-        raise NotImplementedError
-
-    def run_step(self, *a, **k):
-        raise NotImplementedError
-
-    def record(self, s):
-        raise NotImplementedError
-
-    def wait(self, s, event):
-        raise NotImplementedError
-
-    def done(self, event):
-        return True
-
-    def sync(self, event):
-        pass
-
 
 def _tile(call, ref):
     if ref is None:
@@ -160,14 +136,10 @@ def _tile(call, ref):
 
 
 def _release_blas_control() -> None:
-    """Let the calling thread set OpenBLAS's (process-wide) thread count. threadpoolctl (3.8 here)
-    lets only the first thread that set it set it again, silently ignoring the others, until
-    that thread ends or clears it; the limit is set here by whichever thread starts a call or
-    (auto mode) by the CPU worker, and restored by the thread ending the last call. Measured
-    on a 2-core VM (2 sims at 1e9 flop/s, tile 128, N = 2048): after a cpu=True engine had
-    limited the threads from the main thread, an auto-mode worker's limit was ignored, its BLAS
-    ran 2 threads beside the sims' and one call took 12.8 s instead of 1.8-1.9 (90th percentile
-    of its task times 103 ms instead of 6-10)."""
+    """Let the calling thread set OpenBLAS's (process-wide) thread count. threadpoolctl lets only
+    the first thread that set it set it again, silently ignoring the others, until that thread
+    ends or clears it; here the limit is set by whichever thread starts a call or (auto mode) by
+    the CPU worker, and restored by the thread that ends the last call."""
     try:
         from threadpoolctl import OpenBLASController
     except ImportError:

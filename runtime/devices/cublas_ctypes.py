@@ -1,7 +1,7 @@
 """cuBLAS routines that CuPy's bindings lack, called through ctypes.
 
 CuPy 14's ``cupy_backends.cuda.libs.cublas`` has gemm, syrk and trsm but not
-symm, hemm, syr2k, her2k, herk or trmm (seen on the H200 machine). These are
+symm, hemm, syr2k, her2k, herk or trmm. These are
 taken from the very libcublas CuPy loaded (found in ``/proc/self/maps``), so a
 handle CuPy created is valid here. ctypes releases the GIL during the call.
 Argument types are declared per routine: pointers must not be truncated to C ints.

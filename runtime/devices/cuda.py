@@ -21,7 +21,8 @@ from ..stats import OpRecord
 from ..tasks import SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
-from .base import Device, DeviceError, register_backend
+from ..dtypes import prefix as blas_prefix
+from .base import DeviceError, PeerSource, StreamDevice, register_backend
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 EVENT_DISABLE_TIMING = 2
@@ -30,9 +31,6 @@ NOT_READY = 600  # cudaErrorNotReady
 RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
 DEFAULT_CACHE_FRACTION = 0.5
 
-
-_PREFIX = {np.dtype(np.float32): "s", np.dtype(np.float64): "d",
-           np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"}
 
 
 def _cublas():
@@ -43,7 +41,7 @@ def _cublas():
 def cublas_routine(name: str, dtype):
     """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm): CuPy's binding, else the
     same libcublas through ctypes."""
-    prefix = _PREFIX[np.dtype(dtype)]
+    prefix = blas_prefix(dtype)
     fn = getattr(_cublas(), prefix + name, None)
     if fn is None:
         from .cublas_ctypes import routine
@@ -57,7 +55,7 @@ def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
 
 
 @register_backend
-class CudaDevice(Device):
+class CudaDevice(StreamDevice):
     kind = "cuda"
     reads_device_arrays = True
     binds_thread = True
@@ -155,7 +153,7 @@ class CudaDevice(Device):
             runtime.eventDestroy(old)
 
     # ------------------------------------------------------------ topology and memory
-    def can_read_from(self, other: Device) -> bool:
+    def can_read_from(self, other: StreamDevice) -> bool:
         return isinstance(other, CudaDevice) and other.ordinal in self._peers
 
     def holds_array(self, operand) -> bool:
@@ -187,16 +185,16 @@ class CudaDevice(Device):
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
         from cupy.cuda import runtime
-        kind, obj, where, after, _home = src
         isz = np.dtype(dtype).itemsize
-        if kind == "peer":
-            if after is not None:  # the peer's fill is in flight: order our copy after it
-                runtime.streamWaitEvent(self.stream_ptrs[s], after)
-            runtime.memcpyPeerAsync(dst[0], self.ordinal, where[0], obj.ordinal, rows * cols * isz,
+        if type(src) is PeerSource:
+            if src.after is not None:  # the peer's fill is in flight: order our copy after it
+                runtime.streamWaitEvent(self.stream_ptrs[s], src.after)
+            runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, rows * cols * isz,
                                     self.stream_ptrs[s])
             return
-        ptr, ld = self.array_loc(obj, where)
-        self._copy_2d(s, "in", obj, dst[0], dst[1] * isz, ptr, ld * isz, rows, cols, isz)
+        # HostSource or ArraySource: a pitched copy from the operand's own memory
+        ptr, ld = self.array_loc(src.operand, src.ref)
+        self._copy_2d(s, "in", src.operand, dst[0], dst[1] * isz, ptr, ld * isz, rows, cols, isz)
 
     def copy_out(self, s, operand, ref, src, task=None):
         isz = operand.array.itemsize
@@ -297,8 +295,8 @@ class CudaDevice(Device):
                                           step.m, step.n, alpha, a[0], a[1], b[0], b[1], c[0], c[1])
 
     #: Largest triangle one cuBLAS trsm call solves; bigger diagonal tiles are split
-    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs (a 4096
-    #: DTRSM tile ran at 21 TFLOPS on an H200 against 60 for a DGEMM tile).
+    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs, which cuBLAS
+    #: runs about three times as fast as a large solve.
     TRSM_LEAF = 1024
 
     def _k_trsm(self, s, step, call, a, b, c) -> None:
@@ -340,8 +338,8 @@ class CudaDevice(Device):
     def _k_invmm(self, s, step, call, a, b, c, out=None) -> None:
         """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse, out of
         place: into ``out`` when the worker gives one (a fresh heap block), else into the stream's
-        scratch tile, then copied back. cuBLAS's in-place DTRMM ran at 29 TFLOPS on an H200; out of
-        place 54.1, 48.0 with the copy back (bench/results/tri-inverse-rate-*)."""
+        scratch tile, then copied back: cuBLAS's in-place TRMM runs at about half the speed of
+        its out-of-place form."""
         from cupy.cuda import runtime
         alpha, _ = self._ptrs(call, step, False, False)
         isz = call.itemsize

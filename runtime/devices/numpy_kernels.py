@@ -11,15 +11,30 @@ CUDA backend mirrors with cuBLAS (named in each docstring). Op codes 0 N, 1 T,
 diagonal not at all with ``diag`` = 1) is read, and only the triangle it
 writes (``uplo`` of ``c`` for the rank-k kernels) is written, so NaNs in the
 other parts neither leak in nor get overwritten.
+
+Floating-point warnings: gemm's product is numpy's matmul and warns as it does (NaN inputs are
+quiet; inf * 0 and overflow warn); all other arithmetic of the kernels runs under
+``np.errstate(all="ignore")``, as their BLAS routines report no floating-point exceptions.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from scipy.linalg import blas as _blas
 from scipy.linalg.lapack import get_lapack_funcs
 
 OPS = (lambda x: x, lambda x: x.T, lambda x: x.conj().T)  # indexed by op code N, T, C
+
+
+def _quiet(kernel):
+    """``kernel`` with numpy's floating-point warnings off (a BLAS routine signals none)."""
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return kernel(*args, **kwargs)
+    return run
 
 
 def _accumulate(c, prod, alpha, beta) -> None:
@@ -43,15 +58,19 @@ def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
     if beta == 0:  # straight into c: no temporary the size of C
         np.matmul(OPS[op_a](a), OPS[op_b](b), out=c)
         if alpha != 1:
-            c *= alpha
+            with np.errstate(all="ignore"):
+                c *= alpha
         return
-    _accumulate(c, OPS[op_a](a) @ OPS[op_b](b), alpha, beta)
+    prod = OPS[op_a](a) @ OPS[op_b](b)
+    with np.errstate(all="ignore"):
+        _accumulate(c, prod, alpha, beta)
 
 
 def scale(step, scalars, a, b, c) -> None:
     scale_views(c, scalars[step.beta])
 
 
+@_quiet
 def scale_views(c, beta) -> None:
     """c = beta c in place; beta 0: c is not read (NaNs do not survive)."""
     if beta == 0:
@@ -60,6 +79,7 @@ def scale_views(c, beta) -> None:
         c *= beta
 
 
+@_quiet
 def axpby(step, scalars, a, b, c) -> None:
     """c += beta * b: folds the old C tile (b) into a product computed with beta = 0."""
     c += scalars[step.beta] * b
@@ -104,12 +124,14 @@ def _rank_update(step, c, prod, beta) -> None:
     _tri_update(c, prod, beta, step.uplo)
 
 
+@_quiet
 def syrk(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(a)^T + beta c on the uplo triangle; op_a in {N, T}; n = step.n, k = step.k.
     k == 0 (a is None): c_tri = beta c_tri. (cublasXsyrk(uplo, trans=op_a, n, k, alpha, a, lda, beta, c, ldc))"""
     _rank_update(step, c, _rank_product(step, a, None, scalars[step.alpha], 0, False), scalars[step.beta])
 
 
+@_quiet
 def herk(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(a)^H + beta c on the uplo triangle, op_a in {N, C}, alpha and beta
     real (the real parts of the scalars); the diagonal's imaginary part is set to 0.
@@ -119,6 +141,7 @@ def herk(step, scalars, a, b, c) -> None:
     _zero_diag_imag(c)
 
 
+@_quiet
 def syr2k(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(b)^T + alpha op(b) op(a)^T + beta c on the uplo triangle, op_a in {N, T}
     (for both a and b). k == 0: c_tri = beta c_tri.
@@ -127,6 +150,7 @@ def syr2k(step, scalars, a, b, c) -> None:
     _rank_update(step, c, _rank_product(step, a, b, alpha, alpha, False), scalars[step.beta])
 
 
+@_quiet
 def her2k(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(b)^H + conj(alpha) op(b) op(a)^H + beta c on the uplo triangle, op_a in
     {N, C}, beta real; the diagonal's imaginary part is set to 0. k == 0: c_tri = beta c_tri.
@@ -154,6 +178,7 @@ def _symm(step, scalars, a, b, c, hermitian: bool) -> None:
     _accumulate(c, s @ b if step.side == 0 else b @ s, scalars[step.alpha], scalars[step.beta])
 
 
+@_quiet
 def symm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha S b + beta c; side 1: c = alpha b S + beta c; S symmetric, defined by the
     uplo triangle of the square a; m = step.m, n = step.n are c's dims.
@@ -161,6 +186,7 @@ def symm(step, scalars, a, b, c) -> None:
     _symm(step, scalars, a, b, c, False)
 
 
+@_quiet
 def hemm(step, scalars, a, b, c) -> None:
     """As ``symm`` with S Hermitian (the imaginary part of a's diagonal is not read). (cublasXhemm)"""
     _symm(step, scalars, a, b, c, True)
@@ -185,6 +211,7 @@ def _tri_product(step, scalars, a, x):
     return prod
 
 
+@_quiet
 def trmm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T) b; side 1: c = alpha b op(T); T the uplo triangle of a (unit
     diagonal if diag). Overwrites c: no beta, c not read.
@@ -195,6 +222,7 @@ def trmm(step, scalars, a, b, c) -> None:
 _TRSM = {}
 
 
+@_quiet
 def trsm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T)^-1 c; side 1: c = alpha c op(T)^-1, in place; T the uplo triangle
     of a (unit diagonal if diag); b is not used. No singularity check (BLAS semantics).
@@ -208,6 +236,7 @@ def trsm(step, scalars, a, b, c) -> None:
         c[...] = res
 
 
+@_quiet
 def invmm(step, scalars, a, b, c, out=None) -> None:
     """side 0: c = alpha op(T) c; side 1: c = alpha c op(T), in place, or into ``out`` (c then
     only read); T the uplo triangle of a (unit diagonal if diag), here a diagonal block's inverse
@@ -219,6 +248,7 @@ def invmm(step, scalars, a, b, c, out=None) -> None:
 _TRTRI = {}
 
 
+@_quiet
 def trtri(step, scalars, a, b, c) -> None:
     """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
     written, if diag); the other triangle is left as it is. a and b are not used. No

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..stats import OpRecord
-from .base import Device, DeviceError, register_backend
+from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
 from .numpy_kernels import KERNELS
 
 
@@ -185,7 +185,7 @@ class _Stream:
 
 
 @register_backend
-class SimDevice(Device):
+class SimDevice(StreamDevice):
     kind = "sim"
 
     def __init__(self, index: int, *, nstreams: int, cache_bytes: int, name: str,
@@ -226,7 +226,7 @@ class SimDevice(Device):
         self.arena = None
 
     # -- topology --
-    def can_read_from(self, other: Device) -> bool:
+    def can_read_from(self, other: StreamDevice) -> bool:
         return self.peers and isinstance(other, SimDevice) and other.peers
 
     # -- memory --
@@ -264,14 +264,14 @@ class SimDevice(Device):
         self.streams[s].submit(op)
 
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
-        kind, obj, where, after, home = src
-        if kind == "host":
-            view = None if self.timing else _host_tile(obj, where)
+        after = None
+        if type(src) is HostSource:
+            view = None if self.timing else _host_tile(src.operand, src.ref)
             engine, rec_kind = "h2d", "h2d"
-        elif kind == "peer":
-            view, engine, rec_kind = where, "p2p", "p2p"
+        elif type(src) is PeerSource:
+            view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
         else:
-            raise DeviceError(f"sim devices cannot read {kind!r} sources")
+            raise DeviceError(f"{self.name}: sim devices cannot read a {type(src).__name__}")
         nbytes = dst.nbytes
         peer_ok = [True]
         if after is not None:
@@ -287,7 +287,7 @@ class SimDevice(Device):
                 # The peer broke before its fill completed: read the tile's home instead,
                 # so one device's failure never corrupts or stalls another.
                 if not timing:
-                    dst[...] = _host_tile(*home)
+                    dst[...] = _host_tile(src.operand, src.ref)
                 self.bytes_in += nbytes
                 return
             if not timing:
@@ -322,7 +322,9 @@ class SimDevice(Device):
         elif self.timing:
             work = None  # the cost model's time only
         else:
-            kern = KERNELS[step.kernel]
+            kern = KERNELS.get(step.kernel)
+            if kern is None:
+                raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
             extra = {} if out is None else {"out": out}
 
             def work():

@@ -62,10 +62,10 @@ Scheduling flags:
 * TRSM with ``inverse``: one more task per diagonal block inverts A's
   triangle (``trtri``, from A's tile into V's, kept cached) and each diagonal
   solve becomes a triangular multiply by that inverse (``invmm``), gated on
-  it. A cuBLAS DTRSM tile ran at 21 TFLOPS on an H200, the multiply at 41
-  (out of place + copy back) and an inversion costs ~1.5 of them; the inverse
-  is made once for the call (not once per device) and read by the other
-  devices over the peer link (L2). Each inversion is listed two levels ahead
+  it. cuBLAS runs the multiply about twice as fast as the solve, and an
+  inversion costs about one and a half multiplies; the inverse is made once
+  for the call (not once per device) and read by the other devices over the
+  peer link (L2). Each inversion is listed two levels ahead
   of the tiles that use it, so it runs while earlier levels are solved; the
   first level keeps trsm steps (waiting for an inversion would idle it).
 """

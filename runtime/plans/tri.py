@@ -29,17 +29,12 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
 
 #: Order families of in-place TRMM tasks (:func:`trmm_order`); ``lines``, ``wave``, ``work`` and
 #: ``bands`` take a number. Only ``auto`` (the default), ``levels``, ``wave`` and ``blocks`` are meant
-#: for use; the others are kept so that ``bench/level3_sim.py`` can reproduce the comparison in NOTES.md.
+#: for use; the others are kept so that ``bench/level3_sim.py`` can compare the orders.
 TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands", "blocks")
 #: ``auto`` lists level by level when the grid has at most this many tiles, else in blocks of 2 x 2
-#: (on 2x H200 at N = 32768, 8 x 8 tiles, with the gemm steps rotated per device: 0.896-0.903 of
-#: GEMM in 3 runs, the wave 0.866-0.880; NOTES.md, sixth session). Before blocks, the wave: in the
-#: 2-GPU timing sim (bench/results/NOTES.md, fourth session) the wave won from 5 x 5 tiles up
-#: (+7% at 5 x 5 and 6 x 6, +5% at 8 x 8, +1% at 12 x 12) but lost 12% at 4 x 4 (N = 16384, T =
-#: 4096), where the whole call is held at once (2 devices x (station 4 + streams 4)) and the order
-#: only decides which device gets which tasks: level by level, one device takes level 0 and the
-#: other level 1, and they share B's tiles. The rule follows the 2-GPU case; it costs 5% at 3 x 3,
-#: and 4 GPUs would prefer the wave at 4 x 4 too (+8%).
+#: (blocks beat the wave on large grids). On small grids the devices hold the whole call at once and
+#: the order only decides which device gets which tasks: level by level, one device takes level 0
+#: and the other level 1, and they share B's tiles. The threshold follows the 2-GPU case.
 AUTO_LEVELS_MAX_TILES = 16
 
 
