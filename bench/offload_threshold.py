@@ -221,7 +221,7 @@ def blas_thread_limits(threads: int | None):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.offload_threshold", description=__doc__,
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", default=None, help="blasx devices spec (default: blasx's default: all GPUs, else cpu)")
     p.add_argument("--tile", type=int, default=None, help="blasx tile size (default: chosen per call)")
