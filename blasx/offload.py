@@ -78,9 +78,9 @@ ENV_THRESHOLD = "BLASX_OFFLOAD_THRESHOLD"
 
 #: Why ``@`` cannot be redirected where the extension is missing, and what to do.
 NO_EXTENSION = ("blasx.offload: redirecting `a @ b` / np.matmul needs the C extension blasx._matmul_loops, which "
-                "this installation lacks (blasx was installed without a C compiler). Install blasx from source "
-                "with a C compiler and Python's headers (`pip install --force-reinstall --no-binary blasx blasx`, "
-                "or `pip install .` in a checkout), or pass matmul=False to redirect only np.dot and "
+                "this installation lacks (blasx was installed without a C compiler). Reinstall blasx from source "
+                "where a C compiler and Python's headers are available (`pip install .` in a checkout; the build "
+                "prints why the extension failed), or pass matmul=False to redirect only np.dot and "
                 "scipy.linalg.blas")
 
 __all__ = ["offload", "offload_enable", "offload_disable", "offload_threshold", "offload_active",
