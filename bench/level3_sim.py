@@ -57,7 +57,7 @@ import time
 import numpy as np
 
 from blasx import operands as _operands
-from blasx.level3 import block_shape
+from blasx.dispatch import block_shape
 from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_krate
 from blasx.runtime.knobs import Knobs

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blasx import operands as _operands
-from blasx.level3 import block_shape
+from blasx.dispatch import block_shape
 from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_devices
 from blasx.runtime.devices import cuda as _cuda_backend  # heap-sizing constants only (imports no CuPy)

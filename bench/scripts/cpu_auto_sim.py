@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from blasx import operands as _operands
-from blasx.level3 import block_shape
+from blasx.dispatch import block_shape
 from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_devices
 from blasx.runtime.devices.cpu import CpuDevice, default_threads
