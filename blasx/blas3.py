@@ -34,7 +34,8 @@ import numbers
 import numpy as np
 
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
-from .dispatch import array_module, as_operand, blas_routine, run, written
+from . import dispatch
+from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
 from .runtime import dtypes
 from .runtime.plans import inverse_shape, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm
@@ -182,11 +183,11 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     vb = _f_view(b, xp, dtype)
     is_complex = dtype.kind == "c"
     routine = "hemm" if hermitian else "symm"
-    run(name, [va, vb, out],
+    dispatch.run(name, [va, vb, out],
         lambda tile, block: plan_symm(m, n, tile, side, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
                                       beta_zero=(beta == 0), is_complex=is_complex, block=block),
         dtype, alpha, beta, (m, n, s_dim),
-        host=lambda: written(out, blas_routine(routine, dtype)(alpha, va, vb, beta, out, side, lower, 1)),
+        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, va, vb, beta, out, side, lower, 1)),
         flops=2.0 * m * n * s_dim if alpha != 0 else float(m * n))
     return out
 
@@ -269,13 +270,13 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     views.append(out)
     planner = plan_syr2k if two else plan_syrk
     is_complex = dtype.kind == "c"
-    f = blas_routine(routine, dtype)
     flops = (2.0 if two else 1.0) * n * (n + 1.0) * k if alpha != 0 else 0.0
-    run(name, views,
+    dispatch.run(name, views,
         lambda tile, block: planner(n, k, tile, op, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
                                     beta_zero=(beta == 0), is_complex=is_complex, block=block),
         dtype, alpha, beta, (n, n, k),
-        host=lambda: written(out, f(alpha, *views[:-1], beta, out, op, lower, 1)), flops=flops)
+        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, *views[:-1], beta, out, op, lower, 1)),
+        flops=flops)
     return out
 
 
@@ -365,9 +366,9 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     def host():
         if vb is not out:
             out[...] = vb
-        written(out, blas_routine("trsm" if solve else "trmm", dtype)(alpha, va, out, side, lower_v, op, diag, 1))
+        written(out, dispatch.blas_routine("trsm" if solve else "trmm", dtype)(alpha, va, out, side, lower_v, op, diag, 1))
 
-    run(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), host=host,
+    dispatch.run(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), host=host,
         flops=1.0 * m * n * s_dim if alpha != 0 else float(m * n), scratch=inverses)
     return out
 

@@ -53,14 +53,14 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name):
     if ka != kb:
         raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
                          f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
-    if c is not None:
-        if c.shape != (m, n):
-            raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
+    if c is not None and c.shape != (m, n):
+        raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
+    if c is None:
+        beta = 0
+    elif _in_place(c, dtype, overwrite_c):
         for x_name, x in (("a", a), ("b", b)):
             if shares_memory(c, x):
-                raise ValueError(f"c: shares memory with {x_name}; the output must not alias an input")
-    else:
-        beta = 0
+                raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
     xp = dispatch.array_module(on_gpu)
     out = _output(c, dtype, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
     dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
@@ -68,10 +68,15 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name):
     return out
 
 
+def _in_place(c, dtype, overwrite_c) -> bool:
+    """blasx.gemm writes into c itself when asked to and c is writable, of ``dtype`` (any layout)."""
+    return bool(overwrite_c) and c.dtype == dtype and writable(c)
+
+
 def _output(c, dtype, shape, overwrite_c, beta, xp, like):
     """Where the result goes: c itself (overwrite_c, c writable and of ``dtype``), else a new
     F-ordered array (holding c's values when beta != 0)."""
-    if c is not None and overwrite_c and c.dtype == dtype and writable(c):
+    if c is not None and _in_place(c, dtype, overwrite_c):
         return c
     if like is not None:
         with like.device:

@@ -122,6 +122,8 @@ def _scalar(name: str, value, dtype: np.dtype, real: bool):
     """alpha / beta as f2py converts them: a number (or a one-element array) of the routine's type."""
     if type(value) is float:  # the common case, without the abc checks
         return complex(value) if dtype.kind == "c" and not real else value
+    if isinstance(value, (list, tuple)):  # f2py takes a one-element sequence too
+        value = np.asarray(value)
     if isinstance(value, np.ndarray) or is_cupy(value):
         if value.size != 1:
             raise ValueError(f"{name}: got an array of shape {tuple(value.shape)}; expected a number "
