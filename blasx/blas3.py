@@ -46,6 +46,8 @@ from .runtime.tiling import OP_C, OP_N, OP_T
 
 def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
     """A 0/1 flag (bools allowed): side, lower, diag."""
+    if type(value) is int and (value == 0 or value == 1):  # the common case, without the abc checks
+        return value
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):

@@ -82,9 +82,12 @@ def writable(x) -> bool:
     return getattr(x.flags, "writeable", True)
 
 
-def same_place(**arrays) -> bool:
-    """True if all given arrays are CuPy arrays, False if all are numpy; mixed is an error."""
-    kinds = {name: is_cupy(x) for name, x in arrays.items() if x is not None}
+def same_place(a=None, b=None, c=None) -> bool:
+    """True if the given arrays (None: not given) are all CuPy arrays, False if all are numpy;
+    mixed is an error."""
+    if type(a) is np.ndarray and (b is None or type(b) is np.ndarray) and (c is None or type(c) is np.ndarray):
+        return False
+    kinds = {name: is_cupy(x) for name, x in (("a", a), ("b", b), ("c", c)) if x is not None}
     if len(set(kinds.values())) > 1:
         where = ", ".join(f"{n}={'cupy' if v else 'numpy'}" for n, v in kinds.items())
         raise TypeError(f"operands: got {where}; pass all numpy arrays (host) or all cupy arrays (GPU)")

@@ -81,8 +81,12 @@ def matmul(x1, x2, /, out=None, **kwargs):
     dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
     returns a numpy scalar, as np.matmul does.
     """
-    _check_out(out)
-    plan = _matmul_plan(x1, x2, out, kwargs)
+    if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray and x1.dtype == x2.dtype
+            and x1.dtype in dtypes.BY_DTYPE and x1.ndim and x2.ndim):
+        plan = (x1, x2, None, x1.dtype, "same_kind", np)  # the common call: what _matmul_plan would find
+    else:
+        _check_out(out)
+        plan = _matmul_plan(x1, x2, out, kwargs)
     if plan is None:
         return _fallback_matmul(x1, x2, out, kwargs)
     a, b, out, ct, casting, xp = plan

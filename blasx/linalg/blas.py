@@ -93,8 +93,8 @@ def signature_of(routine: str) -> inspect.Signature:
 
 def _fast_binder(sig: inspect.Signature):
     """``(args, kwargs) -> {name: value}`` for a signature of positional-or-keyword parameters,
-    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError).
-    ``inspect.Signature.bind`` costs ~10 us a call, half of a small GEMM."""
+    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError);
+    a plain dict merge, where ``inspect.Signature.bind`` would cost more than a small call."""
     names = tuple(sig.parameters)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
     required = [n for n in names if n not in defaults]
@@ -120,8 +120,8 @@ def _fast_binder(sig: inspect.Signature):
 
 def _scalar(name: str, value, dtype: np.dtype, real: bool):
     """alpha / beta as f2py converts them: a number (or a one-element array) of the routine's type."""
-    if type(value) is float:  # the common case, without the abc checks
-        return complex(value) if dtype.kind == "c" and not real else value
+    if type(value) is float or type(value) is int:  # the common cases, without the abc checks
+        return complex(value) if dtype.kind == "c" and not real else float(value)
     if isinstance(value, (list, tuple)):  # f2py takes a one-element sequence too
         value = np.asarray(value)
     if isinstance(value, np.ndarray) or is_cupy(value):
@@ -161,6 +161,8 @@ def _flag(name: str, value) -> int:
 def _array(name: str, x, dtype: np.dtype):
     """An array argument as f2py takes it, not yet converted to ``dtype`` (the routine converts
     it once the call is valid; no copy of an array of numbers)."""
+    if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without the checks below
+        return x
     if not is_cupy(x):
         try:
             x = np.asarray(x)
