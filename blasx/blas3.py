@@ -400,17 +400,23 @@ def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
 
 # ---------------------------------------------------------------- prefixed names (s/d/c/z)
 
+_ALL = dtypes.PREFIXES
+_COMPLEX = "".join(t.prefix for t in dtypes.TYPES if t.is_complex)  # the Hermitian routines'
+
 #: routine -> (generic function, its implementation, keyword arguments of the implementation, prefixes)
 _TABLE = {
-    "symm": (symm, _symm, {"hermitian": False}, "sdcz"),
-    "hemm": (hemm, _symm, {"hermitian": True}, "cz"),
-    "syrk": (syrk, _rank, {"hermitian": False, "two": False}, "sdcz"),
-    "herk": (herk, _rank, {"hermitian": True, "two": False}, "cz"),
-    "syr2k": (syr2k, _rank, {"hermitian": False, "two": True}, "sdcz"),
-    "her2k": (her2k, _rank, {"hermitian": True, "two": True}, "cz"),
-    "trmm": (trmm, _tri, {"solve": False}, "sdcz"),
-    "trsm": (trsm, _tri, {"solve": True}, "sdcz"),
+    "symm": (symm, _symm, {"hermitian": False}, _ALL),
+    "hemm": (hemm, _symm, {"hermitian": True}, _COMPLEX),
+    "syrk": (syrk, _rank, {"hermitian": False, "two": False}, _ALL),
+    "herk": (herk, _rank, {"hermitian": True, "two": False}, _COMPLEX),
+    "syr2k": (syr2k, _rank, {"hermitian": False, "two": True}, _ALL),
+    "her2k": (her2k, _rank, {"hermitian": True, "two": True}, _COMPLEX),
+    "trmm": (trmm, _tri, {"solve": False}, _ALL),
+    "trsm": (trsm, _tri, {"solve": True}, _ALL),
 }
+
+#: routine -> the prefixes it has (scipy's set)
+ROUTINE_PREFIXES = {r: prefixes for r, (*_, prefixes) in _TABLE.items()}
 
 
 def _prefixed(prefix: str, routine: str):

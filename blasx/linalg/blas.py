@@ -60,8 +60,7 @@ from ..runtime import dtypes
 MODULE_NAME = "blasx"
 
 #: routine -> the prefixes scipy.linalg.blas has for it
-LEVEL3 = {"gemm": "sdcz", "symm": "sdcz", "hemm": "cz", "syrk": "sdcz", "herk": "cz",
-          "syr2k": "sdcz", "her2k": "cz", "trmm": "sdcz", "trsm": "sdcz"}
+LEVEL3 = {"gemm": dtypes.PREFIXES, **blas3.ROUTINE_PREFIXES}
 
 # scipy's parameter order per routine family: (name, default or REQUIRED)
 REQUIRED = inspect.Parameter.empty
