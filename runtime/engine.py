@@ -135,7 +135,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from .admission import Admission
-from .call import Call
+from . import faults
+from .call import Call, CallCancelled
 from .coherence import Directory
 from .devices.base import DeviceError
 from .knobs import Knobs
@@ -143,6 +144,10 @@ from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
 from .worker import CpuWorker, StreamWorker
+
+
+WAIT_POLL = 0.1  # seconds between a waiting caller's checks that its call can still run
+SWEEP_POLL = 0.05  # seconds between a cancelling caller's sweeps for tasks nobody holds
 
 
 def _reads_own_tile(task) -> bool:
@@ -228,12 +233,19 @@ class Engine:
             name, exc = errors[0]
             raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
 
-    def shutdown(self) -> None:
+    def shutdown(self, cancel: bool = False) -> None:
+        """Stop the workers once the queued work is done; with ``cancel`` (interpreter exit), fail
+        the calls in flight first, so only the tasks already on devices run to their end."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             started = self._started
+        if cancel and started and not self.inline:
+            for call in list(self._calls):
+                if not call.done:
+                    call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
+                    self._take_back(call)
         if started and self.inline:
             self.devices[0].close()
         elif started:
@@ -275,7 +287,10 @@ class Engine:
 
     # ------------------------------------------------------------ calls
     def submit(self, call: Call) -> None:
-        """Run ``call`` to completion on the workers; raise its error, if any."""
+        """Run ``call`` to completion on the workers; raise its error, if any.
+
+        An exception in this thread while the call runs (KeyboardInterrupt, an async exception)
+        cancels it (``_cancel``) and is re-raised once no device works for the call any more."""
         self.start()
         if self._retired:
             self._drain_retired()
@@ -293,17 +308,25 @@ class Engine:
                 self._run_inline(call)
             else:
                 with self._switching:
-                    self._enqueue(call)
-                    while not call.wait(0.5):
-                        if not self._runnable(call):
-                            self._fail_unrunnable()
+                    try:
+                        faults.at("submit")
+                        self._enqueue(call)
+                        while not call.wait(WAIT_POLL):
+                            if not self._runnable(call):
+                                self._fail_unrunnable()
+                    except BaseException as exc:
+                        self._cancel(call, exc)
+                        raise
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again
                     self.retire_base(op.token[0])
-        if call.error is not None:
-            err = call.error
+        err = call.error
+        if err is None:
+            return
+        if isinstance(err, DeviceError):
             raise DeviceError(f"{call.name} failed: {err}") from err
+        raise err  # an error of the call itself (a host-side write, a full tile cache): its own type
 
     def _enqueue(self, call: Call) -> None:
         """Queue ``call``'s tasks, unless shutdown has begun: the workers stop at its sentinels,
@@ -335,6 +358,7 @@ class Engine:
                 task.worker = dev.index
                 call.started(task)
                 try:
+                    faults.at("cpu", dev, task)
                     dev.run_task(task)
                 except BaseException:
                     call.account(task)
@@ -342,9 +366,63 @@ class Engine:
                 call.account(task, dev.index)
         except BaseException as exc:  # noqa: BLE001 - raised to the caller by submit, as from a worker
             exc.blasx_traceback = traceback.format_exc()
-            call.fail(exc)
+            call.fail(exc if isinstance(exc, Exception) else CallCancelled(f"{call.name}: {exc!r}"))
             for task in tasks:
                 call.account(task)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like reach the caller as they are
+
+    def _cancel(self, call: Call, exc: BaseException) -> None:
+        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it so no worker starts
+        another of its tasks, take its queued and stationed tasks back, and wait until the tasks
+        already on devices end (each stops at its next step, invariant 1). A task that nobody
+        holds in two sweeps in a row (the interrupt came before it was queued) is accounted here.
+        In the main thread, a second Ctrl-C meanwhile is ignored: the first one is re-raised."""
+        call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} in its calling thread"))
+        self._poke()
+        restore = _defer_sigint()
+        try:
+            lost: set = set()
+            while True:
+                self._take_back(call)
+                if call.wait(SWEEP_POLL):
+                    return
+                held = self._held_tids(call)
+                now = {t.tid for t in call.unaccounted() if t.tid not in held}
+                for t in call.tasks:
+                    if t.tid in now and t.tid in lost:
+                        call.account(t)
+                lost = now
+        finally:
+            restore()
+
+    def _take_back(self, call: Call) -> None:
+        """Account the tasks of ``call`` (failed) that sit in a queue or a station."""
+        mine = lambda t: t is not self.SENTINEL and t.call is call  # noqa: E731
+        for q in self.queues.values():
+            for t in q.remove_if(mine):
+                call.account(t)
+        for st in self.stations:
+            for t in st.remove_if(mine):
+                call.account(t)
+
+    def _held_tids(self, call: Call) -> set:
+        """Tids of ``call``'s tasks that some worker holds (station, stream, pending event, CPU)."""
+        held: set = set()
+        for w in self.workers:
+            held.update(t.tid for t in w.held_snapshot() if t.call is call)
+        return held
+
+    @property
+    def dead(self) -> bool:
+        """Started, and no worker is alive (every device failed): ``blasx.reset()`` or the next
+        call (``blasx.session.engine``) replaces the engine."""
+        return self._started and not self.inline and not any(w.alive for w in self.workers)
+
+    def leaks(self) -> list[str]:
+        """What an idle engine should not hold (tests and the soak; run with no call in flight)."""
+        from .audit import leaks
+        return leaks(self)
 
     def retire_base(self, base: int) -> None:
         """Tiles of token base ``base`` may never be read again (a read-only array died).
@@ -373,7 +451,8 @@ class Engine:
         live = [w.dev.name for w in self.workers if w.alive]
         if not live:
             dead = "; ".join(f"{n}: {e!r}" for n, e in self.failures) or "none started"
-            return f"no live device left to run {call.name} (failures: {dead})"
+            return (f"no live device left to run {call.name} (failures: {dead}); blasx.reset(), or the "
+                    f"next call, starts the devices again")
         return f"{call.name} has CuPy operands but no live CUDA device can run it (live devices: {live})"
 
     # ------------------------------------------------------------ failures
@@ -440,3 +519,16 @@ class Engine:
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):
                     t.call.account(t)
+
+
+def _defer_sigint():
+    """In the main thread, hold SIGINT (Ctrl-C) back until the returned function is called: the
+    caller is already cleaning up after one. Elsewhere (or with no Python handler) a no-op."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.getsignal(signal.SIGINT)
+    if old is None:
+        return lambda: None
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    return lambda: signal.signal(signal.SIGINT, old)

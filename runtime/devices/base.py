@@ -76,6 +76,16 @@ class Device(ABC):
         """Bytes of the tile-cache heap (known once opened)."""
         return self.heap.capacity if self.heap is not None else self.cache_bytes
 
+    def cache_limit(self) -> int | None:
+        """Bytes the tile cache may hold now, below its capacity when other allocations took
+        device memory since it opened (None: all of it)."""
+        return None
+
+    def is_device_error(self, exc: BaseException) -> bool:
+        """``exc``, raised by one of this device's hooks, means the device is broken (besides
+        ``DeviceError``, which always does); anything else fails only the call it came from."""
+        return False
+
     # -- per call, on the calling thread --
     def prepare_call(self, call: Any) -> None:
         """Get ready for a call before its tasks are queued (pin host memory, limit threads)."""
