@@ -305,6 +305,7 @@ class StreamWorker(Worker):
         self.h2d_done = 0
         self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
         self.peer_wait_if_sooner = knobs.peer_wait_if_sooner
+        self._work: _StepWork | None = None  # what the step being issued holds (issue)
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -482,7 +483,7 @@ class StreamWorker(Worker):
         waits at a gate. An error of the call (not of the device) fails the call and ends the
         task here (``_drop_task``)."""
         act = self.slots[s]
-        work = _StepWork()
+        work = self._work = _StepWork()
         try:
             return self._issue(s, act, work)
         except Exception as exc:  # noqa: BLE001 - a device error goes on to fail(); a call error stops here
@@ -815,9 +816,10 @@ class StreamWorker(Worker):
             if any(self.pending):
                 self.wait_oldest()
                 continue
+            own = self._work.release if self._work is not None else ()  # this step's own readers
             with directory.lock:
-                peer_readers = sum(line.readers for line in self.alru)
-            if peer_readers and spins < 200_000:
+                peer_readers = sum(line.readers for line in self.alru) - sum(1 for line in own if line.device == self.idx)
+            if peer_readers > 0 and spins < 200_000:
                 spins += 1
                 time.sleep(0.0002)  # peers are copying from our lines; they release at their events
                 continue
