@@ -485,12 +485,14 @@ class StreamWorker(Worker):
         act = self.slots[s]
         work = self._work = _StepWork()
         try:
-            return self._issue(s, act, work)
+            progressed = self._issue(s, act, work)
         except Exception as exc:  # noqa: BLE001 - a device error goes on to fail(); a call error stops here
             if self.device_error(exc):
-                raise
+                raise  # self._work stays: held_tasks unpins the peer lines it read
             self._drop_task(s, act, work, exc)
-            return True
+            progressed = True
+        self._work = None
+        return progressed
 
     def _drop_task(self, s: int, act: _Active, work: "_StepWork", exc: BaseException) -> None:
         """End the task on stream ``s`` after an error of its call: the call fails (so its other
@@ -838,6 +840,9 @@ class StreamWorker(Worker):
                 out.append((act.task, False))
                 self.slots[s] = None
         peer_reads = []
+        if self._work is not None:  # the step being issued when the device broke
+            peer_reads += [line for _lines, peers in self._work.fills.values() for line in peers]
+            self._work = None
         for dq in self.pending:
             for p in dq:
                 if p.finished:
