@@ -51,8 +51,8 @@ Policy
   finished tasks, the CPU's seeded by a probe); never a task of a call with
   dependencies or of a call the GPUs can hold at once. When the CPU is the
   only device, a call's tasks run in the calling thread instead
-  (``Engine.inline``): the hand-off to a worker thread and back cost
-  ~0.4 ms a call, 20x numpy's time at N=64.
+  (``Engine.inline``): a hand-off to a worker thread and back would cost
+  more than a small call itself.
 
 Invariants
 ----------
@@ -73,8 +73,9 @@ Invariants
    order and cannot form a cycle. If the peer breaks before its fill
    completes, the sim copies from the tile's home instead, so one device's
    failure neither stalls nor corrupts another.
-5. No exception escapes a worker: it is attached to the calls whose tasks
-   the worker held. Those tasks are handed to live workers, unless their
+5. No exception escapes a worker. An error of one call fails that call
+   (below); any other is the device's: it is attached to the calls whose
+   tasks the worker held. Those tasks are handed to live workers, unless their
    write-back was in flight and the task reads its own tile (``beta != 0``,
    or an in-place TRMM), or a write-after-read gate already let a tile it
    read be overwritten (``Call.recompute_safe``: in-place TRMM overwrites a
@@ -88,6 +89,57 @@ Invariants
    same lock in the same thread. The locks finalizers take are re-entrant
    (host registrations, read-only tokens), and ``retire_base`` only tries the
    directory lock, leaving a base it cannot retire now in ``_retired``.
+
+Failure model
+-------------
+* **Bad input**: the front end raises in the caller before a Call exists;
+  nothing is queued and no device is touched.
+* **Interrupt**: KeyboardInterrupt, or any exception raised in the caller's
+  thread while its call is planned, registered, queued or waited for,
+  cancels the call (``_cancel``): the call is failed, so no worker starts
+  another of its tasks; its queued and stationed tasks are taken back;
+  tasks on devices stop at their next step (the sim also skips the queued
+  kernels and write-backs of a failed call); tasks nobody holds are swept
+  up. The interrupt is re-raised only then (invariant 1; in the main thread
+  a second Ctrl-C meanwhile is ignored). Lines and buffers are released at
+  their events as always; the call's per-call tokens are retired, so its
+  tiles leave the directory, and a line is marked ready only when its fill
+  is complete, so no later call reads a half-filled line. Other calls go on;
+  no device is marked dead; the next call works.
+* **The caller's arrays** after an interrupted or failed call: inputs are
+  never written. A call that returns a new array (every routine without
+  ``overwrite_c``/``overwrite_b``, ``matmul``/``dot`` without ``out=``)
+  leaves all of them untouched. A call that writes into the caller's array
+  (``overwrite_c`` of gemm, symm, hemm, syrk, herk, syr2k, her2k with a
+  usable ``c``; ``overwrite_b`` of trmm and trsm; ``out=``) may leave that
+  output partly written (some tiles new, others old), nothing else.
+* **An error of one call** (the host refuses a write-back, e.g. a read-only
+  output; the tile cache cannot hold a block a task needs, ``CacheFull``;
+  any exception that is not a device error, ``Worker.device_error``) fails
+  that call with its own error; its tasks stop as on an interrupt, and the
+  device goes on.
+* **A device error** (``DeviceError``, a broken stream, a CUDA or cuBLAS
+  error other than out-of-memory), or a worker thread dying for any other
+  reason: that worker stops (invariant 5); its lines are dropped and the
+  peer lines it was reading unpinned; its tasks go to live workers or fail
+  their calls. Callers never hang: a waiting caller checks every
+  ``WAIT_POLL`` that a live worker can still run its call. ``blasx.reset()``
+  restarts the engine with the same settings, devices opened again; the
+  next call does it by itself once every device is dead (a partly dead
+  engine runs on its live devices until ``reset()``).
+* **Out of memory**: a device's heap is sized from the memory free when it
+  opens (cuda: half of it, keeping a reserve, retried at half the size if
+  the allocation fails; sim: its ``mem=`` less what ``sim.take_memory``
+  holds); a device that cannot get a minimum does not start, with an error
+  naming needed and free bytes. Device memory taken by others mid-run
+  shrinks the sim's cache (``Device.cache_limit``, by eviction); a block
+  that still does not fit fails the call with ``CacheFull`` naming needed
+  and free bytes. A cuda scratch buffer that cannot be had, even after
+  CuPy's cached blocks are given back, fails the call (MemoryError). A host
+  chunk that cannot be registered is copied as pageable memory.
+* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish;
+  interpreter exit cancels the calls in flight first (``shutdown(cancel=
+  True)``: their threads are about to vanish), so it returns promptly.
 
 State (each field has one owner)
 --------------------------------

@@ -1,9 +1,9 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Copies between pageable memory and a GPU are staged by the driver and do not
-overlap anything (7.8-8.4 GB/s measured on the H200 host, against 55 GB/s
-pinned). blasx therefore page-locks host operands in place with
-``cudaHostRegister`` (portable, so every GPU sees them as pinned):
+Copies between pageable memory and a GPU are staged by the driver, overlap
+nothing and run several times slower than from pinned memory. blasx
+therefore page-locks host operands in place with ``cudaHostRegister``
+(portable, so every GPU sees them as pinned):
 
 * the buffer of the array's root (the ndarray owning the memory) is
   registered once and stays registered while that root lives; a finalizer
@@ -13,14 +13,13 @@ pinned). blasx therefore page-locks host operands in place with
 * only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
   are registered, and only the pages that lie wholly inside them: glibc may
   serve even a large block from its heap, next to other arrays in the same
-  page (seen on the H200 host), so a registration must never reach past the
+  page, so a registration must never reach past the
   array's own bytes. Smaller arrays are copied from pageable memory.
 
-**Registration runs beside the call.** It costs 19 ms/GiB on that host (57 GB/s,
-``bench/results/host-pinning-*``), about a host link's rate, and more threads do
-not make it faster (the same 57 GB/s from 1 to 16). A one-shot DGEMM at N=16384
-spent 0.2 s pinning 6 GiB before its first tile could move. So a root's interior
-is cut into chunks of ``CHUNK_BYTES`` (each its own registration), and one
+**Registration runs beside the call.** It runs at about a host link's rate
+and more threads do not make it faster, so registering a large operand
+first would delay the call's first tile by as long as copying it. So a
+root's interior is cut into chunks of ``CHUNK_BYTES`` (each its own registration), and one
 thread per call registers the call's chunks in the order the call is likely to
 need them (the operands' chunks round-robin, each operand in address order);
 a tile copy waits only for the chunks it touches (``Pinning.pieces``).
@@ -42,7 +41,7 @@ import numpy as np
 
 PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
-CHUNK_BYTES = 256 << 20  # one registration: ~5 ms at the measured 57 GB/s
+CHUNK_BYTES = 256 << 20  # one registration: a few milliseconds
 HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 ERROR_ALREADY_REGISTERED = 712

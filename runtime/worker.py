@@ -168,8 +168,7 @@ class Worker(threading.Thread):
         ``call`` now.
 
         A call with fewer tasks than one worker can hold (station + streams) would otherwise
-        go wholly to whichever worker wakes first (measured: N=4096 and 8192 DGEMM on 2 GPUs
-        ran all 4 tasks on one GPU). So a worker that already holds its share,
+        go wholly to whichever worker wakes first. So a worker that already holds its share,
         max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
         run it, has room in its station and holds less than its share (that peer takes it at its next
         pull; it does not sleep while the queue holds work it may take). Never while this
@@ -221,9 +220,7 @@ class Worker(threading.Thread):
             return
         # Any task this worker can run, even with no stream free now: the one whose station
         # empties first (the faster device) claims the tail's tasks early. Stealing only a task
-        # it could start at once (which ends the back-and-forth of a call's last tasks between two
-        # full stations) left them to commitment order: in the 2-GPU sim with one GPU 6% slower,
-        # SYR2K 0.945 -> 0.923 of GEMM and TRSM 0.869 -> 0.831 (bench/results/NOTES.md, tenth session).
+        # it could start at once left the tail to commitment order, which balanced worse.
         t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
         if t is not None:
             self.station.push(t)
@@ -781,8 +778,7 @@ class StreamWorker(Worker):
         load of it on this device's own host link: the host bytes still ahead of it on the
         peer's link are at most those ahead of a load issued here now (equal link speeds).
         Otherwise two devices that start a call together queue every shared tile on one link
-        while the other idles (measured on 2 H200s, N=4096: the second GPU started 2.4 ms
-        late and then read 4 of its 6 input tiles from the first one's queue)."""
+        while the other idles."""
         mark = line.fill_mark
         if mark is None:
             return True  # filled over a peer link: no host backlog ahead of it
