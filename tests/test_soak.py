@@ -3,7 +3,6 @@ with device faults and Ctrl-C injected; no wrong answer and no leak."""
 
 from __future__ import annotations
 
-
 import pytest
 
 
