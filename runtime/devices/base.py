@@ -91,6 +91,12 @@ class Device(ABC):
     def close(self) -> None:
         """Release everything ``open`` took; must be safe after a failure."""
 
+    def is_device_error(self, exc: BaseException) -> bool:
+        """``exc``, raised by one of this device's hooks, means the device is broken (besides
+        ``DeviceError``, which always does); anything else fails only the call it came from."""
+        return False
+
+    # -- per call, on the calling thread --
     def prepare_call(self, call: Any) -> None:
         """Get ready for a call before its tasks are queued (pin host memory, limit threads)."""
 
@@ -158,6 +164,11 @@ class StreamDevice(Device):
     def cache_capacity(self) -> int:
         """Bytes of the tile-cache heap (known once opened)."""
         return self.heap.capacity if self.heap is not None else self.cache_bytes
+
+    def cache_limit(self) -> int | None:
+        """Bytes the tile cache may hold now, below its capacity when other allocations took
+        device memory since it opened (None: all of it)."""
+        return None
 
     # -- topology --
     def can_read_from(self, other: Device) -> bool:
