@@ -104,14 +104,22 @@ def test_device_error_injected_by_hook_moves_work_to_the_other_device(rand, rel_
 
 
 def test_a_host_side_write_error_fails_the_call_not_the_device(rand, rel_err):
-    """A read-only C written in place: the host refuses the write-back. The call fails with
-    that error (ValueError: the front end may refuse it before any work, too); no device dies."""
+    """A read-only C handed to the engine as an output (the front ends copy such a c, so the
+    dispatch entry is called directly): the host refuses the write-back. The call fails with
+    that error; no device dies."""
+    from blasx import dispatch
+
     blasx.configure(devices="sim:2", tile=32)
     a, b = rand((128, 128)), rand((128, 128), seed=1)
-    c = rand((128, 128), seed=2)
+    c = np.asfortranarray(rand((128, 128), seed=2))
     c.flags.writeable = False
-    out = _run_bounded(lambda: blasx.gemm(1.0, a, b, beta=1.0, c=c, overwrite_c=1))
+    before = c.copy()
+    out = _run_bounded(lambda: dispatch.gemm(1.0, a, b, 1.0, c, 0, 0, np.dtype(np.float64), 128))
     assert isinstance(out.get("error"), ValueError), out
+    assert np.array_equal(c, before)
     eng = blasx.engine()
     assert all(w.alive for w in eng.workers) and eng.leaks() == []
     assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    # the front end copies a read-only c, as scipy does
+    res = blasx.gemm(1.0, a, b, beta=1.0, c=c, overwrite_c=1)
+    assert res is not c and rel_err(res, a @ b + before) < 1e-12 and np.array_equal(c, before)

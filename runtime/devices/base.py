@@ -101,7 +101,8 @@ class Device(ABC):
         """Get ready for a call before its tasks are queued (pin host memory, limit threads)."""
 
     def finish_call(self, call: Any) -> None:
-        """Undo ``prepare_call`` once the call is over, successful or not."""
+        """Undo what ``prepare_call`` did once the call is over, successful or not; also runs
+        after a ``prepare_call`` that an interrupt cut short."""
 
     def bind_thread(self, core: int | None) -> None:
         """Pin the calling worker thread to a core (Algorithm 1, line 9) where possible."""
