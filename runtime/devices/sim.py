@@ -65,7 +65,7 @@ import numpy as np
 
 from ..stats import OpRecord
 from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
-from .numpy_kernels import KERNELS
+from .numpy_kernels import KERNELS, kernel_for
 
 
 @dataclass(frozen=True)
@@ -139,11 +139,11 @@ class TimingLoc:
 
     __slots__ = ("offset", "rows", "cols", "nbytes")
 
-    def __init__(self, offset: int, rows: int, cols: int, itemsize: int) -> None:
+    def __init__(self, offset: int, rows: int, cols: int, itemsize: int, ld: int | None = None) -> None:
         self.offset = offset
         self.rows = rows
         self.cols = cols
-        self.nbytes = rows * cols * itemsize
+        self.nbytes = (rows if ld is None else ld) * cols * itemsize
 
     def __repr__(self) -> str:
         return f"<TimingLoc @{self.offset} {self.rows}x{self.cols} {self.nbytes} B>"
@@ -230,12 +230,14 @@ class SimDevice(StreamDevice):
         return self.peers and isinstance(other, SimDevice) and other.peers
 
     # -- memory --
-    def arena_loc(self, offset: int, rows: int, cols: int, dtype):
+    def arena_loc(self, offset: int, rows: int, cols: int, dtype, ld: int | None = None):
+        """A column-major view of a heap block (leading dimension ``ld``, default ``rows``)."""
         dt = np.dtype(dtype)
+        ld = rows if ld is None else ld
         if self.timing:
-            return TimingLoc(offset, rows, cols, dt.itemsize)
+            return TimingLoc(offset, rows, cols, dt.itemsize, ld)
         return np.ndarray((rows, cols), dtype=dt, buffer=self.arena, offset=offset,
-                          strides=(dt.itemsize, rows * dt.itemsize))
+                          strides=(dt.itemsize, ld * dt.itemsize))
 
     # -- operations --
     def _timed(self, s: int, kind: str, lock, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
@@ -272,7 +274,7 @@ class SimDevice(StreamDevice):
             view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
         else:
             raise DeviceError(f"{self.name}: sim devices cannot read a {type(src).__name__}")
-        nbytes = dst.nbytes
+        nbytes = rows * cols * np.dtype(dtype).itemsize  # in the source's type (a load may convert)
         peer_ok = [True]
         if after is not None:
             # A stream waiting on an event holds no engine (as on a GPU): wait first, then copy.
@@ -302,11 +304,12 @@ class SimDevice(StreamDevice):
 
     def copy_out(self, s, operand, ref, src, task=None):
         view = None if self.timing else _host_tile(operand, ref)
-        nbytes = src.nbytes
+        nbytes = src.nbytes if task is None else task.call.home_nbytes(ref)  # C's type at home
 
         def work():
             if view is not None:
-                view[...] = src
+                with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
+                    view[...] = src
             self.bytes_out += nbytes
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
@@ -322,7 +325,7 @@ class SimDevice(StreamDevice):
         elif self.timing:
             work = None  # the cost model's time only
         else:
-            kern = KERNELS.get(step.kernel)
+            kern = kernel_for(step, call, KERNELS)
             if kern is None:
                 raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
             extra = {} if out is None else {"out": out}
