@@ -205,7 +205,7 @@ def key_for(devices, dtype, m: int, n: int, k: int, routine: str = "gemm") -> Pe
     """The perf-db key of an M x N x K ``routine`` call in ``dtype`` on ``devices``
     (Device objects, e.g. ``blasx.engine().devices``, or their names)."""
     model, ndev = device_key(devices)
-    return PerfKey(model, ndev, dtype_char(dtype), _check_routine(routine), shape_class(m, n, k))
+    return _checked_key(PerfKey(model, ndev, dtype_char(dtype), _check_routine(routine), shape_class(m, n, k)))
 
 
 def _checked_key(key) -> PerfKey:
