@@ -5,7 +5,9 @@ Type combinations (A and B of one type; C's type is ``out_dtype``):
 * float16 -> float16 (default) or float32; bfloat16 -> bfloat16 (default) or float32: the products
   accumulate in float32 (cuBLAS compute type 32F) and are rounded once to the output type;
 * int8 -> int32: exact (compute type 32I; exact on the CPU and sim too: float64 holds every sum);
-* float32 with ``math="tf32"``: A and B rounded to TF32 (10 mantissa bits), float32 accumulation.
+* float32 with ``math="tf32"``: A and B rounded to TF32 (10 mantissa bits), float32 accumulation,
+  on CUDA GPUs (emulated on sims); the CPU computes IEEE float32 (its tiles, and every call of a
+  CPU-only engine, whose profile then says ``math: ieee``).
 
 Every other combination is rejected, naming these (:func:`check_types`). Errors against float64
 on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range
@@ -18,19 +20,20 @@ per-channel scales, the scales applied on the device to each C tile before its w
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
 import warnings
 
 import numpy as np
 
-from . import session
-from .operands import TokenTable, canonical, is_cupy, leading_dim, make_operand
+from . import dispatch, session
+from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory
+from .operands import canonical, column_major_view, is_cupy
 from .runtime import dtypes
-from .runtime.call import Call, Operand
 from .runtime.engine import EngineClosed
 from .runtime.epilogues import Dequantize
 from .runtime.plans import plan_gemm
-from .runtime.stats import CallStats, DeviceInfo
 from .runtime.tiling import OP_N
 from .tile import choose_tile
 
@@ -49,28 +52,68 @@ class Float16OverflowWarning(RuntimeWarning):
     """A float16 result has values beyond float16's range (they became inf) from finite inputs."""
 
 
-_default_math = ["ieee"]
-
-
-def set_default_math(math: str) -> None:
-    """The math mode calls use when they pass none (``blasx.configure(math=...)``)."""
-    _default_math[0] = check_math(math)
+_override = threading.local()  # a per-call math mode for the gemms of one front-end call
 
 
 def default_math() -> str:
-    return _default_math[0]
+    """The math mode of a call that names none: the per-call one in force (:func:`math_mode`),
+    else ``blasx.configure(math=...)``'s."""
+    m = getattr(_override, "math", None)
+    return m if m is not None else session.settings().math
 
 
 def check_math(math) -> str:
+    """``math`` validated (None: :func:`default_math`)."""
     if math is None:
-        return _default_math[0]
+        return default_math()
     if not isinstance(math, str) or math.lower() not in dtypes.MATH_MODES:
         raise ValueError(f"math: got {math!r}, allowed: {', '.join(map(repr, dtypes.MATH_MODES))}")
     return math.lower()
 
 
-def check_types(a_dtype, b_dtype, out_dtype=None, math: str = "ieee") -> tuple[dtypes.BlasType, np.dtype]:
-    """(row of A's type, C's type) of a gemm on these types; TypeError listing what exists."""
+@contextlib.contextmanager
+def math_mode(math):
+    """The gemms run inside use ``math`` (None: leave the mode as it is)."""
+    if math is None:
+        yield
+        return
+    old = getattr(_override, "math", None)
+    _override.math = check_math(math)
+    try:
+        yield
+    finally:
+        _override.math = old
+
+
+def takes(a_dtype, b_dtype, out_dtype=None, math=None) -> bool:
+    """A gemm on these types runs here (not on the s/d/c/z path): A and B of one reduced type
+    (float16, bfloat16, int8), an explicit ``out_dtype``, or float32 under TF32 math."""
+    if out_dtype is not None:
+        return True
+    a, b = np.dtype(a_dtype), np.dtype(b_dtype)
+    if a != b:
+        return False
+    row = dtypes.gemm_of(a)
+    if row is None:
+        return False
+    return row.reduced or (row.prefix == "s" and check_math(math) == "tf32")
+
+
+def result_type(a_dtype, b_dtype, out_dtype=None):
+    """(input type, output type) of a numpy-front-end product on the reduced path, or None when
+    it is not one (numpy's rules then apply): A and B of one reduced type, the output its
+    default or ``out_dtype`` (numpy's ``dtype=``) when that combination exists."""
+    a, b = np.dtype(a_dtype), np.dtype(b_dtype)
+    row = dtypes.gemm_of(a)
+    if a != b or row is None or not row.reduced:
+        return None
+    out = row.out if out_dtype is None else np.dtype(out_dtype)
+    return (a, out) if out in dtypes.GEMM_OUT[a] else None
+
+
+def check_types(a_dtype, b_dtype, out_dtype=None) -> tuple[dtypes.BlasType, np.dtype]:
+    """(row of A's type, C's type) of a gemm on these types; TypeError listing what exists.
+    (TF32 math applies to float32 alone; other types ignore it.)"""
     row = dtypes.gemm_of(a_dtype)
     if row is None or np.dtype(a_dtype) != np.dtype(b_dtype):
         raise TypeError(f"a, b: got {np.dtype(a_dtype).name} and {np.dtype(b_dtype).name}; gemm takes A and B "
@@ -80,9 +123,6 @@ def check_types(a_dtype, b_dtype, out_dtype=None, math: str = "ieee") -> tuple[d
     if out not in allowed:
         raise TypeError(f"out_dtype: got {out.name} for {row.dtype.name} inputs; allowed: "
                         f"{dtypes.gemm_combinations()}")
-    if math == "tf32" and row.prefix not in ("s", "h", "b"):
-        raise ValueError(f"math: 'tf32' applies to float32 (got {row.dtype.name} inputs); "
-                         f"use math='ieee' for {row.dtype.name}")
     return row, out
 
 
@@ -120,102 +160,73 @@ def _xp(on_gpu: bool):
     return np
 
 
-def _check_array(name: str, x, ndim=(2,)):
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"{name}: got {type(x).__name__}, need a numpy or cupy array")
-    if x.ndim not in ndim:
-        raise ValueError(f"{name}: got a {x.ndim}-d array, need {' or '.join(f'{d}-d' for d in ndim)}")
-
-
-def _check_scalar(name: str, value, row: dtypes.BlasType):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: got {value!r}, need a real number")
-    if row.dtype.kind in "iu":
-        if value != int(value) or not -2 ** 31 <= value < 2 ** 31:
-            raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
-        return int(value)
-    return float(value)
-
-
-def _check_trans(name: str, op) -> int:
-    if isinstance(op, (bool, np.bool_)) or not isinstance(op, numbers.Integral) or op not in (0, 1, 2):
-        raise ValueError(f"{name}: got {op!r}, allowed: 0 (N), 1 (T), 2 (C)")
-    return int(op)
+def _int_scalar(name: str, value, row: dtypes.BlasType):
+    """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I)."""
+    if row.dtype.kind in "iu" and (value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31
+                                   or getattr(value, "imag", 0) != 0):
+        raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
+    return int(value.real) if row.dtype.kind in "iu" else float(value.real)
 
 
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, out_dtype=None, math=None):
-    """C = alpha op(a) op(b) + beta c (scipy.linalg.blas ``?gemm`` semantics: an F-ordered result)
-    for the reduced types and TF32 math: see the module docstring for the combinations,
-    :func:`tolerance` for the accuracy. ``out_dtype`` defaults to ``c``'s type if given, else
-    the input type's default output (float16 -> float16, bfloat16 -> bfloat16, int8 -> int32)."""
-    _check_array("a", a)
-    _check_array("b", b)
+    """``blasx.gemm`` for the reduced types and TF32 math (see the module docstring for the type
+    combinations, :func:`tolerance` for the accuracy): scipy's ``?gemm`` semantics otherwise, an
+    F-ordered result of ``out_dtype`` (default: c's type if given, else the input type's default
+    output: float16 -> float16, bfloat16 -> bfloat16, int8 -> int32)."""
+    from . import level3  # the scipy-signature checks and output rules
+    check_matrix("a", a)
+    check_matrix("b", b)
     if c is not None:
-        _check_array("c", c)
-    places = {is_cupy(x) for x in (a, b, c) if x is not None}
-    if len(places) > 1:
-        raise TypeError("a, b, c: pass all numpy arrays (host) or all cupy arrays (GPU)")
-    on_gpu = places.pop()
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
     math = check_math(math)
-    if out_dtype is None and c is not None:
+    if out_dtype is None and c is not None and c.dtype in dtypes.GEMM_OUT.get(np.dtype(a.dtype), ()):
         out_dtype = c.dtype
-    row, out = check_types(a.dtype, b.dtype, out_dtype, math)
-    if c is not None and c.dtype != out:
-        raise TypeError(f"c: got {c.dtype.name}, need out_dtype {out.name}")
-    trans_a, trans_b = _check_trans("trans_a", trans_a), _check_trans("trans_b", trans_b)
-    alpha, beta = _check_scalar("alpha", alpha, row), _check_scalar("beta", beta, row)
+    row, out = check_types(a.dtype, b.dtype, out_dtype)
+    trans_a, trans_b = check_trans("trans_a", trans_a), check_trans("trans_b", trans_b)
+    alpha = _int_scalar("alpha", check_scalar("alpha", alpha, row.dtype), row)
+    beta = _int_scalar("beta", check_scalar("beta", beta, row.dtype), row)
     m, ka = a.shape if trans_a == OP_N else a.shape[::-1]
     kb, n = b.shape if trans_b == OP_N else b.shape[::-1]
     if ka != kb:
-        raise ValueError(f"a, b: op(a) is {m}x{ka} but op(b) is {kb}x{n}; their inner dimensions must match")
+        raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
+                         f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
     if c is not None and c.shape != (m, n):
-        raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n})")
-    xp = _xp(on_gpu)
+        raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
     if c is None:
         beta = 0
-    if c is not None and overwrite_c and c.flags.f_contiguous and c.flags.writeable:
-        result = c
-    else:
-        result = xp.empty((m, n), dtype=out, order="F")
-        if c is not None and beta != 0:
-            result[...] = c
-    av, op_a = canonical(a, trans_a, False)
-    bv, op_b = canonical(b, trans_b, False)
-    run(av, op_a, bv, op_b, result, m, n, ka, row.dtype, out, alpha, beta, math)
+    elif level3._in_place(c, out, overwrite_c):
+        for x_name, x in (("a", a), ("b", b)):
+            if shares_memory(c, x):
+                raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
+    result = level3._output(c, out, (m, n), overwrite_c, beta, _xp(on_gpu), a if on_gpu else None)
+    gemm_into(alpha, a, b, beta, result, trans_a, trans_b, ka, row.dtype, math)
     return result
 
 
-def matmul(a, b, out_dtype=None, math=None):
-    """numpy's ``a @ b`` (vectors, stacks of matrices, broadcasting) for the reduced types and
-    TF32 math, as :func:`gemm`: a C-ordered result of ``out_dtype``."""
-    _check_array("a", a, (1, 2, 3, 4, 5, 6))
-    _check_array("b", b, (1, 2, 3, 4, 5, 6))
-    if is_cupy(a) != is_cupy(b):
-        raise TypeError("a, b: pass both numpy arrays (host) or both cupy arrays (GPU)")
+def gemm_into(alpha, a, b, beta, c, trans_a: int, trans_b: int, k: int, dtype, math: str | None = None) -> None:
+    """c = alpha op(a) op(b) + beta c into the 2-D ``c`` of the output type (any strides) on
+    validated operands of the reduced ``dtype`` (or float32 under TF32): ``dispatch.gemm``'s
+    counterpart."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
     math = check_math(math)
-    row, out = check_types(a.dtype, b.dtype, out_dtype, math)
-    xp = _xp(is_cupy(a))
-    a2 = a[None, :] if a.ndim == 1 else a
-    b2 = b[:, None] if b.ndim == 1 else b
-    if a2.shape[-1] != b2.shape[-2]:
-        raise ValueError(f"a, b: shapes {a.shape} and {b.shape} do not match for matmul "
-                         f"({a2.shape[-1]} != {b2.shape[-2]})")
-    batch = np.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
-    m, k, n = a2.shape[-2], a2.shape[-1], b2.shape[-1]
-    result = xp.empty(batch + (m, n), dtype=out)
-    ab = xp.broadcast_to(a2, batch + (m, k))
-    bb = xp.broadcast_to(b2, batch + (k, n))
-    for idx in np.ndindex(*batch):
-        c = result[idx]
-        # C-ordered C (m x n) is the column-major C^T = B^T A^T
-        bv, op_b = canonical(bb[idx], OP_N, True)
-        av, op_a = canonical(ab[idx], OP_N, True)
-        run(bv, op_b, av, op_a, c.T, n, m, k, row.dtype, out, 1, 0, math)
-    if a.ndim == 1:
-        result = result[..., 0, :]
-    if b.ndim == 1:
-        result = result[..., 0]
-    return result
+    cm = column_major_view(c)
+    staging = None
+    if cm is None:  # an output with arbitrary strides: compute into a compact copy, copied back
+        staging = _xp(is_cupy(c)).asfortranarray(c)
+        cm = (staging, False)
+    cv, tp = cm
+    if tp:  # C^T = op(B)^T op(A)^T
+        va, opa = canonical(b, trans_b, True)
+        vb, opb = canonical(a, trans_a, True)
+    else:
+        va, opa = canonical(a, trans_a, False)
+        vb, opb = canonical(b, trans_b, False)
+    m, n = cv.shape
+    run(va, opa, vb, opb, cv, m, n, k, dtype, c.dtype, alpha, beta, math)
+    if staging is not None:
+        c[...] = staging
 
 
 def run(av, op_a, bv, op_b, cv, m: int, n: int, k: int, dtype, out_dtype, alpha, beta, math: str,
@@ -256,34 +267,13 @@ def report_overflow(c, inputs) -> None:
 
 
 def _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue) -> None:
-    from . import level3  # the thread's last call and the backends' per-call hooks
-    views = [av, bv, cv]
     if eng.inline:
-        tile = eng.config.tile or max(1, m, n, k)
-        operands = [Operand(v, v.shape[0], v.shape[1], leading_dim(v), 0, -1, (0,)) for v in views]
-        block = (1, 1)
-    else:
-        tile = choose_tile(eng, m, n, k, dtype, "gemm")
-        tokens = TokenTable(tile)
-        operands = [make_operand(v, tokens) for v in views]
-        block = level3.block_shape(eng)
+        math = "ieee"  # the CPU alone: it has no TF32 units
+    tile = choose_tile(eng, m, n, k, dtype, "gemm")
+    block = (1, 1) if eng.inline else dispatch.block_shape(eng)
     tasks = plan_gemm(m, n, k, tile, op_a, op_b, beta_zero=(beta == 0), block=block)
-    stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
-                      keep_records=session.settings().trace)
-    stats.host["math"] = math
-    name = dtypes.prefix(dtype) + "gemm"
-    call = Call(name, operands, tasks, dtype, alpha, beta, stats, epilogue=epilogue, out_dtype=out_dtype,
-                math=math)
-    call.tile = tile
-    backends = level3._backends(eng)
-    for d in backends:
-        d.prepare_call(call)
-    try:
-        eng.submit(call)
-    finally:
-        for d in backends:
-            d.finish_call(call)
-        level3._keep_profile(stats)
+    dispatch._submit_tasks(eng, dtypes.prefix(dtype) + "gemm", [av, bv, cv], tasks, dtype, alpha, beta, tile,
+                           out_dtype=out_dtype, math=math, epilogue=epilogue)
 
 
 # ---------------------------------------------------------------- int8 quantization
@@ -333,8 +323,8 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
     Error against the float32 product of the unquantized inputs (standard normal 512 x 512
     operands): relative Frobenius norm about 1.5e-2 with per-tensor scales, 1.05e-2 per channel
     (the tests check < 2.5e-2 and < 1.5e-2); the int32 sum itself is exact."""
-    _check_array("a_q", a_q)
-    _check_array("b_q", b_q)
+    check_matrix("a_q", a_q)
+    check_matrix("b_q", b_q)
     if is_cupy(a_q) != is_cupy(b_q):
         raise TypeError("a_q, b_q: pass both numpy arrays (host) or both cupy arrays (GPU)")
     for name, x in (("a_q", a_q), ("b_q", b_q)):

@@ -26,7 +26,7 @@ import numpy as np
 from .. import dtypes
 from ..stats import OpRecord
 from .base import HostDevice, register_backend
-from .numpy_kernels import kernel_for
+from .numpy_kernels import KERNELS
 
 
 @register_backend
@@ -123,7 +123,8 @@ class CpuDevice(HostDevice):
         if task.load_c and task.c_init is not None:
             acc[...] = _tile(call, task.c_init)  # TRSM: start from B's tile (a no-op when X is B)
         for step in task.steps:
-            kernel_for(step, call)(step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
+            # (TF32 math is a GPU's: the CPU computes float32 in IEEE arithmetic)
+            KERNELS[step.kernel](step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
         if call.epilogue is not None:
             call.epilogue(self, 0, acc, task)
             if call.wb_dtype != acc.dtype:
