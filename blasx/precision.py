@@ -357,3 +357,33 @@ def _scales(name: str, s, count: int, what: str) -> np.ndarray:
     if arr.ndim != 1 or arr.shape[0] != count:
         raise ValueError(f"{name}: got shape {arr.shape}, need a scalar or ({count},), one per {what}")
     return arr
+
+
+# ---------------------------------------------------------------- test operands and checks (CLI, tune, bench)
+
+def random_operand(rng, shape, dtype) -> np.ndarray:
+    """Random host operand of any gemm type: standard normal values (complex: both parts), int8
+    uniform over [-128, 127]; F-ordered."""
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return np.asfortranarray(rng.integers(info.min, info.max + 1, size=shape, dtype=dt))
+    x = rng.standard_normal(shape)
+    if dt.kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return np.asfortranarray(x.astype(dt))
+
+
+def check_rows(c_rows, a_rows, b, row: dtypes.BlasType, math: str = "ieee") -> tuple[float, float]:
+    """(relative Frobenius error of ``c_rows`` against ``a_rows @ b`` in the wide reference type,
+    its tolerance): :func:`tolerance` of the call, at least 1e-4 (4-byte types) or 1e-10 as
+    before; 0 for int8 (exact)."""
+    wide = np.dtype(np.float64) if row.dtype.kind in "iu" else row.wide
+    ref = a_rows.astype(wide) @ b.astype(wide)
+    got = c_rows.astype(wide)
+    err = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
+    if row.dtype.kind in "iu":
+        return err, 0.0
+    tol = tolerance(row.dtype, b.shape[0], math=math) * 4.0
+    floor = 1e-4 if row.real.itemsize <= 4 else 1e-10
+    return err, max(tol, floor)

@@ -307,3 +307,20 @@ def test_bad_input_leaves_arrays_and_engine_alone():
         P.gemm(1.0, a, a.astype(np.float32), beta=1.0, c=c, overwrite_c=True)
     assert np.all(c == 1)
     assert blasx.matmul(a, a).dtype == np.float16
+
+
+# ---------------------------------------------------------------- tools
+
+@pytest.mark.parametrize("dt", ["h", "i8"] + (["b"] if bfloat16 is not None else []))
+def test_cli_gemm_runs_and_checks_each_reduced_type(dt, capsys):
+    from blasx.cli import main
+    assert main(["gemm", "--n", "96", "--dtype", dt, "--devices", "sim:2", "--tile", "32", "--runs", "1",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(ok, tolerance" in out and ("int8 -> int32" in out if dt == "i8" else True)
+
+
+def test_tune_takes_the_reduced_types(tmp_path):
+    rows = blasx.tune(sizes=[64], dtypes="h,i8", tiles=[32, 64], runs=1, devices="sim:2",
+                      db=str(tmp_path / "db.sqlite"))
+    assert [r["dtype"] for r in rows] == ["h", "i8"] and all(r["tile"] in (32, 64) and not r["bad"] for r in rows)
