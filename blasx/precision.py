@@ -267,8 +267,8 @@ def report_overflow(c, inputs) -> None:
 
 
 def _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue) -> None:
-    if eng.inline:
-        math = "ieee"  # the CPU alone: it has no TF32 units
+    if eng.inline or np.dtype(dtype) != _F32:
+        math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
     tile = choose_tile(eng, m, n, k, dtype, "gemm")
     block = (1, 1) if eng.inline else dispatch.block_shape(eng)
     tasks = plan_gemm(m, n, k, tile, op_a, op_b, beta_zero=(beta == 0), block=block)

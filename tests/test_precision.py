@@ -324,3 +324,24 @@ def test_tune_takes_the_reduced_types(tmp_path):
     rows = blasx.tune(sizes=[64], dtypes="h,i8", tiles=[32, 64], runs=1, devices="sim:2",
                       db=str(tmp_path / "db.sqlite"))
     assert [r["dtype"] for r in rows] == ["h", "i8"] and all(r["tile"] in (32, 64) and not r["bad"] for r in rows)
+
+
+# ---------------------------------------------------------------- offload
+
+def test_offload_sends_float16_at_operator_to_the_engine():
+    """``a @ b`` on float16 above the threshold runs on blasx (float32 accumulation, a float16
+    result as numpy's); below it, numpy's own loop."""
+    import importlib
+    O = importlib.import_module("blasx.offload")
+    if not O.matmul_available():
+        pytest.skip("blasx._matmul_loops is not built")
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = _normal((40, 30), np.float16), _normal((30, 20), np.float16, seed=1)
+    with blasx.offload(threshold=1e4):
+        before = O.offload_stats()["matmul"]
+        c = a @ b
+        assert O.offload_stats()["matmul"] == before + 1
+        small = a[:4, :4] @ b[:4, :4]  # 128 flops: numpy's loop
+        assert O.offload_stats()["matmul"] == before + 1
+    assert c.dtype == np.float16 and c.flags.c_contiguous and small.dtype == np.float16
+    assert np.linalg.norm(c.astype(np.float64) - _ref(a, b)) / np.linalg.norm(_ref(a, b)) <= P.tolerance(np.float16, 30)

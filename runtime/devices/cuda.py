@@ -205,7 +205,8 @@ class CudaDevice(StreamDevice):
         if type(src) is PeerSource:
             if src.after is not None:  # the peer's fill is in flight: order our copy after it
                 runtime.streamWaitEvent(self.stream_ptrs[s], src.after)
-            runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, rows * cols * isz,
+            # (a heap tile is compact over its leading dimension, which int8 pads: ld * cols elements)
+            runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, dst[1] * cols * isz,
                                     self.stream_ptrs[s])
             return
         # HostSource or ArraySource: a pitched copy from the operand's own memory
