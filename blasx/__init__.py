@@ -29,6 +29,7 @@ from .precision import Float16OverflowWarning, gemm_int8, quantize
 from .offload import offload, offload_disable, offload_enable, offload_threshold  # the module: importlib.import_module("blasx.offload")
 from .runtime.devices.base import DeviceError
 from .session import configure, engine, shutdown
+from .session import reset
 from .tune import tune  # the function; the module is importlib.import_module("blasx.tune")
 
 __version__ = "0.1.0"
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 globals().update(_PREFIXED_GEMM)  # sgemm, dgemm, cgemm, zgemm (level3)
 globals().update(_PREFIXED)  # ssymm, dsyrk, zherk, ... (made from a table in blas3)
 
-__all__ = ["configure", "shutdown", "engine", "gemm", "matmul", "dot", "tensordot", "last_profile", "DeviceError",
+__all__ = ["configure", "shutdown", "reset", "engine", "gemm", "matmul", "dot", "tensordot", "last_profile", "DeviceError",
            "tune", "precision", "quantize", "gemm_int8", "Float16OverflowWarning",
            "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm", "linalg",
            "offload", "offload_enable", "offload_disable", "offload_threshold", *sorted(_PREFIXED_GEMM),

@@ -270,14 +270,15 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
     call = Call(name, operands, tasks, dtype, alpha, beta, stats, epilogue=epilogue, out_dtype=out_dtype,
                 math=math or "ieee")
     call.tile = tile
-    backends = _backends(eng)
-    for d in backends:
-        d.prepare_call(call)
+    prepared = []  # backends whose prepare_call ran: an interrupt inside one still finishes it
     ident = threading.get_ident()
     with _running_lock:
         outer = _running.get(ident)
         _running[ident] = call
     try:
+        for d in _backends(eng):
+            prepared.append(d)
+            d.prepare_call(call)
         eng.submit(call)
     finally:
         with _running_lock:
@@ -285,7 +286,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
                 _running.pop(ident, None)
             else:
                 _running[ident] = outer
-        for d in backends:
+        for d in prepared:
             d.finish_call(call)
         if not stats.finished:  # a call that failed before its last task ends now
             stats.finish()

@@ -90,6 +90,8 @@ def engine() -> Engine:
     """The running engine, started on first use."""
     global _engine
     with _lock:
+        if _engine is not None and _engine.dead:  # every device failed: start them again
+            _engine.shutdown()
         if _engine is None or _engine.closed:
             _engine = _build(_settings)
         eng = _engine
@@ -127,8 +129,8 @@ def shutdown() -> None:
 # hooks: register where concurrent.futures does, so shutdown runs first (a script that never
 # calls blasx.shutdown() must still exit). atexit stays as a fallback for other runtimes.
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(shutdown)
-atexit.register(shutdown)
+    threading._register_atexit(lambda: _shutdown_at_exit())
+atexit.register(lambda: _shutdown_at_exit())
 
 
 def _retire_readonly(base: int) -> None:
@@ -201,3 +203,21 @@ def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:
     if cpu == "auto":
         return "auto"
     return "always" if cpu else None
+
+
+def reset() -> None:
+    """Bring failed devices back: stop the engine (after the calls running on it end) so that the
+    next call starts a fresh one with the same ``configure()`` settings, every device opened again
+    and the tile cache empty. The next call does this by itself when every device has failed."""
+    shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    """Interpreter exit: cancel the calls still in flight (their threads are about to vanish), let
+    the tasks already on devices end, and stop the workers."""
+    global _engine, host_device
+    with _lock:
+        eng, _engine = _engine, None
+        host_device = None
+    if eng is not None:
+        eng.shutdown(cancel=True)

@@ -46,23 +46,28 @@ class Line:
 
 
 class ALRU:
-    """Lines of one device in recency order (least recent first)."""
+    """Lines of one device in recency order (least recent first).
 
-    __slots__ = ("device", "_lines", "bytes_cached")
+    Dead lines (``bury``) are kept apart, in the order they died, and go first: a live line of
+    the same tile may then be cached beside a dead one whose readers have not finished."""
+
+    __slots__ = ("device", "_lines", "_dead", "bytes_cached")
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lines: OrderedDict[Hashable, Line] = OrderedDict()
+        self._dead: dict[int, Line] = {}  # id(line) -> line
         self.bytes_cached = 0
 
     def __len__(self) -> int:
-        return len(self._lines)
+        return len(self._lines) + len(self._dead)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._lines
+        return key in self._lines or any(line.key == key for line in self._dead.values())
 
     def __iter__(self) -> Iterator[Line]:
-        return iter(self._lines.values())
+        yield from list(self._dead.values())
+        yield from list(self._lines.values())
 
     def get(self, key: Hashable) -> Line | None:
         """Translate (Algorithm 2, line 2): the line, moved to most recent, or None."""
@@ -85,19 +90,25 @@ class ALRU:
     def victim(self) -> Line | None:
         """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end.
 
-        Dead lines (tiles nobody may read again) sit at the LRU end (``bury``), so they
-        go first and the scan stops at the first idle line.
+        Dead lines (tiles nobody may read again, ``bury``) go first.
         """
-        for line in self._lines.values():
-            if line.readers == 0:
-                return line
+        for lines in (self._dead, self._lines):
+            for line in lines.values():
+                if line.readers == 0:
+                    return line
         return None
 
     def bury(self, line: Line) -> None:
-        """Mark a line dead and move it to the LRU end: it is the next to go."""
+        """Mark a line dead and set it apart: it is among the next to go, and no longer found by key."""
+        if line.dead:
+            return
+        del self._lines[line.key]
         line.dead = True
-        self._lines.move_to_end(line.key, last=False)
+        self._dead[id(line)] = line
 
     def remove(self, line: Line) -> None:
-        del self._lines[line.key]
+        if line.dead:
+            del self._dead[id(line)]
+        else:
+            del self._lines[line.key]
         self.bytes_cached -= line.nbytes

@@ -5,7 +5,8 @@ workers *account* for every task exactly once: done, cancelled (never
 started, its call having failed) or abandoned (on a broken device). The call
 completes when every task is accounted for, so no worker can still be
 writing into the caller's memory when ``wait`` returns, with or without an
-error.
+error. Accounting a task twice is a no-op, so a cancelling caller may sweep
+up tasks that no worker holds (``Engine._cancel``) without racing a worker.
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import dtypes as _dtypes
+from . import faults
 from .stats import CallStats
 from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO,
                     Step, Task)
 
 _call_ids = itertools.count(1)
+
+
+class CallCancelled(Exception):
+    """The call's caller stopped waiting for it (KeyboardInterrupt or another exception in its
+    thread, or an exit-time shutdown): its queued tasks were dropped and the caller re-raises."""
+
 _clock = time.perf_counter
 
 
@@ -99,6 +107,7 @@ class Call:
         self._lock = threading.Lock()
         self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
+        self._accounted_tids: set[int] = set()
         self._started_tids: set[int] = set()  # assigned to a worker and not handed back (gates)
         # Write-after-read gates (``Task.war``): tasks whose kernels are done, and those among
         # them whose readers' write-backs were let through on that (they can never run again).
@@ -111,6 +120,7 @@ class Call:
             t.call = self
         if not tasks:
             self._done.set()
+        faults.at("plan")
 
     def _typed(self, out_dtype, epilogue, tasks) -> None:
         """The element types of a call. A *mixed* call (reduced-precision gemm: half, bfloat16,
@@ -259,6 +269,9 @@ class Call:
         """``task`` is finished (worker given) or dropped (no worker); complete the call after the last."""
         meter = self.meter
         with self._lock:
+            if task.tid in self._accounted_tids:
+                return  # a cancelling caller's sweep got here first (Engine._cancel)
+            self._accounted_tids.add(task.tid)
             if worker is not None and not self.failed:
                 self._finished_tids.add(task.tid)
                 self._computed_tids.add(task.tid)
@@ -288,6 +301,16 @@ class Call:
     @property
     def remaining(self) -> int:
         return self._remaining
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def unaccounted(self) -> list[Task]:
+        """Tasks not yet accounted for (for a cancelling caller's sweep)."""
+        with self._lock:
+            acc = set(self._accounted_tids)
+        return [t for t in self.tasks if t.tid not in acc]
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

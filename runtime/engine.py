@@ -51,8 +51,8 @@ Policy
   finished tasks, the CPU's seeded by a probe); never a task of a call with
   dependencies or of a call the GPUs can hold at once. When the CPU is the
   only device, a call's tasks run in the calling thread instead
-  (``Engine.inline``): the hand-off to a worker thread and back cost
-  ~0.4 ms a call, 20x numpy's time at N=64.
+  (``Engine.inline``): a hand-off to a worker thread and back would cost
+  more than a small call itself.
 
 Invariants
 ----------
@@ -73,8 +73,9 @@ Invariants
    order and cannot form a cycle. If the peer breaks before its fill
    completes, the sim copies from the tile's home instead, so one device's
    failure neither stalls nor corrupts another.
-5. No exception escapes a worker: it is attached to the calls whose tasks
-   the worker held. Those tasks are handed to live workers, unless their
+5. No exception escapes a worker. An error of one call fails that call
+   (below); any other is the device's: it is attached to the calls whose
+   tasks the worker held. Those tasks are handed to live workers, unless their
    write-back was in flight and the task reads its own tile (``beta != 0``,
    or an in-place TRMM), or a write-after-read gate already let a tile it
    read be overwritten (``Call.recompute_safe``: in-place TRMM overwrites a
@@ -88,6 +89,57 @@ Invariants
    same lock in the same thread. The locks finalizers take are re-entrant
    (host registrations, read-only tokens), and ``retire_base`` only tries the
    directory lock, leaving a base it cannot retire now in ``_retired``.
+
+Failure model
+-------------
+* **Bad input**: the front end raises in the caller before a Call exists;
+  nothing is queued and no device is touched.
+* **Interrupt**: KeyboardInterrupt, or any exception raised in the caller's
+  thread while its call is planned, registered, queued or waited for,
+  cancels the call (``_cancel``): the call is failed, so no worker starts
+  another of its tasks; its queued and stationed tasks are taken back;
+  tasks on devices stop at their next step (the sim also skips the queued
+  kernels and write-backs of a failed call); tasks nobody holds are swept
+  up. The interrupt is re-raised only then (invariant 1; in the main thread
+  a second Ctrl-C meanwhile is ignored). Lines and buffers are released at
+  their events as always; the call's per-call tokens are retired, so its
+  tiles leave the directory, and a line is marked ready only when its fill
+  is complete, so no later call reads a half-filled line. Other calls go on;
+  no device is marked dead; the next call works.
+* **The caller's arrays** after an interrupted or failed call: inputs are
+  never written. A call that returns a new array (every routine without
+  ``overwrite_c``/``overwrite_b``, ``matmul``/``dot`` without ``out=``)
+  leaves all of them untouched. A call that writes into the caller's array
+  (``overwrite_c`` of gemm, symm, hemm, syrk, herk, syr2k, her2k with a
+  usable ``c``; ``overwrite_b`` of trmm and trsm; ``out=``) may leave that
+  output partly written (some tiles new, others old), nothing else.
+* **An error of one call** (the host refuses a write-back, e.g. a read-only
+  output; the tile cache cannot hold a block a task needs, ``CacheFull``;
+  any exception that is not a device error, ``Worker.device_error``) fails
+  that call with its own error; its tasks stop as on an interrupt, and the
+  device goes on.
+* **A device error** (``DeviceError``, a broken stream, a CUDA or cuBLAS
+  error other than out-of-memory), or a worker thread dying for any other
+  reason: that worker stops (invariant 5); its lines are dropped and the
+  peer lines it was reading unpinned; its tasks go to live workers or fail
+  their calls. Callers never hang: a waiting caller checks every
+  ``WAIT_POLL`` that a live worker can still run its call. ``blasx.reset()``
+  restarts the engine with the same settings, devices opened again; the
+  next call does it by itself once every device is dead (a partly dead
+  engine runs on its live devices until ``reset()``).
+* **Out of memory**: a device's heap is sized from the memory free when it
+  opens (cuda: half of it, keeping a reserve, retried at half the size if
+  the allocation fails; sim: its ``mem=`` less what ``sim.take_memory``
+  holds); a device that cannot get a minimum does not start, with an error
+  naming needed and free bytes. Device memory taken by others mid-run
+  shrinks the sim's cache (``Device.cache_limit``, by eviction); a block
+  that still does not fit fails the call with ``CacheFull`` naming needed
+  and free bytes. A cuda scratch buffer that cannot be had, even after
+  CuPy's cached blocks are given back, fails the call (MemoryError). A host
+  chunk that cannot be registered is copied as pageable memory.
+* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish;
+  interpreter exit cancels the calls in flight first (``shutdown(cancel=
+  True)``: their threads are about to vanish), so it returns promptly.
 
 State (each field has one owner)
 --------------------------------
@@ -135,7 +187,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from .admission import Admission
-from .call import Call
+from . import faults
+from .call import Call, CallCancelled
 from .coherence import Directory
 from .devices.base import DeviceError
 from .knobs import Knobs
@@ -143,6 +196,10 @@ from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
 from .worker import CpuWorker, StreamWorker
+
+
+WAIT_POLL = 0.1  # seconds between a waiting caller's checks that its call can still run
+SWEEP_POLL = 0.05  # seconds between a cancelling caller's sweeps for tasks nobody holds
 
 
 def _reads_own_tile(task) -> bool:
@@ -228,12 +285,19 @@ class Engine:
             name, exc = errors[0]
             raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
 
-    def shutdown(self) -> None:
+    def shutdown(self, cancel: bool = False) -> None:
+        """Stop the workers once the queued work is done; with ``cancel`` (interpreter exit), fail
+        the calls in flight first, so only the tasks already on devices run to their end."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             started = self._started
+        if cancel and started and not self.inline:
+            for call in list(self._calls):
+                if not call.done:
+                    call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
+                    self._take_back(call)
         if started and self.inline:
             self.devices[0].close()
         elif started:
@@ -275,7 +339,10 @@ class Engine:
 
     # ------------------------------------------------------------ calls
     def submit(self, call: Call) -> None:
-        """Run ``call`` to completion on the workers; raise its error, if any."""
+        """Run ``call`` to completion on the workers; raise its error, if any.
+
+        An exception in this thread while the call runs (KeyboardInterrupt, an async exception)
+        cancels it (``_cancel``) and is re-raised once no device works for the call any more."""
         self.start()
         if self._retired:
             self._drain_retired()
@@ -293,17 +360,25 @@ class Engine:
                 self._run_inline(call)
             else:
                 with self._switching:
-                    self._enqueue(call)
-                    while not call.wait(0.5):
-                        if not self._runnable(call):
-                            self._fail_unrunnable()
+                    try:
+                        faults.at("submit")
+                        self._enqueue(call)
+                        while not call.wait(WAIT_POLL):
+                            if not self._runnable(call):
+                                self._fail_unrunnable()
+                    except BaseException as exc:
+                        self._cancel(call, exc)
+                        raise
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again
                     self.retire_base(op.token[0])
-        if call.error is not None:
-            err = call.error
+        err = call.error
+        if err is None:
+            return
+        if isinstance(err, DeviceError):
             raise DeviceError(f"{call.name} failed: {err}") from err
+        raise err  # an error of the call itself (a host-side write, a full tile cache): its own type
 
     def _enqueue(self, call: Call) -> None:
         """Queue ``call``'s tasks, unless shutdown has begun: the workers stop at its sentinels,
@@ -335,6 +410,7 @@ class Engine:
                 task.worker = dev.index
                 call.started(task)
                 try:
+                    faults.at("cpu", dev, task)
                     dev.run_task(task)
                 except BaseException:
                     call.account(task)
@@ -342,9 +418,63 @@ class Engine:
                 call.account(task, dev.index)
         except BaseException as exc:  # noqa: BLE001 - raised to the caller by submit, as from a worker
             exc.blasx_traceback = traceback.format_exc()
-            call.fail(exc)
+            call.fail(exc if isinstance(exc, Exception) else CallCancelled(f"{call.name}: {exc!r}"))
             for task in tasks:
                 call.account(task)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like reach the caller as they are
+
+    def _cancel(self, call: Call, exc: BaseException) -> None:
+        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it so no worker starts
+        another of its tasks, take its queued and stationed tasks back, and wait until the tasks
+        already on devices end (each stops at its next step, invariant 1). A task that nobody
+        holds in two sweeps in a row (the interrupt came before it was queued) is accounted here.
+        In the main thread, a second Ctrl-C meanwhile is ignored: the first one is re-raised."""
+        call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} in its calling thread"))
+        self._poke()
+        restore = _defer_sigint()
+        try:
+            lost: set = set()
+            while True:
+                self._take_back(call)
+                if call.wait(SWEEP_POLL):
+                    return
+                held = self._held_tids(call)
+                now = {t.tid for t in call.unaccounted() if t.tid not in held}
+                for t in call.tasks:
+                    if t.tid in now and t.tid in lost:
+                        call.account(t)
+                lost = now
+        finally:
+            restore()
+
+    def _take_back(self, call: Call) -> None:
+        """Account the tasks of ``call`` (failed) that sit in a queue or a station."""
+        mine = lambda t: t is not self.SENTINEL and t.call is call  # noqa: E731
+        for q in self.queues.values():
+            for t in q.remove_if(mine):
+                call.account(t)
+        for st in self.stations:
+            for t in st.remove_if(mine):
+                call.account(t)
+
+    def _held_tids(self, call: Call) -> set:
+        """Tids of ``call``'s tasks that some worker holds (station, stream, pending event, CPU)."""
+        held: set = set()
+        for w in self.workers:
+            held.update(t.tid for t in w.held_snapshot() if t.call is call)
+        return held
+
+    @property
+    def dead(self) -> bool:
+        """Started, and no worker is alive (every device failed): ``blasx.reset()`` or the next
+        call (``blasx.session.engine``) replaces the engine."""
+        return self._started and not self.inline and not any(w.alive for w in self.workers)
+
+    def leaks(self) -> list[str]:
+        """What an idle engine should not hold (tests and the soak; run with no call in flight)."""
+        from .audit import leaks
+        return leaks(self)
 
     def retire_base(self, base: int) -> None:
         """Tiles of token base ``base`` may never be read again (a read-only array died).
@@ -373,7 +503,8 @@ class Engine:
         live = [w.dev.name for w in self.workers if w.alive]
         if not live:
             dead = "; ".join(f"{n}: {e!r}" for n, e in self.failures) or "none started"
-            return f"no live device left to run {call.name} (failures: {dead})"
+            return (f"no live device left to run {call.name} (failures: {dead}); blasx.reset(), or the "
+                    f"next call, starts the devices again")
         return f"{call.name} has CuPy operands but no live CUDA device can run it (live devices: {live})"
 
     # ------------------------------------------------------------ failures
@@ -440,3 +571,16 @@ class Engine:
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):
                     t.call.account(t)
+
+
+def _defer_sigint():
+    """In the main thread, hold SIGINT (Ctrl-C) back until the returned function is called: the
+    caller is already cleaning up after one. Elsewhere (or with no Python handler) a no-op."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.getsignal(signal.SIGINT)
+    if old is None:
+        return lambda: None
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    return lambda: signal.signal(signal.SIGINT, old)

@@ -28,8 +28,12 @@ doc; this module implements the per-device part of it:
 
 Nothing in the issue path blocks except allocation when every cache line is
 busy, which waits for this device's own oldest event (or for peers to
-release their readers). Every exception ends in :meth:`Worker.fail`, which
-hands unfinished tasks to the engine; none escapes the thread.
+release their readers). An error of one call (a host-side error, a tile
+cache too small for the call: anything but a device error, see
+:meth:`Worker.device_error`) fails that call alone: its task stops where it
+is and the device goes on (:meth:`StreamWorker._drop_task`). Any other
+exception ends in :meth:`Worker.fail`, which hands unfinished tasks to the
+engine; none escapes the thread.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import time
 import traceback
 from collections import deque
 
+from . import faults
 from .admission import NEVER_FOR_THE_CALL
 from .cache import Line
 from .devices.base import ArraySource, DeviceError, HostSource, PeerSource
@@ -54,6 +59,10 @@ def _loc(dev, offset: int, call, slot: int, rows: int, cols: int, dtype=None):
     if ld == rows:
         return dev.arena_loc(offset, rows, cols, dt)
     return dev.arena_loc(offset, rows, cols, dt, ld=ld)
+
+
+class CacheFull(MemoryError):
+    """A device's tile cache cannot hold what a call needs now (that call fails; the device lives)."""
 
 
 URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
@@ -84,6 +93,18 @@ class _Active:
         """C += beta * old C, after the last product step (Knobs.late_c)."""
         c = self.task.c
         return Step("axpby", None, None, 0, 0, c.rows, c.cols, 0, SC_ONE, SC_BETA)
+
+
+class _StepWork:
+    """What one step has taken so far (lines with a reader count, fills not yet flushed, blocks
+    not yet owned by the task), so an error of the call mid-step can give them back."""
+
+    __slots__ = ("release", "fills", "extra")
+
+    def __init__(self) -> None:
+        self.release: list = []
+        self.fills: dict = {}
+        self.extra: list = []
 
 
 class _Pending:
@@ -157,8 +178,7 @@ class Worker(threading.Thread):
         ``call`` now.
 
         A call with fewer tasks than one worker can hold (station + streams) would otherwise
-        go wholly to whichever worker wakes first (measured: N=4096 and 8192 DGEMM on 2 GPUs
-        ran all 4 tasks on one GPU). So a worker that already holds its share,
+        go wholly to whichever worker wakes first. So a worker that already holds its share,
         max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
         run it, has room in its station and holds less than its share (that peer takes it at its next
         pull; it does not sleep while the queue holds work it may take). Never while this
@@ -210,9 +230,7 @@ class Worker(threading.Thread):
             return
         # Any task this worker can run, even with no stream free now: the one whose station
         # empties first (the faster device) claims the tail's tasks early. Stealing only a task
-        # it could start at once (which ends the back-and-forth of a call's last tasks between two
-        # full stations) left them to commitment order: in the 2-GPU sim with one GPU 6% slower,
-        # SYR2K 0.945 -> 0.923 of GEMM and TRSM 0.869 -> 0.831 (bench/results/NOTES.md, tenth session).
+        # it could start at once left the tail to commitment order, which balanced worse.
         t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
         if t is not None:
             self.station.push(t)
@@ -245,6 +263,16 @@ class Worker(threading.Thread):
         """True if a queue this worker serves holds a task this worker would take now, and the
         station has room for it."""
         return self.station.free_slots() > 0 and self._head()[2]
+
+    def device_error(self, exc: BaseException) -> bool:
+        """``exc`` means the device is broken (it then dies and its tasks go to others), not that
+        one call went wrong (then only that call fails)."""
+        return isinstance(exc, DeviceError) or self.dev.error is not None or self.dev.is_device_error(exc)
+
+    def held_snapshot(self) -> tuple:
+        """Tasks this worker holds now, for a cancelling caller's sweep (a lock-free read: a task
+        is held here before the worker checks whether its call failed)."""
+        return self.station.snapshot()
 
     def fail(self, exc: BaseException) -> None:
         self.alive = False
@@ -284,6 +312,7 @@ class StreamWorker(Worker):
         self.h2d_done = 0
         self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
         self.peer_wait_if_sooner = knobs.peer_wait_if_sooner
+        self._work: _StepWork | None = None  # what the step being issued holds (issue)
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -376,6 +405,11 @@ class StreamWorker(Worker):
     def holding(self, call) -> int:
         return super().holding(call) + self.inflight_of.get(call, 0)
 
+    def held_snapshot(self) -> tuple:
+        slots = tuple(a.task for a in tuple(self.slots) if a is not None)  # before pending: tasks move on
+        pending = tuple(p.task for dq in tuple(self.pending) for p in tuple(dq) if p.task is not None)
+        return super().held_snapshot() + slots + pending
+
     def has_runnable(self) -> bool:
         return self.inflight > 0 or super().has_runnable()
 
@@ -413,7 +447,9 @@ class StreamWorker(Worker):
                                          lambda t: self._within_horizon(t, committed) and self.ready(t))
             if task is None:
                 return
+            act = self.slots[s] = _Active(task, task.steps)  # held before the check (a canceller's sweep)
             if task.call.failed:
+                self.slots[s] = None
                 task.call.account(task)
                 continue
             task.worker = self.idx
@@ -424,7 +460,7 @@ class StreamWorker(Worker):
                 # write-back gate (in-place TRMM) is unaffected by the order of the steps.
                 head, body = steps[:task.fixed], steps[task.fixed:]
                 steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
-            self.slots[s] = _Active(task, steps)
+            act.steps = steps
             self.inflight += 1
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
 
@@ -451,8 +487,37 @@ class StreamWorker(Worker):
     # ---------------------------------------------------------------- issue
     def issue(self, s: int) -> bool:
         """Issue the next k-step (or the write-back) of the task on stream ``s``; False if it
-        waits at a gate."""
+        waits at a gate. An error of the call (not of the device) fails the call and ends the
+        task here (``_drop_task``)."""
         act = self.slots[s]
+        work = self._work = _StepWork()
+        try:
+            progressed = self._issue(s, act, work)
+        except Exception as exc:  # noqa: BLE001 - a device error goes on to fail(); a call error stops here
+            if self.device_error(exc):
+                raise  # self._work stays: held_tasks unpins the peer lines it read
+            self._drop_task(s, act, work, exc)
+            progressed = True
+        self._work = None
+        return progressed
+
+    def _drop_task(self, s: int, act: _Active, work: "_StepWork", exc: BaseException) -> None:
+        """End the task on stream ``s`` after an error of its call: the call fails (so its other
+        tasks stop too), what this step had issued is completed (fills flushed) and its lines and
+        buffers are released at an event after it; the task is accounted at that event."""
+        task, dev = act.task, self.dev
+        exc.blasx_traceback = traceback.format_exc()
+        task.call.fail(exc)
+        if work.fills:
+            self._flush(s, work.fills)
+        self.slots[s] = None
+        h2d = dev.record(dev.h2d_stream)  # a C or late-C copy may still be filling a buffer
+        self._push(dev.h2d_stream, h2d)
+        dev.wait(s, h2d)
+        self._push(s, dev.record(s), release=tuple(work.release), free=act.buffers() + tuple(work.extra),
+                   task=task, finished=True)
+
+    def _issue(self, s: int, act: _Active, work: "_StepWork") -> bool:
         task = act.task
         call = task.call
         dev = self.dev
@@ -470,7 +535,7 @@ class StreamWorker(Worker):
             self._finish(s, act, None)
             return True
         row = call.stats.owned_row(self.idx)
-        fills: dict = {}
+        fills = work.fills
         if act.k == 0 and act.c_loc is None:
             self._start_c(s, act, fills)
         if act.late and act.k == nsteps - 2:
@@ -482,7 +547,7 @@ class StreamWorker(Worker):
             act.old_ready = dev.record(cs)
             self._push(cs, act.old_ready)
         step = act.steps[act.k]
-        release: list = []
+        release = work.release
         a = self._acquire(s, call, step.a, release, fills, task) if step.a is not None else None
         b = self._acquire(s, call, step.b, release, fills, task) if step.b is not None else None
         self._flush(s, fills)
@@ -491,6 +556,7 @@ class StreamWorker(Worker):
             # The product goes into a fresh block, which becomes C: no copy back over the old C
             # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
             out_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
+            work.extra.append(out_off)
         chain = self._chain
         if chain is not None and chain[1] != s:
             dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
@@ -502,20 +568,22 @@ class StreamWorker(Worker):
             dev.run_step(s, step, call, a, b, act.c_loc, task, out=out_loc)
             freed = (act.c_off,)
             act.c_off, act.c_loc = out_off, out_loc
+            work.extra.clear()
         if act.late and act.k == nsteps - 1:
             dev.wait(s, act.old_ready)
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
-        work = call.step_flops(step)
-        dev.end_op(s, h, "kernel", 0, work, task)
+        flops = call.step_flops(step)
+        dev.end_op(s, h, "kernel", 0, flops, task)
         row["steps"] += 1
         act.k += 1
-        self.issued_work += work
+        self.issued_work += flops
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
         if self.chain_kernels:
             self._chain = (ev, s)
         last = act.k == nsteps
-        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=work,
+        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=flops,
                    free=freed)
+        release.clear()  # handed to that event
         if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
         self._finish(s, act, ev)
@@ -697,7 +765,14 @@ class StreamWorker(Worker):
                     peer_line.readers -= 1
             raise
         loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
-        cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+        try:
+            cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+        except BaseException:
+            dev.heap.free(off)  # nothing was queued into it
+            if peer_line is not None:
+                with directory.lock:
+                    peer_line.readers -= 1
+            raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
         new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
         new.readers = 1
@@ -716,8 +791,7 @@ class StreamWorker(Worker):
         load of it on this device's own host link: the host bytes still ahead of it on the
         peer's link are at most those ahead of a load issued here now (equal link speeds).
         Otherwise two devices that start a call together queue every shared tile on one link
-        while the other idles (measured on 2 H200s, N=4096: the second GPU started 2.4 ms
-        late and then read 4 of its 6 input tiles from the first one's queue)."""
+        while the other idles."""
         mark = line.fill_mark
         if mark is None:
             return True  # filled over a peer link: no host backlog ahead of it
@@ -728,13 +802,18 @@ class StreamWorker(Worker):
         return self.dev.can_read_from(self.engine.devices[holder]) and self.engine.workers[holder].alive
 
     def _alloc(self, nbytes: int, call) -> int:
-        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work is pending."""
-        heap, directory = self.dev.heap, self.directory
+        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work
+        is pending. Below the device's ``cache_limit`` (other allocations took device memory): the
+        cache shrinks to it by eviction. When nothing more can be freed, raises CacheFull (the call
+        fails, the device goes on)."""
+        heap, directory, dev = self.dev.heap, self.directory, self.dev
         spins = 0
         while True:
-            off = heap.alloc(nbytes)
-            if off is not None:
-                return off
+            limit = dev.cache_limit()
+            if limit is None or heap.bytes_used + nbytes <= limit:
+                off = heap.alloc(nbytes)
+                if off is not None:
+                    return off
             with directory.lock:
                 victim = self.alru.victim()
                 if victim is not None:
@@ -748,16 +827,19 @@ class StreamWorker(Worker):
             if any(self.pending):
                 self.wait_oldest()
                 continue
+            own = self._work.release if self._work is not None else ()  # this step's own readers
             with directory.lock:
-                peer_readers = sum(line.readers for line in self.alru)
-            if peer_readers and spins < 200_000:
+                peer_readers = sum(line.readers for line in self.alru) - sum(1 for line in own if line.device == self.idx)
+            if peer_readers > 0 and spins < 200_000:
                 spins += 1
                 time.sleep(0.0002)  # peers are copying from our lines; they release at their events
                 continue
-            raise MemoryError(
-                f"{self.dev.name}: cannot fit a {nbytes}-byte tile in the {heap.capacity}-byte tile cache "
-                f"({heap.bytes_free} bytes free, largest hole {heap.largest_free}): every block is held "
-                f"by this device's active tasks. Raise cache_bytes or lower the tile size.")
+            room = heap.capacity if limit is None else min(limit, heap.capacity)
+            raise CacheFull(
+                f"{dev.name}: {call.name} needed a {nbytes}-byte block in the tile cache, which had "
+                f"{max(0, room - heap.bytes_used)} bytes free of the {room} it may use now "
+                f"(capacity {heap.capacity}; largest hole {heap.largest_free}); every other block is held "
+                f"by this device's active tasks. Free device memory, raise cache_bytes or lower the tile size.")
 
     # ---------------------------------------------------------------- failure
     def held_tasks(self):
@@ -767,6 +849,9 @@ class StreamWorker(Worker):
                 out.append((act.task, False))
                 self.slots[s] = None
         peer_reads = []
+        if self._work is not None:  # the step being issued when the device broke
+            peer_reads += [line for _lines, peers in self._work.fills.values() for line in peers]
+            self._work = None
         for dq in self.pending:
             for p in dq:
                 if p.finished:
@@ -820,6 +905,10 @@ class CpuWorker(Worker):
         cur = self.current
         return super().holding(call) + (cur is not None and cur.call is call)
 
+    def held_snapshot(self) -> tuple:
+        cur = self.current
+        return super().held_snapshot() + ((cur,) if cur is not None else ())
+
     def has_runnable(self) -> bool:
         return self.current is not None or super().has_runnable()
 
@@ -837,14 +926,25 @@ class CpuWorker(Worker):
             self.fill_station()
             task = self.station.pop_best(lambda t: 0, self.ready)
             if task is not None:
+                self.current = task  # held before the check (a canceller's sweep)
                 if task.call.failed:
+                    self.current = None
                     task.call.account(task)
                     continue
                 task.worker = self.idx
                 task.call.started(task)
-                self.current = task
-                self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
-                self.dev.run_task(task)
+                try:
+                    faults.at("cpu", self.dev, task)
+                    self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
+                    self.dev.run_task(task)
+                except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
+                    if self.device_error(exc):
+                        raise
+                    exc.blasx_traceback = traceback.format_exc()
+                    self.current = None
+                    task.call.fail(exc)
+                    task.call.account(task)
+                    continue
                 self.current = None
                 task.call.account(task, self.idx)
                 continue

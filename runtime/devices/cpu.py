@@ -58,6 +58,7 @@ class CpuDevice(HostDevice):
             return
         with self._lock:
             self._users += 1
+            call.cpu_user = True  # finish_call undoes only what ran here
             if self._users == 1 and not self.auto:
                 self._limit()
 
@@ -100,9 +101,10 @@ class CpuDevice(HostDevice):
         return 2.0 * row.flop_factor * n ** 3, best
 
     def finish_call(self, call) -> None:
-        if self.threads is None:
+        if self.threads is None or not getattr(call, "cpu_user", False):
             return
         with self._lock:
+            call.cpu_user = False
             self._users -= 1
             if self._users == 0 and self._limiter is not None:
                 self._restore()

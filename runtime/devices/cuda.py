@@ -37,6 +37,7 @@ STREAM_NON_BLOCKING = 1
 NOT_READY = 600  # cudaErrorNotReady
 RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
 DEFAULT_CACHE_FRACTION = 0.5
+MIN_CACHE_BYTES = 16 << 20  # below this a device does not start (a few tiles of any useful size)
 
 
 
@@ -104,14 +105,7 @@ class CudaDevice(StreamDevice):
         from cupy.cuda import runtime
         cublas = _cublas()
         cupy.cuda.Device(self.ordinal).use()
-        free, _total = runtime.memGetInfo()
-        want = self._want_cache or int(free * DEFAULT_CACHE_FRACTION)
-        want = min(want, max(0, free - RESERVE_BYTES))
-        if want < 1 << 20:
-            raise DeviceError(f"{self.name}: only {free} bytes free, too little for a tile cache")
-        heap = self._make_heap(want, alignment=512)
-        self.cache_bytes = heap.capacity
-        self.base = runtime.malloc(heap.capacity)
+        self.base = self._alloc_arena(runtime)
         self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.n_all_streams)]
         self.stream_ptrs = [st.ptr for st in self.streams]
         for st in self.streams[:self.nstreams]:  # cuBLAS runs on the compute streams only
@@ -157,6 +151,42 @@ class CudaDevice(StreamDevice):
             if self.base:
                 runtime.free(self.base)
                 self.base = 0
+
+    def _alloc_arena(self, runtime) -> int:
+        """The tile cache's one allocation, sized from the memory free now (others may hold most
+        of it): half of it, leaving a reserve; when the allocation fails (another allocation
+        won the race), CuPy's cached blocks are given back and half as much is tried, down to
+        MIN_CACHE_BYTES; then DeviceError says what was needed and what was free."""
+        import cupy
+        tried = []
+        want = None
+        while True:
+            free, _total = runtime.memGetInfo()
+            reserve = min(RESERVE_BYTES, free // 4)
+            cap = max(0, free - reserve)
+            want = min(self._want_cache or int(free * DEFAULT_CACHE_FRACTION), cap) if want is None else min(want, cap)
+            if want < MIN_CACHE_BYTES:
+                raise DeviceError(f"{self.name}: a tile cache needs at least {MIN_CACHE_BYTES} bytes; {free} bytes "
+                                  f"of device memory are free (tried {tried or 'nothing'})")
+            heap = self._make_heap(want, alignment=512)
+            try:
+                base = runtime.malloc(heap.capacity)
+            except runtime.CUDARuntimeError as exc:
+                if "memory" not in str(exc).lower():
+                    raise
+                tried.append(heap.capacity)
+                cupy.get_default_memory_pool().free_all_blocks()
+                want = heap.capacity // 2
+                continue
+            self.cache_bytes = heap.capacity
+            return base
+
+    def is_device_error(self, exc: BaseException) -> bool:
+        """CUDA and cuBLAS errors break the device, except an out-of-memory (the call fails)."""
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() \
+                or "memoryallocation" in str(exc).lower():
+            return False
+        return type(exc).__name__ in ("CUDARuntimeError", "CUBLASError", "CUDADriverError")
 
     def _reanchor(self) -> None:
         from cupy.cuda import runtime
@@ -418,7 +448,18 @@ class CudaDevice(StreamDevice):
         import cupy
         buf = self._scratches.get(s)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._scratches[s] = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
+            self._scratches.pop(s, None)
+            try:
+                buf = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
+            except cupy.cuda.memory.OutOfMemoryError:
+                cupy.get_default_memory_pool().free_all_blocks()  # cached blocks of others, then once more
+                try:
+                    buf = cupy.empty(nbytes, dtype=np.uint8)
+                except cupy.cuda.memory.OutOfMemoryError as exc:
+                    free = cupy.cuda.runtime.memGetInfo()[0]
+                    raise MemoryError(f"{self.name}: a {nbytes}-byte scratch buffer for a tile kernel does "
+                                      f"not fit; {free} bytes of device memory are free") from exc
+            self._scratches[s] = buf
         return buf.data.ptr
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:

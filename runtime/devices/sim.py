@@ -14,7 +14,14 @@ StreamWorker), with:
   kernel its own rate (a factor of ``rate``);
 * byte counters (``bytes_in``, ``bytes_out``, ``bytes_p2p``) over its life;
 * optional fault injection (``fail_at``: the n-th kernel raises), to test
-  fail-over;
+  fail-over, and the phase hooks of ``runtime/faults.py`` (``load``,
+  ``compute``, ``writeback``, called as each operation is issued);
+* device memory another allocation can take (:func:`take_memory`): the
+  heap is sized at open from what is free, and ``cache_limit`` then keeps
+  the tile cache within what is free, as a lazily committed arena would
+  (``np.empty`` commits its pages on first touch, too);
+* host-side errors (a read-only or otherwise unwritable output) fail the
+  call whose copy hit them, never the device;
 * peer links that can be set (``peers``).
 
 Data-free timing mode (``timing=True``; spec ``sim:8,timing=1`` or
@@ -63,6 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import faults
 from ..stats import OpRecord
 from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
 from .numpy_kernels import KERNELS, kernel_for
@@ -149,6 +157,46 @@ class TimingLoc:
         return f"<TimingLoc @{self.offset} {self.rows}x{self.cols} {self.nbytes} B>"
 
 
+_taken: dict[int, int] = {}  # sim index -> device bytes other allocations hold (take_memory)
+_taken_lock = threading.Lock()
+
+
+class Taken:
+    """Device memory held by another allocation on one sim (:func:`take_memory`); ``release``
+    gives it back (also on ``with`` exit)."""
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        self.index, self.nbytes = index, nbytes
+
+    def release(self) -> None:
+        with _taken_lock:
+            if self.nbytes:
+                _taken[self.index] -= self.nbytes
+                self.nbytes = 0
+
+    def __enter__(self) -> "Taken":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def take_memory(index: int, nbytes: int) -> Taken:
+    """Another library allocates ``nbytes`` on sim ``index`` (a test hook, any time, also mid-call):
+    engines opened later size their heap without it, and running ones keep their cache within
+    what is left."""
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes: got {nbytes!r}, need an int >= 0")
+    with _taken_lock:
+        _taken[index] = _taken.get(index, 0) + nbytes
+    return Taken(index, nbytes)
+
+
+def taken(index: int) -> int:
+    """Bytes other allocations hold on sim ``index``."""
+    return _taken.get(index, 0)
+
+
 class SimEvent:
     __slots__ = ("_flag", "device")
 
@@ -212,7 +260,11 @@ class SimDevice(StreamDevice):
 
     # -- lifecycle --
     def open(self) -> None:
-        heap = self._make_heap(self.cache_bytes)
+        free = self.cache_bytes - taken(self.index)  # the heap is the sim's device memory, less what is taken
+        if free < 1 << 16:
+            raise DeviceError(f"{self.name}: {free} bytes of device memory free of {self.cache_bytes} "
+                              f"({taken(self.index)} taken by other allocations); a tile cache needs at least 65536")
+        heap = self._make_heap(free)
         # Timing mode: the heap runs over the full size, but no byte of it is allocated.
         self.arena = None if self.timing else np.empty(heap.capacity, dtype=np.uint8)
         self.streams = [_Stream(self, s) for s in range(self.n_all_streams)]
@@ -225,11 +277,18 @@ class SimDevice(StreamDevice):
         self.streams = []
         self.arena = None
 
+    def prepare_call(self, call) -> None:
+        faults.at("register", self)  # where a cuda device registers host memory
+
     # -- topology --
     def can_read_from(self, other: StreamDevice) -> bool:
         return self.peers and isinstance(other, SimDevice) and other.peers
 
     # -- memory --
+    def cache_limit(self) -> int | None:
+        t = taken(self.index)
+        return self.cache_bytes - t if t else None
+
     def arena_loc(self, offset: int, rows: int, cols: int, dtype, ld: int | None = None):
         """A column-major view of a heap block (leading dimension ``ld``, default ``rows``)."""
         dt = np.dtype(dtype)
@@ -247,6 +306,8 @@ class SimDevice(StreamDevice):
         link = self.host_link if kind in ("h2d", "d2h") else None
 
         def op():
+            if task is not None and kind in ("kernel", "d2h") and task.call.failed:
+                return  # a failed call's tile ops are skipped, so a cancel is prompt (loads still fill lines)
             with lock:
                 t0 = time.perf_counter()
                 if work is not None:
@@ -266,6 +327,7 @@ class SimDevice(StreamDevice):
         self.streams[s].submit(op)
 
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
+        faults.at("load", self, task)
         after = None
         if type(src) is HostSource:
             view = None if self.timing else _host_tile(src.operand, src.ref)
@@ -303,18 +365,26 @@ class SimDevice(StreamDevice):
         self._launch_cost()
 
     def copy_out(self, s, operand, ref, src, task=None):
+        faults.at("writeback", self, task)
         view = None if self.timing else _host_tile(operand, ref)
         nbytes = src.nbytes if task is None else task.call.home_nbytes(ref)  # C's type at home
 
         def work():
             if view is not None:
-                with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
-                    view[...] = src
+                try:
+                    with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
+                        view[...] = src
+                except Exception as exc:  # noqa: BLE001 - the host memory refused: the call's error
+                    if task is None:
+                        raise
+                    task.call.fail(exc)
+                    return
             self.bytes_out += nbytes
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
 
     def run_step(self, s, step, call, a, b, c, task=None, out=None):
+        faults.at("compute", self, task)
         flops = call.step_flops(step)
         self._kernels_run += 1
         if self.fail_at is not None and self._kernels_run >= self.fail_at:
