@@ -87,16 +87,18 @@ def math_mode(math):
 
 def takes(a_dtype, b_dtype, out_dtype=None, math=None) -> bool:
     """A gemm on these types runs here (not on the s/d/c/z path): A and B of one reduced type
-    (float16, bfloat16, int8), an explicit ``out_dtype``, or float32 under TF32 math."""
+    (float16, bfloat16, int8), an explicit ``out_dtype``, or float32 under TF32 math. (On every
+    blasx.gemm call: dtype objects compared, no conversions.)"""
     if out_dtype is not None:
         return True
-    a, b = np.dtype(a_dtype), np.dtype(b_dtype)
-    if a != b:
+    if a_dtype != b_dtype:
         return False
-    row = dtypes.gemm_of(a)
+    row = dtypes.GEMM_BY_DTYPE.get(a_dtype)
     if row is None:
         return False
-    return row.reduced or (row.prefix == "s" and check_math(math) == "tf32")
+    if row.reduced:
+        return True
+    return row.prefix == "s" and check_math(math) == "tf32"
 
 
 def result_type(a_dtype, b_dtype, out_dtype=None):
