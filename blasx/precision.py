@@ -9,7 +9,9 @@ Type combinations (A and B of one type; C's type is ``out_dtype``):
   on CUDA GPUs (emulated on sims); the CPU computes IEEE float32 (its tiles, and every call of a
   CPU-only engine, whose profile then says ``math: ieee``).
 
-Every other combination is rejected, naming these (:func:`check_types`). Errors against float64
+An ``out_dtype`` outside these is rejected with an error naming them (:func:`check_types`); other
+input pairs (float16 with float32, ...) keep scipy's rule (``gemm``) or numpy's (``matmul``, ``dot``,
+``tensordot``), where two int8 operands give int32, not numpy's wrapping int8. Errors against float64
 on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range
 (inf where the inputs are finite) raises a :class:`Float16OverflowWarning` naming the count.
 NaN and inf in the inputs propagate as in cuBLAS (no warning).
@@ -45,7 +47,8 @@ UNIT_ROUNDOFF = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** 
                  np.dtype(np.float64): 2.0 ** -53}
 if "b" in dtypes.GEMM_BY_PREFIX:
     UNIT_ROUNDOFF[dtypes.GEMM_BY_PREFIX["b"].dtype] = 2.0 ** -8
-TF32_ROUNDOFF = 2.0 ** -11
+#: One TF32 ulp at 1 (10 mantissa bits): an input's error whether tensor cores round or truncate it.
+TF32_UNIT = 2.0 ** -10
 
 
 class Float16OverflowWarning(RuntimeWarning):
@@ -136,9 +139,9 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
 
     u_out is the output type's unit roundoff (float16 2^-11, bfloat16 2^-8, float32 2^-24), u_acc
     float32's: a product of two half or bfloat16 values is exact in float32, so only the k
-    additions round, and their errors add up like a random walk (factor 2 of margin). TF32 rounds
-    each input to 11 significant bits (u_tf32 = 2^-11). int8 -> int32: 0 (exact). float64: 2
-    sqrt(k) 2^-53."""
+    additions round, and their errors add up like a random walk (factor 2 of margin). TF32 cuts
+    each input to 11 significant bits, rounding or truncating (u_tf32 = 2^-10, one ulp: cuBLAS's
+    kernels may do either). int8 -> int32: 0 (exact). float64: 2 sqrt(k) 2^-53."""
     row = dtypes.gemm_of(dtype)
     if row is None:
         raise TypeError(f"dtype: got {dtype!r}, allowed: {dtypes.GEMM_ALLOWED}")
@@ -149,7 +152,7 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     u_out = UNIT_ROUNDOFF[row.real if out.kind == "c" else out]
     tol = u_out + 2.0 * np.sqrt(max(k, 1)) * UNIT_ROUNDOFF[acc]
     if math == "tf32" and row.prefix == "s":
-        tol += 2.0 * TF32_ROUNDOFF
+        tol += 2.0 * TF32_UNIT
     return float(tol)
 
 

@@ -94,7 +94,7 @@ def test_tf32(spec):
     assert _rel(tf, ref) <= P.tolerance(np.float32, k, math="tf32")
     # what tensor cores multiply: the inputs rounded to TF32 (cuBLAS may round or truncate)
     rounded = to_tf32(a).astype(np.float64) @ to_tf32(b).astype(np.float64)
-    assert _rel(tf, rounded) <= 2 * P.TF32_ROUNDOFF
+    assert _rel(tf, rounded) <= 2 * P.TF32_UNIT
 
 
 def test_gemm_int8_scales_on_the_device(spec):

@@ -1,7 +1,7 @@
 """Reduced precision (issue 20) on the CPU and the sim: float16, bfloat16, int8, TF32, quantization.
 
 Tolerances: ``blasx.precision.tolerance`` (relative Frobenius norm against float64 on the same
-inputs: u_out + 2 sqrt(k) u_f32, plus 2 u_tf32 under TF32); int8 -> int32 exact.
+inputs: u_out + 2 sqrt(k) u_f32, plus 2^-9 under TF32); int8 -> int32 exact.
 """
 
 from __future__ import annotations
