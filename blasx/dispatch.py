@@ -257,12 +257,18 @@ def _scratch_home(eng, like) -> int | None:
     return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
-def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
+def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math=None,
+                  epilogue=None) -> None:
+    """Make the call and run it; ``out_dtype``, ``math`` and ``epilogue`` as ``Call`` takes them
+    (blasx.precision's gemms; a named ``math`` is kept in the profile's ``host["math"]``)."""
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
-    call = Call(name, operands, tasks, dtype, alpha, beta, stats)
+    if math is not None:
+        stats.host["math"] = math
+    call = Call(name, operands, tasks, dtype, alpha, beta, stats, epilogue=epilogue, out_dtype=out_dtype,
+                math=math or "ieee")
     call.tile = tile
     prepared = []  # backends whose prepare_call ran: an interrupt inside one still finishes it
     ident = threading.get_ident()

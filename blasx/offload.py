@@ -4,7 +4,8 @@ While offload is on, these run on the blasx engine when their flop count is at
 least the threshold, and exactly as before otherwise:
 
 * ``a @ b`` and ``np.matmul`` on float32 / float64 / complex64 / complex128
-  arrays: numpy's matmul inner loops for these types are replaced by the C
+  and float16 arrays (float16: accumulated in float32 on the devices, a float16
+  result as numpy's; blasx.precision): numpy's matmul inner loops for these types are replaced by the C
   extension ``blasx._matmul_loops`` (numpy's ``PyUFunc_ReplaceLoopBySignature``);
   below the threshold the replacement calls numpy's own loop from C;
 * ``np.dot`` (the ``numpy.dot`` attribute is replaced; ``ndarray.dot`` and names
@@ -333,7 +334,7 @@ def _install_loops() -> None:
     _ext.install(_matmul_hook)
     _ext.set_local(math.inf)  # the probes stay on numpy's loop
     try:
-        for slot, dt in enumerate((np.float32, np.float64, np.complex64, np.complex128)):
+        for slot, dt in enumerate((np.float32, np.float64, np.complex64, np.complex128, np.float16)):
             before = _ext.hits(slot)
             x = np.ones((2, 2), dtype=dt)
             y = x @ x

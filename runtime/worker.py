@@ -51,6 +51,16 @@ from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
 from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
 
 
+def _loc(dev, offset: int, call, slot: int, rows: int, cols: int, dtype=None):
+    """Where a heap block of ``dev`` holds a tile of operand ``slot`` of ``call``: in the tile's
+    type on a device (``dtype`` overrides it) and leading dimension (padded for int8)."""
+    dt = call.tile_dtype(slot) if dtype is None else dtype
+    ld = call.tile_ld(slot, rows)
+    if ld == rows:
+        return dev.arena_loc(offset, rows, cols, dt)
+    return dev.arena_loc(offset, rows, cols, dt, ld=ld)
+
+
 class CacheFull(MemoryError):
     """A device's tile cache cannot hold what a call needs now (that call fails; the device lives)."""
 
@@ -531,8 +541,8 @@ class StreamWorker(Worker):
         if act.late and act.k == nsteps - 2:
             # Fetch the old C now, one step before it is folded in (Knobs.late_c).
             src = task.c_init or task.c
-            act.old_off = self._alloc(src.rows * src.cols * call.itemsize, call)
-            act.old_loc = dev.arena_loc(act.old_off, src.rows, src.cols, call.dtype)
+            act.old_off = self._alloc(call.tile_nbytes(src.slot, src.rows, src.cols), call)
+            act.old_loc = _loc(dev, act.old_off, call, src.slot, src.rows, src.cols)
             cs = self._load(act.old_loc, call.operands[src.slot], src, None, call, task)
             act.old_ready = dev.record(cs)
             self._push(cs, act.old_ready)
@@ -545,7 +555,7 @@ class StreamWorker(Worker):
         if step.kernel in dev.OUT_OF_PLACE and act.c_off is not None and self.engine.config.knobs.invmm_new_block:
             # The product goes into a fresh block, which becomes C: no copy back over the old C
             # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
-            out_off = self._alloc(task.c.rows * task.c.cols * call.itemsize, call)
+            out_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
             work.extra.append(out_off)
         chain = self._chain
         if chain is not None and chain[1] != s:
@@ -554,7 +564,7 @@ class StreamWorker(Worker):
         if out_off is None:
             dev.run_step(s, step, call, a, b, act.c_loc, task)
         else:
-            out_loc = dev.arena_loc(out_off, task.c.rows, task.c.cols, call.dtype)
+            out_loc = _loc(dev, out_off, call, task.c.slot, task.c.rows, task.c.cols)
             dev.run_step(s, step, call, a, b, act.c_loc, task, out=out_loc)
             freed = (act.c_off,)
             act.c_off, act.c_loc = out_off, out_loc
@@ -587,6 +597,8 @@ class StreamWorker(Worker):
         if call.epilogue is not None:
             call.epilogue(dev, s, act.c_loc, task)
             ev = None  # the write-back must follow the epilogue too
+            if call.wb_dtype != call.acc_dtype and act.c_off is not None:  # it converted C in place
+                act.c_loc = _loc(dev, act.c_off, call, task.c.slot, task.c.rows, task.c.cols, call.wb_dtype)
         if ev is None:
             ev = dev.record(s)
             self._push(s, ev)
@@ -598,7 +610,7 @@ class StreamWorker(Worker):
             dev.wait(out, ev)
             h = dev.begin_op(out)
             dev.copy_out(out, c_op, task.c, act.c_loc, task)
-            nbytes = task.c.rows * task.c.cols * call.itemsize
+            nbytes = call.home_nbytes(task.c)
             dev.end_op(out, h, "d2h", nbytes, 0.0, task)
             row["bytes_d2h"] += nbytes
         row["tasks"] += 1
@@ -609,7 +621,7 @@ class StreamWorker(Worker):
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
             ref = task.c
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
-                        ref.rows * ref.cols * call.itemsize, ref.rows, ref.cols)
+                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols)
             line.ready = ev
             line.readers = 1  # its kernel and write-back are still queued: not evictable until ev
             with self.directory.lock:
@@ -644,7 +656,7 @@ class StreamWorker(Worker):
     def _start_c(self, s: int, act: _Active, fills: dict) -> None:
         task, call, dev = act.task, act.task.call, self.dev
         c_op = call.operands[task.c.slot]
-        if dev.holds_array(c_op):
+        if dev.holds_array(c_op) and not call.mixed:  # (a mixed call accumulates in a wider buffer)
             act.c_loc = dev.array_loc(c_op, task.c)  # in-core: compute into the array itself
             src = task.c_init
             if task.load_c and src is not None and (call.tokens[src.slot], src.bi, src.bj) != (
@@ -653,12 +665,11 @@ class StreamWorker(Worker):
                 cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
                 fills.setdefault(cs, ([], []))
             return
-        nbytes = task.c.rows * task.c.cols * call.itemsize
-        act.c_off = self._alloc(nbytes, call)
-        act.c_loc = dev.arena_loc(act.c_off, task.c.rows, task.c.cols, call.dtype)
+        act.c_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
+        act.c_loc = _loc(dev, act.c_off, call, task.c.slot, task.c.rows, task.c.cols)
         if not task.load_c:
             return
-        if self.late_c and task.rotatable and len(act.steps) >= 2:
+        if self.late_c and task.rotatable and len(act.steps) >= 2 and not call.mixed:
             # Knobs.late_c: start from beta = 0; the old C is fetched near the end and folded in.
             act.late = True
             act.steps = (act.steps[0]._replace(beta=SC_ZERO),) + act.steps[1:]
@@ -672,21 +683,23 @@ class StreamWorker(Worker):
         for its source: from a peer line (after its fill event ``peer_wait``, if still in
         flight) or from the tile's home. Returns the copy stream."""
         dev = self.dev
-        nbytes = ref.rows * ref.cols * call.itemsize
         if peer_line is not None:
+            nbytes, dtype = call.tile_nbytes(ref.slot, ref.rows, ref.cols), call.tile_dtype(ref.slot)
             peer = self.engine.devices[peer_line.device]
-            src = PeerSource(peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
+            src = PeerSource(peer, _loc(peer, peer_line.offset, call, ref.slot, ref.rows, ref.cols),
                              peer_wait, operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         elif operand.device >= 0:
+            nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = ArraySource(operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         else:
+            nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = HostSource(operand, ref)
             kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
             self.h2d_issued += nbytes
         h = dev.begin_op(cs)
-        dev.copy_in(cs, dst, src, ref.rows, ref.cols, call.dtype, task)
+        dev.copy_in(cs, dst, src, ref.rows, ref.cols, dtype, task)
         dev.end_op(cs, h, kind, nbytes, 0.0, task)
         call.stats.owned_row(self.idx)[field] += nbytes
         return cs
@@ -742,16 +755,16 @@ class StreamWorker(Worker):
                 dev.wait(s, wait_for)  # its fill is still in flight on a copy stream
             release.append(line)
             row["l1_hits"] += 1
-            return dev.arena_loc(line.offset, line.rows, line.cols, call.dtype)
+            return _loc(dev, line.offset, call, ref.slot, line.rows, line.cols)
         try:
-            nbytes = ref.rows * ref.cols * call.itemsize
+            nbytes = call.tile_nbytes(ref.slot, ref.rows, ref.cols)
             off = self._alloc(nbytes, call)
         except BaseException:
             if peer_line is not None:
                 with directory.lock:
                     peer_line.readers -= 1
             raise
-        loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
+        loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
         try:
             cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
         except BaseException:

@@ -50,7 +50,7 @@ def updates(err: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("argv, words", [
     ([], ["gemm", "info", "tune", "examples:"]),
-    (["gemm"], ["--n N", "--dtype {s,d,c,z}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
+    (["gemm"], ["--n N", "--dtype {s,d,c,z,h,b,i8}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
     (["info"], ["--measure", "--devices SPEC", "--db FILE", "perf-db", "cuBLAS"]),
     (["tune"], ["--tiles", "--show", "--clear", "perf-db"]),
 ])
@@ -77,7 +77,7 @@ def test_version(capsys):
     (["gemm", "--n", "-5"], "argument --n: got -5, need a positive integer"),
     (["gemm", "--n", "0"], "argument --n: got 0, need a positive integer"),
     (["gemm", "--m", "x"], "argument --m: got 'x', need a positive integer"),
-    (["gemm", "--dtype", "h"], "argument --dtype: got 'h', need one of s, d, c, z"),
+    (["gemm", "--dtype", "q"], "argument --dtype: got 'q', need one of s, d, c, z, h, b, i8"),
     (["gemm", "--devices", "gpu"], "argument --devices: unknown backend 'gpu' in 'gpu'; allowed: cuda, sim, cpu"),
     (["gemm", "--devices", "sim:0"], "argument --devices: sim count must be >= 1"),
     (["gemm", "--devices", "cpu:1"], "argument --devices: 'cpu' takes no arguments"),
@@ -92,7 +92,7 @@ def test_version(capsys):
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
     (["tune", "--m", "64"], "arguments --m/--k: need --n"),
     (["tune", "--check-rows", "-2"], "argument --check-rows: got -2, need an integer >= 0"),
-    (["tune", "--dtype", "d,h"], "argument --dtype: got 'd,h'"),
+    (["tune", "--dtype", "d,q"], "argument --dtype: got 'd,q'"),
     (["frob"], "invalid choice: 'frob'"),
     ([], "the following arguments are required: COMMAND"),
 ])

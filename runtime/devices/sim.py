@@ -73,7 +73,7 @@ import numpy as np
 from .. import faults
 from ..stats import OpRecord
 from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
-from .numpy_kernels import KERNELS
+from .numpy_kernels import KERNELS, kernel_for
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,11 @@ class TimingLoc:
 
     __slots__ = ("offset", "rows", "cols", "nbytes")
 
-    def __init__(self, offset: int, rows: int, cols: int, itemsize: int) -> None:
+    def __init__(self, offset: int, rows: int, cols: int, itemsize: int, ld: int | None = None) -> None:
         self.offset = offset
         self.rows = rows
         self.cols = cols
-        self.nbytes = rows * cols * itemsize
+        self.nbytes = (rows if ld is None else ld) * cols * itemsize
 
     def __repr__(self) -> str:
         return f"<TimingLoc @{self.offset} {self.rows}x{self.cols} {self.nbytes} B>"
@@ -289,12 +289,14 @@ class SimDevice(StreamDevice):
         t = taken(self.index)
         return self.cache_bytes - t if t else None
 
-    def arena_loc(self, offset: int, rows: int, cols: int, dtype):
+    def arena_loc(self, offset: int, rows: int, cols: int, dtype, ld: int | None = None):
+        """A column-major view of a heap block (leading dimension ``ld``, default ``rows``)."""
         dt = np.dtype(dtype)
+        ld = rows if ld is None else ld
         if self.timing:
-            return TimingLoc(offset, rows, cols, dt.itemsize)
+            return TimingLoc(offset, rows, cols, dt.itemsize, ld)
         return np.ndarray((rows, cols), dtype=dt, buffer=self.arena, offset=offset,
-                          strides=(dt.itemsize, rows * dt.itemsize))
+                          strides=(dt.itemsize, ld * dt.itemsize))
 
     # -- operations --
     def _timed(self, s: int, kind: str, lock, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
@@ -334,7 +336,7 @@ class SimDevice(StreamDevice):
             view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
         else:
             raise DeviceError(f"{self.name}: sim devices cannot read a {type(src).__name__}")
-        nbytes = dst.nbytes
+        nbytes = rows * cols * np.dtype(dtype).itemsize  # in the source's type (a load may convert)
         peer_ok = [True]
         if after is not None:
             # A stream waiting on an event holds no engine (as on a GPU): wait first, then copy.
@@ -365,12 +367,13 @@ class SimDevice(StreamDevice):
     def copy_out(self, s, operand, ref, src, task=None):
         faults.at("writeback", self, task)
         view = None if self.timing else _host_tile(operand, ref)
-        nbytes = src.nbytes
+        nbytes = src.nbytes if task is None else task.call.home_nbytes(ref)  # C's type at home
 
         def work():
             if view is not None:
                 try:
-                    view[...] = src
+                    with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
+                        view[...] = src
                 except Exception as exc:  # noqa: BLE001 - the host memory refused: the call's error
                     if task is None:
                         raise
@@ -392,7 +395,7 @@ class SimDevice(StreamDevice):
         elif self.timing:
             work = None  # the cost model's time only
         else:
-            kern = KERNELS.get(step.kernel)
+            kern = kernel_for(step, call, KERNELS)
             if kern is None:
                 raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
             extra = {} if out is None else {"out": out}
