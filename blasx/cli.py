@@ -290,6 +290,7 @@ def _gemm(blasx, parser, args) -> int:
     from . import probe
     from .progress import Progress, wanted
     from .runtime.devices.base import DeviceError
+    from .tile import choose_tile
 
     m, k = args.m or args.n, args.k or args.n
     n = args.n
@@ -319,13 +320,20 @@ def _gemm(blasx, parser, args) -> int:
         x = rng.standard_normal(shape)
         return (x + 1j * rng.standard_normal(shape) if dtype.kind == "c" else x).astype(dtype)
 
+    try:
+        tile = choose_tile(eng, m, n, k, dtype)
+    except ValueError as exc:
+        parser.error(f"argument --tile: {exc}")
+    names = ", ".join(d.name for d in eng.devices)
+    tiles = -(-m // tile) * -(-n // tile)
+    # Said before the arrays are made and the runs start, so a log shows what runs at once.
+    print(f"blasx gemm: {m}x{n}x{k} {dtype.name} ({args.dtype}), {probe.format_bytes(nbytes)} of operands, "
+          f"on {eng.spec} ({names}), tile {tile} ({tiles} tile(s) of C), {args.runs} run(s)", flush=True)
     a, b = rand((m, k)), rand((k, n))
     c = np.empty((m, n), dtype, order="F")
     flops = 2 * blas_type.flop_factor * m * n * k
-    names = ", ".join(d.name for d in eng.devices)
-    print(f"blasx gemm: {m}x{n}x{k} {dtype.name}, {probe.format_bytes(nbytes)} of operands, "
-          f"on {eng.spec} ({names})", flush=True)
     show = wanted(args.progress, sys.stderr)
+    times = []
     try:
         for r in range(args.runs):
             c[...] = np.nan  # poison: every element must be written
@@ -333,12 +341,13 @@ def _gemm(blasx, parser, args) -> int:
                 t = time.perf_counter()
                 blasx.gemm(1.0, a, b, c=c, overwrite_c=True)
                 t = time.perf_counter() - t
+            times.append(t)
             print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
     except DeviceError as exc:
         return _error(parser, str(exc))
     prof = blasx.last_profile()
     print(prof.report())
-    status = 0
+    status, verdict = 0, "not checked"
     if args.check_rows:
         rows = min(args.check_rows, m)
         ref = a[:rows].astype(blas_type.wide) @ b.astype(blas_type.wide)
@@ -346,7 +355,10 @@ def _gemm(blasx, parser, args) -> int:
         tol = 1e-4 if blas_type.real.itemsize == 4 else 1e-10
         ok = bool(np.isfinite(c).all()) and err < tol
         print(f"check: {rows} rows against numpy, relative error {err:.2e} ({'ok' if ok else 'WRONG'}, tolerance {tol:g})")
-        status = 0 if ok else 1
+        status, verdict = (0, "check ok") if ok else (1, "check WRONG")
+    best = min(times)
+    print(f"result: best of {len(times)} run(s) {best:.3f} s, {flops / best / 1e12:.3f} TFLOPS, {verdict}",
+          flush=True)
     if args.trace:
         prof.to_chrome_trace(args.trace)
         print(f"trace: {args.trace}")
