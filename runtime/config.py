@@ -1,58 +1,14 @@
-"""Device selection: ``blasx.configure(devices=...)`` and ``BLASX_DEVICES``.
+"""Device selection: ``blasx.configure(devices=...)`` and ``BLASX_DEVICES`` (docs/usage.md lists it all).
 
-A spec names one backend and its arguments:
+A spec names one backend and its arguments: ``cuda`` (every GPU), ``cuda:0,1``, ``sim:4`` (simulated
+GPUs), ``sim:2,slow=4`` (the last one 4x slower), ``sim:3,speeds=1/1/4``, ``sim:2,fail=1@5`` (sim 1
+raises at its 5th kernel), ``sim:2,peers=0`` (no peer links), ``cpu`` (the host's BLAS).
 
-==================  ==========================================================
-``cuda``            every CUDA GPU
-``cuda:0,1``        those GPU ordinals
-``sim:4``           four simulated GPUs
-``sim:2,slow=4``    two sims, the last one 4x slower
-``sim:3,speeds=1/1/4``  per-device slowdown factors
-``sim:2,fail=1@5``  sim 1 raises at its 5th kernel (fault injection)
-``sim:2,peers=0``   sims without peer links (no L2 copies)
-``cpu``             the host only, through numpy's BLAS
-==================  ==========================================================
-
-Sim options ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s) set its
-cost model. The CPU worker joins CUDA GPUs by default in auto mode (it takes a task only
-when that is predicted to help: ``runtime/admission.py``), joins any devices with
-``configure(cpu="auto")``, always with ``cpu=True``, never with ``cpu=False``.
-
-Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices``
-(``runtime/devices/sim.py`` has the details; ``bench/scaling_sim.py`` uses them):
-
-``timing=1`` (or ``data=0``)
-    data-free timing mode: no arena bytes, kernels and copies do no numpy
-    work and only take their cost-model time, host operands are never read
-    or written. Default ``timing=0`` (``data=1``): real data.
-``mem=BYTES``
-    each sim's tile-cache heap (default 64 MiB; ``configure(cache_bytes=)``
-    sets it too, but not both at once). An int, or a number with a suffix:
-    ``K M G T`` decimal (``141G`` = 141e9), ``Ki Mi Gi Ti`` binary
-    (``64Mi`` = 2**26); an optional trailing ``B`` is ignored.
-``dilate=F``
-    every duration of every sim times F (time dilation, so that host-side
-    scheduler overhead is small next to the simulated times; divide measured
-    wall times by F). Unlike ``slow=``, which slows the last sim only.
-``issue=SECONDS``
-    host time of one kernel or copy launch, slept by the issuing worker thread
-    (times ``dilate``), so that with dilation a worker still issues work at a
-    realistic pace relative to the device. Default 0.
-``host=BYTES_PER_S``
-    a host-side bandwidth cap shared by the host copies (H2D and D2H) of
-    several sims (e.g. the host's memory bandwidth, or a PCIe switch
-    uplink); suffixes as for ``mem`` (``200G``). Default: none (every sim
-    has its own independent host link).
-``hostgroup=G``
-    sims 0..G-1 share one cap, G..2G-1 the next, ... (default: all share one).
-``hostduplex=1``
-    separate caps for the two directions (a PCIe link); default 0: one cap
-    for H2D and D2H together (memory bandwidth).
-``krate=KERNEL:F/KERNEL:F...``
-    per-kernel rate factors: a ``KERNEL`` step runs at ``F`` times ``rate``
-    (e.g. ``krate=trmm:0.9/trsm:0.35``: on GPUs the diagonal TRMM and TRSM
-    tile kernels run slower than GEMM steps). Kernels not named run at
-    ``rate``. Default: none.
+Sim cost model: ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s), ``krate=trsm:0.35/...``
+(per-kernel rate factors). For predictions (``devices/sim.py``): ``timing=1`` (or ``data=0``:
+no data, only cost-model time), ``mem=`` (heap bytes; sizes take K M G T or Ki Mi Gi Ti suffixes),
+``dilate=F`` (every duration times F), ``issue=`` (host seconds per launch), ``host=`` with
+``hostgroup=`` and ``hostduplex=1`` (a host bandwidth cap shared by sims' host copies).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Policy
 * A pure planner splits a call into tasks, one per output tile C_ij, each a list of k-steps. They
   go to a **global queue** that never blocks (``queue.py``): host operands to the queue every
   worker serves, CuPy operands to the one only CUDA workers serve.
-* One **worker thread per device** (``worker_base.py``; ``worker.py`` for stream devices,
-  ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It pulls
+* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for
+  stream devices, ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It pulls
   when it has room (demand-driven balance), steals the newest task of the most loaded station
   when the queue is empty, and starts the task of highest **Eq. 3 priority** (2 per input tile in
   its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which later
