@@ -56,21 +56,13 @@ class Worker(threading.Thread):
         return q.get() if takes else None
 
     def _leave_for_peer(self, call) -> bool:
-        """The fair-share rule for small calls: True if this worker should not take more of
-        ``call`` now.
+        """The fair-share rule for small calls: True if this worker should not take more of ``call`` now.
 
-        A call with fewer tasks than one worker can hold (station + streams) would otherwise
-        go wholly to whichever worker wakes first. So a worker that already holds its share,
-        max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
-        run it, has room in its station and holds less than its share (that peer takes it at its next
-        pull; it does not sleep while the queue holds work it may take). Never while this
-        worker has nothing it can run, so no device idles and a gated task's dependency is
-        never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
-        Only stream devices (GPUs) share this way: nothing is left for the CPU worker, which
-        is ~100x slower per tile on a GPU server (one of four tasks on it would make a small
-        call wait seconds); the CPU worker takes work by demand (``cpu=True``) or, in auto
-        mode, by its admission rule (``admission.py``), which leaves small calls to the GPUs.
-        """
+        Else a call smaller than one worker's station + streams goes wholly to the first worker to
+        wake. A stream worker holding its share, max(1, tasks // eligible stream workers), leaves the
+        rest to a stream peer with room that holds less (which takes it at its next pull); never
+        while this worker has nothing it can run, so no device idles and no gated task's dependency
+        waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
         if not self.dev.streamed:
             return False
         peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
