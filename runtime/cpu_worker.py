@@ -12,12 +12,10 @@ from .worker_base import Worker
 class CpuWorker(Worker):
     """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile.
 
-    By demand (``engine.admission`` None: ``configure(cpu=True)``) it takes the queue's head
-    whenever it is idle, and steals when the queue is empty. In auto mode it takes a task, from
-    the queue or a GPU's station, only when ``engine.admission`` admits it (the rule in
-    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes,
-    or for 2 ms when it was declined on rates (not for a call it can never join: one with
-    dependencies, or one the GPUs hold whole), asking again with fresher rates.
+    By demand (``configure(cpu=True)``) it takes the queue's head whenever idle and steals when the
+    queue is empty. In auto mode it takes a task (queued or stationed) only when
+    ``engine.admission`` admits it; declined on rates, it asks again after a short sleep, else it
+    sleeps until work changes.
     """
 
     current = None  # the task being solved (it writes C in place)
@@ -94,11 +92,9 @@ class CpuWorker(Worker):
                 return
             if self._work_waiting():
                 continue
-            # Auto mode: a task it left in the queue may be admitted later (once the GPUs'
-            # rates are measured, or their work left shrinks): look again every 2 ms while the
-            # queue holds any, unless the call can never be admitted (it has dependencies, or
-            # the GPUs hold all of it): then sleep until new work is posted, so that a small
-            # GPU call does not share the GIL with a thread that wakes every 2 ms.
+            # Auto mode: a task left in the queue may be admitted once rates are known or the GPUs'
+            # work shrinks, so look again soon; not for a call that can never be admitted (then a
+            # small GPU call does not share the GIL with a thread that keeps waking).
             adm = eng.admission
             declined = adm is not None and any(len(q) for q in eng.queues_for(self)) and not (
                 adm.last is not None and adm.last.reason in NEVER_FOR_THE_CALL)

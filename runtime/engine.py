@@ -9,12 +9,12 @@ Policy
 * A pure planner splits a call into tasks, one per output tile C_ij, each a list of k-steps. They
   go to a **global queue** that never blocks (``queue.py``): host operands to the queue every
   worker serves, CuPy operands to the one only CUDA workers serve.
-* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for
-  stream devices, ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It pulls
-  when it has room (demand-driven balance), steals the newest task of the most loaded station
-  when the queue is empty, and starts the task of highest **Eq. 3 priority** (2 per input tile in
-  its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which later
-  tasks wait for) goes first. **Fair share of small calls**: a stream worker holding
+* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for stream
+  devices, ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It
+  pulls when it has room (demand-driven balance), steals the newest task of the most loaded
+  station when the queue is empty, and starts the task of highest **Eq. 3 priority** (2 per input
+  tile in its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which
+  later tasks wait for) goes first. **Fair share of small calls**: a stream worker holding
   max(1, tasks // stream workers) of a call leaves the rest to a stream peer with room that holds
   less, unless it has nothing else to run (``Worker._leave_for_peer``).
 * Each stream runs one task; a worker issues one k-step of every active task in turn, with at most

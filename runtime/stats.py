@@ -190,11 +190,6 @@ class CallStats:
     def finished(self) -> bool:
         return self._finish is not None
 
-    @property
-    def finish_time(self) -> float | None:
-        """When the call's window ended (``clock()``), None while it is open."""
-        return self._finish
-
     def __enter__(self) -> CallStats:
         self.start()
         return self
