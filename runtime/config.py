@@ -102,43 +102,29 @@ def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
     return tuple(out.items())
 
 
-_TIMING_RULES = {
-    "timing": "0 or 1",
-    "data": "0 or 1",
-    "mem": f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9",
-    "dilate": "a number > 0",
-    "issue": "seconds, at least 0 and below 1, e.g. 2e-5",
-    "host": "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10",
-    "hostgroup": "an int >= 1",
-    "hostduplex": "0 or 1",
-    "krate": f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}",
+def _finite_size(v: str) -> float:
+    x = parse_size(v)
+    return x if x != float("inf") else float("nan")
+
+
+#: Each sim option's check (True, or ValueError, when good) and what it allows (None: not spelled out).
+_SIM_RULES = {
+    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: not float(v) <= 0, None)),
+    "speeds": (lambda v: not any(float(x) <= 0 for x in v.split("/")), None),
+    "fail": (lambda v: [int(x) for x in v.partition("@")[::2]] is not None, None),
+    "peers": (lambda v: v in ("0", "1"), None),
+    "timing": (lambda v: v in ("0", "1"), "0 or 1"),
+    "data": (lambda v: v in ("0", "1"), "0 or 1"),
+    "hostduplex": (lambda v: v in ("0", "1"), "0 or 1"),
+    "mem": (lambda v: parse_size(v) >= MIN_SIM_MEM and parse_size(v) == int(parse_size(v)),
+            f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9"),
+    "dilate": (lambda v: float(v) > 0 and float(v) != float("inf"), "a number > 0"),
+    "issue": (lambda v: 0 <= float(v) < 1, "seconds, at least 0 and below 1, e.g. 2e-5"),
+    "host": (lambda v: _finite_size(v) > 0, "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10"),
+    "hostgroup": (lambda v: int(v) >= 1, "an int >= 1"),
+    "krate": (lambda v: parse_krate(v) is not None,
+              f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}"),
 }
-
-
-def _check_timing_option(k: str, v: str, spec: str) -> None:
-    ok = True
-    try:
-        if k in ("timing", "data", "hostduplex"):
-            ok = v in ("0", "1")
-        elif k == "mem":
-            x = parse_size(v)
-            ok = x >= MIN_SIM_MEM and x == int(x)
-        elif k == "dilate":
-            ok = float(v) > 0 and float(v) != float("inf")
-        elif k == "issue":
-            ok = 0 <= float(v) < 1
-        elif k == "host":
-            x = parse_size(v)
-            ok = x > 0 and x != float("inf")
-        elif k == "hostgroup":
-            ok = int(v) >= 1
-        elif k == "krate":
-            parse_krate(v)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}; "
-                         f"allowed: {_TIMING_RULES[k]}")
 
 
 def _check_timing_combination(options: dict, spec: str) -> None:
@@ -152,27 +138,17 @@ def _check_timing_combination(options: dict, spec: str) -> None:
 
 
 def _check_sim_options(options: dict, spec: str) -> None:
-    allowed = SIM_OPTIONS
     for k, v in options.items():
-        if k not in allowed:
-            raise ValueError(f"devices: unknown sim option {k!r} in {spec!r}; allowed: {', '.join(allowed)}")
-        if k in SIM_TIMING_OPTIONS:
-            _check_timing_option(k, v, spec)
-            continue
+        if k not in SIM_OPTIONS:
+            raise ValueError(f"devices: unknown sim option {k!r} in {spec!r}; allowed: {', '.join(SIM_OPTIONS)}")
+        check, allowed = _SIM_RULES[k]
         try:
-            if k in SIM_FLOAT_OPTIONS:
-                if float(v) <= 0:
-                    raise ValueError
-            elif k == "speeds":
-                if any(float(x) <= 0 for x in v.split("/")):
-                    raise ValueError
-            elif k == "fail":
-                d, _, n = v.partition("@")
-                int(d), int(n)
-            elif k == "peers" and v not in ("0", "1"):
-                raise ValueError
+            ok = check(v)
         except ValueError:
-            raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}") from None
+            ok = False
+        if not ok:
+            raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}"
+                             + (f"; allowed: {allowed}" if allowed else ""))
     _check_timing_combination(options, spec)
 
 

@@ -311,10 +311,8 @@ class Engine:
         raise err  # an error of the call itself (a host-side write, a full tile cache): its own type
 
     def _enqueue(self, call: Call) -> None:
-        """Queue ``call``'s tasks, unless shutdown has begun: the workers stop at its sentinels,
-        so tasks queued after them would never run and the caller would wait forever (seen:
-        a call racing ``blasx.configure()``). Under the lock that shutdown() sets ``_closed``
-        with, so the tasks go in before the sentinels or not at all (EngineClosed)."""
+        """Queue ``call``'s tasks before shutdown's sentinels or not at all (EngineClosed): tasks behind
+        the sentinels would never run. Under the lock that shutdown() sets ``_closed`` with."""
         with self._lock:
             if self._closed:
                 raise EngineClosed(f"{call.name}: this blasx engine was shut down (configure() or shutdown() "
@@ -328,9 +326,8 @@ class Engine:
         return len(self.devices) == 1 and not self.devices[0].streamed
 
     def _run_inline(self, call: Call) -> None:
-        """Run ``call``'s tasks on the CPU device in the calling thread, in plan order (which
-        puts every task after its dependencies). An error fails this call only; every task is
-        accounted either way (invariant 1)."""
+        """Run ``call``'s tasks on the CPU device in the calling thread, in plan order (dependencies
+        first); an error fails this call only, every task accounted either way (invariant 1)."""
         dev = self.devices[0]
         tasks = iter(call.tasks)
         try:
@@ -407,12 +404,9 @@ class Engine:
         return leaks(self)
 
     def retire_base(self, base: int) -> None:
-        """Tiles of token base ``base`` may never be read again (a read-only array died).
-
-        Called by a finalizer, so in whatever frame the garbage collector frees the array, which
-        may hold the directory lock in this very thread: it never waits for that lock. A base it
-        cannot retire now waits in ``_retired`` for the next one that can, at the latest the next
-        call's submission (a base is never reused, so its lines are only dead a little later)."""
+        """Tiles of token base ``base`` may never be read again (a read-only array died). Called by a
+        finalizer, which may run under the directory lock in this thread, so it never waits for it: a
+        base it cannot retire now waits in ``_retired`` (at the latest for the next submit)."""
         self._retired.append(base)
         self._drain_retired()
 

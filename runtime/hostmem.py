@@ -136,11 +136,10 @@ class RegistrationCache:
         self.seconds = 0.0  # spent in cudaHostRegister, all threads
 
     def pin(self, arrays) -> tuple[list, "PinJob | None"]:
-        """Start pinning the roots of ``arrays`` (the host operands of one call), their chunks
-        round-robin in address order: a call's first tasks read (or write) the first tiles of
-        every operand, and its later tasks the later ones. Returns each array's :class:`Pinning` (None: copied as pageable memory) and the job
-        registering their missing chunks in a thread of its own (None: nothing to do); the
-        caller joins the job when the call is over."""
+        """Start pinning the roots of one call's host operands, chunks round-robin in address order
+        (the order its tasks read them). Returns each array's :class:`Pinning` (None: pageable) and
+        the job registering the missing chunks in its own thread (None: nothing to do), which the
+        caller joins when the call is over."""
         from cupy.cuda import runtime
 
         pinnings, chunks = [], []
