@@ -139,7 +139,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run C = A B on host arrays across the devices, check it, report",
         description="Out-of-core GEMM C = A B on random host (numpy) arrays across the configured devices,\n"
                     "timed, checked against numpy on a sample of rows, with the per-device profile.\n"
-                    "A progress line (tiles done / total, rate) is drawn on stderr when it is a terminal.",
+                    "It prints its settings first and a result line last; a progress line (tiles done / total,\n"
+                    "rate) is drawn on stderr when it is a terminal.",
         epilog="examples:\n"
                "  blasx gemm --n 16384                          DGEMM 16384^3 on all GPUs\n"
                "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
@@ -322,8 +323,8 @@ def _gemm(blasx, parser, args) -> int:
 
     try:
         tile = choose_tile(eng, m, n, k, dtype)
-    except ValueError as exc:
-        parser.error(f"argument --tile: {exc}")
+    except ValueError as exc:  # the tile (given or the smallest) does not fit the tile cache
+        parser.error(f"argument --tile: {exc}" if args.tile else str(exc))
     names = ", ".join(d.name for d in eng.devices)
     tiles = -(-m // tile) * -(-n // tile)
     # Said before the arrays are made and the runs start, so a log shows what runs at once.
