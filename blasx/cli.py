@@ -141,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run C = A B on host arrays across the devices, check it, report",
         description="Out-of-core GEMM C = A B on random host (numpy) arrays across the configured devices,\n"
                     "timed, checked against numpy on a sample of rows, with the per-device profile.\n"
-                    "A progress line (tiles done / total, rate) is drawn on stderr when it is a terminal.",
+                    "It prints its settings first and a result line last; a progress line (tiles done / total,\n"
+                    "rate) is drawn on stderr when it is a terminal.",
         epilog="examples:\n"
                "  blasx gemm --n 16384                          DGEMM 16384^3 on all GPUs\n"
                "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
@@ -294,6 +295,7 @@ def _gemm(blasx, parser, args) -> int:
     from . import probe
     from .progress import Progress, wanted
     from .runtime.devices.base import DeviceError
+    from .tile import choose_tile
 
     m, k = args.m or args.n, args.k or args.n
     n = args.n
@@ -318,16 +320,23 @@ def _gemm(blasx, parser, args) -> int:
     except DeviceError as exc:
         return _error(parser, str(exc))
     rng = np.random.default_rng(0)
+    try:
+        tile = choose_tile(eng, m, n, k, dtype)
+    except ValueError as exc:  # the tile (given or the smallest) does not fit the tile cache
+        parser.error(f"argument --tile: {exc}" if args.tile else str(exc))
+    names = ", ".join(d.name for d in eng.devices)
+    tiles = -(-m // tile) * -(-n // tile)
+    kind = dtype.name if out_dtype == dtype else f"{dtype.name} -> {out_dtype.name}"
+    math = f", {args.math} math" if blas_type.prefix == "s" else ""
+    # Said before the arrays are made and the runs start, so a log shows what runs at once.
+    print(f"blasx gemm: {m}x{n}x{k} {kind} ({args.dtype}){math}, {probe.format_bytes(nbytes)} of operands, "
+          f"on {eng.spec} ({names}), tile {tile} ({tiles} tile(s) of C), {args.runs} run(s)", flush=True)
     a, b = precision.random_operand(rng, (m, k), dtype), precision.random_operand(rng, (k, n), dtype)
     c = np.empty((m, n), out_dtype, order="F")
     poison = np.iinfo(out_dtype).min if out_dtype.kind in "iu" else np.nan
     flops = 2 * blas_type.flop_factor * m * n * k
-    names = ", ".join(d.name for d in eng.devices)
-    kind = dtype.name if out_dtype == dtype else f"{dtype.name} -> {out_dtype.name}"
-    math = f", {args.math} math" if blas_type.prefix == "s" else ""
-    print(f"blasx gemm: {m}x{n}x{k} {kind}{math}, {probe.format_bytes(nbytes)} of operands, "
-          f"on {eng.spec} ({names})", flush=True)
     show = wanted(args.progress, sys.stderr)
+    times = []
     try:
         for r in range(args.runs):
             c[...] = poison  # every element must be written
@@ -335,18 +344,22 @@ def _gemm(blasx, parser, args) -> int:
                 t = time.perf_counter()
                 blasx.gemm(1, a, b, c=c, overwrite_c=True, math=args.math)
                 t = time.perf_counter() - t
+            times.append(t)
             print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
     except DeviceError as exc:
         return _error(parser, str(exc))
     prof = blasx.last_profile()
     print(prof.report())
-    status = 0
+    status, verdict = 0, "not checked"
     if args.check_rows:
         rows = min(args.check_rows, m)
         err, tol = precision.check_rows(c[:rows], a[:rows], b, blas_type, prof.host.get("math", "ieee"))
         ok = (out_dtype.kind in "iu" or bool(np.isfinite(c).all())) and err <= tol
         print(f"check: {rows} rows against numpy, relative error {err:.2e} ({'ok' if ok else 'WRONG'}, tolerance {tol:g})")
-        status = 0 if ok else 1
+        status, verdict = (0, "check ok") if ok else (1, "check WRONG")
+    best = min(times)
+    print(f"result: best of {len(times)} run(s) {best:.3f} s, {flops / best / 1e12:.3f} TFLOPS, {verdict}",
+          flush=True)
     if args.trace:
         prof.to_chrome_trace(args.trace)
         print(f"trace: {args.trace}")

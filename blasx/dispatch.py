@@ -1,22 +1,13 @@
 """The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
 
-Every front end (``blasx.gemm``, the level-3 routines, ``matmul`` / ``dot`` / ``tensordot``, the
-scipy drop-in, ``offload``) first validates its arguments and makes its output, so nothing is
-written before a call is known to be good, and casts each operand at most once
-(:func:`as_operand`). Then it hands the call here:
-
-* **the CPU alone** (``devices="cpu"``, or no GPU, and no fixed tile: ``Engine.inline``): the call
-  is one call of scipy's own BLAS routine (or numpy's own function, for the numpy front end) in
-  the caller's thread; :func:`host_device` says whether this is the case, starting the engine on
-  the first call, so the first call of a process takes the same route as every later one;
-* **otherwise** it is planned (``blasx.runtime.plans``) and submitted to the engine
-  (:func:`submit_planned`).
-
-Either way the call becomes this thread's last call for :func:`last_profile` (a host call keeps
-a tuple, made into a Profile when asked for).
-
-A new front end plugs in through :func:`run`: canonical (column-major) views in a planner's slot
-order, the planner, and optionally the host routine that does the same on the CPU alone.
+Every front end (``gemm``, the level-3 routines, ``matmul``/``dot``/``tensordot``, the scipy
+drop-in, ``offload``) validates its arguments and makes its output first, so nothing is written
+before a call is known to be good, casts each operand at most once (:func:`as_operand`), and hands
+the call to :func:`run`: canonical (column-major) views in a planner's slot order, the planner,
+and optionally the host routine that does the same on the CPU alone. With the CPU alone and no
+fixed tile (``Engine.inline``, :func:`host_device`) the call is one call of scipy's or numpy's own
+routine in the caller's thread; otherwise it is planned and submitted (:func:`submit_planned`).
+Either way it becomes this thread's call for :func:`last_profile`.
 """
 
 from __future__ import annotations

@@ -301,18 +301,7 @@ class PerfDb:
     def lookup(self, key: PerfKey) -> int | None:
         """The stored tile for ``key``, or None (no entry, or no readable db)."""
         key = _checked_key(key)
-        conn = self._read()
-        if conn is None:
-            return None
-        try:
-            row = conn.execute(
-                "SELECT tile FROM entries WHERE device=? AND ndev=? AND dtype=? AND routine=? AND m=? AND n=? AND k=?",
-                (key.device, key.ndev, key.dtype, key.routine, *key.shape)).fetchone()
-        except sqlite3.Error:
-            return None
-        finally:
-            conn.close()
-        return _positive_tile(row[0]) if row else None
+        return self.table(key.device, key.ndev).get(key)
 
     def table(self, device: str | None = None, ndev: int | None = None) -> dict[PerfKey, int]:
         """Every valid entry as ``{key: tile}`` (optionally of one device model and count);

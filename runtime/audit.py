@@ -1,10 +1,8 @@
-"""The idle audit: what an engine with no call in flight must not hold.
+"""The idle audit: what an engine with no call in flight must not hold (interrupt tests, the soak).
 
-Used by the interrupt tests and the soak after cancelled and failed calls:
-every task accounted, no tile line with readers or a fill in flight, no
-heap block outside the tile cache (C buffers freed), no directory entry for
-a dead or per-call tile, no queued or stationed task. Cached tiles of live
-read-only arrays are not leaks: they are the cache.
+Every task accounted; no line with readers or a fill in flight; no heap block outside the tile
+cache; no directory entry of a dead or per-call tile; no queued or stationed task. Cached tiles of
+live read-only arrays are the cache, not leaks.
 """
 
 from __future__ import annotations

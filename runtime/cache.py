@@ -1,19 +1,12 @@
 """L1 tile cache: the Approximate LRU of Algorithm 2, one per device.
 
-A line maps a tile key to a block of the device heap. ``readers`` counts the
-issued-but-unfinished operations that use the line (Algorithm 2, line 22):
-it is raised when a step that reads the tile is issued, and lowered by the
-owning worker when the event that ends that step completes. Eviction takes
-the least recently used line *with no readers* (lines 11-18), so with
-asynchronous streams the victim is only approximately the LRU one.
+A line maps a tile key to a heap block. ``readers`` counts the issued, unfinished operations using
+it (line 22): raised when a step reading it is issued, lowered when that step's event completes.
+Eviction takes the least recent line *with no readers* (lines 11-18): approximately the LRU one.
 
-Ownership: the ALRU and its lines belong to one device worker, but peers
-raise/lower reader counts when they copy a line over the peer link (L2 hit),
-and the MESI-X directory lists lines of all devices. All of that metadata is
-therefore read and written only under the directory lock
-(:class:`~blasx.runtime.coherence.Directory`), which every method here
-expects the caller to hold. The heap behind the lines is touched by the
-owning worker alone.
+Peers change reader counts (L2 copies) and the directory lists every device's lines, so all line
+metadata is read and written under the directory lock, which every method here expects the caller
+to hold. The heap behind the lines is touched by the owning worker alone.
 """
 
 from __future__ import annotations
@@ -88,10 +81,7 @@ class ALRU:
         self.bytes_cached += line.nbytes
 
     def victim(self) -> Line | None:
-        """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end.
-
-        Dead lines (tiles nobody may read again, ``bury``) go first.
-        """
+        """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end, dead lines first."""
         for lines in (self._dead, self._lines):
             for line in lines.values():
                 if line.readers == 0:

@@ -1,20 +1,11 @@
 """Test-only fault hooks: named points of a call at which a test may inject a failure.
 
-Library code calls :func:`at` at each phase; it does nothing unless a test installed a
-hook with :func:`install`. The hook runs in the thread that reaches the phase and may
-raise there (e.g. a ``DeviceError`` in a worker) or interrupt a caller's thread
-(:func:`interrupt`), which is how the interrupt matrix and the soak inject Ctrl-C at a
-chosen point without timing.
-
-Phases, in call order:
-
-* ``plan``: the calling thread, once the call's tasks are planned (``Call`` made);
-* ``register``: the calling thread, a device preparing the call (host registration);
-* ``submit``: the calling thread, just before the tasks are queued;
-* ``load``: a stream worker issuing a tile copy onto its device;
-* ``compute``: a stream worker issuing a tile kernel;
-* ``writeback``: a stream worker issuing an output tile's copy home;
-* ``cpu``: the CPU worker, before it solves a task.
+Library code calls :func:`at` at each phase; it does nothing unless a test installed a hook
+(:func:`install`), which runs in the thread reaching the phase and may raise there or interrupt a
+caller's thread (:func:`interrupt`): the interrupt matrix and the soak use them. Phases, in call
+order: ``plan``, ``register``, ``submit`` (the calling thread: tasks planned, host memory being
+registered, tasks about to be queued); ``load``, ``compute``, ``writeback`` (a stream worker issuing
+a tile copy, a kernel, an output copy home); ``cpu`` (the CPU worker, before a task).
 """
 
 from __future__ import annotations

@@ -1,54 +1,40 @@
-"""Device workers: Algorithm 1, lines 8-25 (``ComputingKernel``).
+"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for a stream device.
 
-One thread per device. A :class:`StreamWorker` drives a stream device
-(``cuda`` or ``sim``: the same code for both); a :class:`CpuWorker` is the
-paper's CPU computation thread. The engine module's docstring is the design
-doc; this module implements the per-device part of it:
+One thread per device; :class:`StreamWorker` drives ``cuda`` and ``sim`` alike (the shared queue
+side is :mod:`.worker_base`, the assign step :mod:`.assign`, the in-flight records :mod:`.inflight`,
+the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's design doc:
 
-1. **retire**: poll the oldest pending event of each stream; at completion,
-   lower reader counts, mark loaded lines ready, free C buffers, count a task
-   done (readers are released at the event that ends their use);
-2. **fill**: top up the reservation station from the global queues, or steal
-   from the most loaded station when the queues are empty (a CPU worker in
-   auto mode pulls and steals only the tasks ``admission.py`` admits);
-3. **assign**: give each free stream the station's best task (Eq. 3), as long
-   as no more than ``2 * streams`` tasks are in flight on the device (and,
-   with ``Knobs.commit_steps``, its committed work, the flops of its issued,
-   unfinished kernels and of the unissued steps of its active tasks, is below
-   that many full tile steps), so a device pulls work by its real demand (the
-   paper's demand-driven balance);
-4. **issue**: one k-step of every active task, round robin over the streams
-   (interleaving step by step over k, lines 18-25): acquire A and B through
-   the cache (L1 hit, L2 peer copy, or host load), launch the kernel, record
-   one event. A kernel the device can run out of place (``OUT_OF_PLACE``:
-   TRSM's diagonal multiply) writes into a fresh heap block that becomes the
-   task's C, the old C block freed at that event (``Knobs.invmm_new_block``).
-   After the last step: the epilogue, write-back (M -> I) and an event that
-   completes the task.
+1. **retire**: at each completed event, lower reader counts, mark loaded lines ready, free
+   buffers, count tasks done;
+2. **fill**: top up the reservation station from the queues, or steal from the most loaded one;
+3. **assign**: give each free stream the station's best task (Eq. 3) while at most
+   ``2 * streams`` tasks are in flight (and, with ``Knobs.commit_steps``, the committed flops
+   stay under that many full steps): the paper's demand-driven balance;
+4. **issue**: one k-step of every active task, round robin over the streams: acquire A and B
+   through the cache (L1 hit, L2 peer copy or host load), launch the kernel, record one event;
+   an ``OUT_OF_PLACE`` kernel writes a fresh block that becomes C (``Knobs.invmm_new_block``).
+   After the last step: epilogue, write-back (M -> I) and the task's completion event.
 
-Nothing in the issue path blocks except allocation when every cache line is
-busy, which waits for this device's own oldest event (or for peers to
-release their readers). An error of one call (a host-side error, a tile
-cache too small for the call: anything but a device error, see
-:meth:`Worker.device_error`) fails that call alone: its task stops where it
-is and the device goes on (:meth:`StreamWorker._drop_task`). Any other
-exception ends in :meth:`Worker.fail`, which hands unfinished tasks to the
-engine; none escapes the thread.
+Only allocation blocks, when every line is busy (it waits for this device's oldest event or for
+peers' readers). An error of one call fails that call alone (:meth:`StreamWorker._drop_task`);
+a device error ends in :meth:`Worker.fail`, which hands the unfinished tasks to the engine.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from collections import deque
 
-from . import faults
-from .admission import NEVER_FOR_THE_CALL
 from .cache import Line
-from .devices.base import ArraySource, DeviceError, HostSource, PeerSource
-from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
-from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
+from .cpu_worker import CpuWorker
+from .devices.base import ArraySource, HostSource, PeerSource
+from .inflight import _Active, _Pending, _StepWork
+from .assign import StreamAssign
+from .tasks import SC_ZERO
+from .worker_base import Worker
+
+__all__ = ["CacheFull", "CpuWorker", "StreamWorker", "Worker"]
 
 
 def _loc(dev, offset: int, call, slot: int, rows: int, cols: int, dtype=None):
@@ -65,227 +51,12 @@ class CacheFull(MemoryError):
     """A device's tile cache cannot hold what a call needs now (that call fails; the device lives)."""
 
 
-URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
 FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
 
 
-class _Active:
-    """A task on a stream: its steps in this device's order, which comes next, and where C is."""
+class StreamWorker(StreamAssign, Worker):
+    """Drives one stream device: retire, fill, assign, issue (the module docstring)."""
 
-    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
-
-    def __init__(self, task, steps) -> None:
-        self.task = task
-        self.steps = steps
-        self.k = 0
-        self.c_loc = None
-        self.c_off = None  # heap offset of the C buffer; None when C is used in place
-        self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
-        self.old_loc = None
-        self.old_off = None
-        self.old_ready = None  # event: the old C tile is in old_loc
-
-    def buffers(self) -> tuple:
-        """Heap offsets this task holds (freed at its last event)."""
-        return tuple(o for o in (self.c_off, self.old_off) if o is not None)
-
-    def fold_step(self) -> Step:
-        """C += beta * old C, after the last product step (Knobs.late_c)."""
-        c = self.task.c
-        return Step("axpby", None, None, 0, 0, c.rows, c.cols, 0, SC_ONE, SC_BETA)
-
-
-class _StepWork:
-    """What one step has taken so far (lines with a reader count, fills not yet flushed, blocks
-    not yet owned by the task), so an error of the call mid-step can give them back."""
-
-    __slots__ = ("release", "fills", "extra")
-
-    def __init__(self) -> None:
-        self.release: list = []
-        self.fills: dict = {}
-        self.extra: list = []
-
-
-class _Pending:
-    """Bookkeeping to do when ``event`` completes."""
-
-    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes",
-                 "computed", "work")
-
-    def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False,
-                 h2d_bytes=0, computed=None, work=0.0):
-        self.event = event
-        self.seq = seq
-        self.release = release  # lines whose reader count drops
-        self.ready = ready  # lines whose fill completes
-        self.free = free  # heap offsets to free
-        self.task = task
-        self.finished = finished  # the task is complete at this event
-        self.writeback = writeback  # the task's write-back was issued before this event
-        self.h2d_bytes = h2d_bytes  # host-to-device bytes this event ends (the h2d backlog)
-        self.computed = computed  # a task whose last kernel this event ends (write-after-read gates)
-        self.work = work  # flops of the kernel this event ends (the device's committed work drops)
-
-
-class Worker(threading.Thread):
-    """Common part: queue/station/steal logic, failure hand-off, thread lifecycle."""
-
-    def __init__(self, engine, device, station, core=None) -> None:
-        super().__init__(name=f"blasx-worker-{device.name}")
-        self.engine = engine
-        self.dev = device
-        self.idx = device.index
-        self.station = station
-        self.core = core
-        self.alive = True
-        self.stopping = False
-        self.opened = threading.Event()
-        self.open_error: BaseException | None = None
-
-    # -- work intake --
-    @staticmethod
-    def ready(task) -> bool:
-        """``task`` may start here: a whole-task worker waits for every dependency."""
-        return task.call.is_ready(task)
-
-    def _head(self):
-        """(queue, head) of the first queue this worker serves that holds anything, and whether
-        this worker takes that head now (a sentinel always; a task unless it is left for a
-        peer, :meth:`_leave_for_peer`); (None, None, False) when every queue is empty."""
-        for q in self.engine.queues_for(self):
-            head = q.peek()
-            if head is not None:
-                return q, head, head is self.engine.SENTINEL or self._takes(head)
-        return None, None, False
-
-    def _takes(self, task) -> bool:
-        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
-        return not self._leave_for_peer(task.call)
-
-    def _may_steal(self, task) -> bool:
-        """This worker may steal ``task`` from a peer's station (one it can run)."""
-        return True
-
-    def _pull(self):
-        """Next task from the global queues this worker serves; None when they are empty, when
-        the head is left for a peer, or when another worker took it first."""
-        q, _, takes = self._head()
-        return q.get() if takes else None
-
-    def _leave_for_peer(self, call) -> bool:
-        """The fair-share rule for small calls: True if this worker should not take more of
-        ``call`` now.
-
-        A call with fewer tasks than one worker can hold (station + streams) would otherwise
-        go wholly to whichever worker wakes first. So a worker that already holds its share,
-        max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
-        run it, has room in its station and holds less than its share (that peer takes it at its next
-        pull; it does not sleep while the queue holds work it may take). Never while this
-        worker has nothing it can run, so no device idles and a gated task's dependency is
-        never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
-        Only stream devices (GPUs) share this way: nothing is left for the CPU worker, which
-        is ~100x slower per tile on a GPU server (one of four tasks on it would make a small
-        call wait seconds); the CPU worker takes work by demand (``cpu=True``) or, in auto
-        mode, by its admission rule (``admission.py``), which leaves small calls to the GPUs.
-        """
-        if not self.dev.streamed:
-            return False
-        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
-        share = max(1, len(call.tasks) // max(1, len(peers)))
-        if self.holding(call) < share or not self.has_runnable():
-            return False
-        return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
-
-    def holding(self, call) -> int:
-        """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
-        return sum(1 for t in self.station.snapshot() if t.call is call)
-
-    def has_runnable(self) -> bool:
-        """This worker holds a task it can run now (or is running one)."""
-        return self.station.any_ready(self.ready)
-
-    def fill_station(self) -> None:
-        st = self.station
-        # Up to capacity; beyond it only while nothing held is ready, so a station full of
-        # tasks waiting on dependencies cannot starve the tasks they wait for (a dependency
-        # handed back by a failed device sits at the queue's head, behind any number of them).
-        while not self.stopping and (st.free_slots() > 0 or not st.any_ready(self.ready)):
-            t = self._pull()
-            if t is None:
-                break
-            if t is self.engine.SENTINEL:
-                self.stopping = True
-                break
-            if t.call.failed:
-                t.call.account(t)  # cancelled: its call already failed
-                continue
-            st.push(t)
-        if len(st) == 0 and not self.stopping:
-            self._steal()
-
-    def _steal(self) -> None:
-        victim = most_loaded(self.engine.stations_for(self), self.idx)
-        if victim is None:
-            return
-        # Any task this worker can run, even with no stream free now: the one whose station
-        # empties first (the faster device) claims the tail's tasks early. Stealing only a task
-        # it could start at once left the tail to commitment order, which balanced worse.
-        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
-        if t is not None:
-            self.station.push(t)
-            t.call.stats.count(self.idx, "steals")
-
-    # -- thread body --
-    def run(self) -> None:
-        try:
-            self.dev.bind_thread(self.core)
-            self.dev.open()
-        except BaseException as exc:  # noqa: BLE001 - reported to configure()/the engine
-            self.open_error = exc
-            self.alive = False
-            self.opened.set()
-            self.engine.worker_failed(self, exc, [])
-            return
-        self.opened.set()
-        try:
-            self.loop()
-        except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
-            exc.blasx_traceback = traceback.format_exc()
-            self.fail(exc)
-        finally:
-            try:
-                self.dev.close()
-            except BaseException:  # noqa: BLE001 - closing a broken device may fail too
-                pass
-
-    def _work_waiting(self) -> bool:
-        """True if a queue this worker serves holds a task this worker would take now, and the
-        station has room for it."""
-        return self.station.free_slots() > 0 and self._head()[2]
-
-    def device_error(self, exc: BaseException) -> bool:
-        """``exc`` means the device is broken (it then dies and its tasks go to others), not that
-        one call went wrong (then only that call fails)."""
-        return isinstance(exc, DeviceError) or self.dev.error is not None or self.dev.is_device_error(exc)
-
-    def held_snapshot(self) -> tuple:
-        """Tasks this worker holds now, for a cancelling caller's sweep (a lock-free read: a task
-        is held here before the worker checks whether its call failed)."""
-        return self.station.snapshot()
-
-    def fail(self, exc: BaseException) -> None:
-        self.alive = False
-        if self.dev.error is None:
-            self.dev.error = exc
-        self.engine.worker_failed(self, exc, self.held_tasks())
-
-    def held_tasks(self):
-        """[(task, writeback_issued)] of every unfinished task this worker holds."""
-        return [(t, False) for t in self.station.drain()]
-
-
-class StreamWorker(Worker):
     def __init__(self, engine, device, station, core=None) -> None:
         super().__init__(engine, device, station, core)
         n = device.nstreams
@@ -412,77 +183,6 @@ class StreamWorker(Worker):
 
     def has_runnable(self) -> bool:
         return self.inflight > 0 or super().has_runnable()
-
-    # ---------------------------------------------------------------- assign
-    @staticmethod
-    def ready(task) -> bool:
-        """``task`` may start on a stream: a gated task waits step by step (``Task.gates``)."""
-        return task.call.is_startable(task)
-
-    @property
-    def commit_steps(self) -> int:
-        """``Knobs.commit_steps``, read live (an A/B may switch it on a running engine)."""
-        return self.engine.config.knobs.commit_steps
-
-    def committed(self) -> float:
-        """Flops this device has committed and not yet run: its issued, unretired kernels and the
-        unissued steps of its active tasks (``Knobs.commit_steps``; asked only when it is set)."""
-        return self.issued_work + sum(a.task.call.step_flops(st) for a in self.slots if a is not None
-                                      for st in a.steps[a.k:])
-
-    def _within_horizon(self, task, committed: float) -> bool:
-        """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
-        ``Knobs.commit_steps`` full steps of its call; an idle device, and an urgent task, one
-        that others wait for, always may)."""
-        if self.inflight == 0 or not self.commit_steps or task.urgent:
-            return True
-        return committed <= 0 or committed < self.commit_steps * task.call.full_step
-
-    def assign(self) -> None:
-        for s, slot in enumerate(self.slots):
-            if slot is not None or self.inflight >= self.max_inflight:
-                continue
-            committed = self.committed() if self.commit_steps else 0.0
-            task = self.station.pop_best(self._score,
-                                         lambda t: self._within_horizon(t, committed) and self.ready(t))
-            if task is None:
-                return
-            act = self.slots[s] = _Active(task, task.steps)  # held before the check (a canceller's sweep)
-            if task.call.failed:
-                self.slots[s] = None
-                task.call.account(task)
-                continue
-            task.worker = self.idx
-            task.call.started(task)
-            steps = task.steps
-            if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
-                # Device d starts at the d-th share of k (see Task.rotatable); only a
-                # write-back gate (in-place TRMM) is unaffected by the order of the steps.
-                head, body = steps[:task.fixed], steps[task.fixed:]
-                steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
-            act.steps = steps
-            self.inflight += 1
-            self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
-
-    def _score(self, task) -> int:
-        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an
-        ``urgent`` task outranks every other."""
-        if task.urgent:
-            return URGENT_SCORE
-        call = task.call
-        holders = self.directory.holders
-        tokens = call.tokens
-        me = self.idx
-        total = 0
-        for ref in task.input_tiles():
-            operand = call.operands[ref.slot]
-            if self.dev.holds_array(operand):
-                total += EQ3_SCORE[WHERE_L1]
-                continue
-            h = holders((tokens[ref.slot], ref.bi, ref.bj))
-            if h:
-                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
-        return total
 
     # ---------------------------------------------------------------- issue
     def issue(self, s: int) -> bool:
@@ -865,99 +565,3 @@ class StreamWorker(Worker):
             for line in list(self.alru):
                 self.directory.drop(line)
         return out
-
-
-class CpuWorker(Worker):
-    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile.
-
-    By demand (``engine.admission`` None: ``configure(cpu=True)``) it takes the queue's head
-    whenever it is idle, and steals when the queue is empty. In auto mode it takes a task, from
-    the queue or a GPU's station, only when ``engine.admission`` admits it (the rule in
-    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes,
-    or for 2 ms when it was declined on rates (not for a call it can never join: one with
-    dependencies, or one the GPUs hold whole), asking again with fresher rates.
-    """
-
-    current = None  # the task being solved (it writes C in place)
-
-    def _takes(self, task) -> bool:
-        adm = self.engine.admission
-        return adm is None or adm.admits(self, task)
-
-    def _may_steal(self, task) -> bool:
-        return self._takes(task)
-
-    def _pull(self):
-        """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
-        took that one between the look and the take) is put back unless admitted too, so the
-        CPU never runs a task it did not decide on."""
-        q, head, takes = self._head()
-        if not takes:
-            return None
-        t = q.get()
-        if self.engine.admission is None or t is None or t is head or t is self.engine.SENTINEL \
-                or self._takes(t):
-            return t
-        self.engine.requeue(t)  # in front again, and the workers are woken for it
-        return None
-
-    def holding(self, call) -> int:
-        cur = self.current
-        return super().holding(call) + (cur is not None and cur.call is call)
-
-    def held_snapshot(self) -> tuple:
-        cur = self.current
-        return super().held_snapshot() + ((cur,) if cur is not None else ())
-
-    def has_runnable(self) -> bool:
-        return self.current is not None or super().has_runnable()
-
-    def held_tasks(self):
-        out = super().held_tasks()
-        if self.current is not None:
-            out.append((self.current, True))  # C may be partly written: as an issued write-back
-            self.current = None
-        return out
-
-    def loop(self) -> None:
-        eng = self.engine
-        while True:
-            gen = eng.work_generation
-            self.fill_station()
-            task = self.station.pop_best(lambda t: 0, self.ready)
-            if task is not None:
-                self.current = task  # held before the check (a canceller's sweep)
-                if task.call.failed:
-                    self.current = None
-                    task.call.account(task)
-                    continue
-                task.worker = self.idx
-                task.call.started(task)
-                try:
-                    faults.at("cpu", self.dev, task)
-                    self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
-                    self.dev.run_task(task)
-                except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
-                    if self.device_error(exc):
-                        raise
-                    exc.blasx_traceback = traceback.format_exc()
-                    self.current = None
-                    task.call.fail(exc)
-                    task.call.account(task)
-                    continue
-                self.current = None
-                task.call.account(task, self.idx)
-                continue
-            if self.stopping:
-                return
-            if self._work_waiting():
-                continue
-            # Auto mode: a task it left in the queue may be admitted later (once the GPUs'
-            # rates are measured, or their work left shrinks): look again every 2 ms while the
-            # queue holds any, unless the call can never be admitted (it has dependencies, or
-            # the GPUs hold all of it): then sleep until new work is posted, so that a small
-            # GPU call does not share the GIL with a thread that wakes every 2 ms.
-            adm = eng.admission
-            declined = adm is not None and any(len(q) for q in eng.queues_for(self)) and not (
-                adm.last is not None and adm.last.reason in NEVER_FOR_THE_CALL)
-            eng.wait_for_work(gen, 0.002 if declined else None)

@@ -149,6 +149,24 @@ def test_gemm_on_sims_checks_and_restores_the_settings(capsys):
     assert blasx.session.settings() == before
 
 
+def test_gemm_says_what_it_runs_and_its_result_when_stderr_is_not_a_terminal(capsys):
+    # `make run` in a log or CI: no progress line, so the start and the result are printed lines.
+    assert cli.main(["gemm", "--n", "192", "--k", "64", "--devices", "sim:2", "--tile", "64", "--runs", "2",
+                     "--dtype", "s"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("blasx gemm: 192x192x64 float32 (s)")
+    assert "sim:2 (sim:0, sim:1)" in out[0] and "tile 64 (9 tile(s) of C)" in out[0] and "2 run(s)" in out[0]
+    assert out[1].startswith("  run 0:") and "TFLOPS" in out[1]
+    assert out[-1].startswith("result: best of 2 run(s) ") and out[-1].endswith("TFLOPS, check ok")
+
+
+def test_gemm_on_the_cpu_alone_is_one_tile(capsys):
+    assert cli.main(["gemm", "--n", "128", "--devices", "cpu", "--runs", "1", "--check-rows", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "on cpu (cpu), tile 128 (1 tile(s) of C)" in out[0]
+    assert out[-1].startswith("result: best of 1 run(s) ") and out[-1].endswith("not checked")
+
+
 def test_progress_line_with_a_slow_sim(capsys, fast_progress):
     assert cli.main(["gemm", "--n", "256", "--tile", "64", "--devices", SLOW_SIM, "--runs", "1",
                      "--check-rows", "8", "--progress"]) == 0

@@ -1,18 +1,10 @@
-"""``cpu``: BLASX's CPU worker (Section IV-C.2).
+"""``cpu``: BLASX's CPU worker device (Section IV-C.2).
 
-It takes one whole task at a time and solves it on the host with a
-multithreaded BLAS (numpy's), reading tiles in place from the host operands:
-the host is its memory, so it needs no cache, no copies and no streams.
-threadpoolctl limits the BLAS threads while calls run, so every GPU worker
-keeps a core; the previous limits are restored when the last call ends.
-
-In auto mode (``auto=True``: the worker takes tasks by the admission rule of
-``runtime/admission.py``) the limit is set only once the worker runs a probe
-or a task (``engage``), and restored when the last call running then ends: a
-call in which the CPU takes nothing (the usual case beside fast GPUs) leaves
-the BLAS threads alone and pays nothing for threadpoolctl.
-``probe`` times a small GEMM once per dtype: the admission rule's first
-estimate of this CPU's rate.
+It solves one whole task at a time with the host's multithreaded BLAS, reading tiles in place
+(the host is its memory: no cache, copies or streams). threadpoolctl limits the BLAS threads while
+calls run, so every GPU worker keeps a core; in auto mode only once it runs a probe or a task
+(``engage``), so a call it takes nothing of pays nothing. ``probe`` times a small GEMM once per
+dtype: the admission rule's first estimate of its rate.
 """
 
 from __future__ import annotations

@@ -1,64 +1,26 @@
-"""``sim``: a stand-in GPU for machines without CUDA.
+"""``sim``: a stand-in GPU for machines without CUDA, driven by the same StreamWorker as ``cuda``.
 
-It runs exactly the scheduler code that ``cuda`` runs (the same
-StreamWorker), with:
+It has its own memory (a numpy byte arena carved by the same offset heap); in-order streams, each
+run by a thread, with events between them; one compute engine and H2D / D2H / peer copy engines,
+each a lock, so kernels serialise while copies overlap them; a cost model (an operation lasts at
+least ``flops / rate * slow`` or ``bytes / bandwidth``, sleeping for what the numpy work did not
+take; ``krate`` gives a kernel its own rate); byte counters (``bytes_in``, ``bytes_out``,
+``bytes_p2p``); fault injection (``fail_at``, and the ``faults.py`` hooks ``load``, ``compute``,
+``writeback``); device memory others can take (:func:`take_memory`: the heap is sized from what is
+free at open, and ``cache_limit`` keeps the cache within it); host-side errors that fail the call,
+not the device; settable peer links (``peers``).
 
-* its own memory: one numpy byte arena, carved by the same offset heap;
-* in-order streams, each executed by a thread, and events between them;
-* one compute engine and separate H2D / D2H / peer copy engines, each a lock,
-  so kernels of different streams serialise while copies overlap them, as on
-  a GPU;
-* a cost model: an operation lasts at least ``flops / rate * slow`` (kernels)
-  or ``bytes / bandwidth`` (copies); the thread sleeps for what the real numpy
-  work did not take. ``slow`` emulates a slower GPU; ``krate`` gives a tile
-  kernel its own rate (a factor of ``rate``);
-* byte counters (``bytes_in``, ``bytes_out``, ``bytes_p2p``) over its life;
-* optional fault injection (``fail_at``: the n-th kernel raises), to test
-  fail-over, and the phase hooks of ``runtime/faults.py`` (``load``,
-  ``compute``, ``writeback``, called as each operation is issued);
-* device memory another allocation can take (:func:`take_memory`): the
-  heap is sized at open from what is free, and ``cache_limit`` then keeps
-  the tile cache within what is free, as a lazily committed arena would
-  (``np.empty`` commits its pages on first touch, too);
-* host-side errors (a read-only or otherwise unwritable output) fail the
-  call whose copy hit them, never the device;
-* peer links that can be set (``peers``).
+Data-free timing mode (``timing=True``; spec ``timing=1`` or ``data=0``), for predictions on
+machines one does not have (``bench/scaling_sim.py``): no arena (the heap still runs over
+``mem=`` bytes, so capacity and evictions behave as on the real GPU; locations are
+:class:`TimingLoc` records), and kernels and copies only hold their engine for their cost-model
+time; host operands are never touched (``Operand.array`` may be None).
 
-Data-free timing mode (``timing=True``; spec ``sim:8,timing=1`` or
-``data=0``), for predictions on machines one does not have
-(``bench/scaling_sim.py``):
-
-* no arena: the offset heap still runs over the full ``cache_bytes`` (spec
-  ``mem=``, e.g. ``mem=70G``), so tile-cache capacity and evictions behave as
-  on the real GPU, but no byte of it exists; locations are small
-  :class:`TimingLoc` records;
-* kernels and copies do no numpy work at all: each holds its engine for its
-  cost-model time (``flops / rate``, ``bytes / bandwidth``, times ``slow``
-  and ``dilate``) and sleeps; host operands are never read or written, so an ``Operand``
-  with ``array=None`` will do;
-* everything else is as in data mode: stream threads, engines as locks,
-  events, byte counters, the heap, and the same StreamWorker.
-
-Time dilation: the scheduler's host-side work (tens of microseconds per
-operation) would distort millisecond-scale simulated operations, so every
-duration may be multiplied by a factor (spec ``dilate=F``,
-``SimModel.dilate``); divide measured times by F.
-
-Launch cost (spec ``issue=SECONDS``, ``SimModel.issue``, default 0): the
-host time one kernel or copy launch takes on the real device's API (driver
-call, bindings); the calling worker thread sleeps that long (times the
-dilation) in ``copy_in``/``copy_out``/``run_step``, releasing the GIL as a
-driver call would. With dilation, it keeps the pace at which a worker issues
-work realistic relative to the device, which decides, e.g., how far ahead of
-its peers one device has queued its loads.
-
-Shared host link (``host_link``; spec ``host=BYTES_PER_S``, optionally
-``hostgroup=G``, ``hostduplex=1``): a :class:`HostLink` shared by several
-sims caps their host copies (H2D and D2H) together, e.g. at the host's
-memory bandwidth or a PCIe switch's uplink. Each host copy then lasts until
-both its own link (``h2d``/``d2h``) and its turn on the shared link (FIFO
-reservations of ``bytes / bandwidth`` each) are done, so the aggregate rate
-never exceeds the cap. Default: none (independent links).
+``dilate=F`` multiplies every duration (so the scheduler's host-side work does not distort
+short operations; divide measured times by F). ``issue=SECONDS``: the host time of one launch,
+slept by the issuing worker (times F), releasing the GIL as a driver call would. A shared host
+link (``host=BYTES_PER_S``, ``hostgroup=G``, ``hostduplex=1``; :class:`HostLink`) caps several
+sims' host copies together by FIFO reservations, so the aggregate rate never exceeds the cap.
 """
 
 from __future__ import annotations
