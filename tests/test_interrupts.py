@@ -27,6 +27,17 @@ level3 = importlib.import_module("blasx.level3")
 
 N = 96
 TILE = 32
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return 0
+
+
+ON_GPUS = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU and CuPy")]
 CALLER_PHASES = ("plan", "register", "submit")
 DEVICE_PHASES = ("load", "compute", "writeback")
 
@@ -141,10 +152,12 @@ def _interrupted(name, phase, rand, rel_err, hook, nth=1, **config):
     _check_after(name, routines, copies, rel_err, threads_before)
 
 
+@pytest.mark.parametrize("devices", ["sim:2", pytest.param("cuda", marks=ON_GPUS)])
 @pytest.mark.parametrize("phase", CALLER_PHASES + DEVICE_PHASES)
 @pytest.mark.parametrize("name", ROUTINES)
-def test_interrupt_at_each_phase(name, phase, rand, rel_err, hook):
-    _interrupted(name, phase, rand, rel_err, hook, nth=3 if phase == "compute" else 1)
+def test_interrupt_at_each_phase(name, phase, devices, rand, rel_err, hook):
+    """On two sims and on every CUDA GPU (the same hooks: cuda.py reaches the same phases)."""
+    _interrupted(name, phase, rand, rel_err, hook, nth=3 if phase == "compute" else 1, devices=devices)
 
 
 @pytest.mark.parametrize("name", ROUTINES)
@@ -176,11 +189,12 @@ def test_interrupted_in_place_call_writes_only_its_output(name, write, rand, rel
     assert rel_err(blasx.gemm(1.0, a, a0), a0 @ a0) < 1e-12
 
 
-def test_interrupts_in_several_threads_at_once(rand, rel_err, hook):
+@pytest.mark.parametrize("devices", ["sim:3", pytest.param("cuda", marks=ON_GPUS)])
+def test_interrupts_in_several_threads_at_once(devices, rand, rel_err, hook):
     """Six threads call different routines at once; three are interrupted mid-compute (async
     KeyboardInterrupt). The other three get right answers, the three get KeyboardInterrupt,
     nothing leaks and every device stays alive."""
-    blasx.configure(devices="sim:3", tile=TILE)
+    blasx.configure(devices=devices, tile=TILE)
     routines = _routines(rand)
     names = ["gemm", "syrk", "trsm", "symm", "syr2k", "matmul"]
     assert rel_err(routines["gemm"][0](), routines["gemm"][1]()) < 1e-12

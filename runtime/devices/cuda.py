@@ -27,7 +27,7 @@ from ..stats import OpRecord
 from ..tasks import SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
-from .. import dtypes
+from .. import dtypes, faults
 from ..dtypes import prefix as blas_prefix
 from .base import DeviceError, PeerSource, StreamDevice, register_backend
 
@@ -215,6 +215,7 @@ class CudaDevice(StreamDevice):
     def prepare_call(self, call) -> None:
         """Start page-locking the host operands (hostmem.py): the call's tile copies wait only
         for the chunks they touch, so its first tiles move while the rest is registered."""
+        faults.at("register", self)
         host = [op for op in call.operands if op.on_host]
         if host:
             pinnings, call.pin_job = REGISTRY.pin([op.array for op in host])
@@ -230,6 +231,7 @@ class CudaDevice(StreamDevice):
 
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
+        faults.at("load", self, task)
         from cupy.cuda import runtime
         isz = np.dtype(dtype).itemsize
         if type(src) is PeerSource:
@@ -250,6 +252,7 @@ class CudaDevice(StreamDevice):
         self._convert(s, stage, rows, dtype, dst[0], dst[1], want, rows, cols)
 
     def copy_out(self, s, operand, ref, src, task=None):
+        faults.at("writeback", self, task)
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
         have = operand.array.dtype if task is None else task.call.wb_dtype
@@ -303,6 +306,7 @@ class CudaDevice(StreamDevice):
                            f"{isz} bytes each) refused: {exc}; {where}")
 
     def run_step(self, s, step, call, a, b, c, task=None, out=None):
+        faults.at("compute", self, task)
         kernel = self._kernels.get(step.kernel)
         if kernel is None:
             raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
