@@ -1,4 +1,4 @@
-# make test: fresh clone -> .venv with blasx[test] -> the whole pytest suite.
+# make test: fresh clone -> .venv with blasx[test] (builds the C extension blasx._matmul_loops) -> the whole suite.
 # make run:  the main job, an out-of-core GEMM on the devices found (GPUs, else the CPU).
 PY ?= python3
 VENV := .venv
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test run bench-micro clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
@@ -26,4 +26,4 @@ bench-micro: $(STAMP)
 	$(BIN)/python -m pytest -q bench/micro
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info blasx/*.so

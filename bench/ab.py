@@ -307,7 +307,7 @@ def plan_model_case(routine: str, n: int, tile: int, block, knobs: Knobs):
 def model_once(args, cfg: Config, routine: str, n: int) -> dict:
     """One simulated call on a fresh engine of timing sims; times undilated."""
     from blasx import operands as _operands
-    from blasx.level3 import block_shape
+    from blasx.dispatch import block_shape
     from blasx.runtime.call import Call, Operand
     from blasx.runtime.plans import inverse_shape
     from blasx.runtime.stats import CallStats, DeviceInfo

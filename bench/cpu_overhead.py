@@ -1,29 +1,30 @@
-"""What a small blasx call costs over the library it stands in for, with the CPU as the only device.
+"""What a blasx call costs over the library it stands in for, with the CPU as the only device.
 
-    python -m bench.cpu_overhead                                  # N = 16..128, d and z, every entry point
-    python -m bench.cpu_overhead --sizes 32 --dtypes s,d,c,z --rounds 50
-    python -m bench.cpu_overhead --entries matmul,gemm-C,linalg-gemm,gemm-c,linalg-syrk-ow
+    python -m bench.cpu_overhead                                   # N = 16..512, d and z, the default entries
+    python -m bench.cpu_overhead --sizes 64,128,256,512 --dtypes s,d,c,z --rounds 9
+    python -m bench.cpu_overhead --entries all --sizes 128         # every entry
 
-Each entry point is timed against its peer on the same arrays: ``blasx.matmul`` / ``dot`` /
-``tensordot`` against numpy's own function, ``blasx.gemm`` and the ``blasx.linalg.blas`` level-3
-functions against ``scipy.linalg.blas``'s (numpy and scipy may link different BLAS builds: the
-header lists them, and each entry is compared with the peer it replaces). Entries with a suffix
-(``gemm-c``, ``matmul-out``, ``dot-out``, ``linalg-syrk-ow``, ``blasx-syrk-c``, ...) are calls with c and
-beta, outputs written in place, alpha 0, arrays converted to the routine's type, and matmul's
-``out=`` / ``dtype=`` and dot's ``out=`` (see ``general_entries``); ``-np`` (alpha a numpy scalar), ``-list`` (operands
-given as nested lists), ``-sub`` (blocks of larger arrays) and ``-strided`` (every other row and
-column) are the calls of ``common_entries``. The two are
-interleaved: each round times ``number`` calls of one, then of the other (the order alternates),
-with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times are reported
-as the best and the median over ``--rounds`` rounds, and the overhead as blasx minus peer (best,
-median, and "paired": the median over the rounds of the difference of a round's two timings,
-which are next to each other in time). Every blasx result is checked against the peer's (relative error).
+With the CPU alone every blasx call is one call of numpy's or scipy's own function after blasx's
+checks (blasx.dispatch), so the overhead is those checks: a few microseconds, visible at N = 16,
+lost in the noise from N = 128 up. Each entry point is timed against its peer on the same arrays:
+``blasx.matmul`` / ``dot`` / ``tensordot`` against numpy's own function, ``blasx.gemm``, the
+prefixed functions and the ``blasx.linalg.blas`` level-3 functions against ``scipy.linalg.blas``'s.
+Entries with a suffix are calls with c and beta (``-c``), outputs written in place (``-ow``),
+alpha 0 (``-a0``), arrays converted to the routine's type (``-conv``), matmul's ``out=`` /
+``dtype=`` and dot's ``out=``, alpha a numpy scalar (``-np``), operands given as nested lists
+(``-list``), blocks of larger arrays (``-sub``) and every other row and column (``-strided``);
+``DEFAULT_ENTRIES`` are run unless ``--entries`` names others (``all``: every one).
 
-Noise: each round also times the peer a second time (the six orders of the three timings in turn), and
-``noise`` is the median over the rounds of the gap between the peer's two timings: how far apart two
-back-to-back timings of numpy's / scipy's very same call typically are here. An entry whose paired
-overhead is within it is "noise" (a user cannot tell it from the peer's own spread); the run ends with
-the entries that are slower by more (``--no-noise`` skips the A/A timing).
+The two are interleaved: each round times ``number`` calls of one, then of the other (the order
+alternates), with ``number`` calibrated so that one timing takes ``--target-ms``; per-call times
+are the best and the median over ``--rounds`` rounds, the overhead blasx minus peer (best, median,
+and "paired": the median over the rounds of the difference of a round's two timings). Every blasx
+result is checked against the peer's (relative error).
+
+Noise: each round also times the peer a second time (the six orders of the three timings in
+turn); ``noise`` is the median over the rounds of the gap between the peer's two timings. An entry
+whose paired overhead is within it is "noise"; the run ends with the entries slower by more
+(``--no-noise`` skips the A/A timing).
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ import timeit
 
 import numpy as np
 
+from blasx.runtime import dtypes
+
 from .offload_threshold import ORDERS, add_blas_threads_option, blas_thread_limits
 
-DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
-DEFAULT_SIZES = (16, 32, 64, 128)
+DEFAULT_SIZES = (16, 64, 128, 256, 512)
+
+#: the entries run unless --entries names others
+DEFAULT_ENTRIES = ("matmul", "dot", "tensordot", "gemm-C", "gemm-F", "gemm-c", "gemm-ow", "matmul-out",
+                   "linalg-gemm", "linalg-symm", "linalg-hemm", "linalg-syrk", "linalg-herk", "linalg-syr2k",
+                   "linalg-her2k", "linalg-trmm", "linalg-trsm", "blasx-syrk-c", "linalg-trsm-ow")
 
 
 def _arrays(n: int, dtype, order: str, seed: int = 0):
@@ -67,7 +74,7 @@ def entries(prefix: str, n: int):
     from blasx import numpy_api
     from blasx.linalg import blas as bl
 
-    dtype = DTYPES[prefix]
+    dtype = dtypes.BY_PREFIX[prefix].dtype
     a, b, _ = _arrays(n, dtype, "C")
     af, bf, tri = _arrays(n, dtype, "F", seed=1)
     np_matmul, np_dot, np_tensordot = numpy_api._np_matmul, numpy_api._np_dot, numpy_api._np_tensordot
@@ -91,15 +98,14 @@ def entries(prefix: str, n: int):
 
 
 def common_entries(prefix: str, n: int, spf: dict) -> dict:
-    """Calls a demanding user makes that took the general path before the third CPU-only pass:
-    alpha a numpy scalar of the routine's type (``-np``), operands given as nested lists
-    (``-list``), blocks of larger arrays (``-sub``: a unit stride and a leading dimension of 2 n)
-    and every other row and column of one (``-strided``)."""
+    """Calls of the forms users write besides the plain one: alpha a numpy scalar of the routine's
+    type (``-np``), operands given as nested lists (``-list``), blocks of larger arrays (``-sub``: a
+    unit stride and a leading dimension of 2 n) and every other row and column of one (``-strided``)."""
     import blasx
     from blasx import numpy_api
     from blasx.linalg import blas as bl
 
-    dtype = DTYPES[prefix]
+    dtype = dtypes.BY_PREFIX[prefix].dtype
     big = _arrays(2 * n, dtype, "C", seed=6)[0]
     af, bf, _ = _arrays(n, dtype, "F", seed=7)
     sub_a, sub_b = big[:n, :n], big[n:, n:]
@@ -125,10 +131,8 @@ def common_entries(prefix: str, n: int, spf: dict) -> dict:
 
 
 def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
-    """The calls that took blasx's general path before 2026-11-23's second CPU-only pass: c and
-    beta, overwrite_* (the output written in place), alpha == 0, arrays of another BLAS type
-    (converted), matmul with out= or dtype=; and dot with out= (``dot-out``), which took the general
-    path until the C record's pass (2026-11-23).
+    """Calls with c and beta, overwrite_* (the output written in place), alpha == 0, arrays of
+    another BLAS type (converted), matmul with out= or dtype=, and dot with out=.
 
     In-place calls get an output of their own on each side (blasx's and the peer's), so that
     neither reads what the other wrote; each converges (c = alpha op(a) op(b) + c / 2) or stays
@@ -138,11 +142,11 @@ def general_entries(prefix: str, n: int, spf: dict, two: dict) -> dict:
     from blasx import numpy_api
     from blasx.linalg import blas as bl
 
-    dtype = DTYPES[prefix]
+    dtype = dtypes.BY_PREFIX[prefix].dtype
     a, b, _ = _arrays(n, dtype, "C", seed=2)
     af, bf, _ = _arrays(n, dtype, "F", seed=3)
     cf = _arrays(n, dtype, "F", seed=4)[0]
-    other = DTYPES[OTHER_PRECISION[prefix]]  # converted to the routine's type by both
+    other = dtypes.BY_PREFIX[OTHER_PRECISION[prefix]].dtype  # converted to the routine's type by both
     conv = {r: tuple(x.astype(other) for x in ops) for r, ops in two.items()}
     signs = np.asfortranarray(np.diag(np.random.default_rng(5).choice([-1.0, 1.0], n)).astype(dtype))
     np_matmul, np_dot = numpy_api._np_matmul, numpy_api._np_dot
@@ -241,26 +245,18 @@ def header() -> str:
     blas = "; ".join(f"{i.get('filepath', '?').rsplit('/', 1)[-1]} {i.get('internal_api')} {i.get('version')} "
                      f"x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas")
     eng = blasx.engine()
-    flag = getattr(session, "host_device", "n/a (no fast path in this version)")
-    try:
-        from blasx import _hostcall
-        flag = f"{flag}; entry points: {_hostcall.kind()}"
-        direct = _hostcall.direct()
-        flag += (f"; direct BLAS: numpy's {'/'.join(direct['numpy']) if direct['numpy'] else 'off'}, "
-                 f"scipy's routines {'on' if direct['scipy'] else 'off'}")
-    except (ImportError, AttributeError):  # before the C entry points / their direct calls
-        pass
     return (f"# {platform.node()} {platform.machine()}, {platform.python_implementation()} {platform.python_version()}, "
             f"numpy {np.__version__}, scipy {scipy.__version__}\n# BLAS: {blas}\n"
             f"# blasx devices: {', '.join(d.name for d in eng.devices)} (inline: {eng.inline}); "
-            f"session.host_device: {flag}")
+            f"host route: {session.host_device is not None}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma list of N")
     p.add_argument("--dtypes", default="d,z", help="comma list of s,d,c,z (default d,z)")
-    p.add_argument("--entries", default=None, help="comma list of entry names (default: all; see the output)")
+    p.add_argument("--entries", default=",".join(DEFAULT_ENTRIES),
+                   help="comma list of entry names, or 'all' (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds per entry (default 30)")
     p.add_argument("--target-ms", type=float, default=2.0, help="length of one timing in ms (default 2)")
     p.add_argument("--no-noise", dest="noise", action="store_false",
@@ -273,7 +269,7 @@ def main(argv=None) -> int:
     blasx.configure(devices="cpu")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     limits = blas_thread_limits(args.blas_threads)
-    wanted = set(args.entries.split(",")) if args.entries else None
+    wanted = None if args.entries == "all" else set(args.entries.split(","))
     print(f"# command: python -m bench.cpu_overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     try:
         with limits:

@@ -96,16 +96,16 @@ def _operands(n: int, dtype, seed: int = 0):
     return a, b
 
 
-def offload_calls(a, b) -> dict:
+def offload_calls(a, b, matmul: bool = True) -> dict:
     """The unmodified calls offload may redirect. Attributes are looked up at each call, so inside
     offload they reach its replacements (numpy's matmul loops, numpy.dot, scipy's ?gemm)."""
     import scipy.linalg.blas as spblas
     gemm = {"f": "sgemm", "d": "dgemm", "F": "cgemm", "D": "zgemm"}[a.dtype.char]
-    return {"a @ b": lambda: a @ b, "np.dot": lambda: np.dot(a, b),
-            f"scipy {gemm}": lambda: getattr(spblas, gemm)(1.0, a, b)}
+    calls = {"a @ b": lambda: a @ b} if matmul else {}
+    return {**calls, "np.dot": lambda: np.dot(a, b), f"scipy {gemm}": lambda: getattr(spblas, gemm)(1.0, a, b)}
 
 
-def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float) -> list[dict]:
+def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float, matmul: bool = True) -> list[dict]:
     """Per size and call: best and median per-call time outside and inside blasx.offload(threshold)."""
     import importlib
 
@@ -115,9 +115,9 @@ def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float
     rows = []
     for n in sizes:
         a, b = _operands(n, dtype)
-        calls = offload_calls(a, b)
+        calls = offload_calls(a, b, matmul)
         outside = {name: fn() for name, fn in calls.items()}
-        with blasx.offload(threshold=threshold):
+        with blasx.offload(threshold=threshold, matmul=matmul):
             before = off.offload_stats()
             inside = {name: fn() for name, fn in calls.items()}
         for name in calls:
@@ -134,7 +134,7 @@ def measure_offload(sizes, dtype, rounds: int, threshold: float, target_s: float
         for r in range(rounds):
             for side in (sides[i] for i in ORDERS[r % len(ORDERS)]):
                 if side == "in":
-                    with blasx.offload(threshold=threshold):
+                    with blasx.offload(threshold=threshold, matmul=matmul):
                         time_side("in")
                 else:
                     time_side(side)
@@ -181,18 +181,17 @@ def print_offload(rows: list[dict], dtype) -> None:
 def _offload_mode(args, sizes) -> int:
     import threadpoolctl
 
-    from blasx import _ufunc_loops
-    t = _ufunc_loops.trampoline()
-    make = getattr(t, "forwarder", None)  # absent before the forwarders: measures that version too
-    fwd = make is not None and make(np.dot, np.dot, (0, "a"), (1, "b")) is not None
+    from blasx.offload import matmul_available
+
     threads = ", ".join(f"{i.get('version')} x{i.get('num_threads')}" for i in threadpoolctl.threadpool_info()
                         if i.get("user_api") == "blas")
-    print(f"# offload: trampoline {t.kind}, C forwarders for np.dot / scipy: {'yes' if fwd else 'no'}; "
+    ext = matmul_available()
+    print(f"# offload: C extension blasx._matmul_loops: {'yes' if ext else 'no (a @ b not measured)'}; "
           f"threshold inside {args.threshold:g} flops; {args.rounds} rounds, {args.target_ms} ms a timing; "
           f"BLAS threads while timing: {threads}")
     for code in args.dtypes.split(","):
         dtype = DTYPES[code.strip()]
-        print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3), dtype)
+        print_offload(measure_offload(sizes, dtype, args.rounds, args.threshold, args.target_ms / 1e3, ext), dtype)
     return 0
 
 
@@ -222,7 +221,8 @@ def blas_thread_limits(threads: int | None):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", default=None, help="blasx devices spec (default: blasx's default: all GPUs, else cpu)")
     p.add_argument("--tile", type=int, default=None, help="blasx tile size (default: chosen per call)")
     p.add_argument("--dtypes", default="d", help="comma list of s,d,c,z (default d)")

@@ -11,7 +11,7 @@ very same scheduler code (StreamWorker, queue, stations, MESI-X directory, ALRU 
 runs as on CUDA; only kernels and copies are replaced by their cost-model durations.
 
 Operands are host-resident and never exist: ``Operand`` objects with ``array=None`` and fake
-addresses, planned with ``plan_gemm`` and submitted as ``blasx.level3.submit_planned`` does.
+addresses, planned with ``plan_gemm`` and submitted as ``blasx.dispatch.submit_planned`` does.
 
 Two host-link variants (``--models``): ``nominal`` is the model above; ``fitted`` runs the host
 links at 45 GB/s each way, the effective rate at which all five calibration points (1 and 2
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blasx import operands as _operands
-from blasx.level3 import block_shape
+from blasx.dispatch import block_shape
 from blasx.runtime.call import Call, Operand
 from blasx.runtime.config import parse_devices
 from blasx.runtime.devices import cuda as _cuda_backend  # heap-sizing constants only (imports no CuPy)

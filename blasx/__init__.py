@@ -20,6 +20,7 @@ from . import blas3
 from .blas3 import PREFIXED as _PREFIXED
 from .blas3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from . import linalg
+from .level3 import PREFIXED as _PREFIXED_GEMM
 from .level3 import gemm, last_profile
 from .numpy_api import dot, matmul, tensordot
 from .offload import offload, offload_disable, offload_enable, offload_threshold  # the module: importlib.import_module("blasx.offload")
@@ -29,9 +30,11 @@ from .tune import tune  # the function; the module is importlib.import_module("b
 
 __version__ = "0.1.0"
 
+globals().update(_PREFIXED_GEMM)  # sgemm, dgemm, cgemm, zgemm (level3)
 globals().update(_PREFIXED)  # ssymm, dsyrk, zherk, ... (made from a table in blas3)
 
 __all__ = ["configure", "shutdown", "engine", "gemm", "matmul", "dot", "tensordot", "last_profile", "DeviceError",
            "tune",
            "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm", "linalg",
-           "offload", "offload_enable", "offload_disable", "offload_threshold", *sorted(_PREFIXED)]
+           "offload", "offload_enable", "offload_disable", "offload_threshold", *sorted(_PREFIXED_GEMM),
+           *sorted(_PREFIXED)]

@@ -1,16 +1,16 @@
-"""SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM on the engine, with scipy.linalg.blas semantics.
+"""SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
 The generic functions (``symm``, ``syrk``, ...) take scipy's signatures,
-defaults and semantics and pick the BLAS type from the arrays (float32,
-float64, complex64, complex128; the Hermitian routines use the complex type
-of the same precision for real input). The prefixed ones (``dsyrk``,
-``zhemm``, ...) are made from a table and cast every array to their type, as
-scipy's do.
+defaults and semantics and pick the BLAS type from the arrays as scipy's
+``find_best_blas_type`` does (see :mod:`blasx.level3`; the Hermitian routines
+use the complex type of the same precision for real input). The prefixed ones
+(``dsyrk``, ``zhemm``, ...) are made from a table and cast every array to
+their type, as scipy's do.
 
 Results follow scipy: numpy arrays in, a numpy (F-ordered) result out; cupy
 arrays in, a cupy result out, on a's device. ``overwrite_c`` (``overwrite_b``)
-writes into c (b) and returns it when c (b) is F-contiguous with the
-routine's dtype; otherwise a new array is returned, as f2py does. Operands
+writes into c (b) and returns it when c (b) is F-contiguous, writable and of
+the routine's dtype; otherwise a new array is returned, as f2py does. Operands
 that are neither F- nor C-ordered column-major views are copied to F order
 first (scipy does the same through f2py); C-ordered ones are used through
 their transpose where the routine allows it.
@@ -29,28 +29,25 @@ nothing is written when the arguments are rejected.
 
 from __future__ import annotations
 
-import inspect
 import numbers
 
 import numpy as np
 
-from . import hostpath
-from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory
-from .level3 import _as_dtype, _xp, submit_planned
+from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
+from . import dispatch
+from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
+from .runtime import dtypes
 from .runtime.plans import inverse_shape, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm
 from .runtime.tiling import OP_C, OP_N, OP_T
-
-COMPLEX_OF = {np.dtype(np.float32): np.dtype(np.complex64), np.dtype(np.float64): np.dtype(np.complex128),
-              np.dtype(np.complex64): np.dtype(np.complex64), np.dtype(np.complex128): np.dtype(np.complex128)}
-DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
-                   "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
 
 
 # ---------------------------------------------------------------- checks
 
 def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
     """A 0/1 flag (bools allowed): side, lower, diag."""
+    if type(value) is int and (value == 0 or value == 1):  # the common case, without the abc checks
+        return value
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):
@@ -92,8 +89,7 @@ def _check_no_alias(out_name: str, out, **inputs) -> None:
 
 def _writable_in_place(x, dtype, overwrite) -> bool:
     """f2py's rule: x is written in place when asked to, if it is F-contiguous with the right dtype."""
-    return (x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous
-            and getattr(x.flags, "writeable", True))
+    return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
 def _new(xp, shape, dtype, like, zeros=False):
@@ -119,8 +115,11 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
     return out, False
 
 
-def _f_view(x, xp):
-    """A column-major, non-transposed view of x (x itself when it is one), else an F copy."""
+def _f_view(x, xp, dtype=None):
+    """x (of ``dtype``, if given) as a column-major, non-transposed view: x itself when it is
+    one, else one F-ordered copy (converted and reordered at once)."""
+    if dtype is not None and x.dtype != dtype:
+        return x.astype(dtype, order="F")
     cm = column_major_view(x)
     if cm is not None and not cm[1]:
         return x
@@ -158,7 +157,7 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     lower = _check_flag("lower", lower, LOWER)
     dtype = _dtype(dtype, a, b, c)
     if hermitian:
-        dtype = COMPLEX_OF[dtype]
+        dtype = dtypes.BY_DTYPE[dtype].complex
     alpha = check_scalar("alpha", alpha, dtype)
     beta = check_scalar("beta", beta, dtype)
     m, n = b.shape
@@ -169,28 +168,29 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
                  f"b.shape={tuple(b.shape)}")
     if c is not None:
         _check_shape("c", c, (m, n), "c has b's shape")
-    xp = _xp(on_gpu)
+    xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    out, in_place = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a)
-    if in_place:
-        _check_no_alias("c", out, a=a, b=b)
+    if _writable_in_place(c, dtype, overwrite_c):
+        _check_no_alias("c", c, a=a, b=b)
+    out, _ = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a)
     if m == 0 or n == 0 or (alpha == 0 and beta == 1):
         return out
-    a = _as_dtype(a, dtype, xp)
-    b = _as_dtype(b, dtype, xp)
+    a = as_operand(a, dtype)
     cm = column_major_view(a)
     if cm is not None and cm[1] and not hermitian:
         va, lower = a.T, 1 - lower  # a = V^T and S = S^T: V's other triangle defines the same S
     else:
         va = _f_view(a, xp)  # (a Hermitian S from a C-ordered a would need a conjugate copy anyway)
-    vb = _f_view(b, xp)
+    vb = _f_view(b, xp, dtype)
     is_complex = dtype.kind == "c"
-    submit_planned(
-        name, [va, vb, out],
+    routine = "hemm" if hermitian else "symm"
+    dispatch.run(name, [va, vb, out],
         lambda tile, block: plan_symm(m, n, tile, side, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
                                       beta_zero=(beta == 0), is_complex=is_complex, block=block),
-        dtype, alpha, beta, (m, n, s_dim))
+        dtype, alpha, beta, (m, n, s_dim),
+        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, va, vb, beta, out, side, lower, 1)),
+        flops=2.0 * m * n * s_dim if alpha != 0 else float(m * n))
     return out
 
 
@@ -236,7 +236,7 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     lower = _check_flag("lower", lower, LOWER_C)
     dtype = _dtype(dtype, a, b, c)
     if hermitian:
-        dtype = COMPLEX_OF[dtype]
+        dtype = dtypes.BY_DTYPE[dtype].complex
     routine = ("her2k" if two else "herk") if hermitian else ("syr2k" if two else "syrk")
     trans = _check_rank_trans(trans, dtype, hermitian, routine)
     if hermitian and not two:
@@ -250,20 +250,20 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
         raise ValueError(f"b: got shape {tuple(b.shape)}, expected {tuple(a.shape)} (the shape of a)")
     if c is not None:
         _check_shape("c", c, (n, n), f"n x n with n = rows of op(a), a.shape={tuple(a.shape)}, trans={trans}")
-    xp = _xp(on_gpu)
+    xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    out, in_place = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
-    if in_place:
-        _check_no_alias("c", out, a=a, b=b)
+    if _writable_in_place(c, dtype, overwrite_c):
+        _check_no_alias("c", c, a=a, b=b)
+    out, _ = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
     if n == 0 or ((alpha == 0 or k == 0) and beta == 1):
         return out  # BLAS quick return: c untouched (also HERK's imaginary diagonal)
-    a = _as_dtype(a, dtype, xp)
+    a = as_operand(a, dtype)
     allowed = (OP_N, OP_C) if hermitian else (OP_N, OP_T)
     va, op = _rank_view(a, trans, allowed, xp)
     views = [va]
     if two:
-        b = _as_dtype(b, dtype, xp)
+        b = as_operand(b, dtype)
         vb, op_b = _rank_view(b, trans, allowed, xp)
         if op_b != op:  # a and b in different layouts: one op for both, through F views
             va, op, vb = _f_view(a, xp), trans, _f_view(b, xp)
@@ -272,11 +272,13 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     views.append(out)
     planner = plan_syr2k if two else plan_syrk
     is_complex = dtype.kind == "c"
-    submit_planned(
-        name, views,
+    flops = (2.0 if two else 1.0) * n * (n + 1.0) * k if alpha != 0 else 0.0
+    dispatch.run(name, views,
         lambda tile, block: planner(n, k, tile, op, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
                                     beta_zero=(beta == 0), is_complex=is_complex, block=block),
-        dtype, alpha, beta, (n, n, k))
+        dtype, alpha, beta, (n, n, k),
+        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, *views[:-1], beta, out, op, lower, 1)),
+        flops=flops)
     return out
 
 
@@ -333,14 +335,14 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     _check_shape("a", a, (s_dim, s_dim),
                  f"the square triangular factor: with side={side} it has b's {'rows' if side == 0 else 'columns'}, "
                  f"b.shape={tuple(b.shape)}")
-    xp = _xp(on_gpu)
+    xp = array_module(on_gpu)
     in_place = _writable_in_place(b, dtype, overwrite_b)
     if in_place:
         _check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
         return b if in_place else _new(xp, (m, n), dtype, a)
-    a = _as_dtype(a, dtype, xp)
-    vb = b if in_place else _f_view(_as_dtype(b, dtype, xp), xp)
+    a = as_operand(a, dtype)
+    vb = b if in_place else _f_view(b, xp, dtype)
     va, op, lower_v = _tri_view(a, trans_a, lower, xp)
     # In place, both write over B tile by tile, ordered by dependencies (TRSM: a tile is read
     # once solved; TRMM: a tile is overwritten once its old value has been read by every task).
@@ -363,7 +365,13 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
             return None  # (a single level solves with trsm steps: nothing to invert)
         return inverse_shape(s_dim, tile)
 
-    submit_planned(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), scratch=inverses)
+    def host():
+        if vb is not out:
+            out[...] = vb
+        written(out, dispatch.blas_routine("trsm" if solve else "trmm", dtype)(alpha, va, out, side, lower_v, op, diag, 1))
+
+    dispatch.run(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), host=host,
+        flops=1.0 * m * n * s_dim if alpha != 0 else float(m * n), scratch=inverses)
     return out
 
 
@@ -392,42 +400,43 @@ def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
 
 # ---------------------------------------------------------------- prefixed names (s/d/c/z)
 
+_ALL = dtypes.PREFIXES
+_COMPLEX = "".join(t.prefix for t in dtypes.TYPES if t.is_complex)  # the Hermitian routines'
+
 #: routine -> (generic function, its implementation, keyword arguments of the implementation, prefixes)
 _TABLE = {
-    "symm": (symm, _symm, {"hermitian": False}, "sdcz"),
-    "hemm": (hemm, _symm, {"hermitian": True}, "cz"),
-    "syrk": (syrk, _rank, {"hermitian": False, "two": False}, "sdcz"),
-    "herk": (herk, _rank, {"hermitian": True, "two": False}, "cz"),
-    "syr2k": (syr2k, _rank, {"hermitian": False, "two": True}, "sdcz"),
-    "her2k": (her2k, _rank, {"hermitian": True, "two": True}, "cz"),
-    "trmm": (trmm, _tri, {"solve": False}, "sdcz"),
-    "trsm": (trsm, _tri, {"solve": True}, "sdcz"),
+    "symm": (symm, _symm, {"hermitian": False}, _ALL),
+    "hemm": (hemm, _symm, {"hermitian": True}, _COMPLEX),
+    "syrk": (syrk, _rank, {"hermitian": False, "two": False}, _ALL),
+    "herk": (herk, _rank, {"hermitian": True, "two": False}, _COMPLEX),
+    "syr2k": (syr2k, _rank, {"hermitian": False, "two": True}, _ALL),
+    "her2k": (her2k, _rank, {"hermitian": True, "two": True}, _COMPLEX),
+    "trmm": (trmm, _tri, {"solve": False}, _ALL),
+    "trsm": (trsm, _tri, {"solve": True}, _ALL),
 }
 
-
-#: the implementation's positional parameters, per routine family
-_ORDER = {_symm: ("alpha", "a", "b", "beta", "c", "side", "lower", "overwrite_c"),
-          _rank: ("alpha", "a", "b", "beta", "c", "trans", "lower", "overwrite_c"),
-          _tri: ("alpha", "a", "b", "side", "lower", "trans_a", "diag", "overwrite_b")}
+#: routine -> the prefixes it has (scipy's set)
+ROUTINE_PREFIXES = {r: prefixes for r, (*_, prefixes) in _TABLE.items()}
 
 
 def _prefixed(prefix: str, routine: str):
     """``prefix + routine`` (e.g. ``dsyrk``): the generic routine's signature, every array cast to the prefix's type."""
     generic, impl, kw, _ = _TABLE[routine]
-    sig = inspect.signature(generic)
-    dtype = DTYPE_OF_PREFIX[prefix]
+    dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + routine
-    order = _ORDER[impl]
-
-    def general(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
-        return impl(*(given.get(p) for p in order), dtype=dtype, name=name, **kw)  # syrk/herk: b is None
-
-    f = hostpath.with_host_path(prefix, routine, general)  # the CPU alone: scipy's routine where it does as blasx
+    if impl is _symm:
+        def f(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
+            return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, dtype=dtype, name=name, **kw)
+    elif impl is _tri:
+        def f(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
+            return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, dtype=dtype, name=name, **kw)
+    elif kw["two"]:
+        def f(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
+    else:
+        def f(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     f.__name__ = f.__qualname__ = name
-    f.__signature__ = sig
     f.__module__ = __name__
     f.__doc__ = (f"{routine.upper()} in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to "
                  f"{dtype.name} first.\n\n" + (generic.__doc__ or ""))
@@ -439,31 +448,5 @@ for _routine, (_g, _i, _kw, _prefixes) in _TABLE.items():
     for _p in _prefixes:
         PREFIXED[_p + _routine] = globals()[_p + _routine] = _prefixed(_p, _routine)
 del _routine, _g, _i, _kw, _prefixes, _p
-
-
-def _generic_host_path(routine: str):
-    """The generic ``routine`` (``symm``, ``syrk``, ...) with the CPU-only paths of
-    :mod:`blasx.hostpath`: a's dtype picks the prefix whose path checks the call (b and c of
-    the same dtype: ``convert=False``, ...), and a call it does not take runs the generic function
-    itself, so the dtype rules stay the generic ones (a real a for ``herk`` has no path: the
-    generic one)."""
-    generic, _, _, prefixes = _TABLE[routine]
-    paths = {DTYPE_OF_PREFIX[p]: hostpath.with_host_path(p, routine, generic, convert=False) for p in prefixes}
-    ndarray = np.ndarray
-
-    def f(*args, **kwargs):
-        a = args[1] if len(args) > 1 else None
-        path = paths.get(a.dtype) if type(a) is ndarray else None
-        return (path or generic)(*args, **kwargs)
-
-    f.__name__ = f.__qualname__ = routine
-    f.__signature__ = inspect.signature(generic)
-    f.__doc__ = generic.__doc__
-    f.__wrapped__ = generic
-    return f
-
-
-symm, hemm, syrk, herk, syr2k, her2k, trmm, trsm = (_generic_host_path(r) for r in
-                                                   ("symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
 
 __all__ = list(_TABLE) + sorted(PREFIXED)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import scipy.linalg.blas as _sp
 
 from .operands import is_cupy
+from .runtime import dtypes
 
-BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.complex64), np.dtype(np.complex128))
-PREFIX_OF = {np.dtype(np.float32): "s", np.dtype(np.float64): "d",
-             np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"}
 TRANS_ALLOWED = (0, 1, 2)
 
 
@@ -42,28 +41,53 @@ def check_scalar(name: str, value, dtype: np.dtype):
     return value
 
 
+# scipy.linalg.blas's type scores (its find_best_blas_type): bool, int8/16, uint8/16, float16 and
+# float32 -> s; larger integers, float64 and longdouble -> d; complex64 -> c; complex128 and
+# clongdouble -> z; float64 (or a larger integer) with complex64 -> z. From the installed scipy.
+TYPE_SCORE = dict(getattr(_sp, "_type_score", None) or {
+    "?": 1, "b": 1, "B": 1, "h": 1, "H": 1, "e": 1, "f": 1, "i": 2, "I": 2, "l": 2, "L": 2, "q": 2, "Q": 2,
+    "d": 2, "F": 3, "D": 4, "g": 2, "G": 4})
+BY_SCORE = {1: dtypes.BY_PREFIX["s"].dtype, 2: dtypes.BY_PREFIX["d"].dtype,
+            3: dtypes.BY_PREFIX["c"].dtype, 4: dtypes.BY_PREFIX["z"].dtype}
+
+
+def blas_score(dt: np.dtype) -> int | None:
+    """scipy's score of a numeric dtype (an unlisted numeric one scores as float64), None for others."""
+    score = TYPE_SCORE.get(dt.char)
+    if score is None and dt.kind in "biuf":
+        return 2
+    return score
+
+
 def compute_dtype(*arrays) -> np.dtype:
-    """The BLAS type for these arrays, as scipy's find_best_blas_type picks it."""
-    try:
-        dt = np.result_type(*[a.dtype for a in arrays])
-    except TypeError:  # numpy's DTypePromotionError (datetimes, mixed incompatible types)
-        got = ", ".join(str(a.dtype) for a in arrays)
-        raise TypeError(f"dtype: got {got}, which have no common BLAS type; "
-                        f"allowed: float32, float64, complex64, complex128") from None
-    if dt.kind in "biu":
-        return np.dtype(np.float64)
-    if dt == np.float16:
-        return np.dtype(np.float32)
-    if dt.kind == "c" and dt.itemsize > 16 or dt.kind == "f" and dt.itemsize > 8:
-        raise TypeError(f"dtype: {dt} has no BLAS type; allowed: float32, float64, complex64, complex128")
-    if dt not in BLAS_DTYPES:
-        raise TypeError(f"dtype: {dt} is not supported; allowed: float32, float64, complex64, complex128")
-    return dt
+    """The BLAS type of a scipy-signature call on these arrays, as scipy's find_best_blas_type
+    picks it: the highest score wins, complex64 with float64 gives complex128. Non-numeric
+    arrays (object, strings, datetimes) raise TypeError naming ``dtype``."""
+    scores = []
+    for a in arrays:
+        score = blas_score(a.dtype)
+        if score is None:
+            got = ", ".join(str(x.dtype) for x in arrays)
+            raise TypeError(f"dtype: got {got}; allowed: float32, float64, complex64, complex128 (and the "
+                            f"other numeric types, converted to one of them as scipy converts them)")
+        scores.append(score)
+    best = max(scores)
+    if best == 3 and 2 in scores:
+        best = 4
+    return BY_SCORE[best]
 
 
-def same_place(**arrays) -> bool:
-    """True if all given arrays are CuPy arrays, False if all are numpy; mixed is an error."""
-    kinds = {name: is_cupy(x) for name, x in arrays.items() if x is not None}
+def writable(x) -> bool:
+    """Whether x may be written in place (numpy's flag; a CuPy array always may)."""
+    return getattr(x.flags, "writeable", True)
+
+
+def same_place(a=None, b=None, c=None) -> bool:
+    """True if the given arrays (None: not given) are all CuPy arrays, False if all are numpy;
+    mixed is an error."""
+    if type(a) is np.ndarray and (b is None or type(b) is np.ndarray) and (c is None or type(c) is np.ndarray):
+        return False
+    kinds = {name: is_cupy(x) for name, x in (("a", a), ("b", b), ("c", c)) if x is not None}
     if len(set(kinds.values())) > 1:
         where = ", ".join(f"{n}={'cupy' if v else 'numpy'}" for n, v in kinds.items())
         raise TypeError(f"operands: got {where}; pass all numpy arrays (host) or all cupy arrays (GPU)")

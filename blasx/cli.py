@@ -382,8 +382,6 @@ def _info(blasx, parser, args) -> int:
     facts = probe.device_facts(devices)
     links = probe.peer_links(devices)
     print(_versions(blasx))
-    from . import _hostcall
-    print(_hostcall.describe())
     for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
         print(line)
     if args.measure:

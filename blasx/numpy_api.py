@@ -1,9 +1,18 @@
-"""numpy-style ``matmul``, ``dot`` and ``tensordot`` on the blasx engine.
+"""numpy-style ``matmul``, ``dot`` and ``tensordot`` on blasx.
 
 The semantics are numpy's (``np.matmul``, ``np.dot``, ``np.tensordot``):
 shapes, broadcasting, the promotion of 1-D operands, result dtypes, ``out=``
-and the errors. What runs on blasx is the float32 / float64 / complex64 /
-complex128 arithmetic:
+and the errors. The dtype rule is numpy's too: a call whose result type (or
+``dtype=``) is float32, float64, complex64 or complex128 runs on blasx; any
+other (integers, bool, float16, longdouble, object) runs numpy's own function
+and gives numpy's dtype and values.
+
+On blasx, with the CPU as the only device (``blasx.configure(devices="cpu")``,
+or no GPU), a call is numpy's own function on the host BLAS (``matmul`` of
+operands of the computation type, with an ``out=`` of that type that numpy
+writes with BLAS; ``dot`` of 1-D / 2-D ones; ``tensordot``), recorded for
+``blasx.last_profile()``; every other call, and every call on GPUs or sims, is
+made into gemms (:func:`blasx.dispatch.gemm`):
 
 * ``matmul`` broadcasts the batch dimensions. When one operand is the same
   for every batch item it runs one larger gemm: ``(N, n, k) @ (k, m)`` is the
@@ -14,26 +23,14 @@ complex128 arithmetic:
   one gemm per batch item.
 * ``dot`` and ``tensordot`` reshape the operands into one gemm, as numpy does.
 
-Everything else falls back to numpy's own functions, unchanged: other dtypes
-(integers, bool, float16, longdouble, object), ndarray subclasses and array-likes
-that override ufuncs, and the ufunc keyword arguments blasx does not handle
-(``order``, ``subok``, ``axes``, ``axis``, ``signature``). Invalid calls are
-handed to numpy too, so the error raised is numpy's own.
-
-With the CPU as the only device (``blasx.configure(devices="cpu")``, or no GPU,
-and no fixed tile), blasx's kernel is the host BLAS, and a plain call runs
-numpy's own function on it: ``matmul`` of ndarrays of one BLAS type that numpy
-runs BLAS on (any strides from numpy 2.3.1, else C- or F-contiguous ones; with
-``out=`` a C- or F-contiguous ndarray of the computation type, ``dtype=`` a BLAS
-type, ``casting=``), ``dot`` of 1-D / 2-D ndarrays of one BLAS type (with ``out``
-unless both are 1-D), ``tensordot`` of ndarrays of one BLAS type; nested lists are made the
-arrays numpy makes of them first. That costs numpy's time plus a few checks and
-the record of the call for ``blasx.last_profile()``: 0.06-0.12 us for ``matmul``
-(``out=``, ``dtype=``, ``casting=`` included), ``dot`` and ``tensordot`` of ndarrays, whose
-checks and record are in C (:mod:`blasx._hostcall`); about a microsecond for nested lists.
+ndarray subclasses and array-likes that override ufuncs, and the ufunc keyword
+arguments blasx does not handle (``order``, ``subok``, ``axes``, ``axis``,
+``signature``), go to numpy's own functions, unchanged. Invalid calls are
+handed to numpy too, so the error raised is numpy's own; a read-only ``out``
+raises ValueError naming ``out`` before any work.
 
 Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
-GPU) are computed per batch item on the engine and come back as CuPy arrays.
+GPU) are computed on the engine and come back as CuPy arrays.
 """
 
 from __future__ import annotations
@@ -43,15 +40,11 @@ import operator
 
 import numpy as np
 
-from . import _hostcall, level3, session
-from .checks import BLAS_DTYPES, shares_memory
+from . import dispatch
+from .checks import shares_memory, writable
 from .operands import is_cupy
-from .level3 import end_clock
+from .runtime import dtypes
 from .runtime.stats import clock
-
-_last = level3.last_call  # this thread's last call, for last_profile()
-_ndarray = np.ndarray
-_FAST_DTYPES = frozenset(BLAS_DTYPES)  # a hashed lookup: ~25 ns against ~60 for the tuple
 
 # numpy's own functions, taken at import: blasx.offload may replace the ``numpy``
 # module's attributes later, and the fallbacks here must never reach those wrappers.
@@ -63,6 +56,18 @@ __all__ = ["matmul", "dot", "tensordot"]
 
 # matmul keyword arguments handled here; any other one goes to np.matmul as given.
 _MATMUL_DEFAULTS = {"casting": "same_kind", "dtype": None}
+
+#: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies from
+#: 2.3.1; before, it runs BLAS on C- or F-contiguous operands only
+_ANY_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
+
+
+def _check_out(out) -> None:
+    """numpy's rule, checked before any work: an ``out`` must be writable."""
+    if isinstance(out, tuple) and len(out) == 1:
+        out = out[0]
+    if out is not None and hasattr(out, "flags") and not writable(out):
+        raise ValueError("out: the output array is read-only; pass a writable array (or no out)")
 
 
 # ---------------------------------------------------------------- matmul
@@ -76,39 +81,22 @@ def matmul(x1, x2, /, out=None, **kwargs):
     dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
     returns a numpy scalar, as np.matmul does.
     """
-    dev = session.host_device
-    if (dev is not None and type(x1) is _ndarray and type(x2) is _ndarray and x1.dtype == x2.dtype
-            and x1.dtype in _FAST_DTYPES and (_ANY_STRIDES or (x1.flags.forc and x2.flags.forc))):
-        # The CPU alone: numpy's own matmul is the host BLAS on operands of a BLAS type, whatever
-        # their dimensions, and whatever their strides from numpy 2.3.1 (it copies those BLAS cannot
-        # read); before, only C- or F-contiguous ones (others take numpy's loop without BLAS, so
-        # they stay below, where they are copied). A call it rejects raises numpy's error, as the
-        # general path's fallback would. The result is C-ordered, as numpy's.
-        if out is None and not kwargs:
-            t0 = clock()
-            res = _np_matmul(x1, x2)
-            _last.stats = (dev, t0, end_clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
-            return res
-        res = _host_matmul_out(dev, x1, x2, out, kwargs)
-        if res is not None:
-            return res
-    elif dev is not None and (type(x1) is list or type(x2) is list):
-        # nested lists: the arrays numpy (and the general path below) makes of them, then the checks above
-        a, b = _plain(x1), _plain(x2)
-        if a is not None and b is not None:
-            return matmul(a, b, out=out, **kwargs)
-    if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray
-            and x1.ndim == 2 and x2.ndim == 2 and x1.dtype == x2.dtype and x1.dtype in BLAS_DTYPES
-            and x1.shape[1] == x2.shape[0]):
-        # The common case (two matrices of one BLAS type), without the general planning:
-        # (x2^T x1^T)^T, so the result is C-ordered like numpy's.
-        if x1.shape[1] == 0:
-            return np.zeros((x1.shape[0], x2.shape[1]), dtype=x1.dtype)
-        return level3.gemm(1.0, x2.T, x1.T).T
-    plan = _matmul_plan(x1, x2, out, kwargs)
+    if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray and x1.dtype == x2.dtype
+            and x1.dtype in dtypes.BY_DTYPE and x1.ndim and x2.ndim):
+        plan = (x1, x2, None, x1.dtype, "same_kind", np)  # the common call: what _matmul_plan would find
+    else:
+        _check_out(out)
+        plan = _matmul_plan(x1, x2, out, kwargs)
     if plan is None:
         return _fallback_matmul(x1, x2, out, kwargs)
     a, b, out, ct, casting, xp = plan
+    if xp is np and a.dtype == ct and b.dtype == ct and (_ANY_STRIDES or (a.flags.forc and b.flags.forc)) and (
+            out is None or (out.dtype == ct and out.flags.forc)) and (dev := dispatch.host_device()) is not None:
+        # The CPU alone: numpy's own matmul runs the host BLAS on these (numpy's errors for bad shapes)
+        t0 = clock()
+        res = _np_matmul(a, b, out=out, **kwargs)
+        dispatch.record_host(dev, t0, ct, 2.0 * res.size * a.shape[-1])
+        return res
     a1 = a[..., None, :] if a.ndim == 1 else a
     b1 = b[..., :, None] if b.ndim == 1 else b
     n, k = a1.shape[-2:]
@@ -143,45 +131,6 @@ def matmul(x1, x2, /, out=None, **kwargs):
     return res
 
 
-# ``dtype=`` spellings -> numpy's dtype, for the ones _host_matmul_out takes (a dict look-up costs
-# ~30 ns, np.dtype(...) ~150)
-_DTYPE_KW = {k: np.dtype(k) for t in BLAS_DTYPES for k in (t, t.type, t.name, t.char)} | {
-    float: np.dtype(float), complex: np.dtype(complex)}
-
-
-def _host_matmul_out(dev, x1, x2, out, kwargs):
-    """The CPU alone, matmul with ``out=`` or keywords: numpy's own matmul with them, for a call
-    whose computation type ``ct`` (``dtype=``, else the operands') is a BLAS type and whose
-    ``out`` is a C- or F-contiguous ndarray of type ``ct`` (numpy runs BLAS only into those,
-    its loop without BLAS into others: those, other out dtypes and other keywords take the
-    general path). numpy then computes what blasx does: the product in ``ct``, the operands
-    cast under ``casting`` (blasx's general path hands every call whose casts numpy refuses to
-    numpy, for numpy's error), written into out (numpy copies an operand that overlaps out);
-    and raises numpy's errors for bad shapes or a read-only out, as blasx's fallback does.
-    None when the call is not one of these."""
-    ct = x1.dtype
-    if kwargs:
-        for key in kwargs:
-            if key not in _MATMUL_DEFAULTS:
-                return None
-        want = kwargs.get("dtype")
-        if want is not None:
-            try:
-                ct = _DTYPE_KW.get(want)
-            except TypeError:  # an unhashable dtype= (numpy raises for it)
-                return None
-            if ct is None:
-                return None
-        if type(kwargs.get("casting", "")) is not str:
-            return None
-    if out is not None and not (type(out) is _ndarray and out.dtype is ct and out.flags.forc):
-        return None
-    t0 = clock()
-    res = _np_matmul(x1, x2, out=out, **kwargs)
-    _last.stats = (dev, t0, end_clock(), ct, 2.0 * res.size * x1.shape[-1])  # (numpy scalars have .size too)
-    return res
-
-
 def _matmul_plan(x1, x2, out, kwargs):
     """(a, b, out, compute dtype, casting, xp) when blasx computes this matmul, else None (numpy does)."""
     extra = set(kwargs) - set(_MATMUL_DEFAULTS)
@@ -209,7 +158,7 @@ def _matmul_plan(x1, x2, out, kwargs):
         ct = np.dtype(kwargs["dtype"]) if kwargs.get("dtype") is not None else np.result_type(a.dtype, b.dtype)
     except TypeError:
         return None
-    if ct not in BLAS_DTYPES or not isinstance(casting, str):
+    if ct not in dtypes.BY_DTYPE or not isinstance(casting, str):
         return None
     try:
         if not (np.can_cast(a.dtype, ct, casting) and np.can_cast(b.dtype, ct, casting)):
@@ -217,8 +166,6 @@ def _matmul_plan(x1, x2, out, kwargs):
         if out is not None and not np.can_cast(ct, out.dtype, casting):
             return None
     except (TypeError, ValueError):
-        return None
-    if out is not None and not out.flags.writeable:
         return None
     return a, b, out, ct, casting, xp
 
@@ -241,24 +188,7 @@ def dot(a, b, out=None):
     computed as ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out``
     must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
     """
-    dev = session.host_device
-    if (dev is not None and type(a) is _ndarray and type(b) is _ndarray
-            and a.dtype == b.dtype and a.dtype in _FAST_DTYPES and a.ndim in _DOT_NDIMS and b.ndim in _DOT_NDIMS
-            and (out is None or a.ndim + b.ndim > 2)):
-        # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands of one BLAS
-        # type (copying those of other strides first; N-D ones take its loop without BLAS, so
-        # they stay below) and raises numpy's errors, as the fallbacks below do. With out, numpy
-        # checks it (an ndarray, C-contiguous, writeable, of the exact dtype and shape) and raises
-        # the error the code below has numpy raise; an out that overlaps a or b it computes through
-        # a copy, as the code below does. (1-D . 1-D: numpy returns a scalar, not out; below.)
-        t0 = clock()
-        res = _np_dot(a, b) if out is None else _np_dot(a, b, out)
-        _last.stats = (dev, t0, end_clock(), a.dtype, 2.0 * a.size * b.size / a.shape[-1] if a.shape[-1] else 0.0)
-        return res
-    if dev is not None and (type(a) is list or type(b) is list):
-        x, y = _plain(a), _plain(b)  # nested lists: the arrays numpy makes of them, then the checks above
-        if x is not None and y is not None:
-            return dot(x, y) if out is None else dot(x, y, out)
+    _check_out(out)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
@@ -276,16 +206,22 @@ def dot(a, b, out=None):
         ct = np.result_type(x.dtype, y.dtype)
     except TypeError:
         return _fallback_dot(a, b, out)
-    if ct not in BLAS_DTYPES:
+    if ct not in dtypes.BY_DTYPE:
         return _fallback_dot(a, b, out)
     k = x.shape[-1]
     kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
     if k != kb:
         return _fallback_dot(a, b, out)  # numpy's "shapes not aligned" error
     final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
-    if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous
-                            or not out.flags.writeable):
+    if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous):
         return _fallback_dot(a, b, out)  # numpy's "output array is not acceptable" error
+    if (xp is np and x.ndim <= 2 and y.ndim <= 2 and x.dtype == ct and y.dtype == ct
+            and (dev := dispatch.host_device()) is not None):
+        # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands
+        t0 = clock()
+        res = _np_dot(x, y) if out is None else _np_dot(x, y, out)
+        dispatch.record_host(dev, t0, ct, 2.0 * math.prod(final) * k)
+        return res
     rows = math.prod(x.shape[:-1])
     cols = math.prod(y.shape[:-2]) * y.shape[-1] if y.ndim >= 2 else 1
     a2 = _cast(x, ct).reshape(rows, k)
@@ -300,17 +236,6 @@ def dot(a, b, out=None):
     if final == ():
         return res[()]  # numpy returns a scalar for 1-D . 1-D
     return res
-
-
-_DOT_NDIMS = (1, 2)
-
-# The CPU alone: the calls of matmul (two exact ndarrays of one BLAS type that numpy's matmul runs
-# BLAS on; out= / dtype= / casting= as _host_matmul_out takes them) and dot (1-D / 2-D ones) are
-# checked in C and run numpy's function there (blasx._hostcall); every other call runs the Python
-# functions above.
-_ANY_STRIDES = _hostcall.NUMPY_COPIES_STRIDES
-matmul = _hostcall.matmul(matmul, _np_matmul, _DTYPE_KW)
-dot = _hostcall.dot(dot, _np_dot)
 
 
 def _fallback_dot(a, b, out):
@@ -329,9 +254,6 @@ def tensordot(a, b, axes=2):
     of axis sequences (or single axes); the free axes of a, then of b, make
     the result, as numpy's.
     """
-    dev = session.host_device
-    if dev is not None and type(a) is _ndarray and type(b) is _ndarray and a.dtype == b.dtype and a.dtype in _FAST_DTYPES:
-        return _host_tensordot(dev, a, b, axes)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b)):
@@ -347,7 +269,7 @@ def tensordot(a, b, axes=2):
         ct = np.result_type(x.dtype, y.dtype)
     except TypeError:
         return _fallback_tensordot(a, b, axes)
-    if ct not in BLAS_DTYPES:
+    if ct not in dtypes.BY_DTYPE:
         return _fallback_tensordot(a, b, axes)
     parsed = _tensordot_axes(x, y, axes)
     if parsed is None:
@@ -358,27 +280,17 @@ def tensordot(a, b, axes=2):
     kdim = math.prod(x.shape[i] for i in axes_a)
     mdim = math.prod(x.shape[i] for i in free_a)
     ndim_ = math.prod(y.shape[i] for i in free_b)
+    if xp is np and x.dtype == ct and y.dtype == ct and (dev := dispatch.host_device()) is not None:
+        # The CPU alone: numpy's own tensordot, one np.dot of the reshaped operands on the host BLAS
+        t0 = clock()
+        res = _np_tensordot(x, y, axes)
+        dispatch.record_host(dev, t0, ct, 2.0 * mdim * ndim_ * kdim)
+        return res
     a2 = _cast(x, ct).transpose(free_a + axes_a).reshape(mdim, kdim)
     b2 = _cast(y, ct).transpose(axes_b + free_b).reshape(kdim, ndim_)
     res = xp.empty((mdim, ndim_), dtype=ct)
     gemm_into(a2, b2, res)
     return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
-
-
-def _host_tensordot(dev, a, b, axes):
-    """The CPU alone: numpy's own tensordot, one np.dot of the reshaped operands on the host BLAS
-    (numpy's errors for bad axes). The contracted size K comes from the sizes:
-    a.size * b.size = (M K)(K N) and the result has M N elements."""
-    t0 = clock()
-    res = _np_tensordot(a, b, axes)
-    k = math.isqrt(a.size * b.size // res.size) if res.size else 0
-    level3.keep_host_call(dev, t0, a.dtype, 2.0 * res.size * k)
-    return res
-
-
-# The CPU alone: tensordot of two ndarrays of one BLAS type (axes positional or by keyword) is
-# checked in C and runs numpy's tensordot there (blasx._hostcall); every other call the function above.
-tensordot = _hostcall.tensordot(tensordot, _np_tensordot)
 
 
 def _tensordot_axes(x, y, axes):
@@ -445,7 +357,7 @@ def gemm_into(a2, b2, c2) -> None:
     if k == 0:
         c2[...] = 0
         return
-    level3.gemm(1, a2, b2, 0, c=c2, overwrite_c=True)
+    dispatch.gemm(1, a2, b2, 0, c2, 0, 0, c2.dtype, k)
 
 
 def run_batch(a, b, c, xp=np) -> None:

@@ -4,34 +4,34 @@ While offload is on, these run on the blasx engine when their flop count is at
 least the threshold, and exactly as before otherwise:
 
 * ``a @ b`` and ``np.matmul`` on float32 / float64 / complex64 / complex128
-  arrays: numpy's matmul inner loops for these dtypes are replaced through
-  numpy's C-API (:mod:`blasx._ufunc_loops`); below the threshold the
-  replacement calls numpy's own loop from C, without Python or the engine;
+  arrays: numpy's matmul inner loops for these types are replaced by the C
+  extension ``blasx._matmul_loops`` (numpy's ``PyUFunc_ReplaceLoopBySignature``);
+  below the threshold the replacement calls numpy's own loop from C;
 * ``np.dot`` (the ``numpy.dot`` attribute is replaced; ``ndarray.dot`` and names
   imported with ``from numpy import dot`` before enabling are not affected);
 * the level-3 functions of ``scipy.linalg.blas`` (``dgemm``, ``zherk``, ...:
   the module's attributes are replaced; ``get_blas_funcs`` still returns
   scipy's own routines).
 
-What a call below the threshold costs: ``@`` nothing measurable (the trampoline
-decides in C); ``np.dot`` and the scipy functions go through a C forwarder
-(:data:`blasx._ufunc_loops.FORWARD_C`, built with the trampoline) that calls
-the original function itself when the operands' sizes bound the flop count
-below the threshold (``8 a.size b.size``), ~30 ns, and runs the Python wrapper,
-which decides exactly, only above that bound. Without a C compiler or Python's
-headers the Python wrappers stand alone (~0.25-0.35 us a call).
-``python -m bench.offload_threshold --offload`` measures it.
+The extension is built when blasx is installed from source with a C compiler
+(``pip install .``). Where it is missing, ``offload()`` and ``offload_enable()``
+raise RuntimeError saying so; ``matmul=False`` redirects only ``np.dot`` and
+scipy (then through Python wrappers, which cost a little more per small call).
+With the extension, the np.dot / scipy wrappers sit behind a C forwarder that
+calls the original at once when ``8 a.size b.size`` (a bound of the flop count)
+is below the threshold.
 
 Only plain ``numpy.ndarray`` operands are offloaded (subclasses, CuPy arrays
 and other array-likes go the usual way). The result is what numpy / scipy
 give, computed by blasx. Flops count ``2 m n k`` (real) and ``8 m n k``
 (complex) for a product; the rank-k and triangular routines count theirs.
 
-``offload_enable(threshold=None)`` / ``offload_disable()`` and the
-``offload(threshold=None)`` context (also a decorator) nest: the patches go in
-with the first and come out with the last, restoring numpy's loops and the
-original attributes exactly. Thresholds: ``offload_enable(threshold=T)`` sets
-the process-wide one until its matching ``offload_disable()``;
+``offload_enable(threshold=None, matmul=True)`` / ``offload_disable()`` and the
+``offload(threshold=None, matmul=True)`` context (also a decorator) nest: the
+patches go in with the first and come out with the last, restoring numpy's loops
+and the original attributes exactly (``@`` is redirected while any active one
+asked for it). Thresholds: ``offload_enable(threshold=T)`` sets the
+process-wide one until its matching ``offload_disable()``;
 ``offload(threshold=T)`` overrides it for the calling thread inside the block.
 Without either, the default is ``$BLASX_OFFLOAD_THRESHOLD`` if set, else
 ``DEFAULT_THRESHOLDS`` for the kind of device blasx is configured with.
@@ -45,16 +45,8 @@ fails on blasx is computed again by numpy (for ``@`` and ``np.dot``; the output
 is not read by these, so nothing is lost) with a RuntimeWarning; a scipy
 routine that blasx rejects with TypeError / ValueError (before anything is
 written) goes to scipy, which then does whatever scipy does; other errors of
-an offloaded scipy call propagate.
-
-CPU BLAS threads: blasx's CPU worker beside GPUs (``cpu=True``) limits the
-BLAS threads through threadpoolctl for the duration of each call (every GPU
-worker keeps a core) and restores them when it returns (also on errors); in
-auto mode (the default beside CUDA GPUs) only from the first task or probe it
-runs until the calls running then have returned; with
-the CPU alone (``devices="cpu"``) calls run in the calling thread with the
-BLAS threads as they are, and GPU workers do not touch them. An offloaded
-call therefore leaves the thread settings as it found them.
+an offloaded scipy call propagate. An offloaded call leaves the BLAS thread
+settings as it found them.
 """
 
 from __future__ import annotations
@@ -69,63 +61,77 @@ import warnings
 
 import numpy as np
 
-from . import _ufunc_loops, numpy_api
+from . import numpy_api
+
+try:
+    from . import _matmul_loops as _ext
+except ImportError:  # installed without a C compiler: np.dot and scipy only
+    _ext = None
 
 #: Default offload thresholds in flops, per device kind of the blasx configuration.
-#:
-#: cpu: measured on this development machine (2-core x86_64 VM, numpy 2.4.6 with OpenBLAS 0.3.31,
-#: ``python -m bench.offload_threshold --devices cpu --dtypes d,s``, N = 32..2048): blasx on the
-#: CPU device never beat numpy's own matmul; numpy time / blasx time was 0.03, 0.05, 0.41, 0.32, 0.45,
-#: 0.62, 0.64 at N = 32 .. 2048 in float64 and 0.02 .. 0.65 in float32 (the CPU device runs the same
-#: BLAS tile by tile, plus scheduling). Since 2026-11-23 a plain CPU-only blasx.matmul IS numpy's
-#: matmul plus ~0.6 us of checks (``offload-threshold-cpu-vm2core-20261123.log``: 0.73-0.95 up to
-#: N = 128, 1.00 +- 0.01 from N = 512, noise; its "crossover" at 2048 is a ratio of 1.004). Offloading
-#: to the CPU device never pays: inf.
-#: sim: the simulated GPUs are a test stand-in, slower than numpy: inf (tests pass a threshold).
-#: cuda: NOT measured here (no GPU on this machine): an estimate, 2 * 2048**3 ~ 1.7e10 flops. A host-
-#: resident gemm on a GPU pays ~1 ms of engine and launch overhead plus 3 N^2 words over PCIe/NVLink;
-#: a many-core host BLAS runs ~1-3 TFLOPS, so the GPU wins from N ~ 1500-2000. Replace it with
-#: ``python -m bench.offload_threshold --devices cuda`` on the GPU server.
+#: cpu: the CPU device runs numpy's own BLAS plus scheduling, so offloading to it never pays;
+#: sim: a test stand-in slower than numpy; cuda: where blasx on GPUs starts to beat the host BLAS
+#: (``python -m bench.offload_threshold --devices cuda`` measures it).
 DEFAULT_THRESHOLDS = {"cpu": math.inf, "sim": math.inf, "cuda": 2.0 * 2048 ** 3}
 
 ENV_THRESHOLD = "BLASX_OFFLOAD_THRESHOLD"
 
+#: Why ``@`` cannot be redirected where the extension is missing, and what to do.
+NO_EXTENSION = ("blasx.offload: redirecting `a @ b` / np.matmul needs the C extension blasx._matmul_loops, which "
+                "this installation lacks (blasx was installed without a C compiler). Reinstall blasx from source "
+                "where a C compiler and Python's headers are available (`pip install .` in a checkout; the build "
+                "prints why the extension failed), or pass matmul=False to redirect only np.dot and "
+                "scipy.linalg.blas")
+
 __all__ = ["offload", "offload_enable", "offload_disable", "offload_threshold", "offload_active",
-           "offload_stats", "default_threshold", "DEFAULT_THRESHOLDS"]
+           "offload_stats", "default_threshold", "matmul_available", "DEFAULT_THRESHOLDS"]
 
 
 # ---------------------------------------------------------------- state
 
 class _Entry:
     """One active enable (``kind`` "enable") or ``with offload()`` block ("context")."""
-    __slots__ = ("kind", "thread", "threshold")
+    __slots__ = ("kind", "thread", "threshold", "matmul")
 
-    def __init__(self, kind: str, threshold) -> None:
+    def __init__(self, kind: str, threshold, matmul: bool) -> None:
         self.kind = kind
         self.thread = threading.get_ident()
         self.threshold = threshold
+        self.matmul = matmul
 
 
 _lock = threading.RLock()
 _entries: list[_Entry] = []
-_default: float = math.inf      # resolved when the patches go in
+_default: float = math.inf      # resolved when the first entry comes in
 
 
 class _ThreadState(threading.local):
     """Per thread: ``stack`` of (entry, threshold or None) of its ``with offload()`` blocks, ``local`` the
     override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in.
-    Class-level defaults: a missing attribute never raises (getattr with a default costs ~0.7 us)."""
+    Class-level defaults: a missing attribute never raises."""
     stack = None
     local = None
     busy = 0
 
 
 _tls = _ThreadState()
-_loops = _ufunc_loops.MatmulLoops()
 _saved: dict[tuple[object, str], tuple[object, object]] = {}  # (module, name) -> (original, our wrapper)
 _stats = {"matmul": 0, "dot": 0, "scipy": 0, "fallback": 0}
 _global_now = math.inf          # _global_threshold(), kept current for the wrappers' fast path
 _last_error: BaseException | None = None
+
+
+def matmul_available() -> bool:
+    """True when ``a @ b`` can be redirected (the C extension blasx._matmul_loops is installed)."""
+    return _ext is not None
+
+
+def _check_matmul(matmul) -> bool:
+    if not isinstance(matmul, (bool, np.bool_)):
+        raise TypeError(f"matmul: got {matmul!r} of type {type(matmul).__name__}; allowed: True or False")
+    if matmul and _ext is None:
+        raise RuntimeError(NO_EXTENSION)
+    return bool(matmul)
 
 
 def _check_threshold(value):
@@ -186,16 +192,18 @@ def _local_threshold():
 
 
 def _sync_global() -> None:
-    """Publish the process-wide threshold to the wrappers and the matmul trampoline (under _lock)."""
+    """Publish the process-wide threshold to the wrappers and the extension (under _lock)."""
     global _global_now
     _global_now = _global_threshold()
-    _ufunc_loops.trampoline().set_global(_global_now)
+    if _ext is not None:
+        _ext.set_global(_global_now)
 
 
 def _sync_local() -> None:
-    """Publish the calling thread's override to the wrappers and the trampoline's thread-local copy."""
+    """Publish the calling thread's override to the wrappers and the extension's thread-local copy."""
     _tls.local = _local_threshold()
-    _ufunc_loops.trampoline().set_local(_tls.local)
+    if _ext is not None:
+        _ext.set_local(_tls.local)
 
 
 def offload_threshold() -> float:
@@ -220,19 +228,15 @@ def offload_stats() -> dict:
 
 # ---------------------------------------------------------------- enable / disable
 
-def offload_enable(threshold=None) -> None:
+def offload_enable(threshold=None, matmul=True) -> None:
     """Turn offload on (nesting: each call needs one :func:`offload_disable`).
 
     threshold: flops from which a call runs on blasx, process-wide until the
     matching disable; None keeps the current one (the default: see the module
-    docstring).
+    docstring). matmul: also redirect ``a @ b`` / np.matmul (needs the C
+    extension: RuntimeError without it); False: np.dot and scipy only.
     """
-    thr = _check_threshold(threshold)
-    with _lock:
-        if not _entries:
-            _install()
-        _entries.append(_Entry("enable", thr))
-        _sync_global()
+    _add(_Entry("enable", _check_threshold(threshold), _check_matmul(matmul)))
 
 
 def offload_disable() -> None:
@@ -249,34 +253,26 @@ def offload_disable() -> None:
         me = threading.get_ident()
         mine = [i for i in enables if _entries[i].thread == me]
         del _entries[(mine or enables)[-1]]
-        _after_removal()
-
-
-def _after_removal() -> None:
-    if _entries:
-        _sync_global()
-    else:
-        _uninstall()
+        _reconcile()
 
 
 class offload(contextlib.ContextDecorator):
-    """``with blasx.offload(threshold=None):`` (or ``@blasx.offload(...)``): offload on inside the block.
+    """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside.
 
     threshold: flops from which a call runs on blasx, for the calling thread
     inside the block (nested blocks override it and restore it on exit); None
-    inherits the enclosing block's, else the process-wide one. The same object
-    may be entered again, nested or from several threads.
+    inherits the enclosing block's, else the process-wide one. matmul: as for
+    :func:`offload_enable`. The same object may be entered again, nested or
+    from several threads.
     """
 
-    def __init__(self, threshold=None) -> None:
+    def __init__(self, threshold=None, matmul=True) -> None:
         self.threshold = _check_threshold(threshold)
+        self.matmul = _check_matmul(matmul)
 
     def __enter__(self):
-        entry = _Entry("context", self.threshold)
-        with _lock:
-            if not _entries:
-                _install()
-            _entries.append(entry)
+        entry = _Entry("context", self.threshold, self.matmul)
+        _add(entry)
         _stack().append((entry, self.threshold))
         _sync_local()
         return self
@@ -290,42 +286,69 @@ class offload(contextlib.ContextDecorator):
         _sync_local()
         with _lock:
             _entries.remove(entry)
-            _after_removal()
+            _reconcile()
 
     def __repr__(self) -> str:
-        return f"blasx.offload(threshold={self.threshold!r})"
+        return f"blasx.offload(threshold={self.threshold!r}, matmul={self.matmul!r})"
 
 
 # ---------------------------------------------------------------- installing the patches
 
-def _install() -> None:
-    """Replace numpy's matmul loops, numpy.dot and scipy.linalg.blas's level-3 functions (under _lock)."""
+def _add(entry: _Entry) -> None:
+    """Make ``entry`` active, putting in what it needs; on failure nothing changes."""
     global _default
-    _default = default_threshold()
+    with _lock:
+        if not _entries:
+            _default = default_threshold()
+        _entries.append(entry)
+        try:
+            _reconcile()
+        except BaseException:
+            _entries.remove(entry)
+            _reconcile()
+            raise
+
+
+def _reconcile() -> None:
+    """Bring the patches in line with ``_entries`` (under _lock): np.dot and scipy while any entry is
+    active, numpy's matmul loops while any active entry asked for them."""
     _sync_global()
-    _loops.install(_HOOKS)
+    if _entries and not _saved:
+        _patch_all()
+    want_loops = any(e.matmul for e in _entries)
+    if want_loops and not _ext.installed():
+        _install_loops()
+    elif not want_loops and _ext is not None and _ext.installed():
+        displaced = _ext.uninstall()
+        if displaced:
+            warnings.warn(f"blasx.offload_disable: np.matmul's {', '.join(displaced)} loop was no longer blasx's "
+                          f"(replaced by someone else meanwhile); numpy's original was put back",
+                          RuntimeWarning, stacklevel=4)
+    if not _entries:
+        _unpatch_all()
+
+
+def _install_loops() -> None:
+    """Replace the loops and check that ``@`` reaches them; on failure numpy's loops are put back."""
+    _ext.install(_matmul_hook)
+    _ext.set_local(math.inf)  # the probes stay on numpy's loop
     try:
-        global _dot_next
-        _dot_next = np.dot
-        _patch(np, "dot", _forwarded(_dot_next, _dot_wrapper, (0, "a"), (1, "b")))
-        import scipy.linalg.blas as spblas
-        from .linalg import blas as ours
-        for name, fn in ours.FUNCTIONS.items():
-            original = getattr(spblas, name, None)
-            if original is not None:
-                b = None if name[1:] in ("syrk", "herk") else (2, "b")  # their bound is 8 a.size^2
-                _patch(spblas, name, _forwarded(original, _scipy_wrapper(name, original, fn), (1, "a"), b))
+        for slot, dt in enumerate((np.float32, np.float64, np.complex64, np.complex128)):
+            before = _ext.hits(slot)
+            x = np.ones((2, 2), dtype=dt)
+            y = x @ x
+            if _ext.hits(slot) == before:
+                raise RuntimeError(
+                    f"blasx.offload: PyUFunc_ReplaceLoopBySignature replaced np.matmul's {np.dtype(dt).name} loop, "
+                    f"but `a @ b` does not call the new loop on numpy {np.__version__} (this numpy caches the "
+                    f"loop elsewhere); `@` cannot be redirected here (matmul=False redirects np.dot and scipy)")
+            if not (y == 2).all():
+                raise RuntimeError(f"blasx.offload: the {np.dtype(dt).name} matmul trampoline gave a wrong result")
     except BaseException:
-        _unpatch_all()
-        _loops.uninstall()
+        _ext.uninstall()
         raise
-
-
-def _uninstall() -> None:
-    try:
-        _loops.uninstall()
     finally:
-        _unpatch_all()
+        _ext.set_local(_tls.local)
 
 
 @atexit.register
@@ -335,17 +358,36 @@ def _at_exit() -> None:
     with _lock:
         if _entries:
             _entries.clear()
-            _uninstall()
+            _reconcile()
+
+
+def _patch_all() -> None:
+    """Replace numpy.dot and scipy.linalg.blas's level-3 functions (all or none)."""
+    global _dot_next
+    try:
+        _dot_next = np.dot
+        _patch(np, "dot", _forwarded(_dot_next, _dot_wrapper, (0, "a"), (1, "b")))
+        import scipy.linalg.blas as spblas
+
+        from .linalg import blas as ours
+        for name, fn in ours.FUNCTIONS.items():
+            original = getattr(spblas, name, None)
+            if original is not None:
+                b = None if name[1:] in ("syrk", "herk") else (2, "b")  # their bound is 8 a.size^2
+                _patch(spblas, name, _forwarded(original, _scipy_wrapper(name, original, fn), (1, "a"), b))
+    except BaseException:
+        _unpatch_all()
+        raise
 
 
 def _forwarded(original, wrapper, a: tuple[int, str], b: tuple[int, str] | None):
-    """``wrapper`` behind the trampoline's C forwarder (``_ufunc_loops.FORWARD_C``), which calls
-    ``original`` itself for every call the wrapper would hand it at once (operands not exact
-    ndarrays, or whose sizes bound the flops below the threshold): ~30 ns a call instead of the
-    wrapper's ~0.25-0.35 us. The wrapper alone where no forwarder can be built."""
-    fwd = _ufunc_loops.trampoline().forwarder(original, wrapper, a, b)
-    if fwd is None:
+    """``wrapper`` behind the extension's C forwarder, which calls ``original`` itself for every call
+    the wrapper would hand it at once (operands not exact ndarrays, or whose sizes bound the flops
+    below the threshold); the wrapper alone without the extension."""
+    if _ext is None:
         return wrapper
+    ib, name_b = b if b is not None else (-1, a[1])
+    fwd = _ext.forwarder(original, wrapper, a[0], a[1], ib, name_b)
     for attr in ("__name__", "__qualname__", "__doc__", "__wrapped__", "__module__"):
         setattr(fwd, attr, getattr(wrapper, attr))
     return fwd
@@ -397,69 +439,25 @@ def _failed(what: str, err: BaseException) -> None:
         pass
 
 
-class _Raw:
-    """An __array_interface__ over memory numpy hands the loop (strides in bytes, any sign)."""
-    __slots__ = ("__array_interface__",)
+def _matmul_hook(a, b, c) -> bool:
+    """Called by the trampoline at or above the threshold with (N, n, k), (N, k, m), (N, n, m) views:
+    True when blasx wrote ``c``, False to let numpy's loop do it. Never raises."""
+    if _bypass():
+        return False
+    try:
+        with _busy():
+            numpy_api.run_batch(a, b, c)
+        _stats["matmul"] += 1
+        return True
+    except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
+        _failed(f"matmul ({c.dtype.name})", e)
+        if isinstance(e, KeyboardInterrupt):
+            import _thread
+            _thread.interrupt_main()
+        return False
 
-    def __init__(self, ptr: int, shape, strides, dtype) -> None:
-        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
-                                    "typestr": dtype.str, "version": 3}
-
-
-def _view(ptr, shape, strides, dtype) -> np.ndarray:
-    return np.asarray(_Raw(ptr, shape, strides, dtype))
-
-
-def _matmul_hook(slot: int, args, dims, steps, data) -> None:
-    """The Python side of the matmul trampoline: the call is at or above the threshold."""
-    if not _bypass():
-        dt = _ufunc_loops.SLOT_DTYPES[slot]
-        try:
-            N, n, k, m = dims[0], dims[1], dims[2], dims[3]
-            s = [steps[i] for i in range(9)]
-            a = _view(args[0], (N, n, k), (s[0], s[3], s[4]), dt)
-            b = _view(args[1], (N, k, m), (s[1], s[5], s[6]), dt)
-            c = _view(args[2], (N, n, m), (s[2], s[7], s[8]), dt)
-            with _busy():
-                numpy_api.run_batch(a, b, c)
-            _stats["matmul"] += 1
-            return
-        except BaseException as e:  # noqa: BLE001 - nothing may escape a C callback
-            _failed(f"matmul ({dt.name})", e)
-            if isinstance(e, KeyboardInterrupt):
-                import _thread
-                _thread.interrupt_main()
-    _loops_orig(slot)(args, dims, steps, data)
-
-
-_orig_callables: dict[int, object] = {}
-
-
-def _loops_orig(slot: int):
-    ptr = _loops.orig[slot]
-    fn = _orig_callables.get(ptr)
-    if fn is None:
-        fn = _orig_callables[ptr] = _ufunc_loops.LOOP(ptr)
-    return fn
-
-
-def _make_hook(slot: int):
-    def hook(args, dims, steps, data):
-        _matmul_hook(slot, args, dims, steps, data)
-    return hook
-
-
-# kept alive for the life of the process: numpy (or a thread still inside the trampoline) may call them
-_HOOKS = [_ufunc_loops.LOOP(_make_hook(i)) for i in range(4)]
 
 _BLAS_CHARS = frozenset("fdFD")
-
-
-def _threshold_now() -> float:
-    local = _tls.local
-    return _global_now if local is None else local
-
-
 _ndarray = np.ndarray
 _dot_next = numpy_api._np_dot  # what numpy.dot was when offload went in (numpy's own, unless patched before)
 

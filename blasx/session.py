@@ -37,11 +37,9 @@ _settings = Settings()
 _engine: Engine | None = None
 
 #: The CPU device of the running engine while that engine runs every call in its caller's thread
-#: on the host BLAS with no fixed tile (the CPU alone: ``Engine.inline``, ``tile=None``), else None.
-#: The front ends' fast paths read this one attribute instead of calling engine() (0.36 us, a
-#: tenth of numpy's time for a 32 x 32 product). engine() sets it once that engine has started;
-#: shutdown() (and so configure()) clears it before stopping the engine. None also before the
-#: first call: that call takes the ordinary path, which starts the engine.
+#: on the host BLAS with no fixed tile (the CPU alone: ``Engine.inline``, ``tile=None``), else None:
+#: blasx.dispatch reads it to choose a call's route. engine() sets it once that engine has started;
+#: shutdown() (and so configure()) clears it before stopping the engine.
 host_device = None
 
 

@@ -155,7 +155,7 @@ def _reads_own_tile(task) -> bool:
 
 class EngineClosed(RuntimeError):
     """The engine was shut down before a call's tasks were queued: nothing of the call ran, and
-    it may run on another engine (``blasx.level3.submit_planned`` does so on the new one)."""
+    it may run on another engine (``blasx.dispatch.submit_planned`` does so on the new one)."""
 
 
 class _Sentinel:

@@ -202,9 +202,7 @@ def test_matmul_scalars_lists_and_subclasses(rand):
 def test_matmul_is_the_package_export():
     assert blasx.matmul is numpy_api.matmul
     from blasx import level3
-    assert level3.matmul is not blasx.matmul  # the 2-D building block stays
-    a = np.ones((3, 2))
-    np.testing.assert_array_equal(level3.matmul(a, a.T), a @ a.T)
+    assert not hasattr(level3, "matmul")  # one matmul: numpy_api's
 
 
 # ---------------------------------------------------------------- dot

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import blasx
-import blasx.level3
+import blasx.dispatch
 from blasx.operands import TokenTable, make_operand
 from blasx.runtime.call import Call
 from blasx.runtime.config import parse_devices, sim_factors
@@ -33,14 +33,14 @@ def ceil_div(a, b):
 def planned(monkeypatch):
     """Records the task lists the front end plans, so tests can see which worker ran each task."""
     plans = []
-    original = blasx.level3.plan_gemm
+    original = blasx.dispatch.plan_gemm
 
     def spy(*args, **kwargs):
         tasks = original(*args, **kwargs)
         plans.append(tasks)
         return tasks
 
-    monkeypatch.setattr(blasx.level3, "plan_gemm", spy)
+    monkeypatch.setattr(blasx.dispatch, "plan_gemm", spy)
     return plans
 
 

@@ -5,10 +5,11 @@ The level-3 wrappers ``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm
 and z) have scipy's names, positional order, keywords, defaults and return
 conventions, and f2py's conversions:
 
-* every array argument is converted to the routine's dtype first (lists
-  accepted; complex to real discards the imaginary part with numpy's
-  ComplexWarning, as f2py's cast does); a 0-d argument is a 1x1 matrix, a 1-D
-  one a column;
+* every array argument is converted to the routine's dtype (lists accepted;
+  complex to real discards the imaginary part with numpy's ComplexWarning, as
+  f2py's cast does), once the call is known to be valid; a 0-d argument is a
+  1x1 matrix, a 1-D one a column; a 0-d or 1-D ``c`` (``b`` for trmm/trsm)
+  gives a result of its own shape, as f2py's does;
 * alpha and beta are converted as f2py does (a complex value for a real
   routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads as
   real, lose their imaginary part, with a ComplexWarning here); the int flags
@@ -36,13 +37,10 @@ names itself). Every other name of scipy.linalg.blas (level 1 and 2
 routines, ``HAS_ILP64``, ...) is scipy's own object, forwarded through the
 module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
 
-The level-3 functions always run on the blasx engine (no size threshold: use
-:func:`blasx.offload` to keep small calls on the CPU BLAS). With the CPU as the
-only device, the engine's kernel is the host BLAS, and a call whose arguments
-scipy's routine treats as blasx does (2-D ndarrays of a BLAS type or nested lists
-of numbers, Python's or numpy's numbers for the scalars, int flags within what
-blasx allows, outputs written in place that provably alias no input) runs scipy's
-own routine (:mod:`blasx.hostpath`; a plain call's checks in C, :mod:`blasx._hostcall`).
+The level-3 functions always run on blasx (no size threshold: use
+:func:`blasx.offload` to keep small calls on the CPU BLAS), through
+:mod:`blasx.dispatch`: with the CPU as the only device that is one call of
+scipy's own routine on the converted operands.
 """
 
 from __future__ import annotations
@@ -54,17 +52,15 @@ import warnings
 import numpy as np
 import scipy.linalg.blas as _sp
 
-from .. import hostpath
+from .. import blas3, level3
+from ..checks import BY_SCORE, TYPE_SCORE, writable
 from ..operands import is_cupy
+from ..runtime import dtypes
 
 MODULE_NAME = "blasx"
 
 #: routine -> the prefixes scipy.linalg.blas has for it
-LEVEL3 = {"gemm": "sdcz", "symm": "sdcz", "hemm": "cz", "syrk": "sdcz", "herk": "cz",
-          "syr2k": "sdcz", "her2k": "cz", "trmm": "sdcz", "trsm": "sdcz"}
-
-DTYPE_OF_PREFIX = {"s": np.dtype(np.float32), "d": np.dtype(np.float64),
-                   "c": np.dtype(np.complex64), "z": np.dtype(np.complex128)}
+LEVEL3 = {"gemm": dtypes.PREFIXES, **blas3.ROUTINE_PREFIXES}
 
 # scipy's parameter order per routine family: (name, default or REQUIRED)
 REQUIRED = inspect.Parameter.empty
@@ -96,8 +92,8 @@ def signature_of(routine: str) -> inspect.Signature:
 
 def _fast_binder(sig: inspect.Signature):
     """``(args, kwargs) -> {name: value}`` for a signature of positional-or-keyword parameters,
-    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError).
-    ``inspect.Signature.bind`` costs ~10 us a call, half of a small GEMM."""
+    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError);
+    a plain dict merge, where ``inspect.Signature.bind`` would cost more than a small call."""
     names = tuple(sig.parameters)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
     required = [n for n in names if n not in defaults]
@@ -123,8 +119,10 @@ def _fast_binder(sig: inspect.Signature):
 
 def _scalar(name: str, value, dtype: np.dtype, real: bool):
     """alpha / beta as f2py converts them: a number (or a one-element array) of the routine's type."""
-    if type(value) is float:  # the common case, without the abc checks
-        return complex(value) if dtype.kind == "c" and not real else value
+    if type(value) is float or type(value) is int:  # the common cases, without the abc checks
+        return complex(value) if dtype.kind == "c" and not real else float(value)
+    if isinstance(value, (list, tuple)):  # f2py takes a one-element sequence too
+        value = np.asarray(value)
     if isinstance(value, np.ndarray) or is_cupy(value):
         if value.size != 1:
             raise ValueError(f"{name}: got an array of shape {tuple(value.shape)}; expected a number "
@@ -159,18 +157,28 @@ def _flag(name: str, value) -> int:
     raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int")
 
 
-def _matrix(name: str, x, dtype: np.dtype):
-    """An array argument as f2py converts it: to the routine's dtype, 0-d -> 1x1, 1-D -> a column."""
+def _array(name: str, x, dtype: np.dtype):
+    """An array argument as f2py takes it, not yet converted to ``dtype`` (the routine converts
+    it once the call is valid; no copy of an array of numbers)."""
+    if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without the checks below
+        return x
     if not is_cupy(x):
         try:
             x = np.asarray(x)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: cannot make an array of {type(x).__name__}: {e}") from None
-    if x.dtype != dtype:
+    if x.dtype.kind == "O":  # numbers in an object array: converted here (f2py converts them too)
         try:
             x = x.astype(dtype)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}: cannot convert the {x.dtype} array to {dtype.name}: {e}") from None
+            raise type(e)(f"{name}: cannot convert the object array to {dtype.name}: {e}") from None
+    elif x.dtype.kind not in "biufc":
+        raise TypeError(f"{name}: got a {x.dtype} array; allowed: numbers (converted to {dtype.name})")
+    return x
+
+
+def _matrix(name: str, x):
+    """An array as f2py reads a matrix: 0-d -> 1x1, 1-D -> a column (views)."""
     if x.ndim == 0:
         return x.reshape(1, 1)
     if x.ndim == 1:
@@ -181,33 +189,35 @@ def _matrix(name: str, x, dtype: np.dtype):
     return x
 
 
-def _in_place(original, converted, dtype, overwrite: int) -> bool:
+def _in_place(x, dtype, overwrite: int) -> bool:
     """scipy writes c (b) in place when asked to and it is F-contiguous, writable, of the routine's dtype."""
-    return (bool(overwrite) and converted is original and original.dtype == dtype
-            and original.flags.f_contiguous and getattr(original.flags, "writeable", True))
+    return bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
+
+
+def _shaped(res, out, out2):
+    """The result as f2py gives it for an output argument ``out`` (None: none; ``out2``: its
+    matrix view) of rank < 2: of out's own shape, ``out`` itself when written in place."""
+    if out is None or out.ndim == 2:
+        return res
+    return out if res is out2 else res.reshape(out.shape)
 
 
 # ---------------------------------------------------------------- the routines
 
 def _impl(prefix: str, routine: str):
-    import blasx
-    if routine == "gemm":
-        return blasx.gemm
-    fn = getattr(blasx, prefix + routine, None)
-    if fn is None:
-        raise NotImplementedError(f"blasx.{prefix}{routine} is not available in this blasx build")
-    return fn
+    return (level3.PREFIXED if routine == "gemm" else blas3.PREFIXED)[prefix + routine]
 
 
 def _make(prefix: str, routine: str):
     sig = signature_of(routine)
-    dtype = DTYPE_OF_PREFIX[prefix]
+    dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + routine
     hermitian = routine in ("herk", "her2k")
-
+    impl = _impl(prefix, routine)
+    out_name = "b" if _FAMILY[routine] == "trmm" else "c"
     bind = _fast_binder(sig)
 
-    def general(*args, **kwargs):
+    def f(*args, **kwargs):
         v = bind(args, kwargs)
         if v is None:
             try:
@@ -216,7 +226,6 @@ def _make(prefix: str, routine: str):
                 raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
             bound.apply_defaults()
             v = dict(bound.arguments)
-        originals = {k: v[k] for k in _ARRAYS if k in v}
         v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=(routine == "herk"))
         if "beta" in v:
             v["beta"] = _scalar("beta", v["beta"], dtype, real=hermitian)
@@ -226,19 +235,22 @@ def _make(prefix: str, routine: str):
         for k in _OVERWRITE:
             if k in v:
                 v[k] = _flag(k, v[k])
+        out = None
         for k in _ARRAYS:
             if k in v and v[k] is not None:
-                v[k] = _matrix(k, v[k], dtype)
-        if routine == "gemm":
-            v["overwrite_c"] = v["c"] is not None and _in_place(originals["c"], v["c"], dtype, v["overwrite_c"])
+                x = _array(k, v[k], dtype)
+                if k == out_name:
+                    out = x
+                v[k] = _matrix(k, x)
+        if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
+            v["overwrite_c"] = out is not None and _in_place(out, dtype, v["overwrite_c"])
         if routine == "trmm":
             a, b = v["a"], v["b"]
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
-        return _impl(prefix, routine)(**v)
+        return _shaped(impl(**v), out, v.get(out_name))
 
-    f = hostpath.with_host_path(prefix, routine, general, lists=True)
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
     f.__module__ = __name__
@@ -258,17 +270,6 @@ globals().update(FUNCTIONS)
 
 # ---------------------------------------------------------------- prefix selection
 
-# scipy's type scores (scipy.linalg.blas._type_score / _type_conv, taken from the installed scipy when
-# it has them): small types (bool, int8/16, uint8/16, float16, float32) 1 -> 's'; larger ints, float64
-# and longdouble 2 -> 'd'; complex64 3 -> 'c'; complex128 and clongdouble 4 -> 'z'; anything else -> 'd'.
-_TYPE_SCORE = dict(getattr(_sp, "_type_score", None) or {
-    "?": 1, "b": 1, "B": 1, "h": 1, "H": 1, "e": 1, "f": 1, "i": 2, "I": 2, "l": 2, "L": 2, "q": 2, "Q": 2,
-    "d": 2, "F": 3, "D": 4, "g": 2, "G": 4})
-_TYPE_CONV = dict(getattr(_sp, "_type_conv", None) or {
-    1: ("s", np.dtype("float32")), 2: ("d", np.dtype("float64")),
-    3: ("c", np.dtype("complex64")), 4: ("z", np.dtype("complex128"))})
-
-
 def _fortran(x) -> bool:
     flags = x.flags
     try:
@@ -286,22 +287,22 @@ def find_best_blas_type(arrays=(), dtype=None):
     the array of the winning type is F-contiguous.
     """
     dtype = np.dtype(dtype)
-    max_score = _TYPE_SCORE.get(dtype.char, 5)
+    max_score = TYPE_SCORE.get(dtype.char, 5)
     prefer_fortran = False
     if arrays:
         if len(arrays) == 1:
-            max_score = _TYPE_SCORE.get(arrays[0].dtype.char, 5)
+            max_score = TYPE_SCORE.get(arrays[0].dtype.char, 5)
             prefer_fortran = _fortran(arrays[0])
         else:
-            scores = [_TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
+            scores = [TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
             max_score = max(scores)
             ind = scores.index(max_score)
             if max_score == 3 and 2 in scores:
                 max_score = 4
             if _fortran(arrays[ind]):
                 prefer_fortran = True
-    prefix, dt = _TYPE_CONV.get(max_score, ("d", np.dtype("float64")))
-    return prefix, dt, prefer_fortran
+    dt = BY_SCORE.get(max_score, dtypes.BY_PREFIX["d"].dtype)  # (scipy's fallback for other types: d)
+    return dtypes.prefix(dt), dt, prefer_fortran
 
 
 _ILP64 = {}

@@ -1,0 +1,294 @@
+"""The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
+
+Every front end (``blasx.gemm``, the level-3 routines, ``matmul`` / ``dot`` / ``tensordot``, the
+scipy drop-in, ``offload``) first validates its arguments and makes its output, so nothing is
+written before a call is known to be good, and casts each operand at most once
+(:func:`as_operand`). Then it hands the call here:
+
+* **the CPU alone** (``devices="cpu"``, or no GPU, and no fixed tile: ``Engine.inline``): the call
+  is one call of scipy's own BLAS routine (or numpy's own function, for the numpy front end) in
+  the caller's thread; :func:`host_device` says whether this is the case, starting the engine on
+  the first call, so the first call of a process takes the same route as every later one;
+* **otherwise** it is planned (``blasx.runtime.plans``) and submitted to the engine
+  (:func:`submit_planned`).
+
+Either way the call becomes this thread's last call for :func:`last_profile` (a host call keeps
+a tuple, made into a Profile when asked for).
+
+A new front end plugs in through :func:`run`: canonical (column-major) views in a planner's slot
+order, the planner, and optionally the host routine that does the same on the CPU alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import scipy.linalg.blas as _sp_blas
+
+from . import session
+from .operands import TokenTable, canonical, column_major_view, is_cupy, make_operand
+from .runtime.call import Call
+from .runtime.devices.numpy_kernels import scale_views
+from .runtime.engine import EngineClosed
+from .runtime.plans import plan_gemm
+from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
+from .tile import choose_tile
+
+#: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
+ROUTINES = frozenset(("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
+
+
+# ---------------------------------------------------------------- this thread's last call
+
+class _ThreadCalls(threading.local):
+    """Per thread: ``stats`` of its last call (a CallStats, or a host record ``(device, t0, t1,
+    dtype, real flops)``), and that call's ``profile`` once made."""
+    stats = None
+    profile = None
+    profile_of = None
+
+
+_tls = _ThreadCalls()
+
+# The call each thread is running on the engine now (thread ident -> Call), for progress displays.
+# Written only by the calling thread, under the lock.
+_running: dict = {}
+_running_lock = threading.Lock()
+
+
+def running_call(thread_ident: int):
+    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None.
+
+    Read-only, for progress displays: ``len(call.tasks) - call.remaining`` tasks are accounted
+    for. Safe to call from any thread."""
+    with _running_lock:
+        return _running.get(thread_ident)
+
+
+def last_profile():
+    """The profile (:class:`blasx.runtime.stats.Profile`) of this thread's last blasx call, or None."""
+    stats = _tls.stats
+    if stats is None:
+        return None
+    if type(stats) is tuple:
+        stats = _tls.stats = _host_stats(*stats)
+    if _tls.profile is None or _tls.profile_of is not stats:
+        _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
+        _tls.profile_of = stats
+    return _tls.profile
+
+
+def record_host(dev, t0: float, dtype, real_flops: float) -> None:
+    """A call the host BLAS ran in this thread from ``t0`` until now becomes this thread's last
+    call. ``real_flops`` counts a real call's flops (a complex one counts 4 times that)."""
+    _tls.stats = (dev, t0, clock(), dtype, real_flops)
+
+
+def _host_stats(dev, t0: float, t1: float, dtype, real_flops: float) -> CallStats:
+    """The stats of a host call: one task on the CPU device."""
+    flops = real_flops * (4.0 if np.dtype(dtype).kind == "c" else 1.0)
+    stats = CallStats([DeviceInfo(dev.index, dev.name, dev.kind)], keep_records=dev.trace)
+    stats.start(t0)
+    row = stats.owned_row(0)
+    row["tasks"], row["steps"], row["flops"] = 1, 1, flops
+    stats.add_record(OpRecord(0, "host", t0, t1, flops=flops, task=0, name="task"))
+    stats.finish(t1)
+    return stats
+
+
+# ---------------------------------------------------------------- host or engine
+
+def host_device():
+    """The CPU device when every call runs on the host BLAS in its caller's thread (the CPU alone,
+    no fixed tile), else None. Starts the engine on first use, so the first call is routed as
+    every later one."""
+    dev = session.host_device
+    if dev is None:
+        session.engine()  # publishes session.host_device when the engine runs on the host
+        dev = session.host_device
+    return dev
+
+
+@functools.cache
+def blas_routine(routine: str, dtype):
+    """scipy's own ``?routine`` for ``dtype`` (from its extension module through get_blas_funcs,
+    never the module attribute that blasx.offload may replace)."""
+    return _sp_blas.get_blas_funcs(routine, dtype=np.dtype(dtype))
+
+
+def written(out, res) -> None:
+    """Make ``out`` hold ``res``, a host routine's result for it: f2py returns ``out`` itself when
+    it wrote it in place, else a copy (an ``out`` it could not take as it is)."""
+    if res is not out:
+        out[...] = res
+
+
+def array_module(on_gpu: bool):
+    if on_gpu:
+        import cupy
+        return cupy
+    return np
+
+
+def as_operand(x, dtype):
+    """``x`` of ``dtype``: itself, or one compact copy (of any strides: a broadcast view is
+    copied once, never twice)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int], *,
+        host=None, flops: float = 0.0, scratch=None) -> None:
+    """Run one validated call on canonical operands: the entry every front end (and ``blasx.dnn``) uses.
+
+    ``views``: column-major views in the planner's slot order, the output(s) included, of one
+    BLAS ``dtype``; ``plan(tile, block)`` returns the tasks (see :func:`submit_planned` for
+    ``dims`` and ``scratch``). ``host()``, if given, computes the same on the host BLAS into the
+    output views; it runs instead of the engine when the CPU is the only device and the operands
+    are numpy arrays, and the call is recorded as one host task of ``flops`` real flops.
+    Raises the call's error, if any.
+    """
+    if host is not None and type(views[0]) is np.ndarray:
+        dev = host_device()
+        if dev is not None:
+            t0 = clock()
+            host()
+            _tls.stats = (dev, t0, clock(), dtype, flops)
+            return
+    submit_planned(name, views, plan, dtype, alpha, beta, dims, scratch)
+
+
+def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: str = "gemm") -> None:
+    """c = alpha op(a) op(b) + beta c, written into the 2-D ``c`` (any strides), on validated
+    operands of ``dtype`` (c aliasing neither a nor b, its shape op(a)'s rows x op(b)'s columns,
+    ``k`` the inner dimension). beta 0: c is not read. alpha 0 or k 0: C = beta C, a and b unread
+    (never handed to a host ?gemm: some OpenBLAS builds multiply anyway)."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    cm = column_major_view(c)
+    staging = None
+    if cm is None:  # an output with arbitrary strides: compute into a compact copy, copied back
+        staging = array_module(is_cupy(c)).asfortranarray(c)
+        cm = (staging, False)
+    cv, tp = cm
+    if tp:  # C^T = op(B)^T op(A)^T
+        va, opa = canonical(b, trans_b, True)
+        vb, opb = canonical(a, trans_a, True)
+    else:
+        va, opa = canonical(a, trans_a, False)
+        vb, opb = canonical(b, trans_b, False)
+    m, n = cv.shape
+    dtype = np.dtype(dtype)
+    product = alpha != 0 and k != 0
+
+    def host():
+        if product:
+            written(cv, blas_routine("gemm", dtype)(alpha, va, vb, beta, cv, opa, opb, 1))
+        else:
+            scale_views(cv, dtype.type(beta))
+
+    run(name, [va, vb, cv],
+        lambda tile, block: plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
+                                      is_complex=dtype.kind == "c", block=block),
+        dtype, alpha, beta, (m, n, k), host=host, flops=2.0 * m * n * k if product else 0.0)
+    if staging is not None:
+        c[...] = staging
+
+
+# ---------------------------------------------------------------- the engine
+
+def block_shape(eng) -> tuple[int, int]:
+    """Blocks of C tiles in queue order (``Knobs.block_order``): 2 x (streams / 2), else single tiles."""
+    streams = eng.config.streams
+    return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
+
+
+# Engines a call tries when each is shut down before it was queued: enough for a configure()
+# racing the call, bounded for an exit (atexit's shutdown) racing it.
+_ENGINE_ATTEMPTS = 3
+
+
+def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int],
+                   scratch=None) -> None:
+    """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
+
+    ``views`` are the operands in canonical (column-major) form, in the planner's slot order;
+    ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)`` sizes the call for the tile
+    choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the
+    planner writes and reads (None: none); it is made where :func:`_scratch_home` says, appended
+    to the operands, and the plan is then ``plan(tile, block, True)``. Raises the call's error,
+    if any. A call that finds its engine shut down before its tasks were queued (configure() or
+    shutdown() in another thread) runs on the engine that replaces it.
+    """
+    dtype = np.dtype(dtype)
+    for attempt in range(_ENGINE_ATTEMPTS):
+        try:
+            _submit_on(session.engine(), name, views, plan, dtype, alpha, beta, dims, scratch)
+            return
+        except EngineClosed:
+            if attempt == _ENGINE_ATTEMPTS - 1:
+                raise
+
+
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch) -> None:
+    """:func:`submit_planned` on the engine ``eng`` (raises EngineClosed from eng.submit)."""
+    tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
+    shape = scratch(eng, tile) if scratch is not None else None
+    if shape is None:
+        _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile)
+        return
+    home = _scratch_home(eng, views[0])
+    if home is None:
+        extra = np.empty(shape, dtype=dtype, order="F")
+    else:
+        import cupy
+        with cupy.cuda.Device(home):
+            extra = cupy.empty(shape, dtype=dtype, order="F")
+    _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile)
+
+
+def _scratch_home(eng, like) -> int | None:
+    """Where a planner's scratch operand lives: on the GPU of CuPy operands, else on the engine's
+    first GPU (its tiles then never cross the host link, and no host memory is page-locked for
+    it), else (sim and CPU devices) in host memory (None)."""
+    if not isinstance(like, np.ndarray):
+        return like.device.id
+    return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
+
+
+def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
+    tokens = TokenTable(tile)
+    operands = [make_operand(v, tokens) for v in views]
+    stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
+                      keep_records=session.settings().trace)
+    call = Call(name, operands, tasks, dtype, alpha, beta, stats)
+    call.tile = tile
+    backends = _backends(eng)
+    for d in backends:
+        d.prepare_call(call)
+    ident = threading.get_ident()
+    with _running_lock:
+        outer = _running.get(ident)
+        _running[ident] = call
+    try:
+        eng.submit(call)
+    finally:
+        with _running_lock:
+            if outer is None:
+                _running.pop(ident, None)
+            else:
+                _running[ident] = outer
+        for d in backends:
+            d.finish_call(call)
+        if not stats.finished:  # a call that failed before its last task ends now
+            stats.finish()
+        _tls.stats = stats
+
+
+def _backends(eng):
+    """One device of each backend class: per-call host preparation (pinning, CPU thread limits)."""
+    seen = {}
+    for d in eng.devices:
+        seen.setdefault(type(d), d)
+    return list(seen.values())
