@@ -5,16 +5,22 @@ The level-3 wrappers ``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm
 and z) have scipy's names, positional order, keywords, defaults and return
 conventions, and f2py's conversions:
 
-* every array argument is converted to the routine's dtype (lists accepted;
-  complex to real discards the imaginary part with numpy's ComplexWarning, as
-  f2py's cast does), once the call is known to be valid; a 0-d argument is a
-  1x1 matrix, a 1-D one a column; a 0-d or 1-D ``c`` (``b`` for trmm/trsm)
-  gives a result of its own shape, as f2py's does;
-* alpha and beta are converted as f2py does (a complex value for a real
-  routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads as
-  real, lose their imaginary part, with a ComplexWarning here); the int flags
-  (``trans*``, ``side``, ``lower``, ``diag``, ``overwrite_*``) are converted
-  with ``int()``;
+* every array argument is converted to the routine's dtype (an array once the
+  call is known to be valid, complex to real discarding the imaginary part with
+  numpy's ComplexWarning, as f2py's cast does; lists and scalars made arrays of
+  that dtype, so complex numbers in a list for a real routine are a TypeError,
+  as there); a 0-d argument is a 1x1 matrix, a 1-D one a column (``(0,)`` is
+  1x0), an N-D one with at most two dimensions other than 1 the matrix of
+  those; a ``c`` (``b`` for trmm/trsm) of another rank gives a result of its
+  own shape, as f2py's does;
+* alpha and beta are converted as f2py does: numbers, the first element of a
+  sequence or array, numeric strings for real routines (a complex value for a
+  real routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads
+  as real, lose their imaginary part, with a ComplexWarning here); the int
+  flags (``trans*``, ``side``, ``lower``, ``diag``) as f2py does (``int()``,
+  a complex's real part, a sequence's first element) and range-checked first,
+  ``overwrite_*`` by ``__index__``; None for an optional argument is its
+  default;
 * the result is a new F-ordered array, or c (b for trmm/trsm) itself when
   ``overwrite_c`` (``overwrite_b``) is set and c is F-contiguous, writable and
   of the routine's dtype, exactly when scipy writes in place;
