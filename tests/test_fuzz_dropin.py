@@ -16,6 +16,7 @@ a run; ``--hypothesis-show-statistics`` prints the outcome counts (``event``) of
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import sys
@@ -70,6 +71,7 @@ try:
 except OSError:
     _LIBC = None
 _SINK = tempfile.TemporaryFile()
+atexit.register(_SINK.close)
 
 
 def call(fn, *args, **kwargs) -> Outcome:
