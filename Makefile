@@ -1,5 +1,5 @@
 # make test: fresh clone -> .venv with blasx[test] (builds the C extension blasx._matmul_loops) -> the whole suite.
-# make run:  the main job, an out-of-core GEMM on the devices found (GPUs, else the CPU).
+# make run:  the main job, a checked GEMM on the devices found (GPUs, else the CPU).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# GPUs: all of them, with a tile cache smaller than the operands (out of core).
-# No GPU: the CPU worker. Override with e.g. `make run ARGS="--devices sim:4 --n 2048"`.
-ARGS ?= --n 8192
+# Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
+# into a log). The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"
+# (in core), ARGS="--n 32768 --cache-bytes 4G" (out of core); sims: ARGS="--devices sim:4 --n 2048".
+ARGS ?= --n 4096
 run: $(STAMP)
 	$(BIN)/blasx gemm $(ARGS)
 

@@ -37,8 +37,11 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from blasx.runtime.dtypes import BY_PREFIX, PREFIXES
+from blasx.runtime.dtypes import GEMM_BY_PREFIX as BY_PREFIX
+from blasx.runtime.dtypes import GEMM_PREFIXES as PREFIXES
+from blasx.runtime.dtypes import MATH_MODES
 
+from . import gemm_lp
 from .cublasxt import CublasXt, cublas_version, find_libcublas, registered
 
 # --------------------------------------------------------------------------- constants
@@ -115,7 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--m", type=int, default=None, help="M for every N (default: N)")
     size.add_argument("--k", type=int, default=None, help="K for every N (default: N)")
     size.add_argument("--dtypes", type=_choice_list(tuple(PREFIXES), "dtype"), default=["d", "s"],
-                      help="comma list of s,d,c,z (default d,s)")
+                      help=f"comma list of {','.join(PREFIXES)} (default d,s); h, b accumulate in "
+                           f"float32 and return their type, i8 returns int32 (alpha, beta rounded)")
+    size.add_argument("--math", choices=MATH_MODES, default="ieee",
+                      help="float32's math: ieee (default) or tf32 (TF32 tensor cores; s only)")
+    size.add_argument("--check-rows", type=int, default=None,
+                      help="check this many rows of C against a float64 CPU reference (default: "
+                           "all of C for s,d,c,z in IEEE math, 256 rows for h,b,i8 and TF32)")
     size.add_argument("--alpha", type=_complex, default=complex(1.5),
                       help="alpha (default 1.5; complex like 1.5+0.5j for c,z only)")
     size.add_argument("--beta", type=_complex, default=complex(0.5),
@@ -168,7 +177,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if (args.alpha.imag or args.beta.imag) and any(d in "sd" for d in args.dtypes):
+    if (args.alpha.imag or args.beta.imag) and any(d not in "cz" for d in args.dtypes):
         parser.error("complex --alpha/--beta need complex --dtypes (c,z) only")
     args.sizes = [(args.m or n, n, args.k or n) for n in args.n]
     args.tag = _safe_name(args.tag or socket.gethostname())
@@ -193,14 +202,20 @@ def tflops(dtype: str, m: int, n: int, k: int, seconds: float | None) -> float |
     return flop_count(dtype, m, n, k) / seconds / 1e12
 
 
-def tolerance(dtype: str, k: int) -> float:
+def tolerance(dtype: str, k: int, math_mode: str = "ieee") -> float:
     """||C - ref||_F / ||ref||_F allowed: 1e-4 in single, 1e-10 in double precision, times
-    sqrt(K / 8192) above K = 8192."""
+    sqrt(K / 8192) above K = 8192; h, b and TF32: 4x blasx.precision.tolerance (from the
+    accumulation length); i8: 0 (exact)."""
+    if gemm_lp.reduced(dtype, math_mode):
+        from blasx.precision import tolerance as lp_tolerance
+        return 4.0 * lp_tolerance(BY_PREFIX[dtype].dtype, k, math=math_mode)
     base = 1e-4 if BY_PREFIX[dtype].real.itemsize == 4 else 1e-10
     return base * max(1.0, math.sqrt(k / 8192))
 
 
 def typed_scalar(value: complex, dtype: str):
+    if BY_PREFIX[dtype].dtype.kind in "iu":
+        return int(round(complex(value).real))  # int8 gemm's scalars are int32
     return complex(value) if BY_PREFIX[dtype].is_complex else float(complex(value).real)
 
 
@@ -253,7 +268,10 @@ def random_matrix(rng: np.random.Generator, rows: int, cols: int, dtype) -> np.n
     out = np.empty((rows, cols), dtype=dtype, order="F")
     for j0, j1 in _column_chunks(rows, cols):
         shape = (rows, j1 - j0)
-        if dtype.kind == "c":
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            out[:, j0:j1] = rng.integers(max(info.min, -128), min(info.max, 127) + 1, shape)
+        elif dtype.kind == "c":
             out[:, j0:j1].real = rng.uniform(-1.0, 1.0, shape)
             out[:, j0:j1].imag = rng.uniform(-1.0, 1.0, shape)
         else:
@@ -286,6 +304,8 @@ class Problem:
     ref: np.ndarray | None = None
     ref_norm: float = 0.0
     mode: str = ""
+    ref_rows: int | None = None    # the reference covers these first rows of C (None: all)
+    math: str = "ieee"
 
     @property
     def size(self) -> str:
@@ -294,7 +314,7 @@ class Problem:
     def poison(self) -> None:
         """Make a stale result detectable: NaN when beta == 0, else the pristine C."""
         if self.c_init is None:
-            self.c_out.fill(np.nan)
+            self.c_out.fill(np.iinfo(self.c_out.dtype).min if self.c_out.dtype.kind in "iu" else np.nan)
         else:
             np.copyto(self.c_out, self.c_init)
 
@@ -306,20 +326,25 @@ def size_label(m: int, n: int, k: int) -> str:
 def make_problem(args: argparse.Namespace, dtype: str, m: int, n: int, k: int,
                  gpus: list[int]) -> Problem:
     rng = np.random.default_rng([args.seed, PREFIXES.index(dtype), m, n, k])
-    dt = BY_PREFIX[dtype].dtype
+    row = BY_PREFIX[dtype]
+    dt, out = row.dtype, row.out
     beta = typed_scalar(args.beta, dtype)
     a = random_matrix(rng, m, k, dt)
     b = random_matrix(rng, k, n, dt)
-    c_init = random_matrix(rng, m, n, dt) if beta != 0 else None
-    c_out = np.empty((m, n), dtype=dt, order="F")
+    c_init = random_matrix(rng, m, n, out) if beta != 0 else None
+    c_out = np.empty((m, n), dtype=out, order="F")
+    lp = gemm_lp.reduced(dtype, args.math)
+    rows = args.check_rows if args.check_rows is not None else (256 if lp else None)
     return Problem(dtype, m, n, k, typed_scalar(args.alpha, dtype), beta, a, b, c_init, c_out,
-                   list(gpus), tolerance(dtype, k))
+                   list(gpus), tolerance(dtype, k, args.math), ref_rows=None if rows is None else min(rows, m),
+                   math=args.math)
 
 
-def host_bytes_needed(dtype: str, m: int, n: int, k: int, beta) -> int:
-    item, ref_item = BY_PREFIX[dtype].itemsize, BY_PREFIX[dtype].wide.itemsize
-    arrays = m * k + k * n + m * n * (2 if beta != 0 else 1)
-    return arrays * item + m * n * ref_item
+def host_bytes_needed(dtype: str, m: int, n: int, k: int, beta, ref_rows: int | None = None) -> int:
+    row = BY_PREFIX[dtype]
+    out_item, ref_item = row.out.itemsize, row.wide.itemsize
+    return ((m * k + k * n) * row.itemsize + m * n * out_item * (2 if beta != 0 else 1)
+            + (m if ref_rows is None else ref_rows) * n * ref_item)
 
 
 # --------------------------------------------------------------------------- GPU helpers
@@ -397,6 +422,11 @@ def compute_reference(p: Problem) -> tuple[np.ndarray, dict]:
     """The reference result in higher precision: cuBLAS on the first GPU when A, B, C fit in
     its free memory at the reference precision, else NumPy on the CPU."""
     ref_dtype = BY_PREFIX[p.dtype].wide
+    if p.ref_rows is not None:  # a row sample, in float64 on the CPU
+        t0 = time.perf_counter()
+        ref = gemm_lp.sample_reference(p.a, p.b, p.ref_rows, p.alpha, p.beta, p.c_init)
+        return ref, {"dtype": "float64", "where": "cpu", "rows": p.ref_rows,
+                     "seconds": time.perf_counter() - t0}
     device = p.gpus[0]
     need = (p.m * p.k + p.k * p.n + p.m * p.n) * ref_dtype.itemsize + max(p.a.nbytes, p.b.nbytes)
     info: dict = {"dtype": str(ref_dtype)}
@@ -481,7 +511,7 @@ class BlasxContender(Contender):
     def run(self, p, variant):
         bx = self._module(p)
         t0 = time.perf_counter()
-        result = bx.gemm(p.alpha, p.a, p.b, beta=p.beta, c=p.c_out, overwrite_c=True)
+        result = bx.gemm(p.alpha, p.a, p.b, beta=p.beta, c=p.c_out, overwrite_c=True, math=p.math)
         seconds = time.perf_counter() - t0
         extra = {"result_is_c": result is p.c_out}
         try:
@@ -507,6 +537,11 @@ class CublasXtContender(Contender):
 
     def variants(self, p):
         return list(self.args.xt_blocks)
+
+    def skip_reason(self, p):
+        if gemm_lp.reduced(p.dtype, p.math):
+            return "cuBLAS-XT has no half, bfloat16, int8 or TF32 gemm"
+        return None
 
     def labels(self, block):
         return [f"cublasxt[b={block}]"]
@@ -558,7 +593,10 @@ class CupyContender(Contender):
         dev = cupy.cuda.Device(p.gpus[0])
         try:
             with dev:
-                kernel, total = self._timed(p, dev)
+                if gemm_lp.reduced(p.dtype, p.math):  # cublasGemmEx (CuPy has no bfloat16 type)
+                    kernel, total = gemm_lp.incore_gemm_ex(p, dev.id, p.math)
+                else:
+                    kernel, total = self._timed(p, dev)
         finally:
             _free_device_pool()         # the device arrays died with _timed's frame
         return Outcome({"cupy": kernel, "cupy+copies": total}, p.c_out, {"device": dev.id})
@@ -594,6 +632,8 @@ class NumpyContender(Contender):
     name = "numpy"
 
     def skip_reason(self, p):
+        if gemm_lp.reduced(p.dtype, p.math):
+            return "numpy has no fast half, bfloat16, int8 or TF32 matmul"
         if max(p.m, p.n, p.k) > self.args.numpy_max_n:
             return f"max(M,N,K) > --numpy-max-n {self.args.numpy_max_n}"
         return None
@@ -693,7 +733,8 @@ def execute(c: Contender, variant, p: Problem, run: int, warmup: bool = False) -
     if warmup:
         return _records(c, variant, p, run, True, times=out.times, error=None, ok=True,
                         extra=out.extra)
-    err = rel_error(out.result, p.ref, p.ref_norm)
+    result = out.result if p.ref_rows is None or out.result is None else np.asarray(out.result)[:p.ref_rows]
+    err = rel_error(result, p.ref, p.ref_norm)
     ok = bool(err <= p.tolerance)
     return _records(c, variant, p, run, False, times=out.times, error=err, ok=ok,
                     extra=out.extra)
@@ -758,14 +799,21 @@ def _registration_info(reg) -> dict:
 def run_problem(args, dtype: str, size: tuple[int, int, int], gpus: list[int],
                 contenders: Sequence[Contender], report: dict) -> None:
     m, n, k = size
-    need = host_bytes_needed(dtype, m, n, k, typed_scalar(args.beta, dtype))
+    need = host_bytes_needed(dtype, m, n, k, typed_scalar(args.beta, dtype), args.check_rows)
     log(f"== {dtype} {size_label(m, n, k)}: host arrays {gib(need):.1f} GiB")
     _warn_host_memory(need)
     t0 = time.perf_counter()
     p = make_problem(args, dtype, m, n, k, gpus)
     case = {"dtype": dtype, "m": m, "n": n, "k": k, "alpha": p.alpha, "beta": p.beta,
-            "tolerance": p.tolerance, "host_gib": gib(need),
+            "tolerance": p.tolerance, "host_gib": gib(need), "math": p.math,
             "generate_seconds": time.perf_counter() - t0, "modes": {}}
+    rates = report.setdefault("link_rates", None)
+    if rates is None and "blasx" in args.contenders:
+        rates = report["link_rates"] = gemm_lp.link_rates(gpus)
+    in_bytes = p.a.nbytes + p.b.nbytes + (p.c_init.nbytes if p.c_init is not None else 0)
+    case["link_bound"] = gemm_lp.link_bound(rates or {}, in_bytes, p.c_out.nbytes)
+    if case["link_bound"]:
+        log("   " + gemm_lp.format_bound(case, None))
     ref, case["reference"] = compute_reference(p)
     p.ref, p.ref_norm = ref, frobenius(ref)
     log(f"   reference on {case['reference']['where']} in {case['reference']['seconds']:.1f} s")
@@ -1020,6 +1068,19 @@ def format_ratios(ratios: Sequence[dict]) -> list[str]:
     return lines
 
 
+def format_bounds(cases: Sequence[dict], rows: Sequence[Row]) -> list[str]:
+    """Per case: the host-link bound from the measured H2D/D2H rates, and blasx's best correct
+    time over it (any mode)."""
+    lines = []
+    for case in cases:
+        bx = [r.best for r in rows if r.contender == "blasx" and r.status == "ok" and r.best
+              and (r.dtype, r.m, r.n, r.k) == (case["dtype"], case["m"], case["n"], case["k"])]
+        line = gemm_lp.format_bound(case, min(bx) if bx else None)
+        if line:
+            lines.append(line)
+    return lines
+
+
 def format_failures(rows: Sequence[Row]) -> list[str]:
     return [f"{r.label} ({r.mode} {r.dtype} {r.size}): {r.failure}"
             for r in rows if r.status == "FAILED"]
@@ -1106,6 +1167,7 @@ def format_text_report(report: dict) -> str:
     rows = [r if isinstance(r, Row) else Row(**r) for r in report.get("summary", [])]
     out = [format_table(rows), "(* = best cuBLAS-XT block)"]
     for title, lines in (("ratios", format_ratios(report.get("ratios", []))),
+                         ("host-link bounds", format_bounds(report.get("cases", []), rows)),
                          ("registration", format_registration(report.get("cases", []))),
                          ("failures", format_failures(rows))):
         if lines:

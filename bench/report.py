@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from blasx.runtime.dtypes import BY_PREFIX, PREFIXES
+from blasx.runtime.dtypes import GEMM_BY_PREFIX, PREFIXES
 
 from .level3 import ALL_ROUTINES
 
@@ -56,7 +56,7 @@ def _machine(text: str) -> str:
 
 
 def _dtype(d: str) -> str:
-    return f"{BY_PREFIX[d].dtype.name} ({d})"
+    return f"{GEMM_BY_PREFIX[d].dtype.name} ({d})"
 
 
 def _load(path: str) -> dict:

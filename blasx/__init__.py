@@ -5,6 +5,7 @@
 >>> c = blasx.gemm(1.0, a, b)          # scipy.linalg.blas.dgemm semantics
 >>> d = blasx.matmul(a, b)             # numpy semantics (batches, broadcasting); also blasx.dot, blasx.tensordot
 >>> s = blasx.dsyrk(1.0, a)            # every level-3 routine, scipy.linalg.blas names and semantics
+>>> h = blasx.matmul(a.astype(np.float16), b.astype(np.float16))  # half/bfloat16/int8: blasx.precision
 >>> print(blasx.last_profile().report())
 >>> blasx.tune(sizes=[8192, 16384])     # measure the tile sizes once; later calls use the winners
 
@@ -23,9 +24,12 @@ from . import linalg
 from .level3 import PREFIXED as _PREFIXED_GEMM
 from .level3 import gemm, last_profile
 from .numpy_api import dot, matmul, tensordot
+from . import precision
+from .precision import Float16OverflowWarning, gemm_int8, quantize
 from .offload import offload, offload_disable, offload_enable, offload_threshold  # the module: importlib.import_module("blasx.offload")
 from .runtime.devices.base import DeviceError
 from .session import configure, engine, shutdown
+from .session import reset
 from .tune import tune  # the function; the module is importlib.import_module("blasx.tune")
 
 __version__ = "0.1.0"
@@ -33,8 +37,8 @@ __version__ = "0.1.0"
 globals().update(_PREFIXED_GEMM)  # sgemm, dgemm, cgemm, zgemm (level3)
 globals().update(_PREFIXED)  # ssymm, dsyrk, zherk, ... (made from a table in blas3)
 
-__all__ = ["configure", "shutdown", "engine", "gemm", "matmul", "dot", "tensordot", "last_profile", "DeviceError",
-           "tune",
+__all__ = ["configure", "shutdown", "reset", "engine", "gemm", "matmul", "dot", "tensordot", "last_profile", "DeviceError",
+           "tune", "precision", "quantize", "gemm_int8", "Float16OverflowWarning",
            "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm", "linalg",
            "offload", "offload_enable", "offload_disable", "offload_threshold", *sorted(_PREFIXED_GEMM),
            *sorted(_PREFIXED)]

@@ -1,6 +1,7 @@
 /* blasx._matmul_loops: the C side of blasx.offload.
  *
- * 1. Replaces numpy's matmul inner loops for float32/float64/complex64/complex128 with a
+ * 1. Replaces numpy's matmul inner loops for float32/float64/complex64/complex128 (and float16,
+ *    which blasx accumulates in float32 on the devices) with a
  *    trampoline (PyUFunc_ReplaceLoopBySignature, numpy's public ufunc C API). Below the offload
  *    threshold the trampoline calls numpy's own loop at once; at or above it, it takes the GIL,
  *    wraps the operands in ndarray views and calls a Python hook, which returns True when it
@@ -22,10 +23,10 @@
 #include <numpy/arrayobject.h>
 #include <numpy/ufuncobject.h>
 
-#define NSLOTS 4
-static const int slot_type[NSLOTS] = {NPY_FLOAT, NPY_DOUBLE, NPY_CFLOAT, NPY_CDOUBLE};
-static const double slot_factor[NSLOTS] = {2.0, 2.0, 8.0, 8.0};
-static const char *const slot_name[NSLOTS] = {"float32", "float64", "complex64", "complex128"};
+#define NSLOTS 5
+static const int slot_type[NSLOTS] = {NPY_FLOAT, NPY_DOUBLE, NPY_CFLOAT, NPY_CDOUBLE, NPY_HALF};
+static const double slot_factor[NSLOTS] = {2.0, 2.0, 8.0, 8.0, 2.0};
+static const char *const slot_name[NSLOTS] = {"float32", "float64", "complex64", "complex128", "float16"};
 
 /* numpy's loops (the trampoline calls them), the hook, and the ufunc they were replaced in.
  * orig[] is written before the trampoline goes in and never cleared, so a call still inside the
@@ -95,7 +96,8 @@ static void loop0(char **a, npy_intp const *d, npy_intp const *s, void *p) { dis
 static void loop1(char **a, npy_intp const *d, npy_intp const *s, void *p) { dispatch(1, a, d, s, p); }
 static void loop2(char **a, npy_intp const *d, npy_intp const *s, void *p) { dispatch(2, a, d, s, p); }
 static void loop3(char **a, npy_intp const *d, npy_intp const *s, void *p) { dispatch(3, a, d, s, p); }
-static const PyUFuncGenericFunction trampoline[NSLOTS] = {loop0, loop1, loop2, loop3};
+static void loop4(char **a, npy_intp const *d, npy_intp const *s, void *p) { dispatch(4, a, d, s, p); }
+static const PyUFuncGenericFunction trampoline[NSLOTS] = {loop0, loop1, loop2, loop3, loop4};
 
 /* numpy's loop for (t, t) -> t in the ufunc's table (the public PyUFuncObject fields), or NULL */
 static PyUFuncGenericFunction loop_in_table(PyUFuncObject *u, int t)
@@ -131,7 +133,7 @@ static PyObject *np_matmul(void)
     return m;
 }
 
-PyDoc_STRVAR(install_doc, "install(hook): replace np.matmul's four BLAS-type loops with the trampoline.\n\n"
+PyDoc_STRVAR(install_doc, "install(hook): replace np.matmul's loops of the four BLAS types and float16 with the trampoline.\n\n"
              "hook(a, b, c) gets (N, n, k), (N, k, m) and (N, n, m) views and returns True when it wrote c.\n"
              "Raises RuntimeError (nothing replaced) when a loop cannot be replaced.");
 
@@ -205,7 +207,7 @@ static PyObject *installed(PyObject *self, PyObject *unused)
     return PyBool_FromLong(matmul != NULL);
 }
 
-PyDoc_STRVAR(loops_doc, "loops() -> tuple of 4 int: the addresses np.matmul's table holds now for f4, f8, c8, c16.");
+PyDoc_STRVAR(loops_doc, "loops() -> tuple of 5 int: the addresses np.matmul's table holds now for f4, f8, c8, c16, f2.");
 
 static PyObject *loops(PyObject *self, PyObject *unused)
 {
@@ -356,7 +358,7 @@ static PyMethodDef methods[] = {
     {"uninstall", uninstall, METH_NOARGS, uninstall_doc},
     {"installed", installed, METH_NOARGS, "installed() -> bool: the trampolines are in np.matmul."},
     {"loops", loops, METH_NOARGS, loops_doc},
-    {"hits", hits_of, METH_O, "hits(slot) -> int: trampoline calls of this thread for slot 0-3 (f4, f8, c8, c16)."},
+    {"hits", hits_of, METH_O, "hits(slot) -> int: trampoline calls of this thread for slot 0-4 (f4, f8, c8, c16, f2)."},
     {"set_global", set_global, METH_O, "set_global(flops): the process-wide threshold."},
     {"set_local", set_local, METH_O, "set_local(flops or None): the calling thread's threshold (None: none)."},
     {"forwarder", new_forwarder, METH_VARARGS, forwarder_doc},

@@ -1,30 +1,22 @@
 """SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
-The generic functions (``symm``, ``syrk``, ...) take scipy's signatures,
-defaults and semantics and pick the BLAS type from the arrays as scipy's
-``find_best_blas_type`` does (see :mod:`blasx.level3`; the Hermitian routines
-use the complex type of the same precision for real input). The prefixed ones
-(``dsyrk``, ``zhemm``, ...) are made from a table and cast every array to
-their type, as scipy's do.
+The generic functions (``symm``, ``syrk``, ...) take scipy's signatures and defaults and pick the
+BLAS type from the arrays as scipy's ``find_best_blas_type`` does (the Hermitian routines use the
+complex type of the same precision for real input); the prefixed ones (``dsyrk``, ``zhemm``, ...)
+cast every array to their type, as scipy's do.
 
-Results follow scipy: numpy arrays in, a numpy (F-ordered) result out; cupy
-arrays in, a cupy result out, on a's device. ``overwrite_c`` (``overwrite_b``)
-writes into c (b) and returns it when c (b) is F-contiguous, writable and of
-the routine's dtype; otherwise a new array is returned, as f2py does. Operands
-that are neither F- nor C-ordered column-major views are copied to F order
-first (scipy does the same through f2py); C-ordered ones are used through
-their transpose where the routine allows it.
+numpy arrays in, a numpy (F-ordered) result out; cupy arrays in, a cupy result on a's device.
+``overwrite_c`` (``overwrite_b``) writes into c (b) and returns it when it is F-contiguous,
+writable and of the routine's dtype, else a new array is returned, as f2py does. Operands that
+are neither F- nor C-ordered are copied to F order; C-ordered ones are used through their
+transpose where the routine allows it.
 
-The rank-k routines write only the ``lower`` (else upper) triangle of c; the
-other triangle keeps c's values (zeros when c is None, as scipy's new
-output). HERK and HER2K take real beta (and HERK real alpha) and trans 0 or
-2; scipy's ``zherk`` silently returns zeros for trans=1, blasx raises.
-Following BLAS, with alpha == 0 A and B are not read, with beta == 0 the
-written part of c is not read (NaNs there do not leak), and with alpha == 0
-(or k == 0) and beta == 1 nothing is computed at all.
-
-Input errors name the parameter, the value received and what is allowed;
-nothing is written when the arguments are rejected.
+The rank-k routines write only the ``lower`` (else upper) triangle of c; the other keeps c's
+values (zeros when c is None). HERK and HER2K take real beta (HERK real alpha) and trans 0 or 2
+(scipy's ``zherk`` returns zeros for trans=1; blasx raises). As in BLAS, with alpha == 0 A and B
+are not read, with beta == 0 the written part of c is not read, and with alpha == 0 (or k == 0)
+and beta == 1 nothing is computed. Input errors name the parameter, the value and what is
+allowed; nothing is written when the arguments are rejected.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from . import precision
 from .runtime import dtypes
 
 MIN_CACHE_BYTES = 1 << 16
@@ -60,9 +61,10 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _dtype_char(text: str) -> str | None:
-    """The BLAS prefix named by a prefix or a type name (``d``, ``float64``, ``double``), else None."""
+    """The prefix named by a prefix or a type name (``d``, ``float64``, ``half``, ``i8``; gemm's
+    reduced types included), else None."""
     try:
-        return dtypes.parse(text).prefix
+        return dtypes.parse(text, gemm=True).prefix
     except ValueError:
         return None
 
@@ -70,8 +72,8 @@ def _dtype_char(text: str) -> str | None:
 def _dtype(text: str) -> str:
     ch = _dtype_char(text)
     if ch is None:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one of {', '.join(dtypes.PREFIXES)} "
-                                         f"(or {dtypes.ALLOWED})")
+        raise argparse.ArgumentTypeError(f"got {text!r}, need one of {', '.join(dtypes.GEMM_PREFIXES)} "
+                                         f"(or {dtypes.GEMM_ALLOWED})")
     return ch
 
 
@@ -79,7 +81,7 @@ def _dtype_list(text: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     chars = [_dtype_char(x) for x in items]
     if not items or None in chars:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(dtypes.PREFIXES)} "
+        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(dtypes.GEMM_PREFIXES)} "
                                          f"separated by commas")
     return list(dict.fromkeys(chars))
 
@@ -139,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
         help="run C = A B on host arrays across the devices, check it, report",
         description="Out-of-core GEMM C = A B on random host (numpy) arrays across the configured devices,\n"
                     "timed, checked against numpy on a sample of rows, with the per-device profile.\n"
-                    "A progress line (tiles done / total, rate) is drawn on stderr when it is a terminal.",
+                    "It prints its settings first and a result line last; a progress line (tiles done / total,\n"
+                    "rate) is drawn on stderr when it is a terminal.",
         epilog="examples:\n"
                "  blasx gemm --n 16384                          DGEMM 16384^3 on all GPUs\n"
                "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
@@ -151,8 +154,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="columns of C, and M and K unless given (default 4096)")
     size.add_argument("--m", type=_positive, metavar="M", help="rows of C (default N)")
     size.add_argument("--k", type=_positive, metavar="K", help="inner dimension (default N)")
-    size.add_argument("--dtype", type=_dtype, default="d", metavar="{s,d,c,z}",
-                      help=f"{dtypes.ALLOWED} (default d)")
+    size.add_argument("--dtype", type=_dtype, default="d", metavar="{" + ",".join(dtypes.GEMM_PREFIXES) + "}",
+                      help=f"{dtypes.GEMM_ALLOWED} (default d); h, b accumulate in float32, i8 in int32")
+    size.add_argument("--math", choices=dtypes.MATH_MODES, default="ieee",
+                      help="float32's math: ieee (default) or tf32 (TF32 tensor cores)")
     run = g.add_argument_group("devices and runs")
     run.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
@@ -204,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--m", type=_positive, metavar="M", help="rows of C for every N")
     t.add_argument("--k", type=_positive, metavar="K", help="inner dimension for every N")
     t.add_argument("--dtype", type=_dtype_list, default=["d", "s"], metavar="D[,D...]",
-                   help="dtypes s, d, c, z, comma-separated (default d,s)")
+                   help=f"dtypes {', '.join(dtypes.GEMM_PREFIXES)}, comma-separated (default d,s)")
     t.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
@@ -290,11 +295,12 @@ def _gemm(blasx, parser, args) -> int:
     from . import probe
     from .progress import Progress, wanted
     from .runtime.devices.base import DeviceError
+    from .tile import choose_tile
 
     m, k = args.m or args.n, args.k or args.n
     n = args.n
-    blas_type = dtypes.BY_PREFIX[args.dtype]
-    dtype = blas_type.dtype
+    blas_type = dtypes.GEMM_BY_PREFIX[args.dtype]
+    dtype, out_dtype = blas_type.dtype, blas_type.out
     _check_output_path(parser, "--trace", args.trace)
     _check_output_path(parser, "--profile", args.profile)
     if args.profile:
@@ -303,7 +309,7 @@ def _gemm(blasx, parser, args) -> int:
         except ImportError:
             parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
                          f"which is not installed (pip install 'blasx[plot]')")
-    nbytes = (m * k + k * n + m * n) * dtype.itemsize
+    nbytes = (m * k + k * n) * dtype.itemsize + m * n * out_dtype.itemsize
     _total, avail = probe.host_memory()
     if avail is not None and nbytes > avail:
         parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
@@ -314,39 +320,46 @@ def _gemm(blasx, parser, args) -> int:
     except DeviceError as exc:
         return _error(parser, str(exc))
     rng = np.random.default_rng(0)
-
-    def rand(shape):
-        x = rng.standard_normal(shape)
-        return (x + 1j * rng.standard_normal(shape) if dtype.kind == "c" else x).astype(dtype)
-
-    a, b = rand((m, k)), rand((k, n))
-    c = np.empty((m, n), dtype, order="F")
-    flops = 2 * blas_type.flop_factor * m * n * k
+    try:
+        tile = choose_tile(eng, m, n, k, dtype)
+    except ValueError as exc:  # the tile (given or the smallest) does not fit the tile cache
+        parser.error(f"argument --tile: {exc}" if args.tile else str(exc))
     names = ", ".join(d.name for d in eng.devices)
-    print(f"blasx gemm: {m}x{n}x{k} {dtype.name}, {probe.format_bytes(nbytes)} of operands, "
-          f"on {eng.spec} ({names})", flush=True)
+    tiles = -(-m // tile) * -(-n // tile)
+    kind = dtype.name if out_dtype == dtype else f"{dtype.name} -> {out_dtype.name}"
+    math = f", {args.math} math" if blas_type.prefix == "s" else ""
+    # Said before the arrays are made and the runs start, so a log shows what runs at once.
+    print(f"blasx gemm: {m}x{n}x{k} {kind} ({args.dtype}){math}, {probe.format_bytes(nbytes)} of operands, "
+          f"on {eng.spec} ({names}), tile {tile} ({tiles} tile(s) of C), {args.runs} run(s)", flush=True)
+    a, b = precision.random_operand(rng, (m, k), dtype), precision.random_operand(rng, (k, n), dtype)
+    c = np.empty((m, n), out_dtype, order="F")
+    poison = np.iinfo(out_dtype).min if out_dtype.kind in "iu" else np.nan
+    flops = 2 * blas_type.flop_factor * m * n * k
     show = wanted(args.progress, sys.stderr)
+    times = []
     try:
         for r in range(args.runs):
-            c[...] = np.nan  # poison: every element must be written
+            c[...] = poison  # every element must be written
             with Progress(sys.stderr, label=f"run {r}", flops=flops, enabled=show):
                 t = time.perf_counter()
-                blasx.gemm(1.0, a, b, c=c, overwrite_c=True)
+                blasx.gemm(1, a, b, c=c, overwrite_c=True, math=args.math)
                 t = time.perf_counter() - t
+            times.append(t)
             print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
     except DeviceError as exc:
         return _error(parser, str(exc))
     prof = blasx.last_profile()
     print(prof.report())
-    status = 0
+    status, verdict = 0, "not checked"
     if args.check_rows:
         rows = min(args.check_rows, m)
-        ref = a[:rows].astype(blas_type.wide) @ b.astype(blas_type.wide)
-        err = np.linalg.norm(c[:rows] - ref) / np.linalg.norm(ref)
-        tol = 1e-4 if blas_type.real.itemsize == 4 else 1e-10
-        ok = bool(np.isfinite(c).all()) and err < tol
+        err, tol = precision.check_rows(c[:rows], a[:rows], b, blas_type, prof.host.get("math", "ieee"))
+        ok = (out_dtype.kind in "iu" or bool(np.isfinite(c).all())) and err <= tol
         print(f"check: {rows} rows against numpy, relative error {err:.2e} ({'ok' if ok else 'WRONG'}, tolerance {tol:g})")
-        status = 0 if ok else 1
+        status, verdict = (0, "check ok") if ok else (1, "check WRONG")
+    best = min(times)
+    print(f"result: best of {len(times)} run(s) {best:.3f} s, {flops / best / 1e12:.3f} TFLOPS, {verdict}",
+          flush=True)
     if args.trace:
         prof.to_chrome_trace(args.trace)
         print(f"trace: {args.trace}")
@@ -384,6 +397,9 @@ def _info(blasx, parser, args) -> int:
     print(_versions(blasx))
     for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
         print(line)
+    print(f"math: float32 gemm in {blasx.session.settings().math} "
+          f"(blasx.configure(math='tf32') or a call's math='tf32': TF32 tensor cores); gemm types "
+          f"{', '.join(dtypes.GEMM_PREFIXES)} ({dtypes.gemm_combinations()})")
     if args.measure:
         blasx.shutdown()  # frees the tile caches: the GPU measurements need the memory
         print("measuring...", file=sys.stderr, flush=True)

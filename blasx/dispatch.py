@@ -1,22 +1,13 @@
 """The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
 
-Every front end (``blasx.gemm``, the level-3 routines, ``matmul`` / ``dot`` / ``tensordot``, the
-scipy drop-in, ``offload``) first validates its arguments and makes its output, so nothing is
-written before a call is known to be good, and casts each operand at most once
-(:func:`as_operand`). Then it hands the call here:
-
-* **the CPU alone** (``devices="cpu"``, or no GPU, and no fixed tile: ``Engine.inline``): the call
-  is one call of scipy's own BLAS routine (or numpy's own function, for the numpy front end) in
-  the caller's thread; :func:`host_device` says whether this is the case, starting the engine on
-  the first call, so the first call of a process takes the same route as every later one;
-* **otherwise** it is planned (``blasx.runtime.plans``) and submitted to the engine
-  (:func:`submit_planned`).
-
-Either way the call becomes this thread's last call for :func:`last_profile` (a host call keeps
-a tuple, made into a Profile when asked for).
-
-A new front end plugs in through :func:`run`: canonical (column-major) views in a planner's slot
-order, the planner, and optionally the host routine that does the same on the CPU alone.
+Every front end (``gemm``, the level-3 routines, ``matmul``/``dot``/``tensordot``, the scipy
+drop-in, ``offload``) validates its arguments and makes its output first, so nothing is written
+before a call is known to be good, casts each operand at most once (:func:`as_operand`), and hands
+the call to :func:`run`: canonical (column-major) views in a planner's slot order, the planner,
+and optionally the host routine that does the same on the CPU alone. With the CPU alone and no
+fixed tile (``Engine.inline``, :func:`host_device`) the call is one call of scipy's or numpy's own
+routine in the caller's thread; otherwise it is planned and submitted (:func:`submit_planned`).
+Either way it becomes this thread's call for :func:`last_profile`.
 """
 
 from __future__ import annotations
@@ -257,21 +248,28 @@ def _scratch_home(eng, like) -> int | None:
     return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
-def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
+def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math=None,
+                  epilogue=None) -> None:
+    """Make the call and run it; ``out_dtype``, ``math`` and ``epilogue`` as ``Call`` takes them
+    (blasx.precision's gemms; a named ``math`` is kept in the profile's ``host["math"]``)."""
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
-    call = Call(name, operands, tasks, dtype, alpha, beta, stats)
+    if math is not None:
+        stats.host["math"] = math
+    call = Call(name, operands, tasks, dtype, alpha, beta, stats, epilogue=epilogue, out_dtype=out_dtype,
+                math=math or "ieee")
     call.tile = tile
-    backends = _backends(eng)
-    for d in backends:
-        d.prepare_call(call)
+    prepared = []  # backends whose prepare_call ran: an interrupt inside one still finishes it
     ident = threading.get_ident()
     with _running_lock:
         outer = _running.get(ident)
         _running[ident] = call
     try:
+        for d in _backends(eng):
+            prepared.append(d)
+            d.prepare_call(call)
         eng.submit(call)
     finally:
         with _running_lock:
@@ -279,7 +277,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile) -> None:
                 _running.pop(ident, None)
             else:
                 _running[ident] = outer
-        for d in backends:
+        for d in prepared:
             d.finish_call(call)
         if not stats.finished:  # a call that failed before its last task ends now
             stats.finish()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dispatch
+from . import dispatch, precision
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
 
 
-def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False):
+def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
     """C = alpha op(a) op(b) + beta c, as scipy.linalg.blas.?gemm, on every configured device.
 
     The dtype is the BLAS type of a, b (and c), chosen as scipy chooses it (see the module
@@ -27,7 +27,15 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False)
     give a result on a's device. With ``overwrite_c`` and a writable c of that dtype, the
     result is written into c (whatever its layout) and c is returned; a read-only c is copied,
     as scipy copies it. Nothing is written when the arguments are rejected.
+
+    Reduced precision (:mod:`blasx.precision`): a and b both float16, both bfloat16 or both int8
+    accumulate in float32 (int8: exactly in int32) and give float16, bfloat16, int32 by default;
+    ``out_dtype=np.float32`` keeps half/bfloat16's float32 result. ``math="tf32"`` (or
+    ``blasx.configure(math="tf32")``) runs float32 on TF32 tensor cores.
     """
+    if out_dtype is not None or (hasattr(a, "dtype") and hasattr(b, "dtype")
+                                 and precision.takes(a.dtype, b.dtype, None, math)):
+        return precision.gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, out_dtype, math)
     return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm")
 
 

@@ -4,8 +4,12 @@ The semantics are numpy's (``np.matmul``, ``np.dot``, ``np.tensordot``):
 shapes, broadcasting, the promotion of 1-D operands, result dtypes, ``out=``
 and the errors. The dtype rule is numpy's too: a call whose result type (or
 ``dtype=``) is float32, float64, complex64 or complex128 runs on blasx; any
-other (integers, bool, float16, longdouble, object) runs numpy's own function
-and gives numpy's dtype and values.
+other (integers, bool, longdouble, object) runs numpy's own function and gives
+numpy's dtype and values, except the reduced types (:mod:`blasx.precision`):
+two float16 or two bfloat16 operands run on blasx, accumulating in float32 and
+giving their own type (``out_dtype=np.float32`` or ``dtype=np.float32``: the
+float32 result); two int8 operands give int32, exactly (numpy's int8 result
+would wrap). ``math="tf32"`` runs float32 products on TF32 tensor cores.
 
 On blasx, with the CPU as the only device (``blasx.configure(devices="cpu")``,
 or no GPU), a call is numpy's own function on the host BLAS (``matmul`` of
@@ -40,7 +44,7 @@ import operator
 
 import numpy as np
 
-from . import dispatch
+from . import dispatch, precision
 from .checks import shares_memory, writable
 from .operands import is_cupy
 from .runtime import dtypes
@@ -72,25 +76,35 @@ def _check_out(out) -> None:
 
 # ---------------------------------------------------------------- matmul
 
-def matmul(x1, x2, /, out=None, **kwargs):
+def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
     """``np.matmul(x1, x2, out=out, **kwargs)`` with the BLAS-type products run on blasx.
 
     Batch dimensions broadcast; a 1-D first operand is a row (its dimension is
     removed from the result), a 1-D second operand a column; ``dtype=`` and
     ``casting=`` select the computation type as numpy's; ``out`` may have any
     dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
-    returns a numpy scalar, as np.matmul does.
+    returns a numpy scalar, as np.matmul does. ``out_dtype`` and ``math``: see the module docstring.
     """
-    if (out is None and not kwargs and type(x1) is np.ndarray and type(x2) is np.ndarray and x1.dtype == x2.dtype
-            and x1.dtype in dtypes.BY_DTYPE and x1.ndim and x2.ndim):
-        plan = (x1, x2, None, x1.dtype, "same_kind", np)  # the common call: what _matmul_plan would find
+    if math is not None or out_dtype is not None:
+        with precision.math_mode(math):
+            return _matmul(x1, x2, out, out_dtype, kwargs)
+    return _matmul(x1, x2, out, None, kwargs)
+
+
+def _matmul(x1, x2, out, out_dtype, kwargs):
+    if (out is None and not kwargs and out_dtype is None and type(x1) is np.ndarray and type(x2) is np.ndarray
+            and x1.dtype == x2.dtype and x1.dtype in dtypes.BY_DTYPE and x1.ndim and x2.ndim):
+        plan = (x1, x2, None, x1.dtype, "same_kind", np, x1.dtype)  # the common call: what _matmul_plan would find
     else:
         _check_out(out)
-        plan = _matmul_plan(x1, x2, out, kwargs)
+        plan = _matmul_plan(x1, x2, out, kwargs, out_dtype)
     if plan is None:
+        if out_dtype is not None:
+            _reject_out_dtype(x1, x2, out_dtype)
         return _fallback_matmul(x1, x2, out, kwargs)
-    a, b, out, ct, casting, xp = plan
-    if xp is np and a.dtype == ct and b.dtype == ct and (_ANY_STRIDES or (a.flags.forc and b.flags.forc)) and (
+    a, b, out, ct, casting, xp, it = plan
+    if xp is np and a.dtype == ct and b.dtype == ct and ct in dtypes.BY_DTYPE and (
+            _ANY_STRIDES or (a.flags.forc and b.flags.forc)) and (
             out is None or (out.dtype == ct and out.flags.forc)) and (dev := dispatch.host_device()) is not None:
         # The CPU alone: numpy's own matmul runs the host BLAS on these (numpy's errors for bad shapes)
         t0 = clock()
@@ -110,8 +124,8 @@ def matmul(x1, x2, /, out=None, **kwargs):
     final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
     if out is not None and (tuple(out.shape) != final or final == ()):
         return _fallback_matmul(x1, x2, out, kwargs)  # numpy's output-shape error (or a 0-d out)
-    a1 = _cast(a1, ct)
-    b1 = _cast(b1, ct)
+    a1 = _cast(a1, it)
+    b1 = _cast(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
     res = out if direct else xp.empty(final, dtype=ct)
     if final == ():
@@ -131,8 +145,9 @@ def matmul(x1, x2, /, out=None, **kwargs):
     return res
 
 
-def _matmul_plan(x1, x2, out, kwargs):
-    """(a, b, out, compute dtype, casting, xp) when blasx computes this matmul, else None (numpy does)."""
+def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
+    """(a, b, out, result dtype, casting, xp, input dtype) when blasx computes this matmul, else
+    None (numpy does)."""
     extra = set(kwargs) - set(_MATMUL_DEFAULTS)
     if extra:
         return None
@@ -156,9 +171,15 @@ def _matmul_plan(x1, x2, out, kwargs):
         return None
     try:
         ct = np.dtype(kwargs["dtype"]) if kwargs.get("dtype") is not None else np.result_type(a.dtype, b.dtype)
+        reduced = precision.result_type(a.dtype, b.dtype, out_dtype or kwargs.get("dtype"))
     except TypeError:
         return None
-    if ct not in dtypes.BY_DTYPE or not isinstance(casting, str):
+    it = ct
+    if reduced is not None:
+        it, ct = reduced
+    elif out_dtype is not None:
+        return None
+    if (ct not in dtypes.BY_DTYPE and reduced is None) or not isinstance(casting, str):
         return None
     try:
         if not (np.can_cast(a.dtype, ct, casting) and np.can_cast(b.dtype, ct, casting)):
@@ -167,7 +188,15 @@ def _matmul_plan(x1, x2, out, kwargs):
             return None
     except (TypeError, ValueError):
         return None
-    return a, b, out, ct, casting, xp
+    return a, b, out, ct, casting, xp, it
+
+
+def _reject_out_dtype(x1, x2, out_dtype) -> None:
+    """``out_dtype`` names a combination that does not exist: TypeError listing those that do."""
+    types = [np.asarray(x).dtype if not is_cupy(x) else x.dtype for x in (x1, x2)]
+    precision.check_types(types[0], types[1], out_dtype)  # raises, naming the combinations
+    raise TypeError(f"out_dtype: got {np.dtype(out_dtype).name} for {types[0].name} operands; allowed: "
+                    f"{dtypes.gemm_combinations()}")
 
 
 def _fallback_matmul(x1, x2, out, kwargs):
@@ -181,13 +210,21 @@ def _fallback_matmul(x1, x2, out, kwargs):
 
 # ---------------------------------------------------------------- dot
 
-def dot(a, b, out=None):
+def dot(a, b, out=None, *, out_dtype=None, math=None):
     """``np.dot(a, b, out=out)`` with the BLAS-type products run on blasx as one gemm.
 
     N-D operands follow np.dot: ``dot(a, b)[i, j, k, m] = sum(a[i, j, :] * b[k, :, m])``,
     computed as ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out``
     must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
+    ``out_dtype`` and ``math``: see the module docstring.
     """
+    if math is not None or out_dtype is not None:
+        with precision.math_mode(math):
+            return _dot(a, b, out, out_dtype)
+    return _dot(a, b, out, None)
+
+
+def _dot(a, b, out, out_dtype):
     _check_out(out)
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
@@ -208,7 +245,13 @@ def dot(a, b, out=None):
         ct = np.result_type(x.dtype, y.dtype)
     except TypeError:
         return _fallback_dot(a, b, out)
-    if ct not in dtypes.BY_DTYPE:
+    reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
+    it = ct
+    if reduced is not None:
+        it, ct = reduced
+    elif ct not in dtypes.BY_DTYPE or out_dtype is not None:
+        if out_dtype is not None:
+            _reject_out_dtype(x, y, out_dtype)
         return _fallback_dot(a, b, out)
     k = x.shape[-1]
     kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
@@ -217,7 +260,7 @@ def dot(a, b, out=None):
     final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
     if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous):
         return _fallback_dot(a, b, out)  # numpy's "output array is not acceptable" error
-    if (xp is np and x.ndim <= 2 and y.ndim <= 2 and x.dtype == ct and y.dtype == ct
+    if (xp is np and x.ndim <= 2 and y.ndim <= 2 and x.dtype == ct and y.dtype == ct and ct in dtypes.BY_DTYPE
             and (dev := dispatch.host_device()) is not None):
         # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands
         t0 = clock()
@@ -226,8 +269,8 @@ def dot(a, b, out=None):
         return res
     rows = math.prod(x.shape[:-1])
     cols = math.prod(y.shape[:-2]) * y.shape[-1] if y.ndim >= 2 else 1
-    a2 = _cast(x, ct).reshape(rows, k)
-    b2 = _cast(y, ct).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(_cast(y, ct), -2, 0).reshape(k, cols)
+    a2 = _cast(x, it).reshape(rows, k)
+    b2 = _cast(y, it).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(_cast(y, it), -2, 0).reshape(k, cols)
     direct = out is not None and not _aliases(out, x, y)
     res = out if direct else xp.empty(final, dtype=ct)
     gemm_into(a2, b2, res.reshape(a2.shape[0], b2.shape[1]))
@@ -249,13 +292,20 @@ def _fallback_dot(a, b, out):
 
 # ---------------------------------------------------------------- tensordot
 
-def tensordot(a, b, axes=2):
+def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
     """``np.tensordot(a, b, axes)`` with the BLAS-type contraction run on blasx as one gemm.
 
     ``axes`` is an int N (the last N axes of a with the first N of b) or a pair
     of axis sequences (or single axes); the free axes of a, then of b, make
-    the result, as numpy's.
+    the result, as numpy's. ``out_dtype`` and ``math``: see the module docstring.
     """
+    if math is not None or out_dtype is not None:
+        with precision.math_mode(math):
+            return _tensordot(a, b, axes, out_dtype)
+    return _tensordot(a, b, axes, None)
+
+
+def _tensordot(a, b, axes, out_dtype):
     gpu = is_cupy(a) or is_cupy(b)
     if gpu:
         if not (is_cupy(a) and is_cupy(b)):
@@ -271,7 +321,13 @@ def tensordot(a, b, axes=2):
         ct = np.result_type(x.dtype, y.dtype)
     except TypeError:
         return _fallback_tensordot(a, b, axes)
-    if ct not in dtypes.BY_DTYPE:
+    reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
+    it = ct
+    if reduced is not None:
+        it, ct = reduced
+    elif ct not in dtypes.BY_DTYPE or out_dtype is not None:
+        if out_dtype is not None:
+            _reject_out_dtype(x, y, out_dtype)
         return _fallback_tensordot(a, b, axes)
     parsed = _tensordot_axes(x, y, axes)
     if parsed is None:
@@ -282,14 +338,14 @@ def tensordot(a, b, axes=2):
     kdim = math.prod(x.shape[i] for i in axes_a)
     mdim = math.prod(x.shape[i] for i in free_a)
     ndim_ = math.prod(y.shape[i] for i in free_b)
-    if xp is np and x.dtype == ct and y.dtype == ct and (dev := dispatch.host_device()) is not None:
+    if xp is np and x.dtype == ct and y.dtype == ct and ct in dtypes.BY_DTYPE and (dev := dispatch.host_device()) is not None:
         # The CPU alone: numpy's own tensordot, one np.dot of the reshaped operands on the host BLAS
         t0 = clock()
         res = _np_tensordot(x, y, axes)
         dispatch.record_host(dev, t0, ct, 2.0 * mdim * ndim_ * kdim)
         return res
-    a2 = _cast(x, ct).transpose(free_a + axes_a).reshape(mdim, kdim)
-    b2 = _cast(y, ct).transpose(axes_b + free_b).reshape(kdim, ndim_)
+    a2 = _cast(x, it).transpose(free_a + axes_a).reshape(mdim, kdim)
+    b2 = _cast(y, it).transpose(axes_b + free_b).reshape(kdim, ndim_)
     res = xp.empty((mdim, ndim_), dtype=ct)
     gemm_into(a2, b2, res)
     return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
@@ -351,13 +407,17 @@ def _fallback_tensordot(a, b, axes):
 # ---------------------------------------------------------------- the gemm building blocks
 
 def gemm_into(a2, b2, c2) -> None:
-    """``c2[...] = a2 @ b2`` on the engine; 2-D operands of one BLAS dtype, c2 aliasing neither."""
+    """``c2[...] = a2 @ b2`` on the engine; 2-D operands of one BLAS dtype (or of a reduced type,
+    c2 of its output type), c2 aliasing neither."""
     m, k = a2.shape
     n = b2.shape[1]
     if m == 0 or n == 0:
         return
     if k == 0:
         c2[...] = 0
+        return
+    if a2.dtype != c2.dtype or precision.takes(a2.dtype, b2.dtype):
+        precision.gemm_into(1, a2, b2, 0, c2, 0, 0, k, a2.dtype)
         return
     dispatch.gemm(1, a2, b2, 0, c2, 0, 0, c2.dtype, k)
 

@@ -1,52 +1,28 @@
 """Redirecting unmodified numpy / scipy code to blasx: ``with blasx.offload(threshold=...):``.
 
-While offload is on, these run on the blasx engine when their flop count is at
-least the threshold, and exactly as before otherwise:
+While offload is on, calls whose flop count reaches the threshold run on the blasx engine, others
+exactly as before: ``a @ b`` / ``np.matmul`` in float32/64, complex64/128 and float16 (float16
+accumulated in float32 on the devices, a float16 result as numpy's; numpy's matmul inner
+loops are replaced by the C extension ``blasx._matmul_loops``, which calls numpy's own loop below
+the threshold); ``np.dot`` (the ``numpy.dot`` attribute; not ``ndarray.dot`` nor names imported
+before); the level-3 functions of ``scipy.linalg.blas`` (module attributes; not
+``get_blas_funcs``). Without the extension (blasx built without a C compiler) ``offload()`` raises
+RuntimeError saying so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers;
+with it, those wrappers sit behind a C forwarder that calls the original at once when
+``8 a.size b.size`` (a bound of the flops) is below the threshold.
 
-* ``a @ b`` and ``np.matmul`` on float32 / float64 / complex64 / complex128
-  arrays: numpy's matmul inner loops for these types are replaced by the C
-  extension ``blasx._matmul_loops`` (numpy's ``PyUFunc_ReplaceLoopBySignature``);
-  below the threshold the replacement calls numpy's own loop from C;
-* ``np.dot`` (the ``numpy.dot`` attribute is replaced; ``ndarray.dot`` and names
-  imported with ``from numpy import dot`` before enabling are not affected);
-* the level-3 functions of ``scipy.linalg.blas`` (``dgemm``, ``zherk``, ...:
-  the module's attributes are replaced; ``get_blas_funcs`` still returns
-  scipy's own routines).
+Only plain ``numpy.ndarray`` operands are offloaded; results are what numpy / scipy give. Flops
+count ``2 m n k`` (real) and ``8 m n k`` (complex) for a product.
 
-The extension is built when blasx is installed from source with a C compiler
-(``pip install .``). Where it is missing, ``offload()`` and ``offload_enable()``
-raise RuntimeError saying so; ``matmul=False`` redirects only ``np.dot`` and
-scipy (then through Python wrappers, which cost a little more per small call).
-With the extension, the np.dot / scipy wrappers sit behind a C forwarder that
-calls the original at once when ``8 a.size b.size`` (a bound of the flop count)
-is below the threshold.
+``offload_enable``/``offload_disable`` and the ``offload`` context (also a decorator) nest: the
+patches go in with the first and come out, exactly restored, with the last (``@`` is redirected
+while any active one asked for it). ``offload_enable(threshold=T)`` sets the process-wide threshold
+until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside the block;
+else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the configured device kind.
 
-Only plain ``numpy.ndarray`` operands are offloaded (subclasses, CuPy arrays
-and other array-likes go the usual way). The result is what numpy / scipy
-give, computed by blasx. Flops count ``2 m n k`` (real) and ``8 m n k``
-(complex) for a product; the rank-k and triangular routines count theirs.
-
-``offload_enable(threshold=None, matmul=True)`` / ``offload_disable()`` and the
-``offload(threshold=None, matmul=True)`` context (also a decorator) nest: the
-patches go in with the first and come out with the last, restoring numpy's loops
-and the original attributes exactly (``@`` is redirected while any active one
-asked for it). Thresholds: ``offload_enable(threshold=T)`` sets the
-process-wide one until its matching ``offload_disable()``;
-``offload(threshold=T)`` overrides it for the calling thread inside the block.
-Without either, the default is ``$BLASX_OFFLOAD_THRESHOLD`` if set, else
-``DEFAULT_THRESHOLDS`` for the kind of device blasx is configured with.
-Offload is process-wide: while any thread has it on, every thread's large
-products go to blasx (with the process-wide threshold unless that thread
-overrides it).
-
-Calls made by blasx's own worker threads, and calls made while blasx is
-already running one for the same thread, always stay on numpy. A call that
-fails on blasx is computed again by numpy (for ``@`` and ``np.dot``; the output
-is not read by these, so nothing is lost) with a RuntimeWarning; a scipy
-routine that blasx rejects with TypeError / ValueError (before anything is
-written) goes to scipy, which then does whatever scipy does; other errors of
-an offloaded scipy call propagate. An offloaded call leaves the BLAS thread
-settings as it found them.
+blasx's own threads, and a thread already inside a blasx call, stay on numpy. A ``@`` or ``np.dot``
+that fails on blasx is computed by numpy with a RuntimeWarning; a scipy call blasx rejects with
+TypeError/ValueError goes to scipy; other errors propagate. BLAS thread settings are left as found.
 """
 
 from __future__ import annotations
@@ -229,13 +205,9 @@ def offload_stats() -> dict:
 # ---------------------------------------------------------------- enable / disable
 
 def offload_enable(threshold=None, matmul=True) -> None:
-    """Turn offload on (nesting: each call needs one :func:`offload_disable`).
-
-    threshold: flops from which a call runs on blasx, process-wide until the
-    matching disable; None keeps the current one (the default: see the module
-    docstring). matmul: also redirect ``a @ b`` / np.matmul (needs the C
-    extension: RuntimeError without it); False: np.dot and scipy only.
-    """
+    """Turn offload on (each call needs one :func:`offload_disable`). threshold: flops from which a call
+    runs on blasx, process-wide until the matching disable (None: keep the current one). matmul: also
+    redirect ``a @ b`` (needs the C extension: RuntimeError without it); False: np.dot and scipy only."""
     _add(_Entry("enable", _check_threshold(threshold), _check_matmul(matmul)))
 
 
@@ -259,11 +231,8 @@ def offload_disable() -> None:
 class offload(contextlib.ContextDecorator):
     """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside.
 
-    threshold: flops from which a call runs on blasx, for the calling thread
-    inside the block (nested blocks override it and restore it on exit); None
-    inherits the enclosing block's, else the process-wide one. matmul: as for
-    :func:`offload_enable`. The same object may be entered again, nested or
-    from several threads.
+    threshold: for the calling thread inside the block (None: the enclosing block's, else the
+    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads.
     """
 
     def __init__(self, threshold=None, matmul=True) -> None:
@@ -333,7 +302,7 @@ def _install_loops() -> None:
     _ext.install(_matmul_hook)
     _ext.set_local(math.inf)  # the probes stay on numpy's loop
     try:
-        for slot, dt in enumerate((np.float32, np.float64, np.complex64, np.complex128)):
+        for slot, dt in enumerate((np.float32, np.float64, np.complex64, np.complex128, np.float16)):
             before = _ext.hits(slot)
             x = np.ones((2, 2), dtype=dt)
             y = x @ x

@@ -1,17 +1,11 @@
 """Operands in canonical form, and their cache identity (tokens).
 
-The engine works on column-major matrices. A C-ordered array is the
-column-major view of its transpose, so every operand is described by a
-column-major view ``V`` with ``X = V`` or ``X = V.T``, and the op a kernel
-must apply follows from a lookup table on (transposed, conjugated).
-Conjugation without transposition is not a BLAS op; that rare case (a
-complex operand with ``trans=2`` in the other storage order) is materialised
-once as a conjugated copy.
-
-Tokens (see the engine's invariant 3): host arrays that might be written, and
-all device arrays, get a fresh negative base per call; host arrays whose whole
-base chain is read-only get a positive base for their life, so their tiles
-stay cached across calls, and are retired when the array is collected.
+The engine works on column-major matrices: every operand is a column-major view ``V`` with
+``X = V`` or ``X = V.T`` (a C-ordered array is its transpose's view), and the op a kernel applies
+follows from (transposed, conjugated); conjugation without transposition, not a BLAS op, is
+materialised once. Tokens (the engine's invariant 3): a fresh negative base per call for host
+arrays that may be written and for device arrays; a positive base for the life of a host array
+whose whole base chain is read-only (its tiles stay cached across calls).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ looked up before any search is run): a :class:`PerfKey` of
   Mixed GPU models join with ``+``; a CPU worker beside GPUs adds ``+cpu`` (one in auto
   mode does not: it takes no task in most calls, so the GPUs' entries apply);
 * ``ndev``: the number of GPUs (stream devices); 1 for the CPU alone;
-* ``dtype``: the BLAS type character ``s``, ``d``, ``c`` or ``z``;
+* ``dtype``: the type's prefix in the dtype table: ``s``, ``d``, ``c``, ``z``, or (gemm) ``h``,
+  ``b``, ``i8`` (runtime/dtypes.py);
 * ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
 * ``shape``: the shape class ``(M, N, K)``, each dimension rounded to the
   nearest power of two in log scale (:func:`shape_class`).
@@ -148,13 +149,13 @@ def shape_class(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 def dtype_char(dtype) -> str:
-    """``s``/``d``/``c``/``z`` of a numpy dtype (or of the character itself)."""
-    if isinstance(dtype, str) and dtype in dtypes.BY_PREFIX:
+    """The prefix (``s``/``d``/``c``/``z``, ``h``/``b``/``i8``) of a numpy dtype (or of the prefix itself)."""
+    if isinstance(dtype, str) and dtype in dtypes.GEMM_BY_PREFIX:
         return dtype
-    t = dtypes.of(dtype)
+    t = dtypes.gemm_of(dtype)
     if t is None:
-        raise ValueError(f"dtype: got {dtype!r}, need {dtypes.ALLOWED} "
-                         f"(or their BLAS characters {', '.join(dtypes.PREFIXES)})")
+        raise ValueError(f"dtype: got {dtype!r}, need {dtypes.GEMM_ALLOWED} "
+                         f"(or their prefixes {', '.join(dtypes.GEMM_PREFIXES)})")
     return t.prefix
 
 
@@ -204,7 +205,7 @@ def key_for(devices, dtype, m: int, n: int, k: int, routine: str = "gemm") -> Pe
     """The perf-db key of an M x N x K ``routine`` call in ``dtype`` on ``devices``
     (Device objects, e.g. ``blasx.engine().devices``, or their names)."""
     model, ndev = device_key(devices)
-    return PerfKey(model, ndev, dtype_char(dtype), _check_routine(routine), shape_class(m, n, k))
+    return _checked_key(PerfKey(model, ndev, dtype_char(dtype), _check_routine(routine), shape_class(m, n, k)))
 
 
 def _checked_key(key) -> PerfKey:
@@ -215,8 +216,10 @@ def _checked_key(key) -> PerfKey:
         raise ValueError(f"key: device {key.device!r} must be a non-empty name without {_SEP!r}")
     if not isinstance(key.ndev, int) or isinstance(key.ndev, bool) or key.ndev < 1:
         raise ValueError(f"key: ndev {key.ndev!r} must be an int >= 1")
-    if key.dtype not in dtypes.BY_PREFIX:
-        raise ValueError(f"key: dtype {key.dtype!r} must be one of {', '.join(dtypes.PREFIXES)}")
+    if key.dtype not in dtypes.GEMM_BY_PREFIX:
+        raise ValueError(f"key: dtype {key.dtype!r} must be one of {', '.join(dtypes.GEMM_PREFIXES)}")
+    if not dtypes.GEMM_BY_PREFIX[key.dtype].level3 and key.routine != "gemm":
+        raise ValueError(f"key: dtype {key.dtype!r} has gemm alone, got routine {key.routine!r}")
     _check_routine(key.routine)
     if not (isinstance(key.shape, tuple) and len(key.shape) == 3):
         raise ValueError(f"key: shape {key.shape!r} must be a shape class (M, N, K) from shape_class()")
@@ -298,18 +301,7 @@ class PerfDb:
     def lookup(self, key: PerfKey) -> int | None:
         """The stored tile for ``key``, or None (no entry, or no readable db)."""
         key = _checked_key(key)
-        conn = self._read()
-        if conn is None:
-            return None
-        try:
-            row = conn.execute(
-                "SELECT tile FROM entries WHERE device=? AND ndev=? AND dtype=? AND routine=? AND m=? AND n=? AND k=?",
-                (key.device, key.ndev, key.dtype, key.routine, *key.shape)).fetchone()
-        except sqlite3.Error:
-            return None
-        finally:
-            conn.close()
-        return _positive_tile(row[0]) if row else None
+        return self.table(key.device, key.ndev).get(key)
 
     def table(self, device: str | None = None, ndev: int | None = None) -> dict[PerfKey, int]:
         """Every valid entry as ``{key: tile}`` (optionally of one device model and count);

@@ -1,26 +1,14 @@
 """What ``blasx info`` reports: device facts, peer links, quick measurements, perf-db entries.
 
-Facts are instant and come from a started engine's devices (:func:`device_facts`,
-:func:`peer_links`). Measurements (``blasx info --measure``, :func:`measure`, about a second
-per device) depend on the backend:
+Facts come at once from a started engine's devices (:func:`device_facts`, :func:`peer_links`).
+Measurements (``--measure``, :func:`measure`, about a second per device): on ``cuda``, pinned
+H2D/D2H copies and a copy over every peer link of ``COPY_BYTES``, and DGEMM/SGEMM of ``GEMM_N``,
+timed with CUDA events, best of ``GPU_REPS`` after ``GPU_WARM_S`` of warm-up (an idle GPU's first
+copies run slow), with the engine shut down; on ``sim``, the configured cost model; on ``cpu``,
+numpy's GEMM at the first size from 512 that takes 0.1 s, best of 3. A failing measurement is
+reported with its reason; CuPy is imported only inside the CUDA parts.
 
-* ``cuda``: a pinned host -> device and device -> host copy of 256 MiB, a peer copy of
-  256 MiB over every peer link (from the device that reads to the device that is read), and
-  cuBLAS DGEMM and SGEMM of N = 8192 through CuPy's matmul; each timed with CUDA events,
-  the best of a few after a warm-up of at least ``GPU_WARM_S`` of the same operation (an idle
-  GPU's first copies run slower for tens of milliseconds, so one warm-up copy is not enough).
-  Run them with the engine shut down (its tile cache holds half of each GPU's memory);
-* ``sim``: the configured cost model (``rate``, ``h2d``, ``d2h``, ``p2p`` over the slowdown
-  factor): nothing is measured;
-* ``cpu``: numpy's GEMM (the host BLAS) in double and single precision, at the first size
-  from 512 that takes 0.1 s (at most 4096), best of 3.
-
-A measurement that fails is reported with its reason and never stops the others. CuPy is
-imported only inside the CUDA measurements and memory queries, so this module imports
-anywhere.
-
-The ``format_*`` functions are pure: plain data in (:class:`DeviceFacts`, :class:`Rate`,
-perf-db entry dicts), lines of text out, so they are tested with made-up numbers.
+The ``format_*`` functions are pure (plain data in, lines out) and tested with made-up numbers.
 """
 
 from __future__ import annotations
@@ -41,7 +29,6 @@ GPU_WARM_S = 0.1  # the warm-up: the operation repeated for at least this long (
 CPU_GEMM_SIZES = (512, 1024, 2048, 4096)
 CPU_GEMM_TARGET_S = 0.1
 BANDWIDTH_KINDS = ("H2D", "D2H", "P2P")
-GiB = float(1 << 30)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,13 @@
 """A progress line for blasx calls: tiles done / total, rate, elapsed, on a text stream.
 
-A blasx call blocks its calling thread inside the engine, so the line is drawn by a small
-monitor thread that reads the running call of the calling thread
-(:func:`blasx.level3.running_call`) a few times a second::
+A blasx call blocks its thread, so a small monitor thread reads that thread's running call
+(:func:`blasx.level3.running_call`) a few times a second and redraws the line in place::
 
     with Progress(sys.stderr, label="run 0", flops=2 * n**3):
         blasx.gemm(1.0, a, b)
 
-The line is redrawn in place (``\\r``) and finished with a newline when the block ends; the
-monitor thread is joined on the way out, also when the call raises. :func:`wanted` is the
-command line's rule: on when asked for, off when asked so, else on when the stream is a
-terminal. :func:`render` is pure, so the text is tested without threads.
+The line ends with a newline and the thread is joined when the block ends, also on error.
+:func:`wanted` is the command line's rule (on a terminal unless told); :func:`render` is pure.
 """
 
 from __future__ import annotations

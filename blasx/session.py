@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .operands import READONLY
 from .runtime.config import DeviceSpec, parse_devices
 from .runtime.devices.base import backend
+from .runtime.dtypes import MATH_MODES
 from .runtime.engine import Engine, EngineConfig
 
 MiB = 1 << 20
@@ -30,6 +31,7 @@ class Settings:
     cache_bytes: int | None = None
     cpu: bool | str | None = None
     trace: bool = True
+    math: str = "ieee"  # float32 gemm's math: "ieee" or "tf32" (blasx.precision)
 
 
 _lock = threading.RLock()
@@ -44,7 +46,8 @@ host_device = None
 
 
 def configure(devices: str | None = None, tile: int | None = None, streams: int = DEFAULT_STREAMS,
-              cache_bytes: int | None = None, cpu: bool | str | None = None, trace: bool = True) -> None:
+              cache_bytes: int | None = None, cpu: bool | str | None = None, trace: bool = True,
+              math: str = "ieee") -> None:
     """Choose the devices and knobs of the blasx engine (replacing a running one).
 
     devices: a spec (``"cuda"``, ``"cuda:0,1"``, ``"sim:4"``, ``"sim:2,slow=4"``, ``"cpu"``);
@@ -58,6 +61,8 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         the CPU is the device. ``"auto"``: auto mode beside any GPUs or sims. True: always,
         taking tasks by demand. False: never.
     trace: keep a per-operation timeline in the profiles.
+    math: float32 gemm's math, ``"ieee"`` (default: float32 products) or ``"tf32"`` (tensor cores:
+        inputs rounded to 10 mantissa bits, float32 accumulation); a call's ``math=`` overrides it.
     """
     if devices is not None:
         parse_devices(devices)  # validate now, so a bad spec fails here and not at the first call
@@ -69,10 +74,12 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         raise ValueError(f"cache_bytes: got {cache_bytes!r}, need an int >= 65536 (or None)")
     if not (cpu is None or isinstance(cpu, bool) or (isinstance(cpu, str) and cpu == "auto")):
         raise ValueError(f"cpu: got {cpu!r}, need True, False, 'auto' or None")
+    if math not in MATH_MODES:
+        raise ValueError(f"math: got {math!r}, allowed: {', '.join(map(repr, MATH_MODES))}")
     global _settings
     with _lock:
         shutdown()
-        _settings = Settings(devices, tile, streams, cache_bytes, cpu, trace)
+        _settings = Settings(devices, tile, streams, cache_bytes, cpu, trace, math)
 
 
 def settings() -> Settings:
@@ -83,6 +90,8 @@ def engine() -> Engine:
     """The running engine, started on first use."""
     global _engine
     with _lock:
+        if _engine is not None and _engine.dead:  # every device failed: start them again
+            _engine.shutdown()
         if _engine is None or _engine.closed:
             _engine = _build(_settings)
         eng = _engine
@@ -120,8 +129,8 @@ def shutdown() -> None:
 # hooks: register where concurrent.futures does, so shutdown runs first (a script that never
 # calls blasx.shutdown() must still exit). atexit stays as a fallback for other runtimes.
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(shutdown)
-atexit.register(shutdown)
+    threading._register_atexit(lambda: _shutdown_at_exit())
+atexit.register(lambda: _shutdown_at_exit())
 
 
 def _retire_readonly(base: int) -> None:
@@ -194,3 +203,21 @@ def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:
     if cpu == "auto":
         return "auto"
     return "always" if cpu else None
+
+
+def reset() -> None:
+    """Bring failed devices back: stop the engine (after the calls running on it end) so that the
+    next call starts a fresh one with the same ``configure()`` settings, every device opened again
+    and the tile cache empty. The next call does this by itself when every device has failed."""
+    shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    """Interpreter exit: cancel the calls still in flight (their threads are about to vanish), let
+    the tasks already on devices end, and stop the workers."""
+    global _engine, host_device
+    with _lock:
+        eng, _engine = _engine, None
+        host_device = None
+    if eng is not None:
+        eng.shutdown(cancel=True)

@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 
 from . import perfdb
+from .runtime import dtypes
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
@@ -31,7 +32,7 @@ def tiles_needed(streams: int) -> int:
 
 
 def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int:
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = _tile_itemsize(dtype)
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
         tile = eng.config.tile
@@ -58,6 +59,12 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
         tile //= 2
     _check_fits(streamed, tile, itemsize)
     return tile
+
+
+def _tile_itemsize(dtype) -> int:
+    """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider."""
+    row = dtypes.gemm_of(dtype)
+    return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
 
 
 def _pow2_at_least(x: int) -> int:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import perfdb, session
+from . import perfdb, precision, session
 from .runtime import dtypes as blas_types
 
 #: Candidate tiles per backend (capped by the problem's largest dimension).
@@ -111,43 +111,40 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
 def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, say) -> dict:
     from .level3 import gemm
 
-    blas_type = blas_types.BY_PREFIX[dc]
+    blas_type = blas_types.GEMM_BY_PREFIX[dc]
     dtype = blas_type.dtype
     key = perfdb.key_for(devs, dtype, m, n, k)
     cands = candidates if candidates is not None else default_tiles(kind, m, n, k)
-    a, b = _rand(rng, (m, k), dtype), _rand(rng, (k, n), dtype)
-    c = np.empty((m, n), dtype, order="F")
+    a, b = precision.random_operand(rng, (m, k), dtype), precision.random_operand(rng, (k, n), dtype)
+    c = np.empty((m, n), blas_type.out, order="F")
+    poison = np.iinfo(c.dtype).min if c.dtype.kind in "iu" else np.nan
     flops = 2 * blas_type.flop_factor * m * n * k
     rows = min(check_rows, m)
-    ref = None
-    if rows:
-        ref = a[:rows].astype(blas_type.wide) @ b.astype(blas_type.wide)
-    tol = 1e-4 if blas_type.real.itemsize == 4 else 1e-10
     out = {"key": key.text, "device": key.device, "ndev": key.ndev, "dtype": dc, "routine": key.routine,
            "m": m, "n": n, "k": k, "shape": key.shape, "tiles": list(cands), "tflops": {}, "seconds": {},
            "errors": {}, "skipped": {}, "bad": [], "tile": None, "stored": False}
     for t in cands:
         session.configure(**dataclasses.asdict(dataclasses.replace(base, tile=t)))
         try:
-            gemm(1.0, a, b, c=c, overwrite_c=True)  # warm-up: engine start, caches, handles
+            gemm(1, a, b, c=c, overwrite_c=True)  # warm-up: engine start, caches, handles
         except ValueError as e:  # the tile does not fit a device's tile cache
             out["skipped"][t] = str(e)
             say(f"{dc}gemm {m}x{n}x{k} tile {t}: skipped ({e})")
             continue
         times = []
         for _ in range(runs):
-            c[...] = np.nan  # poison: every element must be written again
+            c[...] = poison  # every element must be written again
             t0 = time.perf_counter()
-            gemm(1.0, a, b, c=c, overwrite_c=True)
+            gemm(1, a, b, c=c, overwrite_c=True)
             times.append(time.perf_counter() - t0)
         best = min(times)
         out["seconds"][t] = times
         out["tflops"][t] = flops / best / 1e12
         note = ""
-        if ref is not None:
-            err = float(np.linalg.norm(c[:rows] - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
+        if rows:
+            err, tol = precision.check_rows(c[:rows], a[:rows], b, blas_type, session.settings().math)
             out["errors"][t] = err
-            if not (np.isfinite(err) and err < tol and np.isfinite(c).all()):
+            if not (np.isfinite(err) and err <= tol and (c.dtype.kind in "iu" or np.isfinite(c).all())):
                 out["bad"].append(t)
                 note = f", WRONG (relative error {err:.2e} > {tol:g})"
                 warnings.warn(f"blasx.tune: {dc}gemm {m}x{n}x{k} with tile {t} gave a relative error of "
@@ -158,13 +155,6 @@ def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, 
     if good:
         out["tile"] = max(good, key=lambda t: (good[t], -t))  # ties: the smaller tile (more parallelism)
     return out
-
-
-def _rand(rng, shape, dtype) -> np.ndarray:
-    x = rng.standard_normal(shape)
-    if dtype.kind == "c":
-        x = x + 1j * rng.standard_normal(shape)
-    return x.astype(dtype)
 
 
 def _positive_int(v) -> bool:
@@ -199,6 +189,8 @@ def _check_dtypes(dtypes) -> list[str]:
             dtypes = dtypes.replace(",", " ").split()
         elif set(dtypes) <= set(blas_types.PREFIXES):
             dtypes = list(dtypes)  # "ds"
+        elif dtypes in blas_types.GEMM_BY_PREFIX:
+            dtypes = [dtypes]  # "i8"
         else:
             dtypes = [dtypes]  # "float64"
     try:
@@ -210,12 +202,12 @@ def _check_dtypes(dtypes) -> list[str]:
         try:
             c = perfdb.dtype_char(d)
         except ValueError:
-            raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of {', '.join(blas_types.PREFIXES)} "
-                             f"({blas_types.ALLOWED})") from None
+            raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of {', '.join(blas_types.GEMM_PREFIXES)} "
+                             f"({blas_types.GEMM_ALLOWED})") from None
         if c not in out:
             out.append(c)
     if not out:
-        raise ValueError(f"dtypes: got {given!r}, need one or more of {', '.join(blas_types.PREFIXES)}")
+        raise ValueError(f"dtypes: got {given!r}, need one or more of {', '.join(blas_types.GEMM_PREFIXES)}")
     return out
 
 

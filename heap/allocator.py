@@ -1,65 +1,31 @@
 """First-fit offset heap: the BLASX device-memory allocator (paper Sec. IV-E, Fig. 6).
 
-cudaMalloc/cudaFree per tile move-in/move-out is slow enough to dominate at
-scale (paper Fig. 5), so each device preallocates one arena (one cudaMalloc,
-or one numpy byte array in the simulator) and carves it with this heap.
-The heap does pure bookkeeping on integer offsets and never touches memory,
-which is what lets it be fuzzed on the CPU.
+A cudaMalloc/cudaFree per tile would dominate at scale (paper Fig. 5), so each device allocates one
+arena and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
 
-Structure (Fig. 6: a meta-data list, an empty list and an occupied list):
+Structure (Fig. 6's three lists):
 
-* Meta-data list: ``_Block`` nodes in address order, doubly linked through
-  ``prev``/``next``.  Fields: ``off`` (byte offset in the arena), ``size``
-  (bytes, a multiple of the alignment), ``free`` (occupation status).  The
-  block at offset 0 is never removed (coalescing always absorbs the right-hand
-  block into the left one), so it is the permanent list head.
-* Empty list: the free blocks, ``_free`` (offset -> block), segregated by
-  size class so first fit need not walk past every small hole.  A block of
-  ``u = size // alignment`` units is in class ``u.bit_length()`` (sizes
-  ``[2**(k-1), 2**k)`` units for class k); ``_buckets[k]`` holds the offsets
-  of class-k free blocks sorted ascending, and bit k of ``_nonempty`` says
-  whether that bucket has any.  ``_free_sizes`` is the sorted multiset of
-  free sizes: it gives ``largest_free`` in O(1) and lets a request that
-  cannot fit be refused at once (the common case when the tile cache is full
-  and the caller is evicting until it fits).  The segregation is an
-  index over Fig. 6's single empty list, not a change of policy: the block
-  chosen is still the lowest-address one that fits.
-* Occupied list: ``_used``, the hash table offset -> block that ``free``
-  looks segments up in.
+* Meta-data list: ``_Block`` nodes (``off``, ``size``, ``free``) in address order, linked through
+  ``prev``/``next``; the block at offset 0 is never removed (it absorbs its right neighbour), so it
+  is the permanent head.
+* Empty list: ``_free`` (offset -> block), indexed by size class (``u = size // alignment`` units
+  is class ``u.bit_length()``): ``_buckets[k]`` holds class-k offsets sorted, bit k of
+  ``_nonempty`` says it has any, and ``_free_sizes`` (sorted) gives ``largest_free`` in O(1) and
+  refuses a request that cannot fit at once. The block chosen is still the lowest-address fit.
+* Occupied list: ``_used``, offset -> block.
 
-Policy:
+Policy: ``alloc`` rounds up to the alignment and takes the lowest-address free block that fits
+(exact: every block of a higher class fits, so only the request's own class is walked), splitting
+off the rest to its right; ``free`` coalesces with free neighbours; a request that does not fit
+returns ``None`` (the cache evicts and retries). Cost: O(log F) per free, plus one step per
+non-empty larger class per alloc.
 
-* ``alloc`` rounds the request up to the alignment and takes the FIRST
-  (lowest-address) free block that fits; the block is split and the
-  remainder stays free, immediately to its right.  First fit is exact: every
-  block of a class above the request's fits, so the lowest candidate is the
-  smallest head offset among those buckets, and only the request's own class
-  is walked (in address order, stopping at that candidate).
-* ``free`` marks the block free and coalesces it with its left and/or right
-  neighbour when they are free.
-* A request that does not fit returns ``None``: running full is normal for a
-  cache (the caller evicts tiles and retries), never an exception.
-
-Invariants (all verified by ``check()``):
-
-1. The blocks tile ``[0, capacity)`` exactly: the first starts at 0, each
-   starts where the previous ends, the last ends at ``capacity``, and the
-   ``prev`` links mirror the ``next`` links.
-2. Every offset is a multiple of ``alignment``, every size a positive one.
-3. No two adjacent blocks are both free (coalescing is eager).
-4. ``_free``/``_buckets``/``_nonempty``/``_free_sizes`` describe exactly the
-   free blocks (each in the bucket of its class, buckets sorted), and
-   ``_used`` exactly the allocated ones.
+Invariants (``check()``): 1. the blocks tile ``[0, capacity)`` exactly and ``prev`` mirrors
+``next``; 2. offsets and sizes are positive multiples of ``alignment``; 3. no two adjacent blocks
+are free; 4. the free indexes describe exactly the free blocks, ``_used`` the allocated ones;
 5. ``bytes_used`` is the sum of the allocated sizes.
 
-Cost: free is O(log F) plus C-level list shifts (F = number of free
-blocks).  alloc adds one step per non-empty larger class (at most
-log2(capacity / alignment) + 1) and a walk over the holes of the request's
-own class that lie below the best candidate; it stays flat with thousands of
-blocks, where a walk over all holes in address order does not.
-
-Not thread-safe by design: each heap has exactly one owner, the worker
-thread of its device, so there is no lock on the hot path.
+Not thread-safe by design: each heap has one owner, its device's worker thread.
 """
 
 from __future__ import annotations
@@ -69,9 +35,7 @@ from bisect import bisect_left, insort
 
 
 class HeapExhausted(MemoryError):
-    """Raised by callers that must have memory (e.g. after evicting all they
-    can) and still got ``None`` from :meth:`OffsetHeap.alloc`.  The heap itself
-    never raises it: for the heap, full is a normal state."""
+    """For callers that must have memory and still got ``None`` (the heap itself never raises it)."""
 
 
 class _Block:
@@ -103,12 +67,7 @@ def _positive_int(name: str, value: object, allowed: str) -> int:
 
 
 class OffsetHeap:
-    """First-fit heap over the byte offsets ``[0, capacity)`` of one arena.
-
-    ``alloc(n)`` returns an offset (or ``None`` when nothing fits) and
-    ``free(offset)`` gives it back; the owner maps offsets onto its arena.
-    Not thread-safe: one owner (the device's worker thread) per heap.
-    """
+    """First-fit heap over the byte offsets ``[0, capacity)`` of one arena (one owner thread)."""
 
     __slots__ = (
         "_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free",
@@ -148,8 +107,7 @@ class OffsetHeap:
     # ----------------------------------------------------------------- hot path
 
     def alloc(self, nbytes: int) -> int | None:
-        """Reserve ``nbytes`` (rounded up to the alignment) at the lowest
-        address that fits; return its offset, or ``None`` if nothing fits."""
+        """Reserve ``nbytes`` (rounded up) at the lowest address that fits: its offset, or None."""
         if nbytes.__class__ is not int or nbytes <= 0:
             nbytes = _positive_int("nbytes", nbytes, "a positive int (bytes to allocate)")
         size = (nbytes + self._mask) & ~self._mask
@@ -159,8 +117,7 @@ class OffsetHeap:
         buckets = self._buckets
         shift = self._shift
         c = (size >> shift).bit_length()
-        # Every block of a larger class fits: the best candidate so far is
-        # the lowest head offset among those buckets.
+        # Every block of a larger class fits: the candidate is the lowest head among those buckets.
         best = self._capacity
         kb = i = -1
         m = self._nonempty >> (c + 1) << (c + 1)
@@ -171,8 +128,7 @@ class OffsetHeap:
             if head < best:
                 best, kb, i = head, k, 0
             m ^= low
-        # Blocks of the request's own class may be too small: walk them in
-        # address order, but only below the candidate found above.
+        # The request's own class may hold smaller blocks: walk it, below the candidate only.
         free = self._free
         for j, off in enumerate(buckets[c]):
             if off >= best:
@@ -185,9 +141,7 @@ class OffsetHeap:
         del free_sizes[bisect_left(free_sizes, blk.size)]
         rest = blk.size - size
         if rest:
-            # Split: the remainder stays free, right after the allocation.
-            # No free block lies between them, so in the same class the
-            # remainder simply takes the allocated block's bucket slot.
+            # The remainder stays free, right after; in the same class it takes the block's bucket slot.
             tail_off = best + size
             nxt = blk.next
             tail = _Block(tail_off, rest, True, blk, nxt)
@@ -211,8 +165,7 @@ class OffsetHeap:
         return best
 
     def free(self, offset: int) -> None:
-        """Release the allocation that starts at ``offset`` and coalesce it
-        with free neighbours.  ValueError if ``offset`` is not allocated."""
+        """Release the allocation at ``offset``, coalescing; ValueError if it is not allocated."""
         try:
             blk = self._used.pop(offset, None)
         except TypeError:  # unhashable: certainly not an offset we returned
@@ -237,8 +190,7 @@ class OffsetHeap:
                 right.next.prev = blk
         left = blk.prev
         if left is not None and left.free:
-            # Merge into the left neighbour, which keeps its offset (so the
-            # head block at offset 0 is never dropped).
+            # Merge into the left neighbour, which keeps its offset (the head is never dropped).
             if kr >= 0:
                 self._bucket_del(kr, j)
             del free_sizes[bisect_left(free_sizes, left.size)]
@@ -258,8 +210,7 @@ class OffsetHeap:
             insort(free_sizes, blk.size)
             k = (blk.size >> shift).bit_length()
             if k == kr:
-                # No free block lies between blk and its old right
-                # neighbour, so blk takes that neighbour's bucket slot.
+                # No free block lies between: blk takes its old right neighbour's bucket slot.
                 buckets[k][j] = blk.off
             else:
                 if kr >= 0:
@@ -316,8 +267,7 @@ class OffsetHeap:
 
     @property
     def largest_free(self) -> int:
-        """Size of the largest free block (0 when full): the biggest request
-        that can succeed without evicting anything."""
+        """The biggest request that can succeed now (0 when full)."""
         return self._free_sizes[-1] if self._free_sizes else 0
 
     @property
@@ -334,37 +284,25 @@ class OffsetHeap:
         return out
 
     def __repr__(self) -> str:
-        return (
-            f"OffsetHeap(capacity={self._capacity}, alignment={self._alignment}, "
-            f"used={self._bytes_used}, allocations={len(self._used)}, "
-            f"free_blocks={len(self._free)}, largest_free={self.largest_free})"
-        )
+        return (f"OffsetHeap(capacity={self._capacity}, alignment={self._alignment}, used={self._bytes_used}, "
+                f"allocations={len(self._used)}, free_blocks={len(self._free)}, largest_free={self.largest_free})")
 
     def _why_not_allocated(self, offset: object) -> str:
         """Explain why ``offset`` names no allocation (error path only)."""
         if isinstance(offset, bool) or not hasattr(offset, "__index__"):
-            return (
-                f"offset {offset!r} is not allocated: offsets are the ints that "
-                f"alloc() returned, got type {type(offset).__name__}"
-            )
+            return (f"offset {offset!r} is not allocated: offsets are the ints that alloc() returned, "
+                    f"got type {type(offset).__name__}")
         offset = operator.index(offset)
         if not 0 <= offset < self._capacity:
-            return (
-                f"offset {offset} is not allocated: it lies outside the heap "
-                f"[0, {self._capacity})"
-            )
+            return f"offset {offset} is not allocated: it lies outside the heap [0, {self._capacity})"
         blk = self._head
         while blk.off + blk.size <= offset:
             blk = blk.next
         if blk.free:
-            return (
-                f"offset {offset} is not allocated: it lies in free space (the free "
-                f"block at offset {blk.off}, size {blk.size}); double free, or never allocated"
-            )
-        return (
-            f"offset {offset} is not allocated: it lies inside the allocation at "
-            f"offset {blk.off} (size {blk.size}); free() takes the offset alloc() returned"
-        )
+            return (f"offset {offset} is not allocated: it lies in free space (the free block at offset {blk.off}, "
+                    f"size {blk.size}); double free, or never allocated")
+        return (f"offset {offset} is not allocated: it lies inside the allocation at offset {blk.off} "
+                f"(size {blk.size}); free() takes the offset alloc() returned")
 
     # --------------------------------------------------------------- invariants
 
@@ -412,13 +350,9 @@ class OffsetHeap:
         if end != self._capacity:
             fail(f"blocks end at {end}, not at capacity {self._capacity}")
 
-        if len(self._used) != len(used_seen) or any(
-            self._used.get(b.off) is not b for b in used_seen
-        ):
+        if len(self._used) != len(used_seen) or any(self._used.get(b.off) is not b for b in used_seen):
             fail("the occupied hash does not match the allocated blocks of the list")
-        if len(self._free) != len(free_seen) or any(
-            self._free.get(b.off) is not b for b in free_seen
-        ):
+        if len(self._free) != len(free_seen) or any(self._free.get(b.off) is not b for b in free_seen):
             fail("the free-block map does not match the free blocks of the list")
         shift = self._shift
         expect: list[list[int]] = [[] for _ in self._buckets]

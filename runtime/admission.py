@@ -1,105 +1,61 @@
 """When the CPU worker takes a task beside the GPUs (the paper's Fig. 9).
 
-The CPU worker (``worker.CpuWorker``) solves whole tasks with the host BLAS. Beside GPUs it is
-one to three orders of magnitude slower per task (one of its tasks can outlast a whole call on
-the GPUs), so taking work *by demand* (what ``configure(cpu=True)`` does) makes every call wait
-for its CPU task. In **auto** mode
-(``configure(cpu=None)`` beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) the CPU
-worker takes a task only when the rule below predicts that this makes the call end no later.
+Beside GPUs the CPU is one to three orders of magnitude slower per task, so taking work by demand
+(``configure(cpu=True)``) makes every call wait for its CPU task. In **auto** mode (``cpu=None``
+beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) the CPU worker takes a task only when
+the rule below predicts the call then ends no later.
 
 Rule
 ----
-For a task ``t`` of call ``c`` (the head of the global queue, or a task the CPU would steal from
-a GPU's station), with G the live stream workers that can run ``c``:
+For a task ``t`` of call ``c`` (the queue's head, or one it would steal), G the live stream workers
+that can run ``c``:
 
-1. **alone**: G is empty (every GPU failed, or none can run it): take it; nobody else will.
-2. **deps**: ``c`` has a task with dependencies (TRSM): never. A dependency solved on the CPU
-   would hold up every GPU task that waits for it, and a CPU task waits for all its
-   dependencies to *finish* where a GPU starts at its first open gate.
-3. **small**: ``len(c.tasks) <= hold``, where ``hold`` is the sum over G of station capacity +
-   compute streams (what the GPUs can hold at once: the fair-share rule of
-   ``Worker._leave_for_peer`` spreads such a call over the GPUs alone): never.
-4. **rates**: with ``r_cpu`` the CPU's rate and ``r_g`` each GPU's rate in the call's dtype
-   (flop/s, :class:`RateMeter`): a GPU's rate is known once it has finished as many tasks as it
-   has streams (one burst, below); a GPU of G whose rate is not known yet counts as fast as the
-   fastest one known; if none is known, never (**gpu rate unknown**). If the CPU's rate is not
-   known, the worker probes it once (``CpuDevice.probe``) and decides again; if it is still
-   unknown, never (**cpu rate unknown**).
+1. **alone**: G is empty: take it.
+2. **deps**: ``c`` has a task with dependencies (TRSM): never (a dependency on the CPU would hold
+   up the GPU tasks waiting for it).
+3. **small**: ``len(c.tasks) <=`` what G holds at once (stations + compute streams): never.
+4. **rates**: ``r_cpu`` and each ``r_g`` in the call's dtype (:class:`RateMeter`). A GPU's rate
+   counts once it has finished as many tasks as it has streams; an unknown one counts as the
+   fastest known; none known: never (**gpu rate unknown**). An unknown CPU rate is probed once
+   (``CpuDevice.probe``); still unknown: never (**cpu rate unknown**).
 5. **sooner / later**: take ``t`` iff
 
        cpu_s = margin * t.flops / r_cpu  <  gpu_s = (waiting - t.flops + RUNNING_LEFT * running) / sum(r_g)
 
-   ``cpu_s`` is when the CPU would finish ``t``, ``gpu_s`` when the GPUs would finish the rest
-   of the call without it (both in seconds from now: the CPU worker decides only when it is
-   idle, so it would start ``t`` now). ``waiting`` is the flops of ``c``'s tasks not started
-   (queued or in a station, ``t`` included), ``running`` those started and not finished, of
-   which half is assumed left (``RUNNING_LEFT``). Work of other calls queued before ``c``'s
-   is left out, which only makes ``gpu_s`` smaller: the rule errs towards leaving tasks to the
-   GPUs. ``MARGIN`` (1.5) covers the error of ``r_cpu`` (a probe of a small GEMM; the host
-   BLAS slowed by the GPU workers' threads and copies).
+   with ``waiting`` the flops of ``c``'s unstarted tasks (``t`` included) and ``running`` those
+   started and unfinished. Other calls' work is left out, so the rule errs towards the GPUs;
+   ``MARGIN`` covers the error of ``r_cpu``.
 
-:func:`decide` is the rule as a pure function of those numbers (tested by exact values);
-:meth:`Admission.admits` gathers them. Beside fast GPUs the CPU takes a task only while
-``MARGIN * sum(r_g) / r_cpu`` (hundreds) of the call's tasks are left besides it: in practice
-never. Against slow GPUs (sims with ``rate=`` far below the host's BLAS) it takes a growing
-share of every large call.
+:func:`decide` is the rule as a pure function (tested by exact values); :meth:`Admission.admits`
+gathers its inputs. Beside fast GPUs the CPU in practice never takes a task; beside slow sims it
+takes a growing share of large calls.
 
 Measured rates (``RateMeter``)
 ------------------------------
-Each worker's rate, per dtype character, is the flops of its last ``WINDOW`` (16) finished
-tasks over the busy seconds they took: each task's interval runs from the worker's previous
-completion, or from the start of its first task after being idle, to its own completion. A
-ratio of sums, not an average of per-task ratios: a GPU with ``2 * streams`` tasks in flight
-finishes them in bursts (the first after a long interval, the next ones a few microseconds
-apart), and only the sum over a burst is its throughput; 16 covers two bursts of 4-stream
-devices. A GPU's first sample alone reads low: its interval is shared by the tasks that ran
-interleaved with it, so with n streams it can read up to n times below the device's rate. So
-the rule uses a GPU's rate only once it has as many samples as the GPU has streams. (A
-window beats an exponentially weighted average, which weights the long interval that opens a
-burst more than the short ones that end it.)
-
-The CPU's first sample is the probe: a 256-square GEMM of the call's dtype
-(``CpuDevice.probe``), best of three, on the CPU worker's BLAS threads (a small GEMM runs
-below the rate of a large tile, so it errs low). The GPUs get no seed: until one of them
-finishes a task the CPU takes nothing (**gpu rate unknown**), so in an engine's first call it
-joins only after the GPUs' first completions. Nothing is seeded from the perf-db: its entries are whole-call rates
-of one tile choice, not per-worker rates.
+A worker's rate per dtype is the flops of its last ``WINDOW`` finished tasks over the busy seconds
+they took (each from the previous completion, or from the first start after idling): a ratio of
+sums, since a GPU finishes its in-flight tasks in bursts and only a burst's sum is its throughput.
+A GPU's first samples read low (interleaved tasks share an interval), hence the streams-many
+samples rule. The CPU's first sample is the probe (a 256-square GEMM, best of three, which errs
+low); GPUs get no seed, and nothing comes from the perf-db (whole-call rates, not per worker).
 
 State (each field has one owner)
 --------------------------------
 ``Admission.meter``
-    The engine's :class:`RateMeter`, for the engine's life (rates carry over between calls).
-``RateMeter._window``, ``RateMeter._sums``
-    ``{(worker index, dtype char): deque of (flops, seconds)}``, its last ``WINDOW`` samples,
-    and ``{(worker index, dtype char): (flops, seconds)}``, their sums. Written only by that
-    worker's thread (``Call.started`` / ``Call.account`` run there); the CPU worker reads
-    ``_sums`` lock-free: each entry is replaced by one assignment, so it sees an old or a new
-    pair.
-``RateMeter._mark``
-    Per worker: when its current busy interval began (its last completion, or its first start
-    after being idle; None before its first task). Written by that worker's thread.
-``RateMeter.samples``
-    ``{(worker, dtype char): samples so far}`` (the probe counts as one).
+    The engine's :class:`RateMeter`, for the engine's life.
+``RateMeter._window``, ``_sums``, ``_mark``, ``samples``
+    Per (worker, dtype): last samples, their sums, the start of the busy interval, the sample
+    count. Written by that worker's thread only (``Call.started`` / ``account``); the CPU worker
+    reads ``_sums`` lock-free (each entry is replaced by one assignment).
 ``Call.meter``, ``Call.flops_waiting``, ``Call.flops_running``
-    Set by ``Engine.submit`` when the engine has an admission rule (``Call.meter_with``):
-    the meter to notify at each start and finish, and the flops of the call's tasks not
-    started / started and unfinished, kept under the call's lock by ``started``,
-    ``unstarted`` and ``account``.
-``Admission.counts``
-    ``{reason: decisions}`` of :meth:`Admission.admits`, written by the CPU worker alone. These
-    count decisions, not tasks: an idle CPU worker asks again at every wake-up (every 2 ms
-    while some station holds tasks). The tasks it took are in the call's profile (the ``cpu``
-    device's row).
-``Admission.last``
-    The latest :class:`Decision` (for tests and debugging).
-
-Cost: a decision is a few dictionary reads and a division; a CPU worker that leaves work asks
-a few times per poll (the queue's head, its own pull, the tasks of the station it would steal
-from), a small fraction of one core while a call runs.
+    Set by ``Engine.submit`` (``Call.meter_with``), kept under the call's lock.
+``Admission.counts``, ``Admission.last``
+    ``{reason: decisions}`` (decisions, not tasks: an idle CPU worker asks at every wake-up) and
+    the latest :class:`Decision`; written by the CPU worker alone.
 
 Thread limits: in auto mode the CPU device limits the BLAS threads (every core but one per GPU
-worker) only once it runs a probe or a task, and restores them when the last call running then
-ends (``CpuDevice.engage``); a call in which the CPU takes nothing leaves them alone.
+worker) only once it runs a probe or a task, and restores them when the last call then running
+ends (``CpuDevice.engage``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """L1 tile cache: the Approximate LRU of Algorithm 2, one per device.
 
-A line maps a tile key to a block of the device heap. ``readers`` counts the
-issued-but-unfinished operations that use the line (Algorithm 2, line 22):
-it is raised when a step that reads the tile is issued, and lowered by the
-owning worker when the event that ends that step completes. Eviction takes
-the least recently used line *with no readers* (lines 11-18), so with
-asynchronous streams the victim is only approximately the LRU one.
+A line maps a tile key to a heap block. ``readers`` counts the issued, unfinished operations using
+it (line 22): raised when a step reading it is issued, lowered when that step's event completes.
+Eviction takes the least recent line *with no readers* (lines 11-18): approximately the LRU one.
 
-Ownership: the ALRU and its lines belong to one device worker, but peers
-raise/lower reader counts when they copy a line over the peer link (L2 hit),
-and the MESI-X directory lists lines of all devices. All of that metadata is
-therefore read and written only under the directory lock
-(:class:`~blasx.runtime.coherence.Directory`), which every method here
-expects the caller to hold. The heap behind the lines is touched by the
-owning worker alone.
+Peers change reader counts (L2 copies) and the directory lists every device's lines, so all line
+metadata is read and written under the directory lock, which every method here expects the caller
+to hold. The heap behind the lines is touched by the owning worker alone.
 """
 
 from __future__ import annotations
@@ -46,23 +39,28 @@ class Line:
 
 
 class ALRU:
-    """Lines of one device in recency order (least recent first)."""
+    """Lines of one device in recency order (least recent first).
 
-    __slots__ = ("device", "_lines", "bytes_cached")
+    Dead lines (``bury``) are kept apart, in the order they died, and go first: a live line of
+    the same tile may then be cached beside a dead one whose readers have not finished."""
+
+    __slots__ = ("device", "_lines", "_dead", "bytes_cached")
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lines: OrderedDict[Hashable, Line] = OrderedDict()
+        self._dead: dict[int, Line] = {}  # id(line) -> line
         self.bytes_cached = 0
 
     def __len__(self) -> int:
-        return len(self._lines)
+        return len(self._lines) + len(self._dead)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._lines
+        return key in self._lines or any(line.key == key for line in self._dead.values())
 
     def __iter__(self) -> Iterator[Line]:
-        return iter(self._lines.values())
+        yield from list(self._dead.values())
+        yield from list(self._lines.values())
 
     def get(self, key: Hashable) -> Line | None:
         """Translate (Algorithm 2, line 2): the line, moved to most recent, or None."""
@@ -83,21 +81,24 @@ class ALRU:
         self.bytes_cached += line.nbytes
 
     def victim(self) -> Line | None:
-        """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end.
-
-        Dead lines (tiles nobody may read again) sit at the LRU end (``bury``), so they
-        go first and the scan stops at the first idle line.
-        """
-        for line in self._lines.values():
-            if line.readers == 0:
-                return line
+        """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end, dead lines first."""
+        for lines in (self._dead, self._lines):
+            for line in lines.values():
+                if line.readers == 0:
+                    return line
         return None
 
     def bury(self, line: Line) -> None:
-        """Mark a line dead and move it to the LRU end: it is the next to go."""
+        """Mark a line dead and set it apart: it is among the next to go, and no longer found by key."""
+        if line.dead:
+            return
+        del self._lines[line.key]
         line.dead = True
-        self._lines.move_to_end(line.key, last=False)
+        self._dead[id(line)] = line
 
     def remove(self, line: Line) -> None:
-        del self._lines[line.key]
+        if line.dead:
+            del self._dead[id(line)]
+        else:
+            del self._lines[line.key]
         self.bytes_cached -= line.nbytes

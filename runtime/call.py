@@ -5,7 +5,8 @@ workers *account* for every task exactly once: done, cancelled (never
 started, its call having failed) or abandoned (on a broken device). The call
 completes when every task is accounted for, so no worker can still be
 writing into the caller's memory when ``wait`` returns, with or without an
-error.
+error. Accounting a task twice is a no-op, so a cancelling caller may sweep
+up tasks that no worker holds (``Engine._cancel``) without racing a worker.
 """
 
 from __future__ import annotations
@@ -18,11 +19,19 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from . import dtypes as _dtypes
+from . import faults
 from .stats import CallStats
 from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO,
                     Step, Task)
 
 _call_ids = itertools.count(1)
+
+
+class CallCancelled(Exception):
+    """The call's caller stopped waiting for it (KeyboardInterrupt or another exception in its
+    thread, or an exit-time shutdown): its queued tasks were dropped and the caller re-raises."""
+
 _clock = time.perf_counter
 
 
@@ -64,19 +73,22 @@ class Operand:
 
 class Call:
     def __init__(self, name: str, operands: list[Operand], tasks: list[Task], dtype,
-                 alpha, beta, stats: CallStats, epilogue: Callable | None = None) -> None:
+                 alpha, beta, stats: CallStats, epilogue: Callable | None = None,
+                 out_dtype=None, math: str = "ieee") -> None:
         self.cid = next(_call_ids)
         self.name = name
         self.operands = operands
         self.tokens = tuple(op.token for op in operands)
         self.tasks = tasks
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(dtype)  # the input operands' type (every operand's, unless mixed)
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"
-        # Scalar tables indexed by SC_*; kept alive for the call so devices may pass pointers
-        # into them. ``real_scalars`` holds the real parts, for kernels whose BLAS scalars are
-        # real (herk's alpha and beta, her2k's beta).
-        self.scalars = np.zeros(N_SCALARS, dtype=self.dtype)
+        self.math = math  # "ieee" or "tf32" (float32 gemm on tensor cores)
+        self._typed(out_dtype, epilogue, tasks)
+        # Scalar tables indexed by SC_*, in the accumulation type; kept alive for the call so
+        # devices may pass pointers into them. ``real_scalars`` holds the real parts, for kernels
+        # whose BLAS scalars are real (herk's alpha and beta, her2k's beta).
+        self.scalars = np.zeros(N_SCALARS, dtype=self.compute)
         self.scalars[SC_ALPHA], self.scalars[SC_BETA] = alpha, beta
         self.scalars[SC_ZERO], self.scalars[SC_ONE], self.scalars[SC_MINUS_ONE] = 0, 1, -1
         self.scalars[SC_ALPHA_CONJ] = np.conj(self.scalars[SC_ALPHA])
@@ -95,6 +107,7 @@ class Call:
         self._lock = threading.Lock()
         self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
+        self._accounted_tids: set[int] = set()
         self._started_tids: set[int] = set()  # assigned to a worker and not handed back (gates)
         # Write-after-read gates (``Task.war``): tasks whose kernels are done, and those among
         # them whose readers' write-backs were let through on that (they can never run again).
@@ -107,6 +120,45 @@ class Call:
             t.call = self
         if not tasks:
             self._done.set()
+        faults.at("plan")
+
+    def _typed(self, out_dtype, epilogue, tasks) -> None:
+        """The element types of a call. A *mixed* call (reduced-precision gemm: half, bfloat16,
+        int8 inputs, or an output type other than the inputs') keeps every C tile on a device in
+        the accumulation type ``acc_dtype`` across its k-steps; the write-back converts it to C's
+        type at home (``out_dtype``), or an epilogue with a ``dtype`` attribute converts it in
+        place first (int8 dequantization: int32 -> float32). Otherwise every type is ``dtype``."""
+        row = _dtypes.gemm_of(self.dtype)
+        self.compute = row.compute if row is not None else self.dtype
+        self.out_dtype = self.dtype if out_dtype is None else np.dtype(out_dtype)
+        self.mixed = self.out_dtype != self.dtype or self.compute != self.dtype
+        self.acc_dtype = self.compute if self.mixed else self.dtype
+        self.wb_dtype = np.dtype(getattr(epilogue, "dtype", None) or self.acc_dtype)
+        self.c_slots = frozenset(t.c.slot for t in tasks) if self.mixed else frozenset()
+        # int8 tiles on a device have a leading dimension that is a multiple of 4 (cuBLAS's rule)
+        self.pad_ld = 4 if self.dtype == np.int8 else 1
+
+    def home_dtype(self, slot: int) -> np.dtype:
+        """The type of operand ``slot`` in its home memory."""
+        return self.out_dtype if slot in self.c_slots else self.dtype
+
+    def tile_dtype(self, slot: int) -> np.dtype:
+        """The type of a tile of operand ``slot`` on a device (C tiles: the accumulation type)."""
+        return self.acc_dtype if slot in self.c_slots else self.dtype
+
+    def tile_ld(self, slot: int, rows: int) -> int:
+        """Leading dimension of a ``rows``-row tile of operand ``slot`` in a device's heap."""
+        if self.pad_ld == 1:
+            return rows
+        return -(-rows // self.pad_ld) * self.pad_ld
+
+    def tile_nbytes(self, slot: int, rows: int, cols: int) -> int:
+        """Heap bytes of a ``rows x cols`` tile of operand ``slot`` on a device."""
+        return self.tile_ld(slot, rows) * cols * self.tile_dtype(slot).itemsize
+
+    def home_nbytes(self, ref) -> int:
+        """Bytes a copy of tile ``ref`` moves to or from its home."""
+        return ref.rows * ref.cols * self.home_dtype(ref.slot).itemsize
 
     @property
     def failed(self) -> bool:
@@ -217,6 +269,9 @@ class Call:
         """``task`` is finished (worker given) or dropped (no worker); complete the call after the last."""
         meter = self.meter
         with self._lock:
+            if task.tid in self._accounted_tids:
+                return  # a cancelling caller's sweep got here first (Engine._cancel)
+            self._accounted_tids.add(task.tid)
             if worker is not None and not self.failed:
                 self._finished_tids.add(task.tid)
                 self._computed_tids.add(task.tid)
@@ -246,6 +301,16 @@ class Call:
     @property
     def remaining(self) -> int:
         return self._remaining
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def unaccounted(self) -> list[Task]:
+        """Tasks not yet accounted for (for a cancelling caller's sweep)."""
+        with self._lock:
+            acc = set(self._accounted_tids)
+        return [t for t in self.tasks if t.tid not in acc]
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

@@ -1,29 +1,16 @@
 """The L2 tile cache: a MESI-X directory over every device's L1 (Fig. 3).
 
-States of a tile, as the directory sees them:
+A tile is **I** (no device holds it: loaded from its home), **E** (one holder: a second device
+copies it over the peer link, an L2 hit), **S** (several: a reader picks any ready holder it can
+reach) or **M** (just written: written back at once and I again, or kept as a clean E line by
+routines that read their own output, such as TRSM).
 
-* **I**: no device holds it; a reader loads it from its home (host memory or
-  the device array it lives in).
-* **E**: one device holds it; a second device that misses in its L1 copies it
-  from that device over the peer link (an L2 hit) instead of from the host.
-* **S**: several devices hold it; a reader picks any ready holder it has
-  peer access to.
-* **M**: a device has just written an output tile. In BLASX this state is
-  ephemeral: the tile is written back to its home at once and becomes I
-  (the written buffer is freed, or kept as a clean E line by routines that
-  read their own output, such as TRSM).
+Inputs are never written during a call, so nothing is invalidated inside one. Across calls a tile
+key starts with a never-reused *token* naming the operand for one call (writable host arrays,
+device arrays) or for a read-only array's life; retired tokens mark their lines dead, evicted first.
 
-Input tiles are never written during a call, so no invalidation traffic is
-needed inside a call. Across calls, staleness is avoided by identity: a tile
-key starts with a *token* that names the operand for the life of one call
-(for writable host arrays and device arrays), or for the life of a read-only
-host array. Tokens are never reused, so a line of a finished call can never
-be hit again; retired tokens mark their lines dead and owners evict them
-first.
-
-Concurrency: one lock guards the directory and the metadata of every ALRU
-(line presence, reader counts, ready events). Critical sections are a few
-dict operations; no device call is made while holding it.
+One lock guards the directory and every ALRU's metadata (presence, reader counts, ready events);
+no device call is made while holding it.
 """
 
 from __future__ import annotations
@@ -62,15 +49,9 @@ class Directory:
         return self._holders.get(key, {})
 
     def peer_source(self, key: Hashable, device: int, can_read, filling=None, soon=None) -> Line | None:
-        """A line of another device that ``device`` can copy from (``can_read(holder)``).
-
-        A complete line (``ready is None``) is preferred; a line whose fill is
-        in flight (``ready`` is that fill's event) is next best: the reader's
-        stream waits for the event, then copies over the peer link, which
-        still beats the host link. Lines whose fill is not even recorded yet
-        (``ready is filling``) are skipped, and so are in-flight lines for which
-        ``soon(line)`` is false (the reader's own host link would be faster).
-        """
+        """A line of another device that ``device`` can copy from (``can_read(holder)``): a complete
+        one first, else one whose fill is in flight (the reader waits for its event) if ``soon(line)``;
+        never one whose fill is not recorded yet (``ready is filling``)."""
         holders = self._holders.get(key)
         if not holders:
             return None
@@ -103,11 +84,7 @@ class Directory:
                 del self._holders[line.key]
 
     def retire_base(self, base: int) -> None:
-        """No tile of any token of ``base`` may be read again: unlist its lines, mark them dead.
-
-        A token is a tuple ``(base, *geometry)``; a base names one array for the
-        life of a call, or a read-only array for its whole life.
-        """
+        """No tile of any token ``(base, *geometry)`` may be read again: unlist its lines, mark them dead."""
         self._dead_tokens[base] = None
         if len(self._dead_tokens) > 4096:
             del self._dead_tokens[next(iter(self._dead_tokens))]

@@ -1,58 +1,14 @@
-"""Device selection: ``blasx.configure(devices=...)`` and ``BLASX_DEVICES``.
+"""Device selection: ``blasx.configure(devices=...)`` and ``BLASX_DEVICES`` (docs/usage.md lists it all).
 
-A spec names one backend and its arguments:
+A spec names one backend and its arguments: ``cuda`` (every GPU), ``cuda:0,1``, ``sim:4`` (simulated
+GPUs), ``sim:2,slow=4`` (the last one 4x slower), ``sim:3,speeds=1/1/4``, ``sim:2,fail=1@5`` (sim 1
+raises at its 5th kernel), ``sim:2,peers=0`` (no peer links), ``cpu`` (the host's BLAS).
 
-==================  ==========================================================
-``cuda``            every CUDA GPU
-``cuda:0,1``        those GPU ordinals
-``sim:4``           four simulated GPUs
-``sim:2,slow=4``    two sims, the last one 4x slower
-``sim:3,speeds=1/1/4``  per-device slowdown factors
-``sim:2,fail=1@5``  sim 1 raises at its 5th kernel (fault injection)
-``sim:2,peers=0``   sims without peer links (no L2 copies)
-``cpu``             the host only, through numpy's BLAS
-==================  ==========================================================
-
-Sim options ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s) set its
-cost model. The CPU worker joins CUDA GPUs by default in auto mode (it takes a task only
-when that is predicted to help: ``runtime/admission.py``), joins any devices with
-``configure(cpu="auto")``, always with ``cpu=True``, never with ``cpu=False``.
-
-Sim options for predictions, applied by ``runtime.devices.sim.build_sim_devices``
-(``runtime/devices/sim.py`` has the details; ``bench/scaling_sim.py`` uses them):
-
-``timing=1`` (or ``data=0``)
-    data-free timing mode: no arena bytes, kernels and copies do no numpy
-    work and only take their cost-model time, host operands are never read
-    or written. Default ``timing=0`` (``data=1``): real data.
-``mem=BYTES``
-    each sim's tile-cache heap (default 64 MiB; ``configure(cache_bytes=)``
-    sets it too, but not both at once). An int, or a number with a suffix:
-    ``K M G T`` decimal (``141G`` = 141e9), ``Ki Mi Gi Ti`` binary
-    (``64Mi`` = 2**26); an optional trailing ``B`` is ignored.
-``dilate=F``
-    every duration of every sim times F (time dilation, so that host-side
-    scheduler overhead is small next to the simulated times; divide measured
-    wall times by F). Unlike ``slow=``, which slows the last sim only.
-``issue=SECONDS``
-    host time of one kernel or copy launch, slept by the issuing worker thread
-    (times ``dilate``), so that with dilation a worker still issues work at a
-    realistic pace relative to the device. Default 0.
-``host=BYTES_PER_S``
-    a host-side bandwidth cap shared by the host copies (H2D and D2H) of
-    several sims (e.g. the host's memory bandwidth, or a PCIe switch
-    uplink); suffixes as for ``mem`` (``200G``). Default: none (every sim
-    has its own independent host link).
-``hostgroup=G``
-    sims 0..G-1 share one cap, G..2G-1 the next, ... (default: all share one).
-``hostduplex=1``
-    separate caps for the two directions (a PCIe link); default 0: one cap
-    for H2D and D2H together (memory bandwidth).
-``krate=KERNEL:F/KERNEL:F...``
-    per-kernel rate factors: a ``KERNEL`` step runs at ``F`` times ``rate``
-    (e.g. ``krate=trmm:0.9/trsm:0.35``: on GPUs the diagonal TRMM and TRSM
-    tile kernels run slower than GEMM steps). Kernels not named run at
-    ``rate``. Default: none.
+Sim cost model: ``rate=`` (flop/s), ``h2d=``, ``d2h=``, ``p2p=`` (bytes/s), ``krate=trsm:0.35/...``
+(per-kernel rate factors). For predictions (``devices/sim.py``): ``timing=1`` (or ``data=0``:
+no data, only cost-model time), ``mem=`` (heap bytes; sizes take K M G T or Ki Mi Gi Ti suffixes),
+``dilate=F`` (every duration times F), ``issue=`` (host seconds per launch), ``host=`` with
+``hostgroup=`` and ``hostduplex=1`` (a host bandwidth cap shared by sims' host copies).
 """
 
 from __future__ import annotations
@@ -146,43 +102,29 @@ def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
     return tuple(out.items())
 
 
-_TIMING_RULES = {
-    "timing": "0 or 1",
-    "data": "0 or 1",
-    "mem": f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9",
-    "dilate": "a number > 0",
-    "issue": "seconds, at least 0 and below 1, e.g. 2e-5",
-    "host": "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10",
-    "hostgroup": "an int >= 1",
-    "hostduplex": "0 or 1",
-    "krate": f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}",
+def _finite_size(v: str) -> float:
+    x = parse_size(v)
+    return x if x != float("inf") else float("nan")
+
+
+#: Each sim option's check (True, or ValueError, when good) and what it allows (None: not spelled out).
+_SIM_RULES = {
+    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: not float(v) <= 0, None)),
+    "speeds": (lambda v: not any(float(x) <= 0 for x in v.split("/")), None),
+    "fail": (lambda v: [int(x) for x in v.partition("@")[::2]] is not None, None),
+    "peers": (lambda v: v in ("0", "1"), None),
+    "timing": (lambda v: v in ("0", "1"), "0 or 1"),
+    "data": (lambda v: v in ("0", "1"), "0 or 1"),
+    "hostduplex": (lambda v: v in ("0", "1"), "0 or 1"),
+    "mem": (lambda v: parse_size(v) >= MIN_SIM_MEM and parse_size(v) == int(parse_size(v)),
+            f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9"),
+    "dilate": (lambda v: float(v) > 0 and float(v) != float("inf"), "a number > 0"),
+    "issue": (lambda v: 0 <= float(v) < 1, "seconds, at least 0 and below 1, e.g. 2e-5"),
+    "host": (lambda v: _finite_size(v) > 0, "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10"),
+    "hostgroup": (lambda v: int(v) >= 1, "an int >= 1"),
+    "krate": (lambda v: parse_krate(v) is not None,
+              f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}"),
 }
-
-
-def _check_timing_option(k: str, v: str, spec: str) -> None:
-    ok = True
-    try:
-        if k in ("timing", "data", "hostduplex"):
-            ok = v in ("0", "1")
-        elif k == "mem":
-            x = parse_size(v)
-            ok = x >= MIN_SIM_MEM and x == int(x)
-        elif k == "dilate":
-            ok = float(v) > 0 and float(v) != float("inf")
-        elif k == "issue":
-            ok = 0 <= float(v) < 1
-        elif k == "host":
-            x = parse_size(v)
-            ok = x > 0 and x != float("inf")
-        elif k == "hostgroup":
-            ok = int(v) >= 1
-        elif k == "krate":
-            parse_krate(v)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}; "
-                         f"allowed: {_TIMING_RULES[k]}")
 
 
 def _check_timing_combination(options: dict, spec: str) -> None:
@@ -196,27 +138,17 @@ def _check_timing_combination(options: dict, spec: str) -> None:
 
 
 def _check_sim_options(options: dict, spec: str) -> None:
-    allowed = SIM_OPTIONS
     for k, v in options.items():
-        if k not in allowed:
-            raise ValueError(f"devices: unknown sim option {k!r} in {spec!r}; allowed: {', '.join(allowed)}")
-        if k in SIM_TIMING_OPTIONS:
-            _check_timing_option(k, v, spec)
-            continue
+        if k not in SIM_OPTIONS:
+            raise ValueError(f"devices: unknown sim option {k!r} in {spec!r}; allowed: {', '.join(SIM_OPTIONS)}")
+        check, allowed = _SIM_RULES[k]
         try:
-            if k in SIM_FLOAT_OPTIONS:
-                if float(v) <= 0:
-                    raise ValueError
-            elif k == "speeds":
-                if any(float(x) <= 0 for x in v.split("/")):
-                    raise ValueError
-            elif k == "fail":
-                d, _, n = v.partition("@")
-                int(d), int(n)
-            elif k == "peers" and v not in ("0", "1"):
-                raise ValueError
+            ok = check(v)
         except ValueError:
-            raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}") from None
+            ok = False
+        if not ok:
+            raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}"
+                             + (f"; allowed: {allowed}" if allowed else ""))
     _check_timing_combination(options, spec)
 
 

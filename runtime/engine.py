@@ -1,128 +1,110 @@
 """The blasx scheduler: a long-lived multi-device service (the BLASX runtime).
 
-This docstring is the design doc. It follows Algorithm 1 of the BLASX paper
-(``../shared/seeds/003_5f0983b53bc3aac8.txt``), with the tile caches of
-Section IV-B, the scheduling infrastructure of Section IV-C (Fig. 4), the
-stream overlap of IV-D and the heap of IV-E.
+This docstring is the design doc. It follows Algorithm 1 of the BLASX paper (Wang et al., "BLASX:
+A High Performance Level-3 BLAS Library for Heterogeneous Multi-GPU Computing", ICS 2016): the tile
+caches of Section IV-B, the scheduling of IV-C (Fig. 4), the stream overlap of IV-D, the heap of IV-E.
 
 Policy
 ------
-* A call (``gemm``, later every level-3 routine) is split by a pure planner
-  into tasks, one per output tile C_ij (Eq. 2 tasks in all), each a list of
-  k-steps. Tasks go to a **global queue** that never blocks (``queue.py``).
-  Calls whose operands all live in host memory go to the queue every worker
-  serves; calls with CuPy operands go to the queue only CUDA workers serve.
-* One **worker thread per device** (``worker.py``) keeps a **reservation
-  station** of ``streams`` tasks. It pulls from the queue when it has room
-  (demand-driven balance: a device pulls as fast as it finishes, so slow
-  devices get fewer tasks), steals the newest task of the most loaded
-  station when the queue is empty, and starts the station's task of highest
-  **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's L1);
-  an ``urgent`` task (TRSM's inversions of diagonal blocks, which read no A/B
-  tile and which later tasks wait for) goes first.
-  **Fair share of small calls**: a stream-device worker holding
-  max(1, tasks // stream workers) of a call leaves the rest to a stream peer
-  with room that holds less, unless it has nothing else to run
-  (``Worker._leave_for_peer``); otherwise a call smaller than one device's
-  station + streams all goes to the first worker to wake. Nothing is left
-  for the CPU worker, which takes work by demand (``cpu=True``) or by its
-  admission rule (auto mode, below).
-* Each stream runs one task; a worker issues one k-step of every active task
-  in turn (interleaving over k), with at most ``2 * streams`` tasks in flight
-  (``Knobs.commit_steps`` adds a horizon in flops: a started task cannot move
-  to another device, so what each device has committed when the queues run
-  dry is the call's tail).
-* Tiles are read through the **two-level cache**: L1 is the device's ALRU
-  (Algorithm 2) over its preallocated heap; L2 is the other devices' L1,
-  found through the **MESI-X directory** (``coherence.py``) and copied over
-  peer links. A peer's line still being filled from the host is read (after
-  its fill) only if the host bytes ahead of it on the peer's link do not
-  exceed this device's own host backlog plus the tile
-  (``Knobs.peer_wait_if_sooner``); else the tile is loaded here, so devices
-  that start together use both host links. A written C tile is M and is
-  written back at once (-> I).
-* The **CPU worker**, when enabled, takes whole tasks and solves each with
-  the host BLAS, its thread count limited by threadpoolctl so every GPU
-  worker keeps a core. With ``cpu=True`` it takes them by demand. In **auto
-  mode** (``configure(cpu=None)`` beside CUDA GPUs, ``cpu="auto"`` beside
-  any) it takes a task, from the queue or by stealing, only when
-  ``admission.py``'s rule predicts that it finishes it before the GPUs
-  would finish the rest of the call (rates measured per worker over its
-  finished tasks, the CPU's seeded by a probe); never a task of a call with
-  dependencies or of a call the GPUs can hold at once. When the CPU is the
-  only device, a call's tasks run in the calling thread instead
-  (``Engine.inline``): the hand-off to a worker thread and back cost
-  ~0.4 ms a call, 20x numpy's time at N=64.
+* A pure planner splits a call into tasks, one per output tile C_ij, each a list of k-steps. They
+  go to a **global queue** that never blocks (``queue.py``): host operands to the queue every
+  worker serves, CuPy operands to the one only CUDA workers serve.
+* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for stream
+  devices, ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It
+  pulls when it has room (demand-driven balance), steals the newest task of the most loaded
+  station when the queue is empty, and starts the task of highest **Eq. 3 priority** (2 per input
+  tile in its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which
+  later tasks wait for) goes first. **Fair share of small calls**: a stream worker holding
+  max(1, tasks // stream workers) of a call leaves the rest to a stream peer with room that holds
+  less, unless it has nothing else to run (``Worker._leave_for_peer``).
+* Each stream runs one task; a worker issues one k-step of every active task in turn, with at most
+  ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
+  cannot move, so what each device has committed when the queues run dry is the call's tail).
+* Tiles are read through the **two-level cache**: L1 is the device's ALRU (Algorithm 2) over its
+  heap; L2 is the other devices' L1, found through the **MESI-X directory** (``coherence.py``) and
+  copied over peer links. A peer's line still filling from the host is waited for only if the
+  host bytes ahead of it do not exceed this device's own backlog plus the tile
+  (``Knobs.peer_wait_if_sooner``). A written C tile is M and is written back at once (-> I).
+* The **CPU worker** takes whole tasks and solves each with the host BLAS, its threads limited so
+  every GPU worker keeps a core: by demand with ``cpu=True``; in **auto mode** (``cpu=None``
+  beside CUDA GPUs, ``cpu="auto"``) only when ``admission.py`` predicts it finishes the task before
+  the GPUs finish the rest of the call, never for a call with dependencies or one the GPUs hold at
+  once. With the CPU as the only device, tasks run in the calling thread (``Engine.inline``).
 
 Invariants
 ----------
-1. Every task of a call is accounted exactly once (done, cancelled or
-   abandoned); a call returns only then, so no device still writes into the
-   caller's memory after ``submit`` returns or raises.
-2. A cache line's reader count is the number of issued, unfinished
-   operations that read it; only lines with no readers are evicted, and the
-   heap block of a line or of a C buffer is freed only by its device's worker
-   after the event that ends its last use.
-3. A tile key begins with a token that is never reused. Tokens of host
-   arrays that may be written name one call only; read-only arrays (whose
-   whole base chain is read-only) keep their token, and cached tiles, for
-   their life. So no stale tile can be read.
-4. Cross-device waits always target an event that was recorded before the
-   wait is issued (a peer's fill event, read under the directory lock while
-   the reader holds a reader count on that line), so waits follow issue
-   order and cannot form a cycle. If the peer breaks before its fill
-   completes, the sim copies from the tile's home instead, so one device's
-   failure neither stalls nor corrupts another.
-5. No exception escapes a worker: it is attached to the calls whose tasks
-   the worker held. Those tasks are handed to live workers, unless their
-   write-back was in flight and the task reads its own tile (``beta != 0``,
-   or an in-place TRMM), or a write-after-read gate already let a tile it
-   read be overwritten (``Call.recompute_safe``: in-place TRMM overwrites a
-   tile once its readers' *kernels* are done), in which case the call fails
-   loudly. With no live worker able to run a call, it fails.
-6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker
-   on the queue and joins them all (and the sim stream threads). An inline
-   engine (the CPU alone) starts no thread at all.
-7. No finalizer waits for a lock: a finalizer runs wherever the garbage
-   collector frees its object, which may be inside a critical section of the
-   same lock in the same thread. The locks finalizers take are re-entrant
-   (host registrations, read-only tokens), and ``retire_base`` only tries the
-   directory lock, leaving a base it cannot retire now in ``_retired``.
+1. Every task of a call is accounted exactly once (done, cancelled or abandoned); a call returns
+   only then, so no device writes into the caller's memory after ``submit`` returns or raises.
+2. A line's reader count is the number of issued, unfinished operations that read it; only lines
+   with no readers are evicted, and a heap block is freed only by its device's worker after the
+   event that ends its last use.
+3. A tile key begins with a token that is never reused: per call for host arrays that may be
+   written; for life for read-only arrays (whole base chain read-only). No stale tile is read.
+4. Cross-device waits target an event recorded before the wait is issued (a peer's fill event,
+   read under the directory lock while holding a reader count), so waits cannot form a cycle. If
+   the peer breaks before its fill completes, the sim copies from the tile's home instead.
+5. No exception escapes a worker. A call's own error fails that call; any other is the device's:
+   its tasks go to live workers, unless their write-back was in flight and the task reads its own
+   tile, or a write-after-read gate already let a tile it read be overwritten
+   (``Call.recompute_safe``): then the call fails. With no live worker able to run a call, it fails.
+6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker on the queue and joins
+   them (and the sim stream threads). An inline engine starts no thread.
+7. No finalizer waits for a lock (it may run inside a critical section of that lock): their locks
+   are re-entrant, and ``retire_base`` only tries the directory lock, leaving the base in
+   ``_retired`` otherwise.
+
+Failure model
+-------------
+* **Bad input** raises in the caller before a Call exists; nothing is queued.
+* **Interrupt** (any exception in the caller's thread while its call is planned, registered, queued
+  or waited for) cancels the call (``_cancel``): no worker starts another of its tasks, queued and
+  stationed tasks are taken back, tasks on devices stop at their next step, then the interrupt is
+  re-raised (in the main thread a second Ctrl-C meanwhile is ignored). Lines are marked ready only
+  when filled and the call's tokens are retired, so no later call reads a half-filled line; other
+  calls go on and the next call works.
+* **The caller's arrays**: inputs are never written. A call that returns a new array leaves all of
+  them untouched; one that writes into the caller's array (``overwrite_c``/``overwrite_b`` with a
+  usable array, ``out=``) may leave that output partly written, nothing else.
+* **An error of one call** (a refused write-back, ``CacheFull``, anything not a device error,
+  ``Worker.device_error``) fails that call; its tasks stop as on an interrupt; the device goes on.
+* **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of
+  memory, a dying worker thread): that worker stops, its lines are dropped, the peer lines it read
+  unpinned, its tasks go to live workers or fail their calls. A waiting caller checks every
+  ``WAIT_POLL`` that a live worker can still run its call. ``blasx.reset()`` restarts the engine;
+  the next call does so by itself once every device is dead.
+* **Out of memory**: a heap is sized from the memory free at open (cuda: half, retried at half the
+  size; sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start,
+  naming needed and free bytes. Memory taken by others mid-run shrinks the cache
+  (``Device.cache_limit``); a block that still does not fit fails the call with ``CacheFull``. A
+  cuda scratch buffer that cannot be had fails the call (MemoryError); a host chunk that cannot be
+  registered is copied as pageable memory.
+* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish; interpreter exit cancels
+  the calls in flight first (``shutdown(cancel=True)``), so it returns promptly.
 
 State (each field has one owner)
 --------------------------------
 ``devices``, ``workers``, ``stations``
-    Fixed at start. A station is pushed/popped by its worker and stolen from
-    by others under its own lock.
+    Fixed at start. A station is pushed/popped by its worker, stolen from under its own lock.
 ``queues``
     ``{"any": TaskQueue, "gpu": TaskQueue}``; any thread puts, workers get.
 ``directory``
-    The MESI-X directory and every device's ALRU metadata, under
-    ``directory.lock``; heap blocks belong to their device's worker.
+    MESI-X directory and every ALRU, under ``directory.lock``; heap blocks belong to their worker.
 ``work_generation``, ``_cv``
-    Bumped and notified when work appears (submit, re-queue, failure,
-    shutdown); idle workers sleep on ``_cv`` until it changes.
+    Bumped and notified when work appears (submit, re-queue, failure, shutdown); idle workers
+    sleep on ``_cv`` until it changes.
 ``_calls``
     Calls in progress, so a failure with no live worker can fail them all.
 ``_retired``
-    Bases of collected read-only arrays whose tiles are still to be marked
-    dead (invariant 7); any thread appends, the holder of the directory
-    lock drains (``retire_base``, and every ``submit``).
+    Bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7); any
+    thread appends, the holder of the directory lock drains.
 ``_switching``
-    Python's switch interval while calls are in flight (``switching.py``;
-    off unless ``EngineConfig.switch_interval`` is set).
+    Python's switch interval while calls are in flight (``switching.py``).
 ``admission``
-    The auto-mode CPU worker's rule and its rate meter (``admission.py``,
-    which lists their fields), or None (no CPU worker in auto mode). Calls
-    of an engine that has one report every task start and finish to its
-    meter and keep their flops waiting / running (``Call.meter_with``).
-Per worker (``worker.py``), written by that worker alone
-    ``slots`` (the task on each stream), ``pending`` (events per stream),
-    ``inflight`` / ``inflight_of`` (tasks started and not retired, in all
-    and per call), ``h2d_issued`` / ``h2d_done`` (host bytes loaded, and
-    retired). Peers read ``inflight_of`` and the station length for the
-    fair-share rule and ``h2d_*`` for the peer-wait rule, without a lock:
-    a stale value only costs balance, never correctness.
+    The auto-mode CPU worker's rule and rate meter (``admission.py``), or None.
+Per worker, written by that worker alone
+    ``slots``, ``pending`` (events per stream), ``inflight`` / ``inflight_of``, ``h2d_issued`` /
+    ``h2d_done``. Peers read ``inflight_of``, the station length and ``h2d_*`` without a lock: a
+    stale value only costs balance, never correctness.
 """
 
 from __future__ import annotations
@@ -135,7 +117,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from .admission import Admission
-from .call import Call
+from . import faults
+from .call import Call, CallCancelled
 from .coherence import Directory
 from .devices.base import DeviceError
 from .knobs import Knobs
@@ -143,6 +126,10 @@ from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
 from .worker import CpuWorker, StreamWorker
+
+
+WAIT_POLL = 0.1  # seconds between a waiting caller's checks that its call can still run
+SWEEP_POLL = 0.05  # seconds between a cancelling caller's sweeps for tasks nobody holds
 
 
 def _reads_own_tile(task) -> bool:
@@ -228,12 +215,19 @@ class Engine:
             name, exc = errors[0]
             raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
 
-    def shutdown(self) -> None:
+    def shutdown(self, cancel: bool = False) -> None:
+        """Stop the workers once the queued work is done; with ``cancel`` (interpreter exit), fail
+        the calls in flight first, so only the tasks already on devices run to their end."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             started = self._started
+        if cancel and started and not self.inline:
+            for call in list(self._calls):
+                if not call.done:
+                    call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
+                    self._take_back(call)
         if started and self.inline:
             self.devices[0].close()
         elif started:
@@ -275,7 +269,10 @@ class Engine:
 
     # ------------------------------------------------------------ calls
     def submit(self, call: Call) -> None:
-        """Run ``call`` to completion on the workers; raise its error, if any."""
+        """Run ``call`` to completion on the workers; raise its error, if any.
+
+        An exception in this thread while the call runs (KeyboardInterrupt, an async exception)
+        cancels it (``_cancel``) and is re-raised once no device works for the call any more."""
         self.start()
         if self._retired:
             self._drain_retired()
@@ -293,23 +290,29 @@ class Engine:
                 self._run_inline(call)
             else:
                 with self._switching:
-                    self._enqueue(call)
-                    while not call.wait(0.5):
-                        if not self._runnable(call):
-                            self._fail_unrunnable()
+                    try:
+                        faults.at("submit")
+                        self._enqueue(call)
+                        while not call.wait(WAIT_POLL):
+                            if not self._runnable(call):
+                                self._fail_unrunnable()
+                    except BaseException as exc:
+                        self._cancel(call, exc)
+                        raise
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again
                     self.retire_base(op.token[0])
-        if call.error is not None:
-            err = call.error
+        err = call.error
+        if err is None:
+            return
+        if isinstance(err, DeviceError):
             raise DeviceError(f"{call.name} failed: {err}") from err
+        raise err  # an error of the call itself (a host-side write, a full tile cache): its own type
 
     def _enqueue(self, call: Call) -> None:
-        """Queue ``call``'s tasks, unless shutdown has begun: the workers stop at its sentinels,
-        so tasks queued after them would never run and the caller would wait forever (seen:
-        a call racing ``blasx.configure()``). Under the lock that shutdown() sets ``_closed``
-        with, so the tasks go in before the sentinels or not at all (EngineClosed)."""
+        """Queue ``call``'s tasks before shutdown's sentinels or not at all (EngineClosed): tasks behind
+        the sentinels would never run. Under the lock that shutdown() sets ``_closed`` with."""
         with self._lock:
             if self._closed:
                 raise EngineClosed(f"{call.name}: this blasx engine was shut down (configure() or shutdown() "
@@ -323,9 +326,8 @@ class Engine:
         return len(self.devices) == 1 and not self.devices[0].streamed
 
     def _run_inline(self, call: Call) -> None:
-        """Run ``call``'s tasks on the CPU device in the calling thread, in plan order (which
-        puts every task after its dependencies). An error fails this call only; every task is
-        accounted either way (invariant 1)."""
+        """Run ``call``'s tasks on the CPU device in the calling thread, in plan order (dependencies
+        first); an error fails this call only, every task accounted either way (invariant 1)."""
         dev = self.devices[0]
         tasks = iter(call.tasks)
         try:
@@ -335,6 +337,7 @@ class Engine:
                 task.worker = dev.index
                 call.started(task)
                 try:
+                    faults.at("cpu", dev, task)
                     dev.run_task(task)
                 except BaseException:
                     call.account(task)
@@ -342,17 +345,68 @@ class Engine:
                 call.account(task, dev.index)
         except BaseException as exc:  # noqa: BLE001 - raised to the caller by submit, as from a worker
             exc.blasx_traceback = traceback.format_exc()
-            call.fail(exc)
+            call.fail(exc if isinstance(exc, Exception) else CallCancelled(f"{call.name}: {exc!r}"))
             for task in tasks:
                 call.account(task)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like reach the caller as they are
+
+    def _cancel(self, call: Call, exc: BaseException) -> None:
+        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it so no worker starts
+        another of its tasks, take its queued and stationed tasks back, and wait until the tasks
+        already on devices end (each stops at its next step, invariant 1). A task that nobody
+        holds in two sweeps in a row (the interrupt came before it was queued) is accounted here.
+        In the main thread, a second Ctrl-C meanwhile is ignored: the first one is re-raised."""
+        call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} in its calling thread"))
+        self._poke()
+        restore = _defer_sigint()
+        try:
+            lost: set = set()
+            while True:
+                self._take_back(call)
+                if call.wait(SWEEP_POLL):
+                    return
+                held = self._held_tids(call)
+                now = {t.tid for t in call.unaccounted() if t.tid not in held}
+                for t in call.tasks:
+                    if t.tid in now and t.tid in lost:
+                        call.account(t)
+                lost = now
+        finally:
+            restore()
+
+    def _take_back(self, call: Call) -> None:
+        """Account the tasks of ``call`` (failed) that sit in a queue or a station."""
+        mine = lambda t: t is not self.SENTINEL and t.call is call  # noqa: E731
+        for q in self.queues.values():
+            for t in q.remove_if(mine):
+                call.account(t)
+        for st in self.stations:
+            for t in st.remove_if(mine):
+                call.account(t)
+
+    def _held_tids(self, call: Call) -> set:
+        """Tids of ``call``'s tasks that some worker holds (station, stream, pending event, CPU)."""
+        held: set = set()
+        for w in self.workers:
+            held.update(t.tid for t in w.held_snapshot() if t.call is call)
+        return held
+
+    @property
+    def dead(self) -> bool:
+        """Started, and no worker is alive (every device failed): ``blasx.reset()`` or the next
+        call (``blasx.session.engine``) replaces the engine."""
+        return self._started and not self.inline and not any(w.alive for w in self.workers)
+
+    def leaks(self) -> list[str]:
+        """What an idle engine should not hold (tests and the soak; run with no call in flight)."""
+        from .audit import leaks
+        return leaks(self)
 
     def retire_base(self, base: int) -> None:
-        """Tiles of token base ``base`` may never be read again (a read-only array died).
-
-        Called by a finalizer, so in whatever frame the garbage collector frees the array, which
-        may hold the directory lock in this very thread: it never waits for that lock. A base it
-        cannot retire now waits in ``_retired`` for the next one that can, at the latest the next
-        call's submission (a base is never reused, so its lines are only dead a little later)."""
+        """Tiles of token base ``base`` may never be read again (a read-only array died). Called by a
+        finalizer, which may run under the directory lock in this thread, so it never waits for it: a
+        base it cannot retire now waits in ``_retired`` (at the latest for the next submit)."""
         self._retired.append(base)
         self._drain_retired()
 
@@ -373,7 +427,8 @@ class Engine:
         live = [w.dev.name for w in self.workers if w.alive]
         if not live:
             dead = "; ".join(f"{n}: {e!r}" for n, e in self.failures) or "none started"
-            return f"no live device left to run {call.name} (failures: {dead})"
+            return (f"no live device left to run {call.name} (failures: {dead}); blasx.reset(), or the "
+                    f"next call, starts the devices again")
         return f"{call.name} has CuPy operands but no live CUDA device can run it (live devices: {live})"
 
     # ------------------------------------------------------------ failures
@@ -440,3 +495,16 @@ class Engine:
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):
                     t.call.account(t)
+
+
+def _defer_sigint():
+    """In the main thread, hold SIGINT (Ctrl-C) back until the returned function is called: the
+    caller is already cleaning up after one. Elsewhere (or with no Python handler) a no-op."""
+    import signal
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.getsignal(signal.SIGINT)
+    if old is None:
+        return lambda: None
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    return lambda: signal.signal(signal.SIGINT, old)

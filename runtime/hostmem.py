@@ -1,33 +1,17 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Copies between pageable memory and a GPU are staged by the driver, do not
-overlap anything and run at a fraction of the pinned rate. blasx therefore page-locks host operands in place with
-``cudaHostRegister`` (portable, so every GPU sees them as pinned):
+Pageable copies are staged by the driver and overlap nothing, so blasx page-locks host operands in
+place (``cudaHostRegister``, portable): the buffer of an array's root (the ndarray owning the memory)
+is registered once, while that root lives (a finalizer, or ``release``, unregisters it); memory
+already pinned by others is used as is and never unregistered; only roots of at least
+``MIN_REGISTER_BYTES`` that own their memory are registered, and only the pages wholly inside them
+(glibc may put other arrays in the same page). Smaller arrays are copied as pageable memory.
 
-* the buffer of the array's root (the ndarray owning the memory) is
-  registered once and stays registered while that root lives; a finalizer
-  unregisters it when the root is collected (or ``release`` does, now);
-* memory that is already pinned (``cudaHostAlloc``, or registered by someone
-  else) is recognised and used as is, and never unregistered by blasx;
-* only roots that own their memory and are at least ``MIN_REGISTER_BYTES``
-  are registered, and only the pages that lie wholly inside them: glibc may
-  serve even a large block from its heap, next to other arrays in the same
-  page, so a registration must never reach past the
-  array's own bytes. Smaller arrays are copied from pageable memory.
-
-**Registration runs beside the call.** It runs at about a host link's rate, and
-more threads do not make it faster, so pinning every operand before the first
-tile moves would delay a one-shot call by as long as one pass over its data. So a root's interior
-is cut into chunks of ``CHUNK_BYTES`` (each its own registration), and one
-thread per call registers the call's chunks in the order the call is likely to
-need them (the operands' chunks round-robin, each operand in address order);
-a tile copy waits only for the chunks it touches (``Pinning.pieces``).
-
-CUDA refuses a copy from a range that is only partly registered
-(``cudaErrorInvalidValue``), so a copy never spans two regions: it is split at
-every region boundary inside it (``split_2d``) into pieces that each lie in one
-chunk or in the pageable head/tail of the root. A chunk whose registration
-failed is copied as pageable memory (correct, slower).
+**Registration runs beside the call**: it is about as slow as a pass over the data, so a root is cut
+into ``CHUNK_BYTES`` chunks that one thread per call registers in the order the call will need them
+(the operands round-robin, each in address order); a tile copy waits only for the chunks it touches
+(``Pinning.pieces``). CUDA refuses a copy over a partly registered range, so a copy is split at
+every region boundary (``split_2d``); a chunk whose registration failed is copied as pageable memory.
 """
 
 from __future__ import annotations
@@ -43,7 +27,6 @@ MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
 CHUNK_BYTES = 256 << 20  # one registration: short next to a call, few per GiB
 HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
-ERROR_ALREADY_REGISTERED = 712
 
 
 def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:
@@ -153,11 +136,10 @@ class RegistrationCache:
         self.seconds = 0.0  # spent in cudaHostRegister, all threads
 
     def pin(self, arrays) -> tuple[list, "PinJob | None"]:
-        """Start pinning the roots of ``arrays`` (the host operands of one call), their chunks
-        round-robin in address order: a call's first tasks read (or write) the first tiles of
-        every operand, and its later tasks the later ones. Returns each array's :class:`Pinning` (None: copied as pageable memory) and the job
-        registering their missing chunks in a thread of its own (None: nothing to do); the
-        caller joins the job when the call is over."""
+        """Start pinning the roots of one call's host operands, chunks round-robin in address order
+        (the order its tasks read them). Returns each array's :class:`Pinning` (None: pageable) and
+        the job registering the missing chunks in its own thread (None: nothing to do), which the
+        caller joins when the call is over."""
         from cupy.cuda import runtime
 
         pinnings, chunks = [], []

@@ -1,11 +1,8 @@
 """The global task queue (Algorithm 1, line 2).
 
-The paper uses Michael and Scott's non-blocking queue. In CPython,
-``collections.deque.append`` and ``popleft`` are single atomic operations
-under the GIL: no lock is taken, no thread ever waits on another to enqueue
-or dequeue, which is the property the hot path needs. Waiting for work when
-the queue is empty is the engine's business (a condition variable outside
-the hot path), not the queue's.
+The paper uses Michael and Scott's non-blocking queue; in CPython ``deque.append`` and ``popleft``
+are atomic under the GIL, so no thread waits on another to enqueue or dequeue. Waiting for work is
+the engine's business (a condition variable off the hot path).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Reservation stations (Section IV-C, Fig. 4) and the Eq. 3 priority.
 
-Each device worker owns one station: a small buffer of tasks it has pulled
-from the global queue but not yet started. The worker starts the task of
-highest priority, where the priority of a task on device ``d`` is Eq. 3,
-
-    priority = sum over its input tiles X of f(X),
-    f(X) = 2 if X is in d's L1 cache, 1 if it is in another device's (L2), 0 otherwise.
-
-Priorities are refreshed whenever tasks arrive and whenever the worker picks
-(the cache changes under it), which costs a few dict look-ups per tile.
-Ties go to the task pulled first, keeping the planner's locality order.
-
-Other workers may steal from a station when the global queue is empty, so
-the task list is guarded by a lock; the owner holds it only to push or pop.
+Each worker owns a station: tasks pulled from the global queue, not yet started. It starts the
+task of highest Eq. 3 priority on its device ``d``: the sum over the task's input tiles of 2 if
+the tile is in d's L1, 1 if in a peer's (L2), else 0; refreshed at every pick (the cache changes),
+ties to the task pulled first (the planner's locality order). Peers steal from it when the queue
+is empty, so its list is guarded by a lock.
 """
 
 from __future__ import annotations

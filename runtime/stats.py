@@ -147,11 +147,7 @@ class CallStats:
             self._counters[device][field] += n
 
     def owned_row(self, device: int) -> dict:
-        """The counters of ``device``, for its worker alone to increment without the lock.
-
-        Each device's row has one writer, its worker thread (one owner per piece of
-        state), so the hot path needs no lock; ``count`` remains for everyone else.
-        """
+        """The counters of ``device``, for its worker (their one writer) to increment without the lock."""
         self._check_device(device)
         return self._counters[device]
 
@@ -189,11 +185,6 @@ class CallStats:
     @property
     def finished(self) -> bool:
         return self._finish is not None
-
-    @property
-    def finish_time(self) -> float | None:
-        """When the call's window ended (``clock()``), None while it is open."""
-        return self._finish
 
     def __enter__(self) -> CallStats:
         self.start()

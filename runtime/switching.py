@@ -1,10 +1,9 @@
 """Python's thread switch interval while calls run (an experiment switch, off by default).
 
-Every device worker is a Python thread, so a worker that wants to issue waits for the GIL
-until the thread holding it blocks or the switch interval runs out. At the start of a small
-call one worker may issue its whole first round while the others wait. A shorter interval while any call is in flight
-bounds that wait. It is process-wide state, so it is set when the first concurrent call
-starts and put back when the last one ends (unless someone else changed it meanwhile).
+Workers are Python threads: one that wants to issue waits for the GIL until its holder blocks or
+the switch interval ends, so a shorter interval while calls are in flight bounds that wait. It is
+process-wide: set when the first concurrent call starts, put back when the last ends (unless
+changed meanwhile).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Tasks: one output tile C_ij and its k-steps (the paper's Section IV-A).
 
-A task is metadata only: tile references, op flags and scalar *indices*; no
-array is copied when a call is taskized. Everything in this module is a pure
-function of shapes and flags, so plans are compared by exact value in tests
-(as dask's ``order.py`` is).
-
-The model already covers what later routines need:
-
-* every step names its tile kernel (``gemm`` here; ``syrk``, ``trmm``,
-  ``trsm``, ``symm`` on diagonal tiles later), so the k-steps of one task may
-  run different kernels;
-* ``deps`` lists tasks of the same call that must have finished (TRSM);
-* a call may carry an epilogue applied to the finished C tile on the device
-  before write-back (bias + activation for fused DNN layers).
-
-Scalars are referred to by index into the call's scalar table
-(``SC_ALPHA, SC_BETA, SC_ZERO, SC_ONE``), so a device can pass cuBLAS a host
-pointer without building a Python scalar per step.
+A task is metadata only (tile references, op flags, scalar indices; no array is copied), and this
+module is pure, so plans are compared by exact value in tests. Each step names its tile kernel, so
+the steps of one task may run different kernels; ``deps`` lists tasks of the same call that must
+finish first (TRSM); a call may carry an epilogue applied to finished C tiles before write-back.
+Scalars are indices into the call's scalar table (``SC_ALPHA``, ...), so a device can pass cuBLAS
+a host pointer without building a Python scalar per step.
 """
 
 from __future__ import annotations
@@ -30,11 +19,10 @@ SC_ALPHA, SC_BETA, SC_ZERO, SC_ONE, SC_MINUS_ONE, SC_ALPHA_CONJ = 0, 1, 2, 3, 4,
 N_SCALARS = 6
 
 
-
 class Step(NamedTuple):
     """One k-step of a task: ``C = alpha_s * op_a(A) op_b(B) + beta_s * C`` (for gemm)."""
 
-    kernel: str  # device kernel name: "gemm" or "scale" (C = beta * C)
+    kernel: str  # tile kernel: "gemm", "scale" (C = beta * C), "syrk", "trsm", ... (numpy_kernels.KERNELS)
     a: TileRef | None
     b: TileRef | None
     op_a: int

@@ -1,28 +1,19 @@
 """In-place inversion of one triangular tile by recursive blocking (the TRSM diagonal step).
 
-cuBLAS runs a large triangular solve tile at about a third of a GEMM tile's rate and a
-triangular multiply at nearly a GEMM's. A TRSM call solves every diagonal block of A once per
-block column of B: with the block's inverse computed once per call (an inversion task of
-``plans.plan_trsm(inverse=True)``), each of those solves becomes a TRMM, ``X = op(A_ii)^-1 B =
-op(A_ii^-1) B``. This is how MAGMA's GPU trsm works (``trtri_diag`` then products).
-
-The inverse of the stored triangle is built in place, in a buffer holding a copy of it:
+With each diagonal block's inverse computed once per call (an inversion task of
+``plans.plan_trsm(inverse=True)``), every diagonal solve becomes a multiply, ``op(A_ii)^-1 B =
+op(A_ii^-1) B``, which GPUs run much faster than a solve (MAGMA's trsm does the same). The inverse
+is built in place in a copy of the stored triangle:
 
     lower:  [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]]
     upper:  [[U11, U12], [0, U22]]^-1 = [[X11, -X11 U12 X22], [0, X22]]
 
-so after inverting the first half in place, the off-diagonal block is multiplied by it
-(a TRMM), the second half is inverted, and the block is multiplied by that one with
-alpha = -1. Blocks of at most ``leaf`` are inverted directly (a small solve against the
-identity). All but 1/2^depth of the n^3/3 flops run as TRMMs.
+(invert one half, multiply the off-diagonal block by it, invert the other, multiply with alpha -1);
+blocks of at most ``leaf`` are inverted directly. Only the stored triangle is read and written
+(``diag`` as given); a leaf may overwrite the rest of its block, so the buffer is scratch.
 
-Only the stored triangle is read (with a unit diagonal, not the diagonal: every product and
-leaf takes ``diag`` as given) and only it holds the result; a leaf may overwrite the rest of
-its diagonal block, so the buffer is scratch, never the caller's matrix.
-
-This module is pure: :func:`tri_inverse_ops` returns the operations as plain tuples, in
-order; a backend runs them with its own kernels (``cuda``: cuBLAS trsm/trmm on sub-block
-pointers), and the tests run them with numpy against ``numpy.linalg.inv``.
+Pure: :func:`tri_inverse_ops` returns the operations as tuples, in order; a backend runs them
+with its kernels, the tests with numpy against ``numpy.linalg.inv``.
 """
 
 from __future__ import annotations

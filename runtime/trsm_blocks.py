@@ -1,22 +1,16 @@
 """Recursive blocking of one triangular-solve tile (the TRSM diagonal step).
 
-cuBLAS runs a large triangular solve tile at about a third of a GEMM tile's rate, so the
-diagonal solves can take half of a TRSM call's busy time. Splitting the triangle in two,
+Splitting the triangle in two,
 
     left, op(A) lower:   X1 = op(A)11^-1 alpha B1;  B2 = alpha B2 - op(A)21 X1;  X2 = op(A)22^-1 B2
 
-(the mirror images for upper, and for the right side), and recursing down to ``leaf``,
-turns all but 1/2^depth of the flops into GEMMs. It is the blocked algorithm of the
-reference BLAS: no explicit inverse, the same rounding behaviour as a blocked solve.
+(mirrored for upper and for the right side), down to ``leaf``, turns all but 1/2^depth of the flops
+into GEMMs, which GPUs run faster than solves: the reference BLAS's blocked algorithm (no inverse).
 
-This module is pure: :func:`trsm_tile_ops` returns the sub-operations as plain tuples, in
-order, with block coordinates; a backend runs them with its own kernels (``cuda``: cuBLAS
-trsm/gemm on sub-block pointers), and the tests run them with numpy against scipy.
-
-Coordinates: ``A`` is the tile's stored triangle (square, ``size`` = m for side 0, n for
-side 1), ``B`` the m x n right-hand side, overwritten by X. An op(A) block is named by
-op-coordinates ``(r0, c0, rows, cols)``; :func:`stored_block` maps it to the stored block
-and the op to apply.
+Pure: :func:`trsm_tile_ops` returns the sub-operations as tuples, in order; a backend runs them with
+its kernels, the tests with numpy against scipy. ``A`` is the stored triangle (``size`` = m for side
+0, n for side 1), ``B`` the m x n right-hand side, overwritten by X; an op(A) block is named by
+op-coordinates ``(r0, c0, rows, cols)`` (:func:`stored_block` maps it to the stored block).
 """
 
 from __future__ import annotations

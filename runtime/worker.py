@@ -1,253 +1,62 @@
-"""Device workers: Algorithm 1, lines 8-25 (``ComputingKernel``).
+"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for a stream device.
 
-One thread per device. A :class:`StreamWorker` drives a stream device
-(``cuda`` or ``sim``: the same code for both); a :class:`CpuWorker` is the
-paper's CPU computation thread. The engine module's docstring is the design
-doc; this module implements the per-device part of it:
+One thread per device; :class:`StreamWorker` drives ``cuda`` and ``sim`` alike (the shared queue
+side is :mod:`.worker_base`, the assign step :mod:`.assign`, the in-flight records :mod:`.inflight`,
+the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's design doc:
 
-1. **retire**: poll the oldest pending event of each stream; at completion,
-   lower reader counts, mark loaded lines ready, free C buffers, count a task
-   done (readers are released at the event that ends their use);
-2. **fill**: top up the reservation station from the global queues, or steal
-   from the most loaded station when the queues are empty (a CPU worker in
-   auto mode pulls and steals only the tasks ``admission.py`` admits);
-3. **assign**: give each free stream the station's best task (Eq. 3), as long
-   as no more than ``2 * streams`` tasks are in flight on the device (and,
-   with ``Knobs.commit_steps``, its committed work, the flops of its issued,
-   unfinished kernels and of the unissued steps of its active tasks, is below
-   that many full tile steps), so a device pulls work by its real demand (the
-   paper's demand-driven balance);
-4. **issue**: one k-step of every active task, round robin over the streams
-   (interleaving step by step over k, lines 18-25): acquire A and B through
-   the cache (L1 hit, L2 peer copy, or host load), launch the kernel, record
-   one event. A kernel the device can run out of place (``OUT_OF_PLACE``:
-   TRSM's diagonal multiply) writes into a fresh heap block that becomes the
-   task's C, the old C block freed at that event (``Knobs.invmm_new_block``).
-   After the last step: the epilogue, write-back (M -> I) and an event that
-   completes the task.
+1. **retire**: at each completed event, lower reader counts, mark loaded lines ready, free
+   buffers, count tasks done;
+2. **fill**: top up the reservation station from the queues, or steal from the most loaded one;
+3. **assign**: give each free stream the station's best task (Eq. 3) while at most
+   ``2 * streams`` tasks are in flight (and, with ``Knobs.commit_steps``, the committed flops
+   stay under that many full steps): the paper's demand-driven balance;
+4. **issue**: one k-step of every active task, round robin over the streams: acquire A and B
+   through the cache (L1 hit, L2 peer copy or host load), launch the kernel, record one event;
+   an ``OUT_OF_PLACE`` kernel writes a fresh block that becomes C (``Knobs.invmm_new_block``).
+   After the last step: epilogue, write-back (M -> I) and the task's completion event.
 
-Nothing in the issue path blocks except allocation when every cache line is
-busy, which waits for this device's own oldest event (or for peers to
-release their readers). Every exception ends in :meth:`Worker.fail`, which
-hands unfinished tasks to the engine; none escapes the thread.
+Only allocation blocks, when every line is busy (it waits for this device's oldest event or for
+peers' readers). An error of one call fails that call alone (:meth:`StreamWorker._drop_task`);
+a device error ends in :meth:`Worker.fail`, which hands the unfinished tasks to the engine.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from collections import deque
 
-from .admission import NEVER_FOR_THE_CALL
 from .cache import Line
-from .devices.base import ArraySource, DeviceError, HostSource, PeerSource
-from .station import EQ3_SCORE, WHERE_L1, WHERE_L2, most_loaded
-from .tasks import SC_BETA, SC_ONE, SC_ZERO, Step, rotated_steps
+from .cpu_worker import CpuWorker
+from .devices.base import ArraySource, HostSource, PeerSource
+from .inflight import _Active, _Pending, _StepWork
+from .assign import StreamAssign
+from .tasks import SC_ZERO
+from .worker_base import Worker
+
+__all__ = ["CacheFull", "CpuWorker", "StreamWorker", "Worker"]
 
 
-URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
+def _loc(dev, offset: int, call, slot: int, rows: int, cols: int, dtype=None):
+    """Where a heap block of ``dev`` holds a tile of operand ``slot`` of ``call``: in the tile's
+    type on a device (``dtype`` overrides it) and leading dimension (padded for int8)."""
+    dt = call.tile_dtype(slot) if dtype is None else dtype
+    ld = call.tile_ld(slot, rows)
+    if ld == rows:
+        return dev.arena_loc(offset, rows, cols, dt)
+    return dev.arena_loc(offset, rows, cols, dt, ld=ld)
+
+
+class CacheFull(MemoryError):
+    """A device's tile cache cannot hold what a call needs now (that call fails; the device lives)."""
+
+
 FILLING = object()  # a line's ready marker while its fill is being issued on this very stream
 
 
-class _Active:
-    """A task on a stream: its steps in this device's order, which comes next, and where C is."""
+class StreamWorker(StreamAssign, Worker):
+    """Drives one stream device: retire, fill, assign, issue (the module docstring)."""
 
-    __slots__ = ("task", "steps", "k", "c_loc", "c_off", "late", "old_loc", "old_off", "old_ready")
-
-    def __init__(self, task, steps) -> None:
-        self.task = task
-        self.steps = steps
-        self.k = 0
-        self.c_loc = None
-        self.c_off = None  # heap offset of the C buffer; None when C is used in place
-        self.late = False  # Knobs.late_c: C starts at beta = 0, the old C is folded in at the end
-        self.old_loc = None
-        self.old_off = None
-        self.old_ready = None  # event: the old C tile is in old_loc
-
-    def buffers(self) -> tuple:
-        """Heap offsets this task holds (freed at its last event)."""
-        return tuple(o for o in (self.c_off, self.old_off) if o is not None)
-
-    def fold_step(self) -> Step:
-        """C += beta * old C, after the last product step (Knobs.late_c)."""
-        c = self.task.c
-        return Step("axpby", None, None, 0, 0, c.rows, c.cols, 0, SC_ONE, SC_BETA)
-
-
-class _Pending:
-    """Bookkeeping to do when ``event`` completes."""
-
-    __slots__ = ("event", "seq", "release", "ready", "free", "task", "finished", "writeback", "h2d_bytes",
-                 "computed", "work")
-
-    def __init__(self, event, seq, release=(), ready=(), free=(), task=None, finished=False, writeback=False,
-                 h2d_bytes=0, computed=None, work=0.0):
-        self.event = event
-        self.seq = seq
-        self.release = release  # lines whose reader count drops
-        self.ready = ready  # lines whose fill completes
-        self.free = free  # heap offsets to free
-        self.task = task
-        self.finished = finished  # the task is complete at this event
-        self.writeback = writeback  # the task's write-back was issued before this event
-        self.h2d_bytes = h2d_bytes  # host-to-device bytes this event ends (the h2d backlog)
-        self.computed = computed  # a task whose last kernel this event ends (write-after-read gates)
-        self.work = work  # flops of the kernel this event ends (the device's committed work drops)
-
-
-class Worker(threading.Thread):
-    """Common part: queue/station/steal logic, failure hand-off, thread lifecycle."""
-
-    def __init__(self, engine, device, station, core=None) -> None:
-        super().__init__(name=f"blasx-worker-{device.name}")
-        self.engine = engine
-        self.dev = device
-        self.idx = device.index
-        self.station = station
-        self.core = core
-        self.alive = True
-        self.stopping = False
-        self.opened = threading.Event()
-        self.open_error: BaseException | None = None
-
-    # -- work intake --
-    @staticmethod
-    def ready(task) -> bool:
-        """``task`` may start here: a whole-task worker waits for every dependency."""
-        return task.call.is_ready(task)
-
-    def _head(self):
-        """(queue, head) of the first queue this worker serves that holds anything, and whether
-        this worker takes that head now (a sentinel always; a task unless it is left for a
-        peer, :meth:`_leave_for_peer`); (None, None, False) when every queue is empty."""
-        for q in self.engine.queues_for(self):
-            head = q.peek()
-            if head is not None:
-                return q, head, head is self.engine.SENTINEL or self._takes(head)
-        return None, None, False
-
-    def _takes(self, task) -> bool:
-        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
-        return not self._leave_for_peer(task.call)
-
-    def _may_steal(self, task) -> bool:
-        """This worker may steal ``task`` from a peer's station (one it can run)."""
-        return True
-
-    def _pull(self):
-        """Next task from the global queues this worker serves; None when they are empty, when
-        the head is left for a peer, or when another worker took it first."""
-        q, _, takes = self._head()
-        return q.get() if takes else None
-
-    def _leave_for_peer(self, call) -> bool:
-        """The fair-share rule for small calls: True if this worker should not take more of
-        ``call`` now.
-
-        A call with fewer tasks than one worker can hold (station + streams) would otherwise
-        go wholly to whichever worker wakes first (measured: N=4096 and 8192 DGEMM on 2 GPUs
-        ran all 4 tasks on one GPU). So a worker that already holds its share,
-        max(1, floor(tasks / eligible workers)), of the call leaves the rest to a peer that can
-        run it, has room in its station and holds less than its share (that peer takes it at its next
-        pull; it does not sleep while the queue holds work it may take). Never while this
-        worker has nothing it can run, so no device idles and a gated task's dependency is
-        never left waiting. Large calls are unaffected: their share exceeds what a worker holds.
-        Only stream devices (GPUs) share this way: nothing is left for the CPU worker, which
-        is ~100x slower per tile on a GPU server (one of four tasks on it would make a small
-        call wait seconds); the CPU worker takes work by demand (``cpu=True``) or, in auto
-        mode, by its admission rule (``admission.py``), which leaves small calls to the GPUs.
-        """
-        if not self.dev.streamed:
-            return False
-        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
-        share = max(1, len(call.tasks) // max(1, len(peers)))
-        if self.holding(call) < share or not self.has_runnable():
-            return False
-        return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
-
-    def holding(self, call) -> int:
-        """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
-        return sum(1 for t in self.station.snapshot() if t.call is call)
-
-    def has_runnable(self) -> bool:
-        """This worker holds a task it can run now (or is running one)."""
-        return self.station.any_ready(self.ready)
-
-    def fill_station(self) -> None:
-        st = self.station
-        # Up to capacity; beyond it only while nothing held is ready, so a station full of
-        # tasks waiting on dependencies cannot starve the tasks they wait for (a dependency
-        # handed back by a failed device sits at the queue's head, behind any number of them).
-        while not self.stopping and (st.free_slots() > 0 or not st.any_ready(self.ready)):
-            t = self._pull()
-            if t is None:
-                break
-            if t is self.engine.SENTINEL:
-                self.stopping = True
-                break
-            if t.call.failed:
-                t.call.account(t)  # cancelled: its call already failed
-                continue
-            st.push(t)
-        if len(st) == 0 and not self.stopping:
-            self._steal()
-
-    def _steal(self) -> None:
-        victim = most_loaded(self.engine.stations_for(self), self.idx)
-        if victim is None:
-            return
-        # Any task this worker can run, even with no stream free now: the one whose station
-        # empties first (the faster device) claims the tail's tasks early. Stealing only a task
-        # it could start at once (which ends the back-and-forth of a call's last tasks between two
-        # full stations) left them to commitment order: in the 2-GPU sim with one GPU 6% slower,
-        # SYR2K 0.945 -> 0.923 of GEMM and TRSM 0.869 -> 0.831 (bench/results/NOTES.md, tenth session).
-        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
-        if t is not None:
-            self.station.push(t)
-            t.call.stats.count(self.idx, "steals")
-
-    # -- thread body --
-    def run(self) -> None:
-        try:
-            self.dev.bind_thread(self.core)
-            self.dev.open()
-        except BaseException as exc:  # noqa: BLE001 - reported to configure()/the engine
-            self.open_error = exc
-            self.alive = False
-            self.opened.set()
-            self.engine.worker_failed(self, exc, [])
-            return
-        self.opened.set()
-        try:
-            self.loop()
-        except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
-            exc.blasx_traceback = traceback.format_exc()
-            self.fail(exc)
-        finally:
-            try:
-                self.dev.close()
-            except BaseException:  # noqa: BLE001 - closing a broken device may fail too
-                pass
-
-    def _work_waiting(self) -> bool:
-        """True if a queue this worker serves holds a task this worker would take now, and the
-        station has room for it."""
-        return self.station.free_slots() > 0 and self._head()[2]
-
-    def fail(self, exc: BaseException) -> None:
-        self.alive = False
-        if self.dev.error is None:
-            self.dev.error = exc
-        self.engine.worker_failed(self, exc, self.held_tasks())
-
-    def held_tasks(self):
-        """[(task, writeback_issued)] of every unfinished task this worker holds."""
-        return [(t, False) for t in self.station.drain()]
-
-
-class StreamWorker(Worker):
     def __init__(self, engine, device, station, core=None) -> None:
         super().__init__(engine, device, station, core)
         n = device.nstreams
@@ -274,6 +83,7 @@ class StreamWorker(Worker):
         self.h2d_done = 0
         self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
         self.peer_wait_if_sooner = knobs.peer_wait_if_sooner
+        self._work: _StepWork | None = None  # what the step being issued holds (issue)
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -366,83 +176,48 @@ class StreamWorker(Worker):
     def holding(self, call) -> int:
         return super().holding(call) + self.inflight_of.get(call, 0)
 
+    def held_snapshot(self) -> tuple:
+        slots = tuple(a.task for a in tuple(self.slots) if a is not None)  # before pending: tasks move on
+        pending = tuple(p.task for dq in tuple(self.pending) for p in tuple(dq) if p.task is not None)
+        return super().held_snapshot() + slots + pending
+
     def has_runnable(self) -> bool:
         return self.inflight > 0 or super().has_runnable()
-
-    # ---------------------------------------------------------------- assign
-    @staticmethod
-    def ready(task) -> bool:
-        """``task`` may start on a stream: a gated task waits step by step (``Task.gates``)."""
-        return task.call.is_startable(task)
-
-    @property
-    def commit_steps(self) -> int:
-        """``Knobs.commit_steps``, read live (an A/B may switch it on a running engine)."""
-        return self.engine.config.knobs.commit_steps
-
-    def committed(self) -> float:
-        """Flops this device has committed and not yet run: its issued, unretired kernels and the
-        unissued steps of its active tasks (``Knobs.commit_steps``; asked only when it is set)."""
-        return self.issued_work + sum(a.task.call.step_flops(st) for a in self.slots if a is not None
-                                      for st in a.steps[a.k:])
-
-    def _within_horizon(self, task, committed: float) -> bool:
-        """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
-        ``Knobs.commit_steps`` full steps of its call; an idle device, and an urgent task, one
-        that others wait for, always may)."""
-        if self.inflight == 0 or not self.commit_steps or task.urgent:
-            return True
-        return committed <= 0 or committed < self.commit_steps * task.call.full_step
-
-    def assign(self) -> None:
-        for s, slot in enumerate(self.slots):
-            if slot is not None or self.inflight >= self.max_inflight:
-                continue
-            committed = self.committed() if self.commit_steps else 0.0
-            task = self.station.pop_best(self._score,
-                                         lambda t: self._within_horizon(t, committed) and self.ready(t))
-            if task is None:
-                return
-            if task.call.failed:
-                task.call.account(task)
-                continue
-            task.worker = self.idx
-            task.call.started(task)
-            steps = task.steps
-            if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
-                # Device d starts at the d-th share of k (see Task.rotatable); only a
-                # write-back gate (in-place TRMM) is unaffected by the order of the steps.
-                head, body = steps[:task.fixed], steps[task.fixed:]
-                steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
-            self.slots[s] = _Active(task, steps)
-            self.inflight += 1
-            self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
-
-    def _score(self, task) -> int:
-        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an
-        ``urgent`` task outranks every other."""
-        if task.urgent:
-            return URGENT_SCORE
-        call = task.call
-        holders = self.directory.holders
-        tokens = call.tokens
-        me = self.idx
-        total = 0
-        for ref in task.input_tiles():
-            operand = call.operands[ref.slot]
-            if self.dev.holds_array(operand):
-                total += EQ3_SCORE[WHERE_L1]
-                continue
-            h = holders((tokens[ref.slot], ref.bi, ref.bj))
-            if h:
-                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
-        return total
 
     # ---------------------------------------------------------------- issue
     def issue(self, s: int) -> bool:
         """Issue the next k-step (or the write-back) of the task on stream ``s``; False if it
-        waits at a gate."""
+        waits at a gate. An error of the call (not of the device) fails the call and ends the
+        task here (``_drop_task``)."""
         act = self.slots[s]
+        work = self._work = _StepWork()
+        try:
+            progressed = self._issue(s, act, work)
+        except Exception as exc:  # noqa: BLE001 - a device error goes on to fail(); a call error stops here
+            if self.device_error(exc):
+                raise  # self._work stays: held_tasks unpins the peer lines it read
+            self._drop_task(s, act, work, exc)
+            progressed = True
+        self._work = None
+        return progressed
+
+    def _drop_task(self, s: int, act: _Active, work: "_StepWork", exc: BaseException) -> None:
+        """End the task on stream ``s`` after an error of its call: the call fails (so its other
+        tasks stop too), what this step had issued is completed (fills flushed) and its lines and
+        buffers are released at an event after it; the task is accounted at that event."""
+        task, dev = act.task, self.dev
+        exc.blasx_traceback = traceback.format_exc()
+        task.call.fail(exc)
+        if work.fills:
+            self._flush(s, work.fills)
+        self.slots[s] = None
+        h2d = dev.record(dev.h2d_stream)  # a C or late-C copy may still be filling a buffer
+        self._push(dev.h2d_stream, h2d)
+        dev.wait(s, h2d)
+        self._push(s, dev.record(s), release=tuple(work.release), free=act.buffers() + tuple(work.extra),
+                   task=task, finished=True)
+
+    def _issue(self, s: int, act: _Active, work: "_StepWork") -> bool:
         task = act.task
         call = task.call
         dev = self.dev
@@ -460,19 +235,19 @@ class StreamWorker(Worker):
             self._finish(s, act, None)
             return True
         row = call.stats.owned_row(self.idx)
-        fills: dict = {}
+        fills = work.fills
         if act.k == 0 and act.c_loc is None:
             self._start_c(s, act, fills)
         if act.late and act.k == nsteps - 2:
             # Fetch the old C now, one step before it is folded in (Knobs.late_c).
             src = task.c_init or task.c
-            act.old_off = self._alloc(src.rows * src.cols * call.itemsize, call)
-            act.old_loc = dev.arena_loc(act.old_off, src.rows, src.cols, call.dtype)
+            act.old_off = self._alloc(call.tile_nbytes(src.slot, src.rows, src.cols), call)
+            act.old_loc = _loc(dev, act.old_off, call, src.slot, src.rows, src.cols)
             cs = self._load(act.old_loc, call.operands[src.slot], src, None, call, task)
             act.old_ready = dev.record(cs)
             self._push(cs, act.old_ready)
         step = act.steps[act.k]
-        release: list = []
+        release = work.release
         a = self._acquire(s, call, step.a, release, fills, task) if step.a is not None else None
         b = self._acquire(s, call, step.b, release, fills, task) if step.b is not None else None
         self._flush(s, fills)
@@ -480,7 +255,8 @@ class StreamWorker(Worker):
         if step.kernel in dev.OUT_OF_PLACE and act.c_off is not None and self.engine.config.knobs.invmm_new_block:
             # The product goes into a fresh block, which becomes C: no copy back over the old C
             # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
-            out_off = self._alloc(task.c.rows * task.c.cols * call.itemsize, call)
+            out_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
+            work.extra.append(out_off)
         chain = self._chain
         if chain is not None and chain[1] != s:
             dev.wait(s, chain[0])  # Knobs.chain_kernels: after the device's previous kernel
@@ -488,24 +264,26 @@ class StreamWorker(Worker):
         if out_off is None:
             dev.run_step(s, step, call, a, b, act.c_loc, task)
         else:
-            out_loc = dev.arena_loc(out_off, task.c.rows, task.c.cols, call.dtype)
+            out_loc = _loc(dev, out_off, call, task.c.slot, task.c.rows, task.c.cols)
             dev.run_step(s, step, call, a, b, act.c_loc, task, out=out_loc)
             freed = (act.c_off,)
             act.c_off, act.c_loc = out_off, out_loc
+            work.extra.clear()
         if act.late and act.k == nsteps - 1:
             dev.wait(s, act.old_ready)
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
-        work = call.step_flops(step)
-        dev.end_op(s, h, "kernel", 0, work, task)
+        flops = call.step_flops(step)
+        dev.end_op(s, h, "kernel", 0, flops, task)
         row["steps"] += 1
         act.k += 1
-        self.issued_work += work
+        self.issued_work += flops
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
         if self.chain_kernels:
             self._chain = (ev, s)
         last = act.k == nsteps
-        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=work,
+        self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=flops,
                    free=freed)
+        release.clear()  # handed to that event
         if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
         self._finish(s, act, ev)
@@ -519,6 +297,8 @@ class StreamWorker(Worker):
         if call.epilogue is not None:
             call.epilogue(dev, s, act.c_loc, task)
             ev = None  # the write-back must follow the epilogue too
+            if call.wb_dtype != call.acc_dtype and act.c_off is not None:  # it converted C in place
+                act.c_loc = _loc(dev, act.c_off, call, task.c.slot, task.c.rows, task.c.cols, call.wb_dtype)
         if ev is None:
             ev = dev.record(s)
             self._push(s, ev)
@@ -530,7 +310,7 @@ class StreamWorker(Worker):
             dev.wait(out, ev)
             h = dev.begin_op(out)
             dev.copy_out(out, c_op, task.c, act.c_loc, task)
-            nbytes = task.c.rows * task.c.cols * call.itemsize
+            nbytes = call.home_nbytes(task.c)
             dev.end_op(out, h, "d2h", nbytes, 0.0, task)
             row["bytes_d2h"] += nbytes
         row["tasks"] += 1
@@ -541,7 +321,7 @@ class StreamWorker(Worker):
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
             ref = task.c
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
-                        ref.rows * ref.cols * call.itemsize, ref.rows, ref.cols)
+                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols)
             line.ready = ev
             line.readers = 1  # its kernel and write-back are still queued: not evictable until ev
             with self.directory.lock:
@@ -576,7 +356,7 @@ class StreamWorker(Worker):
     def _start_c(self, s: int, act: _Active, fills: dict) -> None:
         task, call, dev = act.task, act.task.call, self.dev
         c_op = call.operands[task.c.slot]
-        if dev.holds_array(c_op):
+        if dev.holds_array(c_op) and not call.mixed:  # (a mixed call accumulates in a wider buffer)
             act.c_loc = dev.array_loc(c_op, task.c)  # in-core: compute into the array itself
             src = task.c_init
             if task.load_c and src is not None and (call.tokens[src.slot], src.bi, src.bj) != (
@@ -585,12 +365,11 @@ class StreamWorker(Worker):
                 cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
                 fills.setdefault(cs, ([], []))
             return
-        nbytes = task.c.rows * task.c.cols * call.itemsize
-        act.c_off = self._alloc(nbytes, call)
-        act.c_loc = dev.arena_loc(act.c_off, task.c.rows, task.c.cols, call.dtype)
+        act.c_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
+        act.c_loc = _loc(dev, act.c_off, call, task.c.slot, task.c.rows, task.c.cols)
         if not task.load_c:
             return
-        if self.late_c and task.rotatable and len(act.steps) >= 2:
+        if self.late_c and task.rotatable and len(act.steps) >= 2 and not call.mixed:
             # Knobs.late_c: start from beta = 0; the old C is fetched near the end and folded in.
             act.late = True
             act.steps = (act.steps[0]._replace(beta=SC_ZERO),) + act.steps[1:]
@@ -604,21 +383,23 @@ class StreamWorker(Worker):
         for its source: from a peer line (after its fill event ``peer_wait``, if still in
         flight) or from the tile's home. Returns the copy stream."""
         dev = self.dev
-        nbytes = ref.rows * ref.cols * call.itemsize
         if peer_line is not None:
+            nbytes, dtype = call.tile_nbytes(ref.slot, ref.rows, ref.cols), call.tile_dtype(ref.slot)
             peer = self.engine.devices[peer_line.device]
-            src = PeerSource(peer, peer.arena_loc(peer_line.offset, ref.rows, ref.cols, call.dtype),
+            src = PeerSource(peer, _loc(peer, peer_line.offset, call, ref.slot, ref.rows, ref.cols),
                              peer_wait, operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         elif operand.device >= 0:
+            nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = ArraySource(operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
         else:
+            nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = HostSource(operand, ref)
             kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
             self.h2d_issued += nbytes
         h = dev.begin_op(cs)
-        dev.copy_in(cs, dst, src, ref.rows, ref.cols, call.dtype, task)
+        dev.copy_in(cs, dst, src, ref.rows, ref.cols, dtype, task)
         dev.end_op(cs, h, kind, nbytes, 0.0, task)
         call.stats.owned_row(self.idx)[field] += nbytes
         return cs
@@ -674,17 +455,24 @@ class StreamWorker(Worker):
                 dev.wait(s, wait_for)  # its fill is still in flight on a copy stream
             release.append(line)
             row["l1_hits"] += 1
-            return dev.arena_loc(line.offset, line.rows, line.cols, call.dtype)
+            return _loc(dev, line.offset, call, ref.slot, line.rows, line.cols)
         try:
-            nbytes = ref.rows * ref.cols * call.itemsize
+            nbytes = call.tile_nbytes(ref.slot, ref.rows, ref.cols)
             off = self._alloc(nbytes, call)
         except BaseException:
             if peer_line is not None:
                 with directory.lock:
                     peer_line.readers -= 1
             raise
-        loc = dev.arena_loc(off, ref.rows, ref.cols, call.dtype)
-        cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+        loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
+        try:
+            cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+        except BaseException:
+            dev.heap.free(off)  # nothing was queued into it
+            if peer_line is not None:
+                with directory.lock:
+                    peer_line.readers -= 1
+            raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
         new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
         new.readers = 1
@@ -703,8 +491,7 @@ class StreamWorker(Worker):
         load of it on this device's own host link: the host bytes still ahead of it on the
         peer's link are at most those ahead of a load issued here now (equal link speeds).
         Otherwise two devices that start a call together queue every shared tile on one link
-        while the other idles (measured on 2 H200s, N=4096: the second GPU started 2.4 ms
-        late and then read 4 of its 6 input tiles from the first one's queue)."""
+        while the other idles."""
         mark = line.fill_mark
         if mark is None:
             return True  # filled over a peer link: no host backlog ahead of it
@@ -715,13 +502,18 @@ class StreamWorker(Worker):
         return self.dev.can_read_from(self.engine.devices[holder]) and self.engine.workers[holder].alive
 
     def _alloc(self, nbytes: int, call) -> int:
-        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work is pending."""
-        heap, directory = self.dev.heap, self.directory
+        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work
+        is pending. Below the device's ``cache_limit`` (other allocations took device memory): the
+        cache shrinks to it by eviction. When nothing more can be freed, raises CacheFull (the call
+        fails, the device goes on)."""
+        heap, directory, dev = self.dev.heap, self.directory, self.dev
         spins = 0
         while True:
-            off = heap.alloc(nbytes)
-            if off is not None:
-                return off
+            limit = dev.cache_limit()
+            if limit is None or heap.bytes_used + nbytes <= limit:
+                off = heap.alloc(nbytes)
+                if off is not None:
+                    return off
             with directory.lock:
                 victim = self.alru.victim()
                 if victim is not None:
@@ -735,16 +527,19 @@ class StreamWorker(Worker):
             if any(self.pending):
                 self.wait_oldest()
                 continue
+            own = self._work.release if self._work is not None else ()  # this step's own readers
             with directory.lock:
-                peer_readers = sum(line.readers for line in self.alru)
-            if peer_readers and spins < 200_000:
+                peer_readers = sum(line.readers for line in self.alru) - sum(1 for line in own if line.device == self.idx)
+            if peer_readers > 0 and spins < 200_000:
                 spins += 1
                 time.sleep(0.0002)  # peers are copying from our lines; they release at their events
                 continue
-            raise MemoryError(
-                f"{self.dev.name}: cannot fit a {nbytes}-byte tile in the {heap.capacity}-byte tile cache "
-                f"({heap.bytes_free} bytes free, largest hole {heap.largest_free}): every block is held "
-                f"by this device's active tasks. Raise cache_bytes or lower the tile size.")
+            room = heap.capacity if limit is None else min(limit, heap.capacity)
+            raise CacheFull(
+                f"{dev.name}: {call.name} needed a {nbytes}-byte block in the tile cache, which had "
+                f"{max(0, room - heap.bytes_used)} bytes free of the {room} it may use now "
+                f"(capacity {heap.capacity}; largest hole {heap.largest_free}); every other block is held "
+                f"by this device's active tasks. Free device memory, raise cache_bytes or lower the tile size.")
 
     # ---------------------------------------------------------------- failure
     def held_tasks(self):
@@ -754,6 +549,9 @@ class StreamWorker(Worker):
                 out.append((act.task, False))
                 self.slots[s] = None
         peer_reads = []
+        if self._work is not None:  # the step being issued when the device broke
+            peer_reads += [line for _lines, peers in self._work.fills.values() for line in peers]
+            self._work = None
         for dq in self.pending:
             for p in dq:
                 if p.finished:
@@ -767,84 +565,3 @@ class StreamWorker(Worker):
             for line in list(self.alru):
                 self.directory.drop(line)
         return out
-
-
-class CpuWorker(Worker):
-    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile.
-
-    By demand (``engine.admission`` None: ``configure(cpu=True)``) it takes the queue's head
-    whenever it is idle, and steals when the queue is empty. In auto mode it takes a task, from
-    the queue or a GPU's station, only when ``engine.admission`` admits it (the rule in
-    ``admission.py``): otherwise it leaves the task to the GPUs and sleeps until work changes,
-    or for 2 ms when it was declined on rates (not for a call it can never join: one with
-    dependencies, or one the GPUs hold whole), asking again with fresher rates.
-    """
-
-    current = None  # the task being solved (it writes C in place)
-
-    def _takes(self, task) -> bool:
-        adm = self.engine.admission
-        return adm is None or adm.admits(self, task)
-
-    def _may_steal(self, task) -> bool:
-        return self._takes(task)
-
-    def _pull(self):
-        """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
-        took that one between the look and the take) is put back unless admitted too, so the
-        CPU never runs a task it did not decide on."""
-        q, head, takes = self._head()
-        if not takes:
-            return None
-        t = q.get()
-        if self.engine.admission is None or t is None or t is head or t is self.engine.SENTINEL \
-                or self._takes(t):
-            return t
-        self.engine.requeue(t)  # in front again, and the workers are woken for it
-        return None
-
-    def holding(self, call) -> int:
-        cur = self.current
-        return super().holding(call) + (cur is not None and cur.call is call)
-
-    def has_runnable(self) -> bool:
-        return self.current is not None or super().has_runnable()
-
-    def held_tasks(self):
-        out = super().held_tasks()
-        if self.current is not None:
-            out.append((self.current, True))  # C may be partly written: as an issued write-back
-            self.current = None
-        return out
-
-    def loop(self) -> None:
-        eng = self.engine
-        while True:
-            gen = eng.work_generation
-            self.fill_station()
-            task = self.station.pop_best(lambda t: 0, self.ready)
-            if task is not None:
-                if task.call.failed:
-                    task.call.account(task)
-                    continue
-                task.worker = self.idx
-                task.call.started(task)
-                self.current = task
-                self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
-                self.dev.run_task(task)
-                self.current = None
-                task.call.account(task, self.idx)
-                continue
-            if self.stopping:
-                return
-            if self._work_waiting():
-                continue
-            # Auto mode: a task it left in the queue may be admitted later (once the GPUs'
-            # rates are measured, or their work left shrinks): look again every 2 ms while the
-            # queue holds any, unless the call can never be admitted (it has dependencies, or
-            # the GPUs hold all of it): then sleep until new work is posted, so that a small
-            # GPU call does not share the GIL with a thread that wakes every 2 ms.
-            adm = eng.admission
-            declined = adm is not None and any(len(q) for q in eng.queues_for(self)) and not (
-                adm.last is not None and adm.last.reason in NEVER_FOR_THE_CALL)
-            eng.wait_for_work(gen, 0.002 if declined else None)

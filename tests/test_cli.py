@@ -50,7 +50,7 @@ def updates(err: str) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("argv, words", [
     ([], ["gemm", "info", "tune", "examples:"]),
-    (["gemm"], ["--n N", "--dtype {s,d,c,z}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
+    (["gemm"], ["--n N", "--dtype {s,d,c,z,h,b,i8}", "--devices SPEC", "--progress", "--no-progress", "exit status"]),
     (["info"], ["--measure", "--devices SPEC", "--db FILE", "perf-db", "cuBLAS"]),
     (["tune"], ["--tiles", "--show", "--clear", "perf-db"]),
 ])
@@ -77,7 +77,7 @@ def test_version(capsys):
     (["gemm", "--n", "-5"], "argument --n: got -5, need a positive integer"),
     (["gemm", "--n", "0"], "argument --n: got 0, need a positive integer"),
     (["gemm", "--m", "x"], "argument --m: got 'x', need a positive integer"),
-    (["gemm", "--dtype", "h"], "argument --dtype: got 'h', need one of s, d, c, z"),
+    (["gemm", "--dtype", "q"], "argument --dtype: got 'q', need one of s, d, c, z, h, b, i8"),
     (["gemm", "--devices", "gpu"], "argument --devices: unknown backend 'gpu' in 'gpu'; allowed: cuda, sim, cpu"),
     (["gemm", "--devices", "sim:0"], "argument --devices: sim count must be >= 1"),
     (["gemm", "--devices", "cpu:1"], "argument --devices: 'cpu' takes no arguments"),
@@ -92,7 +92,7 @@ def test_version(capsys):
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
     (["tune", "--m", "64"], "arguments --m/--k: need --n"),
     (["tune", "--check-rows", "-2"], "argument --check-rows: got -2, need an integer >= 0"),
-    (["tune", "--dtype", "d,h"], "argument --dtype: got 'd,h'"),
+    (["tune", "--dtype", "d,q"], "argument --dtype: got 'd,q'"),
     (["frob"], "invalid choice: 'frob'"),
     ([], "the following arguments are required: COMMAND"),
 ])
@@ -147,6 +147,24 @@ def test_gemm_on_sims_checks_and_restores_the_settings(capsys):
     assert "run 0:" in cap.out and "check: 96 rows" in cap.out and "(ok," in cap.out
     assert "\r" not in cap.err  # stderr is not a terminal: no progress line
     assert blasx.session.settings() == before
+
+
+def test_gemm_says_what_it_runs_and_its_result_when_stderr_is_not_a_terminal(capsys):
+    # `make run` in a log or CI: no progress line, so the start and the result are printed lines.
+    assert cli.main(["gemm", "--n", "192", "--k", "64", "--devices", "sim:2", "--tile", "64", "--runs", "2",
+                     "--dtype", "s"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("blasx gemm: 192x192x64 float32 (s)")
+    assert "sim:2 (sim:0, sim:1)" in out[0] and "tile 64 (9 tile(s) of C)" in out[0] and "2 run(s)" in out[0]
+    assert out[1].startswith("  run 0:") and "TFLOPS" in out[1]
+    assert out[-1].startswith("result: best of 2 run(s) ") and out[-1].endswith("TFLOPS, check ok")
+
+
+def test_gemm_on_the_cpu_alone_is_one_tile(capsys):
+    assert cli.main(["gemm", "--n", "128", "--devices", "cpu", "--runs", "1", "--check-rows", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "on cpu (cpu), tile 128 (1 tile(s) of C)" in out[0]
+    assert out[-1].startswith("result: best of 1 run(s) ") and out[-1].endswith("not checked")
 
 
 def test_progress_line_with_a_slow_sim(capsys, fast_progress):

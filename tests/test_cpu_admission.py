@@ -7,6 +7,7 @@ Nothing here is timed: the sims are made 50x slower (or the CPU 1e5x slower) tha
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -264,23 +265,27 @@ def test_tile_choice_ignores_an_auto_cpu():
 
 def test_thread_limits_only_once_the_cpu_runs_something():
     dev = CpuDevice(0, threads=1, auto=True)
-    dev.prepare_call(None)
+    call1, call2 = types.SimpleNamespace(), types.SimpleNamespace()
+    dev.prepare_call(call1)
     assert dev._limiter is None  # a call in which the CPU takes nothing leaves the threads alone
     dev.engage()
     assert dev._limiter is not None
-    dev.prepare_call(None)
-    dev.finish_call(None)
+    dev.prepare_call(call2)
+    dev.finish_call(call2)
+    dev.finish_call(call2)  # twice (after an interrupted prepare_call, say): undone once
     assert dev._limiter is not None  # a call still runs
-    dev.finish_call(None)
+    dev.finish_call(call1)
     assert dev._limiter is None
     dev.engage()  # no call running: nothing to limit
     assert dev._limiter is None
     flops, seconds = dev.probe(np.complex64, n=32, runs=2)
     assert flops == 8.0 * 32 ** 3 and seconds > 0
     demand = CpuDevice(0, threads=1)
-    demand.prepare_call(None)
+    call3 = types.SimpleNamespace()
+    demand.finish_call(call3)  # a prepare_call that never ran: nothing to undo
+    demand.prepare_call(call3)
     assert demand._limiter is not None
-    demand.finish_call(None)
+    demand.finish_call(call3)
     assert demand._limiter is None
 
 

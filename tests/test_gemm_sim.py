@@ -193,7 +193,12 @@ def test_gemm_integer_and_half_inputs_promote_like_scipy(sim3, rel_err):
     out = blasx.gemm(1, ai, bi)
     assert out.dtype == np.float64 and np.array_equal(out, (ai @ bi).astype(np.float64))
     ah, bh = ai.astype(np.float16), bi.astype(np.float16)
+    out = blasx.gemm(1, ah, bi.astype(np.float32))  # mixed with float16: scipy's float32
+    assert out.dtype == np.float32 and rel_err(out, ai @ bi) < 1e-6
+    # two float16 operands: float16 accumulated in float32 (blasx.precision); float32 on request
     out = blasx.gemm(1, ah, bh)
+    assert out.dtype == np.float16 and rel_err(out, ai @ bi) < 2 ** -11
+    out = blasx.gemm(1, ah, bh, out_dtype=np.float32)
     assert out.dtype == np.float32 and rel_err(out, ai @ bi) < 1e-6
 
 

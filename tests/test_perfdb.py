@@ -374,5 +374,5 @@ def test_cli_tune_rejects_bad_lists(capsys):
         blasx.cli.main(["tune", "--tiles", "16,x"])
     assert "--tiles: got 'x', need a positive integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        blasx.cli.main(["tune", "--dtype", "d,h"])
-    assert "--dtype: got 'd,h'" in capsys.readouterr().err
+        blasx.cli.main(["tune", "--dtype", "d,q"])
+    assert "--dtype: got 'd,q'" in capsys.readouterr().err

@@ -403,7 +403,9 @@ def test_alru_recency_and_victims():
     c.remove(lines[2])
     assert len(c) == 3 and c.bytes_cached == 192 and "c" not in c
     with pytest.raises(KeyError):
-        c.insert(_line("a"))
+        c.insert(_line("b"))  # a live line of that tile is cached
+    c.insert(_line("a"))  # beside the dead "a" (its readers may still be at work)
+    assert c.peek("a") is not lines[0] and lines[0] in list(c)
     assert ALRU(5).victim() is None
 
 

@@ -91,11 +91,18 @@ class Device(ABC):
     def close(self) -> None:
         """Release everything ``open`` took; must be safe after a failure."""
 
+    def is_device_error(self, exc: BaseException) -> bool:
+        """``exc``, raised by one of this device's hooks, means the device is broken (besides
+        ``DeviceError``, which always does); anything else fails only the call it came from."""
+        return False
+
+    # -- per call, on the calling thread --
     def prepare_call(self, call: Any) -> None:
         """Get ready for a call before its tasks are queued (pin host memory, limit threads)."""
 
     def finish_call(self, call: Any) -> None:
-        """Undo ``prepare_call`` once the call is over, successful or not."""
+        """Undo what ``prepare_call`` did once the call is over, successful or not; also runs
+        after a ``prepare_call`` that an interrupt cut short."""
 
     def bind_thread(self, core: int | None) -> None:
         """Pin the calling worker thread to a core (Algorithm 1, line 9) where possible."""
@@ -158,6 +165,11 @@ class StreamDevice(Device):
     def cache_capacity(self) -> int:
         """Bytes of the tile-cache heap (known once opened)."""
         return self.heap.capacity if self.heap is not None else self.cache_bytes
+
+    def cache_limit(self) -> int | None:
+        """Bytes the tile cache may hold now, below its capacity when other allocations took
+        device memory since it opened (None: all of it)."""
+        return None
 
     # -- topology --
     def can_read_from(self, other: Device) -> bool:

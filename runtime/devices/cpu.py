@@ -1,18 +1,10 @@
-"""``cpu``: BLASX's CPU worker (Section IV-C.2).
+"""``cpu``: BLASX's CPU worker device (Section IV-C.2).
 
-It takes one whole task at a time and solves it on the host with a
-multithreaded BLAS (numpy's), reading tiles in place from the host operands:
-the host is its memory, so it needs no cache, no copies and no streams.
-threadpoolctl limits the BLAS threads while calls run, so every GPU worker
-keeps a core; the previous limits are restored when the last call ends.
-
-In auto mode (``auto=True``: the worker takes tasks by the admission rule of
-``runtime/admission.py``) the limit is set only once the worker runs a probe
-or a task (``engage``), and restored when the last call running then ends: a
-call in which the CPU takes nothing (the usual case beside fast GPUs) leaves
-the BLAS threads alone and pays nothing for threadpoolctl.
-``probe`` times a small GEMM once per dtype: the admission rule's first
-estimate of this CPU's rate.
+It solves one whole task at a time with the host's multithreaded BLAS, reading tiles in place
+(the host is its memory: no cache, copies or streams). threadpoolctl limits the BLAS threads while
+calls run, so every GPU worker keeps a core; in auto mode only once it runs a probe or a task
+(``engage``), so a call it takes nothing of pays nothing. ``probe`` times a small GEMM once per
+dtype: the admission rule's first estimate of its rate.
 """
 
 from __future__ import annotations
@@ -58,6 +50,7 @@ class CpuDevice(HostDevice):
             return
         with self._lock:
             self._users += 1
+            call.cpu_user = True  # finish_call undoes only what ran here
             if self._users == 1 and not self.auto:
                 self._limit()
 
@@ -85,7 +78,10 @@ class CpuDevice(HostDevice):
         """(flops, seconds) of the fastest of ``runs`` n x n x n GEMMs in ``dtype`` on this
         device's BLAS threads: the admission rule's first estimate of the CPU's rate."""
         self.engage()
-        dt = np.dtype(dtype)
+        row = dtypes.gemm_of(dtype)
+        dt = row.compute if row.reduced else row.dtype  # half, bfloat16, int8: computed in float32/float64
+        if dt.kind == "i":
+            dt = np.dtype(np.float64)
         rng = np.random.default_rng(0)
         a = np.asfortranarray(rng.standard_normal((n, n))).astype(dt)
         b = np.asfortranarray(rng.standard_normal((n, n))).astype(dt)
@@ -94,12 +90,13 @@ class CpuDevice(HostDevice):
             t0 = time.perf_counter()
             np.matmul(a, b)
             best = min(best, time.perf_counter() - t0)
-        return 2.0 * dtypes.BY_DTYPE[dt].flop_factor * n ** 3, best
+        return 2.0 * row.flop_factor * n ** 3, best
 
     def finish_call(self, call) -> None:
-        if self.threads is None:
+        if self.threads is None or not getattr(call, "cpu_user", False):
             return
         with self._lock:
+            call.cpu_user = False
             self._users -= 1
             if self._users == 0 and self._limiter is not None:
                 self._restore()
@@ -112,13 +109,23 @@ class CpuDevice(HostDevice):
         cref = task.c
         # The host is this device's memory: compute in C's own tile, no copy in or out.
         # (Only this task writes it; TRSM reads only tiles whose tasks have finished.)
-        acc = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
+        home = acc = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
+        if call.mixed:  # accumulate in the wider type (half: float32), round once at the end
+            acc = np.empty(home.shape, dtype=call.acc_dtype, order="F")
+            if task.load_c:
+                acc[...] = home
         if task.load_c and task.c_init is not None:
             acc[...] = _tile(call, task.c_init)  # TRSM: start from B's tile (a no-op when X is B)
         for step in task.steps:
+            # (TF32 math is a GPU's: the CPU computes float32 in IEEE arithmetic)
             KERNELS[step.kernel](step, call.scalars, _tile(call, step.a), _tile(call, step.b), acc)
         if call.epilogue is not None:
             call.epilogue(self, 0, acc, task)
+            if call.wb_dtype != acc.dtype:
+                acc = acc.view(call.wb_dtype)  # an epilogue that converts does so in place
+        if acc is not home:
+            with np.errstate(over="ignore"):  # the front end reports float16 overflow
+                home[...] = acc
         t1 = time.perf_counter()
         st = call.stats
         st.count(self.index, "tasks")

@@ -1,7 +1,7 @@
 """cuBLAS routines that CuPy's bindings lack, called through ctypes.
 
 CuPy 14's ``cupy_backends.cuda.libs.cublas`` has gemm, syrk and trsm but not
-symm, hemm, syr2k, her2k, herk or trmm. These are
+symm, hemm, syr2k, her2k, herk or trmm (nor, in some versions, GemmEx). These are
 taken from the very libcublas CuPy loaded (found in ``/proc/self/maps``), so a
 handle CuPy created is valid here. ctypes releases the GIL during the call.
 Argument types are declared per routine: pointers must not be truncated to C ints.
@@ -21,6 +21,9 @@ SIGNATURES = {
     "syrk": "PiiiiPPiPPi", "herk": "PiiiiPPiPPi",
     "trmm": "PiiiiiiPPiPiPi", "trsm": "PiiiiiiPPiPi",
     "syrkx": "PiiiiPPiPiPPi", "herkx": "PiiiiPPiPiPPi", "gemm": "PiiiiiPPiPiPPi",
+    # cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
+    #              C, Ctype, ldc, computeType, algo)
+    "GemmEx": "PiiiiiPPiiPiiPPiiii",
 }
 
 
@@ -57,3 +60,8 @@ def routine(prefix: str, name: str):
             raise RuntimeError(f"{sym} failed with cublasStatus_t {status}")
     call.__name__ = sym
     return call
+
+
+def gemm_ex():
+    """cublasGemmEx (mixed-precision gemm: element types and compute type as arguments)."""
+    return routine("", "GemmEx")

@@ -8,6 +8,12 @@ sub-blocks of the pinned host array) or ``cudaMemcpyPeerAsync``; kernels are
 cuBLAS ``?gemm`` with host-pointer scalars taken from the call's scalar
 table, accumulating in place (beta = 1 after the first step): no temporary
 is made per k-step.
+
+Reduced precision (a *mixed* call, runtime/call.py): gemm is ``cublasGemmEx`` with half,
+bfloat16 or int8 A/B and the C tile in the accumulation type (float32; int32 for int8), compute
+type 32F or 32I; TF32 math runs float32 gemm with compute type 32F_FAST_TF32. A C tile that is
+loaded or written back in another type is staged in a per-stream scratch block and converted
+there by a CuPy kernel on the copy's own stream.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from ..stats import OpRecord
 from ..tasks import SC_MINUS_ONE, SC_ONE
 from ..tri_inverse import Leaf, tri_inverse_ops
 from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
+from .. import dtypes
 from ..dtypes import prefix as blas_prefix
 from .base import DeviceError, PeerSource, StreamDevice, register_backend
 
@@ -30,6 +37,7 @@ STREAM_NON_BLOCKING = 1
 NOT_READY = 600  # cudaErrorNotReady
 RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
 DEFAULT_CACHE_FRACTION = 0.5
+MIN_CACHE_BYTES = 16 << 20  # below this a device does not start (a few tiles of any useful size)
 
 
 
@@ -46,6 +54,15 @@ def cublas_routine(name: str, dtype):
     if fn is None:
         from .cublas_ctypes import routine
         fn = routine(prefix, name)
+    return fn
+
+
+def _gemm_ex():
+    """cublasGemmEx: CuPy's binding, else the same libcublas through ctypes."""
+    fn = getattr(_cublas(), "gemmEx", None)
+    if fn is None:
+        from .cublas_ctypes import gemm_ex
+        fn = gemm_ex()
     return fn
 
 
@@ -88,14 +105,7 @@ class CudaDevice(StreamDevice):
         from cupy.cuda import runtime
         cublas = _cublas()
         cupy.cuda.Device(self.ordinal).use()
-        free, _total = runtime.memGetInfo()
-        want = self._want_cache or int(free * DEFAULT_CACHE_FRACTION)
-        want = min(want, max(0, free - RESERVE_BYTES))
-        if want < 1 << 20:
-            raise DeviceError(f"{self.name}: only {free} bytes free, too little for a tile cache")
-        heap = self._make_heap(want, alignment=512)
-        self.cache_bytes = heap.capacity
-        self.base = runtime.malloc(heap.capacity)
+        self.base = self._alloc_arena(runtime)
         self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.n_all_streams)]
         self.stream_ptrs = [st.ptr for st in self.streams]
         for st in self.streams[:self.nstreams]:  # cuBLAS runs on the compute streams only
@@ -142,6 +152,42 @@ class CudaDevice(StreamDevice):
                 runtime.free(self.base)
                 self.base = 0
 
+    def _alloc_arena(self, runtime) -> int:
+        """The tile cache's one allocation, sized from the memory free now (others may hold most
+        of it): half of it, leaving a reserve; when the allocation fails (another allocation
+        won the race), CuPy's cached blocks are given back and half as much is tried, down to
+        MIN_CACHE_BYTES; then DeviceError says what was needed and what was free."""
+        import cupy
+        tried = []
+        want = None
+        while True:
+            free, _total = runtime.memGetInfo()
+            reserve = min(RESERVE_BYTES, free // 4)
+            cap = max(0, free - reserve)
+            want = min(self._want_cache or int(free * DEFAULT_CACHE_FRACTION), cap) if want is None else min(want, cap)
+            if want < MIN_CACHE_BYTES:
+                raise DeviceError(f"{self.name}: a tile cache needs at least {MIN_CACHE_BYTES} bytes; {free} bytes "
+                                  f"of device memory are free (tried {tried or 'nothing'})")
+            heap = self._make_heap(want, alignment=512)
+            try:
+                base = runtime.malloc(heap.capacity)
+            except runtime.CUDARuntimeError as exc:
+                if "memory" not in str(exc).lower():
+                    raise
+                tried.append(heap.capacity)
+                cupy.get_default_memory_pool().free_all_blocks()
+                want = heap.capacity // 2
+                continue
+            self.cache_bytes = heap.capacity
+            return base
+
+    def is_device_error(self, exc: BaseException) -> bool:
+        """CUDA and cuBLAS errors break the device, except an out-of-memory (the call fails)."""
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() \
+                or "memoryallocation" in str(exc).lower():
+            return False
+        return type(exc).__name__ in ("CUDARuntimeError", "CUBLASError", "CUDADriverError")
+
     def _reanchor(self) -> None:
         from cupy.cuda import runtime
         ev = runtime.eventCreate()
@@ -159,8 +205,8 @@ class CudaDevice(StreamDevice):
     def holds_array(self, operand) -> bool:
         return operand.device == self.ordinal
 
-    def arena_loc(self, offset: int, rows: int, cols: int, dtype):
-        return (self.base + offset, rows)
+    def arena_loc(self, offset: int, rows: int, cols: int, dtype, ld: int | None = None):
+        return (self.base + offset, rows if ld is None else ld)
 
     def array_loc(self, operand, ref):
         isz = operand.array.itemsize
@@ -189,17 +235,47 @@ class CudaDevice(StreamDevice):
         if type(src) is PeerSource:
             if src.after is not None:  # the peer's fill is in flight: order our copy after it
                 runtime.streamWaitEvent(self.stream_ptrs[s], src.after)
-            runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, rows * cols * isz,
+            # (a heap tile is compact over its leading dimension, which int8 pads: ld * cols elements)
+            runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, dst[1] * cols * isz,
                                     self.stream_ptrs[s])
             return
         # HostSource or ArraySource: a pitched copy from the operand's own memory
         ptr, ld = self.array_loc(src.operand, src.ref)
-        self._copy_2d(s, "in", src.operand, dst[0], dst[1] * isz, ptr, ld * isz, rows, cols, isz)
+        want = np.dtype(dtype) if task is None else task.call.tile_dtype(src.ref.slot)
+        if want == np.dtype(dtype):
+            self._copy_2d(s, "in", src.operand, dst[0], dst[1] * isz, ptr, ld * isz, rows, cols, isz)
+            return
+        stage = self._stage(s, rows * cols * isz)  # the tile as it is at home, then converted
+        self._copy_2d(s, "in", src.operand, stage, rows * isz, ptr, ld * isz, rows, cols, isz)
+        self._convert(s, stage, rows, dtype, dst[0], dst[1], want, rows, cols)
 
     def copy_out(self, s, operand, ref, src, task=None):
         isz = operand.array.itemsize
         ptr, ld = self.array_loc(operand, ref)
+        have = operand.array.dtype if task is None else task.call.wb_dtype
+        if have != operand.array.dtype:  # round the accumulated tile to C's type first
+            stage = self._stage(s, ref.rows * ref.cols * isz)
+            self._convert(s, src[0], src[1], have, stage, ref.rows, operand.array.dtype, ref.rows, ref.cols)
+            src = (stage, ref.rows)
         self._copy_2d(s, "out", operand, ptr, ld * isz, src[0], src[1] * isz, ref.rows, ref.cols, isz)
+
+    def _stage(self, s: int, nbytes: int) -> int:
+        """A scratch block of stream ``s`` (a copy stream), allocated on that stream."""
+        with self.streams[s]:
+            return self._scratch(s, nbytes)
+
+    def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols) -> None:
+        """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel)."""
+        with self.streams[s]:
+            convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols)
+
+    def dequantize(self, s, loc, rows: int, cols: int, row_scale, col_scale) -> None:
+        """The int32 tile at ``loc`` -> float32 ``tile * row_scale[:, None] * col_scale[None, :]``
+        in place, on stream ``s`` (the scales: CuPy float32 vectors on this device)."""
+        with self.streams[s]:
+            ints = device_view(loc[0], rows, cols, loc[1], np.int32)
+            floats = device_view(loc[0], rows, cols, loc[1], np.float32)
+            _kernels()["dequantize"](ints, row_scale[:, None], col_scale[None, :], floats)
 
     def _copy_2d(self, s, direction, operand, dst, dpitch, src, spitch, rows, cols, isz) -> None:
         """One tile copy between the arena and ``operand`` (on the ``host`` side: ``src`` for
@@ -237,10 +313,26 @@ class CudaDevice(StreamDevice):
             kernel(s, step, call, a, b, c, out)
 
     def _k_gemm(self, s, step, call, a, b, c) -> None:
+        if call.mixed or call.math == "tf32":
+            self._k_gemm_ex(s, step, call, a, b, c)
+            return
         sc, isz = call.scalars.ctypes.data, call.itemsize
         self._routine("gemm", call.dtype)(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
                                sc + step.alpha * isz, a[0], a[1], b[0], b[1],
                                sc + step.beta * isz, c[0], c[1])
+
+    def _k_gemm_ex(self, s, step, call, a, b, c) -> None:
+        """cublasGemmEx: A and B in the call's type, C in the accumulation type, alpha and beta
+        (host pointers) in the compute type."""
+        fn = self._blas.get("gemmEx")
+        if fn is None:
+            fn = self._blas["gemmEx"] = _gemm_ex()
+        sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
+        t_in, t_acc = dtypes.CUDA_TYPE[call.dtype], dtypes.CUDA_TYPE[call.acc_dtype]
+        compute = dtypes.compute_type(dtypes.gemm_of(call.dtype), call.math)
+        fn(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k, sc + step.alpha * ssz,
+           a[0], t_in, a[1], b[0], t_in, b[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
+           dtypes.CUBLAS_GEMM_DEFAULT)
 
     # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
     # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
@@ -356,7 +448,18 @@ class CudaDevice(StreamDevice):
         import cupy
         buf = self._scratches.get(s)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._scratches[s] = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
+            self._scratches.pop(s, None)
+            try:
+                buf = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
+            except cupy.cuda.memory.OutOfMemoryError:
+                cupy.get_default_memory_pool().free_all_blocks()  # cached blocks of others, then once more
+                try:
+                    buf = cupy.empty(nbytes, dtype=np.uint8)
+                except cupy.cuda.memory.OutOfMemoryError as exc:
+                    free = cupy.cuda.runtime.memGetInfo()[0]
+                    raise MemoryError(f"{self.name}: a {nbytes}-byte scratch buffer for a tile kernel does "
+                                      f"not fit; {free} bytes of device memory are free") from exc
+            self._scratches[s] = buf
         return buf.data.ptr
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
@@ -367,7 +470,8 @@ class CudaDevice(StreamDevice):
 
     def _k_scale(self, s, step, call, a, b, c) -> None:
         from cupy.cuda import runtime
-        isz = call.itemsize
+        dt = call.acc_dtype  # the C tile's type on the device
+        isz = dt.itemsize
         if call.scalars[step.beta] == 0:
             if c[1] == step.m:  # a compact tile: one memset
                 runtime.memsetAsync(c[0], 0, step.m * step.n * isz, self.stream_ptrs[s])
@@ -375,9 +479,11 @@ class CudaDevice(StreamDevice):
             for j in range(step.n):  # columns of the tile (ld may exceed rows for in-place C)
                 runtime.memsetAsync(c[0] + j * c[1] * isz, 0, step.m * isz, self.stream_ptrs[s])
             return
+        if dt.kind not in "fc":
+            raise DeviceError(f"{self.name}: no scale kernel for {dt.name} tiles with beta != 0")
         sc = call.scalars.ctypes.data + step.beta * isz
         for j in range(step.n):
-            self._routine("scal", call.dtype)(self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
+            self._routine("scal", dt)(self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
 
     def record(self, s):
         from cupy.cuda import runtime
@@ -483,6 +589,54 @@ def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, dia
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
              ptr + (o.a0 + o.a0 * ld) * isz, ld, bp, ld, scratch, size)
         copy(bp, ld, scratch, size, rows, cols)
+
+
+def device_view(ptr: int, rows: int, cols: int, ld: int, dtype):
+    """A CuPy column-major view of device memory at ``ptr`` (bfloat16 as its uint16 bits)."""
+    import cupy
+    dt = np.dtype(dtype)
+    bf = dtypes.GEMM_BY_PREFIX.get("b")
+    if bf is not None and dt == bf.dtype:
+        dt = np.dtype(np.uint16)
+    mem = cupy.cuda.UnownedMemory(ptr, max(1, ((cols - 1) * ld + rows) * dt.itemsize), None)
+    return cupy.ndarray((rows, cols), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                        strides=(dt.itemsize, ld * dt.itemsize))
+
+
+_KERNELS: dict = {}
+
+
+def _kernels() -> dict:
+    """CuPy elementwise kernels for tile conversions (made once; CuPy compiles them per device)."""
+    if not _KERNELS:
+        import cupy
+        ek = cupy.ElementwiseKernel
+        _KERNELS["bf16_to_f32"] = ek("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
+                                     "blasx_bf16_to_f32")
+        # round to nearest even, as ml_dtypes and cuBLAS do; NaN stays a (quiet) NaN
+        _KERNELS["f32_to_bf16"] = ek(
+            "float32 x", "uint16 y",
+            "unsigned int u = __float_as_uint(x);"
+            "y = isnan(x) ? (unsigned short)((u >> 16) | 0x40u)"
+            " : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)", "blasx_f32_to_bf16")
+        _KERNELS["dequantize"] = ek("int32 x, float32 r, float32 c", "float32 y", "y = (float)x * r * c",
+                                    "blasx_dequantize")
+    return _KERNELS
+
+
+def convert_tile(src: int, sld: int, sdtype, dst: int, dld: int, ddtype, rows: int, cols: int) -> None:
+    """Convert a rows x cols column-major tile from ``sdtype`` at ``src`` to ``ddtype`` at ``dst``
+    on the current stream: half and int types by CuPy's casts, bfloat16 by its bits."""
+    import cupy
+    x = device_view(src, rows, cols, sld, sdtype)
+    y = device_view(dst, rows, cols, dld, ddtype)
+    bf = dtypes.GEMM_BY_PREFIX.get("b")
+    if bf is not None and np.dtype(sdtype) == bf.dtype:
+        _kernels()["bf16_to_f32"](x, y)
+    elif bf is not None and np.dtype(ddtype) == bf.dtype:
+        _kernels()["f32_to_bf16"](x, y)
+    else:
+        cupy.copyto(y, x, casting="unsafe")
 
 
 _IDENTITIES: dict = {}

@@ -12,6 +12,12 @@ diagonal not at all with ``diag`` = 1) is read, and only the triangle it
 writes (``uplo`` of ``c`` for the rank-k kernels) is written, so NaNs in the
 other parts neither leak in nor get overwritten.
 
+Reduced precision (mixed calls, runtime/call.py): gemm's A and B may be half, bfloat16 or int8
+while C holds the accumulation type. The product is then taken in float32 (half, bfloat16: what
+cuBLAS's 32F compute type accumulates in) or exactly in float64 (int8: an int32 sum of int8
+products is exact there) and stored to C's type; the worker rounds C to its output type once, at
+the write-back. With TF32 math a float32 gemm first rounds A and B to TF32's 10 mantissa bits.
+
 Floating-point warnings: gemm's product is numpy's matmul and warns as it does (NaN inputs are
 quiet; inf * 0 and overflow warn); all other arithmetic of the kernels runs under
 ``np.errstate(all="ignore")``, as their BLAS routines report no floating-point exceptions.
@@ -55,6 +61,9 @@ def gemm(step, scalars, a, b, c) -> None:
 
 def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
     """c = alpha op_a(a) op_b(b) + beta c in place (the gemm kernel, without a Step)."""
+    if a.dtype != c.dtype:
+        _gemm_widened(a, b, c, op_a, op_b, alpha, beta)
+        return
     if beta == 0:  # straight into c: no temporary the size of C
         np.matmul(OPS[op_a](a), OPS[op_b](b), out=c)
         if alpha != 1:
@@ -64,6 +73,32 @@ def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
     prod = OPS[op_a](a) @ OPS[op_b](b)
     with np.errstate(all="ignore"):
         _accumulate(c, prod, alpha, beta)
+
+
+def _gemm_widened(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
+    """gemm with inputs narrower than C: the product in float32 (or float64 for integers,
+    exact), then alpha and beta in that type, stored once to C's type."""
+    wide = np.float64 if a.dtype.kind in "iu" else np.float32
+    prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
+    with np.errstate(all="ignore"):
+        if alpha != 1:
+            prod *= wide(alpha)
+        if beta != 0:
+            prod += wide(beta) * c.astype(wide)
+    c[...] = prod
+
+
+def to_tf32(x):
+    """float32 ``x`` rounded to TF32 (10 mantissa bits, nearest, ties away from zero), as
+    tensor cores read it; inf and NaN unchanged."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), rounded, x).reshape(np.shape(x))
+
+
+def gemm_tf32(step, scalars, a, b, c) -> None:
+    """gemm under TF32 math: A and B rounded to TF32, products accumulated in float32."""
+    gemm_views(to_tf32(a), to_tf32(b), c, step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta])
 
 
 def scale(step, scalars, a, b, c) -> None:
@@ -267,3 +302,11 @@ KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby,
            "syrk": syrk, "herk": herk, "syr2k": syr2k, "her2k": her2k,
            "symm": symm, "hemm": hemm, "trmm": trmm, "trsm": trsm,
            "invmm": invmm, "trtri": trtri}
+
+
+def kernel_for(step, call, kernels=KERNELS):
+    """The tile kernel of ``kernels`` that runs ``step`` of ``call`` (TF32 math runs gemm as
+    ``gemm_tf32``), None if there is none."""
+    if step.kernel == "gemm" and call.math == "tf32":
+        return gemm_tf32
+    return kernels.get(step.kernel)

@@ -1,57 +1,26 @@
-"""``sim``: a stand-in GPU for machines without CUDA.
+"""``sim``: a stand-in GPU for machines without CUDA, driven by the same StreamWorker as ``cuda``.
 
-It runs exactly the scheduler code that ``cuda`` runs (the same
-StreamWorker), with:
+It has its own memory (a numpy byte arena carved by the same offset heap); in-order streams, each
+run by a thread, with events between them; one compute engine and H2D / D2H / peer copy engines,
+each a lock, so kernels serialise while copies overlap them; a cost model (an operation lasts at
+least ``flops / rate * slow`` or ``bytes / bandwidth``, sleeping for what the numpy work did not
+take; ``krate`` gives a kernel its own rate); byte counters (``bytes_in``, ``bytes_out``,
+``bytes_p2p``); fault injection (``fail_at``, and the ``faults.py`` hooks ``load``, ``compute``,
+``writeback``); device memory others can take (:func:`take_memory`: the heap is sized from what is
+free at open, and ``cache_limit`` keeps the cache within it); host-side errors that fail the call,
+not the device; settable peer links (``peers``).
 
-* its own memory: one numpy byte arena, carved by the same offset heap;
-* in-order streams, each executed by a thread, and events between them;
-* one compute engine and separate H2D / D2H / peer copy engines, each a lock,
-  so kernels of different streams serialise while copies overlap them, as on
-  a GPU;
-* a cost model: an operation lasts at least ``flops / rate * slow`` (kernels)
-  or ``bytes / bandwidth`` (copies); the thread sleeps for what the real numpy
-  work did not take. ``slow`` emulates a slower GPU; ``krate`` gives a tile
-  kernel its own rate (a factor of ``rate``);
-* byte counters (``bytes_in``, ``bytes_out``, ``bytes_p2p``) over its life;
-* optional fault injection (``fail_at``: the n-th kernel raises), to test
-  fail-over;
-* peer links that can be set (``peers``).
+Data-free timing mode (``timing=True``; spec ``timing=1`` or ``data=0``), for predictions on
+machines one does not have (``bench/scaling_sim.py``): no arena (the heap still runs over
+``mem=`` bytes, so capacity and evictions behave as on the real GPU; locations are
+:class:`TimingLoc` records), and kernels and copies only hold their engine for their cost-model
+time; host operands are never touched (``Operand.array`` may be None).
 
-Data-free timing mode (``timing=True``; spec ``sim:8,timing=1`` or
-``data=0``), for predictions on machines one does not have
-(``bench/scaling_sim.py``):
-
-* no arena: the offset heap still runs over the full ``cache_bytes`` (spec
-  ``mem=``, e.g. ``mem=70G``), so tile-cache capacity and evictions behave as
-  on the real GPU, but no byte of it exists; locations are small
-  :class:`TimingLoc` records;
-* kernels and copies do no numpy work at all: each holds its engine for its
-  cost-model time (``flops / rate``, ``bytes / bandwidth``, times ``slow``
-  and ``dilate``) and sleeps; host operands are never read or written, so an ``Operand``
-  with ``array=None`` will do;
-* everything else is as in data mode: stream threads, engines as locks,
-  events, byte counters, the heap, and the same StreamWorker.
-
-Time dilation: the scheduler's host-side work (tens of microseconds per
-operation) would distort millisecond-scale simulated operations, so every
-duration may be multiplied by a factor (spec ``dilate=F``,
-``SimModel.dilate``); divide measured times by F.
-
-Launch cost (spec ``issue=SECONDS``, ``SimModel.issue``, default 0): the
-host time one kernel or copy launch takes on the real device's API (driver
-call, bindings); the calling worker thread sleeps that long (times the
-dilation) in ``copy_in``/``copy_out``/``run_step``, releasing the GIL as a
-driver call would. With dilation, it keeps the pace at which a worker issues
-work realistic relative to the device, which decides, e.g., how far ahead of
-its peers one device has queued its loads.
-
-Shared host link (``host_link``; spec ``host=BYTES_PER_S``, optionally
-``hostgroup=G``, ``hostduplex=1``): a :class:`HostLink` shared by several
-sims caps their host copies (H2D and D2H) together, e.g. at the host's
-memory bandwidth or a PCIe switch's uplink. Each host copy then lasts until
-both its own link (``h2d``/``d2h``) and its turn on the shared link (FIFO
-reservations of ``bytes / bandwidth`` each) are done, so the aggregate rate
-never exceeds the cap. Default: none (independent links).
+``dilate=F`` multiplies every duration (so the scheduler's host-side work does not distort
+short operations; divide measured times by F). ``issue=SECONDS``: the host time of one launch,
+slept by the issuing worker (times F), releasing the GIL as a driver call would. A shared host
+link (``host=BYTES_PER_S``, ``hostgroup=G``, ``hostduplex=1``; :class:`HostLink`) caps several
+sims' host copies together by FIFO reservations, so the aggregate rate never exceeds the cap.
 """
 
 from __future__ import annotations
@@ -63,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import faults
 from ..stats import OpRecord
 from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
-from .numpy_kernels import KERNELS
+from .numpy_kernels import KERNELS, kernel_for
 
 
 @dataclass(frozen=True)
@@ -139,14 +109,54 @@ class TimingLoc:
 
     __slots__ = ("offset", "rows", "cols", "nbytes")
 
-    def __init__(self, offset: int, rows: int, cols: int, itemsize: int) -> None:
+    def __init__(self, offset: int, rows: int, cols: int, itemsize: int, ld: int | None = None) -> None:
         self.offset = offset
         self.rows = rows
         self.cols = cols
-        self.nbytes = rows * cols * itemsize
+        self.nbytes = (rows if ld is None else ld) * cols * itemsize
 
     def __repr__(self) -> str:
         return f"<TimingLoc @{self.offset} {self.rows}x{self.cols} {self.nbytes} B>"
+
+
+_taken: dict[int, int] = {}  # sim index -> device bytes other allocations hold (take_memory)
+_taken_lock = threading.Lock()
+
+
+class Taken:
+    """Device memory held by another allocation on one sim (:func:`take_memory`); ``release``
+    gives it back (also on ``with`` exit)."""
+
+    def __init__(self, index: int, nbytes: int) -> None:
+        self.index, self.nbytes = index, nbytes
+
+    def release(self) -> None:
+        with _taken_lock:
+            if self.nbytes:
+                _taken[self.index] -= self.nbytes
+                self.nbytes = 0
+
+    def __enter__(self) -> "Taken":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def take_memory(index: int, nbytes: int) -> Taken:
+    """Another library allocates ``nbytes`` on sim ``index`` (a test hook, any time, also mid-call):
+    engines opened later size their heap without it, and running ones keep their cache within
+    what is left."""
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes: got {nbytes!r}, need an int >= 0")
+    with _taken_lock:
+        _taken[index] = _taken.get(index, 0) + nbytes
+    return Taken(index, nbytes)
+
+
+def taken(index: int) -> int:
+    """Bytes other allocations hold on sim ``index``."""
+    return _taken.get(index, 0)
 
 
 class SimEvent:
@@ -212,7 +222,11 @@ class SimDevice(StreamDevice):
 
     # -- lifecycle --
     def open(self) -> None:
-        heap = self._make_heap(self.cache_bytes)
+        free = self.cache_bytes - taken(self.index)  # the heap is the sim's device memory, less what is taken
+        if free < 1 << 16:
+            raise DeviceError(f"{self.name}: {free} bytes of device memory free of {self.cache_bytes} "
+                              f"({taken(self.index)} taken by other allocations); a tile cache needs at least 65536")
+        heap = self._make_heap(free)
         # Timing mode: the heap runs over the full size, but no byte of it is allocated.
         self.arena = None if self.timing else np.empty(heap.capacity, dtype=np.uint8)
         self.streams = [_Stream(self, s) for s in range(self.n_all_streams)]
@@ -225,17 +239,26 @@ class SimDevice(StreamDevice):
         self.streams = []
         self.arena = None
 
+    def prepare_call(self, call) -> None:
+        faults.at("register", self)  # where a cuda device registers host memory
+
     # -- topology --
     def can_read_from(self, other: StreamDevice) -> bool:
         return self.peers and isinstance(other, SimDevice) and other.peers
 
     # -- memory --
-    def arena_loc(self, offset: int, rows: int, cols: int, dtype):
+    def cache_limit(self) -> int | None:
+        t = taken(self.index)
+        return self.cache_bytes - t if t else None
+
+    def arena_loc(self, offset: int, rows: int, cols: int, dtype, ld: int | None = None):
+        """A column-major view of a heap block (leading dimension ``ld``, default ``rows``)."""
         dt = np.dtype(dtype)
+        ld = rows if ld is None else ld
         if self.timing:
-            return TimingLoc(offset, rows, cols, dt.itemsize)
+            return TimingLoc(offset, rows, cols, dt.itemsize, ld)
         return np.ndarray((rows, cols), dtype=dt, buffer=self.arena, offset=offset,
-                          strides=(dt.itemsize, rows * dt.itemsize))
+                          strides=(dt.itemsize, ld * dt.itemsize))
 
     # -- operations --
     def _timed(self, s: int, kind: str, lock, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
@@ -245,6 +268,8 @@ class SimDevice(StreamDevice):
         link = self.host_link if kind in ("h2d", "d2h") else None
 
         def op():
+            if task is not None and kind in ("kernel", "d2h") and task.call.failed:
+                return  # a failed call's tile ops are skipped, so a cancel is prompt (loads still fill lines)
             with lock:
                 t0 = time.perf_counter()
                 if work is not None:
@@ -264,6 +289,7 @@ class SimDevice(StreamDevice):
         self.streams[s].submit(op)
 
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
+        faults.at("load", self, task)
         after = None
         if type(src) is HostSource:
             view = None if self.timing else _host_tile(src.operand, src.ref)
@@ -272,7 +298,7 @@ class SimDevice(StreamDevice):
             view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
         else:
             raise DeviceError(f"{self.name}: sim devices cannot read a {type(src).__name__}")
-        nbytes = dst.nbytes
+        nbytes = rows * cols * np.dtype(dtype).itemsize  # in the source's type (a load may convert)
         peer_ok = [True]
         if after is not None:
             # A stream waiting on an event holds no engine (as on a GPU): wait first, then copy.
@@ -301,17 +327,26 @@ class SimDevice(StreamDevice):
         self._launch_cost()
 
     def copy_out(self, s, operand, ref, src, task=None):
+        faults.at("writeback", self, task)
         view = None if self.timing else _host_tile(operand, ref)
-        nbytes = src.nbytes
+        nbytes = src.nbytes if task is None else task.call.home_nbytes(ref)  # C's type at home
 
         def work():
             if view is not None:
-                view[...] = src
+                try:
+                    with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
+                        view[...] = src
+                except Exception as exc:  # noqa: BLE001 - the host memory refused: the call's error
+                    if task is None:
+                        raise
+                    task.call.fail(exc)
+                    return
             self.bytes_out += nbytes
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
 
     def run_step(self, s, step, call, a, b, c, task=None, out=None):
+        faults.at("compute", self, task)
         flops = call.step_flops(step)
         self._kernels_run += 1
         if self.fail_at is not None and self._kernels_run >= self.fail_at:
@@ -322,7 +357,7 @@ class SimDevice(StreamDevice):
         elif self.timing:
             work = None  # the cost model's time only
         else:
-            kern = KERNELS.get(step.kernel)
+            kern = kernel_for(step, call, KERNELS)
             if kern is None:
                 raise DeviceError(f"{self.name}: no tile kernel {step.kernel!r}")
             extra = {} if out is None else {"out": out}

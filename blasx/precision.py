@@ -1,0 +1,394 @@
+"""Reduced precision on the engine: float16, bfloat16 and int8 GEMM, TF32 math, int8 quantization.
+
+Type combinations (A and B of one type; C's type is ``out_dtype``):
+
+* float16 -> float16 (default) or float32; bfloat16 -> bfloat16 (default) or float32: the products
+  accumulate in float32 (cuBLAS compute type 32F) and are rounded once to the output type;
+* int8 -> int32: exact (compute type 32I; exact on the CPU and sim too: float64 holds every sum);
+* float32 with ``math="tf32"``: A and B rounded to TF32 (10 mantissa bits), float32 accumulation,
+  on CUDA GPUs (emulated on sims); the CPU computes IEEE float32 (its tiles, and every call of a
+  CPU-only engine, whose profile then says ``math: ieee``).
+
+An ``out_dtype`` outside these is rejected with an error naming them (:func:`check_types`); other
+input pairs (float16 with float32, ...) keep scipy's rule (``gemm``) or numpy's (``matmul``, ``dot``,
+``tensordot``), where two int8 operands give int32, not numpy's wrapping int8. Errors against float64
+on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range
+(inf where the inputs are finite) raises a :class:`Float16OverflowWarning` naming the count.
+NaN and inf in the inputs propagate as in cuBLAS (no warning).
+
+:func:`quantize` and :func:`gemm_int8` give symmetric int8 quantization with per-tensor or
+per-channel scales, the scales applied on the device to each C tile before its write-back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import threading
+import warnings
+
+import numpy as np
+
+from . import dispatch, session
+from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory
+from .operands import canonical, column_major_view, is_cupy
+from .runtime import dtypes
+from .runtime.engine import EngineClosed
+from .runtime.epilogues import Dequantize
+from .runtime.plans import plan_gemm
+from .runtime.tiling import OP_N
+from .tile import choose_tile
+
+_ENGINE_ATTEMPTS = 3
+_F32 = np.dtype(np.float32)
+
+#: Unit roundoff of each output / accumulation type (half the distance from 1 to the next value).
+UNIT_ROUNDOFF = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24,
+                 np.dtype(np.float64): 2.0 ** -53}
+if "b" in dtypes.GEMM_BY_PREFIX:
+    UNIT_ROUNDOFF[dtypes.GEMM_BY_PREFIX["b"].dtype] = 2.0 ** -8
+#: One TF32 ulp at 1 (10 mantissa bits): an input's error whether tensor cores round or truncate it.
+TF32_UNIT = 2.0 ** -10
+
+
+class Float16OverflowWarning(RuntimeWarning):
+    """A float16 result has values beyond float16's range (they became inf) from finite inputs."""
+
+
+_override = threading.local()  # a per-call math mode for the gemms of one front-end call
+
+
+def default_math() -> str:
+    """The math mode of a call that names none: the per-call one in force (:func:`math_mode`),
+    else ``blasx.configure(math=...)``'s."""
+    m = getattr(_override, "math", None)
+    return m if m is not None else session.settings().math
+
+
+def check_math(math) -> str:
+    """``math`` validated (None: :func:`default_math`)."""
+    if math is None:
+        return default_math()
+    if not isinstance(math, str) or math.lower() not in dtypes.MATH_MODES:
+        raise ValueError(f"math: got {math!r}, allowed: {', '.join(map(repr, dtypes.MATH_MODES))}")
+    return math.lower()
+
+
+@contextlib.contextmanager
+def math_mode(math):
+    """The gemms run inside use ``math`` (None: leave the mode as it is)."""
+    if math is None:
+        yield
+        return
+    old = getattr(_override, "math", None)
+    _override.math = check_math(math)
+    try:
+        yield
+    finally:
+        _override.math = old
+
+
+def takes(a_dtype, b_dtype, out_dtype=None, math=None) -> bool:
+    """A gemm on these types runs here (not on the s/d/c/z path): A and B of one reduced type
+    (float16, bfloat16, int8), an explicit ``out_dtype``, or float32 under TF32 math. (On every
+    blasx.gemm call: dtype objects compared, no conversions.)"""
+    if out_dtype is not None:
+        return True
+    if a_dtype != b_dtype:
+        return False
+    row = dtypes.GEMM_BY_DTYPE.get(a_dtype)
+    if row is None:
+        return False
+    if row.reduced:
+        return True
+    return row.prefix == "s" and check_math(math) == "tf32"
+
+
+def result_type(a_dtype, b_dtype, out_dtype=None):
+    """(input type, output type) of a numpy-front-end product on the reduced path, or None when
+    it is not one (numpy's rules then apply): A and B of one reduced type, the output its
+    default or ``out_dtype`` (numpy's ``dtype=``) when that combination exists."""
+    a, b = np.dtype(a_dtype), np.dtype(b_dtype)
+    row = dtypes.gemm_of(a)
+    if a != b or row is None or not row.reduced:
+        return None
+    out = row.out if out_dtype is None else np.dtype(out_dtype)
+    return (a, out) if out in dtypes.GEMM_OUT[a] else None
+
+
+def check_types(a_dtype, b_dtype, out_dtype=None) -> tuple[dtypes.BlasType, np.dtype]:
+    """(row of A's type, C's type) of a gemm on these types; TypeError listing what exists.
+    (TF32 math applies to float32 alone; other types ignore it.)"""
+    row = dtypes.gemm_of(a_dtype)
+    if row is None or np.dtype(a_dtype) != np.dtype(b_dtype):
+        raise TypeError(f"a, b: got {np.dtype(a_dtype).name} and {np.dtype(b_dtype).name}; gemm takes A and B "
+                        f"of one type: {dtypes.gemm_combinations()}")
+    allowed = dtypes.GEMM_OUT[row.dtype]
+    out = allowed[0] if out_dtype is None else np.dtype(out_dtype)
+    if out not in allowed:
+        raise TypeError(f"out_dtype: got {out.name} for {row.dtype.name} inputs; allowed: "
+                        f"{dtypes.gemm_combinations()}")
+    return row, out
+
+
+def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
+    """Relative Frobenius-norm error of a gemm in ``dtype`` with inner dimension ``k``, against
+    float64 on the same inputs (random, zero-mean data):
+
+        u_out + 2 sqrt(k) u_acc  (+ 2 u_tf32 under TF32 math)
+
+    u_out is the output type's unit roundoff (float16 2^-11, bfloat16 2^-8, float32 2^-24), u_acc
+    float32's: a product of two half or bfloat16 values is exact in float32, so only the k
+    additions round, and their errors add up like a random walk (factor 2 of margin). TF32 cuts
+    each input to 11 significant bits, rounding or truncating (u_tf32 = 2^-10, one ulp: cuBLAS's
+    kernels may do either). int8 -> int32: 0 (exact). float64: 2 sqrt(k) 2^-53."""
+    row = dtypes.gemm_of(dtype)
+    if row is None:
+        raise TypeError(f"dtype: got {dtype!r}, allowed: {dtypes.GEMM_ALLOWED}")
+    if row.dtype.kind in "iu":
+        return 0.0
+    out = row.out if out_dtype is None else np.dtype(out_dtype)
+    acc = row.real if row.is_complex else row.compute
+    u_out = UNIT_ROUNDOFF[row.real if out.kind == "c" else out]
+    tol = u_out + 2.0 * np.sqrt(max(k, 1)) * UNIT_ROUNDOFF[acc]
+    if math == "tf32" and row.prefix == "s":
+        tol += 2.0 * TF32_UNIT
+    return float(tol)
+
+
+# ---------------------------------------------------------------- gemm
+
+def _xp(on_gpu: bool):
+    if on_gpu:
+        import cupy
+        return cupy
+    return np
+
+
+def _int_scalar(name: str, value, row: dtypes.BlasType):
+    """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I)."""
+    if row.dtype.kind in "iu" and (value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31
+                                   or getattr(value, "imag", 0) != 0):
+        raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
+    return int(value.real) if row.dtype.kind in "iu" else float(value.real)
+
+
+def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, out_dtype=None, math=None):
+    """``blasx.gemm`` for the reduced types and TF32 math (see the module docstring for the type
+    combinations, :func:`tolerance` for the accuracy): scipy's ``?gemm`` semantics otherwise, an
+    F-ordered result of ``out_dtype`` (default: c's type if given, else the input type's default
+    output: float16 -> float16, bfloat16 -> bfloat16, int8 -> int32)."""
+    from . import level3  # the scipy-signature checks and output rules
+    check_matrix("a", a)
+    check_matrix("b", b)
+    if c is not None:
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
+    math = check_math(math)
+    if out_dtype is None and c is not None and c.dtype in dtypes.GEMM_OUT.get(np.dtype(a.dtype), ()):
+        out_dtype = c.dtype
+    row, out = check_types(a.dtype, b.dtype, out_dtype)
+    trans_a, trans_b = check_trans("trans_a", trans_a), check_trans("trans_b", trans_b)
+    alpha = _int_scalar("alpha", check_scalar("alpha", alpha, row.dtype), row)
+    beta = _int_scalar("beta", check_scalar("beta", beta, row.dtype), row)
+    m, ka = a.shape if trans_a == OP_N else a.shape[::-1]
+    kb, n = b.shape if trans_b == OP_N else b.shape[::-1]
+    if ka != kb:
+        raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
+                         f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
+    if c is not None and c.shape != (m, n):
+        raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
+    if c is None:
+        beta = 0
+    elif level3._in_place(c, out, overwrite_c):
+        for x_name, x in (("a", a), ("b", b)):
+            if shares_memory(c, x):
+                raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
+    result = level3._output(c, out, (m, n), overwrite_c, beta, _xp(on_gpu), a if on_gpu else None)
+    gemm_into(alpha, a, b, beta, result, trans_a, trans_b, ka, row.dtype, math)
+    return result
+
+
+def gemm_into(alpha, a, b, beta, c, trans_a: int, trans_b: int, k: int, dtype, math: str | None = None) -> None:
+    """c = alpha op(a) op(b) + beta c into the 2-D ``c`` of the output type (any strides) on
+    validated operands of the reduced ``dtype`` (or float32 under TF32): ``dispatch.gemm``'s
+    counterpart."""
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    math = check_math(math)
+    cm = column_major_view(c)
+    staging = None
+    if cm is None:  # an output with arbitrary strides: compute into a compact copy, copied back
+        staging = _xp(is_cupy(c)).asfortranarray(c)
+        cm = (staging, False)
+    cv, tp = cm
+    if tp:  # C^T = op(B)^T op(A)^T
+        va, opa = canonical(b, trans_b, True)
+        vb, opb = canonical(a, trans_a, True)
+    else:
+        va, opa = canonical(a, trans_a, False)
+        vb, opb = canonical(b, trans_b, False)
+    m, n = cv.shape
+    run(va, opa, vb, opb, cv, m, n, k, dtype, c.dtype, alpha, beta, math)
+    if staging is not None:
+        c[...] = staging
+
+
+def run(av, op_a, bv, op_b, cv, m: int, n: int, k: int, dtype, out_dtype, alpha, beta, math: str,
+        epilogue=None, check_overflow: bool = True) -> None:
+    """C = alpha op_a(A) op_b(B) + beta C on canonical (column-major) views, ``cv`` of
+    ``out_dtype`` written in place: on the engine, or (alpha 0 or k 0) C = beta C here."""
+    if not (m and n):
+        return
+    if alpha == 0 or k == 0:
+        acc = np.dtype(dtypes.gemm_of(dtype).compute)
+        with np.errstate(over="ignore"):
+            cv[...] = (cv.astype(acc) * acc.type(beta)) if beta != 0 else 0
+        return
+    for attempt in range(_ENGINE_ATTEMPTS):
+        eng = session.engine()
+        try:
+            _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue)
+            break
+        except EngineClosed:
+            if attempt == _ENGINE_ATTEMPTS - 1:
+                raise
+    if check_overflow and np.dtype(out_dtype) == np.float16:
+        report_overflow(cv, (av, bv) + ((cv,) if beta != 0 else ()))
+
+
+def report_overflow(c, inputs) -> None:
+    """Warn when float16 ``c`` holds inf but none of ``inputs`` holds inf or NaN (an overflow of
+    the float16 range, not a propagated value). Reads C once; the inputs only when C has inf."""
+    xp = _xp(is_cupy(c))
+    bad = int(xp.isinf(c).sum())
+    if not bad:
+        return
+    if any(not bool(xp.isfinite(x).all()) for x in inputs):
+        return  # inf or NaN in the inputs: propagated as cuBLAS does, not an overflow
+    warnings.warn(f"float16 overflow: {bad} of {c.size} result values exceed float16's range "
+                  f"(+-65504) and are inf; pass out_dtype=np.float32 to keep them",
+                  Float16OverflowWarning, stacklevel=3)
+
+
+def _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue) -> None:
+    if eng.inline or np.dtype(dtype) != _F32:
+        math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
+    tile = choose_tile(eng, m, n, k, dtype, "gemm")
+    block = (1, 1) if eng.inline else dispatch.block_shape(eng)
+    tasks = plan_gemm(m, n, k, tile, op_a, op_b, beta_zero=(beta == 0), block=block)
+    dispatch._submit_tasks(eng, dtypes.prefix(dtype) + "gemm", [av, bv, cv], tasks, dtype, alpha, beta, tile,
+                           out_dtype=out_dtype, math=math, epilogue=epilogue)
+
+
+# ---------------------------------------------------------------- int8 quantization
+
+def quantize(x, dtype=np.int8, axis=None):
+    """Symmetric quantization: ``(values, scales)`` with ``x ~= values * scales``.
+
+    ``axis=None``: one scale for the tensor (a 0-d float32 array); ``axis=i``: one scale per index
+    along axis ``i`` (per channel; shape ``(x.shape[i],)``), broadcast along ``i`` when applied.
+    A scale is ``max|x| / 127`` over its slice (1 where the slice is all zeros); values are
+    ``round(x / scale)`` in [-127, 127] (round half to even). Each value is off by at most half a
+    scale step. ``x``: a real numpy or cupy array of finite values."""
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        raise TypeError(f"x: got {type(x).__name__}, need a numpy or cupy array")
+    if np.dtype(dtype) != np.int8:
+        raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
+    if x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None:
+        raise TypeError(f"x: got {x.dtype.name}, need a real type")
+    xp = _xp(is_cupy(x))
+    xf = x.astype(np.float32) if x.dtype != np.float64 else x
+    if axis is None:
+        amax = xp.abs(xf).max() if xf.size else xp.asarray(0.0)
+    else:
+        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not -x.ndim <= axis < x.ndim:
+            raise ValueError(f"axis: got {axis!r}, need None or an int in [{-x.ndim}, {x.ndim})")
+        axis = int(axis) % x.ndim
+        others = tuple(i for i in range(x.ndim) if i != axis)
+        amax = xp.abs(xf).max(axis=others) if xf.size else xp.zeros(x.shape[axis])
+    if not bool(xp.isfinite(amax).all()):
+        raise ValueError("x: holds inf or NaN; quantize takes finite values")
+    scales = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    shape = [1] * x.ndim
+    if axis is not None:
+        shape[axis] = x.shape[axis]
+    values = xp.clip(xp.rint(xf / scales.reshape(shape)), -127, 127).astype(np.int8)
+    return values, scales
+
+
+def gemm_int8(a_q, a_scale, b_q, b_scale):
+    """``(a_q * a_scale) @ (b_q * b_scale)`` in float32 from int8 operands (numpy semantics for
+    2-d operands: a C-ordered m x n result): the int8 product accumulates exactly in int32 on
+    the devices, and each finished C tile is scaled to float32 there before its write-back.
+
+    ``a_scale``: a scalar or one scale per row of ``a_q`` (shape ``(m,)``, from
+    ``quantize(a, axis=0)``); ``b_scale``: a scalar or one per column of ``b_q`` (``(n,)``,
+    ``quantize(b, axis=1)``). Scales along k cannot be factored out of the sum: not accepted.
+    Error against the float32 product of the unquantized inputs (standard normal 512 x 512
+    operands): relative Frobenius norm about 1.5e-2 with per-tensor scales, 1.05e-2 per channel
+    (the tests check < 2.5e-2 and < 1.5e-2); the int32 sum itself is exact."""
+    check_matrix("a_q", a_q)
+    check_matrix("b_q", b_q)
+    if is_cupy(a_q) != is_cupy(b_q):
+        raise TypeError("a_q, b_q: pass both numpy arrays (host) or both cupy arrays (GPU)")
+    for name, x in (("a_q", a_q), ("b_q", b_q)):
+        if x.dtype != np.int8:
+            raise TypeError(f"{name}: got {x.dtype.name}, need int8 (blasx.quantize)")
+    m, k = a_q.shape
+    kb, n = b_q.shape
+    if k != kb:
+        raise ValueError(f"a_q, b_q: shapes {a_q.shape} and {b_q.shape} do not match ({k} != {kb})")
+    rs = _scales("a_scale", a_scale, m, "rows of a_q")
+    cs = _scales("b_scale", b_scale, n, "columns of b_q")
+    xp = _xp(is_cupy(a_q))
+    result = xp.empty((m, n), dtype=np.float32)
+    if k == 0:
+        result[...] = 0
+        return result
+    bv, op_b = canonical(b_q, OP_N, True)
+    av, op_a = canonical(a_q, OP_N, True)
+    # the canonical C is C^T: its rows are b's columns, its columns a's rows
+    run(bv, op_b, av, op_a, result.T, n, m, k, np.int8, np.float32, 1, 0, "ieee",
+        epilogue=Dequantize(cs, rs), check_overflow=False)
+    return result
+
+
+def _scales(name: str, s, count: int, what: str) -> np.ndarray:
+    """A float32 vector of ``count`` scales from a scalar or a vector of ``count``."""
+    arr = np.asarray(s.get() if is_cupy(s) else s, dtype=np.float32)
+    if arr.ndim == 0 or arr.size == 1:
+        return np.full(count, float(arr.reshape(())), dtype=np.float32)
+    if arr.ndim != 1 or arr.shape[0] != count:
+        raise ValueError(f"{name}: got shape {arr.shape}, need a scalar or ({count},), one per {what}")
+    return arr
+
+
+# ---------------------------------------------------------------- test operands and checks (CLI, tune, bench)
+
+def random_operand(rng, shape, dtype) -> np.ndarray:
+    """Random host operand of any gemm type: standard normal values (complex: both parts), int8
+    uniform over [-128, 127]; F-ordered."""
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return np.asfortranarray(rng.integers(info.min, info.max + 1, size=shape, dtype=dt))
+    x = rng.standard_normal(shape)
+    if dt.kind == "c":
+        x = x + 1j * rng.standard_normal(shape)
+    return np.asfortranarray(x.astype(dt))
+
+
+def check_rows(c_rows, a_rows, b, row: dtypes.BlasType, math: str = "ieee") -> tuple[float, float]:
+    """(relative Frobenius error of ``c_rows`` against ``a_rows @ b`` in the wide reference type,
+    its tolerance): :func:`tolerance` of the call, at least 1e-4 (4-byte types) or 1e-10 as
+    before; 0 for int8 (exact)."""
+    wide = np.dtype(np.float64) if row.dtype.kind in "iu" else row.wide
+    ref = a_rows.astype(wide) @ b.astype(wide)
+    got = c_rows.astype(wide)
+    err = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), np.finfo(float).tiny))
+    if row.dtype.kind in "iu":
+        return err, 0.0
+    tol = tolerance(row.dtype, b.shape[0], math=math) * 4.0
+    floor = 1e-4 if row.real.itemsize <= 4 else 1e-10
+    return err, max(tol, floor)

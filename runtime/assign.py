@@ -1,0 +1,89 @@
+"""Assign: which task a stream device starts next (Algorithm 1, lines 10-16, and Eq. 3).
+
+A mixin of :class:`~blasx.runtime.worker.StreamWorker`: each free stream gets the station's best
+ready task by Eq. 3 (an ``urgent`` one first), within ``2 * streams`` tasks in flight and, with
+``Knobs.commit_steps``, a horizon of committed flops; a rotatable task's k-steps start at this
+device's share of k.
+"""
+
+from __future__ import annotations
+
+from .inflight import _Active
+from .station import EQ3_SCORE, WHERE_L1, WHERE_L2
+from .tasks import rotated_steps
+
+URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
+
+
+class StreamAssign:
+    """The assign step of a stream worker (uses its ``slots``, ``station``, ``inflight``, ``directory``)."""
+
+    @staticmethod
+    def ready(task) -> bool:
+        """``task`` may start on a stream: a gated task waits step by step (``Task.gates``)."""
+        return task.call.is_startable(task)
+
+    @property
+    def commit_steps(self) -> int:
+        """``Knobs.commit_steps``, read live (an A/B may switch it on a running engine)."""
+        return self.engine.config.knobs.commit_steps
+
+    def committed(self) -> float:
+        """Flops this device has committed and not yet run: its issued, unretired kernels and the
+        unissued steps of its active tasks (``Knobs.commit_steps``; asked only when it is set)."""
+        return self.issued_work + sum(a.task.call.step_flops(st) for a in self.slots if a is not None
+                                      for st in a.steps[a.k:])
+
+    def _within_horizon(self, task, committed: float) -> bool:
+        """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
+        ``Knobs.commit_steps`` full steps of its call; an idle device, and an urgent task, one
+        that others wait for, always may)."""
+        if self.inflight == 0 or not self.commit_steps or task.urgent:
+            return True
+        return committed <= 0 or committed < self.commit_steps * task.call.full_step
+
+    def assign(self) -> None:
+        for s, slot in enumerate(self.slots):
+            if slot is not None or self.inflight >= self.max_inflight:
+                continue
+            committed = self.committed() if self.commit_steps else 0.0
+            task = self.station.pop_best(self._score,
+                                         lambda t: self._within_horizon(t, committed) and self.ready(t))
+            if task is None:
+                return
+            act = self.slots[s] = _Active(task, task.steps)  # held before the check (a canceller's sweep)
+            if task.call.failed:
+                self.slots[s] = None
+                task.call.account(task)
+                continue
+            task.worker = self.idx
+            task.call.started(task)
+            steps = task.steps
+            if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
+                # Device d starts at the d-th share of k (see Task.rotatable); only a
+                # write-back gate (in-place TRMM) is unaffected by the order of the steps.
+                head, body = steps[:task.fixed], steps[task.fixed:]
+                steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
+            act.steps = steps
+            self.inflight += 1
+            self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
+
+    def _score(self, task) -> int:
+        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an
+        ``urgent`` task outranks every other."""
+        if task.urgent:
+            return URGENT_SCORE
+        call = task.call
+        holders = self.directory.holders
+        tokens = call.tokens
+        me = self.idx
+        total = 0
+        for ref in task.input_tiles():
+            operand = call.operands[ref.slot]
+            if self.dev.holds_array(operand):
+                total += EQ3_SCORE[WHERE_L1]
+                continue
+            h = holders((tokens[ref.slot], ref.bi, ref.bj))
+            if h:
+                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
+        return total

@@ -1,0 +1,159 @@
+"""The part every device worker shares (Algorithm 1's queue side): station filling from the global
+queues, the fair share of small calls, work stealing, the thread's lifecycle and failure hand-off."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+from .devices.base import DeviceError
+from .station import most_loaded
+
+
+class Worker(threading.Thread):
+    """Common part: queue/station/steal logic, failure hand-off, thread lifecycle."""
+
+    def __init__(self, engine, device, station, core=None) -> None:
+        super().__init__(name=f"blasx-worker-{device.name}")
+        self.engine = engine
+        self.dev = device
+        self.idx = device.index
+        self.station = station
+        self.core = core
+        self.alive = True
+        self.stopping = False
+        self.opened = threading.Event()
+        self.open_error: BaseException | None = None
+
+    # -- work intake --
+    @staticmethod
+    def ready(task) -> bool:
+        """``task`` may start here: a whole-task worker waits for every dependency."""
+        return task.call.is_ready(task)
+
+    def _head(self):
+        """(queue, head) of the first queue this worker serves that holds anything, and whether
+        this worker takes that head now (a sentinel always; a task unless it is left for a
+        peer, :meth:`_leave_for_peer`); (None, None, False) when every queue is empty."""
+        for q in self.engine.queues_for(self):
+            head = q.peek()
+            if head is not None:
+                return q, head, head is self.engine.SENTINEL or self._takes(head)
+        return None, None, False
+
+    def _takes(self, task) -> bool:
+        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
+        return not self._leave_for_peer(task.call)
+
+    def _may_steal(self, task) -> bool:
+        """This worker may steal ``task`` from a peer's station (one it can run)."""
+        return True
+
+    def _pull(self):
+        """Next task from the global queues this worker serves; None when they are empty, when
+        the head is left for a peer, or when another worker took it first."""
+        q, _, takes = self._head()
+        return q.get() if takes else None
+
+    def _leave_for_peer(self, call) -> bool:
+        """The fair-share rule for small calls: True if this worker should not take more of ``call`` now.
+
+        Else a call smaller than one worker's station + streams goes wholly to the first worker to
+        wake. A stream worker holding its share, max(1, tasks // eligible stream workers), leaves the
+        rest to a stream peer with room that holds less (which takes it at its next pull); never
+        while this worker has nothing it can run, so no device idles and no gated task's dependency
+        waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
+        if not self.dev.streamed:
+            return False
+        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
+        share = max(1, len(call.tasks) // max(1, len(peers)))
+        if self.holding(call) < share or not self.has_runnable():
+            return False
+        return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
+
+    def holding(self, call) -> int:
+        """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
+        return sum(1 for t in self.station.snapshot() if t.call is call)
+
+    def has_runnable(self) -> bool:
+        """This worker holds a task it can run now (or is running one)."""
+        return self.station.any_ready(self.ready)
+
+    def fill_station(self) -> None:
+        st = self.station
+        # Up to capacity; beyond it only while nothing held is ready, so a station full of
+        # tasks waiting on dependencies cannot starve the tasks they wait for (a dependency
+        # handed back by a failed device sits at the queue's head, behind any number of them).
+        while not self.stopping and (st.free_slots() > 0 or not st.any_ready(self.ready)):
+            t = self._pull()
+            if t is None:
+                break
+            if t is self.engine.SENTINEL:
+                self.stopping = True
+                break
+            if t.call.failed:
+                t.call.account(t)  # cancelled: its call already failed
+                continue
+            st.push(t)
+        if len(st) == 0 and not self.stopping:
+            self._steal()
+
+    def _steal(self) -> None:
+        victim = most_loaded(self.engine.stations_for(self), self.idx)
+        if victim is None:
+            return
+        # Any task this worker can run, even with no stream free now: the one whose station
+        # empties first (the faster device) claims the tail's tasks early. Stealing only a task
+        # it could start at once left the tail to commitment order, which balanced worse.
+        t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
+        if t is not None:
+            self.station.push(t)
+            t.call.stats.count(self.idx, "steals")
+
+    # -- thread body --
+    def run(self) -> None:
+        try:
+            self.dev.bind_thread(self.core)
+            self.dev.open()
+        except BaseException as exc:  # noqa: BLE001 - reported to configure()/the engine
+            self.open_error = exc
+            self.alive = False
+            self.opened.set()
+            self.engine.worker_failed(self, exc, [])
+            return
+        self.opened.set()
+        try:
+            self.loop()
+        except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
+            exc.blasx_traceback = traceback.format_exc()
+            self.fail(exc)
+        finally:
+            try:
+                self.dev.close()
+            except BaseException:  # noqa: BLE001 - closing a broken device may fail too
+                pass
+
+    def _work_waiting(self) -> bool:
+        """True if a queue this worker serves holds a task this worker would take now, and the
+        station has room for it."""
+        return self.station.free_slots() > 0 and self._head()[2]
+
+    def device_error(self, exc: BaseException) -> bool:
+        """``exc`` means the device is broken (it then dies and its tasks go to others), not that
+        one call went wrong (then only that call fails)."""
+        return isinstance(exc, DeviceError) or self.dev.error is not None or self.dev.is_device_error(exc)
+
+    def held_snapshot(self) -> tuple:
+        """Tasks this worker holds now, for a cancelling caller's sweep (a lock-free read: a task
+        is held here before the worker checks whether its call failed)."""
+        return self.station.snapshot()
+
+    def fail(self, exc: BaseException) -> None:
+        self.alive = False
+        if self.dev.error is None:
+            self.dev.error = exc
+        self.engine.worker_failed(self, exc, self.held_tasks())
+
+    def held_tasks(self):
+        """[(task, writeback_issued)] of every unfinished task this worker holds."""
+        return [(t, False) for t in self.station.drain()]

@@ -1,0 +1,233 @@
+"""The interrupt matrix: Ctrl-C at each phase of a call, for every routine family, on the sim.
+
+A test-only hook (``blasx.runtime.faults``) fires at a named phase: in the calling thread
+(``plan``, ``register``, ``submit``) it raises KeyboardInterrupt there; on a device's worker
+(``load``, ``compute``, ``writeback``, ``cpu``) it interrupts the caller (a real SIGINT for
+the main thread, an async exception for others) and holds that operation until the call is
+cancelled, so the interrupt always lands while the call runs. After each: KeyboardInterrupt
+reached the caller, the caller's arrays are untouched (calls that return a new array) or
+only the output was written (in-place calls), nothing leaked (``Engine.leaks``: tasks,
+events, lines with readers, heap blocks, directory entries; and threads), and the next call
+is right.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import numpy as np
+import pytest
+import scipy.linalg.blas as S
+
+import blasx
+
+faults = importlib.import_module("blasx.runtime.faults")
+level3 = importlib.import_module("blasx.level3")
+
+N = 96
+TILE = 32
+CALLER_PHASES = ("plan", "register", "submit")
+DEVICE_PHASES = ("load", "compute", "writeback")
+
+
+def _operands(rand):
+    a = rand((N, N), seed=1)
+    b = rand((N, N), seed=2)
+    c = rand((N, N), seed=3)
+    sym = np.asfortranarray(a + a.T)
+    tri = np.asfortranarray(np.triu(a) + N * np.eye(N))  # well conditioned for trsm
+    return a, b, c, sym, tri
+
+
+def _routines(rand):
+    """name -> (blasx call, scipy/numpy reference, arrays it must leave untouched)."""
+    a, b, c, sym, tri = _operands(rand)
+    return {
+        "gemm": (lambda: blasx.gemm(1.0, a, b, beta=0.5, c=c), lambda: S.dgemm(1.0, a, b, beta=0.5, c=c), (a, b, c)),
+        "symm": (lambda: blasx.symm(1.0, sym, b, beta=0.5, c=c), lambda: S.dsymm(1.0, sym, b, beta=0.5, c=c),
+                 (sym, b, c)),
+        "syrk": (lambda: blasx.syrk(1.0, a, beta=0.5, c=c), lambda: S.dsyrk(1.0, a, beta=0.5, c=c), (a, c)),
+        "syr2k": (lambda: blasx.syr2k(1.0, a, b), lambda: S.dsyr2k(1.0, a, b), (a, b)),
+        "trmm": (lambda: blasx.trmm(1.0, tri, b), lambda: S.dtrmm(1.0, tri, b), (tri, b)),
+        "trsm": (lambda: blasx.trsm(1.0, tri, b, side=1), lambda: S.dtrsm(1.0, tri, b, side=1), (tri, b)),
+        "matmul": (lambda: blasx.matmul(a, b), lambda: a @ b, (a, b)),
+    }
+
+
+ROUTINES = ("gemm", "symm", "syrk", "syr2k", "trmm", "trsm", "matmul")
+
+
+class Interrupter:
+    """The fault hook: at the ``nth`` time ``phase`` is reached, interrupt the caller of the call
+    (``victims``: thread ident -> None, any call those threads run; default the main thread)."""
+
+    def __init__(self, phase: str, nth: int = 1, victims=None) -> None:
+        self.phase, self.nth = phase, nth
+        self.victims = victims if victims is not None else {threading.main_thread().ident}
+        self.seen = 0
+        self.fired: list = []
+        self.lock = threading.Lock()
+
+    def __call__(self, phase, device, task) -> None:
+        if phase != self.phase:
+            return
+        if phase in CALLER_PHASES:
+            if threading.get_ident() in self.victims and threading.get_ident() not in self.fired:
+                with self.lock:
+                    self.seen += 1
+                    go = self.seen == self.nth
+                if go:
+                    self.fired.append(threading.get_ident())
+                    raise KeyboardInterrupt(f"injected at {phase}")
+            return
+        call = task.call if task is not None else None
+        owner = next((t for t in self.victims if level3.running_call(t) is call), None)
+        if owner is None or owner in self.fired:
+            return
+        with self.lock:
+            self.seen += 1
+            go = self.seen >= self.nth and owner not in self.fired
+            if go:
+                self.fired.append(owner)
+        if go:
+            faults.interrupt(owner)
+            for _ in range(2000):  # hold this operation until the caller has cancelled the call
+                if call.failed:
+                    break
+                threading.Event().wait(0.005)
+
+
+@pytest.fixture
+def hook():
+    installed = []
+
+    def install(h):
+        installed.append(h)
+        faults.install(h)
+        return h
+    yield install
+    faults.install(None)
+
+
+def _blasx_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("blasx"))
+
+
+def _check_after(name, routines, copies, rel_err, threads_before):
+    run, ref, arrays = routines[name]
+    for x, x0 in zip(arrays, copies):
+        assert np.array_equal(x, x0), f"{name}: an operand was written by the cancelled call"
+    eng = blasx.engine()
+    assert eng.leaks() == []
+    assert not eng.dead and all(w.alive for w in eng.workers)
+    assert rel_err(run(), ref()) < 1e-12
+    assert eng.leaks() == []
+    assert _blasx_threads() == threads_before
+
+
+def _interrupted(name, phase, rand, rel_err, hook, nth=1, **config):
+    blasx.configure(devices=config.pop("devices", "sim:2"), tile=TILE, **config)
+    routines = _routines(rand)
+    run, ref, arrays = routines[name]
+    assert rel_err(run(), ref()) < 1e-12  # warm: the engine and its threads are up
+    threads_before = _blasx_threads()
+    copies = [x.copy() for x in arrays]
+    h = hook(Interrupter(phase, nth))
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    faults.install(None)
+    assert h.fired, f"phase {phase} was never reached"
+    _check_after(name, routines, copies, rel_err, threads_before)
+
+
+@pytest.mark.parametrize("phase", CALLER_PHASES + DEVICE_PHASES)
+@pytest.mark.parametrize("name", ROUTINES)
+def test_interrupt_at_each_phase(name, phase, rand, rel_err, hook):
+    _interrupted(name, phase, rand, rel_err, hook, nth=3 if phase == "compute" else 1)
+
+
+@pytest.mark.parametrize("name", ROUTINES)
+def test_interrupt_while_the_cpu_worker_runs_a_task(name, rand, rel_err, hook):
+    """The CPU worker beside a slow one-stream sim (which holds at most three tasks) takes the
+    others by demand; Ctrl-C while it solves one."""
+    _interrupted(name, "cpu", rand, rel_err, hook, devices="sim:1,rate=1e6", cpu=True, streams=1)
+
+
+@pytest.mark.parametrize("name, write", [("gemm", "c"), ("trmm", "b"), ("trsm", "b")])
+def test_interrupted_in_place_call_writes_only_its_output(name, write, rand, rel_err, hook):
+    """With overwrite_c / overwrite_b the output is the caller's array: an interrupted call
+    may have written part of it (documented), and nothing else."""
+    blasx.configure(devices="sim:2", tile=TILE)
+    a, b, c, sym, tri = _operands(rand)
+    a0, tri0 = a.copy(), tri.copy()
+    h = hook(Interrupter("writeback", 2))
+    with pytest.raises(KeyboardInterrupt):
+        if name == "gemm":
+            blasx.gemm(1.0, a, b, beta=0.5, c=c, overwrite_c=1)
+        elif name == "trmm":
+            blasx.trmm(1.0, tri, b, overwrite_b=1)
+        else:
+            blasx.trsm(1.0, tri, b, overwrite_b=1)
+    faults.install(None)
+    assert h.fired
+    assert np.array_equal(a, a0) and np.array_equal(tri, tri0)
+    assert blasx.engine().leaks() == []
+    assert rel_err(blasx.gemm(1.0, a, a0), a0 @ a0) < 1e-12
+
+
+def test_interrupts_in_several_threads_at_once(rand, rel_err, hook):
+    """Six threads call different routines at once; three are interrupted mid-compute (async
+    KeyboardInterrupt). The other three get right answers, the three get KeyboardInterrupt,
+    nothing leaks and every device stays alive."""
+    blasx.configure(devices="sim:3", tile=TILE)
+    routines = _routines(rand)
+    names = ["gemm", "syrk", "trsm", "symm", "syr2k", "matmul"]
+    assert rel_err(routines["gemm"][0](), routines["gemm"][1]()) < 1e-12
+    threads_before = _blasx_threads()
+    results: dict = {}
+    start = threading.Barrier(len(names))
+
+    def worker(i, name):
+        start.wait()
+        try:
+            results[i] = ("ok", routines[name][0]())
+        except KeyboardInterrupt:
+            results[i] = ("interrupted", None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            results[i] = ("error", exc)
+
+    threads = [threading.Thread(target=worker, args=(i, n)) for i, n in enumerate(names)]
+    victims = set()
+    h = hook(Interrupter("compute", 1, victims))
+    for i, t in enumerate(threads):
+        t.start()
+        if i % 2 == 0:
+            victims.add(t.ident)
+    for t in threads:
+        t.join(60)
+    faults.install(None)
+    assert not any(t.is_alive() for t in threads)
+    for i, name in enumerate(names):
+        kind, val = results[i]
+        assert kind != "error", f"{name}: {val!r}"
+        if threads[i].ident in h.fired:
+            assert kind == "interrupted", name
+        else:
+            assert kind == "ok" and rel_err(val, routines[name][1]()) < 1e-12, name
+    assert len(h.fired) >= 1
+    eng = blasx.engine()
+    assert eng.leaks() == [] and all(w.alive for w in eng.workers)
+    assert _blasx_threads() == threads_before
+    assert rel_err(routines["syr2k"][0](), routines["syr2k"][1]()) < 1e-12
+
+
+def test_interrupt_on_the_cpu_alone_reraises_and_the_next_call_works(rand, rel_err, hook):
+    """The CPU as the only device runs tasks in the calling thread (``Engine.inline``)."""
+    blasx.configure(devices="cpu", tile=TILE)
+    routines = _routines(rand)
+    hook(Interrupter("plan"))
+    with pytest.raises(KeyboardInterrupt):
+        routines["gemm"][0]()
+    faults.install(None)
+    assert rel_err(routines["gemm"][0](), routines["gemm"][1]()) < 1e-12

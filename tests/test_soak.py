@@ -1,0 +1,15 @@
+"""The soak (``bench/soak.py``) for about a minute: random calls from 16 threads on the sim
+with device faults and Ctrl-C injected; no wrong answer and no leak."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.slow
+def test_soak_one_minute(capsys):
+    soak = pytest.importorskip("bench.soak")  # run from the repository root
+    rc = soak.main(["--minutes", "1", "--threads", "16", "--seed", "1", "--check", "15"])
+    out = capsys.readouterr().out
+    assert "wrong answers:     0" in out and "leaks:             0" in out, out
+    assert rc == 0
