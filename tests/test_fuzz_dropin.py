@@ -430,8 +430,11 @@ def blas_calls(draw, name):
     if "beta" in dict(params) and (odd_scalar == "beta" or draw(st.booleans())):
         given["beta"] = draw(scalars(optional=True, odd=odd_scalar == "beta", real=real))
     m, n, k = (draw(st.integers(0, 6)) for _ in range(3))
-    if draw(st.integers(0, 9)) == 0:
+    size = draw(st.integers(0, 9))
+    if size == 0:
         m, n, k = (draw(st.sampled_from([0, 1])) for _ in range(3))
+    elif size == 1:  # up to 4 x 4 tiles on the sims
+        m, n, k = (draw(st.integers(7, 12)) for _ in range(3))
     shapes = _shapes(routine, given, m, n, k)
     if "c" not in dict(params) or not draw(st.booleans()):
         shapes.pop("c", None)
