@@ -250,6 +250,9 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     out, _ = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
     if n == 0 or ((alpha == 0 or k == 0) and beta == 1):
         return out  # BLAS quick return: c untouched (also HERK's imaginary diagonal)
+    if k == 0:  # only beta C: an n x 0 operand in op N (a 0 x n one gives BLAS a leading dimension of 0)
+        a = b = xp.zeros((n, 0), dtype=dtype, order="F")
+        trans = OP_N
     a = as_operand(a, dtype)
     allowed = (OP_N, OP_C) if hermitian else (OP_N, OP_T)
     va, op = _rank_view(a, trans, allowed, xp)

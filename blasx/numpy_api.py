@@ -237,6 +237,8 @@ def _dot(a, b, out, out_dtype):
         x, y = _plain(a), _plain(b)
         if x is None or y is None or (out is not None and type(out) is not np.ndarray):
             return _fallback_dot(a, b, out)
+        if y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
+            y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
     if x.ndim == 0 or y.ndim == 0:
         return _fallback_dot(a, b, out)  # a product with a scalar: numpy's multiply
     try:

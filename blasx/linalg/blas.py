@@ -5,16 +5,22 @@ The level-3 wrappers ``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm
 and z) have scipy's names, positional order, keywords, defaults and return
 conventions, and f2py's conversions:
 
-* every array argument is converted to the routine's dtype (lists accepted;
-  complex to real discards the imaginary part with numpy's ComplexWarning, as
-  f2py's cast does), once the call is known to be valid; a 0-d argument is a
-  1x1 matrix, a 1-D one a column; a 0-d or 1-D ``c`` (``b`` for trmm/trsm)
-  gives a result of its own shape, as f2py's does;
-* alpha and beta are converted as f2py does (a complex value for a real
-  routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads as
-  real, lose their imaginary part, with a ComplexWarning here); the int flags
-  (``trans*``, ``side``, ``lower``, ``diag``, ``overwrite_*``) are converted
-  with ``int()``;
+* every array argument is converted to the routine's dtype (an array once the
+  call is known to be valid, complex to real discarding the imaginary part with
+  numpy's ComplexWarning, as f2py's cast does; lists and scalars made arrays of
+  that dtype, so complex numbers in a list for a real routine are a TypeError,
+  as there); a 0-d argument is a 1x1 matrix, a 1-D one a column (``(0,)`` is
+  1x0), an N-D one with at most two dimensions other than 1 the matrix of
+  those; a ``c`` (``b`` for trmm/trsm) of another rank gives a result of its
+  own shape, as f2py's does;
+* alpha and beta are converted as f2py does: numbers, the first element of a
+  sequence or array, numeric strings for real routines (a complex value for a
+  real routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads
+  as real, lose their imaginary part, with a ComplexWarning here); the int
+  flags (``trans*``, ``side``, ``lower``, ``diag``) as f2py does (``int()``,
+  a complex's real part, a sequence's first element) and range-checked first,
+  ``overwrite_*`` by ``__index__``; None for an optional argument is its
+  default;
 * the result is a new F-ordered array, or c (b for trmm/trsm) itself when
   ``overwrite_c`` (``overwrite_b``) is set and c is F-contiguous, writable and
   of the routine's dtype, exactly when scipy writes in place;
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import operator
 import warnings
 
 import numpy as np
@@ -80,6 +87,7 @@ _FAMILY = {"gemm": "gemm", "symm": "symm", "hemm": "symm", "syrk": "syrk", "herk
            "syr2k": "syr2k", "her2k": "syr2k", "trmm": "trmm", "trsm": "trmm"}
 _ARRAYS = ("a", "b", "c")
 _FLAGS = ("trans_a", "trans_b", "trans", "side", "lower", "diag")
+_FLAG_MAX = {"trans_a": 2, "trans_b": 2, "trans": 2, "side": 1, "lower": 1, "diag": 1}  # f2py's checks
 _OVERWRITE = ("overwrite_c", "overwrite_b")
 
 
@@ -118,20 +126,10 @@ def _fast_binder(sig: inspect.Signature):
 
 
 def _scalar(name: str, value, dtype: np.dtype, real: bool):
-    """alpha / beta as f2py converts them: a number (or a one-element array) of the routine's type."""
+    """alpha / beta as f2py converts them: a number of the routine's type (see :func:`_number`)."""
     if type(value) is float or type(value) is int:  # the common cases, without the abc checks
         return complex(value) if dtype.kind == "c" and not real else float(value)
-    if isinstance(value, (list, tuple)):  # f2py takes a one-element sequence too
-        value = np.asarray(value)
-    if isinstance(value, np.ndarray) or is_cupy(value):
-        if value.size != 1:
-            raise ValueError(f"{name}: got an array of shape {tuple(value.shape)}; expected a number "
-                             f"(or an array holding one)")
-        value = value.item() if not is_cupy(value) else value.get().item()
-    if isinstance(value, (bool, np.bool_)):
-        value = int(value)
-    if not isinstance(value, numbers.Number):
-        raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected a number")
+    value = _number(name, value, dtype)
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if real or dtype.kind != "c":
             if value.imag != 0:
@@ -143,50 +141,120 @@ def _scalar(name: str, value, dtype: np.dtype, real: bool):
     return complex(value) if dtype.kind == "c" and not real else float(value)
 
 
-def _flag(name: str, value) -> int:
-    """An int argument, converted with int() as f2py does (bools and integral floats included)."""
-    if type(value) is int:
+def _number(name: str, value, dtype: np.dtype):
+    """The number f2py reads from a scalar argument: a number as it is; of a sequence or array, its
+    first element (any size); for real routines also a numeric string (float()). Raises f2py's
+    exception types: TypeError (None, other objects, strings for complex routines), ValueError (a
+    string float() rejects), IndexError (an empty sequence, and for real routines a 0-d complex array)."""
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, numbers.Number):
         return value
+    if isinstance(value, (str, bytes)):
+        if dtype.kind == "c":
+            raise TypeError(f"{name}: got the string {value!r}; expected a number (scipy converts strings "
+                            f"for real routines only)")
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}: cannot convert the string {value!r} to a number") from None
+    if is_cupy(value):
+        value = value.get()
+    if isinstance(value, np.ndarray):
+        if value.size == 0:
+            raise IndexError(f"{name}: got an empty array; expected a number (or an array holding one)")
+        if value.ndim == 0 and value.dtype.kind == "c" and dtype.kind != "c":
+            raise IndexError(f"{name}: got a 0-d complex array for a {dtype.name} routine (scipy rejects it); "
+                             f"pass a number")
+        first = value.reshape(-1)[:1]
+        return _number(name, first.astype(np.complex128)[0] if dtype.kind == "c" and first.dtype.kind in "SUO"
+                       else first[0], dtype)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise IndexError(f"{name}: got an empty {type(value).__name__}; expected a number")
+        return _number(name, value[0], dtype)
+    raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected a number")
+
+
+_INT_MAX = 2**31 - 1
+
+
+def _flag(name: str, value) -> int:
+    """An int flag as f2py converts it: int() of a number or numeric string, a complex's real part,
+    a sequence's first element (None, meaning the default, is handled by the caller)."""
+    if type(value) is not int:
+        value = _int_of(name, value)
+    if not -_INT_MAX - 1 <= value <= _INT_MAX:
+        raise OverflowError(f"{name}: {value} does not fit a C int")
+    return value
+
+
+def _int_of(name: str, value) -> int:
     if isinstance(value, (bool, np.bool_, numbers.Integral)):
         return int(value)
-    if isinstance(value, numbers.Real) or isinstance(value, str):
+    if isinstance(value, (numbers.Real, str, bytes)) or (isinstance(value, np.ndarray) and value.ndim == 0
+                                                        and value.dtype.kind in "biuf"):
         try:
             return int(value)
-        except (TypeError, ValueError):
+        except ValueError:
+            raise ValueError(f"{name}: cannot convert {value!r} to an int") from None
+        except TypeError:
             pass
+    if isinstance(value, numbers.Complex):
+        return _int_of(name, value.real)
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value):
+        return _int_of(name, value[0])
     raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int")
 
 
+def _overwrite(name: str, value) -> int:
+    """``overwrite_*`` as f2py reads it: an int by ``__index__`` (no floats, no None)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int") from None
+    if not -_INT_MAX - 1 <= value <= _INT_MAX:
+        raise OverflowError(f"{name}: {value} does not fit a C int")
+    return value
+
+
 def _array(name: str, x, dtype: np.dtype):
-    """An array argument as f2py takes it, not yet converted to ``dtype`` (the routine converts
-    it once the call is valid; no copy of an array of numbers)."""
+    """An array argument as f2py takes it: an array of numbers not yet converted to ``dtype`` (the
+    routine converts it once the call is valid; no copy), anything else made an array of ``dtype``
+    as f2py makes it (a list of complex numbers for a real routine is a TypeError, as there)."""
     if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without the checks below
         return x
-    if not is_cupy(x):
+    if is_cupy(x):
+        return x
+    if not isinstance(x, np.ndarray):
         try:
-            x = np.asarray(x)
+            return np.asarray(x, dtype=dtype)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}: cannot make an array of {type(x).__name__}: {e}") from None
-    if x.dtype.kind == "O":  # numbers in an object array: converted here (f2py converts them too)
+            raise type(e)(f"{name}: cannot make a {dtype.name} array of {type(x).__name__}: {e}") from None
+    if x.dtype.kind in "OSU":  # numbers in an object or string array: converted here (f2py converts them too)
         try:
             x = x.astype(dtype)
         except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}: cannot convert the object array to {dtype.name}: {e}") from None
+            raise type(e)(f"{name}: cannot convert the {x.dtype} array to {dtype.name}: {e}") from None
     elif x.dtype.kind not in "biufc":
         raise TypeError(f"{name}: got a {x.dtype} array; allowed: numbers (converted to {dtype.name})")
     return x
 
 
 def _matrix(name: str, x):
-    """An array as f2py reads a matrix: 0-d -> 1x1, 1-D -> a column (views)."""
+    """An array as f2py reads a matrix (views): 0-d -> 1x1; 1-D -> a column ((0,) -> 1x0); N-D ->
+    its dimensions other than 1, padded with 1s, when at most two are other than 1 and none is 0."""
+    if x.ndim == 2:
+        return x
     if x.ndim == 0:
         return x.reshape(1, 1)
     if x.ndim == 1:
-        return x.reshape(-1, 1)
-    if x.ndim > 2:
+        return x.reshape(-1, 1) if x.shape[0] else x.reshape(1, 0)
+    rest = [d for d in x.shape if d != 1]
+    if len(rest) > 2 or 0 in rest:
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {tuple(x.shape)}; allowed: a matrix "
-                         f"(0-, 1- or 2-D)")
-    return x
+                         f"(0-, 1- or 2-D, or N-D with at most two dimensions other than 1, none of them 0)")
+    return x.reshape(*rest, *(1,) * (2 - len(rest)))
 
 
 def _in_place(x, dtype, overwrite: int) -> bool:
@@ -196,7 +264,7 @@ def _in_place(x, dtype, overwrite: int) -> bool:
 
 def _shaped(res, out, out2):
     """The result as f2py gives it for an output argument ``out`` (None: none; ``out2``: its
-    matrix view) of rank < 2: of out's own shape, ``out`` itself when written in place."""
+    matrix view) of rank other than 2: of out's own shape, ``out`` itself when written in place."""
     if out is None or out.ndim == 2:
         return res
     return out if res is out2 else res.reshape(out.shape)
@@ -226,15 +294,17 @@ def _make(prefix: str, routine: str):
                 raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
             bound.apply_defaults()
             v = dict(bound.arguments)
-        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=(routine == "herk"))
-        if "beta" in v:
-            v["beta"] = _scalar("beta", v["beta"], dtype, real=hermitian)
-        for k in _FLAGS:
+        for k in _FLAGS:  # first, with f2py's range checks, as f2py does
             if k in v:
-                v[k] = _flag(k, v[k])
+                v[k] = 0 if v[k] is None else _flag(k, v[k])  # None: the default, as f2py takes it
+                if not 0 <= v[k] <= _FLAG_MAX[k]:
+                    raise ValueError(f"{k}: got {v[k]}; allowed: 0 to {_FLAG_MAX[k]}")
         for k in _OVERWRITE:
             if k in v:
-                v[k] = _flag(k, v[k])
+                v[k] = _overwrite(k, v[k])
+        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=(routine == "herk"))
+        if "beta" in v:
+            v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, real=hermitian)
         out = None
         for k in _ARRAYS:
             if k in v and v[k] is not None:
