@@ -182,9 +182,12 @@ class CudaDevice(StreamDevice):
             return base
 
     def is_device_error(self, exc: BaseException) -> bool:
-        """CUDA and cuBLAS errors break the device, except an out-of-memory (the call fails)."""
-        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() \
-                or "memoryallocation" in str(exc).lower():
+        """CUDA and cuBLAS errors break the device, except an out-of-memory and a cuBLAS status
+        that rejects the call's arguments (NOT_SUPPORTED, INVALID_VALUE): those fail the call."""
+        text = str(exc).lower()
+        if isinstance(exc, MemoryError) or "out of memory" in text or "memoryallocation" in text:
+            return False
+        if type(exc).__name__ == "CUBLASError" and ("not_supported" in text or "invalid_value" in text):
             return False
         return type(exc).__name__ in ("CUDARuntimeError", "CUBLASError", "CUDADriverError")
 
@@ -255,7 +258,10 @@ class CudaDevice(StreamDevice):
         have = operand.array.dtype if task is None else task.call.wb_dtype
         if have != operand.array.dtype:  # round the accumulated tile to C's type first
             stage = self._stage(s, ref.rows * ref.cols * isz)
-            self._convert(s, src[0], src[1], have, stage, ref.rows, operand.array.dtype, ref.rows, ref.cols)
+            over = None
+            if operand.array.dtype == np.float16:  # count overflows where they happen, per device
+                over = task.call.overflow_counter(self.index, lambda: self._counter(s)).array
+            self._convert(s, src[0], src[1], have, stage, ref.rows, operand.array.dtype, ref.rows, ref.cols, over)
             src = (stage, ref.rows)
         self._copy_2d(s, "out", operand, ptr, ld * isz, src[0], src[1] * isz, ref.rows, ref.cols, isz)
 
@@ -264,10 +270,18 @@ class CudaDevice(StreamDevice):
         with self.streams[s]:
             return self._scratch(s, nbytes)
 
-    def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols) -> None:
-        """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel)."""
+    def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols, over=None) -> None:
+        """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel);
+        ``over``: a uint64 counter in this device's memory that float16 overflows are added to."""
         with self.streams[s]:
-            convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols)
+            convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols, over)
+
+    def _counter(self, s: int) -> "_DeviceCount":
+        """A zeroed overflow counter on this device, zeroed on stream ``s`` (the write-back
+        stream, where every conversion that adds to it runs)."""
+        import cupy
+        with cupy.cuda.Device(self.ordinal), self.streams[s]:
+            return _DeviceCount(cupy.zeros(1, dtype=np.uint64), self.ordinal)
 
     def dequantize(self, s, loc, rows: int, cols: int, row_scale, col_scale) -> None:
         """The int32 tile at ``loc`` -> float32 ``tile * row_scale[:, None] * col_scale[None, :]``
@@ -330,9 +344,46 @@ class CudaDevice(StreamDevice):
         sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
         t_in, t_acc = dtypes.CUDA_TYPE[call.dtype], dtypes.CUDA_TYPE[call.acc_dtype]
         compute = dtypes.compute_type(dtypes.gemm_of(call.dtype), call.math)
-        fn(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k, sc + step.alpha * ssz,
+        m, k, op_a, op_b = step.m, step.k, step.op_a, step.op_b
+        if call.pad_ld == 4:
+            m, k, op_a, op_b, a, b = self._imma_operands(s, step, a, b)
+        fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
            a[0], t_in, a[1], b[0], t_in, b[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
            dtypes.CUBLAS_GEMM_DEFAULT)
+
+    def _imma_operands(self, s, step, a, b):
+        """int8 operands as cuBLAS's int8 kernels (IMMA) need them: m and k multiples of 4,
+        leading dimensions multiples of 4, 4-byte aligned pointers (else the call returns
+        CUBLAS_STATUS_NOT_SUPPORTED). Otherwise both go to the IMMA kernels' preferred "TN" form:
+        A transposed and B not (k-major), copied where they are not (transposed, zero-padded to
+        m4 x k4 and k4 x n: zeros add nothing) into this stream's scratch; C's rows m..m4 then lie
+        in its ld padding (a multiple of 4) and are never read. Returns (m, k, op_a, op_b, a, b)."""
+        import cupy
+        m, n, k = step.m, step.n, step.k
+        m4, k4 = -(-m // 4) * 4, -(-k // 4) * 4
+        a_ok, b_ok = a[1] % 4 == 0 and a[0] % 4 == 0, b[1] % 4 == 0 and b[0] % 4 == 0
+        if a_ok and b_ok and (m, k) == (m4, k4):
+            return m, k, step.op_a, step.op_b, a, b
+        direct_a = step.op_a != 0 and (m, k) == (m4, k4) and a_ok and a[0] % 16 == 0
+        direct_b = step.op_b == 0 and k == k4 and b_ok and b[0] % 16 == 0
+        size_a = 0 if direct_a else -(-k4 * m4 // 256) * 256
+        base = self._scratch(s, size_a + (0 if direct_b else k4 * n))
+        with self.streams[s]:
+            if not direct_a:  # A' (k4 x m4) with A'^T = op_a(A), padded with zeros
+                src = device_view(a[0], *((m, k) if step.op_a == 0 else (k, m)), a[1], np.int8)
+                dst = device_view(base, k4, m4, k4, np.int8)
+                if (m4, k4) != (m, k):
+                    dst.fill(0)
+                cupy.copyto(dst[:k, :m], src.T if step.op_a == 0 else src)
+                a = (base, k4)
+            if not direct_b:  # B' (k4 x n) = op_b(B), padded with zeros
+                src = device_view(b[0], *((k, n) if step.op_b == 0 else (n, k)), b[1], np.int8)
+                dst = device_view(base + size_a, k4, n, k4, np.int8)
+                if k4 != k:
+                    dst.fill(0)
+                cupy.copyto(dst[:k, :], src if step.op_b == 0 else src.T)
+                b = (base + size_a, k4)
+        return m4, k4, 1, 0, a, b
 
     # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
     # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
@@ -619,24 +670,46 @@ def _kernels() -> dict:
             "unsigned int u = __float_as_uint(x);"
             "y = isnan(x) ? (unsigned short)((u >> 16) | 0x40u)"
             " : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)", "blasx_f32_to_bf16")
+        # an overflow is an inf result from a finite accumulator (inf and NaN in it propagate)
+        _KERNELS["f32_to_f16"] = ek(
+            "float32 x, raw uint64 over", "float16 y",
+            "y = (float16)x; if (isinf((float)y) && isfinite(x)) atomicAdd(&over[0], 1ULL)",
+            "blasx_f32_to_f16_count")
         _KERNELS["dequantize"] = ek("int32 x, float32 r, float32 c", "float32 y", "y = (float)x * r * c",
                                     "blasx_dequantize")
     return _KERNELS
 
 
-def convert_tile(src: int, sld: int, sdtype, dst: int, dld: int, ddtype, rows: int, cols: int) -> None:
+def convert_tile(src: int, sld: int, sdtype, dst: int, dld: int, ddtype, rows: int, cols: int,
+                 over=None) -> None:
     """Convert a rows x cols column-major tile from ``sdtype`` at ``src`` to ``ddtype`` at ``dst``
-    on the current stream: half and int types by CuPy's casts, bfloat16 by its bits."""
+    on the current stream: half and int types by CuPy's casts, bfloat16 by its bits. ``over``
+    (float32 -> float16): a uint64 device counter that the overflows are added to."""
     import cupy
     x = device_view(src, rows, cols, sld, sdtype)
     y = device_view(dst, rows, cols, dld, ddtype)
     bf = dtypes.GEMM_BY_PREFIX.get("b")
-    if bf is not None and np.dtype(sdtype) == bf.dtype:
+    if over is not None and x.dtype == np.float32 and y.dtype == np.float16:
+        _kernels()["f32_to_f16"](x, over, y)
+    elif bf is not None and np.dtype(sdtype) == bf.dtype:
         _kernels()["bf16_to_f32"](x, y)
     elif bf is not None and np.dtype(ddtype) == bf.dtype:
         _kernels()["f32_to_bf16"](x, y)
     else:
         cupy.copyto(y, x, casting="unsafe")
+
+
+class _DeviceCount:
+    """A call's float16 overflow count in one device's memory; ``int()`` reads it (after the call)."""
+
+    def __init__(self, array, ordinal: int) -> None:
+        self.array = array
+        self.ordinal = ordinal
+
+    def __int__(self) -> int:
+        import cupy
+        with cupy.cuda.Device(self.ordinal):
+            return int(self.array.get()[0])
 
 
 _IDENTITIES: dict = {}
