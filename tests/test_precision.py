@@ -163,6 +163,35 @@ def test_float16_overflow_warns_and_propagation_does_not(dev):
     assert np.isnan(c[5]).all() and not np.isfinite(c[3]).all()
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_float16_overflow_counts_each_rounded_value(dev):
+    """Counted where C is rounded: an inf from a finite float32 sum is one; a NaN row from a NaN
+    input is not; C = beta C (alpha 0) counts too. The warning names the caller's line."""
+    _configure(dev)
+    a = np.ones((40, 40), np.float16)
+    a[0, :] = 100  # row 0: 40 * 100 * 100 = 400000 > 65504
+    a[5, 6] = np.nan  # row 5: NaN, propagated
+    b = np.full((40, 40), 100.0, np.float16)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        c = blasx.matmul(a, b)
+    assert [str(w.message).split(" result")[0] for w in got] == ["float16 overflow: 40 of 1600"]
+    assert got[0].category is P.Float16OverflowWarning and got[0].lineno == _line_of("c = blasx.matmul(a, b)")
+    assert np.isinf(c[0]).all() and np.isnan(c[5]).all() and np.isfinite(np.delete(c, [0, 5], 0)).all()
+    with pytest.warns(P.Float16OverflowWarning, match="25 of 25"):
+        blasx.gemm(0.0, a[:5], b[:, :5], beta=2.0, c=np.full((5, 5), 60000.0, np.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", P.Float16OverflowWarning)
+        blasx.gemm(1.0, a[1:5], b, out_dtype=np.float32)  # a float32 output never overflows
+
+
+def _line_of(text: str) -> int:
+    """The line of this file's function holding ``text`` (the warning's line, without file paths)."""
+    import inspect
+    lines, start = inspect.getsourcelines(test_float16_overflow_counts_each_rounded_value)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
 @pytest.mark.parametrize("dt", HALF_TYPES, ids=lambda t: np.dtype(t).name)
 def test_batched_and_vector_matmul(dt):
     _configure("sim:2")
@@ -248,6 +277,18 @@ def test_tf32_is_opt_in_and_reported_on_the_sim():
         blasx.configure(math="fast")
 
 
+def test_profile_report_names_the_math_mode():
+    _configure("sim:2")
+    a = _normal((40, 40), np.float32)
+    blasx.gemm(1.0, a, a, math="tf32")
+    assert "math tf32" in blasx.last_profile().report().splitlines()[0]
+    blasx.matmul(a, a)
+    assert "math ieee" in blasx.last_profile().report().splitlines()[0]
+    blasx.configure(devices="cpu")
+    blasx.gemm(1.0, a, a, math="tf32")  # the host BLAS: IEEE
+    assert "math ieee" in blasx.last_profile().report().splitlines()[0]
+
+
 def test_tf32_on_the_cpu_is_ieee():
     """The CPU has no TF32 units: a CPU-only engine computes float32 in IEEE and says so."""
     blasx.configure(devices="cpu", math="tf32")
@@ -255,6 +296,19 @@ def test_tf32_on_the_cpu_is_ieee():
     c = blasx.gemm(1.0, a, b)
     assert blasx.last_profile().host["math"] == "ieee"
     assert np.linalg.norm(c - _ref(a, b)) / np.linalg.norm(_ref(a, b)) <= P.tolerance(np.float32, 90)
+
+
+def test_cublas_argument_errors_fail_the_call_not_the_device():
+    """cuBLAS's NOT_SUPPORTED / INVALID_VALUE reject one call's arguments; other statuses break the device."""
+    from blasx.runtime.devices.cuda import CudaDevice
+
+    class CUBLASError(Exception):  # CuPy's exception, by name
+        pass
+    judge = CudaDevice.is_device_error
+    assert not judge(None, CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED"))
+    assert not judge(None, CUBLASError("CUBLAS_STATUS_INVALID_VALUE"))
+    assert not judge(None, MemoryError("out of memory"))
+    assert judge(None, CUBLASError("CUBLAS_STATUS_EXECUTION_FAILED"))
 
 
 # ---------------------------------------------------------------- quantization
