@@ -226,12 +226,12 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
 
 def _scale_mixed(c, dtype, beta) -> None:
     """C = beta C of a mixed call in its compute type (alpha 0 or k 0: no product), here."""
+    if beta == 0:
+        c[...] = 0
+        return
     acc = np.dtype(dtypes.gemm_of(dtype).compute)
     with np.errstate(over="ignore", invalid="ignore"):
-        scaled = c.astype(acc) * acc.type(beta) if beta != 0 else None
-        if scaled is None:
-            c[...] = 0
-            return
+        scaled = c.astype(acc) * acc.type(beta)
         c[...] = scaled
     if c.dtype == _F16:
         xp = array_module(is_cupy(c))

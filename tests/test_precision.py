@@ -311,6 +311,46 @@ def test_cublas_argument_errors_fail_the_call_not_the_device():
     assert judge(None, CUBLASError("CUBLAS_STATUS_EXECUTION_FAILED"))
 
 
+@pytest.mark.parametrize("ops", [(0, 0), (1, 0), (0, 1), (1, 1)], ids=["NN", "TN", "NT", "TT"])
+@pytest.mark.parametrize("dims", [(8, 12, 16), (7, 5, 9), (8, 5, 10), (6, 3, 8)], ids=str)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "odd-ld"])
+def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, aligned):
+    """The cuda backend's int8 operand fix-up (CudaDevice._imma_operands), on numpy memory: m, k
+    and the leading dimensions it hands cuBLAS are multiples of 4 and the product is unchanged."""
+    import types
+    from collections import namedtuple
+    from contextlib import nullcontext
+    from blasx.runtime.devices import cuda as cuda_mod
+
+    arena = np.zeros(1 << 16, np.uint8)
+
+    def view(ptr, rows, cols, ld, dtype):
+        return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.dtype(dtype)), (rows, cols), (1, ld))
+    monkeypatch.setattr(cuda_mod, "device_view", view)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(copyto=np.copyto))
+    fake = types.SimpleNamespace(streams={0: nullcontext()}, _scratch=lambda s, nbytes: 32768)
+    m, n, k = dims
+    op_a, op_b = ops
+    rng = np.random.default_rng(sum(dims))
+    a = rng.integers(-128, 128, (k, m) if op_a else (m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (n, k) if op_b else (k, n)).astype(np.int8)
+    if aligned:  # heap tiles: leading dimensions padded to 4, aligned offsets
+        (pa, lda), (pb, ldb) = (0, -(-a.shape[0] // 4) * 4), (4096, -(-b.shape[0] // 4) * 4)
+    else:  # in-core sub-matrices: odd leading dimensions and offsets
+        (pa, lda), (pb, ldb) = (1, a.shape[0] + 1), (4001, b.shape[0] + 3)
+    view(pa, *a.shape, lda, np.int8)[...] = a
+    view(pb, *b.shape, ldb, np.int8)[...] = b
+    Step = namedtuple("Step", "m n k op_a op_b")
+    m2, k2, oa, ob, a2, b2 = cuda_mod.CudaDevice._imma_operands(fake, 0, Step(m, n, k, op_a, op_b),
+                                                                (pa, lda), (pb, ldb))
+    assert m2 % 4 == 0 and k2 % 4 == 0 and a2[1] % 4 == 0 and b2[1] % 4 == 0 and a2[0] % 4 == 0 == b2[0] % 4
+    ta = view(a2[0], *((m2, k2) if oa == 0 else (k2, m2)), a2[1], np.int8).astype(np.int64)
+    tb = view(b2[0], *((k2, n) if ob == 0 else (n, k2)), b2[1], np.int8).astype(np.int64)
+    got = (ta if oa == 0 else ta.T) @ (tb if ob == 0 else tb.T)
+    ref = (a.T if op_a else a).astype(np.int64) @ (b.T if op_b else b).astype(np.int64)
+    assert np.array_equal(got[:m], ref)
+
+
 # ---------------------------------------------------------------- quantization
 
 def test_quantize_per_tensor_and_per_channel():
