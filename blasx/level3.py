@@ -11,8 +11,6 @@ is the only device, else the engine; reduced types always on the engine).
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import dispatch, precision
 from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
