@@ -351,6 +351,44 @@ def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, alig
     assert np.array_equal(got[:m], ref)
 
 
+@pytest.mark.parametrize("ops", [(0, 0), (1, 1)], ids=["NN", "TT"])
+def test_int8_exact_path_where_cublas_refuses(monkeypatch, ops):
+    """The cuda backend's fallback for int8 forms cuBLAS refuses (CudaDevice._int8_exact), on numpy
+    memory: alpha op(A) op(B) + beta C in int32, exact."""
+    import types
+    from collections import namedtuple
+    from contextlib import nullcontext
+    from blasx.runtime.devices import cuda as cuda_mod
+    from blasx.runtime.tasks import SC_ALPHA, SC_BETA
+
+    arena = np.zeros(1 << 16, np.uint8)
+
+    def view(ptr, rows, cols, ld, dtype):
+        dt = np.dtype(dtype)
+        return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.uint8)[:(rows + ld * cols) * dt.itemsize]
+                                               .view(dt), (rows, cols), (dt.itemsize, ld * dt.itemsize))
+    monkeypatch.setattr(cuda_mod, "device_view", view)
+    monkeypatch.setitem(__import__("sys").modules, "cupy",
+                        types.SimpleNamespace(copyto=np.copyto, matmul=np.matmul))
+    fake = types.SimpleNamespace(streams={0: nullcontext()})
+    m, n, k = 7, 5, 9
+    op_a, op_b = ops
+    rng = np.random.default_rng(1)
+    a = rng.integers(-128, 128, (k, m) if op_a else (m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (n, k) if op_b else (k, n)).astype(np.int8)
+    c0 = rng.integers(-1000, 1000, (m, n)).astype(np.int32)
+    view(0, *a.shape, a.shape[0] + 1, np.int8)[...] = a
+    view(1024, *b.shape, b.shape[0], np.int8)[...] = b
+    view(4096, m, n, 8, np.int32)[...] = c0
+    call = types.SimpleNamespace(scalars=np.zeros(8, np.int32))
+    call.scalars[SC_ALPHA], call.scalars[SC_BETA] = 3, -2
+    Step = namedtuple("Step", "m n k op_a op_b alpha beta")
+    cuda_mod.CudaDevice._int8_exact(fake, 0, Step(m, n, k, op_a, op_b, SC_ALPHA, SC_BETA), call,
+                                    (0, a.shape[0] + 1), (1024, b.shape[0]), (4096, 8))
+    ref = 3 * ((a.T if op_a else a).astype(np.int64) @ (b.T if op_b else b)) - 2 * c0.astype(np.int64)
+    assert np.array_equal(view(4096, m, n, 8, np.int32), ref)
+
+
 # ---------------------------------------------------------------- quantization
 
 def test_quantize_per_tensor_and_per_channel():

@@ -344,12 +344,38 @@ class CudaDevice(StreamDevice):
         sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
         t_in, t_acc = dtypes.CUDA_TYPE[call.dtype], dtypes.CUDA_TYPE[call.acc_dtype]
         compute = dtypes.compute_type(dtypes.gemm_of(call.dtype), call.math)
-        m, k, op_a, op_b = step.m, step.k, step.op_a, step.op_b
+        m, k, op_a, op_b, ta, tb = step.m, step.k, step.op_a, step.op_b, a, b
         if call.pad_ld == 4:
-            m, k, op_a, op_b, a, b = self._imma_operands(s, step, a, b)
-        fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
-           a[0], t_in, a[1], b[0], t_in, b[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
-           dtypes.CUBLAS_GEMM_DEFAULT)
+            if self._blas.get("int8_refused"):
+                self._int8_exact(s, step, call, a, b, c)
+                return
+            m, k, op_a, op_b, ta, tb = self._imma_operands(s, step, a, b)
+        try:
+            fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
+               ta[0], t_in, ta[1], tb[0], t_in, tb[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
+               dtypes.CUBLAS_GEMM_DEFAULT)
+        except Exception as exc:  # noqa: BLE001 - cuBLAS's status, from CuPy's binding or ctypes
+            if call.pad_ld != 4 or not ("NOT_SUPPORTED" in str(exc) or str(exc).endswith("cublasStatus_t 15")):
+                raise
+            self._blas["int8_refused"] = True  # refused before any work: this device takes the exact path from now on
+            self._int8_exact(s, step, call, a, b, c)
+
+    def _int8_exact(self, s, step, call, a, b, c) -> None:
+        """int8 gemm where cuBLAS's int8 kernels refuse the call: the tiles widened to float64 and
+        multiplied by CuPy's matmul (DGEMM), exact while k 2^14 < 2^53, then alpha P + beta C in
+        int64 stored to the int32 C tile (wrapping as int32 arithmetic does)."""
+        import cupy
+        m, n, k = step.m, step.n, step.k
+        with self.streams[s]:
+            fa = device_view(a[0], *((m, k) if step.op_a == 0 else (k, m)), a[1], np.int8).astype(np.float64)
+            fb = device_view(b[0], *((k, n) if step.op_b == 0 else (n, k)), b[1], np.int8).astype(np.float64)
+            prod = cupy.matmul(fa if step.op_a == 0 else fa.T, fb if step.op_b == 0 else fb.T)
+            cv = device_view(c[0], m, n, c[1], np.int32)
+            res = prod.astype(np.int64) * int(call.scalars[step.alpha])
+            beta = int(call.scalars[step.beta])
+            if beta != 0:
+                res += cv.astype(np.int64) * beta
+            cupy.copyto(cv, res.astype(np.int32))
 
     def _imma_operands(self, s, step, a, b):
         """int8 operands as cuBLAS's int8 kernels (IMMA) need them: m and k multiples of 4,
