@@ -315,20 +315,19 @@ def test_cublas_argument_errors_fail_the_call_not_the_device():
 @pytest.mark.parametrize("dims", [(8, 12, 16), (7, 5, 9), (8, 5, 10), (6, 3, 8)], ids=str)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "odd-ld"])
 def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, aligned):
-    """The cuda backend's int8 operand fix-up (CudaDevice._imma_operands), on numpy memory: m, k
+    """The cuda backend's int8 operand fix-up (cuda_lowp.imma_operands), on numpy memory: m, k
     and the leading dimensions it hands cuBLAS are multiples of 4 and the product is unchanged."""
     import types
     from collections import namedtuple
     from contextlib import nullcontext
-    from blasx.runtime.devices import cuda as cuda_mod
+    from blasx.runtime.devices import cuda_lowp
 
     arena = np.zeros(1 << 16, np.uint8)
 
     def view(ptr, rows, cols, ld, dtype):
         return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.dtype(dtype)), (rows, cols), (1, ld))
-    monkeypatch.setattr(cuda_mod, "device_view", view)
+    monkeypatch.setattr(cuda_lowp, "device_view", view)
     monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(copyto=np.copyto))
-    fake = types.SimpleNamespace(streams={0: nullcontext()}, _scratch=lambda s, nbytes: 32768)
     m, n, k = dims
     op_a, op_b = ops
     rng = np.random.default_rng(sum(dims))
@@ -341,8 +340,8 @@ def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, alig
     view(pa, *a.shape, lda, np.int8)[...] = a
     view(pb, *b.shape, ldb, np.int8)[...] = b
     Step = namedtuple("Step", "m n k op_a op_b")
-    m2, k2, oa, ob, a2, b2 = cuda_mod.CudaDevice._imma_operands(fake, 0, Step(m, n, k, op_a, op_b),
-                                                                (pa, lda), (pb, ldb))
+    m2, k2, oa, ob, a2, b2 = cuda_lowp.imma_operands(lambda nbytes: 32768, nullcontext(), Step(m, n, k, op_a, op_b),
+                                                     (pa, lda), (pb, ldb))
     assert m2 % 4 == 0 and k2 % 4 == 0 and a2[1] % 4 == 0 and b2[1] % 4 == 0 and a2[0] % 4 == 0 == b2[0] % 4
     ta = view(a2[0], *((m2, k2) if oa == 0 else (k2, m2)), a2[1], np.int8).astype(np.int64)
     tb = view(b2[0], *((k2, n) if ob == 0 else (n, k2)), b2[1], np.int8).astype(np.int64)
@@ -353,12 +352,12 @@ def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, alig
 
 @pytest.mark.parametrize("ops", [(0, 0), (1, 1)], ids=["NN", "TT"])
 def test_int8_exact_path_where_cublas_refuses(monkeypatch, ops):
-    """The cuda backend's fallback for int8 forms cuBLAS refuses (CudaDevice._int8_exact), on numpy
+    """The cuda backend's fallback for int8 forms cuBLAS refuses (cuda_lowp.int8_exact), on numpy
     memory: alpha op(A) op(B) + beta C in int32, exact."""
     import types
     from collections import namedtuple
     from contextlib import nullcontext
-    from blasx.runtime.devices import cuda as cuda_mod
+    from blasx.runtime.devices import cuda_lowp
     from blasx.runtime.tasks import SC_ALPHA, SC_BETA
 
     arena = np.zeros(1 << 16, np.uint8)
@@ -367,10 +366,9 @@ def test_int8_exact_path_where_cublas_refuses(monkeypatch, ops):
         dt = np.dtype(dtype)
         return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.uint8)[:(rows + ld * cols) * dt.itemsize]
                                                .view(dt), (rows, cols), (dt.itemsize, ld * dt.itemsize))
-    monkeypatch.setattr(cuda_mod, "device_view", view)
+    monkeypatch.setattr(cuda_lowp, "device_view", view)
     monkeypatch.setitem(__import__("sys").modules, "cupy",
                         types.SimpleNamespace(copyto=np.copyto, matmul=np.matmul))
-    fake = types.SimpleNamespace(streams={0: nullcontext()})
     m, n, k = 7, 5, 9
     op_a, op_b = ops
     rng = np.random.default_rng(1)
@@ -383,8 +381,8 @@ def test_int8_exact_path_where_cublas_refuses(monkeypatch, ops):
     call = types.SimpleNamespace(scalars=np.zeros(8, np.int32))
     call.scalars[SC_ALPHA], call.scalars[SC_BETA] = 3, -2
     Step = namedtuple("Step", "m n k op_a op_b alpha beta")
-    cuda_mod.CudaDevice._int8_exact(fake, 0, Step(m, n, k, op_a, op_b, SC_ALPHA, SC_BETA), call,
-                                    (0, a.shape[0] + 1), (1024, b.shape[0]), (4096, 8))
+    cuda_lowp.int8_exact(nullcontext(), Step(m, n, k, op_a, op_b, SC_ALPHA, SC_BETA), call,
+                         (0, a.shape[0] + 1), (1024, b.shape[0]), (4096, 8))
     ref = 3 * ((a.T if op_a else a).astype(np.int64) @ (b.T if op_b else b)) - 2 * c0.astype(np.int64)
     assert np.array_equal(view(4096, m, n, 8, np.int32), ref)
 
