@@ -13,19 +13,30 @@ Either way it becomes this thread's call for :func:`last_profile`.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
+import warnings
 
 import numpy as np
 import scipy.linalg.blas as _sp_blas
 
 from . import session
 from .operands import TokenTable, canonical, column_major_view, is_cupy, make_operand
+from .runtime import dtypes
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
 from .runtime.engine import EngineClosed
 from .runtime.plans import plan_gemm
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
 from .tile import choose_tile
+
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+
+
+class Float16OverflowWarning(RuntimeWarning):
+    """A float16 result has values beyond float16's range (they became inf) from finite inputs."""
+
 
 #: Level-3 routine names without a type prefix (the perf-db's ``routine`` field).
 ROUTINES = frozenset(("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm"))
@@ -85,6 +96,7 @@ def _host_stats(dev, t0: float, t1: float, dtype, real_flops: float) -> CallStat
     row = stats.owned_row(0)
     row["tasks"], row["steps"], row["flops"] = 1, 1, flops
     stats.add_record(OpRecord(0, "host", t0, t1, flops=flops, task=0, name="task"))
+    stats.host["math"] = "ieee"  # the host BLAS has no TF32
     stats.finish(t1)
     return stats
 
@@ -130,7 +142,7 @@ def as_operand(x, dtype):
 
 
 def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int], *,
-        host=None, flops: float = 0.0, scratch=None) -> None:
+        host=None, flops: float = 0.0, scratch=None, **options) -> None:
     """Run one validated call on canonical operands: the entry every front end (and ``blasx.dnn``) uses.
 
     ``views``: column-major views in the planner's slot order, the output(s) included, of one
@@ -138,6 +150,7 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
     ``dims`` and ``scratch``). ``host()``, if given, computes the same on the host BLAS into the
     output views; it runs instead of the engine when the CPU is the only device and the operands
     are numpy arrays, and the call is recorded as one host task of ``flops`` real flops.
+    ``options``: ``out_dtype``, ``math`` and ``epilogue`` of the engine call (:func:`submit_planned`).
     Raises the call's error, if any.
     """
     if host is not None and type(views[0]) is np.ndarray:
@@ -147,15 +160,28 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
             host()
             _tls.stats = (dev, t0, clock(), dtype, flops)
             return
-    submit_planned(name, views, plan, dtype, alpha, beta, dims, scratch)
+    submit_planned(name, views, plan, dtype, alpha, beta, dims, scratch, **options)
 
 
-def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: str = "gemm") -> None:
+def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: str = "gemm", *,
+         math: str = "ieee", epilogue=None) -> None:
     """c = alpha op(a) op(b) + beta c, written into the 2-D ``c`` (any strides), on validated
     operands of ``dtype`` (c aliasing neither a nor b, its shape op(a)'s rows x op(b)'s columns,
     ``k`` the inner dimension). beta 0: c is not read. alpha 0 or k 0: C = beta C, a and b unread
-    (never handed to a host ?gemm: some OpenBLAS builds multiply anyway)."""
+    (never handed to a host ?gemm: some OpenBLAS builds multiply anyway).
+
+    A *mixed* call (reduced types: ``dtype`` float16, bfloat16 or int8, or c of another type
+    than ``dtype``) accumulates in the type's compute type and rounds once to c's type; it
+    always runs on the engine. ``math``: "tf32" runs float32 on TF32 tensor cores (GPUs only).
+    ``epilogue``: work on each finished C tile (runtime/epilogues.py), given for c as passed
+    (transposed here when the call computes C^T)."""
     if c.shape[0] == 0 or c.shape[1] == 0:
+        return
+    dtype = np.dtype(dtype)
+    mixed = c.dtype != dtype or dtype not in dtypes.BY_DTYPE
+    product = alpha != 0 and k != 0
+    if mixed and not product:
+        _scale_mixed(c, dtype, beta)
         return
     cm = column_major_view(c)
     staging = None
@@ -166,12 +192,12 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
     if tp:  # C^T = op(B)^T op(A)^T
         va, opa = canonical(b, trans_b, True)
         vb, opb = canonical(a, trans_a, True)
+        if epilogue is not None:
+            epilogue = epilogue.transposed()
     else:
         va, opa = canonical(a, trans_a, False)
         vb, opb = canonical(b, trans_b, False)
     m, n = cv.shape
-    dtype = np.dtype(dtype)
-    product = alpha != 0 and k != 0
 
     def host():
         if product:
@@ -182,9 +208,38 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
     run(name, [va, vb, cv],
         lambda tile, block: plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
                                       is_complex=dtype.kind == "c", block=block),
-        dtype, alpha, beta, (m, n, k), host=host, flops=2.0 * m * n * k if product else 0.0)
+        dtype, alpha, beta, (m, n, k), host=None if mixed or epilogue is not None else host,
+        flops=2.0 * m * n * k if product else 0.0,
+        out_dtype=c.dtype if mixed else None, math=math, epilogue=epilogue)
     if staging is not None:
         c[...] = staging
+
+
+def _scale_mixed(c, dtype, beta) -> None:
+    """C = beta C of a mixed call in its compute type (alpha 0 or k 0: no product), here."""
+    if beta == 0:
+        c[...] = 0
+        return
+    acc = np.dtype(dtypes.gemm_of(dtype).compute)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = c.astype(acc) * acc.type(beta)
+        c[...] = scaled
+    if c.dtype == _F16:
+        xp = array_module(is_cupy(c))
+        warn_overflow(int((xp.isinf(c) & xp.isfinite(scaled)).sum()), c.size)
+
+
+def warn_overflow(count: int, size: int) -> None:
+    """Warn, in the calling thread, that ``count`` of ``size`` float16 results overflowed (the
+    caller's line named: the first frame outside blasx)."""
+    if not count:
+        return
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("blasx."):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"float16 overflow: {count} of {size} result values exceed float16's range "
+                  f"(+-65504) and are inf; pass out_dtype=np.float32 to keep them",
+                  Float16OverflowWarning, stacklevel=level)
 
 
 # ---------------------------------------------------------------- the engine
@@ -201,33 +256,34 @@ _ENGINE_ATTEMPTS = 3
 
 
 def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int],
-                   scratch=None) -> None:
+                   scratch=None, **options) -> None:
     """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
 
     ``views`` are the operands in canonical (column-major) form, in the planner's slot order;
     ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)`` sizes the call for the tile
     choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the
     planner writes and reads (None: none); it is made where :func:`_scratch_home` says, appended
-    to the operands, and the plan is then ``plan(tile, block, True)``. Raises the call's error,
+    to the operands, and the plan is then ``plan(tile, block, True)``. ``options``: ``out_dtype``,
+    ``math`` and ``epilogue`` as :class:`~blasx.runtime.call.Call` takes them. Raises the call's error,
     if any. A call that finds its engine shut down before its tasks were queued (configure() or
     shutdown() in another thread) runs on the engine that replaces it.
     """
     dtype = np.dtype(dtype)
     for attempt in range(_ENGINE_ATTEMPTS):
         try:
-            _submit_on(session.engine(), name, views, plan, dtype, alpha, beta, dims, scratch)
+            _submit_on(session.engine(), name, views, plan, dtype, alpha, beta, dims, scratch, options)
             return
         except EngineClosed:
             if attempt == _ENGINE_ATTEMPTS - 1:
                 raise
 
 
-def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch) -> None:
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, options) -> None:
     """:func:`submit_planned` on the engine ``eng`` (raises EngineClosed from eng.submit)."""
     tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
     shape = scratch(eng, tile) if scratch is not None else None
     if shape is None:
-        _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile)
+        _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)
         return
     home = _scratch_home(eng, views[0])
     if home is None:
@@ -236,7 +292,8 @@ def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch) -> Non
         import cupy
         with cupy.cuda.Device(home):
             extra = cupy.empty(shape, dtype=dtype, order="F")
-    _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile)
+    _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile,
+                  **options)
 
 
 def _scratch_home(eng, like) -> int | None:
@@ -248,18 +305,20 @@ def _scratch_home(eng, like) -> int | None:
     return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
-def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math=None,
+def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math="ieee",
                   epilogue=None) -> None:
     """Make the call and run it; ``out_dtype``, ``math`` and ``epilogue`` as ``Call`` takes them
-    (blasx.precision's gemms; a named ``math`` is kept in the profile's ``host["math"]``)."""
+    (the math mode that ran is the profile's ``host["math"]``). A float16 result that overflowed
+    where the devices rounded it warns here, once, after the call."""
+    if math != "ieee" and (eng.inline or dtype != _F32):
+        math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
                       keep_records=session.settings().trace)
-    if math is not None:
-        stats.host["math"] = math
+    stats.host["math"] = math
     call = Call(name, operands, tasks, dtype, alpha, beta, stats, epilogue=epilogue, out_dtype=out_dtype,
-                math=math or "ieee")
+                math=math)
     call.tile = tile
     prepared = []  # backends whose prepare_call ran: an interrupt inside one still finishes it
     ident = threading.get_ident()
@@ -271,6 +330,8 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
             prepared.append(d)
             d.prepare_call(call)
         eng.submit(call)
+        if call.out_dtype == _F16 and call.mixed:
+            warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols for i in call.c_slots))
     finally:
         with _running_lock:
             if outer is None:

@@ -3,17 +3,16 @@
 The BLAS type of ``blasx.gemm`` is the one scipy's ``find_best_blas_type`` picks from a, b (and
 c): bool, int8/16, uint8/16, float16 and float32 compute in float32; larger integers, float64 and
 longdouble in float64; complex64 in complex64 (complex128 beside float64); complex128 and
-clongdouble in complex128. The prefixed functions cast every array to their own type, as scipy's
-do. Both run through :mod:`blasx.dispatch` (the host BLAS when the CPU is the only device, else
-the engine).
+clongdouble in complex128, except two operands of one reduced type (float16, bfloat16, int8) or
+an ``out_dtype``: :mod:`blasx.precision`'s rules. The prefixed functions cast every array to their
+own type, as scipy's do. Both run through :func:`blasx.dispatch.gemm` (the host BLAS when the CPU
+is the only device, else the engine; reduced types always on the engine).
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import dispatch, precision
-from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
+from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
@@ -29,22 +28,21 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False,
     as scipy copies it. Nothing is written when the arguments are rejected.
 
     Reduced precision (:mod:`blasx.precision`): a and b both float16, both bfloat16 or both int8
-    accumulate in float32 (int8: exactly in int32) and give float16, bfloat16, int32 by default;
-    ``out_dtype=np.float32`` keeps half/bfloat16's float32 result. ``math="tf32"`` (or
-    ``blasx.configure(math="tf32")``) runs float32 on TF32 tensor cores.
+    accumulate in float32 (int8: exactly in int32, with integer alpha and beta) and give float16,
+    bfloat16, int32 by default (or c's type, where it is one of theirs); ``out_dtype=np.float32``
+    keeps half/bfloat16's float32 result. ``math="tf32"`` (or ``blasx.configure(math="tf32")``)
+    runs float32 on TF32 tensor cores.
     """
-    if out_dtype is not None or (hasattr(a, "dtype") and hasattr(b, "dtype")
-                                 and precision.takes(a.dtype, b.dtype, None, math)):
-        return precision.gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, out_dtype, math)
-    return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm")
+    return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm", out_dtype, math)
 
 
 def _op_shape(x, op: int) -> tuple[int, int]:
     return x.shape if op == OP_N else (x.shape[1], x.shape[0])
 
 
-def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name):
-    """gemm in ``dtype`` (None: the arrays' BLAS type): validate, make the output, dispatch."""
+def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_dtype=None, math=None):
+    """gemm in ``dtype`` (None: the arrays' type by :func:`blasx.precision.gemm_types`, with
+    ``out_dtype``): validate, make the output, dispatch."""
     check_matrix("a", a)
     check_matrix("b", b)
     if c is not None:
@@ -52,10 +50,13 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name):
     on_gpu = same_place(a=a, b=b, c=c)
     trans_a = check_trans("trans_a", trans_a)
     trans_b = check_trans("trans_b", trans_b)
+    math = precision.check_math(math)
     if dtype is None:
-        dtype = compute_dtype(a, b) if c is None else compute_dtype(a, b, c)
-    alpha = check_scalar("alpha", alpha, dtype)
-    beta = check_scalar("beta", beta, dtype)
+        dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
+    else:
+        out_type = dtype
+    alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
+    beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
     m, ka = _op_shape(a, trans_a)
     kb, n = _op_shape(b, trans_b)
     if ka != kb:
@@ -65,14 +66,14 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name):
         raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
     if c is None:
         beta = 0
-    elif _in_place(c, dtype, overwrite_c):
+    elif _in_place(c, out_type, overwrite_c):
         for x_name, x in (("a", a), ("b", b)):
             if shares_memory(c, x):
                 raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
     xp = dispatch.array_module(on_gpu)
-    out = _output(c, dtype, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
+    out = _output(c, out_type, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
     dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
-                  trans_a, trans_b, dtype, ka, name)
+                  trans_a, trans_b, dtype, ka, name, math=math)
     return out
 
 

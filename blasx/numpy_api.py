@@ -416,10 +416,7 @@ def gemm_into(a2, b2, c2) -> None:
     if k == 0:
         c2[...] = 0
         return
-    if a2.dtype != c2.dtype or precision.takes(a2.dtype, b2.dtype):
-        precision.gemm_into(1, a2, b2, 0, c2, 0, 0, k, a2.dtype)
-        return
-    dispatch.gemm(1, a2, b2, 0, c2, 0, 0, c2.dtype, k)
+    dispatch.gemm(1, a2, b2, 0, c2, 0, 0, a2.dtype, k, math=precision.default_math())
 
 
 def run_batch(a, b, c, xp=np) -> None:

@@ -12,9 +12,13 @@ Type combinations (A and B of one type; C's type is ``out_dtype``):
 An ``out_dtype`` outside these is rejected with an error naming them (:func:`check_types`); other
 input pairs (float16 with float32, ...) keep scipy's rule (``gemm``) or numpy's (``matmul``, ``dot``,
 ``tensordot``), where two int8 operands give int32, not numpy's wrapping int8. Errors against float64
-on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range
-(inf where the inputs are finite) raises a :class:`Float16OverflowWarning` naming the count.
-NaN and inf in the inputs propagate as in cuBLAS (no warning).
+on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range (inf
+from a finite float32 accumulator, counted where the devices round C) raises a
+:class:`Float16OverflowWarning` naming the count. NaN and inf in the inputs propagate as in
+cuBLAS (no warning).
+
+This module holds the type rules; the calls themselves take the one path of every gemm
+(``blasx.gemm``'s validation in :mod:`blasx.level3`, then :func:`blasx.dispatch.gemm`).
 
 :func:`quantize` and :func:`gemm_int8` give symmetric int8 quantization with per-tensor or
 per-channel scales, the scales applied on the device to each C tile before its write-back.
@@ -25,22 +29,15 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-import warnings
 
 import numpy as np
 
 from . import dispatch, session
-from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory
-from .operands import canonical, column_major_view, is_cupy
+from .checks import check_matrix, compute_dtype
+from .dispatch import Float16OverflowWarning  # noqa: F401 - blasx.precision.Float16OverflowWarning
+from .operands import is_cupy
 from .runtime import dtypes
-from .runtime.engine import EngineClosed
 from .runtime.epilogues import Dequantize
-from .runtime.plans import plan_gemm
-from .runtime.tiling import OP_N
-from .tile import choose_tile
-
-_ENGINE_ATTEMPTS = 3
-_F32 = np.dtype(np.float32)
 
 #: Unit roundoff of each output / accumulation type (half the distance from 1 to the next value).
 UNIT_ROUNDOFF = {np.dtype(np.float16): 2.0 ** -11, np.dtype(np.float32): 2.0 ** -24,
@@ -49,10 +46,6 @@ if "b" in dtypes.GEMM_BY_PREFIX:
     UNIT_ROUNDOFF[dtypes.GEMM_BY_PREFIX["b"].dtype] = 2.0 ** -8
 #: One TF32 ulp at 1 (10 mantissa bits): an input's error whether tensor cores round or truncate it.
 TF32_UNIT = 2.0 ** -10
-
-
-class Float16OverflowWarning(RuntimeWarning):
-    """A float16 result has values beyond float16's range (they became inf) from finite inputs."""
 
 
 _override = threading.local()  # a per-call math mode for the gemms of one front-end call
@@ -88,20 +81,37 @@ def math_mode(math):
         _override.math = old
 
 
-def takes(a_dtype, b_dtype, out_dtype=None, math=None) -> bool:
-    """A gemm on these types runs here (not on the s/d/c/z path): A and B of one reduced type
-    (float16, bfloat16, int8), an explicit ``out_dtype``, or float32 under TF32 math. (On every
-    blasx.gemm call: dtype objects compared, no conversions.)"""
+def takes(a_dtype, b_dtype, out_dtype=None) -> bool:
+    """A gemm on these types takes the reduced-type rules (:func:`check_types`), not scipy's: A
+    and B of one reduced type (float16, bfloat16, int8), or an explicit ``out_dtype``."""
     if out_dtype is not None:
         return True
     if a_dtype != b_dtype:
         return False
     row = dtypes.GEMM_BY_DTYPE.get(a_dtype)
-    if row is None:
-        return False
-    if row.reduced:
-        return True
-    return row.prefix == "s" and check_math(math) == "tf32"
+    return row is not None and row.reduced
+
+
+def gemm_types(a, b, c=None, out_dtype=None) -> tuple[np.dtype, np.dtype]:
+    """(computation type, output type) of ``blasx.gemm`` on these arrays: the reduced-type rules
+    when :func:`takes` says so (the output: ``out_dtype``, else c's type where it is one of the
+    input type's outputs, else the default), else scipy's BLAS type for both."""
+    if not takes(a.dtype, b.dtype, out_dtype):
+        dt = compute_dtype(a, b) if c is None else compute_dtype(a, b, c)
+        return dt, dt
+    if out_dtype is None and c is not None and c.dtype in dtypes.GEMM_OUT.get(np.dtype(a.dtype), ()):
+        out_dtype = c.dtype
+    row, out = check_types(a.dtype, b.dtype, out_dtype)
+    return row.dtype, out
+
+
+def check_gemm_scalar(name: str, value, dtype):
+    """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I); other types' pass as they are."""
+    if np.dtype(dtype).kind not in "iu":
+        return value
+    if value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31 or getattr(value, "imag", 0) != 0:
+        raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
+    return int(value.real)
 
 
 def result_type(a_dtype, b_dtype, out_dtype=None):
@@ -156,129 +166,11 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     return float(tol)
 
 
-# ---------------------------------------------------------------- gemm
-
 def _xp(on_gpu: bool):
     if on_gpu:
         import cupy
         return cupy
     return np
-
-
-def _int_scalar(name: str, value, row: dtypes.BlasType):
-    """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I)."""
-    if row.dtype.kind in "iu" and (value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31
-                                   or getattr(value, "imag", 0) != 0):
-        raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
-    return int(value.real) if row.dtype.kind in "iu" else float(value.real)
-
-
-def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, out_dtype=None, math=None):
-    """``blasx.gemm`` for the reduced types and TF32 math (see the module docstring for the type
-    combinations, :func:`tolerance` for the accuracy): scipy's ``?gemm`` semantics otherwise, an
-    F-ordered result of ``out_dtype`` (default: c's type if given, else the input type's default
-    output: float16 -> float16, bfloat16 -> bfloat16, int8 -> int32)."""
-    from . import level3  # the scipy-signature checks and output rules
-    check_matrix("a", a)
-    check_matrix("b", b)
-    if c is not None:
-        check_matrix("c", c)
-    on_gpu = same_place(a=a, b=b, c=c)
-    math = check_math(math)
-    if out_dtype is None and c is not None and c.dtype in dtypes.GEMM_OUT.get(np.dtype(a.dtype), ()):
-        out_dtype = c.dtype
-    row, out = check_types(a.dtype, b.dtype, out_dtype)
-    trans_a, trans_b = check_trans("trans_a", trans_a), check_trans("trans_b", trans_b)
-    alpha = _int_scalar("alpha", check_scalar("alpha", alpha, row.dtype), row)
-    beta = _int_scalar("beta", check_scalar("beta", beta, row.dtype), row)
-    m, ka = a.shape if trans_a == OP_N else a.shape[::-1]
-    kb, n = b.shape if trans_b == OP_N else b.shape[::-1]
-    if ka != kb:
-        raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
-                         f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
-    if c is not None and c.shape != (m, n):
-        raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
-    if c is None:
-        beta = 0
-    elif level3._in_place(c, out, overwrite_c):
-        for x_name, x in (("a", a), ("b", b)):
-            if shares_memory(c, x):
-                raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
-    result = level3._output(c, out, (m, n), overwrite_c, beta, _xp(on_gpu), a if on_gpu else None)
-    gemm_into(alpha, a, b, beta, result, trans_a, trans_b, ka, row.dtype, math)
-    return result
-
-
-def gemm_into(alpha, a, b, beta, c, trans_a: int, trans_b: int, k: int, dtype, math: str | None = None) -> None:
-    """c = alpha op(a) op(b) + beta c into the 2-D ``c`` of the output type (any strides) on
-    validated operands of the reduced ``dtype`` (or float32 under TF32): ``dispatch.gemm``'s
-    counterpart."""
-    if c.shape[0] == 0 or c.shape[1] == 0:
-        return
-    math = check_math(math)
-    cm = column_major_view(c)
-    staging = None
-    if cm is None:  # an output with arbitrary strides: compute into a compact copy, copied back
-        staging = _xp(is_cupy(c)).asfortranarray(c)
-        cm = (staging, False)
-    cv, tp = cm
-    if tp:  # C^T = op(B)^T op(A)^T
-        va, opa = canonical(b, trans_b, True)
-        vb, opb = canonical(a, trans_a, True)
-    else:
-        va, opa = canonical(a, trans_a, False)
-        vb, opb = canonical(b, trans_b, False)
-    m, n = cv.shape
-    run(va, opa, vb, opb, cv, m, n, k, dtype, c.dtype, alpha, beta, math)
-    if staging is not None:
-        c[...] = staging
-
-
-def run(av, op_a, bv, op_b, cv, m: int, n: int, k: int, dtype, out_dtype, alpha, beta, math: str,
-        epilogue=None, check_overflow: bool = True) -> None:
-    """C = alpha op_a(A) op_b(B) + beta C on canonical (column-major) views, ``cv`` of
-    ``out_dtype`` written in place: on the engine, or (alpha 0 or k 0) C = beta C here."""
-    if not (m and n):
-        return
-    if alpha == 0 or k == 0:
-        acc = np.dtype(dtypes.gemm_of(dtype).compute)
-        with np.errstate(over="ignore"):
-            cv[...] = (cv.astype(acc) * acc.type(beta)) if beta != 0 else 0
-        return
-    for attempt in range(_ENGINE_ATTEMPTS):
-        eng = session.engine()
-        try:
-            _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue)
-            break
-        except EngineClosed:
-            if attempt == _ENGINE_ATTEMPTS - 1:
-                raise
-    if check_overflow and np.dtype(out_dtype) == np.float16:
-        report_overflow(cv, (av, bv) + ((cv,) if beta != 0 else ()))
-
-
-def report_overflow(c, inputs) -> None:
-    """Warn when float16 ``c`` holds inf but none of ``inputs`` holds inf or NaN (an overflow of
-    the float16 range, not a propagated value). Reads C once; the inputs only when C has inf."""
-    xp = _xp(is_cupy(c))
-    bad = int(xp.isinf(c).sum())
-    if not bad:
-        return
-    if any(not bool(xp.isfinite(x).all()) for x in inputs):
-        return  # inf or NaN in the inputs: propagated as cuBLAS does, not an overflow
-    warnings.warn(f"float16 overflow: {bad} of {c.size} result values exceed float16's range "
-                  f"(+-65504) and are inf; pass out_dtype=np.float32 to keep them",
-                  Float16OverflowWarning, stacklevel=3)
-
-
-def _submit(eng, av, op_a, bv, op_b, cv, m, n, k, dtype, out_dtype, alpha, beta, math, epilogue) -> None:
-    if eng.inline or np.dtype(dtype) != _F32:
-        math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
-    tile = choose_tile(eng, m, n, k, dtype, "gemm")
-    block = (1, 1) if eng.inline else dispatch.block_shape(eng)
-    tasks = plan_gemm(m, n, k, tile, op_a, op_b, beta_zero=(beta == 0), block=block)
-    dispatch._submit_tasks(eng, dtypes.prefix(dtype) + "gemm", [av, bv, cv], tasks, dtype, alpha, beta, tile,
-                           out_dtype=out_dtype, math=math, epilogue=epilogue)
 
 
 # ---------------------------------------------------------------- int8 quantization
@@ -346,11 +238,7 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
     if k == 0:
         result[...] = 0
         return result
-    bv, op_b = canonical(b_q, OP_N, True)
-    av, op_a = canonical(a_q, OP_N, True)
-    # the canonical C is C^T: its rows are b's columns, its columns a's rows
-    run(bv, op_b, av, op_a, result.T, n, m, k, np.int8, np.float32, 1, 0, "ieee",
-        epilogue=Dequantize(cs, rs), check_overflow=False)
+    dispatch.gemm(1, a_q, b_q, 0, result, 0, 0, np.int8, k, epilogue=Dequantize(rs, cs))
     return result
 
 

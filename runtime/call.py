@@ -116,6 +116,10 @@ class Call:
         self._relied_tids: set[int] = set()
         self._done = threading.Event()
         self.error: BaseException | None = None
+        # float16 results that overflowed where a device rounded C (finite accumulator, inf result):
+        # counted on the host (sim, cpu), or in counters in device memory read after the call (cuda)
+        self._overflows = 0
+        self._overflow_counters: dict = {}
         for t in tasks:
             t.call = self
         if not tasks:
@@ -159,6 +163,27 @@ class Call:
     def home_nbytes(self, ref) -> int:
         """Bytes a copy of tile ``ref`` moves to or from its home."""
         return ref.rows * ref.cols * self.home_dtype(ref.slot).itemsize
+
+    def count_overflow(self, n: int) -> None:
+        """Add ``n`` overflowed float16 results (a device that counts on the host)."""
+        if n:
+            with self._lock:
+                self._overflows += n
+
+    def overflow_counter(self, device: int, make: Callable[[], Any]):
+        """Device ``device``'s overflow counter for this call, made by ``make()`` on first use;
+        it is read after the call with ``int(counter)``."""
+        counter = self._overflow_counters.get(device)
+        if counter is None:
+            with self._lock:
+                counter = self._overflow_counters.get(device)
+                if counter is None:
+                    counter = self._overflow_counters[device] = make()
+        return counter
+
+    def overflows(self) -> int:
+        """float16 results that overflowed in this call (after it completed)."""
+        return self._overflows + sum(int(c) for c in self._overflow_counters.values())
 
     @property
     def failed(self) -> bool:

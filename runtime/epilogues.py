@@ -3,8 +3,10 @@
 An epilogue is called as ``epilogue(device, stream, loc, task)`` by the worker (stream devices)
 or the CPU device, with the tile's location in the device's form (a numpy view on sim and cpu,
 ``(pointer, ld)`` on cuda). On a stream device it is called when the tile's kernels are issued,
-not done: it issues its work on ``stream`` (sim: ``device.streams[stream].submit``). One with a ``dtype`` attribute converts the tile in place to that type
-(same item size); the write-back then reads it as such (``Call.wb_dtype``).
+not done: it issues its work on ``stream`` (sim: ``device.streams[stream].submit``). One with a
+``dtype`` attribute converts the tile in place to that type (same item size); the write-back then
+reads it as such (``Call.wb_dtype``). ``transposed()`` gives the epilogue of C^T, for a front end
+that computes the transposed product (``dispatch.gemm``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class Dequantize:
         self.col_scale = np.ascontiguousarray(col_scale, dtype=np.float32)
         self._on_device: dict = {}  # device index -> the scales in its memory (CuPy)
         self._lock = threading.Lock()
+
+    def transposed(self) -> "Dequantize":
+        """The epilogue of the transposed product (C^T: row and column scales swapped)."""
+        return Dequantize(self.col_scale, self.row_scale)
 
     def __call__(self, dev, s, loc, task) -> None:
         ref = task.c

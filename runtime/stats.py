@@ -355,7 +355,7 @@ class Profile:
                  for r in table]
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
         head = (f"blasx profile: {len(self.devices)} device(s), wall {self.wall:.4f} s, "
-                f"{total['tflops']:.3f} TFLOPS, {t['tasks']:.0f} tasks  "
+                f"{total['tflops']:.3f} TFLOPS, {t['tasks']:.0f} tasks, math {self.host.get('math', 'ieee')}  "
                 f"(busy = COMPT, comm = unoverlapped COMM, idle = OTHER)")
         if self.host.get("pinned_bytes"):
             lines.append(f"host memory page-locked during the call: {human_bytes(self.host['pinned_bytes'])} in "

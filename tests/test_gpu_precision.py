@@ -82,6 +82,31 @@ def test_int8_exact(spec):
     assert np.array_equal(got, 2 * (a.astype(np.int64) @ b) - 3 * c.astype(np.int64))
 
 
+@pytest.mark.parametrize("trans", [(0, 0), (1, 0), (0, 1), (1, 1)], ids=["NN", "TN", "NT", "TT"])
+def test_int8_every_op_and_odd_shapes(spec, trans):
+    """Every op pair, m and k not multiples of 4 (the tiles go to cuBLAS's IMMA form on the device)."""
+    rng = np.random.default_rng(7)
+    m, n, k = 301, 259, 263
+    ta, tb = trans
+    a = rng.integers(-128, 128, (k, m) if ta else (m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (n, k) if tb else (k, n)).astype(np.int8)
+    got = blasx.gemm(1, a, b, trans_a=ta, trans_b=tb)
+    ref = (a.T if ta else a).astype(np.int64) @ (b.T if tb else b).astype(np.int64)
+    assert got.dtype == np.int32 and np.array_equal(got, ref)
+
+
+def test_int8_cupy_operands_with_odd_leading_dimensions(spec):
+    """In-core int8 operands read in place at odd leading dimensions and offsets."""
+    rng = np.random.default_rng(8)
+    big_a = cupy.asarray(np.asfortranarray(rng.integers(-128, 128, (306, 291)).astype(np.int8)))
+    big_b = cupy.asarray(np.asfortranarray(rng.integers(-128, 128, (293, 277)).astype(np.int8)))
+    ga, gb = big_a[1:304, 1:], big_b[:290]  # (303, 290) at ld 306, offset 307 bytes; (290, 277) at ld 293
+    a, b = cupy.asnumpy(ga), cupy.asnumpy(gb)
+    got = blasx.gemm(1, ga, gb)
+    assert isinstance(got, cupy.ndarray)
+    assert np.array_equal(got.get(), a.astype(np.int64) @ b.astype(np.int64))
+
+
 def test_tf32(spec):
     rng = np.random.default_rng(4)
     k = 1000
@@ -127,9 +152,14 @@ def test_cupy_operands(spec, dt):
 
 def test_float16_overflow_reported(spec):
     big = np.full((300, 300), 100.0, np.float16)
-    with pytest.warns(P.Float16OverflowWarning):
+    with pytest.warns(P.Float16OverflowWarning, match="90000 of 90000"):
         c = blasx.matmul(big, big)
     assert np.isinf(c).all()
+    few = np.ones((300, 300), np.float16)
+    few[7, :] = 100  # row 7 alone: 300 * 100 * 100 > 65504, counted on the devices
+    with pytest.warns(P.Float16OverflowWarning, match="300 of 90000"):
+        c = blasx.matmul(few, big)
+    assert np.isinf(c[7]).all() and np.isfinite(np.delete(c, 7, 0)).all()
     x = big / 100
     x[0, 0] = np.nan
     with warnings.catch_warnings():

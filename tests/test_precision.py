@@ -129,11 +129,11 @@ def test_half_gemm_with_beta_trans_and_c(dev, dt):
     b = _normal((k, n), dt, seed=1, order="F")
     c = _normal((m, n), dt, seed=2, order="F")
     c0 = c.copy()
-    out = P.gemm(0.5, a, b, beta=-2.0, c=c, trans_a=1)
+    out = blasx.gemm(0.5, a, b, beta=-2.0, c=c, trans_a=1)
     assert out.dtype == np.dtype(dt) and np.array_equal(c, c0)  # c untouched without overwrite_c
     ref = 0.5 * _ref(a.T, b) - 2.0 * c.astype(np.float64)
     assert np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref) <= P.tolerance(dt, k)
-    same = P.gemm(0.5, a, b, beta=-2.0, c=c, trans_a=1, overwrite_c=True)
+    same = blasx.gemm(0.5, a, b, beta=-2.0, c=c, trans_a=1, overwrite_c=True)
     assert same is c and np.array_equal(same, out)
 
 
@@ -143,7 +143,7 @@ def test_alpha_zero_and_empty_inner_dimension(dev):
     a, b = _normal((6, 0), np.float16), _normal((0, 5), np.float16)
     assert np.array_equal(blasx.matmul(a, b), np.zeros((6, 5), np.float16))
     c = _normal((6, 5), np.float16, seed=3, order="F")
-    out = P.gemm(0.0, _normal((6, 4), np.float16), _normal((4, 5), np.float16), beta=3.0, c=c)
+    out = blasx.gemm(0.0, _normal((6, 4), np.float16), _normal((4, 5), np.float16), beta=3.0, c=c)
     assert np.array_equal(out, (3.0 * c.astype(np.float32)).astype(np.float16))
 
 
@@ -161,6 +161,35 @@ def test_float16_overflow_warns_and_propagation_does_not(dev):
         warnings.simplefilter("error", P.Float16OverflowWarning)
         c = blasx.matmul(x, _normal((40, 40), np.float16, seed=1))
     assert np.isnan(c[5]).all() and not np.isfinite(c[3]).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_float16_overflow_counts_each_rounded_value(dev):
+    """Counted where C is rounded: an inf from a finite float32 sum is one; a NaN row from a NaN
+    input is not; C = beta C (alpha 0) counts too. The warning names the caller's line."""
+    _configure(dev)
+    a = np.ones((40, 40), np.float16)
+    a[0, :] = 100  # row 0: 40 * 100 * 100 = 400000 > 65504
+    a[5, 6] = np.nan  # row 5: NaN, propagated
+    b = np.full((40, 40), 100.0, np.float16)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        c = blasx.matmul(a, b)
+    assert [str(w.message).split(" result")[0] for w in got] == ["float16 overflow: 40 of 1600"]
+    assert got[0].category is P.Float16OverflowWarning and got[0].lineno == _line_of("c = blasx.matmul(a, b)")
+    assert np.isinf(c[0]).all() and np.isnan(c[5]).all() and np.isfinite(np.delete(c, [0, 5], 0)).all()
+    with pytest.warns(P.Float16OverflowWarning, match="25 of 25"):
+        blasx.gemm(0.0, a[:5], b[:, :5], beta=2.0, c=np.full((5, 5), 60000.0, np.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", P.Float16OverflowWarning)
+        blasx.gemm(1.0, a[1:5], b, out_dtype=np.float32)  # a float32 output never overflows
+
+
+def _line_of(text: str) -> int:
+    """The line of this file's function holding ``text`` (the warning's line, without file paths)."""
+    import inspect
+    lines, start = inspect.getsourcelines(test_float16_overflow_counts_each_rounded_value)
+    return start + next(i for i, line in enumerate(lines) if text in line)
 
 
 @pytest.mark.parametrize("dt", HALF_TYPES, ids=lambda t: np.dtype(t).name)
@@ -199,7 +228,7 @@ def test_int8_products_are_exact_in_int32(dev):
     c = blasx.matmul(a, b)
     assert c.dtype == np.int32 and np.array_equal(c, a.astype(np.int64) @ b.astype(np.int64))
     c0 = rng.integers(-1000, 1000, (m, n)).astype(np.int32)
-    g = P.gemm(3, np.asfortranarray(a), b, beta=-2, c=c0)
+    g = blasx.gemm(3, np.asfortranarray(a), b, beta=-2, c=c0)
     assert np.array_equal(g, 3 * (a.astype(np.int64) @ b) - 2 * c0.astype(np.int64))
 
 
@@ -248,6 +277,18 @@ def test_tf32_is_opt_in_and_reported_on_the_sim():
         blasx.configure(math="fast")
 
 
+def test_profile_report_names_the_math_mode():
+    _configure("sim:2")
+    a = _normal((40, 40), np.float32)
+    blasx.gemm(1.0, a, a, math="tf32")
+    assert "math tf32" in blasx.last_profile().report().splitlines()[0]
+    blasx.matmul(a, a)
+    assert "math ieee" in blasx.last_profile().report().splitlines()[0]
+    blasx.configure(devices="cpu")
+    blasx.gemm(1.0, a, a, math="tf32")  # the host BLAS: IEEE
+    assert "math ieee" in blasx.last_profile().report().splitlines()[0]
+
+
 def test_tf32_on_the_cpu_is_ieee():
     """The CPU has no TF32 units: a CPU-only engine computes float32 in IEEE and says so."""
     blasx.configure(devices="cpu", math="tf32")
@@ -255,6 +296,95 @@ def test_tf32_on_the_cpu_is_ieee():
     c = blasx.gemm(1.0, a, b)
     assert blasx.last_profile().host["math"] == "ieee"
     assert np.linalg.norm(c - _ref(a, b)) / np.linalg.norm(_ref(a, b)) <= P.tolerance(np.float32, 90)
+
+
+def test_cublas_argument_errors_fail_the_call_not_the_device():
+    """cuBLAS's NOT_SUPPORTED / INVALID_VALUE reject one call's arguments; other statuses break the device."""
+    from blasx.runtime.devices.cuda import CudaDevice
+
+    class CUBLASError(Exception):  # CuPy's exception, by name
+        pass
+    judge = CudaDevice.is_device_error
+    assert not judge(None, CUBLASError("CUBLAS_STATUS_NOT_SUPPORTED"))
+    assert not judge(None, CUBLASError("CUBLAS_STATUS_INVALID_VALUE"))
+    assert not judge(None, MemoryError("out of memory"))
+    assert judge(None, CUBLASError("CUBLAS_STATUS_EXECUTION_FAILED"))
+
+
+@pytest.mark.parametrize("ops", [(0, 0), (1, 0), (0, 1), (1, 1)], ids=["NN", "TN", "NT", "TT"])
+@pytest.mark.parametrize("dims", [(8, 12, 16), (7, 5, 9), (8, 5, 10), (6, 3, 8)], ids=str)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "odd-ld"])
+def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, aligned):
+    """The cuda backend's int8 operand fix-up (cuda_lowp.imma_operands), on numpy memory: m, k
+    and the leading dimensions it hands cuBLAS are multiples of 4 and the product is unchanged."""
+    import types
+    from collections import namedtuple
+    from contextlib import nullcontext
+    from blasx.runtime.devices import cuda_lowp
+
+    arena = np.zeros(1 << 16, np.uint8)
+
+    def view(ptr, rows, cols, ld, dtype):
+        return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.dtype(dtype)), (rows, cols), (1, ld))
+    monkeypatch.setattr(cuda_lowp, "device_view", view)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", types.SimpleNamespace(copyto=np.copyto))
+    m, n, k = dims
+    op_a, op_b = ops
+    rng = np.random.default_rng(sum(dims))
+    a = rng.integers(-128, 128, (k, m) if op_a else (m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (n, k) if op_b else (k, n)).astype(np.int8)
+    if aligned:  # heap tiles: leading dimensions padded to 4, aligned offsets
+        (pa, lda), (pb, ldb) = (0, -(-a.shape[0] // 4) * 4), (4096, -(-b.shape[0] // 4) * 4)
+    else:  # in-core sub-matrices: odd leading dimensions and offsets
+        (pa, lda), (pb, ldb) = (1, a.shape[0] + 1), (4001, b.shape[0] + 3)
+    view(pa, *a.shape, lda, np.int8)[...] = a
+    view(pb, *b.shape, ldb, np.int8)[...] = b
+    Step = namedtuple("Step", "m n k op_a op_b")
+    m2, k2, oa, ob, a2, b2 = cuda_lowp.imma_operands(lambda nbytes: 32768, nullcontext(), Step(m, n, k, op_a, op_b),
+                                                     (pa, lda), (pb, ldb))
+    assert m2 % 4 == 0 and k2 % 4 == 0 and a2[1] % 4 == 0 and b2[1] % 4 == 0 and a2[0] % 4 == 0 == b2[0] % 4
+    ta = view(a2[0], *((m2, k2) if oa == 0 else (k2, m2)), a2[1], np.int8).astype(np.int64)
+    tb = view(b2[0], *((k2, n) if ob == 0 else (n, k2)), b2[1], np.int8).astype(np.int64)
+    got = (ta if oa == 0 else ta.T) @ (tb if ob == 0 else tb.T)
+    ref = (a.T if op_a else a).astype(np.int64) @ (b.T if op_b else b).astype(np.int64)
+    assert np.array_equal(got[:m], ref)
+
+
+@pytest.mark.parametrize("ops", [(0, 0), (1, 1)], ids=["NN", "TT"])
+def test_int8_exact_path_where_cublas_refuses(monkeypatch, ops):
+    """The cuda backend's fallback for int8 forms cuBLAS refuses (cuda_lowp.int8_exact), on numpy
+    memory: alpha op(A) op(B) + beta C in int32, exact."""
+    import types
+    from collections import namedtuple
+    from contextlib import nullcontext
+    from blasx.runtime.devices import cuda_lowp
+    from blasx.runtime.tasks import SC_ALPHA, SC_BETA
+
+    arena = np.zeros(1 << 16, np.uint8)
+
+    def view(ptr, rows, cols, ld, dtype):
+        dt = np.dtype(dtype)
+        return np.lib.stride_tricks.as_strided(arena[ptr:].view(np.uint8)[:(rows + ld * cols) * dt.itemsize]
+                                               .view(dt), (rows, cols), (dt.itemsize, ld * dt.itemsize))
+    monkeypatch.setattr(cuda_lowp, "device_view", view)
+    monkeypatch.setitem(__import__("sys").modules, "cupy",
+                        types.SimpleNamespace(copyto=np.copyto, matmul=np.matmul))
+    m, n, k = 7, 5, 9
+    op_a, op_b = ops
+    rng = np.random.default_rng(1)
+    a = rng.integers(-128, 128, (k, m) if op_a else (m, k)).astype(np.int8)
+    b = rng.integers(-128, 128, (n, k) if op_b else (k, n)).astype(np.int8)
+    c0 = rng.integers(-1000, 1000, (m, n)).astype(np.int32)
+    view(0, *a.shape, a.shape[0] + 1, np.int8)[...] = a
+    view(1024, *b.shape, b.shape[0], np.int8)[...] = b
+    view(4096, m, n, 8, np.int32)[...] = c0
+    call = types.SimpleNamespace(scalars=np.zeros(8, np.int32))
+    call.scalars[SC_ALPHA], call.scalars[SC_BETA] = 3, -2
+    Step = namedtuple("Step", "m n k op_a op_b alpha beta")
+    cuda_lowp.int8_exact(nullcontext(), Step(m, n, k, op_a, op_b, SC_ALPHA, SC_BETA), call,
+                         (0, a.shape[0] + 1), (1024, b.shape[0]), (4096, 8))
+    ref = 3 * ((a.T if op_a else a).astype(np.int64) @ (b.T if op_b else b)) - 2 * c0.astype(np.int64)
+    assert np.array_equal(view(4096, m, n, 8, np.int32), ref)
 
 
 # ---------------------------------------------------------------- quantization
@@ -304,7 +434,7 @@ def test_bad_input_leaves_arrays_and_engine_alone():
     a = _normal((8, 8), np.float16)
     c = np.ones((8, 8), np.float16, order="F")
     with pytest.raises(TypeError):
-        P.gemm(1.0, a, a.astype(np.float32), beta=1.0, c=c, overwrite_c=True)
+        blasx.gemm(1.0, a, a.astype(np.float32), beta=1.0, c=c, overwrite_c=True, out_dtype=np.float16)
     assert np.all(c == 1)
     assert blasx.matmul(a, a).dtype == np.float16
 

@@ -13,7 +13,9 @@ Reduced precision (a *mixed* call, runtime/call.py): gemm is ``cublasGemmEx`` wi
 bfloat16 or int8 A/B and the C tile in the accumulation type (float32; int32 for int8), compute
 type 32F or 32I; TF32 math runs float32 gemm with compute type 32F_FAST_TF32. A C tile that is
 loaded or written back in another type is staged in a per-stream scratch block and converted
-there by a CuPy kernel on the copy's own stream.
+there by a CuPy kernel on the copy's own stream; one rounded to float16 adds its overflows to a
+per-call counter in device memory. int8 tiles go to cuBLAS in the form its int8 kernels take.
+The kernels and conversions of these types: ``cuda_lowp``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .. import dtypes, faults
 from ..dtypes import prefix as blas_prefix
 from .base import DeviceError, PeerSource, StreamDevice, register_backend
+from .cuda_lowp import DeviceCount, convert_tile, device_view, imma_operands, int8_exact, kernels
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 EVENT_DISABLE_TIMING = 2
@@ -182,9 +185,12 @@ class CudaDevice(StreamDevice):
             return base
 
     def is_device_error(self, exc: BaseException) -> bool:
-        """CUDA and cuBLAS errors break the device, except an out-of-memory (the call fails)."""
-        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() \
-                or "memoryallocation" in str(exc).lower():
+        """CUDA and cuBLAS errors break the device, except an out-of-memory and a cuBLAS status
+        that rejects the call's arguments (NOT_SUPPORTED, INVALID_VALUE): those fail the call."""
+        text = str(exc).lower()
+        if isinstance(exc, MemoryError) or "out of memory" in text or "memoryallocation" in text:
+            return False
+        if type(exc).__name__ == "CUBLASError" and ("not_supported" in text or "invalid_value" in text):
             return False
         return type(exc).__name__ in ("CUDARuntimeError", "CUBLASError", "CUDADriverError")
 
@@ -258,7 +264,10 @@ class CudaDevice(StreamDevice):
         have = operand.array.dtype if task is None else task.call.wb_dtype
         if have != operand.array.dtype:  # round the accumulated tile to C's type first
             stage = self._stage(s, ref.rows * ref.cols * isz)
-            self._convert(s, src[0], src[1], have, stage, ref.rows, operand.array.dtype, ref.rows, ref.cols)
+            over = None
+            if operand.array.dtype == np.float16:  # count overflows where they happen, per device
+                over = task.call.overflow_counter(self.index, lambda: self._counter(s)).array
+            self._convert(s, src[0], src[1], have, stage, ref.rows, operand.array.dtype, ref.rows, ref.cols, over)
             src = (stage, ref.rows)
         self._copy_2d(s, "out", operand, ptr, ld * isz, src[0], src[1] * isz, ref.rows, ref.cols, isz)
 
@@ -267,10 +276,18 @@ class CudaDevice(StreamDevice):
         with self.streams[s]:
             return self._scratch(s, nbytes)
 
-    def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols) -> None:
-        """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel)."""
+    def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols, over=None) -> None:
+        """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel);
+        ``over``: a uint64 counter in this device's memory that float16 overflows are added to."""
         with self.streams[s]:
-            convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols)
+            convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols, over)
+
+    def _counter(self, s: int) -> DeviceCount:
+        """A zeroed overflow counter on this device, zeroed on stream ``s`` (the write-back
+        stream, where every conversion that adds to it runs)."""
+        import cupy
+        with cupy.cuda.Device(self.ordinal), self.streams[s]:
+            return DeviceCount(cupy.zeros(1, dtype=np.uint64), self.ordinal)
 
     def dequantize(self, s, loc, rows: int, cols: int, row_scale, col_scale) -> None:
         """The int32 tile at ``loc`` -> float32 ``tile * row_scale[:, None] * col_scale[None, :]``
@@ -278,7 +295,7 @@ class CudaDevice(StreamDevice):
         with self.streams[s]:
             ints = device_view(loc[0], rows, cols, loc[1], np.int32)
             floats = device_view(loc[0], rows, cols, loc[1], np.float32)
-            _kernels()["dequantize"](ints, row_scale[:, None], col_scale[None, :], floats)
+            kernels()["dequantize"](ints, row_scale[:, None], col_scale[None, :], floats)
 
     def _copy_2d(self, s, direction, operand, dst, dpitch, src, spitch, rows, cols, isz) -> None:
         """One tile copy between the arena and ``operand`` (on the ``host`` side: ``src`` for
@@ -334,9 +351,27 @@ class CudaDevice(StreamDevice):
         sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
         t_in, t_acc = dtypes.CUDA_TYPE[call.dtype], dtypes.CUDA_TYPE[call.acc_dtype]
         compute = dtypes.compute_type(dtypes.gemm_of(call.dtype), call.math)
-        fn(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k, sc + step.alpha * ssz,
-           a[0], t_in, a[1], b[0], t_in, b[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
-           dtypes.CUBLAS_GEMM_DEFAULT)
+        m, k, op_a, op_b, ta, tb = step.m, step.k, step.op_a, step.op_b, a, b
+        if call.pad_ld == 4:
+            if self._blas.get("int8_refused"):
+                self._int8_exact(s, step, call, a, b, c)
+                return
+            m, k, op_a, op_b, ta, tb = self._imma_operands(s, step, a, b)
+        try:
+            fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
+               ta[0], t_in, ta[1], tb[0], t_in, tb[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
+               dtypes.CUBLAS_GEMM_DEFAULT)
+        except Exception as exc:  # noqa: BLE001 - cuBLAS's status, from CuPy's binding or ctypes
+            if call.pad_ld != 4 or not ("NOT_SUPPORTED" in str(exc) or str(exc).endswith("cublasStatus_t 15")):
+                raise
+            self._blas["int8_refused"] = True  # refused before any work: this device takes the exact path from now on
+            self._int8_exact(s, step, call, a, b, c)
+
+    def _int8_exact(self, s, step, call, a, b, c) -> None:
+        int8_exact(self.streams[s], step, call, a, b, c)
+
+    def _imma_operands(self, s, step, a, b):
+        return imma_operands(lambda nbytes: self._scratch(s, nbytes), self.streams[s], step, a, b)
 
     # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
     # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
@@ -593,54 +628,6 @@ def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, dia
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
              ptr + (o.a0 + o.a0 * ld) * isz, ld, bp, ld, scratch, size)
         copy(bp, ld, scratch, size, rows, cols)
-
-
-def device_view(ptr: int, rows: int, cols: int, ld: int, dtype):
-    """A CuPy column-major view of device memory at ``ptr`` (bfloat16 as its uint16 bits)."""
-    import cupy
-    dt = np.dtype(dtype)
-    bf = dtypes.GEMM_BY_PREFIX.get("b")
-    if bf is not None and dt == bf.dtype:
-        dt = np.dtype(np.uint16)
-    mem = cupy.cuda.UnownedMemory(ptr, max(1, ((cols - 1) * ld + rows) * dt.itemsize), None)
-    return cupy.ndarray((rows, cols), dtype=dt, memptr=cupy.cuda.MemoryPointer(mem, 0),
-                        strides=(dt.itemsize, ld * dt.itemsize))
-
-
-_KERNELS: dict = {}
-
-
-def _kernels() -> dict:
-    """CuPy elementwise kernels for tile conversions (made once; CuPy compiles them per device)."""
-    if not _KERNELS:
-        import cupy
-        ek = cupy.ElementwiseKernel
-        _KERNELS["bf16_to_f32"] = ek("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
-                                     "blasx_bf16_to_f32")
-        # round to nearest even, as ml_dtypes and cuBLAS do; NaN stays a (quiet) NaN
-        _KERNELS["f32_to_bf16"] = ek(
-            "float32 x", "uint16 y",
-            "unsigned int u = __float_as_uint(x);"
-            "y = isnan(x) ? (unsigned short)((u >> 16) | 0x40u)"
-            " : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)", "blasx_f32_to_bf16")
-        _KERNELS["dequantize"] = ek("int32 x, float32 r, float32 c", "float32 y", "y = (float)x * r * c",
-                                    "blasx_dequantize")
-    return _KERNELS
-
-
-def convert_tile(src: int, sld: int, sdtype, dst: int, dld: int, ddtype, rows: int, cols: int) -> None:
-    """Convert a rows x cols column-major tile from ``sdtype`` at ``src`` to ``ddtype`` at ``dst``
-    on the current stream: half and int types by CuPy's casts, bfloat16 by its bits."""
-    import cupy
-    x = device_view(src, rows, cols, sld, sdtype)
-    y = device_view(dst, rows, cols, dld, ddtype)
-    bf = dtypes.GEMM_BY_PREFIX.get("b")
-    if bf is not None and np.dtype(sdtype) == bf.dtype:
-        _kernels()["bf16_to_f32"](x, y)
-    elif bf is not None and np.dtype(ddtype) == bf.dtype:
-        _kernels()["f32_to_bf16"](x, y)
-    else:
-        cupy.copyto(y, x, casting="unsafe")
 
 
 _IDENTITIES: dict = {}

@@ -101,6 +101,18 @@ def gemm_tf32(step, scalars, a, b, c) -> None:
     gemm_views(to_tf32(a), to_tf32(b), c, step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta])
 
 
+def round_into(dst, src) -> int:
+    """``dst[...] = src``, rounding to ``dst``'s type (a mixed call's write-back); returns the
+    float16 overflows: results that became inf from a finite ``src`` (inf and NaN already in
+    ``src`` are propagated values, not counted)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        dst[...] = src
+    if dst.dtype != np.float16 or src.dtype == np.float16:
+        return 0
+    inf = np.isinf(dst)
+    return int(np.count_nonzero(inf & np.isfinite(src))) if inf.any() else 0
+
+
 def scale(step, scalars, a, b, c) -> None:
     scale_views(c, scalars[step.beta])
 

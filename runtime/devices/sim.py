@@ -35,7 +35,7 @@ import numpy as np
 from .. import faults
 from ..stats import OpRecord
 from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
-from .numpy_kernels import KERNELS, kernel_for
+from .numpy_kernels import KERNELS, kernel_for, round_into
 
 
 @dataclass(frozen=True)
@@ -334,13 +334,14 @@ class SimDevice(StreamDevice):
         def work():
             if view is not None:
                 try:
-                    with np.errstate(over="ignore"):  # rounding to a narrower output (the front end reports overflow)
-                        view[...] = src
+                    over = round_into(view, src)  # a mixed call's tile rounds to C's type here
                 except Exception as exc:  # noqa: BLE001 - the host memory refused: the call's error
                     if task is None:
                         raise
                     task.call.fail(exc)
                     return
+                if over and task is not None:
+                    task.call.count_overflow(over)
             self.bytes_out += nbytes
         self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
