@@ -41,7 +41,7 @@ def kernels() -> dict:
         # an overflow is an inf result from a finite accumulator (inf and NaN in it propagate)
         _KERNELS["f32_to_f16"] = ek(
             "float32 x, raw uint64 over", "float16 y",
-            "y = (float16)x; if (isinf((float)y) && isfinite(x)) atomicAdd(&over[0], 1ULL)",
+            "y = (float16)x; if (isinf((float)y) && isfinite(x)) atomicAdd((unsigned long long*)&over[0], 1ULL)",
             "blasx_f32_to_f16_count")
         _KERNELS["dequantize"] = ek("int32 x, float32 r, float32 c", "float32 y", "y = (float)x * r * c",
                                     "blasx_dequantize")
