@@ -27,10 +27,8 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
     return list(range(count)) if ascending else list(range(count - 1, -1, -1))
 
 
-#: Order families of in-place TRMM tasks (:func:`trmm_order`); ``lines``, ``wave``, ``work`` and
-#: ``bands`` take a number. Only ``auto`` (the default), ``levels``, ``wave`` and ``blocks`` are meant
-#: for use; the others are kept so that ``bench/level3_sim.py`` can compare the orders.
-TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands", "blocks")
+#: Order families of in-place TRMM tasks (:func:`trmm_order`); ``wave`` and ``blocks`` take a number.
+TRMM_ORDERS = ("auto", "levels", "wave", "blocks")
 #: ``auto`` lists level by level when the grid has at most this many tiles, else in blocks of 2 x 2
 #: (blocks beat the wave on large grids). On small grids the devices hold the whole call at once and
 #: the order only decides which device gets which tasks: level by level, one device takes level 0
@@ -45,14 +43,11 @@ def _order_key(order: str, levels: int, lines: int):
     try:
         x = float(arg) if arg else None
     except ValueError:
-        x = None
         family = "?"
-    integral = family in ("lines", "bands", "work", "blocks")
-    if (family not in TRMM_ORDERS or (x is None and family in ("work", "bands"))
-            or (x is not None and (family in ("auto", "levels") or not x > 0 or (integral and x != int(x))))):
-        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], lines[Q], work[Q], bands[B], "
-                         f"blocks[B] (S a number > 0, default 1; Q and B ints >= 1, lines' default 1, "
-                         f"blocks' 2)")
+    if (family not in TRMM_ORDERS or (x is not None and (family in ("auto", "levels") or not x > 0
+                                                         or (family == "blocks" and x != int(x))))):
+        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], blocks[B] "
+                         f"(S a number > 0, default 1; B an int >= 1, default 2)")
     if family == "auto":
         family, x = ("levels", None) if levels * lines <= AUTO_LEVELS_MAX_TILES else ("blocks", None)
     if family == "levels":
@@ -60,19 +55,8 @@ def _order_key(order: str, levels: int, lines: int):
     if family == "wave":
         s = 1.0 if x is None else x
         return lambda c: (c[0] + s * c[1], c[1])
-    if family == "lines":
-        q = 1 if x is None else int(x)
-        return lambda c: (c[1] // q, c[0], c[1])
-    if family == "bands":
-        b = int(x)
-        return lambda c: (c[0] // b, c[1], c[0])
-    if family == "blocks":
-        b = 2 if x is None else int(x)
-        return lambda c: (c[0] // b + c[1] // b, c[0] // b, c[0], c[1])
-    # work: line l starts once 1/q of a line's steps are listed (a level of depth d has levels - d steps)
-    before = [sum(levels - e for e in range(d)) for d in range(levels + 1)]
-    start = before[levels] / x
-    return lambda c: (before[c[0]] + c[1] * start, c[1])
+    b = 2 if x is None else int(x)
+    return lambda c: (c[0] // b + c[1] // b, c[0] // b, c[0], c[1])
 
 
 def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order: str = "auto") -> list[tuple[int, int]]:
@@ -92,11 +76,6 @@ def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order:
       (d, l) sorts by d + S l, then by line. With S = 1 one new line of B and
       one new row of A enter per level, and the loads of a new line overlap the
       updates of the lines already started.
-    * ``lines[Q]``: Q lines at a time, level by level among them (Q = 1: line
-      by line).
-    * ``work[Q]``: as ``wave``, with depths weighted by their steps: line l
-      starts once 1/Q of a line's steps have been listed.
-    * ``bands[B]``: B levels at a time, line by line within them.
     * ``blocks[B]`` (B default 2): blocks of B levels x B lines, listed as a
       wave over blocks (block (D, L) by D + L, then D), level by level within a
       block. The B^2 tasks of a block (one device's streams take them together)
