@@ -36,54 +36,39 @@ DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
 # ------------------------------------------------------------------------------------------------
 # argument types: each error names what was received and what is allowed
 
-def _int_at_least(low: int, need: str):
-    """An argparse type: an int >= ``low``; errors say what was received and ``need``."""
-    def parse(text: str) -> int:
+def _arg_type(convert, need: str, ok=lambda v: True):
+    """An argparse type: ``convert(text)`` (ValueError: not valid) passing ``ok``; errors say what
+    was received and ``need``."""
+    def parse(text: str):
         try:
-            v = int(text)
+            v = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"got {text!r}, need {need}") from None
-        if v < low:
+        if not ok(v):
             raise argparse.ArgumentTypeError(f"got {v}, need {need}")
         return v
     return parse
 
 
-_positive = _int_at_least(1, "a positive integer")
-_nonnegative = _int_at_least(0, "an integer >= 0")
-
-
-def _positive_list(text: str) -> list[int]:
+def _items(text: str) -> list[str]:
+    """The non-empty comma-separated items of ``text`` (ValueError if none)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need positive integers separated by commas")
-    return [_positive(x) for x in items]
+        raise ValueError(text)
+    return items
 
 
-def _dtype_char(text: str) -> str | None:
-    """The prefix named by a prefix or a type name (``d``, ``float64``, ``half``, ``i8``; gemm's
-    reduced types included), else None."""
-    try:
-        return dtypes.parse(text, gemm=True).prefix
-    except ValueError:
-        return None
+def _prefix(text: str) -> str:
+    """The prefix named by a prefix or a type name (``d``, ``float64``, ``half``, ``i8``; gemm's reduced types)."""
+    return dtypes.parse(text, gemm=True).prefix
 
 
-def _dtype(text: str) -> str:
-    ch = _dtype_char(text)
-    if ch is None:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one of {', '.join(dtypes.GEMM_PREFIXES)} "
-                                         f"(or {dtypes.GEMM_ALLOWED})")
-    return ch
-
-
-def _dtype_list(text: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    chars = [_dtype_char(x) for x in items]
-    if not items or None in chars:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(dtypes.GEMM_PREFIXES)} "
-                                         f"separated by commas")
-    return list(dict.fromkeys(chars))
+_positive = _arg_type(int, "a positive integer", lambda v: v >= 1)
+_nonnegative = _arg_type(int, "an integer >= 0", lambda v: v >= 0)
+_positive_list = _arg_type(lambda t: [_positive(x) for x in _items(t)], "positive integers separated by commas")
+_dtype = _arg_type(_prefix, f"one of {', '.join(dtypes.GEMM_PREFIXES)} (or {dtypes.GEMM_ALLOWED})")
+_dtype_list = _arg_type(lambda t: list(dict.fromkeys(map(_prefix, _items(t)))),
+                        f"one or more of {', '.join(dtypes.GEMM_PREFIXES)} separated by commas")
 
 
 def _devices(text: str) -> str:
@@ -262,8 +247,7 @@ def _start(blasx, parser, **settings):
     """Configure and start the engine; device-spec problems are usage errors (exit 2)."""
     from .runtime.devices.base import DeviceError
 
-    prev = blasx.session.settings()
-    merged = {**dataclasses.asdict(prev), **{k: v for k, v in settings.items() if v is not None}}
+    merged = {**dataclasses.asdict(blasx.session.settings()), **{k: v for k, v in settings.items() if v is not None}}
     try:
         blasx.configure(**merged)
         return blasx.engine()
@@ -271,13 +255,13 @@ def _start(blasx, parser, **settings):
         raise
     except (ValueError, RuntimeError) as exc:
         msg = str(exc)
-        if isinstance(exc, RuntimeError) and not msg.startswith("devices:"):
-            raise
-        if msg.startswith("devices:"):
-            if settings.get("devices") is not None:
-                msg = "argument --devices:" + msg[len("devices:"):]
-            elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
-                msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
+        if not msg.startswith("devices:"):
+            if isinstance(exc, RuntimeError):
+                raise
+        elif settings.get("devices") is not None:
+            msg = "argument --devices:" + msg[len("devices:"):]
+        elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
+            msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
         parser.error(msg)
 
 
@@ -413,13 +397,15 @@ def _info(blasx, parser, args) -> int:
 
 
 def _tune(blasx, parser, args) -> int:
-    from .perfdb import PerfDb
+    from .perfdb import PerfDb, disabled
+    from .probe import format_perfdb
     from .runtime.devices.base import DeviceError
     from .tune import tune
 
     db = PerfDb(args.db)
     if args.show:
-        return _show(db)
+        print("\n".join(format_perfdb(db.path, db.entries(), disabled=disabled())))
+        return 0
     if args.clear:
         n = db.clear()
         print(f"perf-db {db.path}: removed {n} entr{'y' if n == 1 else 'ies'}")
@@ -456,15 +442,6 @@ def _tune(blasx, parser, args) -> int:
     stored = sum(r["stored"] for r in rows)
     print(f"stored {stored} of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {db.path}")
     return status
-
-
-def _show(db) -> int:
-    from .perfdb import disabled
-    from .probe import format_perfdb
-
-    for line in format_perfdb(db.path, db.entries(), disabled=disabled()):
-        print(line)
-    return 0
 
 
 if __name__ == "__main__":
