@@ -58,9 +58,7 @@ def _positive_int(name: str, value: object, allowed: str) -> int:
     try:
         ivalue = operator.index(value)
     except TypeError:
-        raise ValueError(
-            f"{name} must be {allowed}; got {value!r} of type {type(value).__name__}"
-        ) from None
+        raise ValueError(f"{name} must be {allowed}; got {value!r} of type {type(value).__name__}") from None
     if ivalue <= 0:
         raise ValueError(f"{name} must be {allowed}; got {ivalue}")
     return ivalue
@@ -69,23 +67,17 @@ def _positive_int(name: str, value: object, allowed: str) -> int:
 class OffsetHeap:
     """First-fit heap over the byte offsets ``[0, capacity)`` of one arena (one owner thread)."""
 
-    __slots__ = (
-        "_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free",
-        "_buckets", "_nonempty", "_free_sizes", "_bytes_used",
-    )
+    __slots__ = ("_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free", "_buckets", "_nonempty",
+                 "_free_sizes", "_bytes_used")
 
     def __init__(self, capacity: int, alignment: int = 256):
         alignment = _positive_int("alignment", alignment, "a positive power of two")
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two; got {alignment}")
-        capacity = _positive_int(
-            "capacity", capacity, f"a positive multiple of alignment ({alignment})"
-        )
+        capacity = _positive_int("capacity", capacity, f"a positive multiple of alignment ({alignment})")
         if capacity % alignment:
-            raise ValueError(
-                f"capacity must be a positive multiple of alignment ({alignment}); "
-                f"got {capacity} (remainder {capacity % alignment})"
-            )
+            raise ValueError(f"capacity must be a positive multiple of alignment ({alignment}); "
+                             f"got {capacity} (remainder {capacity % alignment})")
         self._capacity = capacity
         self._alignment = alignment
         self._mask = alignment - 1
@@ -237,10 +229,7 @@ class OffsetHeap:
 
     def size_of(self, offset: int) -> int:
         """Rounded size of the allocation at ``offset`` (ValueError if none)."""
-        try:
-            blk = self._used.get(offset)
-        except TypeError:
-            blk = None
+        blk = self._used.get(offset) if offset.__hash__ else None  # unhashable: not an offset
         if blk is None:
             raise ValueError(self._why_not_allocated(offset))
         return blk.size
@@ -276,8 +265,7 @@ class OffsetHeap:
 
     def blocks(self) -> list[tuple[int, int, bool]]:
         """``(offset, size, is_free)`` of every block, in address order."""
-        out = []
-        blk = self._head
+        out, blk = [], self._head
         while blk is not None:
             out.append((blk.off, blk.size, blk.free))
             blk = blk.next
@@ -317,13 +305,10 @@ class OffsetHeap:
         head = self._head
         if head is None or head.off != 0 or head.prev is not None:
             fail("the block list must start with a head block at offset 0 with no prev")
-        end = 0
-        prev = None
-        n = 0
-        used_bytes = 0
+        end = n = used_bytes = 0
+        prev, blk = None, head
         free_seen: list[_Block] = []
         used_seen: list[_Block] = []
-        blk = head
         while blk is not None:
             n += 1
             if n > max_blocks:
