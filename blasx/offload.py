@@ -34,6 +34,7 @@ import numbers
 import os
 import threading
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,15 +66,13 @@ __all__ = ["offload", "offload_enable", "offload_disable", "offload_threshold", 
 
 # ---------------------------------------------------------------- state
 
+@dataclass(eq=False)
 class _Entry:
     """One active enable (``kind`` "enable") or ``with offload()`` block ("context")."""
-    __slots__ = ("kind", "thread", "threshold", "matmul")
-
-    def __init__(self, kind: str, threshold, matmul: bool) -> None:
-        self.kind = kind
-        self.thread = threading.get_ident()
-        self.threshold = threshold
-        self.matmul = matmul
+    kind: str
+    threshold: float | None
+    matmul: bool
+    thread: int = field(default_factory=threading.get_ident)
 
 
 _lock = threading.RLock()
@@ -83,11 +82,10 @@ _default: float = math.inf      # resolved when the first entry comes in
 
 class _ThreadState(threading.local):
     """Per thread: ``stack`` of (entry, threshold or None) of its ``with offload()`` blocks, ``local`` the
-    override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in.
-    Class-level defaults: a missing attribute never raises."""
-    stack = None
-    local = None
-    busy = 0
+    override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in."""
+
+    def __init__(self) -> None:
+        self.stack, self.local, self.busy = [], None, 0
 
 
 _tls = _ThreadState()
@@ -113,14 +111,12 @@ def _check_matmul(matmul) -> bool:
 def _check_threshold(value):
     if value is None:
         return None
+    allowed = "allowed: a number of flops >= 0 (math.inf: never offload), or None for the default"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"threshold: got {value!r} of type {type(value).__name__}; allowed: a number of flops "
-                        f">= 0 (math.inf: never offload), or None for the default")
-    value = float(value)
-    if not value >= 0:  # also NaN
-        raise ValueError(f"threshold: got {value!r}; allowed: a number of flops >= 0 (math.inf: never offload), "
-                         f"or None for the default")
-    return value
+        raise TypeError(f"threshold: got {value!r} of type {type(value).__name__}; {allowed}")
+    if not float(value) >= 0:  # also NaN
+        raise ValueError(f"threshold: got {float(value)!r}; {allowed}")
+    return float(value)
 
 
 def _device_kind() -> str:
@@ -139,7 +135,7 @@ def default_threshold() -> float:
         try:
             value = float(env)
         except ValueError:
-            raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'") from None
+            value = math.nan
         if not value >= 0:
             raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'")
         return value
@@ -153,15 +149,8 @@ def _global_threshold() -> float:
     return _default
 
 
-def _stack() -> list:
-    st = _tls.stack
-    if st is None:
-        st = _tls.stack = []
-    return st
-
-
 def _local_threshold():
-    for _, thr in reversed(_tls.stack or ()):
+    for _, thr in reversed(_tls.stack):
         if thr is not None:
             return thr
     return None
@@ -242,12 +231,12 @@ class offload(contextlib.ContextDecorator):
     def __enter__(self):
         entry = _Entry("context", self.threshold, self.matmul)
         _add(entry)
-        _stack().append((entry, self.threshold))
+        _tls.stack.append((entry, self.threshold))
         _sync_local()
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = _stack()
+        stack = _tls.stack
         if not stack:
             raise RuntimeError("offload: leaving a block this thread did not enter (the __exit__ of a "
                                "`with blasx.offload()` must run in the thread that ran its __enter__)")
