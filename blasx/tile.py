@@ -51,7 +51,7 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
         if _fits(streamed, tile, itemsize):
             return tile
     tile = DEFAULT_TILE[kind]
-    tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
+    tile = min(tile, max(floor, 1 << (max(m, n, k) - 1).bit_length()))  # the power of two >= m, n, k
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     while tile > floor and -(-m // tile) * -(-n // tile) < 2 * workers:
         tile //= 2
@@ -65,13 +65,6 @@ def _tile_itemsize(dtype) -> int:
     """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider."""
     row = dtypes.gemm_of(dtype)
     return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
-
-
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
 
 
 def _fits(devices, tile: int, itemsize: int) -> bool:
@@ -92,7 +85,7 @@ def _check_fits(devices, tile: int, itemsize: int) -> None:
 # ---------------------------------------------------------------- perf-db look-up
 
 _db_lock = threading.Lock()
-# engine -> (db generation, db location, {(dtype, routine, shape): tile}) of its device model and count
+# engine -> ((db generation, db location), {(dtype, routine, shape): tile}) of its device model and count
 _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -118,16 +111,10 @@ def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | 
 
 
 def _table(eng) -> dict:
-    gen, where = perfdb.generation(), perfdb.location_state()
-    entry = _db_tables.get(eng)
-    if entry is not None and entry[0] == gen and entry[1] == where:
-        return entry[2]
+    state = (perfdb.generation(), perfdb.location_state())
     with _db_lock:
         entry = _db_tables.get(eng)
-        if entry is None or entry[0] != gen or entry[1] != where:
-            model, ndev = perfdb.device_key(eng.devices)
-            rows = perfdb.PerfDb().table(model, ndev)
-            table = {(key.dtype, key.routine, key.shape): tile for key, tile in rows.items()}
-            entry = (gen, where, table)
-            _db_tables[eng] = entry
-        return entry[2]
+        if entry is None or entry[0] != state:
+            rows = perfdb.PerfDb().table(*perfdb.device_key(eng.devices))
+            entry = _db_tables[eng] = (state, {(key.dtype, key.routine, key.shape): t for key, t in rows.items()})
+        return entry[1]

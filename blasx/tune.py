@@ -1,19 +1,11 @@
 """``blasx.tune``: measure the candidate tile sizes and store the winners in the perf-db.
 
-The tile size is the only tuning parameter of BLASX (Section V-B of the
-paper): large tiles saturate the GPU and the PCI-E link, small ones give
-more parallelism. Its best value is measured here, once per device model,
-device count, precision and shape class (see :mod:`blasx.perfdb`), and the
-runtime then reads it back for every call of that class.
-
-For each dtype and size: random host arrays, then for each candidate tile
-an engine configured with that tile, one untimed warm-up call and ``runs``
-timed ``blasx.gemm`` calls (the best one counts), a check of a few rows of C
-against numpy, and finally the fastest correct candidate is stored.
-
-Tuning reconfigures the process-wide engine: run it when no other thread
-uses blasx. The previous ``blasx.configure`` settings are restored at the
-end, also when tuning fails.
+The tile is BLASX's one tuning parameter (Section V-B): large tiles saturate the GPU and the link,
+small ones give more parallelism. Per dtype and size: random host arrays; per candidate, an engine
+with that tile, a warm-up call and ``runs`` timed ``blasx.gemm`` calls (the best counts), a check of
+a few rows against numpy; the fastest correct candidate is stored (:mod:`blasx.perfdb`). Tuning
+reconfigures the process-wide engine (run it while no other thread uses blasx) and restores the
+previous settings at the end, also when it fails.
 """
 
 from __future__ import annotations
@@ -187,28 +179,22 @@ def _check_dtypes(dtypes) -> list[str]:
     if isinstance(dtypes, str):
         if "," in dtypes or " " in dtypes:
             dtypes = dtypes.replace(",", " ").split()
-        elif set(dtypes) <= set(blas_types.PREFIXES):
-            dtypes = list(dtypes)  # "ds"
-        elif dtypes in blas_types.GEMM_BY_PREFIX:
-            dtypes = [dtypes]  # "i8"
-        else:
-            dtypes = [dtypes]  # "float64"
+        else:  # "ds", or one name: "i8", "float64"
+            dtypes = list(dtypes) if set(dtypes) <= set(blas_types.PREFIXES) else [dtypes]
     try:
         items = list(dtypes)
     except TypeError:
         items = [given]
-    out: list[str] = []
+    out: dict[str, None] = {}
     for d in items:
         try:
-            c = perfdb.dtype_char(d)
+            out[perfdb.dtype_char(d)] = None
         except ValueError:
             raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of {', '.join(blas_types.GEMM_PREFIXES)} "
                              f"({blas_types.GEMM_ALLOWED})") from None
-        if c not in out:
-            out.append(c)
     if not out:
         raise ValueError(f"dtypes: got {given!r}, need one or more of {', '.join(blas_types.GEMM_PREFIXES)}")
-    return out
+    return list(out)
 
 
 def _check_tiles(tiles) -> list[int] | None:
