@@ -62,27 +62,16 @@ def _order_key(order: str, levels: int, lines: int):
 def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order: str = "auto") -> list[tuple[int, int]]:
     """The tiles (i, j) of an in-place TRMM, in task-list order.
 
-    A *line* is a block column of B (side 0) or a block row (side 1). Its tiles
-    read and overwrite only tiles of the same line, so they depend only on each
-    other, level by level: the tile of depth d (``trmm_levels(...)[d]``) is
-    written after the tiles of depth < d of its line. Every order below keeps
-    each line's tiles in depth order, so every task is listed after its
-    dependencies; they differ in how the lines are interleaved:
+    A *line* (a block column of B for side 0, a block row for side 1) depends only on itself, level
+    by level: its tile of depth d (``trmm_levels(...)[d]``) is written after those of depth < d.
+    Every order keeps that; they differ in how lines interleave:
 
-    * ``levels``: depth 0 of every line, then depth 1, ... The first level reads
-      all of B (side 0, upper: C_0j reads B_kj for every k), so a device's first
-      tasks each need a whole column of B from the host before any reuse.
-    * ``wave[S]`` (S default 1): line l starts S levels after line l - 1; cell
-      (d, l) sorts by d + S l, then by line. With S = 1 one new line of B and
-      one new row of A enter per level, and the loads of a new line overlap the
-      updates of the lines already started.
-    * ``blocks[B]`` (B default 2): blocks of B levels x B lines, listed as a
-      wave over blocks (block (D, L) by D + L, then D), level by level within a
-      block. The B^2 tasks of a block (one device's streams take them together)
-      share B rows of A and B lines of B, and the next block of a front shares
-      those rows of A (read over the peer link) with B new lines.
-    * ``auto`` (default): ``levels`` for grids of at most ``AUTO_LEVELS_MAX_TILES``
-      tiles, else ``blocks``.
+    * ``levels``: depth 0 of every line, then depth 1, ... (the first level reads all of B);
+    * ``wave[S]`` (S default 1): cell (d, l) sorts by d + S l, then l: one new line of B enters
+      per level, its loads overlapping the updates of the lines already started;
+    * ``blocks[B]`` (B default 2): blocks of B levels x B lines as a wave over blocks (D + L,
+      then D), level by level inside; a block's B^2 tasks share B rows of A and B lines of B;
+    * ``auto`` (default): ``levels`` up to ``AUTO_LEVELS_MAX_TILES`` tiles, else ``blocks``.
     """
     levels = trmm_levels(m, n, tile, side, lower, op)
     lines = n_tiles(n if side == SIDE_LEFT else m, tile)
@@ -96,23 +85,15 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               block: tuple[int, int] = (1, 1), in_place: bool = False, order: str = "auto") -> list[Task]:
     """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1) (Eq. 1d).
 
-    A is the ``lower`` (else upper) triangle of the stored square A (m x m for
-    side 0, n x n for side 1), with a unit diagonal if ``unit``. Task (i, j)
-    runs the diagonal ``trmm`` step first (it initialises C; no beta, load_c
-    False), then gemm steps ``alpha op(A)_ik B_kj`` (side 0) or ``alpha B_ik
-    op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE: those
-    rotate (``rotatable`` with ``fixed=1``: the diagonal step stays first). With
-    ``alpha == 0``, C = 0 and A, B are not read.
+    A is the ``lower`` (else upper) triangle of the stored square A, unit diagonal if ``unit``.
+    Task (i, j) runs the diagonal ``trmm`` step first (it initialises C: no beta, load_c False),
+    then gemm steps over the nonzero tiles of op(A) with beta SC_ONE, which rotate (``fixed=1``).
+    With ``alpha == 0``, C = 0 and A, B are not read.
 
-    Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
-    is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
-    same array as B, so a tile may be written only once the kernels of every
-    task reading its old value are done (``war``). Each task depends on every task of the earlier
-    levels (:func:`trmm_levels`) in its block column (side 0) or block row
-    (side 1): write-after-read dependencies, the mirror of TRSM's
-    read-after-write ones. Tasks are listed in ``order`` (:func:`trmm_order`;
-    every order lists a task after its dependencies, and the dependencies do
-    not depend on the order); ``order`` is not used out of place.
+    Out of place (default), C (slot 2) is a separate output and tasks follow ``tile_order``.
+    ``in_place``: slot 2 is B, so each task depends on the tasks of the earlier levels
+    (:func:`trmm_levels`) of its line, and only its write-back waits for them (``war``, ``gates``);
+    tasks are listed in ``order`` (:func:`trmm_order`), which does not change the dependencies.
     """
     eff_lower = effective_lower(lower, op)
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
@@ -183,30 +164,18 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               alpha_zero: bool = False, is_complex: bool = False, inverse: bool = False) -> list[Task]:
     """Tasks of the solve ``op(A) X = alpha B`` (side 0) or ``X op(A) = alpha B`` (side 1).
 
-    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored
-    square A (m x m for side 0, n x n for side 1), unit diagonal if ``unit``.
-    Left side, forward case (Eq. 1c with the order reversed for the backward
-    case): ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``.
+    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored square A, unit
+    diagonal if ``unit``. Forward case, left side (Eq. 1c; reversed for backward):
+    ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``. Task (i, j) starts from
+    B_ij (``c_init``), runs one gemm step per solved tile (the first with beta SC_ALPHA: it scales
+    B), then the diagonal ``trsm`` step; ``deps`` are the tasks solving the X tiles it reads
+    (slot 2), whose tasks ``keep_c``. Tasks are listed level by level in solve order. With
+    ``alpha == 0``: ``scale`` tasks, A and B not read.
 
-    Task (i, j) starts from B_ij (``c_init``, load_c), runs one gemm step
-    ``c = -op(A)_ik X_kj + beta_s c`` per solved tile (beta_s = SC_ALPHA for the
-    first one: it scales B by alpha, then SC_ONE), then the diagonal ``trsm``
-    step with alpha SC_ONE (SC_ALPHA if it had no update). X tiles are read
-    through TileRefs of slot 2; ``deps`` are the tasks that solve them;
-    ``keep_c`` is set on the tasks whose X tile a later task reads. Tasks are
-    listed level by level (block rows for side 0, block columns for side 1, in
-    solve order), all tiles of a level together. With ``alpha == 0`` X = 0:
-    ``scale`` tasks with no dependencies, A and B not read.
-
-    ``inverse``: the diagonal block of each level but the first is inverted once
-    by a task of its own (``trtri`` on V's tile, ``inverse_ref``, loaded from A's:
-    ``c_init``; ``keep_c``, ``urgent``), listed two levels ahead of its use (the
-    first two before level 0); the diagonal step of a tile is then ``invmm`` (``c =
-    op(V_kk) c``, side 0; ``c = c op(V_kk)``, side 1) on V's tile, gated on that
-    task, which is in ``deps``. The first level keeps ``trsm`` steps: its tiles
-    have nothing else to do, so waiting for an inversion (load, invert, write
-    back) would idle every device at the start, while the next inversions run
-    beside them.
+    ``inverse``: each level's diagonal block but the first is inverted once by a task of its own
+    (``trtri`` on V's tile ``inverse_ref``, loaded from A's; ``keep_c``, ``urgent``), listed two
+    levels ahead of its use, and the diagonal step becomes ``invmm`` by it, gated on that task.
+    The first level keeps ``trsm`` steps, so no device idles waiting for an inversion at the start.
     """
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
     s_dim = m if side == SIDE_LEFT else n
