@@ -205,28 +205,28 @@ class StreamWorker(StreamAssign, Worker):
         """End the task on stream ``s`` after an error of its call: the call fails (so its other
         tasks stop too), what this step had issued is completed (fills flushed) and its lines and
         buffers are released at an event after it; the task is accounted at that event."""
-        task, dev = act.task, self.dev
         exc.blasx_traceback = traceback.format_exc()
-        task.call.fail(exc)
+        act.task.call.fail(exc)
         if work.fills:
             self._flush(s, work.fills)
+        self._stop_task(s, act, tuple(work.release), tuple(work.extra))
+
+    def _stop_task(self, s: int, act: _Active, release: tuple = (), extra: tuple = ()) -> None:
+        """Take the task off stream ``s``: its lines and buffers are released, and it is accounted,
+        at an event after what was issued (a C or late-C copy may still be filling a buffer)."""
+        dev = self.dev
         self.slots[s] = None
-        h2d = dev.record(dev.h2d_stream)  # a C or late-C copy may still be filling a buffer
+        h2d = dev.record(dev.h2d_stream)
         self._push(dev.h2d_stream, h2d)
         dev.wait(s, h2d)
-        self._push(s, dev.record(s), release=tuple(work.release), free=act.buffers() + tuple(work.extra),
-                   task=task, finished=True)
+        self._push(s, dev.record(s), release=release, free=act.buffers() + extra, task=act.task, finished=True)
 
     def _issue(self, s: int, act: _Active, work: "_StepWork") -> bool:
         task = act.task
         call = task.call
         dev = self.dev
         if call.failed:  # stop early; free the buffers once the issued work is done
-            self.slots[s] = None
-            h2d = dev.record(dev.h2d_stream)  # a late-C copy may still be filling a buffer
-            self._push(dev.h2d_stream, h2d)
-            dev.wait(s, h2d)
-            self._push(s, dev.record(s), free=act.buffers(), task=task, finished=True)
+            self._stop_task(s, act)
             return True
         nsteps = len(act.steps)
         if task.gates and not call.gate_open(task, act.k):
@@ -456,19 +456,15 @@ class StreamWorker(StreamAssign, Worker):
             release.append(line)
             row["l1_hits"] += 1
             return _loc(dev, line.offset, call, ref.slot, line.rows, line.cols)
+        off = None
         try:
             nbytes = call.tile_nbytes(ref.slot, ref.rows, ref.cols)
             off = self._alloc(nbytes, call)
-        except BaseException:
-            if peer_line is not None:
-                with directory.lock:
-                    peer_line.readers -= 1
-            raise
-        loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
-        try:
+            loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
             cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
         except BaseException:
-            dev.heap.free(off)  # nothing was queued into it
+            if off is not None:
+                dev.heap.free(off)  # nothing was queued into it
             if peer_line is not None:
                 with directory.lock:
                     peer_line.readers -= 1
