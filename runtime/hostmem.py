@@ -16,6 +16,7 @@ every region boundary (``split_2d``); a chunk whose registration failed is copie
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -42,10 +43,8 @@ def chunk_spans(start: int, end: int, chunk: int = CHUNK_BYTES) -> list[tuple[in
 
 def round_robin(lists) -> list:
     """Items of the lists interleaved: the first of each, then the second of each, ..."""
-    out, longest = [], max((len(x) for x in lists), default=0)
-    for i in range(longest):
-        out += [x[i] for x in lists if i < len(x)]
-    return out
+    gap = object()
+    return [x for row in itertools.zip_longest(*lists, fillvalue=gap) for x in row if x is not gap]
 
 
 def split_2d(ptr: int, pitch: int, width: int, cols: int, cuts) -> list[tuple[int, int, int, int]]:

@@ -319,11 +319,10 @@ class StreamWorker(StreamAssign, Worker):
         free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
+            # One reader: its kernel and write-back are still queued, so it is not evictable until ev.
             ref = task.c
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
-                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols)
-            line.ready = ev
-            line.readers = 1  # its kernel and write-back are still queued: not evictable until ev
+                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols, readers=1, ready=ev)
             with self.directory.lock:
                 if self.alru.peek(line.key) is None:
                     self.directory.add(line)
@@ -470,9 +469,8 @@ class StreamWorker(StreamAssign, Worker):
                     peer_line.readers -= 1
             raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
-        new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
-        new.readers = 1
-        new.ready = FILLING  # until _flush records the fill event; only this thread sees it meanwhile
+        # FILLING until _flush records the fill event; only this thread sees it meanwhile
+        new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols, readers=1, ready=FILLING)
         with directory.lock:
             directory.add(new)
         release.append(new)
