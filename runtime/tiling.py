@@ -57,6 +57,11 @@ def op_tile(slot: int, op: int, i: int, k: int, stored_rows: int, stored_cols: i
     return tile_ref(slot, k, i, stored_rows, stored_cols, tile)
 
 
+def effective_lower(lower: int, op: int) -> bool:
+    """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
+    return bool(lower) != (op != OP_N)
+
+
 def element_offset(r: int, c: int, ld: int) -> int:
     """Element offset of (r, c) in a column-major matrix with leading dimension ld."""
     return c * ld + r

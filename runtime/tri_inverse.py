@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .trsm_blocks import split
+
 
 class Leaf(NamedTuple):
     """W[d0:d0+size, d0:d0+size] = its own triangle's inverse."""
@@ -54,10 +56,7 @@ def tri_inverse_ops(size: int, lower: int, leaf: int) -> list:
         if hi - lo <= leaf:
             ops.append(Leaf(lo, hi - lo))
             return
-        half = (hi - lo) // 2
-        if half >= leaf:
-            half -= half % leaf
-        h = lo + half
+        h = split(lo, hi, leaf)
         if lower:  # W21 = -X22 (L21 X11)
             blk = (h, lo, hi - h, h - lo)
             invert(lo, h)

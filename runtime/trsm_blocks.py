@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-OP_N = 0
+from .tiling import OP_N, effective_lower
 
 
 class Solve(NamedTuple):
@@ -42,15 +42,16 @@ class Update(NamedTuple):
     first: bool
 
 
-def effective_lower(lower: int, op: int) -> bool:
-    """op(A) is lower triangular."""
-    return bool(lower) != (op != OP_N)
-
-
 def stored_block(a: tuple[int, int, int, int], op: int) -> tuple[int, int, int, int]:
     """The stored block (r0, c0, rows, cols) holding op(A)'s block ``a``; apply ``op`` to it."""
     r0, c0, rows, cols = a
     return a if op == OP_N else (c0, r0, cols, rows)
+
+
+def split(lo: int, hi: int, leaf: int) -> int:
+    """Where [lo, hi) is halved: at a multiple of ``leaf`` from lo when the size allows, else the middle."""
+    half = (hi - lo) // 2
+    return lo + (half - half % leaf if half >= leaf else half)
 
 
 def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> list:
@@ -65,12 +66,6 @@ def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> 
     lower_op = effective_lower(lower, op)
     ops: list = []
 
-    def split(lo: int, hi: int) -> int:
-        half = (hi - lo) // 2
-        if half >= leaf:
-            half -= half % leaf
-        return lo + half
-
     def b_rows(lo, hi):  # the part of B a solve of op(A)[lo:hi, lo:hi] touches
         return (lo, 0, hi - lo, n) if side == 0 else (0, lo, m, hi - lo)
 
@@ -79,17 +74,16 @@ def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> 
             r0, c0, rows, cols = b_rows(lo, hi)
             ops.append(Solve(lo, hi - lo, r0, c0, rows, cols, first))
             return
-        h = split(lo, hi)
+        h = split(lo, hi, leaf)
         # Forward when the solved part comes first in the product order: left/lower, right/upper.
         forward = lower_op if side == 0 else not lower_op
         done, rest = ((lo, h), (h, hi)) if forward else ((h, hi), (lo, h))
         solve(*done, first)
         if side == 0:  # B_rest -= op(A)[rest, done] X_done
             a = (rest[0], done[0], rest[1] - rest[0], done[1] - done[0])
-            ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
         else:  # B_rest -= X_done op(A)[done, rest]
             a = (done[0], rest[0], done[1] - done[0], rest[1] - rest[0])
-            ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
+        ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
         solve(*rest, False)
 
     if size:

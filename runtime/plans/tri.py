@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from ..tasks import SC_ALPHA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step, Task
-from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
+from ..tiling import OP_N, TileRef, effective_lower, n_tiles, op_tile, tile_ref
 from .common import (SIDE_LEFT, SIDE_RIGHT, TRMM_A, TRMM_B, TRMM_C, TRSM_A, TRSM_B, TRSM_V, TRSM_X, _scale, _width,
                      task_flops)
 from .gemm import tile_order
-
-def effective_lower(lower: int, op: int) -> bool:
-    """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
-    return bool(lower) != (op != OP_N)
-
 
 def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> list[int]:
     """Block rows (side 0) or block columns (side 1) of B in the order an in-place TRMM writes them.
