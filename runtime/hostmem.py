@@ -132,7 +132,6 @@ class RegistrationCache:
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self.registered_bytes = 0
-        self.seconds = 0.0  # spent in cudaHostRegister, all threads
 
     def pin(self, arrays) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands, chunks round-robin in address order
@@ -180,15 +179,13 @@ class RegistrationCache:
         try:
             from cupy.cuda import runtime
             start, end = p.chunks[i]
-            t0 = time.perf_counter()
             try:
                 runtime.hostRegister(start, end - start, HOST_REGISTER_PORTABLE)
                 p.ok[i] = True
             except runtime.CUDARuntimeError:  # already registered by others, or no lockable memory: pageable
                 p.ok[i] = False
-            with self._lock:
-                self.seconds += time.perf_counter() - t0
-                if p.ok[i]:
+            if p.ok[i]:
+                with self._lock:
                     self.registered_bytes += end - start
         finally:
             p.ready[i].set()
