@@ -1,12 +1,6 @@
-"""The ``blasx`` command line.
-
-``blasx gemm``: the main job, an out-of-core GEMM on the devices found, checked against
-numpy, with a progress line (stderr) and a report. ``blasx info``: the devices, their
-memory and peer links, the perf-db entries, and with ``--measure`` the host <-> device and
-peer bandwidths and the in-core GEMM rate of each device (:mod:`blasx.probe`).
-``blasx tune``: measure the tile sizes and store the best in the perf-db (``--show`` lists
-it, ``--clear`` empties it). The benchmarks are not part of the package: from a source
-checkout, ``python -m bench.gemm ...`` (``bench/README.md``).
+"""The ``blasx`` command line: ``gemm`` (an out-of-core GEMM on the devices found, checked against
+numpy, with a progress line and a report), ``info`` (devices, links, perf-db; ``--measure``: rates,
+:mod:`blasx.probe`) and ``tune`` (store the best tile sizes in the perf-db; ``--show``, ``--clear``).
 
 Bad options end with a one-line error and exit status 2, as argparse's own; the settings of
 ``blasx.configure`` in force before a command are back in force after it.

@@ -1,13 +1,8 @@
-"""A progress line for blasx calls: tiles done / total, rate, elapsed, on a text stream.
+"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream.
 
-A blasx call blocks its thread, so a small monitor thread reads that thread's running call
-(:func:`blasx.level3.running_call`) a few times a second and redraws the line in place::
-
-    with Progress(sys.stderr, label="run 0", flops=2 * n**3):
-        blasx.gemm(1.0, a, b)
-
-The line ends with a newline and the thread is joined when the block ends, also on error.
-:func:`wanted` is the command line's rule (on a terminal unless told); :func:`render` is pure.
+A monitor thread reads the calling thread's running call (:func:`blasx.level3.running_call`) a few
+times a second and redraws the line in place; ``with Progress(sys.stderr, label="run 0", flops=f):``
+ends the line and joins the thread, also on error. :func:`render` is pure.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The tile size, the one tuning knob (the paper's Section V-B).
 
-Per call: the configured tile if any; else the tile measured best for the
-call's perf-db key (``blasx.tune``, :mod:`blasx.perfdb`), shrunk while a
-device's tile cache could not hold it; else the backend's default, shrunk
-while the call would give the devices too few tasks to share, and while a
-device's tile cache could not hold the tiles its in-flight tasks need.
-
-The perf-db is read once per engine (and again after this process stores
-into it), into a table kept beside the engine: no sqlite query per call.
+Per call: the configured tile; else the perf-db's (:mod:`blasx.perfdb`, read once per engine and
+again after this process stores into it), shrunk while a device's tile cache could not hold it;
+else the backend's default, shrunk while the devices would get too few tasks or the tiles their
+in-flight tasks need would not fit.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """First-fit offset heap: the BLASX device-memory allocator (paper Sec. IV-E, Fig. 6).
 
-A cudaMalloc/cudaFree per tile would dominate at scale (paper Fig. 5), so each device allocates one
-arena and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
+A cudaMalloc/cudaFree per tile would dominate at scale (Fig. 5), so each device allocates one arena
+and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
+Fig. 6's three lists: the meta-data list of ``_Block`` nodes in address order (``prev``/``next``;
+the block at offset 0 is the permanent head); the empty list ``_free`` (offset -> block), indexed by
+size class ``(size // alignment).bit_length()`` in sorted ``_buckets`` with a ``_nonempty`` bitmask,
+plus the sorted ``_free_sizes`` (``largest_free`` in O(1)); the occupied list ``_used``.
 
-Structure (Fig. 6's three lists):
-
-* Meta-data list: ``_Block`` nodes (``off``, ``size``, ``free``) in address order, linked through
-  ``prev``/``next``; the block at offset 0 is never removed (it absorbs its right neighbour), so it
-  is the permanent head.
-* Empty list: ``_free`` (offset -> block), indexed by size class (``u = size // alignment`` units
-  is class ``u.bit_length()``): ``_buckets[k]`` holds class-k offsets sorted, bit k of
-  ``_nonempty`` says it has any, and ``_free_sizes`` (sorted) gives ``largest_free`` in O(1) and
-  refuses a request that cannot fit at once. The block chosen is still the lowest-address fit.
-* Occupied list: ``_used``, offset -> block.
-
-Policy: ``alloc`` rounds up to the alignment and takes the lowest-address free block that fits
-(exact: every block of a higher class fits, so only the request's own class is walked), splitting
-off the rest to its right; ``free`` coalesces with free neighbours; a request that does not fit
-returns ``None`` (the cache evicts and retries). Cost: O(log F) per free, plus one step per
-non-empty larger class per alloc.
-
-Invariants (``check()``): 1. the blocks tile ``[0, capacity)`` exactly and ``prev`` mirrors
-``next``; 2. offsets and sizes are positive multiples of ``alignment``; 3. no two adjacent blocks
-are free; 4. the free indexes describe exactly the free blocks, ``_used`` the allocated ones;
-5. ``bytes_used`` is the sum of the allocated sizes.
-
-Not thread-safe by design: each heap has one owner, its device's worker thread.
+``alloc`` rounds up to the alignment and takes the lowest-address free block that fits (every
+block of a higher class fits, so only the request's own class is walked), splitting off the rest;
+``free`` coalesces with free neighbours; a request that does not fit returns ``None`` (the cache
+evicts and retries). ``check()`` verifies the invariants: the blocks tile ``[0, capacity)`` with
+``prev`` mirroring ``next``, aligned and positive; no two adjacent free blocks; the indexes match
+the blocks; ``bytes_used`` sums the allocations. One owner thread per heap: not thread-safe.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Virtual tiling of column-major matrices (the paper's Section III-A).
+"""Virtual tiling of column-major matrices (the paper's Section III-A): pure integer arithmetic.
 
-Everything here is pure integer arithmetic on shapes: no array is touched.
-The front end first brings every operand into *canonical* form, a column-major
-view: a C-ordered ``(m, n)`` array is the column-major ``(n, m)`` matrix, its
-transpose. A stored matrix of ``rows x cols`` is cut into ``T x T`` tiles,
-edge tiles being smaller. ``op(A)`` tile ``(i, k)`` is the stored tile
-``(i, k)`` when ``op`` is N and the stored tile ``(k, i)`` when it is T or C:
-the transpose trick of Section III-C, where the kernel transposes the tile.
-
-Offsets are Python ints, so they are 64-bit (and beyond) by construction.
+Operands come in canonical (column-major) form; a stored ``rows x cols`` matrix is cut into
+``T x T`` tiles, edge tiles smaller. ``op(A)`` tile ``(i, k)`` is the stored tile ``(i, k)`` for
+op N and ``(k, i)`` for T or C: the kernel transposes the tile (Section III-C).
 """
 
 from __future__ import annotations
