@@ -1,24 +1,19 @@
 """Redirecting unmodified numpy / scipy code to blasx: ``with blasx.offload(threshold=...):``.
 
-While offload is on, calls whose flop count reaches the threshold run on the blasx engine, others
-exactly as before: ``a @ b`` / ``np.matmul`` in float32/64, complex64/128 and float16 (float16
-accumulated in float32 on the devices, a float16 result as numpy's; numpy's matmul inner
-loops are replaced by the C extension ``blasx._matmul_loops``, which calls numpy's own loop below
-the threshold); ``np.dot`` (the ``numpy.dot`` attribute; not ``ndarray.dot`` nor names imported
-before); the level-3 functions of ``scipy.linalg.blas`` (module attributes; not
-``get_blas_funcs``). Without the extension (blasx built without a C compiler) ``offload()`` raises
-RuntimeError saying so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers;
-with it, those wrappers sit behind a C forwarder that calls the original at once when
-``8 a.size b.size`` (a bound of the flops) is below the threshold.
+While offload is on, calls whose flop count (``2 m n k``, complex ``8 m n k``) reaches the threshold
+run on the blasx engine, others exactly as before: ``a @ b`` / ``np.matmul`` in float32/64,
+complex64/128 and float16 (its loops replaced by the C extension ``blasx._matmul_loops``, which
+calls numpy's own loop below the threshold); ``np.dot`` (the ``numpy.dot`` attribute, not
+``ndarray.dot`` nor names imported before); the level-3 functions of ``scipy.linalg.blas``
+(module attributes, not ``get_blas_funcs``). Only plain ``numpy.ndarray`` operands are offloaded;
+results are what numpy / scipy give. Without the extension ``offload()`` raises RuntimeError saying
+so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers; with it, those sit
+behind a C forwarder that calls the original at once when ``8 a.size b.size`` is below the threshold.
 
-Only plain ``numpy.ndarray`` operands are offloaded; results are what numpy / scipy give. Flops
-count ``2 m n k`` (real) and ``8 m n k`` (complex) for a product.
-
-``offload_enable``/``offload_disable`` and the ``offload`` context (also a decorator) nest: the
-patches go in with the first and come out, exactly restored, with the last (``@`` is redirected
-while any active one asked for it). ``offload_enable(threshold=T)`` sets the process-wide threshold
-until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside the block;
-else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the configured device kind.
+Enables and ``offload`` blocks (also a decorator) nest: the patches go in with the first and come
+out, exactly restored, with the last. ``offload_enable(threshold=T)`` sets the process-wide
+threshold until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside
+the block; else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the device kind.
 
 blasx's own threads, and a thread already inside a blasx call, stay on numpy. A ``@`` or ``np.dot``
 that fails on blasx is computed by numpy with a RuntimeWarning; a scipy call blasx rejects with

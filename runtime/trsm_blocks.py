@@ -1,16 +1,13 @@
 """Recursive blocking of one triangular-solve tile (the TRSM diagonal step).
 
-Splitting the triangle in two,
+Splitting the triangle in two (mirrored for upper and for the right side), down to ``leaf``,
 
     left, op(A) lower:   X1 = op(A)11^-1 alpha B1;  B2 = alpha B2 - op(A)21 X1;  X2 = op(A)22^-1 B2
 
-(mirrored for upper and for the right side), down to ``leaf``, turns all but 1/2^depth of the flops
-into GEMMs, which GPUs run faster than solves: the reference BLAS's blocked algorithm (no inverse).
-
-Pure: :func:`trsm_tile_ops` returns the sub-operations as tuples, in order; a backend runs them with
-its kernels, the tests with numpy against scipy. ``A`` is the stored triangle (``size`` = m for side
-0, n for side 1), ``B`` the m x n right-hand side, overwritten by X; an op(A) block is named by
-op-coordinates ``(r0, c0, rows, cols)`` (:func:`stored_block` maps it to the stored block).
+turns all but 1/2^depth of the flops into GEMMs, which GPUs run faster than solves. Pure:
+:func:`trsm_tile_ops` lists the sub-operations in order; ``A`` is the stored triangle, ``B`` the
+m x n right-hand side, overwritten by X; op(A) blocks are in op-coordinates ``(r0, c0, rows, cols)``
+(:func:`stored_block` maps them to stored blocks).
 """
 
 from __future__ import annotations
