@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -71,8 +72,7 @@ def _devices(text: str) -> str:
     try:
         parse_devices(text)
     except ValueError as exc:
-        msg = str(exc)
-        raise argparse.ArgumentTypeError(msg[len("devices: "):] if msg.startswith("devices: ") else msg) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("devices: ")) from None
     return text
 
 
@@ -93,11 +93,8 @@ def _bytes(text: str) -> int:
 # ------------------------------------------------------------------------------------------------
 # the parser
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs keep their line breaks; option help is wrapped."""
-
-    def __init__(self, prog):
-        super().__init__(prog, max_help_position=30)
+# Descriptions and epilogs keep their line breaks; option help is wrapped.
+_Formatter = functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=30)
 
 
 def _parser() -> argparse.ArgumentParser:
