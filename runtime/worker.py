@@ -1,23 +1,17 @@
-"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for a stream device.
+"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for ``cuda`` and ``sim`` devices.
 
-One thread per device; :class:`StreamWorker` drives ``cuda`` and ``sim`` alike (the shared queue
-side is :mod:`.worker_base`, the assign step :mod:`.assign`, the in-flight records :mod:`.inflight`,
-the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's design doc:
+One thread per device (the queue side is :mod:`.worker_base`, the assign step :mod:`.assign`, the
+in-flight records :mod:`.inflight`, the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's
+design doc: **retire** what completed events end (reader counts, ready lines, buffers, tasks done);
+**fill** the reservation station from the queues, or steal; **assign** each free stream the
+station's best task (Eq. 3) within ``2 * streams`` tasks in flight (and ``Knobs.commit_steps``);
+**issue** one k-step of every active task, round robin: acquire A and B through the cache (L1 hit,
+L2 peer copy or host load), launch the kernel, record one event; after the last step, epilogue,
+write-back (M -> I) and the task's completion event.
 
-1. **retire**: at each completed event, lower reader counts, mark loaded lines ready, free
-   buffers, count tasks done;
-2. **fill**: top up the reservation station from the queues, or steal from the most loaded one;
-3. **assign**: give each free stream the station's best task (Eq. 3) while at most
-   ``2 * streams`` tasks are in flight (and, with ``Knobs.commit_steps``, the committed flops
-   stay under that many full steps): the paper's demand-driven balance;
-4. **issue**: one k-step of every active task, round robin over the streams: acquire A and B
-   through the cache (L1 hit, L2 peer copy or host load), launch the kernel, record one event;
-   an ``OUT_OF_PLACE`` kernel writes a fresh block that becomes C (``Knobs.invmm_new_block``).
-   After the last step: epilogue, write-back (M -> I) and the task's completion event.
-
-Only allocation blocks, when every line is busy (it waits for this device's oldest event or for
-peers' readers). An error of one call fails that call alone (:meth:`StreamWorker._drop_task`);
-a device error ends in :meth:`Worker.fail`, which hands the unfinished tasks to the engine.
+Only allocation blocks, when every line is busy. An error of one call fails that call alone
+(:meth:`StreamWorker._drop_task`); a device error ends in :meth:`Worker.fail`, which hands the
+unfinished tasks to the engine.
 """
 
 from __future__ import annotations
