@@ -1,17 +1,15 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
 Pageable copies are staged by the driver and overlap nothing, so blasx page-locks host operands in
-place (``cudaHostRegister``, portable): the buffer of an array's root (the ndarray owning the memory)
-is registered once, while that root lives (a finalizer, or ``release``, unregisters it); memory
-already pinned by others is used as is and never unregistered; only roots of at least
-``MIN_REGISTER_BYTES`` that own their memory are registered, and only the pages wholly inside them
-(glibc may put other arrays in the same page). Smaller arrays are copied as pageable memory.
+place (``cudaHostRegister``, portable): an array's root (the ndarray owning the memory) is
+registered once while it lives (a finalizer, or ``release``, unregisters it). Memory pinned by
+others is used as is; only roots of at least ``MIN_REGISTER_BYTES`` that own their memory are
+registered, and only the pages wholly inside them; smaller arrays are copied as pageable memory.
 
-**Registration runs beside the call**: it is about as slow as a pass over the data, so a root is cut
-into ``CHUNK_BYTES`` chunks that one thread per call registers in the order the call will need them
-(the operands round-robin, each in address order); a tile copy waits only for the chunks it touches
-(``Pinning.pieces``). CUDA refuses a copy over a partly registered range, so a copy is split at
-every region boundary (``split_2d``); a chunk whose registration failed is copied as pageable memory.
+Registration is about as slow as a pass over the data, so it runs beside the call: one thread per
+call registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only
+for the chunks it touches (``Pinning.pieces``), split at chunk boundaries (``split_2d``: CUDA
+refuses a copy over a partly registered range); a chunk that failed is copied as pageable memory.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The device contract: a shared base, a stream protocol, a host protocol, and a registry.
 
-A backend is either a :class:`StreamDevice` (``cuda``, ``sim``: own memory and streams, driven
-by :class:`~blasx.runtime.worker.StreamWorker`) or a :class:`HostDevice` (``cpu``: computes a
-whole task in the host operands, driven by :class:`~blasx.runtime.worker.CpuWorker` or inline by
-the engine). The scheduler never looks inside a backend; it calls these hooks from the device's
-own worker thread (``open``/``close`` too, so CUDA contexts and handles bind to that thread), except
-``prepare_call``/``finish_call``, which run on the calling thread.
-
-Locations (``Loc``) and events are opaque to the scheduler: a stream device makes Locs with
-``arena_loc`` (a heap block of its arena, column-major with ``ld = rows``) or ``array_loc`` (a tile
-of an operand already in its memory) and gets them back in ``copy_in``/``copy_out``/``run_step``.
-``done`` and ``sync`` raise :class:`DeviceError` once the device is broken, so a worker never
-waits forever on a dead device. Backends register by ``kind`` (:func:`register_backend`).
+A backend is a :class:`StreamDevice` (``cuda``, ``sim``: own memory and streams, driven by
+:class:`~blasx.runtime.worker.StreamWorker`) or a :class:`HostDevice` (``cpu``: whole tasks in the
+host operands, driven by :class:`~blasx.runtime.worker.CpuWorker` or inline by the engine). Hooks
+run on the device's worker thread (``open``/``close`` too, so CUDA contexts bind to it), except
+``prepare_call``/``finish_call``, on the calling thread. Locations (``Loc``, from ``arena_loc`` or
+``array_loc``) and events are opaque to the scheduler; ``done`` and ``sync`` raise
+:class:`DeviceError` once the device is broken, so no worker waits forever on a dead device.
 """
 
 from __future__ import annotations
