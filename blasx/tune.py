@@ -38,24 +38,21 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
          check_rows: int = 64, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Measure GEMM for every candidate tile and store each winner in the perf-db.
 
-    sizes: N, or a list of sizes, each N (square: M = N = K) or an (M, N, K) triple, e.g.
-        ``[4096, (8192, 8192, 16384)]``; None: the backend's defaults (cuda 8192, 16384;
-        sim 256, 512; cpu 1024, 2048). Sizes of one shape class share one entry (the last wins).
-    dtypes: BLAS characters or numpy dtypes, e.g. ``("d", "s")`` or ``"d,s"``.
-    tiles: candidate tile sizes; None: by backend (cuda 2048/3072/4096/6144/8192,
-        sim 32/64/128/256, cpu 256..2048), capped by the problem size.
+    sizes: N, or a list of N (M = N = K) or (M, N, K) triples, e.g. ``[4096, (8192, 8192, 16384)]``;
+        None: the backend's ``DEFAULT_SIZES``. Sizes of one shape class share one entry (the last wins).
+    dtypes: BLAS prefixes or numpy dtypes, e.g. ``("d", "s")`` or ``"d,s"``.
+    tiles: candidate tile sizes; None: the backend's ``DEFAULT_TILES``, capped by the problem size.
     runs: timed calls per candidate (after one warm-up); the fastest counts.
     devices: device spec as in ``blasx.configure`` (None: the current setting).
-    db: a :class:`blasx.perfdb.PerfDb`, a file path, or None for the user's perf-db
-        (the one the runtime reads).
+    db: a :class:`blasx.perfdb.PerfDb`, a file path, or None for the perf-db the runtime reads.
     check_rows: rows of C compared against numpy after each candidate (0: no check).
     progress: called with one line of text per measured candidate.
 
-    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k,
-    shape (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}),
-    seconds ({tile: [timed runs]}), errors ({tile: relative error of the checked rows}),
-    bad (tiles whose result failed the check: never winners), skipped ({tile: why}, e.g. a
-    tile too big for the tile cache), tile (the winner, or None) and stored (True once in the db).
+    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape
+    (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed
+    runs]}), errors ({tile: relative error of the checked rows}), bad (tiles that failed the check:
+    never winners), skipped ({tile: why}, e.g. too big for the tile cache), tile (the winner, or
+    None) and stored (True once in the db).
     """
     problems = _check_sizes(sizes)
     dtype_chars = _check_dtypes(dtypes)
