@@ -68,16 +68,14 @@ class Rate:
 
 def host_memory() -> tuple[int | None, int | None]:
     """(total, available) host memory in bytes, None where unknown."""
-    total = avail = None
+    info = {}
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    v = int(rest.split()[0]) * 1024
-                    total, avail = (v, avail) if key == "MemTotal" else (total, v)
+            info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
+                    if k in ("MemTotal", "MemAvailable")}
     except (OSError, ValueError, IndexError):
         pass
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
     if total is None:
         try:
             total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
