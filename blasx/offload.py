@@ -463,25 +463,18 @@ def _scipy_flops(family: str, spec: dict, is_complex: bool, args, kwargs) -> flo
         return 0.0
     try:
         a = _arg(args, kwargs, spec, "a")
-        if not _is_matrix(a):
+        b = _arg(args, kwargs, spec, "b") if "b" in spec else a
+        if not (_is_matrix(a) and _is_matrix(b)):
             return 0.0
         if family == "gemm":
-            b = _arg(args, kwargs, spec, "b")
-            if not _is_matrix(b):
-                return 0.0
             m, k = a.shape if int(_arg(args, kwargs, spec, "trans_a")) == 0 else a.shape[::-1]
             n = b.shape[1] if int(_arg(args, kwargs, spec, "trans_b")) == 0 else b.shape[0]
             flops = 2.0 * m * n * k
         elif family in ("symm", "trmm"):
-            b = _arg(args, kwargs, spec, "b")
-            if not _is_matrix(b):
-                return 0.0
             m, n = b.shape
             flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(_arg(args, kwargs, spec, "side")) == 0
                                                                     else n)
         else:
-            if family == "syr2k" and not _is_matrix(_arg(args, kwargs, spec, "b")):
-                return 0.0
             n, k = a.shape if int(_arg(args, kwargs, spec, "trans")) == 0 else a.shape[::-1]
             flops = (2.0 if family == "syr2k" else 1.0) * n * n * k
         if "c" in spec:
