@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import sys
@@ -278,12 +279,9 @@ def _gemm(blasx, parser, args) -> int:
     dtype, out_dtype = blas_type.dtype, blas_type.out
     _check_output_path(parser, "--trace", args.trace)
     _check_output_path(parser, "--profile", args.profile)
-    if args.profile:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
-                         f"which is not installed (pip install 'blasx[plot]')")
+    if args.profile and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
+                     f"which is not installed (pip install 'blasx[plot]')")
     nbytes = (m * k + k * n) * dtype.itemsize + m * n * out_dtype.itemsize
     _total, avail = probe.host_memory()
     if avail is not None and nbytes > avail:

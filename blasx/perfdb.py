@@ -227,15 +227,8 @@ _COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
 
 
 def _blasx_version() -> str:
-    try:
-        from . import __version__
-        return __version__
-    except ImportError:  # blasx half-imported (only during its own import): ask the metadata
-        try:
-            from importlib.metadata import version
-            return version("blasx")
-        except Exception:  # noqa: BLE001 - not installed: still store the entry
-            return "unknown"
+    from . import __version__  # set by blasx/__init__.py before any entry can be stored
+    return __version__
 
 
 def _positive_tile(v) -> int | None:
