@@ -47,7 +47,7 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
         if _fits(streamed, tile, itemsize):
             return tile
     tile = DEFAULT_TILE[kind]
-    tile = min(tile, max(floor, 1 << (max(m, n, k) - 1).bit_length()))  # the power of two >= m, n, k
+    tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     while tile > floor and -(-m // tile) * -(-n // tile) < 2 * workers:
         tile //= 2
@@ -61,6 +61,10 @@ def _tile_itemsize(dtype) -> int:
     """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider."""
     row = dtypes.gemm_of(dtype)
     return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
 
 
 def _fits(devices, tile: int, itemsize: int) -> bool:
