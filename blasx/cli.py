@@ -377,11 +377,9 @@ def _info(blasx, parser, args) -> int:
         blasx.shutdown()  # frees the tile caches: the GPU measurements need the memory
         print("measuring...", file=sys.stderr, flush=True)
         rates = probe.measure(devices, links)
-        for line in probe.format_rates(facts, rates):
-            print(line)
+        print("\n".join(probe.format_rates(facts, rates)))
     db = PerfDb(args.db)
-    for line in probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled()):
-        print(line)
+    print("\n".join(probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled())))
     return 0
 
 

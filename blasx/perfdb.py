@@ -283,12 +283,7 @@ class PerfDb:
     def table(self, device: str | None = None, ndev: int | None = None) -> dict[PerfKey, int]:
         """Every valid entry as ``{key: tile}`` (optionally of one device model and count);
         empty when the db is missing or unreadable. The runtime loads this once per engine."""
-        out: dict[PerfKey, int] = {}
-        for e in self._rows(device, ndev):
-            tile = _positive_tile(e["tile"])
-            if tile is not None:
-                out[e["key"]] = tile
-        return out
+        return {e["key"]: t for e in self._rows(device, ndev) if (t := _positive_tile(e["tile"])) is not None}
 
     def entries(self) -> list[dict]:
         """Every entry, as dicts: key (PerfKey), text, device, ndev, dtype, routine,

@@ -11,6 +11,7 @@ run on the device's worker thread (``open``/``close`` too, so CUDA contexts bind
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -101,12 +102,9 @@ class Device(ABC):
 
     def bind_thread(self, core: int | None) -> None:
         """Pin the calling worker thread to a core (Algorithm 1, line 9) where possible."""
-        if core is None or not hasattr(os, "sched_setaffinity"):
-            return
-        try:
-            os.sched_setaffinity(0, {core})
-        except OSError:
-            pass  # fewer cores than workers, or a restricted cpuset: run unpinned
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):  # fewer cores than workers, or a restricted cpuset: unpinned
+                os.sched_setaffinity(0, {core})
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
