@@ -412,13 +412,9 @@ def _tune(blasx, parser, args) -> int:
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
     status = 0
     for r in rows:
-        cells = []
-        for t in r["tiles"]:
-            if t in r["skipped"]:
-                cells.append(f"{t}: -")
-            elif t in r["tflops"]:
-                mark = "*" if t == r["tile"] else ("!" if t in r["bad"] else "")
-                cells.append(f"{t}: {r['tflops'][t]:.4g}{mark}")
+        marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}
+        cells = [f"{t}: -" if t in r["skipped"] else f"{t}: {r['tflops'][t]:.4g}{marks[t]}"
+                 for t in r["tiles"] if t in r["skipped"] or t in marks]
         best = str(r["tile"]) if r["tile"] is not None else "none"
         mnk, shape = f"{r['m']}x{r['n']}x{r['k']}", "x".join(map(str, r["shape"]))
         print(f"{r['dtype']:<6}{mnk:<22}{shape:<22}{best:>6}  {'  '.join(cells)}")

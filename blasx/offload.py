@@ -385,11 +385,10 @@ def _failed(what: str, err: BaseException) -> None:
     global _last_error
     _last_error = err
     _stats["fallback"] += 1
-    try:
+    # (warnings turned into errors are swallowed: the error is kept in offload_stats())
+    with contextlib.suppress(Exception):
         warnings.warn(f"blasx.offload: {what} failed on blasx ({type(err).__name__}: {err}); computed by "
                       f"numpy instead", RuntimeWarning, stacklevel=3)
-    except Exception:  # noqa: BLE001 - warnings turned into errors: the error is kept in offload_stats()
-        pass
 
 
 def _matmul_hook(a, b, c) -> bool:

@@ -256,14 +256,13 @@ class PerfDb:
         try:
             conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=READ_TIMEOUT_S)
             row = conn.execute("SELECT version FROM schema").fetchone()
-            if row is None or row[0] != SCHEMA_VERSION:
-                conn.close()
-                return None
-            return conn
+            if row is not None and row[0] == SCHEMA_VERSION:
+                return conn
         except (sqlite3.Error, OSError, ValueError):
-            if conn is not None:
-                conn.close()
-            return None
+            pass
+        if conn is not None:
+            conn.close()
+        return None
 
     def _write(self) -> sqlite3.Connection:
         try:

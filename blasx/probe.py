@@ -13,6 +13,7 @@ The ``format_*`` functions are pure (plain data in, lines out) and tested with m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -287,11 +288,9 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
         attempt("P2P", peer_copy, j, peer_ordinal, peer=j)
     for ch in dtypes:
         attempt(ch.upper() + "GEMM", gemm, ch)
-    try:
+    with contextlib.suppress(Exception):  # freeing the pools is a courtesy
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
-    except Exception:  # noqa: BLE001 - freeing the pools is a courtesy
-        pass
     return out
 
 

@@ -14,6 +14,7 @@ refuses a copy over a partly registered range); a chunk that failed is copied as
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -206,13 +207,11 @@ class RegistrationCache:
                 return
             del self._ours[key]
             self.registered_bytes -= p.pinned_bytes
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone already
             from cupy.cuda import runtime
             for (start, _), ok in zip(p.chunks, p.ok):
                 if ok:
                     runtime.hostUnregister(start)
-        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone already
-            pass
 
     def describe(self, lo: int, hi: int) -> str:
         """Why a copy from host bytes [lo, hi) may have been refused: their pinned state and the
