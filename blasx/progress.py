@@ -35,8 +35,7 @@ def render(label: str, done: int, total: int, elapsed: float, flops: float | Non
 
     ``flops``: the whole call's flops, for an estimated rate (tiles are near equal);
     ``state``: appended as is (``"failed"``, ``"done"``)."""
-    frac = done / total if total > 0 else 0.0
-    frac = min(max(frac, 0.0), 1.0)
+    frac = min(max(done / total, 0.0), 1.0) if total > 0 else 0.0
     fill = int(round(frac * BAR_WIDTH))
     bar = "[" + "#" * fill + "-" * (BAR_WIDTH - fill) + "]"
     parts = [f"{label} {bar}" if label else bar, f"{done:>{len(str(total))}}/{total} tiles", f"{frac * 100:3.0f}%"]
@@ -78,18 +77,12 @@ class Progress:
         if interval is not None and not interval > 0:
             raise ValueError(f"interval: got {interval!r}, need a number of seconds > 0")
         self.stream = stream if stream is not None else sys.stderr
-        self.label = label
-        self.flops = flops
-        self.enabled = enabled
+        self.label, self.flops, self.enabled, self.thread_ident, self.clock = label, flops, enabled, thread, clock
         self.interval = interval if interval is not None else INTERVAL_S
-        self.thread_ident = thread
-        self.clock = clock
         self.updates = 0  # lines drawn (intermediate and final)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
-        self._call = None
-        self._t0 = 0.0
-        self._width = 0
+        self._call, self._t0, self._width = None, 0.0, 0
 
     # ---------------------------------------------------------------- drawing
     def _draw(self, line: str, end: str = "") -> None:
