@@ -273,8 +273,7 @@ def _gemm(blasx, parser, args) -> int:
     from .runtime.devices.base import DeviceError
     from .tile import choose_tile
 
-    m, k = args.m or args.n, args.k or args.n
-    n = args.n
+    m, n, k = args.m or args.n, args.n, args.k or args.n
     blas_type = dtypes.GEMM_BY_PREFIX[args.dtype]
     dtype, out_dtype = blas_type.dtype, blas_type.out
     _check_output_path(parser, "--trace", args.trace)

@@ -171,8 +171,7 @@ def device_key(devices) -> tuple[str, int]:
     streamed = [d for d in devices if _is_streamed(d)]
     if not streamed:
         return "cpu", 1
-    models = sorted({device_model(d) for d in streamed})
-    model = "+".join(models)
+    model = "+".join(sorted({device_model(d) for d in streamed}))
     if any(not _is_streamed(d) and not getattr(d, "auto", False) for d in devices):
         model += "+cpu"
     return model, len(streamed)

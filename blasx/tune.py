@@ -11,6 +11,7 @@ previous settings at the end, also when it fails.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from typing import Callable
@@ -61,9 +62,9 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
         raise ValueError(f"runs: got {runs!r}, need an int >= 1")
     if not isinstance(check_rows, int) or isinstance(check_rows, bool) or check_rows < 0:
         raise ValueError(f"check_rows: got {check_rows!r}, need an int >= 0")
-    if db is None or isinstance(db, perfdb.PerfDb):
-        pdb = db if db is not None else perfdb.PerfDb()
-    elif isinstance(db, str) or hasattr(db, "__fspath__"):
+    if isinstance(db, perfdb.PerfDb):
+        pdb = db
+    elif db is None or isinstance(db, (str, os.PathLike)):
         pdb = perfdb.PerfDb(db)
     else:
         raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
