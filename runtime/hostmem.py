@@ -92,6 +92,10 @@ class Pinning:
         # region boundaries a copy must not span: the chunks' edges
         self.cuts = sorted({x for span in chunks for x in span} - {lo, hi})
 
+    @classmethod
+    def whole(cls, lo: int, hi: int) -> "Pinning":
+        return cls(lo, hi, [(lo, hi)], foreign=True)
+
     def wait(self, lo: int, hi: int) -> None:
         """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
         done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
@@ -158,7 +162,7 @@ class RegistrationCache:
             p = self._ours.get(id(root))
             if p is None:
                 if _is_pinned(runtime, lo) and _is_pinned(runtime, hi - 1):
-                    return Pinning(lo, hi, [(lo, hi)], foreign=True), []
+                    return Pinning.whole(lo, hi), []
                 if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
                     return None, []
                 start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
