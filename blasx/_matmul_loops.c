@@ -1,14 +1,11 @@
 /* blasx._matmul_loops: the C side of blasx.offload.
  *
- * 1. Replaces numpy's matmul inner loops for float32/float64/complex64/complex128 (and float16,
- *    which blasx accumulates in float32 on the devices) with a
- *    trampoline (PyUFunc_ReplaceLoopBySignature, numpy's public ufunc C API). Below the offload
- *    threshold the trampoline calls numpy's own loop at once; at or above it, it takes the GIL,
- *    wraps the operands in ndarray views and calls a Python hook, which returns True when it
- *    computed the product (else numpy's loop runs).
- * 2. Forwarders: callables put in front of np.dot and scipy.linalg.blas's level-3 functions that
- *    call the original function when the operands' sizes bound the flop count below the
- *    threshold, and the Python wrapper (which decides exactly) otherwise.
+ * 1. Replaces numpy's matmul inner loops for float32/64, complex64/128 and float16 with a trampoline
+ *    (PyUFunc_ReplaceLoopBySignature, numpy's public ufunc C API). Below the offload threshold it
+ *    calls numpy's own loop at once; at or above, it takes the GIL, wraps the operands in ndarray
+ *    views and calls a Python hook, which returns True when it computed the product.
+ * 2. Forwarders put in front of np.dot and scipy.linalg.blas's level-3 functions: the original when
+ *    the operands' sizes bound the flops below the threshold, else the Python wrapper (which decides).
  *
  * The threshold is process-wide with a per-thread override. The gufunc loop signature is
  * (n?,k),(k,m?)->(n?,m?): dims = [N, n, k, m], steps = [sA, sB, sC, a_n, a_k, b_k, b_m, c_n, c_m]

@@ -53,10 +53,7 @@ BY_SCORE = {1: dtypes.BY_PREFIX["s"].dtype, 2: dtypes.BY_PREFIX["d"].dtype,
 
 def blas_score(dt: np.dtype) -> int | None:
     """scipy's score of a numeric dtype (an unlisted numeric one scores as float64), None for others."""
-    score = TYPE_SCORE.get(dt.char)
-    if score is None and dt.kind in "biuf":
-        return 2
-    return score
+    return TYPE_SCORE.get(dt.char, 2 if dt.kind in "biuf" else None)
 
 
 def compute_dtype(*arrays) -> np.dtype:

@@ -1,12 +1,6 @@
-"""The ``blasx`` command line.
-
-``blasx gemm``: the main job, an out-of-core GEMM on the devices found, checked against
-numpy, with a progress line (stderr) and a report. ``blasx info``: the devices, their
-memory and peer links, the perf-db entries, and with ``--measure`` the host <-> device and
-peer bandwidths and the in-core GEMM rate of each device (:mod:`blasx.probe`).
-``blasx tune``: measure the tile sizes and store the best in the perf-db (``--show`` lists
-it, ``--clear`` empties it). The benchmarks are not part of the package: from a source
-checkout, ``python -m bench.gemm ...`` (``bench/README.md``).
+"""The ``blasx`` command line: ``gemm`` (an out-of-core GEMM on the devices found, checked against
+numpy, with a progress line and a report), ``info`` (devices, links, perf-db; ``--measure``: rates,
+:mod:`blasx.probe`) and ``tune`` (store the best tile sizes in the perf-db; ``--show``, ``--clear``).
 
 Bad options end with a one-line error and exit status 2, as argparse's own; the settings of
 ``blasx.configure`` in force before a command are back in force after it.
@@ -16,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.util
 import os
 import re
 import sys
@@ -36,54 +32,39 @@ DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
 # ------------------------------------------------------------------------------------------------
 # argument types: each error names what was received and what is allowed
 
-def _int_at_least(low: int, need: str):
-    """An argparse type: an int >= ``low``; errors say what was received and ``need``."""
-    def parse(text: str) -> int:
+def _arg_type(convert, need: str, ok=lambda v: True):
+    """An argparse type: ``convert(text)`` (ValueError: not valid) passing ``ok``; errors say what
+    was received and ``need``."""
+    def parse(text: str):
         try:
-            v = int(text)
+            v = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"got {text!r}, need {need}") from None
-        if v < low:
+        if not ok(v):
             raise argparse.ArgumentTypeError(f"got {v}, need {need}")
         return v
     return parse
 
 
-_positive = _int_at_least(1, "a positive integer")
-_nonnegative = _int_at_least(0, "an integer >= 0")
-
-
-def _positive_list(text: str) -> list[int]:
+def _items(text: str) -> list[str]:
+    """The non-empty comma-separated items of ``text`` (ValueError if none)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need positive integers separated by commas")
-    return [_positive(x) for x in items]
+        raise ValueError(text)
+    return items
 
 
-def _dtype_char(text: str) -> str | None:
-    """The prefix named by a prefix or a type name (``d``, ``float64``, ``half``, ``i8``; gemm's
-    reduced types included), else None."""
-    try:
-        return dtypes.parse(text, gemm=True).prefix
-    except ValueError:
-        return None
+def _prefix(text: str) -> str:
+    """The prefix named by a prefix or a type name (``d``, ``float64``, ``half``, ``i8``; gemm's reduced types)."""
+    return dtypes.parse(text, gemm=True).prefix
 
 
-def _dtype(text: str) -> str:
-    ch = _dtype_char(text)
-    if ch is None:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one of {', '.join(dtypes.GEMM_PREFIXES)} "
-                                         f"(or {dtypes.GEMM_ALLOWED})")
-    return ch
-
-
-def _dtype_list(text: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    chars = [_dtype_char(x) for x in items]
-    if not items or None in chars:
-        raise argparse.ArgumentTypeError(f"got {text!r}, need one or more of {', '.join(dtypes.GEMM_PREFIXES)} "
-                                         f"separated by commas")
-    return list(dict.fromkeys(chars))
+_positive = _arg_type(int, "a positive integer", lambda v: v >= 1)
+_nonnegative = _arg_type(int, "an integer >= 0", lambda v: v >= 0)
+_positive_list = _arg_type(lambda t: [_positive(x) for x in _items(t)], "positive integers separated by commas")
+_dtype = _arg_type(_prefix, f"one of {', '.join(dtypes.GEMM_PREFIXES)} (or {dtypes.GEMM_ALLOWED})")
+_dtype_list = _arg_type(lambda t: list(dict.fromkeys(map(_prefix, _items(t)))),
+                        f"one or more of {', '.join(dtypes.GEMM_PREFIXES)} separated by commas")
 
 
 def _devices(text: str) -> str:
@@ -92,8 +73,7 @@ def _devices(text: str) -> str:
     try:
         parse_devices(text)
     except ValueError as exc:
-        msg = str(exc)
-        raise argparse.ArgumentTypeError(msg[len("devices: "):] if msg.startswith("devices: ") else msg) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("devices: ")) from None
     return text
 
 
@@ -114,11 +94,8 @@ def _bytes(text: str) -> int:
 # ------------------------------------------------------------------------------------------------
 # the parser
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs keep their line breaks; option help is wrapped."""
-
-    def __init__(self, prog):
-        super().__init__(prog, max_help_position=30)
+# Descriptions and epilogs keep their line breaks; option help is wrapped.
+_Formatter = functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=30)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -262,8 +239,7 @@ def _start(blasx, parser, **settings):
     """Configure and start the engine; device-spec problems are usage errors (exit 2)."""
     from .runtime.devices.base import DeviceError
 
-    prev = blasx.session.settings()
-    merged = {**dataclasses.asdict(prev), **{k: v for k, v in settings.items() if v is not None}}
+    merged = {**dataclasses.asdict(blasx.session.settings()), **{k: v for k, v in settings.items() if v is not None}}
     try:
         blasx.configure(**merged)
         return blasx.engine()
@@ -271,13 +247,13 @@ def _start(blasx, parser, **settings):
         raise
     except (ValueError, RuntimeError) as exc:
         msg = str(exc)
-        if isinstance(exc, RuntimeError) and not msg.startswith("devices:"):
-            raise
-        if msg.startswith("devices:"):
-            if settings.get("devices") is not None:
-                msg = "argument --devices:" + msg[len("devices:"):]
-            elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
-                msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
+        if not msg.startswith("devices:"):
+            if isinstance(exc, RuntimeError):
+                raise
+        elif settings.get("devices") is not None:
+            msg = "argument --devices:" + msg[len("devices:"):]
+        elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
+            msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
         parser.error(msg)
 
 
@@ -297,18 +273,14 @@ def _gemm(blasx, parser, args) -> int:
     from .runtime.devices.base import DeviceError
     from .tile import choose_tile
 
-    m, k = args.m or args.n, args.k or args.n
-    n = args.n
+    m, n, k = args.m or args.n, args.n, args.k or args.n
     blas_type = dtypes.GEMM_BY_PREFIX[args.dtype]
     dtype, out_dtype = blas_type.dtype, blas_type.out
     _check_output_path(parser, "--trace", args.trace)
     _check_output_path(parser, "--profile", args.profile)
-    if args.profile:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
-                         f"which is not installed (pip install 'blasx[plot]')")
+    if args.profile and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
+                     f"which is not installed (pip install 'blasx[plot]')")
     nbytes = (m * k + k * n) * dtype.itemsize + m * n * out_dtype.itemsize
     _total, avail = probe.host_memory()
     if avail is not None and nbytes > avail:
@@ -404,22 +376,22 @@ def _info(blasx, parser, args) -> int:
         blasx.shutdown()  # frees the tile caches: the GPU measurements need the memory
         print("measuring...", file=sys.stderr, flush=True)
         rates = probe.measure(devices, links)
-        for line in probe.format_rates(facts, rates):
-            print(line)
+        print("\n".join(probe.format_rates(facts, rates)))
     db = PerfDb(args.db)
-    for line in probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled()):
-        print(line)
+    print("\n".join(probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled())))
     return 0
 
 
 def _tune(blasx, parser, args) -> int:
-    from .perfdb import PerfDb
+    from .perfdb import PerfDb, disabled
+    from .probe import format_perfdb
     from .runtime.devices.base import DeviceError
     from .tune import tune
 
     db = PerfDb(args.db)
     if args.show:
-        return _show(db)
+        print("\n".join(format_perfdb(db.path, db.entries(), disabled=disabled())))
+        return 0
     if args.clear:
         n = db.clear()
         print(f"perf-db {db.path}: removed {n} entr{'y' if n == 1 else 'ies'}")
@@ -439,13 +411,9 @@ def _tune(blasx, parser, args) -> int:
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
     status = 0
     for r in rows:
-        cells = []
-        for t in r["tiles"]:
-            if t in r["skipped"]:
-                cells.append(f"{t}: -")
-            elif t in r["tflops"]:
-                mark = "*" if t == r["tile"] else ("!" if t in r["bad"] else "")
-                cells.append(f"{t}: {r['tflops'][t]:.4g}{mark}")
+        marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}
+        cells = [f"{t}: -" if t in r["skipped"] else f"{t}: {r['tflops'][t]:.4g}{marks[t]}"
+                 for t in r["tiles"] if t in r["skipped"] or t in marks]
         best = str(r["tile"]) if r["tile"] is not None else "none"
         mnk, shape = f"{r['m']}x{r['n']}x{r['k']}", "x".join(map(str, r["shape"]))
         print(f"{r['dtype']:<6}{mnk:<22}{shape:<22}{best:>6}  {'  '.join(cells)}")
@@ -456,15 +424,6 @@ def _tune(blasx, parser, args) -> int:
     stored = sum(r["stored"] for r in rows)
     print(f"stored {stored} of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {db.path}")
     return status
-
-
-def _show(db) -> int:
-    from .perfdb import disabled
-    from .probe import format_perfdb
-
-    for line in format_perfdb(db.path, db.entries(), disabled=disabled()):
-        print(line)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,24 +1,19 @@
 """Redirecting unmodified numpy / scipy code to blasx: ``with blasx.offload(threshold=...):``.
 
-While offload is on, calls whose flop count reaches the threshold run on the blasx engine, others
-exactly as before: ``a @ b`` / ``np.matmul`` in float32/64, complex64/128 and float16 (float16
-accumulated in float32 on the devices, a float16 result as numpy's; numpy's matmul inner
-loops are replaced by the C extension ``blasx._matmul_loops``, which calls numpy's own loop below
-the threshold); ``np.dot`` (the ``numpy.dot`` attribute; not ``ndarray.dot`` nor names imported
-before); the level-3 functions of ``scipy.linalg.blas`` (module attributes; not
-``get_blas_funcs``). Without the extension (blasx built without a C compiler) ``offload()`` raises
-RuntimeError saying so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers;
-with it, those wrappers sit behind a C forwarder that calls the original at once when
-``8 a.size b.size`` (a bound of the flops) is below the threshold.
+While offload is on, calls whose flop count (``2 m n k``, complex ``8 m n k``) reaches the threshold
+run on the blasx engine, others exactly as before: ``a @ b`` / ``np.matmul`` in float32/64,
+complex64/128 and float16 (its loops replaced by the C extension ``blasx._matmul_loops``, which
+calls numpy's own loop below the threshold); ``np.dot`` (the ``numpy.dot`` attribute, not
+``ndarray.dot`` nor names imported before); the level-3 functions of ``scipy.linalg.blas``
+(module attributes, not ``get_blas_funcs``). Only plain ``numpy.ndarray`` operands are offloaded;
+results are what numpy / scipy give. Without the extension ``offload()`` raises RuntimeError saying
+so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers; with it, those sit
+behind a C forwarder that calls the original at once when ``8 a.size b.size`` is below the threshold.
 
-Only plain ``numpy.ndarray`` operands are offloaded; results are what numpy / scipy give. Flops
-count ``2 m n k`` (real) and ``8 m n k`` (complex) for a product.
-
-``offload_enable``/``offload_disable`` and the ``offload`` context (also a decorator) nest: the
-patches go in with the first and come out, exactly restored, with the last (``@`` is redirected
-while any active one asked for it). ``offload_enable(threshold=T)`` sets the process-wide threshold
-until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside the block;
-else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the configured device kind.
+Enables and ``offload`` blocks (also a decorator) nest: the patches go in with the first and come
+out, exactly restored, with the last. ``offload_enable(threshold=T)`` sets the process-wide
+threshold until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside
+the block; else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the device kind.
 
 blasx's own threads, and a thread already inside a blasx call, stay on numpy. A ``@`` or ``np.dot``
 that fails on blasx is computed by numpy with a RuntimeWarning; a scipy call blasx rejects with
@@ -34,6 +29,7 @@ import numbers
 import os
 import threading
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,15 +61,13 @@ __all__ = ["offload", "offload_enable", "offload_disable", "offload_threshold", 
 
 # ---------------------------------------------------------------- state
 
+@dataclass(eq=False)
 class _Entry:
     """One active enable (``kind`` "enable") or ``with offload()`` block ("context")."""
-    __slots__ = ("kind", "thread", "threshold", "matmul")
-
-    def __init__(self, kind: str, threshold, matmul: bool) -> None:
-        self.kind = kind
-        self.thread = threading.get_ident()
-        self.threshold = threshold
-        self.matmul = matmul
+    kind: str
+    threshold: float | None
+    matmul: bool
+    thread: int = field(default_factory=threading.get_ident)
 
 
 _lock = threading.RLock()
@@ -83,11 +77,10 @@ _default: float = math.inf      # resolved when the first entry comes in
 
 class _ThreadState(threading.local):
     """Per thread: ``stack`` of (entry, threshold or None) of its ``with offload()`` blocks, ``local`` the
-    override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in.
-    Class-level defaults: a missing attribute never raises."""
-    stack = None
-    local = None
-    busy = 0
+    override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in."""
+
+    def __init__(self) -> None:
+        self.stack, self.local, self.busy = [], None, 0
 
 
 _tls = _ThreadState()
@@ -113,14 +106,12 @@ def _check_matmul(matmul) -> bool:
 def _check_threshold(value):
     if value is None:
         return None
+    allowed = "allowed: a number of flops >= 0 (math.inf: never offload), or None for the default"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"threshold: got {value!r} of type {type(value).__name__}; allowed: a number of flops "
-                        f">= 0 (math.inf: never offload), or None for the default")
-    value = float(value)
-    if not value >= 0:  # also NaN
-        raise ValueError(f"threshold: got {value!r}; allowed: a number of flops >= 0 (math.inf: never offload), "
-                         f"or None for the default")
-    return value
+        raise TypeError(f"threshold: got {value!r} of type {type(value).__name__}; {allowed}")
+    if not float(value) >= 0:  # also NaN
+        raise ValueError(f"threshold: got {float(value)!r}; {allowed}")
+    return float(value)
 
 
 def _device_kind() -> str:
@@ -139,7 +130,7 @@ def default_threshold() -> float:
         try:
             value = float(env)
         except ValueError:
-            raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'") from None
+            value = math.nan
         if not value >= 0:
             raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'")
         return value
@@ -153,15 +144,8 @@ def _global_threshold() -> float:
     return _default
 
 
-def _stack() -> list:
-    st = _tls.stack
-    if st is None:
-        st = _tls.stack = []
-    return st
-
-
 def _local_threshold():
-    for _, thr in reversed(_tls.stack or ()):
+    for _, thr in reversed(_tls.stack):
         if thr is not None:
             return thr
     return None
@@ -242,12 +226,12 @@ class offload(contextlib.ContextDecorator):
     def __enter__(self):
         entry = _Entry("context", self.threshold, self.matmul)
         _add(entry)
-        _stack().append((entry, self.threshold))
+        _tls.stack.append((entry, self.threshold))
         _sync_local()
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = _stack()
+        stack = _tls.stack
         if not stack:
             raise RuntimeError("offload: leaving a block this thread did not enter (the __exit__ of a "
                                "`with blasx.offload()` must run in the thread that ran its __enter__)")
@@ -401,11 +385,10 @@ def _failed(what: str, err: BaseException) -> None:
     global _last_error
     _last_error = err
     _stats["fallback"] += 1
-    try:
+    # (warnings turned into errors are swallowed: the error is kept in offload_stats())
+    with contextlib.suppress(Exception):
         warnings.warn(f"blasx.offload: {what} failed on blasx ({type(err).__name__}: {err}); computed by "
                       f"numpy instead", RuntimeWarning, stacklevel=3)
-    except Exception:  # noqa: BLE001 - warnings turned into errors: the error is kept in offload_stats()
-        pass
 
 
 def _matmul_hook(a, b, c) -> bool:
@@ -479,25 +462,18 @@ def _scipy_flops(family: str, spec: dict, is_complex: bool, args, kwargs) -> flo
         return 0.0
     try:
         a = _arg(args, kwargs, spec, "a")
-        if not _is_matrix(a):
+        b = _arg(args, kwargs, spec, "b") if "b" in spec else a
+        if not (_is_matrix(a) and _is_matrix(b)):
             return 0.0
         if family == "gemm":
-            b = _arg(args, kwargs, spec, "b")
-            if not _is_matrix(b):
-                return 0.0
             m, k = a.shape if int(_arg(args, kwargs, spec, "trans_a")) == 0 else a.shape[::-1]
             n = b.shape[1] if int(_arg(args, kwargs, spec, "trans_b")) == 0 else b.shape[0]
             flops = 2.0 * m * n * k
         elif family in ("symm", "trmm"):
-            b = _arg(args, kwargs, spec, "b")
-            if not _is_matrix(b):
-                return 0.0
             m, n = b.shape
             flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(_arg(args, kwargs, spec, "side")) == 0
                                                                     else n)
         else:
-            if family == "syr2k" and not _is_matrix(_arg(args, kwargs, spec, "b")):
-                return 0.0
             n, k = a.shape if int(_arg(args, kwargs, spec, "trans")) == 0 else a.shape[::-1]
             flops = (2.0 if family == "syr2k" else 1.0) * n * n * k
         if "c" in spec:

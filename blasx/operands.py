@@ -120,11 +120,8 @@ def frozen_root(x):
         node = node.base
         if node.flags.writeable:
             return None
-    if node.base is None:  # an ndarray owning its memory, read-only
-        return node
-    if isinstance(node.base, bytes):  # immutable Python buffer
-        return node
-    return None
+    # an ndarray owning its memory, or over an immutable Python buffer
+    return node if node.base is None or isinstance(node.base, bytes) else None
 
 
 class TokenTable:

@@ -1,39 +1,26 @@
-"""The perf-db: measured best tile sizes, kept in the user's cache directory.
+"""The perf-db: measured best tile sizes (the one tuning knob of BLASX, the paper's Section V-B).
 
-The tile size is the one tuning knob of BLASX (the paper's Section V-B), and
-its best value depends on the GPU model, the number of GPUs, the precision
-and the problem size. ``blasx.tune()`` measures the candidates and stores
-the winner here; the runtime reads it back when it picks a call's tile
-(``blasx.tile.choose_tile``), before falling back to its heuristic.
+``blasx.tune()`` stores the winner per :class:`PerfKey`; ``blasx.tile.choose_tile`` reads it back
+before its heuristic (a record per problem description, as MIOpen's find-db). A key is
 
-Entries are keyed like MIOpen's find-db (a record per problem description,
-looked up before any search is run): a :class:`PerfKey` of
-
-* ``device``: the device model, the device name without its ordinal
-  (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``).
-  Mixed GPU models join with ``+``; a CPU worker beside GPUs adds ``+cpu`` (one in auto
-  mode does not: it takes no task in most calls, so the GPUs' entries apply);
-* ``ndev``: the number of GPUs (stream devices); 1 for the CPU alone;
-* ``dtype``: the type's prefix in the dtype table: ``s``, ``d``, ``c``, ``z``, or (gemm) ``h``,
-  ``b``, ``i8`` (runtime/dtypes.py);
+* ``device``: the device model (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``);
+  mixed models join with ``+``, a CPU worker beside GPUs adds ``+cpu`` (not one in auto mode, which
+  takes no task in most calls);
+* ``ndev``: the number of GPUs (stream devices), 1 for the CPU alone;
+* ``dtype``: the prefix in runtime/dtypes.py (``s d c z``, gemm's ``h b i8``);
 * ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
-* ``shape``: the shape class ``(M, N, K)``, each dimension rounded to the
-  nearest power of two in log scale (:func:`shape_class`).
+* ``shape``: the shape class ``(M, N, K)`` (:func:`shape_class`);
 
-Its text form is ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``.
-
-The file is ``perfdb.sqlite`` in ``$BLASX_CACHE_DIR``, else
-``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``. Each entry keeps the
-winning tile, the measured TFLOPS of every candidate, the date and the blasx
-version. A missing, corrupt, locked or foreign-version file reads as "no
-entry": a BLAS call never fails because of the perf-db. Writers open one
-connection per operation, with a busy timeout and ``BEGIN IMMEDIATE``
-transactions, so several threads or processes may store at once.
+text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. The file is ``perfdb.sqlite`` in
+:func:`cache_dir`; an entry keeps the tile, every candidate's TFLOPS, the date and the blasx version.
+A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS call never fails
+because of it); writers use one connection per operation, a busy timeout and ``BEGIN IMMEDIATE``.
 ``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -114,10 +101,7 @@ def cache_dir() -> Path:
     d = os.environ.get("BLASX_CACHE_DIR")
     if d:
         return Path(d).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "blasx"
-    return Path.home() / ".cache" / "blasx"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "blasx"
 
 
 def default_path() -> Path:
@@ -187,8 +171,7 @@ def device_key(devices) -> tuple[str, int]:
     streamed = [d for d in devices if _is_streamed(d)]
     if not streamed:
         return "cpu", 1
-    models = sorted({device_model(d) for d in streamed})
-    model = "+".join(models)
+    model = "+".join(sorted({device_model(d) for d in streamed}))
     if any(not _is_streamed(d) and not getattr(d, "auto", False) for d in devices):
         model += "+cpu"
     return model, len(streamed)
@@ -243,15 +226,8 @@ _COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
 
 
 def _blasx_version() -> str:
-    try:
-        from . import __version__
-        return __version__
-    except ImportError:  # blasx half-imported (only during its own import): ask the metadata
-        try:
-            from importlib.metadata import version
-            return version("blasx")
-        except Exception:  # noqa: BLE001 - not installed: still store the entry
-            return "unknown"
+    from . import __version__  # set by blasx/__init__.py before any entry can be stored
+    return __version__
 
 
 def _positive_tile(v) -> int | None:
@@ -279,14 +255,13 @@ class PerfDb:
         try:
             conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=READ_TIMEOUT_S)
             row = conn.execute("SELECT version FROM schema").fetchone()
-            if row is None or row[0] != SCHEMA_VERSION:
-                conn.close()
-                return None
-            return conn
+            if row is not None and row[0] == SCHEMA_VERSION:
+                return conn
         except (sqlite3.Error, OSError, ValueError):
-            if conn is not None:
-                conn.close()
-            return None
+            pass
+        if conn is not None:
+            conn.close()
+        return None
 
     def _write(self) -> sqlite3.Connection:
         try:
@@ -306,12 +281,7 @@ class PerfDb:
     def table(self, device: str | None = None, ndev: int | None = None) -> dict[PerfKey, int]:
         """Every valid entry as ``{key: tile}`` (optionally of one device model and count);
         empty when the db is missing or unreadable. The runtime loads this once per engine."""
-        out: dict[PerfKey, int] = {}
-        for e in self._rows(device, ndev):
-            tile = _positive_tile(e["tile"])
-            if tile is not None:
-                out[e["key"]] = tile
-        return out
+        return {e["key"]: t for e in self._rows(device, ndev) if (t := _positive_tile(e["tile"])) is not None}
 
     def entries(self) -> list[dict]:
         """Every entry, as dicts: key (PerfKey), text, device, ndev, dtype, routine,
@@ -389,28 +359,20 @@ class PerfDb:
             self._ensure_schema(conn)
             n = conn.execute("DELETE FROM entries").rowcount
             conn.execute("COMMIT")
-        except PerfDbError:  # another schema version
+        except (PerfDbError, sqlite3.DatabaseError) as e:  # another schema version, or not a database
             _rollback(conn)
-            damaged, n = True, 0
-        except sqlite3.OperationalError as e:  # locked, unreadable: leave the file alone
-            _rollback(conn)
-            raise PerfDbError(f"perf-db {self.path}: could not clear it: {e}") from e
-        except sqlite3.DatabaseError:  # not a database (corrupt)
-            _rollback(conn)
+            if isinstance(e, sqlite3.OperationalError):  # locked, unreadable: leave the file alone
+                raise PerfDbError(f"perf-db {self.path}: could not clear it: {e}") from e
             damaged, n = True, 0
         finally:
             conn.close()
         if damaged:
-            self._remove()
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as e:
+                raise PerfDbError(f"perf-db {self.path}: damaged and cannot be removed: {e}") from e
         _bump()
         return max(n, 0)
-
-    def _remove(self) -> int:
-        try:
-            self.path.unlink(missing_ok=True)
-        except OSError as e:
-            raise PerfDbError(f"perf-db {self.path}: damaged and cannot be removed: {e}") from e
-        return 0
 
     def _ensure_schema(self, conn: sqlite3.Connection) -> None:
         for stmt in _SCHEMA:
@@ -424,7 +386,5 @@ class PerfDb:
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
-    try:
+    with contextlib.suppress(sqlite3.Error):  # nothing to roll back
         conn.execute("ROLLBACK")
-    except sqlite3.Error:
-        pass  # nothing to roll back

@@ -13,6 +13,7 @@ The ``format_*`` functions are pure (plain data in, lines out) and tested with m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -68,16 +69,14 @@ class Rate:
 
 def host_memory() -> tuple[int | None, int | None]:
     """(total, available) host memory in bytes, None where unknown."""
-    total = avail = None
+    info = {}
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("MemTotal", "MemAvailable"):
-                    v = int(rest.split()[0]) * 1024
-                    total, avail = (v, avail) if key == "MemTotal" else (total, v)
+            info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
+                    if k in ("MemTotal", "MemAvailable")}
     except (OSError, ValueError, IndexError):
         pass
+    total, avail = info.get("MemTotal"), info.get("MemAvailable")
     if total is None:
         try:
             total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -179,9 +178,9 @@ def _cpu_gemm_rate(dtype, sizes=None, target_s: float | None = None,
             t = clock()
             np.matmul(a, b, out=c)
             best = min(best, clock() - t)
-        if best >= target_s or n == sizes[-1]:
-            return 2.0 * n ** 3 / max(best, 1e-9), n
-    raise AssertionError("unreachable")
+        if best >= target_s:
+            break
+    return 2.0 * n ** 3 / max(best, 1e-9), n
 
 
 def _cpu_rates(index: int, dtypes) -> list[Rate]:
@@ -241,19 +240,23 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
     out: list[Rate] = []
     mib = f"{nbytes / (1 << 20):g} MiB"
 
+    def attempt(what: str, fn, *args, peer: int | None = None) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            out.append(_failed(index, what, exc, peer))
+
+    def copy(what: str, dst: int, src: int, kind: int, stream) -> None:
+        t = _best_gpu_seconds(lambda: runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr), stream, reps)
+        out.append(Rate(index, what, nbytes / t, f"pinned host memory, {mib}"))
+
     def copies():
         with cupy.cuda.Device(ordinal):
             stream = cupy.cuda.Stream(non_blocking=True)
             host = cupy.cuda.alloc_pinned_memory(nbytes)
             buf = cupy.empty(nbytes, dtype=cupy.uint8)
-            for what, dst, src, kind in (("H2D", buf.data.ptr, host.ptr, runtime.memcpyHostToDevice),
-                                         ("D2H", host.ptr, buf.data.ptr, runtime.memcpyDeviceToHost)):
-                try:
-                    t = _best_gpu_seconds(
-                        lambda: runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr), stream, reps)
-                    out.append(Rate(index, what, nbytes / t, f"pinned host memory, {mib}"))
-                except Exception as exc:  # noqa: BLE001
-                    out.append(_failed(index, what, exc))
+            attempt("H2D", copy, "H2D", buf.data.ptr, host.ptr, runtime.memcpyHostToDevice, stream)
+            attempt("D2H", copy, "D2H", host.ptr, buf.data.ptr, runtime.memcpyDeviceToHost, stream)
             del buf, host
 
     def peer_copy(j: int, peer_ordinal: int):
@@ -280,25 +283,14 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
             del a, b, c
         out.append(Rate(index, ch.upper() + "GEMM", 2.0 * n ** 3 / t, f"cuBLAS (CuPy matmul), N={n}"))
 
-    try:
-        copies()
-    except Exception as exc:  # noqa: BLE001
-        out.append(_failed(index, "H2D", exc))
+    attempt("H2D", copies)
     for j, peer_ordinal in peers:
-        try:
-            peer_copy(j, peer_ordinal)
-        except Exception as exc:  # noqa: BLE001
-            out.append(_failed(index, "P2P", exc, peer=j))
+        attempt("P2P", peer_copy, j, peer_ordinal, peer=j)
     for ch in dtypes:
-        try:
-            gemm(ch)
-        except Exception as exc:  # noqa: BLE001
-            out.append(_failed(index, ch.upper() + "GEMM", exc))
-    try:
+        attempt(ch.upper() + "GEMM", gemm, ch)
+    with contextlib.suppress(Exception):  # freeing the pools is a courtesy
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
-    except Exception:  # noqa: BLE001 - freeing the pools is a courtesy
-        pass
     return out
 
 
@@ -349,13 +341,8 @@ def format_links(facts: list[DeviceFacts], links: list[tuple[int, int]]) -> list
     if len(streamed) < 2:
         return []
     pairs = set(links)
-    text = []
-    for i, j in sorted(pairs):
-        if (j, i) in pairs:
-            if i < j:
-                text.append(f"[{i}] <-> [{j}]")
-        else:
-            text.append(f"[{i}] -> [{j}]")
+    text = [f"[{i}] <-> [{j}]" if (j, i) in pairs else f"[{i}] -> [{j}]"
+            for i, j in sorted(pairs) if i < j or (j, i) not in pairs]
     return ["peer links: " + (", ".join(text) if text else "none (tiles of other devices are read from host memory)")]
 
 

@@ -1,13 +1,8 @@
-"""A progress line for blasx calls: tiles done / total, rate, elapsed, on a text stream.
+"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream.
 
-A blasx call blocks its thread, so a small monitor thread reads that thread's running call
-(:func:`blasx.level3.running_call`) a few times a second and redraws the line in place::
-
-    with Progress(sys.stderr, label="run 0", flops=2 * n**3):
-        blasx.gemm(1.0, a, b)
-
-The line ends with a newline and the thread is joined when the block ends, also on error.
-:func:`wanted` is the command line's rule (on a terminal unless told); :func:`render` is pure.
+A monitor thread reads the calling thread's running call (:func:`blasx.level3.running_call`) a few
+times a second and redraws the line in place; ``with Progress(sys.stderr, label="run 0", flops=f):``
+ends the line and joins the thread, also on error. :func:`render` is pure.
 """
 
 from __future__ import annotations
@@ -40,8 +35,7 @@ def render(label: str, done: int, total: int, elapsed: float, flops: float | Non
 
     ``flops``: the whole call's flops, for an estimated rate (tiles are near equal);
     ``state``: appended as is (``"failed"``, ``"done"``)."""
-    frac = done / total if total > 0 else 0.0
-    frac = min(max(frac, 0.0), 1.0)
+    frac = min(max(done / total, 0.0), 1.0) if total > 0 else 0.0
     fill = int(round(frac * BAR_WIDTH))
     bar = "[" + "#" * fill + "-" * (BAR_WIDTH - fill) + "]"
     parts = [f"{label} {bar}" if label else bar, f"{done:>{len(str(total))}}/{total} tiles", f"{frac * 100:3.0f}%"]
@@ -83,18 +77,12 @@ class Progress:
         if interval is not None and not interval > 0:
             raise ValueError(f"interval: got {interval!r}, need a number of seconds > 0")
         self.stream = stream if stream is not None else sys.stderr
-        self.label = label
-        self.flops = flops
-        self.enabled = enabled
+        self.label, self.flops, self.enabled, self.thread_ident, self.clock = label, flops, enabled, thread, clock
         self.interval = interval if interval is not None else INTERVAL_S
-        self.thread_ident = thread
-        self.clock = clock
         self.updates = 0  # lines drawn (intermediate and final)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
-        self._call = None
-        self._t0 = 0.0
-        self._width = 0
+        self._call, self._t0, self._width = None, 0.0, 0
 
     # ---------------------------------------------------------------- drawing
     def _draw(self, line: str, end: str = "") -> None:

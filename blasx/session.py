@@ -96,14 +96,9 @@ def engine() -> Engine:
             _engine = _build(_settings)
         eng = _engine
     eng.start()
-    if host_device is None and _runs_on_host(eng):
+    if host_device is None and eng.inline and eng.config.tile is None:  # the CPU alone, no fixed tile
         _publish_host(eng)
     return eng
-
-
-def _runs_on_host(eng: Engine) -> bool:
-    """Every call of ``eng`` is one host BLAS call in the caller's thread: the CPU alone, no fixed tile."""
-    return eng.inline and eng.config.tile is None
 
 
 def _publish_host(eng: Engine) -> None:
@@ -117,12 +112,16 @@ def _publish_host(eng: Engine) -> None:
 
 def shutdown() -> None:
     """Stop the workers and free device memory; the next call starts a new engine."""
+    _stop(cancel=False)
+
+
+def _stop(cancel: bool) -> None:
     global _engine, host_device
     with _lock:
         eng, _engine = _engine, None
         host_device = None
     if eng is not None:
-        eng.shutdown()
+        eng.shutdown(cancel=cancel)
 
 
 # Workers are non-daemon threads, and the interpreter joins those *before* running atexit
@@ -200,9 +199,7 @@ def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:
     has no data for a CPU to compute on)."""
     if cpu is None:
         return "auto" if kind == "cuda" else None
-    if cpu == "auto":
-        return "auto"
-    return "always" if cpu else None
+    return "auto" if cpu == "auto" else "always" if cpu else None
 
 
 def reset() -> None:
@@ -215,9 +212,4 @@ def reset() -> None:
 def _shutdown_at_exit() -> None:
     """Interpreter exit: cancel the calls still in flight (their threads are about to vanish), let
     the tasks already on devices end, and stop the workers."""
-    global _engine, host_device
-    with _lock:
-        eng, _engine = _engine, None
-        host_device = None
-    if eng is not None:
-        eng.shutdown(cancel=True)
+    _stop(cancel=True)

@@ -1,13 +1,9 @@
 """The tile size, the one tuning knob (the paper's Section V-B).
 
-Per call: the configured tile if any; else the tile measured best for the
-call's perf-db key (``blasx.tune``, :mod:`blasx.perfdb`), shrunk while a
-device's tile cache could not hold it; else the backend's default, shrunk
-while the call would give the devices too few tasks to share, and while a
-device's tile cache could not hold the tiles its in-flight tasks need.
-
-The perf-db is read once per engine (and again after this process stores
-into it), into a table kept beside the engine: no sqlite query per call.
+Per call: the configured tile; else the perf-db's (:mod:`blasx.perfdb`, read once per engine and
+again after this process stores into it), shrunk while a device's tile cache could not hold it;
+else the backend's default, shrunk while the devices would get too few tasks or the tiles their
+in-flight tasks need would not fit.
 """
 
 from __future__ import annotations
@@ -68,10 +64,7 @@ def _tile_itemsize(dtype) -> int:
 
 
 def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
+    return 1 << max(0, x - 1).bit_length()
 
 
 def _fits(devices, tile: int, itemsize: int) -> bool:
@@ -92,7 +85,7 @@ def _check_fits(devices, tile: int, itemsize: int) -> None:
 # ---------------------------------------------------------------- perf-db look-up
 
 _db_lock = threading.Lock()
-# engine -> (db generation, db location, {(dtype, routine, shape): tile}) of its device model and count
+# engine -> ((db generation, db location), {(dtype, routine, shape): tile}) of its device model and count
 _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -118,16 +111,10 @@ def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | 
 
 
 def _table(eng) -> dict:
-    gen, where = perfdb.generation(), perfdb.location_state()
-    entry = _db_tables.get(eng)
-    if entry is not None and entry[0] == gen and entry[1] == where:
-        return entry[2]
+    state = (perfdb.generation(), perfdb.location_state())
     with _db_lock:
         entry = _db_tables.get(eng)
-        if entry is None or entry[0] != gen or entry[1] != where:
-            model, ndev = perfdb.device_key(eng.devices)
-            rows = perfdb.PerfDb().table(model, ndev)
-            table = {(key.dtype, key.routine, key.shape): tile for key, tile in rows.items()}
-            entry = (gen, where, table)
-            _db_tables[eng] = entry
-        return entry[2]
+        if entry is None or entry[0] != state:
+            rows = perfdb.PerfDb().table(*perfdb.device_key(eng.devices))
+            entry = _db_tables[eng] = (state, {(key.dtype, key.routine, key.shape): t for key, t in rows.items()})
+        return entry[1]

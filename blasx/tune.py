@@ -1,24 +1,17 @@
 """``blasx.tune``: measure the candidate tile sizes and store the winners in the perf-db.
 
-The tile size is the only tuning parameter of BLASX (Section V-B of the
-paper): large tiles saturate the GPU and the PCI-E link, small ones give
-more parallelism. Its best value is measured here, once per device model,
-device count, precision and shape class (see :mod:`blasx.perfdb`), and the
-runtime then reads it back for every call of that class.
-
-For each dtype and size: random host arrays, then for each candidate tile
-an engine configured with that tile, one untimed warm-up call and ``runs``
-timed ``blasx.gemm`` calls (the best one counts), a check of a few rows of C
-against numpy, and finally the fastest correct candidate is stored.
-
-Tuning reconfigures the process-wide engine: run it when no other thread
-uses blasx. The previous ``blasx.configure`` settings are restored at the
-end, also when tuning fails.
+The tile is BLASX's one tuning parameter (Section V-B): large tiles saturate the GPU and the link,
+small ones give more parallelism. Per dtype and size: random host arrays; per candidate, an engine
+with that tile, a warm-up call and ``runs`` timed ``blasx.gemm`` calls (the best counts), a check of
+a few rows against numpy; the fastest correct candidate is stored (:mod:`blasx.perfdb`). Tuning
+reconfigures the process-wide engine (run it while no other thread uses blasx) and restores the
+previous settings at the end, also when it fails.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from typing import Callable
@@ -46,24 +39,21 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
          check_rows: int = 64, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Measure GEMM for every candidate tile and store each winner in the perf-db.
 
-    sizes: N, or a list of sizes, each N (square: M = N = K) or an (M, N, K) triple, e.g.
-        ``[4096, (8192, 8192, 16384)]``; None: the backend's defaults (cuda 8192, 16384;
-        sim 256, 512; cpu 1024, 2048). Sizes of one shape class share one entry (the last wins).
-    dtypes: BLAS characters or numpy dtypes, e.g. ``("d", "s")`` or ``"d,s"``.
-    tiles: candidate tile sizes; None: by backend (cuda 2048/3072/4096/6144/8192,
-        sim 32/64/128/256, cpu 256..2048), capped by the problem size.
+    sizes: N, or a list of N (M = N = K) or (M, N, K) triples, e.g. ``[4096, (8192, 8192, 16384)]``;
+        None: the backend's ``DEFAULT_SIZES``. Sizes of one shape class share one entry (the last wins).
+    dtypes: BLAS prefixes or numpy dtypes, e.g. ``("d", "s")`` or ``"d,s"``.
+    tiles: candidate tile sizes; None: the backend's ``DEFAULT_TILES``, capped by the problem size.
     runs: timed calls per candidate (after one warm-up); the fastest counts.
     devices: device spec as in ``blasx.configure`` (None: the current setting).
-    db: a :class:`blasx.perfdb.PerfDb`, a file path, or None for the user's perf-db
-        (the one the runtime reads).
+    db: a :class:`blasx.perfdb.PerfDb`, a file path, or None for the perf-db the runtime reads.
     check_rows: rows of C compared against numpy after each candidate (0: no check).
     progress: called with one line of text per measured candidate.
 
-    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k,
-    shape (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}),
-    seconds ({tile: [timed runs]}), errors ({tile: relative error of the checked rows}),
-    bad (tiles whose result failed the check: never winners), skipped ({tile: why}, e.g. a
-    tile too big for the tile cache), tile (the winner, or None) and stored (True once in the db).
+    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape
+    (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed
+    runs]}), errors ({tile: relative error of the checked rows}), bad (tiles that failed the check:
+    never winners), skipped ({tile: why}, e.g. too big for the tile cache), tile (the winner, or
+    None) and stored (True once in the db).
     """
     problems = _check_sizes(sizes)
     dtype_chars = _check_dtypes(dtypes)
@@ -72,9 +62,9 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
         raise ValueError(f"runs: got {runs!r}, need an int >= 1")
     if not isinstance(check_rows, int) or isinstance(check_rows, bool) or check_rows < 0:
         raise ValueError(f"check_rows: got {check_rows!r}, need an int >= 0")
-    if db is None or isinstance(db, perfdb.PerfDb):
-        pdb = db if db is not None else perfdb.PerfDb()
-    elif isinstance(db, str) or hasattr(db, "__fspath__"):
+    if isinstance(db, perfdb.PerfDb):
+        pdb = db
+    elif db is None or isinstance(db, (str, os.PathLike)):
         pdb = perfdb.PerfDb(db)
     else:
         raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
@@ -165,21 +155,14 @@ def _check_sizes(sizes) -> list[tuple[int, int, int]] | None:
     if sizes is None:
         return None
     items = [sizes] if _positive_int(sizes) else sizes
-    out = []
-    if isinstance(items, (list, tuple)):
-        for s in items:
-            if _positive_int(s):
-                out.append((int(s),) * 3)
-            elif isinstance(s, (tuple, list)) and len(s) == 3 and all(_positive_int(x) for x in s):
-                out.append(tuple(int(x) for x in s))
-            else:
-                out = []
-                break
-    if not out:
+
+    def valid(s) -> bool:
+        return _positive_int(s) or (isinstance(s, (tuple, list)) and len(s) == 3 and all(map(_positive_int, s)))
+    if not isinstance(items, (list, tuple)) or not items or not all(map(valid, items)):
         raise ValueError(f"sizes: got {sizes!r}, need N or a non-empty list of sizes, each N (square) or an "
                          f"(M, N, K) triple of positive ints, e.g. [4096, (8192, 8192, 16384)]; "
                          f"or None for the backend's defaults")
-    return out
+    return [(int(s),) * 3 if _positive_int(s) else tuple(map(int, s)) for s in items]
 
 
 def _check_dtypes(dtypes) -> list[str]:
@@ -187,28 +170,22 @@ def _check_dtypes(dtypes) -> list[str]:
     if isinstance(dtypes, str):
         if "," in dtypes or " " in dtypes:
             dtypes = dtypes.replace(",", " ").split()
-        elif set(dtypes) <= set(blas_types.PREFIXES):
-            dtypes = list(dtypes)  # "ds"
-        elif dtypes in blas_types.GEMM_BY_PREFIX:
-            dtypes = [dtypes]  # "i8"
-        else:
-            dtypes = [dtypes]  # "float64"
+        else:  # "ds", or one name: "i8", "float64"
+            dtypes = list(dtypes) if set(dtypes) <= set(blas_types.PREFIXES) else [dtypes]
     try:
         items = list(dtypes)
     except TypeError:
         items = [given]
-    out: list[str] = []
+    out: dict[str, None] = {}
     for d in items:
         try:
-            c = perfdb.dtype_char(d)
+            out[perfdb.dtype_char(d)] = None
         except ValueError:
             raise ValueError(f"dtypes: got {given!r}; {d!r} is not one of {', '.join(blas_types.GEMM_PREFIXES)} "
                              f"({blas_types.GEMM_ALLOWED})") from None
-        if c not in out:
-            out.append(c)
     if not out:
         raise ValueError(f"dtypes: got {given!r}, need one or more of {', '.join(blas_types.GEMM_PREFIXES)}")
-    return out
+    return list(out)
 
 
 def _check_tiles(tiles) -> list[int] | None:

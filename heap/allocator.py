@@ -1,31 +1,18 @@
 """First-fit offset heap: the BLASX device-memory allocator (paper Sec. IV-E, Fig. 6).
 
-A cudaMalloc/cudaFree per tile would dominate at scale (paper Fig. 5), so each device allocates one
-arena and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
+A cudaMalloc/cudaFree per tile would dominate at scale (Fig. 5), so each device allocates one arena
+and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
+Fig. 6's three lists: the meta-data list of ``_Block`` nodes in address order (``prev``/``next``;
+the block at offset 0 is the permanent head); the empty list ``_free`` (offset -> block), indexed by
+size class ``(size // alignment).bit_length()`` in sorted ``_buckets`` with a ``_nonempty`` bitmask,
+plus the sorted ``_free_sizes`` (``largest_free`` in O(1)); the occupied list ``_used``.
 
-Structure (Fig. 6's three lists):
-
-* Meta-data list: ``_Block`` nodes (``off``, ``size``, ``free``) in address order, linked through
-  ``prev``/``next``; the block at offset 0 is never removed (it absorbs its right neighbour), so it
-  is the permanent head.
-* Empty list: ``_free`` (offset -> block), indexed by size class (``u = size // alignment`` units
-  is class ``u.bit_length()``): ``_buckets[k]`` holds class-k offsets sorted, bit k of
-  ``_nonempty`` says it has any, and ``_free_sizes`` (sorted) gives ``largest_free`` in O(1) and
-  refuses a request that cannot fit at once. The block chosen is still the lowest-address fit.
-* Occupied list: ``_used``, offset -> block.
-
-Policy: ``alloc`` rounds up to the alignment and takes the lowest-address free block that fits
-(exact: every block of a higher class fits, so only the request's own class is walked), splitting
-off the rest to its right; ``free`` coalesces with free neighbours; a request that does not fit
-returns ``None`` (the cache evicts and retries). Cost: O(log F) per free, plus one step per
-non-empty larger class per alloc.
-
-Invariants (``check()``): 1. the blocks tile ``[0, capacity)`` exactly and ``prev`` mirrors
-``next``; 2. offsets and sizes are positive multiples of ``alignment``; 3. no two adjacent blocks
-are free; 4. the free indexes describe exactly the free blocks, ``_used`` the allocated ones;
-5. ``bytes_used`` is the sum of the allocated sizes.
-
-Not thread-safe by design: each heap has one owner, its device's worker thread.
+``alloc`` rounds up to the alignment and takes the lowest-address free block that fits (every
+block of a higher class fits, so only the request's own class is walked), splitting off the rest;
+``free`` coalesces with free neighbours; a request that does not fit returns ``None`` (the cache
+evicts and retries). ``check()`` verifies the invariants: the blocks tile ``[0, capacity)`` with
+``prev`` mirroring ``next``, aligned and positive; no two adjacent free blocks; the indexes match
+the blocks; ``bytes_used`` sums the allocations. One owner thread per heap: not thread-safe.
 """
 
 from __future__ import annotations
@@ -58,9 +45,7 @@ def _positive_int(name: str, value: object, allowed: str) -> int:
     try:
         ivalue = operator.index(value)
     except TypeError:
-        raise ValueError(
-            f"{name} must be {allowed}; got {value!r} of type {type(value).__name__}"
-        ) from None
+        raise ValueError(f"{name} must be {allowed}; got {value!r} of type {type(value).__name__}") from None
     if ivalue <= 0:
         raise ValueError(f"{name} must be {allowed}; got {ivalue}")
     return ivalue
@@ -69,23 +54,17 @@ def _positive_int(name: str, value: object, allowed: str) -> int:
 class OffsetHeap:
     """First-fit heap over the byte offsets ``[0, capacity)`` of one arena (one owner thread)."""
 
-    __slots__ = (
-        "_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free",
-        "_buckets", "_nonempty", "_free_sizes", "_bytes_used",
-    )
+    __slots__ = ("_capacity", "_alignment", "_mask", "_shift", "_head", "_used", "_free", "_buckets", "_nonempty",
+                 "_free_sizes", "_bytes_used")
 
     def __init__(self, capacity: int, alignment: int = 256):
         alignment = _positive_int("alignment", alignment, "a positive power of two")
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a positive power of two; got {alignment}")
-        capacity = _positive_int(
-            "capacity", capacity, f"a positive multiple of alignment ({alignment})"
-        )
+        capacity = _positive_int("capacity", capacity, f"a positive multiple of alignment ({alignment})")
         if capacity % alignment:
-            raise ValueError(
-                f"capacity must be a positive multiple of alignment ({alignment}); "
-                f"got {capacity} (remainder {capacity % alignment})"
-            )
+            raise ValueError(f"capacity must be a positive multiple of alignment ({alignment}); "
+                             f"got {capacity} (remainder {capacity % alignment})")
         self._capacity = capacity
         self._alignment = alignment
         self._mask = alignment - 1
@@ -237,10 +216,7 @@ class OffsetHeap:
 
     def size_of(self, offset: int) -> int:
         """Rounded size of the allocation at ``offset`` (ValueError if none)."""
-        try:
-            blk = self._used.get(offset)
-        except TypeError:
-            blk = None
+        blk = self._used.get(offset) if offset.__hash__ else None  # unhashable: not an offset
         if blk is None:
             raise ValueError(self._why_not_allocated(offset))
         return blk.size
@@ -276,8 +252,7 @@ class OffsetHeap:
 
     def blocks(self) -> list[tuple[int, int, bool]]:
         """``(offset, size, is_free)`` of every block, in address order."""
-        out = []
-        blk = self._head
+        out, blk = [], self._head
         while blk is not None:
             out.append((blk.off, blk.size, blk.free))
             blk = blk.next
@@ -317,13 +292,10 @@ class OffsetHeap:
         head = self._head
         if head is None or head.off != 0 or head.prev is not None:
             fail("the block list must start with a head block at offset 0 with no prev")
-        end = 0
-        prev = None
-        n = 0
-        used_bytes = 0
+        end = n = used_bytes = 0
+        prev, blk = None, head
         free_seen: list[_Block] = []
         used_seen: list[_Block] = []
-        blk = head
         while blk is not None:
             n += 1
             if n > max_blocks:

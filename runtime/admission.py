@@ -11,8 +11,7 @@ For a task ``t`` of call ``c`` (the queue's head, or one it would steal), G the 
 that can run ``c``:
 
 1. **alone**: G is empty: take it.
-2. **deps**: ``c`` has a task with dependencies (TRSM): never (a dependency on the CPU would hold
-   up the GPU tasks waiting for it).
+2. **deps**: ``c`` has a task with dependencies (TRSM): never (the GPU tasks would wait on the CPU).
 3. **small**: ``len(c.tasks) <=`` what G holds at once (stations + compute streams): never.
 4. **rates**: ``r_cpu`` and each ``r_g`` in the call's dtype (:class:`RateMeter`). A GPU's rate
    counts once it has finished as many tasks as it has streams; an unknown one counts as the
@@ -26,36 +25,19 @@ that can run ``c``:
    started and unfinished. Other calls' work is left out, so the rule errs towards the GPUs;
    ``MARGIN`` covers the error of ``r_cpu``.
 
-:func:`decide` is the rule as a pure function (tested by exact values); :meth:`Admission.admits`
-gathers its inputs. Beside fast GPUs the CPU in practice never takes a task; beside slow sims it
-takes a growing share of large calls.
+:func:`decide` is the rule as a pure function; :meth:`Admission.admits` gathers its inputs.
 
-Measured rates (``RateMeter``)
-------------------------------
-A worker's rate per dtype is the flops of its last ``WINDOW`` finished tasks over the busy seconds
-they took (each from the previous completion, or from the first start after idling): a ratio of
-sums, since a GPU finishes its in-flight tasks in bursts and only a burst's sum is its throughput.
-A GPU's first samples read low (interleaved tasks share an interval), hence the streams-many
-samples rule. The CPU's first sample is the probe (a 256-square GEMM, best of three, which errs
-low); GPUs get no seed, and nothing comes from the perf-db (whole-call rates, not per worker).
+A worker's rate per dtype (``RateMeter``) is the flops of its last ``WINDOW`` finished tasks over
+the busy seconds they took (each from the previous completion, or from the first start after
+idling): a ratio of sums, since a GPU finishes its in-flight tasks in bursts. The CPU's first
+sample is the probe (a 256-square GEMM, best of three); GPUs get no seed.
 
-State (each field has one owner)
---------------------------------
-``Admission.meter``
-    The engine's :class:`RateMeter`, for the engine's life.
-``RateMeter._window``, ``_sums``, ``_mark``, ``samples``
-    Per (worker, dtype): last samples, their sums, the start of the busy interval, the sample
-    count. Written by that worker's thread only (``Call.started`` / ``account``); the CPU worker
-    reads ``_sums`` lock-free (each entry is replaced by one assignment).
-``Call.meter``, ``Call.flops_waiting``, ``Call.flops_running``
-    Set by ``Engine.submit`` (``Call.meter_with``), kept under the call's lock.
-``Admission.counts``, ``Admission.last``
-    ``{reason: decisions}`` (decisions, not tasks: an idle CPU worker asks at every wake-up) and
-    the latest :class:`Decision`; written by the CPU worker alone.
-
-Thread limits: in auto mode the CPU device limits the BLAS threads (every core but one per GPU
-worker) only once it runs a probe or a task, and restores them when the last call then running
-ends (``CpuDevice.engage``).
+State: ``RateMeter``'s per-(worker, dtype) windows are written by that worker's thread only; the
+CPU worker reads ``_sums`` lock-free (each entry replaced by one assignment). ``Call.meter``,
+``flops_waiting`` and ``flops_running`` are set by ``Engine.submit`` and kept under the call's
+lock; ``Admission.counts`` (decisions per reason) and ``last`` are written by the CPU worker alone.
+In auto mode the CPU device limits the BLAS threads only once it runs a probe or a task, and
+restores them when the last call then running ends (``CpuDevice.engage``).
 """
 
 from __future__ import annotations
@@ -125,7 +107,7 @@ def decide(task_flops: float, call_tasks: int, has_deps: bool, gpu_hold: int,
 
 
 class RateMeter:
-    """Per-worker flop rates from finished tasks (module docstring, "Measured rates").
+    """Per-worker flop rates from finished tasks (module docstring).
 
     ``busy(w)`` says whether worker ``w`` runs any task at the moment one of its tasks starts
     (that task not counted); it is only asked from ``w``'s own thread."""
@@ -206,7 +188,7 @@ class Admission:
         args = (task.flops, len(call.tasks), call.has_deps,
                 sum(w.station.capacity + w.dev.nstreams for w in gpus))
         gpu_rates = [meter.rate(w.idx, key) if meter.samples.get((w.idx, key), 0) >= w.dev.nstreams else None
-                     for w in gpus]  # (one burst first: module docstring, "Measured rates")
+                     for w in gpus]  # (one burst first: module docstring)
         d = self._decide(args, meter.rate(cpu_worker.idx, key), gpu_rates, call)
         if d.reason == NO_CPU_RATE:
             flops, seconds = cpu_worker.dev.probe(call.dtype)

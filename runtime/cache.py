@@ -12,27 +12,26 @@ to hold. The heap behind the lines is touched by the owning worker alone.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterator
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Line:
     """One cached tile on one device."""
 
-    __slots__ = ("key", "device", "offset", "nbytes", "rows", "cols", "readers", "ready", "dead", "fill_mark")
-
-    def __init__(self, key: Hashable, device: int, offset: int, nbytes: int, rows: int, cols: int) -> None:
-        self.key = key
-        self.device = device  # worker index of the holder
-        self.offset = offset  # heap offset of the tile (column-major, ld = rows)
-        self.nbytes = nbytes
-        self.rows = rows
-        self.cols = cols
-        self.readers = 0
-        self.ready = None  # event that ends the copy filling the line; None once it is known done
-        self.dead = False  # its data may no longer be read (token retired); evict first
-        # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this
-        # fill is done, so a peer can tell how much host traffic is still ahead of it. Else None.
-        self.fill_mark = None
+    key: Hashable
+    device: int  # worker index of the holder
+    offset: int  # heap offset of the tile (column-major, ld = rows)
+    nbytes: int
+    rows: int
+    cols: int
+    readers: int = 0
+    ready: Any = None  # event that ends the copy filling the line; None once it is known done
+    dead: bool = False  # its data may no longer be read (token retired); evict first
+    # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this
+    # fill is done, so a peer can tell how much host traffic is still ahead of it. Else None.
+    fill_mark: int | None = None
 
     def __repr__(self) -> str:
         return f"Line({self.key!r} on {self.device} @{self.offset} readers={self.readers})"

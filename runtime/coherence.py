@@ -1,16 +1,12 @@
 """The L2 tile cache: a MESI-X directory over every device's L1 (Fig. 3).
 
-A tile is **I** (no device holds it: loaded from its home), **E** (one holder: a second device
-copies it over the peer link, an L2 hit), **S** (several: a reader picks any ready holder it can
-reach) or **M** (just written: written back at once and I again, or kept as a clean E line by
-routines that read their own output, such as TRSM).
-
-Inputs are never written during a call, so nothing is invalidated inside one. Across calls a tile
-key starts with a never-reused *token* naming the operand for one call (writable host arrays,
-device arrays) or for a read-only array's life; retired tokens mark their lines dead, evicted first.
-
-One lock guards the directory and every ALRU's metadata (presence, reader counts, ready events);
-no device call is made while holding it.
+A tile is **I** (no holder: loaded from its home), **E** (one holder: others copy it over the peer
+link, an L2 hit), **S** (several: a reader picks any ready holder it can reach) or **M** (just
+written: written back at once and I again, or kept as a clean E line when the routine reads its
+own output, as TRSM). Inputs are never written during a call, so nothing is invalidated inside one;
+across calls, tile keys start with never-reused tokens (engine invariant 3), and retired tokens mark
+their lines dead, evicted first. One lock guards the directory and every ALRU's metadata; no device
+call is made while holding it.
 """
 
 from __future__ import annotations

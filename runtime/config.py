@@ -102,11 +102,6 @@ def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
     return tuple(out.items())
 
 
-def _finite_size(v: str) -> float:
-    x = parse_size(v)
-    return x if x != float("inf") else float("nan")
-
-
 #: Each sim option's check (True, or ValueError, when good) and what it allows (None: not spelled out).
 _SIM_RULES = {
     **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: not float(v) <= 0, None)),
@@ -120,21 +115,11 @@ _SIM_RULES = {
             f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9"),
     "dilate": (lambda v: float(v) > 0 and float(v) != float("inf"), "a number > 0"),
     "issue": (lambda v: 0 <= float(v) < 1, "seconds, at least 0 and below 1, e.g. 2e-5"),
-    "host": (lambda v: _finite_size(v) > 0, "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10"),
+    "host": (lambda v: 0 < parse_size(v) < float("inf"), "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10"),
     "hostgroup": (lambda v: int(v) >= 1, "an int >= 1"),
     "krate": (lambda v: parse_krate(v) is not None,
               f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}"),
 }
-
-
-def _check_timing_combination(options: dict, spec: str) -> None:
-    if "timing" in options and "data" in options and options["timing"] == options["data"]:
-        raise ValueError(f"devices: sim options timing={options['timing']} and data={options['data']} "
-                         f"contradict each other in {spec!r}; timing=1 is data=0 (give one of them)")
-    for k in ("hostgroup", "hostduplex"):
-        if k in options and "host" not in options:
-            raise ValueError(f"devices: sim option {k}={options[k]} in {spec!r} needs host=BYTES_PER_S "
-                             f"(the shared host cap it shapes)")
 
 
 def _check_sim_options(options: dict, spec: str) -> None:
@@ -149,7 +134,13 @@ def _check_sim_options(options: dict, spec: str) -> None:
         if not ok:
             raise ValueError(f"devices: bad value {v!r} for sim option {k!r} in {spec!r}"
                              + (f"; allowed: {allowed}" if allowed else ""))
-    _check_timing_combination(options, spec)
+    if "timing" in options and "data" in options and options["timing"] == options["data"]:
+        raise ValueError(f"devices: sim options timing={options['timing']} and data={options['data']} "
+                         f"contradict each other in {spec!r}; timing=1 is data=0 (give one of them)")
+    for k in ("hostgroup", "hostduplex"):
+        if k in options and "host" not in options:
+            raise ValueError(f"devices: sim option {k}={options[k]} in {spec!r} needs host=BYTES_PER_S "
+                             f"(the shared host cap it shapes)")
 
 
 def sim_factors(spec: DeviceSpec) -> list[float]:
@@ -183,9 +174,8 @@ class SimSettings:
 def sim_settings(spec: DeviceSpec) -> SimSettings:
     """Typed timing-mode and host-link options of a parsed sim spec."""
     o = spec.options
-    timing = o.get("timing") == "1" or o.get("data") == "0"
     return SimSettings(
-        timing=timing,
+        timing=o.get("timing") == "1" or o.get("data") == "0",
         mem=int(parse_size(o["mem"])) if "mem" in o else None,
         dilate=float(o.get("dilate", 1.0)),
         issue=float(o.get("issue", 0.0)),

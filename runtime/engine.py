@@ -366,7 +366,7 @@ class Engine:
                 self._take_back(call)
                 if call.wait(SWEEP_POLL):
                     return
-                held = self._held_tids(call)
+                held = {t.tid for w in self.workers for t in w.held_snapshot() if t.call is call}
                 now = {t.tid for t in call.unaccounted() if t.tid not in held}
                 for t in call.tasks:
                     if t.tid in now and t.tid in lost:
@@ -384,13 +384,6 @@ class Engine:
         for st in self.stations:
             for t in st.remove_if(mine):
                 call.account(t)
-
-    def _held_tids(self, call: Call) -> set:
-        """Tids of ``call``'s tasks that some worker holds (station, stream, pending event, CPU)."""
-        held: set = set()
-        for w in self.workers:
-            held.update(t.tid for t in w.held_snapshot() if t.call is call)
-        return held
 
     @property
     def dead(self) -> bool:
@@ -439,28 +432,28 @@ class Engine:
             self.failures.append((worker.dev.name, exc))
             for task, writeback_issued in held:
                 call = task.call
+                err = None
                 if call.failed:
-                    call.account(task)
+                    pass
                 elif writeback_issued and _reads_own_tile(task):
-                    self._fail_call(call, DeviceError(
-                        f"{worker.dev.name} failed while writing back tile {task.c[1:3]} of {call.name}; "
-                        f"the task reads that tile (beta != 0, or in place), so it cannot be recomputed "
-                        f"safely from a partly written tile: {exc!r}"), exc)
-                    call.account(task)
+                    err = (f"{worker.dev.name} failed while writing back tile {task.c[1:3]} of {call.name}; "
+                           f"the task reads that tile (beta != 0, or in place), so it cannot be recomputed "
+                           f"safely from a partly written tile: {exc!r}")
                 elif not call.recompute_safe(task):
-                    self._fail_call(call, DeviceError(
-                        f"{worker.dev.name} failed before finishing tile {task.c[1:3]} of {call.name}, whose old "
-                        f"tiles have since been overwritten in place (its computed result let them be), so it "
-                        f"cannot be recomputed: {exc!r}"), exc)
-                    call.account(task)
+                    err = (f"{worker.dev.name} failed before finishing tile {task.c[1:3]} of {call.name}, whose "
+                           f"old tiles have since been overwritten in place (its computed result let them be), so "
+                           f"it cannot be recomputed: {exc!r}")
                 elif not self._runnable(call):
-                    self._fail_call(call, DeviceError(self._unrunnable_message(call)), exc)
-                    call.account(task)
+                    err = self._unrunnable_message(call)
                 else:
                     # In front: later tasks of the call may depend on it (TRSM).
                     task.worker = -1
                     call.unstarted(task)
                     self.queue_of(call).put_front(task)
+                    continue
+                if err is not None:
+                    self._fail_call(call, DeviceError(err), exc)
+                call.account(task)
         self._fail_unrunnable()
         self._poke()
 

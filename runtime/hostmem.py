@@ -1,21 +1,21 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
 Pageable copies are staged by the driver and overlap nothing, so blasx page-locks host operands in
-place (``cudaHostRegister``, portable): the buffer of an array's root (the ndarray owning the memory)
-is registered once, while that root lives (a finalizer, or ``release``, unregisters it); memory
-already pinned by others is used as is and never unregistered; only roots of at least
-``MIN_REGISTER_BYTES`` that own their memory are registered, and only the pages wholly inside them
-(glibc may put other arrays in the same page). Smaller arrays are copied as pageable memory.
+place (``cudaHostRegister``, portable): an array's root (the ndarray owning the memory) is
+registered once while it lives (a finalizer, or ``release``, unregisters it). Memory pinned by
+others is used as is; only roots of at least ``MIN_REGISTER_BYTES`` that own their memory are
+registered, and only the pages wholly inside them; smaller arrays are copied as pageable memory.
 
-**Registration runs beside the call**: it is about as slow as a pass over the data, so a root is cut
-into ``CHUNK_BYTES`` chunks that one thread per call registers in the order the call will need them
-(the operands round-robin, each in address order); a tile copy waits only for the chunks it touches
-(``Pinning.pieces``). CUDA refuses a copy over a partly registered range, so a copy is split at
-every region boundary (``split_2d``); a chunk whose registration failed is copied as pageable memory.
+Registration is about as slow as a pass over the data, so it runs beside the call: one thread per
+call registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only
+for the chunks it touches (``Pinning.pieces``), split at chunk boundaries (``split_2d``: CUDA
+refuses a copy over a partly registered range); a chunk that failed is copied as pageable memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
 import weakref
@@ -42,10 +42,8 @@ def chunk_spans(start: int, end: int, chunk: int = CHUNK_BYTES) -> list[tuple[in
 
 def round_robin(lists) -> list:
     """Items of the lists interleaved: the first of each, then the second of each, ..."""
-    out, longest = [], max((len(x) for x in lists), default=0)
-    for i in range(longest):
-        out += [x[i] for x in lists if i < len(x)]
-    return out
+    gap = object()
+    return [x for row in itertools.zip_longest(*lists, fillvalue=gap) for x in row if x is not gap]
 
 
 def split_2d(ptr: int, pitch: int, width: int, cols: int, cuts) -> list[tuple[int, int, int, int]]:
@@ -133,7 +131,6 @@ class RegistrationCache:
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self.registered_bytes = 0
-        self.seconds = 0.0  # spent in cudaHostRegister, all threads
 
     def pin(self, arrays) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands, chunks round-robin in address order
@@ -181,15 +178,13 @@ class RegistrationCache:
         try:
             from cupy.cuda import runtime
             start, end = p.chunks[i]
-            t0 = time.perf_counter()
             try:
                 runtime.hostRegister(start, end - start, HOST_REGISTER_PORTABLE)
                 p.ok[i] = True
             except runtime.CUDARuntimeError:  # already registered by others, or no lockable memory: pageable
                 p.ok[i] = False
-            with self._lock:
-                self.seconds += time.perf_counter() - t0
-                if p.ok[i]:
+            if p.ok[i]:
+                with self._lock:
                     self.registered_bytes += end - start
         finally:
             p.ready[i].set()
@@ -212,13 +207,11 @@ class RegistrationCache:
                 return
             del self._ours[key]
             self.registered_bytes -= p.pinned_bytes
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone already
             from cupy.cuda import runtime
             for (start, _), ok in zip(p.chunks, p.ok):
                 if ok:
                     runtime.hostUnregister(start)
-        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone already
-            pass
 
     def describe(self, lo: int, hi: int) -> str:
         """Why a copy from host bytes [lo, hi) may have been refused: their pinned state and the

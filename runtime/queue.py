@@ -50,10 +50,7 @@ class TaskQueue(Generic[T]):
         Not on the hot path; it drains and refills, so items keep their order.
         """
         kept, taken = [], []
-        while True:
-            item = self.get()
-            if item is None:
-                break
+        while (item := self.get()) is not None:
             (taken if pred(item) else kept).append(item)
         # Anything put meanwhile went to the back; put the survivors in front of it.
         self._items.extendleft(reversed(kept))

@@ -92,16 +92,8 @@ class ReservationStation:
 
 
 def most_loaded(stations: Iterable[ReservationStation], exclude: int) -> ReservationStation | None:
-    """The station holding the most waiting work (flops), other than ``exclude``'s (steal target).
-
-    Tasks carry their real workload, so a station with two heavy tasks outweighs
-    one with three light ones.
-    """
-    best, load = None, 0.0
-    for st in stations:
-        if st.owner == exclude:
-            continue
-        w = st.load()
-        if w > load:
-            best, load = st, w
-    return best
+    """The station holding the most waiting work (flops, so two heavy tasks outweigh three light
+    ones), other than ``exclude``'s: the steal target; None when none holds any."""
+    load, best = max(((st.load(), st) for st in stations if st.owner != exclude), key=lambda x: x[0],
+                     default=(0.0, None))
+    return best if load > 0 else None

@@ -81,13 +81,7 @@ class Task:
 
     def input_tiles(self) -> list[TileRef]:
         """Every A/B tile the task reads, in step order (for Eq. 3 priorities)."""
-        out = []
-        for s in self.steps:
-            if s.a is not None:
-                out.append(s.a)
-            if s.b is not None:
-                out.append(s.b)
-        return out
+        return [t for s in self.steps for t in (s.a, s.b) if t is not None]
 
 
 def rotated_steps(steps: tuple[Step, ...], start: int) -> tuple[Step, ...]:

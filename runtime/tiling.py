@@ -1,14 +1,8 @@
-"""Virtual tiling of column-major matrices (the paper's Section III-A).
+"""Virtual tiling of column-major matrices (the paper's Section III-A): pure integer arithmetic.
 
-Everything here is pure integer arithmetic on shapes: no array is touched.
-The front end first brings every operand into *canonical* form, a column-major
-view: a C-ordered ``(m, n)`` array is the column-major ``(n, m)`` matrix, its
-transpose. A stored matrix of ``rows x cols`` is cut into ``T x T`` tiles,
-edge tiles being smaller. ``op(A)`` tile ``(i, k)`` is the stored tile
-``(i, k)`` when ``op`` is N and the stored tile ``(k, i)`` when it is T or C:
-the transpose trick of Section III-C, where the kernel transposes the tile.
-
-Offsets are Python ints, so they are 64-bit (and beyond) by construction.
+Operands come in canonical (column-major) form; a stored ``rows x cols`` matrix is cut into
+``T x T`` tiles, edge tiles smaller. ``op(A)`` tile ``(i, k)`` is the stored tile ``(i, k)`` for
+op N and ``(k, i)`` for T or C: the kernel transposes the tile (Section III-C).
 """
 
 from __future__ import annotations
@@ -55,6 +49,11 @@ def op_tile(slot: int, op: int, i: int, k: int, stored_rows: int, stored_cols: i
     if op == OP_N:
         return tile_ref(slot, i, k, stored_rows, stored_cols, tile)
     return tile_ref(slot, k, i, stored_rows, stored_cols, tile)
+
+
+def effective_lower(lower: int, op: int) -> bool:
+    """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
+    return bool(lower) != (op != OP_N)
 
 
 def element_offset(r: int, c: int, ld: int) -> int:

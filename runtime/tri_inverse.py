@@ -1,24 +1,22 @@
-"""In-place inversion of one triangular tile by recursive blocking (the TRSM diagonal step).
+"""In-place inversion of one triangular tile by recursive blocking (TRSM's inversion tasks).
 
-With each diagonal block's inverse computed once per call (an inversion task of
-``plans.plan_trsm(inverse=True)``), every diagonal solve becomes a multiply, ``op(A_ii)^-1 B =
-op(A_ii^-1) B``, which GPUs run much faster than a solve (MAGMA's trsm does the same). The inverse
-is built in place in a copy of the stored triangle:
+With each diagonal block inverted once per call (``plans.plan_trsm(inverse=True)``), every diagonal
+solve becomes a multiply, which GPUs run much faster (as MAGMA's trsm does). In a copy of the
+stored triangle:
 
     lower:  [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]]
     upper:  [[U11, U12], [0, U22]]^-1 = [[X11, -X11 U12 X22], [0, X22]]
 
-(invert one half, multiply the off-diagonal block by it, invert the other, multiply with alpha -1);
-blocks of at most ``leaf`` are inverted directly. Only the stored triangle is read and written
-(``diag`` as given); a leaf may overwrite the rest of its block, so the buffer is scratch.
-
-Pure: :func:`tri_inverse_ops` returns the operations as tuples, in order; a backend runs them
-with its kernels, the tests with numpy against ``numpy.linalg.inv``.
+down to blocks of at most ``leaf``, inverted directly. Only the stored triangle is read and written
+(``diag`` as given), but a leaf may overwrite the rest of its block: the buffer is scratch. Pure: :func:`tri_inverse_ops` lists the operations in order; a backend
+runs them with its kernels, the tests with numpy against ``numpy.linalg.inv``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from .trsm_blocks import split
 
 
 class Leaf(NamedTuple):
@@ -54,10 +52,7 @@ def tri_inverse_ops(size: int, lower: int, leaf: int) -> list:
         if hi - lo <= leaf:
             ops.append(Leaf(lo, hi - lo))
             return
-        half = (hi - lo) // 2
-        if half >= leaf:
-            half -= half % leaf
-        h = lo + half
+        h = split(lo, hi, leaf)
         if lower:  # W21 = -X22 (L21 X11)
             blk = (h, lo, hi - h, h - lo)
             invert(lo, h)

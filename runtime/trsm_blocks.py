@@ -1,23 +1,20 @@
 """Recursive blocking of one triangular-solve tile (the TRSM diagonal step).
 
-Splitting the triangle in two,
+Splitting the triangle in two (mirrored for upper and for the right side), down to ``leaf``,
 
     left, op(A) lower:   X1 = op(A)11^-1 alpha B1;  B2 = alpha B2 - op(A)21 X1;  X2 = op(A)22^-1 B2
 
-(mirrored for upper and for the right side), down to ``leaf``, turns all but 1/2^depth of the flops
-into GEMMs, which GPUs run faster than solves: the reference BLAS's blocked algorithm (no inverse).
-
-Pure: :func:`trsm_tile_ops` returns the sub-operations as tuples, in order; a backend runs them with
-its kernels, the tests with numpy against scipy. ``A`` is the stored triangle (``size`` = m for side
-0, n for side 1), ``B`` the m x n right-hand side, overwritten by X; an op(A) block is named by
-op-coordinates ``(r0, c0, rows, cols)`` (:func:`stored_block` maps it to the stored block).
+turns all but 1/2^depth of the flops into GEMMs, which GPUs run faster than solves. Pure:
+:func:`trsm_tile_ops` lists the sub-operations in order; ``A`` is the stored triangle, ``B`` the
+m x n right-hand side, overwritten by X; op(A) blocks are in op-coordinates ``(r0, c0, rows, cols)``
+(:func:`stored_block` maps them to stored blocks).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-OP_N = 0
+from .tiling import OP_N, effective_lower
 
 
 class Solve(NamedTuple):
@@ -42,15 +39,16 @@ class Update(NamedTuple):
     first: bool
 
 
-def effective_lower(lower: int, op: int) -> bool:
-    """op(A) is lower triangular."""
-    return bool(lower) != (op != OP_N)
-
-
 def stored_block(a: tuple[int, int, int, int], op: int) -> tuple[int, int, int, int]:
     """The stored block (r0, c0, rows, cols) holding op(A)'s block ``a``; apply ``op`` to it."""
     r0, c0, rows, cols = a
     return a if op == OP_N else (c0, r0, cols, rows)
+
+
+def split(lo: int, hi: int, leaf: int) -> int:
+    """Where [lo, hi) is halved: at a multiple of ``leaf`` from lo when the size allows, else the middle."""
+    half = (hi - lo) // 2
+    return lo + (half - half % leaf if half >= leaf else half)
 
 
 def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> list:
@@ -65,12 +63,6 @@ def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> 
     lower_op = effective_lower(lower, op)
     ops: list = []
 
-    def split(lo: int, hi: int) -> int:
-        half = (hi - lo) // 2
-        if half >= leaf:
-            half -= half % leaf
-        return lo + half
-
     def b_rows(lo, hi):  # the part of B a solve of op(A)[lo:hi, lo:hi] touches
         return (lo, 0, hi - lo, n) if side == 0 else (0, lo, m, hi - lo)
 
@@ -79,17 +71,16 @@ def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> 
             r0, c0, rows, cols = b_rows(lo, hi)
             ops.append(Solve(lo, hi - lo, r0, c0, rows, cols, first))
             return
-        h = split(lo, hi)
+        h = split(lo, hi, leaf)
         # Forward when the solved part comes first in the product order: left/lower, right/upper.
         forward = lower_op if side == 0 else not lower_op
         done, rest = ((lo, h), (h, hi)) if forward else ((h, hi), (lo, h))
         solve(*done, first)
         if side == 0:  # B_rest -= op(A)[rest, done] X_done
             a = (rest[0], done[0], rest[1] - rest[0], done[1] - done[0])
-            ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
         else:  # B_rest -= X_done op(A)[done, rest]
             a = (done[0], rest[0], done[1] - done[0], rest[1] - rest[0])
-            ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
+        ops.append(Update(a, b_rows(*done), b_rows(*rest), first))
         solve(*rest, False)
 
     if size:

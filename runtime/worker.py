@@ -1,23 +1,17 @@
-"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for a stream device.
+"""The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for ``cuda`` and ``sim`` devices.
 
-One thread per device; :class:`StreamWorker` drives ``cuda`` and ``sim`` alike (the shared queue
-side is :mod:`.worker_base`, the assign step :mod:`.assign`, the in-flight records :mod:`.inflight`,
-the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's design doc:
+One thread per device (the queue side is :mod:`.worker_base`, the assign step :mod:`.assign`, the
+in-flight records :mod:`.inflight`, the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's
+design doc: **retire** what completed events end (reader counts, ready lines, buffers, tasks done);
+**fill** the reservation station from the queues, or steal; **assign** each free stream the
+station's best task (Eq. 3) within ``2 * streams`` tasks in flight (and ``Knobs.commit_steps``);
+**issue** one k-step of every active task, round robin: acquire A and B through the cache (L1 hit,
+L2 peer copy or host load), launch the kernel, record one event; after the last step, epilogue,
+write-back (M -> I) and the task's completion event.
 
-1. **retire**: at each completed event, lower reader counts, mark loaded lines ready, free
-   buffers, count tasks done;
-2. **fill**: top up the reservation station from the queues, or steal from the most loaded one;
-3. **assign**: give each free stream the station's best task (Eq. 3) while at most
-   ``2 * streams`` tasks are in flight (and, with ``Knobs.commit_steps``, the committed flops
-   stay under that many full steps): the paper's demand-driven balance;
-4. **issue**: one k-step of every active task, round robin over the streams: acquire A and B
-   through the cache (L1 hit, L2 peer copy or host load), launch the kernel, record one event;
-   an ``OUT_OF_PLACE`` kernel writes a fresh block that becomes C (``Knobs.invmm_new_block``).
-   After the last step: epilogue, write-back (M -> I) and the task's completion event.
-
-Only allocation blocks, when every line is busy (it waits for this device's oldest event or for
-peers' readers). An error of one call fails that call alone (:meth:`StreamWorker._drop_task`);
-a device error ends in :meth:`Worker.fail`, which hands the unfinished tasks to the engine.
+Only allocation blocks, when every line is busy. An error of one call fails that call alone
+(:meth:`StreamWorker._drop_task`); a device error ends in :meth:`Worker.fail`, which hands the
+unfinished tasks to the engine.
 """
 
 from __future__ import annotations
@@ -205,28 +199,28 @@ class StreamWorker(StreamAssign, Worker):
         """End the task on stream ``s`` after an error of its call: the call fails (so its other
         tasks stop too), what this step had issued is completed (fills flushed) and its lines and
         buffers are released at an event after it; the task is accounted at that event."""
-        task, dev = act.task, self.dev
         exc.blasx_traceback = traceback.format_exc()
-        task.call.fail(exc)
+        act.task.call.fail(exc)
         if work.fills:
             self._flush(s, work.fills)
+        self._stop_task(s, act, tuple(work.release), tuple(work.extra))
+
+    def _stop_task(self, s: int, act: _Active, release: tuple = (), extra: tuple = ()) -> None:
+        """Take the task off stream ``s``: its lines and buffers are released, and it is accounted,
+        at an event after what was issued (a C or late-C copy may still be filling a buffer)."""
+        dev = self.dev
         self.slots[s] = None
-        h2d = dev.record(dev.h2d_stream)  # a C or late-C copy may still be filling a buffer
+        h2d = dev.record(dev.h2d_stream)
         self._push(dev.h2d_stream, h2d)
         dev.wait(s, h2d)
-        self._push(s, dev.record(s), release=tuple(work.release), free=act.buffers() + tuple(work.extra),
-                   task=task, finished=True)
+        self._push(s, dev.record(s), release=release, free=act.buffers() + extra, task=act.task, finished=True)
 
     def _issue(self, s: int, act: _Active, work: "_StepWork") -> bool:
         task = act.task
         call = task.call
         dev = self.dev
         if call.failed:  # stop early; free the buffers once the issued work is done
-            self.slots[s] = None
-            h2d = dev.record(dev.h2d_stream)  # a late-C copy may still be filling a buffer
-            self._push(dev.h2d_stream, h2d)
-            dev.wait(s, h2d)
-            self._push(s, dev.record(s), free=act.buffers(), task=task, finished=True)
+            self._stop_task(s, act)
             return True
         nsteps = len(act.steps)
         if task.gates and not call.gate_open(task, act.k):
@@ -319,11 +313,10 @@ class StreamWorker(StreamAssign, Worker):
         free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
             # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
+            # One reader: its kernel and write-back are still queued, so it is not evictable until ev.
             ref = task.c
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
-                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols)
-            line.ready = ev
-            line.readers = 1  # its kernel and write-back are still queued: not evictable until ev
+                        call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols, readers=1, ready=ev)
             with self.directory.lock:
                 if self.alru.peek(line.key) is None:
                     self.directory.add(line)
@@ -456,27 +449,22 @@ class StreamWorker(StreamAssign, Worker):
             release.append(line)
             row["l1_hits"] += 1
             return _loc(dev, line.offset, call, ref.slot, line.rows, line.cols)
+        off = None
         try:
             nbytes = call.tile_nbytes(ref.slot, ref.rows, ref.cols)
             off = self._alloc(nbytes, call)
-        except BaseException:
-            if peer_line is not None:
-                with directory.lock:
-                    peer_line.readers -= 1
-            raise
-        loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
-        try:
+            loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
             cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
         except BaseException:
-            dev.heap.free(off)  # nothing was queued into it
+            if off is not None:
+                dev.heap.free(off)  # nothing was queued into it
             if peer_line is not None:
                 with directory.lock:
                     peer_line.readers -= 1
             raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
-        new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols)
-        new.readers = 1
-        new.ready = FILLING  # until _flush records the fill event; only this thread sees it meanwhile
+        # FILLING until _flush records the fill event; only this thread sees it meanwhile
+        new = Line(key, self.idx, off, nbytes, ref.rows, ref.cols, readers=1, ready=FILLING)
         with directory.lock:
             directory.add(new)
         release.append(new)

@@ -3,6 +3,7 @@ queues, the fair share of small calls, work stealing, the thread's lifecycle and
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import traceback
 
@@ -128,10 +129,8 @@ class Worker(threading.Thread):
             exc.blasx_traceback = traceback.format_exc()
             self.fail(exc)
         finally:
-            try:
+            with contextlib.suppress(BaseException):  # closing a broken device may fail too
                 self.dev.close()
-            except BaseException:  # noqa: BLE001 - closing a broken device may fail too
-                pass
 
     def _work_waiting(self) -> bool:
         """True if a queue this worker serves holds a task this worker would take now, and the

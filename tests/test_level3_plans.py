@@ -224,16 +224,9 @@ def test_trmm_order_hand_computed():
     # left, lower op(A) (upper stored, transposed): the bottom row first; edge tiles count as tiles
     assert trmm_levels(7, 5, 3, 0, 0, OP_T) == [2, 1, 0]
     assert trmm_order(7, 5, 3, 0, 0, OP_T, "wave") == [(2, 0), (1, 0), (2, 1), (0, 0), (1, 1), (0, 1)]
-    assert trmm_order(7, 5, 3, 0, 0, OP_T, "lines") == [(2, 0), (1, 0), (0, 0), (2, 1), (1, 1), (0, 1)]
-    assert trmm_order(7, 5, 3, 0, 0, OP_T, "bands2") == [(2, 0), (1, 0), (2, 1), (1, 1), (0, 0), (0, 1)]
-    # wave2: a line starts 2 levels after the previous one; lines2: 2 lines at a time, by level
+    # wave2: a line starts 2 levels after the previous one
     assert trmm_order(9, 9, 3, 0, 0, OP_N, "wave2") == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
                                                         (0, 2), (1, 2), (2, 2)]
-    assert trmm_order(9, 9, 3, 0, 0, OP_N, "lines2") == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
-                                                         (0, 2), (1, 2), (2, 2)]
-    # work4: depths weighted by their steps (3, 2, 1 of 6): line l starts 1.5 steps after line l - 1
-    assert trmm_order(9, 9, 3, 0, 0, OP_N, "work4") == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0),
-                                                        (1, 2), (2, 1), (2, 2)]
 
 
 def test_trmm_order_auto():
@@ -280,13 +273,14 @@ def test_plan_trmm_gemm_steps_rotate_after_the_diagonal_step():
     assert all(s.beta == SC_ONE for s in rotated[1:])
 
 
-@pytest.mark.parametrize("order", ["wave-1", "wave0", "lines1.5", "bands", "work", "levels2", "auto3", "zigzag", ""])
+@pytest.mark.parametrize("order", ["wave-1", "wave0", "blocks1.5", "lines", "bands3", "work4", "levels2", "auto3",
+                                   "zigzag", ""])
 def test_trmm_order_rejects_bad_names(order, expect):
-    expect(ValueError, "order:", repr(order), "allowed: auto, levels, wave[S], lines[Q]",
+    expect(ValueError, "order:", repr(order), "allowed: auto, levels, wave[S], blocks[B]",
            call=lambda: plan_trmm(8, 8, 2, 0, 0, OP_N, 0, in_place=True, order=order))
 
 
-@pytest.mark.parametrize("order", ["auto", "levels", "wave", "wave2", "wave0.5", "lines", "lines2", "work4", "bands3"])
+@pytest.mark.parametrize("order", ["auto", "levels", "wave", "wave2", "wave0.5", "blocks", "blocks3"])
 @pytest.mark.parametrize("m,n,T", [(9, 5, 4), (4, 13, 4), (13, 13, 3), (17, 11, 2)])
 def test_plan_trmm_in_place_every_reader_precedes_the_writer(m, n, T, order):
     for side, lower, op in itertools.product((0, 1), (0, 1), (OP_N, OP_T, OP_C)):

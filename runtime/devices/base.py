@@ -1,21 +1,17 @@
 """The device contract: a shared base, a stream protocol, a host protocol, and a registry.
 
-A backend is either a :class:`StreamDevice` (``cuda``, ``sim``: own memory and streams, driven
-by :class:`~blasx.runtime.worker.StreamWorker`) or a :class:`HostDevice` (``cpu``: computes a
-whole task in the host operands, driven by :class:`~blasx.runtime.worker.CpuWorker` or inline by
-the engine). The scheduler never looks inside a backend; it calls these hooks from the device's
-own worker thread (``open``/``close`` too, so CUDA contexts and handles bind to that thread), except
-``prepare_call``/``finish_call``, which run on the calling thread.
-
-Locations (``Loc``) and events are opaque to the scheduler: a stream device makes Locs with
-``arena_loc`` (a heap block of its arena, column-major with ``ld = rows``) or ``array_loc`` (a tile
-of an operand already in its memory) and gets them back in ``copy_in``/``copy_out``/``run_step``.
-``done`` and ``sync`` raise :class:`DeviceError` once the device is broken, so a worker never
-waits forever on a dead device. Backends register by ``kind`` (:func:`register_backend`).
+A backend is a :class:`StreamDevice` (``cuda``, ``sim``: own memory and streams, driven by
+:class:`~blasx.runtime.worker.StreamWorker`) or a :class:`HostDevice` (``cpu``: whole tasks in the
+host operands, driven by :class:`~blasx.runtime.worker.CpuWorker` or inline by the engine). Hooks
+run on the device's worker thread (``open``/``close`` too, so CUDA contexts bind to it), except
+``prepare_call``/``finish_call``, on the calling thread. Locations (``Loc``, from ``arena_loc`` or
+``array_loc``) and events are opaque to the scheduler; ``done`` and ``sync`` raise
+:class:`DeviceError` once the device is broken, so no worker waits forever on a dead device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -106,12 +102,9 @@ class Device(ABC):
 
     def bind_thread(self, core: int | None) -> None:
         """Pin the calling worker thread to a core (Algorithm 1, line 9) where possible."""
-        if core is None or not hasattr(os, "sched_setaffinity"):
-            return
-        try:
-            os.sched_setaffinity(0, {core})
-        except OSError:
-            pass  # fewer cores than workers, or a restricted cpuset: run unpinned
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):  # fewer cores than workers, or a restricted cpuset: unpinned
+                os.sched_setaffinity(0, {core})
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

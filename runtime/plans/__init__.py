@@ -4,33 +4,23 @@ Each planner is a pure function of shapes and flags returning the call's tasks, 
 in canonical (column-major) form: ``tile`` is T (edge tiles smaller); ``lower`` names the *stored*
 triangle read (A of SYMM/HEMM, TRMM, TRSM) or written (C of SYRK/HERK/SYR2K/HER2K), 1 lower, 0 upper;
 ``op`` is 0 N, 1 T, 2 C; ``alpha_zero``/``beta_zero`` follow BLAS (A, B or C are then not read).
-
-Operand slots: symm 0 A, 1 B, 2 C; syrk 0 A, 1 C; syr2k 0 A, 1 B, 2 C; trmm 0 A, 1 B (read only),
-2 C (B itself with ``in_place``); trsm 0 A, 1 B (each task's initial C), 2 X (may be B), and with
-``inverse`` 3 V (scratch: inverses of A's diagonal blocks, ``inverse_ref``).
-
-Diagonal tiles run the matching tile kernel (``devices/numpy_kernels.py`` has the contract); every
-other contribution is a ``gemm`` step on a *stored* tile, the mirror tile (k, i) with op T (C when
-Hermitian) standing for (i, k). A task's ``flops`` sums its steps' (``call.STEP_FLOPS``; complex x4).
+Operand slots are in ``common.py``. Diagonal tiles run the matching tile kernel
+(``devices/numpy_kernels.py``); every other contribution is a ``gemm`` step on a *stored* tile, the
+mirror tile (k, i) with op T (C when Hermitian) standing for (i, k). A task's ``flops`` sums its
+steps' (``call.STEP_FLOPS``; complex x4).
 
 Scheduling flags:
 
-* ``rotatable``: every step is a full-tile accumulation. Not so for diagonal tiles of the
-  triangle-only routines (the late-C fold would clobber the kept triangle); TRMM rotates its gemm
-  steps only (``fixed=1``: the diagonal step initialises C).
-* A partly written C tile has ``load_c=True`` even with ``beta == 0`` (the untouched triangle is
+* ``rotatable``: every step is a full-tile accumulation; not for diagonal tiles of the triangle-only
+  routines (the late-C fold would clobber the kept triangle); TRMM rotates its gemm steps only.
+* A partly written C tile has ``load_c=True`` even with ``beta == 0`` (its untouched triangle is
   written back as loaded); its kernels still get ``SC_ZERO``.
-* TRSM tasks ``deps`` on the tasks solving the X tiles they read (kept cached: ``keep_c``), start
-  from B's tile (``c_init``) and are listed level by level, so ready work comes first.
-* In-place TRMM tasks have the mirror ``deps`` (write after read: ``Task.war``); B's block columns
-  (side 0) or rows (side 1) are independent lines, listed as a wave (``trmm_order``) so B is loaded
-  one line per level.
-* Both carry ``gates`` (``Task``): TRSM's step k waits only for the X tile it reads, TRMM's
-  write-back alone waits, so tasks overlap with those they depend on.
-* TRSM with ``inverse``: one task per diagonal block inverts A's triangle (``trtri``, into V, kept
-  cached, read by other devices over L2) and each diagonal solve becomes a multiply by it
-  (``invmm``, faster than the solve on GPUs). Inversions are listed two levels ahead of their users;
-  the first level keeps trsm steps.
+* TRSM tasks ``deps`` on the tasks solving the X tiles they read (``keep_c``), start from B's tile
+  (``c_init``) and are listed level by level; in-place TRMM tasks have the mirror ``deps`` (write
+  after read: ``Task.war``), listed by ``trmm_order``. Both carry ``gates``: TRSM's step k waits
+  only for the X tile it reads, TRMM's write-back alone waits.
+* TRSM with ``inverse``: one task per diagonal block inverts A's triangle (``trtri``, into V) and
+  each diagonal solve becomes a multiply by it (``invmm``), listed two levels ahead of its users.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ from ..call import STEP_FLOPS
 from ..tasks import SC_ALPHA, SC_BETA, SC_ZERO, Step
 from ..tiling import OP_C, OP_N, OP_T
 
-# Operand slots, per routine (see the module docstring).
+# Operand slots, per routine. TRMM_C is B itself in place; TRSM_B is each task's initial C, TRSM_X may be
+# B, TRSM_V (with ``inverse``) the scratch inverses of A's diagonal blocks (``inverse_ref``).
 SYMM_A, SYMM_B, SYMM_C = 0, 1, 2
 SYRK_A, SYRK_C = 0, 1
 SYR2K_A, SYR2K_B, SYR2K_C = 0, 1, 2

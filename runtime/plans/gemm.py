@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, Task
-from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
+from ..tasks import SC_ALPHA, SC_ONE, Step, Task
+from ..tiling import OP_N, n_tiles, op_tile, tile_ref
+from .common import _first_beta, _scale, _width
 
 # Operand slots of the GEMM planner.
 SLOT_A, SLOT_B, SLOT_C = 0, 1, 2
@@ -14,60 +15,29 @@ def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
     return (8.0 if is_complex else 2.0) * m * n * k
 
 
-def plan_gemm(
-    m: int,
-    n: int,
-    k: int,
-    tile: int,
-    op_a: int,
-    op_b: int,
-    *,
-    alpha_zero: bool = False,
-    beta_zero: bool = True,
-    is_complex: bool = False,
-    block: tuple[int, int] = (1, 1),
-) -> list[Task]:
+def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_zero: bool = False,
+              beta_zero: bool = True, is_complex: bool = False, block: tuple[int, int] = (1, 1)) -> list[Task]:
     """Tasks of ``C = alpha op_a(A) op_b(B) + beta C`` in canonical (column-major) form.
 
-    ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``;
-    likewise ``B`` is ``k x n`` or ``n x k``. Tasks are listed C-tile row by row, so
-    tasks pulled one after another share a row panel of ``A`` (L1/L2 reuse).
-    With ``alpha == 0`` or ``k == 0`` the product is skipped and only
-    ``C = beta C`` remains (BLAS: A and B are not read); with ``beta == 0``
-    C is never read, so NaNs in C do not leak into the result.
-
-    ``block = (bm, bn)`` lists C tiles in blocks of bm x bn tiles (row-major
-    inside a block and across blocks): a device that pulls one block runs tasks
-    that share both A row panels and B column panels, so one round on it needs
-    bm + bn panels instead of 1 + n (see ``tile_order``).
+    ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``; likewise
+    ``B``. With ``alpha == 0`` or ``k == 0`` only ``C = beta C`` remains (A and B not read, as in
+    BLAS); with ``beta == 0`` C is never read, so NaNs in C do not leak into the result. Tasks are
+    listed by ``tile_order``: ``block = (bm, bn)`` lists C tiles in blocks of bm x bn tiles, so a
+    device that pulls one block shares A row panels and B column panels (bm + bn panels a round).
     """
     a_rows, a_cols = (m, k) if op_a == OP_N else (k, m)
     b_rows, b_cols = (k, n) if op_b == OP_N else (n, k)
     tm, tn, tk = n_tiles(m, tile), n_tiles(n, tile), n_tiles(k, tile)
-    skip_product = alpha_zero or k == 0
+    first = _first_beta(beta_zero)
     tasks: list[Task] = []
     for i, j in tile_order(tm, tn, block):
         c = tile_ref(SLOT_C, i, j, m, n, tile)
-        if skip_product:
-            steps = (Step("scale", None, None, OP_N, OP_N, c.rows, c.cols, 0, SC_ALPHA,
-                          SC_ZERO if beta_zero else SC_BETA),)
-            flops = 0.0
+        if alpha_zero or k == 0:
+            steps, flops = (_scale(c, first),), 0.0
         else:
-            steps = tuple(
-                Step(
-                    "gemm",
-                    op_tile(SLOT_A, op_a, i, kk, a_rows, a_cols, tile),
-                    _b_tile(op_b, kk, j, b_rows, b_cols, tile),
-                    op_a,
-                    op_b,
-                    c.rows,
-                    c.cols,
-                    min(tile, k - kk * tile),
-                    SC_ALPHA,
-                    (SC_ZERO if beta_zero else SC_BETA) if kk == 0 else SC_ONE,
-                )
-                for kk in range(tk)
-            )
+            steps = tuple(Step("gemm", op_tile(SLOT_A, op_a, i, kk, a_rows, a_cols, tile),
+                               op_tile(SLOT_B, op_b, kk, j, b_rows, b_cols, tile), op_a, op_b, c.rows, c.cols,
+                               _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE) for kk in range(tk))
             flops = gemm_flops(c.rows, c.cols, k, is_complex)
         tasks.append(Task(len(tasks), c, not beta_zero, steps, flops, rotatable=len(steps) > 1))
     return tasks
@@ -79,10 +49,3 @@ def tile_order(tm: int, tn: int, block: tuple[int, int] = (1, 1)) -> list[tuple[
     return [(i, j)
             for i0 in range(0, tm, bm) for j0 in range(0, tn, bn)
             for i in range(i0, min(i0 + bm, tm)) for j in range(j0, min(j0 + bn, tn))]
-
-
-def _b_tile(op_b: int, kk: int, j: int, b_rows: int, b_cols: int, tile: int) -> TileRef:
-    # op(B) tile (kk, j) is stored tile (kk, j) for N, (j, kk) for T/C.
-    if op_b == OP_N:
-        return tile_ref(SLOT_B, kk, j, b_rows, b_cols, tile)
-    return tile_ref(SLOT_B, j, kk, b_rows, b_cols, tile)

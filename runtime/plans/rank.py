@@ -14,9 +14,7 @@ def _triangle(tn: int, lower: int, block: tuple[int, int]) -> list[tuple[int, in
 
 def _rank_op(op: int, hermitian: bool) -> int:
     """The op applied to the second factor's stored tile: op(A)_jk^T (^H) in terms of stored tiles."""
-    if op == OP_N:
-        return _mirror_op(hermitian)
-    return OP_N
+    return _mirror_op(hermitian) if op == OP_N else OP_N
 
 
 def _rank_tile(slot: int, op: int, i: int, kk: int, n: int, k: int, tile: int):
@@ -80,18 +78,11 @@ def _plan_rank_k(n: int, k: int, tile: int, op: int, lower: int, kernel: str, c_
 def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
               alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
               block: tuple[int, int] = (1, 1)) -> list[Task]:
-    """Tasks of ``C = alpha op(A) op(A)^T + beta C`` (``hermitian``: ^H, real alpha, beta)
-    on the ``lower`` (else upper) triangle of the n x n C (Eq. 1b).
-
-    ``op(A)`` is n x k: A is stored n x k for op N, k x n for op T (SYRK) or C
-    (HERK). Only tiles of the triangle get tasks. A diagonal tile runs one
-    ``syrk``/``herk`` step per k tile on A's tile (load_c always: its other
-    triangle is written back as loaded; not rotatable); an off-diagonal tile
-    runs gemm steps ``op(A)_ik op(A)_jk^T``. With ``alpha == 0`` or ``k == 0``
-    diagonal tiles get one ``syrk``/``herk`` step with ``k == 0`` and no tile
-    (``C_tri = beta C_tri``; HERK also zeroes the diagonal's imaginary part), the
-    others a ``scale``.
-    """
+    """Tasks of ``C = alpha op(A) op(A)^T + beta C`` (``hermitian``: ^H, real alpha, beta) on the
+    ``lower`` (else upper) triangle of the n x n C (Eq. 1b); op(A) is n x k. Diagonal tiles run
+    ``syrk``/``herk`` steps, the others gemm steps ``op(A)_ik op(A)_jk^T`` (:func:`_plan_rank_k`);
+    with ``alpha == 0`` or ``k == 0`` the diagonal step has ``k == 0`` (HERK then also zeroes the
+    diagonal's imaginary part)."""
     return _plan_rank_k(n, k, tile, op, lower, "herk" if hermitian else "syrk", SYRK_C, (SYRK_A, None),
                         ((SYRK_A, SYRK_A, SC_ALPHA),), hermitian=hermitian, alpha_zero=alpha_zero,
                         beta_zero=beta_zero, is_complex=is_complex, block=block)
@@ -100,17 +91,10 @@ def plan_syrk(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool
 def plan_syr2k(n: int, k: int, tile: int, op: int, lower: int, *, hermitian: bool = False,
                alpha_zero: bool = False, beta_zero: bool = True, is_complex: bool = False,
                block: tuple[int, int] = (1, 1)) -> list[Task]:
-    """Tasks of ``C = alpha op(A) op(B)^T + alpha op(B) op(A)^T + beta C`` (Eq. 1e) on the
-    ``lower`` (else upper) triangle; ``hermitian``: ``alpha op(A) op(B)^H +
-    conj(alpha) op(B) op(A)^H``, beta real.
-
-    A and B have the same shape (n x k for op N, k x n for op T / C). A
-    diagonal tile runs one ``syr2k``/``her2k`` step per k tile (a = A's tile,
-    b = B's); an off-diagonal tile runs two gemm steps per k tile:
-    ``alpha op(A)_ik op(B)_jk^T`` then ``alpha' op(B)_ik op(A)_jk^T`` with
-    alpha' = conj(alpha) (SC_ALPHA_CONJ) for HER2K. ``alpha == 0`` or ``k == 0``
-    as in :func:`plan_syrk`.
-    """
+    """Tasks of ``C = alpha op(A) op(B)^T + alpha op(B) op(A)^T + beta C`` (Eq. 1e) on the ``lower``
+    (else upper) triangle; ``hermitian``: ``alpha op(A) op(B)^H + conj(alpha) op(B) op(A)^H``, beta
+    real. Diagonal tiles run ``syr2k``/``her2k`` steps (a = A's tile, b = B's), the others two gemm
+    steps per k tile, the second with conj(alpha) (SC_ALPHA_CONJ) for HER2K."""
     alpha2 = SC_ALPHA_CONJ if hermitian else SC_ALPHA
     return _plan_rank_k(n, k, tile, op, lower, "her2k" if hermitian else "syr2k", SYR2K_C, (SYR2K_A, SYR2K_B),
                         ((SYR2K_A, SYR2K_B, SC_ALPHA), (SYR2K_B, SYR2K_A, alpha2)), hermitian=hermitian,

@@ -31,29 +31,21 @@ def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bo
             steps = (_scale(c, first),)
         else:
             steps = []
+            left = side == SIDE_LEFT
             for k in range(ts):
                 beta_ix = first if k == 0 else SC_ONE
                 kw = _width(k, s_dim, tile)
-                if side == SIDE_LEFT:  # S_ik B_kj
-                    b = tile_ref(SYMM_B, k, j, m, n, tile)
-                    if k == i:
-                        steps.append(Step(kernel, tile_ref(SYMM_A, i, i, m, m, tile), b, OP_N, OP_N,
-                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
-                    else:
-                        stored = (i > k) == bool(lower)
-                        a = tile_ref(SYMM_A, i, k, m, m, tile) if stored else tile_ref(SYMM_A, k, i, m, m, tile)
-                        steps.append(Step("gemm", a, b, OP_N if stored else mirror, OP_N,
-                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
-                else:  # B_ik S_kj
-                    bt = tile_ref(SYMM_B, i, k, m, n, tile)
-                    if k == j:
-                        steps.append(Step(kernel, tile_ref(SYMM_A, j, j, n, n, tile), bt, OP_N, OP_N,
-                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
-                    else:
-                        stored = (k > j) == bool(lower)
-                        a = tile_ref(SYMM_A, k, j, n, n, tile) if stored else tile_ref(SYMM_A, j, k, n, n, tile)
-                        steps.append(Step("gemm", bt, a, OP_N, OP_N if stored else mirror,
-                                          c.rows, c.cols, kw, SC_ALPHA, beta_ix))
+                b = tile_ref(SYMM_B, k, j, m, n, tile) if left else tile_ref(SYMM_B, i, k, m, n, tile)
+                r, q = (i, k) if left else (k, j)  # S_ik B_kj (left) or B_ik S_kj (right)
+                if r == q:
+                    steps.append(Step(kernel, tile_ref(SYMM_A, r, r, s_dim, s_dim, tile), b, OP_N, OP_N,
+                                      c.rows, c.cols, kw, SC_ALPHA, beta_ix, side, lower))
+                    continue
+                stored = (r > q) == bool(lower)
+                a = tile_ref(SYMM_A, r, q, s_dim, s_dim, tile) if stored else tile_ref(SYMM_A, q, r, s_dim, s_dim, tile)
+                op = OP_N if stored else mirror
+                steps.append(Step("gemm", a, b, op, OP_N, c.rows, c.cols, kw, SC_ALPHA, beta_ix) if left
+                             else Step("gemm", b, a, OP_N, op, c.rows, c.cols, kw, SC_ALPHA, beta_ix))
             steps = tuple(steps)
         tasks.append(Task(len(tasks), c, not beta_zero, steps, task_flops(steps, is_complex),
                           rotatable=len(steps) > 1))

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from ..tasks import SC_ALPHA, SC_MINUS_ONE, SC_ONE, SC_ZERO, Step, Task
-from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
+from ..tiling import OP_N, TileRef, effective_lower, n_tiles, op_tile, tile_ref
 from .common import (SIDE_LEFT, SIDE_RIGHT, TRMM_A, TRMM_B, TRMM_C, TRSM_A, TRSM_B, TRSM_V, TRSM_X, _scale, _width,
                      task_flops)
 from .gemm import tile_order
-
-def effective_lower(lower: int, op: int) -> bool:
-    """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
-    return bool(lower) != (op != OP_N)
-
 
 def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> list[int]:
     """Block rows (side 0) or block columns (side 1) of B in the order an in-place TRMM writes them.
@@ -27,10 +22,8 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
     return list(range(count)) if ascending else list(range(count - 1, -1, -1))
 
 
-#: Order families of in-place TRMM tasks (:func:`trmm_order`); ``lines``, ``wave``, ``work`` and
-#: ``bands`` take a number. Only ``auto`` (the default), ``levels``, ``wave`` and ``blocks`` are meant
-#: for use; the others are kept so that ``bench/level3_sim.py`` can compare the orders.
-TRMM_ORDERS = ("auto", "levels", "wave", "lines", "work", "bands", "blocks")
+#: Order families of in-place TRMM tasks (:func:`trmm_order`); ``wave`` and ``blocks`` take a number.
+TRMM_ORDERS = ("auto", "levels", "wave", "blocks")
 #: ``auto`` lists level by level when the grid has at most this many tiles, else in blocks of 2 x 2
 #: (blocks beat the wave on large grids). On small grids the devices hold the whole call at once and
 #: the order only decides which device gets which tasks: level by level, one device takes level 0
@@ -45,14 +38,11 @@ def _order_key(order: str, levels: int, lines: int):
     try:
         x = float(arg) if arg else None
     except ValueError:
-        x = None
         family = "?"
-    integral = family in ("lines", "bands", "work", "blocks")
-    if (family not in TRMM_ORDERS or (x is None and family in ("work", "bands"))
-            or (x is not None and (family in ("auto", "levels") or not x > 0 or (integral and x != int(x))))):
-        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], lines[Q], work[Q], bands[B], "
-                         f"blocks[B] (S a number > 0, default 1; Q and B ints >= 1, lines' default 1, "
-                         f"blocks' 2)")
+    if (family not in TRMM_ORDERS or (x is not None and (family in ("auto", "levels") or not x > 0
+                                                         or (family == "blocks" and x != int(x))))):
+        raise ValueError(f"order: got {order!r}; allowed: auto, levels, wave[S], blocks[B] "
+                         f"(S a number > 0, default 1; B an int >= 1, default 2)")
     if family == "auto":
         family, x = ("levels", None) if levels * lines <= AUTO_LEVELS_MAX_TILES else ("blocks", None)
     if family == "levels":
@@ -60,50 +50,23 @@ def _order_key(order: str, levels: int, lines: int):
     if family == "wave":
         s = 1.0 if x is None else x
         return lambda c: (c[0] + s * c[1], c[1])
-    if family == "lines":
-        q = 1 if x is None else int(x)
-        return lambda c: (c[1] // q, c[0], c[1])
-    if family == "bands":
-        b = int(x)
-        return lambda c: (c[0] // b, c[1], c[0])
-    if family == "blocks":
-        b = 2 if x is None else int(x)
-        return lambda c: (c[0] // b + c[1] // b, c[0] // b, c[0], c[1])
-    # work: line l starts once 1/q of a line's steps are listed (a level of depth d has levels - d steps)
-    before = [sum(levels - e for e in range(d)) for d in range(levels + 1)]
-    start = before[levels] / x
-    return lambda c: (before[c[0]] + c[1] * start, c[1])
+    b = 2 if x is None else int(x)
+    return lambda c: (c[0] // b + c[1] // b, c[0] // b, c[0], c[1])
 
 
 def trmm_order(m: int, n: int, tile: int, side: int, lower: int, op: int, order: str = "auto") -> list[tuple[int, int]]:
     """The tiles (i, j) of an in-place TRMM, in task-list order.
 
-    A *line* is a block column of B (side 0) or a block row (side 1). Its tiles
-    read and overwrite only tiles of the same line, so they depend only on each
-    other, level by level: the tile of depth d (``trmm_levels(...)[d]``) is
-    written after the tiles of depth < d of its line. Every order below keeps
-    each line's tiles in depth order, so every task is listed after its
-    dependencies; they differ in how the lines are interleaved:
+    A *line* (a block column of B for side 0, a block row for side 1) depends only on itself, level
+    by level: its tile of depth d (``trmm_levels(...)[d]``) is written after those of depth < d.
+    Every order keeps that; they differ in how lines interleave:
 
-    * ``levels``: depth 0 of every line, then depth 1, ... The first level reads
-      all of B (side 0, upper: C_0j reads B_kj for every k), so a device's first
-      tasks each need a whole column of B from the host before any reuse.
-    * ``wave[S]`` (S default 1): line l starts S levels after line l - 1; cell
-      (d, l) sorts by d + S l, then by line. With S = 1 one new line of B and
-      one new row of A enter per level, and the loads of a new line overlap the
-      updates of the lines already started.
-    * ``lines[Q]``: Q lines at a time, level by level among them (Q = 1: line
-      by line).
-    * ``work[Q]``: as ``wave``, with depths weighted by their steps: line l
-      starts once 1/Q of a line's steps have been listed.
-    * ``bands[B]``: B levels at a time, line by line within them.
-    * ``blocks[B]`` (B default 2): blocks of B levels x B lines, listed as a
-      wave over blocks (block (D, L) by D + L, then D), level by level within a
-      block. The B^2 tasks of a block (one device's streams take them together)
-      share B rows of A and B lines of B, and the next block of a front shares
-      those rows of A (read over the peer link) with B new lines.
-    * ``auto`` (default): ``levels`` for grids of at most ``AUTO_LEVELS_MAX_TILES``
-      tiles, else ``blocks``.
+    * ``levels``: depth 0 of every line, then depth 1, ... (the first level reads all of B);
+    * ``wave[S]`` (S default 1): cell (d, l) sorts by d + S l, then l: one new line of B enters
+      per level, its loads overlapping the updates of the lines already started;
+    * ``blocks[B]`` (B default 2): blocks of B levels x B lines as a wave over blocks (D + L,
+      then D), level by level inside; a block's B^2 tasks share B rows of A and B lines of B;
+    * ``auto`` (default): ``levels`` up to ``AUTO_LEVELS_MAX_TILES`` tiles, else ``blocks``.
     """
     levels = trmm_levels(m, n, tile, side, lower, op)
     lines = n_tiles(n if side == SIDE_LEFT else m, tile)
@@ -117,23 +80,15 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               block: tuple[int, int] = (1, 1), in_place: bool = False, order: str = "auto") -> list[Task]:
     """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1) (Eq. 1d).
 
-    A is the ``lower`` (else upper) triangle of the stored square A (m x m for
-    side 0, n x n for side 1), with a unit diagonal if ``unit``. Task (i, j)
-    runs the diagonal ``trmm`` step first (it initialises C; no beta, load_c
-    False), then gemm steps ``alpha op(A)_ik B_kj`` (side 0) or ``alpha B_ik
-    op(A)_kj`` (side 1) over the nonzero tiles of op(A), with beta SC_ONE: those
-    rotate (``rotatable`` with ``fixed=1``: the diagonal step stays first). With
-    ``alpha == 0``, C = 0 and A, B are not read.
+    A is the ``lower`` (else upper) triangle of the stored square A, unit diagonal if ``unit``.
+    Task (i, j) runs the diagonal ``trmm`` step first (it initialises C: no beta, load_c False),
+    then gemm steps over the nonzero tiles of op(A) with beta SC_ONE, which rotate (``fixed=1``).
+    With ``alpha == 0``, C = 0 and A, B are not read.
 
-    Out of place (default), C (slot 2) is a separate m x n output, B (slot 1)
-    is only read, and tasks follow ``tile_order``. ``in_place``: slot 2 is the
-    same array as B, so a tile may be written only once the kernels of every
-    task reading its old value are done (``war``). Each task depends on every task of the earlier
-    levels (:func:`trmm_levels`) in its block column (side 0) or block row
-    (side 1): write-after-read dependencies, the mirror of TRSM's
-    read-after-write ones. Tasks are listed in ``order`` (:func:`trmm_order`;
-    every order lists a task after its dependencies, and the dependencies do
-    not depend on the order); ``order`` is not used out of place.
+    Out of place (default), C (slot 2) is a separate output and tasks follow ``tile_order``.
+    ``in_place``: slot 2 is B, so each task depends on the tasks of the earlier levels
+    (:func:`trmm_levels`) of its line, and only its write-back waits for them (``war``, ``gates``);
+    tasks are listed in ``order`` (:func:`trmm_order`), which does not change the dependencies.
     """
     eff_lower = effective_lower(lower, op)
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
@@ -204,30 +159,18 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               alpha_zero: bool = False, is_complex: bool = False, inverse: bool = False) -> list[Task]:
     """Tasks of the solve ``op(A) X = alpha B`` (side 0) or ``X op(A) = alpha B`` (side 1).
 
-    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored
-    square A (m x m for side 0, n x n for side 1), unit diagonal if ``unit``.
-    Left side, forward case (Eq. 1c with the order reversed for the backward
-    case): ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``.
+    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored square A, unit
+    diagonal if ``unit``. Forward case, left side (Eq. 1c; reversed for backward):
+    ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``. Task (i, j) starts from
+    B_ij (``c_init``), runs one gemm step per solved tile (the first with beta SC_ALPHA: it scales
+    B), then the diagonal ``trsm`` step; ``deps`` are the tasks solving the X tiles it reads
+    (slot 2), whose tasks ``keep_c``. Tasks are listed level by level in solve order. With
+    ``alpha == 0``: ``scale`` tasks, A and B not read.
 
-    Task (i, j) starts from B_ij (``c_init``, load_c), runs one gemm step
-    ``c = -op(A)_ik X_kj + beta_s c`` per solved tile (beta_s = SC_ALPHA for the
-    first one: it scales B by alpha, then SC_ONE), then the diagonal ``trsm``
-    step with alpha SC_ONE (SC_ALPHA if it had no update). X tiles are read
-    through TileRefs of slot 2; ``deps`` are the tasks that solve them;
-    ``keep_c`` is set on the tasks whose X tile a later task reads. Tasks are
-    listed level by level (block rows for side 0, block columns for side 1, in
-    solve order), all tiles of a level together. With ``alpha == 0`` X = 0:
-    ``scale`` tasks with no dependencies, A and B not read.
-
-    ``inverse``: the diagonal block of each level but the first is inverted once
-    by a task of its own (``trtri`` on V's tile, ``inverse_ref``, loaded from A's:
-    ``c_init``; ``keep_c``, ``urgent``), listed two levels ahead of its use (the
-    first two before level 0); the diagonal step of a tile is then ``invmm`` (``c =
-    op(V_kk) c``, side 0; ``c = c op(V_kk)``, side 1) on V's tile, gated on that
-    task, which is in ``deps``. The first level keeps ``trsm`` steps: its tiles
-    have nothing else to do, so waiting for an inversion (load, invert, write
-    back) would idle every device at the start, while the next inversions run
-    beside them.
+    ``inverse``: each level's diagonal block but the first is inverted once by a task of its own
+    (``trtri`` on V's tile ``inverse_ref``, loaded from A's; ``keep_c``, ``urgent``), listed two
+    levels ahead of its use, and the diagonal step becomes ``invmm`` by it, gated on that task.
+    The first level keeps ``trsm`` steps, so no device idles waiting for an inversion at the start.
     """
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
     s_dim = m if side == SIDE_LEFT else n
