@@ -40,7 +40,7 @@ def incore_gemm_ex(p, device: int, math: str) -> tuple[float, float]:
     import cupy
     from cupy.cuda import device as cuda_device
 
-    from blasx.runtime.devices.cuda import _gemm_ex
+    from blasx.runtime.devices.cuda_kernels import _gemm_ex
 
     row = dtypes.GEMM_BY_PREFIX[p.dtype]
     out = p.c_out.dtype

@@ -15,7 +15,7 @@ type 32F or 32I; TF32 math runs float32 gemm with compute type 32F_FAST_TF32. A 
 loaded or written back in another type is staged in a per-stream scratch block and converted
 there by a CuPy kernel on the copy's own stream; one rounded to float16 adds its overflows to a
 per-call counter in device memory. int8 tiles go to cuBLAS in the form its int8 kernels take.
-The kernels and conversions of these types: ``cuda_lowp``.
+The kernels and conversions of these types: ``cuda_lowp``; the cuBLAS tile kernels: ``cuda_kernels``.
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ import numpy as np
 
 from ..hostmem import REGISTRY
 from ..stats import OpRecord
-from ..tasks import SC_MINUS_ONE, SC_ONE
-from ..tri_inverse import Leaf, tri_inverse_ops
-from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
-from .. import dtypes, faults
-from ..dtypes import prefix as blas_prefix
+from .. import faults
 from .base import DeviceError, PeerSource, StreamDevice, register_backend
-from .cuda_lowp import DeviceCount, convert_tile, device_view, imma_operands, int8_exact, kernels
+from .cuda_kernels import MEMCPY_DEFAULT, CudaKernels, _cublas
+from .cuda_lowp import DeviceCount, convert_tile, device_view, kernels
 
-MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 EVENT_DISABLE_TIMING = 2
 STREAM_NON_BLOCKING = 1
 NOT_READY = 600  # cudaErrorNotReady
@@ -44,38 +40,13 @@ MIN_CACHE_BYTES = 16 << 20  # below this a device does not start (a few tiles of
 
 
 
-def _cublas():
-    from cupy_backends.cuda.libs import cublas
-    return cublas
-
-
-def cublas_routine(name: str, dtype):
-    """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm): CuPy's binding, else the
-    same libcublas through ctypes."""
-    prefix = blas_prefix(dtype)
-    fn = getattr(_cublas(), prefix + name, None)
-    if fn is None:
-        from .cublas_ctypes import routine
-        fn = routine(prefix, name)
-    return fn
-
-
-def _gemm_ex():
-    """cublasGemmEx: CuPy's binding, else the same libcublas through ctypes."""
-    fn = getattr(_cublas(), "gemmEx", None)
-    if fn is None:
-        from .cublas_ctypes import gemm_ex
-        fn = gemm_ex()
-    return fn
-
-
 def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
     """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
     return ((cols - 1) * ld + rows) * isz
 
 
 @register_backend
-class CudaDevice(StreamDevice):
+class CudaDevice(CudaKernels, StreamDevice):
     kind = "cuda"
     reads_device_arrays = True
     binds_thread = True
@@ -333,197 +304,6 @@ class CudaDevice(StreamDevice):
         else:
             kernel(s, step, call, a, b, c, out)
 
-    def _k_gemm(self, s, step, call, a, b, c) -> None:
-        if call.mixed or call.math == "tf32":
-            self._k_gemm_ex(s, step, call, a, b, c)
-            return
-        sc, isz = call.scalars.ctypes.data, call.itemsize
-        self._routine("gemm", call.dtype)(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
-                               sc + step.alpha * isz, a[0], a[1], b[0], b[1],
-                               sc + step.beta * isz, c[0], c[1])
-
-    def _k_gemm_ex(self, s, step, call, a, b, c) -> None:
-        """cublasGemmEx: A and B in the call's type, C in the accumulation type, alpha and beta
-        (host pointers) in the compute type."""
-        fn = self._blas.get("gemmEx")
-        if fn is None:
-            fn = self._blas["gemmEx"] = _gemm_ex()
-        sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
-        t_in, t_acc = dtypes.CUDA_TYPE[call.dtype], dtypes.CUDA_TYPE[call.acc_dtype]
-        compute = dtypes.compute_type(dtypes.gemm_of(call.dtype), call.math)
-        m, k, op_a, op_b, ta, tb = step.m, step.k, step.op_a, step.op_b, a, b
-        if call.pad_ld == 4:
-            if self._blas.get("int8_refused"):
-                self._int8_exact(s, step, call, a, b, c)
-                return
-            m, k, op_a, op_b, ta, tb = self._imma_operands(s, step, a, b)
-        try:
-            fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
-               ta[0], t_in, ta[1], tb[0], t_in, tb[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
-               dtypes.CUBLAS_GEMM_DEFAULT)
-        except Exception as exc:  # noqa: BLE001 - cuBLAS's status, from CuPy's binding or ctypes
-            if call.pad_ld != 4 or not ("NOT_SUPPORTED" in str(exc) or str(exc).endswith("cublasStatus_t 15")):
-                raise
-            self._blas["int8_refused"] = True  # refused before any work: this device takes the exact path from now on
-            self._int8_exact(s, step, call, a, b, c)
-
-    def _int8_exact(self, s, step, call, a, b, c) -> None:
-        int8_exact(self.streams[s], step, call, a, b, c)
-
-    def _imma_operands(self, s, step, a, b):
-        return imma_operands(lambda nbytes: self._scratch(s, nbytes), self.streams[s], step, a, b)
-
-    # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
-    # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
-    # codes agree with BLAS. herk's alpha/beta and her2k's beta are real: their pointers go
-    # into the call's real scalar table.
-    def _routine(self, name: str, dtype):
-        key = (name, dtype)
-        fn = self._blas.get(key)
-        if fn is None:
-            fn = self._blas[key] = cublas_routine(name, dtype)
-        return fn
-
-    @staticmethod
-    def _ptrs(call, step, real_alpha: bool, real_beta: bool):
-        cplx, real = call.scalars.ctypes.data, call.real_scalars.ctypes.data
-        isz, rsz = call.itemsize, call.real_scalars.itemsize
-        alpha = real + step.alpha * rsz if real_alpha else cplx + step.alpha * isz
-        beta = real + step.beta * rsz if real_beta else cplx + step.beta * isz
-        return alpha, beta
-
-    @staticmethod
-    def _inputs(step, c, *tiles):
-        """(pointer, ld) of each input tile; a step with k == 0 has none (alpha == 0 or an
-        empty inner dimension: only C = beta C on the triangle), so pass C's pointer, which
-        cuBLAS does not read then, with a valid leading dimension."""
-        if step.k == 0:
-            dummy = (c[0], max(1, step.n))
-            return tuple(dummy for _ in tiles)
-        return tiles
-
-    def _k_rank_k(self, s, step, call, a, b, c) -> None:
-        herm = step.kernel == "herk"
-        alpha, beta = self._ptrs(call, step, herm, herm)
-        (a,) = self._inputs(step, c, a)
-        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
-                                               alpha, a[0], a[1], beta, c[0], c[1])
-
-    def _k_rank_2k(self, s, step, call, a, b, c) -> None:
-        alpha, beta = self._ptrs(call, step, False, step.kernel == "her2k")
-        a, b = self._inputs(step, c, a, b)
-        self._routine(step.kernel, call.dtype)(self.handles[s], 1 - step.uplo, step.op_a, step.n, step.k,
-                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
-
-    def _k_symm(self, s, step, call, a, b, c) -> None:
-        alpha, beta = self._ptrs(call, step, False, False)
-        self._routine(step.kernel, call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.m, step.n,
-                                               alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
-
-    def _k_trmm(self, s, step, call, a, b, c) -> None:
-        alpha, _ = self._ptrs(call, step, False, False)
-        self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
-                                          step.m, step.n, alpha, a[0], a[1], b[0], b[1], c[0], c[1])
-
-    #: Largest triangle one cuBLAS trsm call solves; bigger diagonal tiles are split
-    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs, which cuBLAS
-    #: runs about three times as fast as a large solve.
-    TRSM_LEAF = 1024
-
-    def _k_trsm(self, s, step, call, a, b, c) -> None:
-        alpha, _ = self._ptrs(call, step, False, False)
-        h, uplo = self.handles[s], 1 - step.uplo
-        trsm = self._routine("trsm", call.dtype)
-        if (step.m if step.side == 0 else step.n) <= self.TRSM_LEAF:
-            trsm(h, step.side, uplo, step.op_a, step.diag, step.m, step.n, alpha, a[0], a[1], c[0], c[1])
-            return
-        gemm = self._routine("gemm", call.dtype)
-        isz, sc = call.itemsize, call.scalars.ctypes.data
-        one, minus_one = sc + SC_ONE * isz, sc + SC_MINUS_ONE * isz
-        (pa, lda), (pc, ldc) = a, c
-        for o in trsm_tile_ops(step.m, step.n, step.side, step.uplo, step.op_a, self.TRSM_LEAF):
-            scale = alpha if o.first else one
-            if type(o) is Solve:
-                trsm(h, step.side, uplo, step.op_a, step.diag, o.b_rows, o.b_cols, scale,
-                     pa + (o.d0 + o.d0 * lda) * isz, lda, pc + (o.b_r0 + o.b_c0 * ldc) * isz, ldc)
-                continue
-            r0, c0, _, _ = stored_block(o.a, step.op_a)
-            ap = pa + (r0 + c0 * lda) * isz
-            xr, xc, xrows, xcols = o.x
-            cr, cc, crows, ccols = o.c
-            xp, cp = pc + (xr + xc * ldc) * isz, pc + (cr + cc * ldc) * isz
-            if step.side == 0:  # C = scale C - op(A) X
-                gemm(h, step.op_a, 0, crows, ccols, xrows, minus_one, ap, lda, xp, ldc, scale, cp, ldc)
-            else:  # C = scale C - X op(A)
-                gemm(h, 0, step.op_a, crows, ccols, xcols, minus_one, xp, ldc, ap, lda, scale, cp, ldc)
-
-    #: Leaves of the recursive triangle inversion (tri_inverse.py).
-    INVERSE_LEAF = 512
-
-    def _k_trtri(self, s, step, call, a, b, c) -> None:
-        """TRSM's inversion task (plans.plan_trsm with ``inverse``): c's stored triangle -> its inverse."""
-        isz = call.itemsize
-        invert_triangle(self.handles[s], c[0], c[1], step.m, call.dtype, step.uplo, step.diag, self.INVERSE_LEAF,
-                        self._routine, self._scratch(s, step.m * step.m * isz), self.stream_ptrs[s])
-
-    def _k_invmm(self, s, step, call, a, b, c, out=None) -> None:
-        """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse, out of
-        place: into ``out`` when the worker gives one (a fresh heap block), else into the stream's
-        scratch tile, then copied back: cuBLAS's in-place TRMM runs at about half the speed of
-        its out-of-place form."""
-        from cupy.cuda import runtime
-        alpha, _ = self._ptrs(call, step, False, False)
-        isz = call.itemsize
-        dst, ld = out if out is not None else (self._scratch(s, step.m * step.n * isz), step.m)
-        self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
-                                          step.m, step.n, alpha, a[0], a[1], c[0], c[1], dst, ld)
-        if out is None:
-            runtime.memcpy2DAsync(c[0], c[1] * isz, dst, ld * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
-                                  self.stream_ptrs[s])
-
-    def _scratch(self, s: int, nbytes: int) -> int:
-        """Pointer to a device buffer of at least ``nbytes`` for stream ``s`` alone (stream order
-        keeps its uses apart), from CuPy's pool, kept until the device closes."""
-        import cupy
-        buf = self._scratches.get(s)
-        if buf is None or buf.nbytes < nbytes:
-            self._scratches.pop(s, None)
-            try:
-                buf = cupy.empty(nbytes, dtype=np.uint8)  # on stream s (current)
-            except cupy.cuda.memory.OutOfMemoryError:
-                cupy.get_default_memory_pool().free_all_blocks()  # cached blocks of others, then once more
-                try:
-                    buf = cupy.empty(nbytes, dtype=np.uint8)
-                except cupy.cuda.memory.OutOfMemoryError as exc:
-                    free = cupy.cuda.runtime.memGetInfo()[0]
-                    raise MemoryError(f"{self.name}: a {nbytes}-byte scratch buffer for a tile kernel does "
-                                      f"not fit; {free} bytes of device memory are free") from exc
-            self._scratches[s] = buf
-        return buf.data.ptr
-
-    def _k_axpby(self, s, step, call, a, b, c) -> None:
-        """c = alpha c + beta b (cuBLAS geam, in place on c)."""
-        sc, isz = call.scalars.ctypes.data, call.itemsize
-        self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
-                               sc + step.beta * isz, b[0], b[1], c[0], c[1])
-
-    def _k_scale(self, s, step, call, a, b, c) -> None:
-        from cupy.cuda import runtime
-        dt = call.acc_dtype  # the C tile's type on the device
-        isz = dt.itemsize
-        if call.scalars[step.beta] == 0:
-            if c[1] == step.m:  # a compact tile: one memset
-                runtime.memsetAsync(c[0], 0, step.m * step.n * isz, self.stream_ptrs[s])
-                return
-            for j in range(step.n):  # columns of the tile (ld may exceed rows for in-place C)
-                runtime.memsetAsync(c[0] + j * c[1] * isz, 0, step.m * isz, self.stream_ptrs[s])
-            return
-        if dt.kind not in "fc":
-            raise DeviceError(f"{self.name}: no scale kernel for {dt.name} tiles with beta != 0")
-        sc = call.scalars.ctypes.data + step.beta * isz
-        for j in range(step.n):
-            self._routine("scal", dt)(self.handles[s], step.m, sc, c[0] + j * c[1] * isz, 1)
-
     def record(self, s):
         from cupy.cuda import runtime
         ev = self._events.pop() if self._events else runtime.eventCreateWithFlags(EVENT_DISABLE_TIMING)
@@ -591,55 +371,3 @@ class CudaDevice(StreamDevice):
         if not keep and time.perf_counter() - t0 > 30.0:
             self._reanchor()  # float32 milliseconds lose precision far from the anchor
         return out
-
-
-def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, diag: int, leaf: int, routine,
-                    scratch: int, stream: int) -> None:
-    """Replace the stored triangle of the ``size`` x ``size`` column-major matrix at ``ptr``
-    (leading dimension ``ld``) by its inverse (tri_inverse.py's ops), on ``stream``, which must be
-    ``handle``'s; ``routine(name, dtype)`` gives the cuBLAS function; ``scratch`` points to a device
-    buffer of size^2 elements that only this stream uses. Leaves are solved against an identity in
-    the scratch block and copied in; products go out of place into it and are copied back
-    (in-place TRMM runs at half speed). Only cuBLAS calls and pitched copies are issued: they are
-    cheap to issue, so the GPU does not wait for the host between them."""
-    from cupy.cuda import runtime
-    dtype = np.dtype(dtype)
-    isz = dtype.itemsize
-    scalars = np.array([1, -1], dtype=dtype)  # host scalars: read when each call is made
-    one, minus_one = scalars.ctypes.data, scalars.ctypes.data + isz
-    uplo = 1 - lower
-    trsm, trmm = routine("trsm", dtype), routine("trmm", dtype)
-    ops = tri_inverse_ops(size, lower, leaf)
-    big = max(o.size for o in ops if type(o) is Leaf)
-    eye = _identity(big, dtype)  # symmetric, so also F-ordered; its top-left blocks are identities
-
-    def copy(dst, dld, src, sld, rows, cols):
-        runtime.memcpy2DAsync(dst, dld * isz, src, sld * isz, rows * isz, cols, MEMCPY_DEFAULT, stream)
-
-    for o in ops:
-        if type(o) is Leaf:
-            blk = ptr + (o.d0 + o.d0 * ld) * isz
-            copy(scratch, size, eye.data.ptr, big, o.size, o.size)
-            trsm(handle, 0, uplo, 0, diag, o.size, o.size, one, blk, ld, scratch, size)
-            copy(blk, ld, scratch, size, o.size, o.size)
-            continue
-        r0, c0, rows, cols = o.blk
-        bp = ptr + (r0 + c0 * ld) * isz
-        trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
-             ptr + (o.a0 + o.a0 * ld) * isz, ld, bp, ld, scratch, size)
-        copy(bp, ld, scratch, size, rows, cols)
-
-
-_IDENTITIES: dict = {}
-
-
-def _identity(size: int, dtype):
-    """A ``size`` x ``size`` identity of ``dtype`` on the current device, made once and never written."""
-    import cupy
-    key = (cupy.cuda.runtime.getDevice(), size, np.dtype(dtype))
-    eye = _IDENTITIES.get(key)
-    if eye is None:
-        eye = cupy.eye(size, dtype=dtype)
-        cupy.cuda.get_current_stream().synchronize()  # filled before another stream reads it
-        _IDENTITIES[key] = eye
-    return eye

@@ -299,7 +299,7 @@ _TRTRI = {}
 def trtri(step, scalars, a, b, c) -> None:
     """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
     written, if diag); the other triangle is left as it is. a and b are not used. No
-    singularity check (as trsm). (LAPACK ?trtri; on GPUs runtime.devices.cuda.invert_triangle)"""
+    singularity check (as trsm). (LAPACK ?trtri; on GPUs runtime.devices.cuda_kernels.invert_triangle)"""
     f = _TRTRI.get(c.dtype)
     if f is None:
         f = _TRTRI[c.dtype] = get_lapack_funcs("trtri", dtype=c.dtype)
