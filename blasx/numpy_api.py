@@ -191,6 +191,21 @@ def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
     return a, b, out, ct, casting, xp, it
 
 
+def _engine_types(x, y, out_dtype):
+    """(input type, result type) of a dot/tensordot that blasx computes, None for numpy's own
+    function (no BLAS or reduced type; numpy's errors); a bad ``out_dtype`` raises."""
+    try:
+        ct = np.result_type(x.dtype, y.dtype)
+    except TypeError:
+        return None
+    reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
+    if reduced is not None:
+        return reduced
+    if out_dtype is not None:
+        _reject_out_dtype(x, y, out_dtype)
+    return (ct, ct) if ct in dtypes.BY_DTYPE else None
+
+
 def _reject_out_dtype(x1, x2, out_dtype) -> None:
     """``out_dtype`` names a combination that does not exist: TypeError listing those that do."""
     types = [np.asarray(x).dtype if not is_cupy(x) else x.dtype for x in (x1, x2)]
@@ -241,18 +256,10 @@ def _dot(a, b, out, out_dtype):
             y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
     if x.ndim == 0 or y.ndim == 0:
         return _fallback_dot(a, b, out)  # a product with a scalar: numpy's multiply
-    try:
-        ct = np.result_type(x.dtype, y.dtype)
-    except TypeError:
+    types = _engine_types(x, y, out_dtype)
+    if types is None:
         return _fallback_dot(a, b, out)
-    reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
-    it = ct
-    if reduced is not None:
-        it, ct = reduced
-    elif ct not in dtypes.BY_DTYPE or out_dtype is not None:
-        if out_dtype is not None:
-            _reject_out_dtype(x, y, out_dtype)
-        return _fallback_dot(a, b, out)
+    it, ct = types
     k = x.shape[-1]
     kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
     if k != kb:
@@ -317,18 +324,10 @@ def _tensordot(a, b, axes, out_dtype):
         x, y = _plain(a), _plain(b)
         if x is None or y is None:
             return _fallback_tensordot(a, b, axes)
-    try:
-        ct = np.result_type(x.dtype, y.dtype)
-    except TypeError:
+    types = _engine_types(x, y, out_dtype)
+    if types is None:
         return _fallback_tensordot(a, b, axes)
-    reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
-    it = ct
-    if reduced is not None:
-        it, ct = reduced
-    elif ct not in dtypes.BY_DTYPE or out_dtype is not None:
-        if out_dtype is not None:
-            _reject_out_dtype(x, y, out_dtype)
-        return _fallback_tensordot(a, b, axes)
+    it, ct = types
     parsed = _tensordot_axes(x, y, axes)
     if parsed is None:
         return _fallback_tensordot(a, b, axes)  # numpy's own error for bad axes or shapes
