@@ -166,13 +166,6 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     return float(tol)
 
 
-def _xp(on_gpu: bool):
-    if on_gpu:
-        import cupy
-        return cupy
-    return np
-
-
 # ---------------------------------------------------------------- int8 quantization
 
 def quantize(x, dtype=np.int8, axis=None):
@@ -189,7 +182,7 @@ def quantize(x, dtype=np.int8, axis=None):
         raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
     if x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None:
         raise TypeError(f"x: got {x.dtype.name}, need a real type")
-    xp = _xp(is_cupy(x))
+    xp = dispatch.array_module(is_cupy(x))
     xf = x.astype(np.float32) if x.dtype != np.float64 else x
     if axis is None:
         amax = xp.abs(xf).max() if xf.size else xp.asarray(0.0)
@@ -233,7 +226,7 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
         raise ValueError(f"a_q, b_q: shapes {a_q.shape} and {b_q.shape} do not match ({k} != {kb})")
     rs = _scales("a_scale", a_scale, m, "rows of a_q")
     cs = _scales("b_scale", b_scale, n, "columns of b_q")
-    xp = _xp(is_cupy(a_q))
+    xp = dispatch.array_module(is_cupy(a_q))
     result = xp.empty((m, n), dtype=np.float32)
     if k == 0:
         result[...] = 0
