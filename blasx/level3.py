@@ -19,7 +19,8 @@ from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_prof
 from .runtime import dtypes
 from .runtime.tiling import OP_N
 
-_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)  # float32, float64, complex64, complex128
+_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)
+_F32 = np.dtype(np.float32)  # float32, float64, complex64, complex128
 
 
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
@@ -51,7 +52,7 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     if plain is not None:  # what the checks below conclude for the common form, without them
         on_gpu = False
         dtype = out_type = plain
-        math = precision.default_math()
+        math = precision.default_math() if plain == _F32 else "ieee"  # (TF32 is float32's alone)
     else:
         check_matrix("a", a)
         check_matrix("b", b)
