@@ -99,29 +99,36 @@ def signature_of(routine: str) -> inspect.Signature:
 # ---------------------------------------------------------------- f2py-style conversions
 
 def _fast_binder(sig: inspect.Signature):
-    """``(args, kwargs) -> {name: value}`` for a signature of positional-or-keyword parameters,
-    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError);
-    a plain dict merge, where ``inspect.Signature.bind`` would cost more than a small call."""
+    """``(args, kwargs) -> {name: value}`` in the signature's order for a signature of
+    positional-or-keyword parameters, or None when the arguments do not bind (then
+    ``sig.bind`` raises the precise TypeError); a plain dict merge, where
+    ``inspect.Signature.bind`` would cost more than a small call."""
     names = tuple(sig.parameters)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
-    required = [n for n in names if n not in defaults]
     index = {n: i for i, n in enumerate(names)}
-    nrequired = len(required)  # the required parameters come first: as many positional arguments bind them all
+    nrequired = len(names) - len(defaults)  # the required parameters come first
+    # the defaults of the parameters after npos positional arguments, for each npos that binds the required ones
+    tails = [{n: defaults[n] for n in names[npos:]} for npos in range(nrequired, len(names) + 1)]
 
     def bind(args: tuple, kwargs: dict):
         npos = len(args)
         if npos > len(names):
             return None
+        v = dict(zip(names, args))
+        if not kwargs:
+            if npos < nrequired:
+                return None
+            v.update(tails[npos - nrequired])
+            return v
         for k in kwargs:
             i = index.get(k)
             if i is None or i < npos:
                 return None
-        v = dict(defaults)
-        v.update(zip(names, args))
-        if kwargs:
-            v.update(kwargs)
-        if npos < nrequired and any(n not in v for n in required):
-            return None
+        for n in names[npos:]:
+            x = kwargs.get(n, defaults.get(n, REQUIRED))
+            if x is REQUIRED:
+                return None
+            v[n] = x
         return v
 
     return bind
@@ -310,9 +317,9 @@ def _make(prefix: str, routine: str):
         x = v[overwrite]
         if type(x) is not int or not -_INT_MAX - 1 <= x <= _INT_MAX:
             v[overwrite] = _overwrite(overwrite, x)
-        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=real_alpha)
+        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real_alpha)
         if "beta" in v:
-            v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, real=hermitian)
+            v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
         out = None
         for k in arrays:
             x = v[k]
@@ -330,7 +337,8 @@ def _make(prefix: str, routine: str):
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
-        return _shaped(impl(**v), out, v.get(out_name))
+        res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
+        return res if out is None or out.ndim == 2 else _shaped(res, out, v[out_name])
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
