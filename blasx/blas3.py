@@ -90,7 +90,7 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
 def _new(xp, shape, dtype, like, zeros=False):
     """A new F-ordered array (on ``like``'s device for cupy)."""
     make = xp.zeros if zeros else xp.empty
-    if like is not None and is_cupy(like):
+    if like is not None and type(like) is not np.ndarray and is_cupy(like):
         with like.device:
             return make(shape, dtype=dtype, order="F")
     return make(shape, dtype=dtype, order="F")
@@ -127,7 +127,7 @@ def _tri_view(a, op: int, lower: int, xp):
     if cm is None:
         a = xp.asfortranarray(a)
         cm = (a, False)
-    v, op2 = canonical(a, op, False)
+    v, op2 = canonical(a, op, False, cm)
     # a C-ordered a is V^T (or conj(V^T) materialised): its lower triangle is V's upper one.
     return v, op2, (1 - lower) if cm[1] else lower
 
