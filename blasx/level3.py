@@ -19,8 +19,8 @@ from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_prof
 from .runtime import dtypes
 from .runtime.tiling import OP_N
 
-_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)
-_F32 = np.dtype(np.float32)  # float32, float64, complex64, complex128
+_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)  # float32, float64, complex64, complex128
+_F32 = np.dtype(np.float32)
 
 
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
