@@ -55,6 +55,8 @@ DIAG = ("non-unit diagonal, read from a", "unit diagonal, a's diagonal is not re
 
 def _check_real(name: str, value, routine: str):
     """HERK's alpha and beta, HER2K's beta: real numbers (a complex with zero imaginary part is fine)."""
+    if type(value) is float or type(value) is int:  # the common case, without the abc checks
+        return value
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if value.imag != 0:
             raise TypeError(f"{name}: got complex {value!r}; {routine} takes a real {name}")
@@ -66,9 +68,10 @@ def _dtype(forced, *arrays) -> np.dtype:
     return forced if forced is not None else compute_dtype(*[x for x in arrays if x is not None])
 
 
-def _check_shape(name: str, x, shape: tuple[int, int], why: str) -> None:
+def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
+    """``why``: the rule, or a function that words it (called only on error)."""
     if tuple(x.shape) != shape:
-        raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {shape} ({why})")
+        raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {shape} ({why if type(why) is str else why()})")
 
 
 def _check_no_alias(out_name: str, out, **inputs) -> None:
@@ -87,7 +90,7 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
 def _new(xp, shape, dtype, like, zeros=False):
     """A new F-ordered array (on ``like``'s device for cupy)."""
     make = xp.zeros if zeros else xp.empty
-    if like is not None and is_cupy(like):
+    if like is not None and type(like) is not np.ndarray and is_cupy(like):
         with like.device:
             return make(shape, dtype=dtype, order="F")
     return make(shape, dtype=dtype, order="F")
@@ -124,7 +127,7 @@ def _tri_view(a, op: int, lower: int, xp):
     if cm is None:
         a = xp.asfortranarray(a)
         cm = (a, False)
-    v, op2 = canonical(a, op, False)
+    v, op2 = canonical(a, op, False, cm)
     # a C-ordered a is V^T (or conj(V^T) materialised): its lower triangle is V's upper one.
     return v, op2, (1 - lower) if cm[1] else lower
 
@@ -154,10 +157,10 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     beta = check_scalar("beta", beta, dtype)
     m, n = b.shape
     s_dim = m if side == 0 else n
-    which = "hermitian" if hermitian else "symmetric"
+    which = "hermitian" if hermitian else "symmetric"  # (named in a shape error)
     _check_shape("a", a, (s_dim, s_dim),
-                 f"the square {which} factor: with side={side} it has b's {'rows' if side == 0 else 'columns'}, "
-                 f"b.shape={tuple(b.shape)}")
+                 lambda: f"the square {which} factor: with side={side} it has b's "
+                         f"{'rows' if side == 0 else 'columns'}, b.shape={tuple(b.shape)}")
     if c is not None:
         _check_shape("c", c, (m, n), "c has b's shape")
     xp = array_module(on_gpu)
@@ -241,7 +244,7 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     if two and tuple(b.shape) != tuple(a.shape):
         raise ValueError(f"b: got shape {tuple(b.shape)}, expected {tuple(a.shape)} (the shape of a)")
     if c is not None:
-        _check_shape("c", c, (n, n), f"n x n with n = rows of op(a), a.shape={tuple(a.shape)}, trans={trans}")
+        _check_shape("c", c, (n, n), lambda: f"n x n with n = rows of op(a), a.shape={tuple(a.shape)}, trans={trans}")
     xp = array_module(on_gpu)
     if c is None:
         beta = 0
@@ -328,8 +331,8 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     m, n = b.shape
     s_dim = m if side == 0 else n
     _check_shape("a", a, (s_dim, s_dim),
-                 f"the square triangular factor: with side={side} it has b's {'rows' if side == 0 else 'columns'}, "
-                 f"b.shape={tuple(b.shape)}")
+                 lambda: f"the square triangular factor: with side={side} it has b's "
+                         f"{'rows' if side == 0 else 'columns'}, b.shape={tuple(b.shape)}")
     xp = array_module(on_gpu)
     in_place = _writable_in_place(b, dtype, overwrite_b)
     if in_place:

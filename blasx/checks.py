@@ -30,8 +30,8 @@ def check_trans(name: str, value) -> int:
 
 
 def check_scalar(name: str, value, dtype: np.dtype):
-    if type(value) is float or type(value) is int:  # the common case, without the abc checks
-        return value
+    if type(value) is float or type(value) is int or (type(value) is complex and dtype.kind == "c"):
+        return value  # the common cases, without the abc checks
     if not isinstance(value, numbers.Number) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}, expected a number")
     if dtype.kind != "c" and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):

@@ -11,11 +11,16 @@ is the only device, else the engine; reduced types always on the engine).
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import dispatch, precision
 from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
+
+_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)  # float32, float64, complex64, complex128
+_F32 = np.dtype(np.float32)
 
 
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
@@ -43,20 +48,26 @@ def _op_shape(x, op: int) -> tuple[int, int]:
 def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_dtype=None, math=None):
     """gemm in ``dtype`` (None: the arrays' type by :func:`blasx.precision.gemm_types`, with
     ``out_dtype``): validate, make the output, dispatch."""
-    check_matrix("a", a)
-    check_matrix("b", b)
-    if c is not None:
-        check_matrix("c", c)
-    on_gpu = same_place(a=a, b=b, c=c)
-    trans_a = check_trans("trans_a", trans_a)
-    trans_b = check_trans("trans_b", trans_b)
-    math = precision.check_math(math)
-    if dtype is None:
-        dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
+    plain = _plain_type(alpha, a, b, beta, c, trans_a, trans_b, dtype) if math is None and out_dtype is None else None
+    if plain is not None:  # what the checks below conclude for the common form, without them
+        on_gpu = False
+        dtype = out_type = plain
+        math = precision.default_math() if plain == _F32 else "ieee"  # (TF32 is float32's alone)
     else:
-        out_type = dtype
-    alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
-    beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
+        check_matrix("a", a)
+        check_matrix("b", b)
+        if c is not None:
+            check_matrix("c", c)
+        on_gpu = same_place(a=a, b=b, c=c)
+        trans_a = check_trans("trans_a", trans_a)
+        trans_b = check_trans("trans_b", trans_b)
+        math = precision.check_math(math)
+        if dtype is None:
+            dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
+        else:
+            out_type = dtype
+        alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
+        beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
     m, ka = _op_shape(a, trans_a)
     kb, n = _op_shape(b, trans_b)
     if ka != kb:
@@ -75,6 +86,27 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
                   trans_a, trans_b, dtype, ka, name, math=math)
     return out
+
+
+def _plain_type(alpha, a, b, beta, c, trans_a, trans_b, dtype):
+    """The computation type of a call in the common form (host matrices of one BLAS type, or any
+    numeric type for a prefixed ``dtype``; int flags 0..2; Python numbers, complex ones only for a
+    complex type), or None for any other form (which the full checks then take)."""
+    if not (type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2
+            and (c is None or (type(c) is np.ndarray and c.ndim == 2))
+            and type(trans_a) is int and 0 <= trans_a <= 2 and type(trans_b) is int and 0 <= trans_b <= 2):
+        return None
+    if dtype is None:
+        dtype = a.dtype
+        if dtype not in _BLAS_DTYPES or b.dtype != dtype or (c is not None and c.dtype != dtype):
+            return None
+    elif a.dtype.kind not in "biufc" or b.dtype.kind not in "biufc":
+        return None
+    ta, tb = type(alpha), type(beta)
+    if ta is float or ta is int or (ta is complex and dtype.kind == "c"):
+        if tb is float or tb is int or (tb is complex and dtype.kind == "c"):
+            return dtype
+    return None
 
 
 def _in_place(c, dtype, overwrite_c) -> bool:

@@ -194,6 +194,8 @@ def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
 def _engine_types(x, y, out_dtype):
     """(input type, result type) of a dot/tensordot that blasx computes, None for numpy's own
     function (no BLAS or reduced type; numpy's errors); a bad ``out_dtype`` raises."""
+    if out_dtype is None and x.dtype == y.dtype and x.dtype in dtypes.BY_DTYPE:  # one BLAS type: itself
+        return x.dtype, x.dtype
     try:
         ct = np.result_type(x.dtype, y.dtype)
     except TypeError:
@@ -240,8 +242,9 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
 
 
 def _dot(a, b, out, out_dtype):
-    _check_out(out)
-    gpu = is_cupy(a) or is_cupy(b)
+    if out is not None:
+        _check_out(out)
+    gpu = not (type(a) is np.ndarray and type(b) is np.ndarray) and (is_cupy(a) or is_cupy(b))
     if gpu:
         if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
             return _fallback_dot(a, b, out)
@@ -313,7 +316,7 @@ def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
 
 
 def _tensordot(a, b, axes, out_dtype):
-    gpu = is_cupy(a) or is_cupy(b)
+    gpu = not (type(a) is np.ndarray and type(b) is np.ndarray) and (is_cupy(a) or is_cupy(b))
     if gpu:
         if not (is_cupy(a) and is_cupy(b)):
             return _fallback_tensordot(a, b, axes)
@@ -352,13 +355,16 @@ def _tensordot(a, b, axes, out_dtype):
 
 def _tensordot_axes(x, y, axes):
     """numpy's axes rules, as normalized lists (axes_a, axes_b); None when numpy would raise."""
-    try:
-        iter(axes)
-    except TypeError:
+    n = axes if type(axes) is int else None  # (an int without iter()'s TypeError)
+    if n is None:
         try:
-            n = operator.index(axes)
+            iter(axes)
         except TypeError:
-            return None
+            try:
+                n = operator.index(axes)
+            except TypeError:
+                return None
+    if n is not None:
         if n < 0 or n > x.ndim or n > y.ndim:
             return None
         axes_a, axes_b = list(range(x.ndim - n, x.ndim)), list(range(n))

@@ -46,9 +46,11 @@ def column_major_view(x):
     return None
 
 
-def canonical(x, op: int, transposed_problem: bool):
-    """(V, blas_op) such that the problem's operand (op(x), transposed if the problem is) == blas_op(V)."""
-    cm = column_major_view(x)
+def canonical(x, op: int, transposed_problem: bool, cm=None):
+    """(V, blas_op) such that the problem's operand (op(x), transposed if the problem is) == blas_op(V).
+    ``cm``: x's :func:`column_major_view`, where the caller has it."""
+    if cm is None:
+        cm = column_major_view(x)
     if cm is None:  # arbitrary strides: one contiguous copy
         x = _xp(x).asfortranarray(x)
         cm = (x, False)

@@ -99,27 +99,36 @@ def signature_of(routine: str) -> inspect.Signature:
 # ---------------------------------------------------------------- f2py-style conversions
 
 def _fast_binder(sig: inspect.Signature):
-    """``(args, kwargs) -> {name: value}`` for a signature of positional-or-keyword parameters,
-    or None when the arguments do not bind (then ``sig.bind`` raises the precise TypeError);
-    a plain dict merge, where ``inspect.Signature.bind`` would cost more than a small call."""
+    """``(args, kwargs) -> {name: value}`` in the signature's order for a signature of
+    positional-or-keyword parameters, or None when the arguments do not bind (then
+    ``sig.bind`` raises the precise TypeError); a plain dict merge, where
+    ``inspect.Signature.bind`` would cost more than a small call."""
     names = tuple(sig.parameters)
     defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
-    required = [n for n in names if n not in defaults]
     index = {n: i for i, n in enumerate(names)}
+    nrequired = len(names) - len(defaults)  # the required parameters come first
+    # the defaults of the parameters after npos positional arguments, for each npos that binds the required ones
+    tails = [{n: defaults[n] for n in names[npos:]} for npos in range(nrequired, len(names) + 1)]
 
     def bind(args: tuple, kwargs: dict):
         npos = len(args)
         if npos > len(names):
             return None
+        v = dict(zip(names, args))
+        if not kwargs:
+            if npos < nrequired:
+                return None
+            v.update(tails[npos - nrequired])
+            return v
         for k in kwargs:
             i = index.get(k)
             if i is None or i < npos:
                 return None
-        v = dict(defaults)
-        v.update(zip(names, args))
-        v.update(kwargs)
-        if any(n not in v for n in required):
-            return None
+        for n in names[npos:]:
+            x = kwargs.get(n, defaults.get(n, REQUIRED))
+            if x is REQUIRED:
+                return None
+            v[n] = x
         return v
 
     return bind
@@ -284,6 +293,10 @@ def _make(prefix: str, routine: str):
     impl = _impl(prefix, routine)
     out_name = "b" if _FAMILY[routine] == "trmm" else "c"
     bind = _fast_binder(sig)
+    flags = tuple((k, _FLAG_MAX[k]) for k in _FLAGS if k in sig.parameters)
+    overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
+    arrays = tuple(k for k in _ARRAYS if k in sig.parameters)
+    real_alpha = routine == "herk"
 
     def f(*args, **kwargs):
         v = bind(args, kwargs)
@@ -294,24 +307,29 @@ def _make(prefix: str, routine: str):
                 raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
             bound.apply_defaults()
             v = dict(bound.arguments)
-        for k in _FLAGS:  # first, with f2py's range checks, as f2py does
-            if k in v:
-                v[k] = 0 if v[k] is None else _flag(k, v[k])  # None: the default, as f2py takes it
-                if not 0 <= v[k] <= _FLAG_MAX[k]:
-                    raise ValueError(f"{k}: got {v[k]}; allowed: 0 to {_FLAG_MAX[k]}")
-        for k in _OVERWRITE:
-            if k in v:
-                v[k] = _overwrite(k, v[k])
-        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real=(routine == "herk"))
+        for k, top in flags:  # first, with f2py's range checks, as f2py does; a plain int in range is kept
+            x = v[k]
+            if type(x) is not int or not 0 <= x <= top:
+                x = 0 if x is None else _flag(k, x)  # None: the default, as f2py takes it
+                if not 0 <= x <= top:
+                    raise ValueError(f"{k}: got {x}; allowed: 0 to {top}")
+                v[k] = x
+        x = v[overwrite]
+        if type(x) is not int or not -_INT_MAX - 1 <= x <= _INT_MAX:
+            v[overwrite] = _overwrite(overwrite, x)
+        v["alpha"] = _scalar("alpha", v["alpha"], dtype, real_alpha)
         if "beta" in v:
-            v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, real=hermitian)
+            v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
         out = None
-        for k in _ARRAYS:
-            if k in v and v[k] is not None:
-                x = _array(k, v[k], dtype)
-                if k == out_name:
-                    out = x
+        for k in arrays:
+            x = v[k]
+            if x is None:
+                continue
+            if type(x) is not np.ndarray or x.ndim != 2 or x.dtype.kind not in "biufc":  # else kept as it is
+                x = _array(k, x, dtype)
                 v[k] = _matrix(k, x)
+            if k == out_name:
+                out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
             v["overwrite_c"] = out is not None and _in_place(out, dtype, v["overwrite_c"])
         if routine == "trmm":
@@ -319,7 +337,8 @@ def _make(prefix: str, routine: str):
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
-        return _shaped(impl(**v), out, v.get(out_name))
+        res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
+        return res if out is None or out.ndim == 2 else _shaped(res, out, v[out_name])
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
