@@ -32,7 +32,7 @@ def _leaks_now(engine) -> list[str]:
     for st in engine.stations:
         if len(st):
             out.append(f"station of device {st.owner} holds {len(st)} tasks")
-    running = [c for c in list(engine._calls) if not c.done]
+    running = [c for c in engine._live_calls() if not c.done]
     if running:
         out.append(f"{len(running)} calls not finished: {[c.name for c in running]}")
     for w in engine.workers:

@@ -93,7 +93,8 @@ State (each field has one owner)
     Bumped and notified when work appears (submit, re-queue, failure, shutdown); idle workers
     sleep on ``_cv`` until it changes.
 ``_calls``
-    Calls in progress, so a failure with no live worker can fail them all.
+    Calls in progress, so a failure with no live worker can fail them all; added and copied under
+    ``_calls_lock`` (``_live_calls``).
 ``_retired``
     Bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7); any
     thread appends, the holder of the directory lock drains.
@@ -179,6 +180,7 @@ class Engine:
         self._lock = threading.Lock()
         self._retired: collections.deque[int] = collections.deque()  # retire_base's backlog
         self._calls: "weakref.WeakSet[Call]" = weakref.WeakSet()
+        self._calls_lock = threading.Lock()  # adds and snapshots of _calls (a set changing under a copy raises)
         self._started = False
         self._closed = False
         self.failures: list[tuple[str, BaseException]] = []
@@ -224,7 +226,7 @@ class Engine:
             self._closed = True
             started = self._started
         if cancel and started and not self.inline:
-            for call in list(self._calls):
+            for call in self._live_calls():
                 if not call.done:
                     call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
                     self._take_back(call)
@@ -279,7 +281,8 @@ class Engine:
         if not self.inline:  # workers run it: they may fail, and need waking for dependents
             if not self._runnable(call):
                 raise DeviceError(self._unrunnable_message(call))
-            self._calls.add(call)
+            with self._calls_lock:
+                self._calls.add(call)
             if call.has_deps:
                 call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
             if self.admission is not None:
@@ -471,9 +474,13 @@ class Engine:
             err.__cause__ = cause
         call.fail(err)
 
+    def _live_calls(self) -> list:
+        with self._calls_lock:
+            return list(self._calls)
+
     def _fail_unrunnable(self) -> None:
         """Fail and drain every call no live worker can run, so nobody waits forever."""
-        for call in list(self._calls):
+        for call in self._live_calls():
             if not call.failed and not self._runnable(call):
                 cause = self.failures[-1][1] if self.failures else None
                 self._fail_call(call, DeviceError(self._unrunnable_message(call)), cause)
