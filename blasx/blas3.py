@@ -180,12 +180,13 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     vb = _f_view(b, xp, dtype)
     is_complex = dtype.kind == "c"
     routine = "hemm" if hermitian else "symm"
-    dispatch.run(name, [va, vb, out],
-        lambda tile, block: plan_symm(m, n, tile, side, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
-                                      beta_zero=(beta == 0), is_complex=is_complex, block=block),
-        dtype, alpha, beta, (m, n, s_dim),
-        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, va, vb, beta, out, side, lower, 1)),
-        flops=2.0 * m * n * s_dim if alpha != 0 else float(m * n))
+    with dispatch.whole(out is c):
+        dispatch.run(name, [va, vb, out],
+            lambda tile, block: plan_symm(m, n, tile, side, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
+                                          beta_zero=(beta == 0), is_complex=is_complex, block=block),
+            dtype, alpha, beta, (m, n, s_dim),
+            host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, va, vb, beta, out, side, lower, 1)),
+            flops=2.0 * m * n * s_dim if alpha != 0 else float(m * n))
     return out
 
 
@@ -271,12 +272,13 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     planner = plan_syr2k if two else plan_syrk
     is_complex = dtype.kind == "c"
     flops = (2.0 if two else 1.0) * n * (n + 1.0) * k if alpha != 0 else 0.0
-    dispatch.run(name, views,
-        lambda tile, block: planner(n, k, tile, op, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
-                                    beta_zero=(beta == 0), is_complex=is_complex, block=block),
-        dtype, alpha, beta, (n, n, k),
-        host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, *views[:-1], beta, out, op, lower, 1)),
-        flops=flops)
+    with dispatch.whole(out is c):
+        dispatch.run(name, views,
+            lambda tile, block: planner(n, k, tile, op, lower, hermitian=hermitian, alpha_zero=(alpha == 0),
+                                        beta_zero=(beta == 0), is_complex=is_complex, block=block),
+            dtype, alpha, beta, (n, n, k),
+            host=lambda: written(out, dispatch.blas_routine(routine, dtype)(alpha, *views[:-1], beta, out, op, lower, 1)),
+            flops=flops)
     return out
 
 
@@ -368,8 +370,9 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
             out[...] = vb
         written(out, dispatch.blas_routine("trsm" if solve else "trmm", dtype)(alpha, va, out, side, lower_v, op, diag, 1))
 
-    dispatch.run(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), host=host,
-        flops=1.0 * m * n * s_dim if alpha != 0 else float(m * n), scratch=inverses)
+    with dispatch.whole(in_place):
+        dispatch.run(name, [va, vb, out], plan, dtype, alpha, 0, (m, n, s_dim), host=host,
+            flops=1.0 * m * n * s_dim if alpha != 0 else float(m * n), scratch=inverses)
     return out
 
 

@@ -12,7 +12,9 @@ Either way it becomes this thread's call for :func:`last_profile`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
 import threading
 import warnings
@@ -126,6 +128,29 @@ def written(out, res) -> None:
     it wrote it in place, else a copy (an ``out`` it could not take as it is)."""
     if res is not out:
         out[...] = res
+
+
+@contextlib.contextmanager
+def whole(writes_caller: bool):
+    """A call that writes the caller's own array (``overwrite_c``, ``overwrite_b``, ``out=``) on the
+    engine is not cut short by Ctrl-C: the interrupt takes effect once the call returns, as with
+    numpy's and scipy's own calls, so that array is fully written (calls into fresh arrays are
+    cancelled at once instead, the caller's arrays untouched). Main thread only; else a no-op."""
+    if not writes_caller or session.host_device is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGINT)
+    if not callable(old):
+        yield
+        return
+    hit = []
+    signal.signal(signal.SIGINT, lambda signum, frame: hit.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if hit:
+        old(*hit[0])  # the deferred Ctrl-C: Python's handler raises KeyboardInterrupt here
 
 
 def array_module(on_gpu: bool):

@@ -83,8 +83,9 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
                 raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
     xp = dispatch.array_module(on_gpu)
     out = _output(c, out_type, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
-    dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
-                  trans_a, trans_b, dtype, ka, name, math=math)
+    with dispatch.whole(out is c):
+        dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
+                      trans_a, trans_b, dtype, ka, name, math=math)
     return out
 
 

@@ -135,7 +135,8 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
         c = c[..., :, None] if b.ndim == 1 else c
     a3 = xp.broadcast_to(a1, batch + (n, k))
     b3 = xp.broadcast_to(b1, batch + (k, m))
-    run_batch(a3, b3, c, xp)
+    with dispatch.whole(direct):
+        run_batch(a3, b3, c, xp)
     if out is not None:
         if not direct:
             xp.copyto(out, res, casting=casting)
@@ -283,7 +284,8 @@ def _dot(a, b, out, out_dtype):
     b2 = _cast(y, it).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(_cast(y, it), -2, 0).reshape(k, cols)
     direct = out is not None and not _aliases(out, x, y)
     res = out if direct else xp.empty(final, dtype=ct)
-    gemm_into(a2, b2, res.reshape(a2.shape[0], b2.shape[1]))
+    with dispatch.whole(direct):
+        gemm_into(a2, b2, res.reshape(a2.shape[0], b2.shape[1]))
     if out is not None:
         if not direct:
             out[...] = res

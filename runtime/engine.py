@@ -63,8 +63,11 @@ Failure model
   when filled and the call's tokens are retired, so no later call reads a half-filled line; other
   calls go on and the next call works.
 * **The caller's arrays**: inputs are never written. A call that returns a new array leaves all of
-  them untouched; one that writes into the caller's array (``overwrite_c``/``overwrite_b`` with a
-  usable array, ``out=``) may leave that output partly written, nothing else.
+  them untouched (it is cancelled as above); one that writes into the caller's array
+  (``overwrite_c``/``overwrite_b`` with a usable array, ``out=``) holds Ctrl-C back until it returns
+  (``blasx.dispatch.whole``, main thread), as numpy's and scipy's calls do, so that output is fully
+  written when KeyboardInterrupt is raised. (An async exception injected into another thread still
+  cancels such a call and may leave its output partly written.)
 * **An error of one call** (a refused write-back, ``CacheFull``, anything not a device error,
   ``Worker.device_error``) fails that call; its tasks stop as on an interrupt; the device goes on.
 * **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of
