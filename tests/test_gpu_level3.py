@@ -11,10 +11,7 @@ import scipy.linalg.blas as sblas
 import blasx
 
 cupy = pytest.importorskip("cupy")
-try:
-    NGPU = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    NGPU = 0
+NGPU = blasx.session._cuda_count()
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
 

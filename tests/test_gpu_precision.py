@@ -14,10 +14,7 @@ from blasx import precision as P
 from blasx.runtime.devices.numpy_kernels import to_tf32
 
 cupy = pytest.importorskip("cupy")
-try:
-    NGPU = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001 - no driver
-    NGPU = 0
+NGPU = blasx.session._cuda_count()
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
 

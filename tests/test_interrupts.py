@@ -30,15 +30,7 @@ N = 96
 TILE = 32
 
 
-def _gpus() -> int:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
-        return 0
-
-
-ON_GPUS = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU and CuPy")]
+ON_GPUS = [pytest.mark.gpu, pytest.mark.skipif(blasx.session._cuda_count() < 1, reason="needs a CUDA GPU and CuPy")]
 CALLER_PHASES = ("plan", "register", "submit")
 DEVICE_PHASES = ("load", "compute", "writeback")
 
