@@ -23,7 +23,7 @@ import numpy as np
 import scipy.linalg.blas as _sp_blas
 
 from . import session
-from .operands import TokenTable, canonical, column_major_view, is_cupy, make_operand
+from .operands import TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand
 from .runtime import dtypes
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
@@ -151,13 +151,6 @@ def whole(writes_caller: bool):
         signal.signal(signal.SIGINT, old)
     if hit:
         old(*hit[0])  # the deferred Ctrl-C: Python's handler raises KeyboardInterrupt here
-
-
-def array_module(on_gpu: bool):
-    if on_gpu:
-        import cupy
-        return cupy
-    return np
 
 
 def as_operand(x, dtype):

@@ -124,8 +124,8 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
     if out is not None and (tuple(out.shape) != final or final == ()):
         return _fallback_matmul(x1, x2, out, kwargs)  # numpy's output-shape error (or a 0-d out)
-    a1 = _cast(a1, it)
-    b1 = _cast(b1, it)
+    a1 = dispatch.as_operand(a1, it)
+    b1 = dispatch.as_operand(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
     res = out if direct else xp.empty(final, dtype=ct)
     if final == ():
@@ -280,8 +280,8 @@ def _dot(a, b, out, out_dtype):
         return res
     rows = math.prod(x.shape[:-1])
     cols = math.prod(y.shape[:-2]) * y.shape[-1] if y.ndim >= 2 else 1
-    a2 = _cast(x, it).reshape(rows, k)
-    b2 = _cast(y, it).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(_cast(y, it), -2, 0).reshape(k, cols)
+    a2 = dispatch.as_operand(x, it).reshape(rows, k)
+    b2 = dispatch.as_operand(y, it).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(dispatch.as_operand(y, it), -2, 0).reshape(k, cols)
     direct = out is not None and not _aliases(out, x, y)
     res = out if direct else xp.empty(final, dtype=ct)
     with dispatch.whole(direct):
@@ -348,8 +348,8 @@ def _tensordot(a, b, axes, out_dtype):
         res = _np_tensordot(x, y, axes)
         dispatch.record_host(dev, t0, ct, 2.0 * mdim * ndim_ * kdim)
         return res
-    a2 = _cast(x, it).transpose(free_a + axes_a).reshape(mdim, kdim)
-    b2 = _cast(y, it).transpose(axes_b + free_b).reshape(kdim, ndim_)
+    a2 = dispatch.as_operand(x, it).transpose(free_a + axes_a).reshape(mdim, kdim)
+    b2 = dispatch.as_operand(y, it).transpose(axes_b + free_b).reshape(kdim, ndim_)
     res = xp.empty((mdim, ndim_), dtype=ct)
     gemm_into(a2, b2, res)
     return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
@@ -522,10 +522,6 @@ def _plain(x):
     except Exception:  # noqa: BLE001 - numpy's own call will report it
         return None
     return arr if arr.dtype != object else None
-
-
-def _cast(x, dtype):
-    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _aliases(out, *inputs) -> bool:

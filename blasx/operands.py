@@ -52,18 +52,19 @@ def canonical(x, op: int, transposed_problem: bool, cm=None):
     if cm is None:
         cm = column_major_view(x)
     if cm is None:  # arbitrary strides: one contiguous copy
-        x = _xp(x).asfortranarray(x)
+        x = array_module(is_cupy(x)).asfortranarray(x)
         cm = (x, False)
     v, t = cm
     trans = t ^ (op != OP_N) ^ transposed_problem
     conj = op == OP_C
     if (trans, conj) not in OP_OF:  # conjugate, no transpose: materialise conj(V)
-        return _xp(v).asfortranarray(v.conj()), OP_N
+        return array_module(is_cupy(v)).asfortranarray(v.conj()), OP_N
     return v, OP_OF[(trans, conj)]
 
 
-def _xp(x):
-    if is_cupy(x):
+def array_module(on_gpu: bool):
+    """cupy for device arrays, else numpy."""
+    if on_gpu:
         import cupy
         return cupy
     return np
