@@ -125,6 +125,8 @@ class ChannelAffine:
                               self._part(shift, lo, n), None if act is None else act.name,
                               (act.param if act is not None else None) or 0.0)
             return
+        if dev.kind == "sim" and dev.timing:
+            return  # data-free: no tile to work on
         ct = _compute_dtype(loc.dtype)
         scale, shift = self._typed(ct)
         scale = None if scale is None else self._part(scale, lo, n)
@@ -141,9 +143,8 @@ class ChannelAffine:
                     v = act.host(v)
                 if v is not loc:
                     loc[...] = v  # rounds once to the tile's type
-        if dev.kind == "sim":  # behind the tile's kernels on its stream (none in timing mode)
-            if not dev.timing:
-                dev.streams[s].submit(work)
+        if dev.kind == "sim":  # behind the tile's kernels on its stream
+            dev.streams[s].submit(work)
             return
         work()  # cpu: the finished tile, in this thread
 
