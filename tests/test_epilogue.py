@@ -288,3 +288,68 @@ def test_timing_mode_skips_the_work():
     c = np.zeros((64, 64), order="F")
     dispatch.gemm(1.0, a, a, 0.0, c, 0, 0, np.float64, 64, epilogue=ChannelAffine(0, shift=np.ones(64)))
     assert not c.any()  # data-free: no product and no epilogue on the host arrays
+
+
+# ---------------------------------------------------------------- the CUDA forms, checked on the host
+
+def test_every_tile_type_and_activation_has_a_cuda_kernel():
+    from blasx.runtime.devices import cuda_epilogue as ce
+    names = {ce.kernel_source(dt, a)[3] for dt in FLOATS for a in (None, *NAMES)}
+    assert len(names) == len(FLOATS) * (len(NAMES) + 1)
+    with pytest.raises(TypeError, match="int32"):
+        ce.kernel_source(np.int32, "relu")
+
+
+_HOST_SHIMS = """#include <cmath>
+#include <cstring>
+using std::isnan;
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+"""
+
+
+def test_cuda_expressions_compiled_for_the_host_match_numpy(tmp_path):
+    """The kernels' loop bodies (float, double and bfloat16 bits; float16 needs CUDA's type)
+    compiled with the host's C++ compiler: the same results as the numpy forms within 2 ulps of
+    the larger of the result and 1, NaN where numpy has NaN, bfloat16 rounding exact."""
+    import ctypes
+    import shutil
+    import subprocess
+    from blasx.runtime.devices import cuda_epilogue as ce
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+    if bfloat16 is not None:
+        types[np.dtype(bfloat16)] = "unsigned short"
+    acts = [None, *NAMES]
+    src = [_HOST_SHIMS]
+    for dt, ctype in types.items():
+        f = "double" if dt == np.float64 else "float"
+        for a in acts:
+            _, _, op, name = ce.kernel_source(dt, a)
+            src.append(f'extern "C" void {name}({ctype}* ys, long n, {f} sc, {f} sh, {f} p) '
+                       f'{{ for (long j = 0; j < n; ++j) {{ {ctype}& y = ys[j]; {op}; }} }}')
+    (tmp_path / "k.cpp").write_text("\n".join(src))
+    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
+                   check=True, capture_output=True)
+    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    x = np.concatenate([np.linspace(-30, 30, 2001), [-1e30, 1e30, np.inf, -np.inf, np.nan, 0.0]])
+    for dt in types:
+        ct = np.float64 if dt == np.float64 else np.float32
+        cparam = ctypes.c_double if dt == np.float64 else ctypes.c_float
+        ulp = 2.0 ** -7 if dt.itemsize == 2 else float(np.finfo(ct).eps)
+        for a in acts:
+            act = _act(a) if a else None
+            fn = getattr(lib, ce.kernel_source(dt, a)[3])
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_long, cparam, cparam, cparam]
+            y = x.astype(dt)
+            got = y.copy()
+            fn(got.ctypes.data, got.size, 1.5, 0.25, (act.param if act else None) or 0.0)
+            v = y.astype(ct) * ct(1.5) + ct(0.25)
+            want = (v if act is None else act.host(v)).astype(dt).astype(np.float64)
+            got = got.astype(np.float64)
+            assert np.array_equal(np.isnan(got), np.isnan(want)), a
+            ok = ~np.isnan(want) & (got != want)
+            err = np.abs(got[ok] - want[ok]) / np.maximum(np.abs(want[ok]), 1.0)
+            assert err.size == 0 or err.max() <= 2 * ulp, (dt, a, err.max())
