@@ -74,15 +74,17 @@ class Dequantize:
 class ChannelAffine:
     """``tile -> act(tile * scale + shift)`` in place: a per-channel affine map (bias, folded
     inference batchnorm) and an activation fused into the gemm. ``axis`` says which index of the
-    canonical C the vectors run along: 0, one value per row of C; 1, one per column. ``scale``
-    and ``shift`` (each optional) are real 1-D arrays (numpy or CuPy) of that length;
-    ``activation`` is anything :func:`~blasx.runtime.activations.parse_activation` takes.
+    canonical C the vectors run along: 0, its rows; 1, its columns. ``scale`` and ``shift``
+    (each optional) are real 1-D arrays (numpy or CuPy) of one length, the channel count; they
+    repeat along the axis: row (column) i takes value ``i % len`` (a C of N images' channels
+    side by side, NCHW conv's ``(P, N*K)``, passes K values). ``activation`` is anything
+    :func:`~blasx.runtime.activations.parse_activation` takes.
     Tiles of float64, float32, float16 and bfloat16 are computed in float32 (float64 for
     float64) and rounded once to the tile's type."""
 
     def __init__(self, axis: int, scale=None, shift=None, activation=None) -> None:
         if isinstance(axis, bool) or axis not in (0, 1):
-            raise ValueError(f"axis: got {axis!r}; allowed: 0 (one value per row of C) or 1 (per column)")
+            raise ValueError(f"axis: got {axis!r}; allowed: 0 (vectors along C's rows) or 1 (along its columns)")
         self.axis = int(axis)
         self.scale = _vector("scale", scale)
         self.shift = _vector("shift", shift)
@@ -102,12 +104,14 @@ class ChannelAffine:
 
     def check(self, rows: int, cols: int) -> None:
         """Raise ValueError unless the vectors fit a ``rows x cols`` C (canonical, as this
-        epilogue's axis reads it); a front end calls it before the call."""
+        epilogue's axis reads it: its extent a multiple of the channel count); a front end
+        calls it before the call."""
         n = rows if self.axis == 0 else cols
-        if self.size is not None and self.size != n:
+        if self.size is not None and n % self.size != 0:
             name = "scale" if self.scale is not None else "shift"
-            raise ValueError(f"{name}: got {self.size} values, the output has {n} channels "
-                             f"({'rows' if self.axis == 0 else 'columns'} of C)")
+            raise ValueError(f"{name}: got {self.size} values, the output has {n} "
+                             f"{'rows' if self.axis == 0 else 'columns'} (C's channel axis), "
+                             f"not a multiple of {self.size}")
 
     def transposed(self) -> "ChannelAffine":
         """The epilogue of the transposed product (C^T: the vectors run along the other axis)."""
@@ -121,9 +125,10 @@ class ChannelAffine:
             from .devices.cuda_epilogue import affine_activation
             dtype = task.call.acc_dtype
             scale, shift = self._device_vectors(dev, _compute_dtype(dtype))
-            affine_activation(dev.streams[s], loc, ref.rows, ref.cols, dtype, self._part(scale, lo, n),
-                              self._part(shift, lo, n), None if act is None else act.name,
-                              (act.param if act is not None else None) or 0.0)
+            with dev.streams[s]:
+                scale, shift = self._part(scale, lo, n), self._part(shift, lo, n)
+            affine_activation(dev.streams[s], loc, ref.rows, ref.cols, dtype, scale, shift,
+                              None if act is None else act.name, (act.param if act is not None else None) or 0.0)
             return
         if dev.kind == "sim" and dev.timing:
             return  # data-free: no tile to work on
@@ -149,11 +154,19 @@ class ChannelAffine:
         work()  # cpu: the finished tile, in this thread
 
     def _part(self, v, lo: int, n: int):
-        """Tile ``[lo, lo + n)``'s part of vector ``v``, shaped to broadcast over the tile (a
-        placeholder of shape (1, 1) as it is)."""
+        """The values of rows (columns) ``[lo, lo + n)`` from vector ``v`` (repeating), shaped to
+        broadcast over the tile (a placeholder of shape (1, 1) as it is)."""
         if v.ndim == 2:
             return v
-        v = v[lo:lo + n]
+        start = lo % v.shape[0]
+        if start + n <= v.shape[0]:
+            v = v[start:start + n]
+        else:  # the tile spans the end of a repetition: gathered (CuPy: on the current stream)
+            idx = np.arange(start, start + n) % v.shape[0]
+            if not isinstance(v, np.ndarray):
+                import cupy
+                idx = cupy.asarray(idx)
+            v = v.take(idx)
         return v[:, None] if self.axis == 0 else v[None, :]
 
     def _typed(self, ct: np.dtype) -> tuple:

@@ -147,8 +147,10 @@ def test_channel_affine_checks_its_arguments(expect):
     ep = ChannelAffine(0, shift=np.arange(5))
     assert ep.size == 5 and ep.scale is None and ep.shift.dtype == np.float64
     ep.check(5, 7)
-    expect(ValueError, "shift: got 5 values, the output has 7 channels (rows of C)", call=lambda: ep.check(7, 5))
-    expect(ValueError, "scale: got 2 values", "(columns of C)", call=lambda: ChannelAffine(1, [1, 2]).check(2, 3))
+    ep.check(15, 1)  # three repetitions
+    expect(ValueError, "shift: got 5 values, the output has 7 rows (C's channel axis), not a multiple of 5",
+           call=lambda: ep.check(7, 5))
+    expect(ValueError, "scale: got 2 values", "3 columns", call=lambda: ChannelAffine(1, [1, 2]).check(2, 3))
     ChannelAffine(1, activation="relu").check(3, 4)  # no vectors: any shape
     assert ChannelAffine(0).size is None
 
@@ -233,6 +235,24 @@ def test_every_activation_and_axis_on_the_engine(dev, dt):
             want = _expected(a.astype(np.float64) @ b.astype(np.float64), axis, scale, shift, act)
             err = _rel(c, want)
             assert err <= tol, (act, axis, err, tol)
+
+
+@pytest.mark.parametrize("dev", ["sim:1", "sim:3", "cpu"])
+def test_vectors_repeat_along_the_axis(dev):
+    """NCHW conv's C is (P, N*K), column n*K + k: K values serve N images, tiles of 32 columns
+    starting anywhere in a repetition and spanning its end (K = 24); rows likewise."""
+    _configure(dev)
+    rng = np.random.default_rng(13)
+    p, images, kc, k = 50, 5, 24, 30
+    for axis in (0, 1):
+        m, n = (images * kc, p) if axis == 0 else (p, images * kc)
+        a, b, c = _operands(rng, m, n, k, np.float32)
+        scale, shift = rng.uniform(0.5, 2, kc), rng.standard_normal(kc)
+        ep = ChannelAffine(axis, scale, shift, "relu6")
+        ep.check(m, n)
+        dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, np.float32, k, epilogue=ep)
+        want = _expected(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "relu6")
+        assert _rel(c, want) <= 4 * P.tolerance(np.float32, k)
 
 
 @pytest.mark.parametrize("dev", ["sim:2", "cpu"])

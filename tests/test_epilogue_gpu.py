@@ -133,3 +133,18 @@ def test_residual_tf32_and_a_float32_output(spec):
     dispatch.gemm(1.0, h_a, h_b, 0.0, c, 0, 0, np.float16, k, epilogue=ChannelAffine(1, scale, None, "gelu"))
     want = _expected(h_a.astype(np.float64) @ h_b.astype(np.float64), 1, scale, None, "gelu")
     assert _rel(c, want) <= 4 * P.tolerance(np.float16, k, np.float32)
+
+
+def test_vectors_repeat_along_the_axis(spec):
+    """NCHW conv's C (P, N*K): K = 100 values serve 7 images; 256-wide tiles span repetitions."""
+    rng = np.random.default_rng(4)
+    p, images, kc, k = 300, 7, 100, 200
+    for axis in (0, 1):
+        m, n = (images * kc, p) if axis == 0 else (p, images * kc)
+        a = np.asfortranarray(rng.standard_normal((m, k)).astype(np.float32))
+        b = np.asfortranarray(rng.standard_normal((k, n)).astype(np.float32))
+        scale, shift = rng.uniform(0.5, 2, kc), rng.standard_normal(kc)
+        c = np.zeros((m, n), dtype=np.float32, order="F")
+        dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, np.float32, k, epilogue=ChannelAffine(axis, scale, shift, "silu"))
+        want = _expected(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "silu")
+        assert _rel(c, want) <= 4 * P.tolerance(np.float32, k)
