@@ -202,7 +202,7 @@ def _vector(name: str, v) -> np.ndarray | None:
     v = np.asarray(v)
     if v.dtype.kind not in "fiu" and not _is_bfloat16(v.dtype):
         raise TypeError(f"{name}: got an array of {v.dtype.name}; allowed: a real (integer or floating) vector")
-    if v.ndim != 1:
+    if v.ndim != 1 or v.size == 0:
         raise ValueError(f"{name}: got shape {v.shape}; allowed: a 1-D vector, one value per channel")
     return np.ascontiguousarray(v, dtype=np.float64)
 

@@ -141,6 +141,7 @@ def test_channel_affine_checks_its_arguments(expect):
     expect(ValueError, "axis: got 2", "allowed: 0", call=lambda: ChannelAffine(2))
     expect(ValueError, "axis: got True", call=lambda: ChannelAffine(True))
     expect(ValueError, "scale: got shape (2, 3)", "1-D", call=lambda: ChannelAffine(0, scale=np.ones((2, 3))))
+    expect(ValueError, "shift: got shape (0,)", call=lambda: ChannelAffine(0, shift=[]))
     expect(TypeError, "shift: got an array of complex128", call=lambda: ChannelAffine(0, shift=np.ones(3) * 1j))
     expect(ValueError, "shift: got 4 values, scale has 3", call=lambda: ChannelAffine(1, np.ones(3), np.ones(4)))
     expect(ValueError, "activation: got 'bogus'", call=lambda: ChannelAffine(0, activation="bogus"))
