@@ -59,11 +59,6 @@ def tile_type(dtype) -> str:
     return name
 
 
-def compute_dtype(dtype) -> np.dtype:
-    """The type a tile of ``dtype`` is computed in (and its vectors are kept in)."""
-    return np.dtype(np.float64 if _TILE[tile_type(dtype)][1] == "double" else np.float32)
-
-
 def kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
     """(in_params, out_params, operation, name) of the ElementwiseKernel for tiles of ``dtype``."""
     tname = tile_type(dtype)
@@ -93,6 +88,5 @@ def affine_activation(stream, loc, rows: int, cols: int, dtype, scale, shift, ac
     shaped to broadcast, ``(rows, 1)``, ``(1, cols)`` or ``(1, 1)``; ``param``: the activation's
     parameter (0 where it has none)."""
     y = device_view(loc[0], rows, cols, loc[1], dtype)
-    ct = compute_dtype(dtype)
     with stream:
-        _kernel(dtype, activation)(scale, shift, ct.type(param), y)
+        _kernel(dtype, activation)(scale, shift, scale.dtype.type(param), y)
