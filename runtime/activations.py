@@ -1,0 +1,105 @@
+"""Activation functions of fused epilogues: the one table of their names and parameters, their
+host (numpy) forms with torch's formulas, and the parser of a user's ``activation=`` argument.
+
+The CUDA forms of the same names are in ``devices/cuda_epilogue.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from scipy import special
+
+_SQRT1_2 = 0.70710678118654752440  # 1 / sqrt(2)
+_SQRT_2_PI = 0.79788456080286535588  # sqrt(2 / pi)
+
+
+def _relu6(x):
+    return np.minimum(np.maximum(x, 0), 6)
+
+
+# name -> (torch's name of the parameter, its default, the numpy form f(x, p)); every form keeps
+# x's floating type and passes NaN through, as torch's do.
+_TABLE = {
+    "relu": (None, None, lambda x, p: np.maximum(x, 0)),
+    "relu6": (None, None, lambda x, p: _relu6(x)),
+    "leaky_relu": ("negative_slope", 0.01, lambda x, p: np.where(x < 0, x * x.dtype.type(p), x)),
+    "elu": ("alpha", 1.0, lambda x, p: np.where(x > 0, x, x.dtype.type(p) * np.expm1(np.minimum(x, 0)))),
+    "sigmoid": (None, None, lambda x, p: special.expit(x)),  # stable for large |x|
+    "tanh": (None, None, lambda x, p: np.tanh(x)),
+    "gelu": (None, None, lambda x, p: 0.5 * x * (1 + special.erf(x * x.dtype.type(_SQRT1_2)))),
+    "gelu_tanh": (None, None, lambda x, p: 0.5 * x * (1 + np.tanh(x.dtype.type(_SQRT_2_PI)
+                                                                  * (x + x.dtype.type(0.044715) * x * x * x)))),
+    "hardswish": (None, None, lambda x, p: x * _relu6(x + 3) / 6),
+    "silu": (None, None, lambda x, p: x * special.expit(x)),
+}
+
+#: The activation names, in the order error messages list them.
+NAMES: tuple[str, ...] = tuple(_TABLE)
+#: What ``activation=`` takes, for error messages.
+ALLOWED = ("None, " + ", ".join(repr(n) for n in NAMES)
+           + ", ('leaky_relu', negative_slope), ('elu', alpha), ('gelu', 'none' | 'tanh'),"
+             " or a dict {'name': ..., <torch's parameter name>: ...}")
+
+
+class Activation(NamedTuple):
+    """A parsed activation: its name (a key of the table) and parameter (leaky_relu's slope,
+    elu's alpha; None for the others)."""
+
+    name: str
+    param: float | None = None
+
+    def host(self, x: np.ndarray) -> np.ndarray:
+        """The activation of the float32 or float64 array ``x`` (a new array of x's type)."""
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            return _TABLE[self.name][2](x, self.param)
+
+
+def _error(value, why: str = "") -> ValueError:
+    return ValueError(f"activation: got {value!r}{why}; allowed: {ALLOWED}")
+
+
+def _param(name: str, value, given):
+    """The parameter of ``name`` from ``given`` (None: its default), checked."""
+    pname, default, _ = _TABLE[name]
+    if given is None:
+        return default
+    if pname is None:
+        raise _error(value, f" ({name} takes no parameter)")
+    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(given):
+        raise _error(value, f" ({name}'s {pname} must be a finite real number)")
+    return float(given)
+
+
+def parse_activation(value) -> Activation | None:
+    """``activation=`` as a user gives it -> an :class:`Activation`, or None for none.
+
+    Takes None, a name ("relu", "gelu", ...), ``(name, param)`` (("leaky_relu", 0.2), ("elu", 0.5),
+    ("gelu", "tanh") for torch's approximate="tanh"), a dict ``{"name": name, param_name: param}``
+    with torch's parameter names (negative_slope, alpha, approximate), or an Activation. Raises
+    TypeError or ValueError naming ``activation``, what it got and what is allowed.
+    """
+    if value is None or isinstance(value, Activation):
+        return value
+    if isinstance(value, str):
+        name, given = value, None
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+        name, given = value
+    elif isinstance(value, dict) and isinstance(value.get("name"), str):
+        rest = {k: v for k, v in value.items() if k != "name"}
+        name = value["name"]
+        pname = "approximate" if name == "gelu" else _TABLE[name][0] if name in _TABLE else None
+        if set(rest) - {pname}:
+            raise _error(value, f" (unknown keys {sorted(set(rest) - {pname})})")
+        given = rest.get(pname)
+    else:
+        raise TypeError(f"activation: got {value!r} of type {type(value).__name__}; allowed: {ALLOWED}")
+    if name == "gelu" and isinstance(given, str):  # torch's F.gelu(x, approximate=...)
+        if given not in ("none", "tanh"):
+            raise _error(value, " (gelu's approximate is 'none' or 'tanh')")
+        name, given = ("gelu_tanh" if given == "tanh" else "gelu"), None
+    if name not in _TABLE:
+        raise _error(value, f" (unknown name {name!r})")
+    return Activation(name, _param(name, value, given))
