@@ -156,14 +156,20 @@ class Side:
         if self.gpu:
             import cupy
             return cupy.from_dlpack(t)
+        return self.to_host(t)
+
+    def from_blasx(self, a):
+        return self.torch.from_dlpack(a) if self.gpu else self.from_host(a)
+
+    def to_host(self, t) -> np.ndarray:
+        """A CPU tensor as a numpy view (bfloat16 as ml_dtypes')."""
         if t.dtype == self.torch.bfloat16:
             from ml_dtypes import bfloat16
             return t.view(self.torch.int16).numpy().view(bfloat16)
         return t.numpy()
 
-    def from_blasx(self, a):
-        if self.gpu:
-            return self.torch.from_dlpack(a)
+    def from_host(self, a):
+        """A numpy array as a CPU tensor view."""
         a = np.asarray(a)
         if a.dtype.name == "bfloat16":
             return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
@@ -206,14 +212,15 @@ class Side:
         return times, out
 
 
-def conv_call(nn, grad, layer, direction: str, x, w, dy):
+def conv_call(nn, grad, layer, direction: str, x, w, dy, **out):
     """One convolution through torch's functions (nn = torch.nn.functional, grad = torch.nn.grad)
-    or blasx.dnn's (both = blasx.dnn): the same names, positions and arguments."""
+    or blasx.dnn's (both = blasx.dnn): the same names, positions and arguments (``out=`` only
+    for blasx's forward conv)."""
     d, s, p, dil, g = layer.dims, layer.stride, layer.padding, layer.dilation, layer.groups
     if direction == "fwd":
         if layer.transposed:
             return getattr(nn, f"conv_transpose{d}d")(x, w, None, s, p, layer.output_padding, g, dil)
-        return getattr(nn, f"conv{d}d")(x, w, None, s, p, dil, g)
+        return getattr(nn, f"conv{d}d")(x, w, None, s, p, dil, g, **out)
     if direction == "bwd-data":
         return getattr(grad, f"conv{d}d_input")(tuple(layer.x_shape), w, dy, s, p, dil, g)
     return getattr(grad, f"conv{d}d_weight")(x, tuple(layer.w_shape), dy, s, p, dil, g)
