@@ -109,9 +109,12 @@ def make_x(n: int, cols: int, dtype: str, order: str, seed: int) -> np.ndarray:
 
 
 def sample_block(cols: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two sorted column samples (the block C[ia, ib]), both holding column 0 and the last."""
+    """Two sorted samples of ``size`` columns (the block C[ia, ib]), each with column 0 and the last."""
     rng = np.random.default_rng(seed)
-    pick = lambda: np.unique(np.r_[0, cols - 1, rng.choice(cols, size, replace=False)])[:size]  # noqa: E731
+
+    def pick():
+        inner = rng.choice(np.arange(1, cols - 1), max(0, min(size, cols) - 2), replace=False)
+        return np.unique(np.r_[0, inner, cols - 1])
     return pick(), pick()
 
 
