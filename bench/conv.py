@@ -44,6 +44,7 @@ TORCH_DTYPE = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": 
 #: relative-norm error against float64 allowed per mode (a result rounded to the type, TF32 inputs)
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}
 GOAL = 0.8  # the issue's goal: each geomean at >= 0.8x cuDNN
+CUBLAS_MAX_BYTES = 4 << 30  # the lowered GEMM's B (the im2col matrix) is built for cuBLAS only below this
 FAMILIES = ("resnet50", "own")
 
 
@@ -251,12 +252,13 @@ def rel_error(torch, got, ref) -> float:
 
 
 def lowered_gemm_seconds(side, layer, direction: str, mode: str, warmup: int, reps: int):
-    """torch.matmul (cuBLAS) on the GEMM shape the direction lowers to, groups 1 only; None else."""
+    """torch.matmul (cuBLAS) on the GEMM shape the direction lowers to; None for groups > 1 and
+    operands above CUBLAS_MAX_BYTES."""
     torch = side.torch
-    if layer.groups != 1 or not side.gpu:
-        return None
     m, n, k = layer.gemm(direction)
     dt = getattr(torch, TORCH_DTYPE[mode])
+    if layer.groups != 1 or not side.gpu or (m * k + k * n) * dt.itemsize > CUBLAS_MAX_BYTES:
+        return None
     a = torch.randn((m, k), device=side.device).to(dt)
     b = torch.randn((k, n), device=side.device).to(dt)
     times, _ = side.time_torch(lambda: a @ b, warmup, reps)

@@ -28,15 +28,16 @@ from . import level3 as L3
 GOAL = 1.6  # the issue's goal: >= 1.6x torch on one GPU
 
 
-def host_inputs(torch, layer, mode: str, layout: str, seed: int):
-    """(x, w) as CPU torch tensors in the mode's type (x in the layout), standard normal scaled."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+def host_inputs(torch, layer, mode: str, layout: str, seed: int, device):
+    """(x, w) as CPU torch tensors in the mode's type (x in the layout), standard normal scaled,
+    drawn on ``device`` (a GPU draws a batch of 512 in a blink)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, C.TORCH_DTYPE[mode])
-    x = torch.randn(layer.x_shape, generator=gen).to(dt)
+    x = torch.randn(layer.x_shape, generator=gen, device=device).to(dt)
     if layout == "channels-last" and x.dim() in (4, 5):
         x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
-    w = (torch.randn(layer.w_shape, generator=gen) / math.sqrt(math.prod(layer.w_shape[1:]))).to(dt)
-    return x, w
+    w = torch.randn(layer.w_shape, generator=gen, device=device) / math.sqrt(math.prod(layer.w_shape[1:]))
+    return x.cpu(), w.to(dt).cpu()
 
 
 def torch_peer(side, layer, x_host, w, chunks: int):
@@ -48,7 +49,8 @@ def torch_peer(side, layer, x_host, w, chunks: int):
         return (lambda: y.copy_(C.conv_call(F, None, layer, "fwd", x_host, w, None))), y
     dev = side.device
     x_pin = torch.empty_like(x_host, pin_memory=True).copy_(x_host)
-    y_pin = torch.empty(layer.y_shape, dtype=x_host.dtype, pin_memory=True)
+    stored, axes = _stored(layer.y_shape, x_host)
+    y_pin = torch.empty(stored, dtype=x_host.dtype, pin_memory=True).permute(axes)
     w_dev = w.to(dev)
     streams = [torch.cuda.Stream(dev) for _ in range(2 if chunks > 1 else 1)]
     step = -(-layer.batch // chunks)
@@ -98,8 +100,8 @@ def _pinned(side, arrays):
 
 def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
     torch = side.torch
-    x_t, w_t = host_inputs(torch, layer, mode, args.layout, seed)
-    x, w = side.to_host(x_t), side.to_host(w_t)
+    x_t, w_t = host_inputs(torch, layer, mode, args.layout, seed, side.device)
+    x, w = _owned(side.to_host(x_t)), side.to_host(w_t)  # numpy owns the batch, as a user's would
     images = sample_images(layer.batch, args.check_images, seed)
     base = {"layer": layer.name, "family": layer.family, "shape": layer.describe(), "mode": mode,
             "batch": layer.batch, "flops": layer.flops}
@@ -145,13 +147,32 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
     return rows
 
 
-def _empty_out(x, layer):
-    """The output in x's layout: NCHW, or an NCHW-shaped view of NHWC memory."""
-    if x.ndim in (4, 5) and not x.flags.c_contiguous and x.strides[1] == x.itemsize:
-        order = (0, *range(2, x.ndim), 1)
-        nhwc = np.empty(tuple(layer.y_shape[i] for i in order), dtype=x.dtype)
-        return nhwc.transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-    return np.empty(layer.y_shape, dtype=x.dtype)
+def _owned(x: np.ndarray) -> np.ndarray:
+    """A copy of x in memory numpy owns, in x's layout."""
+    out = _empty(x.shape, x)
+    np.copyto(out, x)
+    return out
+
+
+def _stored(shape, like) -> tuple[tuple, tuple]:
+    """(the shape as stored, the axes that view it as ``shape``): NHWC memory for a channels-last
+    ``like`` (numpy array or torch tensor), else ``shape`` itself."""
+    nd, st = len(shape), like.strides if isinstance(like, np.ndarray) else tuple(like.stride())
+    item = like.itemsize if isinstance(like, np.ndarray) else 1
+    if nd in (4, 5) and st[1] == item and like.shape[1] > 1:
+        order = (0, *range(2, nd), 1)
+        return tuple(shape[i] for i in order), tuple(int(i) for i in np.argsort(order))
+    return tuple(shape), tuple(range(nd))
+
+
+def _empty(shape, like: np.ndarray) -> np.ndarray:
+    """An empty numpy array of ``shape`` in the layout of ``like``."""
+    stored, axes = _stored(shape, like)
+    return np.empty(stored, dtype=like.dtype).transpose(axes)
+
+
+def _empty_out(x: np.ndarray, layer) -> np.ndarray:
+    return _empty(layer.y_shape, x)
 
 
 def summarize(rows: list) -> list[dict]:

@@ -166,8 +166,9 @@ def test_a_wrong_result_is_a_fail_and_an_exception_an_error(tmp_path):
     assert "ERROR" in report.render(str(tmp_path / "b"))
 
 
-def test_host_mode_runs_and_writes_its_files(tmp_path, dnn):
-    assert C.main(SMALL + ["--host", "--batch", "4", "--modes", "fp32,fp16", "--layers",
+@pytest.mark.parametrize("layout", ["nchw", "channels-last"])
+def test_host_mode_runs_and_writes_its_files(tmp_path, dnn, layout):
+    assert C.main(SMALL + ["--host", "--batch", "4", "--modes", "fp32,fp16", "--layout", layout, "--layers",
                            "layer1.0.conv2,conv1d-k3,transposed4x4", "--out", str(tmp_path)], dnn=dnn) == 0
     doc, md = _doc(tmp_path, "convhost")
     assert {(r["mode"], r["host_mode"]) for r in doc["rows"]} == {
