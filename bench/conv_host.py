@@ -24,6 +24,7 @@ import numpy as np
 
 from . import conv as C
 from . import level3 as L3
+from .tallskinny import traffic
 
 GOAL = 1.6  # the goal: >= 1.6x torch on one GPU
 
@@ -99,6 +100,7 @@ def _pinned(side, arrays):
 
 
 def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
+    import blasx
     torch = side.torch
     x_t, w_t = host_inputs(torch, layer, mode, args.layout, seed, side.device)
     x, w = _owned(side.to_host(x_t)), side.to_host(w_t)  # numpy owns the batch, as a user's would
@@ -126,8 +128,10 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
                     if hm == "pageable":
                         _release([x, y])
                     return C.conv_call(dnn, dnn, layer, "fwd", x, w, None, **out)
+                before = blasx.last_profile()
                 times, got = side.time_wall(call, args.warmup, args.reps)
             row["blasx_s"] = statistics.median(times)
+            row.update(traffic(blasx, before), x_bytes=x.nbytes)
             row["blasx_err"] = check(side, layer, x_t, w_t, side.from_host(got), images)
             row["tolerance"] = max(C.TOLERANCE[mode], 2 * torch_err)
             row["status"] = "ok" if row["blasx_err"] <= row["tolerance"] else "FAIL"
@@ -201,17 +205,19 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {s['mode']} | {s['host_mode']} | {C._f(s['set_ratio'])} | {C._f(s['geomean'])} | "
                      f"{s['ok']} / {s['layers']} | {'met' if s['goal_met'] else 'NOT met'} |")
     lines += ["", "| mode | host memory | layer | x, kernel -> K | blasx images/s | torch images/s | torch serial ms "
-              "| torch overlapped ms | blasx ms | blasx / torch | err blasx / torch | check |",
-              "| :-- | :-- | :-- | :-- | --: | --: | --: | --: | --: | --: | :-- | :-- |"]
+              "| torch overlapped ms | blasx ms | blasx / torch | H2D / x | err blasx / torch | check |",
+              "| :-- | :-- | :-- | :-- | --: | --: | --: | --: | --: | --: | --: | :-- | :-- |"]
     for r in doc["rows"]:
         ms = lambda k: C._f(r["torch"][k]["seconds"] * 1e3, 1) if k in r["torch"] else "-"  # noqa: E731
         err = lambda e: "-" if e is None else f"{e:.1e}"  # noqa: E731
         lines.append(f"| {r['mode']} | {r['host_mode']} | {r['layer']} | {r['shape']} | {C._f(r['blasx_images_s'], 0)} | "
                      f"{C._f(r['torch_images_s'], 0)} | {ms('serial')} | {ms('overlapped')} | "
                      f"{C._f(r['blasx_s'] and r['blasx_s'] * 1e3, 1)} | {C._f(r['ratio'])} | "
+                     f"{C._f(r['h2d_bytes'] / r['x_bytes'] if r.get('h2d_bytes') else None)} | "
                      f"{err(r.get('blasx_err'))} / {err(r['torch_err'])} | {r['status']} |")
     errors = [f"- {r['mode']} {r['host_mode']} {r['layer']}: {r['error']}" for r in doc["rows"] if r.get("error")]
     lines += ["", "torch: the faster of serial and overlapped, both from pinned memory with the weights on the GPU; "
+              "H2D / x: bytes blasx copied in (weights included) over x's bytes, in its last run; "
               "errors against float64 torch on the sampled images.", ""] + (["## Errors", "", *errors, ""] if errors else [])
     return "\n".join(lines)
 

@@ -184,6 +184,17 @@ def timed(fn, warmup: int, runs: int, before=None) -> tuple[list, object]:
     return times, out
 
 
+def traffic(blasx, before=None) -> dict:
+    """Bytes over the host links and between GPUs in blasx's last call, and its task count ({}
+    when the last profile is still ``before``: no call reached the engine)."""
+    prof = blasx.last_profile()
+    if prof is None or prof is before:
+        return {}
+    t = prof.summary()["totals"]
+    return {"h2d_bytes": t.get("bytes_h2d"), "d2h_bytes": t.get("bytes_d2h"), "p2p_bytes": t.get("bytes_p2p"),
+            "tasks": t.get("tasks")}
+
+
 def run_case(args, blasx, dtype: str, n: int, rates: dict, gpus: list, log) -> list[dict]:
     cols = args.cols
     t = time.perf_counter()
@@ -218,6 +229,8 @@ def run_case(args, blasx, dtype: str, n: int, rates: dict, gpus: list, log) -> l
                     except Exception as e:  # noqa: BLE001 - reported, the run goes on
                         row.update(median_s=None, best_s=None, rel_err=None, status="ERROR",
                                    error=f"{type(e).__name__}: {e}"[:300])
+                    if who == "blasx" and row["status"] != "ERROR":
+                        row.update(traffic(blasx))
                     s = row["median_s"]
                     row["tflops"] = row["flops"] / s / 1e12 if s else None
                     row["gb_s"] = x.nbytes / s / 1e9 if s else None
@@ -246,18 +259,21 @@ def markdown(doc: dict) -> str:
              f"GPU: {', '.join(f'{r / 1e9:.1f}' for r in rates.get('h2d', [])) or '-'}, all together: "
              f"{f(rates.get('h2d_together') and rates['h2d_together'] / 1e9, '.1f')}.", "",
              "| dtype | n | X GiB | host memory | contender | median s | TFLOPS | GB/s of X | bound s | of bound "
-             "| goal 1.2x | rel err | check |",
-             "| :-- | --: | --: | :-- | :-- | --: | --: | --: | --: | --: | :-- | :-- | :-- |"]
+             "| goal 1.2x | H2D / X | tasks | rel err | check |",
+             "| :-- | --: | --: | :-- | :-- | --: | --: | --: | --: | --: | :-- | --: | --: | :-- | :-- |"]
     for r in doc["rows"]:
         b = r["bound"]
+        h2d = r["h2d_bytes"] / (r["x_gib"] * 2**30) if r.get("h2d_bytes") else None
         goal = "-" if r["who"] != "blasx" or not r["of_bound"] else ("met" if r["of_bound"] <= GOAL else "NOT met")
         lines.append(f"| {r['dtype']} | {r['n']} | {r['x_gib']:.2f} | {r['mode']} | {r['who']} | {f(r['median_s'], '.4f')} | "
                      f"{f(r['tflops'], '.2f')} | {f(r['gb_s'], '.1f')} | {f(b and b['seconds'], '.4f')} | "
-                     f"{f(r['of_bound'], '.2f')} | {goal} | {f(r['rel_err'], '.1e')} | {r['status']} |")
+                     f"{f(r['of_bound'], '.2f')} | {goal} | {f(h2d, '.2f')} | {r.get('tasks') or '-'} | "
+                     f"{f(r['rel_err'], '.1e')} | {r['status']} |")
     errors = [f"- {r['dtype']} n={r['n']} {r['mode']} {r['who']}: {r['error']}" for r in doc["rows"] if r.get("error")]
     lines += ["", "bound: X's bytes over the measured aggregate H2D rate (the smaller of the GPUs' sum and all "
               "copying together), or C's over D2H if longer; of bound: median / bound. cupy: one GPU, X in row "
-              "chunks on two streams. rel err: the sampled block of C against float64 over all rows.", ""]
+              "chunks on two streams. H2D / X: bytes blasx copied in over X's bytes (1: X crossed once), tasks: its "
+              "task count, both of the last run. rel err: the sampled block of C against float64 over all rows.", ""]
     return "\n".join(lines + (["## Errors", "", *errors, ""] if errors else []))
 
 

@@ -47,6 +47,7 @@ def test_a_run_on_sims_writes_its_files(tmp_path):
         (d, n, m) for d in "ds" for n in (2000, 5000) for m in ("registered", "pageable")]
     assert all(r["status"] == "ok" and r["who"] == "blasx" and r["bound"] is None for r in doc["rows"])
     assert all(r["flops"] == 2.0 * 48 * 48 * r["n"] for r in doc["rows"])
+    assert all(r["h2d_bytes"] >= r["x_gib"] * 2**30 and r["tasks"] >= 1 for r in doc["rows"])
     page = report.render(str(tmp_path))
     assert "## Tall-skinny GEMM from host memory" in page and "| float32 (s) | 5000 | pageable |" in page
 
