@@ -229,12 +229,12 @@ def conv_call(nn, grad, layer, direction: str, x, w, dy, **out):
 
 def make_inputs(torch, layer, mode: str, device, layout: str, seed: int) -> dict:
     """x, w, dY: standard normal x and dY, w scaled by 1/sqrt(fan-in), in the mode's type."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, TORCH_DTYPE[mode])
     fan_in = math.prod(layer.w_shape[1:])
 
     def rand(shape, scale=1.0):
-        t = (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dt)
+        t = (torch.randn(shape, generator=gen, device=device) * scale).to(dt)
         if layout == "channels-last" and len(shape) in (4, 5):
             t = t.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
         return t
@@ -296,33 +296,37 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
            "mode": mode, "groups": layer.groups, "gemm": [m, n, k], "flops": layer.flops,
            "col_mib": layer.col_elements(direction) * itemsize / 2**20,
            "expansion": layer.col_elements(direction) / layer.expanded_elements(direction)}
+    row.update(cudnn_s=None, cudnn_err=None, cublas_s=None, blasx_s=None, blasx_err=None, tolerance=TOLERANCE[mode])
     with torch.no_grad():
-        t_times, t_out = side.time_torch(lambda: conv_call(torch.nn.functional, torch.nn.grad, layer, direction,
-                                                           x, w, dy), args.warmup, args.reps)
-        ref = conv_call(torch.nn.functional, torch.nn.grad, layer, direction, x.double(), w.double(),
-                        None if dy is None else dy.double())
-        row["cudnn_s"] = statistics.median(t_times)
-        row["cudnn_err"] = rel_error(torch, t_out, ref)
-        del t_out
-        row["cublas_s"] = None if args.no_cublas else lowered_gemm_seconds(side, layer, direction, mode,
-                                                                           args.warmup, args.reps)
-        try:
-            bx = {key: None if v is None else side.to_blasx(v) for key, v in inputs.items()}
-            b_times, b_out = side.time_wall(lambda: conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"]),
-                                            args.warmup, args.reps)
-            row["blasx_s"] = statistics.median(b_times)
-            row["blasx_err"] = rel_error(torch, side.from_blasx(b_out), ref)
-            tol = max(TOLERANCE[mode], 2 * row["cudnn_err"])
-            row["tolerance"] = tol
-            row["status"] = "ok" if row["blasx_err"] <= tol else "FAIL"
-        except Exception as e:  # noqa: BLE001 - reported as ERROR, the run goes on
-            row.update(blasx_s=None, blasx_err=None, tolerance=TOLERANCE[mode], status="ERROR",
-                       error=f"{type(e).__name__}: {e}"[:300])
+        try:  # the peer and the reference: a failure here (out of memory, say) is the row's ERROR
+            t_times, t_out = side.time_torch(lambda: conv_call(torch.nn.functional, torch.nn.grad, layer, direction,
+                                                               x, w, dy), args.warmup, args.reps)
+            ref = conv_call(torch.nn.functional, torch.nn.grad, layer, direction, x.double(), w.double(),
+                            None if dy is None else dy.double())
+            row["cudnn_s"] = statistics.median(t_times)
+            row["cudnn_err"] = rel_error(torch, t_out, ref)
+            del t_out
+            if not args.no_cublas:
+                row["cublas_s"] = lowered_gemm_seconds(side, layer, direction, mode, args.warmup, args.reps)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            row.update(status="ERROR", error=f"torch: {type(e).__name__}: {e}"[:300])
+            ref = None
+        if ref is not None:
+            try:
+                bx = {key: None if v is None else side.to_blasx(v) for key, v in inputs.items()}
+                b_times, b_out = side.time_wall(
+                    lambda: conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"]), args.warmup, args.reps)
+                row["blasx_s"] = statistics.median(b_times)
+                row["blasx_err"] = rel_error(torch, side.from_blasx(b_out), ref)
+                row["tolerance"] = max(TOLERANCE[mode], 2 * row["cudnn_err"])
+                row["status"] = "ok" if row["blasx_err"] <= row["tolerance"] else "FAIL"
+            except Exception as e:  # noqa: BLE001 - reported as ERROR, the run goes on
+                row.update(status="ERROR", error=f"{type(e).__name__}: {e}"[:300])
         del ref
     row["cudnn_tflops"] = _tflops(layer.flops, row["cudnn_s"])
     row["blasx_tflops"] = _tflops(layer.flops, row["blasx_s"])
     row["cublas_tflops"] = _tflops(2.0 * m * n * k, row["cublas_s"])
-    row["ratio"] = row["cudnn_s"] / row["blasx_s"] if row["blasx_s"] else None
+    row["ratio"] = row["cudnn_s"] / row["blasx_s"] if row["blasx_s"] and row["cudnn_s"] else None
     row["limit"] = limit_note(row)
     return row
 

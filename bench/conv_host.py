@@ -108,13 +108,20 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
     base = {"layer": layer.name, "family": layer.family, "shape": layer.describe(), "mode": mode,
             "batch": layer.batch, "flops": layer.flops}
     peers = {}
-    for name, chunks in (("serial", 1), ("overlapped", args.torch_chunks)) if args.torch_chunks > 1 and side.gpu else (("serial", 1),):
-        run, y_t = torch_peer(side, layer, x_t, w_t, chunks)
-        with torch.no_grad():
-            times, _ = side.time_wall(run, args.warmup, args.reps)
-            peers[name] = {"seconds": statistics.median(times), "chunks": chunks,
-                           "err": check(side, layer, x_t, w_t, y_t, images)}
-        del run, y_t
+    try:  # the peer: a failure here (out of memory, say) is every host mode's ERROR
+        for name, chunks in (("serial", 1), ("overlapped", args.torch_chunks)) if args.torch_chunks > 1 and side.gpu \
+                else (("serial", 1),):
+            run, y_t = torch_peer(side, layer, x_t, w_t, chunks)
+            with torch.no_grad():
+                times, _ = side.time_wall(run, args.warmup, args.reps)
+                peers[name] = {"seconds": statistics.median(times), "chunks": chunks,
+                               "err": check(side, layer, x_t, w_t, y_t, images)}
+            del run, y_t
+    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+        log(f"{mode} {layer.name}: torch failed: {type(e).__name__}: {e}")
+        return [dict(base, host_mode=hm, torch=peers, torch_best_s=None, torch_err=None, blasx_s=None,
+                     blasx_err=None, blasx_images_s=None, torch_images_s=None, ratio=None, status="ERROR",
+                     error=f"torch: {type(e).__name__}: {e}"[:300]) for hm in args.host_modes]
     best = min(peers.values(), key=lambda p: p["seconds"])
     torch_err = max(p["err"] for p in peers.values())
     rows = []

@@ -176,3 +176,14 @@ def test_host_mode_runs_and_writes_its_files(tmp_path, dnn, layout):
     assert all(r["status"] == "ok" and r["blasx_images_s"] > 0 and math.isfinite(r["ratio"]) for r in doc["rows"])
     assert len(doc["summary"]) == 4 and "goal 1.6x" in open(md, encoding="utf-8").read()
     assert "## Convolution from host memory" in report.render(str(tmp_path))
+
+
+def test_a_peer_failure_is_an_error_and_the_run_goes_on(tmp_path, monkeypatch):
+    def broken(*args, **kw):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(torch.nn.grad, "conv1d_input", broken)
+    assert C.main(SMALL + ["--modes", "fp32", "--layers", "conv1d-k3", "--out", str(tmp_path)], dnn=StandIn()) == 1
+    doc, _ = _doc(tmp_path, "conv")
+    assert [(r["direction"], r["status"]) for r in doc["rows"]] == [
+        ("fwd", "ok"), ("bwd-data", "ERROR"), ("bwd-weight", "ok")]
+    assert doc["rows"][1]["error"] == "torch: MemoryError: out of memory"
