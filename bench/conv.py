@@ -176,6 +176,15 @@ class Side:
             return self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
         return self.torch.from_numpy(a)
 
+    def free(self) -> None:
+        """Give the memory torch and CuPy cache back, so that the next layer's tensors fit."""
+        if self.gpu:
+            import cupy
+            self.torch.cuda.empty_cache()
+            for g in self.gpus:
+                with cupy.cuda.Device(g):
+                    cupy.get_default_memory_pool().free_all_blocks()
+
     def sync(self) -> None:
         for g in self.gpus:
             self.torch.cuda.synchronize(g)
@@ -357,8 +366,7 @@ def run_device(args, dnn, log) -> tuple[list, str]:
                     rows.append(row)
                     log(case_line(row))
                 del inputs
-                if side.gpu:
-                    side.torch.cuda.empty_cache()
+                side.free()
     finally:
         blasx.shutdown()
     return rows, source

@@ -93,10 +93,12 @@ def _release(arrays) -> None:
 
 
 def _pinned(side, arrays):
+    """Page-lock the arrays' memory (a channels-last view's NHWC base) for the block; not on sims."""
     if not side.gpu:
         return contextlib.nullcontext()
     from .cublasxt import registered
-    return registered(*arrays)
+    whole = [a if a.flags.c_contiguous or a.flags.f_contiguous else a.base for a in arrays]
+    return registered(*whole)
 
 
 def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
@@ -241,8 +243,7 @@ def main(args, argv, dnn, log) -> int:
             C.configure_blasx(args, mode, side)
             for i, layer in enumerate(layers):
                 rows += run_layer(side, dnn, layer, mode, args, args.seed + i, log)
-                if side.gpu:
-                    side.torch.cuda.empty_cache()
+                side.free()
     finally:
         blasx.shutdown()
     chunks = f"serial, and {args.torch_chunks} chunks on 2 streams" if args.torch_chunks > 1 else "serial"

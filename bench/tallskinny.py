@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", type=int, default=64, help="sampled block of C checked: CHECK x CHECK (default 64)")
     p.add_argument("--chunk-rows", type=int, default=1 << 18, help="CuPy peer: rows per chunk (default 262144)")
     p.add_argument("--no-cupy", action="store_true", help="skip the CuPy peer")
+    p.add_argument("--cache-gib", type=float, default=None,
+                   help="blasx tile cache per GPU (default: half the free memory, leaving room for the CuPy peer)")
     p.add_argument("--blasx-kw", default="", help="keywords for blasx.gemm, NAME=INT comma list (e.g. split=4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="name part of the output files: tallskinny-TAG-STAMP")
@@ -98,6 +100,21 @@ def gpu_ids(devices: str) -> list[int]:
         return [int(i) for i in ids.split(",") if i.strip()]
     import cupy
     return list(range(cupy.cuda.runtime.getDeviceCount()))
+
+
+def cache_bytes(gpus: list, gib: float | None) -> int | None:
+    """blasx's tile cache per GPU: ``gib``, else half the smallest free memory (None on sims)."""
+    if not gpus:
+        return None
+    if gib:
+        return int(gib * 2**30)
+    import cupy
+    free = []
+    for g in gpus:
+        with cupy.cuda.Device(g):
+            cupy.get_default_memory_pool().free_all_blocks()  # what link_rates held
+            free.append(cupy.cuda.runtime.memGetInfo()[0])
+    return min(free) // 2
 
 
 def make_x(n: int, cols: int, dtype: str, order: str, seed: int) -> np.ndarray:
@@ -284,7 +301,7 @@ def main(argv=None) -> int:
     gpus = gpu_ids(args.devices)
     rates = gemm_lp.link_rates(gpus) if gpus else {}
     stamp, date = L3.utc_stamp()
-    blasx.configure(devices=args.devices)
+    blasx.configure(devices=args.devices, cache_bytes=cache_bytes(gpus, args.cache_gib))
     rows = []
     try:
         for dtype in args.dtypes:
