@@ -122,9 +122,7 @@ class Layer:
 
     def expanded_elements(self, direction: str) -> int:
         """Elements of the operand that im2col expands (x, or dY for backward-data)."""
-        if direction == "bwd-data" or self.transposed:
-            return math.prod(self.x_shape) if self.transposed else math.prod(self.y_shape)
-        return math.prod(self.x_shape)
+        return math.prod(self.y_shape if direction == "bwd-data" and not self.transposed else self.x_shape)
 
     def describe(self) -> str:
         """'64x256x56x56 k1x1 s2 -> 512' (x's shape, kernel, stride etc., output channels)."""
