@@ -181,6 +181,7 @@ class Side:
         if self.gpu:
             import cupy
             self.torch.cuda.empty_cache()
+            getattr(self.torch._C, "_host_emptyCache", lambda: None)()  # torch's cached page-locked blocks
             for g in self.gpus:
                 with cupy.cuda.Device(g):
                     cupy.get_default_memory_pool().free_all_blocks()
