@@ -183,6 +183,51 @@ def read_ab(path: str) -> Table:
                  ["N", "routine", "config", "median s", "TFLOPS", "vs A", "of GEMM"], rows, notes)
 
 
+def read_conv(path: str) -> Table:
+    doc = _load(path)
+    rows = [[g["mode"], g["direction"], g["set"], _f(g["geomean"], 2), f"{g['ok']} / {g['layers']}",
+             "met" if g["goal_met"] else "NOT met"] for g in doc["geomeans"]]
+    short = [f"- {r['mode']} {r['direction']} {r['layer']} ({r['shape']}): "
+             + (f"{r['ratio']:.2f}x, {r['limit']}" if r["status"] == "ok" else f"{r['status']} {r.get('error', '')}")
+             for r in doc["rows"] if r["status"] != "ok" or r["limit"]]
+    notes = [f"Geometric mean of blasx / cuDNN throughput over checked layers; batch {doc['batch']}, layout "
+             f"{doc['layout']}, devices `{doc['devices']}`, peer {doc['peer']}. Per-layer table: "
+             f"`{os.path.splitext(os.path.basename(path))[0]}.md`."]
+    if short:
+        notes += ["", "Layers short of 0.8x (what limits them), and failed checks:", "", *short]
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["mode", "direction", "set", "blasx / cuDNN", "checked / layers", "goal 0.8x"], rows, notes)
+
+
+def read_convhost(path: str) -> Table:
+    doc = _load(path)
+    rows = [[s["mode"], s["host_mode"], _f(s["set_ratio"], 2), _f(s["geomean"], 2), f"{s['ok']} / {s['layers']}",
+             "met" if s["goal_met"] else "NOT met"] for s in doc["summary"]]
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["mode", "host memory", "set: torch s / blasx s", "geomean blasx / torch", "checked / layers",
+                  "goal 1.6x"], rows,
+                 [f"Forward, batch {doc['batch']}, blasx on `{doc['devices']}` against torch: {doc['peer']}."])
+
+
+def read_tallskinny(path: str) -> Table:
+    doc = _load(path)
+    rows = []
+    for r in doc["rows"]:
+        if r["who"] != "blasx":
+            continue
+        peer = next((p for p in doc["rows"] if p["who"] == "cupy" and
+                     (p["dtype"], p["n"], p["mode"]) == (r["dtype"], r["n"], r["mode"])), None)
+        b = r["bound"]
+        rows.append([_dtype(r["dtype"]), r["n"], r["mode"], _f(r["median_s"], 3), _f(b and b["seconds"], 3),
+                     _f(r["of_bound"], 2), _f(peer and peer["median_s"], 3),
+                     _f(peer["median_s"] / r["median_s"], 2) if peer and peer["median_s"] and r["median_s"] else "-",
+                     r["status"]])
+    return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
+                 ["dtype", "n", "host memory", "blasx s", "host-link bound s", "blasx / bound", "cupy 1 GPU s",
+                  "cupy / blasx", "check"], rows,
+                 [f"C = X^T X, X n x {doc['cols']} in host memory; goal: blasx within 1.2x of the bound."])
+
+
 def _devices(text: str) -> str:
     """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
     names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
@@ -209,6 +254,13 @@ READERS = [
     Reader("CPU worker beside the GPUs", "cpu-worker-*.json", read_cpu_worker,
            "The BLASX paper's Fig. 9 question: GPUs only against the CPU worker by demand or in auto mode."),
     Reader("Knob A/Bs", "ab-*.json", read_ab, "`bench.ab`: engine configurations alternating on one set of arrays."),
+    Reader("Convolution against cuDNN", "conv-*.json", read_conv,
+           "`bench.conv`: blasx.dnn forward, backward-data and backward-weight beside cuDNN through torch on "
+           "one GPU, ResNet-50's conv shapes and others, per math mode; every result checked."),
+    Reader("Convolution from host memory", "convhost-*.json", read_convhost,
+           "`bench.conv --host`: a numpy batch in host memory on the GPUs beside torch on one GPU with copies."),
+    Reader("Tall-skinny GEMM from host memory", "tallskinny-*.json", read_tallskinny,
+           "`bench.tallskinny`: X^T X through blasx.gemm (split-k) beside the host-link bound and CuPy on one GPU."),
     Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
            "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
 ]
