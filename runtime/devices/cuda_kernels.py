@@ -219,10 +219,16 @@ class CudaKernels:
                                sc + step.beta * isz, b[0], b[1], c[0], c[1])
 
     def _k_add(self, s, step, call, a, b, c) -> None:
-        """c = alpha a + beta c in the C tile's type (split-k's reduction; numpy_kernels.add): cuBLAS
-        geam in place on c (beta 0: c not read), scalars in the call's compute type, which is the
-        C tile's; int32 tiles (int8 calls): a CuPy kernel."""
+        """c = alpha a + beta c in the C tile's type (split-k's reduction; numpy_kernels.add): a
+        copy for c = a; else cuBLAS geam in place on c, scalars in the call's compute type, which
+        is the C tile's; int32 tiles (int8 calls): a CuPy kernel."""
         dt = call.acc_dtype
+        if call.scalars[step.beta] == 0 and call.scalars[step.alpha] == 1:  # C = a: a copy, C never read
+            from cupy.cuda import runtime
+            isz = dt.itemsize
+            runtime.memcpy2DAsync(c[0], c[1] * isz, a[0], a[1] * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
+                                  self.stream_ptrs[s])
+            return
         if dt.kind in "fc":
             sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
             self._routine("geam", dt)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * ssz, a[0], a[1],
