@@ -50,29 +50,30 @@ def _fields(t):
 # =========================================================================== the planner
 
 def test_plan_gemm_split_hand_computed():
-    # C 5x3 (tiles 4 + 1 rows), k = 10 (tiles 4, 4, 2), T = 4, split 2: k tiles [0, 1) and [1, 3)
+    # C 5x3 (tiles 4 + 1 rows), k = 10 (tiles 4, 4, 2), T = 4, split 2: k tiles [0, 1) and [1, 3);
+    # per C tile its partials, then its reduction
     tasks = plan_gemm(5, 3, 10, 4, OP_N, OP_N, beta_zero=False, split=2)
     assert [t.tid for t in tasks] == list(range(6))
-    p = [t.c for t in tasks[:4]]
-    assert p == [TileRef(SLOT_P, 0, 0, 0, 0, 4, 3), TileRef(SLOT_P, 1, 0, 4, 0, 1, 3),
-                 TileRef(SLOT_P, 0, 1, 0, 3, 4, 3), TileRef(SLOT_P, 1, 1, 4, 3, 1, 3)]
+    p00, p01, r0, p10, p11, r1 = tasks
+    assert [t.c for t in (p00, p01, p10, p11)] == [
+        TileRef(SLOT_P, 0, 0, 0, 0, 4, 3), TileRef(SLOT_P, 0, 1, 0, 3, 4, 3),
+        TileRef(SLOT_P, 1, 0, 4, 0, 1, 3), TileRef(SLOT_P, 1, 1, 4, 3, 1, 3)]
     A = lambda i, kk: tile_ref(SLOT_A, i, kk, 5, 10, 4)  # noqa: E731
     B = lambda kk, j: tile_ref(SLOT_B, kk, j, 10, 3, 4)  # noqa: E731
     # partial 0 of C tile (0, 0): one k tile, from beta 0 into the scratch
-    assert tasks[0].steps == (Step("gemm", A(0, 0), B(0, 0), OP_N, OP_N, 4, 3, 4, SC_ALPHA, SC_ZERO),)
+    assert p00.steps == (Step("gemm", A(0, 0), B(0, 0), OP_N, OP_N, 4, 3, 4, SC_ALPHA, SC_ZERO),)
     # partial 1 of C tile (1, 0): k tiles 1 and 2 in order
-    assert tasks[3].steps == (Step("gemm", A(1, 1), B(1, 0), OP_N, OP_N, 1, 3, 4, SC_ALPHA, SC_ZERO),
-                              Step("gemm", A(1, 2), B(2, 0), OP_N, OP_N, 1, 3, 2, SC_ALPHA, SC_ONE))
-    assert [t.flops for t in tasks[:4]] == [2 * 4 * 3 * 4, 2 * 1 * 3 * 4, 2 * 4 * 3 * 6, 2 * 1 * 3 * 6]
-    for t in tasks[:4]:
+    assert p11.steps == (Step("gemm", A(1, 1), B(1, 0), OP_N, OP_N, 1, 3, 4, SC_ALPHA, SC_ZERO),
+                         Step("gemm", A(1, 2), B(2, 0), OP_N, OP_N, 1, 3, 2, SC_ALPHA, SC_ONE))
+    assert [t.flops for t in (p00, p01, p10, p11)] == [2 * 4 * 3 * 4, 2 * 4 * 3 * 6, 2 * 1 * 3 * 4, 2 * 1 * 3 * 6]
+    for t in (p00, p01, p10, p11):
         assert not t.load_c and t.keep_c and not t.rotatable and t.deps == () and t.gates == ()
-    r0, r1 = tasks[4:]
     assert r0.c == TileRef(SLOT_C, 0, 0, 0, 0, 4, 3) and r1.c == TileRef(SLOT_C, 1, 0, 4, 0, 1, 3)
-    assert r0.steps == (Step("add", p[0], None, OP_N, OP_N, 4, 3, 0, SC_ONE, SC_BETA),
-                        Step("add", p[2], None, OP_N, OP_N, 4, 3, 0, SC_ONE, SC_ONE))
-    assert r1.steps == (Step("add", p[1], None, OP_N, OP_N, 1, 3, 0, SC_ONE, SC_BETA),
-                        Step("add", p[3], None, OP_N, OP_N, 1, 3, 0, SC_ONE, SC_ONE))
-    assert (r0.deps, r0.gates, r1.deps, r1.gates) == ((0, 2), ((0,), (2,), ()), (1, 3), ((1,), (3,), ()))
+    assert r0.steps == (Step("add", p00.c, None, OP_N, OP_N, 4, 3, 0, SC_ONE, SC_BETA),
+                        Step("add", p01.c, None, OP_N, OP_N, 4, 3, 0, SC_ONE, SC_ONE))
+    assert r1.steps == (Step("add", p10.c, None, OP_N, OP_N, 1, 3, 0, SC_ONE, SC_BETA),
+                        Step("add", p11.c, None, OP_N, OP_N, 1, 3, 0, SC_ONE, SC_ONE))
+    assert (r0.deps, r0.gates, r1.deps, r1.gates) == ((0, 1), ((0,), (1,), ()), (3, 4), ((3,), (4,), ()))
     for r in (r0, r1):
         assert r.load_c and not r.keep_c and not r.rotatable and r.flops == 0.0
     assert sum(t.flops for t in tasks) == gemm_flops(5, 3, 10, False)
@@ -82,7 +83,7 @@ def test_plan_gemm_split_beta_zero_transposed_complex():
     # op T / C: A stored k x m, B stored n x k; beta 0: the reduction starts from SC_ZERO, C not loaded
     tasks = plan_gemm(4, 4, 12, 4, OP_T, OP_C, is_complex=True, split=3)
     assert len(tasks) == 4
-    for s, t in enumerate(tasks[:3]):
+    for s, t in enumerate(tasks[:3]):  # one C tile: its three partials, then its reduction
         assert t.c == TileRef(SLOT_P, 0, s, 0, 4 * s, 4, 4)
         assert t.steps == (Step("gemm", tile_ref(SLOT_A, s, 0, 12, 4, 4), tile_ref(SLOT_B, 0, s, 4, 12, 4),
                                 OP_T, OP_C, 4, 4, 4, SC_ALPHA, SC_ZERO),)
@@ -114,18 +115,19 @@ def test_split_plan_invariants():
         if S == 1:
             continue
         pm, pn = partial_shape(m, n, S)
-        seen = set()
-        for t in tasks[:S * tiles]:
+        parts = [t for t in tasks if not t.deps]
+        assert len(parts) == S * tiles and len({(t.c.bi, t.c.bj) for t in parts}) == S * tiles  # own lines
+        for t in parts:
             assert t.c.slot == SLOT_P and 0 <= t.c.r0 and t.c.r0 + t.c.rows <= pm and t.c.c0 + t.c.cols <= pn
-            seen.add((t.c.bi, t.c.bj))
-        assert len(seen) == S * tiles  # every partial tile its own cache line
-        for red in tasks[S * tiles:]:
-            assert red.c.slot == SLOT_C and len(red.deps) == S and all(d < red.tid for d in red.deps)
+        reds = tasks[S::S + 1]
+        assert all(t.deps for t in reds) and len(reds) == tiles
+        for red in reds:
+            assert red.c.slot == SLOT_C and red.deps == tuple(range(red.tid - S, red.tid))
             ks = [st.a.bj if op_a == OP_N else st.a.bi for d in red.deps for st in tasks[d].steps]  # A's k tiles
-            widths = sum(st.k for d in red.deps for st in tasks[d].steps)
-            assert widths == k and len(set(ks)) == len(ks)
+            assert ks == list(range(tk))  # every k tile once, in order
+            assert sum(st.k for d in red.deps for st in tasks[d].steps) == k
             assert [tasks[d].c for d in red.deps] == [st.a for st in red.steps]
-            assert all(tasks[d].c.bi == red.c.bi for d in red.deps)
+            assert all((tasks[d].c.bi, tasks[d].c.c0 % n) == (red.c.bi, red.c.c0) for d in red.deps)
 
 
 def test_split_plan_with_nothing_to_multiply_ignores_split():

@@ -30,9 +30,10 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
     ``split = S > 1`` (at most the k tiles; ignored with ``alpha == 0`` or ``k == 0``): per C tile,
     S partial tasks ``P_s = alpha op_a(A) op_b(B)`` over the s-th of S contiguous k-tile ranges, in
     fixed order (not rotatable), into the scratch operand SLOT_P (``partial_shape``) and kept cached
-    (``keep_c``); listed for s = 0..S-1, then one reduction task per C tile, gated step by step on
-    its partials, with ``add`` steps ``C = P_0 + beta C``, then ``C += P_s`` for s = 1..S-1. The sum
-    order never depends on the schedule: results are identical run to run.
+    (``keep_c``), then the tile's reduction task, gated step by step on them, with ``add`` steps
+    ``C = P_0 + beta C``, then ``C += P_s`` for s = 1..S-1. Each tile's tasks are listed together, so
+    the queue's fair share of a call gives every device partials, not one device the reductions.
+    The sum order never depends on the schedule: results are identical run to run.
     """
     a_rows, a_cols = (m, k) if op_a == OP_N else (k, m)
     b_rows, b_cols = (k, n) if op_b == OP_N else (n, k)
@@ -51,18 +52,14 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
     tasks: list[Task] = []
     if split > 1 and product:
         bounds = [s * tk // split for s in range(split + 1)]
-        parts: dict[tuple[int, int], list[int]] = {ij: [] for ij in order}
-        for s in range(split):
-            k0, k1 = bounds[s], bounds[s + 1]
-            width = min(k, k1 * tile) - k0 * tile
-            for i, j in order:
-                p = partial_ref(s, i, j, m, n, tile)
-                parts[i, j].append(len(tasks))
-                tasks.append(Task(len(tasks), p, False, k_steps(i, j, p, k0, k1, SC_ZERO),
-                                  gemm_flops(p.rows, p.cols, width, is_complex), keep_c=True))
         for i, j in order:
+            pids = tuple(range(len(tasks), len(tasks) + split))
+            for s in range(split):
+                k0, k1 = bounds[s], bounds[s + 1]
+                p = partial_ref(s, i, j, m, n, tile)
+                tasks.append(Task(len(tasks), p, False, k_steps(i, j, p, k0, k1, SC_ZERO),
+                                  gemm_flops(p.rows, p.cols, min(k, k1 * tile) - k0 * tile, is_complex), keep_c=True))
             c = tile_ref(SLOT_C, i, j, m, n, tile)
-            pids = tuple(parts[i, j])
             steps = tuple(Step("add", partial_ref(s, i, j, m, n, tile), None, OP_N, OP_N, c.rows, c.cols, 0,
                                SC_ONE, first if s == 0 else SC_ONE) for s in range(split))
             tasks.append(Task(len(tasks), c, not beta_zero, steps, 0.0, deps=pids,
