@@ -28,7 +28,7 @@ from .runtime import dtypes
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
 from .runtime.engine import EngineClosed
-from .runtime.plans import plan_gemm
+from .runtime.plans import choose_split, partial_shape, plan_gemm
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
 from .tile import choose_tile
 
@@ -226,13 +226,30 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
     # (the engine's options only where one differs from its default: no dict to build per host call)
     options = {} if not mixed and epilogue is None and math == "ieee" else {
         "out_dtype": c.dtype if mixed else None, "math": math, "epilogue": epilogue}
+    split = [1]
+
+    def partials(eng, tile):  # split-k's scratch (an epilogue would run on the partial tiles too)
+        split[0] = gemm_split(eng, m, n, k, tile, dtype) if product and epilogue is None else 1
+        return partial_shape(m, n, split[0]) if split[0] > 1 else None
+
     run(name, [va, vb, cv],
-        lambda tile, block: plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
-                                      is_complex=dtype.kind == "c", block=block),
+        lambda tile, block, scratch=False: plan_gemm(
+            m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0), is_complex=dtype.kind == "c",
+            block=block, split=split[0] if scratch else 1),
         dtype, alpha, beta, (m, n, k), host=None if mixed or epilogue is not None else host,
-        flops=2.0 * m * n * k if product else 0.0, **options)
+        flops=2.0 * m * n * k if product else 0.0, scratch=partials, **options)
     if staging is not None:
         c[...] = staging
+
+
+def gemm_split(eng, m: int, n: int, k: int, tile: int, dtype) -> int:
+    """Split-k's partial sums per C tile for an m x n x k product of ``dtype`` on ``eng`` with
+    ``tile`` (``plans.choose_split`` on its stream devices; 1 where ``Knobs.split_k`` is off)."""
+    if not eng.config.knobs.split_k:
+        return 1
+    streamed = [d for d in eng.devices if d.streamed]
+    return choose_split(m, n, k, tile, streams=[d.nstreams for d in streamed],
+                        caches=[d.cache_capacity() for d in streamed], itemsize=_acc(dtype).itemsize)
 
 
 def _scale_mixed(c, dtype, beta) -> None:
@@ -305,15 +322,21 @@ def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, option
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)
         return
-    home = _scratch_home(eng, views[0])
+    home, acc = _scratch_home(eng, views[0]), _acc(dtype)  # (in the accumulation type: split-k's partials)
     if home is None:
-        extra = np.empty(shape, dtype=dtype, order="F")
+        extra = np.empty(shape, dtype=acc, order="F")
     else:
         import cupy
         with cupy.cuda.Device(home):
-            extra = cupy.empty(shape, dtype=dtype, order="F")
+            extra = cupy.empty(shape, dtype=acc, order="F")
     _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile,
                   **options)
+
+
+def _acc(dtype) -> np.dtype:
+    """The accumulation type of ``dtype``'s calls (a reduced type's compute type, else itself)."""
+    row = dtypes.gemm_of(dtype)
+    return np.dtype(dtype) if row is None else row.compute
 
 
 def _scratch_home(eng, like) -> int | None:
@@ -351,7 +374,8 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
             d.prepare_call(call)
         eng.submit(call)
         if call.out_dtype == _F16 and call.mixed:
-            warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols for i in call.c_slots))
+            warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols
+                                                for i in call.c_slots - call.acc_slots))
     finally:
         with _running_lock:
             if outer is None:

@@ -139,12 +139,14 @@ class Call:
         self.acc_dtype = self.compute if self.mixed else self.dtype
         self.wb_dtype = np.dtype(getattr(epilogue, "dtype", None) or self.acc_dtype)
         self.c_slots = frozenset(t.c.slot for t in tasks) if self.mixed else frozenset()
+        # C tiles kept for later tasks of the call (split-k's partial sums) stay in that type at home too
+        self.acc_slots = frozenset(t.c.slot for t in tasks if t.keep_c) if self.mixed else frozenset()
         # int8 tiles on a device have a leading dimension that is a multiple of 4 (cuBLAS's rule)
         self.pad_ld = 4 if self.dtype == np.int8 else 1
 
     def home_dtype(self, slot: int) -> np.dtype:
         """The type of operand ``slot`` in its home memory."""
-        return self.out_dtype if slot in self.c_slots else self.dtype
+        return self.acc_dtype if slot in self.acc_slots else self.out_dtype if slot in self.c_slots else self.dtype
 
     def tile_dtype(self, slot: int) -> np.dtype:
         """The type of a tile of operand ``slot`` on a device (C tiles: the accumulation type)."""

@@ -22,7 +22,7 @@ SIM_FLOAT_OPTIONS = ("slow", "rate", "h2d", "d2h", "p2p")
 SIM_TIMING_OPTIONS = ("timing", "data", "mem", "dilate", "issue", "host", "hostgroup", "hostduplex", "krate")
 #: Tile kernels a sim runs (``devices/numpy_kernels.KERNELS``), the names ``krate=`` accepts.
 SIM_KERNELS = ("gemm", "scale", "axpby", "syrk", "herk", "syr2k", "her2k", "symm", "hemm", "trmm", "trsm", "invmm",
-               "trtri")
+               "trtri", "add")
 SIM_OPTIONS = SIM_FLOAT_OPTIONS + ("speeds", "fail", "peers") + SIM_TIMING_OPTIONS
 MIN_SIM_MEM = 1 << 16  # the smallest tile-cache heap (configure's cache_bytes has the same floor)
 

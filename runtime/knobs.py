@@ -28,6 +28,9 @@ class Knobs:
     #: TRSM's ``invmm`` writes into a fresh heap block that becomes C, instead of a scratch tile
     #: copied back over C (kept where C is the caller's device array). Off: scratch and copy back.
     invmm_new_block: bool = True
+    #: Split-k for GEMMs whose C has fewer tiles than the devices have streams and whose k is long
+    #: (``plans.choose_split``): partial sums over k ranges, reduced in a fixed order. Off: one task per C tile.
+    split_k: bool = True
     #: A GPU starts another task only while its committed, unrun kernels add up to less than this
     #: many full tile steps (2 T^3 flops, 8 T^3 complex), besides the cap of 2 x streams tasks in
     #: flight; this bounds the tail imbalance. 0 (default): the cap alone (it helped only unequal

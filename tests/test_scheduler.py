@@ -297,7 +297,8 @@ def test_sixteen_threads_at_once(rand, rel_err, tol):
         opb = (b, b.T, b.conj().T)[tb].astype(np.complex128)
         err = rel_err(out, 2.0 * opa @ opb + 0.5 * c)
         tasks = blasx.last_profile().totals()["tasks"]  # this thread's own profile
-        return err, tol(dtype), tasks, ceil_div(m, 16) * ceil_div(n, 16)
+        split = blasx.dispatch.gemm_split(blasx.engine(), m, n, k, 16, dtype)  # split-k: partials, then reductions
+        return err, tol(dtype), tasks, ceil_div(m, 16) * ceil_div(n, 16) * (split + 1 if split > 1 else 1)
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(16)))

@@ -91,7 +91,7 @@ class CudaDevice(CudaKernels, StreamDevice):
                          "syr2k": self._k_rank_2k, "her2k": self._k_rank_2k,
                          "symm": self._k_symm, "hemm": self._k_symm,
                          "trmm": self._k_trmm, "trsm": self._k_trsm,
-                         "invmm": self._k_invmm, "trtri": self._k_trtri}
+                         "invmm": self._k_invmm, "trtri": self._k_trtri, "add": self._k_add}
         self._blas = {}
         for peer in range(runtime.getDeviceCount()):
             if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):

@@ -13,7 +13,7 @@ from ..trsm_blocks import Solve, stored_block, trsm_tile_ops
 from .. import dtypes
 from ..dtypes import prefix as blas_prefix
 from .base import DeviceError
-from .cuda_lowp import imma_operands, int8_exact
+from .cuda_lowp import device_view, imma_operands, int8_exact
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 
@@ -218,6 +218,25 @@ class CudaKernels:
         self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
                                sc + step.beta * isz, b[0], b[1], c[0], c[1])
 
+    def _k_add(self, s, step, call, a, b, c) -> None:
+        """c = alpha a + beta c in the C tile's type (split-k's reduction; numpy_kernels.add): a
+        copy for c = a; else cuBLAS geam in place on c, scalars in the call's compute type, which
+        is the C tile's; int32 tiles (int8 calls): a CuPy kernel."""
+        dt = call.acc_dtype
+        if call.scalars[step.beta] == 0 and call.scalars[step.alpha] == 1:  # C = a: a copy, C never read
+            from cupy.cuda import runtime
+            isz = dt.itemsize
+            runtime.memcpy2DAsync(c[0], c[1] * isz, a[0], a[1] * isz, step.m * isz, step.n, MEMCPY_DEFAULT,
+                                  self.stream_ptrs[s])
+            return
+        if dt.kind in "fc":
+            sc, ssz = call.scalars.ctypes.data, call.scalars.itemsize
+            self._routine("geam", dt)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * ssz, a[0], a[1],
+                                      sc + step.beta * ssz, c[0], c[1], c[0], c[1])
+            return
+        with self.streams[s]:
+            add_tile(a, c, step.m, step.n, dt, call.scalars[step.alpha], call.scalars[step.beta])
+
     def _k_scale(self, s, step, call, a, b, c) -> None:
         from cupy.cuda import runtime
         dt = call.acc_dtype  # the C tile's type on the device
@@ -271,6 +290,21 @@ def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, dia
         trmm(handle, o.side, uplo, 0, diag, rows, cols, minus_one if o.negate else one,
              ptr + (o.a0 + o.a0 * ld) * isz, ld, bp, ld, scratch, size)
         copy(bp, ld, scratch, size, rows, cols)
+
+
+_ADD: list = []
+
+
+def add_tile(a, c, rows: int, cols: int, dtype, alpha, beta) -> None:
+    """c = alpha a + beta c (beta 0: c not read) on column-major (pointer, ld) tiles of ``dtype``,
+    on the current stream (a CuPy kernel; integer tiles wrap as their type does)."""
+    import cupy
+    if not _ADD:
+        _ADD.append(cupy.ElementwiseKernel("T x, T alpha, T beta", "T y",
+                                           "y = beta == (T)0 ? (T)(alpha * x) : (T)(alpha * x + beta * y)",
+                                           "blasx_add_tile"))
+    t = np.dtype(dtype).type
+    _ADD[0](device_view(a[0], rows, cols, a[1], dtype), t(alpha), t(beta), device_view(c[0], rows, cols, c[1], dtype))
 
 
 _IDENTITIES: dict = {}

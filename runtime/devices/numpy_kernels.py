@@ -132,6 +132,21 @@ def axpby(step, scalars, a, b, c) -> None:
     c += scalars[step.beta] * b
 
 
+@_quiet
+def add(step, scalars, a, b, c) -> None:
+    """c = alpha a + beta c in c's type (split-k's reduction: a is a partial sum); beta 0: c not
+    read; b is not used. (cuBLAS geam, in place on c; int32 tiles: a CuPy kernel)"""
+    alpha, beta = scalars[step.alpha], scalars[step.beta]
+    if beta == 0:
+        c[...] = a
+        if alpha != 1:
+            c *= alpha
+        return
+    if beta != 1:
+        c *= beta
+    c += a if alpha == 1 else alpha * a
+
+
 # ---------------------------------------------------------------- rank-k updates (diagonal tiles)
 
 def _tri_update(c, prod, beta, uplo: int) -> None:
@@ -310,7 +325,7 @@ def trtri(step, scalars, a, b, c) -> None:
     c[keep] = inv[keep]
 
 
-KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby,
+KERNELS = {"gemm": gemm, "scale": scale, "axpby": axpby, "add": add,
            "syrk": syrk, "herk": herk, "syr2k": syr2k, "her2k": her2k,
            "symm": symm, "hemm": hemm, "trmm": trmm, "trsm": trsm,
            "invmm": invmm, "trtri": trtri}

@@ -21,14 +21,18 @@ Scheduling flags:
   only for the X tile it reads, TRMM's write-back alone waits.
 * TRSM with ``inverse``: one task per diagonal block inverts A's triangle (``trtri``, into V) and
   each diagonal solve becomes a multiply by it (``invmm``), listed two levels ahead of its users.
+* GEMM with ``split``: partial tasks (``keep_c``) into a scratch operand, then per C tile a
+  reduction task gated on them step by step (``add`` steps, in a fixed order); ``choose_split``
+  picks the split from the devices' streams and caches.
 """
 
 from __future__ import annotations
 
 from .common import (LOWER, SIDE_LEFT, SIDE_RIGHT, SYMM_A, SYMM_B, SYMM_C, SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A,
                      SYRK_C, TRMM_A, TRMM_B, TRMM_C, TRSM_A, TRSM_B, TRSM_V, TRSM_X, UPPER, step_flops, task_flops)
-from .gemm import SLOT_A, SLOT_B, SLOT_C, gemm_flops, plan_gemm, tile_order
+from .gemm import SLOT_A, SLOT_B, SLOT_C, SLOT_P, gemm_flops, partial_ref, partial_shape, plan_gemm, tile_order
 from .rank import plan_syr2k, plan_syrk
+from .split import MIN_PART_TILES, PARTIAL_SHARE, choose_split
 from .symm import plan_symm
 from .tri import (AUTO_LEVELS_MAX_TILES, TRMM_ORDERS, effective_lower, inverse_ref, inverse_shape, plan_trmm,
                   plan_trsm, trmm_levels, trmm_order, trsm_levels)

@@ -1,13 +1,14 @@
-"""GEMM's planner: one task per C tile, one k-step per tile of the inner dimension (Eq. 1a)."""
+"""GEMM's planner: one task per C tile, one k-step per tile of the inner dimension (Eq. 1a); with
+``split``, split-k: several partial tasks per C tile over fixed k ranges, then one reduction task."""
 
 from __future__ import annotations
 
-from ..tasks import SC_ALPHA, SC_ONE, Step, Task
-from ..tiling import OP_N, n_tiles, op_tile, tile_ref
+from ..tasks import SC_ALPHA, SC_ONE, SC_ZERO, Step, Task
+from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
 from .common import _first_beta, _scale, _width
 
-# Operand slots of the GEMM planner.
-SLOT_A, SLOT_B, SLOT_C = 0, 1, 2
+# Operand slots of the GEMM planner; SLOT_P is split-k's scratch of partial sums (``partial_ref``).
+SLOT_A, SLOT_B, SLOT_C, SLOT_P = 0, 1, 2, 3
 
 
 def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
@@ -16,7 +17,8 @@ def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
 
 
 def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_zero: bool = False,
-              beta_zero: bool = True, is_complex: bool = False, block: tuple[int, int] = (1, 1)) -> list[Task]:
+              beta_zero: bool = True, is_complex: bool = False, block: tuple[int, int] = (1, 1),
+              split: int = 1) -> list[Task]:
     """Tasks of ``C = alpha op_a(A) op_b(B) + beta C`` in canonical (column-major) form.
 
     ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``; likewise
@@ -24,23 +26,65 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
     BLAS); with ``beta == 0`` C is never read, so NaNs in C do not leak into the result. Tasks are
     listed by ``tile_order``: ``block = (bm, bn)`` lists C tiles in blocks of bm x bn tiles, so a
     device that pulls one block shares A row panels and B column panels (bm + bn panels a round).
+
+    ``split = S > 1`` (at most the k tiles; ignored with ``alpha == 0`` or ``k == 0``): per C tile,
+    S partial tasks ``P_s = alpha op_a(A) op_b(B)`` over the s-th of S contiguous k-tile ranges, in
+    fixed order (not rotatable), into the scratch operand SLOT_P (``partial_shape``) and kept cached
+    (``keep_c``), then the tile's reduction task, gated step by step on them, with ``add`` steps
+    ``C = P_0 + beta C``, then ``C += P_s`` for s = 1..S-1. Each tile's tasks are listed together, so
+    the queue's fair share of a call gives every device partials, not one device the reductions.
+    The sum order never depends on the schedule: results are identical run to run.
     """
     a_rows, a_cols = (m, k) if op_a == OP_N else (k, m)
     b_rows, b_cols = (k, n) if op_b == OP_N else (n, k)
     tm, tn, tk = n_tiles(m, tile), n_tiles(n, tile), n_tiles(k, tile)
+    product = not alpha_zero and k > 0
+    if not isinstance(split, int) or split < 1 or (product and split > tk):
+        raise ValueError(f"split: got {split!r}, need an int from 1 to {max(1, tk)} (the k tiles)")
     first = _first_beta(beta_zero)
+    order = tile_order(tm, tn, block)
+
+    def k_steps(i: int, j: int, c: TileRef, k0: int, k1: int, beta0: int) -> tuple[Step, ...]:
+        return tuple(Step("gemm", op_tile(SLOT_A, op_a, i, kk, a_rows, a_cols, tile),
+                          op_tile(SLOT_B, op_b, kk, j, b_rows, b_cols, tile), op_a, op_b, c.rows, c.cols,
+                          _width(kk, k, tile), SC_ALPHA, beta0 if kk == k0 else SC_ONE) for kk in range(k0, k1))
+
     tasks: list[Task] = []
-    for i, j in tile_order(tm, tn, block):
+    if split > 1 and product:
+        bounds = [s * tk // split for s in range(split + 1)]
+        for i, j in order:
+            pids = tuple(range(len(tasks), len(tasks) + split))
+            for s in range(split):
+                k0, k1 = bounds[s], bounds[s + 1]
+                p = partial_ref(s, i, j, m, n, tile)
+                tasks.append(Task(len(tasks), p, False, k_steps(i, j, p, k0, k1, SC_ZERO),
+                                  gemm_flops(p.rows, p.cols, min(k, k1 * tile) - k0 * tile, is_complex), keep_c=True))
+            c = tile_ref(SLOT_C, i, j, m, n, tile)
+            steps = tuple(Step("add", partial_ref(s, i, j, m, n, tile), None, OP_N, OP_N, c.rows, c.cols, 0,
+                               SC_ONE, first if s == 0 else SC_ONE) for s in range(split))
+            tasks.append(Task(len(tasks), c, not beta_zero, steps, 0.0, deps=pids,
+                              gates=tuple((p,) for p in pids) + ((),)))
+        return tasks
+    for i, j in order:
         c = tile_ref(SLOT_C, i, j, m, n, tile)
-        if alpha_zero or k == 0:
+        if not product:
             steps, flops = (_scale(c, first),), 0.0
         else:
-            steps = tuple(Step("gemm", op_tile(SLOT_A, op_a, i, kk, a_rows, a_cols, tile),
-                               op_tile(SLOT_B, op_b, kk, j, b_rows, b_cols, tile), op_a, op_b, c.rows, c.cols,
-                               _width(kk, k, tile), SC_ALPHA, first if kk == 0 else SC_ONE) for kk in range(tk))
+            steps = k_steps(i, j, c, 0, tk, first)
             flops = gemm_flops(c.rows, c.cols, k, is_complex)
         tasks.append(Task(len(tasks), c, not beta_zero, steps, flops, rotatable=len(steps) > 1))
     return tasks
+
+
+def partial_shape(m: int, n: int, split: int) -> tuple[int, int]:
+    """Shape of split-k's scratch (column-major): the ``split`` partial m x n products side by side."""
+    return m, split * n
+
+
+def partial_ref(s: int, i: int, j: int, m: int, n: int, tile: int) -> TileRef:
+    """The scratch tile holding partial ``s`` of C tile (i, j): C's tile, ``s`` column blocks of n over."""
+    c = tile_ref(SLOT_P, i, j, m, n, tile)
+    return c._replace(bj=s * n_tiles(n, tile) + j, c0=s * n + c.c0)
 
 
 def tile_order(tm: int, tn: int, block: tuple[int, int] = (1, 1)) -> list[tuple[int, int]]:
