@@ -15,6 +15,7 @@ import numpy as np
 
 from . import perfdb
 from .runtime import dtypes
+from .runtime.plans.split import MIN_PART_TILES
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
@@ -49,12 +50,20 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
     tile = DEFAULT_TILE[kind]
     tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
-    while tile > floor and -(-m // tile) * -(-n // tile) < 2 * workers:
+    split = eng.config.knobs.split_k
+    while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:
         tile //= 2
     while tile > floor and not _fits(streamed, tile, itemsize):
         tile //= 2
     _check_fits(streamed, tile, itemsize)
     return tile
+
+
+def _tasks(m: int, n: int, k: int, tile: int, split: bool) -> int:
+    """Tasks a GEMM gets with ``tile``: its C tiles, times the partial sums a long k allows when
+    split-k is on (a tall-skinny product keeps its large tile and splits k instead)."""
+    tiles = -(-m // tile) * -(-n // tile)
+    return tiles * max(1, -(-k // tile) // MIN_PART_TILES) if split else tiles
 
 
 def _tile_itemsize(dtype) -> int:
