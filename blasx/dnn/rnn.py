@@ -49,6 +49,7 @@ class Problem:
     batch_first: bool
     unbatched: bool
     math: str
+    graphs: bool = True  # CUDA: replay each step loop from a captured graph (rnn_graph.py)
 
 
 @dataclass
@@ -133,7 +134,8 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
         raise ValueError("lengths: not allowed for an unbatched (2-D) x")
     lens = _check_lengths(lengths, T, B)
     bs = tuple(B for _ in range(T)) if lens is None else tuple(int(sum(1 for v in lens if v > t)) for t in range(T))
-    return Problem(spec, xp, xt, h0, c0, bs, lens, bool(batch_first), unbatched, math)
+    from . import rnn_graph
+    return Problem(spec, xp, xt, h0, c0, bs, lens, bool(batch_first), unbatched, math, rnn_graph.enabled())
 
 
 # ---------------------------------------------------------------- forward

@@ -72,6 +72,9 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_laye
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
+    if runner is None and not host and pb.graphs:
+        from . import rnn_graph
+        runner = (lambda *args: rnn_graph.run(ops, *args))
     if runner is not None:
         runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:

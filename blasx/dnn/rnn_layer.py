@@ -71,6 +71,7 @@ class CudaOps:
         self.xp = cupy
         self.math = math
         self._fn = None
+        self._ph: dict = {}
         self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
                       np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
 
@@ -115,7 +116,11 @@ class CudaOps:
         return a
 
     def placeholder(self, f):
-        return self.xp.zeros(1, dtype=f)
+        """A one-element stand-in for an argument the mode lacks (made once, so no capture allocates it)."""
+        f = np.dtype(f)
+        if f not in self._ph:
+            self._ph[f] = self.xp.zeros(1, dtype=f)
+        return self._ph[f]
 
 
 @dataclass
