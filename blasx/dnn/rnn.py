@@ -23,7 +23,6 @@ from .. import precision
 from ..operands import array_module, is_cupy
 from ..runtime import dtypes
 from . import rnn_exec, rnn_params
-from .rnn_layer import compute_type
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
 
