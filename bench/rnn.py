@@ -1,0 +1,229 @@
+"""Recurrent layers (issue 22): blasx.dnn against torch (cuDNN on CUDA) in the same run, every result checked.
+
+    python -m bench.rnn                                   # the issue's shapes on GPU 0 vs cuDNN
+    python -m bench.rnn --devices cuda:0,1 --layers 4 --hidden 1024 --batch 64   # wavefront on two GPUs
+    python -m bench.rnn --devices cuda:0,1 --bidirectional                       # directions on two GPUs
+    python -m bench.rnn --deepbench                       # DeepBench's recurrent training shapes (T <= 375)
+    python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
+
+Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
+(synchronised), their ratio, and the check: y and h_n (inference), and also the input and every parameter
+gradient (training) against the peer's, relative Frobenius error under the dtype's tolerance. ``--overhead``
+adds the per-step cost of the step loop launched from Python and replayed from a CUDA graph. Outputs
+``bench/results/rnn-<tag>-<stamp>.{json,md}`` with the command, machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import sys
+import time
+
+import numpy as np
+
+DEEPBENCH = [  # (hidden, batch, steps, cell): DeepBench's rnn_problems.h training_set, steps <= 375
+    *[(h, b, 50, "rnn_tanh") for h in (1760, 2048, 2560) for b in (16, 32, 64, 128)],
+    *[(h, b, 25, "lstm") for h in (512, 1024, 2048, 4096) for b in (16, 32, 64, 128)],
+    *[(1536, b, 50, "lstm") for b in (8, 16, 32)], *[(256, b, 150, "lstm") for b in (16, 32, 64)],
+    *[(h, 32, t, "gru") for h in (2816, 2048, 1536, 2560) for t in (375, 187)], (512, 32, 1, "gru")]
+TOL = {"float32": 2e-3, "tf32": 2e-2, "float16": 3e-2, "float64": 1e-9}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.rnn", description=__doc__.split("\n")[0])
+    p.add_argument("--devices", default=None, help="blasx devices (default: cuda if a GPU, else sim:2)")
+    p.add_argument("--peer", default=None, help="torch device of the reference: cuda (cuDNN) or cpu")
+    p.add_argument("--modes", default="lstm,gru")
+    p.add_argument("--hidden", default="512,1024,2048")
+    p.add_argument("--batch", default="16,64,128")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--bidirectional", action="store_true")
+    p.add_argument("--dtypes", default="float32,float16")
+    p.add_argument("--math", default="ieee,tf32", help="float32's math modes")
+    p.add_argument("--phases", default="inference,training")
+    p.add_argument("--deepbench", action="store_true", help="DeepBench's shapes instead of --modes/--hidden/--batch")
+    p.add_argument("--overhead", action="store_true", help="also the per-step overhead, eager vs graph")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--tag", default="run")
+    a = p.parse_args(argv)
+    for k in ("modes", "dtypes", "math", "phases"):
+        setattr(a, k, [v for v in getattr(a, k).split(",") if v])
+    a.hidden = [int(v) for v in a.hidden.split(",")]
+    a.batch = [int(v) for v in a.batch.split(",")]
+    return a
+
+
+def cases(args) -> list[dict]:
+    shapes = ([(c, h, b, t) for h, b, t, c in DEEPBENCH] if args.deepbench else
+              [(m, h, b, args.steps) for m in args.modes for h in args.hidden for b in args.batch])
+    out = []
+    for mode, h, b, t in shapes:
+        for dt in args.dtypes:
+            for math in (args.math if dt == "float32" else ["ieee"]):
+                for phase in args.phases:
+                    out.append(dict(mode=mode, hidden=h, batch=b, steps=t, dtype=dt, math=math, phase=phase,
+                                    layers=args.layers, bidirectional=args.bidirectional))
+    return out
+
+
+def _rel(a, ref) -> float:
+    a = np.asarray(a, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _best(fn, runs: int, sync) -> tuple[float, object]:
+    res, best = None, float("inf")
+    for _ in range(max(1, runs)):
+        sync()
+        t0 = time.perf_counter()
+        res = fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best, res
+
+
+def run_case(c: dict, peer: str, runs: int) -> dict:
+    """Time blasx and the peer on one case and check blasx's results against the peer's."""
+    import torch
+
+    from blasx import dnn
+    gpu = peer == "cuda"
+    tdt = getattr(torch, c["dtype"])
+    torch.manual_seed(0)
+    kw = dict(num_layers=c["layers"], bidirectional=c["bidirectional"])
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(c["mode"])
+    m = (cls(c["hidden"], c["hidden"], **kw) if cls else
+         torch.nn.RNN(c["hidden"], c["hidden"], nonlinearity=c["mode"][4:], **kw)).to(peer).to(tdt)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = c["math"] == "tf32"
+    x = torch.randn(c["steps"], c["batch"], c["hidden"], device=peer, dtype=tdt) * 0.5
+    training = c["phase"] == "training"
+    if gpu:
+        import cupy
+        bx = cupy.from_dlpack(x)
+        to_np = cupy.asnumpy
+        sync = torch.cuda.synchronize
+    else:
+        bx, to_np, sync = x.numpy(), np.asarray, (lambda: None)
+    params = m.state_dict()
+    fwd = {"lstm": dnn.lstm, "gru": dnn.gru}.get(c["mode"])
+    bwd = {"lstm": dnn.lstm_backward, "gru": dnn.gru_backward}.get(c["mode"], dnn.rnn_backward)
+    extra = {} if fwd else {"nonlinearity": c["mode"][4:]}
+    fwd = fwd or dnn.rnn
+    xg = x.clone().requires_grad_(training)
+
+    def peer_run():
+        if not training:
+            with torch.no_grad():
+                return m(x)
+        m.zero_grad()
+        xg.grad = None
+        y, st = m(xg)
+        outs = [y, *(st if isinstance(st, tuple) else (st,))]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return y, st
+
+    def blasx_run():
+        out = fwd(bx, None, params, training=training, math=c["math"], **kw, **extra)
+        if not training:
+            return out, None
+        st = out[1]
+        sts = st if isinstance(st, tuple) else (st,)
+        ones = [(cupy.ones_like(s) if gpu else np.ones_like(s)) for s in (out[0], *sts)]
+        return out, bwd(out[2], *ones)
+
+    t_peer, (ty, tst) = _best(peer_run, runs, sync)
+    t_blasx, (out, grads) = _best(blasx_run, runs, sync)
+    tst0 = tst[0] if isinstance(tst, tuple) else tst
+    st0 = out[1][0] if isinstance(out[1], tuple) else out[1]
+    errs = {"y": _rel(to_np(out[0]), ty.detach().float().cpu().numpy()),
+            "h_n": _rel(to_np(st0), tst0.detach().float().cpu().numpy())}
+    if training:
+        errs["input"] = _rel(to_np(grads["input"]), xg.grad.float().cpu().numpy())
+        for k, p in m.named_parameters():
+            errs[k] = _rel(to_np(grads[k]), p.grad.float().cpu().numpy())
+    tol = TOL["tf32" if c["math"] == "tf32" else c["dtype"]]
+    worst = max(errs, key=errs.get)
+    return dict(c, blasx_s=t_blasx, peer_s=t_peer, ratio=t_blasx / t_peer, max_err=errs[worst], worst=worst,
+                tol=tol, ok=errs[worst] < tol)
+
+
+def step_overhead(hidden: int = 256, batch: int = 16, steps: int = 100, runs: int = 5) -> dict:
+    """Per-step time of one LSTM layer's step loop launched from Python vs replayed from its graph (CUDA)."""
+    import cupy
+    import torch
+
+    from blasx import dnn
+    from blasx.dnn import rnn_graph
+    m = torch.nn.LSTM(hidden, hidden).cuda()
+    p = m.state_dict()
+    x = cupy.random.standard_normal((steps, batch, hidden), dtype=cupy.float32)
+    sync = cupy.cuda.Device().synchronize
+    with rnn_graph.eager():
+        t_eager, ye = _best(lambda: dnn.lstm(x, None, p)[0], runs, sync)
+    t_graph, yg = _best(lambda: dnn.lstm(x, None, p)[0], runs, sync)
+    return dict(hidden=hidden, batch=batch, steps=steps, eager_us_per_step=1e6 * t_eager / steps,
+                graph_us_per_step=1e6 * t_graph / steps, same=float(cupy.abs(ye - yg).max()) == 0.0,
+                graph_stats=rnn_graph.stats())
+
+
+def markdown(rep: dict) -> str:
+    lines = [f"# bench.rnn: {rep['tag']}", "", f"- command: `{rep['command']}`", f"- date: {rep['date']}",
+             f"- machine: {rep['env'].get('host')}, {rep['env'].get('gpus', rep['env'].get('cpu'))}",
+             f"- blasx devices: {rep['devices']}; peer: torch on {rep['peer']}", "",
+             "| mode | H | B | T | L | dir | dtype | math | phase | blasx ms | peer ms | ratio | max err (worst) | ok |",
+             "| --- | --: | --: | --: | --: | --: | --- | --- | --- | --: | --: | --: | --- | --- |"]
+    for r in rep["results"]:
+        lines.append(f"| {r['mode']} | {r['hidden']} | {r['batch']} | {r['steps']} | {r['layers']} | "
+                     f"{2 if r['bidirectional'] else 1} | {r['dtype']} | {r['math']} | {r['phase']} | "
+                     f"{1e3 * r['blasx_s']:.2f} | {1e3 * r['peer_s']:.2f} | {r['ratio']:.2f} | "
+                     f"{r['max_err']:.1e} ({r['worst']}) | {'yes' if r['ok'] else 'NO'} |")
+    if rep.get("overhead"):
+        o = rep["overhead"]
+        lines += ["", f"Per-step overhead (LSTM H={o['hidden']}, B={o['batch']}, T={o['steps']}): "
+                  f"{o['eager_us_per_step']:.1f} us/step launched from Python, {o['graph_us_per_step']:.1f} "
+                  f"us/step replayed from a CUDA graph (same result: {o['same']})."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    import blasx
+    from bench.gemm import collect_env, jsonable
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    ngpu = blasx.session._cuda_count()
+    devices = args.devices or ("cuda" if ngpu else "sim:2")
+    peer = args.peer or ("cuda" if ngpu else "cpu")
+    blasx.configure(devices=devices)
+    now = _dt.datetime.now(_dt.timezone.utc).astimezone()
+    env = collect_env(list(range(ngpu)))
+    rep = {"schema": "blasx-bench-rnn/1", "tag": args.tag, "date": now.isoformat(timespec="seconds"),
+           "command": shlex.join([os.path.basename(sys.executable), "-m", "bench.rnn", *argv]),
+           "devices": devices, "peer": peer, "env": env, "results": [], "overhead": None}
+    for c in cases(args):
+        r = run_case(c, peer, args.runs)
+        rep["results"].append(r)
+        print(f"{r['mode']} H={r['hidden']} B={r['batch']} T={r['steps']} {r['dtype']}/{r['math']} {r['phase']}: "
+              f"blasx {1e3 * r['blasx_s']:.2f} ms, peer {1e3 * r['peer_s']:.2f} ms, ratio {r['ratio']:.2f}, "
+              f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}", flush=True)
+    if args.overhead and peer == "cuda":
+        rep["overhead"] = step_overhead()
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"rnn-{args.tag}-{now.strftime('%Y%m%d-%H%M%S')}")
+    with open(base + ".json", "w") as f:
+        json.dump(jsonable(rep), f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(rep))
+    print(base + ".md")
+    blasx.shutdown()
+    return 0 if all(r["ok"] for r in rep["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

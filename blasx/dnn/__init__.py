@@ -1,0 +1,1 @@
+from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward

@@ -1,0 +1,154 @@
+"""The fused per-step elementwise kernels of recurrent cells (MIOpen eq. 5-10 and their gradients).
+
+One step of a layer is one GEMM (``gh = h_prev . W_hh^T``, gates stacked as in eq. 11) and one of these kernels,
+which applies every gate nonlinearity and the state update in one pass over the ``a x H`` active rows. Arrays are
+row-major ``(a, G*H)`` gate blocks in torch's gate order (LSTM i, f, g, o; GRU r, z, n); ``gx`` already holds the
+input projection plus the biases that add (for GRU all but ``b_hn``, which sits inside the reset product).
+
+Two implementations with one signature: numpy (host, sims) and CuPy ElementwiseKernels (made on first use). The
+compute type F is float64 for float64 data and float32 otherwise; the hidden output ``h`` may have the storage type
+(float16 rounds there), states and saved gates stay in F.
+
+Saved per step for the backward pass (``gates``): LSTM the activated i, f, g, o; GRU r, z, n and the hidden
+n-part ``gh_n + b_hn``; RNN nothing (its gradient needs only h).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SAVED = {"lstm": 4, "gru": 4, "rnn_tanh": 0, "rnn_relu": 0}  # gate blocks saved per step for backward
+
+
+def _sig(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+# ---------------------------------------------------------------- numpy
+
+def np_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None:
+    """One step on the host: writes ``h_out`` (and ``c_out``, ``gates`` where the mode has them)."""
+    if mode == "lstm":
+        hh = c_prev.shape[1]
+        s = gx + gh
+        i, f, g, o = _sig(s[:, :hh]), _sig(s[:, hh:2 * hh]), np.tanh(s[:, 2 * hh:3 * hh]), _sig(s[:, 3 * hh:])
+        c = f * c_prev + i * g
+        c_out[...] = c
+        h_out[...] = o * np.tanh(c)
+        gates[:, :hh], gates[:, hh:2 * hh], gates[:, 2 * hh:3 * hh], gates[:, 3 * hh:] = i, f, g, o
+    elif mode == "gru":
+        hh = h_prev.shape[1]
+        ghn = gh[:, 2 * hh:] + bhn if bhn is not None else gh[:, 2 * hh:]
+        r = _sig(gx[:, :hh] + gh[:, :hh])
+        z = _sig(gx[:, hh:2 * hh] + gh[:, hh:2 * hh])
+        n = np.tanh(gx[:, 2 * hh:] + r * ghn)
+        h_out[...] = (1.0 - z) * n + z * h_prev
+        gates[:, :hh], gates[:, hh:2 * hh], gates[:, 2 * hh:3 * hh], gates[:, 3 * hh:] = r, z, n, ghn
+    else:
+        s = gx + gh
+        h_out[...] = np.tanh(s) if mode == "rnn_tanh" else np.maximum(s, 0)
+
+
+def np_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh_direct) -> None:
+    """The gradient of one step: from ``dh`` (of the step's h, before any projection) and ``dc`` (of its
+    cell state) it writes the gate pre-activation gradients ``dgx`` (input side) and ``dgh`` (hidden side;
+    the same array as dgx except for GRU), ``dc_prev`` (LSTM) and the part of dh_prev not through W_hh
+    (``dh_direct``, GRU)."""
+    if mode == "lstm":
+        hh = c.shape[1]
+        i, f, g, o = gates[:, :hh], gates[:, hh:2 * hh], gates[:, 2 * hh:3 * hh], gates[:, 3 * hh:]
+        tc = np.tanh(c)
+        dct = dc + dh * o * (1.0 - tc * tc)
+        dgx[:, :hh] = dct * g * i * (1.0 - i)
+        dgx[:, hh:2 * hh] = dct * c_prev * f * (1.0 - f)
+        dgx[:, 2 * hh:3 * hh] = dct * i * (1.0 - g * g)
+        dgx[:, 3 * hh:] = dh * tc * o * (1.0 - o)
+        dc_prev[...] = dct * f
+    elif mode == "gru":
+        hh = h_prev.shape[1]
+        r, z, n, ghn = gates[:, :hh], gates[:, hh:2 * hh], gates[:, 2 * hh:3 * hh], gates[:, 3 * hh:]
+        dsn = dh * (1.0 - z) * (1.0 - n * n)
+        dsr = dsn * ghn * r * (1.0 - r)
+        dsz = dh * (h_prev - n) * z * (1.0 - z)
+        dgx[:, :hh], dgx[:, hh:2 * hh], dgx[:, 2 * hh:] = dsr, dsz, dsn
+        dgh[:, :hh], dgh[:, hh:2 * hh], dgh[:, 2 * hh:] = dsr, dsz, dsn * r
+        dh_direct[...] = dh * z
+    elif mode == "rnn_tanh":
+        dgx[...] = dh * (1.0 - h * h)
+    else:
+        dgx[...] = dh * (h > 0)
+
+
+# ---------------------------------------------------------------- CuPy
+
+_FWD = {
+    "lstm": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h", """
+        int b = i / H, j = i % H; long k = (long)b * 4 * H + j;
+        F si = gx[k] + gh[k], sf = gx[k + H] + gh[k + H], sg = gx[k + 2 * H] + gh[k + 2 * H],
+          so = gx[k + 3 * H] + gh[k + 3 * H];
+        F ig = 1 / (1 + exp(-si)), fg = 1 / (1 + exp(-sf)), gg = tanh(sg), og = 1 / (1 + exp(-so));
+        F cn = fg * cp[i] + ig * gg;
+        c[i] = cn; h[i] = (S)(og * tanh(cn));
+        gates[k] = ig; gates[k + H] = fg; gates[k + 2 * H] = gg; gates[k + 3 * H] = og;"""),
+    "gru": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h", """
+        int b = i / H, j = i % H; long k = (long)b * 3 * H + j, q = (long)b * 4 * H + j;
+        F ghn = gh[k + 2 * H] + bhn[j];
+        F r = 1 / (1 + exp(-(gx[k] + gh[k]))), z = 1 / (1 + exp(-(gx[k + H] + gh[k + H])));
+        F n = tanh(gx[k + 2 * H] + r * ghn);
+        h[i] = (S)((1 - z) * n + z * (F)hp[i]);
+        gates[q] = r; gates[q + H] = z; gates[q + 2 * H] = n; gates[q + 3 * H] = ghn;"""),
+    "rnn_tanh": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h",
+                 "h[i] = (S)tanh(gx[i] + gh[i]);"),
+    "rnn_relu": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h",
+                 "F s = gx[i] + gh[i]; h[i] = (S)(s > 0 ? s : (F)0);"),
+}
+
+_BWD = {
+    "lstm": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
+             "raw F dgx, raw F dgh, raw F dcp, raw F dhd", """
+        int b = i / H, j = i % H; long k = (long)b * 4 * H + j;
+        F ig = gates[k], fg = gates[k + H], gg = gates[k + 2 * H], og = gates[k + 3 * H];
+        F tc = tanh(c[i]); F dct = dc[i] + dh[i] * og * (1 - tc * tc);
+        dgx[k] = dct * gg * ig * (1 - ig); dgx[k + H] = dct * cp[i] * fg * (1 - fg);
+        dgx[k + 2 * H] = dct * ig * (1 - gg * gg); dgx[k + 3 * H] = dh[i] * tc * og * (1 - og);
+        dcp[i] = dct * fg;"""),
+    "gru": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
+            "raw F dgx, raw F dgh, raw F dcp, raw F dhd", """
+        int b = i / H, j = i % H; long q = (long)b * 4 * H + j, k = (long)b * 3 * H + j;
+        F r = gates[q], z = gates[q + H], n = gates[q + 2 * H], ghn = gates[q + 3 * H];
+        F dsn = dh[i] * (1 - z) * (1 - n * n), dsr = dsn * ghn * r * (1 - r),
+          dsz = dh[i] * ((F)hp[i] - n) * z * (1 - z);
+        dgx[k] = dsr; dgx[k + H] = dsz; dgx[k + 2 * H] = dsn;
+        dgh[k] = dsr; dgh[k + H] = dsz; dgh[k + 2 * H] = dsn * r;
+        dhd[i] = dh[i] * z;"""),
+    "rnn_tanh": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
+                 "raw F dgx, raw F dgh, raw F dcp, raw F dhd", "F y = (F)h[i]; dgx[i] = dh[i] * (1 - y * y);"),
+    "rnn_relu": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
+                 "raw F dgx, raw F dgh, raw F dcp, raw F dhd", "dgx[i] = (F)h[i] > 0 ? dh[i] : (F)0;"),
+}
+
+_KERNELS: dict = {}
+
+
+def cupy_kernel(direction: str, mode: str):
+    """The CuPy ElementwiseKernel of ``mode``'s forward or backward step (compiled per type on first use)."""
+    key = (direction, mode)
+    if key not in _KERNELS:
+        import cupy
+        ins, outs, body = (_FWD if direction == "fwd" else _BWD)[mode]
+        _KERNELS[key] = cupy.ElementwiseKernel(ins, outs, body, f"blasx_rnn_{mode}_{direction}")
+    return _KERNELS[key]
+
+
+def cupy_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None:
+    """:func:`np_forward` as one CUDA kernel on the current stream (every argument a CuPy array; absent
+    ones are one-element placeholders of the compute type)."""
+    rows, hh = h_out.shape
+    cupy_kernel("fwd", mode)(gx, gh, bhn, c_prev, h_prev, np.int32(hh), gates, c_out, h_out, size=rows * hh)
+
+
+def cupy_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh_direct) -> None:
+    """:func:`np_backward` as one CUDA kernel on the current stream."""
+    rows, hh = dh.shape
+    cupy_kernel("bwd", mode)(dh, dc, gates, c, c_prev, h, h_prev, np.int32(hh), dgx, dgh, dc_prev, dh_direct,
+                             size=rows * hh)

@@ -1,0 +1,176 @@
+"""Runs a validated recurrent problem (rnn.py's Problem): the layers in order, each direction's input projection
+as one engine GEMM (MIOpen eq. 12), its step loop (rnn_layer.py), and backward's single GEMMs for the input and
+weight gradients of all steps (eq. 17, 19, 21). Directions and layers go to devices as rnn_plan.py decides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import numpy_api
+from . import rnn_layer
+from .rnn_layer import CudaOps, HostOps, compute_type
+
+
+def ops_for(xp, math: str):
+    return HostOps(math) if xp is np else CudaOps(math)
+
+
+def _mm(a, b, pb, out_dtype=None):
+    """a . b on the engine (every configured device); float32 products in the call's math mode."""
+    f32 = a.dtype == np.float32 or out_dtype is not None
+    return numpy_api.matmul(a, b, out_dtype=out_dtype, math=pb.math if f32 else None)
+
+
+def _f(xp, a, f):
+    return a if a.dtype == f else a.astype(f)
+
+
+def input_projection(pb, cell, inp, f, mm=None):
+    """gx (T, B, G*H) in F: ``inp . W_ih^T`` for all steps at once, plus every bias that simply adds (GRU's
+    b_hn is kept apart: it sits inside the reset product). Returns (gx, b_hn or None). ``mm``: a local
+    GEMM instead of the engine's (a wavefront chunk)."""
+    xp = pb.xp
+    T, B, n_in = inp.shape
+    x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
+    half = inp.dtype.itemsize < 4
+    if mm is None:
+        gx = _mm(x2, cell.w_ih.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1)
+    else:
+        gx = mm(x2, cell.w_ih.T).reshape(T, B, -1)
+    bhn = None
+    if cell.b_ih is not None:
+        b = _f(xp, cell.b_ih, f) + _f(xp, cell.b_hh, f)
+        if pb.spec.mode == "gru":
+            h = pb.spec.hidden_size
+            b[2 * h:] = _f(xp, cell.b_ih[2 * h:], f)
+            bhn = xp.ascontiguousarray(_f(xp, cell.b_hh[2 * h:], f))
+        gx += b
+    elif pb.spec.mode == "gru":
+        bhn = xp.zeros(pb.spec.hidden_size, dtype=f)
+    return gx, bhn
+
+
+def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_layer.Forward:
+    """One layer-direction's forward: projection, buffers with h0/c0, the step loop."""
+    spec, xp = pb.spec, pb.xp
+    cell = spec.cells[layer][d]
+    T, B = inp.shape[:2]
+    store = inp.dtype
+    f = compute_type(store)
+    gx, bhn = input_projection(pb, cell, inp, f)
+    st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
+                                   store, f)
+    k = layer * spec.num_dirs + d
+    if pb.h0 is None:
+        st.S[0] = 0
+    else:
+        st.S[0] = pb.h0[k]
+    if st.C is not None:
+        st.C[0] = 0 if pb.c0 is None else pb.c0[k]
+    host = xp is np
+    w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
+    w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
+    gh = xp.empty((B, gx.shape[2]), dtype=f)
+    if runner is None and not host and pb.graphs:
+        from . import rnn_graph
+        runner = (lambda *args: rnn_graph.run(ops, *args))
+    if runner is not None:
+        runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
+    else:
+        rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
+    return st
+
+
+def direction_output(pb, st: rnn_layer.Forward, reverse: bool):
+    """The direction's y (T, B, out) in time order, zero past each sequence's end."""
+    T = st.S.shape[0] - 1
+    y = st.S[T:0:-1] if reverse else st.S[1:]
+    if pb.lengths is not None:
+        y = y.copy()
+        for t, a in enumerate(pb.bs):
+            if a < y.shape[1]:
+                y[t, a:] = 0
+    return y
+
+
+def forward(pb, keep: bool):
+    """(y (T, B, D*out), h_n, c_n, saved layers) of the whole stack, all time-major; the loops placed by
+    rnn_plan.py (rnn_multi.py runs them)."""
+    from . import rnn_multi
+    spec, xp = pb.spec, pb.xp
+    T, B = pb.x.shape[:2]
+    store = pb.x.dtype
+    dirs = spec.num_dirs
+    layers, y = rnn_multi.run_forward(pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp),
+                                      direction_output)
+    h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
+    c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
+    for layer, states in enumerate(layers):
+        for d, st in enumerate(states):
+            h_n[layer * dirs + d] = st.S[T]
+            if c_n is not None:
+                c_n[layer * dirs + d] = st.C[T].astype(store)
+    saved = list(zip(layer_inputs(pb, layers), layers)) if keep else None
+    return y, h_n, c_n, saved
+
+
+def layer_inputs(pb, layers):
+    """The input of each layer (x, then the previous layer's y)."""
+    from .rnn_multi import _layer_output
+    inputs = [pb.x]
+    for states in layers[:-1]:
+        inputs.append(_layer_output(pb, states, direction_output))
+    return inputs
+
+
+def _flat(xp, a, f):
+    return xp.ascontiguousarray(_f(xp, a, f)).reshape(-1, a.shape[-1])
+
+
+def backward(pb, layers, gy, gh, gc) -> dict:
+    """Every gradient (MIOpen eq. 15-21): step loops in reverse, then one GEMM per weight and per input."""
+    from . import rnn_params
+    spec, xp = pb.spec, pb.xp
+    store = pb.x.dtype
+    f = compute_type(store)
+    T, B = pb.x.shape[:2]
+    out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
+    ops = ops_for(xp, pb.math)
+    grads = {}
+    dh0 = xp.empty((spec.num_layers * dirs, B, out), dtype=store)
+    dc0 = xp.empty((spec.num_layers * dirs, B, hh), dtype=store) if spec.mode == "lstm" else None
+    dy = None if gy is None else _f(xp, gy, f)
+    for layer in range(spec.num_layers - 1, -1, -1):
+        inp, states = layers[layer]
+        n_in = inp.shape[2]
+        dx = xp.zeros((T, B, n_in), dtype=f)
+        for d in range(dirs):
+            cell, st, rev = spec.cells[layer][d], states[d], d == 1
+            k = layer * dirs + d
+            bw = rnn_layer.backward_loop(
+                ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
+                None if dy is None else dy[..., d * out:(d + 1) * out],
+                None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
+            s = rnn_params.suffix(layer, d)
+            dgx = bw.dgx.reshape(T * B, -1)
+            dgh = bw.dgh.reshape(T * B, -1)
+            xin = _flat(xp, inp[::-1] if rev else inp, f)
+            grads["weight_ih" + s] = _mm(dgx.T, xin, pb).astype(store)
+            grads["weight_hh" + s] = _mm(dgh.T, _flat(xp, st.S[:T], f), pb).astype(store)
+            if cell.b_ih is not None:
+                grads["bias_ih" + s] = dgx.sum(axis=0).astype(store)
+                grads["bias_hh" + s] = dgh.sum(axis=0).astype(store)
+            if cell.w_hr is not None:
+                grads["weight_hr" + s] = _mm(bw.dhs.reshape(T * B, -1).T, _flat(xp, st.R, f), pb).astype(store)
+            dxd = _mm(dgx, _f(xp, cell.w_ih, f), pb).reshape(T, B, n_in)
+            dx += dxd[::-1] if rev else dxd
+            dh0[k] = bw.dh
+            if dc0 is not None:
+                dc0[k] = bw.dc
+        dy = dx
+    grads["input"] = dy.astype(store)
+    grads["h0"] = dh0
+    if dc0 is not None:
+        grads["c0"] = dc0
+    return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}

@@ -1,0 +1,229 @@
+"""The step loops of one recurrent layer in one direction: forward (eq. 11 per step) and backward (eq. 15).
+
+The input projection (eq. 12) is done before the loop (one engine GEMM for all T steps, in rnn.py); each step
+then costs one recurrent GEMM ``gh = h_prev . W_hh^T`` and one fused cell kernel (rnn_cells.py), plus the
+projection GEMM ``h = r . W_hr^T`` for an LSTM with ``proj_size``. Variable lengths (sorted decreasing, as
+MIOpen requires) shrink the active rows: step t runs the first ``bs[t]`` rows; the other rows keep their state
+(finished sequences in the forward direction, not yet started ones in the reverse direction).
+
+Arrays are indexed by *processing step* p (time t = p forward, T-1-p in reverse): ``S[p]`` is the hidden
+state before step p (``S[T]`` is h_n), ``C[p]`` the cell state, ``gates[p]`` the saved activations, ``R[p]`` the
+unprojected h. S and R have the storage type (rounded as the GPU stores them), everything else the compute
+type F. The loops issue kernels and GEMMs only (no allocation), so on CUDA one loop can be captured into a
+graph (rnn_graph.py); :class:`HostOps` and :class:`CudaOps` are the two sets of primitives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import rnn_cells
+from ..runtime import dtypes
+
+
+def compute_type(dtype) -> np.dtype:
+    """F: float64 for float64 data, float32 for float32, float16 and bfloat16."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+class HostOps:
+    """numpy primitives (host BLAS for the per-step GEMMs)."""
+    xp = np
+    forward = staticmethod(rnn_cells.np_forward)
+    backward = staticmethod(rnn_cells.np_backward)
+
+    def __init__(self, math: str = "ieee") -> None:
+        self.math = math
+
+    @staticmethod
+    def gemm(a, w, out, trans_w: bool) -> None:
+        """out = a . w^T (trans_w) or a . w; a and w are cast to out's type first when they differ."""
+        f = out.dtype if out.dtype.itemsize >= 4 else np.dtype(np.float32)
+        a = a if a.dtype == f else a.astype(f)
+        w = w if w.dtype == f else w.astype(f)
+        res = a @ (w.T if trans_w else w)
+        out[...] = res
+
+    @staticmethod
+    def copy(dst, src) -> None:
+        dst[...] = src
+
+    @staticmethod
+    def state_in(a):
+        """A storage-type array as the cell kernels read it."""
+        return a.astype(np.float32) if a.dtype.itemsize < 4 else a
+
+    @staticmethod
+    def placeholder(f):
+        return None
+
+
+class CudaOps:
+    """CuPy primitives on the current device and stream: cuBLAS GemmEx for the per-step GEMMs (half inputs
+    with a float32 result, TF32 when asked), the cell ElementwiseKernels."""
+    forward = staticmethod(rnn_cells.cupy_forward)
+    backward = staticmethod(rnn_cells.cupy_backward)
+
+    def __init__(self, math: str = "ieee") -> None:
+        import cupy
+        self.xp = cupy
+        self.math = math
+        self._fn = None
+        self._ph: dict = {}
+        self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
+                      np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
+
+    def _gemm_ex(self):
+        if self._fn is None:
+            from cupy_backends.cuda.libs import cublas
+            fn = getattr(cublas, "gemmEx", None)
+            if fn is None:
+                from ..runtime.devices.cublas_ctypes import gemm_ex
+                fn = gemm_ex()
+            self._fn = fn
+        return self._fn
+
+    def gemm(self, a, w, out, trans_w: bool) -> None:
+        """out (m, n) = a (m, k) . w^T (trans_w; w is (n, k)) or a . w (w is (k, n)); row-major, contiguous.
+        Issued as the column-major out^T = op(w) a^T with one cublasGemmEx on the current stream."""
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+        m, k = a.shape
+        n = out.shape[1]
+        if m == 0:
+            return
+        wide = a.dtype == np.float64
+        compute = dtypes.CUBLAS_COMPUTE_64F if wide else (
+            dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
+            else dtypes.CUBLAS_COMPUTE_32F)
+        one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
+        handle = cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        self._gemm_ex()(handle, 1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+                        w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
+                        a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
+                        out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+
+    @staticmethod
+    def copy(dst, src) -> None:
+        dst[...] = src
+
+    @staticmethod
+    def state_in(a):
+        return a
+
+    def placeholder(self, f):
+        """A one-element stand-in for an argument the mode lacks (made once, so no capture allocates it)."""
+        f = np.dtype(f)
+        if f not in self._ph:
+            self._ph[f] = self.xp.zeros(1, dtype=f)
+        return self._ph[f]
+
+
+@dataclass
+class Forward:
+    """What one direction's forward loop leaves: states by processing step (see the module docstring)."""
+    S: object  # (T+1, B, out) storage type
+    C: object | None  # (T+1, B, H) F, LSTM
+    gates: object | None  # (T, B, 4H) F, LSTM and GRU
+    R: object | None  # (T, B, H) storage type, LSTM with a projection
+
+
+def order(T: int, reverse: bool):
+    """Time index of each processing step."""
+    return range(T - 1, -1, -1) if reverse else range(T)
+
+
+def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool, store, f) -> Forward:
+    saved = rnn_cells.SAVED[mode]
+    return Forward(S=xp.empty((T + 1, B, out), dtype=store),
+                   C=xp.empty((T + 1, B, H), dtype=f) if mode == "lstm" else None,
+                   gates=xp.empty((T, B, saved * H), dtype=f) if saved else None,
+                   R=xp.empty((T, B, H), dtype=store) if proj else None)
+
+
+def forward_loop(ops, mode: str, gx, w_hh, w_hr, bhn, st: Forward, gh, bs, reverse: bool, steps=None) -> None:
+    """The step loop: ``gx`` (T, B, G*H) in time order (F, biases added but b_hn), ``st.S[0]`` (and
+    ``st.C[0]``) hold h0 (c0) on entry; ``gh`` is a (B, G*H) F scratch; ``bs[t]`` the active rows at time t;
+    ``steps``: the processing steps to run (all by default; a wavefront runs them chunk by chunk)."""
+    T, B = gx.shape[:2]
+    f = gx.dtype
+    ph = ops.placeholder(f)
+    times = order(T, reverse)
+    for p in (range(T) if steps is None else steps):
+        t = times[p]
+        a = bs[t]
+        hp = st.S[p, :a]
+        ops.gemm(hp, w_hh, gh[:a], True)
+        cp = st.C[p, :a] if st.C is not None else ph
+        cn = st.C[p + 1, :a] if st.C is not None else ph
+        g = st.gates[p, :a] if st.gates is not None else ph
+        h_out = st.R[p, :a] if st.R is not None else st.S[p + 1, :a]
+        ops.forward(mode, gx[t, :a], gh[:a], bhn if bhn is not None else ph, cp, ops.state_in(hp), g, cn, h_out)
+        if st.R is not None:
+            ops.gemm(st.R[p, :a], w_hr, st.S[p + 1, :a], True)
+        if a < B:
+            ops.copy(st.S[p + 1, a:], st.S[p, a:])
+            if st.C is not None:
+                ops.copy(st.C[p + 1, a:], st.C[p, a:])
+
+
+@dataclass
+class Backward:
+    """One direction's backward loop results (processing-step order, F)."""
+    dgx: object  # (T, B, G*H): gate pre-activation gradients, input side (zero for inactive rows)
+    dgh: object  # the hidden side (the same array as dgx except for GRU)
+    dhs: object | None  # (T, B, P): the gradient of each projected h, for dW_hr
+    dh: object  # (B, out): the gradient of h0 on exit
+    dc: object | None  # (B, H): of c0
+
+
+def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
+                  H: int) -> Backward:
+    """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
+    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
+    xp = ops.xp
+    T, B = st.S.shape[0] - 1, st.S.shape[1]
+    out = st.S.shape[2]
+    f = w_hh_f.dtype
+    g = w_hh_f.shape[0]
+    dgx = xp.zeros((T, B, g), dtype=f)
+    dgh = xp.zeros((T, B, g), dtype=f) if mode == "gru" else dgx
+    dhs = xp.zeros((T, B, out), dtype=f) if st.R is not None else None
+    dh = xp.zeros((B, out), dtype=f) if dh_n is None else dh_n.astype(f, copy=True)
+    dc = None
+    if mode == "lstm":
+        dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
+    dr = xp.empty((B, H), dtype=f) if st.R is not None else None
+    dcp = xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f)
+    dhd = xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f)
+    dnew = xp.empty((B, out), dtype=f)
+    ph = ops.placeholder(f)
+    times = list(order(T, reverse))
+    for p in range(T - 1, -1, -1):
+        t = times[p]
+        a = bs[t]
+        if dy is not None:
+            dh[:a] += dy[t, :a]
+        if st.R is not None:
+            dhs[p, :a] = dh[:a]
+            ops.gemm(dh[:a], w_hr_f, dr[:a], False)
+            dcell = dr[:a]
+        else:
+            dcell = dh[:a]
+        hcur = st.R[p, :a] if st.R is not None else st.S[p + 1, :a]
+        ops.backward(mode, dcell, dc[:a] if dc is not None else ph,
+                     st.gates[p, :a] if st.gates is not None else ph,
+                     st.C[p + 1, :a] if st.C is not None else ph, st.C[p, :a] if st.C is not None else ph,
+                     ops.state_in(hcur), ops.state_in(st.S[p, :a]), dgx[p, :a], dgh[p, :a],
+                     dcp[:a] if dc is not None else dcp, dhd[:a] if mode == "gru" else dhd)
+        ops.gemm(dgh[p, :a], w_hh_f, dnew[:a], False)
+        if mode == "gru":
+            dnew[:a] += dhd[:a]
+        ops.copy(dh[:a], dnew[:a])
+        if dc is not None:
+            ops.copy(dc[:a], dcp[:a])
+    return Backward(dgx, dgh, dhs, dh, dc)

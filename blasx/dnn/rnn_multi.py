@@ -1,0 +1,251 @@
+"""Executes a :class:`rnn_plan.Placement`: one thread per device used, each running the step loops placed on it.
+
+Host arrays: the threads stand for the devices (sims or the CPU), all buffers in host memory; CuPy arrays: each
+thread works on its GPU (``cupy.cuda.Device``), parameters and inputs copied there, outputs copied back to x's
+device. A thread's exception is re-raised in the caller after every thread has stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from . import rnn_layer, rnn_plan
+from .rnn_layer import compute_type
+
+_last = threading.local()
+
+
+def last_run() -> dict:
+    """This thread's last forward placement: ``{"placement": Placement, "ran_on": {(layer, dir): device}}``."""
+    return getattr(_last, "run", {})
+
+
+def devices_for(pb) -> list:
+    """Device labels the step loops may use: CUDA ordinals (x's first) for CuPy x, the engine's sims for host
+    x, else one (None)."""
+    from .. import session
+    devs = session.engine().devices
+    if pb.xp is not np:
+        home = pb.x.device.id
+        ords = [d.ordinal for d in devs if getattr(d, "kind", "") == "cuda"]
+        return [home] + [o for o in ords if o != home]
+    sims = [d.index for d in devs if getattr(d, "kind", "") == "sim"]
+    return sims or [None]
+
+
+class _Threads:
+    """Runs callables on threads, each inside its device's context; re-raises the first failure."""
+
+    def __init__(self, pb) -> None:
+        self.pb = pb
+        self.errors: list = []
+        self.threads: list = []
+
+    def start(self, dev, fn, *args) -> None:
+        def body():
+            try:
+                if self.pb.xp is not np:
+                    with self.pb.xp.cuda.Device(dev):
+                        fn(*args)
+                        self.pb.xp.cuda.get_current_stream().synchronize()
+                else:
+                    fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller in join()
+                self.errors.append(exc)
+        th = threading.Thread(target=body, daemon=True)
+        self.threads.append(th)
+        th.start()
+
+    def join(self) -> None:
+        for th in self.threads:
+            th.join()
+        if self.errors:
+            raise self.errors[0]
+
+
+def _local(pb, dev, home):
+    """pb with its parameters and initial states on ``dev`` (CuPy: copies when dev is not x's device)."""
+    if pb.xp is np or dev == home:
+        return pb
+    spec = pb.spec
+    cells = tuple(tuple(dataclasses.replace(c, **{k: (None if getattr(c, k) is None else getattr(c, k).copy())
+                                                  for k in ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")})
+                        for c in row) for row in spec.cells)
+    return dataclasses.replace(pb, spec=dataclasses.replace(spec, cells=cells),
+                               h0=None if pb.h0 is None else pb.h0.copy(),
+                               c0=None if pb.c0 is None else pb.c0.copy())
+
+
+def _here(xp, a):
+    """``a`` on the current device (a copy when it lives elsewhere)."""
+    if xp is np or a.device.id == xp.cuda.Device().id:
+        return a
+    return a.copy()
+
+
+def run_forward(pb, direction_forward, direction_output):
+    """The states of every layer-direction (``[layer][d]``) and the last layer's y, per the plan."""
+    from .rnn_exec import ops_for
+    xp, spec = pb.xp, pb.spec
+    T, B = pb.x.shape[:2]
+    devs = devices_for(pb)
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs))
+    ran_on = {}
+    _last.run = {"placement": pl, "ran_on": ran_on}
+    home = devs[0]
+    if pl.kind == "wavefront":
+        return _wavefront(pb, pl, devs, ran_on)
+    layers, inp = [], pb.x
+    for layer in range(spec.num_layers):
+        states = [None] * spec.num_dirs
+        if pl.kind == "batch":
+            states[0] = _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on)
+        else:
+            pool = _Threads(pb)
+
+            def one(d, dev, inp=inp, layer=layer, states=states):
+                lp = _local(pb, dev, home)
+                states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, _here(xp, inp))
+                ran_on[(layer, d)] = dev
+            for d in range(spec.num_dirs):
+                pool.start(devs[pl.cells[layer][d]], one, d, devs[pl.cells[layer][d]])
+            pool.join()
+            states = [_home(xp, st, home) for st in states]
+        layers.append(states)
+        inp = _layer_output(pb, states, direction_output)
+    return layers, inp
+
+
+def _home(xp, st, home):
+    if xp is np or st.S.device.id == home:
+        return st
+    with xp.cuda.Device(home):
+        return rnn_layer.Forward(*(None if a is None else a.copy() for a in (st.S, st.C, st.gates, st.R)))
+
+
+def _layer_output(pb, states, direction_output):
+    out = pb.spec.out_size
+    T, B = pb.x.shape[:2]
+    y = pb.xp.empty((T, B, len(states) * out), dtype=pb.x.dtype)
+    for d, st in enumerate(states):
+        y[..., d * out:(d + 1) * out] = direction_output(pb, st, d == 1)
+    return y
+
+
+def _sub_problem(pb, lo: int, hi: int):
+    bs = tuple(max(0, min(a, hi) - lo) for a in pb.bs)
+    return dataclasses.replace(pb, x=pb.x[:, lo:hi], h0=None if pb.h0 is None else pb.h0[:, lo:hi],
+                               c0=None if pb.c0 is None else pb.c0[:, lo:hi], bs=bs,
+                               lengths=None if pb.lengths is None else pb.lengths[lo:hi])
+
+
+def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on):
+    """One unidirectional layer over contiguous batch ranges, one per device; the states stitched together."""
+    from .rnn_exec import ops_for
+    xp, home = pb.xp, devs[0]
+    parts = [None] * pl.devices
+    pool = _Threads(pb)
+
+    def one(i, dev):
+        lo, hi = pl.rows[i]
+        lp = _local(_sub_problem(pb, lo, hi), dev, home)
+        parts[i] = direction_forward(lp, ops_for(xp, pb.math), layer, 0, _here(xp, inp[:, lo:hi]))
+    for i in range(pl.devices):
+        pool.start(devs[i], one, i, devs[i])
+    pool.join()
+    ran_on[(layer, 0)] = tuple(devs[:pl.devices])
+    parts = [_home(xp, st, home) for st in parts]
+
+    def cat(name):
+        arrs = [getattr(st, name) for st in parts]
+        return None if arrs[0] is None else xp.concatenate(arrs, axis=1)
+    return rnn_layer.Forward(cat("S"), cat("C"), cat("gates"), cat("R"))
+
+
+def _wavefront(pb, pl, devs, ran_on):
+    """A unidirectional stack as a wavefront: layer l runs chunk c once layer l-1 has finished it."""
+    from .rnn_exec import input_projection, ops_for
+    xp, spec = pb.xp, pb.spec
+    T, B = pb.x.shape[:2]
+    home = devs[0]
+    chunks = [(t0, min(T, t0 + pl.chunk)) for t0 in range(0, T, pl.chunk)]
+    done = [[threading.Event() for _ in chunks] for _ in range(spec.num_layers)]
+    ys = [None] * spec.num_layers  # each layer's y (T, B, out) on its device
+    states = [None] * spec.num_layers
+    events = [[None] * len(chunks) for _ in range(spec.num_layers)]  # CUDA events of finished chunks
+    store = pb.x.dtype
+    f = compute_type(store)
+
+    def local_mm(a, b, out_dtype=None):
+        return xp.matmul(a.astype(f), b.astype(f))
+
+    def run_group(g, dev):
+        lp = _local(pb, dev, home)
+        ops = ops_for(xp, pb.math)
+        mine = [layer for layer in range(spec.num_layers) if pl.cells[layer][0] == g]
+        bufs = {}
+        for layer in mine:
+            cell = lp.spec.cells[layer][0]
+            n_in = spec.input_size if layer == 0 else spec.out_size
+            st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size,
+                                           bool(spec.proj_size), store, f)
+            st.S[0] = 0 if lp.h0 is None else lp.h0[layer]
+            if st.C is not None:
+                st.C[0] = 0 if lp.c0 is None else lp.c0[layer]
+            inp = _here(xp, pb.x) if layer == 0 else xp.empty((T, B, n_in), dtype=store)
+            host = xp is np
+            w_hh = cell.w_hh.astype(f) if host else cell.w_hh
+            w_hr = None if cell.w_hr is None else (cell.w_hr.astype(f) if host else cell.w_hr)
+            bufs[layer] = (cell, st, inp, w_hh, w_hr, xp.empty((T, B, spec.gates * spec.hidden_size), dtype=f),
+                           xp.empty((B, spec.gates * spec.hidden_size), dtype=f))
+            states[layer] = st
+            ys[layer] = xp.empty((T, B, spec.out_size), dtype=store)
+            ran_on[(layer, 0)] = dev
+        for c, (t0, t1) in enumerate(chunks):
+            for layer in mine:
+                cell, st, inp, w_hh, w_hr, gx, gh = bufs[layer]
+                if layer > 0:
+                    done[layer - 1][c].wait()
+                    if _last_error(pool):
+                        return
+                    src = ys[layer - 1][t0:t1]
+                    if xp is not np:
+                        xp.cuda.get_current_stream().wait_event(events[layer - 1][c])
+                    inp[t0:t1] = _here(xp, src) if xp is not np else src
+                part, bhn = input_projection(lp, cell, inp[t0:t1], f, mm=local_mm)
+                gx[t0:t1] = part
+                rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, False,
+                                       steps=range(t0, t1))
+                ys[layer][t0:t1] = st.S[t0 + 1:t1 + 1]
+                if xp is not np:
+                    events[layer][c] = xp.cuda.get_current_stream().record()
+                done[layer][c].set()
+
+    pool = _Threads(pb)
+    for g in range(pl.devices):
+        pool.start(devs[g], _guard(run_group, done), g, devs[g])
+    pool.join()
+    layers = [[_home(xp, st, home)] for st in states]
+    from .rnn_exec import direction_output
+    y = _layer_output(pb, layers[-1], direction_output)
+    return layers, y
+
+
+def _last_error(pool) -> bool:
+    return bool(pool.errors)
+
+
+def _guard(fn, done):
+    """fn, releasing every waiting thread when it fails (their waits would otherwise never end)."""
+    def run(*args):
+        try:
+            fn(*args)
+        except BaseException:
+            for row in done:
+                for ev in row:
+                    ev.set()
+            raise
+    return run

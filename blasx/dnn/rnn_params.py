@@ -1,0 +1,161 @@
+"""Recurrent-layer parameters by torch's names (``nn.LSTM/GRU/RNN.state_dict()``), validated and laid out.
+
+Names: ``weight_ih_l{k}`` (G*H, in), ``weight_hh_l{k}`` (G*H, H or P), ``bias_ih_l{k}``, ``bias_hh_l{k}``
+(G*H,), ``weight_hr_l{k}`` (P, H) with ``proj_size`` P > 0 (LSTM only), and the ``_reverse`` suffix for the
+second direction. G is 4 for LSTM (gates i, f, g, o), 3 for GRU (r, z, n) and 1 for RNN. Every array must
+have x's dtype and live where x lives; torch tensors are taken as they are (converted by DLPack/numpy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..operands import is_cupy
+
+#: Gate count per mode.
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The parameters of one layer and direction (arrays of x's module and dtype)."""
+    w_ih: object  # (G*H, in)
+    w_hh: object  # (G*H, out), out = P or H
+    b_ih: object | None  # (G*H,)
+    b_hh: object | None
+    w_hr: object | None  # (P, H)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape facts of a recurrent stack: mode, sizes and the cells, ``cells[layer][direction]``."""
+    mode: str
+    input_size: int
+    hidden_size: int
+    proj_size: int
+    num_layers: int
+    num_dirs: int
+    bias: bool
+    cells: tuple
+
+    @property
+    def gates(self) -> int:
+        return GATES[self.mode]
+
+    @property
+    def out_size(self) -> int:
+        """Features of h (and of each direction's part of y): P with a projection, else H."""
+        return self.proj_size or self.hidden_size
+
+
+def suffix(layer: int, direction: int) -> str:
+    return f"_l{layer}" + ("_reverse" if direction else "")
+
+
+def _bf16_from_torch(t):
+    import ml_dtypes
+    return t.view(__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def as_array(name: str, v, xp):
+    """``v`` as an array of ``xp`` (numpy or cupy); torch tensors converted without copies where possible."""
+    mod = type(v).__module__ or ""
+    if mod.startswith("torch"):
+        t = v.detach()
+        if xp is np:
+            t = t.cpu()
+            if str(t.dtype) == "torch.bfloat16":
+                return _bf16_from_torch(t)
+            return t.numpy()
+        if t.device.type != "cuda":
+            raise TypeError(f"params[{name!r}]: a CPU torch tensor for a cupy x; move it to the GPU (or pass numpy x)")
+        return xp.from_dlpack(t)
+    if xp is np:
+        if is_cupy(v):
+            raise TypeError(f"params[{name!r}]: got a cupy array for a numpy x; pass host (numpy) arrays")
+        if not isinstance(v, np.ndarray):
+            raise TypeError(f"params[{name!r}]: expected an array, got {type(v).__name__}")
+        return v
+    if not is_cupy(v):
+        raise TypeError(f"params[{name!r}]: got {type(v).__name__} for a cupy x; pass cupy arrays on x's device")
+    return v
+
+
+def _get(params, name: str, shape: tuple, xp, dtype, why: str):
+    if name not in params:
+        raise KeyError(f"params: missing {name!r}, expected shape {shape} ({why})")
+    a = as_array(name, params[name], xp)
+    if tuple(a.shape) != shape:
+        raise ValueError(f"params[{name!r}]: expected shape {shape} ({why}), got {tuple(a.shape)}")
+    if a.dtype != dtype:
+        raise TypeError(f"params[{name!r}]: dtype {a.dtype} differs from x's {np.dtype(dtype)}; "
+                        f"every parameter must have x's dtype")
+    return a
+
+
+def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional: bool, proj_size: int,
+          xp, dtype) -> Spec:
+    """The validated :class:`Spec` of ``params``; raises naming the parameter and its expected shape.
+
+    The hidden size comes from ``weight_ih_l0`` (its rows / G); biases are all present or all absent."""
+    if not hasattr(params, "keys") or not hasattr(params, "__getitem__"):
+        raise TypeError(f"params: expected a mapping of torch's names to arrays (a state_dict), got "
+                        f"{type(params).__name__}")
+    for name, v in (("num_layers", num_layers), ("proj_size", proj_size)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < (1 if name == "num_layers" else 0):
+            raise ValueError(f"{name}: got {v!r}, expected an int >= {1 if name == 'num_layers' else 0}")
+    if proj_size and mode != "lstm":
+        raise ValueError(f"proj_size: got {proj_size}; a projection exists for lstm only (0 for {mode})")
+    g = GATES[mode]
+    first = "weight_ih_l0"
+    if first not in params:
+        raise KeyError(f"params: missing {first!r}, expected shape ({g}*hidden_size, {input_size})")
+    rows = tuple(as_array(first, params[first], xp).shape)[0]
+    if rows % g or rows == 0:
+        raise ValueError(f"params[{first!r}]: expected shape ({g}*hidden_size, {input_size}) for {mode}, "
+                         f"got {tuple(params[first].shape)}")
+    h = rows // g
+    if proj_size >= h:
+        raise ValueError(f"proj_size: got {proj_size}, expected less than hidden_size {h}")
+    out = proj_size or h
+    dirs = 2 if bidirectional else 1
+    bias = "bias_ih_l0" in params
+    cells, expected = [], set()
+    for layer in range(num_layers):
+        row = []
+        layer_in = input_size if layer == 0 else dirs * out
+        for d in range(dirs):
+            s = suffix(layer, d)
+            names = ["weight_ih" + s, "weight_hh" + s] + (["bias_ih" + s, "bias_hh" + s] if bias else []) + (
+                ["weight_hr" + s] if proj_size else [])
+            expected.update(names)
+            w_ih = _get(params, "weight_ih" + s, (g * h, layer_in), xp, dtype,
+                        f"{g}*hidden_size x " + ("input_size" if layer == 0 else f"{dirs}*{'proj' if proj_size else 'hidden'}_size"))
+            w_hh = _get(params, "weight_hh" + s, (g * h, out), xp, dtype,
+                        f"{g}*hidden_size x {'proj' if proj_size else 'hidden'}_size")
+            b_ih = _get(params, "bias_ih" + s, (g * h,), xp, dtype, f"{g}*hidden_size") if bias else None
+            b_hh = _get(params, "bias_hh" + s, (g * h,), xp, dtype, f"{g}*hidden_size") if bias else None
+            w_hr = _get(params, "weight_hr" + s, (proj_size, h), xp, dtype, "proj_size x hidden_size") \
+                if proj_size else None
+            row.append(Cell(w_ih, w_hh, b_ih, b_hh, w_hr))
+        cells.append(tuple(row))
+    extra = sorted(set(params.keys()) - expected)
+    if extra:
+        raise KeyError(f"params: unexpected {extra[0]!r} for {mode} with num_layers={num_layers}, "
+                       f"bidirectional={bidirectional}, proj_size={proj_size}, bias={bias} "
+                       f"(expected names: {', '.join(sorted(expected))})")
+    return Spec(mode, int(input_size), h, int(proj_size), int(num_layers), dirs, bias, tuple(cells))
+
+
+def names(spec: Spec) -> list[str]:
+    """Every parameter name of ``spec``, in torch's state_dict order."""
+    out = []
+    for layer in range(spec.num_layers):
+        for d in range(spec.num_dirs):
+            s = suffix(layer, d)
+            out += ["weight_ih" + s, "weight_hh" + s]
+            out += ["bias_ih" + s, "bias_hh" + s] if spec.bias else []
+            out += ["weight_hr" + s] if spec.proj_size else []
+    return out

@@ -1,0 +1,37 @@
+"""bench.rnn on sims with torch on the CPU as the peer: options, cases, a checked run and its outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bench import rnn as R  # noqa: E402
+
+
+def test_options_and_cases():
+    a = R.parse_args(["--modes", "lstm", "--hidden", "8,16", "--batch", "2", "--dtypes", "float32,float16",
+                      "--math", "ieee,tf32", "--phases", "training"])
+    cs = R.cases(a)
+    assert len(cs) == 2 * (2 + 1)  # float32 in both math modes, float16 in ieee
+    assert {c["math"] for c in cs if c["dtype"] == "float16"} == {"ieee"}
+    deep = R.cases(R.parse_args(["--deepbench", "--dtypes", "float32", "--math", "ieee", "--phases", "inference"]))
+    assert len(deep) == len(R.DEEPBENCH) and all(c["steps"] <= 375 for c in deep)
+
+
+def test_checked_run_on_sims(tmp_path):
+    rc = R.main(["--devices", "sim:2", "--peer", "cpu", "--modes", "lstm,gru", "--hidden", "8", "--batch", "3",
+                 "--steps", "4", "--dtypes", "float32", "--math", "ieee", "--runs", "1", "--layers", "2",
+                 "--out", str(tmp_path), "--tag", "t"])
+    assert rc == 0
+    js = list(tmp_path.glob("rnn-t-*.json"))
+    md = list(tmp_path.glob("rnn-t-*.md"))
+    assert len(js) == 1 and len(md) == 1
+    rep = json.loads(js[0].read_text())
+    assert rep["command"].endswith("--tag t") and rep["date"] and rep["env"]
+    assert len(rep["results"]) == 4 and all(r["ok"] for r in rep["results"])
+    train = [r for r in rep["results"] if r["phase"] == "training"]
+    assert train and all(r["max_err"] < r["tol"] for r in train)
+    assert "| lstm | 8 | 3 | 4 |" in md[0].read_text()

@@ -1,0 +1,190 @@
+"""blasx.dnn recurrent layers against torch (CPU) autograd: outputs, final states and every gradient.
+
+The reference runs in float64 on the parameters and inputs rounded to the tested dtype, so each dtype's error
+is blasx's own: relative Frobenius norm below TOL (float64 1e-12; float32 1e-5; TF32 GEMMs 1e-2; float16 1e-2,
+bfloat16 6e-2, both with float32 accumulation and cell state, y and h stored in their own type).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import blasx
+from blasx import dnn
+from blasx.dnn import rnn_multi, rnn_plan
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "tf32": 1e-2, "float16": 1e-2, "bfloat16": 6e-2}
+GTOL = {"float64": 1e-11, "float32": 1e-4, "tf32": 3e-2, "float16": 3e-2, "bfloat16": 1.5e-1}
+DT = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+      "tf32": np.float32}
+FWD = {"lstm": dnn.lstm, "gru": dnn.gru}
+BWD = {"lstm": dnn.lstm_backward, "gru": dnn.gru_backward}
+
+
+def _err(a, ref) -> float:
+    a = np.asarray(a).astype(np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(a - ref) / (den if den else 1.0))
+
+
+def _module(mode, inp, hid, layers, bidir, bias, proj, bf, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(num_layers=layers, bidirectional=bidir, bias=bias, batch_first=bf)
+    if mode == "lstm":
+        return torch.nn.LSTM(inp, hid, proj_size=proj, **kw).double()
+    if mode == "gru":
+        return torch.nn.GRU(inp, hid, **kw).double()
+    return torch.nn.RNN(inp, hid, nonlinearity=mode[4:], **kw).double()
+
+
+def compare(mode, *, T=5, B=3, I=4, H=6, layers=1, bidir=False, bias=True, proj=0, bf=False, lengths=None,
+            dtype="float64", hx=True, backward=True, seed=0):
+    """Run blasx and torch on one random problem; assert every output and gradient within tolerance."""
+    m = _module(mode, I, H, layers, bidir, bias, proj, bf, seed)
+    dt = np.dtype(DT[dtype])
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():  # the reference sees exactly the tested dtype's values
+        for p in m.parameters():
+            p.copy_(torch.from_numpy(p.numpy().astype(dt).astype(np.float64)))
+    params = {k: v.numpy().astype(dt) for k, v in m.state_dict().items()}
+    xs = (B, T, I) if bf else (T, B, I)
+    xn = rng.standard_normal(xs).astype(dt)
+    nd, out = (2 if bidir else 1) * layers, proj or H
+    h0 = rng.standard_normal((nd, B, out)).astype(dt) if hx else None
+    c0 = rng.standard_normal((nd, B, H)).astype(dt) if hx else None
+    x = torch.tensor(xn.astype(np.float64), requires_grad=True)
+    th0 = None if h0 is None else torch.tensor(h0.astype(np.float64), requires_grad=True)
+    tc0 = None if c0 is None else torch.tensor(c0.astype(np.float64), requires_grad=True)
+    thx = (th0, tc0) if mode == "lstm" and hx else th0
+    if lengths is not None:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=bf)
+        ty, tst = m(packed, thx)
+        ty = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first=bf, total_length=T)[0]
+    else:
+        ty, tst = m(x, thx)
+    kw = dict(num_layers=layers, bidirectional=bidir, batch_first=bf, lengths=lengths, training=True,
+              math="tf32" if dtype == "tf32" else None)
+    bhx = (h0, c0) if mode == "lstm" and hx else h0
+    if mode == "lstm":
+        y, (h_n, c_n), saved = dnn.lstm(xn, bhx, params, proj_size=proj, **kw)
+        pairs = [(y, ty), (h_n, tst[0]), (c_n, tst[1])]
+    elif mode == "gru":
+        y, h_n, saved = dnn.gru(xn, bhx, params, **kw)
+        pairs = [(y, ty), (h_n, tst)]
+    else:
+        y, h_n, saved = dnn.rnn(xn, bhx, params, nonlinearity=mode[4:], **kw)
+        pairs = [(y, ty), (h_n, tst)]
+    for got, ref in pairs:
+        assert got.dtype == dt and got.shape == tuple(ref.shape)
+        assert _err(got, ref.detach().numpy()) < TOL[dtype], (mode, dtype)
+    if not backward:
+        return
+    gys = [rng.standard_normal(tuple(r.shape)).astype(dt) for _, r in pairs]
+    if lengths is not None:  # padded outputs carry no gradient
+        mask = (np.arange(T)[:, None] < np.asarray(lengths)[None, :])
+        gys[0] = gys[0] * (mask.T if bf else mask)[..., None].astype(dt)
+    torch.autograd.backward([r for _, r in pairs], [torch.tensor(g.astype(np.float64)) for g in gys])
+    if mode == "lstm":
+        g = dnn.lstm_backward(saved, *gys)
+    elif mode == "gru":
+        g = dnn.gru_backward(saved, *gys)
+    else:
+        g = dnn.rnn_backward(saved, *gys)
+    want = {"input": x.grad, **({"h0": th0.grad} if hx else {}), **({"c0": tc0.grad} if hx and mode == "lstm" else {})}
+    want.update({k: p.grad for k, p in m.named_parameters()})
+    assert set(want) <= set(g)
+    for k, ref in want.items():
+        assert g[k].dtype == dt and g[k].shape == tuple(ref.shape), k
+        assert _err(g[k], ref.numpy()) < GTOL[dtype], (mode, dtype, k, _err(g[k], ref.numpy()))
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    blasx.configure(devices="cpu")
+    yield
+    blasx.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+@pytest.mark.parametrize("layers,bidir,bias,bf,lengths", [
+    (1, False, True, False, None), (2, True, False, True, None), (3, False, True, False, [5, 3, 1]),
+    (2, True, True, True, [5, 5, 5]), (1, True, True, False, [1, 1, 1])])
+def test_modes_vs_torch(mode, layers, bidir, bias, bf, lengths):
+    compare(mode, layers=layers, bidir=bidir, bias=bias, bf=bf, lengths=lengths)
+
+
+@pytest.mark.parametrize("layers,bidir,lengths", [(1, False, None), (2, True, [5, 4, 2]), (2, False, [3, 3, 1])])
+def test_lstm_projection(layers, bidir, lengths):
+    compare("lstm", layers=layers, bidir=bidir, proj=3, lengths=lengths)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "tf32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_dtypes(mode, dtype):
+    compare(mode, layers=2, bidir=True, lengths=[5, 4, 1], dtype=dtype, T=6, B=3, I=8, H=16)
+
+
+def test_lstm_projection_half():
+    compare("lstm", layers=2, proj=4, dtype="float16", H=8)
+
+
+@pytest.mark.parametrize("devices", ["sim:1", "sim:2", "sim:3"])
+@pytest.mark.parametrize("mode,layers,bidir,B,kind", [
+    ("lstm", 3, False, 3, "wavefront"), ("gru", 2, True, 3, "directions"), ("rnn_tanh", 1, False, 130, "batch")])
+def test_sims_placements(devices, mode, layers, bidir, B, kind):
+    blasx.configure(devices=devices)
+    lengths = [5] * (B // 2) + [3] * (B - B // 2) if B > 3 else None
+    compare(mode, layers=layers, bidir=bidir, B=B, H=5, lengths=lengths, dtype="float32" if B > 3 else "float64")
+    run = rnn_multi.last_run()
+    assert run["placement"].kind == (kind if devices != "sim:1" else "single")
+    if kind == "directions" and devices != "sim:1":
+        assert {run["ran_on"][(0, 0)], run["ran_on"][(0, 1)]} == {0, 1}
+    if kind == "wavefront" and devices == "sim:3":
+        assert [run["ran_on"][(layer, 0)] for layer in range(3)] == [0, 1, 2]
+
+
+def test_plan_rules():
+    assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("single", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 2) == rnn_plan.Placement("wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=7)
+    assert rnn_plan.plan(3, 1, 64, 100, 8) == rnn_plan.Placement("wavefront", 3, ((0,), (1,), (2,)), chunk=5)
+    assert rnn_plan.plan(2, 1, 8, 1000, 2).chunk == rnn_plan.MAX_CHUNK
+    assert rnn_plan.plan(2, 2, 64, 100, 4) == rnn_plan.Placement("directions", 2, ((0, 1), (0, 1)))
+    assert rnn_plan.plan(1, 1, 256, 100, 4) == rnn_plan.Placement("batch", 4, ((0,),), rows=((0, 64), (64, 128),
+                                                                                              (128, 192), (192, 256)))
+    assert rnn_plan.plan(1, 1, 130, 100, 4) == rnn_plan.Placement("batch", 2, ((0,),), rows=((0, 65), (65, 130)))
+    assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
+
+
+def test_state_dict_tensors_and_unbatched():
+    m = torch.nn.GRU(3, 4, num_layers=2).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    ty, th = m(x)
+    y, h = dnn.gru(x.numpy(), None, m.state_dict(), num_layers=2)  # torch tensors as they are; 2-D x
+    assert y.shape == (6, 4) and h.shape == (2, 4)
+    assert _err(y, ty.detach().numpy()) < 1e-12 and _err(h, th.detach().numpy()) < 1e-12
+
+
+def test_no_grad_inputs_defaults():
+    m = torch.nn.LSTM(3, 4).double()
+    x = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    y, (h, c) = m(x)
+    y.sum().backward()
+    _, _, saved = dnn.lstm(x.detach().numpy(), None, m.state_dict(), training=True)
+    g = dnn.lstm_backward(saved, np.ones((4, 2, 4)))
+    assert _err(g["input"], x.grad.numpy()) < 1e-12
+    assert _err(g["weight_hh_l0"], m.weight_hh_l0.grad.numpy()) < 1e-12
+
+
+@settings(max_examples=6, deadline=None)
+@given(mode=st.sampled_from(["lstm", "gru", "rnn_tanh", "rnn_relu"]), layers=st.integers(1, 2),
+       bidir=st.booleans(), bf=st.booleans(), T=st.integers(1, 4), B=st.integers(1, 3), seed=st.integers(0, 99))
+def test_random_configs(mode, layers, bidir, bf, T, B, seed):
+    blasx.configure(devices="cpu")
+    lengths = sorted(np.random.default_rng(seed).integers(1, T + 1, size=B).tolist(), reverse=True)
+    compare(mode, T=T, B=B, layers=layers, bidir=bidir, bf=bf, lengths=lengths, seed=seed)

@@ -1,0 +1,90 @@
+"""blasx.dnn recurrent layers: bad input raises before any work, naming the parameter and the expected shape;
+the caller's arrays are left as they were."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    blasx.configure(devices="cpu")
+    yield
+    blasx.shutdown()
+
+
+def _lstm_params(layers=1, bidir=False, proj=0, bias=True):
+    m = torch.nn.LSTM(3, 4, num_layers=layers, bidirectional=bidir, proj_size=proj, bias=bias).double()
+    return {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+
+
+def _raises(exc, *fragments, call):
+    with pytest.raises(exc) as info:
+        call()
+    for f in fragments:
+        assert f in str(info.value), (f, str(info.value))
+
+
+def test_missing_and_misshaped_params():
+    x = np.ones((5, 2, 3))
+    p = _lstm_params()
+    del p["weight_hh_l0"]
+    _raises(KeyError, "weight_hh_l0", "(16, 4)", call=lambda: dnn.lstm(x, None, p))
+    p = _lstm_params()
+    p["bias_hh_l0"] = p["bias_hh_l0"][:5]
+    _raises(ValueError, "bias_hh_l0", "(16,)", "(5,)", call=lambda: dnn.lstm(x, None, p))
+    p = _lstm_params()
+    _raises(ValueError, "weight_ih_l0", "(16, 3)", call=lambda: dnn.lstm(np.ones((5, 2, 7)), None, p))
+    _raises(KeyError, "weight_ih_l1", call=lambda: dnn.lstm(x, None, p, num_layers=2))
+    _raises(KeyError, "unexpected", "_l1", "num_layers=1", call=lambda: dnn.lstm(x, None, _lstm_params(2)))
+    _raises(ValueError, "weight_hh_l0", "(16, 2)", "proj_size", call=lambda: dnn.lstm(x, None, p, proj_size=2))
+    _raises(ValueError, "weight_ih_l0", "3*hidden_size", call=lambda: dnn.gru(x, None, p))
+    _raises(TypeError, "proj_size", call=lambda: dnn.gru(x, None, p, proj_size=2))
+    _raises(TypeError, "params", call=lambda: dnn.lstm(x))
+
+
+def test_bad_states_and_lengths():
+    x = np.ones((5, 2, 3))
+    p = _lstm_params()
+    h0, c0 = np.zeros((1, 2, 4)), np.zeros((1, 2, 4))
+    _raises(ValueError, "hx[0]", "(1, 2, 4)", call=lambda: dnn.lstm(x, (np.zeros((1, 3, 4)), c0), p))
+    _raises(ValueError, "hx[1]", "(1, 2, 4)", call=lambda: dnn.lstm(x, (h0, np.zeros((2, 2, 4))), p))
+    _raises(TypeError, "hx", "pair", call=lambda: dnn.lstm(x, h0, p))
+    _raises(ValueError, "lengths", "decreasing", call=lambda: dnn.lstm(x, None, p, lengths=[2, 5]))
+    _raises(ValueError, "lengths", "1..5", call=lambda: dnn.lstm(x, None, p, lengths=[6, 2]))
+    _raises(ValueError, "lengths", "1..5", call=lambda: dnn.lstm(x, None, p, lengths=[5, 0]))
+    _raises(ValueError, "lengths", "2 integers", call=lambda: dnn.lstm(x, None, p, lengths=[5]))
+    _raises(ValueError, "nonlinearity", call=lambda: dnn.rnn(x, None, {}, nonlinearity="gelu"))
+
+
+def test_dtype_mismatch_and_bad_x():
+    p = _lstm_params()
+    _raises(TypeError, "weight_ih_l0", "float64", "float32",
+            call=lambda: dnn.lstm(np.ones((5, 2, 3), np.float32), None, p))
+    _raises(TypeError, "hx[0]", "float32", call=lambda: dnn.lstm(
+        np.ones((5, 2, 3)), (np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4))), p))
+    _raises(TypeError, "x", "int64", call=lambda: dnn.lstm(np.ones((5, 2, 3), np.int64), None, p))
+    _raises(ValueError, "x", "3 dimensions", call=lambda: dnn.lstm(np.ones((5, 2, 3, 1)), None, p))
+    _raises(ValueError, "math", call=lambda: dnn.lstm(np.ones((5, 2, 3)), None, p, math="fast"))
+
+
+def test_backward_errors_and_nothing_written():
+    x = np.random.default_rng(0).standard_normal((5, 2, 3))
+    p = _lstm_params()
+    h0, c0 = np.ones((1, 2, 4)), np.ones((1, 2, 4))
+    before = [a.copy() for a in (x, h0, c0, *p.values())]
+    y, _, saved = dnn.lstm(x, (h0, c0), p, training=True)
+    for a, b in zip((x, h0, c0, *p.values()), before):
+        assert np.array_equal(a, b)
+    _raises(ValueError, "grad_y", "(5, 2, 4)", call=lambda: dnn.lstm_backward(saved, np.ones((5, 2, 5))))
+    _raises(ValueError, "grad_c_n", "(1, 2, 4)", call=lambda: dnn.lstm_backward(saved, y, None, np.ones((2, 2, 4))))
+    _raises(ValueError, "lstm", call=lambda: dnn.gru_backward(saved, y))
+    _raises(TypeError, "saved", call=lambda: dnn.lstm_backward(None, y))
+    g = dnn.lstm_backward(saved, np.ones_like(y))  # the engine (and saved) still usable after the errors
+    assert g["input"].shape == x.shape

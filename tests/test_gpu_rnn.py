@@ -1,0 +1,94 @@
+"""blasx.dnn recurrent layers on CUDA GPUs (marker ``gpu``; skipped without one): CuPy inputs against torch's
+CUDA modules (cuDNN) and against blasx's own host path, graph replay against the eager loop, placements on
+several GPUs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+from blasx.dnn import rnn_graph, rnn_multi
+
+cupy = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+NGPU = blasx.session._cuda_count()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0 or not torch.cuda.is_available(), reason="no CUDA GPU")]
+
+TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 2e-2}
+
+
+def _err(a, ref):
+    a = cupy.asnumpy(a).astype(np.float64) if hasattr(a, "get") else np.asarray(a, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _case(mode, dtype, layers=2, bidir=False, proj=0, T=20, B=8, I=32, H=64, lengths=None):
+    torch.manual_seed(0)
+    tdt = getattr(torch, dtype)
+    kw = dict(num_layers=layers, bidirectional=bidir)
+    m = (torch.nn.LSTM(I, H, proj_size=proj, **kw) if mode == "lstm" else torch.nn.GRU(I, H, **kw)).cuda().to(tdt)
+    x = torch.randn(T, B, I, device="cuda", dtype=tdt, requires_grad=True)
+    if lengths is not None:
+        pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths))
+        ty, tst = m(pk)
+        ty = torch.nn.utils.rnn.pad_packed_sequence(ty, total_length=T)[0]
+    else:
+        ty, tst = m(x)
+    f = dnn.lstm if mode == "lstm" else dnn.gru
+    extra = dict(proj_size=proj) if mode == "lstm" else {}
+    y, st, saved = f(cupy.from_dlpack(x.detach()), None, m.state_dict(), training=True, lengths=lengths, **kw, **extra)
+    assert isinstance(y, cupy.ndarray)
+    assert _err(y, ty.detach().float().cpu().numpy()) < TOL[dtype]
+    outs = [ty, tst[0], tst[1]] if mode == "lstm" else [ty, tst]
+    gs = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, gs)
+    bw = dnn.lstm_backward if mode == "lstm" else dnn.gru_backward
+    g = bw(saved, *[cupy.from_dlpack(t) for t in gs])
+    assert _err(g["input"], x.grad.float().cpu().numpy()) < 5 * TOL[dtype]
+    for k, p in m.named_parameters():
+        assert _err(g[k], p.grad.float().cpu().numpy()) < 5 * TOL[dtype], k
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    blasx.configure(devices="cuda:0")
+    yield
+    blasx.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_vs_cudnn(mode, dtype):
+    _case(mode, dtype, bidir=True, lengths=[20, 17, 17, 9, 5, 3, 1, 1])
+
+
+def test_lstm_projection_gpu():
+    _case("lstm", "float32", proj=16)
+
+
+def test_graph_replay_equals_eager():
+    rng = np.random.default_rng(0)
+    m = torch.nn.LSTM(16, 32, num_layers=2)
+    p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
+    x = cupy.asarray(rng.standard_normal((30, 4, 16)).astype(np.float32))
+    with rnn_graph.eager():
+        ref = dnn.lstm(x, None, p, num_layers=2)[0]
+    before = rnn_graph.stats()
+    ys = [dnn.lstm(x, None, p, num_layers=2)[0] for _ in range(3)]
+    after = rnn_graph.stats()
+    assert after["failed"] == "", after["failed"]
+    assert after["captured"] > before["captured"] and after["replayed"] >= before["replayed"] + 4
+    for y in ys:
+        assert float(cupy.abs(y - ref).max()) == 0.0
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layers,bidir,B,kind", [(4, False, 16, "wavefront"), (1, True, 16, "directions"),
+                                                 (1, False, 256, "batch")])
+def test_two_gpus(layers, bidir, B, kind):
+    blasx.configure(devices="cuda:0,1")
+    _case("lstm", "float32", layers=layers, bidir=bidir, B=B, lengths=None)
+    assert rnn_multi.last_run()["placement"].kind == kind
