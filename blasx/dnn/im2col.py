@@ -92,52 +92,60 @@ class Im2col(Derivation):
         return max(0, (n1 - n0 + 1) * nc * ni * inner) * np.dtype(self.source_view.dtype).itemsize
 
     # ------------------------------------------------------------ CUDA
-    def fill(self, dev, s, dst, source, ref) -> None:
-        """Stage the tile's slab of X on stream ``s`` (unless X is on ``dev``) and gather the tile."""
-        from ..runtime.devices.cuda_lowp import device_view
+    def fill_plan(self, ref, in_place: bool):
+        """How a CUDA fill makes tile ``ref``: (copies, slab elements, gather arguments). ``copies``:
+        pitched copies (dst, src offset, width, height, dst pitch, src pitch; in elements, src from
+        X's view's first element) staging the slab; none when X is read ``in_place``; None when the
+        tile is all zeros. The arguments are those of the gather kernel after the slab."""
         g = self.geo
-        isz = np.dtype(self.source_view.dtype).itemsize
-        udt = {2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]
         n0, n1, c_lo, nc, i_lo, ni = self.slab(ref)
+        if ni <= 0:
+            return None, 0, ()
         sn, sc, ssp = self.strides
         inner = int(np.prod(g.in_size[1:]))
+        goff = self.group * g.cg
+        copies = []
+        if in_place:
+            total = self.source_view.shape[0] * self.source_view.shape[1]
+            b_n, b_c, b_i, tn, tc, tsp = 0, 0, 0, sn, sc, ssp
+        else:
+            per_img = nc * ni * inner
+            total = (n1 - n0 + 1) * per_img
+            for j, n in enumerate(range(n0, n1 + 1)):
+                src = n * sn + (goff + c_lo) * sc + i_lo * ssp[0]
+                if self.channels_last:  # ni*inner pixels of nc contiguous channels each
+                    copies.append((j * per_img, src, nc, ni * inner, nc, g.c))
+                else:  # nc channels of ni*inner contiguous elements each
+                    copies.append((j * per_img, src, ni * inner, nc, ni * inner, sc))
+            b_n, b_c, b_i = n0, goff + c_lo, i_lo
+            tn, tc = per_img, (1 if self.channels_last else ni * inner)
+            tsp = tuple(v // g.c * nc for v in ssp) if self.channels_last else ssp
+        pad = 3 - g.nd
+
+        def three(t, fill):
+            return (*t, *(fill,) * pad)
+        args = (ref.r0, ref.c0, ref.rows, g.p, self.ks, g.cg, int(self.channels_last), goff,
+                *three(g.kernel, 1)[1:], *three(g.out_size, 1)[1:], *three(g.stride, 1), *three(g.dilation, 1),
+                *three(g.pad_lo, 0), *three(g.insert, 1), *three(g.in_size, 1), tn, tc, *three(tsp, 0), b_n, b_c, b_i)
+        return copies, total, args
+
+    def fill(self, dev, s, dst, source, ref) -> None:
+        """Stage the tile's slab of X on stream ``s`` (unless X is on ``dev``) and gather the tile there."""
+        from ..runtime.devices.cuda_lowp import device_view
+        isz = np.dtype(self.source_view.dtype).itemsize
+        udt = {2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]  # a gather moves bits: no arithmetic on values
+        in_place = source.device == dev.ordinal
+        copies, total, args = self.fill_plan(ref, in_place)
         with dev.streams[s]:
             out = device_view(dst[0], ref.rows, ref.cols, dst[1], udt).T  # (cols, rows): C order = memory order
-            if ni <= 0:
+            if copies is None:
                 out.fill(0)
                 return
-            if source.device == dev.ordinal:  # X in this device's memory: gather in place
-                base, total = source.ptr, source.rows * source.cols
-                b_n, b_c, b_i = 0, 0, 0
-                tn, tc, tsp = sn, sc, ssp
-            else:  # one pitched copy per image of the slab into scratch, then gather there
-                per_img = nc * ni * inner
-                total = (n1 - n0 + 1) * per_img
-                base = dev._stage(s, total * isz)
-                c_abs = self.group * g.cg + c_lo
-                for j, n in enumerate(range(n0, n1 + 1)):
-                    src = source.ptr + (n * sn + c_abs * sc + i_lo * ssp[0]) * isz
-                    if self.channels_last:  # ni*inner pixels of nc contiguous channels each
-                        dev._copy_2d(s, "in", source, base + j * per_img * isz, nc * isz, src, sc * g.c * isz,
-                                     nc, ni * inner, isz)
-                    else:  # nc channels of ni*inner contiguous elements each
-                        dev._copy_2d(s, "in", source, base + j * per_img * isz, ni * inner * isz, src, sc * isz,
-                                     ni * inner, nc, isz)
-                b_n, b_c, b_i = n0, c_lo + self.group * g.cg, i_lo
-                if self.channels_last:
-                    tn, tc, tsp = per_img, 1, tuple(v // g.c * nc for v in ssp)
-                else:
-                    tn, tc, tsp = per_img, ni * inner, ssp
+            base = source.ptr if in_place else dev._stage(s, total * isz)
+            for d, src, width, height, dpitch, spitch in copies:
+                dev._copy_2d(s, "in", source, base + d * isz, dpitch * isz, source.ptr + src * isz, spitch * isz,
+                             width, height, isz)
             slab = device_view(base, total, 1, total, udt).ravel()
-            pad3 = 3 - g.nd
-            kern = tuple(g.kernel) + (1,) * pad3
-            outs = tuple(g.out_size) + (1,) * pad3
-            ins = tuple(g.in_size) + (1,) * pad3
-            def three(t, fill):  # noqa: E306
-                return tuple(t) + (fill,) * pad3
-            args = [ref.r0, ref.c0, ref.rows, g.p, self.ks, g.cg, int(self.channels_last), self.group * g.cg,
-                    *kern[1:], *outs[1:], *three(g.stride, 1), *three(g.dilation, 1), *three(g.pad_lo, 0),
-                    *three(g.insert, 1), *ins, tn, tc, *three(tsp, 0), b_n, b_c, b_i]
             _gather_kernel()(slab, *[np.int64(a) for a in args], out)
 
 
