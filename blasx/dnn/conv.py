@@ -9,6 +9,8 @@ of the call; activations are only read, through the derived im2col operand (im2c
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .. import dispatch, precision
@@ -31,6 +33,11 @@ def _xp(*arrays):
     if len(kinds) > 1:
         raise TypeError("arrays: got a mix of numpy and cupy arrays; pass all numpy (host) or all cupy (GPU)")
     return array_module(kinds == {True})
+
+
+def _on_device_of(x):
+    """A CuPy array's device as the current one (results are made there), else nothing."""
+    return x.device if is_cupy(x) else contextlib.nullcontext()
 
 
 def _batched(x, nd: int):
@@ -94,6 +101,12 @@ def _check_out(name: str, out, shape, dtype, lay, xp, *others):
         raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
 
 
+def _pointwise(geo: ConvGeometry) -> bool:
+    """A 1x1, stride-1, unpadded convolution: col(X) is X itself."""
+    return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
+        geo.out_size == geo.in_size
+
+
 def _name(dtype, fn: str) -> str:
     return dtypes.prefix(dtype) + fn
 
@@ -123,7 +136,10 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     xs = _x_view(x, lay)
     n_y = G if cl else 1
     x_slot = 2 * G + n_y
-    cols = [Im2col(geo, g, cl, not cl, xs, x_slot) for g in range(G)]
+    if cl and _pointwise(geo):  # col_g is X's own rows g*Cg.. (Cg x N*P): a plain GEMM, nothing derived
+        cols = [xs[g * geo.cg:(g + 1) * geo.cg] for g in range(G)]
+    else:
+        cols = [Im2col(geo, g, cl, not cl, xs, x_slot) for g in range(G)]
 
     def ys_of(arr):
         if cl:
@@ -161,9 +177,10 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
         residual = _as_layout(xp, _batched(residual, nd)[0], lay)
     _check_out("out", out, user_shape, dt, lay if out is not None and out.ndim == nd + 2 else None, xp, x, weight,
                residual)
-    xb = _as_layout(xp, xb, lay)
-    y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-    _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math)
+    with _on_device_of(x):
+        xb = _as_layout(xp, xb, lay)
+        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math)
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -220,9 +237,11 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     shape = (geo.n, geo.k, *geo.out_size)
     _check_out("out", out, shape[1:] if unbatched else shape, dt, lay if out is not None and out.ndim == nd + 2
                else None, xp, x, weight)
-    xb = _as_layout(xp, xb, lay)
-    y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-    _forward_call(fn, geo, xb, lay, _flipped_transposed(xp, weight, geo.groups), y, None, (b, None, None, None), math)
+    with _on_device_of(x):
+        xb = _as_layout(xp, xb, lay)
+        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        _forward_call(fn, geo, xb, lay, _flipped_transposed(xp, weight, geo.groups), y, None, (b, None, None, None),
+                      math)
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -298,6 +317,13 @@ def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation
     dy = grad_output[None] if unbatched and grad_output.ndim == nd + 1 else grad_output
     if tuple(dy.shape) != want:
         raise ValueError(f"grad_output: expected shape {want[1:] if unbatched else want}, got {tuple(grad_output.shape)}")
+    with _on_device_of(x):
+        return _weight_call(fn, geo, xp, xb, dy, wsize, dt, math)
+
+
+def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
+    """dW = conv's weight gradient on the engine (arguments checked)."""
+    nd = geo.nd
     lay = layout(xb) or "nchw"
     xb = _as_layout(xp, xb, lay)
     dy = _as_layout(xp, dy, lay)
