@@ -88,7 +88,8 @@ class Call:
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"
         self.math = math  # "ieee" or "tf32" (float32 gemm on tensor cores)
-        if any(operands[t.c.slot].derive is not None for t in tasks):
+        derived = {i for i, op in enumerate(operands) if op.derive is not None}
+        if derived and any(t.c.slot in derived for t in tasks):
             raise ValueError(f"{name}: a C tile of a derived operand (derived operands are read-only)")
         self._typed(out_dtype, epilogue, tasks)
         # Scalar tables indexed by SC_*, in the accumulation type; kept alive for the call so

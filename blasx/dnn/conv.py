@@ -95,7 +95,7 @@ def _check_out(name: str, out, shape, dtype, lay, xp, *others):
     if lay is not None and layout(out) != lay:
         want = "C-contiguous (NCHW)" if lay == "nchw" else "channels-last (an NCHW-shaped view of NHWC memory)"
         raise ValueError(f"{name}: must be {want}, like x; got strides {out.strides}")
-    if not getattr(out, "flags", None) or not out.flags.writeable:
+    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable)
         raise ValueError(f"{name}: is read-only")
     if xp is np and name == "out" and any(o is not None and np.shares_memory(out, o) for o in others):
         raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
