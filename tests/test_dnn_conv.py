@@ -246,11 +246,14 @@ def test_batch_larger_than_device_memory():
     assert prof["evictions"] > 0
 
 
-def test_pointwise_channels_last_is_a_plain_gemm():
-    """1x1 stride-1 channels-last: col(X) is X's own memory; only X and W cross the host link."""
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_pointwise_is_a_plain_gemm(layout):
+    """1x1 stride-1 unpadded: col(X) is X's own memory; only X, W (and the residual) cross the host link."""
     blasx.configure(devices="sim:1", tile=16)
     rng = np.random.default_rng(13)
-    x, w = rand(rng, (3, 8, 10, 10)), rand(rng, (6, 4, 1, 1))
-    y = dnn.conv2d(cl(x), w, groups=2)
-    assert rel(y, F.conv2d(T(x), T(w), groups=2).numpy()) < 1e-12
-    assert blasx.last_profile().totals()["bytes_h2d"] == x.nbytes + w.nbytes
+    x, w, r = rand(rng, (3, 8, 10, 10)), rand(rng, (6, 4, 1, 1)), rand(rng, (3, 6, 10, 10))
+    lay = cl if layout == "cl" else (lambda a: a)
+    sc = rng.uniform(0.5, 2, 6)
+    y = dnn.conv2d(lay(x), w, groups=2, scale=sc, residual=lay(r))
+    assert rel(y, (F.conv2d(T(x), T(w), groups=2) * T(sc)[:, None, None] + T(r)).numpy()) < 1e-12
+    assert blasx.last_profile().totals()["bytes_h2d"] == x.nbytes + w.nbytes + r.nbytes

@@ -45,6 +45,16 @@ def test_forward_nchw_plan_exact():
     assert not t.load_c and t.c_init is None and t.rotatable and t.flops == 2.0 * 2 * 2 * 4
 
 
+def test_forward_direct_nchw_plan_exact():
+    """1x1 NCHW: image n, group g reads X's own P x Cg block (slot col0 + n*groups + g, op N)."""
+    tasks = plan_conv_forward(2, 3, 1, 2, 2, 2, False, w0=0, col0=2, y0=6, direct=True)
+    assert len(tasks) == 8  # 2 groups x 2 images x 2 pixel tiles
+    t = tasks[6]  # group 1, image 1, pixels 0-1
+    assert t.c == TileRef(6, 0, 3, 0, 3, 2, 1)
+    (s,) = t.steps
+    assert (s.a, s.b, s.op_a, s.op_b) == (TileRef(5, 0, 0, 0, 0, 2, 2), TileRef(1, 0, 0, 0, 0, 2, 1), OP_N, OP_N)
+
+
 def test_forward_channels_last_plan_with_residual_exact():
     tasks = plan_conv_forward(2, 3, 3, 2, 2, 4, True, w0=0, col0=2, y0=4, res0=6)
     assert len(tasks) == 4  # 2 groups x (1 channel tile x 2 pixel tiles of 6)

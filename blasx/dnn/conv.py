@@ -121,38 +121,37 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     acc = dtypes.gemm_of(dt).compute
-    if cl:
-        slots = {2 * G + g: (0, g * kg, geo.k) for g in range(G)}
-    else:
-        slots = {2 * G: (1, 0, geo.k)}
     bias, scale, shift, act = epilogue_args
-    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots, acc)
-    if fold is not None:
-        wconv = (wconv.astype(np.float64) * xp.asarray(fold).reshape(-1, *(1,) * (wconv.ndim - 1))).astype(dt)
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
     wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
     ws = [wmat[:, g * kg:(g + 1) * kg] for g in range(G)]
     xs = _x_view(x, lay)
-    n_y = G if cl else 1
-    x_slot = 2 * G + n_y
-    if cl and _pointwise(geo):  # col_g is X's own rows g*Cg.. (Cg x N*P): a plain GEMM, nothing derived
+    direct = _pointwise(geo)  # col(X) is X itself: plain GEMMs on X's memory, nothing derived
+    if direct and cl:  # col_g: X's rows g*Cg.. (Cg x N*P)
         cols = [xs[g * geo.cg:(g + 1) * geo.cg] for g in range(G)]
+    elif direct:  # col_g's image n (transposed): X's P x Cg block of image n, group g
+        cols = [xs[:, (i * G + g) * geo.cg:(i * G + g + 1) * geo.cg] for i in range(n) for g in range(G)]
     else:
-        cols = [Im2col(geo, g, cl, not cl, xs, x_slot) for g in range(G)]
+        cols = [Im2col(geo, g, cl, not cl, xs, len(ws) + G + (G if cl else 1)) for g in range(G)]
+    y0 = G + len(cols)
 
     def ys_of(arr):
         if cl:
             mat = arr.transpose(0, *range(2, arr.ndim), 1).reshape(n * p, geo.k).T
             return [mat[g * kg:(g + 1) * kg] for g in range(G)]
         return [arr.reshape(n * geo.k, p).T]
+    slots = {y0 + g: (0, g * kg, geo.k) for g in range(G)} if cl else {y0: (1, 0, geo.k)}
+    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots, acc)
+    if fold is not None:
+        ws = [(w.astype(np.float64) * xp.asarray(fold[g * kg:(g + 1) * kg])).astype(dt) for g, w in enumerate(ws)]
     views = [*ws, *cols, *ys_of(y), xs]
     res0 = None
     if residual is not None:
         res0 = len(views)
         views += ys_of(residual)
-    plan = lambda tile, block: plan_conv_forward(n, p, kg, crs, G, tile, cl, w0=0, col0=G, y0=2 * G,  # noqa: E731
-                                                 res0=res0)
+    plan = lambda tile, block: plan_conv_forward(n, p, kg, crs, G, tile, cl, w0=0, col0=G, y0=y0,  # noqa: E731
+                                                 res0=res0, direct=direct and not cl)
     dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 1.0 if residual is not None else 0.0,
                             (min(n * p, MAX_ROWS_HINT), geo.k, crs), math=math, epilogue=epi)
 

@@ -6,7 +6,8 @@ Per group g, with col_g the derived ``CRS x N*P`` im2col matrix (slot ``col0 + g
 * forward, channels-last output (Y_g: ``Kg x N*P``, slot ``y0 + g``): ``Y_g = W_g^T col_g``, uniform tiles;
 * forward, NCHW output (Y: ``P x N*K`` with ld P, one slot ``y0``): per image n ``Y_n,g = col_g[:, n]^T W_g``:
   C tiles are a pixel range of one image by a channel range of one group, and col's column tiles never
-  cross images (its tile (bj = n * tiles(P) + i) starts at n*P + i*T);
+  cross images (its tile (bj = n * tiles(P) + i) starts at n*P + i*T); a 1x1 stride-1 unpadded convolution
+  reads X's own ``P x Cg`` block of each image and group instead (``direct``);
 * backward-weights (dW_g: ``CRS x Kg``, slot ``dw0 + g``): ``dW_g = col_g dY_g^T``, one k-step per pixel
   tile: dY_g is ``Kg x N*P`` (slot ``dy0 + g``, op T) for channels-last, else one ``P x Kg`` view per
   image and group (slot ``dy0 + n * groups + g``).
@@ -63,8 +64,9 @@ def gemm_tasks(tasks: list, c_slot: int, c_rows, c_cols, a_rows, b_cols, ksteps,
 
 
 def plan_conv_forward(n: int, p: int, kg: int, crs: int, groups: int, tile: int, channels_last: bool, *,
-                      w0: int, col0: int, y0: int, res0: int | None = None) -> list[Task]:
-    """Tasks of a convolution's forward GEMMs (the module docstring)."""
+                      w0: int, col0: int, y0: int, res0: int | None = None, direct: bool = False) -> list[Task]:
+    """Tasks of a convolution's forward GEMMs (the module docstring). ``direct`` (NCHW, 1x1 stride 1
+    unpadded): col_g's image n is X's own ``P x Cg`` block, slot ``col0 + n * groups + g`` (op N)."""
     tasks: list[Task] = []
     ks = spans(crs, tile)
     for g in range(groups):
@@ -74,10 +76,14 @@ def plan_conv_forward(n: int, p: int, kg: int, crs: int, groups: int, tile: int,
             gemm_tasks(tasks, y0 + g, spans(kg, tile), spans(n * p, tile), spans(kg, tile), spans(n * p, tile),
                        kst, OP_T, OP_N, res)
             continue
-        kst = [(col0 + g, k, w0 + g, k) for k in ks]
         tp, tk = n_tiles(p, tile), n_tiles(kg, tile)
         for img in range(n):
             cols = spans(kg, tile, offset=(img * groups + g) * kg, index0=(img * groups + g) * tk)
+            if direct:
+                kst = [(col0 + img * groups + g, k, w0 + g, k) for k in ks]
+                gemm_tasks(tasks, y0, spans(p, tile), cols, spans(p, tile), spans(kg, tile), kst, OP_N, OP_N, res0)
+                continue
+            kst = [(col0 + g, k, w0 + g, k) for k in ks]
             gemm_tasks(tasks, y0, spans(p, tile), cols, spans(p, tile, img * p, img * tp), spans(kg, tile),
                        kst, OP_T, OP_N, res0)
     return tasks
