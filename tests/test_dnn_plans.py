@@ -5,7 +5,6 @@ gather index arithmetic emulated in numpy (the kernel's body, line by line)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -190,7 +189,8 @@ def test_im2col_tiles_and_emulated_fill(nd, cl, stride, pad, dil, groups, transp
     for g in range(groups):
         col = Im2col(geo, g, cl, False, xs, 1)
         full = col.host_tile(src, TileRef(0, 0, 0, 0, 0, col.rows, col.cols))
-        wm = (np.ascontiguousarray(np.moveaxis(wf, 1, -1)) if cl else wf).reshape(geo.k, -1)[g * geo.kg:(g + 1) * geo.kg]
+        wm = (np.ascontiguousarray(np.moveaxis(wf, 1, -1)) if cl else wf).reshape(geo.k, -1)
+        wm = wm[g * geo.kg:(g + 1) * geo.kg]
         y[:, g * geo.kg:(g + 1) * geo.kg] = (wm @ full).reshape(geo.kg, 2, geo.p).transpose(1, 0, 2)
         for r0, c0, rows, cols in ((0, 0, col.rows, col.cols), (1, 2, 3, 5), (col.rows - 2, col.cols - 4, 2, 4),
                                    (0, geo.p - 1, col.rows, 2)):

@@ -271,8 +271,7 @@ def _input_grad(nd: int, input_size, weight, grad_output, stride, padding, dilat
     fn = f"conv{nd}d_input"
     size = tuple(int(v) for v in input_size)
     if len(size) not in (nd + 1, nd + 2):
-        raise ValueError(f"input_size: expected {nd + 2} sizes {('N', 'C', 'D', 'H', 'W')[:2] + ('D', 'H', 'W')[3 - nd:]}, "
-                         f"got {tuple(input_size)}")
+        raise ValueError(f"input_size: expected {nd + 2} sizes (N, C, spatial...), got {tuple(input_size)}")
     if weight.ndim == nd + 2 and size[-nd - 1] != weight.shape[1] * (groups if isinstance(groups, int) else 1):
         raise ValueError(f"input_size: {size} has {size[-nd - 1]} channels; weight {tuple(weight.shape)} with "
                          f"groups={groups} takes {weight.shape[1] * groups}")
@@ -315,7 +314,8 @@ def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation
     want = (geo.n, geo.k, *geo.out_size)
     dy = grad_output[None] if unbatched and grad_output.ndim == nd + 1 else grad_output
     if tuple(dy.shape) != want:
-        raise ValueError(f"grad_output: expected shape {want[1:] if unbatched else want}, got {tuple(grad_output.shape)}")
+        raise ValueError(f"grad_output: expected shape {want[1:] if unbatched else want}, "
+                         f"got {tuple(grad_output.shape)}")
     with _on_device_of(x):
         return _weight_call(fn, geo, xp, xb, dy, wsize, dt, math)
 

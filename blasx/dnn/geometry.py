@@ -107,7 +107,8 @@ class ConvGeometry:
 
 def _shapes(fn: str, nd: int, x, weight):
     if x.ndim not in (nd + 1, nd + 2):
-        raise ValueError(f"{fn}: x must be {nd + 2}-D {SPATIAL[nd]} (or {nd + 1}-D unbatched), got shape {tuple(x.shape)}")
+        raise ValueError(f"{fn}: x must be {nd + 2}-D {SPATIAL[nd]} (or {nd + 1}-D unbatched), "
+                         f"got shape {tuple(x.shape)}")
     if weight.ndim != nd + 2:
         raise ValueError(f"{fn}: weight must be {nd + 2}-D, got shape {tuple(weight.shape)}")
     dt = check_dtype("x", x)
@@ -161,7 +162,8 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
     dilation = ints("dilation", dilation, nd, 1)
     pads = padding_pairs(padding, nd, kernel, dilation, stride)
     if cw != c:
-        raise ValueError(f"weight: expected weight.shape[0] == {c} (x's channels), got weight.shape={tuple(weight.shape)}")
+        raise ValueError(f"weight: expected weight.shape[0] == {c} (x's channels), "
+                         f"got weight.shape={tuple(weight.shape)}")
     if c % groups:
         raise ValueError(f"groups: input channels {c} (x.shape={tuple(x.shape)}) are not divisible by groups={groups}")
     base = [(size[i] - 1) * stride[i] - pads[i][0] - pads[i][1] + dilation[i] * (kernel[i] - 1) + 1 for i in range(nd)]

@@ -47,6 +47,7 @@ class Im2col(Derivation):
         return c, np.unravel_index(kidx, self.geo.kernel)
 
     def host_tile(self, source, ref):
+        """The tile's values by a numpy gather from X's memory (zero where padding or zero insertion)."""
         g = self.geo
         c, kr = self._rows(np.arange(ref.r0, ref.r0 + ref.rows))
         n, p = np.divmod(np.arange(ref.c0, ref.c0 + ref.cols), g.p)
