@@ -375,7 +375,8 @@ class StreamWorker(StreamAssign, Worker):
     def _load(self, dst, operand, ref, peer_line, call, task, peer_wait=None) -> int:
         """Issue the copy that fills ``dst`` with tile ``ref``, on the device's copy stream
         for its source: from a peer line (after its fill event ``peer_wait``, if still in
-        flight) or from the tile's home. Returns the copy stream."""
+        flight), from the tile's home, or (a derived operand) made from the operand it derives
+        from. Returns the copy stream."""
         dev = self.dev
         if peer_line is not None:
             nbytes, dtype = call.tile_nbytes(ref.slot, ref.rows, ref.cols), call.tile_dtype(ref.slot)
