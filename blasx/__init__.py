@@ -21,6 +21,7 @@ from . import blas3
 from .blas3 import PREFIXED as _PREFIXED
 from .blas3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from . import linalg
+from . import dnn
 from .level3 import PREFIXED as _PREFIXED_GEMM
 from .level3 import gemm, last_profile
 from .numpy_api import dot, matmul, tensordot

@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 
 from .runtime.call import Operand
+from .runtime.derived import Derivation
 from .runtime.tiling import OP_C, OP_N, OP_T
 
 # (transposed, conjugated) -> BLAS op on the column-major view; (0, 1) has none.
@@ -149,5 +150,7 @@ class TokenTable:
 
 
 def make_operand(v, tokens: TokenTable) -> Operand:
+    if isinstance(v, Derivation):  # a derived operand: no memory of its own (runtime/derived.py)
+        return v.operand(tokens)
     device = int(v.device.id) if is_cupy(v) else -1
     return Operand(v, v.shape[0], v.shape[1], leading_dim(v), address(v), device, tokens.token(v))

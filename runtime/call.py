@@ -65,10 +65,14 @@ class Operand:
     device: int  # -1: host memory; else the CUDA ordinal holding it
     token: Hashable  # first part of every tile key of this operand
     pinning: Any = None  # how its host memory is page-locked (hostmem.Pinning; set by the cuda backend)
+    # A derived operand (runtime/derived.py): no memory (array None, device -1); its tiles are made
+    # on the device that needs them from another operand of the call.
+    derive: Any = None
 
     @property
     def on_host(self) -> bool:
-        return self.device < 0
+        """In host memory (a derived operand has none: False)."""
+        return self.device < 0 and self.derive is None
 
 
 class Call:
@@ -84,6 +88,9 @@ class Call:
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"
         self.math = math  # "ieee" or "tf32" (float32 gemm on tensor cores)
+        derived = {i for i, op in enumerate(operands) if op.derive is not None}
+        if derived and any(t.c.slot in derived for t in tasks):
+            raise ValueError(f"{name}: a C tile of a derived operand (derived operands are read-only)")
         self._typed(out_dtype, epilogue, tasks)
         # Scalar tables indexed by SC_*, in the accumulation type; kept alive for the call so
         # devices may pass pointers into them. ``real_scalars`` holds the real parts, for kernels
@@ -96,7 +103,7 @@ class Call:
         self.on_finish = None  # engine hook: a finished task may make others ready (deps)
         self.stats = stats
         self.epilogue = epilogue
-        self.device_only = any(not op.on_host for op in operands)
+        self.device_only = any(op.device >= 0 for op in operands)
         self.has_deps = any(t.deps for t in tasks)  # some task waits for others (TRSM)
         # The engine's rate meter and this call's flops not started / running, kept only when
         # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
@@ -138,7 +145,9 @@ class Call:
         self.mixed = self.out_dtype != self.dtype or self.compute != self.dtype
         self.acc_dtype = self.compute if self.mixed else self.dtype
         self.wb_dtype = np.dtype(getattr(epilogue, "dtype", None) or self.acc_dtype)
-        self.c_slots = frozenset(t.c.slot for t in tasks) if self.mixed else frozenset()
+        # (a C buffer's first contents, ``Task.c_init``, are loaded into the accumulation type too)
+        self.c_slots = frozenset(s for t in tasks for s in (t.c.slot, *((t.c_init.slot,) if t.c_init else ()))
+                                 ) if self.mixed else frozenset()
         # C tiles kept for later tasks of the call (split-k's partial sums) stay in that type at home too
         self.acc_slots = frozenset(t.c.slot for t in tasks if t.keep_c) if self.mixed else frozenset()
         # int8 tiles on a device have a leading dimension that is a multiple of 4 (cuBLAS's rule)

@@ -22,7 +22,8 @@ from collections import deque
 
 from .cache import Line
 from .cpu_worker import CpuWorker
-from .devices.base import ArraySource, HostSource, PeerSource
+from .derived import source_of
+from .devices.base import ArraySource, DerivedSource, HostSource, PeerSource
 from .inflight import _Active, _Pending, _StepWork
 from .assign import StreamAssign
 from .tasks import SC_ZERO
@@ -374,7 +375,8 @@ class StreamWorker(StreamAssign, Worker):
     def _load(self, dst, operand, ref, peer_line, call, task, peer_wait=None) -> int:
         """Issue the copy that fills ``dst`` with tile ``ref``, on the device's copy stream
         for its source: from a peer line (after its fill event ``peer_wait``, if still in
-        flight) or from the tile's home. Returns the copy stream."""
+        flight), from the tile's home, or (a derived operand) made from the operand it derives
+        from. Returns the copy stream."""
         dev = self.dev
         if peer_line is not None:
             nbytes, dtype = call.tile_nbytes(ref.slot, ref.rows, ref.cols), call.tile_dtype(ref.slot)
@@ -382,6 +384,16 @@ class StreamWorker(StreamAssign, Worker):
             src = PeerSource(peer, _loc(peer, peer_line.offset, call, ref.slot, ref.rows, ref.cols),
                              peer_wait, operand, ref)
             kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
+        elif operand.derive is not None:  # made here from its source, on the host-copy stream
+            source = source_of(call, operand)
+            nbytes, dtype = operand.derive.nbytes_read(ref), call.home_dtype(ref.slot)
+            src = DerivedSource(operand, ref, source)
+            cs = dev.h2d_stream
+            if source.device >= 0:
+                kind, field = "p2p", "bytes_p2p"
+            else:
+                kind, field = "h2d", "bytes_h2d"
+                self.h2d_issued += nbytes
         elif operand.device >= 0:
             nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = ArraySource(operand, ref)

@@ -1,1 +1,29 @@
+"""blasx.dnn: convolutions (torch.nn.functional conventions) lowered to GEMM tile tasks on the engine.
+
+Lowering. Per group g a forward convolution is ``Y[K, N*P] = W[K, C*R*S] . col(X)[C*R*S, N*P]``. col(X) is a
+*derived operand* (runtime/derived.py, im2col.py): it has no memory; a tile of it (a range of the reduction
+index (c, r, s) -- (r, s, c) for channels-last x -- by a range of output pixels) is made on the device that
+needs it, from the slab of X it reads (host or device memory), by an im2col gather that also does the padding
+and a transposed convolution's zero insertion; it is then an ordinary cache line, shared with peers and
+evicted, and the im2col matrix never exists in host memory nor crosses the host link. NCHW output is the
+column-major ``P x N*K`` matrix, so its C tiles are pixel ranges of one image by channel ranges
+(``Y_n^T = col(X_n)^T W^T``); channels-last output is ``K x N*P`` and its tiles span images. Transposed
+convolutions and backward-data are convolutions of the (virtually zero-inserted) input with the flipped,
+transposed kernel; backward-weights is the long-k GEMM ``dW = dY . col(X)^T`` (planners in
+runtime/plans/conv.py). The fused epilogue (bias, per-channel scale and shift, residual, activation) runs on
+each finished output tile on the device (epilogue.py); a residual initialises the C tile, with the scale
+folded into the weights.
+
+Inputs are numpy (host; may exceed a GPU's memory) or CuPy arrays (result on the same device), C-contiguous
+NCHW or channels-last (an NCHW-shaped view of NHWC memory; the output keeps the layout; any other strides are
+copied to C-contiguous first), of float64, float32 (TF32 with math="tf32"), float16 or bfloat16 (both
+accumulate in float32).
+"""
+
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
+from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, conv2d_weight, conv3d, conv3d_input,
+                   conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
+
+__all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+           "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
+           "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward"]

@@ -44,6 +44,16 @@ class ArraySource:
 
 
 @dataclass(frozen=True, slots=True)
+class DerivedSource:
+    """Tile ``ref`` of the derived ``operand`` (runtime/derived.py), made on the device from ``source``,
+    the call's operand it derives from (host or device memory): ``operand.derive`` says how."""
+
+    operand: Any
+    ref: Any
+    source: Any
+
+
+@dataclass(frozen=True, slots=True)
 class PeerSource:
     """A cache line of peer ``device`` at ``loc``. ``after``: the peer's event that ends the line's
     fill (None: filled); the copy follows it. The tile's home, tile ``ref`` of ``operand``, is for a
@@ -184,9 +194,9 @@ class StreamDevice(Device):
 
     # -- asynchronous operations on stream ``s`` --
     @abstractmethod
-    def copy_in(self, s: int, dst: Any, src: HostSource | PeerSource | ArraySource, rows: int, cols: int,
-                dtype, task: Any = None) -> None:
-        """Fill ``dst`` (a Loc of this device) from ``src``."""
+    def copy_in(self, s: int, dst: Any, src: HostSource | PeerSource | ArraySource | DerivedSource, rows: int,
+                cols: int, dtype, task: Any = None) -> None:
+        """Fill ``dst`` (a Loc of this device) from ``src`` (a DerivedSource: make the tile there)."""
 
     @abstractmethod
     def copy_out(self, s: int, operand: Any, ref: Any, src: Any, task: Any = None) -> None:

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from .. import dtypes
+from ..derived import host_tile
 from ..stats import OpRecord
 from .base import HostDevice, register_backend
 from .numpy_kernels import KERNELS, round_into
@@ -137,8 +138,7 @@ class CpuDevice(HostDevice):
 def _tile(call, ref):
     if ref is None:
         return None
-    op = call.operands[ref.slot]
-    return op.array[ref.r0:ref.r0 + ref.rows, ref.c0:ref.c0 + ref.cols]
+    return host_tile(call, call.operands[ref.slot], ref)  # a view, or a derived tile's values
 
 
 def _release_blas_control() -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from ..hostmem import REGISTRY
 from ..stats import OpRecord
 from .. import faults
-from .base import DeviceError, PeerSource, StreamDevice, register_backend
+from .base import DerivedSource, DeviceError, PeerSource, StreamDevice, register_backend
 from .cuda_kernels import MEMCPY_DEFAULT, CudaKernels, _cublas
 from .cuda_lowp import DeviceCount, convert_tile, device_view, kernels
 
@@ -217,6 +217,9 @@ class CudaDevice(CudaKernels, StreamDevice):
             # (a heap tile is compact over its leading dimension, which int8 pads: ld * cols elements)
             runtime.memcpyPeerAsync(dst[0], self.ordinal, src.loc[0], src.device.ordinal, dst[1] * cols * isz,
                                     self.stream_ptrs[s])
+            return
+        if type(src) is DerivedSource:  # expanded here from its source (runtime/derived.py)
+            src.operand.derive.fill(self, s, dst, src.source, src.ref)
             return
         # HostSource or ArraySource: a pitched copy from the operand's own memory
         ptr, ld = self.array_loc(src.operand, src.ref)

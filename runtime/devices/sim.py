@@ -34,7 +34,8 @@ import numpy as np
 
 from .. import faults
 from ..stats import OpRecord
-from .base import DeviceError, HostSource, PeerSource, StreamDevice, register_backend
+from ..derived import host_tile
+from .base import DerivedSource, DeviceError, HostSource, PeerSource, StreamDevice, register_backend
 from .numpy_kernels import KERNELS, kernel_for, round_into
 
 
@@ -294,6 +295,8 @@ class SimDevice(StreamDevice):
         if type(src) is HostSource:
             view = None if self.timing else _host_tile(src.operand, src.ref)
             engine, rec_kind = "h2d", "h2d"
+        elif type(src) is DerivedSource:  # made on the stream (a numpy gather), from host memory
+            view, engine, rec_kind = None, "h2d", "h2d"
         elif type(src) is PeerSource:
             view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
         else:
@@ -313,11 +316,12 @@ class SimDevice(StreamDevice):
                 # The peer broke before its fill completed: read the tile's home instead,
                 # so one device's failure never corrupts or stalls another.
                 if not timing:
-                    dst[...] = _host_tile(src.operand, src.ref)
+                    dst[...] = (_host_tile(src.operand, src.ref) if src.operand.derive is None
+                                else host_tile(task.call, src.operand, src.ref))
                 self.bytes_in += nbytes
                 return
             if not timing:
-                dst[...] = view
+                dst[...] = view if view is not None else src.operand.derive.host_tile(src.source, src.ref)
             if engine == "p2p":
                 self.bytes_p2p += nbytes
             else:

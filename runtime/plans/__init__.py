@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from .common import (LOWER, SIDE_LEFT, SIDE_RIGHT, SYMM_A, SYMM_B, SYMM_C, SYR2K_A, SYR2K_B, SYR2K_C, SYRK_A,
                      SYRK_C, TRMM_A, TRMM_B, TRMM_C, TRSM_A, TRSM_B, TRSM_V, TRSM_X, UPPER, step_flops, task_flops)
+from .conv import Span, gemm_tasks, plan_conv_forward, plan_conv_weight, spans
 from .gemm import SLOT_A, SLOT_B, SLOT_C, SLOT_P, gemm_flops, partial_ref, partial_shape, plan_gemm, tile_order
 from .rank import plan_syr2k, plan_syrk
 from .split import MIN_PART_TILES, PARTIAL_SHARE, choose_split

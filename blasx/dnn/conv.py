@@ -1,0 +1,375 @@
+"""blasx.dnn's front end: torch.nn.functional-style convolutions lowered to GEMM tile tasks on the engine.
+
+Every function validates everything first (geometry.py; nothing is computed or written on error, the
+caller's arrays are never modified), lays the operands out as the planners want them (runtime/plans/conv.py)
+and submits one engine call for all groups. Weights are small: they are reshaped, permuted (channels-last:
+reduction order (r, s, c)), flipped (transposed convolutions) or scaled (a folded scale) on the host side
+of the call; activations are only read, through the derived im2col operand (im2col.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .. import dispatch, precision
+from ..operands import array_module, is_cupy
+from ..runtime import dtypes
+from ..runtime.plans import plan_conv_forward, plan_conv_weight
+from .epilogue import check_activation, make_epilogue
+from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
+from .im2col import Im2col
+
+MAX_ROWS_HINT = 2048  # pixel columns a tile-size choice sees at most (the CPU alone runs one tile per call)
+
+
+# ---------------------------------------------------------------- helpers
+
+def _xp(*arrays):
+    """numpy or cupy, the same for every given array (TypeError when mixed)."""
+    given = [a for a in arrays if a is not None]
+    kinds = {is_cupy(a) for a in given}
+    if len(kinds) > 1:
+        raise TypeError("arrays: got a mix of numpy and cupy arrays; pass all numpy (host) or all cupy (GPU)")
+    return array_module(kinds == {True})
+
+
+def _on_device_of(x):
+    """A CuPy array's device as the current one (results are made there), else nothing."""
+    return x.device if is_cupy(x) else contextlib.nullcontext()
+
+
+def _batched(x, nd: int):
+    """(x with a batch dim, whether it was added)."""
+    return (x[None], True) if x.ndim == nd + 1 else (x, False)
+
+
+def _as_layout(xp, x, lay: str):
+    """x in layout ``lay`` ("nchw" C-contiguous, "cl" channels-last), copied only if it is not."""
+    if layout(x) == lay:
+        return x
+    if lay == "nchw":
+        return xp.ascontiguousarray(x)
+    return xp.ascontiguousarray(x.transpose(0, *range(2, x.ndim), 1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
+
+
+def _x_view(x, lay: str):
+    """X's memory as a compact column-major 2-D view (the im2col source)."""
+    n, c = x.shape[:2]
+    size = int(np.prod(x.shape[2:]))
+    if lay == "cl":
+        return x.transpose(0, *range(2, x.ndim), 1).reshape(n * size, c).T
+    return x.reshape(n * c, size).T
+
+
+def _empty(xp, shape, dtype, lay: str):
+    if lay == "nchw":
+        return xp.empty(shape, dtype=dtype)
+    moved = xp.empty((shape[0], *shape[2:], shape[1]), dtype=dtype)
+    return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
+
+
+def _channel_vector(name: str, v, k: int, dtype, xp):
+    if v is None:
+        return None
+    if not hasattr(v, "shape") or tuple(v.shape) != (k,):
+        raise ValueError(f"{name}: expected shape ({k},) (one value per output channel), got "
+                         f"{getattr(v, 'shape', type(v).__name__)}")
+    if is_cupy(v) != (xp is not np):
+        raise TypeError(f"{name}: got a {'cupy' if is_cupy(v) else 'numpy'} array; x is "
+                        f"{'cupy' if xp is not np else 'numpy'}")
+    return v.get() if is_cupy(v) else np.asarray(v)
+
+
+def _check_out(name: str, out, shape, dtype, lay, xp, *others):
+    if out is None:
+        return
+    if type(out) is not type(others[0]):
+        raise TypeError(f"{name}: got a {type(out).__module__}.{type(out).__name__}; x is a "
+                        f"{type(others[0]).__module__}.{type(others[0]).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if np.dtype(out.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
+    if lay is not None and layout(out) != lay:
+        want = "C-contiguous (NCHW)" if lay == "nchw" else "channels-last (an NCHW-shaped view of NHWC memory)"
+        raise ValueError(f"{name}: must be {want}, like x; got strides {out.strides}")
+    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable)
+        raise ValueError(f"{name}: is read-only")
+    if xp is np and name == "out" and any(o is not None and np.shares_memory(out, o) for o in others):
+        raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
+
+
+def _pointwise(geo: ConvGeometry) -> bool:
+    """A 1x1, stride-1, unpadded convolution: col(X) is X itself."""
+    return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
+        geo.out_size == geo.in_size
+
+
+def _name(dtype, fn: str) -> str:
+    return dtypes.prefix(dtype) + fn
+
+
+# ---------------------------------------------------------------- the one engine call
+
+def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, epilogue_args, math) -> None:
+    """y = conv(x, wconv) on the engine: x (N, C, ...) in layout ``lay``, wconv (K, Cg, k...) in the
+    forward form, y (and residual) in layout ``lay``; ``epilogue_args`` = (bias, scale, shift, act)."""
+    xp = array_module(is_cupy(x))
+    dt = np.dtype(x.dtype)
+    cl = lay == "cl"
+    G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
+    acc = dtypes.gemm_of(dt).compute
+    bias, scale, shift, act = epilogue_args
+    if cl:
+        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
+    wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
+    ws = [wmat[:, g * kg:(g + 1) * kg] for g in range(G)]
+    xs = _x_view(x, lay)
+    direct = _pointwise(geo)  # col(X) is X itself: plain GEMMs on X's memory, nothing derived
+    if direct and cl:  # col_g: X's rows g*Cg.. (Cg x N*P)
+        cols = [xs[g * geo.cg:(g + 1) * geo.cg] for g in range(G)]
+    elif direct:  # col_g's image n (transposed): X's P x Cg block of image n, group g
+        cols = [xs[:, (i * G + g) * geo.cg:(i * G + g + 1) * geo.cg] for i in range(n) for g in range(G)]
+    else:
+        cols = [Im2col(geo, g, cl, not cl, xs, len(ws) + G + (G if cl else 1)) for g in range(G)]
+    y0 = G + len(cols)
+
+    def ys_of(arr):
+        if cl:
+            mat = arr.transpose(0, *range(2, arr.ndim), 1).reshape(n * p, geo.k).T
+            return [mat[g * kg:(g + 1) * kg] for g in range(G)]
+        return [arr.reshape(n * geo.k, p).T]
+    slots = {y0 + g: (0, g * kg, geo.k) for g in range(G)} if cl else {y0: (1, 0, geo.k)}
+    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots, acc)
+    if fold is not None:
+        ws = [(w.astype(np.float64) * xp.asarray(fold[g * kg:(g + 1) * kg])).astype(dt) for g, w in enumerate(ws)]
+    views = [*ws, *cols, *ys_of(y), xs]
+    res0 = None
+    if residual is not None:
+        res0 = len(views)
+        views += ys_of(residual)
+    plan = lambda tile, block: plan_conv_forward(n, p, kg, crs, G, tile, cl, w0=0, col0=G, y0=y0,  # noqa: E731
+                                                 res0=res0, direct=direct and not cl)
+    dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 1.0 if residual is not None else 0.0,
+                            (min(n * p, MAX_ROWS_HINT), geo.k, crs), math=math, epilogue=epi)
+
+
+# ---------------------------------------------------------------- forward
+
+def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
+          math):
+    fn = f"conv{nd}d"
+    xp = _xp(x, weight, bias, residual, out)
+    geo = conv_geometry(fn, nd, x, weight, stride, padding, dilation, groups)
+    act = check_activation(activation)
+    math = precision.check_math(math)
+    dt = np.dtype(x.dtype)
+    vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in (("bias", bias), ("scale", scale), ("shift", shift))]
+    xb, unbatched = _batched(x, nd)
+    lay = layout(xb) or "nchw"
+    shape = (geo.n, geo.k, *geo.out_size)
+    user_shape = shape[1:] if unbatched else shape
+    if residual is not None:
+        _check_out("residual", residual, user_shape, dt, None, xp, x)
+        residual = _as_layout(xp, _batched(residual, nd)[0], lay)
+    _check_out("out", out, user_shape, dt, lay if out is not None and out.ndim == nd + 2 else None, xp, x, weight,
+               residual)
+    with _on_device_of(x):
+        xb = _as_layout(xp, xb, lay)
+        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math)
+    if out is not None:
+        return out
+    return y[0] if unbatched else y
+
+
+def conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None, scale=None,
+           shift=None, residual=None, out=None, math=None):
+    """torch.nn.functional.conv1d on the engine, with the fused epilogue (see :mod:`blasx.dnn`)."""
+    return _conv(1, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out, math)
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None, scale=None,
+           shift=None, residual=None, out=None, math=None):
+    """torch.nn.functional.conv2d on the engine, with the fused epilogue (see :mod:`blasx.dnn`)."""
+    return _conv(2, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out, math)
+
+
+def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None, scale=None,
+           shift=None, residual=None, out=None, math=None):
+    """torch.nn.functional.conv3d on the engine, with the fused epilogue (see :mod:`blasx.dnn`)."""
+    return _conv(3, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out, math)
+
+
+def linear(x, weight, bias=None, *, activation=None, math=None):
+    """torch.nn.functional.linear (y = x W^T + b) with an optional activation: a 1-wide conv1d."""
+    if x.ndim < 1 or weight.ndim != 2:
+        raise ValueError(f"linear: x must be at least 1-D and weight 2-D, got shapes {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])[:, :, None]
+    y = conv1d(x2, weight[:, :, None], bias, activation=activation, math=math)
+    return y[:, :, 0].reshape(*lead, weight.shape[0])
+
+
+# ---------------------------------------------------------------- transposed, backward-data
+
+def _flipped_transposed(xp, weight, groups: int):
+    """conv_transpose's weight (Cin, Cout/g, k...) as the forward weight (Cout, Cin/g, flipped k...)."""
+    cin, coutg, *k = weight.shape
+    w = weight.reshape(groups, cin // groups, coutg, *k).swapaxes(1, 2)
+    w = w[(slice(None),) * 3 + (slice(None, None, -1),) * len(k)]
+    return xp.ascontiguousarray(w).reshape(groups * coutg, cin // groups, *k)
+
+
+def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
+               output_size=None, out=None, math=None):
+    xp = _xp(x, weight, bias, out)
+    geo = transpose_geometry(fn, nd, x, weight, stride, padding, output_padding, groups, dilation, output_size)
+    math = precision.check_math(math)
+    dt = np.dtype(x.dtype)
+    b = _channel_vector("bias", bias, geo.k, dt, xp)
+    xb, unbatched = _batched(x, nd)
+    lay = layout(xb) or "nchw"
+    shape = (geo.n, geo.k, *geo.out_size)
+    _check_out("out", out, shape[1:] if unbatched else shape, dt, lay if out is not None and out.ndim == nd + 2
+               else None, xp, x, weight)
+    with _on_device_of(x):
+        xb = _as_layout(xp, xb, lay)
+        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        _forward_call(fn, geo, xb, lay, _flipped_transposed(xp, weight, geo.groups), y, None, (b, None, None, None),
+                      math)
+    if out is not None:
+        return out
+    return y[0] if unbatched else y
+
+
+def conv_transpose1d(x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *,
+                     out=None, math=None):
+    """torch.nn.functional.conv_transpose1d on the engine (weight (in, out/groups, k))."""
+    return _transpose(1, "conv_transpose1d", x, weight, bias, stride, padding, output_padding, groups, dilation,
+                      out=out, math=math)
+
+
+def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *,
+                     out=None, math=None):
+    """torch.nn.functional.conv_transpose2d on the engine (weight (in, out/groups, kh, kw))."""
+    return _transpose(2, "conv_transpose2d", x, weight, bias, stride, padding, output_padding, groups, dilation,
+                      out=out, math=math)
+
+
+def conv_transpose3d(x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1, *,
+                     out=None, math=None):
+    """torch.nn.functional.conv_transpose3d on the engine (weight (in, out/groups, kd, kh, kw))."""
+    return _transpose(3, "conv_transpose3d", x, weight, bias, stride, padding, output_padding, groups, dilation,
+                      out=out, math=math)
+
+
+def _input_grad(nd: int, input_size, weight, grad_output, stride, padding, dilation, groups, math):
+    fn = f"conv{nd}d_input"
+    size = tuple(int(v) for v in input_size)
+    if len(size) not in (nd + 1, nd + 2):
+        raise ValueError(f"input_size: expected {nd + 2} sizes (N, C, spatial...), got {tuple(input_size)}")
+    if weight.ndim == nd + 2 and size[-nd - 1] != weight.shape[1] * (groups if isinstance(groups, int) else 1):
+        raise ValueError(f"input_size: {size} has {size[-nd - 1]} channels; weight {tuple(weight.shape)} with "
+                         f"groups={groups} takes {weight.shape[1] * groups}")
+    y = _transpose(nd, fn, grad_output, weight, None, stride, padding, 0, groups, dilation, output_size=size,
+                   math=math)
+    if tuple(y.shape) != size:
+        raise ValueError(f"input_size: got {size}, but grad_output {tuple(grad_output.shape)} gives {tuple(y.shape)}")
+    return y
+
+
+def conv1d_input(input_size, weight, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv1d_input: the gradient of conv1d with respect to its input."""
+    return _input_grad(1, input_size, weight, grad_output, stride, padding, dilation, groups, math)
+
+
+def conv2d_input(input_size, weight, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv2d_input: the gradient of conv2d with respect to its input."""
+    return _input_grad(2, input_size, weight, grad_output, stride, padding, dilation, groups, math)
+
+
+def conv3d_input(input_size, weight, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv3d_input: the gradient of conv3d with respect to its input."""
+    return _input_grad(3, input_size, weight, grad_output, stride, padding, dilation, groups, math)
+
+
+# ---------------------------------------------------------------- backward-weights
+
+def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation, groups, math):
+    fn = f"conv{nd}d_weight"
+    xp = _xp(x, grad_output)
+    dt = check_dtype("input", x)
+    wsize = tuple(int(v) for v in weight_size)
+    if len(wsize) != nd + 2:
+        raise ValueError(f"weight_size: expected {nd + 2} sizes (out, in/groups, k...), got {tuple(weight_size)}")
+    geo = conv_geometry(fn, nd, x, np.broadcast_to(np.zeros((), dt), wsize), stride, padding, dilation, groups)
+    if np.dtype(grad_output.dtype) != dt:
+        raise TypeError(f"{fn}: input is {dt} but grad_output is {np.dtype(grad_output.dtype)}; they must match")
+    math = precision.check_math(math)
+    xb, unbatched = _batched(x, nd)
+    want = (geo.n, geo.k, *geo.out_size)
+    dy = grad_output[None] if unbatched and grad_output.ndim == nd + 1 else grad_output
+    if tuple(dy.shape) != want:
+        raise ValueError(f"grad_output: expected shape {want[1:] if unbatched else want}, "
+                         f"got {tuple(grad_output.shape)}")
+    with _on_device_of(x):
+        return _weight_call(fn, geo, xp, xb, dy, wsize, dt, math)
+
+
+def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
+    """dW = conv's weight gradient on the engine (arguments checked)."""
+    nd = geo.nd
+    lay = layout(xb) or "nchw"
+    xb = _as_layout(xp, xb, lay)
+    dy = _as_layout(xp, dy, lay)
+    cl = lay == "cl"
+    G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
+    if cl:
+        dyv = dy.transpose(0, *range(2, dy.ndim), 1).reshape(n * p, geo.k).T
+        dys = [dyv[g * kg:(g + 1) * kg] for g in range(G)]
+        dwm = xp.empty((geo.k, *geo.kernel, geo.cg), dtype=dt)
+    else:
+        dys = [dy[i].reshape(geo.k, p).T[:, g * kg:(g + 1) * kg] for i in range(n) for g in range(G)]
+        dwm = xp.empty(wsize, dtype=dt)
+    wmat = dwm.reshape(geo.k, crs).T
+    dws = [wmat[:, g * kg:(g + 1) * kg] for g in range(G)]
+    xs = _x_view(xb, lay)
+    x_slot = G + len(dys) + G
+    cols = [Im2col(geo, g, cl, False, xs, x_slot) for g in range(G)]
+    views = [*cols, *dys, *dws, xs]
+    plan = lambda tile, block: plan_conv_weight(n, p, kg, crs, G, tile, cl, col0=0, dy0=G,  # noqa: E731
+                                                dw0=G + len(dys))
+    dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 0.0, (crs, geo.k, min(n * p, MAX_ROWS_HINT)),
+                            math=math)
+    if cl:
+        return xp.ascontiguousarray(dwm.transpose(0, nd + 1, *range(1, nd + 1)))
+    return dwm
+
+
+def conv1d_weight(input, weight_size, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv1d_weight: the gradient of conv1d with respect to its weight."""
+    return _weight_grad(1, input, weight_size, grad_output, stride, padding, dilation, groups, math)
+
+
+def conv2d_weight(input, weight_size, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv2d_weight: the gradient of conv2d with respect to its weight."""
+    return _weight_grad(2, input, weight_size, grad_output, stride, padding, dilation, groups, math)
+
+
+def conv3d_weight(input, weight_size, grad_output, stride=1, padding=0, dilation=1, groups=1, *, math=None):
+    """torch.nn.grad.conv3d_weight: the gradient of conv3d with respect to its weight."""
+    return _weight_grad(3, input, weight_size, grad_output, stride, padding, dilation, groups, math)
+
+
+def conv_bias_grad(grad_output):
+    """The gradient of a convolution's bias: grad_output summed over every dim but the channels (1)."""
+    dt = check_dtype("grad_output", grad_output)
+    if grad_output.ndim < 3:
+        raise ValueError(f"grad_output: expected (N, K, spatial...), got shape {tuple(grad_output.shape)}")
+    acc = dtypes.gemm_of(dt).compute
+    axes = (0, *range(2, grad_output.ndim))
+    return grad_output.astype(acc).sum(axis=axes).astype(dt)

@@ -1,0 +1,278 @@
+"""blasx.dnn against CPU torch: forward (1-3 d, groups, depthwise, stride, padding incl. asymmetric and
+"same", dilation), transposed, backward-data, backward-weights, both layouts, dtypes, the fused epilogue,
+out=, on 1-3 sims and the CPU, and a batch larger than the sims' memory.
+
+Errors are relative Frobenius norms against torch in float64 on the same (rounded) inputs; tolerances per
+dtype: float64 1e-12, float32 1e-5, float16 4e-3, bfloat16 3e-2 (float32 accumulation; the result rounded
+once)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn import grad as tgrad
+
+import blasx
+from blasx import dnn
+from blasx.dnn import geometry
+
+TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 4e-3,
+       np.dtype(ml_dtypes.bfloat16): 3e-2}
+T = torch.from_numpy
+
+
+def rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def cl(x):
+    """x as channels-last (an NCHW-shaped view of N...C memory)."""
+    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
+
+
+def wide(x):
+    return T(np.asarray(x, np.float64))
+
+
+def rand(rng, shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture(params=["sim:1", "sim:3", "cpu"])
+def devices(request):
+    blasx.configure(devices=request.param, tile=16)
+    return request.param
+
+
+# ---------------------------------------------------------------- forward
+
+@settings(max_examples=20, deadline=None)
+@given(nd=st.sampled_from([1, 2, 3]), n=st.integers(1, 3), cg=st.integers(1, 3), kg=st.integers(1, 3),
+       groups=st.sampled_from([1, 2, 3]), k=st.integers(1, 3), stride=st.integers(1, 3), pad=st.integers(0, 2),
+       dil=st.integers(1, 2), layout=st.sampled_from(["nchw", "cl"]), seed=st.integers(0, 99))
+def test_forward_vs_torch(nd, n, cg, kg, groups, k, stride, pad, dil, layout, seed):
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(seed)
+    size = (9, 7, 5)[:nd]
+    if any(s + 2 * pad < dil * (k - 1) + 1 for s in size):
+        return
+    x = rand(rng, (n, cg * groups, *size))
+    w = rand(rng, (kg * groups, cg, *(k,) * nd))
+    b = rand(rng, (kg * groups,))
+    xin = cl(x) if layout == "cl" else x
+    y = getattr(dnn, f"conv{nd}d")(xin, w, b, stride, pad, dil, groups)
+    ref = getattr(F, f"conv{nd}d")(T(x), T(w), T(b), stride, pad, dil, groups).numpy()
+    assert rel(y, ref) < 1e-12
+    kept = np.moveaxis(y, 1, -1) if geometry.layout(xin) == "cl" else y  # (C = 1: both layouts; NCHW wins)
+    assert kept.flags.c_contiguous
+
+
+def test_forward_devices_paddings_depthwise(devices):
+    rng = np.random.default_rng(3)
+    x = rand(rng, (2, 6, 13, 10))
+    cases = [dict(padding="same", dilation=2), dict(padding="valid", stride=2), dict(padding=((2, 0), (1, 3))),
+             dict(padding=(1, 0), stride=(1, 2), groups=3), dict(padding=1, groups=6)]  # depthwise last
+    for kw in cases:
+        g = kw.get("groups", 1)
+        w = rand(rng, ({1: 4, 3: 6, 6: 6}[g], 6 // g, 3, 2))
+        y = dnn.conv2d(x, w, **kw)
+        pads = kw.get("padding")
+        if isinstance(pads, tuple) and isinstance(pads[0], tuple):
+            xt = F.pad(T(x), (pads[1][0], pads[1][1], pads[0][0], pads[0][1]))
+            ref = F.conv2d(xt, T(w), **{k: v for k, v in kw.items() if k != "padding"})
+        else:
+            ref = F.conv2d(T(x), T(w), **kw)
+        assert rel(y, ref.numpy()) < 1e-12, kw
+
+
+def test_unbatched_out_and_layout_kept():
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(4)
+    x, w = rand(rng, (3, 11, 9)), rand(rng, (5, 3, 3, 3))
+    y = dnn.conv2d(x, w, padding=1)
+    assert y.shape == (5, 11, 9) and rel(y, F.conv2d(T(x), T(w), padding=1).numpy()) < 1e-12
+    xb = cl(x[None])
+    out = cl(np.zeros((1, 5, 11, 9)))
+    got = dnn.conv2d(xb, w, padding=1, out=out)
+    assert got is out and rel(out[0], F.conv2d(T(x), T(w), padding=1).numpy()) < 1e-12
+    # a strided (neither layout) x is copied; the result is NCHW
+    xs = np.zeros((1, 3, 22, 9))[:, :, ::2]
+    xs[...] = x
+    assert rel(dnn.conv2d(xs, w, padding=1)[0], F.conv2d(T(x), T(w), padding=1).numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_dtypes(dtype, layout):
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(5)
+    x, w, b = rand(rng, (2, 8, 10, 9), dtype), rand(rng, (6, 4, 3, 3), dtype), rand(rng, (6,), dtype)
+    y = dnn.conv2d(cl(x) if layout == "cl" else x, w, b, padding=1, groups=2)
+    assert y.dtype == np.dtype(dtype)
+    ref = F.conv2d(wide(x), wide(w), wide(b), padding=1, groups=2).numpy()
+    assert rel(y, ref) < TOL[np.dtype(dtype)]
+
+
+def test_tf32_math():
+    """math="tf32": float32 on TF32 units (the sim rounds the inputs to TF32's 10-bit mantissa too)."""
+    blasx.configure(devices="sim:1", tile=16)
+    rng = np.random.default_rng(6)
+    x, w = rand(rng, (1, 4, 8, 8), np.float32), rand(rng, (3, 4, 3, 3), np.float32)
+    y = dnn.conv2d(x, w, math="tf32")
+    assert blasx.last_profile().host["math"] == "tf32"
+    assert 1e-5 < rel(y, F.conv2d(wide(x), wide(w)).numpy()) < 2e-3
+
+
+# ---------------------------------------------------------------- epilogue
+
+ACTS = {None: lambda t: t, "relu": F.relu, "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+        ("leaky_relu", 0.2): lambda t: F.leaky_relu(t, 0.2), "elu": F.elu, "sigmoid": torch.sigmoid,
+        "tanh": torch.tanh, "gelu": F.gelu, "hardswish": F.hardswish, "silu": F.silu}
+
+
+@pytest.mark.parametrize("act", list(ACTS), ids=str)
+def test_epilogue_activations(act):
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(7)
+    x, w, b = rand(rng, (2, 4, 7, 6)), rand(rng, (5, 4, 3, 3)), rand(rng, (5,))
+    for layout in ("nchw", "cl"):
+        y = dnn.conv2d(cl(x) if layout == "cl" else x, w, b, padding=1, activation=act)
+        ref = ACTS[act](F.conv2d(T(x), T(w), T(b), padding=1)).numpy()
+        assert rel(y, ref) < 1e-12, layout
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float16], ids=lambda d: np.dtype(d).name)
+def test_epilogue_bias_scale_shift_residual(devices, layout, dtype):
+    rng = np.random.default_rng(8)
+    x, w = rand(rng, (2, 6, 9, 8), dtype), rand(rng, (4, 3, 3, 3), dtype)
+    b, sc, sh = rand(rng, (4,)), rng.uniform(0.5, 2, 4), rand(rng, (4,))
+    conv = F.conv2d(wide(x), wide(w), wide(b.astype(dtype)), padding=1, groups=2)
+    bn = conv * T(sc)[:, None, None] + T(sh)[:, None, None]
+    lay = cl if layout == "cl" else (lambda a: a)
+    r = rand(rng, conv.shape, dtype)
+    for kw, ref in ((dict(scale=sc, shift=sh), bn), (dict(shift=sh), conv + T(sh)[:, None, None]),
+                    (dict(scale=sc, shift=sh, residual=lay(r), activation="relu"), F.relu(bn + wide(r))),
+                    (dict(residual=lay(r)), conv + wide(r))):
+        y = dnn.conv2d(lay(x), w, b.astype(dtype), padding=1, groups=2, **kw)
+        assert rel(y, ref.numpy()) < (1e-12 if dtype == np.float64 else 4e-3), sorted(kw)
+
+
+def test_linear():
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(9)
+    x, w, b = rand(rng, (3, 5, 20)), rand(rng, (7, 20)), rand(rng, (7,))
+    y = dnn.linear(x, w, b, activation="tanh")
+    assert rel(y, torch.tanh(F.linear(T(x), T(w), T(b))).numpy()) < 1e-12
+
+
+# ---------------------------------------------------------------- transposed, backward
+
+@settings(max_examples=15, deadline=None)
+@given(nd=st.sampled_from([1, 2, 3]), n=st.integers(1, 2), groups=st.sampled_from([1, 2]), k=st.integers(1, 3),
+       stride=st.integers(1, 3), pad=st.integers(0, 2), dil=st.integers(1, 2), opad=st.integers(0, 2),
+       layout=st.sampled_from(["nchw", "cl"]), seed=st.integers(0, 99))
+def test_transposed_vs_torch(nd, n, groups, k, stride, pad, dil, opad, layout, seed):
+    if opad >= max(stride, dil):
+        return
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(seed)
+    x = rand(rng, (n, 2 * groups, *(5, 4, 3)[:nd]))
+    w = rand(rng, (2 * groups, 3, *(k,) * nd))
+    b = rand(rng, (3 * groups,))
+    tconv = getattr(F, f"conv_transpose{nd}d")
+    try:
+        ref = tconv(T(x), T(w), T(b), stride, pad, opad, groups, dil).numpy()
+    except RuntimeError:
+        with pytest.raises(ValueError):
+            getattr(dnn, f"conv_transpose{nd}d")(x, w, b, stride, pad, opad, groups, dil)
+        return
+    y = getattr(dnn, f"conv_transpose{nd}d")(cl(x) if layout == "cl" else x, w, b, stride, pad, opad, groups, dil)
+    assert rel(y, ref) < 1e-12
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_backward_vs_torch(devices, nd, layout):
+    rng = np.random.default_rng(10 + nd)
+    lay = cl if layout == "cl" else (lambda a: a)
+    for stride, pad, dil, groups in ((1, 0, 1, 1), (2, 1, 1, 2), (3, 2, 2, 1), (2, 1, 1, 4)):
+        x = rand(rng, (3, 4, *(9, 7, 6)[:nd]))
+        w = rand(rng, (8, 4 // groups, *(3, 2, 3)[:nd]))
+        y = getattr(F, f"conv{nd}d")(T(x), T(w), None, stride, pad, dil, groups)
+        dy = rand(rng, tuple(y.shape))
+        gi = getattr(dnn, f"conv{nd}d_input")(x.shape, w, lay(dy), stride, pad, dil, groups)
+        ref_i = getattr(tgrad, f"conv{nd}d_input")(x.shape, T(w), T(dy), stride, pad, dil, groups).numpy()
+        assert rel(gi, ref_i) < 1e-12
+        gw = getattr(dnn, f"conv{nd}d_weight")(lay(x), w.shape, lay(dy), stride, pad, dil, groups)
+        ref_w = getattr(tgrad, f"conv{nd}d_weight")(T(x), w.shape, T(dy), stride, pad, dil, groups).numpy()
+        assert gw.flags.c_contiguous and rel(gw, ref_w) < 1e-12
+    assert rel(dnn.conv_bias_grad(dy), dy.sum(axis=(0, *range(2, dy.ndim)))) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_backward_dtypes(dtype):
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(11)
+    x, w = rand(rng, (2, 4, 9, 9), dtype), rand(rng, (6, 4, 3, 3), dtype)
+    dy = rand(rng, (2, 6, 5, 5), dtype)
+    gi = dnn.conv2d_input(x.shape, w, dy, stride=2, padding=1)
+    gw = dnn.conv2d_weight(x, w.shape, dy, stride=2, padding=1)
+    assert gi.dtype == gw.dtype == np.dtype(dtype)
+    assert rel(gi, tgrad.conv2d_input(x.shape, wide(w), wide(dy), 2, 1).numpy()) < TOL[np.dtype(dtype)]
+    assert rel(gw, tgrad.conv2d_weight(wide(x), w.shape, wide(dy), 2, 1).numpy()) < TOL[np.dtype(dtype)]
+
+
+# ---------------------------------------------------------------- out of core
+
+def test_batch_larger_than_device_memory():
+    """The input (and col(X), never built) far exceeds each sim's tile cache: tiles stream through it."""
+    mem = 1 << 19
+    blasx.configure(devices=f"sim:2,mem={mem}", tile=32)
+    rng = np.random.default_rng(12)
+    x, w = rand(rng, (48, 8, 24, 24)), rand(rng, (16, 8, 3, 3))
+    assert x.nbytes > 2 * mem
+    for layout in ("nchw", "cl"):
+        y = dnn.conv2d(cl(x) if layout == "cl" else x, w, padding=1, activation="relu")
+        assert rel(y, F.relu(F.conv2d(T(x), T(w), padding=1)).numpy()) < 1e-12
+    prof = blasx.last_profile().totals()
+    assert prof["evictions"] > 0
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_pointwise_is_a_plain_gemm(layout):
+    """1x1 stride-1 unpadded: col(X) is X's own memory; only X, W (and the residual) cross the host link."""
+    blasx.configure(devices="sim:1", tile=16)
+    rng = np.random.default_rng(13)
+    x, w, r = rand(rng, (3, 8, 10, 10)), rand(rng, (6, 4, 1, 1)), rand(rng, (3, 6, 10, 10))
+    lay = cl if layout == "cl" else (lambda a: a)
+    sc = rng.uniform(0.5, 2, 6)
+    y = dnn.conv2d(lay(x), w, groups=2, scale=sc, residual=lay(r))
+    assert rel(y, (F.conv2d(T(x), T(w), groups=2) * T(sc)[:, None, None] + T(r)).numpy()) < 1e-12
+    assert blasx.last_profile().totals()["bytes_h2d"] == x.nbytes + w.nbytes + r.nbytes
+
+
+def test_read_only_input_stays_cached_and_no_leaks():
+    """col(X) of a read-only X keys on X's life-long token: a second call finds its expanded tiles
+    cached (no host bytes at all); per-call tiles are retired (the idle audit finds nothing)."""
+    blasx.configure(devices="sim:1", tile=16)
+    rng = np.random.default_rng(14)
+    x, w = rand(rng, (2, 4, 9, 9)), rand(rng, (5, 4, 3, 3))
+    x.flags.writeable = w.flags.writeable = False
+    first = dnn.conv2d(x, w, padding=1)
+    assert blasx.last_profile().totals()["bytes_h2d"] > 0
+    second = dnn.conv2d(x, w, padding=1)
+    assert blasx.last_profile().totals()["bytes_h2d"] == 0
+    assert np.array_equal(first, second)
+    xw = x.copy()  # writable: derived tiles per call, retired after it
+    dnn.conv2d(xw, w, padding=1)
+    dnn.conv2d(cl(xw), w, padding=1)
+    dnn.conv2d_weight(xw, w.shape, first, padding=1)
+    assert blasx.engine().leaks() == []

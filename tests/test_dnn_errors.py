@@ -1,0 +1,71 @@
+"""blasx.dnn's argument errors: each names the argument, what was received and what is allowed; raised
+before any work, the caller's arrays untouched, the engine usable afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+
+X = np.ones((2, 4, 8, 8))
+W = np.ones((6, 2, 3, 3))
+
+
+@pytest.fixture(autouse=True)
+def sim():
+    blasx.configure(devices="sim:2", tile=16)
+
+
+CASES = [
+    (ValueError, ("x must be 4-D", "(5, 8)"), lambda: dnn.conv2d(np.ones((5, 8)), W)),
+    (ValueError, ("weight must be 4-D",), lambda: dnn.conv2d(X, np.ones((6, 2, 3)))),
+    (ValueError, ("groups", "divisible by groups=3"), lambda: dnn.conv2d(X, np.ones((6, 1, 3, 3)), groups=3)),
+    (ValueError, ("groups", "output channels 5"), lambda: dnn.conv2d(X, np.ones((5, 2, 3, 3)), groups=2)),
+    (ValueError, ("weight.shape[1] == 4",), lambda: dnn.conv2d(X, W)),
+    (ValueError, ("groups: got 0",), lambda: dnn.conv2d(X, W, groups=0)),
+    (ValueError, ("kernel size", "padded input size 8"), lambda: dnn.conv2d(X, np.ones((6, 4, 9, 3)))),
+    (ValueError, ("stride", "positive"), lambda: dnn.conv2d(X, W, stride=0, groups=2)),
+    (ValueError, ("dilation", "(1, -1)"), lambda: dnn.conv2d(X, W, dilation=(1, -1), groups=2)),
+    (ValueError, ("padding", "non-negative"), lambda: dnn.conv2d(X, W, padding=-1, groups=2)),
+    (ValueError, ("padding", "'same'", "strided"), lambda: dnn.conv2d(X, W, padding="same", stride=2, groups=2)),
+    (ValueError, ("padding", "'full'", "'valid'"), lambda: dnn.conv2d(X, W, padding="full", groups=2)),
+    (ValueError, ("stride", "tuple of 2 ints"), lambda: dnn.conv2d(X, W, stride=(1, 1, 1), groups=2)),
+    (TypeError, ("x is float64 but weight is float32",), lambda: dnn.conv2d(X, W.astype(np.float32), groups=2)),
+    (TypeError, ("dtype int64", "allowed: float64, float32, float16"), lambda: dnn.conv2d(X.astype(np.int64), W)),
+    (TypeError, ("complex128",), lambda: dnn.conv2d(X.astype(complex), W.astype(complex), groups=2)),
+    (ValueError, ("bias", "(6,)", "(5,)"), lambda: dnn.conv2d(X, W, np.ones(5), groups=2)),
+    (ValueError, ("activation", "'swish'", "'relu'"), lambda: dnn.conv2d(X, W, groups=2, activation="swish")),
+    (ValueError, ("out", "(2, 6, 6, 6)", "(2, 6, 8, 8)"),
+     lambda: dnn.conv2d(X, W, groups=2, out=np.ones((2, 6, 8, 8)))),
+    (TypeError, ("out", "float32"), lambda: dnn.conv2d(X, W, groups=2, out=np.ones((2, 6, 6, 6), np.float32))),
+    (ValueError, ("out", "C-contiguous"),
+     lambda: dnn.conv2d(X, W, groups=2, out=np.ones((2, 6, 6, 6)).transpose(0, 1, 3, 2))),
+    (ValueError, ("residual", "(2, 6, 6, 6)"), lambda: dnn.conv2d(X, W, groups=2, residual=np.ones((2, 6, 5, 6)))),
+    (ValueError, ("math", "'fast'"), lambda: dnn.conv2d(X, W, groups=2, math="fast")),
+    (ValueError, ("output_padding", "smaller than either stride"),
+     lambda: dnn.conv_transpose2d(X, np.ones((4, 3, 3, 3)), stride=2, output_padding=2)),
+    (ValueError, ("weight.shape[0] == 4",), lambda: dnn.conv_transpose2d(X, np.ones((3, 3, 3, 3)))),
+    (ValueError, ("input_size", "cannot be reached"),
+     lambda: dnn.conv2d_input((2, 4, 20, 20), W, np.ones((2, 6, 6, 6)), groups=2)),
+    (ValueError, ("grad_output", "(2, 6, 6, 6)"),
+     lambda: dnn.conv2d_weight(X, W.shape, np.ones((2, 6, 7, 6)), groups=2)),
+    (ValueError, ("weight_size",), lambda: dnn.conv2d_weight(X, (6, 2, 3), np.ones((2, 6, 6, 6)), groups=2)),
+]
+
+
+@pytest.mark.parametrize("exc,fragments,call", CASES, ids=[c[1][0] + str(i) for i, c in enumerate(CASES)])
+def test_errors(exc, fragments, call, expect):
+    x0 = X.copy()
+    expect(exc, *fragments, call=call)
+    assert np.array_equal(X, x0)
+
+
+def test_out_untouched_on_error_and_engine_usable(expect):
+    out = np.full((2, 6, 6, 6), 7.0)
+    expect(ValueError, "bias", call=lambda: dnn.conv2d(X, W, np.ones(3), groups=2, out=out))
+    assert (out == 7.0).all()
+    expect(ValueError, "overlaps", call=lambda: dnn.conv2d(X, np.ones((4, 4, 1, 1)), out=X))
+    y = dnn.conv2d(X, W, groups=2, out=out)
+    assert y is out and np.allclose(out, 18.0)
