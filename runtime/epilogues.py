@@ -193,6 +193,19 @@ class ChannelAffine:
         return got
 
 
+class PerSlot:
+    """One epilogue per C slot of a call (a grouped convolution writes one C per group)."""
+
+    def __init__(self, by_slot: dict) -> None:
+        self.by_slot = dict(by_slot)
+
+    def transposed(self) -> "PerSlot":
+        return PerSlot({slot: e.transposed() for slot, e in self.by_slot.items()})
+
+    def __call__(self, dev, s, loc, task) -> None:
+        self.by_slot[task.c.slot](dev, s, loc, task)
+
+
 def _vector(name: str, v) -> np.ndarray | None:
     """A scale or shift vector as a float64 host array (None stays None), checked."""
     if v is None:

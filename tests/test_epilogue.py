@@ -19,7 +19,7 @@ import pytest
 import blasx
 from blasx import dispatch
 from blasx import precision as P
-from blasx.activations import reference
+from blasx.dnn.activations import reference
 from blasx.runtime.activations import NAMES, Activation, parse_activation
 from blasx.runtime.epilogues import ChannelAffine
 from blasx.runtime.tiling import TileRef

@@ -17,7 +17,8 @@ from .. import dispatch, precision
 from ..operands import array_module, is_cupy
 from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
-from .epilogue import check_activation, make_epilogue
+from ..runtime.activations import parse_activation
+from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
 
@@ -120,7 +121,6 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     dt = np.dtype(x.dtype)
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
-    acc = dtypes.gemm_of(dt).compute
     bias, scale, shift, act = epilogue_args
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
@@ -141,8 +141,8 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
             mat = arr.transpose(0, *range(2, arr.ndim), 1).reshape(n * p, geo.k).T
             return [mat[g * kg:(g + 1) * kg] for g in range(G)]
         return [arr.reshape(n * geo.k, p).T]
-    slots = {y0 + g: (0, g * kg, geo.k) for g in range(G)} if cl else {y0: (1, 0, geo.k)}
-    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots, acc)
+    slots = {y0 + g: (0, g * kg, kg) for g in range(G)} if cl else {y0: (1, 0, geo.k)}
+    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots)
     if fold is not None:
         ws = [(w.astype(np.float64) * xp.asarray(fold[g * kg:(g + 1) * kg])).astype(dt) for g, w in enumerate(ws)]
     views = [*ws, *cols, *ys_of(y), xs]
@@ -163,7 +163,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     fn = f"conv{nd}d"
     xp = _xp(x, weight, bias, residual, out)
     geo = conv_geometry(fn, nd, x, weight, stride, padding, dilation, groups)
-    act = check_activation(activation)
+    act = parse_activation(activation)
     math = precision.check_math(math)
     dt = np.dtype(x.dtype)
     vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in (("bias", bias), ("scale", scale), ("shift", shift))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .runtime.activations import ALLOWED, NAMES, Activation, parse_activation
+from ..runtime.activations import ALLOWED, NAMES, Activation, parse_activation
 
 __all__ = ["ALLOWED", "NAMES", "Activation", "parse_activation", "reference"]
 
