@@ -13,10 +13,12 @@ Install with ``pip install 'blasx[dask]'``.
 """
 
 from .offload import offload
+from .level3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from .routines import gemm, matmul
 from .worker import BlasxPlugin, memory_stats
 
-__all__ = ["configure", "gemm", "matmul", "offload", "memory_peaks", "BlasxPlugin"]
+__all__ = ["configure", "gemm", "matmul", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm",
+           "offload", "memory_peaks", "BlasxPlugin"]
 
 
 def configure(client, **settings) -> None:

@@ -39,7 +39,7 @@ def as_dask(name: str, x):
     if not isinstance(x, da.Array):
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__getitem__")):
             raise TypeError(f"{name}: got {type(x).__name__}; need a dask array (or a numpy, zarr or memmap array)")
-        x = da.from_array(x)
+        x = da.from_array(Storage(x) if isinstance(x, np.memmap) else x)
     if x.ndim != 2:
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {x.shape}; need a matrix (2-D)")
     if any(np.isnan(n) for n in x.shape):
@@ -48,8 +48,8 @@ def as_dask(name: str, x):
 
 
 def _storage(x: da.Array):
-    """The array in storage behind x, when x is exactly ``da.from_array`` / ``da.from_zarr`` of a
-    zarr array or a contiguous memmap (its blocks are plain reads of that array); else None."""
+    """The array in storage behind x, when x is exactly ``da.from_zarr`` (or ``da.from_array`` of a
+    zarr array, or a memmap given to blasx.dask): its blocks are plain reads of it; else None."""
     layers = x.dask.layers
     if len(layers) != 2 or x.name not in layers:
         return None
@@ -61,10 +61,9 @@ def _storage(x: da.Array):
     obj = getattr(obj, "value", obj)  # a DataNode in dask's task spec, the object itself before
     if getattr(obj, "shape", None) != x.shape or getattr(obj, "dtype", None) != x.dtype:
         return None
-    kind = type(obj).__module__.split(".")[0]
-    if isinstance(obj, np.memmap) and (obj.flags.c_contiguous or obj.flags.f_contiguous) and obj._mmap is not None:
-        return Storage(obj)
-    if kind == "zarr":
+    if isinstance(obj, Storage):
+        return obj
+    if type(obj).__module__.split(".")[0] == "zarr":
         return Storage(obj)
     return None
 
@@ -88,7 +87,9 @@ class Operand:
         return op
 
     def block_of(self, r0: int, c0: int) -> tuple[int, int]:
-        return bisect.bisect_right(self.rows, r0) - 1, bisect.bisect_right(self.cols, c0) - 1
+        """The block holding (r0, c0) (the last block for a piece at the end of a dimension)."""
+        return (min(bisect.bisect_right(self.rows, r0), len(self.rows) - 1) - 1,
+                min(bisect.bisect_right(self.cols, c0), len(self.cols) - 1) - 1)
 
 
 class BlockBuilder:
@@ -116,6 +117,7 @@ class BlockBuilder:
 def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Array:
     """The dask array of one call: ``block(i, j, r, c, builder)`` returns the (init, steps) of
     output block (i, j), whose rows are the interval r and columns c."""
+    rows, cols = (b if len(b) > 1 else (0, 0) for b in (rows, cols))  # a zero-length dimension: one empty block
     name = f"blasx-{routine}-" + tokenize(routine, rows, cols, np.dtype(dtype).str, *token_args)
     dsk = {}
     for (i, r), (j, c) in itertools.product(enumerate(spans(rows)), enumerate(spans(cols))):

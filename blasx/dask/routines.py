@@ -43,11 +43,12 @@ def _scalar(name: str, value, dtype, real: bool = False):
 
 def _blas_type(*arrays, hermitian: bool = False) -> np.dtype:
     """scipy's rule (find_best_blas_type); the Hermitian routines take the complex type."""
-    try:
-        dt = np.dtype(find_best_blas_type([np.empty((0, 0), x.dtype) for x in arrays if x is not None])[1])
-    except (TypeError, ValueError) as e:
-        got = ", ".join(str(x.dtype) for x in arrays if x is not None)
-        raise TypeError(f"dtype: got {got}; need numeric arrays ({e})") from None
+    arrays = [x for x in arrays if x is not None]
+    if any(np.dtype(x.dtype).kind not in "biufc" for x in arrays):
+        got = ", ".join(str(x.dtype) for x in arrays)
+        raise TypeError(f"dtype: got {got}; allowed: numeric types (converted to float32, float64, complex64 "
+                        f"or complex128 as scipy converts them)")
+    dt = np.dtype(find_best_blas_type([np.empty((0, 0), x.dtype) for x in arrays])[1])
     return _COMPLEX_OF.get(dt, dt) if hermitian else dt
 
 
@@ -115,13 +116,13 @@ def matmul(a, b, *, progress=False):
     """``a @ b`` with numpy's shape and dtype rules for 1-D and 2-D operands: the four BLAS types
     run on blasx, any other result type (integers, bool, float16 ...) and N-D operands run
     ``dask.array.matmul`` itself."""
-    from . import offload
+    from .offload import original_matmul  # (the package's name ``offload`` is the function)
     a, b = (x if hasattr(x, "ndim") else np.asarray(x) for x in (a, b))
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError("matmul: a 0-d operand is not allowed (numpy's rule); use multiplication")
     dtype = np.result_type(a.dtype, b.dtype)
     if a.ndim > 2 or b.ndim > 2 or dtype not in _BLAS:
-        return offload.original_matmul(a, b)
+        return original_matmul(a, b)
     va, vb = a.ndim == 1, b.ndim == 1
     a2 = as_dask("a", a[None, :] if va else a)
     b2 = as_dask("b", b[:, None] if vb else b)

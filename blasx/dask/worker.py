@@ -34,7 +34,8 @@ class Ref(NamedTuple):
 
 class Storage:
     """An array in storage that pickles by reference: a zarr array (as itself), or a contiguous
-    np.memmap (as its file, offset, dtype, shape and order; a memmap pickles as its whole data)."""
+    np.memmap (as its file, offset, dtype, shape and order: a memmap pickles as its whole data,
+    and ``da.from_array`` copies one into the graph, so blasx.dask wraps a memmap in this first)."""
 
     def __init__(self, arr):
         self.obj, self.file = None, None
@@ -45,21 +46,31 @@ class Storage:
             start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
             offset = start + (arr.ctypes.data - base)
             order = "C" if arr.flags.c_contiguous else "F"
-            self.file = (arr.filename, offset, arr.dtype.str, arr.shape, order)
+            self.file = (str(arr.filename), offset, arr.dtype.str, arr.shape, order)
         else:
             self.obj = arr
+        self.shape, self.dtype, self.ndim = tuple(arr.shape), np.dtype(arr.dtype), arr.ndim
         self._open = None
 
     def __getstate__(self):
-        return {"obj": self.obj, "file": self.file, "_open": None}
+        return {**self.__dict__, "_open": None}
 
-    def read(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+    def __dask_tokenize__(self):
+        return ("blasx-storage", self.file) if self.file else ("blasx-storage", id(self.obj))
+
+    def _array(self):
         if self.obj is not None:
-            return np.asarray(self.obj[r0:r1, c0:c1])
+            return self.obj
         if self._open is None:
             name, offset, dt, shape, order = self.file
             self._open = np.memmap(name, dtype=np.dtype(dt), mode="r", offset=offset, shape=shape, order=order)
-        return np.array(self._open[r0:r1, c0:c1])
+        return self._open
+
+    def __getitem__(self, index):
+        return np.array(self._array()[index])
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        return self[r0:r1, c0:c1]
 
 
 @dataclass(frozen=True)
