@@ -2,15 +2,17 @@
 
     python -m bench.dask --n 8192 --block 1024 --devices cpu --workers 2          # CPU cluster
     python -m bench.dask --n 32768 --block 8192 --devices cuda --workers 1 --gpu-chunks   # one worker, both GPUs
-    python -m bench.dask --n 32768 --block 8192 --devices "cuda:{name}" --workers 2 --gpu-chunks
+    python -m bench.dask --n 32768 --block 8192 --devices cuda --workers 2 --layout per-gpu --gpu-chunks
     python -m bench.dask --zarr /scratch/bx --ram-factor 2 --devices cuda --workers 1  # beyond host memory
+    python -m bench.dask --zarr /tmp/bx --ram-factor 2 --memory-limit 16GB ...      # beyond the workers' limits
 
 Each contender runs on a fresh LocalCluster (so each worker's memory is its own): the operands are
 made on the workers and persisted first, then the product is persisted and timed; a sampler
 thread in each worker records its resident memory every few ms, and the peak above the level
 before the call is reported. Every result is checked on random rows against numpy. ``--zarr``
 writes operands of ``--ram-factor`` times this node's memory into zarr arrays and times
-``to_zarr(blasx.dask.matmul(from_zarr(a), from_zarr(b)))`` under a worker memory limit.
+``to_zarr(blasx.dask.matmul(from_zarr(a), from_zarr(b)))`` (``--memory-limit``: per worker, and
+then the operands are ``--ram-factor`` times the workers' limits together).
 """
 
 from __future__ import annotations
@@ -32,27 +34,34 @@ CHECK_ROWS = 32
 # ---------------------------------------------------------------- worker-side memory sampler
 
 def _sample_start(dask_worker, interval: float = 0.003) -> int:
-    """(Kept on the worker object: this module may be pickled by value, its globals with it.)"""
+    """Sample this worker's resident memory (and CuPy's pool, when CuPy is loaded) every few ms.
+    (The state is kept on the worker object: this module may be pickled by value, globals too.)"""
     import psutil
     proc = psutil.Process()
-    state = {"peak": proc.memory_info().rss, "base": proc.memory_info().rss, "stop": False}
+    cp = sys.modules.get("cupy")
+    pool = cp.get_default_memory_pool() if cp is not None else None
+    rss = proc.memory_info().rss
+    dev = pool.used_bytes() if pool is not None else 0
+    state = {"peak": rss, "base": rss, "dev_peak": dev, "dev_base": dev, "stop": False}
 
     def loop():
         while not state["stop"]:
             state["peak"] = max(state["peak"], proc.memory_info().rss)
+            if pool is not None:
+                state["dev_peak"] = max(state["dev_peak"], pool.used_bytes())
             time.sleep(interval)
 
     state["thread"] = threading.Thread(target=loop, daemon=True)
     state["thread"].start()
     dask_worker._blasx_bench_sampler = state
-    return state["base"]
+    return rss
 
 
 def _sample_stop(dask_worker) -> dict:
     state = dask_worker._blasx_bench_sampler
     state["stop"] = True
     state["thread"].join()
-    return {"base": state["base"], "peak": state["peak"]}
+    return {k: state[k] for k in ("base", "peak", "dev_base", "dev_peak")}
 
 
 # ---------------------------------------------------------------- one contender
@@ -62,13 +71,31 @@ def _cluster(args, memory_limit=None):
     from distributed import Client, LocalCluster
     settings = {"distributed.worker.memory.spill": False, "distributed.worker.memory.target": False}
     with dask.config.set(settings):
-        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=args.threads, processes=True,
-                               dashboard_address=None, memory_limit=memory_limit or "auto")
+        if args.layout == "per-gpu":
+            cluster = _per_gpu_cluster(args, memory_limit)
+        else:
+            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=args.threads, processes=True,
+                                   dashboard_address=None, memory_limit=memory_limit or "auto")
     client = Client(cluster)
     import blasx.dask as bd
     bd.configure(client, devices=args.devices)
     client.run(lambda: __import__("blasx").engine() and None)  # device start-up out of the timing
     return cluster, client
+
+
+def _per_gpu_cluster(args, memory_limit):
+    """One worker per GPU, each seeing only its own (dask-cuda's LocalCUDACluster when installed,
+    else the same made from a SpecCluster with CUDA_VISIBLE_DEVICES per worker)."""
+    try:
+        from dask_cuda import LocalCUDACluster
+        return LocalCUDACluster(n_workers=args.workers, threads_per_worker=args.threads, dashboard_address=None,
+                                memory_limit=memory_limit or "auto")
+    except ImportError:
+        from distributed import Nanny, Scheduler, SpecCluster
+        workers = {i: {"cls": Nanny, "options": {"nthreads": args.threads, "env": {"CUDA_VISIBLE_DEVICES": str(i)},
+                                                 "memory_limit": memory_limit or "auto"}}
+                   for i in range(args.workers)}
+        return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}})
 
 
 def _operands(args, xp_chunks: bool):
@@ -110,8 +137,10 @@ def run_cluster(args, method: str) -> dict:
             mem = client.run(_sample_stop)
             err = _check(a, b, c, args.n)
             peak = max(m["peak"] - m["base"] for m in mem.values())
+            dev = max(m["dev_peak"] - m["dev_base"] for m in mem.values())
             del c
-            run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": peak, "rel_err": err}
+            run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": peak,
+                   "peak_worker_gpu_pool_bytes": dev, "rel_err": err}
             best = run if best is None or dt < best["seconds"] else best
         return best
     finally:
@@ -138,7 +167,7 @@ def run_single(args) -> dict:
         ref = np.asarray(a[rows].get() if args.gpu_chunks else a[rows]) @ (b.get() if args.gpu_chunks else b)
         got = c[rows].get() if args.gpu_chunks else c[rows]
         err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": None, "rel_err": err}
+        run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": None, "peak_worker_gpu_pool_bytes": None, "rel_err": err}
         best = run if best is None or dt < best["seconds"] else best
     blasx.shutdown()
     return best
@@ -151,7 +180,9 @@ def run_zarr(args) -> dict:
     import zarr
     from distributed import wait
     import blasx.dask as bd
-    ram = psutil.virtual_memory().total
+    from dask.utils import parse_bytes
+    ram = (psutil.virtual_memory().total if args.memory_limit == "auto"
+           else parse_bytes(args.memory_limit) * args.workers)  # the node's, or the workers' memory
     n = args.zarr_n or int((args.ram_factor * ram / 2 / 8) ** 0.5) // args.block * args.block
     blk = args.block
     paths = {x: os.path.join(args.zarr, f"{x}.zarr") for x in "abc"}
@@ -165,6 +196,11 @@ def run_zarr(args) -> dict:
             finally:
                 client.close()
                 cluster.close()
+    t = time.perf_counter()
+    za = zarr.open_array(paths["a"])
+    for i in range(0, n, blk):  # the storage's own read rate (decompression included), one reader
+        za[i:i + blk]
+    disk = 8 * n * n / (time.perf_counter() - t) / 1e9
     cluster, client = _cluster(args, memory_limit=args.memory_limit)
     try:
         a, b = da.from_zarr(paths["a"]), da.from_zarr(paths["b"])
@@ -180,7 +216,8 @@ def run_zarr(args) -> dict:
         nblk = n // blk
         read = 8 * n * n * nblk * 2  # every C block task reads its A row panel and B column panel
         return {"n": n, "operand_bytes": 2 * 8 * n * n, "ram_bytes": ram, "seconds": dt,
-                "gflops": 2 * n ** 3 / dt / 1e9, "read_gbps": read / dt / 1e9, "rel_err": err,
+                "gflops": 2 * n ** 3 / dt / 1e9, "read_gbps": read / dt / 1e9, "storage_gbps_one_reader": disk,
+                "rel_err": err,
                 "peak_worker_bytes": max(m["peak"] - m["base"] for m in mem.values())}
     finally:
         client.close()
@@ -192,13 +229,16 @@ def run_zarr(args) -> dict:
 def markdown(res: dict) -> str:
     a = res["args"]
     lines = [f"# blasx.dask, {res['host']} {res['date']}", "",
-             f"N = {a['n']}, chunks {a['block']}, {a['workers']} worker(s) x {a['threads']} thread(s), "
+             f"N = {a['n']}, chunks {a['block']}, {a['workers']} worker(s) x {a['threads']} thread(s) "
+             f"({a['layout']}), "
              f"devices `{a['devices']}`{', CuPy chunks' if a['gpu_chunks'] else ''}; best of {a['runs']}", "",
-             "| contender | seconds | GFLOPS | peak worker memory (MB above its level before the call) | rel. error |",
-             "| --- | --: | --: | --: | --: |"]
+             "| contender | seconds | GFLOPS | peak worker memory, host (MB above its level before the call) | "
+             "peak worker CuPy pool (MB above) | rel. error |",
+             "| --- | --: | --: | --: | --: | --: |"]
     for name, r in res["results"].items():
-        peak = "-" if r.get("peak_worker_bytes") is None else f"{r['peak_worker_bytes'] / 1e6:.0f}"
-        lines.append(f"| {name} | {r['seconds']:.2f} | {r['gflops']:.1f} | {peak} | {r['rel_err']:.1e} |")
+        peak, dev = (("-" if r.get(k) is None else f"{r[k] / 1e6:.0f}")
+                     for k in ("peak_worker_bytes", "peak_worker_gpu_pool_bytes"))
+        lines.append(f"| {name} | {r['seconds']:.2f} | {r['gflops']:.1f} | {peak} | {dev} | {r['rel_err']:.1e} |")
     r = res["results"]
     if "blasx.dask" in r and "dask.array" in r:
         d, x = r["dask.array"], r["blasx.dask"]
@@ -210,8 +250,9 @@ def markdown(res: dict) -> str:
     if "zarr" in res:
         z = res["zarr"]
         lines += ["", f"zarr: N = {z['n']}, operands {z['operand_bytes'] / 1e9:.1f} GB = "
-                      f"{z['operand_bytes'] / z['ram_bytes']:.2f}x RAM: {z['seconds']:.1f} s, {z['gflops']:.1f} GFLOPS, "
-                      f"reads {z['read_gbps']:.2f} GB/s, peak worker memory {z['peak_worker_bytes'] / 1e6:.0f} MB, "
+                      f"{z['operand_bytes'] / z['ram_bytes']:.2f}x the memory (node's, or the workers' limits): {z['seconds']:.1f} s, {z['gflops']:.1f} GFLOPS, "
+                      f"reads {z['read_gbps']:.2f} GB/s (the storage gives one reader "
+                      f"{z['storage_gbps_one_reader']:.2f} GB/s), peak worker memory {z['peak_worker_bytes'] / 1e6:.0f} MB, "
                       f"rel. error {z['rel_err']:.1e}"]
     return "\n".join(lines) + "\n"
 
@@ -223,6 +264,8 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default="cpu", help='blasx devices of each worker ("cuda:{name}": one GPU each)')
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
+    p.add_argument("--layout", choices=("local", "per-gpu"), default="local",
+                   help="per-gpu: one worker per GPU seeing only its own (then --devices cuda)")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--contenders", default="blasx.dask,dask.array,blasx (one process)")
     p.add_argument("--gpu-chunks", action="store_true", help="CuPy chunks (GPU workers)")
