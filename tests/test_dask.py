@@ -255,3 +255,22 @@ def test_memory_budget(client, tmp_path):
     assert sum(owned.values()) == n * n * 8
     assert np.allclose(c.compute(), np.asarray(zarr.open_array(str(tmp_path / "a.zarr"))[:])
                        @ np.asarray(zarr.open_array(str(tmp_path / "b.zarr"))[:]))
+
+
+def test_chains_bound_the_dependency_bytes_of_a_task(client, rel_err):
+    """With blasx.dask.task-bytes smaller than a block's panels, each output block is a chain of
+    tasks, none taking more than the limit of dependency blocks (or one step's); same results."""
+    cases = _level3_cases(np.random.default_rng(9))[::7]
+    rng = np.random.default_rng(10)
+    a, b = _rand(rng, (40, 90), "f8"), _rand(rng, (90, 30), "f8")
+    with dask.config.set({"blasx.dask.task-bytes": 3 * 10 * 20 * 8}):
+        xa, xb = da.from_array(a, chunks=(10, 20)), da.from_array(b, chunks=(20, 10))
+        g = bd.gemm(1.0, xa, xb)
+        again = _level3_cases(np.random.default_rng(9))[::7]
+    tasks = dict(g.dask)
+    links = [t for k, t in tasks.items() if isinstance(k, tuple) and str(k[0]).startswith("blasx-gemm")]
+    assert len(links) == 12 * 4  # k = 20+20+20+20+10: 3200 B a step, the last two (4800 B) share a link
+    size = {x.name: x for x in (xa, xb)}
+    for _, plan, deps in links:
+        assert sum(size[d[0]].blocks[d[1:]].nbytes for d in deps if d[0] in size) <= 3 * 10 * 20 * 8
+    _check(rel_err, [g] + [c[0] for c in again], [a @ b] + [c[1] for c in cases], ["f8"] + [c[2] for c in cases])

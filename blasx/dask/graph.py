@@ -12,12 +12,19 @@ from __future__ import annotations
 import bisect
 import itertools
 
+import dask
 import dask.array as da
 import numpy as np
 from dask.base import tokenize
+from dask.utils import parse_bytes
 from dask.highlevelgraph import HighLevelGraph
 
 from .worker import Block, Ref, Storage, run_block
+
+
+#: the default of dask.config's ``blasx.dask.task-bytes``: the most bytes of dependency blocks one
+#: task takes; an output block whose steps read more is a chain of tasks (each with the last's block)
+TASK_BYTES = 4 << 30
 
 
 def bounds_of(chunks) -> tuple[int, ...]:
@@ -78,12 +85,13 @@ class Operand:
         self.rows = bounds_of(x.chunks[0]) if self.x is not None else x[0]
         self.cols = bounds_of(x.chunks[1]) if self.x is not None else x[1]
         self.key = x.name if self.x is not None else None
+        self.itemsize = x.dtype.itemsize if self.x is not None else 16
 
     @classmethod
-    def output(cls, key: str, rows, cols) -> "Operand":
+    def output(cls, key: str, rows, cols, dtype) -> "Operand":
         """The output of the call itself, read by its later blocks (TRSM)."""
         op = cls("out", (rows, cols))
-        op.key = key
+        op.key, op.itemsize = key, np.dtype(dtype).itemsize
         return op
 
     def block_of(self, r0: int, c0: int) -> tuple[int, int]:
@@ -96,7 +104,8 @@ class BlockBuilder:
     """Collects one block's dependencies and storage handles while its steps are written."""
 
     def __init__(self):
-        self.deps: dict = {}
+        self.deps: dict = {}  # key -> slot
+        self.nbytes: list[int] = []  # slot -> bytes of that block
         self.stores: dict = {}
 
     def piece(self, op: Operand, r0: int, r1: int, c0: int, c1: int) -> Ref:
@@ -105,25 +114,68 @@ class BlockBuilder:
             return Ref(slot, r0, r1, c0, c1)
         bi, bj = op.block_of(r0, c0)
         key = (op.key, bi, bj)
-        slot = self.deps.setdefault(key, len(self.deps))
-        return Ref(slot, r0 - op.rows[bi], r1 - op.rows[bi], c0 - op.cols[bj], c1 - op.cols[bj])
+        if key not in self.deps:
+            self.deps[key] = len(self.deps)
+            self.nbytes.append((op.rows[bi + 1] - op.rows[bi]) * (op.cols[bj + 1] - op.cols[bj]) * op.itemsize)
+        return Ref(self.deps[key], r0 - op.rows[bi], r1 - op.rows[bi], c0 - op.cols[bj], c1 - op.cols[bj])
 
-    def task(self, shape, dtype, init, steps):
+    def tasks(self, key, shape, dtype, init, steps, limit: int) -> dict:
+        """The block's task, or a chain of tasks when its dependency blocks exceed ``limit`` bytes:
+        each link takes the previous link's block and the dependencies of its own steps (at least
+        one step), so no task holds more than ``limit`` bytes of them (or one step's)."""
         stores = tuple(s for _, s in sorted(self.stores.values(), key=lambda t: t[0]))
-        plan = Block(tuple(shape), np.dtype(dtype).str, init, tuple(steps), stores)
-        return (run_block, plan, list(self.deps))
+        keys = list(self.deps)
+        groups, slots, size = [[]], set(self._slots(init)), sum(self.nbytes[x] for x in self._slots(init))
+        for step in steps:
+            new = self._slots(step) - slots
+            if groups[-1] and size + sum(self.nbytes[x] for x in new) > limit:
+                groups.append([])
+                slots, size, new = set(), 0, self._slots(step)
+            groups[-1].append(step)
+            slots |= new
+            size += sum(self.nbytes[x] for x in new)
+        out, prev = {}, None
+        for g, group in enumerate(groups):
+            link = key if g == len(groups) - 1 else (f"{key[0]}-k{g}",) + tuple(key[1:])
+            remap: dict[int, int] = {}
+            deps = [] if prev is None else [prev]
+            if prev is None:
+                first = self._remap(init, remap, deps, keys)
+            else:
+                first = ("copy", Ref(0, 0, shape[0], 0, shape[1]), 1.0)
+            group = [self._remap(s, remap, deps, keys) for s in group]
+            plan = Block(tuple(shape), np.dtype(dtype).str, first, tuple(group), stores)
+            out[link] = (run_block, plan, deps)
+            prev = link
+        return out
+
+    @staticmethod
+    def _slots(step) -> set:
+        return {a.slot for a in step[1:] if isinstance(a, Ref) and a.slot >= 0}
+
+    @staticmethod
+    def _remap(step, remap, deps, keys):
+        def new(a):
+            if not isinstance(a, Ref) or a.slot < 0:
+                return a
+            if a.slot not in remap:
+                remap[a.slot] = len(deps)
+                deps.append(keys[a.slot])
+            return a._replace(slot=remap[a.slot])
+        return (step[0],) + tuple(new(a) for a in step[1:])
 
 
 def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Array:
     """The dask array of one call: ``block(i, j, r, c, builder)`` returns the (init, steps) of
     output block (i, j), whose rows are the interval r and columns c."""
     rows, cols = (b if len(b) > 1 else (0, 0) for b in (rows, cols))  # a zero-length dimension: one empty block
+    limit = parse_bytes(dask.config.get("blasx.dask.task-bytes", TASK_BYTES))
     name = f"blasx-{routine}-" + tokenize(routine, rows, cols, np.dtype(dtype).str, *token_args)
     dsk = {}
     for (i, r), (j, c) in itertools.product(enumerate(spans(rows)), enumerate(spans(cols))):
         b = BlockBuilder()
         init, steps = block(i, j, r, c, b, name)
-        dsk[(name, i, j)] = b.task((r[1] - r[0], c[1] - c[0]), dtype, init, steps)
+        dsk.update(b.tasks((name, i, j), (r[1] - r[0], c[1] - c[0]), dtype, init, steps, limit))
     deps = [op.x for op in operands if op is not None and op.x is not None and op.storage is None]
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
     chunks = (tuple(np.diff(rows).tolist()), tuple(np.diff(cols).tolist()))

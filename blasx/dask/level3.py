@@ -191,7 +191,7 @@ def _tri_left(routine, alpha, a, b, lower, t, diag, dtype):
                      for k, kk in enumerate(us) if before(k, i)]
             steps.append(("trmm", alpha, diag_piece, bb.piece(B, r[0], r[1], cc[0], cc[1]), lower, t, diag))
             return ("zeros",), steps
-        X = Operand.output(name, u, union(B.cols))
+        X = Operand.output(name, u, union(B.cols), dtype)
         steps = [("gemm", -1.0, _op(bb, A, t, r, kk), t, bb.piece(X, kk[0], kk[1], cc[0], cc[1]), 0, 1.0)
                  for k, kk in enumerate(us) if before(k, i)]
         steps.append(("trsm", diag_piece, lower, t, diag))
