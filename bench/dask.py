@@ -288,8 +288,9 @@ def main(argv=None) -> int:
     text = markdown(res)
     print(text)
     if args.out:
-        stem = os.path.join(args.out, f"dask-{args.devices.replace(':', '').replace('{name}', 'each')}-"
-                                      f"n{args.n}-{_dt.date.today():%Y%m%d}")
+        kind = args.devices.replace(":", "").replace("{name}", "each") + ("-pergpu" if args.layout == "per-gpu" else "")
+        kind += "-cupy" if args.gpu_chunks else ""
+        stem = os.path.join(args.out, f"dask-{kind}-n{args.n}-b{args.block}-{_dt.date.today():%Y%m%d}")
         with open(stem + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(stem + ".md", "w") as f:
