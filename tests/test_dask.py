@@ -21,9 +21,8 @@ TOL = {np.dtype("f4"): 1e-5, np.dtype("f8"): 1e-12, np.dtype("c8"): 1e-5, np.dty
 
 @pytest.fixture(scope="module")
 def client():
-    with dask.config.set({"distributed.worker.daemon": False}):
-        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                           dashboard_address=None, worker_dashboard_address=None)
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, worker_dashboard_address=None)
     c = distributed.Client(cluster)
     bd.configure(c, devices="sim:2")
     yield c

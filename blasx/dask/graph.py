@@ -3,8 +3,8 @@
 Every dimension of a call is cut at the union of its operands' chunk boundaries on that
 dimension, so each piece a step reads lies inside one block of each operand (no rechunk). An
 output block is one task (:func:`blasx.dask.worker.run_block`) whose dependencies are the dask
-blocks its steps read; operands in storage (``da.from_zarr``, ``da.from_array`` of a memmap) are
-read by the task itself and add no dependency.
+blocks its steps read; operands in storage (``da.from_zarr``, a zarr array or an ``np.memmap``
+given as an operand) are read by the task itself and add no dependency.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ so a task holds its block plus at most two steps' storage pieces at a time.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,9 @@ class Storage:
         return {**self.__dict__, "_open": None}
 
     def __dask_tokenize__(self):
-        return ("blasx-storage", self.file) if self.file else ("blasx-storage", id(self.obj))
+        if self.file:  # the file as it is now: a rewritten file is new data
+            return ("blasx-storage", self.file, os.stat(self.file[0]).st_mtime_ns)
+        return ("blasx-storage", id(self.obj))
 
     def _array(self):
         if self.obj is not None:
