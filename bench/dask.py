@@ -304,7 +304,8 @@ def main(argv=None) -> int:
         kind = args.devices.replace(":", "").replace("{name}", "each") + ("-pergpu" if args.layout == "per-gpu" else "")
         kind += "-cupy" if args.gpu_chunks else ""
         kind += "-sum" if args.sink == "sum" else ""
-        stem = os.path.join(args.out, f"dask-{kind}-n{args.n}-b{args.block}-{_dt.date.today():%Y%m%d}")
+        stem = os.path.join(args.out, f"dask-{kind}-w{args.workers}t{args.threads}-n{args.n}-b{args.block}-"
+                                      f"{_dt.date.today():%Y%m%d}")
         with open(stem + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(stem + ".md", "w") as f:
