@@ -188,9 +188,9 @@ def run_zarr(args) -> dict:
     import dask.array as da
     import psutil
     import zarr
-    from distributed import wait
-    import blasx.dask as bd
     from dask.utils import parse_bytes
+
+    import blasx.dask as bd
     ram = (psutil.virtual_memory().total if args.memory_limit == "auto"
            else parse_bytes(args.memory_limit) * args.workers)  # the node's, or the workers' memory
     n = args.zarr_n or int((args.ram_factor * ram / 2 / 8) ** 0.5) // args.block * args.block
@@ -221,7 +221,9 @@ def run_zarr(args) -> dict:
         mem = client.run(_sample_stop)
         rows = np.sort(np.random.default_rng(0).choice(n, size=8, replace=False))
         za, zb, zc = (zarr.open_array(paths[x]) for x in "abc")
-        ref = za.oindex[rows, :] @ zb[:]  # reads b whole: checked on 8 rows only
+        ref = np.zeros((len(rows), n))
+        for k in range(0, n, blk):  # b a slab at a time: the operands may not fit in memory
+            ref += za.oindex[rows, k:k + blk] @ zb[k:k + blk, :]
         err = float(np.linalg.norm(zc.oindex[rows, :] - ref) / np.linalg.norm(ref))
         nblk = n // blk
         read = 8 * n * n * nblk * 2  # every C block task reads its A row panel and B column panel
