@@ -273,3 +273,13 @@ def test_chains_bound_the_dependency_bytes_of_a_task(client, rel_err):
     for _, plan, deps in links:
         assert sum(size[d[0]].blocks[d[1:]].nbytes for d in deps if d[0] in size) <= 3 * 10 * 20 * 8
     _check(rel_err, [g] + [c[0] for c in again], [a @ b] + [c[1] for c in cases], ["f8"] + [c[2] for c in cases])
+
+
+def test_local_threaded_scheduler(rel_err):
+    """Without a distributed client the graph runs on dask's threads, on this process's engine."""
+    import blasx
+    blasx.configure(devices="sim:2")
+    rng = np.random.default_rng(11)
+    a, b = _rand(rng, (70, 50), "c16"), _rand(rng, (50, 40), "c16")
+    got = bd.gemm(1.0, da.from_array(a, chunks=(20, 30)), da.from_array(b, chunks=(15, 17)), trans_b=0)
+    assert rel_err(got.compute(scheduler="threads"), a @ b) < 1e-13
