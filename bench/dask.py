@@ -78,9 +78,14 @@ def _cluster(args, memory_limit=None):
                                    dashboard_address=None, memory_limit=memory_limit or "auto")
     client = Client(cluster)
     import blasx.dask as bd
-    bd.configure(client, devices=args.devices)
+    bd.configure(client, devices=args.devices, **_engine_settings(args))
     client.run(lambda: __import__("blasx").engine() and None)  # device start-up out of the timing
     return cluster, client
+
+
+def _engine_settings(args) -> dict:
+    from dask.utils import parse_bytes
+    return {"cache_bytes": parse_bytes(args.cache_bytes)} if args.cache_bytes else {}
 
 
 def _per_gpu_cluster(args, memory_limit):
@@ -161,7 +166,8 @@ def run_cluster(args, method: str) -> dict:
 def run_single(args) -> dict:
     """blasx in this process on the same node: the whole product as one blasx call."""
     import blasx
-    blasx.configure(devices=args.devices.replace("{name}", "0") if "{" in args.devices else args.devices)
+    blasx.configure(devices=args.devices.replace("{name}", "0") if "{" in args.devices else args.devices,
+                    **_engine_settings(args))
     rng = np.random.default_rng(1)
     a, b = rng.random((args.n, args.n)), rng.random((args.n, args.n))
     if args.gpu_chunks:
@@ -281,6 +287,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--contenders", default="blasx.dask,dask.array,blasx (one process)")
     p.add_argument("--gpu-chunks", action="store_true", help="CuPy chunks (GPU workers)")
+    p.add_argument("--cache-bytes", help="blasx's tile cache per device, e.g. 24GiB (default: blasx's, half "
+                                         "the free GPU memory; leave room for CuPy chunks)")
     p.add_argument("--sink", choices=("persist", "sum"), default="persist",
                    help="persist C on the workers (checked on random rows), or sum it (no block kept; "
                         "checked against (1^T A)(B 1))")
