@@ -1,0 +1,189 @@
+"""The client side of blasx.dask: operands, boundaries and the task graph of one call.
+
+Every dimension of a call is cut at the union of its operands' chunk boundaries on that
+dimension, so each piece a step reads lies inside one block of each operand (no rechunk). An
+output block is one task (:func:`blasx.dask.worker.run_block`) whose dependencies are the dask
+blocks its steps read; operands in storage (``da.from_zarr``, a zarr array or an ``np.memmap``
+given as an operand) are read by the task itself and add no dependency.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.base import tokenize
+from dask.utils import parse_bytes
+from dask.highlevelgraph import HighLevelGraph
+
+from .worker import Block, Ref, Storage, run_block
+
+
+#: the default of dask.config's ``blasx.dask.task-bytes``: the most bytes of dependency blocks one
+#: task takes; an output block whose steps read more is a chain of tasks (each with the last's block)
+TASK_BYTES = 4 << 30
+
+
+def bounds_of(chunks) -> tuple[int, ...]:
+    return tuple(itertools.accumulate(chunks, initial=0))
+
+
+def union(*bounds) -> tuple[int, ...]:
+    return tuple(sorted(set().union(*bounds)))
+
+
+def spans(b):
+    """The intervals between consecutive boundaries."""
+    return list(zip(b[:-1], b[1:]))
+
+
+def as_dask(name: str, x):
+    """x as a 2-D dask array: a dask array as it is, any other array (numpy, zarr, memmap)
+    through ``da.from_array``. Anything else raises TypeError naming the parameter."""
+    if not isinstance(x, da.Array):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__getitem__")):
+            raise TypeError(f"{name}: got {type(x).__name__}; need a dask array (or a numpy, zarr or memmap array)")
+        x = da.from_array(Storage(x) if isinstance(x, np.memmap) else x)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: got a {x.ndim}-D array of shape {x.shape}; need a matrix (2-D)")
+    if any(np.isnan(n) for n in x.shape):
+        raise ValueError(f"{name}: its shape {x.shape} is unknown (NaN chunks); call compute_chunk_sizes() first")
+    return x
+
+
+def _storage(x: da.Array):
+    """The array in storage behind x, when x is exactly ``da.from_zarr`` (or ``da.from_array`` of a
+    zarr array, or a memmap given to blasx.dask): its blocks are plain reads of it; else None."""
+    layers = x.dask.layers
+    if len(layers) != 2 or x.name not in layers:
+        return None
+    (other,) = [k for k in layers if k != x.name]
+    src = dict(layers[other])
+    if len(src) != 1:
+        return None
+    (obj,) = src.values()
+    obj = getattr(obj, "value", obj)  # a DataNode in dask's task spec, the object itself before
+    if getattr(obj, "shape", None) != x.shape or getattr(obj, "dtype", None) != x.dtype:
+        return None
+    if isinstance(obj, Storage):
+        return obj
+    if type(obj).__module__.split(".")[0] == "zarr":
+        return Storage(obj)
+    return None
+
+
+class Operand:
+    """One matrix of a call: its row and column boundaries, and how a task reads a piece of it."""
+
+    def __init__(self, name: str, x, storage: bool = True):
+        self.name = name
+        self.x = x if isinstance(x, da.Array) else None
+        self.storage = _storage(x) if storage and self.x is not None else None
+        self.rows = bounds_of(x.chunks[0]) if self.x is not None else x[0]
+        self.cols = bounds_of(x.chunks[1]) if self.x is not None else x[1]
+        self.key = x.name if self.x is not None else None
+        self.itemsize = x.dtype.itemsize if self.x is not None else 16
+
+    @classmethod
+    def output(cls, key: str, rows, cols, dtype) -> "Operand":
+        """The output of the call itself, read by its later blocks (TRSM)."""
+        op = cls("out", (rows, cols))
+        op.key, op.itemsize = key, np.dtype(dtype).itemsize
+        return op
+
+    def block_of(self, r0: int, c0: int) -> tuple[int, int]:
+        """The block holding (r0, c0) (the last block for a piece at the end of a dimension)."""
+        return (min(bisect.bisect_right(self.rows, r0), len(self.rows) - 1) - 1,
+                min(bisect.bisect_right(self.cols, c0), len(self.cols) - 1) - 1)
+
+
+class BlockBuilder:
+    """Collects one block's dependencies and storage handles while its steps are written."""
+
+    def __init__(self):
+        self.deps: dict = {}  # key -> slot
+        self.nbytes: list[int] = []  # slot -> bytes of that block
+        self.stores: dict = {}
+
+    def piece(self, op: Operand, r0: int, r1: int, c0: int, c1: int) -> Ref:
+        if op.storage is not None:
+            slot = -1 - self.stores.setdefault(id(op.storage), (len(self.stores), op.storage))[0]
+            return Ref(slot, r0, r1, c0, c1)
+        bi, bj = op.block_of(r0, c0)
+        key = (op.key, bi, bj)
+        if key not in self.deps:
+            self.deps[key] = len(self.deps)
+            self.nbytes.append((op.rows[bi + 1] - op.rows[bi]) * (op.cols[bj + 1] - op.cols[bj]) * op.itemsize)
+        return Ref(self.deps[key], r0 - op.rows[bi], r1 - op.rows[bi], c0 - op.cols[bj], c1 - op.cols[bj])
+
+    def tasks(self, key, shape, dtype, init, steps, limit: int) -> dict:
+        """The block's task, or a chain of tasks when its dependency blocks exceed ``limit`` bytes:
+        each link takes the previous link's block and the dependencies of its own steps (at least
+        one step), so no task holds more than ``limit`` bytes of them (or one step's)."""
+        stores = tuple(s for _, s in sorted(self.stores.values(), key=lambda t: t[0]))
+        keys = list(self.deps)
+        groups, slots, size = [[]], set(self._slots(init)), sum(self.nbytes[x] for x in self._slots(init))
+        for step in steps:
+            new = self._slots(step) - slots
+            if groups[-1] and size + sum(self.nbytes[x] for x in new) > limit:
+                groups.append([])
+                slots, size, new = set(), 0, self._slots(step)
+            groups[-1].append(step)
+            slots |= new
+            size += sum(self.nbytes[x] for x in new)
+        out, prev = {}, None
+        for g, group in enumerate(groups):
+            link = key if g == len(groups) - 1 else (f"{key[0]}-k{g}",) + tuple(key[1:])
+            remap: dict[int, int] = {}
+            deps = [] if prev is None else [prev]
+            if prev is None:
+                first = self._remap(init, remap, deps, keys)
+            else:
+                first = ("copy", Ref(0, 0, shape[0], 0, shape[1]), 1.0)
+            group = [self._remap(s, remap, deps, keys) for s in group]
+            plan = Block(tuple(shape), np.dtype(dtype).str, first, tuple(group), stores)
+            out[link] = (run_block, plan, deps)
+            prev = link
+        return out
+
+    @staticmethod
+    def _slots(step) -> set:
+        return {a.slot for a in step[1:] if isinstance(a, Ref) and a.slot >= 0}
+
+    @staticmethod
+    def _remap(step, remap, deps, keys):
+        def new(a):
+            if not isinstance(a, Ref) or a.slot < 0:
+                return a
+            if a.slot not in remap:
+                remap[a.slot] = len(deps)
+                deps.append(keys[a.slot])
+            return a._replace(slot=remap[a.slot])
+        return (step[0],) + tuple(new(a) for a in step[1:])
+
+
+def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Array:
+    """The dask array of one call: ``block(i, j, r, c, builder)`` returns the (init, steps) of
+    output block (i, j), whose rows are the interval r and columns c."""
+    rows, cols = (b if len(b) > 1 else (0, 0) for b in (rows, cols))  # a zero-length dimension: one empty block
+    limit = parse_bytes(dask.config.get("blasx.dask.task-bytes", TASK_BYTES))
+    name = f"blasx-{routine}-" + tokenize(routine, rows, cols, np.dtype(dtype).str, *token_args)
+    dsk = {}
+    for (i, r), (j, c) in itertools.product(enumerate(spans(rows)), enumerate(spans(cols))):
+        b = BlockBuilder()
+        init, steps = block(i, j, r, c, b, name)
+        dsk.update(b.tasks((name, i, j), (r[1] - r[0], c[1] - c[0]), dtype, init, steps, limit))
+    deps = [op.x for op in operands if op is not None and op.x is not None and op.storage is None]
+    graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
+    chunks = (tuple(np.diff(rows).tolist()), tuple(np.diff(cols).tolist()))
+    return da.Array(graph, name, chunks, meta=_meta(operands, dtype))
+
+
+def _meta(operands, dtype):
+    for op in operands:
+        if op is not None and op.x is not None and op.x._meta is not None:
+            return op.x._meta.astype(dtype, copy=False).reshape((0, 0))
+    return np.empty((0, 0), dtype=dtype)

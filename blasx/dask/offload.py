@@ -1,0 +1,78 @@
+"""``with blasx.dask.offload():``: dask.array's matmul, ``@``, dot and tensordot on 2-D arrays
+run on blasx.dask; any other call (N-D, non-BLAS types) runs dask's own function."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import dask.array as da
+import dask.array.routines as _routines
+
+_Array = da.Array
+_ORIG = {"matmul": _routines.matmul, "dot": _routines.dot, "tensordot": _routines.tensordot,
+         "__matmul__": _Array.__matmul__, "__rmatmul__": _Array.__rmatmul__}
+_lock = threading.Lock()
+_depth = 0
+
+
+def original_matmul(a, b):
+    return _ORIG["matmul"](a, b)
+
+
+def _matmul(a, b):
+    from .routines import matmul
+    return matmul(a, b)
+
+
+def _dot(a, b):
+    if getattr(a, "ndim", 0) in (1, 2) and getattr(b, "ndim", 0) in (1, 2):
+        return _matmul(a, b)
+    return _ORIG["dot"](a, b)
+
+
+def _tensordot(a, b, axes=2):
+    """2-D tensordot contracting one axis of each is one gemm (a transpose flag per operand)."""
+    if getattr(a, "ndim", 0) == 2 and getattr(b, "ndim", 0) == 2:
+        pair = None
+        if axes == 1:
+            pair = (1, 0)
+        elif isinstance(axes, (tuple, list)) and len(axes) == 2:
+            x, y = ([v] if isinstance(v, int) else list(v) for v in axes)
+            if len(x) == 1 and len(y) == 1:
+                pair = (x[0] % 2, y[0] % 2)
+        if pair is not None:
+            return _matmul(a if pair[0] == 1 else a.T, b if pair[1] == 0 else b.T)
+    return _ORIG["tensordot"](a, b, axes=axes)
+
+
+_PATCH = {"matmul": _matmul, "dot": _dot, "tensordot": _tensordot,
+          "__matmul__": lambda self, other: _matmul(self, other),
+          "__rmatmul__": lambda self, other: _matmul(other, self)}
+
+
+def _install(on: bool) -> None:
+    for name, f in (_PATCH if on else _ORIG).items():
+        if name.startswith("__"):
+            setattr(_Array, name, f)
+        else:
+            setattr(da, name, f)
+            setattr(_routines, name, f)
+
+
+@contextlib.contextmanager
+def offload():
+    """Within the block (process-wide, nestable), ``dask.array.matmul``, ``a @ b``, ``da.dot`` and
+    ``da.tensordot`` on 1-D / 2-D dask arrays of the BLAS types build blasx.dask graphs."""
+    global _depth
+    with _lock:
+        _depth += 1
+        if _depth == 1:
+            _install(True)
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                _install(False)

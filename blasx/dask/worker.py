@@ -1,0 +1,268 @@
+"""The worker side of blasx.dask: the block task, storage reads, the engine plugin, the memory counter.
+
+A block task computes one output block on the worker's blasx engine from a :class:`Block` plan:
+an initial value (zeros, or a piece of c, scaled) and a list of steps, each one blasx call on
+pieces of the operands that accumulates into the block. Pieces come from the task's dependencies
+(dask blocks, sliced as views) or are read from storage (zarr, np.memmap) one step ahead of use,
+so a task holds its block plus at most two steps' storage pieces at a time.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from distributed.diagnostics.plugin import WorkerPlugin
+
+import blasx
+
+
+class Ref(NamedTuple):
+    """A rectangle of one operand: ``slot`` >= 0 indexes the task's dependency blocks (local
+    coordinates), ``slot`` < 0 is storage ``-1 - slot`` of the plan (global coordinates)."""
+    slot: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+
+class Storage:
+    """An array in storage that pickles by reference: a zarr array (as itself), or a contiguous
+    np.memmap (as its file, offset, dtype, shape and order: a memmap pickles as its whole data,
+    and ``da.from_array`` copies one into the graph, so blasx.dask wraps a memmap in this first)."""
+
+    def __init__(self, arr):
+        self.obj, self.file = None, None
+        if isinstance(arr, np.memmap):
+            if not (arr.flags.c_contiguous or arr.flags.f_contiguous) or arr._mmap is None:
+                raise ValueError("a memmap operand must be C- or F-contiguous")
+            base = np.frombuffer(arr._mmap, np.uint8).ctypes.data
+            start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
+            offset = start + (arr.ctypes.data - base)
+            order = "C" if arr.flags.c_contiguous else "F"
+            self.file = (str(arr.filename), offset, arr.dtype.str, arr.shape, order)
+        else:
+            self.obj = arr
+        self.shape, self.dtype, self.ndim = tuple(arr.shape), np.dtype(arr.dtype), arr.ndim
+        self._open = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_open": None}
+
+    def __dask_tokenize__(self):
+        if self.file:  # the file as it is now: a rewritten file is new data
+            return ("blasx-storage", self.file, os.stat(self.file[0]).st_mtime_ns)
+        return ("blasx-storage", id(self.obj))
+
+    def _array(self):
+        if self.obj is not None:
+            return self.obj
+        if self._open is None:
+            name, offset, dt, shape, order = self.file
+            self._open = np.memmap(name, dtype=np.dtype(dt), mode="r", offset=offset, shape=shape, order=order)
+        return self._open
+
+    def __getitem__(self, index):
+        return np.array(self._array()[index])
+
+    def read(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        return self[r0:r1, c0:c1]
+
+
+@dataclass(frozen=True)
+class Block:
+    """The plan of one output block. ``init``: ``("zeros",)`` or ``("copy", ref, scale)``;
+    ``steps``: ``(op, args...)`` tuples whose Refs name the pieces each blasx call reads (see
+    :func:`_apply`; a k = 0 step has ``("empty", rows, cols)`` for its pieces); ``stores``: the
+    storage operands the Refs read."""
+    shape: tuple[int, int]
+    dtype: str
+    init: tuple
+    steps: tuple
+    stores: tuple = ()
+
+
+# ---------------------------------------------------------------- the memory counter
+
+_lock = threading.Lock()
+_held = 0
+_peak = 0
+_outputs: dict[int, int] = {}  # id -> bytes of the live output blocks of this worker's tasks
+
+
+def _add(n: int) -> None:
+    global _held, _peak
+    with _lock:
+        _held += n
+        _peak = max(_peak, _held)
+
+
+def _drop_output(key: int) -> None:
+    _add(-_outputs.pop(key, 0))
+
+
+def _track_output(x) -> None:
+    try:
+        weakref.finalize(x, _drop_output, id(x))
+    except TypeError:  # an array type without weak references: not counted
+        return
+    _outputs[id(x)] = x.nbytes
+    _add(x.nbytes)
+
+
+def memory_stats(reset: bool = False) -> dict:
+    """This process's counter: ``held`` (bytes of blasx.dask blocks alive now: output blocks, the
+    running tasks' accumulators, storage pieces and dependency blocks) and ``peak`` (the most
+    since the last reset). ``reset`` starts the peak again from ``held``."""
+    global _peak
+    with _lock:
+        out = {"held": _held, "peak": _peak}
+        if reset:
+            _peak = _held
+    return out
+
+
+# ---------------------------------------------------------------- the block task
+
+def _array_module(deps):
+    for d in deps:
+        if type(d).__module__.startswith("cupy"):
+            import cupy
+            return cupy
+    return np
+
+
+def _read(ref: Ref, deps, stores, xp):
+    if ref.slot >= 0:
+        return deps[ref.slot][ref.r0:ref.r1, ref.c0:ref.c1]
+    x = stores[-1 - ref.slot].read(ref.r0, ref.r1, ref.c0, ref.c1)
+    return x if xp is np else xp.asarray(x)
+
+
+def _load(step, deps, stores, xp):
+    """The step's pieces (storage reads counted while they live), in the order of its Refs."""
+    pieces = []
+    for arg in step[1:]:
+        if isinstance(arg, Ref):
+            x = _read(arg, deps, stores, xp)
+            if arg.slot < 0:
+                _add(x.nbytes)
+            pieces.append(x)
+    return pieces
+
+
+def _release(step, pieces) -> None:
+    for arg, x in zip([a for a in step[1:] if isinstance(a, Ref)], pieces):
+        if arg.slot < 0:
+            _add(-x.nbytes)
+
+
+def _apply(step, pieces, acc, xp):
+    """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place)."""
+    op, p = step[0], iter(pieces)
+    args = [next(p) if isinstance(a, Ref) else a for a in step[1:]]
+    if op == "gemm":  # acc = alpha op(x) op(y) + beta acc
+        alpha, x, ta, y, tb, beta = args
+        return blasx.gemm(alpha, x, y, beta=beta, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
+    if op in ("symm", "hemm"):
+        alpha, x, y, beta, side, lower = args
+        return getattr(blasx, op)(alpha, x, y, beta=beta, c=acc, side=side, lower=lower, overwrite_c=True)
+    if op in ("syrk", "herk"):
+        alpha, x, beta, trans, lower = args
+        return getattr(blasx, op)(alpha, x, beta=beta, c=acc, trans=trans, lower=lower, overwrite_c=True)
+    if op in ("syr2k", "her2k"):
+        alpha, x, y, beta, trans, lower = args
+        return getattr(blasx, op)(alpha, x, y, beta=beta, c=acc, trans=trans, lower=lower, overwrite_c=True)
+    if op == "trmm":  # acc += alpha op(x) y, x the triangular diagonal block
+        alpha, x, y, lower, trans, diag = args
+        acc += blasx.trmm(alpha, x, y, side=0, lower=lower, trans_a=trans, diag=diag)
+        return acc
+    if op == "trsm":  # acc = op(x)^-1 acc
+        x, lower, trans, diag = args
+        return blasx.trsm(1.0, x, acc, side=0, lower=lower, trans_a=trans, diag=diag, overwrite_b=True)
+    raise ValueError(f"step: unknown operation {op!r}")
+
+
+def _init(plan: Block, deps, xp):
+    dtype = np.dtype(plan.dtype)
+    if plan.init[0] == "zeros":
+        return xp.zeros(plan.shape, dtype=dtype, order="F")
+    _, ref, scale = plan.init
+    acc = xp.array(_read(ref, deps, plan.stores, xp), dtype=dtype, order="F", copy=True)
+    if scale != 1:
+        acc *= scale
+    return acc
+
+
+def _with_empties(step, xp, dtype):
+    """A k = 0 step names its pieces by shape (a tuple ``("empty", rows, cols)``): make them here."""
+    return tuple(xp.zeros(a[1:], dtype=dtype, order="F") if isinstance(a, tuple) and a and a[0] == "empty" else a
+                 for a in step)
+
+
+def run_block(plan: Block, deps: list):
+    """The task: the output block of ``plan`` from the dependency blocks ``deps``."""
+    xp = _array_module(deps)
+    held = sum(d.nbytes for d in {id(d): d for d in deps}.values() if id(d) not in _outputs)
+    _add(held)
+    acc = None
+    try:
+        acc = _init(plan, deps, xp)
+        _add(acc.nbytes)
+        steps = [_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps]
+        pool = ThreadPoolExecutor(1) if plan.stores and len(steps) > 1 else None
+        try:
+            nxt = None
+            for i, step in enumerate(steps):
+                pieces = nxt.result() if nxt is not None else _load(step, deps, plan.stores, xp)
+                nxt = (pool.submit(_load, steps[i + 1], deps, plan.stores, xp)
+                       if pool is not None and i + 1 < len(steps) else None)
+                try:
+                    acc = _apply(step, pieces, acc, xp)
+                finally:
+                    _release(step, pieces)
+                    del pieces
+        finally:
+            if pool is not None:
+                if nxt is not None:  # an error: the read ahead is dropped
+                    try:
+                        _release(steps[i + 1], nxt.result())
+                    except Exception:  # noqa: BLE001 - the step's own error is the one raised
+                        pass
+                pool.shutdown()
+    finally:
+        _add(-held - (acc.nbytes if acc is not None else 0))
+    _track_output(acc)
+    return acc
+
+
+# ---------------------------------------------------------------- the engine of each worker
+
+class BlasxPlugin(WorkerPlugin):
+    """A Dask worker plugin: ``blasx.configure(**settings)`` in each worker process as it starts
+    (and again in a worker restarted after a crash). ``devices`` may name the worker:
+    ``"cuda:{name}"`` gives worker 0 GPU 0, worker 1 GPU 1 (LocalCluster names workers 0, 1, ...)."""
+
+    name = "blasx"
+    idempotent = False
+
+    def __init__(self, **settings):
+        self.settings = settings
+
+    def setup(self, worker=None):
+        kw = dict(self.settings)
+        if isinstance(kw.get("devices"), str) and "{" in kw["devices"]:
+            kw["devices"] = kw["devices"].format(name=getattr(worker, "name", 0))
+        blasx.configure(**kw)
+        blasx.engine()
+
+    def teardown(self, worker=None):
+        blasx.shutdown()
+

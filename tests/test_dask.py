@@ -1,0 +1,285 @@
+"""blasx.dask on a LocalCluster of two worker processes, each with one blasx engine on two sims:
+every routine and flag against scipy, chunkings that are irregular, unequal between the operands
+or single-chunk, zarr and memmap operands, offload, progress, argument errors and the memory budget."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.linalg.blas as sb
+
+da = pytest.importorskip("dask.array")
+distributed = pytest.importorskip("distributed")
+import dask  # noqa: E402
+
+import blasx.dask as bd  # noqa: E402
+
+TOL = {np.dtype("f4"): 1e-5, np.dtype("f8"): 1e-12, np.dtype("c8"): 1e-5, np.dtype("c16"): 1e-12}
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None, worker_dashboard_address=None)
+    c = distributed.Client(cluster)
+    bd.configure(c, devices="sim:2")
+    yield c
+    c.close()
+    cluster.close()
+
+
+def _rand(rng, shape, dtype):
+    x = rng.uniform(-1, 1, shape)
+    if np.dtype(dtype).kind == "c":
+        x = x + 1j * rng.uniform(-1, 1, shape)
+    return x.astype(dtype)
+
+
+def _tri(rng, n, dtype):
+    """A well-conditioned triangular solve: a strong diagonal."""
+    return _rand(rng, (n, n), dtype) + 4 * n ** 0.5 * np.eye(n, dtype=dtype)
+
+
+# chunkings along one dimension of 60: irregular, regular, single chunk
+IRR, REG, ONE = (7, 23, 1, 29), (15, 15, 15, 15), (60,)
+
+
+def _check(rel_err, results, refs, dtypes):
+    for got, ref, dt in zip(dask.compute(*results), refs, dtypes):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert rel_err(got, ref) < TOL[np.dtype(dt)] * 100
+
+
+def test_gemm_chunkings_and_flags(client, rel_err):
+    rng = np.random.default_rng(1)
+    m, k, n = 60, 60, 60
+    out, refs, dts = [], [], []
+    chunkings = [(IRR, REG, REG, ONE), (ONE, ONE, ONE, ONE), (REG, IRR, (31, 29), (4, 56)), (IRR, IRR, IRR, IRR)]
+    for n_case, (ch, (ta, tb), (beta, with_c)) in enumerate(itertools.product(
+            chunkings, [(0, 0), (1, 0), (0, 2), (2, 1)], [(0.0, False), (0.5, True), (0.0, True)])):
+        dt = ("f8", "c8")[n_case % 2]
+        a = _rand(rng, (m, k) if ta == 0 else (k, m), dt)
+        b = _rand(rng, (k, n) if tb == 0 else (n, k), dt)
+        c = _rand(rng, (m, n), dt) if with_c else None
+        if with_c and beta == 0:
+            c[0, 0] = np.nan  # beta = 0: c is not read
+        alpha = 1.5 - 0.5j if dt == "c8" else 1.5
+        fn = sb.get_blas_funcs("gemm", (a, b))
+        refs.append(fn(alpha, a, b, beta=beta, c=np.nan_to_num(c) if c is not None else None,
+                       trans_a=ta, trans_b=tb))
+        dts.append(dt)
+        xa = da.from_array(a, chunks=(ch[0], ch[1]))
+        xb = da.from_array(b, chunks=(ch[2], ch[3]))
+        xc = da.from_array(c, chunks=(ch[1], ch[3])) if c is not None else None
+        out.append(bd.gemm(alpha, xa, xb, beta=beta, c=xc, trans_a=ta, trans_b=tb))
+    _check(rel_err, out, refs, dts)
+
+
+def test_gemm_shapes_and_mixed_types(client, rel_err):
+    rng = np.random.default_rng(2)
+    cases = [((1, 60), (60, 1)), ((60, 1), (1, 45)), ((37, 0), (0, 11)), ((0, 5), (5, 3))]
+    out, refs = [], []
+    for sa, sb_ in cases:
+        a, b = _rand(rng, sa, "f8"), _rand(rng, sb_, "f8")
+        out.append(bd.gemm(1.0, da.from_array(a, chunks=7), da.from_array(b, chunks=5)))
+        refs.append(a @ b)
+    a32, b64 = _rand(rng, (30, 20), "f4"), _rand(rng, (20, 10), "c16")
+    out.append(bd.gemm(2.0, da.from_array(a32, chunks=9), da.from_array(b64, chunks=6)))
+    refs.append(sb.zgemm(2.0, a32, b64))
+    _check(rel_err, out, refs, ["f8"] * 4 + ["c16"])
+
+
+def _level3_cases(rng):
+    """(blasx.dask call, scipy reference, dtype) for every flag of every routine."""
+    n, m = 45, 38
+    chunks_sq, chunks_b = ((10, 20, 15), (17, 28)), ((25, 20), (9, 29))
+    cases = []
+    for routine, dt in [("symm", "f8"), ("hemm", "c16")]:
+        for side, lower in itertools.product((0, 1), (0, 1)):
+            a = _rand(rng, (n, n), dt)
+            a[np.tril_indices(n, -1) if not lower else np.triu_indices(n, 1)] = np.nan  # never read
+            b = _rand(rng, (n, m) if side == 0 else (m, n), dt)
+            c = _rand(rng, b.shape, dt)
+            ref = getattr(sb, ("d" if dt == "f8" else "z") + routine)(0.7, a, b, 0.3, c, side=side, lower=lower)
+            cases.append((getattr(bd, routine)(0.7, da.from_array(a, chunks=chunks_sq),
+                                               da.from_array(b, chunks=chunks_b if side == 0 else chunks_b[::-1]),
+                                               0.3, da.from_array(c, chunks=13), side=side, lower=lower), ref, dt))
+    for routine, dt, transes in [("syrk", "f8", (0, 1, 2)), ("syrk", "c8", (0, 1)), ("herk", "c16", (0, 2)),
+                                 ("syr2k", "f4", (0, 1)), ("her2k", "c16", (0, 2))]:
+        for trans, lower in itertools.product(transes, (0, 1)):
+            a = _rand(rng, (n, m) if trans == 0 else (m, n), dt)
+            b = _rand(rng, a.shape, dt)
+            c = _rand(rng, (n, n), dt)
+            alpha = 0.9 if routine == "herk" or dt[0] == "f" else 0.9 + 0.2j
+            fn = getattr(sb, {"f4": "s", "f8": "d", "c8": "c", "c16": "z"}[dt] + routine)
+            two = routine.endswith("2k")
+            ref = fn(alpha, a, b, 0.4, c, trans=trans, lower=lower) if two else fn(alpha, a, 0.4, c, trans=trans,
+                                                                                  lower=lower)
+            xa = da.from_array(a, chunks=(chunks_b if trans == 0 else chunks_b[::-1]))
+            xb = da.from_array(b, chunks=11)
+            xc = da.from_array(c, chunks=chunks_sq)
+            got = (getattr(bd, routine)(alpha, xa, xb, 0.4, xc, trans=trans, lower=lower) if two else
+                   getattr(bd, routine)(alpha, xa, 0.4, xc, trans=trans, lower=lower))
+            cases.append((got, ref, dt))
+    for routine, dt in [("trmm", "c16"), ("trsm", "c8")]:
+        for side, lower, trans, diag in itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1)):
+            a = _tri(rng, n, dt)
+            a[np.tril_indices(n, -1) if not lower else np.triu_indices(n, 1)] = np.nan  # never read
+            b = _rand(rng, (n, m) if side == 0 else (m, n), dt)
+            fn = getattr(sb, {"f8": "d", "c8": "c", "c16": "z"}[dt] + routine)
+            ref = fn(1.3, a, b, side=side, lower=lower, trans_a=trans, diag=diag)
+            got = getattr(bd, routine)(1.3, da.from_array(a, chunks=chunks_sq),
+                                       da.from_array(b, chunks=chunks_b if side == 0 else chunks_b[::-1]),
+                                       side=side, lower=lower, trans_a=trans, diag=diag)
+            cases.append((got, ref, dt))
+    return cases
+
+
+def test_level3_every_routine_and_flag(client, rel_err):
+    cases = _level3_cases(np.random.default_rng(3))
+    _check(rel_err, [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases])
+
+
+def test_alpha_zero_and_k_zero(client, rel_err):
+    rng = np.random.default_rng(4)
+    a, c = _rand(rng, (20, 0), "f8"), _rand(rng, (20, 20), "f8")
+    nan = np.full((20, 7), np.nan)
+    got = dask.compute(bd.syrk(1.0, da.from_array(a, chunks=6), 0.5, da.from_array(c, chunks=8), lower=1),
+                       bd.syrk(0.0, da.from_array(nan, chunks=6), 2.0, da.from_array(c, chunks=8)),
+                       bd.gemm(0.0, da.from_array(nan, chunks=6), da.from_array(nan.T, chunks=6), 1.0,
+                               da.from_array(c, chunks=8)),
+                       bd.trsm(0.0, da.from_array(np.full((20, 20), np.nan), chunks=6), da.from_array(c, chunks=8)))
+    assert rel_err(got[0], sb.dsyrk(1.0, a, 0.5, c, lower=1)) < 1e-14
+    assert rel_err(got[1], sb.dsyrk(0.0, np.zeros((20, 7)), 2.0, c)) < 1e-14
+    assert rel_err(got[2], c) < 1e-14
+    assert not got[3].any()
+
+
+def test_matmul_and_offload(client, rel_err):
+    rng = np.random.default_rng(5)
+    a, b, v = _rand(rng, (50, 40), "f4"), _rand(rng, (40, 30), "f8"), _rand(rng, (40,), "f8")
+    xa, xb, xv = da.from_array(a, chunks=(13, 17)), da.from_array(b, chunks=(9, 30)), da.from_array(v, chunks=11)
+    got = dask.compute(bd.matmul(xa, xb), bd.matmul(xa, xv), bd.matmul(xv, xb))
+    for g, r in zip(got, (a @ b, a @ v, v @ b)):
+        assert g.dtype == r.dtype and rel_err(g, r) < 1e-12
+    ints = da.from_array(np.arange(12).reshape(3, 4), chunks=2)
+    assert "blasx" not in bd.matmul(ints, ints.T).name  # numpy's integer result: dask's own matmul
+    m = np.arange(12).reshape(3, 4)
+    assert (bd.matmul(ints, ints.T).compute() == m @ m.T).all()
+    with bd.offload():
+        exprs = [xa @ xb, da.matmul(xa, xb), da.dot(xa, xb), da.tensordot(xa, xb, axes=1),
+                 da.tensordot(xb, xa, axes=([0], [1])), np.asarray(b).T @ xa.T]
+    assert all(e.name.startswith("blasx-gemm") for e in exprs)
+    assert not (xa @ xb).name.startswith("blasx")  # restored on exit
+    refs = [a @ b] * 4 + [b.T @ a.T, b.T @ a.T]
+    for g, r in zip(dask.compute(*exprs), refs):
+        assert rel_err(g, r) < 1e-6
+
+
+def test_zarr_and_memmap_operands_are_read_by_the_tasks(client, rel_err, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(6)
+    a, b = _rand(rng, (70, 50), "f8"), _rand(rng, (50, 40), "f8")
+    za = zarr.create_array(store=str(tmp_path / "a.zarr"), shape=a.shape, chunks=(20, 15), dtype=a.dtype)
+    za[:] = a
+    mb = np.memmap(tmp_path / "b.dat", dtype=b.dtype, mode="w+", shape=b.shape, order="F")
+    mb[:] = b
+    mb.flush()
+    xa = da.from_zarr(str(tmp_path / "a.zarr"))
+    xb = np.memmap(tmp_path / "b.dat", dtype=b.dtype, mode="r", shape=b.shape, order="F")
+    c = bd.gemm(1.0, xa, xb)
+    layer_deps = c.dask.dependencies[c.name]
+    assert not layer_deps, layer_deps  # no from-zarr / memmap blocks in the graph: the tasks read them
+    c.to_zarr(str(tmp_path / "c.zarr"))
+    assert rel_err(zarr.open_array(str(tmp_path / "c.zarr"))[:], a @ b) < 1e-13
+
+
+def test_argument_errors_before_any_work(client):
+    x = da.ones((10, 10), chunks=5)
+    with pytest.raises(ValueError, match="trans_a: got 3"):
+        bd.gemm(1.0, x, x, trans_a=3)
+    with pytest.raises(ValueError, match="b: op\\(b\\) has 7 rows"):
+        bd.gemm(1.0, x, da.ones((7, 3)))
+    with pytest.raises(ValueError, match="c: got shape"):
+        bd.gemm(1.0, x, x, c=da.ones((3, 3)))
+    with pytest.raises(TypeError, match="alpha"):
+        bd.gemm("2", x, x)
+    with pytest.raises(TypeError, match="alpha: got complex"):
+        bd.gemm(1j, x, x)
+    with pytest.raises(ValueError, match="a: got a 3-D array"):
+        bd.gemm(1.0, da.ones((2, 2, 2)), x)
+    with pytest.raises(ValueError, match="lower: got 2"):
+        bd.syrk(1.0, x, lower=2)
+    with pytest.raises(ValueError, match="trans: got 1"):
+        bd.herk(1.0, x, trans=1)
+    with pytest.raises(TypeError, match="alpha: got complex"):
+        bd.herk(1j, x)
+    with pytest.raises(ValueError, match="a: got shape"):
+        bd.trsm(1.0, da.ones((10, 9)), x)
+    with pytest.raises(TypeError, match="dtype"):
+        bd.gemm(1.0, da.from_array(np.full((10, 10), "a")), x)
+    with pytest.raises(ValueError, match="devices"):
+        bd.configure(client, devices="nonsense:3")
+
+
+def test_progress_bar_persists(client, rel_err, capsys):
+    a = np.random.default_rng(7).random((40, 30))
+    x = bd.gemm(1.0, da.from_array(a, chunks=10), da.from_array(a.T, chunks=10), progress=True)
+    assert rel_err(x.compute(), a @ a.T) < 1e-13
+
+
+def test_memory_budget(client, tmp_path):
+    """Peak bytes held per worker <= its C blocks + threads x (accumulator + two steps of pieces)."""
+    zarr = pytest.importorskip("zarr")
+    n, blk = 480, 60
+    rng = np.random.default_rng(8)
+    for name in "ab":
+        z = zarr.create_array(store=str(tmp_path / f"{name}.zarr"), shape=(n, n), chunks=(blk, blk), dtype="f8")
+        z[:] = rng.random((n, n))
+    a, b = (da.from_zarr(str(tmp_path / f"{x}.zarr")) for x in "ab")
+    bd.memory_peaks(client, reset=True)
+    c = bd.matmul(a, b).persist()
+    distributed.wait(c)
+    peaks = bd.memory_peaks(client)
+    owned = {w: 0 for w in peaks}
+    for key, where in client.who_has(c).items():
+        for w in where:
+            owned[w] += blk * blk * 8
+    piece = blk * blk * 8
+    for w, peak in peaks.items():
+        budget = owned[w] + 1 * (piece + 2 * (piece + piece))
+        assert 0 < peak <= budget, (w, peak, budget)
+    assert sum(owned.values()) == n * n * 8
+    assert np.allclose(c.compute(), np.asarray(zarr.open_array(str(tmp_path / "a.zarr"))[:])
+                       @ np.asarray(zarr.open_array(str(tmp_path / "b.zarr"))[:]))
+
+
+def test_chains_bound_the_dependency_bytes_of_a_task(client, rel_err):
+    """With blasx.dask.task-bytes smaller than a block's panels, each output block is a chain of
+    tasks, none taking more than the limit of dependency blocks (or one step's); same results."""
+    cases = _level3_cases(np.random.default_rng(9))[::7]
+    rng = np.random.default_rng(10)
+    a, b = _rand(rng, (40, 90), "f8"), _rand(rng, (90, 30), "f8")
+    with dask.config.set({"blasx.dask.task-bytes": 3 * 10 * 20 * 8}):
+        xa, xb = da.from_array(a, chunks=(10, 20)), da.from_array(b, chunks=(20, 10))
+        g = bd.gemm(1.0, xa, xb)
+        again = _level3_cases(np.random.default_rng(9))[::7]
+    tasks = dict(g.dask)
+    links = [t for k, t in tasks.items() if isinstance(k, tuple) and str(k[0]).startswith("blasx-gemm")]
+    assert len(links) == 12 * 4  # k = 20+20+20+20+10: 3200 B a step, the last two (4800 B) share a link
+    size = {x.name: x for x in (xa, xb)}
+    for _, plan, deps in links:
+        assert sum(size[d[0]].blocks[d[1:]].nbytes for d in deps if d[0] in size) <= 3 * 10 * 20 * 8
+    _check(rel_err, [g] + [c[0] for c in again], [a @ b] + [c[1] for c in cases], ["f8"] + [c[2] for c in cases])
+
+
+def test_local_threaded_scheduler(rel_err):
+    """Without a distributed client the graph runs on dask's threads, on this process's engine."""
+    import blasx
+    blasx.configure(devices="sim:2")
+    rng = np.random.default_rng(11)
+    a, b = _rand(rng, (70, 50), "c16"), _rand(rng, (50, 40), "c16")
+    got = bd.gemm(1.0, da.from_array(a, chunks=(20, 30)), da.from_array(b, chunks=(15, 17)), trans_b=0)
+    assert rel_err(got.compute(scheduler="threads"), a @ b) < 1e-13
