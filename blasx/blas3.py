@@ -26,7 +26,7 @@ import numbers
 import numpy as np
 
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
-from . import dispatch
+from . import dispatch, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
 from .runtime import dtypes
@@ -198,12 +198,16 @@ def symm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     other triangle of a is not read. See the module docstring for dtypes,
     outputs and layouts.
     """
+    if (res := _plain("symm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, dtype=None, name="symm")
 
 
 def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     """As :func:`symm` with S Hermitian (scipy.linalg.blas.?hemm): the other triangle of a and
     the imaginary part of its diagonal are not read."""
+    if (res := _plain("hemm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, dtype=None, name="hemm")
 
 
@@ -289,6 +293,8 @@ def syrk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     error for complex ones). The other triangle of c keeps its values (zeros if
     c is None). See the module docstring for dtypes, outputs and layouts.
     """
+    if (res := _plain("syrk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, dtype=None,
                  name="syrk")
 
@@ -300,6 +306,8 @@ def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     raises ValueError (scipy's zherk returns zeros). The diagonal's imaginary
     part is set to 0 (unless alpha == 0 and beta == 1: then c is untouched, as in BLAS).
     """
+    if (res := _plain("herk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, dtype=None,
                  name="herk")
 
@@ -307,6 +315,8 @@ def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(b)^T + alpha op(b) op(a)^T + beta c on the ``lower`` (else upper)
     triangle, as scipy.linalg.blas.?syr2k (a and b have the same shape; trans as for :func:`syrk`)."""
+    if (res := _plain("syr2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, dtype=None,
                  name="syr2k")
 
@@ -314,6 +324,8 @@ def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(b)^H + conj(alpha) op(b) op(a)^H + beta c on the ``lower`` (else upper)
     triangle, as scipy.linalg.blas.?her2k: beta real, trans 0 or 2 (as for :func:`herk`)."""
+    if (res := _plain("her2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, dtype=None,
                  name="her2k")
 
@@ -386,6 +398,8 @@ def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     the product is written over b tile by tile (each tile once every task
     reading its old value is done); otherwise into a new array.
     """
+    if (res := _plain("trmm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
+        return res
     return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
 
 
@@ -396,6 +410,8 @@ def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     and b F-contiguous of the right dtype, x is written over b, tile by tile.
     No singularity check is made (BLAS semantics: a zero pivot gives inf/nan).
     """
+    if (res := _plain("trsm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
+        return res
     return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, dtype=None, name="trsm")
 
 
@@ -419,23 +435,42 @@ _TABLE = {
 #: routine -> the prefixes it has (scipy's set)
 ROUTINE_PREFIXES = {r: prefixes for r, (*_, prefixes) in _TABLE.items()}
 
+#: routine -> dtype -> its plain-call shortcut (blasx.shortcut)
+_FAST = {r: {dtypes.BY_PREFIX[p].dtype: shortcut.make(r, dtypes.BY_PREFIX[p].dtype) for p in ps}
+         for r, ps in ROUTINE_PREFIXES.items()}
+
+
+def _plain(routine: str, a, *args):
+    """A generic routine's call in the plain form of a's dtype, run by its shortcut, else NO."""
+    fast = _FAST[routine].get(getattr(a, "dtype", None))
+    return shortcut.NO if fast is None else fast(*args)
+
 
 def _prefixed(prefix: str, routine: str):
     """``prefix + routine`` (e.g. ``dsyrk``): the generic routine's signature, every array cast to the prefix's type."""
     generic, impl, kw, _ = _TABLE[routine]
     dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + routine
+    fast, no = _FAST[routine][dtype], shortcut.NO
     if impl is _symm:
         def f(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, b, beta, c, side, lower, overwrite_c)) is not no:
+                return res
             return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, dtype=dtype, name=name, **kw)
     elif impl is _tri:
         def f(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
+            if (res := fast(alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not no:
+                return res
             return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, dtype=dtype, name=name, **kw)
     elif kw["two"]:
         def f(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, b, beta, c, trans, lower, overwrite_c)) is not no:
+                return res
             return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     else:
         def f(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, beta, c, trans, lower, overwrite_c)) is not no:
+                return res
             return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     f.__name__ = f.__qualname__ = name
     f.__module__ = __name__

@@ -59,7 +59,7 @@ import warnings
 import numpy as np
 import scipy.linalg.blas as _sp
 
-from .. import blas3, level3
+from .. import blas3, level3, shortcut
 from ..checks import BY_SCORE, TYPE_SCORE, writable
 from ..operands import is_cupy
 from ..runtime import dtypes
@@ -297,8 +297,17 @@ def _make(prefix: str, routine: str):
     overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
     arrays = tuple(k for k in _ARRAYS if k in sig.parameters)
     real_alpha = routine == "herk"
+    fast, no = shortcut.make(routine, dtype), shortcut.NO
 
     def f(*args, **kwargs):
+        try:
+            res = fast(*args, **kwargs)
+        except TypeError as e:
+            if e.__traceback__.tb_next is not None:
+                raise
+            res = no  # the arguments do not bind: the full path says why
+        if res is not no:
+            return res
         v = bind(args, kwargs)
         if v is None:
             try:
