@@ -44,7 +44,7 @@ import operator
 
 import numpy as np
 
-from . import dispatch, precision
+from . import dispatch, precision, session
 from .checks import shares_memory, writable
 from .operands import is_cupy
 from .runtime import dtypes
@@ -64,6 +64,18 @@ _MATMUL_DEFAULTS = {"casting": "same_kind", "dtype": None}
 #: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies from
 #: 2.3.1; before, it runs BLAS on C- or F-contiguous operands only
 _ANY_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
+
+_nd = np.ndarray
+_tls = dispatch._tls
+_isqrt = math.isqrt  # (the functions' ``math`` argument hides the module)
+
+
+def _host(x, y):
+    """The CPU device when a plain call on x, y (numpy arrays of one BLAS type, the CPU alone) is
+    numpy's own function on the host BLAS, else None."""
+    if type(x) is _nd and type(y) is _nd and x.dtype is y.dtype and x.dtype in dtypes.BY_DTYPE:
+        return session.host_device
+    return None
 
 
 def _check_out(out) -> None:
@@ -88,6 +100,14 @@ def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _matmul(x1, x2, out, out_dtype, kwargs)
+    if not kwargs and (dev := _host(x1, x2)) is not None and x1.ndim and x2.ndim and (
+            _ANY_STRIDES or (x1.flags.forc and x2.flags.forc)) and (
+            out is None or (type(out) is _nd and out.dtype is x1.dtype and out.flags.writeable
+                            and (_ANY_STRIDES or out.flags.forc))):
+        t0 = clock()
+        res = _np_matmul(x1, x2, out=out)
+        _tls.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
+        return res
     return _matmul(x1, x2, out, None, kwargs)
 
 
@@ -239,6 +259,12 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _dot(a, b, out, out_dtype)
+    if (dev := _host(a, b)) is not None and 0 < a.ndim <= 2 and 0 < b.ndim <= 2 and (
+            out is None or (type(out) is _nd and out.flags.writeable)):
+        t0 = clock()
+        res = _np_dot(a, b, out)
+        _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * res.size * a.shape[-1])
+        return res
     return _dot(a, b, out, None)
 
 
@@ -314,6 +340,12 @@ def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _tensordot(a, b, axes, out_dtype)
+    if (dev := _host(a, b)) is not None:
+        t0 = clock()
+        res = _np_tensordot(a, b, axes)
+        k2 = a.size * b.size // res.size if res.size else 0  # (m k) (k n) / (m n)
+        _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * res.size * _isqrt(k2))
+        return res
     return _tensordot(a, b, axes, None)
 
 
