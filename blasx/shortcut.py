@@ -22,6 +22,8 @@ NO = object()  # "not a plain call": the caller takes the full path
 _nd = np.ndarray
 _may_share = np.may_share_memory
 _FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
+_REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
+_NUMBERS = _REALS | {complex, np.complex128, np.complex64}
 
 
 def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
@@ -51,8 +53,8 @@ def make(routine: str, dtype: np.dtype):
     scipy's positional signature returning the result, or :data:`NO`."""
     fn = dispatch.blas_routine(routine, dtype)
     real = dtype.kind != "c"
-    nums = (float, int) if real else (float, int, complex)
-    reals = (float, int)
+    nums = _REALS if real else _NUMBERS
+    reals = _REALS
     tls = dispatch._tls
 
     if routine == "gemm":
