@@ -1,22 +1,10 @@
 """SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
-The generic functions (``symm``, ``syrk``, ...) take scipy's signatures and defaults and pick the
-BLAS type from the arrays as scipy's ``find_best_blas_type`` does (the Hermitian routines use the
-complex type of the same precision for real input); the prefixed ones (``dsyrk``, ``zhemm``, ...)
-cast every array to their type, as scipy's do.
-
-numpy arrays in, a numpy (F-ordered) result out; cupy arrays in, a cupy result on a's device.
-``overwrite_c`` (``overwrite_b``) writes into c (b) and returns it when it is F-contiguous,
-writable and of the routine's dtype, else a new array is returned, as f2py does. Operands that
-are neither F- nor C-ordered are copied to F order; C-ordered ones are used through their
-transpose where the routine allows it.
-
-The rank-k routines write only the ``lower`` (else upper) triangle of c; the other keeps c's
-values (zeros when c is None). HERK and HER2K take real beta (HERK real alpha) and trans 0 or 2
-(scipy's ``zherk`` returns zeros for trans=1; blasx raises). As in BLAS, with alpha == 0 A and B
-are not read, with beta == 0 the written part of c is not read, and with alpha == 0 (or k == 0)
-and beta == 1 nothing is computed. Input errors name the parameter, the value and what is
-allowed; nothing is written when the arguments are rejected.
+The generic functions take scipy's signatures and pick the BLAS type as scipy's find_best_blas_type
+(the Hermitian routines: the complex type of the same precision); the prefixed ones (``dsyrk``,
+``zhemm``, ...) cast every array to their type. Outputs, layouts, in-place writes and BLAS's rules
+for alpha = 0 and beta = 0 are as in docs/usage.md; input errors name the parameter, the value and
+what is allowed, and nothing is written when the arguments are rejected.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """GEMM with scipy.linalg.blas ``?gemm`` semantics: ``blasx.gemm`` and ``blasx.sgemm/dgemm/cgemm/zgemm``.
 
-The BLAS type of ``blasx.gemm`` is the one scipy's ``find_best_blas_type`` picks from a, b (and
-c): bool, int8/16, uint8/16, float16 and float32 compute in float32; larger integers, float64 and
-longdouble in float64; complex64 in complex64 (complex128 beside float64); complex128 and
-clongdouble in complex128, except two operands of one reduced type (float16, bfloat16, int8) or
-an ``out_dtype``: :mod:`blasx.precision`'s rules. The prefixed functions cast every array to their
-own type, as scipy's do. Both run through :func:`blasx.dispatch.gemm` (the host BLAS when the CPU
-is the only device, else the engine; reduced types always on the engine).
+``blasx.gemm`` computes in the type scipy's find_best_blas_type picks (or :mod:`blasx.precision`'s
+for two operands of one reduced type, or an ``out_dtype``); the prefixed functions cast every array
+to their type. Both run through :func:`blasx.dispatch.gemm`.
 """
 
 from __future__ import annotations
