@@ -26,8 +26,6 @@ from .runtime.tiling import OP_C, OP_N, OP_T
 
 def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
     """A 0/1 flag (bools allowed): side, lower, diag."""
-    if type(value) is int and (value == 0 or value == 1):  # the common case, without the abc checks
-        return value
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):
@@ -43,8 +41,6 @@ DIAG = ("non-unit diagonal, read from a", "unit diagonal, a's diagonal is not re
 
 def _check_real(name: str, value, routine: str):
     """HERK's alpha and beta, HER2K's beta: real numbers (a complex with zero imaginary part is fine)."""
-    if type(value) is float or type(value) is int:  # the common case, without the abc checks
-        return value
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if value.imag != 0:
             raise TypeError(f"{name}: got complex {value!r}; {routine} takes a real {name}")

@@ -223,14 +223,11 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
         else:
             scale_views(cv, dtype.type(beta))
 
-    # (the engine's options only where one differs from its default: no dict to build per host call)
-    options = {} if not mixed and epilogue is None and math == "ieee" else {
-        "out_dtype": c.dtype if mixed else None, "math": math, "epilogue": epilogue}
     run(name, [va, vb, cv],
         lambda tile, block: plan_gemm(m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0),
                                       is_complex=dtype.kind == "c", block=block),
         dtype, alpha, beta, (m, n, k), host=None if mixed or epilogue is not None else host,
-        flops=2.0 * m * n * k if product else 0.0, **options)
+        flops=2.0 * m * n * k if product else 0.0, out_dtype=c.dtype if mixed else None, math=math, epilogue=epilogue)
     if staging is not None:
         c[...] = staging
 

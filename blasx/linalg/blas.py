@@ -62,8 +62,6 @@ def signature_of(routine: str) -> inspect.Signature:
 
 def _scalar(name: str, value, dtype: np.dtype, real: bool):
     """alpha / beta as f2py converts them: a number of the routine's type (see :func:`_number`)."""
-    if type(value) is float or type(value) is int:  # the common cases, without the abc checks
-        return complex(value) if dtype.kind == "c" and not real else float(value)
     value = _number(name, value, dtype)
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if real or dtype.kind != "c":
@@ -157,8 +155,6 @@ def _array(name: str, x, dtype: np.dtype):
     """An array argument as f2py takes it: an array of numbers not yet converted to ``dtype`` (the
     routine converts it once the call is valid; no copy), anything else made an array of ``dtype``
     as f2py makes it (a list of complex numbers for a real routine is a TypeError, as there)."""
-    if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without the checks below
-        return x
     if is_cupy(x):
         return x
     if not isinstance(x, np.ndarray):
@@ -246,9 +242,7 @@ def _make(prefix: str, routine: str):
                 if not 0 <= x <= top:
                     raise ValueError(f"{k}: got {x}; allowed: 0 to {top}")
                 v[k] = x
-        x = v[overwrite]
-        if type(x) is not int or not -_INT_MAX - 1 <= x <= _INT_MAX:
-            v[overwrite] = _overwrite(overwrite, x)
+        v[overwrite] = _overwrite(overwrite, v[overwrite])
         v["alpha"] = _scalar("alpha", v["alpha"], dtype, real_alpha)
         if "beta" in v:
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
@@ -257,9 +251,8 @@ def _make(prefix: str, routine: str):
             x = v[k]
             if x is None:
                 continue
-            if type(x) is not np.ndarray or x.ndim != 2 or x.dtype.kind not in "biufc":  # else kept as it is
-                x = _array(k, x, dtype)
-                v[k] = _matrix(k, x)
+            x = _array(k, x, dtype)
+            v[k] = _matrix(k, x)
             if k == out_name:
                 out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
