@@ -39,15 +39,6 @@ def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
     return flags.aligned and flags.writeable and not any(_may_share(c, x) for x in inputs)
 
 
-def _op(x, trans: int, real: bool):
-    """(V, op) with V F-contiguous and op(V) == op_trans(x), or None."""
-    if x.flags.f_contiguous:
-        return x, trans
-    if x.flags.c_contiguous and (real or trans != 2):
-        return x.T, (1 if trans == 0 else 0)  # x = V^T (real: C is T)
-    return None
-
-
 def make(routine: str, dtype: np.dtype):
     """The plain-call shortcut of ``routine`` ("gemm", "syrk", ...) in ``dtype``: a function with
     scipy's positional signature returning the result, or :data:`NO`."""
@@ -67,15 +58,22 @@ def make(routine: str, dtype: np.dtype):
                 return NO
             m, k = a.shape if trans_a == 0 else a.shape[::-1]
             kb, n = b.shape if trans_b == 0 else b.shape[::-1]
-            va, vb = _op(a, trans_a, real), _op(b, trans_b, real)
-            if k != kb or not (m and n and k) or va is None or vb is None:
+            if k != kb or not (m and n and k):
                 return NO
+            if not a.flags.f_contiguous:  # a row-major x is V^T, V = x.T column-major (real: C is T)
+                if not a.flags.c_contiguous or (trans_a == 2 and not real):
+                    return NO
+                a, trans_a = a.T, (1 if trans_a == 0 else 0)
+            if not b.flags.f_contiguous:
+                if not b.flags.c_contiguous or (trans_b == 2 and not real):
+                    return NO
+                b, trans_b = b.T, (1 if trans_b == 0 else 0)
             if c is None:
                 beta = 0.0
-            elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):
+            elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
             t0 = clock()
-            res = fn(alpha, va[0], vb[0], beta, c, va[1], vb[1], overwrite_c)
+            res = fn(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
             tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
             return res
         return call
