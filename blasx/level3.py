@@ -7,8 +7,6 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import dispatch, precision, shortcut
 from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
