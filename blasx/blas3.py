@@ -71,7 +71,7 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
     return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
-def _new(xp, shape, dtype, like, zeros=False):
+def new_array(xp, shape, dtype, like, zeros=False):
     """A new F-ordered array (on ``like``'s device for cupy)."""
     make = xp.zeros if zeros else xp.empty
     if like is not None and type(like) is not np.ndarray and is_cupy(like):
@@ -87,8 +87,8 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
     if _writable_in_place(c, dtype, overwrite_c):
         return c, True
     if c is None:
-        return _new(xp, shape, dtype, like, zeros=True), False
-    out = _new(xp, shape, dtype, like)
+        return new_array(xp, shape, dtype, like, zeros=True), False
+    out = new_array(xp, shape, dtype, like)
     if keep_other:
         out[...] = c
     return out, False
@@ -336,14 +336,14 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     if in_place:
         _check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
-        return b if in_place else _new(xp, (m, n), dtype, a)
+        return b if in_place else new_array(xp, (m, n), dtype, a)
     a = as_operand(a, dtype)
     vb = b if in_place else _f_view(b, xp, dtype)
     va, op, lower_v = _tri_view(a, trans_a, lower, xp)
     # In place, both write over B tile by tile, ordered by dependencies (TRSM: a tile is read
     # once solved; TRMM: a tile is overwritten once its old value has been read by every task).
     # Otherwise both write a new array (TRMM with no dependencies; TRSM starts each tile from B's).
-    out = b if in_place else _new(xp, (m, n), dtype, a)
+    out = b if in_place else new_array(xp, (m, n), dtype, a)
     is_complex = dtype.kind == "c"
 
     def plan(tile, block, inverse=False):

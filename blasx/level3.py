@@ -7,7 +7,7 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 
 from __future__ import annotations
 
-from . import dispatch, precision, shortcut
+from . import blas3, dispatch, precision, shortcut
 from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
@@ -88,11 +88,7 @@ def _output(c, dtype, shape, overwrite_c, beta, xp, like):
     F-ordered array (holding c's values when beta != 0)."""
     if c is not None and _in_place(c, dtype, overwrite_c):
         return c
-    if like is not None:
-        with like.device:
-            out = xp.empty(shape, dtype=dtype, order="F")
-    else:
-        out = xp.empty(shape, dtype=dtype, order="F")
+    out = blas3.new_array(xp, shape, dtype, like)
     if c is not None and beta != 0:
         out[...] = c
     return out
