@@ -1,22 +1,10 @@
 """SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
-The generic functions (``symm``, ``syrk``, ...) take scipy's signatures and defaults and pick the
-BLAS type from the arrays as scipy's ``find_best_blas_type`` does (the Hermitian routines use the
-complex type of the same precision for real input); the prefixed ones (``dsyrk``, ``zhemm``, ...)
-cast every array to their type, as scipy's do.
-
-numpy arrays in, a numpy (F-ordered) result out; cupy arrays in, a cupy result on a's device.
-``overwrite_c`` (``overwrite_b``) writes into c (b) and returns it when it is F-contiguous,
-writable and of the routine's dtype, else a new array is returned, as f2py does. Operands that
-are neither F- nor C-ordered are copied to F order; C-ordered ones are used through their
-transpose where the routine allows it.
-
-The rank-k routines write only the ``lower`` (else upper) triangle of c; the other keeps c's
-values (zeros when c is None). HERK and HER2K take real beta (HERK real alpha) and trans 0 or 2
-(scipy's ``zherk`` returns zeros for trans=1; blasx raises). As in BLAS, with alpha == 0 A and B
-are not read, with beta == 0 the written part of c is not read, and with alpha == 0 (or k == 0)
-and beta == 1 nothing is computed. Input errors name the parameter, the value and what is
-allowed; nothing is written when the arguments are rejected.
+The generic functions take scipy's signatures and pick the BLAS type as scipy's find_best_blas_type
+(the Hermitian routines: the complex type of the same precision); the prefixed ones (``dsyrk``,
+``zhemm``, ...) cast every array to their type. Outputs, layouts, in-place writes and BLAS's rules
+for alpha = 0 and beta = 0 are as in docs/usage.md; input errors name the parameter, the value and
+what is allowed, and nothing is written when the arguments are rejected.
 """
 
 from __future__ import annotations
@@ -26,7 +14,7 @@ import numbers
 import numpy as np
 
 from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
-from . import dispatch
+from . import dispatch, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
 from .runtime import dtypes
@@ -38,8 +26,6 @@ from .runtime.tiling import OP_C, OP_N, OP_T
 
 def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
     """A 0/1 flag (bools allowed): side, lower, diag."""
-    if type(value) is int and (value == 0 or value == 1):  # the common case, without the abc checks
-        return value
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):
@@ -55,8 +41,6 @@ DIAG = ("non-unit diagonal, read from a", "unit diagonal, a's diagonal is not re
 
 def _check_real(name: str, value, routine: str):
     """HERK's alpha and beta, HER2K's beta: real numbers (a complex with zero imaginary part is fine)."""
-    if type(value) is float or type(value) is int:  # the common case, without the abc checks
-        return value
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if value.imag != 0:
             raise TypeError(f"{name}: got complex {value!r}; {routine} takes a real {name}")
@@ -87,7 +71,7 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
     return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
-def _new(xp, shape, dtype, like, zeros=False):
+def new_array(xp, shape, dtype, like, zeros=False):
     """A new F-ordered array (on ``like``'s device for cupy)."""
     make = xp.zeros if zeros else xp.empty
     if like is not None and type(like) is not np.ndarray and is_cupy(like):
@@ -103,8 +87,8 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
     if _writable_in_place(c, dtype, overwrite_c):
         return c, True
     if c is None:
-        return _new(xp, shape, dtype, like, zeros=True), False
-    out = _new(xp, shape, dtype, like)
+        return new_array(xp, shape, dtype, like, zeros=True), False
+    out = new_array(xp, shape, dtype, like)
     if keep_other:
         out[...] = c
     return out, False
@@ -198,12 +182,16 @@ def symm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     other triangle of a is not read. See the module docstring for dtypes,
     outputs and layouts.
     """
+    if (res := _plain("symm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, dtype=None, name="symm")
 
 
 def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     """As :func:`symm` with S Hermitian (scipy.linalg.blas.?hemm): the other triangle of a and
     the imaginary part of its diagonal are not read."""
+    if (res := _plain("hemm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, dtype=None, name="hemm")
 
 
@@ -289,6 +277,8 @@ def syrk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     error for complex ones). The other triangle of c keeps its values (zeros if
     c is None). See the module docstring for dtypes, outputs and layouts.
     """
+    if (res := _plain("syrk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, dtype=None,
                  name="syrk")
 
@@ -300,6 +290,8 @@ def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     raises ValueError (scipy's zherk returns zeros). The diagonal's imaginary
     part is set to 0 (unless alpha == 0 and beta == 1: then c is untouched, as in BLAS).
     """
+    if (res := _plain("herk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, dtype=None,
                  name="herk")
 
@@ -307,6 +299,8 @@ def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(b)^T + alpha op(b) op(a)^T + beta c on the ``lower`` (else upper)
     triangle, as scipy.linalg.blas.?syr2k (a and b have the same shape; trans as for :func:`syrk`)."""
+    if (res := _plain("syr2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, dtype=None,
                  name="syr2k")
 
@@ -314,6 +308,8 @@ def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(b)^H + conj(alpha) op(b) op(a)^H + beta c on the ``lower`` (else upper)
     triangle, as scipy.linalg.blas.?her2k: beta real, trans 0 or 2 (as for :func:`herk`)."""
+    if (res := _plain("her2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
+        return res
     return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, dtype=None,
                  name="her2k")
 
@@ -340,14 +336,14 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     if in_place:
         _check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
-        return b if in_place else _new(xp, (m, n), dtype, a)
+        return b if in_place else new_array(xp, (m, n), dtype, a)
     a = as_operand(a, dtype)
     vb = b if in_place else _f_view(b, xp, dtype)
     va, op, lower_v = _tri_view(a, trans_a, lower, xp)
     # In place, both write over B tile by tile, ordered by dependencies (TRSM: a tile is read
     # once solved; TRMM: a tile is overwritten once its old value has been read by every task).
     # Otherwise both write a new array (TRMM with no dependencies; TRSM starts each tile from B's).
-    out = b if in_place else _new(xp, (m, n), dtype, a)
+    out = b if in_place else new_array(xp, (m, n), dtype, a)
     is_complex = dtype.kind == "c"
 
     def plan(tile, block, inverse=False):
@@ -386,6 +382,8 @@ def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     the product is written over b tile by tile (each tile once every task
     reading its old value is done); otherwise into a new array.
     """
+    if (res := _plain("trmm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
+        return res
     return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
 
 
@@ -396,6 +394,8 @@ def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     and b F-contiguous of the right dtype, x is written over b, tile by tile.
     No singularity check is made (BLAS semantics: a zero pivot gives inf/nan).
     """
+    if (res := _plain("trsm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
+        return res
     return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, dtype=None, name="trsm")
 
 
@@ -419,23 +419,42 @@ _TABLE = {
 #: routine -> the prefixes it has (scipy's set)
 ROUTINE_PREFIXES = {r: prefixes for r, (*_, prefixes) in _TABLE.items()}
 
+#: routine -> dtype -> its plain-call shortcut (blasx.shortcut)
+_FAST = {r: {dtypes.BY_PREFIX[p].dtype: shortcut.make(r, dtypes.BY_PREFIX[p].dtype) for p in ps}
+         for r, ps in ROUTINE_PREFIXES.items()}
+
+
+def _plain(routine: str, a, *args):
+    """A generic routine's call in the plain form of a's dtype, run by its shortcut, else NO."""
+    fast = _FAST[routine].get(getattr(a, "dtype", None))
+    return shortcut.NO if fast is None else fast(*args)
+
 
 def _prefixed(prefix: str, routine: str):
     """``prefix + routine`` (e.g. ``dsyrk``): the generic routine's signature, every array cast to the prefix's type."""
     generic, impl, kw, _ = _TABLE[routine]
     dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + routine
+    fast, no = _FAST[routine][dtype], shortcut.NO
     if impl is _symm:
         def f(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, b, beta, c, side, lower, overwrite_c)) is not no:
+                return res
             return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, dtype=dtype, name=name, **kw)
     elif impl is _tri:
         def f(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
+            if (res := fast(alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not no:
+                return res
             return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, dtype=dtype, name=name, **kw)
     elif kw["two"]:
         def f(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, b, beta, c, trans, lower, overwrite_c)) is not no:
+                return res
             return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     else:
         def f(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
+            if (res := fast(alpha, a, beta, c, trans, lower, overwrite_c)) is not no:
+                return res
             return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     f.__name__ = f.__qualname__ = name
     f.__module__ = __name__

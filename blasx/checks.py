@@ -22,16 +22,12 @@ def check_matrix(name: str, x) -> None:
 
 
 def check_trans(name: str, value) -> int:
-    if type(value) is int and value in TRANS_ALLOWED:  # the common case, without the abc checks
-        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral,)) or int(value) not in TRANS_ALLOWED:
         raise ValueError(f"{name}: got {value!r}, allowed: 0 (N), 1 (T), 2 (C, conjugate transpose)")
     return int(value)
 
 
 def check_scalar(name: str, value, dtype: np.dtype):
-    if type(value) is float or type(value) is int or (type(value) is complex and dtype.kind == "c"):
-        return value  # the common cases, without the abc checks
     if not isinstance(value, numbers.Number) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}, expected a number")
     if dtype.kind != "c" and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):

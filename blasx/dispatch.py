@@ -1,13 +1,10 @@
 """The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
 
-Every front end (``gemm``, the level-3 routines, ``matmul``/``dot``/``tensordot``, the scipy
-drop-in, ``offload``) validates its arguments and makes its output first, so nothing is written
-before a call is known to be good, casts each operand at most once (:func:`as_operand`), and hands
-the call to :func:`run`: canonical (column-major) views in a planner's slot order, the planner,
-and optionally the host routine that does the same on the CPU alone. With the CPU alone and no
-fixed tile (``Engine.inline``, :func:`host_device`) the call is one call of scipy's or numpy's own
-routine in the caller's thread; otherwise it is planned and submitted (:func:`submit_planned`).
-Either way it becomes this thread's call for :func:`last_profile`.
+Every front end validates its arguments and makes its output first (nothing is written before a
+call is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call
+to :func:`run`. With the CPU alone and no fixed tile (``Engine.inline``, :func:`host_device`) the
+call is scipy's or numpy's own routine in the caller's thread, else it is planned and submitted
+(:func:`submit_planned`); either way it becomes this thread's call for :func:`last_profile`.
 """
 
 from __future__ import annotations
@@ -163,13 +160,10 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
         host=None, flops: float = 0.0, scratch=None, **options) -> None:
     """Run one validated call on canonical operands: the entry every front end (and ``blasx.dnn``) uses.
 
-    ``views``: column-major views in the planner's slot order, the output(s) included, of one
-    BLAS ``dtype``; ``plan(tile, block)`` returns the tasks (see :func:`submit_planned` for
-    ``dims`` and ``scratch``). ``host()``, if given, computes the same on the host BLAS into the
-    output views; it runs instead of the engine when the CPU is the only device and the operands
-    are numpy arrays, and the call is recorded as one host task of ``flops`` real flops.
-    ``options``: ``out_dtype``, ``math`` and ``epilogue`` of the engine call (:func:`submit_planned`).
-    Raises the call's error, if any.
+    ``views``: column-major views of one BLAS ``dtype`` in the planner's slot order, outputs included;
+    ``plan``, ``dims``, ``scratch`` and ``options`` as :func:`submit_planned` takes them. ``host()``,
+    if given, computes the same on the host BLAS into the output views: with the CPU alone and numpy
+    operands it runs instead of the engine, recorded as one host task of ``flops`` real flops.
     """
     if host is not None and type(views[0]) is np.ndarray:
         dev = host_device()
@@ -296,14 +290,12 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
                    scratch=None, **options) -> None:
     """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
 
-    ``views`` are the operands in canonical (column-major) form, in the planner's slot order;
-    ``plan(tile, block)`` returns the tasks; ``dims = (m, n, k)`` sizes the call for the tile
-    choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the
-    planner writes and reads (None: none); it is made where :func:`_scratch_home` says, appended
-    to the operands, and the plan is then ``plan(tile, block, True)``. ``options``: ``out_dtype``,
-    ``math`` and ``epilogue`` as :class:`~blasx.runtime.call.Call` takes them. Raises the call's error,
-    if any. A call that finds its engine shut down before its tasks were queued (configure() or
-    shutdown() in another thread) runs on the engine that replaces it.
+    ``plan(tile, block)`` returns the tasks on ``views``; ``dims = (m, n, k)`` sizes the call for the
+    tile choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the planner
+    writes and reads (None: none), made where :func:`_scratch_home` says and planned with
+    ``plan(tile, block, True)``. ``options``: ``out_dtype``, ``math`` and ``epilogue`` as
+    :class:`~blasx.runtime.call.Call` takes them. Raises the call's error. A call whose engine was shut
+    down before its tasks were queued (configure() in another thread) runs on its replacement.
     """
     dtype = np.dtype(dtype)
     for attempt in range(_ENGINE_ATTEMPTS):

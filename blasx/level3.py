@@ -1,26 +1,18 @@
 """GEMM with scipy.linalg.blas ``?gemm`` semantics: ``blasx.gemm`` and ``blasx.sgemm/dgemm/cgemm/zgemm``.
 
-The BLAS type of ``blasx.gemm`` is the one scipy's ``find_best_blas_type`` picks from a, b (and
-c): bool, int8/16, uint8/16, float16 and float32 compute in float32; larger integers, float64 and
-longdouble in float64; complex64 in complex64 (complex128 beside float64); complex128 and
-clongdouble in complex128, except two operands of one reduced type (float16, bfloat16, int8) or
-an ``out_dtype``: :mod:`blasx.precision`'s rules. The prefixed functions cast every array to their
-own type, as scipy's do. Both run through :func:`blasx.dispatch.gemm` (the host BLAS when the CPU
-is the only device, else the engine; reduced types always on the engine).
+``blasx.gemm`` computes in the type scipy's find_best_blas_type picks (or :mod:`blasx.precision`'s
+for two operands of one reduced type, or an ``out_dtype``); the prefixed functions cast every array
+to their type. Both run through :func:`blasx.dispatch.gemm`.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from . import dispatch, precision
+from . import blas3, dispatch, precision, shortcut
 from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
 
-_BLAS_DTYPES = frozenset(dtypes.BY_DTYPE)  # float32, float64, complex64, complex128
-_F32 = np.dtype(np.float32)
 
 
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
@@ -38,6 +30,9 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False,
     keeps half/bfloat16's float32 result. ``math="tf32"`` (or ``blasx.configure(math="tf32")``)
     runs float32 on TF32 tensor cores.
     """
+    if out_dtype is None and math is None and (fast := _FAST.get(getattr(a, "dtype", None))) is not None:
+        if (res := fast(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)) is not shortcut.NO:
+            return res
     return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm", out_dtype, math)
 
 
@@ -48,26 +43,20 @@ def _op_shape(x, op: int) -> tuple[int, int]:
 def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_dtype=None, math=None):
     """gemm in ``dtype`` (None: the arrays' type by :func:`blasx.precision.gemm_types`, with
     ``out_dtype``): validate, make the output, dispatch."""
-    plain = _plain_type(alpha, a, b, beta, c, trans_a, trans_b, dtype) if math is None and out_dtype is None else None
-    if plain is not None:  # what the checks below conclude for the common form, without them
-        on_gpu = False
-        dtype = out_type = plain
-        math = precision.default_math() if plain == _F32 else "ieee"  # (TF32 is float32's alone)
+    check_matrix("a", a)
+    check_matrix("b", b)
+    if c is not None:
+        check_matrix("c", c)
+    on_gpu = same_place(a=a, b=b, c=c)
+    trans_a = check_trans("trans_a", trans_a)
+    trans_b = check_trans("trans_b", trans_b)
+    math = precision.check_math(math)
+    if dtype is None:
+        dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
     else:
-        check_matrix("a", a)
-        check_matrix("b", b)
-        if c is not None:
-            check_matrix("c", c)
-        on_gpu = same_place(a=a, b=b, c=c)
-        trans_a = check_trans("trans_a", trans_a)
-        trans_b = check_trans("trans_b", trans_b)
-        math = precision.check_math(math)
-        if dtype is None:
-            dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
-        else:
-            out_type = dtype
-        alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
-        beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
+        out_type = dtype
+    alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
+    beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
     m, ka = _op_shape(a, trans_a)
     kb, n = _op_shape(b, trans_b)
     if ka != kb:
@@ -89,27 +78,6 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     return out
 
 
-def _plain_type(alpha, a, b, beta, c, trans_a, trans_b, dtype):
-    """The computation type of a call in the common form (host matrices of one BLAS type, or any
-    numeric type for a prefixed ``dtype``; int flags 0..2; Python numbers, complex ones only for a
-    complex type), or None for any other form (which the full checks then take)."""
-    if not (type(a) is np.ndarray and type(b) is np.ndarray and a.ndim == 2 and b.ndim == 2
-            and (c is None or (type(c) is np.ndarray and c.ndim == 2))
-            and type(trans_a) is int and 0 <= trans_a <= 2 and type(trans_b) is int and 0 <= trans_b <= 2):
-        return None
-    if dtype is None:
-        dtype = a.dtype
-        if dtype not in _BLAS_DTYPES or b.dtype != dtype or (c is not None and c.dtype != dtype):
-            return None
-    elif a.dtype.kind not in "biufc" or b.dtype.kind not in "biufc":
-        return None
-    ta, tb = type(alpha), type(beta)
-    if ta is float or ta is int or (ta is complex and dtype.kind == "c"):
-        if tb is float or tb is int or (tb is complex and dtype.kind == "c"):
-            return dtype
-    return None
-
-
 def _in_place(c, dtype, overwrite_c) -> bool:
     """blasx.gemm writes into c itself when asked to and c is writable, of ``dtype`` (any layout)."""
     return bool(overwrite_c) and c.dtype == dtype and writable(c)
@@ -120,11 +88,7 @@ def _output(c, dtype, shape, overwrite_c, beta, xp, like):
     F-ordered array (holding c's values when beta != 0)."""
     if c is not None and _in_place(c, dtype, overwrite_c):
         return c
-    if like is not None:
-        with like.device:
-            out = xp.empty(shape, dtype=dtype, order="F")
-    else:
-        out = xp.empty(shape, dtype=dtype, order="F")
+    out = blas3.new_array(xp, shape, dtype, like)
     if c is not None and beta != 0:
         out[...] = c
     return out
@@ -134,8 +98,11 @@ def _prefixed(prefix: str):
     """``?gemm`` for one prefix: scipy's signature, every array cast to the prefix's type."""
     dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + "gemm"
+    fast = _FAST[dtype]
 
     def f(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False):
+        if (res := fast(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)) is not shortcut.NO:
+            return res
         return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name)
 
     f.__name__ = f.__qualname__ = name
@@ -143,6 +110,9 @@ def _prefixed(prefix: str):
                  f"first.\n\n" + (gemm.__doc__ or ""))
     return f
 
+
+#: dtype -> its gemm's plain-call shortcut (blasx.shortcut)
+_FAST = {t.dtype: shortcut.make("gemm", t.dtype) for t in dtypes.TYPES}
 
 #: sgemm, dgemm, cgemm, zgemm
 PREFIXED = {p + "gemm": _prefixed(p) for p in dtypes.PREFIXES}

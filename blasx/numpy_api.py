@@ -1,40 +1,14 @@
 """numpy-style ``matmul``, ``dot`` and ``tensordot`` on blasx.
 
-The semantics are numpy's (``np.matmul``, ``np.dot``, ``np.tensordot``):
-shapes, broadcasting, the promotion of 1-D operands, result dtypes, ``out=``
-and the errors. The dtype rule is numpy's too: a call whose result type (or
-``dtype=``) is float32, float64, complex64 or complex128 runs on blasx; any
-other (integers, bool, longdouble, object) runs numpy's own function and gives
-numpy's dtype and values, except the reduced types (:mod:`blasx.precision`):
-two float16 or two bfloat16 operands run on blasx, accumulating in float32 and
-giving their own type (``out_dtype=np.float32`` or ``dtype=np.float32``: the
-float32 result); two int8 operands give int32, exactly (numpy's int8 result
-would wrap). ``math="tf32"`` runs float32 products on TF32 tensor cores.
-
-On blasx, with the CPU as the only device (``blasx.configure(devices="cpu")``,
-or no GPU), a call is numpy's own function on the host BLAS (``matmul`` of
-operands of the computation type, with an ``out=`` of that type that numpy
-writes with BLAS; ``dot`` of 1-D / 2-D ones; ``tensordot``), recorded for
-``blasx.last_profile()``; every other call, and every call on GPUs or sims, is
-made into gemms (:func:`blasx.dispatch.gemm`):
-
-* ``matmul`` broadcasts the batch dimensions. When one operand is the same
-  for every batch item it runs one larger gemm: ``(N, n, k) @ (k, m)`` is the
-  ``(N*n, k) @ (k, m)`` gemm (on a view when the batch rows lie at one
-  stride, else on a copy of the left operand), ``(n, k) @ (N, k, m)`` is
-  ``(n, k) @ (k, N*m)`` (the right operand copied side by side, or the
-  transposed problem on a view where its layout allows). Otherwise it runs
-  one gemm per batch item.
-* ``dot`` and ``tensordot`` reshape the operands into one gemm, as numpy does.
-
-ndarray subclasses and array-likes that override ufuncs, and the ufunc keyword
-arguments blasx does not handle (``order``, ``subok``, ``axes``, ``axis``,
-``signature``), go to numpy's own functions, unchanged. Invalid calls are
-handed to numpy too, so the error raised is numpy's own; a read-only ``out``
-raises ValueError naming ``out`` before any work.
-
-Host (numpy) arrays in, numpy arrays out. CuPy arrays (all operands on the
-GPU) are computed on the engine and come back as CuPy arrays.
+numpy's semantics (shapes, broadcasting, 1-D operands, result dtypes, ``out=``, errors) and numpy's
+dtype rule: a call whose result type (or ``dtype=``) is float32, float64, complex64 or complex128 runs
+on blasx, any other one is numpy's own function, except the reduced types (:mod:`blasx.precision`:
+two float16, bfloat16 or int8 operands run on blasx). With the CPU alone a call of operands of the
+computation type is numpy's own function on the host BLAS, recorded for ``blasx.last_profile()``;
+every other call becomes gemms (:func:`blasx.dispatch.gemm`): a batch whose one operand is shared is
+one larger gemm, on a view where the layout allows; else one gemm per item. Subclasses, array-likes
+overriding ufuncs, the keywords blasx does not handle and invalid calls go to numpy unchanged (a
+read-only ``out`` raises ValueError naming it first). CuPy operands give CuPy results.
 """
 
 from __future__ import annotations
@@ -44,7 +18,7 @@ import operator
 
 import numpy as np
 
-from . import dispatch, precision
+from . import dispatch, precision, session
 from .checks import shares_memory, writable
 from .operands import is_cupy
 from .runtime import dtypes
@@ -64,6 +38,18 @@ _MATMUL_DEFAULTS = {"casting": "same_kind", "dtype": None}
 #: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies from
 #: 2.3.1; before, it runs BLAS on C- or F-contiguous operands only
 _ANY_STRIDES = np.lib.NumpyVersion(np.__version__) >= "2.3.1"
+
+_nd = np.ndarray
+_tls = dispatch._tls
+_isqrt = math.isqrt  # (the functions' ``math`` argument hides the module)
+
+
+def _host(x, y):
+    """The CPU device when a plain call on x, y (numpy arrays of one BLAS type, the CPU alone) is
+    numpy's own function on the host BLAS, else None."""
+    if type(x) is _nd and type(y) is _nd and x.dtype is y.dtype and x.dtype in dtypes.BY_DTYPE:
+        return session.host_device
+    return None
 
 
 def _check_out(out) -> None:
@@ -88,16 +74,20 @@ def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _matmul(x1, x2, out, out_dtype, kwargs)
+    if not kwargs and (dev := _host(x1, x2)) is not None and x1.ndim and x2.ndim and (
+            _ANY_STRIDES or (x1.flags.forc and x2.flags.forc)) and (
+            out is None or (type(out) is _nd and out.dtype is x1.dtype and out.flags.writeable
+                            and (_ANY_STRIDES or out.flags.forc))):
+        t0 = clock()
+        res = _np_matmul(x1, x2, out=out)
+        _tls.stats = (dev, t0, clock(), x1.dtype, 2.0 * res.size * x1.shape[-1])
+        return res
     return _matmul(x1, x2, out, None, kwargs)
 
 
 def _matmul(x1, x2, out, out_dtype, kwargs):
-    if (out is None and not kwargs and out_dtype is None and type(x1) is np.ndarray and type(x2) is np.ndarray
-            and x1.dtype == x2.dtype and x1.dtype in dtypes.BY_DTYPE and x1.ndim and x2.ndim):
-        plan = (x1, x2, None, x1.dtype, "same_kind", np, x1.dtype)  # the common call: what _matmul_plan would find
-    else:
-        _check_out(out)
-        plan = _matmul_plan(x1, x2, out, kwargs, out_dtype)
+    _check_out(out)
+    plan = _matmul_plan(x1, x2, out, kwargs, out_dtype)
     if plan is None:
         if out_dtype is not None:
             _reject_out_dtype(x1, x2, out_dtype)
@@ -239,6 +229,12 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _dot(a, b, out, out_dtype)
+    if (dev := _host(a, b)) is not None and 0 < a.ndim <= 2 and 0 < b.ndim <= 2 and (
+            out is None or (type(out) is _nd and out.flags.writeable)):
+        t0 = clock()
+        res = _np_dot(a, b, out)
+        _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * res.size * a.shape[-1])
+        return res
     return _dot(a, b, out, None)
 
 
@@ -314,6 +310,12 @@ def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _tensordot(a, b, axes, out_dtype)
+    if (dev := _host(a, b)) is not None:
+        t0 = clock()
+        res = _np_tensordot(a, b, axes)
+        k2 = a.size * b.size // res.size if res.size else 0  # (m k) (k n) / (m n)
+        _tls.stats = (dev, t0, clock(), a.dtype, 2.0 * res.size * _isqrt(k2))
+        return res
     return _tensordot(a, b, axes, None)
 
 

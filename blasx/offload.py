@@ -1,23 +1,12 @@
 """Redirecting unmodified numpy / scipy code to blasx: ``with blasx.offload(threshold=...):``.
 
-While offload is on, calls whose flop count (``2 m n k``, complex ``8 m n k``) reaches the threshold
-run on the blasx engine, others exactly as before: ``a @ b`` / ``np.matmul`` in float32/64,
-complex64/128 and float16 (its loops replaced by the C extension ``blasx._matmul_loops``, which
-calls numpy's own loop below the threshold); ``np.dot`` (the ``numpy.dot`` attribute, not
-``ndarray.dot`` nor names imported before); the level-3 functions of ``scipy.linalg.blas``
-(module attributes, not ``get_blas_funcs``). Only plain ``numpy.ndarray`` operands are offloaded;
-results are what numpy / scipy give. Without the extension ``offload()`` raises RuntimeError saying
-so, and ``matmul=False`` redirects np.dot and scipy through Python wrappers; with it, those sit
-behind a C forwarder that calls the original at once when ``8 a.size b.size`` is below the threshold.
-
-Enables and ``offload`` blocks (also a decorator) nest: the patches go in with the first and come
-out, exactly restored, with the last. ``offload_enable(threshold=T)`` sets the process-wide
-threshold until its disable; ``offload(threshold=T)`` overrides it for the calling thread inside
-the block; else ``$BLASX_OFFLOAD_THRESHOLD``, else ``DEFAULT_THRESHOLDS`` for the device kind.
-
-blasx's own threads, and a thread already inside a blasx call, stay on numpy. A ``@`` or ``np.dot``
-that fails on blasx is computed by numpy with a RuntimeWarning; a scipy call blasx rejects with
-TypeError/ValueError goes to scipy; other errors propagate. BLAS thread settings are left as found.
+While offload is on, ``a @ b`` (numpy's matmul loops replaced by the C extension
+``blasx._matmul_loops``), ``np.dot`` and scipy.linalg.blas's level-3 functions run on the engine when
+their flop count reaches the threshold, else exactly as before (behind the extension's C forwarder,
+which calls the original at once when ``8 a.size b.size`` is below it). Enables and blocks nest; the
+patches go in with the first and come out, exactly restored, with the last. blasx's own threads and
+calls already inside blasx stay on numpy; a call that fails on blasx is computed by numpy (``@``,
+``np.dot``, with a RuntimeWarning) or scipy. docs/usage.md has every option.
 """
 
 from __future__ import annotations

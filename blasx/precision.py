@@ -1,27 +1,14 @@
 """Reduced precision on the engine: float16, bfloat16 and int8 GEMM, TF32 math, int8 quantization.
 
-Type combinations (A and B of one type; C's type is ``out_dtype``):
-
-* float16 -> float16 (default) or float32; bfloat16 -> bfloat16 (default) or float32: the products
-  accumulate in float32 (cuBLAS compute type 32F) and are rounded once to the output type;
-* int8 -> int32: exact (compute type 32I; exact on the CPU and sim too: float64 holds every sum);
-* float32 with ``math="tf32"``: A and B rounded to TF32 (10 mantissa bits), float32 accumulation,
-  on CUDA GPUs (emulated on sims); the CPU computes IEEE float32 (its tiles, and every call of a
-  CPU-only engine, whose profile then says ``math: ieee``).
-
-An ``out_dtype`` outside these is rejected with an error naming them (:func:`check_types`); other
-input pairs (float16 with float32, ...) keep scipy's rule (``gemm``) or numpy's (``matmul``, ``dot``,
-``tensordot``), where two int8 operands give int32, not numpy's wrapping int8. Errors against float64
-on the same inputs: :func:`tolerance`. A float16 result with values beyond float16's range (inf
-from a finite float32 accumulator, counted where the devices round C) raises a
-:class:`Float16OverflowWarning` naming the count. NaN and inf in the inputs propagate as in
-cuBLAS (no warning).
-
-This module holds the type rules; the calls themselves take the one path of every gemm
-(``blasx.gemm``'s validation in :mod:`blasx.level3`, then :func:`blasx.dispatch.gemm`).
-
-:func:`quantize` and :func:`gemm_int8` give symmetric int8 quantization with per-tensor or
-per-channel scales, the scales applied on the device to each C tile before its write-back.
+The type rules: two float16 (bfloat16) operands accumulate in float32 and round once to float16
+(bfloat16) or ``out_dtype=np.float32``; two int8 operands give int32, exactly; float32 with
+``math="tf32"`` rounds A and B to TF32 on CUDA GPUs (emulated on sims; the CPU stays IEEE). Another
+``out_dtype`` raises an error naming these (:func:`check_types`); other pairs keep scipy's rule
+(``gemm``) or numpy's (the numpy front ends). Errors against float64: :func:`tolerance`. A float16
+result that overflowed where the devices rounded it warns (:class:`Float16OverflowWarning`). The
+calls take the one path of every gemm (:mod:`blasx.level3`, :func:`blasx.dispatch.gemm`).
+:func:`quantize` and :func:`gemm_int8`: symmetric int8 quantization, scales applied on the device.
+See docs/usage.md.
 """
 
 from __future__ import annotations

@@ -255,16 +255,20 @@ def test_first_call_is_bit_identical_to_later_ones(call, spec, rand):
 
 
 def test_each_device_kind_takes_its_one_route(devices, rand, monkeypatch):
-    """The CPU alone: scipy's routine, never the engine; sims: the engine, never a host routine."""
+    """The CPU alone: scipy's routine (a host record), never the engine; sims: the engine, never a
+    host routine. Plain calls (blasx.shortcut) and those that take the full path alike."""
     ran = []
-    submit, routine = dispatch.submit_planned, dispatch.blas_routine
+    submit = dispatch.submit_planned
     monkeypatch.setattr(dispatch, "submit_planned", lambda *a, **k: ran.append("engine") or submit(*a, **k))
-    monkeypatch.setattr(dispatch, "blas_routine", lambda *a: ran.append("host") or routine(*a))
     a, b = rand((30, 20), seed=1), rand((20, 10), seed=2)
-    blasx.gemm(1.0, a, b)
-    blasx.dsyrk(1.0, a)
-    B.ztrmm(1.0, a[:20], b)
-    assert ran == (["host"] * 3 if devices == "cpu" else ["engine"] * 3)
+    af, bf = np.asfortranarray(a), np.asfortranarray(b)
+    for call in (lambda: blasx.gemm(1.0, a, b), lambda: blasx.dsyrk(1.0, a), lambda: B.ztrmm(1.0, a[:20], b),
+                 lambda: B.dgemm(1.0, af, bf), lambda: blasx.dsyrk(1.0, af), lambda: B.dtrmm(1.0, af[:20], bf)):
+        n = len(ran)
+        call()
+        if len(ran) == n:
+            ran.append("host" if type(dispatch._tls.stats) is tuple else "?")
+    assert ran == (["host"] * 6 if devices == "cpu" else ["engine"] * 6)
 
 
 # ---------------------------------------------------------------- the entry of a new front end

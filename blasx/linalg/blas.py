@@ -1,52 +1,14 @@
 """``scipy.linalg.blas`` with the level-3 routines running on blasx: ``from blasx.linalg import blas``.
 
-The level-3 wrappers ``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm
-?trsm`` (s, d, c, z as scipy has them: ``hemm``, ``herk`` and ``her2k`` only c
-and z) have scipy's names, positional order, keywords, defaults and return
-conventions, and f2py's conversions:
-
-* every array argument is converted to the routine's dtype (an array once the
-  call is known to be valid, complex to real discarding the imaginary part with
-  numpy's ComplexWarning, as f2py's cast does; lists and scalars made arrays of
-  that dtype, so complex numbers in a list for a real routine are a TypeError,
-  as there); a 0-d argument is a 1x1 matrix, a 1-D one a column (``(0,)`` is
-  1x0), an N-D one with at most two dimensions other than 1 the matrix of
-  those; a ``c`` (``b`` for trmm/trsm) of another rank gives a result of its
-  own shape, as f2py's does;
-* alpha and beta are converted as f2py does: numbers, the first element of a
-  sequence or array, numeric strings for real routines (a complex value for a
-  real routine, and HERK's alpha / HERK's and HER2K's beta, which BLAS reads
-  as real, lose their imaginary part, with a ComplexWarning here); the int
-  flags (``trans*``, ``side``, ``lower``, ``diag``) as f2py does (``int()``,
-  a complex's real part, a sequence's first element) and range-checked first,
-  ``overwrite_*`` by ``__index__``; None for an optional argument is its
-  default;
-* the result is a new F-ordered array, or c (b for trmm/trsm) itself when
-  ``overwrite_c`` (``overwrite_b``) is set and c is F-contiguous, writable and
-  of the routine's dtype, exactly when scipy writes in place;
-* ``?trmm`` takes a larger ``a`` whose leading ``k x k`` block is the
-  triangle, as scipy's wrapper does (``k <= a.shape[1] <= a.shape[0]``).
-
-Where scipy hands a bad value to BLAS (which prints "On entry to ZHERK
-parameter number 2 had an illegal value" and returns an unspecified array,
-e.g. ``zherk(trans=1)``, ``zsyrk(trans=2)``, inconsistent shapes that pass
-f2py's checks), blasx raises ValueError naming the parameter, the value and
-what is allowed. Errors that scipy raises, blasx raises too (ValueError or
-TypeError, with its own message).
-
-``get_blas_funcs`` and ``find_best_blas_type`` select the prefix exactly as
-scipy's do. Level-3 functions they return are blasx's, with the attributes
-scipy's carry: ``typecode`` and ``prefix`` (``'d'`` ...), ``dtype``,
-``int_dtype``, and ``module_name = 'blasx'`` (scipy puts ``'fblas'`` or
-``'cblas'`` there, naming the extension module the routine came from; blasx
-names itself). Every other name of scipy.linalg.blas (level 1 and 2
-routines, ``HAS_ILP64``, ...) is scipy's own object, forwarded through the
-module's ``__getattr__``, so this module stands in for scipy.linalg.blas whole.
-
-The level-3 functions always run on blasx (no size threshold: use
-:func:`blasx.offload` to keep small calls on the CPU BLAS), through
-:mod:`blasx.dispatch`: with the CPU as the only device that is one call of
-scipy's own routine on the converted operands.
+The level-3 wrappers (``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm ?trsm``, the prefixes scipy
+has) take scipy's names, positional order, keywords and defaults, convert their arguments as f2py does
+(arrays and lists to the routine's dtype, 0-/1-/N-D arrays to matrices, alpha/beta and the int flags
+by f2py's rules, None as the default) and return what scipy returns: a new F-ordered array, or c (b)
+itself where scipy writes it in place. Where scipy hands a bad value to BLAS (``zherk(trans=1)``,
+inconsistent shapes) blasx raises ValueError naming it; scipy's own errors are raised as there.
+``get_blas_funcs`` and ``find_best_blas_type`` pick the prefix as scipy's do; every other name
+(level 1 and 2, ``HAS_ILP64``, ...) is scipy's own object, so this module stands in for scipy's whole.
+There is no size threshold (:func:`blasx.offload` has one). docs/usage.md has the details.
 """
 
 from __future__ import annotations
@@ -59,7 +21,7 @@ import warnings
 import numpy as np
 import scipy.linalg.blas as _sp
 
-from .. import blas3, level3
+from .. import blas3, level3, shortcut
 from ..checks import BY_SCORE, TYPE_SCORE, writable
 from ..operands import is_cupy
 from ..runtime import dtypes
@@ -98,46 +60,8 @@ def signature_of(routine: str) -> inspect.Signature:
 
 # ---------------------------------------------------------------- f2py-style conversions
 
-def _fast_binder(sig: inspect.Signature):
-    """``(args, kwargs) -> {name: value}`` in the signature's order for a signature of
-    positional-or-keyword parameters, or None when the arguments do not bind (then
-    ``sig.bind`` raises the precise TypeError); a plain dict merge, where
-    ``inspect.Signature.bind`` would cost more than a small call."""
-    names = tuple(sig.parameters)
-    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not p.empty}
-    index = {n: i for i, n in enumerate(names)}
-    nrequired = len(names) - len(defaults)  # the required parameters come first
-    # the defaults of the parameters after npos positional arguments, for each npos that binds the required ones
-    tails = [{n: defaults[n] for n in names[npos:]} for npos in range(nrequired, len(names) + 1)]
-
-    def bind(args: tuple, kwargs: dict):
-        npos = len(args)
-        if npos > len(names):
-            return None
-        v = dict(zip(names, args))
-        if not kwargs:
-            if npos < nrequired:
-                return None
-            v.update(tails[npos - nrequired])
-            return v
-        for k in kwargs:
-            i = index.get(k)
-            if i is None or i < npos:
-                return None
-        for n in names[npos:]:
-            x = kwargs.get(n, defaults.get(n, REQUIRED))
-            if x is REQUIRED:
-                return None
-            v[n] = x
-        return v
-
-    return bind
-
-
 def _scalar(name: str, value, dtype: np.dtype, real: bool):
     """alpha / beta as f2py converts them: a number of the routine's type (see :func:`_number`)."""
-    if type(value) is float or type(value) is int:  # the common cases, without the abc checks
-        return complex(value) if dtype.kind == "c" and not real else float(value)
     value = _number(name, value, dtype)
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if real or dtype.kind != "c":
@@ -231,8 +155,6 @@ def _array(name: str, x, dtype: np.dtype):
     """An array argument as f2py takes it: an array of numbers not yet converted to ``dtype`` (the
     routine converts it once the call is valid; no copy), anything else made an array of ``dtype``
     as f2py makes it (a list of complex numbers for a real routine is a TypeError, as there)."""
-    if type(x) is np.ndarray and x.dtype.kind in "biufc":  # the common case, without the checks below
-        return x
     if is_cupy(x):
         return x
     if not isinstance(x, np.ndarray):
@@ -292,21 +214,27 @@ def _make(prefix: str, routine: str):
     hermitian = routine in ("herk", "her2k")
     impl = _impl(prefix, routine)
     out_name = "b" if _FAMILY[routine] == "trmm" else "c"
-    bind = _fast_binder(sig)
     flags = tuple((k, _FLAG_MAX[k]) for k in _FLAGS if k in sig.parameters)
     overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
     arrays = tuple(k for k in _ARRAYS if k in sig.parameters)
     real_alpha = routine == "herk"
+    fast, no = shortcut.make(routine, dtype), shortcut.NO
 
     def f(*args, **kwargs):
-        v = bind(args, kwargs)
-        if v is None:
-            try:
-                bound = sig.bind(*args, **kwargs)
-            except TypeError as e:
-                raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
-            bound.apply_defaults()
-            v = dict(bound.arguments)
+        try:
+            res = fast(*args, **kwargs)
+        except TypeError as e:
+            if e.__traceback__.tb_next is not None:
+                raise
+            res = no  # the arguments do not bind: the full path says why
+        if res is not no:
+            return res
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}; the signature is {name}{sig}") from None
+        bound.apply_defaults()
+        v = dict(bound.arguments)
         for k, top in flags:  # first, with f2py's range checks, as f2py does; a plain int in range is kept
             x = v[k]
             if type(x) is not int or not 0 <= x <= top:
@@ -314,9 +242,7 @@ def _make(prefix: str, routine: str):
                 if not 0 <= x <= top:
                     raise ValueError(f"{k}: got {x}; allowed: 0 to {top}")
                 v[k] = x
-        x = v[overwrite]
-        if type(x) is not int or not -_INT_MAX - 1 <= x <= _INT_MAX:
-            v[overwrite] = _overwrite(overwrite, x)
+        v[overwrite] = _overwrite(overwrite, v[overwrite])
         v["alpha"] = _scalar("alpha", v["alpha"], dtype, real_alpha)
         if "beta" in v:
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
@@ -325,9 +251,8 @@ def _make(prefix: str, routine: str):
             x = v[k]
             if x is None:
                 continue
-            if type(x) is not np.ndarray or x.ndim != 2 or x.dtype.kind not in "biufc":  # else kept as it is
-                x = _array(k, x, dtype)
-                v[k] = _matrix(k, x)
+            x = _array(k, x, dtype)
+            v[k] = _matrix(k, x)
             if k == out_name:
                 out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one

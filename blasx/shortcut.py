@@ -1,0 +1,155 @@
+"""The CPU alone: a level-3 call in its plain form is one call of scipy's own routine.
+
+A call is plain when its arrays are numpy matrices of the routine's own dtype in column-major
+layout (gemm also takes row-major operands, as transposes), the shapes agree and are non-empty,
+alpha is a nonzero Python number, beta a Python number (real where BLAS reads it as real), the
+flags are ints in range and an output written in place aliases no input. Such a call's result is
+scipy's (the same output array, the same in-place rule), so :func:`make` hands it to scipy's
+function as it is, with no checks, copies or closures built per call, and records it for
+``last_profile()``. Any other call gets :data:`NO` and takes the full path (:mod:`blasx.dispatch`),
+which converts, checks and raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import dispatch, session
+from .runtime.stats import clock
+
+NO = object()  # "not a plain call": the caller takes the full path
+
+_nd = np.ndarray
+_may_share = np.may_share_memory
+_FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
+_REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
+_NUMBERS = _REALS | {complex, np.complex128, np.complex64}
+
+
+def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
+    """c may be handed to scipy as the output: of ``dtype`` and ``shape``; written in place only
+    where blasx writes it in place too (F-contiguous, aligned, writable) and aliasing no input."""
+    if type(c) is not _nd or c.dtype is not dtype or c.shape != shape:
+        return False
+    if not overwrite:
+        return True
+    flags = c.flags
+    if not flags.f_contiguous:
+        return False  # blasx.gemm writes such a c in place, scipy would copy it
+    return flags.aligned and flags.writeable and not any(_may_share(c, x) for x in inputs)
+
+
+def make(routine: str, dtype: np.dtype):
+    """The plain-call shortcut of ``routine`` ("gemm", "syrk", ...) in ``dtype``: a function with
+    scipy's positional signature returning the result, or :data:`NO`."""
+    fn = dispatch.blas_routine(routine, dtype)
+    real = dtype.kind != "c"
+    nums = _REALS if real else _NUMBERS
+    reals = _REALS
+    tls = dispatch._tls
+
+    if routine == "gemm":
+        def call(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=0):
+            dev = session.host_device
+            if (dev is None or type(a) is not _nd or type(b) is not _nd or a.dtype is not dtype or b.dtype is not dtype
+                    or a.ndim != 2 or b.ndim != 2 or type(alpha) not in nums or not alpha or type(beta) not in nums
+                    or type(trans_a) is not int or type(trans_b) is not int or not 0 <= trans_a <= 2
+                    or not 0 <= trans_b <= 2 or type(overwrite_c) not in _FLAG or not 0 <= overwrite_c <= 1):
+                return NO
+            m, k = a.shape if trans_a == 0 else a.shape[::-1]
+            kb, n = b.shape if trans_b == 0 else b.shape[::-1]
+            if k != kb or not (m and n and k):
+                return NO
+            if not a.flags.f_contiguous:  # a row-major x is V^T, V = x.T column-major (real: C is T)
+                if not a.flags.c_contiguous or (trans_a == 2 and not real):
+                    return NO
+                a, trans_a = a.T, (1 if trans_a == 0 else 0)
+            if not b.flags.f_contiguous:
+                if not b.flags.c_contiguous or (trans_b == 2 and not real):
+                    return NO
+                b, trans_b = b.T, (1 if trans_b == 0 else 0)
+            if c is None:
+                beta = 0.0
+            elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
+                return NO
+            t0 = clock()
+            res = fn(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+            tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
+            return res
+        return call
+
+    if routine in ("symm", "hemm"):
+        def call(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=0):
+            dev = session.host_device
+            if (dev is None or type(a) is not _nd or type(b) is not _nd or a.dtype is not dtype or b.dtype is not dtype
+                    or type(alpha) not in nums or not alpha or type(beta) not in nums or type(side) is not int
+                    or type(lower) is not int or not 0 <= side <= 1 or not 0 <= lower <= 1
+                    or type(overwrite_c) not in _FLAG or not 0 <= overwrite_c <= 1 or b.ndim != 2
+                    or not a.flags.f_contiguous or not b.flags.f_contiguous):
+                return NO
+            m, n = b.shape
+            s = m if side == 0 else n
+            if a.shape != (s, s) or not (m and n) or (c is not None and not _out_ok(c, dtype, (m, n), overwrite_c, a, b)):
+                return NO
+            t0 = clock()
+            res = fn(alpha, a, b, 0.0 if c is None else beta, c, side, lower, overwrite_c)
+            tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * s)
+            return res
+        return call
+
+    hermitian = routine in ("herk", "her2k")
+    trans_ok = (0, 2) if hermitian else (0, 1, 2) if real else (0, 1)
+    alpha_types = reals if routine == "herk" else nums
+    beta_types = reals if hermitian else nums
+
+    if routine in ("syrk", "herk", "syr2k", "her2k"):
+        two = routine.endswith("2k")
+
+        def rank(alpha, a, b, beta, c, trans, lower, overwrite_c):
+            dev = session.host_device
+            if (dev is None or type(a) is not _nd or a.dtype is not dtype or a.ndim != 2
+                    or type(alpha) not in alpha_types or not alpha or type(beta) not in beta_types
+                    or type(trans) is not int or trans not in trans_ok or type(lower) is not int
+                    or not 0 <= lower <= 1 or type(overwrite_c) not in _FLAG or not 0 <= overwrite_c <= 1 or not a.flags.f_contiguous):
+                return NO
+            if two and (type(b) is not _nd or b.dtype is not dtype or b.shape != a.shape or not b.flags.f_contiguous):
+                return NO
+            n, k = a.shape if trans == 0 else a.shape[::-1]
+            if not (n and k) or (c is not None and not _out_ok(c, dtype, (n, n), overwrite_c, a, b)):
+                return NO
+            op = 1 if trans == 2 and real else trans
+            t0 = clock()
+            if two:
+                res = fn(alpha, a, b, 0.0 if c is None else beta, c, op, lower, overwrite_c)
+            else:
+                res = fn(alpha, a, 0.0 if c is None else beta, c, op, lower, overwrite_c)
+            tls.stats = (dev, t0, clock(), dtype, (2.0 if two else 1.0) * n * (n + 1.0) * k)
+            return res
+
+        if two:
+            def call(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=0):
+                return rank(alpha, a, b, beta, c, trans, lower, overwrite_c)
+        else:
+            def call(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=0):
+                return rank(alpha, a, None, beta, c, trans, lower, overwrite_c)
+        return call
+
+    def call(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=0):  # trmm, trsm
+        dev = session.host_device
+        if (dev is None or type(a) is not _nd or type(b) is not _nd or a.dtype is not dtype or b.dtype is not dtype
+                or b.ndim != 2 or type(alpha) not in nums or not alpha or type(side) is not int
+                or type(lower) is not int or type(trans_a) is not int or type(diag) is not int
+                or not 0 <= side <= 1 or not 0 <= lower <= 1 or not 0 <= trans_a <= 2 or not 0 <= diag <= 1
+                or type(overwrite_b) not in _FLAG or not 0 <= overwrite_b <= 1 or not a.flags.f_contiguous):
+            return NO
+        m, n = b.shape
+        s = m if side == 0 else n
+        if a.shape != (s, s) or not (m and n):
+            return NO
+        if overwrite_b and b.flags.f_contiguous and not _out_ok(b, dtype, (m, n), overwrite_b, a):
+            return NO  # (a b that is not F-contiguous is copied, by blasx and scipy alike)
+        t0 = clock()
+        res = fn(alpha, a, b, side, lower, trans_a, diag, overwrite_b)
+        tls.stats = (dev, t0, clock(), dtype, 1.0 * m * n * s)
+        return res
+    return call
