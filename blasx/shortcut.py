@@ -24,6 +24,7 @@ _may_share = np.may_share_memory
 _FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
 _REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
 _NUMBERS = _REALS | {complex, np.complex128, np.complex64}
+GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm goes through numpy's matmul, letting other threads run
 
 
 def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
@@ -73,7 +74,12 @@ def make(routine: str, dtype: np.dtype):
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
             t0 = clock()
-            res = fn(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
+            if c is None and alpha == 1 and m * n * k >= GIL_FREE_SIZE and trans_a < 2 and trans_b < 2:
+                # numpy's matmul calls the same BLAS gemm without holding the GIL (scipy's wrapper holds it)
+                res = np.empty((m, n), dtype, order="F")
+                np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=res)
+            else:
+                res = fn(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
             tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)
             return res
         return call
