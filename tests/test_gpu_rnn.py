@@ -41,22 +41,28 @@ def _case(mode, dtype, layers=2, bidir=False, proj=0, T=20, B=8, I=32, H=64, len
     extra = dict(proj_size=proj) if mode == "lstm" else {}
     y, st, saved = f(cupy.from_dlpack(x.detach()), None, m.state_dict(), training=True, lengths=lengths, **kw, **extra)
     assert isinstance(y, cupy.ndarray)
-    assert _err(y, ty.detach().float().cpu().numpy()) < TOL[dtype]
+    assert _err(y, ty.detach().double().cpu().numpy()) < TOL[dtype]
     outs = [ty, tst[0], tst[1]] if mode == "lstm" else [ty, tst]
     gs = [torch.randn_like(o) for o in outs]
     torch.autograd.backward(outs, gs)
     bw = dnn.lstm_backward if mode == "lstm" else dnn.gru_backward
     g = bw(saved, *[cupy.from_dlpack(t) for t in gs])
-    assert _err(g["input"], x.grad.float().cpu().numpy()) < 5 * TOL[dtype]
+    assert _err(g["input"], x.grad.double().cpu().numpy()) < 5 * TOL[dtype]
     for k, p in m.named_parameters():
-        assert _err(g[k], p.grad.float().cpu().numpy()) < 5 * TOL[dtype], k
+        assert _err(g[k], p.grad.double().cpu().numpy()) < 5 * TOL[dtype], k
 
 
 @pytest.fixture(autouse=True)
 def _cuda():
-    blasx.configure(devices="cuda:0")
-    yield
-    blasx.shutdown()
+    """GPU 0, and torch's float32 references in IEEE float32 (cuDNN allows TF32 by default), restored after."""
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        blasx.configure(devices="cuda:0")
+        yield
+        blasx.shutdown()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
