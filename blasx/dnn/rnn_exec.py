@@ -51,8 +51,9 @@ def input_projection(pb, cell, inp, f, mm=None):
     return gx, bhn
 
 
-def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_layer.Forward:
-    """One layer-direction's forward: projection, buffers with h0/c0, the step loop."""
+def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool = True) -> rnn_layer.Forward:
+    """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
+    a CUDA graph hands back only what the output needs (rnn_graph.run)."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
@@ -74,7 +75,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_laye
     gh = xp.empty((B, gx.shape[2]), dtype=f)
     if runner is None and not host and pb.graphs:
         from . import rnn_graph
-        runner = (lambda *args: rnn_graph.run(ops, *args))
+        runner = (lambda *args: rnn_graph.run(ops, *args, keep=keep))
     if runner is not None:
         runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:
@@ -102,8 +103,8 @@ def forward(pb, keep: bool):
     T, B = pb.x.shape[:2]
     store = pb.x.dtype
     dirs = spec.num_dirs
-    layers, y = rnn_multi.run_forward(pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp),
-                                      direction_output)
+    layers, y = rnn_multi.run_forward(
+        pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp, keep=keep), direction_output)
     h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
     c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
     for layer, states in enumerate(layers):

@@ -4,9 +4,11 @@ The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launc
 few microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
 everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math)
 and owns the buffers its launches were captured with: a call copies its inputs in, replays the graph on the
-current stream and copies the states out. The first call of a key runs the loop eagerly on those buffers
-(which also warms cuBLAS up, so the capture allocates nothing) and then captures it; a capture that fails
-leaves the key eager (``stats()`` says why).
+current stream and copies the states out (in inference only h and the last cell state). The first call of a
+key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
+and then captures it; a capture that fails leaves the key eager (``stats()`` says why). Both runs issue their
+GEMMs through ctypes with the entry's own cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS
+wrappers refuse a capturing stream, and the graph keeps using that workspace at every replay.
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def clear() -> None:
 
 class _Entry:
     def __init__(self, xp, gx, w_hh, w_hr, bhn, st, gh) -> None:
+        from ..runtime.devices.cublas_ctypes import workspace_bytes
         like = (lambda a: None if a is None else xp.empty_like(a))
         self.gx, self.w_hh, self.w_hr, self.bhn, self.gh = (like(a) for a in (gx, w_hh, w_hr, bhn, gh))
         self.st = rnn_layer.Forward(*(like(a) for a in (st.S, st.C, st.gates, st.R)))
+        self.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
         self.graph = None
         self.runs = 0
 
@@ -69,8 +73,10 @@ def _key(ops, mode, gx, w_hh, w_hr, bhn, st, bs, reverse):
             sig(st.R), tuple(bs), reverse, ops.math)
 
 
-def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True) -> None:
-    """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use)."""
+def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True) -> None:
+    """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
+    ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other cell states
+    are left as they were)."""
     xp = ops.xp
     key = _key(ops, mode, gx, w_hh, w_hr, bhn, st, bs, reverse)
     with _lock:
@@ -92,29 +98,41 @@ def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bo
         _stats["replayed"] += 1
     else:
         ops.placeholder(gx.dtype)  # made outside any capture
-        rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
-        _stats["eager"] += 1
-        if use_graph and e.runs == 0:
-            _capture(ops, mode, e, bs, reverse, stream)
+        old, ops.workspace = ops.workspace, e.workspace
+        try:
+            rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
+            _stats["eager"] += 1
+            if use_graph and e.runs == 0:
+                _capture(ops, mode, e, bs, reverse, stream)
+        finally:
+            ops.workspace = old
     e.runs += 1
-    for dst, src in ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)):
+    outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
+        (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
+    for dst, src in outs:
         if dst is not None:
             dst[...] = src
 
 
 def _capture(ops, mode, e: _Entry, bs, reverse, stream) -> None:
+    """The loop captured on a side stream (ordered after ``stream``'s work); its first error kept in stats."""
     xp = ops.xp
     cap = xp.cuda.Stream(non_blocking=True)
     cap.wait_event(stream.record())
-    try:
-        with cap:
-            cap.begin_capture()
-            try:
-                rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
-            finally:
-                graph = cap.end_capture()
+    graph, err = None, None
+    with cap:
+        cap.begin_capture()
+        try:
+            rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
+        except Exception as exc:  # noqa: BLE001 - the key stays eager; the reason is kept for stats()
+            err = exc
+        try:
+            graph = cap.end_capture()
+        except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
+            err = err or exc
+    if err is None:
         e.graph = graph
         _stats["captured"] += 1
-    except Exception as exc:  # noqa: BLE001 - the key stays eager; the reason is kept for stats()
-        _stats["failed"] = f"{type(exc).__name__}: {exc}"
+    else:
+        _stats["failed"] = f"{type(err).__name__}: {err}"
     stream.wait_event(cap.record())

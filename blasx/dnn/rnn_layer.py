@@ -15,6 +15,7 @@ graph (rnn_graph.py); :class:`HostOps` and :class:`CudaOps` are the two sets of 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +61,26 @@ class HostOps:
         return None
 
 
+_shared: dict = {}  # device id -> (cuBLAS handle, its lock): the handle of workspace GEMMs, kept for the process
+_shared_lock = threading.Lock()
+
+
+def _shared_handle(dev: int):
+    """The device's handle for :meth:`CudaOps.gemm` on a workspace (made outside any capture, on first use)."""
+    with _shared_lock:
+        if dev not in _shared:
+            from cupy_backends.cuda.libs import cublas
+            _shared[dev] = (cublas.create(), threading.Lock())
+        return _shared[dev]
+
+
 class CudaOps:
     """CuPy primitives on the current device and stream: cuBLAS GemmEx for the per-step GEMMs (half inputs
-    with a float32 result, TF32 when asked), the cell ElementwiseKernels."""
+    with a float32 result, TF32 when asked), the cell ElementwiseKernels.
+
+    ``workspace`` (a device buffer, set by rnn_graph.py around a loop it runs or captures) sends the GEMMs
+    through ctypes on a per-device handle with that buffer as cuBLAS's workspace: CuPy's cuBLAS wrappers refuse
+    a capturing stream, and a captured GEMM must not use a workspace that dies with CuPy's per-thread handle."""
     forward = staticmethod(rnn_cells.cupy_forward)
     backward = staticmethod(rnn_cells.cupy_backward)
 
@@ -72,6 +90,7 @@ class CudaOps:
         self.math = math
         self._fn = None
         self._ph: dict = {}
+        self.workspace = None
         self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
                       np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
 
@@ -99,13 +118,30 @@ class CudaOps:
             dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
             else dtypes.CUBLAS_COMPUTE_32F)
         one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
+        args = (1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+                w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
+                out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        stream = cupy.cuda.get_current_stream().ptr
+        if self.workspace is not None:
+            self._gemm_on_workspace(stream, args)
+            return
         handle = cupy.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+        cublas.setStream(handle, stream)
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        self._gemm_ex()(handle, 1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
-                        w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
-                        a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
-                        out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        self._gemm_ex()(handle, *args)
+
+    def _gemm_on_workspace(self, stream: int, args: tuple) -> None:
+        """One GemmEx through ctypes on the device's shared handle: stream, then workspace (setting the stream
+        resets it), host scalars (captured by value), under the handle's lock so threads do not mix settings."""
+        from ..runtime.devices import cublas_ctypes as cc
+        handle, lock = _shared_handle(self.xp.cuda.Device().id)
+        ws = self.workspace
+        with lock:
+            cc.set_stream(handle, stream)
+            cc.set_workspace(handle, ws.data.ptr, ws.nbytes)
+            cc.set_pointer_mode(handle, 0)
+            cc.gemm_ex()(handle, *args)
 
     @staticmethod
     def copy(dst, src) -> None:
