@@ -130,7 +130,8 @@ def _flat(xp, a, f):
 
 
 def backward(pb, layers, gy, gh, gc) -> dict:
-    """Every gradient (MIOpen eq. 15-21): step loops in reverse, then one GEMM per weight and per input."""
+    """Every gradient (MIOpen eq. 15-21): step loops in reverse (on CUDA replayed from graphs, rnn_graph.py),
+    then one GEMM per weight and per input."""
     from . import rnn_params
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
@@ -138,6 +139,10 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
     ops = ops_for(xp, pb.math)
+    loop = rnn_layer.backward_loop
+    if xp is not np and pb.graphs:
+        from . import rnn_graph
+        loop = rnn_graph.run_backward
     grads = {}
     dh0 = xp.empty((spec.num_layers * dirs, B, out), dtype=store)
     dc0 = xp.empty((spec.num_layers * dirs, B, hh), dtype=store) if spec.mode == "lstm" else None
@@ -149,10 +154,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
         for d in range(dirs):
             cell, st, rev = spec.cells[layer][d], states[d], d == 1
             k = layer * dirs + d
-            bw = rnn_layer.backward_loop(
-                ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
-                None if dy is None else dy[..., d * out:(d + 1) * out],
-                None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
+            bw = loop(ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
+                      None if dy is None else dy[..., d * out:(d + 1) * out],
+                      None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
             s = rnn_params.suffix(layer, d)
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)

@@ -52,6 +52,11 @@ class HostOps:
         dst[...] = src
 
     @staticmethod
+    def add(dst, src) -> None:
+        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
+        dst += src
+
+    @staticmethod
     def state_in(a):
         """A storage-type array as the cell kernels read it."""
         return a.astype(np.float32) if a.dtype.itemsize < 4 else a
@@ -148,6 +153,11 @@ class CudaOps:
         dst[...] = src
 
     @staticmethod
+    def add(dst, src) -> None:
+        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
+        dst += src
+
+    @staticmethod
     def state_in(a):
         return a
 
@@ -217,15 +227,21 @@ class Backward:
     dc: object | None  # (B, H): of c0
 
 
-def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
-                  H: int) -> Backward:
-    """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
-    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
+@dataclass
+class BackwardScratch:
+    """Per-step temporaries of the backward loop ((B, ...) F; placeholders where the mode has none)."""
+    dr: object | None  # (B, H): the gradient of the unprojected h (projection only)
+    dcp: object  # (B, H): of the previous cell state (LSTM)
+    dhd: object  # (B, H): of h_prev not through W_hh (GRU)
+    dnew: object  # (B, out): of h_prev through W_hh
+
+
+def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n) -> tuple:
+    """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`;
+    rows a loop never reaches stay zero."""
     xp = ops.xp
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     out = st.S.shape[2]
-    f = w_hh_f.dtype
-    g = w_hh_f.shape[0]
     dgx = xp.zeros((T, B, g), dtype=f)
     dgh = xp.zeros((T, B, g), dtype=f) if mode == "gru" else dgx
     dhs = xp.zeros((T, B, out), dtype=f) if st.R is not None else None
@@ -233,19 +249,39 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
     dc = None
     if mode == "lstm":
         dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
-    dr = xp.empty((B, H), dtype=f) if st.R is not None else None
-    dcp = xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f)
-    dhd = xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f)
-    dnew = xp.empty((B, out), dtype=f)
+    scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if st.R is not None else None,
+                              dcp=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
+                              dhd=xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f),
+                              dnew=xp.empty((B, out), dtype=f))
+    return Backward(dgx, dgh, dhs, dh, dc), scratch
+
+
+def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
+                  H: int) -> Backward:
+    """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
+    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
+    bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, w_hh_f.dtype, dh_n, dc_n)
+    backward_steps(ops, mode, st, w_hh_f, w_hr_f, dy, bs, reverse, bw, scratch)
+    return bw
+
+
+def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse: bool, bw: Backward,
+                   scratch: BackwardScratch) -> None:
+    """The backward step loop on buffers from :func:`backward_buffers`: kernels and GEMMs only (no allocation),
+    so on CUDA it can be captured into a graph like the forward loop."""
+    T = st.S.shape[0] - 1
+    f = bw.dgx.dtype
     ph = ops.placeholder(f)
+    dgx, dgh, dhs, dh, dc = bw.dgx, bw.dgh, bw.dhs, bw.dh, bw.dc
+    dr, dcp, dhd, dnew = scratch.dr, scratch.dcp, scratch.dhd, scratch.dnew
     times = list(order(T, reverse))
     for p in range(T - 1, -1, -1):
         t = times[p]
         a = bs[t]
         if dy is not None:
-            dh[:a] += dy[t, :a]
+            ops.add(dh[:a], dy[t, :a])
         if st.R is not None:
-            dhs[p, :a] = dh[:a]
+            ops.copy(dhs[p, :a], dh[:a])
             ops.gemm(dh[:a], w_hr_f, dr[:a], False)
             dcell = dr[:a]
         else:
@@ -258,8 +294,7 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
                      dcp[:a] if dc is not None else dcp, dhd[:a] if mode == "gru" else dhd)
         ops.gemm(dgh[p, :a], w_hh_f, dnew[:a], False)
         if mode == "gru":
-            dnew[:a] += dhd[:a]
+            ops.add(dnew[:a], dhd[:a])
         ops.copy(dh[:a], dnew[:a])
         if dc is not None:
             ops.copy(dc[:a], dcp[:a])
-    return Backward(dgx, dgh, dhs, dh, dc)
