@@ -53,8 +53,8 @@ def test_forward(nd, layout, where):
     rng = np.random.default_rng(nd)
     size = (300, 37, 13)[:nd] if nd < 3 else (9, 11, 13)
     x = rng.standard_normal((5, 12, *size))
-    w = rng.standard_normal((20, 4, *(3,) * nd))
-    b = rng.standard_normal(20)
+    w = rng.standard_normal((21, 4, *(3,) * nd))
+    b = rng.standard_normal(21)
     xin = cl(x) if layout == "cl" else x
     w_, b_ = w, b
     if where == "device":

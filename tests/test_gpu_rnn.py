@@ -41,22 +41,28 @@ def _case(mode, dtype, layers=2, bidir=False, proj=0, T=20, B=8, I=32, H=64, len
     extra = dict(proj_size=proj) if mode == "lstm" else {}
     y, st, saved = f(cupy.from_dlpack(x.detach()), None, m.state_dict(), training=True, lengths=lengths, **kw, **extra)
     assert isinstance(y, cupy.ndarray)
-    assert _err(y, ty.detach().float().cpu().numpy()) < TOL[dtype]
+    assert _err(y, ty.detach().double().cpu().numpy()) < TOL[dtype]
     outs = [ty, tst[0], tst[1]] if mode == "lstm" else [ty, tst]
     gs = [torch.randn_like(o) for o in outs]
     torch.autograd.backward(outs, gs)
     bw = dnn.lstm_backward if mode == "lstm" else dnn.gru_backward
     g = bw(saved, *[cupy.from_dlpack(t) for t in gs])
-    assert _err(g["input"], x.grad.float().cpu().numpy()) < 5 * TOL[dtype]
+    assert _err(g["input"], x.grad.double().cpu().numpy()) < 5 * TOL[dtype]
     for k, p in m.named_parameters():
-        assert _err(g[k], p.grad.float().cpu().numpy()) < 5 * TOL[dtype], k
+        assert _err(g[k], p.grad.double().cpu().numpy()) < 5 * TOL[dtype], k
 
 
 @pytest.fixture(autouse=True)
 def _cuda():
-    blasx.configure(devices="cuda:0")
-    yield
-    blasx.shutdown()
+    """GPU 0, and torch's float32 references in IEEE float32 (cuDNN allows TF32 by default), restored after."""
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        blasx.configure(devices="cuda:0")
+        yield
+        blasx.shutdown()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
@@ -83,6 +89,29 @@ def test_graph_replay_equals_eager():
     assert after["captured"] > before["captured"] and after["replayed"] >= before["replayed"] + 4
     for y in ys:
         assert float(cupy.abs(y - ref).max()) == 0.0
+
+
+def test_backward_graph_replay_equals_eager():
+    rng = np.random.default_rng(1)
+    m = torch.nn.LSTM(16, 32, num_layers=2, bidirectional=True)
+    p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
+    x = cupy.asarray(rng.standard_normal((30, 4, 16)).astype(np.float32))
+    gy = cupy.asarray(rng.standard_normal((30, 4, 64)).astype(np.float32))
+    lengths = [30, 25, 25, 7]
+
+    def grads():
+        y, _, saved = dnn.lstm(x, None, p, num_layers=2, bidirectional=True, lengths=lengths, training=True)
+        return dnn.lstm_backward(saved, gy)
+    with rnn_graph.eager():
+        ref = grads()
+    before = rnn_graph.stats()
+    runs = [grads() for _ in range(3)]
+    after = rnn_graph.stats()
+    assert after["failed"] == "", after["failed"]
+    assert after["replayed"] >= before["replayed"] + 8  # calls 2 and 3: 2 layers x 2 directions, forward and backward
+    for g in runs:
+        for k in ref:
+            assert float(cupy.abs(g[k] - ref[k]).max()) == 0.0, k
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")

@@ -51,8 +51,9 @@ def input_projection(pb, cell, inp, f, mm=None):
     return gx, bhn
 
 
-def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_layer.Forward:
-    """One layer-direction's forward: projection, buffers with h0/c0, the step loop."""
+def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool = True) -> rnn_layer.Forward:
+    """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
+    a CUDA graph hands back only what the output needs (rnn_graph.run)."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
@@ -74,7 +75,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None) -> rnn_laye
     gh = xp.empty((B, gx.shape[2]), dtype=f)
     if runner is None and not host and pb.graphs:
         from . import rnn_graph
-        runner = (lambda *args: rnn_graph.run(ops, *args))
+        runner = (lambda *args: rnn_graph.run(ops, *args, keep=keep))
     if runner is not None:
         runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:
@@ -102,8 +103,8 @@ def forward(pb, keep: bool):
     T, B = pb.x.shape[:2]
     store = pb.x.dtype
     dirs = spec.num_dirs
-    layers, y = rnn_multi.run_forward(pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp),
-                                      direction_output)
+    layers, y = rnn_multi.run_forward(
+        pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp, keep=keep), direction_output)
     h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
     c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
     for layer, states in enumerate(layers):
@@ -129,7 +130,8 @@ def _flat(xp, a, f):
 
 
 def backward(pb, layers, gy, gh, gc) -> dict:
-    """Every gradient (MIOpen eq. 15-21): step loops in reverse, then one GEMM per weight and per input."""
+    """Every gradient (MIOpen eq. 15-21): step loops in reverse (on CUDA replayed from graphs, rnn_graph.py),
+    then one GEMM per weight and per input."""
     from . import rnn_params
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
@@ -137,6 +139,10 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
     ops = ops_for(xp, pb.math)
+    loop = rnn_layer.backward_loop
+    if xp is not np and pb.graphs:
+        from . import rnn_graph
+        loop = rnn_graph.run_backward
     grads = {}
     dh0 = xp.empty((spec.num_layers * dirs, B, out), dtype=store)
     dc0 = xp.empty((spec.num_layers * dirs, B, hh), dtype=store) if spec.mode == "lstm" else None
@@ -148,10 +154,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
         for d in range(dirs):
             cell, st, rev = spec.cells[layer][d], states[d], d == 1
             k = layer * dirs + d
-            bw = rnn_layer.backward_loop(
-                ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
-                None if dy is None else dy[..., d * out:(d + 1) * out],
-                None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
+            bw = loop(ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
+                      None if dy is None else dy[..., d * out:(d + 1) * out],
+                      None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
             s = rnn_params.suffix(layer, d)
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)

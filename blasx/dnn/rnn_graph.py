@@ -4,9 +4,11 @@ The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launc
 few microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
 everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math)
 and owns the buffers its launches were captured with: a call copies its inputs in, replays the graph on the
-current stream and copies the states out. The first call of a key runs the loop eagerly on those buffers
-(which also warms cuBLAS up, so the capture allocates nothing) and then captures it; a capture that fails
-leaves the key eager (``stats()`` says why).
+current stream and copies the states out (in inference only h and the last cell state). The first call of a
+key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
+and then captures it; a capture that fails leaves the key eager (``stats()`` says why). Both runs issue their
+GEMMs through ctypes with the entry's own cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS
+wrappers refuse a capturing stream, and the graph keeps using that workspace at every replay.
 """
 
 from __future__ import annotations
@@ -53,68 +55,138 @@ def clear() -> None:
         _cache.clear()
 
 
+def _sig(a):
+    return None if a is None else (tuple(a.shape), str(a.dtype))
+
+
+def _like(xp, a):
+    return None if a is None else xp.empty_like(a)
+
+
 class _Entry:
-    def __init__(self, xp, gx, w_hh, w_hr, bhn, st, gh) -> None:
-        like = (lambda a: None if a is None else xp.empty_like(a))
-        self.gx, self.w_hh, self.w_hr, self.bhn, self.gh = (like(a) for a in (gx, w_hh, w_hr, bhn, gh))
-        self.st = rnn_layer.Forward(*(like(a) for a in (st.S, st.C, st.gates, st.R)))
+    """A key's buffers, cuBLAS workspace and graph (None until captured)."""
+
+    def __init__(self, xp) -> None:
+        from ..runtime.devices.cublas_ctypes import workspace_bytes
+        self.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
         self.graph = None
+        self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
         self.runs = 0
 
 
-def _key(ops, mode, gx, w_hh, w_hr, bhn, st, bs, reverse):
-    def sig(a):
-        return None if a is None else (tuple(a.shape), str(a.dtype))
-    return (gx.device.id, mode, sig(gx), sig(w_hh), sig(w_hr), sig(bhn), sig(st.S), sig(st.C), sig(st.gates),
-            sig(st.R), tuple(bs), reverse, ops.math)
+class _Fwd(_Entry):
+    def __init__(self, xp, gx, w_hh, w_hr, bhn, st, gh) -> None:
+        super().__init__(xp)
+        self.gx, self.w_hh, self.w_hr, self.bhn, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bhn, gh))
+        self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
 
 
-def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True) -> None:
-    """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use)."""
-    xp = ops.xp
-    key = _key(ops, mode, gx, w_hh, w_hr, bhn, st, bs, reverse)
+class _Bwd(_Entry):
+    def __init__(self, ops, mode, st, w_hh, w_hr, dy, H) -> None:
+        xp = ops.xp
+        super().__init__(xp)
+        self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
+        self.w_hh, self.w_hr, self.dy = _like(xp, w_hh), _like(xp, w_hr), _like(xp, dy)
+        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, self.st, w_hh.shape[0], H, w_hh.dtype, None,
+                                                           None)
+
+
+def _entry(key, make) -> _Entry:
     with _lock:
         e = _cache.get(key)
         if e is None:
-            e = _cache[key] = _Entry(xp, gx, w_hh, w_hr, bhn, st, gh)
+            e = _cache[key] = make()
             while len(_cache) > MAX_GRAPHS:
                 _cache.popitem(last=False)
         _cache.move_to_end(key)
+    return e
+
+
+def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True) -> None:
+    """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
+    ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other cell states
+    are left as they were)."""
+    xp = ops.xp
+    key = ("fwd", gx.device.id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
+           _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
+    e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bhn, st, gh))
     for dst, src in ((e.gx, gx), (e.w_hh, w_hh), (e.w_hr, w_hr), (e.bhn, bhn)):
         if src is not None:
             dst[...] = src
     e.st.S[0] = st.S[0]
     if st.C is not None:
         e.st.C[0] = st.C[0]
-    stream = xp.cuda.get_current_stream()
-    if e.graph is not None and use_graph:
-        e.graph.launch(stream)
-        _stats["replayed"] += 1
-    else:
-        ops.placeholder(gx.dtype)  # made outside any capture
-        rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
-        _stats["eager"] += 1
-        if use_graph and e.runs == 0:
-            _capture(ops, mode, e, bs, reverse, stream)
-    e.runs += 1
-    for dst, src in ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)):
+    _execute(ops, e, gx.dtype, use_graph,
+             lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse))
+    outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
+        (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
+    for dst, src in outs:
         if dst is not None:
             dst[...] = src
 
 
-def _capture(ops, mode, e: _Entry, bs, reverse, stream) -> None:
+def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool, H: int,
+                 use_graph: bool = True) -> rnn_layer.Backward:
+    """rnn_layer.backward_loop's result through the graph of this shape (captured on first use); the arrays
+    returned are the caller's own."""
     xp = ops.xp
-    cap = xp.cuda.Stream(non_blocking=True)
+    key = ("bwd", st.S.device.id, mode, _sig(st.S), _sig(st.C), _sig(st.gates), _sig(st.R), _sig(w_hh_f),
+           _sig(w_hr_f), _sig(dy), tuple(bs), reverse, H, ops.math)
+    e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
+    for dst, src in ((e.st.S, st.S), (e.st.C, st.C), (e.st.gates, st.gates), (e.st.R, st.R), (e.w_hh, w_hh_f),
+                     (e.w_hr, w_hr_f), (e.dy, dy)):
+        if src is not None:
+            dst[...] = src
+    bw = e.bw
+    bw.dh[...] = 0 if dh_n is None else dh_n
+    if bw.dc is not None:
+        bw.dc[...] = 0 if dc_n is None else dc_n
+    _execute(ops, e, w_hh_f.dtype, use_graph,
+             lambda: rnn_layer.backward_steps(ops, mode, e.st, e.w_hh, e.w_hr, e.dy, bs, reverse, bw, e.scratch))
+    dgx = bw.dgx.copy()
+    return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
+                              None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
+                              None if bw.dc is None else bw.dc.copy())
+
+
+def _execute(ops, e: _Entry, f, use_graph: bool, loop) -> None:
+    """Replays e's graph, or runs ``loop`` (on e's buffers) eagerly with e's workspace and, the first time,
+    captures it."""
+    stream = ops.xp.cuda.get_current_stream()
+    if e.graph is not None and use_graph:
+        e.graph.launch(stream)
+        _stats["replayed"] += 1
+    else:
+        ph = ops.placeholder(f)  # made outside any capture
+        old, ops.workspace = ops.workspace, e.workspace
+        try:
+            loop()
+            _stats["eager"] += 1
+            if use_graph and e.runs == 0:
+                _capture(ops, e, loop, stream, ph)
+        finally:
+            ops.workspace = old
+    e.runs += 1
+
+
+def _capture(ops, e: _Entry, loop, stream, ph) -> None:
+    """The loop captured on a side stream (ordered after ``stream``'s work); its first error kept in stats."""
+    cap = ops.xp.cuda.Stream(non_blocking=True)
     cap.wait_event(stream.record())
-    try:
-        with cap:
-            cap.begin_capture()
-            try:
-                rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse)
-            finally:
-                graph = cap.end_capture()
-        e.graph = graph
+    graph, err = None, None
+    with cap:
+        cap.begin_capture()
+        try:
+            loop()
+        except Exception as exc:  # noqa: BLE001 - the key stays eager; the reason is kept for stats()
+            err = exc
+        try:
+            graph = cap.end_capture()
+        except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
+            err = err or exc
+    if err is None:
+        e.graph, e.ph = graph, ph
         _stats["captured"] += 1
-    except Exception as exc:  # noqa: BLE001 - the key stays eager; the reason is kept for stats()
-        _stats["failed"] = f"{type(exc).__name__}: {exc}"
+    else:
+        _stats["failed"] = f"{type(err).__name__}: {err}"
     stream.wait_event(cap.record())

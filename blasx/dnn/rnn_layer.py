@@ -15,6 +15,7 @@ graph (rnn_graph.py); :class:`HostOps` and :class:`CudaOps` are the two sets of 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,11 @@ class HostOps:
         dst[...] = src
 
     @staticmethod
+    def add(dst, src) -> None:
+        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
+        dst += src
+
+    @staticmethod
     def state_in(a):
         """A storage-type array as the cell kernels read it."""
         return a.astype(np.float32) if a.dtype.itemsize < 4 else a
@@ -60,9 +66,26 @@ class HostOps:
         return None
 
 
+_shared: dict = {}  # device id -> (cuBLAS handle, its lock): the handle of workspace GEMMs, kept for the process
+_shared_lock = threading.Lock()
+
+
+def _shared_handle(dev: int):
+    """The device's handle for :meth:`CudaOps.gemm` on a workspace (made outside any capture, on first use)."""
+    with _shared_lock:
+        if dev not in _shared:
+            from cupy_backends.cuda.libs import cublas
+            _shared[dev] = (cublas.create(), threading.Lock())
+        return _shared[dev]
+
+
 class CudaOps:
     """CuPy primitives on the current device and stream: cuBLAS GemmEx for the per-step GEMMs (half inputs
-    with a float32 result, TF32 when asked), the cell ElementwiseKernels."""
+    with a float32 result, TF32 when asked), the cell ElementwiseKernels.
+
+    ``workspace`` (a device buffer, set by rnn_graph.py around a loop it runs or captures) sends the GEMMs
+    through ctypes on a per-device handle with that buffer as cuBLAS's workspace: CuPy's cuBLAS wrappers refuse
+    a capturing stream, and a captured GEMM must not use a workspace that dies with CuPy's per-thread handle."""
     forward = staticmethod(rnn_cells.cupy_forward)
     backward = staticmethod(rnn_cells.cupy_backward)
 
@@ -72,6 +95,7 @@ class CudaOps:
         self.math = math
         self._fn = None
         self._ph: dict = {}
+        self.workspace = None
         self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
                       np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
 
@@ -99,17 +123,39 @@ class CudaOps:
             dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
             else dtypes.CUBLAS_COMPUTE_32F)
         one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
+        args = (1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+                w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
+                out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        stream = cupy.cuda.get_current_stream().ptr
+        if self.workspace is not None:
+            self._gemm_on_workspace(stream, args)
+            return
         handle = cupy.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+        cublas.setStream(handle, stream)
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-        self._gemm_ex()(handle, 1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
-                        w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
-                        a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
-                        out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        self._gemm_ex()(handle, *args)
+
+    def _gemm_on_workspace(self, stream: int, args: tuple) -> None:
+        """One GemmEx through ctypes on the device's shared handle: stream, then workspace (setting the stream
+        resets it), host scalars (captured by value), under the handle's lock so threads do not mix settings."""
+        from ..runtime.devices import cublas_ctypes as cc
+        handle, lock = _shared_handle(self.xp.cuda.Device().id)
+        ws = self.workspace
+        with lock:
+            cc.set_stream(handle, stream)
+            cc.set_workspace(handle, ws.data.ptr, ws.nbytes)
+            cc.set_pointer_mode(handle, 0)
+            cc.gemm_ex()(handle, *args)
 
     @staticmethod
     def copy(dst, src) -> None:
         dst[...] = src
+
+    @staticmethod
+    def add(dst, src) -> None:
+        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
+        dst += src
 
     @staticmethod
     def state_in(a):
@@ -181,15 +227,21 @@ class Backward:
     dc: object | None  # (B, H): of c0
 
 
-def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
-                  H: int) -> Backward:
-    """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
-    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
+@dataclass
+class BackwardScratch:
+    """Per-step temporaries of the backward loop ((B, ...) F; placeholders where the mode has none)."""
+    dr: object | None  # (B, H): the gradient of the unprojected h (projection only)
+    dcp: object  # (B, H): of the previous cell state (LSTM)
+    dhd: object  # (B, H): of h_prev not through W_hh (GRU)
+    dnew: object  # (B, out): of h_prev through W_hh
+
+
+def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n) -> tuple:
+    """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`;
+    rows a loop never reaches stay zero."""
     xp = ops.xp
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     out = st.S.shape[2]
-    f = w_hh_f.dtype
-    g = w_hh_f.shape[0]
     dgx = xp.zeros((T, B, g), dtype=f)
     dgh = xp.zeros((T, B, g), dtype=f) if mode == "gru" else dgx
     dhs = xp.zeros((T, B, out), dtype=f) if st.R is not None else None
@@ -197,19 +249,39 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
     dc = None
     if mode == "lstm":
         dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
-    dr = xp.empty((B, H), dtype=f) if st.R is not None else None
-    dcp = xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f)
-    dhd = xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f)
-    dnew = xp.empty((B, out), dtype=f)
+    scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if st.R is not None else None,
+                              dcp=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
+                              dhd=xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f),
+                              dnew=xp.empty((B, out), dtype=f))
+    return Backward(dgx, dgh, dhs, dh, dc), scratch
+
+
+def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
+                  H: int) -> Backward:
+    """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
+    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
+    bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, w_hh_f.dtype, dh_n, dc_n)
+    backward_steps(ops, mode, st, w_hh_f, w_hr_f, dy, bs, reverse, bw, scratch)
+    return bw
+
+
+def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse: bool, bw: Backward,
+                   scratch: BackwardScratch) -> None:
+    """The backward step loop on buffers from :func:`backward_buffers`: kernels and GEMMs only (no allocation),
+    so on CUDA it can be captured into a graph like the forward loop."""
+    T = st.S.shape[0] - 1
+    f = bw.dgx.dtype
     ph = ops.placeholder(f)
+    dgx, dgh, dhs, dh, dc = bw.dgx, bw.dgh, bw.dhs, bw.dh, bw.dc
+    dr, dcp, dhd, dnew = scratch.dr, scratch.dcp, scratch.dhd, scratch.dnew
     times = list(order(T, reverse))
     for p in range(T - 1, -1, -1):
         t = times[p]
         a = bs[t]
         if dy is not None:
-            dh[:a] += dy[t, :a]
+            ops.add(dh[:a], dy[t, :a])
         if st.R is not None:
-            dhs[p, :a] = dh[:a]
+            ops.copy(dhs[p, :a], dh[:a])
             ops.gemm(dh[:a], w_hr_f, dr[:a], False)
             dcell = dr[:a]
         else:
@@ -222,8 +294,7 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
                      dcp[:a] if dc is not None else dcp, dhd[:a] if mode == "gru" else dhd)
         ops.gemm(dgh[p, :a], w_hh_f, dnew[:a], False)
         if mode == "gru":
-            dnew[:a] += dhd[:a]
+            ops.add(dnew[:a], dhd[:a])
         ops.copy(dh[:a], dnew[:a])
         if dc is not None:
             ops.copy(dc[:a], dcp[:a])
-    return Backward(dgx, dgh, dhs, dh, dc)

@@ -13,7 +13,7 @@ import ctypes
 import functools
 
 P, I = ctypes.c_void_p, ctypes.c_int
-_CODES = {"P": P, "i": I}
+_CODES = {"P": P, "i": I, "z": ctypes.c_size_t}
 # handle, then the routine's arguments (P: pointer, i: int), as in cublas_api.h (v2 API)
 SIGNATURES = {
     "symm": "PiiiiPPiPiPPi", "hemm": "PiiiiPPiPiPPi",
@@ -24,6 +24,8 @@ SIGNATURES = {
     # cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
     #              C, Ctype, ldc, computeType, algo)
     "GemmEx": "PiiiiiPPiiPiiPPiiii",
+    # handle settings (host-side only, so allowed while a stream captures)
+    "SetStream": "PP", "SetWorkspace": "PPz", "SetPointerMode": "Pi",
 }
 
 
@@ -65,3 +67,26 @@ def routine(prefix: str, name: str):
 def gemm_ex():
     """cublasGemmEx (mixed-precision gemm: element types and compute type as arguments)."""
     return routine("", "GemmEx")
+
+
+def set_stream(handle: int, stream: int) -> None:
+    """cublasSetStream; unlike CuPy's wrapper it works while ``stream`` captures. It also resets the handle's
+    workspace to cuBLAS's own pool, so :func:`set_workspace` comes after it."""
+    routine("", "SetStream")(handle, stream)
+
+
+def set_workspace(handle: int, ptr: int, nbytes: int) -> None:
+    """cublasSetWorkspace: the handle's GEMMs use this device buffer (256-byte aligned) until the next
+    set_stream; a captured GEMM keeps using it at every replay, so it must outlive the graph."""
+    routine("", "SetWorkspace")(handle, ptr, nbytes)
+
+
+def set_pointer_mode(handle: int, mode: int) -> None:
+    """cublasSetPointerMode (0: alpha and beta on the host, read when the call is made or captured)."""
+    routine("", "SetPointerMode")(handle, mode)
+
+
+def workspace_bytes(cc_major: int) -> int:
+    """cuBLAS's default workspace pool size (and its recommended size for a user workspace): 32 MiB from
+    Hopper on, 4 MiB before. A workspace of this size keeps its algorithm choices those of the default pool."""
+    return (32 if cc_major >= 9 else 4) << 20

@@ -1,0 +1,148 @@
+"""rnn_graph's replay logic on the CPU: a stand-in for CuPy whose stream capture records the loop's primitive
+calls (instead of running them) and whose graph replays them. Forward and backward through the graph entries
+(eager first run, capture, replays) must equal the plain loops, with the GEMMs issued on the entry's workspace."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from blasx.dnn import rnn_cells, rnn_graph, rnn_layer
+
+_rec = {"ops": None}  # the calls recorded while a stand-in stream captures
+
+
+class _Graph:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch(self, stream):
+        for call in self.calls:
+            call()
+
+
+class _Stream:
+    def __init__(self, non_blocking=False):
+        pass
+
+    def record(self):
+        return None
+
+    def wait_event(self, event):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self):
+        _rec["ops"] = []
+
+    def end_capture(self):
+        graph, _rec["ops"] = _Graph(_rec["ops"]), None
+        return graph
+
+
+class _Device:
+    compute_capability = "90"
+    id = 0
+
+
+class _Arr(np.ndarray):
+    device = _Device()
+
+
+def _a(x):
+    return np.asarray(x).view(_Arr)
+
+
+XP = types.SimpleNamespace(
+    cuda=types.SimpleNamespace(Stream=_Stream, get_current_stream=_Stream, Device=lambda *a: _Device()),
+    empty_like=lambda x: np.empty_like(x).view(_Arr), empty=lambda *a, **k: np.empty(*a, **k).view(_Arr),
+    zeros=lambda *a, **k: np.zeros(*a, **k).view(_Arr), uint8=np.uint8)
+
+
+class _Ops(rnn_layer.HostOps):
+    """HostOps on the stand-in: each primitive runs now, or is recorded while a capture is under way."""
+
+    def __init__(self):
+        super().__init__()
+        self.xp, self.workspace, self.on_workspace, self._ph = XP, None, [], {}
+
+    def _do(self, call):
+        if _rec["ops"] is None:
+            call()
+        else:
+            _rec["ops"].append(call)
+
+    def gemm(self, a, w, out, trans_w):
+        self.on_workspace.append(self.workspace is not None)
+        self._do(lambda: rnn_layer.HostOps.gemm(a, w, out, trans_w))
+
+    def copy(self, dst, src):
+        self._do(lambda: rnn_layer.HostOps.copy(dst, src))
+
+    def add(self, dst, src):
+        self._do(lambda: rnn_layer.HostOps.add(dst, src))
+
+    def forward(self, *args):
+        self._do(lambda: rnn_cells.np_forward(*args))
+
+    def backward(self, *args):
+        self._do(lambda: rnn_cells.np_backward(*args))
+
+    def placeholder(self, f):
+        return self._ph.setdefault(np.dtype(f), XP.zeros(1, dtype=f))
+
+
+@pytest.mark.parametrize("mode,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)])
+@pytest.mark.parametrize("bs", [(4,) * 6, (4, 4, 3, 2, 2, 1)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
+    rng = np.random.default_rng(len(bs) + proj)
+    T, B, H = len(bs), bs[0], 5
+    G, out = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode], proj or H
+    rnn_graph.clear()
+    before = rnn_graph.stats()
+    for call in range(4):
+        keep = call != 1  # an inference call in between: S and the last C only
+        gx = _a(rng.standard_normal((T, B, G * H)))
+        w = _a(rng.standard_normal((G * H, out)))
+        wr = _a(rng.standard_normal((proj, H))) if proj else None
+        bhn = _a(rng.standard_normal(H)) if mode == "gru" else None
+        ref = rnn_layer.forward_buffers(np, mode, T, B, H, out, bool(proj), np.float64, np.float64)
+        st = rnn_layer.forward_buffers(XP, mode, T, B, H, out, bool(proj), np.float64, np.float64)
+        ref.S[0] = st.S[0] = rng.standard_normal((B, out))
+        if ref.C is not None:
+            ref.C[0] = st.C[0] = rng.standard_normal((B, H))
+        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w, wr, bhn, ref, np.empty((B, G * H)), bs, reverse)
+        ops = _Ops()
+        rnn_graph.run(ops, mode, gx, w, wr, bhn, st, XP.empty((B, G * H)), bs, reverse, keep=keep)
+        assert np.array_equal(st.S, ref.S)
+        if ref.C is not None:
+            assert np.array_equal(st.C[-1], ref.C[-1])
+        assert all(ops.on_workspace) and ops.workspace is None
+        if not keep:
+            continue
+        dy = _a(rng.standard_normal((T, B, 2 * out)))[..., :out] if call < 3 else None  # a strided view
+        dh_n = _a(rng.standard_normal((B, out))) if call else None
+        dc_n = _a(rng.standard_normal((B, H))) if call and mode == "lstm" else None
+        want = rnn_layer.backward_loop(rnn_layer.HostOps(), mode, ref, w, wr, None if dy is None else np.asarray(dy),
+                                       dh_n, dc_n, bs, reverse, H)
+        ops = _Ops()
+        got = rnn_graph.run_backward(ops, mode, st, w, wr, dy, dh_n, dc_n, bs, reverse, H)
+        for name in ("dgx", "dgh", "dhs", "dh", "dc"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert np.array_equal(a, b), name
+        assert all(ops.on_workspace) and ops.workspace is None
+    after = rnn_graph.stats()
+    assert after["failed"] == before["failed"]
+    assert after["captured"] == before["captured"] + 3  # the forward, the backward with dy and without
+    assert after["replayed"] == before["replayed"] + 4  # forward calls 1-3, backward call 2
+    rnn_graph.clear()
