@@ -1,20 +1,12 @@
 """The perf-db: measured best tile sizes (the one tuning knob of BLASX, the paper's Section V-B).
 
 ``blasx.tune()`` stores the winner per :class:`PerfKey`; ``blasx.tile.choose_tile`` reads it back
-before its heuristic (a record per problem description, as MIOpen's find-db). A key is
-
-* ``device``: the device model (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``);
-  mixed models join with ``+``, a CPU worker beside GPUs adds ``+cpu`` (not one in auto mode, which
-  takes no task in most calls);
-* ``ndev``: the number of GPUs (stream devices), 1 for the CPU alone;
-* ``dtype``: the prefix in runtime/dtypes.py (``s d c z``, gemm's ``h b i8``);
-* ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
-* ``shape``: the shape class ``(M, N, K)`` (:func:`shape_class`);
-
+before its heuristic. A key is the device model (``device_key``: mixed models join with ``+``, a
+CPU worker beside GPUs, not in auto mode, adds ``+cpu``), the number of GPUs, the dtype prefix,
+the routine (other level-3 routines fall back to ``gemm``) and the shape class (:func:`shape_class`);
 text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. The file is ``perfdb.sqlite`` in
-:func:`cache_dir`; an entry keeps the tile, every candidate's TFLOPS, the date and the blasx version.
-A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS call never fails
-because of it); writers use one connection per operation, a busy timeout and ``BEGIN IMMEDIATE``.
+:func:`cache_dir`. A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS
+call never fails because of it); writers use one connection per operation and ``BEGIN IMMEDIATE``.
 ``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
 """
 

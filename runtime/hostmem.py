@@ -1,15 +1,12 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Pageable copies are staged by the driver and overlap nothing, so blasx page-locks host operands in
-place (``cudaHostRegister``, portable): an array's root (the ndarray owning the memory) is
-registered once while it lives (a finalizer, or ``release``, unregisters it). Memory pinned by
-others is used as is; only roots of at least ``MIN_REGISTER_BYTES`` that own their memory are
-registered, and only the pages wholly inside them; smaller arrays are copied as pageable memory.
-
-Registration is about as slow as a pass over the data, so it runs beside the call: one thread per
-call registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only
-for the chunks it touches (``Pinning.pieces``), split at chunk boundaries (``split_2d``: CUDA
-refuses a copy over a partly registered range); a chunk that failed is copied as pageable memory.
+Pageable copies overlap nothing, so blasx page-locks host operands in place (``cudaHostRegister``):
+the root of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYTES``) is registered
+once while it lives, its whole pages only; memory pinned by others is used as is, smaller arrays
+are copied pageable. Registration costs about a pass over the data, so one thread per call
+registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only for
+the chunks it touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly
+registered range).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Statistics of one blasx call: counters, timed operations, and views of them.
 
-The workers of all devices feed one `CallStats` concurrently: counters (tasks, tile-cache hits,
-bytes moved, ...) through `count`, timed operations (kernels, copies, host-side work) through
-`add_record`. `profile()` takes a `Profile` snapshot; everything else is a pure function of it.
-
-The time breakdown follows Fig. 8 of the BLASX paper. Per device, inside the window
-[start, finish] of the call (wall = finish - start; records are clipped to it):
-
-  busy  (COMPT)  time covered by computation: kernels and host-side work ("host" records,
-                 e.g. staging copies) on any stream;
-  comm  (COMM)   time covered by copies (h2d, d2h, p2p) while nothing computes: the unoverlapped
-                 communication. Copy time hidden under computation is `overlapped_comm`;
-  idle  (OTHER)  time covered by nothing: synchronisation, scheduling and launch gaps.
-
-Each is the length of a union of intervals, so concurrent streams are never counted twice and
-busy + comm + idle == wall on every device.
+The workers of all devices feed one `CallStats` concurrently (`count`, `add_record`); `profile()`
+takes a `Profile` snapshot, and every view is a pure function of it. The time breakdown is Fig. 8
+of the BLASX paper, per device inside the call's window (records clipped to it): busy (COMPT,
+covered by kernels or host-side work), comm (COMM, covered by copies while nothing computes; copy
+time under computation is `overlapped_comm`) and idle (OTHER, covered by nothing). Each is the
+length of a union of intervals, so streams are never counted twice and busy + comm + idle == wall.
 """
 
 from __future__ import annotations
