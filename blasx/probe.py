@@ -54,10 +54,6 @@ class Rate:
     how: str = ""
     peer: int | None = None
 
-    @property
-    def is_bandwidth(self) -> bool:
-        return self.what in BANDWIDTH_KINDS
-
 
 # ---------------------------------------------------------------------------------------------
 # facts (instant)
@@ -306,7 +302,7 @@ def format_rate(rate: Rate) -> str:
     """'55.2 GB/s', '59.8 TFLOPS', '34.5 GFLOPS' (below 1 TFLOPS), 'failed'."""
     if rate.value is None:
         return "failed"
-    if rate.is_bandwidth:
+    if rate.what in BANDWIDTH_KINDS:
         return f"{rate.value / 1e9:.4g} GB/s"
     if rate.value < 1e12:
         return f"{rate.value / 1e9:.4g} GFLOPS"

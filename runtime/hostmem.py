@@ -229,20 +229,16 @@ class RegistrationCache:
             return id(_root(x)) in self._ours
 
 
-class PinJob:
-    """One call's chunks, registered in order by a thread of its own (not a daemon: ``join``
-    ends it, and the call joins it before returning, so no registration outlives the call
-    that holds the arrays)."""
+class PinJob(threading.Thread):
+    """One call's chunks, registered in order by a thread of its own (not a daemon: the call joins
+    it before returning, so no registration outlives the call that holds the arrays)."""
 
     def __init__(self, cache: RegistrationCache, chunks: list) -> None:
+        super().__init__(name="blasx-pin", daemon=False)
         self.cache, self.chunks = cache, chunks
         self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="blasx-pin", daemon=False)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
+    def run(self) -> None:
         t0 = time.perf_counter()
         try:
             for p, i in self.chunks:
@@ -251,9 +247,6 @@ class PinJob:
             for p, i in self.chunks:  # after an unexpected error: nobody waits forever
                 p.ready[i].set()
             self.seconds = time.perf_counter() - t0
-
-    def join(self) -> None:
-        self._thread.join()
 
     @property
     def pinned_bytes(self) -> int:

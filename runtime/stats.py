@@ -157,13 +157,8 @@ class CallStats:
             self._records.append(rec)
 
     def add_records(self, recs: Iterable[OpRecord]) -> None:
-        if not self.keep_records:
-            return
-        recs = list(recs)
         for rec in recs:
-            self._check_record(rec)
-        with self._lock:
-            self._records.extend(recs)
+            self.add_record(rec)
 
     def start(self, t: float | None = None) -> None:
         with self._lock:
@@ -365,15 +360,11 @@ class Profile:
                            "ts": (s - self.start) * 1e6, "dur": (e - s) * 1e6,
                            "args": {"bytes": int(r.nbytes), "flops": float(r.flops),
                                     "task": int(r.task)}})
-        meta = []
-        for d, info in enumerate(self.devices):
-            meta.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0,
-                         "args": {"name": info.name}})
-            meta.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0,
-                         "args": {"sort_index": d}})
-        for d, tid in sorted(threads):
-            meta.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid,
-                         "args": {"name": _thread_name(tid)}})
+        meta = [{"name": name, "ph": "M", "pid": d, "tid": 0, "args": args}
+                for d, info in enumerate(self.devices)
+                for name, args in (("process_name", {"name": info.name}), ("process_sort_index", {"sort_index": d}))]
+        meta += [{"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": _thread_name(tid)}}
+                 for d, tid in sorted(threads)]
         trace = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
