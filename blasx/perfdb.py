@@ -217,11 +217,6 @@ _SCHEMA = (
 _COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
 
 
-def _blasx_version() -> str:
-    from . import __version__  # set by blasx/__init__.py before any entry can be stored
-    return __version__
-
-
 def _positive_tile(v) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
@@ -324,8 +319,10 @@ class PerfDb:
             clean[str(int(t))] = float(v)
         if clean and str(tile) not in clean:
             raise ValueError(f"tile: {tile} is not among the measured tiles {sorted(int(t) for t in clean)}")
+        from . import __version__
+
         row = (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile), json.dumps(clean),
-               datetime.now(timezone.utc).isoformat(timespec="seconds"), _blasx_version())
+               datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
         conn = self._write()
         try:
             conn.execute("BEGIN IMMEDIATE")
