@@ -214,25 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import blasx
 
+    from .runtime.devices.base import DeviceError
+
     prev = blasx.session.settings()
+    sub = parser.commands[args.cmd]
     try:
-        sub = parser.commands[args.cmd]
-        if args.cmd == "info":
-            return _info(blasx, sub, args)
-        if args.cmd == "tune":
-            return _tune(blasx, sub, args)
-        return _gemm(blasx, sub, args)
+        return {"gemm": _gemm, "info": _info, "tune": _tune}[args.cmd](blasx, sub, args)
+    except DeviceError as exc:  # not the options' fault: one line on stderr, status 1
+        print(f"{sub.prog}: error: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # (`blasx info | head`: the reader left; Python's documented way out)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     finally:
         blasx.configure(**dataclasses.asdict(prev))  # the settings before, and no engine left running
-
-
-def _error(parser: argparse.ArgumentParser, message: str) -> int:
-    """A failure that is not the options' fault: one line on stderr, status 1."""
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    return 1
 
 
 def _start(blasx, parser, **settings):
@@ -270,7 +265,6 @@ def _check_output_path(parser, option: str, path: str | None) -> None:
 def _gemm(blasx, parser, args) -> int:
     from . import probe
     from .progress import Progress, wanted
-    from .runtime.devices.base import DeviceError
     from .tile import choose_tile
 
     m, n, k = args.m or args.n, args.n, args.k or args.n
@@ -286,11 +280,8 @@ def _gemm(blasx, parser, args) -> int:
     if avail is not None and nbytes > avail:
         parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
                      f"{probe.format_bytes(nbytes)}, but only {probe.format_bytes(avail)} of host memory is available")
-    try:
-        eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
-                     cpu=True if args.cpu else None)
-    except DeviceError as exc:
-        return _error(parser, str(exc))
+    eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
+                 cpu=True if args.cpu else None)
     rng = np.random.default_rng(0)
     try:
         tile = choose_tile(eng, m, n, k, dtype)
@@ -309,17 +300,14 @@ def _gemm(blasx, parser, args) -> int:
     flops = 2 * blas_type.flop_factor * m * n * k
     show = wanted(args.progress, sys.stderr)
     times = []
-    try:
-        for r in range(args.runs):
-            c[...] = poison  # every element must be written
-            with Progress(sys.stderr, label=f"run {r}", flops=flops, enabled=show):
-                t = time.perf_counter()
-                blasx.gemm(1, a, b, c=c, overwrite_c=True, math=args.math)
-                t = time.perf_counter() - t
-            times.append(t)
-            print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
-    except DeviceError as exc:
-        return _error(parser, str(exc))
+    for r in range(args.runs):
+        c[...] = poison  # every element must be written
+        with Progress(sys.stderr, label=f"run {r}", flops=flops, enabled=show):
+            t = time.perf_counter()
+            blasx.gemm(1, a, b, c=c, overwrite_c=True, math=args.math)
+            t = time.perf_counter() - t
+        times.append(t)
+        print(f"  run {r}: {t:.3f} s, {flops / t / 1e12:.3f} TFLOPS", flush=True)
     prof = blasx.last_profile()
     print(prof.report())
     status, verdict = 0, "not checked"
@@ -357,12 +345,8 @@ def _versions(blasx) -> str:
 def _info(blasx, parser, args) -> int:
     from . import probe
     from .perfdb import PerfDb, device_key, disabled
-    from .runtime.devices.base import DeviceError
 
-    try:
-        eng = _start(blasx, parser, devices=args.devices)
-    except DeviceError as exc:
-        return _error(parser, str(exc))
+    eng = _start(blasx, parser, devices=args.devices)
     devices = list(eng.devices)
     facts = probe.device_facts(devices)
     links = probe.peer_links(devices)
@@ -385,7 +369,6 @@ def _info(blasx, parser, args) -> int:
 def _tune(blasx, parser, args) -> int:
     from .perfdb import PerfDb, disabled
     from .probe import format_perfdb
-    from .runtime.devices.base import DeviceError
     from .tune import tune
 
     db = PerfDb(args.db)
@@ -399,11 +382,8 @@ def _tune(blasx, parser, args) -> int:
     if (args.m or args.k) and args.n is None:
         parser.error("arguments --m/--k: need --n (the sizes they go with)")
     sizes = None if args.n is None else [(args.m or n, n, args.k or n) for n in args.n]
-    try:
-        eng = _start(blasx, parser, devices=args.devices, cache_bytes=args.cache_bytes,
-                     cpu=True if args.cpu else None)
-    except DeviceError as exc:
-        return _error(parser, str(exc))
+    eng = _start(blasx, parser, devices=args.devices, cache_bytes=args.cache_bytes,
+                 cpu=True if args.cpu else None)
     names = ", ".join(d.name for d in eng.devices)
     print(f"blasx tune: {eng.spec} ({names}); perf-db {db.path}")
     rows = tune(sizes=sizes, dtypes=args.dtype, tiles=args.tiles, runs=args.runs, db=db,

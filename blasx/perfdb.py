@@ -1,20 +1,12 @@
 """The perf-db: measured best tile sizes (the one tuning knob of BLASX, the paper's Section V-B).
 
 ``blasx.tune()`` stores the winner per :class:`PerfKey`; ``blasx.tile.choose_tile`` reads it back
-before its heuristic (a record per problem description, as MIOpen's find-db). A key is
-
-* ``device``: the device model (``"NVIDIA H200"`` for ``"cuda:0 NVIDIA H200"``; ``"sim"``; ``"cpu"``);
-  mixed models join with ``+``, a CPU worker beside GPUs adds ``+cpu`` (not one in auto mode, which
-  takes no task in most calls);
-* ``ndev``: the number of GPUs (stream devices), 1 for the CPU alone;
-* ``dtype``: the prefix in runtime/dtypes.py (``s d c z``, gemm's ``h b i8``);
-* ``routine``: ``"gemm"`` (other level-3 routines fall back to it);
-* ``shape``: the shape class ``(M, N, K)`` (:func:`shape_class`);
-
+before its heuristic. A key is the device model (``device_key``: mixed models join with ``+``, a
+CPU worker beside GPUs, not in auto mode, adds ``+cpu``), the number of GPUs, the dtype prefix,
+the routine (other level-3 routines fall back to ``gemm``) and the shape class (:func:`shape_class`);
 text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. The file is ``perfdb.sqlite`` in
-:func:`cache_dir`; an entry keeps the tile, every candidate's TFLOPS, the date and the blasx version.
-A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS call never fails
-because of it); writers use one connection per operation, a busy timeout and ``BEGIN IMMEDIATE``.
+:func:`cache_dir`. A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS
+call never fails because of it); writers use one connection per operation and ``BEGIN IMMEDIATE``.
 ``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
 """
 
@@ -225,11 +217,6 @@ _SCHEMA = (
 _COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
 
 
-def _blasx_version() -> str:
-    from . import __version__  # set by blasx/__init__.py before any entry can be stored
-    return __version__
-
-
 def _positive_tile(v) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
@@ -332,8 +319,10 @@ class PerfDb:
             clean[str(int(t))] = float(v)
         if clean and str(tile) not in clean:
             raise ValueError(f"tile: {tile} is not among the measured tiles {sorted(int(t) for t in clean)}")
+        from . import __version__
+
         row = (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile), json.dumps(clean),
-               datetime.now(timezone.utc).isoformat(timespec="seconds"), _blasx_version())
+               datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
         conn = self._write()
         try:
             conn.execute("BEGIN IMMEDIATE")

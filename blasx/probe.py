@@ -1,14 +1,9 @@
 """What ``blasx info`` reports: device facts, peer links, quick measurements, perf-db entries.
 
-Facts come at once from a started engine's devices (:func:`device_facts`, :func:`peer_links`).
-Measurements (``--measure``, :func:`measure`, about a second per device): on ``cuda``, pinned
-H2D/D2H copies and a copy over every peer link of ``COPY_BYTES``, and DGEMM/SGEMM of ``GEMM_N``,
-timed with CUDA events, best of ``GPU_REPS`` after ``GPU_WARM_S`` of warm-up (an idle GPU's first
-copies run slow), with the engine shut down; on ``sim``, the configured cost model; on ``cpu``,
-numpy's GEMM at the first size from 512 that takes 0.1 s, best of 3. A failing measurement is
-reported with its reason; CuPy is imported only inside the CUDA parts.
-
-The ``format_*`` functions are pure (plain data in, lines out) and tested with made-up numbers.
+Facts come at once from a started engine's devices. :func:`measure` (``--measure``, about a second
+per device) times pinned copies, peer copies and cuBLAS DGEMM/SGEMM on ``cuda`` with CUDA events
+(best of ``GPU_REPS`` after a warm-up), reads the cost model of a ``sim`` and times numpy's GEMM on
+the ``cpu``; a failing measurement is reported with its reason. The ``format_*`` functions are pure.
 """
 
 from __future__ import annotations
@@ -58,10 +53,6 @@ class Rate:
     value: float | None
     how: str = ""
     peer: int | None = None
-
-    @property
-    def is_bandwidth(self) -> bool:
-        return self.what in BANDWIDTH_KINDS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +302,7 @@ def format_rate(rate: Rate) -> str:
     """'55.2 GB/s', '59.8 TFLOPS', '34.5 GFLOPS' (below 1 TFLOPS), 'failed'."""
     if rate.value is None:
         return "failed"
-    if rate.is_bandwidth:
+    if rate.what in BANDWIDTH_KINDS:
         return f"{rate.value / 1e9:.4g} GB/s"
     if rate.value < 1e12:
         return f"{rate.value / 1e9:.4g} GFLOPS"

@@ -19,7 +19,6 @@ from .runtime.devices.base import backend
 from .runtime.dtypes import MATH_MODES
 from .runtime.engine import Engine, EngineConfig
 
-MiB = 1 << 20
 DEFAULT_STREAMS = 4
 
 

@@ -155,10 +155,9 @@ def _check_sizes(sizes) -> list[tuple[int, int, int]] | None:
     if sizes is None:
         return None
     items = [sizes] if _positive_int(sizes) else sizes
-
-    def valid(s) -> bool:
-        return _positive_int(s) or (isinstance(s, (tuple, list)) and len(s) == 3 and all(map(_positive_int, s)))
-    if not isinstance(items, (list, tuple)) or not items or not all(map(valid, items)):
+    if not isinstance(items, (list, tuple)) or not items or not all(
+            _positive_int(s) or (isinstance(s, (tuple, list)) and len(s) == 3 and all(map(_positive_int, s)))
+            for s in items):
         raise ValueError(f"sizes: got {sizes!r}, need N or a non-empty list of sizes, each N (square) or an "
                          f"(M, N, K) triple of positive ints, e.g. [4096, (8192, 8192, 16384)]; "
                          f"or None for the backend's defaults")

@@ -1,18 +1,13 @@
 """First-fit offset heap: the BLASX device-memory allocator (paper Sec. IV-E, Fig. 6).
 
 A cudaMalloc/cudaFree per tile would dominate at scale (Fig. 5), so each device allocates one arena
-and carves it with this heap, which keeps integer offsets only (so it is fuzzed on the CPU).
-Fig. 6's three lists: the meta-data list of ``_Block`` nodes in address order (``prev``/``next``;
-the block at offset 0 is the permanent head); the empty list ``_free`` (offset -> block), indexed by
-size class ``(size // alignment).bit_length()`` in sorted ``_buckets`` with a ``_nonempty`` bitmask,
-plus the sorted ``_free_sizes`` (``largest_free`` in O(1)); the occupied list ``_used``.
-
-``alloc`` rounds up to the alignment and takes the lowest-address free block that fits (every
-block of a higher class fits, so only the request's own class is walked), splitting off the rest;
-``free`` coalesces with free neighbours; a request that does not fit returns ``None`` (the cache
-evicts and retries). ``check()`` verifies the invariants: the blocks tile ``[0, capacity)`` with
-``prev`` mirroring ``next``, aligned and positive; no two adjacent free blocks; the indexes match
-the blocks; ``bytes_used`` sums the allocations. One owner thread per heap: not thread-safe.
+and carves it with this heap of integer offsets (fuzzed on the CPU). Fig. 6's three lists: the
+address-ordered meta-data list of ``_Block`` nodes (the block at offset 0 is the permanent head);
+the empty list ``_free``, indexed by size class ``(size // alignment).bit_length()`` in sorted
+``_buckets`` with a ``_nonempty`` bitmask, and the sorted ``_free_sizes``; the occupied ``_used``.
+``alloc`` takes the lowest-address free block that fits and splits it, ``free`` coalesces, a request
+that does not fit gets ``None`` (the cache evicts and retries); ``check()`` verifies the invariants.
+One owner thread per heap: not thread-safe.
 """
 
 from __future__ import annotations

@@ -1,43 +1,22 @@
 """When the CPU worker takes a task beside the GPUs (the paper's Fig. 9).
 
-Beside GPUs the CPU is one to three orders of magnitude slower per task, so taking work by demand
-(``configure(cpu=True)``) makes every call wait for its CPU task. In **auto** mode (``cpu=None``
-beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) the CPU worker takes a task only when
-the rule below predicts the call then ends no later.
+Beside GPUs the CPU is orders of magnitude slower per task, so taking work by demand (``cpu=True``)
+makes every call wait for its CPU task. In auto mode (``cpu=None`` beside CUDA GPUs, ``cpu="auto"``
+beside any stream devices) it takes a task only when :func:`decide` predicts the call then ends no
+later: always with no GPU; never for a call with dependencies (TRSM) or one the GPUs hold at once
+(stations + compute streams), nor while a rate is unknown; else iff
 
-Rule
-----
-For a task ``t`` of call ``c`` (the queue's head, or one it would steal), G the live stream workers
-that can run ``c``:
+    cpu_s = margin * t.flops / r_cpu  <  gpu_s = (waiting - t.flops + RUNNING_LEFT * running) / sum(r_g)
 
-1. **alone**: G is empty: take it.
-2. **deps**: ``c`` has a task with dependencies (TRSM): never (the GPU tasks would wait on the CPU).
-3. **small**: ``len(c.tasks) <=`` what G holds at once (stations + compute streams): never.
-4. **rates**: ``r_cpu`` and each ``r_g`` in the call's dtype (:class:`RateMeter`). A GPU's rate
-   counts once it has finished as many tasks as it has streams; an unknown one counts as the
-   fastest known; none known: never (**gpu rate unknown**). An unknown CPU rate is probed once
-   (``CpuDevice.probe``); still unknown: never (**cpu rate unknown**).
-5. **sooner / later**: take ``t`` iff
+(``waiting``: flops of the call's unstarted tasks, ``t`` included; ``running``: those started and
+unfinished). Other calls' work is left out, so the rule errs towards the GPUs. Rates per worker and
+dtype (:class:`RateMeter`) are the flops of its last ``WINDOW`` tasks over the busy seconds they took;
+a GPU's counts once it has finished as many tasks as it has streams (an unknown one counts as the
+fastest known); the CPU's is first probed with a small GEMM (``CpuDevice.probe``).
 
-       cpu_s = margin * t.flops / r_cpu  <  gpu_s = (waiting - t.flops + RUNNING_LEFT * running) / sum(r_g)
-
-   with ``waiting`` the flops of ``c``'s unstarted tasks (``t`` included) and ``running`` those
-   started and unfinished. Other calls' work is left out, so the rule errs towards the GPUs;
-   ``MARGIN`` covers the error of ``r_cpu``.
-
-:func:`decide` is the rule as a pure function; :meth:`Admission.admits` gathers its inputs.
-
-A worker's rate per dtype (``RateMeter``) is the flops of its last ``WINDOW`` finished tasks over
-the busy seconds they took (each from the previous completion, or from the first start after
-idling): a ratio of sums, since a GPU finishes its in-flight tasks in bursts. The CPU's first
-sample is the probe (a 256-square GEMM, best of three); GPUs get no seed.
-
-State: ``RateMeter``'s per-(worker, dtype) windows are written by that worker's thread only; the
-CPU worker reads ``_sums`` lock-free (each entry replaced by one assignment). ``Call.meter``,
-``flops_waiting`` and ``flops_running`` are set by ``Engine.submit`` and kept under the call's
-lock; ``Admission.counts`` (decisions per reason) and ``last`` are written by the CPU worker alone.
-In auto mode the CPU device limits the BLAS threads only once it runs a probe or a task, and
-restores them when the last call then running ends (``CpuDevice.engage``).
+State: a RateMeter window is written by its worker's thread only (the CPU worker reads ``_sums``
+lock-free); ``Call.flops_waiting``/``flops_running`` are kept under the call's lock;
+``Admission.counts`` and ``last`` are written by the CPU worker alone.
 """
 
 from __future__ import annotations

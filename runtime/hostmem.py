@@ -1,15 +1,12 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Pageable copies are staged by the driver and overlap nothing, so blasx page-locks host operands in
-place (``cudaHostRegister``, portable): an array's root (the ndarray owning the memory) is
-registered once while it lives (a finalizer, or ``release``, unregisters it). Memory pinned by
-others is used as is; only roots of at least ``MIN_REGISTER_BYTES`` that own their memory are
-registered, and only the pages wholly inside them; smaller arrays are copied as pageable memory.
-
-Registration is about as slow as a pass over the data, so it runs beside the call: one thread per
-call registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only
-for the chunks it touches (``Pinning.pieces``), split at chunk boundaries (``split_2d``: CUDA
-refuses a copy over a partly registered range); a chunk that failed is copied as pageable memory.
+Pageable copies overlap nothing, so blasx page-locks host operands in place (``cudaHostRegister``):
+the root of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYTES``) is registered
+once while it lives, its whole pages only; memory pinned by others is used as is, smaller arrays
+are copied pageable. Registration costs about a pass over the data, so one thread per call
+registers ``CHUNK_BYTES`` chunks in the order the call reads them, and a tile copy waits only for
+the chunks it touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly
+registered range).
 """
 
 from __future__ import annotations
@@ -232,20 +229,16 @@ class RegistrationCache:
             return id(_root(x)) in self._ours
 
 
-class PinJob:
-    """One call's chunks, registered in order by a thread of its own (not a daemon: ``join``
-    ends it, and the call joins it before returning, so no registration outlives the call
-    that holds the arrays)."""
+class PinJob(threading.Thread):
+    """One call's chunks, registered in order by a thread of its own (not a daemon: the call joins
+    it before returning, so no registration outlives the call that holds the arrays)."""
 
     def __init__(self, cache: RegistrationCache, chunks: list) -> None:
+        super().__init__(name="blasx-pin", daemon=False)
         self.cache, self.chunks = cache, chunks
         self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, name="blasx-pin", daemon=False)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
+    def run(self) -> None:
         t0 = time.perf_counter()
         try:
             for p, i in self.chunks:
@@ -254,9 +247,6 @@ class PinJob:
             for p, i in self.chunks:  # after an unexpected error: nobody waits forever
                 p.ready[i].set()
             self.seconds = time.perf_counter() - t0
-
-    def join(self) -> None:
-        self._thread.join()
 
     @property
     def pinned_bytes(self) -> int:

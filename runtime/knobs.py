@@ -33,8 +33,7 @@ class Knobs:
     split_k: bool = True
     #: A GPU starts another task only while its committed, unrun kernels add up to less than this
     #: many full tile steps (2 T^3 flops, 8 T^3 complex), besides the cap of 2 x streams tasks in
-    #: flight; this bounds the tail imbalance. 0 (default): the cap alone (it helped only unequal
-    #: sims).
+    #: flight; this bounds the tail imbalance. 0 (default): the cap alone.
     commit_steps: int = 0
 
     @classmethod

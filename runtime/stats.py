@@ -1,20 +1,11 @@
 """Statistics of one blasx call: counters, timed operations, and views of them.
 
-The workers of all devices feed one `CallStats` concurrently: counters (tasks, tile-cache hits,
-bytes moved, ...) through `count`, timed operations (kernels, copies, host-side work) through
-`add_record`. `profile()` takes a `Profile` snapshot; everything else is a pure function of it.
-
-The time breakdown follows Fig. 8 of the BLASX paper. Per device, inside the window
-[start, finish] of the call (wall = finish - start; records are clipped to it):
-
-  busy  (COMPT)  time covered by computation: kernels and host-side work ("host" records,
-                 e.g. staging copies) on any stream;
-  comm  (COMM)   time covered by copies (h2d, d2h, p2p) while nothing computes: the unoverlapped
-                 communication. Copy time hidden under computation is `overlapped_comm`;
-  idle  (OTHER)  time covered by nothing: synchronisation, scheduling and launch gaps.
-
-Each is the length of a union of intervals, so concurrent streams are never counted twice and
-busy + comm + idle == wall on every device.
+The workers of all devices feed one `CallStats` concurrently (`count`, `add_record`); `profile()`
+takes a `Profile` snapshot, and every view is a pure function of it. The time breakdown is Fig. 8
+of the BLASX paper, per device inside the call's window (records clipped to it): busy (COMPT,
+covered by kernels or host-side work), comm (COMM, covered by copies while nothing computes; copy
+time under computation is `overlapped_comm`) and idle (OTHER, covered by nothing). Each is the
+length of a union of intervals, so streams are never counted twice and busy + comm + idle == wall.
 """
 
 from __future__ import annotations
@@ -166,13 +157,8 @@ class CallStats:
             self._records.append(rec)
 
     def add_records(self, recs: Iterable[OpRecord]) -> None:
-        if not self.keep_records:
-            return
-        recs = list(recs)
         for rec in recs:
-            self._check_record(rec)
-        with self._lock:
-            self._records.extend(recs)
+            self.add_record(rec)
 
     def start(self, t: float | None = None) -> None:
         with self._lock:
@@ -374,15 +360,11 @@ class Profile:
                            "ts": (s - self.start) * 1e6, "dur": (e - s) * 1e6,
                            "args": {"bytes": int(r.nbytes), "flops": float(r.flops),
                                     "task": int(r.task)}})
-        meta = []
-        for d, info in enumerate(self.devices):
-            meta.append({"name": "process_name", "ph": "M", "pid": d, "tid": 0,
-                         "args": {"name": info.name}})
-            meta.append({"name": "process_sort_index", "ph": "M", "pid": d, "tid": 0,
-                         "args": {"sort_index": d}})
-        for d, tid in sorted(threads):
-            meta.append({"name": "thread_name", "ph": "M", "pid": d, "tid": tid,
-                         "args": {"name": _thread_name(tid)}})
+        meta = [{"name": name, "ph": "M", "pid": d, "tid": 0, "args": args}
+                for d, info in enumerate(self.devices)
+                for name, args in (("process_name", {"name": info.name}), ("process_sort_index", {"sort_index": d}))]
+        meta += [{"name": "thread_name", "ph": "M", "pid": d, "tid": tid, "args": {"name": _thread_name(tid)}}
+                 for d, tid in sorted(threads)]
         trace = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:

@@ -1,26 +1,14 @@
-"""Tile kernels on numpy views, shared by the ``sim`` and ``cpu`` backends.
+"""Tile kernels on numpy views, shared by the ``sim`` and ``cpu`` backends: the tile-kernel contract
+the CUDA backend mirrors with cuBLAS (named in each docstring).
 
-Each kernel updates the C tile ``c`` in place from tiles ``a`` and ``b``,
-with scalars taken from the call's scalar table by the step's indices. BLAS
-rules hold: with ``beta == 0`` C is overwritten and never read.
-
-The triangular/symmetric kernels below are the tile-kernel contract that the
-CUDA backend mirrors with cuBLAS (named in each docstring). Op codes 0 N, 1 T,
-2 C apply to the tile as stored; ``uplo`` 1 = lower; ``side`` 0 = left;
-``diag`` 1 = unit. Only the triangle a kernel reads (``uplo`` of ``a``; the
-diagonal not at all with ``diag`` = 1) is read, and only the triangle it
-writes (``uplo`` of ``c`` for the rank-k kernels) is written, so NaNs in the
-other parts neither leak in nor get overwritten.
-
-Reduced precision (mixed calls, runtime/call.py): gemm's A and B may be half, bfloat16 or int8
-while C holds the accumulation type. The product is then taken in float32 (half, bfloat16: what
-cuBLAS's 32F compute type accumulates in) or exactly in float64 (int8: an int32 sum of int8
-products is exact there) and stored to C's type; the worker rounds C to its output type once, at
-the write-back. With TF32 math a float32 gemm first rounds A and B to TF32's 10 mantissa bits.
-
-Floating-point warnings: gemm's product is numpy's matmul and warns as it does (NaN inputs are
-quiet; inf * 0 and overflow warn); all other arithmetic of the kernels runs under
-``np.errstate(all="ignore")``, as their BLAS routines report no floating-point exceptions.
+Each kernel updates the C tile in place from tiles ``a`` and ``b`` with the call's scalars (BLAS
+rules: ``beta == 0`` overwrites C unread). Op codes 0 N, 1 T, 2 C apply to the tile as stored;
+``uplo`` 1 = lower, ``side`` 0 = left, ``diag`` 1 = unit. Only the triangle a kernel reads or writes
+is touched, so NaNs elsewhere neither leak in nor get overwritten. Mixed calls (half, bfloat16,
+int8 A and B) take the product in float32, or exactly in float64 for int8, into C's accumulation
+type; TF32 math first rounds float32 A and B to 10 mantissa bits. gemm's product warns as numpy's
+matmul does; every other kernel runs under ``np.errstate(all="ignore")``, as BLAS reports no
+floating-point exceptions.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """``sim``: a stand-in GPU for machines without CUDA, driven by the same StreamWorker as ``cuda``.
 
-It has its own memory (a numpy byte arena carved by the same offset heap); in-order streams, each
-run by a thread, with events between them; one compute engine and H2D / D2H / peer copy engines,
-each a lock, so kernels serialise while copies overlap them; a cost model (an operation lasts at
-least ``flops / rate * slow`` or ``bytes / bandwidth``, sleeping for what the numpy work did not
-take; ``krate`` gives a kernel its own rate); byte counters (``bytes_in``, ``bytes_out``,
-``bytes_p2p``); fault injection (``fail_at``, and the ``faults.py`` hooks ``load``, ``compute``,
-``writeback``); device memory others can take (:func:`take_memory`: the heap is sized from what is
-free at open, and ``cache_limit`` keeps the cache within it); host-side errors that fail the call,
-not the device; settable peer links (``peers``).
-
-Data-free timing mode (``timing=True``; spec ``timing=1`` or ``data=0``), for predictions on
-machines one does not have (``bench/scaling_sim.py``): no arena (the heap still runs over
-``mem=`` bytes, so capacity and evictions behave as on the real GPU; locations are
-:class:`TimingLoc` records), and kernels and copies only hold their engine for their cost-model
-time; host operands are never touched (``Operand.array`` may be None).
-
-``dilate=F`` multiplies every duration (so the scheduler's host-side work does not distort
-short operations; divide measured times by F). ``issue=SECONDS``: the host time of one launch,
-slept by the issuing worker (times F), releasing the GIL as a driver call would. A shared host
-link (``host=BYTES_PER_S``, ``hostgroup=G``, ``hostduplex=1``; :class:`HostLink`) caps several
-sims' host copies together by FIFO reservations, so the aggregate rate never exceeds the cap.
+Its memory is a numpy byte arena carved by the same offset heap; each in-order stream is a thread,
+with events between them; one compute engine and H2D / D2H / peer copy engines, each a lock, so
+kernels serialise while copies overlap them. An operation lasts at least its cost-model time
+(:class:`SimModel`: ``flops / rate * slow`` or ``bytes / bandwidth``, times ``dilate``). Test hooks:
+fault injection (``fail_at``, the ``faults.py`` hooks), memory other libraries hold
+(:func:`take_memory`), peer links (``peers``). Timing mode (``timing=1`` or ``data=0``) runs the
+heap and the cost model with no data, for predictions on machines one does not have
+(``bench/scaling_sim.py``); a :class:`HostLink` caps several sims' host copies together.
 """
 
 from __future__ import annotations
@@ -50,8 +37,7 @@ class SimModel:
     slow: float = 1.0  # every duration is multiplied by this (a slower GPU)
     issue: float = 0.0  # host seconds per launched kernel or copy, spent by the calling thread
     dilate: float = 1.0  # time dilation: every duration and issue time is multiplied by this too
-    # (kernel, factor) pairs: that tile kernel runs at factor * rate (measured tile kernels differ:
-    # on H200 a 4096 DTRSM diagonal step ran at 21 TFLOPS where GEMM steps ran at 60). Others: rate.
+    # (kernel, factor) pairs: that tile kernel runs at factor * rate; the others at rate
     krate: tuple[tuple[str, float], ...] = ()
 
     def kernel_time(self, flops: float, kernel: str = "gemm") -> float:
@@ -425,15 +411,10 @@ DEFAULT_SIM_CACHE = 64 << 20  # tile-cache heap per sim when neither mem= nor ca
 
 def build_sim_devices(spec, *, streams: int, cache_bytes: int | None = None,
                       trace: bool = True) -> list[SimDevice]:
-    """The sim devices of a parsed ``sim`` spec (``runtime.config.parse_devices``), every option
-    applied: cost model, per-device factors (``slow``/``speeds``), fault injection, peers, and the
-    timing-mode options (``timing``/``data``, ``mem``, ``dilate``, ``issue``, ``host``,
-    ``hostgroup``, ``hostduplex``) and per-kernel rates (``krate``). ``cache_bytes`` (configure's)
+    """The sim devices of a parsed ``sim`` spec, every option applied; ``cache_bytes`` (configure's)
     and ``mem=`` both set the heap: give one."""
     from ..config import sim_factors, sim_settings
 
-    if spec.kind != "sim":
-        raise ValueError(f"devices: build_sim_devices needs a 'sim' spec, got kind {spec.kind!r}")
     opts = spec.options
     ts = sim_settings(spec)
     if cache_bytes is not None and ts.mem is not None and cache_bytes != ts.mem:
