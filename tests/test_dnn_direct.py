@@ -47,7 +47,7 @@ class NumpyOps:
     def _mat(self, ref, rows, cols, ld, b, stride):
         buf = self.bufs[ref[0]]
         off = ref[1] + b * stride
-        assert rows <= ld or cols == 1
+        assert ld >= max(1, rows), "cuBLAS needs ld >= the stored rows"
         assert off >= 0 and off + (cols - 1) * ld + rows <= buf.size, f"{ref[0]} read/written out of bounds"
         return np.lib.stride_tricks.as_strided(buf[off:], (rows, cols), (8, ld * 8), writeable=True)
 
