@@ -97,3 +97,78 @@ def test_transposed_and_backward():
     wt = rng.standard_normal((8, 5, 4, 4))
     yt = dnn.conv_transpose2d(x, wt, stride=2, padding=1, output_padding=1)
     assert rel(yt, F.conv_transpose2d(wide(x), wide(wt), None, 2, 1, 1).numpy()) < 1e-12
+
+
+# ---------------------------------------------------------------- the device route (conv_direct.py)
+
+def _device(x, layout):
+    xc = cupy.asarray(x)
+    if layout == "nchw":
+        return xc
+    return cupy.ascontiguousarray(cupy.moveaxis(xc, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
+
+
+DIRECT_TOL = {("float32", "ieee"): 1e-5, ("float32", "tf32"): 5e-3, ("float16", "ieee"): 5e-3,
+              ("float64", "ieee"): 1e-12}
+
+
+@pytest.fixture(params=["one-chunk", "chunked"])
+def direct_route(request, monkeypatch):
+    """Every CuPy call on the device route; "chunked": scratch for one image at a time."""
+    from blasx.dnn import conv_direct
+    monkeypatch.setattr(conv_direct, "ROUTE", "direct")
+    if request.param == "chunked":
+        monkeypatch.setattr(conv_direct, "BUDGET_FRACTION", 2**60)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype,math", list(DIRECT_TOL))
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("kernel,stride,pad,groups", [(3, 2, 1, 2), (1, 1, 0, 1), (3, 1, 1, 1)])
+def test_direct_forward_epilogue_residual(direct_route, dtype, math, layout, kernel, stride, pad, groups):
+    rng = np.random.default_rng(5)
+    dt = np.dtype(dtype)
+    x = rng.standard_normal((3, 8, 13, 11)).astype(dt)
+    w = rng.standard_normal((12, 8 // groups, kernel, kernel)).astype(dt)
+    conv = F.conv2d(wide(x), wide(w), None, stride, pad, 1, groups)
+    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    b, sc, sh = rng.standard_normal(12), rng.uniform(0.5, 2, 12), rng.standard_normal(12)
+    y = dnn.conv2d(_device(x, layout), cupy.asarray(w), cupy.asarray(b), stride, pad, 1, groups,
+                   scale=cupy.asarray(sc), shift=cupy.asarray(sh), residual=_device(r, layout), activation="relu",
+                   math=math)
+    t = torch.from_numpy
+    ref = F.relu((conv + t(b)[:, None, None]) * t(sc)[:, None, None] + t(sh)[:, None, None] + wide(r)).numpy()
+    assert isinstance(y, cupy.ndarray) and y.dtype == dt and (layout == "cl") == (not y.flags.c_contiguous)
+    assert rel(y, ref) < DIRECT_TOL[(dtype, math)]
+    plain = dnn.conv2d(_device(x, layout), cupy.asarray(w), None, stride, pad, 1, groups, math=math)
+    assert rel(plain, conv.numpy()) < DIRECT_TOL[(dtype, math)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_direct_backward_and_transposed(direct_route, dtype, layout):
+    rng = np.random.default_rng(6)
+    dt = np.dtype(dtype)
+    x = rng.standard_normal((3, 8, 14, 10)).astype(dt)
+    w = rng.standard_normal((12, 4, 3, 3)).astype(dt)
+    dy = rng.standard_normal((3, 12, 7, 5)).astype(dt)
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    gi = dnn.conv2d_input(x.shape, cupy.asarray(w), _device(dy, layout), stride=2, padding=1, groups=2)
+    assert rel(gi, torch.nn.grad.conv2d_input(x.shape, wide(w), wide(dy), 2, 1, 1, 2).numpy()) < tol
+    gw = dnn.conv2d_weight(_device(x, layout), w.shape, _device(dy, layout), stride=2, padding=1, groups=2)
+    assert gw.dtype == dt and gw.shape == w.shape
+    assert rel(gw, torch.nn.grad.conv2d_weight(wide(x), w.shape, wide(dy), 2, 1, 1, 2).numpy()) < tol
+    pw = rng.standard_normal((6, 8, 1, 1)).astype(dt)
+    dyp = rng.standard_normal((3, 6, 14, 10)).astype(dt)
+    gpw = dnn.conv2d_weight(_device(x, layout), pw.shape, _device(dyp, layout))
+    assert rel(gpw, torch.nn.grad.conv2d_weight(wide(x), pw.shape, wide(dyp)).numpy()) < tol
+    wt = rng.standard_normal((8, 5, 4, 4)).astype(dt)
+    yt = dnn.conv_transpose2d(_device(x, layout), cupy.asarray(wt), stride=2, padding=1, output_padding=1)
+    assert rel(yt, F.conv_transpose2d(wide(x), wide(wt), None, 2, 1, 1).numpy()) < tol
+
+
+def test_direct_route_is_chosen_for_one_gpu():
+    from blasx.dnn import conv_direct
+    x = cupy.zeros((1, 2, 4, 4), dtype=cupy.float32)
+    assert conv_direct.applies(x, 1.0)
+    assert not conv_direct.applies(np.zeros((1, 2, 4, 4), np.float32), 1.0)

@@ -1,4 +1,5 @@
-"""blasx.dnn's front end: torch.nn.functional-style convolutions lowered to GEMM tile tasks on the engine.
+"""blasx.dnn's front end: torch.nn.functional-style convolutions lowered to GEMM tile tasks on the engine,
+or, for CuPy operands of one GPU, to a few cuBLAS calls there (conv_direct.py).
 
 Every function validates everything first (geometry.py; nothing is computed or written on error, the
 caller's arrays are never modified), lays the operands out as the planners want them (runtime/plans/conv.py)
@@ -18,6 +19,7 @@ from ..operands import array_module, is_cupy
 from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
+from . import conv_direct
 from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
@@ -102,12 +104,6 @@ def _check_out(name: str, out, shape, dtype, lay, xp, *others):
         raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
 
 
-def _pointwise(geo: ConvGeometry) -> bool:
-    """A 1x1, stride-1, unpadded convolution: col(X) is X itself."""
-    return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
-        geo.out_size == geo.in_size
-
-
 def _name(dtype, fn: str) -> str:
     return dtypes.prefix(dtype) + fn
 
@@ -124,10 +120,17 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     bias, scale, shift, act = epilogue_args
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
+    if conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay:
+        epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, {0: (0, 0, geo.k)})
+        wrows = xp.ascontiguousarray(wconv).reshape(geo.k, crs)
+        if fold is not None:
+            wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
+        conv_direct.forward(geo, x, cl, wrows, y, residual, None if epi is None else epi.by_slot[0], math)
+        return
     wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
     ws = [wmat[:, g * kg:(g + 1) * kg] for g in range(G)]
     xs = _x_view(x, lay)
-    direct = _pointwise(geo)  # col(X) is X itself: plain GEMMs on X's memory, nothing derived
+    direct = conv_direct.pointwise(geo)  # col(X) is X itself: plain GEMMs on X's memory, nothing derived
     if direct and cl:  # col_g: X's rows g*Cg.. (Cg x N*P)
         cols = [xs[g * geo.cg:(g + 1) * geo.cg] for g in range(G)]
     elif direct:  # col_g's image n (transposed): X's P x Cg block of image n, group g
@@ -328,6 +331,11 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
     dy = _as_layout(xp, dy, lay)
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
+    if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
+        dwm = conv_direct.weight(geo, xb, dy, cl, math)
+        if cl:
+            return xp.ascontiguousarray(dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1)))
+        return dwm.reshape(wsize)
     if cl:
         dyv = dy.transpose(0, *range(2, dy.ndim), 1).reshape(n * p, geo.k).T
         dys = [dyv[g * kg:(g + 1) * kg] for g in range(G)]

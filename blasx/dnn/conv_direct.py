@@ -1,0 +1,395 @@
+"""The device route of blasx.dnn: a convolution whose operands are CuPy arrays of one GPU, run there
+without tile tasks: im2col of a chunk of images into one device buffer (one gather kernel per chunk
+and group), then one cuBLAS GEMM per chunk and group (strided-batched over images for NCHW output),
+then the fused epilogue over the whole output, all on the current stream.
+
+Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
+offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
+``w`` (the weight matrix ``(K, CRS)`` row-major, reduction order (c, r, s), or (r, s, c) channels-last),
+``y`` (Y's memory), ``col`` (the im2col scratch), ``dy`` (dY's memory), ``dyc`` (a chunk of NCHW dY as
+``(K, images, P)``), ``dw`` (dW as ``(K, CRS)`` row-major, in the accumulation type).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..runtime import dtypes
+from .geometry import ConvGeometry
+
+OP_N, OP_T = 0, 1
+SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the engine has several
+BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
+ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands; None chooses
+
+
+class Gather(NamedTuple):
+    """col's element (image j of the chunk, reduction row r, output pixel p) of group ``group`` for
+    images ``n0 .. n0 + nb - 1`` at ``j * on + r * orr + p * op`` of ``col``; threads run over p
+    fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x)."""
+
+    group: int
+    n0: int
+    nb: int
+    on: int
+    orr: int
+    op: int
+    pixel_fastest: bool
+
+
+class Gemm(NamedTuple):
+    """``C_b = op_a(A_b) op_b(B_b) + beta C_b`` (column-major) for b < batch; operands as (buffer,
+    element offset), ``A_b`` at offset + b * stride_a, likewise B and C."""
+
+    a: tuple
+    b: tuple
+    c: tuple
+    op_a: int
+    op_b: int
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+    stride_a: int
+    stride_b: int
+    stride_c: int
+    batch: int
+    beta: float
+
+
+class CopyDy(NamedTuple):
+    """``dyc = dy[n0:n0 + nb]`` as (K, nb, P): NCHW dY's images side by side per channel."""
+
+    n0: int
+    nb: int
+
+
+def pointwise(geo: ConvGeometry) -> bool:
+    """1x1, stride 1, unpadded, no zero insertion: col(X) is X itself."""
+    return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
+        geo.out_size == geo.in_size
+
+
+def chunks(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:
+    """(first image, images) chunks of ``n`` images, each's scratch (``per_image`` bytes an image)
+    within ``budget`` bytes (one image at least)."""
+    nb = n if per_image == 0 else max(1, min(n, budget // per_image))
+    return [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
+
+
+def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list:
+    """y = conv(x, w) (+ beta y) by chunks ``parts`` of images (ignored for a pointwise conv)."""
+    G, kg, crs, p, K, C = geo.groups, geo.kg, geo.crs, geo.p, geo.k, geo.c
+    steps: list = []
+    if pointwise(geo):
+        for g in range(G):
+            if cl:  # Y_g (kg x N*P, ld K) = W_g^T X_g (cg x N*P, ld C)
+                steps.append(Gemm(("w", g * kg * crs), ("x", g * geo.cg), ("y", g * kg), OP_T, OP_N, kg, geo.n * p,
+                                  crs, crs, C, K, 0, 0, 0, 1, beta))
+            else:  # per image: Y_n,g^T (P x kg, ld P) = X_n,g^T (P x cg) W_g
+                steps.append(Gemm(("x", g * geo.cg * p), ("w", g * kg * crs), ("y", g * kg * p), OP_N, OP_N, p, kg,
+                                  crs, p, crs, p, C * p, 0, K * p, geo.n, beta))
+        return steps
+    for n0, nb in parts:
+        for g in range(G):
+            if cl:  # col (crs x nb*P, ld crs); Y_g's columns of the chunk
+                steps.append(Gather(g, n0, nb, p * crs, 1, crs, False))
+                steps.append(Gemm(("w", g * kg * crs), ("col", 0), ("y", n0 * p * K + g * kg), OP_T, OP_N, kg,
+                                  nb * p, crs, crs, crs, K, 0, 0, 0, 1, beta))
+            else:  # col_j (P x crs, ld P) per image; Y_j,g^T = col_j W_g, batched over the chunk's images
+                steps.append(Gather(g, n0, nb, crs * p, p, 1, True))
+                steps.append(Gemm(("col", 0), ("w", g * kg * crs), ("y", n0 * K * p + g * kg * p), OP_N, OP_N, p,
+                                  kg, crs, p, crs, p, crs * p, 0, K * p, nb, beta))
+    return steps
+
+
+def forward_scratch(geo: ConvGeometry) -> int:
+    """Scratch elements per image of the forward plan (0: none)."""
+    return 0 if pointwise(geo) else geo.crs * geo.p
+
+
+def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
+    """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first."""
+    G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
+    steps: list = []
+    if cl and pointwise(geo):
+        return [Gemm(("x", g * geo.cg), ("dy", g * kg), ("dw", g * kg * crs), OP_N, OP_T, crs, kg, geo.n * p,
+                     geo.c, K, crs, 0, 0, 0, 1, 0.0) for g in range(G)]
+    for i, (n0, nb) in enumerate(parts):
+        beta = 0.0 if i == 0 else 1.0
+        if not cl:
+            steps.append(CopyDy(n0, nb))
+        for g in range(G):
+            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
+                steps.append(Gather(g, n0, nb, p * crs, 1, crs, False))
+                steps.append(Gemm(("col", 0), ("dy", n0 * p * K + g * kg), ("dw", g * kg * crs), OP_N, OP_T, crs, kg,
+                                  nb * p, crs, K, crs, 0, 0, 0, 1, beta))
+            else:  # col (nb*P x crs, ld nb*P); dyc_g (nb*P x kg)
+                steps.append(Gather(g, n0, nb, p, nb * p, 1, True))
+                steps.append(Gemm(("col", 0), ("dyc", g * kg * nb * p), ("dw", g * kg * crs), OP_T, OP_N, crs, kg,
+                                  nb * p, nb * p, nb * p, crs, 0, 0, 0, 1, beta))
+    return steps
+
+
+def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
+    """Scratch elements per image of the weight plan (col, and dY's copy for NCHW)."""
+    if cl and pointwise(geo):
+        return 0
+    return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
+
+
+def run(steps: list, ops) -> None:
+    """Each step by ``ops.gather`` / ``ops.gemm`` / ``ops.copy_dy`` (CUDA or a numpy stand-in)."""
+    for s in steps:
+        if isinstance(s, Gather):
+            ops.gather(s)
+        elif isinstance(s, Gemm):
+            ops.gemm(s)
+        else:
+            ops.copy_dy(s)
+
+
+def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
+    """The gather kernel's integer arguments for step ``s`` (see ``_KERNEL_BODY``)."""
+    from .im2col import x_strides
+    sn, sc, ssp = x_strides(geo, cl)
+    pad = 3 - geo.nd
+
+    def three(t, fill):
+        return (*t, *(fill,) * pad)
+    return (geo.p, geo.crs, int(np.prod(geo.kernel)), geo.cg, int(cl), int(s.pixel_fastest), s.group * geo.cg,
+            *three(geo.kernel, 1)[1:], *three(geo.out_size, 1)[1:], *three(geo.stride, 1), *three(geo.dilation, 1),
+            *three(geo.pad_lo, 0), *three(geo.insert, 1), *three(geo.in_size, 1), sn, sc, *three(ssp, 0), s.n0,
+            s.on, s.orr, s.op)
+
+
+ARG_NAMES = ("P CRS KS Cg cl pf goff K1 K2 O1 O2 st0 st1 st2 dl0 dl1 dl2 pl0 pl1 pl2 z0 z1 z2 I0 I1 I2 "
+             "sn sc s0 s1 s2 n0 on orr op").split()
+
+# One col element per thread (i < nb * CRS * P); x and col as element bits (type U), indices of type I.
+_KERNEL_BODY = """
+I ii = (I)i, p, r, j, t;
+if (pf) { p = ii % P; t = ii / P; r = t % CRS; j = t / CRS; }
+else { r = ii % CRS; t = ii / CRS; p = t % P; j = t / P; }
+I c, k;
+if (cl) { k = r / Cg; c = r % Cg; } else { c = r / KS; k = r % KS; }
+I k2 = k % K2, k1 = (k / K2) % K1, k0 = k / (K1 * K2);
+I o2 = p % O2, o1 = (p / O2) % O1, o0 = p / (O1 * O2);
+I u0 = o0 * st0 - pl0 + k0 * dl0;
+I u1 = o1 * st1 - pl1 + k1 * dl1;
+I u2 = o2 * st2 - pl2 + k2 * dl2;
+bool ok = u0 >= 0 && u1 >= 0 && u2 >= 0 && u0 % z0 == 0 && u1 % z1 == 0 && u2 % z2 == 0;
+u0 /= z0; u1 /= z1; u2 /= z2;
+ok = ok && u0 < I0 && u1 < I1 && u2 < I2;
+col[j * on + r * orr + p * op] = ok ? x[(n0 + j) * sn + (goff + c) * sc + u0 * s0 + u1 * s1 + u2 * s2] : (U)0;
+"""
+
+
+# ---------------------------------------------------------------- CUDA
+
+def applies(x, flops: float) -> bool:
+    """Whether a call on CuPy array ``x`` takes this route: unless forced (``ROUTE``), when the
+    engine has at most one GPU or the call is too small for splitting it over several to pay."""
+    from ..operands import is_cupy
+    if not is_cupy(x):
+        return False
+    if ROUTE is not None:
+        return ROUTE == "direct"
+    from .. import session
+    gpus = {d.ordinal for d in session.engine().devices if d.kind == "cuda"}
+    return len(gpus) <= 1 or flops < SPLIT_FLOPS
+
+
+def _budget() -> int:
+    """Scratch bytes one call may take: free device memory (the pool's free blocks included) / BUDGET_FRACTION."""
+    import cupy
+    free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+    return free // BUDGET_FRACTION
+
+
+def _bits(a):
+    """A compact CuPy array's memory as a flat array of unsigned integers of its element size."""
+    import cupy
+    udt = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return cupy.ndarray((a.size,), dtype=udt, memptr=a.data)
+
+
+_KERNELS: dict = {}
+
+
+def _gather_kernel(udt, index: str):
+    """The gather (``_KERNEL_BODY``) for elements of unsigned type ``udt`` and indices of ``index``
+    ("int32" where every index fits, else "int64")."""
+    key = (np.dtype(udt).name, index)
+    k = _KERNELS.get(key)
+    if k is None:
+        import cupy
+        ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[key[0]]
+        params = f"raw {key[0]} x, " + ", ".join(f"{index} {n}" for n in ARG_NAMES)
+        body = f"typedef {'int' if index == 'int32' else 'long long'} I; typedef {ctype} U;" + _KERNEL_BODY
+        k = _KERNELS[key] = cupy.ElementwiseKernel(params, f"raw {key[0]} col", body,
+                                                   f"blasx_conv_gather_{key[0]}_{index}")
+    return k
+
+
+_HANDLES: dict = {}
+_GEMM = []
+
+
+def _gemm_fn():
+    """cublasGemmStridedBatchedEx through ctypes from the libcublas CuPy loaded."""
+    if not _GEMM:
+        import ctypes
+
+        from ..runtime.devices.cublas_ctypes import libcublas
+        fn = libcublas().cublasGemmStridedBatchedEx
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
+        fn.restype = I
+        _GEMM.append(fn)
+    return _GEMM[0]
+
+
+def _handle(device_id: int):
+    """This module's own cuBLAS handle on the device (host pointer mode; its stream set per call)."""
+    h = _HANDLES.get(device_id)
+    if h is None:
+        import threading
+
+        from cupy_backends.cuda.libs import cublas
+        h = _HANDLES.setdefault(device_id, (cublas.create(), threading.Lock()))
+    return h
+
+
+class CudaOps:
+    """Runs plan steps on the current device and stream. ``bufs``: name -> compact CuPy array."""
+
+    def __init__(self, geo: ConvGeometry, cl: bool, bufs: dict, dtype, math: str) -> None:
+        import cupy
+        self.geo, self.cl, self.bufs = geo, cl, bufs
+        row = dtypes.gemm_of(dtype)
+        self.types = {"operand": dtypes.CUDA_TYPE[np.dtype(dtype)], "dw": dtypes.CUDA_TYPE[row.compute]}
+        self.compute = dtypes.compute_type(row, math)
+        self.scalars = {b: np.array([b], dtype=row.compute) for b in (0.0, 1.0)}
+        self.stream = cupy.cuda.get_current_stream()
+        self.handle, self.lock = _handle(cupy.cuda.Device().id)
+
+    def gather(self, s: Gather) -> None:
+        g = self.geo
+        total = s.nb * g.crs * g.p
+        x, col = _bits(self.bufs["x"]), _bits(self.bufs["col"])
+        index = "int32" if max(total, x.size) < 2**31 else "int64"
+        it = np.int32 if index == "int32" else np.int64
+        args = [it(a) for a in gather_args(g, self.cl, s)]
+        _gather_kernel(x.dtype, index)(x, *args, col, size=total)
+
+    def gemm(self, s: Gemm) -> None:
+        from cupy_backends.cuda.libs import cublas
+
+        def operand(ref):
+            arr = self.bufs[ref[0]]  # every buffer but dw is of the operand type (scratch: as its bits)
+            return arr.data.ptr + ref[1] * arr.dtype.itemsize, self.types.get(ref[0], self.types["operand"])
+        (a, ta), (b, tb), (c, tc) = operand(s.a), operand(s.b), operand(s.c)
+        with self.lock:
+            cublas.setStream(self.handle, self.stream.ptr)
+            status = _gemm_fn()(self.handle, s.op_a, s.op_b, s.m, s.n, s.k, self.scalars[1.0].ctypes.data,
+                                a, ta, s.lda, s.stride_a, b, tb, s.ldb, s.stride_b,
+                                self.scalars[s.beta].ctypes.data, c, tc, s.ldc, s.stride_c, s.batch,
+                                self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        if status != 0:
+            raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({s})")
+
+    def copy_dy(self, s: CopyDy) -> None:
+        g = self.geo
+        dy = _bits(self.bufs["dy"]).reshape(g.n, g.k, g.p)
+        dyc = _bits(self.bufs["dyc"])[:g.k * s.nb * g.p].reshape(g.k, s.nb, g.p)
+        dyc[...] = dy[s.n0:s.n0 + s.nb].transpose(1, 0, 2)
+
+
+def _scratch(n: int, per_image: int, dtype) -> tuple[list, int]:
+    """(image chunks, elements of the scratch buffer) for ``per_image`` elements an image."""
+    parts = chunks(n, per_image * np.dtype(dtype).itemsize, _budget())
+    return parts, max(nb for _, nb in parts) * per_image
+
+
+def _empty_bits(size: int, dtype):
+    """Scratch for ``size`` elements of ``dtype``, as unsigned integers of its size (any element type)."""
+    import cupy
+    return cupy.empty(size, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize])
+
+
+def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str) -> None:
+    """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
+    (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
+    channels or None; x, y, residual compact in the layout ``cl`` says."""
+    dt = np.dtype(x.dtype)
+    parts, size = _scratch(geo.n, forward_scratch(geo), dt)
+    bufs = {"x": x, "w": wmat, "y": y}
+    if size:
+        bufs["col"] = _empty_bits(size, dt)
+    if residual is not None:
+        _bits(y)[...] = _bits(residual)
+    run(forward_steps(geo, cl, parts, 0.0 if residual is None else 1.0), CudaOps(geo, cl, bufs, dt, math))
+    if affine is not None:
+        _epilogue(geo, cl, y, affine)
+
+
+def _epilogue(geo: ConvGeometry, cl: bool, y, affine) -> None:
+    """The per-channel affine map and activation over all of y, in one kernel."""
+    import cupy
+
+    from ..runtime.devices.cuda_epilogue import affine_activation
+    ct = np.float64 if np.dtype(y.dtype) == np.float64 else np.float32
+    n_img, k, p = geo.n, geo.k, geo.p
+
+    def vec(v, unit):
+        if v is None:
+            return cupy.full((1, 1), unit, dtype=ct)
+        v = cupy.asarray(np.asarray(v, dtype=ct))
+        return v[:, None] if cl else cupy.tile(v, n_img)[None, :]
+    rows, cols, ld = (k, n_img * p, k) if cl else (p, n_img * k, p)
+    act = affine.activation
+    affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype,
+                      vec(affine.scale, 1.0), vec(affine.shift, 0.0), None if act is None else act.name,
+                      (act.param if act is not None else None) or 0.0)
+
+
+def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):
+    """dW as the ``(K, CRS)`` row-major matrix of x's type (reduction order as ``cl`` says)."""
+    import cupy
+    dt = np.dtype(x.dtype)
+    acc = dtypes.gemm_of(dt).compute
+    parts, size = _scratch(geo.n, weight_scratch(geo, cl), dt)
+    dw = cupy.empty((geo.k, geo.crs), dtype=acc)
+    bufs = {"x": x, "dy": dy, "dw": dw}
+    if size:
+        col = geo.crs * geo.p * max(nb for _, nb in parts)
+        bufs["col"] = _empty_bits(col, dt)
+        if not cl:
+            bufs["dyc"] = _empty_bits(size - col, dt)
+    run(weight_steps(geo, cl, parts), CudaOps(geo, cl, bufs, dt, math))
+    if acc == dt:
+        return dw
+    out = cupy.empty(dw.shape, dtype=dt)
+    if dt == np.float16:
+        out[...] = dw
+    else:  # bfloat16: rounded to nearest even from float32's bits
+        _round_bf16()(dw, _bits(out).reshape(dw.shape))
+    return out
+
+
+_BF16 = []
+
+
+def _round_bf16():
+    if not _BF16:
+        import cupy
+        _BF16.append(cupy.ElementwiseKernel(
+            "float32 r", "uint16 y", "unsigned int u = __float_as_uint(r); y = isnan(r) ? "
+            "(unsigned short)((u >> 16) | 0x40u) : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)",
+            "blasx_conv_round_bf16"))
+    return _BF16[0]
