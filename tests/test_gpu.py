@@ -201,3 +201,17 @@ def test_default_cpu_worker_is_auto_and_leaves_small_calls_alone():
         cpu_tasks = sum(c["tasks"] for d, c in prof.counters.items() if prof.devices[d].kind == "cpu")
         assert cpu_tasks == 0, prof.report()
     assert eng.admission.counts["sooner"] == 0
+
+
+def test_cupy_operand_written_on_the_callers_stream_is_read_after_it():
+    """An operand a kernel on the caller's (non-blocking) current stream is still writing: the engine's
+    streams, which do not wait for that stream, must not read it before it is written."""
+    blasx.configure(devices="cuda")
+    a = cupy.random.random((6144, 6144))
+    cupy.cuda.Device().synchronize()
+    with cupy.cuda.Stream(non_blocking=True):
+        x = a @ a  # ~10 ms of work queued on this stream
+        x = x @ a
+        y = blasx.gemm(1.0, x, a[:, :512])
+        ref = x @ a[:, :512]
+        assert float(cupy.linalg.norm(y - ref) / cupy.linalg.norm(ref)) < 1e-12

@@ -40,6 +40,15 @@ MIN_CACHE_BYTES = 16 << 20  # below this a device does not start (a few tiles of
 
 
 
+def _after_callers_streams(operands) -> None:
+    """Let the work the caller queued on CuPy's current stream of each device holding an operand
+    finish: the engine's streams do not wait for it, and would read an operand not yet written."""
+    import cupy
+    for ordinal in sorted({op.device for op in operands if op.device >= 0}):
+        with cupy.cuda.Device(ordinal):
+            cupy.cuda.get_current_stream().synchronize()
+
+
 def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
     """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
     return ((cols - 1) * ld + rows) * isz
@@ -193,6 +202,7 @@ class CudaDevice(CudaKernels, StreamDevice):
         """Start page-locking the host operands (hostmem.py): the call's tile copies wait only
         for the chunks they touch, so its first tiles move while the rest is registered."""
         faults.at("register", self)
+        _after_callers_streams(call.operands)
         host = [op for op in call.operands if op.on_host]
         if host:
             pinnings, call.pin_job = REGISTRY.pin([op.array for op in host])
