@@ -24,7 +24,7 @@ from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
 
-MAX_ROWS_HINT = 2048  # pixel columns a tile-size choice sees at most (the CPU alone runs one tile per call)
+MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU alone runs (one tile a call)
 
 
 # ---------------------------------------------------------------- helpers
@@ -104,6 +104,15 @@ def _check_out(name: str, out, shape, dtype, lay, xp, *others):
         raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
 
 
+def _rows_hint(rows: int) -> int:
+    """The pixel extent the tile choice sees: all of it where the engine has streamed devices (their
+    tiles should be large: each task costs the engine a fixed time), capped for the CPU alone."""
+    from .. import session
+    if any(d.streamed for d in session.engine().devices):
+        return rows
+    return min(rows, MAX_ROWS_HINT)
+
+
 def _name(dtype, fn: str) -> str:
     return dtypes.prefix(dtype) + fn
 
@@ -156,7 +165,7 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     plan = lambda tile, block: plan_conv_forward(n, p, kg, crs, G, tile, cl, w0=0, col0=G, y0=y0,  # noqa: E731
                                                  res0=res0, direct=direct and not cl)
     dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 1.0 if residual is not None else 0.0,
-                            (min(n * p, MAX_ROWS_HINT), geo.k, crs), math=math, epilogue=epi)
+                            (_rows_hint(n * p), geo.k, crs), math=math, epilogue=epi)
 
 
 # ---------------------------------------------------------------- forward
@@ -351,7 +360,7 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
     views = [*cols, *dys, *dws, xs]
     plan = lambda tile, block: plan_conv_weight(n, p, kg, crs, G, tile, cl, col0=0, dy0=G,  # noqa: E731
                                                 dw0=G + len(dys))
-    dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 0.0, (crs, geo.k, min(n * p, MAX_ROWS_HINT)),
+    dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 0.0, (crs, geo.k, _rows_hint(n * p)),
                             math=math)
     if cl:
         return xp.ascontiguousarray(dwm.transpose(0, nd + 1, *range(1, nd + 1)))
