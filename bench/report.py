@@ -228,6 +228,24 @@ def read_tallskinny(path: str) -> Table:
                  [f"C = X^T X, X n x {doc['cols']} in host memory; goal: blasx within 1.2x of the bound."])
 
 
+def read_rnn(path: str) -> Table:
+    doc = _load(path)
+    gpus = doc["env"].get("gpus") or []
+    machine = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "CPU only"
+    rows = [[r["mode"], r["hidden"], r["batch"], r["steps"], r["layers"], 2 if r["bidirectional"] else 1,
+             r["dtype"], r["math"], r["phase"], _f(r["blasx_s"] * 1e3, 2), _f(r["peer_s"] * 1e3, 2),
+             _f(r["ratio"], 2), "ok" if r["ok"] else "FAIL"] for r in doc["results"]]
+    notes = ["ratio = blasx time / torch (cuDNN) time; goal <= 1.2 on one GPU."]
+    o = doc.get("overhead")
+    if o:
+        notes.append(f"Per-step cost (H={o['hidden']}, B={o['batch']}, T={o['steps']}): "
+                     f"{o['eager_us_per_step']:.1f} us launched from Python, {o['graph_us_per_step']:.1f} us "
+                     f"replayed from a CUDA graph.")
+    return Table(machine, doc["date"][:16], doc["command"],
+                 ["mode", "H", "B", "T", "layers", "dirs", "dtype", "math", "phase", "blasx ms", "cuDNN ms",
+                  "ratio", "check"], rows, notes)
+
+
 def _devices(text: str) -> str:
     """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
     names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
@@ -261,6 +279,9 @@ READERS = [
            "`bench.conv --host`: a numpy batch in host memory on the GPUs beside torch on one GPU with copies."),
     Reader("Tall-skinny GEMM from host memory", "tallskinny-*.json", read_tallskinny,
            "`bench.tallskinny`: X^T X through blasx.gemm (split-k) beside the host-link bound and CuPy on one GPU."),
+    Reader("Recurrent layers against cuDNN", "rnn-run-*.json", read_rnn,
+           "`bench.rnn`: blasx.dnn LSTM / GRU beside cuDNN through torch, inference and training; every result "
+           "checked."),
     Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
            "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
 ]
