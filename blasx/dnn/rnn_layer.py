@@ -29,7 +29,20 @@ def compute_type(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
-class HostOps:
+class _Moves:
+    """The in-place moves both backends share (numpy and CuPy arrays alike)."""
+
+    @staticmethod
+    def copy(dst, src) -> None:
+        dst[...] = src
+
+    @staticmethod
+    def add(dst, src) -> None:
+        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
+        dst += src
+
+
+class HostOps(_Moves):
     """numpy primitives (host BLAS for the per-step GEMMs)."""
     xp = np
     forward = staticmethod(rnn_cells.np_forward)
@@ -46,15 +59,6 @@ class HostOps:
         w = w if w.dtype == f else w.astype(f)
         res = a @ (w.T if trans_w else w)
         out[...] = res
-
-    @staticmethod
-    def copy(dst, src) -> None:
-        dst[...] = src
-
-    @staticmethod
-    def add(dst, src) -> None:
-        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
-        dst += src
 
     @staticmethod
     def state_in(a):
@@ -79,7 +83,7 @@ def _shared_handle(dev: int):
         return _shared[dev]
 
 
-class CudaOps:
+class CudaOps(_Moves):
     """CuPy primitives on the current device and stream: cuBLAS GemmEx for the per-step GEMMs (half inputs
     with a float32 result, TF32 when asked), the cell ElementwiseKernels.
 
@@ -147,15 +151,6 @@ class CudaOps:
             cc.set_workspace(handle, ws.data.ptr, ws.nbytes)
             cc.set_pointer_mode(handle, 0)
             cc.gemm_ex()(handle, *args)
-
-    @staticmethod
-    def copy(dst, src) -> None:
-        dst[...] = src
-
-    @staticmethod
-    def add(dst, src) -> None:
-        """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
-        dst += src
 
     @staticmethod
     def state_in(a):
