@@ -314,7 +314,8 @@ def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, option
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)
         return
-    home, acc = _scratch_home(eng, views[0]), _acc(dtype)  # (in the accumulation type: split-k's partials)
+    like = next(v for v in views if isinstance(v, np.ndarray) or is_cupy(v))  # (views may hold derivations)
+    home, acc = _scratch_home(eng, like), _acc(dtype)  # (in the accumulation type: split-k's partials)
     if home is None:
         extra = np.empty(shape, dtype=acc, order="F")
     else:

@@ -19,6 +19,7 @@ from ..operands import array_module, is_cupy
 from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
+from ..runtime.tiling import n_tiles
 from . import conv_direct
 from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
@@ -358,10 +359,18 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
     x_slot = G + len(dys) + G
     cols = [Im2col(geo, g, cl, False, xs, x_slot) for g in range(G)]
     views = [*cols, *dys, *dws, xs]
-    plan = lambda tile, block: plan_conv_weight(n, p, kg, crs, G, tile, cl, col0=0, dy0=G,  # noqa: E731
-                                                dw0=G + len(dys))
+    split = [1]
+
+    def partials(eng, tile):  # split-k's scratch: S partial dW's of every group side by side
+        steps = n_tiles(n * p, tile) if cl else n * n_tiles(p, tile)
+        split[0] = min(dispatch.gemm_split(eng, crs, geo.k, n * p, tile, dt), steps)
+        return (crs, split[0] * geo.k) if split[0] > 1 else None
+
+    def plan(tile, block, scratch=False):
+        return plan_conv_weight(n, p, kg, crs, G, tile, cl, col0=0, dy0=G, dw0=G + len(dys),
+                                split=split[0] if scratch else 1, p0=len(views))
     dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 0.0, (crs, geo.k, _rows_hint(n * p)),
-                            math=math)
+                            scratch=partials, math=math)
     if cl:
         return xp.ascontiguousarray(dwm.transpose(0, nd + 1, *range(1, nd + 1)))
     return dwm

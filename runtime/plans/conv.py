@@ -10,7 +10,10 @@ Per group g, with col_g the derived ``CRS x N*P`` im2col matrix (slot ``col0 + g
   reads X's own ``P x Cg`` block of each image and group instead (``direct``);
 * backward-weights (dW_g: ``CRS x Kg``, slot ``dw0 + g``): ``dW_g = col_g dY_g^T``, one k-step per pixel
   tile: dY_g is ``Kg x N*P`` (slot ``dy0 + g``, op T) for channels-last, else one ``P x Kg`` view per
-  image and group (slot ``dy0 + n * groups + g``).
+  image and group (slot ``dy0 + n * groups + g``). With ``split = S > 1`` (split-k, as ``plan_gemm``'s):
+  per dW tile, S partial tasks over fixed, contiguous ranges of its k-steps into the scratch operand
+  ``p0`` (``CRS x S*G*Kg``: partial s of group g at columns ``(s*G + g)*Kg``), kept cached, then one task
+  adding them in the order 0..S-1.
 
 With ``res0`` each C tile starts from the same tile of a residual operand (``c_init``, beta 1).
 Non-uniform tile grids are only used for C and derived operands, whose tile keys never outlive a call
@@ -90,8 +93,9 @@ def plan_conv_forward(n: int, p: int, kg: int, crs: int, groups: int, tile: int,
 
 
 def plan_conv_weight(n: int, p: int, kg: int, crs: int, groups: int, tile: int, channels_last: bool, *,
-                     col0: int, dy0: int, dw0: int) -> list[Task]:
-    """Tasks of backward-weights, ``dW_g = col_g dY_g^T`` (long-k: one step per pixel tile)."""
+                     col0: int, dy0: int, dw0: int, split: int = 1, p0: int | None = None) -> list[Task]:
+    """Tasks of backward-weights, ``dW_g = col_g dY_g^T`` (long-k: one step per pixel tile; split-k with
+    ``split`` > 1 and the scratch slot ``p0``, as the module docstring says)."""
     tasks: list[Task] = []
     tp = n_tiles(p, tile)
     for g in range(groups):
@@ -102,6 +106,39 @@ def plan_conv_weight(n: int, p: int, kg: int, crs: int, groups: int, tile: int, 
             kst = [(col0 + g, Span(img * tp + s.index, img * p + s.start, s.size), dy0 + img * groups + g, s)
                    for img in range(n) for s in spans(p, tile)]
             op_b = OP_N
+        if split > 1:
+            _split_tasks(tasks, dw0 + g, spans(crs, tile), spans(kg, tile), kst, op_b, split, p0,
+                         [(s * groups + g) * kg for s in range(split)], n_tiles(kg, tile), g, groups)
+            continue
         gemm_tasks(tasks, dw0 + g, spans(crs, tile), spans(kg, tile), spans(crs, tile), spans(kg, tile),
                    kst, OP_N, op_b)
     return tasks
+
+
+def _split_tasks(tasks: list, c_slot: int, c_rows, c_cols, ksteps, op_b: int, split: int, p_slot: int,
+                 p_cols: list, tn: int, g: int, groups: int) -> None:
+    """Split-k tasks of ``C = A op_b(B)``: per C tile, ``split`` partial tasks over contiguous ranges of
+    ``ksteps`` into the scratch ``p_slot`` (partial s at column ``p_cols[s]`` plus the tile's), then one
+    task adding them in order."""
+    if not 1 < split <= len(ksteps):
+        raise ValueError(f"split: got {split!r}, need an int from 2 to {len(ksteps)} (the k steps)")
+    bounds = [s * len(ksteps) // split for s in range(split + 1)]
+    for cr in c_rows:
+        for cc in c_cols:
+            c = _ref(c_slot, cr, cc)
+            pids, parts = [], []
+            for s in range(split):
+                part = TileRef(p_slot, cr.index, (s * groups + g) * tn + cc.index, cr.start, p_cols[s] + cc.start,
+                               cr.size, cc.size)
+                steps = tuple(
+                    Step("gemm", _ref(sa, cr, ak), _ref(sb, bk, cc) if op_b == OP_N else _ref(sb, cc, bk),
+                         OP_N, op_b, c.rows, c.cols, ak.size, SC_ALPHA, SC_ZERO if kk == 0 else SC_ONE)
+                    for kk, (sa, ak, sb, bk) in enumerate(ksteps[bounds[s]:bounds[s + 1]]))
+                pids.append(len(tasks))
+                parts.append(part)
+                tasks.append(Task(len(tasks), part, False, steps,
+                                  gemm_flops(c.rows, c.cols, sum(st.k for st in steps), False), keep_c=True))
+            adds = tuple(Step("add", part, None, OP_N, OP_N, c.rows, c.cols, 0, SC_ONE, SC_ZERO if s == 0 else SC_ONE)
+                         for s, part in enumerate(parts))
+            tasks.append(Task(len(tasks), c, False, adds, 0.0, deps=tuple(pids),
+                              gates=tuple((t,) for t in pids) + ((),)))
