@@ -1,7 +1,8 @@
 """blasx.dnn's device route (conv_direct.py) on the CPU: its plans run by a numpy stand-in of the CUDA
 steps (the gather kernel's body line by line, cuBLAS's strided-batched GEMM on flat buffers with every
-operand's extent checked), against torch in float64; and the front end's wiring of the route (weight
-layout, folded scale, epilogue, dW's layout) with the route's CUDA parts replaced by that stand-in."""
+operand's extent checked, the shifted form's pad and crop copies), against torch in float64; and the
+front end's wiring of the route (weight layout, folded scale, epilogue, dW's layout) with the route's
+CUDA parts replaced by that stand-in."""
 
 from __future__ import annotations
 
@@ -95,16 +96,37 @@ class NumpyOps:
         dy = self.bufs["dy"].reshape(g.n, g.k, g.p)
         self.bufs["dyc"][:g.k * s.nb * g.p] = dy[s.n0:s.n0 + s.nb].transpose(1, 0, 2).ravel()
 
+    def pad(self, s):
+        xp = self.bufs["xp"]
+        if s.clear:
+            xp[...] = 0.0
+        dst, src = cd.pad_views(self.geo, self.cl, s, self.bufs["x"], xp)
+        assert np.shares_memory(dst, xp) and dst.shape == src.shape
+        dst[...] = src
 
-def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget):
-    """conv_direct.forward's steps on numpy buffers (y's memory written in place)."""
-    per = cd.forward_scratch(geo)
-    parts = cd.chunks(geo.n, per * 8, budget)
-    bufs = {"x": xmem, "w": wrows.ravel(), "y": ymem, "col": np.full(max(nb for _, nb in parts) * per, np.nan)}
+    def crop(self, s):
+        yv, wv = cd.crop_views(self.geo, self.cl, s, self.bufs["y"], self.bufs["yw"])
+        assert np.shares_memory(yv, self.bufs["y"]) and np.shares_memory(wv, self.bufs["yw"])
+        assert yv.shape == wv.shape
+        if s.to_y:
+            assert not np.isnan(wv).any(), "a crop read wide output no GEMM wrote"
+            yv[...] = wv
+        else:
+            wv[...] = yv
+
+
+def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
+    """conv_direct.forward's steps on numpy buffers (y's memory written in place); ``form`` None:
+    conv_direct's choice (``FORM`` included). Returns (image chunks, form)."""
+    form = cd.forward_form(geo, np.float64, cd.FORM) if form is None else form
+    steps, scratch = cd.forward_plan(geo, cl, np.float64, 0.0 if residual is None else 1.0, budget, form)
+    bufs = {"x": xmem, "w": wrows.ravel(), "y": ymem, **{k: np.full(v, np.nan) for k, v in scratch.items()}}
+    if form == "shifted":
+        bufs["wt"] = cd.tap_major(np, geo, cl, wrows).ravel()
     if residual is not None:
         ymem[...] = residual
-    cd.run(cd.forward_steps(geo, cl, parts, 0.0 if residual is None else 1.0), NumpyOps(geo, cl, bufs))
-    return parts
+    cd.run(steps, NumpyOps(geo, cl, bufs))
+    return [(s.n0, s.nb) for s in steps if isinstance(s, (cd.Gather, cd.Pad))] or [(0, geo.n)], form
 
 
 def emulated_weight(geo, xmem, dymem, cl, budget):
@@ -141,8 +163,8 @@ def test_forward_and_weight_plans_vs_torch(case, budget):
         return  # kernel larger than the padded input
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, pad, dil, groups).numpy()
     ymem = np.full(ref.size, np.nan)
-    parts = emulated_forward(geo, _memory(x, cl), cl, _wrows(w, cl), ymem, None, budget)
-    assert len(parts) == (1 if budget > 1 or cd.pointwise(geo) else geo.n)
+    parts, _ = emulated_forward(geo, _memory(x, cl), cl, _wrows(w, cl), ymem, None, budget, "im2col")
+    assert len(parts) // (1 if cd.pointwise(geo) else groups) == (1 if budget > 1 or cd.pointwise(geo) else geo.n)
     assert _rel(_from_memory(ymem, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
     dw, _ = emulated_weight(geo, _memory(x, cl), _memory(dy, cl), cl, budget)
@@ -167,8 +189,102 @@ def test_transposed_plan_with_residual_vs_torch(nd, cl, stride, pad, dil, groups
     res = rng.standard_normal(ref.shape)
     wf = conv_mod._flipped_transposed(np, wt, groups)
     ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo, _memory(x, cl), cl, _wrows(wf, cl), ymem, _memory(res, cl), 1)
+    emulated_forward(geo, _memory(x, cl), cl, _wrows(wf, cl), ymem, _memory(res, cl), 1, "im2col")
     assert _rel(_from_memory(ymem, ref.shape, cl), ref + res) < 1e-13
+
+
+# ---------------------------------------------------------------- the shifted form
+
+SHIFTED = st.tuples(st.sampled_from([1, 2, 3]), st.booleans(), st.sampled_from([0, 1, 2, ((0, 2), (1, 0), (2, 1))]),
+                    st.integers(1, 2), st.sampled_from([2, 3]), st.booleans(), st.integers(0, 1000))
+
+
+@settings(max_examples=60, deadline=None)
+@given(SHIFTED, st.sampled_from([1 << 30, 1]))
+def test_shifted_plan_vs_torch(case, budget):
+    """Stride-1 convolution in the shifted form, any padding (asymmetric too) and dilation, with and
+    without a residual; budget 1: one image a chunk (xp and yw exactly one image: every GEMM's extent
+    is checked against them)."""
+    nd, cl, pad, dil, ks, with_res, seed = case
+    rng = np.random.default_rng(seed)
+    x, _ = _case(rng, nd, 1, 3, 4, 3)
+    w = rng.standard_normal((4, 3, *(ks,) * nd))
+    pad = pad if isinstance(pad, int) else pad[:nd]
+    try:
+        geo = conv_geometry("conv", nd, x, w, 1, pad, dil, 1)
+    except ValueError:
+        return
+    tpad = pad if isinstance(pad, int) else 0
+    xt = x if isinstance(pad, int) else np.pad(x, ((0, 0), (0, 0), *pad))
+    ref = getattr(F, f"conv{nd}d")(torch.from_numpy(xt), torch.from_numpy(w), None, 1, tpad, dil).numpy()
+    res = rng.standard_normal(ref.shape) if with_res else None
+    ymem = np.full(ref.size, np.nan)
+    parts, form = emulated_forward(geo, _memory(x, cl), cl, _wrows(w, cl), ymem,
+                                   None if res is None else _memory(res, cl), budget, "shifted")
+    assert len(parts) == (1 if budget > 1 else geo.n)
+    want = ref if res is None else ref + res
+    assert _rel(_from_memory(ymem, ref.shape, cl), want) < 1e-13
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.booleans(), st.integers(0, 2), st.integers(1, 2), st.integers(0, 1000))
+def test_shifted_transposed_stride1_vs_torch(nd, cl, pad, dil, seed):
+    """A stride-1 conv_transpose (backward-data's form) runs shifted too, padding beyond the kernel's
+    reach (a negative pad_lo: x cropped) included."""
+    rng = np.random.default_rng(seed)
+    x, _ = _case(rng, nd, 1, 3, 2, 2)
+    wt = rng.standard_normal((3, 2, *(3,) * nd))
+    try:
+        geo = transpose_geometry("t", nd, x, wt, 1, pad + dil, 0, 1, dil)
+    except ValueError:
+        return
+    assert cd.shifted_applies(geo)
+    ref = getattr(F, f"conv_transpose{nd}d")(torch.from_numpy(x), torch.from_numpy(wt), None, 1, pad + dil, 0, 1,
+                                             dil).numpy()
+    wf = conv_mod._flipped_transposed(np, wt, 1)
+    ymem = np.full(ref.size, np.nan)
+    emulated_forward(geo, _memory(x, cl), cl, _wrows(wf, cl), ymem, None, 1, "shifted")
+    assert _rel(_from_memory(ymem, ref.shape, cl), ref) < 1e-13
+
+
+def test_forward_form_choice():
+    """Shifted where it applies and C >= 64 with 16-byte rows and a wide grid at most twice the output;
+    a forced form only where shifted applies; a bad force names the switch."""
+    def geo(c=64, k=3, stride=1, pad=1, groups=1, size=14):
+        return conv_geometry("conv", 2, np.zeros((2, c, size, size)), np.zeros((8, c // groups, k, k)), stride,
+                             pad, 1, groups)
+    f32, f16 = np.float32, np.float16
+    assert cd.forward_form(geo(), f32) == "shifted" and cd.forward_form(geo(), f16) == "shifted"
+    assert cd.forward_form(geo(c=32), f32) == "im2col"  # k = C too small for cuBLAS
+    assert cd.forward_form(geo(c=68), f32) == "shifted" and cd.forward_form(geo(c=68), f16) == "im2col"  # 136-B rows
+    assert cd.forward_form(geo(size=4), f32) == "im2col"  # 6x6 wide grid for 4x4 outputs
+    for g in (geo(stride=2), geo(groups=2), geo(k=1, pad=0)):
+        assert cd.forward_form(g, f32) == "im2col" and cd.forward_form(g, f32, "shifted") == "im2col"
+    assert cd.forward_form(geo(c=8), f32, "shifted") == "shifted"
+    assert cd.forward_form(geo(), f32, "im2col") == "im2col"
+    with pytest.raises(ValueError, match="BLASX_CONV_FORM.*'wide'"):
+        cd.forward_form(geo(), f32, "wide")
+
+
+def test_shifted_plan_exact():
+    """Channels-last: per tap yw^T (K x m) = wt_t xp_off^T; NCHW: yw (m x K, ld rounded to 8) = xp_off
+    wt_t^T; m ends at the last valid output pixel; a residual goes into yw before beta-1 GEMMs."""
+    x = np.zeros((2, 4, 5, 6))
+    geo = conv_geometry("conv", 2, x, np.zeros((3, 4, 3, 3)), 1, 2, 2, 1)  # dilation 2: 9x10 padded, 5x6 out
+    assert cd.padded_size(geo) == (9, 10) and cd.wide_rows(geo, 2) == 90 + 4 * 10 + 5 + 1
+    cl = cd.shifted_steps(geo, True, [(0, 2)], 1.0)
+    assert [type(s).__name__ for s in cl] == ["Pad", "Crop"] + ["Gemm"] * 9 + ["Crop"]
+    assert cl[0] == cd.Pad(0, 2, True) and cl[1] == cd.Crop(0, 2, False) and cl[-1] == cd.Crop(0, 2, True)
+    m = 136
+    assert cl[2] == cd.Gemm(("wt", 0), ("xp", 0), ("yw", 0), 1, 0, 3, m, 4, 36, 4, 3, 0, 0, 0, 1, 1.0)
+    assert cl[2 + 4] == cd.Gemm(("wt", 16), ("xp", (2 * 10 + 2) * 4), ("yw", 0), 1, 0, 3, m, 4, 36, 4, 3, 0, 0, 0,
+                                1, 1.0)
+    nchw = cd.shifted_steps(geo, False, [(0, 1), (1, 1)], 0.0)
+    assert len(nchw) == 2 * 11 and nchw[11] == cd.Pad(1, 1, False)
+    assert nchw[1] == cd.Gemm(("xp", 0), ("wt", 0), ("yw", 0), 1, 0, 46, 3, 4, 4, 36, 96, 0, 0, 0, 1, 0.0)
+    assert nchw[2].beta == 1.0 and nchw[-2].b == ("wt", 32) and nchw[-2].a == ("xp", 44 * 4)
+    assert cd.shifted_buffers(geo, False, 1) == {"xp": 90 * 4, "yw": 3 * 96}
+    assert cd.shifted_buffers(geo, True, 2) == {"xp": 180 * 4, "yw": 180 * 3}
 
 
 def test_chunks():
@@ -198,16 +314,24 @@ def test_plan_shapes_exact():
 
 # ---------------------------------------------------------------- the front end's wiring, CUDA parts emulated
 
+class Calls(list):
+    """The route's calls in order, and the forward form of each forward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.forms = []
+
+
 @pytest.fixture
 def emulated_route(monkeypatch):
     """conv.py takes the device route for numpy arrays, whose CUDA parts run as the numpy stand-in."""
-    calls = []
+    calls = Calls()
 
     def forward(geo, x, cl, wrows, y, residual, affine, math):
         calls.append("forward")
         ymem = np.full(y.size, np.nan)
         res = None if residual is None else _memory(np.asarray(residual), cl)
-        emulated_forward(geo, _memory(x, cl), cl, np.asarray(wrows, np.float64), ymem, res, 1)
+        calls.forms.append(emulated_forward(geo, _memory(x, cl), cl, np.asarray(wrows, np.float64), ymem, res, 1)[1])
         out = _from_memory(ymem, y.shape, cl)
         if affine is not None:
             shape = (1, -1) + (1,) * geo.nd
@@ -252,3 +376,26 @@ def test_front_end_routes_forward_weight_and_input(emulated_route, layout):
     gi = dnn.conv2d_input(x.shape, w, lay(dy), stride=2, padding=1, groups=2)
     assert _rel(gi, torch.nn.grad.conv2d_input(x.shape, t(w), t(dy), 2, 1, 1, 2).numpy()) < 1e-13
     assert emulated_route == ["forward", "weight", "forward"]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_front_end_shifted_forward_and_input(emulated_route, monkeypatch, layout):
+    """With the shifted form forced (conv_direct.FORM): a stride-1 forward with bias, folded scale,
+    shift, residual and activation, and a stride-1 backward-data, both through the shifted plans."""
+    monkeypatch.setattr(cd, "FORM", "shifted")
+    rng = np.random.default_rng(8)
+    lay = _cl if layout == "cl" else (lambda a: a)
+    x = rng.standard_normal((2, 5, 9, 8))
+    w = rng.standard_normal((6, 5, 3, 3))
+    b, sc, sh = rng.standard_normal(6), rng.uniform(0.5, 2, 6), rng.standard_normal(6)
+    r = rng.standard_normal((2, 6, 9, 4))
+    y = dnn.conv2d(lay(x), w, b, padding=(1, 0), dilation=(1, 2), scale=sc, shift=sh, residual=lay(r),
+                   activation="relu")
+    t = torch.from_numpy
+    conv = F.conv2d(t(x), t(w), t(b), 1, (1, 0), (1, 2))
+    ref = F.relu(conv * t(sc)[:, None, None] + t(sh)[:, None, None] + t(r)).numpy()
+    assert _rel(y, ref) < 1e-13
+    dy = rng.standard_normal((2, 6, 9, 4))
+    gi = dnn.conv2d_input(x.shape, w, lay(dy), padding=(1, 0), dilation=(1, 2))
+    assert _rel(gi, torch.nn.grad.conv2d_input(x.shape, t(w), t(dy), 1, (1, 0), (1, 2)).numpy()) < 1e-13
+    assert emulated_route == ["forward", "forward"] and emulated_route.forms == ["shifted", "shifted"]

@@ -1,16 +1,29 @@
 """The device route of blasx.dnn: a convolution whose operands are CuPy arrays of one GPU, run there
-without tile tasks: im2col of a chunk of images into one device buffer (one gather kernel per chunk
-and group), then one cuBLAS GEMM per chunk and group (strided-batched over images for NCHW output),
-then the fused epilogue over the whole output, all on the current stream.
+without tile tasks, all on the current stream, then the fused epilogue over the whole output. The
+forward pass takes one of two forms (``forward_form``):
+
+- im2col: a chunk of images gathered into one col buffer (one kernel per chunk and group), then one
+  cuBLAS GEMM per chunk and group (strided-batched over images for NCHW output);
+- shifted (stride 1, no zero insertion, groups 1): a chunk copied once into a zero-padded
+  channels-last buffer ``xp`` (N, *Ip, C), then per kernel tap one GEMM with K = C whose A is ``xp``
+  shifted by the tap's offset (no gather) into a "wide" output ``yw`` over the padded grid, whose
+  valid part is copied into y; the wide columns past the output are computed and dropped.
+
+``FORM`` forces a form where the shifted one applies (None: the heuristic); it starts from the
+environment variable ``BLASX_CONV_FORM`` (``im2col`` or ``shifted``), read once at import, so a bench
+can A/B the two forms.
 
 Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
 offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
 ``w`` (the weight matrix ``(K, CRS)`` row-major, reduction order (c, r, s), or (r, s, c) channels-last),
 ``y`` (Y's memory), ``col`` (the im2col scratch), ``dy`` (dY's memory), ``dyc`` (a chunk of NCHW dY as
-``(K, images, P)``), ``dw`` (dW as ``(K, CRS)`` row-major, in the accumulation type).
+``(K, images, P)``), ``dw`` (dW as ``(K, CRS)`` row-major, in the accumulation type); the shifted
+form's ``wt`` (the weight as ``(K, taps, C)`` row-major), ``xp`` and ``yw`` (see ``Pad`` and ``Crop``).
 """
 
 from __future__ import annotations
+
+import os
 
 from typing import NamedTuple
 
@@ -23,6 +36,10 @@ OP_N, OP_T = 0, 1
 SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the engine has several
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands; None chooses
+FORMS = ("im2col", "shifted")
+FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where shifted applies
+SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
+SHIFTED_MAX_WIDE = 2.0  # the wide grid's pixels (computed) per output pixel (kept), at most
 
 
 class Gather(NamedTuple):
@@ -68,6 +85,24 @@ class CopyDy(NamedTuple):
     nb: int
 
 
+class Pad(NamedTuple):
+    """``xp``'s images 0 .. nb-1, as (nb, *Ip, C), get x's images n0 .. n0 + nb - 1 at ``pad_lo`` in
+    the padded grid (``pad_views``); ``clear``: all of ``xp`` is zeroed first (its border stays zero)."""
+
+    n0: int
+    nb: int
+    clear: bool
+
+
+class Crop(NamedTuple):
+    """The valid part of the wide output ``yw`` and y's images n0 .. n0 + nb - 1 (``crop_views``):
+    ``to_y`` copies yw's into y; else y's into yw (a residual, before GEMMs with beta 1)."""
+
+    n0: int
+    nb: int
+    to_y: bool
+
+
 def pointwise(geo: ConvGeometry) -> bool:
     """1x1, stride 1, unpadded, no zero insertion: col(X) is X itself."""
     return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
@@ -107,9 +142,139 @@ def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list
     return steps
 
 
-def forward_scratch(geo: ConvGeometry) -> int:
-    """Scratch elements per image of the forward plan (0: none)."""
+def forward_scratch(geo: ConvGeometry, form: str = "im2col") -> int:
+    """Scratch elements per image of the forward plan of ``form`` (0: none)."""
+    if form == "shifted":
+        return int(np.prod(padded_size(geo))) * (geo.c + geo.k)
     return 0 if pointwise(geo) else geo.crs * geo.p
+
+
+# ---------------------------------------------------------------- the shifted form
+
+def shifted_applies(geo: ConvGeometry) -> bool:
+    """Whether the shifted form can run ``geo``: stride 1, no zero insertion, one group, taps > 1."""
+    return all(v == 1 for v in (*geo.stride, *geo.insert)) and geo.groups == 1 and int(np.prod(geo.kernel)) > 1
+
+
+def forward_form(geo: ConvGeometry, dtype, force: str | None = None) -> str:
+    """"shifted" or "im2col" for the forward pass: ``force`` where the shifted form applies, else
+    shifted when it applies, C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is
+    16-byte aligned (every tap's A pointer and ld, for tensor cores) and the wide grid computes at most
+    SHIFTED_MAX_WIDE times the output pixels."""
+    if force is not None and force not in FORMS:
+        raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
+    if not shifted_applies(geo):
+        return "im2col"
+    if force is not None:
+        return force
+    wide = np.prod(padded_size(geo)) / geo.p
+    ok = geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
+    return "shifted" if ok else "im2col"
+
+
+def padded_size(geo: ConvGeometry) -> tuple[int, ...]:
+    """The padded grid Ip (stride 1): the output plus the dilated kernel's reach, per spatial dim."""
+    return tuple(o + d * (k - 1) for o, d, k in zip(geo.out_size, geo.dilation, geo.kernel))
+
+
+def _flat(index, size) -> int:
+    """Row-major flat index of ``index`` in a grid of ``size``."""
+    return int(np.ravel_multi_index(tuple(index), tuple(size)))
+
+
+def wide_rows(geo: ConvGeometry, nb: int) -> int:
+    """Wide rows a chunk of ``nb`` images computes: up to its last valid output pixel, so the last
+    tap's A ends at the last element of the chunk's ``xp`` (no trailing rows read)."""
+    ip = padded_size(geo)
+    return (nb - 1) * int(np.prod(ip)) + _flat([o - 1 for o in geo.out_size], ip) + 1
+
+
+def wide_ld(geo: ConvGeometry, cl: bool, nb: int) -> int:
+    """yw's leading dimension: K for channels-last ((rows, K) row-major), else the chunk's wide
+    grid rounded up to 8 elements ((K, ld) row-major, each channel's column aligned)."""
+    return geo.k if cl else -(-nb * int(np.prod(padded_size(geo))) // 8) * 8
+
+
+def shifted_buffers(geo: ConvGeometry, cl: bool, nb: int) -> dict:
+    """Scratch elements of ``xp`` and ``yw`` for chunks of at most ``nb`` images."""
+    cells = nb * int(np.prod(padded_size(geo)))
+    return {"xp": cells * geo.c, "yw": cells * geo.k if cl else geo.k * wide_ld(geo, cl, nb)}
+
+
+def shifted_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list:
+    """y = conv(x, wt) (+ beta y) by chunks ``parts``: Pad, (Crop of a residual into yw,) one GEMM
+    per tap over the chunk's wide rows (beta after the first tap 1), Crop into y."""
+    ip, C, K = padded_size(geo), geo.c, geo.k
+    taps = int(np.prod(geo.kernel))
+    offsets = [_flat([t * d for t, d in zip(tap, geo.dilation)], ip) for tap in np.ndindex(*geo.kernel)]
+    steps: list = []
+    for i, (n0, nb) in enumerate(parts):
+        steps.append(Pad(n0, nb, i == 0))
+        if beta:
+            steps.append(Crop(n0, nb, False))
+        m, ld = wide_rows(geo, nb), wide_ld(geo, cl, nb)
+        for t, off in enumerate(offsets):
+            b = beta if t == 0 else 1.0
+            if cl:  # yw^T (K x m, ld K) += wt_t (K x C, stored C x K ld taps*C) xp_off^T (C x m, ld C)
+                steps.append(Gemm(("wt", t * C), ("xp", off * C), ("yw", 0), OP_T, OP_N, K, m, C, taps * C, C, K,
+                                  0, 0, 0, 1, b))
+            else:  # yw (m x K, ld) += xp_off (m x C, stored C x m ld C) wt_t^T (C x K, ld taps*C)
+                steps.append(Gemm(("xp", off * C), ("wt", t * C), ("yw", 0), OP_T, OP_N, m, K, C, C, taps * C, ld,
+                                  0, 0, 0, 1, b))
+        steps.append(Crop(n0, nb, True))
+    return steps
+
+
+def pad_views(geo: ConvGeometry, cl: bool, s: Pad, x, xp) -> tuple:
+    """(destination in ``xp``, source in ``x``) of step ``s``, both (nb, *spatial, C); x and xp flat
+    arrays (numpy or CuPy) of x's memory and the xp buffer."""
+    nd, C, ip = geo.nd, geo.c, padded_size(geo)
+    xv = x.reshape(geo.n, *geo.in_size, C) if cl else x.reshape(geo.n, C, *geo.in_size)
+    xv = xv[s.n0:s.n0 + s.nb]
+    if not cl:
+        xv = xv.transpose(0, *range(2, nd + 2), 1)
+    dst = xp[:s.nb * int(np.prod(ip)) * C].reshape(s.nb, *ip, C)
+    dsl, ssl = [], []
+    for lo, size, pad in zip(geo.pad_lo, geo.in_size, ip):  # input position u sits at u + lo
+        v0, u0 = max(lo, 0), max(-lo, 0)
+        ext = max(0, min(size - u0, pad - v0))
+        dsl.append(slice(v0, v0 + ext))
+        ssl.append(slice(u0, u0 + ext))
+    return dst[(slice(None), *dsl, slice(None))], xv[(slice(None), *ssl, slice(None))]
+
+
+def crop_views(geo: ConvGeometry, cl: bool, s: Crop, y, yw) -> tuple:
+    """(y's images of step ``s``, yw's valid part) in y's layout; y and yw flat arrays (numpy or CuPy)."""
+    nd, K, ip, out = geo.nd, geo.k, padded_size(geo), geo.out_size
+    cells = s.nb * int(np.prod(ip))
+    valid = tuple(slice(0, o) for o in out)
+    if cl:
+        yv = y.reshape(geo.n, *out, K)[s.n0:s.n0 + s.nb]
+        wv = yw[:cells * K].reshape(s.nb, *ip, K)[(slice(None), *valid, slice(None))]
+    else:
+        yv = y.reshape(geo.n, K, *out)[s.n0:s.n0 + s.nb]
+        ld = wide_ld(geo, cl, s.nb)
+        wv = yw[:K * ld].reshape(K, ld)[:, :cells].reshape(K, s.nb, *ip)[(slice(None), slice(None), *valid)]
+        wv = wv.transpose(1, 0, *range(2, nd + 2))
+    return yv, wv
+
+
+def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, form: str) -> tuple[list, dict]:
+    """(steps, scratch buffer name -> elements) of the forward pass in ``form`` with scratch of at most
+    ``budget`` bytes (one image a chunk at least)."""
+    per = forward_scratch(geo, form)
+    parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)
+    nb = max(nb for _, nb in parts)
+    if form == "shifted":
+        return shifted_steps(geo, cl, parts, beta), shifted_buffers(geo, cl, nb)
+    return forward_steps(geo, cl, parts, beta), ({"col": nb * per} if per else {})
+
+
+def tap_major(xp, geo: ConvGeometry, cl: bool, wmat):
+    """The ``(K, taps, C)`` weight the shifted form reads, from the ``(K, CRS)`` weight matrix."""
+    if cl:
+        return wmat
+    return xp.ascontiguousarray(wmat.reshape(geo.k, geo.c, -1).transpose(0, 2, 1))
 
 
 def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
@@ -142,15 +307,14 @@ def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
+_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop"}
+
+
 def run(steps: list, ops) -> None:
-    """Each step by ``ops.gather`` / ``ops.gemm`` / ``ops.copy_dy`` (CUDA or a numpy stand-in)."""
+    """Each step by the ``ops`` method of its kind (gather, gemm, copy_dy, pad, crop; CUDA or a numpy
+    stand-in)."""
     for s in steps:
-        if isinstance(s, Gather):
-            ops.gather(s)
-        elif isinstance(s, Gemm):
-            ops.gemm(s)
-        else:
-            ops.copy_dy(s)
+        getattr(ops, _OPS[type(s)])(s)
 
 
 def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
@@ -309,6 +473,20 @@ class CudaOps:
         dyc = _bits(self.bufs["dyc"])[:g.k * s.nb * g.p].reshape(g.k, s.nb, g.p)
         dyc[...] = dy[s.n0:s.n0 + s.nb].transpose(1, 0, 2)
 
+    def pad(self, s: Pad) -> None:
+        xp = self.bufs["xp"]
+        if s.clear:
+            xp.fill(0)
+        dst, src = pad_views(self.geo, self.cl, s, _bits(self.bufs["x"]), xp)
+        dst[...] = src
+
+    def crop(self, s: Crop) -> None:
+        yv, wv = crop_views(self.geo, self.cl, s, _bits(self.bufs["y"]), self.bufs["yw"])
+        if s.to_y:
+            yv[...] = wv
+        else:
+            wv[...] = yv
+
 
 def _scratch(n: int, per_image: int, dtype) -> tuple[list, int]:
     """(image chunks, elements of the scratch buffer) for ``per_image`` elements an image."""
@@ -326,14 +504,16 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
     (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
     channels or None; x, y, residual compact in the layout ``cl`` says."""
+    import cupy
     dt = np.dtype(x.dtype)
-    parts, size = _scratch(geo.n, forward_scratch(geo), dt)
-    bufs = {"x": x, "w": wmat, "y": y}
-    if size:
-        bufs["col"] = _empty_bits(size, dt)
+    form = forward_form(geo, dt, FORM)
+    steps, scratch = forward_plan(geo, cl, dt, 0.0 if residual is None else 1.0, _budget(), form)
+    bufs = {"x": x, "w": wmat, "y": y, **{name: _empty_bits(size, dt) for name, size in scratch.items()}}
+    if form == "shifted":
+        bufs["wt"] = tap_major(cupy, geo, cl, wmat)
     if residual is not None:
         _bits(y)[...] = _bits(residual)
-    run(forward_steps(geo, cl, parts, 0.0 if residual is None else 1.0), CudaOps(geo, cl, bufs, dt, math))
+    run(steps, CudaOps(geo, cl, bufs, dt, math))
     if affine is not None:
         _epilogue(geo, cl, y, affine)
 
