@@ -167,6 +167,41 @@ def test_direct_backward_and_transposed(direct_route, dtype, layout):
     assert rel(yt, F.conv_transpose2d(wide(x), wide(wt), None, 2, 1, 1).numpy()) < tol
 
 
+@pytest.mark.parametrize("form", ["im2col", "shifted"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, nd):
+    """Both forward forms (conv_direct.FORM) on stride-1 convolutions, with the epilogue and a residual,
+    and a stride-1 backward-data (a forward of the flipped kernel), against torch in float64."""
+    from blasx.dnn import conv_direct
+    from blasx.dnn.geometry import conv_geometry
+    monkeypatch.setattr(conv_direct, "FORM", form)
+    rng = np.random.default_rng(nd)
+    dt = np.dtype(dtype)
+    size = (40,) if nd == 1 else (13, 11) if nd == 2 else (5, 6, 7)
+    pad = dil = 2 if nd == 2 else 1
+    x = rng.standard_normal((3, 64, *size)).astype(dt)
+    w = (rng.standard_normal((24, 64, *(3,) * nd)) / 8).astype(dt)
+    assert conv_direct.forward_form(conv_geometry("t", nd, x, w, 1, pad, dil, 1), dt, form) == form
+    conv = getattr(F, f"conv{nd}d")(wide(x), wide(w), None, 1, pad, dil)
+    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    b, sc, sh = rng.standard_normal(24), rng.uniform(0.5, 2, 24), rng.standard_normal(24)
+    y = getattr(dnn, f"conv{nd}d")(_device(x, layout), cupy.asarray(w), cupy.asarray(b), 1, pad, dil,
+                                   scale=cupy.asarray(sc), shift=cupy.asarray(sh), residual=_device(r, layout),
+                                   activation="relu")
+    t, ch = torch.from_numpy, (slice(None),) + (None,) * nd
+    ref = F.relu((conv + t(b)[ch]) * t(sc)[ch] + t(sh)[ch] + wide(r)).numpy()
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    assert isinstance(y, cupy.ndarray) and y.dtype == dt and (layout == "cl") == (not y.flags.c_contiguous)
+    assert rel(y, ref) < tol
+    w2 = (rng.standard_normal((64, 64, *(3,) * nd)) / 8).astype(dt)
+    dy = rng.standard_normal(tuple(conv.shape[:1]) + (64,) + tuple(conv.shape[2:])).astype(dt)
+    gi = getattr(dnn, f"conv{nd}d_input")(x.shape, cupy.asarray(w2), _device(dy, layout), 1, pad, dil)
+    want = getattr(torch.nn.grad, f"conv{nd}d_input")(x.shape, wide(w2), wide(dy), 1, pad, dil).numpy()
+    assert rel(gi, want) < tol
+
+
 def test_direct_route_is_chosen_for_one_gpu():
     from blasx.dnn import conv_direct
     x = cupy.zeros((1, 2, 4, 4), dtype=cupy.float32)

@@ -481,7 +481,10 @@ class CudaOps:
         dst[...] = src
 
     def crop(self, s: Crop) -> None:
-        yv, wv = crop_views(self.geo, self.cl, s, _bits(self.bufs["y"]), self.bufs["yw"])
+        yw = self.bufs["yw"]
+        yv, wv = crop_views(self.geo, self.cl, s, _bits(self.bufs["y"]), yw)
+        if wv.data.mem is not yw.data.mem:  # a reshape that copied would lose the residual's writes
+            raise RuntimeError(f"conv_direct: yw's valid part is not a view of yw ({s})")
         if s.to_y:
             yv[...] = wv
         else:
