@@ -16,6 +16,7 @@ hypothesis tests may use them too).
 from __future__ import annotations
 
 import importlib
+import threading
 
 import numpy as np
 import pytest
@@ -72,6 +73,27 @@ def _shutdown_blasx(monkeypatch):
     monkeypatch.setattr(session, "_settings", session.settings())
     yield
     blasx.shutdown()
+
+
+def _run_bounded(fn, seconds=60):
+    """``{"value": fn()}`` or ``{"error": exc}`` from a thread, asserting the call ends within ``seconds``."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "the call hung"
+    return out
+
+
+@pytest.fixture(scope="session")
+def run_bounded():
+    return _run_bounded
 
 
 @pytest.fixture(scope="session")

@@ -348,23 +348,8 @@ def test_cpu_worker_beside_a_sim(rand, rel_err):
     assert rel_err(blasx.gemm(1.0, h, h, trans_b=1), _ref(1.0, h, h, tb=1)) < 3e-3
 
 
-def _bounded(fn, seconds=60):
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["error"] = exc
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "the call hung"
-    return out
-
-
 @pytest.mark.parametrize("phase,nth", [("compute", 5), ("writeback", 2), ("load", 30), ("compute", 150)])
-def test_a_device_failing_mid_call_leaves_the_result_right(phase, nth, rand, rel_err):
+def test_a_device_failing_mid_call_leaves_the_result_right(phase, nth, rand, rel_err, run_bounded):
     """sim:1 breaks at its nth kernel / partial write-back / load: its tasks go to sim:0, the
     reductions read the partials that were written home, the engine stays usable."""
     blasx.configure(devices="sim:2", tile=32)
@@ -378,7 +363,7 @@ def test_a_device_failing_mid_call_leaves_the_result_right(phase, nth, rand, rel
                 raise blasx.DeviceError(f"injected device error on sim:1 at {phase}")
     faults.install(hook)
     try:
-        out = _bounded(lambda: blasx.gemm(1.0, a, b))
+        out = run_bounded(lambda: blasx.gemm(1.0, a, b))
     finally:
         faults.install(None)
     assert len(seen) >= nth
@@ -389,15 +374,15 @@ def test_a_device_failing_mid_call_leaves_the_result_right(phase, nth, rand, rel
     assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12 and _tasks() > 4
 
 
-def test_a_kernel_fault_then_every_device_failing(rand, rel_err):
+def test_a_kernel_fault_then_every_device_failing(rand, rel_err, run_bounded):
     """A sim's injected kernel fault (``fail=``) moves its work to the other; with one sim that
     fails the call fails (DeviceError), and the next call on working devices is right."""
     a, b = rand((64, 8000), seed=1), rand((8000, 64), seed=2)
     blasx.configure(devices="sim:2,fail=0@4", tile=32)
-    out = _bounded(lambda: blasx.gemm(1.0, a, b))
+    out = run_bounded(lambda: blasx.gemm(1.0, a, b))
     assert "error" not in out and rel_err(out["value"], a @ b) < 1e-12
     blasx.configure(devices="sim:1,fail=0@6", streams=2, tile=32)
-    out = _bounded(lambda: blasx.gemm(1.0, a, b))
+    out = run_bounded(lambda: blasx.gemm(1.0, a, b))
     assert isinstance(out.get("error"), blasx.DeviceError) and "injected fault" in str(out["error"])
     blasx.configure(devices="sim:2", tile=32)
     assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12 and _tasks() > 4

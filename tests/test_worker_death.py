@@ -9,7 +9,6 @@ devices again. An error of one call (an output the host refuses to write) fails 
 from __future__ import annotations
 
 import importlib
-import threading
 
 import numpy as np
 import pytest
@@ -19,21 +18,6 @@ import blasx
 worker_mod = importlib.import_module("blasx.runtime.worker")
 faults = importlib.import_module("blasx.runtime.faults")
 DeviceError = blasx.DeviceError
-
-
-def _run_bounded(fn, seconds=60):
-    out = {}
-
-    def body():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["error"] = exc
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "the call hung"
-    return out
 
 
 def _break_once(monkeypatch, method, index):
@@ -51,11 +35,11 @@ def _break_once(monkeypatch, method, index):
 
 
 @pytest.mark.parametrize("method", ["retire", "assign", "fill_station"])
-def test_a_worker_that_dies_hands_its_tasks_on(method, monkeypatch, rand, rel_err):
+def test_a_worker_that_dies_hands_its_tasks_on(method, monkeypatch, rand, rel_err, run_bounded):
     blasx.configure(devices="sim:2", tile=32)
     a, b = rand((192, 160)), rand((160, 192), seed=1)
     fired = _break_once(monkeypatch, method, 0)
-    out = _run_bounded(lambda: blasx.gemm(1.0, a, b))
+    out = run_bounded(lambda: blasx.gemm(1.0, a, b))
     assert fired and "error" not in out, out.get("error")
     assert rel_err(out["value"], a @ b) < 1e-12
     eng = blasx.engine()
@@ -68,21 +52,21 @@ def test_a_worker_that_dies_hands_its_tasks_on(method, monkeypatch, rand, rel_er
     assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
 
 
-def test_every_device_dead_fails_the_call_then_the_next_call_starts_them_again(rand, rel_err):
+def test_every_device_dead_fails_the_call_then_the_next_call_starts_them_again(rand, rel_err, run_bounded):
     blasx.configure(devices="sim:1,fail=0@3", tile=32)
     a = rand((128, 128))
-    out = _run_bounded(lambda: blasx.gemm(1.0, a, a))
+    out = run_bounded(lambda: blasx.gemm(1.0, a, a))
     assert isinstance(out.get("error"), DeviceError), out
     assert "injected fault" in str(out["error"])
     assert blasx.engine().devices[0].error is None  # a new engine: the failed one was replaced
     # The new sim fails again at its third kernel (same spec), and again is replaced.
-    out = _run_bounded(lambda: blasx.gemm(1.0, a, a))
+    out = run_bounded(lambda: blasx.gemm(1.0, a, a))
     assert isinstance(out.get("error"), DeviceError)
     blasx.configure(devices="sim:1", tile=32)
     assert rel_err(blasx.gemm(1.0, a, a), a @ a) < 1e-12
 
 
-def test_device_error_injected_by_hook_moves_work_to_the_other_device(rand, rel_err):
+def test_device_error_injected_by_hook_moves_work_to_the_other_device(rand, rel_err, run_bounded):
     blasx.configure(devices="sim:2", tile=32)
     a, b = rand((160, 160)), rand((160, 160), seed=1)
     seen = []
@@ -94,7 +78,7 @@ def test_device_error_injected_by_hook_moves_work_to_the_other_device(rand, rel_
                 raise DeviceError("injected device error on sim:1")
     faults.install(hook)
     try:
-        out = _run_bounded(lambda: blasx.gemm(1.0, a, b))
+        out = run_bounded(lambda: blasx.gemm(1.0, a, b))
     finally:
         faults.install(None)
     assert "error" not in out, out.get("error")
@@ -103,7 +87,7 @@ def test_device_error_injected_by_hook_moves_work_to_the_other_device(rand, rel_
     assert [w.alive for w in eng.workers] == [True, False] and eng.leaks() == []
 
 
-def test_a_host_side_write_error_fails_the_call_not_the_device(rand, rel_err):
+def test_a_host_side_write_error_fails_the_call_not_the_device(rand, rel_err, run_bounded):
     """A read-only C handed to the engine as an output (the front ends copy such a c, so the
     dispatch entry is called directly): the host refuses the write-back. The call fails with
     that error; no device dies."""
@@ -114,7 +98,7 @@ def test_a_host_side_write_error_fails_the_call_not_the_device(rand, rel_err):
     c = np.asfortranarray(rand((128, 128), seed=2))
     c.flags.writeable = False
     before = c.copy()
-    out = _run_bounded(lambda: dispatch.gemm(1.0, a, b, 1.0, c, 0, 0, np.dtype(np.float64), 128))
+    out = run_bounded(lambda: dispatch.gemm(1.0, a, b, 1.0, c, 0, 0, np.dtype(np.float64), 128))
     assert isinstance(out.get("error"), ValueError), out
     assert np.array_equal(c, before)
     eng = blasx.engine()
