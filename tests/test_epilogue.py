@@ -19,7 +19,7 @@ import pytest
 import blasx
 from blasx import dispatch
 from blasx import precision as P
-from blasx.dnn.activations import reference
+from blasx.dnn.activations import affine_reference, reference
 from blasx.runtime.activations import NAMES, Activation, parse_activation
 from blasx.runtime.epilogues import ChannelAffine
 from blasx.runtime.tiling import TileRef
@@ -201,17 +201,6 @@ def _operands(rng, m, n, k, dt, c_order="F"):
     return a, b, c
 
 
-def _expected(y, axis, scale, shift, act):
-    """act(y * scale + shift) in float64 (scale/shift None: not applied)."""
-    bc = (lambda v: v[:, None]) if axis == 0 else (lambda v: v[None, :])
-    if scale is not None:
-        y = y * bc(scale)
-    if shift is not None:
-        y = y + bc(shift)
-    act = parse_activation(act)
-    return y if act is None else act.host(y)
-
-
 def _rel(x, ref):
     x = np.asarray(x).astype(np.float64)
     return np.linalg.norm(x - ref) / np.linalg.norm(ref)
@@ -233,7 +222,7 @@ def test_every_activation_and_axis_on_the_engine(dev, dt):
             scale, shift = rng.uniform(0.5, 2.0, size), rng.standard_normal(size)
             dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, dt, k, epilogue=ChannelAffine(axis, scale, shift, act))
             assert c.dtype == np.dtype(dt)
-            want = _expected(a.astype(np.float64) @ b.astype(np.float64), axis, scale, shift, act)
+            want = affine_reference(a.astype(np.float64) @ b.astype(np.float64), axis, scale, shift, act)
             err = _rel(c, want)
             assert err <= tol, (act, axis, err, tol)
 
@@ -252,7 +241,7 @@ def test_vectors_repeat_along_the_axis(dev):
         ep = ChannelAffine(axis, scale, shift, "relu6")
         ep.check(m, n)
         dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, np.float32, k, epilogue=ep)
-        want = _expected(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "relu6")
+        want = affine_reference(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "relu6")
         assert _rel(c, want) <= 4 * P.tolerance(np.float32, k)
 
 
@@ -274,7 +263,7 @@ def test_scale_shift_each_optional_and_the_residual_through_beta(dev):
                                         (0, rng.uniform(-2, 2, m), rng.standard_normal(m), None)]:
             c = np.asfortranarray(residual.copy())
             dispatch.gemm(0.5, a, b, 1.0, c, 1, 0, dt, k, epilogue=ChannelAffine(axis, scale, shift, act))
-            assert _rel(c, _expected(y, axis, scale, shift, act)) <= 4 * P.tolerance(dt, k), (dt, axis, act)
+            assert _rel(c, affine_reference(y, axis, scale, shift, act)) <= 4 * P.tolerance(dt, k), (dt, axis, act)
 
 
 @pytest.mark.parametrize("dev", ["sim:2", "cpu"])
@@ -288,7 +277,7 @@ def test_half_inputs_with_a_float32_output(dev, dt):
     c = np.zeros((m, n), dtype=np.float32, order="F")
     shift = rng.standard_normal(n)
     dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, dt, k, epilogue=ChannelAffine(1, None, shift, "tanh"))
-    want = _expected(a.astype(np.float64) @ b.astype(np.float64), 1, None, shift, "tanh")
+    want = affine_reference(a.astype(np.float64) @ b.astype(np.float64), 1, None, shift, "tanh")
     assert _rel(c, want) <= 4 * P.tolerance(dt, k, np.float32)
 
 

@@ -13,6 +13,7 @@ import pytest
 import blasx
 from blasx import dispatch
 from blasx import precision as P
+from blasx.dnn.activations import affine_reference
 from blasx.runtime.activations import parse_activation
 from blasx.runtime.epilogues import ChannelAffine
 
@@ -35,16 +36,6 @@ ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
 
 def _name(t):
     return np.dtype(t).name
-
-
-def _expected(y, axis, scale, shift, act):
-    bc = (lambda v: v[:, None]) if axis == 0 else (lambda v: v[None, :])
-    if scale is not None:
-        y = y * bc(scale)
-    if shift is not None:
-        y = y + bc(shift)
-    act = parse_activation(act)
-    return y if act is None else act.host(y)
 
 
 def _rel(x, ref):
@@ -110,7 +101,7 @@ def test_gemm_with_the_epilogue(spec, dt, where):
             vecs = (scale, shift) if where == "host" else (cupy.asarray(scale), cupy.asarray(shift))
             dispatch.gemm(1.0, da, db, 0.0, c, 0, 0, dt, k, epilogue=ChannelAffine(axis, *vecs, act))
             got = c if where == "host" else cupy.asnumpy(c)
-            err = _rel(got, _expected(y, axis, scale, shift, act))
+            err = _rel(got, affine_reference(y, axis, scale, shift, act))
             assert err <= tol, (act, axis, err, tol)
 
 
@@ -125,13 +116,13 @@ def test_residual_tf32_and_a_float32_output(spec):
     c = res.copy(order="F")
     dispatch.gemm(1.0, a, b, 1.0, c, 0, 0, np.float32, k, math="tf32",
                   epilogue=ChannelAffine(0, None, shift, "relu"))
-    want = _expected(a.astype(np.float64) @ b + res, 0, None, shift, "relu")
+    want = affine_reference(a.astype(np.float64) @ b + res, 0, None, shift, "relu")
     assert _rel(c, want) <= 4 * P.tolerance(np.float32, k, math="tf32")
     h_a, h_b = a.astype(np.float16), b.astype(np.float16)
     c = np.zeros((m, n), dtype=np.float32, order="F")
     scale = rng.uniform(0.5, 2, n)
     dispatch.gemm(1.0, h_a, h_b, 0.0, c, 0, 0, np.float16, k, epilogue=ChannelAffine(1, scale, None, "gelu"))
-    want = _expected(h_a.astype(np.float64) @ h_b.astype(np.float64), 1, scale, None, "gelu")
+    want = affine_reference(h_a.astype(np.float64) @ h_b.astype(np.float64), 1, scale, None, "gelu")
     assert _rel(c, want) <= 4 * P.tolerance(np.float16, k, np.float32)
 
 
@@ -146,5 +137,5 @@ def test_vectors_repeat_along_the_axis(spec):
         scale, shift = rng.uniform(0.5, 2, kc), rng.standard_normal(kc)
         c = np.zeros((m, n), dtype=np.float32, order="F")
         dispatch.gemm(1.0, a, b, 0.0, c, 0, 0, np.float32, k, epilogue=ChannelAffine(axis, scale, shift, "silu"))
-        want = _expected(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "silu")
+        want = affine_reference(a.astype(np.float64) @ b, axis, np.tile(scale, images), np.tile(shift, images), "silu")
         assert _rel(c, want) <= 4 * P.tolerance(np.float32, k)
