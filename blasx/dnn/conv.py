@@ -10,8 +10,6 @@ of the call; activations are only read, through the derived im2col operand (im2c
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from .. import dispatch, precision
@@ -21,6 +19,7 @@ from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
 from . import conv_direct
+from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
@@ -29,20 +28,6 @@ MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU
 
 
 # ---------------------------------------------------------------- helpers
-
-def _xp(*arrays):
-    """numpy or cupy, the same for every given array (TypeError when mixed)."""
-    given = [a for a in arrays if a is not None]
-    kinds = {is_cupy(a) for a in given}
-    if len(kinds) > 1:
-        raise TypeError("arrays: got a mix of numpy and cupy arrays; pass all numpy (host) or all cupy (GPU)")
-    return array_module(kinds == {True})
-
-
-def _on_device_of(x):
-    """A CuPy array's device as the current one (results are made there), else nothing."""
-    return x.device if is_cupy(x) else contextlib.nullcontext()
-
 
 def _batched(x, nd: int):
     """(x with a batch dim, whether it was added)."""
