@@ -34,10 +34,10 @@ def _rename(nodes: list, output: str, old: str, new: str) -> tuple[list, str]:
 def drop_identities(graph: Graph) -> Graph:
     """Inference dropout and identity nodes removed; their readers read their input."""
     nodes, output = list(graph.nodes), graph.output
-    for n in graph.nodes:
-        if n.op in ("dropout", "identity"):
-            nodes = [m for m in nodes if m.name != n.name]
-            nodes, output = _rename(nodes, output, n.name, n.inputs[0])
+    for name in [n.name for n in graph.nodes if n.op in ("dropout", "identity")]:
+        node = next(m for m in nodes if m.name == name)  # its input may itself have been renamed
+        nodes = [m for m in nodes if m.name != name]
+        nodes, output = _rename(nodes, output, name, node.inputs[0])
     return Graph(nodes, output, graph.batch_axis)
 
 
