@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per contender (default 1)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per contender, median (default 3)")
     p.add_argument("--check-images", type=int, default=4, help="images checked against float64 torch (default 4)")
+    p.add_argument("--cache-gib", type=float, default=0.5,
+                   help="blasx's tile cache per GPU (default 0.5: the network's layers run on their GPU, off the cache)")
     p.add_argument("--no-uncompiled", action="store_true", help="skip the uncompiled blasx runs")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
     p.add_argument("--tag", default="", help="name part of the output files: network-TAG-STAMP")
@@ -187,7 +189,8 @@ def bench_model(name: str, mode: str, args, log) -> dict:
     sets = [[args.gpus[0]], args.gpus] if args.gpu and len(args.gpus) > 1 else [args.gpus]
     configs = [(s, True) for s in sets] + ([] if args.no_uncompiled else [(sets[-1], False)])
     for gpus, fuse in configs:
-        blasx.configure(devices=f"cuda:{','.join(map(str, gpus))}" if args.gpu else args.devices)
+        blasx.configure(devices=f"cuda:{','.join(map(str, gpus))}" if args.gpu else args.devices,
+                        cache_bytes=int(args.cache_gib * (1 << 30)) if args.gpu else None)
         net = dnn.from_torch(model, (1, 3, args.size, args.size)).compile(dtype=_np_dtype(mode), math=MATH[mode],
                                                                           layout="cl" if args.gpu else "nchw",
                                                                           fuse=fuse)
