@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed runs per contender, median (default 3)")
     p.add_argument("--check-images", type=int, default=4, help="images checked against float64 torch (default 4)")
     p.add_argument("--cache-gib", type=float, default=0.5,
-                   help="blasx's tile cache per GPU (default 0.5: the network's layers run on their GPU, off the cache)")
+                   help="blasx's tile cache per GPU in GiB (default 0.5: the layers run on their GPU, off the cache)")
     p.add_argument("--no-uncompiled", action="store_true", help="skip the uncompiled blasx runs")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
     p.add_argument("--tag", default="", help="name part of the output files: network-TAG-STAMP")

@@ -80,7 +80,8 @@ class Graph:
             if late:
                 raise ValueError(f"node {n.name!r}: inputs {late} are not earlier nodes")
             if n.op == "act" and n.attrs.get("fn") not in ACTIVATIONS:
-                raise ValueError(f"node {n.name!r}: activation {n.attrs.get('fn')!r}; allowed: {', '.join(ACTIVATIONS)}")
+                raise ValueError(f"node {n.name!r}: activation {n.attrs.get('fn')!r}; "
+                                 f"allowed: {', '.join(ACTIVATIONS)}")
             seen.add(n.name)
         if not self.nodes or self.nodes[0].op != "input" or sum(n.op == "input" for n in self.nodes) != 1:
             raise ValueError("nodes: the first node, and only it, must be the 'input'")
