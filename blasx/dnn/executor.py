@@ -1,0 +1,344 @@
+"""The network executor: a batch in chunks through a graph, on the host (numpy layers on the engine: sims,
+the CPU) or on GPUs (one thread per worker, ``workers`` per GPU each on its own stream and buffers; the
+weights uploaded once per GPU and dtype; a chunk crosses the host link once in (through page-locked
+staging) and its output once out). Workers take chunks from one shared counter, so faster GPUs take more;
+a worker's exception stops the others and is raised in the caller. Per node and chunk the time is taken
+(host clock, or CUDA events on the worker's stream) into a :class:`NetworkProfile`."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..operands import is_cupy
+from . import layers
+from .graph import Graph, flops, infer_shapes
+from .passes import BufferPlan
+
+
+# ---------------------------------------------------------------- profile
+
+@dataclass
+class LayerStat:
+    """One node on one device over a run: total seconds, flops, and the nodes fused into it."""
+
+    name: str
+    op: str
+    device: str
+    seconds: float = 0.0
+    flops: float = 0.0
+    fused: tuple = ()
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class NetworkProfile:
+    """A run of a Network: wall seconds, images, chunks, per-layer stats (per device) and the events
+    (device, chunk, node name, start, end in seconds from the run's start) for the Chrome trace."""
+
+    wall: float
+    images: int
+    chunks: int
+    devices: tuple
+    layers: list
+    events: list = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.wall if self.wall > 0 else 0.0
+
+    def by_layer(self) -> list:
+        """Stats summed over devices, in the graph's order."""
+        out: dict = {}
+        for s in self.layers:
+            t = out.setdefault(s.name, LayerStat(s.name, s.op, "all", fused=s.fused))
+            t.seconds += s.seconds
+            t.flops += s.flops
+        return list(out.values())
+
+    def summary(self) -> dict:
+        return {"wall": self.wall, "images": self.images, "chunks": self.chunks, "images_per_s": self.images_per_s,
+                "devices": list(self.devices),
+                "layers": [{"name": s.name, "op": s.op, "device": s.device, "seconds": s.seconds, "flops": s.flops,
+                            "tflops": s.tflops, "fused": list(s.fused)} for s in self.layers]}
+
+    def report(self, top: int | None = None) -> str:
+        """A text table, one row per layer (devices summed): seconds, share, TFLOPS, what it fused."""
+        rows = self.by_layer()
+        total = sum(r.seconds for r in rows) or 1.0
+        rows_shown = sorted(rows, key=lambda r: -r.seconds)[:top] if top else rows
+        lines = [f"network: {self.images} images in {self.wall:.4f} s ({self.images_per_s:.1f} images/s), "
+                 f"{self.chunks} chunks on {', '.join(self.devices)}",
+                 f"{'layer':<28}{'op':<18}{'seconds':>10}{'share':>8}{'TFLOPS':>9}  fused"]
+        for r in rows_shown:
+            lines.append(f"{r.name[:27]:<28}{r.op:<18}{r.seconds:>10.5f}{r.seconds / total:>8.1%}{r.tflops:>9.2f}  "
+                         f"{'+'.join(r.fused) if r.fused else '-'}")
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, path=None) -> dict:
+        """Chrome trace-event JSON: pid = device, tid = chunk worker lane, one "X" event per node and chunk."""
+        import json
+        pids = {d: i for i, d in enumerate(self.devices)}
+        events = [{"name": name, "cat": "layer", "ph": "X", "pid": pids.get(dev, 0), "tid": lane,
+                   "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6, "args": {"chunk": chunk}}
+                  for dev, lane, chunk, name, s, e in self.events]
+        meta = [{"name": "process_name", "ph": "M", "pid": i, "tid": 0, "args": {"name": d}}
+                for d, i in pids.items()]
+        trace = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(trace, f)
+        return trace
+
+
+# ---------------------------------------------------------------- progress
+
+def progress_line(done: int, total: int, images: int, elapsed: float) -> str:
+    """``network [######------]  3/8 chunks  1234 images/s  2.1 s`` (no ``\\r``)."""
+    width = 24
+    fill = int(round(width * done / total)) if total else width
+    rate = f"{images / elapsed:.0f} images/s" if elapsed > 0 else ""
+    return f"network [{'#' * fill}{'-' * (width - fill)}]  {done}/{total} chunks  {rate}  {elapsed:.1f} s"
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int, stream=None):
+        self.enabled, self.total, self.stream = enabled, total, stream or sys.stderr
+        self.done, self.images, self.t0 = 0, 0, time.perf_counter()
+        self.lock = threading.Lock()
+
+    def chunk_done(self, images: int) -> None:
+        with self.lock:
+            self.done += 1
+            self.images += images
+            if self.enabled:
+                try:
+                    self.stream.write("\r" + progress_line(self.done, self.total, self.images,
+                                                           time.perf_counter() - self.t0))
+                    if self.done == self.total:
+                        self.stream.write("\n")
+                    self.stream.flush()
+                except (ValueError, OSError):
+                    self.enabled = False
+
+
+# ---------------------------------------------------------------- one worker
+
+class Worker:
+    """Runs chunks on one device (``device`` None: the host) with its own buffers and, on a GPU, its own stream."""
+
+    def __init__(self, graph: Graph, plan: BufferPlan, chunk_shape: tuple, dtype, math, weights: dict,
+                 device: int | None, lane: int, lay: str):
+        self.graph, self.plan, self.dtype, self.math, self.weights = graph, plan, np.dtype(dtype), math, weights
+        self.device, self.lane, self.layout = device, lane, lay
+        self.label = "host" if device is None else f"cuda:{device}"
+        self.stats: dict = {}
+        self.events: list = []
+        if device is None:
+            self.xp, self.stream = np, None
+            self.buffers = [np.empty(s, dtype=self.dtype) for s in plan.sizes]
+        else:
+            import cupy
+            self.xp = cupy
+            with cupy.cuda.Device(device):
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+                self.buffers = [cupy.empty(s, dtype=self.dtype) for s in plan.sizes]
+                self.x_dev = cupy.empty(math_prod(chunk_shape), dtype=self.dtype)
+            self.pinned_in = _pinned(math_prod(chunk_shape), self.dtype)
+            self.pinned_out = None
+
+    def _view(self, buf, shape):
+        v = buf[:math_prod(shape)]
+        if self.layout == "cl" and len(shape) >= 4:
+            moved = v.reshape(shape[0], *shape[2:], shape[1])
+            return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
+        return v.reshape(shape)
+
+    def forward(self, x, chunk: int, t_origin: float):
+        """The graph's output for the chunk ``x`` (an array on this worker's device)."""
+        graph, shapes = self.graph, infer_shapes(self.graph, x.shape)
+        values = {graph.nodes[0].name: x}
+        last = _last_reads(graph)
+        timing = []
+        for i, node in enumerate(graph.nodes[1:], 1):
+            b = self.plan.buffer.get(node.name)
+            out = self._view(self.buffers[b], shapes[node.name]) if b is not None and layers.takes_out(node) else None
+            t = self._mark()
+            values[node.name] = layers.run_node(node, [values[n] for n in node.inputs], self.weights.get(node.name, {}),
+                                                out, self.math, self.xp)
+            timing.append((node, t, self._mark(), flops(node, shapes)))
+            for n in last.get(i, ()):
+                if n != graph.output:
+                    values.pop(n, None)
+        self._account(timing, chunk, t_origin)
+        return values[graph.output]
+
+    def _mark(self):
+        if self.device is None:
+            return time.perf_counter()
+        import cupy
+        ev = cupy.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def _account(self, timing, chunk: int, t_origin: float) -> None:
+        if self.device is not None:
+            import cupy
+            self.stream.synchronize()
+            first = timing[0][1] if timing else None
+            end_host = time.perf_counter()
+            total = cupy.cuda.get_elapsed_time(first, timing[-1][2]) / 1e3 if timing else 0.0
+            start_host = end_host - total
+        for node, t0, t1, f in timing:
+            if self.device is None:
+                s, e = t0 - t_origin, t1 - t_origin
+            else:
+                s = start_host - t_origin + cupy.cuda.get_elapsed_time(first, t0) / 1e3
+                e = start_host - t_origin + cupy.cuda.get_elapsed_time(first, t1) / 1e3
+            st = self.stats.setdefault(node.name, LayerStat(node.name, node.op, self.label,
+                                                            fused=tuple(node.attrs.get("fused", ()))))
+            st.seconds += e - s
+            st.flops += f
+            self.events.append((self.label, self.lane, chunk, node.name, s, e))
+
+    def reset(self) -> None:
+        self.stats, self.events = {}, []
+
+    def context(self):
+        """This worker's device and stream as the current ones (the host: nothing)."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import cupy
+        stack = contextlib.ExitStack()
+        stack.enter_context(cupy.cuda.Device(self.device))
+        stack.enter_context(self.stream)
+        return stack
+
+    def _prepared(self, x):
+        """x in the run's type and layout (copied only where it is not)."""
+        if x.dtype != self.dtype:
+            x = x.astype(self.dtype)
+        if self.layout == "cl" and x.ndim >= 4:
+            return _to_cl(self.xp, x)
+        return self.xp.ascontiguousarray(x)
+
+    def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool):
+        """A chunk through the graph on this worker, its output returned (on the host where ``host_in``):
+        a host chunk for a GPU worker is copied in through page-locked staging, its output out the same way."""
+        if self.device is None or not host_in:
+            with self.context():
+                return self.forward(self._prepared(xc), chunk, t_origin)
+        import cupy
+        with self.context():
+            stage = self.pinned_in[:xc.size].reshape(xc.shape)
+            np.copyto(stage, xc, casting="unsafe")
+            xd = self.x_dev[:xc.size].reshape(xc.shape)
+            xd.set(stage, stream=self.stream)
+            y = self.forward(self._prepared(xd), chunk, t_origin)
+            if self.pinned_out is None or self.pinned_out.size < y.size:
+                self.pinned_out = _pinned(y.size, y.dtype)
+            host = self.pinned_out[:y.size].reshape(y.shape)
+            cupy.ascontiguousarray(y).get(stream=self.stream, out=host)
+            self.stream.synchronize()
+            return host
+
+
+def math_prod(shape) -> int:
+    return int(math.prod(shape))
+
+
+def _to_cl(xp, x):
+    moved = xp.ascontiguousarray(x.transpose(0, *range(2, x.ndim), 1))
+    return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
+
+
+def _pinned(n: int, dtype):
+    import cupy
+    mem = cupy.cuda.alloc_pinned_memory(max(1, n) * np.dtype(dtype).itemsize)
+    return np.frombuffer(mem, dtype=dtype, count=max(1, n))
+
+
+def _last_reads(graph: Graph) -> dict:
+    """index -> names whose last reader is the node at that index (values dropped after it)."""
+    last = {}
+    for i, n in enumerate(graph.nodes):
+        for src in n.inputs:
+            last[src] = i
+    out: dict = {}
+    for name, i in last.items():
+        out.setdefault(i, []).append(name)
+    return out
+
+
+# ---------------------------------------------------------------- a whole run
+
+def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
+    """``x`` (host numpy, or one GPU's CuPy array with that GPU's workers) through ``workers`` in chunks of
+    ``chunk`` images; returns (output, NetworkProfile). Chunks go along ``batch_axis`` (not 0: one chunk);
+    the output is on the host for a host x, else on x's GPU."""
+    host_in = not is_cupy(x)
+    n = x.shape[batch_axis]
+    spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)] if batch_axis == 0 else [(0, n)]
+    bar = _Progress(progress, len(spans))
+    state = {"next": 0, "error": None, "out": None}
+    lock = threading.Lock()
+    for w in workers:
+        w.reset()
+    t0 = time.perf_counter()
+
+    def put(w: Worker, k: int, y) -> None:
+        lo, hi = spans[k]
+        xp = np if host_in else w.xp
+        with lock:
+            if state["out"] is None:
+                with w.context():
+                    state["out"] = xp.empty((n if batch_axis == 0 else y.shape[0], *y.shape[1:]), dtype=y.dtype)
+        with w.context():
+            if batch_axis == 0:
+                state["out"][lo:hi] = y
+            else:
+                state["out"][...] = y
+            if w.stream is not None:
+                w.stream.synchronize()
+
+    def loop(w: Worker) -> None:
+        try:
+            while True:
+                with lock:
+                    k = state["next"]
+                    if k >= len(spans) or state["error"] is not None:
+                        return
+                    state["next"] += 1
+                lo, hi = spans[k]
+                y = w.run_chunk(x[lo:hi] if batch_axis == 0 else x, k, t0, host_in)
+                put(w, k, y)
+                bar.chunk_done(hi - lo)
+        except BaseException as e:  # noqa: BLE001 -- a worker never leaks: the caller re-raises the first
+            with lock:
+                if state["error"] is None:
+                    state["error"] = e
+    if len(workers) == 1:
+        loop(workers[0])
+    else:
+        threads = [threading.Thread(target=loop, args=(w,), name=f"blasx-net-{w.label}-{w.lane}", daemon=True)
+                   for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if state["error"] is not None:
+        raise state["error"]
+    wall = time.perf_counter() - t0
+    stats = [s for w in workers for s in w.stats.values()]
+    events = sorted((e for w in workers for e in w.events), key=lambda e: e[4])
+    devices = tuple(dict.fromkeys(w.label for w in workers))
+    return state["out"], NetworkProfile(wall, n, len(spans), devices, stats, events)

@@ -1,0 +1,256 @@
+"""blasx.dnn.from_torch: a torch.nn.Module traced with torch.fx into a :class:`blasx.dnn.Network` (the IR of
+graph.py), its weights copied as float64 numpy arrays. Inference semantics (eval mode): batch norm uses its
+running statistics, dropout reads through. torch is imported only here, when called.
+
+Supported: the modules in ``_MODULES`` and the functions / methods in ``_FUNCTIONS`` / ``_METHODS``
+(torch.nn.functional forms and tensor methods of the same layers). Anything else raises one
+:class:`UnsupportedError` listing every unsupported node with its name and type.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from .graph import Graph, Node
+from .network import Network
+
+
+class UnsupportedError(ValueError):
+    """from_torch met nodes it cannot map; ``nodes`` lists (name, type) of every one."""
+
+    def __init__(self, nodes: list):
+        self.nodes = list(nodes)
+        listing = "; ".join(f"{name} ({kind})" for name, kind in self.nodes)
+        super().__init__(f"module: {len(self.nodes)} unsupported node(s): {listing}")
+
+
+def _array(t):
+    return None if t is None else t.detach().to("cpu").double().numpy().copy()
+
+
+def _act(fn, **kwargs):
+    return "act", {"fn": fn, "kwargs": {k: v for k, v in kwargs.items() if v is not None}}, {}
+
+
+def _module_table(nn):
+    """torch module class -> f(module) -> (op, attrs, params), or None where the module's settings are not supported."""
+    def conv(m, nd):
+        if m.padding_mode != "zeros":
+            return None
+        return "conv", {"nd": nd, "stride": m.stride, "padding": m.padding, "dilation": m.dilation,
+                        "groups": m.groups}, {"weight": _array(m.weight), "bias": _array(m.bias)}
+
+    def bn(m):
+        if m.running_mean is None:
+            return None
+        return "batch_norm", {"eps": m.eps}, {"running_mean": _array(m.running_mean),
+                                               "running_var": _array(m.running_var),
+                                               "weight": _array(m.weight), "bias": _array(m.bias)}
+
+    def pool(kind, nd):
+        def f(m):
+            if kind == "max_pool" and m.return_indices:
+                return None
+            attrs = {"nd": nd, "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
+                     "ceil_mode": m.ceil_mode}
+            if kind == "max_pool":
+                attrs["dilation"] = m.dilation
+            else:
+                attrs["count_include_pad"] = m.count_include_pad
+                if getattr(m, "divisor_override", None) is not None:
+                    attrs["divisor_override"] = m.divisor_override
+            return kind, attrs, {}
+        return f
+
+    def rnn(kind):
+        def f(m):
+            if getattr(m, "proj_size", 0) or m.dropout:
+                return None
+            return kind, {"num_layers": m.num_layers, "bidirectional": m.bidirectional,
+                          "batch_first": m.batch_first}, {k: _array(v) for k, v in m.state_dict().items()}
+        return f
+
+    table = {
+        nn.Linear: lambda m: ("linear", {}, {"weight": _array(m.weight), "bias": _array(m.bias)}),
+        nn.LayerNorm: lambda m: ("layer_norm", {"normalized_shape": tuple(m.normalized_shape), "eps": m.eps},
+                                 {"weight": _array(m.weight), "bias": _array(m.bias)}),
+        nn.GroupNorm: lambda m: ("group_norm", {"num_groups": m.num_groups, "eps": m.eps},
+                                 {"weight": _array(m.weight), "bias": _array(m.bias)}),
+        nn.ReLU: lambda m: _act("relu"), nn.ReLU6: lambda m: _act("relu6"),
+        nn.LeakyReLU: lambda m: _act("leaky_relu", negative_slope=m.negative_slope),
+        nn.ELU: lambda m: _act("elu", alpha=m.alpha), nn.GELU: lambda m: _act("gelu", approximate=m.approximate),
+        nn.SiLU: lambda m: _act("silu"), nn.Sigmoid: lambda m: _act("sigmoid"), nn.Tanh: lambda m: _act("tanh"),
+        nn.Hardswish: lambda m: _act("hardswish"), nn.Hardsigmoid: lambda m: _act("hardsigmoid"),
+        nn.AdaptiveAvgPool2d: lambda m: ("adaptive_avg_pool", {"output_size": m.output_size}, {}),
+        nn.AdaptiveMaxPool2d: lambda m: None if m.return_indices else
+        ("adaptive_max_pool", {"output_size": m.output_size}, {}),
+        nn.LocalResponseNorm: lambda m: ("lrn", {"size": m.size, "alpha": m.alpha, "beta": m.beta, "k": m.k}, {}),
+        nn.Softmax: lambda m: ("softmax", {"dim": m.dim}, {}),
+        nn.LogSoftmax: lambda m: ("log_softmax", {"dim": m.dim}, {}),
+        nn.Identity: lambda m: ("identity", {}, {}),
+        nn.Flatten: lambda m: ("reshape", {}, {}),
+        nn.LSTM: rnn("lstm"), nn.GRU: rnn("gru"),
+    }
+    for nd in (1, 2, 3):
+        table[getattr(nn, f"Conv{nd}d")] = (lambda d: lambda m: conv(m, d))(nd)
+        table[getattr(nn, f"BatchNorm{nd}d")] = bn
+        table[getattr(nn, f"MaxPool{nd}d")] = pool("max_pool", nd)
+        table[getattr(nn, f"AvgPool{nd}d")] = pool("avg_pool", nd)
+    for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout):
+        table[cls] = lambda m: ("dropout", {}, {})
+    return table
+
+
+def _bind(args, kwargs, names):
+    """torch's positional ``args`` + ``kwargs`` as a dict by parameter name (``names`` in torch's order)."""
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
+def _function_table(torch):
+    F = torch.nn.functional
+
+    def act(fn, pname=None):
+        return lambda a, k: _act(fn, **({pname: _bind(a[1:], k, [pname]).get(pname)} if pname else {}))
+
+    def pool(kind, nd, names):
+        def f(a, k):
+            b = _bind(a[1:], k, names)
+            if b.get("return_indices"):
+                return None
+            b.pop("return_indices", None)
+            return kind, {"nd": nd, **b}, {}
+        return f
+
+    mp = ["kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"]
+    ap = ["kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"]
+    table = {
+        F.relu: act("relu"), torch.relu: act("relu"), F.relu6: act("relu6"),
+        F.leaky_relu: act("leaky_relu", "negative_slope"), F.elu: act("elu", "alpha"),
+        F.gelu: lambda a, k: _act("gelu", approximate=k.get("approximate")), F.silu: act("silu"),
+        F.sigmoid: act("sigmoid"), torch.sigmoid: act("sigmoid"), F.tanh: act("tanh"), torch.tanh: act("tanh"),
+        F.hardswish: act("hardswish"), F.hardsigmoid: act("hardsigmoid"),
+        F.adaptive_avg_pool2d: lambda a, k: ("adaptive_avg_pool",
+                                             {"output_size": _bind(a[1:], k, ["output_size"])["output_size"]}, {}),
+        F.dropout: lambda a, k: ("dropout", {}, {}), torch.flatten: lambda a, k: ("reshape", {}, {}),
+        F.softmax: lambda a, k: ("softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
+        F.log_softmax: lambda a, k: ("log_softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
+        F.local_response_norm: lambda a, k: ("lrn", _bind(a[1:], k, ["size", "alpha", "beta", "k"]), {}),
+        operator.add: lambda a, k: ("add", {}, {}), operator.iadd: lambda a, k: ("add", {}, {}),
+        torch.add: lambda a, k: None if k.get("alpha", 1) != 1 else ("add", {}, {}),
+        torch.cat: lambda a, k: ("cat", {"dim": _bind(a[1:], k, ["dim"]).get("dim", 0)}, {}),
+        operator.getitem: lambda a, k: ("getitem", {"index": a[1]}, {}),
+    }
+    for nd in (1, 2, 3):
+        table[getattr(F, f"max_pool{nd}d")] = pool("max_pool", nd, mp)
+        table[getattr(F, f"avg_pool{nd}d")] = pool("avg_pool", nd, ap[:5] if nd == 1 else ap)
+    return table
+
+
+_METHODS = {
+    "view": ("reshape", {}), "reshape": ("reshape", {}), "flatten": ("reshape", {}), "contiguous": ("identity", {}),
+    "relu": ("act", {"fn": "relu", "kwargs": {}}), "sigmoid": ("act", {"fn": "sigmoid", "kwargs": {}}),
+    "tanh": ("act", {"fn": "tanh", "kwargs": {}}), "add": ("add", {}), "__add__": ("add", {}),
+}
+
+
+def _shape_of(node):
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
+def _tensor_inputs(fx_node) -> list:
+    """The fx nodes among a call's arguments (lists flattened), in order."""
+    import torch.fx as fx
+    out = []
+    fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: out.append(n) or n)
+    return out
+
+
+def from_torch(module, example_input_shape):
+    """A :class:`blasx.dnn.Network` of ``module`` (a torch.nn.Module taking one tensor), traced with
+    torch.fx and shape-checked on a zero input of ``example_input_shape`` (batch first). Weights are copied;
+    the module is not modified. Raises :class:`UnsupportedError` listing every node it cannot map."""
+    import torch
+    import torch.fx as fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+    shape = tuple(int(v) for v in example_input_shape)
+    if len(shape) < 2 or min(shape) < 1:
+        raise ValueError(f"example_input_shape: got {tuple(example_input_shape)}; need (batch, ...) of positive sizes")
+    gm = fx.symbolic_trace(module)
+    was_training = module.training
+    try:
+        module.eval()
+        gm.eval()
+        with torch.no_grad():
+            ShapeProp(gm).propagate(torch.zeros(shape, dtype=next(module.parameters(), torch.zeros(())).dtype))
+    finally:
+        module.train(was_training)
+    modules = dict(gm.named_modules())
+    mtable, ftable = _module_table(torch.nn), _function_table(torch)
+    nodes, bad, skipped, output, batch_axis = [], [], set(), None, 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if nodes:
+                bad.append((n.name, "second input (placeholder)"))
+            nodes.append(Node(n.name, "input", (), {"shape": shape[1:]}))
+            continue
+        if n.op == "output":
+            out = n.args[0]
+            if isinstance(out, fx.Node):
+                output = out.name
+            else:
+                bad.append((n.name, f"output of type {type(out).__name__} (one tensor only)"))
+            continue
+        if n.op == "call_method" and n.target == "size":
+            skipped.add(n.name)  # read only by view/reshape, whose shapes come from the trace
+            continue
+        mapped, kind = None, None
+        if n.op == "call_module":
+            m = modules[n.target]
+            kind = f"{type(m).__module__}.{type(m).__qualname__}"
+            f = mtable.get(type(m))
+            mapped = f(m) if f is not None else None
+        elif n.op == "call_function":
+            kind = f"call_function {getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}"
+            f = ftable.get(n.target)
+            mapped = f(n.args, n.kwargs) if f is not None else None
+        elif n.op == "call_method":
+            kind = f"call_method Tensor.{n.target}"
+            if n.target in _METHODS:
+                op, attrs = _METHODS[n.target]
+                mapped = op, dict(attrs), {}
+        else:
+            kind = n.op
+        ins = [a.name for a in _tensor_inputs(n) if a.name not in skipped]
+        if mapped is not None and mapped[0] == "reshape":
+            out_shape, in_shape = _shape_of(n), shape
+            if out_shape is None or out_shape[0] != in_shape[0]:
+                mapped = None  # a reshape that moves the batch dim
+            else:
+                mapped = "reshape", {"shape": out_shape[1:]}, {}
+        if mapped is not None and mapped[0] == "getitem" and any(isinstance(v, fx.Node) for v in
+                                                                 (mapped[1]["index"] if isinstance(
+                                                                     mapped[1]["index"], tuple) else ())):
+            mapped = None
+        if mapped is None:
+            bad.append((n.name, kind))
+            continue
+        op, attrs, params = mapped
+        if op in ("lstm", "gru") and not attrs["batch_first"] and ins == [nodes[0].name]:
+            batch_axis = 1
+        if op in ("add", "cat") and len(ins) < 2:
+            bad.append((n.name, f"{kind} with a non-tensor operand"))
+            continue
+        nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs,
+                          {k: v for k, v in params.items() if v is not None}))
+    if bad:
+        raise UnsupportedError(bad)
+    graph = Graph(nodes, output, batch_axis).validate()
+    return Network(graph, input_shape=shape)

@@ -1,0 +1,179 @@
+"""blasx.dnn.Network: a graph of blasx.dnn layers (graph.py), compiled by the graph passes (passes.py) and
+run on a batch in chunks by the executor (executor.py).
+
+Flow: ``from_torch(module, shape)`` or ``Builder`` -> ``Network(graph)`` -> ``compile()`` (drop identities,
+fold batch norm, fuse epilogues, remove dead nodes) -> ``net(x)``: the buffer plan for the chunk shape
+(made once per shape and layout), workers per device (cached with their buffers and the weights in the run's
+type), chunks through the workers -> output, and ``last_profile()``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from .. import precision
+from ..operands import is_cupy
+from . import executor, passes
+from .geometry import check_dtype
+from .graph import Graph, infer_shapes
+from .layers import takes_out
+
+LAYOUTS = ("nchw", "cl")
+CHUNKS_PER_WORKER = 4  # the default chunk: the batch split so that each worker takes about this many
+
+
+class Network:
+    """A network of blasx.dnn layers; ``net(x)`` runs inference (see the module docstring)."""
+
+    def __init__(self, graph: Graph, input_shape: tuple | None = None):
+        if not isinstance(graph, Graph):
+            raise TypeError(f"graph: expected a blasx.dnn.graph.Graph, got {type(graph).__name__}")
+        self.graph = graph.validate()
+        self.input_shape = tuple(input_shape) if input_shape is not None else None
+        self.compiled: Graph | None = None
+        self.math, self.layout, self.dtype, self.workers_per_gpu = None, "nchw", None, 2
+        self._lock = threading.Lock()
+        self._weights: dict = {}
+        self._workers: dict = {}
+        self._profile = None
+
+    # ---------------------------------------------------------------- compile
+
+    def compile(self, dtype=None, math: str | None = None, layout: str = "nchw", fuse: bool = True,
+                workers_per_gpu: int = 2) -> "Network":
+        """Run the graph passes (``fuse=False``: keep the graph as built) and fix the run's options:
+        ``dtype`` (None: each call's x's), ``math`` (float32 GEMMs: "ieee" or "tf32"), ``layout`` of the
+        activations ("nchw" or "cl", channels-last), ``workers_per_gpu`` (chunks in flight per GPU)."""
+        if dtype is not None:
+            dtype = check_dtype("dtype", np.empty(0, dtype=dtype))
+        math = precision.check_math(math)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: got {layout!r}; allowed: {', '.join(map(repr, LAYOUTS))}")
+        if not isinstance(workers_per_gpu, int) or workers_per_gpu < 1:
+            raise ValueError(f"workers_per_gpu: got {workers_per_gpu!r}; need an int >= 1")
+        g = self.graph
+        if fuse:
+            g = passes.drop_identities(g)
+            g = passes.fold_batchnorm(g)
+            g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
+        self.compiled = passes.remove_dead(g).validate()
+        self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu
+        with self._lock:
+            self._weights.clear()
+            self._workers.clear()
+        return self
+
+    def _example_shape(self) -> tuple:
+        return (1, *self.graph.nodes[0].attrs.get("shape", ())) if self.input_shape is None else \
+            (1, *self.input_shape[1:])
+
+    @property
+    def nodes(self) -> list:
+        """The nodes that run: the compiled graph's, else the graph as built."""
+        return (self.compiled or self.graph).nodes
+
+    def buffer_plan(self, input_shape: tuple) -> passes.BufferPlan:
+        """The activation-buffer plan for an input chunk of ``input_shape``."""
+        g = self.compiled or self.graph
+        return passes.plan_buffers(g, infer_shapes(g, input_shape), takes_out)
+
+    # ---------------------------------------------------------------- run
+
+    def _check_x(self, x):
+        if not (isinstance(x, np.ndarray) or is_cupy(x)):
+            raise TypeError(f"x: expected a numpy or cupy array, got {type(x).__name__}")
+        check_dtype("x", x)
+        want = self.graph.nodes[0].attrs.get("shape")
+        b = self.graph.batch_axis
+        got = tuple(x.shape[:b]) + tuple(x.shape[b + 1:]) if x.ndim > b else None
+        if want is not None and got != tuple(want):
+            raise ValueError(f"x: expected shape {(*want[:b], 'N', *want[b:])} (N images), got {tuple(x.shape)}")
+        if x.shape[b] == 0:
+            raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)})")
+
+    def _gpus(self, x) -> list:
+        if is_cupy(x):
+            return [x.device.id]
+        from .. import session
+        return sorted({d.ordinal for d in session.engine().devices if d.kind == "cuda"})
+
+    def _weights_on(self, device, dtype) -> dict:
+        """node name -> {param: array in ``dtype``} on ``device`` (None: the host), made once."""
+        key = (device, np.dtype(dtype).str)
+        with self._lock:
+            got = self._weights.get(key)
+            if got is None:
+                got = {}
+                for n in self.nodes:
+                    if n.params:
+                        got[n.name] = {k: _to(v, dtype, device) for k, v in n.params.items()}
+                self._weights[key] = got
+        return got
+
+    def _workers_for(self, devices, dtype, chunk_shape) -> list:
+        lanes = [(None, 0)] if devices == [None] else [(d, i) for d in devices for i in range(self.workers_per_gpu)]
+        key = (tuple(lanes), np.dtype(dtype).str, tuple(chunk_shape), self.layout)
+        with self._lock:
+            ws = self._workers.get(key)
+        if ws is None:
+            plan = self.buffer_plan(chunk_shape)
+            g = self.compiled or self.graph
+            ws = [executor.Worker(g, plan, chunk_shape, dtype, self.math, self._weights_on(d, dtype), d, lane,
+                                  self.layout) for d, lane in lanes]
+            with self._lock:
+                self._workers = {key: ws}  # one configuration kept: buffers of another are freed
+        return ws
+
+    def __call__(self, x, chunk: int | None = None, progress: bool | None = None):
+        """Inference on the batch ``x`` (numpy on the host, of any size, or CuPy on one GPU): chunks of
+        ``chunk`` images (None: the batch split about CHUNKS_PER_WORKER ways per worker) through all GPUs of
+        the engine (host x), x's GPU (CuPy x) or the host (no GPU: numpy layers on the engine's devices).
+        ``progress``: a progress line on stderr (None: only when stderr is a terminal)."""
+        from ..progress import wanted
+        self._check_x(x)
+        b = self.graph.batch_axis
+        n = x.shape[b]
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
+        if self.compiled is None:
+            self.compile(fuse=False)
+        dtype = self.dtype or np.dtype(x.dtype)
+        gpus = self._gpus(x)
+        devices = gpus if gpus else [None]
+        lanes = len(devices) * (self.workers_per_gpu if gpus else 1)
+        if chunk is None:
+            chunk = max(1, math.ceil(n / (lanes * CHUNKS_PER_WORKER))) if gpus else n
+        chunk = min(chunk, n) if b == 0 else n
+        chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
+        workers = self._workers_for(devices, dtype, chunk_shape)
+        import sys
+        out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
+        return out
+
+    def last_profile(self) -> executor.NetworkProfile | None:
+        """The per-layer profile of the last call (time, TFLOPS, device, what each node fused), or None."""
+        return self._profile
+
+    def summary(self) -> str:
+        """One line per node that runs: name, op, inputs, what it fused."""
+        lines = []
+        for n in self.nodes:
+            fused = n.attrs.get("fused")
+            extra = "".join([f" act={n.attrs['activation']}" if n.attrs.get("activation") else "",
+                             " +residual" if n.attrs.get("residual") else "",
+                             f" fused={'+'.join(fused)}" if fused else ""])
+            lines.append(f"{n.name}: {n.op}({', '.join(n.inputs)}){extra}")
+        return "\n".join(lines)
+
+
+def _to(v: np.ndarray, dtype, device):
+    """A float64 parameter in ``dtype`` on ``device`` (None: the host)."""
+    a = np.ascontiguousarray(v.astype(dtype))
+    if device is None:
+        return a
+    import cupy
+    with cupy.cuda.Device(device):
+        return cupy.asarray(a)

@@ -1,0 +1,112 @@
+"""blasx.dnn.Network on real CUDA GPUs (marker ``gpu``; skipped where CuPy finds none): host batches through
+one and all GPUs, CuPy batches on their GPU, compiled vs uncompiled, both layouts, against CPU torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+
+cupy = pytest.importorskip("cupy")
+torch = pytest.importorskip("torch")
+NGPU = blasx.session._cuda_count()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
+nn, F = torch.nn, torch.nn.functional
+needs = lambda *names: pytest.mark.skipif(not all(hasattr(dnn, n) for n in names),  # noqa: E731
+                                          reason="primitive not merged yet")
+TOL = {np.float32: 1e-4, np.float16: 2e-2}
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+class Block(nn.Module):
+    def __init__(self, c, mid):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid)
+        self.c3, self.b3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.b2(self.c2(y)))
+        return F.relu(self.b3(self.c3(y)) + x)
+
+
+def _model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.BatchNorm2d(32), nn.ReLU(), Block(32, 16), Block(32, 16),
+                      nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-0.5, 0.5)
+                mod.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def _ref(m, x):
+    with torch.no_grad():
+        return m.double()(torch.from_numpy(x.astype(np.float64))).numpy()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_host_batch_through_all_gpus(dtype, layout):
+    blasx.configure(devices="cuda")
+    m = _model()
+    x = np.random.default_rng(0).standard_normal((37, 3, 16, 16)).astype(dtype)
+    net = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=dtype, layout=layout)
+    y = net(x, chunk=8)
+    assert isinstance(y, np.ndarray) and y.dtype == dtype and _rel(y, _ref(m, x)) < TOL[dtype]
+    prof = net.last_profile()
+    assert prof.chunks == 5 and len(prof.devices) == NGPU and all(d.startswith("cuda:") for d in prof.devices)
+    assert any(r.fused for r in prof.by_layer())
+
+
+def test_cupy_batch_stays_on_its_gpu():
+    blasx.configure(devices="cuda")
+    m = _model()
+    x = np.random.default_rng(1).standard_normal((9, 3, 16, 16)).astype(np.float32)
+    dev = NGPU - 1
+    with cupy.cuda.Device(dev):
+        xd = cupy.asarray(x)
+    y = dnn.from_torch(m, (1, 3, 16, 16)).compile()(xd, chunk=4)
+    assert isinstance(y, cupy.ndarray) and y.device.id == dev and _rel(y.get(), _ref(m, x)) < 1e-4
+
+
+def test_worker_error_is_raised_and_the_network_stays_usable(monkeypatch):
+    from blasx.dnn import layers
+    blasx.configure(devices="cuda")
+    m = _model()
+    x = np.random.default_rng(2).standard_normal((16, 3, 16, 16)).astype(np.float32)
+    net = dnn.from_torch(m, (1, 3, 16, 16)).compile()
+    real, calls = layers.run_node, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise RuntimeError("boom on a GPU")
+        return real(*a, **k)
+    monkeypatch.setattr(layers, "run_node", flaky)
+    with pytest.raises(RuntimeError, match="boom on a GPU"):
+        net(x, chunk=2)
+    monkeypatch.setattr(layers, "run_node", real)
+    assert _rel(net(x, chunk=2), _ref(m, x)) < 1e-4
+
+
+@needs("batch_norm", "max_pool2d", "adaptive_avg_pool2d", "relu", "relu6")
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
+def test_bench_models_compiled_vs_uncompiled(name):
+    from bench import network_models as NM
+    blasx.configure(devices="cuda")
+    m, _ = NM.build(name, shrink=4, prefer_torchvision=False)
+    x = np.random.default_rng(0).standard_normal((8, 3, 64, 64)).astype(np.float32)
+    ref = _ref(m, x)
+    for fuse in (False, True):
+        y = dnn.from_torch(m, (1, 3, 64, 64)).compile(fuse=fuse, layout="cl")(x, chunk=3)
+        assert _rel(y, ref) < 1e-3
