@@ -141,6 +141,22 @@ def _retire_readonly(base: int) -> None:
 READONLY.on_retire = _retire_readonly
 
 
+def cuda_ordinals() -> tuple[int, ...]:
+    """The CUDA GPUs the engine uses (or will use, as configured), without starting it: device
+    routes that need no engine (blasx.dnn on CuPy arrays) ask this, so the engine's tile cache
+    does not take GPU memory they need."""
+    with _lock:
+        eng = _engine if _engine is not None and not _engine.closed else None
+        s = _settings
+    if eng is not None:
+        return tuple(d.ordinal for d in eng.devices if d.kind == "cuda")
+    n = _cuda_count()
+    spec = parse_devices(s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if n else "cpu"))
+    if spec.kind != "cuda":
+        return ()
+    return tuple(i for i in (spec.ids or range(n)) if 0 <= i < n)
+
+
 def _cuda_count() -> int:
     try:
         import cupy

@@ -65,9 +65,9 @@ def _channel_vector(name: str, v, k: int, dtype, xp):
     if not hasattr(v, "shape") or tuple(v.shape) != (k,):
         raise ValueError(f"{name}: expected shape ({k},) (one value per output channel), got "
                          f"{getattr(v, 'shape', type(v).__name__)}")
-    if is_cupy(v) != (xp is not np):
-        raise TypeError(f"{name}: got a {'cupy' if is_cupy(v) else 'numpy'} array; x is "
-                        f"{'cupy' if xp is not np else 'numpy'}")
+    if is_cupy(v) and xp is np:
+        raise TypeError(f"{name}: got a cupy array; x is numpy (a numpy vector serves a cupy x too: "
+                        f"given so, it is read with no wait for the GPU)")
     return v.get() if is_cupy(v) else np.asarray(v)
 
 

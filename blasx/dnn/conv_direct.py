@@ -23,7 +23,9 @@ form's ``wt`` (the weight as ``(K, taps, C)`` row-major), ``xp`` and ``yw`` (see
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 from typing import NamedTuple
 
@@ -36,6 +38,7 @@ OP_N, OP_T = 0, 1
 SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the engine has several
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands; None chooses
+_local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
 FORMS = ("im2col", "shifted")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where shifted applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
@@ -355,16 +358,31 @@ col[j * on + r * orr + p * op] = ok ? x[(n0 + j) * sn + (goff + c) * sc + u0 * s
 
 # ---------------------------------------------------------------- CUDA
 
+@contextlib.contextmanager
+def on_own_gpu():
+    """Within it, this thread's convolutions on CuPy arrays run on the arrays' GPU (this route), never
+    split over the engine's GPUs: a network's per-GPU workers each hold a chunk of their own."""
+    before = getattr(_local, "on_own_gpu", False)
+    _local.on_own_gpu = True
+    try:
+        yield
+    finally:
+        _local.on_own_gpu = before
+
+
 def applies(x, flops: float) -> bool:
-    """Whether a call on CuPy array ``x`` takes this route: unless forced (``ROUTE``), when the
-    engine has at most one GPU or the call is too small for splitting it over several to pay."""
+    """Whether a call on CuPy array ``x`` takes this route: inside :func:`on_own_gpu`, or unless
+    forced (``ROUTE``), when the engine has at most one GPU or the call is too small for splitting
+    it over several to pay."""
     from ..operands import is_cupy
     if not is_cupy(x):
         return False
+    if getattr(_local, "on_own_gpu", False):
+        return True
     if ROUTE is not None:
         return ROUTE == "direct"
     from .. import session
-    gpus = {d.ordinal for d in session.engine().devices if d.kind == "cuda"}
+    gpus = set(session.cuda_ordinals())
     return len(gpus) <= 1 or flops < SPLIT_FLOPS
 
 

@@ -218,9 +218,11 @@ class Worker:
         if self.device is None:
             return contextlib.nullcontext()
         import cupy
+        from .conv_direct import on_own_gpu
         stack = contextlib.ExitStack()
         stack.enter_context(cupy.cuda.Device(self.device))
         stack.enter_context(self.stream)
+        stack.enter_context(on_own_gpu())  # the chunk's convolutions stay on this GPU
         return stack
 
     def _prepared(self, x):

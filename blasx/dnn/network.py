@@ -98,7 +98,7 @@ class Network:
         if is_cupy(x):
             return [x.device.id]
         from .. import session
-        return sorted({d.ordinal for d in session.engine().devices if d.kind == "cuda"})
+        return sorted(set(session.cuda_ordinals()))
 
     def _weights_on(self, device, dtype) -> dict:
         """node name -> {param: array in ``dtype``} on ``device`` (None: the host), made once."""
@@ -108,8 +108,9 @@ class Network:
             if got is None:
                 got = {}
                 for n in self.nodes:
-                    if n.params:
-                        got[n.name] = {k: _to(v, dtype, device) for k, v in n.params.items()}
+                    if n.params:  # a conv's bias stays on the host: read there, with no wait for the GPU
+                        got[n.name] = {k: v if (k == "bias" and n.op in ("conv", "linear")) else _to(v, dtype, device)
+                                       for k, v in n.params.items()}
                 self._weights[key] = got
         return got
 
