@@ -207,3 +207,15 @@ def test_direct_route_is_chosen_for_one_gpu():
     x = cupy.zeros((1, 2, 4, 4), dtype=cupy.float32)
     assert conv_direct.applies(x, 1.0)
     assert not conv_direct.applies(np.zeros((1, 2, 4, 4), np.float32), 1.0)
+
+
+def test_cupy_conv_leaves_the_engine_unstarted():
+    """A convolution on CuPy arrays of one GPU runs on that GPU's direct route: the engine (whose tile
+    cache takes much of each GPU's memory) is not started for it."""
+    blasx.session.shutdown()
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((2, 8, 9, 9), dtype=np.float32))
+    w = cupy.asarray(np.random.default_rng(1).standard_normal((4, 8, 3, 3), dtype=np.float32))
+    y = dnn.conv2d(x, w, np.ones(4, np.float32), padding=1)
+    ref = F.conv2d(wide(x.get()), wide(w.get()), torch.ones(4, dtype=torch.float64), padding=1).numpy()
+    assert rel(y, ref) < TOL["float32"]
+    assert blasx.session._engine is None
