@@ -114,6 +114,7 @@ def link_rates(gpus) -> dict:
     # both GPUs' H2D copies at once: the host side (memory, PCIe switch) may cap their sum
     out["h2d_together"] = _together(gpus, host)
     out["h2d_busy"] = [_h2d_beside_gemm(g, host) for g in gpus]
+    out["duplex_busy"] = [_duplex_beside_gemm(g, host) for g in gpus]
     return out
 
 
@@ -139,6 +140,40 @@ def _h2d_beside_gemm(gpu: int, host) -> float | None:
                 best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
                 work.synchronize()
             return LINK_BYTES / best
+    except Exception:  # noqa: BLE001 - no bound from this GPU
+        return None
+
+
+def _duplex_beside_gemm(gpu: int, host) -> tuple | None:
+    """(H2D, D2H) bytes/s of one GPU copying both ways at once while a float16 GEMM runs on it:
+    an overlapped out-of-core call loads tiles while it writes finished ones back."""
+    import cupy
+    from cupy.cuda import runtime
+    try:
+        back = cupy.cuda.alloc_pinned_memory(LINK_BYTES)
+        with cupy.cuda.Device(gpu):
+            x = cupy.ones((8192, 8192), dtype=cupy.float16)
+            bufs = [cupy.empty(LINK_BYTES, dtype=cupy.uint8) for _ in range(2)]
+            streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+            best = (float("inf"), float("inf"))
+            for _ in range(LINK_REPS):
+                with streams[2]:
+                    for _ in range(40):
+                        x @ x
+                evs = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(2)]
+                for (start, end), st, (dst, src, kind) in zip(evs, streams, (
+                        (bufs[0].data.ptr, host.ptr, runtime.memcpyHostToDevice),
+                        (back.ptr, bufs[1].data.ptr, runtime.memcpyDeviceToHost))):
+                    start.record(st)
+                    runtime.memcpyAsync(dst, src, LINK_BYTES, kind, st.ptr)
+                    end.record(st)
+                times = []
+                for start, end in evs:
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+                best = (min(best[0], times[0]), min(best[1], times[1]))
+                streams[2].synchronize()
+            return LINK_BYTES / best[0], LINK_BYTES / best[1]
     except Exception:  # noqa: BLE001 - no bound from this GPU
         return None
 
@@ -184,6 +219,12 @@ def link_bound(rates: dict, in_bytes: int, out_bytes: int) -> dict | None:
     if busy and all(busy):
         bound["h2d_busy_bytes_per_s"] = min(sum(busy), h2d)
         bound["busy_seconds"] = max(in_bytes / bound["h2d_busy_bytes_per_s"], t_out)
+    duplex = rates.get("duplex_busy") or []
+    if busy and all(busy) and duplex and all(duplex):
+        # both directions at once beside a GEMM: together they move at most the sum of those rates
+        both = sum(r[0] + r[1] for r in duplex)
+        bound["duplex_bytes_per_s"] = both
+        bound["duplex_seconds"] = max(bound["busy_seconds"], (in_bytes + out_bytes) / both)
     return bound
 
 
@@ -199,4 +240,8 @@ def format_bound(case: dict, blasx_best: float | None) -> str:
         busy_ratio = f", blasx best / bound = {blasx_best / b['busy_seconds']:.2f}x" if blasx_best else ""
         line += (f"; with a GEMM running beside the copies {b['busy_seconds']:.4f} s "
                  f"(H2D {b['h2d_busy_bytes_per_s'] / 1e9:.1f} GB/s){busy_ratio}")
+    if "duplex_seconds" in b:
+        dratio = f", blasx best / bound = {blasx_best / b['duplex_seconds']:.2f}x" if blasx_best else ""
+        line += (f"; copying both ways at once beside a GEMM {b['duplex_seconds']:.4f} s "
+                 f"({b['duplex_bytes_per_s'] / 1e9:.1f} GB/s in + out){dratio}")
     return line

@@ -38,3 +38,17 @@ def test_link_bound_takes_the_slower_direction_and_the_shared_cap():
     assert L.link_bound({}, 1, 1) is None
     line = L.format_bound({"dtype": "h", "n": 32768, "link_bound": b}, 2 * b["seconds"])
     assert "host-link bound" in line and "2.00x" in line
+
+
+def test_busy_and_duplex_bounds():
+    """Beside a GEMM the loads run at h2d_busy; copying both ways at once, in + out share the duplex sum."""
+    rates = {"h2d": [50e9, 50e9], "d2h": [50e9, 50e9], "h2d_busy": [34e9, 34e9],
+             "duplex_busy": [(28e9, 22e9), (28e9, 22e9)]}
+    b = L.link_bound(rates, 4 << 30, 2 << 30)
+    assert b["busy_seconds"] == pytest.approx((4 << 30) / 68e9)
+    assert b["duplex_bytes_per_s"] == 100e9
+    assert b["duplex_seconds"] == pytest.approx((6 << 30) / 100e9)
+    line = L.format_bound({"dtype": "h", "n": 32768, "link_bound": b}, b["duplex_seconds"])
+    assert "both ways at once" in line and "1.00x" in line
+    rates["duplex_busy"] = [None, (28e9, 22e9)]  # a GPU that gave no figure: no duplex bound
+    assert "duplex_seconds" not in L.link_bound(rates, 4 << 30, 2 << 30)
