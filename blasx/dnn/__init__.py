@@ -23,7 +23,10 @@ accumulate in float32).
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, conv2d_weight, conv3d, conv3d_input,
                    conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
+from .norm import batch_norm, batch_norm_backward, group_norm, group_norm_backward, layer_norm, layer_norm_backward
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
-           "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward"]
+           "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward",
+           "batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward", "group_norm",
+           "group_norm_backward"]
