@@ -196,7 +196,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if num_batches_tracked.dtype.kind not in "iu" or num_batches_tracked.size != 1:
             raise TypeError(f"num_batches_tracked: expected a one-element integer array, got dtype "
                             f"{num_batches_tracked.dtype} shape {tuple(num_batches_tracked.shape)}")
-    updating = training and running_mean is not None
+    updating = training and running_mean is not None and count > 0  # (torch leaves them for an empty batch)
     if updating and momentum is None and num_batches_tracked is None:
         raise ValueError("momentum: None (cumulative average) needs num_batches_tracked (a one-element integer "
                          "array, incremented in place) to count the batches")
@@ -209,8 +209,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         axes, bshape = (0, *range(2, x.ndim)), (1, c) + (1,) * (x.ndim - 2)
         k = ops(xp)
         if training:
-            mean, sqdev = _moments(k, x, axes, count)
-            invstd = 1.0 / xp.sqrt(sqdev / count + eps)
+            mean, sqdev = _moments(k, x, axes, max(count, 1))
+            invstd = 1.0 / xp.sqrt(sqdev / max(count, 1) + eps)
             if updating:
                 if num_batches_tracked is not None:
                     num_batches_tracked += 1
@@ -252,7 +252,7 @@ def batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, trai
     xp = xp_of(grad_output, x, weight, running_mean, running_var, *(() if use_running else (save_mean, save_invstd)))
     _same_device(x, grad_output=grad_output, weight=weight, running_mean=running_mean, running_var=running_var,
                  save_mean=None if use_running else save_mean, save_invstd=None if use_running else save_invstd)
-    count = x.size // c if c else 0
+    count = max(x.size // c if c else 0, 1)
     with on_device_of(x):
         x = _prepared(xp, x)
         axes, bshape = (0, *range(2, x.ndim)), (1, c) + (1,) * (x.ndim - 2)
@@ -295,7 +295,7 @@ def _layer_shape(x, normalized_shape):
     if tuple(x.shape[x.ndim - len(shape):]) != shape:
         raise ValueError(f"input: normalized_shape={shape} expects input of shape (*, {', '.join(map(str, shape))}), "
                          f"got {tuple(x.shape)}")
-    return shape, tuple(range(x.ndim - len(shape), x.ndim)), math.prod(shape)
+    return shape, tuple(range(x.ndim - len(shape), x.ndim)), max(math.prod(shape), 1)
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, return_stats=False, out=None):
@@ -392,7 +392,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, return_st
         y = out if out is not None else xp.empty_like(x)
         v, yv = _split(x, g), _split(y, g)
         axes, wshape = tuple(range(2, v.ndim)), (1, g, c // g) + (1,) * (x.ndim - 2)
-        count = (x.size // n) // g if n else 0
+        count = max((x.size // n) // g if n else 0, 1)
         k = ops(xp)
         mean, sqdev = _moments(k, v, axes, count)
         rstd = 1.0 / xp.sqrt(sqdev / count + eps)
@@ -418,7 +418,7 @@ def group_norm_backward(grad_output, input, num_groups, weight, mean, rstd):
         v, gv = _split(x, g), _split(grad_output, g)
         axes, wshape = tuple(range(2, v.ndim)), (1, g, c // g) + (1,) * (x.ndim - 2)
         per_channel = (0, *range(3, v.ndim))
-        count = (x.size // n) // g if n else 0
+        count = max((x.size // n) // g if n else 0, 1)
         keep = (n, g) + (1,) * (v.ndim - 2)
         m, s = to_compute(mean).reshape(keep), to_compute(rstd).reshape(keep)
         k = ops(xp)

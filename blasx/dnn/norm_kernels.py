@@ -113,8 +113,14 @@ def _scalar(v, dtype):
     return compute_dtype(dtype).type(v) if isinstance(v, (int, float)) else v
 
 
+def _zero_d(v, dtype):
+    """A Python float as a 0-d device array of the compute type (broadcast like any operand)."""
+    import cupy
+    return cupy.full((), v, dtype=compute_dtype(dtype)) if isinstance(v, (int, float)) else v
+
+
 def cupy_scaled_sum(x, w, axes):
-    return _kernel("reduce", "scaled", x.dtype)(_bits(x), _scalar(w, x.dtype), axis=axes, keepdims=True)
+    return _kernel("reduce", "scaled", x.dtype)(_bits(x), _zero_d(w, x.dtype), axis=axes, keepdims=True)
 
 
 def cupy_sqdev_sum(x, m, axes):
@@ -122,7 +128,7 @@ def cupy_sqdev_sum(x, m, axes):
 
 
 def cupy_dot_sum(g, x, m, s, w, axes):
-    return _kernel("reduce", "dot", x.dtype)(_bits(g), _bits(x), m, s, _scalar(w, x.dtype), axis=axes,
+    return _kernel("reduce", "dot", x.dtype)(_bits(g), _bits(x), m, s, _zero_d(w, x.dtype), axis=axes,
                                              keepdims=True)
 
 
