@@ -340,18 +340,19 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
     xp = xp_of(grad_output, x, weight, mean, rstd)
     _same_device(x, grad_output=grad_output, weight=weight, mean=mean, rstd=rstd)
     with on_device_of(x):
-        x = xp.ascontiguousarray(x)
-        m, s = to_compute(mean).reshape(keep), to_compute(rstd).reshape(keep)
+        grad_input = xp.empty(x.shape, dtype=x.dtype)
+        # one leading unit axis: the per-element sums reduce over at least one axis
+        x, g, gi = xp.ascontiguousarray(x)[None], grad_output[None], grad_input[None]
+        axes, lead = tuple(a + 1 for a in axes), (0, *(a + 1 for a in lead))
+        m, s = to_compute(mean).reshape((1, *keep)), to_compute(rstd).reshape((1, *keep))
         k = ops(xp)
         w = _vec(weight, shape, 1.0)
-        a = k.scaled_sum(grad_output, w, axes) / count
-        c = k.dot_sum(grad_output, x, m, s, w, axes) / count
-        grad_input = xp.empty(x.shape, dtype=x.dtype)
-        k.grad_input(grad_output, x, m, s, w, a, c, grad_input)
+        a = k.scaled_sum(g, w, axes) / count
+        c = k.dot_sum(g, x, m, s, w, axes) / count
+        k.grad_input(g, x, m, s, w, a, c, gi)
         pdt = weight.dtype if weight is not None else x.dtype
-        grad_weight = None if weight is None else _cast(xp, k.dot_sum(grad_output, x, m, s, 1.0, lead).reshape(shape),
-                                                        pdt)
-        return grad_input, grad_weight, _cast(xp, k.scaled_sum(grad_output, 1.0, lead).reshape(shape), pdt)
+        grad_weight = None if weight is None else _cast(xp, k.dot_sum(g, x, m, s, 1.0, lead).reshape(shape), pdt)
+        return grad_input, grad_weight, _cast(xp, k.scaled_sum(g, 1.0, lead).reshape(shape), pdt)
 
 
 # ---------------------------------------------------------------- group_norm

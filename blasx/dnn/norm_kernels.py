@@ -17,13 +17,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..operands import is_cupy
 from .arrays import compute_dtype
 
 # ---------------------------------------------------------------- numpy
 
 
 def _f(a):
-    return a.astype(compute_dtype(a.dtype), copy=False) if isinstance(a, np.ndarray) else a
+    return a if isinstance(a, (int, float)) else a.astype(compute_dtype(a.dtype), copy=False)
 
 
 def np_scaled_sum(x, w, axes):
@@ -147,7 +148,7 @@ def cupy_grad_input(g, x, m, s, w, a, c, y) -> None:
 
 def to_compute(a):
     """A parameter array (numpy or CuPy, any storage type) in the compute type of its own type."""
-    if isinstance(a, np.ndarray):
+    if not is_cupy(a):
         return _f(a)
     if _bits(a) is not a:  # CuPy bfloat16: widened from its bits
         from ..runtime.devices.cuda_lowp import kernels
@@ -157,7 +158,7 @@ def to_compute(a):
 
 def store(dst, src) -> None:
     """dst[...] = src (compute type), rounded once to dst's type."""
-    if isinstance(dst, np.ndarray) or _bits(dst) is dst:
+    if not is_cupy(dst) or _bits(dst) is dst:
         dst[...] = src
     else:  # CuPy bfloat16: rounded to nearest even into its bits
         from ..runtime.devices.cuda_lowp import kernels
