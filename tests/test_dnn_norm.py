@@ -285,6 +285,9 @@ def test_float64_stats_dtype():
 def _errors():
     """(call taking the arrays dict, exception type, message fragment)."""
     X, Xh = "x", "xh"
+
+    def train(a, **kw):
+        return dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, **kw)
     return [
         (lambda a: dnn.batch_norm([[1.0, 2.0]], None, None, training=True), TypeError, "input: expected a numpy"),
         (lambda a: dnn.batch_norm(a["xi"], None, None, training=True), TypeError, "input: dtype int64"),
@@ -298,20 +301,19 @@ def _errors():
         (lambda a: dnn.batch_norm(a[Xh], a["rm16"], a["rv"], training=True), TypeError, "or float32 for every"),
         (lambda a: dnn.batch_norm(a["x32"], a["rm16"], a["rv16"], training=True), TypeError, "running_mean: dtype"),
         (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=1), TypeError, "training: expected True"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, momentum="0.1"), TypeError, "momentum: expected"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, eps=-1.0), ValueError, "eps: got -1.0"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, eps=float("nan")), TypeError, "eps: expected"),
+        (lambda a: train(a, momentum="0.1"), TypeError, "momentum: expected"),
+        (lambda a: train(a, eps=-1.0), ValueError, "eps: got -1.0"),
+        (lambda a: train(a, eps=float("nan")), TypeError, "eps: expected"),
         (lambda a: dnn.batch_norm(a[X], a["rm"], None, training=True), ValueError, "both be None"),
         (lambda a: dnn.batch_norm(a[X], None, None), ValueError, "evaluation mode"),
         (lambda a: dnn.batch_norm(a["x1c"], a["rm"], a["rv"], training=True), ValueError, "more than 1 value"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, momentum=None), ValueError, "needs num_batches_tracked"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, momentum=None, num_batches_tracked=a["rm"]), TypeError,
-         "num_batches_tracked: expected a one-element integer"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, return_stats=None), TypeError, "return_stats"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, out=a["x32"]), TypeError, "out: expected dtype"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, out=a["x1"]), ValueError, "out: expected shape"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, out=a["ro"]), ValueError, "out: the array is read"),
-        (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=True, out=[0.0]), TypeError, "out: got a builtins.list"),
+        (lambda a: train(a, momentum=None), ValueError, "needs num_batches_tracked"),
+        (lambda a: train(a, momentum=None, num_batches_tracked=a["rm"]), TypeError, "num_batches_tracked: expected"),
+        (lambda a: train(a, return_stats=None), TypeError, "return_stats"),
+        (lambda a: train(a, out=a["x32"]), TypeError, "out: expected dtype"),
+        (lambda a: train(a, out=a["x1"]), ValueError, "out: expected shape"),
+        (lambda a: train(a, out=a["ro"]), ValueError, "out: the array is read"),
+        (lambda a: train(a, out=[0.0]), TypeError, "out: got a builtins.list"),
         (lambda a: dnn.batch_norm_backward(a["x1c"], a[X], None, a["rm"], a["rv"]), ValueError,
          "grad_output: expected input's shape"),
         (lambda a: dnn.batch_norm_backward(a["x32"], a[X], None, a["rm"], a["rv"]), TypeError, "grad_output: dtype"),
@@ -357,3 +359,20 @@ def test_validation_errors(case):
     assert fragment in str(err.value), str(err.value)
     for k, v in a.items():  # nothing was written, running statistics included
         assert np.array_equal(v, before[k], equal_nan=True), k
+
+
+def test_backward_takes_statistics_of_another_float_type():
+    """Statistics handed back in another float type (here float64 for float32 data) are cast to the compute type."""
+    rng = np.random.default_rng(9)
+    x, g = rand(rng, (3, 4, 5), np.float32), rand(rng, (3, 4, 5), np.float32)
+    w = rand(rng, (4,), np.float32)
+    for fwd, bwd in ((lambda: dnn.batch_norm(x, None, None, w, training=True, return_stats=True),
+                      lambda m, s: dnn.batch_norm_backward(g, x, w, m, s)),
+                     (lambda: dnn.group_norm(x, 2, w, return_stats=True),
+                      lambda m, s: dnn.group_norm_backward(g, x, 2, w, m, s)),
+                     (lambda: dnn.layer_norm(x, 5, return_stats=True),
+                      lambda m, s: dnn.layer_norm_backward(g, x, 5, None, m, s))):
+        _, m, s = fwd()
+        ref = bwd(m, s)
+        got = bwd(m.astype(np.float64), s.astype(np.float64))
+        assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, r) < 1e-6) for q, r in zip(got, ref))

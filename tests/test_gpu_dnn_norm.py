@@ -221,3 +221,19 @@ def test_mixed_numpy_cupy_rejected():
         dnn.layer_norm(dev(x), 3, np.ones(3))
     with pytest.raises(TypeError, match="mix of numpy and cupy"):
         dnn.group_norm(dev(x), 2, out=np.empty_like(x))
+
+
+def test_backward_takes_statistics_of_another_float_type():
+    rng = np.random.default_rng(9)
+    x, g = dev(rand(rng, (3, 4, 5), np.float32)), dev(rand(rng, (3, 4, 5), np.float32))
+    w = dev(rand(rng, (4,), np.float32))
+    for fwd, bwd in ((lambda: dnn.batch_norm(x, None, None, w, training=True, return_stats=True),
+                      lambda m, s: dnn.batch_norm_backward(g, x, w, m, s)),
+                     (lambda: dnn.group_norm(x, 2, w, return_stats=True),
+                      lambda m, s: dnn.group_norm_backward(g, x, 2, w, m, s)),
+                     (lambda: dnn.layer_norm(x, 5, return_stats=True),
+                      lambda m, s: dnn.layer_norm_backward(g, x, 5, None, m, s))):
+        _, m, s = fwd()
+        ref = bwd(m, s)
+        got = bwd(m.astype(np.float64), s.astype(np.float64))
+        assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, host(r)) < 1e-6) for q, r in zip(got, ref))

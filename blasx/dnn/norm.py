@@ -260,7 +260,7 @@ def batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, trai
             m = to_compute(running_mean).reshape(bshape)
             s = 1.0 / xp.sqrt(to_compute(running_var).reshape(bshape) + eps)
         else:
-            m, s = to_compute(save_mean).reshape(bshape), to_compute(save_invstd).reshape(bshape)
+            m, s = to_compute(save_mean, xdt).reshape(bshape), to_compute(save_invstd, xdt).reshape(bshape)
         k = ops(xp)
         w = _vec(weight, bshape, 1.0)
         sum_g = k.scaled_sum(grad_output, 1.0, axes)
@@ -344,7 +344,7 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
         # one leading unit axis: the per-element sums reduce over at least one axis
         x, g, gi = xp.ascontiguousarray(x)[None], grad_output[None], grad_input[None]
         axes, lead = tuple(a + 1 for a in axes), (0, *(a + 1 for a in lead))
-        m, s = to_compute(mean).reshape((1, *keep)), to_compute(rstd).reshape((1, *keep))
+        m, s = to_compute(mean, x.dtype).reshape((1, *keep)), to_compute(rstd, x.dtype).reshape((1, *keep))
         k = ops(xp)
         w = _vec(weight, shape, 1.0)
         a = k.scaled_sum(g, w, axes) / count
@@ -421,7 +421,7 @@ def group_norm_backward(grad_output, input, num_groups, weight, mean, rstd):
         per_channel = (0, *range(3, v.ndim))
         count = max((x.size // n) // g if n else 0, 1)
         keep = (n, g) + (1,) * (v.ndim - 2)
-        m, s = to_compute(mean).reshape(keep), to_compute(rstd).reshape(keep)
+        m, s = to_compute(mean, x.dtype).reshape(keep), to_compute(rstd, x.dtype).reshape(keep)
         k = ops(xp)
         w = _vec(weight, wshape, 1.0)
         a = k.scaled_sum(gv, w, axes) / count

@@ -146,14 +146,14 @@ def cupy_grad_input(g, x, m, s, w, a, c, y) -> None:
 
 # ---------------------------------------------------------------- small arrays (parameters, running stats)
 
-def to_compute(a):
-    """A parameter array (numpy or CuPy, any storage type) in the compute type of its own type."""
-    if not is_cupy(a):
-        return _f(a)
-    if _bits(a) is not a:  # CuPy bfloat16: widened from its bits
+def to_compute(a, data_dtype=None):
+    """A parameter or statistic (numpy or CuPy, any storage type) in the compute type of ``data_dtype`` (the
+    layer's input type; default: a's own)."""
+    ct = compute_dtype(a.dtype if data_dtype is None else data_dtype)
+    if is_cupy(a) and _bits(a) is not a:  # CuPy bfloat16: widened from its bits
         from ..runtime.devices.cuda_lowp import kernels
-        return kernels()["bf16_to_f32"](a.view(np.uint16))
-    return a.astype(compute_dtype(a.dtype), copy=False)
+        a = kernels()["bf16_to_f32"](a.view(np.uint16))
+    return a.astype(ct, copy=False)
 
 
 def store(dst, src) -> None:
