@@ -323,3 +323,16 @@ def test_other_calls_keep_their_routes(routed, monkeypatch):
     w = rng.standard_normal((8, 1, 3, 3))
     y = dnn.conv2d(x, w, padding=1, groups=8)
     assert len(routed) == 3 and _rel(y, F.conv2d(T(x), T(w), None, 1, 1, 1, 8).numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_output_over_its_input(routed, layout):
+    """y in x's own memory (a same-shape depthwise conv with out=x on CuPy): x is read from a copy."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 4, 7, 6))
+    w = rng.standard_normal((4, 1, 3, 3))
+    ref = F.conv2d(T(x), T(w), None, 1, 1, 1, 4).numpy()
+    xin = _cl(x) if layout == "cl" else x.copy()
+    geo = conv_geometry("conv2d", 2, xin, w, 1, 1, 1, 4)
+    dw.forward(geo, xin, layout == "cl", w, xin, None, (None, None, None, None))
+    assert _rel(xin, ref) < 1e-13 and routed == ["depthwise.forward"]

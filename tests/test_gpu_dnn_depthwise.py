@@ -128,6 +128,9 @@ def test_out_and_unbatched(launches, layout):
     assert y is out and rel(out, ref) < 1e-12
     y1 = dnn.conv2d(cupy.asarray(x[0]), cupy.asarray(w), stride=(2, 1), padding=(2, 1), groups=4)
     assert y1.shape == ref.shape[1:] and rel(y1, ref[0]) < 1e-12
+    xs = _device(x, layout)  # out=x: x is read from a copy
+    y2 = dnn.conv2d(xs, cupy.asarray(w[..., 1:4, :]), padding=(1, 1), groups=4, out=xs)
+    assert y2 is xs and rel(xs, F.conv2d(T(x), T(w[..., 1:4, :]), None, 1, 1, 1, 4).numpy()) < 1e-12
 
 
 @pytest.mark.parametrize("case", CASES)

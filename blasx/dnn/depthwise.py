@@ -260,7 +260,8 @@ def forward_source(dtype, nd: int, cl: bool, zero_inserted: bool, activation, re
     _, ctype, _, store = _element(dtype)
     act = cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue._MATH[ctype])
     params = [f"raw {ptype} x", f"raw {ptype} w", f"raw {vtype} sc", f"raw {vtype} sh",
-              *([f"raw {ptype} res"] if residual else []), f"{vtype} p", *(f"{index} {n}" for n in _names(nd, zero_inserted))]
+              *([f"raw {ptype} res"] if residual else []), f"{vtype} p",
+              *(f"{index} {n}" for n in _names(nd, zero_inserted))]
     body = [typedefs, "F acc = (F)0;", *render(forward_program(nd, cl, zero_inserted)), "F v = acc * sc[k] + sh[k];",
             *(["v += blasx_ld(res[e]);"] if residual else []), f"F r = {act};", f"{store};"]
     name = (f"blasx_depthwise_{cuda_epilogue.tile_type(dtype)}_{nd}d_{'cl' if cl else 'nchw'}_{activation or 'none'}"
@@ -324,27 +325,32 @@ def _cast(xp, a, dtype):
     dt = np.dtype(dtype)
     if xp is np or cuda_epilogue.tile_type(dt) != "bfloat16":
         return xp.ascontiguousarray(a.astype(dt, copy=False))
-    ptype, ctype, _, store = _element(dt)
-    k = _KERNELS.get("bf16-store")
-    if k is None:
-        k = _KERNELS["bf16-store"] = xp.ElementwiseKernel("float32 r", f"{ptype} y", f"{store}",
-                                                          "blasx_depthwise_store_bfloat16")
-    return k(xp.ascontiguousarray(a))
+    ptype, _, _, store = _element(dt)
+    return _kernel({"in_params": "float32 r", "out_params": f"{ptype} y", "operation": store,
+                    "name": "blasx_depthwise_store_bfloat16"})(xp.ascontiguousarray(a))
+
+
+def _overlap(a, b) -> bool:
+    """Whether compact arrays ``a`` and ``b`` share memory."""
+    if not is_cupy(a):
+        return np.shares_memory(a, b)
+    return a.data.ptr < b.data.ptr + b.nbytes and b.data.ptr < a.data.ptr + a.nbytes
 
 
 # ---------------------------------------------------------------- entry points (conv.py's device route)
 
-def forward(geo: ConvGeometry, x, cl: bool, weight, y, residual, epilogue_args, dtype=None) -> None:
-    """y = act(conv(x, weight) * scale + bias * scale + shift + residual) on x's device: x, y, residual
-    compact in the layout ``cl`` says, weight (K, CG, *kernel) in the forward form, ``epilogue_args`` =
-    (bias, scale, shift, parsed activation); ``dtype`` the element type where the arrays hold its bits
-    (bfloat16 as uint16), else x's."""
+def forward(geo: ConvGeometry, x, cl: bool, w, y, residual, epilogue_args, dtype=None) -> None:
+    """y = act(conv(x, w) * scale + bias * scale + shift + residual) on x's device: x, y, residual
+    compact in the layout ``cl`` says (y may be the residual; x it may be too: then x is copied first),
+    w (K, CG, *kernel) in the forward form, ``epilogue_args`` = (bias, scale, shift, parsed activation);
+    ``dtype`` the element type where the arrays hold its bits (bfloat16 as uint16), else x's."""
     bias, scale, shift, act = epilogue_args
     xp = array_module(is_cupy(x))
     dt = np.dtype(dtype or x.dtype)
     ct = compute_dtype(dt)
     s, t = affine_vectors(geo.k, bias, scale, shift)
-    bufs = {"x": memory(x, cl), "w": xp.ascontiguousarray(weight).reshape(-1), "y": memory(y, cl),
+    xm = memory(x, cl)
+    bufs = {"x": xm.copy() if _overlap(x, y) else xm, "w": xp.ascontiguousarray(w).reshape(-1), "y": memory(y, cl),
             "sc": xp.asarray(s.astype(ct)), "sh": xp.asarray(t.astype(ct))}
     if residual is not None:
         bufs["res"] = memory(residual, cl)
