@@ -7,7 +7,8 @@
 
 Layers (bench.conv_layers): every distinct conv shape of torchvision's resnet50 at 224x224 (traced
 with forward hooks where torchvision imports, else a built-in table) at ``--batch`` (64), and a
-depthwise, a dilated, a 3-D, a 1-D and a transposed layer. Modes: fp32 (TF32 off on both sides:
+depthwise, a dilated, a 3-D, a 1-D and a transposed layer; ``--layers mobilenet_v2``: MobileNet-v2's
+depthwise 3x3 shapes. Modes: fp32 (TF32 off on both sides:
 cudnn.allow_tf32 and cuda.matmul.allow_tf32 False, blasx math "ieee"), tf32 (both on, blasx math
 "tf32"), fp16 and bf16 (float32 accumulation). Directions: fwd (conv / conv_transpose),
 bwd-data (torch.nn.grad.convNd_input against blasx.dnn.convNd_input), bwd-weight (convNd_weight).
@@ -45,7 +46,7 @@ TORCH_DTYPE = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": 
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}
 GOAL = 0.8  # the issue's goal: each geomean at >= 0.8x cuDNN
 CUBLAS_MAX_BYTES = 4 << 30  # the lowered GEMM's B (the im2col matrix) is built for cuBLAS only below this
-FAMILIES = ("resnet50", "own")
+FAMILIES = ("resnet50", "own", "mobilenet_v2")
 
 
 def _list(text: str, allowed, option: str) -> list[str]:
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="fp32,tf32,fp16", help=f"comma list of {', '.join(MODES)} (default fp32,tf32,fp16)")
     p.add_argument("--directions", default=",".join(CL.DIRECTIONS), help="comma list of fwd, bwd-data, bwd-weight")
     p.add_argument("--layers", default="resnet50,own",
-                   help="comma list of families (resnet50, own) and layer names (default resnet50,own)")
+                   help="comma list of families (resnet50, own, mobilenet_v2) and layer names "
+                        "(default resnet50,own)")
     p.add_argument("--batch", type=int, default=None, help="batch (default 64; --host: 512)")
     p.add_argument("--layout", choices=("nchw", "channels-last"), default="nchw",
                    help="memory layout of x, dY and the output on both sides (default nchw)")

@@ -1,4 +1,5 @@
-"""The convolution layers of bench.conv: ResNet-50's distinct conv shapes and a few others.
+"""The convolution layers of bench.conv: ResNet-50's distinct conv shapes, MobileNet-v2's depthwise ones
+and a few others.
 
 A :class:`Layer` is one convolution (its batch, channels, input size, kernel, stride, padding,
 dilation, groups; transposed or not) with what the benchmark reports about it: flops, the GEMM
@@ -39,6 +40,21 @@ RESNET50 = (
     ("layer4.0.downsample.0", 1024, 2048, 14, 1, 2, 0),
     ("layer4.1.conv1", 2048, 512, 7, 1, 1, 0),
     ("layer4.1.conv2", 512, 512, 7, 3, 1, 1),
+)
+
+#: torchvision mobilenet_v2's distinct depthwise 3x3 convolutions (padding 1, groups = C) at 224x224, in
+#: forward order: (first module with the shape, C, input H (= W), stride).
+MOBILENET_V2_DW = (
+    ("mbv2.features.1.conv.0.0", 32, 112, 1),
+    ("mbv2.features.2.conv.1.0", 96, 112, 2),
+    ("mbv2.features.3.conv.1.0", 144, 56, 1),
+    ("mbv2.features.4.conv.1.0", 144, 56, 2),
+    ("mbv2.features.5.conv.1.0", 192, 28, 1),
+    ("mbv2.features.7.conv.1.0", 192, 28, 2),
+    ("mbv2.features.8.conv.1.0", 384, 14, 1),
+    ("mbv2.features.12.conv.1.0", 576, 14, 1),
+    ("mbv2.features.14.conv.1.0", 576, 14, 2),
+    ("mbv2.features.15.conv.1.0", 960, 7, 1),
 )
 
 
@@ -177,6 +193,10 @@ def trace_resnet50(batch: int) -> list[Layer] | None:
             for (c, k, size, r, s, p, d, g), name in seen.items()]
 
 
+def mobilenet_v2_dw_table(batch: int) -> list[Layer]:
+    return [conv(n, batch, c, c, h, 3, st, 1, groups=c, family="mobilenet_v2") for n, c, h, st in MOBILENET_V2_DW]
+
+
 def own_layers(batch: int) -> list[Layer]:
     """Shapes ResNet-50 lacks: depthwise, dilated, 3-D, 1-D, transposed."""
     return [
@@ -188,7 +208,7 @@ def own_layers(batch: int) -> list[Layer]:
     ]
 
 
-def layer_set(batch: int, which=("resnet50", "own")) -> tuple[list[Layer], str]:
+def layer_set(batch: int, which=("resnet50", "own", "mobilenet_v2")) -> tuple[list[Layer], str]:
     """The layers of the families in ``which`` at ``batch``, and where ResNet-50's came from."""
     out, source = [], "-"
     if "resnet50" in which:
@@ -197,6 +217,8 @@ def layer_set(batch: int, which=("resnet50", "own")) -> tuple[list[Layer], str]:
         out += traced or resnet50_table(batch)
     if "own" in which:
         out += own_layers(batch)
+    if "mobilenet_v2" in which:
+        out += mobilenet_v2_dw_table(batch)
     return out, source
 
 

@@ -1,5 +1,6 @@
 """blasx.dnn's front end: torch.nn.functional-style convolutions lowered to GEMM tile tasks on the engine,
-or, for CuPy operands of one GPU, to a few cuBLAS calls there (conv_direct.py).
+or, for CuPy operands of one GPU, to a few cuBLAS calls there (conv_direct.py; depthwise ones to one
+kernel, depthwise.py).
 
 Every function validates everything first (geometry.py; nothing is computed or written on error, the
 caller's arrays are never modified), lays the operands out as the planners want them (runtime/plans/conv.py)
@@ -18,7 +19,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct
+from . import conv_direct, depthwise
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
 from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
@@ -113,6 +114,9 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     bias, scale, shift, act = epilogue_args
+    if depthwise.applies(geo) and conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay:
+        depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
+        return
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
     if conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay:
@@ -327,6 +331,8 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
+        if depthwise.applies(geo):
+            return depthwise.weight(geo, xb, dy, cl)
         dwm = conv_direct.weight(geo, xb, dy, cl, math)
         if cl:
             return xp.ascontiguousarray(dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1)))
