@@ -163,7 +163,7 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
     fn = f"conv{nd}d"
-    xp = _xp(x, weight, bias, residual, out)
+    xp = _xp(x, weight, residual, out)  # bias, scale, shift: see _channel_vector
     geo = conv_geometry(fn, nd, x, weight, stride, padding, dilation, groups)
     act = parse_activation(activation)
     math = precision.check_math(math)
@@ -228,7 +228,7 @@ def _flipped_transposed(xp, weight, groups: int):
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
-    xp = _xp(x, weight, bias, out)
+    xp = _xp(x, weight, out)
     geo = transpose_geometry(fn, nd, x, weight, stride, padding, output_padding, groups, dilation, output_size)
     math = precision.check_math(math)
     dt = np.dtype(x.dtype)
