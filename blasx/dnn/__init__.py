@@ -23,7 +23,14 @@ accumulate in float32).
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, conv2d_weight, conv3d, conv3d_input,
                    conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
+from . import dropout_ops, lrn, pointwise, softmax_ops, tensors
+from .dropout_ops import *  # noqa: F401,F403  (each module's __all__)
+from .lrn import *  # noqa: F401,F403
+from .pointwise import *  # noqa: F401,F403
+from .softmax_ops import *  # noqa: F401,F403
+from .tensors import *  # noqa: F401,F403
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
-           "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward"]
+           "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward",
+           *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__]
