@@ -207,7 +207,7 @@ def test_cuda_pointwise_kernels_compiled_for_the_host_match_the_host_forms(tmp_p
                        f'{op}; }} }}')
             _, _, op, kname = ce.pointwise_source(dt, n, True)
             src.append(f'extern "C" void {kname}(const {ctype}* gs, const {ctype}* ss, {ctype}* ys, long n, {f} p) '
-                       f'{{ for (long j = 0; j < n; ++j) {{ const {ctype}& gin = gs[j]; const {ctype}& sin = ss[j]; '
+                       f'{{ for (long j = 0; j < n; ++j) {{ const {ctype}& gin = gs[j]; const {ctype}& saved = ss[j]; '
                        f'{ctype}& yout = ys[j]; {op}; }} }}')
     (tmp_path / "k.cpp").write_text("\n".join(src))
     subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],

@@ -85,7 +85,7 @@ def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0, *, out=None):
             return input if out is None else out
         v, cl = _channels_last(xp, input)
         axis = v.ndim - 1 if cl else 1
-        x = v.astype(compute_dtype(dt))  # a copy: the input is never written
+        x = v.astype(compute_dtype(dt), order="C")  # a copy: the input is never written
         d = _denominator(xp, x, size, alpha, k, axis)
         xp.power(d, x.dtype.type(beta), out=d)
         x /= d
@@ -107,8 +107,8 @@ def local_response_norm_backward(grad_output, input, size, alpha=1e-4, beta=0.75
         gv = grad_output.transpose(0, *range(2, input.ndim), 1) if cl else grad_output  # the same axes
         axis = v.ndim - 1 if cl else 1
         ct = compute_dtype(dt)
-        x = v.astype(ct)
-        g = gv.astype(ct)
+        x = v.astype(ct, order="C")
+        g = gv.astype(ct, order="C")  # in x's memory order
         d = _denominator(xp, x, size, alpha, k, axis)
         dpow = xp.power(d, ct.type(-beta))  # d^-beta
         t = g * x

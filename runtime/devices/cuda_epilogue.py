@@ -108,16 +108,16 @@ def _kernel(dtype, activation):
 def pointwise_source(dtype, activation: str, grad: bool = False) -> tuple[str, str, str, str]:
     """(in_params, out_params, operation, name) of the standalone ElementwiseKernel for arrays of
     ``dtype``: ``yout = act(xin)`` (params ``xin, p``), or with ``grad`` the input's gradient
-    ``yout = act'(gin, sin)`` from the output's gradient ``gin`` and the saved array ``sin``
-    (params ``gin, sin, p``); computed in F (float32 for half types) and rounded once."""
+    ``yout = act'(gin, saved)`` from the output's gradient ``gin`` and the saved array ``saved``
+    (params ``gin, saved, p``); computed in F (float32 for half types) and rounded once."""
     tname = tile_type(dtype)
     ptype, ctype, load, store = _TILE[tname]
     vtype = "float64" if ctype == "double" else "float32"
     math = _MATH[ctype]
     if grad:
         expr = GRADIENTS[activation].format(**math)
-        return (f"{ptype} gin, {ptype} sin, {vtype} p", f"{ptype} yout",
-                f"typedef {ctype} F; F g = {load.format('gin')}; F v = {load.format('sin')}; F r = {expr}; "
+        return (f"{ptype} gin, {ptype} saved, {vtype} p", f"{ptype} yout",
+                f"typedef {ctype} F; F g = {load.format('gin')}; F v = {load.format('saved')}; F r = {expr}; "
                 f"{store.format('yout', 'r')}", f"blasx_{activation}_grad_{tname}")
     expr = EXPRESSIONS[activation].format(**math)
     return (f"{ptype} xin, {vtype} p", f"{ptype} yout",
