@@ -176,7 +176,8 @@ def cat_backward(grad_output, sizes, dim=0, *, dtypes=None):
                          f"{grad_output.shape[dim]} in dimension {dim}")
     if dtypes is not None and len(dtypes) != len(sizes):
         raise ValueError(f"dtypes: got {len(dtypes)} types for {len(sizes)} sizes")
-    dts = [None if d is None else check_dtype_arg(f"dtypes[{i}]", d) for i, d in enumerate(dtypes or [None] * len(sizes))]
+    dts = [None if d is None else check_dtype_arg(f"dtypes[{i}]", d)
+           for i, d in enumerate(dtypes or [None] * len(sizes))]
     grads, start = [], 0
     with on_device_of(grad_output):
         for size, dt in zip(sizes, dts):
