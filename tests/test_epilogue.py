@@ -55,6 +55,7 @@ SCALAR = {  # torch's definitions, one float at a time
     "gelu_tanh": lambda x: 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
     "hardswish": lambda x: x * min(max(x + 3, 0.0), 6.0) / 6,
     "silu": lambda x: x / (1 + math.exp(-x)),
+    "hardsigmoid": lambda x: min(max(x + 3, 0.0), 6.0) / 6,
 }
 
 

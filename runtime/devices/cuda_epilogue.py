@@ -1,10 +1,12 @@
 """The ``cuda`` backend's fused epilogue kernel: ``y = act(tile * scale + shift)`` in place on a
-column-major C tile, one CuPy ElementwiseKernel per (tile type, activation), made on first use.
+column-major C tile, one CuPy ElementwiseKernel per (tile type, activation), made on first use; and
+the standalone activation kernels of blasx.dnn (``y = act(x)`` and its gradient) from the same forms.
 
 The tile is read in its own type, computed in float32 (float64 for float64 tiles) and rounded
 once; scale and shift are vectors of the compute type broadcast along the tile's rows
 ``(rows, 1)`` or columns ``(1, cols)`` (a ``(1, 1)`` one and zero where the epilogue has none).
-The activations are those of ``runtime/activations.py``, written here as CUDA expressions.
+The activations are those of ``runtime/activations.py``, written here as CUDA expressions (forward
+and gradient, the same names).
 """
 
 from __future__ import annotations
@@ -28,6 +30,27 @@ EXPRESSIONS = {
     "gelu_tanh": "(F)0.5 * v * ((F)1 + {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v)))",
     "hardswish": "v * (v + (F)3 < (F)0 ? (F)0 : (v + (F)3 > (F)6 ? (F)6 : v + (F)3)) / (F)6",
     "silu": "v / ((F)1 + {exp}(-v))",
+    "hardsigmoid": "(v + (F)3 < (F)0 ? (F)0 : (v + (F)3 > (F)6 ? (F)6 : v + (F)3)) / (F)6",
+}
+
+# The gradient of the input from the output's gradient ``g`` and the saved value ``v`` (the input
+# or the output, as ``Activation.saves`` says) as a CUDA expression: torch's backward formulas.
+GRADIENTS = {
+    "relu": "v <= (F)0 ? (F)0 : g",
+    "relu6": "(v <= (F)0 || v >= (F)6) ? (F)0 : g",
+    "leaky_relu": "v > (F)0 ? g : g * p",
+    "elu": "v <= (F)0 ? g * p * {exp}(v) : g",
+    "sigmoid": "g * ((F)1 - v) * v",
+    "tanh": "g * ((F)1 - v * v)",
+    "gelu": "g * ((F)0.5 * ((F)1 + {erf}(v * (F)0.70710678118654752440))"
+            " + v * {exp}((F)-0.5 * v * v) * (F)0.39894228040143267794)",
+    "gelu_tanh": "g * ((F)0.5 * ((F)1 + {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v)))"
+                 " + (F)0.5 * v * ((F)1 - {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v))"
+                 " * {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v)))"
+                 " * (F)0.79788456080286535588 * ((F)1 + (F)0.134145 * v * v))",
+    "hardswish": "v <= (F)-3 ? (F)0 : (v < (F)3 ? g * (v / (F)3 + (F)0.5) : g)",
+    "silu": "g / ((F)1 + {exp}(-v)) * ((F)1 + v * ((F)1 - (F)1 / ((F)1 + {exp}(-v))))",
+    "hardsigmoid": "(v > (F)-3 && v < (F)3) ? g / (F)6 : (F)0",
 }
 
 _MATH = {  # compute type -> CUDA's math functions of it
@@ -35,15 +58,15 @@ _MATH = {  # compute type -> CUDA's math functions of it
     "double": {"exp": "exp", "expm1": "expm1", "erf": "erf", "tanh": "tanh"},
 }
 
-# tile type -> (its CuPy parameter type, compute type, load of y as F, store of r to y)
+# tile type -> (its CuPy parameter type, compute type, load of {0} as F, store of F {1} to {0})
 _TILE = {
-    "float64": ("float64", "double", "y", "y = r"),
-    "float32": ("float32", "float", "y", "y = r"),
-    "float16": ("float16", "float", "(float)y", "y = (float16)r"),
+    "float64": ("float64", "double", "{0}", "{0} = {1}"),
+    "float32": ("float32", "float", "{0}", "{0} = {1}"),
+    "float16": ("float16", "float", "(float){0}", "{0} = (float16){1}"),
     # bfloat16 as its bits: widened exactly; rounded to nearest even, NaN kept a (quiet) NaN
-    "bfloat16": ("uint16", "float", "__uint_as_float(((unsigned int)y) << 16)",
-                 "unsigned int u = __float_as_uint(r);"
-                 " y = isnan(r) ? (unsigned short)((u >> 16) | 0x40u)"
+    "bfloat16": ("uint16", "float", "__uint_as_float(((unsigned int){0}) << 16)",
+                 "unsigned int u = __float_as_uint({1});"
+                 " {0} = isnan({1}) ? (unsigned short)((u >> 16) | 0x40u)"
                  " : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)"),
 }
 
@@ -65,7 +88,7 @@ def kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
     ptype, ctype, load, store = _TILE[tname]
     vtype = "float64" if ctype == "double" else "float32"
     expr = EXPRESSIONS[activation].format(**_MATH[ctype])
-    op = f"typedef {ctype} F; F v = ({load}) * sc + sh; F r = {expr}; {store}"
+    op = f"typedef {ctype} F; F v = ({load.format('y')}) * sc + sh; F r = {expr}; {store.format('y', 'r')}"
     return (f"{vtype} sc, {vtype} sh, {vtype} p", f"{ptype} y", op,
             f"blasx_affine_{tname}_{activation or 'none'}")
 
@@ -79,6 +102,36 @@ def _kernel(dtype, activation):
     if k is None:  # two threads may both make it: the same kernel, either kept
         import cupy
         k = _KERNELS[key] = cupy.ElementwiseKernel(*kernel_source(dtype, activation))
+    return k
+
+
+def pointwise_source(dtype, activation: str, grad: bool = False) -> tuple[str, str, str, str]:
+    """(in_params, out_params, operation, name) of the standalone ElementwiseKernel for arrays of
+    ``dtype``: ``yout = act(xin)`` (params ``xin, p``), or with ``grad`` the input's gradient
+    ``yout = act'(gin, saved)`` from the output's gradient ``gin`` and the saved array ``saved``
+    (params ``gin, saved, p``); computed in F (float32 for half types) and rounded once."""
+    tname = tile_type(dtype)
+    ptype, ctype, load, store = _TILE[tname]
+    vtype = "float64" if ctype == "double" else "float32"
+    math = _MATH[ctype]
+    if grad:
+        expr = GRADIENTS[activation].format(**math)
+        return (f"{ptype} gin, {ptype} saved, {vtype} p", f"{ptype} yout",
+                f"typedef {ctype} F; F g = {load.format('gin')}; F v = {load.format('saved')}; F r = {expr}; "
+                f"{store.format('yout', 'r')}", f"blasx_{activation}_grad_{tname}")
+    expr = EXPRESSIONS[activation].format(**math)
+    return (f"{ptype} xin, {vtype} p", f"{ptype} yout",
+            f"typedef {ctype} F; F v = {load.format('xin')}; F r = {expr}; {store.format('yout', 'r')}",
+            f"blasx_{activation}_{tname}")
+
+
+def pointwise_kernel(dtype, activation: str, grad: bool = False):
+    """The CuPy ElementwiseKernel of :func:`pointwise_source` (made on first use, kept)."""
+    key = (tile_type(dtype), activation, grad)
+    k = _KERNELS.get(key)
+    if k is None:
+        import cupy
+        k = _KERNELS[key] = cupy.ElementwiseKernel(*pointwise_source(dtype, activation, grad))
     return k
 
 
