@@ -209,14 +209,14 @@ def test_sources(dtype, activation):
         dt = pytest.importorskip("ml_dtypes").bfloat16
     else:
         dt = np.dtype(dtype)
-    ptype, ctype, load, store = cuda_epilogue._TILE[cuda_epilogue.tile_type(dt)]
+    ptype, ctype, load, store = cuda_epilogue.TILE_TYPES[cuda_epilogue.tile_type(dt)]
     x = np.zeros((2, 4, 5, 6))
     geo = conv_geometry("c", 2, x, np.zeros((8, 1, 3, 3)), 2, 1, 1, 4)
     src = dw.forward_source(dt, 2, True, False, activation, True, "int32")
     ints = [p.split()[1] for p in src["in_params"].split(", ") if p.startswith("int32")]
     assert ints == list(dw.forward_params(geo, True))
     assert src["in_params"].startswith(f"raw {ptype} x, raw {ptype} w") and src["out_params"] == f"{ptype} y"
-    assert cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue._MATH[ctype]) in src["operation"]
+    assert cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue.MATH_FUNCTIONS[ctype]) in src["operation"]
     assert src["operation"].endswith(store + ";") and load in src["preamble"]
     assert "\n".join(dw.render(dw.forward_program(2, True, False))) in src["operation"]
     ws = dw.weight_source(dt, 2, False, "int64")

@@ -241,7 +241,7 @@ def reduce_partials(part, geo: ConvGeometry, cl: bool, split: int):
 def _element(dtype) -> tuple:
     """(CuPy parameter type, compute type, load of ``y`` as F, store of ``r`` into ``y``) of ``dtype``:
     the epilogue kernel's table (bfloat16 as its uint16 bits)."""
-    return cuda_epilogue._TILE[cuda_epilogue.tile_type(dtype)]
+    return cuda_epilogue.TILE_TYPES[cuda_epilogue.tile_type(dtype)]
 
 
 def _head(dtype, index: str) -> tuple:
@@ -258,7 +258,7 @@ def forward_source(dtype, nd: int, cl: bool, zero_inserted: bool, activation, re
     parameter), the integer parameters; output y (y's memory, one element a thread)."""
     ptype, vtype, typedefs, preamble = _head(dtype, index)
     _, ctype, _, store = _element(dtype)
-    act = cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue._MATH[ctype])
+    act = cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue.MATH_FUNCTIONS[ctype])
     params = [f"raw {ptype} x", f"raw {ptype} w", f"raw {vtype} sc", f"raw {vtype} sh",
               *([f"raw {ptype} res"] if residual else []), f"{vtype} p",
               *(f"{index} {n}" for n in _names(nd, zero_inserted))]

@@ -75,8 +75,8 @@ _KERNELS: dict = {}
 
 def _types(dtype):
     """(storage parameter type, compute C type, compute parameter type, load of ``y``, store of r to y)."""
-    from ..runtime.devices.cuda_epilogue import _TILE, tile_type
-    ptype, ctype, load, store = _TILE[tile_type(dtype)]
+    from ..runtime.devices.cuda_epilogue import TILE_TYPES, tile_type
+    ptype, ctype, load, store = TILE_TYPES[tile_type(dtype)]
     return ptype, ctype, "float64" if ctype == "double" else "float32", load, store
 
 

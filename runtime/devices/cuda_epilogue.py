@@ -53,13 +53,13 @@ GRADIENTS = {
     "hardsigmoid": "(v > (F)-3 && v < (F)3) ? g / (F)6 : (F)0",
 }
 
-_MATH = {  # compute type -> CUDA's math functions of it
+MATH_FUNCTIONS = {  # compute type -> CUDA's math functions of it
     "float": {"exp": "expf", "expm1": "expm1f", "erf": "erff", "tanh": "tanhf"},
     "double": {"exp": "exp", "expm1": "expm1", "erf": "erf", "tanh": "tanh"},
 }
 
 # tile type -> (its CuPy parameter type, compute type, load of {0} as F, store of F {1} to {0})
-_TILE = {
+TILE_TYPES = {
     "float64": ("float64", "double", "{0}", "{0} = {1}"),
     "float32": ("float32", "float", "{0}", "{0} = {1}"),
     "float16": ("float16", "float", "(float){0}", "{0} = (float16){1}"),
@@ -72,22 +72,22 @@ _TILE = {
 
 
 def tile_type(dtype) -> str:
-    """The name of a tile element type in ``_TILE`` (TypeError for any other)."""
+    """The name of a tile element type in ``TILE_TYPES`` (TypeError for any other)."""
     dt = np.dtype(dtype)
     bf = dtypes.GEMM_BY_PREFIX.get("b")
     name = "bfloat16" if bf is not None and dt == bf.dtype else dt.name
-    if name not in _TILE:
+    if name not in TILE_TYPES:
         raise TypeError(f"epilogue: a C tile of type {dt.name} has no affine/activation kernel; "
-                        f"allowed: {', '.join(_TILE)}")
+                        f"allowed: {', '.join(TILE_TYPES)}")
     return name
 
 
 def kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
     """(in_params, out_params, operation, name) of the ElementwiseKernel for tiles of ``dtype``."""
     tname = tile_type(dtype)
-    ptype, ctype, load, store = _TILE[tname]
+    ptype, ctype, load, store = TILE_TYPES[tname]
     vtype = "float64" if ctype == "double" else "float32"
-    expr = EXPRESSIONS[activation].format(**_MATH[ctype])
+    expr = EXPRESSIONS[activation].format(**MATH_FUNCTIONS[ctype])
     op = f"typedef {ctype} F; F v = ({load.format('y')}) * sc + sh; F r = {expr}; {store.format('y', 'r')}"
     return (f"{vtype} sc, {vtype} sh, {vtype} p", f"{ptype} y", op,
             f"blasx_affine_{tname}_{activation or 'none'}")
@@ -111,9 +111,9 @@ def pointwise_source(dtype, activation: str, grad: bool = False) -> tuple[str, s
     ``yout = act'(gin, saved)`` from the output's gradient ``gin`` and the saved array ``saved``
     (params ``gin, saved, p``); computed in F (float32 for half types) and rounded once."""
     tname = tile_type(dtype)
-    ptype, ctype, load, store = _TILE[tname]
+    ptype, ctype, load, store = TILE_TYPES[tname]
     vtype = "float64" if ctype == "double" else "float32"
-    math = _MATH[ctype]
+    math = MATH_FUNCTIONS[ctype]
     if grad:
         expr = GRADIENTS[activation].format(**math)
         return (f"{ptype} gin, {ptype} saved, {vtype} p", f"{ptype} yout",
