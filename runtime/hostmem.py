@@ -224,10 +224,6 @@ class RegistrationCache:
         return (f"host bytes [{lo:#x}, {hi:#x}): {ends}; blasx registrations overlapping: "
                 f"{', '.join(overlap) or 'none'}")
 
-    def is_ours(self, x: np.ndarray) -> bool:
-        with self._lock:
-            return id(_root(x)) in self._ours
-
 
 class PinJob(threading.Thread):
     """One call's chunks, registered in order by a thread of its own (not a daemon: the call joins
