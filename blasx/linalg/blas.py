@@ -13,6 +13,7 @@ There is no size threshold (:func:`blasx.offload` has one). docs/usage.md has th
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 import operator
@@ -304,17 +305,11 @@ def find_best_blas_type(arrays=(), dtype=None):
     max_score = TYPE_SCORE.get(dtype.char, 5)
     prefer_fortran = False
     if arrays:
-        if len(arrays) == 1:
-            max_score = TYPE_SCORE.get(arrays[0].dtype.char, 5)
-            prefer_fortran = _fortran(arrays[0])
-        else:
-            scores = [TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
-            max_score = max(scores)
-            ind = scores.index(max_score)
-            if max_score == 3 and 2 in scores:
-                max_score = 4
-            if _fortran(arrays[ind]):
-                prefer_fortran = True
+        scores = [TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
+        max_score = max(scores)
+        prefer_fortran = _fortran(arrays[scores.index(max_score)])
+        if max_score == 3 and 2 in scores:
+            max_score = 4
     dt = BY_SCORE.get(max_score, dtypes.BY_PREFIX["d"].dtype)  # (scipy's fallback for other types: d)
     return dtypes.prefix(dt), dt, prefer_fortran
 
@@ -353,11 +348,9 @@ def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
 
 
 def _with_int64(fn):
+    @functools.wraps(fn)  # (its attributes too: signature, typecode, prefix, dtype, module_name)
     def g(*args, **kwargs):
         return fn(*args, **kwargs)
-    for attr in ("__name__", "__qualname__", "__doc__", "__signature__", "__module__", "typecode", "prefix", "dtype",
-                 "module_name"):
-        setattr(g, attr, getattr(fn, attr))
     g.int_dtype = np.dtype(np.int64)
     return g
 
