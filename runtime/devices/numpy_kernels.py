@@ -269,7 +269,7 @@ def trmm(step, scalars, a, b, c) -> None:
     c[...] = _tri_product(step, scalars, a, b)
 
 
-_TRSM = {}
+_trsm_of = functools.cache(lambda dtype: _blas.get_blas_funcs("trsm", dtype=dtype))  # scipy's, per dtype
 
 
 @_quiet
@@ -277,11 +277,8 @@ def trsm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T)^-1 c; side 1: c = alpha c op(T)^-1, in place; T the uplo triangle
     of a (unit diagonal if diag); b is not used. No singularity check (BLAS semantics).
     (cublasXtrsm(side, uplo, trans=op_a, diag, m, n, alpha, a, lda, c, ldc))"""
-    f = _TRSM.get(c.dtype)
-    if f is None:
-        f = _TRSM[c.dtype] = _blas.get_blas_funcs("trsm", dtype=c.dtype)
-    res = f(scalars[step.alpha], a, c, side=step.side, lower=step.uplo, trans_a=step.op_a,
-            diag=step.diag, overwrite_b=1)
+    res = _trsm_of(c.dtype)(scalars[step.alpha], a, c, side=step.side, lower=step.uplo, trans_a=step.op_a,
+                            diag=step.diag, overwrite_b=1)
     if res is not c:
         c[...] = res
 
@@ -295,7 +292,7 @@ def invmm(step, scalars, a, b, c, out=None) -> None:
     (c if out is None else out)[...] = _tri_product(step, scalars, a, c)
 
 
-_TRTRI = {}
+_trtri_of = functools.cache(lambda dtype: get_lapack_funcs("trtri", dtype=dtype))  # LAPACK's, per dtype
 
 
 @_quiet
@@ -303,10 +300,7 @@ def trtri(step, scalars, a, b, c) -> None:
     """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
     written, if diag); the other triangle is left as it is. a and b are not used. No
     singularity check (as trsm). (LAPACK ?trtri; on GPUs runtime.devices.cuda_kernels.invert_triangle)"""
-    f = _TRTRI.get(c.dtype)
-    if f is None:
-        f = _TRTRI[c.dtype] = get_lapack_funcs("trtri", dtype=c.dtype)
-    inv, _info = f(c, lower=step.uplo, unitdiag=step.diag)
+    inv, _info = _trtri_of(c.dtype)(c, lower=step.uplo, unitdiag=step.diag)
     keep = np.tril(np.ones(c.shape, dtype=bool), -1 if step.diag else 0)
     if not step.uplo:
         keep = keep.T
