@@ -80,18 +80,19 @@ def new_array(xp, shape, dtype, like, zeros=False):
     return make(shape, dtype=dtype, order="F")
 
 
-def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
-    """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype), else a new
-    F-ordered array holding c's values where they survive (``keep_other``: the whole of c,
-    for triangle-only routines or beta != 0), or zeros when c is None."""
+def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
+    """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype; aliasing none
+    of ``inputs``), else a new F-ordered array holding c's values where they survive
+    (``keep_other``: the whole of c, for triangle-only routines or beta != 0), or zeros when c is None."""
     if _writable_in_place(c, dtype, overwrite_c):
-        return c, True
+        _check_no_alias("c", c, **inputs)
+        return c
     if c is None:
-        return new_array(xp, shape, dtype, like, zeros=True), False
+        return new_array(xp, shape, dtype, like, zeros=True)
     out = new_array(xp, shape, dtype, like)
     if keep_other:
         out[...] = c
-    return out, False
+    return out
 
 
 def _f_view(x, xp, dtype=None):
@@ -150,9 +151,7 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    if _writable_in_place(c, dtype, overwrite_c):
-        _check_no_alias("c", c, a=a, b=b)
-    out, _ = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a)
+    out = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a, a=a, b=b)
     if m == 0 or n == 0 or (alpha == 0 and beta == 1):
         return out
     a = as_operand(a, dtype)
@@ -237,9 +236,7 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    if _writable_in_place(c, dtype, overwrite_c):
-        _check_no_alias("c", c, a=a, b=b)
-    out, _ = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
+    out = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a, a=a, b=b)
     if n == 0 or ((alpha == 0 or k == 0) and beta == 1):
         return out  # BLAS quick return: c untouched (also HERK's imaginary diagonal)
     if k == 0:  # only beta C: an n x 0 operand in op N (a 0 x n one gives BLAS a leading dimension of 0)
