@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
+from .checks import check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
 from . import dispatch, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
@@ -58,12 +58,6 @@ def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
         raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {shape} ({why if type(why) is str else why()})")
 
 
-def _check_no_alias(out_name: str, out, **inputs) -> None:
-    for name, x in inputs.items():
-        if x is not None and shares_memory(out, x):
-            raise ValueError(f"{out_name}: shares memory with {name}; the output must not alias an input")
-
-
 # ---------------------------------------------------------------- operands and outputs
 
 def _writable_in_place(x, dtype, overwrite) -> bool:
@@ -85,7 +79,7 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
     of ``inputs``), else a new F-ordered array holding c's values where they survive
     (``keep_other``: the whole of c, for triangle-only routines or beta != 0), or zeros when c is None."""
     if _writable_in_place(c, dtype, overwrite_c):
-        _check_no_alias("c", c, **inputs)
+        check_no_alias("c", c, **inputs)
         return c
     if c is None:
         return new_array(xp, shape, dtype, like, zeros=True)
@@ -331,7 +325,7 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     xp = array_module(on_gpu)
     in_place = _writable_in_place(b, dtype, overwrite_b)
     if in_place:
-        _check_no_alias("b", b, a=a)
+        check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
         return b if in_place else new_array(xp, (m, n), dtype, a)
     a = as_operand(a, dtype)

@@ -87,6 +87,14 @@ def same_place(a=None, b=None, c=None) -> bool:
     return next(iter(kinds.values()), False)
 
 
+def check_no_alias(out_name: str, out, **inputs) -> None:
+    """An output written in place shares no memory with the ``inputs`` (name=array; None: not given)."""
+    for name, x in inputs.items():
+        if x is not None and shares_memory(out, x):
+            raise ValueError(f"{out_name}: shares memory with {name}; the output written in place must not "
+                             f"alias an input")
+
+
 def shares_memory(x, y) -> bool:
     if is_cupy(x) or is_cupy(y):
         import cupy
