@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import traceback
 
 from . import faults
 from .admission import NEVER_FOR_THE_CALL
@@ -80,7 +79,6 @@ class CpuWorker(Worker):
                 except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
                     if self.device_error(exc):
                         raise
-                    exc.blasx_traceback = traceback.format_exc()
                     self.current = None
                     task.call.fail(exc)
                     task.call.account(task)

@@ -17,7 +17,6 @@ unfinished tasks to the engine.
 from __future__ import annotations
 
 import time
-import traceback
 from collections import deque
 
 from .cache import Line
@@ -200,7 +199,6 @@ class StreamWorker(StreamAssign, Worker):
         """End the task on stream ``s`` after an error of its call: the call fails (so its other
         tasks stop too), what this step had issued is completed (fills flushed) and its lines and
         buffers are released at an event after it; the task is accounted at that event."""
-        exc.blasx_traceback = traceback.format_exc()
         act.task.call.fail(exc)
         if work.fills:
             self._flush(s, work.fills)
