@@ -156,15 +156,12 @@ def _rank_product(step, a, b, alpha, alpha2, conj: bool):
     if step.k == 0 or a is None:
         return None
     x = OPS[step.op_a](a)
-    t = (lambda y: y.conj().T) if conj else (lambda y: y.T)
-    if b is None:
-        prod = x @ t(x)
-        prod *= alpha
-        return prod
-    y = OPS[step.op_a](b)
+    y = x if b is None else OPS[step.op_a](b)
+    t = (lambda z: z.conj().T) if conj else (lambda z: z.T)
     prod = x @ t(y)
     prod *= alpha
-    prod += alpha2 * (y @ t(x))
+    if b is not None:
+        prod += alpha2 * (y @ t(x))
     return prod
 
 
