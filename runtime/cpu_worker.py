@@ -23,8 +23,7 @@ class CpuWorker(Worker):
         adm = self.engine.admission
         return adm is None or adm.admits(self, task)
 
-    def _may_steal(self, task) -> bool:
-        return self._takes(task)
+    _may_steal = _takes  # a stationed task is admitted as a queued one
 
     def _pull(self):
         """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
