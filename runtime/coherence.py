@@ -17,6 +17,8 @@ from typing import Hashable
 from .cache import ALRU, Line
 from .station import WHERE_HOST, WHERE_L1, WHERE_L2
 
+STATE_I, STATE_E, STATE_S = "I", "E", "S"
+
 
 class Directory:
     def __init__(self, n_devices: int) -> None:
@@ -34,6 +36,10 @@ class Directory:
         if not holders:
             return WHERE_HOST
         return WHERE_L1 if device in holders else WHERE_L2
+
+    def state(self, key: Hashable) -> str:
+        n = len(self._holders.get(key, ()))
+        return STATE_I if n == 0 else STATE_E if n == 1 else STATE_S
 
     def holders(self, key: Hashable) -> dict[int, Line]:
         return self._holders.get(key, {})

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from blasx.runtime.cache import ALRU, Line
-from blasx.runtime.coherence import Directory
+from blasx.runtime.coherence import STATE_E, STATE_I, STATE_S, Directory
 from blasx.runtime.config import DeviceSpec, parse_devices, sim_factors
 from blasx.runtime.queue import TaskQueue
 from blasx.runtime.station import (
@@ -407,28 +407,22 @@ def _key(base, bi=0, bj=0):
     return ((base, 0, 8, 8, 8, "<f8", 4), bi, bj)
 
 
-def state(d, key) -> str:
-    """The MESI-X state of ``key`` in directory ``d``: I (no holder), E (one) or S (several)."""
-    n = len(d.holders(key))
-    return "I" if n == 0 else "E" if n == 1 else "S"
-
-
 def test_directory_states_and_where():
     d = Directory(3)
     k = _key(-1)
-    assert state(d, k) == "I" and d.where(k, 0) == WHERE_HOST and d.holders(k) == {}
+    assert d.state(k) == STATE_I and d.where(k, 0) == WHERE_HOST and d.holders(k) == {}
     l0 = _line(k, dev=0)
     d.add(l0)
-    assert state(d, k) == "E"
+    assert d.state(k) == STATE_E
     assert d.where(k, 0) == WHERE_L1 and d.where(k, 1) == WHERE_L2
     assert d.holders(k) == {0: l0} and k in d.alrus[0]
     l1 = _line(k, dev=1)
     d.add(l1)
-    assert state(d, k) == "S" and d.where(k, 1) == WHERE_L1 and d.where(k, 2) == WHERE_L2
+    assert d.state(k) == STATE_S and d.where(k, 1) == WHERE_L1 and d.where(k, 2) == WHERE_L2
     d.drop(l0)
-    assert state(d, k) == "E" and k not in d.alrus[0] and d.holders(k) == {1: l1}
+    assert d.state(k) == STATE_E and k not in d.alrus[0] and d.holders(k) == {1: l1}
     d.drop(l1)
-    assert state(d, k) == "I" and d.holders(k) == {}
+    assert d.state(k) == STATE_I and d.holders(k) == {}
 
 
 def test_directory_peer_source():
@@ -495,7 +489,7 @@ def test_directory_retire_base():
     assert lines_of_base(d, -5) == 2
     d.retire_base(-5)
     assert la.dead and lb.dead and not lo.dead
-    assert state(d, ka) == "I" and state(d, kb) == "I" and state(d, other) == "E"
+    assert d.state(ka) == STATE_I and d.state(kb) == STATE_I and d.state(other) == STATE_E
     assert lines_of_base(d, -5) == 0 and lines_of_base(d, -5, live_only=False) == 2
     # still in their ALRUs (the owners free them), and evicted first
     assert ka in d.alrus[0] and d.alrus[1].victim() is lb
