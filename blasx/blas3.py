@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from .checks import check_matrix, check_scalar, check_trans, compute_dtype, same_place, shares_memory, writable
+from .checks import check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
 from . import dispatch, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
@@ -58,12 +58,6 @@ def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
         raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected {shape} ({why if type(why) is str else why()})")
 
 
-def _check_no_alias(out_name: str, out, **inputs) -> None:
-    for name, x in inputs.items():
-        if x is not None and shares_memory(out, x):
-            raise ValueError(f"{out_name}: shares memory with {name}; the output must not alias an input")
-
-
 # ---------------------------------------------------------------- operands and outputs
 
 def _writable_in_place(x, dtype, overwrite) -> bool:
@@ -80,18 +74,19 @@ def new_array(xp, shape, dtype, like, zeros=False):
     return make(shape, dtype=dtype, order="F")
 
 
-def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like):
-    """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype), else a new
-    F-ordered array holding c's values where they survive (``keep_other``: the whole of c,
-    for triangle-only routines or beta != 0), or zeros when c is None."""
+def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
+    """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype; aliasing none
+    of ``inputs``), else a new F-ordered array holding c's values where they survive
+    (``keep_other``: the whole of c, for triangle-only routines or beta != 0), or zeros when c is None."""
     if _writable_in_place(c, dtype, overwrite_c):
-        return c, True
+        check_no_alias("c", c, **inputs)
+        return c
     if c is None:
-        return new_array(xp, shape, dtype, like, zeros=True), False
+        return new_array(xp, shape, dtype, like, zeros=True)
     out = new_array(xp, shape, dtype, like)
     if keep_other:
         out[...] = c
-    return out, False
+    return out
 
 
 def _f_view(x, xp, dtype=None):
@@ -150,9 +145,7 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
     xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    if _writable_in_place(c, dtype, overwrite_c):
-        _check_no_alias("c", c, a=a, b=b)
-    out, _ = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a)
+    out = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a, a=a, b=b)
     if m == 0 or n == 0 or (alpha == 0 and beta == 1):
         return out
     a = as_operand(a, dtype)
@@ -237,9 +230,7 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
     xp = array_module(on_gpu)
     if c is None:
         beta = 0
-    if _writable_in_place(c, dtype, overwrite_c):
-        _check_no_alias("c", c, a=a, b=b)
-    out, _ = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a)
+    out = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a, a=a, b=b)
     if n == 0 or ((alpha == 0 or k == 0) and beta == 1):
         return out  # BLAS quick return: c untouched (also HERK's imaginary diagonal)
     if k == 0:  # only beta C: an n x 0 operand in op N (a 0 x n one gives BLAS a leading dimension of 0)
@@ -334,7 +325,7 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
     xp = array_module(on_gpu)
     in_place = _writable_in_place(b, dtype, overwrite_b)
     if in_place:
-        _check_no_alias("b", b, a=a)
+        check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
         return b if in_place else new_array(xp, (m, n), dtype, a)
     a = as_operand(a, dtype)

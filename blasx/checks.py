@@ -47,18 +47,13 @@ BY_SCORE = {1: dtypes.BY_PREFIX["s"].dtype, 2: dtypes.BY_PREFIX["d"].dtype,
             3: dtypes.BY_PREFIX["c"].dtype, 4: dtypes.BY_PREFIX["z"].dtype}
 
 
-def blas_score(dt: np.dtype) -> int | None:
-    """scipy's score of a numeric dtype (an unlisted numeric one scores as float64), None for others."""
-    return TYPE_SCORE.get(dt.char, 2 if dt.kind in "biuf" else None)
-
-
 def compute_dtype(*arrays) -> np.dtype:
     """The BLAS type of a scipy-signature call on these arrays, as scipy's find_best_blas_type
     picks it: the highest score wins, complex64 with float64 gives complex128. Non-numeric
     arrays (object, strings, datetimes) raise TypeError naming ``dtype``."""
     scores = []
     for a in arrays:
-        score = blas_score(a.dtype)
+        score = TYPE_SCORE.get(a.dtype.char, 2 if a.dtype.kind in "biuf" else None)  # unlisted numeric: as float64
         if score is None:
             got = ", ".join(str(x.dtype) for x in arrays)
             raise TypeError(f"dtype: got {got}; allowed: float32, float64, complex64, complex128 (and the "
@@ -85,6 +80,14 @@ def same_place(a=None, b=None, c=None) -> bool:
         where = ", ".join(f"{n}={'cupy' if v else 'numpy'}" for n, v in kinds.items())
         raise TypeError(f"operands: got {where}; pass all numpy arrays (host) or all cupy arrays (GPU)")
     return next(iter(kinds.values()), False)
+
+
+def check_no_alias(out_name: str, out, **inputs) -> None:
+    """An output written in place shares no memory with the ``inputs`` (name=array; None: not given)."""
+    for name, x in inputs.items():
+        if x is not None and shares_memory(out, x):
+            raise ValueError(f"{out_name}: shares memory with {name}; the output written in place must not "
+                             f"alias an input")
 
 
 def shares_memory(x, y) -> bool:

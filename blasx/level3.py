@@ -8,7 +8,7 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 from __future__ import annotations
 
 from . import blas3, dispatch, precision, shortcut
-from .checks import check_matrix, check_scalar, check_trans, same_place, shares_memory, writable
+from .checks import check_matrix, check_no_alias, check_scalar, check_trans, same_place, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
@@ -67,9 +67,7 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     if c is None:
         beta = 0
     elif _in_place(c, out_type, overwrite_c):
-        for x_name, x in (("a", a), ("b", b)):
-            if shares_memory(c, x):
-                raise ValueError(f"c: shares memory with {x_name}; the output written in place must not alias an input")
+        check_no_alias("c", c, a=a, b=b)
     xp = dispatch.array_module(on_gpu)
     out = _output(c, out_type, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
     with dispatch.whole(out is c):

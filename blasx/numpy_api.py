@@ -91,7 +91,7 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     if plan is None:
         if out_dtype is not None:
             _reject_out_dtype(x1, x2, out_dtype)
-        return _fallback_matmul(x1, x2, out, kwargs)
+        return _fallback(_np_matmul, x1, x2, out=out, **kwargs)
     a, b, out, ct, casting, xp, it = plan
     if xp is np and a.dtype == ct and b.dtype == ct and ct in dtypes.BY_DTYPE and (
             _ANY_STRIDES or (a.flags.forc and b.flags.forc)) and (
@@ -105,15 +105,15 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     b1 = b[..., :, None] if b.ndim == 1 else b
     n, k = a1.shape[-2:]
     if b1.shape[-2] != k:
-        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's core-dimension mismatch error
+        return _fallback(_np_matmul, x1, x2, out=out, **kwargs)  # numpy's core-dimension mismatch error
     m = b1.shape[-1]
     try:
         batch = np.broadcast_shapes(a1.shape[:-2], b1.shape[:-2])
     except ValueError:
-        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's broadcast error
+        return _fallback(_np_matmul, x1, x2, out=out, **kwargs)  # numpy's broadcast error
     final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
     if out is not None and (tuple(out.shape) != final or final == ()):
-        return _fallback_matmul(x1, x2, out, kwargs)  # numpy's output-shape error (or a 0-d out)
+        return _fallback(_np_matmul, x1, x2, out=out, **kwargs)  # numpy's output-shape error (or a 0-d out)
     a1 = dispatch.as_operand(a1, it)
     b1 = dispatch.as_operand(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
@@ -147,17 +147,10 @@ def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
         if len(out) != 1:
             return None
         out = out[0]
-    gpu = is_cupy(x1) or is_cupy(x2) or (out is not None and is_cupy(out))
-    if gpu:
-        if not (is_cupy(x1) and is_cupy(x2) and (out is None or is_cupy(out))):
-            return None
-        import cupy as xp
-        a, b = x1, x2
-    else:
-        xp = np
-        a, b = _plain(x1), _plain(x2)
-        if a is None or b is None or (out is not None and type(out) is not np.ndarray):
-            return None
+    arrays = _arrays(x1, x2, out)
+    if arrays is None:
+        return None
+    xp, a, b = arrays
     if a.ndim == 0 or b.ndim == 0:
         return None
     try:
@@ -207,15 +200,6 @@ def _reject_out_dtype(x1, x2, out_dtype) -> None:
                     f"{dtypes.gemm_combinations()}")
 
 
-def _fallback_matmul(x1, x2, out, kwargs):
-    if out is not None:
-        kwargs = dict(kwargs, out=out)
-    if any(is_cupy(x) for x in (x1, x2)):
-        import cupy
-        return cupy.matmul(x1, x2, **kwargs)
-    return _np_matmul(x1, x2, **kwargs)
-
-
 # ---------------------------------------------------------------- dot
 
 def dot(a, b, out=None, *, out_dtype=None, math=None):
@@ -241,32 +225,25 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
 def _dot(a, b, out, out_dtype):
     if out is not None:
         _check_out(out)
-    gpu = not (type(a) is np.ndarray and type(b) is np.ndarray) and (is_cupy(a) or is_cupy(b))
-    if gpu:
-        if not (is_cupy(a) and is_cupy(b) and (out is None or is_cupy(out))):
-            return _fallback_dot(a, b, out)
-        import cupy as xp
-        x, y = a, b
-    else:
-        xp = np
-        x, y = _plain(a), _plain(b)
-        if x is None or y is None or (out is not None and type(out) is not np.ndarray):
-            return _fallback_dot(a, b, out)
-        if y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
-            y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
+    arrays = _arrays(a, b, out)
+    if arrays is None:
+        return _fallback(_np_dot, a, b, out)
+    xp, x, y = arrays
+    if xp is np and y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
+        y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
     if x.ndim == 0 or y.ndim == 0:
-        return _fallback_dot(a, b, out)  # a product with a scalar: numpy's multiply
+        return _fallback(_np_dot, a, b, out)  # a product with a scalar: numpy's multiply
     types = _engine_types(x, y, out_dtype)
     if types is None:
-        return _fallback_dot(a, b, out)
+        return _fallback(_np_dot, a, b, out)
     it, ct = types
     k = x.shape[-1]
     kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
     if k != kb:
-        return _fallback_dot(a, b, out)  # numpy's "shapes not aligned" error
+        return _fallback(_np_dot, a, b, out)  # numpy's "shapes not aligned" error
     final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
     if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous):
-        return _fallback_dot(a, b, out)  # numpy's "output array is not acceptable" error
+        return _fallback(_np_dot, a, b, out)  # numpy's "output array is not acceptable" error
     if (xp is np and x.ndim <= 2 and y.ndim <= 2 and x.dtype == ct and y.dtype == ct and ct in dtypes.BY_DTYPE
             and (dev := dispatch.host_device()) is not None):
         # The CPU alone: numpy's own dot runs the host BLAS on 1-D and 2-D operands
@@ -291,13 +268,6 @@ def _dot(a, b, out, out_dtype):
     return res
 
 
-def _fallback_dot(a, b, out):
-    if any(is_cupy(x) for x in (a, b)):
-        import cupy
-        return cupy.dot(a, b, out=out)
-    return _np_dot(a, b, out)
-
-
 # ---------------------------------------------------------------- tensordot
 
 def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
@@ -320,24 +290,17 @@ def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
 
 
 def _tensordot(a, b, axes, out_dtype):
-    gpu = not (type(a) is np.ndarray and type(b) is np.ndarray) and (is_cupy(a) or is_cupy(b))
-    if gpu:
-        if not (is_cupy(a) and is_cupy(b)):
-            return _fallback_tensordot(a, b, axes)
-        import cupy as xp
-        x, y = a, b
-    else:
-        xp = np
-        x, y = _plain(a), _plain(b)
-        if x is None or y is None:
-            return _fallback_tensordot(a, b, axes)
+    arrays = _arrays(a, b)
+    if arrays is None:
+        return _fallback(_np_tensordot, a, b, axes)
+    xp, x, y = arrays
     types = _engine_types(x, y, out_dtype)
     if types is None:
-        return _fallback_tensordot(a, b, axes)
+        return _fallback(_np_tensordot, a, b, axes)
     it, ct = types
     parsed = _tensordot_axes(x, y, axes)
     if parsed is None:
-        return _fallback_tensordot(a, b, axes)  # numpy's own error for bad axes or shapes
+        return _fallback(_np_tensordot, a, b, axes)  # numpy's own error for bad axes or shapes
     axes_a, axes_b = parsed
     free_a = [i for i in range(x.ndim) if i not in axes_a]
     free_b = [i for i in range(y.ndim) if i not in axes_b]
@@ -404,13 +367,6 @@ def _axis_list(v):
             return [operator.index(v)]
         except TypeError:
             return None
-
-
-def _fallback_tensordot(a, b, axes):
-    if any(is_cupy(x) for x in (a, b)):
-        import cupy
-        return cupy.tensordot(a, b, axes)
-    return _np_tensordot(a, b, axes)
 
 
 # ---------------------------------------------------------------- the gemm building blocks
@@ -509,6 +465,28 @@ def _stack_rows(x):
 
 
 # ---------------------------------------------------------------- helpers
+
+def _arrays(x1, x2, out=None):
+    """(xp, a, b) of operands blasx may compute on: all CuPy (``out`` too, if given), or numpy
+    arrays (array-likes converted, ``out`` a base-class ndarray); None: numpy (CuPy) decides."""
+    if is_cupy(x1) or is_cupy(x2) or (out is not None and is_cupy(out)):
+        if not (is_cupy(x1) and is_cupy(x2) and (out is None or is_cupy(out))):
+            return None
+        import cupy
+        return cupy, x1, x2
+    a, b = _plain(x1), _plain(x2)
+    if a is None or b is None or (out is not None and type(out) is not np.ndarray):
+        return None
+    return np, a, b
+
+
+def _fallback(np_fn, x1, x2, *args, **kwargs):
+    """numpy's own ``np_fn`` (CuPy's namesake for CuPy operands): its result, or its error."""
+    if is_cupy(x1) or is_cupy(x2):
+        import cupy
+        return getattr(cupy, np_fn.__name__)(x1, x2, *args, **kwargs)
+    return np_fn(x1, x2, *args, **kwargs)
+
 
 def _plain(x):
     """x as a base-class ndarray (array-likes converted), or None when numpy's dispatch must decide

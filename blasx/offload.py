@@ -127,17 +127,13 @@ def default_threshold() -> float:
 
 
 def _global_threshold() -> float:
-    for e in reversed(_entries):
-        if e.kind == "enable" and e.threshold is not None:
-            return e.threshold
-    return _default
+    """The latest enable's threshold, else the default."""
+    return next((e.threshold for e in reversed(_entries) if e.kind == "enable" and e.threshold is not None), _default)
 
 
 def _local_threshold():
-    for _, thr in reversed(_tls.stack):
-        if thr is not None:
-            return thr
-    return None
+    """The calling thread's innermost block's threshold, else None."""
+    return next((thr for _, thr in reversed(_tls.stack) if thr is not None), None)
 
 
 def _sync_global() -> None:

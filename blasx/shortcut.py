@@ -46,7 +46,6 @@ def make(routine: str, dtype: np.dtype):
     fn = dispatch.blas_routine(routine, dtype)
     real = dtype.kind != "c"
     nums = _REALS if real else _NUMBERS
-    reals = _REALS
     tls = dispatch._tls
 
     if routine == "gemm":
@@ -105,8 +104,8 @@ def make(routine: str, dtype: np.dtype):
 
     hermitian = routine in ("herk", "her2k")
     trans_ok = (0, 2) if hermitian else (0, 1, 2) if real else (0, 1)
-    alpha_types = reals if routine == "herk" else nums
-    beta_types = reals if hermitian else nums
+    alpha_types = _REALS if routine == "herk" else nums
+    beta_types = _REALS if hermitian else nums
 
     if routine in ("syrk", "herk", "syr2k", "her2k"):
         two = routine.endswith("2k")

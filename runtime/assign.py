@@ -9,7 +9,7 @@ device's share of k.
 from __future__ import annotations
 
 from .inflight import _Active
-from .station import EQ3_SCORE, WHERE_L1, WHERE_L2
+from .station import EQ3_SCORE, WHERE_L1
 from .tasks import rotated_steps
 
 URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
@@ -74,16 +74,13 @@ class StreamAssign:
         if task.urgent:
             return URGENT_SCORE
         call = task.call
-        holders = self.directory.holders
+        where = self.directory.where
         tokens = call.tokens
         me = self.idx
         total = 0
         for ref in task.input_tiles():
-            operand = call.operands[ref.slot]
-            if self.dev.holds_array(operand):
+            if self.dev.holds_array(call.operands[ref.slot]):
                 total += EQ3_SCORE[WHERE_L1]
-                continue
-            h = holders((tokens[ref.slot], ref.bi, ref.bj))
-            if h:
-                total += EQ3_SCORE[WHERE_L1 if me in h else WHERE_L2]
+            else:
+                total += EQ3_SCORE[where((tokens[ref.slot], ref.bi, ref.bj), me)]
         return total

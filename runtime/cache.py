@@ -43,13 +43,12 @@ class ALRU:
     Dead lines (``bury``) are kept apart, in the order they died, and go first: a live line of
     the same tile may then be cached beside a dead one whose readers have not finished."""
 
-    __slots__ = ("device", "_lines", "_dead", "bytes_cached")
+    __slots__ = ("device", "_lines", "_dead")
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lines: OrderedDict[Hashable, Line] = OrderedDict()
         self._dead: dict[int, Line] = {}  # id(line) -> line
-        self.bytes_cached = 0
 
     def __len__(self) -> int:
         return len(self._lines) + len(self._dead)
@@ -77,7 +76,6 @@ class ALRU:
         if line.key in self._lines:
             raise KeyError(f"tile {line.key!r} is already cached on device {self.device}")
         self._lines[line.key] = line
-        self.bytes_cached += line.nbytes
 
     def victim(self) -> Line | None:
         """Dequeue (Algorithm 2, lines 11-18): the first idle line from the LRU end, dead lines first."""
@@ -100,4 +98,3 @@ class ALRU:
             del self._dead[id(line)]
         else:
             del self._lines[line.key]
-        self.bytes_cached -= line.nbytes

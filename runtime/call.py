@@ -35,22 +35,21 @@ class CallCancelled(Exception):
 _clock = time.perf_counter
 
 
-def _gemm_like(step: Step) -> float:
-    return 2.0 * step.m * step.n * step.k
-
-
-# Real flops of one step by kernel (times 4 for complex types), for the stats and the sim's cost model.
+# Real flops of one step by kernel (times 4 for complex types), for the stats and the sim's cost
+# model; a kernel not listed counts as gemm's 2 m n k.
 STEP_FLOPS = {
     "scale": lambda s: float(s.m * s.n),
-    "syrk": lambda s: 1.0 * s.n * (s.n + 1) * s.k,
-    "herk": lambda s: 1.0 * s.n * (s.n + 1) * s.k,
-    "syr2k": lambda s: 2.0 * s.n * (s.n + 1) * s.k,
-    "her2k": lambda s: 2.0 * s.n * (s.n + 1) * s.k,
-    "trmm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
-    "trsm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
-    "invmm": lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n),
+    **dict.fromkeys(("syrk", "herk"), lambda s: 1.0 * s.n * (s.n + 1) * s.k),
+    **dict.fromkeys(("syr2k", "her2k"), lambda s: 2.0 * s.n * (s.n + 1) * s.k),
+    **dict.fromkeys(("trmm", "trsm", "invmm"), lambda s: 1.0 * s.m * s.n * (s.m if s.side == 0 else s.n)),
     "trtri": lambda s: s.m ** 3 / 3.0,
 }
+
+
+def step_flops(step: Step, is_complex: bool) -> float:
+    """Real flops of one step (complex counts 4 times)."""
+    f = STEP_FLOPS[step.kernel](step) if step.kernel in STEP_FLOPS else 2.0 * step.m * step.n * step.k
+    return 4.0 * f if is_complex else f
 
 
 @dataclass(eq=False)
@@ -201,8 +200,7 @@ class Call:
         return self.error is not None
 
     def step_flops(self, step: Step) -> float:
-        f = STEP_FLOPS.get(step.kernel, _gemm_like)(step)
-        return f * 4.0 if self.is_complex else f
+        return step_flops(step, self.is_complex)
 
     @property
     def full_step(self) -> float:

@@ -87,7 +87,3 @@ class Directory:
         for key in [k for k in self._holders if k[0][0] == base]:
             for line in self._holders.pop(key).values():
                 self.alrus[line.device].bury(line)
-
-    def lines_of_base(self, base: int, live_only: bool = True) -> int:
-        return sum(1 for alru in self.alrus for line in alru
-                   if line.key[0][0] == base and not (live_only and line.dead))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import traceback
 
 from . import faults
 from .admission import NEVER_FOR_THE_CALL
@@ -24,8 +23,7 @@ class CpuWorker(Worker):
         adm = self.engine.admission
         return adm is None or adm.admits(self, task)
 
-    def _may_steal(self, task) -> bool:
-        return self._takes(task)
+    _may_steal = _takes  # a stationed task is admitted as a queued one
 
     def _pull(self):
         """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
@@ -80,7 +78,6 @@ class CpuWorker(Worker):
                 except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
                     if self.device_error(exc):
                         raise
-                    exc.blasx_traceback = traceback.format_exc()
                     self.current = None
                     task.call.fail(exc)
                     task.call.account(task)

@@ -116,7 +116,6 @@ from __future__ import annotations
 import collections
 import os
 import threading
-import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -350,7 +349,6 @@ class Engine:
                     raise
                 call.account(task, dev.index)
         except BaseException as exc:  # noqa: BLE001 - raised to the caller by submit, as from a worker
-            exc.blasx_traceback = traceback.format_exc()
             call.fail(exc if isinstance(exc, Exception) else CallCancelled(f"{call.name}: {exc!r}"))
             for task in tasks:
                 call.account(task)

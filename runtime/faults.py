@@ -14,8 +14,6 @@ import ctypes
 import signal
 import threading
 
-PHASES = ("plan", "register", "submit", "load", "compute", "writeback", "cpu")
-
 _hook = None  # fn(phase, device, task) or None
 
 

@@ -127,7 +127,6 @@ class RegistrationCache:
         # call's array: a plain Lock would deadlock).
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
-        self.registered_bytes = 0
 
     def pin(self, arrays) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands, chunks round-robin in address order
@@ -180,9 +179,6 @@ class RegistrationCache:
                 p.ok[i] = True
             except runtime.CUDARuntimeError:  # already registered by others, or no lockable memory: pageable
                 p.ok[i] = False
-            if p.ok[i]:
-                with self._lock:
-                    self.registered_bytes += end - start
         finally:
             p.ready[i].set()
 
@@ -203,7 +199,6 @@ class RegistrationCache:
             if self._ours.get(key) is not p:
                 return
             del self._ours[key]
-            self.registered_bytes -= p.pinned_bytes
         with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone already
             from cupy.cuda import runtime
             for (start, _), ok in zip(p.chunks, p.ok):
@@ -223,10 +218,6 @@ class RegistrationCache:
                        for (s, e), ok in zip(p.chunks, p.ok) if s < hi and lo < e]
         return (f"host bytes [{lo:#x}, {hi:#x}): {ends}; blasx registrations overlapping: "
                 f"{', '.join(overlap) or 'none'}")
-
-    def is_ours(self, x: np.ndarray) -> bool:
-        with self._lock:
-            return id(_root(x)) in self._ours
 
 
 class PinJob(threading.Thread):

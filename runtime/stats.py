@@ -156,10 +156,6 @@ class CallStats:
         with self._lock:
             self._records.append(rec)
 
-    def add_records(self, recs: Iterable[OpRecord]) -> None:
-        for rec in recs:
-            self.add_record(rec)
-
     def start(self, t: float | None = None) -> None:
         with self._lock:
             self._start = clock() if t is None else float(t)
@@ -190,21 +186,6 @@ class CallStats:
         return Profile(devices=self.devices, start=start,
                        finish=clock() if finish is None else finish,
                        counters=dict(enumerate(counters)), records=records, host=dict(self.host))
-
-    def merge(self, other: CallStats) -> None:
-        """Add other's counters and records; the window grows to cover both."""
-        if len(other.devices) != len(self.devices):
-            raise ValueError("merge needs the same devices")
-        o_start, o_finish, o_counters, o_records = other._snapshot()
-        with self._lock:
-            for mine, theirs in zip(self._counters, o_counters):
-                for f, v in theirs.items():
-                    mine[f] += v
-            if self.keep_records:
-                self._records.extend(o_records)
-            self._start = min(self._start, o_start)
-            if o_finish is not None:
-                self._finish = o_finish if self._finish is None else max(self._finish, o_finish)
 
 
 # ---------------------------------------------------------------------------------------------

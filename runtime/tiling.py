@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 # op codes, as in BLAS and scipy.linalg.blas: 0 = N, 1 = T, 2 = C (conjugate transpose)
 OP_N, OP_T, OP_C = 0, 1, 2
-OP_NAMES = ("N", "T", "C")
 
 
 class TileRef(NamedTuple):
@@ -54,8 +53,3 @@ def op_tile(slot: int, op: int, i: int, k: int, stored_rows: int, stored_cols: i
 def effective_lower(lower: int, op: int) -> bool:
     """True if op(A) is lower triangular (A's stored triangle, transposed by T / C)."""
     return bool(lower) != (op != OP_N)
-
-
-def element_offset(r: int, c: int, ld: int) -> int:
-    """Element offset of (r, c) in a column-major matrix with leading dimension ld."""
-    return c * ld + r

@@ -17,7 +17,6 @@ unfinished tasks to the engine.
 from __future__ import annotations
 
 import time
-import traceback
 from collections import deque
 
 from .cache import Line
@@ -200,7 +199,6 @@ class StreamWorker(StreamAssign, Worker):
         """End the task on stream ``s`` after an error of its call: the call fails (so its other
         tasks stop too), what this step had issued is completed (fills flushed) and its lines and
         buffers are released at an event after it; the task is accounted at that event."""
-        exc.blasx_traceback = traceback.format_exc()
         act.task.call.fail(exc)
         if work.fills:
             self._flush(s, work.fills)
@@ -383,30 +381,26 @@ class StreamWorker(StreamAssign, Worker):
             peer = self.engine.devices[peer_line.device]
             src = PeerSource(peer, _loc(peer, peer_line.offset, call, ref.slot, ref.rows, ref.cols),
                              peer_wait, operand, ref)
-            kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
+            kind, cs = "p2p", dev.p2p_stream
         elif operand.derive is not None:  # made here from its source, on the host-copy stream
             source = source_of(call, operand)
             nbytes, dtype = operand.derive.nbytes_read(ref), call.home_dtype(ref.slot)
             src = DerivedSource(operand, ref, source)
-            cs = dev.h2d_stream
-            if source.device >= 0:
-                kind, field = "p2p", "bytes_p2p"
-            else:
-                kind, field = "h2d", "bytes_h2d"
-                self.h2d_issued += nbytes
+            kind, cs = "p2p" if source.device >= 0 else "h2d", dev.h2d_stream
         elif operand.device >= 0:
             nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = ArraySource(operand, ref)
-            kind, field, cs = "p2p", "bytes_p2p", dev.p2p_stream
+            kind, cs = "p2p", dev.p2p_stream
         else:
             nbytes, dtype = call.home_nbytes(ref), call.home_dtype(ref.slot)
             src = HostSource(operand, ref)
-            kind, field, cs = "h2d", "bytes_h2d", dev.h2d_stream
+            kind, cs = "h2d", dev.h2d_stream
+        if kind == "h2d":
             self.h2d_issued += nbytes
         h = dev.begin_op(cs)
         dev.copy_in(cs, dst, src, ref.rows, ref.cols, dtype, task)
         dev.end_op(cs, h, kind, nbytes, 0.0, task)
-        call.stats.owned_row(self.idx)[field] += nbytes
+        call.stats.owned_row(self.idx)["bytes_" + kind] += nbytes
         return cs
 
     def _flush(self, s: int, fills: dict) -> None:

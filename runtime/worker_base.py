@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import traceback
 
 from .devices.base import DeviceError
 from .station import most_loaded
@@ -126,7 +125,6 @@ class Worker(threading.Thread):
         try:
             self.loop()
         except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
-            exc.blasx_traceback = traceback.format_exc()
             self.fail(exc)
         finally:
             with contextlib.suppress(BaseException):  # closing a broken device may fail too

@@ -13,6 +13,7 @@ There is no size threshold (:func:`blasx.offload` has one). docs/usage.md has th
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 import operator
@@ -193,26 +194,14 @@ def _in_place(x, dtype, overwrite: int) -> bool:
     return bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
-def _shaped(res, out, out2):
-    """The result as f2py gives it for an output argument ``out`` (None: none; ``out2``: its
-    matrix view) of rank other than 2: of out's own shape, ``out`` itself when written in place."""
-    if out is None or out.ndim == 2:
-        return res
-    return out if res is out2 else res.reshape(out.shape)
-
-
 # ---------------------------------------------------------------- the routines
-
-def _impl(prefix: str, routine: str):
-    return (level3.PREFIXED if routine == "gemm" else blas3.PREFIXED)[prefix + routine]
-
 
 def _make(prefix: str, routine: str):
     sig = signature_of(routine)
     dtype = dtypes.BY_PREFIX[prefix].dtype
     name = prefix + routine
     hermitian = routine in ("herk", "her2k")
-    impl = _impl(prefix, routine)
+    impl = (level3.PREFIXED if routine == "gemm" else blas3.PREFIXED)[name]
     out_name = "b" if _FAMILY[routine] == "trmm" else "c"
     flags = tuple((k, _FLAG_MAX[k]) for k in _FLAGS if k in sig.parameters)
     overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
@@ -263,7 +252,10 @@ def _make(prefix: str, routine: str):
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
         res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
-        return res if out is None or out.ndim == 2 else _shaped(res, out, v[out_name])
+        if out is None or out.ndim == 2:
+            return res
+        # f2py gives an output argument of another rank back in its own shape (itself when written in place)
+        return out if res is v[out_name] else res.reshape(out.shape)
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
@@ -304,17 +296,11 @@ def find_best_blas_type(arrays=(), dtype=None):
     max_score = TYPE_SCORE.get(dtype.char, 5)
     prefer_fortran = False
     if arrays:
-        if len(arrays) == 1:
-            max_score = TYPE_SCORE.get(arrays[0].dtype.char, 5)
-            prefer_fortran = _fortran(arrays[0])
-        else:
-            scores = [TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
-            max_score = max(scores)
-            ind = scores.index(max_score)
-            if max_score == 3 and 2 in scores:
-                max_score = 4
-            if _fortran(arrays[ind]):
-                prefer_fortran = True
+        scores = [TYPE_SCORE.get(x.dtype.char, 5) for x in arrays]
+        max_score = max(scores)
+        prefer_fortran = _fortran(arrays[scores.index(max_score)])
+        if max_score == 3 and 2 in scores:
+            max_score = 4
     dt = BY_SCORE.get(max_score, dtypes.BY_PREFIX["d"].dtype)  # (scipy's fallback for other types: d)
     return dtypes.prefix(dt), dt, prefer_fortran
 
@@ -353,11 +339,9 @@ def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
 
 
 def _with_int64(fn):
+    @functools.wraps(fn)  # (its attributes too: signature, typecode, prefix, dtype, module_name)
     def g(*args, **kwargs):
         return fn(*args, **kwargs)
-    for attr in ("__name__", "__qualname__", "__doc__", "__signature__", "__module__", "typecode", "prefix", "dtype",
-                 "module_name"):
-        setattr(g, attr, getattr(fn, attr))
     g.int_dtype = np.dtype(np.int64)
     return g
 

@@ -20,7 +20,7 @@ SIGNATURES = {
     "syr2k": "PiiiiPPiPiPPi", "her2k": "PiiiiPPiPiPPi",
     "syrk": "PiiiiPPiPPi", "herk": "PiiiiPPiPPi",
     "trmm": "PiiiiiiPPiPiPi", "trsm": "PiiiiiiPPiPi",
-    "syrkx": "PiiiiPPiPiPPi", "herkx": "PiiiiPPiPiPPi", "gemm": "PiiiiiPPiPiPPi",
+    "gemm": "PiiiiiPPiPiPPi",
     # cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta,
     #              C, Ctype, ldc, computeType, algo)
     "GemmEx": "PiiiiiPPiiPiiPPiiii",
@@ -47,7 +47,7 @@ def libcublas() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def routine(prefix: str, name: str):
     """cublas<prefix><name>_v2 (cublas<prefix><name> for routines without a v2 form, such as
-    syrkx) with its argument types, returning a checked callable."""
+    GemmEx) with its argument types, returning a checked callable."""
     lib = libcublas()
     sym = f"cublas{prefix.upper()}{name}_v2"
     if not hasattr(lib, sym):

@@ -20,6 +20,7 @@ The kernels and conversions of these types: ``cuda_lowp``; the cuBLAS tile kerne
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -32,7 +33,6 @@ from .cuda_kernels import MEMCPY_DEFAULT, CudaKernels, _cublas
 from .cuda_lowp import DeviceCount, convert_tile, device_view, kernels
 
 EVENT_DISABLE_TIMING = 2
-STREAM_NON_BLOCKING = 1
 NOT_READY = 600  # cudaErrorNotReady
 RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
 DEFAULT_CACHE_FRACTION = 0.5
@@ -120,12 +120,9 @@ class CudaDevice(CudaKernels, StreamDevice):
                 runtime.streamSynchronize(p)
         finally:
             self._scratches = {}
-            for ev in self._events + self._timing_events + [r[-1] for r in self._open_records] + \
-                    [r[-2] for r in self._open_records]:
-                try:
+            for ev in self._events + self._timing_events + [e for r in self._open_records for e in r[-2:]]:
+                with contextlib.suppress(Exception):  # best effort on a broken device
                     runtime.eventDestroy(ev)
-                except Exception:  # noqa: BLE001 - best effort on a broken device
-                    pass
             self._events, self._timing_events, self._open_records = [], [], []
             for h in self.handles:
                 cublas.destroy(h)

@@ -26,21 +26,15 @@ def _cublas():
 def cublas_routine(name: str, dtype):
     """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm): CuPy's binding, else the
     same libcublas through ctypes."""
+    from .cublas_ctypes import routine
     prefix = blas_prefix(dtype)
-    fn = getattr(_cublas(), prefix + name, None)
-    if fn is None:
-        from .cublas_ctypes import routine
-        fn = routine(prefix, name)
-    return fn
+    return getattr(_cublas(), prefix + name, None) or routine(prefix, name)
 
 
 def _gemm_ex():
     """cublasGemmEx: CuPy's binding, else the same libcublas through ctypes."""
-    fn = getattr(_cublas(), "gemmEx", None)
-    if fn is None:
-        from .cublas_ctypes import gemm_ex
-        fn = gemm_ex()
-    return fn
+    from .cublas_ctypes import gemm_ex
+    return getattr(_cublas(), "gemmEx", None) or gemm_ex()
 
 
 class CudaKernels:

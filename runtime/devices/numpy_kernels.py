@@ -156,15 +156,12 @@ def _rank_product(step, a, b, alpha, alpha2, conj: bool):
     if step.k == 0 or a is None:
         return None
     x = OPS[step.op_a](a)
-    t = (lambda y: y.conj().T) if conj else (lambda y: y.T)
-    if b is None:
-        prod = x @ t(x)
-        prod *= alpha
-        return prod
-    y = OPS[step.op_a](b)
+    y = x if b is None else OPS[step.op_a](b)
+    t = (lambda z: z.conj().T) if conj else (lambda z: z.T)
     prod = x @ t(y)
     prod *= alpha
-    prod += alpha2 * (y @ t(x))
+    if b is not None:
+        prod += alpha2 * (y @ t(x))
     return prod
 
 
@@ -269,7 +266,7 @@ def trmm(step, scalars, a, b, c) -> None:
     c[...] = _tri_product(step, scalars, a, b)
 
 
-_TRSM = {}
+_trsm_of = functools.cache(lambda dtype: _blas.get_blas_funcs("trsm", dtype=dtype))  # scipy's, per dtype
 
 
 @_quiet
@@ -277,11 +274,8 @@ def trsm(step, scalars, a, b, c) -> None:
     """side 0: c = alpha op(T)^-1 c; side 1: c = alpha c op(T)^-1, in place; T the uplo triangle
     of a (unit diagonal if diag); b is not used. No singularity check (BLAS semantics).
     (cublasXtrsm(side, uplo, trans=op_a, diag, m, n, alpha, a, lda, c, ldc))"""
-    f = _TRSM.get(c.dtype)
-    if f is None:
-        f = _TRSM[c.dtype] = _blas.get_blas_funcs("trsm", dtype=c.dtype)
-    res = f(scalars[step.alpha], a, c, side=step.side, lower=step.uplo, trans_a=step.op_a,
-            diag=step.diag, overwrite_b=1)
+    res = _trsm_of(c.dtype)(scalars[step.alpha], a, c, side=step.side, lower=step.uplo, trans_a=step.op_a,
+                            diag=step.diag, overwrite_b=1)
     if res is not c:
         c[...] = res
 
@@ -295,7 +289,7 @@ def invmm(step, scalars, a, b, c, out=None) -> None:
     (c if out is None else out)[...] = _tri_product(step, scalars, a, c)
 
 
-_TRTRI = {}
+_trtri_of = functools.cache(lambda dtype: get_lapack_funcs("trtri", dtype=dtype))  # LAPACK's, per dtype
 
 
 @_quiet
@@ -303,10 +297,7 @@ def trtri(step, scalars, a, b, c) -> None:
     """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
     written, if diag); the other triangle is left as it is. a and b are not used. No
     singularity check (as trsm). (LAPACK ?trtri; on GPUs runtime.devices.cuda_kernels.invert_triangle)"""
-    f = _TRTRI.get(c.dtype)
-    if f is None:
-        f = _TRTRI[c.dtype] = get_lapack_funcs("trtri", dtype=c.dtype)
-    inv, _info = f(c, lower=step.uplo, unitdiag=step.diag)
+    inv, _info = _trtri_of(c.dtype)(c, lower=step.uplo, unitdiag=step.diag)
     keep = np.tril(np.ones(c.shape, dtype=bool), -1 if step.diag else 0)
     if not step.uplo:
         keep = keep.T

@@ -112,7 +112,7 @@ _taken_lock = threading.Lock()
 
 class Taken:
     """Device memory held by another allocation on one sim (:func:`take_memory`); ``release``
-    gives it back (also on ``with`` exit)."""
+    gives it back."""
 
     def __init__(self, index: int, nbytes: int) -> None:
         self.index, self.nbytes = index, nbytes
@@ -122,12 +122,6 @@ class Taken:
             if self.nbytes:
                 _taken[self.index] -= self.nbytes
                 self.nbytes = 0
-
-    def __enter__(self) -> "Taken":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def take_memory(index: int, nbytes: int) -> Taken:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..call import STEP_FLOPS
+from ..call import step_flops
 from ..tasks import SC_ALPHA, SC_BETA, SC_ZERO, Step
 from ..tiling import OP_C, OP_N, OP_T
 
@@ -18,12 +18,6 @@ TRSM_A, TRSM_B, TRSM_X, TRSM_V = 0, 1, 2, 3
 
 SIDE_LEFT, SIDE_RIGHT = 0, 1
 UPPER, LOWER = 0, 1
-
-
-def step_flops(step: Step, is_complex: bool) -> float:
-    """Real flops of one step (as ``Call.step_flops``: complex counts 4 times)."""
-    f = STEP_FLOPS[step.kernel](step) if step.kernel in STEP_FLOPS else 2.0 * step.m * step.n * step.k
-    return 4.0 * f if is_complex else f
 
 
 def task_flops(steps: Iterable[Step], is_complex: bool) -> float:

@@ -12,21 +12,6 @@ def _triangle(tn: int, lower: int, block: tuple[int, int]) -> list[tuple[int, in
     return [(i, j) for i, j in tile_order(tn, tn, block) if (i >= j if lower else i <= j)]
 
 
-def _rank_op(op: int, hermitian: bool) -> int:
-    """The op applied to the second factor's stored tile: op(A)_jk^T (^H) in terms of stored tiles."""
-    return _mirror_op(hermitian) if op == OP_N else OP_N
-
-
-def _rank_tile(slot: int, op: int, i: int, kk: int, n: int, k: int, tile: int):
-    """Stored tile of op(X) tile (i, kk), op(X) being n x k.
-
-    It is also the right factor of a rank-k gemm step, with op ``_rank_op(op)``:
-    for op N, op(X)_jk^T is X(j, kk) with op T (C); for op T (C), op(X)_jk =
-    X(kk, j)^T (^H), whose transpose (conjugate transpose) is X(kk, j) with op N."""
-    rows, cols = (n, k) if op == OP_N else (k, n)
-    return op_tile(slot, op, i, kk, rows, cols, tile)
-
-
 def _plan_rank_k(n: int, k: int, tile: int, op: int, lower: int, kernel: str, c_slot: int,
                  diag_slots: tuple[int, int | None], terms: tuple[tuple[int, int, int], ...], *,
                  hermitian: bool, alpha_zero: bool, beta_zero: bool, is_complex: bool,
@@ -43,13 +28,16 @@ def _plan_rank_k(n: int, k: int, tile: int, op: int, lower: int, kernel: str, c_
     """
     a_slot, b_slot = diag_slots
     op_b = OP_N if b_slot is None else op
-    op2 = _rank_op(op, hermitian)
+    # A gemm step's right factor op(Y)_jk^T (^H) is Y's stored tile of op(Y) tile (j, kk) too: for op
+    # N, Y(j, kk) with op T (C); for op T (C), op(Y)_jk = Y(kk, j)^T (^H), so Y(kk, j) with op N.
+    op2 = _mirror_op(hermitian) if op == OP_N else OP_N
+    rows, cols = (n, k) if op == OP_N else (k, n)  # every operand as stored
     tn, tk = n_tiles(n, tile), n_tiles(k, tile)
     first = _first_beta(beta_zero)
     skip = alpha_zero or k == 0
 
-    def x_tile(slot, i, kk):
-        return None if slot is None else _rank_tile(slot, op, i, kk, n, k, tile)
+    def x_tile(slot, i, kk):  # the stored tile of op(X) tile (i, kk)
+        return None if slot is None else op_tile(slot, op, i, kk, rows, cols, tile)
 
     tasks: list[Task] = []
     for i, j in _triangle(tn, lower, block):

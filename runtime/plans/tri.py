@@ -14,12 +14,10 @@ def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> li
     A row (column) is written only after every task that reads its old value:
     left side, lower op(A): C_ij reads B_kj for k <= i, so the bottom row goes
     first; upper: the top row first; right side, lower op(A): C_ij reads B_ik
-    for k >= j, so the left column first; upper: the right column first.
+    for k >= j, so the left column first; upper: the right column first. That is TRSM's solve
+    order reversed (a solved tile is read by the ones after it, an old one by those before it).
     """
-    eff_lower = effective_lower(lower, op)
-    count = n_tiles(m if side == SIDE_LEFT else n, tile)
-    ascending = (not eff_lower) if side == SIDE_LEFT else eff_lower
-    return list(range(count)) if ascending else list(range(count - 1, -1, -1))
+    return trsm_levels(m, n, tile, side, lower, op)[::-1]
 
 
 #: Order families of in-place TRMM tasks (:func:`trmm_order`); ``wave`` and ``blocks`` take a number.
