@@ -21,7 +21,6 @@ from . import blas3
 from .blas3 import PREFIXED as _PREFIXED
 from .blas3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from . import linalg
-from . import dnn
 from .level3 import PREFIXED as _PREFIXED_GEMM
 from .level3 import gemm, last_profile
 from .numpy_api import dot, matmul, tensordot
@@ -43,3 +42,11 @@ __all__ = ["configure", "shutdown", "reset", "engine", "gemm", "matmul", "dot", 
            "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm", "linalg",
            "offload", "offload_enable", "offload_disable", "offload_threshold", *sorted(_PREFIXED_GEMM),
            *sorted(_PREFIXED)]
+
+
+def __getattr__(name):
+    """``blasx.dnn`` is imported on first use: BLAS users do not pay for the DNN layers' modules."""
+    if name == "dnn":
+        import importlib
+        return importlib.import_module(".dnn", __name__)
+    raise AttributeError(f"module 'blasx' has no attribute {name!r}")

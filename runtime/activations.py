@@ -10,7 +10,17 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import numpy as np
-from scipy import special
+
+
+class _Special:
+    """scipy.special, imported on first use (``import blasx`` should not pay for it)."""
+
+    def __getattr__(self, name):
+        from scipy import special
+        return getattr(special, name)
+
+
+special = _Special()
 
 _SQRT1_2 = 0.70710678118654752440  # 1 / sqrt(2)
 _SQRT_2_PI = 0.79788456080286535588  # sqrt(2 / pi)
