@@ -1,13 +1,14 @@
 """Recurrent layers (issue 22): blasx.dnn against torch (cuDNN on CUDA) in the same run, every result checked.
 
     python -m bench.rnn                                   # the issue's shapes on GPU 0 vs cuDNN
-    python -m bench.rnn --devices cuda:0,1 --layers 4 --hidden 1024 --batch 64   # wavefront on two GPUs
+    python -m bench.rnn --devices cuda:0,1 --layers 4 --hidden 1024 --batch 64   # diagonal on two GPUs
     python -m bench.rnn --devices cuda:0,1 --bidirectional                       # directions on two GPUs
     python -m bench.rnn --deepbench                       # DeepBench's recurrent training shapes (T <= 375)
     python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
 
 Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
-(synchronised), their ratio, and the check: y and h_n (inference), and also the input and every parameter
+(synchronised), their ratio, the placement blasx used (rnn_plan: single, directions, diagonal, wavefront or batch,
+and its device count), and the check: y and h_n (inference), and also the input and every parameter
 gradient (training) against the peer's, relative Frobenius error under the dtype's tolerance. ``--overhead``
 adds the per-step cost of the step loop launched from Python and replayed from a CUDA graph. Outputs
 ``bench/results/rnn-<tag>-<stamp>.{json,md}`` with the command, machine and date.
@@ -140,6 +141,9 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
 
     t_peer, (ty, tst) = _best(peer_run, runs, sync)
     t_blasx, (out, grads) = _best(blasx_run, runs, sync)
+    from blasx.dnn import rnn_multi
+    pl = rnn_multi.last_run().get("placement")
+    placement = f"{pl.kind} x{pl.devices}" if pl is not None else "?"
     tst0 = tst[0] if isinstance(tst, tuple) else tst
     st0 = out[1][0] if isinstance(out[1], tuple) else out[1]
     errs = {"y": _rel(to_np(out[0]), ty.detach().float().cpu().numpy()),
@@ -151,7 +155,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
     tol = TOL["tf32" if c["math"] == "tf32" else c["dtype"]]
     worst = max(errs, key=errs.get)
     return dict(c, blasx_s=t_blasx, peer_s=t_peer, ratio=t_blasx / t_peer, max_err=errs[worst], worst=worst,
-                tol=tol, ok=errs[worst] < tol)
+                tol=tol, ok=errs[worst] < tol, placement=placement)
 
 
 def step_overhead(hidden: int = 256, batch: int = 16, steps: int = 100, runs: int = 5) -> dict:
@@ -177,13 +181,14 @@ def markdown(rep: dict) -> str:
     lines = [f"# bench.rnn: {rep['tag']}", "", f"- command: `{rep['command']}`", f"- date: {rep['date']}",
              f"- machine: {rep['env'].get('host')}, {rep['env'].get('gpus', rep['env'].get('cpu'))}",
              f"- blasx devices: {rep['devices']}; peer: torch on {rep['peer']}", "",
-             "| mode | H | B | T | L | dir | dtype | math | phase | blasx ms | peer ms | ratio | max err (worst) | ok |",
-             "| --- | --: | --: | --: | --: | --: | --- | --- | --- | --: | --: | --: | --- | --- |"]
+             "| mode | H | B | T | L | dir | dtype | math | phase | blasx ms | peer ms | ratio | max err (worst) | ok "
+             "| placement |",
+             "| --- | --: | --: | --: | --: | --: | --- | --- | --- | --: | --: | --: | --- | --- | --- |"]
     for r in rep["results"]:
         lines.append(f"| {r['mode']} | {r['hidden']} | {r['batch']} | {r['steps']} | {r['layers']} | "
                      f"{2 if r['bidirectional'] else 1} | {r['dtype']} | {r['math']} | {r['phase']} | "
                      f"{1e3 * r['blasx_s']:.2f} | {1e3 * r['peer_s']:.2f} | {r['ratio']:.2f} | "
-                     f"{r['max_err']:.1e} ({r['worst']}) | {'yes' if r['ok'] else 'NO'} |")
+                     f"{r['max_err']:.1e} ({r['worst']}) | {'yes' if r['ok'] else 'NO'} | {r.get('placement', '?')} |")
     if rep.get("overhead"):
         o = rep["overhead"]
         lines += ["", f"Per-step overhead (LSTM H={o['hidden']}, B={o['batch']}, T={o['steps']}): "
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
         rep["results"].append(r)
         print(f"{r['mode']} H={r['hidden']} B={r['batch']} T={r['steps']} {r['dtype']}/{r['math']} {r['phase']}: "
               f"blasx {1e3 * r['blasx_s']:.2f} ms, peer {1e3 * r['peer_s']:.2f} ms, ratio {r['ratio']:.2f}, "
-              f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}", flush=True)
+              f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}, placement {r['placement']}", flush=True)
     if args.overhead and peer == "cuda":
         rep["overhead"] = step_overhead()
     os.makedirs(args.out, exist_ok=True)

@@ -35,3 +35,4 @@ def test_checked_run_on_sims(tmp_path):
     train = [r for r in rep["results"] if r["phase"] == "training"]
     assert train and all(r["max_err"] < r["tol"] for r in train)
     assert "| lstm | 8 | 3 | 4 |" in md[0].read_text()
+    assert all(r["placement"] == "diagonal x2" for r in rep["results"]) and "diagonal x2 |" in md[0].read_text()

@@ -135,30 +135,58 @@ def test_lstm_projection_half():
 
 
 @pytest.mark.parametrize("devices", ["sim:1", "sim:2", "sim:3"])
-@pytest.mark.parametrize("mode,layers,bidir,B,kind", [
-    ("lstm", 3, False, 3, "wavefront"), ("gru", 2, True, 3, "directions"), ("rnn_tanh", 1, False, 130, "batch")])
-def test_sims_placements(devices, mode, layers, bidir, B, kind):
+@pytest.mark.parametrize("mode,layers,bidir,B,proj,kind", [
+    ("lstm", 3, False, 3, 0, "diagonal"), ("gru", 4, False, 3, 0, "diagonal"), ("lstm", 3, False, 3, 2, "wavefront"),
+    ("gru", 2, True, 3, 0, "directions"), ("rnn_tanh", 1, False, 130, 0, "batch")])
+def test_sims_placements(devices, mode, layers, bidir, B, proj, kind):
     blasx.configure(devices=devices)
-    lengths = [5] * (B // 2) + [3] * (B - B // 2) if B > 3 else None
-    compare(mode, layers=layers, bidir=bidir, B=B, H=5, lengths=lengths, dtype="float32" if B > 3 else "float64")
+    lengths = [5] * (B // 2) + [3] * (B - B // 2) if B > 3 else [5, 4, 2]
+    compare(mode, layers=layers, bidir=bidir, B=B, H=5, proj=proj, lengths=lengths,
+            dtype="float32" if B > 3 else "float64")
     run = rnn_multi.last_run()
-    assert run["placement"].kind == (kind if devices != "sim:1" else "single")
+    assert run["placement"].kind == (kind if devices != "sim:1" or kind == "diagonal" else "single")
     if kind == "directions" and devices != "sim:1":
         assert {run["ran_on"][(0, 0)], run["ran_on"][(0, 1)]} == {0, 1}
-    if kind == "wavefront" and devices == "sim:3":
-        assert [run["ran_on"][(layer, 0)] for layer in range(3)] == [0, 1, 2]
+    if kind in ("wavefront", "diagonal") and devices == "sim:3":
+        assert [run["ran_on"][(layer, 0)] for layer in range(layers)] == [layer * 3 // layers for layer in range(layers)]
 
 
 def test_plan_rules():
-    assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("single", 1, ((0,),) * 4)
-    assert rnn_plan.plan(4, 1, 64, 100, 2) == rnn_plan.Placement("wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=7)
-    assert rnn_plan.plan(3, 1, 64, 100, 8) == rnn_plan.Placement("wavefront", 3, ((0,), (1,), (2,)), chunk=5)
+    assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("diagonal", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 1, projection=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 2) == rnn_plan.Placement("diagonal", 2, ((0,), (0,), (1,), (1,)), chunk=7)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True) == rnn_plan.Placement(
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=7)
+    assert rnn_plan.plan(3, 1, 64, 100, 8) == rnn_plan.Placement("diagonal", 3, ((0,), (1,), (2,)), chunk=5)
     assert rnn_plan.plan(2, 1, 8, 1000, 2).chunk == rnn_plan.MAX_CHUNK
     assert rnn_plan.plan(2, 2, 64, 100, 4) == rnn_plan.Placement("directions", 2, ((0, 1), (0, 1)))
     assert rnn_plan.plan(1, 1, 256, 100, 4) == rnn_plan.Placement("batch", 4, ((0,),), rows=((0, 64), (64, 128),
                                                                                               (128, 192), (192, 256)))
     assert rnn_plan.plan(1, 1, 130, 100, 4) == rnn_plan.Placement("batch", 2, ((0,),), rows=((0, 65), (65, 130)))
     assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
+
+
+def test_diagonal_order(monkeypatch):
+    """Each diagonal step advances every layer of the group at once: layer l at step s works on time s - l
+    (idle outside 0..T-1), and the backward visits the same (step, layer, time) triples in reverse."""
+    from blasx.dnn import rnn_diag_cells, rnn_layer
+    seen = {"fwd": [], "bwd": []}
+    real_f, real_b = rnn_diag_cells.np_forward, rnn_diag_cells.np_backward
+
+    def fwd(mode, o, bias, p0, cp, co, g, dp, do, act, first):
+        seen["fwd"].append(tuple(int(a) for a in act))
+        real_f(mode, o, bias, p0, cp, co, g, dp, do, act, first)
+
+    def bwd(mode, en, ec, ext, dhn, dc, g, c, cp, d, dp, dg, act, s, T):
+        seen["bwd"].append((s, tuple(int(a) for a in act)))
+        real_b(mode, en, ec, ext, dhn, dc, g, c, cp, d, dp, dg, act, s, T)
+    monkeypatch.setattr(rnn_layer.HostOps, "diag_forward", staticmethod(fwd))
+    monkeypatch.setattr(rnn_layer.HostOps, "diag_backward", staticmethod(bwd))
+    compare("lstm", layers=3, T=4, B=3, lengths=[4, 2, 1])
+    bs = (3, 2, 1, 1)
+    want = [tuple(bs[s - l] if 0 <= s - l < 4 else -1 for l in range(3)) for s in range(6)]
+    assert seen["fwd"] == want
+    assert seen["bwd"] == [(s, want[s]) for s in range(5, -1, -1)]
 
 
 def test_state_dict_tensors_and_unbatched():

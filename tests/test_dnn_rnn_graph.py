@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from blasx.dnn import rnn_cells, rnn_graph, rnn_layer
+from blasx.dnn import rnn_cells, rnn_diag, rnn_diag_cells, rnn_graph, rnn_layer
 
 _rec = {"ops": None}  # the calls recorded while a stand-in stream captures
 
@@ -98,6 +98,13 @@ class _Ops(rnn_layer.HostOps):
     def placeholder(self, f):
         return self._ph.setdefault(np.dtype(f), XP.zeros(1, dtype=f))
 
+    def gemm_batched(self, a, w, out, trans_w, beta):
+        self.on_workspace.append(self.workspace is not None)
+        self._do(lambda: rnn_layer.HostOps.gemm_batched(a, w, out, trans_w, beta))
+
+    def diag_forward(self, *args):
+        self._do(lambda: rnn_diag_cells.np_forward(*args))
+
 
 @pytest.mark.parametrize("mode,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)])
 @pytest.mark.parametrize("bs", [(4,) * 6, (4, 4, 3, 2, 2, 1)])
@@ -146,3 +153,35 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
     assert after["captured"] == before["captured"] + 3  # the forward, the backward with dy and without
     assert after["replayed"] == before["replayed"] + 4  # forward calls 1-3, backward call 2
     rnn_graph.clear()
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_diag_parts_equal_plain_loop(mode):
+    """A diagonal loop run as graph parts (chunks: eager and captured on the first call, replayed after) equals
+    the plain loop over all steps."""
+    rng = np.random.default_rng(3)
+    n, T, B, H = 3, 5, 2, 4
+    G, gw = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode], rnn_diag_cells.gate_width(mode, H)
+    S = T + n - 1
+
+    def bufs(xp):
+        return rnn_diag.Bufs(D=xp.zeros((S + 1, B, n + 1, H)), C=xp.zeros((S + 1, n, B, H)),
+                             G=xp.zeros((S, n, B, 4 * H)), O=xp.zeros((n, B, gw)), W=xp.zeros((n, gw, 2 * H)),
+                             bias=xp.zeros((n, gw)), P0=xp.zeros((T, B, G * H)),
+                             acts=rnn_diag.acts_table((2, 2, 1, 1, 1), n))
+    rnn_graph.clear()
+    e = rnn_graph.Diag(XP, bufs(XP))
+    parts = rnn_diag.chunks(S, 3)
+    for call in range(3):
+        ref = bufs(np)
+        for name in ("W", "bias", "P0"):
+            v = rng.standard_normal(getattr(ref, name).shape) * 0.5
+            getattr(ref, name)[...] = v
+            getattr(e.b, name)[...] = v
+        rnn_diag.forward_steps(rnn_layer.HostOps(), mode, ref, True, range(S))
+        ops = _Ops()
+        for part, (a, z) in enumerate(parts):
+            rnn_graph.run_part(ops, e, part, np.float64,
+                               lambda a=a, z=z: rnn_diag.forward_steps(ops, mode, e.b, True, range(a, z)))
+        assert np.array_equal(e.b.D, ref.D) and all(ops.on_workspace)
+    assert len(e.graphs) == len(parts) and all(r == 3 for r in e.runs.values())

@@ -5,7 +5,8 @@ direction (MIOpen eq. 11-21): the input projection of all T steps is one engine 
 device); the step loop runs one recurrent GEMM and one fused cell kernel per step (rnn_layer.py, rnn_cells.py; on
 CUDA captured once per shape into a graph and replayed, rnn_graph.py); backward runs the per-step gradient
 kernels, then the input and weight gradients of all steps as single GEMMs on the engine. Layers and directions
-are placed on devices by rnn_plan.py (a wavefront over stacked layers, directions side by side).
+are placed on devices by rnn_plan.py (a unidirectional stack runs diagonally, rnn_diag.py: all its layers advance
+together, one batched GEMM and one fused kernel per step; directions run side by side).
 
 Inputs: numpy (host) or CuPy arrays of float64, float32 (``math="tf32"`` for TF32 GEMMs), float16 or bfloat16
 (numpy only: CuPy has no bfloat16); half types accumulate and keep the cell state in float32 and store y and h in

@@ -51,15 +51,17 @@ def input_projection(pb, cell, inp, f, mm=None):
     return gx, bhn
 
 
-def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool = True) -> rnn_layer.Forward:
+def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool = True,
+                      mm=None) -> rnn_layer.Forward:
     """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
-    a CUDA graph hands back only what the output needs (rnn_graph.run)."""
+    a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
+    device instead of the engine's."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
     store = inp.dtype
     f = compute_type(store)
-    gx, bhn = input_projection(pb, cell, inp, f)
+    gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
                                    store, f)
     k = layer * spec.num_dirs + d
@@ -98,13 +100,19 @@ def direction_output(pb, st: rnn_layer.Forward, reverse: bool):
 def forward(pb, keep: bool):
     """(y (T, B, D*out), h_n, c_n, saved layers) of the whole stack, all time-major; the loops placed by
     rnn_plan.py (rnn_multi.py runs them)."""
-    from . import rnn_multi
+    from . import rnn_diag, rnn_multi
     spec, xp = pb.spec, pb.xp
     T, B = pb.x.shape[:2]
     store = pb.x.dtype
     dirs = spec.num_dirs
+    pl, devs = rnn_multi.placement(pb)
+    if pl.kind == "diagonal":
+        rnn_multi.last_run()["ran_on"].update({(layer, 0): devs[row[0]] for layer, row in enumerate(pl.cells)})
+        return rnn_diag.forward(pb, pl, devs, keep)
     layers, y = rnn_multi.run_forward(
-        pb, lambda lp, ops, layer, d, inp: direction_forward(lp, ops, layer, d, inp, keep=keep), direction_output)
+        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None: direction_forward(lp, ops, layer, d, inp, keep=keep,
+                                                                               mm=mm),
+        direction_output, keep)
     h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
     c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
     for layer, states in enumerate(layers):
@@ -132,7 +140,9 @@ def _flat(xp, a, f):
 def backward(pb, layers, gy, gh, gc) -> dict:
     """Every gradient (MIOpen eq. 15-21): step loops in reverse (on CUDA replayed from graphs, rnn_graph.py),
     then one GEMM per weight and per input."""
-    from . import rnn_params
+    from . import rnn_diag, rnn_params
+    if isinstance(layers, rnn_diag.Saved):
+        return rnn_diag.backward(pb, layers, gy, gh, gc)
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
     f = compute_type(store)

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 from . import rnn_layer
 
-MAX_GRAPHS = 16  # graphs kept per process (least recently used dropped)
+MAX_GRAPHS = 16  # entries kept per process (least recently used dropped)
 
 _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()
@@ -64,14 +64,32 @@ def _like(xp, a):
 
 
 class _Entry:
-    """A key's buffers, cuBLAS workspace and graph (None until captured)."""
+    """A key's buffers, cuBLAS workspace and graphs (one per part of the loop: a diagonal loop's chunks)."""
 
     def __init__(self, xp) -> None:
         from ..runtime.devices.cublas_ctypes import workspace_bytes
         self.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
-        self.graph = None
+        self.graphs: dict = {}
         self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
-        self.runs = 0
+        self.runs: dict = {}
+
+
+class Diag(_Entry):
+    """A diagonal group's entry (rnn_diag.py): its buffers ``b`` (and, backward, the weights in F ``w``)."""
+
+    def __init__(self, xp, b, w=None) -> None:
+        super().__init__(xp)
+        self.b, self.w = b, w
+
+
+def diag_entry(key, make) -> Diag:
+    """The entry of ``key`` (made by ``make()`` on first use); its buffers are the caller's to fill."""
+    return _entry(key, make)
+
+
+def run_part(ops, e: _Entry, part, f, loop, use_graph: bool = True) -> None:
+    """Part ``part`` of e's loop (``loop()`` on e's buffers): replayed from its graph, captured on first use."""
+    _execute(ops, e, f, use_graph, loop, part)
 
 
 class _Fwd(_Entry):
@@ -149,12 +167,13 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
                               None if bw.dc is None else bw.dc.copy())
 
 
-def _execute(ops, e: _Entry, f, use_graph: bool, loop) -> None:
-    """Replays e's graph, or runs ``loop`` (on e's buffers) eagerly with e's workspace and, the first time,
-    captures it."""
+def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0) -> None:
+    """Replays e's graph of ``part``, or runs ``loop`` (on e's buffers) eagerly with e's workspace and, the first
+    time, captures it."""
     stream = ops.xp.cuda.get_current_stream()
-    if e.graph is not None and use_graph:
-        e.graph.launch(stream)
+    graph = e.graphs.get(part)
+    if graph is not None and use_graph:
+        graph.launch(stream)
         _stats["replayed"] += 1
     else:
         ph = ops.placeholder(f)  # made outside any capture
@@ -162,14 +181,14 @@ def _execute(ops, e: _Entry, f, use_graph: bool, loop) -> None:
         try:
             loop()
             _stats["eager"] += 1
-            if use_graph and e.runs == 0:
-                _capture(ops, e, loop, stream, ph)
+            if use_graph and not e.runs.get(part):
+                _capture(ops, e, loop, stream, ph, part)
         finally:
             ops.workspace = old
-    e.runs += 1
+    e.runs[part] = e.runs.get(part, 0) + 1
 
 
-def _capture(ops, e: _Entry, loop, stream, ph) -> None:
+def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
     """The loop captured on a side stream (ordered after ``stream``'s work); its first error kept in stats."""
     cap = ops.xp.cuda.Stream(non_blocking=True)
     cap.wait_event(stream.record())
@@ -185,7 +204,7 @@ def _capture(ops, e: _Entry, loop, stream, ph) -> None:
         except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
             err = err or exc
     if err is None:
-        e.graph, e.ph = graph, ph
+        e.graphs[part], e.ph = graph, ph
         _stats["captured"] += 1
     else:
         _stats["failed"] = f"{type(err).__name__}: {err}"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import rnn_cells
+from . import rnn_cells, rnn_diag_cells
 from ..runtime import dtypes
 
 
@@ -61,6 +61,19 @@ class HostOps(_Moves):
         out[...] = res
 
     @staticmethod
+    def gemm_batched(a, w, out, trans_w: bool, beta: float) -> None:
+        """out[i] = a[i] . w[i]^T (trans_w) or a[i] . w[i], plus ``beta`` * out[i] (0 or 1); a may be strided."""
+        f = out.dtype
+        res = np.matmul(a.astype(f), w.astype(f).transpose(0, 2, 1) if trans_w else w.astype(f))
+        if beta:
+            out += res
+        else:
+            out[...] = res
+
+    diag_forward = staticmethod(rnn_diag_cells.np_forward)
+    diag_backward = staticmethod(rnn_diag_cells.np_backward)
+
+    @staticmethod
     def state_in(a):
         """A storage-type array as the cell kernels read it."""
         return a.astype(np.float32) if a.dtype.itemsize < 4 else a
@@ -68,6 +81,24 @@ class HostOps(_Moves):
     @staticmethod
     def placeholder(f):
         return None
+
+
+def _strided_batched():
+    """cublasGemmStridedBatchedEx through ctypes (its strides are 64-bit), from the libcublas CuPy loaded."""
+    if "sb" not in _shared:
+        import ctypes
+        from ..runtime.devices import cublas_ctypes as cc
+        fn = cc.libcublas().cublasGemmStridedBatchedEx
+        P, I, Q = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, Q, P, I, I, Q, P, P, I, I, Q, I, I, I]
+        fn.restype = I
+
+        def call(*args):
+            status = fn(*args)
+            if status != 0:
+                raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status}")
+        _shared["sb"] = call
+    return _shared["sb"]
 
 
 _shared: dict = {}  # device id -> (cuBLAS handle, its lock): the handle of workspace GEMMs, kept for the process
@@ -102,6 +133,9 @@ class CudaOps(_Moves):
         self.workspace = None
         self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
                       np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
+
+    diag_forward = staticmethod(rnn_diag_cells.cupy_forward)
+    diag_backward = staticmethod(rnn_diag_cells.cupy_backward)
 
     def _gemm_ex(self):
         if self._fn is None:
@@ -140,9 +174,10 @@ class CudaOps(_Moves):
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         self._gemm_ex()(handle, *args)
 
-    def _gemm_on_workspace(self, stream: int, args: tuple) -> None:
-        """One GemmEx through ctypes on the device's shared handle: stream, then workspace (setting the stream
-        resets it), host scalars (captured by value), under the handle's lock so threads do not mix settings."""
+    def _gemm_on_workspace(self, stream: int, args: tuple, fn=None) -> None:
+        """One GemmEx (or ``fn``) through ctypes on the device's shared handle: stream, then workspace (setting
+        the stream resets it), host scalars (captured by value), under the handle's lock so threads do not mix
+        settings."""
         from ..runtime.devices import cublas_ctypes as cc
         handle, lock = _shared_handle(self.xp.cuda.Device().id)
         ws = self.workspace
@@ -150,7 +185,37 @@ class CudaOps(_Moves):
             cc.set_stream(handle, stream)
             cc.set_workspace(handle, ws.data.ptr, ws.nbytes)
             cc.set_pointer_mode(handle, 0)
-            cc.gemm_ex()(handle, *args)
+            (fn or cc.gemm_ex())(handle, *args)
+
+    def gemm_batched(self, a, w, out, trans_w: bool, beta: float) -> None:
+        """out[i] (m, n) = a[i] (m, k) . w[i]^T (trans_w) or a[i] . w[i], plus ``beta`` * out[i] (0 or 1): one
+        cublasGemmStridedBatchedEx on the current stream. Rows of a and out may be strided (the last axis
+        contiguous), w contiguous; row-major, issued as the column-major out^T = op(w) a^T."""
+        import cupy
+        from ..runtime.devices import cublas_ctypes as cc
+        nb, m, k = a.shape
+        n = out.shape[2]
+        ia, io = a.itemsize, out.itemsize
+        assert a.strides[2] == ia and out.strides[2] == io and w.flags.c_contiguous
+        wide = a.dtype == np.float64
+        compute = dtypes.CUBLAS_COMPUTE_64F if wide else (
+            dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
+            else dtypes.CUBLAS_COMPUTE_32F)
+        one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
+        args = (1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+                w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n, w.strides[0] // w.itemsize,
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], a.strides[1] // ia, a.strides[0] // ia,
+                (one if beta else zero).ctypes.data,
+                out.data.ptr, dtypes.CUDA_TYPE[out.dtype], out.strides[1] // io, out.strides[0] // io, nb,
+                compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        stream = cupy.cuda.get_current_stream().ptr
+        if self.workspace is not None:
+            self._gemm_on_workspace(stream, args, _strided_batched())
+            return
+        handle = cupy.cuda.device.get_cublas_handle()
+        cc.set_stream(handle, stream)
+        cc.set_pointer_mode(handle, 0)
+        _strided_batched()(handle, *args)
 
     @staticmethod
     def state_in(a):

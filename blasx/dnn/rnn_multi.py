@@ -36,21 +36,51 @@ def devices_for(pb) -> list:
     return sims or [None]
 
 
-class _Threads:
-    """Runs callables on threads, each inside its device's context; re-raises the first failure."""
+_streams: dict = {}  # (device, k) -> the non-blocking stream of a pool's k-th thread on that device
+_streams_lock = threading.Lock()
 
-    def __init__(self, pb) -> None:
+
+def _stream(xp, dev, k: int):
+    """A non-blocking stream of ``dev`` kept for the process (CuPy's memory pool keeps freed blocks per stream,
+    so a fresh stream per call would strand them)."""
+    with _streams_lock:
+        if (dev, k) not in _streams:
+            _streams[(dev, k)] = xp.cuda.Stream(non_blocking=True)
+        return _streams[(dev, k)]
+
+
+class _Threads:
+    """Runs callables on threads, each inside its device's context; re-raises the first failure.
+
+    CuPy: each thread issues its work on its own non-blocking stream, ordered after what the caller had queued
+    on ``devs`` (events recorded at construction), so loops on different devices never meet in a legacy default
+    stream or behind another thread's synchronising call; the thread synchronises its stream before it ends."""
+
+    def __init__(self, pb, devs=()) -> None:
         self.pb = pb
         self.errors: list = []
         self.threads: list = []
+        self.ready: list = []
+        self.count: dict = {}
+        if pb.xp is not np:
+            for d in dict.fromkeys(devs):
+                with pb.xp.cuda.Device(d):
+                    self.ready.append(pb.xp.cuda.get_current_stream().record())
 
     def start(self, dev, fn, *args) -> None:
+        xp = self.pb.xp
+        k = self.count[dev] = self.count.get(dev, -1) + 1
+
         def body():
             try:
-                if self.pb.xp is not np:
-                    with self.pb.xp.cuda.Device(dev):
-                        fn(*args)
-                        self.pb.xp.cuda.get_current_stream().synchronize()
+                if xp is not np:
+                    with xp.cuda.Device(dev):
+                        st = _stream(xp, dev, k)
+                        for ev in self.ready:
+                            st.wait_event(ev)
+                        with st:
+                            fn(*args)
+                        st.synchronize()
                 else:
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in join()
@@ -59,11 +89,12 @@ class _Threads:
         self.threads.append(th)
         th.start()
 
-    def join(self) -> None:
+    def join(self, prefer=None) -> None:
+        """Waits for every thread; re-raises the first error (the first one ``prefer`` accepts, if any)."""
         for th in self.threads:
             th.join()
         if self.errors:
-            raise self.errors[0]
+            raise next((e for e in self.errors if prefer is None or prefer(e)), self.errors[0])
 
 
 def _local(pb, dev, home):
@@ -86,44 +117,64 @@ def _here(xp, a):
     return a.copy()
 
 
-def run_forward(pb, direction_forward, direction_output):
-    """The states of every layer-direction (``[layer][d]``) and the last layer's y, per the plan."""
-    from .rnn_exec import ops_for
-    xp, spec = pb.xp, pb.spec
+def placement(pb):
+    """(the plan of ``pb``'s stack, the device labels it indexes), recorded for :func:`last_run`."""
+    spec = pb.spec
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
-    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs))
-    ran_on = {}
-    _last.run = {"placement": pl, "ran_on": ran_on}
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size))
+    _last.run = {"placement": pl, "ran_on": {}}
+    return pl, devs
+
+
+def local_mm(xp, f):
+    """A GEMM on the calling thread's device and stream (CuPy) in F: a direction's own input projection, so
+    no thread waits on an engine call that spans the other devices."""
+    def mm(a, b, out_dtype=None):
+        return xp.matmul(a if a.dtype == f else a.astype(f), b if b.dtype == f else b.astype(f))
+    return mm
+
+
+def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = True):
+    """The states of every layer-direction (``[layer][d]``) and the last layer's y, per the plan; on CuPy each
+    thread projects its own direction's input on its device. ``keep=False``: only S and C come home."""
+    from .rnn_exec import ops_for
+    xp, spec = pb.xp, pb.spec
+    ran_on = _last.run["ran_on"]
     home = devs[0]
     if pl.kind == "wavefront":
         return _wavefront(pb, pl, devs, ran_on)
+    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype))
     layers, inp = [], pb.x
     for layer in range(spec.num_layers):
         states = [None] * spec.num_dirs
         if pl.kind == "batch":
             states[0] = _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on)
         else:
-            pool = _Threads(pb)
+            used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
+            pool = _Threads(pb, used)
 
             def one(d, dev, inp=inp, layer=layer, states=states):
                 lp = _local(pb, dev, home)
-                states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, _here(xp, inp))
+                states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, _here(xp, inp),
+                                              mm if len(set(used)) > 1 else None)
                 ran_on[(layer, d)] = dev
             for d in range(spec.num_dirs):
-                pool.start(devs[pl.cells[layer][d]], one, d, devs[pl.cells[layer][d]])
+                pool.start(used[d], one, d, used[d])
             pool.join()
-            states = [_home(xp, st, home) for st in states]
+            states = [_home(xp, st, home, keep) for st in states]
         layers.append(states)
         inp = _layer_output(pb, states, direction_output)
     return layers, inp
 
 
-def _home(xp, st, home):
+def _home(xp, st, home, keep: bool = True):
+    """``st`` on the home device (without keep: S and C only, the rest being unwritten)."""
     if xp is np or st.S.device.id == home:
         return st
     with xp.cuda.Device(home):
-        return rnn_layer.Forward(*(None if a is None else a.copy() for a in (st.S, st.C, st.gates, st.R)))
+        return rnn_layer.Forward(*(None if a is None or (not keep and i > 1) else a.copy()
+                                   for i, a in enumerate((st.S, st.C, st.gates, st.R))))
 
 
 def _layer_output(pb, states, direction_output):
@@ -147,12 +198,12 @@ def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on):
     from .rnn_exec import ops_for
     xp, home = pb.xp, devs[0]
     parts = [None] * pl.devices
-    pool = _Threads(pb)
 
     def one(i, dev):
         lo, hi = pl.rows[i]
         lp = _local(_sub_problem(pb, lo, hi), dev, home)
         parts[i] = direction_forward(lp, ops_for(xp, pb.math), layer, 0, _here(xp, inp[:, lo:hi]))
+    pool = _Threads(pb, devs[:pl.devices])
     for i in range(pl.devices):
         pool.start(devs[i], one, i, devs[i])
     pool.join()
@@ -224,7 +275,7 @@ def _wavefront(pb, pl, devs, ran_on):
                     events[layer][c] = xp.cuda.get_current_stream().record()
                 done[layer][c].set()
 
-    pool = _Threads(pb)
+    pool = _Threads(pb, devs[:pl.devices])
     for g in range(pl.devices):
         pool.start(devs[g], _guard(run_group, done), g, devs[g])
     pool.join()

@@ -3,19 +3,25 @@
 The recurrence serialises the steps of one layer-direction, so extra devices help only by running *different*
 loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices):
 
-* one device: everything on it ("single");
+* a unidirectional stack of L >= 2 layers without a projection, on any number of devices: the diagonal form
+  ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a group advance
+  together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per step: L times
+  fewer launches than layer after layer, and a GEMM of L times the rows' work, which fills a GPU that one
+  small-batch recurrent GEMM leaves mostly idle. The layers are cut into n = min(devices, L) contiguous groups,
+  group g on device g, each a chunk behind the one below; h crosses once per chunk;
+* one device otherwise: everything on it ("single");
 * a bidirectional stack: the two directions of every layer side by side, direction d on device d ("directions";
   layers stay in sequence, since a bidirectional layer needs all of the layer below before its reverse pass);
-* a unidirectional stack of L >= 2 layers: a wavefront ("wavefront"): the layers are cut into n = min(devices, L)
-  contiguous groups, group g on device g; layer l runs chunk c of the time steps as soon as layer l-1 has
-  finished chunk c, so layer l+1 works on step t while layer l works on later ones, the states handed over once
-  per chunk. A chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1)
-  chunks (about 1/8 of the run) and each hand-off is amortised over several steps;
+* a unidirectional stack of L >= 2 layers with a projection (proj_size): a wavefront ("wavefront"): the layers
+  in groups as above; layer l runs chunk c of the time steps as soon as layer l-1 has finished chunk c, the
+  states handed over once per chunk;
 * one unidirectional layer with a large batch (at least :data:`MIN_ROWS` rows per device): the batch rows split
   into contiguous ranges, one per device ("batch"); a smaller batch stays on one device, where a per-step GEMM of
   fewer rows would not run faster.
 
-The input projection and the weight-gradient GEMMs are engine calls and spread over every device anyway.
+A chunk (diagonal and wavefront) is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in
+(n-1) chunks (about 1/8 of the run) and each hand-off is amortised over several steps; on one device the diagonal
+loop is one chunk (chunk 0). Layer 0's input projection and the weight-gradient GEMMs are single GEMMs.
 rnn_multi.py executes a placement.
 """
 
@@ -30,24 +36,28 @@ MAX_CHUNK = 8  # wavefront steps per hand-off at most
 
 @dataclass(frozen=True)
 class Placement:
-    kind: str  # "single", "directions", "wavefront" or "batch"
+    kind: str  # "single", "directions", "diagonal", "wavefront" or "batch"
     devices: int  # devices used
     cells: tuple  # cells[layer][direction] = device (0 .. devices-1)
     rows: tuple = ()  # "batch": the (lo, hi) batch rows of each device
-    chunk: int = 0  # "wavefront": steps per hand-off
+    chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
 
 
-def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int) -> Placement:
+def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
+         projection: bool = False) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
+    stacked = num_dirs == 1 and num_layers >= 2
+    n = max(1, min(n_devices, num_layers))
+    cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
+    chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
+    if stacked and not projection:
+        return Placement("diagonal", n, cells, chunk=chunk)
     if n_devices <= 1:
         return Placement("single", 1, one)
     if num_dirs == 2:
         return Placement("directions", 2, tuple((0, 1) for _ in range(num_layers)))
-    if num_layers >= 2:
-        n = min(n_devices, num_layers)
-        cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
-        chunk = max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
+    if stacked:
         return Placement("wavefront", n, cells, chunk=chunk)
     n = min(n_devices, batch // MIN_ROWS)
     if n >= 2:

@@ -1,0 +1,454 @@
+"""A unidirectional stack run diagonally: at diagonal step s, layer l computes time t = s - l, so every layer of a
+group advances at once with one batched GEMM and one fused cell kernel (rnn_diag_cells.py) per step.
+
+Layer l >= 1 takes the concatenated weight [W_ih | W_hh] (GW x 2*out) times its stacked input [h^{l-1}_t ;
+h^l_{t-1}]; layer 0 takes [0 | W_hh], its input projection of all T steps being one engine GEMM before the loop
+(so every layer has the same K and the GEMMs batch). The stacked inputs are strided views of one diagonal buffer
+``D`` (S+1, B, n+1, out): ``D[s]`` slot l+1 holds layer l's h at time s-1-l, slot 0 the group's input at time s,
+so layer l reads slots l and l+1 of ``D[s]``. Cell states and saved gates are indexed by diagonal step too.
+
+Backward runs the same diagonal in reverse: ``E[s]`` (n, B, 2*out) holds the gradient of each layer's stacked
+input, one batched GEMM ``E[s] += dG[s] . W`` per step; the weight gradients are single GEMMs after the loop.
+On several devices the layers form contiguous groups (rnn_plan.py), group g on device g, a chunk behind group
+g-1; the states cross once per chunk. The loops issue GEMMs and kernels only, so on CUDA each chunk of steps is
+captured into a graph and replayed (rnn_graph.run_diag).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import rnn_diag_cells, rnn_params
+from .rnn_layer import compute_type
+
+
+@dataclass
+class Bufs:
+    """One group's diagonal buffers (forward ones, then those backward adds; None where the mode has none)."""
+    D: object  # (S+1, B, n+1, out) storage type
+    C: object  # (S+1, n, B, H) F, LSTM
+    G: object  # (S, n, B, 4H) F saved gates, LSTM and GRU
+    O: object  # (n, B, GW) F: the step's GEMM output
+    W: object  # (n, GW, 2*out): [W_ih | W_hh] per layer
+    bias: object  # (n, GW) F
+    P0: object  # (T, B, G*H) F: layer 0's input projection (first group only)
+    acts: object  # (S, n) int32: active rows of layer l at step s, -1 where idle
+    E: object = None  # (S+1, n, B, 2*out) F
+    DG: object = None  # (S, n, B, GW) F
+    DC: object = None  # (n, B, H) F, LSTM
+    X: object = None  # (T, B, out) F: the gradient reaching the group's last layer from above (dy or handed)
+    dhn: object = None  # (n, B, out) F
+
+
+def acts_table(bs, n: int) -> np.ndarray:
+    T = len(bs)
+    a = np.full((T + n - 1, n), -1, dtype=np.int32)
+    for l in range(n):
+        a[l:l + T, l] = bs
+    return a
+
+
+def window(d, n: int):
+    """The stacked GEMM inputs of step ``d`` = D[s] (B, n+1, out): (n, B, 2*out), layer l at slots l, l+1."""
+    B, _, out = d.shape
+    st = np.lib.stride_tricks if isinstance(d, np.ndarray) else __import__("cupy").lib.stride_tricks
+    isz = d.itemsize
+    return st.as_strided(d, shape=(n, B, 2 * out), strides=(out * isz, d.strides[0], isz))
+
+
+def forward_steps(ops, mode: str, b: Bufs, first: bool, steps) -> None:
+    """Diagonal steps ``steps`` of the forward loop (GEMMs and kernels only: capturable)."""
+    n = b.O.shape[0]
+    T = b.acts.shape[0] - n + 1
+    ph = ops.placeholder(b.O.dtype)
+    for s in steps:
+        ops.gemm_batched(window(b.D[s], n), b.W, b.O, True, 0)
+        ops.diag_forward(mode, b.O, b.bias, b.P0[min(s, T - 1)] if first else ph,
+                         ph if b.C is None else b.C[s], ph if b.C is None else b.C[s + 1],
+                         ph if b.G is None else b.G[s], b.D[s], b.D[s + 1], b.acts[s], first)
+
+
+def backward_steps(ops, mode: str, b: Bufs, W, steps) -> None:
+    """Diagonal steps ``steps`` (descending) of the backward loop; ``W`` the weights in F."""
+    n = b.O.shape[0]
+    T = b.acts.shape[0] - n + 1
+    ph = ops.placeholder(b.O.dtype)
+    for s in steps:
+        t = s - (n - 1)
+        ext = b.X[t] if b.X is not None and 0 <= t < T else None
+        ops.diag_backward(mode, b.E[s + 1], b.E[s], ext, b.dhn, ph if b.DC is None else b.DC,
+                          ph if b.G is None else b.G[s], ph if b.C is None else b.C[s + 1],
+                          ph if b.C is None else b.C[s], b.D[s + 1], b.D[s], b.DG[s], b.acts[s], s, T)
+        ops.gemm_batched(b.DG[s], W, b.E[s], False, 1)
+
+
+# ---------------------------------------------------------------- building a group's buffers
+
+def weights(xp, spec, cells, layers, store, f):
+    """(W (n, GW, 2*out) in the storage type, bias (n, GW) F) of a group's layers."""
+    H, out, n = spec.hidden_size, spec.out_size, len(layers)
+    gw = rnn_diag_cells.gate_width(spec.mode, H)
+    W = xp.zeros((n, gw, 2 * out), dtype=store)
+    bias = xp.zeros((n, gw), dtype=f)
+    for i, layer in enumerate(layers):
+        c = cells[layer][0]
+        if spec.mode == "gru":
+            if layer:
+                W[i, :3 * H, :out] = c.w_ih
+            W[i, :2 * H, out:] = c.w_hh[:2 * H]
+            W[i, 3 * H:, out:] = c.w_hh[2 * H:]
+            if c.b_ih is not None:
+                bias[i, :3 * H] = c.b_ih.astype(f)
+                bias[i, :2 * H] += c.b_hh[:2 * H].astype(f)
+                bias[i, 3 * H:] = c.b_hh[2 * H:].astype(f)
+        else:
+            if layer:
+                W[i, :, :out] = c.w_ih
+            W[i, :, out:] = c.w_hh
+            if c.b_ih is not None:
+                bias[i] = c.b_ih.astype(f) + c.b_hh.astype(f)
+    return W, bias
+
+
+def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
+    """A group's forward buffers (D zeroed: slot 0 of the first group stays zero, times its zero weights)."""
+    spec = pb.spec
+    T, B = pb.x.shape[:2]
+    H, out = spec.hidden_size, spec.out_size
+    S = T + n - 1
+    store = pb.x.dtype
+    f = compute_type(store)
+    gw = rnn_diag_cells.gate_width(spec.mode, H)
+    return Bufs(D=xp.zeros((S + 1, B, n + 1, out), dtype=store),
+                C=xp.zeros((S + 1, n, B, H), dtype=f) if spec.mode == "lstm" else None,
+                G=xp.zeros((S, n, B, 4 * H), dtype=f) if spec.mode in ("lstm", "gru") else None,
+                O=xp.empty((n, B, gw), dtype=f), W=xp.empty((n, gw, 2 * out), dtype=store),
+                bias=xp.empty((n, gw), dtype=f),
+                P0=xp.empty((T, B, spec.gates * H), dtype=f) if first else None,
+                acts=xp.asarray(acts_table(pb.bs, n)))
+
+
+def fill(b: Bufs, pb, cells, layers, P0, h0, c0) -> None:
+    """Puts a call's weights, layer 0's projection and the initial states into ``b``."""
+    xp = pb.xp
+    f = b.O.dtype
+    W, bias = weights(xp, pb.spec, cells, layers, b.W.dtype, f)
+    b.W[...] = W
+    b.bias[...] = bias
+    if b.P0 is not None:
+        b.P0[...] = P0
+    for i, layer in enumerate(layers):
+        b.D[i, :, i + 1] = 0 if h0 is None else h0[layer]
+        if b.C is not None:
+            b.C[i, i] = 0 if c0 is None else c0[layer]
+
+
+def backward_bufs(xp, b: Bufs, mode: str) -> Bufs:
+    """The backward buffers added to a copy of the saved forward ones (E and dG zeroed: idle slots stay zero)."""
+    S1, n, B = b.D.shape[0], b.O.shape[0], b.D.shape[1]
+    out, H = b.D.shape[3], b.O.shape[2] // (4 if mode in ("lstm", "gru") else 1)
+    f = b.O.dtype
+    T = S1 - n
+    return Bufs(*(None if a is None else xp.empty_like(a) for a in (b.D, b.C, b.G)), O=b.O, W=None,
+                bias=None, P0=None, acts=b.acts, E=xp.zeros((S1, n, B, 2 * out), dtype=f),
+                DG=xp.zeros((S1 - 1, n, B, b.O.shape[2]), dtype=f),
+                DC=xp.empty((n, B, H), dtype=f) if mode == "lstm" else None,
+                X=xp.empty((T, B, out), dtype=f), dhn=xp.empty((n, B, out), dtype=f))
+
+
+def layer0_projection(pb, f):
+    """x . W_ih_l0^T for all steps (T, B, G*H) in F: one engine GEMM over every device (biases are in Bufs)."""
+    from .rnn_exec import _mm
+    xp = pb.xp
+    T, B, n_in = pb.x.shape
+    x2 = xp.ascontiguousarray(pb.x).reshape(T * B, n_in)
+    half = pb.x.dtype.itemsize < 4
+    w = pb.spec.cells[0][0].w_ih
+    return _mm(x2, w.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1).astype(f, copy=False)
+
+
+# ---------------------------------------------------------------- the executor
+
+class _Aborted(RuntimeError):
+    """Raised in a group whose neighbour failed (the neighbour's own error is the one re-raised)."""
+
+
+class _Progress:
+    """What a group has handed on so far (a time bound) and the CUDA event that orders the hand-off."""
+
+    def __init__(self, start: int) -> None:
+        self.value, self.event, self.failed = start, None, False
+        self.cv = threading.Condition()
+
+    def publish(self, value: int, event) -> None:
+        with self.cv:
+            self.value, self.event = value, event
+            self.cv.notify_all()
+
+    def fail(self) -> None:
+        with self.cv:
+            self.failed = True
+            self.cv.notify_all()
+
+    def wait(self, ok):
+        with self.cv:
+            self.cv.wait_for(lambda: self.failed or ok(self.value))
+            if self.failed:
+                raise _Aborted("another group of the stack failed")
+            return self.event
+
+
+def groups_of(pl) -> list:
+    return [tuple(l for l, row in enumerate(pl.cells) if row[0] == g) for g in range(pl.devices)]
+
+
+def chunks(S: int, k: int) -> list:
+    k = k or S
+    return [(a, min(S, a + k)) for a in range(0, S, k)]
+
+
+@dataclass
+class Saved:
+    """A diagonal forward's training state: per group its buffers (on its device) and its device."""
+    groups: list  # [(layers, Bufs, device)]
+
+
+def _run_groups(pb, devs, n: int, body, progress) -> None:
+    """body(g, dev) on one thread per group (rnn_multi._Threads: own stream per device); a failing group
+    releases the others' waits; the first real error is re-raised."""
+    from .rnn_multi import _Threads
+    pool = _Threads(pb, devs[:n])
+
+    def guarded(g, dev):
+        try:
+            body(g, dev)
+        except BaseException:
+            for p in progress:
+                p.fail()
+            raise
+    for g in range(n):
+        pool.start(devs[g], guarded, g, devs[g])
+    pool.join(prefer=lambda e: not isinstance(e, _Aborted))
+
+
+def _record(xp):
+    return None if xp is np else xp.cuda.get_current_stream().record()
+
+
+def _wait(xp, ev) -> None:
+    if ev is not None:
+        xp.cuda.get_current_stream().wait_event(ev)
+
+
+def forward(pb, pl, devs, keep: bool):
+    """(y, h_n, c_n, Saved or None) of a unidirectional stack run diagonally as ``pl`` places it."""
+    from . import rnn_graph
+    from .rnn_exec import ops_for
+    from .rnn_multi import _here, _local
+    xp, spec = pb.xp, pb.spec
+    T, B = pb.x.shape[:2]
+    store, out, L = pb.x.dtype, spec.out_size, spec.num_layers
+    f = compute_type(store)
+    home = devs[0]
+    groups = groups_of(pl)
+    P0 = layer0_projection(pb, f)
+    progress = [_Progress(0) for _ in groups]
+    ys = [None] * len(groups)  # each group's last layer's y (T, B, out), on its device
+    done = [None] * len(groups)
+    graphs = xp is not np and pb.graphs
+
+    def body(g, dev):
+        lp = _local(pb, dev, home)
+        ops = ops_for(xp, pb.math)
+        layers = groups[g]
+        n, first = len(layers), layers[0] == 0
+        S = T + n - 1
+        parts = chunks(S, pl.chunk)
+        if graphs:
+            key = ("diag-fwd", dev, spec.mode, layers, T, B, out, spec.hidden_size, str(store), tuple(pb.bs),
+                   ops.math, tuple(parts))
+            e = rnn_graph.diag_entry(key, lambda: rnn_graph.Diag(xp, forward_bufs(xp, lp, n, first)))
+            b = e.b
+        else:
+            b = forward_bufs(xp, lp, n, first)
+        fill(b, lp, lp.spec.cells, layers, None if P0 is None or not first else _here(xp, P0), lp.h0, lp.c0)
+        y = ys[g] = xp.empty((T, B, out), dtype=store)
+        got, sent = 0, 0
+        for part, (a, z) in enumerate(parts):
+            if g:
+                need = min(z, T)
+                if need > got:
+                    _wait(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
+                    b.D[got:need, :, 0] = _here(xp, ys[g - 1][got:need])
+                    got = need
+            steps = range(a, z)
+            if graphs:
+                rnn_graph.run_part(ops, e, part, f, lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
+            else:
+                forward_steps(ops, spec.mode, b, first, steps)
+            hi = max(0, min(T, z - n + 1))
+            if hi > sent:
+                y[sent:hi] = b.D[sent + n:hi + n, :, n]
+                sent = hi
+                progress[g].publish(hi, _record(xp))
+        if keep and graphs:
+            b = Bufs(*(None if a is None else a.copy() for a in (b.D, b.C, b.G)), O=b.O, W=b.W.copy(), bias=None,
+                     P0=None, acts=b.acts)
+        hn = [b.D[T + i, :, i + 1].copy() for i in range(n)]
+        cn = [b.C[T + i, i].copy() for i in range(n)] if b.C is not None else None
+        done[g] = (b, hn, cn)
+
+    _run_groups(pb, devs, len(groups), body, progress)
+    h_n = xp.empty((L, B, out), dtype=store)
+    c_n = xp.empty((L, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
+    for g, layers in enumerate(groups):
+        _, hn, cn = done[g]
+        for i, layer in enumerate(layers):
+            h_n[layer] = _here(xp, hn[i])
+            if c_n is not None:
+                c_n[layer] = _here(xp, cn[i]).astype(store)
+    y = _here(xp, ys[-1])
+    if pb.lengths is not None:
+        for t, a in enumerate(pb.bs):
+            if a < B:
+                y[t, a:] = 0
+    saved = Saved([(layers, done[g][0], devs[g]) for g, layers in enumerate(groups)]) if keep else None
+    return y, h_n, c_n, saved
+
+
+def backward(pb, saved: Saved, gy, gh, gc) -> dict:
+    """Every gradient of a diagonal forward: the diagonal loops in reverse (top group first, each a chunk
+    ahead of the group below), then per layer the weight and bias gradients as single GEMMs on its device."""
+    from . import rnn_graph
+    from .rnn_exec import _f, _mm, ops_for
+    from .rnn_multi import _here
+    xp, spec = pb.xp, pb.spec
+    T, B = pb.x.shape[:2]
+    store, out, H, L = pb.x.dtype, spec.out_size, spec.hidden_size, spec.num_layers
+    f = compute_type(store)
+    home = saved.groups[0][2]
+    ng = len(saved.groups)
+    devs = [dev for _, _, dev in saved.groups]
+    progress = [_Progress(T) for _ in range(ng)]
+    dins = [None] * ng  # each group's gradient of its input (T, B, out), on its device
+    res = [None] * ng
+    graphs = xp is not np and pb.graphs
+    dy = None if gy is None else _f(xp, gy, f)
+
+    def mm(a, b):
+        return _mm(a, b, pb) if xp is np else xp.matmul(a, b)
+
+    def body(g, dev):
+        layers, fb, _ = saved.groups[g]
+        ops = ops_for(xp, pb.math)
+        n = len(layers)
+        S = T + n - 1
+        parts = chunks(S, 0 if ng == 1 else _chunk_of(pb, saved))
+        W = fb.W.astype(f, copy=False)
+        if graphs:
+            key = ("diag-bwd", dev, spec.mode, layers, T, B, out, H, str(store), tuple(pb.bs), ops.math,
+                   tuple(parts))
+            e = rnn_graph.diag_entry(key, lambda: rnn_graph.Diag(xp, backward_bufs(xp, fb, spec.mode), xp.empty_like(W)))
+            b = e.b
+            for dst, src in ((b.D, fb.D), (b.C, fb.C), (b.G, fb.G), (e.w, W)):
+                if src is not None:
+                    dst[...] = src
+            Wb = e.w
+        else:
+            b = backward_bufs(xp, fb, spec.mode)
+            b.D, b.C, b.G = fb.D, fb.C, fb.G
+            Wb = W
+        for i, layer in enumerate(layers):
+            b.dhn[i] = 0 if gh is None else _here(xp, gh[layer])
+            if b.DC is not None:
+                b.DC[i] = 0 if gc is None else _here(xp, gc[layer])
+        top = g == ng - 1
+        if top:
+            b.X[...] = 0 if dy is None else _here(xp, dy)
+        din = dins[g] = xp.empty((T, B, out), dtype=f) if g else None
+        have, sent = T, T
+        for part in range(len(parts) - 1, -1, -1):
+            a, z = parts[part]
+            if not top:
+                need = max(0, a - n + 1)
+                if need < have:
+                    _wait(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
+                    b.X[need:have] = _here(xp, dins[g + 1][need:have])
+                    have = need
+            steps = range(z - 1, a - 1, -1)
+            if graphs:
+                rnn_graph.run_part(ops, e, part, f, lambda steps=steps: backward_steps(ops, spec.mode, b, Wb, steps))
+            else:
+                backward_steps(ops, spec.mode, b, Wb, steps)
+            if g and a < sent:
+                lo = min(a, T)
+                din[lo:sent] = b.E[lo:sent, 0, :, :out]
+                sent = lo
+                progress[g].publish(lo, _record(xp))
+        res[g] = _grads(xp, spec, layers, b, T, B, f, store, mm, pb)
+
+    _run_groups(pb, devs, ng, body, progress)
+    grads = {}
+    dh0 = xp.empty((L, B, out), dtype=store)
+    dc0 = xp.empty((L, B, H), dtype=store) if spec.mode == "lstm" else None
+    for g, (layers, _, _) in enumerate(saved.groups):
+        gr, dh, dc = res[g]
+        grads.update({k: _here(xp, v) for k, v in gr.items()})
+        for i, layer in enumerate(layers):
+            dh0[layer] = _here(xp, dh[i])
+            if dc0 is not None:
+                dc0[layer] = _here(xp, dc[i])
+    dgx0 = grads.pop("_dgx0")
+    cell = spec.cells[0][0]
+    x2 = _f(xp, xp.ascontiguousarray(pb.x).reshape(T * B, -1), f)
+    grads["weight_ih_l0"] = _mm(dgx0.T, x2, pb).astype(store)
+    grads["input"] = _mm(dgx0, _f(xp, cell.w_ih, f), pb).reshape(T, B, -1).astype(store)
+    grads["h0"] = dh0
+    if dc0 is not None:
+        grads["c0"] = dc0
+    return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
+
+
+def _chunk_of(pb, saved: Saved) -> int:
+    from . import rnn_plan
+    return rnn_plan.plan(pb.spec.num_layers, 1, pb.x.shape[1], pb.x.shape[0], len(saved.groups)).chunk
+
+
+def _grads(xp, spec, layers, b: Bufs, T: int, B: int, f, store, mm, pb):
+    """A group's parameter gradients (its layer 0's W_ih and the input gradient are the caller's, from
+    ``_dgx0``), its dh0 and dc0 per layer."""
+    H, out = spec.hidden_size, spec.out_size
+    gru = spec.mode == "gru"
+    grads, dh0, dc0 = {}, [], []
+    for i, layer in enumerate(layers):
+        s = rnn_params.suffix(layer, 0)
+        dg = xp.ascontiguousarray(b.DG[i:i + T, i]).reshape(T * B, -1)
+        z = xp.ascontiguousarray(b.D[i:i + T, :, i:i + 2]).reshape(T * B, 2 * out)
+        z = z if z.dtype == f else z.astype(f)
+        if layer == 0:  # its input half multiplies zeros; W_ih_l0's gradient comes from x (the caller's)
+            dwi, dwh = None, mm(dg.T, xp.ascontiguousarray(z[:, out:]))
+            grads["_dgx0"] = xp.ascontiguousarray(dg[:, :spec.gates * H])
+        else:
+            dw = mm(dg.T, z)
+            dwi, dwh = dw[:, :out], dw[:, out:]
+        db = dg.sum(axis=0)
+        if gru:
+            if layer:
+                grads["weight_ih" + s] = dwi[:3 * H].astype(store)
+            grads["weight_hh" + s] = xp.concatenate([dwh[:2 * H], dwh[3 * H:]]).astype(store)
+            if spec.bias:
+                grads["bias_ih" + s] = db[:3 * H].astype(store)
+                grads["bias_hh" + s] = xp.concatenate([db[:2 * H], db[3 * H:]]).astype(store)
+        else:
+            if layer:
+                grads["weight_ih" + s] = dwi.astype(store)
+            grads["weight_hh" + s] = dwh.astype(store)
+            if spec.bias:
+                grads["bias_ih" + s] = db.astype(store)
+                grads["bias_hh" + s] = db.astype(store)
+        dh0.append(b.E[i, i, :, out:].astype(store))
+        dc0.append(None if b.DC is None else b.DC[i].astype(store))
+    return grads, dh0, dc0
