@@ -10,8 +10,8 @@ indices (int64 flat positions in the input's spatial plane of each (n, c)) and N
 
 Forwards take a keyword-only ``out`` (written and returned; with ``return_indices`` a (values, indices) pair).
 Backward passes take what forward took plus, for max pools, the indices it returned (call forward with
-``return_indices=True``); ``input_shape`` is the forward input's shape or the input itself (only its shape is
-read). They return the input's gradient, in grad_output's layout.
+``return_indices=True``); ``input_shape`` is the forward input's shape or the input itself (its values are not
+read). They return the input's gradient in the input's layout where the input is given, else in grad_output's.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
             raise ValueError(f"indices: values must lie in [0, {plane}) (positions in the input's spatial plane "
                              f"{size}), got [{int(indices.min())}, {int(indices.max())}]")
     gb = _batched(grad_output, unbatched)
-    lay = layout(gb) or "nchw"
+    given = _batched(input_shape, unbatched) if hasattr(input_shape, "flags") else None
+    lay = (given is not None and layout(given)) or layout(gb) or "nchw"
     with on_device_of(grad_output):
         gw = _working(xp, gb, nd, lay)
         giw = xp.empty(_work_shape(n, c, size, lay), dtype=dt)

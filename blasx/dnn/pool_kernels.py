@@ -61,9 +61,32 @@ def _flat(geo: PoolGeometry, p1, p2, p3):
     return (p1 * s2 + p2) * s3 + p3
 
 
+def _blocks(geo: PoolGeometry):
+    """Per dim the block size where the windows tile the input's leading part exactly (adaptive pools of
+    divisible sizes; kernel = stride, no padding nor dilation, no partial window), else None."""
+    if 0 in geo.out_size:
+        return None
+    if geo.adaptive:
+        ok = all(s % o == 0 for s, o in zip(geo.in_size, geo.out_size))
+        return tuple(s // o for s, o in zip(geo.in_size, geo.out_size)) if ok else None
+    ok = all(k == st and p == 0 and d == 1 and o * k <= s for k, st, p, d, o, s in
+             zip(geo.kernel, geo.stride, geo.padding, geo.dilation, geo.out_size, geo.in_size))
+    return geo.kernel if ok else None
+
+
+def _block_view(geo, a, ks):
+    """``a``'s (lead, O1, O2, O3, T, k1*k2*k3) view of the tiled part of its input (a copy where needed)."""
+    (o1, o2, o3), (k1, k2, k3) = geo.out_size, ks
+    a = a[:, :o1 * k1, :o2 * k2, :o3 * k3, :].reshape(a.shape[0], o1, k1, o2, k2, o3, k3, a.shape[-1])
+    return a.transpose(0, 1, 3, 5, 7, 2, 4, 6).reshape(a.shape[0], o1, o2, o3, a.shape[-1], k1 * k2 * k3)
+
+
 def _np_forward(geo, xw, yw, iw) -> None:
     xf = xw.astype(compute_dtype(xw.dtype), copy=False)
-    if geo.reduce == "max":
+    ks = _blocks(geo)
+    if ks is not None:
+        _np_block_forward(geo, ks, xf, yw, iw)
+    elif geo.reduce == "max":
         best = np.full(yw.shape, -np.inf, dtype=xf.dtype)
         f = [w.first.reshape(s) for w, s in zip(windows(geo), [(-1, 1, 1), (1, -1, 1), (1, 1, -1)])]
         idx = np.broadcast_to(_flat(geo, *f)[None, ..., None], yw.shape).copy()
@@ -75,35 +98,53 @@ def _np_forward(geo, xw, yw, iw) -> None:
         yw[...] = best
         if iw is not None:
             iw[...] = idx
+    else:
+        acc = np.zeros(yw.shape, dtype=xf.dtype)
+        for pos, ok in _offsets(geo):
+            acc += np.where(ok, xf[:, pos[0], pos[1], pos[2], :], 0)
+        yw[...] = acc / divisor(geo).astype(xf.dtype)[None, ..., None]
+
+
+def _np_block_forward(geo, ks, xf, yw, iw) -> None:
+    """Windows that tile the input: one reduction over the last axis of the block view."""
+    v = _block_view(geo, xf, ks)
+    if geo.reduce == "avg":
+        yw[...] = v.sum(axis=-1) / divisor(geo).astype(xf.dtype)[None, ..., None]
         return
-    acc = np.zeros(yw.shape, dtype=xf.dtype)
-    for pos, ok in _offsets(geo):
-        acc += np.where(ok, xf[:, pos[0], pos[1], pos[2], :], 0)
-    yw[...] = acc / divisor(geo).astype(xf.dtype)[None, ..., None]
-
-
-def _lead_base(gw, giw):
-    """(position of each output's (lead, t) plane start in the flat input, its lane t), shaped like gw."""
-    lead, t = gw.shape[0], gw.shape[-1]
-    plane = int(np.prod(giw.shape[1:4]))
-    return (np.arange(lead, dtype=np.int64) * plane).reshape(-1, 1, 1, 1, 1), np.arange(t, dtype=np.int64), t
+    nan = np.isnan(v)  # the last NaN of a window wins, else its first maximum
+    last_nan = v.shape[-1] - 1 - np.argmax(nan[..., ::-1], axis=-1)
+    k = np.where(nan.any(axis=-1), last_nan, np.argmax(v, axis=-1))
+    yw[...] = np.take_along_axis(v, k[..., None], axis=-1)[..., 0]
+    if iw is not None:
+        r1, r2, r3 = np.unravel_index(k, ks)
+        o1, o2, o3 = (np.arange(o).reshape(sh) for o, sh in
+                      zip(geo.out_size, [(1, -1, 1, 1, 1), (1, 1, -1, 1, 1), (1, 1, 1, -1, 1)]))
+        iw[...] = _flat(geo, o1 * ks[0] + r1, o2 * ks[1] + r2, o3 * ks[2] + r3)
 
 
 def _np_max_backward(geo, gw, iw, giw) -> None:
-    base, lane, t = _lead_base(gw, giw)
-    flat = (base + iw) * t + lane
+    lead, t = gw.shape[0], gw.shape[-1]
+    base = (np.arange(lead, dtype=np.int64) * int(np.prod(geo.in_size))).reshape(-1, 1, 1, 1, 1)
+    flat = (base + iw) * t + np.arange(t, dtype=np.int64)
     acc = np.bincount(flat.ravel(), weights=gw.astype(np.float64).ravel(), minlength=giw.size)
     giw[...] = acc.reshape(giw.shape)
 
 
 def _np_avg_backward(geo, gw, giw) -> None:
-    base, lane, t = _lead_base(gw, giw)
-    g = gw.astype(compute_dtype(gw.dtype)) / divisor(geo).astype(compute_dtype(gw.dtype))[None, ..., None]
-    acc = np.zeros(giw.size, dtype=np.float64)
-    for pos, ok in _offsets(geo):
-        flat = (base + _flat(geo, *pos)[None, ..., None]) * t + lane
-        acc += np.bincount(flat.ravel(), weights=np.where(ok, g, 0).ravel(), minlength=giw.size)
-    giw[...] = acc.reshape(giw.shape)
+    F = compute_dtype(gw.dtype)
+    g = gw.astype(F) / divisor(geo).astype(F)[None, ..., None]
+    ks = _blocks(geo)
+    if ks is not None:  # each input element in at most one window
+        giw[...] = 0
+        (o1, o2, o3), (k1, k2, k3) = geo.out_size, ks
+        tiled = np.broadcast_to(g[:, :, None, :, None, :, None, :], (g.shape[0], o1, k1, o2, k2, o3, k3, g.shape[-1]))
+        giw[:, :o1 * k1, :o2 * k2, :o3 * k3, :] = tiled.reshape(g.shape[0], o1 * k1, o2 * k2, o3 * k3, g.shape[-1])
+        return
+    acc = np.zeros(giw.shape, dtype=F)
+    every = slice(None)
+    for pos, ok in _offsets(geo):  # (unbuffered: windows of one offset may share positions)
+        np.add.at(acc, (every, *pos, every), np.where(ok, g, 0))
+    giw[...] = acc
 
 
 # ---------------------------------------------------------------- CuPy
