@@ -23,8 +23,13 @@ accumulate in float32).
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, conv2d_weight, conv3d, conv3d_input,
                    conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
-from .pool import *  # noqa: F401,F403  (max/avg/adaptive pools and their backward passes: pool.__all__)
 from . import pool as _pool
+from .pool import (adaptive_avg_pool1d, adaptive_avg_pool1d_backward, adaptive_avg_pool2d,
+                   adaptive_avg_pool2d_backward, adaptive_avg_pool3d, adaptive_avg_pool3d_backward,
+                   adaptive_max_pool1d, adaptive_max_pool1d_backward, adaptive_max_pool2d,
+                   adaptive_max_pool2d_backward, adaptive_max_pool3d, adaptive_max_pool3d_backward, avg_pool1d,
+                   avg_pool1d_backward, avg_pool2d, avg_pool2d_backward, avg_pool3d, avg_pool3d_backward, max_pool1d,
+                   max_pool1d_backward, max_pool2d, max_pool2d_backward, max_pool3d, max_pool3d_backward)
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
