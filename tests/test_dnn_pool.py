@@ -330,6 +330,7 @@ ERRORS = [
     (lambda: dnn.max_pool2d_backward(G2, (2, 3, 8, -8), I2, 2), ValueError, "input_shape"),
     (lambda: dnn.max_pool2d_backward(G2.astype(np.int16), X2.shape, I2, 2), TypeError, "grad_output: dtype"),
     (lambda: dnn.max_pool2d_backward("g", X2.shape, I2, 2), TypeError, "grad_output must be"),
+    (lambda: dnn.adaptive_avg_pool2d_backward([1.0], X2.shape), TypeError, "grad_output must be"),
     (lambda: dnn.avg_pool2d_backward(G2, X2.shape, 2, padding=3), ValueError, "at most half"),
     (lambda: dnn.avg_pool2d_backward(G2, X2.shape, 3), ValueError, "grad_output: expected shape"),
     (lambda: dnn.adaptive_avg_pool2d_backward(G2, (2, 4, 8, 8)), ValueError, "grad_output: expected shape"),

@@ -21,7 +21,7 @@ import numpy as np
 from . import pool_kernels as kernels
 from .arrays import on_device_of, xp_of
 from .geometry import check_dtype, layout
-from .pool_geometry import adaptive, flag, input_shape as _input_shape, shape_of, window
+from .pool_geometry import adaptive, check_input, flag, shape_of, window
 
 __all__ = [f"{p}{nd}d{s}" for p in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool")
            for nd in (1, 2, 3) for s in ("", "_backward")]
@@ -111,7 +111,7 @@ def _shape_arg(value) -> tuple[int, ...]:
 
 def _forward(fn: str, nd: int, x, geo_of, with_indices: bool, out):
     """The pool ``geo_of(spatial size)`` of ``x``: its values, and indices where ``with_indices``."""
-    n, c, size, unbatched = _input_shape(fn, nd, x)
+    n, c, size, unbatched = check_input(fn, nd, x)
     geo = geo_of(size)
     with_indices = flag("return_indices", with_indices)
     dt = np.dtype(x.dtype)
@@ -150,12 +150,16 @@ def _finish(w, dest, copy: bool, n, c, size, lay, unbatched):
     return dest
 
 
+def _check_grad(fn: str, grad_output) -> np.dtype:
+    if not hasattr(grad_output, "shape") or not hasattr(grad_output, "dtype"):
+        raise TypeError(f"{fn}: grad_output must be a numpy or cupy array, got {type(grad_output).__name__}")
+    return check_dtype("grad_output", grad_output)
+
+
 def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
     """The input's gradient of the pool ``geo_of(spatial size)`` for ``grad_output`` (max pools: scattered
     at ``indices``)."""
-    if not hasattr(grad_output, "shape") or not hasattr(grad_output, "dtype"):
-        raise TypeError(f"{fn}: grad_output must be a numpy or cupy array, got {type(grad_output).__name__}")
-    dt = check_dtype("grad_output", grad_output)
+    dt = _check_grad(fn, grad_output)
     n, c, size, unbatched = shape_of(fn, nd, "input_shape", _shape_arg(input_shape))
     geo = geo_of(size)
     want = (n, c, *geo.out_size)[1 if unbatched else 0:]
@@ -362,5 +366,6 @@ def adaptive_max_pool3d_backward(grad_output, input_shape, indices):
 
 
 def _adaptive_backward(fn, nd, reduce, grad_output, input_shape, indices=None):
-    out_size = tuple(getattr(grad_output, "shape", ()))[-nd:]
+    _check_grad(fn, grad_output)
+    out_size = tuple(grad_output.shape)[-nd:]
     return _backward(fn, nd, grad_output, input_shape, _adaptive_geo(fn, nd, reduce, out_size), indices)

@@ -72,7 +72,7 @@ def sizes(fn: str, name: str, value, nd: int, minimum: int) -> tuple[int, ...]:
     return vals
 
 
-def input_shape(fn: str, nd: int, x) -> tuple[int, int, tuple[int, ...], bool]:
+def check_input(fn: str, nd: int, x) -> tuple[int, int, tuple[int, ...], bool]:
     """(N, C, spatial size, unbatched) of a pool's input (dtype checked); non-batch dims must be non-empty."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{fn}: input must be a numpy or cupy array, got {type(x).__name__}")
