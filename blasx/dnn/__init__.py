@@ -25,9 +25,10 @@ from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, co
                    conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
 from .from_torch import Network, from_torch
 from .norm import batch_norm, batch_norm_backward, group_norm, group_norm_backward, layer_norm, layer_norm_backward
-from . import dropout_ops, lrn, pointwise, softmax_ops, tensors
+from . import dropout_ops, lrn, pointwise, pool, softmax_ops, tensors
 from .dropout_ops import *  # noqa: F401,F403  (each module's __all__)
 from .lrn import *  # noqa: F401,F403
+from .pool import *  # noqa: F401,F403
 from .pointwise import *  # noqa: F401,F403
 from .softmax_ops import *  # noqa: F401,F403
 from .tensors import *  # noqa: F401,F403
@@ -37,4 +38,4 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward",
            "Network", "from_torch", "batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward",
            "group_norm", "group_norm_backward",
-           *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__]
+           *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__, *pool.__all__]
