@@ -55,7 +55,7 @@ def _apply(xp, x, mask, scale, y):
     if not _KERNEL:
         _KERNEL.append(xp.ElementwiseKernel("T x, bool m, F s", "T y", "y = (T)((F)x * (F)m * s)",
                                             "blasx_dropout_apply"))
-    _KERNEL[0](x, mask, scale, y)
+    _KERNEL[0](x, mask, compute_dtype(x.dtype).type(scale), y)  # a typed scalar: CuPy infers F from it
     return y
 
 
