@@ -210,6 +210,8 @@ def test_sources(dtype, activation):
     else:
         dt = np.dtype(dtype)
     ptype, ctype, load, store = cuda_epilogue.TILE_TYPES[cuda_epilogue.tile_type(dt)]
+    load, store = load.format("y"), store.format("y", "r")
+    assert "{" not in store  # the templates are filled in (a bare {0} does not compile)
     x = np.zeros((2, 4, 5, 6))
     geo = conv_geometry("c", 2, x, np.zeros((8, 1, 3, 3)), 2, 1, 1, 4)
     src = dw.forward_source(dt, 2, True, False, activation, True, "int32")

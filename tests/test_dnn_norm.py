@@ -376,3 +376,11 @@ def test_backward_takes_statistics_of_another_float_type():
         ref = bwd(m, s)
         got = bwd(m.astype(np.float64), s.astype(np.float64))
         assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, r) < 1e-6) for q, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_kernel_load_and_store_are_filled_in(dtype):
+    """The CUDA load/store of the element type come from the epilogue's templates, filled in for y and r."""
+    from blasx.dnn import norm_kernels
+    _, _, _, load, store = norm_kernels._types(np.dtype(dtype))
+    assert "{" not in load and "{" not in store and "y" in load and "r" in store

@@ -241,7 +241,8 @@ def reduce_partials(part, geo: ConvGeometry, cl: bool, split: int):
 def _element(dtype) -> tuple:
     """(CuPy parameter type, compute type, load of ``y`` as F, store of ``r`` into ``y``) of ``dtype``:
     the epilogue kernel's table (bfloat16 as its uint16 bits)."""
-    return cuda_epilogue.TILE_TYPES[cuda_epilogue.tile_type(dtype)]
+    ptype, ctype, load, store = cuda_epilogue.TILE_TYPES[cuda_epilogue.tile_type(dtype)]
+    return ptype, ctype, load.format("y"), store.format("y", "r")  # the table's templates, on y and r
 
 
 def _head(dtype, index: str) -> tuple:

@@ -77,6 +77,7 @@ def _types(dtype):
     """(storage parameter type, compute C type, compute parameter type, load of ``y``, store of r to y)."""
     from ..runtime.devices.cuda_epilogue import TILE_TYPES, tile_type
     ptype, ctype, load, store = TILE_TYPES[tile_type(dtype)]
+    load, store = load.format("y"), store.format("y", "r")  # the table's templates, on y and r
     return ptype, ctype, "float64" if ctype == "double" else "float32", load, store
 
 
