@@ -176,9 +176,11 @@ def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
         if np.dtype(indices.dtype).kind not in "iu":
             raise TypeError(f"indices: expected an integer array (int64, as forward returns), got {indices.dtype}")
         plane = int(np.prod(size))
-        if indices.size and not (0 <= int(indices.min()) and int(indices.max()) < plane):
+        with on_device_of(indices):  # the reduction runs on the indices' GPU, not the current one
+            lo, hi = (int(indices.min()), int(indices.max())) if indices.size else (0, 0)
+        if indices.size and not (0 <= lo and hi < plane):
             raise ValueError(f"indices: values must lie in [0, {plane}) (positions in the input's spatial plane "
-                             f"{size}), got [{int(indices.min())}, {int(indices.max())}]")
+                             f"{size}), got [{lo}, {hi}]")
     gb = _batched(grad_output, unbatched)
     given = _batched(input_shape, unbatched) if hasattr(input_shape, "flags") else None
     lay = (given is not None and layout(given)) or layout(gb) or "nchw"
