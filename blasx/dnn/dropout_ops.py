@@ -42,7 +42,7 @@ def _mask(xp, shape, p: float, seed):
     return u >= np.float32(p)
 
 
-_KERNEL = []
+_KERNEL = {}  # compute type -> its kernel
 
 
 def _apply(xp, x, mask, scale, y):
@@ -52,10 +52,13 @@ def _apply(xp, x, mask, scale, y):
         r *= scale
         y[...] = r
         return y
-    if not _KERNEL:
-        _KERNEL.append(xp.ElementwiseKernel("T x, bool m, F s", "T y", "y = (T)((F)x * (F)m * s)",
-                                            "blasx_dropout_apply"))
-    _KERNEL[0](x, mask, compute_dtype(x.dtype).type(scale), y)  # a typed scalar: CuPy infers F from it
+    ct = compute_dtype(x.dtype)
+    # the compute type is spelled out: CuPy cannot infer a type placeholder used by scalars only
+    ftype, cname = ("float64", "double") if ct == np.float64 else ("float32", "float")
+    if ftype not in _KERNEL:
+        _KERNEL[ftype] = xp.ElementwiseKernel(f"T x, bool m, {ftype} s", "T y",
+                                              f"y = (T)(({cname})x * ({cname})m * s)", f"blasx_dropout_{ftype}")
+    _KERNEL[ftype](x, mask, ct.type(scale), y)
     return y
 
 

@@ -47,7 +47,7 @@ def _shape(name: str, value) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- add
 
-_ADD = []
+_ADD = {}  # compute type -> its kernel
 
 
 def add(input, other, *, alpha=1, out=None):
@@ -81,9 +81,12 @@ def add(input, other, *, alpha=1, out=None):
             else:
                 out[...] = input.astype(ct, copy=False) + r
             return out
-        if not _ADD:
-            _ADD.append(xp.ElementwiseKernel("T x, U o, F a", "R y", "y = (R)((F)x + a * (F)o)", "blasx_add"))
-        _ADD[0](input, b, ct.type(alpha), out)
+        # the compute type is spelled out: CuPy cannot infer a type placeholder used by scalars only
+        ftype, cname = ("float64", "double") if ct == np.float64 else ("float32", "float")
+        if ftype not in _ADD:
+            _ADD[ftype] = xp.ElementwiseKernel(f"T x, U o, {ftype} a", "R y",
+                                               f"y = (R)(({cname})x + a * ({cname})o)", f"blasx_add_{ftype}")
+        _ADD[ftype](input, b, ct.type(alpha), out)
         return out
 
 
