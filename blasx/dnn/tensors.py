@@ -86,7 +86,7 @@ def add(input, other, *, alpha=1, out=None):
         if ftype not in _ADD:
             _ADD[ftype] = xp.ElementwiseKernel(f"T x, U o, {ftype} a", "R y",
                                                f"y = (R)(({cname})x + a * ({cname})o)", f"blasx_add_{ftype}")
-        _ADD[ftype](input, b, ct.type(alpha), out)
+        _ADD[ftype](input, xp.asarray(b) if scalar else b, ct.type(alpha), out)  # a 0-d array: U is inferred
         return out
 
 
