@@ -246,6 +246,26 @@ def read_rnn(path: str) -> Table:
                   "ratio", "check"], rows, notes)
 
 
+def read_network(path: str) -> Table:
+    doc = _load(path)
+    gpus = doc["machine"].get("gpus") or []
+    machine = f"{len(gpus)}x {gpus[0]}" if gpus else "CPU only"
+    rows = []
+    for r in doc["rows"]:
+        checks = {c["name"]: c for c in r.get("checks", [])}
+        for run in r["runs"]:
+            c = checks.get(run["name"], {})
+            rows.append([r["model"], r["mode"], r["batch"], run["name"], _f(run.get("images_per_s"), 0),
+                         _f(run.get("vs_torch"), 2), "ok" if c.get("ok") else ("FAIL" if c else "-")])
+        for name, c in checks.items():
+            if "exception" in c and not any(run["name"] == name for run in r["runs"]):
+                rows.append([r["model"], r["mode"], r["batch"], name, "-", "-", "ERROR " + c["exception"]])
+    return Table(machine, doc["date"][:13], doc["command"],
+                 ["model", "mode", "batch", "contender", "images/s", "x torch", "check"], rows,
+                 ["torch: one GPU, the host batch streamed in chunks with its copies; goal: blasx on two GPUs "
+                  ">= 1.7x torch, on one >= 0.85x."])
+
+
 def _devices(text: str) -> str:
     """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
     names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
@@ -279,9 +299,12 @@ READERS = [
            "`bench.conv --host`: a numpy batch in host memory on the GPUs beside torch on one GPU with copies."),
     Reader("Tall-skinny GEMM from host memory", "tallskinny-*.json", read_tallskinny,
            "`bench.tallskinny`: X^T X through blasx.gemm (split-k) beside the host-link bound and CuPy on one GPU."),
-    Reader("Recurrent layers against cuDNN", "rnn-run-*.json", read_rnn,
+    Reader("Recurrent layers against cuDNN", "rnn-*.json", read_rnn,
            "`bench.rnn`: blasx.dnn LSTM / GRU beside cuDNN through torch, inference and training; every result "
            "checked."),
+    Reader("Whole networks from host memory", "network-*.json", read_network,
+           "`bench.network`: blasx.dnn.from_torch(...).compile() on 1 and 2 GPUs beside torch (cuDNN) on one GPU, "
+           "the same host batch, every output checked against float64 torch."),
     Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
            "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
 ]
