@@ -18,6 +18,7 @@ from blasx import dnn
 from blasx.dnn.geometry import layout
 from blasx.runtime.activations import NAMES, Activation
 from blasx.runtime.devices import cuda_epilogue as ce
+from dnn_ref import cl, rel, wide
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -45,22 +46,6 @@ def _fn(name):
 
 def _name(t):
     return np.dtype(t).name
-
-
-def rel(x, ref):
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert x.shape == ref.shape
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def cl(x):
-    """x as channels-last (an NCHW-shaped view of NHWC memory)."""
-    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def wide(x, grad=False):
-    return torch.from_numpy(np.asarray(x, np.float64).copy()).requires_grad_(grad)
 
 
 def _input(dt, lay, seed=0, shape=(3, 5, 7, 4)):

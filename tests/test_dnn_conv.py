@@ -20,25 +20,11 @@ from torch.nn import grad as tgrad
 import blasx
 from blasx import dnn
 from blasx.dnn import geometry
+from dnn_ref import cl, rel, wide
 
 TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 4e-3,
        np.dtype(ml_dtypes.bfloat16): 3e-2}
 T = torch.from_numpy
-
-
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def cl(x):
-    """x as channels-last (an NCHW-shaped view of N...C memory)."""
-    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def wide(x):
-    return T(np.asarray(x, np.float64))
 
 
 def rand(rng, shape, dtype=np.float64):

@@ -15,6 +15,7 @@ import pytest
 
 from blasx import dnn
 from blasx.dnn.geometry import layout
+from dnn_ref import cl, rel, wide
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -30,21 +31,6 @@ TOL = {"float64": 1e-13, "float32": 3e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 def _name(t):
     return np.dtype(t).name
-
-
-def rel(x, ref):
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert x.shape == ref.shape
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def cl(x):
-    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def wide(x, grad=False):
-    return torch.from_numpy(np.asarray(x, np.float64).copy()).requires_grad_(grad)
 
 
 def rand(shape, dt=np.float64, seed=0, lay="nchw", scale=3.0):

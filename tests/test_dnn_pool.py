@@ -17,30 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blasx import dnn
+from dnn_ref import cl, is_cl, rel, wide
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
 TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 4e-3, BF16: 3e-2}
 SIZES = {1: (11,), 2: (9, 8), 3: (6, 5, 7)}
-
-
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def cl(x):
-    """x as channels-last (an NCHW-shaped view of N...C memory)."""
-    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def is_cl(y):
-    return np.moveaxis(y, 1, -1).flags.c_contiguous
-
-
-def wide(x, grad=False):
-    return torch.from_numpy(np.asarray(x, np.float64).copy()).requires_grad_(grad)
 
 
 def fn(name, nd):

@@ -9,6 +9,7 @@ import pytest
 
 import blasx
 from blasx import dnn
+from dnn_ref import cl, rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -24,19 +25,6 @@ def _bf16():
 
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
-
-
-def rel(x, ref):
-    x = np.asarray(cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def cl(x):
-    return np.ascontiguousarray(np.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def wide(x):
-    return torch.from_numpy(np.asarray(x, np.float64))
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import pytest
 
 import blasx
 from blasx import dnn
+from dnn_ref import rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -24,16 +25,6 @@ SIZES = {1: (37,), 2: (13, 11), 3: (6, 7, 5)}
 # (stride, padding, dilation, multiplier); "asym": (lo, hi) pairs, applied to x for torch
 CASES = [(1, 1, 1, 1), (2, 1, 1, 1), (1, "asym", 2, 2), (3, 0, 1, 3), (2, 2, 2, 1)]
 ASYM = ((1, 0), (0, 2), (2, 1))
-
-
-def rel(x, ref):
-    x = np.asarray(cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def wide(x):
-    return T(np.asarray(x, np.float64))
 
 
 def _device(x, layout):

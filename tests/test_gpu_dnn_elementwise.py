@@ -11,6 +11,7 @@ import blasx
 from blasx import dnn
 from blasx.dnn.geometry import layout
 from blasx.runtime.activations import Activation
+from dnn_ref import cl, host, rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -35,27 +36,6 @@ def _fn(name):
 
 def _name(t):
     return np.dtype(t).name
-
-
-def host(x):
-    return cupy.asnumpy(x) if isinstance(x, cupy.ndarray) else np.asarray(x)
-
-
-def rel(x, ref):
-    x = np.asarray(host(x), np.float64)
-    ref = np.asarray(host(ref), np.float64)
-    assert x.shape == ref.shape
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def cl(x):
-    """x as channels-last, on the device (x: numpy or CuPy)."""
-    xp = cupy.get_array_module(x)
-    return xp.ascontiguousarray(xp.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def wide(x, grad=False):
-    return torch.from_numpy(np.asarray(host(x), np.float64).copy()).requires_grad_(grad)
 
 
 def rand(shape, dt=np.float64, seed=0, lay="nchw", scale=3.0):

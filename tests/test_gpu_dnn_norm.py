@@ -11,6 +11,7 @@ import pytest
 
 import blasx
 from blasx import dnn
+from dnn_ref import host, is_cl, rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -26,17 +27,6 @@ DTYPES = [(np.float64, np.float64), (np.float32, np.float32), (np.float16, np.fl
 IDS = ["f64", "f32", "f16", "f16-f32params", "bf16", "bf16-f32params"]
 
 
-def host(a):
-    return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a
-
-
-def rel(x, ref):
-    x = np.asarray(host(x), np.float64)
-    ref = np.asarray(ref.detach() if torch.is_tensor(ref) else ref, np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
 def dev(x, layout="nchw"):
     """x on the current GPU, C-contiguous or channels-last (bfloat16 only where this CuPy has it)."""
     try:
@@ -46,15 +36,6 @@ def dev(x, layout="nchw"):
     if layout == "nchw" or x.ndim < 3:
         return xc
     return cupy.ascontiguousarray(cupy.moveaxis(xc, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
-def is_cl(y):
-    return cupy.moveaxis(y, 1, -1).flags.c_contiguous
-
-
-def wide(x, grad=False):
-    t = torch.from_numpy(np.asarray(x, np.float64).copy())
-    return t.requires_grad_() if grad else t
 
 
 def rand(rng, shape, dtype=np.float64, loc=0.0):

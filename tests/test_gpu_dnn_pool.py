@@ -11,6 +11,7 @@ import pytest
 
 import blasx
 from blasx import dnn
+from dnn_ref import host, is_cl, rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -23,27 +24,9 @@ TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3}
 SIZES = {1: (37,), 2: (19, 17), 3: (9, 8, 11)}
 
 
-def host(a):
-    return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a)
-
-
-def rel(x, ref):
-    x, ref = np.asarray(host(x), np.float64), np.asarray(ref, np.float64)
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
 def to_cl(a):
     xp = cupy.get_array_module(a)
     return xp.ascontiguousarray(xp.moveaxis(a, 1, -1)).transpose(0, a.ndim - 1, *range(1, a.ndim - 1))
-
-
-def is_cl(y):
-    return cupy.moveaxis(y, 1, -1).flags.c_contiguous
-
-
-def wide(x, grad=False):
-    return torch.from_numpy(np.asarray(host(x), np.float64).copy()).requires_grad_(grad)
 
 
 def torch_grad(tf, x, g, *args, **kw):

@@ -1,0 +1,43 @@
+"""What the blasx.dnn tests share: host copies, relative errors, channels-last views, float64 torch tensors.
+
+Works on numpy, CuPy and torch arrays alike (CuPy and torch are imported only where an array of theirs
+is given), so the CPU and the GPU test files use the same helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def host(x):
+    """x as a numpy array: a CuPy array copied to the host, a torch tensor detached."""
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        return x.get()
+    if mod.startswith("torch"):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def rel(x, ref) -> float:
+    """Relative-norm error of x against ref, in float64; their shapes must agree."""
+    x, ref = np.asarray(host(x), np.float64), np.asarray(host(ref), np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def cl(x):
+    """x as channels-last (an NCHW-shaped view of N...C memory), on x's device."""
+    xp = __import__("cupy") if type(x).__module__.startswith("cupy") else np
+    return xp.ascontiguousarray(xp.moveaxis(x, 1, -1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
+
+
+def is_cl(y) -> bool:
+    """Whether y is channels-last."""
+    return y.transpose(0, *range(2, y.ndim), 1).flags.c_contiguous
+
+
+def wide(x, grad: bool = False):
+    """A float64 torch tensor of x's values (a copy), tracking gradients when ``grad``."""
+    import torch
+    t = torch.from_numpy(np.asarray(host(x), np.float64).copy())
+    return t.requires_grad_() if grad else t
