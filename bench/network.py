@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from . import network_models as NM
+from .conv import _list  # comma lists checked against the allowed names
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
 MATH = {"fp32": "ieee", "tf32": "tf32", "fp16": "ieee", "bf16": "ieee"}
@@ -35,13 +36,6 @@ TORCH_DTYPE = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": 
 TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 2e-2, "bf16": 8e-2}  # relative-norm error of the logits
 GOALS = {1: 0.85, 2: 1.7}  # the throughput goals against torch on one GPU, by GPU count
 
-
-def _list(text: str, allowed, option: str) -> list:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in allowed]
-    if not values or bad:
-        raise ValueError(f"{option}: got {text!r}; allowed: {', '.join(allowed)} (comma list)")
-    return list(dict.fromkeys(values))
 
 
 def build_parser() -> argparse.ArgumentParser:
