@@ -20,9 +20,10 @@ from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
 from . import conv_direct, depthwise
+from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
-from .geometry import ConvGeometry, check_dtype, conv_geometry, layout, transpose_geometry
+from .geometry import ConvGeometry, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
 
 MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU alone runs (one tile a call)
@@ -72,23 +73,11 @@ def _channel_vector(name: str, v, k: int, dtype, xp):
     return v.get() if is_cupy(v) else np.asarray(v)
 
 
-def _check_out(name: str, out, shape, dtype, lay, xp, *others):
-    if out is None:
-        return
-    if type(out) is not type(others[0]):
-        raise TypeError(f"{name}: got a {type(out).__module__}.{type(out).__name__}; x is a "
-                        f"{type(others[0]).__module__}.{type(others[0]).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
-    if np.dtype(out.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
-    if lay is not None and layout(out) != lay:
+def _check_layout(out, lay: str) -> None:
+    """A batched ``out`` has x's layout (results are written in place, never copied back)."""
+    if layout(out) != lay:
         want = "C-contiguous (NCHW)" if lay == "nchw" else "channels-last (an NCHW-shaped view of NHWC memory)"
-        raise ValueError(f"{name}: must be {want}, like x; got strides {out.strides}")
-    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable)
-        raise ValueError(f"{name}: is read-only")
-    if xp is np and name == "out" and any(o is not None and np.shares_memory(out, o) for o in others):
-        raise ValueError(f"{name}: overlaps an input array (x, weight or residual)")
+        raise ValueError(f"out: must be {want}, like x; got strides {out.strides}")
 
 
 def _rows_hint(rows: int) -> int:
@@ -174,10 +163,11 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     shape = (geo.n, geo.k, *geo.out_size)
     user_shape = shape[1:] if unbatched else shape
     if residual is not None:
-        _check_out("residual", residual, user_shape, dt, None, xp, x)
+        check_out(residual, user_shape, dt, x, name="residual")
         residual = _as_layout(xp, _batched(residual, nd)[0], lay)
-    _check_out("out", out, user_shape, dt, lay if out is not None and out.ndim == nd + 2 else None, xp, x, weight,
-               residual)
+    check_out(out, user_shape, dt, x, x, weight, residual, alias=False)
+    if out is not None and out.ndim == nd + 2:
+        _check_layout(out, lay)
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
@@ -236,8 +226,9 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     xb, unbatched = _batched(x, nd)
     lay = layout(xb) or "nchw"
     shape = (geo.n, geo.k, *geo.out_size)
-    _check_out("out", out, shape[1:] if unbatched else shape, dt, lay if out is not None and out.ndim == nd + 2
-               else None, xp, x, weight)
+    check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, alias=False)
+    if out is not None and out.ndim == nd + 2:
+        _check_layout(out, lay)
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)

@@ -11,41 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runtime import dtypes
+from .args import check_count, check_dtype, ints
 
 SPATIAL = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
-
-
-def allowed_dtypes() -> dict:
-    """The element types convolution takes: float64, float32, float16, bfloat16 (with ml_dtypes)."""
-    out = {np.dtype(np.float64): "float64", np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
-    bf = dtypes.GEMM_BY_PREFIX.get("b")
-    if bf is not None:
-        out[bf.dtype] = "bfloat16"
-    return out
-
-
-def check_dtype(name: str, x) -> np.dtype:
-    dt = np.dtype(x.dtype)
-    allowed = allowed_dtypes()
-    if dt not in allowed:
-        raise TypeError(f"{name}: dtype {dt} is not supported; allowed: {', '.join(allowed.values())}")
-    return dt
-
-
-def ints(name: str, value, nd: int, minimum: int) -> tuple[int, ...]:
-    """An int or a tuple of ``nd`` ints, each >= ``minimum``, as a tuple."""
-    vals = (value,) * nd if isinstance(value, (int, np.integer)) else value
-    try:
-        vals = tuple(vals)
-    except TypeError:
-        raise TypeError(f"{name}: got {value!r}, expected an int or a tuple of {nd} ints") from None
-    if len(vals) != nd or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in vals):
-        raise ValueError(f"{name}: got {value!r}, expected an int or a tuple of {nd} ints")
-    if any(v < minimum for v in vals):
-        what = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{name}: got {value!r}; each value must be {what} (>= {minimum})")
-    return tuple(int(v) for v in vals)
 
 
 def padding_pairs(padding, nd: int, kernel, dilation, stride) -> tuple[tuple[int, int], ...]:
@@ -118,16 +86,10 @@ def _shapes(fn: str, nd: int, x, weight):
     return shape, tuple(weight.shape)
 
 
-def _groups(groups) -> int:
-    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"groups: got {groups!r}, expected a positive int")
-    return int(groups)
-
-
 def conv_geometry(fn: str, nd: int, x, weight, stride, padding, dilation, groups) -> ConvGeometry:
     """The geometry of conv{nd}d(x, weight, ...) after torch's checks (x may be unbatched)."""
     (n, c, *size), (k, cg, *kernel) = _shapes(fn, nd, x, weight)
-    groups = _groups(groups)
+    groups = check_count("groups", groups)
     stride = ints("stride", stride, nd, 1)
     dilation = ints("dilation", dilation, nd, 1)
     pads = padding_pairs(padding, nd, kernel, dilation, stride)
@@ -157,7 +119,7 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
     zero-inserted by the stride, with the flipped, transposed kernel (stride 1). ``output_size``
     (backward-data's input size) sets output_padding instead."""
     (n, c, *size), (cw, kg, *kernel) = _shapes(fn, nd, x, weight)
-    groups = _groups(groups)
+    groups = check_count("groups", groups)
     stride = ints("stride", stride, nd, 1)
     dilation = ints("dilation", dilation, nd, 1)
     pads = padding_pairs(padding, nd, kernel, dilation, stride)

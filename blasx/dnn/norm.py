@@ -14,13 +14,13 @@ input -- all float32, torch's mixed-type rule. Statistics handed to backward are
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
-from ..operands import is_cupy
+from .args import (check_array, check_count, check_flag, check_kind, check_like, check_out, check_real,
+                   check_same_device, check_shape)
 from .arrays import compute_dtype, on_device_of, xp_of
-from .geometry import check_dtype, layout
+from .geometry import layout
 from .norm_kernels import ops, store, to_compute
 
 __all__ = ["batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward", "group_norm",
@@ -31,15 +31,8 @@ _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
 
 # ---------------------------------------------------------------- validation
 
-def _array(name: str, a):
-    if not (isinstance(a, np.ndarray) or is_cupy(a)):
-        raise TypeError(f"{name}: expected a numpy or cupy array, got {type(a).__name__}")
-    return a
-
-
 def _input(x, min_ndim: int, what: str) -> np.dtype:
-    _array("input", x)
-    dt = check_dtype("input", x)
+    dt = check_array("input", x)
     if x.ndim < min_ndim:
         raise ValueError(f"input: expected {what}, got shape {tuple(x.shape)}")
     return dt
@@ -56,7 +49,7 @@ def _params(xdt: np.dtype, **params) -> None:
     for name, (a, shape) in params.items():
         if a is None:
             continue
-        _array(name, a)
+        check_kind(name, a)
         if tuple(a.shape) != tuple(shape):
             raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
         dts[name] = np.dtype(a.dtype)
@@ -73,63 +66,10 @@ def _stats(name: str, a, size: int, shape):
     """A statistic saved by forward: ``size`` values of a float type, returned reshaped to ``shape``."""
     if a is None:
         raise ValueError(f"{name}: expected an array, got None")
-    _array(name, a)
-    check_dtype(name, a)
+    check_array(name, a)
     if a.size != size:
         raise ValueError(f"{name}: expected {size} values (shape {tuple(shape)}), got shape {tuple(a.shape)}")
     return a
-
-
-def _grad_output(g, x) -> None:
-    _array("grad_output", g)
-    if tuple(g.shape) != tuple(x.shape):
-        raise ValueError(f"grad_output: expected input's shape {tuple(x.shape)}, got {tuple(g.shape)}")
-    if np.dtype(g.dtype) != np.dtype(x.dtype):
-        raise TypeError(f"grad_output: dtype {np.dtype(g.dtype).name} does not match input's "
-                        f"{np.dtype(x.dtype).name}")
-
-
-def _real(name: str, v, minimum=None) -> float:
-    if not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)) or not math.isfinite(v):
-        raise TypeError(f"{name}: expected a finite real number, got {v!r}")
-    if minimum is not None and v < minimum:
-        raise ValueError(f"{name}: got {v!r}; it must be >= {minimum}")
-    return float(v)
-
-
-def _flag(name: str, v) -> bool:
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {v!r}")
-    return bool(v)
-
-
-def _count(name: str, v) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 1:
-        raise ValueError(f"{name}: got {v!r}, expected a positive int")
-    return int(v)
-
-
-def _out(out, x, shape) -> None:
-    if out is None:
-        return
-    if is_cupy(out) != is_cupy(x) or not (isinstance(out, np.ndarray) or is_cupy(out)):
-        raise TypeError(f"out: got a {type(out).__module__}.{type(out).__name__}; input is a "
-                        f"{type(x).__module__}.{type(x).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
-    if np.dtype(out.dtype) != np.dtype(x.dtype):
-        raise TypeError(f"out: expected dtype {np.dtype(x.dtype).name}, got {np.dtype(out.dtype).name}")
-    if not getattr(out.flags, "writeable", True):
-        raise ValueError("out: the array is read-only")
-
-
-def _same_device(x, **arrays) -> None:
-    """Every given CuPy array lives on x's GPU."""
-    if not is_cupy(x):
-        return
-    for name, a in arrays.items():
-        if a is not None and a.device != x.device:
-            raise ValueError(f"{name}: is on GPU {a.device.id} but input is on GPU {x.device.id}")
 
 
 def _prepared(xp, x):
@@ -179,11 +119,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     _params(xdt, weight=(weight, (c,)), bias=(bias, (c,)), running_mean=(running_mean, (c,)),
             running_var=(running_var, (c,)))
     xp = xp_of(x, running_mean, running_var, weight, bias, num_batches_tracked, out)
-    training = _flag("training", training)
-    return_stats = _flag("return_stats", return_stats)
-    eps = _real("eps", eps, 0.0)
+    training = check_flag("training", training)
+    return_stats = check_flag("return_stats", return_stats)
+    eps = check_real("eps", eps, 0.0, finite=True)
     if momentum is not None:
-        momentum = _real("momentum", momentum)
+        momentum = check_real("momentum", momentum, finite=True)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean, running_var: must either both be None or neither be None")
     if not training and running_mean is None:
@@ -192,7 +132,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if training and count == 1:
         raise ValueError(f"input: expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
     if num_batches_tracked is not None:
-        _array("num_batches_tracked", num_batches_tracked)
+        check_kind("num_batches_tracked", num_batches_tracked)
         if num_batches_tracked.dtype.kind not in "iu" or num_batches_tracked.size != 1:
             raise TypeError(f"num_batches_tracked: expected a one-element integer array, got dtype "
                             f"{num_batches_tracked.dtype} shape {tuple(num_batches_tracked.shape)}")
@@ -200,8 +140,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if updating and momentum is None and num_batches_tracked is None:
         raise ValueError("momentum: None (cumulative average) needs num_batches_tracked (a one-element integer "
                          "array, incremented in place) to count the batches")
-    _out(out, x, x.shape)
-    _same_device(x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias,
+    check_out(out, x.shape, x.dtype, x, x)
+    check_same_device(x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias,
                  num_batches_tracked=num_batches_tracked, out=out)
     with on_device_of(x):
         x = _prepared(xp, x)
@@ -239,10 +179,10 @@ def batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, trai
     x = input
     xdt = _input(x, 2, _SHAPES)
     c = x.shape[1]
-    _grad_output(grad_output, x)
+    check_like("grad_output", grad_output, "input", x)
     _params(xdt, weight=(weight, (c,)), running_mean=(running_mean, (c,)), running_var=(running_var, (c,)))
-    training = _flag("training", training)
-    eps = _real("eps", eps, 0.0)
+    training = check_flag("training", training)
+    eps = check_real("eps", eps, 0.0, finite=True)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean, running_var: must either both be None or neither be None")
     use_running = not training and running_mean is not None
@@ -250,7 +190,7 @@ def batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, trai
         _stats("save_mean", save_mean, c, (c,))
         _stats("save_invstd", save_invstd, c, (c,))
     xp = xp_of(grad_output, x, weight, running_mean, running_var, *(() if use_running else (save_mean, save_invstd)))
-    _same_device(x, grad_output=grad_output, weight=weight, running_mean=running_mean, running_var=running_var,
+    check_same_device(x, grad_output=grad_output, weight=weight, running_mean=running_mean, running_var=running_var,
                  save_mean=None if use_running else save_mean, save_invstd=None if use_running else save_invstd)
     count = max(x.size // c if c else 0, 1)
     with on_device_of(x):
@@ -276,16 +216,10 @@ def batch_norm_backward(grad_output, input, weight, save_mean, save_invstd, trai
 # ---------------------------------------------------------------- layer_norm
 
 def _normalized_shape(value) -> tuple[int, ...]:
-    vals = (value,) if isinstance(value, (int, np.integer)) else value
-    try:
-        vals = tuple(vals)
-    except TypeError:
-        raise TypeError(f"normalized_shape: got {value!r}, expected an int or a tuple of ints") from None
-    if not vals:
+    shape = check_shape("normalized_shape", value, allowed="an int or a tuple of non-negative ints", scalar=True)
+    if not shape:
         raise ValueError("normalized_shape: got (); it must contain at least one dimension")
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0 for v in vals):
-        raise ValueError(f"normalized_shape: got {value!r}, expected non-negative ints")
-    return tuple(int(v) for v in vals)
+    return shape
 
 
 def _layer_shape(x, normalized_shape):
@@ -310,10 +244,10 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, ret
     shape, axes, count = _layer_shape(x, normalized_shape)
     _params(np.dtype(x.dtype), weight=(weight, shape), bias=(bias, shape))
     xp = xp_of(x, weight, bias, out)
-    eps = _real("eps", eps, 0.0)
-    return_stats = _flag("return_stats", return_stats)
-    _out(out, x, x.shape)
-    _same_device(x, weight=weight, bias=bias, out=out)
+    eps = check_real("eps", eps, 0.0, finite=True)
+    return_stats = check_flag("return_stats", return_stats)
+    check_out(out, x.shape, x.dtype, x, x)
+    check_same_device(x, weight=weight, bias=bias, out=out)
     with on_device_of(x):
         x = xp.ascontiguousarray(x)
         y = out if out is not None else xp.empty(x.shape, dtype=x.dtype)
@@ -331,14 +265,14 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
     without weight)."""
     x = input
     shape, axes, count = _layer_shape(x, normalized_shape)
-    _grad_output(grad_output, x)
+    check_like("grad_output", grad_output, "input", x)
     _params(np.dtype(x.dtype), weight=(weight, shape))
     lead = tuple(range(x.ndim - len(shape)))
     keep = tuple(x.shape[:len(lead)]) + (1,) * len(shape)
     _stats("mean", mean, math.prod(keep), keep)
     _stats("rstd", rstd, math.prod(keep), keep)
     xp = xp_of(grad_output, x, weight, mean, rstd)
-    _same_device(x, grad_output=grad_output, weight=weight, mean=mean, rstd=rstd)
+    check_same_device(x, grad_output=grad_output, weight=weight, mean=mean, rstd=rstd)
     with on_device_of(x):
         grad_input = xp.empty(x.shape, dtype=x.dtype)
         # one leading unit axis: the per-element sums reduce over at least one axis
@@ -359,7 +293,7 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
 
 def _groups(x, num_groups) -> int:
     _input(x, 2, "(N, C, *)")
-    g = _count("num_groups", num_groups)
+    g = check_count("num_groups", num_groups)
     if x.shape[1] % g:
         raise ValueError(f"num_groups: input's {x.shape[1]} channels (shape {tuple(x.shape)}) are not divisible "
                          f"by num_groups={g}")
@@ -384,10 +318,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, return_st
     n, c = x.shape[:2]
     _params(np.dtype(x.dtype), weight=(weight, (c,)), bias=(bias, (c,)))
     xp = xp_of(x, weight, bias, out)
-    eps = _real("eps", eps, 0.0)
-    return_stats = _flag("return_stats", return_stats)
-    _out(out, x, x.shape)
-    _same_device(x, weight=weight, bias=bias, out=out)
+    eps = check_real("eps", eps, 0.0, finite=True)
+    return_stats = check_flag("return_stats", return_stats)
+    check_out(out, x.shape, x.dtype, x, x)
+    check_same_device(x, weight=weight, bias=bias, out=out)
     with on_device_of(x):
         x = _prepared(xp, x)
         y = out if out is not None else xp.empty_like(x)
@@ -408,12 +342,12 @@ def group_norm_backward(grad_output, input, num_groups, weight, mean, rstd):
     x = input
     g = _groups(x, num_groups)
     n, c = x.shape[:2]
-    _grad_output(grad_output, x)
+    check_like("grad_output", grad_output, "input", x)
     _params(np.dtype(x.dtype), weight=(weight, (c,)))
     _stats("mean", mean, n * g, (n, g))
     _stats("rstd", rstd, n * g, (n, g))
     xp = xp_of(grad_output, x, weight, mean, rstd)
-    _same_device(x, grad_output=grad_output, weight=weight, mean=mean, rstd=rstd)
+    check_same_device(x, grad_output=grad_output, weight=weight, mean=mean, rstd=rstd)
     with on_device_of(x):
         x = _prepared(xp, x)
         v, gv = _split(x, g), _split(grad_output, g)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import pool_kernels as kernels
+from .args import check_array, check_flag, check_out, check_shape
 from .arrays import on_device_of, xp_of
-from .geometry import check_dtype, layout
-from .pool_geometry import adaptive, check_input, flag, shape_of, window
+from .geometry import layout
+from .pool_geometry import adaptive, check_input, shape_of, window
 
 __all__ = [f"{p}{nd}d{s}" for p in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool")
            for nd in (1, 2, 3) for s in ("", "_backward")]
@@ -66,20 +67,6 @@ def _batched(a, unbatched: bool):
 
 # ---------------------------------------------------------------- checks
 
-def _check_out(name: str, out, shape, dtype, x) -> None:
-    if type(out) is not type(x):
-        raise TypeError(f"{name}: got a {type(out).__module__}.{type(out).__name__}; input is a "
-                        f"{type(x).__module__}.{type(x).__name__}")
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
-    if np.dtype(out.dtype) != np.dtype(dtype):
-        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
-    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable)
-        raise ValueError(f"{name}: is read-only")
-    if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
-        raise ValueError(f"{name}: overlaps input")
-
-
 def _outs(out, with_indices: bool, shape, dtype, x):
     """(values, indices) destinations of a forward's ``out`` (each None where not given), checked."""
     if out is None:
@@ -88,23 +75,20 @@ def _outs(out, with_indices: bool, shape, dtype, x):
         if len(out) != 2:
             raise ValueError(f"out: with return_indices, expected an array or a (values, indices) pair, got "
                              f"{len(out)} items")
-        _check_out("out[0]", out[0], shape, dtype, x)
-        _check_out("out[1]", out[1], shape, np.int64, x)
+        if out[0] is None or out[1] is None:
+            raise TypeError("out: with return_indices, expected an array or a (values, indices) pair of arrays, "
+                            "got a None in the pair")
+        check_out(out[0], shape, dtype, x, x, alias=False, name="out[0]")
+        check_out(out[1], shape, np.int64, x, x, alias=False, name="out[1]")
         return out[0], out[1]
-    _check_out("out", out, shape, dtype, x)
+    check_out(out, shape, dtype, x, x, alias=False)
     return out, None
 
 
 def _shape_arg(value) -> tuple[int, ...]:
-    shape = getattr(value, "shape", value)
-    try:
-        shape = tuple(shape)
-    except TypeError:
-        raise TypeError(f"input_shape: got {value!r}; expected a shape (a tuple of ints) or the input array") \
-            from None
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise ValueError(f"input_shape: got {value!r}; expected a shape (a tuple of non-negative ints)")
-    return tuple(int(s) for s in shape)
+    """``input_shape``: a shape or the input array (its shape)."""
+    return check_shape("input_shape", getattr(value, "shape", value),
+                       allowed="a shape (a tuple of non-negative ints) or the input array")
 
 
 # ---------------------------------------------------------------- the two passes
@@ -113,7 +97,7 @@ def _forward(fn: str, nd: int, x, geo_of, with_indices: bool, out):
     """The pool ``geo_of(spatial size)`` of ``x``: its values, and indices where ``with_indices``."""
     n, c, size, unbatched = check_input(fn, nd, x)
     geo = geo_of(size)
-    with_indices = flag("return_indices", with_indices)
+    with_indices = check_flag("return_indices", with_indices)
     dt = np.dtype(x.dtype)
     shape = (n, c, *geo.out_size)
     y_out, i_out = _outs(out, with_indices, shape[1:] if unbatched else shape, dt, x)
@@ -150,16 +134,10 @@ def _finish(w, dest, copy: bool, n, c, size, lay, unbatched):
     return dest
 
 
-def _check_grad(fn: str, grad_output) -> np.dtype:
-    if not hasattr(grad_output, "shape") or not hasattr(grad_output, "dtype"):
-        raise TypeError(f"{fn}: grad_output must be a numpy or cupy array, got {type(grad_output).__name__}")
-    return check_dtype("grad_output", grad_output)
-
-
 def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
     """The input's gradient of the pool ``geo_of(spatial size)`` for ``grad_output`` (max pools: scattered
     at ``indices``)."""
-    dt = _check_grad(fn, grad_output)
+    dt = check_array("grad_output", grad_output)
     n, c, size, unbatched = shape_of(fn, nd, "input_shape", _shape_arg(input_shape))
     geo = geo_of(size)
     want = (n, c, *geo.out_size)[1 if unbatched else 0:]
@@ -368,6 +346,6 @@ def adaptive_max_pool3d_backward(grad_output, input_shape, indices):
 
 
 def _adaptive_backward(fn, nd, reduce, grad_output, input_shape, indices=None):
-    _check_grad(fn, grad_output)
+    check_array("grad_output", grad_output)
     out_size = tuple(grad_output.shape)[-nd:]
     return _backward(fn, nd, grad_output, input_shape, _adaptive_geo(fn, nd, reduce, out_size), indices)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .geometry import check_dtype
-
-SPATIAL = {1: "(N, C, L)", 2: "(N, C, H, W)", 3: "(N, C, D, H, W)"}
+from .args import check_array, check_flag, ints, is_int
+from .geometry import SPATIAL
 
 
 @dataclass(frozen=True)
@@ -49,34 +48,9 @@ class PoolGeometry:
 
 # ---------------------------------------------------------------- arguments
 
-def flag(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: got {value!r}, expected a bool")
-    return bool(value)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def sizes(fn: str, name: str, value, nd: int, minimum: int) -> tuple[int, ...]:
-    """An int, or a tuple/list of 1 or ``nd`` ints (torch's forms), each >= ``minimum``, as ``nd`` ints."""
-    vals = (value,) if _is_int(value) else value
-    if not isinstance(vals, (tuple, list)) or len(vals) not in (1, nd) or not all(_is_int(v) for v in vals):
-        ints = "an int" if nd == 1 else f"an int or a tuple of {nd} ints"
-        raise ValueError(f"{fn}: {name} must be {ints}, got {value!r}")
-    vals = tuple(int(v) for v in vals) * (nd // len(vals))
-    if any(v < minimum for v in vals):
-        what = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"{fn}: {name} must be {what}, got {value!r}")
-    return vals
-
-
 def check_input(fn: str, nd: int, x) -> tuple[int, int, tuple[int, ...], bool]:
     """(N, C, spatial size, unbatched) of a pool's input (dtype checked); non-batch dims must be non-empty."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{fn}: input must be a numpy or cupy array, got {type(x).__name__}")
-    check_dtype("input", x)
+    check_array("input", x)
     return shape_of(fn, nd, "input", tuple(x.shape))
 
 
@@ -106,15 +80,15 @@ def out_len(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_m
 def window(fn: str, nd: int, size, reduce: str, kernel_size, stride, padding, dilation=1, ceil_mode=False,
            count_include_pad=True, divisor_override=None) -> PoolGeometry:
     """The geometry of a max (``reduce="max"``) or average pool of an input of spatial size ``size``."""
-    kernel = sizes(fn, "kernel_size", kernel_size, nd, 1)
+    kernel = ints("kernel_size", kernel_size, nd, 1, one=True)
     if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):
         stride = kernel
-    strides = sizes(fn, "stride", stride, nd, 1)
-    pads = sizes(fn, "padding", padding, nd, 0)
-    dils = sizes(fn, "dilation", dilation, nd, 1)
-    ceil_mode = flag("ceil_mode", ceil_mode)
-    count_include_pad = flag("count_include_pad", count_include_pad)
-    if divisor_override is not None and (not _is_int(divisor_override) or divisor_override == 0):
+    strides = ints("stride", stride, nd, 1, one=True)
+    pads = ints("padding", padding, nd, 0, one=True)
+    dils = ints("dilation", dilation, nd, 1, one=True)
+    ceil_mode = check_flag("ceil_mode", ceil_mode)
+    count_include_pad = check_flag("count_include_pad", count_include_pad)
+    if divisor_override is not None and (not is_int(divisor_override) or divisor_override == 0):
         raise ValueError(f"{fn}: divisor_override must be None or a non-zero int, got {divisor_override!r}")
     if any(p > k // 2 for p, k in zip(pads, kernel)):
         raise ValueError(f"{fn}: padding {padding!r} must be at most half the kernel size (kernel_size={kernel})")
@@ -128,9 +102,9 @@ def window(fn: str, nd: int, size, reduce: str, kernel_size, stride, padding, di
 
 def adaptive(fn: str, nd: int, size, reduce: str, output_size) -> PoolGeometry:
     """The geometry of an adaptive pool: ``output_size`` an int or ``nd`` ints or Nones (None: the input's)."""
-    vals = (output_size,) * nd if _is_int(output_size) else output_size
+    vals = (output_size,) * nd if is_int(output_size) else output_size
     if (not isinstance(vals, (tuple, list)) or len(vals) != nd
-            or not all(v is None or _is_int(v) for v in vals)):
+            or not all(v is None or is_int(v) for v in vals)):
         raise ValueError(f"{fn}: output_size must be an int or a tuple of {nd} ints or Nones, got {output_size!r}")
     out = tuple(int(s) if v is None else int(v) for v, s in zip(vals, size))
     if any(o < 0 for o in out):

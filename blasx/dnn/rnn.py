@@ -22,18 +22,12 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from ..runtime import dtypes
 from . import rnn_exec, rnn_params
+from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
 
 _MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-
-
-def _allowed_dtypes() -> tuple:
-    out = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16)]
-    bf = dtypes.GEMM_BY_PREFIX.get("b")
-    return tuple(out + ([bf.dtype] if bf is not None else []))
 
 
 @dataclass
@@ -63,13 +57,11 @@ class Saved:
 # ---------------------------------------------------------------- validation
 
 def _check_x(x):
-    if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"x: expected a numpy or cupy array, got {type(x).__name__}")
+    check_kind("x", x)
     if x.ndim not in (2, 3):
         raise ValueError(f"x: expected 3 dimensions (T, B, input_size), (B, T, input_size) with batch_first, "
                          f"or 2 (T, input_size) unbatched; got shape {tuple(x.shape)}")
-    if x.dtype not in _allowed_dtypes():
-        raise TypeError(f"x: dtype {x.dtype} not allowed; allowed: {', '.join(d.name for d in _allowed_dtypes())}")
+    check_dtype("x", x)
     if 0 in x.shape:
         raise ValueError(f"x: got shape {tuple(x.shape)}; every dimension must be positive")
 

@@ -15,7 +15,7 @@ from math import prod
 
 import numpy as np
 
-from .args import check_array, check_dim, check_dtype_arg, check_out, check_real
+from .args import check_array, check_dim, check_dtype_arg, check_out, check_real, check_shape
 from .arrays import compute_dtype, on_device_of, xp_of
 from .geometry import layout
 
@@ -35,14 +35,7 @@ def promote(*dtypes) -> np.dtype:
 
 
 def _shape(name: str, value) -> tuple[int, ...]:
-    try:
-        shape = tuple(value)
-    except TypeError:
-        shape = None
-    if shape is None or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0
-                                for s in shape):
-        raise TypeError(f"{name}: got {value!r}, expected a tuple of non-negative ints")
-    return tuple(int(s) for s in shape)
+    return check_shape(name, value, bad_element=TypeError)
 
 
 # ---------------------------------------------------------------- add
