@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import operator
 
-import numpy as np
-
 from .graph import Graph, Node
 from .network import Network
 

@@ -17,7 +17,7 @@ import numpy as np
 from .. import precision
 from ..operands import is_cupy
 from . import executor, passes
-from .geometry import check_dtype
+from .args import check_dtype
 from .graph import Graph, infer_shapes
 from .layers import takes_out
 

@@ -329,7 +329,6 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     T, B = pb.x.shape[:2]
     store, out, H, L = pb.x.dtype, spec.out_size, spec.hidden_size, spec.num_layers
     f = compute_type(store)
-    home = saved.groups[0][2]
     ng = len(saved.groups)
     devs = [dev for _, _, dev in saved.groups]
     progress = [_Progress(T) for _ in range(ng)]

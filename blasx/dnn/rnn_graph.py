@@ -147,7 +147,6 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
                  use_graph: bool = True) -> rnn_layer.Backward:
     """rnn_layer.backward_loop's result through the graph of this shape (captured on first use); the arrays
     returned are the caller's own."""
-    xp = ops.xp
     key = ("bwd", st.S.device.id, mode, _sig(st.S), _sig(st.C), _sig(st.gates), _sig(st.R), _sig(w_hh_f),
            _sig(w_hr_f), _sig(dy), tuple(bs), reverse, H, ops.math)
     e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
