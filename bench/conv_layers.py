@@ -17,6 +17,7 @@ from blasx.dnn.conv_sets import MOBILENET_V2_DW, OWN, RESNET50
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 
+
 @dataclass(frozen=True)
 class Layer:
     """One convolution. Transposed: ``c`` is x's channels, ``k`` the output's, weight (c, k/g, kernel)."""
