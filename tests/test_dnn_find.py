@@ -63,7 +63,8 @@ def test_backward_data_gather_maps_back_to_its_forward_problem():
     t = transpose_geometry("t", 2, shapes(8, 256, 28, 28), shapes(256, 128, 4, 4), 2, 1, 0, 1, 1,
                            output_size=(8, 128, 56, 56))
     keys = finddb.runtime_keys(t, H200, np.float32, "nchw", "ieee")
-    assert [k.text for k in keys] == ["NVIDIA H200|bwd-data|n8|c128|k256|i56x56|o28x28|r4x4|s2x2|p1x1|d1x1|g1|nchw|s|ieee"]
+    assert [k.text for k in keys] == \
+        ["NVIDIA H200|bwd-data|n8|c128|k256|i56x56|o28x28|r4x4|s2x2|p1x1|d1x1|g1|nchw|s|ieee"]
     fwd = finddb.forward_geometry((8, 128, 56, 56), (256, 128, 4, 4), 2, 1, 1, 1, "s")
     assert find_mod.runtime_geometry(fwd, "bwd-data") == t
     # stride 1: the gather is a forward problem too; both keys decide it, the forward's first
@@ -234,7 +235,8 @@ def test_layer_sets():
     [t] = conv_sets.problems("transposed4x4", 8, ("fwd", "bwd-weight"))
     assert (t["x_shape"], t["weight_shape"], t["direction"]) == ((8, 128, 56, 56), (256, 128, 4, 4), "bwd-data")
     both = conv_sets.problems("layer4.1.conv2,depthwise3x3", 4, ("fwd", "bwd-data", "bwd-weight"))
-    assert [(p["name"], p["direction"]) for p in both][:2] == [("layer4.1.conv2", "fwd"), ("layer4.1.conv2", "bwd-data")]
+    assert [(p["name"], p["direction"]) for p in both][:2] == [("layer4.1.conv2", "fwd"),
+                                                               ("layer4.1.conv2", "bwd-data")]
     assert len(both) == 6 and both[3]["groups"] == 384
     with pytest.raises(ValueError, match="'resnet18' is not"):
         conv_sets.problems("resnet18")

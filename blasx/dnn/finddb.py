@@ -85,11 +85,11 @@ class ConvKey(NamedTuple):
                 raise ValueError
             v = [f[1:] for f in tagged]
             tup = [tuple(int(x) for x in s.split("x")) for s in v[3:9]]
-            return _checked(cls(device, direction, int(v[0]), int(v[1]), int(v[2]), *tup, int(v[9]), layout,
-                                dtype, math_))
+            return _checked(cls(device, direction, int(v[0]), int(v[1]), int(v[2]), *tup, int(v[9]),
+                                layout, dtype, math_))
         except (ValueError, AttributeError):
-            raise ValueError(f"key: got {text!r}, expected a find-db key such as "
-                             f"'NVIDIA H200|fwd|n32|c64|k64|i56x56|o56x56|r3x3|s1x1|p1x1|d1x1|g1|nchw|s|ieee'") from None
+            raise ValueError(f"key: got {text!r}, expected a find-db key such as 'NVIDIA H200|fwd|n32|c64|k64|"
+                             f"i56x56|o56x56|r3x3|s1x1|p1x1|d1x1|g1|nchw|s|ieee'") from None
 
 
 def conv_dtype(dtype) -> str:

@@ -2,7 +2,8 @@
 run on a batch in chunks by the executor (executor.py).
 
 Flow: ``from_torch(module, shape)`` or ``Builder`` -> ``Network(graph)`` -> ``compile()`` (drop identities,
-fold batch norm, fuse epilogues, remove dead nodes; each conv's algorithm, ``algo``) -> ``net(x)``: the buffer plan for the chunk shape
+fold batch norm, fuse epilogues, remove dead nodes; record each conv's algorithm, ``algo``) ->
+``net(x)``: the buffer plan for the chunk shape
 (made once per shape and layout), workers per device (cached with their buffers and the weights in the run's
 type), chunks through the workers -> output, and ``last_profile()``.
 """
