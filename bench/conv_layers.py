@@ -12,50 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+# ResNet-50's, MobileNet-v2's and the own shapes: tables of the library (`blasx tune --conv` times them too)
+from blasx.dnn.conv_sets import MOBILENET_V2_DW, OWN, RESNET50
+
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
-
-#: torchvision resnet50's distinct Conv2d shapes at 224x224, in forward order: (first module with
-#: the shape, C, K, input H (= W), kernel, stride, padding). Used where torchvision is missing.
-RESNET50 = (
-    ("conv1", 3, 64, 224, 7, 2, 3),
-    ("layer1.0.conv1", 64, 64, 56, 1, 1, 0),
-    ("layer1.0.conv2", 64, 64, 56, 3, 1, 1),
-    ("layer1.0.conv3", 64, 256, 56, 1, 1, 0),
-    ("layer1.1.conv1", 256, 64, 56, 1, 1, 0),
-    ("layer2.0.conv1", 256, 128, 56, 1, 1, 0),
-    ("layer2.0.conv2", 128, 128, 56, 3, 2, 1),
-    ("layer2.0.conv3", 128, 512, 28, 1, 1, 0),
-    ("layer2.0.downsample.0", 256, 512, 56, 1, 2, 0),
-    ("layer2.1.conv1", 512, 128, 28, 1, 1, 0),
-    ("layer2.1.conv2", 128, 128, 28, 3, 1, 1),
-    ("layer3.0.conv1", 512, 256, 28, 1, 1, 0),
-    ("layer3.0.conv2", 256, 256, 28, 3, 2, 1),
-    ("layer3.0.conv3", 256, 1024, 14, 1, 1, 0),
-    ("layer3.0.downsample.0", 512, 1024, 28, 1, 2, 0),
-    ("layer3.1.conv1", 1024, 256, 14, 1, 1, 0),
-    ("layer3.1.conv2", 256, 256, 14, 3, 1, 1),
-    ("layer4.0.conv1", 1024, 512, 14, 1, 1, 0),
-    ("layer4.0.conv2", 512, 512, 14, 3, 2, 1),
-    ("layer4.0.conv3", 512, 2048, 7, 1, 1, 0),
-    ("layer4.0.downsample.0", 1024, 2048, 14, 1, 2, 0),
-    ("layer4.1.conv1", 2048, 512, 7, 1, 1, 0),
-    ("layer4.1.conv2", 512, 512, 7, 3, 1, 1),
-)
-
-#: torchvision mobilenet_v2's distinct depthwise 3x3 convolutions (padding 1, groups = C) at 224x224, in
-#: forward order: (first module with the shape, C, input H (= W), stride).
-MOBILENET_V2_DW = (
-    ("mbv2.features.1.conv.0.0", 32, 112, 1),
-    ("mbv2.features.2.conv.1.0", 96, 112, 2),
-    ("mbv2.features.3.conv.1.0", 144, 56, 1),
-    ("mbv2.features.4.conv.1.0", 144, 56, 2),
-    ("mbv2.features.5.conv.1.0", 192, 28, 1),
-    ("mbv2.features.7.conv.1.0", 192, 28, 2),
-    ("mbv2.features.8.conv.1.0", 384, 14, 1),
-    ("mbv2.features.12.conv.1.0", 576, 14, 1),
-    ("mbv2.features.14.conv.1.0", 576, 14, 2),
-    ("mbv2.features.15.conv.1.0", 960, 7, 1),
-)
 
 
 @dataclass(frozen=True)
@@ -199,13 +159,8 @@ def mobilenet_v2_dw_table(batch: int) -> list[Layer]:
 
 def own_layers(batch: int) -> list[Layer]:
     """Shapes ResNet-50 lacks: depthwise, dilated, 3-D, 1-D, transposed."""
-    return [
-        conv("depthwise3x3", batch, 384, 384, 28, 3, 1, 1, groups=384),
-        conv("dilated3x3", batch, 256, 256, 28, 3, 1, 2, dilation=2),
-        conv("conv3d3x3x3", max(1, batch // 4), 64, 64, (8, 28, 28), 3, 1, 1),
-        conv("conv1d-k3", batch, 256, 256, (2048,), 3, 1, 1),
-        conv("transposed4x4", batch, 256, 128, 28, 4, 2, 1, transposed=True),
-    ]
+    return [conv(n, max(1, batch // div), c, k, size, r, s, p, dilation=d, groups=g, transposed=t)
+            for n, c, k, size, r, s, p, d, g, t, div in OWN]
 
 
 def layer_set(batch: int, which=("resnet50", "own", "mobilenet_v2")) -> tuple[list[Layer], str]:

@@ -1,6 +1,7 @@
 """The ``blasx`` command line: ``gemm`` (an out-of-core GEMM on the devices found, checked against
 numpy, with a progress line and a report), ``info`` (devices, links, perf-db; ``--measure``: rates,
-:mod:`blasx.probe`) and ``tune`` (store the best tile sizes in the perf-db; ``--show``, ``--clear``).
+:mod:`blasx.probe`) and ``tune`` (store the best tile sizes in the perf-db; ``--conv``: the fastest
+convolution form per layer, :mod:`blasx.dnn.find`; ``--show``, ``--clear``).
 
 Bad options end with a one-line error and exit status 2, as argparse's own; the settings of
 ``blasx.configure`` in force before a command are back in force after it.
@@ -67,6 +68,22 @@ _dtype_list = _arg_type(lambda t: list(dict.fromkeys(map(_prefix, _items(t)))),
                         f"one or more of {', '.join(dtypes.GEMM_PREFIXES)} separated by commas")
 
 
+_DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
+
+
+def _direction_list(text: str) -> list[str]:
+    """"all", or conv directions separated by commas (ValueError: another word)."""
+    if text.strip() == "all":
+        return list(_DIRECTIONS)
+    items = list(dict.fromkeys(_items(text)))
+    if any(d not in _DIRECTIONS for d in items):
+        raise ValueError(text)
+    return items
+
+
+_directions = _arg_type(_direction_list, f"all or one or more of {', '.join(_DIRECTIONS)} separated by commas")
+
+
 def _devices(text: str) -> str:
     from .runtime.config import parse_devices
 
@@ -107,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx gemm --n 16384 --dtype d          an out-of-core DGEMM, checked, with a report\n"
                "  blasx info --measure                    devices, links, bandwidths, GEMM rates\n"
                "  blasx tune --n 8192,16384               store the best tile sizes in the perf-db\n"
+               "  blasx tune --conv resnet50              store each conv layer's fastest form (a GPU)\n"
                "\n'blasx COMMAND --help' shows a command's options.")
     from . import __version__
     p.add_argument("--version", action="version", version=f"blasx {__version__}")
@@ -174,10 +192,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Time GEMM on host arrays with each candidate tile size, check the results, and store\n"
                     "the fastest per device model, device count, dtype and shape class in the perf-db,\n"
                     "which later calls read (the paper's Section V-B: the tile size is the only tuning\n"
-                    "parameter).",
+                    "parameter). With --conv, the find step instead: time every form of each convolution\n"
+                    "layer's device route (im2col, shifted, depthwise) on a CUDA GPU with CuPy operands,\n"
+                    "check them against each other, and store the fastest in the find-db (the same file),\n"
+                    "which blasx.dnn's convolutions on that GPU model read.",
         epilog="examples:\n"
                "  blasx tune --n 8192,16384              default candidates, double and single\n"
                "  blasx tune --n 16384 --dtype d --tiles 4096,8192\n"
+               "  blasx tune --conv resnet50 --batch 64  ResNet-50's layers, float32, forward\n"
+               "  blasx tune --conv layer1.0.conv2,layer4.1.conv2 --direction all --layout cl\n"
+               "  blasx tune --conv shapes.json          [{\"x\": [32, 64, 56, 56], \"weight\": [64, 64, 3, 3],\n"
+               "                                         \"padding\": 1}, ...]\n"
                "  blasx tune --show                      list the entries")
     p.commands["tune"] = t
     t.add_argument("--n", type=_positive_list, metavar="N[,N...]",
@@ -185,19 +210,31 @@ def _parser() -> argparse.ArgumentParser:
                         "(cuda 8192,16384)")
     t.add_argument("--m", type=_positive, metavar="M", help="rows of C for every N")
     t.add_argument("--k", type=_positive, metavar="K", help="inner dimension for every N")
-    t.add_argument("--dtype", type=_dtype_list, default=["d", "s"], metavar="D[,D...]",
-                   help=f"dtypes {', '.join(dtypes.GEMM_PREFIXES)}, comma-separated (default d,s)")
+    t.add_argument("--dtype", type=_dtype_list, metavar="D[,D...]",
+                   help=f"dtypes {', '.join(dtypes.GEMM_PREFIXES)}, comma-separated (default d,s; --conv: s "
+                        f"of d, s, h, b)")
     t.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
     t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G")
     t.add_argument("--cpu", action="store_true", help=CPU_HELP)
-    t.add_argument("--runs", type=_positive, default=2, metavar="R",
-                   help="timed calls per tile after one warm-up (default 2)")
+    t.add_argument("--runs", type=_positive, metavar="R",
+                   help="timed calls per tile (--conv: per form) after one warm-up (default 2; --conv 3)")
     t.add_argument("--check-rows", type=_nonnegative, default=64, metavar="ROWS",
                    help="rows checked against numpy (default 64; 0: no check)")
     t.add_argument("--db", metavar="FILE", help="perf-db file (default: perfdb.sqlite in $BLASX_CACHE_DIR, "
                                                 "$XDG_CACHE_HOME/blasx or ~/.cache/blasx, the one blasx calls read)")
+    conv = t.add_argument_group("convolutions (the find step, on a CUDA GPU)")
+    conv.add_argument("--conv", metavar="LAYERS",
+                      help="layers to time: resnet50, mobilenet_v2, own, all, layer names of those sets "
+                           "(e.g. layer1.0.conv2), or a JSON file of shapes; comma-separated")
+    conv.add_argument("--batch", type=_positive, default=32, metavar="N", help="images per call (default 32)")
+    conv.add_argument("--direction", type=_directions, default=["fwd"], metavar="D[,D...]",
+                      help="fwd, bwd-data, bwd-weight or all, comma-separated (default fwd)")
+    conv.add_argument("--layout", choices=("nchw", "cl"), default="nchw",
+                      help="activations' layout: nchw (default) or cl (channels-last)")
+    conv.add_argument("--math", choices=dtypes.MATH_MODES, help="float32's math: ieee (default) or tf32")
+    conv.add_argument("--gpu", type=_nonnegative, default=0, metavar="I", help="CUDA GPU ordinal (default 0)")
     what = t.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="list the perf-db entries and exit")
     what.add_argument("--clear", action="store_true", help="remove every perf-db entry and exit")
@@ -373,12 +410,16 @@ def _tune(blasx, parser, args) -> int:
 
     db = PerfDb(args.db)
     if args.show:
+        from .dnn import finddb
         print("\n".join(format_perfdb(db.path, db.entries(), disabled=disabled())))
+        print("\n".join(finddb.format_entries(finddb.entries(db))))
         return 0
     if args.clear:
         n = db.clear()
         print(f"perf-db {db.path}: removed {n} entr{'y' if n == 1 else 'ies'}")
         return 0
+    if args.conv is not None:
+        return _tune_conv(parser, args, db)
     if (args.m or args.k) and args.n is None:
         parser.error("arguments --m/--k: need --n (the sizes they go with)")
     sizes = None if args.n is None else [(args.m or n, n, args.k or n) for n in args.n]
@@ -386,7 +427,7 @@ def _tune(blasx, parser, args) -> int:
                  cpu=True if args.cpu else None)
     names = ", ".join(d.name for d in eng.devices)
     print(f"blasx tune: {eng.spec} ({names}); perf-db {db.path}")
-    rows = tune(sizes=sizes, dtypes=args.dtype, tiles=args.tiles, runs=args.runs, db=db,
+    rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
                 check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
     status = 0
@@ -403,6 +444,66 @@ def _tune(blasx, parser, args) -> int:
         print("(-: tile too big for the tile cache; !: wrong result, not a candidate)")
     stored = sum(r["stored"] for r in rows)
     print(f"stored {stored} of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {db.path}")
+    return status
+
+
+def _tune_conv(parser, args, db) -> int:
+    """``blasx tune --conv``: the find step over a layer set (exit 1 where a layer failed or no GPU exists)."""
+    import importlib
+
+    from .dnn import conv_sets, finddb
+    find = importlib.import_module("blasx.dnn.find")  # (blasx.dnn.find is the function)
+
+    given = [o for o, v in (("--n", args.n), ("--m", args.m), ("--k", args.k), ("--tiles", args.tiles),
+                            ("--devices", args.devices), ("--cache-bytes", args.cache_bytes)) if v] + \
+        (["--cpu"] if args.cpu else [])
+    if given:
+        parser.error(f"argument --conv: {', '.join(given)} tune GEMM tiles, not convolutions; drop them")
+    conv_types = args.dtype or ["s"]
+    for p in conv_types:
+        try:
+            finddb.conv_dtype(p)
+        except ValueError:
+            parser.error(f"argument --dtype: got {p!r}; convolutions take d, s, h, b")
+    try:
+        problems = conv_sets.problems(args.conv, args.batch, tuple(args.direction))
+    except ValueError as exc:
+        parser.error(f"argument --conv: {str(exc).removeprefix('layers: ')}")
+    for prob in problems:  # every shape checked before anything runs
+        try:
+            finddb.problem_key(prob["x_shape"], prob["weight_shape"], prob["stride"], prob["padding"],
+                               prob["dilation"], prob["groups"], direction=prob["direction"], device="-")
+        except (ValueError, TypeError) as exc:
+            parser.error(f"argument --conv: layer {prob['name']!r}: {exc}")
+    try:
+        find._gpu(args.gpu)
+    except find.NoGpuError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        parser.error(f"argument --gpu: {str(exc).removeprefix('device: ')}")
+    runs = args.runs or 3
+    print(f"blasx tune --conv: {len(problems) * len(conv_types)} problem(s) on GPU {args.gpu} "
+          f"({finddb.gpu_name(args.gpu)}), {args.layout}, {runs} run(s) per form; find-db {db.path}", flush=True)
+    status, stored = 0, 0
+    for p in conv_types:
+        for prob in problems:
+            name, kw = prob["name"], {k: v for k, v in prob.items() if k != "name"}
+            try:
+                r = find.find(kw.pop("x_shape"), kw.pop("weight_shape"), **kw, dtype=p, layout=args.layout,
+                              math=args.math, device=args.gpu, runs=runs, db=db)
+            except Exception as exc:  # noqa: BLE001 - one layer's failure is reported, the others still run
+                print(f"  {name:<28}{prob['direction']:<11}{p:<3}FAILED: {type(exc).__name__}: {exc}", flush=True)
+                status = 1
+                continue
+            cells = "  ".join(f"{f} {r['best'][f] * 1e3:.3f} ms{'!' if f in r['bad'] else ''}" for f in r["forms"])
+            print(f"  {name:<28}{prob['direction']:<11}{p:<3}{r['form'] or 'none':<11}{cells}", flush=True)
+            stored += r["stored"]
+            if r["bad"] or not r["stored"]:
+                status = 1
+    total = len(problems) * len(conv_types)
+    print(f"(!: differs from the first form, not a candidate)\nstored {stored} of {total} "
+          f"entr{'y' if total == 1 else 'ies'} in {db.path}")
     return status
 
 

@@ -8,6 +8,10 @@ text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. The file is ``perfdb.sqlite
 :func:`cache_dir`. A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS
 call never fails because of it); writers use one connection per operation and ``BEGIN IMMEDIATE``.
 ``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
+
+The same file holds the convolution find-db (table ``conv_entries``: text key -> winning form and the
+seconds of each form; keys and lookups in :mod:`blasx.dnn.finddb`). The table was added without a
+schema version bump: a file of either kind reads and writes in both, and an older blasx ignores it.
 """
 
 from __future__ import annotations
@@ -213,7 +217,11 @@ _SCHEMA = (
     " m INTEGER NOT NULL, n INTEGER NOT NULL, k INTEGER NOT NULL,"
     " tile INTEGER NOT NULL, results TEXT NOT NULL, date TEXT NOT NULL, version TEXT NOT NULL,"
     " PRIMARY KEY (device, ndev, dtype, routine, m, n, k))",
+    "CREATE TABLE IF NOT EXISTS conv_entries ("
+    " key TEXT PRIMARY KEY, device TEXT NOT NULL, direction TEXT NOT NULL, form TEXT NOT NULL,"
+    " results TEXT NOT NULL, date TEXT NOT NULL, version TEXT NOT NULL)",
 )
+_CONV_COLS = "key, device, direction, form, results, date, version"
 _COLS = "device, ndev, dtype, routine, m, n, k, tile, results, date, version"
 
 
@@ -300,7 +308,41 @@ class PerfDb:
                         "date": date, "version": version})
         return out
 
+    def conv_rows(self) -> list[tuple]:
+        """The find-db's rows as (key, device, direction, form, results JSON, date, version), by key;
+        empty when the db (or its conv table) is missing or unreadable. :mod:`blasx.dnn.finddb` parses them."""
+        conn = self._read()
+        if conn is None:
+            return []
+        try:
+            return conn.execute(f"SELECT {_CONV_COLS} FROM conv_entries ORDER BY key").fetchall()
+        except sqlite3.Error:  # a file of a blasx before the find-db: no conv table
+            return []
+        finally:
+            conn.close()
+
     # -- writes (raise PerfDbError when the file cannot take them) --
+
+    def store_conv(self, key: str, device: str, direction: str, form: str, results: dict[str, float]) -> None:
+        """Record ``form`` as the fastest for the find-db key ``key`` (text; validated by the caller,
+        :func:`blasx.dnn.finddb.store`), with the seconds of every form measured; replaces an older entry."""
+        from . import __version__
+
+        row = (key, device, direction, form, json.dumps(results),
+               datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
+        conn = self._write()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            self._ensure_schema(conn)
+            conn.execute(f"INSERT OR REPLACE INTO conv_entries ({_CONV_COLS}) VALUES (?,?,?,?,?,?,?)", row)
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            _rollback(conn)
+            raise PerfDbError(f"perf-db {self.path}: could not store {key}: {e} "
+                              f"(`blasx tune --clear` resets a damaged file)") from e
+        finally:
+            conn.close()
+        _bump()
 
     def store(self, key: PerfKey, tile: int, results: dict[int, float]) -> None:
         """Record ``tile`` as the best for ``key``, with the TFLOPS measured for every candidate
@@ -338,7 +380,8 @@ class PerfDb:
         _bump()
 
     def clear(self) -> int:
-        """Remove every entry; returns how many there were. A damaged or foreign-version file is deleted."""
+        """Remove every entry (tiles and the find-db's); returns how many there were. A damaged or
+        foreign-version file is deleted."""
         if not self.path.exists():
             return 0
         conn = self._write()
@@ -346,7 +389,7 @@ class PerfDb:
         try:
             conn.execute("BEGIN IMMEDIATE")
             self._ensure_schema(conn)
-            n = conn.execute("DELETE FROM entries").rowcount
+            n = conn.execute("DELETE FROM entries").rowcount + conn.execute("DELETE FROM conv_entries").rowcount
             conn.execute("COMMIT")
         except (PerfDbError, sqlite3.DatabaseError) as e:  # another schema version, or not a database
             _rollback(conn)

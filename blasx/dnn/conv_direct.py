@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import dtypes
+from . import finddb
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -159,10 +160,13 @@ def shifted_applies(geo: ConvGeometry) -> bool:
     return all(v == 1 for v in (*geo.stride, *geo.insert)) and geo.groups == 1 and int(np.prod(geo.kernel)) > 1
 
 
-def forward_form(geo: ConvGeometry, dtype, force: str | None = None) -> str:
-    """"shifted" or "im2col" for the forward pass: ``force`` where the shifted form applies, else
-    shifted when it applies, C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is
-    16-byte aligned (every tap's A pointer and ld, for tensor cores) and the wide grid computes at most
+def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
+                 device=None) -> str:
+    """"shifted" or "im2col" for the forward pass where the shifted form applies (else im2col), by
+    precedence: ``force`` (FORM, BLASX_CONV_FORM); the find-db's entry for the problem in ``layout``
+    and ``math`` on GPU ``device`` (None: CuPy's current one; finddb.stored_form); the heuristic:
+    shifted when C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
+    (every tap's A pointer and ld, for tensor cores) and the wide grid computes at most
     SHIFTED_MAX_WIDE times the output pixels."""
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
@@ -170,6 +174,9 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None) -> str:
         return "im2col"
     if force is not None:
         return force
+    stored = finddb.stored_form(geo, dtype, layout, math, device)
+    if stored is not None:
+        return stored
     wide = np.prod(padded_size(geo)) / geo.p
     ok = geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
@@ -527,7 +534,7 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     channels or None; x, y, residual compact in the layout ``cl`` says."""
     import cupy
     dt = np.dtype(x.dtype)
-    form = forward_form(geo, dt, FORM)
+    form = forward_form(geo, dt, FORM, "cl" if cl else "nchw", math)
     steps, scratch = forward_plan(geo, cl, dt, 0.0 if residual is None else 1.0, _budget(), form)
     bufs = {"x": x, "w": wmat, "y": y, **{name: _empty_bits(size, dt) for name, size in scratch.items()}}
     if form == "shifted":

@@ -2,7 +2,8 @@
 run on a batch in chunks by the executor (executor.py).
 
 Flow: ``from_torch(module, shape)`` or ``Builder`` -> ``Network(graph)`` -> ``compile()`` (drop identities,
-fold batch norm, fuse epilogues, remove dead nodes) -> ``net(x)``: the buffer plan for the chunk shape
+fold batch norm, fuse epilogues, remove dead nodes; record each conv's algorithm, ``algo``) ->
+``net(x)``: the buffer plan for the chunk shape
 (made once per shape and layout), workers per device (cached with their buffers and the weights in the run's
 type), chunks through the workers -> output, and ``last_profile()``.
 """
@@ -39,6 +40,8 @@ class Network:
         self._weights: dict = {}
         self._workers: dict = {}
         self._profile = None
+        self.algo: dict = {}
+        self._run = None  # (chunk shape, dtype, GPU or None) of the last call: what algos() reports
 
     # ---------------------------------------------------------------- compile
 
@@ -61,10 +64,45 @@ class Network:
             g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
         self.compiled = passes.remove_dead(g).validate()
         self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu
+        self._run = None
+        self.algo = self.algos()
         with self._lock:
             self._weights.clear()
             self._workers.clear()
         return self
+
+    def algos(self, chunk_shape: tuple | None = None, dtype=None, device="auto") -> dict:
+        """conv node name -> the algorithm its convolution takes: on a GPU the device route's form
+        ("depthwise", or conv_direct.forward_form's "shifted"/"im2col": a forced form, else the find-db's
+        entry, else the heuristic), "engine" where the layers run on the host engine (no GPU). For input
+        chunks of ``chunk_shape`` (None: the network's input shape, else one image), ``dtype`` (None: the
+        compiled one, else float32) on ``device`` (a GPU ordinal or model name; None: no GPU; "auto":
+        the first GPU the engine uses, if any)."""
+        from . import conv_direct, depthwise
+        from .geometry import conv_geometry
+        if device == "auto":
+            from .. import session
+            gpus = session.cuda_ordinals()
+            device = gpus[0] if gpus else None
+        dt = np.dtype(dtype or self.dtype or np.float32)
+        g = self.compiled or self.graph
+        shape = chunk_shape or (self.input_shape if self.input_shape is not None else self._example_shape())
+        shapes = infer_shapes(g, tuple(shape))
+        out = {}
+        for n in g.nodes:
+            xs = shapes.get(n.inputs[0]) if n.op == "conv" and n.inputs else None
+            if xs is None:
+                continue
+            if device is None:
+                out[n.name] = "engine"
+                continue
+            zero, a = np.zeros((), dt), n.attrs
+            w = np.broadcast_to(zero, n.params["weight"].shape)
+            geo = conv_geometry("conv", a["nd"], np.broadcast_to(zero, xs), w,
+                                a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
+            out[n.name] = "depthwise" if depthwise.applies(geo) else conv_direct.forward_form(
+                geo, dt, conv_direct.FORM, self.layout, self.math, device)
+        return out
 
     def _example_shape(self) -> tuple:
         return (1, *self.graph.nodes[0].attrs.get("shape", ())) if self.input_shape is None else \
@@ -150,6 +188,7 @@ class Network:
         chunk = min(chunk, n) if b == 0 else n
         chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
         workers = self._workers_for(devices, dtype, chunk_shape)
+        self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
         import sys
         out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
         return out
@@ -159,13 +198,16 @@ class Network:
         return self._profile
 
     def summary(self) -> str:
-        """One line per node that runs: name, op, inputs, what it fused."""
+        """One line per node that runs: name, op, inputs, what it fused, a conv's algorithm (for the
+        last call's chunks, else as compiled; see :meth:`algos`)."""
+        algo = self.algos(*self._run) if self._run is not None else self.algo
         lines = []
         for n in self.nodes:
             fused = n.attrs.get("fused")
             extra = "".join([f" act={n.attrs['activation']}" if n.attrs.get("activation") else "",
                              " +residual" if n.attrs.get("residual") else "",
-                             f" fused={'+'.join(fused)}" if fused else ""])
+                             f" fused={'+'.join(fused)}" if fused else "",
+                             f" algo={algo[n.name]}" if n.name in algo else ""])
             lines.append(f"{n.name}: {n.op}({', '.join(n.inputs)}){extra}")
         return "\n".join(lines)
 

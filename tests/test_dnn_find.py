@@ -1,0 +1,295 @@
+"""The convolution find-db (blasx.dnn.finddb), the find step's logic (blasx.dnn.find, with a fake timer),
+forward_form's precedence, the layer sets, ``blasx tune --conv`` without a GPU and Network.algos.
+
+No GPU here: keys, storage and choices are pure; the timing runs through injected functions."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sqlite3
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import cli, dnn, perfdb
+from blasx.dnn import conv_direct as cd
+from blasx.dnn import conv_sets, finddb
+from blasx.dnn.finddb import ConvKey
+from blasx.dnn.geometry import conv_geometry, transpose_geometry
+
+find_mod = importlib.import_module("blasx.dnn.find")  # blasx.dnn.find is the function
+H200 = "NVIDIA H200"
+Z = np.zeros(())
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLASX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BLASX_PERFDB", raising=False)
+    monkeypatch.setattr(cd, "FORM", None)
+    return tmp_path
+
+
+def shapes(*s):
+    return np.broadcast_to(Z, s)
+
+
+def geo3x3(n=32, c=64, size=56):
+    return conv_geometry("t", 2, shapes(n, c, size, size), shapes(c, c, 3, 3), 1, 1, 1, 1)
+
+
+# --------------------------------------------------------------------------- keys
+
+def test_key_text_by_exact_value_and_parse_round_trip():
+    k = finddb.problem_key((32, 64, 56, 56), (64, 64, 3, 3), 1, 1, device="cuda:0 NVIDIA H200", dtype=np.float32)
+    assert k == ConvKey(H200, "fwd", 32, 64, 64, (56, 56), (56, 56), (3, 3), (1, 1), (1, 1), (1, 1), 1, "nchw", "s",
+                        "ieee")
+    assert k.text == "NVIDIA H200|fwd|n32|c64|k64|i56x56|o56x56|r3x3|s1x1|p1x1|d1x1|g1|nchw|s|ieee"
+    assert ConvKey.parse(k.text) == k
+    k2 = finddb.problem_key((8, 256, 28, 28), (512, 128, 3, 3), 2, 1, 1, 2, direction="bwd-weight", device=H200,
+                            dtype="h", layout="cl", math="tf32")
+    assert k2.text == "NVIDIA H200|bwd-weight|n8|c256|k512|i28x28|o14x14|r3x3|s2x2|p1x1|d1x1|g2|cl|h|ieee"
+    k3 = finddb.problem_key((4, 16, 100), (32, 16, 5), 1, 4, 2, direction="bwd-data", device=H200,
+                            dtype=np.float32, math="tf32")
+    assert k3.text == "NVIDIA H200|bwd-data|n4|c16|k32|i100|o100|r5|s1|p4|d2|g1|nchw|s|tf32"
+    assert ConvKey.parse(k3.text) == k3 and k3.problem == k3[:2] + k3[3:]
+
+
+def test_backward_data_gather_maps_back_to_its_forward_problem():
+    """conv2d_input's transposed geometry (what forward_form sees) keys as the bwd-data of the forward conv."""
+    t = transpose_geometry("t", 2, shapes(8, 256, 28, 28), shapes(256, 128, 4, 4), 2, 1, 0, 1, 1,
+                           output_size=(8, 128, 56, 56))
+    keys = finddb.runtime_keys(t, H200, np.float32, "nchw", "ieee")
+    assert [k.text for k in keys] == \
+        ["NVIDIA H200|bwd-data|n8|c128|k256|i56x56|o28x28|r4x4|s2x2|p1x1|d1x1|g1|nchw|s|ieee"]
+    fwd = finddb.forward_geometry((8, 128, 56, 56), (256, 128, 4, 4), 2, 1, 1, 1, "s")
+    assert find_mod.runtime_geometry(fwd, "bwd-data") == t
+    # stride 1: the gather is a forward problem too; both keys decide it, the forward's first
+    keys = finddb.runtime_keys(geo3x3(), H200, np.float32, "nchw", "ieee")
+    assert [k.direction for k in keys] == ["fwd", "bwd-data"] and keys[0][2:] == keys[1][2:]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"direction": "bwd"}, "direction: got 'bwd'"),
+    ({"layout": "nhwc"}, "layout: got 'nhwc'"),
+    ({"dtype": np.int8}, "dtype: got"),
+    ({"math": "fast"}, "math: got 'fast'"),
+])
+def test_bad_key_arguments_are_named(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        finddb.problem_key((2, 8, 9, 9), (8, 8, 3, 3), device=H200, **kwargs)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="weight: expected weight.shape\\[1\\] == 8"):
+        finddb.problem_key((2, 8, 9, 9), (8, 3, 3, 3), device=H200)
+    with pytest.raises(ValueError, match="x_shape"):
+        finddb.problem_key((2, -8, 9, 9), (8, 8, 3, 3), device=H200)
+    with pytest.raises(ValueError, match="key: got 'x|y'"):
+        ConvKey.parse("x|y")
+
+
+# --------------------------------------------------------------------------- storage and lookup
+
+def test_store_and_lookup_round_trip_with_the_nearest_batch(cache):
+    k = finddb.problem_key((32, 64, 56, 56), (64, 64, 3, 3), 1, 1, device=H200)
+    finddb.store(k, "im2col", {"im2col": 0.002, "shifted": 0.003})
+    [e] = finddb.entries()
+    assert e["key"] == k and e["form"] == "im2col" and e["seconds"] == {"im2col": 0.002, "shifted": 0.003}
+    assert finddb.lookup(k) == "im2col"
+    assert finddb.lookup(k._replace(n=20)) == "im2col"  # nearest batch
+    finddb.store(k._replace(n=8), "shifted", {"im2col": 0.002, "shifted": 0.001})
+    assert finddb.lookup(k._replace(n=8)) == "shifted" and finddb.lookup(k._replace(n=12)) == "shifted"
+    assert finddb.lookup(k._replace(n=16)) == "im2col"  # 16 is as near to 8 as to 32 (log scale): the larger
+    assert finddb.lookup(k._replace(layout="cl")) is None and finddb.lookup(k._replace(device="other")) is None
+    assert perfdb.PerfDb().clear() == 2 and finddb.lookup(k) is None
+
+
+def test_lookup_reloads_when_the_file_changes(cache):
+    k = finddb.problem_key((32, 64, 56, 56), (64, 64, 3, 3), 1, 1, device=H200)
+    finddb.store(k, "im2col", {"im2col": 0.002})
+    assert finddb.lookup(k) == "im2col"
+    path = perfdb.default_path()
+    with sqlite3.connect(path) as conn:  # another process's write: no generation bump here
+        conn.execute("UPDATE conv_entries SET form = 'shifted'")
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert finddb.lookup(k) == "shifted"
+
+
+def test_store_rejects_bad_entries(cache):
+    k = finddb.problem_key((2, 8, 9, 9), (8, 8, 3, 3), device=H200)
+    with pytest.raises(ValueError, match="form: got 'winograd'"):
+        finddb.store(k, "winograd", {"winograd": 1.0})
+    with pytest.raises(ValueError, match="seconds: got"):
+        finddb.store(k, "im2col", {"shifted": 1.0})
+    with pytest.raises(ValueError, match="seconds: got"):
+        finddb.store(k, "im2col", {"im2col": float("nan")})
+    assert finddb.entries() == []
+
+
+def test_a_perfdb_file_without_the_conv_table_reads_empty_and_takes_entries(cache):
+    path = perfdb.default_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as conn:  # as a blasx before the find-db wrote it
+        conn.execute("CREATE TABLE schema (version INTEGER NOT NULL)")
+        conn.execute("INSERT INTO schema VALUES (1)")
+    assert finddb.entries() == []
+    k = finddb.problem_key((2, 8, 9, 9), (8, 8, 3, 3), device=H200)
+    finddb.store(k, "im2col", {"im2col": 1.0})
+    assert [e["form"] for e in finddb.entries()] == ["im2col"]
+
+
+# --------------------------------------------------------------------------- forward_form's precedence
+
+def test_forward_form_precedence_force_then_db_then_heuristic(cache, monkeypatch):
+    geo, f32 = geo3x3(), np.float32
+    assert cd.forward_form(geo, f32, device=H200) == "shifted"  # the heuristic
+    finddb.store(finddb.key_of(geo, "fwd", H200, f32), "im2col", {"im2col": 1.0, "shifted": 2.0})
+    assert cd.forward_form(geo, f32, device=H200) == "im2col"  # the db over the heuristic
+    assert cd.forward_form(geo, f32, "shifted", device=H200) == "shifted"  # a force over the db
+    assert cd.forward_form(geo, f32, device="NVIDIA A100") == "shifted"  # another GPU model: no entry
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"  # another layout
+    assert cd.forward_form(geo, f32) == "shifted"  # no CuPy here: no GPU, no entry
+    monkeypatch.setenv("BLASX_PERFDB", "off")
+    assert cd.forward_form(geo, f32, device=H200) == "shifted"
+    monkeypatch.delenv("BLASX_PERFDB")
+    assert cd.forward_form(geo, f32, device=H200) == "im2col"
+    small = geo3x3(c=32)  # the heuristic's im2col; a bwd-data entry of the same gather decides it
+    fwd = finddb.forward_of_transposed(small)
+    finddb.store(finddb.key_of(fwd, "bwd-data", H200, f32), "shifted", {"im2col": 2.0, "shifted": 1.0})
+    assert cd.forward_form(small, f32, device=H200) == "shifted"
+    strided = conv_geometry("t", 2, shapes(32, 64, 56, 56), shapes(64, 64, 3, 3), 2, 1, 1, 1)
+    finddb.store(finddb.key_of(strided, "fwd", H200, f32), "im2col", {"im2col": 1.0})
+    assert cd.forward_form(strided, f32, "shifted", device=H200) == "im2col"  # shifted does not apply
+
+
+# --------------------------------------------------------------------------- the find step's logic
+
+def fake(times: dict, results: dict):
+    """call(form) and timer(run) stand-ins: the result of each form, and its time as the timer's."""
+    last = []
+
+    def call(form):
+        last.append(form)
+        return results[form]
+
+    def timer(run):
+        run()
+        return times[last[-1]]
+    return call, timer
+
+
+def test_measure_chooses_the_fastest_correct_form():
+    ref = np.arange(1.0, 7.0)
+    call, timer = fake({"im2col": 2.0, "shifted": 1.0}, {"im2col": ref, "shifted": ref + 1e-9})
+    r = find_mod.measure(("im2col", "shifted"), call, timer, 3, 1e-6)
+    assert r["form"] == "shifted" and r["bad"] == [] and r["best"] == {"im2col": 2.0, "shifted": 1.0}
+    assert r["seconds"]["shifted"] == [1.0, 1.0, 1.0] and r["errors"]["im2col"] == 0.0
+
+
+def test_measure_rejects_a_form_whose_result_differs():
+    ref = np.arange(1.0, 7.0)
+    call, timer = fake({"im2col": 2.0, "shifted": 1.0}, {"im2col": ref, "shifted": ref * 1.5})
+    r = find_mod.measure(("im2col", "shifted"), call, timer, 2, 1e-6)
+    assert r["form"] == "im2col" and r["bad"] == ["shifted"] and r["errors"]["shifted"] > 0.1
+    nan = np.full(6, np.nan)
+    call, timer = fake({"im2col": 2.0, "shifted": 1.0}, {"im2col": ref, "shifted": nan})
+    assert find_mod.measure(("im2col", "shifted"), call, timer, 1, 1e-6)["form"] == "im2col"
+    call, timer = fake({"im2col": 1.0, "shifted": 1.0}, {"im2col": ref, "shifted": ref})
+    assert find_mod.measure(("im2col", "shifted"), call, timer, 1, 1e-6)["form"] == "im2col"  # a tie: the first
+
+
+def test_forms_per_direction():
+    geo = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1, "s")
+    assert find_mod.forms_for(geo, "fwd") == ("im2col", "shifted")
+    assert find_mod.forms_for(geo, "bwd-data") == ("im2col", "shifted")
+    assert find_mod.forms_for(geo, "bwd-weight") == ("im2col",)
+    strided = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 2, 1, 1, 1, "s")
+    assert find_mod.forms_for(strided, "fwd") == ("im2col",) and find_mod.forms_for(strided, "bwd-data") == ("im2col",)
+    dw = finddb.forward_geometry((8, 64, 56, 56), (64, 1, 3, 3), 1, 1, 1, 64, "s")
+    assert all(find_mod.forms_for(dw, d) == ("depthwise",) for d in finddb.DIRECTIONS)
+
+
+def test_find_without_a_gpu_says_so_and_stores_nothing(cache, monkeypatch):
+    monkeypatch.setattr(blasx.session, "_cuda_count", lambda: 0)
+    with pytest.raises(find_mod.NoGpuError, match="CUDA GPU, and CuPy finds none.*nothing was measured"):
+        dnn.find((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
+    with pytest.raises(ValueError, match="direction: got 'up'"):  # bad input first
+        dnn.find((2, 8, 9, 9), (8, 8, 3, 3), direction="up")
+    with pytest.raises(ValueError, match="runs: got 0"):
+        dnn.find((2, 8, 9, 9), (8, 8, 3, 3), runs=0)
+    assert finddb.entries() == []
+
+
+# --------------------------------------------------------------------------- layer sets and the CLI
+
+def test_layer_sets():
+    res = conv_sets.problems("resnet50", 16)
+    assert len(res) == 23 and res[2] == {"name": "layer1.0.conv2", "x_shape": (16, 64, 56, 56),
+                                         "weight_shape": (64, 64, 3, 3), "stride": 1, "padding": 1, "dilation": 1,
+                                         "groups": 1, "direction": "fwd"}
+    [t] = conv_sets.problems("transposed4x4", 8, ("fwd", "bwd-weight"))
+    assert (t["x_shape"], t["weight_shape"], t["direction"]) == ((8, 128, 56, 56), (256, 128, 4, 4), "bwd-data")
+    both = conv_sets.problems("layer4.1.conv2,depthwise3x3", 4, ("fwd", "bwd-data", "bwd-weight"))
+    assert [(p["name"], p["direction"]) for p in both][:2] == [("layer4.1.conv2", "fwd"),
+                                                               ("layer4.1.conv2", "bwd-data")]
+    assert len(both) == 6 and both[3]["groups"] == 384
+    with pytest.raises(ValueError, match="'resnet18' is not"):
+        conv_sets.problems("resnet18")
+
+
+def test_layer_set_from_json(tmp_path):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([{"x": [None, 64, 28, 28], "weight": [64, 64, 3, 3], "padding": [1, 1]}]))
+    [p] = conv_sets.problems(str(path), 8)
+    assert p["x_shape"] == (8, 64, 28, 28) and p["padding"] == (1, 1) and p["name"] == "shapes.json[0]"
+
+
+def test_cli_tune_conv_without_a_gpu_exits_1_with_a_message(capsys, cache, monkeypatch):
+    monkeypatch.setattr(blasx.session, "_cuda_count", lambda: 0)
+    assert cli.main(["tune", "--conv", "resnet50"]) == 1
+    err = capsys.readouterr().err
+    assert "blasx tune: error: the find step times convolutions on a CUDA GPU, and CuPy finds none" in err
+    assert finddb.entries() == []
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--conv", "resnet18"], "argument --conv: 'resnet18' is not"),
+    (["--conv", "resnet50", "--dtype", "z"], "argument --dtype: got 'z'"),
+    (["--conv", "resnet50", "--direction", "up"], "argument --direction: got 'up'"),
+    (["--conv", "resnet50", "--tiles", "64"], "--tiles tune GEMM tiles"),
+])
+def test_cli_tune_conv_bad_options(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", *argv])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+def test_cli_show_lists_the_find_db(capsys, cache):
+    k = finddb.problem_key((32, 64, 56, 56), (64, 64, 3, 3), 1, 1, device=H200)
+    finddb.store(k, "shifted", {"im2col": 0.002, "shifted": 0.001})
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert f"{k.text}  shifted  im2col 2.000 ms  shifted 1.000 ms*" in out
+
+
+# --------------------------------------------------------------------------- Network's record
+
+def test_network_records_each_convs_algorithm(cache):
+    torch = pytest.importorskip("torch")
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.Conv2d(64, 64, 3, padding=1, groups=64),
+                            torch.nn.Conv2d(64, 64, 3, stride=2))
+    net = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32)
+    assert set(net.algo.values()) == {"engine"}  # no GPU here: the host engine runs the layers
+    assert "algo=engine" in net.summary()
+    names = list(net.algo)
+    assert net.algos(device=H200) == dict(zip(names, ["im2col", "shifted", "depthwise", "im2col"]))
+    geo = conv_geometry("t", 2, shapes(1, 64, 16, 16), shapes(64, 64, 3, 3), 1, 1, 1, 1)
+    finddb.store(finddb.key_of(geo, "fwd", H200, np.float32), "im2col", {"im2col": 1.0, "shifted": 2.0})
+    assert net.algos(device=H200)[names[1]] == "im2col"
+    assert net.algos((5, 3, 16, 16), device=H200)[names[1]] == "im2col"  # the nearest batch

@@ -1,0 +1,49 @@
+"""blasx.dnn.find on a real CUDA GPU (marker ``gpu``; skipped where CuPy finds none): the find step on two
+ResNet-50 layers (a 56x56 and a 7x7 3x3 conv), every form checked and timed, the winner stored and then
+chosen by conv_direct.forward_form on that GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+from blasx.dnn import conv_direct, conv_sets, finddb
+
+cupy = pytest.importorskip("cupy")
+NGPU = blasx.session._cuda_count()
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLASX_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BLASX_PERFDB", raising=False)
+    monkeypatch.setattr(conv_direct, "FORM", None)
+    yield tmp_path
+    blasx.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_find_on_two_resnet_layers(layout):
+    for p in conv_sets.problems("layer1.0.conv2,layer4.1.conv2", 8):
+        r = dnn.find(p["x_shape"], p["weight_shape"], p["stride"], p["padding"], layout=layout, runs=2)
+        assert r["forms"] == ["im2col", "shifted"] and r["bad"] == [] and r["stored"]
+        assert r["errors"]["shifted"] < 1e-4 and all(t > 0 for t in r["best"].values())
+        key = r["key"]
+        assert key.device == finddb.gpu_name(0) and finddb.lookup(key) == r["form"]
+        geo = finddb.forward_geometry(p["x_shape"], p["weight_shape"], 1, 1, 1, 1, np.float32)
+        with cupy.cuda.Device(0):
+            assert conv_direct.forward_form(geo, np.float32, None, layout, "ieee") == r["form"]
+    assert len(finddb.entries()) == 2
+
+
+def test_find_backward_directions():
+    r = dnn.find((4, 64, 28, 28), (64, 64, 3, 3), 1, 1, direction="bwd-data", runs=1)
+    assert r["forms"] == ["im2col", "shifted"] and r["bad"] == [] and r["key"].direction == "bwd-data"
+    r = dnn.find((4, 64, 28, 28), (64, 64, 3, 3), 1, 1, direction="bwd-weight", runs=1)
+    assert r["forms"] == ["im2col"] and r["form"] == "im2col"
+    r = dnn.find((4, 64, 28, 28), (64, 1, 3, 3), 1, 1, groups=64, runs=1)
+    assert r["forms"] == ["depthwise"] and r["stored"]
