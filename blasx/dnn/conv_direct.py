@@ -9,7 +9,7 @@ forward pass takes one of two forms (``forward_form``):
   shifted by the tap's offset (no gather) into a "wide" output ``yw`` over the padded grid, whose
   valid part is copied into y; the wide columns past the output are computed and dropped.
 
-``FORM`` forces a form where the shifted one applies (None: the heuristic); it starts from the
+``FORM`` forces a form where the shifted one applies (None: the find-db's entry, else the heuristic); it starts from the
 environment variable ``BLASX_CONV_FORM`` (``im2col`` or ``shifted``), read once at import, so a bench
 can A/B the two forms.
 

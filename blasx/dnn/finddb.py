@@ -29,7 +29,8 @@ import numpy as np
 
 from .. import perfdb
 from ..runtime import dtypes
-from .geometry import ConvGeometry, allowed_dtypes, conv_geometry
+from .args import allowed_dtypes
+from .geometry import ConvGeometry, conv_geometry
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 LAYOUTS = ("nchw", "cl")
