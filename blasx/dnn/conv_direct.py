@@ -9,9 +9,9 @@ forward pass takes one of two forms (``forward_form``):
   shifted by the tap's offset (no gather) into a "wide" output ``yw`` over the padded grid, whose
   valid part is copied into y; the wide columns past the output are computed and dropped.
 
-``FORM`` forces a form where the shifted one applies (None: the find-db's entry, else the heuristic); it starts from the
-environment variable ``BLASX_CONV_FORM`` (``im2col`` or ``shifted``), read once at import, so a bench
-can A/B the two forms.
+``FORM`` forces a form where the shifted one applies (None: the find-db's entry, else the
+heuristic); it starts from the environment variable ``BLASX_CONV_FORM`` (``im2col`` or ``shifted``),
+read once at import, so a bench can A/B the two forms.
 
 Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
 offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
