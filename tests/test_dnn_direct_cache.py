@@ -137,7 +137,7 @@ def test_device_vectors_per_device_stream_type_and_contents():
             assert a.shape == (4, 1) and a.dtype == np.float32
             assert direct_cache.device_vector(v, np.float64, direct_cuda._column) is not a
             assert direct_cache.device_vector(v + 1, np.float32, direct_cuda._column) is not a
-            assert direct_cache.device_vector(v, np.float32, direct_cuda._cell if False else None) is not a
+            assert direct_cache.device_vector(v, np.float32) is not a  # another shape: another entry
         with cupy.cuda.Device(0), s2:
             assert direct_cache.device_vector(v, np.float32, direct_cuda._column) is not a
         with cupy.cuda.Device(1), s1:
