@@ -19,7 +19,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct, depthwise
+from . import conv_direct, depthwise, direct_cache
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
@@ -93,28 +93,69 @@ def _name(dtype, fn: str) -> str:
     return dtypes.prefix(dtype) + fn
 
 
+def _weight_rows(xp, wconv, cl: bool, k: int, crs: int):
+    """The ``(K, CRS)`` row-major weight matrix: reduction order (c, r...), or (r..., c) channels-last."""
+    if cl:
+        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
+    return xp.ascontiguousarray(wconv).reshape(k, crs)
+
+
+_GEOMETRIES = direct_cache.table(1024)
+_ACTIVATIONS = direct_cache.table(64)
+
+
+def _plain(v):
+    """``v`` where it is an int, a str or a tuple of ints (a key part that equals only itself), else None."""
+    if type(v) is int or type(v) is str or (type(v) is tuple and all(type(e) is int for e in v)):
+        return v
+    return None
+
+
+def _geometry(fn: str, nd: int, x, weight, stride, padding, dilation, groups) -> ConvGeometry:
+    """conv_geometry's result, kept per arguments where they are plain (a repeat passed its checks)."""
+    args = (stride, padding, dilation, groups)
+    if any(_plain(a) is None for a in args):
+        return conv_geometry(fn, nd, x, weight, *args)
+    key = (fn, nd, tuple(x.shape), tuple(weight.shape), np.dtype(x.dtype), np.dtype(weight.dtype),
+           *((type(a), a) for a in args))
+    return _GEOMETRIES.get(key, lambda: conv_geometry(fn, nd, x, weight, *args))
+
+
+def _activation(activation):
+    """parse_activation's result, kept per name."""
+    if type(activation) is not str:
+        return parse_activation(activation)
+    return _ACTIVATIONS.get(activation, lambda: parse_activation(activation))
+
+
 # ---------------------------------------------------------------- the one engine call
 
-def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, epilogue_args, math) -> None:
+def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, epilogue_args, math,
+                  user_weight: bool = False) -> None:
     """y = conv(x, wconv) on the engine: x (N, C, ...) in layout ``lay``, wconv (K, Cg, k...) in the
-    forward form, y (and residual) in layout ``lay``; ``epilogue_args`` = (bias, scale, shift, act)."""
+    forward form, y (and residual) in layout ``lay``; ``epilogue_args`` = (bias, scale, shift, act);
+    ``user_weight``: wconv is the caller's weight array (its transforms may be kept, direct_cache)."""
     xp = array_module(is_cupy(x))
     dt = np.dtype(x.dtype)
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     bias, scale, shift, act = epilogue_args
-    if depthwise.applies(geo) and conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay:
+    direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay
+    if direct_route and depthwise.applies(geo):
         depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
         return
-    if cl:
-        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
-    if conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay:
+    if direct_route:
         epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, {0: (0, 0, geo.k)})
-        wrows = xp.ascontiguousarray(wconv).reshape(geo.k, crs)
+        if fold is None and user_weight:  # a matrix of the weight alone: kept where the caller allows
+            wrows = direct_cache.derived(wconv, ("rows", cl), lambda: _weight_rows(xp, wconv, cl, geo.k, crs))
+        else:
+            wrows = _weight_rows(xp, wconv, cl, geo.k, crs)
         if fold is not None:
             wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
         conv_direct.forward(geo, x, cl, wrows, y, residual, None if epi is None else epi.by_slot[0], math)
         return
+    if cl:
+        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
     wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
     ws = [wmat[:, g * kg:(g + 1) * kg] for g in range(G)]
     xs = _x_view(x, lay)
@@ -153,8 +194,8 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
           math):
     fn = f"conv{nd}d"
     xp = _xp(x, weight, residual, out)  # bias, scale, shift: see _channel_vector
-    geo = conv_geometry(fn, nd, x, weight, stride, padding, dilation, groups)
-    act = parse_activation(activation)
+    geo = _geometry(fn, nd, x, weight, stride, padding, dilation, groups)
+    act = _activation(activation)
     math = precision.check_math(math)
     dt = np.dtype(x.dtype)
     vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in (("bias", bias), ("scale", scale), ("shift", shift))]
@@ -171,7 +212,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-        _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math)
+        _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
     if out is not None:
         return out
     return y[0] if unbatched else y

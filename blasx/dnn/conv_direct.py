@@ -363,7 +363,7 @@ col[j * on + r * orr + p * op] = ok ? x[(n0 + j) * sn + (goff + c) * sc + u0 * s
 """
 
 
-# ---------------------------------------------------------------- CUDA
+# ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)
 
 @contextlib.contextmanager
 def on_own_gpu():
@@ -393,211 +393,58 @@ def applies(x, flops: float) -> bool:
     return len(gpus) <= 1 or flops < SPLIT_FLOPS
 
 
-def _budget() -> int:
-    """Scratch bytes one call may take: free device memory (the pool's free blocks included) / BUDGET_FRACTION."""
-    import cupy
-    free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
-    return free // BUDGET_FRACTION
-
-
-def _bits(a):
-    """A compact CuPy array's memory as a flat array of unsigned integers of its element size."""
-    import cupy
-    udt = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
-    return cupy.ndarray((a.size,), dtype=udt, memptr=a.data)
-
-
-_KERNELS: dict = {}
-
-
-def _gather_kernel(udt, index: str):
-    """The gather (``_KERNEL_BODY``) for elements of unsigned type ``udt`` and indices of ``index``
-    ("int32" where every index fits, else "int64")."""
-    key = (np.dtype(udt).name, index)
-    k = _KERNELS.get(key)
-    if k is None:
-        import cupy
-        ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[key[0]]
-        params = f"raw {key[0]} x, " + ", ".join(f"{index} {n}" for n in ARG_NAMES)
-        body = f"typedef {'int' if index == 'int32' else 'long long'} I; typedef {ctype} U;" + _KERNEL_BODY
-        k = _KERNELS[key] = cupy.ElementwiseKernel(params, f"raw {key[0]} col", body,
-                                                   f"blasx_conv_gather_{key[0]}_{index}")
-    return k
-
-
-_HANDLES: dict = {}
-_GEMM = []
-
-
-def _gemm_fn():
-    """cublasGemmStridedBatchedEx through ctypes from the libcublas CuPy loaded."""
-    if not _GEMM:
-        import ctypes
-
-        from ..runtime.devices.cublas_ctypes import libcublas
-        fn = libcublas().cublasGemmStridedBatchedEx
-        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
-        fn.restype = I
-        _GEMM.append(fn)
-    return _GEMM[0]
-
-
-def _handle(device_id: int):
-    """This module's own cuBLAS handle on the device (host pointer mode; its stream set per call)."""
-    h = _HANDLES.get(device_id)
-    if h is None:
-        import threading
-
-        from cupy_backends.cuda.libs import cublas
-        h = _HANDLES.setdefault(device_id, (cublas.create(), threading.Lock()))
-    return h
-
-
-class CudaOps:
-    """Runs plan steps on the current device and stream. ``bufs``: name -> compact CuPy array."""
-
-    def __init__(self, geo: ConvGeometry, cl: bool, bufs: dict, dtype, math: str) -> None:
-        import cupy
-        self.geo, self.cl, self.bufs = geo, cl, bufs
-        row = dtypes.gemm_of(dtype)
-        self.types = {"operand": dtypes.CUDA_TYPE[np.dtype(dtype)], "dw": dtypes.CUDA_TYPE[row.compute]}
-        self.compute = dtypes.compute_type(row, math)
-        self.scalars = {b: np.array([b], dtype=row.compute) for b in (0.0, 1.0)}
-        self.stream = cupy.cuda.get_current_stream()
-        self.handle, self.lock = _handle(cupy.cuda.Device().id)
-
-    def gather(self, s: Gather) -> None:
-        g = self.geo
-        total = s.nb * g.crs * g.p
-        x, col = _bits(self.bufs["x"]), _bits(self.bufs["col"])
-        index = "int32" if max(total, x.size) < 2**31 else "int64"
-        it = np.int32 if index == "int32" else np.int64
-        args = [it(a) for a in gather_args(g, self.cl, s)]
-        _gather_kernel(x.dtype, index)(x, *args, col, size=total)
-
-    def gemm(self, s: Gemm) -> None:
-        from cupy_backends.cuda.libs import cublas
-
-        def operand(ref):
-            arr = self.bufs[ref[0]]  # every buffer but dw is of the operand type (scratch: as its bits)
-            return arr.data.ptr + ref[1] * arr.dtype.itemsize, self.types.get(ref[0], self.types["operand"])
-        (a, ta), (b, tb), (c, tc) = operand(s.a), operand(s.b), operand(s.c)
-        with self.lock:
-            cublas.setStream(self.handle, self.stream.ptr)
-            status = _gemm_fn()(self.handle, s.op_a, s.op_b, s.m, s.n, s.k, self.scalars[1.0].ctypes.data,
-                                a, ta, s.lda, s.stride_a, b, tb, s.ldb, s.stride_b,
-                                self.scalars[s.beta].ctypes.data, c, tc, s.ldc, s.stride_c, s.batch,
-                                self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
-        if status != 0:
-            raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({s})")
-
-    def copy_dy(self, s: CopyDy) -> None:
-        g = self.geo
-        dy = _bits(self.bufs["dy"]).reshape(g.n, g.k, g.p)
-        dyc = _bits(self.bufs["dyc"])[:g.k * s.nb * g.p].reshape(g.k, s.nb, g.p)
-        dyc[...] = dy[s.n0:s.n0 + s.nb].transpose(1, 0, 2)
-
-    def pad(self, s: Pad) -> None:
-        xp = self.bufs["xp"]
-        if s.clear:
-            xp.fill(0)
-        dst, src = pad_views(self.geo, self.cl, s, _bits(self.bufs["x"]), xp)
-        dst[...] = src
-
-    def crop(self, s: Crop) -> None:
-        yw = self.bufs["yw"]
-        yv, wv = crop_views(self.geo, self.cl, s, _bits(self.bufs["y"]), yw)
-        if wv.data.mem is not yw.data.mem:  # a reshape that copied would lose the residual's writes
-            raise RuntimeError(f"conv_direct: yw's valid part is not a view of yw ({s})")
-        if s.to_y:
-            yv[...] = wv
-        else:
-            wv[...] = yv
-
-
-def _scratch(n: int, per_image: int, dtype) -> tuple[list, int]:
-    """(image chunks, elements of the scratch buffer) for ``per_image`` elements an image."""
-    parts = chunks(n, per_image * np.dtype(dtype).itemsize, _budget())
-    return parts, max(nb for _, nb in parts) * per_image
-
-
-def _empty_bits(size: int, dtype):
-    """Scratch for ``size`` elements of ``dtype``, as unsigned integers of its size (any element type)."""
-    import cupy
-    return cupy.empty(size, dtype={2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize])
-
-
 def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str) -> None:
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
     (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
     channels or None; x, y, residual compact in the layout ``cl`` says."""
     import cupy
+
+    from . import direct_cache, direct_cuda
     dt = np.dtype(x.dtype)
-    form = forward_form(geo, dt, FORM, "cl" if cl else "nchw", math)
-    steps, scratch = forward_plan(geo, cl, dt, 0.0 if residual is None else 1.0, _budget(), form)
-    bufs = {"x": x, "w": wmat, "y": y, **{name: _empty_bits(size, dt) for name, size in scratch.items()}}
-    if form == "shifted":
-        bufs["wt"] = tap_major(cupy, geo, cl, wmat)
+
+    def attempt(budget):
+        plan = direct_cuda.forward_plan(geo, cl, dt, 0.0 if residual is None else 1.0, budget, math)
+        return plan, {name: direct_cuda.scratch(name, size, dt) for name, size in plan.scratch.items()}
+    plan, scratch = direct_cuda.with_memory(attempt)
+    bufs = {"x": x, "w": wmat, "y": y, **scratch}
+    if plan.form == "shifted":
+        bufs["wt"] = direct_cache.derived(wmat, ("tap_major", cl, geo.k, geo.c),
+                                          lambda: tap_major(cupy, geo, cl, wmat))
     if residual is not None:
-        _bits(y)[...] = _bits(residual)
-    run(steps, CudaOps(geo, cl, bufs, dt, math))
+        direct_cuda._bits(y)[...] = direct_cuda._bits(residual)
+    direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     if affine is not None:
-        _epilogue(geo, cl, y, affine)
-
-
-def _epilogue(geo: ConvGeometry, cl: bool, y, affine) -> None:
-    """The per-channel affine map and activation over all of y, in one kernel."""
-    import cupy
-
-    from ..runtime.devices.cuda_epilogue import affine_activation
-    ct = np.float64 if np.dtype(y.dtype) == np.float64 else np.float32
-    n_img, k, p = geo.n, geo.k, geo.p
-
-    def vec(v, unit):
-        if v is None:
-            return cupy.full((1, 1), unit, dtype=ct)
-        v = cupy.asarray(np.asarray(v, dtype=ct))
-        return v[:, None] if cl else cupy.tile(v, n_img)[None, :]
-    rows, cols, ld = (k, n_img * p, k) if cl else (p, n_img * k, p)
-    act = affine.activation
-    affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype,
-                      vec(affine.scale, 1.0), vec(affine.shift, 0.0), None if act is None else act.name,
-                      (act.param if act is not None else None) or 0.0)
+        direct_cuda.epilogue(geo, cl, y, affine)
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):
     """dW as the ``(K, CRS)`` row-major matrix of x's type (reduction order as ``cl`` says)."""
     import cupy
+
+    from . import direct_cuda
     dt = np.dtype(x.dtype)
     acc = dtypes.gemm_of(dt).compute
-    parts, size = _scratch(geo.n, weight_scratch(geo, cl), dt)
+    per = weight_scratch(geo, cl)
+
+    def attempt(budget):
+        parts = chunks(geo.n, per * dt.itemsize, budget)
+        bufs = {}
+        if per:
+            nb = max(nb for _, nb in parts)
+            col = geo.crs * geo.p * nb
+            bufs["col"] = direct_cuda.empty_bits(col, dt)
+            if not cl:
+                bufs["dyc"] = direct_cuda.empty_bits(nb * per - col, dt)
+        return parts, bufs
+    parts, bufs = direct_cuda.with_memory(attempt)
     dw = cupy.empty((geo.k, geo.crs), dtype=acc)
-    bufs = {"x": x, "dy": dy, "dw": dw}
-    if size:
-        col = geo.crs * geo.p * max(nb for _, nb in parts)
-        bufs["col"] = _empty_bits(col, dt)
-        if not cl:
-            bufs["dyc"] = _empty_bits(size - col, dt)
-    run(weight_steps(geo, cl, parts), CudaOps(geo, cl, bufs, dt, math))
+    bufs.update(x=x, dy=dy, dw=dw)
+    run(weight_steps(geo, cl, parts), direct_cuda.CudaOps(geo, cl, bufs, dt, math))
     if acc == dt:
         return dw
     out = cupy.empty(dw.shape, dtype=dt)
     if dt == np.float16:
         out[...] = dw
     else:  # bfloat16: rounded to nearest even from float32's bits
-        _round_bf16()(dw, _bits(out).reshape(dw.shape))
+        direct_cuda.round_bf16()(dw, direct_cuda._bits(out).reshape(dw.shape))
     return out
-
-
-_BF16 = []
-
-
-def _round_bf16():
-    if not _BF16:
-        import cupy
-        _BF16.append(cupy.ElementwiseKernel(
-            "float32 r", "uint16 y", "unsigned int u = __float_as_uint(r); y = isnan(r) ? "
-            "(unsigned short)((u >> 16) | 0x40u) : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)",
-            "blasx_conv_round_bf16"))
-    return _BF16[0]

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..operands import array_module, is_cupy
 from ..runtime.devices import cuda_epilogue
+from . import direct_cache
 from .arrays import compute_dtype
 from .geometry import ConvGeometry
 from .im2col import x_strides
@@ -300,17 +301,26 @@ def _ints(params: dict, index: str) -> list:
     return [it(v) for v in params.values()]
 
 
+_LAUNCHES = direct_cache.table(512)
+
+
 def launch_forward(geo: ConvGeometry, cl: bool, dtype, activation, bufs: dict) -> None:
     """The forward kernel on the current device and stream: ``bufs`` x, w, y, sc, sh (and res) as flat
-    CuPy arrays (see ``forward``); ``activation`` a parsed Activation or None."""
-    params = forward_params(geo, cl)
-    index = index_type(params, [b.size for b in bufs.values()])
+    CuPy arrays (see ``forward``); ``activation`` a parsed Activation or None. The kernel's source and
+    integer arguments are made once per (geometry, layout, type, activation, residual, buffer sizes)."""
     name = None if activation is None else activation.name
-    src = forward_source(dtype, geo.nd, cl, inserted(geo), name, "res" in bufs, index)
+    sizes = tuple(b.size for b in bufs.values())
+    residual = "res" in bufs
+
+    def make():
+        params = forward_params(geo, cl)
+        index = index_type(params, sizes)
+        return forward_source(dtype, geo.nd, cl, inserted(geo), name, residual, index), _ints(params, index)
+    src, ints = _LAUNCHES.get((geo, cl, np.dtype(dtype).str, name, residual, sizes), make)
     vt = np.float64 if np.dtype(bufs["sc"].dtype) == np.float64 else np.float32
     p = vt((activation.param if activation is not None else None) or 0.0)
-    res = [bufs["res"]] if "res" in bufs else []
-    _kernel(src)(bufs["x"], bufs["w"], bufs["sc"], bufs["sh"], *res, p, *_ints(params, index), bufs["y"])
+    res = [bufs["res"]] if residual else []
+    _kernel(src)(bufs["x"], bufs["w"], bufs["sc"], bufs["sh"], *res, p, *ints, bufs["y"])
 
 
 def launch_weight(geo: ConvGeometry, cl: bool, dtype, bufs: dict, split: int) -> None:
@@ -351,8 +361,12 @@ def forward(geo: ConvGeometry, x, cl: bool, w, y, residual, epilogue_args, dtype
     ct = compute_dtype(dt)
     s, t = affine_vectors(geo.k, bias, scale, shift)
     xm = memory(x, cl)
+    if xp is np:
+        sc, sh = s.astype(ct), t.astype(ct)
+    else:  # uploaded once per stream (direct_cache)
+        sc, sh = direct_cache.device_vector(s, ct), direct_cache.device_vector(t, ct)
     bufs = {"x": xm.copy() if _overlap(x, y) else xm, "w": xp.ascontiguousarray(w).reshape(-1), "y": memory(y, cl),
-            "sc": xp.asarray(s.astype(ct)), "sh": xp.asarray(t.astype(ct))}
+            "sc": sc, "sh": sh}
     if residual is not None:
         bufs["res"] = memory(residual, cl)
     launch_forward(geo, cl, dt, act, bufs)

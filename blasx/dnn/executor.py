@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..operands import is_cupy
-from . import layers
+from . import direct_cache, layers
+from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
 
@@ -142,7 +143,6 @@ class Worker:
         self.device, self.lane, self.layout = device, lane, lay
         self.label = "host" if device is None else f"cuda:{device}"
         self.stats: dict = {}
-        self.events: list = []
         if device is None:
             self.xp, self.stream = np, None
             self.buffers = [np.empty(s, dtype=self.dtype) for s in plan.sizes]
@@ -155,6 +155,11 @@ class Worker:
                 self.x_dev = cupy.empty(math_prod(chunk_shape), dtype=self.dtype)
             self.pinned_in = _pinned(math_prod(chunk_shape), self.dtype)
             self.pinned_out = None
+        self.workspace = Workspace()  # this worker's (stream's) weight transforms and scratch
+        self.last = _last_reads(graph)
+        self.shapes: dict = {}  # chunk shape -> (shapes, flops per node, out= view per node)
+        self.events: list = []
+        self._timing_events: list = []  # CUDA events reused chunk after chunk (read back before reuse)
 
     def _view(self, buf, shape):
         v = buf[:math_prod(shape)]
@@ -163,51 +168,67 @@ class Worker:
             return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
         return v.reshape(shape)
 
+    def _per_shape(self, shape: tuple) -> tuple:
+        """(shapes, flops, out=) per node for chunks of ``shape``, made once (views of this worker's buffers)."""
+        got = self.shapes.get(shape)
+        if got is None:
+            graph = self.graph
+            shapes = infer_shapes(graph, shape)
+            outs, fl = {}, {}
+            for node in graph.nodes[1:]:
+                b = self.plan.buffer.get(node.name)
+                outs[node.name] = self._view(self.buffers[b], shapes[node.name]) \
+                    if b is not None and layers.takes_out(node) else None
+                fl[node.name] = flops(node, shapes)
+            got = self.shapes[shape] = (shapes, fl, outs)
+        return got
+
     def forward(self, x, chunk: int, t_origin: float):
         """The graph's output for the chunk ``x`` (an array on this worker's device)."""
-        graph, shapes = self.graph, infer_shapes(self.graph, x.shape)
+        graph = self.graph
+        _, fl, outs = self._per_shape(tuple(x.shape))
         values = {graph.nodes[0].name: x}
-        last = _last_reads(graph)
-        timing = []
-        for i, node in enumerate(graph.nodes[1:], 1):
-            b = self.plan.buffer.get(node.name)
-            out = self._view(self.buffers[b], shapes[node.name]) if b is not None and layers.takes_out(node) else None
-            t = self._mark()
+        last = self.last
+        nodes = graph.nodes[1:]
+        marks = [self._mark(0)]  # mark i: the end of node i - 1 and the start of node i
+        for i, node in enumerate(nodes, 1):
             values[node.name] = layers.run_node(node, [values[n] for n in node.inputs], self.weights.get(node.name, {}),
-                                                out, self.math, self.xp)
-            timing.append((node, t, self._mark(), flops(node, shapes)))
+                                                outs[node.name], self.math, self.xp)
+            marks.append(self._mark(i))
             for n in last.get(i, ()):
                 if n != graph.output:
                     values.pop(n, None)
-        self._account(timing, chunk, t_origin)
+        self._account(nodes, fl, marks, chunk, t_origin)
         return values[graph.output]
 
-    def _mark(self):
+    def _mark(self, i: int):
         if self.device is None:
             return time.perf_counter()
         import cupy
-        ev = cupy.cuda.Event()
+        if i == len(self._timing_events):
+            self._timing_events.append(cupy.cuda.Event())
+        ev = self._timing_events[i]
         ev.record(self.stream)
         return ev
 
-    def _account(self, timing, chunk: int, t_origin: float) -> None:
-        if self.device is not None:
+    def _account(self, nodes, fl: dict, marks: list, chunk: int, t_origin: float) -> None:
+        if self.device is None:
+            at = [m - t_origin for m in marks]
+        else:
             import cupy
             self.stream.synchronize()
-            first = timing[0][1] if timing else None
             end_host = time.perf_counter()
-            total = cupy.cuda.get_elapsed_time(first, timing[-1][2]) / 1e3 if timing else 0.0
-            start_host = end_host - total
-        for node, t0, t1, f in timing:
-            if self.device is None:
-                s, e = t0 - t_origin, t1 - t_origin
-            else:
-                s = start_host - t_origin + cupy.cuda.get_elapsed_time(first, t0) / 1e3
-                e = start_host - t_origin + cupy.cuda.get_elapsed_time(first, t1) / 1e3
-            st = self.stats.setdefault(node.name, LayerStat(node.name, node.op, self.label,
-                                                            fused=tuple(node.attrs.get("fused", ()))))
+            since = [cupy.cuda.get_elapsed_time(marks[0], m) / 1e3 for m in marks]
+            start_host = end_host - since[-1] - t_origin
+            at = [start_host + t for t in since]
+        for i, node in enumerate(nodes):
+            s, e = at[i], at[i + 1]
+            st = self.stats.get(node.name)
+            if st is None:
+                st = self.stats[node.name] = LayerStat(node.name, node.op, self.label,
+                                                       fused=tuple(node.attrs.get("fused", ())))
             st.seconds += e - s
-            st.flops += f
+            st.flops += fl[node.name]
             self.events.append((self.label, self.lane, chunk, node.name, s, e))
 
     def reset(self) -> None:
@@ -223,6 +244,7 @@ class Worker:
         stack.enter_context(cupy.cuda.Device(self.device))
         stack.enter_context(self.stream)
         stack.enter_context(on_own_gpu())  # the chunk's convolutions stay on this GPU
+        stack.enter_context(direct_cache.using(self.workspace))  # its weights never change; one stream
         return stack
 
     def _prepared(self, x):

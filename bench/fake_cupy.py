@@ -1,0 +1,369 @@
+"""A stand-in for CuPy on the CPU, for timing and checking the host side of blasx.dnn's device route
+with no GPU: arrays are numpy arrays (a subclass whose module is ``cupy``, so blasx takes them for CuPy
+arrays) whose memory is never touched, and every GPU launch (elementwise kernels, copies, fills, uploads,
+cuBLAS calls) is a no-op that records its arguments in ``LOG`` while ``recording`` is on.
+
+    with fake_cupy.installed() as fake:
+        x = fake.cupy.empty((64, 256, 56, 56), dtype=np.float16)
+        blasx.dnn.conv2d(x, w, ...)          # runs conv.py's CuPy route, launching nothing
+
+Large arrays cost address space only (pages are never written). ``installed`` puts the fake modules
+(``cupy``, ``cupy_backends.cuda.libs.cublas``) in ``sys.modules`` and direct_cuda's cuBLAS entry point
+in place, and takes them out again on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import sys
+import threading
+import types
+
+import numpy as np
+
+LOG: list = []
+_state = {"recording": False, "mem_info_calls": 0, "free": 64 << 30}
+_local = threading.local()
+_stream_ids = itertools.count(0x1000, 0x10)
+
+
+def record(*entry) -> None:
+    if _state["recording"]:
+        LOG.append(entry)
+
+
+class _Mem:
+    """One allocation: a numpy byte buffer (never written) and its device."""
+
+    def __init__(self, nbytes: int, device: int):
+        self.raw = np.empty(max(1, nbytes), dtype=np.uint8)
+        self.ptr = self.raw.__array_interface__["data"][0]
+        self.device = device
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset: int = 0):
+        self.mem, self.ptr = mem, mem.ptr + offset
+
+
+class UnownedMemory:
+    def __init__(self, ptr: int, size: int, owner, device_id: int = -1):
+        self.ptr, self.size, self.owner = ptr, size, owner
+        self.raw = (ctypes.c_char * size).from_address(ptr)
+        self.device = _current_device()
+
+
+class ndarray(np.ndarray):
+    """A device array: numpy's metadata and views; no arithmetic is done on its memory."""
+
+    __module__ = "cupy"  # blasx.operands.is_cupy goes by the type's module
+
+    def __new__(cls, shape, dtype=float, memptr=None, strides=None):
+        if memptr is None:
+            return empty(shape, dtype)
+        mem = memptr.mem
+        buf = mem.raw if isinstance(mem, _Mem) else mem.raw
+        a = np.ndarray.__new__(cls, shape, dtype, buffer=buf, offset=memptr.ptr - mem.ptr, strides=strides)
+        a._mem = mem
+        return a
+
+    def __array_finalize__(self, obj):
+        self._mem = getattr(obj, "_mem", None)
+
+    @property
+    def data(self):
+        return MemoryPointer(self._mem, self.__array_interface__["data"][0] - self._mem.ptr)
+
+    @property
+    def device(self):
+        return Device(self._mem.device)
+
+    def get(self, stream=None, out=None):
+        record("get", self.shape)
+        return np.empty(self.shape, self.dtype) if out is None else out
+
+    def set(self, arr, stream=None):
+        record("set", self.shape)
+
+    def __setitem__(self, key, value):
+        record("setitem", self.shape)
+
+    def fill(self, value):
+        record("fill", self.shape)
+
+    def astype(self, dtype, copy=True, **kw):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        record("astype", self.shape, np.dtype(dtype).name)
+        return empty(self.shape, dtype)
+
+    def copy(self, order="C"):
+        record("copy", self.shape)
+        return empty(self.shape, self.dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        shapes = [np.shape(i) for i in inputs]
+        dt = np.result_type(*[i.dtype if hasattr(i, "dtype") else i for i in inputs])
+        record("ufunc", ufunc.__name__)
+        return empty(np.broadcast_shapes(*shapes), dt)
+
+
+def empty(shape, dtype=float, order="C"):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    dt = np.dtype(dtype)
+    mem = _Mem(int(np.prod(shape)) * dt.itemsize, _current_device())
+    a = np.ndarray.__new__(ndarray, shape, dt, buffer=mem.raw)
+    a._mem = mem
+    return a
+
+
+def full(shape, value, dtype=float):
+    record("full", shape, value)
+    return empty(shape, dtype)
+
+
+def zeros(shape, dtype=float):
+    record("zeros", shape)
+    return empty(shape, dtype)
+
+
+def asarray(a, dtype=None):
+    if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    a = np.asarray(a, dtype=dtype)
+    record("upload", a.shape, a.dtype.name, a.tobytes())
+    return empty(a.shape, a.dtype)
+
+
+def ascontiguousarray(a, dtype=None):
+    if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    if not isinstance(a, ndarray):
+        return asarray(np.ascontiguousarray(a), dtype)
+    record("contiguous", a.shape, a.strides)
+    return empty(a.shape, dtype or a.dtype)
+
+
+def tile(a, reps):
+    record("tile", a.shape, reps)
+    return empty(np.tile(np.empty(a.shape, np.uint8), reps).shape, a.dtype)
+
+
+def may_share_memory(a, b, max_work=None) -> bool:
+    return np.may_share_memory(a, b)
+
+
+def copyto(dst, src, **kw):
+    record("copyto", dst.shape)
+
+
+class ElementwiseKernel:
+    def __init__(self, in_params, out_params, operation, name="kernel", **kw):
+        self.name = name
+
+    def __call__(self, *args, size=None, **kw):
+        if _state["recording"]:
+            LOG.append(("kernel", self.name, tuple(_describe(a) for a in args), size))
+        return args[-1] if args else None
+
+
+ReductionKernel = ElementwiseKernel
+
+
+def _describe(a):
+    if isinstance(a, ndarray):
+        return ("array", a.data.ptr, a.shape, a.strides, a.dtype.name)
+    if isinstance(a, np.generic):
+        return (type(a).__name__, a.item())
+    return a
+
+
+class _Pool:
+    def free_bytes(self) -> int:
+        return 0
+
+
+_POOL = _Pool()
+
+
+def get_default_memory_pool():
+    return _POOL
+
+
+# ---------------------------------------------------------------- cupy.cuda
+
+def _current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+class Device:
+    def __init__(self, device=None):
+        self.id = _current_device() if device is None else int(device)
+
+    def __enter__(self):
+        stack = _local.__dict__.setdefault("devices", [])
+        stack.append(_current_device())
+        _local.device = self.id
+        return self
+
+    def __exit__(self, *exc):
+        _local.device = _local.devices.pop()
+
+    def synchronize(self):
+        pass
+
+
+class Stream:
+    def __init__(self, null=False, non_blocking=False, ptr=None):
+        self.ptr = 0 if null else (ptr if ptr is not None else next(_stream_ids))
+
+    def __enter__(self):
+        stack = _local.__dict__.setdefault("streams", [])
+        stack.append(get_current_stream())
+        _local.stream = self
+        return self
+
+    def __exit__(self, *exc):
+        _local.stream = _local.streams.pop()
+
+    def synchronize(self):
+        record("synchronize", self.ptr)
+
+
+_NULL = Stream(null=True)
+
+
+def get_current_stream():
+    return getattr(_local, "stream", _NULL)
+
+
+class Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(a, b) -> float:
+    return 0.0
+
+
+def alloc_pinned_memory(nbytes: int):
+    return bytearray(nbytes)
+
+
+class OutOfMemoryError(MemoryError):
+    pass
+
+
+def _mem_get_info():
+    _state["mem_info_calls"] += 1
+    return _state["free"], 80 << 30
+
+
+def _build_modules() -> dict:
+    cupy = types.ModuleType("cupy")
+    for name in ("ndarray", "empty", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
+                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "get_default_memory_pool"):
+        setattr(cupy, name, globals()[name])
+    cuda = types.ModuleType("cupy.cuda")
+    for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
+                 "MemoryPointer", "UnownedMemory"):
+        setattr(cuda, name, globals()[name])
+    cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info)
+    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    cupy.cuda = cuda
+    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    cublas.create = lambda: 0
+    cublas.setStream = lambda handle, stream: None
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = cublas
+    backends_cuda = types.ModuleType("cupy_backends.cuda")
+    backends_cuda.libs = libs
+    backends = types.ModuleType("cupy_backends")
+    backends.cuda = backends_cuda
+    return {"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": backends, "cupy_backends.cuda": backends_cuda,
+            "cupy_backends.cuda.libs": libs, "cupy_backends.cuda.libs.cublas": cublas}
+
+
+def _gemm_stub(ctypes_marshalling: bool):
+    """direct_cuda's cublasGemmStridedBatchedEx: with ``ctypes_marshalling`` a C function that ignores
+    its arguments and returns 0 (abs of the null handle), called through ctypes with the real
+    argument types (its conversion cost is the real one's); else a Python recorder."""
+    if ctypes_marshalling:
+        fn = ctypes.CDLL(None).abs
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
+        fn.restype = I
+
+        def gemm(*args):
+            LOG.append(("gemm", *args[1:], ctypes.string_at(args[6], 4), ctypes.string_at(args[15], 4)))
+            return fn(*args)
+        return gemm if _state["recording"] else fn
+    return None
+
+
+def _cuda_module():
+    """The module with the route's CUDA side (direct_cuda; conv_direct in earlier versions, so that the
+    bench runs on those too)."""
+    try:
+        from blasx.dnn import direct_cuda
+        return direct_cuda
+    except ImportError:
+        from blasx.dnn import conv_direct
+        return conv_direct
+
+
+def _kernel_tables() -> list:
+    """The kernel caches the route fills (the fake's kernels must not outlive it)."""
+    from blasx.dnn import depthwise
+    from blasx.runtime.devices import cuda_epilogue, cuda_lowp
+    return [_cuda_module()._KERNELS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
+
+
+def _clear_caches() -> None:
+    try:
+        from blasx.dnn import direct_cache
+    except ImportError:
+        return
+    direct_cache.clear()
+
+
+@contextlib.contextmanager
+def installed(record_calls: bool = False):
+    """The fake modules in sys.modules and direct_cuda's GEMM entry point stubbed; ``record_calls``:
+    every launch recorded in ``LOG`` (cleared on entry)."""
+    direct_cuda = _cuda_module()
+    mods = _build_modules()
+    saved = {k: sys.modules.get(k) for k in mods}
+    saved_gemm = list(direct_cuda._GEMM)
+    saved_handles = dict(direct_cuda._HANDLES)
+    kernel_tables = _kernel_tables()
+    saved_kernels = [dict(t) for t in kernel_tables]
+    LOG.clear()
+    _state["recording"] = record_calls
+    sys.modules.update(mods)
+    direct_cuda._GEMM[:] = [_gemm_stub(True)]
+    direct_cuda._HANDLES.clear()
+    for t in kernel_tables:
+        t.clear()
+    _clear_caches()
+    try:
+        yield types.SimpleNamespace(cupy=mods["cupy"], log=LOG, state=_state)
+    finally:
+        _state["recording"] = False
+        direct_cuda._GEMM[:] = saved_gemm
+        direct_cuda._HANDLES.clear()
+        direct_cuda._HANDLES.update(saved_handles)
+        for t, before in zip(kernel_tables, saved_kernels):
+            t.clear()
+            t.update(before)
+        _clear_caches()
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v

@@ -1,0 +1,156 @@
+"""Host-side caches of the device route (conv_direct.py, depthwise.py), so that a convolution call on CuPy
+arrays spends its host time on launches: small bounded tables whose keys spell out everything a value
+depends on.
+
+- ``Table``: a dict of at most ``limit`` entries, emptied when full (values are cheap to remake).
+- free device memory per device (the scratch budget), read once and again only after an allocation fails;
+- channel vectors on the device per (device, stream, contents): uploaded on the stream that reads them,
+  so no other stream can read one before its upload lands (the entry keeps its stream alive);
+- ``Workspace``: what one stream's owner (a Network worker) keeps between calls: transforms of weights it
+  never changes (keyed by the weight array's identity) and scratch buffers reused call after call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+_local = threading.local()  # .workspace: the Workspace of this thread's calls, or None
+
+
+class Table:
+    """A bounded memo: ``get(key, make)`` returns the value kept for ``key``, else ``make()`` kept."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.entries: dict = {}
+
+    def get(self, key, make):
+        v = self.entries.get(key)
+        if v is None:
+            v = make()
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
+            self.entries[key] = v
+        return v
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+TABLES: list[Table] = []
+
+
+def table(limit: int) -> Table:
+    """A new Table, emptied by :func:`clear`."""
+    t = Table(limit)
+    TABLES.append(t)
+    return t
+
+
+def clear() -> None:
+    """Empty every table and the free-memory readings (tests; a device reset)."""
+    for t in TABLES:
+        t.clear()
+    _FREE.clear()
+
+
+# ---------------------------------------------------------------- free device memory
+
+_FREE: dict = {}  # device id -> free bytes (the pool's free blocks included) when last read
+
+
+def free_bytes(device_id: int, refresh: bool = False) -> int:
+    """Free memory of the current device ``device_id``: read once, again with ``refresh``."""
+    free = None if refresh else _FREE.get(device_id)
+    if free is None:
+        import cupy
+        free = _FREE[device_id] = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+    return free
+
+
+# ---------------------------------------------------------------- channel vectors on the device
+
+_VECTORS = table(1024)
+
+
+def device_vector(values, dtype, shape_of=None):
+    """``values`` (host, any float type) as a CuPy array of ``dtype`` on the current device, uploaded once
+    per stream; ``shape_of(xp, v)`` reshapes/tiles the uploaded vector (its name and arguments must be in
+    ``shape_of``'s identity: pass a module-level function or a functools.partial of one)."""
+    import cupy
+    host = np.ascontiguousarray(values, dtype=dtype)
+    stream = cupy.cuda.get_current_stream()
+    key = (cupy.cuda.Device().id, stream.ptr, host.dtype.str, host.shape, host.tobytes(), _identity(shape_of))
+
+    def make():
+        v = cupy.asarray(host)
+        return stream, v if shape_of is None else shape_of(cupy, v)
+    return _VECTORS.get(key, make)[1]
+
+
+def _identity(fn):
+    if fn is None:
+        return None
+    return (getattr(fn, "func", fn), getattr(fn, "args", ()))
+
+
+# ---------------------------------------------------------------- a stream owner's workspace
+
+class Workspace:
+    """What one stream's owner keeps between convolution calls (all used on that stream only):
+    ``derived(weight, kind, make)``: ``make()`` of a weight array it never changes, kept while the
+    weight is (keyed by identity, checked); ``scratch(name, size, dtype)``: a reusable buffer."""
+
+    LIMIT = 4096  # transforms kept at most (then all dropped)
+
+    def __init__(self):
+        self.weights: dict = {}
+        self.buffers: dict = {}
+
+    def derived(self, weight, kind, make):
+        key = (id(weight), kind)
+        got = self.weights.get(key)
+        if got is None or got[0] is not weight:  # (the entry holds the weight: its id is not reused)
+            if len(self.weights) >= self.LIMIT:
+                self.weights.clear()
+            got = self.weights[key] = (weight, make())
+        return got[1]
+
+    def scratch(self, name: str, size: int, dtype, alloc):
+        """``size`` elements of ``dtype`` (the first ones of a buffer kept under ``name``, grown as needed)."""
+        dt = np.dtype(dtype)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dt or buf.size < size:
+            self.buffers.pop(name, None)
+            buf = self.buffers[name] = alloc(size, dt)
+        return buf[:size]
+
+    def release(self) -> None:
+        self.weights.clear()
+        self.buffers.clear()
+
+
+def workspace():
+    """This thread's Workspace (see :func:`using`), or None."""
+    return getattr(_local, "workspace", None)
+
+
+@contextlib.contextmanager
+def using(ws: Workspace | None):
+    """Within it, this thread's convolutions keep weights' transforms and scratch in ``ws``. Its owner
+    promises that the weight arrays it passes are never changed and that every call runs on one stream."""
+    before = getattr(_local, "workspace", None)
+    _local.workspace = ws
+    try:
+        yield ws
+    finally:
+        _local.workspace = before
+
+
+def derived(weight, kind, make):
+    """``make()``, kept in this thread's Workspace where there is one."""
+    ws = workspace()
+    return make() if ws is None else ws.derived(weight, kind, make)

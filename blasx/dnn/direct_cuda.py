@@ -1,0 +1,336 @@
+"""The CUDA side of the device route (conv_direct.py): its plans' steps run on the current device and stream
+(the gather kernel, cuBLAS's strided-batched GEMM through ctypes, CuPy copies), the epilogue kernel over
+the output, and what each call would otherwise redo on the host, kept (direct_cache.py): the forward plan
+with every launch's arguments per (geometry, layout, type, beta, form inputs, budget), the GEMM constants
+per (type, math), the scratch budget per device, the epilogue's vectors per stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from ..runtime import dtypes
+from . import conv_direct as cd
+from . import direct_cache
+from .geometry import ConvGeometry
+
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _bits(a):
+    """A compact CuPy array's memory as a flat array of unsigned integers of its element size."""
+    import cupy
+    return cupy.ndarray((a.size,), dtype=_UINT[a.dtype.itemsize], memptr=a.data)
+
+
+_KERNELS: dict = {}
+
+
+def _gather_kernel(udt, index: str):
+    """The gather (``conv_direct._KERNEL_BODY``) for elements of unsigned type ``udt`` and indices of
+    ``index`` ("int32" where every index fits, else "int64")."""
+    key = (np.dtype(udt).name, index)
+    k = _KERNELS.get(key)
+    if k is None:
+        import cupy
+        ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[key[0]]
+        params = f"raw {key[0]} x, " + ", ".join(f"{index} {n}" for n in cd.ARG_NAMES)
+        body = f"typedef {'int' if index == 'int32' else 'long long'} I; typedef {ctype} U;" + cd._KERNEL_BODY
+        k = _KERNELS[key] = cupy.ElementwiseKernel(params, f"raw {key[0]} col", body,
+                                                   f"blasx_conv_gather_{key[0]}_{index}")
+    return k
+
+
+_HANDLES: dict = {}
+_GEMM = []
+
+
+def _gemm_fn():
+    """cublasGemmStridedBatchedEx through ctypes from the libcublas CuPy loaded."""
+    if not _GEMM:
+        import ctypes
+
+        from ..runtime.devices.cublas_ctypes import libcublas
+        fn = libcublas().cublasGemmStridedBatchedEx
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
+        fn.restype = I
+        _GEMM.append(fn)
+    return _GEMM[0]
+
+
+def _handle(device_id: int):
+    """This module's own cuBLAS handle on the device (host pointer mode; its stream set per call)."""
+    h = _HANDLES.get(device_id)
+    if h is None:
+        from cupy_backends.cuda.libs import cublas
+        h = _HANDLES.setdefault(device_id, (cublas.create(), threading.Lock()))
+    return h
+
+
+# ---------------------------------------------------------------- launches, prepared once per plan
+
+class GatherLaunch(NamedTuple):
+    """The gather kernel's integer arguments (numpy scalars of the index type), index type, threads."""
+
+    args: tuple
+    index: str
+    total: int
+
+
+class GemmLaunch(NamedTuple):
+    """A Gemm step's cuBLAS arguments with its operands as (buffer, byte offset, CUDA type)."""
+
+    a: tuple
+    b: tuple
+    c: tuple
+    dims: tuple  # op_a, op_b, m, n, k
+    lda: tuple  # lda, stride_a
+    ldb: tuple
+    ldc: tuple  # ldc, stride_c, batch
+    beta: float
+
+
+def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int) -> GatherLaunch:
+    total = s.nb * geo.crs * geo.p
+    index = "int32" if max(total, x_size) < 2**31 else "int64"
+    it = np.int32 if index == "int32" else np.int64
+    return GatherLaunch(tuple(it(a) for a in cd.gather_args(geo, cl, s)), index, total)
+
+
+def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
+    """Every buffer but dw is of the operand type (scratch: as its bits); dw of the accumulation type."""
+    dt = np.dtype(dtype)
+    acc = dtypes.gemm_of(dt).compute
+
+    def operand(ref):
+        t = acc if ref[0] == "dw" else dt
+        return ref[0], ref[1] * t.itemsize, dtypes.CUDA_TYPE[t]
+    return GemmLaunch(operand(s.a), operand(s.b), operand(s.c), (s.op_a, s.op_b, s.m, s.n, s.k),
+                      (s.lda, s.stride_a), (s.ldb, s.stride_b), (s.ldc, s.stride_c, s.batch), s.beta)
+
+
+def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list) -> list:
+    """Per step, what launching it takes that depends on the plan alone (None: nothing)."""
+    x_size = geo.n * geo.c * int(np.prod(geo.in_size))
+    out = []
+    for s in steps:
+        if isinstance(s, cd.Gather):
+            out.append(gather_launch(geo, cl, s, x_size))
+        elif isinstance(s, cd.Gemm):
+            out.append(gemm_launch(s, dtype))
+        else:
+            out.append(None)
+    return out
+
+
+class ForwardPlan(NamedTuple):
+    form: str
+    steps: list
+    scratch: dict
+    launches: list
+
+
+_PLANS = direct_cache.table(512)
+
+
+def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, math: str | None = None) -> ForwardPlan:
+    """conv_direct's forward form (chosen per call: a force, the find-db, the heuristic) and the plan for
+    it, with its launches, made once per key."""
+    dt = np.dtype(dtype)
+    form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
+    key = (geo, cl, dt.str, beta, budget, form)
+
+    def make():
+        steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
+        return ForwardPlan(form, steps, scratch, prepare(geo, cl, dt, steps))
+    return _PLANS.get(key, make)
+
+
+_CONSTS = direct_cache.table(64)
+
+
+def gemm_consts(dtype, math: str) -> tuple:
+    """(CUDA compute type, {beta: address of a host scalar of the compute type}, the scalars) for GEMMs
+    of ``dtype`` in ``math`` (the scalars are only read: cuBLAS takes host-pointer scalars' values when
+    called; the entry keeps them alive)."""
+    def make():
+        row = dtypes.gemm_of(dtype)
+        scalars = {b: np.array([b], dtype=row.compute) for b in (0.0, 1.0)}
+        return dtypes.compute_type(row, math), {b: v.ctypes.data for b, v in scalars.items()}, scalars
+    return _CONSTS.get((np.dtype(dtype).str, math), make)
+
+
+# ---------------------------------------------------------------- running steps
+
+class CudaOps:
+    """Runs plan steps on the current device and stream. ``bufs``: name -> compact CuPy array."""
+
+    def __init__(self, geo: ConvGeometry, cl: bool, bufs: dict, dtype, math: str) -> None:
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+        self.geo, self.cl, self.bufs, self.dtype = geo, cl, bufs, np.dtype(dtype)
+        self.compute, self.scalars, self._keep = gemm_consts(dtype, math)
+        self.stream = cupy.cuda.get_current_stream()
+        self.handle, self.lock = _handle(cupy.cuda.Device().id)
+        self.set_stream, self.gemm_fn = cublas.setStream, _gemm_fn()
+        self.ptrs: dict = {}
+        self.flat: dict = {}
+
+    def _ptr(self, name: str) -> int:
+        p = self.ptrs.get(name)
+        if p is None:
+            p = self.ptrs[name] = self.bufs[name].data.ptr
+        return p
+
+    def _bits(self, name: str):
+        b = self.flat.get(name)
+        if b is None:
+            b = self.flat[name] = _bits(self.bufs[name])
+        return b
+
+    def run(self, steps: list, launches: list) -> None:
+        """The steps with their prepared launches (``prepare``)."""
+        for s, launch in zip(steps, launches):
+            if launch is None:
+                getattr(self, cd._OPS[type(s)])(s)
+            elif type(launch) is GemmLaunch:
+                self.launch_gemm(launch)
+            else:
+                self.launch_gather(launch)
+
+    def gather(self, s: cd.Gather) -> None:
+        self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size))
+
+    def launch_gather(self, g: GatherLaunch) -> None:
+        x = self._bits("x")
+        _gather_kernel(x.dtype, g.index)(x, *g.args, self._bits("col"), size=g.total)
+
+    def gemm(self, s: cd.Gemm) -> None:
+        self.launch_gemm(gemm_launch(s, self.dtype))
+
+    def launch_gemm(self, g: GemmLaunch) -> None:
+        a, b, c = g.a, g.b, g.c
+        args = (self.handle, *g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
+                self._ptr(b[0]) + b[1], b[2], *g.ldb, self.scalars[g.beta], self._ptr(c[0]) + c[1], c[2], *g.ldc,
+                self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        with self.lock:
+            self.set_stream(self.handle, self.stream.ptr)
+            status = self.gemm_fn(*args)
+        if status != 0:
+            raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
+
+    def copy_dy(self, s: cd.CopyDy) -> None:
+        g = self.geo
+        dy = _bits(self.bufs["dy"]).reshape(g.n, g.k, g.p)
+        dyc = _bits(self.bufs["dyc"])[:g.k * s.nb * g.p].reshape(g.k, s.nb, g.p)
+        dyc[...] = dy[s.n0:s.n0 + s.nb].transpose(1, 0, 2)
+
+    def pad(self, s: cd.Pad) -> None:
+        xp = self.bufs["xp"]
+        if s.clear:
+            xp.fill(0)
+        dst, src = cd.pad_views(self.geo, self.cl, s, self._bits("x"), xp)
+        dst[...] = src
+
+    def crop(self, s: cd.Crop) -> None:
+        yw = self.bufs["yw"]
+        yv, wv = cd.crop_views(self.geo, self.cl, s, self._bits("y"), yw)
+        if wv.data.mem is not yw.data.mem:  # a reshape that copied would lose the residual's writes
+            raise RuntimeError(f"conv_direct: yw's valid part is not a view of yw ({s})")
+        if s.to_y:
+            yv[...] = wv
+        else:
+            wv[...] = yv
+
+
+# ---------------------------------------------------------------- scratch
+
+def device_id() -> int:
+    import cupy
+    return cupy.cuda.Device().id
+
+
+def budget(refresh: bool = False) -> int:
+    """Scratch bytes one call may take: free device memory (the pool's free blocks included), read once
+    per device (``refresh``: again), / BUDGET_FRACTION."""
+    return direct_cache.free_bytes(device_id(), refresh) // cd.BUDGET_FRACTION
+
+
+def empty_bits(size: int, dtype):
+    """Scratch for ``size`` elements of ``dtype``, as unsigned integers of its size (any element type)."""
+    import cupy
+    return cupy.empty(size, dtype=_UINT[np.dtype(dtype).itemsize])
+
+
+def scratch(name: str, size: int, dtype):
+    """Scratch ``name`` of the call: the thread's Workspace's buffer (reused), else a new one."""
+    ws = direct_cache.workspace()
+    if ws is None:
+        return empty_bits(size, dtype)
+    udt = _UINT[np.dtype(dtype).itemsize]
+    return ws.scratch(name, size, udt, lambda n, _dt: empty_bits(n, dtype))
+
+
+def with_memory(attempt):
+    """``attempt(budget)``; where a device allocation fails, once more with the free memory read again
+    (and the Workspace's scratch given back first)."""
+    import cupy
+    try:
+        return attempt(budget())
+    except cupy.cuda.memory.OutOfMemoryError:
+        ws = direct_cache.workspace()
+        if ws is not None:
+            ws.buffers.clear()
+        return attempt(budget(refresh=True))
+
+
+# ---------------------------------------------------------------- the epilogue
+
+def _column(xp, v):
+    return v[:, None]
+
+
+def _cell(xp, v):
+    return v.reshape(1, 1)
+
+
+def _tiled_row(images: int, xp, v):
+    return xp.tile(v, images)[None, :]
+
+
+def epilogue(geo: ConvGeometry, cl: bool, y, affine) -> None:
+    """The per-channel affine map and activation over all of y, in one kernel."""
+    import functools
+
+    import cupy
+
+    from ..runtime.devices.cuda_epilogue import affine_activation
+    ct = np.float64 if np.dtype(y.dtype) == np.float64 else np.float32
+    n_img, k, p = geo.n, geo.k, geo.p
+
+    def vec(v, unit):
+        if v is None:
+            return direct_cache.device_vector(np.full(1, unit), ct, _cell)
+        return direct_cache.device_vector(v, ct, _column if cl else functools.partial(_tiled_row, n_img))
+    rows, cols, ld = (k, n_img * p, k) if cl else (p, n_img * k, p)
+    act = affine.activation
+    affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype,
+                      vec(affine.scale, 1.0), vec(affine.shift, 0.0), None if act is None else act.name,
+                      (act.param if act is not None else None) or 0.0)
+
+
+_BF16 = []
+
+
+def round_bf16():
+    if not _BF16:
+        import cupy
+        _BF16.append(cupy.ElementwiseKernel(
+            "float32 r", "uint16 y", "unsigned int u = __float_as_uint(r); y = isnan(r) ? "
+            "(unsigned short)((u >> 16) | 0x40u) : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)",
+            "blasx_conv_round_bf16"))
+    return _BF16[0]

@@ -1,0 +1,233 @@
+"""The device route's host-side caches (direct_cache.py, direct_cuda.py, conv.py's parses) on the CPU: a
+cached plan is the uncached one, cache keys tell apart what they must (type, layout, beta, budget, math,
+device, stream, activation), and with the CPU stand-in for CuPy (bench/fake_cupy.py) a conv2d call
+launches the same kernels and GEMMs, with the same arguments, from cold caches and from warm ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench import fake_cupy
+from blasx import dnn
+from blasx.dnn import conv as conv_mod
+from blasx.dnn import conv_direct as cd
+from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn.geometry import conv_geometry, transpose_geometry
+from blasx.runtime import dtypes
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    direct_cache.clear()
+    yield
+    direct_cache.clear()
+
+
+def _geos():
+    x = np.empty((4, 64, 14, 12))
+    out = [conv_geometry("conv2d", 2, x, np.empty((32, 64, 3, 3)), 1, 1, 1, 1),  # shifted where chosen
+           conv_geometry("conv2d", 2, x, np.empty((32, 64, 1, 1)), 1, 0, 1, 1),  # pointwise
+           conv_geometry("conv2d", 2, x, np.empty((32, 16, 3, 3)), 2, 1, 1, 4),  # strided, grouped
+           transpose_geometry("conv_transpose2d", 2, x, np.empty((64, 8, 4, 4)), 2, 1, 0, 1, 1)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("cl", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("budget", [1, 1 << 40])
+def test_cached_plan_is_the_uncached_plan(dtype, cl, beta, budget):
+    dt = np.dtype(dtype)
+    for geo in _geos():
+        got = direct_cuda.forward_plan(geo, cl, dt, beta, budget)
+        form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw")
+        steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
+        assert (got.form, got.steps, got.scratch) == (form, steps, scratch)
+        assert direct_cuda.forward_plan(geo, cl, dt, beta, budget) is got  # kept
+        x_size = geo.n * geo.c * int(np.prod(geo.in_size))
+        for s, launch in zip(steps, got.launches):
+            if isinstance(s, cd.Gather):
+                want = [int(a) for a in cd.gather_args(geo, cl, s)]
+                assert [int(a) for a in launch.args] == want and launch.total == s.nb * geo.crs * geo.p
+                assert launch.index == ("int32" if max(launch.total, x_size) < 2**31 else "int64")
+                assert all(type(a) is (np.int32 if launch.index == "int32" else np.int64) for a in launch.args)
+            elif isinstance(s, cd.Gemm):
+                t = dtypes.CUDA_TYPE[dt]
+                assert launch.a == (s.a[0], s.a[1] * dt.itemsize, t) and launch.c == (s.c[0], s.c[1] * dt.itemsize, t)
+                assert launch.dims == (s.op_a, s.op_b, s.m, s.n, s.k) and launch.beta == s.beta
+                assert launch.ldc == (s.ldc, s.stride_c, s.batch)
+            else:
+                assert launch is None
+
+
+def test_plan_keys_tell_apart_type_layout_beta_budget_and_form(monkeypatch):
+    geo = _geos()[0]
+    base = direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1 << 40)
+    others = [direct_cuda.forward_plan(geo, True, np.float32, 0.0, 1 << 40),
+              direct_cuda.forward_plan(geo, False, np.float16, 0.0, 1 << 40),
+              direct_cuda.forward_plan(geo, False, np.float32, 1.0, 1 << 40),
+              direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1)]
+    monkeypatch.setattr(cd, "FORM", "im2col" if base.form == "shifted" else "shifted")
+    others.append(direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1 << 40))
+    assert all(o is not base for o in others)
+    assert others[-1].form != base.form
+    assert others[1].launches != base.launches  # the CUDA types differ
+
+
+def test_a_find_db_entry_changes_the_cached_plan(monkeypatch):
+    """The form is chosen per call (force, find-db, heuristic) and is part of the plan's key: a new find-db
+    entry takes effect on the next call, not after the cache has forgotten the old plan."""
+    from blasx.dnn import finddb
+    geo = _geos()[0]
+    assert cd.shifted_applies(geo)
+    base = direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1 << 40, "ieee")
+    other = "im2col" if base.form == "shifted" else "shifted"
+    monkeypatch.setattr(finddb, "stored_form", lambda *a, **k: other)
+    got = direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1 << 40, "ieee")
+    assert got.form == other and got is not base
+
+
+def test_gemm_constants_per_type_and_math():
+    f32 = dtypes.gemm_of(np.float32)
+    ieee, tf32 = direct_cuda.gemm_consts(np.float32, "ieee"), direct_cuda.gemm_consts(np.float32, "tf32")
+    assert ieee[0] == dtypes.compute_type(f32, "ieee") and tf32[0] == dtypes.compute_type(f32, "tf32")
+    f64 = direct_cuda.gemm_consts(np.float64, "ieee")
+    assert f64[2][1.0].dtype == np.float64 and ieee[2][1.0].dtype == np.float32
+    for consts in (ieee, f64):
+        for beta, ptr in consts[1].items():
+            assert ptr == consts[2][beta].ctypes.data and consts[2][beta][0] == beta
+
+
+def test_parses_kept_but_checked_as_before():
+    x, w = np.ones((1, 2, 5, 5)), np.ones((3, 2, 3, 3))
+    a = conv_mod._geometry("conv2d", 2, x, w, 1, 1, 1, 1)
+    assert a == conv_geometry("conv2d", 2, x, w, 1, 1, 1, 1)
+    assert conv_mod._geometry("conv2d", 2, x, w, 1, 1, 1, 1) is a
+    assert conv_mod._geometry("conv2d", 2, x, w, 2, 1, 1, 1) != a
+    assert conv_mod._geometry("conv2d", 2, x.astype(np.float32), w.astype(np.float32), 1, 1, 1, 1) is not a
+    with pytest.raises(ValueError, match="stride"):  # True == 1, but a bool is no stride
+        dnn.conv2d(x, w, stride=True)
+    with pytest.raises(ValueError, match="padding"):
+        dnn.conv2d(x, w, padding=(1, -1))
+    assert conv_mod._activation("relu") is conv_mod._activation("relu")
+    assert conv_mod._activation("relu").name == "relu" and conv_mod._activation("gelu").name == "gelu"
+    assert conv_mod._activation(None) is None
+
+
+def test_workspace_keeps_transforms_by_identity():
+    ws = direct_cache.Workspace()
+    w1, w2 = np.arange(6.0), np.arange(6.0)
+    made = []
+
+    def make(w):
+        made.append(w)
+        return w * 2
+    with direct_cache.using(ws):
+        a = direct_cache.derived(w1, "k", lambda: make(w1))
+        assert direct_cache.derived(w1, "k", lambda: make(w1)) is a
+        assert direct_cache.derived(w1, "other", lambda: make(w1)) is not a
+        assert direct_cache.derived(w2, "k", lambda: make(w2)) is not a  # equal contents, another array
+    assert len(made) == 3
+    assert direct_cache.derived(w1, "k", lambda: make(w1)) is not a  # no workspace: made every call
+    buf = ws.scratch("col", 10, np.uint16, lambda n, dt: np.zeros(n, dt))
+    again = ws.scratch("col", 8, np.uint16, lambda n, dt: pytest.fail("should be reused"))
+    assert buf.size == 10 and again.size == 8 and np.shares_memory(buf, again)
+    assert ws.scratch("col", 12, np.uint16, lambda n, dt: np.zeros(n, dt)).size == 12
+
+
+def test_device_vectors_per_device_stream_type_and_contents():
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        v = np.arange(4.0)
+
+        def uploads():
+            return sum(1 for e in fake.log if e[0] == "upload")
+        s1, s2 = cupy.cuda.Stream(), cupy.cuda.Stream()
+        with cupy.cuda.Device(0), s1:
+            a = direct_cache.device_vector(v, np.float32, direct_cuda._column)
+            assert direct_cache.device_vector(v.copy(), np.float32, direct_cuda._column) is a and uploads() == 1
+            assert a.shape == (4, 1) and a.dtype == np.float32
+            assert direct_cache.device_vector(v, np.float64, direct_cuda._column) is not a
+            assert direct_cache.device_vector(v + 1, np.float32, direct_cuda._column) is not a
+            assert direct_cache.device_vector(v, np.float32) is not a  # another shape: another entry
+        with cupy.cuda.Device(0), s2:
+            assert direct_cache.device_vector(v, np.float32, direct_cuda._column) is not a
+        with cupy.cuda.Device(1), s1:
+            b = direct_cache.device_vector(v, np.float32, direct_cuda._column)
+            assert b is not a and b.device.id == 1
+        assert uploads() == 6
+        assert [e[3] for e in fake.log if e[0] == "upload"][0] == v.astype(np.float32).tobytes()
+
+
+def test_free_memory_read_once_per_device():
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            b = direct_cuda.budget()
+            assert direct_cuda.budget() == b and fake.state["mem_info_calls"] == 1
+        with cupy.cuda.Device(1):
+            direct_cuda.budget()
+            assert fake.state["mem_info_calls"] == 2
+            direct_cuda.budget(refresh=True)
+            assert fake.state["mem_info_calls"] == 3
+
+
+def _launches(log):
+    """The recorded kernel launches, GEMMs and copies, with device pointers masked (scratch is allocated
+    anew where no Workspace keeps it), less what fills a cache (uploads, tiles, weight transforms)."""
+    out = []
+    for e in log:
+        if e[0] == "kernel":
+            out.append(("kernel", e[1], tuple(a[2:] if isinstance(a, tuple) and a[0] == "array" else a
+                                              for a in e[2]), e[3]))
+        elif e[0] == "gemm":
+            args = list(e[1:])
+            for i in (5, 6, 10, 14, 15):  # alpha, A, B, beta, C
+                args[i] = None
+            out.append(("gemm", *args))
+        elif e[0] not in ("upload", "tile", "contiguous"):
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", ["shifted", "pointwise", "strided", "depthwise", "residual"])
+def test_launches_the_same_from_cold_and_warm_caches(layout, dtype, case):
+    """conv2d on the stand-in: the first call (caches cold), a second and third (warm, in a Workspace)
+    and one after every cache is emptied record the same launches."""
+    dt = np.dtype(dtype)
+    c, k, kern, stride, groups = {"shifted": (64, 32, 3, 1, 1), "pointwise": (64, 32, 1, 1, 1),
+                                  "strided": (16, 32, 3, 2, 2), "depthwise": (16, 16, 3, 1, 16),
+                                  "residual": (64, 32, 3, 1, 1)}[case]
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+
+        def arr(shape):
+            if layout == "nchw":
+                return cupy.empty(shape, dtype=dt)
+            m = cupy.empty((shape[0], *shape[2:], shape[1]), dtype=dt)
+            return m.transpose(0, 3, 1, 2)
+        x, w = arr((4, c, 10, 10)), cupy.empty((k, c // groups, kern, kern), dtype=dt)
+        side = (10 + 2 * (kern // 2) - kern) // stride + 1
+        out = (4, k, side, side)
+        y, r = arr(out), arr(out) if case == "residual" else None
+        bias = np.linspace(-1, 1, k)
+        ws = direct_cache.Workspace()
+        runs = []
+        with cupy.cuda.Device(0), cupy.cuda.Stream(), cd.on_own_gpu():
+            for i in range(4):
+                if i == 3:
+                    direct_cache.clear()
+                    ws.release()
+                fake.log.clear()
+                with direct_cache.using(ws if i else None):
+                    dnn.conv2d(x, w, bias, stride, kern // 2, 1, groups, activation="relu", residual=r, out=y)
+                runs.append(_launches(fake.log))
+                if i == 0:
+                    assert any(e[0] == "upload" for e in fake.log)
+                if i == 2:
+                    assert not any(e[0] in ("upload", "tile", "contiguous") for e in fake.log)  # all kept
+        assert runs[0] and runs[0] == runs[1] == runs[2] == runs[3]
+        assert any(e[0] == ("kernel" if case == "depthwise" else "gemm") for e in runs[0])
