@@ -218,6 +218,24 @@ def test_fan_out_sums_gradients():
     _check(FanOut(), np.random.default_rng(6).standard_normal((2, 3, 5, 5)), np.float64)
 
 
+class Twice(nn.Module):
+    """A linear layer and a batch norm each called twice (shared weights: the gradients add up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(torch.tanh(self.bn(self.lin(x)))))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_module_called_twice_shares_its_parameters(dtype):
+    torch.manual_seed(10)
+    net = _check(Twice(), np.random.default_rng(10).standard_normal((5, 4)), dtype)
+    assert sorted(net.parameters()) == ["bn.bias", "bn.weight", "lin.bias", "lin.weight"]
+
+
 def test_a_network_built_in_code_names_parameters_by_node():
     rng = np.random.default_rng(9)
     b = dnn.graph.Builder((3, 4, 4))

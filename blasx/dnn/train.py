@@ -384,15 +384,19 @@ class Tape:
 
 
 def _weights(graph: Graph, x) -> dict:
-    """node -> {param: array in x's type on x's device}; on the host in float64 the graph's own arrays
-    (running statistics then update in place)."""
-    dt = np.dtype(x.dtype)
-    if not is_cupy(x):
-        return {n.name: {k: np.asarray(v, dtype=dt) for k, v in n.params.items()} for n in graph.nodes if n.params}
-    import cupy
-    with cupy.cuda.Device(x.device.id):
-        return {n.name: {k: cupy.asarray(v.astype(dt)) for k, v in n.params.items()}
-                for n in graph.nodes if n.params}
+    """node -> {param: array in x's type on x's device}, one per graph array (a module called twice shares
+    them); on the host in float64 the graph's own arrays (running statistics then update in place)."""
+    dt, made = np.dtype(x.dtype), {}
+
+    def cast(v):
+        if id(v) not in made:
+            made[id(v)] = cupy.asarray(v.astype(dt)) if is_cupy(x) else np.asarray(v, dtype=dt)
+        return made[id(v)]
+    cupy = None
+    if is_cupy(x):
+        import cupy
+    with _on_device(x):
+        return {n.name: {k: cast(v) for k, v in n.params.items()} for n in graph.nodes if n.params}
 
 
 def forward(graph: Graph, x, ctx: Context):
