@@ -213,6 +213,22 @@ class FanOut(nn.Module):
         return F.softmax(self.amax(z).flatten(1), dim=1)
 
 
+def test_functional_dropout_keeps_p_and_training():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.dropout(F.dropout(self.lin(x), 0.25, training=self.training), p=0.4, training=False)
+    net = dnn.from_torch(M().double().train(), (2, 4))
+    y = net.forward_train(np.ones((50, 4)))
+    (name, mask), = net.dropout_masks().items()  # the second reads through, as torch's
+    assert name == "dropout" and 0.5 < mask.mean() < 0.95
+    gx = net.backward(np.ones_like(y))
+    assert gx.shape == (50, 4)
+
+
 def test_fan_out_sums_gradients():
     torch.manual_seed(6)
     _check(FanOut(), np.random.default_rng(6).standard_normal((2, 3, 5, 5)), np.float64)
