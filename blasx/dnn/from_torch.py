@@ -1,6 +1,7 @@
 """blasx.dnn.from_torch: a torch.nn.Module traced with torch.fx into a :class:`blasx.dnn.Network` (the IR of
 graph.py), its weights copied as float64 numpy arrays. Inference semantics (eval mode): batch norm uses its
-running statistics, dropout reads through. torch is imported only here, when called.
+running statistics, dropout reads through; what training needs is kept too (a parameter node's module path,
+batch norm's momentum, dropout's p and mode). torch is imported only here, when called.
 
 Supported: the modules in ``_MODULES`` and the functions / methods in ``_FUNCTIONS`` / ``_METHODS``
 (torch.nn.functional forms and tensor methods of the same layers). Anything else raises one
@@ -43,7 +44,10 @@ def _module_table(nn):
     def bn(m):
         if m.running_mean is None:
             return None
-        return "batch_norm", {"eps": m.eps}, {"running_mean": _array(m.running_mean),
+        nbt = getattr(m, "num_batches_tracked", None)
+        return "batch_norm", {"eps": m.eps, "momentum": m.momentum,
+                              "num_batches_tracked": 0 if nbt is None else int(nbt)}, {
+                                  "running_mean": _array(m.running_mean),
                                                "running_var": _array(m.running_var),
                                                "weight": _array(m.weight), "bias": _array(m.bias)}
 
@@ -96,8 +100,10 @@ def _module_table(nn):
         table[getattr(nn, f"BatchNorm{nd}d")] = bn
         table[getattr(nn, f"MaxPool{nd}d")] = pool("max_pool", nd)
         table[getattr(nn, f"AvgPool{nd}d")] = pool("avg_pool", nd)
-    for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout):
-        table[cls] = lambda m: ("dropout", {}, {})
+    modes = {nn.Dropout: "element", nn.Dropout1d: "channel", nn.Dropout2d: "channel", nn.Dropout3d: "channel",
+             nn.AlphaDropout: "alpha"}
+    for cls, mode in modes.items():
+        table[cls] = (lambda md: lambda m: ("dropout", {"p": m.p, "mode": md}, {}))(mode)
     return table
 
 
@@ -133,7 +139,10 @@ def _function_table(torch):
         F.hardswish: act("hardswish"), F.hardsigmoid: act("hardsigmoid"),
         F.adaptive_avg_pool2d: lambda a, k: ("adaptive_avg_pool",
                                              {"output_size": _bind(a[1:], k, ["output_size"])["output_size"]}, {}),
-        F.dropout: lambda a, k: ("dropout", {}, {}), torch.flatten: lambda a, k: ("reshape", {}, {}),
+        F.dropout: lambda a, k: ("dropout", {"p": _bind(a[1:], k, ["p"]).get("p", 0.5), "mode": "element",
+                                             "training": _bind(a[1:], k, ["p", "training"]).get("training", True)},
+                                 {}),
+        torch.flatten: lambda a, k: ("reshape", {}, {}),
         F.softmax: lambda a, k: ("softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
         F.log_softmax: lambda a, k: ("log_softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
         F.local_response_norm: lambda a, k: ("lrn", _bind(a[1:], k, ["size", "alpha", "beta", "k"]), {}),
@@ -192,7 +201,7 @@ def from_torch(module, example_input_shape):
         module.train(was_training)
     modules = dict(gm.named_modules())
     mtable, ftable = _module_table(torch.nn), _function_table(torch)
-    nodes, bad, skipped, output, batch_axis = [], [], set(), None, 0
+    nodes, bad, skipped, output, batch_axis, shared = [], [], set(), None, 0, {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if nodes:
@@ -246,8 +255,13 @@ def from_torch(module, example_input_shape):
         if op in ("add", "cat") and len(ins) < 2:
             bad.append((n.name, f"{kind} with a non-tensor operand"))
             continue
-        nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs,
-                          {k: v for k, v in params.items() if v is not None}))
+        params = {k: v for k, v in params.items() if v is not None}
+        if n.op == "call_module" and params:  # torch's parameter names are "<module>.<name>" (training)
+            attrs = {**attrs, "module": n.target}
+            if n.target in shared:  # a module called twice: its nodes share the arrays
+                params = shared[n.target]
+            shared.setdefault(n.target, params)
+        nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs, params))
     if bad:
         raise UnsupportedError(bad)
     graph = Graph(nodes, output, batch_axis).validate()

@@ -211,6 +211,93 @@ class Network:
             lines.append(f"{n.name}: {n.op}({', '.join(n.inputs)}){extra}")
         return "\n".join(lines)
 
+    # ---------------------------------------------------------------- training (train.py)
+
+    #: the seed of forward_train's dropout masks (with the call's number and the node's position)
+    seed = 0
+
+    def _trainer(self):
+        from .train import Trainer
+        t = self.__dict__.get("_train")
+        if t is None:
+            t = self.__dict__["_train"] = Trainer()
+        return t
+
+    def forward_train(self, x, math: str | None = None):
+        """The output for the batch ``x`` in torch's train() mode, keeping what :meth:`backward` needs:
+        the graph as built (no folding or fusion), the whole batch at once on x's device (numpy: the host,
+        layers on the engine; CuPy: x's GPU), parameters cast to x's type; batch norm normalises with the
+        batch's statistics and updates the running ones (in the graph); dropout masks come from
+        :attr:`seed`. The compiled graph is dropped (its folded weights would be stale): compile() again
+        for fast inference."""
+        self._check_x(x)
+        math = precision.check_math(math if math is not None else self.math)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed: got {self.seed!r}; need an int >= 0")
+        y = self._trainer().forward(self.graph, x, self.seed, math)
+        self._weights_changed()
+        return y
+
+    def backward(self, grad_out):
+        """The gradient of the last :meth:`forward_train`'s input for ``grad_out`` (the output's gradient,
+        of its type, shape and dtype); parameter gradients are added into :attr:`grads` (as torch
+        accumulates; :meth:`zero_grad` clears them). Once per forward_train."""
+        from .train import param_table
+        return self._trainer().backward(grad_out, param_table(self.graph))
+
+    @property
+    def grads(self) -> dict:
+        """torch's parameter name -> its accumulated gradient (x's type, on x's device)."""
+        return self._trainer().grads
+
+    def zero_grad(self) -> None:
+        self._trainer().grads.clear()
+
+    def dropout_masks(self) -> dict:
+        """node name -> the boolean keep-mask the last forward_train's dropout used."""
+        return dict(self._trainer().masks)
+
+    def parameters(self) -> dict:
+        """torch's parameter name -> the network's float64 host array (live: changing it in place changes
+        the network; compile() again before inference)."""
+        from .train import param_table
+        by = self.graph.by_name()
+        return {k: by[locs[0][0]].params[locs[0][1]] for k, locs in param_table(self.graph).items()}
+
+    def buffers(self) -> dict:
+        """torch's name -> the float64 running statistics of each batch norm (live, as parameters())."""
+        from .train import param_table
+        by = self.graph.by_name()
+        return {k: by[locs[0][0]].params[locs[0][1]] for k, locs in param_table(self.graph, True).items()}
+
+    def set_parameters(self, values: dict) -> None:
+        """Parameters and buffers by torch's name set from ``values`` (numpy or CuPy arrays of their
+        shapes, any float type; all checked before any is written); the compiled graph is dropped."""
+        from .train import param_table
+        if not hasattr(values, "items"):
+            raise TypeError(f"values: expected a mapping name -> array, got {type(values).__name__}")
+        table = {**param_table(self.graph), **param_table(self.graph, True)}
+        by = self.graph.by_name()
+        unknown = [k for k in values if k not in table]
+        if unknown:
+            raise ValueError(f"values: unknown names {unknown[:5]}; known: {', '.join(list(table)[:8])}"
+                             f"{', ...' if len(table) > 8 else ''}")
+        for k, v in values.items():
+            want = by[table[k][0][0]].params[table[k][0][1]].shape
+            if tuple(getattr(v, "shape", ())) != want or getattr(v, "dtype", np.dtype(object)).kind not in "fiu":
+                raise ValueError(f"values[{k!r}]: expected a real array of shape {want}, got "
+                                 f"{type(v).__name__} of shape {getattr(v, 'shape', None)}")
+        for k, v in values.items():
+            for node, key in table[k]:
+                by[node].params[key][...] = v.get() if is_cupy(v) else v
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        self.compiled = None
+        with self._lock:
+            self._weights.clear()
+            self._workers.clear()
+
 
 def _to(v: np.ndarray, dtype, device):
     """A float64 parameter in ``dtype`` on ``device`` (None: the host)."""
