@@ -34,6 +34,8 @@ from blasx.runtime.knobs import Knobs
 
 from . import scaling_sim as S
 
+PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing mode) "
+              "with the 2x H200 cost model of bench.scaling_sim; no GPU was used.")
 #: host seconds per launch, serialised across GPUs (fitted to HGEMM 2048-tiles, see the module doc)
 ISSUE = 50e-6
 CALL_COSTS = (1e-3, 2e-3)  # extra per-call host seconds shown as a sensitivity
@@ -113,7 +115,7 @@ def with_call_cost(rows: list[dict], cost: float) -> dict:
 def markdown(report: dict, rows: list[dict], E) -> str:
     gpus = report["gpus"]
     md = [f"# Parallel efficiency of blasx GEMM, 2x H200 timing model ({report['date']} UTC)", "",
-          f"**{S.PREDICTION}**", "", "```", report["command"], "```", "",
+          f"**{PREDICTION}**", "", "```", report["command"], "```", "",
           f"- model: `bench.scaling_sim`'s 2x H200 model, host links at the fitted {S.FITTED_LINK / 1e9:g} GB/s "
           f"each way, DGEMM {S.MODEL.rate['d'] / 1e12:g} / SGEMM {S.MODEL.rate['s'] / 1e12:g} TFLOPS per GPU, "
           f"{S.MODEL.streams} streams; {report['issue'] * 1e6:g} us of host time per launch, launches of all GPUs "
@@ -168,7 +170,7 @@ def run(args, argv, E) -> int:
         sys.setswitchinterval(old)
     rows = E.summarize(records, args.gpus)
     knobs = run_knobs(args)
-    report = {"kind": "prediction", "statement": S.PREDICTION, "tag": args.tag, "date": date, "stamp": stamp,
+    report = {"kind": "prediction", "statement": PREDICTION, "tag": args.tag, "date": date, "stamp": stamp,
               "command": command_line("bench.efficiency", argv), "dtypes": args.dtypes, "sizes": args.n,
               "gpus": args.gpus, "runs": args.runs, "alpha": args.alpha, "beta": args.beta, "issue": args.issue,
               "call_cost": args.call_cost, "dilate": args.dilate, "knobs": vars(knobs),
