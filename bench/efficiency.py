@@ -154,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.efficiency", description=__doc__.split("\n\n")[0])
     add_common_options(p, n_default="4096:40960:4096", gpus_default="1,2", runs_default=2)
     p.add_argument("--warmup", type=int, default=1, help="untimed (but checked) calls per (g, N) first (default 1)")
+    m = p.add_argument_group("--model: a PREDICTION in the 2x H200 timing model (bench/efficiency_model.py)")
+    m.add_argument("--model", choices=["h200"], default=None, help="predict on data-free timing sims, no GPU")
+    m.add_argument("--issue", type=float, default=None, help="host seconds per launch, serialised (default 50e-6)")
+    m.add_argument("--call-cost", type=float, default=0.0, help="host seconds per call outside the engine (default 0)")
+    m.add_argument("--dilate", type=float, default=8.0, help="time dilation of the sims (default 8)")
+    m.add_argument("--small-n", default=None, metavar="G:L:P",
+                   help="small_n_tiles on, with granule G, least tile L, P tasks per stream (blasx.tile.SMALL_N)")
+    m.add_argument("--measured", default=None, help="a bench.efficiency JSON report to set beside the predictions")
     return p
 
 
@@ -164,6 +172,20 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         args.specs = {g: device_spec(args.backend, g, args.devices_spec) for g in args.gpus}
     except ArgError as e:
         p.error(str(e))
+    if getattr(args, "model", None):
+        from .efficiency_model import ISSUE
+        args.issue = ISSUE if args.issue is None else args.issue
+        if not (0 <= args.issue < 1e-2 and 0 <= args.call_cost < 1 and args.dilate >= 1):
+            p.error(f"--issue / --call-cost / --dilate: got {args.issue} / {args.call_cost} / {args.dilate}; "
+                    f"allowed: seconds from 0 to 0.01, seconds from 0 to 1, a dilation >= 1")
+        if args.small_n is not None:
+            try:
+                args.small_n = tuple(int(x) for x in args.small_n.split(":"))
+            except ValueError:
+                args.small_n = ()
+            if len(args.small_n) != 3 or min(args.small_n) < 1:
+                p.error(f"--small-n: got {args.small_n!r}; allowed: G:L:P, three ints >= 1, e.g. 512:2048:2")
+        args.tag = args.tag or f"{args.model}x{max(args.gpus)}"
     args.tag = args.tag or DEFAULT_TAG.get(args.backend) or gpu_tag(max(args.gpus))
     if hasattr(args, "dtypes"):  # double first: the float32 arrays are cast from its arrays
         args.dtypes = sorted(args.dtypes, key="ds".index)
@@ -514,6 +536,9 @@ def run_dtypes(args, report: dict, sweep, write) -> int:
 
 
 def run(args, argv) -> int:
+    if getattr(args, "model", None):
+        from . import efficiency_model
+        return efficiency_model.run(args, argv, sys.modules[__name__])
     return run_dtypes(args, new_report(args, argv, "bench.efficiency"), sweep_dtype, write_report)
 
 

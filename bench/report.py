@@ -285,7 +285,7 @@ READERS = [
            "in-core cuBLAS on one GPU (CuPy, operands already on the GPU) and numpy; every result checked."),
     Reader("Level 3 beside GEMM", "level3-*.json", read_level3,
            "`bench.level3`: every level-3 routine, blasx beside cuBLAS-XT, and its share of blasx's own GEMM rate."),
-    Reader("Parallel efficiency of GEMM", "efficiency-*.json", read_efficiency,
+    Reader("Parallel efficiency of GEMM", "efficiency-[!m]*.json", read_efficiency,  # not efficiency-model-*
            "`bench.efficiency`: T(1) / (g T(g)) per N."),
     Reader("Offload threshold", "offload-threshold-*.log", read_offload_threshold,
            "`bench.offload_threshold`: where blasx starts beating numpy on the same call."),

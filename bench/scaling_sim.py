@@ -53,6 +53,7 @@ import platform
 import shlex
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,9 +69,9 @@ from blasx.runtime.dtypes import BY_PREFIX
 from blasx.runtime.engine import Engine, EngineConfig
 from blasx.runtime.knobs import Knobs
 from blasx.runtime.stats import CallStats, DeviceInfo
-from blasx.runtime.plans import gemm_flops, plan_gemm
+from blasx.runtime.plans import choose_split, gemm_flops, plan_gemm
 from blasx.runtime.tiling import OP_N
-from blasx.tile import DEFAULT_TILE, MIN_TILE, _pow2_at_least, tiles_needed
+from blasx.tile import MIN_TILE, default_tile, tiles_needed
 
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing "
               "mode) with a cost model taken from the 2x H200 measurement; no 4- or 8-GPU machine was used.")
@@ -89,6 +90,7 @@ class Model:
     alpha: float = 1.5
     beta: float = 0.5
     issue: float = 25e-6  # host seconds per kernel/copy launch (see the module docstring)
+    serial_issue: bool = False  # launches of all GPUs take turns (one GIL), see submit_on_sims
 
 
 MODEL = Model(rate={"d": 59e12, "s": 51e12})
@@ -136,13 +138,14 @@ def cuda_heap_bytes(gpu_mem: float) -> int:
     return want - want % 512
 
 
-def cuda_tile(m: int, n: int, k: int, gpus: int, itemsize: int, heap: int, streams: int) -> int:
-    """``blasx.tile.choose_tile``'s default path for ``cuda`` devices (no perf-db entry)."""
-    floor = MIN_TILE["cuda"]
-    tile = min(DEFAULT_TILE["cuda"], max(floor, _pow2_at_least(max(m, n, k))))
-    while tile > floor and -(-m // tile) * -(-n // tile) < 2 * gpus:
-        tile //= 2
-    while tile > floor and tile * tile * itemsize * tiles_needed(streams) > heap:
+def cuda_tile(m: int, n: int, k: int, gpus: int, itemsize: int, heap: int, streams: int,
+              knobs: Knobs | None = None) -> int:
+    """``blasx.tile.choose_tile``'s default path for ``cuda`` devices (no perf-db entry), with
+    ``knobs`` (default ``$BLASX_KNOBS``)."""
+    knobs = Knobs.from_env() if knobs is None else knobs
+    tile = default_tile(m, n, k, "cuda", workers=gpus, streams=streams, split=knobs.split_k,
+                        small_n=knobs.small_n_tiles)
+    while tile > MIN_TILE["cuda"] and tile * tile * itemsize * tiles_needed(streams) > heap:
         tile //= 2
     return tile
 
@@ -205,11 +208,17 @@ def retried(run) -> dict:
     return r
 
 
-def submit_on_sims(spec: str, streams: int, make_call, knobs: Knobs | None = None) -> tuple[list, Call, float]:
+def submit_on_sims(spec: str, streams: int, make_call, knobs: Knobs | None = None,
+                   serial_issue: bool = False) -> tuple[list, Call, float]:
     """Build timing sims from ``spec`` and a fresh engine on them (``knobs``, default
     ``$BLASX_KNOBS``'), submit ``make_call(engine, devices)`` and shut the engine down; returns
-    (devices, call, seconds the submit took)."""
+    (devices, call, seconds the submit took). ``serial_issue``: the sims' launch costs take one
+    lock, as the real workers' launches take one GIL (else each worker sleeps its own)."""
     devs = build_sim_devices(parse_devices(spec), streams=streams, trace=True)
+    if serial_issue:
+        gil = threading.Lock()
+        for d in devs:
+            d._launch_cost = _serial_launch(d.model.issue_time(), gil)
     eng = Engine(EngineConfig(devices=devs, tile=None, streams=streams,
                               knobs=Knobs.from_env() if knobs is None else knobs))
     try:
@@ -222,17 +231,33 @@ def submit_on_sims(spec: str, streams: int, make_call, knobs: Knobs | None = Non
         eng.shutdown()
 
 
-def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
+def _serial_launch(seconds: float, lock):
+    def launch() -> None:
+        if seconds > 0:
+            with lock:
+                time.sleep(seconds)
+    return launch
+
+
+def run_one(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float,
+            tile: int | None = None, knobs: Knobs | None = None) -> dict:
     """``_run_once``, retried while the host disturbed it."""
-    return retried(lambda: _run_once(n, gpus, dt, model, beta, scenario, dilate))
+    return retried(lambda: _run_once(n, gpus, dt, model, beta, scenario, dilate, tile, knobs))
 
 
-def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float) -> dict:
-    """One simulated GEMM call on a fresh engine of ``gpus`` timing sims; times undilated."""
+def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: str, dilate: float,
+              tile: int | None = None, knobs: Knobs | None = None) -> dict:
+    """One simulated GEMM call on a fresh engine of ``gpus`` timing sims (``knobs``, default
+    ``$BLASX_KNOBS``; ``tile``, default the cuda rule's); times undilated."""
     dtype = BY_PREFIX[dt].dtype
     heap = cuda_heap_bytes(model.gpu_mem)
     spec = spec_for(gpus, dt, model, heap, dilate, scenario)
-    tile = cuda_tile(n, n, n, gpus, dtype.itemsize, heap, model.streams)
+    knobs = Knobs.from_env() if knobs is None else knobs
+    if tile is None:
+        tile = cuda_tile(n, n, n, gpus, dtype.itemsize, heap, model.streams, knobs)
+    if knobs.split_k and choose_split(n, n, n, tile, streams=[model.streams] * gpus, caches=[heap] * gpus,
+                                      itemsize=dtype.itemsize) > 1:
+        raise ValueError(f"N = {n}, tile {tile}: the engine would split k here, which this model does not plan")
 
     def make_call(eng, devs):
         ops = [Operand(None, n, n, n, (1 + i) << 44, -1,  # fake, distinct addresses: never dereferenced
@@ -244,7 +269,7 @@ def _run_once(n: int, gpus: int, dt: str, model: Model, beta: float, scenario: s
         call.tile = tile
         return call
 
-    devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call)
+    devs, call, sim_wall = submit_on_sims(spec, model.streams, make_call, knobs, model.serial_issue)
     stats = call.stats
     prof = stats.profile()
     summ = prof.summary()
@@ -409,7 +434,7 @@ def markdown(doc: dict) -> str:
                      f"GPUs get none. A worker takes up to `streams` ({doc['model']['streams']}) tasks into its "
                      f"station at once and starts them all, so the first {ntasks // doc['model']['streams']} "
                      f"workers to wake take every task and nothing is left to steal. `choose_tile` keeps "
-                     f"T = {tile} because it only asks for 2 tasks per device.")
+                     f"T = {tile}: its tile rule asks for fewer tasks per device than that.")
     hot = [p for p in doc["points"] if p["busy_inflation"] > MAX_INFLATION and not p.get("reused")]
     if hot:
         notes.append("Marked `*`: the run shown still had kernels over "
@@ -465,8 +490,8 @@ LIMITS = [
     "cost, and kernels of one GPU run one at a time (one compute engine, as with chained kernels).",
     "No engine start, host registration, CUDA context or first-call costs: a warm engine and already pinned "
     "operands, as in the best-of-3 measurement.",
-    "Square problems, one call at a time, one tile size (4096) as the cuda default would pick; a perf-db "
-    "tuned on the target machine could choose differently.",
+    "Square problems, one call at a time, the tile the cuda default rule picks (`blasx.tile.default_tile`); "
+    "a perf-db tuned on the target machine could choose differently.",
 ]
 
 

@@ -16,9 +16,14 @@ import numpy as np
 from . import perfdb
 from .runtime import dtypes
 from .runtime.plans.split import MIN_PART_TILES
+from .runtime.tiling import n_tiles
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
+#: kind -> (granule, least, per_stream) of ``Knobs.small_n_tiles``: tiles in multiples of the granule
+#: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
+#: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
+SMALL_N = {"cuda": (512, 2048, 2)}
 
 
 def tiles_needed(streams: int) -> int:
@@ -47,16 +52,46 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
             tile //= 2
         if _fits(streamed, tile, itemsize):
             return tile
-    tile = DEFAULT_TILE[kind]
-    tile = min(tile, max(floor, _pow2_at_least(max(m, n, k))))
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
-    split = eng.config.knobs.split_k
-    while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:
-        tile //= 2
+    knobs = eng.config.knobs
+    tile = default_tile(m, n, k, kind, workers=workers, streams=max(d.nstreams for d in streamed),
+                        split=knobs.split_k, small_n=knobs.small_n_tiles)
     while tile > floor and not _fits(streamed, tile, itemsize):
         tile //= 2
     _check_fits(streamed, tile, itemsize)
     return tile
+
+
+def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: int, split: bool,
+                 small_n: bool) -> int:
+    """The backend's default tile for an m x n x k call on ``workers`` devices of ``streams`` streams,
+    before the cache-fit check: DEFAULT_TILE, halved while the devices would get fewer than 2 tasks
+    each; with ``small_n`` (on a kind in SMALL_N), then :func:`small_n_tile` for SMALL_N's
+    per_stream x streams tasks per device."""
+    floor = MIN_TILE[kind]
+    tile = min(DEFAULT_TILE[kind], max(floor, _pow2_at_least(max(m, n, k))))
+    while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:
+        tile //= 2
+    if small_n and kind in SMALL_N:
+        granule, least, per_stream = SMALL_N[kind]
+        tile = small_n_tile(m, n, k, tile, per_stream * streams * workers, granule, least, split)
+    return tile
+
+
+def small_n_tile(m: int, n: int, k: int, tile: int, target: int, granule: int, least: int,
+                 split: bool = False) -> int:
+    """``tile``, or, where it gives fewer than ``target`` tasks, the largest multiple of ``granule``
+    from ``least`` up that gives them (else ``least``), evened out: the smallest multiple of
+    ``granule`` with the same C grid, so no thin last row or column of tiles. Small calls then fill
+    and drain every stream in small pieces."""
+    if tile <= least or _tasks(m, n, k, tile, split) >= target:
+        return tile
+    t = tile - tile % granule
+    while t > least and _tasks(m, n, k, t, split) < target:
+        t -= granule
+    t = max(t, least)
+    even = max(-(-m // n_tiles(m, t)), -(-n // n_tiles(n, t)))
+    return min(t, -(-even // granule) * granule)
 
 
 def _tasks(m: int, n: int, k: int, tile: int, split: bool) -> int:

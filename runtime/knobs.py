@@ -31,6 +31,11 @@ class Knobs:
     #: Split-k for GEMMs whose C has fewer tiles than the devices have streams and whose k is long
     #: (``plans.choose_split``): partial sums over k ranges, reduced in a fixed order. Off: one task per C tile.
     split_k: bool = True
+    #: Tiles for small calls (``blasx.tile.small_n_tile``): where the default tile gives a GPU fewer
+    #: than 2 x streams tasks, the largest multiple of 512 (down to 2048) that does, evened out over
+    #: C. Off (default until a GPU A/B decides; only the timing model has seen it win): the default tile
+    #: alone (power-of-two halving while a device gets fewer than 2 tasks).
+    small_n_tiles: bool = False
     #: A GPU starts another task only while its committed, unrun kernels add up to less than this
     #: many full tile steps (2 T^3 flops, 8 T^3 complex), besides the cap of 2 x streams tasks in
     #: flight; this bounds the tail imbalance. 0 (default): the cap alone.

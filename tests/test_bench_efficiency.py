@@ -286,3 +286,33 @@ def test_blasx_gemm_on_contiguous_layout_on_sim():
     assert L.rel_err(c, 1.5 * A @ B + 0.5 * C) < 1e-14
     tail = before["c"].ravel(order="F")[40 * 40:]
     assert np.array_equal(arrs["c"].ravel(order="F")[40 * 40:], tail)   # beyond the N x N array: untouched
+
+
+# --------------------------------------------------------------------------- --model h200 (a prediction)
+
+def test_model_prediction_writes_a_labelled_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLASX_KNOBS", "small_n_tiles=1")
+    measured = tmp_path / "measured.json"
+    measured.write_text(json.dumps({"summary": [{"dtype": "s", "n": 8192, "per_g": {
+        "1": {"best": 0.04, "efficiency": 1.0}, "2": {"best": 0.03, "efficiency": 0.667}}}]}))
+    out = tmp_path / "out"
+    assert E.main(["--model", "h200", "--n", "8192", "--dtypes", "s", "--gpus", "1,2", "--runs", "1",
+                   "--dilate", "1", "--issue", "0", "--measured", str(measured), "--out", str(out)]) == 0
+    files = sorted(os.listdir(out))
+    assert len(files) == 2 and files[0].startswith("efficiency-model-h200x2-") and files[0].endswith(".json")
+    data = json.load(open(out / files[0]))
+    assert data["kind"] == "prediction" and "PREDICTION" in data["statement"]
+    assert data["knobs"]["small_n_tiles"] is True
+    assert {(r["gpus"], r["tile"]) for r in data["records"]} == {(1, 3072), (2, 2048)}
+    assert [sum(r["tasks"]) for r in data["records"]] == [9, 16]
+    md = open(out / files[1]).read()
+    assert "PREDICTION, NOT A MEASUREMENT" in md and "| s | 8192 |" in md and "0.667" in md
+
+
+def test_model_small_n_rule_and_option_errors(capsys):
+    args = E.parse_args(["--model", "h200", "--small-n", "256:1024:1"])
+    assert args.small_n == (256, 1024, 1) and args.tag == "h200x2" and args.issue > 0
+    for bad in (["--small-n", "512:2048"], ["--small-n", "a:b:c"], ["--issue", "1"], ["--dilate", "0.5"]):
+        with pytest.raises(SystemExit):
+            E.parse_args(["--model", "h200", *bad])
+        assert "allowed" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""The default tile rule (``blasx.tile.default_tile``, ``small_n_tile``) by exact value, and the
+``small_n_tiles`` knob: small calls on CUDA get 2 x streams tasks per GPU, large ones keep 4096."""
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx.runtime.knobs import Knobs
+from blasx.tile import SMALL_N, choose_tile, default_tile, small_n_tile
+
+
+def cuda_tile(n, workers, small_n=True, m=None, k=None):
+    m = n if m is None else m
+    return default_tile(m, n, n if k is None else k, "cuda", workers=workers, streams=4, split=True, small_n=small_n)
+
+
+@pytest.mark.parametrize("n, workers, old, new", [
+    (4096, 1, 2048, 2048), (4096, 2, 2048, 2048),      # already at the least tile
+    (8192, 1, 4096, 3072), (8192, 2, 4096, 2048),      # 4 tiles -> 3 x 3 / 4 x 4 even tiles
+    (12288, 1, 4096, 4096), (12288, 2, 4096, 3072),    # 9 tiles are enough for one GPU, not for two
+    (16384, 1, 4096, 4096), (16384, 2, 4096, 4096), (40960, 2, 4096, 4096),  # large calls: unchanged
+    (16384, 8, 4096, 3072),
+])
+def test_square_calls(n, workers, old, new):
+    assert cuda_tile(n, workers, small_n=False) == old
+    assert cuda_tile(n, workers) == new
+
+
+def test_small_n_tile_exact():
+    assert small_n_tile(10000, 10000, 10000, 4096, 16, 512, 2048) == 2560  # 4 x 4 grid, evened from 3072
+    assert small_n_tile(5000, 3000, 4000, 4096, 8, 512, 2048) == 2048  # none reaches 8: the least tile
+    assert small_n_tile(4096, 4096, 4096, 2048, 16, 512, 2048) == 2048  # at the least tile already
+    assert small_n_tile(8192, 8192, 8192, 4096, 4, 512, 2048) == 4096  # enough tasks: unchanged
+    assert small_n_tile(8192, 8192, 8192, 4096, 16, 256, 1024) == 2048
+    assert small_n_tile(6000, 6000, 6000, 4096, 9, 512, 1024) == 2048  # 3 x 3 of 2000, rounded up to 512
+
+
+def test_a_long_k_keeps_its_tile_for_split_k():
+    # X^T X: few C tiles, split-k's partial sums give the tasks; a smaller tile would only add k-steps
+    assert cuda_tile(1024, 2, k=2 * 10 ** 6) == 4096
+    assert cuda_tile(8192, 2, k=512) == 2048  # a short k: C tiles only
+
+
+def test_only_kinds_with_a_rule_change():
+    assert "sim" not in SMALL_N and "cpu" not in SMALL_N
+    for n in (100, 1000, 5000):
+        assert (default_tile(n, n, n, "sim", workers=2, streams=4, split=True, small_n=True)
+                == default_tile(n, n, n, "sim", workers=2, streams=4, split=True, small_n=False))
+
+
+def test_knob_parses_and_choose_tile_uses_the_rule_on_sims(monkeypatch, rand, rel_err):
+    assert Knobs().small_n_tiles is False  # off until a GPU A/B says otherwise
+    assert Knobs.from_env("small_n_tiles=1").small_n_tiles is True
+    # give the sim kind a rule for this test: choose_tile then follows it, and results stay right
+    monkeypatch.setitem(SMALL_N, "sim", (16, 32, 2))
+    blasx.configure(devices="sim:2", streams=2)
+    try:
+        eng = blasx.engine()
+        eng.config.knobs = Knobs.from_env("small_n_tiles=1")
+        assert choose_tile(eng, 256, 256, 256, np.float64) == 96  # 3 x 3 tiles >= 2 x 2 streams x 2 GPUs
+        eng.config.knobs = Knobs.from_env("small_n_tiles=0")
+        assert choose_tile(eng, 256, 256, 256, np.float64) == 128
+        eng.config.knobs = Knobs.from_env("small_n_tiles=1")
+        a, b = rand((256, 256)), rand((256, 256), seed=1)
+        assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    finally:
+        blasx.shutdown()
