@@ -291,9 +291,12 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
 
 # ---------------------------------------------------------------- group_norm
 
-def _groups(x, num_groups) -> int:
+def _groups(x, num_groups, forward: bool = False) -> int:
     _input(x, 2, "(N, C, *)")
     g = check_count("num_groups", num_groups)
+    if forward and x.shape[0] * x.shape[1] // g * math.prod(x.shape[2:]) == 1:  # F.group_norm's check, first
+        raise ValueError(f"input: expected more than 1 value per channel when training (N * C // num_groups "
+                         f"* spatial size must not be 1), got shape {tuple(x.shape)} with num_groups={g}")
     if x.shape[1] % g:
         raise ValueError(f"num_groups: input's {x.shape[1]} channels (shape {tuple(x.shape)}) are not divisible "
                          f"by num_groups={g}")
@@ -314,7 +317,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, return_st
     the (N, num_groups) statistics, compute type, for :func:`group_norm_backward`.
     """
     x = input
-    g = _groups(x, num_groups)
+    g = _groups(x, num_groups, forward=True)
     n, c = x.shape[:2]
     _params(np.dtype(x.dtype), weight=(weight, (c,)), bias=(bias, (c,)))
     xp = xp_of(x, weight, bias, out)
