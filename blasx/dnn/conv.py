@@ -242,6 +242,11 @@ def linear(x, weight, bias=None, *, activation=None, math=None):
         raise ValueError(f"linear: x must be at least 1-D and weight 2-D, got shapes {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
     lead = x.shape[:-1]
+    if weight.shape[0] == 0:  # no outputs (a convolution takes none)
+        return _xp(x, weight).empty((*lead, 0), dtype=x.dtype)
+    if x.shape[-1] == 0:  # an empty sum: one zero input feature gives torch's result (bias, activation)
+        xp = _xp(x, weight)
+        x, weight = xp.zeros((*lead, 1), dtype=x.dtype), xp.zeros((weight.shape[0], 1), dtype=weight.dtype)
     x2 = x.reshape(-1, x.shape[-1])[:, :, None]
     y = conv1d(x2, weight[:, :, None], bias, activation=activation, math=math)
     return y[:, :, 0].reshape(*lead, weight.shape[0])

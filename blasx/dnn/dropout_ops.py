@@ -39,7 +39,7 @@ def _mask(xp, shape, p: float, seed):
         u = np.random.default_rng(seed).random(shape, dtype=np.float32)
     else:
         u = xp.random.RandomState(seed).random_sample(shape, dtype=np.float32)
-    return u >= np.float32(p)
+    return xp.asarray(u >= np.float32(p))  # an array for 0-d input too (numpy compares to a scalar)
 
 
 _KERNEL = {}  # compute type -> its kernel

@@ -86,9 +86,19 @@ def _shapes(fn: str, nd: int, x, weight):
     return shape, tuple(weight.shape)
 
 
+def _channels(c: int, k: int, x, weight) -> None:
+    """x has input channels and weight output channels (as torch requires; an empty sum would leave the
+    output unwritten)."""
+    if c == 0:
+        raise ValueError(f"x: expected at least 1 channel, got x.shape={tuple(x.shape)}")
+    if k == 0:
+        raise ValueError(f"weight: expected at least 1 output channel, got weight.shape={tuple(weight.shape)}")
+
+
 def conv_geometry(fn: str, nd: int, x, weight, stride, padding, dilation, groups) -> ConvGeometry:
     """The geometry of conv{nd}d(x, weight, ...) after torch's checks (x may be unbatched)."""
     (n, c, *size), (k, cg, *kernel) = _shapes(fn, nd, x, weight)
+    _channels(c, weight.shape[0], x, weight)
     groups = check_count("groups", groups)
     stride = ints("stride", stride, nd, 1)
     dilation = ints("dilation", dilation, nd, 1)
@@ -119,6 +129,7 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
     zero-inserted by the stride, with the flipped, transposed kernel (stride 1). ``output_size``
     (backward-data's input size) sets output_padding instead."""
     (n, c, *size), (cw, kg, *kernel) = _shapes(fn, nd, x, weight)
+    _channels(c, weight.shape[1], x, weight)
     groups = check_count("groups", groups)
     stride = ints("stride", stride, nd, 1)
     dilation = ints("dilation", dilation, nd, 1)

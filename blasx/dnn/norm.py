@@ -105,7 +105,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     training=True normalises with the batch's mean and biased variance and, where running_mean/var are given
     (both or neither), updates them in place as torch does: ``r = (1 - f) * r + f * stat`` with the unbiased
     variance and ``f = momentum``. ``num_batches_tracked`` (keyword-only; a one-element integer array like
-    torch's BatchNorm buffer) is incremented in place on every such update, and momentum=None then means
+    torch's BatchNorm buffer) is incremented in place on every training call with them (an empty batch too,
+    which updates nothing, as torch's BatchNorm), and momentum=None then means
     torch's cumulative average ``f = 1 / num_batches_tracked``; momentum=None without it is an error.
     training=False normalises with the running statistics (required).
 
@@ -151,9 +152,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if training:
             mean, sqdev = _moments(k, x, axes, max(count, 1))
             invstd = 1.0 / xp.sqrt(sqdev / max(count, 1) + eps)
+            if running_mean is not None and num_batches_tracked is not None:
+                num_batches_tracked += 1  # as torch's BatchNorm: on every training call, an empty batch too
             if updating:
-                if num_batches_tracked is not None:
-                    num_batches_tracked += 1
                 f = momentum if momentum is not None else 1.0 / num_batches_tracked.astype(compute_dtype(xdt))
                 f = f.reshape(()) if not isinstance(f, float) else f
                 store(running_mean, f * mean.reshape(c) + (1 - f) * to_compute(running_mean))
@@ -291,9 +292,12 @@ def layer_norm_backward(grad_output, input, normalized_shape, weight, mean, rstd
 
 # ---------------------------------------------------------------- group_norm
 
-def _groups(x, num_groups) -> int:
+def _groups(x, num_groups, forward: bool = False) -> int:
     _input(x, 2, "(N, C, *)")
     g = check_count("num_groups", num_groups)
+    if forward and x.shape[0] * x.shape[1] // g * math.prod(x.shape[2:]) == 1:  # F.group_norm's check, first
+        raise ValueError(f"input: expected more than 1 value per channel when training (N * C // num_groups "
+                         f"* spatial size must not be 1), got shape {tuple(x.shape)} with num_groups={g}")
     if x.shape[1] % g:
         raise ValueError(f"num_groups: input's {x.shape[1]} channels (shape {tuple(x.shape)}) are not divisible "
                          f"by num_groups={g}")
@@ -314,7 +318,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, return_st
     the (N, num_groups) statistics, compute type, for :func:`group_norm_backward`.
     """
     x = input
-    g = _groups(x, num_groups)
+    g = _groups(x, num_groups, forward=True)
     n, c = x.shape[:2]
     _params(np.dtype(x.dtype), weight=(weight, (c,)), bias=(bias, (c,)))
     xp = xp_of(x, weight, bias, out)

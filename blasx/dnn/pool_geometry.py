@@ -90,6 +90,8 @@ def window(fn: str, nd: int, size, reduce: str, kernel_size, stride, padding, di
     count_include_pad = check_flag("count_include_pad", count_include_pad)
     if divisor_override is not None and (not is_int(divisor_override) or divisor_override == 0):
         raise ValueError(f"{fn}: divisor_override must be None or a non-zero int, got {divisor_override!r}")
+    if reduce == "avg" and len(size) == 3 and any(s < k for s, k in zip(size, kernel)):  # torch's, 3-D avg only
+        raise ValueError(f"{fn}: input size {tuple(size)} is smaller than kernel_size {kernel} (padding aside)")
     if any(p > k // 2 for p, k in zip(pads, kernel)):
         raise ValueError(f"{fn}: padding {padding!r} must be at most half the kernel size (kernel_size={kernel})")
     out = tuple(out_len(*a, ceil_mode) for a in zip(size, kernel, strides, pads, dils))
