@@ -12,6 +12,8 @@ which converts, checks and raises.
 
 from __future__ import annotations
 
+from threading import get_ident
+
 import numpy as np
 
 from . import dispatch, session
@@ -24,7 +26,22 @@ _may_share = np.may_share_memory
 _FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
 _REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
 _NUMBERS = _REALS | {complex, np.complex128, np.complex64}
-GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm goes through numpy's matmul, letting other threads run
+GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm may go through numpy's matmul, letting other threads run
+SHARED_SECONDS = 1.0  # a thread whose last large gemm is older than this no longer counts as a caller
+_callers: dict = {}  # thread ident -> clock of its last large plain gemm
+
+
+def _shared(now: float) -> bool:
+    """Whether other threads call large gemms too (one did within SHARED_SECONDS). Only then is numpy's
+    matmul worth its cost: it releases the GIL (scipy's wrapper holds it) but its BLAS build runs a few
+    percent slower than scipy's, which a single-threaded caller would pay for nothing."""
+    _callers[get_ident()] = now
+    if len(_callers) < 2:
+        return False
+    for ident, t in list(_callers.items()):
+        if now - t > SHARED_SECONDS:
+            _callers.pop(ident, None)
+    return len(_callers) > 1
 
 
 def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
@@ -73,7 +90,8 @@ def make(routine: str, dtype: np.dtype):
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
             t0 = clock()
-            if c is None and alpha == 1 and m * n * k >= GIL_FREE_SIZE and trans_a < 2 and trans_b < 2:
+            if (c is None and alpha == 1 and m * n * k >= GIL_FREE_SIZE and trans_a < 2 and trans_b < 2
+                    and _shared(t0)):
                 # numpy's matmul calls the same BLAS gemm without holding the GIL (scipy's wrapper holds it)
                 res = np.empty((m, n), dtype, order="F")
                 np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=res)

@@ -82,3 +82,31 @@ def test_non_plain_calls_take_the_full_path():
         B.dgemm(1.0, a, a, 0.0, a, overwrite_c=1)
     blasx.shutdown()
     assert gemm(1.0, a, a) is shortcut.NO  # no engine yet: the full path starts it
+
+
+def test_large_plain_gemm_releases_the_gil_only_when_threads_share_it(monkeypatch):
+    """One calling thread: scipy's own routine (its BLAS build is the peer's); several threads calling
+    large gemms: numpy's matmul, which releases the GIL so that their calls overlap."""
+    import threading
+
+    calls = []
+    real = np.matmul
+
+    def spy(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(np, "matmul", spy)
+    monkeypatch.setattr(shortcut, "_callers", {})
+    rng = np.random.default_rng(0)
+    a, b = np.asfortranarray(rng.random((160, 150))), np.asfortranarray(rng.random((150, 140)))
+    ref = a @ b  # (the spy records this one: cleared below)
+    calls.clear()
+    c = blasx.dgemm(1.0, a, b)
+    assert not calls and np.allclose(c, ref, rtol=1e-13)
+    shortcut._callers[-1] = shortcut.clock()  # another thread's large gemm just now
+    c = blasx.dgemm(1.0, a, b)
+    assert calls == [threading.get_ident()] and np.allclose(c, ref, rtol=1e-13)
+    shortcut._callers[-1] -= 2 * shortcut.SHARED_SECONDS  # long ago: it no longer counts
+    calls.clear()
+    blasx.dgemm(1.0, a, b)
+    assert not calls and -1 not in shortcut._callers
