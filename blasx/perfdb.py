@@ -330,19 +330,7 @@ class PerfDb:
 
         row = (key, device, direction, form, json.dumps(results),
                datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
-        conn = self._write()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            self._ensure_schema(conn)
-            conn.execute(f"INSERT OR REPLACE INTO conv_entries ({_CONV_COLS}) VALUES (?,?,?,?,?,?,?)", row)
-            conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            _rollback(conn)
-            raise PerfDbError(f"perf-db {self.path}: could not store {key}: {e} "
-                              f"(`blasx tune --clear` resets a damaged file)") from e
-        finally:
-            conn.close()
-        _bump()
+        self._insert(f"INSERT OR REPLACE INTO conv_entries ({_CONV_COLS}) VALUES (?,?,?,?,?,?,?)", row, key)
 
     def store(self, key: PerfKey, tile: int, results: dict[int, float]) -> None:
         """Record ``tile`` as the best for ``key``, with the TFLOPS measured for every candidate
@@ -365,15 +353,19 @@ class PerfDb:
 
         row = (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile), json.dumps(clean),
                datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
+        self._insert(f"INSERT OR REPLACE INTO entries ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", row, key.text)
+
+    def _insert(self, sql: str, row: tuple, what: str) -> None:
+        """One row written in its own transaction (PerfDbError naming ``what`` when the file refuses it)."""
         conn = self._write()
         try:
             conn.execute("BEGIN IMMEDIATE")
             self._ensure_schema(conn)
-            conn.execute(f"INSERT OR REPLACE INTO entries ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", row)
+            conn.execute(sql, row)
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             _rollback(conn)
-            raise PerfDbError(f"perf-db {self.path}: could not store {key.text}: {e} "
+            raise PerfDbError(f"perf-db {self.path}: could not store {what}: {e} "
                               f"(`blasx tune --clear` resets a damaged file)") from e
         finally:
             conn.close()
