@@ -1,5 +1,5 @@
 """bench.network on the CPU: argument checks, and a smoke run on sims with torch on the CPU as the peer
-(tiny ResNet-50 / MobileNet-v2 shapes; skipped until the pooling and norm primitives are merged)."""
+(tiny ResNet-50 / MobileNet-v2 shapes)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import network as N  # noqa: E402
-from blasx import dnn  # noqa: E402
 
 SMALL = ["--devices", "sim:2", "--batch", "3", "--shrink", "16", "--size", "32", "--reps", "1", "--warmup", "0",
          "--quiet", "--chunk", "2"]
@@ -34,8 +33,6 @@ def test_help_mentions_the_smoke_run(capsys):
     assert "--devices sim:2" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not all(hasattr(dnn, n) for n in ("batch_norm", "max_pool2d", "adaptive_avg_pool2d")),
-                    reason="primitive not merged yet")
 def test_smoke_run_on_sims_checks_every_output(tmp_path):
     rc = N.main([*SMALL, "--modes", "fp32", "--out", str(tmp_path)])
     data = json.loads(open(glob.glob(str(tmp_path / "network-*.json"))[0]).read())

@@ -4,7 +4,6 @@ blasx.dnn are skipped until it is."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
@@ -220,22 +219,9 @@ def test_errors_are_raised_before_work_and_the_network_stays_usable(monkeypatch)
     assert _rel(net(_x(4), chunk=1), plain_ref) < 1e-12
 
 
-def test_missing_primitive_names_the_node():
-    blasx.configure(devices="cpu")
-    net = dnn.from_torch(nn.Sequential(nn.Conv2d(3, 3, 1), nn.Hardsigmoid()).eval(), (1, 3, 4, 4))
-    if hasattr(dnn, "hardsigmoid"):
-        pytest.skip("hardsigmoid is merged")
-    with pytest.raises(NotImplementedError, match="node '_1' .*hardsigmoid"):
-        net.compile()(np.zeros((1, 3, 4, 4)))
 
 
-# ---------------------------------------------------------------- once the primitives are merged
 
-needs = lambda *names: pytest.mark.skipif(not all(hasattr(dnn, n) for n in names),  # noqa: E731
-                                          reason="primitive not merged yet")
-
-
-@needs("batch_norm", "max_pool2d", "adaptive_avg_pool2d")
 @pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
 def test_bench_models_tiny_compiled_vs_uncompiled(name):
     from bench import network_models as NM
@@ -249,7 +235,6 @@ def test_bench_models_tiny_compiled_vs_uncompiled(name):
     assert not any(n.op == "batch_norm" for n in net.nodes)
 
 
-@needs("batch_norm", "max_pool2d", "adaptive_avg_pool2d", "hardswish", "relu6")
 def test_mobilenet_style_hardswish_relu6_depthwise():
     blasx.configure(devices="sim:2", tile=16)
     m = _bn_stats(nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.Hardswish(),
@@ -260,7 +245,6 @@ def test_mobilenet_style_hardswish_relu6_depthwise():
         assert _rel(dnn.from_torch(m, (1, 3, 8, 8)).compile(fuse=fuse)(x), _torch64(m, x)) < 1e-10
 
 
-@needs("local_response_norm", "max_pool2d", "relu")
 def test_vgg_style_with_lrn():
     blasx.configure(devices="sim:2", tile=16)
     torch.manual_seed(0)

@@ -92,7 +92,7 @@ def test_fuse_add_into_the_later_conv_and_move_it():
     assert [(n.name, n.inputs) for n in fused.nodes] == [("x", ()), ("t", ("x",)), ("a", ("x", "t"))]
 
 
-@pytest.mark.parametrize("case", ["broadcast", "two_users", "hardsigmoid", "act_then_add"])
+@pytest.mark.parametrize("case", ["broadcast", "two_users", "softmax", "act_then_add"])
 def test_no_fusion(case):
     b = Builder((2, 4, 4))
     c = b.conv(b.x, _w(2, 2, 1, 1), name="c")
@@ -101,8 +101,8 @@ def test_no_fusion(case):
         out = b.add(c, pooled)
     elif case == "two_users":
         out = b.add(b.act(c, "relu"), c)
-    elif case == "hardsigmoid":
-        out = b.act(c, "hardsigmoid")
+    elif case == "softmax":  # no epilogue activation
+        out = b.layer("softmax", c, dim=1)
     else:
         out = b.add(b.act(b.conv(b.x, _w(2, 2, 1, 1), name="d"), "relu"), c)
     g = b.network(out).graph
@@ -196,3 +196,16 @@ def test_plan_buffers_fuzz(seed):
     plan = passes.plan_buffers(g, shapes)
     _check_plan(g, plan, {k: v for k, v in shapes.items() if v is not None})
     assert "x" not in plan.buffer and not any(n.op == "lstm" and n.name in plan.buffer for n in nodes)
+
+
+@pytest.mark.parametrize("fn, kwargs, form", [
+    ("relu", {}, "relu"), ("hardsigmoid", {}, "hardsigmoid"), ("hardswish", {"inplace": True}, "hardswish"),
+    ("leaky_relu", {"negative_slope": 0.2}, ("leaky_relu", 0.2)), ("elu", {}, ("elu", 1.0)),
+    ("gelu", {"approximate": "tanh"}, "gelu_tanh"), ("gelu", {}, "gelu")])
+def test_every_activation_of_the_epilogue_table_fuses(fn, kwargs, form):
+    """The fusable activations are the epilogue table's (runtime/activations.py), with torch's parameters."""
+    b = Builder((2, 4, 4))
+    out = b.act(b.conv(b.x, _w(2, 2, 1, 1), name="c"), fn, **kwargs)
+    g = b.network(out).graph
+    fused = passes.fuse_epilogues(g, infer_shapes(g, (1, 2, 4, 4)))
+    assert [n.name for n in fused.nodes] == ["x", "c"] and fused.by_name()["c"].attrs["activation"] == form

@@ -14,8 +14,6 @@ torch = pytest.importorskip("torch")
 NGPU = blasx.session._cuda_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
 nn, F = torch.nn, torch.nn.functional
-needs = lambda *names: pytest.mark.skipif(not all(hasattr(dnn, n) for n in names),  # noqa: E731
-                                          reason="primitive not merged yet")
 TOL = {np.float32: 1e-4, np.float16: 2e-2}
 
 
@@ -99,7 +97,6 @@ def test_worker_error_is_raised_and_the_network_stays_usable(monkeypatch):
     assert _rel(net(x, chunk=2), _ref(m, x)) < 1e-4
 
 
-@needs("batch_norm", "max_pool2d", "adaptive_avg_pool2d", "relu", "relu6")
 @pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
 def test_bench_models_compiled_vs_uncompiled(name):
     from bench import network_models as NM

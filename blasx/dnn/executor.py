@@ -193,7 +193,7 @@ class Worker:
         marks = [self._mark(0)]  # mark i: the end of node i - 1 and the start of node i
         for i, node in enumerate(nodes, 1):
             values[node.name] = layers.run_node(node, [values[n] for n in node.inputs], self.weights.get(node.name, {}),
-                                                outs[node.name], self.math, self.xp)
+                                                outs[node.name], self.math)
             marks.append(self._mark(i))
             for n in last.get(i, ()):
                 if n != graph.output:

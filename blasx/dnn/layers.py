@@ -1,24 +1,16 @@
 """How each node kind of the network IR runs on numpy or CuPy arrays: :func:`run_node` calls the blasx.dnn
 function the kind names (graph.FUNCTIONS), looked up on the blasx.dnn module at call time, with the
 node's attributes, its weights (already in the run's type and on the arrays' device) and ``out=`` (a
-buffer of the plan, or None). Views (reshape, getitem, dropout, identity) are done here; add, cat and
-the activations have array-expression stand-ins for numpy until blasx.dnn has them."""
+buffer of the plan, or None). Views (reshape, getitem, dropout, identity) are done here."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from .activations import reference
 from .graph import Node, function_name
 
 
 def _dnn():
     from .. import dnn
     return dnn
-
-
-def _missing(node: Node, fn: str) -> NotImplementedError:
-    return NotImplementedError(f"node {node.name!r} ({node.op}): blasx.dnn.{fn} is not available in this build")
 
 
 def _linear(dnn, node: Node, args, w, out, math):
@@ -34,20 +26,9 @@ def _linear(dnn, node: Node, args, w, out, math):
     return out if out is not None else y[:, :, 0].reshape(*lead, k)
 
 
-def _act(dnn, node: Node, x, out, xp):
-    fn = node.attrs["fn"]
+def _act(dnn, node: Node, x, out):
     kwargs = {k: v for k, v in node.attrs.get("kwargs", {}).items() if k != "inplace"}
-    f = getattr(dnn, fn, None)
-    if f is not None:
-        return f(x, **kwargs, out=out)
-    if xp is not np or fn == "hardsigmoid":
-        raise _missing(node, fn)
-    pname = {"leaky_relu": "negative_slope", "elu": "alpha", "gelu": "approximate"}.get(fn)
-    y = reference(x, (fn, kwargs[pname]) if pname in kwargs else fn)
-    if out is None:
-        return y
-    out[...] = y
-    return out
+    return getattr(dnn, node.attrs["fn"])(x, **kwargs, out=out)
 
 
 _POOL_ARGS = {"max_pool": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
@@ -55,7 +36,7 @@ _POOL_ARGS = {"max_pool": ("kernel_size", "stride", "padding", "dilation", "ceil
 _DEFAULTS = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "count_include_pad": True}
 
 
-def run_node(node: Node, args: list, w: dict, out, math, xp):
+def run_node(node: Node, args: list, w: dict, out, math):
     """The output of ``node`` on the values ``args`` of its inputs (written into ``out`` where given)."""
     op, a = node.op, node.attrs
     if op in ("dropout", "identity"):
@@ -68,15 +49,8 @@ def run_node(node: Node, args: list, w: dict, out, math, xp):
     if op == "linear":
         return _linear(dnn, node, args, w, out, math)
     if op == "act":
-        return _act(dnn, node, args[0], out, xp)
-    if op == "add" and not hasattr(dnn, "add"):
-        return xp.add(args[0], args[1], out=out)
-    if op == "cat" and not hasattr(dnn, "cat"):
-        return xp.concatenate(args, axis=a.get("dim", 0), out=out)
-    fname = function_name(node)
-    f = getattr(dnn, fname, None)
-    if f is None:
-        raise _missing(node, fname)
+        return _act(dnn, node, args[0], out)
+    f = getattr(dnn, function_name(node))
     if op == "conv":
         return f(args[0], w["weight"], w.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
                  a.get("groups", 1), activation=a.get("activation"),

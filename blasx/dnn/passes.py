@@ -17,11 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..runtime.activations import parse_activation
 from .graph import ALIASES, Graph, Node
 
-#: act nodes that fuse as an epilogue activation: fn -> (torch's parameter name or None, its default)
-_FUSABLE = {"relu": None, "relu6": None, "leaky_relu": ("negative_slope", 0.01), "elu": ("alpha", 1.0),
-            "gelu": ("approximate", "none"), "silu": None, "sigmoid": None, "tanh": None, "hardswish": None}
 
 
 def _rename(nodes: list, output: str, old: str, new: str) -> tuple[list, str]:
@@ -42,15 +40,16 @@ def drop_identities(graph: Graph) -> Graph:
 
 
 def activation_of(node: Node):
-    """The epilogue form (blasx.dnn's ``activation=``) of an ``act`` node, or None if it does not fuse."""
-    fn = node.attrs.get("fn")
-    if node.op != "act" or fn not in _FUSABLE:
+    """The epilogue form (blasx.dnn's ``activation=``: a name, or (name, parameter)) of an ``act`` node, or
+    None if the epilogue's activation table (the one the kernels use) does not have it."""
+    if node.op != "act":
         return None
-    spec = _FUSABLE[fn]
-    if spec is None:
-        return fn
-    value = node.attrs.get("kwargs", {}).get(spec[0], spec[1])
-    return (fn, value)
+    kwargs = {k: v for k, v in node.attrs.get("kwargs", {}).items() if k != "inplace"}
+    try:
+        act = parse_activation({"name": node.attrs.get("fn"), **kwargs})
+    except (TypeError, ValueError):
+        return None
+    return act.name if act.param is None else (act.name, act.param)
 
 
 def _absorbs(layer: Node) -> bool:
