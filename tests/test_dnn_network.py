@@ -176,6 +176,9 @@ def test_profile_trace_and_progress(tmp_path, capsys):
     assert rows["stem"].fused == ("bn", "act") and rows["stem"].flops == 2.0 * 6 * 8 * 16 * 27
     assert all(r.seconds >= 0 for r in rows.values())
     assert "images/s" in prof.report() and "bn+act" in prof.report()
+    assert rows["stem"].algo == "engine" and rows["stem"].algo == net.algo["stem"]  # host chunks: the engine
+    assert all(r.algo == "" for r in rows.values() if r.op != "conv")
+    assert {s["name"]: s["algo"] for s in prof.summary()["layers"]}["stem"] == "engine"
     trace = prof.to_chrome_trace(tmp_path / "t.json")
     assert json.loads((tmp_path / "t.json").read_text()) == trace
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 3 * len(net.nodes[1:])

@@ -27,7 +27,8 @@ from .passes import BufferPlan
 
 @dataclass
 class LayerStat:
-    """One node on one device over a run: total seconds, flops, and the nodes fused into it."""
+    """One node on one device over a run: total seconds, flops, the nodes fused into it and, for a
+    convolution, its algorithm (Network.algos: the device route's form, or "engine")."""
 
     name: str
     op: str
@@ -35,6 +36,7 @@ class LayerStat:
     seconds: float = 0.0
     flops: float = 0.0
     fused: tuple = ()
+    algo: str = ""
 
     @property
     def tflops(self) -> float:
@@ -61,7 +63,7 @@ class NetworkProfile:
         """Stats summed over devices, in the graph's order."""
         out: dict = {}
         for s in self.layers:
-            t = out.setdefault(s.name, LayerStat(s.name, s.op, "all", fused=s.fused))
+            t = out.setdefault(s.name, LayerStat(s.name, s.op, "all", fused=s.fused, algo=s.algo))
             t.seconds += s.seconds
             t.flops += s.flops
         return list(out.values())
@@ -70,19 +72,19 @@ class NetworkProfile:
         return {"wall": self.wall, "images": self.images, "chunks": self.chunks, "images_per_s": self.images_per_s,
                 "devices": list(self.devices),
                 "layers": [{"name": s.name, "op": s.op, "device": s.device, "seconds": s.seconds, "flops": s.flops,
-                            "tflops": s.tflops, "fused": list(s.fused)} for s in self.layers]}
+                            "tflops": s.tflops, "fused": list(s.fused), "algo": s.algo} for s in self.layers]}
 
     def report(self, top: int | None = None) -> str:
-        """A text table, one row per layer (devices summed): seconds, share, TFLOPS, what it fused."""
+        """A text table, one row per layer (devices summed): seconds, share, TFLOPS, algorithm, what it fused."""
         rows = self.by_layer()
         total = sum(r.seconds for r in rows) or 1.0
         rows_shown = sorted(rows, key=lambda r: -r.seconds)[:top] if top else rows
         lines = [f"network: {self.images} images in {self.wall:.4f} s ({self.images_per_s:.1f} images/s), "
                  f"{self.chunks} chunks on {', '.join(self.devices)}",
-                 f"{'layer':<28}{'op':<18}{'seconds':>10}{'share':>8}{'TFLOPS':>9}  fused"]
+                 f"{'layer':<28}{'op':<18}{'seconds':>10}{'share':>8}{'TFLOPS':>9}  {'algo':<10}fused"]
         for r in rows_shown:
             lines.append(f"{r.name[:27]:<28}{r.op:<18}{r.seconds:>10.5f}{r.seconds / total:>8.1%}{r.tflops:>9.2f}  "
-                         f"{'+'.join(r.fused) if r.fused else '-'}")
+                         f"{r.algo or '-':<10}{'+'.join(r.fused) if r.fused else '-'}")
         return "\n".join(lines)
 
     def to_chrome_trace(self, path=None) -> dict:

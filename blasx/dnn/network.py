@@ -191,10 +191,14 @@ class Network:
         self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
         import sys
         out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
+        algo = self.algos(*self._run)
+        for st in self._profile.layers:
+            st.algo = algo.get(st.name, "")
         return out
 
     def last_profile(self) -> executor.NetworkProfile | None:
-        """The per-layer profile of the last call (time, TFLOPS, device, what each node fused), or None."""
+        """The per-layer profile of the last call (time, TFLOPS, device, what each node fused, a conv's
+        algorithm), or None."""
         return self._profile
 
     def summary(self) -> str:
