@@ -274,9 +274,20 @@ def random_matrix(rng: np.random.Generator, rows: int, cols: int, dtype) -> np.n
         elif dtype.kind == "c":
             out[:, j0:j1].real = rng.uniform(-1.0, 1.0, shape)
             out[:, j0:j1].imag = rng.uniform(-1.0, 1.0, shape)
+        elif dtype.itemsize == 2:  # float16, bfloat16: float32 draws rounded once (a float64 cast is slow)
+            x = rng.random(shape, dtype=np.float32)
+            x *= 2
+            x -= 1
+            out[:, j0:j1] = x if dtype == np.float16 else _bfloat16_bits(x).view(dtype)
         else:
             out[:, j0:j1] = rng.uniform(-1.0, 1.0, shape)
     return out
+
+
+def _bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits of finite float32 values, rounded to nearest even (ml_dtypes' rounding)."""
+    u = x.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def gib(nbytes: float) -> float:

@@ -460,3 +460,12 @@ def test_status_names():
     with pytest.raises(RuntimeError, match="unknown cublasStatus_t 99"):
         _check(99, "x")
     assert CUBLAS_STATUS[7] == "CUBLAS_STATUS_INVALID_VALUE"
+
+
+def test_half_random_matrices_are_float32_draws_rounded_once():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        a = G.random_matrix(np.random.default_rng(3), 70, 50, dt)
+        x = np.random.default_rng(3).random((70, 50), dtype=np.float32) * 2 - 1
+        assert a.dtype == np.dtype(dt) and a.flags.f_contiguous
+        assert np.array_equal(a.astype(np.float32), x.astype(dt).astype(np.float32))
