@@ -151,6 +151,41 @@ def test_sims_placements(devices, mode, layers, bidir, B, proj, kind):
         assert [run["ran_on"][(layer, 0)] for layer in range(layers)] == [layer * 3 // layers for layer in range(layers)]
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_bidirectional_backward_on_two_sims(mode):
+    """On sim:2 each direction's backward runs on the device its forward ran on (the two at once); every gradient
+    equals the one-device result."""
+    T, B, I, H, L = 6, 4, 5, 7, 2
+    lengths = [6, 5, 5, 2]
+    rng = np.random.default_rng(3)
+    params = {k: v.numpy() for k, v in _module(mode, I, H, L, True, True, 0, False).state_dict().items()}
+    x = rng.standard_normal((T, B, I))
+    h0, c0 = rng.standard_normal((2 * L, B, H)), rng.standard_normal((2 * L, B, H))
+    gy = rng.standard_normal((T, B, 2 * H)) * (np.arange(T)[:, None] < np.asarray(lengths))[..., None]
+    gh, gc = rng.standard_normal((2 * L, B, H)), rng.standard_normal((2 * L, B, H))
+
+    def run(devices):
+        blasx.configure(devices=devices)
+        kw = dict(num_layers=L, bidirectional=True, lengths=lengths, training=True)
+        if mode == "lstm":
+            y, _, saved = dnn.lstm(x, (h0, c0), params, **kw)
+            g = dnn.lstm_backward(saved, gy, gh, gc)
+        else:
+            y, _, saved = dnn.gru(x, h0, params, **kw)
+            g = dnn.gru_backward(saved, gy, gh)
+        return y, g, rnn_multi.last_run()
+    y1, g1, run1 = run("sim:1")
+    y2, g2, run2 = run("sim:2")
+    assert run1["backward_on"] == {(layer, d): 0 for layer in range(L) for d in range(2)}
+    assert run2["placement"].kind == "directions"
+    assert run2["ran_on"] == run2["backward_on"] == {(layer, d): d for layer in range(L) for d in range(2)}
+    assert _err(y2, y1) <= 1e-12
+    assert set(g1) == set(g2)
+    for k in g1:
+        assert g2[k].dtype == np.float64 and g2[k].shape == g1[k].shape, k
+        assert _err(g2[k], g1[k]) <= 1e-12, (k, _err(g2[k], g1[k]))
+
+
 def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("diagonal", 1, ((0,),) * 4)
     assert rnn_plan.plan(4, 1, 64, 100, 1, projection=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)

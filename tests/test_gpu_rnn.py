@@ -50,6 +50,7 @@ def _case(mode, dtype, layers=2, bidir=False, proj=0, T=20, B=8, I=32, H=64, len
     assert _err(g["input"], x.grad.double().cpu().numpy()) < 5 * TOL[dtype]
     for k, p in m.named_parameters():
         assert _err(g[k], p.grad.double().cpu().numpy()) < 5 * TOL[dtype], k
+    return g
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +122,47 @@ def test_two_gpus(layers, bidir, B, kind):
     blasx.configure(devices="cuda:0,1")
     _case("lstm", "float32", layers=layers, bidir=bidir, B=B, lengths=None)
     assert rnn_multi.last_run()["placement"].kind == kind
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode,dtype", [("lstm", "float32"), ("gru", "float32"), ("lstm", "float64")])
+def test_two_gpus_bidirectional_training(mode, dtype):
+    """Bidirectional training on two GPUs: each direction's forward and backward on its own GPU, every gradient
+    home on GPU 0 and equal to torch's."""
+    blasx.configure(devices="cuda:0,1")
+    g = _case(mode, dtype, layers=2, bidir=True, lengths=[20, 17, 17, 9, 5, 3, 1, 1])
+    run = rnn_multi.last_run()
+    assert run["placement"].kind == "directions"
+    assert run["ran_on"] == run["backward_on"] == {(layer, d): d for layer in range(2) for d in range(2)}
+    assert all(v.device.id == 0 for v in g.values())
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_two_gpus_bidirectional_equals_one(mode):
+    """With h0/c0 and their gradients, float64: two GPUs give one GPU's gradients (graphs replayed on the
+    second call)."""
+    rng = np.random.default_rng(4)
+    T, B, I, H, L, lengths = 12, 4, 8, 16, 2, [12, 9, 9, 2]
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(I, H, num_layers=L, bidirectional=True).double()
+    p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
+    x = cupy.asarray(rng.standard_normal((T, B, I)))
+    h0, c0 = (cupy.asarray(rng.standard_normal((2 * L, B, H))) for _ in range(2))
+    gy = cupy.asarray(rng.standard_normal((T, B, 2 * H)) * (np.arange(T)[:, None] < np.asarray(lengths))[..., None])
+    gh, gc = (cupy.asarray(rng.standard_normal((2 * L, B, H))) for _ in range(2))
+
+    def grads():
+        kw = dict(num_layers=L, bidirectional=True, lengths=lengths, training=True)
+        if mode == "lstm":
+            return dnn.lstm_backward(dnn.lstm(x, (h0, c0), p, **kw)[2], gy, gh, gc)
+        return dnn.gru_backward(dnn.gru(x, h0, p, **kw)[2], gy, gh)
+    ref = grads()
+    blasx.configure(devices="cuda:0,1")
+    for _ in range(2):
+        g = grads()
+        assert rnn_multi.last_run()["backward_on"] == {(layer, d): d for layer in range(L) for d in range(2)}
+        for k in ref:
+            assert g[k].device.id == 0 and _err(g[k], cupy.asnumpy(ref[k])) < 1e-12, k
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])

@@ -50,7 +50,7 @@ class Problem:
 class Saved:
     """The opaque training state ``*_backward`` takes."""
     problem: Problem
-    layers: list  # per layer: (input (T, B, in), [rnn_layer.Forward per direction])
+    layers: list  # per layer: [rnn_multi.Kept per direction] (or rnn_diag.Saved)
     used: bool = False
 
 

@@ -115,22 +115,12 @@ def forward(pb, keep: bool):
         direction_output, keep)
     h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
     c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
-    for layer, states in enumerate(layers):
-        for d, st in enumerate(states):
-            h_n[layer * dirs + d] = st.S[T]
+    for layer, kept in enumerate(layers):
+        for d, k in enumerate(kept):
+            h_n[layer * dirs + d] = rnn_multi.at(xp, k.st.S[T], devs[0])
             if c_n is not None:
-                c_n[layer * dirs + d] = st.C[T].astype(store)
-    saved = list(zip(layer_inputs(pb, layers), layers)) if keep else None
-    return y, h_n, c_n, saved
-
-
-def layer_inputs(pb, layers):
-    """The input of each layer (x, then the previous layer's y)."""
-    from .rnn_multi import _layer_output
-    inputs = [pb.x]
-    for states in layers[:-1]:
-        inputs.append(_layer_output(pb, states, direction_output))
-    return inputs
+                c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[T], devs[0]).astype(store)
+    return y, h_n, c_n, (layers if keep else None)
 
 
 def _flat(xp, a, f):
@@ -139,8 +129,9 @@ def _flat(xp, a, f):
 
 def backward(pb, layers, gy, gh, gc) -> dict:
     """Every gradient (MIOpen eq. 15-21): step loops in reverse (on CUDA replayed from graphs, rnn_graph.py),
-    then one GEMM per weight and per input."""
-    from . import rnn_diag, rnn_params
+    then one GEMM per weight and per input. A layer's directions run on the devices their forward ran on (at once
+    when those differ, rnn_multi.run_backward); only the gradients come home."""
+    from . import rnn_diag, rnn_multi, rnn_params
     if isinstance(layers, rnn_diag.Saved):
         return rnn_diag.backward(pb, layers, gy, gh, gc)
     spec, xp = pb.spec, pb.xp
@@ -148,7 +139,7 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     f = compute_type(store)
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
-    ops = ops_for(xp, pb.math)
+    home = None if xp is np else pb.x.device.id
     loop = rnn_layer.backward_loop
     if xp is not np and pb.graphs:
         from . import rnn_graph
@@ -157,32 +148,49 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     dh0 = xp.empty((spec.num_layers * dirs, B, out), dtype=store)
     dc0 = xp.empty((spec.num_layers * dirs, B, hh), dtype=store) if spec.mode == "lstm" else None
     dy = None if gy is None else _f(xp, gy, f)
+    rnn_multi.last_run()["backward_on"] = {}
+
+    def away(a, k):
+        """A slice another device will read: contiguous, so that it copies there in one piece."""
+        return a if a is None or xp is np or k.dev == home else xp.ascontiguousarray(a)
+
     for layer in range(spec.num_layers - 1, -1, -1):
-        inp, states = layers[layer]
-        n_in = inp.shape[2]
-        dx = xp.zeros((T, B, n_in), dtype=f)
-        for d in range(dirs):
-            cell, st, rev = spec.cells[layer][d], states[d], d == 1
-            k = layer * dirs + d
+        kept = layers[layer]
+        n_in = kept[0].inp.shape[2]
+        args = [tuple(away(a, k) for a in (None if dy is None else dy[..., d * out:(d + 1) * out],
+                                           None if gh is None else gh[layer * dirs + d],
+                                           None if gc is None else gc[layer * dirs + d]))
+                for d, k in enumerate(kept)]
+
+        def direction(lp, ops, d, k, mm, layer=layer, args=args):
+            """One direction's loop and GEMMs on its device: (weight grads, dx in processing order, dh0, dc0)."""
+            here = rnn_multi._here
+            cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
+            dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args[d])
+            mul = (lambda a, b: _mm(a, b, pb)) if mm is None else mm
             bw = loop(ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
-                      None if dy is None else dy[..., d * out:(d + 1) * out],
-                      None if gh is None else gh[k], None if gc is None else gc[k], pb.bs, rev, hh)
-            s = rnn_params.suffix(layer, d)
+                      dy_d, gh_d, gc_d, pb.bs, rev, hh)
+            s, g = rnn_params.suffix(layer, d), {}
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)
-            xin = _flat(xp, inp[::-1] if rev else inp, f)
-            grads["weight_ih" + s] = _mm(dgx.T, xin, pb).astype(store)
-            grads["weight_hh" + s] = _mm(dgh.T, _flat(xp, st.S[:T], f), pb).astype(store)
+            xin = _flat(xp, k.inp[::-1] if rev else k.inp, f)
+            g["weight_ih" + s] = mul(dgx.T, xin).astype(store)
+            g["weight_hh" + s] = mul(dgh.T, _flat(xp, st.S[:T], f)).astype(store)
             if cell.b_ih is not None:
-                grads["bias_ih" + s] = dgx.sum(axis=0).astype(store)
-                grads["bias_hh" + s] = dgh.sum(axis=0).astype(store)
+                g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
+                g["bias_hh" + s] = dgh.sum(axis=0).astype(store)
             if cell.w_hr is not None:
-                grads["weight_hr" + s] = _mm(bw.dhs.reshape(T * B, -1).T, _flat(xp, st.R, f), pb).astype(store)
-            dxd = _mm(dgx, _f(xp, cell.w_ih, f), pb).reshape(T, B, n_in)
-            dx += dxd[::-1] if rev else dxd
-            dh0[k] = bw.dh
+                g["weight_hr" + s] = mul(bw.dhs.reshape(T * B, -1).T, _flat(xp, st.R, f)).astype(store)
+            return g, mul(dgx, _f(xp, cell.w_ih, f)).reshape(T, B, n_in), bw.dh, bw.dc
+
+        dx = xp.zeros((T, B, n_in), dtype=f)
+        for d, (g, dxd, dh, dc) in enumerate(rnn_multi.run_backward(pb, layer, kept, direction)):
+            grads.update({name: rnn_multi.at(xp, a, home) for name, a in g.items()})
+            dxd = rnn_multi.at(xp, dxd, home)
+            dx += dxd[::-1] if d == 1 else dxd
+            dh0[layer * dirs + d] = rnn_multi.at(xp, dh, home)
             if dc0 is not None:
-                dc0[k] = bw.dc
+                dc0[layer * dirs + d] = rnn_multi.at(xp, dc, home)
         dy = dx
     grads["input"] = dy.astype(store)
     grads["h0"] = dh0

@@ -19,8 +19,20 @@ _last = threading.local()
 
 
 def last_run() -> dict:
-    """This thread's last forward placement: ``{"placement": Placement, "ran_on": {(layer, dir): device}}``."""
-    return getattr(_last, "run", {})
+    """This thread's last forward placement: ``{"placement": Placement, "ran_on": {(layer, dir): device}}``, and
+    after a backward of a non-diagonal stack ``"backward_on": {(layer, dir): device}``."""
+    if not hasattr(_last, "run"):
+        _last.run = {}
+    return _last.run
+
+
+@dataclasses.dataclass
+class Kept:
+    """One layer-direction's forward as training keeps it: the device its loop ran on, its input there (None
+    without training) and its states (rnn_layer.Forward) there."""
+    dev: object
+    inp: object
+    st: rnn_layer.Forward
 
 
 def devices_for(pb) -> list:
@@ -117,6 +129,14 @@ def _here(xp, a):
     return a.copy()
 
 
+def at(xp, a, dev):
+    """``a`` on device ``dev`` (a copy there, on dev's current stream, when it lives elsewhere)."""
+    if xp is np or a.device.id == dev:
+        return a
+    with xp.cuda.Device(dev):
+        return a.copy()
+
+
 def placement(pb):
     """(the plan of ``pb``'s stack, the device labels it indexes), recorded for :func:`last_run`."""
     spec = pb.spec
@@ -136,8 +156,10 @@ def local_mm(xp, f):
 
 
 def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = True):
-    """The states of every layer-direction (``[layer][d]``) and the last layer's y, per the plan; on CuPy each
-    thread projects its own direction's input on its device. ``keep=False``: only S and C come home."""
+    """(:class:`Kept` of every layer-direction (``[layer][d]``), the last layer's y), per the plan; on CuPy each
+    thread projects its own direction's input on its device. Directions on two devices: in training each
+    direction's states and input stay on its device (backward runs there, :func:`run_backward`) and only S comes
+    home for y; ``keep=False``: only S and C come home."""
     from .rnn_exec import ops_for
     xp, spec = pb.xp, pb.spec
     ran_on = _last.run["ran_on"]
@@ -150,22 +172,64 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
         states = [None] * spec.num_dirs
         if pl.kind == "batch":
             states[0] = _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on)
+            kept = [Kept(home, inp if keep else None, states[0])]
         else:
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
+            inputs = [None] * spec.num_dirs
             pool = _Threads(pb, used)
 
-            def one(d, dev, inp=inp, layer=layer, states=states):
+            def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
                 lp = _local(pb, dev, home)
-                states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, _here(xp, inp),
+                inputs[d] = _here(xp, inp)
+                states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 else None)
                 ran_on[(layer, d)] = dev
             for d in range(spec.num_dirs):
                 pool.start(used[d], one, d, used[d])
             pool.join()
-            states = [_home(xp, st, home, keep) for st in states]
-        layers.append(states)
+            if keep:
+                kept = [Kept(used[d], inputs[d], states[d]) for d in range(spec.num_dirs)]
+                states = [_home_s(xp, st, home) for st in states]
+            else:
+                states = [_home(xp, st, home, keep) for st in states]
+                kept = [Kept(home, None, st) for st in states]
+        layers.append(kept)
         inp = _layer_output(pb, states, direction_output)
     return layers, inp
+
+
+def _home_s(xp, st, home):
+    """A Forward holding only ``st``'s S on the home device (what the layer's output needs)."""
+    if xp is np or st.S.device.id == home:
+        return st
+    return rnn_layer.Forward(at(xp, st.S, home), None, None, None)
+
+
+def run_backward(pb, layer: int, kept, direction_backward) -> list:
+    """``direction_backward(lp, ops, d, kept[d], mm)`` of each direction of ``layer``, on the device its forward
+    ran on (``kept[d].dev``): at once on threads when those differ (each on its device and stream, ``lp`` with
+    the parameters there, ``mm`` a GEMM on that device), else in order on the caller's. Returns the results by
+    direction; each direction's device goes to ``last_run()["backward_on"]``."""
+    from .rnn_exec import ops_for
+    xp = pb.xp
+    devs = [k.dev for k in kept]
+    on = last_run().setdefault("backward_on", {})
+    out = [None] * len(kept)
+    if len(set(devs)) == 1:
+        for d, k in enumerate(kept):
+            out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k, None)
+            on[(layer, d)] = k.dev
+        return out
+    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype))
+
+    def one(d, k):
+        out[d] = direction_backward(_local(pb, k.dev, devs[0]), ops_for(xp, pb.math), d, k, mm)
+        on[(layer, d)] = k.dev
+    pool = _Threads(pb, devs)
+    for d, k in enumerate(kept):
+        pool.start(k.dev, one, d, k)
+    pool.join()
+    return out
 
 
 def _home(xp, st, home, keep: bool = True):
@@ -281,8 +345,8 @@ def _wavefront(pb, pl, devs, ran_on):
     pool.join()
     layers = [[_home(xp, st, home)] for st in states]
     from .rnn_exec import direction_output
-    y = _layer_output(pb, layers[-1], direction_output)
-    return layers, y
+    inputs = [pb.x] + [_layer_output(pb, states, direction_output) for states in layers]
+    return [[Kept(home, inputs[layer], st)] for layer, (st,) in enumerate(layers)], inputs[-1]
 
 
 def _last_error(pool) -> bool:
