@@ -4,7 +4,8 @@ kernel, depthwise.py).
 
 Every function validates everything first (geometry.py; nothing is computed or written on error, the
 caller's arrays are never modified), lays the operands out as the planners want them (runtime/plans/conv.py)
-and submits one engine call for all groups. Weights are small: they are reshaped, permuted (channels-last:
+and submits one engine call for all groups (strided transposed convolutions and backward-data: one
+per phase, phases.py). Weights are small: they are reshaped, permuted (channels-last:
 reduction order (r, s, c)), flipped (transposed convolutions) or scaled (a folded scale) on the host side
 of the call; activations are only read, through the derived im2col operand (im2col.py).
 """
@@ -19,7 +20,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct, depthwise, direct_cache
+from . import conv_direct, depthwise, direct_cache, phases
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
@@ -27,6 +28,9 @@ from .geometry import ConvGeometry, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
 
 MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU alone runs (one tile a call)
+# Strided transposed convolutions and backward-data (dilation 1) run as stride^d stride-1 phase
+# convolutions (phases.py) that skip the zero-inserted input's zeros; False: one zero-inserted gather.
+PHASES = True
 
 
 # ---------------------------------------------------------------- helpers
@@ -262,6 +266,21 @@ def _flipped_transposed(xp, weight, groups: int):
     return xp.ascontiguousarray(w).reshape(groups * coutg, cin // groups, *k)
 
 
+def _phase_calls(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math) -> None:
+    """y = the transposed convolution ``geo`` (forward weight ``wf``) by its phases: each a stride-1
+    convolution into a compact temporary copied to its strided view of y (so the bias lands once per
+    pixel); a phase with no taps gets the bias, or zeros."""
+    for ph in phases.phases(geo):
+        view = y[(slice(None), slice(None), *(slice(r, None, s) for r, s in zip(ph.offset, geo.insert)))]
+        if ph.geo is None:
+            view[...] = 0 if bias is None else xp.asarray(bias, dtype=y.dtype).reshape(-1, *(1,) * geo.nd)
+            continue
+        w = xp.ascontiguousarray(wf[(slice(None), slice(None), *ph.taps)])
+        tmp = _empty(xp, (geo.n, geo.k, *ph.out_size), y.dtype, lay)
+        _forward_call(fn, ph.geo, x, lay, w, tmp, None, (bias, None, None, None), math)
+        view[...] = tmp
+
+
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
     xp = _xp(x, weight, out)
@@ -278,8 +297,11 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-        _forward_call(fn, geo, xb, lay, _flipped_transposed(xp, weight, geo.groups), y, None, (b, None, None, None),
-                      math)
+        wf = _flipped_transposed(xp, weight, geo.groups)
+        if PHASES and phases.applies(geo):
+            _phase_calls(fn, geo, xp, xb, lay, wf, y, b, math)
+        else:
+            _forward_call(fn, geo, xb, lay, wf, y, None, (b, None, None, None), math)
     if out is not None:
         return out
     return y[0] if unbatched else y
