@@ -7,6 +7,32 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    from ml_dtypes import bfloat16
+except ImportError:
+    bfloat16 = None
+
+#: the element types of the elementwise tests, and their tolerances
+DTYPES = [np.float64, np.float32, np.float16] + ([bfloat16] if bfloat16 is not None else [])
+TOL = {"float64": 1e-13, "float32": 3e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+#: standalone activation -> (extra arguments for ours and torch's, the activation table's name)
+ACTS = {
+    "relu": ({}, "relu"), "relu6": ({}, "relu6"), "leaky_relu": ({"negative_slope": 0.2}, "leaky_relu"),
+    "elu": ({"alpha": 0.7}, "elu"), "gelu": ({"approximate": "none"}, "gelu"),
+    "gelu_tanh": ({"approximate": "tanh"}, "gelu_tanh"), "silu": ({}, "silu"), "sigmoid": ({}, "sigmoid"),
+    "tanh": ({}, "tanh"), "hardswish": ({}, "hardswish"), "hardsigmoid": ({}, "hardsigmoid"),
+}
+
+
+def act_fn(name: str) -> str:
+    """The blasx.dnn / torch function of an ACTS entry (gelu_tanh is gelu with approximate="tanh")."""
+    return "gelu" if name == "gelu_tanh" else name
+
+
+def dtype_name(t) -> str:
+    return np.dtype(t).name
+
 
 def host(x):
     """x as a numpy array: a CuPy array copied to the host, a torch tensor detached."""

@@ -18,34 +18,10 @@ from blasx import dnn
 from blasx.dnn.geometry import layout
 from blasx.runtime.activations import NAMES, Activation
 from blasx.runtime.devices import cuda_epilogue as ce
-from dnn_ref import cl, rel, wide
+from dnn_ref import ACTS, DTYPES, TOL, act_fn as _fn, bfloat16, dtype_name as _name, cl, rel, wide
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
-
-try:
-    from ml_dtypes import bfloat16
-except ImportError:
-    bfloat16 = None
-
-DTYPES = [np.float64, np.float32, np.float16] + ([bfloat16] if bfloat16 is not None else [])
-TOL = {"float64": 1e-13, "float32": 3e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-# standalone name -> (extra arguments for ours and torch's, the table name)
-ACTS = {
-    "relu": ({}, "relu"), "relu6": ({}, "relu6"), "leaky_relu": ({"negative_slope": 0.2}, "leaky_relu"),
-    "elu": ({"alpha": 0.7}, "elu"), "gelu": ({"approximate": "none"}, "gelu"),
-    "gelu_tanh": ({"approximate": "tanh"}, "gelu_tanh"), "silu": ({}, "silu"), "sigmoid": ({}, "sigmoid"),
-    "tanh": ({}, "tanh"), "hardswish": ({}, "hardswish"), "hardsigmoid": ({}, "hardsigmoid"),
-}
-
-
-def _fn(name):
-    return "gelu" if name == "gelu_tanh" else name
-
-
-def _name(t):
-    return np.dtype(t).name
 
 
 def _input(dt, lay, seed=0, shape=(3, 5, 7, 4)):

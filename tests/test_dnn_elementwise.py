@@ -15,22 +15,10 @@ import pytest
 
 from blasx import dnn
 from blasx.dnn.geometry import layout
-from dnn_ref import cl, rel, wide
+from dnn_ref import DTYPES, TOL, bfloat16, dtype_name as _name, cl, rel, wide
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
-
-try:
-    from ml_dtypes import bfloat16
-except ImportError:
-    bfloat16 = None
-
-DTYPES = [np.float64, np.float32, np.float16] + ([bfloat16] if bfloat16 is not None else [])
-TOL = {"float64": 1e-13, "float32": 3e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
-
-
-def _name(t):
-    return np.dtype(t).name
 
 
 def rand(shape, dt=np.float64, seed=0, lay="nchw", scale=3.0):

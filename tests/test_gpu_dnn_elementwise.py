@@ -11,7 +11,7 @@ import blasx
 from blasx import dnn
 from blasx.dnn.geometry import layout
 from blasx.runtime.activations import Activation
-from dnn_ref import cl, host, rel, wide
+from dnn_ref import ACTS, TOL, act_fn as _fn, dtype_name as _name, cl, host, rel, wide
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -20,22 +20,7 @@ NGPU = blasx.session._cuda_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="no CUDA GPU")]
 F = torch.nn.functional
 
-DTYPES = [np.float64, np.float32, np.float16]
-TOL = {"float64": 1e-13, "float32": 3e-6, "float16": 2e-3}
-ACTS = {
-    "relu": ({}, "relu"), "relu6": ({}, "relu6"), "leaky_relu": ({"negative_slope": 0.2}, "leaky_relu"),
-    "elu": ({"alpha": 0.7}, "elu"), "gelu": ({"approximate": "none"}, "gelu"),
-    "gelu_tanh": ({"approximate": "tanh"}, "gelu_tanh"), "silu": ({}, "silu"), "sigmoid": ({}, "sigmoid"),
-    "tanh": ({}, "tanh"), "hardswish": ({}, "hardswish"), "hardsigmoid": ({}, "hardsigmoid"),
-}
-
-
-def _fn(name):
-    return "gelu" if name == "gelu_tanh" else name
-
-
-def _name(t):
-    return np.dtype(t).name
+DTYPES = [np.float64, np.float32, np.float16]  # CuPy has no bfloat16 arrays
 
 
 def rand(shape, dt=np.float64, seed=0, lay="nchw", scale=3.0):
