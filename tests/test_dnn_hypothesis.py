@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from torch.nn import grad as tgrad
 
 import blasx
 from blasx import dnn
@@ -94,6 +93,15 @@ def close(got, ref, dtype, factor=1.0, floor=0.0):
 
 def norm(a) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64)))
+
+
+def close_norm_grads(got, refs, dy, dtype, pdt, affine: bool) -> None:
+    """A norm's (dx, dweight, dbias) against the references, relative to dy's size (they can cancel)."""
+    scale = norm(dy)
+    close(got[0], refs[0], dtype, floor=scale, factor=NORMS)
+    if affine:
+        close(got[1], refs[1], pdt, floor=scale, factor=NORMS)
+        close(got[2], refs[2], pdt, floor=scale, factor=NORMS)
 
 
 @contextmanager
@@ -301,11 +309,8 @@ def test_batch_norm(data):
     kw = dict(running_mean=rm0, running_var=rv0) if not training else {}
     with untouched(x, xin, w, dy, dyin, mean, invstd):
         gx, gw, gb = dnn.batch_norm_backward(dyin, xin, w, mean, invstd, training, eps, **kw)
-    scale = norm(dy)
-    close(gx, tx.grad.numpy(), dtype, floor=scale, factor=NORMS)
-    if affine:
-        close(gw, tw.grad.numpy(), pdt, floor=scale, factor=NORMS)
-        close(gb, tb.grad.numpy(), pdt, floor=scale, factor=NORMS)
+    refs = [None if t is None else t.grad.numpy() for t in (tx, tw, tb)]
+    close_norm_grads((gx, gw, gb), refs, dy, dtype, pdt, affine)
 
 
 @examples(100)
@@ -331,11 +336,7 @@ def test_layer_norm(data):
     close(y, ref, dtype, floor=norm(x), factor=NORMS)
     with untouched(x, w, dy, mean, rstd):
         gx, gw, gb = dnn.layer_norm_backward(dy, x, ns, w, mean, rstd)
-    scale = norm(dy)
-    close(gx, gx_ref, dtype, floor=scale, factor=NORMS)
-    if affine:
-        close(gw, gw_ref, pdt, floor=scale, factor=NORMS)
-        close(gb, gb_ref, pdt, floor=scale, factor=NORMS)
+    close_norm_grads((gx, gw, gb), (gx_ref, gw_ref, gb_ref), dy, dtype, pdt, affine)
 
 
 @examples(100)
@@ -369,11 +370,8 @@ def test_group_norm(data):
     dyin = layout_of(dy, lay)
     with untouched(x, xin, w, dy, dyin, mean, rstd):
         gx, gw, gb = dnn.group_norm_backward(dyin, xin, num_groups, w, mean, rstd)
-    scale = norm(dy)
-    close(gx, tx.grad.numpy(), dtype, floor=scale, factor=NORMS)
-    if affine:
-        close(gw, tw.grad.numpy(), pdt, floor=scale, factor=NORMS)
-        close(gb, tb.grad.numpy(), pdt, floor=scale, factor=NORMS)
+    refs = [None if t is None else t.grad.numpy() for t in (tx, tw, tb)]
+    close_norm_grads((gx, gw, gb), refs, dy, dtype, pdt, affine)
 
 
 @examples(80)
