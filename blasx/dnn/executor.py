@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..operands import is_cupy
-from . import direct_cache, layers
+from . import direct_cache, lanes, layers
 from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
@@ -355,12 +355,9 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
     if len(workers) == 1:
         loop(workers[0])
     else:
-        threads = [threading.Thread(target=loop, args=(w,), name=f"blasx-net-{w.label}-{w.lane}", daemon=True)
-                   for w in workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        jobs = [lanes.start(lambda w=w: loop(w)) for w in workers]
+        for job in jobs:
+            job.join()
     if state["error"] is not None:
         raise state["error"]
     wall = time.perf_counter() - t0

@@ -274,32 +274,37 @@ def forward(pb, pl, devs, keep: bool):
             b = e.b
         else:
             b = forward_bufs(xp, lp, n, first)
-        fill(b, lp, lp.spec.cells, layers, None if P0 is None or not first else _here(xp, P0), lp.h0, lp.c0)
-        y = ys[g] = xp.empty((T, B, out), dtype=store)
-        got, sent = 0, 0
-        for part, (a, z) in enumerate(parts):
-            if g:
-                need = min(z, T)
-                if need > got:
-                    _wait(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
-                    b.D[got:need, :, 0] = _here(xp, ys[g - 1][got:need])
-                    got = need
-            steps = range(a, z)
+        try:
+            fill(b, lp, lp.spec.cells, layers, None if P0 is None or not first else _here(xp, P0), lp.h0, lp.c0)
+            y = ys[g] = xp.empty((T, B, out), dtype=store)
+            got, sent = 0, 0
+            for part, (a, z) in enumerate(parts):
+                if g:
+                    need = min(z, T)
+                    if need > got:
+                        _wait(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
+                        b.D[got:need, :, 0] = _here(xp, ys[g - 1][got:need])
+                        got = need
+                steps = range(a, z)
+                if graphs:
+                    rnn_graph.run_part(ops, e, part, f,
+                                       lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
+                else:
+                    forward_steps(ops, spec.mode, b, first, steps)
+                hi = max(0, min(T, z - n + 1))
+                if hi > sent:
+                    y[sent:hi] = b.D[sent + n:hi + n, :, n]
+                    sent = hi
+                    progress[g].publish(hi, _record(xp))
+            if keep and graphs:
+                b = Bufs(*(None if a is None else a.copy() for a in (b.D, b.C, b.G)), O=b.O, W=b.W.copy(),
+                         bias=None, P0=None, acts=b.acts)
+            hn = [b.D[T + i, :, i + 1].copy() for i in range(n)]
+            cn = [b.C[T + i, i].copy() for i in range(n)] if b.C is not None else None
+            done[g] = (b, hn, cn)
+        finally:
             if graphs:
-                rnn_graph.run_part(ops, e, part, f, lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
-            else:
-                forward_steps(ops, spec.mode, b, first, steps)
-            hi = max(0, min(T, z - n + 1))
-            if hi > sent:
-                y[sent:hi] = b.D[sent + n:hi + n, :, n]
-                sent = hi
-                progress[g].publish(hi, _record(xp))
-        if keep and graphs:
-            b = Bufs(*(None if a is None else a.copy() for a in (b.D, b.C, b.G)), O=b.O, W=b.W.copy(), bias=None,
-                     P0=None, acts=b.acts)
-        hn = [b.D[T + i, :, i + 1].copy() for i in range(n)]
-        cn = [b.C[T + i, i].copy() for i in range(n)] if b.C is not None else None
-        done[g] = (b, hn, cn)
+                rnn_graph.release(e)
 
     _run_groups(pb, devs, len(groups), body, progress)
     h_n = xp.empty((L, B, out), dtype=store)
@@ -360,34 +365,39 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
             b = backward_bufs(xp, fb, spec.mode)
             b.D, b.C, b.G = fb.D, fb.C, fb.G
             Wb = W
-        for i, layer in enumerate(layers):
-            b.dhn[i] = 0 if gh is None else _here(xp, gh[layer])
-            if b.DC is not None:
-                b.DC[i] = 0 if gc is None else _here(xp, gc[layer])
-        top = g == ng - 1
-        if top:
-            b.X[...] = 0 if dy is None else _here(xp, dy)
-        din = dins[g] = xp.empty((T, B, out), dtype=f) if g else None
-        have, sent = T, T
-        for part in range(len(parts) - 1, -1, -1):
-            a, z = parts[part]
-            if not top:
-                need = max(0, a - n + 1)
-                if need < have:
-                    _wait(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
-                    b.X[need:have] = _here(xp, dins[g + 1][need:have])
-                    have = need
-            steps = range(z - 1, a - 1, -1)
+        try:
+            for i, layer in enumerate(layers):
+                b.dhn[i] = 0 if gh is None else _here(xp, gh[layer])
+                if b.DC is not None:
+                    b.DC[i] = 0 if gc is None else _here(xp, gc[layer])
+            top = g == ng - 1
+            if top:
+                b.X[...] = 0 if dy is None else _here(xp, dy)
+            din = dins[g] = xp.empty((T, B, out), dtype=f) if g else None
+            have, sent = T, T
+            for part in range(len(parts) - 1, -1, -1):
+                a, z = parts[part]
+                if not top:
+                    need = max(0, a - n + 1)
+                    if need < have:
+                        _wait(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
+                        b.X[need:have] = _here(xp, dins[g + 1][need:have])
+                        have = need
+                steps = range(z - 1, a - 1, -1)
+                if graphs:
+                    rnn_graph.run_part(ops, e, part, f,
+                                       lambda steps=steps: backward_steps(ops, spec.mode, b, Wb, steps))
+                else:
+                    backward_steps(ops, spec.mode, b, Wb, steps)
+                if g and a < sent:
+                    lo = min(a, T)
+                    din[lo:sent] = b.E[lo:sent, 0, :, :out]
+                    sent = lo
+                    progress[g].publish(lo, _record(xp))
+            res[g] = _grads(xp, spec, layers, b, T, B, f, store, mm, pb)
+        finally:
             if graphs:
-                rnn_graph.run_part(ops, e, part, f, lambda steps=steps: backward_steps(ops, spec.mode, b, Wb, steps))
-            else:
-                backward_steps(ops, spec.mode, b, Wb, steps)
-            if g and a < sent:
-                lo = min(a, T)
-                din[lo:sent] = b.E[lo:sent, 0, :, :out]
-                sent = lo
-                progress[g].publish(lo, _record(xp))
-        res[g] = _grads(xp, spec, layers, b, T, B, f, store, mm, pb)
+                rnn_graph.release(e)
 
     _run_groups(pb, devs, ng, body, progress)
     grads = {}

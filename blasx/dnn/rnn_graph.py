@@ -6,7 +6,11 @@ everything the loop's launches depend on (device, mode, shapes, dtypes, active r
 and owns the buffers its launches were captured with: a call copies its inputs in, replays the graph on the
 current stream and copies the states out (in inference only h and the last cell state). The first call of a
 key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
-and then captures it; a capture that fails leaves the key eager (``stats()`` says why). Both runs issue their
+and then captures it; a capture that fails (another thread's synchronising call can invalidate it) is tried
+again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says
+why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
+back with an event on its stream that the next taker's stream waits for, so concurrent calls of one shape never
+share buffers. Both runs issue their
 GEMMs through ctypes with the entry's own cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS
 wrappers refuse a capturing stream, and the graph keeps using that workspace at every replay.
 """
@@ -18,11 +22,12 @@ from collections import OrderedDict
 
 from . import rnn_layer
 
-MAX_GRAPHS = 16  # entries kept per process (least recently used dropped)
+MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
+CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 
 _lock = threading.Lock()
-_cache: OrderedDict = OrderedDict()
-_stats = {"captured": 0, "replayed": 0, "eager": 0, "failed": ""}
+_cache: OrderedDict = OrderedDict()  # key -> its idle entries
+_stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": ""}
 
 
 _local = threading.local()
@@ -46,8 +51,9 @@ class eager:
 
 
 def stats() -> dict:
-    """Counts of captures, replays and eager runs, and the last capture failure."""
-    return dict(_stats)
+    """Counts of captures, replays, eager runs and failed captures, and the last failure's message."""
+    with _lock:
+        return dict(_stats)
 
 
 def clear() -> None:
@@ -68,10 +74,13 @@ class _Entry:
 
     def __init__(self, xp) -> None:
         from ..runtime.devices.cublas_ctypes import workspace_bytes
+        self.xp = xp
         self.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
         self.graphs: dict = {}
         self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
-        self.runs: dict = {}
+        self.fails: dict = {}  # part -> captures that failed
+        self.key = None
+        self.done = None  # event after the last call's work on the buffers (recorded when it gave the entry back)
 
 
 class Diag(_Entry):
@@ -83,7 +92,8 @@ class Diag(_Entry):
 
 
 def diag_entry(key, make) -> Diag:
-    """The entry of ``key`` (made by ``make()`` on first use); its buffers are the caller's to fill."""
+    """An idle entry of ``key`` (made by ``make()`` when there is none), the caller's until :func:`release`;
+    its buffers are the caller's to fill."""
     return _entry(key, make)
 
 
@@ -110,14 +120,32 @@ class _Bwd(_Entry):
 
 
 def _entry(key, make) -> _Entry:
+    """Takes an idle entry of ``key`` (or makes one); the current stream waits for its last user's work."""
     with _lock:
-        e = _cache.get(key)
-        if e is None:
-            e = _cache[key] = make()
-            while len(_cache) > MAX_GRAPHS:
-                _cache.popitem(last=False)
-        _cache.move_to_end(key)
+        idle = _cache.get(key)
+        e = idle.pop() if idle else None
+    if e is None:
+        e = make()
+        e.key = key
+    elif e.done is not None:
+        e.xp.cuda.get_current_stream().wait_event(e.done)
     return e
+
+
+def release(e: _Entry) -> None:
+    """Gives ``e`` back (after the work queued on the current stream); least recently used idle entries beyond
+    :data:`MAX_GRAPHS` are dropped."""
+    e.done = e.xp.cuda.get_current_stream().record()
+    with _lock:
+        _cache.setdefault(e.key, []).append(e)
+        _cache.move_to_end(e.key)
+        extra = sum(len(v) for v in _cache.values()) - MAX_GRAPHS
+        while extra > 0:
+            key, idle = next(iter(_cache.items()))
+            idle.pop(0)
+            extra -= 1
+            if not idle:
+                del _cache[key]
 
 
 def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True) -> None:
@@ -128,19 +156,22 @@ def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bo
     key = ("fwd", gx.device.id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
     e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bhn, st, gh))
-    for dst, src in ((e.gx, gx), (e.w_hh, w_hh), (e.w_hr, w_hr), (e.bhn, bhn)):
-        if src is not None:
-            dst[...] = src
-    e.st.S[0] = st.S[0]
-    if st.C is not None:
-        e.st.C[0] = st.C[0]
-    _execute(ops, e, gx.dtype, use_graph,
-             lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse))
-    outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
-        (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
-    for dst, src in outs:
-        if dst is not None:
-            dst[...] = src
+    try:
+        for dst, src in ((e.gx, gx), (e.w_hh, w_hh), (e.w_hr, w_hr), (e.bhn, bhn)):
+            if src is not None:
+                dst[...] = src
+        e.st.S[0] = st.S[0]
+        if st.C is not None:
+            e.st.C[0] = st.C[0]
+        _execute(ops, e, gx.dtype, use_graph,
+                 lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse))
+        outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
+            (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
+        for dst, src in outs:
+            if dst is not None:
+                dst[...] = src
+    finally:
+        release(e)
 
 
 def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool, H: int,
@@ -150,41 +181,50 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
     key = ("bwd", st.S.device.id, mode, _sig(st.S), _sig(st.C), _sig(st.gates), _sig(st.R), _sig(w_hh_f),
            _sig(w_hr_f), _sig(dy), tuple(bs), reverse, H, ops.math)
     e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
-    for dst, src in ((e.st.S, st.S), (e.st.C, st.C), (e.st.gates, st.gates), (e.st.R, st.R), (e.w_hh, w_hh_f),
-                     (e.w_hr, w_hr_f), (e.dy, dy)):
-        if src is not None:
-            dst[...] = src
-    bw = e.bw
-    bw.dh[...] = 0 if dh_n is None else dh_n
-    if bw.dc is not None:
-        bw.dc[...] = 0 if dc_n is None else dc_n
-    _execute(ops, e, w_hh_f.dtype, use_graph,
-             lambda: rnn_layer.backward_steps(ops, mode, e.st, e.w_hh, e.w_hr, e.dy, bs, reverse, bw, e.scratch))
-    dgx = bw.dgx.copy()
-    return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
-                              None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
-                              None if bw.dc is None else bw.dc.copy())
+    try:
+        for dst, src in ((e.st.S, st.S), (e.st.C, st.C), (e.st.gates, st.gates), (e.st.R, st.R),
+                         (e.w_hh, w_hh_f), (e.w_hr, w_hr_f), (e.dy, dy)):
+            if src is not None:
+                dst[...] = src
+        bw = e.bw
+        bw.dh[...] = 0 if dh_n is None else dh_n
+        if bw.dc is not None:
+            bw.dc[...] = 0 if dc_n is None else dc_n
+        _execute(ops, e, w_hh_f.dtype, use_graph,
+                 lambda: rnn_layer.backward_steps(ops, mode, e.st, e.w_hh, e.w_hr, e.dy, bs, reverse, bw, e.scratch))
+        dgx = bw.dgx.copy()
+        return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
+                                  None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
+                                  None if bw.dc is None else bw.dc.copy())
+    finally:
+        release(e)
 
 
 def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0) -> None:
-    """Replays e's graph of ``part``, or runs ``loop`` (on e's buffers) eagerly with e's workspace and, the first
-    time, captures it."""
+    """Replays e's graph of ``part``, or runs ``loop`` (on e's buffers) eagerly with e's workspace and then, while
+    fewer than CAPTURE_TRIES captures of it failed, captures it."""
     stream = ops.xp.cuda.get_current_stream()
     graph = e.graphs.get(part)
     if graph is not None and use_graph:
         graph.launch(stream)
-        _stats["replayed"] += 1
-    else:
-        ph = ops.placeholder(f)  # made outside any capture
-        old, ops.workspace = ops.workspace, e.workspace
-        try:
-            loop()
-            _stats["eager"] += 1
-            if use_graph and not e.runs.get(part):
-                _capture(ops, e, loop, stream, ph, part)
-        finally:
-            ops.workspace = old
-    e.runs[part] = e.runs.get(part, 0) + 1
+        _count("replayed")
+        return
+    ph = ops.placeholder(f)  # made outside any capture
+    old, ops.workspace = ops.workspace, e.workspace
+    try:
+        loop()
+        _count("eager")
+        if use_graph and e.fails.get(part, 0) < CAPTURE_TRIES:
+            _capture(ops, e, loop, stream, ph, part)
+    finally:
+        ops.workspace = old
+
+
+def _count(what: str, failure: str = "") -> None:
+    with _lock:
+        _stats[what] += 1
+        if failure:
+            _stats["failed"] = failure
 
 
 def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
@@ -204,7 +244,8 @@ def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
             err = err or exc
     if err is None:
         e.graphs[part], e.ph = graph, ph
-        _stats["captured"] += 1
+        _count("captured")
     else:
-        _stats["failed"] = f"{type(err).__name__}: {err}"
+        e.fails[part] = e.fails.get(part, 0) + 1
+        _count("failures", f"{type(err).__name__}: {err}")
     stream.wait_event(cap.record())

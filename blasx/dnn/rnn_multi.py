@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import rnn_layer, rnn_plan
+from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
 
 _last = threading.local()
@@ -62,11 +62,12 @@ def _stream(xp, dev, k: int):
 
 
 class _Threads:
-    """Runs callables on threads, each inside its device's context; re-raises the first failure.
+    """Runs callables on lanes (lanes.py: long-lived threads), each inside its device's context; re-raises the
+    first failure.
 
     CuPy: each thread issues its work on its own non-blocking stream, ordered after what the caller had queued
     on ``devs`` (events recorded at construction), so loops on different devices never meet in a legacy default
-    stream or behind another thread's synchronising call; the thread synchronises its stream before it ends."""
+    stream or behind another thread's synchronising call; each job synchronises its stream before it ends."""
 
     def __init__(self, pb, devs=()) -> None:
         self.pb = pb
@@ -97,14 +98,12 @@ class _Threads:
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in join()
                 self.errors.append(exc)
-        th = threading.Thread(target=body, daemon=True)
-        self.threads.append(th)
-        th.start()
+        self.threads.append(lanes.start(body))
 
     def join(self, prefer=None) -> None:
         """Waits for every thread; re-raises the first error (the first one ``prefer`` accepts, if any)."""
-        for th in self.threads:
-            th.join()
+        for job in self.threads:
+            job.join()
         if self.errors:
             raise next((e for e in self.errors if prefer is None or prefer(e)), self.errors[0])
 

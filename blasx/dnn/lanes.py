@@ -1,0 +1,69 @@
+"""Long-lived threads for the per-device loops of recurrent layers and networks.
+
+A thread that ends takes CuPy's per-thread library handles with it, and a cuBLAS handle destroyed while another
+thread captures a CUDA graph invalidates that capture; a fresh thread also pays for new handles on its first
+call. So these loops run on threads kept for the process: an idle lane is reused and a new one starts only when
+all are busy (a job may wait on another job's progress, so none ever queues behind a busy lane).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
+
+_lock = threading.Lock()
+_idle: list = []
+_started = [0]
+
+
+class Job:
+    """One callable on a lane: ``join()`` waits for it; ``error`` is what it raised (None when it returned)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def join(self) -> None:
+        self.done.wait()
+
+
+class _Lane(threading.Thread):
+    def __init__(self, n: int) -> None:
+        super().__init__(name=f"blasx-lane-{n}", daemon=True)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            fn, job = self.jobs.get()
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever joins the job
+                job.error = exc
+            with _lock:
+                keep = len(_idle) < MAX_IDLE
+                if keep:
+                    _idle.append(self)
+            job.done.set()
+            if not keep:
+                return
+
+
+def start(fn) -> Job:
+    """Runs ``fn()`` on an idle lane (a new one when none is idle) and returns its job."""
+    job = Job()
+    with _lock:
+        lane = _idle.pop() if _idle else None
+        if lane is None:
+            _started[0] += 1
+            lane = _Lane(_started[0])
+            lane.start()
+    lane.jobs.put((fn, job))
+    return job
+
+
+def count() -> tuple:
+    """(lanes started so far, idle now)."""
+    with _lock:
+        return _started[0], len(_idle)
