@@ -39,8 +39,45 @@ def _wrows(w, cl):
     return np.ascontiguousarray(np.moveaxis(w, 1, -1) if cl else w).reshape(w.shape[0], -1)
 
 
+_HOST: dict = {}
+
+
+def host_gather(nd: int, insert: bool):
+    """The real gather kernel's operation (conv_direct.gather_kernel_source, float64 elements as their bits,
+    int64 indices) compiled for the host as a loop over i; None without a C++ compiler."""
+    if "lib" not in _HOST:
+        import ctypes
+        import shutil
+        import subprocess
+        import tempfile
+        cxx = shutil.which("c++") or shutil.which("g++")
+        _HOST["lib"] = None
+        if cxx is not None:
+            src = []
+            for d in (1, 2, 3):
+                for z in (False, True):
+                    _, _, op, name = cd.gather_kernel_source("uint64", "int64", d, z)
+                    args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
+                    src.append(f'extern "C" void {name}(const unsigned long long* x, unsigned long long* col, '
+                               f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
+            d = tempfile.mkdtemp()
+            with open(f"{d}/g.cpp", "w") as f:
+                f.write("\n".join(src))
+            subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", f"{d}/g.so", f"{d}/g.cpp"], check=True,
+                           capture_output=True)
+            _HOST["lib"] = ctypes.CDLL(f"{d}/g.so")
+    lib = _HOST["lib"]
+    if lib is None:
+        return None
+    import ctypes
+    fn = getattr(lib, cd.gather_kernel_source("uint64", "int64", nd, insert)[3])
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * (1 + len(cd.ARG_NAMES))
+    return fn
+
+
 class NumpyOps:
-    """The CUDA steps in numpy on flat float64 buffers."""
+    """The CUDA steps in numpy on flat float64 buffers; each gather also run by the real kernel's operation
+    compiled for the host (host_gather), whose col must equal the numpy form's bit for bit."""
 
     def __init__(self, geo, cl, bufs):
         self.geo, self.cl, self.bufs = geo, cl, bufs
@@ -90,6 +127,12 @@ class NumpyOps:
         assert dst.max() < col.size and len(np.unique(dst)) == dst.size, "the gather's writes collide or overflow"
         assert src[ok].min(initial=0) >= 0 and src[ok].max(initial=0) < x.size
         col[dst] = np.where(ok, x[np.where(ok, src, 0)], 0.0)
+        fn = host_gather(g.nd, any(z != 1 for z in g.insert))
+        if fn is not None:
+            got = np.full(col.size, np.nan)
+            fn(x.ctypes.data, got.ctypes.data, i.size, *(int(a) for a in cd.gather_args(g, self.cl, s)))
+            assert np.array_equal(got[dst], col[dst]), "the compiled gather differs from its numpy form"
+            assert np.isnan(np.delete(got, dst)).all(), "the compiled gather wrote outside its elements"
 
     def copy_dy(self, s):
         g = self.geo

@@ -311,6 +311,21 @@ def test_every_tile_type_and_activation_has_a_cuda_kernel():
         ce.kernel_source(np.int32, "relu")
 
 
+def test_flat_form_indexes_the_vectors_as_broadcasting_does():
+    """The flat kernel's (divisor, modulus) take each column-major element's flat index to the entry its
+    row (a (rows, 1) vector), its column ((1, cols)) or the one value ((1, 1)) gives, as numpy broadcasts."""
+    from blasx.runtime.devices import cuda_epilogue as ce
+    for rows, cols in ((1, 1), (1, 7), (5, 1), (37, 29)):
+        u = np.arange(rows * cols)
+        for shape in ((rows, 1), (1, cols), (1, 1)):
+            v = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)
+            d, m = ce._flat_index(v, rows)
+            want = np.broadcast_to(v, (rows, cols)).reshape(-1, order="F")
+            assert np.array_equal(v.reshape(-1)[(u // int(d)) % int(m)], want), (rows, cols, shape)
+    names = {ce.flat_kernel_source(dt, a)[3] for dt in FLOATS for a in (None, *NAMES)}
+    assert len(names) == len(FLOATS) * (len(NAMES) + 1)
+
+
 _HOST_SHIMS = """#include <cmath>
 #include <cstring>
 using std::isnan;

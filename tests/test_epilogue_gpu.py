@@ -45,12 +45,14 @@ def _rel(x, ref):
 
 @pytest.mark.parametrize("dt", FLOATS, ids=_name)
 @pytest.mark.parametrize("act", ACTS, ids=str)
-def test_kernel_on_a_tile_of_each_type(dt, act):
-    """The kernel in place on a column-major tile with ld > rows, vectors along rows and columns:
-    equal to the host's float32 (float64) computation rounded once, within 8 roundoffs."""
+@pytest.mark.parametrize("ld", [48, 37], ids=["ld>rows", "contiguous"])
+def test_kernel_on_a_tile_of_each_type(dt, act, ld):
+    """The kernel in place on a column-major tile with ld > rows (the transposed view) and ld = rows (the flat
+    form), vectors along rows and columns: equal to the host's float32 (float64) computation rounded once,
+    within 8 roundoffs."""
     from blasx.runtime.devices.cuda_epilogue import affine_activation
     rng = np.random.default_rng(1)
-    rows, cols, ld = 37, 29, 48
+    rows, cols = 37, 29
     host = (rng.standard_normal((ld, cols)) * 3).astype(dt)
     ct = np.float64 if np.dtype(dt) == np.float64 else np.float32
     parsed = parse_activation(act)

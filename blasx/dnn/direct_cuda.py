@@ -7,7 +7,6 @@ per (type, math), the scratch budget per device, the epilogue's vectors per stre
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -29,18 +28,14 @@ def _bits(a):
 _KERNELS: dict = {}
 
 
-def _gather_kernel(udt, index: str):
-    """The gather (``conv_direct._KERNEL_BODY``) for elements of unsigned type ``udt`` and indices of
-    ``index`` ("int32" where every index fits, else "int64")."""
-    key = (np.dtype(udt).name, index)
+def _gather_kernel(udt, index: str, nd: int, insert: bool):
+    """The gather (``conv_direct.gather_kernel_source``) for elements of unsigned type ``udt``, indices of
+    ``index`` ("int32" where every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
+    key = (np.dtype(udt).name, index, nd, insert)
     k = _KERNELS.get(key)
     if k is None:
         import cupy
-        ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[key[0]]
-        params = f"raw {key[0]} x, " + ", ".join(f"{index} {n}" for n in cd.ARG_NAMES)
-        body = f"typedef {'int' if index == 'int32' else 'long long'} I; typedef {ctype} U;" + cd._KERNEL_BODY
-        k = _KERNELS[key] = cupy.ElementwiseKernel(params, f"raw {key[0]} col", body,
-                                                   f"blasx_conv_gather_{key[0]}_{index}")
+        k = _KERNELS[key] = cupy.ElementwiseKernel(*cd.gather_kernel_source(*key))
     return k
 
 
@@ -62,23 +57,32 @@ def _gemm_fn():
     return _GEMM[0]
 
 
-def _handle(device_id: int):
-    """This module's own cuBLAS handle on the device (host pointer mode; its stream set per call)."""
-    h = _HANDLES.get(device_id)
-    if h is None:
+def _take_handle(device_id: int):
+    """One of this module's cuBLAS handles on the device, the caller's until :func:`_give_handle` (host pointer
+    mode; its stream set per call): threads issuing GEMMs at once each hold their own, never waiting on a lock,
+    and a handle outlives the thread that used it."""
+    try:
+        return _HANDLES.setdefault(device_id, []).pop()
+    except IndexError:
         from cupy_backends.cuda.libs import cublas
-        h = _HANDLES.setdefault(device_id, (cublas.create(), threading.Lock()))
-    return h
+        return cublas.create()
+
+
+def _give_handle(device_id: int, handle) -> None:
+    _HANDLES[device_id].append(handle)
 
 
 # ---------------------------------------------------------------- launches, prepared once per plan
 
 class GatherLaunch(NamedTuple):
-    """The gather kernel's integer arguments (numpy scalars of the index type), index type, threads."""
+    """The gather kernel's integer arguments (numpy scalars of the index type), index type, threads, spatial
+    dimensions and whether it inserts zeros."""
 
     args: tuple
     index: str
     total: int
+    nd: int
+    insert: bool
 
 
 class GemmLaunch(NamedTuple):
@@ -98,7 +102,8 @@ def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int) -> Gat
     total = s.nb * geo.crs * geo.p
     index = "int32" if max(total, x_size) < 2**31 else "int64"
     it = np.int32 if index == "int32" else np.int64
-    return GatherLaunch(tuple(it(a) for a in cd.gather_args(geo, cl, s)), index, total)
+    return GatherLaunch(tuple(it(a) for a in cd.gather_args(geo, cl, s)), index, total, geo.nd,
+                        any(z != 1 for z in geo.insert))
 
 
 def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
@@ -175,7 +180,7 @@ class CudaOps:
         self.geo, self.cl, self.bufs, self.dtype = geo, cl, bufs, np.dtype(dtype)
         self.compute, self.scalars, self._keep = gemm_consts(dtype, math)
         self.stream = cupy.cuda.get_current_stream()
-        self.handle, self.lock = _handle(cupy.cuda.Device().id)
+        self.device = cupy.cuda.Device().id
         self.set_stream, self.gemm_fn = cublas.setStream, _gemm_fn()
         self.ptrs: dict = {}
         self.flat: dict = {}
@@ -207,19 +212,22 @@ class CudaOps:
 
     def launch_gather(self, g: GatherLaunch) -> None:
         x = self._bits("x")
-        _gather_kernel(x.dtype, g.index)(x, *g.args, self._bits("col"), size=g.total)
+        _gather_kernel(x.dtype, g.index, g.nd, g.insert)(x, *g.args, self._bits("col"), size=g.total)
 
     def gemm(self, s: cd.Gemm) -> None:
         self.launch_gemm(gemm_launch(s, self.dtype))
 
     def launch_gemm(self, g: GemmLaunch) -> None:
         a, b, c = g.a, g.b, g.c
-        args = (self.handle, *g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
+        args = (*g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
                 self._ptr(b[0]) + b[1], b[2], *g.ldb, self.scalars[g.beta], self._ptr(c[0]) + c[1], c[2], *g.ldc,
                 self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
-        with self.lock:
-            self.set_stream(self.handle, self.stream.ptr)
-            status = self.gemm_fn(*args)
+        handle = _take_handle(self.device)
+        try:
+            self.set_stream(handle, self.stream.ptr)
+            status = self.gemm_fn(handle, *args)
+        finally:
+            _give_handle(self.device, handle)
         if status != 0:
             raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
 

@@ -93,15 +93,27 @@ def kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
             f"blasx_affine_{tname}_{activation or 'none'}")
 
 
+def flat_kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
+    """:func:`kernel_source`'s operation over a contiguous block (``ld == rows``) as a flat array: element u's
+    scale is ``scv[(u / sd) % sm]`` (shift likewise with hd, hm), so one index, no per-dimension division."""
+    _, out, op, name = kernel_source(dtype, activation)
+    ctype = TILE_TYPES[tile_type(dtype)][1]
+    vtype = "float64" if ctype == "double" else "float32"
+    return (f"raw {vtype} scv, raw {vtype} shv, {vtype} p, uint32 sd, uint32 sm, uint32 hd, uint32 hm", out,
+            f"unsigned int ui = (unsigned int)i; {ctype} sc = scv[(ui / sd) % sm], sh = shv[(ui / hd) % hm]; {op}",
+            name + "_flat")
+
+
 _KERNELS: dict = {}
 
 
-def _kernel(dtype, activation):
-    key = (tile_type(dtype), activation)
+def _kernel(dtype, activation, flat: bool = False):
+    key = (tile_type(dtype), activation, flat)
     k = _KERNELS.get(key)
     if k is None:  # two threads may both make it: the same kernel, either kept
         import cupy
-        k = _KERNELS[key] = cupy.ElementwiseKernel(*kernel_source(dtype, activation))
+        k = _KERNELS[key] = cupy.ElementwiseKernel(*(flat_kernel_source if flat else kernel_source)(dtype,
+                                                                                                   activation))
     return k
 
 
@@ -127,7 +139,7 @@ def pointwise_source(dtype, activation: str, grad: bool = False) -> tuple[str, s
 
 def pointwise_kernel(dtype, activation: str, grad: bool = False):
     """The CuPy ElementwiseKernel of :func:`pointwise_source` (made on first use, kept)."""
-    key = (tile_type(dtype), activation, grad)
+    key = (tile_type(dtype), activation, "grad" if grad else "pointwise")
     k = _KERNELS.get(key)
     if k is None:
         import cupy
@@ -139,7 +151,22 @@ def affine_activation(stream, loc, rows: int, cols: int, dtype, scale, shift, ac
     """``y = act(y * scale + shift)`` on the ``rows x cols`` tile at ``loc = (pointer, ld)`` of
     element type ``dtype``, on ``stream``. ``scale``/``shift``: CuPy vectors of the compute type
     shaped to broadcast, ``(rows, 1)``, ``(1, cols)`` or ``(1, 1)``; ``param``: the activation's
-    parameter (0 where it has none)."""
-    y = device_view(loc[0], rows, cols, loc[1], dtype)
+    parameter (0 where it has none). The threads walk the tile down its columns (memory order): a contiguous
+    tile as one flat array, any other as the transposed (row-major) view."""
+    p = scale.dtype.type(param)
     with stream:
-        _kernel(dtype, activation)(scale, shift, scale.dtype.type(param), y)
+        if loc[1] == rows and rows * cols < 1 << 32:
+            y = device_view(loc[0], rows * cols, 1, rows * cols, dtype)[:, 0]
+            _kernel(dtype, activation, True)(scale.reshape(-1), shift.reshape(-1), p, *_flat_index(scale, rows),
+                                             *_flat_index(shift, rows), y)
+        else:
+            y = device_view(loc[0], rows, cols, loc[1], dtype)
+            _kernel(dtype, activation)(scale.T, shift.T, p, y.T)
+
+
+def _flat_index(v, rows: int) -> tuple:
+    """(divisor, modulus) taking a column-major element's flat index to its entry of the vector ``v`` shaped
+    ``(rows, 1)`` (its row), ``(1, cols)`` (its column) or ``(1, 1)``."""
+    if v.shape[0] > 1:
+        return np.uint32(1), np.uint32(v.shape[0])
+    return (np.uint32(rows), np.uint32(v.shape[1])) if v.shape[1] > 1 else (np.uint32(1), np.uint32(1))
