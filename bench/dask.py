@@ -115,12 +115,31 @@ def _operands(args, xp_chunks: bool):
 
 
 def _check(a, b, c, n) -> float:
-    """The relative error of random rows of c against numpy on the same rows of a."""
+    """The relative error of random rows of c against those rows of a times b by dask.array's own matmul on
+    the workers (numpy's or CuPy's per block), so no operand is gathered whole to the client."""
     rows = np.sort(np.random.default_rng(0).choice(n, size=min(CHECK_ROWS, n), replace=False))
-    ra, rc, bb = (np.asarray(getattr(x, "get", lambda: x)()) for x in
-                  (a[rows].compute(), c[rows].compute(), b.compute()))
-    ref = ra @ bb
+    rc, ref = (np.asarray(getattr(x, "get", lambda: x)()) for x in (c[rows].compute(), (a[rows] @ b).compute()))
     return float(np.linalg.norm(rc - ref) / np.linalg.norm(ref))
+
+
+def _gpu_names() -> list:
+    """The names of the GPUs this node has (none without CuPy or a GPU)."""
+    try:
+        import cupy
+        return [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode()
+                for d in range(cupy.cuda.runtime.getDeviceCount())]
+    except Exception:  # noqa: BLE001 - a CPU-only node
+        return []
+
+
+def _sync_devices() -> None:
+    """Wait for every GPU this process sees (CuPy launches return before their kernels finish: a persisted
+    CuPy-chunked product is done only when its GPUs are)."""
+    if "cupy" in sys.modules:
+        import cupy
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            with cupy.cuda.Device(d):
+                cupy.cuda.runtime.deviceSynchronize()
 
 
 def run_cluster(args, method: str) -> dict:
@@ -143,6 +162,7 @@ def run_cluster(args, method: str) -> dict:
             else:
                 c = c.persist()
                 wait(c)
+            client.run(_sync_devices)
             dt = time.perf_counter() - t
             mem = client.run(_sample_stop)
             if args.sink == "sum":  # sum(A B) = (1^T A)(B 1)
@@ -174,16 +194,19 @@ def run_single(args) -> dict:
         import cupy
         a, b = cupy.asarray(a), cupy.asarray(b)
     blasx.matmul(a[:256], b[:, :256])
+    _sync_devices()
     best = None
     for _ in range(args.runs):
         t = time.perf_counter()
         c = blasx.matmul(a, b)
+        _sync_devices()
         dt = time.perf_counter() - t
         rows = np.arange(0, args.n, max(1, args.n // CHECK_ROWS))
         ref = np.asarray(a[rows].get() if args.gpu_chunks else a[rows]) @ (b.get() if args.gpu_chunks else b)
         got = c[rows].get() if args.gpu_chunks else c[rows]
         err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": None, "peak_worker_gpu_pool_bytes": None, "rel_err": err}
+        run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": None,
+               "peak_worker_gpu_pool_bytes": None, "rel_err": err}
         best = run if best is None or dt < best["seconds"] else best
     blasx.shutdown()
     return best
@@ -299,7 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
     res = {"host": socket.gethostname(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
-           "args": vars(args), "results": {}}
+           "command": "python -m bench.dask " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "gpus": _gpu_names(), "args": vars(args), "results": {}}
     for name in [s.strip() for s in args.contenders.split(",") if s.strip()]:
         print(f"{name} ...", file=sys.stderr, flush=True)
         if name == "blasx (one process)":

@@ -266,6 +266,35 @@ def read_network(path: str) -> Table:
                   ">= 1.7x torch, on one >= 0.85x."])
 
 
+def read_dask(path: str) -> Table:
+    doc = _load(path)
+    a, res = doc["args"], doc["results"]
+    gpus = doc.get("gpus")
+    if gpus:
+        machine = f"{len(gpus)}x {gpus[0]}"
+    else:
+        machine = "CPU only" if a["devices"] == "cpu" else f"devices {a['devices']} (GPU names not recorded)"
+    command = doc.get("command") or ("python -m bench.dask " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k in ("n", "block", "devices", "workers", "threads",
+                                                                      "layout", "sink"))
+        + (" --gpu-chunks" if a.get("gpu_chunks") else ""))
+    rows = [[name, _f(r["seconds"], 2), _f(r["gflops"] / 1e3, 1),
+             "-" if r.get("peak_worker_bytes") is None else _f(r["peak_worker_bytes"] / 2**20, 0),
+             "-" if r.get("peak_worker_gpu_pool_bytes") is None else _f(r["peak_worker_gpu_pool_bytes"] / 2**20, 0),
+             f"{r['rel_err']:.1e}"] for name, r in res.items()]
+    notes = []
+    bx, da_, one = res.get("blasx.dask"), res.get("dask.array"), res.get("blasx (one process)")
+    if bx and da_:
+        notes.append(f"blasx.dask / dask.array: {da_['seconds'] / bx['seconds']:.2f}x the speed "
+                     "(goal >= 3x, peak worker memory <= 1/2).")
+    if bx and one:
+        notes.append(f"Dask layer cost against blasx in one process: {bx['seconds'] / one['seconds'] - 1:+.0%} "
+                     "(goal <= 10%).")
+    return Table(machine, doc["date"][:16], command,
+                 ["contender", "seconds", "TFLOPS", "peak worker host MiB", "peak worker GPU pool MiB", "rel. error"],
+                 rows, notes)
+
+
 def _devices(text: str) -> str:
     """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
     names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
@@ -305,6 +334,9 @@ READERS = [
     Reader("Whole networks from host memory", "network-*.json", read_network,
            "`bench.network`: blasx.dnn.from_torch(...).compile() on 1 and 2 GPUs beside torch (cuDNN) on one GPU, "
            "the same host batch, every output checked against float64 torch."),
+    Reader("Dask distributed", "dask-*.json", read_dask,
+           "`bench.dask`: blasx.dask beside dask.array's own matmul and blasx in one process, each on a fresh "
+           "LocalCluster; results checked on random rows."),
     Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
            "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
 ]
