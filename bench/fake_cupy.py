@@ -199,6 +199,8 @@ def _current_device() -> int:
 
 
 class Device:
+    compute_capability = "90"
+
     def __init__(self, device=None):
         self.id = _current_device() if device is None else int(device)
 
@@ -348,6 +350,9 @@ def installed(record_calls: bool = False):
     sys.modules.update(mods)
     direct_cuda._GEMM[:] = [_gemm_stub(True)]
     direct_cuda._HANDLES.clear()
+    from blasx.runtime.devices import cublas_ctypes
+    saved_cc = cublas_ctypes.set_stream, cublas_ctypes.set_workspace
+    cublas_ctypes.set_stream = cublas_ctypes.set_workspace = lambda *args: None  # a handle's one-time binding
     for t in kernel_tables:
         t.clear()
     _clear_caches()
@@ -356,6 +361,7 @@ def installed(record_calls: bool = False):
     finally:
         _state["recording"] = False
         direct_cuda._GEMM[:] = saved_gemm
+        cublas_ctypes.set_stream, cublas_ctypes.set_workspace = saved_cc
         direct_cuda._HANDLES.clear()
         direct_cuda._HANDLES.update(saved_handles)
         for t, before in zip(kernel_tables, saved_kernels):

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gib", type=float, default=0.5,
                    help="blasx's tile cache per GPU in GiB (default 0.5: the layers run on their GPU, off the cache)")
     p.add_argument("--no-uncompiled", action="store_true", help="skip the uncompiled blasx runs")
+    p.add_argument("--graphs", action="store_true", help="also the compiled runs with compile(graphs=True) (GPUs: "
+                                                         "chunks replayed from CUDA graphs)")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
     p.add_argument("--tag", default="", help="name part of the output files: network-TAG-STAMP")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="directory of the .json and .md")
@@ -181,14 +183,16 @@ def bench_model(name: str, mode: str, args, log) -> dict:
                         "times": t_times})
     log(f"{name} {mode} torch: {args.batch / t_sec:.1f} images/s, error {torch_chk['error']:.2e}")
     sets = [[args.gpus[0]], args.gpus] if args.gpu and len(args.gpus) > 1 else [args.gpus]
-    configs = [(s, True) for s in sets] + ([] if args.no_uncompiled else [(sets[-1], False)])
-    for gpus, fuse in configs:
+    configs = [(s, True, False) for s in sets] + ([] if args.no_uncompiled else [(sets[-1], False, False)])
+    configs += [(s, True, True) for s in sets] if args.graphs and args.gpu else []
+    for gpus, fuse, graphs in configs:
         blasx.configure(devices=f"cuda:{','.join(map(str, gpus))}" if args.gpu else args.devices,
                         cache_bytes=int(args.cache_gib * (1 << 30)) if args.gpu else None)
         net = dnn.from_torch(model, (1, 3, args.size, args.size)).compile(dtype=_np_dtype(mode), math=MATH[mode],
                                                                           layout="cl" if args.gpu else "nchw",
-                                                                          fuse=fuse)
-        label = f"blasx {'compiled' if fuse else 'uncompiled'} x{len(gpus) if args.gpu else args.devices}"
+                                                                          fuse=fuse, graphs=graphs)
+        label = (f"blasx {'graphs' if graphs else 'compiled' if fuse else 'uncompiled'} "
+                 f"x{len(gpus) if args.gpu else args.devices}")
         try:
             sec, times, y = _timed(lambda: net(x, chunk=args.chunk, progress=False), args.warmup, args.reps)
         except Exception as e:  # noqa: BLE001 -- reported as ERROR, never silently dropped
@@ -201,7 +205,7 @@ def bench_model(name: str, mode: str, args, log) -> dict:
         run = {"name": label, "devices": len(gpus) if args.gpu else 1, "compiled": fuse, "seconds": sec,
                "images_per_s": args.batch / sec, "times": times, "vs_torch": t_sec / sec,
                "nodes": len(net.nodes) - 1, "layers": prof.summary()["layers"] if fuse else None,
-               "report": prof.report(top=15)}
+               "report": prof.report(top=15), "graphs": prof.graphs}
         row["runs"].append(run)
         if args.trace and fuse:
             prof.to_chrome_trace(os.path.join(args.out, f"network-{name}-{mode}-x{run['devices']}.trace.json"))

@@ -257,3 +257,13 @@ def test_vgg_style_with_lrn():
     x = _x(3)
     for fuse in (False, True):
         assert _rel(dnn.from_torch(m, (1, 3, 8, 8)).compile(fuse=fuse)(x), _torch64(m, x)) < 1e-10
+
+
+def test_graphs_option_is_checked_and_is_a_no_op_on_the_host():
+    """compile(graphs=True) replays chunks from CUDA graphs on GPUs only: on the host the run is the same."""
+    blasx.configure(devices="sim:1", tile=16)
+    m = ResNetish(bn=False).eval()
+    with pytest.raises(TypeError, match="graphs: got 1"):
+        dnn.from_torch(m, (1, 3, 8, 8)).compile(graphs=1)
+    net = dnn.from_torch(m, (1, 3, 8, 8)).compile(graphs=True)
+    assert _rel(net(_x(4), chunk=2), _torch64(m, _x(4))) < 1e-12 and net.last_profile().graphs is None

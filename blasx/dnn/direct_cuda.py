@@ -57,19 +57,41 @@ def _gemm_fn():
     return _GEMM[0]
 
 
-def _take_handle(device_id: int):
-    """One of this module's cuBLAS handles on the device, the caller's until :func:`_give_handle` (host pointer
-    mode; its stream set per call): threads issuing GEMMs at once each hold their own, never waiting on a lock,
-    and a handle outlives the thread that used it."""
+MAX_STREAMS = 32  # streams per process whose handles are bound to them; the rest share per-device handles
+
+
+def _take_handle(device_id: int, stream: int):
+    """A cuBLAS handle (host pointer mode) that issues on ``stream``, the caller's until :func:`_give_handle`:
+    threads issuing GEMMs at once each hold their own, never waiting on a lock. A handle is bound to one
+    stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
+    executor) keeps a workspace no other stream writes. Past MAX_STREAMS streams, handles are shared per device
+    and their stream and workspace set whenever the stream changes."""
+    bound = (device_id, stream) in _HANDLES or len(_HANDLES) < MAX_STREAMS
+    key = (device_id, stream) if bound else device_id
     try:
-        return _HANDLES.setdefault(device_id, []).pop()
+        h = _HANDLES.setdefault(key, []).pop()
     except IndexError:
-        from cupy_backends.cuda.libs import cublas
-        return cublas.create()
+        h = _new_handle()
+    if h[2] != stream:  # a new handle, or a shared one last used on another stream
+        from ..runtime.devices import cublas_ctypes as cc
+        cc.set_stream(h[0], stream)
+        cc.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
+        h = (h[0], h[1], stream)
+    return key, h
 
 
-def _give_handle(device_id: int, handle) -> None:
-    _HANDLES[device_id].append(handle)
+def _new_handle() -> tuple:
+    """(handle, its workspace, the stream it is bound to: none yet)."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    ws = cupy.empty(workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), dtype=np.uint8)
+    return cublas.create(), ws, None
+
+
+def _give_handle(key, h) -> None:
+    _HANDLES[key].append(h)
 
 
 # ---------------------------------------------------------------- launches, prepared once per plan
@@ -176,12 +198,11 @@ class CudaOps:
 
     def __init__(self, geo: ConvGeometry, cl: bool, bufs: dict, dtype, math: str) -> None:
         import cupy
-        from cupy_backends.cuda.libs import cublas
         self.geo, self.cl, self.bufs, self.dtype = geo, cl, bufs, np.dtype(dtype)
         self.compute, self.scalars, self._keep = gemm_consts(dtype, math)
         self.stream = cupy.cuda.get_current_stream()
         self.device = cupy.cuda.Device().id
-        self.set_stream, self.gemm_fn = cublas.setStream, _gemm_fn()
+        self.gemm_fn = _gemm_fn()
         self.ptrs: dict = {}
         self.flat: dict = {}
 
@@ -222,12 +243,11 @@ class CudaOps:
         args = (*g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
                 self._ptr(b[0]) + b[1], b[2], *g.ldb, self.scalars[g.beta], self._ptr(c[0]) + c[1], c[2], *g.ldc,
                 self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
-        handle = _take_handle(self.device)
+        key, h = _take_handle(self.device, self.stream.ptr)
         try:
-            self.set_stream(handle, self.stream.ptr)
-            status = self.gemm_fn(handle, *args)
+            status = self.gemm_fn(h[0], *args)
         finally:
-            _give_handle(self.device, handle)
+            _give_handle(key, h)
         if status != 0:
             raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
 

@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..operands import is_cupy
-from . import direct_cache, lanes, layers
+from . import chunk_graph, direct_cache, lanes, layers
+from .chunk_graph import ChunkGraph
 from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
 
 
 # ---------------------------------------------------------------- profile
+
+GRAPH_ENTRY = "(cuda graph)"  # the profile's entry for chunks replayed from CUDA graphs
 
 @dataclass
 class LayerStat:
@@ -54,6 +57,7 @@ class NetworkProfile:
     devices: tuple
     layers: list
     events: list = field(default_factory=list)
+    graphs: dict | None = None  # chunk_graph.summary over the workers (graphs on), counted since they were made
 
     @property
     def images_per_s(self) -> float:
@@ -82,6 +86,11 @@ class NetworkProfile:
         lines = [f"network: {self.images} images in {self.wall:.4f} s ({self.images_per_s:.1f} images/s), "
                  f"{self.chunks} chunks on {', '.join(self.devices)}",
                  f"{'layer':<28}{'op':<18}{'seconds':>10}{'share':>8}{'TFLOPS':>9}  {'algo':<10}fused"]
+        if self.graphs is not None:
+            g = self.graphs
+            lines.insert(1, f"CUDA graphs: {g['captured']} chunk shapes captured, {g['replays']} replays, "
+                            f"{g['eager']} eager chunks, {g['failures']} failed captures"
+                            + (f" (last: {g['error']})" if g["error"] else ""))
         for r in rows_shown:
             lines.append(f"{r.name[:27]:<28}{r.op:<18}{r.seconds:>10.5f}{r.seconds / total:>8.1%}{r.tflops:>9.2f}  "
                          f"{r.algo or '-':<10}{'+'.join(r.fused) if r.fused else '-'}")
@@ -140,9 +149,11 @@ class Worker:
     """Runs chunks on one device (``device`` None: the host) with its own buffers and, on a GPU, its own stream."""
 
     def __init__(self, graph: Graph, plan: BufferPlan, chunk_shape: tuple, dtype, math, weights: dict,
-                 device: int | None, lane: int, lay: str):
+                 device: int | None, lane: int, lay: str, graphs: bool = False):
         self.graph, self.plan, self.dtype, self.math, self.weights = graph, plan, np.dtype(dtype), math, weights
         self.device, self.lane, self.layout = device, lane, lay
+        self.graphs = graphs and device is not None  # chunks replayed from CUDA graphs (chunk_graph.py)
+        self.chunk_graphs: dict = {}  # chunk shape -> ChunkGraph
         self.label = "host" if device is None else f"cuda:{device}"
         self.stats: dict = {}
         if device is None:
@@ -187,21 +198,55 @@ class Worker:
 
     def forward(self, x, chunk: int, t_origin: float):
         """The graph's output for the chunk ``x`` (an array on this worker's device)."""
+        marks = [self._mark(0)]  # mark i: the end of node i - 1 and the start of node i
+        y = self._nodes(x, marks)
+        self._account(self.graph.nodes[1:], self._per_shape(tuple(x.shape))[1], marks, chunk, t_origin)
+        return y
+
+    def _nodes(self, x, marks: list | None = None):
+        """The nodes on ``x`` in order (a timing mark after each where ``marks`` is a list)."""
         graph = self.graph
-        _, fl, outs = self._per_shape(tuple(x.shape))
+        _, _, outs = self._per_shape(tuple(x.shape))
         values = {graph.nodes[0].name: x}
         last = self.last
-        nodes = graph.nodes[1:]
-        marks = [self._mark(0)]  # mark i: the end of node i - 1 and the start of node i
-        for i, node in enumerate(nodes, 1):
+        for i, node in enumerate(graph.nodes[1:], 1):
             values[node.name] = layers.run_node(node, [values[n] for n in node.inputs], self.weights.get(node.name, {}),
                                                 outs[node.name], self.math)
-            marks.append(self._mark(i))
+            if marks is not None:
+                marks.append(self._mark(i))
             for n in last.get(i, ()):
                 if n != graph.output:
                     values.pop(n, None)
-        self._account(nodes, fl, marks, chunk, t_origin)
         return values[graph.output]
+
+    def _forward_staged(self, xd, chunk: int, t_origin: float):
+        """The output for the chunk in this worker's input buffer ``xd``: from the shape's CUDA graph where
+        there is one (captured on the shape's second chunk), else eagerly."""
+        if not self.graphs:
+            return self.forward(self._prepared(xd), chunk, t_origin)
+        g = self.chunk_graphs.setdefault(tuple(xd.shape), ChunkGraph())
+        if g.wants_capture():
+            g.capture(self.xp, self.stream, lambda: self._nodes(self._prepared(xd)))
+        if g.graph is None:
+            g.eager += 1
+            return self.forward(self._prepared(xd), chunk, t_origin)
+        start = self._mark(0)
+        y = g.replay(self.stream)
+        self._account_graph(tuple(xd.shape), start, self._mark(1), chunk, t_origin)
+        return y
+
+    def _account_graph(self, shape: tuple, start, end, chunk: int, t_origin: float) -> None:
+        """A replayed chunk as one "(cuda graph)" entry of the profile (its layers are not timed apart)."""
+        import cupy
+        self.stream.synchronize()
+        seconds = cupy.cuda.get_elapsed_time(start, end) / 1e3
+        s = time.perf_counter() - seconds - t_origin
+        st = self.stats.get(GRAPH_ENTRY)
+        if st is None:
+            st = self.stats[GRAPH_ENTRY] = LayerStat(GRAPH_ENTRY, "graph", self.label)
+        st.seconds += seconds
+        st.flops += sum(self._per_shape(shape)[1].values())
+        self.events.append((self.label, self.lane, chunk, GRAPH_ENTRY, s, s + seconds))
 
     def _mark(self, i: int):
         if self.device is None:
@@ -260,16 +305,19 @@ class Worker:
     def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool):
         """A chunk through the graph on this worker, its output returned (on the host where ``host_in``):
         a host chunk for a GPU worker is copied in through page-locked staging, its output out the same way."""
-        if self.device is None or not host_in:
+        if self.device is None or not (host_in or self.graphs):
             with self.context():
                 return self.forward(self._prepared(xc), chunk, t_origin)
         import cupy
         with self.context():
+            xd = self.x_dev[:xc.size].reshape(xc.shape)
+            if not host_in:  # a graph reads its chunk from this worker's own buffer
+                xd[...] = xc
+                return self._forward_staged(xd, chunk, t_origin)
             stage = self.pinned_in[:xc.size].reshape(xc.shape)
             np.copyto(stage, xc, casting="unsafe")
-            xd = self.x_dev[:xc.size].reshape(xc.shape)
             xd.set(stage, stream=self.stream)
-            y = self.forward(self._prepared(xd), chunk, t_origin)
+            y = self._forward_staged(xd, chunk, t_origin)
             if self.pinned_out is None or self.pinned_out.size < y.size:
                 self.pinned_out = _pinned(y.size, y.dtype)
             host = self.pinned_out[:y.size].reshape(y.shape)
@@ -364,4 +412,6 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
     stats = [s for w in workers for s in w.stats.values()]
     events = sorted((e for w in workers for e in w.events), key=lambda e: e[4])
     devices = tuple(dict.fromkeys(w.label for w in workers))
-    return state["out"], NetworkProfile(wall, n, len(spans), devices, stats, events)
+    graphs = chunk_graph.summary(g for w in workers for g in w.chunk_graphs.values()) \
+        if any(w.graphs for w in workers) else None
+    return state["out"], NetworkProfile(wall, n, len(spans), devices, stats, events, graphs)

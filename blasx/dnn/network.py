@@ -18,7 +18,7 @@ import numpy as np
 from .. import precision
 from ..operands import is_cupy
 from . import executor, passes
-from .args import check_dtype
+from .args import check_dtype, check_flag
 from .graph import Graph, infer_shapes
 from .layers import takes_out
 
@@ -35,7 +35,7 @@ class Network:
         self.graph = graph.validate()
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.compiled: Graph | None = None
-        self.math, self.layout, self.dtype, self.workers_per_gpu = None, "nchw", None, 2
+        self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "nchw", None, 2, False
         self._lock = threading.Lock()
         self._weights: dict = {}
         self._workers: dict = {}
@@ -46,10 +46,12 @@ class Network:
     # ---------------------------------------------------------------- compile
 
     def compile(self, dtype=None, math: str | None = None, layout: str = "nchw", fuse: bool = True,
-                workers_per_gpu: int = 2) -> "Network":
+                workers_per_gpu: int = 2, graphs: bool = False) -> "Network":
         """Run the graph passes (``fuse=False``: keep the graph as built) and fix the run's options:
         ``dtype`` (None: each call's x's), ``math`` (float32 GEMMs: "ieee" or "tf32"), ``layout`` of the
-        activations ("nchw" or "cl", channels-last), ``workers_per_gpu`` (chunks in flight per GPU)."""
+        activations ("nchw" or "cl", channels-last), ``workers_per_gpu`` (chunks in flight per GPU),
+        ``graphs``: on GPUs, each worker replays a chunk shape's layers from a CUDA graph captured on its
+        second chunk (chunk_graph.py; the profile then times replayed chunks as a whole)."""
         if dtype is not None:
             dtype = check_dtype("dtype", np.empty(0, dtype=dtype))
         math = precision.check_math(math)
@@ -57,6 +59,7 @@ class Network:
             raise ValueError(f"layout: got {layout!r}; allowed: {', '.join(map(repr, LAYOUTS))}")
         if not isinstance(workers_per_gpu, int) or workers_per_gpu < 1:
             raise ValueError(f"workers_per_gpu: got {workers_per_gpu!r}; need an int >= 1")
+        graphs = check_flag("graphs", graphs)
         g = self.graph
         if fuse:
             g = passes.drop_identities(g)
@@ -64,6 +67,7 @@ class Network:
             g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
         self.compiled = passes.remove_dead(g).validate()
         self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu
+        self.graphs = graphs
         self._run = None
         self.algo = self.algos()
         with self._lock:
@@ -154,14 +158,14 @@ class Network:
 
     def _workers_for(self, devices, dtype, chunk_shape) -> list:
         lanes = [(None, 0)] if devices == [None] else [(d, i) for d in devices for i in range(self.workers_per_gpu)]
-        key = (tuple(lanes), np.dtype(dtype).str, tuple(chunk_shape), self.layout)
+        key = (tuple(lanes), np.dtype(dtype).str, tuple(chunk_shape), self.layout, self.graphs)
         with self._lock:
             ws = self._workers.get(key)
         if ws is None:
             plan = self.buffer_plan(chunk_shape)
             g = self.compiled or self.graph
             ws = [executor.Worker(g, plan, chunk_shape, dtype, self.math, self._weights_on(d, dtype), d, lane,
-                                  self.layout) for d, lane in lanes]
+                                  self.layout, self.graphs) for d, lane in lanes]
             with self._lock:
                 self._workers = {key: ws}  # one configuration kept: buffers of another are freed
         return ws

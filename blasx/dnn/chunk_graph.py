@@ -1,0 +1,68 @@
+"""A network worker's forward of one chunk shape captured into a CUDA graph and replayed
+(``Network.compile(graphs=True)``): one launch a chunk instead of a Python call per layer, so the host keeps up
+with the GPUs and several GPUs' workers stop queueing for the interpreter.
+
+The first chunk of a shape runs eagerly (kernels compiled, channel vectors uploaded, scratch sized, weight
+transforms made); the next is captured on the worker's stream and replayed, and every later one replays.
+What the layers allocate inside the capture comes from a memory pool of the graph's own, kept with it (its
+replays write there and nothing else allocates from it); the convolutions' GEMMs use cuBLAS handles bound to
+the worker's stream with their own workspaces (direct_cuda). A capture that fails (a synchronising call of
+another thread can invalidate it) is tried again on the next chunks, :data:`TRIES` times in all; then the
+shape stays eager and ``error`` says why.
+"""
+
+from __future__ import annotations
+
+TRIES = 3  # captures tried per chunk shape
+
+
+class ChunkGraph:
+    """One worker's graph of one chunk shape: its state, the graph, its memory pool and its output array."""
+
+    def __init__(self) -> None:
+        self.eager = 0  # chunks run eagerly
+        self.replays = 0
+        self.fails = 0
+        self.error = ""
+        self.graph = None
+        self.pool = None
+        self.y = None
+
+    def wants_capture(self) -> bool:
+        return self.graph is None and self.eager > 0 and self.fails < TRIES
+
+    def capture(self, xp, stream, forward) -> bool:
+        """``forward()`` (the layers on the worker's fixed input buffer) captured on ``stream``, the current
+        stream; True when it worked (nothing ran: replay it for this chunk)."""
+        pool = xp.cuda.MemoryPool()
+        try:
+            with xp.cuda.using_allocator(pool.malloc):
+                stream.begin_capture()
+                try:
+                    y = forward()
+                finally:
+                    graph = stream.end_capture()  # an invalidated capture ends with an error
+        except Exception as exc:  # noqa: BLE001 - the shape runs eagerly; the reason is kept
+            self.fails += 1
+            self.error = f"{type(exc).__name__}: {exc}"
+            return False
+        self.graph, self.pool, self.y = graph, pool, y
+        return True
+
+    def replay(self, stream):
+        """The chunk's output (this graph's own array, rewritten by the next replay)."""
+        self.graph.launch(stream)
+        self.replays += 1
+        return self.y
+
+
+def summary(graphs) -> dict:
+    """Counts over ``graphs`` (ChunkGraph): shapes captured, replays, eager chunks, failed captures, last error."""
+    out = {"captured": 0, "replays": 0, "eager": 0, "failures": 0, "error": ""}
+    for g in graphs:
+        out["captured"] += g.graph is not None
+        out["replays"] += g.replays
+        out["eager"] += g.eager
+        out["failures"] += g.fails
+        out["error"] = g.error or out["error"]
+    return out
