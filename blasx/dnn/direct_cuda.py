@@ -57,7 +57,7 @@ def _gemm_fn():
     return _GEMM[0]
 
 
-MAX_STREAMS = 32  # streams per process whose handles are bound to them; the rest share per-device handles
+MAX_STREAMS = 16  # streams per process whose handles are bound to them; the rest share per-device handles
 
 
 def _take_handle(device_id: int, stream: int):
