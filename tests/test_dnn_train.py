@@ -133,6 +133,29 @@ def test_resnet_style(dtype):
     _check(ResNetish(), np.random.default_rng(0).standard_normal((4, 3, 8, 8)), dtype)
 
 
+@pytest.mark.parametrize("model", ["resnet", "mobilenet"])
+def test_float16_training_is_as_accurate_as_torchs_float16(model):
+    """float16 (float32 arithmetic inside each layer, float16 between them, as torch): every gradient within
+    1.5x of the error CPU torch's own float16 run has, both against float64 torch."""
+    import copy
+    torch.manual_seed(0)
+    m = (ResNetish() if model == "resnet" else MobileNetish()).double().train()
+    x = np.random.default_rng(0).standard_normal((8, 3, 16, 16))
+    net = dnn.from_torch(m, (2, 3, 16, 16))
+    m16 = copy.deepcopy(m).half()
+    y = net.forward_train(x.astype(np.float16))
+    g = np.random.default_rng(1).standard_normal(y.shape)
+    gx = net.backward(g.astype(np.float16))
+    xt, xh = torch.from_numpy(x).requires_grad_(), torch.from_numpy(x).half().requires_grad_()
+    m(xt).backward(torch.from_numpy(g))
+    m16(xh).backward(torch.from_numpy(g).half())
+    assert y.dtype == gx.dtype == np.float16
+    assert _err(gx, xt.grad) <= 1.5 * _err(xh.grad.numpy(), xt.grad) + 1e-3, "input gradient"
+    p16 = dict(m16.named_parameters())
+    for k, p in m.named_parameters():
+        assert _err(net.grads[k], p.grad) <= 1.5 * _err(p16[k].grad.numpy(), p.grad) + 1e-3, k
+
+
 def test_resnet_style_two_steps_accumulate_and_running_stats_follow():
     """Two forward/backward pairs: gradients add up (torch's accumulation) and the running statistics
     (momentum and cumulative average) take both batches."""

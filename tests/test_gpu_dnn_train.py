@@ -81,3 +81,26 @@ def test_resnet_style_on_cupy(dtype):
         want = p.detach().numpy() - 0.1 * p.grad.numpy()
         assert np.linalg.norm(net.parameters()[k] - want) <= TOL[dtype] * max(np.linalg.norm(want), 0.1), k
 
+
+
+def test_resnet_style_float16_on_cupy_as_accurate_as_torchs_float16():
+    """float16 training on a GPU: every gradient within 1.5x of the error CPU torch's own float16 run has
+    (both against float64 torch), as on the host (test_dnn_train.py)."""
+    import copy
+    blasx.configure(devices="cuda")
+    torch.manual_seed(0)
+    m = ResNetish().double().train()
+    net = dnn.from_torch(m, (2, 3, 16, 16))
+    m16 = copy.deepcopy(m).half()
+    x = np.random.default_rng(0).standard_normal((8, 3, 16, 16))
+    g = np.random.default_rng(1).standard_normal((8, 10))
+    y = net.forward_train(cupy.asarray(x.astype(np.float16)))
+    gx = net.backward(cupy.asarray(g.astype(np.float16)))
+    xt, xh = torch.from_numpy(x).requires_grad_(), torch.from_numpy(x).half().requires_grad_()
+    m(xt).backward(torch.from_numpy(g))
+    m16(xh).backward(torch.from_numpy(g).half())
+    assert y.dtype == gx.dtype == np.float16
+    assert _err(gx, xt.grad) <= 1.5 * _err(xh.grad.numpy(), xt.grad) + 1e-3, "input gradient"
+    p16 = dict(m16.named_parameters())
+    for k, p in m.named_parameters():
+        assert _err(net.grads[k], p.grad) <= 1.5 * _err(p16[k].grad.numpy(), p.grad) + 1e-3, k
