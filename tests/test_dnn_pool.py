@@ -199,6 +199,31 @@ def test_nan_inf_ties(name, args, nd):
     np.testing.assert_array_equal(ours(cl(x), *args, return_indices=True)[1], ref_i.numpy())
 
 
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("lay", ["nchw", "cl"])
+def test_windows_over_padding_alone(nd, lay):
+    """Dilation with ceil_mode can leave windows no input position (a 1-wide dim, kernel 2, dilation 2,
+    padding 1): forward gives torch's -inf and index (past the plane); backward drops their gradient (torch's
+    CPU kernel writes it past the plane, into the next one: compared with that gradient zeroed)."""
+    from blasx.dnn.pool_geometry import empty_windows, window
+    k, s, p, d = 2, 1, 1, 2
+    size = (1, 4, 3)[:nd]
+    empty = empty_windows(window("max_pool", nd, size, "max", k, s, p, d, True))
+    assert empty is not None and empty.all()
+    x = np.random.default_rng(nd).standard_normal((2, 3, *size))
+    xt = torch.from_numpy(x).requires_grad_()
+    y, i = getattr(F, f"max_pool{nd}d")(xt, k, s, p, d, True, return_indices=True)
+    xin = cl(x) if lay == "cl" else x
+    yb, ib = getattr(dnn, f"max_pool{nd}d")(xin, k, s, p, d, True, return_indices=True)
+    assert np.array_equal(yb, y.detach().numpy()) and np.array_equal(ib, i.numpy()) and np.isinf(yb).all()
+    g = np.random.default_rng(9).standard_normal(y.shape)
+    y.backward(torch.from_numpy(np.where(empty, 0.0, g)))
+    gin = cl(g) if lay == "cl" else g
+    gb = getattr(dnn, f"max_pool{nd}d_backward")(gin, xin, ib, k, s, p, d, True)
+    assert np.array_equal(gb, xt.grad.numpy()) and not gb.any()
+    assert empty_windows(window("max_pool", nd, (5,) * nd, "max", k, s, p, d, True)) is None
+
+
 def test_nan_last_wins_and_inf_average():
     x = np.array([[[1.0, np.nan, 3.0, np.nan, 2.0]]])
     y, i = dnn.max_pool1d(x, 5, return_indices=True)

@@ -22,7 +22,7 @@ from . import pool_kernels as kernels
 from .args import check_array, check_flag, check_out, check_shape
 from .arrays import on_device_of, xp_of
 from .geometry import layout
-from .pool_geometry import adaptive, check_input, shape_of, window
+from .pool_geometry import adaptive, check_input, empty_windows, shape_of, window
 
 __all__ = [f"{p}{nd}d{s}" for p in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool")
            for nd in (1, 2, 3) for s in ("", "_backward")]
@@ -154,7 +154,12 @@ def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
         if np.dtype(indices.dtype).kind not in "iu":
             raise TypeError(f"indices: expected an integer array (int64, as forward returns), got {indices.dtype}")
         plane = int(np.prod(size))
+        empty = empty_windows(geo)  # windows over padding alone: their index is past the plane, unread
         with on_device_of(indices):  # the reduction runs on the indices' GPU, not the current one
+            if empty is not None:
+                keep = xp.asarray(~empty)
+                indices = xp.where(keep, indices, 0)
+                grad_output = xp.multiply(grad_output, keep.astype(grad_output.dtype), out=xp.empty_like(grad_output))
             lo, hi = (int(indices.min()), int(indices.max())) if indices.size else (0, 0)
         if indices.size and not (0 <= lo and hi < plane):
             raise ValueError(f"indices: values must lie in [0, {plane}) (positions in the input's spatial plane "

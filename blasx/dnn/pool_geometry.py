@@ -149,6 +149,25 @@ def windows(geo: PoolGeometry) -> list[Windows]:
     return out
 
 
+def empty_windows(geo: PoolGeometry) -> np.ndarray | None:
+    """Boolean ``out_size`` array of the windows holding no input position (dilation with ceil_mode can make
+    them: torch's max pool gives such a window -inf and an index past the plane, and its backward drops it);
+    None where there is none."""
+    if geo.adaptive:
+        return None
+    inside = []
+    for w in windows(geo):
+        r = np.arange(geo.kernel[len(inside)])
+        pos = w.start[:, None] + r[None, :] * w.step
+        inside.append(((pos >= 0) & (pos < w.size)).any(axis=1))
+    if all(v.all() for v in inside):
+        return None
+    full = np.ones(geo.out_size, dtype=bool)
+    for j, v in enumerate(inside):
+        full &= v.reshape((1,) * j + (-1,) + (1,) * (geo.nd - j - 1))
+    return ~full
+
+
 def divisor(geo: PoolGeometry) -> np.ndarray:
     """The divisor of each output of an average pool (shape ``out_size``), as torch: divisor_override, or the
     window's size clipped to the padded input (count_include_pad) or to the input."""
