@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -121,6 +122,9 @@ def _stop(cancel: bool) -> None:
         host_device = None
     if eng is not None:
         eng.shutdown(cancel=cancel)
+    lanes = sys.modules.get("blasx.dnn.lanes")  # blasx.dnn's long-lived threads, where it was used
+    if lanes is not None:
+        lanes.stop_idle()
 
 
 # Workers are non-daemon threads, and the interpreter joins those *before* running atexit

@@ -37,3 +37,14 @@ def test_errors_reach_the_joiner_and_the_lane_lives_on():
     again = lanes.start(lambda: None)
     again.join()
     assert again.error is None
+
+
+def test_shutdown_ends_the_idle_lanes():
+    import blasx
+    lanes.start(lambda: None).join()
+    assert any(t.name.startswith("blasx-lane-") for t in threading.enumerate())
+    blasx.shutdown()
+    assert not any(t.name.startswith("blasx-lane-") for t in threading.enumerate()) and lanes.count()[1] == 0
+    job = lanes.start(lambda: None)  # and lanes start again after it
+    job.join()
+    assert job.error is None

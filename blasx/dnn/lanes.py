@@ -2,8 +2,8 @@
 
 A thread that ends takes CuPy's per-thread library handles with it, and a cuBLAS handle destroyed while another
 thread captures a CUDA graph invalidates that capture; a fresh thread also pays for new handles on its first
-call. So these loops run on threads kept for the process: an idle lane is reused and a new one starts only when
-all are busy (a job may wait on another job's progress, so none ever queues behind a busy lane).
+call. So these loops run on threads kept until ``blasx.shutdown()``: an idle lane is reused and a new one starts
+only when all are busy (a job may wait on another job's progress, so none ever queues behind a busy lane).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ class _Lane(threading.Thread):
 
     def run(self) -> None:
         while True:
-            fn, job = self.jobs.get()
+            item = self.jobs.get()
+            if item is None:  # stop_idle's sentinel
+                return
+            fn, job = item
             try:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever joins the job
@@ -61,6 +64,17 @@ def start(fn) -> Job:
             lane.start()
     lane.jobs.put((fn, job))
     return job
+
+
+def stop_idle(timeout: float = 5.0) -> None:
+    """End the idle lanes (blasx.shutdown: no blasx thread outlives it); busy ones finish their jobs and stay."""
+    with _lock:
+        idle = list(_idle)
+        _idle.clear()
+    for lane in idle:
+        lane.jobs.put(None)
+    for lane in idle:
+        lane.join(timeout)
 
 
 def count() -> tuple:
