@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gib", type=float, default=0.5,
                    help="blasx's tile cache per GPU in GiB (default 0.5: the layers run on their GPU, off the cache)")
     p.add_argument("--no-uncompiled", action="store_true", help="skip the uncompiled blasx runs")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run (seconds; default Python's 0.005): how soon a worker "
+                        "thread back from a CUDA call gets the interpreter from the others")
     p.add_argument("--graphs", action="store_true", help="also the compiled runs with compile(graphs=True) (GPUs: "
                                                          "chunks replayed from CUDA graphs)")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
@@ -260,6 +263,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
     os.makedirs(args.out, exist_ok=True)
+    if args.switch_interval is not None:
+        if not args.switch_interval > 0:
+            raise SystemExit(f"--switch-interval: got {args.switch_interval}, need seconds > 0")
+        sys.setswitchinterval(args.switch_interval)
     rows = [bench_model(name, mode, args, log) for name in args.models for mode in args.modes]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     result = {"command": "python -m bench.network " + " ".join(sys.argv[1:] if argv is None else argv),
