@@ -12,41 +12,12 @@ import blasx
 from blasx import dnn
 
 torch = pytest.importorskip("torch")
+from train_ref import ResNetish, check_float16  # noqa: E402 - after torch is known to be there
+from train_ref import err as _err  # noqa: E402
+
 nn, F = torch.nn, torch.nn.functional
 
 TOL = {np.float64: 1e-11, np.float32: 1e-4}
-
-
-def _err(a, ref) -> float:
-    """Relative-norm error; against a reference of (about) zero, absolute (a bias before a batch norm)."""
-    a, ref = np.asarray(a, np.float64), ref.detach().double().numpy()
-    assert a.shape == ref.shape, (a.shape, ref.shape)
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 0.1))
-
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c, momentum=None)
-
-    def forward(self, x):
-        y = F.relu(self.b1(self.c1(x)))
-        return F.relu(self.b2(self.c2(y)) + x)
-
-
-class ResNetish(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.pool = nn.MaxPool2d(2)
-        self.blocks = nn.Sequential(Block(8), Block(8))
-        self.gap = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(8, 5)
-
-    def forward(self, x):
-        x = self.pool(F.relu(self.bn(self.stem(x))))
-        return self.fc(torch.flatten(self.gap(self.blocks(x)), 1))
 
 
 class MobileNetish(nn.Module):
@@ -137,23 +108,9 @@ def test_resnet_style(dtype):
 def test_float16_training_is_as_accurate_as_torchs_float16(model):
     """float16 (float32 arithmetic inside each layer, float16 between them, as torch): every gradient within
     1.5x of the error CPU torch's own float16 run has, both against float64 torch."""
-    import copy
     torch.manual_seed(0)
     m = (ResNetish() if model == "resnet" else MobileNetish()).double().train()
-    x = np.random.default_rng(0).standard_normal((8, 3, 16, 16))
-    net = dnn.from_torch(m, (2, 3, 16, 16))
-    m16 = copy.deepcopy(m).half()
-    y = net.forward_train(x.astype(np.float16))
-    g = np.random.default_rng(1).standard_normal(y.shape)
-    gx = net.backward(g.astype(np.float16))
-    xt, xh = torch.from_numpy(x).requires_grad_(), torch.from_numpy(x).half().requires_grad_()
-    m(xt).backward(torch.from_numpy(g))
-    m16(xh).backward(torch.from_numpy(g).half())
-    assert y.dtype == gx.dtype == np.float16
-    assert _err(gx, xt.grad) <= 1.5 * _err(xh.grad.numpy(), xt.grad) + 1e-3, "input gradient"
-    p16 = dict(m16.named_parameters())
-    for k, p in m.named_parameters():
-        assert _err(net.grads[k], p.grad) <= 1.5 * _err(p16[k].grad.numpy(), p.grad) + 1e-3, k
+    check_float16(dnn.from_torch(m, (2, 3, 16, 16)), m, np.random.default_rng(0).standard_normal((8, 3, 16, 16)))
 
 
 def test_resnet_style_two_steps_accumulate_and_running_stats_follow():
