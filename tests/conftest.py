@@ -96,6 +96,29 @@ def run_bounded():
     return _run_bounded
 
 
+def _in_threads(fn, n: int) -> None:
+    """``fn(i)`` for i < n on n threads at once; the first error any raised is raised here."""
+    errors = []
+
+    def body(i):
+        try:
+            fn(i)
+        except BaseException as exc:  # noqa: BLE001 - raised in the test
+            errors.append(exc)
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def in_threads():
+    return _in_threads
+
+
 @pytest.fixture(scope="session")
 def rel_err():
     return _rel_err

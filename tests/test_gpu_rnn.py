@@ -211,29 +211,19 @@ def test_diagonal_graphs_equal_eager(ngpu):
 
 
 @pytest.mark.parametrize("layers", [1, 4])
-def test_threads_calling_one_shape_at_once(layers):
+def test_threads_calling_one_shape_at_once(layers, in_threads):
     """Several threads running the same shape at the same time (one graph key) each get their own answer: a
     graph entry belongs to one call at a time, on whatever stream that call uses."""
-    import threading
     rng = np.random.default_rng(4)
     m = torch.nn.LSTM(16, 32, num_layers=layers)
     p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
     xs = [cupy.asarray(rng.standard_normal((30, 4, 16)).astype(np.float32)) for _ in range(4)]
     with rnn_graph.eager():
         refs = [dnn.lstm(x, None, p, num_layers=layers)[0] for x in xs]
-    errors = []
 
     def call(i):
-        try:
-            with cupy.cuda.Stream(non_blocking=True):
-                for _ in range(5):
-                    y = dnn.lstm(xs[i], None, p, num_layers=layers)[0]
-                    assert float(cupy.abs(y - refs[i]).max()) == 0.0
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            errors.append(exc)
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+        with cupy.cuda.Stream(non_blocking=True):
+            for _ in range(5):
+                y = dnn.lstm(xs[i], None, p, num_layers=layers)[0]
+                assert float(cupy.abs(y - refs[i]).max()) == 0.0
+    in_threads(call, 4)

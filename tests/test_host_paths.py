@@ -333,27 +333,16 @@ def test_profile_without_trace(rand):
     assert blasx.last_profile() is p  # made once
 
 
-def test_threads_keep_their_own_profiles(rand, rel_err):
-    errors = []
-
+def test_threads_keep_their_own_profiles(rand, rel_err, in_threads):
     def work(i):
-        try:
-            n = 8 + i
-            a, b = rand((n, n), seed=i, order="C"), rand((n, n), seed=i + 100, order="F")
-            for _ in range(100):
-                assert rel_err(blasx.matmul(a, b), np.matmul(a, b)) < 1e-12
-                assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
-                assert rel_err(B.dgemm(1.0, a, b), S.dgemm(1.0, a, b)) < 1e-12
-                assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+        n = 8 + i
+        a, b = rand((n, n), seed=i, order="C"), rand((n, n), seed=i + 100, order="F")
+        for _ in range(100):
+            assert rel_err(blasx.matmul(a, b), np.matmul(a, b)) < 1e-12
+            assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
+            assert rel_err(B.dgemm(1.0, a, b), S.dgemm(1.0, a, b)) < 1e-12
+            assert blasx.last_profile().totals()["flops"] == 2 * n ** 3
+    in_threads(work, 4)
 
 
 def test_reconfigure_while_threads_call(rand, rel_err):
