@@ -267,3 +267,13 @@ def test_graphs_option_is_checked_and_is_a_no_op_on_the_host():
         dnn.from_torch(m, (1, 3, 8, 8)).compile(graphs=1)
     net = dnn.from_torch(m, (1, 3, 8, 8)).compile(graphs=True)
     assert _rel(net(_x(4), chunk=2), _torch64(m, _x(4))) < 1e-12 and net.last_profile().graphs is None
+
+
+def test_default_chunk_by_exact_value():
+    """The batch over the lanes once, at most CHUNK_MAX images, within a worker's share of free device memory."""
+    from blasx.dnn.network import CHUNK_MAX, default_chunk
+    mib, gib = 1 << 20, 1 << 30
+    assert default_chunk(1024, 2, mib, 80 * gib, 2) == CHUNK_MAX == 256
+    assert default_chunk(1024, 8, mib, 80 * gib, 2) == 128
+    assert default_chunk(100_000, 4, 10 * mib, 8 * gib, 2) == 51  # (8 GiB * 0.5 / 2) // (10 MiB * 4)
+    assert default_chunk(3, 4, mib, 80 * gib, 2) == 1 and default_chunk(5, 1, 10 * gib, gib, 2) == 1

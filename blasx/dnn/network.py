@@ -23,7 +23,18 @@ from .graph import Graph, infer_shapes
 from .layers import takes_out
 
 LAYOUTS = ("nchw", "cl")
-CHUNKS_PER_WORKER = 4  # the default chunk: the batch split so that each worker takes about this many
+CHUNK_MAX = 256  # images a default chunk at most: past it a GPU's layers gain little and its buffers grow
+CHUNK_MEMORY_SHARE = 0.5  # of a GPU's free memory, what its workers' default chunks may take together
+SCRATCH_FACTOR = 4  # a chunk's device memory over its planned activations (im2col scratch, temporaries)
+
+
+def default_chunk(n: int, lanes: int, per_image: int, free: int, workers_per_gpu: int) -> int:
+    """Images in the default chunk (pure): the batch over the lanes once -- each lane's layers cost the host the
+    same per chunk, whatever its size, and a GPU's workers overlap each other's copies -- at most CHUNK_MAX, and
+    what fits a worker's share of its GPU's ``free`` bytes at ``per_image`` planned activation bytes an image
+    (times SCRATCH_FACTOR); at least 1."""
+    fit = int(free * CHUNK_MEMORY_SHARE / workers_per_gpu) // max(1, per_image * SCRATCH_FACTOR)
+    return max(1, min(math.ceil(n / lanes), CHUNK_MAX, fit))
 
 
 class Network:
@@ -172,7 +183,7 @@ class Network:
 
     def __call__(self, x, chunk: int | None = None, progress: bool | None = None):
         """Inference on the batch ``x`` (numpy on the host, of any size, or CuPy on one GPU): chunks of
-        ``chunk`` images (None: the batch split about CHUNKS_PER_WORKER ways per worker) through all GPUs of
+        ``chunk`` images (None: :func:`default_chunk`, bounded by device memory) through all GPUs of
         the engine (host x), x's GPU (CuPy x) or the host (no GPU: numpy layers on the engine's devices).
         ``progress``: a progress line on stderr (None: only when stderr is a terminal)."""
         from ..progress import wanted
@@ -188,7 +199,7 @@ class Network:
         devices = gpus if gpus else [None]
         lanes = len(devices) * (self.workers_per_gpu if gpus else 1)
         if chunk is None:
-            chunk = max(1, math.ceil(n / (lanes * CHUNKS_PER_WORKER))) if gpus else n
+            chunk = self._default_chunk(x, n, lanes, dtype, gpus) if gpus and b == 0 else n
         chunk = min(chunk, n) if b == 0 else n
         chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
         workers = self._workers_for(devices, dtype, chunk_shape)
@@ -199,6 +210,14 @@ class Network:
         for st in self._profile.layers:
             st.algo = algo.get(st.name, "")
         return out
+
+    def _default_chunk(self, x, n: int, lanes: int, dtype, gpus: list) -> int:
+        from .direct_cache import free_bytes
+        plan = self.buffer_plan((1, *x.shape[1:]))
+        import cupy
+        with cupy.cuda.Device(gpus[0]):
+            free = free_bytes(gpus[0])
+        return default_chunk(n, lanes, sum(plan.sizes) * np.dtype(dtype).itemsize, free, self.workers_per_gpu)
 
     def last_profile(self) -> executor.NetworkProfile | None:
         """The per-layer profile of the last call (time, TFLOPS, device, what each node fused, a conv's
