@@ -207,6 +207,41 @@ def _with_empties(step, xp, dtype):
                  for a in step)
 
 
+def _join_runs(steps: list, xp) -> list:
+    """CuPy blocks: each run of gemm steps with one (alpha, trans_a, trans_b) reading dependency blocks becomes
+    one ``("gemm_joined", alpha, a_refs, trans_a, b_refs, trans_b)`` step: one engine call over the run's whole
+    k, its pieces joined along k on the GPU, whose C tiles get every k step (and split-k where they are few)
+    instead of one call per k interval. Host blocks keep their steps: joining would add the panels' bytes to
+    the worker's bounded host memory."""
+    if xp is np:
+        return steps
+    out: list = []
+    for s in steps:
+        plain = s[0] == "gemm" and all(isinstance(r, Ref) and r.slot >= 0 for r in (s[2], s[4]))
+        last = out[-1] if out else None
+        same = last is not None and last[0] == "gemm_joined" and (last[1], last[3], last[5]) == (s[1], s[3], s[5])
+        if plain and same:
+            out[-1] = (*last[:2], last[2] + (s[2],), last[3], last[4] + (s[4],), last[5])
+        elif plain:
+            out.append(("gemm_joined", s[1], (s[2],), s[3], (s[4],), s[5]))
+        else:
+            out.append(s)
+    return [("gemm", s[1], s[2][0], s[3], s[4][0], s[5], 1.0) if s[0] == "gemm_joined" and len(s[2]) == 1 else s
+            for s in out]
+
+
+def _run_joined(step, deps, acc, xp):
+    """acc += alpha op(a) op(b) over the joined k: the pieces concatenated along k, one blasx call."""
+    _, alpha, a_refs, ta, b_refs, tb = step
+    a = xp.concatenate([_read(r, deps, (), xp) for r in a_refs], axis=1 if ta == 0 else 0)
+    b = xp.concatenate([_read(r, deps, (), xp) for r in b_refs], axis=0 if tb == 0 else 1)
+    _add(a.nbytes + b.nbytes)
+    try:
+        return blasx.gemm(alpha, a, b, beta=1.0, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
+    finally:
+        _add(-a.nbytes - b.nbytes)
+
+
 def run_block(plan: Block, deps: list):
     """The task: the output block of ``plan`` from the dependency blocks ``deps``."""
     xp = _array_module(deps)
@@ -216,7 +251,7 @@ def run_block(plan: Block, deps: list):
     try:
         acc = _init(plan, deps, xp)
         _add(acc.nbytes)
-        steps = [_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps]
+        steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps], xp)
         pool = ThreadPoolExecutor(1) if plan.stores and len(steps) > 1 else None
         try:
             nxt = None
@@ -225,7 +260,8 @@ def run_block(plan: Block, deps: list):
                 nxt = (pool.submit(_load, steps[i + 1], deps, plan.stores, xp)
                        if pool is not None and i + 1 < len(steps) else None)
                 try:
-                    acc = _apply(step, pieces, acc, xp)
+                    joined = step[0] == "gemm_joined"
+                    acc = _run_joined(step, deps, acc, xp) if joined else _apply(step, pieces, acc, xp)
                 finally:
                     _release(step, pieces)
                     del pieces
