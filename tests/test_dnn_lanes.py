@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from blasx.dnn import lanes
 
 
@@ -48,3 +50,56 @@ def test_shutdown_ends_the_idle_lanes():
     job = lanes.start(lambda: None)  # and lanes start again after it
     job.join()
     assert job.error is None
+
+
+def _interrupt_first_join(monkeypatch):
+    """Job.join raises KeyboardInterrupt the first time (a Ctrl-C while the caller waits), then waits."""
+    real, seen = lanes.Job.join, []
+
+    def join(self):
+        if not seen:
+            seen.append(1)
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(lanes.Job, "join", join)
+
+
+def test_ctrl_c_while_joining_waits_for_the_jobs_then_raises(monkeypatch):
+    release, done = threading.Event(), []
+    jobs = [lanes.start(lambda i=i: (release.wait(10), done.append(i))) for i in range(3)]
+    _interrupt_first_join(monkeypatch)
+    stopped = []
+    with pytest.raises(KeyboardInterrupt):
+        lanes.join_all(jobs, lambda exc: (stopped.append(type(exc)), release.set()))
+    assert stopped == [KeyboardInterrupt] and sorted(done) == [0, 1, 2]  # every job ended before the raise
+
+
+def test_network_run_stops_its_workers_before_ctrl_c_reaches_the_caller(monkeypatch):
+    """A Ctrl-C in net(x) on several workers: they take no more chunks, and none still runs when it is raised."""
+    import numpy as np
+
+    from blasx.dnn import executor
+
+    class Stub:
+        def __init__(self, lane):
+            self.lane, self.label, self.graphs, self.chunk_graphs = lane, "cuda:0", False, {}
+            self.stats, self.events = {}, []
+
+        def reset(self):
+            pass
+
+        def context(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def run_chunk(self, xc, k, t0, host_in):
+            active.append(self.lane)
+            threading.Event().wait(0.02)
+            ran.append(k)
+            active.remove(self.lane)
+            return xc * 2.0
+    active, ran = [], []
+    _interrupt_first_join(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        executor.run([Stub(0), Stub(1)], np.ones((40, 3)), 0, 1, False)
+    assert active == [] and len(ran) < 40

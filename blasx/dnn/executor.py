@@ -403,9 +403,11 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
     if len(workers) == 1:
         loop(workers[0])
     else:
-        jobs = [lanes.start(lambda w=w: loop(w)) for w in workers]
-        for job in jobs:
-            job.join()
+        def stop(exc) -> None:  # the workers take no more chunks
+            with lock:
+                if state["error"] is None:
+                    state["error"] = exc
+        lanes.join_all([lanes.start(lambda w=w: loop(w)) for w in workers], stop)
     if state["error"] is not None:
         raise state["error"]
     wall = time.perf_counter() - t0

@@ -66,6 +66,25 @@ def start(fn) -> Job:
     return job
 
 
+def join_all(jobs, on_interrupt=None) -> None:
+    """Wait for every job. An exception in the waiting thread (Ctrl-C) calls ``on_interrupt()`` (to make the
+    jobs stop early), waits for them all the same -- further Ctrl-Cs held back -- and is then raised: when the
+    caller gets it, no job still touches the caller's buffers."""
+    pending = None
+    for job in jobs:
+        while True:
+            try:
+                job.join()
+                break
+            except BaseException as exc:  # noqa: BLE001 - held back until every job has stopped
+                if pending is None:
+                    pending = exc
+                    if on_interrupt is not None:
+                        on_interrupt(exc)
+    if pending is not None:
+        raise pending
+
+
 def stop_idle(timeout: float = 5.0) -> None:
     """End the idle lanes (blasx.shutdown: no blasx thread outlives it); busy ones finish their jobs and stay."""
     with _lock:
