@@ -355,7 +355,8 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
         if graphs:
             key = ("diag-bwd", dev, spec.mode, layers, T, B, out, H, str(store), tuple(pb.bs), ops.math,
                    tuple(parts))
-            e = rnn_graph.diag_entry(key, lambda: rnn_graph.Diag(xp, backward_bufs(xp, fb, spec.mode), xp.empty_like(W)))
+            e = rnn_graph.diag_entry(key, lambda: rnn_graph.Diag(xp, backward_bufs(xp, fb, spec.mode),
+                                                                 xp.empty_like(W)))
             b = e.b
             for dst, src in ((b.D, fb.D), (b.C, fb.C), (b.G, fb.G), (e.w, W)):
                 if src is not None:
@@ -439,7 +440,7 @@ def _grads(xp, spec, layers, b: Bufs, T: int, B: int, f, store, mm, pb):
         z = z if z.dtype == f else z.astype(f)
         if layer == 0:  # its input half multiplies zeros; W_ih_l0's gradient comes from x (the caller's)
             dwi, dwh = None, mm(dg.T, xp.ascontiguousarray(z[:, out:]))
-            grads["_dgx0"] = xp.ascontiguousarray(dg[:, :spec.gates * H])
+            grads["_dgx0"] = dg[:, :spec.gates * H].copy()  # a copy: dg may be a view of the graph entry's buffers
         else:
             dw = mm(dg.T, z)
             dwi, dwh = dw[:, :out], dw[:, out:]
