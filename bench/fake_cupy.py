@@ -30,7 +30,11 @@ _stream_ids = itertools.count(0x1000, 0x10)
 
 
 def record(*entry) -> None:
-    if _state["recording"]:
+    """A launch: into the open capture's graph while a stream captures, else into LOG while recording."""
+    graph = getattr(_local, "capture", None)
+    if graph is not None:
+        graph.append(entry)
+    elif _state["recording"]:
         LOG.append(entry)
 
 
@@ -113,7 +117,9 @@ class ndarray(np.ndarray):
 def empty(shape, dtype=float, order="C"):
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     dt = np.dtype(dtype)
-    mem = _Mem(int(np.prod(shape)) * dt.itemsize, _current_device())
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    alloc = getattr(_local, "allocator", None)
+    mem = alloc(nbytes).mem if alloc is not None else _Mem(nbytes, _current_device())
     a = np.ndarray.__new__(ndarray, shape, dt, buffer=mem.raw)
     a._mem = mem
     return a
@@ -164,8 +170,7 @@ class ElementwiseKernel:
         self.name = name
 
     def __call__(self, *args, size=None, **kw):
-        if _state["recording"]:
-            LOG.append(("kernel", self.name, tuple(_describe(a) for a in args), size))
+        record("kernel", self.name, tuple(_describe(a) for a in args), size)
         return args[-1] if args else None
 
 
@@ -241,6 +246,51 @@ def get_current_stream():
     return getattr(_local, "stream", _NULL)
 
 
+class Graph:
+    """A captured sequence of launches; ``launch`` records one entry (the launches are not repeated)."""
+
+    def __init__(self, entries: list):
+        self.entries = entries
+
+    def launch(self, stream=None):
+        record("graph_launch", len(self.entries), getattr(stream, "ptr", None))
+
+
+def _begin_capture(self, mode=None):
+    if getattr(_local, "capture", None) is not None:
+        raise RuntimeError("a capture is already open in this thread")
+    _local.capture = []
+
+
+def _end_capture(self):
+    entries, _local.capture = _local.capture, None
+    return Graph(entries)
+
+
+Stream.begin_capture, Stream.end_capture = _begin_capture, _end_capture
+
+
+class MemoryPool:
+    """A pool whose allocations are counted (a graph's private pool in the network executor)."""
+
+    def __init__(self):
+        self.allocations = 0
+
+    def malloc(self, nbytes: int):
+        self.allocations += 1
+        return MemoryPointer(_Mem(nbytes, _current_device()))
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    before = getattr(_local, "allocator", None)
+    _local.allocator = allocator
+    try:
+        yield
+    finally:
+        _local.allocator = before
+
+
 class Event:
     def record(self, stream=None):
         pass
@@ -273,7 +323,7 @@ def _build_modules() -> dict:
         setattr(cupy, name, globals()[name])
     cuda = types.ModuleType("cupy.cuda")
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
-                 "MemoryPointer", "UnownedMemory"):
+                 "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
@@ -302,7 +352,7 @@ def _gemm_stub(ctypes_marshalling: bool):
         fn.restype = I
 
         def gemm(*args):
-            LOG.append(("gemm", *args[1:], ctypes.string_at(args[6], 4), ctypes.string_at(args[15], 4)))
+            record("gemm", *args[1:], ctypes.string_at(args[6], 4), ctypes.string_at(args[15], 4))
             return fn(*args)
         return gemm if _state["recording"] else fn
     return None

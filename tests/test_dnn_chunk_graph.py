@@ -103,3 +103,54 @@ def test_interrupt_inside_the_capture_ends_it_and_propagates():
     with pytest.raises(KeyboardInterrupt):
         g.capture(XP, _Stream(), stop)
     assert not _state["capturing"] and _state["allocator"] is None and g.graph is None
+
+
+def _launches(entries) -> list:
+    """Launches by kind and what tells them apart besides addresses (kernel name; GEMM dims and types)."""
+    out = []
+    for e in entries:
+        if e[0] == "kernel":
+            out.append(("kernel", e[1], e[3]))
+        elif e[0] == "gemm":
+            out.append(("gemm", *e[1:6]))
+        elif e[0] in ("contiguous", "fill", "setitem", "copy", "astype", "tile", "zeros", "ufunc"):
+            out.append((e[0], e[1]))
+    return out
+
+
+def test_network_chunks_replay_their_graph_on_a_stand_in_gpu(monkeypatch):
+    """Network.compile(graphs=True) on bench/fake_cupy's stand-in GPU: a worker's first chunk runs eagerly, its
+    second is captured (temporaries from the graph's own pool) and every chunk after is one graph launch; the
+    captured launches are the eager run's, in order."""
+    torch = pytest.importorskip("torch")
+    import blasx
+    from bench import fake_cupy
+    from blasx import dnn, session
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                      nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                      nn.Linear(8, 4)).eval()
+    monkeypatch.setattr(session, "cuda_ordinals", lambda: [0])
+    x = np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)
+    try:
+        with fake_cupy.installed(record_calls=True) as fake:
+            eager = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32, layout="cl", workers_per_gpu=1)
+            eager(x[:2], chunk=2)
+            fake.log.clear()
+            eager(x[:2], chunk=2)  # one chunk, warm
+            want = _launches(fake.log)
+            net = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32, layout="cl", workers_per_gpu=1,
+                                                             graphs=True)
+            y = net(x, chunk=2)
+            g = net.last_profile().graphs
+            assert y.shape == (8, 4) and g == {"captured": 1, "replays": 3, "eager": 1, "failures": 0, "error": ""}
+            (worker,) = net._workers_for([0], np.dtype(np.float32), (2, 3, 16, 16))
+            (cg,) = worker.chunk_graphs.values()
+            assert cg.pool.allocations > 0  # the capture's temporaries came from the graph's pool
+            fake.log.clear()
+            net(x, chunk=2)
+            assert [e[0] for e in fake.log if e[0] == "graph_launch"] == ["graph_launch"] * 4
+            assert not any(e[0] in ("kernel", "gemm") for e in fake.log)  # no layer ran from Python
+        assert _launches(cg.graph.entries) == want  # the eager chunk's launches, in order
+    finally:
+        blasx.shutdown()
