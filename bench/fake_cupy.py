@@ -396,6 +396,7 @@ def installed(record_calls: bool = False):
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
+    _state["mem_info_calls"] = 0
     _state["recording"] = record_calls
     sys.modules.update(mods)
     direct_cuda._GEMM[:] = [_gemm_stub(True)]
