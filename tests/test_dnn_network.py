@@ -277,3 +277,18 @@ def test_default_chunk_by_exact_value():
     assert default_chunk(1024, 8, mib, 80 * gib, 2) == 128
     assert default_chunk(100_000, 4, 10 * mib, 8 * gib, 2) == 51  # (8 GiB * 0.5 / 2) // (10 MiB * 4)
     assert default_chunk(3, 4, mib, 80 * gib, 2) == 1 and default_chunk(5, 1, 10 * gib, gib, 2) == 1
+
+
+def test_profile_algorithms_are_worked_out_once_per_configuration(monkeypatch):
+    blasx.configure(devices="sim:1", tile=16)
+    net = dnn.from_torch(ResNetish(bn=False).eval(), (1, 3, 8, 8)).compile()
+    calls = []
+    real = net.algos
+    monkeypatch.setattr(net, "algos", lambda *a: calls.append(a) or real(*a))
+    for _ in range(3):
+        net(_x(4), chunk=2)
+    assert len(calls) == 1 and net.last_profile().by_layer()[0].algo == "engine"
+    net(_x(4), chunk=1)  # another chunk shape
+    net.compile()
+    net(_x(4), chunk=1)  # compile forgets it
+    assert [a[0] for a in calls if a] == [(2, 3, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8)]  # (compile's own: no args)

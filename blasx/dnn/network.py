@@ -78,7 +78,7 @@ class Network:
             g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
         self.compiled = passes.remove_dead(g).validate()
         self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu
-        self.graphs = graphs
+        self.graphs, self._algos_key = graphs, None
         self._run = None
         self.algo = self.algos()
         with self._lock:
@@ -206,10 +206,21 @@ class Network:
         self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
         import sys
         out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
-        algo = self.algos(*self._run)
+        algo = self._run_algos()
         for st in self._profile.layers:
             st.algo = algo.get(st.name, "")
         return out
+
+    def _run_algos(self) -> dict:
+        """:meth:`algos` of the last call's chunks, kept while the graph, the forced form and the find-db are
+        the same (a call's profile reads it; working it out again per call cost milliseconds). compile()
+        forgets it."""
+        from .. import perfdb
+        from . import conv_direct, finddb
+        key = (self._run, self.layout, self.math, conv_direct.FORM, finddb._state(perfdb.default_path()))
+        if getattr(self, "_algos_key", None) != key:
+            self._algos_key, self._algos_val = key, self.algos(*self._run)
+        return self._algos_val
 
     def _default_chunk(self, x, n: int, lanes: int, dtype, gpus: list) -> int:
         from .direct_cache import free_bytes
