@@ -281,14 +281,9 @@ class MemoryPool:
         return MemoryPointer(_Mem(nbytes, _current_device()))
 
 
-@contextlib.contextmanager
 def using_allocator(allocator=None):
-    before = getattr(_local, "allocator", None)
-    _local.allocator = allocator
-    try:
-        yield
-    finally:
-        _local.allocator = before
+    from blasx.threadlocal import setting
+    return setting(_local, "allocator", allocator)
 
 
 class Event:

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import dispatch, session
 from .checks import check_matrix, compute_dtype
+from .threadlocal import setting
 from .dispatch import Float16OverflowWarning  # noqa: F401 - blasx.precision.Float16OverflowWarning
 from .operands import is_cupy
 from .runtime import dtypes
@@ -60,12 +61,8 @@ def math_mode(math):
     if math is None:
         yield
         return
-    old = getattr(_override, "math", None)
-    _override.math = check_math(math)
-    try:
+    with setting(_override, "math", check_math(math)):
         yield
-    finally:
-        _override.math = old
 
 
 def takes(a_dtype, b_dtype, out_dtype=None) -> bool:

@@ -23,7 +23,6 @@ form's ``wt`` (the weight as ``(K, taps, C)`` row-major), ``xp`` and ``yw`` (see
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -32,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import dtypes
+from ..threadlocal import setting
 from . import finddb
 from .geometry import ConvGeometry
 
@@ -385,16 +385,10 @@ def gather_kernel_source(udt: str, index: str, nd: int, insert: bool) -> tuple[s
 
 # ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)
 
-@contextlib.contextmanager
 def on_own_gpu():
     """Within it, this thread's convolutions on CuPy arrays run on the arrays' GPU (this route), never
     split over the engine's GPUs: a network's per-GPU workers each hold a chunk of their own."""
-    before = getattr(_local, "on_own_gpu", False)
-    _local.on_own_gpu = True
-    try:
-        yield
-    finally:
-        _local.on_own_gpu = before
+    return setting(_local, "on_own_gpu", True)
 
 
 def applies(x, flops: float) -> bool:

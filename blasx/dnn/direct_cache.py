@@ -12,10 +12,11 @@ depends on.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
+
+from ..threadlocal import setting
 
 _local = threading.local()  # .workspace: the Workspace of this thread's calls, or None
 
@@ -138,16 +139,10 @@ def workspace():
     return getattr(_local, "workspace", None)
 
 
-@contextlib.contextmanager
 def using(ws: Workspace | None):
     """Within it, this thread's convolutions keep weights' transforms and scratch in ``ws``. Its owner
     promises that the weight arrays it passes are never changed and that every call runs on one stream."""
-    before = getattr(_local, "workspace", None)
-    _local.workspace = ws
-    try:
-        yield ws
-    finally:
-        _local.workspace = before
+    return setting(_local, "workspace", ws)
 
 
 def derived(weight, kind, make):

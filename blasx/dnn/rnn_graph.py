@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from ..threadlocal import setting
 from . import rnn_layer
 
 MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
@@ -38,16 +39,10 @@ def enabled() -> bool:
     return getattr(_local, "on", True)
 
 
-class eager:
+def eager():
     """``with rnn_graph.eager():`` runs this thread's CUDA step loops from Python, launch by launch (to compare
     or measure the per-step overhead a graph removes)."""
-
-    def __enter__(self):
-        self.old = enabled()
-        _local.on = False
-
-    def __exit__(self, *exc):
-        _local.on = self.old
+    return setting(_local, "on", False)
 
 
 def stats() -> dict:
