@@ -22,6 +22,7 @@ import numpy as np
 
 from . import rnn_cells, rnn_diag_cells
 from ..runtime import dtypes
+from .direct_cuda import gemm_consts
 
 
 def compute_type(dtype) -> np.dtype:
@@ -131,8 +132,6 @@ class CudaOps(_Moves):
         self._fn = None
         self._ph: dict = {}
         self.workspace = None
-        self._scal = {np.dtype(np.float32): (np.ones(1, np.float32), np.zeros(1, np.float32)),
-                      np.dtype(np.float64): (np.ones(1, np.float64), np.zeros(1, np.float64))}
 
     diag_forward = staticmethod(rnn_diag_cells.cupy_forward)
     diag_backward = staticmethod(rnn_diag_cells.cupy_backward)
@@ -156,14 +155,10 @@ class CudaOps(_Moves):
         n = out.shape[1]
         if m == 0:
             return
-        wide = a.dtype == np.float64
-        compute = dtypes.CUBLAS_COMPUTE_64F if wide else (
-            dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
-            else dtypes.CUBLAS_COMPUTE_32F)
-        one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
-        args = (1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+        compute, scal, _keep = gemm_consts(a.dtype, self.math)
+        args = (1 if trans_w else 0, 0, n, m, k, scal[1.0],
                 w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
-                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, zero.ctypes.data,
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, scal[0.0],
                 out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
         stream = cupy.cuda.get_current_stream().ptr
         if self.workspace is not None:
@@ -197,15 +192,11 @@ class CudaOps(_Moves):
         n = out.shape[2]
         ia, io = a.itemsize, out.itemsize
         assert a.strides[2] == ia and out.strides[2] == io and w.flags.c_contiguous
-        wide = a.dtype == np.float64
-        compute = dtypes.CUBLAS_COMPUTE_64F if wide else (
-            dtypes.CUBLAS_COMPUTE_32F_FAST_TF32 if self.math == "tf32" and a.dtype == np.float32
-            else dtypes.CUBLAS_COMPUTE_32F)
-        one, zero = self._scal[np.dtype(np.float64 if wide else np.float32)]
-        args = (1 if trans_w else 0, 0, n, m, k, one.ctypes.data,
+        compute, scal, _keep = gemm_consts(a.dtype, self.math)
+        args = (1 if trans_w else 0, 0, n, m, k, scal[1.0],
                 w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n, w.strides[0] // w.itemsize,
                 a.data.ptr, dtypes.CUDA_TYPE[a.dtype], a.strides[1] // ia, a.strides[0] // ia,
-                (one if beta else zero).ctypes.data,
+                scal[1.0 if beta else 0.0],
                 out.data.ptr, dtypes.CUDA_TYPE[out.dtype], out.strides[1] // io, out.strides[0] // io, nb,
                 compute, dtypes.CUBLAS_GEMM_DEFAULT)
         stream = cupy.cuda.get_current_stream().ptr
