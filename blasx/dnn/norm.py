@@ -233,6 +233,19 @@ def _layer_shape(x, normalized_shape):
     return shape, tuple(range(x.ndim - len(shape), x.ndim)), max(math.prod(shape), 1)
 
 
+def _affine_norm_args(x, weight, bias, shape, eps, return_stats, out) -> tuple:
+    """(array module, eps, return_stats) of layer_norm / group_norm, every argument checked before any work:
+    weight and bias of ``shape``, eps a finite real >= 0, out x's shape and type overlapping no input, all
+    on x's device."""
+    _params(np.dtype(x.dtype), weight=(weight, shape), bias=(bias, shape))
+    xp = xp_of(x, weight, bias, out)
+    eps = check_real("eps", eps, 0.0, finite=True)
+    return_stats = check_flag("return_stats", return_stats)
+    check_out(out, x.shape, x.dtype, x, x)
+    check_same_device(x, weight=weight, bias=bias, out=out)
+    return xp, eps, return_stats
+
+
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, return_stats=False, out=None):
     """torch.nn.functional.layer_norm: ``(x - mean) / sqrt(var + eps) * weight + bias`` with the statistics
     over the trailing ``normalized_shape`` dimensions of each sample; weight and bias have that shape.
@@ -243,12 +256,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *, ret
     """
     x = input
     shape, axes, count = _layer_shape(x, normalized_shape)
-    _params(np.dtype(x.dtype), weight=(weight, shape), bias=(bias, shape))
-    xp = xp_of(x, weight, bias, out)
-    eps = check_real("eps", eps, 0.0, finite=True)
-    return_stats = check_flag("return_stats", return_stats)
-    check_out(out, x.shape, x.dtype, x, x)
-    check_same_device(x, weight=weight, bias=bias, out=out)
+    xp, eps, return_stats = _affine_norm_args(x, weight, bias, shape, eps, return_stats, out)
     with on_device_of(x):
         x = xp.ascontiguousarray(x)
         y = out if out is not None else xp.empty(x.shape, dtype=x.dtype)
@@ -320,12 +328,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, return_st
     x = input
     g = _groups(x, num_groups, forward=True)
     n, c = x.shape[:2]
-    _params(np.dtype(x.dtype), weight=(weight, (c,)), bias=(bias, (c,)))
-    xp = xp_of(x, weight, bias, out)
-    eps = check_real("eps", eps, 0.0, finite=True)
-    return_stats = check_flag("return_stats", return_stats)
-    check_out(out, x.shape, x.dtype, x, x)
-    check_same_device(x, weight=weight, bias=bias, out=out)
+    xp, eps, return_stats = _affine_norm_args(x, weight, bias, (c,), eps, return_stats, out)
     with on_device_of(x):
         x = _prepared(xp, x)
         y = out if out is not None else xp.empty_like(x)
