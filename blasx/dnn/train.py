@@ -104,30 +104,23 @@ def _affine(w, gw, gb) -> dict:
     return {k: v for k, v in (("weight", gw), ("bias", gb)) if k in w}
 
 
-def _ln_f(n, args, w, ctx):
-    a = n.attrs
-    y, mean, rstd = _dnn().layer_norm(args[0], a["normalized_shape"], w.get("weight"), w.get("bias"),
-                                      a.get("eps", 1e-5), return_stats=True)
-    return y, (args[0], mean, rstd)
+def _affine_norm(name: str, attr: str) -> tuple:
+    """(forward, backward) of a layer_norm / group_norm node (``attr``: the attribute after x): the forward
+    keeps x and its statistics for the backward."""
+    def forward(n, args, w, ctx):
+        y, mean, rstd = getattr(_dnn(), name)(args[0], n.attrs[attr], w.get("weight"), w.get("bias"),
+                                              n.attrs.get("eps", 1e-5), return_stats=True)
+        return y, (args[0], mean, rstd)
+
+    def backward(n, g, saved, w, ctx):
+        x, mean, rstd = saved
+        gx, gw, gb = getattr(_dnn(), name + "_backward")(g, x, n.attrs[attr], w.get("weight"), mean, rstd)
+        return [gx], _affine(w, gw, gb)
+    return forward, backward
 
 
-def _ln_b(n, g, saved, w, ctx):
-    x, mean, rstd = saved
-    gx, gw, gb = _dnn().layer_norm_backward(g, x, n.attrs["normalized_shape"], w.get("weight"), mean, rstd)
-    return [gx], _affine(w, gw, gb)
-
-
-def _gn_f(n, args, w, ctx):
-    a = n.attrs
-    y, mean, rstd = _dnn().group_norm(args[0], a["num_groups"], w.get("weight"), w.get("bias"),
-                                      a.get("eps", 1e-5), return_stats=True)
-    return y, (args[0], mean, rstd)
-
-
-def _gn_b(n, g, saved, w, ctx):
-    x, mean, rstd = saved
-    gx, gw, gb = _dnn().group_norm_backward(g, x, n.attrs["num_groups"], w.get("weight"), mean, rstd)
-    return [gx], _affine(w, gw, gb)
+_ln_f, _ln_b = _affine_norm("layer_norm", "normalized_shape")
+_gn_f, _gn_b = _affine_norm("group_norm", "num_groups")
 
 
 def _max_args(n):
