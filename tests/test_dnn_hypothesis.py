@@ -412,18 +412,23 @@ def _pool_input(d, nd, rng):
     return x, layout_of(x, lay), lay, dtype
 
 
-@examples(150)
-@given(data=st.data())
-def test_max_pool(data):
-    """max_pool1d/2d/3d values and indices (exact) and max_pool*_backward against torch.autograd."""
-    d = data.draw
+def _window_pool_case(d):
+    """(nd, rng, x, x in its layout, layout, dtype, kernel, stride, padding) of a max or average pool case."""
     nd = d(st.integers(1, 3), "nd")
     rng = np.random.default_rng(d(st.integers(0, 2**16), "seed"))
     x, xin, lay, dtype = _pool_input(d, nd, rng)
     kernel = per_dim(d, 1, 4, nd)
     stride = d(st.one_of(st.none(), st.integers(1, 3), st.tuples(*[st.integers(1, 3)] * nd)), "stride")
-    padding, dilation = d(st.one_of(dims(0, 1, nd), dims(0, 2, nd)), "padding"), per_dim(d, 1, 2, nd)
-    ceil_mode = d(st.booleans(), "ceil_mode")
+    return nd, rng, x, xin, lay, dtype, kernel, stride, d(st.one_of(dims(0, 1, nd), dims(0, 2, nd)), "padding")
+
+
+@examples(150)
+@given(data=st.data())
+def test_max_pool(data):
+    """max_pool1d/2d/3d values and indices (exact) and max_pool*_backward against torch.autograd."""
+    d = data.draw
+    nd, rng, x, xin, lay, dtype, kernel, stride, padding = _window_pool_case(d)
+    dilation, ceil_mode = per_dim(d, 1, 2, nd), d(st.booleans(), "ceil_mode")
     args = (kernel, stride, padding, dilation, ceil_mode)
     fb, ft = getattr(dnn, f"max_pool{nd}d"), getattr(F, f"max_pool{nd}d")
     tx = wide(x, True)
@@ -451,12 +456,7 @@ def test_max_pool(data):
 def test_avg_pool(data):
     """avg_pool1d/2d/3d (ceil_mode, count_include_pad, divisor_override) and avg_pool*_backward."""
     d = data.draw
-    nd = d(st.integers(1, 3), "nd")
-    rng = np.random.default_rng(d(st.integers(0, 2**16), "seed"))
-    x, xin, lay, dtype = _pool_input(d, nd, rng)
-    kernel = per_dim(d, 1, 4, nd)
-    stride = d(st.one_of(st.none(), st.integers(1, 3), st.tuples(*[st.integers(1, 3)] * nd)), "stride")
-    padding = d(st.one_of(dims(0, 1, nd), dims(0, 2, nd)), "padding")
+    nd, rng, x, xin, lay, dtype, kernel, stride, padding = _window_pool_case(d)
     ceil_mode, count_include_pad = d(st.booleans(), "ceil_mode"), d(st.booleans(), "count_include_pad")
     args = (kernel, stride, padding, ceil_mode, count_include_pad)
     if nd > 1:
