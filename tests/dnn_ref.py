@@ -67,3 +67,27 @@ def wide(x, grad: bool = False):
     import torch
     t = torch.from_numpy(np.asarray(host(x), np.float64).copy())
     return t.requires_grad_() if grad else t
+
+
+def rand(rng, shape, dtype=np.float64, loc=0.0):
+    """Standard normal values (shifted by ``loc``) of ``dtype``."""
+    return (loc + rng.standard_normal(shape)).astype(dtype)
+
+
+def check_norm_stats_cast(to_device=lambda a: a) -> None:
+    """Statistics handed back in another float type (float64 for float32 data) are cast to the compute type:
+    batch, group and layer norm backward give the gradients they give with the forward's own statistics."""
+    from blasx import dnn
+    rng = np.random.default_rng(9)
+    x, g = to_device(rand(rng, (3, 4, 5), np.float32)), to_device(rand(rng, (3, 4, 5), np.float32))
+    w = to_device(rand(rng, (4,), np.float32))
+    for fwd, bwd in ((lambda: dnn.batch_norm(x, None, None, w, training=True, return_stats=True),
+                      lambda m, s: dnn.batch_norm_backward(g, x, w, m, s)),
+                     (lambda: dnn.group_norm(x, 2, w, return_stats=True),
+                      lambda m, s: dnn.group_norm_backward(g, x, 2, w, m, s)),
+                     (lambda: dnn.layer_norm(x, 5, return_stats=True),
+                      lambda m, s: dnn.layer_norm_backward(g, x, 5, None, m, s))):
+        _, m, s = fwd()
+        ref = bwd(m, s)
+        got = bwd(m.astype(np.float64), s.astype(np.float64))
+        assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, r) < 1e-6) for q, r in zip(got, ref))

@@ -18,15 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blasx import dnn
-from dnn_ref import cl, is_cl, rel, wide
+from dnn_ref import check_norm_stats_cast, cl, is_cl, rand, rel, wide
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5, np.dtype(np.float16): 4e-3, BF16: 3e-2}
 HALF = [np.dtype(np.float16), BF16]
-
-
-def rand(rng, shape, dtype=np.float64, loc=0.0):
-    return (loc + rng.standard_normal(shape)).astype(dtype)
 
 
 def maybe(rng, shape, dtype, present):
@@ -343,20 +339,7 @@ def test_validation_errors(case):
 
 
 def test_backward_takes_statistics_of_another_float_type():
-    """Statistics handed back in another float type (here float64 for float32 data) are cast to the compute type."""
-    rng = np.random.default_rng(9)
-    x, g = rand(rng, (3, 4, 5), np.float32), rand(rng, (3, 4, 5), np.float32)
-    w = rand(rng, (4,), np.float32)
-    for fwd, bwd in ((lambda: dnn.batch_norm(x, None, None, w, training=True, return_stats=True),
-                      lambda m, s: dnn.batch_norm_backward(g, x, w, m, s)),
-                     (lambda: dnn.group_norm(x, 2, w, return_stats=True),
-                      lambda m, s: dnn.group_norm_backward(g, x, 2, w, m, s)),
-                     (lambda: dnn.layer_norm(x, 5, return_stats=True),
-                      lambda m, s: dnn.layer_norm_backward(g, x, 5, None, m, s))):
-        _, m, s = fwd()
-        ref = bwd(m, s)
-        got = bwd(m.astype(np.float64), s.astype(np.float64))
-        assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, r) < 1e-6) for q, r in zip(got, ref))
+    check_norm_stats_cast()
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
