@@ -19,6 +19,7 @@ from blasx.dnn.geometry import layout
 from blasx.runtime.activations import NAMES, Activation
 from blasx.runtime.devices import cuda_epilogue as ce
 from dnn_ref import ACTS, DTYPES, TOL, act_fn as _fn, bfloat16, dtype_name as _name, cl, rel, wide
+from host_cc import compile_host
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -137,28 +138,15 @@ def test_one_table_host_cuda_and_gradient_forms_share_the_names():
             assert len(srcs) == 2
 
 
-_HOST_SHIMS = """#include <cmath>
-#include <cstring>
-using std::isnan;
-static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
-"""
-
-
 def test_cuda_pointwise_kernels_compiled_for_the_host_match_the_host_forms(tmp_path):
     """The standalone kernels' bodies (forward and gradient; float, double and bfloat16 bits) compiled by
     the host's C++ compiler: the host forms' results within 4 ulps of max(|result|, 1), NaN alike (gelu_tanh's
     gradient within 128: its 1 - tanh^2 cancels, and the host's and numpy's tanh differ by an ulp)."""
     import ctypes
-    import shutil
-    import subprocess
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
     if bfloat16 is not None:
         types[np.dtype(bfloat16)] = "unsigned short"
-    src = [_HOST_SHIMS]
+    src = []
     for dt, ctype in types.items():
         f = "double" if dt == np.float64 else "float"
         for n in NAMES:
@@ -170,10 +158,9 @@ def test_cuda_pointwise_kernels_compiled_for_the_host_match_the_host_forms(tmp_p
             src.append(f'extern "C" void {kname}(const {ctype}* gs, const {ctype}* ss, {ctype}* ys, long n, {f} p) '
                        f'{{ for (long j = 0; j < n; ++j) {{ const {ctype}& gin = gs[j]; const {ctype}& saved = ss[j]; '
                        f'{ctype}& yout = ys[j]; {op}; }} }}')
-    (tmp_path / "k.cpp").write_text("\n".join(src))
-    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
-                   check=True, capture_output=True)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    lib = compile_host(src, tmp_path)
+    if lib is None:
+        pytest.skip("no C++ compiler")
     x = np.concatenate([np.linspace(-9, 9, 1801), [-3.0, 3.0, 6.0, 0.0, -1e30, 1e30, np.inf, -np.inf, np.nan]])
     g = np.cos(np.arange(x.size)) * 3
     for dt in types:

@@ -17,6 +17,7 @@ from blasx import dnn
 from blasx.dnn import conv as conv_mod
 from blasx.dnn import conv_direct as cd
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
+from host_cc import compile_host
 
 
 def _rel(a, b):
@@ -46,26 +47,14 @@ def host_gather(nd: int, insert: bool):
     """The real gather kernel's operation (conv_direct.gather_kernel_source, float64 elements as their bits,
     int64 indices) compiled for the host as a loop over i; None without a C++ compiler."""
     if "lib" not in _HOST:
-        import ctypes
-        import shutil
-        import subprocess
-        import tempfile
-        cxx = shutil.which("c++") or shutil.which("g++")
-        _HOST["lib"] = None
-        if cxx is not None:
-            src = []
-            for d in (1, 2, 3):
-                for z in (False, True):
-                    _, _, op, name = cd.gather_kernel_source("uint64", "int64", d, z)
-                    args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
-                    src.append(f'extern "C" void {name}(const unsigned long long* x, unsigned long long* col, '
-                               f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
-            d = tempfile.mkdtemp()
-            with open(f"{d}/g.cpp", "w") as f:
-                f.write("\n".join(src))
-            subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", f"{d}/g.so", f"{d}/g.cpp"], check=True,
-                           capture_output=True)
-            _HOST["lib"] = ctypes.CDLL(f"{d}/g.so")
+        src = []
+        for d in (1, 2, 3):
+            for z in (False, True):
+                _, _, op, name = cd.gather_kernel_source("uint64", "int64", d, z)
+                args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
+                src.append(f'extern "C" void {name}(const unsigned long long* x, unsigned long long* col, '
+                           f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
+        _HOST["lib"] = compile_host(src)
     lib = _HOST["lib"]
     if lib is None:
         return None

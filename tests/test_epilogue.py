@@ -23,6 +23,7 @@ from blasx.dnn.activations import affine_reference, reference
 from blasx.runtime.activations import NAMES, Activation, parse_activation
 from blasx.runtime.epilogues import ChannelAffine
 from blasx.runtime.tiling import TileRef
+from host_cc import compile_host
 
 try:
     from ml_dtypes import bfloat16
@@ -326,40 +327,26 @@ def test_flat_form_indexes_the_vectors_as_broadcasting_does():
     assert len(names) == len(FLOATS) * (len(NAMES) + 1)
 
 
-_HOST_SHIMS = """#include <cmath>
-#include <cstring>
-using std::isnan;
-static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
-"""
-
-
 def test_cuda_expressions_compiled_for_the_host_match_numpy(tmp_path):
     """The kernels' loop bodies (float, double and bfloat16 bits; float16 needs CUDA's type)
     compiled with the host's C++ compiler: the same results as the numpy forms within 2 ulps of
     the larger of the result and 1, NaN where numpy has NaN, bfloat16 rounding exact."""
     import ctypes
-    import shutil
-    import subprocess
     from blasx.runtime.devices import cuda_epilogue as ce
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
     if bfloat16 is not None:
         types[np.dtype(bfloat16)] = "unsigned short"
     acts = [None, *NAMES]
-    src = [_HOST_SHIMS]
+    src = []
     for dt, ctype in types.items():
         f = "double" if dt == np.float64 else "float"
         for a in acts:
             _, _, op, name = ce.kernel_source(dt, a)
             src.append(f'extern "C" void {name}({ctype}* ys, long n, {f} sc, {f} sh, {f} p) '
                        f'{{ for (long j = 0; j < n; ++j) {{ {ctype}& y = ys[j]; {op}; }} }}')
-    (tmp_path / "k.cpp").write_text("\n".join(src))
-    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "k.so"), str(tmp_path / "k.cpp")],
-                   check=True, capture_output=True)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
+    lib = compile_host(src, tmp_path)
+    if lib is None:
+        pytest.skip("no C++ compiler")
     x = np.concatenate([np.linspace(-30, 30, 2001), [-1e30, 1e30, np.inf, -np.inf, np.nan, 0.0]])
     for dt in types:
         ct = np.float64 if dt == np.float64 else np.float32
