@@ -91,3 +91,15 @@ def check_norm_stats_cast(to_device=lambda a: a) -> None:
         ref = bwd(m, s)
         got = bwd(m.astype(np.float64), s.astype(np.float64))
         assert all(r is None and q is None or (q.dtype == r.dtype and rel(q, r) < 1e-6) for q, r in zip(got, ref))
+
+
+def memory(a, cl: bool):
+    """An (N, C, ...) array's memory in the layout, flat: NCHW, or N(spatial)C for channels-last."""
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1) if cl else a).ravel()
+
+
+def from_memory(flat, shape, cl: bool):
+    """The (N, C, ...) array of ``shape`` whose memory in the layout is ``flat`` (memory's inverse)."""
+    if not cl:
+        return flat.reshape(shape)
+    return np.moveaxis(flat.reshape(shape[0], *shape[2:], shape[1]), -1, 1)

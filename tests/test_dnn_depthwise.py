@@ -19,22 +19,13 @@ from blasx.dnn import conv_direct as cd
 from blasx.dnn import depthwise as dw
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from blasx.runtime.devices import cuda_epilogue
+from dnn_ref import from_memory, memory
 
 T = torch.from_numpy
 
 
 def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def _memory(a, cl):
-    return np.ascontiguousarray(np.moveaxis(a, 1, -1) if cl else a).ravel()
-
-
-def _from_memory(flat, shape, cl):
-    if not cl:
-        return flat.reshape(shape)
-    return np.moveaxis(flat.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
 
 
 def _cl(x):
@@ -93,12 +84,12 @@ def test_forward_and_weight_programs_vs_torch(case):
     assert dw.applies(geo) and not dw.inserted(geo)
     xt, tpad = _torch_pad(x, pad, nd)
     ref = getattr(F, f"conv{nd}d")(T(xt), T(w), None, stride, tpad, dil, c).numpy()
-    acc, _ = program_forward(geo, cl, _memory(x, cl), w.ravel())
-    assert _rel(_from_memory(acc, ref.shape, cl), ref) < 1e-13
+    acc, _ = program_forward(geo, cl, memory(x, cl), w.ravel())
+    assert _rel(from_memory(acc, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
     want = getattr(torch.nn.grad, f"conv{nd}d_weight")(T(xt), w.shape, T(dy), stride, tpad, dil, c).numpy()
     for split in {1, 3, dw.weight_split(geo), geo.n * geo.p + 2}:
-        got = program_weight(geo, cl, _memory(x, cl), _memory(dy, cl), split).reshape(w.shape)
+        got = program_weight(geo, cl, memory(x, cl), memory(dy, cl), split).reshape(w.shape)
         assert _rel(got, want) < 1e-13
 
 
@@ -120,8 +111,8 @@ def test_backward_data_program_vs_torch(case):
     geo = transpose_geometry("t", nd, dy, w, stride, pad, 0, c, dil, x.shape)
     assert dw.applies(geo) and (geo.cg, geo.kg) == (m, 1) and dw.inserted(geo) == (stride > 1)
     ref = getattr(torch.nn.grad, f"conv{nd}d_input")(x.shape, T(w), T(dy), stride, pad, dil, c).numpy()
-    acc, _ = program_forward(geo, cl, _memory(dy, cl), conv_mod._flipped_transposed(np, w, c).ravel())
-    assert _rel(_from_memory(acc, ref.shape, cl), ref) < 1e-13
+    acc, _ = program_forward(geo, cl, memory(dy, cl), conv_mod._flipped_transposed(np, w, c).ravel())
+    assert _rel(from_memory(acc, ref.shape, cl), ref) < 1e-13
 
 
 @settings(max_examples=20, deadline=None)
@@ -137,8 +128,8 @@ def test_transposed_depthwise_program_vs_torch(nd, cl, stride, pad, dil, m, seed
     geo = transpose_geometry("t", nd, x, wt, stride, pad, opad, c, dil)
     assert dw.applies(geo) and geo.cg == 1
     ref = getattr(F, f"conv_transpose{nd}d")(T(x), T(wt), None, stride, pad, opad, c, dil).numpy()
-    acc, _ = program_forward(geo, cl, _memory(x, cl), conv_mod._flipped_transposed(np, wt, c).ravel())
-    assert _rel(_from_memory(acc, ref.shape, cl), ref) < 1e-13
+    acc, _ = program_forward(geo, cl, memory(x, cl), conv_mod._flipped_transposed(np, wt, c).ravel())
+    assert _rel(from_memory(acc, ref.shape, cl), ref) < 1e-13
 
 
 @pytest.mark.parametrize("cl", [False, True])
@@ -151,11 +142,11 @@ def test_one_output_a_group_forward_and_weight(cl):
     assert dw.applies(geo) and (geo.cg, geo.kg) == (3, 1)
     xt = np.pad(x, ((0, 0), (0, 0), (1, 0), (0, 2)))
     ref = F.conv2d(T(xt), T(w), None, (2, 1), 0, (1, 2), 2).numpy()
-    acc, _ = program_forward(geo, cl, _memory(x, cl), w.ravel())
-    assert _rel(_from_memory(acc, ref.shape, cl), ref) < 1e-13
+    acc, _ = program_forward(geo, cl, memory(x, cl), w.ravel())
+    assert _rel(from_memory(acc, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
     want = torch.nn.grad.conv2d_weight(T(xt), w.shape, T(dy), (2, 1), 0, (1, 2), 2).numpy()
-    got = program_weight(geo, cl, _memory(x, cl), _memory(dy, cl), 5).reshape(w.shape)
+    got = program_weight(geo, cl, memory(x, cl), memory(dy, cl), 5).reshape(w.shape)
     assert _rel(got, want) < 1e-13
 
 

@@ -17,22 +17,12 @@ from blasx import dnn
 from blasx.dnn import conv as conv_mod
 from blasx.dnn import conv_direct as cd
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
+from dnn_ref import from_memory, memory
 from host_cc import compile_host
 
 
 def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
-def _memory(a, cl):
-    """An (N, C, ...) array's memory in the layout: NCHW, or N(spatial)C for channels-last."""
-    return np.ascontiguousarray(np.moveaxis(a, 1, -1) if cl else a).ravel()
-
-
-def _from_memory(flat, shape, cl):
-    if not cl:
-        return flat.reshape(shape)
-    return np.moveaxis(flat.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
 
 
 def _wrows(w, cl):
@@ -195,11 +185,11 @@ def test_forward_and_weight_plans_vs_torch(case, budget):
         return  # kernel larger than the padded input
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, pad, dil, groups).numpy()
     ymem = np.full(ref.size, np.nan)
-    parts, _ = emulated_forward(geo, _memory(x, cl), cl, _wrows(w, cl), ymem, None, budget, "im2col")
+    parts, _ = emulated_forward(geo, memory(x, cl), cl, _wrows(w, cl), ymem, None, budget, "im2col")
     assert len(parts) // (1 if cd.pointwise(geo) else groups) == (1 if budget > 1 or cd.pointwise(geo) else geo.n)
-    assert _rel(_from_memory(ymem, ref.shape, cl), ref) < 1e-13
+    assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
-    dw, _ = emulated_weight(geo, _memory(x, cl), _memory(dy, cl), cl, budget)
+    dw, _ = emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, budget)
     want = getattr(torch.nn.grad, f"conv{nd}d_weight")(torch.from_numpy(x), w.shape, torch.from_numpy(dy), stride,
                                                         pad, dil, groups).numpy()
     got = np.moveaxis(dw.reshape(w.shape[0], *w.shape[2:], w.shape[1]), -1, 1) if cl else dw.reshape(w.shape)
@@ -221,8 +211,8 @@ def test_transposed_plan_with_residual_vs_torch(nd, cl, stride, pad, dil, groups
     res = rng.standard_normal(ref.shape)
     wf = conv_mod._flipped_transposed(np, wt, groups)
     ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo, _memory(x, cl), cl, _wrows(wf, cl), ymem, _memory(res, cl), 1, "im2col")
-    assert _rel(_from_memory(ymem, ref.shape, cl), ref + res) < 1e-13
+    emulated_forward(geo, memory(x, cl), cl, _wrows(wf, cl), ymem, memory(res, cl), 1, "im2col")
+    assert _rel(from_memory(ymem, ref.shape, cl), ref + res) < 1e-13
 
 
 # ---------------------------------------------------------------- the shifted form
@@ -251,11 +241,11 @@ def test_shifted_plan_vs_torch(case, budget):
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(xt), torch.from_numpy(w), None, 1, tpad, dil).numpy()
     res = rng.standard_normal(ref.shape) if with_res else None
     ymem = np.full(ref.size, np.nan)
-    parts, form = emulated_forward(geo, _memory(x, cl), cl, _wrows(w, cl), ymem,
-                                   None if res is None else _memory(res, cl), budget, "shifted")
+    parts, form = emulated_forward(geo, memory(x, cl), cl, _wrows(w, cl), ymem,
+                                   None if res is None else memory(res, cl), budget, "shifted")
     assert len(parts) == (1 if budget > 1 else geo.n)
     want = ref if res is None else ref + res
-    assert _rel(_from_memory(ymem, ref.shape, cl), want) < 1e-13
+    assert _rel(from_memory(ymem, ref.shape, cl), want) < 1e-13
 
 
 @settings(max_examples=20, deadline=None)
@@ -275,8 +265,8 @@ def test_shifted_transposed_stride1_vs_torch(nd, cl, pad, dil, seed):
                                              dil).numpy()
     wf = conv_mod._flipped_transposed(np, wt, 1)
     ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo, _memory(x, cl), cl, _wrows(wf, cl), ymem, None, 1, "shifted")
-    assert _rel(_from_memory(ymem, ref.shape, cl), ref) < 1e-13
+    emulated_forward(geo, memory(x, cl), cl, _wrows(wf, cl), ymem, None, 1, "shifted")
+    assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
 
 
 def test_forward_form_choice():
@@ -362,9 +352,9 @@ def emulated_route(monkeypatch):
     def forward(geo, x, cl, wrows, y, residual, affine, math):
         calls.append("forward")
         ymem = np.full(y.size, np.nan)
-        res = None if residual is None else _memory(np.asarray(residual), cl)
-        calls.forms.append(emulated_forward(geo, _memory(x, cl), cl, np.asarray(wrows, np.float64), ymem, res, 1)[1])
-        out = _from_memory(ymem, y.shape, cl)
+        res = None if residual is None else memory(np.asarray(residual), cl)
+        calls.forms.append(emulated_forward(geo, memory(x, cl), cl, np.asarray(wrows, np.float64), ymem, res, 1)[1])
+        out = from_memory(ymem, y.shape, cl)
         if affine is not None:
             shape = (1, -1) + (1,) * geo.nd
             if affine.scale is not None:
@@ -377,7 +367,7 @@ def emulated_route(monkeypatch):
 
     def weight(geo, x, dy, cl, math):
         calls.append("weight")
-        return emulated_weight(geo, _memory(x, cl), _memory(dy, cl), cl, 1)[0]
+        return emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, 1)[0]
     monkeypatch.setattr(cd, "applies", lambda x, flops: True)
     monkeypatch.setattr(cd, "forward", forward)
     monkeypatch.setattr(cd, "weight", weight)
