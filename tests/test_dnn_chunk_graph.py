@@ -154,3 +154,17 @@ def test_network_chunks_replay_their_graph_on_a_stand_in_gpu(monkeypatch):
         assert _launches(cg.graph.entries) == want  # the eager chunk's launches, in order
     finally:
         blasx.shutdown()
+
+
+def test_a_worker_keeps_the_graphs_of_its_latest_shapes():
+    """Varying batch sizes give a worker as many last-chunk shapes: it keeps KEPT of them, least recently used
+    dropped first, a used one kept fresh."""
+    from collections import OrderedDict
+    graphs = OrderedDict()
+    first = chunk_graph.lookup(graphs, (1,))
+    for n in range(2, chunk_graph.KEPT + 1):
+        chunk_graph.lookup(graphs, (n,))
+    assert chunk_graph.lookup(graphs, (1,)) is first  # used again: now the most recent
+    chunk_graph.lookup(graphs, (99,))
+    assert len(graphs) == chunk_graph.KEPT and (2,) not in graphs and graphs[(1,)] is first
+    assert list(graphs)[-1] == (99,)

@@ -14,6 +14,7 @@ shape stays eager and ``error`` says why.
 from __future__ import annotations
 
 TRIES = 3  # captures tried per chunk shape
+KEPT = 8  # chunk shapes a worker keeps graphs of (a server's varying batch sizes give as many last chunks)
 
 
 class ChunkGraph:
@@ -54,6 +55,19 @@ class ChunkGraph:
         self.graph.launch(stream)
         self.replays += 1
         return self.y
+
+
+def lookup(graphs, shape: tuple) -> ChunkGraph:
+    """The ChunkGraph of ``shape`` in a worker's ``graphs`` (an OrderedDict, least recently used first; made
+    when new), beyond KEPT shapes the least recently used dropped with its graph and memory pool (the worker
+    synchronises its stream after every chunk, so no dropped graph is still running)."""
+    g = graphs.get(shape)
+    if g is None:
+        g = graphs[shape] = ChunkGraph()
+        while len(graphs) > KEPT:
+            graphs.popitem(last=False)
+    graphs.move_to_end(shape)
+    return g
 
 
 def summary(graphs) -> dict:

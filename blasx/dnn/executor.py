@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 import sys
 import threading
 import time
@@ -18,7 +19,6 @@ import numpy as np
 
 from ..operands import is_cupy
 from . import chunk_graph, direct_cache, lanes, layers
-from .chunk_graph import ChunkGraph
 from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
@@ -153,7 +153,7 @@ class Worker:
         self.graph, self.plan, self.dtype, self.math, self.weights = graph, plan, np.dtype(dtype), math, weights
         self.device, self.lane, self.layout = device, lane, lay
         self.graphs = graphs and device is not None  # chunks replayed from CUDA graphs (chunk_graph.py)
-        self.chunk_graphs: dict = {}  # chunk shape -> ChunkGraph
+        self.chunk_graphs: OrderedDict = OrderedDict()  # chunk shape -> ChunkGraph, least recently used first
         self.label = "host" if device is None else f"cuda:{device}"
         self.stats: dict = {}
         if device is None:
@@ -224,7 +224,7 @@ class Worker:
         there is one (captured on the shape's second chunk), else eagerly."""
         if not self.graphs:
             return self.forward(self._prepared(xd), chunk, t_origin)
-        g = self.chunk_graphs.setdefault(tuple(xd.shape), ChunkGraph())
+        g = chunk_graph.lookup(self.chunk_graphs, tuple(xd.shape))
         if g.wants_capture():
             g.capture(self.xp, self.stream, lambda: self._nodes(self._prepared(xd)))
         if g.graph is None:
