@@ -104,6 +104,17 @@ def close_norm_grads(got, refs, dy, dtype, pdt, affine: bool) -> None:
         close(got[2], refs[2], pdt, floor=scale, factor=NORMS)
 
 
+def _norm_backward(rng, dtype, lay, ref, tensors, inputs, pdt, affine, backward) -> None:
+    """A batch or group norm's backward on a random dY (in ``lay``) against torch.autograd through ``ref``:
+    ``backward(dY)`` returns (gx, gw, gb), leaving ``inputs`` and dY untouched."""
+    dy = rand(rng, tuple(ref.shape), dtype)
+    ref.backward(wide(dy))
+    dyin = layout_of(dy, lay)
+    with untouched(*inputs, dy, dyin):
+        grads = backward(dyin)
+    close_norm_grads(grads, [None if t is None else t.grad.numpy() for t in tensors], dy, dtype, pdt, affine)
+
+
 @contextmanager
 def untouched(*arrays):
     """The arrays hold the same values after the block as before it."""
@@ -303,14 +314,9 @@ def test_batch_norm(data):
         close(rv, trv.numpy(), pdt)
     if nbt is not None and running and training:
         assert nbt[0] == round(1 / factor)
-    dy = rand(rng, shape, dtype)
-    ref.backward(wide(dy))
-    dyin = layout_of(dy, lay)
     kw = dict(running_mean=rm0, running_var=rv0) if not training else {}
-    with untouched(x, xin, w, dy, dyin, mean, invstd):
-        gx, gw, gb = dnn.batch_norm_backward(dyin, xin, w, mean, invstd, training, eps, **kw)
-    refs = [None if t is None else t.grad.numpy() for t in (tx, tw, tb)]
-    close_norm_grads((gx, gw, gb), refs, dy, dtype, pdt, affine)
+    _norm_backward(rng, dtype, lay, ref, (tx, tw, tb), (x, xin, w, mean, invstd), pdt, affine,
+                   lambda dyin: dnn.batch_norm_backward(dyin, xin, w, mean, invstd, training, eps, **kw))
 
 
 @examples(100)
@@ -365,13 +371,8 @@ def test_group_norm(data):
     with untouched(x, xin, w, b):
         y, mean, rstd = dnn.group_norm(xin, num_groups, w, b, eps, return_stats=True)
     close(y, ref.detach().numpy(), dtype, floor=norm(x), factor=NORMS)
-    dy = rand(rng, shape, dtype)
-    ref.backward(wide(dy))
-    dyin = layout_of(dy, lay)
-    with untouched(x, xin, w, dy, dyin, mean, rstd):
-        gx, gw, gb = dnn.group_norm_backward(dyin, xin, num_groups, w, mean, rstd)
-    refs = [None if t is None else t.grad.numpy() for t in (tx, tw, tb)]
-    close_norm_grads((gx, gw, gb), refs, dy, dtype, pdt, affine)
+    _norm_backward(rng, dtype, lay, ref, (tx, tw, tb), (x, xin, w, mean, rstd), pdt, affine,
+                   lambda dyin: dnn.group_norm_backward(dyin, xin, num_groups, w, mean, rstd))
 
 
 @examples(80)
