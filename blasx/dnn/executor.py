@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import OrderedDict
 import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -200,7 +200,9 @@ class Worker:
         """The graph's output for the chunk ``x`` (an array on this worker's device)."""
         marks = [self._mark(0)]  # mark i: the end of node i - 1 and the start of node i
         y = self._nodes(x, marks)
-        self._account(self.graph.nodes[1:], self._per_shape(tuple(x.shape))[1], marks, chunk, t_origin)
+        fl = self._per_shape(tuple(x.shape))[1]
+        self._account([(n.name, n.op, tuple(n.attrs.get("fused", ())), fl[n.name]) for n in self.graph.nodes[1:]],
+                      marks, chunk, t_origin)
         return y
 
     def _nodes(self, x, marks: list | None = None):
@@ -230,23 +232,12 @@ class Worker:
         if g.graph is None:
             g.eager += 1
             return self.forward(self._prepared(xd), chunk, t_origin)
-        start = self._mark(0)
+        marks = [self._mark(0)]
         y = g.replay(self.stream)
-        self._account_graph(tuple(xd.shape), start, self._mark(1), chunk, t_origin)
+        marks.append(self._mark(1))  # a replayed chunk is one profile entry: its layers are not timed apart
+        self._account([(GRAPH_ENTRY, "graph", (), sum(self._per_shape(tuple(xd.shape))[1].values()))], marks,
+                      chunk, t_origin)
         return y
-
-    def _account_graph(self, shape: tuple, start, end, chunk: int, t_origin: float) -> None:
-        """A replayed chunk as one "(cuda graph)" entry of the profile (its layers are not timed apart)."""
-        import cupy
-        self.stream.synchronize()
-        seconds = cupy.cuda.get_elapsed_time(start, end) / 1e3
-        s = time.perf_counter() - seconds - t_origin
-        st = self.stats.get(GRAPH_ENTRY)
-        if st is None:
-            st = self.stats[GRAPH_ENTRY] = LayerStat(GRAPH_ENTRY, "graph", self.label)
-        st.seconds += seconds
-        st.flops += sum(self._per_shape(shape)[1].values())
-        self.events.append((self.label, self.lane, chunk, GRAPH_ENTRY, s, s + seconds))
 
     def _mark(self, i: int):
         if self.device is None:
@@ -258,7 +249,8 @@ class Worker:
         ev.record(self.stream)
         return ev
 
-    def _account(self, nodes, fl: dict, marks: list, chunk: int, t_origin: float) -> None:
+    def _account(self, entries: list, marks: list, chunk: int, t_origin: float) -> None:
+        """The profile's entries (name, op, fused, flops), entry i timed from mark i to mark i + 1."""
         if self.device is None:
             at = [m - t_origin for m in marks]
         else:
@@ -268,15 +260,14 @@ class Worker:
             since = [cupy.cuda.get_elapsed_time(marks[0], m) / 1e3 for m in marks]
             start_host = end_host - since[-1] - t_origin
             at = [start_host + t for t in since]
-        for i, node in enumerate(nodes):
+        for i, (name, op, fused, work) in enumerate(entries):
             s, e = at[i], at[i + 1]
-            st = self.stats.get(node.name)
+            st = self.stats.get(name)
             if st is None:
-                st = self.stats[node.name] = LayerStat(node.name, node.op, self.label,
-                                                       fused=tuple(node.attrs.get("fused", ())))
+                st = self.stats[name] = LayerStat(name, op, self.label, fused=fused)
             st.seconds += e - s
-            st.flops += fl[node.name]
-            self.events.append((self.label, self.lane, chunk, node.name, s, e))
+            st.flops += work
+            self.events.append((self.label, self.lane, chunk, name, s, e))
 
     def reset(self) -> None:
         self.stats, self.events = {}, []

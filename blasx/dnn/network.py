@@ -47,6 +47,7 @@ class Network:
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.compiled: Graph | None = None
         self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "nchw", None, 2, False
+        self._algos_key, self._algos_val = None, None  # _run_algos's
         self._lock = threading.Lock()
         self._weights: dict = {}
         self._workers: dict = {}
@@ -218,7 +219,7 @@ class Network:
         from .. import perfdb
         from . import conv_direct, finddb
         key = (self._run, self.layout, self.math, conv_direct.FORM, finddb._state(perfdb.default_path()))
-        if getattr(self, "_algos_key", None) != key:
+        if self._algos_key != key:
             self._algos_key, self._algos_val = key, self.algos(*self._run)
         return self._algos_val
 
@@ -238,7 +239,7 @@ class Network:
     def summary(self) -> str:
         """One line per node that runs: name, op, inputs, what it fused, a conv's algorithm (for the
         last call's chunks, else as compiled; see :meth:`algos`)."""
-        algo = self.algos(*self._run) if self._run is not None else self.algo
+        algo = self._run_algos() if self._run is not None else self.algo
         lines = []
         for n in self.nodes:
             fused = n.attrs.get("fused")
