@@ -5,9 +5,10 @@ in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
 "shifted" where it applies to the gather they run (stride 1, groups 1); depthwise problems run
 "depthwise" alone, as does the weight gradient "im2col". A strided backward-data problem runs as
-sub-pixel phases (conv.PHASES): each phase is timed and stored as the stride-1 forward problem it is. A problem with one form is still timed and
-stored (its time is worth having; nothing else is chosen). The form is forced through
-``conv_direct.FORM`` during the runs, so run the find step while no other thread convolves.
+sub-pixel phases (conv.PHASES): each phase is timed and stored as the stride-1 forward problem it is. A
+problem with one form is still timed and stored (its time is worth having; nothing else is chosen). The
+form is forced through ``conv_direct.FORM`` during the runs, so run the find step while no other thread
+convolves.
 """
 
 from __future__ import annotations
@@ -144,13 +145,13 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     ordinal = _gpu(device)
     import cupy
     key = key._replace(device=finddb.gpu_name(ordinal) or "cuda")
-    forms = forms_for(geo, direction)
     from ..runtime import dtypes
     dt = dtypes.GEMM_BY_PREFIX[key.dtype].dtype
     rt = runtime_geometry(geo, direction)
     from . import conv, phases
     if direction == "bwd-data" and conv.PHASES and phases.applies(rt) and not depthwise.applies(rt):
         return _find_phases(rt, key, dt, ordinal, runs, timer, db, store, seed)
+    forms = forms_for(geo, direction)
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
         call = _caller(geo, direction, key.layout, dt, key.math, tuple(x_shape), tuple(weight_shape),
                        (stride, padding, dilation, groups), seed)
@@ -174,20 +175,14 @@ def _find_phases(rt: ConvGeometry, key, dt, ordinal: int, runs: int, timer, db, 
     from . import conv, phases
     rng = cupy.random.default_rng(seed)
     lay, nd = key.layout, rt.nd
-
-    def operand(shape, channels_last):
-        a = rng.standard_normal(shape, dtype=np.float32)
-        if channels_last:
-            a = cupy.ascontiguousarray(cupy.moveaxis(a, 1, -1)).transpose(0, nd + 1, *range(1, nd + 1))
-        return a.astype(dt)
     results = []
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
-        dy = operand((rt.n, rt.c, *rt.in_size), lay == "cl")
+        dy = _operand(rng, (rt.n, rt.c, *rt.in_size), lay == "cl", dt)
         for ph in phases.phases(rt):
             g = ph.geo
             if g is None:  # no taps: zeros, nothing to time
                 continue
-            w = operand((g.k, g.cg, *g.kernel), False)
+            w = _operand(rng, (g.k, g.cg, *g.kernel), False, dt)
             y = conv._empty(cupy, (g.n, g.k, *g.out_size), dt, lay)
 
             def call(form, g=g, w=w, y=y):
@@ -210,6 +205,19 @@ def _find_phases(rt: ConvGeometry, key, dt, ordinal: int, runs: int, timer, db, 
             "text": key.text, "stored": bool(results) and all(r["stored"] for r in results)}
 
 
+def _operand(rng, shape, channels_last: bool, dt):
+    """A random CuPy operand of ``shape`` in ``dt``, channels-last (an NCHW-shaped view of NHWC memory) or not."""
+    import cupy
+    a = rng.standard_normal(shape, dtype=np.float32)
+    if channels_last:
+        nd = len(shape) - 2
+        a = cupy.ascontiguousarray(cupy.moveaxis(a, 1, -1)).transpose(0, nd + 1, *range(1, nd + 1))
+    try:
+        return a.astype(dt)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"dtype: {dt} operands cannot be made on the GPU ({e})") from None
+
+
 def _caller(geo, direction, layout, dt, math, x_shape, w_shape, conv_args, seed) -> Callable:
     """``call(form)``: the convolution of ``direction`` on random operands with ``form`` forced."""
     import cupy
@@ -217,18 +225,9 @@ def _caller(geo, direction, layout, dt, math, x_shape, w_shape, conv_args, seed)
     from . import conv
     rng = cupy.random.default_rng(seed)
     nd = geo.nd
-
-    def operand(shape, channels_last):
-        a = rng.standard_normal(shape, dtype=np.float32)
-        if channels_last:
-            a = cupy.ascontiguousarray(cupy.moveaxis(a, 1, -1)).transpose(0, nd + 1, *range(1, nd + 1))
-        try:
-            return a.astype(dt)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"dtype: {dt} operands cannot be made on the GPU ({e})") from None
     cl = layout == "cl"
-    x, w = operand(x_shape, cl), operand(w_shape, False)
-    dy = operand((geo.n, geo.k, *geo.out_size), cl)
+    x, w = _operand(rng, x_shape, cl, dt), _operand(rng, w_shape, False, dt)
+    dy = _operand(rng, (geo.n, geo.k, *geo.out_size), cl, dt)
     stride, padding, dilation, groups = conv_args
     fwd, data, weight = (getattr(conv, f"conv{nd}d{s}") for s in ("", "_input", "_weight"))
 
