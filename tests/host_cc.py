@@ -9,6 +9,13 @@ import shutil
 import subprocess
 import tempfile
 
+import numpy as np
+
+try:
+    from ml_dtypes import bfloat16
+except ImportError:
+    bfloat16 = None
+
 # CUDA's bit casts and isnan, for the operation texts that use them
 SHIMS = """#include <cmath>
 #include <cstring>
@@ -28,3 +35,11 @@ def compile_host(functions: list[str], directory=None) -> ctypes.CDLL | None:
     subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")], check=True,
                    capture_output=True)
     return ctypes.CDLL(str(d / "k.so"))
+
+
+def tile_types() -> dict:
+    """numpy dtype -> the C++ type a kernel's operation sees it as (bfloat16 as its bits, where ml_dtypes is)."""
+    types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+    if bfloat16 is not None:
+        types[np.dtype(bfloat16)] = "unsigned short"
+    return types

@@ -18,8 +18,8 @@ from blasx import dnn
 from blasx.dnn.geometry import layout
 from blasx.runtime.activations import NAMES, Activation
 from blasx.runtime.devices import cuda_epilogue as ce
-from dnn_ref import ACTS, DTYPES, TOL, act_fn as _fn, bfloat16, dtype_name as _name, cl, rel, wide
-from host_cc import compile_host
+from dnn_ref import ACTS, DTYPES, TOL, act_fn as _fn, dtype_name as _name, cl, rel, wide
+from host_cc import compile_host, tile_types
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -143,9 +143,7 @@ def test_cuda_pointwise_kernels_compiled_for_the_host_match_the_host_forms(tmp_p
     the host's C++ compiler: the host forms' results within 4 ulps of max(|result|, 1), NaN alike (gelu_tanh's
     gradient within 128: its 1 - tanh^2 cancels, and the host's and numpy's tanh differ by an ulp)."""
     import ctypes
-    types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-    if bfloat16 is not None:
-        types[np.dtype(bfloat16)] = "unsigned short"
+    types = tile_types()
     src = []
     for dt, ctype in types.items():
         f = "double" if dt == np.float64 else "float"

@@ -23,7 +23,7 @@ from blasx.dnn.activations import affine_reference, reference
 from blasx.runtime.activations import NAMES, Activation, parse_activation
 from blasx.runtime.epilogues import ChannelAffine
 from blasx.runtime.tiling import TileRef
-from host_cc import compile_host
+from host_cc import compile_host, tile_types
 
 try:
     from ml_dtypes import bfloat16
@@ -333,9 +333,7 @@ def test_cuda_expressions_compiled_for_the_host_match_numpy(tmp_path):
     the larger of the result and 1, NaN where numpy has NaN, bfloat16 rounding exact."""
     import ctypes
     from blasx.runtime.devices import cuda_epilogue as ce
-    types = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-    if bfloat16 is not None:
-        types[np.dtype(bfloat16)] = "unsigned short"
+    types = tile_types()
     acts = [None, *NAMES]
     src = []
     for dt, ctype in types.items():
