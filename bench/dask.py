@@ -122,16 +122,6 @@ def _check(a, b, c, n) -> float:
     return float(np.linalg.norm(rc - ref) / np.linalg.norm(ref))
 
 
-def _gpu_names() -> list:
-    """The names of the GPUs this node has (none without CuPy or a GPU)."""
-    try:
-        import cupy
-        return [cupy.cuda.runtime.getDeviceProperties(d)["name"].decode()
-                for d in range(cupy.cuda.runtime.getDeviceCount())]
-    except Exception:  # noqa: BLE001 - a CPU-only node
-        return []
-
-
 def _sync_devices() -> None:
     """Wait for every GPU this process sees (CuPy launches return before their kernels finish: a persisted
     CuPy-chunked product is done only when its GPUs are)."""
@@ -321,9 +311,12 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit", default="auto", help="worker memory limit of the zarr run")
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
+    import blasx
+    from bench.gemm import collect_env
+    env = collect_env(list(range(blasx.session._cuda_count())))
     res = {"host": socket.gethostname(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
            "command": "python -m bench.dask " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "gpus": _gpu_names(), "args": vars(args), "results": {}}
+           "gpus": [g["name"] for g in env.get("gpus", [])], "env": env, "args": vars(args), "results": {}}
     for name in [s.strip() for s in args.contenders.split(",") if s.strip()]:
         print(f"{name} ...", file=sys.stderr, flush=True)
         if name == "blasx (one process)":
