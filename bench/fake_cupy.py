@@ -320,7 +320,8 @@ def _build_modules() -> dict:
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
-    cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info)
+    cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, memcpyHostToDevice=1,
+                                         memcpyAsync=lambda dst, src, n, kind, stream: record("memcpy", n, kind))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cupy.cuda = cuda
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
@@ -387,7 +388,7 @@ def installed(record_calls: bool = False):
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
     saved_gemm = list(direct_cuda._GEMM)
-    saved_handles = dict(direct_cuda._HANDLES)
+    saved_handles = dict(direct_cuda._HANDLES), dict(direct_cuda._SPARE)
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
@@ -396,6 +397,7 @@ def installed(record_calls: bool = False):
     sys.modules.update(mods)
     direct_cuda._GEMM[:] = [_gemm_stub(True)]
     direct_cuda._HANDLES.clear()
+    direct_cuda._SPARE.clear()
     from blasx.runtime.devices import cublas_ctypes
     saved_cc = cublas_ctypes.set_stream, cublas_ctypes.set_workspace
     cublas_ctypes.set_stream = cublas_ctypes.set_workspace = lambda *args: None  # a handle's one-time binding
@@ -408,8 +410,9 @@ def installed(record_calls: bool = False):
         _state["recording"] = False
         direct_cuda._GEMM[:] = saved_gemm
         cublas_ctypes.set_stream, cublas_ctypes.set_workspace = saved_cc
-        direct_cuda._HANDLES.clear()
-        direct_cuda._HANDLES.update(saved_handles)
+        for table, before in zip((direct_cuda._HANDLES, direct_cuda._SPARE), saved_handles):
+            table.clear()
+            table.update(before)
         for t, before in zip(kernel_tables, saved_kernels):
             t.clear()
             t.update(before)

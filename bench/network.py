@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run (seconds; default Python's 0.005): how soon a worker "
                         "thread back from a CUDA call gets the interpreter from the others")
-    p.add_argument("--graphs", action="store_true", help="also the compiled runs with compile(graphs=True) (GPUs: "
-                                                         "chunks replayed from CUDA graphs)")
+    p.add_argument("--eager", action="store_true", help="also the compiled runs with compile(graphs=False) (GPUs: "
+                                                        "every chunk layer by layer, no CUDA graphs)")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
     p.add_argument("--tag", default="", help="name part of the output files: network-TAG-STAMP")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="directory of the .json and .md")
@@ -186,15 +186,15 @@ def bench_model(name: str, mode: str, args, log) -> dict:
                         "times": t_times})
     log(f"{name} {mode} torch: {args.batch / t_sec:.1f} images/s, error {torch_chk['error']:.2e}")
     sets = [[args.gpus[0]], args.gpus] if args.gpu and len(args.gpus) > 1 else [args.gpus]
-    configs = [(s, True, False) for s in sets] + ([] if args.no_uncompiled else [(sets[-1], False, False)])
-    configs += [(s, True, True) for s in sets] if args.graphs and args.gpu else []
+    configs = [(s, True, True) for s in sets] + ([] if args.no_uncompiled else [(sets[-1], False, True)])
+    configs += [(s, True, False) for s in sets] if args.eager and args.gpu else []
     for gpus, fuse, graphs in configs:
         blasx.configure(devices=f"cuda:{','.join(map(str, gpus))}" if args.gpu else args.devices,
                         cache_bytes=int(args.cache_gib * (1 << 30)) if args.gpu else None)
         net = dnn.from_torch(model, (1, 3, args.size, args.size)).compile(dtype=_np_dtype(mode), math=MATH[mode],
                                                                           layout="cl" if args.gpu else "nchw",
                                                                           fuse=fuse, graphs=graphs)
-        label = (f"blasx {'graphs' if graphs else 'compiled' if fuse else 'uncompiled'} "
+        label = (f"blasx {'eager' if fuse and not graphs else 'compiled' if fuse else 'uncompiled'} "
                  f"x{len(gpus) if args.gpu else args.devices}")
         try:
             sec, times, y = _timed(lambda: net(x, chunk=args.chunk, progress=False), args.warmup, args.reps)

@@ -134,7 +134,8 @@ def test_network_chunks_replay_their_graph_on_a_stand_in_gpu(monkeypatch):
     x = np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)
     try:
         with fake_cupy.installed(record_calls=True) as fake:
-            eager = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32, layout="cl", workers_per_gpu=1)
+            eager = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32, layout="cl", workers_per_gpu=1,
+                                                            graphs=False)
             eager(x[:2], chunk=2)
             fake.log.clear()
             eager(x[:2], chunk=2)  # one chunk, warm
@@ -168,3 +169,48 @@ def test_a_worker_keeps_the_graphs_of_its_latest_shapes():
     chunk_graph.lookup(graphs, (99,))
     assert len(graphs) == chunk_graph.KEPT and (2,) not in graphs and graphs[(1,)] is first
     assert list(graphs)[-1] == (99,)
+
+
+def test_a_page_locked_batch_is_copied_in_without_staging(monkeypatch):
+    """A host batch blasx page-locked (the engine's registration cache) goes to a GPU worker straight from its
+    memory, in pieces that never span a registration boundary; a batch of another type is cast through the
+    page-locked staging buffer as before. The registering job is joined before the call returns."""
+    torch = pytest.importorskip("torch")
+    import threading
+
+    import blasx
+    from bench import fake_cupy
+    from blasx import dnn, session
+    from blasx.runtime import hostmem
+    nn = torch.nn
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 2)).eval()
+    monkeypatch.setattr(session, "cuda_ordinals", lambda: [0])
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1)
+    x = np.random.default_rng(0).standard_normal((8, 3, 8, 8)).astype(np.float32)
+    lo, cut = x.ctypes.data, x.ctypes.data + x.nbytes // 3 + 2  # a registration boundary inside chunk 0
+    joined = []
+
+    class Job(threading.Thread):
+        def join(self, timeout=None):
+            joined.append(True)
+
+    def pin(arrays):
+        assert arrays[0] is x
+        p = hostmem.Pinning(lo, lo + x.nbytes, [(lo, cut), (cut, lo + x.nbytes)])
+        for ev in p.ready:
+            ev.set()
+        return [p], Job()
+    monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
+    try:
+        with fake_cupy.installed(record_calls=True) as fake:
+            net = dnn.from_torch(m, (1, 3, 8, 8)).compile(dtype=np.float32, layout="cl", workers_per_gpu=1)
+            fake.log.clear()
+            net(x, chunk=4)
+            copies = [e for e in fake.log if e[0] == "memcpy"]
+            assert [e[1] for e in copies] == [cut - lo, x.nbytes // 2 - (cut - lo), x.nbytes // 2]
+            assert not any(e[0] == "set" for e in fake.log) and joined == [True]
+            fake.log.clear()
+            net(x.astype(np.float64), chunk=4)  # cast on the host: staged
+            assert [e[0] for e in fake.log if e[0] in ("memcpy", "set")] == ["set", "set"]
+    finally:
+        blasx.shutdown()

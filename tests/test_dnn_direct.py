@@ -33,23 +33,24 @@ def _wrows(w, cl):
 _HOST: dict = {}
 
 
-def host_gather(nd: int, insert: bool):
-    """The real gather kernel's operation (conv_direct.gather_kernel_source, float64 elements as their bits,
+def host_gather(nd: int, insert: bool, udt: str = "uint64"):
+    """The real gather kernel's operation (conv_direct.gather_kernel_source, elements as their bits (``udt``),
     int64 indices) compiled for the host as a loop over i; None without a C++ compiler."""
     if "lib" not in _HOST:
         src = []
-        for d in (1, 2, 3):
-            for z in (False, True):
-                _, _, op, name = cd.gather_kernel_source("uint64", "int64", d, z)
-                args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
-                src.append(f'extern "C" void {name}(const unsigned long long* x, unsigned long long* col, '
-                           f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
+        for u, ct in (("uint64", "unsigned long long"), ("uint16", "unsigned short")):
+            for d in (1, 2, 3):
+                for z in (False, True):
+                    _, _, op, name = cd.gather_kernel_source(u, "int64", d, z)
+                    args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
+                    src.append(f'extern "C" void {name}(const {ct}* x, {ct}* col, long long total, {args}) '
+                               f'{{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
         _HOST["lib"] = compile_host(src)
     lib = _HOST["lib"]
     if lib is None:
         return None
     import ctypes
-    fn = getattr(lib, cd.gather_kernel_source("uint64", "int64", nd, insert)[3])
+    fn = getattr(lib, cd.gather_kernel_source(udt, "int64", nd, insert)[3])
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * (1 + len(cd.ARG_NAMES))
     return fn
 
@@ -421,3 +422,39 @@ def test_front_end_shifted_forward_and_input(emulated_route, monkeypatch, layout
     gi = dnn.conv2d_input(x.shape, w, lay(dy), padding=(1, 0), dilation=(1, 2))
     assert _rel(gi, torch.nn.grad.conv2d_input(x.shape, t(w), t(dy), 1, (1, 0), (1, 2)).numpy()) < 1e-13
     assert emulated_route == ["forward", "forward"] and emulated_route.forms == ["shifted", "shifted"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 2), st.integers(0, 2), st.integers(1, 2), st.sampled_from([1, 2]),
+       st.sampled_from([1, 3]), st.booleans(), st.integers(0, 1000))
+def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks, transposed, seed):
+    """Channels-last gathers of 2-byte elements run over 8-byte units of four channels (conv_direct.widened):
+    the real kernel on the widened arguments writes the bytes the element-wise kernel writes, for forward,
+    transposed (zero-inserting) and backward-weight gathers. Where a group's channels do not come in whole
+    units, there is no widened form."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((2, 4 * groups, *(3,) * nd))
+    if transposed:
+        geo = transpose_geometry("t", nd, x, np.zeros((4 * groups, 2, *(ks,) * nd)), stride, min(pad, ks - 1),
+                                 stride - 1, groups, dil)
+    else:
+        try:
+            geo = conv_geometry("conv", nd, x, np.zeros((2 * groups, 4, *(ks,) * nd)), stride, pad, dil, groups)
+        except ValueError:
+            return
+    narrow, wide = host_gather(nd, transposed, "uint16"), host_gather(nd, transposed, "uint64")
+    if narrow is None:
+        pytest.skip("no C++ compiler")
+    xb = rng.integers(1, 1 << 16, geo.n * geo.c * int(np.prod(geo.in_size)), dtype=np.uint16)
+    gathers = [s for s in cd.forward_steps(geo, True, [(0, 1), (1, 1)], 0.0) + cd.weight_steps(geo, True,
+               [(0, 2)]) if isinstance(s, cd.Gather)]
+    assert gathers or cd.pointwise(geo)
+    for s in gathers:
+        size = s.nb * geo.crs * geo.p
+        want, got = np.zeros(size, np.uint16), np.zeros(size, np.uint16)
+        narrow(xb.ctypes.data, want.ctypes.data, size, *(int(a) for a in cd.gather_args(geo, True, s)))
+        wgeo, ws = cd.widened(geo, True, s, 4)
+        assert wgeo.crs * 4 == geo.crs and wgeo.groups == geo.groups
+        wide(xb.ctypes.data, got.ctypes.data, size // 4, *(int(a) for a in cd.gather_args(wgeo, True, ws)))
+        assert np.array_equal(got, want) and want.any()
+        assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 8) is None  # NCHW; 4 % 8

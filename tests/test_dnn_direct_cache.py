@@ -48,6 +48,15 @@ def test_cached_plan_is_the_uncached_plan(dtype, cl, beta, budget):
         x_size = geo.n * geo.c * int(np.prod(geo.in_size))
         for s, launch in zip(steps, got.launches):
             if isinstance(s, cd.Gather):
+                wide = cd.widened(geo, cl, s, direct_cuda.GATHER_UNIT // dt.itemsize)
+                assert (launch.unit, launch.narrow is not None) == ((8, True) if wide else (dt.itemsize, False))
+                if wide:  # in units of GATHER_UNIT bytes; the element-wise launch kept for unaligned buffers
+                    narrow = launch.narrow
+                    assert (narrow.unit, narrow.total, narrow.narrow) == (dt.itemsize, s.nb * geo.crs * geo.p, None)
+                    assert [int(a) for a in narrow.args] == [int(a) for a in cd.gather_args(geo, cl, s)]
+                    assert [int(a) for a in launch.args] == [int(a) for a in cd.gather_args(wide[0], cl, wide[1])]
+                    assert launch.total * (8 // dt.itemsize) == s.nb * geo.crs * geo.p
+                    continue
                 want = [int(a) for a in cd.gather_args(geo, cl, s)]
                 assert [int(a) for a in launch.args] == want and launch.total == s.nb * geo.crs * geo.p
                 assert launch.index == ("int32" if max(launch.total, x_size) < 2**31 else "int64")
@@ -128,7 +137,9 @@ def test_workspace_keeps_transforms_by_identity():
         assert direct_cache.derived(w1, "k", lambda: make(w1)) is a
         assert direct_cache.derived(w1, "other", lambda: make(w1)) is not a
         assert direct_cache.derived(w2, "k", lambda: make(w2)) is not a  # equal contents, another array
-    assert len(made) == 3
+        assert direct_cache.derived(w1[:], "k", lambda: make(w1)) is a  # a fresh view of the same memory
+        assert direct_cache.derived(w1[::2], "k", lambda: make(w1)) is not a  # another view
+    assert len(made) == 4
     assert direct_cache.derived(w1, "k", lambda: make(w1)) is not a  # no workspace: made every call
     buf = ws.scratch("col", 10, np.uint16, lambda n, dt: np.zeros(n, dt))
     again = ws.scratch("col", 8, np.uint16, lambda n, dt: pytest.fail("should be reused"))
@@ -231,3 +242,102 @@ def test_launches_the_same_from_cold_and_warm_caches(layout, dtype, case):
                     assert not any(e[0] in ("upload", "tile", "contiguous") for e in fake.log)  # all kept
         assert runs[0] and runs[0] == runs[1] == runs[2] == runs[3]
         assert any(e[0] == ("kernel" if case == "depthwise" else "gemm") for e in runs[0])
+
+
+def test_a_capture_makes_nothing_and_keeps_what_it_reads():
+    """Inside direct_cache.capturing (a CUDA graph capture) a missing scratch buffer, weight transform or
+    channel vector raises CaptureMiss before anything is made; what is handed out is kept in the capture's
+    list, so a graph keeps the memory it uses after the caches drop or regrow it."""
+    ws, w = direct_cache.Workspace(), np.arange(4.0)
+    alloc = lambda n, dt: np.zeros(n, dt)  # noqa: E731
+    keep: list = []
+    with direct_cache.using(ws):
+        with direct_cache.capturing(keep):
+            for make in (lambda: ws.scratch("col", 8, np.float32, alloc),
+                         lambda: direct_cache.derived(w, "rows", lambda: pytest.fail("made in a capture")),
+                         lambda: ws.vector(("v",), lambda: pytest.fail("made in a capture"))):
+                with pytest.raises(direct_cache.CaptureMiss, match="CUDA graph capture"):
+                    make()
+        assert keep == [] and ws.buffers == {} and ws.weights == {} and ws.vectors == {}
+        ws.scratch("col", 8, np.float32, alloc)
+        buf = ws.buffers["col"]
+        t = direct_cache.derived(w, "rows", lambda: w * 2)
+        v = ws.vector(("v",), lambda: (None, np.ones(3)))
+        with direct_cache.capturing(keep):
+            assert np.shares_memory(ws.scratch("col", 6, np.float32, alloc), buf)
+            assert direct_cache.derived(w, "rows", lambda: pytest.fail("made again")) is t
+            assert ws.vector(("v",), lambda: pytest.fail("made again")) is v
+            with pytest.raises(direct_cache.CaptureMiss, match="'col' of 9"):  # a regrowth is a miss too
+                ws.scratch("col", 9, np.float32, alloc)
+        assert ws.buffers["col"] is buf  # the refused regrowth left the buffer as it was
+    assert any(k is buf for k in keep) and any(k[1] is t for k in keep if isinstance(k, tuple)) and any(k is v for k in keep)
+    ws.release()
+    assert any(k is buf for k in keep)  # the graph's reference outlives the cache's
+
+
+def test_a_workspace_owns_one_handle_bound_to_its_stream_handed_on_when_dropped():
+    """direct_cuda.own_handle: a Workspace's GEMMs use one handle of its own (none shared with other streams,
+    a capture keeps it); a dropped Workspace's handle goes to the next Workspace of that device."""
+    import gc
+    with fake_cupy.installed():
+        made = []
+        real = direct_cuda._new_handle
+
+        def new():
+            made.append(real())
+            return made[-1]
+        old = direct_cuda._new_handle
+        direct_cuda._new_handle = new
+        try:
+            ws1, ws2 = direct_cache.Workspace(), direct_cache.Workspace()
+            h1 = direct_cuda.own_handle(ws1, 0, 11)
+            assert direct_cuda.own_handle(ws1, 0, 11) == h1 and len(made) == 1
+            direct_cuda.own_handle(ws2, 0, 12)
+            assert len(made) == 2 and ws2.handle[1] is not ws1.handle[1]  # its own workspace memory
+            keep: list = []
+            with direct_cache.capturing(keep):
+                assert direct_cuda.own_handle(ws1, 0, 11) == h1
+                with pytest.raises(direct_cache.CaptureMiss):
+                    direct_cuda.own_handle(direct_cache.Workspace(), 0, 13)
+            assert keep == [ws1.handle]
+            first = ws1.handle
+            del ws1
+            gc.collect()
+            assert direct_cuda._SPARE[0] == [first]
+            ws3 = direct_cache.Workspace()
+            direct_cuda.own_handle(ws3, 0, 14)
+            assert len(made) == 2 and ws3.handle[:2] == first[:2] and ws3.handle[2] == 14  # rebound
+            assert direct_cuda._SPARE[0] == []
+        finally:
+            direct_cuda._new_handle = old
+
+
+@pytest.mark.parametrize("c, wide", [(64, True), (12, True), (6, False), (3, False)])
+def test_pad_and_crop_copies_move_whole_units_where_the_channels_allow(c, wide):
+    """direct_cuda.copy: a shifted form's Pad and Crop views (channels-last, 2-byte elements) copied as 8-byte
+    units of four channels where every stride and the channel row allow: the same bytes land as with the
+    element-wise copy (done here with numpy on the stand-in's memory)."""
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        x = np.zeros((2, c, 6, 5))
+        geo = conv_geometry("conv2d", 2, x, np.zeros((8, c, 3, 3)), 1, 1, 1, 1)
+        rng = np.random.default_rng(c)
+        xb = cupy.empty(x.size, dtype=np.uint16)
+        np.asarray(xb)[...] = rng.integers(0, 1 << 16, x.size, dtype=np.uint16)
+        ip = cd.padded_size(geo)
+        for s in (cd.Pad(0, 2, True), cd.Pad(1, 1, True)):
+            bufs = [cupy.empty(2 * int(np.prod(ip)) * c, dtype=np.uint16) for _ in range(2)]
+            for b in bufs:
+                np.asarray(b)[...] = 0
+            views = [cd.pad_views(geo, True, s, xb, b) for b in bufs]
+            np.asarray(views[0][0])[...] = np.asarray(views[0][1])  # element by element
+            wd, ws = (direct_cuda.wide_view(v, 8) for v in views[1])
+            assert (wd is not None and ws is not None) == wide
+            if wide:
+                assert wd.dtype == np.uint64 and wd.shape[-1] * 4 == c
+                np.asarray(wd)[...] = np.asarray(ws)
+                assert np.array_equal(np.asarray(bufs[0]), np.asarray(bufs[1]))
+        odd = cupy.empty(64, dtype=np.uint16)[1:61].reshape(3, 20)  # 2 bytes past an 8-byte boundary
+        assert direct_cuda.wide_view(odd, 8) is None
+        assert direct_cuda.wide_view(cupy.empty(64, dtype=np.uint16)[:60].reshape(3, 20)[:, ::2], 8) is None
+        assert direct_cuda.wide_view(cupy.empty(16, dtype=np.uint64), 8) is None  # already 8 bytes

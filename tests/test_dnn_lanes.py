@@ -92,7 +92,7 @@ def test_network_run_stops_its_workers_before_ctrl_c_reaches_the_caller(monkeypa
             import contextlib
             return contextlib.nullcontext()
 
-        def run_chunk(self, xc, k, t0, host_in):
+        def run_chunk(self, xc, k, t0, host_in, pinning=None):
             active.append(self.lane)
             threading.Event().wait(0.02)
             ran.append(k)

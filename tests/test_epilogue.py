@@ -364,3 +364,64 @@ def test_cuda_expressions_compiled_for_the_host_match_numpy(tmp_path):
             ok = ~np.isnan(want) & (got != want)
             err = np.abs(got[ok] - want[ok]) / np.maximum(np.abs(want[ok]), 1.0)
             assert err.size == 0 or err.max() <= 2 * ulp, (dt, a, err.max())
+
+
+def test_vector_and_flat_forms_compiled_for_the_host_give_each_element_its_entries(tmp_path):
+    """The 16-byte vector form (cuda_epilogue.vector_kernel_source) and the flat form, their texts compiled for
+    the host, with and without a residual: each element gets the scale and shift entries numpy's broadcasting
+    gives it (per-row, per-column and single vectors); vector_index refuses shapes whose units would straddle
+    two entries."""
+    import ctypes
+    from blasx.runtime.devices import cuda_epilogue as ce
+    types = tile_types()
+    src = []
+    for dt, ctype in types.items():
+        f = "double" if dt == np.float64 else "float"
+        for res in (False, True):
+            rv = f", const {ctype}* rv" if res else ""
+            _, _, op, name = ce.vector_kernel_source(dt, "relu", res)
+            src.append(f'extern "C" void {name}({ctype}* yv, long n, const {f}* scv, const {f}* shv, {f} p, '
+                       f'unsigned sd, unsigned sm, unsigned ss, unsigned hd, unsigned hm, unsigned hs{rv}) '
+                       f'{{ for (long i = 0; i < n; ++i) {{ {op} }} }}')
+            _, _, op, name = ce.flat_kernel_source(dt, "relu", res)
+            src.append(f'extern "C" void {name}({ctype}* ys, long n, const {f}* scv, const {f}* shv, {f} p, '
+                       f'unsigned sd, unsigned sm, unsigned hd, unsigned hm{rv}) '
+                       f'{{ for (long i = 0; i < n; ++i) {{ {ctype}& y = ys[i]; {op}; }} }}')
+    lib = compile_host(src, tmp_path)
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(0)
+    for dt in types:
+        ct = np.float64 if dt == np.float64 else np.float32
+        per = ce.VECTOR_BYTES // dt.itemsize
+        cparam = ctypes.c_double if dt == np.float64 else ctypes.c_float
+        rows, cols = 3 * per, 5
+        for res in (False, True):
+            vec = getattr(lib, ce.vector_kernel_source(dt, "relu", res)[3])
+            flat = getattr(lib, ce.flat_kernel_source(dt, "relu", res)[3])
+            tail = [ctypes.c_void_p] if res else []
+            vec.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, cparam] + \
+                [ctypes.c_uint] * 6 + tail
+            flat.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, cparam] + \
+                [ctypes.c_uint] * 4 + tail
+            for shapes in (((rows, 1), (1, 1)), ((1, cols), (rows, 1)), ((1, 1), (1, cols))):
+                sc, sh = (np.ascontiguousarray(rng.standard_normal(s).astype(ct)) for s in shapes)
+                y = rng.standard_normal(rows * cols).astype(dt)
+                r = rng.standard_normal(rows * cols).astype(dt)
+                full = [np.broadcast_to(v, (rows, cols)).reshape(-1, order="F") for v in (sc, sh)]
+                want = y.astype(ct) * full[0] + full[1] + (r.astype(ct) if res else 0)
+                want = np.maximum(want, 0).astype(dt).astype(np.float64)
+                extra = [r.ctypes.data] if res else []
+                got = y.copy()
+                idx = [ce.vector_index(v, rows, per) for v in (sc, sh)]
+                vec(got.ctypes.data, got.size // per, sc.ctypes.data, sh.ctypes.data, 0.0,
+                    *(int(a) for a in idx[0] + idx[1]), *extra)
+                assert np.array_equal(got.astype(np.float64), want), (dt, shapes, res, "vector")
+                got = y.copy()
+                fidx = [ce._flat_index(v, rows) for v in (sc, sh)]
+                flat(got.ctypes.data, got.size, sc.ctypes.data, sh.ctypes.data, 0.0,
+                     *(int(a) for a in fidx[0] + fidx[1]), *extra)
+                assert np.array_equal(got.astype(np.float64), want), (dt, shapes, res, "flat")
+    assert ce.vector_index(np.ones((1, 5)), 6, 4) is None  # a unit spans two columns' entries
+    assert ce.vector_index(np.ones((6, 1)), 6, 4) is None  # a unit spans the end of the rows' vector
+    assert ce.vector_index(np.ones((1, 5)), 8, 4)[2] == 0 and ce.vector_index(np.ones((8, 1)), 8, 4)[2] == 1

@@ -112,14 +112,14 @@ def test_bench_models_compiled_vs_uncompiled(name):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("source", ["host", "cupy"])
 def test_chunks_replayed_from_cuda_graphs(dtype, source):
-    """compile(graphs=True): each worker's chunks of a shape after its first replay a captured CUDA graph;
+    """compile() (graphs=True): each worker's chunks of a shape after its first replay a captured CUDA graph;
     the outputs equal the eager run's and the reference, with no capture failing."""
     blasx.configure(devices="cuda")
     m = _model()
     x = np.random.default_rng(3).standard_normal((48, 3, 16, 16)).astype(dtype)
     xin = cupy.asarray(x) if source == "cupy" else x
-    eager = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=dtype, layout="cl")
-    graphed = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=dtype, layout="cl", graphs=True)
+    eager = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=dtype, layout="cl", graphs=False)
+    graphed = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=dtype, layout="cl")  # graphs by default
     want = eager(xin, chunk=4)
     for _ in range(2):
         y = graphed(xin, chunk=4)
@@ -128,3 +128,26 @@ def test_chunks_replayed_from_cuda_graphs(dtype, source):
     g = graphed.last_profile().graphs
     assert g["failures"] == 0 and g["captured"] >= 1 and g["replays"] > 0, g
     assert any(r.name == "(cuda graph)" for r in graphed.last_profile().by_layer())
+
+
+def test_graph_replays_keep_their_memory_when_the_caches_drop_it():
+    """A captured graph reads the worker's scratch, weight transforms and channel vectors: after the caches drop
+    them all and their memory is handed out and overwritten, replays still give the right output."""
+    from blasx.dnn import direct_cache
+    blasx.configure(devices="cuda:0")
+    m = _model()
+    x = np.random.default_rng(4).standard_normal((16, 3, 16, 16)).astype(np.float32)
+    net = dnn.from_torch(m, (1, 3, 16, 16)).compile(dtype=np.float32, layout="cl", graphs=True, workers_per_gpu=1)
+    for _ in range(3):
+        want = net(x, chunk=4)
+    assert net.last_profile().graphs["replays"] > 0
+    for w in net._workers_for([0], np.dtype(np.float32), (4, 3, 16, 16)):
+        w.workspace.release()
+    direct_cache.clear()
+    with cupy.cuda.Device(0):
+        junk = [cupy.full(1 << 20, np.nan, dtype=np.float32) for _ in range(64)]  # reuses freed pool blocks
+        cupy.cuda.Device().synchronize()
+    y = net(x, chunk=4)
+    del junk
+    assert _rel(y, want) < 1e-6 and _rel(y, _ref(m, x)) < TOL[np.float32]
+    assert net.last_profile().graphs["failures"] == 0

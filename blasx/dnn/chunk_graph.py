@@ -5,10 +5,12 @@ with the GPUs and several GPUs' workers stop queueing for the interpreter.
 The first chunk of a shape runs eagerly (kernels compiled, channel vectors uploaded, scratch sized, weight
 transforms made); the next is captured on the worker's stream and replayed, and every later one replays.
 What the layers allocate inside the capture comes from a memory pool of the graph's own, kept with it (its
-replays write there and nothing else allocates from it); the convolutions' GEMMs use cuBLAS handles bound to
-the worker's stream with their own workspaces (direct_cuda). A capture that fails (a synchronising call of
-another thread can invalidate it) is tried again on the next chunks, :data:`TRIES` times in all; then the
-shape stays eager and ``error`` says why.
+replays write there and nothing else allocates from it). What they take from the worker's caches (scratch,
+weight transforms, channel vectors, the cuBLAS handle bound to the worker's stream with its own workspace)
+the graph keeps a reference to (direct_cache.capturing), so a cache that drops or regrows an entry later never
+frees memory a replay still reads or writes; a value the caches lack fails the capture (it would be made only
+inside the graph). A capture that fails (that, or a synchronising call of another thread invalidating it) is
+tried again on the next chunks, :data:`TRIES` times in all; then the shape stays eager and ``error`` says why.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ChunkGraph:
         self.error = ""
         self.graph = None
         self.pool = None
+        self.keep: list = []  # the cached device values the graph reads or writes
         self.y = None
 
     def wants_capture(self) -> bool:
@@ -35,9 +38,10 @@ class ChunkGraph:
     def capture(self, xp, stream, forward) -> bool:
         """``forward()`` (the layers on the worker's fixed input buffer) captured on ``stream``, the current
         stream; True when it worked (nothing ran: replay it for this chunk)."""
-        pool = xp.cuda.MemoryPool()
+        from .direct_cache import capturing
+        pool, keep = xp.cuda.MemoryPool(), []
         try:
-            with xp.cuda.using_allocator(pool.malloc):
+            with xp.cuda.using_allocator(pool.malloc), capturing(keep):
                 stream.begin_capture()
                 try:
                     y = forward()
@@ -47,7 +51,7 @@ class ChunkGraph:
             self.fails += 1
             self.error = f"{type(exc).__name__}: {exc}"
             return False
-        self.graph, self.pool, self.y = graph, pool, y
+        self.graph, self.pool, self.keep, self.y = graph, pool, keep, y
         return True
 
     def replay(self, stream):

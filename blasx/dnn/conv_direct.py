@@ -341,6 +341,16 @@ def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
             s.on, s.orr, s.op)
 
 
+def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
+    """(geometry, step) of the gather ``s`` over units of ``v`` consecutive channels, one wider load and store
+    a thread (channels-last x and col, where the channels of a group come in whole units); None where it
+    cannot. Its arguments are the narrow gather's in units: the same kernel moves the same bytes."""
+    if v <= 1 or not cl or s.pixel_fastest or s.orr != 1 or geo.cg % v or s.on % v or s.op % v:
+        return None
+    import dataclasses
+    return dataclasses.replace(geo, c=geo.c // v), s._replace(on=s.on // v, op=s.op // v)
+
+
 ARG_NAMES = ("P CRS KS Cg cl pf goff K1 K2 O1 O2 st0 st1 st2 dl0 dl1 dl2 pl0 pl1 pl2 z0 z1 z2 I0 I1 I2 "
              "sn sc s0 s1 s2 n0 on orr op").split()
 
@@ -416,19 +426,21 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     from . import direct_cache, direct_cuda
     dt = np.dtype(x.dtype)
 
+    # the residual is added by the epilogue kernel (one read), not copied into y for the GEMMs to accumulate on
+    # (a copy, and the GEMMs reading y), unless it is y itself
+    in_y = residual is not None and residual.data.ptr == y.data.ptr
+
     def attempt(budget):
-        plan = direct_cuda.forward_plan(geo, cl, dt, 0.0 if residual is None else 1.0, budget, math)
+        plan = direct_cuda.forward_plan(geo, cl, dt, 1.0 if in_y else 0.0, budget, math)
         return plan, {name: direct_cuda.scratch(name, size, dt) for name, size in plan.scratch.items()}
     plan, scratch = direct_cuda.with_memory(attempt)
     bufs = {"x": x, "w": wmat, "y": y, **scratch}
     if plan.form == "shifted":
         bufs["wt"] = direct_cache.derived(wmat, ("tap_major", cl, geo.k, geo.c),
                                           lambda: tap_major(cupy, geo, cl, wmat))
-    if residual is not None:
-        direct_cuda._bits(y)[...] = direct_cuda._bits(residual)
     direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    if affine is not None:
-        direct_cuda.epilogue(geo, cl, y, affine)
+    if affine is not None or (residual is not None and not in_y):
+        direct_cuda.epilogue(geo, cl, y, affine, None if in_y else residual)
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):

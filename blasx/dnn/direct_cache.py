@@ -7,7 +7,13 @@ depends on.
 - channel vectors on the device per (device, stream, contents): uploaded on the stream that reads them,
   so no other stream can read one before its upload lands (the entry keeps its stream alive);
 - ``Workspace``: what one stream's owner (a Network worker) keeps between calls: transforms of weights it
-  never changes (keyed by the weight array's identity) and scratch buffers reused call after call.
+  never changes (keyed by the memory the weight array views), scratch buffers reused call after call, its channel
+  vectors and its cuBLAS handle (bound to its stream, with a workspace of its own).
+
+Inside :func:`capturing` (a CUDA graph being captured on this thread) nothing is made: a value the caches
+lack raises :class:`CaptureMiss` (made there, it would exist only once the graph ran), and every value handed
+out is appended to the capture's ``keep`` list, so the graph holds the memory it reads and writes however the
+caches change later.
 """
 
 from __future__ import annotations
@@ -18,7 +24,32 @@ import numpy as np
 
 from ..threadlocal import setting
 
-_local = threading.local()  # .workspace: the Workspace of this thread's calls, or None
+_local = threading.local()  # .workspace: the Workspace of this thread's calls; .keep: the capture's list
+
+
+class CaptureMiss(RuntimeError):
+    """A cached device value was missing while a CUDA graph was being captured (the capture is abandoned;
+    the chunk runs eagerly, which makes it)."""
+
+
+def capturing(keep: list):
+    """Within it, this thread captures a CUDA graph: cache misses raise CaptureMiss and every value handed
+    out is appended to ``keep``."""
+    return setting(_local, "keep", keep)
+
+
+def _making(what: str) -> None:
+    """About to make ``what``: refused (CaptureMiss) while this thread captures."""
+    if getattr(_local, "keep", None) is not None:
+        raise CaptureMiss(f"{what} is not made yet; it cannot be made inside a CUDA graph capture")
+
+
+def _kept(v):
+    """``v``, handed out: kept by this thread's capture under way, if any."""
+    keep = getattr(_local, "keep", None)
+    if keep is not None:
+        keep.append(v)
+    return v
 
 
 class Table:
@@ -89,7 +120,12 @@ def device_vector(values, dtype, shape_of=None):
     def make():
         v = cupy.asarray(host)
         return stream, v if shape_of is None else shape_of(cupy, v)
-    return _VECTORS.get(key, make)[1]
+    ws = workspace()
+    if ws is not None:  # the worker's own, dropped with it
+        return ws.vector(key, make)[1]
+    if key not in _VECTORS.entries:
+        _making("a channel vector")
+    return _kept(_VECTORS.get(key, make))[1]
 
 
 def _identity(fn):
@@ -103,35 +139,65 @@ def _identity(fn):
 class Workspace:
     """What one stream's owner keeps between convolution calls (all used on that stream only):
     ``derived(weight, kind, make)``: ``make()`` of a weight array it never changes, kept while the
-    weight is (keyed by identity, checked); ``scratch(name, size, dtype)``: a reusable buffer."""
+    weight is (keyed by the memory it views, its owner held); ``scratch(name, size, dtype)``: a reusable buffer;
+    ``vector(key, make)``: a channel vector; ``handle``: its cuBLAS handle (direct_cuda.own_handle)."""
 
-    LIMIT = 4096  # transforms kept at most (then all dropped)
+    LIMIT = 4096  # transforms (and vectors) kept at most (then all dropped)
 
     def __init__(self):
         self.weights: dict = {}
         self.buffers: dict = {}
+        self.vectors: dict = {}
+        self.handle = None  # (cuBLAS handle, its workspace, its stream), made on the first GEMM
 
     def derived(self, weight, kind, make):
-        key = (id(weight), kind)
+        base, ident = _array_identity(weight)
+        key = (ident, kind)
         got = self.weights.get(key)
-        if got is None or got[0] is not weight:  # (the entry holds the weight: its id is not reused)
+        if got is not None and got[0] is not base:  # (the entry holds the base array: its id is not reused)
+            got = None
+        if got is None:
+            _making(f"a weight transform {kind}")
             if len(self.weights) >= self.LIMIT:
                 self.weights.clear()
-            got = self.weights[key] = (weight, make())
-        return got[1]
+            got = self.weights[key] = (base, make())
+        return _kept(got)[1]
+
+    def vector(self, key, make):
+        got = self.vectors.get(key)
+        if got is None:
+            _making("a channel vector")
+            if len(self.vectors) >= self.LIMIT:
+                self.vectors.clear()
+            got = self.vectors[key] = make()
+        return _kept(got)
 
     def scratch(self, name: str, size: int, dtype, alloc):
         """``size`` elements of ``dtype`` (the first ones of a buffer kept under ``name``, grown as needed)."""
         dt = np.dtype(dtype)
         buf = self.buffers.get(name)
         if buf is None or buf.dtype != dt or buf.size < size:
+            _making(f"scratch {name!r} of {size} elements")
             self.buffers.pop(name, None)
             buf = self.buffers[name] = alloc(size, dt)
-        return buf[:size]
+        return _kept(buf)[:size]
 
     def release(self) -> None:
         self.weights.clear()
         self.buffers.clear()
+        self.vectors.clear()
+
+
+def _array_identity(a) -> tuple:
+    """(the array owning ``a``'s memory, a key equal for every view of it with the same address, shape, strides
+    and type): a layer that takes a fresh view of a weight per call finds the transform of the last one."""
+    base = a
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    ptr = getattr(a.data, "ptr", None)
+    if ptr is None:
+        ptr = a.__array_interface__["data"][0]
+    return base, (id(base), ptr, a.shape, a.strides, a.dtype.str)
 
 
 def workspace():

@@ -19,10 +19,12 @@ from .geometry import ConvGeometry
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _bits(a):
-    """A compact CuPy array's memory as a flat array of unsigned integers of its element size."""
+def _bits(a, unit: int | None = None):
+    """A compact CuPy array's memory as a flat array of unsigned integers of its element size (or of ``unit``
+    bytes, which must divide its size)."""
     import cupy
-    return cupy.ndarray((a.size,), dtype=_UINT[a.dtype.itemsize], memptr=a.data)
+    unit = unit or a.dtype.itemsize
+    return cupy.ndarray((a.size * a.dtype.itemsize // unit,), dtype=_UINT[unit], memptr=a.data)
 
 
 _KERNELS: dict = {}
@@ -80,6 +82,35 @@ def _take_handle(device_id: int, stream: int):
     return key, h
 
 
+_SPARE: dict = {}  # device id -> handles of Workspaces that were dropped
+
+
+def own_handle(ws, device_id: int, stream: int):
+    """The cuBLAS handle of the Workspace ``ws`` (its owner's one stream): bound to ``stream`` with a workspace
+    of its own, so a GEMM captured into a CUDA graph keeps a workspace no other stream writes while the graph
+    lives; handed on to a later Workspace of the device when ``ws`` is dropped."""
+    h = ws.handle
+    if h is None or h[2] != stream:
+        import weakref
+        direct_cache._making("a cuBLAS handle")
+        spare = _SPARE.setdefault(device_id, [])
+        h = spare.pop() if spare else _new_handle()
+        if h[2] != stream:
+            from ..runtime.devices import cublas_ctypes as cc
+            cc.set_stream(h[0], stream)
+            cc.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
+            h = (h[0], h[1], stream)
+        if ws.handle is None:
+            weakref.finalize(ws, _drop_handle, ws.__dict__, spare)
+        ws.handle = h
+    return direct_cache._kept(h)[0]
+
+
+def _drop_handle(state: dict, spare: list) -> None:
+    if state.get("handle") is not None:
+        spare.append(state["handle"])
+
+
 def _new_handle() -> tuple:
     """(handle, its workspace, the stream it is bound to: none yet)."""
     import cupy
@@ -98,13 +129,19 @@ def _give_handle(key, h) -> None:
 
 class GatherLaunch(NamedTuple):
     """The gather kernel's integer arguments (numpy scalars of the index type), index type, threads, spatial
-    dimensions and whether it inserts zeros."""
+    dimensions, whether it inserts zeros, the bytes a thread moves, and where that is more than an element,
+    the element-wise launch (for x or col not aligned to it)."""
 
     args: tuple
     index: str
     total: int
     nd: int
     insert: bool
+    unit: int
+    narrow: "GatherLaunch | None" = None
+
+
+GATHER_UNIT = 8  # bytes of consecutive channels a gather thread moves where it can (conv_direct.widened)
 
 
 class GemmLaunch(NamedTuple):
@@ -120,12 +157,22 @@ class GemmLaunch(NamedTuple):
     beta: float
 
 
-def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int) -> GatherLaunch:
+def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsize: int) -> GatherLaunch:
+    """The launch of gather ``s`` over elements of ``itemsize`` bytes: in GATHER_UNIT-byte units where it can."""
+    wide = cd.widened(geo, cl, s, GATHER_UNIT // itemsize)
+    if wide is not None:
+        v = GATHER_UNIT // itemsize
+        return _gather_launch(wide[0], cl, wide[1], x_size // v, GATHER_UNIT)._replace(
+            narrow=_gather_launch(geo, cl, s, x_size, itemsize))
+    return _gather_launch(geo, cl, s, x_size, itemsize)
+
+
+def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit: int) -> GatherLaunch:
     total = s.nb * geo.crs * geo.p
     index = "int32" if max(total, x_size) < 2**31 else "int64"
     it = np.int32 if index == "int32" else np.int64
     return GatherLaunch(tuple(it(a) for a in cd.gather_args(geo, cl, s)), index, total, geo.nd,
-                        any(z != 1 for z in geo.insert))
+                        any(z != 1 for z in geo.insert), unit)
 
 
 def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
@@ -146,7 +193,7 @@ def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list) -> list:
     out = []
     for s in steps:
         if isinstance(s, cd.Gather):
-            out.append(gather_launch(geo, cl, s, x_size))
+            out.append(gather_launch(geo, cl, s, x_size, np.dtype(dtype).itemsize))
         elif isinstance(s, cd.Gemm):
             out.append(gemm_launch(s, dtype))
         else:
@@ -212,10 +259,10 @@ class CudaOps:
             p = self.ptrs[name] = self.bufs[name].data.ptr
         return p
 
-    def _bits(self, name: str):
-        b = self.flat.get(name)
+    def _bits(self, name: str, unit: int | None = None):
+        b = self.flat.get((name, unit))
         if b is None:
-            b = self.flat[name] = _bits(self.bufs[name])
+            b = self.flat[(name, unit)] = _bits(self.bufs[name], unit)
         return b
 
     def run(self, steps: list, launches: list) -> None:
@@ -229,11 +276,13 @@ class CudaOps:
                 self.launch_gather(launch)
 
     def gather(self, s: cd.Gather) -> None:
-        self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size))
+        self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size, self.bufs["x"].dtype.itemsize))
 
     def launch_gather(self, g: GatherLaunch) -> None:
-        x = self._bits("x")
-        _gather_kernel(x.dtype, g.index, g.nd, g.insert)(x, *g.args, self._bits("col"), size=g.total)
+        if g.narrow is not None and (self._ptr("x") | self._ptr("col")) % g.unit:
+            g = g.narrow
+        x = self._bits("x", g.unit)
+        _gather_kernel(x.dtype, g.index, g.nd, g.insert)(x, *g.args, self._bits("col", g.unit), size=g.total)
 
     def gemm(self, s: cd.Gemm) -> None:
         self.launch_gemm(gemm_launch(s, self.dtype))
@@ -243,11 +292,15 @@ class CudaOps:
         args = (*g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
                 self._ptr(b[0]) + b[1], b[2], *g.ldb, self.scalars[g.beta], self._ptr(c[0]) + c[1], c[2], *g.ldc,
                 self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
-        key, h = _take_handle(self.device, self.stream.ptr)
-        try:
-            status = self.gemm_fn(h[0], *args)
-        finally:
-            _give_handle(key, h)
+        ws = direct_cache.workspace()
+        if ws is not None:
+            status = self.gemm_fn(own_handle(ws, self.device, self.stream.ptr), *args)
+        else:
+            key, h = _take_handle(self.device, self.stream.ptr)
+            try:
+                status = self.gemm_fn(h[0], *args)
+            finally:
+                _give_handle(key, h)
         if status != 0:
             raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
 
@@ -262,7 +315,7 @@ class CudaOps:
         if s.clear:
             xp.fill(0)
         dst, src = cd.pad_views(self.geo, self.cl, s, self._bits("x"), xp)
-        dst[...] = src
+        copy(dst, src)
 
     def crop(self, s: cd.Crop) -> None:
         yw = self.bufs["yw"]
@@ -270,9 +323,31 @@ class CudaOps:
         if wv.data.mem is not yw.data.mem:  # a reshape that copied would lose the residual's writes
             raise RuntimeError(f"conv_direct: yw's valid part is not a view of yw ({s})")
         if s.to_y:
-            yv[...] = wv
+            copy(yv, wv)
         else:
-            wv[...] = yv
+            copy(wv, yv)
+
+
+def copy(dst, src) -> None:
+    """``dst[...] = src`` for arrays of element bits, in GATHER_UNIT-byte units along their last axis where
+    both allow (channels-last pixels: one load and store a thread moves several channels)."""
+    wd, ws = wide_view(dst, GATHER_UNIT), wide_view(src, GATHER_UNIT)
+    if wd is not None and ws is not None:
+        wd[...] = ws
+    else:
+        dst[...] = src
+
+
+def wide_view(a, unit: int):
+    """``a`` as ``unit``-byte integers along its last axis (contiguous there, every other stride, its address and
+    its last axis's bytes multiples of ``unit``); None where it is not."""
+    import cupy
+    isz = a.itemsize
+    if isz >= unit or a.ndim == 0 or a.strides[-1] != isz or a.shape[-1] * isz % unit or a.data.ptr % unit or \
+            any(st % unit for st in a.strides[:-1]):
+        return None
+    return cupy.ndarray((*a.shape[:-1], a.shape[-1] * isz // unit), dtype=_UINT[unit], memptr=a.data,
+                        strides=(*a.strides[:-1], unit))
 
 
 # ---------------------------------------------------------------- scratch
@@ -330,8 +405,9 @@ def _tiled_row(images: int, xp, v):
     return xp.tile(v, images)[None, :]
 
 
-def epilogue(geo: ConvGeometry, cl: bool, y, affine) -> None:
-    """The per-channel affine map and activation over all of y, in one kernel."""
+def epilogue(geo: ConvGeometry, cl: bool, y, affine, residual=None) -> None:
+    """The per-channel affine map (``affine`` a ChannelAffine, or None: none), the ``residual`` (an array laid
+    out as y, or None) and the activation over all of y, in one kernel."""
     import functools
 
     import cupy
@@ -345,10 +421,12 @@ def epilogue(geo: ConvGeometry, cl: bool, y, affine) -> None:
             return direct_cache.device_vector(np.full(1, unit), ct, _cell)
         return direct_cache.device_vector(v, ct, _column if cl else functools.partial(_tiled_row, n_img))
     rows, cols, ld = (k, n_img * p, k) if cl else (p, n_img * k, p)
-    act = affine.activation
+    act = None if affine is None else affine.activation
     affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype,
-                      vec(affine.scale, 1.0), vec(affine.shift, 0.0), None if act is None else act.name,
-                      (act.param if act is not None else None) or 0.0)
+                      vec(None if affine is None else affine.scale, 1.0),
+                      vec(None if affine is None else affine.shift, 0.0), None if act is None else act.name,
+                      (act.param if act is not None else None) or 0.0,
+                      None if residual is None else residual.data.ptr)
 
 
 _BF16 = []

@@ -293,9 +293,11 @@ class Worker:
             return _to_cl(self.xp, x)
         return self.xp.ascontiguousarray(x)
 
-    def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool):
+    def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool, pinning=None):
         """A chunk through the graph on this worker, its output returned (on the host where ``host_in``):
-        a host chunk for a GPU worker is copied in through page-locked staging, its output out the same way."""
+        a host chunk for a GPU worker is copied in straight from the batch where blasx has page-locked it
+        (``pinning``, a hostmem.Pinning of the batch, and the chunk already of the run's type), else through
+        page-locked staging; its output goes out through staging."""
         if self.device is None or not (host_in or self.graphs):
             with self.context():
                 return self.forward(self._prepared(xc), chunk, t_origin)
@@ -305,9 +307,12 @@ class Worker:
             if not host_in:  # a graph reads its chunk from this worker's own buffer
                 xd[...] = xc
                 return self._forward_staged(xd, chunk, t_origin)
-            stage = self.pinned_in[:xc.size].reshape(xc.shape)
-            np.copyto(stage, xc, casting="unsafe")
-            xd.set(stage, stream=self.stream)
+            if pinning is not None and xc.dtype == self.dtype and xc.flags.c_contiguous:
+                _copy_in(xd, xc, pinning, self.stream)
+            else:
+                stage = self.pinned_in[:xc.size].reshape(xc.shape)
+                np.copyto(stage, xc, casting="unsafe")
+                xd.set(stage, stream=self.stream)
             y = self._forward_staged(xd, chunk, t_origin)
             if self.pinned_out is None or self.pinned_out.size < y.size:
                 self.pinned_out = _pinned(y.size, y.dtype)
@@ -315,6 +320,30 @@ class Worker:
             cupy.ascontiguousarray(y).get(stream=self.stream, out=host)
             self.stream.synchronize()
             return host
+
+
+def _copy_in(xd, xc, pinning, stream) -> None:
+    """The host chunk ``xc`` into ``xd`` on ``stream``: asynchronous from the page-locked parts of the batch,
+    in pieces that each lie in one registered (or pageable) region (hostmem: CUDA refuses a copy over a partly
+    registered range)."""
+    import cupy
+    rt = cupy.cuda.runtime
+    src, n = xc.ctypes.data, xc.nbytes
+    for _, _, b0, b1 in pinning.pieces(src, n, n, 1):
+        rt.memcpyAsync(xd.data.ptr + b0, src + b0, b1 - b0, rt.memcpyHostToDevice, stream.ptr)
+
+
+def _pin_batch(workers: list, x):
+    """(the batch's hostmem.Pinning or None, the job registering it or None): a host batch for GPU workers, of
+    the run's type, C contiguous and large enough, is page-locked in place by the engine's registration cache
+    (kept while the array lives, so later calls on it copy straight from it)."""
+    from ..runtime import hostmem
+    if is_cupy(x) or x.nbytes < hostmem.MIN_REGISTER_BYTES or not x.flags.c_contiguous:
+        return None, None
+    if workers[0].device is None or x.dtype != workers[0].dtype:
+        return None, None
+    (pinning,), job = hostmem.REGISTRY.pin([x])
+    return pinning, job
 
 
 def math_prod(shape) -> int:
@@ -359,6 +388,7 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
     for w in workers:
         w.reset()
     t0 = time.perf_counter()
+    pinning, pin_job = _pin_batch(workers, x) if batch_axis == 0 else (None, None)
 
     def put(w: Worker, k: int, y) -> None:
         lo, hi = spans[k]
@@ -384,21 +414,25 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
                         return
                     state["next"] += 1
                 lo, hi = spans[k]
-                y = w.run_chunk(x[lo:hi] if batch_axis == 0 else x, k, t0, host_in)
+                y = w.run_chunk(x[lo:hi] if batch_axis == 0 else x, k, t0, host_in, pinning)
                 put(w, k, y)
                 bar.chunk_done(hi - lo)
         except BaseException as e:  # noqa: BLE001 -- a worker never leaks: the caller re-raises the first
             with lock:
                 if state["error"] is None:
                     state["error"] = e
-    if len(workers) == 1:
-        loop(workers[0])
-    else:
-        def stop(exc) -> None:  # the workers take no more chunks
-            with lock:
-                if state["error"] is None:
-                    state["error"] = exc
-        lanes.join_all([lanes.start(lambda w=w: loop(w)) for w in workers], stop)
+    try:
+        if len(workers) == 1:
+            loop(workers[0])
+        else:
+            def stop(exc) -> None:  # the workers take no more chunks
+                with lock:
+                    if state["error"] is None:
+                        state["error"] = exc
+            lanes.join_all([lanes.start(lambda w=w: loop(w)) for w in workers], stop)
+    finally:
+        if pin_job is not None:
+            pin_job.join()  # no registration outlives the call
     if state["error"] is not None:
         raise state["error"]
     wall = time.perf_counter() - t0

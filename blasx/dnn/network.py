@@ -46,7 +46,7 @@ class Network:
         self.graph = graph.validate()
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.compiled: Graph | None = None
-        self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "nchw", None, 2, False
+        self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "nchw", None, 2, True
         self._algos_key, self._algos_val = None, None  # _run_algos's
         self._lock = threading.Lock()
         self._weights: dict = {}
@@ -58,12 +58,13 @@ class Network:
     # ---------------------------------------------------------------- compile
 
     def compile(self, dtype=None, math: str | None = None, layout: str = "nchw", fuse: bool = True,
-                workers_per_gpu: int = 2, graphs: bool = False) -> "Network":
+                workers_per_gpu: int = 2, graphs: bool = True) -> "Network":
         """Run the graph passes (``fuse=False``: keep the graph as built) and fix the run's options:
         ``dtype`` (None: each call's x's), ``math`` (float32 GEMMs: "ieee" or "tf32"), ``layout`` of the
         activations ("nchw" or "cl", channels-last), ``workers_per_gpu`` (chunks in flight per GPU),
         ``graphs``: on GPUs, each worker replays a chunk shape's layers from a CUDA graph captured on its
-        second chunk (chunk_graph.py; the profile then times replayed chunks as a whole)."""
+        second chunk (chunk_graph.py; the profile then times replayed chunks as a whole; False: every chunk
+        layer by layer, each layer timed)."""
         if dtype is not None:
             dtype = check_dtype("dtype", np.empty(0, dtype=dtype))
         math = precision.check_math(math)

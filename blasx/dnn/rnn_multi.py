@@ -145,10 +145,20 @@ def placement(pb):
     return pl, devs
 
 
-def local_mm(xp, f):
-    """A GEMM on the calling thread's device and stream (CuPy) in F: a direction's own input projection, so
-    no thread waits on an engine call that spans the other devices."""
+def local_mm(xp, f, math: str = "ieee"):
+    """A GEMM on the calling thread's device and stream (CuPy), its result in F: a direction's own projections,
+    so no thread waits on an engine call that spans the other devices, and with one device no engine round trip
+    at all. Contiguous operands (or a transposed contiguous b) of one type go to cublasGemmEx as they are (half
+    inputs, float32 result; TF32 where ``math`` says), others through a cast to F and CuPy's matmul."""
+    from .rnn_layer import CudaOps
+    ops = CudaOps(math)
+
     def mm(a, b, out_dtype=None):
+        if a.dtype == b.dtype and a.flags.c_contiguous and (b.flags.c_contiguous or b.T.flags.c_contiguous):
+            out = xp.empty((a.shape[0], b.shape[1]), dtype=f)
+            trans = not b.flags.c_contiguous
+            ops.gemm(a, b.T if trans else b, out, trans)
+            return out
         return xp.matmul(a if a.dtype == f else a.astype(f), b if b.dtype == f else b.astype(f))
     return mm
 
@@ -164,7 +174,8 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
     home = devs[0]
     if pl.kind == "wavefront":
         return _wavefront(pb, pl, devs, ran_on)
-    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype))
+    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
+    alone = len(devs) == 1  # one device: nothing to spread a projection over, so no engine round trip
     layers, inp = [], pb.x
     for layer in range(spec.num_layers):
         states = [None] * spec.num_dirs
@@ -180,7 +191,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                 lp = _local(pb, dev, home)
                 inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
-                                              mm if len(set(used)) > 1 else None)
+                                              mm if len(set(used)) > 1 or alone else None)
                 ran_on[(layer, d)] = dev
             for d in range(spec.num_dirs):
                 pool.start(used[d], one, d, used[d])
@@ -213,12 +224,13 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
     devs = [k.dev for k in kept]
     on = last_run().setdefault("backward_on", {})
     out = [None] * len(kept)
+    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
     if len(set(devs)) == 1:
+        alone = len(devices_for(pb)) == 1  # no other device the engine could spread the GEMMs over
         for d, k in enumerate(kept):
-            out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k, None)
+            out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k, mm if alone else None)
             on[(layer, d)] = k.dev
         return out
-    mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype))
 
     def one(d, k):
         out[d] = direction_backward(_local(pb, k.dev, devs[0]), ops_for(xp, pb.math), d, k, mm)

@@ -82,38 +82,84 @@ def tile_type(dtype) -> str:
     return name
 
 
-def kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
-    """(in_params, out_params, operation, name) of the ElementwiseKernel for tiles of ``dtype``."""
+def kernel_source(dtype, activation: str | None, residual: bool = False) -> tuple[str, str, str, str]:
+    """(in_params, out_params, operation, name) of the ElementwiseKernel for tiles of ``dtype``; ``residual``:
+    the operation adds the element ``rr`` (of the tile's type, a variable the flat forms declare) before the
+    activation, ``y = act(y * scale + shift + rr)``."""
     tname = tile_type(dtype)
     ptype, ctype, load, store = TILE_TYPES[tname]
     vtype = "float64" if ctype == "double" else "float32"
     expr = EXPRESSIONS[activation].format(**MATH_FUNCTIONS[ctype])
-    op = f"typedef {ctype} F; F v = ({load.format('y')}) * sc + sh; F r = {expr}; {store.format('y', 'r')}"
+    add = f" + ({load.format('rr')})" if residual else ""
+    op = f"typedef {ctype} F; F v = ({load.format('y')}) * sc + sh{add}; F r = {expr}; {store.format('y', 'r')}"
     return (f"{vtype} sc, {vtype} sh, {vtype} p", f"{ptype} y", op,
-            f"blasx_affine_{tname}_{activation or 'none'}")
+            f"blasx_affine_{tname}_{activation or 'none'}{'_res' if residual else ''}")
 
 
-def flat_kernel_source(dtype, activation: str | None) -> tuple[str, str, str, str]:
+def flat_kernel_source(dtype, activation: str | None, residual: bool = False) -> tuple[str, str, str, str]:
     """:func:`kernel_source`'s operation over a contiguous block (``ld == rows``) as a flat array: element u's
-    scale is ``scv[(u / sd) % sm]`` (shift likewise with hd, hm), so one index, no per-dimension division."""
-    _, out, op, name = kernel_source(dtype, activation)
-    ctype = TILE_TYPES[tile_type(dtype)][1]
+    scale is ``scv[(u / sd) % sm]`` (shift likewise with hd, hm), so one index, no per-dimension division;
+    ``residual``: element u of the array ``rv`` (laid out as the block) added."""
+    _, out, op, name = kernel_source(dtype, activation, residual)
+    ptype, ctype = TILE_TYPES[tile_type(dtype)][:2]
     vtype = "float64" if ctype == "double" else "float32"
-    return (f"raw {vtype} scv, raw {vtype} shv, {vtype} p, uint32 sd, uint32 sm, uint32 hd, uint32 hm", out,
-            f"unsigned int ui = (unsigned int)i; {ctype} sc = scv[(ui / sd) % sm], sh = shv[(ui / hd) % hm]; {op}",
-            name + "_flat")
+    res = (f", raw {ptype} rv", f"{C_NAMES[ptype]} rr = rv[i]; ") if residual else ("", "")
+    return (f"raw {vtype} scv, raw {vtype} shv, {vtype} p, uint32 sd, uint32 sm, uint32 hd, uint32 hm{res[0]}", out,
+            f"unsigned int ui = (unsigned int)i; {ctype} sc = scv[(ui / sd) % sm], sh = shv[(ui / hd) % hm]; "
+            f"{res[1]}{op}", name + "_flat")
+
+
+VECTOR_BYTES = 16  # what a thread of the vector form loads and stores at once
+C_NAMES = {"float64": "double", "float32": "float", "float16": "float16", "uint16": "unsigned short"}
+
+
+def vector_kernel_source(dtype, activation: str | None, residual: bool = False) -> tuple[str, str, str, str]:
+    """:func:`flat_kernel_source`'s operation over units of VECTOR_BYTES, one aligned load and store a thread
+    (the flat form moves 2 or 4 bytes a thread, with two divisions each): unit i holds elements b + j,
+    b = i * V; their scale entries are ``scv[s0 + j * ss]``, s0 = (b / sd) % sm, ss 1 (consecutive entries)
+    or 0 (one entry) (shift likewise: hd, hm, hs), as :func:`vector_index` sets them."""
+    _, _, op, name = kernel_source(dtype, activation, residual)
+    tname = tile_type(dtype)
+    ptype, ctype = TILE_TYPES[tname][:2]
+    vtype = "float64" if ctype == "double" else "float32"
+    et, v = C_NAMES[ptype], VECTOR_BYTES // np.dtype(dtype).itemsize
+
+    def unit(var, src):
+        return (f"alignas({VECTOR_BYTES}) {et} {var}[{v}]; "
+                f"*reinterpret_cast<U*>({var}) = *reinterpret_cast<const U*>(&{src}[b]); ")
+    body = (f"struct alignas({VECTOR_BYTES}) U {{ unsigned int w[{VECTOR_BYTES // 4}]; }}; "
+            f"unsigned int b = (unsigned int)i * {v}u, s0 = (b / sd) % sm, h0 = (b / hd) % hm; "
+            + unit("e", "yv") + (unit("er", "rv") if residual else "")
+            + f"for (int j = 0; j < {v}; ++j) {{ {et}& y = e[j]; {ctype} sc = scv[s0 + j * ss], sh = shv[h0 + j * hs]; "
+            + (f"{et} rr = er[j]; " if residual else "")
+            + f"{op}; }} *reinterpret_cast<U*>(&yv[b]) = *reinterpret_cast<const U*>(e);")
+    return (f"raw {vtype} scv, raw {vtype} shv, {vtype} p, uint32 sd, uint32 sm, uint32 ss, uint32 hd, uint32 hm, "
+            f"uint32 hs{f', raw {ptype} rv' if residual else ''}", f"raw {ptype} yv", body, name + "_vec")
+
+
+def vector_index(v, rows: int, per: int) -> tuple | None:
+    """(divisor, modulus, step) of the vector ``v`` (as :func:`_flat_index`) for units of ``per`` elements of a
+    column-major tile with ``rows`` rows; None where a unit's entries are neither consecutive nor one."""
+    d, m = _flat_index(v, rows)
+    if m == 1:
+        return d, m, np.uint32(0)
+    if d == 1 and m % per == 0:
+        return d, m, np.uint32(1)
+    if d % per == 0:
+        return d, m, np.uint32(0)
+    return None
 
 
 _KERNELS: dict = {}
+_FORMS = {"tile": kernel_source, "flat": flat_kernel_source, "vector": vector_kernel_source}
 
 
-def _kernel(dtype, activation, flat: bool = False):
-    key = (tile_type(dtype), activation, flat)
+def _kernel(dtype, activation, form: str = "tile", residual: bool = False):
+    key = (tile_type(dtype), activation, form, residual)
     k = _KERNELS.get(key)
     if k is None:  # two threads may both make it: the same kernel, either kept
         import cupy
-        k = _KERNELS[key] = cupy.ElementwiseKernel(*(flat_kernel_source if flat else kernel_source)(dtype,
-                                                                                                   activation))
+        k = _KERNELS[key] = cupy.ElementwiseKernel(*_FORMS[form](dtype, activation, residual))
     return k
 
 
@@ -147,18 +193,32 @@ def pointwise_kernel(dtype, activation: str, grad: bool = False):
     return k
 
 
-def affine_activation(stream, loc, rows: int, cols: int, dtype, scale, shift, activation, param) -> None:
+def affine_activation(stream, loc, rows: int, cols: int, dtype, scale, shift, activation, param,
+                      residual: int | None = None) -> None:
     """``y = act(y * scale + shift)`` on the ``rows x cols`` tile at ``loc = (pointer, ld)`` of
     element type ``dtype``, on ``stream``. ``scale``/``shift``: CuPy vectors of the compute type
     shaped to broadcast, ``(rows, 1)``, ``(1, cols)`` or ``(1, 1)``; ``param``: the activation's
-    parameter (0 where it has none). The threads walk the tile down its columns (memory order): a contiguous
-    tile as one flat array, any other as the transposed (row-major) view."""
+    parameter (0 where it has none); ``residual``: the address of a block laid out as the tile, added before
+    the activation (contiguous tiles only). The threads walk the tile down its columns (memory order): a
+    contiguous tile as one flat array (in aligned 16-byte units where its size and vectors allow), any other
+    as the transposed (row-major) view."""
     p = scale.dtype.type(param)
+    n = rows * cols
+    res = residual is not None
     with stream:
-        if loc[1] == rows and rows * cols < 1 << 32:
-            y = device_view(loc[0], rows * cols, 1, rows * cols, dtype)[:, 0]
-            _kernel(dtype, activation, True)(scale.reshape(-1), shift.reshape(-1), p, *_flat_index(scale, rows),
-                                             *_flat_index(shift, rows), y)
+        if loc[1] == rows and n < 1 << 32:
+            y = device_view(loc[0], n, 1, n, dtype)[:, 0]
+            extra = (device_view(residual, n, 1, n, dtype)[:, 0],) if res else ()
+            per = VECTOR_BYTES // y.dtype.itemsize
+            idx = (vector_index(scale, rows, per), vector_index(shift, rows, per))
+            if n % per == 0 and (loc[0] | (residual or 0)) % VECTOR_BYTES == 0 and None not in idx:
+                _kernel(dtype, activation, "vector", res)(scale.reshape(-1), shift.reshape(-1), p, *idx[0], *idx[1],
+                                                          *extra, y, size=n // per)
+                return
+            _kernel(dtype, activation, "flat", res)(scale.reshape(-1), shift.reshape(-1), p, *_flat_index(scale, rows),
+                                                    *_flat_index(shift, rows), *extra, y)
+        elif res:
+            raise ValueError(f"affine_activation: residual: a tile with ld {loc[1]} != rows {rows} takes none")
         else:
             y = device_view(loc[0], rows, cols, loc[1], dtype)
             _kernel(dtype, activation)(scale.T, shift.T, p, y.T)
