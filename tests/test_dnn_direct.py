@@ -458,3 +458,34 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
         wide(xb.ctypes.data, got.ctypes.data, size // 4, *(int(a) for a in cd.gather_args(wgeo, True, ws)))
         assert np.array_equal(got, want) and want.any()
         assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 8) is None  # NCHW; 4 % 8
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 5])
+def test_small_channel_counts_are_padded_to_whole_gather_units(c):
+    """A channels-last first layer (C = 3) runs on its input copied into zero channels up to a whole 8-byte unit
+    and its weight given zero rows (conv_direct.padded_channels, pad_weight_rows): the same convolution, and
+    its gathers widen. Grouped, NCHW, pointwise, transposed and whole-unit inputs are left as they are."""
+    import dataclasses
+    rng = np.random.default_rng(c)
+    x, w = rng.standard_normal((2, c, 9, 8)), rng.standard_normal((4, c, 3, 3))
+    geo = conv_geometry("conv2d", 2, x, w, 2, 1, 1, 1)
+    cpad = cd.padded_channels(geo, True, 2, 8)
+    assert cpad == (4 if c <= 4 else 8) and cd.padded_channels(geo, True, 4, 8) == (None if c % 2 == 0 else c + 1)
+    assert cd.padded_channels(geo, False, 2, 8) is None and cd.padded_channels(geo, True, 8, 8) is None
+    xpad = np.zeros((2, cpad, 9, 8))
+    xpad[:, :c] = x
+    wpad = cd.pad_weight_rows(np, _wrows(w, True), c, cpad)
+    assert wpad.shape == (4, 9 * cpad) and not wpad.reshape(4, 9, cpad)[:, :, c:].any()
+    geo2 = dataclasses.replace(geo, c=cpad)
+    ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, 2, 1).numpy()
+    ymem = np.full(ref.size, np.nan)
+    emulated_forward(geo2, memory(xpad, True), True, wpad, ymem, None, 1 << 30, "im2col")
+    assert _rel(from_memory(ymem, ref.shape, True), ref) < 1e-13
+    gathers = [s for s in cd.forward_steps(geo2, True, [(0, 2)], 0.0) if isinstance(s, cd.Gather)]
+    assert gathers and all(cd.widened(geo2, True, s, 4) is not None for s in gathers)
+    for other in (conv_geometry("conv2d", 2, np.zeros((2, 2 * c, 9, 8)), np.zeros((4, c, 3, 3)), 1, 1, 1, 2),
+                  conv_geometry("conv2d", 2, x, np.zeros((4, c, 1, 1)), 1, 0, 1, 1),
+                  conv_geometry("conv2d", 2, np.zeros((2, 4, 9, 8)), np.zeros((4, 4, 3, 3)), 1, 1, 1, 1),
+                  conv_geometry("conv2d", 2, np.zeros((2, 9, 9, 8)), np.zeros((4, 9, 3, 3)), 1, 1, 1, 1),
+                  transpose_geometry("t", 2, x, np.zeros((c, 4, 3, 3)), 2, 1, 1, 1, 1)):
+        assert cd.padded_channels(other, True, 2, 8) is None

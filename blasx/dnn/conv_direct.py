@@ -417,14 +417,48 @@ def applies(x, flops: float) -> bool:
     return len(gpus) <= 1 or flops < SPLIT_FLOPS
 
 
+PAD_C_MAX = 7  # input channels padded up to a whole gather unit at most (an image's first layer: 1 or 3)
+
+
+def padded_channels(geo: ConvGeometry, cl: bool, itemsize: int, unit: int) -> int | None:
+    """The channel count a channels-last convolution's input is padded to (zero channels, zero weights), so
+    that its gather moves ``unit``-byte pieces and its GEMM's reduction rows are aligned: an ungrouped
+    convolution with a kernel window, at most PAD_C_MAX channels not filling whole units; else None."""
+    per = unit // itemsize
+    if not cl or geo.groups != 1 or per <= 1 or geo.c % per == 0 or geo.c > PAD_C_MAX or pointwise(geo) \
+            or any(z != 1 for z in geo.insert):
+        return None
+    return -(-geo.c // per) * per
+
+
+def pad_weight_rows(xp, wmat, c: int, cpad: int):
+    """The channels-last ``(K, taps * c)`` weight matrix with zero rows for channels c .. cpad - 1."""
+    k = wmat.shape[0]
+    out = xp.zeros((k, wmat.shape[1] // c, cpad), dtype=wmat.dtype)
+    out[:, :, :c] = wmat.reshape(k, -1, c)
+    return out.reshape(k, -1)
+
+
 def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str) -> None:
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
     (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
     channels or None; x, y, residual compact in the layout ``cl`` says."""
+    import dataclasses
+
     import cupy
 
     from . import direct_cache, direct_cuda
     dt = np.dtype(x.dtype)
+    cpad = padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
+    if cpad is not None:  # x copied into zero-padded channels, the weight given zero rows (kept per weight)
+        xpad = direct_cuda.scratch("xpad", geo.n * int(np.prod(geo.in_size)) * cpad, dt)
+        xv = direct_cuda._bits(x).reshape(-1, geo.c)
+        pv = xpad.reshape(-1, cpad)
+        pv[:, geo.c:] = 0
+        pv[:, :geo.c] = xv
+        x = xpad.view(dt)
+        wmat = direct_cache.derived(wmat, ("pad_c", cpad), lambda: pad_weight_rows(cupy, wmat, geo.c, cpad))
+        geo = dataclasses.replace(geo, c=cpad)
 
     # the residual is added by the epilogue kernel (one read), not copied into y for the GEMMs to accumulate on
     # (a copy, and the GEMMs reading y), unless it is y itself
