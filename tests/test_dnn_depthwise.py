@@ -330,3 +330,61 @@ def test_output_over_its_input(routed, layout):
     geo = conv_geometry("conv2d", 2, xin, w, 1, 1, 1, 4)
     dw.forward(geo, xin, layout == "cl", w, xin, None, (None, None, None, None))
     assert _rel(xin, ref) < 1e-13 and routed == ["depthwise.forward"]
+
+
+_VEC: dict = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 2), st.integers(0, 2), st.integers(1, 2), st.sampled_from([1, 3, 5]), st.booleans(),
+       st.sampled_from(["float32", "float64", "bfloat16"]), st.integers(0, 1000))
+def test_vector_kernel_compiled_for_the_host_vs_torch(stride, pad, dil, ks, residual, dtype, seed):
+    """depthwise_vec's kernel text (16-byte units of channels, tap-major weight) compiled for the host: a
+    channels-last depthwise convolution with bias, relu6 and a residual equals torch's in float64 within the
+    type's rounding; it applies only to whole units of channels, channels-last, 2-D, multiplier 1."""
+    from blasx.dnn import depthwise_vec as dv
+    from host_cc import bfloat16, compile_host, tile_types
+    if dtype == "bfloat16" and bfloat16 is None:
+        pytest.skip("no ml_dtypes")
+    dt = np.dtype(bfloat16 if dtype == "bfloat16" else dtype)
+    ctype = tile_types()[dt]
+    f = "double" if dt == np.float64 else "float"
+    key = (dt.str, residual)
+    if key not in _VEC:
+        src = dv.source(dt, "relu6", residual, "int64")
+        ints = ", ".join(f"long long {n}" for n in dv.NAMES)
+        res = f"const {ctype}* res, " if residual else ""
+        _VEC[key] = compile_host([f'extern "C" void k(const {ctype}* x, const {ctype}* wt, const {f}* sc, '
+                                  f'const {f}* sh, {res}{f} p, {ints}, {ctype}* yv, long long units) '
+                                  f'{{ for (long long i = 0; i < units; ++i) {{ {src["operation"]} }} }}'])
+    lib = _VEC[key]
+    if lib is None:
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(seed)
+    k = 2 * dv.per_unit(dt)
+    x = rng.standard_normal((2, k, 7, 6)).astype(dt)
+    w = rng.standard_normal((k, 1, ks, ks)).astype(dt)
+    try:
+        geo = conv_geometry("conv2d", 2, x, w, stride, pad, dil, k)
+    except ValueError:
+        return
+    assert dv.applies(geo, True, dt) and not dv.applies(geo, False, dt)
+    bias = rng.standard_normal(k)
+    ref = F.conv2d(T(x.astype(np.float64)), T(w.astype(np.float64)), T(bias), stride, pad, dil, k).numpy()
+    r = rng.standard_normal(ref.shape).astype(dt) if residual else None
+    want = np.clip(ref + (r.astype(np.float64) if residual else 0), 0, 6)
+    ct = np.float64 if dt == np.float64 else np.float32
+    xm, wt = memory(x, True), np.ascontiguousarray(w.reshape(k, -1).T)
+    sc, sh = np.ones(k, ct), bias.astype(ct)
+    y = np.full(want.size, np.nan).astype(dt)
+    prm = dv.params(geo, dt)
+    import ctypes
+    arrays = [xm, wt, sc, sh, *([memory(r, True)] if residual else [])]
+    fn = lib.k
+    fn.argtypes = [ctypes.c_void_p] * len(arrays) + [ctypes.c_double if ct == np.float64 else ctypes.c_float] + \
+        [ctypes.c_longlong] * len(prm) + [ctypes.c_void_p, ctypes.c_longlong]
+    fn(*(a.ctypes.data for a in arrays), 0.0, *prm.values(), y.ctypes.data, y.size // dv.per_unit(dt))
+    got = from_memory(y.astype(np.float64), want.shape, True)
+    assert _rel(got, want) < {np.float64: 1e-13, np.float32: 1e-6}.get(dt.type, 1e-2)
+    geo_m2 = conv_geometry("conv2d", 2, x, np.zeros((2 * k, 1, 3, 3), dt), 1, 1, 1, k)
+    assert not dv.applies(geo_m2, True, dt)  # a channel multiplier

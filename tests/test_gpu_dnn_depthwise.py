@@ -64,14 +64,15 @@ def _pattern(launches, *parts):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The device route forced; the depthwise launches counted."""
+    """The device route forced; the depthwise launches counted (the vector forward kernel's as forwards)."""
     from blasx.dnn import conv_direct, depthwise
     monkeypatch.setattr(conv_direct, "ROUTE", "direct")
     seen = []
-    for name in ("launch_forward", "launch_weight"):
+    for name, as_name in (("launch_forward", "launch_forward"), ("launch_vector", "launch_forward"),
+                          ("launch_weight", "launch_weight")):
         real = getattr(depthwise, name)
 
-        def spy(*args, _real=real, _name=name, **kwargs):
+        def spy(*args, _real=real, _name=as_name, **kwargs):
             seen.append(_name)
             return _real(*args, **kwargs)
         monkeypatch.setattr(depthwise, name, spy)
@@ -227,3 +228,36 @@ def test_route_is_taken_for_cupy_only(launches):
     assert rel(dnn.conv2d(x, w, padding=1, groups=6), ref) < 1e-12 and launches == []
     assert rel(dnn.conv2d(cupy.asarray(x), cupy.asarray(w), padding=1, groups=6), ref) < 1e-12
     assert launches == ["launch_forward"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("ks,stride,pad,dil", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (5, 2, 0, 1)])
+def test_vector_kernel_equals_the_element_kernel(monkeypatch, dtype, ks, stride, pad, dil):
+    """Channels-last 2-D depthwise with whole 16-byte units of channels runs depthwise_vec's kernel: the same
+    sums as the one-element-a-thread kernel (scale, shift, residual, relu6) and torch's within the type."""
+    from blasx.dnn import conv_direct, depthwise, depthwise_vec
+    monkeypatch.setattr(conv_direct, "ROUTE", "direct")
+    rng = np.random.default_rng(ks * 10 + stride)
+    dt = np.dtype(dtype)
+    c = 4 * depthwise_vec.per_unit(dt)
+    x = rng.standard_normal((3, c, 13, 11)).astype(dt)
+    w = rng.standard_normal((c, 1, ks, ks)).astype(dt)
+    conv = F.conv2d(wide(x), wide(w), None, stride, pad, dil, c)
+    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    b, sc, sh = rng.standard_normal(c), rng.uniform(0.5, 2, c), rng.standard_normal(c)
+    ch = (slice(None), None, None)
+    ref = F.relu6((conv + T(b)[ch]) * T(sc)[ch] + T(sh)[ch] + wide(r)).numpy()
+    seen = []
+    real = depthwise.launch_vector
+    monkeypatch.setattr(depthwise, "launch_vector", lambda *a, **k: (seen.append(1), real(*a, **k)))
+
+    def run():
+        return dnn.conv2d(_device(x, "cl"), cupy.asarray(w), cupy.asarray(b), stride, pad, dil, c,
+                          scale=cupy.asarray(sc), shift=cupy.asarray(sh), residual=_device(r, "cl"),
+                          activation="relu6")
+    y = run()
+    assert seen == [1] and rel(y, ref) < TOL[dtype]
+    monkeypatch.setattr(depthwise_vec, "applies", lambda *a: False)
+    y1 = run()
+    same = {"float64": 1e-14, "float32": 1e-6}.get(dtype, 1e-3)  # one rounding apart at most, here and there
+    assert seen == [1] and rel(y, cupy.asnumpy(y1).astype(np.float64)) < same

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..operands import array_module, is_cupy
 from ..runtime.devices import cuda_epilogue
-from . import direct_cache
+from . import depthwise_vec, direct_cache
 from .arrays import compute_dtype
 from .geometry import ConvGeometry
 from .im2col import x_strides
@@ -369,7 +369,31 @@ def forward(geo: ConvGeometry, x, cl: bool, w, y, residual, epilogue_args, dtype
             "sc": sc, "sh": sh}
     if residual is not None:
         bufs["res"] = memory(residual, cl)
+    if xp is not np and depthwise_vec.applies(geo, cl, dt) and \
+            not any(bufs[b].data.ptr % depthwise_vec.UNIT for b in ("x", "y", "res") if b in bufs):
+        wt = direct_cache.derived(w, ("taps",), lambda: xp.ascontiguousarray(w.reshape(geo.k, -1).T))
+        launch_vector(geo, dt, act, {**bufs, "w": wt})
+        return
     launch_forward(geo, cl, dt, act, bufs)
+
+
+def launch_vector(geo: ConvGeometry, dtype, activation, bufs: dict) -> None:
+    """depthwise_vec's kernel on the current device and stream: ``bufs`` as for :func:`launch_forward`, w the
+    tap-major (taps, K) weight."""
+    name = None if activation is None else activation.name
+    sizes = tuple(b.size for b in bufs.values())
+    residual = "res" in bufs
+
+    def make():
+        params = depthwise_vec.params(geo, dtype)
+        index = index_type(params, sizes)
+        return depthwise_vec.source(dtype, name, residual, index), _ints(params, index)
+    src, ints = _LAUNCHES.get(("vec", geo, np.dtype(dtype).str, name, residual, sizes), make)
+    vt = np.float64 if np.dtype(bufs["sc"].dtype) == np.float64 else np.float32
+    p = vt((activation.param if activation is not None else None) or 0.0)
+    res = [bufs["res"]] if residual else []
+    _kernel(src)(bufs["x"], bufs["w"], bufs["sc"], bufs["sh"], *res, p, *ints, bufs["y"],
+                 size=bufs["y"].size // depthwise_vec.per_unit(dtype))
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, dtype=None):
