@@ -151,3 +151,56 @@ def test_graph_replays_keep_their_memory_when_the_caches_drop_it():
     del junk
     assert _rel(y, want) < 1e-6 and _rel(y, _ref(m, x)) < TOL[np.float32]
     assert net.last_profile().graphs["failures"] == 0
+
+
+def _stats(m):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-0.5, 0.5)
+                mod.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+class _Seq(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        return self.head(y[:, -1])
+
+
+def _nets():
+    """The issue's other network kinds: MobileNet-style (hardswish, relu6, depthwise with whole 16-byte units of
+    channels), VGG-style with LRN, and LSTM/GRU sequence models with a linear head."""
+    torch.manual_seed(0)
+    mobile = _stats(nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.Hardswish(),
+                                  nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.BatchNorm2d(16), nn.ReLU6(),
+                                  nn.Conv2d(16, 24, 1), nn.BatchNorm2d(24), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(24, 4)))
+    vgg = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.LocalResponseNorm(3), nn.MaxPool2d(2),
+                        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                        nn.Linear(16 * 4 * 4, 10), nn.ReLU(), nn.Dropout(), nn.Linear(10, 3)).eval()
+    return {"mobilenet": (mobile, (3, 16, 16)), "vgg_lrn": (vgg, (3, 16, 16)),
+            "lstm_head": (_Seq("LSTM").eval(), (7, 16)), "gru_head": (_Seq("GRU").eval(), (7, 16))}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("name", ["mobilenet", "vgg_lrn", "lstm_head", "gru_head"])
+def test_other_network_kinds_on_gpus(name, dtype):
+    """Host batches through all GPUs (graphs on), compiled and not, within the dtype's tolerance of torch in
+    float64."""
+    blasx.configure(devices="cuda")
+    m, shape = _nets()[name]
+    x = np.random.default_rng(2).standard_normal((12, *shape)).astype(dtype)
+    ref = _ref(m, x)
+    layout = "cl" if len(shape) == 3 else "nchw"
+    for fuse in (False, True):
+        net = dnn.from_torch(m, (1, *shape)).compile(dtype=dtype, layout=layout, fuse=fuse)
+        for _ in range(2):  # the second call replays the captured chunks
+            y = net(x, chunk=3)
+            assert y.dtype == dtype and _rel(y, ref) < {np.float32: 1e-4, np.float16: 3e-2}[dtype], (fuse, _rel(y, ref))
