@@ -3,8 +3,8 @@
 thread computes V consecutive channels of one output pixel (V = 16 bytes over the element size): per tap one
 aligned 16-byte load of x and one of the tap-major weight (taps, K), V accumulators in the compute type, then
 the epilogue ``act(acc * scale + shift (+ residual))`` per channel, rounded once, and one 16-byte store.
-depthwise.py's one-element-a-thread kernel does the same sums (its index arithmetic per element, 2-byte loads):
-the results are equal bit for bit where both accumulate in the same order (taps row-major).
+depthwise.py's one-element-a-thread kernel does the same sums in the same order (taps row-major), with its index
+arithmetic per element and element-sized loads.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ NAMES = ["KV", "K", "O0", "O1", "R0", "R1", "S0", "S1", "D0", "D1", "L0", "L1", 
 
 
 def per_unit(dtype) -> int:
+    """Elements of ``dtype`` in one unit."""
     return UNIT // np.dtype(dtype).itemsize
 
 
