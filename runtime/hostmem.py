@@ -112,7 +112,8 @@ class Pinning:
         return sum(e - s for (s, e), ok in zip(self.chunks, self.ok) if ok)
 
 
-def _root(x: np.ndarray) -> np.ndarray:
+def root_of(x: np.ndarray) -> np.ndarray:
+    """The ndarray owning the memory ``x`` views (``x`` itself where it owns its memory)."""
     node = x
     while isinstance(node.base, np.ndarray):
         node = node.base
@@ -149,7 +150,7 @@ class RegistrationCache:
 
     def _pinning(self, runtime, x):
         """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
-        root = _root(x)
+        root = root_of(x)
         if root.nbytes == 0:
             return None, []
         lo = int(root.ctypes.data)
@@ -185,7 +186,7 @@ class RegistrationCache:
     def release(self, x: np.ndarray) -> bool:
         """Unregister now what blasx registered under ``x``'s root (True if there was such a
         registration). The next call on it pins again; memory pinned by others is left alone."""
-        root = _root(x)
+        root = root_of(x)
         with self._lock:
             p = self._ours.get(id(root))
         if p is None:

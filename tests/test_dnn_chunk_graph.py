@@ -212,5 +212,8 @@ def test_a_page_locked_batch_is_copied_in_without_staging(monkeypatch):
             fake.log.clear()
             net(x.astype(np.float64), chunk=4)  # cast on the host: staged
             assert [e[0] for e in fake.log if e[0] in ("memcpy", "set")] == ["set", "set"]
+            fake.log.clear()
+            net(np.concatenate([x] * 3)[:8], chunk=4)  # a third of a larger array: not locked whole, staged
+            assert [e[0] for e in fake.log if e[0] in ("memcpy", "set")] == ["set", "set"] and joined == [True]
     finally:
         blasx.shutdown()

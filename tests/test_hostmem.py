@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from blasx.runtime.hostmem import (PAGE, Pinning, RegistrationCache, _root, chunk_spans, interior_pages,
+from blasx.runtime.hostmem import (PAGE, Pinning, RegistrationCache, root_of, chunk_spans, interior_pages,
                                    round_robin, split_2d)
 
 
@@ -18,7 +18,7 @@ def registered(reg) -> int:
 
 def test_root_follows_views_to_the_owner():
     a = np.zeros((8, 8))
-    assert _root(a[2:, ::2].T) is a and _root(a) is a
+    assert root_of(a[2:, ::2].T) is a and root_of(a) is a
 
 
 def test_interior_pages_never_reach_a_neighbour():
