@@ -38,13 +38,13 @@ def capturing(keep: list):
     return setting(_local, "keep", keep)
 
 
-def _making(what: str) -> None:
+def making(what: str) -> None:
     """About to make ``what``: refused (CaptureMiss) while this thread captures."""
     if getattr(_local, "keep", None) is not None:
         raise CaptureMiss(f"{what} is not made yet; it cannot be made inside a CUDA graph capture")
 
 
-def _kept(v):
+def kept(v):
     """``v``, handed out: kept by this thread's capture under way, if any."""
     keep = getattr(_local, "keep", None)
     if keep is not None:
@@ -124,8 +124,8 @@ def device_vector(values, dtype, shape_of=None):
     if ws is not None:  # the worker's own, dropped with it
         return ws.vector(key, make)[1]
     if key not in _VECTORS.entries:
-        _making("a channel vector")
-    return _kept(_VECTORS.get(key, make))[1]
+        making("a channel vector")
+    return kept(_VECTORS.get(key, make))[1]
 
 
 def _identity(fn):
@@ -157,30 +157,30 @@ class Workspace:
         if got is not None and got[0] is not base:  # (the entry holds the base array: its id is not reused)
             got = None
         if got is None:
-            _making(f"a weight transform {kind}")
+            making(f"a weight transform {kind}")
             if len(self.weights) >= self.LIMIT:
                 self.weights.clear()
             got = self.weights[key] = (base, make())
-        return _kept(got)[1]
+        return kept(got)[1]
 
     def vector(self, key, make):
         got = self.vectors.get(key)
         if got is None:
-            _making("a channel vector")
+            making("a channel vector")
             if len(self.vectors) >= self.LIMIT:
                 self.vectors.clear()
             got = self.vectors[key] = make()
-        return _kept(got)
+        return kept(got)
 
     def scratch(self, name: str, size: int, dtype, alloc):
         """``size`` elements of ``dtype`` (the first ones of a buffer kept under ``name``, grown as needed)."""
         dt = np.dtype(dtype)
         buf = self.buffers.get(name)
         if buf is None or buf.dtype != dt or buf.size < size:
-            _making(f"scratch {name!r} of {size} elements")
+            making(f"scratch {name!r} of {size} elements")
             self.buffers.pop(name, None)
             buf = self.buffers[name] = alloc(size, dt)
-        return _kept(buf)[:size]
+        return kept(buf)[:size]
 
     def release(self) -> None:
         self.weights.clear()

@@ -7,6 +7,7 @@ per (type, math), the scratch budget per device, the epilogue's vectors per stre
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -91,8 +92,7 @@ def own_handle(ws, device_id: int, stream: int):
     lives; handed on to a later Workspace of the device when ``ws`` is dropped."""
     h = ws.handle
     if h is None or h[2] != stream:
-        import weakref
-        direct_cache._making("a cuBLAS handle")
+        direct_cache.making("a cuBLAS handle")
         spare = _SPARE.setdefault(device_id, [])
         h = spare.pop() if spare else _new_handle()
         if h[2] != stream:
@@ -103,7 +103,7 @@ def own_handle(ws, device_id: int, stream: int):
         if ws.handle is None:
             weakref.finalize(ws, _drop_handle, ws.__dict__, spare)
         ws.handle = h
-    return direct_cache._kept(h)[0]
+    return direct_cache.kept(h)[0]
 
 
 def _drop_handle(state: dict, spare: list) -> None:
@@ -421,10 +421,9 @@ def epilogue(geo: ConvGeometry, cl: bool, y, affine, residual=None) -> None:
             return direct_cache.device_vector(np.full(1, unit), ct, _cell)
         return direct_cache.device_vector(v, ct, _column if cl else functools.partial(_tiled_row, n_img))
     rows, cols, ld = (k, n_img * p, k) if cl else (p, n_img * k, p)
-    act = None if affine is None else affine.activation
-    affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype,
-                      vec(None if affine is None else affine.scale, 1.0),
-                      vec(None if affine is None else affine.shift, 0.0), None if act is None else act.name,
+    scale, shift, act = (None, None, None) if affine is None else (affine.scale, affine.shift, affine.activation)
+    affine_activation(cupy.cuda.get_current_stream(), (y.data.ptr, ld), rows, cols, y.dtype, vec(scale, 1.0),
+                      vec(shift, 0.0), None if act is None else act.name,
                       (act.param if act is not None else None) or 0.0,
                       None if residual is None else residual.data.ptr)
 
