@@ -296,8 +296,8 @@ class Worker:
     def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool, pinning=None):
         """A chunk through the graph on this worker, its output returned (on the host where ``host_in``):
         a host chunk for a GPU worker is copied in straight from the batch where blasx has page-locked it
-        (``pinning``, a hostmem.Pinning of the batch, and the chunk already of the run's type), else through
-        page-locked staging; its output goes out through staging."""
+        (``pinning``, a hostmem.Pinning of the batch: see :func:`_pin_batch`), else cast through page-locked
+        staging; its output goes out through staging."""
         if self.device is None or not (host_in or self.graphs):
             with self.context():
                 return self.forward(self._prepared(xc), chunk, t_origin)
@@ -307,7 +307,7 @@ class Worker:
             if not host_in:  # a graph reads its chunk from this worker's own buffer
                 xd[...] = xc
                 return self._forward_staged(xd, chunk, t_origin)
-            if pinning is not None and xc.dtype == self.dtype and xc.flags.c_contiguous:
+            if pinning is not None:
                 _copy_in(xd, xc, pinning, self.stream)
             else:
                 stage = self.pinned_in[:xc.size].reshape(xc.shape)
