@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -236,6 +237,13 @@ def read_rnn(path: str) -> Table:
              r["dtype"], r["math"], r["phase"], _f(r["blasx_s"] * 1e3, 2), _f(r["peer_s"] * 1e3, 2),
              _f(r["ratio"], 2), "ok" if r["ok"] else "FAIL"] for r in doc["results"]]
     notes = ["ratio = blasx time / torch (cuDNN) time; goal <= 1.2 on one GPU."]
+    groups: dict = {}
+    for r in doc["results"]:
+        groups.setdefault((r["dtype"], r["math"], r["phase"]), []).append(r["ratio"])
+    if len(doc["results"]) > len(groups):  # a table of shapes: how many meet the goal, per math mode and phase
+        notes.append("Within 1.2x (geometric mean of the ratios): " + "; ".join(
+            f"{d} {m} {ph} {sum(x <= 1.2 for x in v)} of {len(v)} ({math.prod(v) ** (1 / len(v)):.2f})"
+            for (d, m, ph), v in groups.items()) + ".")
     o = doc.get("overhead")
     if o:
         notes.append(f"Per-step cost (H={o['hidden']}, B={o['batch']}, T={o['steps']}): "
