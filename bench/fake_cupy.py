@@ -125,6 +125,15 @@ def empty(shape, dtype=float, order="C"):
     return a
 
 
+def empty_like(a, dtype=None):
+    return empty(a.shape, dtype or a.dtype)
+
+
+def zeros_like(a, dtype=None):
+    record("zeros", a.shape)
+    return empty(a.shape, dtype or a.dtype)
+
+
 def full(shape, value, dtype=float):
     record("full", shape, value)
     return empty(shape, dtype)
@@ -238,6 +247,13 @@ class Stream:
     def synchronize(self):
         record("synchronize", self.ptr)
 
+    def record(self, event=None):
+        record("event_record", self.ptr)
+        return event or Event()
+
+    def wait_event(self, event):
+        record("wait_event", self.ptr)
+
 
 _NULL = Stream(null=True)
 
@@ -313,9 +329,11 @@ def _mem_get_info():
 
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
-    for name in ("ndarray", "empty", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
+    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
                  "may_share_memory", "ElementwiseKernel", "ReductionKernel", "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
+    for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
+        setattr(cupy, name, getattr(np, name))
     cuda = types.ModuleType("cupy.cuda")
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
@@ -327,6 +345,10 @@ def _build_modules() -> dict:
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.create = lambda: 0
     cublas.setStream = lambda handle, stream: None
+    cublas.setPointerMode = lambda handle, mode: None
+    cublas.CUBLAS_POINTER_MODE_HOST = 0
+    cublas.gemmEx = lambda handle, *args: record("gemm_ex", *args[2:5])  # (m, n, k)
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 0)
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.cublas = cublas
     backends_cuda = types.ModuleType("cupy_backends.cuda")
@@ -399,8 +421,14 @@ def installed(record_calls: bool = False):
     direct_cuda._HANDLES.clear()
     direct_cuda._SPARE.clear()
     from blasx.runtime.devices import cublas_ctypes
-    saved_cc = cublas_ctypes.set_stream, cublas_ctypes.set_workspace
+    from blasx.dnn import rnn_layer
+    saved_cc = (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
+                cublas_ctypes.gemm_ex)
+    saved_sb = rnn_layer._shared.pop("sb", None)
     cublas_ctypes.set_stream = cublas_ctypes.set_workspace = lambda *args: None  # a handle's one-time binding
+    cublas_ctypes.set_pointer_mode = lambda *args: None
+    cublas_ctypes.gemm_ex = lambda: (lambda handle, *args: record("gemm_ex", *args[2:5]))  # (m, n, k)
+    rnn_layer._shared["sb"] = lambda handle, *args: record("gemm_batched", *args[2:5], args[-4])  # (m, n, k, batch)
     for t in kernel_tables:
         t.clear()
     _clear_caches()
@@ -409,7 +437,11 @@ def installed(record_calls: bool = False):
     finally:
         _state["recording"] = False
         direct_cuda._GEMM[:] = saved_gemm
-        cublas_ctypes.set_stream, cublas_ctypes.set_workspace = saved_cc
+        (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
+         cublas_ctypes.gemm_ex) = saved_cc
+        rnn_layer._shared.pop("sb", None)
+        if saved_sb is not None:
+            rnn_layer._shared["sb"] = saved_sb
         for table, before in zip((direct_cuda._HANDLES, direct_cuda._SPARE), saved_handles):
             table.clear()
             table.update(before)

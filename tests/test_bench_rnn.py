@@ -36,3 +36,10 @@ def test_checked_run_on_sims(tmp_path):
     assert train and all(r["max_err"] < r["tol"] for r in train)
     assert "| lstm | 8 | 3 | 4 |" in md[0].read_text()
     assert all(r["placement"] == "diagonal x2" for r in rep["results"]) and "diagonal x2 |" in md[0].read_text()
+
+
+def test_step_cost_split_into_fixed_and_per_step():
+    """bench.rnn.split_cost: calls of T and 2T steps give the fixed cost a call and the cost a step exactly."""
+    split_cost = R.split_cost
+    fixed, per = split_cost(1.5e-3 + 100 * 4e-6, 1.5e-3 + 200 * 4e-6, 100)
+    assert abs(fixed - 1.5e-3) < 1e-12 and abs(per - 4e-6) < 1e-15
