@@ -14,8 +14,10 @@ cudnn.allow_tf32 and cuda.matmul.allow_tf32 False, blasx math "ieee"), tf32 (bot
 bwd-data (torch.nn.grad.convNd_input against blasx.dnn.convNd_input), bwd-weight (convNd_weight).
 
 On GPUs (``--devices cuda:0``) both contenders get the same torch tensors, blasx through DLPack as
-CuPy arrays (no copy). cuDNN (cudnn.benchmark on) is timed with CUDA events, blasx by the wall clock
-with the GPUs synchronized around the call; each the median of ``--reps`` after ``--warmup``.
+CuPy arrays (no copy). Both (and the lowered cuBLAS GEMM) are timed alike, as the rate of a loop of calls:
+after ``--warmup`` calls, ROUNDS rounds of ``--reps`` calls issued back to back, the GPUs synchronized at the
+end of each round; a call's time is the median round's over ``--reps``. blasx's host time to issue a call is
+kept too: a layer whose issue time reaches its call time is host-bound (its limit says so).
 Both results are compared with float64 torch on the same (rounded) inputs: blasx passes when its
 relative-norm error is within max(the mode's tolerance, 2x cuDNN's own error); a failing check is
 FAIL (an exception ERROR) and is left out of the geometric means, never silently. ``cuBLAS``
@@ -46,6 +48,8 @@ TORCH_DTYPE = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": 
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 5e-3, "bf16": 3e-2}
 GOAL = 0.8  # the issue's goal: each geomean at >= 0.8x cuDNN
 CUBLAS_MAX_BYTES = 4 << 30  # the lowered GEMM's B (the im2col matrix) is built for cuBLAS only below this
+ROUNDS = 3  # timed rounds of --reps calls per contender
+HOST_BOUND = 0.9  # issue time / call time from which a layer counts as host-bound
 FAMILIES = ("resnet50", "own", "mobilenet_v2")
 
 
@@ -192,27 +196,27 @@ class Side:
         for g in self.gpus:
             self.torch.cuda.synchronize(g)
 
-    def time_torch(self, fn, warmup: int, reps: int) -> tuple[list, object]:
-        """Seconds of each timed call (CUDA events on GPUs) and the last result."""
+    def time_calls(self, fn, warmup: int, reps: int) -> tuple[list, object, float]:
+        """(seconds a call in each of ROUNDS rounds of ``reps`` calls issued back to back, the devices
+        synchronized once a round; the last result; the least host seconds a round took to issue a call)."""
         for _ in range(warmup):
             fn()
-        times, out = [], None
-        for _ in range(reps):
-            if self.gpu:
-                start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                out = fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
+        self.sync()
+        times, issue, out = [], [], None
+        for _ in range(ROUNDS):
+            t0, host = time.perf_counter(), 0.0
+            for _ in range(reps):
                 t = time.perf_counter()
                 out = fn()
-                times.append(time.perf_counter() - t)
-        return times, out
+                host += time.perf_counter() - t
+            self.sync()
+            times.append((time.perf_counter() - t0) / reps)
+            issue.append(host / reps)
+        return times, out, min(issue)
 
     def time_wall(self, fn, warmup: int, reps: int) -> tuple[list, object]:
-        """Wall seconds of each timed call, the GPUs synchronized before and after; the last result."""
+        """Wall seconds of each timed call, the GPUs synchronized before and after; the last result (host
+        batches, bench.conv_host: a call's copies in and out are part of it)."""
         for _ in range(warmup):
             fn()
         self.sync()
@@ -273,7 +277,7 @@ def lowered_gemm_seconds(side, layer, direction: str, mode: str, warmup: int, re
         return None
     a = torch.randn((m, k), device=side.device).to(dt)
     b = torch.randn((k, n), device=side.device).to(dt)
-    times, _ = side.time_torch(lambda: a @ b, warmup, reps)
+    times, _, _ = side.time_calls(lambda: a @ b, warmup, reps)
     return statistics.median(times)
 
 
@@ -286,6 +290,9 @@ def limit_note(row: dict) -> str:
     if row["status"] != "ok" or row["ratio"] >= GOAL:
         return ""
     notes = []
+    issue = row.get("blasx_issue_s")
+    if issue and row["blasx_s"] and issue >= HOST_BOUND * row["blasx_s"]:
+        notes.append(f"host-bound ({1e6 * issue:.0f} us to issue a call)")
     m, n, k = row["gemm"]
     if row["groups"] > 1:
         notes.append(f"{row['groups']} group GEMMs of m={m}, k={k}")
@@ -311,8 +318,8 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
     row.update(cudnn_s=None, cudnn_err=None, cublas_s=None, blasx_s=None, blasx_err=None, tolerance=TOLERANCE[mode])
     with torch.no_grad():
         try:  # the peer and the reference: a failure here (out of memory, say) is the row's ERROR
-            t_times, t_out = side.time_torch(lambda: conv_call(torch.nn.functional, torch.nn.grad, layer, direction,
-                                                               x, w, dy), args.warmup, args.reps)
+            t_times, t_out, _ = side.time_calls(lambda: conv_call(torch.nn.functional, torch.nn.grad, layer,
+                                                                  direction, x, w, dy), args.warmup, args.reps)
             ref = conv_call(torch.nn.functional, torch.nn.grad, layer, direction, x.double(), w.double(),
                             None if dy is None else dy.double())
             row["cudnn_s"] = statistics.median(t_times)
@@ -326,7 +333,7 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
         if ref is not None:
             try:
                 bx = {key: None if v is None else side.to_blasx(v) for key, v in inputs.items()}
-                b_times, b_out = side.time_wall(
+                b_times, b_out, row["blasx_issue_s"] = side.time_calls(
                     lambda: conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"]), args.warmup, args.reps)
                 row["blasx_s"] = statistics.median(b_times)
                 row["blasx_err"] = rel_error(torch, side.from_blasx(b_out), ref)
@@ -410,7 +417,8 @@ def _f(x, digits=2) -> str:
 def markdown(doc: dict) -> str:
     lines = [f"# Convolution against cuDNN: {doc['machine']}, {doc['date']}", "", "```", doc["command"], "```", "",
              f"blasx devices `{doc['devices']}`, peer {doc['peer']}; batch {doc['batch']}, layout {doc['layout']}, "
-             f"median of {doc['reps']} after {doc['warmup']} warm-up(s); ResNet-50 layers {doc['layer_source']}. "
+             f"calls issued back to back, {ROUNDS} rounds of {doc['reps']} after {doc['warmup']} warm-up(s), the median "
+             f"round; ResNet-50 layers {doc['layer_source']}. "
              f"Versions: {', '.join(f'{k} {v}' for k, v in doc['versions'].items())}.", "",
              "## Geometric means of blasx / cuDNN throughput", "",
              "| mode | direction | set | geomean | checked / layers | goal 0.8x |", "| :-- | :-- | :-- | --: | :-- | :-- |"]
@@ -477,7 +485,7 @@ def main(argv=None, dnn=None) -> int:
     rows, source = run_device(args, dnn, log)
     doc = {"kind": "conv", "stamp": stamp, "date": date, "command": L3.command_line("bench.conv", argv),
            "machine": L3.machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
-           "peer": "cuDNN through torch (CUDA events)" if args.gpu else "torch on the CPU",
+           "peer": "cuDNN through torch" if args.gpu else "torch on the CPU",
            "batch": args.batch, "layout": args.layout, "shrink": args.shrink, "reps": args.reps, "warmup": args.warmup,
            "layer_source": source, "modes": args.modes, "tolerance": TOLERANCE, "versions": versions(args.gpu),
            "geomeans": geomeans(rows), "rows": rows}

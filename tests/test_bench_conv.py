@@ -187,3 +187,13 @@ def test_a_peer_failure_is_an_error_and_the_run_goes_on(tmp_path, monkeypatch):
     assert [(r["direction"], r["status"]) for r in doc["rows"]] == [
         ("fwd", "ok"), ("bwd-data", "ERROR"), ("bwd-weight", "ok")]
     assert doc["rows"][1]["error"] == "torch: MemoryError: out of memory"
+
+
+def test_limit_names_a_host_bound_layer():
+    """A layer short of the goal whose issue time reaches its call time is named host-bound first; a layer at
+    the goal has no limit."""
+    row = {"status": "ok", "ratio": 0.3, "gemm": [256, 50176, 512], "groups": 1, "cublas_tflops": None,
+           "cudnn_tflops": 90.0, "expansion": 1.0, "blasx_s": 200e-6, "blasx_issue_s": 190e-6}
+    assert C.limit_note(row) == "host-bound (190 us to issue a call)"
+    assert C.limit_note({**row, "blasx_issue_s": 50e-6}) == "-"
+    assert C.limit_note({**row, "ratio": 0.9}) == ""
