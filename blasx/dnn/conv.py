@@ -12,6 +12,8 @@ of the call; activations are only read, through the derived im2col operand (im2c
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from .. import dispatch, precision
@@ -52,7 +54,7 @@ def _as_layout(xp, x, lay: str):
 def _x_view(x, lay: str):
     """X's memory as a compact column-major 2-D view (the im2col source)."""
     n, c = x.shape[:2]
-    size = int(np.prod(x.shape[2:]))
+    size = prod(x.shape[2:])
     if lay == "cl":
         return x.transpose(0, *range(2, x.ndim), 1).reshape(n * size, c).T
     return x.reshape(n * c, size).T

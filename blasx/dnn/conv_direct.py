@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-
+from math import prod
 from typing import NamedTuple
 
 import numpy as np
@@ -149,7 +149,7 @@ def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list
 def forward_scratch(geo: ConvGeometry, form: str = "im2col") -> int:
     """Scratch elements per image of the forward plan of ``form`` (0: none)."""
     if form == "shifted":
-        return int(np.prod(padded_size(geo))) * (geo.c + geo.k)
+        return prod(padded_size(geo)) * (geo.c + geo.k)
     return 0 if pointwise(geo) else geo.crs * geo.p
 
 
@@ -157,7 +157,7 @@ def forward_scratch(geo: ConvGeometry, form: str = "im2col") -> int:
 
 def shifted_applies(geo: ConvGeometry) -> bool:
     """Whether the shifted form can run ``geo``: stride 1, no zero insertion, one group, taps > 1."""
-    return all(v == 1 for v in (*geo.stride, *geo.insert)) and geo.groups == 1 and int(np.prod(geo.kernel)) > 1
+    return all(v == 1 for v in (*geo.stride, *geo.insert)) and geo.groups == 1 and prod(geo.kernel) > 1
 
 
 def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
@@ -196,18 +196,18 @@ def wide_rows(geo: ConvGeometry, nb: int) -> int:
     """Wide rows a chunk of ``nb`` images computes: up to its last valid output pixel, so the last
     tap's A ends at the last element of the chunk's ``xp`` (no trailing rows read)."""
     ip = padded_size(geo)
-    return (nb - 1) * int(np.prod(ip)) + _flat([o - 1 for o in geo.out_size], ip) + 1
+    return (nb - 1) * prod(ip) + _flat([o - 1 for o in geo.out_size], ip) + 1
 
 
 def wide_ld(geo: ConvGeometry, cl: bool, nb: int) -> int:
     """yw's leading dimension: K for channels-last ((rows, K) row-major), else the chunk's wide
     grid rounded up to 8 elements ((K, ld) row-major, each channel's column aligned)."""
-    return geo.k if cl else -(-nb * int(np.prod(padded_size(geo))) // 8) * 8
+    return geo.k if cl else -(-nb * prod(padded_size(geo)) // 8) * 8
 
 
 def shifted_buffers(geo: ConvGeometry, cl: bool, nb: int) -> dict:
     """Scratch elements of ``xp`` and ``yw`` for chunks of at most ``nb`` images."""
-    cells = nb * int(np.prod(padded_size(geo)))
+    cells = nb * prod(padded_size(geo))
     return {"xp": cells * geo.c, "yw": cells * geo.k if cl else geo.k * wide_ld(geo, cl, nb)}
 
 
@@ -215,7 +215,7 @@ def shifted_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list
     """y = conv(x, wt) (+ beta y) by chunks ``parts``: Pad, (Crop of a residual into yw,) one GEMM
     per tap over the chunk's wide rows (beta after the first tap 1), Crop into y."""
     ip, C, K = padded_size(geo), geo.c, geo.k
-    taps = int(np.prod(geo.kernel))
+    taps = prod(geo.kernel)
     offsets = [_flat([t * d for t, d in zip(tap, geo.dilation)], ip) for tap in np.ndindex(*geo.kernel)]
     steps: list = []
     for i, (n0, nb) in enumerate(parts):
@@ -243,7 +243,7 @@ def pad_views(geo: ConvGeometry, cl: bool, s: Pad, x, xp) -> tuple:
     xv = xv[s.n0:s.n0 + s.nb]
     if not cl:
         xv = xv.transpose(0, *range(2, nd + 2), 1)
-    dst = xp[:s.nb * int(np.prod(ip)) * C].reshape(s.nb, *ip, C)
+    dst = xp[:s.nb * prod(ip) * C].reshape(s.nb, *ip, C)
     dsl, ssl = [], []
     for lo, size, pad in zip(geo.pad_lo, geo.in_size, ip):  # input position u sits at u + lo
         v0, u0 = max(lo, 0), max(-lo, 0)
@@ -256,7 +256,7 @@ def pad_views(geo: ConvGeometry, cl: bool, s: Pad, x, xp) -> tuple:
 def crop_views(geo: ConvGeometry, cl: bool, s: Crop, y, yw) -> tuple:
     """(y's images of step ``s``, yw's valid part) in y's layout; y and yw flat arrays (numpy or CuPy)."""
     nd, K, ip, out = geo.nd, geo.k, padded_size(geo), geo.out_size
-    cells = s.nb * int(np.prod(ip))
+    cells = s.nb * prod(ip)
     valid = tuple(slice(0, o) for o in out)
     if cl:
         yv = y.reshape(geo.n, *out, K)[s.n0:s.n0 + s.nb]
@@ -335,7 +335,7 @@ def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
 
     def three(t, fill):
         return (*t, *(fill,) * pad)
-    return (geo.p, geo.crs, int(np.prod(geo.kernel)), geo.cg, int(cl), int(s.pixel_fastest), s.group * geo.cg,
+    return (geo.p, geo.crs, prod(geo.kernel), geo.cg, int(cl), int(s.pixel_fastest), s.group * geo.cg,
             *three(geo.kernel, 1)[1:], *three(geo.out_size, 1)[1:], *three(geo.stride, 1), *three(geo.dilation, 1),
             *three(geo.pad_lo, 0), *three(geo.insert, 1), *three(geo.in_size, 1), sn, sc, *three(ssp, 0), s.n0,
             s.on, s.orr, s.op)
@@ -451,7 +451,7 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     dt = np.dtype(x.dtype)
     cpad = padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
     if cpad is not None:  # x copied into zero-padded channels, the weight given zero rows (kept per weight)
-        xpad = direct_cuda.scratch("xpad", geo.n * int(np.prod(geo.in_size)) * cpad, dt)
+        xpad = direct_cuda.scratch("xpad", geo.n * prod(geo.in_size) * cpad, dt)
         xv = direct_cuda._bits(x).reshape(-1, geo.c)
         pv = xpad.reshape(-1, cpad)
         pv[:, geo.c:] = 0

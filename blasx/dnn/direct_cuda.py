@@ -8,6 +8,7 @@ per (type, math), the scratch budget per device, the epilogue's vectors per stre
 from __future__ import annotations
 
 import weakref
+from math import prod
 from typing import NamedTuple
 
 import numpy as np
@@ -189,7 +190,7 @@ def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
 
 def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list) -> list:
     """Per step, what launching it takes that depends on the plan alone (None: nothing)."""
-    x_size = geo.n * geo.c * int(np.prod(geo.in_size))
+    x_size = geo.n * geo.c * prod(geo.in_size)
     out = []
     for s in steps:
         if isinstance(s, cd.Gather):

@@ -8,6 +8,7 @@ is allowed. Padding per spatial dim is a (lo, hi) pair (an int or a tuple of int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import numpy as np
 
@@ -66,11 +67,11 @@ class ConvGeometry:
 
     @property
     def p(self) -> int:
-        return int(np.prod(self.out_size))
+        return prod(self.out_size)
 
     @property
     def crs(self) -> int:
-        return self.cg * int(np.prod(self.kernel))
+        return self.cg * prod(self.kernel)
 
 
 def _shapes(fn: str, nd: int, x, weight):

@@ -13,6 +13,8 @@ every element of the tile from it.
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from ..runtime.derived import Derivation
@@ -31,7 +33,7 @@ class Im2col(Derivation):
         self.channels_last = channels_last
         self.per_image = per_image
         self.strides = x_strides(geo, channels_last)
-        self.ks = int(np.prod(geo.kernel))
+        self.ks = prod(geo.kernel)
 
     @property
     def key(self):
@@ -89,7 +91,7 @@ class Im2col(Derivation):
 
     def nbytes_read(self, ref) -> int:
         n0, n1, _c, nc, _i, ni = self.slab(ref)
-        inner = int(np.prod(self.geo.in_size[1:]))
+        inner = prod(self.geo.in_size[1:])
         return max(0, (n1 - n0 + 1) * nc * ni * inner) * np.dtype(self.source_view.dtype).itemsize
 
     # ------------------------------------------------------------ CUDA
@@ -103,7 +105,7 @@ class Im2col(Derivation):
         if ni <= 0:
             return None, 0, ()
         sn, sc, ssp = self.strides
-        inner = int(np.prod(g.in_size[1:]))
+        inner = prod(g.in_size[1:])
         goff = self.group * g.cg
         copies = []
         if in_place:
@@ -181,8 +183,8 @@ def _gather_kernel():
 
 def x_strides(geo: ConvGeometry, channels_last: bool):
     """Element strides of X[n, c, i...] in its memory: (image, channel, per spatial dim)."""
-    size = int(np.prod(geo.in_size))
-    row_major = tuple(int(np.prod(geo.in_size[d + 1:])) for d in range(geo.nd))
+    size = prod(geo.in_size)
+    row_major = tuple(prod(geo.in_size[d + 1:]) for d in range(geo.nd))
     if channels_last:
         return size * geo.c, 1, tuple(v * geo.c for v in row_major)
     return geo.c * size, size, row_major

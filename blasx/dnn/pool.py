@@ -16,6 +16,8 @@ read). They return the input's gradient in the input's layout where the input is
 
 from __future__ import annotations
 
+from math import prod
+
 import numpy as np
 
 from . import pool_kernels as kernels
@@ -153,7 +155,7 @@ def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
                              f"{tuple(getattr(indices, 'shape', ()))}")
         if np.dtype(indices.dtype).kind not in "iu":
             raise TypeError(f"indices: expected an integer array (int64, as forward returns), got {indices.dtype}")
-        plane = int(np.prod(size))
+        plane = prod(size)
         empty = empty_windows(geo)  # windows over padding alone: their index is past the plane, unread
         with on_device_of(indices):  # the reduction runs on the indices' GPU, not the current one
             if empty is not None:

@@ -14,6 +14,7 @@ float32 accumulation for float16), of average pools gather per input element ove
 from __future__ import annotations
 
 import itertools
+from math import prod
 
 import numpy as np
 
@@ -124,7 +125,7 @@ def _np_block_forward(geo, ks, xf, yw, iw) -> None:
 
 def _np_max_backward(geo, gw, iw, giw) -> None:
     lead, t = gw.shape[0], gw.shape[-1]
-    base = (np.arange(lead, dtype=np.int64) * int(np.prod(geo.in_size))).reshape(-1, 1, 1, 1, 1)
+    base = (np.arange(lead, dtype=np.int64) * prod(geo.in_size)).reshape(-1, 1, 1, 1, 1)
     flat = (base + iw) * t + np.arange(t, dtype=np.int64)
     acc = np.bincount(flat.ravel(), weights=gw.astype(np.float64).ravel(), minlength=giw.size)
     giw[...] = acc.reshape(giw.shape)
@@ -263,7 +264,7 @@ def _cp_max_backward(geo, gw, iw, giw) -> None:
     acc = giw if _TYPES[dt][3] == dt else cupy.empty(giw.shape, dtype=_TYPES[dt][3])
     acc.fill(0)
     if gw.size:
-        _kernel(max_backward_source, dt)(gw, iw, int(np.prod(geo.in_size)), int(np.prod(geo.out_size)),
+        _kernel(max_backward_source, dt)(gw, iw, prod(geo.in_size), prod(geo.out_size),
                                          gw.shape[-1], acc)
     if acc is not giw:
         giw[...] = acc
