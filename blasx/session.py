@@ -155,10 +155,16 @@ def cuda_ordinals() -> tuple[int, ...]:
     if eng is not None:
         return tuple(d.ordinal for d in eng.devices if d.kind == "cuda")
     n = _cuda_count()
-    spec = parse_devices(s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if n else "cpu"))
-    if spec.kind != "cuda":
-        return ()
-    return tuple(i for i in (spec.ids or range(n)) if 0 <= i < n)
+    text = s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if n else "cpu")
+    got = _ORDINALS.get((text, n))
+    if got is None:
+        spec = parse_devices(text)
+        got = _ORDINALS[(text, n)] = () if spec.kind != "cuda" else tuple(i for i in (spec.ids or range(n))
+                                                                          if 0 <= i < n)
+    return got
+
+
+_ORDINALS: dict = {}  # (device spec, GPUs seen) -> cuda_ordinals' answer (a spec parses the same every time)
 
 
 def _cuda_count() -> int:

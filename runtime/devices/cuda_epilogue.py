@@ -71,14 +71,20 @@ TILE_TYPES = {
 }
 
 
+_NAMES: dict = {}  # dtype -> tile_type's answer (per call it cost a dtype name lookup)
+
+
 def tile_type(dtype) -> str:
     """The name of a tile element type in ``TILE_TYPES`` (TypeError for any other)."""
     dt = np.dtype(dtype)
-    bf = dtypes.GEMM_BY_PREFIX.get("b")
-    name = "bfloat16" if bf is not None and dt == bf.dtype else dt.name
-    if name not in TILE_TYPES:
-        raise TypeError(f"epilogue: a C tile of type {dt.name} has no affine/activation kernel; "
-                        f"allowed: {', '.join(TILE_TYPES)}")
+    name = _NAMES.get(dt)
+    if name is None:
+        bf = dtypes.GEMM_BY_PREFIX.get("b")
+        name = "bfloat16" if bf is not None and dt == bf.dtype else dt.name
+        if name not in TILE_TYPES:
+            raise TypeError(f"epilogue: a C tile of type {dt.name} has no affine/activation kernel; "
+                            f"allowed: {', '.join(TILE_TYPES)}")
+        _NAMES[dt] = name
     return name
 
 
