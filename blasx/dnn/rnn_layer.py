@@ -115,6 +115,16 @@ def _shared_handle(dev: int):
         return _shared[dev]
 
 
+def gemm_ex_layout(x) -> tuple[int, int]:
+    """(cuBLAS op, leading dimension) of a row-major operand x (r, c) read as the column-major x^T: C-contiguous
+    memory is x^T itself (op N, ld c), F-contiguous memory is x (op T, ld r); ValueError for any other layout."""
+    if x.flags.c_contiguous:
+        return 0, max(1, x.shape[1])
+    if x.flags.f_contiguous:
+        return 1, max(1, x.shape[0])
+    raise ValueError(f"gemm operand of shape {x.shape} and strides {x.strides} is neither C- nor F-contiguous")
+
+
 class CudaOps(_Moves):
     """CuPy primitives on the current device and stream: cuBLAS GemmEx for the per-step GEMMs (half inputs
     with a float32 result, TF32 when asked), the cell ElementwiseKernels.
@@ -147,18 +157,23 @@ class CudaOps(_Moves):
         return self._fn
 
     def gemm(self, a, w, out, trans_w: bool) -> None:
-        """out (m, n) = a (m, k) . w^T (trans_w; w is (n, k)) or a . w (w is (k, n)); row-major, contiguous.
-        Issued as the column-major out^T = op(w) a^T with one cublasGemmEx on the current stream."""
+        """out (m, n) = a (m, k) . w^T (trans_w; w is (n, k)) or a . w (w is (k, n)); row-major, contiguous."""
+        self.matmul(a, w.T if trans_w else w, out)
+
+    def matmul(self, a, b, out) -> None:
+        """out (m, n, C-contiguous) = a (m, k) . b (k, n), a and b each C- or F-contiguous (gemm_ex_layout), of one
+        type: one cublasGemmEx on the current stream, issued as the column-major out^T = op(b^T) op(a^T)."""
         import cupy
         from cupy_backends.cuda.libs import cublas
         m, k = a.shape
         n = out.shape[1]
         if m == 0:
             return
+        (op_a, lda), (op_b, ldb) = gemm_ex_layout(a), gemm_ex_layout(b)
         compute, scal, _keep = gemm_consts(a.dtype, self.math)
-        args = (1 if trans_w else 0, 0, n, m, k, scal[1.0],
-                w.data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
-                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], k, scal[0.0],
+        args = (op_b, op_a, n, m, k, scal[1.0],
+                b.data.ptr, dtypes.CUDA_TYPE[b.dtype], ldb,
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], lda, scal[0.0],
                 out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
         stream = cupy.cuda.get_current_stream().ptr
         if self.workspace is not None:
