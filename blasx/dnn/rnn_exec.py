@@ -137,6 +137,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
     f = compute_type(store)
+    # the weight and input gradients' GEMMs take float16 operands (the gate gradients rounded once, as cuDNN keeps
+    # them; float32 accumulation and result): tensor-core GEMMs instead of float32 ones on twice the bytes
+    g_t = store if store == np.float16 else f
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
     home = None if xp is np else pb.x.device.id
@@ -167,21 +170,23 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             here = rnn_multi._here
             cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
             dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args[d])
-            mul = (lambda a, b: _mm(a, b, pb)) if mm is None else mm
+            mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
             bw = loop(ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
                       dy_d, gh_d, gc_d, pb.bs, rev, hh)
             s, g = rnn_params.suffix(layer, d), {}
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)
-            xin = _flat(xp, k.inp[::-1] if rev else k.inp, f)
-            g["weight_ih" + s] = mul(dgx.T, xin).astype(store)
-            g["weight_hh" + s] = mul(dgh.T, _flat(xp, st.S[:T], f)).astype(store)
+            gx_t, gh_t = _f(xp, dgx, g_t), (None if bw.dgh is bw.dgx else _f(xp, dgh, g_t))
+            gh_t = gx_t if gh_t is None else gh_t
+            xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
+            g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
+            g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)
             if cell.b_ih is not None:
                 g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
                 g["bias_hh" + s] = dgh.sum(axis=0).astype(store)
             if cell.w_hr is not None:
-                g["weight_hr" + s] = mul(bw.dhs.reshape(T * B, -1).T, _flat(xp, st.R, f)).astype(store)
-            return g, mul(dgx, _f(xp, cell.w_ih, f)).reshape(T, B, n_in), bw.dh, bw.dc
+                g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
+            return g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), bw.dh, bw.dc
 
         dx = xp.zeros((T, B, n_in), dtype=f)
         for d, (g, dxd, dh, dc) in enumerate(rnn_multi.run_backward(pb, layer, kept, direction)):
