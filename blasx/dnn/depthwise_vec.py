@@ -48,25 +48,24 @@ def source(dtype, activation, residual: bool, index: str) -> dict:
     act = cuda_epilogue.EXPRESSIONS[activation].format(**cuda_epilogue.MATH_FUNCTIONS[ctype])
     it = "int" if index == "int32" else "long long"
 
-    def unit(var, src, at):
-        return (f"alignas({UNIT}) {et} {var}[{v}]; "
-                f"*reinterpret_cast<U*>({var}) = *reinterpret_cast<const U*>(&{src}[{at}]);")
+    unit = cuda_epilogue.unit_load
     body = [
-        f"typedef {it} I; typedef {ctype} F; struct alignas({UNIT}) U {{ unsigned int w[{UNIT // 4}]; }};",
+        f"typedef {it} I; typedef {ctype} F; " + cuda_epilogue.UNIT_STRUCT,
         "const I e = (I)i; const I kv = e % KV; I t = e / KV; const I o1 = t % O1; t /= O1;",
         "const I o0 = t % O0; const I n = t / O0; const I k0 = kv * " + str(v) + ";",
         f"F acc[{v}]; for (int j = 0; j < {v}; ++j) acc[j] = (F)0;",
         "for (I r0 = 0; r0 < R0; ++r0) { const I u0 = o0 * S0 - L0 + r0 * D0; if (u0 < 0 || u0 >= I0) continue;",
         "  for (I r1 = 0; r1 < R1; ++r1) { const I u1 = o1 * S1 - L1 + r1 * D1; if (u1 < 0 || u1 >= I1) continue;",
-        "    " + unit("xe", "x", "n * XN + u0 * X0 + u1 * K + k0") + " " + unit("we", "wt", "(r0 * R1 + r1) * K + k0"),
+        "    " + unit(et, v, "xe", "x", "n * XN + u0 * X0 + u1 * K + k0")
+        + unit(et, v, "we", "wt", "(r0 * R1 + r1) * K + k0"),
         f"    for (int j = 0; j < {v}; ++j) {{ {et}& y = xe[j]; F a = {load.format('y')}; {et}& yw = we[j]; "
         f"acc[j] += a * ({load.format('yw')}); }} }} }}",
         f"const I yo = ((n * O0 + o0) * O1 + o1) * K + k0; alignas({UNIT}) {et} ye[{v}];",
-        *([unit("re", "res", "yo")] if residual else []),
+        *([unit(et, v, "re", "res", "yo")] if residual else []),
         f"for (int j = 0; j < {v}; ++j) {{ F v = acc[j] * sc[k0 + j] + sh[k0 + j];"
         + (f" {et}& yr = re[j]; v += {load.format('yr')};" if residual else "")
         + f" F r = {act}; {et}& y = ye[j]; {store.format('y', 'r')}; }}",
-        "*reinterpret_cast<U*>(&yv[yo]) = *reinterpret_cast<const U*>(ye);"]
+        cuda_epilogue.unit_store("yv", "yo", "ye")]
     ps = [f"raw {ptype} x", f"raw {ptype} wt", f"raw {vtype} sc", f"raw {vtype} sh",
           *([f"raw {ptype} res"] if residual else []), f"{vtype} p", *(f"{index} {n}" for n in NAMES)]
     return {"in_params": ", ".join(ps), "out_params": f"raw {ptype} yv", "operation": "\n".join(body),

@@ -176,8 +176,8 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             s, g = rnn_params.suffix(layer, d), {}
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)
-            gx_t, gh_t = _f(xp, dgx, g_t), (None if bw.dgh is bw.dgx else _f(xp, dgh, g_t))
-            gh_t = gx_t if gh_t is None else gh_t
+            gx_t = _f(xp, dgx, g_t)
+            gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
             xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
             g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
             g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)

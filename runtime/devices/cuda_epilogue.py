@@ -119,6 +119,21 @@ VECTOR_BYTES = 16  # what a thread of the vector form loads and stores at once
 C_NAMES = {"float64": "double", "float32": "float", "float16": "float16", "uint16": "unsigned short"}
 
 
+# A 16-byte unit of elements, loaded into and stored from an aligned local array (kernel text, any element type)
+UNIT_STRUCT = f"struct alignas({VECTOR_BYTES}) U {{ unsigned int w[{VECTOR_BYTES // 4}]; }}; "
+
+
+def unit_load(et: str, v: int, var: str, src: str, at: str) -> str:
+    """Kernel text: a local array ``var`` of ``v`` elements of C type ``et``, loaded from ``src[at]`` (aligned)."""
+    return (f"alignas({VECTOR_BYTES}) {et} {var}[{v}]; "
+            f"*reinterpret_cast<U*>({var}) = *reinterpret_cast<const U*>(&{src}[{at}]); ")
+
+
+def unit_store(dst: str, at: str, var: str) -> str:
+    """Kernel text: the local array ``var`` stored to ``dst[at]`` (aligned)."""
+    return f"*reinterpret_cast<U*>(&{dst}[{at}]) = *reinterpret_cast<const U*>({var});"
+
+
 def vector_kernel_source(dtype, activation: str | None, residual: bool = False) -> tuple[str, str, str, str]:
     """:func:`flat_kernel_source`'s operation over units of VECTOR_BYTES, one aligned load and store a thread
     (the flat form moves 2 or 4 bytes a thread, with two divisions each): unit i holds elements b + j,
@@ -129,16 +144,11 @@ def vector_kernel_source(dtype, activation: str | None, residual: bool = False) 
     ptype, ctype = TILE_TYPES[tname][:2]
     vtype = "float64" if ctype == "double" else "float32"
     et, v = C_NAMES[ptype], VECTOR_BYTES // np.dtype(dtype).itemsize
-
-    def unit(var, src):
-        return (f"alignas({VECTOR_BYTES}) {et} {var}[{v}]; "
-                f"*reinterpret_cast<U*>({var}) = *reinterpret_cast<const U*>(&{src}[b]); ")
-    body = (f"struct alignas({VECTOR_BYTES}) U {{ unsigned int w[{VECTOR_BYTES // 4}]; }}; "
-            f"unsigned int b = (unsigned int)i * {v}u, s0 = (b / sd) % sm, h0 = (b / hd) % hm; "
-            + unit("e", "yv") + (unit("er", "rv") if residual else "")
+    body = (UNIT_STRUCT + f"unsigned int b = (unsigned int)i * {v}u, s0 = (b / sd) % sm, h0 = (b / hd) % hm; "
+            + unit_load(et, v, "e", "yv", "b") + (unit_load(et, v, "er", "rv", "b") if residual else "")
             + f"for (int j = 0; j < {v}; ++j) {{ {et}& y = e[j]; {ctype} sc = scv[s0 + j * ss], sh = shv[h0 + j * hs]; "
             + (f"{et} rr = er[j]; " if residual else "")
-            + f"{op}; }} *reinterpret_cast<U*>(&yv[b]) = *reinterpret_cast<const U*>(e);")
+            + f"{op}; }} " + unit_store("yv", "b", "e"))
     return (f"raw {vtype} scv, raw {vtype} shv, {vtype} p, uint32 sd, uint32 sm, uint32 ss, uint32 hd, uint32 hm, "
             f"uint32 hs{f', raw {ptype} rv' if residual else ''}", f"raw {ptype} yv", body, name + "_vec")
 
