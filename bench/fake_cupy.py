@@ -50,6 +50,7 @@ class _Mem:
 class MemoryPointer:
     def __init__(self, mem, offset: int = 0):
         self.mem, self.ptr = mem, mem.ptr + offset
+        self.device_id = mem.device
 
 
 class UnownedMemory:
@@ -338,7 +339,7 @@ def _build_modules() -> dict:
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
-    cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, memcpyHostToDevice=1,
+    cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
                                          memcpyAsync=lambda dst, src, n, kind, stream: record("memcpy", n, kind))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cupy.cuda = cuda

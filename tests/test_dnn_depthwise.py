@@ -256,7 +256,7 @@ def routed(monkeypatch):
     monkeypatch.setattr(dw, "launch_forward", launch_forward)
     monkeypatch.setattr(dw, "launch_weight", launch_weight)
     monkeypatch.setattr(cd, "forward", record("conv_direct.forward"))
-    monkeypatch.setattr(cd, "weight", record("conv_direct.weight", np.zeros(8 * 18)))
+    monkeypatch.setattr(cd, "weight", record("conv_direct.weight", (np.zeros(8 * 18), None)))  # (dW, no plan)
     return calls
 
 

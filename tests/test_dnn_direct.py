@@ -368,7 +368,7 @@ def emulated_route(monkeypatch):
 
     def weight(geo, x, dy, cl, math):
         calls.append("weight")
-        return emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, 1)[0]
+        return emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, 1)[0], None  # (dW, no plan to replay)
     monkeypatch.setattr(cd, "applies", lambda x, flops: True)
     monkeypatch.setattr(cd, "forward", forward)
     monkeypatch.setattr(cd, "weight", weight)

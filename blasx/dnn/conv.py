@@ -22,7 +22,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct, depthwise, direct_cache, phases
+from . import conv_direct, conv_memo, depthwise, direct_cache, phases
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
@@ -137,10 +137,12 @@ def _activation(activation):
 # ---------------------------------------------------------------- the one engine call
 
 def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, epilogue_args, math,
-                  user_weight: bool = False) -> None:
+                  user_weight: bool = False):
     """y = conv(x, wconv) on the engine: x (N, C, ...) in layout ``lay``, wconv (K, Cg, k...) in the
     forward form, y (and residual) in layout ``lay``; ``epilogue_args`` = (bias, scale, shift, act);
-    ``user_weight``: wconv is the caller's weight array (its transforms may be kept, direct_cache)."""
+    ``user_weight``: wconv is the caller's weight array (its transforms may be kept, direct_cache).
+    Returns (the device route's plan, the weight matrix it read) where that was the whole work (conv_memo
+    may replay it), else None."""
     xp = array_module(is_cupy(x))
     dt = np.dtype(x.dtype)
     cl = lay == "cl"
@@ -158,8 +160,8 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
             wrows = _weight_rows(xp, wconv, cl, geo.k, crs)
         if fold is not None:
             wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
-        conv_direct.forward(geo, x, cl, wrows, y, residual, None if epi is None else epi.by_slot[0], math)
-        return
+        plan = conv_direct.forward(geo, x, cl, wrows, y, residual, None if epi is None else epi.by_slot[0], math)
+        return (plan, wrows) if plan is not None and fold is None else None
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
     wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
@@ -199,6 +201,12 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
     fn = f"conv{nd}d"
+    plain = bias is None and activation is None and scale is None and shift is None and residual is None and \
+        out is None and getattr(x, "ndim", 0) == nd + 2
+    memo = conv_memo.key(fn, nd, x, weight, (stride, padding, dilation, groups), math) if plain else None
+    y = conv_memo.replay(memo, x, weight)
+    if y is not None:
+        return y
     xp = _xp(x, weight, residual, out)  # bias, scale, shift: see _channel_vector
     geo = _geometry(fn, nd, x, weight, stride, padding, dilation, groups)
     act = _activation(activation)
@@ -218,7 +226,11 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-        _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
+        ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
+    # kept where x and the weight were read where they lie (not copied into a layout)
+    if memo is not None and ran is not None and xb is x and ran[1].data.ptr == weight.data.ptr:
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
+                                                      lambda: _empty(xp, shape, dt, lay)))
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -280,11 +292,29 @@ def _phase_calls(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math)
         w = xp.ascontiguousarray(wf[(slice(None), slice(None), *ph.taps)])
         tmp = _empty(xp, (geo.n, geo.k, *ph.out_size), y.dtype, lay)
         _forward_call(fn, ph.geo, x, lay, w, tmp, None, (bias, None, None, None), math)
-        view[...] = tmp
+        _copy_into(xp, view, tmp, lay)
+
+
+def _copy_into(xp, dst, src, lay: str) -> None:
+    """``dst[...] = src``; CuPy channels-last arrays with the channels as the last axis, so that the copy
+    moves several channels a thread where they allow (direct_cuda.copy)."""
+    if xp is np:
+        dst[...] = src
+        return
+    from . import direct_cuda
+    if lay == "cl":
+        dst, src = (a.transpose(0, *range(2, a.ndim), 1) for a in (dst, src))
+    direct_cuda.copy(dst, src)
 
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
+    plain = bias is None and out is None and getattr(x, "ndim", 0) == nd + 2
+    memo = conv_memo.key(fn, nd, x, weight, (stride, padding, output_padding, groups, dilation, output_size),
+                         math) if plain else None
+    y = conv_memo.replay(memo, x, weight)
+    if y is not None:
+        return y
     xp = _xp(x, weight, out)
     geo = transpose_geometry(fn, nd, x, weight, stride, padding, output_padding, groups, dilation, output_size)
     math = precision.check_math(math)
@@ -300,10 +330,16 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         wf = _flipped_transposed(xp, weight, geo.groups)
+        ran = None
         if PHASES and phases.applies(geo):
             _phase_calls(fn, geo, xp, xb, lay, wf, y, b, math)
         else:
-            _forward_call(fn, geo, xb, lay, wf, y, None, (b, None, None, None), math)
+            ran = _forward_call(fn, geo, xb, lay, wf, y, None, (b, None, None, None), math)
+    if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
+        def rows(w, g=geo):
+            return _weight_rows(xp, _flipped_transposed(xp, w, g.groups), lay == "cl", g.k, g.crs)
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
+                                                      lambda: _empty(xp, shape, dt, lay), rows))
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -364,6 +400,12 @@ def conv3d_input(input_size, weight, grad_output, stride=1, padding=0, dilation=
 
 def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation, groups, math):
     fn = f"conv{nd}d_weight"
+    plain = type(weight_size) is tuple and getattr(x, "ndim", 0) == nd + 2
+    memo = conv_memo.key(fn, nd, x, grad_output, (weight_size, stride, padding, dilation, groups), math) \
+        if plain else None
+    dw = conv_memo.replay(memo, x, grad_output)
+    if dw is not None:
+        return dw
     xp = _xp(x, grad_output)
     dt = check_dtype("input", x)
     wsize = tuple(int(v) for v in weight_size)
@@ -380,13 +422,15 @@ def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation
         raise ValueError(f"grad_output: expected shape {want[1:] if unbatched else want}, "
                          f"got {tuple(grad_output.shape)}")
     with _on_device_of(x):
-        return _weight_call(fn, geo, xp, xb, dy, wsize, dt, math)
+        return _weight_call(fn, geo, xp, xb, dy, wsize, dt, math, memo)
 
 
-def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
-    """dW = conv's weight gradient on the engine (arguments checked)."""
+def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
+    """dW = conv's weight gradient on the engine (arguments checked); a device-route call is kept under
+    ``memo`` (conv_memo) where it can be replayed."""
     nd = geo.nd
     lay = layout(xb) or "nchw"
+    xb_in, dy_in = xb, dy
     xb = _as_layout(xp, xb, lay)
     dy = _as_layout(xp, dy, lay)
     cl = lay == "cl"
@@ -394,10 +438,16 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math):
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)
-        dwm = conv_direct.weight(geo, xb, dy, cl, math)
-        if cl:
-            return xp.ascontiguousarray(dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1)))
-        return dwm.reshape(wsize)
+
+        def finish(dwm):  # the (K, CRS) matrix as the weight's shape, C-contiguous
+            if cl:
+                return xp.ascontiguousarray(dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1,
+                                                                                                *range(1, nd + 1)))
+            return dwm.reshape(wsize)
+        dwm, plan = conv_direct.weight(geo, xb, dy, cl, math)
+        if memo is not None and plan is not None and xb is xb_in and dy is dy_in:
+            conv_memo.keep(memo, conv_memo.weight_replay(geo, cl, dt, math, plan, finish))
+        return finish(dwm)
     if cl:
         dyv = dy.transpose(0, *range(2, dy.ndim), 1).reshape(n * p, geo.k).T
         dys = [dyv[g * kg:(g + 1) * kg] for g in range(G)]

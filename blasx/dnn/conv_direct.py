@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime import dtypes
 from ..threadlocal import setting
 from . import finddb
 from .geometry import ConvGeometry
@@ -439,10 +438,11 @@ def pad_weight_rows(xp, wmat, c: int, cpad: int):
     return out.reshape(k, -1)
 
 
-def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str) -> None:
+def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
     (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
-    channels or None; x, y, residual compact in the layout ``cl`` says."""
+    channels or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
+    (direct_cuda.ForwardPlan) where that was all of the work (conv_memo can replay it), else None."""
     import dataclasses
 
     import cupy
@@ -475,36 +475,16 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     if affine is not None or (residual is not None and not in_y):
         direct_cuda.epilogue(geo, cl, y, affine, None if in_y else residual)
+    return plan if cpad is None and affine is None and residual is None else None
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):
-    """dW as the ``(K, CRS)`` row-major matrix of x's type (reduction order as ``cl`` says)."""
-    import cupy
-
+    """(dW as the ``(K, CRS)`` row-major matrix of x's type (reduction order as ``cl`` says), the plan that
+    made it: direct_cuda.WeightPlan)."""
     from . import direct_cuda
     dt = np.dtype(x.dtype)
-    acc = dtypes.gemm_of(dt).compute
-    per = weight_scratch(geo, cl)
 
     def attempt(budget):
-        parts = chunks(geo.n, per * dt.itemsize, budget)
-        bufs = {}
-        if per:
-            nb = max(nb for _, nb in parts)
-            col = geo.crs * geo.p * nb
-            bufs["col"] = direct_cuda.empty_bits(col, dt)
-            if not cl:
-                bufs["dyc"] = direct_cuda.empty_bits(nb * per - col, dt)
-        return parts, bufs
-    parts, bufs = direct_cuda.with_memory(attempt)
-    dw = cupy.empty((geo.k, geo.crs), dtype=acc)
-    bufs.update(x=x, dy=dy, dw=dw)
-    run(weight_steps(geo, cl, parts), direct_cuda.CudaOps(geo, cl, bufs, dt, math))
-    if acc == dt:
-        return dw
-    out = cupy.empty(dw.shape, dtype=dt)
-    if dt == np.float16:
-        out[...] = dw
-    else:  # bfloat16: rounded to nearest even from float32's bits
-        direct_cuda.round_bf16()(dw, direct_cuda._bits(out).reshape(dw.shape))
-    return out
+        plan = direct_cuda.weight_plan(geo, cl, dt, budget)
+        return direct_cuda.run_weight_plan(geo, cl, dt, math, plan, x, dy), plan
+    return direct_cuda.with_memory(attempt)

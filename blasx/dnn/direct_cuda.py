@@ -176,10 +176,11 @@ def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit:
                         any(z != 1 for z in geo.insert), unit)
 
 
-def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
-    """Every buffer but dw is of the operand type (scratch: as its bits); dw of the accumulation type."""
+def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:
+    """Every buffer but dw is of the operand type (scratch: as its bits); dw of ``dw_dtype`` (None: the
+    accumulation type)."""
     dt = np.dtype(dtype)
-    acc = dtypes.gemm_of(dt).compute
+    acc = np.dtype(dw_dtype or dtypes.gemm_of(dt).compute)
 
     def operand(ref):
         t = acc if ref[0] == "dw" else dt
@@ -188,15 +189,16 @@ def gemm_launch(s: cd.Gemm, dtype) -> GemmLaunch:
                       (s.lda, s.stride_a), (s.ldb, s.stride_b), (s.ldc, s.stride_c, s.batch), s.beta)
 
 
-def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list) -> list:
-    """Per step, what launching it takes that depends on the plan alone (None: nothing)."""
+def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list, dw_dtype=None) -> list:
+    """Per step, what launching it takes that depends on the plan alone (None: nothing); dw of ``dw_dtype``
+    (None: the accumulation type)."""
     x_size = geo.n * geo.c * prod(geo.in_size)
     out = []
     for s in steps:
         if isinstance(s, cd.Gather):
             out.append(gather_launch(geo, cl, s, x_size, np.dtype(dtype).itemsize))
         elif isinstance(s, cd.Gemm):
-            out.append(gemm_launch(s, dtype))
+            out.append(gemm_launch(s, dtype, dw_dtype))
         else:
             out.append(None)
     return out
@@ -223,6 +225,56 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
         steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
         return ForwardPlan(form, steps, scratch, prepare(geo, cl, dt, steps))
     return _PLANS.get(key, make)
+
+
+class WeightPlan(NamedTuple):
+    steps: list
+    scratch: dict
+    launches: list
+    dw_dtype: np.dtype
+
+
+def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int) -> WeightPlan:
+    """conv_direct's weight-gradient plan with scratch of at most ``budget`` bytes, made once per key: dW in
+    the operand type where no GEMM accumulates into it (cuBLAS rounds its float32 sums once), else in the
+    accumulation type (rounded after the last chunk, ``run_weight_plan``)."""
+    dt = np.dtype(dtype)
+
+    def make():
+        per = cd.weight_scratch(geo, cl)
+        parts = cd.chunks(geo.n, per * dt.itemsize, budget)
+        steps = cd.weight_steps(geo, cl, parts)
+        scratch = {}
+        if per:
+            nb = max(nb for _, nb in parts)
+            scratch["col"] = geo.crs * geo.p * nb
+            if not cl:
+                scratch["dyc"] = nb * per - scratch["col"]
+        once = all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
+        dw_dtype = dt if once else np.dtype(dtypes.gemm_of(dt).compute)
+        return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype)
+    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget), make)
+
+
+_WEIGHT_PLANS = direct_cache.table(512)
+
+
+def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightPlan, x, dy):
+    """dW = ``plan`` run on x and dY: the ``(K, CRS)`` row-major matrix of x's type."""
+    import cupy
+    dt = np.dtype(dtype)
+    bufs = {name: empty_bits(size, dt) for name, size in plan.scratch.items()}
+    dw = cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
+    bufs.update(x=x, dy=dy, dw=dw)
+    CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+    if plan.dw_dtype == dt:
+        return dw
+    out = cupy.empty(dw.shape, dtype=dt)
+    if dt == np.float16:
+        out[...] = dw
+    else:  # bfloat16: rounded to nearest even from float32's bits
+        round_bf16()(dw, _bits(out).reshape(dw.shape))
+    return out
 
 
 _CONSTS = direct_cache.table(64)

@@ -1,0 +1,108 @@
+"""Replays of device-route convolution calls (conv_direct.py): a call on CuPy arrays whose every input to its
+checks and its plan (the operands' shapes, strides, types and device; the geometry arguments; the math mode;
+the current device and stream; the switch that forces a form; the perf-db's generation in this process)
+equals an earlier call's runs that call's launches again on the new operands' memory. It skips the checks the earlier call passed and the layout work,
+weight views and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a GPU, and the full front end
+took longer than that to issue it.
+
+Only calls whose whole work is launches that read the operands in place and write fresh memory are kept
+(``Replay``): no bias, epilogue, residual or ``out=``; x read where it lies; the caller's weight read where it
+lies (forward) or its flipped weight matrix made anew (backward-data, stride 1); no phases. Any other call finds no key (``key`` returns None) or no entry, and takes the full path each time.
+Whether the device route applies is asked again on every replay (it depends on the engine's configuration),
+and a replay that cannot allocate gives way to the full path, which reads the free memory again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from .. import perfdb, precision
+from ..operands import is_cupy
+from ..runtime import dtypes
+from . import conv_direct, direct_cache
+
+_TABLE = direct_cache.table(256)
+
+
+class Replay(NamedTuple):
+    """What a kept call did: ``run(a, b)`` redoes it on new operands (x and w, or x and dY) and returns its
+    result; ``flops`` is what the route check weighs."""
+
+    run: Callable
+    flops: float
+
+
+def _plain(v):
+    return v is None or type(v) is int or type(v) is str or (type(v) is tuple and all(type(e) is int for e in v))
+
+
+def key(kind: str, nd: int, a, b, args: tuple, math):
+    """The memo key of a call of ``kind`` on CuPy arrays ``a`` and ``b`` with geometry arguments ``args``, or
+    None where such a call is never replayed (not CuPy; a Workspace or a graph capture in charge; arguments
+    that are not plain ints, tuples and strings; operands off the current device)."""
+    if not (is_cupy(a) and is_cupy(b)) or direct_cache.workspace() is not None or direct_cache.capture_active():
+        return None
+    if not all(_plain(v) for v in args) or not (math is None or (type(math) is str and math in dtypes.MATH_MODES)):
+        return None
+    import cupy
+    dev = a.data.device_id
+    if b.data.device_id != dev or cupy.cuda.runtime.getDevice() != dev:
+        return None
+    return (kind, nd, a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, args, precision.check_math(math),
+            dev, cupy.cuda.get_current_stream().ptr, conv_direct.FORM, perfdb.generation())
+
+
+def replay(k, a, b):
+    """The kept call's result on ``a`` and ``b``, or None (no entry; the route no longer applies; out of memory:
+    the entry is dropped and the full path runs)."""
+    if k is None:
+        return None
+    r = _TABLE.entries.get(k)
+    if r is None or not conv_direct.applies(a, r.flops):
+        return None
+    import cupy
+    try:
+        return r.run(a, b)
+    except cupy.cuda.memory.OutOfMemoryError:
+        _TABLE.entries.pop(k, None)
+        return None
+
+
+def keep(k, r: Replay | None) -> None:
+    """Keep ``r`` under ``k`` (either None: nothing)."""
+    if k is not None and r is not None:
+        _TABLE.get(k, lambda: r)
+
+
+def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None) -> Replay | None:
+    """The replay of a forward call that ran ``plan`` (direct_cuda.ForwardPlan) on x, the ``(K, CRS)`` weight
+    matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``; None
+    for the shifted form on NCHW operands (its tap-major weight is another transform)."""
+    if plan.form == "shifted" and not cl:
+        return None
+    from . import direct_cuda
+    dt = np.dtype(dtype)
+    scratch = tuple(plan.scratch.items())
+
+    def run(x, w):
+        if weight_of is not None:
+            w = weight_of(w)
+        y = make_y()
+        bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
+        for name, size in scratch:
+            bufs[name] = direct_cuda.empty_bits(size, dt)
+        direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+        return y
+    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)
+
+
+def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | None:
+    """The replay of a weight-gradient call that ran ``plan`` (direct_cuda.WeightPlan) on x and dY, its result
+    ``finish(dw)``."""
+    from . import direct_cuda
+
+    def run(x, dy):
+        return finish(direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy))
+    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)

@@ -1,0 +1,175 @@
+"""Replays of device-route convolution calls (conv_memo.py) on the CPU stand-in for CuPy (bench/fake_cupy.py):
+a replayed call launches exactly what the full path launches for the same operands (GEMMs, gathers, copies,
+with every pointer into the operands the same); keys tell apart everything a plan depends on; calls with an
+epilogue, a Workspace or a graph capture are never kept; a replay gives way when the route no longer applies
+or its memory cannot be had."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench import fake_cupy
+from blasx import dnn
+from blasx.dnn import conv_direct as cd
+from blasx.dnn import conv_memo, direct_cache, direct_cuda
+from blasx.dnn.geometry import conv_geometry
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    direct_cache.clear()
+    yield
+    direct_cache.clear()
+
+
+def _masked(log, named: dict):
+    """The log with each device pointer as (operand name, byte offset) where it points into a named operand,
+    else "fresh" (outputs and scratch are allocated anew each call)."""
+    spans = [(n, a.data.ptr, a.data.ptr + a.nbytes) for n, a in named.items()]
+
+    def ptr(p):
+        for n, lo, hi in spans:
+            if lo <= p < hi:
+                return (n, p - lo)
+        return "fresh"
+    out = []
+    for e in log:
+        if e[0] == "gemm":
+            args = list(e[1:])
+            for i in (6, 10, 15):  # A, B, C
+                args[i] = ptr(args[i])
+            args[5] = args[14] = None  # host scalars' addresses
+            out.append(("gemm", *args))
+        elif e[0] == "kernel":
+            out.append(("kernel", e[1], tuple((a[0], ptr(a[1]), *a[2:]) if isinstance(a, tuple) and a and
+                                              a[0] == "array" else a for a in e[2]), e[3]))
+        else:
+            out.append(e)
+    return out
+
+
+def _arr(cupy, shape, dt, cl):
+    if not cl:
+        return cupy.empty(shape, dtype=dt)
+    m = cupy.empty((shape[0], *shape[2:], shape[1]), dtype=dt)
+    return m.transpose(0, m.ndim - 1, *range(1, m.ndim - 1))
+
+
+# (name, direction, C, K, kernel, stride, padding, groups)
+CASES = [("pointwise", "fwd", 64, 32, 1, 1, 0, 1), ("strided", "fwd", 16, 32, 3, 2, 1, 2),
+         ("shifted", "fwd", 64, 32, 3, 1, 1, 1), ("pointwise", "bwd-data", 64, 32, 1, 1, 0, 1),
+         ("window", "bwd-data", 16, 32, 3, 1, 1, 1), ("pointwise", "bwd-weight", 64, 32, 1, 1, 0, 1),
+         ("strided", "bwd-weight", 16, 32, 3, 2, 1, 2)]
+
+
+def _call(direction, x, w, dy, stride, padding, groups):
+    if direction == "fwd":
+        return dnn.conv2d(x, w, None, stride, padding, 1, groups)
+    if direction == "bwd-data":
+        return dnn.conv2d_input(tuple(x.shape), w, dy, stride, padding, 1, groups)
+    return dnn.conv2d_weight(x, tuple(w.shape), dy, stride, padding, 1, groups)
+
+
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_a_replay_launches_what_the_full_path_launches(case, dtype, cl):
+    _, direction, c, k, kern, stride, pad, groups = case
+    dt = np.dtype(dtype)
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+
+        def operands():
+            x = _arr(cupy, (4, c, 10, 10), dt, cl)
+            w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
+            side = (10 + 2 * pad - kern) // stride + 1
+            return x, w, _arr(cupy, (4, k, side, side), dt, cl)
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            _call(direction, *operands(), stride, pad, groups)  # the full path, kept where it can be replayed
+            kept = len(conv_memo._TABLE.entries)
+            x, w, dy = operands()
+            named = {"x": x, "w": w, "dy": dy}
+            fake.log.clear()
+            got = _call(direction, x, w, dy, stride, pad, groups)
+            replayed = _masked(fake.log, named)
+            direct_cache.clear()  # the memo too: the full path again on the same operands
+            fake.log.clear()
+            want = _call(direction, x, w, dy, stride, pad, groups)
+            full = _masked(fake.log, named)
+    geo = conv_geometry("conv2d", 2, np.empty((4, c, 10, 10), dt), np.empty((k, c // groups, kern, kern), dt),
+                        stride, pad, 1, groups)
+    shifted_nchw = direction == "fwd" and not cl and cd.forward_form(geo, dt, cd.FORM, "nchw") == "shifted"
+    assert kept == (0 if shifted_nchw else 1)  # (the shifted form's NCHW weight is a transform: never kept)
+    assert replayed == full and any(e[0] == "gemm" for e in full)
+    assert (got.shape, got.strides, got.dtype) == (want.shape, want.strides, want.dtype)
+
+
+def test_keys_tell_apart_what_a_plan_depends_on(monkeypatch):
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            x, w = cupy.empty((4, 16, 8, 8), dtype=np.float32), cupy.empty((8, 16, 3, 3), dtype=np.float32)
+            base = conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None)
+            assert base is not None and base == conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None)
+            others = [conv_memo.key("conv2d", 2, x, w, (2, 1, 1, 1), None),
+                      conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), "tf32"),
+                      conv_memo.key("conv2d", 2, x.astype(np.float16), w.astype(np.float16), (1, 1, 1, 1), None),
+                      conv_memo.key("conv2d", 2, x.transpose(0, 1, 3, 2), w, (1, 1, 1, 1), None),
+                      conv_memo.key("conv2d_weight", 2, x, w, (1, 1, 1, 1), None)]
+            with cupy.cuda.Stream():
+                others.append(conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None))
+            monkeypatch.setattr(cd, "FORM", "im2col")
+            others.append(conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None))
+            monkeypatch.setattr(cd, "FORM", None)
+            assert len({base, *others}) == len(others) + 1
+            # never a key: numpy operands, arguments that are not plain, a bad math, a Workspace, a capture
+            assert conv_memo.key("conv2d", 2, np.empty((4, 16, 8, 8)), w, (1, 1, 1, 1), None) is None
+            assert conv_memo.key("conv2d", 2, x, w, (np.int64(1), 1, 1, 1), None) is None
+            assert conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), "TF32") is None
+            with direct_cache.using(direct_cache.Workspace()):
+                assert conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None) is None
+            with direct_cache.capturing([]):
+                assert conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None) is None
+        with cupy.cuda.Device(1):  # operands off the current device
+            assert conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None) is None
+
+
+def test_calls_with_an_epilogue_are_never_kept():
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x, w = cupy.empty((4, 16, 8, 8), dtype=np.float32), cupy.empty((8, 16, 1, 1), dtype=np.float32)
+            y = cupy.empty((4, 8, 8, 8), dtype=np.float32)
+            dnn.conv2d(x, w, np.ones(8))
+            dnn.conv2d(x, w, activation="relu")
+            dnn.conv2d(x, w, residual=y)
+            dnn.conv2d(x, w, out=y)
+            dnn.conv2d(x[0], w)  # unbatched
+            assert not conv_memo._TABLE.entries
+            dnn.conv2d(x, w)
+            assert len(conv_memo._TABLE.entries) == 1
+
+
+def test_a_replay_gives_way_where_the_route_no_longer_applies_or_memory_runs_out(monkeypatch):
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x, w = cupy.empty((4, 16, 10, 10), dtype=np.float32), cupy.empty((8, 16, 3, 3), dtype=np.float32)
+            dnn.conv2d(x, w, None, 2, 1)  # im2col: a gather into scratch
+            (k,) = conv_memo._TABLE.entries
+            monkeypatch.setattr(cd, "applies", lambda x, flops: False)
+            assert conv_memo.replay(k, x, w) is None  # the engine's route now: the full path runs
+            monkeypatch.undo()
+            oom = [True]
+            empty_bits = direct_cuda.empty_bits
+
+            def failing(size, dtype):
+                if oom[0]:
+                    oom[0] = False
+                    raise fake.cupy.cuda.memory.OutOfMemoryError("no memory")
+                return empty_bits(size, dtype)
+            monkeypatch.setattr(direct_cuda, "empty_bits", failing)
+            assert conv_memo.replay(k, x, w) is None and k not in conv_memo._TABLE.entries  # dropped
+            y = dnn.conv2d(x, w, None, 2, 1)  # the full path, kept again
+            assert y.shape == (4, 8, 5, 5) and k in conv_memo._TABLE.entries
