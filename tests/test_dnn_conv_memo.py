@@ -59,7 +59,8 @@ def _arr(cupy, shape, dt, cl):
 # (name, direction, C, K, kernel, stride, padding, groups)
 CASES = [("pointwise", "fwd", 64, 32, 1, 1, 0, 1), ("strided", "fwd", 16, 32, 3, 2, 1, 2),
          ("shifted", "fwd", 64, 32, 3, 1, 1, 1), ("pointwise", "bwd-data", 64, 32, 1, 1, 0, 1),
-         ("window", "bwd-data", 16, 32, 3, 1, 1, 1), ("pointwise", "bwd-weight", 64, 32, 1, 1, 0, 1),
+         ("window", "bwd-data", 16, 32, 3, 1, 1, 1), ("strided", "bwd-data", 16, 32, 3, 2, 1, 2),
+         ("pointwise", "bwd-weight", 64, 32, 1, 1, 0, 1),
          ("strided", "bwd-weight", 16, 32, 3, 2, 1, 2)]
 
 

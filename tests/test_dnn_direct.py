@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from blasx import dnn
 from blasx.dnn import conv as conv_mod
+from blasx.dnn import col2im as c2
 from blasx.dnn import conv_direct as cd
+from blasx.dnn import direct_cache, direct_cuda
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
 from host_cc import compile_host
@@ -52,6 +54,26 @@ def host_gather(nd: int, insert: bool, udt: str = "uint64"):
     import ctypes
     fn = getattr(lib, cd.gather_kernel_source(udt, "int64", nd, insert)[3])
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * (1 + len(cd.ARG_NAMES))
+    return fn
+
+
+def host_col2im(nd: int):
+    """col2im.py's kernel body (T = A = double) compiled for the host as a loop over i; None without a C++
+    compiler."""
+    if "col2im" not in _HOST:
+        src = []
+        args = ", ".join(f"long long {a}" for a in c2.ARG_NAMES)
+        for d in (1, 2, 3):
+            _, _, op, _ = c2.kernel_source(np.float64, d)
+            src.append(f'extern "C" void blasx_col2im_{d}d(const double* col, const double* bias, double* y, '
+                       f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
+        _HOST["col2im"] = compile_host(src)
+    lib = _HOST["col2im"]
+    if lib is None:
+        return None
+    import ctypes
+    fn = getattr(lib, f"blasx_col2im_{nd}d")
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * (1 + len(c2.ARG_NAMES))
     return fn
 
 
@@ -114,6 +136,43 @@ class NumpyOps:
             assert np.array_equal(got[dst], col[dst]), "the compiled gather differs from its numpy form"
             assert np.isnan(np.delete(got, dst)).all(), "the compiled gather wrote outside its elements"
 
+    def col2im(self, s):
+        """y's chunk summed from col tap by tap (an independent numpy form of col2im.py's kernel), and the real
+        kernel's body compiled for the host (host_col2im), whose y must equal it to rounding."""
+        g, col, y = self.geo, self.bufs["col"], self.bufs["y"]
+        bias = self.bufs.get("bias")
+        assert not np.isnan(col[:s.nb * g.k * int(np.prod(g.kernel)) * int(np.prod(g.in_size))]).any()
+        nd, taps, pin = g.nd, int(np.prod(g.kernel)), int(np.prod(g.in_size))
+        pad = [d * (k - 1) - lo for d, k, lo in zip(g.dilation, g.kernel, g.pad_lo)]
+        cols = col[:s.nb * pin * g.k * taps].reshape(s.nb, *g.in_size, g.groups, *(
+            (taps, g.kg) if s.wcl else (g.kg, taps)))  # (n, i..., group, rows of a group)
+        if not s.wcl:
+            cols = np.swapaxes(cols, -1, -2)  # (n, i..., group, tap, co)
+        acc = np.zeros((s.nb, *g.out_size, g.groups, g.kg))
+        for t, tap in enumerate(np.ndindex(*g.kernel)):
+            idx = []
+            for o, stride, d, p, r, n_in in zip(g.out_size, g.insert, g.dilation, pad, tap, g.in_size):
+                h = np.arange(o)
+                num = h + p - r * d
+                ok = (num >= 0) & (num % stride == 0) & (num // stride < n_in)
+                idx.append((h[ok], (num // stride)[ok]))
+            sel_out = np.ix_(*[a for a, _ in idx]) if nd > 1 else (idx[0][0],)
+            sel_in = np.ix_(*[b for _, b in idx]) if nd > 1 else (idx[0][1],)
+            acc[(slice(None), *sel_out)] += cols[(slice(None), *sel_in)][..., t, :]
+        acc = acc.reshape(s.nb, *g.out_size, g.k)
+        if bias is not None:
+            acc = acc + bias
+        if not self.cl:
+            acc = np.moveaxis(acc, -1, 1)
+        base = s.n0 * g.k * int(np.prod(g.out_size))
+        y[base:base + acc.size] = acc.ravel()
+        fn = host_col2im(nd)
+        if fn is not None:
+            got = np.full(acc.size + base, np.nan)
+            fn(col.ctypes.data, (col if bias is None else np.asarray(bias, np.float64)).ctypes.data,
+               got.ctypes.data, acc.size, *c2.kernel_args(g, self.cl, s, bias is not None))
+            assert np.isnan(got[:base]).all() and np.allclose(got[base:], acc.ravel(), rtol=1e-12, atol=1e-12)
+
     def copy_dy(self, s):
         g = self.geo
         dy = self.bufs["dy"].reshape(g.n, g.k, g.p)
@@ -160,6 +219,48 @@ def emulated_weight(geo, xmem, dymem, cl, budget):
             "col": np.full(nb * geo.crs * geo.p, np.nan), "dyc": np.full(nb * geo.k * geo.p, np.nan)}
     cd.run(cd.weight_steps(geo, cl, parts), NumpyOps(geo, cl, bufs))
     return bufs["dw"].reshape(geo.k, geo.crs), parts
+
+
+def emulated_transposed(geo, xmem, cl, wmem, wcl, ymem, bias, budget):
+    """direct_cuda.transposed's plan (col2im.py) on numpy buffers; returns the image chunks."""
+    per = c2.scratch_per_image(geo)
+    parts = cd.chunks(geo.n, per * 8, budget)
+    bufs = {"x": xmem, "w": wmem, "y": ymem, "col": np.full(max(nb for _, nb in parts) * per, np.nan)}
+    if bias is not None:
+        bufs["bias"] = np.asarray(bias, np.float64)
+    cd.run(c2.steps(geo, cl, wcl, parts), NumpyOps(geo, cl, bufs))
+    return parts
+
+
+TRANSPOSED = st.tuples(st.sampled_from([1, 2, 3]), st.booleans(), st.booleans(), st.sampled_from([2, 3]),
+                       st.integers(0, 2), st.integers(1, 2), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]),
+                       st.booleans(), st.integers(0, 1000))
+
+
+@settings(max_examples=40, deadline=None)
+@given(TRANSPOSED, st.sampled_from([1 << 30, 1]))
+def test_col2im_plans_vs_torch(case, budget):
+    """Strided transposed convolutions (and backward-data) by col2im.py's plan: both layouts of x and y, both
+    orders of the weight, groups, dilation, output padding, bias; budget 1: one image a chunk."""
+    nd, cl, wcl, stride, pad, dil, groups, ks, with_bias, seed = case
+    rng = np.random.default_rng(seed)
+    x, _ = _case(rng, nd, groups, 2, 3, 3)
+    w = rng.standard_normal((2 * groups, 3, *(ks,) * nd))
+    b = rng.standard_normal(3 * groups) if with_bias else None
+    opad = min(stride, dil) - 1 if (stride > 1 or dil > 1) else 0
+    try:
+        geo = transpose_geometry("t", nd, x, w, stride, pad, opad, groups, dil)
+    except ValueError:
+        return  # no positive output
+    ref = getattr(F, f"conv_transpose{nd}d")(torch.from_numpy(x), torch.from_numpy(w),
+                                             None if b is None else torch.from_numpy(b), stride, pad, opad, groups,
+                                             dil).numpy()
+    assert c2.applies(geo, np.float64)
+    wmem = (np.ascontiguousarray(np.moveaxis(w, 1, -1)) if wcl else w).ravel()
+    ymem = np.full(ref.size, np.nan)
+    parts = emulated_transposed(geo, memory(x, cl), cl, wmem, wcl, ymem, b, budget)
+    assert len(parts) == (1 if budget > 1 else geo.n)
+    assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
 
 
 def _case(rng, nd, groups, cg, kg, n):
@@ -271,15 +372,18 @@ def test_shifted_transposed_stride1_vs_torch(nd, cl, pad, dil, seed):
 
 
 def test_forward_form_choice():
-    """Shifted where it applies and C >= 64 with 16-byte rows and a wide grid at most twice the output;
-    a forced form only where shifted applies; a bad force names the switch."""
+    """Shifted where it applies, for 4-byte types in strict math or inside a Workspace, and C >= 64 with 16-byte rows and a wide grid
+    at most 1.5 times the output; a forced form only where shifted applies; a bad force names the switch."""
     def geo(c=64, k=3, stride=1, pad=1, groups=1, size=14):
         return conv_geometry("conv", 2, np.zeros((2, c, size, size)), np.zeros((8, c // groups, k, k)), stride,
                              pad, 1, groups)
     f32, f16 = np.float32, np.float16
-    assert cd.forward_form(geo(), f32) == "shifted" and cd.forward_form(geo(), f16) == "shifted"
+    assert cd.forward_form(geo(), f32) == "shifted" and cd.forward_form(geo(), np.float64) == "shifted"
+    assert cd.forward_form(geo(), f16) == "im2col" and cd.forward_form(geo(), f32, math="tf32") == "im2col"
+    with direct_cache.using(direct_cache.Workspace()):  # a network's worker: GPU time alone decides
+        assert cd.forward_form(geo(), f16) == "shifted" and cd.forward_form(geo(), f32, math="tf32") == "shifted"
     assert cd.forward_form(geo(c=32), f32) == "im2col"  # k = C too small for cuBLAS
-    assert cd.forward_form(geo(c=68), f32) == "shifted" and cd.forward_form(geo(c=68), f16) == "im2col"  # 136-B rows
+    assert cd.forward_form(geo(c=68), f32) == "shifted" and cd.forward_form(geo(c=66), f32) == "im2col"  # 264-B rows
     assert cd.forward_form(geo(size=4), f32) == "im2col"  # 6x6 wide grid for 4x4 outputs
     for g in (geo(stride=2), geo(groups=2), geo(k=1, pad=0)):
         assert cd.forward_form(g, f32) == "im2col" and cd.forward_form(g, f32, "shifted") == "im2col"
@@ -369,9 +473,15 @@ def emulated_route(monkeypatch):
     def weight(geo, x, dy, cl, math):
         calls.append("weight")
         return emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, 1)[0], None  # (dW, no plan to replay)
+    def transposed(geo, x, cl, w, wcl, y, bias, math):
+        calls.append("col2im")
+        ymem = np.full(y.size, np.nan)
+        emulated_transposed(geo, memory(x, cl), cl, memory(np.asarray(w), wcl), wcl, ymem, bias, 1)
+        y[...] = from_memory(ymem, y.shape, cl)
     monkeypatch.setattr(cd, "applies", lambda x, flops: True)
     monkeypatch.setattr(cd, "forward", forward)
     monkeypatch.setattr(cd, "weight", weight)
+    monkeypatch.setattr(direct_cuda, "transposed", transposed)
     return calls
 
 
@@ -398,7 +508,10 @@ def test_front_end_routes_forward_weight_and_input(emulated_route, layout):
     assert _rel(gw, torch.nn.grad.conv2d_weight(t(x), w.shape, t(dy), 2, 1, 1, 2).numpy()) < 1e-13
     gi = dnn.conv2d_input(x.shape, w, lay(dy), stride=2, padding=1, groups=2)
     assert _rel(gi, torch.nn.grad.conv2d_input(x.shape, t(w), t(dy), 2, 1, 1, 2).numpy()) < 1e-13
-    assert emulated_route == ["forward", "weight"] + ["forward"] * (4 if conv_mod.PHASES else 1)  # 4 phases
+    wt = rng.standard_normal((4, 3, 4, 4))
+    yt = dnn.conv_transpose2d(lay(x), lay(wt), b[:6], stride=2, padding=1, output_padding=1, groups=2)
+    assert _rel(yt, F.conv_transpose2d(t(x), t(wt), t(b[:6]), 2, 1, 1, 2).numpy()) < 1e-13
+    assert emulated_route == ["forward", "weight", "col2im", "col2im"]  # strided: GEMMs into columns, col2im
 
 
 @pytest.mark.parametrize("layout", ["nchw", "cl"])

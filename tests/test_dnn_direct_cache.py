@@ -233,7 +233,7 @@ def test_launches_the_same_from_cold_and_warm_caches(layout, dtype, case):
                     direct_cache.clear()
                     ws.release()
                 fake.log.clear()
-                with direct_cache.using(ws if i else None):
+                with direct_cache.using(ws if i else direct_cache.Workspace()):  # (a fresh one: cold)
                     dnn.conv2d(x, w, bias, stride, kern // 2, 1, groups, activation="relu", residual=r, out=y)
                 runs.append(_launches(fake.log))
                 if i == 0:

@@ -218,6 +218,31 @@ def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, s
     assert len(conv_memo._TABLE.entries) >= 2  # forward and weight at least (backward-data by phases is not kept)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_col2im_transposed_vs_torch(direct_route, dtype, layout, nd):
+    """Strided transposed convolutions and backward-data on CuPy operands (col2im.py: GEMMs into columns, the
+    col2im kernel), with dilation, groups, output padding, bias and a channels-last weight, against torch."""
+    rng = np.random.default_rng(nd)
+    dt = np.dtype(dtype)
+    size = (23,) if nd == 1 else (9, 7) if nd == 2 else (5, 4, 6)
+    x = rng.standard_normal((3, 8, *size)).astype(dt)
+    w = (rng.standard_normal((8, 5, *(3,) * nd)) / 4).astype(dt)
+    b = rng.standard_normal(10)
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    y = getattr(dnn, f"conv_transpose{nd}d")(_device(x, layout), _device(w, layout), cupy.asarray(b), stride=2,
+                                             padding=1, output_padding=1, groups=2, dilation=2)
+    ref = getattr(F, f"conv_transpose{nd}d")(wide(x), wide(w), torch.from_numpy(b), 2, 1, 1, 2, 2).numpy()
+    assert isinstance(y, cupy.ndarray) and y.dtype == dt and rel(y, ref) < tol
+    wf = (rng.standard_normal((8, 10, *(3,) * nd)) / 4).astype(dt)
+    dy = rng.standard_normal((3, 8, *size)).astype(dt)
+    xs = (3, 10, *(2 * s for s in size))
+    gi = getattr(dnn, f"conv{nd}d_input")(xs, _device(wf, layout), _device(dy, layout), stride=2, padding=1)
+    want = getattr(torch.nn.grad, f"conv{nd}d_input")(xs, wide(wf), wide(dy), 2, 1).numpy()
+    assert rel(gi, want) < tol
+
+
 def test_direct_route_is_chosen_for_one_gpu():
     from blasx.dnn import conv_direct
     x = cupy.zeros((1, 2, 4, 4), dtype=cupy.float32)

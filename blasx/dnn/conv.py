@@ -22,7 +22,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct, conv_memo, depthwise, direct_cache, phases
+from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, phases
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import make_epilogue
@@ -329,6 +329,16 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        flops = 2.0 * geo.n * prod(geo.in_size) * geo.c * geo.kg * prod(geo.kernel)
+        if col2im.applies(geo, dt) and not depthwise.applies(geo) and conv_direct.applies(xb, flops) and \
+                layout(y) == lay:  # one GEMM a group into columns and the col2im kernel, the weight as it lies
+            wl = layout(weight)
+            w = weight if wl is not None else xp.ascontiguousarray(weight)
+            plan = direct_cuda.transposed(geo, xb, lay == "cl", w, wl == "cl", y, b, math)
+            if memo is not None and xb is x and w is weight:
+                conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, plan,
+                                                              lambda: _empty(xp, shape, dt, lay)))
+            return out if out is not None else y[0] if unbatched else y
         wf = _flipped_transposed(xp, weight, geo.groups)
         ran = None
         if PHASES and phases.applies(geo):

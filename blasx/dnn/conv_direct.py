@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..threadlocal import setting
-from . import finddb
+from . import direct_cache, finddb
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -164,9 +164,12 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     """"shifted" or "im2col" for the forward pass where the shifted form applies (else im2col), by
     precedence: ``force`` (FORM, BLASX_CONV_FORM); the find-db's entry for the problem in ``layout``
     and ``math`` on GPU ``device`` (None: CuPy's current one; finddb.stored_form); the heuristic:
-    shifted when C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
-    (every tap's A pointer and ld, for tensor cores) and the wide grid computes at most
-    SHIFTED_MAX_WIDE times the output pixels."""
+    shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
+    (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels, for
+    4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only inside a
+    Workspace: a network's worker, whose calls replay from CUDA graphs, pays the forms' GPU time alone (the
+    taps' GEMMs take less of it on large maps), a plain call pays the host time of the taps' launches too
+    (the one im2col GEMM wins there; bench/results/NOTES.md)."""
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
     if not shifted_applies(geo):
@@ -177,7 +180,8 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     if stored is not None:
         return stored
     wide = np.prod(padded_size(geo)) / geo.p
-    ok = geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
+    gpu_time = (np.dtype(dtype).itemsize >= 4 and math != "tf32") or direct_cache.workspace() is not None
+    ok = gpu_time and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime import dtypes
+from . import col2im as c2
 from . import conv_direct as cd
 from . import direct_cache
 from .geometry import ConvGeometry
@@ -277,6 +278,46 @@ def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightP
     return out
 
 
+def transposed_plan(geo: ConvGeometry, cl: bool, wcl: bool, dtype, budget: int) -> ForwardPlan:
+    """The col2im plan (col2im.py) of the transposed convolution ``geo`` with scratch of at most ``budget``
+    bytes, with its launches, made once per key."""
+    dt = np.dtype(dtype)
+
+    def make():
+        per = c2.scratch_per_image(geo)
+        parts = cd.chunks(geo.n, per * dt.itemsize, budget)
+        steps = c2.steps(geo, cl, wcl, parts)
+        return ForwardPlan("col2im", steps, {"col": max(nb for _, nb in parts) * per}, prepare(geo, cl, dt, steps))
+    return _PLANS.get(("col2im", geo, cl, wcl, dt.str, budget), make)
+
+
+def transposed(geo: ConvGeometry, x, cl: bool, w, wcl: bool, y, bias, math: str) -> ForwardPlan:
+    """y = conv_transpose(x, w) (+ bias, host values) by col2im.py's plan on x's device; returns the plan."""
+    dt = np.dtype(x.dtype)
+
+    def attempt(budget):
+        plan = transposed_plan(geo, cl, wcl, dt, budget)
+        return plan, {name: scratch(name, size, dt) for name, size in plan.scratch.items()}
+    plan, bufs = with_memory(attempt)
+    bufs.update(x=x, w=w, y=y)
+    if bias is not None:
+        bufs["bias"] = direct_cache.device_vector(bias, dt)
+    CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+    return plan
+
+
+_COL2IM: dict = {}
+
+
+def _col2im_kernel(dtype, nd: int):
+    key = (np.dtype(dtype).name, nd)
+    k = _COL2IM.get(key)
+    if k is None:
+        import cupy
+        k = _COL2IM[key] = cupy.ElementwiseKernel(*c2.kernel_source(*key))
+    return k
+
+
 _CONSTS = direct_cache.table(64)
 
 
@@ -356,6 +397,19 @@ class CudaOps:
                 _give_handle(key, h)
         if status != 0:
             raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
+
+    def col2im(self, s: c2.Col2im) -> None:
+        bias = self.bufs.get("bias")
+        col, y = self._typed("col"), self._typed("y")
+        _col2im_kernel(self.dtype, self.geo.nd)(col, col if bias is None else bias,
+                                                *c2.kernel_args(self.geo, self.cl, s, bias is not None), y,
+                                                size=c2.threads(self.geo, s))
+
+    def _typed(self, name: str):
+        """Buffer ``name``'s memory as a flat array of the operand type."""
+        import cupy
+        a = self.bufs[name]
+        return cupy.ndarray((a.size * a.itemsize // self.dtype.itemsize,), dtype=self.dtype, memptr=a.data)
 
     def copy_dy(self, s: cd.CopyDy) -> None:
         g = self.geo
