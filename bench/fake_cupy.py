@@ -148,6 +148,9 @@ def zeros(shape, dtype=float):
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
+    if isinstance(a, ndarray):  # a cast on the device
+        record("astype", a.shape, np.dtype(dtype).name)
+        return empty(a.shape, dtype)
     a = np.asarray(a, dtype=dtype)
     record("upload", a.shape, a.dtype.name, a.tobytes())
     return empty(a.shape, a.dtype)

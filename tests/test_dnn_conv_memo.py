@@ -136,20 +136,35 @@ def test_keys_tell_apart_what_a_plan_depends_on(monkeypatch):
             assert conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None) is None
 
 
-def test_calls_with_an_epilogue_are_never_kept():
-    with fake_cupy.installed() as fake:
+def test_calls_with_an_epilogue_replay_it_with_their_own_operands():
+    """Bias, scale, shift, residual and activation: kept, their vectors checked on every replay before any
+    launch and the epilogue launched with the call's own operands; out=, unbatched x and a scale folded into
+    the weight (with a residual) are never kept."""
+    with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
         with cupy.cuda.Device(0), cd.on_own_gpu():
             x, w = cupy.empty((4, 16, 8, 8), dtype=np.float32), cupy.empty((8, 16, 1, 1), dtype=np.float32)
             y = cupy.empty((4, 8, 8, 8), dtype=np.float32)
-            dnn.conv2d(x, w, np.ones(8))
-            dnn.conv2d(x, w, activation="relu")
-            dnn.conv2d(x, w, residual=y)
             dnn.conv2d(x, w, out=y)
-            dnn.conv2d(x[0], w)  # unbatched
+            dnn.conv2d(x[0], w)
+            dnn.conv2d(x, w, scale=np.ones(8), residual=y)
             assert not conv_memo._TABLE.entries
-            dnn.conv2d(x, w)
-            assert len(conv_memo._TABLE.entries) == 1
+            r1, r2 = cupy.empty((4, 8, 8, 8), dtype=np.float32), cupy.empty((4, 8, 8, 8), dtype=np.float32)
+            logs = []
+            for bias, res in ((np.ones(8), r1), (np.zeros(8), r2), (cupy.empty(8, dtype=np.float32), r1)):
+                for i in range(2):  # full path (or a replay of the first), then a replay
+                    fake.log.clear()
+                    dnn.conv2d(x, w, bias, shift=np.arange(8.0), residual=res, activation="relu")
+                    launched = [e for e in fake.log if e[0] not in ("upload", "tile")]  # (cache fills aside)
+                    logs.append(_masked(launched, {"x": x, "w": w, "res": res}))
+            assert len(conv_memo._TABLE.entries) == 2  # numpy bias, CuPy bias
+            assert logs[0] == logs[1] and logs[4] == logs[5]  # the replay launches what the full path did
+            kernels = [e for e in logs[3] if e[0] == "kernel"]
+            assert kernels and any(("array", ("res", 0)) == a[:2] for e in kernels for a in e[2] if type(a) is tuple)
+            with pytest.raises(ValueError, match="bias: expected shape"):
+                fake.log.clear()
+                dnn.conv2d(x, w, np.ones(7), shift=np.arange(8.0), residual=r1, activation="relu")
+            assert not any(e[0] in ("gemm", "kernel") for e in fake.log)  # checked before any launch
 
 
 def test_a_replay_gives_way_where_the_route_no_longer_applies_or_memory_runs_out(monkeypatch):

@@ -341,3 +341,29 @@ def test_pad_and_crop_copies_move_whole_units_where_the_channels_allow(c, wide):
         assert direct_cuda.wide_view(odd, 8) is None
         assert direct_cuda.wide_view(cupy.empty(64, dtype=np.uint16)[:60].reshape(3, 20)[:, ::2], 8) is None
         assert direct_cuda.wide_view(cupy.empty(16, dtype=np.uint64), 8) is None  # already 8 bytes
+
+
+@pytest.mark.parametrize("case", ["gemm", "residual", "depthwise", "transposed"])
+def test_cupy_channel_vectors_are_never_read_on_the_host(case):
+    """A CuPy bias, scale or shift stays on the device (combined there, no copy to the host: that would wait
+    for the GPU); numpy vectors are uploaded as before."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x = cupy.empty((2, 16, 8, 8), dtype=np.float32)
+            k = 16
+            b, sc, sh = (cupy.empty(k, dtype=np.float32) for _ in range(3))
+            fake.log.clear()
+            if case == "gemm":
+                dnn.conv2d(x, cupy.empty((k, 16, 3, 3), dtype=np.float32), b, 1, 1, scale=sc, shift=sh,
+                           activation="relu")
+            elif case == "residual":
+                dnn.conv2d(x, cupy.empty((k, 16, 1, 1), dtype=np.float32), b, scale=sc, shift=sh,
+                           residual=cupy.empty((2, k, 8, 8), dtype=np.float32))
+            elif case == "depthwise":
+                dnn.conv2d(x, cupy.empty((k, 1, 3, 3), dtype=np.float32), b, 1, 1, groups=16, scale=sc, shift=sh)
+            else:
+                dnn.conv_transpose2d(x, cupy.empty((16, k, 3, 3), dtype=np.float32), b, stride=2, padding=1)
+            assert not any(e[0] == "get" for e in fake.log)
+            assert all(e[1] == (1,) for e in fake.log if e[0] == "upload")  # only the unit constants (1, 0)
+            assert any(e[0] in ("gemm", "kernel") for e in fake.log)

@@ -194,22 +194,26 @@ def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, n
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])
 def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, stride, pad, groups, c):
-    """Forward, backward-data and backward-weight called three times on new operands of one shape (the second
-    and third replay the first: conv_memo), every result against torch in float64, the poisoned memory a
-    replay's allocations may reuse included."""
+    """Forward (plain, and with bias, residual and relu), backward-data and backward-weight called on new
+    operands of one shape (later calls replay the first: conv_memo), every result against torch in float64, the
+    poisoned memory a replay's allocations may reuse included."""
     from blasx.dnn import conv_memo
     rng = np.random.default_rng(7)
     dt = np.dtype(dtype)
     tol = DIRECT_TOL[(dtype, "ieee")]
-    for i in range(3):
+    for i in range(4):
         x = rng.standard_normal((3, c, 13, 11)).astype(dt)
         w = (rng.standard_normal((12, c // groups, kernel, kernel)) / 4).astype(dt)
         ref = F.conv2d(wide(x), wide(w), None, stride, pad, 1, groups)
         dy = rng.standard_normal(tuple(ref.shape)).astype(dt)
+        b, r = rng.standard_normal(12), rng.standard_normal(tuple(ref.shape)).astype(dt)
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.full(1 << 22, np.nan, dtype=cupy.float32)  # poison what the pool hands out next
         y = dnn.conv2d(_device(x, layout), _device(w, layout), None, stride, pad, 1, groups)
         assert rel(y, ref.numpy()) < tol, i
+        yf = dnn.conv2d(_device(x, layout), _device(w, layout), b if i < 2 else cupy.asarray(b), stride, pad, 1,
+                        groups, residual=_device(r, layout), activation="relu")  # numpy bias, then CuPy's
+        assert rel(yf, F.relu(ref + torch.from_numpy(b)[:, None, None] + wide(r)).numpy()) < tol, i
         gi = dnn.conv2d_input(x.shape, _device(w, layout), _device(dy, layout), stride, pad, 1, groups)
         assert rel(gi, torch.nn.grad.conv2d_input(x.shape, wide(w), wide(dy), stride, pad, 1, groups).numpy()) < tol
         gw = dnn.conv2d_weight(_device(x, layout), w.shape, _device(dy, layout), stride, pad, 1, groups)

@@ -25,7 +25,7 @@ from ..runtime.tiling import n_tiles
 from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, phases
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
-from .epilogue import make_epilogue
+from .epilogue import device_affine, make_epilogue
 from .geometry import ConvGeometry, conv_geometry, layout, transpose_geometry
 from .im2col import Im2col
 
@@ -68,15 +68,23 @@ def _empty(xp, shape, dtype, lay: str):
 
 
 def _channel_vector(name: str, v, k: int, dtype, xp):
+    """A per-output-channel vector, checked: numpy, or a CuPy array for CuPy x (kept on its device: the device
+    route reads it there with no wait for the GPU)."""
     if v is None:
         return None
     if not hasattr(v, "shape") or tuple(v.shape) != (k,):
         raise ValueError(f"{name}: expected shape ({k},) (one value per output channel), got "
                          f"{getattr(v, 'shape', type(v).__name__)}")
-    if is_cupy(v) and xp is np:
-        raise TypeError(f"{name}: got a cupy array; x is numpy (a numpy vector serves a cupy x too: "
-                        f"given so, it is read with no wait for the GPU)")
-    return v.get() if is_cupy(v) else np.asarray(v)
+    if is_cupy(v):
+        if xp is np:
+            raise TypeError(f"{name}: got a cupy array; x is numpy (a numpy vector serves a cupy x too)")
+        if v.dtype.kind not in "fiu":
+            raise TypeError(f"{name}: got a cupy array of {v.dtype.name}; allowed: a real (integer or floating) vector")
+        return v
+    return np.asarray(v)
+
+
+_VECTORS = ("bias", "scale", "shift")
 
 
 def _check_layout(out, lay: str) -> None:
@@ -153,14 +161,14 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
         depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
         return
     if direct_route:
-        epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, {0: (0, 0, geo.k)})
+        epi, fold = device_affine(bias, scale, shift, act, residual is not None)
         if fold is None and user_weight:  # a matrix of the weight alone: kept where the caller allows
             wrows = direct_cache.derived(wconv, ("rows", cl), lambda: _weight_rows(xp, wconv, cl, geo.k, crs))
         else:
             wrows = _weight_rows(xp, wconv, cl, geo.k, crs)
         if fold is not None:
             wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
-        plan = conv_direct.forward(geo, x, cl, wrows, y, residual, None if epi is None else epi.by_slot[0], math)
+        plan = conv_direct.forward(geo, x, cl, wrows, y, residual, epi, math)
         return (plan, wrows) if plan is not None and fold is None else None
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
@@ -201,10 +209,13 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
     fn = f"conv{nd}d"
-    plain = bias is None and activation is None and scale is None and shift is None and residual is None and \
-        out is None and getattr(x, "ndim", 0) == nd + 2
-    memo = conv_memo.key(fn, nd, x, weight, (stride, padding, dilation, groups), math) if plain else None
-    y = conv_memo.replay(memo, x, weight)
+    extras = (bias, scale, shift, residual)
+    memo = None
+    if out is None and getattr(x, "ndim", 0) == nd + 2 and (activation is None or type(activation) is str) and \
+            (scale is None or residual is None):  # (a scale with a residual is folded into the weight: not replayed)
+        memo = conv_memo.key(fn, nd, x, weight, (stride, padding, dilation, groups), math,
+                             (activation, *(conv_memo.operand_kind(v) for v in extras)))
+    y = conv_memo.replay(memo, x, weight, extras)
     if y is not None:
         return y
     xp = _xp(x, weight, residual, out)  # bias, scale, shift: see _channel_vector
@@ -212,7 +223,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     act = _activation(activation)
     math = precision.check_math(math)
     dt = np.dtype(x.dtype)
-    vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in (("bias", bias), ("scale", scale), ("shift", shift))]
+    vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in zip(_VECTORS, (bias, scale, shift))]
     xb, unbatched = _batched(x, nd)
     lay = layout(xb) or "nchw"
     shape = (geo.n, geo.k, *geo.out_size)
@@ -227,10 +238,19 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
-    # kept where x and the weight were read where they lie (not copied into a layout)
-    if memo is not None and ran is not None and xb is x and ran[1].data.ptr == weight.data.ptr:
-        conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
-                                                      lambda: _empty(xp, shape, dt, lay)))
+    # kept where x, the weight and a residual were read where they lie (not copied into a layout)
+    if memo is not None and ran is not None and xb is x and ran[1].data.ptr == weight.data.ptr and \
+            (residual is None or residual is extras[3]):
+        cl, k = lay == "cl", geo.k
+
+        def epilogue(extras, g=geo):  # the vectors checked as the full path checks them; then the kernel
+            b, sc, sh = (_channel_vector(nm, v, k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
+            res = extras[3]
+            affine = device_affine(b, sc, sh, act, res is not None)[0]
+            return lambda y: conv_direct.finish(g, cl, y, affine, res, False)
+        plain = act is None and all(v is None for v in extras)
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], lambda: _empty(xp, shape, dt, lay),
+                                                      epilogue=None if plain else epilogue))
     if out is not None:
         return out
     return y[0] if unbatched else y

@@ -446,7 +446,8 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
     (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
     channels or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
-    (direct_cuda.ForwardPlan) where that was all of the work (conv_memo can replay it), else None."""
+    (direct_cuda.ForwardPlan) where the GEMMs read x and wmat in place and wrote y (conv_memo can replay it,
+    then :func:`finish`), else None."""
     import dataclasses
 
     import cupy
@@ -477,9 +478,15 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
         bufs["wt"] = direct_cache.derived(wmat, ("tap_major", cl, geo.k, geo.c),
                                           lambda: tap_major(cupy, geo, cl, wmat))
     direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+    finish(geo, cl, y, affine, residual, in_y)
+    return plan if cpad is None and not in_y else None
+
+
+def finish(geo: ConvGeometry, cl: bool, y, affine, residual, in_y: bool) -> None:
+    """After the GEMMs: the epilogue kernel where there is one (``in_y``: the residual is y, already summed)."""
     if affine is not None or (residual is not None and not in_y):
+        from . import direct_cuda
         direct_cuda.epilogue(geo, cl, y, affine, None if in_y else residual)
-    return plan if cpad is None and affine is None and residual is None else None
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):

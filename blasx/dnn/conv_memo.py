@@ -1,15 +1,17 @@
 """Replays of device-route convolution calls (conv_direct.py): a call on CuPy arrays whose every input to its
 checks and its plan (the operands' shapes, strides, types and device; the geometry arguments; the math mode;
-the current device and stream; the switch that forces a form; the perf-db's generation in this process)
-equals an earlier call's runs that call's launches again on the new operands' memory. It skips the checks the earlier call passed and the layout work,
-weight views and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a GPU, and the full front end
-took longer than that to issue it.
+the current device and stream; the switch that forces a form; the perf-db's generation in this process) equals
+an earlier call's runs that call's launches again on the new operands' memory. It skips the checks the earlier
+call passed and the layout work, weight views and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a
+GPU, and the full front end took longer than that to issue it.
 
-Only calls whose whole work is launches that read the operands in place and write fresh memory are kept
-(``Replay``): no bias, epilogue, residual or ``out=``; x read where it lies; the caller's weight read where it
-lies (forward) or its flipped weight matrix made anew (backward-data, stride 1); no phases. Any other call finds no key (``key`` returns None) or no entry, and takes the full path each time.
-Whether the device route applies is asked again on every replay (it depends on the engine's configuration),
-and a replay that cannot allocate gives way to the full path, which reads the free memory again.
+Only calls whose whole work is launches that read the operands in place and write fresh memory, then the
+epilogue from the call's own vectors and residual, are kept (``Replay``): no ``out=``; x read where it lies; the
+caller's weight read where it lies (forward, backward-data by col2im) or its flipped weight matrix made anew
+(stride-1 backward-data); no phases. Any other call finds no key (``key`` returns None) or no entry, and takes
+the full path each time. Whether the device route applies is asked again on every replay (it depends on the
+engine's configuration), and a replay that cannot allocate gives way to the full path, which reads the free
+memory again.
 """
 
 from __future__ import annotations
@@ -38,10 +40,21 @@ def _plain(v):
     return v is None or type(v) is int or type(v) is str or (type(v) is tuple and all(type(e) is int for e in v))
 
 
-def key(kind: str, nd: int, a, b, args: tuple, math):
+def operand_kind(v):
+    """What a key tells of an optional operand: None, "host" (numpy, any shape: checked on every call), or a
+    CuPy array's (shape, strides, type, device)."""
+    if v is None:
+        return None
+    if not is_cupy(v):
+        return "host"
+    return (v.shape, v.strides, v.dtype, v.data.device_id)
+
+
+def key(kind: str, nd: int, a, b, args: tuple, math, extra: tuple = ()):
     """The memo key of a call of ``kind`` on CuPy arrays ``a`` and ``b`` with geometry arguments ``args``, or
     None where such a call is never replayed (not CuPy; a Workspace or a graph capture in charge; arguments
-    that are not plain ints, tuples and strings; operands off the current device)."""
+    that are not plain ints, tuples and strings; operands off the current device). ``extra``: what else
+    the plan depends on (the caller's plain values)."""
     if not (is_cupy(a) and is_cupy(b)) or direct_cache.workspace() is not None or direct_cache.capture_active():
         return None
     if not all(_plain(v) for v in args) or not (math is None or (type(math) is str and math in dtypes.MATH_MODES)):
@@ -51,12 +64,12 @@ def key(kind: str, nd: int, a, b, args: tuple, math):
     if b.data.device_id != dev or cupy.cuda.runtime.getDevice() != dev:
         return None
     return (kind, nd, a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, args, precision.check_math(math),
-            dev, cupy.cuda.get_current_stream().ptr, conv_direct.FORM, perfdb.generation())
+            dev, cupy.cuda.get_current_stream().ptr, conv_direct.FORM, perfdb.generation(), extra)
 
 
-def replay(k, a, b):
-    """The kept call's result on ``a`` and ``b``, or None (no entry; the route no longer applies; out of memory:
-    the entry is dropped and the full path runs)."""
+def replay(k, a, b, extras=None):
+    """The kept call's result on ``a`` and ``b`` (and the epilogue's operands ``extras``), or None (no entry; the
+    route no longer applies; out of memory: the entry is dropped and the full path runs)."""
     if k is None:
         return None
     r = _TABLE.entries.get(k)
@@ -64,7 +77,7 @@ def replay(k, a, b):
         return None
     import cupy
     try:
-        return r.run(a, b)
+        return r.run(a, b, extras)
     except cupy.cuda.memory.OutOfMemoryError:
         _TABLE.entries.pop(k, None)
         return None
@@ -76,17 +89,20 @@ def keep(k, r: Replay | None) -> None:
         _TABLE.get(k, lambda: r)
 
 
-def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None) -> Replay | None:
+def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None, epilogue=None) -> Replay | None:
     """The replay of a forward call that ran ``plan`` (direct_cuda.ForwardPlan) on x, the ``(K, CRS)`` weight
-    matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``; None
-    for the shifted form on NCHW operands (its tap-major weight is another transform)."""
+    matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``, then
+    the epilogue where given (``epilogue(extras)`` checks the call's epilogue operands before any launch and
+    returns what finishes y); None for the shifted form on NCHW operands (its tap-major weight is another
+    transform)."""
     if plan.form == "shifted" and not cl:
         return None
     from . import direct_cuda
     dt = np.dtype(dtype)
     scratch = tuple(plan.scratch.items())
 
-    def run(x, w):
+    def run(x, w, extras=None):
+        done = None if epilogue is None else epilogue(extras)
         if weight_of is not None:
             w = weight_of(w)
         y = make_y()
@@ -94,6 +110,8 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
         direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+        if done is not None:
+            done(y)
         return y
     return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)
 
@@ -103,6 +121,6 @@ def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | Non
     ``finish(dw)``."""
     from . import direct_cuda
 
-    def run(x, dy):
+    def run(x, dy, extras=None):
         return finish(direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy))
     return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)

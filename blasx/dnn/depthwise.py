@@ -26,6 +26,7 @@ from ..operands import array_module, is_cupy
 from ..runtime.devices import cuda_epilogue
 from . import depthwise_vec, direct_cache
 from .arrays import compute_dtype
+from .epilogue import vector_module
 from .geometry import ConvGeometry
 from .im2col import x_strides
 
@@ -214,14 +215,16 @@ def index_type(params: dict, sizes) -> str:
     return "int32" if big < 2**31 else "int64"
 
 
-def affine_vectors(k: int, bias, scale, shift) -> tuple[np.ndarray, np.ndarray]:
-    """(s, t) in float64 with the epilogue's y = conv * s + t (+ residual): s = scale (1), t = bias * scale + shift."""
-    s = np.ones(k) if scale is None else np.asarray(scale, np.float64)
-    t = np.zeros(k)
+def affine_vectors(k: int, bias, scale, shift) -> tuple:
+    """(s, t) in float64 with the epilogue's y = conv * s + t (+ residual): s = scale (1), t = bias * scale + shift;
+    CuPy arrays where any vector is one (computed on its device, never read on the host)."""
+    xp = vector_module(bias, scale, shift)
+    s = xp.ones(k) if scale is None else xp.asarray(scale, xp.float64)
+    t = xp.zeros(k)
     if bias is not None:
-        t = t + np.asarray(bias, np.float64) * s
+        t = t + xp.asarray(bias, xp.float64) * s
     if shift is not None:
-        t = t + np.asarray(shift, np.float64)
+        t = t + xp.asarray(shift, xp.float64)
     return s, t
 
 

@@ -116,8 +116,13 @@ _VECTORS = table(1024)
 def device_vector(values, dtype, shape_of=None):
     """``values`` (host, any float type) as a CuPy array of ``dtype`` on the current device, uploaded once
     per stream; ``shape_of(xp, v)`` reshapes/tiles the uploaded vector (its name and arguments must be in
-    ``shape_of``'s identity: pass a module-level function or a functools.partial of one)."""
+    ``shape_of``'s identity: pass a module-level function or a functools.partial of one). ``values`` already
+    on the device (CuPy) are converted there, on the current stream, each call (never read on the host)."""
     import cupy
+    if isinstance(values, cupy.ndarray):
+        making("a channel vector from a CuPy array")  # (inside a capture: made anew each replay otherwise)
+        v = values.astype(dtype, copy=False)
+        return v if shape_of is None else shape_of(cupy, v)
     host = np.ascontiguousarray(values, dtype=dtype)
     stream = cupy.cuda.get_current_stream()
     key = (cupy.cuda.Device().id, stream.ptr, host.dtype.str, host.shape, host.tobytes(), _identity(shape_of))

@@ -3,26 +3,51 @@ engine's per-channel epilogue (runtime/epilogues.py: ChannelAffine, one per C sl
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple
 
+from ..operands import array_module, is_cupy
 from ..runtime.epilogues import ChannelAffine, PerSlot
 
 
-def make_epilogue(bias, scale, shift, act, residual: bool, slots: dict):
-    """(epilogue or None, per-channel weight factor or None). ``slots`` maps each C slot of the call
-    to (axis, first channel, channels): its rows (axis 0) or columns (axis 1) take the values of
-    channels ``first .. first + channels - 1``, repeating. With a residual the C tile starts from it,
-    so scale is folded into the weights (the factor returned) and bias*scale + shift is the shift."""
+class Affine(NamedTuple):
+    """The device route's epilogue: y = act(conv * scale + shift) per output channel, the vectors numpy or CuPy
+    arrays (None: 1, 0), read on the device where they already are (no wait for the GPU)."""
+
+    scale: object
+    shift: object
+    activation: object
+
+
+def parts(bias, scale, shift, residual: bool) -> tuple:
+    """(scale, shift, weight factor) of the epilogue, float64, computed where the vectors are (CuPy where any is:
+    a CuPy vector is never read on the host). With a residual the C tile starts from it, so scale is folded into
+    the weights (the factor) and bias*scale + shift is the shift."""
+    xp = vector_module(bias, scale, shift)
+
     def f64(v):
-        return None if v is None else np.asarray(v, dtype=np.float64)
+        return None if v is None else xp.asarray(v, dtype=xp.float64)
     bias, scale, shift = f64(bias), f64(scale), f64(shift)
     total = bias
     if scale is not None and total is not None:
         total = total * scale
     if shift is not None:
         total = shift if total is None else total + shift
-    fold = scale if residual else None
-    epi_scale = None if residual else scale
+    return (None if residual else scale), total, (scale if residual else None)
+
+
+def device_affine(bias, scale, shift, act, residual: bool):
+    """(Affine or None, weight factor or None) of the device route (see :func:`parts`)."""
+    epi_scale, total, fold = parts(bias, scale, shift, residual)
+    if epi_scale is None and total is None and act is None:
+        return None, fold
+    return Affine(epi_scale, total, act), fold
+
+
+def make_epilogue(bias, scale, shift, act, residual: bool, slots: dict):
+    """(the engine's epilogue or None, per-channel weight factor or None). ``slots`` maps each C slot of the call
+    to (axis, first channel, channels): its rows (axis 0) or columns (axis 1) take the values of
+    channels ``first .. first + channels - 1``, repeating (see :func:`parts`)."""
+    epi_scale, total, fold = parts(*(_host(v) for v in (bias, scale, shift)), residual)
     if epi_scale is None and total is None and act is None:
         return None, fold
 
@@ -30,3 +55,12 @@ def make_epilogue(bias, scale, shift, act, residual: bool, slots: dict):
         return None if v is None else v[first:first + n]
     return PerSlot({slot: ChannelAffine(axis, part(epi_scale, first, n), part(total, first, n), act)
                     for slot, (axis, first, n) in slots.items()}), fold
+
+
+def _host(v):
+    return v.get() if is_cupy(v) else v  # the engine's epilogues hold host vectors (each device gets a copy)
+
+
+def vector_module(*vectors):
+    """cupy where any of ``vectors`` is a CuPy array, else numpy."""
+    return array_module(any(is_cupy(v) for v in vectors if v is not None))

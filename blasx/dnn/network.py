@@ -95,7 +95,7 @@ class Network:
         chunks of ``chunk_shape`` (None: the network's input shape, else one image), ``dtype`` (None: the
         compiled one, else float32) on ``device`` (a GPU ordinal or model name; None: no GPU; "auto":
         the first GPU the engine uses, if any)."""
-        from . import conv_direct, depthwise
+        from . import conv_direct, depthwise, direct_cache
         from .geometry import conv_geometry
         if device == "auto":
             from .. import session
@@ -117,8 +117,9 @@ class Network:
             w = np.broadcast_to(zero, n.params["weight"].shape)
             geo = conv_geometry("conv", a["nd"], np.broadcast_to(zero, xs), w,
                                 a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
-            out[n.name] = "depthwise" if depthwise.applies(geo) else conv_direct.forward_form(
-                geo, dt, conv_direct.FORM, self.layout, self.math, device)
+            with direct_cache.using(direct_cache.Workspace()):  # as the network's workers choose (each has one)
+                out[n.name] = "depthwise" if depthwise.applies(geo) else conv_direct.forward_form(
+                    geo, dt, conv_direct.FORM, self.layout, self.math, device)
         return out
 
     def _example_shape(self) -> tuple:
