@@ -35,46 +35,45 @@ def _wrows(w, cl):
 _HOST: dict = {}
 
 
+def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
+    """Function ``name`` of the host library ``lib_key`` (built once from ``make_sources()``: kernel operations
+    as loops over i), taking ``pointers`` pointers then ``ints`` long longs; None without a C++ compiler."""
+    if lib_key not in _HOST:
+        _HOST[lib_key] = compile_host(make_sources())
+    lib = _HOST[lib_key]
+    if lib is None:
+        return None
+    import ctypes
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_longlong] * ints
+    return fn
+
+
 def host_gather(nd: int, insert: bool, udt: str = "uint64"):
     """The real gather kernel's operation (conv_direct.gather_kernel_source, elements as their bits (``udt``),
     int64 indices) compiled for the host as a loop over i; None without a C++ compiler."""
-    if "lib" not in _HOST:
-        src = []
+    def sources():
+        src, args = [], ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
         for u, ct in (("uint64", "unsigned long long"), ("uint16", "unsigned short")):
             for d in (1, 2, 3):
                 for z in (False, True):
                     _, _, op, name = cd.gather_kernel_source(u, "int64", d, z)
-                    args = ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
                     src.append(f'extern "C" void {name}(const {ct}* x, {ct}* col, long long total, {args}) '
                                f'{{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
-        _HOST["lib"] = compile_host(src)
-    lib = _HOST["lib"]
-    if lib is None:
-        return None
-    import ctypes
-    fn = getattr(lib, cd.gather_kernel_source(udt, "int64", nd, insert)[3])
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_longlong] * (1 + len(cd.ARG_NAMES))
-    return fn
+        return src
+    return _host_fn("gather", sources, cd.gather_kernel_source(udt, "int64", nd, insert)[3], 2,
+                    1 + len(cd.ARG_NAMES))
 
 
 def host_col2im(nd: int):
-    """col2im.py's kernel body (T = A = double) compiled for the host as a loop over i; None without a C++
-    compiler."""
-    if "col2im" not in _HOST:
-        src = []
+    """col2im.py's kernel operation (T = A = double) compiled for the host as a loop over i; None without a
+    C++ compiler."""
+    def sources():
         args = ", ".join(f"long long {a}" for a in c2.ARG_NAMES)
-        for d in (1, 2, 3):
-            _, _, op, _ = c2.kernel_source(np.float64, d)
-            src.append(f'extern "C" void blasx_col2im_{d}d(const double* col, const double* bias, double* y, '
-                       f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
-        _HOST["col2im"] = compile_host(src)
-    lib = _HOST["col2im"]
-    if lib is None:
-        return None
-    import ctypes
-    fn = getattr(lib, f"blasx_col2im_{nd}d")
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * (1 + len(c2.ARG_NAMES))
-    return fn
+        return [f'extern "C" void blasx_col2im_{d}d(const double* col, const double* bias, double* y, '
+                f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) '
+                f'{{ {c2.kernel_source(np.float64, d)[2]} }} }}' for d in (1, 2, 3)]
+    return _host_fn("col2im", sources, f"blasx_col2im_{nd}d", 3, 1 + len(c2.ARG_NAMES))
 
 
 class NumpyOps:
