@@ -4,9 +4,9 @@ in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its 
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
 "shifted" where it applies to the gather they run (stride 1, groups 1); depthwise problems run
-"depthwise" alone, as does the weight gradient "im2col". A strided backward-data problem runs as
-sub-pixel phases (conv.PHASES): each phase is timed and stored as the stride-1 forward problem it is. A
-problem with one form is still timed and stored (its time is worth having; nothing else is chosen). The
+"depthwise" alone, as does the weight gradient "im2col". A strided backward-data problem runs "col2im"
+alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
+one form is still timed and stored (its time is worth having; nothing else is chosen). The
 form is forced through ``conv_direct.FORM`` during the runs, so run the find step while no other thread
 convolves.
 """
@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import conv_direct, depthwise, finddb
+from . import col2im, conv_direct, depthwise, finddb
 from .geometry import ConvGeometry
 
 
@@ -148,10 +148,9 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     from ..runtime import dtypes
     dt = dtypes.GEMM_BY_PREFIX[key.dtype].dtype
     rt = runtime_geometry(geo, direction)
-    from . import conv, phases
-    if direction == "bwd-data" and conv.PHASES and phases.applies(rt) and not depthwise.applies(rt):
-        return _find_phases(rt, key, dt, ordinal, runs, timer, db, store, seed)
     forms = forms_for(geo, direction)
+    if direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt):
+        forms, store = ("col2im",), False  # the one form strided backward-data runs: timed, nothing to choose
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
         call = _caller(geo, direction, key.layout, dt, key.math, tuple(x_shape), tuple(weight_shape),
                        (stride, padding, dilation, groups), seed)
@@ -163,46 +162,6 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
         finddb.store(key, out["form"], {f: out["best"][f] for f in forms if f not in out["bad"]}, db)
         out["stored"] = True
     return out
-
-
-def _find_phases(rt: ConvGeometry, key, dt, ordinal: int, runs: int, timer, db, store: bool, seed: int) -> dict:
-    """A strided backward-data problem runs as sub-pixel phases (conv.PHASES), each a stride-1 convolution of
-    dY: each phase's forms are timed and the fastest stored under the phase as the forward problem it is (the
-    key conv_direct.forward_form looks up for it). The result's form is "phases"; its ``phases`` holds each
-    phase's find result, and its best time is the sum of the phases' fastest."""
-    import cupy
-
-    from . import conv, phases
-    rng = cupy.random.default_rng(seed)
-    lay, nd = key.layout, rt.nd
-    results = []
-    with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
-        dy = _operand(rng, (rt.n, rt.c, *rt.in_size), lay == "cl", dt)
-        for ph in phases.phases(rt):
-            g = ph.geo
-            if g is None:  # no taps: zeros, nothing to time
-                continue
-            w = _operand(rng, (g.k, g.cg, *g.kernel), False, dt)
-            y = conv._empty(cupy, (g.n, g.k, *g.out_size), dt, lay)
-
-            def call(form, g=g, w=w, y=y):
-                with forced(form):
-                    conv._forward_call(f"conv{nd}d", g, dy, lay, w, y, None, (None, None, None, None), key.math)
-                return y.copy()
-            forms = ("im2col", "shifted") if conv_direct.shifted_applies(g) else ("im2col",)
-            r = measure(forms, call, timer or cuda_timer, runs, tolerance(key.dtype, key.math, g.crs))
-            pkey = finddb.key_of(g, "fwd", key.device, dt, lay, key.math)
-            r.update(key=pkey, text=pkey.text, offset=ph.offset, stored=False)
-            if store and r["form"] is not None:
-                finddb.store(pkey, r["form"], {f: r["best"][f] for f in forms if f not in r["bad"]}, db)
-                r["stored"] = True
-            results.append(r)
-    ok = bool(results) and all(r["form"] is not None for r in results)
-    total = sum(r["best"][r["form"]] for r in results if r["form"] is not None)
-    return {"forms": ["phases"], "seconds": {"phases": [total]}, "best": {"phases": total},
-            "errors": {"phases": max((r["errors"][r["form"]] for r in results if r["form"]), default=0.0)},
-            "bad": [] if ok else ["phases"], "form": "phases" if ok else None, "phases": results, "key": key,
-            "text": key.text, "stored": bool(results) and all(r["stored"] for r in results)}
 
 
 def _operand(rng, shape, channels_last: bool, dt):
