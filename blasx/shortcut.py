@@ -16,7 +16,7 @@ from threading import get_ident
 
 import numpy as np
 
-from . import dispatch, session
+from . import dispatch, gilfree, session
 from .runtime.stats import clock
 
 NO = object()  # "not a plain call": the caller takes the full path
@@ -26,15 +26,14 @@ _may_share = np.may_share_memory
 _FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
 _REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
 _NUMBERS = _REALS | {complex, np.complex128, np.complex64}
-GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm may go through numpy's matmul, letting other threads run
+GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm may let go of the GIL (gilfree.py), letting other threads run
 SHARED_SECONDS = 1.0  # a thread whose last large gemm is older than this no longer counts as a caller
 _callers: dict = {}  # thread ident -> clock of its last large plain gemm
 
 
 def _shared(now: float) -> bool:
-    """Whether other threads call large gemms too (one did within SHARED_SECONDS). Only then is numpy's
-    matmul worth its cost: it releases the GIL (scipy's wrapper holds it) but its BLAS build runs a few
-    percent slower than scipy's, which a single-threaded caller would pay for nothing."""
+    """Whether other threads call large gemms too (one did within SHARED_SECONDS). Only then is the GIL-free
+    call (gilfree.py) worth its few microseconds of ctypes: a single-threaded caller has no one to let run."""
     _callers[get_ident()] = now
     if len(_callers) < 2:
         return False
@@ -90,11 +89,12 @@ def make(routine: str, dtype: np.dtype):
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
             t0 = clock()
-            if (c is None and alpha == 1 and m * n * k >= GIL_FREE_SIZE and trans_a < 2 and trans_b < 2
-                    and _shared(t0)):
-                # numpy's matmul calls the same BLAS gemm without holding the GIL (scipy's wrapper holds it)
-                res = np.empty((m, n), dtype, order="F")
-                np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=res)
+            if m * n * k >= GIL_FREE_SIZE and _shared(t0) and (free := gilfree.routine(dtype)) is not None:
+                # the same BLAS routine with the GIL let go (scipy's wrapper holds it): other callers run meanwhile;
+                # the output as scipy makes it (c itself in place, else a copy of c, else a new array)
+                res = c if c is not None and overwrite_c else np.array(c, order="F") if c is not None else \
+                    np.empty((m, n), dtype, order="F")
+                free(trans_a, trans_b, m, n, k, alpha, a, b, beta, res)
             else:
                 res = fn(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)
             tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * k)

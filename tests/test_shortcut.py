@@ -85,22 +85,22 @@ def test_non_plain_calls_take_the_full_path():
 
 
 def test_large_plain_gemm_releases_the_gil_only_when_threads_share_it(monkeypatch):
-    """One calling thread: scipy's own routine (its BLAS build is the peer's); several threads calling
-    large gemms: numpy's matmul, which releases the GIL so that their calls overlap."""
+    """One calling thread: scipy's own routine through its wrapper; several threads calling large gemms: the
+    same routine with the GIL let go (gilfree.py), so that their calls overlap."""
     import threading
 
+    from blasx import gilfree
     calls = []
-    real = np.matmul
+    real = gilfree.routine
 
-    def spy(*args, **kwargs):
-        calls.append(threading.get_ident())
-        return real(*args, **kwargs)
-    monkeypatch.setattr(np, "matmul", spy)
+    def spy(dtype):
+        fn = real(dtype)
+        return lambda *args: (calls.append(threading.get_ident()), fn(*args))[1]
+    monkeypatch.setattr(gilfree, "routine", spy)
     monkeypatch.setattr(shortcut, "_callers", {})
     rng = np.random.default_rng(0)
     a, b = np.asfortranarray(rng.random((160, 150))), np.asfortranarray(rng.random((150, 140)))
-    ref = a @ b  # (the spy records this one: cleared below)
-    calls.clear()
+    ref = a @ b
     c = blasx.dgemm(1.0, a, b)
     assert not calls and np.allclose(c, ref, rtol=1e-13)
     shortcut._callers[-1] = shortcut.clock()  # another thread's large gemm just now
