@@ -3,7 +3,9 @@
 scipy.linalg.blas's wrappers hold the GIL while the BLAS runs, so threads of one process (a Dask worker's
 task threads, a thread pool of callers) that call large gemms run one at a time. The same routine, taken
 from ``scipy.linalg.cython_blas``'s exported function pointers, computes the same result with the GIL
-released. Only pointers to F-contiguous operands are passed; the caller (shortcut.py) checks them.
+released, and takes a column-major operand with any leading dimension (a block of a larger array) where
+scipy's wrapper would copy it. The caller (shortcut.py) checks the operands: column-major, aligned, c
+F-contiguous.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ _P = ctypes.c_void_p
 _FLAGS = (b"N", b"T", b"C")  # trans 0, 1, 2
 
 
+def _ld(x) -> int:
+    """The leading dimension of a column-major matrix (unit stride down its columns)."""
+    return max(1, x.strides[1] // x.itemsize if x.shape[1] > 1 else x.shape[0])
+
+
 @functools.cache
 def routine(dtype):
     """``gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c)`` for ``dtype`` (float32/64, complex64/128):
-    c = alpha op(a) op(b) + beta c written into the F-contiguous ``c`` with the GIL released; None where
-    scipy exports no such pointer."""
+    c = alpha op(a) op(b) + beta c written into ``c`` with the GIL released, every matrix column-major with its
+    leading dimension; None where scipy exports no such pointer."""
     dt = np.dtype(dtype)
     prefix = {"f": "s", "d": "d", "F": "c", "D": "z"}.get(dt.char)
     try:
@@ -39,7 +46,7 @@ def routine(dtype):
     scalar = np.dtype(dt)
 
     def gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c) -> None:
-        ints = (ctypes.c_int * 6)(m, n, k, max(1, a.shape[0]), max(1, b.shape[0]), max(1, c.shape[0]))
+        ints = (ctypes.c_int * 6)(m, n, k, _ld(a), _ld(b), _ld(c))
         s = np.array([alpha, beta], dtype=scalar)
         ip, sp = ctypes.addressof(ints), s.ctypes.data
         fn(_FLAGS[trans_a], _FLAGS[trans_b], ip, ip + 4, ip + 8, sp, a.ctypes.data, ip + 12, b.ctypes.data,

@@ -1,7 +1,7 @@
 """The CPU alone: a level-3 call in its plain form is one call of scipy's own routine.
 
 A call is plain when its arrays are numpy matrices of the routine's own dtype in column-major
-layout (gemm also takes row-major operands, as transposes), the shapes agree and are non-empty,
+layout (gemm also takes row-major operands, as transposes, and blocks of larger arrays, through gilfree.py), the shapes agree and are non-empty,
 alpha is a nonzero Python number, beta a Python number (real where BLAS reads it as real), the
 flags are ints in range and an output written in place aliases no input. Such a call's result is
 scipy's (the same output array, the same in-place rule), so :func:`make` hands it to scipy's
@@ -56,6 +56,19 @@ def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
     return flags.aligned and flags.writeable and not any(_may_share(c, x) for x in inputs)
 
 
+def _ld_major(x):
+    """(x as a column-major matrix with a leading dimension: x or its transpose, whether transposed), or None
+    (neither axis contiguous, or misaligned)."""
+    isz, (s0, s1), (r, c) = x.itemsize, x.strides, x.shape
+    if not x.flags.aligned:
+        return None
+    if s0 == isz and s1 % isz == 0 and s1 >= r * isz:
+        return x, False
+    if s1 == isz and s0 % isz == 0 and s0 >= c * isz:
+        return x.T, True
+    return None
+
+
 def make(routine: str, dtype: np.dtype):
     """The plain-call shortcut of ``routine`` ("gemm", "syrk", ...) in ``dtype``: a function with
     scipy's positional signature returning the result, or :data:`NO`."""
@@ -76,22 +89,31 @@ def make(routine: str, dtype: np.dtype):
             kb, n = b.shape if trans_b == 0 else b.shape[::-1]
             if k != kb or not (m and n and k):
                 return NO
+            strided = False  # an operand with a leading dimension (a block of a larger array): gilfree.py only
             if not a.flags.f_contiguous:  # a row-major x is V^T, V = x.T column-major (real: C is T)
-                if not a.flags.c_contiguous or (trans_a == 2 and not real):
+                v = (a.T, True) if a.flags.c_contiguous else _ld_major(a)
+                if v is None or (v[1] and trans_a == 2 and not real):
                     return NO
-                a, trans_a = a.T, (1 if trans_a == 0 else 0)
+                a, strided = v[0], strided or not a.flags.c_contiguous
+                trans_a = (1 if trans_a == 0 else 0) if v[1] else trans_a
             if not b.flags.f_contiguous:
-                if not b.flags.c_contiguous or (trans_b == 2 and not real):
+                v = (b.T, True) if b.flags.c_contiguous else _ld_major(b)
+                if v is None or (v[1] and trans_b == 2 and not real):
                     return NO
-                b, trans_b = b.T, (1 if trans_b == 0 else 0)
+                b, strided = v[0], strided or not b.flags.c_contiguous
+                trans_b = (1 if trans_b == 0 else 0) if v[1] else trans_b
             if c is None:
                 beta = 0.0
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
+            free = gilfree.routine(dtype) if strided or m * n * k >= GIL_FREE_SIZE else None
+            if strided and free is None:
+                return NO
             t0 = clock()
-            if m * n * k >= GIL_FREE_SIZE and _shared(t0) and (free := gilfree.routine(dtype)) is not None:
-                # the same BLAS routine with the GIL let go (scipy's wrapper holds it): other callers run meanwhile;
-                # the output as scipy makes it (c itself in place, else a copy of c, else a new array)
+            if free is not None and (strided or _shared(t0)):
+                # the same BLAS routine with the GIL let go (scipy's wrapper holds it, and copies a strided
+                # operand): other callers run meanwhile; the output as scipy makes it (c itself in place, else
+                # a copy of c, else a new array)
                 res = c if c is not None and overwrite_c else np.array(c, order="F") if c is not None else \
                     np.empty((m, n), dtype, order="F")
                 free(trans_a, trans_b, m, n, k, alpha, a, b, beta, res)
