@@ -120,9 +120,10 @@ def test_keys_tell_apart_what_a_plan_depends_on(monkeypatch):
                       conv_memo.key("conv2d_weight", 2, x, w, (1, 1, 1, 1), None)]
             with cupy.cuda.Stream():
                 others.append(conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None))
-            monkeypatch.setattr(cd, "FORM", "im2col")
-            others.append(conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None))
-            monkeypatch.setattr(cd, "FORM", None)
+            for name, value in (("FORM", "im2col"), ("BUDGET_FRACTION", 2**60), ("SHIFTED_MIN_C", 1)):
+                monkeypatch.setattr(cd, name, value)
+                others.append(conv_memo.key("conv2d", 2, x, w, (1, 1, 1, 1), None))
+                monkeypatch.undo()
             assert len({base, *others}) == len(others) + 1
             # never a key: numpy operands, arguments that are not plain, a bad math, a Workspace, a capture
             assert conv_memo.key("conv2d", 2, np.empty((4, 16, 8, 8)), w, (1, 1, 1, 1), None) is None

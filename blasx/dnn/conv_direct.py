@@ -398,6 +398,11 @@ def gather_kernel_source(udt: str, index: str, nd: int, insert: bool) -> tuple[s
 
 # ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)
 
+def switches() -> tuple:
+    """The module's settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
+    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX
+
+
 def on_own_gpu():
     """Within it, this thread's convolutions on CuPy arrays run on the arrays' GPU (this route), never
     split over the engine's GPUs: a network's per-GPU workers each hold a chunk of their own."""

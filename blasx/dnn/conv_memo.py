@@ -1,9 +1,10 @@
 """Replays of device-route convolution calls (conv_direct.py): a call on CuPy arrays whose every input to its
 checks and its plan (the operands' shapes, strides, types and device; the geometry arguments; the math mode;
-the current device and stream; the switch that forces a form; the perf-db's generation in this process) equals
-an earlier call's runs that call's launches again on the new operands' memory. It skips the checks the earlier
-call passed and the layout work, weight views and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a
-GPU, and the full front end took longer than that to issue it.
+the current device and stream; the route's switches: a forced form, the scratch budget's fraction, the form
+heuristic's bounds; the perf-db's generation in this process) equals an earlier call's runs that call's launches
+again on the new operands' memory. It skips the checks the earlier call passed and the layout work, weight views
+and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a GPU, and the full front end took longer than
+that to issue it.
 
 Only calls whose whole work is launches that read the operands in place and write fresh memory, then the
 epilogue from the call's own vectors and residual, are kept (``Replay``): no ``out=``; x read where it lies; the
@@ -64,7 +65,7 @@ def key(kind: str, nd: int, a, b, args: tuple, math, extra: tuple = ()):
     if b.data.device_id != dev or cupy.cuda.runtime.getDevice() != dev:
         return None
     return (kind, nd, a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, args, precision.check_math(math),
-            dev, cupy.cuda.get_current_stream().ptr, conv_direct.FORM, perfdb.generation(), extra)
+            dev, cupy.cuda.get_current_stream().ptr, conv_direct.switches(), perfdb.generation(), extra)
 
 
 def replay(k, a, b, extras=None):
