@@ -26,7 +26,7 @@ _may_share = np.may_share_memory
 _FLAG = (int, bool)  # overwrite_*: 0 or 1, False or True
 _REALS = frozenset((float, int, np.float64, np.float32))  # alpha and beta: what f2py takes as it is
 _NUMBERS = _REALS | {complex, np.complex128, np.complex64}
-GIL_FREE_SIZE = 1 << 21  # m*n*k from which gemm may let go of the GIL (gilfree.py), letting other threads run
+GIL_FREE_SIZE = 1 << 24  # m*n*k from which gemm lets go of the GIL where threads share it (gilfree.py): N >= 256
 SHARED_SECONDS = 1.0  # a thread whose last large gemm is older than this no longer counts as a caller
 _callers: dict = {}  # thread ident -> clock of its last large plain gemm
 
@@ -106,11 +106,11 @@ def make(routine: str, dtype: np.dtype):
                 beta = 0.0
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
-            free = gilfree.routine(dtype) if strided or m * n * k >= GIL_FREE_SIZE else None
-            if strided and free is None:
-                return NO
             t0 = clock()
-            if free is not None and (strided or _shared(t0)):
+            free = gilfree.routine(dtype) if (m * n * k >= GIL_FREE_SIZE and _shared(t0)) or strided else None
+            if free is None and strided:
+                return NO
+            if free is not None:
                 # the same BLAS routine with the GIL let go (scipy's wrapper holds it, and copies a strided
                 # operand): other callers run meanwhile; the output as scipy makes it (c itself in place, else
                 # a copy of c, else a new array)

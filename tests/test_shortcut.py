@@ -99,7 +99,7 @@ def test_large_plain_gemm_releases_the_gil_only_when_threads_share_it(monkeypatc
     monkeypatch.setattr(gilfree, "routine", spy)
     monkeypatch.setattr(shortcut, "_callers", {})
     rng = np.random.default_rng(0)
-    a, b = np.asfortranarray(rng.random((160, 150))), np.asfortranarray(rng.random((150, 140)))
+    a, b = np.asfortranarray(rng.random((300, 260))), np.asfortranarray(rng.random((260, 280)))
     ref = a @ b
     c = blasx.dgemm(1.0, a, b)
     assert not calls and np.allclose(c, ref, rtol=1e-13)
