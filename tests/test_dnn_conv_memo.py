@@ -190,3 +190,15 @@ def test_a_replay_gives_way_where_the_route_no_longer_applies_or_memory_runs_out
             assert conv_memo.replay(k, x, w) is None and k not in conv_memo._TABLE.entries  # dropped
             y = dnn.conv2d(x, w, None, 2, 1)  # the full path, kept again
             assert y.shape == (4, 8, 5, 5) and k in conv_memo._TABLE.entries
+
+
+def test_a_col2im_replay_weighs_the_flops_the_full_path_weighed():
+    """The route check of a replayed strided backward-data call weighs its real work (no inserted zeros), as
+    the full path's check did, so the two never disagree about the route."""
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            w, dy = cupy.empty((32, 16, 3, 3), dtype=np.float32), cupy.empty((4, 32, 5, 5), dtype=np.float32)
+            dnn.conv2d_input((4, 16, 10, 10), w, dy, 2, 1)
+            (r,) = conv_memo._TABLE.entries.values()
+            assert r.flops == 2.0 * 4 * 25 * 32 * 16 * 9

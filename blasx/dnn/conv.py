@@ -357,7 +357,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
             plan = direct_cuda.transposed(geo, xb, lay == "cl", w, wl == "cl", y, b, math)
             if memo is not None and xb is x and w is weight:
                 conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, plan,
-                                                              lambda: _empty(xp, shape, dt, lay)))
+                                                              lambda: _empty(xp, shape, dt, lay), flops=flops))
             return out if out is not None else y[0] if unbatched else y
         wf = _flipped_transposed(xp, weight, geo.groups)
         ran = None

@@ -90,12 +90,13 @@ def keep(k, r: Replay | None) -> None:
         _TABLE.get(k, lambda: r)
 
 
-def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None, epilogue=None) -> Replay | None:
+def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None, epilogue=None,
+                   flops: float | None = None) -> Replay | None:
     """The replay of a forward call that ran ``plan`` (direct_cuda.ForwardPlan) on x, the ``(K, CRS)`` weight
     matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``, then
     the epilogue where given (``epilogue(extras)`` checks the call's epilogue operands before any launch and
     returns what finishes y); None for the shifted form on NCHW operands (its tap-major weight is another
-    transform)."""
+    transform). ``flops``: what the full path's route check weighed (None: the gather's)."""
     if plan.form == "shifted" and not cl:
         return None
     from . import direct_cuda
@@ -114,7 +115,7 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         if done is not None:
             done(y)
         return y
-    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)
+    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops)
 
 
 def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | None:
