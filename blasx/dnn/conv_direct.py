@@ -169,7 +169,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only inside a
     Workspace: a network's worker, whose calls replay from CUDA graphs, pays the forms' GPU time alone (the
     taps' GEMMs take less of it on large maps), a plain call pays the host time of the taps' launches too
-    (the one im2col GEMM wins there; bench/results/NOTES.md)."""
+    (the one im2col GEMM wins there)."""
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
     if not shifted_applies(geo):
