@@ -449,8 +449,8 @@ def pad_weight_rows(xp, wmat, c: int, cpad: int):
 
 def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
-    (scale already folded where there is a residual), ``affine`` a ChannelAffine over the output
-    channels or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
+    (scale already folded where there is a residual), ``affine`` the per-output-channel map (epilogue.Affine:
+    scale, shift, activation) or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
     (direct_cuda.ForwardPlan) where the GEMMs read x and wmat in place and wrote y (conv_memo can replay it,
     then :func:`finish`), else None."""
     import dataclasses

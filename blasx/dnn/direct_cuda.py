@@ -181,7 +181,7 @@ def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:
     """Every buffer but dw is of the operand type (scratch: as its bits); dw of ``dw_dtype`` (None: the
     accumulation type)."""
     dt = np.dtype(dtype)
-    acc = np.dtype(dw_dtype or dtypes.gemm_of(dt).compute)
+    acc = np.dtype(dtypes.gemm_of(dt).compute if dw_dtype is None else dw_dtype)
 
     def operand(ref):
         t = acc if ref[0] == "dw" else dt
@@ -513,7 +513,7 @@ def _tiled_row(images: int, xp, v):
 
 
 def epilogue(geo: ConvGeometry, cl: bool, y, affine, residual=None) -> None:
-    """The per-channel affine map (``affine`` a ChannelAffine, or None: none), the ``residual`` (an array laid
+    """The per-channel affine map (``affine`` an epilogue.Affine, or None: none), the ``residual`` (an array laid
     out as y, or None) and the activation over all of y, in one kernel."""
     import functools
 
