@@ -36,7 +36,7 @@ def routine(dtype):
         capsule = cython_blas.__pyx_capi__[prefix + "gemm"]
     except (ImportError, AttributeError, KeyError, TypeError):
         return None
-    api = ctypes.pythonapi
+    api = ctypes.PyDLL(ctypes.pythonapi._name)  # our own prototypes: ctypes.pythonapi's are shared with others
     api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = ctypes.c_char_p, [ctypes.py_object]
     api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = _P, [ctypes.py_object, ctypes.c_char_p]
     address = api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule))
