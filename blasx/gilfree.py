@@ -15,13 +15,10 @@ import functools
 
 import numpy as np
 
+from .operands import leading_dim
+
 _P = ctypes.c_void_p
 _FLAGS = (b"N", b"T", b"C")  # trans 0, 1, 2
-
-
-def _ld(x) -> int:
-    """The leading dimension of a column-major matrix (unit stride down its columns)."""
-    return max(1, x.strides[1] // x.itemsize if x.shape[1] > 1 else x.shape[0])
 
 
 @functools.cache
@@ -46,7 +43,7 @@ def routine(dtype):
     scalar = np.dtype(dt)
 
     def gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c) -> None:
-        ints = (ctypes.c_int * 6)(m, n, k, _ld(a), _ld(b), _ld(c))
+        ints = (ctypes.c_int * 6)(m, n, k, leading_dim(a), leading_dim(b), leading_dim(c))
         s = np.array([alpha, beta], dtype=scalar)
         ip, sp = ctypes.addressof(ints), s.ctypes.data
         fn(_FLAGS[trans_a], _FLAGS[trans_b], ip, ip + 4, ip + 8, sp, a.ctypes.data, ip + 12, b.ctypes.data,

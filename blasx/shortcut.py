@@ -17,6 +17,7 @@ from threading import get_ident
 import numpy as np
 
 from . import dispatch, gilfree, session
+from .operands import column_major_view
 from .runtime.stats import clock
 
 NO = object()  # "not a plain call": the caller takes the full path
@@ -56,19 +57,6 @@ def _out_ok(c, dtype, shape, overwrite, *inputs) -> bool:
     return flags.aligned and flags.writeable and not any(_may_share(c, x) for x in inputs)
 
 
-def _ld_major(x):
-    """(x as a column-major matrix with a leading dimension: x or its transpose, whether transposed), or None
-    (neither axis contiguous, or misaligned)."""
-    isz, (s0, s1), (r, c) = x.itemsize, x.strides, x.shape
-    if not x.flags.aligned:
-        return None
-    if s0 == isz and s1 % isz == 0 and s1 >= r * isz:
-        return x, False
-    if s1 == isz and s0 % isz == 0 and s0 >= c * isz:
-        return x.T, True
-    return None
-
-
 def make(routine: str, dtype: np.dtype):
     """The plain-call shortcut of ``routine`` ("gemm", "syrk", ...) in ``dtype``: a function with
     scipy's positional signature returning the result, or :data:`NO`."""
@@ -91,13 +79,13 @@ def make(routine: str, dtype: np.dtype):
                 return NO
             strided = False  # an operand with a leading dimension (a block of a larger array): gilfree.py only
             if not a.flags.f_contiguous:  # a row-major x is V^T, V = x.T column-major (real: C is T)
-                v = (a.T, True) if a.flags.c_contiguous else _ld_major(a)
+                v = (a.T, True) if a.flags.c_contiguous else column_major_view(a) if a.flags.aligned else None
                 if v is None or (v[1] and trans_a == 2 and not real):
                     return NO
                 a, strided = v[0], strided or not a.flags.c_contiguous
                 trans_a = (1 if trans_a == 0 else 0) if v[1] else trans_a
             if not b.flags.f_contiguous:
-                v = (b.T, True) if b.flags.c_contiguous else _ld_major(b)
+                v = (b.T, True) if b.flags.c_contiguous else column_major_view(b) if b.flags.aligned else None
                 if v is None or (v[1] and trans_b == 2 and not real):
                     return NO
                 b, strided = v[0], strided or not b.flags.c_contiguous
