@@ -26,7 +26,7 @@ from ..operands import array_module, is_cupy
 from ..runtime.devices import cuda_epilogue
 from . import depthwise_vec, direct_cache
 from .arrays import compute_dtype
-from .epilogue import vector_module
+from .epilogue import parts, vector_module
 from .geometry import ConvGeometry
 from .im2col import x_strides
 
@@ -218,14 +218,9 @@ def index_type(params: dict, sizes) -> str:
 def affine_vectors(k: int, bias, scale, shift) -> tuple:
     """(s, t) in float64 with the epilogue's y = conv * s + t (+ residual): s = scale (1), t = bias * scale + shift;
     CuPy arrays where any vector is one (computed on its device, never read on the host)."""
+    s, t, _ = parts(bias, scale, shift, False)
     xp = vector_module(bias, scale, shift)
-    s = xp.ones(k) if scale is None else xp.asarray(scale, xp.float64)
-    t = xp.zeros(k)
-    if bias is not None:
-        t = t + xp.asarray(bias, xp.float64) * s
-    if shift is not None:
-        t = t + xp.asarray(shift, xp.float64)
-    return s, t
+    return (xp.ones(k) if s is None else s), (xp.zeros(k) if t is None else t)
 
 
 def memory(a, cl: bool):
