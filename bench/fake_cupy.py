@@ -190,6 +190,31 @@ class ElementwiseKernel:
 ReductionKernel = ElementwiseKernel
 
 
+_FUNCTIONS: dict = {}  # a RawKernel's function handle -> its name
+
+
+class RawKernel:
+    """A raw kernel of a RawModule: a launch (a call, or the driver's launchKernel of ``kernel.ptr``) records
+    its name, grid, block, arguments and shared memory."""
+
+    def __init__(self, name):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 0
+        self.kernel = types.SimpleNamespace(ptr=id(self))
+        _FUNCTIONS[id(self)] = name
+
+    def __call__(self, grid, block, args, shared_mem=0, **kw):
+        record("raw_kernel", self.name, tuple(grid), tuple(block), tuple(_describe(a) for a in args), shared_mem)
+
+
+class RawModule:
+    def __init__(self, code=None, options=(), **kw):
+        self.code, self.options = code, options
+
+    def get_function(self, name):
+        return RawKernel(name)
+
+
 def _describe(a):
     if isinstance(a, ndarray):
         return ("array", a.data.ptr, a.shape, a.strides, a.dtype.name)
@@ -326,6 +351,15 @@ class OutOfMemoryError(MemoryError):
     pass
 
 
+def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """The driver's launch: records as a RawKernel call does, with the first three arguments read as
+    pointers (both kernels blasx launches this way have at least three 8-byte ones)."""
+    import ctypes
+    slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    args = tuple(("array", ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_uint64))[0]) for i in range(3))
+    record("raw_kernel", _FUNCTIONS[f], (gx, gy, gz), (bx, by, bz), args, smem)
+
+
 def _mem_get_info():
     _state["mem_info_calls"] += 1
     return _state["free"], 80 << 30
@@ -334,7 +368,7 @@ def _mem_get_info():
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
     for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
-                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "get_default_memory_pool"):
+                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawModule", "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))
@@ -345,6 +379,7 @@ def _build_modules() -> dict:
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
                                          memcpyAsync=lambda dst, src, n, kind, stream: record("memcpy", n, kind))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    cuda.driver = types.SimpleNamespace(launchKernel=_launch_kernel)
     cupy.cuda = cuda
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.create = lambda: 0

@@ -264,3 +264,69 @@ def test_cupy_conv_leaves_the_engine_unstarted():
     ref = F.conv2d(wide(x.get()), wide(w.get()), torch.ones(4, dtype=torch.float64), padding=1).numpy()
     assert rel(y, ref) < TOL["float32"]
     assert blasx.session._engine is None
+
+
+def _implicit_capable():
+    from blasx.dnn import igemm
+    return igemm.current_capable()
+
+
+IMPLICIT_CASES = [  # (n, c, k, size, kernel, stride, padding, dilation)
+    (3, 64, 24, (13, 11), 3, 1, 1, 1),
+    (2, 128, 200, (9, 10), 3, 2, (0, 2), (2, 1)),  # K past a 128 tile, asymmetric geometry
+    (2, 64, 8, (37,), 5, 3, 2, 2),
+    (2, 64, 16, (4, 5, 6), 3, (1, 2, 1), 1, 1),
+    (2, 512, 64, (7, 7), 3, 1, 1, 1),  # one row block: split k
+    (4, 64, 72, (10, 10), 1, 2, 0, 1),  # a strided 1x1
+    (2, 64, 40, (8, 9), 3, 1, "same", 1),
+]
+
+
+@pytest.mark.skipif(not _implicit_capable(), reason="the implicit-GEMM kernel needs compute capability 9.0")
+@pytest.mark.parametrize("dtype,math", [("float16", "ieee"), ("bfloat16", "ieee"), ("float32", "tf32")])
+@pytest.mark.parametrize("case", IMPLICIT_CASES, ids=[str(i) for i in range(len(IMPLICIT_CASES))])
+def test_implicit_form_vs_torch(direct_route, monkeypatch, dtype, math, case):
+    """The implicit-GEMM form (igemm.py, chosen by the heuristic) on channels-last operands: plain, with the
+    fused epilogue and a residual, on fresh operands again (a replay), on operands off a 16-byte boundary;
+    a stride-1 backward-data through it; against torch in float64, the kernel's launches counted."""
+    from blasx.dnn import conv_direct, conv_memo, igemm
+    from blasx.dnn.geometry import conv_geometry
+    n, c, k, size, kern, stride, pad, dil = case
+    nd = len(size)
+    dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    tol = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 5e-3}[dtype]
+    calls = []
+    launch = igemm.Launcher.__call__
+    monkeypatch.setattr(igemm.Launcher, "__call__", lambda self, *a: (calls.append(self.launch.config),
+                                                                      launch(self, *a))[1])
+    rng = np.random.default_rng(c + k)
+    geo = conv_geometry("t", nd, np.zeros((n, c, *size), np.float16), np.zeros((k, c, *(kern,) * nd), np.float16),
+                        stride, pad, dil, 1)
+    assert conv_direct.forward_form(geo, dt, None, "cl", math) == "implicit"
+    fn, fwd = getattr(dnn, f"conv{nd}d"), getattr(F, f"conv{nd}d")
+    for i in range(2):
+        x = rng.standard_normal((n, c, *size)).astype(np.float32)
+        w = (rng.standard_normal((k, c, *(kern,) * nd)) / np.sqrt(c * kern ** nd)).astype(np.float32)
+        xd, wd = _device(x.astype(dt), "cl"), _device(w.astype(dt), "cl")
+        xr, wr = wide(x.astype(dt)), wide(w.astype(dt))
+        conv = fwd(xr, wr, None, stride, pad, dil)
+        y = fn(xd, wd, None, stride, pad, dil, math=math)
+        assert y.dtype == dt and not y.flags.c_contiguous and rel(y, conv.numpy()) < tol, i
+        r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+        b, sh = rng.standard_normal(k), rng.standard_normal(k)
+        yf = fn(xd, wd, cupy.asarray(b), stride, pad, dil, shift=cupy.asarray(sh), residual=_device(r, "cl"),
+                activation="relu", math=math)
+        ch = (slice(None),) + (None,) * nd
+        ref = F.relu(conv + torch.from_numpy(b + sh)[ch] + wide(r)).numpy()
+        assert rel(yf, ref) < tol, i
+    assert len(calls) == 4 and len(conv_memo._TABLE.entries) >= 1
+    # operands one element past a 16-byte boundary: copied to aligned memory first
+    xs = cupy.empty(xd.size + 1, dtype=xd.dtype)[1:]
+    xs[...] = xd.transpose(0, *range(2, nd + 2), 1).ravel()
+    xv = xs.reshape(xd.shape[0], *xd.shape[2:], xd.shape[1]).transpose(0, nd + 1, *range(1, nd + 1))
+    assert xv.data.ptr % 16 and rel(fn(xv, wd, None, stride, pad, dil, math=math), conv.numpy()) < tol
+    if stride == 1 and c == k:
+        dy = rng.standard_normal(tuple(conv.shape)).astype(dt)
+        gi = getattr(dnn, f"conv{nd}d_input")(x.shape, wd, _device(dy, "cl"), 1, pad, dil, math=math)
+        want = getattr(torch.nn.grad, f"conv{nd}d_input")(x.shape, wr, wide(dy), 1, pad, dil).numpy()
+        assert rel(gi, want) < tol

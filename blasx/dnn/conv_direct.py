@@ -7,11 +7,13 @@ forward pass takes one of two forms (``forward_form``):
 - shifted (stride 1, no zero insertion, groups 1): a chunk copied once into a zero-padded
   channels-last buffer ``xp`` (N, *Ip, C), then per kernel tap one GEMM with K = C whose A is ``xp``
   shifted by the tap's offset (no gather) into a "wide" output ``yw`` over the padded grid, whose
-  valid part is copied into y; the wide columns past the output are computed and dropped.
+  valid part is copied into y; the wide columns past the output are computed and dropped;
+- implicit (igemm.py: Hopper GPUs, channels-last float16, bfloat16 or TF32, groups 1): one kernel
+  gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch.
 
-``FORM`` forces a form where the shifted one applies (None: the find-db's entry, else the
-heuristic); it starts from the environment variable ``BLASX_CONV_FORM`` (``im2col`` or ``shifted``),
-read once at import, so a bench can A/B the two forms.
+``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts
+from the environment variable ``BLASX_CONV_FORM`` (``im2col``, ``shifted`` or ``implicit``), read once
+at import, so a bench can A/B the forms.
 
 Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
 offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
@@ -39,8 +41,8 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands; None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted")
-FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where shifted applies
+FORMS = ("im2col", "shifted", "implicit")
+FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
 
@@ -160,29 +162,53 @@ def shifted_applies(geo: ConvGeometry) -> bool:
 
 
 def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
-                 device=None) -> str:
-    """"shifted" or "im2col" for the forward pass where the shifted form applies (else im2col), by
-    precedence: ``force`` (FORM, BLASX_CONV_FORM); the find-db's entry for the problem in ``layout``
-    and ``math`` on GPU ``device`` (None: CuPy's current one; finddb.stored_form); the heuristic:
-    shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
-    (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels, for
-    4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only inside a
-    Workspace: a network's worker, whose calls replay from CUDA graphs, pays the forms' GPU time alone (the
-    taps' GEMMs take less of it on large maps), a plain call pays the host time of the taps' launches too
-    (the one im2col GEMM wins there)."""
+                 device=None, capable: bool | None = None) -> str:
+    """The forward form among those that apply to ``geo`` (``forms``), by precedence: ``force`` (FORM,
+    BLASX_CONV_FORM); the find-db's entry for the problem in ``layout`` and ``math`` on GPU ``device``
+    (None: CuPy's current one; finddb.stored_form); the heuristic:
+
+    - implicit wherever it applies and the convolution has a kernel window or a stride (a 1x1 stride-1
+      convolution is a plain GEMM on x, which cuBLAS runs);
+    - shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
+      (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels,
+      for 4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only
+      inside a Workspace: a network's worker, whose calls replay from CUDA graphs, pays the forms' GPU time
+      alone (the taps' GEMMs take less of it on large maps), a plain call pays the host time of the taps'
+      launches too (the one im2col GEMM wins there);
+    - else im2col.
+
+    ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device is asked)."""
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
-    if not shifted_applies(geo):
+    applicable = forms(geo, dtype, layout, math, capable)
+    if len(applicable) == 1:
         return "im2col"
-    if force is not None:
+    if force in applicable:
         return force
     stored = finddb.stored_form(geo, dtype, layout, math, device)
-    if stored is not None:
+    if stored in applicable:
         return stored
+    if "implicit" in applicable and not pointwise(geo):
+        return "implicit"
+    if "shifted" not in applicable:
+        return "im2col"
     wide = np.prod(padded_size(geo)) / geo.p
     gpu_time = (np.dtype(dtype).itemsize >= 4 and math != "tf32") or direct_cache.workspace() is not None
     ok = gpu_time and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
+
+
+def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
+          capable: bool | None = None) -> tuple[str, ...]:
+    """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first."""
+    from . import igemm
+    out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
+    if igemm.applies(geo, dtype, layout == "cl", math):
+        if capable is None:
+            capable = igemm.current_capable()
+        if capable:
+            out += ("implicit",)
+    return out
 
 
 def padded_size(geo: ConvGeometry) -> tuple[int, ...]:
@@ -275,12 +301,39 @@ def crop_views(geo: ConvGeometry, cl: bool, s: Crop, y, yw) -> tuple:
 def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, form: str) -> tuple[list, dict]:
     """(steps, scratch buffer name -> elements) of the forward pass in ``form`` with scratch of at most
     ``budget`` bytes (one image a chunk at least)."""
+    if form == "implicit":
+        return implicit_plan(geo, dtype, budget)
     per = forward_scratch(geo, form)
     parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)
     nb = max(nb for _, nb in parts)
     if form == "shifted":
         return shifted_steps(geo, cl, parts, beta), shifted_buffers(geo, cl, nb)
     return forward_steps(geo, cl, parts, beta), ({"col": nb * per} if per else {})
+
+
+class Implicit(NamedTuple):
+    """y = conv(x, w) over the whole batch by the implicit-GEMM kernel (igemm.py) in kernel type ``type`` with
+    tile and split ``config`` on a GPU of ``sms`` multiprocessors; split partials in scratch ``part``."""
+
+    type: str
+    config: tuple
+    sms: int
+
+
+IMPLICIT_SMS = 132  # the multiprocessors a plan's split is sized for (H100 SXM and H200)
+
+
+def implicit_plan(geo: ConvGeometry, dtype, budget: int, sms: int = IMPLICIT_SMS) -> tuple[list, dict]:
+    """(steps, scratch) of the implicit form: one Implicit step; its split's float32 partials in ``part``
+    (in elements of ``dtype``), without a split where they would pass ``budget`` bytes."""
+    from . import igemm
+    t = igemm.type_name(dtype, "tf32")  # float32 takes this form in TF32 math only
+    cfg = igemm.config(geo, t, sms)
+    part = cfg.split * geo.n * geo.p * geo.k * 4
+    if cfg.split > 1 and part > budget:
+        cfg, part = cfg._replace(split=1), 0
+    step = Implicit(t, cfg, sms)
+    return [step], ({"part": part // np.dtype(dtype).itemsize} if cfg.split > 1 else {})
 
 
 def tap_major(xp, geo: ConvGeometry, cl: bool, wmat):
@@ -320,7 +373,7 @@ def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
-_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop"}
+_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit"}
 
 
 def run(steps: list, ops) -> None:

@@ -102,6 +102,9 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     from . import direct_cuda
     dt = np.dtype(dtype)
     scratch = tuple(plan.scratch.items())
+    flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
+    if plan.form == "implicit" and not scratch:
+        return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops)
 
     def run(x, w, extras=None):
         done = None if epilogue is None else epilogue(extras)
@@ -115,7 +118,33 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         if done is not None:
             done(y)
         return y
-    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops)
+    return Replay(run, flops)
+
+
+def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops) -> Replay:
+    """The replay of an implicit-form call without scratch: one launch through the driver with its arguments
+    packed once (igemm.Launcher), on the current stream; operands off a 16-byte boundary take the plan's
+    executor (which copies them)."""
+    import cupy
+
+    from . import direct_cuda, igemm
+    go = igemm.launcher(plan.launches[0])
+    stream_of = cupy.cuda.get_current_stream
+
+    def run(x, w, extras=None):
+        done = None if epilogue is None else epilogue(extras)
+        if weight_of is not None:
+            w = weight_of(w)
+        y = make_y()
+        px, pw, py = x.data.ptr, w.data.ptr, y.data.ptr
+        if (px | pw | py) & 15:
+            direct_cuda.CudaOps(geo, cl, {"x": x, "w": w, "y": y}, dt, math).run(plan.steps, plan.launches)
+        else:
+            go(stream_of().ptr, px, pw, py)
+        if done is not None:
+            done(y)
+        return y
+    return Replay(run, flops)
 
 
 def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | None:

@@ -16,7 +16,7 @@ import numpy as np
 from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
-from . import direct_cache
+from . import direct_cache, igemm
 from .geometry import ConvGeometry
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -200,6 +200,8 @@ def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list, dw_dtype=None) -> l
             out.append(gather_launch(geo, cl, s, x_size, np.dtype(dtype).itemsize))
         elif isinstance(s, cd.Gemm):
             out.append(gemm_launch(s, dtype, dw_dtype))
+        elif isinstance(s, cd.Implicit):
+            out.append(igemm.plan_launch(geo, s.type, s.config))
         else:
             out.append(None)
     return out
@@ -220,6 +222,8 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
     it, with its launches, made once per key."""
     dt = np.dtype(dtype)
     form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
+    if form == "implicit" and beta:  # the kernel writes y; a sum into y takes the GEMMs
+        form = "im2col"
     key = (geo, cl, dt.str, beta, budget, form)
 
     def make():
@@ -366,6 +370,8 @@ class CudaOps:
                 getattr(self, cd._OPS[type(s)])(s)
             elif type(launch) is GemmLaunch:
                 self.launch_gemm(launch)
+            elif type(launch) is igemm.Launch:
+                self.launch_implicit(launch)
             else:
                 self.launch_gather(launch)
 
@@ -397,6 +403,20 @@ class CudaOps:
                 _give_handle(key, h)
         if status != 0:
             raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
+
+    def implicit(self, s: cd.Implicit) -> None:
+        self.launch_implicit(igemm.plan_launch(self.geo, s.type, s.config))
+
+    def launch_implicit(self, launch: igemm.Launch) -> None:
+        """The implicit-GEMM kernel on x, w into y; an operand off a 16-byte boundary (a view) is copied to
+        fresh memory first (and y copied back)."""
+        import cupy
+        x, w, y = self.bufs["x"], self.bufs["w"], self.bufs["y"]
+        x, w = (a if igemm.aligned(a) else cupy.array(a) for a in (x, w))
+        out = y if igemm.aligned(y) else cupy.empty_like(y)
+        igemm.run(launch, x, w, out, self.bufs.get("part"))
+        if out is not y:
+            y[...] = out
 
     def col2im(self, s: c2.Col2im) -> None:
         bias = self.bufs.get("bias")

@@ -3,7 +3,7 @@ one convolution problem on a GPU, check each form's result against the first's, 
 in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its heuristic.
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
-"shifted" where it applies to the gather they run (stride 1, groups 1); depthwise problems run
+"shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); depthwise problems run
 "depthwise" alone, as does the weight gradient "im2col". A strided backward-data problem runs "col2im"
 alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
 one form is still timed and stored (its time is worth having; nothing else is chosen). The
@@ -36,14 +36,16 @@ def runtime_geometry(geo: ConvGeometry, direction: str) -> ConvGeometry:
                         tuple(geo.dilation), pad, tuple(geo.stride), tuple(geo.in_size))
 
 
-def forms_for(geo: ConvGeometry, direction: str) -> tuple[str, ...]:
-    """The device-route forms of the forward problem ``geo`` in ``direction``, the reference form first."""
+def forms_for(geo: ConvGeometry, direction: str, dtype=np.float64, layout: str = "nchw", math: str | None = None,
+              capable: bool = False) -> tuple[str, ...]:
+    """The device-route forms of the forward problem ``geo`` in ``direction`` in ``dtype``, ``layout`` and
+    ``math`` (``capable``: the GPU runs the implicit kernel), the reference form first."""
     rt = runtime_geometry(geo, direction)
     if depthwise.applies(rt):
         return ("depthwise",)
-    if direction != "bwd-weight" and conv_direct.shifted_applies(rt):
-        return ("im2col", "shifted")
-    return ("im2col",)
+    if direction == "bwd-weight":
+        return ("im2col",)
+    return conv_direct.forms(rt, dtype, layout, math, capable)
 
 
 def rel_err(a, b) -> float:
@@ -148,7 +150,8 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     from ..runtime import dtypes
     dt = dtypes.GEMM_BY_PREFIX[key.dtype].dtype
     rt = runtime_geometry(geo, direction)
-    forms = forms_for(geo, direction)
+    from . import igemm
+    forms = forms_for(geo, direction, dt, key.layout, key.math, igemm.capable(ordinal))
     if direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt):
         forms, store = ("col2im",), False  # the one form strided backward-data runs: timed, nothing to choose
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():

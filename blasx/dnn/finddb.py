@@ -34,7 +34,7 @@ from .geometry import ConvGeometry, conv_geometry
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 LAYOUTS = ("nchw", "cl")
-FORMS = ("im2col", "shifted", "depthwise")
+FORMS = ("im2col", "shifted", "implicit", "depthwise")
 _SEP = "|"
 _TAGS = ("n", "c", "k", "i", "o", "r", "s", "p", "d", "g")
 
@@ -280,7 +280,7 @@ _forms: dict = {"state": None, "memo": {}}
 
 
 def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, device=None) -> str | None:
-    """The find-db's device-route form ("im2col" or "shifted") for the gather ``geo`` in ``dtype``, ``layout``
+    """The find-db's device-route form ("im2col", "shifted" or "implicit") for the gather ``geo`` in ``dtype``, ``layout``
     and ``math`` on GPU ``device`` (a model name, an ordinal, or None: CuPy's current device), or None
     (no entry, no GPU, or the db is off). Memoized per problem until the db changes."""
     if perfdb.disabled():
@@ -303,7 +303,7 @@ def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, devi
             keys = []
         for k in keys:
             form = lookup(k)
-            if form in ("im2col", "shifted"):
+            if form in ("im2col", "shifted", "implicit"):
                 break
             form = None
         memo[mkey] = form

@@ -1,0 +1,156 @@
+"""The implicit-GEMM form (igemm.py) on the CPU: its planner by exact value, its choice among the forward
+forms, and the kernel's addressing (the A rows it gathers per k-tile from the launch's arguments, the
+weight rows, the split's k ranges) emulated in numpy against torch's convolution in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blasx.dnn import conv_direct as cd
+from blasx.dnn import igemm
+from blasx.dnn.geometry import conv_geometry
+
+torch = pytest.importorskip("torch")
+
+
+def _geo(n, c, k, size, kernel, stride=1, padding=0, dilation=1, dtype=np.float16):
+    nd = len(size)
+    x = np.broadcast_to(np.zeros((), dtype), (n, c, *size))
+    w = np.broadcast_to(np.zeros((), dtype), (k, c, *kernel))
+    return conv_geometry("conv", nd, x, w, stride, padding, dilation, 1)
+
+
+def emulate(launch: igemm.Launch, x_cl: np.ndarray, w_cl: np.ndarray) -> np.ndarray:
+    """Y (M, K) as the kernel computes it: per split and k-tile, each output pixel's row of 128 bytes of
+    channels read at its offset at tap 0 plus the tap's offset (zero where the tap falls outside the input),
+    times the weight rows at the k-tile's offset; the splits summed in order."""
+    (N, D, H, W, C, K, KD, R, S, O, P, Q, sd, sh, sw, pd, ph, pw, dd, dh, dw, per) = launch.ints
+    bk = igemm.ROW_BYTES // igemm.TYPES[launch.type].itemsize
+    x, w = x_cl.ravel(), w_cl.reshape(K, -1)
+    M = N * O * P * Q
+    assert launch.grid[0] * igemm.BM >= M > (launch.grid[0] - 1) * igemm.BM
+    assert launch.grid[1] * launch.config.bn >= K > (launch.grid[1] - 1) * launch.config.bn
+    m = np.arange(M)
+    q, t = m % Q, m // Q
+    p, t = t % P, t // P
+    o, n = t % O, t // O
+    d0, h0, w0 = o * sd - pd, p * sh - ph, q * sw - pw
+    pix = (((n * D + d0) * H + h0) * W + w0) * C
+    cchunks = C // bk
+    total = KD * R * S * cchunks
+    split = launch.grid[2]
+    assert per * split >= total > per * (split - 1)
+    parts = np.zeros((split, M, K))
+    for z in range(split):
+        for kg in range(z * per, min(total, (z + 1) * per)):
+            tap, c0 = kg // cchunks, kg % cchunks * bk
+            tt, rem = tap // (R * S), tap % (R * S)
+            od, oh, ow = tt * dd, rem // S * dh, rem % S * dw
+            ok = (0 <= d0 + od) & (d0 + od < D) & (0 <= h0 + oh) & (h0 + oh < H) & (0 <= w0 + ow) & (w0 + ow < W)
+            idx = np.where(ok, pix + ((od * H + oh) * W + ow) * C + c0, 0)[:, None] + np.arange(bk)
+            assert idx[ok].min(initial=0) >= 0 and idx[ok].max(initial=0) < x.size
+            a = np.where(ok[:, None], x[idx], 0.0)
+            parts[z] += a @ w[:, kg * bk:(kg + 1) * bk].T
+    return parts.sum(axis=0)
+
+
+CASES = [  # (n, c, k, size, kernel, stride, padding, dilation, type)
+    (2, 64, 24, (11, 13), (3, 3), 1, 1, 1, "float16"),
+    (3, 128, 40, (9, 10), (3, 3), 2, (0, 2), (2, 1), "bfloat16"),
+    (2, 64, 8, (17,), (5,), 3, 2, 2, "float16"),
+    (1, 64, 16, (4, 5, 6), (3, 2, 3), (1, 2, 1), (1, 0, 2), 1, "float16"),
+    (2, 32, 12, (7, 7), (3, 3), 1, "same", 1, "float32"),
+    (1, 512, 64, (7, 7), (3, 3), 1, 1, 1, "float16"),  # few blocks: split k
+    (2, 64, 16, (6, 6), (1, 1), 2, 0, 1, "float16"),  # a strided 1x1
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_the_kernels_addressing_computes_the_convolution(case):
+    n, c, k, size, kernel, stride, padding, dilation, type_ = case
+    nd = len(size)
+    geo = _geo(n, c, k, size, kernel, stride, padding, dilation)
+    assert igemm.applies(geo, np.dtype(type_) if type_ != "bfloat16" else np.float16, True, "tf32")
+    cfg = igemm.config(geo, type_, 132)
+    launch = igemm.plan_launch(geo, type_, cfg)
+    rng = np.random.default_rng(len(size) + c)
+    x = rng.standard_normal((n, c, *size))
+    w = rng.standard_normal((k, c, *kernel))
+    got = emulate(launch, np.moveaxis(x, 1, -1), np.moveaxis(w, 1, -1))
+    conv = getattr(torch.nn.functional, f"conv{nd}d")
+    ref = conv(torch.from_numpy(x), torch.from_numpy(w), None, stride, padding, dilation).numpy()
+    ref = np.moveaxis(ref, 1, -1).reshape(-1, k)
+    assert np.abs(got - ref).max() < 1e-10 * max(1.0, np.abs(ref).max())
+    if case[1] == 512:
+        assert launch.config.split > 1 and launch.part == launch.config.split * n * 49 * k
+
+
+def test_config_by_exact_value():
+    """ResNet-50's 3x3 layers at batch 64 on 132 multiprocessors, and small problems that split."""
+    g = lambda c, k, s, stride=1: _geo(64, c, k, (s, s), (3, 3), stride, 1)  # noqa: E731
+    assert igemm.config(g(64, 64, 56), "float16", 132) == igemm.Config(64, 0, 1)
+    assert igemm.config(g(128, 128, 28), "float16", 132) == igemm.Config(128, 1, 1)
+    assert igemm.config(g(256, 256, 14), "float16", 132) == igemm.Config(256, 1, 1)
+    # 3136 pixels: 25 row blocks; BN 256 would leave 50 blocks (< 66), so 128: 100 blocks, no split
+    assert igemm.config(g(512, 512, 7), "float16", 132) == igemm.Config(128, 1, 1)
+    assert igemm.config(g(512, 512, 7), "float32", 132) == igemm.Config(128, 1, 1)
+    assert igemm.config(_geo(16, 512, 512, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(128, 1, 4)
+    # 98 pixels, one row block: 4 splits at most, each at least 8 k-tiles (9 * 512 * 2 / 128 = 72 k-tiles)
+    assert igemm.config(_geo(2, 512, 64, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 4)
+    # too few k-tiles to split (9 * 64 * 2 / 128 = 9)
+    assert igemm.config(_geo(1, 64, 64, (8, 8), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 1)
+
+
+def test_plan_launch_by_exact_value():
+    geo = _geo(64, 512, 512, (7, 7), (3, 3), 1, 1)
+    launch = igemm.plan_launch(geo, "float16", igemm.Config(128, 1, 2))
+    assert launch.grid == (25, 4, 2)
+    assert launch.ints == (64, 1, 7, 7, 512, 512, 1, 3, 3, 1, 7, 7, 1, 1, 1, 0, 1, 1, 1, 1, 1, 36)
+    assert launch.part == 2 * 3136 * 512 and launch.reduce_ints == (3136 * 512, 2)
+    assert launch.reduce_grid == (-(-3136 * 512 // 1024),)
+    assert launch.smem == 4 * 256 * 128 + 1024
+    # 15 k-tiles over 4 splits of 4: the last has 3, and the grid has the 4 splits the tiles need
+    odd = igemm.plan_launch(_geo(1, 64, 64, (6, 5), (3, 5), 1, 0), "float16", igemm.Config(64, 0, 4))
+    assert odd.ints[-1] == 4 and odd.grid[2] == 4 and odd.config.split == 4
+    tf = igemm.plan_launch(geo, "float32", igemm.Config(256, 1, 1))
+    assert tf.smem == max(4 * 384 * 128, 128 * 260 * 4) + 1024 and tf.part == 0
+
+
+def test_applies_and_the_forms_it_joins():
+    geo = _geo(8, 64, 64, (14, 14), (3, 3), 1, 1)
+    f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+    assert igemm.applies(geo, f16, True, None)
+    assert not igemm.applies(geo, f16, False, None)  # NCHW
+    assert not igemm.applies(geo, f32, True, None) and igemm.applies(geo, f32, True, "tf32")
+    assert not igemm.applies(geo, np.dtype(np.float64), True, None)
+    assert not igemm.applies(_geo(8, 48, 64, (14, 14), (3, 3), 1, 1), f16, True, None)  # C not whole k-tiles
+    assert not igemm.applies(_geo(8, 64, 60, (14, 14), (3, 3), 1, 1), f16, True, None)  # K not whole pieces
+    grouped = conv_geometry("conv", 2, np.zeros((8, 128, 14, 14), f16), np.zeros((64, 64, 3, 3), f16), 1, 1, 1, 2)
+    assert not igemm.applies(grouped, f16, True, None)
+    assert cd.forms(geo, f16, "cl", None, capable=True) == ("im2col", "shifted", "implicit")
+    assert cd.forms(geo, f16, "cl", None, capable=False) == ("im2col", "shifted")
+    assert cd.forward_form(geo, f16, None, "cl", None, capable=True) == "implicit"
+    assert cd.forward_form(geo, f16, None, "nchw", None, capable=True) == "im2col"
+    assert cd.forward_form(geo, f16, "shifted", "cl", None, capable=True) == "shifted"
+    point = _geo(8, 64, 64, (14, 14), (1, 1))
+    assert cd.forward_form(point, f16, None, "cl", None, capable=True) == "im2col"  # a plain GEMM: cuBLAS
+    assert cd.forward_form(point, f16, "implicit", "cl", None, capable=True) == "implicit"
+    assert cd.forward_form(_geo(8, 64, 64, (14, 14), (1, 1), 2), f16, None, "cl", None, capable=True) == "implicit"
+
+
+def test_split_partials_fall_back_within_the_budget():
+    geo = _geo(2, 512, 64, (7, 7), (3, 3), 1, 1)
+    steps, scratch = cd.implicit_plan(geo, np.float16, 1 << 30)
+    assert steps[0].config.split == 4 and scratch == {"part": 4 * 98 * 64 * 2}
+    steps, scratch = cd.implicit_plan(geo, np.float16, 4 * 98 * 64 * 4 - 1)
+    assert steps[0].config.split == 1 and scratch == {}
+
+
+def test_kernel_source_names_its_tile_and_instruction():
+    src = igemm.kernel_source("bfloat16", igemm.Config(128, 1, 1))
+    assert "#define BN 128\n" in src and "#define PIPE 1\n" in src and "#define OUT_BF16 1\n" in src
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1," in src and "%63}, %64, %65, p, 1, 1, 0, 0;" in src
+    assert "wgmma_n128(acc, desc(" in src and "WGMMA(" not in src
+    tf = igemm.kernel_source("float32", igemm.Config(64, 0, 1))
+    assert "m64n64k8.f32.tf32.tf32" in tf and "%33, p, 1, 1;" in tf and "#define ELEM_BYTES 4\n" in tf
