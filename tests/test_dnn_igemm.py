@@ -136,6 +136,13 @@ def test_applies_and_the_forms_it_joins():
     point = _geo(8, 64, 64, (14, 14), (1, 1))
     assert cd.forward_form(point, f16, None, "cl", None, capable=True) == "im2col"  # a plain GEMM: cuBLAS
     assert cd.forward_form(point, f16, "implicit", "cl", None, capable=True) == "implicit"
+    # 1x1s the kernel takes (igemm.pays_pointwise): 2-byte types, 4 k-tiles or more, few pixels or channels
+    deep = _geo(64, 1024, 256, (14, 14), (1, 1))
+    assert igemm.pays_pointwise(deep, f16) and cd.forward_form(deep, f16, None, "cl", None, capable=True) == "implicit"
+    assert not igemm.pays_pointwise(deep, f32) and cd.forward_form(deep, f32, None, "cl", "tf32", True) == "im2col"
+    assert not igemm.pays_pointwise(_geo(64, 128, 512, (28, 28), (1, 1)), f16)  # 2 k-tiles
+    assert not igemm.pays_pointwise(_geo(64, 256, 128, (56, 56), (1, 1)), f16)  # 200,704 pixels, 128 channels
+    assert igemm.pays_pointwise(_geo(64, 256, 64, (56, 56), (1, 1)), f16)
     assert cd.forward_form(_geo(8, 64, 64, (14, 14), (1, 1), 2), f16, None, "cl", None, capable=True) == "implicit"
 
 

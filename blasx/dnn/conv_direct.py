@@ -167,8 +167,8 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     BLASX_CONV_FORM); the find-db's entry for the problem in ``layout`` and ``math`` on GPU ``device``
     (None: CuPy's current one; finddb.stored_form); the heuristic:
 
-    - implicit wherever it applies and the convolution has a kernel window or a stride (a 1x1 stride-1
-      convolution is a plain GEMM on x, which cuBLAS runs);
+    - implicit wherever it applies and the convolution has a kernel window or a stride; for a 1x1 stride-1
+      convolution (a plain GEMM on x) where igemm.pays_pointwise says it beats cuBLAS's GEMM;
     - shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
       (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels,
       for 4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only
@@ -178,6 +178,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     - else im2col.
 
     ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device is asked)."""
+    from . import igemm
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
     applicable = forms(geo, dtype, layout, math, capable)
@@ -188,7 +189,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     stored = finddb.stored_form(geo, dtype, layout, math, device)
     if stored in applicable:
         return stored
-    if "implicit" in applicable and not pointwise(geo):
+    if "implicit" in applicable and (not pointwise(geo) or igemm.pays_pointwise(geo, dtype)):
         return "implicit"
     if "shifted" not in applicable:
         return "im2col"

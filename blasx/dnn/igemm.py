@@ -87,6 +87,16 @@ def config(geo: ConvGeometry, type_: str, sms: int) -> Config:
     return Config(bn, 0 if bn == 64 else 1, split)
 
 
+def pays_pointwise(geo: ConvGeometry, dtype) -> bool:
+    """Whether the kernel beats the cuBLAS GEMM on a 1x1 stride-1 convolution (a plain GEMM on x): for 2-byte
+    types with at least 4 k-tiles, on at most 65,536 output pixels or at most 64 output channels (there the
+    GEMM's call costs the host more than the GPU spends on either; on more, few k-tiles a block leave this
+    kernel's pipeline idle). TF32's GEMMs take long enough on the GPU to keep cuBLAS."""
+    size = np.dtype(dtype).itemsize
+    k_tiles = geo.c * size // ROW_BYTES
+    return size == 2 and k_tiles >= 4 and (geo.n * geo.p <= 65536 or geo.k <= 64)
+
+
 class Launch(NamedTuple):
     """One call's launches: the main kernel's grid, shared memory bytes and integer arguments (int32, as the
     kernel takes them; the last the k-tiles a split covers), the partials' float32 elements (0: none) and the
