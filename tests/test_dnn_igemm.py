@@ -161,3 +161,36 @@ def test_kernel_source_names_its_tile_and_instruction():
     assert "wgmma_n128(acc, desc(" in src and "WGMMA(" not in src
     tf = igemm.kernel_source("float32", igemm.Config(64, 0, 1))
     assert "m64n64k8.f32.tf32.tf32" in tf and "%33, p, 1, 1;" in tf and "#define ELEM_BYTES 4\n" in tf
+
+
+def test_driver_launches_pack_each_threads_pointers():
+    """Launcher (the replays' launch): threads launching one plan at once each pass their own pointers and the
+    plan's integer arguments; a launcher is made once per device."""
+    import threading
+
+    from bench import fake_cupy
+    geo = _geo(2, 64, 24, (11, 13), (3, 3), 1, 1)
+    launch = igemm.plan_launch(geo, "float16", igemm.config(geo, "float16", 132))
+    with fake_cupy.installed(record_calls=True) as fake:
+        igemm._MODULES.clear()
+        igemm._LAUNCHERS.clear()
+        go = igemm.launcher(launch)
+        assert igemm.launcher(launch) is go
+        barrier = threading.Barrier(4)
+
+        def work(t):
+            barrier.wait()
+            for i in range(50):
+                base = (t * 1000 + i) * 4096
+                go(0, base, base + 16, base + 32)
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        got = sorted(e[4] for e in fake.log if e[0] == "raw_kernel")
+        want = sorted(tuple(("array", (t * 1000 + i) * 4096 + o) for o in (0, 16, 32)) for t in range(4) for i in range(50))
+        assert got == want
+        assert all(e[1] == "blasx_igemm" and e[2] == launch.grid and e[5] == launch.smem for e in fake.log)
+    igemm._MODULES.clear()
+    igemm._LAUNCHERS.clear()
