@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..threadlocal import setting
-from . import direct_cache, finddb
+from . import direct_cache, finddb, igemm
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -178,7 +178,6 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     - else im2col.
 
     ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device is asked)."""
-    from . import igemm
     if force is not None and force not in FORMS:
         raise ValueError(f"conv_direct.FORM (or BLASX_CONV_FORM): got {force!r}; allowed: None, {', '.join(FORMS)}")
     applicable = forms(geo, dtype, layout, math, capable)
@@ -202,7 +201,6 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
           capable: bool | None = None) -> tuple[str, ...]:
     """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first."""
-    from . import igemm
     out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
     if igemm.applies(geo, dtype, layout == "cl", math):
         if capable is None:
@@ -314,11 +312,10 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, f
 
 class Implicit(NamedTuple):
     """y = conv(x, w) over the whole batch by the implicit-GEMM kernel (igemm.py) in kernel type ``type`` with
-    tile and split ``config`` on a GPU of ``sms`` multiprocessors; split partials in scratch ``part``."""
+    tile and split ``config``; split partials in scratch ``part``."""
 
     type: str
     config: tuple
-    sms: int
 
 
 IMPLICIT_SMS = 132  # the multiprocessors a plan's split is sized for (H100 SXM and H200)
@@ -327,13 +324,12 @@ IMPLICIT_SMS = 132  # the multiprocessors a plan's split is sized for (H100 SXM 
 def implicit_plan(geo: ConvGeometry, dtype, budget: int, sms: int = IMPLICIT_SMS) -> tuple[list, dict]:
     """(steps, scratch) of the implicit form: one Implicit step; its split's float32 partials in ``part``
     (in elements of ``dtype``), without a split where they would pass ``budget`` bytes."""
-    from . import igemm
     t = igemm.type_name(dtype, "tf32")  # float32 takes this form in TF32 math only
     cfg = igemm.config(geo, t, sms)
     part = cfg.split * geo.n * geo.p * geo.k * 4
     if cfg.split > 1 and part > budget:
         cfg, part = cfg._replace(split=1), 0
-    step = Implicit(t, cfg, sms)
+    step = Implicit(t, cfg)
     return [step], ({"part": part // np.dtype(dtype).itemsize} if cfg.split > 1 else {})
 
 

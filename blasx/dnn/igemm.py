@@ -117,6 +117,13 @@ def _dims3(v: tuple, fill: int) -> tuple:
     return (fill,) * (3 - len(v)) + tuple(v)
 
 
+def smem_bytes(type_: str, bn: int) -> int:
+    """The dynamic shared memory of the main kernel of tile width ``bn``: the stages or the staged output tile,
+    whichever is larger, and room to align them to 1024 bytes."""
+    row = TYPES[type_]
+    return max(STAGES * (BM + bn) * ROW_BYTES, BM * (bn + 16 // row.itemsize) * row.itemsize) + 1024
+
+
 def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
     """The launches for ``geo`` in kernel type ``type_`` with ``cfg`` (pure)."""
     row = TYPES[type_]
@@ -126,7 +133,7 @@ def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
     per = -(-k_tiles // cfg.split)
     split = -(-k_tiles // per)
     bn = cfg.bn
-    smem = plan_launch_smem(type_, bn)
+    smem = smem_bytes(type_, bn)
     d, h, w = _dims3(geo.in_size, 1)
     t, r, s = _dims3(geo.kernel, 1)
     o, p, q = _dims3(geo.out_size, 1)
@@ -175,12 +182,6 @@ def kernels(type_: str, cfg: Config):
         mod = cupy.RawModule(code=kernel_source(type_, cfg), options=("-arch=sm_90a", "-std=c++17"))
         got = _MODULES[key] = (mod.get_function("blasx_igemm"), mod.get_function("blasx_igemm_reduce"), mod)
     return got[0], got[1]
-
-
-def plan_launch_smem(type_: str, bn: int) -> int:
-    """The most dynamic shared memory the main kernel of tile width ``bn`` takes."""
-    row = TYPES[type_]
-    return max(STAGES * (BM + bn) * ROW_BYTES, BM * (bn + 16 // row.itemsize) * row.itemsize) + 1024
 
 
 _CAPABLE: dict = {}
