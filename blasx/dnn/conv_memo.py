@@ -137,7 +137,7 @@ def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops
             w = weight_of(w)
         y = make_y()
         px, pw, py = x.data.ptr, w.data.ptr, y.data.ptr
-        if (px | pw | py) & 15:
+        if (px | pw | py) % igemm.ALIGN:
             direct_cuda.CudaOps(geo, cl, {"x": x, "w": w, "y": y}, dt, math).run(plan.steps, plan.launches)
         else:
             go(stream_of().ptr, px, pw, py)

@@ -29,6 +29,7 @@ ROW_BYTES = 128  # a k-tile row: one 128-byte swizzle atom
 STAGES = 4
 THREADS = 256  # two warpgroups
 BM = 128
+ALIGN = 16  # bytes: the kernel's loads and stores move 16-byte pieces, so every operand starts on such a boundary
 
 
 class TypeRow(NamedTuple):
@@ -65,24 +66,29 @@ def applies(geo: ConvGeometry, dtype, cl: bool, math: str | None) -> bool:
     t = type_name(dtype, math)
     if t is None or not cl or geo.groups != 1 or any(z != 1 for z in geo.insert):
         return False
-    per_row, per_piece = ROW_BYTES // TYPES[t].itemsize, 16 // TYPES[t].itemsize
+    per_row, per_piece = ROW_BYTES // TYPES[t].itemsize, ALIGN // TYPES[t].itemsize
     return geo.c % per_row == 0 and geo.k % per_piece == 0
 
 
+def k_tiles(geo: ConvGeometry, itemsize: int) -> int:
+    """The k-tiles of ``geo``'s reduction: 128-byte runs of channels, per kernel tap."""
+    return prod(geo.kernel) * geo.c * itemsize // ROW_BYTES
+
+
 def config(geo: ConvGeometry, type_: str, sms: int) -> Config:
-    """The tile and split for ``geo`` in kernel type ``type_`` on a GPU of ``sms`` multiprocessors: BN as wide as K allows (64, 128,
-    256), narrowed to 128 where that leaves under half the multiprocessors a block; then k splits (at most 4,
-    each at least 8 k-tiles) while the blocks fill at most half the multiprocessors (a second partial wave
-    costs more than the split gains)."""
+    """The tile and split for ``geo`` in kernel type ``type_`` on a GPU of ``sms`` multiprocessors: BN as wide
+    as K allows (64, 128, 256), narrowed to 128 where that leaves under half the multiprocessors a block; then
+    k splits (at most 4, each at least 8 k-tiles) while the blocks fill at most half the multiprocessors (a
+    second partial wave costs more than the split gains)."""
     m, k = geo.n * geo.p, geo.k
     bn = 64 if k <= 64 else 128 if k <= 128 else 256
     rows = -(-m // BM)
     if bn == 256 and rows * -(-k // bn) < sms // 2:
         bn = 128
     blocks = rows * -(-k // bn)
-    k_tiles = prod(geo.kernel) * geo.c * TYPES[type_].itemsize // ROW_BYTES
+    tiles = k_tiles(geo, TYPES[type_].itemsize)
     split = 1
-    while split < 4 and blocks * split * 2 <= sms and k_tiles // (split * 2) >= 8:
+    while split < 4 and blocks * split * 2 <= sms and tiles // (split * 2) >= 8:
         split *= 2
     return Config(bn, 0 if bn == 64 else 1, split)
 
@@ -93,8 +99,7 @@ def pays_pointwise(geo: ConvGeometry, dtype) -> bool:
     GEMM's call costs the host more than the GPU spends on either; on more, few k-tiles a block leave this
     kernel's pipeline idle). TF32's GEMMs take long enough on the GPU to keep cuBLAS."""
     size = np.dtype(dtype).itemsize
-    k_tiles = geo.c * size // ROW_BYTES
-    return size == 2 and k_tiles >= 4 and (geo.n * geo.p <= 65536 or geo.k <= 64)
+    return size == 2 and k_tiles(geo, size) >= 4 and (geo.n * geo.p <= 65536 or geo.k <= 64)
 
 
 class Launch(NamedTuple):
@@ -121,17 +126,15 @@ def smem_bytes(type_: str, bn: int) -> int:
     """The dynamic shared memory of the main kernel of tile width ``bn``: the stages or the staged output tile,
     whichever is larger, and room to align them to 1024 bytes."""
     row = TYPES[type_]
-    return max(STAGES * (BM + bn) * ROW_BYTES, BM * (bn + 16 // row.itemsize) * row.itemsize) + 1024
+    return max(STAGES * (BM + bn) * ROW_BYTES, BM * (bn + ALIGN // row.itemsize) * row.itemsize) + 1024
 
 
 def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
     """The launches for ``geo`` in kernel type ``type_`` with ``cfg`` (pure)."""
-    row = TYPES[type_]
-    per_row = ROW_BYTES // row.itemsize
     m, k = geo.n * geo.p, geo.k
-    k_tiles = prod(geo.kernel) * geo.c // per_row
-    per = -(-k_tiles // cfg.split)
-    split = -(-k_tiles // per)
+    tiles = k_tiles(geo, TYPES[type_].itemsize)
+    per = -(-tiles // cfg.split)
+    split = -(-tiles // per)
     bn = cfg.bn
     smem = smem_bytes(type_, bn)
     d, h, w = _dims3(geo.in_size, 1)
@@ -210,14 +213,14 @@ def current_capable() -> bool:
 
 def aligned(*arrays) -> bool:
     """Whether every array's memory starts on a 16-byte boundary (the kernel's 16-byte loads and stores)."""
-    return all(a.data.ptr % 16 == 0 for a in arrays)
+    return all(a.data.ptr % ALIGN == 0 for a in arrays)
 
 
 class DriverLaunch:
     """A CuPy kernel launched by the driver's cuLaunchKernel (CuPy's binding) with its arguments packed
     once: a call sets the ``pointers`` leading arguments and launches (CuPy's kernel call converts every
-    argument on each call, about 19 us for this kernel's 26). ``tail``: the ctypes values of the other
-    arguments. Each thread packs into buffers of its own."""
+    argument on each call). ``tail``: the ctypes values of the other arguments. Each thread packs into
+    buffers of its own."""
 
     def __init__(self, kernel, grid: tuple, block: tuple, smem: int, pointers: int, tail: tuple) -> None:
         import threading
@@ -227,11 +230,12 @@ class DriverLaunch:
 
     def _buffers(self):
         import ctypes
+
+        import cupy
         ptrs = (ctypes.c_void_p * self.pointers)()
         tail = [type(v)(v.value) for v in self.tail]
         addrs = [ctypes.addressof(ptrs) + i * ctypes.sizeof(ctypes.c_void_p) for i in range(self.pointers)]
         params = (ctypes.c_void_p * (self.pointers + len(tail)))(*addrs, *(ctypes.addressof(v) for v in tail))
-        import cupy
         self._tls.b = b = (ptrs, ctypes.addressof(params), cupy.cuda.driver.launchKernel, params, tail)
         return b
 
