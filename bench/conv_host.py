@@ -6,8 +6,9 @@ against torch on one GPU doing copy in, conv, copy out from pinned memory.
 Per mode and layer (forward), x (batch N) and the output live in host memory, page-locked
 (``pinned``: registered before timing, as bench.gemm's registered mode) or not (``pageable``:
 blasx's own registrations are released before every run, so each run pays its pinning). The
-weights are where each contender keeps them between calls: host memory for blasx, the GPU for
-torch. torch runs two ways on its first GPU from pinned tensors: ``serial`` (the whole batch
+weights are where each contender keeps them between calls: host memory for blasx (a numpy array
+that owns its memory, as a user's would: blasx page-locks it in place on the first call), the GPU
+for torch. torch runs two ways on its first GPU from pinned tensors: ``serial`` (the whole batch
 copied in, convolved, copied out) and ``overlapped`` (``--torch-chunks`` chunks on two streams, so
 one chunk's copies overlap another's conv); the ratio is taken against the faster. Figures:
 images/s (N / wall seconds), blasx / torch, checked on ``--check-images`` sampled images against
@@ -111,7 +112,7 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
     import blasx
     torch = side.torch
     x_t, w_t = host_inputs(torch, layer, mode, args.layout, seed, side.device)
-    x, w = _owned(side.to_host(x_t)), side.to_host(w_t)  # numpy owns the batch, as a user's would
+    x, w = _owned(side.to_host(x_t)), _owned(side.to_host(w_t))  # numpy owns them, as a user's would
     images = sample_images(layer.batch, args.check_images, seed)
     base = {"layer": layer.name, "family": layer.family, "shape": layer.describe(), "mode": mode,
             "batch": layer.batch, "flops": layer.flops}

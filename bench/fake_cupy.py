@@ -24,7 +24,7 @@ import types
 import numpy as np
 
 LOG: list = []
-_state = {"recording": False, "mem_info_calls": 0, "free": 64 << 30}
+_state = {"recording": False, "mem_info_calls": 0, "free": 64 << 30, "copies": False}
 _local = threading.local()
 _stream_ids = itertools.count(0x1000, 0x10)
 
@@ -332,6 +332,9 @@ def using_allocator(allocator=None):
 
 
 class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        pass
+
     def record(self, stream=None):
         pass
 
@@ -360,6 +363,13 @@ def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
     record("raw_kernel", _FUNCTIONS[f], (gx, gy, gz), (bx, by, bz), args, smem)
 
 
+def _memcpy_async(dst: int, src: int, n: int, kind: int, stream: int) -> None:
+    """Records the copy; with ``copies`` on (its memory is host memory either way) it is made too."""
+    record("memcpy", n, kind)
+    if _state["copies"]:
+        ctypes.memmove(dst, src, n)
+
+
 def _mem_get_info():
     _state["mem_info_calls"] += 1
     return _state["free"], 80 << 30
@@ -377,7 +387,7 @@ def _build_modules() -> dict:
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
-                                         memcpyAsync=lambda dst, src, n, kind, stream: record("memcpy", n, kind))
+                                         memcpyDeviceToHost=2, memcpyAsync=_memcpy_async)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cuda.driver = types.SimpleNamespace(launchKernel=_launch_kernel)
     cupy.cuda = cuda
@@ -442,9 +452,10 @@ def _clear_caches() -> None:
 
 
 @contextlib.contextmanager
-def installed(record_calls: bool = False):
+def installed(record_calls: bool = False, copies: bool = False):
     """The fake modules in sys.modules and direct_cuda's GEMM entry point stubbed; ``record_calls``:
-    every launch recorded in ``LOG`` (cleared on entry)."""
+    every launch recorded in ``LOG`` (cleared on entry); ``copies``: ``runtime.memcpyAsync`` copies the bytes
+    (device arrays are host memory: a test's own code may compute on them)."""
     direct_cuda = _cuda_module()
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
@@ -455,6 +466,7 @@ def installed(record_calls: bool = False):
     LOG.clear()
     _state["mem_info_calls"] = 0
     _state["recording"] = record_calls
+    _state["copies"] = copies
     sys.modules.update(mods)
     direct_cuda._GEMM[:] = [_gemm_stub(True)]
     direct_cuda._HANDLES.clear()
@@ -475,6 +487,7 @@ def installed(record_calls: bool = False):
         yield types.SimpleNamespace(cupy=mods["cupy"], log=LOG, state=_state)
     finally:
         _state["recording"] = False
+        _state["copies"] = False
         direct_cuda._GEMM[:] = saved_gemm
         (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
          cublas_ctypes.gemm_ex) = saved_cc

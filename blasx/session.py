@@ -125,6 +125,9 @@ def _stop(cancel: bool) -> None:
     lanes = sys.modules.get("blasx.dnn.lanes")  # blasx.dnn's long-lived threads, where it was used
     if lanes is not None:
         lanes.stop_idle()
+    host_batch = sys.modules.get("blasx.dnn.host_batch")  # its idle streams, staging and scratch
+    if host_batch is not None:
+        host_batch.release()
 
 
 # Workers are non-daemon threads, and the interpreter joins those *before* running atexit

@@ -129,16 +129,17 @@ class RegistrationCache:
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
 
-    def pin(self, arrays) -> tuple[list, "PinJob | None"]:
-        """Start pinning the roots of one call's host operands, chunks round-robin in address order
-        (the order its tasks read them). Returns each array's :class:`Pinning` (None: pageable) and
-        the job registering the missing chunks in its own thread (None: nothing to do), which the
-        caller joins when the call is over."""
+    def pin(self, arrays, min_bytes: int | None = None) -> tuple[list, "PinJob | None"]:
+        """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
+        ``MIN_REGISTER_BYTES``), chunks
+        round-robin in address order (the order its tasks read them). Returns each array's :class:`Pinning`
+        (None: pageable) and the job registering the missing chunks in its own thread (None: nothing to do),
+        which the caller joins when the call is over."""
         from cupy.cuda import runtime
 
         pinnings, chunks = [], []
         for x in arrays:
-            p, mine = self._pinning(runtime, x)
+            p, mine = self._pinning(runtime, x, min_bytes)
             pinnings.append(p)
             chunks.append(mine)
         order = round_robin(chunks)
@@ -148,7 +149,7 @@ class RegistrationCache:
         job.start()
         return pinnings, job
 
-    def _pinning(self, runtime, x):
+    def _pinning(self, runtime, x, min_bytes: int | None = None):
         """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
         root = root_of(x)
         if root.nbytes == 0:
@@ -160,7 +161,7 @@ class RegistrationCache:
             if p is None:
                 if _is_pinned(runtime, lo) and _is_pinned(runtime, hi - 1):
                     return Pinning.whole(lo, hi), []
-                if root.base is not None or root.nbytes < MIN_REGISTER_BYTES:
+                if root.base is not None or root.nbytes < (MIN_REGISTER_BYTES if min_bytes is None else min_bytes):
                     return None, []
                 start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
                 p = self._ours[id(root)] = Pinning(lo, hi, chunk_spans(start, end, CHUNK_BYTES))

@@ -36,8 +36,11 @@ def _engine():
 
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
-@pytest.mark.parametrize("where", ["host", "device"])
-def test_forward(nd, layout, where):
+@pytest.mark.parametrize("where", ["host", "host-engine", "device"])
+def test_forward(nd, layout, where, monkeypatch):
+    if where == "host-engine":  # the engine's tile tasks (im2col filled on the GPUs), not host_batch
+        from blasx.dnn import conv_direct
+        monkeypatch.setattr(conv_direct, "ROUTE", "engine")
     rng = np.random.default_rng(nd)
     size = (300, 37, 13)[:nd] if nd < 3 else (9, 11, 13)
     x = rng.standard_normal((5, 12, *size))
@@ -68,6 +71,52 @@ def test_dtypes_residual_epilogue(dtype):
     conv = F.conv2d(wide(x), wide(w), padding="same")
     ref = F.silu(conv * torch.from_numpy(sc)[:, None, None] + torch.from_numpy(sh)[:, None, None] + wide(r))
     assert y.dtype == dt and rel(y, ref.numpy()) < TOL[dtype]
+
+
+HOST_BATCH_TOL = {("float32", "ieee"): 1e-5, ("float32", "tf32"): 5e-3, ("float16", "ieee"): 5e-3,
+                  ("bfloat16", "ieee"): 3e-2, ("float64", "ieee"): 1e-12}
+
+
+@pytest.mark.parametrize("dtype,math", list(HOST_BATCH_TOL))
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("memory", ["pageable", "pinned", "registered"])
+@pytest.mark.parametrize("kernel,stride,pad,c", [(3, 1, 1, 64), (1, 2, 0, 32), (3, 2, 1, 8)])
+def test_host_batch_vs_torch(monkeypatch, dtype, math, layout, memory, kernel, stride, pad, c):
+    """A numpy batch on every GPU in chunks (host_batch), epilogue and residual included, into a given out and
+    into one blasx makes; the caller's arrays untouched."""
+    from blasx.dnn import host_batch
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(host_batch, "CHUNK_BYTES", 1 << 20)  # many chunks on every GPU
+    if memory == "registered":
+        monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1)
+    dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((37, c, 19, 17)).astype(dt)
+    w = (rng.standard_normal((48, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype(dt)
+    conv = F.conv2d(wide(x), wide(w), None, stride, pad)
+    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    b, sc, sh = rng.standard_normal(48), rng.uniform(0.5, 2, 48), rng.standard_normal(48)
+    if layout == "cl":
+        x, r = cl(x), cl(r)
+    if memory == "pinned":
+        def pinned_copy(a):
+            mem = cupy.cuda.alloc_pinned_memory(a.nbytes)
+            flat = np.frombuffer(mem, a.dtype, a.size)
+            host = host_batch.in_layout(flat, a.shape, layout)
+            host[...] = a
+            return host
+        x, r = pinned_copy(x), pinned_copy(r)
+    x0, r0 = x.copy(), r.copy()
+    t = torch.from_numpy
+    ref = F.relu((conv + t(b)[:, None, None]) * t(sc)[:, None, None] + t(sh)[:, None, None] + wide(r)).numpy()
+    y = dnn.conv2d(x, w, b, stride, pad, scale=sc, shift=sh, residual=r, activation="relu", math=math)
+    assert type(y) is np.ndarray and y.dtype == dt and (layout == "cl") == (not y.flags.c_contiguous)
+    assert rel(y, ref) < HOST_BATCH_TOL[(dtype, math)]
+    out = host_batch.in_layout(np.full(y.size, np.nan, dt), y.shape, layout)
+    got = dnn.conv2d(x, w, None, stride, pad, out=out, math=math)
+    assert got is out and rel(out, conv.numpy()) < HOST_BATCH_TOL[(dtype, math)]
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(r, r0)
 
 
 def test_transposed_and_backward():

@@ -220,14 +220,19 @@ def test_mobilenet_v2_layers(launches, c, size, stride, layout):
     assert _pattern(launches, ("launch_forward", 1), ("launch_forward", stride ** 2), ("launch_weight", 1)), launches
 
 
-def test_route_is_taken_for_cupy_only(launches):
+def test_route_is_taken_for_cupy_and_host_batches(launches, monkeypatch):
+    """CuPy operands and host batches (host_batch: one chunk here) take the kernel; the engine's tile tasks not."""
+    from blasx.dnn import conv_direct, host_batch
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 6, 9, 9))
     w = rng.standard_normal((6, 1, 3, 3))
     ref = F.conv2d(T(x), T(w), None, 1, 1, 1, 6).numpy()
-    assert rel(dnn.conv2d(x, w, padding=1, groups=6), ref) < 1e-12 and launches == []
+    chunks = len(host_batch.plan(2, 1, len(host_batch.gpus())))  # one a GPU
+    assert rel(dnn.conv2d(x, w, padding=1, groups=6), ref) < 1e-12 and launches == ["launch_forward"] * chunks
     assert rel(dnn.conv2d(cupy.asarray(x), cupy.asarray(w), padding=1, groups=6), ref) < 1e-12
-    assert launches == ["launch_forward"]
+    assert launches == ["launch_forward"] * (chunks + 1)
+    monkeypatch.setattr(conv_direct, "ROUTE", "engine")
+    assert rel(dnn.conv2d(x, w, padding=1, groups=6), ref) < 1e-12 and launches == ["launch_forward"] * (chunks + 1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])

@@ -22,7 +22,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, phases
+from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, host_batch, phases
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
@@ -234,6 +234,13 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     check_out(out, user_shape, dt, x, x, weight, residual, alias=False)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
+    image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
+    if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
+        y = _batched(out, nd)[0] if out is not None else host_batch.empty(shape, dt, lay)
+        host_batch.run(host_batch.Batch(_as_layout(np, xb, lay), y, residual, lay), weight,
+                       lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, lay,
+                                                            wd, yd, rd, (*vecs, act), math, user_weight=True))
+        return out if out is not None else (y[0] if unbatched else y)
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)

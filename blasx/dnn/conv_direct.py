@@ -39,7 +39,7 @@ from .geometry import ConvGeometry
 OP_N, OP_T = 0, 1
 SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the engine has several
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
-ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands; None chooses
+ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
 FORMS = ("im2col", "shifted", "implicit")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where it applies

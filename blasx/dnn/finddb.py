@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -242,12 +243,37 @@ _cache: dict = {"state": None, "table": {}}
 
 
 def _state(path) -> tuple:
+    """(path, the file's stamp, the in-process write generation): what the memos below are valid for."""
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
     except OSError:
         stamp = None
     return str(path), stamp, perfdb.generation()
+
+
+STAT_SECONDS = 1.0  # stored_form looks at the file again after this long (another process's writes show by then)
+_recent: dict = {}  # path -> (monotonic time, _state)
+
+
+def _recent_state(path) -> tuple:
+    """:func:`_state`, the file looked at no more than once in ``STAT_SECONDS`` (writes in this process show at once)."""
+    key, now = str(path), time.monotonic()
+    got = _recent.get(key)
+    if got is None or now - got[0] > STAT_SECONDS or got[1][2] != perfdb.generation():
+        got = _recent[key] = (now, _state(path))
+    return got[1]
+
+
+def _db_path():
+    """perfdb.default_path(), made again only when the variables it depends on change."""
+    loc = perfdb.location_state()
+    if _path["loc"] != loc:
+        _path["path"], _path["loc"] = perfdb.default_path(), loc
+    return _path["path"]
+
+
+_path: dict = {"loc": None, "path": None}
 
 
 def _table() -> dict:
@@ -290,7 +316,7 @@ def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, devi
         return None
     from .. import precision
     math_ = precision.check_math(math_)
-    state = _state(perfdb.default_path())
+    state = _recent_state(_db_path())
     if _forms["state"] != state:
         _forms["memo"], _forms["state"] = {}, state
     memo = _forms["memo"]

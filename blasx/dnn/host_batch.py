@@ -1,0 +1,312 @@
+"""Host batches on the GPUs: a forward convolution of a numpy batch, its images cut into chunks dealt to the
+engine's GPUs in turn. Each GPU keeps ``SLOTS`` chunks in flight, one a stream: the chunk copied in (straight
+from page-locked memory, else through the slot's page-locked staging), convolved by the device route
+(conv_direct: the forms and kernels of CuPy operands), copied out. So on every GPU both directions of its host
+link and its compute overlap, and the GPUs' links add up. The weights go to each GPU once a call. The calling
+thread issues everything (all of it asynchronous): no thread hand-offs, no GIL contention between issuers.
+
+Chosen for numpy operands when the engine's devices are GPUs and one image's input and output fit a chunk
+(:func:`applies`); the engine's tile tasks (im2col as derived tiles) stay the route for sims, the CPU and
+larger images.
+
+Policy: chunks of equal size, enough for every slot of every GPU to run ``CHUNKS_PER_SLOT`` (the first fills
+the pipeline), of ``MIN_CHUNK_BYTES`` to ``CHUNK_BYTES`` of input and output (:func:`plan`). Host operands of
+at least ``hostmem.MIN_REGISTER_BYTES`` (weights: ``WEIGHT_REGISTER_BYTES``) are page-locked in place by the
+engine's registration cache (kept while the array lives); a caller's page-locked memory is copied from as it
+is; anything else goes through staging. Outputs blasx allocates are page-locked (CuPy's pinned pool) up to
+``PINNED_OUT_BYTES``.
+
+State: a :class:`Slot` (stream, Workspace, staging) belongs to one call at a time: a call takes idle slots
+from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
+(:meth:`Slot.drain`).
+
+Failure: the first exception (Ctrl-C included) stops the issuing; every slot is synchronized and drained
+before the call re-raises it, so no copy still reads or writes the caller's arrays when it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from math import prod
+
+import numpy as np
+
+from ..operands import is_cupy
+from . import conv_direct, direct_cache
+
+SLOTS = 2  # streams a GPU keeps chunks in flight on
+CHUNKS_PER_SLOT = 4  # chunks each slot runs at least where the batch allows
+CHUNK_BYTES = 64 << 20  # a chunk's input + output bytes at most (each slot's staging and device buffers)
+MIN_CHUNK_BYTES = 16 << 20  # ... and at least, where the batch allows: a smaller chunk costs more host time than GPU time
+PINNED_OUT_BYTES = 4 << 30  # outputs blasx allocates are page-locked up to this size
+WEIGHT_REGISTER_BYTES = 1 << 20  # weights from this size are page-locked in place (kept while they live)
+
+
+# ---------------------------------------------------------------- the plan (pure)
+
+def plan(n: int, image_bytes: int, gpus: int, slots: int = SLOTS) -> list[tuple[int, int]]:
+    """Spans [lo, hi) of the batch's ``n`` images (``image_bytes`` of input and output an image), of equal
+    size (the last may be smaller): as many as every slot of every GPU needs to run ``CHUNKS_PER_SLOT``, but
+    chunks of at least ``MIN_CHUNK_BYTES`` while every GPU still gets one, and of at most ``CHUNK_BYTES``."""
+    if n <= 0:
+        return []
+    image_bytes = max(1, image_bytes)
+    per = max(-(-n // (gpus * slots * CHUNKS_PER_SLOT)), -(-MIN_CHUNK_BYTES // image_bytes))
+    per = max(1, min(per, -(-n // gpus), CHUNK_BYTES // image_bytes))
+    count = -(-n // per)
+    per = -(-n // count)
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+def gpus() -> tuple:
+    """The engine's GPUs (configured, not started): the route's devices; empty where it has none."""
+    from .. import session
+    return session.cuda_ordinals()
+
+
+def applies(x, image_bytes: int) -> bool:
+    """Whether a forward convolution of host array ``x`` takes this route (``image_bytes``: one image's
+    input and output): GPUs configured, the route not forced to the engine, an image within a chunk."""
+    if is_cupy(x) or conv_direct.ROUTE == "engine" or image_bytes > CHUNK_BYTES:
+        return False
+    return bool(gpus())
+
+
+# ---------------------------------------------------------------- host memory
+
+def pinned(nbytes: int, dtype=np.uint8) -> np.ndarray:
+    """A page-locked host array of ``nbytes`` bytes viewed as ``dtype`` (CuPy's pinned pool)."""
+    import cupy
+    dt = np.dtype(dtype)
+    mem = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
+    return np.frombuffer(mem, dtype=dt, count=max(1, nbytes // dt.itemsize))
+
+
+def empty(shape: tuple, dtype, lay: str) -> np.ndarray:
+    """An output for this route in layout ``lay``: page-locked up to ``PINNED_OUT_BYTES``, else numpy's."""
+    dt = np.dtype(dtype)
+    stored = tuple(shape) if lay == "nchw" else (shape[0], *shape[2:], shape[1])
+    nbytes = prod(stored) * dt.itemsize
+    flat = pinned(nbytes, dt)[:prod(stored)] if 0 < nbytes <= PINNED_OUT_BYTES else np.empty(prod(stored), dt)
+    return in_layout(flat.reshape(stored) if lay == "nchw" else flat, shape, lay)
+
+
+def in_layout(flat, shape: tuple, lay: str):
+    """A compact array's memory ``flat`` viewed as the NC(spatial)-shaped array in layout ``lay``."""
+    if lay == "nchw":
+        return flat.reshape(shape)
+    moved = flat.reshape(shape[0], *shape[2:], shape[1])
+    return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
+
+
+def memory_bytes(a, lay: str) -> np.ndarray:
+    """The bytes of a compact host array in layout ``lay``, in memory order (a view)."""
+    stored = a if lay == "nchw" else a.transpose(0, *range(2, a.ndim), 1)
+    return stored.reshape(-1).view(np.uint8)
+
+
+def pinnings(arrays: list, min_bytes: int | None = None) -> tuple[list, object]:
+    """(each host array's hostmem.Pinning or None, the registration job or None): an array whose root is
+    at most twice its size (and at least ``min_bytes``, default hostmem's) is page-locked in place (the
+    registration cache; memory pinned by others is used as it is); a part of a larger array is staged
+    (locking its whole root would cost more than the copy)."""
+    from ..runtime import hostmem
+    picked = [a for a in arrays if a is not None and hostmem.root_of(a).nbytes <= 2 * a.nbytes]
+    if not picked:
+        return [None] * len(arrays), None
+    got, job = hostmem.REGISTRY.pin(picked, min_bytes)
+    of = {id(a): p for a, p in zip(picked, got)}
+    return [of.get(id(a)) if a is not None else None for a in arrays], job
+
+
+# ---------------------------------------------------------------- one stream of one GPU
+
+class Slot:
+    """One stream of one GPU and what it keeps between calls: a Workspace (weight transforms, scratch, the
+    cuBLAS handle bound to this stream), page-locked staging, and its last chunk (``event``; ``staged``: it
+    used the staging, so the next must wait for it; ``owed``: the host copy out of staging its output still
+    needs). Chunks copied straight from and into page-locked memory never wait: the stream orders them."""
+
+    def __init__(self, device: int):
+        import cupy
+        self.device = device
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.event = cupy.cuda.Event(disable_timing=True)
+        self.workspace = direct_cache.Workspace()
+        self.staging: dict = {}
+        self.staged = False
+        self.owed = None
+
+    def stage(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self.staging.get(name)
+        if buf is None or buf.size < nbytes:
+            buf = self.staging[name] = pinned(nbytes)
+        return buf[:nbytes]
+
+    def device_array(self, name: str, shape: tuple, dtype, lay: str):
+        import cupy
+        flat = self.workspace.scratch("host_batch_" + name, prod(shape), dtype,
+                                      lambda size, dt: cupy.empty(size, dtype=dt))
+        return in_layout(flat, shape, lay)
+
+    def copy_in(self, dev, host: np.ndarray, pinning, name: str) -> None:
+        """``host`` (bytes in memory order) into the device array ``dev`` (compact) on this stream."""
+        from cupy.cuda import runtime as rt
+        n, dst = host.nbytes, dev.data.ptr
+        if pinning is None:
+            st = self.stage(name, n)
+            np.copyto(st, host)
+            self.staged = True
+            rt.memcpyAsync(dst, st.ctypes.data, n, rt.memcpyHostToDevice, self.stream.ptr)
+            return
+        src = host.ctypes.data
+        for _, _, b0, b1 in pinning.pieces(src, n, n, 1):
+            rt.memcpyAsync(dst + b0, src + b0, b1 - b0, rt.memcpyHostToDevice, self.stream.ptr)
+
+    def copy_out(self, host: np.ndarray, dev, pinning) -> None:
+        """The device array ``dev`` into ``host`` (bytes in memory order) on this stream; through staging
+        the host copy is owed until :meth:`drain`."""
+        from cupy.cuda import runtime as rt
+        n, src = host.nbytes, dev.data.ptr
+        if pinning is None:
+            st = self.stage("out", n)
+            rt.memcpyAsync(st.ctypes.data, src, n, rt.memcpyDeviceToHost, self.stream.ptr)
+            self.owed = (host, st)
+            self.staged = True
+            return
+        dst = host.ctypes.data
+        for _, _, b0, b1 in pinning.pieces(dst, n, n, 1):
+            rt.memcpyAsync(dst + b0, src + b0, b1 - b0, rt.memcpyDeviceToHost, self.stream.ptr)
+
+    def issued(self) -> None:
+        self.event.record(self.stream)
+
+    def drain(self) -> None:
+        """Where its last chunk used the staging: wait for it and make its owed host copy."""
+        if not self.staged:
+            return
+        self.event.synchronize()
+        self.staged = False
+        if self.owed is not None:
+            dst, st = self.owed
+            self.owed = None
+            np.copyto(dst, st)
+
+
+_IDLE: dict = {}  # device -> idle Slots
+_lock = threading.Lock()
+
+
+def take(device: int, count: int) -> list:
+    with _lock:
+        idle = _IDLE.setdefault(device, [])
+        got = [idle.pop() for _ in range(min(count, len(idle)))]
+    return got + [Slot(device) for _ in range(count - len(got))]
+
+
+def give_back(slots: list) -> None:
+    for s in slots:
+        s.workspace.weights.clear()  # this call's weights: never found again, not kept alive
+        s.owed, s.staged = None, False
+    with _lock:
+        for s in slots:
+            _IDLE.setdefault(s.device, []).append(s)
+
+
+def release() -> None:
+    """Drop the idle slots (their streams, staging and scratch): blasx.shutdown, tests."""
+    with _lock:
+        _IDLE.clear()
+
+
+# ---------------------------------------------------------------- a call
+
+@dataclasses.dataclass
+class Batch:
+    """A forward call's host operands in layout ``lay`` (compact): x, the output y, a residual or None."""
+
+    x: np.ndarray
+    y: np.ndarray
+    residual: np.ndarray | None
+    lay: str
+
+
+def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) -> None:
+    """y = body per chunk, on every GPU: ``body(xd, wd, yd, rd)`` computes a chunk's output ``yd`` from its
+    input ``xd`` (and residual ``rd`` or None) and the weight on that GPU ``wd``, on the current device and
+    stream (CuPy arrays in the batch's layout). Everything is issued from the calling thread, chunk k to GPU
+    k mod G (every operation is asynchronous; only staging waits)."""
+    import cupy
+    devices = tuple(devices or gpus())
+    x, y, res, lay = batch.x, batch.y, batch.residual, batch.lay
+    n = x.shape[0]
+    image = (x.nbytes + y.nbytes + (res.nbytes if res is not None else 0)) // max(1, n)
+    spans = plan(n, image, len(devices))
+    (px, pr, py), job = pinnings([x, res, y])
+    w_host, pw, w_job = weight, None, None
+    if weight.flags.c_contiguous:  # copied from in place, once page-locked (kept while the weight lives)
+        (pw,), w_job = pinnings([weight], WEIGHT_REGISTER_BYTES)
+    if pw is None:  # staged once for every GPU
+        w_host = pinned(weight.nbytes, weight.dtype)[:weight.size].reshape(weight.shape)
+        np.copyto(w_host, weight)
+        pw = hostmem_whole(w_host)
+    used = {d: take(d, min(SLOTS, -(-len(spans) // len(devices)))) for d in devices[:len(spans)]}
+    failed = None
+    try:
+        weights = {}
+        for d, slots in used.items():
+            with cupy.cuda.Device(d):
+                first = slots[0]
+                with first.stream:  # the weight in a buffer of this GPU's own: the same address call after call
+                    wd = weights[d] = first.device_array("w", w_host.shape, w_host.dtype, "nchw")
+                    first.copy_in(wd, w_host.reshape(-1).view(np.uint8), pw, "w")
+                first.event.record(first.stream)
+                for s in slots[1:]:
+                    s.stream.wait_event(first.event)
+        for k, (lo, hi) in enumerate(spans):
+            d = devices[k % len(devices)]
+            slots = used[d]
+            s = slots[(k // len(devices)) % len(slots)]
+            s.drain()
+            with cupy.cuda.Device(d), s.stream, conv_direct.on_own_gpu(), direct_cache.using(s.workspace):
+                xd = s.device_array("x", (hi - lo, *x.shape[1:]), x.dtype, lay)
+                s.copy_in(xd, memory_bytes(x[lo:hi], lay), px, "x")
+                rd = None
+                if res is not None:
+                    rd = s.device_array("r", (hi - lo, *res.shape[1:]), res.dtype, lay)
+                    s.copy_in(rd, memory_bytes(res[lo:hi], lay), pr, "r")
+                yd = s.device_array("y", (hi - lo, *y.shape[1:]), y.dtype, lay)
+                body(xd, weights[d], yd, rd)
+                s.copy_out(memory_bytes(y[lo:hi], lay), yd, py)
+                s.issued()
+    except BaseException as exc:  # noqa: BLE001 -- re-raised once nothing is in flight
+        failed = exc
+    finally:
+        for slots in used.values():
+            done = []
+            for s in slots:
+                try:
+                    s.stream.synchronize()  # a chunk cut short by an error has copies in flight too
+                    s.drain()
+                    done.append(s)
+                except BaseException as exc:  # noqa: BLE001 -- a slot that fails here is not reused
+                    failed = failed or exc
+            give_back(done)
+        for j in (job, w_job):
+            if j is not None:
+                j.join()  # no registration outlives the call
+    if failed is not None:
+        raise failed
+
+
+def hostmem_whole(a: np.ndarray):
+    """The Pinning of page-locked memory blasx allocated (one region)."""
+    from ..runtime import hostmem
+    return hostmem.Pinning.whole(a.ctypes.data, a.ctypes.data + a.nbytes)
+
+
+def chunk_geometry(geo, n: int):
+    """The geometry of a chunk of ``n`` images."""
+    return dataclasses.replace(geo, n=n)

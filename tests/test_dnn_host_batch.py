@@ -1,0 +1,152 @@
+"""blasx.dnn.host_batch: the plan by exact value, the route's choice, and the chunked run on the CPU stand-in
+for CuPy (its copies real, the chunk's convolution done by CPU torch in the test's body) against torch on the
+whole batch; errors stop the run and leave the slots reusable."""
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from bench import fake_cupy  # noqa: E402
+from blasx.dnn import conv_direct, host_batch  # noqa: E402
+from blasx.runtime import hostmem  # noqa: E402
+
+MB = 1 << 20
+
+
+def test_plan_by_exact_value():
+    # 800 kB images, 2 GPUs: 2 slots x 4 chunks each -> 16 chunks of 32 (each 25.6 MB: within both bounds)
+    assert host_batch.plan(512, 800_000, 2) == [(i, i + 32) for i in range(0, 512, 32)]
+    # 100 kB images: chunks of at least 16 MiB (168 images) -> 4 chunks of 128
+    assert host_batch.plan(512, 100_000, 2) == [(i, i + 128) for i in range(0, 512, 128)]
+    # tiny images: one chunk a GPU
+    assert host_batch.plan(7, 10, 1) == [(0, 7)]
+    assert host_batch.plan(10, 10, 2) == [(0, 5), (5, 10)]
+    assert host_batch.plan(3, 10, 2) == [(0, 2), (2, 3)]
+    # 16 MiB images: at most 4 a chunk (64 MiB)
+    assert host_batch.plan(512, 16 * MB, 2) == [(i, i + 4) for i in range(0, 512, 4)]
+    # larger than a chunk: one image a chunk
+    assert host_batch.plan(5, 100 * MB, 1) == [(i, i + 1) for i in range(5)]
+    assert host_batch.plan(0, 10, 2) == []
+    spans = host_batch.plan(1000, 1_234_567, 3)
+    assert spans[0][0] == 0 and spans[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len({hi - lo for lo, hi in spans[:-1]}) == 1
+
+
+def test_applies(monkeypatch):
+    x = np.zeros((4, 3, 8, 8), np.float32)
+    monkeypatch.setattr(host_batch, "gpus", lambda: ())
+    assert not host_batch.applies(x, 1000)
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0, 1))
+    assert host_batch.applies(x, 1000)
+    assert not host_batch.applies(x, host_batch.CHUNK_BYTES + 1)
+    monkeypatch.setattr(conv_direct, "ROUTE", "engine")
+    assert not host_batch.applies(x, 1000)
+
+
+def _cl(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def _body(stride, padding, calls, fail_at=None):
+    """A chunk's convolution by CPU torch, written into the slot's device array (host memory here)."""
+    lock = threading.Lock()
+
+    def body(xd, wd, yd, rd):
+        with lock:
+            calls.append(xd.shape[0])
+            if fail_at is not None and len(calls) == fail_at:
+                raise RuntimeError("chunk failed")
+        x = torch.from_numpy(np.asarray(xd).view(np.ndarray).copy())
+        w = torch.from_numpy(np.asarray(wd).view(np.ndarray).copy())
+        y = torch.nn.functional.conv2d(x, w, None, stride, padding).numpy()
+        if rd is not None:
+            y = y + np.asarray(rd).view(np.ndarray)
+        np.copyto(yd.view(np.ndarray), y)
+    return body
+
+
+@pytest.mark.parametrize("lay", ["nchw", "cl"])
+@pytest.mark.parametrize("devices", [(0,), (0, 1)])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_run_matches_torch(monkeypatch, lay, devices, pinned):
+    monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)  # small chunks: several on every slot
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((13, 8, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    res = rng.standard_normal((13, 6, 5, 5)).astype(np.float32)
+    if lay == "cl":
+        x, res = _cl(x), _cl(res)
+    want = torch.nn.functional.conv2d(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(w), None,
+                                      2, 1).numpy() + res
+    x0, res0, w0 = x.copy(), res.copy(), w.copy()
+    if pinned:  # the caller's memory page-locked: copied from and into as it is
+        monkeypatch.setattr(host_batch, "pinnings", lambda arrays, min_bytes=None: (
+            [None if a is None else hostmem.Pinning.whole(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays],
+            None))
+    with fake_cupy.installed(copies=True):
+        host_batch.release()
+        y = host_batch.in_layout(np.full(13 * 6 * 25, np.nan, np.float32), (13, 6, 5, 5), lay)
+        calls = []
+        host_batch.run(host_batch.Batch(x, y, res, lay), w, _body(2, 1, calls), devices)
+        host_batch.release()
+    assert sorted(calls) == sorted(hi - lo for lo, hi in host_batch.plan(13, 4 * (8 * 81 + 2 * 6 * 25), len(devices)))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert host_batch.memory_bytes(y, lay).size == y.nbytes  # y kept its layout
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(res, res0)
+    np.testing.assert_array_equal(w, w0)
+
+
+def test_an_error_stops_the_run_and_slots_stay_usable(monkeypatch):
+    monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((32, 4, 6, 6)).astype(np.float32)
+    w = rng.standard_normal((4, 4, 3, 3)).astype(np.float32)
+    with fake_cupy.installed(copies=True):
+        host_batch.release()
+        y = np.zeros((32, 4, 4, 4), np.float32)
+        calls = []
+        with pytest.raises(RuntimeError, match="chunk failed"):
+            host_batch.run(host_batch.Batch(x, y, None, "nchw"), w, _body(1, 0, calls, fail_at=3), (0, 1))
+        assert len(calls) < len(host_batch.plan(32, 4 * (144 + 64), 2))  # the others stopped taking chunks
+        idle = sum(len(v) for v in host_batch._IDLE.values())
+        assert idle == 2 * host_batch.SLOTS  # every slot given back
+        calls = []
+        host_batch.run(host_batch.Batch(x, y, None, "nchw"), w, _body(1, 0, calls), (0, 1))
+        assert sum(len(v) for v in host_batch._IDLE.values()) == idle  # reused, none made
+        host_batch.release()
+    want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_is_page_locked_in_its_layout():
+    with fake_cupy.installed():
+        y = host_batch.empty((3, 5, 4, 4), np.float16, "cl")
+        assert y.shape == (3, 5, 4, 4) and y.dtype == np.float16
+        assert host_batch.memory_bytes(y, "cl").size == y.nbytes
+        assert isinstance(hostmem.root_of(y).base, (bytearray, memoryview))  # the stand-in's pinned memory
+        z = host_batch.empty((2, 3, 4), np.float32, "nchw")
+        assert z.flags.c_contiguous and z.shape == (2, 3, 4)
+
+
+def test_conv2d_on_numpy_takes_the_route(monkeypatch):
+    """conv2d of a host batch with GPUs configured: one memcpy in and one out per chunk, the weight uploaded
+    once per GPU, the chunks' convolutions on the device route (launches recorded)."""
+    import blasx.dnn as dnn
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0, 1))
+    x = np.zeros((16, 64, 8, 8), np.float16)
+    w = np.zeros((64, 64, 3, 3), np.float16)
+    with fake_cupy.installed(record_calls=True) as fake:
+        host_batch.release()
+        y = dnn.conv2d(x, w, padding=1, activation="relu")
+        host_batch.release()
+        copies = [e for e in fake.log if e[0] == "memcpy"]
+    spans = host_batch.plan(16, 2 * 2 * 64 * 64, 2)
+    assert y.shape == (16, 64, 8, 8) and y.dtype == np.float16
+    assert sorted(e[1] for e in copies if e[2] == 1) == sorted([w.nbytes] * 2 + [2 * 64 * 64 * (hi - lo)
+                                                                                 for lo, hi in spans])
+    assert sorted(e[1] for e in copies if e[2] == 2) == sorted(2 * 64 * 64 * (hi - lo) for lo, hi in spans)
