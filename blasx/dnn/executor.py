@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..operands import is_cupy
-from . import chunk_graph, direct_cache, lanes, layers
+from . import chunk_graph, direct_cache, host_batch, lanes, layers
 from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
@@ -175,11 +175,7 @@ class Worker:
         self._timing_events: list = []  # CUDA events reused chunk after chunk (read back before reuse)
 
     def _view(self, buf, shape):
-        v = buf[:math_prod(shape)]
-        if self.layout == "cl" and len(shape) >= 4:
-            moved = v.reshape(shape[0], *shape[2:], shape[1])
-            return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
-        return v.reshape(shape)
+        return host_batch.in_layout(buf[:math_prod(shape)], shape, self.layout if len(shape) >= 4 else "nchw")
 
     def _per_shape(self, shape: tuple) -> tuple:
         """(shapes, flops, out=) per node for chunks of ``shape``, made once (views of this worker's buffers)."""
@@ -308,7 +304,7 @@ class Worker:
                 xd[...] = xc
                 return self._forward_staged(xd, chunk, t_origin)
             if pinning is not None:
-                _copy_in(xd, xc, pinning, self.stream)
+                host_batch.pinned_copy(xd.data.ptr, xc.ctypes.data, xc.nbytes, pinning, True, self.stream.ptr)
             else:
                 stage = self.pinned_in[:xc.size].reshape(xc.shape)
                 np.copyto(stage, xc, casting="unsafe")
@@ -320,17 +316,6 @@ class Worker:
             cupy.ascontiguousarray(y).get(stream=self.stream, out=host)
             self.stream.synchronize()
             return host
-
-
-def _copy_in(xd, xc, pinning, stream) -> None:
-    """The host chunk ``xc`` into ``xd`` on ``stream``: asynchronous from the page-locked parts of the batch,
-    in pieces that each lie in one registered (or pageable) region (hostmem: CUDA refuses a copy over a partly
-    registered range)."""
-    import cupy
-    rt = cupy.cuda.runtime
-    src, n = xc.ctypes.data, xc.nbytes
-    for _, _, b0, b1 in pinning.pieces(src, n, n, 1):
-        rt.memcpyAsync(xd.data.ptr + b0, src + b0, b1 - b0, rt.memcpyHostToDevice, stream.ptr)
 
 
 def _pin_batch(workers: list, x):
@@ -357,9 +342,8 @@ def _to_cl(xp, x):
 
 
 def _pinned(n: int, dtype):
-    import cupy
-    mem = cupy.cuda.alloc_pinned_memory(max(1, n) * np.dtype(dtype).itemsize)
-    return np.frombuffer(mem, dtype=dtype, count=max(1, n))
+    """``n`` elements of ``dtype`` in page-locked host memory."""
+    return host_batch.pinned(max(1, n) * np.dtype(dtype).itemsize, dtype)
 
 
 def _last_reads(graph: Graph) -> dict:

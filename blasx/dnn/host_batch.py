@@ -106,6 +106,18 @@ def memory_bytes(a, lay: str) -> np.ndarray:
     return stored.reshape(-1).view(np.uint8)
 
 
+def pinned_copy(dev_ptr: int, host_ptr: int, nbytes: int, pinning, to_device: bool, stream_ptr: int) -> None:
+    """``nbytes`` between device memory and (partly) page-locked host memory, asynchronous on the stream, in
+    pieces that each lie in one registered (or pageable) region (hostmem: CUDA refuses a copy over a partly
+    registered range), once those regions are ready."""
+    from cupy.cuda import runtime as rt
+    for _, _, b0, b1 in pinning.pieces(host_ptr, nbytes, nbytes, 1):
+        if to_device:
+            rt.memcpyAsync(dev_ptr + b0, host_ptr + b0, b1 - b0, rt.memcpyHostToDevice, stream_ptr)
+        else:
+            rt.memcpyAsync(host_ptr + b0, dev_ptr + b0, b1 - b0, rt.memcpyDeviceToHost, stream_ptr)
+
+
 def pinnings(arrays: list, min_bytes: int | None = None) -> tuple[list, object]:
     """(each host array's hostmem.Pinning or None, the registration job or None): an array whose root is
     at most twice its size (and at least ``min_bytes``, default hostmem's) is page-locked in place (the
@@ -161,9 +173,7 @@ class Slot:
             self.staged = True
             rt.memcpyAsync(dst, st.ctypes.data, n, rt.memcpyHostToDevice, self.stream.ptr)
             return
-        src = host.ctypes.data
-        for _, _, b0, b1 in pinning.pieces(src, n, n, 1):
-            rt.memcpyAsync(dst + b0, src + b0, b1 - b0, rt.memcpyHostToDevice, self.stream.ptr)
+        pinned_copy(dst, host.ctypes.data, n, pinning, True, self.stream.ptr)
 
     def copy_out(self, host: np.ndarray, dev, pinning) -> None:
         """The device array ``dev`` into ``host`` (bytes in memory order) on this stream; through staging
@@ -176,9 +186,7 @@ class Slot:
             self.owed = (host, st)
             self.staged = True
             return
-        dst = host.ctypes.data
-        for _, _, b0, b1 in pinning.pieces(dst, n, n, 1):
-            rt.memcpyAsync(dst + b0, src + b0, b1 - b0, rt.memcpyDeviceToHost, self.stream.ptr)
+        pinned_copy(src, host.ctypes.data, n, pinning, False, self.stream.ptr)
 
     def issued(self) -> None:
         self.event.record(self.stream)
