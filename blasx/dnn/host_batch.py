@@ -165,28 +165,22 @@ class Slot:
 
     def copy_in(self, dev, host: np.ndarray, pinning, name: str) -> None:
         """``host`` (bytes in memory order) into the device array ``dev`` (compact) on this stream."""
-        from cupy.cuda import runtime as rt
-        n, dst = host.nbytes, dev.data.ptr
         if pinning is None:
-            st = self.stage(name, n)
+            st = self.stage(name, host.nbytes)
             np.copyto(st, host)
             self.staged = True
-            rt.memcpyAsync(dst, st.ctypes.data, n, rt.memcpyHostToDevice, self.stream.ptr)
-            return
-        pinned_copy(dst, host.ctypes.data, n, pinning, True, self.stream.ptr)
+            host, pinning = st, hostmem_whole(st)
+        pinned_copy(dev.data.ptr, host.ctypes.data, host.nbytes, pinning, True, self.stream.ptr)
 
     def copy_out(self, host: np.ndarray, dev, pinning) -> None:
         """The device array ``dev`` into ``host`` (bytes in memory order) on this stream; through staging
         the host copy is owed until :meth:`drain`."""
-        from cupy.cuda import runtime as rt
-        n, src = host.nbytes, dev.data.ptr
         if pinning is None:
-            st = self.stage("out", n)
-            rt.memcpyAsync(st.ctypes.data, src, n, rt.memcpyDeviceToHost, self.stream.ptr)
+            st = self.stage("out", host.nbytes)
             self.owed = (host, st)
             self.staged = True
-            return
-        pinned_copy(src, host.ctypes.data, n, pinning, False, self.stream.ptr)
+            host, pinning = st, hostmem_whole(st)
+        pinned_copy(dev.data.ptr, host.ctypes.data, host.nbytes, pinning, False, self.stream.ptr)
 
     def issued(self) -> None:
         self.event.record(self.stream)
