@@ -227,3 +227,53 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
                 y = dnn.lstm(xs[i], None, p, num_layers=layers)[0]
                 assert float(cupy.abs(y - refs[i]).max()) == 0.0
     in_threads(call, 4)
+
+
+@pytest.mark.parametrize("mode, H, B, bidir, lengths", [
+    ("lstm", 64, 8, True, [20, 17, 17, 9, 5, 3, 1, 1]),
+    ("lstm", 512, 80, False, None),  # two passes of staged rows (MAX_BATCH raised below)
+    ("gru", 128, 16, True, None),
+    ("gru", 64, 3, False, [20, 4, 2]),
+    ("rnn_tanh", 256, 5, True, None),
+    ("rnn_relu", 64, 16, False, None),
+])
+def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
+    """The persistent kernel (rnn_persist) against the graph loop on the same inputs: outputs, final states and
+    every gradient of a training call (its saved gates feed the backward pass)."""
+    from blasx.dnn import rnn_persist
+    monkeypatch.setattr(rnn_persist, "MAX_BATCH", 128)
+    torch.manual_seed(0)
+    kw = dict(num_layers=2 if bidir else 1, bidirectional=bidir)  # unidirectional stacks run diagonally
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
+    m = cls(32, H, **kw) if cls else torch.nn.RNN(32, H, nonlinearity=mode[4:], **kw)
+    tdt = torch.float16
+    p = {k: cupy.from_dlpack(v.detach().cuda().to(tdt).contiguous()) for k, v in m.state_dict().items()}
+    x = cupy.from_dlpack((torch.randn(20, B, 32, device="cuda") * 0.5).to(tdt))
+    fn = {"lstm": dnn.lstm, "gru": dnn.gru}.get(mode) or (lambda *a, **k: dnn.rnn(*a, nonlinearity=mode[4:], **k))
+    bw = {"lstm": dnn.lstm_backward, "gru": dnn.gru_backward}.get(mode, dnn.rnn_backward)
+
+    def run():
+        out = fn(x, None, p, training=True, lengths=lengths, **kw)
+        gs = [cupy.ones_like(o) * 0.1 for o in cupy_outs(out)]
+        return cupy_outs(out), bw(out[-1], *gs)
+
+    def cupy_outs(out):
+        return [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]
+
+    before = rnn_persist.launches()
+    outs, grads = run()
+    assert rnn_persist.launches() - before == (4 if bidir else 1)
+    old, rnn_persist.ENABLED = rnn_persist.ENABLED, False
+    try:
+        ref_outs, ref_grads = run()
+    finally:
+        rnn_persist.ENABLED = old
+    assert rnn_persist.launches() - before == (4 if bidir else 1)
+    for a, r in zip(outs, ref_outs):
+        assert _err(a.astype(cupy.float32), cupy.asnumpy(r.astype(cupy.float32))) < 1e-2
+    inference = cupy_outs(fn(x, None, p, lengths=lengths, **kw))  # no saved gates, c stored at the end only
+    assert rnn_persist.launches() - before == (8 if bidir else 2)
+    for a, r in zip(inference, ref_outs):
+        assert _err(a.astype(cupy.float32), cupy.asnumpy(r.astype(cupy.float32))) < 1e-2
+    for k in ref_grads:
+        assert _err(grads[k].astype(cupy.float32), cupy.asnumpy(ref_grads[k].astype(cupy.float32))) < 2e-2, k

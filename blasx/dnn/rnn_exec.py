@@ -26,28 +26,36 @@ def _f(xp, a, f):
     return a if a.dtype == f else a.astype(f)
 
 
-def input_projection(pb, cell, inp, f, mm=None):
-    """gx (T, B, G*H) in F: ``inp . W_ih^T`` for all steps at once, plus every bias that simply adds (GRU's
-    b_hn is kept apart: it sits inside the reset product). Returns (gx, b_hn or None). ``mm``: a local
-    GEMM instead of the engine's (a wavefront chunk)."""
+def project(pb, cell, inp, f, mm=None):
+    """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's
+    (a wavefront chunk)."""
     xp = pb.xp
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
-    half = inp.dtype.itemsize < 4
     if mm is None:
-        gx = _mm(x2, cell.w_ih.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1)
-    else:
-        gx = mm(x2, cell.w_ih.T).reshape(T, B, -1)
-    bhn = None
-    if cell.b_ih is not None:
-        b = _f(xp, cell.b_ih, f) + _f(xp, cell.b_hh, f)
-        if pb.spec.mode == "gru":
-            h = pb.spec.hidden_size
-            b[2 * h:] = _f(xp, cell.b_ih[2 * h:], f)
-            bhn = xp.ascontiguousarray(_f(xp, cell.b_hh[2 * h:], f))
+        return _mm(x2, cell.w_ih.T, pb, out_dtype=np.float32 if inp.dtype.itemsize < 4 else None).reshape(T, B, -1)
+    return mm(x2, cell.w_ih.T).reshape(T, B, -1)
+
+
+def biases(pb, cell, f):
+    """(b, b_hn) in F: the bias that adds to the input projection (G*H; None without biases) and GRU's b_hn, kept
+    apart because it sits inside the reset product (zeros without biases; None for other modes)."""
+    xp, gru, h = pb.xp, pb.spec.mode == "gru", pb.spec.hidden_size
+    if cell.b_ih is None:
+        return None, (xp.zeros(h, dtype=f) if gru else None)
+    b = _f(xp, cell.b_ih, f) + _f(xp, cell.b_hh, f)
+    if not gru:
+        return b, None
+    b[2 * h:] = _f(xp, cell.b_ih[2 * h:], f)
+    return b, xp.ascontiguousarray(_f(xp, cell.b_hh[2 * h:], f))
+
+
+def input_projection(pb, cell, inp, f, mm=None):
+    """gx (T, B, G*H) in F: :func:`project` plus every bias that simply adds; returns (gx, b_hn or None)."""
+    gx = project(pb, cell, inp, f, mm=mm)
+    b, bhn = biases(pb, cell, f)
+    if b is not None:
         gx += b
-    elif pb.spec.mode == "gru":
-        bhn = xp.zeros(pb.spec.hidden_size, dtype=f)
     return gx, bhn
 
 
@@ -61,9 +69,14 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     T, B = inp.shape[:2]
     store = inp.dtype
     f = compute_type(store)
-    gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
+    host = xp is np
+    pl = None if host or runner is not None or not pb.graphs else _persistent(pb, cell, store, B)
+    if pl is None:
+        gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
+    else:
+        gx, (b, bhn) = project(pb, cell, inp, f, mm=mm), biases(pb, cell, f)
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
-                                   store, f)
+                                   store, f, gates=keep or pl is None)
     k = layer * spec.num_dirs + d
     if pb.h0 is None:
         st.S[0] = 0
@@ -71,7 +84,10 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
         st.S[0] = pb.h0[k]
     if st.C is not None:
         st.C[0] = 0 if pb.c0 is None else pb.c0[k]
-    host = xp is np
+    if pl is not None:
+        from . import rnn_persist
+        rnn_persist.run(pl, spec.mode, gx, b, bhn, cell.w_hh, st, pb.bs, d == 1)
+        return st
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
@@ -83,6 +99,15 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     else:
         rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     return st
+
+
+def _persistent(pb, cell, store, B: int):
+    """rnn_persist's plan for this layer-direction on the current GPU, or None (the graph loop runs)."""
+    from . import rnn_persist
+    w = cell.w_hh
+    if cell.w_hr is not None or w.dtype != store or not w.flags.c_contiguous or w.data.ptr % 16:
+        return None
+    return rnn_persist.applies(pb.spec.mode, store, B, pb.spec.hidden_size, False, pb.xp.cuda.Device())
 
 
 def direction_output(pb, st: rnn_layer.Forward, reverse: bool):

@@ -249,8 +249,11 @@ def order(T: int, reverse: bool):
     return range(T - 1, -1, -1) if reverse else range(T)
 
 
-def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool, store, f) -> Forward:
-    saved = rnn_cells.SAVED[mode]
+def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool, store, f,
+                    gates: bool = True) -> Forward:
+    """Empty buffers of a forward loop (``gates=False``: none for the saved activations, where a loop that
+    needs none for its result runs without them)."""
+    saved = rnn_cells.SAVED[mode] if gates else 0
     return Forward(S=xp.empty((T + 1, B, out), dtype=store),
                    C=xp.empty((T + 1, B, H), dtype=f) if mode == "lstm" else None,
                    gates=xp.empty((T, B, saved * H), dtype=f) if saved else None,

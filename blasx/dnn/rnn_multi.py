@@ -184,7 +184,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
         else:
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
             inputs = [None] * spec.num_dirs
-            pool = _Threads(pb, used)
+            pool = None if xp is not np and used == [home] else _Threads(pb, used)
 
             def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
                 lp = _local(pb, dev, home)
@@ -192,9 +192,13 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 or alone else None)
                 ran_on[(layer, d)] = dev
-            for d in range(spec.num_dirs):
-                pool.start(used[d], one, d, used[d])
-            pool.join()
+            if xp is not np and used == [home]:  # one direction on x's device: the caller's thread and stream
+                with xp.cuda.Device(home):
+                    one(0, home)
+            else:
+                for d in range(spec.num_dirs):
+                    pool.start(used[d], one, d, used[d])
+                pool.join()
             if keep:
                 kept = [Kept(used[d], inputs[d], states[d]) for d in range(spec.num_dirs)]
                 states = [_home_s(xp, st, home) for st in states]

@@ -1,0 +1,229 @@
+// A whole recurrent layer-direction forward in one launch (rnn_persist.py): every block owns J hidden units (all
+// G gates of each); its warps hold those units' recurrent weight rows in registers for the whole loop, warp w
+// the k range [w*KT*16, (w+1)*KT*16). A step stages h_prev from L2 in shared memory, multiplies it on tensor
+// cores (mma m16n8k16, float32 accumulation), sums the warps' partial products, applies the cell and writes the
+// block's slice of h; a grid-wide barrier separates the steps. Blocks are co-resident (cooperative launch).
+// Set by -D: MODE (0 lstm, 1 gru, 2 rnn_tanh, 3 rnn_relu), NT (8-column tiles of the block: G*J/8), KW (warps
+// splitting k), KT (16-wide k steps a warp), MT (16-row tiles staged per pass). Data in float16 (CuPy has no bfloat16).
+#include <cuda_fp16.h>
+#define STYPE __half
+
+#if MODE == 0
+#define G 4
+#elif MODE == 1
+#define G 3
+#else
+#define G 1
+#endif
+#define J (NT * 8 / G)  // hidden units a block owns
+
+__device__ __forceinline__ float tof(__half v) { return __half2float(v); }
+__device__ __forceinline__ void put(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ void mma16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {  // global -> shared, from L2
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {  // one 16x16 A fragment
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// The step's gx slice of rows b0 .. b0+rows (this block's G*J gate columns) into sX, asynchronously.
+// Laid out (G, MC, J): the cell's threads (unit fastest, then row) read consecutive words.
+__device__ __forceinline__ void stage_gx(float* sX, const float* gx, int t, int B, int H, int b0, int rows, int j0) {
+    for (int idx = threadIdx.x; idx < rows * G * J; idx += blockDim.x) {
+        int u = idx % J, r = (idx / J) % rows, g = idx / (J * rows);
+        cp_async4(sX + (g * (MT * 16) + r) * J + u, gx + ((size_t)t * B + b0 + r) * G * H + g * H + j0 + u);
+    }
+}
+
+// All blocks arrive before any leaves; `target` grows by gridDim.x a step (the counter starts at 0 each launch).
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+
+// gx (T, B, G*H) float in time order (the input projection; `bias` (G*H) is added to it when not null);
+// bhn (H) GRU's hidden n bias or null; W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0; C (T+1, B, H) float
+// with C[0] = c0 (LSTM); gates (T, B, 4*H) float or null (the activations saved for the backward pass);
+// bs[t] the active rows at time t (sorted lengths); steps run in processing order p, time t = p or T-1-p.
+// Shared memory: staged h rows (MC x LDH), the warps' partial products (KW x G x MC x J), the step's gx slice
+// (G x MC x J), the bias slice (NJ) and, LSTM, the block's cell states (B x J).
+extern "C" __global__ void __launch_bounds__(256)
+rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, const float* __restrict__ bhn,
+                const STYPE* __restrict__ W, STYPE* S, float* C, float* gates, const int* __restrict__ bs,
+                unsigned* counter, int T, int B, int H, int reverse) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int NJ = NT * 8, MC = MT * 16, LDH = H + 8, H8 = H / 8;
+    const int j0 = blockIdx.x * J;
+    STYPE* sH = (STYPE*)smem;
+    float* sG = (float*)(sH + (size_t)MC * LDH);
+    float* sX = sG + (size_t)KW * MC * NJ;
+    float* sB = sX + (size_t)MC * NJ;
+    float* sC = sB + NJ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const bool mma_warp = warp < KW;
+    const int kbase = warp * KT * 16;
+    const size_t BH = (size_t)B * H;
+
+    // this warp's weight fragments: local column n = g*J + u is W's row g*H + j0 + u
+    unsigned wf[NT][KT][2];
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+        const int n = ni * 8 + gid;
+        const STYPE* row = W + (size_t)((n / J) * H + j0 + n % J) * H + kbase + tig * 2;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            wf[ni][kt][0] = mma_warp ? *(const unsigned*)(row + kt * 16) : 0u;
+            wf[ni][kt][1] = mma_warp ? *(const unsigned*)(row + kt * 16 + 8) : 0u;
+        }
+    }
+    for (int n = threadIdx.x; n < NJ; n += blockDim.x) sB[n] = bias ? bias[(n / J) * H + j0 + n % J] : 0.f;
+#if MODE == 0
+    for (int idx = threadIdx.x; idx < B * J; idx += blockDim.x) sC[idx] = C[(size_t)(idx / J) * H + j0 + idx % J];
+#endif
+
+    const bool save = gates != nullptr;  // training: every step's c; inference: c_T only
+    const int spread = blockDim.x % H8 == 0 ? blockDim.x / H8 : 0;  // rows staged at once, each thread one k8
+    int a = bs[reverse ? T - 1 : 0];
+    bool gx_ready = false;  // the first pass's gx slice was prefetched before the barrier
+
+    for (int p = 0; p < T; ++p) {
+        const int t = reverse ? T - 1 - p : p;
+        const STYPE* hp = S + (size_t)p * BH;
+        STYPE* hn = S + (size_t)(p + 1) * BH;
+        for (int b0 = 0; b0 < B; b0 += MC) {
+            const int rows = min(MC, B - b0);
+            if (spread) {  // h_prev rows (other blocks' output), from L2
+                const int k8 = threadIdx.x % H8;
+                for (int r = threadIdx.x / H8; r < MC; r += spread) {
+                    STYPE* dst = sH + (size_t)r * LDH + k8 * 8;
+                    if (r < rows)
+                        cp_async16(dst, hp + (size_t)(b0 + r) * H + k8 * 8);
+                    else
+                        *(uint4*)dst = make_uint4(0, 0, 0, 0);
+                }
+            } else {
+                for (int idx = threadIdx.x; idx < MC * H8; idx += blockDim.x) {
+                    int r = idx / H8, k8 = idx % H8;
+                    STYPE* dst = sH + (size_t)r * LDH + k8 * 8;
+                    if (r < rows)
+                        cp_async16(dst, hp + (size_t)(b0 + r) * H + k8 * 8);
+                    else
+                        *(uint4*)dst = make_uint4(0, 0, 0, 0);
+                }
+            }
+            if (!gx_ready) stage_gx(sX, gx, t, B, H, b0, rows, j0);
+            gx_ready = false;
+            cp_async_wait();
+            __syncthreads();
+            if (mma_warp) {
+                float acc[MT][NT][4];
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
+                const STYPE* arow = sH + (size_t)(lane & 15) * LDH + kbase + (lane >> 4) * 8;
+#pragma unroll
+                for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+                    for (int mi = 0; mi < MT; ++mi) {
+                        unsigned af[4];
+                        ldmatrix_x4(af, arow + (size_t)mi * 16 * LDH + kt * 16);
+#pragma unroll
+                        for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af, wf[ni][kt]);
+                    }
+                }
+                float* o = sG + (size_t)warp * MC * NJ;
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NT; ++ni) {  // column n = g*J + u goes to (g, row, u); J is even
+                        const int r0 = mi * 16 + gid, n = ni * 8 + tig * 2, g = n / J, u = n % J;
+                        *(float2*)(o + (g * MC + r0) * J + u) = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
+                        *(float2*)(o + (g * MC + r0 + 8) * J + u) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
+                    }
+            }
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < rows * J; idx += blockDim.x) {  // the cell, one (row, unit) each
+                const int r = idx / J, u = idx % J, b = b0 + r, j = j0 + u;
+                const size_t o = (size_t)b * H + j;
+                if (b >= a) {  // finished (forward) or not yet started (reverse): the state carries over
+                    hn[o] = sH[(size_t)r * LDH + j];
+#if MODE == 0
+                    if (save || p == T - 1) C[(p + 1) * BH + o] = sC[b * J + u];
+#endif
+                    continue;
+                }
+                float s[G], xv[G];
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int q = 0; q < KW; ++q) acc += sG[q * MC * NJ + (g * MC + r) * J + u];
+                    s[g] = acc;
+                    const float x = sX[(g * MC + r) * J + u];
+                    xv[g] = bias ? x + sB[g * J + u] : x;
+                }
+#if MODE == 0
+                float ig = sigm(xv[0] + s[0]), fg = sigm(xv[1] + s[1]), gg = tanhf(xv[2] + s[2]),
+                      og = sigm(xv[3] + s[3]);
+                float cn = fg * sC[b * J + u] + ig * gg;
+                sC[b * J + u] = cn;
+                if (save || p == T - 1) C[(p + 1) * BH + o] = cn;
+                put(hn + o, og * tanhf(cn));
+                if (gates) {
+                    float* q = gates + ((size_t)p * B + b) * 4 * H + j;
+                    q[0] = ig; q[H] = fg; q[2 * H] = gg; q[3 * H] = og;
+                }
+#elif MODE == 1
+                float ghn = s[2] + (bhn ? bhn[j] : 0.f);
+                float rg = sigm(xv[0] + s[0]), zg = sigm(xv[1] + s[1]);
+                float ng = tanhf(xv[2] + rg * ghn);
+                put(hn + o, (1.f - zg) * ng + zg * tof(sH[(size_t)r * LDH + j]));
+                if (gates) {
+                    float* q = gates + ((size_t)p * B + b) * 4 * H + j;
+                    q[0] = rg; q[H] = zg; q[2 * H] = ng; q[3 * H] = ghn;
+                }
+#elif MODE == 2
+                put(hn + o, tanhf(xv[0] + s[0]));
+#else
+                float v = xv[0] + s[0];
+                put(hn + o, v > 0.f ? v : 0.f);
+#endif
+            }
+            __syncthreads();
+        }
+        if (p + 1 < T) {  // the next step's active rows and first gx slice do not depend on h: fetch them first
+            const int tn = reverse ? T - 2 - p : p + 1;
+            a = bs[tn];
+            stage_gx(sX, gx, tn, B, H, 0, min(MC, B), j0);
+            gx_ready = true;
+            grid_barrier(counter, gridDim.x * (unsigned)(p + 1));
+        }
+    }
+}

@@ -1,0 +1,149 @@
+"""A recurrent layer-direction's whole forward loop as one persistent kernel (rnn_persist.cu), for float16 layers
+on CuPy arrays (CuPy has no bfloat16) without a projection.
+
+The step loop of rnn_layer.py costs a GEMM and a cell kernel a step; replayed from a CUDA graph that is still
+two dependent launches a step, and at small batch and hidden sizes their fixed costs, not the work, set the time
+(cuDNN's persistent kernels are what it is measured against there). Here each block owns J hidden units (all
+gates of each unit, so the cell needs no other block's result) and its warps hold those units' weight rows in
+registers for the whole loop, each warp a share of the k range; a step is: stage h_prev from L2, tensor-core
+products, the warps' partial sums, the cell, write the block's slice of h, and a grid barrier. Blocks must all
+be resident at once: the launch is cooperative, one block per SM.
+
+:func:`plan` (pure) picks J, the k split and the rows staged per pass; a shape it cannot fit (weight fragments
+over the register budget, H not a multiple of 16) returns None and the graph loop runs instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from math import gcd
+
+import numpy as np
+
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
+THREADS = 256
+WARPS = THREADS // 32
+SMEM = 227 * 1024  # dynamic shared memory a block may use on sm_80/sm_90
+MAX_MT = 4  # 16-row tiles staged per pass (registers: MT x NT accumulator tiles a warp)
+MAX_WREGS = 96  # registers a thread may give to weight fragments (NT x KT x 2)
+PAD = 8  # elements added to each staged row (conflict-free ldmatrix)
+MAX_BATCH = 64  # larger batches take the graph loop: each block stages all of h a step, and past one pass of
+#                 64 rows that traffic from L2 costs more than the launches a graph replay pays
+
+ENABLED = True  # False: the graph loop always (A/B and tests)
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: int  # J: hidden units a block owns
+    blocks: int  # H / J, at most one per SM
+    kwarps: int  # KW: warps splitting the k range (the others only stage and apply the cell)
+    nt: int  # NT: 8-column tiles of the block's G*J gate columns
+    kt: int  # KT: 16-wide k steps a warp
+    mt: int  # MT: 16-row tiles of h staged per pass
+    smem: int  # dynamic shared memory bytes
+
+
+def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM) -> Plan | None:
+    """The persistent kernel's shape for this layer, or None where it does not apply. J is the smallest unit
+    count that makes G*J a whole number of 8-column tiles with H/J <= ``sms`` blocks; the k range is split over
+    the most warps (up to 8) that divide it into 16-wide steps; the weight fragments must fit
+    :data:`MAX_WREGS` registers; the staged rows are as many 16-row tiles (up to 4) as fit in shared memory."""
+    g = GATES[mode]
+    if hidden % 16 or not 1 <= batch <= MAX_BATCH or itemsize != 2:
+        return None
+    step = 8 // gcd(g, 8)
+    j = next((j for j in range(step, hidden + 1, step) if hidden % j == 0 and hidden // j <= sms), None)
+    if j is None:
+        return None
+    nj, ld, k16 = g * j, hidden + PAD, hidden // 16
+    kw = max(w for w in range(1, WARPS + 1) if k16 % w == 0)
+    nt, kt = nj // 8, k16 // kw
+    if nt * kt * 2 > MAX_WREGS:
+        return None
+    fixed = nj * 4 + (batch * j * 4 if mode == "lstm" else 0)  # bias, cell states
+    for mt in range(min(-(-batch // 16), MAX_MT), 0, -1):
+        rows = 16 * mt
+        need = fixed + rows * ld * itemsize + (kw + 1) * rows * nj * 4  # + staged h, partial products, gx
+        if need <= smem:
+            return Plan(j, hidden // j, kw, nt, kt, mt, need)
+    return None
+
+
+_lock = threading.Lock()
+_kernels: dict = {}  # (mode, NT, KW, KT, MT) -> RawKernel
+_smem_set: dict = {}  # (kernel key, device) -> dynamic shared memory allowed so far
+_counts: dict = {}  # (device, active rows by time) -> the rows as a device array
+_launches = [0]
+
+
+def launches() -> int:
+    """Persistent loops launched in this process (tests and benchmarks check which loop ran)."""
+    return _launches[0]
+
+
+def _kernel(mode: str, pl: Plan):
+    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt)
+    with _lock:
+        if key not in _kernels:
+            import cupy
+            src = resources.files(__package__).joinpath("rnn_persist.cu").read_text()
+            opts = ("-std=c++17", f"-DMODE={MODES[mode]}", f"-DNT={pl.nt}", f"-DKW={pl.kwarps}", f"-DKT={pl.kt}",
+                    f"-DMT={pl.mt}")
+            _kernels[key] = cupy.RawKernel(src, "rnn_persist_fwd", options=opts, enable_cooperative_groups=True)
+        return _kernels[key]
+
+
+def applies(mode: str, store, B: int, H: int, proj: bool, device) -> Plan | None:
+    """The plan for a layer of this shape on ``device`` (a cupy.cuda.Device), or None: on only for float16
+    storage without a projection, while :data:`ENABLED`."""
+    if not ENABLED or proj or np.dtype(store) != np.float16:
+        return None
+    return plan(mode, B, H, 2, _sms(device))
+
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    if device.id not in _SMS:
+        _SMS[device.id] = int(device.attributes["MultiProcessorCount"])
+    return _SMS[device.id]
+
+
+def _active(xp, bs, device_id: int):
+    key = (device_id, tuple(bs))
+    with _lock:
+        a = _counts.get(key)
+    if a is None:
+        a = xp.asarray(np.asarray(bs, dtype=np.int32))
+        with _lock:
+            if len(_counts) > 64:
+                _counts.clear()
+            _counts[key] = a
+    return a
+
+
+def run(pl: Plan, mode: str, gx, bias, bhn, w_hh, st, bs, reverse: bool) -> None:
+    """The forward loop of rnn_layer.forward_loop on the current stream: writes st.S[1:], st.C[1:] (LSTM) and
+    st.gates (when not None); ``gx`` (T, B, G*H) float32 without ``bias`` (G*H, float32, or None) added."""
+    import cupy
+    T, B = gx.shape[:2]
+    H = st.S.shape[2]
+    dev = cupy.cuda.Device()
+    fn = _kernel(mode, pl)
+    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, dev.id)
+    if _smem_set.get(key, 0) < pl.smem:
+        fn.max_dynamic_shared_size_bytes = pl.smem
+        _smem_set[key] = pl.smem
+    null = np.uint64(0)
+    counter = cupy.zeros(1, dtype=cupy.uint32)
+    fn((pl.blocks,), (THREADS,),
+       (gx, null if bias is None else bias, null if bhn is None else bhn, w_hh, st.S,
+        null if st.C is None else st.C, null if st.gates is None else st.gates, _active(cupy, bs, dev.id),
+        counter, np.int32(T), np.int32(B), np.int32(H), np.int32(1 if reverse else 0)),
+       shared_mem=pl.smem)
+    _launches[0] += 1

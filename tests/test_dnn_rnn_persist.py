@@ -1,0 +1,55 @@
+"""rnn_persist.plan by exact value: the block shape of the persistent recurrent kernel, and where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+
+from blasx.dnn import rnn_persist
+from blasx.dnn.rnn_persist import Plan
+
+
+@pytest.mark.parametrize("args, want", [
+    (("lstm", 16, 512, 2, 132), Plan(4, 128, 8, 2, 4, 1, 26176)),
+    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 208000)),
+    (("gru", 64, 1024, 2, 132), Plan(8, 128, 8, 3, 8, 4, 187488)),
+    (("gru", 16, 512, 2, 132), Plan(8, 64, 8, 3, 4, 1, 30560)),
+    (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 13088)),
+    (("lstm", 16, 512, 2, 64), Plan(8, 64, 8, 4, 4, 1, 35712)),
+    (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 4960)),  # 4 k steps: 4 warps multiply
+    (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 12128)),
+])
+def test_plan(args, want):
+    assert rnn_persist.plan(*args) == want
+
+
+@pytest.mark.parametrize("args", [
+    ("lstm", 64, 2048, 2, 132),  # weight fragments over the register budget
+    ("gru", 128, 2048, 2, 132),
+    ("lstm", 16, 500, 2, 132),  # H not a multiple of 16
+    ("lstm", 16, 512, 4, 132),  # float32 storage
+    ("lstm", 0, 512, 2, 132),
+    ("rnn_relu", 8, 4096, 2, 16),  # more blocks than SMs at any J that fits
+    ("lstm", 65, 512, 2, 132),  # over MAX_BATCH
+])
+def test_plan_none(args):
+    assert rnn_persist.plan(*args) is None
+
+
+def test_plan_passes(monkeypatch):
+    """Batches over 64 rows stage h in several passes a step (allowed where MAX_BATCH is raised)."""
+    monkeypatch.setattr(rnn_persist, "MAX_BATCH", 1 << 20)
+    assert rnn_persist.plan("lstm", 128, 1024, 2, 132) == Plan(8, 128, 8, 4, 8, 4, 210048)
+    assert rnn_persist.plan("lstm", 60000, 512, 2, 132) is None  # every row's cell state does not fit
+
+
+def test_plan_fits_shared_memory():
+    for mode in rnn_persist.GATES:
+        for h in range(16, 2049, 16):
+            for b in (1, 16, 17, 64, 200):
+                p = rnn_persist.plan(mode, b, h, 2, 132)
+                if p is None:
+                    continue
+                g = rnn_persist.GATES[mode]
+                assert p.smem <= rnn_persist.SMEM and p.blocks * p.units == h and p.blocks <= 132
+                assert g * p.units == 8 * p.nt and p.kwarps * p.kt * 16 == h and p.kwarps <= 8
+                assert p.nt * p.kt * 2 <= rnn_persist.MAX_WREGS and 1 <= p.mt <= rnn_persist.MAX_MT
