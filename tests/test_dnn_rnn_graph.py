@@ -79,9 +79,9 @@ class _Ops(rnn_layer.HostOps):
         else:
             _rec["ops"].append(call)
 
-    def gemm(self, a, w, out, trans_w):
+    def gemm(self, a, w, out, trans_w, beta=0.0):
         self.on_workspace.append(self.workspace is not None)
-        self._do(lambda: rnn_layer.HostOps.gemm(a, w, out, trans_w))
+        self._do(lambda: rnn_layer.HostOps.gemm(a, w, out, trans_w, beta))
 
     def copy(self, dst, src):
         self._do(lambda: rnn_layer.HostOps.copy(dst, src))
@@ -92,8 +92,8 @@ class _Ops(rnn_layer.HostOps):
     def forward(self, *args):
         self._do(lambda: rnn_cells.np_forward(*args))
 
-    def backward(self, *args):
-        self._do(lambda: rnn_cells.np_backward(*args))
+    def backward_step(self, *args):
+        self._do(lambda: rnn_cells.np_backward_step(*args))
 
     def placeholder(self, f):
         return self._ph.setdefault(np.dtype(f), XP.zeros(1, dtype=f))

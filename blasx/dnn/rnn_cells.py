@@ -4,6 +4,8 @@ One step of a layer is one GEMM (``gh = h_prev . W_hh^T``, gates stacked as in e
 which applies every gate nonlinearity and the state update in one pass over the ``a x H`` active rows. Arrays are
 row-major ``(a, G*H)`` gate blocks in torch's gate order (LSTM i, f, g, o; GRU r, z, n); ``gx`` already holds the
 input projection plus the biases that add (for GRU all but ``b_hn``, which sits inside the reset product).
+A backward step is one kernel over all B rows (the step's dy added, rows past a sequence's end carried over)
+and one GEMM, so a captured backward loop has two launches a step like the forward one.
 
 Two implementations with one signature: numpy (host, sims) and CuPy ElementwiseKernels (made on first use). The
 compute type F is float64 for float64 data and float32 otherwise; the hidden output ``h`` may have the storage type
@@ -79,6 +81,21 @@ def np_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh
         dgx[...] = dh * (h > 0)
 
 
+def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out) -> None:
+    """One step of a layer's backward loop over all B rows (rnn_layer.backward_steps): rows ``< a`` as
+    :func:`np_backward` with ``dh + dy`` (``dy`` None: no add), writing ``dgx``/``dgh``, ``dc_out`` (LSTM) and, GRU,
+    ``dh_out`` = the part of dh_prev not through W_hh (the recurrent GEMM then adds to it); rows ``>= a`` carry
+    ``dh`` and ``dc`` over into ``dh_out`` and ``dc_out``."""
+    d = dh[:a] + dy[:a] if dy is not None else dh[:a]
+    lstm = mode == "lstm"
+    np_backward(mode, d, dc[:a] if lstm else None, gates[:a] if gates is not None else None,
+                c[:a] if lstm else None, c_prev[:a] if lstm else None, h[:a], h_prev[:a], dgx[:a], dgh[:a],
+                dc_out[:a] if lstm else None, dh_out[:a] if mode == "gru" else None)
+    dh_out[a:] = dh[a:]
+    if lstm:
+        dc_out[a:] = dc[a:]
+
+
 # ---------------------------------------------------------------- CuPy
 
 _FWD = {
@@ -103,39 +120,46 @@ _FWD = {
                  "F s = gx[i] + gh[i]; h[i] = (S)(s > 0 ? s : (F)0);"),
 }
 
-_BWD = {
-    "lstm": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
-             "raw F dgx, raw F dgh, raw F dcp, raw F dhd", """
+_STEP_ARGS = ("raw F dh, raw F dy, int32 has_dy, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, "
+              "int32 H, int32 a", "raw F dgx, raw F dgh, raw F dcn, raw F dhn")
+_STEP = {  # np_backward_step over every row: i = b * H + j
+    "lstm": """
+        if (i / H >= a) { dhn[i] = dh[i]; dcn[i] = dc[i]; } else {
         int b = i / H, j = i % H; long k = (long)b * 4 * H + j;
+        F d = has_dy ? dh[i] + dy[i] : dh[i];
         F ig = gates[k], fg = gates[k + H], gg = gates[k + 2 * H], og = gates[k + 3 * H];
-        F tc = tanh(c[i]); F dct = dc[i] + dh[i] * og * (1 - tc * tc);
+        F tc = tanh(c[i]); F dct = dc[i] + d * og * (1 - tc * tc);
         dgx[k] = dct * gg * ig * (1 - ig); dgx[k + H] = dct * cp[i] * fg * (1 - fg);
-        dgx[k + 2 * H] = dct * ig * (1 - gg * gg); dgx[k + 3 * H] = dh[i] * tc * og * (1 - og);
-        dcp[i] = dct * fg;"""),
-    "gru": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
-            "raw F dgx, raw F dgh, raw F dcp, raw F dhd", """
+        dgx[k + 2 * H] = dct * ig * (1 - gg * gg); dgx[k + 3 * H] = d * tc * og * (1 - og);
+        dcn[i] = dct * fg; }""",
+    "gru": """
+        if (i / H >= a) { dhn[i] = dh[i]; } else {
         int b = i / H, j = i % H; long q = (long)b * 4 * H + j, k = (long)b * 3 * H + j;
+        F d = has_dy ? dh[i] + dy[i] : dh[i];
         F r = gates[q], z = gates[q + H], n = gates[q + 2 * H], ghn = gates[q + 3 * H];
-        F dsn = dh[i] * (1 - z) * (1 - n * n), dsr = dsn * ghn * r * (1 - r),
-          dsz = dh[i] * ((F)hp[i] - n) * z * (1 - z);
+        F dsn = d * (1 - z) * (1 - n * n), dsr = dsn * ghn * r * (1 - r),
+          dsz = d * ((F)hp[i] - n) * z * (1 - z);
         dgx[k] = dsr; dgx[k + H] = dsz; dgx[k + 2 * H] = dsn;
         dgh[k] = dsr; dgh[k + H] = dsz; dgh[k + 2 * H] = dsn * r;
-        dhd[i] = dh[i] * z;"""),
-    "rnn_tanh": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
-                 "raw F dgx, raw F dgh, raw F dcp, raw F dhd", "F y = (F)h[i]; dgx[i] = dh[i] * (1 - y * y);"),
-    "rnn_relu": ("raw F dh, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, int32 H",
-                 "raw F dgx, raw F dgh, raw F dcp, raw F dhd", "dgx[i] = (F)h[i] > 0 ? dh[i] : (F)0;"),
+        dhn[i] = d * z; }""",
+    "rnn_tanh": """
+        if (i / H >= a) { dhn[i] = dh[i]; } else {
+        F d = has_dy ? dh[i] + dy[i] : dh[i]; F y = (F)h[i]; dgx[i] = d * (1 - y * y); }""",
+    "rnn_relu": """
+        if (i / H >= a) { dhn[i] = dh[i]; } else {
+        F d = has_dy ? dh[i] + dy[i] : dh[i]; dgx[i] = (F)h[i] > 0 ? d : (F)0; }""",
 }
 
 _KERNELS: dict = {}
 
 
 def cupy_kernel(direction: str, mode: str):
-    """The CuPy ElementwiseKernel of ``mode``'s forward or backward step (compiled per type on first use)."""
+    """The CuPy ElementwiseKernel of ``mode``'s forward ("fwd") or backward step ("step") cell (compiled per type on
+    first use)."""
     key = (direction, mode)
     if key not in _KERNELS:
         import cupy
-        ins, outs, body = (_FWD if direction == "fwd" else _BWD)[mode]
+        ins, outs, body = _FWD[mode] if direction == "fwd" else _STEP_ARGS + (_STEP[mode],)
         _KERNELS[key] = cupy.ElementwiseKernel(ins, outs, body, f"blasx_rnn_{mode}_{direction}")
     return _KERNELS[key]
 
@@ -147,8 +171,9 @@ def cupy_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None
     cupy_kernel("fwd", mode)(gx, gh, bhn, c_prev, h_prev, np.int32(hh), gates, c_out, h_out, size=rows * hh)
 
 
-def cupy_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh_direct) -> None:
-    """:func:`np_backward` as one CUDA kernel on the current stream."""
+def cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out) -> None:
+    """:func:`np_backward_step` as one CUDA kernel on the current stream (absent arguments are placeholders; ``dy``
+    None: no add)."""
     rows, hh = dh.shape
-    cupy_kernel("bwd", mode)(dh, dc, gates, c, c_prev, h, h_prev, np.int32(hh), dgx, dgh, dc_prev, dh_direct,
-                             size=rows * hh)
+    cupy_kernel("step", mode)(dh, dh if dy is None else dy, np.int32(dy is not None), dc, gates, c, c_prev, h, h_prev,
+                              np.int32(hh), np.int32(a), dgx, dgh, dc_out, dh_out, size=rows * hh)

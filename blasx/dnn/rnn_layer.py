@@ -47,19 +47,23 @@ class HostOps(_Moves):
     """numpy primitives (host BLAS for the per-step GEMMs)."""
     xp = np
     forward = staticmethod(rnn_cells.np_forward)
-    backward = staticmethod(rnn_cells.np_backward)
+    backward_step = staticmethod(rnn_cells.np_backward_step)
 
     def __init__(self, math: str = "ieee") -> None:
         self.math = math
 
     @staticmethod
-    def gemm(a, w, out, trans_w: bool) -> None:
-        """out = a . w^T (trans_w) or a . w; a and w are cast to out's type first when they differ."""
+    def gemm(a, w, out, trans_w: bool, beta: float = 0.0) -> None:
+        """out = a . w^T (trans_w) or a . w, plus ``beta`` * out (0 or 1); a and w are cast to out's type first
+        when they differ."""
         f = out.dtype if out.dtype.itemsize >= 4 else np.dtype(np.float32)
         a = a if a.dtype == f else a.astype(f)
         w = w if w.dtype == f else w.astype(f)
         res = a @ (w.T if trans_w else w)
-        out[...] = res
+        if beta:
+            out += res
+        else:
+            out[...] = res
 
     @staticmethod
     def gemm_batched(a, w, out, trans_w: bool, beta: float) -> None:
@@ -133,7 +137,7 @@ class CudaOps(_Moves):
     through ctypes on a per-device handle with that buffer as cuBLAS's workspace: CuPy's cuBLAS wrappers refuse
     a capturing stream, and a captured GEMM must not use a workspace that dies with CuPy's per-thread handle."""
     forward = staticmethod(rnn_cells.cupy_forward)
-    backward = staticmethod(rnn_cells.cupy_backward)
+    backward_step = staticmethod(rnn_cells.cupy_backward_step)
 
     def __init__(self, math: str = "ieee") -> None:
         import cupy
@@ -156,13 +160,15 @@ class CudaOps(_Moves):
             self._fn = fn
         return self._fn
 
-    def gemm(self, a, w, out, trans_w: bool) -> None:
-        """out (m, n) = a (m, k) . w^T (trans_w; w is (n, k)) or a . w (w is (k, n)); row-major, contiguous."""
-        self.matmul(a, w.T if trans_w else w, out)
+    def gemm(self, a, w, out, trans_w: bool, beta: float = 0.0) -> None:
+        """out (m, n) = a (m, k) . w^T (trans_w; w is (n, k)) or a . w (w is (k, n)), plus ``beta`` * out (0 or 1);
+        row-major, contiguous."""
+        self.matmul(a, w.T if trans_w else w, out, beta)
 
-    def matmul(self, a, b, out) -> None:
-        """out (m, n, C-contiguous) = a (m, k) . b (k, n), a and b each C- or F-contiguous (gemm_ex_layout), of one
-        type: one cublasGemmEx on the current stream, issued as the column-major out^T = op(b^T) op(a^T)."""
+    def matmul(self, a, b, out, beta: float = 0.0) -> None:
+        """out (m, n, C-contiguous) = a (m, k) . b (k, n) (+ ``beta`` * out, 0 or 1), a and b each C- or
+        F-contiguous (gemm_ex_layout), of one type: one cublasGemmEx on the current stream, issued as the
+        column-major out^T = op(b^T) op(a^T)."""
         import cupy
         from cupy_backends.cuda.libs import cublas
         m, k = a.shape
@@ -173,7 +179,7 @@ class CudaOps(_Moves):
         compute, scal, _keep = gemm_consts(a.dtype, self.math)
         args = (op_b, op_a, n, m, k, scal[1.0],
                 b.data.ptr, dtypes.CUDA_TYPE[b.dtype], ldb,
-                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], lda, scal[0.0],
+                a.data.ptr, dtypes.CUDA_TYPE[a.dtype], lda, scal[1.0 if beta else 0.0],
                 out.data.ptr, dtypes.CUDA_TYPE[out.dtype], n, compute, dtypes.CUBLAS_GEMM_DEFAULT)
         stream = cupy.cuda.get_current_stream().ptr
         if self.workspace is not None:
@@ -298,11 +304,12 @@ class Backward:
 
 @dataclass
 class BackwardScratch:
-    """Per-step temporaries of the backward loop ((B, ...) F; placeholders where the mode has none)."""
+    """Per-step temporaries of the backward loop ((B, ...) F; placeholders where the mode has none). The step
+    gradients ping-pong between Backward.dh/dc and dh2/dc2, so a step is one fused cell kernel and one GEMM."""
     dr: object | None  # (B, H): the gradient of the unprojected h (projection only)
-    dcp: object  # (B, H): of the previous cell state (LSTM)
-    dhd: object  # (B, H): of h_prev not through W_hh (GRU)
-    dnew: object  # (B, out): of h_prev through W_hh
+    dh2: object  # (B, out): the other dh
+    dc2: object  # (B, H): the other dc (LSTM)
+    carry: object  # (B, H): where a projection step's cell carries inactive rows (unused; projection only)
 
 
 def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n) -> tuple:
@@ -318,10 +325,11 @@ def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n)
     dc = None
     if mode == "lstm":
         dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
-    scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if st.R is not None else None,
-                              dcp=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
-                              dhd=xp.empty((B, H), dtype=f) if mode == "gru" else ops.placeholder(f),
-                              dnew=xp.empty((B, out), dtype=f))
+    proj = st.R is not None
+    scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if proj else None,
+                              dh2=xp.empty((B, out), dtype=f),
+                              dc2=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
+                              carry=xp.empty((B, H), dtype=f) if proj else ops.placeholder(f))
     return Backward(dgx, dgh, dhs, dh, dc), scratch
 
 
@@ -330,40 +338,47 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
     """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
     ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
     bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, w_hh_f.dtype, dh_n, dc_n)
+    dy = None if dy is None else ops.xp.ascontiguousarray(dy)
     backward_steps(ops, mode, st, w_hh_f, w_hr_f, dy, bs, reverse, bw, scratch)
     return bw
 
 
 def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse: bool, bw: Backward,
                    scratch: BackwardScratch) -> None:
-    """The backward step loop on buffers from :func:`backward_buffers`: kernels and GEMMs only (no allocation),
-    so on CUDA it can be captured into a graph like the forward loop."""
-    T = st.S.shape[0] - 1
+    """The backward step loop on buffers from :func:`backward_buffers` (``dy`` C-contiguous or None): kernels
+    and GEMMs only (no allocation), so on CUDA it can be captured into a graph like the forward loop. Without a
+    projection a step is one fused cell kernel (dy added, inactive rows carried over) and one GEMM into the
+    other dh buffer (GRU: accumulating onto the cell's part not through W_hh)."""
+    T, B = st.S.shape[0] - 1, st.S.shape[1]
     f = bw.dgx.dtype
     ph = ops.placeholder(f)
-    dgx, dgh, dhs, dh, dc = bw.dgx, bw.dgh, bw.dhs, bw.dh, bw.dc
-    dr, dcp, dhd, dnew = scratch.dr, scratch.dcp, scratch.dhd, scratch.dnew
+    dhs = (bw.dh, scratch.dh2)
+    dcs = (bw.dc, scratch.dc2) if bw.dc is not None else (ph, ph)
     times = list(order(T, reverse))
-    for p in range(T - 1, -1, -1):
-        t = times[p]
+    for n, p in enumerate(range(T - 1, -1, -1)):
+        t, cur, nxt = times[p], n % 2, 1 - n % 2
         a = bs[t]
-        if dy is not None:
+        dh, dh_next, dc, dc_next = dhs[cur], dhs[nxt], dcs[cur], dcs[nxt]
+        gates = st.gates[p] if st.gates is not None else ph
+        c, c_prev = (st.C[p + 1], st.C[p]) if st.C is not None else (ph, ph)
+        if st.R is None:
+            ops.backward_step(mode, a, dh, None if dy is None else dy[t], dc, gates, c, c_prev,
+                              ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]), bw.dgx[p], bw.dgh[p], dc_next,
+                              dh_next)
+            ops.gemm(bw.dgh[p, :a], w_hh_f, dh_next[:a], False, beta=1.0 if mode == "gru" else 0.0)
+            continue
+        if dy is not None:  # projection (LSTM): dh is the projected h's gradient
             ops.add(dh[:a], dy[t, :a])
-        if st.R is not None:
-            ops.copy(dhs[p, :a], dh[:a])
-            ops.gemm(dh[:a], w_hr_f, dr[:a], False)
-            dcell = dr[:a]
-        else:
-            dcell = dh[:a]
-        hcur = st.R[p, :a] if st.R is not None else st.S[p + 1, :a]
-        ops.backward(mode, dcell, dc[:a] if dc is not None else ph,
-                     st.gates[p, :a] if st.gates is not None else ph,
-                     st.C[p + 1, :a] if st.C is not None else ph, st.C[p, :a] if st.C is not None else ph,
-                     ops.state_in(hcur), ops.state_in(st.S[p, :a]), dgx[p, :a], dgh[p, :a],
-                     dcp[:a] if dc is not None else dcp, dhd[:a] if mode == "gru" else dhd)
-        ops.gemm(dgh[p, :a], w_hh_f, dnew[:a], False)
-        if mode == "gru":
-            ops.add(dnew[:a], dhd[:a])
-        ops.copy(dh[:a], dnew[:a])
-        if dc is not None:
-            ops.copy(dc[:a], dcp[:a])
+        ops.copy(bw.dhs[p, :a], dh[:a])
+        ops.gemm(dh[:a], w_hr_f, scratch.dr[:a], False)
+        ops.backward_step(mode, a, scratch.dr, None, dc, gates, c, c_prev, ops.state_in(st.R[p]),
+                          ops.state_in(st.S[p]), bw.dgx[p], bw.dgh[p], dc_next, scratch.carry)
+        ops.gemm(bw.dgh[p, :a], w_hh_f, dh_next[:a], False)
+        if a < B:
+            ops.copy(dh_next[a:], dh[a:])
+    if T % 2:  # the last step wrote the second buffers
+        ops.copy(bw.dh, scratch.dh2)
+        if bw.dc is not None:
+            ops.copy(bw.dc, scratch.dc2)
+
+
