@@ -277,3 +277,29 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
         assert _err(a.astype(cupy.float32), cupy.asnumpy(r.astype(cupy.float32))) < 1e-2
     for k in ref_grads:
         assert _err(grads[k].astype(cupy.float32), cupy.asnumpy(ref_grads[k].astype(cupy.float32))) < 2e-2, k
+
+
+def test_torch_params_views_follow_in_place_updates():
+    """Views of a state_dict's CUDA tensors are made once per tensor and reused (rnn_params._cuda_view): an
+    in-place update of a parameter shows in the next call, and a tensor of a new shape gets a new view."""
+    from blasx.dnn import rnn_params
+    torch.manual_seed(3)
+    m = torch.nn.LSTM(32, 64).cuda().half()
+    x = (torch.randn(12, 8, 32, device="cuda") * 0.5).half()
+    p = m.state_dict()
+    dnn.lstm(cupy.from_dlpack(x), None, p)
+    assert all(id(t) in rnn_params._views for t in p.values())
+    views = {k: rnn_params._views[id(t)][2] for k, t in p.items()}
+    with torch.no_grad():
+        p["weight_hh_l0"].mul_(0.5)  # the module's own parameter storage
+        p["bias_ih_l0"].add_(0.25)
+        ref = m(x)[0]
+    y = dnn.lstm(cupy.from_dlpack(x), None, p)[0]
+    assert all(rnn_params._views[id(t)][2] is views[k] for k, t in p.items())  # reused
+    assert _err(y.astype(cupy.float32), ref.float().cpu().numpy()) < TOL["float16"]
+    with torch.no_grad():
+        m.weight_hh_l0.set_(torch.zeros_like(m.weight_hh_l0))  # new storage under the same tensor object
+    p2 = m.state_dict()
+    y2 = dnn.lstm(cupy.from_dlpack(x), None, p2)[0]
+    with torch.no_grad():
+        assert _err(y2.astype(cupy.float32), m(x)[0].float().cpu().numpy()) < TOL["float16"]

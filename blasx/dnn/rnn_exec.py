@@ -71,23 +71,25 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     f = compute_type(store)
     host = xp is np
     pl = None if host or runner is not None or not pb.graphs else _persistent(pb, cell, store, B)
-    if pl is None:
-        gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
-    else:
-        gx, (b, bhn) = project(pb, cell, inp, f, mm=mm), biases(pb, cell, f)
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
                                    store, f, gates=keep or pl is None)
     k = layer * spec.num_dirs + d
+    if pl is not None:  # the kernel adds the biases and writes zero initial states itself
+        from . import rnn_persist
+        if pb.h0 is not None:
+            st.S[0] = pb.h0[k]
+        if pb.c0 is not None and st.C is not None:
+            st.C[0] = pb.c0[k]
+        rnn_persist.run(pl, spec.mode, project(pb, cell, inp, f, mm=mm), cell.b_ih, cell.b_hh, cell.w_hh, st, pb.bs,
+                        d == 1, pb.h0 is not None, pb.c0 is not None)
+        return st
+    gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
     if pb.h0 is None:
         st.S[0] = 0
     else:
         st.S[0] = pb.h0[k]
     if st.C is not None:
         st.C[0] = 0 if pb.c0 is None else pb.c0[k]
-    if pl is not None:
-        from . import rnn_persist
-        rnn_persist.run(pl, spec.mode, gx, b, bhn, cell.w_hh, st, pb.bs, d == 1)
-        return st
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
@@ -105,7 +107,8 @@ def _persistent(pb, cell, store, B: int):
     """rnn_persist's plan for this layer-direction on the current GPU, or None (the graph loop runs)."""
     from . import rnn_persist
     w = cell.w_hh
-    if cell.w_hr is not None or w.dtype != store or not w.flags.c_contiguous or w.data.ptr % 16:
+    if cell.w_hr is not None or any(a is not None and (a.dtype != store or not a.flags.c_contiguous)
+                                    for a in (w, cell.b_ih, cell.b_hh)) or w.data.ptr % 16:
         return None
     return rnn_persist.applies(pb.spec.mode, store, B, pb.spec.hidden_size, False, pb.xp.cuda.Device())
 
@@ -144,7 +147,7 @@ def forward(pb, keep: bool):
         for d, k in enumerate(kept):
             h_n[layer * dirs + d] = rnn_multi.at(xp, k.st.S[T], devs[0])
             if c_n is not None:
-                c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[T], devs[0]).astype(store)
+                c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[T], devs[0])  # rounded to x's type as it is stored
     return y, h_n, c_n, (layers if keep else None)
 
 

@@ -206,7 +206,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                 states = [_home(xp, st, home, keep) for st in states]
                 kept = [Kept(home, None, st) for st in states]
         layers.append(kept)
-        inp = _layer_output(pb, states, direction_output)
+        inp = _layer_output(pb, states, direction_output, keep)
     return layers, inp
 
 
@@ -254,9 +254,13 @@ def _home(xp, st, home, keep: bool = True):
                                    for i, a in enumerate((st.S, st.C, st.gates, st.R))))
 
 
-def _layer_output(pb, states, direction_output):
+def _layer_output(pb, states, direction_output, keep: bool = True):
+    """The layer's y (T, B, D*out): the directions' outputs side by side; one forward direction without lengths in
+    inference is a view of its S, which nothing else keeps."""
     out = pb.spec.out_size
     T, B = pb.x.shape[:2]
+    if not keep and len(states) == 1 and pb.lengths is None:
+        return direction_output(pb, states[0], False)
     y = pb.xp.empty((T, B, len(states) * out), dtype=pb.x.dtype)
     for d, st in enumerate(states):
         y[..., d * out:(d + 1) * out] = direction_output(pb, st, d == 1)

@@ -67,16 +67,17 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
     __syncthreads();
 }
 
-// gx (T, B, G*H) float in time order (the input projection; `bias` (G*H) is added to it when not null);
-// bhn (H) GRU's hidden n bias or null; W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0; C (T+1, B, H) float
-// with C[0] = c0 (LSTM); gates (T, B, 4*H) float or null (the activations saved for the backward pass);
-// bs[t] the active rows at time t (sorted lengths); steps run in processing order p, time t = p or T-1-p.
+// gx (T, B, G*H) float in time order (the input projection); b_ih, b_hh (G*H) the biases or null (both add to gx
+// except GRU's b_hn, which sits inside the reset product); W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0, or
+// zeros written here (`zero_h`); C (T+1, B, H) float with C[0] = c0, or zeros written here (`zero_c`; LSTM);
+// gates (T, B, 4*H) float or null (the activations saved for the backward pass); bs[t] the active rows at time t
+// (sorted lengths); steps run in processing order p, time t = p or T-1-p.
 // Shared memory: staged h rows (MC x LDH), the warps' partial products (KW x G x MC x J), the step's gx slice
-// (G x MC x J), the bias slice (NJ) and, LSTM, the block's cell states (B x J).
+// (G x MC x J), the bias slice (NJ; GRU: then b_hn's J) and, LSTM, the block's cell states (B x J).
 extern "C" __global__ void __launch_bounds__(256)
-rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, const float* __restrict__ bhn,
+rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, const STYPE* __restrict__ b_hh,
                 const STYPE* __restrict__ W, STYPE* S, float* C, float* gates, const int* __restrict__ bs,
-                unsigned* counter, int T, int B, int H, int reverse) {
+                unsigned* counter, int T, int B, int H, int reverse, int zero_h, int zero_c) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int NJ = NT * 8, MC = MT * 16, LDH = H + 8, H8 = H / 8;
     const int j0 = blockIdx.x * J;
@@ -84,7 +85,8 @@ rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, co
     float* sG = (float*)(sH + (size_t)MC * LDH);
     float* sX = sG + (size_t)KW * MC * NJ;
     float* sB = sX + (size_t)MC * NJ;
-    float* sC = sB + NJ;
+    float* sBn = sB + NJ;  // GRU's b_hn slice
+    float* sC = sBn + J;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const bool mma_warp = warp < KW;
     const int kbase = warp * KT * 16;
@@ -102,10 +104,19 @@ rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, co
             wf[ni][kt][1] = mma_warp ? *(const unsigned*)(row + kt * 16 + 8) : 0u;
         }
     }
-    for (int n = threadIdx.x; n < NJ; n += blockDim.x) sB[n] = bias ? bias[(n / J) * H + j0 + n % J] : 0.f;
+    for (int n = threadIdx.x; n < NJ; n += blockDim.x) {
+        const int row = (n / J) * H + j0 + n % J;
+        sB[n] = b_ih ? tof(b_ih[row]) + ((MODE == 1 && n / J == 2) ? 0.f : tof(b_hh[row])) : 0.f;
+    }
+    for (int u = threadIdx.x; u < J; u += blockDim.x) sBn[u] = (MODE == 1 && b_hh) ? tof(b_hh[2 * H + j0 + u]) : 0.f;
+    for (int idx = threadIdx.x; idx < B * J; idx += blockDim.x) {
+        const size_t o = (size_t)(idx / J) * H + j0 + idx % J;
+        if (zero_h) S[o] = __float2half_rn(0.f);
 #if MODE == 0
-    for (int idx = threadIdx.x; idx < B * J; idx += blockDim.x) sC[idx] = C[(size_t)(idx / J) * H + j0 + idx % J];
+        if (zero_c) C[o] = 0.f;
+        sC[idx] = zero_c ? 0.f : C[o];
 #endif
+    }
 
     const bool save = gates != nullptr;  // training: every step's c; inference: c_T only
     const int spread = blockDim.x % H8 == 0 ? blockDim.x / H8 : 0;  // rows staged at once, each thread one k8
@@ -118,7 +129,10 @@ rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, co
         STYPE* hn = S + (size_t)(p + 1) * BH;
         for (int b0 = 0; b0 < B; b0 += MC) {
             const int rows = min(MC, B - b0);
-            if (spread) {  // h_prev rows (other blocks' output), from L2
+            if (p == 0 && zero_h) {  // h0 = 0: nothing to read
+                for (int idx = threadIdx.x; idx < MC * H8; idx += blockDim.x)
+                    *(uint4*)(sH + (size_t)(idx / H8) * LDH + (idx % H8) * 8) = make_uint4(0, 0, 0, 0);
+            } else if (spread) {  // h_prev rows (other blocks' output), from L2
                 const int k8 = threadIdx.x % H8;
                 for (int r = threadIdx.x / H8; r < MC; r += spread) {
                     STYPE* dst = sH + (size_t)r * LDH + k8 * 8;
@@ -186,8 +200,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, co
 #pragma unroll
                     for (int q = 0; q < KW; ++q) acc += sG[q * MC * NJ + (g * MC + r) * J + u];
                     s[g] = acc;
-                    const float x = sX[(g * MC + r) * J + u];
-                    xv[g] = bias ? x + sB[g * J + u] : x;
+                    xv[g] = sX[(g * MC + r) * J + u] + sB[g * J + u];
                 }
 #if MODE == 0
                 float ig = sigm(xv[0] + s[0]), fg = sigm(xv[1] + s[1]), gg = tanhf(xv[2] + s[2]),
@@ -201,7 +214,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const float* __restrict__ bias, co
                     q[0] = ig; q[H] = fg; q[2 * H] = gg; q[3 * H] = og;
                 }
 #elif MODE == 1
-                float ghn = s[2] + (bhn ? bhn[j] : 0.f);
+                float ghn = s[2] + sBn[u];
                 float rg = sigm(xv[0] + s[0]), zg = sigm(xv[1] + s[1]);
                 float ng = tanhf(xv[2] + rg * ghn);
                 put(hn + o, (1.f - zg) * ng + zg * tof(sH[(size_t)r * LDH + j]));

@@ -15,6 +15,7 @@ over the register budget, H not a multiple of 16) returns None and the graph loo
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -47,13 +48,20 @@ class Plan:
     smem: int  # dynamic shared memory bytes
 
 
-def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM) -> Plan | None:
-    """The persistent kernel's shape for this layer, or None where it does not apply. J is the smallest unit
-    count that makes G*J a whole number of 8-column tiles with H/J <= ``sms`` blocks; the k range is split over
-    the most warps (up to 8) that divide it into 16-wide steps; the weight fragments must fit
-    :data:`MAX_WREGS` registers; the staged rows are as many 16-row tiles (up to 4) as fit in shared memory."""
+def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
+         max_batch: int | None = None) -> Plan | None:
+    """The persistent kernel's shape for this layer, or None where it does not apply (batch over ``max_batch``,
+    default :data:`MAX_BATCH`). J is the smallest unit count that makes G*J a whole number of 8-column tiles
+    with H/J <= ``sms`` blocks; the k range is split over the most warps (up to 8) that divide it into 16-wide
+    steps; the weight fragments must fit :data:`MAX_WREGS` registers; the staged rows are as many 16-row tiles
+    (up to 4) as fit in shared memory."""
+    return _plan(mode, batch, hidden, itemsize, sms, smem, MAX_BATCH if max_batch is None else max_batch)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int, max_batch: int) -> Plan | None:
     g = GATES[mode]
-    if hidden % 16 or not 1 <= batch <= MAX_BATCH or itemsize != 2:
+    if hidden % 16 or not 1 <= batch <= max_batch or itemsize != 2:
         return None
     step = 8 // gcd(g, 8)
     j = next((j for j in range(step, hidden + 1, step) if hidden % j == 0 and hidden // j <= sms), None)
@@ -64,7 +72,7 @@ def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int 
     nt, kt = nj // 8, k16 // kw
     if nt * kt * 2 > MAX_WREGS:
         return None
-    fixed = nj * 4 + (batch * j * 4 if mode == "lstm" else 0)  # bias, cell states
+    fixed = (nj + j) * 4 + (batch * j * 4 if mode == "lstm" else 0)  # biases, cell states
     for mt in range(min(-(-batch // 16), MAX_MT), 0, -1):
         rows = 16 * mt
         need = fixed + rows * ld * itemsize + (kw + 1) * rows * nj * 4  # + staged h, partial products, gx
@@ -127,9 +135,11 @@ def _active(xp, bs, device_id: int):
     return a
 
 
-def run(pl: Plan, mode: str, gx, bias, bhn, w_hh, st, bs, reverse: bool) -> None:
-    """The forward loop of rnn_layer.forward_loop on the current stream: writes st.S[1:], st.C[1:] (LSTM) and
-    st.gates (when not None); ``gx`` (T, B, G*H) float32 without ``bias`` (G*H, float32, or None) added."""
+def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bool, c0: bool) -> None:
+    """The forward loop of rnn_layer.forward_loop on the current stream: writes st.S[1:], st.C[1:] (LSTM; the last
+    only without st.gates) and st.gates (when not None); ``gx`` (T, B, G*H) float32 is the input projection alone
+    (the biases ``b_ih``, ``b_hh`` in the storage type, or None, are added here); ``h0``/``c0``: st.S[0] / st.C[0]
+    hold the initial states (else zeros are written there)."""
     import cupy
     T, B = gx.shape[:2]
     H = st.S.shape[2]
@@ -142,8 +152,8 @@ def run(pl: Plan, mode: str, gx, bias, bhn, w_hh, st, bs, reverse: bool) -> None
     null = np.uint64(0)
     counter = cupy.zeros(1, dtype=cupy.uint32)
     fn((pl.blocks,), (THREADS,),
-       (gx, null if bias is None else bias, null if bhn is None else bhn, w_hh, st.S,
+       (gx, null if b_ih is None else b_ih, null if b_hh is None else b_hh, w_hh, st.S,
         null if st.C is None else st.C, null if st.gates is None else st.gates, _active(cupy, bs, dev.id),
-        counter, np.int32(T), np.int32(B), np.int32(H), np.int32(1 if reverse else 0)),
+        counter, np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
        shared_mem=pl.smem)
     _launches[0] += 1
