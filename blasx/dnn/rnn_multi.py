@@ -1,8 +1,10 @@
-"""Executes a :class:`rnn_plan.Placement`: one thread per device used, each running the step loops placed on it.
+"""Executes a :class:`rnn_plan.Placement`: the step loops placed on each device.
 
-Host arrays: the threads stand for the devices (sims or the CPU), all buffers in host memory; CuPy arrays: each
-thread works on its GPU (``cupy.cuda.Device``), parameters and inputs copied there, outputs copied back to x's
-device. A thread's exception is re-raised in the caller after every thread has stopped.
+Host arrays: one thread per device used (the threads stand for the sims or the CPU; all buffers in host memory).
+CuPy arrays: the calling thread issues each device's work on that device's own stream (parameters and inputs
+copied there, outputs copied back to x's device, the caller's streams ordered after it by events); batch splits
+(their projections are engine calls, which block) and wavefronts (which hand chunks between layers) keep a thread
+per device. A job's exception is re-raised in the caller once no queued work touches a buffer.
 """
 
 from __future__ import annotations
@@ -107,14 +109,67 @@ class _Threads:
             raise next((e for e in self.errors if prefer is None or prefer(e)), self.errors[0])
 
 
-def _local(pb, dev, home):
-    """pb with its parameters and initial states on ``dev`` (CuPy: copies when dev is not x's device)."""
+class _Issued:
+    """:class:`_Threads`' interface for CuPy work that only issues (loops replayed from graphs, local GEMMs, copies):
+    each job is issued at once from the calling thread on its device's pool stream, ordered after what the caller
+    had queued on ``devs``; ``join()`` orders the caller's streams on ``devs`` after every job. The devices run
+    their jobs side by side without a thread each (threads fought over the GIL and each ended in a synchronize).
+    A job's error synchronises every stream used so far, then is raised: no queued work then touches a buffer."""
+
+    def __init__(self, pb, devs=()) -> None:
+        self.xp = pb.xp
+        self.devs = list(dict.fromkeys(devs))
+        self.count: dict = {}
+        self.done: list = []
+        self.used: list = []
+        self.ready = []
+        for d in self.devs:
+            with self.xp.cuda.Device(d):
+                self.ready.append(self.xp.cuda.get_current_stream().record())
+
+    def start(self, dev, fn, *args) -> None:
+        xp = self.xp
+        k = self.count[dev] = self.count.get(dev, -1) + 1
+        with xp.cuda.Device(dev):
+            st = _stream(xp, dev, k)
+            self.used.append(st)
+            for ev in self.ready:
+                st.wait_event(ev)
+            try:
+                with st:
+                    fn(*args)
+            except BaseException:
+                for s in self.used:
+                    s.synchronize()
+                raise
+            self.done.append(st.record())
+
+    def join(self, prefer=None) -> None:
+        for d in self.devs:
+            with self.xp.cuda.Device(d):
+                cur = self.xp.cuda.get_current_stream()
+                for ev in self.done:
+                    cur.wait_event(ev)
+
+
+def _pool(pb, devs):
+    """The runner of per-device jobs: issued from this thread for CuPy, threads for host arrays (sims)."""
+    return _Threads(pb, devs) if pb.xp is np else _Issued(pb, devs)
+
+
+def _local(pb, dev, home, only=None):
+    """pb with its parameters and initial states on ``dev`` (CuPy: copies when dev is not x's device); ``only``: the
+    (layer, direction) whose parameters the caller reads (the others are left where they are)."""
     if pb.xp is np or dev == home:
         return pb
     spec = pb.spec
-    cells = tuple(tuple(dataclasses.replace(c, **{k: (None if getattr(c, k) is None else getattr(c, k).copy())
-                                                  for k in ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")})
-                        for c in row) for row in spec.cells)
+
+    def moved(c, at):
+        if only is not None and at != only:
+            return c
+        return dataclasses.replace(c, **{k: (None if getattr(c, k) is None else getattr(c, k).copy())
+                                         for k in ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")})
+    cells = tuple(tuple(moved(c, (layer, d)) for d, c in enumerate(row)) for layer, row in enumerate(spec.cells))
     return dataclasses.replace(pb, spec=dataclasses.replace(spec, cells=cells),
                                h0=None if pb.h0 is None else pb.h0.copy(),
                                c0=None if pb.c0 is None else pb.c0.copy())
@@ -184,10 +239,10 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
         else:
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
             inputs = [None] * spec.num_dirs
-            pool = None if xp is not np and used == [home] else _Threads(pb, used)
+            pool = None if xp is not np and used == [home] else _pool(pb, used)
 
             def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
-                lp = _local(pb, dev, home)
+                lp = _local(pb, dev, home, only=(layer, d))
                 inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 or alone else None)
@@ -236,9 +291,9 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
         return out
 
     def one(d, k):
-        out[d] = direction_backward(_local(pb, k.dev, devs[0]), ops_for(xp, pb.math), d, k, mm)
+        out[d] = direction_backward(_local(pb, k.dev, devs[0], only=(layer, d)), ops_for(xp, pb.math), d, k, mm)
         on[(layer, d)] = k.dev
-    pool = _Threads(pb, devs)
+    pool = _pool(pb, devs)
     for d, k in enumerate(kept):
         pool.start(k.dev, one, d, k)
     pool.join()
