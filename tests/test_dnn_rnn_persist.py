@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import gcd
+
 import pytest
 
 from blasx.dnn import rnn_persist
@@ -9,12 +11,14 @@ from blasx.dnn.rnn_persist import Plan
 
 
 @pytest.mark.parametrize("args, want", [
-    (("lstm", 16, 512, 2, 132), Plan(4, 128, 8, 2, 4, 1, 26192)),
-    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 208032)),
+    (("lstm", 16, 512, 2, 132), Plan(16, 32, 8, 8, 4, 1, 54848)),  # J 4 -> 8 -> 16: small layers, fewer blocks
+    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 208032)),  # 128 tiles a warp already: J stays 8
     (("gru", 64, 1024, 2, 132), Plan(8, 128, 8, 3, 8, 4, 187520)),
-    (("gru", 16, 512, 2, 132), Plan(8, 64, 8, 3, 4, 1, 30592)),
+    (("gru", 16, 512, 2, 132), Plan(16, 32, 8, 6, 4, 1, 44544)),
+    (("gru", 16, 1024, 2, 132), Plan(16, 64, 8, 6, 8, 1, 60928)),
+    (("lstm", 64, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 142496)),
+    (("lstm", 16, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 1, 52128)),  # J 16: weight fragments over 96 registers
     (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 13120)),
-    (("lstm", 16, 512, 2, 64), Plan(8, 64, 8, 4, 4, 1, 35744)),
     (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 4968)),  # 4 k steps: 4 warps multiply
     (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 12160)),
 ])
@@ -53,3 +57,7 @@ def test_plan_fits_shared_memory():
                 assert p.smem <= rnn_persist.SMEM and p.blocks * p.units == h and p.blocks <= 132
                 assert g * p.units == 8 * p.nt and p.kwarps * p.kt * 16 == h and p.kwarps <= 8
                 assert p.nt * p.kt * 2 <= rnn_persist.MAX_WREGS and 1 <= p.mt <= rnn_persist.MAX_MT
+                step = 8 // gcd(g, 8)
+                first = next(j for j in range(step, h + 1, step) if h % j == 0 and h // j <= 132)
+                if p.units > first:  # J was doubled: within the rule's limits
+                    assert p.blocks >= rnn_persist.MIN_BLOCKS and p.nt * p.kt * p.mt <= rnn_persist.MAX_TILES

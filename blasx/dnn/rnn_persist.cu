@@ -46,11 +46,21 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {  // on
 }
 
 // The step's gx slice of rows b0 .. b0+rows (this block's G*J gate columns) into sX, asynchronously.
-// Laid out (G, MC, J): the cell's threads (unit fastest, then row) read consecutive words.
+// Laid out (G, MC, J): the cell's threads (unit fastest, then row) read consecutive words. 16-byte copies where
+// the block's J units make whole 16-byte pieces (J % 4 == 0), else 4-byte ones.
 __device__ __forceinline__ void stage_gx(float* sX, const float* gx, int t, int B, int H, int b0, int rows, int j0) {
-    for (int idx = threadIdx.x; idx < rows * G * J; idx += blockDim.x) {
-        int u = idx % J, r = (idx / J) % rows, g = idx / (J * rows);
-        cp_async4(sX + (g * (MT * 16) + r) * J + u, gx + ((size_t)t * B + b0 + r) * G * H + g * H + j0 + u);
+    const float* src = gx + ((size_t)t * B + b0) * G * H + j0;
+    if (J % 4 == 0) {
+        constexpr int Q = J / 4;  // 16-byte pieces of one row's gate slice
+        for (int idx = threadIdx.x; idx < rows * G * Q; idx += blockDim.x) {
+            const int r = idx / (G * Q), g = (idx % (G * Q)) / Q, q = idx % Q;
+            cp_async16(sX + (g * (MT * 16) + r) * J + q * 4, src + (size_t)r * G * H + g * H + q * 4);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < rows * G * J; idx += blockDim.x) {
+            const int r = idx / (G * J), g = (idx % (G * J)) / J, u = idx % J;
+            cp_async4(sX + (g * (MT * 16) + r) * J + u, src + (size_t)r * G * H + g * H + u);
+        }
     }
 }
 

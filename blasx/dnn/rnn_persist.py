@@ -30,6 +30,8 @@ WARPS = THREADS // 32
 SMEM = 227 * 1024  # dynamic shared memory a block may use on sm_80/sm_90
 MAX_MT = 4  # 16-row tiles staged per pass (registers: MT x NT accumulator tiles a warp)
 MAX_WREGS = 96  # registers a thread may give to weight fragments (NT x KT x 2)
+MAX_TILES = 64  # a warp's mma tiles a step (NT x KT x MT) up to which blocks are made wider (J doubled)
+MIN_BLOCKS = 32  # ... and down to which blocks are fewer (staging h from L2 slows with more blocks reading it)
 PAD = 8  # elements added to each staged row (conflict-free ldmatrix)
 MAX_BATCH = 64  # larger batches take the graph loop: each block stages all of h a step, and past one pass of
 #                 64 rows that traffic from L2 costs more than the launches a graph replay pays
@@ -51,10 +53,12 @@ class Plan:
 def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
          max_batch: int | None = None) -> Plan | None:
     """The persistent kernel's shape for this layer, or None where it does not apply (batch over ``max_batch``,
-    default :data:`MAX_BATCH`). J is the smallest unit count that makes G*J a whole number of 8-column tiles
-    with H/J <= ``sms`` blocks; the k range is split over the most warps (up to 8) that divide it into 16-wide
-    steps; the weight fragments must fit :data:`MAX_WREGS` registers; the staged rows are as many 16-row tiles
-    (up to 4) as fit in shared memory."""
+    default :data:`MAX_BATCH`). J starts as the smallest unit count that makes G*J a whole number of 8-column
+    tiles with H/J <= ``sms`` blocks and doubles while a warp's tiles a step stay within :data:`MAX_TILES` and
+    the blocks number at least :data:`MIN_BLOCKS` (measured: small layers are bound by every block staging h
+    from L2, large ones by the tensor-core work a block); the k range is split over the most warps (up to 8)
+    that divide it into 16-wide steps; the weight fragments must fit :data:`MAX_WREGS` registers; the staged
+    rows are as many 16-row tiles (up to 4) as fit in shared memory."""
     return _plan(mode, batch, hidden, itemsize, sms, smem, MAX_BATCH if max_batch is None else max_batch)
 
 
@@ -65,9 +69,19 @@ def _plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int
         return None
     step = 8 // gcd(g, 8)
     j = next((j for j in range(step, hidden + 1, step) if hidden % j == 0 and hidden // j <= sms), None)
-    if j is None:
-        return None
-    nj, ld, k16 = g * j, hidden + PAD, hidden // 16
+    best = None if j is None else _shape(mode, batch, hidden, itemsize, smem, j)
+    while best is not None:  # wider blocks while their warps' work stays small: fewer blocks read h from L2
+        j *= 2
+        wider = _shape(mode, batch, hidden, itemsize, smem, j) if hidden % j == 0 else None
+        if wider is None or wider.blocks < MIN_BLOCKS or wider.nt * wider.kt * wider.mt > MAX_TILES:
+            break
+        best = wider
+    return best
+
+
+def _shape(mode: str, batch: int, hidden: int, itemsize: int, smem: int, j: int) -> Plan | None:
+    """The plan with J = ``j``, or None (weight fragments over the register budget, or no staged rows fit)."""
+    nj, ld, k16 = GATES[mode] * j, hidden + PAD, hidden // 16
     kw = max(w for w in range(1, WARPS + 1) if k16 % w == 0)
     nt, kt = nj // 8, k16 // kw
     if nt * kt * 2 > MAX_WREGS:
