@@ -39,3 +39,35 @@ def test_every_layout_pair_gives_the_product(m, k, n, a_order, b_order):
 def test_a_strided_operand_is_refused():
     with pytest.raises(ValueError, match="neither C- nor F-contiguous"):
         gemm_ex_layout(np.zeros((4, 6))[:, ::2])
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_backward_loop_with_half_weights_takes_rounded_gate_gradients(mode):
+    """Weights given in float16 (the CUDA path of a float16 layer): the loop keeps dgh rounded to float16 (g16,
+    zero past each sequence's end) and its GEMMs take that; the result is the float32-weight loop's within the
+    rounding."""
+    from blasx.dnn import rnn_layer
+    rng = np.random.default_rng(5)
+    bs = (4, 4, 3, 2, 1)
+    T, B, H = len(bs), 4, 8
+    G = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode]
+    ops = rnn_layer.HostOps()
+    st = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float16, np.float32)
+    st.S[0] = rng.standard_normal((B, H)) * 0.5
+    if st.C is not None:
+        st.C[0] = rng.standard_normal((B, H)) * 0.5
+    w16 = (rng.standard_normal((G * H, H)) * 0.3).astype(np.float16)
+    bhn = np.zeros(H, np.float32) if mode == "gru" else None
+    gx = (rng.standard_normal((T, B, G * H)) * 0.5).astype(np.float32)
+    rnn_layer.forward_loop(ops, mode, gx, w16.astype(np.float32), None, bhn, st, np.empty((B, G * H), np.float32),
+                           bs, False)
+    dy = (rng.standard_normal((T, B, H)) * 0.5).astype(np.float32)
+    full = rnn_layer.backward_loop(ops, mode, st, w16.astype(np.float32), None, dy, None, None, bs, False, H)
+    half = rnn_layer.backward_loop(ops, mode, st, w16, None, dy, None, None, bs, False, H)
+    assert full.g16 is None and half.g16 is not None and half.g16.dtype == np.float16
+    for t, a in enumerate(bs):
+        assert not half.g16[t, a:].any()
+    assert np.array_equal(half.g16, half.dgh.astype(np.float16))
+    for name in ("dgx", "dh"):
+        a, b = getattr(half, name), getattr(full, name)
+        assert np.linalg.norm(a - b) <= 5e-3 * np.linalg.norm(b), name

@@ -199,13 +199,20 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
             dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args[d])
             mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
-            bw = loop(ops, spec.mode, st, _f(xp, cell.w_hh, f), None if cell.w_hr is None else _f(xp, cell.w_hr, f),
+            # float16 on CUDA: the loop's GEMMs take dgh rounded to float16 and the weights as stored (tensor cores)
+            half = xp is not np and store == np.float16 and cell.w_hr is None
+            w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
+            bw = loop(ops, spec.mode, st, w_loop, None if cell.w_hr is None else _f(xp, cell.w_hr, f),
                       dy_d, gh_d, gc_d, pb.bs, rev, hh)
             s, g = rnn_params.suffix(layer, d), {}
             dgx = bw.dgx.reshape(T * B, -1)
             dgh = bw.dgh.reshape(T * B, -1)
-            gx_t = _f(xp, dgx, g_t)
-            gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
+            if bw.g16 is not None:  # the rounded dgh the loop kept
+                gh_t = bw.g16.reshape(T * B, -1)
+                gx_t = gh_t if bw.dgh is bw.dgx else _f(xp, dgx, g_t)
+            else:
+                gx_t = _f(xp, dgx, g_t)
+                gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
             xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
             g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
             g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)

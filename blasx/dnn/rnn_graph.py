@@ -110,8 +110,9 @@ class _Bwd(_Entry):
         super().__init__(xp)
         self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
         self.w_hh, self.w_hr, self.dy = _like(xp, w_hh), _like(xp, w_hr), _like(xp, dy)
-        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, self.st, w_hh.shape[0], H, w_hh.dtype, None,
-                                                           None)
+        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, self.st, w_hh.shape[0], H,
+                                                           rnn_layer.compute_type(w_hh.dtype), None, None,
+                                                           rnn_layer.half_of(w_hh))
 
 
 def _entry(key, make) -> _Entry:
@@ -190,7 +191,7 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
         dgx = bw.dgx.copy()
         return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
                                   None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
-                                  None if bw.dc is None else bw.dc.copy())
+                                  None if bw.dc is None else bw.dc.copy(), None if bw.g16 is None else bw.g16.copy())
     finally:
         release(e)
 

@@ -137,7 +137,11 @@ class CudaOps(_Moves):
     through ctypes on a per-device handle with that buffer as cuBLAS's workspace: CuPy's cuBLAS wrappers refuse
     a capturing stream, and a captured GEMM must not use a workspace that dies with CuPy's per-thread handle."""
     forward = staticmethod(rnn_cells.cupy_forward)
-    backward_step = staticmethod(rnn_cells.cupy_backward_step)
+
+    def backward_step(self, mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None):
+        """rnn_cells.cupy_backward_step (``g16`` None: a placeholder of the storage type stands in)."""
+        rnn_cells.cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out,
+                                     self.placeholder(h.dtype) if g16 is None else g16, g16 is not None)
 
     def __init__(self, math: str = "ieee") -> None:
         import cupy
@@ -300,6 +304,7 @@ class Backward:
     dhs: object | None  # (T, B, P): the gradient of each projected h, for dW_hr
     dh: object  # (B, out): the gradient of h0 on exit
     dc: object | None  # (B, H): of c0
+    g16: object | None = None  # (T, B, G*H): dgh rounded to the float16 storage type, where the loop's GEMMs take it
 
 
 @dataclass
@@ -312,9 +317,9 @@ class BackwardScratch:
     carry: object  # (B, H): where a projection step's cell carries inactive rows (unused; projection only)
 
 
-def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n) -> tuple:
+def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n, half=None) -> tuple:
     """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`;
-    rows a loop never reaches stay zero."""
+    rows a loop never reaches stay zero. ``half`` (a 2-byte dtype): the loop's GEMMs take dgh rounded to it."""
     xp = ops.xp
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     out = st.S.shape[2]
@@ -330,14 +335,23 @@ def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n)
                               dh2=xp.empty((B, out), dtype=f),
                               dc2=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
                               carry=xp.empty((B, H), dtype=f) if proj else ops.placeholder(f))
-    return Backward(dgx, dgh, dhs, dh, dc), scratch
+    g16 = xp.zeros((T, B, g), dtype=half) if half is not None else None
+    return Backward(dgx, dgh, dhs, dh, dc, g16), scratch
+
+
+def half_of(w_hh):
+    """The 2-byte type of recurrent weights given in it (the backward loop's GEMMs then take dgh rounded to it,
+    on tensor cores, as cuDNN keeps half gradients), or None for weights in F."""
+    return w_hh.dtype if w_hh.dtype.itemsize == 2 else None
 
 
 def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool,
                   H: int) -> Backward:
     """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
-    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F."""
-    bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, w_hh_f.dtype, dh_n, dc_n)
+    ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F, or ``w_hh_f`` in float16 (see :func:`half_of`;
+    no projection)."""
+    bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, compute_type(w_hh_f.dtype), dh_n, dc_n,
+                                   half_of(w_hh_f))
     dy = None if dy is None else ops.xp.ascontiguousarray(dy)
     backward_steps(ops, mode, st, w_hh_f, w_hr_f, dy, bs, reverse, bw, scratch)
     return bw
@@ -362,10 +376,12 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
         gates = st.gates[p] if st.gates is not None else ph
         c, c_prev = (st.C[p + 1], st.C[p]) if st.C is not None else (ph, ph)
         if st.R is None:
+            g16 = None if bw.g16 is None else bw.g16[p]
             ops.backward_step(mode, a, dh, None if dy is None else dy[t], dc, gates, c, c_prev,
                               ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]), bw.dgx[p], bw.dgh[p], dc_next,
-                              dh_next)
-            ops.gemm(bw.dgh[p, :a], w_hh_f, dh_next[:a], False, beta=1.0 if mode == "gru" else 0.0)
+                              dh_next, g16)
+            ops.gemm((bw.dgh if g16 is None else bw.g16)[p, :a], w_hh_f, dh_next[:a], False,
+                     beta=1.0 if mode == "gru" else 0.0)
             continue
         if dy is not None:  # projection (LSTM): dh is the projected h's gradient
             ops.add(dh[:a], dy[t, :a])
