@@ -86,7 +86,9 @@ def test_worker_error_is_raised_and_the_network_stays_usable(monkeypatch):
     blasx.configure(devices="cuda")
     m = _model()
     x = np.random.default_rng(2).standard_normal((16, 3, 16, 16)).astype(np.float32)
-    net = dnn.from_torch(m, (1, 3, 16, 16)).compile()
+    # layer by layer: with graphs on, the 20th call can fall inside a chunk's capture, whose failure is absorbed
+    # (the chunk then runs eagerly, correctly), and on one GPU it does
+    net = dnn.from_torch(m, (1, 3, 16, 16)).compile(graphs=False)
     real, calls = layers.run_node, {"n": 0}
 
     def flaky(*a, **k):
