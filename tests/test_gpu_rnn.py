@@ -93,6 +93,19 @@ def test_graph_replay_equals_eager():
         assert float(cupy.abs(y - ref).max()) == 0.0
 
 
+def test_graph_replay_equals_eager_without_split_k():
+    """A small float32 layer's loop GEMMs run without split-k (rnn_graph.NO_SPLIT_ROWS); launched from Python they
+    take the same settings, so both give the same bits."""
+    rng = np.random.default_rng(4)
+    m = torch.nn.LSTM(256, 256)
+    p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
+    x = cupy.asarray(rng.standard_normal((50, 16, 256)).astype(np.float32))
+    with rnn_graph.eager():
+        ref = dnn.lstm(x, None, p)[0]
+    for _ in range(3):
+        assert float(cupy.abs(dnn.lstm(x, None, p)[0] - ref).max()) == 0.0
+
+
 def test_backward_graph_replay_equals_eager():
     rng = np.random.default_rng(1)
     m = torch.nn.LSTM(16, 32, num_layers=2, bidirectional=True)

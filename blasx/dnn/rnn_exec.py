@@ -93,11 +93,14 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
-    if runner is None and not host and pb.graphs:
+    if not host:
         from . import rnn_graph
+    if runner is None and not host and pb.graphs:
         runner = (lambda *args: rnn_graph.run(ops, *args, keep=keep))
     if runner is not None:
         runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
+    elif not host:  # launched from Python (graphs off), with the graph loop's GEMM settings
+        rnn_graph.run_eager(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:
         rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     return st

@@ -20,10 +20,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 from ..threadlocal import setting
 from . import rnn_layer
 
 MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
+# forward loops of float32 (IEEE) layers at most this small run their GEMMs without split-k: cuBLAS splits those
+# skinny products and adds a reduction launch a step, which costs more than it saves there (bench/results/NOTES.md)
+NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
 CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 
 _lock = threading.Lock()
@@ -160,7 +165,8 @@ def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bo
         if st.C is not None:
             e.st.C[0] = st.C[0]
         _execute(ops, e, gx.dtype, use_graph,
-                 lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse))
+                 lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse),
+                 split=split_k(ops, gx, w_hh))
         outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
             (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
         for dst, src in outs:
@@ -168,6 +174,26 @@ def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bo
                 dst[...] = src
     finally:
         release(e)
+
+
+def split_k(ops, gx, w_hh) -> bool:
+    """Whether a forward loop's GEMMs may split k (see NO_SPLIT_ROWS)."""
+    return not (gx.dtype == np.float32 and ops.math == "ieee" and gx.shape[1] <= NO_SPLIT_ROWS
+                and w_hh.shape[1] <= NO_SPLIT_K)
+
+
+def run_eager(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool) -> None:
+    """rnn_layer.forward_loop launched from Python with the GEMM settings of its graph (a workspace, split-k or
+    not), so an eager run gives the bits a replay gives."""
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    xp = ops.xp
+    old = ops.workspace, ops.split_k
+    ops.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
+    ops.split_k = split_k(ops, gx, w_hh)
+    try:
+        rnn_layer.forward_loop(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse)
+    finally:
+        ops.workspace, ops.split_k = old
 
 
 def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool, H: int,
@@ -196,9 +222,9 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
         release(e)
 
 
-def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0) -> None:
-    """Replays e's graph of ``part``, or runs ``loop`` (on e's buffers) eagerly with e's workspace and then, while
-    fewer than CAPTURE_TRIES captures of it failed, captures it."""
+def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0, split: bool = True) -> None:
+    """Replays e's graph of ``part``, or runs ``loop`` (on e's buffers) eagerly with e's workspace (``split``
+    False: none, see NO_SPLIT_ROWS) and then, while fewer than CAPTURE_TRIES captures of it failed, captures it."""
     stream = ops.xp.cuda.get_current_stream()
     graph = e.graphs.get(part)
     if graph is not None and use_graph:
@@ -207,6 +233,7 @@ def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0) -> None:
         return
     ph = ops.placeholder(f)  # made outside any capture
     old, ops.workspace = ops.workspace, e.workspace
+    old_split, ops.split_k = getattr(ops, "split_k", True), split
     try:
         loop()
         _count("eager")
@@ -214,6 +241,7 @@ def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0) -> None:
             _capture(ops, e, loop, stream, ph, part)
     finally:
         ops.workspace = old
+        ops.split_k = old_split
 
 
 def _count(what: str, failure: str = "") -> None:

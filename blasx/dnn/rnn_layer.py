@@ -150,6 +150,7 @@ class CudaOps(_Moves):
         self._fn = None
         self._ph: dict = {}
         self.workspace = None
+        self.split_k = True  # False: the workspace GEMMs get none, so cuBLAS picks no split-k (no reduction launch)
 
     diag_forward = staticmethod(rnn_diag_cells.cupy_forward)
     diag_backward = staticmethod(rnn_diag_cells.cupy_backward)
@@ -203,7 +204,7 @@ class CudaOps(_Moves):
         ws = self.workspace
         with lock:
             cc.set_stream(handle, stream)
-            cc.set_workspace(handle, ws.data.ptr, ws.nbytes)
+            cc.set_workspace(handle, ws.data.ptr, ws.nbytes if self.split_k else 0)
             cc.set_pointer_mode(handle, 0)
             (fn or cc.gemm_ex())(handle, *args)
 
