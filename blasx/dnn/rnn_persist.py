@@ -23,7 +23,8 @@ from math import gcd
 
 import numpy as np
 
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+from .rnn_params import GATES
+
 MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 THREADS = 256
 WARPS = THREADS // 32
