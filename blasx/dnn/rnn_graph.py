@@ -27,7 +27,7 @@ from . import rnn_layer
 
 MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
 # forward loops of float32 (IEEE) layers at most this small run their GEMMs without split-k: cuBLAS splits those
-# skinny products and adds a reduction launch a step, which costs more than it saves there (bench/results/NOTES.md)
+# skinny products and adds a reduction launch a step, which costs more than it saves there
 NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
 CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 
