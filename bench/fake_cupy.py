@@ -194,11 +194,12 @@ _FUNCTIONS: dict = {}  # a RawKernel's function handle -> its name
 
 
 class RawKernel:
-    """A raw kernel of a RawModule: a launch (a call, or the driver's launchKernel of ``kernel.ptr``) records
-    its name, grid, block, arguments and shared memory."""
+    """A raw kernel (``RawKernel(code, name, options=...)`` as CuPy's, or a RawModule's function): a launch (a call,
+    or the driver's launchKernel of ``kernel.ptr``) records its name, grid, block, arguments and shared memory."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, *args, options=(), **kw):
+        self.code, name = args if len(args) == 2 else (None, args[0])
+        self.name, self.options = name, tuple(options)
         self.max_dynamic_shared_size_bytes = 0
         self.kernel = types.SimpleNamespace(ptr=id(self))
         _FUNCTIONS[id(self)] = name
@@ -243,6 +244,7 @@ def _current_device() -> int:
 
 class Device:
     compute_capability = "90"
+    attributes = {"MultiProcessorCount": 132}
 
     def __init__(self, device=None):
         self.id = _current_device() if device is None else int(device)
@@ -378,7 +380,8 @@ def _mem_get_info():
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
     for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
-                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawModule", "get_default_memory_pool"):
+                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawKernel", "RawModule",
+                 "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))

@@ -1,9 +1,11 @@
-"""rnn_persist.plan by exact value: the block shape of the persistent recurrent kernel, and where it does not apply."""
+"""rnn_persist.plan by exact value (the block shape of the persistent recurrent kernel, and where it does not
+apply), and run()'s launch against the kernel's declared parameters on the CPU stand-in for CuPy."""
 
 from __future__ import annotations
 
 from math import gcd
 
+import numpy as np
 import pytest
 
 from blasx.dnn import rnn_persist
@@ -61,3 +63,56 @@ def test_plan_fits_shared_memory():
                 first = next(j for j in range(step, h + 1, step) if h % j == 0 and h // j <= 132)
                 if p.units > first:  # J was doubled: within the rule's limits
                     assert p.blocks >= rnn_persist.MIN_BLOCKS and p.nt * p.kt * p.mt <= rnn_persist.MAX_TILES
+
+
+def _kernel_params() -> list[str]:
+    """The parameter names of rnn_persist_fwd in rnn_persist.cu."""
+    import re
+    from importlib import resources
+    src = resources.files("blasx.dnn").joinpath("rnn_persist.cu").read_text()
+    sig = re.search(r"rnn_persist_fwd\((.*?)\)\s*\{", src, re.S).group(1)
+    return [re.split(r"[\s*]+", p.strip())[-1] for p in sig.split(",")]
+
+
+@pytest.mark.parametrize("mode, bias, h0, reverse", [("lstm", True, False, False), ("gru", False, True, True),
+                                                     ("rnn_tanh", True, True, False)])
+def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reverse):
+    """run()'s launch on the CPU stand-in for CuPy: the kernel's own parameters in order (arrays where given, null
+    where absent), the plan's grid, block, shared memory and compile-time shape."""
+    from bench import fake_cupy
+    from blasx.dnn import rnn_layer
+    for name in ("_kernels", "_smem_set", "_counts", "_SMS"):
+        monkeypatch.setattr(rnn_persist, name, {})  # nothing made on the stand-in outlives the test
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        T, B, H = 7, 5, 64
+        g = rnn_persist.GATES[mode]
+        pl = rnn_persist.applies(mode, np.float16, B, H, False, cupy.cuda.Device())
+        assert pl == rnn_persist.plan(mode, B, H, 2, 132)
+        gx = cupy.empty((T, B, g * H), dtype=np.float32)
+        w = cupy.empty((g * H, H), dtype=np.float16)
+        b_ih, b_hh = (cupy.empty((g * H,), dtype=np.float16) for _ in range(2)) if bias else (None, None)
+        st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, np.float16, np.float32, gates=True)
+        fake_cupy.LOG.clear()
+        rnn_persist.run(pl, mode, gx, b_ih, b_hh, w, st, (B,) * T, reverse, h0, False)
+        (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
+        kernel = rnn_persist._kernels[(mode, pl.nt, pl.kwarps, pl.kt, pl.mt)]
+    _, name, grid, block, args, smem = launch
+    assert (name, grid, block, smem) == ("rnn_persist_fwd", (pl.blocks,), (rnn_persist.THREADS,), pl.smem)
+    assert kernel.max_dynamic_shared_size_bytes == pl.smem
+    assert {f"-DMODE={rnn_persist.MODES[mode]}", f"-DNT={pl.nt}", f"-DKW={pl.kwarps}", f"-DKT={pl.kt}",
+            f"-DMT={pl.mt}"} <= set(kernel.options)
+    params = _kernel_params()
+    assert len(args) == len(params)
+    got = dict(zip(params, args))
+
+    def array(a):
+        return ("array", a.data.ptr, a.shape, a.strides, a.dtype.name)
+    assert got["gx"] == array(gx) and got["W"] == array(w) and got["S"] == array(st.S)
+    assert got["gates"] == (array(st.gates) if st.gates is not None else ("uint64", 0))  # rnn: nothing saved
+    assert got["C"] == (array(st.C) if mode == "lstm" else ("uint64", 0))
+    assert got["b_ih"] == (array(b_ih) if bias else ("uint64", 0))
+    assert got["b_hh"] == (array(b_hh) if bias else ("uint64", 0))
+    assert got["bs"][0] == "array" and got["bs"][2] == (T,) and got["counter"][2] == (1,)
+    assert [got[k] for k in ("T", "B", "H", "reverse", "zero_h", "zero_c")] == [
+        ("int32", T), ("int32", B), ("int32", H), ("int32", int(reverse)), ("int32", int(not h0)), ("int32", 1)]
