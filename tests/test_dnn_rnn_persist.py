@@ -87,7 +87,7 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
         cupy = fake.cupy
         T, B, H = 7, 5, 64
         g = rnn_persist.GATES[mode]
-        pl = rnn_persist.applies(mode, np.float16, B, H, False, cupy.cuda.Device())
+        pl = rnn_persist.applies(mode, np.float16, B, H, cupy.cuda.Device())
         assert pl == rnn_persist.plan(mode, B, H, 2, 132)
         gx = cupy.empty((T, B, g * H), dtype=np.float32)
         w = cupy.empty((g * H, H), dtype=np.float16)

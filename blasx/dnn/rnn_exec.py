@@ -113,7 +113,7 @@ def _persistent(pb, cell, store, B: int):
     if cell.w_hr is not None or any(a is not None and (a.dtype != store or not a.flags.c_contiguous)
                                     for a in (w, cell.b_ih, cell.b_hh)) or w.data.ptr % 16:
         return None
-    return rnn_persist.applies(pb.spec.mode, store, B, pb.spec.hidden_size, False, pb.xp.cuda.Device())
+    return rnn_persist.applies(pb.spec.mode, store, B, pb.spec.hidden_size, pb.xp.cuda.Device())
 
 
 def direction_output(pb, st: rnn_layer.Forward, reverse: bool):

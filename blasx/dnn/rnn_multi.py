@@ -239,7 +239,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
         else:
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
             inputs = [None] * spec.num_dirs
-            pool = None if xp is not np and used == [home] else _pool(pb, used)
+            inline = xp is not np and used == [home]  # one direction on x's device: the caller's thread and stream
 
             def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
                 lp = _local(pb, dev, home, only=(layer, d))
@@ -247,10 +247,11 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 or alone else None)
                 ran_on[(layer, d)] = dev
-            if xp is not np and used == [home]:  # one direction on x's device: the caller's thread and stream
+            if inline:
                 with xp.cuda.Device(home):
                     one(0, home)
             else:
+                pool = _pool(pb, used)
                 for d in range(spec.num_dirs):
                     pool.start(used[d], one, d, used[d])
                 pool.join()

@@ -120,10 +120,10 @@ def _kernel(mode: str, pl: Plan):
         return _kernels[key]
 
 
-def applies(mode: str, store, B: int, H: int, proj: bool, device) -> Plan | None:
-    """The plan for a layer of this shape on ``device`` (a cupy.cuda.Device), or None: on only for float16
-    storage without a projection, while :data:`ENABLED`."""
-    if not ENABLED or proj or np.dtype(store) != np.float16:
+def applies(mode: str, store, B: int, H: int, device) -> Plan | None:
+    """The plan for a layer of this shape (no projection) on ``device`` (a cupy.cuda.Device), or None: on only for
+    float16 storage, while :data:`ENABLED`."""
+    if not ENABLED or np.dtype(store) != np.float16:
         return None
     return plan(mode, B, H, 2, _sms(device))
 
