@@ -314,7 +314,11 @@ def _end_capture(self):
     return Graph(entries)
 
 
-Stream.begin_capture, Stream.end_capture = _begin_capture, _end_capture
+def _is_capturing(self):
+    return getattr(_local, "capture", None) is not None
+
+
+Stream.begin_capture, Stream.end_capture, Stream.is_capturing = _begin_capture, _end_capture, _is_capturing
 
 
 class MemoryPool:

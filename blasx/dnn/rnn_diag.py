@@ -1,5 +1,6 @@
 """A unidirectional stack run diagonally: at diagonal step s, layer l computes time t = s - l, so every layer of a
-group advances at once with one batched GEMM and one fused cell kernel (rnn_diag_cells.py) per step.
+group advances at once with one GEMM step (CudaOps.gemm_layers: one batched call, or in float32 IEEE one call per
+layer on parallel branches) and one fused cell kernel (rnn_diag_cells.py) per step.
 
 Layer l >= 1 takes the concatenated weight [W_ih | W_hh] (GW x 2*out) times its stacked input [h^{l-1}_t ;
 h^l_{t-1}]; layer 0 takes [0 | W_hh], its input projection of all T steps being one engine GEMM before the loop
@@ -10,7 +11,8 @@ so layer l reads slots l and l+1 of ``D[s]``. Cell states and saved gates are in
 Backward runs the same diagonal in reverse: ``E[s]`` (n, B, 2*out) holds the gradient of each layer's stacked
 input, one batched GEMM ``E[s] += dG[s] . W`` per step; the weight gradients are single GEMMs after the loop.
 On several devices the layers form contiguous groups (rnn_plan.py), group g on device g, a chunk behind group
-g-1; the states cross once per chunk. The loops issue GEMMs and kernels only, so on CUDA each chunk of steps is
+g-1; the states cross once per chunk, and layer 0's projection is computed part by part beside the first group's
+loop (_Layer0). The loops issue GEMMs and kernels only, so on CUDA each chunk of steps is
 captured into a graph and replayed (rnn_graph.run_diag).
 """
 
@@ -65,7 +67,7 @@ def forward_steps(ops, mode: str, b: Bufs, first: bool, steps) -> None:
     T = b.acts.shape[0] - n + 1
     ph = ops.placeholder(b.O.dtype)
     for s in steps:
-        ops.gemm_batched(window(b.D[s], n), b.W, b.O, True, 0)
+        ops.gemm_layers(window(b.D[s], n), b.W, b.O, True, 0)
         ops.diag_forward(mode, b.O, b.bias, b.P0[min(s, T - 1)] if first else ph,
                          ph if b.C is None else b.C[s], ph if b.C is None else b.C[s + 1],
                          ph if b.G is None else b.G[s], b.D[s], b.D[s + 1], b.acts[s], first)
@@ -82,7 +84,7 @@ def backward_steps(ops, mode: str, b: Bufs, W, steps) -> None:
         ops.diag_backward(mode, b.E[s + 1], b.E[s], ext, b.dhn, ph if b.DC is None else b.DC,
                           ph if b.G is None else b.G[s], ph if b.C is None else b.C[s + 1],
                           ph if b.C is None else b.C[s], b.D[s + 1], b.D[s], b.DG[s], b.acts[s], s, T)
-        ops.gemm_batched(b.DG[s], W, b.E[s], False, 1)
+        ops.gemm_layers(b.DG[s], W, b.E[s], False, 1)
 
 
 # ---------------------------------------------------------------- building a group's buffers
@@ -138,7 +140,7 @@ def fill(b: Bufs, pb, cells, layers, P0, h0, c0) -> None:
     W, bias = weights(xp, pb.spec, cells, layers, b.W.dtype, f)
     b.W[...] = W
     b.bias[...] = bias
-    if b.P0 is not None:
+    if P0 is not None:
         b.P0[...] = P0
     for i, layer in enumerate(layers):
         b.D[i, :, i + 1] = 0 if h0 is None else h0[layer]
@@ -159,15 +161,54 @@ def backward_bufs(xp, b: Bufs, mode: str) -> Bufs:
                 X=xp.empty((T, B, out), dtype=f), dhn=xp.empty((n, B, out), dtype=f))
 
 
-def layer0_projection(pb, f):
-    """x . W_ih_l0^T for all steps (T, B, G*H) in F: one engine GEMM over every device (biases are in Bufs)."""
+def layer0_projection(pb, f, into=None):
+    """x . W_ih_l0^T for all steps (T, B, G*H) in F (biases are in Bufs). Host arrays: one engine GEMM over every
+    device; CuPy (``into``, group 0's buffer on x's device): one local GEMM on the calling stream, since the
+    operands already sit there and an engine call would wait for both devices."""
     from .rnn_exec import _mm
+    from .rnn_multi import local_mm
     xp = pb.xp
     T, B, n_in = pb.x.shape
     x2 = xp.ascontiguousarray(pb.x).reshape(T * B, n_in)
-    half = pb.x.dtype.itemsize < 4
     w = pb.spec.cells[0][0].w_ih
+    if into is not None:
+        into.reshape(T * B, -1)[...] = local_mm(xp, f, pb.math)(x2, w.T)
+        return into
+    half = pb.x.dtype.itemsize < 4
     return _mm(x2, w.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1).astype(f, copy=False)
+
+
+class _Layer0:
+    """Layer 0's projection (CuPy, several parts) computed part by part on a side stream, one part ahead of the
+    loop: the loop's small-row GEMMs leave most of the device idle, so the projection fills it instead of
+    delaying the first step by a whole T-step GEMM."""
+
+    def __init__(self, pb, f, into, parts) -> None:
+        from .rnn_layer import CudaOps, _side_stream
+        xp = pb.xp
+        T, B, n_in = pb.x.shape
+        self.xp, self.into, self.T, self.B = xp, into.reshape(T * B, -1), T, B
+        self.x2 = xp.ascontiguousarray(pb.x).reshape(T * B, n_in)
+        self.w = pb.spec.cells[0][0].w_ih.T
+        self.rows = [(min(a, T), min(z, T)) for a, z in parts]
+        self.ops = CudaOps(pb.math)
+        self.side = _side_stream(xp.cuda.Device().id, "layer0")
+        self.side.wait_event(xp.cuda.get_current_stream().record())
+        self.events: dict = {}
+
+    def _issue(self, part: int) -> None:
+        if part < len(self.rows) and part not in self.events:
+            t0, t1 = self.rows[part]
+            if t1 > t0:
+                with self.side:
+                    self.ops.matmul(self.x2[t0 * self.B:t1 * self.B], self.w, self.into[t0 * self.B:t1 * self.B])
+            self.events[part] = self.side.record()
+
+    def ready(self, part: int) -> None:
+        """Before loop part ``part``: its rows are ordered before the current stream; the next part's issued."""
+        self._issue(part)
+        self._issue(part + 1)
+        self.xp.cuda.get_current_stream().wait_event(self.events[part])
 
 
 # ---------------------------------------------------------------- the executor
@@ -177,15 +218,21 @@ class _Aborted(RuntimeError):
 
 
 class _Progress:
-    """What a group has handed on so far (a time bound) and the CUDA event that orders the hand-off."""
+    """What a group has handed on so far: each published time bound with the CUDA event that orders it. A waiter
+    gets the event of the *first* bound that satisfies it, not the latest: the publishing thread issues ahead of
+    its device, so the latest event may stand several chunks further on."""
 
     def __init__(self, start: int) -> None:
-        self.value, self.event, self.failed = start, None, False
+        self.history, self.failed = [(start, None)], False
         self.cv = threading.Condition()
+
+    @property
+    def value(self) -> int:
+        return self.history[-1][0]
 
     def publish(self, value: int, event) -> None:
         with self.cv:
-            self.value, self.event = value, event
+            self.history.append((value, event))
             self.cv.notify_all()
 
     def fail(self) -> None:
@@ -198,7 +245,7 @@ class _Progress:
             self.cv.wait_for(lambda: self.failed or ok(self.value))
             if self.failed:
                 raise _Aborted("another group of the stack failed")
-            return self.event
+            return next(ev for v, ev in self.history if ok(v))
 
 
 def groups_of(pl) -> list:
@@ -254,16 +301,19 @@ def forward(pb, pl, devs, keep: bool):
     f = compute_type(store)
     home = devs[0]
     groups = groups_of(pl)
-    P0 = layer0_projection(pb, f)
+    # an engine GEMM for host arrays, and inside a caller's graph capture (a network's chunk graph), where the local
+    # GEMM's CuPy handle refuses to run; otherwise each group's own (rnn_multi.local_mm, _Layer0)
+    capturing = xp is not np and xp.cuda.get_current_stream().is_capturing()
+    P0 = layer0_projection(pb, f) if xp is np or capturing else None
     progress = [_Progress(0) for _ in groups]
     ys = [None] * len(groups)  # each group's last layer's y (T, B, out), on its device
     done = [None] * len(groups)
     graphs = xp is not np and pb.graphs
 
     def body(g, dev):
-        lp = _local(pb, dev, home)
-        ops = ops_for(xp, pb.math)
         layers = groups[g]
+        lp = _local(pb, dev, home, only=[(layer, 0) for layer in layers])
+        ops = ops_for(xp, pb.math)
         n, first = len(layers), layers[0] == 0
         S = T + n - 1
         parts = chunks(S, pl.chunk)
@@ -275,7 +325,13 @@ def forward(pb, pl, devs, keep: bool):
         else:
             b = forward_bufs(xp, lp, n, first)
         try:
-            fill(b, lp, lp.spec.cells, layers, None if P0 is None or not first else _here(xp, P0), lp.h0, lp.c0)
+            l0 = None
+            if first and P0 is None:
+                if len(parts) > 1:
+                    l0 = _Layer0(lp, f, b.P0, parts)
+                else:
+                    layer0_projection(lp, f, into=b.P0)
+            fill(b, lp, lp.spec.cells, layers, P0 if first else None, lp.h0, lp.c0)
             y = ys[g] = xp.empty((T, B, out), dtype=store)
             got, sent = 0, 0
             for part, (a, z) in enumerate(parts):
@@ -286,6 +342,8 @@ def forward(pb, pl, devs, keep: bool):
                         b.D[got:need, :, 0] = _here(xp, ys[g - 1][got:need])
                         got = need
                 steps = range(a, z)
+                if l0 is not None:
+                    l0.ready(part)
                 if graphs:
                     rnn_graph.run_part(ops, e, part, f,
                                        lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
@@ -329,7 +387,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     ahead of the group below), then per layer the weight and bias gradients as single GEMMs on its device."""
     from . import rnn_graph
     from .rnn_exec import _f, _mm, ops_for
-    from .rnn_multi import _here
+    from .rnn_multi import _here, local_mm
     xp, spec = pb.xp, pb.spec
     T, B = pb.x.shape[:2]
     store, out, H, L = pb.x.dtype, spec.out_size, spec.hidden_size, spec.num_layers
@@ -342,8 +400,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     graphs = xp is not np and pb.graphs
     dy = None if gy is None else _f(xp, gy, f)
 
-    def mm(a, b):
-        return _mm(a, b, pb) if xp is np else xp.matmul(a, b)
+    mm = (lambda a, b: _mm(a, b, pb)) if xp is np else local_mm(xp, f, pb.math)
 
     def body(g, dev):
         layers, fb, _ = saved.groups[g]
@@ -414,8 +471,10 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     dgx0 = grads.pop("_dgx0")
     cell = spec.cells[0][0]
     x2 = _f(xp, xp.ascontiguousarray(pb.x).reshape(T * B, -1), f)
-    grads["weight_ih_l0"] = _mm(dgx0.T, x2, pb).astype(store)
-    grads["input"] = _mm(dgx0, _f(xp, cell.w_ih, f), pb).reshape(T, B, -1).astype(store)
+    capturing = xp is not np and xp.cuda.get_current_stream().is_capturing()  # as in forward
+    big = (lambda a, b: _mm(a, b, pb)) if xp is np or capturing else local_mm(xp, f, pb.math)
+    grads["weight_ih_l0"] = big(dgx0.T, x2).astype(store)
+    grads["input"] = big(dgx0, _f(xp, cell.w_ih, f)).reshape(T, B, -1).astype(store)
     grads["h0"] = dh0
     if dc0 is not None:
         grads["c0"] = dc0

@@ -72,10 +72,11 @@ def _like(xp, a):
 class _Entry:
     """A key's buffers, cuBLAS workspace and graphs (one per part of the loop: a diagonal loop's chunks)."""
 
-    def __init__(self, xp) -> None:
+    def __init__(self, xp, parts: int = 1) -> None:
         from ..runtime.devices.cublas_ctypes import workspace_bytes
         self.xp = xp
-        self.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
+        size = workspace_bytes(int(xp.cuda.Device().compute_capability) // 10)
+        self.workspace = xp.empty(parts * size, dtype=xp.uint8)  # parts: one default-sized piece per GEMM branch
         self.graphs: dict = {}
         self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
         self.fails: dict = {}  # part -> captures that failed
@@ -84,10 +85,11 @@ class _Entry:
 
 
 class Diag(_Entry):
-    """A diagonal group's entry (rnn_diag.py): its buffers ``b`` (and, backward, the weights in F ``w``)."""
+    """A diagonal group's entry (rnn_diag.py): its buffers ``b`` (and, backward, the weights in F ``w``); a
+    workspace piece per layer (CudaOps.gemm_layers)."""
 
     def __init__(self, xp, b, w=None) -> None:
-        super().__init__(xp)
+        super().__init__(xp, 1 if b is None else b.O.shape[0])
         self.b, self.w = b, w
 
 

@@ -75,6 +75,10 @@ class HostOps(_Moves):
         else:
             out[...] = res
 
+    def gemm_layers(self, a, w, out, trans_w: bool, beta: float) -> None:
+        """A diagonal step's layers: :meth:`gemm_batched` (CudaOps may fork them)."""
+        self.gemm_batched(a, w, out, trans_w, beta)
+
     diag_forward = staticmethod(rnn_diag_cells.np_forward)
     diag_backward = staticmethod(rnn_diag_cells.np_backward)
 
@@ -117,6 +121,20 @@ def _shared_handle(dev: int):
             from cupy_backends.cuda.libs import cublas
             _shared[dev] = (cublas.create(), threading.Lock())
         return _shared[dev]
+
+
+_side = threading.local()  # per thread: (device id, key) -> a non-blocking side stream
+
+
+def _side_stream(dev: int, key):
+    """The calling thread's side stream ``key`` on ``dev`` (per thread, so one thread's capture never takes in
+    another thread's launches on a shared stream)."""
+    streams = _side.__dict__.setdefault("streams", {})
+    if (dev, key) not in streams:
+        import cupy
+        with cupy.cuda.Device(dev):
+            streams[(dev, key)] = cupy.cuda.Stream(non_blocking=True)
+    return streams[(dev, key)]
 
 
 def gemm_ex_layout(x) -> tuple[int, int]:
@@ -233,6 +251,53 @@ class CudaOps(_Moves):
         cc.set_stream(handle, stream)
         cc.set_pointer_mode(handle, 0)
         _strided_batched()(handle, *args)
+
+    def gemm_layers(self, a, w, out, trans_w: bool, beta: float) -> None:
+        """:meth:`gemm_batched`'s result for a diagonal step's layers. float32 IEEE (SIMT kernels, where cuBLAS's
+        batched choice for these small-row shapes runs at about half the rate of separate calls) issues one
+        GemmEx per layer, each on its own side stream forked from and joined to the current one by events (so a
+        capture turns them into parallel graph branches), each on its own 1/n of the workspace (rnn_graph.Diag
+        holds one default-sized piece per layer; a fresh one when none is set, so eager and captured loops pick
+        the same kernels; without a workspace cuBLAS picks far slower ones here); tensor-core math keeps the
+        batched call."""
+        nb = a.shape[0]
+        if nb == 1 or not (a.dtype == np.float32 and self.math == "ieee"):
+            self.gemm_batched(a, w, out, trans_w, beta)
+            return
+        import cupy
+        from ..runtime.devices import cublas_ctypes as cc
+        m, k = a.shape[1:]
+        n = out.shape[2]
+        compute, scal, _keep = gemm_consts(a.dtype, self.math)
+        main = cupy.cuda.get_current_stream()
+        dev = cupy.cuda.Device().id
+        ws = self.workspace
+        if ws is None and main.is_capturing():  # a caller's capture: nothing allocated in it
+            self.gemm_batched(a, w, out, trans_w, beta)
+            return
+        if ws is None:  # freed to the current stream's pool: reused only after the joins below
+            from ..runtime.devices.cublas_ctypes import workspace_bytes
+            ws = cupy.empty(nb * workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), cupy.uint8)
+        piece = (ws.nbytes // nb) & ~255 if self.split_k else 0
+        handle, lock = _shared_handle(dev)
+        fork = main.record()
+        joins = []
+        for i in range(nb):
+            st = _side_stream(dev, i)
+            st.wait_event(fork)
+            args = (1 if trans_w else 0, 0, n, m, k, scal[1.0],
+                    w[i].data.ptr, dtypes.CUDA_TYPE[w.dtype], k if trans_w else n,
+                    a[i].data.ptr, dtypes.CUDA_TYPE[a.dtype], a.strides[1] // a.itemsize,
+                    scal[1.0 if beta else 0.0], out[i].data.ptr, dtypes.CUDA_TYPE[out.dtype],
+                    out.strides[1] // out.itemsize, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+            with lock:
+                cc.set_stream(handle, st.ptr)
+                cc.set_workspace(handle, ws.data.ptr + i * piece if piece else 0, piece)
+                cc.set_pointer_mode(handle, 0)
+                cc.gemm_ex()(handle, *args)
+            joins.append(st.record())
+        for ev in joins:
+            main.wait_event(ev)
 
     @staticmethod
     def state_in(a):

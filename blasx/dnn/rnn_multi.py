@@ -159,13 +159,13 @@ def _pool(pb, devs):
 
 def _local(pb, dev, home, only=None):
     """pb with its parameters and initial states on ``dev`` (CuPy: copies when dev is not x's device); ``only``: the
-    (layer, direction) whose parameters the caller reads (the others are left where they are)."""
+    (layer, direction) pairs whose parameters the caller reads (the others are left where they are)."""
     if pb.xp is np or dev == home:
         return pb
     spec = pb.spec
 
     def moved(c, at):
-        if only is not None and at != only:
+        if only is not None and at not in only:
             return c
         return dataclasses.replace(c, **{k: (None if getattr(c, k) is None else getattr(c, k).copy())
                                          for k in ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")})
@@ -242,7 +242,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
             inline = xp is not np and used == [home]  # one direction on x's device: the caller's thread and stream
 
             def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
-                lp = _local(pb, dev, home, only=(layer, d))
+                lp = _local(pb, dev, home, only=((layer, d),))
                 inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 or alone else None)
@@ -292,7 +292,7 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
         return out
 
     def one(d, k):
-        out[d] = direction_backward(_local(pb, k.dev, devs[0], only=(layer, d)), ops_for(xp, pb.math), d, k, mm)
+        out[d] = direction_backward(_local(pb, k.dev, devs[0], only=((layer, d),)), ops_for(xp, pb.math), d, k, mm)
         on[(layer, d)] = k.dev
     pool = _pool(pb, devs)
     for d, k in enumerate(kept):
@@ -371,9 +371,9 @@ def _wavefront(pb, pl, devs, ran_on):
         return xp.matmul(a.astype(f), b.astype(f))
 
     def run_group(g, dev):
-        lp = _local(pb, dev, home)
-        ops = ops_for(xp, pb.math)
         mine = [layer for layer in range(spec.num_layers) if pl.cells[layer][0] == g]
+        lp = _local(pb, dev, home, only=[(layer, 0) for layer in mine])
+        ops = ops_for(xp, pb.math)
         bufs = {}
         for layer in mine:
             cell = lp.spec.cells[layer][0]

@@ -1,0 +1,109 @@
+"""The diagonal loop's per-step GEMM issue (rnn_layer.CudaOps.gemm_layers) on the CPU stand-in for CuPy, and the
+hand-off between diagonal groups (rnn_diag._Progress)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from blasx.dnn import rnn_diag, rnn_layer
+
+
+def _issue(dtype, math, n, workspace, capture=False):
+    """gemm_layers' recorded calls: ("stream", ptr), ("workspace", offset or None, bytes), gemm_ex / gemm_batched."""
+    from bench import fake_cupy
+    from blasx.runtime.devices import cublas_ctypes as cc
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        cc.set_stream = lambda handle, ptr: fake_cupy.record("stream", ptr)
+        cc.set_workspace = lambda handle, ptr, size: fake_cupy.record("workspace", ptr, size)
+        ops = rnn_layer.CudaOps(math)
+        ops.workspace = cupy.empty(n * 4096, dtype=np.uint8) if workspace else None
+        B, H = 3, 8
+        D = cupy.empty((7, B, n + 1, H), dtype=dtype)
+        w = cupy.empty((n, 4 * H, 2 * H), dtype=dtype)
+        out = cupy.empty((n, B, 4 * H), dtype=np.float32)
+        main = cupy.cuda.Stream(non_blocking=True)
+        with main:
+            if capture:
+                main.begin_capture()
+            fake_cupy.LOG.clear()
+            d = D[2]  # rnn_diag.window(d, n), made as the stand-in's own array
+            win = cupy.ndarray((n, B, 2 * H), dtype, memptr=d.data, strides=(H * d.itemsize, d.strides[0], d.itemsize))
+            ops.gemm_layers(win, w, out, True, 0)
+            log = list(fake_cupy.LOG)
+            if capture:
+                log = main.end_capture().entries
+        base = None if ops.workspace is None else ops.workspace.data.ptr
+        return log, main.ptr, base
+
+
+def test_float32_ieee_forks_one_gemm_per_layer_each_on_its_side_stream_and_workspace_piece():
+    n = 3
+    log, main, base = _issue(np.float32, "ieee", n, workspace=True)
+    gemms = [e for e in log if e[0] == "gemm_ex"]
+    assert gemms == [("gemm_ex", 32, 3, 16)] * n  # (n, m, k) of out^T = W . a^T per layer
+    streams = [e[1] for e in log if e[0] == "stream"]
+    assert len(set(streams)) == n and main not in streams
+    pieces = [e[1:] for e in log if e[0] == "workspace"]
+    assert pieces == [(base + i * 4096, 4096) for i in range(n)]
+    # forked after the main stream's work, joined back before anything after it
+    assert log[0] == ("event_record", main) and log[-n:] == [("wait_event", main)] * n
+
+
+def test_without_a_workspace_each_branch_gets_its_own_default_sized_piece():
+    from blasx.runtime.devices.cublas_ctypes import workspace_bytes
+    log, _, _ = _issue(np.float32, "ieee", 2, workspace=False)
+    sizes = [e[2] for e in log if e[0] == "workspace"]
+    assert sizes == [workspace_bytes(9)] * 2
+
+
+@pytest.mark.parametrize("dtype, math", [(np.float16, "ieee"), (np.float32, "tf32")])
+def test_tensor_core_math_keeps_the_batched_call(dtype, math):
+    log, _, _ = _issue(dtype, math, 2, workspace=True)
+    assert [e[0] for e in log if e[0].startswith("gemm")] == ["gemm_batched"]
+
+
+def test_inside_a_callers_capture_without_a_workspace_nothing_is_allocated():
+    log, _, _ = _issue(np.float32, "ieee", 2, workspace=False, capture=True)
+    assert [e[0] for e in log if e[0].startswith("gemm")] == ["gemm_batched"]
+
+
+def test_a_waiter_gets_the_first_event_that_satisfies_it():
+    """The publishing thread runs chunks ahead of its device: a waiter must order itself after the hand-off it
+    needs, not after the latest one."""
+    p = rnn_diag._Progress(0)
+    for v, ev in ((7, "e7"), (14, "e14"), (21, "e21")):
+        p.publish(v, ev)
+    assert p.wait(lambda v: v >= 10) == "e14"
+    assert p.wait(lambda v: v >= 0) is None  # the start needs no event
+    back = rnn_diag._Progress(30)
+    for v, ev in ((20, "e20"), (10, "e10")):
+        back.publish(v, ev)
+    assert back.wait(lambda v: v <= 25) == "e20"
+
+
+def test_a_waiter_blocks_until_published_and_a_failure_releases_it():
+    p = rnn_diag._Progress(0)
+    got = []
+    t = threading.Thread(target=lambda: got.append(p.wait(lambda v: v >= 5)))
+    t.start()
+    p.publish(3, "e3")
+    p.publish(6, "e6")
+    t.join(5)
+    assert got == ["e6"]
+    q = rnn_diag._Progress(0)
+    errs = []
+
+    def wait():
+        try:
+            q.wait(lambda v: v >= 5)
+        except rnn_diag._Aborted as exc:
+            errs.append(exc)
+    t = threading.Thread(target=wait)
+    t.start()
+    q.fail()
+    t.join(5)
+    assert len(errs) == 1
