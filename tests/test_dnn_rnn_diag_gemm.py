@@ -107,3 +107,30 @@ def test_a_waiter_blocks_until_published_and_a_failure_releases_it():
     q.fail()
     t.join(5)
     assert len(errs) == 1
+
+
+def test_layer0_projection_runs_a_part_ahead_on_its_side_stream():
+    """_Layer0: before loop part p, the rows of parts p and p+1 are issued (once each) on the side stream and the
+    loop's stream waits for part p's event; the pieces cover the T steps in order (parts past T add none)."""
+    from types import SimpleNamespace
+    from bench import fake_cupy
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        T, B, n_in, GH = 5, 2, 3, 8
+        cell = SimpleNamespace(w_ih=cupy.empty((GH, n_in), dtype=np.float32))
+        pb = SimpleNamespace(xp=cupy, x=cupy.empty((T, B, n_in), dtype=np.float32), math="ieee",
+                             spec=SimpleNamespace(cells=((cell,),)))
+        P0 = cupy.empty((T, B, GH), dtype=np.float32)
+        parts = rnn_diag.chunks(T + 1, 2)  # a group of 2 layers: S = T + 1 diagonal steps
+        loop = cupy.cuda.Stream(non_blocking=True)
+        with loop:
+            l0 = rnn_diag._Layer0(pb, np.float32, P0, parts)
+            fake_cupy.LOG.clear()
+            l0.ready(0)
+            first = list(fake_cupy.LOG)
+            for p in range(1, len(parts)):
+                l0.ready(p)
+    gemms = [e for e in first if e[0] == "gemm_ex"]
+    assert gemms == [("gemm_ex", GH, 2 * B, n_in)] * 2  # parts 0 and 1: two steps of B rows each
+    assert first[-1] == ("wait_event", loop.ptr)
+    assert l0.rows == [(0, 2), (2, 4), (4, 5)] and sorted(l0.events) == [0, 1, 2]
