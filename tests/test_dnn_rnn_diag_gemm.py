@@ -130,6 +130,10 @@ def test_layer0_projection_runs_a_part_ahead_on_its_side_stream():
             first = list(fake_cupy.LOG)
             for p in range(1, len(parts)):
                 l0.ready(p)
+            fake_cupy.LOG.clear()
+            l0.join()  # at the end of the group's loop, error or not: the entry's buffer is free after it
+            joined = list(fake_cupy.LOG)
+    assert joined == [("event_record", l0.side.ptr), ("wait_event", loop.ptr)]
     gemms = [e for e in first if e[0] == "gemm_ex"]
     assert gemms == [("gemm_ex", GH, 2 * B, n_in)] * 2  # parts 0 and 1: two steps of B rows each
     assert first[-1] == ("wait_event", loop.ptr)

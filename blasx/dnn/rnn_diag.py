@@ -204,6 +204,10 @@ class _Layer0:
                     self.ops.matmul(self.x2[t0 * self.B:t1 * self.B], self.w, self.into[t0 * self.B:t1 * self.B])
             self.events[part] = self.side.record()
 
+    def join(self) -> None:
+        """The current stream waits for every piece issued (also after an error: the buffer is the entry's)."""
+        self.xp.cuda.get_current_stream().wait_event(self.side.record())
+
     def ready(self, part: int) -> None:
         """Before loop part ``part``: its rows are ordered before the current stream; the next part's issued."""
         self._issue(part)
@@ -324,8 +328,8 @@ def forward(pb, pl, devs, keep: bool):
             b = e.b
         else:
             b = forward_bufs(xp, lp, n, first)
+        l0 = None
         try:
-            l0 = None
             if first and P0 is None:
                 if len(parts) > 1:
                     l0 = _Layer0(lp, f, b.P0, parts)
@@ -361,6 +365,8 @@ def forward(pb, pl, devs, keep: bool):
             cn = [b.C[T + i, i].copy() for i in range(n)] if b.C is not None else None
             done[g] = (b, hn, cn)
         finally:
+            if l0 is not None:
+                l0.join()
             if graphs:
                 rnn_graph.release(e)
 
