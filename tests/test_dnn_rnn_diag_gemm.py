@@ -117,7 +117,7 @@ def test_layer0_projection_runs_a_part_ahead_on_its_side_stream():
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
         T, B, n_in, GH = 5, 2, 3, 8
-        cell = SimpleNamespace(w_ih=cupy.empty((GH, n_in), dtype=np.float32))
+        cell = SimpleNamespace(w_ih=cupy.empty((GH, 2 * n_in), dtype=np.float32)[:, ::2])  # a caller's strided view
         pb = SimpleNamespace(xp=cupy, x=cupy.empty((T, B, n_in), dtype=np.float32), math="ieee",
                              spec=SimpleNamespace(cells=((cell,),)))
         P0 = cupy.empty((T, B, GH), dtype=np.float32)

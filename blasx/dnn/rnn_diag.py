@@ -166,13 +166,13 @@ def layer0_projection(pb, f, into=None):
     device; CuPy (``into``, group 0's buffer on x's device): one local GEMM on the calling stream, since the
     operands already sit there and an engine call would wait for both devices."""
     from .rnn_exec import _mm
-    from .rnn_multi import local_mm
+    from .rnn_layer import CudaOps
     xp = pb.xp
     T, B, n_in = pb.x.shape
     x2 = xp.ascontiguousarray(pb.x).reshape(T * B, n_in)
     w = pb.spec.cells[0][0].w_ih
-    if into is not None:
-        into.reshape(T * B, -1)[...] = local_mm(xp, f, pb.math)(x2, w.T)
+    if into is not None:  # (x and W_ih have one dtype: rnn_params checks it)
+        CudaOps(pb.math).matmul(x2, xp.ascontiguousarray(w).T, into.reshape(T * B, -1))
         return into
     half = pb.x.dtype.itemsize < 4
     return _mm(x2, w.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1).astype(f, copy=False)
@@ -189,7 +189,7 @@ class _Layer0:
         T, B, n_in = pb.x.shape
         self.xp, self.into, self.T, self.B = xp, into.reshape(T * B, -1), T, B
         self.x2 = xp.ascontiguousarray(pb.x).reshape(T * B, n_in)
-        self.w = pb.spec.cells[0][0].w_ih.T
+        self.w = xp.ascontiguousarray(pb.spec.cells[0][0].w_ih).T  # (a caller's parameter may be a strided view)
         self.rows = [(min(a, T), min(z, T)) for a, z in parts]
         self.ops = CudaOps(pb.math)
         self.side = _side_stream(xp.cuda.Device().id, "layer0")
