@@ -89,12 +89,13 @@ def backward_steps(ops, mode: str, b: Bufs, W, steps) -> None:
 
 # ---------------------------------------------------------------- building a group's buffers
 
-def weights(xp, spec, cells, layers, store, f):
-    """(W (n, GW, 2*out) in the storage type, bias (n, GW) F) of a group's layers."""
-    H, out, n = spec.hidden_size, spec.out_size, len(layers)
-    gw = rnn_diag_cells.gate_width(spec.mode, H)
-    W = xp.zeros((n, gw, 2 * out), dtype=store)
-    bias = xp.zeros((n, gw), dtype=f)
+def weights(spec, cells, layers, W, bias) -> None:
+    """A group's layers' weights into ``W`` (n, GW, 2*out), storage type, and biases into ``bias`` (n, GW), F;
+    what no parameter fills (layer 0's input half, GRU's gaps, absent biases) is zero."""
+    H, out = spec.hidden_size, spec.out_size
+    f = bias.dtype
+    W.fill(0)
+    bias.fill(0)
     for i, layer in enumerate(layers):
         c = cells[layer][0]
         if spec.mode == "gru":
@@ -112,7 +113,6 @@ def weights(xp, spec, cells, layers, store, f):
             W[i, :, out:] = c.w_hh
             if c.b_ih is not None:
                 bias[i] = c.b_ih.astype(f) + c.b_hh.astype(f)
-    return W, bias
 
 
 def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
@@ -135,11 +135,7 @@ def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
 
 def fill(b: Bufs, pb, cells, layers, P0, h0, c0) -> None:
     """Puts a call's weights, layer 0's projection and the initial states into ``b``."""
-    xp = pb.xp
-    f = b.O.dtype
-    W, bias = weights(xp, pb.spec, cells, layers, b.W.dtype, f)
-    b.W[...] = W
-    b.bias[...] = bias
+    weights(pb.spec, cells, layers, b.W, b.bias)
     if P0 is not None:
         b.P0[...] = P0
     for i, layer in enumerate(layers):
