@@ -104,15 +104,15 @@ def weights(spec, cells, layers, W, bias) -> None:
             W[i, :2 * H, out:] = c.w_hh[:2 * H]
             W[i, 3 * H:, out:] = c.w_hh[2 * H:]
             if c.b_ih is not None:
-                bias[i, :3 * H] = c.b_ih.astype(f)
-                bias[i, :2 * H] += c.b_hh[:2 * H].astype(f)
-                bias[i, 3 * H:] = c.b_hh[2 * H:].astype(f)
+                bias[i, :3 * H] = c.b_ih.astype(f, copy=False)
+                bias[i, :2 * H] += c.b_hh[:2 * H].astype(f, copy=False)
+                bias[i, 3 * H:] = c.b_hh[2 * H:].astype(f, copy=False)
         else:
             if layer:
                 W[i, :, :out] = c.w_ih
             W[i, :, out:] = c.w_hh
             if c.b_ih is not None:
-                bias[i] = c.b_ih.astype(f) + c.b_hh.astype(f)
+                bias[i] = c.b_ih.astype(f, copy=False) + c.b_hh.astype(f, copy=False)
 
 
 def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
