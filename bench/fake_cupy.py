@@ -156,6 +156,12 @@ def asarray(a, dtype=None):
     return empty(a.shape, a.dtype)
 
 
+def asnumpy(a, stream=None):
+    """The array's memory as a numpy array (the stand-in's memory is host memory; uploads leave it unwritten)."""
+    record("asnumpy", a.shape)
+    return np.array(np.asarray(a))
+
+
 def ascontiguousarray(a, dtype=None):
     if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
@@ -383,8 +389,8 @@ def _mem_get_info():
 
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
-    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "ascontiguousarray", "tile", "copyto",
-                 "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawKernel", "RawModule",
+    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "asnumpy",
+                 "ascontiguousarray", "tile", "copyto", "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawKernel", "RawModule",
                  "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):

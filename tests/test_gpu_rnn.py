@@ -316,3 +316,35 @@ def test_torch_params_views_follow_in_place_updates():
     y2 = dnn.lstm(cupy.from_dlpack(x), None, p2)[0]
     with torch.no_grad():
         assert _err(y2.astype(cupy.float32), m(x)[0].float().cpu().numpy()) < TOL["float16"]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_host_arrays_run_on_the_gpu(batch_first, monkeypatch):
+    """numpy x on a GPU server (rnn_host.py): the CuPy path on the GPU, numpy results matching torch (forward,
+    final states and every gradient, numpy gradients in); past the memory budget, inference in batch chunks."""
+    from blasx.dnn import rnn_host
+    torch.manual_seed(3)
+    T, B, I, H = 15, 6, 12, 16
+    m = torch.nn.LSTM(I, H, num_layers=2, bidirectional=True, batch_first=batch_first).double()
+    lengths = [15, 15, 11, 8, 3, 1]
+    x = torch.randn((B, T, I) if batch_first else (T, B, I), dtype=torch.float64, requires_grad=True)
+    pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=batch_first)
+    ty, (th, tc) = m(pk)
+    ty = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first=batch_first, total_length=T)[0]
+    gs = [torch.randn_like(o) for o in (ty, th, tc)]
+    torch.autograd.backward([ty, th, tc], gs)
+    p = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
+    xn = x.detach().float().numpy()
+    kw = dict(num_layers=2, bidirectional=True, batch_first=batch_first, lengths=lengths)
+    y, (h, c), saved = dnn.lstm(xn, None, p, training=True, **kw)
+    assert isinstance(saved, rnn_host.HostSaved) and all(type(a) is np.ndarray for a in (y, h, c))
+    for a, ref in ((y, ty), (h, th), (c, tc)):
+        assert a.dtype == np.float32 and _err(a, ref.detach().numpy()) < TOL["float32"]
+    g = dnn.lstm_backward(saved, *[t.float().numpy() for t in gs])
+    assert type(g["input"]) is np.ndarray and _err(g["input"], x.grad.numpy()) < 5 * TOL["float32"]
+    for k, v in m.named_parameters():
+        assert _err(g[k], v.grad.numpy()) < 5 * TOL["float32"], k
+    monkeypatch.setattr(rnn_host, "BUDGET_FRACTION", 1 << 60)  # one row a chunk
+    y2, (h2, c2) = dnn.lstm(xn, None, p, **kw)
+    for a, ref in ((y2, ty), (h2, th), (c2, tc)):
+        assert _err(a, ref.detach().numpy()) < TOL["float32"]

@@ -9,7 +9,7 @@ are placed on devices by rnn_plan.py (a unidirectional stack runs diagonally, rn
 together, one batched GEMM and one fused kernel per step; directions run side by side).
 
 Inputs: numpy (host) or CuPy arrays of float64, float32 (``math="tf32"`` for TF32 GEMMs), float16 or bfloat16
-(numpy only: CuPy has no bfloat16); half types accumulate and keep the cell state in float32 and store y and h in
+(numpy only: CuPy has no bfloat16; with GPUs a host call runs on them, rnn_host.py); half types accumulate and keep the cell state in float32 and store y and h in
 their own type. ``lengths`` (as ``pack_padded_sequence``: sorted decreasing, each in 1..T) ends each sequence at
 its length: later outputs are zero and its final state is taken at its last step.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from . import rnn_exec, rnn_params
+from . import rnn_exec, rnn_host, rnn_params
 from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
@@ -143,6 +143,12 @@ def _finish(pb: Problem, y, h_n, c_n):
 
 def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
+    if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
+        res = rnn_host.run(lambda xd, hd, pd, lens: _run(mode, xd, hd, pd, num_layers, bidirectional, batch_first,
+                                                         lens, proj_size, training, math),
+                           pb, x, hx, params, lengths, bool(training))
+        if res is not None:
+            return res
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n
@@ -192,6 +198,15 @@ def _check_grad(name: str, g, shape: tuple, pb: Problem, dtype):
 
 
 def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
+    if isinstance(saved, rnn_host.HostSaved):  # a host call run on a GPU: host gradients in and out
+        for name, g in (("grad_y", grad_y), ("grad_h_n", grad_h_n), ("grad_c_n", grad_c_n)):
+            if g is not None and not isinstance(g, np.ndarray):
+                raise TypeError(f"{name}: expected a numpy array like x, got {type(g).__name__}")
+        import cupy
+        with cupy.cuda.Device(saved.device):
+            grads = _backward(modes, saved.saved, *(None if g is None else cupy.asarray(g)
+                                                    for g in (grad_y, grad_h_n, grad_c_n)))
+            return {k: cupy.asnumpy(v) for k, v in grads.items()}
     if not isinstance(saved, Saved):
         raise TypeError(f"saved: expected the state a forward with training=True returned, got {type(saved).__name__}")
     pb = saved.problem

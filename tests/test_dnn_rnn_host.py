@@ -1,0 +1,125 @@
+"""Host (numpy) recurrent calls on GPUs (rnn_host.py): the plan by exact value, and the route's plumbing on the
+CPU stand-in for CuPy (what goes to the device, in which chunks, and what comes back)."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from blasx.dnn import rnn_host, rnn_params
+
+rnn = importlib.import_module("blasx.dnn.rnn")  # the module (blasx.dnn.rnn is also the function's name)
+
+
+def _params(mode, n_in, H, layers=1, dirs=1, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    g = rnn_params.GATES[mode]
+    out = {}
+    for layer in range(layers):
+        for d in range(dirs):
+            s = rnn_params.suffix(layer, d)
+            k = n_in if layer == 0 else H * dirs
+            out.update({"weight_ih" + s: rng.standard_normal((g * H, k)).astype(dtype),
+                        "weight_hh" + s: rng.standard_normal((g * H, H)).astype(dtype),
+                        "bias_ih" + s: rng.standard_normal(g * H).astype(dtype),
+                        "bias_hh" + s: rng.standard_normal(g * H).astype(dtype)})
+    return out
+
+
+def test_batch_chunks_and_footprint():
+    assert rnn_host.batch_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert rnn_host.batch_chunks(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert rnn_host.batch_chunks(5, 99) == [(0, 5)]
+    assert rnn_host.batch_chunks(3, 0) == [(0, 1), (1, 2), (2, 3)]
+    pb = rnn._problem("lstm", np.zeros((7, 3, 5), np.float32), None, _params("lstm", 5, 8, 2), 2, False, False,
+                      None, 0, None)
+    one = rnn_host.footprint(pb.spec, 7, 1, 4, False)
+    # per layer: 2 * 4H (gx, gates) + 3H (S, C, H-sized scratch) + 2 * out; plus x and y, float32
+    assert one == 7 * (2 * (2 * 32 + 24 + 16) * 4 + (5 + 8) * 4)
+    assert rnn_host.footprint(pb.spec, 7, 3, 4, False) == 3 * one
+    assert rnn_host.footprint(pb.spec, 7, 1, 4, True) == one + 7 * 2 * (2 * 32 + 24 + 16) * 4
+
+
+def test_applies(monkeypatch):
+    x = np.zeros((4, 2, 3), np.float32)
+    pb = rnn._problem("gru", x, None, _params("gru", 3, 4), 1, False, False, None, 0, None)
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
+    assert rnn_host.applies(pb)
+    monkeypatch.setattr(rnn_host, "gpus", lambda: ())
+    assert not rnn_host.applies(pb)
+    ml = pytest.importorskip("ml_dtypes")
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
+    xb = x.astype(ml.bfloat16)
+    pbb = rnn._problem("gru", xb, None, {k: v.astype(ml.bfloat16) for k, v in _params("gru", 3, 4).items()}, 1,
+                       False, False, None, 0, None)
+    assert not rnn_host.applies(pbb)  # CuPy has no bfloat16: the host path
+
+
+def _device_call(calls, cupy, H, batch_first=False, dirs=1):
+    """A stand-in for rnn._run's CuPy path: records its arguments, returns device outputs whose values say
+    which call made them."""
+    def again(xd, hd, pd, lens):
+        calls.append((xd, hd, pd, lens))
+        B = xd.shape[0 if batch_first else 1]
+        y = cupy.empty(xd.shape[:2] + (dirs * H,), np.float32)
+        h, c = cupy.empty((dirs, B, H), np.float32), cupy.empty((dirs, B, H), np.float32)
+        for i, a in enumerate((y, h, c)):
+            np.asarray(a)[...] = len(calls) * 10 + i
+        return y, (h, c)
+    return again
+
+
+def test_a_call_that_fits_goes_to_the_device_once_and_comes_back_as_numpy(monkeypatch):
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
+    T, B, n_in, H = 6, 5, 3, 4
+    x = np.random.default_rng(1).standard_normal((T, B, n_in)).astype(np.float32)
+    params = _params("lstm", n_in, H)
+    h0 = np.ones((1, B, H), np.float32)
+    pb = rnn._problem("lstm", x, (h0, h0), params, 1, False, False, None, 0, None)
+    calls = []
+    with fake_cupy.installed(record_calls=True) as fake:
+        y, (h, c) = rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), params, None, False)
+        uploads = [e for e in fake_cupy.LOG if e[0] == "upload"]
+    (xd, hd, pd, lens), = calls
+    assert type(y) is np.ndarray and y.shape == (T, B, H) and np.all(y == 10) and np.all(h == 11) and np.all(c == 12)
+    assert xd.shape == x.shape and sorted(pd) == sorted(params) and len(hd) == 2 and lens is None
+    assert any(e[1] == x.shape and e[3] == x.tobytes() for e in uploads)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_inference_past_the_budget_runs_in_batch_chunks(monkeypatch, batch_first):
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
+    T, B, n_in, H = 6, 5, 3, 4
+    x = np.random.default_rng(2).standard_normal((B, T, n_in) if batch_first else (T, B, n_in)).astype(np.float32)
+    params = _params("lstm", n_in, H)
+    h0 = np.arange(B * H, dtype=np.float32).reshape(1, B, H)
+    lengths = [6, 5, 5, 3, 1]
+    pb = rnn._problem("lstm", x, (h0, h0), params, 1, False, batch_first, lengths, 0, None)
+    calls = []
+    with fake_cupy.installed(record_calls=True) as fake:
+        row = rnn_host.footprint(pb.spec, T, 1, 4, False)
+        fake.state["free"] = 2 * row * rnn_host.BUDGET_FRACTION  # two rows a chunk
+        again = _device_call(calls, fake.cupy, H, batch_first)
+        y, (h, c) = rnn_host.run(again, pb, x, (h0, h0), params, lengths, False)
+        uploads = [e for e in fake_cupy.LOG if e[0] == "upload"]
+        assert rnn_host.run(again, pb, x, (h0, h0), params, lengths, True) is None  # training: the host path
+    spans = rnn_host.batch_chunks(B, 2)
+    assert [c[3] for c in calls[:len(spans)]] == [lengths[lo:hi] for lo, hi in spans]
+    for i, (lo, hi) in enumerate(spans):
+        xs = x[lo:hi] if batch_first else x[:, lo:hi]
+        assert any(e[1] == xs.shape and e[3] == np.ascontiguousarray(xs).tobytes() for e in uploads)
+        assert any(e[3] == np.ascontiguousarray(h0[:, lo:hi]).tobytes() for e in uploads)
+        ys = y[lo:hi] if batch_first else y[:, lo:hi]
+        assert np.all(ys == 10 * (i + 1)) and np.all(h[:, lo:hi] == 10 * (i + 1) + 1)
+        assert np.all(c[:, lo:hi] == 10 * (i + 1) + 2)
+    assert y.shape == x.shape[:2] + (H,) and h.shape == (1, B, H)
+
+
+def test_host_saved_takes_host_gradients_only():
+    saved = rnn_host.HostSaved(saved=None, device=0)
+    with pytest.raises(TypeError, match="grad_y: expected a numpy array like x, got list"):
+        rnn.lstm_backward(saved, [[1.0]])
