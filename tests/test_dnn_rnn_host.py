@@ -60,7 +60,8 @@ def test_applies(monkeypatch):
 def _device_call(calls, cupy, H, batch_first=False, dirs=1):
     """A stand-in for rnn._run's CuPy path: records its arguments, returns device outputs whose values say
     which call made them."""
-    def again(xd, hd, pd, lens):
+    def again(xd, hd, pd, lens, bf):
+        assert bf == batch_first
         calls.append((xd, hd, pd, lens))
         B = xd.shape[0 if batch_first else 1]
         y = cupy.empty(xd.shape[:2] + (dirs * H,), np.float32)
@@ -123,3 +124,51 @@ def test_host_saved_takes_host_gradients_only():
     saved = rnn_host.HostSaved(saved=None, device=0)
     with pytest.raises(TypeError, match="grad_y: expected a numpy array like x, got list"):
         rnn.lstm_backward(saved, [[1.0]])
+
+
+def test_plan():
+    pb = rnn._problem("lstm", np.zeros((10, 4, 5), np.float32), None, _params("lstm", 5, 8, 2), 2, False, False,
+                      None, 0, None)
+    unit = rnn_host.footprint(pb.spec, 1, 1, 4, False)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, False, 40 * unit) == ("whole", 0)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, False, 39 * unit) == ("rows", 3)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, False, 10 * unit) == ("rows", 1)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, False, 9 * unit) == ("steps", 2)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, False, 2 * unit) == ("steps", 1)
+    assert rnn_host.plan(pb.spec, 10, 4, 4, True, 39 * unit) == ("host", 0)
+    bi = rnn._problem("gru", np.zeros((10, 4, 5), np.float32), None, _params("gru", 5, 8, 1, 2), 1, True, False,
+                      None, 0, None)
+    ub = rnn_host.footprint(bi.spec, 1, 1, 4, False)
+    assert rnn_host.plan(bi.spec, 10, 4, 4, False, 12 * ub) == ("rows", 1)
+    assert rnn_host.plan(bi.spec, 10, 4, 4, False, 9 * ub) == ("host", 0)  # a reverse pass needs whole rows
+
+
+def _host_call(mode, params, layers, bidir=False):
+    """rnn._run on the host (the sims here), as rnn_host.run's ``call`` would run it on a GPU."""
+    def call(xs, hs, ls, bf):
+        return rnn._run(mode, xs, hs, params, layers, bidir, bf, ls, 0, False, None)
+    return call
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("lengths", [None, [9, 9, 7, 4, 1]])
+@pytest.mark.parametrize("with_hx", [False, True])
+def test_time_and_row_chunks_equal_the_whole_call(mode, batch_first, lengths, with_hx):
+    """Chunks run through the real (host) path give the whole call's outputs and final states."""
+    rng = np.random.default_rng(5)
+    T, B, n_in, H, L = 9, 5, 3, 4, 2
+    x = rng.standard_normal((B, T, n_in) if batch_first else (T, B, n_in))
+    params = _params(mode, n_in, H, L, dtype=np.float64)
+    h0 = rng.standard_normal((L, B, H)) if with_hx else None
+    hx = (h0, rng.standard_normal((L, B, H))) if with_hx and mode == "lstm" else h0
+    call = _host_call(mode, params, L)
+    pb = rnn._problem(mode, x, hx, params, L, False, batch_first, lengths, 0, None)
+    y, st = call(x, hx, lengths, batch_first)
+    same = lambda a: a  # noqa: E731 - "to the host" on the host
+    for got in [rnn_host.by_time(call, pb, x, hx, lengths, k, same) for k in (1, 2, 4)] + \
+               [rnn_host.by_rows(call, pb, x, hx, lengths, rnn_host.batch_chunks(B, k), same) for k in (1, 2)]:
+        gy, gst = got
+        assert gy.shape == y.shape and np.allclose(gy, y, rtol=1e-12, atol=1e-12)
+        for a, b in zip(gst if isinstance(gst, tuple) else (gst,), st if isinstance(st, tuple) else (st,)):
+            assert a.shape == b.shape and np.allclose(a, b, rtol=1e-12, atol=1e-12)

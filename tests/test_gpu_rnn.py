@@ -344,7 +344,25 @@ def test_host_arrays_run_on_the_gpu(batch_first, monkeypatch):
     assert type(g["input"]) is np.ndarray and _err(g["input"], x.grad.numpy()) < 5 * TOL["float32"]
     for k, v in m.named_parameters():
         assert _err(g[k], v.grad.numpy()) < 5 * TOL["float32"], k
-    monkeypatch.setattr(rnn_host, "BUDGET_FRACTION", 1 << 60)  # one row a chunk
+    monkeypatch.setattr(rnn_host, "plan", lambda *a: ("rows", 4))  # as past the memory budget
     y2, (h2, c2) = dnn.lstm(xn, None, p, **kw)
     for a, ref in ((y2, ty), (h2, th), (c2, tc)):
         assert _err(a, ref.detach().numpy()) < TOL["float32"]
+
+
+def test_host_arrays_in_time_chunks_on_the_gpu(monkeypatch):
+    """A unidirectional stack too long for the device (forced): time chunks with carried states match torch."""
+    from blasx.dnn import rnn_host
+    torch.manual_seed(4)
+    T, B, I, H = 23, 5, 8, 16
+    m = torch.nn.GRU(I, H, num_layers=2).double()
+    lengths = [23, 20, 20, 9, 2]
+    x = torch.randn(T, B, I, dtype=torch.float64)
+    h0 = torch.randn(2, B, H, dtype=torch.float64)
+    pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths))
+    ty, th = m(pk, h0)
+    ty = torch.nn.utils.rnn.pad_packed_sequence(ty, total_length=T)[0]
+    p = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
+    monkeypatch.setattr(rnn_host, "plan", lambda *a: ("steps", 6))
+    y, h = dnn.gru(x.float().numpy(), h0.float().numpy(), p, num_layers=2, lengths=lengths)
+    assert _err(y, ty.detach().numpy()) < TOL["float32"] and _err(h, th.detach().numpy()) < TOL["float32"]

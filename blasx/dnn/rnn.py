@@ -144,8 +144,8 @@ def _finish(pb: Problem, y, h_n, c_n):
 def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
-        res = rnn_host.run(lambda xd, hd, pd, lens: _run(mode, xd, hd, pd, num_layers, bidirectional, batch_first,
-                                                         lens, proj_size, training, math),
+        res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run(mode, xd, hd, pd, num_layers, bidirectional, bf,
+                                                             lens, proj_size, training, math),
                            pb, x, hx, params, lengths, bool(training))
         if res is not None:
             return res
