@@ -131,7 +131,7 @@ def by_rows(call, pb, x, hx, lengths, spans, down):
         xs = x[lo:hi] if axis == 0 else x[:, lo:hi]
         hs = None if hx is None else (tuple(None if v is None else v[:, lo:hi] for v in hx)
                                       if isinstance(hx, (tuple, list)) else hx[:, lo:hi])
-        y, state = call(xs, hs, None if lengths is None else list(lengths)[lo:hi], pb.batch_first)
+        y, state = call(xs, hs, None if lengths is None else [int(v) for v in lengths][lo:hi], pb.batch_first)
         states = state if isinstance(state, tuple) else (state,)
         if out is None:
             B = x.shape[axis]
