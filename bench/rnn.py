@@ -4,6 +4,7 @@
     python -m bench.rnn --devices cuda:0,1 --layers 4 --hidden 1024 --batch 64   # diagonal on two GPUs
     python -m bench.rnn --devices cuda:0,1 --bidirectional                       # directions on two GPUs
     python -m bench.rnn --deepbench                       # DeepBench's recurrent training shapes (T <= 375)
+    python -m bench.rnn --host --layers 2                 # numpy x and params (torch: copies x up, y down)
     python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
 
 Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", default="inference,training")
     p.add_argument("--deepbench", action="store_true", help="DeepBench's shapes instead of --modes/--hidden/--batch")
     p.add_argument("--overhead", action="store_true", help="also the per-step overhead, eager vs graph")
+    p.add_argument("--host", action="store_true",
+                   help="host data: blasx gets numpy x and params; the peer copies x to its device and its "
+                        "outputs (and the input gradient) back, the model resident")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="run")
@@ -70,7 +74,7 @@ def cases(args) -> list[dict]:
             for math in (args.math if dt == "float32" else ["ieee"]):
                 for phase in args.phases:
                     out.append(dict(mode=mode, hidden=h, batch=b, steps=t, dtype=dt, math=math, phase=phase,
-                                    layers=args.layers, bidirectional=args.bidirectional))
+                                    layers=args.layers, bidirectional=args.bidirectional, host=args.host))
     return out
 
 
@@ -106,29 +110,38 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = c["math"] == "tf32"
     x = torch.randn(c["steps"], c["batch"], c["hidden"], device=peer, dtype=tdt) * 0.5
     training = c["phase"] == "training"
+    host = c.get("host", False) and gpu  # host data: numpy in and out for blasx, copies for the peer
     if gpu:
         import cupy
-        bx = cupy.from_dlpack(x)
+        bx = x.cpu().numpy() if host else cupy.from_dlpack(x)
         to_np = cupy.asnumpy
         sync = torch.cuda.synchronize
     else:
         bx, to_np, sync = x.numpy(), np.asarray, (lambda: None)
-    params = m.state_dict()
+    params = {k: v.cpu().numpy() for k, v in m.state_dict().items()} if host else m.state_dict()
+    xh = x.cpu()
     fwd = {"lstm": dnn.lstm, "gru": dnn.gru}.get(c["mode"])
     bwd = {"lstm": dnn.lstm_backward, "gru": dnn.gru_backward}.get(c["mode"], dnn.rnn_backward)
     extra = {} if fwd else {"nonlinearity": c["mode"][4:]}
     fwd = fwd or dnn.rnn
-    xg = x.clone().requires_grad_(training)
+    xg = [x.clone().requires_grad_(training)]  # the peer's input with its gradient (host: copied up each run)
 
     def peer_run():
         if not training:
             with torch.no_grad():
-                return m(x)
+                if not host:
+                    return m(x)
+                y, st = m(xh.to(peer))
+                return y.cpu(), tuple(s.cpu() for s in st) if isinstance(st, tuple) else st.cpu()
         m.zero_grad()
-        xg.grad = None
-        y, st = m(xg)
+        xin = xg[0] = xh.to(peer).requires_grad_(True) if host else xg[0]
+        xin.grad = None
+        y, st = m(xin)
         outs = [y, *(st if isinstance(st, tuple) else (st,))]
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        if host:
+            xin.grad.cpu()
+            return y.cpu(), tuple(s.cpu() for s in st) if isinstance(st, tuple) else st.cpu()
         return y, st
 
     def blasx_run():
@@ -137,7 +150,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
             return out, None
         st = out[1]
         sts = st if isinstance(st, tuple) else (st,)
-        ones = [(cupy.ones_like(s) if gpu else np.ones_like(s)) for s in (out[0], *sts)]
+        ones = [(cupy.ones_like(s) if gpu and not host else np.ones_like(s)) for s in (out[0], *sts)]
         return out, bwd(out[2], *ones)
 
     t_peer, (ty, tst) = _best(peer_run, runs, sync)
@@ -150,7 +163,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
     errs = {"y": _rel(to_np(out[0]), ty.detach().float().cpu().numpy()),
             "h_n": _rel(to_np(st0), tst0.detach().float().cpu().numpy())}
     if training:
-        errs["input"] = _rel(to_np(grads["input"]), xg.grad.float().cpu().numpy())
+        errs["input"] = _rel(to_np(grads["input"]), xg[0].grad.float().cpu().numpy())
         for k, p in m.named_parameters():
             errs[k] = _rel(to_np(grads[k]), p.grad.float().cpu().numpy())
     tol = TOL["tf32" if c["math"] == "tf32" else c["dtype"]]
@@ -192,7 +205,9 @@ def step_overhead(hidden: int = 256, batch: int = 16, steps: int = 100, runs: in
 def markdown(rep: dict) -> str:
     lines = [f"# bench.rnn: {rep['tag']}", "", f"- command: `{rep['command']}`", f"- date: {rep['date']}",
              f"- machine: {rep['env'].get('host')}, {rep['env'].get('gpus', rep['env'].get('cpu'))}",
-             f"- blasx devices: {rep['devices']}; peer: torch on {rep['peer']}", "",
+             f"- blasx devices: {rep['devices']}; peer: torch on {rep['peer']}"
+             + ("; host data (numpy x and params for blasx; the peer copies x up and its outputs back)"
+                if rep.get("host") else ""), "",
              "| mode | H | B | T | L | dir | dtype | math | phase | blasx ms | peer ms | ratio | max err (worst) | ok "
              "| placement |",
              "| --- | --: | --: | --: | --: | --: | --- | --- | --- | --: | --: | --: | --- | --- | --- |"]
@@ -223,7 +238,7 @@ def main(argv=None) -> int:
     env = collect_env(list(range(ngpu)))
     rep = {"schema": "blasx-bench-rnn/1", "tag": args.tag, "date": now.isoformat(timespec="seconds"),
            "command": shlex.join([os.path.basename(sys.executable), "-m", "bench.rnn", *argv]),
-           "devices": devices, "peer": peer, "env": env, "results": [], "overhead": None}
+           "devices": devices, "peer": peer, "env": env, "results": [], "overhead": None, "host": args.host}
     for c in cases(args):
         r = run_case(c, peer, args.runs)
         rep["results"].append(r)

@@ -19,6 +19,7 @@ def test_options_and_cases():
     assert {c["math"] for c in cs if c["dtype"] == "float16"} == {"ieee"}
     deep = R.cases(R.parse_args(["--deepbench", "--dtypes", "float32", "--math", "ieee", "--phases", "inference"]))
     assert len(deep) == len(R.DEEPBENCH) and all(c["steps"] <= 375 for c in deep)
+    assert all(c["host"] for c in R.cases(R.parse_args(["--host"]))) and not any(c["host"] for c in cs)
 
 
 def test_checked_run_on_sims(tmp_path):
