@@ -9,9 +9,10 @@ are placed on devices by rnn_plan.py (a unidirectional stack runs diagonally, rn
 together, one batched GEMM and one fused kernel per step; directions run side by side).
 
 Inputs: numpy (host) or CuPy arrays of float64, float32 (``math="tf32"`` for TF32 GEMMs), float16 or bfloat16
-(numpy only: CuPy has no bfloat16; with GPUs a host call runs on them, rnn_host.py); half types accumulate and keep the cell state in float32 and store y and h in
-their own type. ``lengths`` (as ``pack_padded_sequence``: sorted decreasing, each in 1..T) ends each sequence at
-its length: later outputs are zero and its final state is taken at its last step.
+(numpy only: CuPy has no bfloat16); with GPUs a host call runs on them (rnn_host.py). Half types accumulate and
+keep the cell state in float32 and store y and h in their own type. ``lengths`` (as ``pack_padded_sequence``:
+sorted decreasing, each in 1..T) ends each sequence at its length: later outputs are zero and its final state is
+taken at its last step.
 """
 
 from __future__ import annotations

@@ -84,13 +84,13 @@ def run(again, pb, x, hx, params, lengths, training: bool):
     dev = gpus()[0]
     T, B = pb.x.shape[:2]
     with cupy.cuda.Device(dev):
-        pd = {k: cupy.asarray(rnn_params.as_array(k, params[k], np)) for k in rnn_params.names(pb.spec)}
         budget = (cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()) // BUDGET_FRACTION
         kind, n = ("whole", 0) if pb.unbatched else plan(pb.spec, T, B, pb.x.dtype.itemsize, training, budget)
-        if kind == "whole":
-            return _host(again(cupy.asarray(x), _to(hx), pd, lengths, pb.batch_first), dev)
         if kind == "host":
             return None
+        pd = {k: cupy.asarray(rnn_params.as_array(k, params[k], np)) for k in rnn_params.names(pb.spec)}
+        if kind == "whole":
+            return _host(again(cupy.asarray(x), _to(hx), pd, lengths, pb.batch_first), dev)
 
         def call(xs, hs, ls, batch_first):
             return again(cupy.asarray(xs), _to(hs), pd, ls, batch_first)

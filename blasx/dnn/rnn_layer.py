@@ -276,8 +276,7 @@ class CudaOps(_Moves):
             self.gemm_batched(a, w, out, trans_w, beta)
             return
         if ws is None:  # freed to the current stream's pool: reused only after the joins below
-            from ..runtime.devices.cublas_ctypes import workspace_bytes
-            ws = cupy.empty(nb * workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), cupy.uint8)
+            ws = cupy.empty(nb * cc.workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), cupy.uint8)
         piece = (ws.nbytes // nb) & ~255 if self.split_k else 0
         handle, lock = _shared_handle(dev)
         fork = main.record()
