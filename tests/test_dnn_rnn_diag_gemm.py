@@ -138,3 +138,93 @@ def test_layer0_projection_runs_a_part_ahead_on_its_side_stream():
     assert gemms == [("gemm_ex", GH, 2 * B, n_in)] * 2  # parts 0 and 1: two steps of B rows each
     assert first[-1] == ("wait_event", loop.ptr)
     assert l0.rows == [(0, 2), (2, 4), (4, 5)] and sorted(l0.events) == [0, 1, 2]
+
+
+def _groups_run(first, fail=None, n=3):
+    """rnn_diag._run_groups on the stand-in: each body's (event, group) in the order they happened."""
+    from types import SimpleNamespace
+    from bench import fake_cupy
+    seen, lock = [], threading.Lock()
+    with fake_cupy.installed() as fake:
+        pb = SimpleNamespace(xp=fake.cupy)
+        progress = [rnn_diag._Progress(0) for _ in range(n)]
+
+        def body(g, dev):
+            with lock:
+                seen.append(("start", g))
+            if g == fail:
+                raise ValueError("broken group")
+            with lock:
+                seen.append(("end", g))
+        try:
+            rnn_diag._run_groups(pb, [0] * n, n, body, progress, first=first)
+        except ValueError as exc:
+            return seen, exc
+    return seen, None
+
+
+@pytest.mark.parametrize("first,order", [(0, [0, 1, 2]), (2, [2, 1, 0])])
+def test_groups_set_up_and_issue_one_after_another_from_the_wavefront_start(first, order):
+    """CuPy: a group's body starts only once its predecessor's has issued everything (a body holds the GIL
+    while it issues, so the group that starts the wavefront goes first)."""
+    seen, err = _groups_run(first)
+    assert err is None
+    assert seen == [e for g in order for e in (("start", g), ("end", g))]
+
+
+def test_a_failing_group_stops_the_later_ones_before_their_setup_and_its_error_is_raised():
+    seen, err = _groups_run(0, fail=0)
+    assert str(err) == "broken group"
+    assert seen == [("start", 0)]  # groups 1 and 2 never began their setup
+
+
+def _weights_reference(spec, cells, layers, gw):
+    """The layout rnn_diag.weights writes, built from zeros (float64, then compared in the storage types)."""
+    H, out = spec.hidden_size, spec.out_size
+    W, bias = np.zeros((len(layers), gw, 2 * out)), np.zeros((len(layers), gw))
+    for i, layer in enumerate(layers):
+        c = cells[layer][0]
+        rows = 3 * H if spec.mode == "gru" else gw
+        if layer:
+            W[i, :rows, :out] = c.w_ih
+        if spec.mode == "gru":
+            W[i, :2 * H, out:], W[i, 3 * H:, out:] = c.w_hh[:2 * H], c.w_hh[2 * H:]
+        else:
+            W[i, :, out:] = c.w_hh
+        if c.b_ih is not None:
+            b_ih, b_hh = c.b_ih.astype(np.float64), c.b_hh.astype(np.float64)
+            if spec.mode == "gru":
+                bias[i, :3 * H] = b_ih
+                bias[i, :2 * H] += b_hh[:2 * H]
+                bias[i, 3 * H:] = b_hh[2 * H:]
+            else:
+                bias[i] = b_ih + b_hh
+    return W, bias
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("layers", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_groups_weights_fill_every_element_once(mode, layers, bias, dtype):
+    """weights() writes each region once (no zero fill first): poisoned buffers come out exactly as the
+    layout built from zeros, gaps and layer 0's input half zero, biases summed in float32."""
+    from blasx.dnn import rnn_diag_cells, rnn_params
+    H, L = 4, 3
+    rng = np.random.default_rng(0)
+    g = rnn_params.GATES[mode]
+    params = {}
+    for layer in range(L):
+        params[f"weight_ih_l{layer}"] = rng.standard_normal((g * H, H)).astype(dtype)
+        params[f"weight_hh_l{layer}"] = rng.standard_normal((g * H, H)).astype(dtype)
+        if bias:
+            params[f"bias_ih_l{layer}"] = rng.standard_normal(g * H).astype(dtype)
+            params[f"bias_hh_l{layer}"] = rng.standard_normal(g * H).astype(dtype)
+    spec = rnn_params.parse(params, mode, H, num_layers=L, bidirectional=False, proj_size=0, xp=np, dtype=dtype)
+    gw = rnn_diag_cells.gate_width(mode, H)
+    W = np.full((len(layers), gw, 2 * H), np.nan, dtype=dtype)
+    b = np.full((len(layers), gw), np.nan, dtype=np.float32)
+    rnn_diag.weights(spec, spec.cells, layers, W, b)
+    W_ref, b_ref = _weights_reference(spec, spec.cells, layers, gw)
+    np.testing.assert_array_equal(W, W_ref.astype(dtype))
+    np.testing.assert_array_equal(b, b_ref.astype(np.float32))

@@ -91,28 +91,34 @@ def backward_steps(ops, mode: str, b: Bufs, W, steps) -> None:
 
 def weights(spec, cells, layers, W, bias) -> None:
     """A group's layers' weights into ``W`` (n, GW, 2*out), storage type, and biases into ``bias`` (n, GW), F;
-    what no parameter fills (layer 0's input half, GRU's gaps, absent biases) is zero."""
+    what no parameter fills (layer 0's input half, GRU's gaps, absent biases) is zero. Each region is written
+    once (a group's setup delays its loop: few launches)."""
     H, out = spec.hidden_size, spec.out_size
     f = bias.dtype
-    W.fill(0)
-    bias.fill(0)
+    add = (np if isinstance(W, np.ndarray) else __import__("cupy")).add
+    if cells[layers[0]][0].b_ih is None:
+        bias.fill(0)
     for i, layer in enumerate(layers):
         c = cells[layer][0]
-        if spec.mode == "gru":
+        if not layer:
+            W[i, :, :out] = 0
+        if spec.mode == "gru":  # rows: r, z (input and hidden parts), n's input part, n's hidden part
             if layer:
                 W[i, :3 * H, :out] = c.w_ih
+            W[i, 3 * H:, :out] = 0
             W[i, :2 * H, out:] = c.w_hh[:2 * H]
+            W[i, 2 * H:3 * H, out:] = 0
             W[i, 3 * H:, out:] = c.w_hh[2 * H:]
             if c.b_ih is not None:
-                bias[i, :3 * H] = c.b_ih.astype(f, copy=False)
-                bias[i, :2 * H] += c.b_hh[:2 * H].astype(f, copy=False)
-                bias[i, 3 * H:] = c.b_hh[2 * H:].astype(f, copy=False)
+                add(c.b_ih[:2 * H], c.b_hh[:2 * H], out=bias[i, :2 * H], dtype=f)
+                bias[i, 2 * H:3 * H] = c.b_ih[2 * H:]
+                bias[i, 3 * H:] = c.b_hh[2 * H:]
         else:
             if layer:
                 W[i, :, :out] = c.w_ih
             W[i, :, out:] = c.w_hh
             if c.b_ih is not None:
-                bias[i] = c.b_ih.astype(f, copy=False) + c.b_hh.astype(f, copy=False)
+                add(c.b_ih, c.b_hh, out=bias[i], dtype=f)
 
 
 def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
@@ -263,19 +269,31 @@ class Saved:
     groups: list  # [(layers, Bufs, device)]
 
 
-def _run_groups(pb, devs, n: int, body, progress) -> None:
+def _run_groups(pb, devs, n: int, body, progress, first: int = 0) -> None:
     """body(g, dev) on one thread per group (rnn_multi._Threads: own stream per device); a failing group
-    releases the others' waits; the first real error is re-raised."""
+    releases the others' waits; the first real error is re-raised.
+
+    CuPy: the groups set up and issue one after another, from group ``first`` on (0: forward, n - 1: backward),
+    each once its predecessor has issued its loop. A body only issues work, and holds the GIL while it does, so
+    a later group's setup would otherwise delay the group whose device starts the wavefront."""
     from .rnn_multi import _Threads
     pool = _Threads(pb, devs[:n])
+    step = 1 if first == 0 else -1
+    gates = [threading.Event() for _ in range(n)]
 
     def guarded(g, dev):
         try:
+            if pb.xp is not np and g != first:
+                gates[g - step].wait()
+                if progress[g - step].failed:
+                    raise _Aborted("another group of the stack failed")
             body(g, dev)
         except BaseException:
             for p in progress:
                 p.fail()
             raise
+        finally:
+            gates[g].set()
     for g in range(n):
         pool.start(devs[g], guarded, g, devs[g])
     pool.join(prefer=lambda e: not isinstance(e, _Aborted))
@@ -459,7 +477,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
             if graphs:
                 rnn_graph.release(e)
 
-    _run_groups(pb, devs, ng, body, progress)
+    _run_groups(pb, devs, ng, body, progress, first=ng - 1)
     grads = {}
     dh0 = xp.empty((L, B, out), dtype=store)
     dc0 = xp.empty((L, B, H), dtype=store) if spec.mode == "lstm" else None
