@@ -4,7 +4,7 @@
     python -m bench.rnn --devices cuda:0,1 --layers 4 --hidden 1024 --batch 64   # diagonal on two GPUs
     python -m bench.rnn --devices cuda:0,1 --bidirectional                       # directions on two GPUs
     python -m bench.rnn --deepbench                       # DeepBench's recurrent training shapes (T <= 375)
-    python -m bench.rnn --host --layers 2                 # numpy x and params (torch: copies x up, y down)
+    python -m bench.rnn --host --layers 2                 # numpy x, the model resident (torch: copies x up, y down)
     python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
 
 Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepbench", action="store_true", help="DeepBench's shapes instead of --modes/--hidden/--batch")
     p.add_argument("--overhead", action="store_true", help="also the per-step overhead, eager vs graph")
     p.add_argument("--host", action="store_true",
-                   help="host data: blasx gets numpy x and params; the peer copies x to its device and its "
-                        "outputs (and the input gradient) back, the model resident")
+                   help="host data: blasx gets numpy x (and returns numpy outputs and gradients), the parameters "
+                        "resident on the GPU as the peer's model; the peer copies x to its device and its outputs "
+                        "(and the input gradient) back")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="run")
@@ -118,7 +119,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
         sync = torch.cuda.synchronize
     else:
         bx, to_np, sync = x.numpy(), np.asarray, (lambda: None)
-    params = {k: v.cpu().numpy() for k, v in m.state_dict().items()} if host else m.state_dict()
+    params = m.state_dict()  # (with --host too: the model stays resident, as the peer's)
     xh = x.cpu()
     fwd = {"lstm": dnn.lstm, "gru": dnn.gru}.get(c["mode"])
     bwd = {"lstm": dnn.lstm_backward, "gru": dnn.gru_backward}.get(c["mode"], dnn.rnn_backward)
@@ -206,7 +207,7 @@ def markdown(rep: dict) -> str:
     lines = [f"# bench.rnn: {rep['tag']}", "", f"- command: `{rep['command']}`", f"- date: {rep['date']}",
              f"- machine: {rep['env'].get('host')}, {rep['env'].get('gpus', rep['env'].get('cpu'))}",
              f"- blasx devices: {rep['devices']}; peer: torch on {rep['peer']}"
-             + ("; host data (numpy x and params for blasx; the peer copies x up and its outputs back)"
+             + ("; host data (numpy x for blasx, the parameters resident; the peer copies x up and its outputs back)"
                 if rep.get("host") else ""), "",
              "| mode | H | B | T | L | dir | dtype | math | phase | blasx ms | peer ms | ratio | max err (worst) | ok "
              "| placement |",

@@ -82,7 +82,7 @@ def test_a_call_that_fits_goes_to_the_device_once_and_comes_back_as_numpy(monkey
     pb = rnn._problem("lstm", x, (h0, h0), params, 1, False, False, None, 0, None)
     calls = []
     with fake_cupy.installed(record_calls=True) as fake:
-        y, (h, c) = rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), params, None, False)
+        y, (h, c) = rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), None, False)
         uploads = [e for e in fake_cupy.LOG if e[0] == "upload"]
     (xd, hd, pd, lens), = calls
     assert type(y) is np.ndarray and y.shape == (T, B, H) and np.all(y == 10) and np.all(h == 11) and np.all(c == 12)
@@ -105,9 +105,9 @@ def test_inference_past_the_budget_runs_in_batch_chunks(monkeypatch, batch_first
         row = rnn_host.footprint(pb.spec, T, 1, 4, False)
         fake.state["free"] = 2 * row * rnn_host.BUDGET_FRACTION  # two rows a chunk
         again = _device_call(calls, fake.cupy, H, batch_first)
-        y, (h, c) = rnn_host.run(again, pb, x, (h0, h0), params, lengths, False)
+        y, (h, c) = rnn_host.run(again, pb, x, (h0, h0), lengths, False)
         uploads = [e for e in fake_cupy.LOG if e[0] == "upload"]
-        assert rnn_host.run(again, pb, x, (h0, h0), params, lengths, True) is None  # training: the host path
+        assert rnn_host.run(again, pb, x, (h0, h0), lengths, True) is None  # training: the host path
     spans = rnn_host.batch_chunks(B, 2)
     assert [c[3] for c in calls[:len(spans)]] == [lengths[lo:hi] for lo, hi in spans]
     for i, (lo, hi) in enumerate(spans):
@@ -172,3 +172,71 @@ def test_time_and_row_chunks_equal_the_whole_call(mode, batch_first, lengths, wi
         assert gy.shape == y.shape and np.allclose(gy, y, rtol=1e-12, atol=1e-12)
         for a, b in zip(gst if isinstance(gst, tuple) else (gst,), st if isinstance(st, tuple) else (st,)):
             assert a.shape == b.shape and np.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _on_device(cupy, params, device=0):
+    """``params`` as stand-in CuPy arrays on ``device`` holding the same values."""
+    out = {}
+    with cupy.cuda.Device(device):
+        for k, v in params.items():
+            a = cupy.empty(v.shape, v.dtype)
+            np.asarray(a).view(np.ndarray)[...] = v
+            out[k] = a
+    return out
+
+
+def test_resident_parameters_stay_on_the_device(monkeypatch):
+    """A numpy x with GPU-resident parameters (a model on its device): they are validated where they are and
+    the device call gets them as they are; only x and the states go up."""
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
+    T, B, n_in, H = 6, 5, 3, 4
+    x = np.random.default_rng(1).standard_normal((T, B, n_in)).astype(np.float32)
+    h0 = np.ones((1, B, H), np.float32)
+    calls = []
+    with fake_cupy.installed(record_calls=True) as fake:
+        pd = _on_device(fake.cupy, _params("lstm", n_in, H))
+        pb = rnn._problem("lstm", x, (h0, h0), pd, 1, False, False, None, 0, None)
+        assert all(rnn_params.arrays(pb.spec)[k] is v for k, v in pd.items())
+        fake_cupy.LOG.clear()
+        rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), None, False)
+        moved = [e for e in fake_cupy.LOG if e[0] in ("upload", "get", "copy")]
+    (_, _, got, _), = calls
+    assert all(got[k] is v for k, v in pd.items())
+    assert sorted(e[1] for e in moved) == sorted([x.shape, h0.shape, h0.shape])  # x, h0, c0 up; no parameter
+
+
+def test_resident_parameters_on_another_gpu_are_copied_to_the_calls(monkeypatch):
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_host, "gpus", lambda: (0, 1))
+    T, B, n_in, H = 4, 2, 3, 4
+    x = np.zeros((T, B, n_in), np.float32)
+    calls = []
+    with fake_cupy.installed(record_calls=True) as fake:
+        pd = _on_device(fake.cupy, _params("gru", n_in, H), device=1)
+        pb = rnn._problem("gru", x, None, pd, 1, False, False, None, 0, None)
+        rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, None, None, False)
+    (_, _, got, _), = calls
+    assert sorted(got) == sorted(pd) and all(a.device.id == 0 for a in got.values())
+
+
+@pytest.mark.parametrize("gpus", [(), (0,)])
+def test_resident_parameters_are_read_back_where_the_call_runs_on_the_host(monkeypatch, gpus):
+    """No GPU among the engine's devices, or a call the route leaves to the host path (training past the
+    budget): the GPU-resident parameters are read back and the result is the host path's."""
+    from bench import fake_cupy
+    T, B, n_in, H = 5, 3, 4, 6
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, B, n_in)).astype(np.float32)
+    params = _params("lstm", n_in, H, layers=2)
+    monkeypatch.setattr(rnn_host, "gpus", lambda: ())
+    want = rnn.lstm(x, None, params, num_layers=2, training=True)
+    monkeypatch.setattr(rnn_host, "gpus", lambda: gpus)
+    with fake_cupy.installed() as fake:
+        fake.state["free"] = 0  # nothing fits the device: training stays on the host path
+        got = rnn.lstm(x, None, _on_device(fake.cupy, params), num_layers=2, training=True)
+    for a, b in ((got[0], want[0]), (got[1][0], want[1][0]), (got[1][1], want[1][1])):
+        assert type(a) is np.ndarray
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert isinstance(got[2], rnn.Saved) and all(isinstance(c.w_ih, np.ndarray)
+                                                 for row in got[2].problem.spec.cells for c in row)

@@ -350,6 +350,31 @@ def test_host_arrays_run_on_the_gpu(batch_first, monkeypatch):
         assert _err(a, ref.detach().numpy()) < TOL["float32"]
 
 
+@pytest.mark.parametrize("where", ["torch", "cupy-last-gpu"])
+def test_host_x_with_resident_parameters(where):
+    """numpy x with the parameters resident on a GPU (the CUDA module's state_dict, or CuPy arrays on the last
+    GPU): numpy results matching torch, gradients included, the parameters never read back."""
+    torch.manual_seed(6)
+    T, B, I, H = 12, 5, 10, 16
+    m = torch.nn.GRU(I, H, num_layers=2).cuda()
+    x = torch.randn(T, B, I, device="cuda", requires_grad=True)
+    ty, th = m(x)
+    gs = [torch.randn_like(o) for o in (ty, th)]
+    torch.autograd.backward([ty, th], gs)
+    if where == "torch":
+        p = m.state_dict()
+    else:
+        with cupy.cuda.Device(NGPU - 1):
+            p = {k: cupy.asarray(v.detach().cpu().numpy()) for k, v in m.state_dict().items()}
+    y, h, saved = dnn.gru(x.detach().cpu().numpy(), None, p, num_layers=2, training=True)
+    assert type(y) is np.ndarray and _err(y, ty.detach().cpu().numpy()) < TOL["float32"]
+    assert _err(h, th.detach().cpu().numpy()) < TOL["float32"]
+    g = dnn.gru_backward(saved, *[t.cpu().numpy() for t in gs])
+    assert type(g["input"]) is np.ndarray and _err(g["input"], x.grad.cpu().numpy()) < 5 * TOL["float32"]
+    for k, v in m.named_parameters():
+        assert type(g[k]) is np.ndarray and _err(g[k], v.grad.cpu().numpy()) < 5 * TOL["float32"], k
+
+
 def test_host_arrays_in_time_chunks_on_the_gpu(monkeypatch):
     """A unidirectional stack too long for the device (forced): time chunks with carried states match torch."""
     from blasx.dnn import rnn_host

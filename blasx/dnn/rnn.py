@@ -113,7 +113,8 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
     xt = x[:, None] if unbatched else (x.transpose(1, 0, 2) if batch_first else x)
     T, B, n_in = xt.shape
     spec = rnn_params.parse(params, mode, n_in, num_layers=num_layers, bidirectional=bool(bidirectional),
-                            proj_size=proj_size, xp=xp, dtype=x.dtype)
+                            proj_size=proj_size, xp=xp, dtype=x.dtype,
+                            resident=xp is np and rnn_host.possible(x.dtype))
     ld = spec.num_layers * spec.num_dirs
     h0 = c0 = None
     if mode == "lstm" and hx is not None:
@@ -147,9 +148,10 @@ def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, p
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
         res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run(mode, xd, hd, pd, num_layers, bidirectional, bf,
                                                              lens, proj_size, training, math),
-                           pb, x, hx, params, lengths, bool(training))
+                           pb, x, hx, lengths, bool(training))
         if res is not None:
             return res
+        pb.spec = rnn_params.on_host(pb.spec)  # the host path after all: GPU-resident parameters read back
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n

@@ -9,8 +9,11 @@ A call whose estimated device footprint (:func:`footprint`) exceeds the budget (
 one whole row fits, a unidirectional stack in time chunks with its states carried. Inference only: a training
 call keeps every chunk's saved state, so one that does not fit one GPU stays on the host path.
 
+Parameters may be host arrays (uploaded each call) or stay resident on a GPU (CuPy arrays or CUDA torch tensors,
+as a torch model's on its device: nothing moves; rnn_params.py), the usual case for a model applied to host batches.
+
 Training: the forward returns a :class:`HostSaved`; the backward takes host gradients, runs on the device and
-returns host arrays. Errors: the arguments were checked on the host (rnn._problem) before anything moved.
+returns host arrays (the parameters' gradients too). Errors: the arguments were checked on the host (rnn._problem) before anything moved.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..operands import is_cupy
 from . import rnn_params
 
 BUDGET_FRACTION = 2  # a call (or a chunk) takes at most free device memory / this
@@ -37,9 +41,14 @@ def gpus() -> tuple:
     return session.cuda_ordinals()
 
 
+def possible(dtype) -> bool:
+    """Whether a host call of ``dtype`` may run on the GPUs (the parameters may then stay resident on one)."""
+    return np.dtype(dtype).name in DEVICE_TYPES and bool(gpus())
+
+
 def applies(pb) -> bool:
     """Whether a host call runs on the GPUs (see the module docstring)."""
-    return pb.xp is np and np.dtype(pb.x.dtype).name in DEVICE_TYPES and bool(gpus())
+    return pb.xp is np and possible(pb.x.dtype)
 
 
 def footprint(spec, T: int, B: int, itemsize: int, training: bool) -> int:
@@ -76,7 +85,7 @@ def plan(spec, T: int, B: int, itemsize: int, training: bool, budget: int) -> tu
     return "host", 0
 
 
-def run(again, pb, x, hx, params, lengths, training: bool):
+def run(again, pb, x, hx, lengths, training: bool):
     """The call on the first GPU: ``again(x, hx, params, lengths, batch_first)`` is rnn._run's CuPy path with
     the call's other arguments; returns its result with every array on the host (a HostSaved in training), or
     None where the host path must run (:func:`plan`)."""
@@ -88,7 +97,7 @@ def run(again, pb, x, hx, params, lengths, training: bool):
         kind, n = ("whole", 0) if pb.unbatched else plan(pb.spec, T, B, pb.x.dtype.itemsize, training, budget)
         if kind == "host":
             return None
-        pd = {k: cupy.asarray(rnn_params.as_array(k, params[k], np)) for k in rnn_params.names(pb.spec)}
+        pd = {k: _on(a, dev) for k, a in rnn_params.arrays(pb.spec).items()}
         if kind == "whole":
             return _host(again(cupy.asarray(x), _to(hx), pd, lengths, pb.batch_first), dev)
 
@@ -97,6 +106,14 @@ def run(again, pb, x, hx, params, lengths, training: bool):
         if kind == "rows":
             return by_rows(call, pb, x, hx, lengths, batch_chunks(B, n), cupy.asnumpy)
         return by_time(call, pb, x, hx, lengths, n, cupy.asnumpy)
+
+
+def _on(a, dev: int):
+    """A parameter on GPU ``dev``: a host one uploaded, a resident one as it is (copied from another GPU)."""
+    import cupy
+    if not is_cupy(a):
+        return cupy.asarray(a)
+    return a if a.device.id == dev else a.copy()  # (copy(): onto the current device)
 
 
 def _to(a):

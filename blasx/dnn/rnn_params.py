@@ -3,11 +3,14 @@
 Names: ``weight_ih_l{k}`` (G*H, in), ``weight_hh_l{k}`` (G*H, H or P), ``bias_ih_l{k}``, ``bias_hh_l{k}``
 (G*H,), ``weight_hr_l{k}`` (P, H) with ``proj_size`` P > 0 (LSTM only), and the ``_reverse`` suffix for the
 second direction. G is 4 for LSTM (gates i, f, g, o), 3 for GRU (r, z, n) and 1 for RNN. Every array must
-have x's dtype and live where x lives; torch tensors are taken as they are (converted by DLPack/numpy).
+have x's dtype and live where x lives, except that with a numpy x they may live on a GPU (``resident``: kept there
+for a call that runs on the GPUs, rnn_host.py; read back otherwise); torch tensors are taken as they are
+(converted by DLPack/numpy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -100,11 +103,15 @@ def _default_streams(device: int, xp) -> bool:
     return stream == 0 and xp.cuda.get_current_stream().ptr == 0
 
 
-def as_array(name: str, v, xp):
-    """``v`` as an array of ``xp`` (numpy or cupy); torch tensors converted without copies where possible."""
+def as_array(name: str, v, xp, resident: bool = False):
+    """``v`` as an array of ``xp`` (numpy or cupy); torch tensors converted without copies where possible. With a
+    numpy ``xp``, a GPU array (CuPy or CUDA torch) stays a CuPy array where ``resident``, else is read back."""
     mod = type(v).__module__ or ""
     if mod.startswith("torch"):
         if xp is np:
+            if resident and v.device.type == "cuda" and str(v.dtype) != "torch.bfloat16":
+                import cupy
+                return _cuda_view(v, cupy)
             t = v.detach().cpu()
             if str(t.dtype) == "torch.bfloat16":
                 return _bf16_from_torch(t)
@@ -114,7 +121,7 @@ def as_array(name: str, v, xp):
         return _cuda_view(v, xp)
     if xp is np:
         if is_cupy(v):
-            raise TypeError(f"params[{name!r}]: got a cupy array for a numpy x; pass host (numpy) arrays")
+            return v if resident else v.get()
         if not isinstance(v, np.ndarray):
             raise TypeError(f"params[{name!r}]: expected an array, got {type(v).__name__}")
         return v
@@ -123,10 +130,10 @@ def as_array(name: str, v, xp):
     return v
 
 
-def _get(params, name: str, shape: tuple, xp, dtype, why: str):
+def _get(params, name: str, shape: tuple, xp, dtype, why: str, resident: bool = False):
     if name not in params:
         raise KeyError(f"params: missing {name!r}, expected shape {shape} ({why})")
-    a = as_array(name, params[name], xp)
+    a = as_array(name, params[name], xp, resident)
     if tuple(a.shape) != shape:
         raise ValueError(f"params[{name!r}]: expected shape {shape} ({why}), got {tuple(a.shape)}")
     if a.dtype != dtype:
@@ -136,8 +143,9 @@ def _get(params, name: str, shape: tuple, xp, dtype, why: str):
 
 
 def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional: bool, proj_size: int,
-          xp, dtype) -> Spec:
+          xp, dtype, resident: bool = False) -> Spec:
     """The validated :class:`Spec` of ``params``; raises naming the parameter and its expected shape.
+    ``resident`` (numpy ``xp``): GPU arrays are kept as CuPy arrays (see the module docstring).
 
     The hidden size comes from ``weight_ih_l0`` (its rows / G); biases are all present or all absent."""
     if not hasattr(params, "keys") or not hasattr(params, "__getitem__"):
@@ -152,7 +160,8 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
     first = "weight_ih_l0"
     if first not in params:
         raise KeyError(f"params: missing {first!r}, expected shape ({g}*hidden_size, {input_size})")
-    rows = tuple(as_array(first, params[first], xp).shape)[0]
+    rows = tuple(params[first].shape)[0] if hasattr(params[first], "shape") else \
+        tuple(as_array(first, params[first], xp).shape)[0]
     if rows % g or rows == 0:
         raise ValueError(f"params[{first!r}]: expected shape ({g}*hidden_size, {input_size}) for {mode}, "
                          f"got {tuple(params[first].shape)}")
@@ -171,14 +180,14 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
             names = ["weight_ih" + s, "weight_hh" + s] + (["bias_ih" + s, "bias_hh" + s] if bias else []) + (
                 ["weight_hr" + s] if proj_size else [])
             expected.update(names)
-            w_ih = _get(params, "weight_ih" + s, (g * h, layer_in), xp, dtype,
-                        f"{g}*hidden_size x " + ("input_size" if layer == 0 else f"{dirs}*{'proj' if proj_size else 'hidden'}_size"))
-            w_hh = _get(params, "weight_hh" + s, (g * h, out), xp, dtype,
-                        f"{g}*hidden_size x {'proj' if proj_size else 'hidden'}_size")
-            b_ih = _get(params, "bias_ih" + s, (g * h,), xp, dtype, f"{g}*hidden_size") if bias else None
-            b_hh = _get(params, "bias_hh" + s, (g * h,), xp, dtype, f"{g}*hidden_size") if bias else None
-            w_hr = _get(params, "weight_hr" + s, (proj_size, h), xp, dtype, "proj_size x hidden_size") \
-                if proj_size else None
+            def get(name, shape, why):
+                return _get(params, name + s, shape, xp, dtype, why, resident)
+            w_ih = get("weight_ih", (g * h, layer_in), f"{g}*hidden_size x " + (
+                "input_size" if layer == 0 else f"{dirs}*{'proj' if proj_size else 'hidden'}_size"))
+            w_hh = get("weight_hh", (g * h, out), f"{g}*hidden_size x {'proj' if proj_size else 'hidden'}_size")
+            b_ih = get("bias_ih", (g * h,), f"{g}*hidden_size") if bias else None
+            b_hh = get("bias_hh", (g * h,), f"{g}*hidden_size") if bias else None
+            w_hr = get("weight_hr", (proj_size, h), "proj_size x hidden_size") if proj_size else None
             row.append(Cell(w_ih, w_hh, b_ih, b_hh, w_hr))
         cells.append(tuple(row))
     extra = sorted(set(params.keys()) - expected)
@@ -199,3 +208,25 @@ def names(spec: Spec) -> list[str]:
             out += ["bias_ih" + s, "bias_hh" + s] if spec.bias else []
             out += ["weight_hr" + s] if spec.proj_size else []
     return out
+
+
+def arrays(spec: Spec) -> dict:
+    """Every parameter of ``spec`` by torch's name (the parsed arrays), in state_dict order."""
+    got = {}
+    for layer, row in enumerate(spec.cells):
+        for d, c in enumerate(row):
+            s = suffix(layer, d)
+            for key, a in (("weight_ih", c.w_ih), ("weight_hh", c.w_hh), ("bias_ih", c.b_ih), ("bias_hh", c.b_hh),
+                           ("weight_hr", c.w_hr)):
+                if a is not None:
+                    got[key + s] = a
+    return got
+
+
+def on_host(spec: Spec) -> Spec:
+    """``spec`` with every resident (CuPy) parameter read back to the host."""
+    def host(a):
+        return a.get() if is_cupy(a) else a
+    cells = tuple(tuple(Cell(*(None if a is None else host(a) for a in (c.w_ih, c.w_hh, c.b_ih, c.b_hh, c.w_hr)))
+                        for c in row) for row in spec.cells)
+    return dataclasses.replace(spec, cells=cells)
