@@ -270,24 +270,25 @@ class Saved:
 
 
 def _run_groups(pb, devs, n: int, body, progress, first: int = 0) -> None:
-    """body(g, dev) on one thread per group (rnn_multi._Threads: own stream per device); a failing group
-    releases the others' waits; the first real error is re-raised.
+    """body(g, dev, started) on one thread per group (rnn_multi._Threads: own stream per device); a failing
+    group releases the others' waits; the first real error is re-raised.
 
-    CuPy: the groups set up and issue one after another, from group ``first`` on (0: forward, n - 1: backward),
-    each once its predecessor has issued its loop. A body only issues work, and holds the GIL while it does, so
-    a later group's setup would otherwise delay the group whose device starts the wavefront."""
+    CuPy: group ``first`` (0: forward, n - 1: backward) sets up first, and each later group only once its
+    predecessor has issued its first part (``started()``): a body holds the GIL while it issues, so a later
+    group's setup would otherwise delay the group whose device starts the wavefront."""
     from .rnn_multi import _Threads
     pool = _Threads(pb, devs[:n])
     step = 1 if first == 0 else -1
     gates = [threading.Event() for _ in range(n)]
+    gated = pb.xp is not np
 
     def guarded(g, dev):
         try:
-            if pb.xp is not np and g != first:
+            if gated and g != first:
                 gates[g - step].wait()
                 if progress[g - step].failed:
                     raise _Aborted("another group of the stack failed")
-            body(g, dev)
+            body(g, dev, gates[g].set)
         except BaseException:
             for p in progress:
                 p.fail()
@@ -328,7 +329,7 @@ def forward(pb, pl, devs, keep: bool):
     done = [None] * len(groups)
     graphs = xp is not np and pb.graphs
 
-    def body(g, dev):
+    def body(g, dev, started):
         layers = groups[g]
         lp = _local(pb, dev, home, only=[(layer, 0) for layer in layers])
         ops = ops_for(xp, pb.math)
@@ -367,6 +368,7 @@ def forward(pb, pl, devs, keep: bool):
                                        lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
                 else:
                     forward_steps(ops, spec.mode, b, first, steps)
+                started()
                 hi = max(0, min(T, z - n + 1))
                 if hi > sent:
                     y[sent:hi] = b.D[sent + n:hi + n, :, n]
@@ -422,7 +424,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
 
     mm = (lambda a, b: _mm(a, b, pb)) if xp is np else local_mm(xp, f, pb.math)
 
-    def body(g, dev):
+    def body(g, dev, started):
         layers, fb, _ = saved.groups[g]
         ops = ops_for(xp, pb.math)
         n = len(layers)
@@ -467,6 +469,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
                                        lambda steps=steps: backward_steps(ops, spec.mode, b, Wb, steps))
                 else:
                     backward_steps(ops, spec.mode, b, Wb, steps)
+                started()
                 if g and a < sent:
                     lo = min(a, T)
                     din[lo:sent] = b.E[lo:sent, 0, :, :out]
