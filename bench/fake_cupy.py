@@ -386,6 +386,16 @@ def _memcpy_async(dst: int, src: int, n: int, kind: int, stream: int) -> None:
         ctypes.memmove(dst, src, n)
 
 
+def _memcpy_peer_async(dst: int, dst_dev: int, src: int, src_dev: int, n: int, stream: int) -> None:
+    record("memcpy_peer", n, dst_dev, src_dev)
+    if _state["copies"]:
+        ctypes.memmove(dst, src, n)
+
+
+def _as_strided(a, shape, strides):
+    return ndarray(shape, a.dtype, memptr=a.data, strides=strides)
+
+
 def _mem_get_info():
     _state["mem_info_calls"] += 1
     return _state["free"], 80 << 30
@@ -399,12 +409,14 @@ def _build_modules() -> dict:
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))
+    cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=_as_strided))
     cuda = types.ModuleType("cupy.cuda")
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
-                                         memcpyDeviceToHost=2, memcpyAsync=_memcpy_async)
+                                         memcpyDeviceToHost=2, memcpyAsync=_memcpy_async,
+                                         memcpyPeerAsync=_memcpy_peer_async)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cuda.driver = types.SimpleNamespace(launchKernel=_launch_kernel)
     cupy.cuda = cuda

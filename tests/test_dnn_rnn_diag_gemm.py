@@ -234,3 +234,39 @@ def test_a_groups_weights_fill_every_element_once(mode, layers, bias, dtype):
     W_ref, b_ref = _weights_reference(spec, spec.cells, layers, gw)
     np.testing.assert_array_equal(W, W_ref.astype(dtype))
     np.testing.assert_array_equal(b, b_ref.astype(np.float32))
+
+
+def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copies_in_the_graphs():
+    """4 layers on two (stand-in) GPUs, graphs on: after the first call every part replays its graph (which
+    also holds the part's hand-off scatter and y copy); between the groups each time step crosses once, as one
+    peer copy a part, and y comes home in one; both groups' entries are idle again after the call."""
+    import collections
+    import importlib
+    from bench import fake_cupy
+    from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
+    rnn = importlib.import_module("blasx.dnn.rnn")
+    with fake_cupy.installed(record_calls=True) as fake:
+        cp = fake.cupy
+        T, B, H, L = 9, 3, 4, 4
+        x = cp.empty((T, B, H), np.float32)
+        p = {}
+        for layer in range(L):
+            p.update({f"weight_ih_l{layer}": cp.empty((4 * H, H), np.float32),
+                      f"weight_hh_l{layer}": cp.empty((4 * H, H), np.float32)})
+        pb = rnn._problem("lstm", x, None, p, L, False, False, None, 0, None)
+        pl = rnn_plan.plan(L, 1, B, T, 2)
+        rnn_multi._last.run = {"placement": pl, "ran_on": {}}
+        rnn_graph.clear()
+        rnn_diag.forward(pb, pl, [0, 1], False)
+        fake_cupy.LOG.clear()
+        y, h, c, _ = rnn_diag.forward(pb, pl, [0, 1], False)
+        log = list(fake_cupy.LOG)
+        idle = sum(len(v) for v in rnn_graph._cache.values())
+    kinds = collections.Counter(e[0] for e in log)
+    parts = len(rnn_diag.chunks(T + 1, pl.chunk))
+    assert kinds["graph_launch"] == 2 * parts and "kernel" not in kinds  # nothing captured again
+    peers = [e for e in log if e[0] == "memcpy_peer"]
+    step = B * H * 4
+    assert peers[-1] == ("memcpy_peer", T * step, 0, 1)  # y home from the top group's device
+    assert all(e[2:] == (1, 0) for e in peers[:-1]) and sum(e[1] for e in peers[:-1]) == T * step
+    assert y.shape == (T, B, H) and y.device.id == 0 and idle == 2

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..operands import is_cupy
 from . import rnn_diag_cells, rnn_params
 from .rnn_layer import compute_type
 
@@ -43,6 +44,8 @@ class Bufs:
     DC: object = None  # (n, B, H) F, LSTM
     X: object = None  # (T, B, out) F: the gradient reaching the group's last layer from above (dy or handed)
     dhn: object = None  # (n, B, out) F
+    Y: object = None  # (T, B, out) storage type: the group's last layer's y (forward)
+    Xin: object = None  # (T, B, out) storage type: the y handed up by the group below (forward, not the first)
 
 
 def acts_table(bs, n: int) -> np.ndarray:
@@ -56,7 +59,7 @@ def acts_table(bs, n: int) -> np.ndarray:
 def window(d, n: int):
     """The stacked GEMM inputs of step ``d`` = D[s] (B, n+1, out): (n, B, 2*out), layer l at slots l, l+1."""
     B, _, out = d.shape
-    st = np.lib.stride_tricks if isinstance(d, np.ndarray) else __import__("cupy").lib.stride_tricks
+    st = __import__("cupy").lib.stride_tricks if is_cupy(d) else np.lib.stride_tricks
     isz = d.itemsize
     return st.as_strided(d, shape=(n, B, 2 * out), strides=(out * isz, d.strides[0], isz))
 
@@ -136,7 +139,8 @@ def forward_bufs(xp, pb, n: int, first: bool) -> Bufs:
                 O=xp.empty((n, B, gw), dtype=f), W=xp.empty((n, gw, 2 * out), dtype=store),
                 bias=xp.empty((n, gw), dtype=f),
                 P0=xp.empty((T, B, spec.gates * H), dtype=f) if first else None,
-                acts=xp.asarray(acts_table(pb.bs, n)))
+                acts=xp.asarray(acts_table(pb.bs, n)), Y=xp.empty((T, B, out), dtype=store),
+                Xin=None if first else xp.empty((T, B, out), dtype=store))
 
 
 def fill(b: Bufs, pb, cells, layers, P0, h0, c0) -> None:
@@ -309,6 +313,26 @@ def _wait(xp, ev) -> None:
         xp.cuda.get_current_stream().wait_event(ev)
 
 
+def _hand_over(xp, dst, src) -> None:
+    """Contiguous ``src`` (another group's, on its device) into ``dst`` on the current stream: one peer copy."""
+    if xp is np:
+        dst[...] = src
+    elif dst.size:
+        xp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr, src.device.id, dst.nbytes,
+                                        xp.cuda.get_current_stream().ptr)
+
+
+def forward_part(ops, mode: str, b: Bufs, first: bool, steps, into: tuple, out: tuple, n: int) -> None:
+    """A forward part's work on a group's buffers (what its graph holds): the rows handed up for times
+    ``into`` (lo, hi) put into layer slot 0, the steps, then the group's y for times ``out`` (lo, hi) copied out
+    (a part's ranges are fixed by the chunking, so each part's graph replays the same ones)."""
+    if into[1] > into[0]:
+        b.D[into[0]:into[1], :, 0] = b.Xin[into[0]:into[1]]
+    forward_steps(ops, mode, b, first, steps)
+    if out[1] > out[0]:
+        b.Y[out[0]:out[1]] = b.D[out[0] + n:out[1] + n, :, n]
+
+
 def forward(pb, pl, devs, keep: bool):
     """(y, h_n, c_n, Saved or None) of a unidirectional stack run diagonally as ``pl`` places it."""
     from . import rnn_graph
@@ -325,9 +349,10 @@ def forward(pb, pl, devs, keep: bool):
     capturing = xp is not np and xp.cuda.get_current_stream().is_capturing()
     P0 = layer0_projection(pb, f) if xp is np or capturing else None
     progress = [_Progress(0) for _ in groups]
-    ys = [None] * len(groups)  # each group's last layer's y (T, B, out), on its device
+    ys = [None] * len(groups)  # each group's last layer's y (T, B, out): its buffers' Y, on its device
     done = [None] * len(groups)
     graphs = xp is not np and pb.graphs
+    held = [None] * len(groups)  # (graph entry, event after the group's work): given back once every group is done
 
     def body(g, dev, started):
         layers = groups[g]
@@ -351,27 +376,27 @@ def forward(pb, pl, devs, keep: bool):
                 else:
                     layer0_projection(lp, f, into=b.P0)
             fill(b, lp, lp.spec.cells, layers, P0 if first else None, lp.h0, lp.c0)
-            y = ys[g] = xp.empty((T, B, out), dtype=store)
+            ys[g] = b.Y
             got, sent = 0, 0
             for part, (a, z) in enumerate(parts):
+                into = (got, got)
                 if g:
                     need = min(z, T)
                     if need > got:
                         _wait(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
-                        b.D[got:need, :, 0] = _here(xp, ys[g - 1][got:need])
-                        got = need
-                steps = range(a, z)
+                        _hand_over(xp, b.Xin[got:need], ys[g - 1][got:need])
+                        into, got = (got, need), need
+                hi = max(sent, min(T, z - n + 1))
                 if l0 is not None:
                     l0.ready(part)
+                run = (lambda steps=range(a, z), into=into, o=(sent, hi):
+                       forward_part(ops, spec.mode, b, first, steps, into, o, n))
                 if graphs:
-                    rnn_graph.run_part(ops, e, part, f,
-                                       lambda steps=steps: forward_steps(ops, spec.mode, b, first, steps))
+                    rnn_graph.run_part(ops, e, part, f, run)
                 else:
-                    forward_steps(ops, spec.mode, b, first, steps)
+                    run()
                 started()
-                hi = max(0, min(T, z - n + 1))
                 if hi > sent:
-                    y[sent:hi] = b.D[sent + n:hi + n, :, n]
                     sent = hi
                     progress[g].publish(hi, _record(xp))
             if keep and graphs:
@@ -384,9 +409,16 @@ def forward(pb, pl, devs, keep: bool):
             if l0 is not None:
                 l0.join()
             if graphs:
-                rnn_graph.release(e)
+                held[g] = (e, _record(xp))
 
-    _run_groups(pb, devs, len(groups), body, progress)
+    try:
+        _run_groups(pb, devs, len(groups), body, progress)
+        if held[-1] is not None:
+            _wait(xp, held[-1][1])
+        y = xp.empty((T, B, out), dtype=store)
+        _hand_over(xp, y, ys[-1])
+    finally:
+        _give_back(xp, held, devs)
     h_n = xp.empty((L, B, out), dtype=store)
     c_n = xp.empty((L, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
     for g, layers in enumerate(groups):
@@ -395,7 +427,6 @@ def forward(pb, pl, devs, keep: bool):
             h_n[layer] = _here(xp, hn[i])
             if c_n is not None:
                 c_n[layer] = _here(xp, cn[i]).astype(store)
-    y = _here(xp, ys[-1])
     if pb.lengths is not None:
         for t, a in enumerate(pb.bs):
             if a < B:
@@ -502,6 +533,19 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     if dc0 is not None:
         grads["c0"] = dc0
     return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
+
+
+def _give_back(xp, held, devs) -> None:
+    """The forward's graph entries given back, each after every group's work (a group reads the Y of the group
+    below it from that group's entry)."""
+    ends = [h[1] for h in held if h is not None]
+    for g, h in enumerate(held):
+        if h is not None:
+            from . import rnn_graph
+            with xp.cuda.Device(devs[g]):
+                for ev in ends:
+                    xp.cuda.get_current_stream().wait_event(ev)
+                rnn_graph.release(h[0])
 
 
 def _chunk_of(pb, saved: Saved) -> int:
