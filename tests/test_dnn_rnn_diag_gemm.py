@@ -236,10 +236,12 @@ def test_a_groups_weights_fill_every_element_once(mode, layers, bias, dtype):
     np.testing.assert_array_equal(b, b_ref.astype(np.float32))
 
 
-def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copies_in_the_graphs():
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copies_in_the_graphs(phase):
     """4 layers on two (stand-in) GPUs, graphs on: after the first call every part replays its graph (which
-    also holds the part's hand-off scatter and y copy); between the groups each time step crosses once, as one
-    peer copy a part, and y comes home in one; both groups' entries are idle again after the call."""
+    also holds the part's hand-off scatter and y / input-gradient copy); between the groups each time step
+    crosses once, as one peer copy a part (up in forward, down in backward), and y comes home in one; both
+    groups' entries are idle again after the call."""
     import collections
     import importlib
     from bench import fake_cupy
@@ -257,9 +259,14 @@ def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copie
         pl = rnn_plan.plan(L, 1, B, T, 2)
         rnn_multi._last.run = {"placement": pl, "ran_on": {}}
         rnn_graph.clear()
-        rnn_diag.forward(pb, pl, [0, 1], False)
-        fake_cupy.LOG.clear()
-        y, h, c, _ = rnn_diag.forward(pb, pl, [0, 1], False)
+        training = phase == "backward"
+        for _ in range(2):
+            if not training:
+                fake_cupy.LOG.clear()
+            y, h, c, saved = rnn_diag.forward(pb, pl, [0, 1], training)
+            if training:
+                fake_cupy.LOG.clear()
+                rnn_diag.backward(pb, saved, cp.empty((T, B, H), np.float32), None, None)
         log = list(fake_cupy.LOG)
         idle = sum(len(v) for v in rnn_graph._cache.values())
     kinds = collections.Counter(e[0] for e in log)
@@ -267,6 +274,9 @@ def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copie
     assert kinds["graph_launch"] == 2 * parts and "kernel" not in kinds  # nothing captured again
     peers = [e for e in log if e[0] == "memcpy_peer"]
     step = B * H * 4
-    assert peers[-1] == ("memcpy_peer", T * step, 0, 1)  # y home from the top group's device
-    assert all(e[2:] == (1, 0) for e in peers[:-1]) and sum(e[1] for e in peers[:-1]) == T * step
-    assert y.shape == (T, B, H) and y.device.id == 0 and idle == 2
+    if training:  # the input gradient down, from the top group's device
+        assert all(e[2:] == (0, 1) for e in peers) and sum(e[1] for e in peers) == T * step
+    else:
+        assert peers[-1] == ("memcpy_peer", T * step, 0, 1)  # y home from the top group's device
+        assert all(e[2:] == (1, 0) for e in peers[:-1]) and sum(e[1] for e in peers[:-1]) == T * step
+    assert y.shape == (T, B, H) and y.device.id == 0 and idle == (4 if training else 2)

@@ -44,6 +44,7 @@ class Bufs:
     DC: object = None  # (n, B, H) F, LSTM
     X: object = None  # (T, B, out) F: the gradient reaching the group's last layer from above (dy or handed)
     dhn: object = None  # (n, B, out) F
+    Din: object = None  # (T, B, out) F: the gradient of the group's input, handed down (backward, not the first)
     Y: object = None  # (T, B, out) storage type: the group's last layer's y (forward)
     Xin: object = None  # (T, B, out) storage type: the y handed up by the group below (forward, not the first)
 
@@ -164,7 +165,8 @@ def backward_bufs(xp, b: Bufs, mode: str) -> Bufs:
                 bias=None, P0=None, acts=b.acts, E=xp.zeros((S1, n, B, 2 * out), dtype=f),
                 DG=xp.zeros((S1 - 1, n, B, b.O.shape[2]), dtype=f),
                 DC=xp.empty((n, B, H), dtype=f) if mode == "lstm" else None,
-                X=xp.empty((T, B, out), dtype=f), dhn=xp.empty((n, B, out), dtype=f))
+                X=xp.empty((T, B, out), dtype=f), dhn=xp.empty((n, B, out), dtype=f),
+                Din=xp.empty((T, B, out), dtype=f))
 
 
 def layer0_projection(pb, f, into=None):
@@ -448,10 +450,11 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     ng = len(saved.groups)
     devs = [dev for _, _, dev in saved.groups]
     progress = [_Progress(T) for _ in range(ng)]
-    dins = [None] * ng  # each group's gradient of its input (T, B, out), on its device
+    dins = [None] * ng  # each group's gradient of its input (T, B, out): its buffers' Din, on its device
     res = [None] * ng
     graphs = xp is not np and pb.graphs
     dy = None if gy is None else _f(xp, gy, f)
+    held = [None] * ng  # as in forward: (graph entry, event after the group's work)
 
     mm = (lambda a, b: _mm(a, b, pb)) if xp is np else local_mm(xp, f, pb.math)
 
@@ -484,7 +487,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
             top = g == ng - 1
             if top:
                 b.X[...] = 0 if dy is None else _here(xp, dy)
-            din = dins[g] = xp.empty((T, B, out), dtype=f) if g else None
+            dins[g] = b.Din if g else None
             have, sent = T, T
             for part in range(len(parts) - 1, -1, -1):
                 a, z = parts[part]
@@ -492,26 +495,28 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
                     need = max(0, a - n + 1)
                     if need < have:
                         _wait(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
-                        b.X[need:have] = _here(xp, dins[g + 1][need:have])
+                        _hand_over(xp, b.X[need:have], dins[g + 1][need:have])
                         have = need
-                steps = range(z - 1, a - 1, -1)
+                lo = min(a, T) if g and a < sent else sent
+                run = (lambda steps=range(z - 1, a - 1, -1), down=(lo, sent):
+                       backward_part(ops, spec.mode, b, Wb, steps, down, out))
                 if graphs:
-                    rnn_graph.run_part(ops, e, part, f,
-                                       lambda steps=steps: backward_steps(ops, spec.mode, b, Wb, steps))
+                    rnn_graph.run_part(ops, e, part, f, run)
                 else:
-                    backward_steps(ops, spec.mode, b, Wb, steps)
+                    run()
                 started()
-                if g and a < sent:
-                    lo = min(a, T)
-                    din[lo:sent] = b.E[lo:sent, 0, :, :out]
+                if lo < sent:
                     sent = lo
                     progress[g].publish(lo, _record(xp))
             res[g] = _grads(xp, spec, layers, b, T, B, f, store, mm, pb)
         finally:
             if graphs:
-                rnn_graph.release(e)
+                held[g] = (e, _record(xp))
 
-    _run_groups(pb, devs, ng, body, progress, first=ng - 1)
+    try:
+        _run_groups(pb, devs, ng, body, progress, first=ng - 1)
+    finally:
+        _give_back(xp, held, devs)
     grads = {}
     dh0 = xp.empty((L, B, out), dtype=store)
     dc0 = xp.empty((L, B, H), dtype=store) if spec.mode == "lstm" else None
@@ -533,6 +538,14 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     if dc0 is not None:
         grads["c0"] = dc0
     return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
+
+
+def backward_part(ops, mode: str, b: Bufs, W, steps, down: tuple, out: int) -> None:
+    """A backward part's work (what its graph holds): the steps, then the input gradient for times ``down``
+    (lo, hi) copied out for the group below."""
+    backward_steps(ops, mode, b, W, steps)
+    if down[1] > down[0]:
+        b.Din[down[0]:down[1]] = b.E[down[0]:down[1], 0, :, :out]
 
 
 def _give_back(xp, held, devs) -> None:
