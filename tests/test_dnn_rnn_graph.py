@@ -155,6 +155,49 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
     rnn_graph.clear()
 
 
+@pytest.mark.parametrize("mode,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)])
+def test_entries_filled_in_place_equal_plain_loops(mode, proj):
+    """run(..., fill=): the caller writes the entry's gx (bhn) and first states itself (a projection straight
+    into the graph's buffer); the result equals the plain loop's, inference and training, eager and replayed."""
+    rng = np.random.default_rng(7 + proj)
+    bs = (4, 4, 3, 2, 2, 1)
+    T, B, H = len(bs), bs[0], 5
+    G, out = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode], proj or H
+    rnn_graph.clear()
+    for call in range(3):
+        keep = call != 1
+        gx = _a(rng.standard_normal((T, B, G * H)))
+        w = _a(rng.standard_normal((G * H, out)))
+        wr = _a(rng.standard_normal((proj, H))) if proj else None
+        bhn = _a(rng.standard_normal(H)) if mode == "gru" else None
+        h0, c0 = rng.standard_normal((B, out)), rng.standard_normal((B, H))
+        ref = rnn_layer.forward_buffers(np, mode, T, B, H, out, bool(proj), np.float64, np.float64)
+        ref.S[0] = h0
+        if ref.C is not None:
+            ref.C[0] = c0
+        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w, wr, bhn, ref, np.empty((B, G * H)), bs, False)
+        st = rnn_layer.forward_buffers(XP, mode, T, B, H, out, bool(proj), np.float64, np.float64)
+        st.S[...] = np.nan  # never read: the fill writes the entry's first states
+
+        def fill(e):
+            e.gx[...] = gx
+            if bhn is not None:
+                e.bhn[...] = bhn
+            e.st.S[0] = h0
+            if e.st.C is not None:
+                e.st.C[0] = c0
+        rnn_graph.run(_Ops(), mode, rnn_graph.Like(gx.shape, np.float64), w, wr,
+                      None if bhn is None else rnn_graph.Like(bhn.shape, np.float64), st,
+                      rnn_graph.Like((B, G * H), np.float64), bs, False, keep=keep, fill=fill)
+        assert np.array_equal(st.S, ref.S)
+        if ref.C is not None:
+            assert np.array_equal(st.C[-1], ref.C[-1])
+            if keep:
+                assert np.array_equal(st.C, ref.C)
+    assert rnn_graph.stats()["failures"] == 0
+    rnn_graph.clear()
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
 def test_diag_parts_equal_plain_loop(mode):
     """A diagonal loop run as graph parts (chunks: eager and captured on the first call, replayed after) equals

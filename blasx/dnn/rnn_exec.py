@@ -26,15 +26,24 @@ def _f(xp, a, f):
     return a if a.dtype == f else a.astype(f)
 
 
-def project(pb, cell, inp, f, mm=None):
+def project(pb, cell, inp, f, mm=None, into=None):
     """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's
-    (a wavefront chunk)."""
+    (a wavefront chunk). ``into``: the F buffer to write (a local GEMM writes it directly)."""
     xp = pb.xp
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
+    w = cell.w_ih
+    if into is not None and mm is not None and w.dtype == x2.dtype and (w.flags.c_contiguous or w.flags.f_contiguous):
+        CudaOps(pb.math).matmul(x2, w.T, into.reshape(T * B, -1))
+        return into
     if mm is None:
-        return _mm(x2, cell.w_ih.T, pb, out_dtype=np.float32 if inp.dtype.itemsize < 4 else None).reshape(T, B, -1)
-    return mm(x2, cell.w_ih.T).reshape(T, B, -1)
+        y = _mm(x2, w.T, pb, out_dtype=np.float32 if inp.dtype.itemsize < 4 else None).reshape(T, B, -1)
+    else:
+        y = mm(x2, w.T).reshape(T, B, -1)
+    if into is None:
+        return y
+    into[...] = y
+    return into
 
 
 def biases(pb, cell, f):
@@ -83,6 +92,24 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
         rnn_persist.run(pl, spec.mode, project(pb, cell, inp, f, mm=mm), cell.b_ih, cell.b_hh, cell.w_hh, st, pb.bs,
                         d == 1, pb.h0 is not None, pb.c0 is not None)
         return st
+    if not host and runner is None and pb.graphs:  # projection, biases and first states straight into the graph's buffers
+        from . import rnn_graph
+        gates = spec.gates * spec.hidden_size
+
+        def fill(e):
+            project(pb, cell, inp, f, mm=mm, into=e.gx)
+            b, bhn = biases(pb, cell, f)
+            if b is not None:
+                e.gx += b
+            if bhn is not None:
+                e.bhn[...] = bhn
+            e.st.S[0] = 0 if pb.h0 is None else pb.h0[k]
+            if e.st.C is not None:
+                e.st.C[0] = 0 if pb.c0 is None else pb.c0[k]
+        rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr,
+                      rnn_graph.Like((spec.hidden_size,), f) if spec.mode == "gru" else None, st,
+                      rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill)
+        return st
     gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
     if pb.h0 is None:
         st.S[0] = 0
@@ -93,13 +120,10 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
-    if not host:
-        from . import rnn_graph
-    if runner is None and not host and pb.graphs:
-        runner = (lambda *args: rnn_graph.run(ops, *args, keep=keep))
     if runner is not None:
         runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     elif not host:  # launched from Python (graphs off), with the graph loop's GEMM settings
+        from . import rnn_graph
         rnn_graph.run_eager(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:
         rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)

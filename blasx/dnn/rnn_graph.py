@@ -61,12 +61,19 @@ def clear() -> None:
         _cache.clear()
 
 
+class Like:
+    """The shape and dtype of a buffer an entry holds, where the caller has no array of it (see :func:`run`)."""
+
+    def __init__(self, shape: tuple, dtype) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+
+
 def _sig(a):
     return None if a is None else (tuple(a.shape), str(a.dtype))
 
 
 def _like(xp, a):
-    return None if a is None else xp.empty_like(a)
+    return None if a is None else xp.empty(a.shape, dtype=a.dtype) if type(a) is Like else xp.empty_like(a)
 
 
 class _Entry:
@@ -151,24 +158,30 @@ def release(e: _Entry) -> None:
                 del _cache[key]
 
 
-def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True) -> None:
+def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True,
+        fill=None) -> None:
     """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
     ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other cell states
-    are left as they were)."""
+    are left as they were). ``fill(e)``: writes the entry's ``gx`` (and ``bhn``), ``st.S[0]`` and ``st.C[0]``
+    itself (a projection straight into the entry's buffer, no copy); ``gx``, ``bhn`` and ``gh`` are then
+    :class:`Like` (or None) and ``st``'s first states are not read."""
     xp = ops.xp
-    key = ("fwd", gx.device.id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
+    key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
     e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bhn, st, gh))
     try:
-        for dst, src in ((e.gx, gx), (e.w_hh, w_hh), (e.w_hr, w_hr), (e.bhn, bhn)):
+        for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)) + (((e.gx, gx), (e.bhn, bhn)) if fill is None else ()):
             if src is not None:
                 dst[...] = src
-        e.st.S[0] = st.S[0]
-        if st.C is not None:
-            e.st.C[0] = st.C[0]
-        _execute(ops, e, gx.dtype, use_graph,
+        if fill is not None:
+            fill(e)
+        else:
+            e.st.S[0] = st.S[0]
+            if st.C is not None:
+                e.st.C[0] = st.C[0]
+        _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse),
-                 split=split_k(ops, gx, w_hh))
+                 split=split_k(ops, e.gx, w_hh))
         outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
             (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
         for dst, src in outs:
