@@ -3,8 +3,9 @@
 The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launched from Python each costs a
 few microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
 everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math)
-and owns the buffers its launches were captured with: a call copies its inputs in, replays the graph on the
-current stream and copies the states out (in inference only h and the last cell state). The first call of a
+and owns the buffers its launches were captured with: a call writes its inputs there (a forward layer projects
+straight into the entry's gx, ``run(fill=)``; the rest are copied in), replays the graph on the current stream
+and copies the states out (in inference only h and the last cell state). The first call of a
 key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
 and then captures it; a capture that fails (another thread's synchronising call can invalidate it) is tried
 again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says
