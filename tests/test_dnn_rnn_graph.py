@@ -148,10 +148,14 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
             if a is not None:
                 assert np.array_equal(a, b), name
         assert all(ops.on_workspace) and ops.workspace is None
+        # use=: the caller reads the entry's own result buffers before it goes back (no copies)
+        seen = rnn_graph.run_backward(_Ops(), mode, st, w, wr, dy, dh_n, dc_n, bs, reverse, H,
+                                      use=lambda bw: (bw, bw.dgx.sum(), bw.dh.copy()))
+        assert seen[0] is not got and np.array_equal(seen[1], want.dgx.sum()) and np.array_equal(seen[2], want.dh)
     after = rnn_graph.stats()
     assert after["failures"] == before["failures"]
     assert after["captured"] == before["captured"] + 3  # the forward, the backward with dy and without
-    assert after["replayed"] == before["replayed"] + 4  # forward calls 1-3, backward call 2
+    assert after["replayed"] == before["replayed"] + 7  # forward calls 1-3; backward: the use= calls and call 2
     rnn_graph.clear()
 
 

@@ -229,32 +229,41 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             # float16 on CUDA: the loop's GEMMs take dgh rounded to float16 and the weights as stored (tensor cores)
             half = xp is not np and store == np.float16 and cell.w_hr is None
             w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
-            bw = loop(ops, spec.mode, st, w_loop, None if cell.w_hr is None else _f(xp, cell.w_hr, f),
-                      dy_d, gh_d, gc_d, pb.bs, rev, hh)
-            s, g = rnn_params.suffix(layer, d), {}
-            dgx = bw.dgx.reshape(T * B, -1)
-            dgh = bw.dgh.reshape(T * B, -1)
-            if bw.g16 is not None:  # the rounded dgh the loop kept
-                gh_t = bw.g16.reshape(T * B, -1)
-                gx_t = gh_t if bw.dgh is bw.dgx else _f(xp, dgx, g_t)
-            else:
-                gx_t = _f(xp, dgx, g_t)
-                gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
-            xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
-            g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
-            g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)
-            if cell.b_ih is not None:
-                g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
-                g["bias_hh" + s] = dgh.sum(axis=0).astype(store)
-            if cell.w_hr is not None:
-                g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
-            return g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), bw.dh, bw.dc
+            w_hr_f = None if cell.w_hr is None else _f(xp, cell.w_hr, f)
 
-        dx = xp.zeros((T, B, n_in), dtype=f)
+            def consume(bw):
+                """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read
+                in place before the entry goes back); dh and dc copied."""
+                s, g = rnn_params.suffix(layer, d), {}
+                dgx = bw.dgx.reshape(T * B, -1)
+                dgh = bw.dgh.reshape(T * B, -1)
+                if bw.g16 is not None:  # the rounded dgh the loop kept
+                    gh_t = bw.g16.reshape(T * B, -1)
+                    gx_t = gh_t if bw.dgh is bw.dgx else _f(xp, dgx, g_t)
+                else:
+                    gx_t = _f(xp, dgx, g_t)
+                    gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
+                xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
+                g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
+                g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)
+                if cell.b_ih is not None:
+                    g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
+                    g["bias_hh" + s] = dgh.sum(axis=0).astype(store)
+                if cell.w_hr is not None:
+                    g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
+                return (g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), bw.dh.copy(),
+                        None if bw.dc is None else bw.dc.copy())
+            args_d = (ops, spec.mode, st, w_loop, w_hr_f, dy_d, gh_d, gc_d, pb.bs, rev, hh)
+            if loop is rnn_layer.backward_loop:
+                return consume(loop(*args_d))
+            return loop(*args_d, use=consume)
+
+        dx = None
         for d, (g, dxd, dh, dc) in enumerate(rnn_multi.run_backward(pb, layer, kept, direction)):
             grads.update({name: rnn_multi.at(xp, a, home) for name, a in g.items()})
             dxd = rnn_multi.at(xp, dxd, home)
-            dx += dxd[::-1] if d == 1 else dxd
+            part = dxd[::-1] if d == 1 else dxd
+            dx = part if dx is None else dx + part  # (direction 0's is a fresh array of this call's)
             dh0[layer * dirs + d] = rnn_multi.at(xp, dh, home)
             if dc0 is not None:
                 dc0[layer * dirs + d] = rnn_multi.at(xp, dc, home)

@@ -213,9 +213,10 @@ def run_eager(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool) -> None
 
 
 def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: bool, H: int,
-                 use_graph: bool = True) -> rnn_layer.Backward:
+                 use_graph: bool = True, use=None):
     """rnn_layer.backward_loop's result through the graph of this shape (captured on first use); the arrays
-    returned are the caller's own."""
+    returned are the caller's own. ``use(bw)``: consumes the entry's own result buffers before the entry goes
+    back (its GEMMs read them in place, no copies) and its return value is returned instead."""
     key = ("bwd", st.S.device.id, mode, _sig(st.S), _sig(st.C), _sig(st.gates), _sig(st.R), _sig(w_hh_f),
            _sig(w_hr_f), _sig(dy), tuple(bs), reverse, H, ops.math)
     e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
@@ -230,6 +231,8 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
             bw.dc[...] = 0 if dc_n is None else dc_n
         _execute(ops, e, w_hh_f.dtype, use_graph,
                  lambda: rnn_layer.backward_steps(ops, mode, e.st, e.w_hh, e.w_hr, e.dy, bs, reverse, bw, e.scratch))
+        if use is not None:
+            return use(bw)
         dgx = bw.dgx.copy()
         return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
                                   None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
