@@ -410,6 +410,7 @@ def _build_modules() -> dict:
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))
     cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=_as_strided))
+    cupy.add = np.add  # (a ufunc on the stand-in's arrays: recorded by their __array_ufunc__)
     cuda = types.ModuleType("cupy.cuda")
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
                  "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):

@@ -1,5 +1,5 @@
 """The diagonal loop's per-step GEMM issue (rnn_layer.CudaOps.gemm_layers) on the CPU stand-in for CuPy, and the
-hand-off between diagonal groups (rnn_diag._Progress)."""
+hand-off between diagonal groups (rnn_diag_groups.Progress)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from blasx.dnn import rnn_diag, rnn_layer
+from blasx.dnn import rnn_diag, rnn_diag_groups, rnn_layer
 
 
 def _issue(dtype, math, n, workspace, capture=False):
@@ -75,19 +75,19 @@ def test_inside_a_callers_capture_without_a_workspace_nothing_is_allocated():
 def test_a_waiter_gets_the_first_event_that_satisfies_it():
     """The publishing thread runs chunks ahead of its device: a waiter must order itself after the hand-off it
     needs, not after the latest one."""
-    p = rnn_diag._Progress(0)
+    p = rnn_diag_groups.Progress(0)
     for v, ev in ((7, "e7"), (14, "e14"), (21, "e21")):
         p.publish(v, ev)
     assert p.wait(lambda v: v >= 10) == "e14"
     assert p.wait(lambda v: v >= 0) is None  # the start needs no event
-    back = rnn_diag._Progress(30)
+    back = rnn_diag_groups.Progress(30)
     for v, ev in ((20, "e20"), (10, "e10")):
         back.publish(v, ev)
     assert back.wait(lambda v: v <= 25) == "e20"
 
 
 def test_a_waiter_blocks_until_published_and_a_failure_releases_it():
-    p = rnn_diag._Progress(0)
+    p = rnn_diag_groups.Progress(0)
     got = []
     t = threading.Thread(target=lambda: got.append(p.wait(lambda v: v >= 5)))
     t.start()
@@ -95,13 +95,13 @@ def test_a_waiter_blocks_until_published_and_a_failure_releases_it():
     p.publish(6, "e6")
     t.join(5)
     assert got == ["e6"]
-    q = rnn_diag._Progress(0)
+    q = rnn_diag_groups.Progress(0)
     errs = []
 
     def wait():
         try:
             q.wait(lambda v: v >= 5)
-        except rnn_diag._Aborted as exc:
+        except rnn_diag_groups.Aborted as exc:
             errs.append(exc)
     t = threading.Thread(target=wait)
     t.start()
@@ -142,13 +142,13 @@ def test_layer0_projection_runs_a_part_ahead_on_its_side_stream():
 
 
 def _groups_run(first, fail=None, n=3):
-    """rnn_diag._run_groups on the stand-in: each body's (event, group) in the order they happened."""
+    """rnn_diag_groups.run_groups on the stand-in: each body's (event, group) in the order they happened."""
     from types import SimpleNamespace
     from bench import fake_cupy
     seen, lock = [], threading.Lock()
     with fake_cupy.installed() as fake:
         pb = SimpleNamespace(xp=fake.cupy)
-        progress = [rnn_diag._Progress(0) for _ in range(n)]
+        progress = [rnn_diag_groups.Progress(0) for _ in range(n)]
 
         def body(g, dev, started):
             with lock:
@@ -162,7 +162,7 @@ def _groups_run(first, fail=None, n=3):
             with lock:
                 seen.append(("end", g))
         try:
-            rnn_diag._run_groups(pb, [0] * n, n, body, progress, first=first)
+            rnn_diag_groups.run_groups(pb, [0] * n, n, body, progress, first=first)
         except ValueError as exc:
             return seen, exc
     return seen, None

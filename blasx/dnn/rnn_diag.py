@@ -11,20 +11,21 @@ so layer l reads slots l and l+1 of ``D[s]``. Cell states and saved gates are in
 Backward runs the same diagonal in reverse: ``E[s]`` (n, B, 2*out) holds the gradient of each layer's stacked
 input, one batched GEMM ``E[s] += dG[s] . W`` per step; the weight gradients are single GEMMs after the loop.
 On several devices the layers form contiguous groups (rnn_plan.py), group g on device g, a chunk behind group
-g-1; the states cross once per chunk, and layer 0's projection is computed part by part beside the first group's
-loop (_Layer0). The loops issue GEMMs and kernels only, so on CUDA each chunk of steps is
-captured into a graph and replayed (rnn_graph.run_diag).
+g-1; the states cross once per chunk (rnn_diag_groups.py: threads, set-up order, hand-offs), and layer 0's
+projection is computed part by part beside the first group's loop (_Layer0). The loops issue GEMMs and kernels
+only, so on CUDA each chunk of steps, with its hand-off copies, is captured into a graph and replayed
+(rnn_graph.run_part).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..operands import is_cupy
 from . import rnn_diag_cells, rnn_params
+from .rnn_diag_groups import Progress, give_back, hand_over, record, run_groups, wait_for
 from .rnn_layer import compute_type
 
 
@@ -99,7 +100,7 @@ def weights(spec, cells, layers, W, bias) -> None:
     once (a group's setup delays its loop: few launches)."""
     H, out = spec.hidden_size, spec.out_size
     f = bias.dtype
-    add = (np if isinstance(W, np.ndarray) else __import__("cupy")).add
+    add = __import__("cupy").add if is_cupy(W) else np.add
     if cells[layers[0]][0].b_ih is None:
         bias.fill(0)
     for i, layer in enumerate(layers):
@@ -225,41 +226,6 @@ class _Layer0:
 
 # ---------------------------------------------------------------- the executor
 
-class _Aborted(RuntimeError):
-    """Raised in a group whose neighbour failed (the neighbour's own error is the one re-raised)."""
-
-
-class _Progress:
-    """What a group has handed on so far: each published time bound with the CUDA event that orders it. A waiter
-    gets the event of the *first* bound that satisfies it, not the latest: the publishing thread issues ahead of
-    its device, so the latest event may stand several chunks further on."""
-
-    def __init__(self, start: int) -> None:
-        self.history, self.failed = [(start, None)], False
-        self.cv = threading.Condition()
-
-    @property
-    def value(self) -> int:
-        return self.history[-1][0]
-
-    def publish(self, value: int, event) -> None:
-        with self.cv:
-            self.history.append((value, event))
-            self.cv.notify_all()
-
-    def fail(self) -> None:
-        with self.cv:
-            self.failed = True
-            self.cv.notify_all()
-
-    def wait(self, ok):
-        with self.cv:
-            self.cv.wait_for(lambda: self.failed or ok(self.value))
-            if self.failed:
-                raise _Aborted("another group of the stack failed")
-            return next(ev for v, ev in self.history if ok(v))
-
-
 def groups_of(pl) -> list:
     return [tuple(l for l, row in enumerate(pl.cells) if row[0] == g) for g in range(pl.devices)]
 
@@ -273,55 +239,6 @@ def chunks(S: int, k: int) -> list:
 class Saved:
     """A diagonal forward's training state: per group its buffers (on its device) and its device."""
     groups: list  # [(layers, Bufs, device)]
-
-
-def _run_groups(pb, devs, n: int, body, progress, first: int = 0) -> None:
-    """body(g, dev, started) on one thread per group (rnn_multi._Threads: own stream per device); a failing
-    group releases the others' waits; the first real error is re-raised.
-
-    CuPy: group ``first`` (0: forward, n - 1: backward) sets up first, and each later group only once its
-    predecessor has issued its first part (``started()``): a body holds the GIL while it issues, so a later
-    group's setup would otherwise delay the group whose device starts the wavefront."""
-    from .rnn_multi import _Threads
-    pool = _Threads(pb, devs[:n])
-    step = 1 if first == 0 else -1
-    gates = [threading.Event() for _ in range(n)]
-    gated = pb.xp is not np
-
-    def guarded(g, dev):
-        try:
-            if gated and g != first:
-                gates[g - step].wait()
-                if progress[g - step].failed:
-                    raise _Aborted("another group of the stack failed")
-            body(g, dev, gates[g].set)
-        except BaseException:
-            for p in progress:
-                p.fail()
-            raise
-        finally:
-            gates[g].set()
-    for g in range(n):
-        pool.start(devs[g], guarded, g, devs[g])
-    pool.join(prefer=lambda e: not isinstance(e, _Aborted))
-
-
-def _record(xp):
-    return None if xp is np else xp.cuda.get_current_stream().record()
-
-
-def _wait(xp, ev) -> None:
-    if ev is not None:
-        xp.cuda.get_current_stream().wait_event(ev)
-
-
-def _hand_over(xp, dst, src) -> None:
-    """Contiguous ``src`` (another group's, on its device) into ``dst`` on the current stream: one peer copy."""
-    if xp is np:
-        dst[...] = src
-    elif dst.size:
-        xp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst.device.id, src.data.ptr, src.device.id, dst.nbytes,
-                                        xp.cuda.get_current_stream().ptr)
 
 
 def forward_part(ops, mode: str, b: Bufs, first: bool, steps, into: tuple, out: tuple, n: int) -> None:
@@ -350,7 +267,7 @@ def forward(pb, pl, devs, keep: bool):
     # GEMM's CuPy handle refuses to run; otherwise each group's own (rnn_multi.local_mm, _Layer0)
     capturing = xp is not np and xp.cuda.get_current_stream().is_capturing()
     P0 = layer0_projection(pb, f) if xp is np or capturing else None
-    progress = [_Progress(0) for _ in groups]
+    progress = [Progress(0) for _ in groups]
     ys = [None] * len(groups)  # each group's last layer's y (T, B, out): its buffers' Y, on its device
     done = [None] * len(groups)
     graphs = xp is not np and pb.graphs
@@ -385,8 +302,8 @@ def forward(pb, pl, devs, keep: bool):
                 if g:
                     need = min(z, T)
                     if need > got:
-                        _wait(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
-                        _hand_over(xp, b.Xin[got:need], ys[g - 1][got:need])
+                        wait_for(xp, progress[g - 1].wait(lambda v, need=need: v >= need))
+                        hand_over(xp, b.Xin[got:need], ys[g - 1][got:need])
                         into, got = (got, need), need
                 hi = max(sent, min(T, z - n + 1))
                 if l0 is not None:
@@ -400,7 +317,7 @@ def forward(pb, pl, devs, keep: bool):
                 started()
                 if hi > sent:
                     sent = hi
-                    progress[g].publish(hi, _record(xp))
+                    progress[g].publish(hi, record(xp))
             if keep and graphs:
                 b = Bufs(*(None if a is None else a.copy() for a in (b.D, b.C, b.G)), O=b.O, W=b.W.copy(),
                          bias=None, P0=None, acts=b.acts)
@@ -411,16 +328,16 @@ def forward(pb, pl, devs, keep: bool):
             if l0 is not None:
                 l0.join()
             if graphs:
-                held[g] = (e, _record(xp))
+                held[g] = (e, record(xp))
 
     try:
-        _run_groups(pb, devs, len(groups), body, progress)
+        run_groups(pb, devs, len(groups), body, progress)
         if held[-1] is not None:
-            _wait(xp, held[-1][1])
+            wait_for(xp, held[-1][1])
         y = xp.empty((T, B, out), dtype=store)
-        _hand_over(xp, y, ys[-1])
+        hand_over(xp, y, ys[-1])
     finally:
-        _give_back(xp, held, devs)
+        give_back(xp, held, devs)
     h_n = xp.empty((L, B, out), dtype=store)
     c_n = xp.empty((L, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
     for g, layers in enumerate(groups):
@@ -449,7 +366,7 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
     f = compute_type(store)
     ng = len(saved.groups)
     devs = [dev for _, _, dev in saved.groups]
-    progress = [_Progress(T) for _ in range(ng)]
+    progress = [Progress(T) for _ in range(ng)]
     dins = [None] * ng  # each group's gradient of its input (T, B, out): its buffers' Din, on its device
     res = [None] * ng
     graphs = xp is not np and pb.graphs
@@ -494,8 +411,8 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
                 if not top:
                     need = max(0, a - n + 1)
                     if need < have:
-                        _wait(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
-                        _hand_over(xp, b.X[need:have], dins[g + 1][need:have])
+                        wait_for(xp, progress[g + 1].wait(lambda v, need=need: v <= need))
+                        hand_over(xp, b.X[need:have], dins[g + 1][need:have])
                         have = need
                 lo = min(a, T) if g and a < sent else sent
                 run = (lambda steps=range(z - 1, a - 1, -1), down=(lo, sent):
@@ -507,16 +424,16 @@ def backward(pb, saved: Saved, gy, gh, gc) -> dict:
                 started()
                 if lo < sent:
                     sent = lo
-                    progress[g].publish(lo, _record(xp))
+                    progress[g].publish(lo, record(xp))
             res[g] = _grads(xp, spec, layers, b, T, B, f, store, mm, pb)
         finally:
             if graphs:
-                held[g] = (e, _record(xp))
+                held[g] = (e, record(xp))
 
     try:
-        _run_groups(pb, devs, ng, body, progress, first=ng - 1)
+        run_groups(pb, devs, ng, body, progress, first=ng - 1)
     finally:
-        _give_back(xp, held, devs)
+        give_back(xp, held, devs)
     grads = {}
     dh0 = xp.empty((L, B, out), dtype=store)
     dc0 = xp.empty((L, B, H), dtype=store) if spec.mode == "lstm" else None
@@ -546,19 +463,6 @@ def backward_part(ops, mode: str, b: Bufs, W, steps, down: tuple, out: int) -> N
     backward_steps(ops, mode, b, W, steps)
     if down[1] > down[0]:
         b.Din[down[0]:down[1]] = b.E[down[0]:down[1], 0, :, :out]
-
-
-def _give_back(xp, held, devs) -> None:
-    """The forward's graph entries given back, each after every group's work (a group reads the Y of the group
-    below it from that group's entry)."""
-    ends = [h[1] for h in held if h is not None]
-    for g, h in enumerate(held):
-        if h is not None:
-            from . import rnn_graph
-            with xp.cuda.Device(devs[g]):
-                for ev in ends:
-                    xp.cuda.get_current_stream().wait_event(ev)
-                rnn_graph.release(h[0])
 
 
 def _chunk_of(pb, saved: Saved) -> int:

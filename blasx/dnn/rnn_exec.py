@@ -33,13 +33,12 @@ def project(pb, cell, inp, f, mm=None, into=None):
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
     w = cell.w_ih
-    if into is not None and mm is not None and w.dtype == x2.dtype and (w.flags.c_contiguous or w.flags.f_contiguous):
-        CudaOps(pb.math).matmul(x2, w.T, into.reshape(T * B, -1))
+    if mm is not None and into is None:
+        return mm(x2, w.T).reshape(T, B, -1)
+    if mm is not None:  # (rnn_multi.local_mm: the GEMM writes into it)
+        mm(x2, w.T, out=into.reshape(T * B, -1))
         return into
-    if mm is None:
-        y = _mm(x2, w.T, pb, out_dtype=np.float32 if inp.dtype.itemsize < 4 else None).reshape(T, B, -1)
-    else:
-        y = mm(x2, w.T).reshape(T, B, -1)
+    y = _mm(x2, w.T, pb, out_dtype=np.float32 if inp.dtype.itemsize < 4 else None).reshape(T, B, -1)
     if into is None:
         return y
     into[...] = y

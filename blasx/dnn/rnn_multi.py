@@ -204,16 +204,21 @@ def local_mm(xp, f, math: str = "ieee"):
     """A GEMM on the calling thread's device and stream (CuPy), its result in F: a direction's own projections,
     so no thread waits on an engine call that spans the other devices, and with one device no engine round trip
     at all. C- or F-contiguous operands of one type go to cublasGemmEx as they are (half inputs, float32 result;
-    TF32 where ``math`` says), others through a cast to F and CuPy's matmul."""
+    TF32 where ``math`` says), others through a cast to F and CuPy's matmul. ``out``: a C-contiguous F array
+    to write (the GEMM writes it directly)."""
     from .rnn_layer import CudaOps
     ops = CudaOps(math)
 
-    def mm(a, b, out_dtype=None):
+    def mm(a, b, out_dtype=None, out=None):
         if a.dtype == b.dtype and all(x.flags.c_contiguous or x.flags.f_contiguous for x in (a, b)):
-            out = xp.empty((a.shape[0], b.shape[1]), dtype=f)
+            out = xp.empty((a.shape[0], b.shape[1]), dtype=f) if out is None else out
             ops.matmul(a, b, out)
             return out
-        return xp.matmul(a if a.dtype == f else a.astype(f), b if b.dtype == f else b.astype(f))
+        y = xp.matmul(a if a.dtype == f else a.astype(f), b if b.dtype == f else b.astype(f))
+        if out is None:
+            return y
+        out[...] = y
+        return out
     return mm
 
 
