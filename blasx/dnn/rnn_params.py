@@ -200,14 +200,7 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
 
 def names(spec: Spec) -> list[str]:
     """Every parameter name of ``spec``, in torch's state_dict order."""
-    out = []
-    for layer in range(spec.num_layers):
-        for d in range(spec.num_dirs):
-            s = suffix(layer, d)
-            out += ["weight_ih" + s, "weight_hh" + s]
-            out += ["bias_ih" + s, "bias_hh" + s] if spec.bias else []
-            out += ["weight_hr" + s] if spec.proj_size else []
-    return out
+    return list(arrays(spec))
 
 
 def arrays(spec: Spec) -> dict:
