@@ -280,3 +280,40 @@ def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copie
         assert peers[-1] == ("memcpy_peer", T * step, 0, 1)  # y home from the top group's device
         assert all(e[2:] == (1, 0) for e in peers[:-1]) and sum(e[1] for e in peers[:-1]) == T * step
     assert y.shape == (T, B, H) and y.device.id == 0 and idle == (4 if training else 2)
+
+
+def test_a_group_failing_mid_call_raises_gives_every_entry_back_and_the_next_call_runs(monkeypatch):
+    """A group whose loop fails (here group 1's third chunk): its error is raised, the other group is released
+    from its wait, both graph entries go back to the cache, and the next call of the shape runs."""
+    import importlib
+    from bench import fake_cupy
+    from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
+    rnn = importlib.import_module("blasx.dnn.rnn")
+    with fake_cupy.installed(record_calls=True) as fake:
+        cp = fake.cupy
+        T, B, H, L = 9, 3, 4, 4
+        x = cp.empty((T, B, H), np.float32)
+        p = {}
+        for layer in range(L):
+            p.update({f"weight_ih_l{layer}": cp.empty((4 * H, H), np.float32),
+                      f"weight_hh_l{layer}": cp.empty((4 * H, H), np.float32)})
+        pb = rnn._problem("lstm", x, None, p, L, False, False, None, 0, None)
+        pl = rnn_plan.plan(L, 1, B, T, 2)
+        rnn_multi._last.run = {"placement": pl, "ran_on": {}}
+        rnn_graph.clear()
+        rnn_diag.forward(pb, pl, [0, 1], False)
+        real, calls = rnn_diag.forward_part, []
+
+        def failing(ops, mode, b, first, steps, into, out, n):
+            calls.append(first)
+            if not first and sum(1 for c in calls if not c) == 3:
+                raise RuntimeError("device fault in group 1")
+            return real(ops, mode, b, first, steps, into, out, n)
+        monkeypatch.setattr(rnn_diag, "forward_part", failing)
+        rnn_graph.clear()  # eager parts, so that the stand-in runs the replaced body
+        with pytest.raises(RuntimeError, match="device fault in group 1"):
+            rnn_diag.forward(pb, pl, [0, 1], False)
+        idle = sum(len(v) for v in rnn_graph._cache.values())
+        monkeypatch.setattr(rnn_diag, "forward_part", real)
+        y, _, _, _ = rnn_diag.forward(pb, pl, [0, 1], False)
+    assert idle == 2 and y.shape == (T, B, H)
