@@ -8,8 +8,8 @@
     python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
 
 Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
-(synchronised), their ratio, the placement blasx used (rnn_plan: single, directions, diagonal, wavefront or batch,
-and its device count), and the check: y and h_n (inference), and also the input and every parameter
+(synchronised, after one untimed call each), their ratio, the placement blasx used (rnn_plan: single,
+directions, diagonal, wavefront or batch, and its device count), and the check: y and h_n (inference), and also the input and every parameter
 gradient (training) against the peer's, relative Frobenius error under the dtype's tolerance. ``--overhead``
 adds the per-step cost of the step loop launched from Python and replayed from a CUDA graph. Outputs
 ``bench/results/rnn-<tag>-<stamp>.{json,md}`` with the command, machine and date.
@@ -86,7 +86,9 @@ def _rel(a, ref) -> float:
 
 
 def _best(fn, runs: int, sync) -> tuple[float, object]:
+    """The best of ``runs`` synchronised calls after one untimed call (kernels built, graphs captured)."""
     res, best = None, float("inf")
+    fn()
     for _ in range(max(1, runs)):
         sync()
         t0 = time.perf_counter()
