@@ -236,6 +236,24 @@ def test_a_groups_weights_fill_every_element_once(mode, layers, bias, dtype):
     np.testing.assert_array_equal(b, b_ref.astype(np.float32))
 
 
+def _four_layers_on_two(cp):
+    """A 4-layer LSTM problem (T=9, B=3, H=4, no biases) on stand-in arrays, placed diagonally on two devices;
+    the graph cache emptied."""
+    import importlib
+    from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
+    rnn = importlib.import_module("blasx.dnn.rnn")
+    T, B, H, L = 9, 3, 4, 4
+    p = {}
+    for layer in range(L):
+        p.update({f"weight_ih_l{layer}": cp.empty((4 * H, H), np.float32),
+                  f"weight_hh_l{layer}": cp.empty((4 * H, H), np.float32)})
+    pb = rnn._problem("lstm", cp.empty((T, B, H), np.float32), None, p, L, False, False, None, 0, None)
+    pl = rnn_plan.plan(L, 1, B, T, 2)
+    rnn_multi._last.run = {"placement": pl, "ran_on": {}}
+    rnn_graph.clear()
+    return pb, pl
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copies_in_the_graphs(phase):
     """4 layers on two (stand-in) GPUs, graphs on: after the first call every part replays its graph (which
@@ -243,22 +261,12 @@ def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copie
     crosses once, as one peer copy a part (up in forward, down in backward), and y comes home in one; both
     groups' entries are idle again after the call."""
     import collections
-    import importlib
     from bench import fake_cupy
-    from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
-    rnn = importlib.import_module("blasx.dnn.rnn")
+    from blasx.dnn import rnn_graph
     with fake_cupy.installed(record_calls=True) as fake:
         cp = fake.cupy
-        T, B, H, L = 9, 3, 4, 4
-        x = cp.empty((T, B, H), np.float32)
-        p = {}
-        for layer in range(L):
-            p.update({f"weight_ih_l{layer}": cp.empty((4 * H, H), np.float32),
-                      f"weight_hh_l{layer}": cp.empty((4 * H, H), np.float32)})
-        pb = rnn._problem("lstm", x, None, p, L, False, False, None, 0, None)
-        pl = rnn_plan.plan(L, 1, B, T, 2)
-        rnn_multi._last.run = {"placement": pl, "ran_on": {}}
-        rnn_graph.clear()
+        pb, pl = _four_layers_on_two(cp)
+        T, B, H = 9, 3, 4
         training = phase == "backward"
         for _ in range(2):
             if not training:
@@ -285,22 +293,12 @@ def test_a_warm_diagonal_call_hands_over_by_peer_copies_and_keeps_its_part_copie
 def test_a_group_failing_mid_call_raises_gives_every_entry_back_and_the_next_call_runs(monkeypatch):
     """A group whose loop fails (here group 1's third chunk): its error is raised, the other group is released
     from its wait, both graph entries go back to the cache, and the next call of the shape runs."""
-    import importlib
     from bench import fake_cupy
-    from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
-    rnn = importlib.import_module("blasx.dnn.rnn")
+    from blasx.dnn import rnn_graph
     with fake_cupy.installed(record_calls=True) as fake:
         cp = fake.cupy
-        T, B, H, L = 9, 3, 4, 4
-        x = cp.empty((T, B, H), np.float32)
-        p = {}
-        for layer in range(L):
-            p.update({f"weight_ih_l{layer}": cp.empty((4 * H, H), np.float32),
-                      f"weight_hh_l{layer}": cp.empty((4 * H, H), np.float32)})
-        pb = rnn._problem("lstm", x, None, p, L, False, False, None, 0, None)
-        pl = rnn_plan.plan(L, 1, B, T, 2)
-        rnn_multi._last.run = {"placement": pl, "ran_on": {}}
-        rnn_graph.clear()
+        pb, pl = _four_layers_on_two(cp)
+        T, B, H = 9, 3, 4
         rnn_diag.forward(pb, pl, [0, 1], False)
         real, calls = rnn_diag.forward_part, []
 
