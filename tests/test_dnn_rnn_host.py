@@ -185,9 +185,11 @@ def _on_device(cupy, params, device=0):
     return out
 
 
-def test_resident_parameters_stay_on_the_device(monkeypatch):
+@pytest.mark.parametrize("rows", [None, 2])
+def test_resident_parameters_stay_on_the_device(monkeypatch, rows):
     """A numpy x with GPU-resident parameters (a model on its device): they are validated where they are and
-    the device call gets them as they are; only x and the states go up."""
+    every device call (the whole batch, or ``rows`` a chunk past the budget) gets them as they are; only each
+    call's x, h0 and c0 go up."""
     from bench import fake_cupy
     monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
     T, B, n_in, H = 6, 5, 3, 4
@@ -198,12 +200,17 @@ def test_resident_parameters_stay_on_the_device(monkeypatch):
         pd = _on_device(fake.cupy, _params("lstm", n_in, H))
         pb = rnn._problem("lstm", x, (h0, h0), pd, 1, False, False, None, 0, None)
         assert all(rnn_params.arrays(pb.spec)[k] is v for k, v in pd.items())
+        if rows:
+            fake.state["free"] = rows * rnn_host.footprint(pb.spec, T, 1, 4, False) * rnn_host.BUDGET_FRACTION
         fake_cupy.LOG.clear()
         rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), None, False)
-        moved = [e for e in fake_cupy.LOG if e[0] in ("upload", "get", "copy")]
-    (_, _, got, _), = calls
-    assert all(got[k] is v for k, v in pd.items())
-    assert sorted(e[1] for e in moved) == sorted([x.shape, h0.shape, h0.shape])  # x, h0, c0 up; no parameter
+        moved = [e[1] for e in fake_cupy.LOG if e[0] in ("upload", "copy")]  # (a parameter copied or uploaded)
+        read = [e[1] for e in fake_cupy.LOG if e[0] == "get"]
+    spans = rnn_host.batch_chunks(B, rows) if rows else [(0, B)]
+    assert len(calls) == len(spans) and all(c[2][k] is v for c in calls for k, v in pd.items())
+    assert sorted(moved) == sorted(s for lo, hi in spans
+                                     for s in ((T, hi - lo, n_in), (1, hi - lo, H), (1, hi - lo, H)))
+    assert not any(v.shape == shape for v in pd.values() for shape in read)  # no parameter read back
 
 
 def test_resident_parameters_on_another_gpu_are_copied_to_the_calls(monkeypatch):
@@ -240,25 +247,3 @@ def test_resident_parameters_are_read_back_where_the_call_runs_on_the_host(monke
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     assert isinstance(got[2], rnn.Saved) and all(isinstance(c.w_ih, np.ndarray)
                                                  for row in got[2].problem.spec.cells for c in row)
-
-
-def test_resident_parameters_serve_every_batch_chunk_without_moving(monkeypatch):
-    """Past the budget (batch chunks) the resident parameters go to each chunk's call as they are: only each
-    chunk's x, h0 and c0 go up."""
-    from bench import fake_cupy
-    monkeypatch.setattr(rnn_host, "gpus", lambda: (0,))
-    T, B, n_in, H = 6, 5, 3, 4
-    x = np.random.default_rng(3).standard_normal((T, B, n_in)).astype(np.float32)
-    h0 = np.zeros((1, B, H), np.float32)
-    calls = []
-    with fake_cupy.installed(record_calls=True) as fake:
-        pd = _on_device(fake.cupy, _params("lstm", n_in, H))
-        pb = rnn._problem("lstm", x, (h0, h0), pd, 1, False, False, None, 0, None)
-        fake.state["free"] = 2 * rnn_host.footprint(pb.spec, T, 1, 4, False) * rnn_host.BUDGET_FRACTION
-        fake_cupy.LOG.clear()
-        rnn_host.run(_device_call(calls, fake.cupy, H), pb, x, (h0, h0), None, False)
-        moved = [e for e in fake_cupy.LOG if e[0] in ("upload", "get", "copy")]
-    spans = rnn_host.batch_chunks(B, 2)
-    assert len(calls) == len(spans) and all(c[2][k] is v for c in calls for k, v in pd.items())
-    assert sorted(e[1] for e in moved if e[0] == "upload") == sorted(
-        s for lo, hi in spans for s in ((T, hi - lo, n_in), (1, hi - lo, H), (1, hi - lo, H)))
