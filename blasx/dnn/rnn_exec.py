@@ -67,8 +67,7 @@ def input_projection(pb, cell, inp, f, mm=None):
     return gx, bhn
 
 
-def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool = True,
-                      mm=None) -> rnn_layer.Forward:
+def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None) -> rnn_layer.Forward:
     """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
     a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
     device instead of the engine's."""
@@ -78,7 +77,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     store = inp.dtype
     f = compute_type(store)
     host = xp is np
-    pl = None if host or runner is not None or not pb.graphs else _persistent(pb, cell, store, B)
+    pl = None if host or not pb.graphs else _persistent(pb, cell, store, B)
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
                                    store, f, gates=keep or pl is None)
     k = layer * spec.num_dirs + d
@@ -91,7 +90,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
         rnn_persist.run(pl, spec.mode, project(pb, cell, inp, f, mm=mm), cell.b_ih, cell.b_hh, cell.w_hh, st, pb.bs,
                         d == 1, pb.h0 is not None, pb.c0 is not None)
         return st
-    if not host and runner is None and pb.graphs:  # projection, biases and first states straight into the graph's buffers
+    if not host and pb.graphs:  # projection, biases and first states straight into the graph's buffers
         from . import rnn_graph
         gates = spec.gates * spec.hidden_size
 
@@ -119,9 +118,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, runner=None, keep: bool 
     w_hh = _f(xp, cell.w_hh, f) if host else cell.w_hh
     w_hr = None if cell.w_hr is None else (_f(xp, cell.w_hr, f) if host else cell.w_hr)
     gh = xp.empty((B, gx.shape[2]), dtype=f)
-    if runner is not None:
-        runner(spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
-    elif not host:  # launched from Python (graphs off), with the graph loop's GEMM settings
+    if not host:  # launched from Python (graphs off), with the graph loop's GEMM settings
         from . import rnn_graph
         rnn_graph.run_eager(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
     else:

@@ -4,7 +4,7 @@ The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launc
 few microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
 everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math)
 and owns the buffers its launches were captured with: a call writes its inputs there (a forward layer projects
-straight into the entry's gx, ``run(fill=)``; the rest are copied in), replays the graph on the current stream
+straight into the entry's gx, ``run(fill=)``; the weights are copied in), replays the graph on the current stream
 and copies the states out (in inference only h and the last cell state). The first call of a
 key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
 and then captures it; a capture that fails (another thread's synchronising call can invalidate it) is tried
@@ -159,27 +159,22 @@ def release(e: _Entry) -> None:
                 del _cache[key]
 
 
-def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, use_graph: bool = True, keep: bool = True,
-        fill=None) -> None:
+def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, *, fill, use_graph: bool = True,
+        keep: bool = True) -> None:
     """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
-    ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other cell states
-    are left as they were). ``fill(e)``: writes the entry's ``gx`` (and ``bhn``), ``st.S[0]`` and ``st.C[0]``
-    itself (a projection straight into the entry's buffer, no copy); ``gx``, ``bhn`` and ``gh`` are then
-    :class:`Like` (or None) and ``st``'s first states are not read."""
+    ``fill(e)`` writes the entry's inputs itself: ``e.gx`` (a projection straight into it, no copy), ``e.bhn``,
+    ``e.st.S[0]`` and ``e.st.C[0]``; ``gx``, ``bhn`` and ``gh`` give only their shapes and dtypes (:class:`Like`
+    or arrays). ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other
+    cell states are left as they were)."""
     xp = ops.xp
     key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
     e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bhn, st, gh))
     try:
-        for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)) + (((e.gx, gx), (e.bhn, bhn)) if fill is None else ()):
+        for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)):
             if src is not None:
                 dst[...] = src
-        if fill is not None:
-            fill(e)
-        else:
-            e.st.S[0] = st.S[0]
-            if st.C is not None:
-                e.st.C[0] = st.C[0]
+        fill(e)
         _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
