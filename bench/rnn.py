@@ -85,17 +85,27 @@ def _rel(a, ref) -> float:
     return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _best(fn, runs: int, sync) -> tuple[float, object]:
-    """The best of ``runs`` synchronised calls after one untimed call (kernels built, graphs captured)."""
-    res, best = None, float("inf")
+def _best(fn, runs: int, sync) -> tuple[list[float], object]:
+    """The times of ``runs`` synchronised calls after one untimed call (kernels built, graphs captured), and the
+    last call's result."""
+    res, times = None, []
     fn()
     for _ in range(max(1, runs)):
         sync()
         t0 = time.perf_counter()
         res = fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return best, res
+        times.append(time.perf_counter() - t0)
+    return times, res
+
+
+def _release_pools() -> None:
+    """Both sides' cached GPU memory handed back between cases: a sweep's earlier shapes must not leave one
+    allocator failing and retrying on every call of a later one."""
+    import cupy
+    import torch
+    torch.cuda.empty_cache()
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def run_case(c: dict, peer: str, runs: int) -> dict:
@@ -156,8 +166,11 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
         ones = [(cupy.ones_like(s) if gpu and not host else np.ones_like(s)) for s in (out[0], *sts)]
         return out, bwd(out[2], *ones)
 
-    t_peer, (ty, tst) = _best(peer_run, runs, sync)
-    t_blasx, (out, grads) = _best(blasx_run, runs, sync)
+    if gpu:
+        _release_pools()
+    peer_runs, (ty, tst) = _best(peer_run, runs, sync)
+    blasx_runs, (out, grads) = _best(blasx_run, runs, sync)
+    t_peer, t_blasx = min(peer_runs), min(blasx_runs)
     from blasx.dnn import rnn_multi
     pl = rnn_multi.last_run().get("placement")
     placement = f"{pl.kind} x{pl.devices}" if pl is not None else "?"
@@ -172,7 +185,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
     tol = TOL["tf32" if c["math"] == "tf32" else c["dtype"]]
     worst = max(errs, key=errs.get)
     return dict(c, blasx_s=t_blasx, peer_s=t_peer, ratio=t_blasx / t_peer, max_err=errs[worst], worst=worst,
-                tol=tol, ok=errs[worst] < tol, placement=placement)
+                tol=tol, ok=errs[worst] < tol, placement=placement, blasx_runs=blasx_runs, peer_runs=peer_runs)
 
 
 def split_cost(t1: float, t2: float, steps: int) -> tuple[float, float]:
@@ -196,7 +209,8 @@ def step_overhead(hidden: int = 256, batch: int = 16, steps: int = 100, runs: in
     out = {}
     for name, ctx in (("eager", rnn_graph.eager), ("graph", contextlib.nullcontext)):
         with ctx():
-            (t1, y1), (t2, _) = (_best(lambda x=x: dnn.lstm(x, None, p)[0], runs, sync) for x in xs)
+            (t1, y1), (t2, _) = ((min(t), y) for t, y in (_best(lambda x=x: dnn.lstm(x, None, p)[0], runs, sync)
+                                                          for x in xs))
         out[name] = (split_cost(t1, t2, steps), y1)
     (fe, se), ye = out["eager"]
     (fg, sg), yg = out["graph"]

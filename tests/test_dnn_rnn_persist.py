@@ -13,16 +13,16 @@ from blasx.dnn.rnn_persist import Plan
 
 
 @pytest.mark.parametrize("args, want", [
-    (("lstm", 16, 512, 2, 132), Plan(16, 32, 8, 8, 4, 1, 54848)),  # J 4 -> 8 -> 16: small layers, fewer blocks
-    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 208032)),  # 128 tiles a warp already: J stays 8
-    (("gru", 64, 1024, 2, 132), Plan(8, 128, 8, 3, 8, 4, 187520)),
-    (("gru", 16, 512, 2, 132), Plan(16, 32, 8, 6, 4, 1, 44544)),
-    (("gru", 16, 1024, 2, 132), Plan(16, 64, 8, 6, 8, 1, 60928)),
-    (("lstm", 64, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 142496)),
-    (("lstm", 16, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 1, 52128)),  # J 16: weight fragments over 96 registers
-    (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 13120)),
-    (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 4968)),  # 4 k steps: 4 warps multiply
-    (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 12160)),
+    (("lstm", 16, 512, 2, 132), Plan(16, 32, 8, 8, 4, 1, 38208, True)),  # J 4 -> 8 -> 16: fewer blocks; flags
+    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 75936, False)),  # 128 tiles a warp already: J stays 8
+    (("gru", 64, 1024, 2, 132), Plan(8, 128, 8, 3, 8, 4, 55424, False)),
+    (("gru", 16, 512, 2, 132), Plan(16, 32, 8, 6, 4, 1, 27904, True)),
+    (("gru", 16, 1024, 2, 132), Plan(16, 64, 8, 6, 8, 1, 27904, False)),
+    (("lstm", 64, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 75936, False)),
+    (("lstm", 16, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 1, 19104, False)),  # J 16: weight regs over 96
+    (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 4672, True)),
+    (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 2664, True)),  # 4 k steps: 4 warps multiply
+    (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 9344, True)),
 ])
 def test_plan(args, want):
     assert rnn_persist.plan(*args) == want
@@ -42,9 +42,9 @@ def test_plan_none(args):
 
 
 def test_plan_passes(monkeypatch):
-    """Batches over 64 rows stage h in several passes a step (allowed where MAX_BATCH is raised)."""
+    """Batches over 64 rows take several passes a step (allowed where MAX_BATCH is raised)."""
     monkeypatch.setattr(rnn_persist, "MAX_BATCH", 1 << 20)
-    assert rnn_persist.plan("lstm", 128, 1024, 2, 132) == Plan(8, 128, 8, 4, 8, 4, 210080)
+    assert rnn_persist.plan("lstm", 128, 1024, 2, 132) == Plan(8, 128, 8, 4, 8, 4, 77984, False)
     assert rnn_persist.plan("lstm", 60000, 512, 2, 132) is None  # every row's cell state does not fit
 
 
@@ -59,6 +59,7 @@ def test_plan_fits_shared_memory():
                 assert p.smem <= rnn_persist.SMEM and p.blocks * p.units == h and p.blocks <= 132
                 assert g * p.units == 8 * p.nt and p.kwarps * p.kt * 16 == h and p.kwarps <= 8
                 assert p.nt * p.kt * 2 <= rnn_persist.MAX_WREGS and 1 <= p.mt <= rnn_persist.MAX_MT
+                assert p.flags == (p.blocks <= rnn_persist.FLAG_BLOCKS)
                 step = 8 // gcd(g, 8)
                 first = next(j for j in range(step, h + 1, step) if h % j == 0 and h // j <= 132)
                 if p.units > first:  # J was doubled: within the rule's limits
@@ -96,12 +97,12 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
         fake_cupy.LOG.clear()
         rnn_persist.run(pl, mode, gx, b_ih, b_hh, w, st, (B,) * T, reverse, h0, False)
         (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
-        kernel = rnn_persist._kernels[(mode, pl.nt, pl.kwarps, pl.kt, pl.mt)]
+        kernel = rnn_persist._kernels[(mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags)]
     _, name, grid, block, args, smem = launch
     assert (name, grid, block, smem) == ("rnn_persist_fwd", (pl.blocks,), (rnn_persist.THREADS,), pl.smem)
     assert kernel.max_dynamic_shared_size_bytes == pl.smem
     assert {f"-DMODE={rnn_persist.MODES[mode]}", f"-DNT={pl.nt}", f"-DKW={pl.kwarps}", f"-DKT={pl.kt}",
-            f"-DMT={pl.mt}"} <= set(kernel.options)
+            f"-DMT={pl.mt}", f"-DFLAGS={int(pl.flags)}"} <= set(kernel.options)
     params = _kernel_params()
     assert len(args) == len(params)
     got = dict(zip(params, args))
@@ -113,6 +114,6 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
     assert got["C"] == (array(st.C) if mode == "lstm" else ("uint64", 0))
     assert got["b_ih"] == (array(b_ih) if bias else ("uint64", 0))
     assert got["b_hh"] == (array(b_hh) if bias else ("uint64", 0))
-    assert got["bs"][0] == "array" and got["bs"][2] == (T,) and got["counter"][2] == (1,)
+    assert got["bs"][0] == "array" and got["bs"][2] == (T,) and got["sync"][2] == ((pl.blocks,) if pl.flags else (1,))
     assert [got[k] for k in ("T", "B", "H", "reverse", "zero_h", "zero_c")] == [
         ("int32", T), ("int32", B), ("int32", H), ("int32", int(reverse)), ("int32", int(not h0)), ("int32", 1)]

@@ -1,10 +1,13 @@
 // A whole recurrent layer-direction forward in one launch (rnn_persist.py): every block owns J hidden units (all
 // G gates of each); its warps hold those units' recurrent weight rows in registers for the whole loop, warp w
-// the k range [w*KT*16, (w+1)*KT*16). A step stages h_prev from L2 in shared memory, multiplies it on tensor
-// cores (mma m16n8k16, float32 accumulation), sums the warps' partial products, applies the cell and writes the
-// block's slice of h; a grid-wide barrier separates the steps. Blocks are co-resident (cooperative launch).
+// the k range [w*KT*16, (w+1)*KT*16). A step loads each warp's slice of h_prev from L2 straight into its mma
+// fragments, multiplies on tensor cores (mma m16n8k16, float32 accumulation), sums the warps' partial products
+// in shared memory, applies the cell and writes the block's slice of h; the steps are ordered by a grid-wide
+// barrier (FLAGS 0: one counter all blocks add to) or by per-block step flags every block waits on (FLAGS 1;
+// faster for small grids). Blocks are co-resident (cooperative launch).
 // Set by -D: MODE (0 lstm, 1 gru, 2 rnn_tanh, 3 rnn_relu), NT (8-column tiles of the block: G*J/8), KW (warps
-// splitting k), KT (16-wide k steps a warp), MT (16-row tiles staged per pass). Data in float16 (CuPy has no bfloat16).
+// splitting k), KT (16-wide k steps a warp), MT (16-row tiles a pass), FLAGS. Data in float16 (CuPy has no
+// bfloat16).
 #include <cuda_fp16.h>
 #define STYPE __half
 
@@ -38,13 +41,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {  // one 16x16 A fragment
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 // The step's gx slice of rows b0 .. b0+rows (this block's G*J gate columns) into sX, asynchronously.
 // Laid out (G, MC, J): the cell's threads (unit fastest, then row) read consecutive words. 16-byte copies where
 // the block's J units make whole 16-byte pieces (J % 4 == 0), else 4-byte ones.
@@ -64,7 +60,25 @@ __device__ __forceinline__ void stage_gx(float* sX, const float* gx, int t, int 
     }
 }
 
-// All blocks arrive before any leaves; `target` grows by gridDim.x a step (the counter starts at 0 each launch).
+// FLAGS 1: this block's h of `step` is written (every thread's writes, then its flag, released at gpu scope) ...
+__device__ __forceinline__ void publish(unsigned* flags, unsigned step) {
+    __syncthreads();
+    if (threadIdx.x == 0)
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(step) : "memory");
+}
+
+// ... and every block's is: thread i waits for block i's flag.
+__device__ __forceinline__ void await_all(const unsigned* flags, unsigned step) {
+    for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flags + i) : "memory");
+        } while (v < step);
+    }
+    __syncthreads();
+}
+
+// FLAGS 0: all blocks arrive before any leaves; `target` grows by gridDim.x a step (counter 0 at launch).
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -77,22 +91,45 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
     __syncthreads();
 }
 
+// A fragments of rows r and r+8 for the k steps kt, kt+1 (KT even) or kt alone (KT odd), straight from global
+// memory (L2): inside each 32-wide pair of k steps thread tig holds k 8*tig .. 8*tig+7 (one 16-byte load a row),
+// and the weight fragments are loaded in the same k order (wk), so the products are unchanged.
+__device__ __forceinline__ void load_a(unsigned (*af)[4], const STYPE* h, int r, int rows, int H, int k, int tig) {
+    const STYPE* p0 = h + (size_t)r * H + k;
+    const bool v0 = r < rows, v1 = r + 8 < rows;
+    if (KT % 2 == 0) {
+        uint4 x = v0 ? __ldcg((const uint4*)(p0 + tig * 8)) : make_uint4(0, 0, 0, 0);
+        uint4 y = v1 ? __ldcg((const uint4*)(p0 + (size_t)8 * H + tig * 8)) : make_uint4(0, 0, 0, 0);
+        af[0][0] = x.x; af[0][2] = x.y; af[1][0] = x.z; af[1][2] = x.w;
+        af[0][1] = y.x; af[0][3] = y.y; af[1][1] = y.z; af[1][3] = y.w;
+    } else {
+        uint2 x = v0 ? __ldcg((const uint2*)(p0 + tig * 4)) : make_uint2(0, 0);
+        uint2 y = v1 ? __ldcg((const uint2*)(p0 + (size_t)8 * H + tig * 4)) : make_uint2(0, 0);
+        af[0][0] = x.x; af[0][2] = x.y; af[0][1] = y.x; af[0][3] = y.y;
+    }
+}
+
+// The physical k (within the warp's range) of the weight fragment register `half` (0, 1) of k step kt.
+__device__ __forceinline__ int wk(int kt, int half, int tig) {
+    return KT % 2 == 0 ? (kt / 2) * 32 + tig * 8 + (kt % 2) * 4 + half * 2 : kt * 16 + tig * 4 + half * 2;
+}
+
 // gx (T, B, G*H) float in time order (the input projection); b_ih, b_hh (G*H) the biases or null (both add to gx
 // except GRU's b_hn, which sits inside the reset product); W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0, or
 // zeros written here (`zero_h`); C (T+1, B, H) float with C[0] = c0, or zeros written here (`zero_c`; LSTM);
 // gates (T, B, 4*H) float or null (the activations saved for the backward pass); bs[t] the active rows at time t
-// (sorted lengths); steps run in processing order p, time t = p or T-1-p.
-// Shared memory: staged h rows (MC x LDH), the warps' partial products (KW x G x MC x J), the step's gx slice
-// (G x MC x J), the bias slice (NJ; GRU: then b_hn's J) and, LSTM, the block's cell states (B x J).
+// (sorted lengths); sync the barrier's counter (FLAGS 0) or the blocks' step flags (FLAGS 1), zeros at launch;
+// steps run in processing order p, time t = p or T-1-p.
+// Shared memory: the warps' partial products (KW x G x MC x J), the step's gx slice (G x MC x J), the bias slice
+// (NJ; GRU: then b_hn's J) and, LSTM, the block's cell states (B x J).
 extern "C" __global__ void __launch_bounds__(256)
 rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, const STYPE* __restrict__ b_hh,
                 const STYPE* __restrict__ W, STYPE* S, float* C, float* gates, const int* __restrict__ bs,
-                unsigned* counter, int T, int B, int H, int reverse, int zero_h, int zero_c) {
+                unsigned* sync, int T, int B, int H, int reverse, int zero_h, int zero_c) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int NJ = NT * 8, MC = MT * 16, LDH = H + 8, H8 = H / 8;
+    const int NJ = NT * 8, MC = MT * 16;
     const int j0 = blockIdx.x * J;
-    STYPE* sH = (STYPE*)smem;
-    float* sG = (float*)(sH + (size_t)MC * LDH);
+    float* sG = (float*)smem;
     float* sX = sG + (size_t)KW * MC * NJ;
     float* sB = sX + (size_t)MC * NJ;
     float* sBn = sB + NJ;  // GRU's b_hn slice
@@ -107,11 +144,11 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni) {
         const int n = ni * 8 + gid;
-        const STYPE* row = W + (size_t)((n / J) * H + j0 + n % J) * H + kbase + tig * 2;
+        const STYPE* row = W + (size_t)((n / J) * H + j0 + n % J) * H + kbase;
 #pragma unroll
         for (int kt = 0; kt < KT; ++kt) {
-            wf[ni][kt][0] = mma_warp ? *(const unsigned*)(row + kt * 16) : 0u;
-            wf[ni][kt][1] = mma_warp ? *(const unsigned*)(row + kt * 16 + 8) : 0u;
+            wf[ni][kt][0] = mma_warp ? *(const unsigned*)(row + wk(kt, 0, tig)) : 0u;
+            wf[ni][kt][1] = mma_warp ? *(const unsigned*)(row + wk(kt, 1, tig)) : 0u;
         }
     }
     for (int n = threadIdx.x; n < NJ; n += blockDim.x) {
@@ -129,9 +166,8 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
     }
 
     const bool save = gates != nullptr;  // training: every step's c; inference: c_T only
-    const int spread = blockDim.x % H8 == 0 ? blockDim.x / H8 : 0;  // rows staged at once, each thread one k8
     int a = bs[reverse ? T - 1 : 0];
-    bool gx_ready = false;  // the first pass's gx slice was prefetched before the barrier
+    bool gx_ready = false;  // the first pass's gx slice was prefetched before the step's wait
 
     for (int p = 0; p < T; ++p) {
         const int t = reverse ? T - 1 - p : p;
@@ -139,47 +175,32 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
         STYPE* hn = S + (size_t)(p + 1) * BH;
         for (int b0 = 0; b0 < B; b0 += MC) {
             const int rows = min(MC, B - b0);
-            if (p == 0 && zero_h) {  // h0 = 0: nothing to read
-                for (int idx = threadIdx.x; idx < MC * H8; idx += blockDim.x)
-                    *(uint4*)(sH + (size_t)(idx / H8) * LDH + (idx % H8) * 8) = make_uint4(0, 0, 0, 0);
-            } else if (spread) {  // h_prev rows (other blocks' output), from L2
-                const int k8 = threadIdx.x % H8;
-                for (int r = threadIdx.x / H8; r < MC; r += spread) {
-                    STYPE* dst = sH + (size_t)r * LDH + k8 * 8;
-                    if (r < rows)
-                        cp_async16(dst, hp + (size_t)(b0 + r) * H + k8 * 8);
-                    else
-                        *(uint4*)dst = make_uint4(0, 0, 0, 0);
-                }
-            } else {
-                for (int idx = threadIdx.x; idx < MC * H8; idx += blockDim.x) {
-                    int r = idx / H8, k8 = idx % H8;
-                    STYPE* dst = sH + (size_t)r * LDH + k8 * 8;
-                    if (r < rows)
-                        cp_async16(dst, hp + (size_t)(b0 + r) * H + k8 * 8);
-                    else
-                        *(uint4*)dst = make_uint4(0, 0, 0, 0);
-                }
-            }
+#if FLAGS
+            if (p > 0 && b0 == 0) await_all(sync, (unsigned)p);
+#endif
             if (!gx_ready) stage_gx(sX, gx, t, B, H, b0, rows, j0);
             gx_ready = false;
-            cp_async_wait();
-            __syncthreads();
             if (mma_warp) {
+                const bool zero = p == 0 && zero_h;  // h0 = 0: nothing to read
                 float acc[MT][NT][4];
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
                     for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
-                const STYPE* arow = sH + (size_t)(lane & 15) * LDH + kbase + (lane >> 4) * 8;
+                constexpr int KS = KT % 2 == 0 ? 2 : 1;  // k steps a load covers
+                if (!zero) {
+                    const STYPE* hb = hp + (size_t)b0 * H + kbase;
 #pragma unroll
-                for (int kt = 0; kt < KT; ++kt) {
+                    for (int kt = 0; kt < KT; kt += KS) {
 #pragma unroll
-                    for (int mi = 0; mi < MT; ++mi) {
-                        unsigned af[4];
-                        ldmatrix_x4(af, arow + (size_t)mi * 16 * LDH + kt * 16);
+                        for (int mi = 0; mi < MT; ++mi) {
+                            unsigned af[KS][4];
+                            load_a(af, hb, mi * 16 + gid, rows, H, kt * 16, tig);
 #pragma unroll
-                        for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af, wf[ni][kt]);
+                            for (int s = 0; s < KS; ++s)
+#pragma unroll
+                                for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af[s], wf[ni][kt + s]);
+                        }
                     }
                 }
                 float* o = sG + (size_t)warp * MC * NJ;
@@ -192,12 +213,13 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                         *(float2*)(o + (g * MC + r0 + 8) * J + u) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
                     }
             }
+            cp_async_wait();
             __syncthreads();
             for (int idx = threadIdx.x; idx < rows * J; idx += blockDim.x) {  // the cell, one (row, unit) each
                 const int r = idx / J, u = idx % J, b = b0 + r, j = j0 + u;
                 const size_t o = (size_t)b * H + j;
                 if (b >= a) {  // finished (forward) or not yet started (reverse): the state carries over
-                    hn[o] = sH[(size_t)r * LDH + j];
+                    hn[o] = __ldcg(hp + o);
 #if MODE == 0
                     if (save || p == T - 1) C[(p + 1) * BH + o] = sC[b * J + u];
 #endif
@@ -227,7 +249,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                 float ghn = s[2] + sBn[u];
                 float rg = sigm(xv[0] + s[0]), zg = sigm(xv[1] + s[1]);
                 float ng = tanhf(xv[2] + rg * ghn);
-                put(hn + o, (1.f - zg) * ng + zg * tof(sH[(size_t)r * LDH + j]));
+                put(hn + o, (1.f - zg) * ng + zg * tof(__ldcg(hp + o)));
                 if (gates) {
                     float* q = gates + ((size_t)p * B + b) * 4 * H + j;
                     q[0] = rg; q[H] = zg; q[2 * H] = ng; q[3 * H] = ghn;
@@ -242,11 +264,16 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
             __syncthreads();
         }
         if (p + 1 < T) {  // the next step's active rows and first gx slice do not depend on h: fetch them first
+#if FLAGS
+            publish(sync, (unsigned)(p + 1));
+#endif
             const int tn = reverse ? T - 2 - p : p + 1;
             a = bs[tn];
             stage_gx(sX, gx, tn, B, H, 0, min(MC, B), j0);
             gx_ready = true;
-            grid_barrier(counter, gridDim.x * (unsigned)(p + 1));
+#if !FLAGS
+            grid_barrier(sync, gridDim.x * (unsigned)(p + 1));
+#endif
         }
     }
 }

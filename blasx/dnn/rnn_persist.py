@@ -5,11 +5,12 @@ The step loop of rnn_layer.py costs a GEMM and a cell kernel a step; replayed fr
 two dependent launches a step, and at small batch and hidden sizes their fixed costs, not the work, set the time
 (cuDNN's persistent kernels are what it is measured against there). Here each block owns J hidden units (all
 gates of each unit, so the cell needs no other block's result) and its warps hold those units' weight rows in
-registers for the whole loop, each warp a share of the k range; a step is: stage h_prev from L2, tensor-core
-products, the warps' partial sums, the cell, write the block's slice of h, and a grid barrier. Blocks must all
-be resident at once: the launch is cooperative, one block per SM.
+registers for the whole loop, each warp a share of the k range; a step is: each warp loads its slice of h_prev
+from L2 into its tensor-core fragments, the products, the warps' partial sums, the cell, write the block's slice
+of h, and a grid-wide wait (one counter, or with few blocks per-block step flags). Blocks must all be resident at
+once: the launch is cooperative, one block per SM.
 
-:func:`plan` (pure) picks J, the k split and the rows staged per pass; a shape it cannot fit (weight fragments
+:func:`plan` (pure) picks J, the k split, the rows a pass and the step ordering; a shape it cannot fit (weight fragments
 over the register budget, H not a multiple of 16) returns None and the graph loop runs instead.
 """
 
@@ -29,13 +30,13 @@ MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 THREADS = 256
 WARPS = THREADS // 32
 SMEM = 227 * 1024  # dynamic shared memory a block may use on sm_80/sm_90
-MAX_MT = 4  # 16-row tiles staged per pass (registers: MT x NT accumulator tiles a warp)
+MAX_MT = 4  # 16-row tiles a pass (registers: MT x NT accumulator tiles a warp)
 MAX_WREGS = 96  # registers a thread may give to weight fragments (NT x KT x 2)
 MAX_TILES = 64  # a warp's mma tiles a step (NT x KT x MT) up to which blocks are made wider (J doubled)
 MIN_BLOCKS = 32  # ... and down to which blocks are fewer (staging h from L2 slows with more blocks reading it)
-PAD = 8  # elements added to each staged row (conflict-free ldmatrix)
-MAX_BATCH = 64  # larger batches take the graph loop: each block stages all of h a step, and past one pass of
+MAX_BATCH = 64  # larger batches take the graph loop: each block reads all of h a step, and past one pass of
 #                 64 rows that traffic from L2 costs more than the launches a graph replay pays
+FLAG_BLOCKS = 32  # grids up to this many blocks order their steps by per-block flags, larger ones by a counter
 
 ENABLED = True  # False: the graph loop always (A/B and tests)
 
@@ -44,11 +45,12 @@ ENABLED = True  # False: the graph loop always (A/B and tests)
 class Plan:
     units: int  # J: hidden units a block owns
     blocks: int  # H / J, at most one per SM
-    kwarps: int  # KW: warps splitting the k range (the others only stage and apply the cell)
+    kwarps: int  # KW: warps splitting the k range (the others only stage gx and apply the cell)
     nt: int  # NT: 8-column tiles of the block's G*J gate columns
     kt: int  # KT: 16-wide k steps a warp
-    mt: int  # MT: 16-row tiles of h staged per pass
+    mt: int  # MT: 16-row tiles of h a pass
     smem: int  # dynamic shared memory bytes
+    flags: bool  # steps ordered by per-block flags (else by one counter)
 
 
 def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
@@ -58,8 +60,9 @@ def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int 
     tiles with H/J <= ``sms`` blocks and doubles while a warp's tiles a step stay within :data:`MAX_TILES` and
     the blocks number at least :data:`MIN_BLOCKS` (measured: small layers are bound by every block staging h
     from L2, large ones by the tensor-core work a block); the k range is split over the most warps (up to 8)
-    that divide it into 16-wide steps; the weight fragments must fit :data:`MAX_WREGS` registers; the staged
-    rows are as many 16-row tiles (up to 4) as fit in shared memory."""
+    that divide it into 16-wide steps; the weight fragments must fit :data:`MAX_WREGS` registers; a pass takes
+    as many 16-row tiles (up to 4) as fit in shared memory; grids of up to :data:`FLAG_BLOCKS` blocks wait on
+    per-block flags."""
     return _plan(mode, batch, hidden, itemsize, sms, smem, MAX_BATCH if max_batch is None else max_batch)
 
 
@@ -81,8 +84,8 @@ def _plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int
 
 
 def _shape(mode: str, batch: int, hidden: int, itemsize: int, smem: int, j: int) -> Plan | None:
-    """The plan with J = ``j``, or None (weight fragments over the register budget, or no staged rows fit)."""
-    nj, ld, k16 = GATES[mode] * j, hidden + PAD, hidden // 16
+    """The plan with J = ``j``, or None (weight fragments over the register budget, or no pass of rows fits)."""
+    nj, k16 = GATES[mode] * j, hidden // 16
     kw = max(w for w in range(1, WARPS + 1) if k16 % w == 0)
     nt, kt = nj // 8, k16 // kw
     if nt * kt * 2 > MAX_WREGS:
@@ -90,14 +93,14 @@ def _shape(mode: str, batch: int, hidden: int, itemsize: int, smem: int, j: int)
     fixed = (nj + j) * 4 + (batch * j * 4 if mode == "lstm" else 0)  # biases, cell states
     for mt in range(min(-(-batch // 16), MAX_MT), 0, -1):
         rows = 16 * mt
-        need = fixed + rows * ld * itemsize + (kw + 1) * rows * nj * 4  # + staged h, partial products, gx
+        need = fixed + (kw + 1) * rows * nj * 4  # + partial products, gx
         if need <= smem:
-            return Plan(j, hidden // j, kw, nt, kt, mt, need)
+            return Plan(j, hidden // j, kw, nt, kt, mt, need, hidden // j <= FLAG_BLOCKS)
     return None
 
 
 _lock = threading.Lock()
-_kernels: dict = {}  # (mode, NT, KW, KT, MT) -> RawKernel
+_kernels: dict = {}  # (mode, NT, KW, KT, MT, flags) -> RawKernel
 _smem_set: dict = {}  # (kernel key, device) -> dynamic shared memory allowed so far
 _counts: dict = {}  # (device, active rows by time) -> the rows as a device array
 _launches = [0]
@@ -109,13 +112,13 @@ def launches() -> int:
 
 
 def _kernel(mode: str, pl: Plan):
-    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt)
+    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags)
     with _lock:
         if key not in _kernels:
             import cupy
             src = resources.files(__package__).joinpath("rnn_persist.cu").read_text()
             opts = ("-std=c++17", f"-DMODE={MODES[mode]}", f"-DNT={pl.nt}", f"-DKW={pl.kwarps}", f"-DKT={pl.kt}",
-                    f"-DMT={pl.mt}")
+                    f"-DMT={pl.mt}", f"-DFLAGS={int(pl.flags)}")
             _kernels[key] = cupy.RawKernel(src, "rnn_persist_fwd", options=opts, enable_cooperative_groups=True)
         return _kernels[key]
 
@@ -160,15 +163,15 @@ def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bo
     H = st.S.shape[2]
     dev = cupy.cuda.Device()
     fn = _kernel(mode, pl)
-    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, dev.id)
+    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id)
     if _smem_set.get(key, 0) < pl.smem:
         fn.max_dynamic_shared_size_bytes = pl.smem
         _smem_set[key] = pl.smem
     null = np.uint64(0)
-    counter = cupy.zeros(1, dtype=cupy.uint32)
+    sync = cupy.zeros(pl.blocks if pl.flags else 1, dtype=cupy.uint32)
     fn((pl.blocks,), (THREADS,),
        (gx, null if b_ih is None else b_ih, null if b_hh is None else b_hh, w_hh, st.S,
         null if st.C is None else st.C, null if st.gates is None else st.gates, _active(cupy, bs, dev.id),
-        counter, np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
+        sync, np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
        shared_mem=pl.smem)
     _launches[0] += 1
