@@ -120,7 +120,7 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
         gx = _a(rng.standard_normal((T, B, G * H)))
         w = _a(rng.standard_normal((G * H, out)))
         wr = _a(rng.standard_normal((proj, H))) if proj else None
-        bhn = _a(rng.standard_normal(H)) if mode == "gru" else None
+        bias = _a(rng.standard_normal((G + (mode == "gru")) * H)) if call != 2 else None  # the cell's (or none)
         ref = rnn_layer.forward_buffers(np, mode, T, B, H, out, bool(proj), np.float64, np.float64)
         st = rnn_layer.forward_buffers(XP, mode, T, B, H, out, bool(proj), np.float64, np.float64)
         st.S[...] = np.nan  # never read: the fill writes the entry's inputs and first states
@@ -128,18 +128,18 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
         ref.S[0] = h0
         if ref.C is not None:
             ref.C[0] = c0
-        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w, wr, bhn, ref, np.empty((B, G * H)), bs, reverse)
+        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w, wr, bias, ref, np.empty((B, G * H)), bs, reverse)
 
-        def fill(e, gx=gx, bhn=bhn, h0=h0, c0=c0):
+        def fill(e, gx=gx, bias=bias, h0=h0, c0=c0):
             e.gx[...] = gx
-            if bhn is not None:
-                e.bhn[...] = bhn
+            if bias is not None:
+                e.bias[...] = bias
             e.st.S[0] = h0
             if e.st.C is not None:
                 e.st.C[0] = c0
         ops = _Ops()
         rnn_graph.run(ops, mode, rnn_graph.Like(gx.shape, np.float64), w, wr,
-                      None if bhn is None else rnn_graph.Like(bhn.shape, np.float64), st,
+                      None if bias is None else rnn_graph.Like(bias.shape, np.float64), st,
                       rnn_graph.Like((B, G * H), np.float64), bs, reverse, keep=keep, fill=fill)
         assert np.array_equal(st.S, ref.S)
         if ref.C is not None:
@@ -168,8 +168,8 @@ def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
         assert seen[0] is not got and np.array_equal(seen[1], want.dgx.sum()) and np.array_equal(seen[2], want.dh)
     after = rnn_graph.stats()
     assert after["failures"] == before["failures"]
-    assert after["captured"] == before["captured"] + 3  # the forward, the backward with dy and without
-    assert after["replayed"] == before["replayed"] + 7  # forward calls 1-3; backward: the use= calls and call 2
+    assert after["captured"] == before["captured"] + 4  # forwards with biases and without, backwards with dy and without
+    assert after["replayed"] == before["replayed"] + 6  # forward calls 1, 3; backward: the use= calls and call 2
     rnn_graph.clear()
 
 

@@ -57,9 +57,8 @@ def test_backward_loop_with_half_weights_takes_rounded_gate_gradients(mode):
     if st.C is not None:
         st.C[0] = rng.standard_normal((B, H)) * 0.5
     w16 = (rng.standard_normal((G * H, H)) * 0.3).astype(np.float16)
-    bhn = np.zeros(H, np.float32) if mode == "gru" else None
     gx = (rng.standard_normal((T, B, G * H)) * 0.5).astype(np.float32)
-    rnn_layer.forward_loop(ops, mode, gx, w16.astype(np.float32), None, bhn, st, np.empty((B, G * H), np.float32),
+    rnn_layer.forward_loop(ops, mode, gx, w16.astype(np.float32), None, None, st, np.empty((B, G * H), np.float32),
                            bs, False)
     dy = (rng.standard_normal((T, B, H)) * 0.5).astype(np.float32)
     full = rnn_layer.backward_loop(ops, mode, st, w16.astype(np.float32), None, dy, None, None, bs, False, H)
@@ -71,3 +70,29 @@ def test_backward_loop_with_half_weights_takes_rounded_gate_gradients(mode):
     for name in ("dgx", "dh"):
         a, b = getattr(half, name), getattr(full, name)
         assert np.linalg.norm(a - b) <= 5e-3 * np.linalg.norm(b), name
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_forward_cell_adds_its_bias(mode):
+    """rnn_cells.np_forward with the cell's bias equals the step on the projection with the biases added (GRU:
+    b_hn inside the reset product, as torch's n = tanh(W_in x + b_in + r * (W_hn h + b_hn)))."""
+    from blasx.dnn import rnn_cells
+    rng = np.random.default_rng(7)
+    a, H = 3, 4
+    G = {"lstm": 4, "gru": 3}.get(mode, 1)
+    gx, gh = rng.standard_normal((a, G * H)), rng.standard_normal((a, G * H))
+    bias = rng.standard_normal((G + (mode == "gru")) * H)
+    cp, hp = rng.standard_normal((a, H)), rng.standard_normal((a, H))
+
+    def step(gx, gh, bias):
+        gates, c, h = np.zeros((a, 4 * H)), np.zeros((a, H)), np.zeros((a, H))
+        rnn_cells.np_forward(mode, gx, gh, bias, cp, hp, gates, c, h)
+        return gates, c, h
+    if mode == "gru":  # b_hn adds to the hidden n-part only
+        gh_n = gh.copy()
+        gh_n[:, 2 * H:] += bias[3 * H:]
+        want = step(gx + bias[:3 * H], gh_n, None)
+    else:
+        want = step(gx + bias, gh, None)
+    for got, ref in zip(step(gx, gh, bias), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-13, atol=1e-13)

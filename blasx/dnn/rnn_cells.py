@@ -2,8 +2,9 @@
 
 One step of a layer is one GEMM (``gh = h_prev . W_hh^T``, gates stacked as in eq. 11) and one of these kernels,
 which applies every gate nonlinearity and the state update in one pass over the ``a x H`` active rows. Arrays are
-row-major ``(a, G*H)`` gate blocks in torch's gate order (LSTM i, f, g, o; GRU r, z, n); ``gx`` already holds the
-input projection plus the biases that add (for GRU all but ``b_hn``, which sits inside the reset product).
+row-major ``(a, G*H)`` gate blocks in torch's gate order (LSTM i, f, g, o; GRU r, z, n); ``gx`` holds the input
+projection alone and the kernel adds ``bias`` itself (no pass over gx for it): ``b_ih + b_hh`` (G*H), for GRU
+``(b_ir + b_hr, b_iz + b_hz, b_in, b_hn)`` (4*H; ``b_hn`` sits inside the reset product), or None.
 A backward step is one kernel over all B rows (the step's dy added, rows past a sequence's end carried over)
 and one GEMM, so a captured backward loop has two launches a step like the forward one.
 
@@ -28,10 +29,13 @@ def _sig(x):
 
 # ---------------------------------------------------------------- numpy
 
-def np_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None:
+def np_forward(mode, gx, gh, bias, c_prev, h_prev, gates, c_out, h_out) -> None:
     """One step on the host: writes ``h_out`` (and ``c_out``, ``gates`` where the mode has them)."""
+    hh = h_out.shape[1]
+    bhn = None if bias is None or mode != "gru" else bias[3 * hh:]
+    if bias is not None:
+        gx = gx + bias[:gx.shape[1]]
     if mode == "lstm":
-        hh = c_prev.shape[1]
         s = gx + gh
         i, f, g, o = _sig(s[:, :hh]), _sig(s[:, hh:2 * hh]), np.tanh(s[:, 2 * hh:3 * hh]), _sig(s[:, 3 * hh:])
         c = f * c_prev + i * g
@@ -39,7 +43,6 @@ def np_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None:
         h_out[...] = o * np.tanh(c)
         gates[:, :hh], gates[:, hh:2 * hh], gates[:, 2 * hh:3 * hh], gates[:, 3 * hh:] = i, f, g, o
     elif mode == "gru":
-        hh = h_prev.shape[1]
         ghn = gh[:, 2 * hh:] + bhn if bhn is not None else gh[:, 2 * hh:]
         r = _sig(gx[:, :hh] + gh[:, :hh])
         z = _sig(gx[:, hh:2 * hh] + gh[:, hh:2 * hh])
@@ -101,26 +104,28 @@ def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh,
 
 # ---------------------------------------------------------------- CuPy
 
+_FWD_ARGS = ("raw F gx, raw F gh, raw F bias, int32 hb, raw F cp, raw S hp, int32 H",
+             "raw F gates, raw F c, raw S h")  # hb: 0 where there is no bias (``bias`` a placeholder)
 _FWD = {
-    "lstm": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h", """
+    "lstm": """
         int b = i / H, j = i % H; long k = (long)b * 4 * H + j;
         F si = gx[k] + gh[k], sf = gx[k + H] + gh[k + H], sg = gx[k + 2 * H] + gh[k + 2 * H],
           so = gx[k + 3 * H] + gh[k + 3 * H];
+        if (hb) { si += bias[j]; sf += bias[j + H]; sg += bias[j + 2 * H]; so += bias[j + 3 * H]; }
         F ig = 1 / (1 + exp(-si)), fg = 1 / (1 + exp(-sf)), gg = tanh(sg), og = 1 / (1 + exp(-so));
         F cn = fg * cp[i] + ig * gg;
         c[i] = cn; h[i] = (S)(og * tanh(cn));
-        gates[k] = ig; gates[k + H] = fg; gates[k + 2 * H] = gg; gates[k + 3 * H] = og;"""),
-    "gru": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h", """
+        gates[k] = ig; gates[k + H] = fg; gates[k + 2 * H] = gg; gates[k + 3 * H] = og;""",
+    "gru": """
         int b = i / H, j = i % H; long k = (long)b * 3 * H + j, q = (long)b * 4 * H + j;
-        F ghn = gh[k + 2 * H] + bhn[j];
-        F r = 1 / (1 + exp(-(gx[k] + gh[k]))), z = 1 / (1 + exp(-(gx[k + H] + gh[k + H])));
-        F n = tanh(gx[k + 2 * H] + r * ghn);
+        F sr = gx[k] + gh[k], sz = gx[k + H] + gh[k + H], xn = gx[k + 2 * H], ghn = gh[k + 2 * H];
+        if (hb) { sr += bias[j]; sz += bias[j + H]; xn += bias[j + 2 * H]; ghn += bias[j + 3 * H]; }
+        F r = 1 / (1 + exp(-sr)), z = 1 / (1 + exp(-sz));
+        F n = tanh(xn + r * ghn);
         h[i] = (S)((1 - z) * n + z * (F)hp[i]);
-        gates[q] = r; gates[q + H] = z; gates[q + 2 * H] = n; gates[q + 3 * H] = ghn;"""),
-    "rnn_tanh": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h",
-                 "h[i] = (S)tanh(gx[i] + gh[i]);"),
-    "rnn_relu": ("raw F gx, raw F gh, raw F bhn, raw F cp, raw S hp, int32 H", "raw F gates, raw F c, raw S h",
-                 "F s = gx[i] + gh[i]; h[i] = (S)(s > 0 ? s : (F)0);"),
+        gates[q] = r; gates[q + H] = z; gates[q + 2 * H] = n; gates[q + 3 * H] = ghn;""",
+    "rnn_tanh": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)tanh(s);",
+    "rnn_relu": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)(s > 0 ? s : (F)0);",
 }
 
 _STEP_ARGS = ("raw F dh, raw F dy, int32 has_dy, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, "
@@ -167,16 +172,17 @@ def cupy_kernel(direction: str, mode: str):
     key = (direction, mode)
     if key not in _KERNELS:
         import cupy
-        ins, outs, body = _FWD[mode] if direction == "fwd" else _STEP_ARGS + (_STEP[mode],)
+        ins, outs, body = _FWD_ARGS + (_FWD[mode],) if direction == "fwd" else _STEP_ARGS + (_STEP[mode],)
         _KERNELS[key] = cupy.ElementwiseKernel(ins, outs, body, f"blasx_rnn_{mode}_{direction}")
     return _KERNELS[key]
 
 
-def cupy_forward(mode, gx, gh, bhn, c_prev, h_prev, gates, c_out, h_out) -> None:
+def cupy_forward(mode, gx, gh, bias, c_prev, h_prev, gates, c_out, h_out) -> None:
     """:func:`np_forward` as one CUDA kernel on the current stream (every argument a CuPy array; absent
-    ones are one-element placeholders of the compute type)."""
+    ones are one-element placeholders of the compute type; ``bias`` None: no bias)."""
     rows, hh = h_out.shape
-    cupy_kernel("fwd", mode)(gx, gh, bhn, c_prev, h_prev, np.int32(hh), gates, c_out, h_out, size=rows * hh)
+    cupy_kernel("fwd", mode)(gx, gh, gh if bias is None else bias, np.int32(bias is not None), c_prev, h_prev,
+                             np.int32(hh), gates, c_out, h_out, size=rows * hh)
 
 
 def cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16, half: bool

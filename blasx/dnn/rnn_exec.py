@@ -45,26 +45,27 @@ def project(pb, cell, inp, f, mm=None, into=None):
     return into
 
 
-def biases(pb, cell, f):
-    """(b, b_hn) in F: the bias that adds to the input projection (G*H; None without biases) and GRU's b_hn, kept
-    apart because it sits inside the reset product (zeros without biases; None for other modes)."""
-    xp, gru, h = pb.xp, pb.spec.mode == "gru", pb.spec.hidden_size
+def biases(pb, cell, f, out=None):
+    """The step cell's bias in F (rnn_cells: the kernel adds it): ``b_ih + b_hh`` (G*H); GRU ``(b_ir + b_hr,
+    b_iz + b_hz, b_in, b_hn)`` (4*H: b_hn sits inside the reset product); None for a layer without biases.
+    ``out``: the F buffer to write (a graph entry's)."""
+    xp, h = pb.xp, pb.spec.hidden_size
     if cell.b_ih is None:
-        return None, (xp.zeros(h, dtype=f) if gru else None)
-    b = _f(xp, cell.b_ih, f) + _f(xp, cell.b_hh, f)
-    if not gru:
-        return b, None
-    b[2 * h:] = _f(xp, cell.b_ih[2 * h:], f)
-    return b, xp.ascontiguousarray(_f(xp, cell.b_hh[2 * h:], f))
+        return None
+    b_ih, b_hh = _f(xp, cell.b_ih, f), _f(xp, cell.b_hh, f)
+    if pb.spec.mode != "gru":
+        return xp.add(b_ih, b_hh, out=out)
+    if out is None:
+        out = xp.empty(4 * h, dtype=f)
+    xp.add(b_ih[:2 * h], b_hh[:2 * h], out=out[:2 * h])
+    out[2 * h:3 * h] = b_ih[2 * h:]
+    out[3 * h:] = b_hh[2 * h:]
+    return out
 
 
 def input_projection(pb, cell, inp, f, mm=None):
-    """gx (T, B, G*H) in F: :func:`project` plus every bias that simply adds; returns (gx, b_hn or None)."""
-    gx = project(pb, cell, inp, f, mm=mm)
-    b, bhn = biases(pb, cell, f)
-    if b is not None:
-        gx += b
-    return gx, bhn
+    """(gx (T, B, G*H) in F, the cell's bias or None): :func:`project` and :func:`biases`."""
+    return project(pb, cell, inp, f, mm=mm), biases(pb, cell, f)
 
 
 def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None) -> rnn_layer.Forward:
@@ -93,22 +94,20 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     if not host and pb.graphs:  # projection, biases and first states straight into the graph's buffers
         from . import rnn_graph
         gates = spec.gates * spec.hidden_size
+        n_bias = (spec.gates + (spec.mode == "gru")) * spec.hidden_size  # (biases(): GRU's b_hn too)
+        bias = None if cell.b_ih is None else rnn_graph.Like((n_bias,), f)
 
         def fill(e):
             project(pb, cell, inp, f, mm=mm, into=e.gx)
-            b, bhn = biases(pb, cell, f)
-            if b is not None:
-                e.gx += b
-            if bhn is not None:
-                e.bhn[...] = bhn
+            if e.bias is not None:
+                biases(pb, cell, f, out=e.bias)
             e.st.S[0] = 0 if pb.h0 is None else pb.h0[k]
             if e.st.C is not None:
                 e.st.C[0] = 0 if pb.c0 is None else pb.c0[k]
-        rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr,
-                      rnn_graph.Like((spec.hidden_size,), f) if spec.mode == "gru" else None, st,
+        rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr, bias, st,
                       rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill)
         return st
-    gx, bhn = input_projection(pb, cell, inp, f, mm=mm)
+    gx, bias = input_projection(pb, cell, inp, f, mm=mm)
     if pb.h0 is None:
         st.S[0] = 0
     else:
@@ -120,9 +119,9 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     gh = xp.empty((B, gx.shape[2]), dtype=f)
     if not host:  # launched from Python (graphs off), with the graph loop's GEMM settings
         from . import rnn_graph
-        rnn_graph.run_eager(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
+        rnn_graph.run_eager(ops, spec.mode, gx, w_hh, w_hr, bias, st, gh, pb.bs, d == 1)
     else:
-        rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, d == 1)
+        rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bias, st, gh, pb.bs, d == 1)
     return st
 
 

@@ -113,9 +113,9 @@ def run_part(ops, e: _Entry, part, f, loop, use_graph: bool = True) -> None:
 
 
 class _Fwd(_Entry):
-    def __init__(self, xp, gx, w_hh, w_hr, bhn, st, gh) -> None:
+    def __init__(self, xp, gx, w_hh, w_hr, bias, st, gh) -> None:
         super().__init__(xp)
-        self.gx, self.w_hh, self.w_hr, self.bhn, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bhn, gh))
+        self.gx, self.w_hh, self.w_hr, self.bias, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bias, gh))
         self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
 
 
@@ -159,24 +159,24 @@ def release(e: _Entry) -> None:
                 del _cache[key]
 
 
-def run(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool, *, fill, use_graph: bool = True,
+def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use_graph: bool = True,
         keep: bool = True) -> None:
     """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
-    ``fill(e)`` writes the entry's inputs itself: ``e.gx`` (a projection straight into it, no copy), ``e.bhn``,
-    ``e.st.S[0]`` and ``e.st.C[0]``; ``gx``, ``bhn`` and ``gh`` give only their shapes and dtypes (:class:`Like`
+    ``fill(e)`` writes the entry's inputs itself: ``e.gx`` (a projection straight into it, no copy), ``e.bias``,
+    ``e.st.S[0]`` and ``e.st.C[0]``; ``gx``, ``bias`` and ``gh`` give only their shapes and dtypes (:class:`Like`
     or arrays). ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other
     cell states are left as they were)."""
     xp = ops.xp
-    key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bhn), _sig(st.S), _sig(st.C),
+    key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bias), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
-    e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bhn, st, gh))
+    e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bias, st, gh))
     try:
         for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)):
             if src is not None:
                 dst[...] = src
         fill(e)
         _execute(ops, e, e.gx.dtype, use_graph,
-                 lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bhn, e.st, e.gh, bs, reverse),
+                 lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
         outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
             (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
@@ -193,7 +193,7 @@ def split_k(ops, gx, w_hh) -> bool:
                 and w_hh.shape[1] <= NO_SPLIT_K)
 
 
-def run_eager(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool) -> None:
+def run_eager(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool) -> None:
     """rnn_layer.forward_loop launched from Python with the GEMM settings of its graph (a workspace, split-k or
     not), so an eager run gives the bits a replay gives."""
     from ..runtime.devices.cublas_ctypes import workspace_bytes
@@ -202,7 +202,7 @@ def run_eager(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse: bool) -> None
     ops.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
     ops.split_k = split_k(ops, gx, w_hh)
     try:
-        rnn_layer.forward_loop(ops, mode, gx, w_hh, w_hr, bhn, st, gh, bs, reverse)
+        rnn_layer.forward_loop(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse)
     finally:
         ops.workspace, ops.split_k = old
 

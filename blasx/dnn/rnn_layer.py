@@ -335,8 +335,9 @@ def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool,
                    R=xp.empty((T, B, H), dtype=store) if proj else None)
 
 
-def forward_loop(ops, mode: str, gx, w_hh, w_hr, bhn, st: Forward, gh, bs, reverse: bool, steps=None) -> None:
-    """The step loop: ``gx`` (T, B, G*H) in time order (F, biases added but b_hn), ``st.S[0]`` (and
+def forward_loop(ops, mode: str, gx, w_hh, w_hr, bias, st: Forward, gh, bs, reverse: bool, steps=None) -> None:
+    """The step loop: ``gx`` (T, B, G*H) in time order (F, the projection alone), ``bias`` the cell's (rnn_cells:
+    the kernel adds it) or None, ``st.S[0]`` (and
     ``st.C[0]``) hold h0 (c0) on entry; ``gh`` is a (B, G*H) F scratch; ``bs[t]`` the active rows at time t;
     ``steps``: the processing steps to run (all by default; a wavefront runs them chunk by chunk)."""
     T, B = gx.shape[:2]
@@ -352,7 +353,7 @@ def forward_loop(ops, mode: str, gx, w_hh, w_hr, bhn, st: Forward, gh, bs, rever
         cn = st.C[p + 1, :a] if st.C is not None else ph
         g = st.gates[p, :a] if st.gates is not None else ph
         h_out = st.R[p, :a] if st.R is not None else st.S[p + 1, :a]
-        ops.forward(mode, gx[t, :a], gh[:a], bhn if bhn is not None else ph, cp, ops.state_in(hp), g, cn, h_out)
+        ops.forward(mode, gx[t, :a], gh[:a], bias, cp, ops.state_in(hp), g, cn, h_out)
         if st.R is not None:
             ops.gemm(st.R[p, :a], w_hr, st.S[p + 1, :a], True)
         if a < B:

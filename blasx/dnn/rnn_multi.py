@@ -408,9 +408,9 @@ def _wavefront(pb, pl, devs, ran_on):
                     if xp is not np:
                         xp.cuda.get_current_stream().wait_event(events[layer - 1][c])
                     inp[t0:t1] = _here(xp, src) if xp is not np else src
-                part, bhn = input_projection(lp, cell, inp[t0:t1], f, mm=local_mm)
+                part, bias = input_projection(lp, cell, inp[t0:t1], f, mm=local_mm)
                 gx[t0:t1] = part
-                rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bhn, st, gh, pb.bs, False,
+                rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bias, st, gh, pb.bs, False,
                                        steps=range(t0, t1))
                 ys[layer][t0:t1] = st.S[t0 + 1:t1 + 1]
                 if xp is not np:
