@@ -169,7 +169,7 @@ def forward(pb, keep: bool):
         for d, k in enumerate(kept):
             h_n[layer * dirs + d] = rnn_multi.at(xp, k.st.S[T], devs[0])
             if c_n is not None:
-                c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[T], devs[0])  # rounded to x's type as it is stored
+                c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[-1], devs[0])  # rounded to x's type as it is stored
     return y, h_n, c_n, (layers if keep else None)
 
 

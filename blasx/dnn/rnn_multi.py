@@ -226,7 +226,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
     """(:class:`Kept` of every layer-direction (``[layer][d]``), the last layer's y), per the plan; on CuPy each
     thread projects its own direction's input on its device. Directions on two devices: in training each
     direction's states and input stay on its device (backward runs there, :func:`run_backward`) and only S comes
-    home for y; ``keep=False``: only S and C come home."""
+    home for y; ``keep=False``: only S and the last cell state come home."""
     from .rnn_exec import ops_for
     xp, spec = pb.xp, pb.spec
     ran_on = _last.run["ran_on"]
@@ -239,7 +239,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
     for layer in range(spec.num_layers):
         states = [None] * spec.num_dirs
         if pl.kind == "batch":
-            states[0] = _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on)
+            states[0] = _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on, keep)
             kept = [Kept(home, inp if keep else None, states[0])]
         else:
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
@@ -307,12 +307,14 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
 
 
 def _home(xp, st, home, keep: bool = True):
-    """``st`` on the home device (without keep: S and C only, the rest being unwritten)."""
+    """``st`` on the home device; without keep only S and, as C, the last cell state (1, B, H) (the rest is
+    unwritten)."""
+    if not keep:
+        st = rnn_layer.Forward(st.S, None if st.C is None else st.C[-1:], None, None)
     if xp is np or st.S.device.id == home:
         return st
     with xp.cuda.Device(home):
-        return rnn_layer.Forward(*(None if a is None or (not keep and i > 1) else a.copy()
-                                   for i, a in enumerate((st.S, st.C, st.gates, st.R))))
+        return rnn_layer.Forward(*(None if a is None else a.copy() for a in (st.S, st.C, st.gates, st.R)))
 
 
 def _layer_output(pb, states, direction_output, keep: bool = True):
@@ -335,8 +337,9 @@ def _sub_problem(pb, lo: int, hi: int):
                                lengths=None if pb.lengths is None else pb.lengths[lo:hi])
 
 
-def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on):
-    """One unidirectional layer over contiguous batch ranges, one per device; the states stitched together."""
+def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on, keep: bool = True):
+    """One unidirectional layer over contiguous batch ranges, one per device; the states stitched together
+    (``keep=False``: S and the last cell state only)."""
     from .rnn_exec import ops_for
     xp, home = pb.xp, devs[0]
     parts = [None] * pl.devices
@@ -350,7 +353,7 @@ def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on):
         pool.start(devs[i], one, i, devs[i])
     pool.join()
     ran_on[(layer, 0)] = tuple(devs[:pl.devices])
-    parts = [_home(xp, st, home) for st in parts]
+    parts = [_home(xp, st, home, keep) for st in parts]
 
     def cat(name):
         arrs = [getattr(st, name) for st in parts]
