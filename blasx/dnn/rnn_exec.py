@@ -221,6 +221,15 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
             dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args[d])
             mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
+
+            def wgrad(a, b):
+                """A weight gradient in the storage type: float16 operands give it straight from the GEMM
+                (float32 accumulation, rounded once), others through F."""
+                if g_t != store or g_t == f:
+                    return mul(a, b).astype(store)
+                if mm is None:
+                    return _mm(a, b, pb)
+                return mm(a, b, out=xp.empty((a.shape[0], b.shape[1]), dtype=store))
             # float16 on CUDA: the loop's GEMMs take dgh rounded to float16 and the weights as stored (tensor cores)
             half = xp is not np and store == np.float16 and cell.w_hr is None
             w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
@@ -239,11 +248,12 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                     gx_t = _f(xp, dgx, g_t)
                     gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
                 xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
-                g["weight_ih" + s] = mul(gx_t.T, xin).astype(store)
-                g["weight_hh" + s] = mul(gh_t.T, _flat(xp, st.S[:T], g_t)).astype(store)
+                g["weight_ih" + s] = wgrad(gx_t.T, xin)
+                g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
                 if cell.b_ih is not None:
                     g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
-                    g["bias_hh" + s] = dgh.sum(axis=0).astype(store)
+                    same = bw.dgh is bw.dgx  # (all but GRU: the two bias gradients are equal)
+                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else dgh.sum(axis=0).astype(store)
                 if cell.w_hr is not None:
                     g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
                 return (g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), bw.dh.copy(),
