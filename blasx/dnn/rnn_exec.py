@@ -225,7 +225,7 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             def wgrad(a, b):
                 """A weight gradient in the storage type: float16 operands give it straight from the GEMM
                 (float32 accumulation, rounded once), others through F."""
-                if g_t != store or g_t == f:
+                if g_t == f:
                     return mul(a, b).astype(store)
                 if mm is None:
                     return _mm(a, b, pb)
