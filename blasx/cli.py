@@ -485,7 +485,7 @@ def _tune_conv(parser, args, db) -> int:
     runs = args.runs or 3
     print(f"blasx tune --conv: {len(problems) * len(conv_types)} problem(s) on GPU {args.gpu} "
           f"({finddb.gpu_name(args.gpu)}), {args.layout}, {runs} run(s) per form; find-db {db.path}", flush=True)
-    status, stored = 0, 0
+    status, stored, alone = 0, 0, 0
     for p in conv_types:
         for prob in problems:
             name, kw = prob["name"], {k: v for k, v in prob.items() if k != "name"}
@@ -499,11 +499,13 @@ def _tune_conv(parser, args, db) -> int:
             cells = "  ".join(f"{f} {r['best'][f] * 1e3:.3f} ms{'!' if f in r['bad'] else ''}" for f in r["forms"])
             print(f"  {name:<28}{prob['direction']:<11}{p:<3}{r['form'] or 'none':<11}{cells}", flush=True)
             stored += r["stored"]
-            if r["bad"] or not r["stored"]:
+            alone += not r["storable"]
+            if r["bad"] or (r["storable"] and not r["stored"]):
                 status = 1
     total = len(problems) * len(conv_types)
+    note = f" ({alone} strided backward-data problem(s) run col2im alone: timed, nothing to choose)" if alone else ""
     print(f"(!: differs from the first form, not a candidate)\nstored {stored} of {total} "
-          f"entr{'y' if total == 1 else 'ies'} in {db.path}")
+          f"entr{'y' if total == 1 else 'ies'} in {db.path}{note}")
     return status
 
 

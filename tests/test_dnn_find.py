@@ -257,6 +257,29 @@ def test_cli_tune_conv_without_a_gpu_exits_1_with_a_message(capsys, cache, monke
     assert finddb.entries() == []
 
 
+@pytest.mark.parametrize("bad, status", [(None, 0), ("wrong", 1), ("unstored", 1)])
+def test_cli_tune_conv_status_counts_col2im_problems_as_done(capsys, cache, monkeypatch, bad, status):
+    """A strided backward-data problem runs col2im alone and stores nothing by design: not a failure. A form
+    whose result differs, or a storable problem left unstored, is one (exit 1)."""
+    monkeypatch.setattr(find_mod, "_gpu", lambda device: 0)
+    monkeypatch.setattr(finddb, "gpu_name", lambda ordinal: "Test GPU")
+
+    def fake_find(x_shape, weight_shape, *, direction, **kw):
+        alone = direction == "bwd-data" and kw["stride"] != 1 and kw["stride"] != (1, 1)
+        r = dict(forms=["col2im"] if alone else ["im2col"], best={"col2im" if alone else "im2col": 1e-3}, bad=[],
+                 form="col2im" if alone else "im2col", storable=not alone, stored=not alone)
+        if bad == "wrong" and not alone:
+            r["bad"] = ["im2col"]
+        if bad == "unstored" and not alone:
+            r["stored"] = False
+        return r
+    monkeypatch.setattr(find_mod, "find", fake_find)
+    assert cli.main(["tune", "--conv", "layer2.0.conv2,layer2.0.conv1", "--direction", "bwd-data"]) == status
+    out = capsys.readouterr().out
+    if bad is None:
+        assert "stored 1 of 2 entries" in out and "(1 strided backward-data problem(s) run col2im alone" in out
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--conv", "resnet18"], "argument --conv: 'resnet18' is not"),
     (["--conv", "resnet50", "--dtype", "z"], "argument --dtype: got 'z'"),

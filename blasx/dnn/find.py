@@ -138,7 +138,8 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     CUDA events). Raises NoGpuError where CuPy finds no GPU, before anything is made.
 
     Returns a dict: key (ConvKey), text, forms, seconds ({form: [runs]}), best ({form: s}), errors
-    ({form: relative error against the first form}), bad, form (the winner or None), stored."""
+    ({form: relative error against the first form}), bad, form (the winner or None), storable (False where the
+    problem runs one form by design: strided backward-data's col2im), stored."""
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
         raise ValueError(f"runs: got {runs!r}, need an int >= 1")
     key = finddb.problem_key(x_shape, weight_shape, stride, padding, dilation, groups, direction=direction,
@@ -152,16 +153,17 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     rt = runtime_geometry(geo, direction)
     from . import igemm
     forms = forms_for(geo, direction, dt, key.layout, key.math, igemm.capable(ordinal))
-    if direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt):
-        forms, store = ("col2im",), False  # the one form strided backward-data runs: timed, nothing to choose
+    alone = direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt)
+    if alone:  # the one form strided backward-data runs: timed, nothing to choose
+        forms = ("col2im",)
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
         call = _caller(geo, direction, key.layout, dt, key.math, tuple(x_shape), tuple(weight_shape),
                        (stride, padding, dilation, groups), seed)
         red = geo.crs if direction == "fwd" else geo.kg * int(np.prod(geo.kernel)) if direction == "bwd-data" \
             else geo.n * geo.p
         out = measure(forms, call, timer or cuda_timer, runs, tolerance(key.dtype, key.math, red))
-    out.update(key=key, text=key.text, stored=False)
-    if store and out["form"] is not None:
+    out.update(key=key, text=key.text, storable=not alone, stored=False)
+    if store and not alone and out["form"] is not None:
         finddb.store(key, out["form"], {f: out["best"][f] for f in forms if f not in out["bad"]}, db)
         out["stored"] = True
     return out
