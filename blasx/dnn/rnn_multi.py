@@ -50,7 +50,6 @@ def devices_for(pb) -> list:
     return sims or [None]
 
 
-PREFETCH = True  # CuPy: a remote direction's copies are issued before every loop (False: with its own loop)
 _streams: dict = {}  # (device, k) -> the non-blocking stream of a pool's k-th thread on that device
 _streams_lock = threading.Lock()
 
@@ -247,20 +246,9 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
             inputs = [None] * spec.num_dirs
             inline = xp is not np and used == [home]  # one direction on x's device: the caller's thread and stream
 
-            fetched: dict = {}
-
-            def fetch(d, dev, inp=inp, layer=layer, fetched=fetched, mark=True):
-                """A direction's parameters and input on its device (copies where that is not x's), and with
-                ``mark`` the event after them."""
-                lp, x = _local(pb, dev, home, only=((layer, d),)), _here(xp, inp)
-                fetched[d] = (lp, x, xp.cuda.get_current_stream().record() if mark else None)
-
-            def one(d, dev, layer=layer, states=states, inputs=inputs, fetched=fetched):
-                if d not in fetched:
-                    fetch(d, dev, mark=False)
-                lp, inputs[d], copied = fetched.pop(d)
-                if copied is not None:
-                    xp.cuda.get_current_stream().wait_event(copied)
+            def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
+                lp = _local(pb, dev, home, only=((layer, d),))
+                inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
                                               mm if len(set(used)) > 1 or alone else None)
                 ran_on[(layer, d)] = dev
@@ -269,9 +257,6 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                     one(0, home)
             else:
                 pool = _pool(pb, used)
-                remote = [d for d in range(spec.num_dirs) if used[d] != home] if xp is not np and PREFETCH else []
-                for d in remote:  # their copies run while the directions on x's device are issued
-                    pool.start(used[d], fetch, d, used[d])
                 for d in range(spec.num_dirs):
                     pool.start(used[d], one, d, used[d])
                 pool.join()
