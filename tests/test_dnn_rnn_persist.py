@@ -23,6 +23,7 @@ from blasx.dnn.rnn_persist import Plan
     (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 4672, True)),
     (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 2664, True)),  # 4 k steps: 4 warps multiply
     (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 9344, True)),
+    (("lstm", 128, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 77984, False)),  # H <= NARROW_H: two passes of 64 rows
 ])
 def test_plan(args, want):
     assert rnn_persist.plan(*args) == want
@@ -35,14 +36,16 @@ def test_plan(args, want):
     ("lstm", 16, 512, 4, 132),  # float32 storage
     ("lstm", 0, 512, 2, 132),
     ("rnn_relu", 8, 4096, 2, 16),  # more blocks than SMs at any J that fits
-    ("lstm", 65, 512, 2, 132),  # over MAX_BATCH
+    ("lstm", 65, 1024, 2, 132),  # over MAX_BATCH
+    ("gru", 129, 512, 2, 132),  # over NARROW_BATCH (H <= NARROW_H)
 ])
 def test_plan_none(args):
     assert rnn_persist.plan(*args) is None
 
 
 def test_plan_passes(monkeypatch):
-    """Batches over 64 rows take several passes a step (allowed where MAX_BATCH is raised)."""
+    """Batches over 64 rows take several passes a step (allowed where MAX_BATCH is raised, and up to
+    NARROW_BATCH rows in layers of H <= NARROW_H)."""
     monkeypatch.setattr(rnn_persist, "MAX_BATCH", 1 << 20)
     assert rnn_persist.plan("lstm", 128, 1024, 2, 132) == Plan(8, 128, 8, 4, 8, 4, 77984, False)
     assert rnn_persist.plan("lstm", 60000, 512, 2, 132) is None  # every row's cell state does not fit

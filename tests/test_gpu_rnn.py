@@ -244,7 +244,7 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
 
 @pytest.mark.parametrize("mode, H, B, bidir, lengths", [
     ("lstm", 64, 8, True, [20, 17, 17, 9, 5, 3, 1, 1]),
-    ("lstm", 512, 80, False, None),  # two passes of staged rows (MAX_BATCH raised below)
+    ("lstm", 512, 80, False, None),  # two passes of 64 rows a step
     ("gru", 128, 16, True, None),
     ("gru", 64, 3, False, [20, 4, 2]),
     ("gru", 1024, 16, False, [20] * 9 + [13] * 7),  # 64 blocks: steps ordered by the counter, not flags

@@ -35,7 +35,8 @@ MAX_WREGS = 96  # registers a thread may give to weight fragments (NT x KT x 2)
 MAX_TILES = 64  # a warp's mma tiles a step (NT x KT x MT) up to which blocks are made wider (J doubled)
 MIN_BLOCKS = 32  # ... and down to which blocks are fewer (staging h from L2 slows with more blocks reading it)
 MAX_BATCH = 64  # larger batches take the graph loop: each block reads all of h a step, and past one pass of
-#                 64 rows that traffic from L2 costs more than the launches a graph replay pays
+#                 64 rows that traffic from L2 costs more than the launches a graph replay pays ...
+NARROW_H, NARROW_BATCH = 512, 128  # ... except in layers of H <= NARROW_H, whose two passes still cost less
 FLAG_BLOCKS = 32  # grids up to this many blocks order their steps by per-block flags, larger ones by a counter
 
 ENABLED = True  # False: the graph loop always (A/B and tests)
@@ -56,14 +57,16 @@ class Plan:
 def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
          max_batch: int | None = None) -> Plan | None:
     """The persistent kernel's shape for this layer, or None where it does not apply (batch over ``max_batch``,
-    default :data:`MAX_BATCH`). J starts as the smallest unit count that makes G*J a whole number of 8-column
+    default :data:`MAX_BATCH`, or :data:`NARROW_BATCH` where H <= :data:`NARROW_H`). J starts as the smallest unit count that makes G*J a whole number of 8-column
     tiles with H/J <= ``sms`` blocks and doubles while a warp's tiles a step stay within :data:`MAX_TILES` and
     the blocks number at least :data:`MIN_BLOCKS` (measured: small layers are bound by every block staging h
     from L2, large ones by the tensor-core work a block); the k range is split over the most warps (up to 8)
     that divide it into 16-wide steps; the weight fragments must fit :data:`MAX_WREGS` registers; a pass takes
     as many 16-row tiles (up to 4) as fit in shared memory; grids of up to :data:`FLAG_BLOCKS` blocks wait on
     per-block flags."""
-    return _plan(mode, batch, hidden, itemsize, sms, smem, MAX_BATCH if max_batch is None else max_batch)
+    if max_batch is None:
+        max_batch = max(MAX_BATCH, NARROW_BATCH) if hidden <= NARROW_H else MAX_BATCH
+    return _plan(mode, batch, hidden, itemsize, sms, smem, max_batch)
 
 
 @functools.lru_cache(maxsize=256)
