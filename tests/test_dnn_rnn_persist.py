@@ -13,14 +13,15 @@ from blasx.dnn.rnn_persist import Plan
 
 
 @pytest.mark.parametrize("args, want", [
-    (("lstm", 16, 512, 2, 132), Plan(16, 32, 8, 8, 4, 1, 38208, True)),  # J 4 -> 8 -> 16: fewer blocks; flags
-    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 75936, False)),  # 128 tiles a warp already: J stays 8
+    (("lstm", 16, 512, 2, 132), Plan(8, 64, 8, 4, 4, 1, 19104, False)),  # J 4 -> 8 (16: 32 tiles a warp)
+    (("lstm", 64, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 4, 75936, False)),  # J 16: weight regs over 96
     (("gru", 64, 1024, 2, 132), Plan(8, 128, 8, 3, 8, 4, 55424, False)),
-    (("gru", 16, 512, 2, 132), Plan(16, 32, 8, 6, 4, 1, 27904, True)),
-    (("gru", 16, 1024, 2, 132), Plan(16, 64, 8, 6, 8, 1, 27904, False)),
+    (("gru", 16, 512, 2, 132), Plan(8, 64, 8, 3, 4, 1, 13952, False)),
+    (("gru", 16, 1024, 2, 132), Plan(16, 64, 8, 6, 8, 1, 27904, False)),  # from 128 blocks: up to 64 tiles
     (("lstm", 64, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 75936, False)),
     (("lstm", 16, 1024, 2, 132), Plan(8, 128, 8, 4, 8, 1, 19104, False)),  # J 16: weight regs over 96
     (("rnn_tanh", 5, 256, 2, 132), Plan(8, 32, 8, 1, 2, 1, 4672, True)),
+    (("rnn_tanh", 16, 1024, 2, 132), Plan(16, 64, 8, 2, 8, 1, 9344, False)),  # J 32: 32 tiles
     (("lstm", 8, 64, 2, 132), Plan(2, 32, 4, 1, 1, 1, 2664, True)),  # 4 k steps: 4 warps multiply
     (("gru", 16, 80, 2, 132), Plan(8, 10, 5, 3, 1, 1, 9344, True)),
     (("lstm", 128, 512, 2, 132), Plan(8, 64, 8, 4, 4, 4, 77984, False)),  # H <= NARROW_H: two passes of 64 rows
@@ -65,8 +66,10 @@ def test_plan_fits_shared_memory():
                 assert p.flags == (p.blocks <= rnn_persist.FLAG_BLOCKS)
                 step = 8 // gcd(g, 8)
                 first = next(j for j in range(step, h + 1, step) if h % j == 0 and h // j <= 132)
-                if p.units > first:  # J was doubled: within the rule's limits
-                    assert p.blocks >= rnn_persist.MIN_BLOCKS and p.nt * p.kt * p.mt <= rnn_persist.MAX_TILES
+                if p.units > first:  # J was doubled: within the rule's limits (the grid before had many blocks)
+                    assert p.blocks >= rnn_persist.MIN_BLOCKS
+                    many = 2 * p.blocks > rnn_persist.MANY_BLOCKS
+                    assert p.nt * p.kt * p.mt <= (rnn_persist.MAX_TILES_MANY if many else rnn_persist.MAX_TILES)
 
 
 def _kernel_params() -> list[str]:

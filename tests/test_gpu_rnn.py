@@ -248,6 +248,7 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
     ("gru", 128, 16, True, None),
     ("gru", 64, 3, False, [20, 4, 2]),
     ("gru", 1024, 16, False, [20] * 9 + [13] * 7),  # 64 blocks: steps ordered by the counter, not flags
+    ("lstm", 512, 16, True, None),  # 64 blocks of J = 8 (32 of J = 16 would give a warp 32 tiles)
     ("rnn_tanh", 256, 5, True, None),
     ("rnn_relu", 64, 16, False, None),
 ])

@@ -32,8 +32,10 @@ WARPS = THREADS // 32
 SMEM = 227 * 1024  # dynamic shared memory a block may use on sm_80/sm_90
 MAX_MT = 4  # 16-row tiles a pass (registers: MT x NT accumulator tiles a warp)
 MAX_WREGS = 96  # registers a thread may give to weight fragments (NT x KT x 2)
-MAX_TILES = 64  # a warp's mma tiles a step (NT x KT x MT) up to which blocks are made wider (J doubled)
-MIN_BLOCKS = 32  # ... and down to which blocks are fewer (staging h from L2 slows with more blocks reading it)
+MAX_TILES = 16  # a warp's mma tiles a step (NT x KT x MT) up to which blocks are made wider (J doubled) ...
+MANY_BLOCKS, MAX_TILES_MANY = 64, 64  # ... up to 64 tiles while the grid has more blocks than this (its wait and
+#                                        h traffic grow with the blocks)
+MIN_BLOCKS = 32  # ... and down to this many blocks
 MAX_BATCH = 64  # larger batches take the graph loop: each block reads all of h a step, and past one pass of
 #                 64 rows that traffic from L2 costs more than the launches a graph replay pays ...
 NARROW_H, NARROW_BATCH = 512, 128  # ... except in layers of H <= NARROW_H, whose two passes still cost less
@@ -57,13 +59,14 @@ class Plan:
 def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
          max_batch: int | None = None) -> Plan | None:
     """The persistent kernel's shape for this layer, or None where it does not apply (batch over ``max_batch``,
-    default :data:`MAX_BATCH`, or :data:`NARROW_BATCH` where H <= :data:`NARROW_H`). J starts as the smallest unit count that makes G*J a whole number of 8-column
-    tiles with H/J <= ``sms`` blocks and doubles while a warp's tiles a step stay within :data:`MAX_TILES` and
-    the blocks number at least :data:`MIN_BLOCKS` (measured: small layers are bound by every block staging h
-    from L2, large ones by the tensor-core work a block); the k range is split over the most warps (up to 8)
-    that divide it into 16-wide steps; the weight fragments must fit :data:`MAX_WREGS` registers; a pass takes
-    as many 16-row tiles (up to 4) as fit in shared memory; grids of up to :data:`FLAG_BLOCKS` blocks wait on
-    per-block flags."""
+    default :data:`MAX_BATCH`, or :data:`NARROW_BATCH` where H <= :data:`NARROW_H`). J starts as the smallest
+    unit count that makes G*J a whole number of 8-column tiles with H/J <= ``sms`` blocks and doubles while a
+    warp's tiles a step stay within :data:`MAX_TILES` (:data:`MAX_TILES_MANY` while the grid has over
+    :data:`MANY_BLOCKS` blocks) and the blocks number at least :data:`MIN_BLOCKS` (measured with every J a shape allows: a step's wait and
+    every block's reading of h grow with the blocks, the products with a warp's tiles); the k range is split
+    over the most warps (up to 8) that divide it into 16-wide steps; the weight fragments must fit
+    :data:`MAX_WREGS` registers; a pass takes as many 16-row tiles (up to 4) as fit in shared memory; grids of
+    up to :data:`FLAG_BLOCKS` blocks wait on per-block flags."""
     if max_batch is None:
         max_batch = max(MAX_BATCH, NARROW_BATCH) if hidden <= NARROW_H else MAX_BATCH
     return _plan(mode, batch, hidden, itemsize, sms, smem, max_batch)
@@ -77,10 +80,11 @@ def _plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int
     step = 8 // gcd(g, 8)
     j = next((j for j in range(step, hidden + 1, step) if hidden % j == 0 and hidden // j <= sms), None)
     best = None if j is None else _shape(mode, batch, hidden, itemsize, smem, j)
-    while best is not None:  # wider blocks while their warps' work stays small: fewer blocks read h from L2
+    while best is not None:  # wider blocks while their warps' work stays small, or while there are many blocks
         j *= 2
         wider = _shape(mode, batch, hidden, itemsize, smem, j) if hidden % j == 0 else None
-        if wider is None or wider.blocks < MIN_BLOCKS or wider.nt * wider.kt * wider.mt > MAX_TILES:
+        limit = MAX_TILES_MANY if best.blocks > MANY_BLOCKS else MAX_TILES
+        if wider is None or wider.blocks < MIN_BLOCKS or wider.nt * wider.kt * wider.mt > limit:
             break
         best = wider
     return best
