@@ -62,11 +62,11 @@ def plan(mode: str, batch: int, hidden: int, itemsize: int, sms: int, smem: int 
     default :data:`MAX_BATCH`, or :data:`NARROW_BATCH` where H <= :data:`NARROW_H`). J starts as the smallest
     unit count that makes G*J a whole number of 8-column tiles with H/J <= ``sms`` blocks and doubles while a
     warp's tiles a step stay within :data:`MAX_TILES` (:data:`MAX_TILES_MANY` while the grid has over
-    :data:`MANY_BLOCKS` blocks) and the blocks number at least :data:`MIN_BLOCKS` (measured with every J a shape allows: a step's wait and
-    every block's reading of h grow with the blocks, the products with a warp's tiles); the k range is split
-    over the most warps (up to 8) that divide it into 16-wide steps; the weight fragments must fit
-    :data:`MAX_WREGS` registers; a pass takes as many 16-row tiles (up to 4) as fit in shared memory; grids of
-    up to :data:`FLAG_BLOCKS` blocks wait on per-block flags."""
+    :data:`MANY_BLOCKS` blocks) and the blocks number at least :data:`MIN_BLOCKS` (measured with every J a
+    shape allows: a step's wait and every block's reading of h grow with the blocks, the products with a warp's
+    tiles); the k range is split over the most warps (up to 8) that divide it into 16-wide steps; the weight
+    fragments must fit :data:`MAX_WREGS` registers; a pass takes as many 16-row tiles (up to 4) as fit in
+    shared memory; grids of up to :data:`FLAG_BLOCKS` blocks wait on per-block flags."""
     if max_batch is None:
         max_batch = max(MAX_BATCH, NARROW_BATCH) if hidden <= NARROW_H else MAX_BATCH
     return _plan(mode, batch, hidden, itemsize, sms, smem, max_batch)
