@@ -60,9 +60,9 @@ __device__ __forceinline__ void stage_gx(float* sX, const float* gx, int t, int 
     }
 }
 
-// FLAGS 1: this block's h of `step` is written (every thread's writes, then its flag, released at gpu scope) ...
+// FLAGS 1: this block's h of `step` is written (the block barrier after the cell orders every thread's writes
+// before thread 0's flag, released at gpu scope) ...
 __device__ __forceinline__ void publish(unsigned* flags, unsigned step) {
-    __syncthreads();
     if (threadIdx.x == 0)
         asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flags + blockIdx.x), "r"(step) : "memory");
 }
@@ -78,9 +78,9 @@ __device__ __forceinline__ void await_all(const unsigned* flags, unsigned step) 
     __syncthreads();
 }
 
-// FLAGS 0: all blocks arrive before any leaves; `target` grows by gridDim.x a step (counter 0 at launch).
+// FLAGS 0: all blocks arrive before any leaves (the block's writes ordered as in publish); `target` grows by
+// gridDim.x a step (counter 0 at launch).
 __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
-    __syncthreads();
     if (threadIdx.x == 0) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
         unsigned v;
