@@ -88,7 +88,7 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
     where absent), the plan's grid, block, shared memory and compile-time shape."""
     from bench import fake_cupy
     from blasx.dnn import rnn_layer
-    for name in ("_kernels", "_smem_set", "_counts", "_SMS"):
+    for name in ("_kernels", "_smem_set", "_counts", "_SMS", "_syncs"):
         monkeypatch.setattr(rnn_persist, name, {})  # nothing made on the stand-in outlives the test
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
@@ -100,8 +100,10 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
         w = cupy.empty((g * H, H), dtype=np.float16)
         b_ih, b_hh = (cupy.empty((g * H,), dtype=np.float16) for _ in range(2)) if bias else (None, None)
         st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, np.float16, np.float32, gates=True)
+        hn = cupy.empty((B, H), dtype=np.float16)
+        cn = cupy.empty((B, H), dtype=np.float16) if mode == "lstm" else None
         fake_cupy.LOG.clear()
-        rnn_persist.run(pl, mode, gx, b_ih, b_hh, w, st, (B,) * T, reverse, h0, False)
+        rnn_persist.run(pl, mode, gx, b_ih, b_hh, w, st, (B,) * T, reverse, h0, False, hn=hn, cn=cn)
         (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
         kernel = rnn_persist._kernels[(mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags)]
     _, name, grid, block, args, smem = launch
@@ -120,6 +122,60 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
     assert got["C"] == (array(st.C) if mode == "lstm" else ("uint64", 0))
     assert got["b_ih"] == (array(b_ih) if bias else ("uint64", 0))
     assert got["b_hh"] == (array(b_hh) if bias else ("uint64", 0))
-    assert got["bs"][0] == "array" and got["bs"][2] == (T,) and got["sync"][2] == ((pl.blocks,) if pl.flags else (1,))
+    assert got["bs"][0] == "array" and got["bs"][2] == (T,) and got["sync"][2] == (132 + 1,)  # a flag per SM + 1
+    assert got["hn_out"] == array(hn) and got["cn_out"] == (array(cn) if mode == "lstm" else ("uint64", 0))
     assert [got[k] for k in ("T", "B", "H", "reverse", "zero_h", "zero_c")] == [
         ("int32", T), ("int32", B), ("int32", H), ("int32", int(reverse)), ("int32", int(not h0)), ("int32", 1)]
+
+
+def test_sync_words_are_kept_per_device_and_stream(monkeypatch):
+    """The step wait's words (zeroed once; each launch leaves them zero) are one buffer per device and stream,
+    the stream held with them; a capturing stream gets fresh zeroed words of its own."""
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_persist, "_syncs", {})
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        fake_cupy.LOG.clear()
+        a = rnn_persist._sync_words(cupy, 0, 132)
+        assert a.shape == (133,) and a.dtype == np.uint32
+        assert [e[0] for e in fake_cupy.LOG].count("zeros") == 1
+        assert rnn_persist._sync_words(cupy, 0, 132) is a
+        assert rnn_persist._sync_words(cupy, 1, 132) is not a
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            b = rnn_persist._sync_words(cupy, 0, 132)
+            assert b is not a and rnn_persist._sync_words(cupy, 0, 132) is b
+            assert rnn_persist._syncs[(0, side.ptr, 0)][0] is side
+            side.begin_capture()
+            c = rnn_persist._sync_words(cupy, 0, 132)
+            side.end_capture()
+        assert c is not b and len(rnn_persist._syncs) == 3
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_a_small_inference_call_is_a_gemm_and_one_launch(monkeypatch, mode):
+    """A float16 layer's inference on the CPU stand-in for CuPy: the projection's GEMM and the persistent kernel,
+    which writes the final states into the returned h_n (and c_n) itself: no copies, no other launches."""
+    from bench import fake_cupy
+    from blasx import dnn
+    for name in ("_kernels", "_smem_set", "_counts", "_SMS", "_syncs"):
+        monkeypatch.setattr(rnn_persist, name, {})
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        T, B, H = 6, 4, 32
+        g = rnn_persist.GATES[mode]
+        p = {"weight_ih_l0": (g * H, H), "weight_hh_l0": (g * H, H), "bias_ih_l0": (g * H,), "bias_hh_l0": (g * H,)}
+        p = {k: cupy.empty(s, dtype=np.float16) for k, s in p.items()}
+        x = cupy.empty((T, B, H), dtype=np.float16)
+        call = dnn.lstm if mode == "lstm" else dnn.gru
+        call(x, None, p)  # (the stream's sync words are made once)
+        fake_cupy.LOG.clear()
+        y, state = call(x, None, p)
+        kinds = sorted(e[0] for e in fake_cupy.LOG)
+        (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
+    assert kinds == ["gemm_ex", "raw_kernel"]
+    got = dict(zip(_kernel_params(), launch[4]))
+    h_n, c_n = state if mode == "lstm" else (state, None)
+    assert got["hn_out"][1] == h_n.data.ptr and got["S"][1] == y.data.ptr - B * H * 2  # y is S[1:]
+    assert got["cn_out"] == (("array", c_n.data.ptr, (B, H), (2 * H, 2), "float16") if c_n is not None
+                             else ("uint64", 0))

@@ -312,6 +312,13 @@ def test_torch_params_views_follow_in_place_updates():
     y = dnn.lstm(cupy.from_dlpack(x), None, p)[0]
     assert all(rnn_params._views[id(t)][2] is views[k] for k, t in p.items())  # reused
     assert _err(y.astype(cupy.float32), ref.float().cpu().numpy()) < TOL["float16"]
+    with torch.no_grad():  # the mapping's own tensor object moved to new storage: its kept Spec is not reused
+        b = torch.full_like(m.bias_hh_l0, 0.5)
+        m.bias_hh_l0.set_(b)
+        p["bias_hh_l0"].set_(b)
+        ref = m(x)[0]
+    y = dnn.lstm(cupy.from_dlpack(x), None, p)[0]
+    assert _err(y.astype(cupy.float32), ref.float().cpu().numpy()) < TOL["float16"]
     with torch.no_grad():
         m.weight_hh_l0.set_(torch.zeros_like(m.weight_hh_l0))  # new storage under the same tensor object
     p2 = m.state_dict()

@@ -127,7 +127,7 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
     if lengths is not None and unbatched:
         raise ValueError("lengths: not allowed for an unbatched (2-D) x")
     lens = _check_lengths(lengths, T, B)
-    bs = tuple(B for _ in range(T)) if lens is None else tuple(int(sum(1 for v in lens if v > t)) for t in range(T))
+    bs = (B,) * T if lens is None else tuple(int(sum(1 for v in lens if v > t)) for t in range(T))
     from . import rnn_graph
     return Problem(spec, xp, xt, h0, c0, bs, lens, bool(batch_first), unbatched, math, rnn_graph.enabled())
 

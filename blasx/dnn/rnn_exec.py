@@ -68,10 +68,12 @@ def input_projection(pb, cell, inp, f, mm=None):
     return project(pb, cell, inp, f, mm=mm), biases(pb, cell, f)
 
 
-def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None) -> rnn_layer.Forward:
+def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None,
+                      finals=None) -> rnn_layer.Forward:
     """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
     a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
-    device instead of the engine's."""
+    device instead of the engine's. ``finals``: (h_n, c_n or None, written) of the whole stack: a persistent loop
+    of the whole batch on h_n's device writes its final states there itself and adds its index to ``written``."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
@@ -88,8 +90,12 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
             st.S[0] = pb.h0[k]
         if pb.c0 is not None and st.C is not None:
             st.C[0] = pb.c0[k]
+        hn = cn = None
+        if finals is not None and finals[0].shape[1] == B and finals[0].device.id == inp.device.id:
+            hn, cn = finals[0][k], None if finals[1] is None else finals[1][k]
+            finals[2].add(k)
         rnn_persist.run(pl, spec.mode, project(pb, cell, inp, f, mm=mm), cell.b_ih, cell.b_hh, cell.w_hh, st, pb.bs,
-                        d == 1, pb.h0 is not None, pb.c0 is not None)
+                        d == 1, pb.h0 is not None, pb.c0 is not None, hn=hn, cn=cn)
         return st
     if not host and pb.graphs:  # projection, biases and first states straight into the graph's buffers
         from . import rnn_graph
@@ -159,14 +165,18 @@ def forward(pb, keep: bool):
     if pl.kind == "diagonal":
         rnn_multi.last_run()["ran_on"].update({(layer, 0): devs[row[0]] for layer, row in enumerate(pl.cells)})
         return rnn_diag.forward(pb, pl, devs, keep)
-    layers, y = rnn_multi.run_forward(
-        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None: direction_forward(lp, ops, layer, d, inp, keep=keep,
-                                                                               mm=mm),
-        direction_output, keep)
     h_n = xp.empty((spec.num_layers * dirs, B, spec.out_size), dtype=store)
     c_n = xp.empty((spec.num_layers * dirs, B, spec.hidden_size), dtype=store) if spec.mode == "lstm" else None
+    written: set = set()  # layer-directions whose loop wrote its final states into h_n / c_n
+    finals = None if xp is np else (h_n, c_n, written)
+    layers, y = rnn_multi.run_forward(
+        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None: direction_forward(lp, ops, layer, d, inp, keep=keep,
+                                                                               mm=mm, finals=finals),
+        direction_output, keep)
     for layer, kept in enumerate(layers):
         for d, k in enumerate(kept):
+            if layer * dirs + d in written:
+                continue
             h_n[layer * dirs + d] = rnn_multi.at(xp, k.st.S[T], devs[0])
             if c_n is not None:
                 c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[-1], devs[0])  # rounded to x's type as it is stored

@@ -142,12 +142,73 @@ def _get(params, name: str, shape: tuple, xp, dtype, why: str, resident: bool = 
     return a
 
 
+_specs: dict = {}  # (id(params), parse's arguments) -> (Spec, ((name, weak ref to the tensor, layout), ...), devices)
+MAX_SPECS = 64
+
+
 def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional: bool, proj_size: int,
           xp, dtype, resident: bool = False) -> Spec:
     """The validated :class:`Spec` of ``params``; raises naming the parameter and its expected shape.
     ``resident`` (numpy ``xp``): GPU arrays are kept as CuPy arrays (see the module docstring).
 
-    The hidden size comes from ``weight_ih_l0`` (its rows / G); biases are all present or all absent."""
+    The hidden size comes from ``weight_ih_l0`` (its rows / G); biases are all present or all absent.
+
+    With a CuPy ``xp`` and CUDA torch tensors as every value, the Spec is kept and handed out again while the
+    mapping holds the same names bound to the same tensor objects of unchanged storage, shape, strides and
+    dtype (the conditions on which :func:`_cuda_view` reuses its views); an entry goes when one of its tensors
+    does."""
+    key = None
+    if xp is not np:
+        key = (id(params), mode, input_size, num_layers, bidirectional, proj_size, np.dtype(dtype))
+        hit = _specs.get(key)
+        if hit is not None and _unchanged(params, hit[1], hit[2], xp):
+            return hit[0]
+    spec = _parse(params, mode, input_size, num_layers=num_layers, bidirectional=bidirectional,
+                  proj_size=proj_size, xp=xp, dtype=dtype, resident=resident)
+    if key is not None:
+        _remember(key, spec, params)
+    return spec
+
+
+def _layout(t) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _unchanged(params, entries, devices, xp) -> bool:
+    if len(params) != len(entries) or not all(_default_streams(d, xp) for d in devices):
+        return False
+    for name, ref, layout in entries:
+        try:
+            v = params[name]
+        except KeyError:
+            return False
+        if v is not ref() or _layout(v) != layout:
+            return False
+    return True
+
+
+def _remember(key, spec: Spec, params) -> None:
+    """Keep ``spec`` for :func:`parse` when every value of ``params`` is a CUDA torch tensor."""
+    values = [(name, params[name]) for name in params.keys()]
+    if not values or not hasattr(params, "__len__") or not all(
+            (type(v).__module__ or "").startswith("torch") and v.device.type == "cuda" for _, v in values):
+        return
+
+    def drop(ref):
+        with _views_lock:
+            hit = _specs.get(key)
+            if hit is not None and any(r is ref for _, r, _ in hit[1]):
+                del _specs[key]
+    entries = tuple((name, weakref.ref(v, drop), _layout(v)) for name, v in values)
+    devices = tuple(sorted({v.device.index for _, v in values}))
+    with _views_lock:
+        if len(_specs) >= MAX_SPECS:
+            _specs.clear()
+        _specs[key] = (spec, entries, devices)
+
+
+def _parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional: bool, proj_size: int,
+           xp, dtype, resident: bool) -> Spec:
     if not hasattr(params, "keys") or not hasattr(params, "__getitem__"):
         raise TypeError(f"params: expected a mapping of torch's names to arrays (a state_dict), got "
                         f"{type(params).__name__}")

@@ -118,14 +118,17 @@ __device__ __forceinline__ int wk(int kt, int half, int tig) {
 // except GRU's b_hn, which sits inside the reset product); W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0, or
 // zeros written here (`zero_h`); C (T+1, B, H) float with C[0] = c0, or zeros written here (`zero_c`; LSTM);
 // gates (T, B, 4*H) float or null (the activations saved for the backward pass); bs[t] the active rows at time t
-// (sorted lengths); sync the barrier's counter (FLAGS 0) or the blocks' step flags (FLAGS 1), zeros at launch;
-// steps run in processing order p, time t = p or T-1-p.
+// (sorted lengths); hn, cn (B, H) or null: the final h and (LSTM) c in the storage type, written at the last
+// step; sync the barrier's counter (FLAGS 0) or the blocks' step flags (FLAGS 1), then a word counting the blocks
+// done: zeros at launch, and zeros again at exit (the last block out clears them, so a buffer serves the next
+// launch on its stream); steps run in processing order p, time t = p or T-1-p.
 // Shared memory: the warps' partial products (KW x G x MC x J), the step's gx slice (G x MC x J), the bias slice
 // (NJ; GRU: then b_hn's J) and, LSTM, the block's cell states (B x J).
 extern "C" __global__ void __launch_bounds__(256)
 rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, const STYPE* __restrict__ b_hh,
                 const STYPE* __restrict__ W, STYPE* S, float* C, float* gates, const int* __restrict__ bs,
-                unsigned* sync, int T, int B, int H, int reverse, int zero_h, int zero_c) {
+                STYPE* hn_out, STYPE* cn_out, unsigned* sync, int T, int B, int H, int reverse, int zero_h,
+                int zero_c) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int NJ = NT * 8, MC = MT * 16;
     const int j0 = blockIdx.x * J;
@@ -173,6 +176,8 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
         const int t = reverse ? T - 1 - p : p;
         const STYPE* hp = S + (size_t)p * BH;
         STYPE* hn = S + (size_t)(p + 1) * BH;
+        STYPE* const hf = p == T - 1 ? hn_out : nullptr;  // the final states' own outputs, at the last step
+        STYPE* const cf = p == T - 1 ? cn_out : nullptr;
         for (int b0 = 0; b0 < B; b0 += MC) {
             const int rows = min(MC, B - b0);
 #if FLAGS
@@ -219,9 +224,12 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                 const int r = idx / J, u = idx % J, b = b0 + r, j = j0 + u;
                 const size_t o = (size_t)b * H + j;
                 if (b >= a) {  // finished (forward) or not yet started (reverse): the state carries over
-                    hn[o] = __ldcg(hp + o);
+                    const STYPE h = __ldcg(hp + o);
+                    hn[o] = h;
+                    if (hf) hf[o] = h;
 #if MODE == 0
                     if (save || p == T - 1) C[(p + 1) * BH + o] = sC[b * J + u];
+                    if (cf) put(cf + o, sC[b * J + u]);
 #endif
                     continue;
                 }
@@ -240,7 +248,9 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                 float cn = fg * sC[b * J + u] + ig * gg;
                 sC[b * J + u] = cn;
                 if (save || p == T - 1) C[(p + 1) * BH + o] = cn;
+                if (cf) put(cf + o, cn);
                 put(hn + o, og * tanhf(cn));
+                if (hf) hf[o] = hn[o];
                 if (gates) {
                     float* q = gates + ((size_t)p * B + b) * 4 * H + j;
                     q[0] = ig; q[H] = fg; q[2 * H] = gg; q[3 * H] = og;
@@ -250,15 +260,18 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                 float rg = sigm(xv[0] + s[0]), zg = sigm(xv[1] + s[1]);
                 float ng = tanhf(xv[2] + rg * ghn);
                 put(hn + o, (1.f - zg) * ng + zg * tof(__ldcg(hp + o)));
+                if (hf) hf[o] = hn[o];
                 if (gates) {
                     float* q = gates + ((size_t)p * B + b) * 4 * H + j;
                     q[0] = rg; q[H] = zg; q[2 * H] = ng; q[3 * H] = ghn;
                 }
 #elif MODE == 2
                 put(hn + o, tanhf(xv[0] + s[0]));
+                if (hf) hf[o] = hn[o];
 #else
                 float v = xv[0] + s[0];
                 put(hn + o, v > 0.f ? v : 0.f);
+                if (hf) hf[o] = hn[o];
 #endif
             }
             __syncthreads();
@@ -274,6 +287,13 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
 #if !FLAGS
             grid_barrier(sync, gridDim.x * (unsigned)(p + 1));
 #endif
+        }
+    }
+    // every wait of this block is over (the last pass's barrier): count it out; the last block clears the words
+    if (threadIdx.x == 0) {
+        const int words = FLAGS ? gridDim.x : 1;
+        if (atomicAdd(sync + words, 1u) == gridDim.x - 1) {
+            for (int i = 0; i <= words; ++i) sync[i] = 0u;
         }
     }
 }

@@ -111,6 +111,7 @@ _kernels: dict = {}  # (mode, NT, KW, KT, MT, flags) -> RawKernel
 _smem_set: dict = {}  # (kernel key, device) -> dynamic shared memory allowed so far
 _counts: dict = {}  # (device, active rows by time) -> the rows as a device array
 _launches = [0]
+_NULL = np.uint64(0)
 
 
 def launches() -> int:
@@ -160,11 +161,38 @@ def _active(xp, bs, device_id: int):
     return a
 
 
-def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bool, c0: bool) -> None:
+_syncs: dict = {}  # (device, stream, thread where streams are per thread) -> (the stream, its zeroed sync words)
+MAX_SYNCS = 64
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle: one stream per thread under one number
+
+
+def _sync_words(cupy, dev_id: int, sms: int):
+    """Zeroed words for the kernel's step wait (at most one flag per SM and a count of blocks done), kept per
+    device and stream: a launch leaves them zero (the kernel's last block clears them) and the launches of one
+    stream run in order. A capturing stream gets its own (zeroed in the graph). The entry holds the stream, so
+    its handle is not reused while the words are."""
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return cupy.zeros(sms + 1, dtype=cupy.uint32)
+    key = (dev_id, stream.ptr, threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0)
+    hit = _syncs.get(key)
+    if hit is None:
+        with _lock:
+            if len(_syncs) >= MAX_SYNCS:
+                for k, (s, _words) in list(_syncs.items()):
+                    if s.done:
+                        del _syncs[k]
+        hit = _syncs[key] = (stream, cupy.zeros(sms + 1, dtype=cupy.uint32))
+    return hit[1]
+
+
+def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bool, c0: bool, hn=None,
+        cn=None) -> None:
     """The forward loop of rnn_layer.forward_loop on the current stream: writes st.S[1:], st.C[1:] (LSTM; the last
     only without st.gates) and st.gates (when not None); ``gx`` (T, B, G*H) float32 is the input projection alone
     (the biases ``b_ih``, ``b_hh`` in the storage type, or None, are added here); ``h0``/``c0``: st.S[0] / st.C[0]
-    hold the initial states (else zeros are written there)."""
+    hold the initial states (else zeros are written there); ``hn``/``cn``: C-contiguous (B, H) arrays of the
+    storage type the final h / c (LSTM) are written to as well, or None."""
     import cupy
     T, B = gx.shape[:2]
     H = st.S.shape[2]
@@ -174,11 +202,11 @@ def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bo
     if _smem_set.get(key, 0) < pl.smem:
         fn.max_dynamic_shared_size_bytes = pl.smem
         _smem_set[key] = pl.smem
-    null = np.uint64(0)
-    sync = cupy.zeros(pl.blocks if pl.flags else 1, dtype=cupy.uint32)
+    null = _NULL
     fn((pl.blocks,), (THREADS,),
        (gx, null if b_ih is None else b_ih, null if b_hh is None else b_hh, w_hh, st.S,
         null if st.C is None else st.C, null if st.gates is None else st.gates, _active(cupy, bs, dev.id),
-        sync, np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
+        null if hn is None else hn, null if cn is None else cn, _sync_words(cupy, dev.id, _sms(dev)),
+        np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
        shared_mem=pl.smem)
     _launches[0] += 1

@@ -27,6 +27,7 @@ rnn_multi.py executes a placement.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class Placement:
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
          projection: bool = False) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules)."""
