@@ -44,6 +44,24 @@ def test_plan_none(args):
     assert rnn_persist.plan(*args) is None
 
 
+@pytest.mark.parametrize("args, want", [
+    ((16, 512, 2, 132), Plan(8, 64, 8, 1, 16, 1, 5120, False)),  # J 16 would give a warp 32 tiles
+    ((32, 1024, 2, 132), Plan(8, 128, 8, 1, 32, 2, 10240, False)),  # J 16: weight regs over 96
+    ((16, 768, 2, 132), Plan(16, 48, 8, 2, 24, 1, 10240, False)),  # from 96 blocks: up to 64 tiles
+    ((48, 128, 2, 132), Plan(8, 16, 8, 1, 4, 3, 15360, True)),
+    ((128, 128, 2, 132, rnn_persist.SMEM, 128), Plan(8, 16, 8, 1, 4, 4, 24576, True)),  # two passes of 64 rows
+    ((5, 16, 2, 132), Plan(8, 2, 4, 1, 1, 1, 2368, True)),  # 4 k steps: 4 warps multiply
+])
+def test_plan_backward(args, want):
+    assert rnn_persist.plan_backward(*args) == want
+
+
+@pytest.mark.parametrize("args", [(16, 2048, 2, 132), (49, 512, 2, 132), (129, 512, 2, 132, rnn_persist.SMEM, 128), (16, 500, 2, 132),
+                                  (16, 512, 4, 132), (0, 512, 2, 132)])
+def test_plan_backward_none(args):
+    assert rnn_persist.plan_backward(*args) is None
+
+
 def test_plan_passes(monkeypatch):
     """Batches over 64 rows take several passes a step (allowed where MAX_BATCH is raised, and up to
     NARROW_BATCH rows in layers of H <= NARROW_H)."""
@@ -72,12 +90,12 @@ def test_plan_fits_shared_memory():
                     assert p.nt * p.kt * p.mt <= (rnn_persist.MAX_TILES_MANY if many else rnn_persist.MAX_TILES)
 
 
-def _kernel_params() -> list[str]:
-    """The parameter names of rnn_persist_fwd in rnn_persist.cu."""
+def _kernel_params(name: str = "rnn_persist_fwd") -> list[str]:
+    """The parameter names of kernel ``name`` in rnn_persist.cu."""
     import re
     from importlib import resources
     src = resources.files("blasx.dnn").joinpath("rnn_persist.cu").read_text()
-    sig = re.search(r"rnn_persist_fwd\((.*?)\)\s*\{", src, re.S).group(1)
+    sig = re.search(name + r"\((.*?)\)\s*\{", src, re.S).group(1)
     return [re.split(r"[\s*]+", p.strip())[-1] for p in sig.split(",")]
 
 
@@ -179,3 +197,63 @@ def test_a_small_inference_call_is_a_gemm_and_one_launch(monkeypatch, mode):
     assert got["hn_out"][1] == h_n.data.ptr and got["S"][1] == y.data.ptr - B * H * 2  # y is S[1:]
     assert got["cn_out"] == (("array", c_n.data.ptr, (B, H), (2 * H, 2), "float16") if c_n is not None
                              else ("uint64", 0))
+
+
+def test_run_backward_launches_what_the_kernel_declares(monkeypatch):
+    """run_backward()'s launch on the CPU stand-in: the backward kernel's own parameters in order, its plan's grid
+    and shared memory, fresh outputs of the loop's shapes."""
+    from bench import fake_cupy
+    for name in ("_kernels", "_smem_set", "_counts", "_SMS", "_syncs"):
+        monkeypatch.setattr(rnn_persist, name, {})
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        T, B, H = 7, 5, 64
+        pl = rnn_persist.applies_backward("lstm", np.float16, B, H, cupy.cuda.Device())
+        assert pl == rnn_persist.plan_backward(B, H, 2, 132)
+        assert rnn_persist.applies_backward("gru", np.float16, B, H, cupy.cuda.Device()) is None
+        gates = cupy.empty((T, B, 4 * H), dtype=np.float32)
+        C = cupy.empty((T + 1, B, H), dtype=np.float32)
+        w = cupy.empty((4 * H, H), dtype=np.float16)
+        dy = cupy.empty((T, B, H), dtype=np.float32)
+        dh_n = cupy.empty((B, H), dtype=np.float32)
+        fake_cupy.LOG.clear()
+        dgx, g16, dh0, dc0 = rnn_persist.run_backward(pl, gates, C, w, dy, dh_n, None, (B,) * T, True)
+        (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
+        kernel = rnn_persist._kernels[("lstm", pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, "bwd")]
+    _, name, grid, block, args, smem = launch
+    assert (name, grid, block, smem) == ("rnn_persist_bwd", (pl.blocks,), (rnn_persist.THREADS,), pl.smem)
+    assert "-DBWD=1" in kernel.options and f"-DNT={pl.nt}" in kernel.options
+    assert (dgx.shape, dgx.dtype, g16.shape, g16.dtype) == ((T, B, 4 * H), np.float32, (T, B, 4 * H), np.float16)
+    assert dh0.shape == dc0.shape == (B, H)
+    params = _kernel_params("rnn_persist_bwd")
+    got = dict(zip(params, args))
+    assert len(args) == len(params)
+
+    def array(a):
+        return ("array", a.data.ptr, a.shape, a.strides, a.dtype.name)
+    assert [got[k] for k in ("gates", "C", "W", "dy", "dh_n", "dgx", "g16", "dh0", "dc0")] == [
+        array(a) for a in (gates, C, w, dy, dh_n, dgx, g16, dh0, dc0)]
+    assert got["dc_n"] == ("uint64", 0) and got["sync"][2] == (133,)
+    assert [got[k] for k in ("T", "B", "H", "reverse")] == [("int32", T), ("int32", B), ("int32", H), ("int32", 1)]
+
+
+def test_a_small_training_call_runs_both_loops_persistent(monkeypatch):
+    """A float16 LSTM layer's training call on the stand-in: the forward and backward loops are one launch each
+    (no graph, no copies into graph buffers)."""
+    from bench import fake_cupy
+    from blasx import dnn
+    for name in ("_kernels", "_smem_set", "_counts", "_SMS", "_syncs"):
+        monkeypatch.setattr(rnn_persist, name, {})
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        T, B, H = 6, 4, 32
+        p = {"weight_ih_l0": (4 * H, H), "weight_hh_l0": (4 * H, H), "bias_ih_l0": (4 * H,), "bias_hh_l0": (4 * H,)}
+        p = {k: cupy.empty(s, dtype=np.float16) for k, s in p.items()}
+        x = cupy.empty((T, B, H), dtype=np.float16)
+        y, _, saved = dnn.lstm(x, None, p, training=True)
+        fake_cupy.LOG.clear()
+        g = dnn.lstm_backward(saved, y)
+        kernels = [e[1] for e in fake_cupy.LOG if e[0] == "raw_kernel"]
+        graphs = [e for e in fake_cupy.LOG if e[0] == "graph_launch"]
+    assert kernels == ["rnn_persist_bwd"] and not graphs
+    assert set(g) >= {"input", "h0", "c0", "weight_hh_l0", "bias_ih_l0"}

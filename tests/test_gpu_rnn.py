@@ -249,14 +249,18 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
     ("gru", 64, 3, False, [20, 4, 2]),
     ("gru", 1024, 16, False, [20] * 9 + [13] * 7),  # 64 blocks: steps ordered by the counter, not flags
     ("lstm", 512, 16, True, None),  # 64 blocks of J = 8 (32 of J = 16 would give a warp 32 tiles)
+    ("lstm", 1024, 16, False, [20] * 9 + [13] * 7),  # backward: 128 blocks, a warp's k range 512 wide
+    ("lstm", 128, 128, False, [20] * 100 + [1] * 28),  # backward: two passes of 64 rows, flags
     ("rnn_tanh", 256, 5, True, None),
     ("rnn_relu", 64, 16, False, None),
 ])
 def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
-    """The persistent kernel (rnn_persist) against the graph loop on the same inputs: outputs, final states and
-    every gradient of a training call (its saved gates feed the backward pass)."""
+    """The persistent kernels (rnn_persist) against the graph loops on the same inputs: outputs, final states and
+    every gradient of a training call (its saved gates feed the backward pass; LSTM's backward loop is persistent
+    too)."""
     from blasx.dnn import rnn_persist
     monkeypatch.setattr(rnn_persist, "MAX_BATCH", 128)
+    monkeypatch.setattr(rnn_persist, "BWD_MAX_BATCH", 128)
     torch.manual_seed(0)
     kw = dict(num_layers=2 if bidir else 1, bidirectional=bidir)  # unidirectional stacks run diagonally
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
@@ -277,17 +281,19 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
 
     before = rnn_persist.launches()
     outs, grads = run()
-    assert rnn_persist.launches() - before == (4 if bidir else 1)
+    loops = 4 if bidir else 1
+    trained = loops * (2 if mode == "lstm" else 1)  # forward (and LSTM's backward) loops
+    assert rnn_persist.launches() - before == trained
     old, rnn_persist.ENABLED = rnn_persist.ENABLED, False
     try:
         ref_outs, ref_grads = run()
     finally:
         rnn_persist.ENABLED = old
-    assert rnn_persist.launches() - before == (4 if bidir else 1)
+    assert rnn_persist.launches() - before == trained
     for a, r in zip(outs, ref_outs):
         assert _err(a.astype(cupy.float32), cupy.asnumpy(r.astype(cupy.float32))) < 1e-2
     inference = cupy_outs(fn(x, None, p, lengths=lengths, **kw))  # no saved gates, c stored at the end only
-    assert rnn_persist.launches() - before == (8 if bidir else 2)
+    assert rnn_persist.launches() - before == trained + loops
     for a, r in zip(inference, ref_outs):
         assert _err(a.astype(cupy.float32), cupy.asnumpy(r.astype(cupy.float32))) < 1e-2
     for k in ref_grads:

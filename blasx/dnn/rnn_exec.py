@@ -141,6 +141,15 @@ def _persistent(pb, cell, store, B: int):
     return rnn_persist.applies(pb.spec.mode, store, B, pb.spec.hidden_size, pb.xp.cuda.Device())
 
 
+def _persistent_backward(pb, cell, store, st):
+    """rnn_persist's backward plan for this LSTM layer-direction on the current GPU, or None (the graph loop)."""
+    from . import rnn_persist
+    if cell.w_hr is not None or st.gates is None or st.C is None or cell.w_hh.dtype != store \
+            or not cell.w_hh.flags.c_contiguous:
+        return None
+    return rnn_persist.applies_backward(pb.spec.mode, store, st.S.shape[1], pb.spec.hidden_size, pb.xp.cuda.Device())
+
+
 def direction_output(pb, st: rnn_layer.Forward, reverse: bool):
     """The direction's y (T, B, out) in time order, zero past each sequence's end."""
     T = st.S.shape[0] - 1
@@ -245,9 +254,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
             w_hr_f = None if cell.w_hr is None else _f(xp, cell.w_hr, f)
 
-            def consume(bw):
+            def consume(bw, owned: bool = False):
                 """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read
-                in place before the entry goes back); dh and dc copied."""
+                in place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
                 s, g = rnn_params.suffix(layer, d), {}
                 dgx = bw.dgx.reshape(T * B, -1)
                 dgh = bw.dgh.reshape(T * B, -1)
@@ -266,11 +275,20 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                     g["bias_hh" + s] = g["bias_ih" + s].copy() if same else dgh.sum(axis=0).astype(store)
                 if cell.w_hr is not None:
                     g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
-                return (g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), bw.dh.copy(),
-                        None if bw.dc is None else bw.dc.copy())
+                dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
+                return g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
+            pbw = _persistent_backward(lp, cell, store, st) if loop is not rnn_layer.backward_loop else None
+            if pbw is not None:  # the whole loop in one launch (rnn_persist_bwd)
+                from . import rnn_persist
+
+                def f32(a):
+                    return None if a is None else xp.ascontiguousarray(a, dtype=np.float32)
+                dgx, g16, dh, dc = rnn_persist.run_backward(pbw, st.gates, st.C, cell.w_hh, f32(dy_d), f32(gh_d),
+                                                            f32(gc_d), pb.bs, rev)
+                return consume(rnn_layer.Backward(dgx, dgx, None, dh, dc, g16), owned=True)
             args_d = (ops, spec.mode, st, w_loop, w_hr_f, dy_d, gh_d, gc_d, pb.bs, rev, hh)
             if loop is rnn_layer.backward_loop:
-                return consume(loop(*args_d))
+                return consume(loop(*args_d), owned=True)
             return loop(*args_d, use=consume)
 
         dx = None

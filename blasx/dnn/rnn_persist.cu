@@ -91,6 +91,17 @@ __device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target)
     __syncthreads();
 }
 
+// At exit, every wait of this block is over (the last pass's block barrier): count the block out; the last one
+// clears the step words and the count for the next launch on the buffer.
+__device__ __forceinline__ void leave(unsigned* sync) {
+    if (threadIdx.x == 0) {
+        const int words = FLAGS ? gridDim.x : 1;
+        if (atomicAdd(sync + words, 1u) == gridDim.x - 1) {
+            for (int i = 0; i <= words; ++i) sync[i] = 0u;
+        }
+    }
+}
+
 // A fragments of rows r and r+8 for the k steps kt, kt+1 (KT even) or kt alone (KT odd), straight from global
 // memory (L2): inside each 32-wide pair of k steps thread tig holds k 8*tig .. 8*tig+7 (one 16-byte load a row),
 // and the weight fragments are loaded in the same k order (wk), so the products are unchanged.
@@ -114,6 +125,7 @@ __device__ __forceinline__ int wk(int kt, int half, int tig) {
     return KT % 2 == 0 ? (kt / 2) * 32 + tig * 8 + (kt % 2) * 4 + half * 2 : kt * 16 + tig * 4 + half * 2;
 }
 
+#if !BWD
 // gx (T, B, G*H) float in time order (the input projection); b_ih, b_hh (G*H) the biases or null (both add to gx
 // except GRU's b_hn, which sits inside the reset product); W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0, or
 // zeros written here (`zero_h`); C (T+1, B, H) float with C[0] = c0, or zeros written here (`zero_c`; LSTM);
@@ -289,11 +301,153 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
 #endif
         }
     }
-    // every wait of this block is over (the last pass's barrier): count it out; the last block clears the words
-    if (threadIdx.x == 0) {
-        const int words = FLAGS ? gridDim.x : 1;
-        if (atomicAdd(sync + words, 1u) == gridDim.x - 1) {
-            for (int i = 0; i <= words; ++i) sync[i] = 0u;
+    leave(sync);
+}
+#endif
+
+#if BWD && MODE == 0
+// The inputs of one (row b, unit j) cell gradient at step p: i, f, g, o, c, c_prev, dy (0 without dy).
+__device__ __forceinline__ void cell_inputs(float* v, const float* gates, const float* C, const float* dy, int p,
+                                            int t, int b, int j, int B, int H) {
+    const size_t k = ((size_t)p * B + b) * 4 * H + j, o = (size_t)b * H + j, BH = (size_t)B * H;
+    v[0] = gates[k]; v[1] = gates[k + H]; v[2] = gates[k + 2 * H]; v[3] = gates[k + 3 * H];
+    v[4] = C[(size_t)(p + 1) * BH + o]; v[5] = C[(size_t)p * BH + o];
+    v[6] = dy ? dy[(size_t)t * BH + o] : 0.f;
+}
+
+// The backward loop of an LSTM layer-direction (rnn_layer.backward_steps without a projection) in one launch. Here
+// a block owns NT*8 hidden units as outputs of the recurrent product dh = dgates . W_hh: its warps hold W_hh's
+// columns of those units (all 4H rows, warp w the k range [w*KT*16, (w+1)*KT*16)) in registers. Step n runs the
+// cell gradient of processing step p = T-1-n: dh of the block's units is the previous step's gate gradients
+// (all blocks', rounded to the storage type, from L2) times those columns where the row was active there, else
+// carried; then the cell's gradient writes the block's slice of the gate gradients (dgx in float, g16 rounded)
+// and keeps dc; the wait as in the forward kernel. A last pass gives dh0 (and dc0).
+// gates (T, B, 4H) and C (T+1, B, H) float as the forward saved them (processing order); W (4H, H) row-major;
+// dy (T, B, H) float in time order or null; dh_n, dc_n (B, H) float or null (zeros); bs as forward; dgx (T, B, 4H)
+// float and g16 (same, storage type) written whole (zeros for inactive rows); dh0, dc0 (B, H) float.
+// Shared memory: the warps' partial products (KW x MC x U), the block's dh and dc (B x U each).
+extern "C" __global__ void __launch_bounds__(256, 1)
+rnn_persist_bwd(const float* __restrict__ gates, const float* __restrict__ C, const STYPE* __restrict__ W,
+                const float* __restrict__ dy, const float* __restrict__ dh_n, const float* __restrict__ dc_n,
+                const int* __restrict__ bs, float* dgx, STYPE* g16, float* dh0, float* dc0, unsigned* sync,
+                int T, int B, int H, int reverse) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int U = NT * 8;  // hidden units a block owns
+    const int MC = MT * 16, GH = 4 * H;
+    const int j0 = blockIdx.x * U;
+    float* sG = (float*)smem;
+    float* sDH = sG + (size_t)KW * MC * U;
+    float* sDC = sDH + (size_t)B * U;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const bool mma_warp = warp < KW;
+    const int kbase = warp * KT * 16;
+    const size_t BH = (size_t)B * H, BG = (size_t)B * GH;
+
+    // this warp's fragments of W_hh's columns: (k, n) is W[kbase + k][j0 + n], k ordered as load_a's
+    unsigned wf[NT][KT][2];
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+        const int col = j0 + ni * 8 + gid;
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const size_t k = (size_t)kbase + wk(kt, half, tig);
+                wf[ni][kt][half] = mma_warp ? (unsigned)__half_as_ushort(W[k * H + col]) |
+                                              ((unsigned)__half_as_ushort(W[(k + 1) * H + col]) << 16) : 0u;
+            }
+    }
+    for (int idx = threadIdx.x; idx < B * U; idx += blockDim.x) {
+        const size_t o = (size_t)(idx / U) * H + j0 + idx % U;
+        sDH[idx] = dh_n ? dh_n[o] : 0.f;
+        sDC[idx] = dc_n ? dc_n[o] : 0.f;
+    }
+    __syncthreads();
+
+    for (int n = 0; n <= T; ++n) {
+        const int p = T - 1 - n;  // the step whose cell gradient runs (-1: the last pass, dh0 only)
+        const int t = reverse ? T - 1 - p : p;
+        const int a = p >= 0 ? bs[t] : 0;
+        const int a_prev = n > 0 ? bs[reverse ? T - 2 - p : p + 1] : 0;  // active rows of step p+1
+        const STYPE* gp = g16 + (size_t)(p + 1) * BG;
+        for (int b0 = 0; b0 < B; b0 += MC) {
+            const int rows = min(MC, B - b0);
+#if FLAGS
+            if (n > 0 && b0 == 0) await_all(sync, (unsigned)n);
+#endif
+            if (n > 0 && mma_warp) {
+                float acc[MT][NT][4];
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
+                constexpr int KS = KT % 2 == 0 ? 2 : 1;
+                const STYPE* hb = gp + (size_t)b0 * GH + kbase;
+#pragma unroll
+                for (int kt = 0; kt < KT; kt += KS) {
+#pragma unroll
+                    for (int mi = 0; mi < MT; ++mi) {
+                        unsigned af[KS][4];
+                        load_a(af, hb, mi * 16 + gid, rows, GH, kt * 16, tig);
+#pragma unroll
+                        for (int s = 0; s < KS; ++s)
+#pragma unroll
+                            for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af[s], wf[ni][kt + s]);
+                    }
+                }
+                float* o = sG + (size_t)warp * MC * U;
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < NT; ++ni) {
+                        const int r0 = mi * 16 + gid, c0 = ni * 8 + tig * 2;
+                        *(float2*)(o + r0 * U + c0) = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
+                        *(float2*)(o + (r0 + 8) * U + c0) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
+                    }
+            }
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < rows * U; idx += blockDim.x) {  // one (row, unit) each
+                const int r = idx / U, u = idx % U, b = b0 + r, j = j0 + u;
+                float dh = sDH[b * U + u];
+                if (b < a_prev) {  // active at step p+1: its gate gradients times W_hh
+                    dh = 0.f;
+#pragma unroll
+                    for (int q = 0; q < KW; ++q) dh += sG[(q * MC + r) * U + u];
+                }
+                if (p < 0) {
+                    dh0[(size_t)b * H + j] = dh;
+                    dc0[(size_t)b * H + j] = sDC[b * U + u];
+                    continue;
+                }
+                const size_t k = ((size_t)p * B + b) * GH + j;
+                if (b >= a) {  // past the sequence's end: nothing flows, dh and dc carry over
+                    dgx[k] = dgx[k + H] = dgx[k + 2 * H] = dgx[k + 3 * H] = 0.f;
+                    g16[k] = g16[k + H] = g16[k + 2 * H] = g16[k + 3 * H] = __float2half_rn(0.f);
+                    sDH[b * U + u] = dh;
+                    continue;
+                }
+                float v[7];
+                cell_inputs(v, gates, C, dy, p, t, b, j, B, H);
+                const float d = dh + v[6], ig = v[0], fg = v[1], gg = v[2], og = v[3];
+                const float tc = tanhf(v[4]);
+                const float dct = sDC[b * U + u] + d * og * (1.f - tc * tc);
+                const float d0 = dct * gg * ig * (1.f - ig), d1 = dct * v[5] * fg * (1.f - fg),
+                            d2 = dct * ig * (1.f - gg * gg), d3 = d * tc * og * (1.f - og);
+                dgx[k] = d0; dgx[k + H] = d1; dgx[k + 2 * H] = d2; dgx[k + 3 * H] = d3;
+                put(g16 + k, d0); put(g16 + k + H, d1); put(g16 + k + 2 * H, d2); put(g16 + k + 3 * H, d3);
+                sDC[b * U + u] = dct * fg;
+            }
+            __syncthreads();
+        }
+        if (n < T) {
+#if FLAGS
+            publish(sync, (unsigned)(n + 1));
+#endif
+#if !FLAGS
+            grid_barrier(sync, gridDim.x * (unsigned)(n + 1));
+#endif
         }
     }
+    leave(sync);
 }
+#endif

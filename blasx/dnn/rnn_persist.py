@@ -40,6 +40,8 @@ MAX_BATCH = 64  # larger batches take the graph loop: each block reads all of h 
 #                 64 rows that traffic from L2 costs more than the launches a graph replay pays ...
 NARROW_H, NARROW_BATCH = 512, 128  # ... except in layers of H <= NARROW_H, whose two passes still cost less
 FLAG_BLOCKS = 32  # grids up to this many blocks order their steps by per-block flags, larger ones by a counter
+BWD_MAX_BATCH = 48  # the backward kernel's limit: every block reads all 4H gate gradients of its rows a step, so
+#                     its step grows with the rows faster than the graph loop's GEMM and cell
 
 ENABLED = True  # False: the graph loop always (A/B and tests)
 
@@ -106,8 +108,47 @@ def _shape(mode: str, batch: int, hidden: int, itemsize: int, smem: int, j: int)
     return None
 
 
+def plan_backward(batch: int, hidden: int, itemsize: int, sms: int, smem: int = SMEM,
+                  max_batch: int | None = None) -> Plan | None:
+    """The backward kernel's shape for an LSTM layer of this shape (rnn_persist_bwd), or None where it does not
+    apply (batch over ``max_batch``, default :data:`BWD_MAX_BATCH`). A block owns J units as outputs of
+    dh = dgates . W_hh, so a warp's k range is a share of 4H and ``nt`` = J / 8; J starts at the smallest multiple
+    of 8 with H/J <= ``sms`` blocks and widens by the forward's rule; ``smem`` counts the partial products and the
+    block's dh and dc."""
+    return _plan_backward(batch, hidden, itemsize, sms, smem, BWD_MAX_BATCH if max_batch is None else max_batch)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_backward(batch: int, hidden: int, itemsize: int, sms: int, smem: int, max_batch: int) -> Plan | None:
+    if hidden % 16 or not 1 <= batch <= max_batch or itemsize != 2:
+        return None
+    j = next((j for j in range(8, hidden + 1, 8) if hidden % j == 0 and hidden // j <= sms), None)
+    best = None if j is None else _shape_backward(batch, hidden, smem, j)
+    while best is not None:
+        j *= 2
+        wider = _shape_backward(batch, hidden, smem, j) if hidden % j == 0 else None
+        limit = MAX_TILES_MANY if best.blocks > MANY_BLOCKS else MAX_TILES
+        if wider is None or wider.blocks < MIN_BLOCKS or wider.nt * wider.kt * wider.mt > limit:
+            break
+        best = wider
+    return best
+
+
+def _shape_backward(batch: int, hidden: int, smem: int, j: int) -> Plan | None:
+    k16 = 4 * hidden // 16
+    kw = max(w for w in range(1, WARPS + 1) if k16 % w == 0)
+    nt, kt = j // 8, k16 // kw
+    if nt * kt * 2 > MAX_WREGS:
+        return None
+    for mt in range(min(-(-batch // 16), MAX_MT), 0, -1):
+        need = kw * 16 * mt * j * 4 + 2 * batch * j * 4
+        if need <= smem:
+            return Plan(j, hidden // j, kw, nt, kt, mt, need, hidden // j <= FLAG_BLOCKS)
+    return None
+
+
 _lock = threading.Lock()
-_kernels: dict = {}  # (mode, NT, KW, KT, MT, flags) -> RawKernel
+_kernels: dict = {}  # (mode, NT, KW, KT, MT, flags[, "bwd"]) -> RawKernel
 _smem_set: dict = {}  # (kernel key, device) -> dynamic shared memory allowed so far
 _counts: dict = {}  # (device, active rows by time) -> the rows as a device array
 _launches = [0]
@@ -119,16 +160,23 @@ def launches() -> int:
     return _launches[0]
 
 
-def _kernel(mode: str, pl: Plan):
-    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags)
+def _kernel(mode: str, pl: Plan, backward: bool = False):
+    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags) + (("bwd",) if backward else ())
     with _lock:
         if key not in _kernels:
             import cupy
             src = resources.files(__package__).joinpath("rnn_persist.cu").read_text()
             opts = ("-std=c++17", f"-DMODE={MODES[mode]}", f"-DNT={pl.nt}", f"-DKW={pl.kwarps}", f"-DKT={pl.kt}",
-                    f"-DMT={pl.mt}", f"-DFLAGS={int(pl.flags)}")
-            _kernels[key] = cupy.RawKernel(src, "rnn_persist_fwd", options=opts, enable_cooperative_groups=True)
+                    f"-DMT={pl.mt}", f"-DFLAGS={int(pl.flags)}", f"-DBWD={int(backward)}")
+            name = "rnn_persist_bwd" if backward else "rnn_persist_fwd"
+            _kernels[key] = cupy.RawKernel(src, name, options=opts, enable_cooperative_groups=True)
         return _kernels[key]
+
+
+def _prepare(fn, key, smem: int) -> None:
+    if _smem_set.get(key, 0) < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+        _smem_set[key] = smem
 
 
 def applies(mode: str, store, B: int, H: int, device) -> Plan | None:
@@ -198,10 +246,7 @@ def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bo
     H = st.S.shape[2]
     dev = cupy.cuda.Device()
     fn = _kernel(mode, pl)
-    key = (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id)
-    if _smem_set.get(key, 0) < pl.smem:
-        fn.max_dynamic_shared_size_bytes = pl.smem
-        _smem_set[key] = pl.smem
+    _prepare(fn, (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id), pl.smem)
     null = _NULL
     fn((pl.blocks,), (THREADS,),
        (gx, null if b_ih is None else b_ih, null if b_hh is None else b_hh, w_hh, st.S,
@@ -210,3 +255,35 @@ def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bo
         np.int32(T), np.int32(B), np.int32(H), np.int32(reverse), np.int32(not h0), np.int32(not c0)),
        shared_mem=pl.smem)
     _launches[0] += 1
+
+
+def applies_backward(mode: str, store, B: int, H: int, device) -> Plan | None:
+    """The backward plan for an LSTM layer of this shape on ``device``, or None (as :func:`applies`)."""
+    if not ENABLED or mode != "lstm" or np.dtype(store) != np.float16:
+        return None
+    return plan_backward(B, H, 2, _sms(device))
+
+
+def run_backward(pl: Plan, gates, C, w_hh, dy, dh_n, dc_n, bs, reverse: bool):
+    """rnn_layer.backward_loop of an LSTM layer-direction (no projection) in one launch on the current stream:
+    ``gates`` (T, B, 4H) and ``C`` (T+1, B, H) float32 as the forward saved them, ``w_hh`` (4H, H) float16
+    C-contiguous, ``dy`` (T, B, H) float32 C-contiguous in time order or None, ``dh_n``/``dc_n`` (B, H) float32
+    C-contiguous or None. Returns (dgx (T, B, 4H) float32, the same rounded to float16, dh0, dc0 (B, H) float32)."""
+    import cupy
+    T, B, GH = gates.shape
+    H = GH // 4
+    dev = cupy.cuda.Device()
+    fn = _kernel("lstm", pl, backward=True)
+    _prepare(fn, ("lstm", pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id, "bwd"), pl.smem)
+    dgx = cupy.empty((T, B, GH), dtype=cupy.float32)
+    g16 = cupy.empty((T, B, GH), dtype=cupy.float16)
+    dh0 = cupy.empty((B, H), dtype=cupy.float32)
+    dc0 = cupy.empty((B, H), dtype=cupy.float32)
+    null = _NULL
+    fn((pl.blocks,), (THREADS,),
+       (gates, C, w_hh, null if dy is None else dy, null if dh_n is None else dh_n, null if dc_n is None else dc_n,
+        _active(cupy, bs, dev.id), dgx, g16, dh0, dc0, _sync_words(cupy, dev.id, _sms(dev)), np.int32(T),
+        np.int32(B), np.int32(H), np.int32(reverse)),
+       shared_mem=pl.smem)
+    _launches[0] += 1
+    return dgx, g16, dh0, dc0
