@@ -46,7 +46,8 @@ def test_plan_none(args):
 
 @pytest.mark.parametrize("args, want", [
     ((16, 512, 2, 132), Plan(8, 64, 8, 1, 16, 1, 5120, False)),  # J 16 would give a warp 32 tiles
-    ((32, 1024, 2, 132), Plan(8, 128, 8, 1, 32, 2, 10240, False)),  # J 16: weight regs over 96
+    ((32, 1024, 2, 132), Plan(8, 128, 8, 1, 32, 2, 10240, False)),  # J 16: 128 tiles a warp
+    ((16, 1024, 2, 132), Plan(16, 64, 8, 2, 32, 1, 10240, False)),  # from 128 blocks: up to 64 tiles
     ((16, 768, 2, 132), Plan(16, 48, 8, 2, 24, 1, 10240, False)),  # from 96 blocks: up to 64 tiles
     ((48, 128, 2, 132), Plan(8, 16, 8, 1, 4, 3, 15360, True)),
     ((128, 128, 2, 132, rnn_persist.SMEM, 128), Plan(8, 16, 8, 1, 4, 4, 24576, True)),  # two passes of 64 rows

@@ -136,7 +136,7 @@ __device__ __forceinline__ int wk(int kt, int half, int tig) {
 // launch on its stream); steps run in processing order p, time t = p or T-1-p.
 // Shared memory: the warps' partial products (KW x G x MC x J), the step's gx slice (G x MC x J), the bias slice
 // (NJ; GRU: then b_hn's J) and, LSTM, the block's cell states (B x J).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 1)
 rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, const STYPE* __restrict__ b_hh,
                 const STYPE* __restrict__ W, STYPE* S, float* C, float* gates, const int* __restrict__ bs,
                 STYPE* hn_out, STYPE* cn_out, unsigned* sync, int T, int B, int H, int reverse, int zero_h,

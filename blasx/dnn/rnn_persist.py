@@ -40,6 +40,7 @@ MAX_BATCH = 64  # larger batches take the graph loop: each block reads all of h 
 #                 64 rows that traffic from L2 costs more than the launches a graph replay pays ...
 NARROW_H, NARROW_BATCH = 512, 128  # ... except in layers of H <= NARROW_H, whose two passes still cost less
 FLAG_BLOCKS = 32  # grids up to this many blocks order their steps by per-block flags, larger ones by a counter
+MAX_WREGS_BWD = 128  # the backward kernel's weight registers: more than the forward's (its cell needs fewer)
 BWD_MAX_BATCH = 48  # the backward kernel's limit: every block reads all 4H gate gradients of its rows a step, so
 #                     its step grows with the rows faster than the graph loop's GEMM and cell
 
@@ -138,7 +139,7 @@ def _shape_backward(batch: int, hidden: int, smem: int, j: int) -> Plan | None:
     k16 = 4 * hidden // 16
     kw = max(w for w in range(1, WARPS + 1) if k16 % w == 0)
     nt, kt = j // 8, k16 // kw
-    if nt * kt * 2 > MAX_WREGS:
+    if nt * kt * 2 > MAX_WREGS_BWD:
         return None
     for mt in range(min(-(-batch // 16), MAX_MT), 0, -1):
         need = kw * 16 * mt * j * 4 + 2 * batch * j * 4
