@@ -47,7 +47,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_al
 __device__ __forceinline__ void stage_gx(float* sX, const float* gx, int t, int B, int H, int b0, int rows, int j0) {
     const float* src = gx + ((size_t)t * B + b0) * G * H + j0;
     if (J % 4 == 0) {
-        constexpr int Q = J / 4;  // 16-byte pieces of one row's gate slice
+        constexpr int Q = (J + 3) / 4;  // 16-byte pieces of one row's gate slice (J / 4 here)
         for (int idx = threadIdx.x; idx < rows * G * Q; idx += blockDim.x) {
             const int r = idx / (G * Q), g = (idx % (G * Q)) / Q, q = idx % Q;
             cp_async16(sX + (g * (MT * 16) + r) * J + q * 4, src + (size_t)r * G * H + g * H + q * 4);
@@ -125,6 +125,30 @@ __device__ __forceinline__ int wk(int kt, int half, int tig) {
     return KT % 2 == 0 ? (kt / 2) * 32 + tig * 8 + (kt % 2) * 4 + half * 2 : kt * 16 + tig * 4 + half * 2;
 }
 
+// A warp's tensor-core products for one pass: acc[mi][ni] = rows mi*16 .. (of `rows`) of A, row stride `ld`, `a`
+// at the warp's k range of the pass's first row, times the warp's weight fragments `wf`; zeros where `a` is null.
+__device__ __forceinline__ void warp_products(float (&acc)[MT][NT][4], const STYPE* a, int rows, int ld, int gid,
+                                              int tig, const unsigned (&wf)[NT][KT][2]) {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
+    if (!a) return;
+    constexpr int KS = KT % 2 == 0 ? 2 : 1;  // k steps a load covers
+#pragma unroll
+    for (int kt = 0; kt < KT; kt += KS) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+            unsigned af[KS][4];
+            load_a(af, a, mi * 16 + gid, rows, ld, kt * 16, tig);
+#pragma unroll
+            for (int s = 0; s < KS; ++s)
+#pragma unroll
+                for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af[s], wf[ni][kt + s]);
+        }
+    }
+}
+
 #if !BWD
 // gx (T, B, G*H) float in time order (the input projection); b_ih, b_hh (G*H) the biases or null (both add to gx
 // except GRU's b_hn, which sits inside the reset product); W (G*H, H) row-major; S (T+1, B, H) with S[0] = h0, or
@@ -200,26 +224,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
             if (mma_warp) {
                 const bool zero = p == 0 && zero_h;  // h0 = 0: nothing to read
                 float acc[MT][NT][4];
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-                    for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
-                constexpr int KS = KT % 2 == 0 ? 2 : 1;  // k steps a load covers
-                if (!zero) {
-                    const STYPE* hb = hp + (size_t)b0 * H + kbase;
-#pragma unroll
-                    for (int kt = 0; kt < KT; kt += KS) {
-#pragma unroll
-                        for (int mi = 0; mi < MT; ++mi) {
-                            unsigned af[KS][4];
-                            load_a(af, hb, mi * 16 + gid, rows, H, kt * 16, tig);
-#pragma unroll
-                            for (int s = 0; s < KS; ++s)
-#pragma unroll
-                                for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af[s], wf[ni][kt + s]);
-                        }
-                    }
-                }
+                warp_products(acc, zero ? nullptr : hp + (size_t)b0 * H + kbase, rows, H, gid, tig, wf);
                 float* o = sG + (size_t)warp * MC * NJ;
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
@@ -341,7 +346,7 @@ rnn_persist_bwd(const float* __restrict__ gates, const float* __restrict__ C, co
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const bool mma_warp = warp < KW;
     const int kbase = warp * KT * 16;
-    const size_t BH = (size_t)B * H, BG = (size_t)B * GH;
+    const size_t BG = (size_t)B * GH;
 
     // this warp's fragments of W_hh's columns: (k, n) is W[kbase + k][j0 + n], k ordered as load_a's
     unsigned wf[NT][KT][2];
@@ -377,24 +382,7 @@ rnn_persist_bwd(const float* __restrict__ gates, const float* __restrict__ C, co
 #endif
             if (n > 0 && mma_warp) {
                 float acc[MT][NT][4];
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-                    for (int ni = 0; ni < NT; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
-                constexpr int KS = KT % 2 == 0 ? 2 : 1;
-                const STYPE* hb = gp + (size_t)b0 * GH + kbase;
-#pragma unroll
-                for (int kt = 0; kt < KT; kt += KS) {
-#pragma unroll
-                    for (int mi = 0; mi < MT; ++mi) {
-                        unsigned af[KS][4];
-                        load_a(af, hb, mi * 16 + gid, rows, GH, kt * 16, tig);
-#pragma unroll
-                        for (int s = 0; s < KS; ++s)
-#pragma unroll
-                            for (int ni = 0; ni < NT; ++ni) mma16816(acc[mi][ni], af[s], wf[ni][kt + s]);
-                    }
-                }
+                warp_products(acc, gp + (size_t)b0 * GH + kbase, rows, GH, gid, tig, wf);
                 float* o = sG + (size_t)warp * MC * U;
 #pragma unroll
                 for (int mi = 0; mi < MT; ++mi)
