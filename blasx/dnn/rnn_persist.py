@@ -12,6 +12,10 @@ once: the launch is cooperative, one block per SM.
 
 :func:`plan` (pure) picks J, the k split, the rows a pass and the step ordering; a shape it cannot fit (weight fragments
 over the register budget, H not a multiple of 16) returns None and the graph loop runs instead.
+
+An LSTM layer's backward loop runs the same way (:func:`run_backward`, :func:`plan_backward`): a block owns J units
+as outputs of dh = dgates . W_hh, its warps hold those columns of W_hh, and a step multiplies the previous step's
+gate gradients of all blocks (float16, from L2), applies the cell gradient and publishes the block's slice.
 """
 
 from __future__ import annotations
