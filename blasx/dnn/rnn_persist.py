@@ -154,7 +154,7 @@ def _shape_backward(batch: int, hidden: int, smem: int, j: int) -> Plan | None:
 
 _lock = threading.Lock()
 _kernels: dict = {}  # (mode, NT, KW, KT, MT, flags[, "bwd"]) -> RawKernel
-_smem_set: dict = {}  # (kernel key, device) -> dynamic shared memory allowed so far
+_smem_set: dict = {}  # (kernel, device) -> dynamic shared memory allowed so far
 _counts: dict = {}  # (device, active rows by time) -> the rows as a device array
 _launches = [0]
 _NULL = np.uint64(0)
@@ -178,7 +178,8 @@ def _kernel(mode: str, pl: Plan, backward: bool = False):
         return _kernels[key]
 
 
-def _prepare(fn, key, smem: int) -> None:
+def _prepare(fn, device_id: int, smem: int) -> None:
+    key = (fn, device_id)
     if _smem_set.get(key, 0) < smem:
         fn.max_dynamic_shared_size_bytes = smem
         _smem_set[key] = smem
@@ -251,7 +252,7 @@ def run(pl: Plan, mode: str, gx, b_ih, b_hh, w_hh, st, bs, reverse: bool, h0: bo
     H = st.S.shape[2]
     dev = cupy.cuda.Device()
     fn = _kernel(mode, pl)
-    _prepare(fn, (mode, pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id), pl.smem)
+    _prepare(fn, dev.id, pl.smem)
     null = _NULL
     fn((pl.blocks,), (THREADS,),
        (gx, null if b_ih is None else b_ih, null if b_hh is None else b_hh, w_hh, st.S,
@@ -279,7 +280,7 @@ def run_backward(pl: Plan, gates, C, w_hh, dy, dh_n, dc_n, bs, reverse: bool):
     H = GH // 4
     dev = cupy.cuda.Device()
     fn = _kernel("lstm", pl, backward=True)
-    _prepare(fn, ("lstm", pl.nt, pl.kwarps, pl.kt, pl.mt, pl.flags, dev.id, "bwd"), pl.smem)
+    _prepare(fn, dev.id, pl.smem)
     dgx = cupy.empty((T, B, GH), dtype=cupy.float32)
     g16 = cupy.empty((T, B, GH), dtype=cupy.float16)
     dh0 = cupy.empty((B, H), dtype=cupy.float32)
