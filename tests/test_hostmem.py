@@ -3,6 +3,7 @@ order, the splitting of tile copies at region boundaries, waiting for chunks, re
 
 import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -161,6 +162,7 @@ def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
     from blasx.runtime import hostmem
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
     monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)  # one thread: the registrations in exactly the call's order
     rt = fake_cuda()
     reg = RegistrationCache()
     a, b, c = (np.ones((1 << 14,)) for _ in range(3))  # 128 KiB each: 1-2 interior chunks
@@ -177,6 +179,69 @@ def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
     again, job2 = reg.pin([b, a[10:]])
     assert job2 is None and again[0] is pinnings[1] and again[1] is pinnings[0]
     assert reg.release(a) and [x for x in rt.unregistered] == [s for s, _ in chunks[0]]
+
+
+def test_several_threads_register_each_chunk_once_taking_them_in_order(fake_cuda, monkeypatch):
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 3)
+    rt = fake_cuda()
+    started, busy, most = [], [0], [0]
+    lock = threading.Lock()
+    plain = rt.hostRegister
+
+    def slow(start, size, flags):  # a registration that takes a while, as the driver's does
+        with lock:
+            started.append(start)
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.02)
+        plain(start, size, flags)
+        with lock:
+            busy[0] -= 1
+    rt.hostRegister = slow
+    reg = RegistrationCache()
+    arrays = [np.ones((1 << 15,)) for _ in range(3)]  # 256 KiB each: 3-4 interior chunks
+    pinnings, job = reg.pin(arrays)
+    job.join()
+    want = round_robin([p.chunks for p in pinnings])
+    assert job.threads == 3 and most[0] > 1  # the registrations overlapped
+    assert sorted(rt.registered) == sorted((s, e - s) for s, e in want)  # each chunk once
+    assert started[:3] == [s for s, _ in want[:3]] and set(started) == {s for s, _ in want}
+    assert all(all(p.ok) and all(ev.is_set() for ev in p.ready) for p in pinnings)
+    assert job.pinned_bytes == sum(e - s for s, e in want)
+    for a in arrays:
+        reg.release(a)
+
+
+def test_a_pin_thread_dying_leaves_the_untaken_chunks_pageable(fake_cuda, monkeypatch):
+    """An unexpected error outside a registration: the chunks no thread took are released to the copies as
+    pageable (their events set), so no copy waits for them."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)
+    fake_cuda()
+    reg = RegistrationCache()
+    a = np.ones((1 << 15,))
+    calls = []
+
+    def broken(p, i):
+        calls.append(i)
+        if len(calls) == 2:
+            raise MemoryError("a thread's own failure, not the driver's")
+        p.ok[i] = True
+        p.ready[i].set()
+    monkeypatch.setattr(reg, "register_chunk", broken)
+    threading.excepthook, old = (lambda args: None), threading.excepthook
+    try:
+        (p,), job = reg.pin([a])
+        job.join()
+    finally:
+        threading.excepthook = old
+    assert calls == [0, 1] and p.ok[0] and not any(p.ok[2:])
+    assert all(ev.is_set() for i, ev in enumerate(p.ready) if i != 1)  # chunk 1 was the failing call's own
 
 
 def test_a_failed_chunk_is_copied_as_pageable_memory(fake_cuda, monkeypatch):
