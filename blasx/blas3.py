@@ -9,15 +9,16 @@ what is allowed, and nothing is written when the arguments are rejected.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
 
 from .checks import check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
-from . import dispatch, shortcut
+from . import dispatch, session, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
-from .runtime import dtypes
+from .runtime import dtypes, hostmem, hostpool
 from .runtime.plans import inverse_shape, plan_symm, plan_syr2k, plan_syrk, plan_trmm, plan_trsm
 from .runtime.tiling import OP_C, OP_N, OP_T
 
@@ -65,13 +66,20 @@ def _writable_in_place(x, dtype, overwrite) -> bool:
     return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
-def new_array(xp, shape, dtype, like, zeros=False):
-    """A new F-ordered array (on ``like``'s device for cupy)."""
+def new_array(xp, shape, dtype, like, zeros=False, order="F"):
+    """A new array (F-ordered unless asked; on ``like``'s device for cupy). A large numpy result of
+    an engine with GPUs is page-locked memory from the result pool (runtime/hostpool.py): its
+    write-back needs no locking of fresh pages."""
     make = xp.zeros if zeros else xp.empty
-    if like is not None and type(like) is not np.ndarray and is_cupy(like):
+    if xp is np:
+        if math.prod(shape) * np.dtype(dtype).itemsize >= hostmem.MIN_REGISTER_BYTES and session.on_cuda():
+            out = hostpool.POOL.array(shape, dtype, order, zeros)
+            if out is not None:
+                return out
+    elif like is not None and is_cupy(like):
         with like.device:
-            return make(shape, dtype=dtype, order="F")
-    return make(shape, dtype=dtype, order="F")
+            return make(shape, dtype=dtype, order=order)
+    return make(shape, dtype=dtype, order=order)
 
 
 def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):

@@ -19,6 +19,7 @@ import operator
 import numpy as np
 
 from . import dispatch, precision, session
+from .blas3 import new_array
 from .checks import shares_memory, writable
 from .operands import is_cupy
 from .runtime import dtypes
@@ -117,7 +118,7 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     a1 = dispatch.as_operand(a1, it)
     b1 = dispatch.as_operand(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
-    res = out if direct else xp.empty(final, dtype=ct)
+    res = out if direct else new_array(xp, final, ct, None, order="C")
     if final == ():
         c = res.reshape(1, 1)  # a fresh 0-d array: a view
     else:
@@ -256,7 +257,7 @@ def _dot(a, b, out, out_dtype):
     a2 = dispatch.as_operand(x, it).reshape(rows, k)
     b2 = dispatch.as_operand(y, it).reshape(k, 1) if y.ndim == 1 else xp.moveaxis(dispatch.as_operand(y, it), -2, 0).reshape(k, cols)
     direct = out is not None and not _aliases(out, x, y)
-    res = out if direct else xp.empty(final, dtype=ct)
+    res = out if direct else new_array(xp, final, ct, None, order="C")
     with dispatch.whole(direct):
         gemm_into(a2, b2, res.reshape(a2.shape[0], b2.shape[1]))
     if out is not None:
@@ -315,7 +316,7 @@ def _tensordot(a, b, axes, out_dtype):
         return res
     a2 = dispatch.as_operand(x, it).transpose(free_a + axes_a).reshape(mdim, kdim)
     b2 = dispatch.as_operand(y, it).transpose(axes_b + free_b).reshape(kdim, ndim_)
-    res = xp.empty((mdim, ndim_), dtype=ct)
+    res = new_array(xp, (mdim, ndim_), ct, None, order="C")
     gemm_into(a2, b2, res)
     return res.reshape(tuple(x.shape[i] for i in free_a) + tuple(y.shape[i] for i in free_b))
 

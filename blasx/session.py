@@ -101,6 +101,13 @@ def engine() -> Engine:
     return eng
 
 
+def on_cuda() -> bool:
+    """Whether the running engine has CUDA devices (its large host results then come page-locked,
+    runtime/hostpool.py). Starts nothing: before the first call, False."""
+    eng = _engine
+    return eng is not None and not eng.closed and any(d.kind == "cuda" for d in eng.devices)
+
+
 def _publish_host(eng: Engine) -> None:
     """Set ``host_device``, unless ``eng`` was replaced or shut down since this thread started it
     (a stale device would send calls to the host after configure() chose other devices)."""
@@ -122,6 +129,9 @@ def _stop(cancel: bool) -> None:
         host_device = None
     if eng is not None:
         eng.shutdown(cancel=cancel)
+    pool = sys.modules.get("blasx.runtime.hostpool")  # idle page-locked result buffers
+    if pool is not None and not cancel:
+        pool.POOL.clear()
     lanes = sys.modules.get("blasx.dnn.lanes")  # blasx.dnn's long-lived threads, where it was used
     if lanes is not None:
         lanes.stop_idle()

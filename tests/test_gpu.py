@@ -148,6 +148,36 @@ def test_registered_arrays_next_to_small_ones():
         assert rel_err(out, reference(1.0, a, b, 0, None, 0, 0)) < 1e-12
 
 
+def test_large_host_results_come_page_locked_from_the_pool(monkeypatch):
+    """gemm / matmul / level-3 results blasx allocates are page-locked pool memory (no fresh pages to lock
+    in the call); a result's buffer serves the next result of its size once every view of it is gone;
+    results stay exact, a reused buffer's old bytes never leak into a zeros result."""
+    import gc
+    from blasx.runtime import hostmem, hostpool
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 20)
+    pool = hostpool.OutputPool(idle_limit=1 << 30)
+    monkeypatch.setattr(hostpool, "POOL", pool)
+    rng = np.random.default_rng(5)
+    a, b = rand(rng, (512, 384), np.float64), rand(rng, (384, 512), np.float64)
+    blasx.gemm(1.0, a[:8], b[:, :8])  # the engine runs: results of the next calls come from the pool
+    c = blasx.gemm(1.0, a, b)
+    assert rel_err(c, a @ b) < TOL[np.float64] and not c.flags.owndata and pool.handed == 1
+    from cupy.cuda import runtime
+    assert runtime.pointerGetAttributes(c.ctypes.data).type == 1  # cudaMemoryTypeHost: page-locked
+    first = c.ctypes.data
+    del c
+    gc.collect()
+    m = blasx.matmul(np.ascontiguousarray(a), np.ascontiguousarray(b))  # C order, the same bytes
+    assert m.ctypes.data == first and m.flags.c_contiguous and pool.reused == 1
+    assert rel_err(m, a @ b) < TOL[np.float64]
+    m[...] = np.nan
+    del m
+    gc.collect()
+    s = blasx.dsyrk(1.0, a)  # 512 x 512 again; its lower triangle must be zeros
+    ref = np.triu(a @ a.T)
+    assert s.ctypes.data == first and rel_err(s, ref) < TOL[np.float64]
+
+
 @pytest.mark.parametrize("order", ["F", "C"])
 def test_chunked_registration_splits_copies(monkeypatch, order):
     """Host arrays registered in many small chunks while the call runs: every tile copy is cut at

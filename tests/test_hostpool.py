@@ -1,0 +1,133 @@
+"""The result pool (runtime/hostpool.py) on ordinary memory: arrays handed out, buffers coming back
+only when the last view dies, reuse by size, the idle limit, allocation failure; and which results
+the front ends take from it."""
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+from blasx.runtime import hostpool
+from blasx.runtime.hostmem import PAGE
+
+
+class FakeHost:
+    """cudaHostAlloc / cudaFreeHost on ctypes buffers: what is live, what was freed."""
+
+    def __init__(self, fail=False):
+        self.live, self.freed, self.fail = {}, [], fail
+
+    def alloc(self, nbytes):
+        if self.fail:
+            raise MemoryError("cudaErrorMemoryAllocation")
+        buf = (ctypes.c_byte * nbytes)()
+        self.live[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def free(self, ptr):
+        self.freed.append(ptr)
+        del self.live[ptr]
+
+
+def pool(idle_limit=1 << 30, fail=False):
+    host = FakeHost(fail)
+    return hostpool.OutputPool(host.alloc, host.free, idle_limit), host
+
+
+def test_an_array_of_the_shape_order_and_dtype_asked_for():
+    p, host = pool()
+    a = p.array((300, 200), np.float32)
+    b = p.array((5, 7), np.complex128, order="C", zeros=True)
+    assert a.shape == (300, 200) and a.dtype == np.float32 and a.flags.f_contiguous and a.flags.writeable
+    assert b.flags.c_contiguous and not b.any() and b.dtype == np.complex128
+    a[...] = 1.5
+    assert (a == 1.5).all() and a.ctypes.data in host.live and len(host.live) == 2 and p.handed == 2
+
+
+def test_a_buffer_comes_back_when_the_last_view_dies_and_serves_the_same_size():
+    p, host = pool()
+    a = p.array((256, 64), np.float64)
+    ptr, view = a.ctypes.data, a[10:, 3:]
+    del a
+    gc.collect()
+    assert p.idle_bytes == 0 and p.handed == 1  # a view of it is alive: not reusable
+    view[...] = 2.0  # (still the caller's memory)
+    del view
+    gc.collect()
+    assert p.idle_bytes == 256 * 64 * 8 and p.handed == 0 and not host.freed
+    other = p.array((100, 100), np.float64)  # another size: a new buffer
+    again = p.array((64, 256), np.float64, order="C")  # the same bytes: the idle buffer
+    assert again.ctypes.data == ptr and other.ctypes.data != ptr and p.reused == 1 and p.idle_bytes == 0
+
+
+def test_idle_buffers_beyond_the_limit_are_freed_oldest_first():
+    p, host = pool(idle_limit=3 * PAGE)
+    arrays = [p.array((PAGE // 8,), np.float64) for _ in range(4)]  # a page each
+    ptrs = [x.ctypes.data for x in arrays]
+    while arrays:  # freed in the order made
+        arrays.pop(0)
+    gc.collect()
+    assert host.freed == ptrs[:1] and p.idle_bytes == 3 * PAGE
+    p.clear()
+    assert sorted(host.freed) == sorted(ptrs) and p.idle_bytes == 0 and not host.live
+
+
+def test_no_page_locked_memory_gives_none_for_a_plain_array():
+    p, _ = pool(fail=True)
+    assert p.array((10, 10), np.float64) is None and p.handed == 0
+
+
+def test_front_ends_take_large_host_results_from_the_pool_on_gpu_engines(monkeypatch):
+    from blasx import blas3, session
+    from blasx.runtime import hostmem
+    p, host = pool()
+    monkeypatch.setattr(hostpool, "POOL", p)
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(session, "on_cuda", lambda: True)
+    big = blas3.new_array(np, (128, 128), np.float64, None)
+    zeros = blas3.new_array(np, (128, 128), np.float32, None, zeros=True, order="C")
+    small = blas3.new_array(np, (16, 16), np.float64, None)  # under MIN_REGISTER_BYTES: plain memory
+    assert big.ctypes.data in host.live and zeros.ctypes.data in host.live and not zeros.any()
+    assert big.flags.f_contiguous and zeros.flags.c_contiguous and small.flags.owndata
+    monkeypatch.setattr(session, "on_cuda", lambda: False)  # the CPU or the sim: plain arrays
+    assert blas3.new_array(np, (128, 128), np.float64, None).flags.owndata
+
+
+def test_on_cuda_is_false_before_the_first_call_and_on_the_cpu():
+    import blasx
+    from blasx import session
+    blasx.shutdown()
+    assert session.on_cuda() is False
+    blasx.configure(devices="cpu")
+    try:
+        blasx.gemm(1.0, np.ones((4, 4)), np.ones((4, 4)))
+        assert session.on_cuda() is False
+    finally:
+        blasx.configure()
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_results_of_the_pool_are_exact_after_reuse(zeros):
+    """A reused buffer holds the previous result's bytes: a zeros request clears them, an empty one
+    is written whole by its call."""
+    p, _ = pool()
+    a = p.array((64, 64), np.float64)
+    a[...] = 7.0
+    del a
+    gc.collect()
+    b = p.array((64, 64), np.float64, zeros=zeros)
+    assert p.reused == 1 and ((b == 0).all() if zeros else (b == 7.0).all())
+
+
+def test_shutdown_releases_the_idle_buffers(monkeypatch):
+    import blasx
+    p, host = pool()
+    monkeypatch.setattr(hostpool, "POOL", p)
+    a = p.array((64, 64), np.float64)
+    ptr = a.ctypes.data
+    del a
+    gc.collect()
+    assert p.idle_bytes > 0
+    blasx.shutdown()
+    assert p.idle_bytes == 0 and host.freed == [ptr]
