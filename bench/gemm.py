@@ -46,7 +46,8 @@ from .cublasxt import CublasXt, cublas_version, find_libcublas, registered
 
 # --------------------------------------------------------------------------- constants
 
-MODES = ("registered", "pageable")
+MODES = ("registered", "pageable", "fresh")
+DEFAULT_MODES = ("registered", "pageable")
 CONTENDER_ORDER = ("blasx", "cublasxt", "cupy", "numpy")
 
 DEFAULT_N = (16384,)
@@ -139,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, default=1,
                      help="untimed, unchecked calls per contender and mode before the timed runs "
                           "(default 1)")
-    run.add_argument("--modes", type=_choice_list(MODES, "mode"), default=list(MODES),
-                     help="comma list of registered,pageable (default both)")
+    run.add_argument("--modes", type=_choice_list(MODES, "mode"), default=list(DEFAULT_MODES),
+                     help="comma list of registered,pageable,fresh (default registered,pageable); fresh: "
+                          "A and B copied into new arrays before every run, blasx returning a new C")
     run.add_argument("--contenders", type=_choice_list(CONTENDER_ORDER, "contender"),
                      default=list(CONTENDER_ORDER),
                      help=f"comma list of {','.join(CONTENDER_ORDER)} (default all)")
@@ -149,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"cuBLAS-XT block dims (default {','.join(map(str, DEFAULT_XT_BLOCKS))}; "
                           f"--quick: {','.join(map(str, QUICK_XT_BLOCKS))})")
     run.add_argument("--xt-pinning", choices=("auto", "on", "off"), default="auto",
-                     help="cuBLAS-XT pinning mode: auto = on for pageable, off for registered "
-                          "arrays")
+                     help="cuBLAS-XT pinning mode: auto = on for pageable and fresh, off for "
+                          "registered arrays")
     run.add_argument("--numpy-max-n", type=int, default=8192,
                      help="run numpy only when max(M,N,K) <= this (default 8192)")
     run.add_argument("--quick", action="store_true",
@@ -522,7 +524,10 @@ class BlasxContender(Contender):
     def run(self, p, variant):
         bx = self._module(p)
         t0 = time.perf_counter()
-        result = bx.gemm(p.alpha, p.a, p.b, beta=p.beta, c=p.c_out, overwrite_c=True, math=p.math)
+        if p.mode == "fresh":  # as a caller writes it: a new result (C's values in it where beta != 0)
+            result = bx.gemm(p.alpha, p.a, p.b, beta=p.beta, c=None if p.c_init is None else p.c_out, math=p.math)
+        else:
+            result = bx.gemm(p.alpha, p.a, p.b, beta=p.beta, c=p.c_out, overwrite_c=True, math=p.math)
         seconds = time.perf_counter() - t0
         extra = {"result_is_c": result is p.c_out}
         try:
@@ -558,7 +563,7 @@ class CublasXtContender(Contender):
         return [f"cublasxt[b={block}]"]
 
     def pinning(self, mode: str) -> bool:
-        return {"on": True, "off": False}.get(self.args.xt_pinning, mode == "pageable")
+        return {"on": True, "off": False}.get(self.args.xt_pinning, mode != "registered")
 
     def _handle(self, p: Problem, block: int) -> CublasXt:
         key = (tuple(p.gpus), block, self.pinning(p.mode))
@@ -728,11 +733,24 @@ def release_blasx_pins(p: Problem) -> None:
             REGISTRY.release(x)
 
 
+def refresh_inputs(p: Problem) -> None:
+    """Fresh mode: A and B become new arrays of the same values (untimed), their pages written and
+    never page-locked: a caller's one-shot arrays. The old ones go (and blasx's registrations with them)."""
+    for name in ("a", "b"):
+        old = getattr(p, name)
+        new = np.empty_like(old, order="K")
+        np.copyto(new, old)
+        setattr(p, name, new)
+        del old
+
+
 def execute(c: Contender, variant, p: Problem, run: int, warmup: bool = False) -> list[Record]:
     """Poison C, run once, check the result (not for warm-ups); failures become records."""
     p.poison()
-    if p.mode == "pageable":
+    if p.mode in ("pageable", "fresh"):
         release_blasx_pins(p)
+    if p.mode == "fresh":
+        refresh_inputs(p)
     try:
         out = c.run(p, variant)
     except Exception as e:

@@ -338,6 +338,25 @@ def test_pageable_runs_start_from_unpinned_arrays(monkeypatch):
         assert [id(x) for x in released] == [id(x) for x in expect]
 
 
+def test_fresh_runs_get_new_input_arrays_of_the_same_values(monkeypatch):
+    from blasx.runtime import hostmem
+    released = []
+    monkeypatch.setattr(hostmem.REGISTRY, "release", lambda x: released.append(x) or False)
+    args = G.parse_args(["--quick", "--dtypes", "d", "--modes", "fresh"])
+    assert args.modes == ["fresh"]
+    p = G.make_problem(args, "d", 40, 30, 20, [0])
+    p.ref = G._reference_cpu(p, np.dtype(np.float64))
+    p.ref_norm = G.frobenius(p.ref)
+    p.mode = "fresh"
+    a0, b0 = p.a, p.b
+    (rec,) = G.execute(NumpyLike(args, "good"), None, p, 0)
+    assert rec.ok and p.a is not a0 and p.b is not b0 and not np.shares_memory(p.a, a0)
+    assert (p.a == a0).all() and (p.b == b0).all() and p.a.flags.f_contiguous == a0.flags.f_contiguous
+    assert len(released) == 4  # blasx's registrations of the old arrays released first
+    xt = G.CublasXtContender(args)
+    assert xt.pinning("fresh") and xt.pinning("pageable") and not xt.pinning("registered")
+
+
 def test_schedule_is_shuffled_and_seeded():
     args = G.parse_args(["--runs", "4"])
     p = G.make_problem(args, "s", 4, 4, 4, [0])
