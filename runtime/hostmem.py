@@ -235,6 +235,7 @@ class PinJob:
         n = max(1, min(PIN_THREADS if threads is None else threads, len(chunks)))
         self._threads = [threading.Thread(target=self._run, name="blasx-pin", daemon=False) for _ in range(n)]
         self._t0 = 0.0
+        self._ends: list[float] = []  # each thread's end (list.append is atomic under the GIL)
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -249,11 +250,13 @@ class PinJob:
             while (i := next(self._next)) < len(self.chunks):
                 p, k = self.chunks[i]
                 p.ready[k].set()
+            self._ends.append(time.perf_counter())
 
     def join(self) -> None:
+        """Until every thread is done; ``seconds`` is then the registering time (start to the last thread's end)."""
         for t in self._threads:
             t.join()
-        self.seconds = time.perf_counter() - self._t0
+        self.seconds = max(self._ends, default=self._t0) - self._t0
 
     @property
     def threads(self) -> int:

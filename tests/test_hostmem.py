@@ -204,9 +204,11 @@ def test_several_threads_register_each_chunk_once_taking_them_in_order(fake_cuda
     reg = RegistrationCache()
     arrays = [np.ones((1 << 15,)) for _ in range(3)]  # 256 KiB each: 3-4 interior chunks
     pinnings, job = reg.pin(arrays)
+    time.sleep(0.5)  # the call runs on; its job's time is the registering, not the wait for the join
     job.join()
     want = round_robin([p.chunks for p in pinnings])
     assert job.threads == 3 and most[0] > 1  # the registrations overlapped
+    assert 0 < job.seconds < 0.4
     assert sorted(rt.registered) == sorted((s, e - s) for s, e in want)  # each chunk once
     assert started[:3] == [s for s, _ in want[:3]] and set(started) == {s for s, _ in want}
     assert all(all(p.ok) and all(ev.is_set() for ev in p.ready) for p in pinnings)
