@@ -80,10 +80,10 @@ class OutputPool:
         fin = weakref.finalize(buf, self._give_back, ptr, size)
         fin.atexit = False  # at exit the memory goes with the process
         self.handed += 1
-        out = np.frombuffer(buf, dtype=dtype, count=count).reshape(shape, order=order)
+        flat = np.frombuffer(buf, dtype=dtype, count=count)
         if zeros:
-            out.fill(0)
-        return out
+            zero(flat)
+        return flat.reshape(shape, order=order)
 
     def _take(self, size: int) -> int | None:
         with self._lock:
@@ -116,6 +116,25 @@ class OutputPool:
         for ptr in drop:
             with contextlib.suppress(Exception):
                 self._free_fn(ptr)
+
+
+ZERO_PART = 64 << 20  # bytes a thread zeroes at least: a reused buffer is cleared by several threads
+
+
+def zero(flat: np.ndarray) -> None:
+    """Fill the 1-D ``flat`` with zeros, in parts on a few threads when it is large (``fill`` lets go of the GIL)."""
+    parts = min(8, os.cpu_count() or 1, flat.nbytes // ZERO_PART)
+    if parts < 2:
+        flat.fill(0)
+        return
+    edges = [len(flat) * i // parts for i in range(parts + 1)]
+    threads = [threading.Thread(target=flat[a:b].fill, args=(0,), name="blasx-zero")
+               for a, b in zip(edges[1:-1], edges[2:])]
+    for t in threads:
+        t.start()
+    flat[:edges[1]].fill(0)
+    for t in threads:
+        t.join()
 
 
 POOL = OutputPool()

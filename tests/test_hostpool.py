@@ -131,3 +131,43 @@ def test_shutdown_releases_the_idle_buffers(monkeypatch):
     assert p.idle_bytes > 0
     blasx.shutdown()
     assert p.idle_bytes == 0 and host.freed == [ptr]
+
+
+def test_zero_clears_every_part_of_a_large_buffer(monkeypatch):
+    monkeypatch.setattr(hostpool, "ZERO_PART", 1024)
+    flat = np.full(10_001, 3.0)  # ~80 KB: split over the threads, uneven parts
+    hostpool.zero(flat)
+    assert not flat.any()
+    small = np.full(10, 2.0)
+    hostpool.zero(small)
+    assert not small.any()
+
+
+def test_threads_sharing_the_pool_never_get_a_buffer_that_is_in_use():
+    import threading
+    p, host = pool()
+    live, lock, errors = set(), threading.Lock(), []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(200):
+            shape = (64, 64) if rng.random() < 0.5 else (32, 128 + 64)
+            a = p.array(shape, np.float64)
+            with lock:
+                if a.ctypes.data in live:
+                    errors.append(a.ctypes.data)
+                live.add(a.ctypes.data)
+            a[...] = seed
+            ok = (a == seed).all()
+            with lock:
+                live.discard(a.ctypes.data)
+            if not ok:
+                errors.append("overwritten")
+            del a
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert not errors and p.handed == 0 and p.reused > 0
