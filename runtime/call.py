@@ -152,6 +152,17 @@ class Call:
         # int8 tiles on a device have a leading dimension that is a multiple of 4 (cuBLAS's rule)
         self.pad_ld = 4 if self.dtype == np.int8 else 1
 
+    def written_only(self) -> frozenset[int]:
+        """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their
+        memory is needed after the inputs', so it is page-locked after theirs (hostmem.RegistrationCache.pin)."""
+        outputs = {t.c.slot for t in self.tasks}
+        for t in self.tasks:
+            if not outputs:
+                break
+            for st in t.steps:
+                outputs.difference_update(r.slot for r in (st.a, st.b) if r is not None)
+        return frozenset(outputs)
+
     def home_dtype(self, slot: int) -> np.dtype:
         """The type of operand ``slot`` in its home memory."""
         return self.acc_dtype if slot in self.acc_slots else self.out_dtype if slot in self.c_slots else self.dtype

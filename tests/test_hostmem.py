@@ -181,6 +181,48 @@ def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
     assert reg.release(a) and [x for x in rt.unregistered] == [s for s, _ in chunks[0]]
 
 
+def test_outputs_chunks_are_registered_after_the_inputs(fake_cuda, monkeypatch):
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)
+    rt = fake_cuda()
+    reg = RegistrationCache()
+    a, b, c = (np.ones((1 << 15,)) for _ in range(3))
+    (pa, pb, pc), job = reg.pin([a, b, c], late=lambda: {2})
+    job.join()
+    want = round_robin([pa.chunks, pb.chunks]) + pc.chunks
+    assert [s for s, _ in rt.registered] == [s for s, _ in want]
+
+    def never():
+        raise AssertionError("worked out with nothing to register")
+    assert reg.pin([a, b, c], late=never)[1] is None  # all registered already: no job, no ordering
+    d = np.ones((1 << 15,))
+    (p1, p2), job = reg.pin([d, d[1:]], late={1})  # an output sharing an input's root registers with the input
+    job.join()
+    assert p1 is p2 and [s for s, _ in rt.registered[len(want):]] == [s for s, _ in p1.chunks]
+    reg.release(d)
+    for x in (a, b, c):
+        reg.release(x)
+
+
+def test_a_calls_written_only_operands():
+    """C is written only by GEMM (slot 2), SYRK (slot 1) and TRMM (slot 2; in place slot 2 is B, which slot 1 reads:
+    the same root, whose chunks the first operand claims, so B registers early); TRSM's steps read the tiles it has
+    solved, so its C is an input too."""
+    import types
+    from blasx.runtime.call import Call
+    from blasx.runtime.plans import plan_gemm, plan_syrk, plan_trmm, plan_trsm
+
+    def written(tasks):
+        return Call.written_only(types.SimpleNamespace(tasks=tasks))
+    assert written(plan_gemm(300, 200, 500, 128, 0, 0, beta_zero=False)) == {2}
+    assert written(plan_syrk(300, 200, 128, 0, 0)) == {1}
+    assert written(plan_trmm(300, 200, 128, 0, 0, 0, 0)) == written(plan_trmm(300, 200, 128, 0, 0, 0, 0, in_place=True)) == {2}
+    assert written(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == written(plan_trsm(300, 200, 128, 0, 0, 0, 0, inverse=True)) == set()
+    assert written([]) == frozenset()
+
+
 def test_several_threads_register_each_chunk_once_taking_them_in_order(fake_cuda, monkeypatch):
     from blasx.runtime import hostmem
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
@@ -304,3 +346,32 @@ def test_a_root_freed_inside_the_cache_lock_unregisters_without_hanging(fake_cud
     t.join(10)
     assert done.is_set(), "the finalizer deadlocked on the registration cache's lock"
     assert start in rt.unregistered and registered(reg) == 0
+
+
+def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
+    """CudaDevice.prepare_call (on the CPU stand-in for CuPy) hands the registration cache the host operands in slot
+    order and, as ``late``, the host index of the operand the call only writes (device operands are not pinned)."""
+    import types
+    from bench import fake_cupy
+    from blasx.runtime import hostmem
+    from blasx.runtime.call import Call
+    from blasx.runtime.devices.cuda import CudaDevice
+    from blasx.runtime.plans import plan_gemm
+    seen = []
+
+    def pin(arrays, min_bytes=None, late=()):
+        seen.append((arrays, late() if callable(late) else late))
+        return [None] * len(arrays), None
+    monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
+    a, c = np.ones((8, 8)), np.ones((8, 8))
+
+    def operand(x, device=-1):
+        return types.SimpleNamespace(array=x, device=device, on_host=device < 0, pinning="unset")
+    with fake_cupy.installed():
+        ops = [operand(a), operand(None, device=0), operand(c)]  # B on a GPU: not pinned
+        call = types.SimpleNamespace(operands=ops, tasks=plan_gemm(8, 8, 8, 4, 0, 0))
+        call.written_only = lambda: Call.written_only(call)
+        CudaDevice.prepare_call(types.SimpleNamespace(), call)
+    ((arrays, late),) = seen
+    assert arrays[0] is a and arrays[1] is c and late == {1} and call.pin_job is None
+    assert ops[0].pinning is None and ops[2].pinning is None and ops[1].pinning == "unset"

@@ -200,10 +200,13 @@ class CudaDevice(CudaKernels, StreamDevice):
         for the chunks they touch, so its first tiles move while the rest is registered."""
         faults.at("register", self)
         _after_callers_streams(call.operands)
-        host = [op for op in call.operands if op.on_host]
+        host = [(slot, op) for slot, op in enumerate(call.operands) if op.on_host]
         if host:
-            pinnings, call.pin_job = REGISTRY.pin([op.array for op in host])
-            for op, p in zip(host, pinnings):
+            def late():  # outputs: their chunks after the inputs' (worked out only when something registers)
+                written = call.written_only()
+                return {i for i, (slot, _) in enumerate(host) if slot in written}
+            pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late)
+            for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
     def finish_call(self, call) -> None:
