@@ -4,8 +4,8 @@ Pageable copies overlap nothing, so blasx page-locks host operands in place (``c
 the root of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYTES``) is registered
 once while it lives, its whole pages only; memory pinned by others is used as is, smaller arrays
 are copied pageable. Registration costs about a pass over the data, so ``PIN_THREADS`` threads per
-call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk),
-and a tile copy waits only for the chunks it touches, split at chunk boundaries (``split_2d``: CUDA
+call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk;
+an output the call only writes after its inputs), and a tile copy waits only for the chunks it touches, split at chunk boundaries (``split_2d``: CUDA
 refuses a copy over a partly registered range).
 """
 
