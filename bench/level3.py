@@ -600,6 +600,34 @@ def format_table(results: list[dict], routines, dtypes) -> str:
     return "\n".join(lines)
 
 
+def device_times(profile) -> list[dict] | None:
+    """Where a blasx call's time went on each device (fractions of the call's wall time): busy computing,
+    copying with nothing computing, idle before its first operation (lead), after its last (tail) and in
+    between; tasks it ran. None without a profile."""
+    if profile is None or profile.wall <= 0:
+        return None
+    w = profile.wall
+    return [{"name": b.name, "tasks": b.tasks, "busy": b.busy / w, "comm": b.comm / w, "lead": lead / w,
+             "tail": tail / w, "gaps": max(b.idle - lead - tail, 0.0) / w}
+            for b, (lead, tail) in zip(profile.breakdown(), profile.edges())]
+
+
+def format_breakdown(results: list[dict], routines, dtypes) -> str:
+    """Markdown table of the best blasx run of each (N, dtype, routine): per device, percent of the call busy /
+    copying alone / idle at the start, in gaps, at the end, and its tasks."""
+    table = summarize(results)
+    lines = ["| N | routine | device | busy | copy only | idle: start | gaps | end | tasks |",
+             "| --: | :-- | :-- | --: | --: | --: | --: | --: | --: |"]
+    for n in sorted({k[0] for k in table}):
+        for d in dtypes:
+            for rt in routines:
+                b = table.get((n, d, rt, "blasx"))
+                for dev in (b or {}).get("devices") or []:
+                    lines.append(f"| {n} | {d}{rt} | {dev['name']} | " + " | ".join(
+                        f"{100 * dev[k]:.0f}%" for k in ("busy", "comm", "lead", "gaps", "tail")) + f" | {dev['tasks']} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def format_failures(results: list[dict]) -> list[str]:
     return [f"{r['who']} {r['dtype']}{r['routine']} N={r['n']}: {r['failure']}" for r in results if r.get("failure")]
 
@@ -652,6 +680,8 @@ def format_markdown(report: dict) -> str:
             f"against {ref} numpy; tolerance on the relative error {tol} x max(1, sqrt(N/8192)). "
             f"TFLOPS count real flops (complex: 4x the real routine's).\n\n"
             f"{report['table']}\n"
+            + (f"\n## Where blasx's time went (best run, per device)\n\n{report['breakdown']}\n"
+               if report.get("breakdown") else "")
             + ("\n## Failures\n\n" + "".join(f"- {x}\n" for x in report["failures"]) if report.get("failures") else ""))
 
 
@@ -781,7 +811,8 @@ def run_case(blasx, xt, args, n: int, dtype: str, A, B, C0, out, results: list) 
         print(f"   {who:<8} {dtype}{rt:<6} run {k}: {t:.4f} s {tf:7.2f} TFLOPS err {err:.1e} "
               f"{'ok' if ok else 'WRONG'}", flush=True)
         results.append({"who": who, "routine": rt, "dtype": dtype, "n": n, "run": k, "seconds": t,
-                        "rel_err": finite(err), "tflops": tf, "ok": ok})
+                        "rel_err": finite(err), "tflops": tf, "ok": ok,
+                        **({"devices": device_times(blasx.last_profile())} if who == "blasx" else {})})
 
 
 def main(argv=None):
@@ -823,9 +854,10 @@ def main(argv=None):
         report = {"tag": args.tag, "date": date, "stamp": stamp, "command": command_line("bench.level3", argv),
                   "machine": machine_name(), "dtypes": args.dtypes, "runs": args.runs, "alpha": ALPHA, "beta": BETA,
                   "tile": args.tile,
-                  "table": text, "failures": problems + format_failures(results)}
+                  "table": text, "breakdown": format_breakdown(results, args.routines, args.dtypes),
+                  "failures": problems + format_failures(results)}
         base = os.path.join(args.out, f"level3-{args.tag}-{stamp}")
-        data = {**{k: v for k, v in report.items() if k != "table"},
+        data = {**{k: v for k, v in report.items() if k not in ("table", "breakdown")},
                 "argv": sys.argv[1:] if argv is None else list(argv), "routines": args.routines, "n": args.n,
                 "xt_block": args.xt_block, "gpus": args.gpus, "devices": devices,
                 "scalars": scalar_table(args.dtypes, args.routines),

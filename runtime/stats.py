@@ -280,6 +280,17 @@ class Profile:
                 overlapped_comm=max(copied - comm, 0.0), counters=dict(c)))
         return out
 
+    def edges(self) -> list[tuple[float, float]]:
+        """Per device (lead, tail): seconds from the call's start to its first operation, and from its last
+        operation's end to the call's finish (wall for a device that did nothing): where idle time sits."""
+        first, last = [None] * len(self.devices), [None] * len(self.devices)
+        for r, s, e in self.clipped():
+            d = r.device
+            first[d] = s if first[d] is None else min(first[d], s)
+            last[d] = e if last[d] is None else max(last[d], e)
+        return [(self.wall, self.wall) if f is None else (f - self.start, self.finish - l)
+                for f, l in zip(first, last)]
+
     def _device_rows(self, bd: list[DeviceBreakdown], totals: dict[str, float]) -> list[dict]:
         return [{**asdict(b), "kind": info.kind,
                  "share": _ratio(b.tasks, totals["tasks"]),

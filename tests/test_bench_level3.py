@@ -474,6 +474,13 @@ def test_main_loop_on_sim_with_numpy_standins(tmp_path, monkeypatch, capsys):
     md = open(tmp_path / files[1]).read()
     assert "double (d), single (s)" in md.splitlines()[0]
     assert "| 40 | s | ssyr2k |" in md and "WRONG" not in md
+    # where blasx's time went: each device's shares of the call, which with its copying-alone time add up to 1
+    for r in (r for r in res if r["who"] == "blasx"):
+        assert len(r["devices"]) == 2 and sum(dev["tasks"] for dev in r["devices"]) > 0, r
+        for dev in r["devices"]:
+            assert abs(sum(dev[k] for k in ("busy", "comm", "lead", "gaps", "tail")) - 1) < 1e-6, dev
+    assert all("devices" not in r for r in res if r["who"] == "cublasxt")
+    assert "## Where blasx's time went" in md and "| 40 | dtrsm | sim:1 |" in md
 
 
 class FakeXtLib:
@@ -551,7 +558,8 @@ def test_run_xt_calls_every_routine_as_the_header_declares(dtype):
 
 
 def table_rows(md):
-    lines = [x for x in md.splitlines() if x.startswith("| ") and not x.startswith("| N ")]
+    """The rows of the main table (not the per-device breakdown after it), by routine."""
+    lines = [x for x in md.split("\n## ")[0].splitlines() if x.startswith("| ") and not x.startswith("| N ")]
     return {x.split("|")[3].strip(): [c.strip() for c in x.split("|")[1:-1]] for x in lines[1:]}
 
 

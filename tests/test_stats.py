@@ -82,6 +82,13 @@ def test_breakdown_exact_values():
         assert b.busy + b.comm + b.idle == pytest.approx(10.0)
 
 
+def test_edges_are_the_idle_time_before_the_first_and_after_the_last_operation():
+    recs = [OpRecord(0, "h2d", 1.5, 2.5), OpRecord(0, "kernel", 2.0, 7.0), OpRecord(0, "d2h", 6.5, 8.0),
+            OpRecord(1, "kernel", -1.0, 3.0)]  # clipped to the call's window
+    assert make_stats(recs).profile().edges() == [(1.5, 2.0), (0.0, 7.0)]
+    assert make_stats().profile().edges() == [(10.0, 10.0), (10.0, 10.0)]  # nothing ran: all of it
+
+
 def test_breakdown_without_records_and_with_zero_wall():
     b0, b1 = make_stats().profile().breakdown()
     assert (b0.busy, b0.comm, b0.idle, b0.overlapped_comm) == (0.0, 0.0, 10.0, 0.0)
