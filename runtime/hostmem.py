@@ -5,8 +5,8 @@ the root of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYT
 once while it lives, its whole pages only; memory pinned by others is used as is, smaller arrays
 are copied pageable. Registration costs about a pass over the data, so ``PIN_THREADS`` threads per
 call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk;
-an output the call only writes after its inputs), and a tile copy waits only for the chunks it touches, split at chunk boundaries (``split_2d``: CUDA
-refuses a copy over a partly registered range).
+an output the call only writes after its inputs), and a tile copy waits only for the chunks it
+touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly registered range).
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ class RegistrationCache:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
-        when there is something to register) after all the others'. Returns each
-        array's :class:`Pinning` (None: pageable) and the job registering the missing chunks on its own threads
-        (None: nothing to do), which the caller joins when the call is over."""
+        when there is something to register) after all the others'. Returns each array's :class:`Pinning`
+        (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
+        which the caller joins when the call is over."""
         from cupy.cuda import runtime
 
         pinnings, chunks = [], []
