@@ -353,11 +353,15 @@ def make_problem(args: argparse.Namespace, dtype: str, m: int, n: int, k: int,
                    math=args.math)
 
 
-def host_bytes_needed(dtype: str, m: int, n: int, k: int, beta, ref_rows: int | None = None) -> int:
+def host_bytes_needed(dtype: str, m: int, n: int, k: int, beta, ref_rows: int | None = None,
+                      fresh: bool = False) -> int:
+    """Host bytes of one problem: A, B, C (and pristine C), the reference rows; ``fresh`` mode adds the new
+    copies of A and B and blasx's own result."""
     row = BY_PREFIX[dtype]
     out_item, ref_item = row.out.itemsize, row.wide.itemsize
-    return ((m * k + k * n) * row.itemsize + m * n * out_item * (2 if beta != 0 else 1)
-            + (m if ref_rows is None else ref_rows) * n * ref_item)
+    inputs = (m * k + k * n) * row.itemsize
+    return (inputs + m * n * out_item * (2 if beta != 0 else 1) + (m if ref_rows is None else ref_rows) * n * ref_item
+            + (inputs + m * n * out_item if fresh else 0))
 
 
 # --------------------------------------------------------------------------- GPU helpers
@@ -828,7 +832,7 @@ def _registration_info(reg) -> dict:
 def run_problem(args, dtype: str, size: tuple[int, int, int], gpus: list[int],
                 contenders: Sequence[Contender], report: dict) -> None:
     m, n, k = size
-    need = host_bytes_needed(dtype, m, n, k, typed_scalar(args.beta, dtype), args.check_rows)
+    need = host_bytes_needed(dtype, m, n, k, typed_scalar(args.beta, dtype), args.check_rows, "fresh" in args.modes)
     log(f"== {dtype} {size_label(m, n, k)}: host arrays {gib(need):.1f} GiB")
     _warn_host_memory(need)
     t0 = time.perf_counter()

@@ -357,6 +357,12 @@ def test_fresh_runs_get_new_input_arrays_of_the_same_values(monkeypatch):
     assert xt.pinning("fresh") and xt.pinning("pageable") and not xt.pinning("registered")
 
 
+def test_host_bytes_count_the_fresh_copies():
+    base = G.host_bytes_needed("d", 100, 200, 300, 0.5, None)
+    assert base == (100 * 300 + 300 * 200) * 8 + 2 * 100 * 200 * 8 + 100 * 200 * 8
+    assert G.host_bytes_needed("d", 100, 200, 300, 0.5, None, fresh=True) == base + (100 * 300 + 300 * 200) * 8 + 100 * 200 * 8
+
+
 def test_schedule_is_shuffled_and_seeded():
     args = G.parse_args(["--runs", "4"])
     p = G.make_problem(args, "s", 4, 4, 4, [0])
