@@ -6,6 +6,7 @@ costs the kernel a fault and a zeroing per page. Large results come from this po
 page-locked buffers (``cudaHostAlloc``) handed out as ordinary numpy arrays. When the last view of
 a result dies, its buffer comes back here and serves the next result of the same size. Idle
 buffers stay page-locked up to ``idle_limit`` bytes (the oldest freed are released first).
+``$BLASX_RESULT_POOL``: ``off`` (or 0, no, false) for plain numpy results, or the idle limit (``8G``).
 
 Ownership: the pool's lock guards the free lists and the idle count; a handed-out buffer belongs
 to the arrays viewing it (a ctypes object is their base, and its finalizer returns the buffer).
@@ -47,24 +48,54 @@ def _cuda_free(ptr: int) -> None:
     runtime.freeHost(ptr)
 
 
+ENV = "BLASX_RESULT_POOL"
+_OFF = ("0", "off", "no", "false")
+
+
+def env_setting(text: str | None = None) -> int | None:
+    """``$BLASX_RESULT_POOL`` read: None (the pool is off), or the idle limit in bytes (default: an eighth of the
+    host's memory). A value that is neither raises ValueError naming the variable."""
+    text = os.environ.get(ENV, "") if text is None else text
+    text = text.strip()
+    if not text:
+        return _host_bytes() // 8
+    if text.lower() in _OFF:
+        return None
+    from .config import parse_size
+    try:
+        return int(parse_size(text))
+    except ValueError as exc:
+        raise ValueError(f"{ENV}: {exc}; or off to make plain numpy results") from None
+
+
 class OutputPool:
     """Page-locked buffers by size (whole pages). ``alloc(nbytes) -> pointer`` and ``free(pointer)``
-    default to cudaHostAlloc / cudaFreeHost; idle buffers are kept up to ``idle_limit`` bytes
-    (default: an eighth of the host's memory)."""
+    default to cudaHostAlloc / cudaFreeHost; idle buffers are kept up to ``idle_limit`` bytes (default:
+    ``$BLASX_RESULT_POOL``'s, read at the first result; None there turns the pool off)."""
 
-    def __init__(self, alloc=None, free=None, idle_limit: int | None = None) -> None:
+    _UNSET = object()
+
+    def __init__(self, alloc=None, free=None, idle_limit=_UNSET) -> None:
         self._alloc = alloc or _cuda_alloc
         self._free_fn = free or _cuda_free
-        self.idle_limit = _host_bytes() // 8 if idle_limit is None else idle_limit
+        self._limit = idle_limit
         self._lock = threading.RLock()
         self._idle: collections.OrderedDict[int, int] = collections.OrderedDict()  # pointer -> bytes, oldest first
         self.idle_bytes = 0
         self.handed = 0  # buffers out with arrays now
         self.reused = 0  # results served from an idle buffer
 
+    @property
+    def idle_limit(self) -> int | None:
+        if self._limit is OutputPool._UNSET:
+            self._limit = env_setting()
+        return self._limit
+
     def array(self, shape, dtype, order: str = "F", zeros: bool = False) -> np.ndarray | None:
         """A new array of ``shape`` and ``dtype`` in page-locked memory (zeros if asked), or None
-        where no page-locked memory could be had (the caller makes a plain array)."""
+        where the pool is off or no page-locked memory could be had (the caller makes a plain array)."""
+        if self.idle_limit is None:
+            return None
         dtype = np.dtype(dtype)
         count = math.prod(shape)
         size = max(PAGE, -(-count * dtype.itemsize // PAGE) * PAGE)
@@ -100,7 +131,7 @@ class OutputPool:
             self.handed -= 1
             self._idle[ptr] = size
             self.idle_bytes += size
-            while self.idle_bytes > self.idle_limit and self._idle:
+            while self.idle_bytes > (self.idle_limit or 0) and self._idle:
                 old, n = self._idle.popitem(last=False)
                 self.idle_bytes -= n
                 drop.append(old)

@@ -90,7 +90,10 @@ def test_front_ends_take_large_host_results_from_the_pool_on_gpu_engines(monkeyp
     small = blas3.new_array(np, (16, 16), np.float64, None)  # under MIN_REGISTER_BYTES: plain memory
     assert big.ctypes.data in host.live and zeros.ctypes.data in host.live and not zeros.any()
     assert big.flags.f_contiguous and zeros.flags.c_contiguous and small.flags.owndata
+    monkeypatch.setattr(hostpool, "POOL", hostpool.OutputPool(host.alloc, host.free, idle_limit=None))
+    assert blas3.new_array(np, (128, 128), np.float64, None).flags.owndata  # BLASX_RESULT_POOL=off
     monkeypatch.setattr(session, "on_cuda", lambda: False)  # the CPU or the sim: plain arrays
+    monkeypatch.setattr(hostpool, "POOL", p)
     assert blas3.new_array(np, (128, 128), np.float64, None).flags.owndata
 
 
@@ -171,3 +174,18 @@ def test_threads_sharing_the_pool_never_get_a_buffer_that_is_in_use():
         t.join()
     gc.collect()
     assert not errors and p.handed == 0 and p.reused > 0
+
+
+def test_the_environment_turns_the_pool_off_or_sets_its_idle_limit(monkeypatch):
+    assert hostpool.env_setting("") == hostpool._host_bytes() // 8
+    assert hostpool.env_setting(" off ") is None and hostpool.env_setting("0") is None
+    assert hostpool.env_setting("8G") == 8_000_000_000 and hostpool.env_setting("64Mi") == 64 << 20
+    with pytest.raises(ValueError, match=r"BLASX_RESULT_POOL: got 'lots'.*or off"):
+        hostpool.env_setting("lots")
+    monkeypatch.setenv("BLASX_RESULT_POOL", "off")
+    host = FakeHost()
+    p = hostpool.OutputPool(host.alloc, host.free)  # read at the first result
+    assert p.array((64, 64), np.float64) is None and not host.live
+    monkeypatch.setenv("BLASX_RESULT_POOL", "1Mi")
+    p = hostpool.OutputPool(host.alloc, host.free)
+    assert p.array((64, 64), np.float64) is not None and p.idle_limit == 1 << 20
