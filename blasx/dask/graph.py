@@ -19,7 +19,7 @@ from dask.base import tokenize
 from dask.utils import parse_bytes
 from dask.highlevelgraph import HighLevelGraph
 
-from .worker import Block, Ref, Storage, run_block
+from .worker import Block, Ref, Storage, refs_of, run_block
 
 
 #: the default of dask.config's ``blasx.dask.task-bytes``: the most bytes of dependency blocks one
@@ -38,6 +38,25 @@ def union(*bounds) -> tuple[int, ...]:
 def spans(b):
     """The intervals between consecutive boundaries."""
     return list(zip(b[:-1], b[1:]))
+
+
+def group_bounds(b, extent: int) -> tuple[int, ...]:
+    """The boundaries ``b`` with consecutive intervals merged into groups of at least ``extent`` (a last group
+    shorter than that joins the one before); ``extent`` <= 0 keeps ``b``."""
+    if extent <= 0 or len(b) < 3:
+        return tuple(b)
+    out = [b[0]]
+    for x in b[1:-1]:
+        if x - out[-1] >= extent:
+            out.append(x)
+    if len(out) > 1 and b[-1] - out[-1] < extent:
+        out.pop()
+    return (*out, b[-1])
+
+
+def inside(b, interval) -> list:
+    """The intervals of the boundaries ``b`` that make up ``interval`` (whose ends are boundaries of ``b``)."""
+    return [s for s in spans(b) if interval[0] <= s[0] and s[1] <= interval[1]]
 
 
 def as_dask(name: str, x):
@@ -151,11 +170,13 @@ class BlockBuilder:
 
     @staticmethod
     def _slots(step) -> set:
-        return {a.slot for a in step[1:] if isinstance(a, Ref) and a.slot >= 0}
+        return {a.slot for a in refs_of(step) if a.slot >= 0}
 
     @staticmethod
     def _remap(step, remap, deps, keys):
         def new(a):
+            if isinstance(a, tuple) and not isinstance(a, Ref):  # a grid step's nested pieces
+                return tuple(new(x) for x in a)
             if not isinstance(a, Ref) or a.slot < 0:
                 return a
             if a.slot not in remap:

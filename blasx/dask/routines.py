@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import numbers
 
+import dask
 import numpy as np
 
 from ..linalg import find_best_blas_type
-from .graph import Operand, as_dask, build, spans, union
+from .graph import Operand, as_dask, build, group_bounds, inside, spans, union
+
+#: blasx.dask.group's "auto" side for CuPy chunks: a super-block's call is about a 16384^2 GEMM or more
+GROUP_EXTENT = 16384
 
 _BLAS = {np.dtype(t) for t in ("f4", "f8", "c8", "c16")}
 _COMPLEX_OF = {np.dtype("f4"): np.dtype("c8"), np.dtype("f8"): np.dtype("c16")}
@@ -103,13 +107,35 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype):
     cols = union(B.cols if tb == 0 else B.rows, *([C.cols] if C else []))
     ks = [] if alpha == 0 else spans(union(A.cols if ta == 0 else A.rows, B.rows if tb == 0 else B.cols))
 
+    g = group_extent(a, b) if C is None or beta == 0 else 0  # super-blocks: C's old values are not read
+
     def block(i, j, r, cc, bb, name):
+        sub_r, sub_c = (inside(rows, r), inside(cols, cc)) if g else ([r], [cc])
+        if len(sub_r) > 1 or len(sub_c) > 1:  # a super-block: its pieces joined into one call a step
+            return ("zeros",), [("gemm_grid", alpha, (tuple(_op(bb, A, ta, x, kk) for x in sub_r),), ta,
+                                 (tuple(_op(bb, B, tb, kk, y) for y in sub_c),), tb) for kk in ks]
         init = _c_init(bb, C, r, cc, beta, beta != 0)
         steps = [("gemm", alpha, _op(bb, A, ta, r, kk), ta, _op(bb, B, tb, kk, cc), tb, 1.0) for kk in ks]
         return init, steps
 
-    return build("gemm", rows, cols, dtype, (A, B, C), block, (alpha, beta, ta, tb, a.name, b.name,
-                                                                c.name if c is not None else None))
+    return build("gemm", group_bounds(rows, g), group_bounds(cols, g), dtype, (A, B, C), block,
+                 (alpha, beta, ta, tb, a.name, b.name, c.name if c is not None else None, g))
+
+
+def group_extent(*xs) -> int:
+    """Output blocks' least side in elements (``dask.config``'s ``blasx.dask.group``): ``"auto"`` (default)
+    gives GROUP_EXTENT where every operand's chunks are CuPy arrays (one call a step on a GPU worker should fill
+    its GPUs) and 0 (the chunks' own blocks) otherwise; ``"off"`` or 0: the chunks' blocks; a number: that side
+    for any chunks (host super-blocks copy their pieces together each step)."""
+    v = dask.config.get("blasx.dask.group", "auto")
+    if v == "auto":
+        return GROUP_EXTENT if all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs) else 0
+    if v in (None, False, "off"):
+        return 0
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, str)) or not str(v).isdigit():
+        raise ValueError(f"dask config blasx.dask.group: got {v!r}; allowed: 'auto', 'off' or a number of "
+                         f"elements >= 0")
+    return int(v)
 
 
 def matmul(a, b, *, progress=False):

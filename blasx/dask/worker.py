@@ -146,28 +146,75 @@ def _read(ref: Ref, deps, stores, xp):
     return x if xp is np else xp.asarray(x)
 
 
+def refs_of(step) -> list:
+    """The step's Refs in order, those nested in a grid step's tuples included."""
+    out = []
+
+    def walk(a):
+        if isinstance(a, Ref):
+            out.append(a)
+        elif isinstance(a, tuple):
+            for x in a:
+                walk(x)
+    for a in step[1:]:
+        walk(a)
+    return out
+
+
 def _load(step, deps, stores, xp):
     """The step's pieces (storage reads counted while they live), in the order of its Refs."""
     pieces = []
-    for arg in step[1:]:
-        if isinstance(arg, Ref):
-            x = _read(arg, deps, stores, xp)
-            if arg.slot < 0:
-                _add(x.nbytes)
-            pieces.append(x)
+    for ref in refs_of(step):
+        x = _read(ref, deps, stores, xp)
+        if ref.slot < 0:
+            _add(x.nbytes)
+        pieces.append(x)
     return pieces
 
 
 def _release(step, pieces) -> None:
-    for arg, x in zip([a for a in step[1:] if isinstance(a, Ref)], pieces):
-        if arg.slot < 0:
+    for ref, x in zip(refs_of(step), pieces):
+        if ref.slot < 0:
             _add(-x.nbytes)
+
+
+def _filled(a, p):
+    """Argument ``a`` with each Ref (nested ones too) replaced by the next of the pieces ``p``."""
+    if isinstance(a, Ref):
+        return next(p)
+    if isinstance(a, tuple):
+        return tuple(_filled(x, p) for x in a)
+    return a
+
+
+def _joined(xp, grid):
+    """A matrix from a grid (rows of pieces): the pieces themselves where there is one, else one copy."""
+    if len(grid) == 1 and len(grid[0]) == 1:
+        return grid[0][0]
+    return xp.concatenate([row[0] if len(row) == 1 else xp.concatenate(row, axis=1) for row in grid], axis=0)
+
+
+def _grid_gemm(args, acc, xp):
+    """acc += alpha op(A) op(B) where A is the grid xs[k][i] (k: pieces of the shared dimension, i: of acc's
+    rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it."""
+    alpha, xs, ta, ys, tb = args
+    K, R, C = range(len(xs)), range(len(xs[0])), range(len(ys[0]))
+    a = _joined(xp, [[xs[k][i] for k in K] for i in R] if ta == 0 else [[xs[k][i] for i in R] for k in K])
+    b = _joined(xp, [[ys[k][j] for j in C] for k in K] if tb == 0 else [[ys[k][j] for k in K] for j in C])
+    made = sum(x.nbytes for x, one in ((a, len(K) * len(R) == 1), (b, len(K) * len(C) == 1)) if not one)
+    _add(made)
+    try:
+        return blasx.gemm(alpha, a, b, beta=1.0, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
+    finally:
+        _add(-made)
 
 
 def _apply(step, pieces, acc, xp):
     """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place)."""
     op, p = step[0], iter(pieces)
-    args = [next(p) if isinstance(a, Ref) else a for a in step[1:]]
+    args = [_filled(a, p) for a in step[1:]]
+    if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B joined from grids of pieces
+        return _grid_gemm(args, acc, xp)
     if op == "gemm":  # acc = alpha op(x) op(y) + beta acc
         alpha, x, ta, y, tb, beta = args
         return blasx.gemm(alpha, x, y, beta=beta, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
@@ -211,12 +258,21 @@ def _join_runs(steps: list, xp) -> list:
     """CuPy blocks: each run of gemm steps with one (alpha, trans_a, trans_b) reading dependency blocks becomes
     one ``("gemm_joined", alpha, a_refs, trans_a, b_refs, trans_b)`` step: one engine call over the run's whole
     k, its pieces joined along k on the GPU, whose C tiles get every k step (and split-k where they are few)
-    instead of one call per k interval. Host blocks keep their steps: joining would add the panels' bytes to
-    the worker's bounded host memory."""
+    instead of one call per k interval; consecutive grid steps (``gemm_grid``, a super-block's) become one
+    likewise. Host blocks keep their steps: joining would add the panels' bytes to the worker's bounded host
+    memory."""
     if xp is np:
         return steps
     out: list = []
     for s in steps:
+        if s[0] == "gemm_grid":  # grid steps of one (alpha, trans_a, trans_b): their k pieces in one step
+            last = out[-1] if out else None
+            if (last is not None and last[0] == "gemm_grid" and (last[1], last[3], last[5]) == (s[1], s[3], s[5])
+                    and all(r.slot >= 0 for r in refs_of(last) + refs_of(s))):
+                out[-1] = (last[0], last[1], last[2] + s[2], last[3], last[4] + s[4], last[5])
+            else:
+                out.append(s)
+            continue
         plain = s[0] == "gemm" and all(isinstance(r, Ref) and r.slot >= 0 for r in (s[2], s[4]))
         last = out[-1] if out else None
         same = last is not None and last[0] == "gemm_joined" and (last[1], last[3], last[5]) == (s[1], s[3], s[5])
