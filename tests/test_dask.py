@@ -52,11 +52,10 @@ def _check(rel_err, results, refs, dtypes):
         assert rel_err(got, ref) < TOL[np.dtype(dt)] * 100
 
 
-def test_gemm_chunkings_and_flags(client, rel_err):
-    rng = np.random.default_rng(1)
-    m, k, n = 60, 60, 60
-    out, refs, dts = [], [], []
-    chunkings = [(IRR, REG, REG, ONE), (ONE, ONE, ONE, ONE), (REG, IRR, (31, 29), (4, 56)), (IRR, IRR, IRR, IRR)]
+def _gemm_cases(rng, chunkings):
+    """(arguments of bd.gemm, scipy's result, dtype) for each chunking, flag pair and (beta, with c); c's NaN
+    where beta is 0 must not be read."""
+    m = k = n = 60
     for n_case, (ch, (ta, tb), (beta, with_c)) in enumerate(itertools.product(
             chunkings, [(0, 0), (1, 0), (0, 2), (2, 1)], [(0.0, False), (0.5, True), (0.0, True)])):
         dt = ("f8", "c8")[n_case % 2]
@@ -66,15 +65,17 @@ def test_gemm_chunkings_and_flags(client, rel_err):
         if with_c and beta == 0:
             c[0, 0] = np.nan  # beta = 0: c is not read
         alpha = 1.5 - 0.5j if dt == "c8" else 1.5
-        fn = sb.get_blas_funcs("gemm", (a, b))
-        refs.append(fn(alpha, a, b, beta=beta, c=np.nan_to_num(c) if c is not None else None,
-                       trans_a=ta, trans_b=tb))
-        dts.append(dt)
-        xa = da.from_array(a, chunks=(ch[0], ch[1]))
-        xb = da.from_array(b, chunks=(ch[2], ch[3]))
+        ref = sb.get_blas_funcs("gemm", (a, b))(alpha, a, b, beta=beta, c=np.nan_to_num(c) if c is not None else None,
+                                               trans_a=ta, trans_b=tb)
         xc = da.from_array(c, chunks=(ch[1], ch[3])) if c is not None else None
-        out.append(bd.gemm(alpha, xa, xb, beta=beta, c=xc, trans_a=ta, trans_b=tb))
-    _check(rel_err, out, refs, dts)
+        args = (alpha, da.from_array(a, chunks=(ch[0], ch[1])), da.from_array(b, chunks=(ch[2], ch[3])))
+        yield args, dict(beta=beta, c=xc, trans_a=ta, trans_b=tb), ref, dt
+
+
+def test_gemm_chunkings_and_flags(client, rel_err):
+    chunkings = [(IRR, REG, REG, ONE), (ONE, ONE, ONE, ONE), (REG, IRR, (31, 29), (4, 56)), (IRR, IRR, IRR, IRR)]
+    cases = list(_gemm_cases(np.random.default_rng(1), chunkings))
+    _check(rel_err, [bd.gemm(*args, **kw) for args, kw, _, _ in cases], [c[2] for c in cases], [c[3] for c in cases])
 
 
 @pytest.mark.parametrize("group", [20, 100])
@@ -82,39 +83,20 @@ def test_gemm_super_blocks_for_every_flag_and_chunking(client, rel_err, group):
     """blasx.dask.group merges output blocks into super-blocks (one call a step on their joined pieces): results
     as scipy's for every chunking and flag, C's old values never read; chunks follow the super-blocks where
     C is not read, the operands' own boundaries where it is (beta != 0)."""
-    rng = np.random.default_rng(11)
-    m = k = n = 60
-    out, refs, dts, want = [], [], [], []
     chunkings = [(IRR, REG, REG, ONE), (REG, IRR, (31, 29), (4, 56)), (IRR, IRR, IRR, IRR)]
-    with dask.config.set({"blasx.dask.group": group}):
-        for n_case, (ch, (ta, tb), (beta, with_c)) in enumerate(itertools.product(
-                chunkings, [(0, 0), (1, 0), (0, 2), (2, 1)], [(0.0, False), (0.5, True), (0.0, True)])):
-            dt = ("f8", "c8")[n_case % 2]
-            a = _rand(rng, (m, k) if ta == 0 else (k, m), dt)
-            b = _rand(rng, (k, n) if tb == 0 else (n, k), dt)
-            c = _rand(rng, (m, n), dt) if with_c else None
-            if with_c and beta == 0:
-                c[0, 0] = np.nan  # beta = 0: c is not read
-            alpha = 1.5 - 0.5j if dt == "c8" else 1.5
-            fn = sb.get_blas_funcs("gemm", (a, b))
-            refs.append(fn(alpha, a, b, beta=beta, c=np.nan_to_num(c) if c is not None else None,
-                           trans_a=ta, trans_b=tb))
-            dts.append(dt)
-            xa = da.from_array(a, chunks=(ch[0], ch[1]))
-            xb = da.from_array(b, chunks=(ch[2], ch[3]))
-            xc = da.from_array(c, chunks=(ch[1], ch[3])) if c is not None else None
-            got = bd.gemm(alpha, xa, xb, beta=beta, c=xc, trans_a=ta, trans_b=tb)
-            out.append(got)
-            if beta != 0:  # C is read: the blocks of every operand's boundaries, as without super-blocks
-                with dask.config.set({"blasx.dask.group": "off"}):
-                    want.append(bd.gemm(alpha, xa, xb, beta=beta, c=xc, trans_a=ta, trans_b=tb).chunks)
-            else:
-                want.append(None)
-                assert all(min(x) >= min(group, 60) for x in got.chunks), got.chunks
-    for got, w in zip(out, want):
-        if w is not None:
-            assert got.chunks == w
-    _check(rel_err, out, refs, dts)
+    cases = list(_gemm_cases(np.random.default_rng(11), chunkings))
+    out = []
+    for args, kw, _, _ in cases:
+        with dask.config.set({"blasx.dask.group": group}):
+            got = bd.gemm(*args, **kw)
+        with dask.config.set({"blasx.dask.group": "off"}):
+            plain = bd.gemm(*args, **kw).chunks
+        if kw["beta"] != 0:  # C is read: the blocks of every operand's boundaries, as without super-blocks
+            assert got.chunks == plain
+        else:
+            assert all(min(x) >= min(group, 60) for x in got.chunks) and got.chunks != plain, got.chunks
+        out.append(got)
+    _check(rel_err, out, [c[2] for c in cases], [c[3] for c in cases])
     with dask.config.set({"blasx.dask.group": "several"}), pytest.raises(ValueError, match="blasx.dask.group"):
         bd.matmul(da.ones((4, 4), chunks=2), da.ones((4, 4), chunks=2))
 
