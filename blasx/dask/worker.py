@@ -255,47 +255,27 @@ def _with_empties(step, xp, dtype):
 
 
 def _join_runs(steps: list, xp) -> list:
-    """CuPy blocks: each run of gemm steps with one (alpha, trans_a, trans_b) reading dependency blocks becomes
-    one ``("gemm_joined", alpha, a_refs, trans_a, b_refs, trans_b)`` step: one engine call over the run's whole
-    k, its pieces joined along k on the GPU, whose C tiles get every k step (and split-k where they are few)
-    instead of one call per k interval; consecutive grid steps (``gemm_grid``, a super-block's) become one
-    likewise. Host blocks keep their steps: joining would add the panels' bytes to the worker's bounded host
-    memory."""
+    """CuPy blocks: each run of gemm steps (plain or a super-block's ``gemm_grid``) with one (alpha, trans_a,
+    trans_b) reading dependency blocks becomes one ``gemm_grid`` step: one engine call over the run's whole k,
+    its pieces joined on the GPU, whose C tiles get every k step (and split-k where they are few) instead of one
+    call per k interval; a run of one keeps its step. Host blocks keep their steps: joining would add the
+    panels' bytes to the worker's bounded host memory."""
     if xp is np:
         return steps
-    out: list = []
+    out: list = []  # [step, the plain gemm step it stands for while a run of one, joinable]
     for s in steps:
-        if s[0] == "gemm_grid":  # grid steps of one (alpha, trans_a, trans_b): their k pieces in one step
-            last = out[-1] if out else None
-            if (last is not None and last[0] == "gemm_grid" and (last[1], last[3], last[5]) == (s[1], s[3], s[5])
-                    and all(r.slot >= 0 for r in refs_of(last) + refs_of(s))):
-                out[-1] = (last[0], last[1], last[2] + s[2], last[3], last[4] + s[4], last[5])
-            else:
-                out.append(s)
+        plain = s[0] == "gemm" and isinstance(s[2], Ref) and isinstance(s[4], Ref)
+        g = ("gemm_grid", s[1], ((s[2],),), s[3], ((s[4],),), s[5]) if plain else s if s[0] == "gemm_grid" else None
+        if g is None or not all(r.slot >= 0 for r in refs_of(g)):
+            out.append([s, None, False])
             continue
-        plain = s[0] == "gemm" and all(isinstance(r, Ref) and r.slot >= 0 for r in (s[2], s[4]))
-        last = out[-1] if out else None
-        same = last is not None and last[0] == "gemm_joined" and (last[1], last[3], last[5]) == (s[1], s[3], s[5])
-        if plain and same:
-            out[-1] = (*last[:2], last[2] + (s[2],), last[3], last[4] + (s[4],), last[5])
-        elif plain:
-            out.append(("gemm_joined", s[1], (s[2],), s[3], (s[4],), s[5]))
+        last = out[-1][0] if out and out[-1][2] else None
+        if last is not None and (last[1], last[3], last[5], len(last[2][0]), len(last[4][0])) == \
+                (g[1], g[3], g[5], len(g[2][0]), len(g[4][0])):
+            out[-1] = [(last[0], last[1], last[2] + g[2], last[3], last[4] + g[4], last[5]), None, True]
         else:
-            out.append(s)
-    return [("gemm", s[1], s[2][0], s[3], s[4][0], s[5], 1.0) if s[0] == "gemm_joined" and len(s[2]) == 1 else s
-            for s in out]
-
-
-def _run_joined(step, deps, acc, xp):
-    """acc += alpha op(a) op(b) over the joined k: the pieces concatenated along k, one blasx call."""
-    _, alpha, a_refs, ta, b_refs, tb = step
-    a = xp.concatenate([_read(r, deps, (), xp) for r in a_refs], axis=1 if ta == 0 else 0)
-    b = xp.concatenate([_read(r, deps, (), xp) for r in b_refs], axis=0 if tb == 0 else 1)
-    _add(a.nbytes + b.nbytes)
-    try:
-        return blasx.gemm(alpha, a, b, beta=1.0, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
-    finally:
-        _add(-a.nbytes - b.nbytes)
+            out.append([g, s if plain else None, True])
+    return [orig or step for step, orig, _ in out]
 
 
 def run_block(plan: Block, deps: list):
@@ -316,8 +296,7 @@ def run_block(plan: Block, deps: list):
                 nxt = (pool.submit(_load, steps[i + 1], deps, plan.stores, xp)
                        if pool is not None and i + 1 < len(steps) else None)
                 try:
-                    joined = step[0] == "gemm_joined"
-                    acc = _run_joined(step, deps, acc, xp) if joined else _apply(step, pieces, acc, xp)
+                    acc = _apply(step, pieces, acc, xp)
                 finally:
                     _release(step, pieces)
                     del pieces
