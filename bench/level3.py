@@ -607,9 +607,9 @@ def device_times(profile) -> list[dict] | None:
     if profile is None or profile.wall <= 0:
         return None
     w = profile.wall
-    return [{"name": b.name, "tasks": b.tasks, "busy": b.busy / w, "comm": b.comm / w, "lead": lead / w,
-             "tail": tail / w, "gaps": max(b.idle - lead - tail, 0.0) / w}
-            for b, (lead, tail) in zip(profile.breakdown(), profile.edges())]
+    return [{"name": b.name, "tasks": b.tasks, "busy": b.busy / w, "comm": b.comm / w, "lead": b.lead / w,
+             "tail": b.tail / w, "gaps": max(b.idle - b.lead - b.tail, 0.0) / w}
+            for b in profile.breakdown()]
 
 
 def format_breakdown(results: list[dict], routines, dtypes) -> str:

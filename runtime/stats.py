@@ -202,6 +202,8 @@ class DeviceBreakdown:
     idle: float              # wall minus union of all intervals (OTHER)
     overlapped_comm: float   # copy time hidden under compute
     counters: dict[str, float]
+    lead: float = 0.0        # idle before the device's first operation (all of wall if it had none)
+    tail: float = 0.0        # idle after its last operation ends
 
 
 #: report columns: header, key of a report row, cell formatter
@@ -271,25 +273,17 @@ class Profile:
         for d, (info, sp) in enumerate(zip(self.devices, spans)):
             compute, copy = union(sp["compute"]), union(sp["copy"])
             busy, copied = _length(compute), _length(copy)
-            covered = measure(compute + copy)
+            active = union(compute + copy)
+            covered = _length(active)
             comm = max(covered - busy, 0.0)
             c = self.counters[d]
             out.append(DeviceBreakdown(
                 device=d, name=info.name, tasks=int(c["tasks"]), flops=float(c["flops"]),
                 busy=busy, comm=comm, idle=max(self.wall - covered, 0.0),
-                overlapped_comm=max(copied - comm, 0.0), counters=dict(c)))
+                overlapped_comm=max(copied - comm, 0.0), counters=dict(c),
+                lead=active[0][0] - self.start if active else self.wall,
+                tail=self.finish - active[-1][1] if active else self.wall))
         return out
-
-    def edges(self) -> list[tuple[float, float]]:
-        """Per device (lead, tail): seconds from the call's start to its first operation, and from its last
-        operation's end to the call's finish (wall for a device that did nothing): where idle time sits."""
-        first, last = [None] * len(self.devices), [None] * len(self.devices)
-        for r, s, e in self.clipped():
-            d = r.device
-            first[d] = s if first[d] is None else min(first[d], s)
-            last[d] = e if last[d] is None else max(last[d], e)
-        return [(self.wall, self.wall) if f is None else (f - self.start, self.finish - l)
-                for f, l in zip(first, last)]
 
     def _device_rows(self, bd: list[DeviceBreakdown], totals: dict[str, float]) -> list[dict]:
         return [{**asdict(b), "kind": info.kind,

@@ -82,11 +82,11 @@ def test_breakdown_exact_values():
         assert b.busy + b.comm + b.idle == pytest.approx(10.0)
 
 
-def test_edges_are_the_idle_time_before_the_first_and_after_the_last_operation():
+def test_lead_and_tail_are_the_idle_time_before_the_first_and_after_the_last_operation():
     recs = [OpRecord(0, "h2d", 1.5, 2.5), OpRecord(0, "kernel", 2.0, 7.0), OpRecord(0, "d2h", 6.5, 8.0),
             OpRecord(1, "kernel", -1.0, 3.0)]  # clipped to the call's window
-    assert make_stats(recs).profile().edges() == [(1.5, 2.0), (0.0, 7.0)]
-    assert make_stats().profile().edges() == [(10.0, 10.0), (10.0, 10.0)]  # nothing ran: all of it
+    assert [(b.lead, b.tail) for b in make_stats(recs).profile().breakdown()] == [(1.5, 2.0), (0.0, 7.0)]
+    assert [(b.lead, b.tail) for b in make_stats().profile().breakdown()] == [(10.0, 10.0), (10.0, 10.0)]
 
 
 def test_breakdown_without_records_and_with_zero_wall():
