@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .runtime import dtypes
+from .runtime.config import OFF_WORDS
 
 SCHEMA_VERSION = 1
 FILENAME = "perfdb.sqlite"
@@ -89,7 +90,7 @@ def _bump() -> None:
 
 def disabled() -> bool:
     """True when ``$BLASX_PERFDB`` is off/0/no/false: the runtime ignores the db."""
-    return os.environ.get("BLASX_PERFDB", "").strip().lower() in ("0", "off", "no", "false")
+    return os.environ.get("BLASX_PERFDB", "").strip().lower() in OFF_WORDS
 
 
 def cache_dir() -> Path:

@@ -73,6 +73,10 @@ def parse_devices(spec: str) -> DeviceSpec:
     return DeviceSpec(kind, tuple(ids), options)
 
 
+#: what turns a switch given in the environment off (``BLASX_PERFDB``, ``BLASX_RESULT_POOL``), lower case
+OFF_WORDS = ("0", "off", "no", "false")
+
+
 def parse_size(value: str) -> float:
     """'141G' -> 141e9, '64Mi' -> 2**26, '1.5e9' -> 1.5e9 (K M G T decimal, Ki Mi Gi Ti binary,
     an optional trailing B). Raises ValueError naming the value and the grammar."""

@@ -26,6 +26,7 @@ import weakref
 
 import numpy as np
 
+from .config import OFF_WORDS, parse_size
 from .hostmem import PAGE
 
 HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's copies
@@ -49,7 +50,6 @@ def _cuda_free(ptr: int) -> None:
 
 
 ENV = "BLASX_RESULT_POOL"
-_OFF = ("0", "off", "no", "false")
 
 
 def env_setting(text: str | None = None) -> int | None:
@@ -59,9 +59,8 @@ def env_setting(text: str | None = None) -> int | None:
     text = text.strip()
     if not text:
         return _host_bytes() // 8
-    if text.lower() in _OFF:
+    if text.lower() in OFF_WORDS:
         return None
-    from .config import parse_size
     try:
         return int(parse_size(text))
     except ValueError as exc:
