@@ -88,7 +88,7 @@ def _output(c, dtype, shape, overwrite_c, beta, xp, like):
         return c
     out = blas3.new_array(xp, shape, dtype, like)
     if c is not None and beta != 0:
-        out[...] = c
+        blas3.fill_from(out, c)
     return out
 
 

@@ -3,15 +3,19 @@
 A result that blasx creates (``blasx.gemm(a, b)``, ``matmul`` without ``out``) would otherwise be a
 new numpy array page-locked during its call (hostmem.py), and locking pages never touched before
 costs the kernel a fault and a zeroing per page. Large results come from this pool instead:
-page-locked buffers (``cudaHostAlloc``) handed out as ordinary numpy arrays. When the last view of
-a result dies, its buffer comes back here and serves the next result of the same size. Idle
-buffers stay page-locked up to ``idle_limit`` bytes (the oldest freed are released first).
+page-locked buffers handed out as ordinary numpy arrays. When the last view of a result dies, its
+buffer comes back here and serves the next result of the same size. Idle buffers stay page-locked
+up to ``idle_limit`` bytes (the oldest freed are released first).
 ``$BLASX_RESULT_POOL``: ``off`` (or 0, no, false) for plain numpy results, or the idle limit (``8G``).
+
+A new buffer is anonymous memory whose pages several threads touch first, then one
+``cudaHostRegister``: ``cudaHostAlloc`` faults and zeroes the pages on one thread, an order of
+magnitude slower for buffers of GiBs.
 
 Ownership: the pool's lock guards the free lists and the idle count; a handed-out buffer belongs
 to the arrays viewing it (a ctypes object is their base, and its finalizer returns the buffer).
 The finalizer runs wherever the garbage collector frees the last view, possibly inside this
-module's own lock in the same thread, hence a re-entrant lock.
+module's own lock in the same thread, hence a re-entrant lock. ``LockedMemory`` owns the mappings.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import collections
 import contextlib
 import ctypes
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -27,9 +32,7 @@ import weakref
 import numpy as np
 
 from .config import OFF_WORDS, parse_size
-from .hostmem import PAGE
-
-HOST_ALLOC_PORTABLE = 1  # cudaHostAllocPortable: page-locked for every device's copies
+from .hostmem import HOST_REGISTER_PORTABLE, PAGE
 
 
 def _host_bytes() -> int:
@@ -39,14 +42,57 @@ def _host_bytes() -> int:
         return 16 << 30
 
 
-def _cuda_alloc(nbytes: int) -> int:
+def _cuda_register(ptr: int, nbytes: int) -> None:
     from cupy.cuda import runtime
-    return runtime.hostAlloc(nbytes, HOST_ALLOC_PORTABLE)
+    runtime.hostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)
 
 
-def _cuda_free(ptr: int) -> None:
+def _cuda_unregister(ptr: int) -> None:
     from cupy.cuda import runtime
-    runtime.freeHost(ptr)
+    runtime.hostUnregister(ptr)
+
+
+class LockedMemory:
+    """``alloc(nbytes) -> pointer`` / ``free(pointer)`` of page-locked buffers: a private anonymous
+    mapping, zeroed by several threads (each page faults in on the thread that first writes it), then
+    registered whole (``register(ptr, nbytes)``, default cudaHostRegister, portable to every device).
+    The mappings are this object's; ``free`` unregisters and unmaps."""
+
+    def __init__(self, register=None, unregister=None) -> None:
+        self._register = register or _cuda_register
+        self._unregister = unregister or _cuda_unregister
+        self._lock = threading.Lock()
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            view = np.frombuffer(m, dtype=np.uint8)
+            ptr = view.ctypes.data
+            zero(view)
+            del view  # no export left: the mapping can close
+            self._register(ptr, nbytes)
+        except BaseException:
+            m.close()
+            raise
+        with self._lock:
+            self._maps[ptr] = m
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            m = self._maps.pop(ptr)
+        try:
+            self._unregister(ptr)
+        finally:
+            m.close()
+
+    @property
+    def live(self) -> int:
+        return len(self._maps)
+
+
+_LOCKED = LockedMemory()
 
 
 ENV = "BLASX_RESULT_POOL"
@@ -69,14 +115,14 @@ def env_setting(text: str | None = None) -> int | None:
 
 class OutputPool:
     """Page-locked buffers by size (whole pages). ``alloc(nbytes) -> pointer`` and ``free(pointer)``
-    default to cudaHostAlloc / cudaFreeHost; idle buffers are kept up to ``idle_limit`` bytes (default:
+    default to :class:`LockedMemory`'s; idle buffers are kept up to ``idle_limit`` bytes (default:
     ``$BLASX_RESULT_POOL``'s, read at the first result; None there turns the pool off)."""
 
     _UNSET = object()
 
     def __init__(self, alloc=None, free=None, idle_limit=_UNSET) -> None:
-        self._alloc = alloc or _cuda_alloc
-        self._free_fn = free or _cuda_free
+        self._alloc = alloc or _LOCKED.alloc
+        self._free_fn = free or _LOCKED.free
         self._limit = idle_limit
         self._lock = threading.RLock()
         self._idle: collections.OrderedDict[int, int] = collections.OrderedDict()  # pointer -> bytes, oldest first
@@ -148,23 +194,51 @@ class OutputPool:
                 self._free_fn(ptr)
 
 
-ZERO_PART = 64 << 20  # bytes a thread zeroes at least: a reused buffer is cleared by several threads
+ZERO_PART = 64 << 20  # bytes a thread fills at least: large results are zeroed / copied by several threads
+
+
+def _in_parts(work, nbytes: int, length: int) -> None:
+    """``work(lo, hi)`` over [0, length) in parts on a few threads when ``nbytes`` is large (numpy's fills
+    and copies let go of the GIL); the first part on this thread; a part's exception is raised here."""
+    parts = min(16, os.cpu_count() or 1, nbytes // ZERO_PART, length)
+    if parts < 2:
+        work(0, length)
+        return
+    edges = [length * i // parts for i in range(parts + 1)]
+    errors = []
+
+    def run(lo, hi):
+        try:
+            work(lo, hi)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=span, name="blasx-fill") for span in zip(edges[1:-1], edges[2:])]
+    for t in threads:
+        t.start()
+    run(edges[0], edges[1])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def zero(flat: np.ndarray) -> None:
-    """Fill the 1-D ``flat`` with zeros, in parts on a few threads when it is large (``fill`` lets go of the GIL)."""
-    parts = min(8, os.cpu_count() or 1, flat.nbytes // ZERO_PART)
-    if parts < 2:
-        flat.fill(0)
+    """Fill the 1-D ``flat`` with zeros (in parts on a few threads when it is large)."""
+    _in_parts(lambda lo, hi: flat[lo:hi].fill(0), flat.nbytes, len(flat))
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` for numpy arrays of one shape (values cast as assignment casts them), in parts
+    of dst's outermost axis on a few threads when it is large: a new result holding c's values."""
+    if dst.ndim == 0:
+        dst[...] = src
         return
-    edges = [len(flat) * i // parts for i in range(parts + 1)]
-    threads = [threading.Thread(target=flat[a:b].fill, args=(0,), name="blasx-zero")
-               for a, b in zip(edges[1:-1], edges[2:])]
-    for t in threads:
-        t.start()
-    flat[:edges[1]].fill(0)
-    for t in threads:
-        t.join()
+    axis = max(range(dst.ndim), key=lambda i: abs(dst.strides[i]))
+
+    def part(lo, hi):
+        cut = (slice(None),) * axis + (slice(lo, hi),)
+        np.copyto(dst[cut], src[cut], casting="unsafe")
+    _in_parts(part, dst.nbytes, dst.shape[axis])
 
 
 POOL = OutputPool()

@@ -117,8 +117,8 @@ class StreamWorker(StreamAssign, Worker):
             # tasks are accounted and its peer reads released before the failure is handled.
             if finished:
                 # Records first: a call may complete below, and its caller then reads the profile.
-                for task, rec in self.dev.take_records():
-                    task.call.stats.add_record(rec)
+                for stats, rec in self.dev.take_records():
+                    stats.add_record(rec)
                 for p in finished:
                     self._complete(p)
                     if self._chain is not None and self._chain[0] is p.event:

@@ -197,8 +197,9 @@ def test_stream_device_round_trip_matches_numpy(kind, dtype):
     c = call.operands[2].array
     assert _rel(c, 1.5 * (a @ b) + 0.5 * c0) < _tol(dtype)
     assert isinstance(records, list)
-    for task, rec in records:
-        assert rec.device == dev.index and rec.end >= rec.start and task in call.tasks
+    for stats, rec in records:
+        assert rec.device == dev.index and rec.end >= rec.start and stats is call.stats
+        assert call.tasks[rec.task].tid == rec.task
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -189,3 +189,41 @@ def test_the_environment_turns_the_pool_off_or_sets_its_idle_limit(monkeypatch):
     monkeypatch.setenv("BLASX_RESULT_POOL", "1Mi")
     p = hostpool.OutputPool(host.alloc, host.free)
     assert p.array((64, 64), np.float64) is not None and p.idle_limit == 1 << 20
+
+
+def test_locked_memory_zeroes_registers_whole_and_unmaps_on_free(monkeypatch):
+    """A new buffer: zeroed pages (touched in parts by several threads), one registration of the whole
+    range; free unregisters it and unmaps; a failed registration unmaps and raises."""
+    monkeypatch.setattr(hostpool, "ZERO_PART", 1 << 16)
+    calls = []
+    mem = hostpool.LockedMemory(lambda p, n: calls.append(("register", p, n)),
+                                lambda p: calls.append(("unregister", p)))
+    nbytes = 64 * PAGE
+    ptr = mem.alloc(nbytes)
+    buf = (ctypes.c_byte * nbytes).from_address(ptr)
+    assert calls == [("register", ptr, nbytes)] and mem.live == 1 and ptr % PAGE == 0
+    assert not any(bytes(buf))
+    buf[nbytes - 1] = 7
+    del buf
+    mem.free(ptr)
+    assert calls[-1] == ("unregister", ptr) and mem.live == 0
+
+    def refuse(p, n):
+        raise MemoryError("cudaErrorHostMemoryAlreadyRegistered")
+    with pytest.raises(MemoryError):
+        hostpool.LockedMemory(refuse, lambda p: None).alloc(nbytes)
+
+
+@pytest.mark.parametrize("order", ["F", "C"])
+def test_copy_into_in_parts_equals_assignment(monkeypatch, order):
+    """copy_into cuts the outermost axis into parts (several threads): the same values as ``dst[...] = src``,
+    across layouts and a cast; a part's failure is raised to the caller."""
+    monkeypatch.setattr(hostpool, "ZERO_PART", 1 << 10)
+    rng = np.random.default_rng(3)
+    src = rng.standard_normal((37, 53)).astype(np.float32)
+    src = src if order == "F" else np.asfortranarray(src)  # the other layout from dst's
+    dst = np.empty((37, 53), np.float64, order=order)
+    hostpool.copy_into(dst, src)
+    assert np.array_equal(dst, src.astype(np.float64))
+    with pytest.raises(ValueError):
+        hostpool.copy_into(np.empty((37, 53)), np.empty((37, 54)))

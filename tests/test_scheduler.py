@@ -9,6 +9,7 @@ import gc
 import threading
 import time
 import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -480,6 +481,20 @@ def test_profile_has_every_record_even_if_the_worker_is_descheduled(rand, monkey
     blasx.gemm(1.0, rand((32, 32)), rand((32, 32), seed=1))
     prof = blasx.last_profile()
     assert sum(r.kind == "kernel" for r in prof.records) == prof.totals()["steps"] == 8
+
+
+def test_records_left_with_a_device_do_not_keep_a_calls_arrays(rand, monkeypatch):
+    """Regression: a device's timing records still open when a call ended held their tasks, and so
+    the call and its arrays, until the next call; a result from the page-locked pool then could not
+    return to it, and the next large result paid a fresh allocation. Records hold the collector only."""
+    monkeypatch.setattr(SimDevice, "take_records", lambda self: [])  # every record stays with the device
+    blasx.configure(devices="sim:1", tile=16, streams=1)
+    a, b = rand((32, 32)), rand((32, 32), seed=1)
+    result = blasx.gemm(1.0, a, b)
+    alive = weakref.ref(result)
+    del result
+    gc.collect()
+    assert alive() is None
 
 
 # =========================================================================== epilogue hook

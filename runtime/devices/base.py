@@ -237,7 +237,9 @@ class StreamDevice(Device):
         """Mark the end of a traced operation."""
 
     def take_records(self) -> list:
-        """Finished (task, OpRecord) pairs since the last call, for the stats."""
+        """Finished (stats, OpRecord) pairs since the last call: each record with its call's collector
+        (``task.call.stats``). A backend keeps the collector, not the task: a record still open after
+        its call ends must not keep the call's arrays alive."""
         return []
 
 

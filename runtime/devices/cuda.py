@@ -362,7 +362,7 @@ class CudaDevice(CudaKernels, StreamDevice):
         from cupy.cuda import runtime
         ev = self._timing_event()
         runtime.eventRecord(ev, self.stream_ptrs[s])
-        self._open_records.append((task, kind, s, nbytes, flops, handle, ev))
+        self._open_records.append((task.call.stats, task.tid, kind, s, nbytes, flops, handle, ev))
 
     def take_records(self) -> list:
         if not self._open_records:
@@ -371,14 +371,14 @@ class CudaDevice(CudaKernels, StreamDevice):
         anchor, t0 = self._anchor
         out, keep = [], []
         for rec in self._open_records:
-            task, kind, s, nbytes, flops, start, end = rec
+            stats, tid, kind, s, nbytes, flops, start, end = rec
             if runtime.eventQuery(end) != 0:
                 keep.append(rec)
                 continue
             a = t0 + runtime.eventElapsedTime(anchor, start) / 1e3
             b = t0 + runtime.eventElapsedTime(anchor, end) / 1e3
-            out.append((task, OpRecord(self.index, kind, a, b, stream=s, nbytes=nbytes, flops=flops,
-                                       task=task.tid, name=kind)))
+            out.append((stats, OpRecord(self.index, kind, a, b, stream=s, nbytes=nbytes, flops=flops,
+                                        task=tid, name=kind)))
             self._timing_events += (start, end)
         self._open_records = keep
         if not keep and time.perf_counter() - t0 > 30.0:

@@ -266,7 +266,7 @@ class SimDevice(StreamDevice):
                 rec = OpRecord(self.index, kind, t0, t1, stream=s, nbytes=nbytes, flops=flops,
                                task=task.tid, name=kind)
                 with self._rec_lock:
-                    self._records.append((task, rec))
+                    self._records.append((task.call.stats, rec))
         self.streams[s].submit(op)
 
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
