@@ -305,6 +305,15 @@ def read_dask(path: str) -> Table:
                  rows, notes)
 
 
+def read_first_call(path: str) -> Table:
+    doc = _load(path)
+    rows = [[_dtype(r["dtype"]), r["n"], _f(r["first_median"], 3), _f(r["warm_best_median"], 3),
+             _f(r["ratio_median"], 2), _f(r["ratio_worst"], 2), "yes" if r["ok"] else "NO"] for r in doc["results"]]
+    return Table(_devices(doc["devices"]), doc["date"][:16], doc["command"],
+                 ["dtype", "N", "first call s", "best warm call s", "first / warm", "worst sample", "checked"],
+                 rows, ["Medians over fresh processes; goal (issue 24): first / warm <= 1.5 at N = 8192."])
+
+
 def _devices(text: str) -> str:
     """'cuda:0 NVIDIA H200, cuda:1 NVIDIA H200' -> '2x NVIDIA H200'; 'cpu' -> 'CPU only'."""
     names = [re.sub(r"^\S+:\d+\s*", "", d.strip()) for d in text.split(",")]
@@ -347,6 +356,9 @@ READERS = [
     Reader("Dask distributed", "dask-*.json", read_dask,
            "`bench.dask`: blasx.dask beside dask.array's own matmul and blasx in one process, each on a fresh "
            "LocalCluster; results checked on random rows."),
+    Reader("The first call of a process", "first-call-*.json", read_first_call,
+           "`bench.first_call`: a fresh process's first blasx.gemm (engine start-up included, operands page-locked "
+           "beforehand) against its warm calls; every result checked."),
     Reader("Predicted scaling (sim)", "scaling-sim-*.json", read_scaling_sim,
            "`bench.scaling_sim`: a PREDICTION from timing sims calibrated to 2x H200, not a measurement."),
 ]

@@ -62,7 +62,7 @@ _running_lock = threading.Lock()
 def running_call(thread_ident: int):
     """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None.
 
-    Read-only, for progress displays: ``len(call.tasks) - call.remaining`` tasks are accounted
+    Read-only, for progress displays: ``call.n_tasks - call.remaining`` tasks are accounted
     for. Safe to call from any thread."""
     with _running_lock:
         return _running.get(thread_ident)
@@ -380,6 +380,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
         if not stats.finished:  # a call that failed before its last task ends now
             stats.finish()
         _tls.stats = stats
+        call.drop_tasks()
 
 
 def _backends(eng):

@@ -59,7 +59,7 @@ def flop_rate(v: float) -> str:
 
 def call_counts(call) -> tuple[int, int]:
     """(tasks accounted for, tasks) of a running :class:`~blasx.runtime.call.Call`."""
-    total = len(call.tasks)
+    total = call.n_tasks
     return max(0, total - call.remaining), total
 
 

@@ -4,7 +4,8 @@ Beside GPUs the CPU is orders of magnitude slower per task, so taking work by de
 makes every call wait for its CPU task. In auto mode (``cpu=None`` beside CUDA GPUs, ``cpu="auto"``
 beside any stream devices) it takes a task only when :func:`decide` predicts the call then ends no
 later: always with no GPU; never for a call with dependencies (TRSM) or one the GPUs hold at once
-(stations + compute streams), nor while a rate is unknown; else iff
+(stations + compute streams), nor while a rate is unknown or the call's host operands are still being
+page-locked (the GPUs then wait on registration; their tasks of that time are no rate samples); else iff
 
     cpu_s = margin * t.flops / r_cpu  <  gpu_s = (waiting - t.flops + RUNNING_LEFT * running) / sum(r_g)
 
@@ -39,12 +40,13 @@ DEPS = "deps"
 SMALL = "small"
 NO_GPU_RATE = "gpu rate unknown"
 NO_CPU_RATE = "cpu rate unknown"
+REGISTERING = "inputs registering"
 SOONER = "sooner"
 LATER = "later"
 #: Reasons that hold for the whole call, whatever the rates: nothing to look at again until
 #: another call is posted.
 NEVER_FOR_THE_CALL = frozenset({DEPS, SMALL})
-REASONS = (ALONE, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, SOONER, LATER)
+REASONS = (ALONE, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, REGISTERING, SOONER, LATER)
 
 clock = time.perf_counter
 
@@ -106,14 +108,13 @@ class RateMeter:
         if w >= 0 and (self._mark[w] is None or not self.busy(w)):
             self._mark[w] = t
 
-    def finished(self, w: int, key: str, flops: float, t: float) -> None:
-        """Worker ``w`` finished a task of ``flops`` in dtype ``key`` at time ``t``."""
+    def finished(self, w: int, key: str, flops: float, t: float, sample: bool = True) -> None:
+        """Worker ``w`` finished a task of ``flops`` in dtype ``key`` at time ``t`` (``sample=False``: its
+        interval is not a rate sample, e.g. it waited on host registration)."""
         mark = self._mark[w]
-        if mark is None:  # finished a task it was never seen starting: no interval to measure
-            self._mark[w] = t
-            return
-        self._add(w, key, flops, max(0.0, t - mark))
         self._mark[w] = t
+        if mark is not None and sample:  # (never seen starting: no interval to measure)
+            self._add(w, key, flops, max(0.0, t - mark))
 
     def seed(self, w: int, key: str, flops: float, seconds: float) -> None:
         """A first sample for ``(w, key)`` (the CPU's probe); ignored once it has one."""
@@ -160,11 +161,15 @@ class Admission:
         call = task.call
         if call.failed:
             return True  # its call failed: taking it drops it at once
+        if call.registering:  # the GPUs' rates are bound by registration until it ends: no prediction
+            self.counts[REGISTERING] += 1
+            self.last = Decision(False, REGISTERING)
+            return False
         eng = self.engine
         gpus = [w for w in eng.workers if w.dev.streamed and eng.can_run(w, call)]
         key = call.dtype.char
         meter = self.meter
-        args = (task.flops, len(call.tasks), call.has_deps,
+        args = (task.flops, call.n_tasks, call.has_deps,
                 sum(w.station.capacity + w.dev.nstreams for w in gpus))
         gpu_rates = [meter.rate(w.idx, key) if meter.samples.get((w.idx, key), 0) >= w.dev.nstreams else None
                      for w in gpus]  # (one burst first: module docstring)

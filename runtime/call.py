@@ -83,6 +83,7 @@ class Call:
         self.operands = operands
         self.tokens = tuple(op.token for op in operands)
         self.tasks = tasks
+        self.n_tasks = len(tasks)  # (kept after ``drop_tasks``)
         self.dtype = np.dtype(dtype)  # the input operands' type (every operand's, unless mixed)
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"
@@ -107,6 +108,7 @@ class Call:
         # The engine's rate meter and this call's flops not started / running, kept only when
         # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
         self.meter = None
+        self.pin_job = None  # a backend's job page-locking the host operands (``prepare_call``), or None
         self._full_step: float | None = None  # flops of the largest step (``full_step``)
         self.flops_waiting = 0.0
         self.flops_running = 0.0
@@ -280,6 +282,13 @@ class Call:
         fin, started = self._finished_tids, self._started_tids
         return any(d not in fin and d not in started for d in task.gates[k])
 
+    @property
+    def registering(self) -> bool:
+        """Host operands are still being page-locked beside the call: until then the GPUs' tasks wait on
+        registration, and their rates say nothing of their compute."""
+        job = self.pin_job
+        return job is not None and not job.done
+
     def meter_with(self, meter) -> None:
         """Report starts and finishes to ``meter`` (an ``admission.RateMeter``) and keep the
         flops waiting / running; before any task is queued."""
@@ -328,7 +337,7 @@ class Call:
             self._remaining -= 1
             last = self._remaining == 0
         if meter is not None and worker is not None:
-            meter.finished(worker, self.dtype.char, task.flops, _clock())
+            meter.finished(worker, self.dtype.char, task.flops, _clock(), sample=not self.registering)
         if last:
             self.stats.finish()
             self._done.set()
@@ -350,6 +359,14 @@ class Call:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def drop_tasks(self) -> None:
+        """After a completed call: forget its tasks. Each task refers back to its call, so without this the
+        call, its operands and the caller's arrays form a cycle that only the cyclic garbage collector frees,
+        some time later (a result's page-locked buffer, a registration of pages). A task a worker still holds
+        keeps the call alive as before."""
+        if self.done:
+            self.tasks = ()
 
     def unaccounted(self) -> list[Task]:
         """Tasks not yet accounted for (for a cancelling caller's sweep)."""

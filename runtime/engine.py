@@ -29,7 +29,8 @@ Policy
   every GPU worker keeps a core: by demand with ``cpu=True``; in **auto mode** (``cpu=None``
   beside CUDA GPUs, ``cpu="auto"``) only when ``admission.py`` predicts it finishes the task before
   the GPUs finish the rest of the call, never for a call with dependencies or one the GPUs hold at
-  once. With the CPU as the only device, tasks run in the calling thread (``Engine.inline``).
+  once, nor while the call's host operands are still being page-locked. With the CPU as the only
+  device, tasks run in the calling thread (``Engine.inline``).
 
 Invariants
 ----------

@@ -266,6 +266,11 @@ class PinJob:
         return len(self._threads)
 
     @property
+    def done(self) -> bool:
+        """Every thread has ended (each appends its end time last)."""
+        return len(self._ends) == len(self._threads)
+
+    @property
     def pinned_bytes(self) -> int:
         """Bytes this job registered (its chunks that succeeded)."""
         return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i])

@@ -203,7 +203,7 @@ class DeviceBreakdown:
     overlapped_comm: float   # copy time hidden under compute
     counters: dict[str, float]
     lead: float = 0.0        # idle before the device's first operation (all of wall if it had none)
-    tail: float = 0.0        # idle after its last operation ends
+    tail: float = 0.0        # idle after its last operation ends (none if it had none: lead + gaps + tail = idle)
 
 
 #: report columns: header, key of a report row, cell formatter
@@ -282,7 +282,7 @@ class Profile:
                 busy=busy, comm=comm, idle=max(self.wall - covered, 0.0),
                 overlapped_comm=max(copied - comm, 0.0), counters=dict(c),
                 lead=active[0][0] - self.start if active else self.wall,
-                tail=self.finish - active[-1][1] if active else self.wall))
+                tail=self.finish - active[-1][1] if active else 0.0))
         return out
 
     def _device_rows(self, bd: list[DeviceBreakdown], totals: dict[str, float]) -> list[dict]:

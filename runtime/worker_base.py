@@ -66,7 +66,7 @@ class Worker(threading.Thread):
         if not self.dev.streamed:
             return False
         peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
-        share = max(1, len(call.tasks) // max(1, len(peers)))
+        share = max(1, call.n_tasks // max(1, len(peers)))
         if self.holding(call) < share or not self.has_runnable():
             return False
         return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)

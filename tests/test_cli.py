@@ -230,7 +230,7 @@ def test_wanted():
 
 class _FakeCall:
     def __init__(self, total):
-        self.tasks = [None] * total
+        self.n_tasks = total
         self.remaining = total
 
 

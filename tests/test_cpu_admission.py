@@ -105,7 +105,7 @@ def test_call_keeps_its_flops_waiting_and_running():
         def started(self, w, t):
             events.append(("start", w))
 
-        def finished(self, w, key, flops, t):
+        def finished(self, w, key, flops, t, sample=True):
             events.append(("finish", w, key, flops))
 
     tasks = plan_gemm(8, 8, 8, 4, OP_N, OP_N)  # 4 tasks of 2 * 4 * 4 * 8 = 256 flops
@@ -192,6 +192,37 @@ def test_admission_leaves_small_calls_and_dependencies_to_the_gpus():
     eng.admission.meter.seed(0, "d", 1.0, 1.0)
     call.has_deps = True
     assert not eng.workers[2]._takes(call.tasks[0]) and eng.admission.last.reason == A.DEPS
+
+
+def test_no_admission_and_no_rate_samples_while_a_calls_inputs_register():
+    """Regression: a one-shot call's first tasks wait on host registration, so the GPUs' first rates were a
+    fraction of their compute; the CPU was handed a 4096^2 x 32768 task that ran 8 s after the GPUs' 1.5 s.
+    While the call's pin job runs the CPU takes nothing, and the GPUs' tasks of that time are no samples."""
+    eng, call = constructed()
+    cpu, adm = eng.workers[2], eng.admission
+    adm.meter._add(0, "d", 1024.0, 1.0)
+    adm.meter._add(0, "d", 1024.0, 1.0)  # a burst of sim 0 (2 streams): its rate is known
+    job = types.SimpleNamespace(done=False)
+    call.pin_job = job
+    task = call.tasks[0]
+    assert call.registering and not cpu._takes(task) and adm.last == A.Decision(False, A.REGISTERING)
+    t1 = call.tasks[1]
+    t1.worker = 0
+    call.started(t1)
+    call.account(t1, worker=0)  # finished while registering: the interval is no sample
+    assert adm.meter.samples[(0, "d")] == 2 and adm.meter.rate(0, "d") == 1024.0
+    job.done = True
+    assert not call.registering and cpu._takes(task) and adm.last.reason == A.SOONER
+    assert adm.counts[A.REGISTERING] == 1
+
+
+def test_rate_meter_skips_an_interval_that_is_no_sample():
+    m = A.RateMeter(1, lambda w: True)
+    m.started(0, 0.0)
+    m.finished(0, "d", 100.0, 10.0, sample=False)  # waited on something else: the mark moves, no sample
+    assert m.rate(0, "d") is None and (0, "d") not in m.samples
+    m.finished(0, "d", 100.0, 11.0)
+    assert m.rate(0, "d") == 100.0 and m.samples[(0, "d")] == 1
 
 
 def test_cpu_worker_puts_back_a_task_it_did_not_decide_on():

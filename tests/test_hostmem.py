@@ -246,7 +246,9 @@ def test_several_threads_register_each_chunk_once_taking_them_in_order(fake_cuda
     reg = RegistrationCache()
     arrays = [np.ones((1 << 15,)) for _ in range(3)]  # 256 KiB each: 3-4 interior chunks
     pinnings, job = reg.pin(arrays)
+    assert not job.done  # each registration takes 20 ms
     time.sleep(0.5)  # the call runs on; its job's time is the registering, not the wait for the join
+    assert job.done
     job.join()
     want = round_robin([p.chunks for p in pinnings])
     assert job.threads == 3 and most[0] > 1  # the registrations overlapped

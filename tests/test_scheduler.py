@@ -497,6 +497,23 @@ def test_records_left_with_a_device_do_not_keep_a_calls_arrays(rand, monkeypatch
     assert alive() is None
 
 
+def test_a_finished_call_leaves_no_cycle_holding_its_arrays(rand):
+    """Regression: tasks refer to their call and the call to its tasks, so a finished call and the caller's
+    arrays were freed only by the cyclic garbage collector, at some later allocation (on GPU engines a
+    result's page-locked buffer missed the next call). Dispatch drops a completed call's tasks."""
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = rand((64, 64)), rand((64, 64), seed=1)
+    gc.collect()
+    gc.disable()
+    try:
+        result = blasx.gemm(1.0, a, b)
+        alive = [weakref.ref(result), weakref.ref(a)]
+        del result, a
+        assert [w() for w in alive] == [None, None]
+    finally:
+        gc.enable()
+
+
 # =========================================================================== epilogue hook
 
 def _gemm_with_epilogue(a, b, tile, epilogue):

@@ -86,7 +86,7 @@ def test_lead_and_tail_are_the_idle_time_before_the_first_and_after_the_last_ope
     recs = [OpRecord(0, "h2d", 1.5, 2.5), OpRecord(0, "kernel", 2.0, 7.0), OpRecord(0, "d2h", 6.5, 8.0),
             OpRecord(1, "kernel", -1.0, 3.0)]  # clipped to the call's window
     assert [(b.lead, b.tail) for b in make_stats(recs).profile().breakdown()] == [(1.5, 2.0), (0.0, 7.0)]
-    assert [(b.lead, b.tail) for b in make_stats().profile().breakdown()] == [(10.0, 10.0), (10.0, 10.0)]
+    assert [(b.lead, b.tail) for b in make_stats().profile().breakdown()] == [(10.0, 0.0), (10.0, 0.0)]  # no operation
 
 
 def test_breakdown_without_records_and_with_zero_wall():
