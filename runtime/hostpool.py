@@ -66,14 +66,17 @@ class LockedMemory:
 
     def alloc(self, nbytes: int) -> int:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = None
         try:
             view = np.frombuffer(m, dtype=np.uint8)
             ptr = view.ctypes.data
             zero(view)
-            del view  # no export left: the mapping can close
+            view = None  # no export left: the mapping can close
             self._register(ptr, nbytes)
         except BaseException:
-            m.close()
+            view = None
+            with contextlib.suppress(BufferError):  # a zeroing thread still at it (interrupted): unmapped with it
+                m.close()
             raise
         with self._lock:
             self._maps[ptr] = m

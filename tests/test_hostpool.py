@@ -213,6 +213,13 @@ def test_locked_memory_zeroes_registers_whole_and_unmaps_on_free(monkeypatch):
     with pytest.raises(MemoryError):
         hostpool.LockedMemory(refuse, lambda p: None).alloc(nbytes)
 
+    def interrupted(flat):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hostpool, "zero", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # the interrupt itself, not an unmapping error
+        mem.alloc(nbytes)
+    assert mem.live == 0
+
 
 @pytest.mark.parametrize("order", ["F", "C"])
 def test_copy_into_in_parts_equals_assignment(monkeypatch, order):

@@ -188,10 +188,20 @@ def _filled(a, p):
 
 
 def _joined(xp, grid):
-    """A matrix from a grid (rows of pieces): the pieces themselves where there is one, else one copy."""
+    """A matrix from a grid (rows of pieces): the piece itself where there is one, else one F-ordered copy,
+    each piece written into its place (no row panels made first: a join holds only its result)."""
     if len(grid) == 1 and len(grid[0]) == 1:
         return grid[0][0]
-    return xp.concatenate([row[0] if len(row) == 1 else xp.concatenate(row, axis=1) for row in grid], axis=0)
+    heights, widths = [row[0].shape[0] for row in grid], [p.shape[1] for p in grid[0]]
+    out = xp.empty((sum(heights), sum(widths)), dtype=grid[0][0].dtype, order="F")
+    r0 = 0
+    for row, h in zip(grid, heights):
+        c0 = 0
+        for p in row:
+            out[r0:r0 + h, c0:c0 + p.shape[1]] = p
+            c0 += p.shape[1]
+        r0 += h
+    return out
 
 
 def _grid_gemm(args, acc, xp):
