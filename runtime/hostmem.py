@@ -130,13 +130,14 @@ class RegistrationCache:
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
 
-    def pin(self, arrays, min_bytes: int | None = None, late=()) -> tuple[list, "PinJob | None"]:
+    def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None
+            ) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
         when there is something to register) after all the others'. Returns each array's :class:`Pinning`
         (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
-        which the caller joins when the call is over."""
+        which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``)."""
         from cupy.cuda import runtime
 
         pinnings, chunks = [], []
@@ -149,7 +150,7 @@ class RegistrationCache:
         late = late() if callable(late) else late
         order = (round_robin([c for i, c in enumerate(chunks) if i not in late])
                  + round_robin([c for i, c in enumerate(chunks) if i in late]))
-        job = PinJob(self, order)
+        job = PinJob(self, order, threads)
         job.start()
         return pinnings, job
 

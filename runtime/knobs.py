@@ -40,6 +40,9 @@ class Knobs:
     #: many full tile steps (2 T^3 flops, 8 T^3 complex), besides the cap of 2 x streams tasks in
     #: flight; this bounds the tail imbalance. 0 (default): the cap alone.
     commit_steps: int = 0
+    #: Threads page-locking one call's host operands beside it (``hostmem.PinJob``). 0 (default):
+    #: ``hostmem.PIN_THREADS``.
+    pin_threads: int = 0
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

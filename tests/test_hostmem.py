@@ -358,11 +358,12 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     from blasx.runtime import hostmem
     from blasx.runtime.call import Call
     from blasx.runtime.devices.cuda import CudaDevice
+    from blasx.runtime.knobs import Knobs
     from blasx.runtime.plans import plan_gemm
     seen = []
 
-    def pin(arrays, min_bytes=None, late=()):
-        seen.append((arrays, late() if callable(late) else late))
+    def pin(arrays, min_bytes=None, late=(), threads=None):
+        seen.append((arrays, late() if callable(late) else late, threads))
         return [None] * len(arrays), None
     monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
     a, c = np.ones((8, 8)), np.ones((8, 8))
@@ -373,7 +374,9 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
         ops = [operand(a), operand(None, device=0), operand(c)]  # B on a GPU: not pinned
         call = types.SimpleNamespace(operands=ops, tasks=plan_gemm(8, 8, 8, 4, 0, 0))
         call.written_only = lambda: Call.written_only(call)
-        CudaDevice.prepare_call(types.SimpleNamespace(), call)
-    ((arrays, late),) = seen
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs()), call)
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(pin_threads=8)), call)  # BLASX_KNOBS=pin_threads=8
+    (arrays, late, threads), (_, _, eight) = seen
     assert arrays[0] is a and arrays[1] is c and late == {1} and call.pin_job is None
     assert ops[0].pinning is None and ops[2].pinning is None and ops[1].pinning == "unset"
+    assert threads is None and eight == 8  # the knob's 0: PIN_THREADS

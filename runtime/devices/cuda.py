@@ -205,7 +205,9 @@ class CudaDevice(CudaKernels, StreamDevice):
             def late():  # outputs: their chunks after the inputs' (worked out only when something registers)
                 written = call.written_only()
                 return {i for i, (slot, _) in enumerate(host) if slot in written}
-            pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late)
+            knobs = getattr(self, "knobs", None)
+            pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
+                                                  threads=(knobs.pin_threads if knobs else 0) or None)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
