@@ -1120,20 +1120,25 @@ def format_failures(rows: Sequence[Row]) -> list[str]:
 
 
 def format_profiles(rows: Sequence[Row]) -> list[str]:
-    """One line per blasx row: traffic, cache and steals of its best run, and per device
-    busy/comm/idle (from blasx.last_profile().summary())."""
+    """One line per blasx row: the best run's time against the engine's own wall (what the call spent
+    outside it: a new result, copies of C) and its page-locking time, traffic, cache and steals, and per
+    device busy/comm/idle (from blasx.last_profile().summary())."""
     lines = []
     for r in rows:
         prof = r.best_extra.get("profile") if r.contender == "blasx" else None
         if not prof:
             continue
         t = prof.get("totals", {})
+        wall, pin = prof.get("wall"), prof.get("host", {}).get("pin_seconds")
+        timing = "" if r.best is None or wall is None else (
+            f"call {r.best:.3f} s, engine {wall:.3f} s (outside it {max(r.best - wall, 0.0):.3f} s)"
+            + ("" if pin is None else f", registering {pin:.3f} s") + "; ")
         devs = ", ".join(
             f"{d.get('name', i)}: {d.get('tasks', 0):.0f} tasks busy {_f(d.get('busy'), '.3f')} "
             f"comm {_f(d.get('comm'), '.3f')} idle {_f(d.get('idle'), '.3f')} s"
             for i, d in enumerate(prof.get("devices", [])))
         lines.append(
-            f"{r.mode} {r.dtype} {r.size}: H2D {gib(t.get('bytes_h2d', 0)):.2f} GiB, "
+            f"{r.mode} {r.dtype} {r.size}: {timing}H2D {gib(t.get('bytes_h2d', 0)):.2f} GiB, "
             f"D2H {gib(t.get('bytes_d2h', 0)):.2f} GiB, P2P {gib(t.get('bytes_p2p', 0)):.2f} GiB; "
             f"L1 hits {t.get('l1_hits', 0):.0f}, L2 hits {t.get('l2_hits', 0):.0f}, "
             f"misses {t.get('misses', 0):.0f}, steals {t.get('steals', 0):.0f}; {devs}")

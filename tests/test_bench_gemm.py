@@ -137,7 +137,7 @@ def rec(label, mode, seconds, err=1e-15, ok=True, dtype="d", n=1000, run=0, cont
                     failure, warmup, extra or {})
 
 
-PROFILE = {"wall": 0.1, "tflops": 20.0,
+PROFILE = {"wall": 0.08, "tflops": 20.0, "host": {"pin_seconds": 0.03},
            "totals": {"bytes_h2d": 2**31, "bytes_d2h": 2**30, "bytes_p2p": 0, "l1_hits": 5,
                       "l2_hits": 1, "misses": 8, "steals": 2},
            "devices": [{"name": "cuda:0", "tasks": 4, "busy": 0.08, "comm": 0.01, "idle": 0.01},
@@ -246,6 +246,7 @@ def test_markdown():
     assert "## Same-run ratios" in md and "## Host registration cost" in md
     assert "registered 0.02 GiB in 0.010 s (0.4464 s/GiB)" in md
     assert "## blasx profile of the best run" in md and "H2D 2.00 GiB" in md
+    assert "call 0.100 s, engine 0.080 s (outside it 0.020 s), registering 0.030 s; H2D" in md
     assert "steals 2" in md and "cuda:1: 4 tasks busy 0.070" in md
     assert "## Failures" in md and "RuntimeError: boom" in md
 
