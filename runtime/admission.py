@@ -46,7 +46,7 @@ LATER = "later"
 #: Reasons that hold for the whole call, whatever the rates: nothing to look at again until
 #: another call is posted.
 NEVER_FOR_THE_CALL = frozenset({DEPS, SMALL})
-REASONS = (ALONE, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, REGISTERING, SOONER, LATER)
+REASONS = (ALONE, REGISTERING, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, SOONER, LATER)
 
 clock = time.perf_counter
 
@@ -64,13 +64,16 @@ class Decision:
 
 def decide(task_flops: float, call_tasks: int, has_deps: bool, gpu_hold: int,
            cpu_rate: float | None, gpu_rates: list, waiting_flops: float, running_flops: float,
-           *, margin: float = MARGIN, running_left: float = RUNNING_LEFT) -> Decision:
+           *, margin: float = MARGIN, running_left: float = RUNNING_LEFT, registering: bool = False) -> Decision:
     """The admission rule (module docstring): may the CPU worker take this task now?
 
     ``gpu_rates``: one entry per live stream worker that can run the call (None: not measured
-    yet); empty when there is none. ``waiting_flops`` includes the task itself."""
+    yet); empty when there is none. ``waiting_flops`` includes the task itself. ``registering``:
+    the call's host operands are still being page-locked."""
     if not gpu_rates:
         return Decision(True, ALONE)
+    if registering:
+        return Decision(False, REGISTERING)
     if has_deps:
         return Decision(False, DEPS)
     if call_tasks <= gpu_hold:
@@ -161,10 +164,6 @@ class Admission:
         call = task.call
         if call.failed:
             return True  # its call failed: taking it drops it at once
-        if call.registering:  # the GPUs' rates are bound by registration until it ends: no prediction
-            self.counts[REGISTERING] += 1
-            self.last = Decision(False, REGISTERING)
-            return False
         eng = self.engine
         gpus = [w for w in eng.workers if w.dev.streamed and eng.can_run(w, call)]
         key = call.dtype.char
@@ -184,4 +183,4 @@ class Admission:
 
     def _decide(self, args, cpu_rate, gpu_rates, call) -> Decision:
         return decide(*args, cpu_rate, gpu_rates, call.flops_waiting, call.flops_running,
-                      margin=self.margin, running_left=self.running_left)
+                      margin=self.margin, running_left=self.running_left, registering=call.registering)

@@ -43,6 +43,8 @@ def test_decide_reasons_in_order():
     d = A.decide
     # No GPU can run the call: the CPU takes it, whatever else holds.
     assert d(8.0, 1, True, 0, None, [], 0.0, 0.0) == A.Decision(True, A.ALONE)
+    assert d(8.0, 1, True, 0, None, [], 0.0, 0.0, registering=True) == A.Decision(True, A.ALONE)
+    assert d(8.0, 100, True, 16, 1.0, [1.0], 800.0, 0.0, registering=True) == A.Decision(False, A.REGISTERING)
     assert d(8.0, 100, True, 16, 1.0, [1.0], 800.0, 0.0) == A.Decision(False, A.DEPS)
     assert d(8.0, 16, False, 16, 1.0, [1.0], 800.0, 0.0) == A.Decision(False, A.SMALL)
     assert d(8.0, 17, False, 16, 1.0, [None, None], 800.0, 0.0) == A.Decision(False, A.NO_GPU_RATE)
