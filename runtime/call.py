@@ -154,6 +154,10 @@ class Call:
         # int8 tiles on a device have a leading dimension that is a multiple of 4 (cuBLAS's rule)
         self.pad_ld = 4 if self.dtype == np.int8 else 1
 
+    def written_slots(self) -> frozenset[int]:
+        """Slots of the operands the call writes (its tasks' C, and the buffers C starts from)."""
+        return frozenset(s for t in self.tasks for s in (t.c.slot, *((t.c_init.slot,) if t.c_init else ())))
+
     def written_only(self) -> frozenset[int]:
         """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their
         memory is needed after the inputs', so it is page-locked after theirs (hostmem.RegistrationCache.pin)."""

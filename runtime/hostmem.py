@@ -7,6 +7,11 @@ are copied pageable. Registration costs about a pass over the data, so ``PIN_THR
 call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk;
 an output the call only writes after its inputs), and a tile copy waits only for the chunks it
 touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly registered range).
+
+Staging: an input the call only reads, seen by blasx for the first time, is copied instead into a
+page-locked buffer of the result pool (the same threads and chunk order; copies read the buffer,
+``Pinning.delta``): with the buffer idle in the pool, a pass of copying is cheaper than registering an
+array and later unregistering it. An array seen again is registered in place: it is being reused.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ CHUNK_BYTES = 256 << 20  # one registration: short next to a call, few per GiB
 HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 PIN_THREADS = 4  # threads registering one call's chunks: the driver pins a fresh array's pages faster on several
+STAGE_THREADS = 8  # threads of a call that stages: copies scale further than registration
 
 
 def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:
@@ -79,16 +85,20 @@ class Pinning:
     the root is pageable. A chunk's state is written by the one thread registering it, before
     its event is set; readers wait on the events."""
 
-    def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False) -> None:
+    def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False,
+                 staged=None) -> None:
         self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
-        self.ok = [foreign] * len(chunks)  # registered (by blasx)
+        self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
         self.ready = [threading.Event() for _ in chunks]
         self.claimed = [False] * len(chunks)  # a thread has taken it on (under the cache's lock)
         if foreign:
             for ev in self.ready:
                 ev.set()
-        # region boundaries a copy must not span: the chunks' edges
-        self.cuts = sorted({x for span in chunks for x in span} - {lo, hi})
+        # staged: a page-locked uint8 array holding a copy of bytes [lo, hi); copies read it there
+        self.staged = staged
+        self.delta = 0 if staged is None else int(staged.ctypes.data) - lo  # host address -> where it is read
+        # region boundaries a copy must not span: the chunks' edges (none in one staging buffer)
+        self.cuts = [] if staged is not None else sorted({x for span in chunks for x in span} - {lo, hi})
 
     @classmethod
     def whole(cls, lo: int, hi: int) -> "Pinning":
@@ -97,10 +107,13 @@ class Pinning:
     def wait(self, lo: int, hi: int) -> None:
         """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
         done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
-        for (s, e), ev in zip(self.chunks, self.ready):
+        for (s, e), ev, ok in zip(self.chunks, self.ready, self.ok):
             if s < hi and lo < e and not ev.wait(WAIT_SECONDS):
                 raise TimeoutError(f"host memory bytes [{s:#x}, {e:#x}) were not page-locked within "
                                    f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes usually takes milliseconds)")
+        if self.staged is not None and not all(ok for (s, e), ok in zip(self.chunks, self.ok) if s < hi and lo < e):
+            raise RuntimeError(f"host memory bytes [{lo:#x}, {hi:#x}) could not be copied into a page-locked "
+                               "staging buffer")
 
     def pieces(self, ptr: int, pitch: int, width: int, cols: int) -> list[tuple[int, int, int, int]]:
         """The 2-D copy split so each piece lies in one region, once those regions are ready."""
@@ -129,30 +142,68 @@ class RegistrationCache:
         # call's array: a plain Lock would deadlock).
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
+        self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
-    def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None
-            ) -> tuple[list, "PinJob | None"]:
+    def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
+            readonly=(), buffer=None) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
         when there is something to register) after all the others'. Returns each array's :class:`Pinning`
         (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
-        which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``)."""
+        which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``,
+        ``STAGE_THREADS`` when it stages). The arrays at the indices ``readonly`` (inputs only read) may be
+        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None."""
         from cupy.cuda import runtime
 
+        # a root the call also writes is never staged (its copy would go stale)
+        staging = {id(root_of(x)): None for i, x in enumerate(arrays) if i not in readonly} if buffer else {}
         pinnings, chunks = [], []
-        for x in arrays:
-            p, mine = self._pinning(runtime, x, min_bytes)
+        for i, x in enumerate(arrays):
+            p = self._staging(runtime, x, staging, buffer, min_bytes) if i in readonly and buffer else None
+            p, mine = (p, []) if p is not None else self._pinning(runtime, x, min_bytes)
             pinnings.append(p)
             chunks.append(mine)
+        for p in staging.values():
+            if p is not None:
+                chunks.insert(0, [(p, k) for k in range(len(p.chunks))])
         if not any(chunks):
             return pinnings, None
         late = late() if callable(late) else late
+        late = {i + len(chunks) - len(arrays) for i in late}  # staged roots' lists went in front
         order = (round_robin([c for i, c in enumerate(chunks) if i not in late])
                  + round_robin([c for i, c in enumerate(chunks) if i in late]))
+        if threads is None and any(p.staged is not None for p, _ in order):
+            threads = STAGE_THREADS
         job = PinJob(self, order, threads)
         job.start()
         return pinnings, job
+
+    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None):
+        """A staged Pinning for x's root (shared by the call's operands on that root), or None: the root
+        is small, pinned already or before, seen by blasx before, a view of a part of it, or ``buffer``
+        has none. Its chunks are copied by the call's job (its first lists, in ``pin``)."""
+        root = root_of(x)
+        key = id(root)
+        if key in staging:
+            return staging[key]
+        lo = int(root.ctypes.data)
+        with self._lock:
+            seen = self._seen.get(key) is root
+            mine = key in self._ours
+        p = None
+        if (not seen and not mine and root.base is None and x.nbytes == root.nbytes
+                and root.nbytes >= (MIN_REGISTER_BYTES if min_bytes is None else min_bytes)
+                and not (_is_pinned(runtime, lo) or _is_pinned(runtime, lo + root.nbytes - 1))):
+            buf = buffer(root.nbytes)
+            if buf is not None:
+                p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf)
+                p.claimed = [True] * len(p.chunks)
+                p.source = root  # the copy threads read it
+                with self._lock:
+                    self._seen[key] = root
+        staging[key] = p
+        return p
 
     def _pinning(self, runtime, x, min_bytes: int | None = None):
         """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
@@ -177,7 +228,11 @@ class RegistrationCache:
         return p, [(p, i) for i in mine]
 
     def register_chunk(self, p: Pinning, i: int) -> None:
-        """Register chunk i of p (called by one of its PinJob's threads); always sets its event."""
+        """Register chunk i of p (called by one of its PinJob's threads); always sets its event. A staged
+        p's chunk is copied into its buffer instead."""
+        if p.staged is not None:
+            stage_chunk(p, i)
+            return
         try:
             from cupy.cuda import runtime
             start, end = p.chunks[i]
@@ -227,6 +282,18 @@ class RegistrationCache:
                 f"{', '.join(overlap) or 'none'}")
 
 
+def stage_chunk(p: Pinning, i: int) -> None:
+    """Copy chunk i of a staged p from its root into its buffer; always sets its event (a failed copy
+    leaves the chunk not ok: a tile copy waiting for it raises, so the call fails rather than read it)."""
+    try:
+        start, end = p.chunks[i]
+        src = p.source.reshape(-1, order="A").view(np.uint8)  # a root owning its memory is contiguous
+        np.copyto(p.staged[start - p.lo:end - p.lo], src[start - p.lo:end - p.lo])
+        p.ok[i] = True
+    finally:
+        p.ready[i].set()
+
+
 class PinJob:
     """One call's chunks, registered by ``PIN_THREADS`` threads of its own, each taking the next chunk
     in the call's order (not daemons: the call joins the job before returning, so no registration
@@ -274,7 +341,12 @@ class PinJob:
     @property
     def pinned_bytes(self) -> int:
         """Bytes this job registered (its chunks that succeeded)."""
-        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i])
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is None)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this job copied into staging buffers."""
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is not None)
 
 
 def _is_pinned(runtime, ptr: int) -> bool:

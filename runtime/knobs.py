@@ -43,6 +43,9 @@ class Knobs:
     #: Threads page-locking one call's host operands beside it (``hostmem.PinJob``). 0 (default):
     #: ``hostmem.PIN_THREADS``.
     pin_threads: int = 0
+    #: Stage inputs seen for the first time through page-locked pool buffers instead of registering them
+    #: in place (``hostmem``'s staging).
+    stage_inputs: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -221,6 +221,10 @@ def test_a_calls_written_only_operands():
     assert written(plan_trmm(300, 200, 128, 0, 0, 0, 0)) == written(plan_trmm(300, 200, 128, 0, 0, 0, 0, in_place=True)) == {2}
     assert written(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == written(plan_trsm(300, 200, 128, 0, 0, 0, 0, inverse=True)) == set()
     assert written([]) == frozenset()
+    # every slot written at all (never staged): TRSM's in-place B too
+    slots = lambda tasks: Call.written_slots(types.SimpleNamespace(tasks=tasks))  # noqa: E731
+    assert slots(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == {1, 2} and slots(plan_gemm(300, 200, 500, 128, 0, 0)) == {2}
+    assert slots(plan_syrk(300, 200, 128, 0, 0)) == {1}
 
 
 def test_several_threads_register_each_chunk_once_taking_them_in_order(fake_cuda, monkeypatch):
@@ -362,8 +366,8 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     from blasx.runtime.plans import plan_gemm
     seen = []
 
-    def pin(arrays, min_bytes=None, late=(), threads=None):
-        seen.append((arrays, late() if callable(late) else late, threads))
+    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None):
+        seen.append((arrays, late() if callable(late) else late, threads, readonly))
         return [None] * len(arrays), None
     monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
     a, c = np.ones((8, 8)), np.ones((8, 8))
@@ -374,9 +378,12 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
         ops = [operand(a), operand(None, device=0), operand(c)]  # B on a GPU: not pinned
         call = types.SimpleNamespace(operands=ops, tasks=plan_gemm(8, 8, 8, 4, 0, 0))
         call.written_only = lambda: Call.written_only(call)
+        call.written_slots = lambda: Call.written_slots(call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs()), call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(pin_threads=8)), call)  # BLASX_KNOBS=pin_threads=8
-    (arrays, late, threads), (_, _, eight) = seen
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_inputs=False)), call)
+    (arrays, late, threads, readonly), (_, _, eight, _), (_, _, _, none) = seen
     assert arrays[0] is a and arrays[1] is c and late == {1} and call.pin_job is None
     assert ops[0].pinning is None and ops[2].pinning is None and ops[1].pinning == "unset"
     assert threads is None and eight == 8  # the knob's 0: PIN_THREADS
+    assert readonly == {0} and not none  # A may be staged, never C; stage_inputs=0: nothing

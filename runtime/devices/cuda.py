@@ -49,6 +49,14 @@ def _after_callers_streams(operands) -> None:
             cupy.cuda.get_current_stream().synchronize()
 
 
+def _stage_buffer(nbytes: int):
+    """A page-locked buffer of the result pool (uint8, ``nbytes``) to stage an input in, or None: the pool
+    is off, or could not keep three such buffers idle (an input's, another's, a result's) after the call."""
+    from .. import hostpool
+    limit = hostpool.POOL.idle_limit
+    return None if limit is None or 3 * nbytes > limit else hostpool.POOL.array((nbytes,), np.uint8)
+
+
 def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
     """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
     return ((cols - 1) * ld + rows) * isz
@@ -206,8 +214,15 @@ class CudaDevice(CudaKernels, StreamDevice):
                 written = call.written_only()
                 return {i for i, (slot, _) in enumerate(host) if slot in written}
             knobs = getattr(self, "knobs", None)
+            stage = knobs is None or knobs.stage_inputs
+            if stage:
+                written = call.written_slots()
+                readonly = {i for i, (slot, _) in enumerate(host) if slot not in written}
+            else:
+                readonly = ()
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
-                                                  threads=(knobs.pin_threads if knobs else 0) or None)
+                                                  threads=(knobs.pin_threads if knobs else 0) or None,
+                                                  readonly=readonly, buffer=_stage_buffer)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
@@ -217,6 +232,7 @@ class CudaDevice(CudaKernels, StreamDevice):
             job.join()
             call.stats.host["pin_seconds"] = job.seconds
             call.stats.host["pinned_bytes"] = job.pinned_bytes
+            call.stats.host["staged_bytes"] = job.staged_bytes
 
     # ------------------------------------------------------------ operations
     def copy_in(self, s, dst, src, rows, cols, dtype, task=None):
@@ -293,6 +309,9 @@ class CudaDevice(CudaKernels, StreamDevice):
         pinning = operand.pinning if operand.on_host else None
         width = rows * isz
         pieces = ((0, cols, 0, width),) if pinning is None else pinning.pieces(host, pitch, width, cols)
+        if pinning is not None and pinning.delta:  # a staged input: read from its page-locked copy
+            assert direction == "in", "a staged operand is never written"
+            src += pinning.delta
         try:
             for c0, n, b0, b1 in pieces:
                 runtime.memcpy2DAsync(dst + c0 * dpitch + b0, dpitch, src + c0 * spitch + b0, spitch, b1 - b0, n,

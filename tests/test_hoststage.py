@@ -1,0 +1,140 @@
+"""Staging one-shot inputs through page-locked buffers (hostmem's staging), without CUDA: which operands
+are staged, the bytes the copy threads put in the buffer, where tile copies then read, failures."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from blasx.runtime import hostmem
+from blasx.runtime.hostmem import RegistrationCache
+
+
+class FakeRuntime:
+    """cupy.cuda.runtime as staging and registration use it: registrations recorded, nothing pinned
+    beforehand, 2-D copies made with memmove and recorded."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self):
+        self.registered, self.unregistered, self.copies = [], [], []
+
+    def pointerGetAttributes(self, ptr):
+        raise self.CUDARuntimeError("not a CUDA pointer")
+
+    def hostRegister(self, start, size, flags):
+        self.registered.append((start, size))
+
+    def hostUnregister(self, start):
+        self.unregistered.append(start)
+
+    def memcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        import ctypes
+        self.copies.append((dst, src, width, height))
+        for c in range(height):
+            ctypes.memmove(dst + c * dpitch, src + c * spitch, width)
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    fake = FakeRuntime()
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.ModuleType("cupy.cuda")
+    cupy.cuda.runtime = fake
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    return fake
+
+
+def buffers(log):
+    def buffer(nbytes):
+        b = np.empty(nbytes, dtype=np.uint8)
+        log.append(b)
+        return b
+    return buffer
+
+
+def test_a_first_seen_input_is_staged_and_registered_in_place_when_seen_again(rt):
+    reg, made = RegistrationCache(), []
+    rng = np.random.default_rng(0)
+    a = np.asfortranarray(rng.standard_normal((96, 200)))  # 150 KiB: three 64 KiB chunks
+    c = np.ones((96, 200), order="F")
+    (pa, pc), job = reg.pin([a, c], late={1}, readonly={0}, buffer=buffers(made))
+    job.join()
+    assert len(made) == 1 and pa.staged is made[0] and pa.delta == made[0].ctypes.data - a.ctypes.data
+    assert np.array_equal(made[0].view(a.dtype).reshape(a.shape, order="F"), a)  # every byte copied
+    assert pc.staged is None and rt.registered and all(s >= c.ctypes.data for s, _ in rt.registered)  # C registered
+    assert job.staged_bytes == a.nbytes and job.pinned_bytes == sum(n for _, n in rt.registered)
+    assert job.threads == min(hostmem.STAGE_THREADS, len(pa.chunks) + len(pc.chunks))
+    assert pa.pieces(a.ctypes.data, 96 * 8, 96 * 8, 200) == [(0, 200, 0, 96 * 8)]  # one buffer: no cuts
+    # the next call on the same A: it is being reused, so it is registered in place
+    (again,), job2 = reg.pin([a], readonly={0}, buffer=buffers(made))
+    job2.join()
+    assert len(made) == 1 and again.staged is None and again.delta == 0 and all(again.ok)
+    for x in (a, c):
+        reg.release(x)
+
+
+def test_what_is_never_staged(rt):
+    reg, made = RegistrationCache(), []
+    big = np.ones((96, 400), order="F")
+    (p1, p2), job = reg.pin([big[:, :200], big[:, 200:]], readonly={0}, buffer=buffers(made))
+    job.join()  # A a view of half its root, and that root written by the call: both registered in place
+    assert not made and p1 is p2 and p1.staged is None
+    small = np.ones(16)
+    (ps,), job = reg.pin([small], readonly={0}, buffer=buffers(made))
+    assert ps is None and job is None and not made  # small: pageable
+    d = np.ones((96, 200))
+    (pd,), job = reg.pin([d], readonly={0}, buffer=lambda n: None)  # no buffer to be had: registered
+    job.join()
+    assert pd.staged is None and all(pd.ok)
+    e = np.ones((96, 200))
+    (pe,), job = reg.pin([e], readonly=(), buffer=buffers(made))  # not an input only: registered
+    job.join()
+    assert pe.staged is None and not made
+    for x in (big, d, e):
+        reg.release(x)
+
+
+def test_one_root_read_twice_is_staged_once(rt):
+    reg, made = RegistrationCache(), []
+    a = np.ones((96, 200), order="F")
+    (p1, p2), job = reg.pin([a, a.T], readonly={0, 1}, buffer=buffers(made))
+    job.join()
+    assert len(made) == 1 and p1 is p2 and p1.staged is made[0] and job.staged_bytes == a.nbytes
+
+
+def test_a_failed_staging_copy_fails_the_tile_copy_instead_of_reading_the_buffer(rt, monkeypatch):
+    reg, made = RegistrationCache(), []
+    a = np.ones((96, 200), order="F")
+
+    def broken(p, i):
+        p.ready[i].set()  # as stage_chunk's finally after a failed copy: ready, not ok
+    monkeypatch.setattr(hostmem, "stage_chunk", broken)
+    (pa,), job = reg.pin([a], readonly={0}, buffer=buffers(made))
+    job.join()
+    with pytest.raises(RuntimeError, match="staging buffer"):
+        pa.pieces(a.ctypes.data, 96 * 8, 96 * 8, 10)
+
+
+def test_the_cuda_backend_reads_a_staged_input_from_its_buffer(rt):
+    """``_copy_2d`` of a staged operand copies from the buffer at the same offsets; writes never go there."""
+    from blasx.runtime.devices.cuda import CudaDevice
+    reg, made = RegistrationCache(), []
+    rng = np.random.default_rng(1)
+    a = np.asfortranarray(rng.standard_normal((96, 200)))
+    (pa,), job = reg.pin([a], readonly={0}, buffer=buffers(made))
+    job.join()
+    dev = types.SimpleNamespace(stream_ptrs=[0])
+    op = types.SimpleNamespace(on_host=True, pinning=pa)
+    tile = np.zeros((32, 50), order="F")
+    src = a.ctypes.data + (50 * 96 + 32) * 8  # rows 32.., columns 50..
+    CudaDevice._copy_2d(dev, 0, "in", op, tile.ctypes.data, 32 * 8, src, 96 * 8, 32, 50, 8)
+    assert np.array_equal(tile, a[32:64, 50:100])
+    assert rt.copies[-1][1] == src + pa.delta  # read from the buffer
+    with pytest.raises(AssertionError):
+        CudaDevice._copy_2d(dev, 0, "out", op, src, 96 * 8, tile.ctypes.data, 32 * 8, 32, 50, 8)
