@@ -176,7 +176,7 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
 
 
 def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: str = "gemm", *,
-         math: str = "ieee", epilogue=None) -> None:
+         math: str = "ieee", epilogue=None, c_src=None) -> None:
     """c = alpha op(a) op(b) + beta c, written into the 2-D ``c`` (any strides), on validated
     operands of ``dtype`` (c aliasing neither a nor b, its shape op(a)'s rows x op(b)'s columns,
     ``k`` the inner dimension). beta 0: c is not read. alpha 0 or k 0: C = beta C, a and b unread
@@ -186,16 +186,19 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
     than ``dtype``) accumulates in the type's compute type and rounds once to c's type; it
     always runs on the engine. ``math``: "tf32" runs float32 on TF32 tensor cores (GPUs only).
     ``epilogue``: work on each finished C tile (runtime/epilogues.py), given for c as passed
-    (transposed here when the call computes C^T)."""
+    (transposed here when the call computes C^T). ``c_src``: where c's values are (c a new array,
+    beta != 0): the tasks read their C tiles' first contents there (a host copy into c saved), or
+    c is filled from it first where the call cannot (see :func:`_init_view`)."""
     if c.shape[0] == 0 or c.shape[1] == 0:
         return
     dtype = np.dtype(dtype)
     mixed = c.dtype != dtype or dtype not in dtypes.BY_DTYPE
     product = alpha != 0 and k != 0
+    cm = column_major_view(c)
+    init = None if c_src is None else _init_view(c_src, c, cm, mixed or epilogue is not None or beta == 0)
     if mixed and not product:
         _scale_mixed(c, dtype, beta)
         return
-    cm = column_major_view(c)
     staging = None
     if cm is None:  # an output with arbitrary strides: compute into a compact copy, copied back
         staging = array_module(is_cupy(c)).asfortranarray(c)
@@ -212,6 +215,8 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
     m, n = cv.shape
 
     def host():
+        if init is not None:
+            _fill(c, c_src)
         if product:
             written(cv, blas_routine("gemm", dtype)(alpha, va, vb, beta, cv, opa, opb, 1))
         else:
@@ -226,14 +231,36 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
         split[0] = gemm_split(eng, m, n, k, tile, dtype) if product and epilogue is None else 1
         return partial_shape(m, n, split[0]) if split[0] > 1 else None
 
-    run(name, [va, vb, cv],
+    run(name, [va, vb, cv] + ([] if init is None else [init]),
         lambda tile, block, scratch=False: plan_gemm(
             m, n, k, tile, opa, opb, alpha_zero=(alpha == 0), beta_zero=(beta == 0), is_complex=dtype.kind == "c",
-            block=block, split=split[0] if scratch else 1),
+            block=block, split=split[0] if scratch else 1, c_init=init is not None),
         dtype, alpha, beta, (m, n, k), host=None if mixed or epilogue is not None else host,
         flops=2.0 * m * n * k if product else 0.0, scratch=partials, **options)
     if staging is not None:
         c[...] = staging
+
+
+def _init_view(c_src, c, cm, refuse: bool):
+    """The view of ``c_src`` in ``c``'s column-major orientation ``cm`` that a new result's tasks start from,
+    or None after filling c from c_src here: a mixed call, an epilogue or beta 0 (``refuse``), an output
+    without a column-major view, or a c_src that is not a numpy array of c's type in c's orientation."""
+    if not refuse and cm is not None and type(c_src) is np.ndarray and type(c) is np.ndarray \
+            and c_src.dtype == c.dtype and c_src.shape == c.shape:
+        src = column_major_view(c_src)
+        if src is not None and src[1] == cm[1]:
+            return src[0]
+    _fill(c, c_src)
+    return None
+
+
+def _fill(c, c_src) -> None:
+    """c[...] = c_src (numpy arrays: on several threads when large)."""
+    if type(c) is np.ndarray and type(c_src) is np.ndarray:
+        from .runtime import hostpool
+        hostpool.copy_into(c, c_src)
+    else:
+        c[...] = c_src
 
 
 def gemm_split(eng, m: int, n: int, k: int, tile: int, dtype) -> int:

@@ -69,10 +69,11 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     elif _in_place(c, out_type, overwrite_c):
         check_no_alias("c", c, a=a, b=b)
     xp = dispatch.array_module(on_gpu)
-    out = _output(c, out_type, (m, n), overwrite_c, beta, xp, a if on_gpu else None)
+    out = _output(c, out_type, (m, n), overwrite_c, xp, a if on_gpu else None)
+    c_src = c if c is not None and out is not c and beta != 0 else None  # a new result starting from c's values
     with dispatch.whole(out is c):
         dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
-                      trans_a, trans_b, dtype, ka, name, math=math)
+                      trans_a, trans_b, dtype, ka, name, math=math, c_src=c_src)
     return out
 
 
@@ -81,15 +82,12 @@ def _in_place(c, dtype, overwrite_c) -> bool:
     return bool(overwrite_c) and c.dtype == dtype and writable(c)
 
 
-def _output(c, dtype, shape, overwrite_c, beta, xp, like):
+def _output(c, dtype, shape, overwrite_c, xp, like):
     """Where the result goes: c itself (overwrite_c, c writable and of ``dtype``), else a new
-    F-ordered array (holding c's values when beta != 0)."""
+    F-ordered array (its first contents, c's values where beta != 0, come from ``dispatch.gemm``)."""
     if c is not None and _in_place(c, dtype, overwrite_c):
         return c
-    out = blas3.new_array(xp, shape, dtype, like)
-    if c is not None and beta != 0:
-        blas3.fill_from(out, c)
-    return out
+    return blas3.new_array(xp, shape, dtype, like)
 
 
 def _prefixed(prefix: str):

@@ -155,8 +155,21 @@ class Call:
         self.pad_ld = 4 if self.dtype == np.int8 else 1
 
     def written_slots(self) -> frozenset[int]:
-        """Slots of the operands the call writes (its tasks' C, and the buffers C starts from)."""
-        return frozenset(s for t in self.tasks for s in (t.c.slot, *((t.c_init.slot,) if t.c_init else ())))
+        """Slots of the operands the call writes (its tasks' C)."""
+        return frozenset(t.c.slot for t in self.tasks)
+
+    def late_inputs(self) -> frozenset[int]:
+        """Slots read only as the first contents of rotatable tasks' C (a new GEMM result starting from the
+        caller's c): under ``Knobs.late_c`` their tiles are fetched near a task's end, so they are page-locked
+        after the inputs' too."""
+        init = {t.c_init.slot for t in self.tasks if t.c_init is not None and t.rotatable}
+        for t in self.tasks:
+            if not init:
+                break
+            if t.c_init is not None and not t.rotatable:
+                init.discard(t.c_init.slot)
+            init.difference_update(r.slot for st in t.steps for r in (st.a, st.b) if r is not None)
+        return frozenset(init)
 
     def written_only(self) -> frozenset[int]:
         """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their

@@ -86,7 +86,7 @@ class Pinning:
     its event is set; readers wait on the events."""
 
     def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False,
-                 staged=None) -> None:
+                 staged=None, source=None) -> None:
         self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
         self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
         self.ready = [threading.Event() for _ in chunks]
@@ -94,8 +94,11 @@ class Pinning:
         if foreign:
             for ev in self.ready:
                 ev.set()
-        # staged: a page-locked uint8 array holding a copy of bytes [lo, hi); copies read it there
-        self.staged = staged
+        # staged: a page-locked uint8 array holding a copy of bytes [lo, hi) of the array ``source``
+        # (copied chunk by chunk by a PinJob, each chunk claimed from the start); copies read it there
+        self.staged, self.source = staged, source
+        if staged is not None:
+            self.claimed = [True] * len(chunks)
         self.delta = 0 if staged is None else int(staged.ctypes.data) - lo  # host address -> where it is read
         # region boundaries a copy must not span: the chunks' edges (none in one staging buffer)
         self.cuts = [] if staged is not None else sorted({x for span in chunks for x in span} - {lo, hi})
@@ -197,9 +200,8 @@ class RegistrationCache:
                 and not (_is_pinned(runtime, lo) or _is_pinned(runtime, lo + root.nbytes - 1))):
             buf = buffer(root.nbytes)
             if buf is not None:
-                p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf)
-                p.claimed = [True] * len(p.chunks)
-                p.source = root  # the copy threads read it
+                p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf,
+                            source=root)
                 with self._lock:
                     self._seen[key] = root
         staging[key] = p

@@ -223,7 +223,7 @@ def test_a_calls_written_only_operands():
     assert written([]) == frozenset()
     # every slot written at all (never staged): TRSM's in-place B too
     slots = lambda tasks: Call.written_slots(types.SimpleNamespace(tasks=tasks))  # noqa: E731
-    assert slots(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == {1, 2} and slots(plan_gemm(300, 200, 500, 128, 0, 0)) == {2}
+    assert slots(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == {2} and slots(plan_gemm(300, 200, 500, 128, 0, 0)) == {2}
     assert slots(plan_syrk(300, 200, 128, 0, 0)) == {1}
 
 
@@ -378,6 +378,7 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
         ops = [operand(a), operand(None, device=0), operand(c)]  # B on a GPU: not pinned
         call = types.SimpleNamespace(operands=ops, tasks=plan_gemm(8, 8, 8, 4, 0, 0))
         call.written_only = lambda: Call.written_only(call)
+        call.late_inputs = lambda: Call.late_inputs(call)
         call.written_slots = lambda: Call.written_slots(call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs()), call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(pin_threads=8)), call)  # BLASX_KNOBS=pin_threads=8

@@ -210,9 +210,9 @@ class CudaDevice(CudaKernels, StreamDevice):
         _after_callers_streams(call.operands)
         host = [(slot, op) for slot, op in enumerate(call.operands) if op.on_host]
         if host:
-            def late():  # outputs: their chunks after the inputs' (worked out only when something registers)
-                written = call.written_only()
-                return {i for i, (slot, _) in enumerate(host) if slot in written}
+            def late():  # outputs and late C sources: their chunks after the inputs' (worked out only when needed)
+                later = call.written_only() | call.late_inputs()
+                return {i for i, (slot, _) in enumerate(host) if slot in later}
             knobs = getattr(self, "knobs", None)
             stage = knobs is None or knobs.stage_inputs
             if stage:

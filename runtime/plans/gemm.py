@@ -8,7 +8,10 @@ from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
 from .common import _first_beta, _scale, _width
 
 # Operand slots of the GEMM planner; SLOT_P is split-k's scratch of partial sums (``partial_ref``).
+# With ``c_init`` C's first contents come from SLOT_C0 (the caller's c, the result being a new array)
+# and the scratch moves one slot on.
 SLOT_A, SLOT_B, SLOT_C, SLOT_P = 0, 1, 2, 3
+SLOT_C0 = 3
 
 
 def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
@@ -18,7 +21,7 @@ def gemm_flops(m: int, n: int, k: int, is_complex: bool) -> float:
 
 def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_zero: bool = False,
               beta_zero: bool = True, is_complex: bool = False, block: tuple[int, int] = (1, 1),
-              split: int = 1) -> list[Task]:
+              split: int = 1, c_init: bool = False) -> list[Task]:
     """Tasks of ``C = alpha op_a(A) op_b(B) + beta C`` in canonical (column-major) form.
 
     ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``; likewise
@@ -34,6 +37,9 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
     ``C = P_0 + beta C``, then ``C += P_s`` for s = 1..S-1. Each tile's tasks are listed together, so
     the queue's fair share of a call gives every device partials, not one device the reductions.
     The sum order never depends on the schedule: results are identical run to run.
+
+    ``c_init`` (with beta != 0): each C tile starts from the same tile of operand SLOT_C0 instead of
+    C's own (``Task.c_init``), so a new result need not hold C's values before the call.
     """
     a_rows, a_cols = (m, k) if op_a == OP_N else (k, m)
     b_rows, b_cols = (k, n) if op_b == OP_N else (n, k)
@@ -43,6 +49,10 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
         raise ValueError(f"split: got {split!r}, need an int from 1 to {max(1, tk)} (the k tiles)")
     first = _first_beta(beta_zero)
     order = tile_order(tm, tn, block)
+    p_slot = SLOT_P + 1 if c_init else SLOT_P
+
+    def init(i: int, j: int) -> TileRef | None:
+        return tile_ref(SLOT_C0, i, j, m, n, tile) if c_init and not beta_zero else None
 
     def k_steps(i: int, j: int, c: TileRef, k0: int, k1: int, beta0: int) -> tuple[Step, ...]:
         return tuple(Step("gemm", op_tile(SLOT_A, op_a, i, kk, a_rows, a_cols, tile),
@@ -56,14 +66,14 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
             pids = tuple(range(len(tasks), len(tasks) + split))
             for s in range(split):
                 k0, k1 = bounds[s], bounds[s + 1]
-                p = partial_ref(s, i, j, m, n, tile)
+                p = partial_ref(s, i, j, m, n, tile, p_slot)
                 tasks.append(Task(len(tasks), p, False, k_steps(i, j, p, k0, k1, SC_ZERO),
                                   gemm_flops(p.rows, p.cols, min(k, k1 * tile) - k0 * tile, is_complex), keep_c=True))
             c = tile_ref(SLOT_C, i, j, m, n, tile)
-            steps = tuple(Step("add", partial_ref(s, i, j, m, n, tile), None, OP_N, OP_N, c.rows, c.cols, 0,
-                               SC_ONE, first if s == 0 else SC_ONE) for s in range(split))
+            steps = tuple(Step("add", partial_ref(s, i, j, m, n, tile, p_slot), None, OP_N, OP_N, c.rows, c.cols,
+                               0, SC_ONE, first if s == 0 else SC_ONE) for s in range(split))
             tasks.append(Task(len(tasks), c, not beta_zero, steps, 0.0, deps=pids,
-                              gates=tuple((p,) for p in pids) + ((),)))
+                              gates=tuple((p,) for p in pids) + ((),), c_init=init(i, j)))
         return tasks
     for i, j in order:
         c = tile_ref(SLOT_C, i, j, m, n, tile)
@@ -72,7 +82,7 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
         else:
             steps = k_steps(i, j, c, 0, tk, first)
             flops = gemm_flops(c.rows, c.cols, k, is_complex)
-        tasks.append(Task(len(tasks), c, not beta_zero, steps, flops, rotatable=len(steps) > 1))
+        tasks.append(Task(len(tasks), c, not beta_zero, steps, flops, rotatable=len(steps) > 1, c_init=init(i, j)))
     return tasks
 
 
@@ -81,9 +91,9 @@ def partial_shape(m: int, n: int, split: int) -> tuple[int, int]:
     return m, split * n
 
 
-def partial_ref(s: int, i: int, j: int, m: int, n: int, tile: int) -> TileRef:
+def partial_ref(s: int, i: int, j: int, m: int, n: int, tile: int, slot: int = SLOT_P) -> TileRef:
     """The scratch tile holding partial ``s`` of C tile (i, j): C's tile, ``s`` column blocks of n over."""
-    c = tile_ref(SLOT_P, i, j, m, n, tile)
+    c = tile_ref(slot, i, j, m, n, tile)
     return c._replace(bj=s * n_tiles(n, tile) + j, c0=s * n + c.c0)
 
 
