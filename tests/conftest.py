@@ -184,3 +184,48 @@ def pytest_collection_modifyitems(items):
         for item in items:
             if item.name.startswith("test_bench"):
                 item.add_marker(pytest.mark.skip(reason=_NO_BENCH))
+
+
+class FakeRuntime:
+    """cupy.cuda.runtime as the registration cache uses it: registrations are recorded, one
+    address can be made to fail, nothing is pinned beforehand; 2-D copies are made (memmove) and recorded."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, fail_at=None):
+        self.registered, self.unregistered, self.fail_at, self.copies = [], [], fail_at, []
+
+    def pointerGetAttributes(self, ptr):
+        raise self.CUDARuntimeError("not a CUDA pointer")
+
+    def hostRegister(self, start, size, flags):
+        if start == self.fail_at:
+            raise self.CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+        self.registered.append((start, size))
+
+    def hostUnregister(self, start):
+        self.unregistered.append(start)
+
+    def memcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        import ctypes
+        self.copies.append((dst, src, width, height))
+        for c in range(height):
+            ctypes.memmove(dst + c * dpitch, src + c * spitch, width)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``fake_cuda(**kw)``: a FakeRuntime installed as cupy.cuda.runtime (for this test), returned."""
+    import sys
+    import types
+
+    def install(**kw):
+        rt = FakeRuntime(**kw)
+        cupy = types.ModuleType("cupy")
+        cupy.cuda = types.ModuleType("cupy.cuda")
+        cupy.cuda.runtime = rt
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+        return rt
+    return install

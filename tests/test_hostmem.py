@@ -120,44 +120,6 @@ def test_release_forgets_only_blasx_registrations_of_that_root():
     assert reg.release(a) is False and reg.release(b) is False  # nothing (left) to release
 
 
-class FakeRuntime:
-    """cupy.cuda.runtime as the registration cache uses it: registrations are recorded, one
-    address can be made to fail, nothing is pinned beforehand."""
-
-    class CUDARuntimeError(RuntimeError):
-        pass
-
-    def __init__(self, fail_at=None):
-        self.registered, self.unregistered, self.fail_at = [], [], fail_at
-
-    def pointerGetAttributes(self, ptr):
-        raise self.CUDARuntimeError("not a CUDA pointer")
-
-    def hostRegister(self, start, size, flags):
-        if start == self.fail_at:
-            raise self.CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
-        self.registered.append((start, size))
-
-    def hostUnregister(self, start):
-        self.unregistered.append(start)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    import sys
-    import types
-
-    def install(**kw):
-        rt = FakeRuntime(**kw)
-        cupy = types.ModuleType("cupy")
-        cupy.cuda = types.ModuleType("cupy.cuda")
-        cupy.cuda.runtime = rt
-        monkeypatch.setitem(sys.modules, "cupy", cupy)
-        monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
-        return rt
-    return install
-
-
 def test_pin_registers_the_operands_chunks_round_robin(fake_cuda, monkeypatch):
     from blasx.runtime import hostmem
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)

@@ -1,7 +1,6 @@
 """Staging one-shot inputs through page-locked buffers (hostmem's staging), without CUDA: which operands
 are staged, the bytes the copy threads put in the buffer, where tile copies then read, failures."""
 
-import sys
 import types
 
 import numpy as np
@@ -11,43 +10,11 @@ from blasx.runtime import hostmem
 from blasx.runtime.hostmem import RegistrationCache
 
 
-class FakeRuntime:
-    """cupy.cuda.runtime as staging and registration use it: registrations recorded, nothing pinned
-    beforehand, 2-D copies made with memmove and recorded."""
-
-    class CUDARuntimeError(RuntimeError):
-        pass
-
-    def __init__(self):
-        self.registered, self.unregistered, self.copies = [], [], []
-
-    def pointerGetAttributes(self, ptr):
-        raise self.CUDARuntimeError("not a CUDA pointer")
-
-    def hostRegister(self, start, size, flags):
-        self.registered.append((start, size))
-
-    def hostUnregister(self, start):
-        self.unregistered.append(start)
-
-    def memcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
-        import ctypes
-        self.copies.append((dst, src, width, height))
-        for c in range(height):
-            ctypes.memmove(dst + c * dpitch, src + c * spitch, width)
-
-
 @pytest.fixture
-def rt(monkeypatch):
+def rt(fake_cuda, monkeypatch):
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
     monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
-    fake = FakeRuntime()
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.ModuleType("cupy.cuda")
-    cupy.cuda.runtime = fake
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
-    return fake
+    return fake_cuda()
 
 
 def buffers(log):
