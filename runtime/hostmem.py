@@ -191,19 +191,17 @@ class RegistrationCache:
         if key in staging:
             return staging[key]
         lo = int(root.ctypes.data)
-        with self._lock:
-            seen = self._seen.get(key) is root
-            mine = key in self._ours
         p = None
-        if (not seen and not mine and root.base is None and x.nbytes == root.nbytes
+        if (root.base is None and x.nbytes == root.nbytes
                 and root.nbytes >= (MIN_REGISTER_BYTES if min_bytes is None else min_bytes)
                 and not (_is_pinned(runtime, lo) or _is_pinned(runtime, lo + root.nbytes - 1))):
-            buf = buffer(root.nbytes)
+            with self._lock:  # seen now, whatever follows: of calls racing on it, one stages it
+                first = self._seen.get(key) is not root and key not in self._ours
+                self._seen[key] = root
+            buf = buffer(root.nbytes) if first else None
             if buf is not None:
                 p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf,
                             source=root)
-                with self._lock:
-                    self._seen[key] = root
         staging[key] = p
         return p
 
