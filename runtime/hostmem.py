@@ -6,7 +6,8 @@ once while it lives, its whole pages only; memory pinned by others is used as is
 are copied pageable. Registration costs about a pass over the data, so ``PIN_THREADS`` threads per
 call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk;
 an output the call only writes after its inputs), and a tile copy waits only for the chunks it
-touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly registered range).
+touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly registered range);
+a chunk a copy waits for is taken next (``PinJob.hurry``).
 
 Staging: an input the call only reads, seen by blasx for the first time, is copied instead into a
 page-locked buffer of the result pool (the same threads and chunk order; copies read the buffer,
@@ -16,6 +17,7 @@ array and later unregistering it. An array seen again is registered in place: it
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -91,6 +93,7 @@ class Pinning:
         self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
         self.ready = [threading.Event() for _ in chunks]
         self.claimed = [False] * len(chunks)  # a thread has taken it on (under the cache's lock)
+        self.owner: list = [None] * len(chunks)  # the PinJob doing it until done (a waiter hurries it)
         if foreign:
             for ev in self.ready:
                 ev.set()
@@ -110,7 +113,10 @@ class Pinning:
     def wait(self, lo: int, hi: int) -> None:
         """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
         done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
-        for (s, e), ev, ok in zip(self.chunks, self.ready, self.ok):
+        for i, ((s, e), ev) in enumerate(zip(self.chunks, self.ready)):
+            if s < hi and lo < e and not ev.is_set() and (job := self.owner[i]) is not None:
+                job.hurry(self, i)  # wanted now: its job takes it next
+        for (s, e), ev in zip(self.chunks, self.ready):
             if s < hi and lo < e and not ev.wait(WAIT_SECONDS):
                 raise TimeoutError(f"host memory bytes [{s:#x}, {e:#x}) were not page-locked within "
                                    f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes usually takes milliseconds)")
@@ -148,7 +154,7 @@ class RegistrationCache:
         self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
     def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
-            readonly=(), buffer=None) -> tuple[list, "PinJob | None"]:
+            readonly=(), buffer=None, on_demand: bool = True) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
@@ -156,7 +162,8 @@ class RegistrationCache:
         (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
         which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``,
         ``STAGE_THREADS`` when it stages). The arrays at the indices ``readonly`` (inputs only read) may be
-        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None."""
+        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None. ``on_demand``: a chunk
+        a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order."""
         from cupy.cuda import runtime
 
         # a root the call also writes is never staged (its copy would go stale)
@@ -179,6 +186,9 @@ class RegistrationCache:
         if threads is None and any(p.staged is not None for p, _ in order):
             threads = STAGE_THREADS
         job = PinJob(self, order, threads)
+        if on_demand:
+            for p, i in order:
+                p.owner[i] = job
         job.start()
         return pinnings, job
 
@@ -295,14 +305,19 @@ def stage_chunk(p: Pinning, i: int) -> None:
 
 
 class PinJob:
-    """One call's chunks, registered by ``PIN_THREADS`` threads of its own, each taking the next chunk
-    in the call's order (not daemons: the call joins the job before returning, so no registration
-    outlives the call that holds the arrays)."""
+    """One call's chunks, registered (or staged) by ``PIN_THREADS`` threads of its own, each taking the
+    chunk a tile copy waits for, if any (``hurry``), else the next in the call's order (not daemons: the
+    call joins the job before returning, so no registration outlives the call that holds the arrays).
+    ``_lock`` guards what is taken and the hurried chunks; each chunk is taken once."""
 
     def __init__(self, cache: RegistrationCache, chunks: list, threads: int | None = None) -> None:
         self.cache, self.chunks = cache, chunks
         self.seconds = 0.0
-        self._next = itertools.count()  # shared by the threads: next() on a count is atomic under the GIL
+        self._lock = threading.Lock()
+        self._taken = [False] * len(chunks)
+        self._cursor = 0  # the next chunk in order not yet looked at
+        self._hurried: collections.deque[int] = collections.deque()
+        self._where = {(id(p), i): n for n, (p, i) in enumerate(chunks)}
         n = max(1, min(PIN_THREADS if threads is None else threads, len(chunks)))
         self._threads = [threading.Thread(target=self._run, name="blasx-pin", daemon=False) for _ in range(n)]
         self._t0 = 0.0
@@ -313,13 +328,41 @@ class PinJob:
         for t in self._threads:
             t.start()
 
+    def hurry(self, p: Pinning, i: int) -> None:
+        """Chunk i of p is wanted now: the next thread free takes it (if this job has it, not yet taken)."""
+        n = self._where.get((id(p), i))
+        if n is not None:
+            with self._lock:
+                if not self._taken[n]:
+                    self._hurried.append(n)
+
+    def _take(self) -> int | None:
+        """The chunk this thread does next (marked taken), or None when every chunk is taken."""
+        with self._lock:
+            while self._hurried:
+                n = self._hurried.popleft()
+                if not self._taken[n]:
+                    self._taken[n] = True
+                    return n
+            while self._cursor < len(self.chunks):
+                n, self._cursor = self._cursor, self._cursor + 1
+                if not self._taken[n]:
+                    self._taken[n] = True
+                    return n
+        return None
+
     def _run(self) -> None:
         try:
-            while (i := next(self._next)) < len(self.chunks):
-                self.cache.register_chunk(*self.chunks[i])  # sets the chunk's event whatever happens
+            while (n := self._take()) is not None:
+                p, k = self.chunks[n]
+                try:
+                    self.cache.register_chunk(p, k)  # sets the chunk's event whatever happens
+                finally:
+                    p.owner[k] = None  # (no pinning keeps a finished job, and the call's arrays, alive)
         finally:  # after an unexpected error the chunks nobody took stay pageable: no copy waits for them
-            while (i := next(self._next)) < len(self.chunks):
-                p, k = self.chunks[i]
+            while (n := self._take()) is not None:
+                p, k = self.chunks[n]
+                p.owner[k] = None
                 p.ready[k].set()
             self._ends.append(time.perf_counter())
 

@@ -46,6 +46,8 @@ class Knobs:
     #: Stage inputs seen for the first time through page-locked pool buffers instead of registering them
     #: in place (``hostmem``'s staging).
     stage_inputs: bool = True
+    #: A chunk a tile copy waits for is page-locked (or staged) next, ahead of the call's order. Off: in order.
+    chunks_on_demand: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

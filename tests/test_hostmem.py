@@ -328,7 +328,7 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     from blasx.runtime.plans import plan_gemm
     seen = []
 
-    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None):
+    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True):
         seen.append((arrays, late() if callable(late) else late, threads, readonly))
         return [None] * len(arrays), None
     monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
@@ -350,3 +350,39 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     assert ops[0].pinning is None and ops[2].pinning is None and ops[1].pinning == "unset"
     assert threads is None and eight == 8  # the knob's 0: PIN_THREADS
     assert readonly == {0} and not none  # A may be staged, never C; stage_inputs=0: nothing
+
+
+def test_a_chunk_a_copy_waits_for_is_taken_next(fake_cuda, monkeypatch):
+    """On demand: while the job's one thread registers chunk 0, a copy waiting for chunk 5 makes chunk 5 the
+    next one registered; the rest follow in order, each once. Off: strictly in order."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)
+    for on_demand in (True, False):
+        rt = fake_cuda()
+        gate, started = threading.Event(), threading.Event()
+        plain = rt.hostRegister
+
+        def slow_first(start, size, flags, plain=plain, gate=gate, started=started, rt=rt):
+            if not rt.registered:
+                started.set()
+                gate.wait(10)
+            plain(start, size, flags)
+        rt.hostRegister = slow_first
+        reg = RegistrationCache()
+        a = np.ones((1 << 17,))  # 1 MiB: 16 chunks of 64 KiB (15 whole ones inside its pages at least)
+        (p,), job = reg.pin([a], on_demand=on_demand)
+        assert started.wait(10)
+        s5, e5 = p.chunks[5]
+        waiter = threading.Thread(target=p.wait, args=(s5, e5))
+        waiter.start()
+        time.sleep(0.05)  # the waiter has asked for chunk 5
+        gate.set()
+        waiter.join(10)
+        job.join()
+        order = [p.chunks.index((s, s + n)) for s, n in rt.registered]
+        rest = [i for i in range(len(p.chunks)) if i not in (0, 5)]
+        assert order == ([0, 5] + rest if on_demand else list(range(len(p.chunks))))
+        assert all(p.ok) and p.owner == [None] * len(p.chunks)  # a finished job is no pinning's
+        reg.release(a)

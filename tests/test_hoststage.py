@@ -139,3 +139,24 @@ def test_calls_in_several_threads_on_one_fresh_array(rt):
     assert len(in_place) == 1 and all(all(p.ok) for p in results)  # one registration, shared
     assert sum(n for _, n in rt.registered) == next(p for p in results if p.staged is None).pinned_bytes
     reg.release(a)
+
+
+def test_a_finished_call_leaves_nothing_alive_through_a_registered_root(rt):
+    """A registered root's Pinning lives as long as the root; once the job is done it refers to no job, so
+    a staged buffer and the call's other arrays die with the call (with the cyclic collector off)."""
+    import gc
+    import weakref
+    reg = RegistrationCache()
+    a, c = np.ones((96, 200), order="F"), np.ones((96, 200), order="F")
+    gc.disable()
+    try:
+        pinnings, job = reg.pin([a, c], readonly={0}, buffer=lambda n: np.empty(n, dtype=np.uint8))
+        job.join()
+        staged = weakref.ref(pinnings[0].staged)
+        dead_job = weakref.ref(job)
+        pc = reg._ours[id(c)]
+        del pinnings, job
+        assert staged() is None and dead_job() is None and pc.owner == [None] * len(pc.chunks)
+    finally:
+        gc.enable()
+    reg.release(c)

@@ -222,7 +222,8 @@ class CudaDevice(CudaKernels, StreamDevice):
                 readonly = ()
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
                                                   threads=(knobs.pin_threads if knobs else 0) or None,
-                                                  readonly=readonly, buffer=_stage_buffer)
+                                                  readonly=readonly, buffer=_stage_buffer,
+                                                  on_demand=knobs is None or knobs.chunks_on_demand)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
