@@ -81,7 +81,7 @@ Failure model
   naming needed and free bytes. Memory taken by others mid-run shrinks the cache
   (``Device.cache_limit``); a block that still does not fit fails the call with ``CacheFull``. A
   cuda scratch buffer that cannot be had fails the call (MemoryError); a host chunk that cannot be
-  registered is copied as pageable memory.
+  registered is copied as pageable memory; one that could not be staged fails the copies reading it.
 * **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish; interpreter exit cancels
   the calls in flight first (``shutdown(cancel=True)``), so it returns promptly.
 
