@@ -107,32 +107,25 @@ def test_the_cuda_backend_reads_a_staged_input_from_its_buffer(rt):
         CudaDevice._copy_2d(dev, 0, "out", op, src, 96 * 8, tile.ctypes.data, 32 * 8, 32, 50, 8)
 
 
-def test_calls_in_several_threads_on_one_fresh_array(rt):
+def test_calls_in_several_threads_on_one_fresh_array(rt, in_threads):
     """Threads pinning the same never-seen array at once: exactly one stages it (into its own buffer), the
     others register it in place once; every thread's chunks end ready and what it reads holds the array."""
     import threading
     reg, made = RegistrationCache(), []
     rng = np.random.default_rng(3)
     a = np.asfortranarray(rng.standard_normal((96, 400)))
-    results, errors = [], []
+    results = []
     barrier = threading.Barrier(4)
 
-    def call():
-        try:
-            barrier.wait()
-            (p,), job = reg.pin([a], readonly={0}, buffer=buffers(made))
-            if job is not None:
-                job.join()
-            p.wait(p.lo, p.hi)
-            results.append(p)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors and len(results) == 4
+    def call(_):
+        barrier.wait()
+        (p,), job = reg.pin([a], readonly={0}, buffer=buffers(made))
+        if job is not None:
+            job.join()
+        p.wait(p.lo, p.hi)
+        results.append(p)
+    in_threads(call, 4)
+    assert len(results) == 4
     staged = [p for p in results if p.staged is not None]
     assert len(staged) == len(made) == 1 and np.array_equal(staged[0].staged.view(a.dtype), a.ravel(order="F"))
     in_place = {id(p) for p in results if p.staged is None}
