@@ -82,14 +82,6 @@ def new_array(xp, shape, dtype, like, zeros=False, order="F"):
     return make(shape, dtype=dtype, order=order)
 
 
-def fill_from(out, c) -> None:
-    """out[...] = c; a large host copy on several threads (a new result holding c's values)."""
-    if type(out) is np.ndarray and isinstance(c, np.ndarray):
-        hostpool.copy_into(out, c)
-    else:
-        out[...] = c
-
-
 def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
     """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype; aliasing none
     of ``inputs``), else a new F-ordered array holding c's values where they survive
@@ -101,7 +93,7 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
         return new_array(xp, shape, dtype, like, zeros=True)
     out = new_array(xp, shape, dtype, like)
     if keep_other:
-        fill_from(out, c)
+        dispatch.fill_from(out, c)
     return out
 
 

@@ -21,7 +21,7 @@ import scipy.linalg.blas as _sp_blas
 
 from . import session
 from .operands import TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand
-from .runtime import dtypes
+from .runtime import dtypes, hostpool
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
 from .runtime.engine import EngineClosed
@@ -216,7 +216,7 @@ def gemm(alpha, a, b, beta, c, trans_a: int, trans_b: int, dtype, k: int, name: 
 
     def host():
         if init is not None:
-            _fill(c, c_src)
+            fill_from(c, c_src)
         if product:
             written(cv, blas_routine("gemm", dtype)(alpha, va, vb, beta, cv, opa, opb, 1))
         else:
@@ -250,17 +250,16 @@ def _init_view(c_src, c, cm, refuse: bool):
         src = column_major_view(c_src)
         if src is not None and src[1] == cm[1]:
             return src[0]
-    _fill(c, c_src)
+    fill_from(c, c_src)
     return None
 
 
-def _fill(c, c_src) -> None:
-    """c[...] = c_src (numpy arrays: on several threads when large)."""
-    if type(c) is np.ndarray and type(c_src) is np.ndarray:
-        from .runtime import hostpool
-        hostpool.copy_into(c, c_src)
+def fill_from(out, c) -> None:
+    """out[...] = c; a large host copy on several threads (a new result holding c's values)."""
+    if type(out) is np.ndarray and isinstance(c, np.ndarray):
+        hostpool.copy_into(out, c)
     else:
-        c[...] = c_src
+        out[...] = c
 
 
 def gemm_split(eng, m: int, n: int, k: int, tile: int, dtype) -> int:
