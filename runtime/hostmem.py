@@ -92,16 +92,14 @@ class Pinning:
         self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
         self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
         self.ready = [threading.Event() for _ in chunks]
-        self.claimed = [False] * len(chunks)  # a thread has taken it on (under the cache's lock)
+        self.claimed = [staged is not None] * len(chunks)  # a thread has taken it on (under the cache's lock)
         self.owner: list = [None] * len(chunks)  # the PinJob doing it until done (a waiter hurries it)
         if foreign:
             for ev in self.ready:
                 ev.set()
         # staged: a page-locked uint8 array holding a copy of bytes [lo, hi) of the array ``source``
-        # (copied chunk by chunk by a PinJob, each chunk claimed from the start); copies read it there
+        # (copied chunk by chunk by a PinJob, every chunk claimed from the start); copies read it there
         self.staged, self.source = staged, source
-        if staged is not None:
-            self.claimed = [True] * len(chunks)
         self.delta = 0 if staged is None else int(staged.ctypes.data) - lo  # host address -> where it is read
         # region boundaries a copy must not span: the chunks' edges (none in one staging buffer)
         self.cuts = [] if staged is not None else sorted({x for span in chunks for x in span} - {lo, hi})
