@@ -11,8 +11,8 @@ result is checked on random rows against numpy in double precision, C poisoned b
 The figure is first / best warm call per sample (issue 24's goal: at most 1.5 at N = 8192).
 
 ``--contenders blasx,cupy``: the peer is the same GEMM by CuPy on GPU 0 in a fresh process of its own
-(``cupy.asarray`` of the page-locked A and B, ``@``, the result copied into C): what a process pays for
-its first cuBLAS call on a GPU context it opens, against its warm calls.
+(``cupy.asarray`` of the page-locked A and B, ``@``, made F-ordered on the GPU and copied into C): what a
+process pays for its first cuBLAS call on a GPU context it opens, against its warm calls.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def child(n: int, prefix: str, devices: str, warm_runs: int, seed: int, contende
         import cupy
 
         def call():
-            c[...] = (cupy.asarray(a) @ cupy.asarray(b)).get()  # (get() synchronises)
+            # F order on the GPU, then straight into C (a host-side transpose would be timed otherwise)
+            cupy.asfortranarray(cupy.asarray(a) @ cupy.asarray(b)).get(out=c)  # (get() synchronises)
         gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         names = f"cuda:0 {gpu.decode() if isinstance(gpu, bytes) else gpu}"
     else:

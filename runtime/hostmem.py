@@ -152,7 +152,7 @@ class RegistrationCache:
         self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
     def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
-            readonly=(), buffer=None, on_demand: bool = True) -> tuple[list, "PinJob | None"]:
+            readonly=(), buffer=None, on_demand: bool = True, into=None) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
@@ -160,25 +160,28 @@ class RegistrationCache:
         (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
         which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``,
         ``STAGE_THREADS`` when it stages). The arrays at the indices ``readonly`` (inputs only read) may be
-        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None. ``on_demand``: a chunk
-        a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order."""
+        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None. ``into``: {index: array}
+        of read-only inputs staged straight into that page-locked array (a new result starting from the input's
+        values, which lie there byte for byte: :func:`_bytes_like`) whether seen before or not. ``on_demand``:
+        a chunk a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order."""
         from cupy.cuda import runtime
 
         # a root the call also writes is never staged (its copy would go stale)
-        staging = {id(root_of(x)): None for i, x in enumerate(arrays) if i not in readonly} if buffer else {}
+        into = into or {}
+        staging = {id(root_of(x)): None for i, x in enumerate(arrays) if i not in readonly} if buffer or into else {}
         pinnings, chunks = [], []
         for i, x in enumerate(arrays):
-            p = self._staging(runtime, x, staging, buffer, min_bytes) if i in readonly and buffer else None
-            p, mine = (p, []) if p is not None else self._pinning(runtime, x, min_bytes)
+            stage = i in readonly and (buffer is not None or i in into)
+            p = self._staging(runtime, x, staging, buffer, min_bytes, into.get(i)) if stage else None
+            if p is not None:  # (a root read twice is staged once: its chunks listed with its first operand)
+                mine = [] if any(q is p for q in pinnings) else [(p, k) for k in range(len(p.chunks))]
+            else:
+                p, mine = self._pinning(runtime, x, min_bytes)
             pinnings.append(p)
             chunks.append(mine)
-        for p in staging.values():
-            if p is not None:
-                chunks.insert(0, [(p, k) for k in range(len(p.chunks))])
         if not any(chunks):
             return pinnings, None
         late = late() if callable(late) else late
-        late = {i + len(chunks) - len(arrays) for i in late}  # staged roots' lists went in front
         order = (round_robin([c for i, c in enumerate(chunks) if i not in late])
                  + round_robin([c for i, c in enumerate(chunks) if i in late]))
         if threads is None and any(p.staged is not None for p, _ in order):
@@ -190,10 +193,11 @@ class RegistrationCache:
         job.start()
         return pinnings, job
 
-    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None):
+    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None):
         """A staged Pinning for x's root (shared by the call's operands on that root), or None: the root
         is small, pinned already or before, seen by blasx before, a view of a part of it, or ``buffer``
-        has none. Its chunks are copied by the call's job (its first lists, in ``pin``)."""
+        has none. With ``into`` (a page-locked array): staged there if x lies in it byte for byte, seen
+        before or not (else as any input). Its chunks are copied by the call's job."""
         root = root_of(x)
         key = id(root)
         if key in staging:
@@ -206,7 +210,12 @@ class RegistrationCache:
             with self._lock:  # seen now, whatever follows: of calls racing on it, one stages it
                 first = self._seen.get(key) is not root and key not in self._ours
                 self._seen[key] = root
-            buf = buffer(root.nbytes) if first else None
+            buf = None if into is None else _bytes_like(into, x)
+            if buf is not None and not (_is_pinned(runtime, buf.ctypes.data)
+                                        and _is_pinned(runtime, buf.ctypes.data + buf.nbytes - 1)):
+                buf = None
+            if buf is None and first and buffer is not None:
+                buf = buffer(root.nbytes)
             if buf is not None:
                 p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf,
                             source=root)
@@ -288,6 +297,16 @@ class RegistrationCache:
                        for (s, e), ok in zip(p.chunks, p.ok) if s < hi and lo < e]
         return (f"host bytes [{lo:#x}, {hi:#x}): {ends}; blasx registrations overlapping: "
                 f"{', '.join(overlap) or 'none'}")
+
+
+def _bytes_like(dest, x: np.ndarray) -> np.ndarray | None:
+    """``dest``'s memory as uint8 in memory order, where each element of x (a contiguous array owning its
+    memory) has its counterpart at the same byte offset there (same type, shape and strides); else None."""
+    order = "F" if x.flags.f_contiguous else "C" if x.flags.c_contiguous else None
+    if (order is None or type(dest) is not np.ndarray or not dest.flags.writeable or dest.dtype != x.dtype
+            or dest.shape != x.shape or dest.strides != x.strides):
+        return None
+    return dest.reshape(-1, order=order).view(np.uint8)
 
 
 def stage_chunk(p: Pinning, i: int) -> None:

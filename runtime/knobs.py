@@ -48,6 +48,10 @@ class Knobs:
     stage_inputs: bool = True
     #: A chunk a tile copy waits for is page-locked (or staged) next, ahead of the call's order. Off: in order.
     chunks_on_demand: bool = True
+    #: A new result starting from the caller's c (``Task.c_init``) gets c's values staged straight into its own
+    #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
+    #: like any other input.
+    stage_into_result: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -98,3 +98,15 @@ def test_the_host_route_fills_the_result_too():
         assert np.allclose(out, 2 * a @ b + 3 * c)
     finally:
         blasx.reset()
+
+
+def test_which_c_sources_may_be_staged_into_the_result():
+    targets = lambda tasks: Call.init_targets(type("C", (), {"tasks": tasks})())  # noqa: E731
+    assert targets(plan_gemm(300, 200, 500, 128, 0, 0, beta_zero=False, c_init=True)) == {SLOT_C0: SLOT_C}
+    assert targets(plan_gemm(20, 18, 400, 4, 0, 0, beta_zero=False, split=2, c_init=True)) == {SLOT_C0: SLOT_C}
+    assert targets(plan_gemm(300, 200, 500, 128, 0, 0, beta_zero=False)) == {}
+    assert targets(plan_trsm(300, 200, 128, 0, 0, 0, 0)) == {}
+    # a task writing C from elsewhere (or from another tile) would have its tile overwritten by the staging copy
+    tasks = plan_gemm(300, 200, 500, 128, 0, 0, beta_zero=False, c_init=True)
+    tasks[1].c_init = tasks[1].c_init._replace(r0=tasks[1].c.r0 + 1)
+    assert targets(tasks) == {}

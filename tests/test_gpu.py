@@ -178,6 +178,27 @@ def test_large_host_results_come_page_locked_from_the_pool(monkeypatch):
     assert s.ctypes.data == first and rel_err(s, ref) < TOL[np.float64]
 
 
+@pytest.mark.parametrize("shape", [(1500, 1300, 900), (600, 500, 6000)], ids=["tiles", "split-k"])
+def test_a_new_result_starts_from_c_staged_into_it(monkeypatch, shape):
+    """gemm(alpha, a, b, beta, c) with fresh host arrays: A and B staged, c's values copied by the call's threads
+    straight into the new (page-locked) result, in chunks cut inside columns; exact, c untouched, twice."""
+    from blasx.runtime import hostmem, hostpool
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 23 * hostmem.PAGE)
+    monkeypatch.setattr(hostpool, "POOL", hostpool.OutputPool(idle_limit=1 << 30))
+    blasx.configure(devices="cuda", tile=256, cache_bytes=256 << 20)
+    rng = np.random.default_rng(22)
+    m, n, k = shape
+    c = np.asfortranarray(rand(rng, (m, n), np.float64))
+    before = c.copy(order="F")
+    for _ in range(2):  # the second time c has been seen: still copied into the result, not registered
+        a, b = (np.asfortranarray(rand(rng, s, np.float64)) for s in ((m, k), (k, n)))
+        got = blasx.gemm(1.5, a, b, beta=-0.5, c=c)
+        assert got is not c and rel_err(got, reference(1.5, a, b, -0.5, before, 0, 0)) < 1e-12
+        assert np.array_equal(c, before) and hostmem.REGISTRY._ours.get(id(c)) is None
+        assert blasx.last_profile().host["staged_bytes"] >= c.nbytes
+
+
 @pytest.mark.parametrize("order", ["F", "C"])
 def test_chunked_registration_splits_copies(monkeypatch, order):
     """Host arrays registered in many small chunks while the call runs: every tile copy is cut at

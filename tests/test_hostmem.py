@@ -326,10 +326,11 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     from blasx.runtime.devices.cuda import CudaDevice
     from blasx.runtime.knobs import Knobs
     from blasx.runtime.plans import plan_gemm
-    seen = []
+    seen, intos = [], []
 
-    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True):
+    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True, into=None):
         seen.append((arrays, late() if callable(late) else late, threads, readonly))
+        intos.append(into)
         return [None] * len(arrays), None
     monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
     a, c = np.ones((8, 8)), np.ones((8, 8))
@@ -342,6 +343,7 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
         call.written_only = lambda: Call.written_only(call)
         call.late_inputs = lambda: Call.late_inputs(call)
         call.written_slots = lambda: Call.written_slots(call)
+        call.init_targets = lambda: Call.init_targets(call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs()), call)
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(pin_threads=8)), call)  # BLASX_KNOBS=pin_threads=8
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_inputs=False)), call)
@@ -350,6 +352,16 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     assert ops[0].pinning is None and ops[2].pinning is None and ops[1].pinning == "unset"
     assert threads is None and eight == 8  # the knob's 0: PIN_THREADS
     assert readonly == {0} and not none  # A may be staged, never C; stage_inputs=0: nothing
+    assert intos == [{}, {}, {}]
+    # a new result starting from the caller's c (slot 3): c's values are staged into the result (slot 2)
+    c0 = np.ones((8, 8))
+    with fake_cupy.installed():
+        call.operands = ops + [operand(c0)]
+        call.tasks = plan_gemm(8, 8, 8, 4, 0, 0, beta_zero=False, c_init=True)
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs()), call)
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_into_result=False)), call)
+    assert seen[-2][3] == {0, 2} and seen[-2][1] == {2, 1}  # c0 read only, and late; C late
+    assert intos[-2] == {2: c} and intos[-1] == {}
 
 
 def test_a_chunk_a_copy_waits_for_is_taken_next(fake_cuda, monkeypatch):

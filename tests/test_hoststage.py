@@ -153,3 +153,40 @@ def test_a_finished_call_leaves_nothing_alive_through_a_registered_root(rt):
     finally:
         gc.enable()
     reg.release(c)
+
+
+def test_a_new_results_first_contents_are_staged_into_it(rt, monkeypatch):
+    """``into``: the caller's c, read only as the first contents of a new (page-locked) result, is copied into
+    the result itself, after the inputs' chunks, seen before or not; tile copies read c's tiles there."""
+    reg, made = RegistrationCache(), []
+    rng = np.random.default_rng(4)
+    a, c0 = (np.asfortranarray(rng.standard_normal((96, 200))) for _ in range(2))
+    out = np.full((96, 200), np.nan, order="F")  # the new result, page-locked (the pool's)
+    lo, hi = out.ctypes.data, out.ctypes.data + out.nbytes
+    monkeypatch.setattr(hostmem, "_is_pinned", lambda runtime, ptr: lo <= ptr < hi)
+    order = []
+    real = hostmem.stage_chunk
+    monkeypatch.setattr(hostmem, "stage_chunk", lambda p, i: (order.append(p.staged.ctypes.data != lo), real(p, i)))
+    for seen_before in (False, True):
+        out.fill(np.nan)
+        order.clear()
+        (pa, pout, pc0), job = reg.pin([a, out, c0], late={1, 2}, readonly={0, 2}, buffer=buffers(made), into={2: out},
+                                       threads=1)
+        job.join()
+        assert pout.foreign and pc0.delta == lo - c0.ctypes.data and np.array_equal(out, c0)
+        assert (pa.staged is not None) != seen_before and len(made) == (not seen_before) and job.staged_bytes == c0.nbytes + (0 if seen_before else a.nbytes)
+        if not seen_before:
+            assert order == [True] * len(pa.chunks) + [False] * len(pc0.chunks)  # A's chunks first, then c's
+        made.clear()
+        reg.release(a)
+    # not byte for byte alike (C order against F), or not page-locked: c is staged or registered as any input
+    c1 = np.ascontiguousarray(c0)
+    (_, p1), job = reg.pin([out, c1], readonly={1}, buffer=buffers(made), into={1: out})
+    job.join()
+    assert p1.staged is made[0] and p1.staged is not out
+    other = np.empty((96, 200), order="F")
+    c2 = c0.copy(order="F")
+    (_, p2), job = reg.pin([other, c2], readonly={1}, buffer=buffers(made), into={1: other})
+    job.join()
+    assert p2.staged is made[1] and not np.isnan(out).any()
+    reg.release(other)

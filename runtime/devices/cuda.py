@@ -215,15 +215,20 @@ class CudaDevice(CudaKernels, StreamDevice):
                 return {i for i, (slot, _) in enumerate(host) if slot in later}
             knobs = getattr(self, "knobs", None)
             stage = knobs is None or knobs.stage_inputs
+            into = {}
             if stage:
                 written = call.written_slots()
                 readonly = {i for i, (slot, _) in enumerate(host) if slot not in written}
+                if knobs is None or knobs.stage_into_result:  # a new result's first contents, copied into it
+                    where = {slot: i for i, (slot, _) in enumerate(host)}
+                    into = {where[s]: call.operands[d].array for s, d in call.init_targets().items()
+                            if s in where and d in where}
             else:
                 readonly = ()
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
                                                   threads=(knobs.pin_threads if knobs else 0) or None,
                                                   readonly=readonly, buffer=_stage_buffer,
-                                                  on_demand=knobs is None or knobs.chunks_on_demand)
+                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
