@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -32,7 +33,7 @@ CHUNK_BYTES = 256 << 20  # one registration: short next to a call, few per GiB
 HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 PIN_THREADS = 4  # threads registering one call's chunks: the driver pins a fresh array's pages faster on several
-STAGE_THREADS = 8  # threads of a call that stages: copies scale further than registration
+STAGE_THREADS = min(24, os.cpu_count() or 1)  # threads of a call that stages: copies scale further than registration
 
 
 def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:

@@ -192,7 +192,7 @@ def test_index_type():
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("activation", [None, *cuda_epilogue.EXPRESSIONS.keys() - {None}])
+@pytest.mark.parametrize("activation", [None, *sorted(cuda_epilogue.EXPRESSIONS.keys() - {None})])
 def test_sources(dtype, activation):
     """The kernels' parameters are the programs' (in order), the activation and the store are the
     epilogue kernel's, and every kernel variant has its own name (the cache key)."""
