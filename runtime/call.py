@@ -172,24 +172,19 @@ class Call:
         return frozenset(init)
 
     def init_targets(self) -> dict[int, int]:
-        """{C source's slot: the slot it starts}, where neither is a step's operand, each tile of the source is
-        the first contents of the same tile of the other, and every task writing the other starts from it: a
-        tile there is read before it is written, so the source's values may be staged straight into it."""
-        sources, pairs = {t.c_init.slot for t in self.tasks if t.c_init is not None}, {}
-        if not sources:
-            return {}
+        """{C source's slot: the slot it starts}, where neither is a step's operand, every task writing the
+        latter starts from the same tile of the source, and the source starts nothing else: each tile there
+        is read before it is written, so the source's values may be staged straight into it."""
         read = {r.slot for t in self.tasks for st in t.steps for r in (st.a, st.b) if r is not None}
-        for t in self.tasks:
-            i = t.c_init
-            if i is not None and i.slot not in read and i[3:] == t.c[3:]:
-                pairs.setdefault(i.slot, set()).add(t.c.slot)
-        targets = {s: next(iter(d)) for s, d in pairs.items() if len(d) == 1 and not d & read}
-        for t in self.tasks:  # a tile of the target written by a task starting elsewhere: no
-            i = t.c_init
-            for s, d in list(targets.items()):
-                if t.c.slot == d and (i is None or i.slot != s or i[3:] != t.c[3:]):
-                    del targets[s]
-        return targets
+        targets = {}
+        for d in {t.c.slot for t in self.tasks} - read:
+            starts = {t.c_init.slot if t.c_init is not None and t.c_init[3:] == t.c[3:] else None
+                      for t in self.tasks if t.c.slot == d}
+            if len(starts) == 1 and (s := starts.pop()) is not None and s not in read:
+                targets[s] = d
+        elsewhere = {t.c_init.slot for t in self.tasks
+                     if t.c_init is not None and targets.get(t.c_init.slot) != t.c.slot}
+        return {s: d for s, d in targets.items() if s not in elsewhere}
 
     def written_only(self) -> frozenset[int]:
         """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their
