@@ -190,3 +190,25 @@ def test_a_new_results_first_contents_are_staged_into_it(rt, monkeypatch):
     job.join()
     assert p2.staged is made[1] and not np.isnan(out).any()
     reg.release(other)
+
+
+def test_calls_in_several_threads_stage_one_c_into_their_own_results(rt, monkeypatch, in_threads):
+    """Threads whose calls start new results from the same c at once: each copies c into its own result, and
+    c is registered by none of them."""
+    import threading
+    reg = RegistrationCache()
+    c = np.asfortranarray(np.random.default_rng(5).standard_normal((96, 300)))
+    outs = [np.full((96, 300), np.nan, order="F") for _ in range(4)]
+    spans = [(o.ctypes.data, o.ctypes.data + o.nbytes) for o in outs]
+    monkeypatch.setattr(hostmem, "_is_pinned", lambda runtime, ptr: any(lo <= ptr < hi for lo, hi in spans))
+    barrier = threading.Barrier(4)
+    got = [None] * 4
+
+    def call(i):
+        barrier.wait()
+        (_, p), job = reg.pin([outs[i], c], late={0, 1}, readonly={1}, into={1: outs[i]})
+        job.join()
+        got[i] = p
+    in_threads(call, 4)
+    assert all(p.delta == o.ctypes.data - c.ctypes.data for p, o in zip(got, outs))
+    assert all(np.array_equal(o, c) for o in outs) and not rt.registered and id(c) not in reg._ours
