@@ -52,6 +52,9 @@ class Knobs:
     #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
     #: like any other input.
     stage_into_result: bool = True
+    #: A staged matrix is copied in 2-D units (a line's byte ranges over a block of lines), so a tile copy waits
+    #: for its own rows and columns only (``hostmem.grid_units``). Off: in address-ordered chunks.
+    stage_tiles: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -228,7 +228,8 @@ class CudaDevice(CudaKernels, StreamDevice):
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
                                                   threads=(knobs.pin_threads if knobs else 0) or None,
                                                   readonly=readonly, buffer=_stage_buffer,
-                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into)
+                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into,
+                                                  grid=knobs is None or knobs.stage_tiles)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
