@@ -108,10 +108,11 @@ class Pinning:
 
     def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False,
                  staged=None, source=None, grid=None) -> None:
-        # grid (a staged 2-D root): (pitch, grid_units' list), chunk i being bytes [b0, b1) of lines [l0, l1) =
-        # units[i] (a line: ``pitch`` bytes from lo); ``chunks[i]`` is then that unit's extent, first to last byte
+        # grid (a staged 2-D root, ``chunks`` empty): (pitch, grid_units' list), chunk i being bytes [b0, b1) of
+        # lines [l0, l1) = units[i] (a line: ``pitch`` bytes from lo); ``chunks[i]`` is that unit's extent
         self.pitch, self.units = grid if grid is not None else (None, None)
         if grid is not None:
+            assert not chunks, "a grid's chunks are its units' extents"
             l0, l1, b0, b1 = self.units[0]
             self._step, self._width, self._across = l1 - l0, b1 - b0, -(-self.pitch // (b1 - b0))
             chunks = [(lo + l0 * self.pitch + b0, lo + (l1 - 1) * self.pitch + b1) for l0, l1, b0, b1 in self.units]
@@ -265,8 +266,9 @@ class RegistrationCache:
             if buf is None and first and buffer is not None:
                 buf = buffer(root.nbytes)
             if buf is not None:
-                p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf,
-                            source=root, grid=_grid(root) if grid else None)
+                g = _grid(root) if grid else None
+                p = Pinning(lo, lo + root.nbytes, [] if g else chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES),
+                            staged=buf, source=root, grid=g)
         staging[key] = p
         return p
 
