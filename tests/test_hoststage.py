@@ -25,12 +25,14 @@ def buffers(log):
     return buffer
 
 
-def test_a_first_seen_input_is_staged_and_registered_in_place_when_seen_again(rt):
+@pytest.mark.parametrize("grid", [True, False], ids=["units", "chunks"])
+def test_a_first_seen_input_is_staged_and_registered_in_place_when_seen_again(rt, grid):
     reg, made = RegistrationCache(), []
     rng = np.random.default_rng(0)
     a = np.asfortranarray(rng.standard_normal((96, 200)))  # 150 KiB: three 64 KiB chunks
     c = np.ones((96, 200), order="F")
-    (pa, pc), job = reg.pin([a, c], late={1}, readonly={0}, buffer=buffers(made))
+    (pa, pc), job = reg.pin([a, c], late={1}, readonly={0}, buffer=buffers(made), grid=grid)
+    assert (pa.units is not None) == grid
     job.join()
     assert len(made) == 1 and pa.staged is made[0] and pa.delta == made[0].ctypes.data - a.ctypes.data
     assert np.array_equal(made[0].view(a.dtype).reshape(a.shape, order="F"), a)  # every byte copied
