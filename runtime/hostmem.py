@@ -12,9 +12,10 @@ a chunk a copy waits for is taken next (``PinJob.hurry``).
 Staging: an input the call only reads, seen by blasx for the first time, is copied instead into a
 page-locked buffer of the result pool (the same threads and order; copies read the buffer,
 ``Pinning.delta``): with the buffer idle in the pool, a pass of copying is cheaper than registering an
-array and later unregistering it. An array seen again is registered in place: it is being reused. A
-staged matrix is copied in 2-D units (``grid_units``): a tile copy waits for the rows and columns it
-reads, not for every chunk its byte extent crosses (in an F-ordered matrix, all of its columns' rows).
+array and later unregistering it. An array seen again is registered in place: it is being reused. With
+``grid``, a staged matrix is copied in 2-D units (``grid_units``): a tile copy waits for the rows and
+columns it reads, not for every chunk its byte extent crosses (in an F-ordered matrix, all of its
+columns' rows), at the price of strided copies.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ class RegistrationCache:
         self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
     def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
-            readonly=(), buffer=None, on_demand: bool = True, into=None, grid: bool = True
+            readonly=(), buffer=None, on_demand: bool = True, into=None, grid: bool = False
             ) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
@@ -241,7 +242,7 @@ class RegistrationCache:
         job.start()
         return pinnings, job
 
-    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None, grid: bool = True):
+    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None, grid: bool = False):
         """A staged Pinning for x's root (shared by the call's operands on that root), or None: the root
         is small, pinned already or before, seen by blasx before, a view of a part of it, or ``buffer``
         has none. With ``into`` (a page-locked array): staged there if x lies in it byte for byte, seen

@@ -329,7 +329,7 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     seen, intos, grids = [], [], []
 
     def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True, into=None,
-            grid=True):
+            grid=False):
         seen.append((arrays, late() if callable(late) else late, threads, readonly))
         intos.append(into)
         grids.append(grid)
@@ -365,8 +365,8 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     assert seen[-2][3] == {0, 2} and seen[-2][1] == {2, 1}  # c0 read only, and late; C late
     assert intos[-2] == {2: c} and intos[-1] == {}
     with fake_cupy.installed():
-        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_tiles=False)), call)
-    assert grids == [True] * (len(grids) - 1) + [False]
+        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_tiles=True)), call)
+    assert grids == [False] * (len(grids) - 1) + [True]  # BLASX_KNOBS=stage_tiles=1
 
 
 def test_a_chunk_a_copy_waits_for_is_taken_next(fake_cuda, monkeypatch):
