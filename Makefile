@@ -13,10 +13,11 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# the suite in JOBS processes (pytest-xdist): each test file's tests may run in any of them
+# the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone
 JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(JOBS)
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
 # into a log). The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"

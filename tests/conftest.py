@@ -177,6 +177,7 @@ def pytest_configure(config):
     # here rather than in pyproject.toml: also registered when tests/ runs outside the checkout
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs through CuPy (skipped where there are none)")
     config.addinivalue_line("markers", "slow: longer stress tests")
+    config.addinivalue_line("markers", "serial: asserts wall-clock bounds; make test runs these after the others, alone")
 
 
 def pytest_collection_modifyitems(items):

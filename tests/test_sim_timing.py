@@ -74,6 +74,7 @@ def test_timing_mode_heap_has_full_size_and_evicts(no_numpy_kernels):
     assert prof.totals()["evictions"] > 0
 
 
+@pytest.mark.serial  # wall-clock bounds: run alone (make test's second pass)
 def test_compute_bound_wall_time_is_near_the_cost_model_bound(no_numpy_kernels):
     # One device, copies 1e6x faster than kernels: the call lasts about flops / rate * dilate.
     m = n = k = 64
@@ -110,6 +111,7 @@ def test_byte_counters_agree_with_the_stats_on_several_devices(no_numpy_kernels)
     assert sum(d.bytes_out for d in devs) == 16 * tile_bytes
 
 
+@pytest.mark.serial  # wall-clock bounds: run alone (make test's second pass)
 def test_shared_host_link_caps_the_aggregate_rate(no_numpy_kernels):
     # Copy-bound (fast kernels, no peers): 2 devices with 2 MB/s links each way; with host=2e6 all
     # their host copies, both directions, share one 2 MB/s channel.
@@ -195,6 +197,7 @@ def test_kernel_rate_factors():
     assert devs[1].model.kernel_time(4e9, "trsm") == 12.0  # slow applies on top
 
 
+@pytest.mark.serial  # wall-clock bounds: run alone (make test's second pass)
 def test_timing_mode_kernels_take_their_own_rate(no_numpy_kernels):
     # One 32 x 32 TRMM tile (32^3 flops, one trmm step): at rate 1e6 it lasts 32.8 ms; krate=trmm:0.25 x4.
     tile, rate = 32, 1e6
