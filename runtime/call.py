@@ -74,6 +74,11 @@ class Operand:
         return self.device < 0 and self.derive is None
 
 
+def step_slots(tasks) -> set[int]:
+    """Slots of the operands the tasks' steps read (A and B tiles of their kernels)."""
+    return {r.slot for t in tasks for st in t.steps for r in (st.a, st.b) if r is not None}
+
+
 class Call:
     def __init__(self, name: str, operands: list[Operand], tasks: list[Task], dtype,
                  alpha, beta, stats: CallStats, epilogue: Callable | None = None,
@@ -163,19 +168,16 @@ class Call:
         caller's c): under ``Knobs.late_c`` their tiles are fetched near a task's end, so they are page-locked
         after the inputs' too."""
         init = {t.c_init.slot for t in self.tasks if t.c_init is not None and t.rotatable}
-        for t in self.tasks:
-            if not init:
-                break
-            if t.c_init is not None and not t.rotatable:
-                init.discard(t.c_init.slot)
-            init.difference_update(r.slot for st in t.steps for r in (st.a, st.b) if r is not None)
+        if init:
+            init -= {t.c_init.slot for t in self.tasks if t.c_init is not None and not t.rotatable}
+            init -= step_slots(self.tasks)
         return frozenset(init)
 
     def init_targets(self) -> dict[int, int]:
         """{C source's slot: the slot it starts}, where neither is a step's operand, every task writing the
         latter starts from the same tile of the source, and the source starts nothing else: each tile there
         is read before it is written, so the source's values may be staged straight into it."""
-        read = {r.slot for t in self.tasks for st in t.steps for r in (st.a, st.b) if r is not None}
+        read = step_slots(self.tasks)
         targets = {}
         for d in {t.c.slot for t in self.tasks} - read:
             starts = {t.c_init.slot if t.c_init is not None and t.c_init[3:] == t.c[3:] else None
@@ -189,13 +191,7 @@ class Call:
     def written_only(self) -> frozenset[int]:
         """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their
         memory is needed after the inputs', so it is page-locked after theirs (hostmem.RegistrationCache.pin)."""
-        outputs = {t.c.slot for t in self.tasks}
-        for t in self.tasks:
-            if not outputs:
-                break
-            for st in t.steps:
-                outputs.difference_update(r.slot for r in (st.a, st.b) if r is not None)
-        return frozenset(outputs)
+        return frozenset({t.c.slot for t in self.tasks} - step_slots(self.tasks))
 
     def home_dtype(self, slot: int) -> np.dtype:
         """The type of operand ``slot`` in its home memory."""
