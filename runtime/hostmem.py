@@ -261,8 +261,7 @@ class RegistrationCache:
                 first = self._seen.get(key) is not root and key not in self._ours
                 self._seen[key] = root
             buf = None if into is None else _bytes_like(into, x)
-            if buf is not None and not (_is_pinned(runtime, buf.ctypes.data)
-                                        and _is_pinned(runtime, buf.ctypes.data + buf.nbytes - 1)):
+            if buf is not None and not _both_ends_pinned(runtime, buf.ctypes.data, buf.ctypes.data + buf.nbytes):
                 buf = None
             if buf is None and first and buffer is not None:
                 buf = buffer(root.nbytes)
@@ -283,7 +282,7 @@ class RegistrationCache:
         with self._lock:
             p = self._ours.get(id(root))
             if p is None:
-                if _is_pinned(runtime, lo) and _is_pinned(runtime, hi - 1):
+                if _both_ends_pinned(runtime, lo, hi):
                     return Pinning.whole(lo, hi), []
                 if root.base is not None or root.nbytes < (MIN_REGISTER_BYTES if min_bytes is None else min_bytes):
                     return None, []
@@ -476,6 +475,11 @@ class PinJob:
     def staged_bytes(self) -> int:
         """Bytes this job copied into staging buffers."""
         return sum(p.nbytes(i) for p, i in self.chunks if p.ok[i] and p.staged is not None)
+
+
+def _both_ends_pinned(runtime, lo: int, hi: int) -> bool:
+    """Bytes [lo, hi) page-locked at their first and last byte (memory pinned as one by someone else)."""
+    return _is_pinned(runtime, lo) and _is_pinned(runtime, hi - 1)
 
 
 def _is_pinned(runtime, ptr: int) -> bool:
