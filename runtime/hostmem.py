@@ -10,12 +10,9 @@ touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a par
 a chunk a copy waits for is taken next (``PinJob.hurry``).
 
 Staging: an input the call only reads, seen by blasx for the first time, is copied instead into a
-page-locked buffer of the result pool (the same threads and order; copies read the buffer,
+page-locked buffer of the result pool (the same threads and chunk order; copies read the buffer,
 ``Pinning.delta``): with the buffer idle in the pool, a pass of copying is cheaper than registering an
-array and later unregistering it. An array seen again is registered in place: it is being reused. With
-``grid``, a staged matrix is copied in 2-D units (``grid_units``): a tile copy waits for the rows and
-columns it reads, not for every chunk its byte extent crosses (in an F-ordered matrix, all of its
-columns' rows), at the price of strided copies.
+array and later unregistering it. An array seen again is registered in place: it is being reused.
 """
 
 from __future__ import annotations
@@ -37,10 +34,6 @@ HOST_REGISTER_PORTABLE = 1
 WAIT_SECONDS = 120.0  # a copy waiting this long for a chunk's registration fails instead
 PIN_THREADS = 4  # threads registering one call's chunks: the driver pins a fresh array's pages faster on several
 STAGE_THREADS = min(24, os.cpu_count() or 1)  # threads of a call that stages: copies scale further than registration
-# a staged matrix is copied in 2-D units (a tile copy waits for the units of its rows and columns only):
-UNIT_BYTES = 64 << 20  # about this many bytes a unit
-LINE_SPLIT = 8  # a line (column) in up to this many byte ranges
-UNIT_MIN_WIDTH = 4096  # of at least this many bytes
 
 
 def interior_pages(lo: int, nbytes: int) -> tuple[int, int]:
@@ -52,18 +45,6 @@ def chunk_spans(start: int, end: int, chunk: int = CHUNK_BYTES) -> list[tuple[in
     """[start, end) (page-aligned) cut into consecutive page-aligned spans of at most ``chunk`` bytes."""
     step = max(PAGE, chunk // PAGE * PAGE)
     return [(s, min(s + step, end)) for s in range(start, end, step)]
-
-
-def grid_units(lines: int, pitch: int, unit: int | None = None) -> list[tuple[int, int, int, int]]:
-    """A 2-D root of ``lines`` lines of ``pitch`` bytes (an F-ordered matrix's columns) cut into units
-    ``(l0, l1, b0, b1)``: bytes [b0, b1) of lines [l0, l1), each line in up to ``LINE_SPLIT`` byte ranges
-    (64-byte multiples), about ``unit`` (default ``UNIT_BYTES``) bytes a unit; listed line block by line
-    block (address order)."""
-    unit = UNIT_BYTES if unit is None else unit
-    width = min(pitch, max(UNIT_MIN_WIDTH, -(-pitch // LINE_SPLIT // 64) * 64))
-    step = max(1, unit // width)
-    return [(l0, min(l0 + step, lines), b0, min(b0 + width, pitch))
-            for l0 in range(0, lines, step) for b0 in range(0, pitch, width)]
 
 
 def round_robin(lists) -> list:
@@ -108,15 +89,7 @@ class Pinning:
     its event is set; readers wait on the events."""
 
     def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False,
-                 staged=None, source=None, grid=None) -> None:
-        # grid (a staged 2-D root, ``chunks`` empty): (pitch, grid_units' list), chunk i being bytes [b0, b1) of
-        # lines [l0, l1) = units[i] (a line: ``pitch`` bytes from lo); ``chunks[i]`` is that unit's extent
-        self.pitch, self.units = grid if grid is not None else (None, None)
-        if grid is not None:
-            assert not chunks, "a grid's chunks are its units' extents"
-            l0, l1, b0, b1 = self.units[0]
-            self._step, self._width, self._across = l1 - l0, b1 - b0, -(-self.pitch // (b1 - b0))
-            chunks = [(lo + l0 * self.pitch + b0, lo + (l1 - 1) * self.pitch + b1) for l0, l1, b0, b1 in self.units]
+                 staged=None, source=None) -> None:
         self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
         self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
         self.ready = [threading.Event() for _ in chunks]
@@ -139,45 +112,26 @@ class Pinning:
     def wait(self, lo: int, hi: int) -> None:
         """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
         done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
-        self._wait([i for i, (s, e) in enumerate(self.chunks) if s < hi and lo < e], lo, hi)
-
-    def _wait(self, wanted: list[int], lo: int, hi: int) -> None:
-        for i in wanted:
-            if not self.ready[i].is_set() and (job := self.owner[i]) is not None:
+        for i, ((s, e), ev) in enumerate(zip(self.chunks, self.ready)):
+            if s < hi and lo < e and not ev.is_set() and (job := self.owner[i]) is not None:
                 job.hurry(self, i)  # wanted now: its job takes it next
-        for i in wanted:
-            if not self.ready[i].wait(WAIT_SECONDS):
-                s, e = self.chunks[i]
+        for (s, e), ev in zip(self.chunks, self.ready):
+            if s < hi and lo < e and not ev.wait(WAIT_SECONDS):
                 raise TimeoutError(f"host memory bytes [{s:#x}, {e:#x}) were not page-locked within "
                                    f"{WAIT_SECONDS} s (cudaHostRegister of {e - s} bytes usually takes milliseconds)")
-        if self.staged is not None and not all(self.ok[i] for i in wanted):
+        if self.staged is not None and not all(ok for (s, e), ok in zip(self.chunks, self.ok) if s < hi and lo < e):
             raise RuntimeError(f"host memory bytes [{lo:#x}, {hi:#x}) could not be copied into a page-locked "
                                "staging buffer")
 
     def pieces(self, ptr: int, pitch: int, width: int, cols: int) -> list[tuple[int, int, int, int]]:
-        """The 2-D copy split so each piece lies in one region, once those regions are ready (on a grid, the
-        units holding its bytes; else every chunk its extent overlaps)."""
+        """The 2-D copy split so each piece lies in one region, once those regions are ready."""
         end = ptr + (cols - 1) * pitch + width
-        line, b0 = divmod(ptr - self.lo, pitch) if pitch else (0, 0)
-        if self.units is not None and pitch == self.pitch and b0 + width <= pitch:
-            step, w, across = self._step, self._width, self._across  # (the units of grid_units: index arithmetic)
-            self._wait([lb * across + bb for lb in range(line // step, (line + cols - 1) // step + 1)
-                        for bb in range(b0 // w, (b0 + width - 1) // w + 1)] if cols and width else [], ptr, end)
-        else:
-            self.wait(ptr, end)
+        self.wait(ptr, end)
         return split_2d(ptr, pitch, width, cols, [x for x in self.cuts if ptr < x < end])
-
-    def nbytes(self, i: int) -> int:
-        """Bytes of chunk i (of unit i on a grid)."""
-        if self.units is not None:
-            l0, l1, b0, b1 = self.units[i]
-            return (l1 - l0) * (b1 - b0)
-        s, e = self.chunks[i]
-        return e - s
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(self.nbytes(i) for i, ok in enumerate(self.ok) if ok)
+        return sum(e - s for (s, e), ok in zip(self.chunks, self.ok) if ok)
 
 
 def root_of(x: np.ndarray) -> np.ndarray:
@@ -199,8 +153,7 @@ class RegistrationCache:
         self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
     def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
-            readonly=(), buffer=None, on_demand: bool = True, into=None, grid: bool = False
-            ) -> tuple[list, "PinJob | None"]:
+            readonly=(), buffer=None, on_demand: bool = True, into=None) -> tuple[list, "PinJob | None"]:
         """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
         ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
         the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
@@ -211,8 +164,7 @@ class RegistrationCache:
         staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None. ``into``: {index: array}
         of read-only inputs staged straight into that page-locked array (a new result starting from the input's
         values, which lie there byte for byte: :func:`_bytes_like`) whether seen before or not. ``on_demand``:
-        a chunk a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order. ``grid``: a staged
-        matrix is copied in 2-D units, so a tile copy waits for its own rows and columns only."""
+        a chunk a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order."""
         from cupy.cuda import runtime
 
         # a root the call also writes is never staged (its copy would go stale)
@@ -221,7 +173,7 @@ class RegistrationCache:
         pinnings, chunks = [], []
         for i, x in enumerate(arrays):
             stage = i in readonly and (buffer is not None or i in into)
-            p = self._staging(runtime, x, staging, buffer, min_bytes, into.get(i), grid) if stage else None
+            p = self._staging(runtime, x, staging, buffer, min_bytes, into.get(i)) if stage else None
             if p is not None:  # (a root read twice is staged once: its chunks listed with its first operand)
                 mine = [] if any(q is p for q in pinnings) else [(p, k) for k in range(len(p.chunks))]
             else:
@@ -242,12 +194,11 @@ class RegistrationCache:
         job.start()
         return pinnings, job
 
-    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None, grid: bool = False):
+    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None):
         """A staged Pinning for x's root (shared by the call's operands on that root), or None: the root
         is small, pinned already or before, seen by blasx before, a view of a part of it, or ``buffer``
         has none. With ``into`` (a page-locked array): staged there if x lies in it byte for byte, seen
-        before or not (else as any input). Its chunks are copied by the call's job; ``grid``: a matrix's in
-        2-D units (:func:`grid_units`)."""
+        before or not (else as any input). Its chunks are copied by the call's job."""
         root = root_of(x)
         key = id(root)
         if key in staging:
@@ -266,9 +217,8 @@ class RegistrationCache:
             if buf is None and first and buffer is not None:
                 buf = buffer(root.nbytes)
             if buf is not None:
-                g = _grid(root) if grid else None
-                p = Pinning(lo, lo + root.nbytes, [] if g else chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES),
-                            staged=buf, source=root, grid=g)
+                p = Pinning(lo, lo + root.nbytes, chunk_spans(lo, lo + root.nbytes, CHUNK_BYTES), staged=buf,
+                            source=root)
         staging[key] = p
         return p
 
@@ -359,31 +309,13 @@ def _bytes_like(dest, x: np.ndarray) -> np.ndarray | None:
     return dest.reshape(-1, order=order).view(np.uint8)
 
 
-def _grid(root: np.ndarray):
-    """(pitch, units) of a 2-D contiguous root (its lines: an F-ordered matrix's columns, a C-ordered one's
-    rows), or None."""
-    if root.ndim != 2 or 0 in root.shape:
-        return None
-    if root.flags.f_contiguous:
-        lines, pitch = root.shape[1], root.shape[0] * root.itemsize
-    elif root.flags.c_contiguous:
-        lines, pitch = root.shape[0], root.shape[1] * root.itemsize
-    else:
-        return None
-    return pitch, grid_units(lines, pitch)
-
-
 def stage_chunk(p: Pinning, i: int) -> None:
-    """Copy chunk (or unit) i of a staged p from its root into its buffer; always sets its event (a failed copy
+    """Copy chunk i of a staged p from its root into its buffer; always sets its event (a failed copy
     leaves the chunk not ok: a tile copy waiting for it raises, so the call fails rather than read it)."""
     try:
+        start, end = p.chunks[i]
         src = p.source.reshape(-1, order="A").view(np.uint8)  # a root owning its memory is contiguous
-        if p.units is not None:
-            l0, l1, b0, b1 = p.units[i]
-            np.copyto(p.staged.reshape(-1, p.pitch)[l0:l1, b0:b1], src.reshape(-1, p.pitch)[l0:l1, b0:b1])
-        else:
-            start, end = p.chunks[i]
-            np.copyto(p.staged[start - p.lo:end - p.lo], src[start - p.lo:end - p.lo])
+        np.copyto(p.staged[start - p.lo:end - p.lo], src[start - p.lo:end - p.lo])
         p.ok[i] = True
     finally:
         p.ready[i].set()
@@ -469,12 +401,12 @@ class PinJob:
     @property
     def pinned_bytes(self) -> int:
         """Bytes this job registered (its chunks that succeeded)."""
-        return sum(p.nbytes(i) for p, i in self.chunks if p.ok[i] and p.staged is None)
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is None)
 
     @property
     def staged_bytes(self) -> int:
         """Bytes this job copied into staging buffers."""
-        return sum(p.nbytes(i) for p, i in self.chunks if p.ok[i] and p.staged is not None)
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is not None)
 
 
 def _both_ends_pinned(runtime, lo: int, hi: int) -> bool:

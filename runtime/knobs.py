@@ -52,10 +52,6 @@ class Knobs:
     #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
     #: like any other input.
     stage_into_result: bool = True
-    #: A staged matrix is copied in 2-D units (a line's byte ranges over a block of lines), so a tile copy waits
-    #: for its own rows and columns only (``hostmem.grid_units``); a strided copy runs slower than a contiguous
-    #: one, so this is off (address-ordered chunks) until a GPU A/B shows the earlier start pays for it.
-    stage_tiles: bool = False
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

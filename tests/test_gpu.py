@@ -178,18 +178,13 @@ def test_large_host_results_come_page_locked_from_the_pool(monkeypatch):
     assert s.ctypes.data == first and rel_err(s, ref) < TOL[np.float64]
 
 
-@pytest.mark.parametrize("knobs", ["stage_tiles=0", "stage_tiles=1"], ids=["chunks", "units"])
 @pytest.mark.parametrize("shape", [(1500, 1300, 900), (600, 500, 6000)], ids=["tiles", "split-k"])
-def test_a_new_result_starts_from_c_staged_into_it(monkeypatch, shape, knobs):
+def test_a_new_result_starts_from_c_staged_into_it(monkeypatch, shape):
     """gemm(alpha, a, b, beta, c) with fresh host arrays: A and B staged, c's values copied by the call's threads
-    straight into the new (page-locked) result, in chunks or in 2-D units that tiles straddle; exact, c untouched,
-    twice."""
+    straight into the new (page-locked) result, in chunks cut inside columns; exact, c untouched, twice."""
     from blasx.runtime import hostmem, hostpool
-    monkeypatch.setenv("BLASX_KNOBS", knobs)
-    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 23 * hostmem.PAGE)
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 20)
-    monkeypatch.setattr(hostmem, "UNIT_BYTES", 1 << 20)
-    monkeypatch.setattr(hostmem, "UNIT_MIN_WIDTH", 64)  # byte ranges of about 1/8 of a column (192 rows), not 256
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 23 * hostmem.PAGE)
     monkeypatch.setattr(hostpool, "POOL", hostpool.OutputPool(idle_limit=1 << 30))
     blasx.configure(devices="cuda", tile=256, cache_bytes=256 << 20)
     rng = np.random.default_rng(22)

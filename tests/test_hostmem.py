@@ -326,13 +326,11 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     from blasx.runtime.devices.cuda import CudaDevice
     from blasx.runtime.knobs import Knobs
     from blasx.runtime.plans import plan_gemm
-    seen, intos, grids = [], [], []
+    seen, intos = [], []
 
-    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True, into=None,
-            grid=False):
+    def pin(arrays, min_bytes=None, late=(), threads=None, readonly=(), buffer=None, on_demand=True, into=None):
         seen.append((arrays, late() if callable(late) else late, threads, readonly))
         intos.append(into)
-        grids.append(grid)
         return [None] * len(arrays), None
     monkeypatch.setattr(hostmem.REGISTRY, "pin", pin)
     a, c = np.ones((8, 8)), np.ones((8, 8))
@@ -364,9 +362,6 @@ def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
         CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_into_result=False)), call)
     assert seen[-2][3] == {0, 2} and seen[-2][1] == {2, 1}  # c0 read only, and late; C late
     assert intos[-2] == {2: c} and intos[-1] == {}
-    with fake_cupy.installed():
-        CudaDevice.prepare_call(types.SimpleNamespace(knobs=Knobs(stage_tiles=True)), call)
-    assert grids == [False] * (len(grids) - 1) + [True]  # BLASX_KNOBS=stage_tiles=1
 
 
 def test_a_chunk_a_copy_waits_for_is_taken_next(fake_cuda, monkeypatch):

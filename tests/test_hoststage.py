@@ -25,14 +25,12 @@ def buffers(log):
     return buffer
 
 
-@pytest.mark.parametrize("grid", [True, False], ids=["units", "chunks"])
-def test_a_first_seen_input_is_staged_and_registered_in_place_when_seen_again(rt, grid):
+def test_a_first_seen_input_is_staged_and_registered_in_place_when_seen_again(rt):
     reg, made = RegistrationCache(), []
     rng = np.random.default_rng(0)
     a = np.asfortranarray(rng.standard_normal((96, 200)))  # 150 KiB: three 64 KiB chunks
     c = np.ones((96, 200), order="F")
-    (pa, pc), job = reg.pin([a, c], late={1}, readonly={0}, buffer=buffers(made), grid=grid)
-    assert (pa.units is not None) == grid
+    (pa, pc), job = reg.pin([a, c], late={1}, readonly={0}, buffer=buffers(made))
     job.join()
     assert len(made) == 1 and pa.staged is made[0] and pa.delta == made[0].ctypes.data - a.ctypes.data
     assert np.array_equal(made[0].view(a.dtype).reshape(a.shape, order="F"), a)  # every byte copied
@@ -176,8 +174,7 @@ def test_a_new_results_first_contents_are_staged_into_it(rt, monkeypatch):
                                        threads=1)
         job.join()
         assert pout.foreign and pc0.delta == lo - c0.ctypes.data and np.array_equal(out, c0)
-        assert (pa.staged is not None) != seen_before and len(made) == (not seen_before)
-        assert job.staged_bytes == c0.nbytes + (0 if seen_before else a.nbytes)
+        assert (pa.staged is not None) != seen_before and len(made) == (not seen_before) and job.staged_bytes == c0.nbytes + (0 if seen_before else a.nbytes)
         if not seen_before:
             assert order == [True] * len(pa.chunks) + [False] * len(pc0.chunks)  # A's chunks first, then c's
         made.clear()
@@ -215,61 +212,3 @@ def test_calls_in_several_threads_stage_one_c_into_their_own_results(rt, monkeyp
     in_threads(call, 4)
     assert all(p.delta == o.ctypes.data - c.ctypes.data for p, o in zip(got, outs))
     assert all(np.array_equal(o, c) for o in outs) and not rt.registered and id(c) not in reg._ours
-
-
-def test_grid_units_exact(monkeypatch):
-    # a narrow matrix: one byte range a line, lines grouped to about ``unit`` bytes
-    assert hostmem.grid_units(5, 1000, unit=2000) == [(0, 2, 0, 1000), (2, 4, 0, 1000), (4, 5, 0, 1000)]
-    monkeypatch.setattr(hostmem, "UNIT_MIN_WIDTH", 64)
-    units = hostmem.grid_units(5, 512, unit=256)  # 8 byte ranges of 64 a line, 4 lines a unit
-    assert units[:2] == [(0, 4, 0, 64), (0, 4, 64, 128)] and units[-1] == (4, 5, 448, 512) and len(units) == 16
-    assert hostmem.grid_units(3, 600, unit=1 << 20)[:2] == [(0, 3, 0, 128), (0, 3, 128, 256)]  # 64-byte multiples
-    cover = np.zeros((5, 512), int)
-    for l0, l1, b0, b1 in units:
-        cover[l0:l1, b0:b1] += 1
-    assert (cover == 1).all()
-
-
-@pytest.mark.parametrize("order", ["F", "C"])
-def test_a_tile_copy_waits_for_its_own_units_only(rt, monkeypatch, order):
-    """A staged matrix in 2-D units: a tile's copy waits for the units holding its rows of its columns (its
-    byte extent spans nearly every unit of those columns); the bytes it then reads in the buffer are the tile's."""
-    monkeypatch.setattr(hostmem, "UNIT_MIN_WIDTH", 64)
-    monkeypatch.setattr(hostmem, "UNIT_BYTES", 16 << 10)
-    monkeypatch.setattr(hostmem, "WAIT_SECONDS", 0.05)
-    a = np.asarray(np.random.default_rng(6).standard_normal((256, 120)), order=order)
-    view = a if order == "F" else a.T  # the column-major view a call copies tiles from
-    reg = RegistrationCache()
-    (p,), job = reg.pin([view], readonly={0}, buffer=lambda n: np.zeros(n, np.uint8), grid=True)
-    job.join()
-    lines, pitch = (view.shape[1], view.shape[0] * 8)
-    assert p.pitch == pitch and p.units == hostmem.grid_units(lines, pitch, 16 << 10) and all(p.ok)
-    assert job.staged_bytes == a.nbytes
-    got = p.staged.view(np.float64).reshape(view.shape, order="F")
-    assert np.array_equal(got, view)
-    # now make one unit not ready: only tiles touching it wait (and fail here after WAIT_SECONDS)
-    rows = view.shape[0]
-    k = next(i for i, (l0, l1, b0, b1) in enumerate(p.units) if b0 > 0 and l0 > 0)
-    l0, l1, b0, b1 = p.units[k]
-    p.ready[k].clear()
-    ptr = lambda r, c: view.ctypes.data + (c * rows + r) * 8  # noqa: E731
-    p.pieces(ptr(0, l0), pitch, b0, l1 - l0)  # rows above the unit, its columns: no wait
-    p.pieces(ptr(b1 // 8, l0), pitch, (rows * 8 - b1), l1 - l0)  # rows below it
-    p.pieces(ptr(0, 0), pitch, rows * 8, l0)  # earlier columns, every row
-    # any rectangle of elements waits for exactly the units it overlaps
-    rng = np.random.default_rng(7)
-    waited = []
-    p._wait = lambda wanted, lo, hi: waited.append(sorted(wanted))
-    for _ in range(200):
-        r0, c0 = int(rng.integers(rows)), int(rng.integers(lines))
-        nr, nc = int(rng.integers(1, rows - r0 + 1)), int(rng.integers(1, lines - c0 + 1))
-        p.pieces(ptr(r0, c0), pitch, nr * 8, nc)
-        assert waited[-1] == [i for i, (u0, u1, v0, v1) in enumerate(p.units)
-                              if u0 < c0 + nc and c0 < u1 and v0 < (r0 + nr) * 8 and r0 * 8 < v1]
-    del p._wait
-    with pytest.raises(TimeoutError):
-        p.pieces(ptr(b0 // 8, l0), pitch, 8, 1)  # one element of the unit
-    p.ready[k].set()
-    p.ok[k] = False
-    with pytest.raises(RuntimeError, match="staging buffer"):
-        p.pieces(ptr(b0 // 8, l0), pitch, 8, 1)

@@ -228,8 +228,7 @@ class CudaDevice(CudaKernels, StreamDevice):
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
                                                   threads=(knobs.pin_threads if knobs else 0) or None,
                                                   readonly=readonly, buffer=_stage_buffer,
-                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into,
-                                                  grid=knobs is None or knobs.stage_tiles)
+                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
 
