@@ -13,7 +13,6 @@ functions run) on a machine without one.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import ctypes
 import datetime as _dt
@@ -42,6 +41,7 @@ from blasx.runtime.dtypes import GEMM_PREFIXES as PREFIXES
 from blasx.runtime.dtypes import MATH_MODES
 
 from . import gemm_lp
+from .level3 import _parallel
 from .cublasxt import CublasXt, cublas_version, find_libcublas, registered
 
 # --------------------------------------------------------------------------- constants
@@ -226,14 +226,6 @@ def _column_chunks(rows: int, cols: int, elements: int = 1 << 22) -> list[tuple[
     return [(j, min(cols, j + step)) for j in range(0, cols, step)]
 
 
-def _parallel_sum(fn: Callable[[tuple[int, int]], float], chunks: list[tuple[int, int]]) -> float:
-    workers = max(1, min(8, os.cpu_count() or 1, len(chunks)))
-    if workers == 1:
-        return sum(map(fn, chunks))
-    with concurrent.futures.ThreadPoolExecutor(workers) as ex:   # numpy drops the GIL
-        return sum(ex.map(fn, chunks))
-
-
 def sum_squares(x: np.ndarray, ref: np.ndarray | None = None) -> float:
     """sum |x - ref|^2 (or sum |x|^2), in float64, by column chunks (bounded temporaries)."""
     wide = np.result_type(x.dtype, np.float64) if ref is None else ref.dtype
@@ -245,7 +237,7 @@ def sum_squares(x: np.ndarray, ref: np.ndarray | None = None) -> float:
         flat = d.ravel(order="K")
         return float(np.vdot(flat, flat).real)
 
-    return _parallel_sum(part, _column_chunks(*x.shape))
+    return sum(_parallel(part, _column_chunks(*x.shape)))
 
 
 def frobenius(x: np.ndarray) -> float:
@@ -264,25 +256,31 @@ def rel_error(result, ref: np.ndarray, ref_norm: float) -> float:
 
 
 def random_matrix(rng: np.random.Generator, rows: int, cols: int, dtype) -> np.ndarray:
-    """F-ordered matrix of uniform(-1, 1) entries (real and imaginary parts), made by column
-    chunks so that no full-size float64 temporary exists."""
+    """F-ordered matrix of uniform(-1, 1) entries (real and imaginary parts), made by column chunks on a
+    thread pool, chunk i from the i-th generator ``rng`` spawns (the values do not depend on the thread
+    count), so that no full-size float64 temporary exists and a 65536^2 matrix takes seconds."""
     dtype = np.dtype(dtype)
     out = np.empty((rows, cols), dtype=dtype, order="F")
-    for j0, j1 in _column_chunks(rows, cols):
+    chunks = _column_chunks(rows, cols)
+
+    def fill(item):
+        g, (j0, j1) = item
         shape = (rows, j1 - j0)
         if dtype.kind in "iu":
             info = np.iinfo(dtype)
-            out[:, j0:j1] = rng.integers(max(info.min, -128), min(info.max, 127) + 1, shape)
+            out[:, j0:j1] = g.integers(max(info.min, -128), min(info.max, 127) + 1, shape)
         elif dtype.kind == "c":
-            out[:, j0:j1].real = rng.uniform(-1.0, 1.0, shape)
-            out[:, j0:j1].imag = rng.uniform(-1.0, 1.0, shape)
+            out[:, j0:j1].real = g.uniform(-1.0, 1.0, shape)
+            out[:, j0:j1].imag = g.uniform(-1.0, 1.0, shape)
         elif dtype.itemsize == 2:  # float16, bfloat16: float32 draws rounded once (a float64 cast is slow)
-            x = rng.random(shape, dtype=np.float32)
+            x = g.random(shape, dtype=np.float32)
             x *= 2
             x -= 1
             out[:, j0:j1] = x if dtype == np.float16 else _bfloat16_bits(x).view(dtype)
         else:
-            out[:, j0:j1] = rng.uniform(-1.0, 1.0, shape)
+            out[:, j0:j1] = g.uniform(-1.0, 1.0, shape)
+
+    _parallel(fill, zip(rng.spawn(len(chunks)), chunks))
     return out
 
 

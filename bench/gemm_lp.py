@@ -74,11 +74,17 @@ def incore_gemm_ex(p, device: int, math: str) -> tuple[float, float]:
 
 
 def sample_reference(a: np.ndarray, b: np.ndarray, rows: int, alpha, beta, c_init, chunk: int = 4096):
-    """float64 ``alpha a[:rows] @ b + beta c_init[:rows]`` by column chunks of b."""
+    """float64 ``alpha a[:rows] @ b + beta c_init[:rows]`` by column chunks of b, each widened on a thread
+    pool (the widening, not the product, is most of the time)."""
+    from .level3 import _parallel
     a64 = a[:rows].astype(np.float64)
     ref = np.empty((a64.shape[0], b.shape[1]), dtype=np.float64, order="F")
+    wide = np.empty((b.shape[0], min(chunk, b.shape[1])), dtype=np.float64, order="F")
     for j in range(0, b.shape[1], chunk):
-        ref[:, j:j + chunk] = a64 @ b[:, j:j + chunk].astype(np.float64)
+        w = wide[:, :min(chunk, b.shape[1] - j)]
+        cols = [(c, min(c + 64, w.shape[1])) for c in range(0, w.shape[1], 64)]
+        _parallel(lambda c: np.copyto(w[:, c[0]:c[1]], b[:, j + c[0]:j + c[1]], casting="unsafe"), cols)
+        np.matmul(a64, w, out=ref[:, j:j + w.shape[1]])
     ref *= float(np.real(alpha))
     if c_init is not None:
         ref += float(np.real(beta)) * c_init[:rows].astype(np.float64)

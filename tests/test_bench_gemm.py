@@ -492,6 +492,27 @@ def test_half_random_matrices_are_float32_draws_rounded_once():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     for dt in (np.float16, ml_dtypes.bfloat16):
         a = G.random_matrix(np.random.default_rng(3), 70, 50, dt)
-        x = np.random.default_rng(3).random((70, 50), dtype=np.float32) * 2 - 1
+        (g,) = np.random.default_rng(3).spawn(1)  # one column chunk: the first spawned generator's draws
+        x = g.random((70, 50), dtype=np.float32) * 2 - 1
         assert a.dtype == np.dtype(dt) and a.flags.f_contiguous
         assert np.array_equal(a.astype(np.float32), x.astype(dt).astype(np.float32))
+
+
+def test_random_matrices_do_not_depend_on_the_thread_count(monkeypatch):
+    """Chunk i comes from the i-th spawned generator: one thread or several, the same matrix (several chunks)."""
+    from bench import level3
+    many = G.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
+    monkeypatch.setattr(level3, "_threads", lambda: 1)
+    one = G.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
+    assert len(G._column_chunks(1 << 12, 3000)) > 2 and np.array_equal(many, one)
+    assert not np.array_equal(many[:, :1024], many[:, 1024:2048])
+
+
+def test_the_row_reference_is_the_float64_product():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(6)
+    for dt in (np.float16, ml_dtypes.bfloat16, np.int8):
+        a, b, c = (G.random_matrix(rng, 300, 300, dt) for _ in range(3))
+        want = 1.5 * a[:7].astype(np.float64) @ b.astype(np.float64) + 0.5 * c[:7].astype(np.float64)
+        got = G.gemm_lp.sample_reference(a, b, 7, 1.5, 0.5, c, chunk=128)
+        assert got.shape == (7, 300) and np.allclose(got, want, rtol=1e-12, atol=1e-12)
