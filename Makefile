@@ -13,11 +13,14 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone
+# the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone; test modules
+# compiled with pytest's assertion rewriting are kept (__pycache__) even where PYTHONDONTWRITEBYTECODE is set,
+# so the second pass and later runs do not rewrite them again (~10 s a process on 2 cores)
 JOBS ?= 2
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(JOBS) -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(PYTEST) -n $(JOBS) -m "not serial"
+	$(PYTEST) -m serial
 
 # Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
 # into a log). The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"
