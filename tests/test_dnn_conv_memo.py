@@ -61,7 +61,8 @@ def _arr(cupy, shape, dt, cl):
 
 # (name, direction, C, K, kernel, stride, padding, groups)
 CASES = [("pointwise", "fwd", 64, 32, 1, 1, 0, 1), ("strided", "fwd", 16, 32, 3, 2, 1, 2),
-         ("shifted", "fwd", 64, 32, 3, 1, 1, 1), ("pointwise", "bwd-data", 64, 32, 1, 1, 0, 1),
+         ("shifted", "fwd", 64, 32, 3, 1, 1, 1), ("first-layer", "fwd", 3, 32, 7, 2, 3, 1),
+         ("pointwise", "bwd-data", 64, 32, 1, 1, 0, 1),
          ("window", "bwd-data", 16, 32, 3, 1, 1, 1), ("strided", "bwd-data", 16, 32, 3, 2, 1, 2),
          ("pointwise", "bwd-weight", 64, 32, 1, 1, 0, 1),
          ("strided", "bwd-weight", 16, 32, 3, 2, 1, 2)]
@@ -205,3 +206,23 @@ def test_a_col2im_replay_weighs_the_flops_the_full_path_weighed():
             dnn.conv2d_input((4, 16, 10, 10), w, dy, 2, 1)
             (r,) = conv_memo._TABLE.entries.values()
             assert r.flops == 2.0 * 4 * 25 * 32 * 16 * 9
+
+
+def test_a_transposed_call_with_few_channels_replays_its_padding():
+    """conv_transpose2d on 3 channels-last channels: x copied into padded channels and the flipped weight's rows
+    padded on every replay, launching what the full path launches."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x, w = _arr(cupy, (4, 3, 9, 9), np.float16, True), _arr(cupy, (3, 16, 3, 3), np.float16, True)
+            dnn.conv_transpose2d(x, w, None, 1, 1)
+            assert len(conv_memo._TABLE.entries) == 1
+            fake.log.clear()
+            got = dnn.conv_transpose2d(x, w, None, 1, 1)
+            replayed = _masked(fake.log, {"x": x, "w": w})
+            direct_cache.clear()
+            fake.log.clear()
+            want = dnn.conv_transpose2d(x, w, None, 1, 1)
+            full = _masked(fake.log, {"x": x, "w": w})
+    assert replayed == full and any(e[0] == "zeros" for e in full) and any(e[0] == "gemm" for e in full)
+    assert (got.shape, got.strides) == (want.shape, want.strides)

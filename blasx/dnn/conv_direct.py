@@ -497,28 +497,36 @@ def pad_weight_rows(xp, wmat, c: int, cpad: int):
     return out.reshape(k, -1)
 
 
-def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
-    """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
-    (scale already folded where there is a residual), ``affine`` the per-output-channel map (epilogue.Affine:
-    scale, shift, activation) or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
-    (direct_cuda.ForwardPlan) where the GEMMs read x and wmat in place and wrote y (conv_memo can replay it,
-    then :func:`finish`), else None."""
+def pad_channels(geo: ConvGeometry, x, wmat, cpad: int):
+    """The padded problem of a channels-last call (``padded_channels``): x copied into ``cpad`` channels (the
+    rest zero), the weight given zero rows (kept per weight); returns its (geometry, x, weight matrix)."""
     import dataclasses
 
     import cupy
 
     from . import direct_cache, direct_cuda
     dt = np.dtype(x.dtype)
+    xpad = direct_cuda.scratch("xpad", geo.n * prod(geo.in_size) * cpad, dt)
+    pv = xpad.reshape(-1, cpad)
+    pv[:, geo.c:] = 0
+    pv[:, :geo.c] = direct_cuda._bits(x).reshape(-1, geo.c)
+    wpad = direct_cache.derived(wmat, ("pad_c", cpad), lambda: pad_weight_rows(cupy, wmat, geo.c, cpad))
+    return dataclasses.replace(geo, c=cpad), xpad.view(dt), wpad
+
+
+def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
+    """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
+    (scale already folded where there is a residual), ``affine`` the per-output-channel map (epilogue.Affine:
+    scale, shift, activation) or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
+    (direct_cuda.ForwardPlan) where the GEMMs read x (or its channel-padded copy) and wmat and wrote y
+    (conv_memo can replay it, then :func:`finish`), else None."""
+    import cupy
+
+    from . import direct_cache, direct_cuda
+    dt = np.dtype(x.dtype)
     cpad = padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
-    if cpad is not None:  # x copied into zero-padded channels, the weight given zero rows (kept per weight)
-        xpad = direct_cuda.scratch("xpad", geo.n * prod(geo.in_size) * cpad, dt)
-        xv = direct_cuda._bits(x).reshape(-1, geo.c)
-        pv = xpad.reshape(-1, cpad)
-        pv[:, geo.c:] = 0
-        pv[:, :geo.c] = xv
-        x = xpad.view(dt)
-        wmat = direct_cache.derived(wmat, ("pad_c", cpad), lambda: pad_weight_rows(cupy, wmat, geo.c, cpad))
-        geo = dataclasses.replace(geo, c=cpad)
+    if cpad is not None:
+        geo, x, wmat = pad_channels(geo, x, wmat, cpad)
 
     # the residual is added by the epilogue kernel (one read), not copied into y for the GEMMs to accumulate on
     # (a copy, and the GEMMs reading y), unless it is y itself
@@ -534,7 +542,7 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
                                           lambda: tap_major(cupy, geo, cl, wmat))
     direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     finish(geo, cl, y, affine, residual, in_y)
-    return plan if cpad is None and not in_y else None
+    return None if in_y else plan
 
 
 def finish(geo: ConvGeometry, cl: bool, y, affine, residual, in_y: bool) -> None:

@@ -7,7 +7,8 @@ and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a GPU, and the f
 that to issue it.
 
 Only calls whose whole work is launches that read the operands in place and write fresh memory, then the
-epilogue from the call's own vectors and residual, are kept (``Replay``): no ``out=``; x read where it lies; the
+epilogue from the call's own vectors and residual, are kept (``Replay``): no ``out=``; x read where it lies (or
+copied into zero-padded channels, as the full path copies an image's few channels); the
 caller's weight read where it lies (forward, backward-data by col2im) or its flipped weight matrix made anew
 (stride-1 backward-data); no phases. Any other call finds no key (``key`` returns None) or no entry, and takes
 the full path each time. Whether the device route applies is asked again on every replay (it depends on the
@@ -103,7 +104,8 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     dt = np.dtype(dtype)
     scratch = tuple(plan.scratch.items())
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
-    if plan.form == "implicit" and not scratch:
+    cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
+    if plan.form == "implicit" and not scratch and cpad is None:
         return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops)
 
     def run(x, w, extras=None):
@@ -111,10 +113,14 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         if weight_of is not None:
             w = weight_of(w)
         y = make_y()
+        g = geo
+        if cpad is not None:  # x and the weight's (K, taps * C) rows padded as the full path pads them
+            rows = w if w.ndim == 2 else w.transpose(0, *range(2, w.ndim), 1).reshape(geo.k, -1)
+            g, x, w = conv_direct.pad_channels(geo, x, rows, cpad)
         bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
-        direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
+        direct_cuda.CudaOps(g, cl, bufs, dt, math).run(plan.steps, plan.launches)
         if done is not None:
             done(y)
         return y
