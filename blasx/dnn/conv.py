@@ -107,13 +107,6 @@ def _name(dtype, fn: str) -> str:
     return dtypes.prefix(dtype) + fn
 
 
-def _weight_rows(xp, wconv, cl: bool, k: int, crs: int):
-    """The ``(K, CRS)`` row-major weight matrix: reduction order (c, r...), or (r..., c) channels-last."""
-    if cl:
-        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
-    return xp.ascontiguousarray(wconv).reshape(k, crs)
-
-
 _GEOMETRIES = direct_cache.table(1024)
 _ACTIVATIONS = direct_cache.table(64)
 
@@ -163,9 +156,9 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     if direct_route:
         epi, fold = device_affine(bias, scale, shift, act, residual is not None)
         if fold is None and user_weight:  # a matrix of the weight alone: kept where the caller allows
-            wrows = direct_cache.derived(wconv, ("rows", cl), lambda: _weight_rows(xp, wconv, cl, geo.k, crs))
+            wrows = direct_cache.derived(wconv, ("rows", cl), lambda: conv_direct.weight_rows(xp, wconv, cl, geo.k, crs))
         else:
-            wrows = _weight_rows(xp, wconv, cl, geo.k, crs)
+            wrows = conv_direct.weight_rows(xp, wconv, cl, geo.k, crs)
         if fold is not None:
             wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
         plan = conv_direct.forward(geo, x, cl, wrows, y, residual, epi, math)
@@ -374,7 +367,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
             ran = _forward_call(fn, geo, xb, lay, wf, y, None, (b, None, None, None), math)
     if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
         def rows(w, g=geo):
-            return _weight_rows(xp, _flipped_transposed(xp, w, g.groups), lay == "cl", g.k, g.crs)
+            return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), lay == "cl", g.k, g.crs)
         conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
                                                       lambda: _empty(xp, shape, dt, lay), rows))
     if out is not None:

@@ -489,6 +489,13 @@ def padded_channels(geo: ConvGeometry, cl: bool, itemsize: int, unit: int) -> in
     return -(-geo.c // per) * per
 
 
+def weight_rows(xp, wconv, cl: bool, k: int, crs: int):
+    """The ``(K, CRS)`` row-major weight matrix: reduction order (c, r...), or (r..., c) channels-last."""
+    if cl:
+        wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
+    return xp.ascontiguousarray(wconv).reshape(k, crs)
+
+
 def pad_weight_rows(xp, wmat, c: int, cpad: int):
     """The channels-last ``(K, taps * c)`` weight matrix with zero rows for channels c .. cpad - 1."""
     k = wmat.shape[0]

@@ -100,11 +100,13 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     transform). ``flops``: what the full path's route check weighed (None: the gather's)."""
     if plan.form == "shifted" and not cl:
         return None
+    import cupy
+
     from . import direct_cuda
     dt = np.dtype(dtype)
     scratch = tuple(plan.scratch.items())
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
-    cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
+    cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)  # (channels-last only)
     if plan.form == "implicit" and not scratch and cpad is None:
         return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops)
 
@@ -115,7 +117,7 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         y = make_y()
         g = geo
         if cpad is not None:  # x and the weight's (K, taps * C) rows padded as the full path pads them
-            rows = w if w.ndim == 2 else w.transpose(0, *range(2, w.ndim), 1).reshape(geo.k, -1)
+            rows = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
             g, x, w = conv_direct.pad_channels(geo, x, rows, cpad)
         bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
         for name, size in scratch:
