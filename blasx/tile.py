@@ -24,6 +24,11 @@ MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
 #: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
 #: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
 SMALL_N = {"cuda": (512, 2048, 2)}
+#: kind -> (tile, per_stream): the tile of a tensor-core type (h, b, i8) where every device still gets
+#: ``per_stream`` tasks per stream at it. Such a type's kernel on a 4096 tile is short against its
+#: copies and issue, and runs well below cuBLAS's in-core rate; twice the side halves the traffic
+#: per flop.
+WIDE_TILE = {"cuda": (8192, 4)}
 
 
 def tiles_needed(streams: int) -> int:
@@ -54,8 +59,9 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
             return tile
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     knobs = eng.config.knobs
+    row = dtypes.gemm_of(dtype)
     tile = default_tile(m, n, k, kind, workers=workers, streams=max(d.nstreams for d in streamed),
-                        split=knobs.split_k, small_n=knobs.small_n_tiles)
+                        split=knobs.split_k, small_n=knobs.small_n_tiles, wide=row is not None and row.reduced)
     while tile > floor and not _fits(streamed, tile, itemsize):
         tile //= 2
     _check_fits(streamed, tile, itemsize)
@@ -63,11 +69,16 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
 
 
 def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: int, split: bool,
-                 small_n: bool) -> int:
+                 small_n: bool, wide: bool = False) -> int:
     """The backend's default tile for an m x n x k call on ``workers`` devices of ``streams`` streams,
-    before the cache-fit check: DEFAULT_TILE, halved while the devices would get fewer than 2 tasks
-    each; with ``small_n`` (on a kind in SMALL_N), then :func:`small_n_tile` for SMALL_N's
-    per_stream x streams tasks per device."""
+    before the cache-fit check: for a tensor-core type (``wide``) WIDE_TILE's tile where its C tiles
+    give every device per_stream x streams tasks; else DEFAULT_TILE, halved while the devices would
+    get fewer than 2 tasks each; with ``small_n`` (on a kind in SMALL_N), then :func:`small_n_tile`
+    for SMALL_N's per_stream x streams tasks per device."""
+    if wide and kind in WIDE_TILE:
+        big, per_stream = WIDE_TILE[kind]
+        if _tasks(m, n, k, big, False) >= per_stream * streams * workers:  # C tiles alone
+            return big
     floor = MIN_TILE[kind]
     tile = min(DEFAULT_TILE[kind], max(floor, _pow2_at_least(max(m, n, k))))
     while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:

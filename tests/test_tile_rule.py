@@ -1,12 +1,13 @@
 """The default tile rule (``blasx.tile.default_tile``, ``small_n_tile``) by exact value, and the
-``small_n_tiles`` knob: small calls on CUDA get 2 x streams tasks per GPU, large ones keep 4096."""
+``small_n_tiles`` knob: small calls on CUDA get 2 x streams tasks per GPU, large ones keep 4096;
+tensor-core types take the wide tile where every stream still gets 4 tasks."""
 
 import numpy as np
 import pytest
 
 import blasx
 from blasx.runtime.knobs import Knobs
-from blasx.tile import SMALL_N, choose_tile, default_tile, small_n_tile
+from blasx.tile import SMALL_N, WIDE_TILE, choose_tile, default_tile, small_n_tile
 
 
 def cuda_tile(n, workers, small_n=True, m=None, k=None):
@@ -63,5 +64,37 @@ def test_knob_parses_and_choose_tile_uses_the_rule_on_sims(monkeypatch, rand, re
         eng.config.knobs = Knobs.from_env("small_n_tiles=1")
         a, b = rand((256, 256)), rand((256, 256), seed=1)
         assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    finally:
+        blasx.shutdown()
+
+
+def test_a_tensor_core_type_takes_the_wide_tile_where_every_stream_gets_4_tasks():
+    def wide(n, workers, k=None):
+        return default_tile(n, n, n if k is None else k, "cuda", workers=workers, streams=4, split=True,
+                            small_n=False, wide=True)
+    assert WIDE_TILE["cuda"] == (8192, 4)
+    assert wide(65536, 2) == 8192   # 64 C tiles >= 4 x 4 streams x 2 GPUs
+    assert wide(32768, 2) == 4096   # 16 C tiles: the default rule
+    assert wide(32768, 1) == 8192   # 16 C tiles for one GPU
+    assert wide(45056, 2) == 8192   # 6 x 6 = 36 C tiles
+    assert wide(40960, 2) == 4096   # 5 x 5 = 25
+    assert wide(4096, 1, k=10 ** 7) == 4096  # split-k's partial sums do not count: C tiles alone
+    assert default_tile(65536, 65536, 65536, "sim", workers=2, streams=4, split=True, small_n=False,
+                        wide=True) == 256  # the sim keeps its tile
+
+
+def test_choose_tile_gives_the_wide_tile_to_reduced_types_only(monkeypatch, rand, rel_err):
+    monkeypatch.setitem(WIDE_TILE, "sim", (128, 2))  # a rule for the sim kind, as above
+    blasx.configure(devices="sim:2", streams=2)
+    try:
+        eng = blasx.engine()
+        assert choose_tile(eng, 512, 512, 512, np.float16) == 128  # 16 C tiles >= 2 x 2 streams x 2 GPUs
+        assert choose_tile(eng, 512, 512, 512, np.int8) == 128
+        assert choose_tile(eng, 512, 512, 512, np.float32) == 256   # not a tensor-core type
+        assert choose_tile(eng, 256, 256, 256, np.float16) == 128  # 4 C tiles: the default rule's 128
+        assert choose_tile(eng, 256, 256, 4096, np.float16) == 256  # 4 C tiles < 8: split-k's default
+        a, b = rand((512, 512)).astype(np.float16), rand((512, 512), seed=1).astype(np.float16)
+        ref = a.astype(np.float32) @ b.astype(np.float32)
+        assert rel_err(blasx.gemm(1.0, a, b, out_dtype=np.float32), ref) < 1e-5
     finally:
         blasx.shutdown()
