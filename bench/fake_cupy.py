@@ -285,6 +285,10 @@ class Stream:
     def __exit__(self, *exc):
         _local.stream = _local.streams.pop()
 
+    def use(self):
+        _local.stream = self
+        return self
+
     def synchronize(self):
         record("synchronize", self.ptr)
 

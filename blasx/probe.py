@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .runtime import dtypes as blas_types
+from .runtime.devices.cupy_streams import on_stream
 
 COPY_BYTES = 256 << 20  # host <-> device and peer copies
 GEMM_N = 8192  # cuBLAS GEMM size
@@ -266,7 +267,7 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
         dtype = blas_types.BY_PREFIX[ch].dtype
         with cupy.cuda.Device(ordinal):
             stream = cupy.cuda.Stream(non_blocking=True)
-            with stream:
+            with on_stream(stream):
                 a = cupy.random.random((n, n)).astype(dtype)
                 b = cupy.random.random((n, n)).astype(dtype)
                 c = cupy.empty((n, n), dtype=dtype)

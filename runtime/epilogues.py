@@ -19,6 +19,7 @@ import numpy as np
 
 from . import dtypes
 from .activations import parse_activation
+from .devices.cupy_streams import on_stream
 
 
 class Dequantize:
@@ -125,7 +126,7 @@ class ChannelAffine:
             from .devices.cuda_epilogue import affine_activation
             dtype = task.call.acc_dtype
             scale, shift = self._device_vectors(dev, _compute_dtype(dtype))
-            with dev.streams[s]:
+            with on_stream(dev.streams[s]):
                 scale, shift = self._part(scale, lo, n), self._part(shift, lo, n)
             affine_activation(dev.streams[s], loc, ref.rows, ref.cols, dtype, scale, shift,
                               None if act is None else act.name, (act.param if act is not None else None) or 0.0)

@@ -181,6 +181,24 @@ def test_direct_forward_epilogue_residual(direct_route, dtype, math, layout, ker
     assert rel(plain, conv.numpy()) < DIRECT_TOL[(dtype, math)]
 
 
+def test_the_callers_stream_stays_current_and_orders_the_call(direct_route):
+    """A stream the caller made current by use() is current after a call with an epilogue (CuPy's `with`
+    had left the null stream current), and the call's work ran on it."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((4, 8, 12, 12)).astype(np.float32)
+    w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    mine = cupy.cuda.Stream(non_blocking=True)
+    mine.use()
+    try:
+        y = dnn.conv2d(cupy.asarray(x), cupy.asarray(w), None, 1, 1, activation="relu", shift=cupy.ones(16))
+        assert cupy.cuda.get_current_stream() == mine
+        mine.synchronize()
+        ref = F.relu(F.conv2d(wide(x), wide(w), None, 1, 1) + 1).numpy()
+        assert rel(y, ref) < 1e-5
+    finally:
+        cupy.cuda.Stream.null.use()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 def test_direct_backward_and_transposed(direct_route, dtype, layout):

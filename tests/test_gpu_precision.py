@@ -12,6 +12,7 @@ import pytest
 import blasx
 from blasx import precision as P
 from blasx.runtime.devices.numpy_kernels import to_tf32
+from blasx.tile import choose_tile
 
 cupy = pytest.importorskip("cupy")
 NGPU = blasx.session._cuda_count()
@@ -163,3 +164,40 @@ def test_float16_overflow_reported(spec):
         warnings.simplefilter("error", P.Float16OverflowWarning)
         c = blasx.matmul(x, x)
     assert np.isnan(c[0]).all() and np.isfinite(c[1:, 1:]).all()
+
+
+def test_the_wide_tile_on_one_gpu():
+    # float16 at 32768 on one GPU: 16 C tiles of 8192 (blasx.tile.WIDE_TILE); rows checked in float64
+    blasx.configure(devices="cuda:0", cpu=False)
+    try:
+        rng = np.random.default_rng(7)
+        n = 32768
+        a = _normal(rng, (n, n), np.float16, "C")
+        b = _normal(rng, (n, n), np.float16, "C")
+        assert choose_tile(blasx.engine(), n, n, n, np.float16) == 8192
+        got = blasx.matmul(a, b)
+        rows = rng.choice(n, 64, replace=False)
+        ref = a[rows].astype(np.float64) @ b.astype(np.float64)
+        assert _rel(got[rows], ref) <= P.tolerance(np.float16, n)
+    finally:
+        blasx.shutdown()
+
+
+def test_int8_in_the_tn_form_on_tiles_of_4096_and_the_callers_stream_kept():
+    # every NN tile is copied to cuBLAS's TN form; the gemm must run after that copy on the same stream
+    # (CuPy's `with stream:` had left the null stream current), and the caller's stream stays current
+    blasx.configure(devices="cuda:0", tile=4096, cpu=False)
+    try:
+        rng = np.random.default_rng(9)
+        n = 8192
+        a = np.asfortranarray(rng.integers(-128, 128, (n, n), dtype=np.int8))
+        b = np.asfortranarray(rng.integers(-128, 128, (n, n), dtype=np.int8))
+        mine = cupy.cuda.Stream(non_blocking=True)
+        mine.use()
+        got = blasx.gemm(1, a, b)
+        assert cupy.cuda.get_current_stream() == mine
+        rows = np.sort(rng.choice(n, 16, replace=False))
+        assert np.array_equal(got[rows], a[rows].astype(np.int64) @ b.astype(np.int64))
+    finally:
+        cupy.cuda.Stream.null.use()
+        blasx.shutdown()

@@ -315,8 +315,8 @@ def test_cublas_argument_errors_fail_the_call_not_the_device():
 @pytest.mark.parametrize("dims", [(8, 12, 16), (7, 5, 9), (8, 5, 10), (6, 3, 8)], ids=str)
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "odd-ld"])
 def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, aligned):
-    """The cuda backend's int8 operand fix-up (cuda_lowp.imma_operands), on numpy memory: m, k
-    and the leading dimensions it hands cuBLAS are multiples of 4 and the product is unchanged."""
+    """The cuda backend's int8 operand fix-up (cuda_lowp.imma_operands), on numpy memory: cuBLAS gets
+    the TN form, m, k and the leading dimensions are multiples of 4 and the product is unchanged."""
     import types
     from collections import namedtuple
     from contextlib import nullcontext
@@ -343,6 +343,9 @@ def test_int8_tiles_reach_cublas_in_a_form_it_takes(monkeypatch, ops, dims, alig
     m2, k2, oa, ob, a2, b2 = cuda_lowp.imma_operands(lambda nbytes: 32768, nullcontext(), Step(m, n, k, op_a, op_b),
                                                      (pa, lda), (pb, ldb))
     assert m2 % 4 == 0 and k2 % 4 == 0 and a2[1] % 4 == 0 and b2[1] % 4 == 0 and a2[0] % 4 == 0 == b2[0] % 4
+    assert (oa, ob) == (1, 0)  # "TN": the only form cuBLAS runs on its int8 tensor cores
+    if aligned and ops == (1, 0) and (m, k) == (m2, k2):
+        assert (a2, b2) == ((pa, lda), (pb, ldb))  # already in that form: handed on in place
     ta = view(a2[0], *((m2, k2) if oa == 0 else (k2, m2)), a2[1], np.int8).astype(np.int64)
     tb = view(b2[0], *((k2, n) if ob == 0 else (n, k2)), b2[1], np.int8).astype(np.int64)
     got = (ta if oa == 0 else ta.T) @ (tb if ob == 0 else tb.T)

@@ -33,6 +33,7 @@ from math import prod
 import numpy as np
 
 from ..operands import is_cupy
+from ..runtime.devices.cupy_streams import on_stream
 from . import conv_direct, direct_cache
 
 SLOTS = 2  # streams a GPU keeps chunks in flight on
@@ -261,7 +262,7 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
         for d, slots in used.items():
             with cupy.cuda.Device(d):
                 first = slots[0]
-                with first.stream:  # the weight in a buffer of this GPU's own: the same address call after call
+                with on_stream(first.stream):  # the weight in a buffer of this GPU's own: the same address call after call
                     wd = weights[d] = first.device_array("w", w_host.shape, w_host.dtype, "nchw")
                     first.copy_in(wd, w_host.reshape(-1).view(np.uint8), pw, "w")
                 first.event.record(first.stream)
@@ -272,7 +273,7 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
             slots = used[d]
             s = slots[(k // len(devices)) % len(slots)]
             s.drain()
-            with cupy.cuda.Device(d), s.stream, conv_direct.on_own_gpu(), direct_cache.using(s.workspace):
+            with cupy.cuda.Device(d), on_stream(s.stream), conv_direct.on_own_gpu(), direct_cache.using(s.workspace):
                 xd = s.device_array("x", (hi - lo, *x.shape[1:]), x.dtype, lay)
                 s.copy_in(xd, memory_bytes(x[lo:hi], lay), px, "x")
                 rd = None

@@ -18,6 +18,7 @@ from math import prod
 import numpy as np
 
 from ..runtime.derived import Derivation
+from ..runtime.devices.cupy_streams import on_stream
 from .geometry import ConvGeometry
 
 
@@ -139,7 +140,7 @@ class Im2col(Derivation):
         udt = {2: np.uint16, 4: np.uint32, 8: np.uint64}[isz]  # a gather moves bits: no arithmetic on values
         in_place = source.device == dev.ordinal
         copies, total, args = self.fill_plan(ref, in_place)
-        with dev.streams[s]:
+        with on_stream(dev.streams[s]):
             out = device_view(dst[0], ref.rows, ref.cols, dst[1], udt).T  # (cols, rows): C order = memory order
             if copies is None:
                 out.fill(0)

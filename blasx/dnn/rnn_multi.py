@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from ..runtime.devices.cupy_streams import on_stream
 from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
 
@@ -93,7 +94,7 @@ class _Threads:
                         st = _stream(xp, dev, k)
                         for ev in self.ready:
                             st.wait_event(ev)
-                        with st:
+                        with on_stream(st):
                             fn(*args)
                         st.synchronize()
                 else:
@@ -136,7 +137,7 @@ class _Issued:
             for ev in self.ready:
                 st.wait_event(ev)
             try:
-                with st:
+                with on_stream(st):
                     fn(*args)
             except BaseException:
                 for s in self.used:

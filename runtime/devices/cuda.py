@@ -31,6 +31,7 @@ from .. import faults
 from .base import DerivedSource, DeviceError, PeerSource, StreamDevice, register_backend
 from .cuda_kernels import MEMCPY_DEFAULT, CudaKernels, _cublas
 from .cuda_lowp import DeviceCount, convert_tile, device_view, kernels
+from .cupy_streams import on_stream
 
 EVENT_DISABLE_TIMING = 2
 NOT_READY = 600  # cudaErrorNotReady
@@ -281,26 +282,26 @@ class CudaDevice(CudaKernels, StreamDevice):
 
     def _stage(self, s: int, nbytes: int) -> int:
         """A scratch block of stream ``s`` (a copy stream), allocated on that stream."""
-        with self.streams[s]:
+        with on_stream(self.streams[s]):
             return self._scratch(s, nbytes)
 
     def _convert(self, s, src, sld, sdtype, dst, dld, ddtype, rows, cols, over=None) -> None:
         """Convert a column-major tile between element types on stream ``s`` (a CuPy kernel);
         ``over``: a uint64 counter in this device's memory that float16 overflows are added to."""
-        with self.streams[s]:
+        with on_stream(self.streams[s]):
             convert_tile(src, sld, sdtype, dst, dld, ddtype, rows, cols, over)
 
     def _counter(self, s: int) -> DeviceCount:
         """A zeroed overflow counter on this device, zeroed on stream ``s`` (the write-back
         stream, where every conversion that adds to it runs)."""
         import cupy
-        with cupy.cuda.Device(self.ordinal), self.streams[s]:
+        with cupy.cuda.Device(self.ordinal), on_stream(self.streams[s]):
             return DeviceCount(cupy.zeros(1, dtype=np.uint64), self.ordinal)
 
     def dequantize(self, s, loc, rows: int, cols: int, row_scale, col_scale) -> None:
         """The int32 tile at ``loc`` -> float32 ``tile * row_scale[:, None] * col_scale[None, :]``
         in place, on stream ``s`` (the scales: CuPy float32 vectors on this device)."""
-        with self.streams[s]:
+        with on_stream(self.streams[s]):
             ints = device_view(loc[0], rows, cols, loc[1], np.int32)
             floats = device_view(loc[0], rows, cols, loc[1], np.float32)
             kernels()["dequantize"](ints, row_scale[:, None], col_scale[None, :], floats)

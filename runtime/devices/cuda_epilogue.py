@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import dtypes
 from .cuda_lowp import device_view
+from .cupy_streams import on_stream
 
 # The activation of ``v`` (type F; parameter ``p``) as a CUDA expression; {exp} etc. name the
 # math function of F. Same formulas as the host's, NaN passing through each.
@@ -221,7 +222,7 @@ def affine_activation(stream, loc, rows: int, cols: int, dtype, scale, shift, ac
     p = scale.dtype.type(param)
     n = rows * cols
     res = residual is not None
-    with stream:
+    with on_stream(stream):
         if loc[1] == rows and n < 1 << 32:
             y = device_view(loc[0], n, 1, n, dtype)[:, 0]
             extra = (device_view(residual, n, 1, n, dtype)[:, 0],) if res else ()

@@ -14,6 +14,7 @@ from .. import dtypes
 from ..dtypes import prefix as blas_prefix
 from .base import DeviceError
 from .cuda_lowp import device_view, imma_operands, int8_exact
+from .cupy_streams import on_stream
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified addressing
 
@@ -73,10 +74,10 @@ class CudaKernels:
             self._int8_exact(s, step, call, a, b, c)
 
     def _int8_exact(self, s, step, call, a, b, c) -> None:
-        int8_exact(self.streams[s], step, call, a, b, c)
+        int8_exact(on_stream(self.streams[s]), step, call, a, b, c)
 
     def _imma_operands(self, s, step, a, b):
-        return imma_operands(lambda nbytes: self._scratch(s, nbytes), self.streams[s], step, a, b)
+        return imma_operands(lambda nbytes: self._scratch(s, nbytes), on_stream(self.streams[s]), step, a, b)
 
     # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
     # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
@@ -228,7 +229,7 @@ class CudaKernels:
             self._routine("geam", dt)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * ssz, a[0], a[1],
                                       sc + step.beta * ssz, c[0], c[1], c[0], c[1])
             return
-        with self.streams[s]:
+        with on_stream(self.streams[s]):
             add_tile(a, c, step.m, step.n, dt, call.scalars[step.alpha], call.scalars[step.beta])
 
     def _k_scale(self, s, step, call, a, b, c) -> None:
