@@ -198,20 +198,25 @@ class Side:
 
     def time_calls(self, fn, warmup: int, reps: int) -> tuple[list, object, float]:
         """(seconds a call in each of ROUNDS rounds of ``reps`` calls issued back to back, the devices
-        synchronized once a round; the last result; the least host seconds a round took to issue a call)."""
+        synchronized once a round; the last result; the least host seconds a round took to issue a call).
+        ``self.issue_trace`` keeps what the timed calls did on the host: the slowest call to issue and
+        the device allocations (cudaMalloc by CuPy's pool) among them."""
         for _ in range(warmup):
             fn()
         self.sync()
-        times, issue, out = [], [], None
-        for _ in range(ROUNDS):
-            t0, host = time.perf_counter(), 0.0
-            for _ in range(reps):
-                t = time.perf_counter()
-                out = fn()
-                host += time.perf_counter() - t
-            self.sync()
-            times.append((time.perf_counter() - t0) / reps)
-            issue.append(host / reps)
+        times, issue, out, slowest = [], [], None, 0.0
+        with _AllocCount(self.gpu) as allocs:
+            for _ in range(ROUNDS):
+                t0, host = time.perf_counter(), 0.0
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    out = fn()
+                    dt = time.perf_counter() - t
+                    host, slowest = host + dt, max(slowest, dt)
+                self.sync()
+                times.append((time.perf_counter() - t0) / reps)
+                issue.append(host / reps)
+        self.issue_trace = {"issue_max_s": slowest, "device_allocs": allocs.count}
         return times, out, min(issue)
 
     def time_wall(self, fn, warmup: int, reps: int) -> tuple[list, object]:
@@ -227,6 +232,31 @@ class Side:
             self.sync()
             times.append(time.perf_counter() - t)
         return times, out
+
+
+class _AllocCount:
+    """Counts CuPy's device allocations (cudaMalloc by its pool) while active; 0 without a GPU."""
+
+    def __init__(self, gpu: bool):
+        self.count, self.hook = 0, None
+        if gpu:
+            import cupy
+
+            class Hook(cupy.cuda.MemoryHook):
+                name = "bench-conv-allocs"
+
+                def alloc_preprocess(hook, **kw):  # noqa: N805 - the counter is the outer object
+                    self.count += 1
+            self.hook = Hook()
+
+    def __enter__(self):
+        if self.hook is not None:
+            self.hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.hook is not None:
+            self.hook.__exit__(*exc)
 
 
 def conv_call(nn, grad, layer, direction: str, x, w, dy, **out):
@@ -292,7 +322,9 @@ def limit_note(row: dict) -> str:
     notes = []
     issue = row.get("blasx_issue_s")
     if issue and row["blasx_s"] and issue >= HOST_BOUND * row["blasx_s"]:
-        notes.append(f"host-bound ({1e6 * issue:.0f} us to issue a call)")
+        allocs = row.get("blasx_device_allocs")
+        notes.append(f"host-bound ({1e6 * issue:.0f} us to issue a call"
+                     + (f"; {allocs} cudaMalloc in the timed calls)" if allocs else ")"))
     m, n, k = row["gemm"]
     if row["groups"] > 1:
         notes.append(f"{row['groups']} group GEMMs of m={m}, k={k}")
@@ -336,6 +368,7 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
                 b_times, b_out, row["blasx_issue_s"] = side.time_calls(
                     lambda: conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"]), args.warmup, args.reps)
                 row["blasx_s"] = statistics.median(b_times)
+                row.update({f"blasx_{k}": v for k, v in side.issue_trace.items()})
                 row["blasx_err"] = rel_error(torch, side.from_blasx(b_out), ref)
                 row["tolerance"] = max(TOLERANCE[mode], 2 * row["cudnn_err"])
                 row["status"] = "ok" if row["blasx_err"] <= row["tolerance"] else "FAIL"

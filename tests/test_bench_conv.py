@@ -196,4 +196,5 @@ def test_limit_names_a_host_bound_layer():
            "cudnn_tflops": 90.0, "expansion": 1.0, "blasx_s": 200e-6, "blasx_issue_s": 190e-6}
     assert C.limit_note(row) == "host-bound (190 us to issue a call)"
     assert C.limit_note({**row, "blasx_issue_s": 50e-6}) == "-"
+    assert C.limit_note({**row, "blasx_device_allocs": 3}) == "host-bound (190 us to issue a call; 3 cudaMalloc in the timed calls)"
     assert C.limit_note({**row, "ratio": 0.9}) == ""
