@@ -433,6 +433,9 @@ class _FakeCupy:
             def __exit__(self, *exc):
                 pass
 
+            def use(self):
+                return self
+
         class Event:
             def record(self, stream=None):
                 pass
@@ -453,7 +456,8 @@ class _FakeCupy:
         pool = SimpleNamespace(free_all_blocks=lambda: None)
         self.cuda = SimpleNamespace(Device=Device, Stream=Stream, Event=Event, runtime=runtime,
                                     alloc_pinned_memory=lambda n: SimpleNamespace(ptr=7),
-                                    get_elapsed_time=lambda a, b: 2.0)
+                                    get_elapsed_time=lambda a, b: 2.0,
+                                    get_current_stream=lambda: SimpleNamespace(ptr=0, use=lambda: None))
         self.random = SimpleNamespace(random=lambda shape: SimpleNamespace(astype=lambda dt: ("array", dt)))
         self.get_default_memory_pool = self.get_default_pinned_memory_pool = lambda: pool
 
