@@ -146,7 +146,8 @@ def run_cluster(args, method: str) -> dict:
         for _ in range(args.runs):
             client.run(_sample_start)
             t = time.perf_counter()
-            c = bd.matmul(a, b) if method == "blasx" else da.matmul(a, b)
+            with dask.config.set({"blasx.dask.group": args.group}):
+                c = bd.matmul(a, b) if method == "blasx" else da.matmul(a, b)
             if args.sink == "sum":  # C streams into its sum: no block is kept
                 total = float(c.sum().compute())
             else:
@@ -309,8 +310,15 @@ def main(argv=None) -> int:
     p.add_argument("--zarr-n", type=int, help="its N (default: from --ram-factor)")
     p.add_argument("--ram-factor", type=float, default=2.0)
     p.add_argument("--memory-limit", default="auto", help="worker memory limit of the zarr run")
+    p.add_argument("--group", default="auto", help="blasx.dask's output super-block side (dask config "
+                   "blasx.dask.group): auto, off or a number of elements (N: one call a worker)")
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
+    if args.group not in ("auto", "off"):
+        try:
+            args.group = int(args.group)
+        except ValueError:
+            p.error(f"--group: got {args.group!r}; allowed: auto, off or a number of elements")
     import blasx
     from bench.gemm import collect_env
     env = collect_env(list(range(blasx.session._cuda_count())))
@@ -331,6 +339,7 @@ def main(argv=None) -> int:
         kind = args.devices.replace(":", "").replace("{name}", "each") + ("-pergpu" if args.layout == "per-gpu" else "")
         kind += "-cupy" if args.gpu_chunks else ""
         kind += "-sum" if args.sink == "sum" else ""
+        kind += f"-g{args.group}" if args.group != "auto" else ""
         stem = os.path.join(args.out, f"dask-{kind}-w{args.workers}t{args.threads}-n{args.n}-b{args.block}-"
                                       f"{_dt.date.today():%Y%m%d}")
         with open(stem + ".json", "w") as f:

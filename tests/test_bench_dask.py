@@ -1,0 +1,29 @@
+"""``python -m bench.dask`` on a tiny problem (CPU devices, one worker process): both contenders and the
+one-process run are checked, the files are written, ``--group`` reaches blasx.dask's graph."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("distributed")
+
+
+def test_smoke_run_writes_checked_results(tmp_path, capsys):
+    from bench import dask as bench_dask
+    rc = bench_dask.main(["--n", "256", "--block", "64", "--devices", "cpu", "--workers", "1", "--group", "256",
+                          "--out", str(tmp_path)])
+    assert rc == 0
+    [js] = tmp_path.glob("dask-cpu-g256-w1t1-n256-b64-*.json")
+    res = json.loads(js.read_text())
+    assert set(res["results"]) == {"blasx.dask", "dask.array", "blasx (one process)"}
+    assert all(r["rel_err"] < 1e-10 for r in res["results"].values())
+    assert res["args"]["group"] == 256 and "--group 256" in res["command"]
+    assert js.with_suffix(".md").exists()
+
+
+def test_group_must_be_auto_off_or_a_number():
+    from bench import dask as bench_dask
+    with pytest.raises(SystemExit):
+        bench_dask.main(["--group", "several"])
