@@ -39,7 +39,8 @@ def tiles_needed(streams: int) -> int:
 
 
 def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int:
-    itemsize = _tile_itemsize(dtype)
+    row = dtypes.gemm_of(dtype)
+    itemsize = _tile_itemsize(row, dtype)
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
         tile = eng.config.tile
@@ -59,7 +60,6 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
             return tile
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     knobs = eng.config.knobs
-    row = dtypes.gemm_of(dtype)
     tile = default_tile(m, n, k, kind, workers=workers, streams=max(d.nstreams for d in streamed),
                         split=knobs.split_k, small_n=knobs.small_n_tiles, wide=row is not None and row.reduced)
     while tile > floor and not _fits(streamed, tile, itemsize):
@@ -112,9 +112,9 @@ def _tasks(m: int, n: int, k: int, tile: int, split: bool) -> int:
     return tiles * max(1, -(-k // tile) // MIN_PART_TILES) if split else tiles
 
 
-def _tile_itemsize(dtype) -> int:
-    """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider."""
-    row = dtypes.gemm_of(dtype)
+def _tile_itemsize(row, dtype) -> int:
+    """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider
+    (``row``: the type's dtypes.gemm_of row, or None)."""
     return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
 
 
