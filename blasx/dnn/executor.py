@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..operands import is_cupy
+from ..runtime.devices.cupy_streams import on_stream
 from . import chunk_graph, direct_cache, host_batch, lanes, layers
 from .direct_cache import Workspace
 from .graph import Graph, flops, infer_shapes
@@ -276,7 +277,7 @@ class Worker:
         from .conv_direct import on_own_gpu
         stack = contextlib.ExitStack()
         stack.enter_context(cupy.cuda.Device(self.device))
-        stack.enter_context(self.stream)
+        stack.enter_context(on_stream(self.stream))
         stack.enter_context(on_own_gpu())  # the chunk's convolutions stay on this GPU
         stack.enter_context(direct_cache.using(self.workspace))  # its weights never change; one stream
         return stack

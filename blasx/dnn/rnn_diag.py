@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..operands import is_cupy
+from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_diag_cells, rnn_params
 from .rnn_diag_groups import Progress, give_back, hand_over, record, run_groups, wait_for
 from .rnn_layer import compute_type
@@ -209,7 +210,7 @@ class _Layer0:
         if part < len(self.rows) and part not in self.events:
             t0, t1 = self.rows[part]
             if t1 > t0:
-                with self.side:
+                with on_stream(self.side, self.xp):
                     self.ops.matmul(self.x2[t0 * self.B:t1 * self.B], self.w, self.into[t0 * self.B:t1 * self.B])
             self.events[part] = self.side.record()
 

@@ -24,6 +24,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..threadlocal import setting
+from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_layer
 
 MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
@@ -270,7 +271,7 @@ def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
     cap = ops.xp.cuda.Stream(non_blocking=True)
     cap.wait_event(stream.record())
     graph, err = None, None
-    with cap:
+    with on_stream(cap, ops.xp):
         cap.begin_capture()
         try:
             loop()

@@ -11,11 +11,13 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def on_stream(stream):
+def on_stream(stream, xp=None):
     """``stream`` current inside the block (on its device, which must be current); the stream that
-    was current before it current again afterwards, however it was made current."""
-    import cupy
-    prev = cupy.cuda.get_current_stream()
+    was current before it current again afterwards, however it was made current. ``xp``: the array
+    module the stream is of (None: CuPy)."""
+    if xp is None:
+        import cupy as xp
+    prev = xp.cuda.get_current_stream()
     if prev.ptr == stream.ptr:
         yield stream
         return
