@@ -406,3 +406,22 @@ def test_host_arrays_in_time_chunks_on_the_gpu(monkeypatch):
     monkeypatch.setattr(rnn_host, "plan", lambda *a: ("steps", 6))
     y, h = dnn.gru(x.float().numpy(), h0.float().numpy(), p, num_layers=2, lengths=lengths)
     assert _err(y, ty.detach().numpy()) < TOL["float32"] and _err(h, th.detach().numpy()) < TOL["float32"]
+
+
+def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
+    """A stream the caller made current by use() (as with a torch stream through ExternalStream) is current
+    after an LSTM call (its first call captures graphs on a side stream), and the result is right."""
+    torch.manual_seed(1)
+    m = torch.nn.LSTM(32, 64, num_layers=2).cuda()
+    x = torch.randn(20, 8, 32, device="cuda")
+    ty, _ = m(x)
+    mine = cupy.cuda.Stream(non_blocking=True)
+    mine.use()
+    try:
+        for _ in range(3):  # eager, captured, replayed
+            y, _ = dnn.lstm(cupy.from_dlpack(x), None, m.state_dict(), num_layers=2)
+            assert cupy.cuda.get_current_stream() == mine
+        mine.synchronize()
+        assert _err(y, ty.detach().double().cpu().numpy()) < TOL["float32"]
+    finally:
+        cupy.cuda.Stream.null.use()
