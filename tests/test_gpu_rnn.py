@@ -415,6 +415,7 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
     m = torch.nn.LSTM(32, 64, num_layers=2).cuda()
     x = torch.randn(20, 8, 32, device="cuda")
     ty, _ = m(x)
+    torch.cuda.synchronize()  # x and the weights are torch's: written before the caller's stream reads them
     mine = cupy.cuda.Stream(non_blocking=True)
     mine.use()
     try:
