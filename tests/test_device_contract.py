@@ -68,15 +68,17 @@ KINDS = [pytest.param(k, marks=_MARKS.get(k, [])) for k in FACTORIES]
 
 def _device(kind: str, i: int = 0):
     factory, count = FACTORIES[kind]
-    if count() <= i:
+    if count() <= i:  # (counting registers the backend where it can run: cuda)
         pytest.skip(f"{kind}: needs {i + 1} device(s) here")
     return factory(i)
 
 
 def _stream_device(kind: str, i: int = 0) -> StreamDevice:
-    if not issubclass(backend(kind), StreamDevice):
+    dev = _device(kind, i)
+    if not isinstance(dev, StreamDevice):
+        dev.close()
         pytest.skip(f"{kind} is not a stream device")
-    return _device(kind, i)
+    return dev
 
 
 def _gemm_call(devs, m, n, k, dtype, alpha=1.5, beta=0.5, seed=0):
