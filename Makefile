@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
 # the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone; test modules
 # compiled with pytest's assertion rewriting are kept (__pycache__) even where PYTHONDONTWRITEBYTECODE is set,
 # so the second pass and later runs do not rewrite them again (~10 s a process on 2 cores)
-# (3 on 2 cores: the sims' and Dask's tests wait about as much as they compute)
-JOBS ?= 3
+JOBS ?= 2
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
 test: $(STAMP)
 	$(PYTEST) -n $(JOBS) -m "not serial"
