@@ -40,7 +40,7 @@ class ReservationStation:
 
     def load(self) -> float:
         """Waiting work: the flops of the tasks held (at least 1 per task, for flop-less ones)."""
-        return sum(max(t.flops, 1.0) for t in self._tasks)
+        return sum(t.work for t in self._tasks)
 
     def free_slots(self) -> int:
         return self.capacity - len(self._tasks)

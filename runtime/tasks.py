@@ -79,6 +79,11 @@ class Task:
     call: Any = field(default=None, repr=False)
     worker: int = -1
 
+    @property
+    def work(self) -> float:
+        """What the task weighs in balancing devices: its flops, at least 1 (a flop-less task still takes a turn)."""
+        return max(self.flops, 1.0)
+
     def input_tiles(self) -> list[TileRef]:
         """Every A/B tile the task reads, in step order (for Eq. 3 priorities)."""
         return [t for s in self.steps for t in (s.a, s.b) if t is not None]

@@ -59,7 +59,7 @@ class StreamWorker(StreamAssign, Worker):
         self.pending: list[deque[_Pending]] = [deque() for _ in range(device.n_all_streams)]
         self.inflight = 0  # tasks started and not yet retired
         self.inflight_of: dict = {}  # call -> its tasks among them (read lock-free by peers)
-        self.inflight_work_of: dict = {}  # call -> their flops (at least 1 a task), as inflight_of
+        self.inflight_work_of: dict = {}  # call -> their Task.work, as inflight_of
         self.max_inflight = 2 * n
         self.issued_work = 0.0  # flops of issued kernels whose events have not retired
         self.seq = 0
@@ -165,7 +165,7 @@ class StreamWorker(StreamAssign, Worker):
         left = self.inflight_of[task.call] - 1
         if left:
             self.inflight_of[task.call] = left
-            self.inflight_work_of[task.call] -= max(task.flops, 1.0)
+            self.inflight_work_of[task.call] -= task.work
         else:
             del self.inflight_of[task.call]
             del self.inflight_work_of[task.call]

@@ -81,8 +81,8 @@ class Worker(threading.Thread):
         return sum(1 for t in self.station.snapshot() if t.call is call)
 
     def held_work(self, call) -> float:
-        """Their flops (at least 1 a task), as :meth:`holding`."""
-        return sum(max(t.flops, 1.0) for t in self.station.snapshot() if t.call is call)
+        """Their work (``Task.work``), as :meth:`holding`."""
+        return sum(t.work for t in self.station.snapshot() if t.call is call)
 
     def has_runnable(self) -> bool:
         """This worker holds a task it can run now (or is running one)."""
