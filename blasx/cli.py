@@ -321,7 +321,7 @@ def _gemm(blasx, parser, args) -> int:
                  cpu=True if args.cpu else None)
     rng = np.random.default_rng(0)
     try:
-        tile = choose_tile(eng, m, n, k, dtype)
+        tile = choose_tile(eng, m, n, k, dtype, math=args.math)
     except ValueError as exc:  # the tile (given or the smallest) does not fit the tile cache
         parser.error(f"argument --tile: {exc}" if args.tile else str(exc))
     names = ", ".join(d.name for d in eng.devices)

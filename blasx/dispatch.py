@@ -335,7 +335,8 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
 
 def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, options) -> None:
     """:func:`submit_planned` on the engine ``eng`` (raises EngineClosed from eng.submit)."""
-    tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:])  # "dtrsm" -> "trsm"
+    tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:],  # "dtrsm" -> "trsm"
+                       options.get("math", "ieee"))
     shape = scratch(eng, tile) if scratch is not None else None
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)

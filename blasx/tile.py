@@ -24,11 +24,12 @@ MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
 #: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
 #: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
 SMALL_N = {"cuda": (512, 2048, 2)}
-#: kind -> (tile, per_stream): the tile of a tensor-core type (h, b, i8) where every device still gets
-#: ``per_stream`` tasks per stream at it. Such a type's kernel on a 4096 tile is short against its
-#: copies and issue, and runs well below cuBLAS's in-core rate; twice the side halves the traffic
-#: per flop.
-WIDE_TILE = {"cuda": (8192, 4)}
+#: (kind, class) -> (tile, per_stream): the tile of a tensor-core call where every device still gets
+#: ``per_stream`` tasks per stream at it; class "reduced" (h, b, i8) or "tf32" (float32 in TF32 math).
+#: Such a call's kernel on a 4096 tile is short against its copies and issue, and runs well below
+#: cuBLAS's in-core rate; twice the side halves the traffic per flop. TF32's kernels are slower than
+#: the 2-byte types', so fewer tasks per stream still hide the fill and drain.
+WIDE_TILE = {("cuda", "reduced"): (8192, 4), ("cuda", "tf32"): (8192, 2)}
 
 
 def tiles_needed(streams: int) -> int:
@@ -38,7 +39,8 @@ def tiles_needed(streams: int) -> int:
     return 5 * streams + 4
 
 
-def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int:
+def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math: str = "ieee") -> int:
+    """The tile of an m x n x k call of ``dtype`` (``math`` the float32 math it runs in) on ``eng``."""
     row = dtypes.gemm_of(dtype)
     itemsize = _tile_itemsize(row, dtype)
     streamed = [d for d in eng.devices if d.streamed]
@@ -61,22 +63,30 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> in
     workers = max(1, sum(1 for d in eng.devices if not getattr(d, "auto", False)))  # auto CPU: rarely any
     knobs = eng.config.knobs
     tile = default_tile(m, n, k, kind, workers=workers, streams=max(d.nstreams for d in streamed),
-                        split=knobs.split_k, small_n=knobs.small_n_tiles, wide=row is not None and row.reduced)
+                        split=knobs.split_k, small_n=knobs.small_n_tiles, wide=wide_class(dtype, math))
     while tile > floor and not _fits(streamed, tile, itemsize):
         tile //= 2
     _check_fits(streamed, tile, itemsize)
     return tile
 
 
+def wide_class(dtype, math: str = "ieee") -> str | None:
+    """The WIDE_TILE class of a call of ``dtype`` in ``math``: "reduced", "tf32" or None."""
+    row = dtypes.gemm_of(dtype)
+    if row is not None and row.reduced:
+        return "reduced"
+    return "tf32" if math == "tf32" and np.dtype(dtype) == np.float32 else None
+
+
 def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: int, split: bool,
-                 small_n: bool, wide: bool = False) -> int:
+                 small_n: bool, wide: str | None = None) -> int:
     """The backend's default tile for an m x n x k call on ``workers`` devices of ``streams`` streams,
-    before the cache-fit check: for a tensor-core type (``wide``) WIDE_TILE's tile where its C tiles
-    give every device per_stream x streams tasks; else DEFAULT_TILE, halved while the devices would
-    get fewer than 2 tasks each; with ``small_n`` (on a kind in SMALL_N), then :func:`small_n_tile`
-    for SMALL_N's per_stream x streams tasks per device."""
-    if wide and kind in WIDE_TILE:
-        big, per_stream = WIDE_TILE[kind]
+    before the cache-fit check: for a tensor-core call (``wide``, its :func:`wide_class`) WIDE_TILE's
+    tile where its C tiles give every device per_stream x streams tasks; else DEFAULT_TILE, halved
+    while the devices would get fewer than 2 tasks each; with ``small_n`` (on a kind in SMALL_N),
+    then :func:`small_n_tile` for SMALL_N's per_stream x streams tasks per device."""
+    if (kind, wide) in WIDE_TILE:
+        big, per_stream = WIDE_TILE[kind, wide]
         if _tasks(m, n, k, big, False) >= per_stream * streams * workers:  # C tiles alone
             return big
     floor = MIN_TILE[kind]

@@ -201,3 +201,18 @@ def test_int8_in_the_tn_form_on_tiles_of_4096_and_the_callers_stream_kept():
     finally:
         cupy.cuda.Stream.null.use()
         blasx.shutdown()
+
+
+def test_tf32_calls_take_the_wide_tile_on_every_gpu():
+    # float32 in TF32 math at 32768: 16 C tiles of 8192, 2 a stream on two GPUs (blasx.tile.WIDE_TILE; the
+    # products at that tile are checked by bench.gemm's runs, the call's math reaching the rule on the sim)
+    for devices in ("cuda", "cuda:0"):
+        blasx.configure(devices=devices, cpu=False)
+        try:
+            eng = blasx.engine()
+            n = 32768
+            assert choose_tile(eng, n, n, n, np.float32, math="tf32") == 8192
+            assert choose_tile(eng, n, n, n, np.float32) == 4096
+            assert choose_tile(eng, 16384, 16384, 16384, np.float32, math="tf32") == 4096  # 4 C tiles
+        finally:
+            blasx.shutdown()

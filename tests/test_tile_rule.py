@@ -7,7 +7,7 @@ import pytest
 
 import blasx
 from blasx.runtime.knobs import Knobs
-from blasx.tile import SMALL_N, WIDE_TILE, choose_tile, default_tile, small_n_tile
+from blasx.tile import SMALL_N, WIDE_TILE, choose_tile, default_tile, small_n_tile, wide_class
 
 
 def cuda_tile(n, workers, small_n=True, m=None, k=None):
@@ -71,8 +71,8 @@ def test_knob_parses_and_choose_tile_uses_the_rule_on_sims(monkeypatch, rand, re
 def test_a_tensor_core_type_takes_the_wide_tile_where_every_stream_gets_4_tasks():
     def wide(n, workers, k=None):
         return default_tile(n, n, n if k is None else k, "cuda", workers=workers, streams=4, split=True,
-                            small_n=False, wide=True)
-    assert WIDE_TILE["cuda"] == (8192, 4)
+                            small_n=False, wide="reduced")
+    assert WIDE_TILE["cuda", "reduced"] == (8192, 4)
     assert wide(65536, 2) == 8192   # 64 C tiles >= 4 x 4 streams x 2 GPUs
     assert wide(32768, 2) == 4096   # 16 C tiles: the default rule
     assert wide(32768, 1) == 8192   # 16 C tiles for one GPU
@@ -80,11 +80,24 @@ def test_a_tensor_core_type_takes_the_wide_tile_where_every_stream_gets_4_tasks(
     assert wide(40960, 2) == 4096   # 5 x 5 = 25
     assert wide(4096, 1, k=10 ** 7) == 4096  # split-k's partial sums do not count: C tiles alone
     assert default_tile(65536, 65536, 65536, "sim", workers=2, streams=4, split=True, small_n=False,
-                        wide=True) == 256  # the sim keeps its tile
+                        wide="reduced") == 256  # the sim keeps its tile
+
+
+def test_tf32_takes_the_wide_tile_where_every_stream_gets_2_tasks():
+    def wide(n, workers):
+        return default_tile(n, n, n, "cuda", workers=workers, streams=4, split=True, small_n=False, wide="tf32")
+    assert WIDE_TILE["cuda", "tf32"] == (8192, 2)
+    assert wide(32768, 2) == 8192   # 16 C tiles >= 2 x 4 streams x 2 GPUs
+    assert wide(65536, 2) == 8192
+    assert wide(24576, 2) == 4096   # 9 C tiles: the default rule
+    assert wide(24576, 1) == 8192   # 9 >= 8 for one GPU
+    assert wide_class(np.float32, "tf32") == "tf32"
+    assert wide_class(np.float32) is None and wide_class(np.float64, "tf32") is None
+    assert wide_class(np.float16) == "reduced" and wide_class(np.int8, "tf32") == "reduced"
 
 
 def test_choose_tile_gives_the_wide_tile_to_reduced_types_only(monkeypatch, rand, rel_err):
-    monkeypatch.setitem(WIDE_TILE, "sim", (128, 2))  # a rule for the sim kind, as above
+    monkeypatch.setitem(WIDE_TILE, ("sim", "reduced"), (128, 2))  # a rule for the sim kind, as above
     blasx.configure(devices="sim:2", streams=2)
     try:
         eng = blasx.engine()
@@ -96,5 +109,24 @@ def test_choose_tile_gives_the_wide_tile_to_reduced_types_only(monkeypatch, rand
         a, b = rand((512, 512)).astype(np.float16), rand((512, 512), seed=1).astype(np.float16)
         ref = a.astype(np.float32) @ b.astype(np.float32)
         assert rel_err(blasx.gemm(1.0, a, b, out_dtype=np.float32), ref) < 1e-5
+    finally:
+        blasx.shutdown()
+
+
+def test_choose_tile_gives_tf32_calls_their_wide_tile(monkeypatch, rand, rel_err):
+    monkeypatch.setitem(WIDE_TILE, ("sim", "tf32"), (128, 2))
+    blasx.configure(devices="sim:2", streams=2)
+    try:
+        eng = blasx.engine()
+        assert choose_tile(eng, 512, 512, 512, np.float32, math="tf32") == 128  # 16 C tiles >= 2 x 2 x 2
+        assert choose_tile(eng, 512, 512, 512, np.float32) == 256
+        a, b = rand((512, 512)).astype(np.float32), rand((512, 512), seed=1).astype(np.float32)
+        ref = a.astype(np.float64) @ b
+        for math, tasks in (("tf32", 16), ("ieee", 4)):  # the call's own math reaches the tile rule
+            assert rel_err(blasx.gemm(1.0, a, b, math=math), ref) < 1e-3
+            assert blasx.last_profile().summary()["tasks"] == tasks
+        blasx.configure(devices="sim:2", streams=2, math="tf32")  # and the configured one
+        blasx.gemm(1.0, a, b)
+        assert blasx.last_profile().summary()["tasks"] == 16
     finally:
         blasx.shutdown()
