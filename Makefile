@@ -1,4 +1,4 @@
-# make test: fresh clone -> .venv with blasx[test] (builds the C extension blasx._matmul_loops) -> the whole suite.
+# make test: fresh clone -> .venv with blasx[test] (builds the C extensions blasx._matmul_loops, _cublas_call) -> the whole suite.
 # make run:  the main job, a checked GEMM on the devices found (GPUs, else the CPU).
 PY ?= python3
 VENV := .venv
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test run bench-micro clean
 
-$(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c
+$(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c blasx/_cublas_call.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'

@@ -1,7 +1,8 @@
-"""Only the C extension lives here; everything else is in pyproject.toml.
+"""Only the C extensions live here; everything else is in pyproject.toml.
 
-blasx._matmul_loops (what blasx.offload needs to redirect ``a @ b``) is optional:
-without a C compiler the install still succeeds, and offload() of ``@`` says so.
+Both are optional: without a C compiler the install still succeeds. blasx._matmul_loops is what
+blasx.offload needs to redirect ``a @ b`` (offload() of ``@`` says when it is missing);
+blasx._cublas_call issues blasx.dnn's cuBLAS GEMMs in one C call (ctypes stands in without it).
 """
 
 from setuptools import Extension, setup
@@ -18,6 +19,7 @@ class _NumpyIncludes(build_ext):
 
 
 setup(
-    ext_modules=[Extension("blasx._matmul_loops", ["blasx/_matmul_loops.c"], optional=True)],
+    ext_modules=[Extension("blasx._matmul_loops", ["blasx/_matmul_loops.c"], optional=True),
+                 Extension("blasx._cublas_call", ["blasx/_cublas_call.c"], optional=True)],
     cmdclass={"build_ext": _NumpyIncludes},
 )

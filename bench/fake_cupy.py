@@ -446,21 +446,17 @@ def _build_modules() -> dict:
             "cupy_backends.cuda.libs": libs, "cupy_backends.cuda.libs.cublas": cublas}
 
 
-def _gemm_stub(ctypes_marshalling: bool):
-    """direct_cuda's cublasGemmStridedBatchedEx: with ``ctypes_marshalling`` a C function that ignores
-    its arguments and returns 0 (abs of the null handle), called through ctypes with the real
-    argument types (its conversion cost is the real one's); else a Python recorder."""
-    if ctypes_marshalling:
-        fn = ctypes.CDLL(None).abs
-        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
-        fn.restype = I
+def _gemm_stub():
+    """The route's cublasGemmStridedBatchedEx: a C function that ignores its arguments and returns 0 (abs of
+    the null handle), called as the real one is (blasx.dnn.cublas_call: the C extension, else ctypes; its
+    conversion cost is the real one's), recording the call where calls are recorded."""
+    from blasx.dnn import cublas_call
+    fn = cublas_call.bind(ctypes.CDLL(None).abs)
 
-        def gemm(*args):
-            record("gemm", *args[1:], ctypes.string_at(args[6], 4), ctypes.string_at(args[15], 4))
-            return fn(*args)
-        return gemm if _state["recording"] else fn
-    return None
+    def gemm(*args):
+        record("gemm", *args[1:], ctypes.string_at(args[6], 4), ctypes.string_at(args[15], 4))
+        return fn(*args)
+    return gemm if _state["recording"] else fn
 
 
 def _cuda_module():
@@ -491,13 +487,13 @@ def _clear_caches() -> None:
 
 @contextlib.contextmanager
 def installed(record_calls: bool = False, copies: bool = False):
-    """The fake modules in sys.modules and direct_cuda's GEMM entry point stubbed; ``record_calls``:
+    """The fake modules in sys.modules and the route's GEMM entry points stubbed; ``record_calls``:
     every launch recorded in ``LOG`` (cleared on entry); ``copies``: ``runtime.memcpyAsync`` copies the bytes
     (device arrays are host memory: a test's own code may compute on them)."""
     direct_cuda = _cuda_module()
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
-    saved_gemm = list(direct_cuda._GEMM)
+    saved_gemm = direct_cuda.strided_batched_ex
     saved_handles = dict(direct_cuda._HANDLES), dict(direct_cuda._SPARE)
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
@@ -507,18 +503,19 @@ def installed(record_calls: bool = False, copies: bool = False):
     _state["recording"] = record_calls
     _state["copies"] = copies
     sys.modules.update(mods)
-    direct_cuda._GEMM[:] = [_gemm_stub(True)]
+    stub = _gemm_stub()
+    direct_cuda.strided_batched_ex = lambda use_extension=True: stub
     direct_cuda._HANDLES.clear()
     direct_cuda._SPARE.clear()
     from blasx.runtime.devices import cublas_ctypes
     from blasx.dnn import rnn_layer
     saved_cc = (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
                 cublas_ctypes.gemm_ex)
-    saved_sb = rnn_layer._shared.pop("sb", None)
+    saved_sb = rnn_layer._strided_batched
     cublas_ctypes.set_stream = cublas_ctypes.set_workspace = lambda *args: None  # a handle's one-time binding
     cublas_ctypes.set_pointer_mode = lambda *args: None
     cublas_ctypes.gemm_ex = lambda: (lambda handle, *args: record("gemm_ex", *args[2:5]))  # (m, n, k)
-    rnn_layer._shared["sb"] = lambda handle, *args: record("gemm_batched", *args[2:5], args[-4])  # (m, n, k, batch)
+    rnn_layer._strided_batched = lambda handle, *args: record("gemm_batched", *args[2:5], args[-4])  # (m, n, k, batch)
     for t in kernel_tables:
         t.clear()
     _clear_caches()
@@ -527,12 +524,10 @@ def installed(record_calls: bool = False, copies: bool = False):
     finally:
         _state["recording"] = False
         _state["copies"] = False
-        direct_cuda._GEMM[:] = saved_gemm
+        direct_cuda.strided_batched_ex = saved_gemm
         (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
          cublas_ctypes.gemm_ex) = saved_cc
-        rnn_layer._shared.pop("sb", None)
-        if saved_sb is not None:
-            rnn_layer._shared["sb"] = saved_sb
+        rnn_layer._strided_batched = saved_sb
         for table, before in zip((direct_cuda._HANDLES, direct_cuda._SPARE), saved_handles):
             table.clear()
             table.update(before)

@@ -17,6 +17,7 @@ from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
 from . import direct_cache, igemm
+from .cublas_call import check, strided_batched_ex
 from .geometry import ConvGeometry
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -45,22 +46,6 @@ def _gather_kernel(udt, index: str, nd: int, insert: bool):
 
 
 _HANDLES: dict = {}
-_GEMM = []
-
-
-def _gemm_fn():
-    """cublasGemmStridedBatchedEx through ctypes from the libcublas CuPy loaded."""
-    if not _GEMM:
-        import ctypes
-
-        from ..runtime.devices.cublas_ctypes import libcublas
-        fn = libcublas().cublasGemmStridedBatchedEx
-        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, L, P, I, I, L, P, P, I, I, L, I, I, I]
-        fn.restype = I
-        _GEMM.append(fn)
-    return _GEMM[0]
-
 
 MAX_STREAMS = 16  # streams per process whose handles are bound to them; the rest share per-device handles
 
@@ -272,7 +257,14 @@ def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightP
     dw = cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
     bufs.update(x=x, dy=dy, dw=dw)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    if plan.dw_dtype == dt:
+    return dw_result(dw, dt)
+
+
+def dw_result(dw, dtype):
+    """A weight gradient computed as ``dw`` (its plan's dw type) in the operand type ``dtype``."""
+    import cupy
+    dt = np.dtype(dtype)
+    if dw.dtype == dt:
         return dw
     out = cupy.empty(dw.shape, dtype=dt)
     if dt == np.float16:
@@ -336,6 +328,32 @@ def gemm_consts(dtype, math: str) -> tuple:
     return _CONSTS.get((np.dtype(dtype).str, math), make)
 
 
+def gemm_issuer(g: GemmLaunch, names: dict, dtype, math: str):
+    """``issue(stream, device, *arrays)``: the GEMM ``g`` on the compact CuPy arrays that ``names`` (buffer name
+    -> index into ``arrays``) names, its arguments packed once, issued on a handle bound to ``stream``; None
+    where g reads a buffer not in ``names``. A replayed call's one GEMM takes this instead of :class:`CudaOps`."""
+    try:
+        ia, ib, ic = (names[r[0]] for r in (g.a, g.b, g.c))
+    except KeyError:
+        return None
+    compute, scalars, keep = gemm_consts(dtype, math)
+    head, oa, ob, oc = (*g.dims, scalars[1.0]), g.a[1], g.b[1], g.c[1]
+    mid_a, mid_b, beta = (g.a[2], *g.lda), (g.b[2], *g.ldb), scalars[g.beta]
+    tail = (g.c[2], *g.ldc, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+    fn = strided_batched_ex()
+
+    def issue(stream: int, device: int, *arrays) -> None:
+        key, h = _take_handle(device, stream)
+        try:
+            status = fn(h[0], *head, arrays[ia].data.ptr + oa, *mid_a, arrays[ib].data.ptr + ob, *mid_b, beta,
+                        arrays[ic].data.ptr + oc, *tail)
+        finally:
+            _give_handle(key, h)
+        check(status, g)
+    issue.keep = keep  # (the host scalars the arguments point to live as long as the issuer)
+    return issue
+
+
 # ---------------------------------------------------------------- running steps
 
 class CudaOps:
@@ -347,7 +365,7 @@ class CudaOps:
         self.compute, self.scalars, self._keep = gemm_consts(dtype, math)
         self.stream = cupy.cuda.get_current_stream()
         self.device = cupy.cuda.Device().id
-        self.gemm_fn = _gemm_fn()
+        self.gemm_fn = strided_batched_ex()
         self.ptrs: dict = {}
         self.flat: dict = {}
 
@@ -401,8 +419,7 @@ class CudaOps:
                 status = self.gemm_fn(h[0], *args)
             finally:
                 _give_handle(key, h)
-        if status != 0:
-            raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status} ({g})")
+        check(status, g)
 
     def implicit(self, s: cd.Implicit) -> None:
         self.launch_implicit(igemm.plan_launch(self.geo, s.type, s.config))

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import rnn_cells, rnn_diag_cells
 from ..runtime import dtypes
+from .cublas_call import check, strided_batched_ex
 from .direct_cuda import gemm_consts
 
 
@@ -92,22 +93,9 @@ class HostOps(_Moves):
         return None
 
 
-def _strided_batched():
-    """cublasGemmStridedBatchedEx through ctypes (its strides are 64-bit), from the libcublas CuPy loaded."""
-    if "sb" not in _shared:
-        import ctypes
-        from ..runtime.devices import cublas_ctypes as cc
-        fn = cc.libcublas().cublasGemmStridedBatchedEx
-        P, I, Q = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn.argtypes = [P, I, I, I, I, I, P, P, I, I, Q, P, I, I, Q, P, P, I, I, Q, I, I, I]
-        fn.restype = I
-
-        def call(*args):
-            status = fn(*args)
-            if status != 0:
-                raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status}")
-        _shared["sb"] = call
-    return _shared["sb"]
+def _strided_batched(*args) -> None:
+    """cublasGemmStridedBatchedEx (cublas_call: its strides are 64-bit), raising on a cuBLAS error."""
+    check(strided_batched_ex()(*args))
 
 
 _shared: dict = {}  # device id -> (cuBLAS handle, its lock): the handle of workspace GEMMs, kept for the process
@@ -245,12 +233,12 @@ class CudaOps(_Moves):
                 compute, dtypes.CUBLAS_GEMM_DEFAULT)
         stream = cupy.cuda.get_current_stream().ptr
         if self.workspace is not None:
-            self._gemm_on_workspace(stream, args, _strided_batched())
+            self._gemm_on_workspace(stream, args, _strided_batched)
             return
         handle = cupy.cuda.device.get_cublas_handle()
         cc.set_stream(handle, stream)
         cc.set_pointer_mode(handle, 0)
-        _strided_batched()(handle, *args)
+        _strided_batched(handle, *args)
 
     def gemm_layers(self, a, w, out, trans_w: bool, beta: float) -> None:
         """:meth:`gemm_batched`'s result for a diagonal step's layers. float32 IEEE (SIMT kernels, where cuBLAS's
