@@ -226,3 +226,18 @@ def test_a_transposed_call_with_few_channels_replays_its_padding():
             full = _masked(fake.log, {"x": x, "w": w})
     assert replayed == full and any(e[0] == "zeros" for e in full) and any(e[0] == "gemm" for e in full)
     assert (got.shape, got.strides) == (want.shape, want.strides)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd-weight"])
+def test_a_one_gemm_plan_replays_with_its_arguments_packed_once(monkeypatch, direction):
+    # a pointwise channels-last convolution is one GEMM: its replay issues it without building CudaOps
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        x, w, dy = (_arr(cupy, s, np.float32, True) for s in ((4, 64, 10, 10), (32, 64, 1, 1), (4, 32, 10, 10)))
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            _call(direction, x, w, dy, 1, 0, 1)
+            monkeypatch.setattr(direct_cuda, "CudaOps", None)  # a replay that built one would fail
+            fake.log.clear()
+            got = _call(direction, x, w, dy, 1, 0, 1)
+    assert [e[0] for e in fake.log if e[0].startswith("gemm")] == ["gemm"]
+    assert got.shape == ((4, 32, 10, 10) if direction == "fwd" else (32, 64, 1, 1))

@@ -12,6 +12,7 @@ of the call; activations are only read, through the derived im2col operand (im2c
 
 from __future__ import annotations
 
+from functools import partial
 from math import prod
 
 import numpy as np
@@ -61,10 +62,16 @@ def _x_view(x, lay: str):
 
 
 def _empty(xp, shape, dtype, lay: str):
+    return _empty_maker(xp, shape, dtype, lay)()
+
+
+def _empty_maker(xp, shape, dtype, lay: str):
+    """A function returning a new uninitialised array of ``shape`` in layout ``lay`` (shapes worked out once:
+    a replayed call makes its output with it)."""
     if lay == "nchw":
-        return xp.empty(shape, dtype=dtype)
-    moved = xp.empty((shape[0], *shape[2:], shape[1]), dtype=dtype)
-    return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
+        return partial(xp.empty, shape, dtype)
+    moved, axes = (shape[0], *shape[2:], shape[1]), (0, len(shape) - 1, *range(1, len(shape) - 1))
+    return lambda: xp.empty(moved, dtype).transpose(axes)
 
 
 def _channel_vector(name: str, v, k: int, dtype, xp):
@@ -249,7 +256,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
             affine = device_affine(b, sc, sh, act, res is not None)[0]
             return lambda y: conv_direct.finish(g, cl, y, affine, res, False)
         plain = act is None and all(v is None for v in extras)
-        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], lambda: _empty(xp, shape, dt, lay),
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
                                                       epilogue=None if plain else epilogue))
     if out is not None:
         return out
@@ -357,7 +364,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
             plan = direct_cuda.transposed(geo, xb, lay == "cl", w, wl == "cl", y, b, math)
             if memo is not None and xb is x and w is weight:
                 conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, plan,
-                                                              lambda: _empty(xp, shape, dt, lay), flops=flops))
+                                                              _empty_maker(xp, shape, dt, lay), flops=flops))
             return out if out is not None else y[0] if unbatched else y
         wf = _flipped_transposed(xp, weight, geo.groups)
         ran = None
@@ -369,7 +376,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
         def rows(w, g=geo):
             return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), lay == "cl", g.k, g.crs)
         conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
-                                                      lambda: _empty(xp, shape, dt, lay), rows))
+                                                      _empty_maker(xp, shape, dt, lay), rows))
     if out is not None:
         return out
     return y[0] if unbatched else y

@@ -470,9 +470,10 @@ def applies(x, flops: float) -> bool:
         return True
     if ROUTE is not None:
         return ROUTE == "direct"
+    if flops < SPLIT_FLOPS:  # (asked first: the engine's GPUs cost a session look-up)
+        return True
     from .. import session
-    gpus = set(session.cuda_ordinals())
-    return len(gpus) <= 1 or flops < SPLIT_FLOPS
+    return len(set(session.cuda_ordinals())) <= 1
 
 
 PAD_C_MAX = 7  # input channels padded up to a whole gather unit at most (an image's first layer: 1 or 3)

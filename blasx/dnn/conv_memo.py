@@ -109,6 +109,10 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)  # (channels-last only)
     if plan.form == "implicit" and not scratch and cpad is None:
         return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops)
+    if not scratch and cpad is None and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch:
+        issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "w": 1, "wt": 1, "y": 2}, dt, math)
+        if issue is not None:
+            return _gemm_replay(issue, make_y, weight_of, epilogue, flops)
 
     def run(x, w, extras=None):
         done = None if epilogue is None else epilogue(extras)
@@ -155,11 +159,42 @@ def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops
     return Replay(run, flops)
 
 
+def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
+    """The replay of a call whose plan is one GEMM on x, the weight matrix and y (a pointwise convolution):
+    ``issue`` (direct_cuda.gemm_issuer) with its arguments packed once, on the current stream."""
+    import cupy
+    stream_of = cupy.cuda.get_current_stream
+
+    def run(x, w, extras=None):
+        done = None if epilogue is None else epilogue(extras)
+        if weight_of is not None:
+            w = weight_of(w)
+        y = make_y()
+        issue(stream_of().ptr, x.data.device_id, x, w, y)
+        if done is not None:
+            done(y)
+        return y
+    return Replay(run, flops)
+
+
 def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | None:
     """The replay of a weight-gradient call that ran ``plan`` (direct_cuda.WeightPlan) on x and dY, its result
-    ``finish(dw)``."""
+    ``finish(dw)``; a plan of one GEMM without scratch issues it with its arguments packed once."""
     from . import direct_cuda
+    flops = 2.0 * geo.n * geo.p * geo.k * geo.crs
+    issue = None
+    if not plan.scratch and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch:
+        issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "dy": 1, "dw": 2}, dtype, math)
+    if issue is not None:
+        import cupy
+        stream_of, shape, dw_dtype = cupy.cuda.get_current_stream, (geo.k, geo.crs), plan.dw_dtype
+
+        def run_one(x, dy, extras=None):
+            dw = cupy.empty(shape, dtype=dw_dtype)
+            issue(stream_of().ptr, x.data.device_id, x, dy, dw)
+            return finish(direct_cuda.dw_result(dw, dtype))
+        return Replay(run_one, flops)
 
     def run(x, dy, extras=None):
         return finish(direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy))
-    return Replay(run, 2.0 * geo.n * geo.p * geo.k * geo.crs)
+    return Replay(run, flops)
