@@ -143,20 +143,13 @@ def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops
     go = igemm.launcher(plan.launches[0])
     stream_of = cupy.cuda.get_current_stream
 
-    def run(x, w, extras=None):
-        done = None if epilogue is None else epilogue(extras)
-        if weight_of is not None:
-            w = weight_of(w)
-        y = make_y()
+    def launch(x, w, y):
         px, pw, py = x.data.ptr, w.data.ptr, y.data.ptr
         if (px | pw | py) % igemm.ALIGN:
             direct_cuda.CudaOps(geo, cl, {"x": x, "w": w, "y": y}, dt, math).run(plan.steps, plan.launches)
         else:
             go(stream_of().ptr, px, pw, py)
-        if done is not None:
-            done(y)
-        return y
-    return Replay(run, flops)
+    return _one_launch_replay(launch, make_y, weight_of, epilogue, flops)
 
 
 def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
@@ -165,12 +158,20 @@ def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
     import cupy
     stream_of = cupy.cuda.get_current_stream
 
+    def launch(x, w, y):
+        issue(stream_of().ptr, x.data.device_id, x, w, y)
+    return _one_launch_replay(launch, make_y, weight_of, epilogue, flops)
+
+
+def _one_launch_replay(launch, make_y, weight_of, epilogue, flops) -> Replay:
+    """The replay that checks the epilogue's operands, makes the weight (``weight_of``) and y, runs
+    ``launch(x, w, y)``, then the epilogue."""
     def run(x, w, extras=None):
         done = None if epilogue is None else epilogue(extras)
         if weight_of is not None:
             w = weight_of(w)
         y = make_y()
-        issue(stream_of().ptr, x.data.device_id, x, w, y)
+        launch(x, w, y)
         if done is not None:
             done(y)
         return y
