@@ -35,7 +35,7 @@ from .geometry import ConvGeometry, conv_geometry
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 LAYOUTS = ("nchw", "cl")
-FORMS = ("im2col", "shifted", "implicit", "depthwise")
+FORMS = ("im2col", "shifted", "implicit", "strided", "depthwise")
 _SEP = "|"
 _TAGS = ("n", "c", "k", "i", "o", "r", "s", "p", "d", "g")
 
@@ -306,7 +306,7 @@ _forms: dict = {"state": None, "memo": {}}
 
 
 def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, device=None) -> str | None:
-    """The find-db's device-route form ("im2col", "shifted" or "implicit") for the gather ``geo`` in ``dtype``, ``layout``
+    """The find-db's device-route form (one of FORMS but "depthwise") for the gather ``geo`` in ``dtype``, ``layout``
     and ``math`` on GPU ``device`` (a model name, an ordinal, or None: CuPy's current device), or None
     (no entry, no GPU, or the db is off). Memoized per problem until the db changes."""
     if perfdb.disabled():
@@ -329,7 +329,7 @@ def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, devi
             keys = []
         for k in keys:
             form = lookup(k)
-            if form in ("im2col", "shifted", "implicit"):
+            if form in FORMS and form != "depthwise":
                 break
             form = None
         memo[mkey] = form
