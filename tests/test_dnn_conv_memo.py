@@ -262,3 +262,29 @@ def test_the_strided_form_replays_its_one_gemm(monkeypatch):
     g = full[0][1:]
     assert (g[0], g[1], g[2], g[3], g[4]) == (1, 0, 32, 5, 64) and (g[12], g[13]) == (128, 2 * 10 * 64)
     assert g[19] == 4 * 5 and y.shape == (4, 32, 5, 5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_shifted_weight_form_replays_what_its_full_path_launches(monkeypatch, dtype):
+    monkeypatch.setattr(cd, "FORM", "shifted")
+    dt = np.dtype(dtype)
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+
+        def operands():
+            return (_arr(cupy, (4, 16, 10, 10), dt, True), _arr(cupy, (32, 16, 3, 3), dt, True),
+                    _arr(cupy, (4, 32, 10, 10), dt, True))
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            _call("bwd-weight", *operands(), 1, 1, 1)
+            x, w, dy = operands()
+            named = {"x": x, "w": w, "dy": dy}
+            fake.log.clear()
+            got = _call("bwd-weight", x, w, dy, 1, 1, 1)
+            replayed = _masked(fake.log, named)
+            direct_cache.clear()
+            fake.log.clear()
+            _call("bwd-weight", x, w, dy, 1, 1, 1)
+            full = _masked(fake.log, named)
+    gemms = [e for e in full if e[0] == "gemm"]
+    assert replayed == full and len(gemms) == 3 and all(g[20] == 3 for g in gemms)  # a GEMM per kernel row, batch 3
+    assert got.shape == (32, 16, 3, 3) and got.dtype == dt

@@ -18,6 +18,7 @@ from blasx.dnn import conv as conv_mod
 from blasx.dnn import col2im as c2
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn import weight_forms as wf
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
 from host_cc import compile_host
@@ -186,6 +187,8 @@ class NumpyOps:
         dst[...] = src
 
     def crop(self, s):
+        if s.clear:
+            self.bufs["yw"][...] = 0.0
         yv, wv = cd.crop_views(self.geo, self.cl, s, self.bufs["y"], self.bufs["yw"])
         assert np.shares_memory(yv, self.bufs["y"]) and np.shares_memory(wv, self.bufs["yw"])
         assert yv.shape == wv.shape
@@ -210,13 +213,21 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     return [(s.n0, s.nb) for s in steps if isinstance(s, (cd.Gather, cd.Pad))] or [(0, geo.n)], form
 
 
-def emulated_weight(geo, xmem, dymem, cl, budget):
-    per = cd.weight_scratch(geo, cl)
-    parts = cd.chunks(geo.n, per * 8, budget)
-    nb = max(nb for _, nb in parts)
-    bufs = {"x": xmem, "dy": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
-            "col": np.full(nb * geo.crs * geo.p, np.nan), "dyc": np.full(nb * geo.k * geo.p, np.nan)}
-    cd.run(cd.weight_steps(geo, cl, parts), NumpyOps(geo, cl, bufs))
+def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
+    """The weight plan of ``form`` on numpy buffers: (dW as (K, CRS), the image chunks)."""
+    if form == "shifted":
+        parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * 8, budget)
+        steps = wf.shifted_steps(geo, parts)
+        scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
+    else:
+        per = cd.weight_scratch(geo, cl)
+        parts = cd.chunks(geo.n, per * 8, budget)
+        nb = max(nb for _, nb in parts)
+        steps = cd.weight_steps(geo, cl, parts)
+        scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
+    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
+            **{k: np.full(v, np.nan) for k, v in scratch.items()}}
+    cd.run(steps, NumpyOps(geo, cl, bufs))
     return bufs["dw"].reshape(geo.k, geo.crs), parts
 
 
@@ -664,3 +675,45 @@ def test_small_channel_counts_are_padded_to_whole_gather_units(c):
                   conv_geometry("conv2d", 2, np.zeros((2, 9, 9, 8)), np.zeros((4, 9, 3, 3)), 1, 1, 1, 1),
                   transpose_geometry("t", 2, x, np.zeros((c, 4, 3, 3)), 2, 1, 1, 1, 1)):
         assert cd.padded_channels(other, True, 2, 8) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(SHIFTED, st.sampled_from([1 << 30, 1]))
+def test_shifted_weight_plan_vs_torch(case, budget):
+    """The weight gradient in the shifted form (channels-last), any padding (asymmetric too) and dilation, 1-3
+    spatial dims; budget 1: one image a chunk (xp and yw exactly one image, dW accumulated over chunks)."""
+    nd, _, pad, dil, ks, _, seed = case
+    rng = np.random.default_rng(seed)
+    x, _ = _case(rng, nd, 1, 3, 4, 3)
+    w = rng.standard_normal((4, 3, *(ks,) * nd))
+    pad = pad if isinstance(pad, int) else pad[:nd]
+    try:
+        geo = conv_geometry("conv", nd, x, w, 1, pad, dil, 1)
+    except ValueError:
+        return
+    tpad = pad if isinstance(pad, int) else 0
+    xt = x if isinstance(pad, int) else np.pad(x, ((0, 0), (0, 0), *pad))
+    y = getattr(F, f"conv{nd}d")(torch.from_numpy(xt), torch.from_numpy(w), None, 1, tpad, dil)
+    dy = rng.standard_normal(tuple(y.shape))
+    ref = getattr(torch.nn.grad, f"conv{nd}d_weight")(torch.from_numpy(xt), w.shape, torch.from_numpy(dy), 1, tpad,
+                                                       dil).numpy()
+    dw, parts = emulated_weight(geo, memory(x, True), memory(dy, True), True, budget, "shifted")
+    assert len(parts) == (1 if budget > 1 else geo.n)
+    assert _rel(np.moveaxis(dw.reshape(4, *(ks,) * nd, 3), -1, 1), ref) < 1e-13
+
+
+def test_shifted_weight_plan_exact_and_its_choice():
+    x, w = np.empty((2, 64, 8, 8)), np.empty((32, 64, 3, 3))
+    geo = conv_geometry("conv", 2, x, w, 1, 1, 1, 1)
+    steps = wf.shifted_steps(geo, [(0, 2)])
+    rows = (2 - 1) * 100 + 7 * 10 + 7 + 1  # through the last valid output of the 10 x 10 padded grid
+    assert steps[:2] == [cd.Pad(0, 2, True), cd.Crop(0, 2, False, True)]
+    assert steps[2:] == [cd.Gemm(("xp", r * 10 * 64), ("yw", 0), ("dw", r * 3 * 64), cd.OP_N, cd.OP_T, 64, 32, rows,
+                                 64, 32, 9 * 64, 64, 0, 64, 3, 0.0) for r in range(3)]
+    assert wf.weight_forms(geo, "cl") == ("im2col", "shifted") and wf.weight_forms(geo, "nchw") == ("im2col",)
+    assert wf.weight_form(geo, np.float32, None, "cl") == "im2col"  # never by default
+    assert wf.weight_form(geo, np.float32, "shifted", "cl") == "shifted"
+    assert wf.weight_form(geo, np.float32, "shifted", "nchw") == "im2col"
+    for bad in (conv_geometry("conv", 2, x, w, 2, 1, 1, 1), conv_geometry("conv", 2, x, w[:, :32], 1, 1, 1, 2),
+                conv_geometry("conv", 2, x, w[:, :, :1, :1], 1, 0, 1, 1)):  # strided, grouped, 1x1
+        assert wf.weight_forms(bad, "cl") == ("im2col",)

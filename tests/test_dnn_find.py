@@ -167,6 +167,21 @@ def test_forward_form_precedence_force_then_db_then_heuristic(cache, monkeypatch
     assert cd.forward_form(strided, f32, "shifted", device=H200) == "im2col"  # shifted does not apply
 
 
+def test_weight_form_precedence_force_then_db_then_im2col(cache):
+    from blasx.dnn import weight_forms as wf
+    geo, f32 = geo3x3(), np.float32
+    assert wf.weight_form(geo, f32, layout="cl", device=H200) == "im2col"  # no entry: im2col
+    finddb.store(finddb.key_of(geo, "bwd-weight", H200, f32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
+    assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # the db's
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"  # (the forward's heuristic, not that entry)
+    finddb.store(finddb.key_of(geo, "fwd", H200, f32, "cl"), "im2col", {"im2col": 1.0, "shifted": 2.0})
+    assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # a forward entry does not decide it
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"
+    assert wf.weight_form(geo, f32, "im2col", "cl", device=H200) == "im2col"  # a force over the db
+    assert wf.weight_form(geo, f32, layout="nchw", device=H200) == "im2col"  # shifted: channels-last only
+    assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "im2col"  # another GPU model
+
+
 # --------------------------------------------------------------------------- the find step's logic
 
 def fake(times: dict, results: dict):
@@ -207,7 +222,8 @@ def test_forms_per_direction():
     geo = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1, "s")
     assert find_mod.forms_for(geo, "fwd") == ("im2col", "shifted")
     assert find_mod.forms_for(geo, "bwd-data") == ("im2col", "shifted")
-    assert find_mod.forms_for(geo, "bwd-weight") == ("im2col",)
+    assert find_mod.forms_for(geo, "bwd-weight") == ("im2col",)  # NCHW
+    assert find_mod.forms_for(geo, "bwd-weight", layout="cl") == ("im2col", "shifted")
     strided = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 2, 1, 1, 1, "s")
     assert find_mod.forms_for(strided, "fwd") == ("im2col",) and find_mod.forms_for(strided, "bwd-data") == ("im2col",)
     dw = finddb.forward_geometry((8, 64, 56, 56), (64, 1, 3, 3), 1, 1, 1, 64, "s")

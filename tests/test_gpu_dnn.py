@@ -259,6 +259,35 @@ def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, n
 
 @pytest.mark.parametrize("math", ["ieee", "tf32"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_shifted_weight_form_vs_torch(direct_route, monkeypatch, math, dtype, nd):
+    """The weight gradient's shifted form (weight_forms.py, conv_direct.FORM forced) on channels-last stride-1
+    convolutions with padding and dilation, and its replay, against torch in float64."""
+    from blasx.dnn import conv_direct, weight_forms
+    from blasx.dnn.geometry import conv_geometry
+    if dtype == "float16" and math == "tf32":
+        return
+    monkeypatch.setattr(conv_direct, "FORM", "shifted")
+    rng = np.random.default_rng(10 + nd)
+    dt = np.dtype(dtype)
+    size = (40,) if nd == 1 else (13, 11) if nd == 2 else (5, 6, 7)
+    pad, dil = (2, 2) if nd == 2 else (1, 1)
+    x = rng.standard_normal((3, 32, *size)).astype(dt)
+    wshape = (24, 32, *(3,) * nd)
+    assert weight_forms.weight_form(conv_geometry("t", nd, x, np.empty(wshape, dt), 1, pad, dil, 1), dt,
+                                    "shifted", "cl") == "shifted"
+    conv = getattr(F, f"conv{nd}d")(wide(x), wide(np.zeros(wshape, dt)), None, 1, pad, dil)
+    dy = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    ref = getattr(torch.nn.grad, f"conv{nd}d_weight")(wide(x), wshape, wide(dy), 1, pad, dil).numpy()
+    xd, dyd = _device(x, "cl"), _device(dy, "cl")
+    for _ in range(2):  # the full path, then its replay
+        gw = getattr(dnn, f"conv{nd}d_weight")(xd, wshape, dyd, 1, pad, dil, math=math)
+        assert gw.dtype == dt and gw.shape == wshape
+        assert rel(gw, ref) < DIRECT_TOL[(dtype, math)] * 2
+
+
+@pytest.mark.parametrize("math", ["ieee", "tf32"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("nd,size,stride,groups", [(2, (16, 11), 2, 1), (2, (12, 9), (3, 2), 2), (1, (23,), 3, 1)])
 def test_strided_form_vs_torch(direct_route, monkeypatch, math, dtype, nd, size, stride, groups):
     """The strided form (conv_direct.FORM forced): a strided 1x1 channels-last convolution as one strided-batched

@@ -103,11 +103,13 @@ class Pad(NamedTuple):
 
 class Crop(NamedTuple):
     """The valid part of the wide output ``yw`` and y's images n0 .. n0 + nb - 1 (``crop_views``):
-    ``to_y`` copies yw's into y; else y's into yw (a residual, before GEMMs with beta 1)."""
+    ``to_y`` copies yw's into y; else y's into yw (a residual, before GEMMs with beta 1; ``clear``: all of
+    yw is zeroed first)."""
 
     n0: int
     nb: int
     to_y: bool
+    clear: bool = False
 
 
 def pointwise(geo: ConvGeometry) -> bool:
@@ -588,6 +590,6 @@ def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):
     dt = np.dtype(x.dtype)
 
     def attempt(budget):
-        plan = direct_cuda.weight_plan(geo, cl, dt, budget)
+        plan = direct_cuda.weight_plan(geo, cl, dt, budget, math)
         return direct_cuda.run_weight_plan(geo, cl, dt, math, plan, x, dy), plan
     return direct_cuda.with_memory(attempt)

@@ -17,6 +17,7 @@ from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
 from . import direct_cache, igemm
+from . import weight_forms as wf
 from .cublas_call import check, strided_batched_ex
 from .geometry import ConvGeometry
 
@@ -222,28 +223,36 @@ class WeightPlan(NamedTuple):
     scratch: dict
     launches: list
     dw_dtype: np.dtype
+    form: str = "im2col"
 
 
-def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int) -> WeightPlan:
-    """conv_direct's weight-gradient plan with scratch of at most ``budget`` bytes, made once per key: dW in
-    the operand type where no GEMM accumulates into it (cuBLAS rounds its float32 sums once), else in the
-    accumulation type (rounded after the last chunk, ``run_weight_plan``)."""
+def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | None = None) -> WeightPlan:
+    """The weight-gradient plan in its form (weight_forms.weight_form: a force, the find-db, im2col) with
+    scratch of at most ``budget`` bytes, made once per key: dW in the operand type where no GEMM accumulates
+    into it (cuBLAS rounds its float32 sums once), else in the accumulation type (rounded after the last
+    chunk, ``run_weight_plan``)."""
     dt = np.dtype(dtype)
+    form = wf.weight_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
 
     def make():
-        per = cd.weight_scratch(geo, cl)
-        parts = cd.chunks(geo.n, per * dt.itemsize, budget)
-        steps = cd.weight_steps(geo, cl, parts)
-        scratch = {}
-        if per:
-            nb = max(nb for _, nb in parts)
-            scratch["col"] = geo.crs * geo.p * nb
-            if not cl:
-                scratch["dyc"] = nb * per - scratch["col"]
+        if form == "shifted":
+            parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * dt.itemsize, budget)
+            steps = wf.shifted_steps(geo, parts)
+            scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
+        else:
+            per = cd.weight_scratch(geo, cl)
+            parts = cd.chunks(geo.n, per * dt.itemsize, budget)
+            steps = cd.weight_steps(geo, cl, parts)
+            scratch = {}
+            if per:
+                nb = max(nb for _, nb in parts)
+                scratch["col"] = geo.crs * geo.p * nb
+                if not cl:
+                    scratch["dyc"] = nb * per - scratch["col"]
         once = all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
         dw_dtype = dt if once else np.dtype(dtypes.gemm_of(dt).compute)
-        return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype)
-    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget), make)
+        return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype, form)
+    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form), make)
 
 
 _WEIGHT_PLANS = direct_cache.table(512)
@@ -255,7 +264,7 @@ def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightP
     dt = np.dtype(dtype)
     bufs = {name: empty_bits(size, dt) for name, size in plan.scratch.items()}
     dw = cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
-    bufs.update(x=x, dy=dy, dw=dw)
+    bufs.update(x=x, dy=dy, dw=dw, y=dy)  # (the shifted form's Crop copies "y", here dY, into yw)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     return dw_result(dw, dt)
 
@@ -463,6 +472,8 @@ class CudaOps:
 
     def crop(self, s: cd.Crop) -> None:
         yw = self.bufs["yw"]
+        if s.clear:
+            yw.fill(0)
         yv, wv = cd.crop_views(self.geo, self.cl, s, self._bits("y"), yw)
         if wv.data.mem is not yw.data.mem:  # a reshape that copied would lose the residual's writes
             raise RuntimeError(f"conv_direct: yw's valid part is not a view of yw ({s})")

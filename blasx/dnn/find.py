@@ -3,8 +3,9 @@ one convolution problem on a GPU, check each form's result against the first's, 
 in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its heuristic.
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
-"shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); depthwise problems run
-"depthwise" alone, as does the weight gradient "im2col". A strided backward-data problem runs "col2im"
+"shifted", "implicit" and "strided" where they apply to the gather they run (conv_direct.forms); the weight
+gradient runs "im2col", and "shifted" where it applies (weight_forms.py); depthwise problems run "depthwise"
+alone. A strided backward-data problem runs "col2im"
 alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
 one form is still timed and stored (its time is worth having; nothing else is chosen). The
 form is forced through ``conv_direct.FORM`` during the runs, so run the find step while no other thread
@@ -18,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import col2im, conv_direct, depthwise, finddb
+from . import col2im, conv_direct, depthwise, finddb, weight_forms
 from .geometry import ConvGeometry
 
 
@@ -44,7 +45,7 @@ def forms_for(geo: ConvGeometry, direction: str, dtype=np.float64, layout: str =
     if depthwise.applies(rt):
         return ("depthwise",)
     if direction == "bwd-weight":
-        return ("im2col",)
+        return weight_forms.weight_forms(rt, layout)
     return conv_direct.forms(rt, dtype, layout, math, capable)
 
 

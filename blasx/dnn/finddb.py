@@ -305,10 +305,12 @@ def lookup(key: ConvKey) -> str | None:
 _forms: dict = {"state": None, "memo": {}}
 
 
-def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, device=None) -> str | None:
+def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, device=None,
+                direction: str = "fwd") -> str | None:
     """The find-db's device-route form (one of FORMS but "depthwise") for the gather ``geo`` in ``dtype``, ``layout``
     and ``math`` on GPU ``device`` (a model name, an ordinal, or None: CuPy's current device), or None
-    (no entry, no GPU, or the db is off). Memoized per problem until the db changes."""
+    (no entry, no GPU, or the db is off); ``direction`` "bwd-weight": the weight gradient of the forward
+    problem ``geo`` instead. Memoized per problem until the db changes."""
     if perfdb.disabled():
         return None
     name = device if isinstance(device, str) else gpu_name(device)
@@ -320,11 +322,12 @@ def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, devi
     if _forms["state"] != state:
         _forms["memo"], _forms["state"] = {}, state
     memo = _forms["memo"]
-    mkey = (geo, np.dtype(dtype).str if not isinstance(dtype, str) else dtype, layout, math_, name)
+    mkey = (geo, np.dtype(dtype).str if not isinstance(dtype, str) else dtype, layout, math_, name, direction)
     if mkey not in memo:
         form = None
         try:
-            keys = runtime_keys(geo, name, dtype, layout, math_)
+            keys = [key_of(geo, direction, name, dtype, layout, math_)] if direction == "bwd-weight" else \
+                runtime_keys(geo, name, dtype, layout, math_)
         except ValueError:  # a dtype or layout no entry can have
             keys = []
         for k in keys:
