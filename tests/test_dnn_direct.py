@@ -380,13 +380,10 @@ SHIFTED = st.tuples(st.sampled_from([1, 2, 3]), st.booleans(), st.sampled_from([
                     st.integers(1, 2), st.sampled_from([2, 3]), st.booleans(), st.integers(0, 1000))
 
 
-@settings(max_examples=60, deadline=None)
-@given(SHIFTED, st.sampled_from([1 << 30, 1]))
-def test_shifted_plan_vs_torch(case, budget):
-    """Stride-1 convolution in the shifted form, any padding (asymmetric too) and dilation, with and
-    without a residual; budget 1: one image a chunk (xp and yw exactly one image: every GEMM's extent
-    is checked against them)."""
-    nd, cl, pad, dil, ks, with_res, seed = case
+def _shifted_case(case):
+    """(rng, geo, x, w, x padded explicitly where the padding is asymmetric, torch's padding) of a SHIFTED case;
+    None where its geometry is not a valid one."""
+    nd, _, pad, dil, ks, _, seed = case
     rng = np.random.default_rng(seed)
     x, _ = _case(rng, nd, 1, 3, 4, 3)
     w = rng.standard_normal((4, 3, *(ks,) * nd))
@@ -394,9 +391,23 @@ def test_shifted_plan_vs_torch(case, budget):
     try:
         geo = conv_geometry("conv", nd, x, w, 1, pad, dil, 1)
     except ValueError:
-        return
+        return None
     tpad = pad if isinstance(pad, int) else 0
     xt = x if isinstance(pad, int) else np.pad(x, ((0, 0), (0, 0), *pad))
+    return rng, geo, x, w, xt, tpad
+
+
+@settings(max_examples=60, deadline=None)
+@given(SHIFTED, st.sampled_from([1 << 30, 1]))
+def test_shifted_plan_vs_torch(case, budget):
+    """Stride-1 convolution in the shifted form, any padding (asymmetric too) and dilation, with and
+    without a residual; budget 1: one image a chunk (xp and yw exactly one image: every GEMM's extent
+    is checked against them)."""
+    nd, cl, _, dil, _, with_res, _ = case
+    made = _shifted_case(case)
+    if made is None:
+        return
+    rng, geo, x, w, xt, tpad = made
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(xt), torch.from_numpy(w), None, 1, tpad, dil).numpy()
     res = rng.standard_normal(ref.shape) if with_res else None
     ymem = np.full(ref.size, np.nan)
@@ -682,17 +693,11 @@ def test_small_channel_counts_are_padded_to_whole_gather_units(c):
 def test_shifted_weight_plan_vs_torch(case, budget):
     """The weight gradient in the shifted form (channels-last), any padding (asymmetric too) and dilation, 1-3
     spatial dims; budget 1: one image a chunk (xp and yw exactly one image, dW accumulated over chunks)."""
-    nd, _, pad, dil, ks, _, seed = case
-    rng = np.random.default_rng(seed)
-    x, _ = _case(rng, nd, 1, 3, 4, 3)
-    w = rng.standard_normal((4, 3, *(ks,) * nd))
-    pad = pad if isinstance(pad, int) else pad[:nd]
-    try:
-        geo = conv_geometry("conv", nd, x, w, 1, pad, dil, 1)
-    except ValueError:
+    nd, _, _, dil, ks, _, _ = case
+    made = _shifted_case(case)
+    if made is None:
         return
-    tpad = pad if isinstance(pad, int) else 0
-    xt = x if isinstance(pad, int) else np.pad(x, ((0, 0), (0, 0), *pad))
+    rng, geo, x, w, xt, tpad = made
     y = getattr(F, f"conv{nd}d")(torch.from_numpy(xt), torch.from_numpy(w), None, 1, tpad, dil)
     dy = rng.standard_normal(tuple(y.shape))
     ref = getattr(torch.nn.grad, f"conv{nd}d_weight")(torch.from_numpy(xt), w.shape, torch.from_numpy(dy), 1, tpad,
