@@ -8,7 +8,7 @@ cuBLAS calls) is a no-op that records its arguments in ``LOG`` while ``recording
         blasx.dnn.conv2d(x, w, ...)          # runs conv.py's CuPy route, launching nothing
 
 Large arrays cost address space only (pages are never written). ``installed`` puts the fake modules
-(``cupy``, ``cupy_backends.cuda.libs.cublas``) in ``sys.modules`` and direct_cuda's cuBLAS entry point
+(``cupy``, ``cupy_backends.cuda.libs.cublas``) in ``sys.modules`` and the route's cuBLAS entry point
 in place, and takes them out again on exit.
 """
 
@@ -493,8 +493,9 @@ def installed(record_calls: bool = False, copies: bool = False):
     direct_cuda = _cuda_module()
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
-    saved_gemm = direct_cuda.strided_batched_ex
-    saved_handles = dict(direct_cuda._HANDLES), dict(direct_cuda._SPARE)
+    from blasx.dnn import cublas_call
+    saved_gemm = cublas_call.strided_batched_ex
+    saved_handles = dict(cublas_call._HANDLES), dict(cublas_call._SPARE)
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
@@ -504,9 +505,9 @@ def installed(record_calls: bool = False, copies: bool = False):
     _state["copies"] = copies
     sys.modules.update(mods)
     stub = _gemm_stub()
-    direct_cuda.strided_batched_ex = lambda use_extension=True: stub
-    direct_cuda._HANDLES.clear()
-    direct_cuda._SPARE.clear()
+    cublas_call.strided_batched_ex = lambda use_extension=True: stub
+    cublas_call._HANDLES.clear()
+    cublas_call._SPARE.clear()
     from blasx.runtime.devices import cublas_ctypes
     from blasx.dnn import rnn_layer
     saved_cc = (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
@@ -524,11 +525,11 @@ def installed(record_calls: bool = False, copies: bool = False):
     finally:
         _state["recording"] = False
         _state["copies"] = False
-        direct_cuda.strided_batched_ex = saved_gemm
+        cublas_call.strided_batched_ex = saved_gemm
         (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
          cublas_ctypes.gemm_ex) = saved_cc
         rnn_layer._strided_batched = saved_sb
-        for table, before in zip((direct_cuda._HANDLES, direct_cuda._SPARE), saved_handles):
+        for table, before in zip((cublas_call._HANDLES, cublas_call._SPARE), saved_handles):
             table.clear()
             table.update(before)
         for t, before in zip(kernel_tables, saved_kernels):

@@ -12,7 +12,7 @@ from bench import fake_cupy
 from blasx import dnn
 from blasx.dnn import conv as conv_mod
 from blasx.dnn import conv_direct as cd
-from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn import cublas_call, direct_cache, direct_cuda
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from blasx.runtime import dtypes
 
@@ -276,40 +276,40 @@ def test_a_capture_makes_nothing_and_keeps_what_it_reads():
 
 
 def test_a_workspace_owns_one_handle_bound_to_its_stream_handed_on_when_dropped():
-    """direct_cuda.own_handle: a Workspace's GEMMs use one handle of its own (none shared with other streams,
+    """cublas_call.own_handle: a Workspace's GEMMs use one handle of its own (none shared with other streams,
     a capture keeps it); a dropped Workspace's handle goes to the next Workspace of that device."""
     import gc
     with fake_cupy.installed():
         made = []
-        real = direct_cuda._new_handle
+        real = cublas_call._new_handle
 
         def new():
             made.append(real())
             return made[-1]
-        old = direct_cuda._new_handle
-        direct_cuda._new_handle = new
+        old = cublas_call._new_handle
+        cublas_call._new_handle = new
         try:
             ws1, ws2 = direct_cache.Workspace(), direct_cache.Workspace()
-            h1 = direct_cuda.own_handle(ws1, 0, 11)
-            assert direct_cuda.own_handle(ws1, 0, 11) == h1 and len(made) == 1
-            direct_cuda.own_handle(ws2, 0, 12)
+            h1 = cublas_call.own_handle(ws1, 0, 11)
+            assert cublas_call.own_handle(ws1, 0, 11) == h1 and len(made) == 1
+            cublas_call.own_handle(ws2, 0, 12)
             assert len(made) == 2 and ws2.handle[1] is not ws1.handle[1]  # its own workspace memory
             keep: list = []
             with direct_cache.capturing(keep):
-                assert direct_cuda.own_handle(ws1, 0, 11) == h1
+                assert cublas_call.own_handle(ws1, 0, 11) == h1
                 with pytest.raises(direct_cache.CaptureMiss):
-                    direct_cuda.own_handle(direct_cache.Workspace(), 0, 13)
+                    cublas_call.own_handle(direct_cache.Workspace(), 0, 13)
             assert keep == [ws1.handle]
             first = ws1.handle
             del ws1
             gc.collect()
-            assert direct_cuda._SPARE[0] == [first]
+            assert cublas_call._SPARE[0] == [first]
             ws3 = direct_cache.Workspace()
-            direct_cuda.own_handle(ws3, 0, 14)
+            cublas_call.own_handle(ws3, 0, 14)
             assert len(made) == 2 and ws3.handle[:2] == first[:2] and ws3.handle[2] == 14  # rebound
-            assert direct_cuda._SPARE[0] == []
+            assert cublas_call._SPARE[0] == []
         finally:
-            direct_cuda._new_handle = old
+            cublas_call._new_handle = old
 
 
 @pytest.mark.parametrize("c, wide", [(64, True), (12, True), (6, False), (3, False)])

@@ -5,11 +5,19 @@ strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo)`` returnin
 It is the C extension ``blasx._cublas_call`` where the package build made it (the arguments cross in one
 C call), else ctypes (the same function; its conversion of 23 arguments costs several microseconds a
 call). Either way the function is the libcublas CuPy loaded, and the GIL is released during the call.
+
+``issue`` makes such a call on a handle of this module's pool bound to the caller's stream; ``own_handle``
+gives a Workspace (a network worker's, whose GEMMs are captured into CUDA graphs) a handle of its own.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+
+import numpy as np
+
+from . import direct_cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,3 +53,83 @@ def check(status: int, what=None) -> None:
     if status != 0:
         raise RuntimeError(f"cublasGemmStridedBatchedEx failed with cublasStatus_t {status}"
                            + (f" ({what})" if what is not None else ""))
+
+
+def issue(fn, device: int, stream: int, args: tuple, what=None) -> None:
+    """``fn(handle, *args)`` on a handle of ``device`` bound to ``stream`` (the pool's); raises on a cuBLAS
+    error (``what``: the call, for the message)."""
+    key, h = _take_handle(device, stream)
+    try:
+        status = fn(h[0], *args)
+    finally:
+        _give_handle(key, h)
+    check(status, what)
+
+
+# ---------------------------------------------------------------- handles
+
+_HANDLES: dict = {}
+
+MAX_STREAMS = 16  # streams per process whose handles are bound to them; the rest share per-device handles
+
+
+def _take_handle(device_id: int, stream: int):
+    """A cuBLAS handle (host pointer mode) that issues on ``stream``, the caller's until :func:`_give_handle`:
+    threads issuing GEMMs at once each hold their own, never waiting on a lock. A handle is bound to one
+    stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
+    executor) keeps a workspace no other stream writes. Past MAX_STREAMS streams, handles are shared per device
+    and their stream and workspace set whenever the stream changes."""
+    bound = (device_id, stream) in _HANDLES or len(_HANDLES) < MAX_STREAMS
+    key = (device_id, stream) if bound else device_id
+    try:
+        h = _HANDLES.setdefault(key, []).pop()
+    except IndexError:
+        h = _new_handle()
+    if h[2] != stream:  # a new handle, or a shared one last used on another stream
+        from ..runtime.devices import cublas_ctypes
+        cublas_ctypes.set_stream(h[0], stream)
+        cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
+        h = (h[0], h[1], stream)
+    return key, h
+
+
+_SPARE: dict = {}  # device id -> handles of Workspaces that were dropped
+
+
+def own_handle(ws, device_id: int, stream: int):
+    """The cuBLAS handle of the Workspace ``ws`` (its owner's one stream): bound to ``stream`` with a workspace
+    of its own, so a GEMM captured into a CUDA graph keeps a workspace no other stream writes while the graph
+    lives; handed on to a later Workspace of the device when ``ws`` is dropped."""
+    h = ws.handle
+    if h is None or h[2] != stream:
+        direct_cache.making("a cuBLAS handle")
+        spare = _SPARE.setdefault(device_id, [])
+        h = spare.pop() if spare else _new_handle()
+        if h[2] != stream:
+            from ..runtime.devices import cublas_ctypes
+            cublas_ctypes.set_stream(h[0], stream)
+            cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
+            h = (h[0], h[1], stream)
+        if ws.handle is None:
+            weakref.finalize(ws, _drop_handle, ws.__dict__, spare)
+        ws.handle = h
+    return direct_cache.kept(h)[0]
+
+
+def _drop_handle(state: dict, spare: list) -> None:
+    if state.get("handle") is not None:
+        spare.append(state["handle"])
+
+
+def _new_handle() -> tuple:
+    """(handle, its workspace, the stream it is bound to: none yet)."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    ws = cupy.empty(workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), dtype=np.uint8)
+    return cublas.create(), ws, None
+
+
+def _give_handle(key, h) -> None:
+    _HANDLES[key].append(h)

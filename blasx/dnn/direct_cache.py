@@ -150,7 +150,7 @@ class Workspace:
     """What one stream's owner keeps between convolution calls (all used on that stream only):
     ``derived(weight, kind, make)``: ``make()`` of a weight array it never changes, kept while the
     weight is (keyed by the memory it views, its owner held); ``scratch(name, size, dtype)``: a reusable buffer;
-    ``vector(key, make)``: a channel vector; ``handle``: its cuBLAS handle (direct_cuda.own_handle)."""
+    ``vector(key, make)``: a channel vector; ``handle``: its cuBLAS handle (cublas_call.own_handle)."""
 
     LIMIT = 4096  # transforms (and vectors) kept at most (then all dropped)
 

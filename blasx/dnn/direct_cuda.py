@@ -7,7 +7,6 @@ per (type, math), the scratch budget per device, the epilogue's vectors per stre
 
 from __future__ import annotations
 
-import weakref
 from math import prod
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ from . import col2im as c2
 from . import conv_direct as cd
 from . import direct_cache, igemm
 from . import weight_forms as wf
-from .cublas_call import check, strided_batched_ex
+from . import cublas_call as cc
 from .geometry import ConvGeometry
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -44,73 +43,6 @@ def _gather_kernel(udt, index: str, nd: int, insert: bool):
         import cupy
         k = _KERNELS[key] = cupy.ElementwiseKernel(*cd.gather_kernel_source(*key))
     return k
-
-
-_HANDLES: dict = {}
-
-MAX_STREAMS = 16  # streams per process whose handles are bound to them; the rest share per-device handles
-
-
-def _take_handle(device_id: int, stream: int):
-    """A cuBLAS handle (host pointer mode) that issues on ``stream``, the caller's until :func:`_give_handle`:
-    threads issuing GEMMs at once each hold their own, never waiting on a lock. A handle is bound to one
-    stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
-    executor) keeps a workspace no other stream writes. Past MAX_STREAMS streams, handles are shared per device
-    and their stream and workspace set whenever the stream changes."""
-    bound = (device_id, stream) in _HANDLES or len(_HANDLES) < MAX_STREAMS
-    key = (device_id, stream) if bound else device_id
-    try:
-        h = _HANDLES.setdefault(key, []).pop()
-    except IndexError:
-        h = _new_handle()
-    if h[2] != stream:  # a new handle, or a shared one last used on another stream
-        from ..runtime.devices import cublas_ctypes as cc
-        cc.set_stream(h[0], stream)
-        cc.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
-        h = (h[0], h[1], stream)
-    return key, h
-
-
-_SPARE: dict = {}  # device id -> handles of Workspaces that were dropped
-
-
-def own_handle(ws, device_id: int, stream: int):
-    """The cuBLAS handle of the Workspace ``ws`` (its owner's one stream): bound to ``stream`` with a workspace
-    of its own, so a GEMM captured into a CUDA graph keeps a workspace no other stream writes while the graph
-    lives; handed on to a later Workspace of the device when ``ws`` is dropped."""
-    h = ws.handle
-    if h is None or h[2] != stream:
-        direct_cache.making("a cuBLAS handle")
-        spare = _SPARE.setdefault(device_id, [])
-        h = spare.pop() if spare else _new_handle()
-        if h[2] != stream:
-            from ..runtime.devices import cublas_ctypes as cc
-            cc.set_stream(h[0], stream)
-            cc.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
-            h = (h[0], h[1], stream)
-        if ws.handle is None:
-            weakref.finalize(ws, _drop_handle, ws.__dict__, spare)
-        ws.handle = h
-    return direct_cache.kept(h)[0]
-
-
-def _drop_handle(state: dict, spare: list) -> None:
-    if state.get("handle") is not None:
-        spare.append(state["handle"])
-
-
-def _new_handle() -> tuple:
-    """(handle, its workspace, the stream it is bound to: none yet)."""
-    import cupy
-    from cupy_backends.cuda.libs import cublas
-
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
-    ws = cupy.empty(workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), dtype=np.uint8)
-    return cublas.create(), ws, None
-
-
-def _give_handle(key, h) -> None:
-    _HANDLES[key].append(h)
 
 
 # ---------------------------------------------------------------- launches, prepared once per plan
@@ -337,28 +269,27 @@ def gemm_consts(dtype, math: str) -> tuple:
     return _CONSTS.get((np.dtype(dtype).str, math), make)
 
 
+def gemm_args(g: GemmLaunch, pa: int, pb: int, pc: int, scalars: dict, compute: int) -> tuple:
+    """cublasGemmStridedBatchedEx's arguments after the handle for ``g`` on buffers at ``pa``, ``pb``, ``pc``
+    (``scalars``, ``compute``: gemm_consts')."""
+    return (*g.dims, scalars[1.0], pa + g.a[1], g.a[2], *g.lda, pb + g.b[1], g.b[2], *g.ldb, scalars[g.beta],
+            pc + g.c[1], g.c[2], *g.ldc, compute, dtypes.CUBLAS_GEMM_DEFAULT)
+
+
 def gemm_issuer(g: GemmLaunch, names: dict, dtype, math: str):
     """``issue(stream, device, *arrays)``: the GEMM ``g`` on the compact CuPy arrays that ``names`` (buffer name
-    -> index into ``arrays``) names, its arguments packed once, issued on a handle bound to ``stream``; None
-    where g reads a buffer not in ``names``. A replayed call's one GEMM takes this instead of :class:`CudaOps`."""
+    -> index into ``arrays``) names, on a handle bound to ``stream``, without a :class:`CudaOps` (a replayed
+    call's one GEMM); None where g reads a buffer not in ``names``."""
     try:
         ia, ib, ic = (names[r[0]] for r in (g.a, g.b, g.c))
     except KeyError:
         return None
     compute, scalars, keep = gemm_consts(dtype, math)
-    head, oa, ob, oc = (*g.dims, scalars[1.0]), g.a[1], g.b[1], g.c[1]
-    mid_a, mid_b, beta = (g.a[2], *g.lda), (g.b[2], *g.ldb), scalars[g.beta]
-    tail = (g.c[2], *g.ldc, compute, dtypes.CUBLAS_GEMM_DEFAULT)
-    fn = strided_batched_ex()
+    fn = cc.strided_batched_ex()
 
     def issue(stream: int, device: int, *arrays) -> None:
-        key, h = _take_handle(device, stream)
-        try:
-            status = fn(h[0], *head, arrays[ia].data.ptr + oa, *mid_a, arrays[ib].data.ptr + ob, *mid_b, beta,
-                        arrays[ic].data.ptr + oc, *tail)
-        finally:
-            _give_handle(key, h)
-        check(status, g)
+        cc.issue(fn, device, stream, gemm_args(g, arrays[ia].data.ptr, arrays[ib].data.ptr, arrays[ic].data.ptr,
+                                               scalars, compute), g)
     issue.keep = keep  # (the host scalars the arguments point to live as long as the issuer)
     return issue
 
@@ -374,7 +305,7 @@ class CudaOps:
         self.compute, self.scalars, self._keep = gemm_consts(dtype, math)
         self.stream = cupy.cuda.get_current_stream()
         self.device = cupy.cuda.Device().id
-        self.gemm_fn = strided_batched_ex()
+        self.gemm_fn = cc.strided_batched_ex()
         self.ptrs: dict = {}
         self.flat: dict = {}
 
@@ -415,20 +346,12 @@ class CudaOps:
         self.launch_gemm(gemm_launch(s, self.dtype))
 
     def launch_gemm(self, g: GemmLaunch) -> None:
-        a, b, c = g.a, g.b, g.c
-        args = (*g.dims, self.scalars[1.0], self._ptr(a[0]) + a[1], a[2], *g.lda,
-                self._ptr(b[0]) + b[1], b[2], *g.ldb, self.scalars[g.beta], self._ptr(c[0]) + c[1], c[2], *g.ldc,
-                self.compute, dtypes.CUBLAS_GEMM_DEFAULT)
+        args = gemm_args(g, self._ptr(g.a[0]), self._ptr(g.b[0]), self._ptr(g.c[0]), self.scalars, self.compute)
         ws = direct_cache.workspace()
         if ws is not None:
-            status = self.gemm_fn(own_handle(ws, self.device, self.stream.ptr), *args)
+            cc.check(self.gemm_fn(cc.own_handle(ws, self.device, self.stream.ptr), *args), g)
         else:
-            key, h = _take_handle(self.device, self.stream.ptr)
-            try:
-                status = self.gemm_fn(h[0], *args)
-            finally:
-                _give_handle(key, h)
-        check(status, g)
+            cc.issue(self.gemm_fn, self.device, self.stream.ptr, args, g)
 
     def implicit(self, s: cd.Implicit) -> None:
         self.launch_implicit(igemm.plan_launch(self.geo, s.type, s.config))
