@@ -1,7 +1,7 @@
 /* blasx._cublas_call: cublasGemmStridedBatchedEx called from Python with one C call.
  *
- * The device routes of blasx.dnn issue one cuBLAS GEMM per small convolution or RNN step, where
- * ctypes' conversion of the 23 arguments costs about half of what cuBLAS itself takes to issue.
+ * The device routes of blasx.dnn issue one cuBLAS GEMM per small convolution or RNN step, whose host
+ * time is the layer's time: converting the 23 arguments through ctypes on every call adds to it.
  * The function is reached through its address (taken from the libcublas CuPy loaded), so this
  * module links against nothing but Python; the GIL is released during the call, as ctypes does.
  */

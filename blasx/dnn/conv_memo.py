@@ -3,8 +3,7 @@ checks and its plan (the operands' shapes, strides, types and device; the geomet
 the current device and stream; the route's switches: a forced form, the scratch budget's fraction, the form
 heuristic's bounds; the perf-db's generation in this process) equals an earlier call's runs that call's launches
 again on the new operands' memory. It skips the checks the earlier call passed and the layout work, weight views
-and planning it did: a 1x1 convolution's GEMM takes 20-50 us on a GPU, and the full front end took longer than
-that to issue it.
+and planning it did: a 1x1 convolution's GEMM is shorter on a GPU than that host work.
 
 Only calls whose whole work is launches that read the operands in place and write fresh memory, then the
 epilogue from the call's own vectors and residual, are kept (``Replay``): no ``out=``; x read where it lies (or
