@@ -459,22 +459,11 @@ def _gemm_stub():
     return gemm if _state["recording"] else fn
 
 
-def _cuda_module():
-    """The module with the route's CUDA side (direct_cuda; conv_direct in earlier versions, so that the
-    bench runs on those too)."""
-    try:
-        from blasx.dnn import direct_cuda
-        return direct_cuda
-    except ImportError:
-        from blasx.dnn import conv_direct
-        return conv_direct
-
-
 def _kernel_tables() -> list:
     """The kernel caches the route fills (the fake's kernels must not outlive it)."""
-    from blasx.dnn import depthwise
+    from blasx.dnn import depthwise, direct_cuda
     from blasx.runtime.devices import cuda_epilogue, cuda_lowp
-    return [_cuda_module()._KERNELS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
+    return [direct_cuda._KERNELS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
 
 
 def _clear_caches() -> None:
@@ -490,7 +479,6 @@ def installed(record_calls: bool = False, copies: bool = False):
     """The fake modules in sys.modules and the route's GEMM entry points stubbed; ``record_calls``:
     every launch recorded in ``LOG`` (cleared on entry); ``copies``: ``runtime.memcpyAsync`` copies the bytes
     (device arrays are host memory: a test's own code may compute on them)."""
-    direct_cuda = _cuda_module()
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
     from blasx.dnn import cublas_call
