@@ -202,7 +202,7 @@ class NumpyOps:
 def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     """conv_direct.forward's steps on numpy buffers (y's memory written in place); ``form`` None:
     conv_direct's choice (``FORM`` included). Returns (image chunks, form)."""
-    form = cd.forward_form(geo, np.float64, cd.FORM, "cl" if cl else "nchw") if form is None else form
+    form = cd.forward_form(geo, np.float64, cd.FORM) if form is None else form
     steps, scratch = cd.forward_plan(geo, cl, np.float64, 0.0 if residual is None else 1.0, budget, form)
     bufs = {"x": xmem, "w": wrows.ravel(), "y": ymem, **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     if form == "shifted":
@@ -325,53 +325,6 @@ def test_transposed_plan_with_residual_vs_torch(nd, cl, stride, pad, dil, groups
     ymem = np.full(ref.size, np.nan)
     emulated_forward(geo, memory(x, cl), cl, _wrows(wf, cl), ymem, memory(res, cl), 1, "im2col")
     assert _rel(from_memory(ymem, ref.shape, cl), ref + res) < 1e-13
-
-
-# ---------------------------------------------------------------- the strided form
-
-STRIDED = st.tuples(st.sampled_from([1, 2]), st.sampled_from([2, 3]), st.integers(1, 3), st.integers(1, 3),
-                    st.sampled_from([1, 2]), st.booleans(), st.integers(0, 1000))
-
-
-@settings(max_examples=60, deadline=None)
-@given(STRIDED)
-def test_strided_plan_vs_torch(case):
-    """A strided 1x1 convolution in channels-last as strided-batched GEMMs on x's memory (no scratch), 1-D and
-    2-D (H = stride x H_out; the last dimension any size), grouped, with and without a residual; every GEMM's
-    extent is checked against x and y."""
-    nd, s0, rows, extra, groups, with_res, seed = case
-    rng = np.random.default_rng(seed)
-    size = (s0 * rows, s0 * 3 + extra)[-nd:]  # 2-D: H = s0 x H_out exactly; W any
-    x = rng.standard_normal((2, 2 * groups, *size))
-    w = rng.standard_normal((3 * groups, 2, *(1,) * nd))
-    stride = (s0, 2)[-nd:] if nd == 2 else s0
-    geo = conv_geometry("conv", nd, x, w, stride, 0, 1, groups)
-    assert cd.strided_applies(geo, True) and not cd.strided_applies(geo, False)
-    assert "strided" in cd.forms(geo, np.float64, "cl", capable=False)
-    ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, 0, 1, groups).numpy()
-    res = rng.standard_normal(ref.shape) if with_res else None
-    ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo, memory(x, True), True, _wrows(w, True), ymem, None if res is None else memory(res, True),
-                     1 << 30, "strided")
-    want = ref if res is None else ref + res
-    assert _rel(from_memory(ymem, ref.shape, True), want) < 1e-13
-
-
-def test_strided_plan_exact_and_where_it_applies():
-    x, w = np.empty((4, 256, 56, 56)), np.empty((512, 256, 1, 1))
-    geo = conv_geometry("conv", 2, x, w, 2, 0, 1, 1)  # ResNet-50's layer2.0.downsample
-    steps, scratch = cd.forward_plan(geo, True, np.float32, 0.0, 1 << 30, "strided")
-    assert scratch == {} and steps == [cd.Gemm(("w", 0), ("x", 0), ("y", 0), cd.OP_T, cd.OP_N, 512, 28, 256, 256,
-                                               512, 512, 0, 2 * 56 * 256, 28 * 512, 4 * 28, 0.0)]
-    assert cd.forward_form(geo, np.float32, layout="cl", capable=False) == "im2col"  # the heuristic never picks it
-    assert cd.forward_form(geo, np.float32, "strided", "cl", capable=False) == "strided"
-    assert cd.forward_form(geo, np.float32, "strided", "nchw", capable=False) == "im2col"  # channels-last only
-    for bad in (conv_geometry("conv", 2, np.empty((1, 4, 7, 8)), np.empty((4, 4, 1, 1)), 2, 0, 1, 1),  # H odd
-                conv_geometry("conv", 2, x, w, 2, 1, 1, 1),  # padded
-                conv_geometry("conv", 2, x, np.empty((512, 256, 3, 3)), 2, 1, 1, 1),  # a window
-                conv_geometry("conv", 2, x, w, 1, 0, 1, 1),  # no stride: pointwise
-                conv_geometry("conv", 3, np.empty((1, 4, 4, 4, 4)), np.empty((4, 4, 1, 1, 1)), 2, 0, 1, 1)):  # 3-D
-        assert not cd.strided_applies(bad, True)
 
 
 # ---------------------------------------------------------------- the shifted form
@@ -605,22 +558,6 @@ def test_front_end_shifted_forward_and_input(emulated_route, monkeypatch, layout
     assert emulated_route == ["forward", "forward"] and emulated_route.forms == ["shifted", "shifted"]
 
 
-def test_front_end_strided_forward(emulated_route, monkeypatch):
-    """With the strided form forced: a stride-2 1x1 channels-last forward with bias, folded scale, shift,
-    residual and activation runs the strided plan; in NCHW the same call takes im2col."""
-    monkeypatch.setattr(cd, "FORM", "strided")
-    rng = np.random.default_rng(9)
-    x, w = rng.standard_normal((2, 5, 8, 7)), rng.standard_normal((6, 5, 1, 1))
-    b, sc, sh = rng.standard_normal(6), rng.uniform(0.5, 2, 6), rng.standard_normal(6)
-    r = rng.standard_normal((2, 6, 4, 4))
-    t = torch.from_numpy
-    ref = F.relu(F.conv2d(t(x), t(w), t(b), 2) * t(sc)[:, None, None] + t(sh)[:, None, None] + t(r)).numpy()
-    for lay in (_cl, lambda a: a):
-        y = dnn.conv2d(lay(x), w, b, stride=2, scale=sc, shift=sh, residual=lay(r), activation="relu")
-        assert _rel(y, ref) < 1e-13
-    assert emulated_route == ["forward", "forward"] and emulated_route.forms == ["strided", "im2col"]
-
-
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from([1, 2, 3]), st.integers(1, 2), st.integers(0, 2), st.integers(1, 2), st.sampled_from([1, 2]),
        st.sampled_from([1, 3]), st.booleans(), st.integers(0, 1000))
@@ -713,8 +650,8 @@ def test_shifted_weight_plan_exact_and_its_choice():
     steps = wf.shifted_steps(geo, [(0, 2)])
     rows = (2 - 1) * 100 + 7 * 10 + 7 + 1  # through the last valid output of the 10 x 10 padded grid
     assert steps[:2] == [cd.Pad(0, 2, True), cd.Crop(0, 2, False, True)]
-    assert steps[2:] == [cd.Gemm(("xp", r * 10 * 64), ("yw", 0), ("dw", r * 3 * 64), cd.OP_N, cd.OP_T, 64, 32, rows,
-                                 64, 32, 9 * 64, 64, 0, 64, 3, 0.0) for r in range(3)]
+    assert steps[2:] == [cd.Gemm(("xp", (r * 10 + s) * 64), ("yw", 0), ("dw", (r * 3 + s) * 64), cd.OP_N, cd.OP_T, 64,
+                                 32, rows, 64, 32, 9 * 64, 0, 0, 0, 1, 0.0) for r in range(3) for s in range(3)]
     assert wf.weight_forms(geo, "cl") == ("im2col", "shifted") and wf.weight_forms(geo, "nchw") == ("im2col",)
     assert wf.weight_form(geo, np.float32, None, "cl") == "im2col"  # never by default
     assert wf.weight_form(geo, np.float32, "shifted", "cl") == "shifted"

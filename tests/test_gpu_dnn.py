@@ -286,37 +286,6 @@ def test_shifted_weight_form_vs_torch(direct_route, monkeypatch, math, dtype, nd
         assert rel(gw, ref) < DIRECT_TOL[(dtype, math)] * 2
 
 
-@pytest.mark.parametrize("math", ["ieee", "tf32"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("nd,size,stride,groups", [(2, (16, 11), 2, 1), (2, (12, 9), (3, 2), 2), (1, (23,), 3, 1)])
-def test_strided_form_vs_torch(direct_route, monkeypatch, math, dtype, nd, size, stride, groups):
-    """The strided form (conv_direct.FORM forced): a strided 1x1 channels-last convolution as one strided-batched
-    GEMM per group on x's memory, with the epilogue and a residual, and its replay, against torch in float64."""
-    from blasx.dnn import conv_direct
-    from blasx.dnn.geometry import conv_geometry
-    if dtype == "float16" and math == "tf32":
-        return
-    monkeypatch.setattr(conv_direct, "FORM", "strided")
-    rng = np.random.default_rng(len(size))
-    dt = np.dtype(dtype)
-    x = rng.standard_normal((3, 32 * groups, *size)).astype(dt)
-    w = (rng.standard_normal((24 * groups, 32, *(1,) * nd)) / 4).astype(dt)
-    assert conv_direct.forward_form(conv_geometry("t", nd, x, w, stride, 0, 1, groups), dt, "strided", "cl",
-                                    math) == "strided"
-    conv = getattr(F, f"conv{nd}d")(wide(x), wide(w), None, stride, 0, 1, groups)
-    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
-    b = rng.standard_normal(24 * groups)
-    t, ch = torch.from_numpy, (slice(None),) + (None,) * nd
-    ref = F.relu(conv + t(b)[ch] + wide(r)).numpy()
-    tol = DIRECT_TOL[(dtype, math)]
-    xd, rd = _device(x, "cl"), _device(r, "cl")
-    for _ in range(2):  # the full path, then its replay
-        y = getattr(dnn, f"conv{nd}d")(xd, cupy.asarray(w), cupy.asarray(b), stride, groups=groups, residual=rd,
-                                       activation="relu", math=math)
-        assert isinstance(y, cupy.ndarray) and y.dtype == dt and not y.flags.c_contiguous
-        assert rel(y, ref) < tol
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])

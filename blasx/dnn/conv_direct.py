@@ -10,11 +10,9 @@ forward pass takes one of two forms (``forward_form``):
   valid part is copied into y; the wide columns past the output are computed and dropped;
 - implicit (igemm.py: Hopper GPUs, channels-last float16, bfloat16 or TF32, groups 1): one kernel
   gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch.
-- strided (channels-last, 1x1 kernel with a stride, unpadded, 1-D or 2-D with H = stride x H_out): x's
-  strided pixels read in place by one strided-batched GEMM per group over rows of output pixels (no gather).
 
 ``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts
-from the environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``), read once
+from the environment variable ``BLASX_CONV_FORM`` (``im2col``, ``shifted`` or ``implicit``), read once
 at import, so a bench can A/B the forms.
 
 Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
@@ -43,7 +41,7 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted", "implicit", "strided")
+FORMS = ("im2col", "shifted", "implicit")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
@@ -151,27 +149,11 @@ def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list
     return steps
 
 
-def strided_applies(geo: ConvGeometry, cl: bool) -> bool:
-    """Whether the strided form can run ``geo``: channels-last, 1x1, unpadded, no zero insertion, a stride, 1-D
-    or 2-D with H = stride x H_out (so that rows of output pixels lie a fixed distance apart in x)."""
-    return cl and geo.nd <= 2 and all(v == 1 for v in (*geo.kernel, *geo.insert)) and not any(geo.pad_lo) and \
-        any(v > 1 for v in geo.stride) and (geo.nd == 1 or geo.in_size[0] == geo.stride[0] * geo.out_size[0])
-
-
-def strided_steps(geo: ConvGeometry, beta: float) -> list:
-    """y = conv(x, w) (+ beta y) in the strided form: per group, Y's rows of output pixels (kg x W_out, ld K)
-    = W_g^T X_g's strided pixels (cg x W_out, ld stride x C), batched over images (and H_out rows)."""
-    C, K, kg, cg, wi, wo = geo.c, geo.k, geo.kg, geo.cg, geo.in_size[-1], geo.out_size[-1]
-    rows, step = (1, 1) if geo.nd == 1 else (geo.out_size[0], geo.stride[0])
-    return [Gemm(("w", g * kg * cg), ("x", g * cg), ("y", g * kg), OP_T, OP_N, kg, wo, cg, cg, geo.stride[-1] * C, K,
-                 0, step * wi * C, wo * K, geo.n * rows, beta) for g in range(geo.groups)]
-
-
 def forward_scratch(geo: ConvGeometry, form: str = "im2col") -> int:
     """Scratch elements per image of the forward plan of ``form`` (0: none)."""
     if form == "shifted":
         return prod(padded_size(geo)) * (geo.c + geo.k)
-    return 0 if pointwise(geo) or form == "strided" else geo.crs * geo.p
+    return 0 if pointwise(geo) else geo.crs * geo.p
 
 
 # ---------------------------------------------------------------- the shifted form
@@ -221,8 +203,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
           capable: bool | None = None) -> tuple[str, ...]:
     """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first."""
-    out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ()) + \
-        (("strided",) if strided_applies(geo, layout == "cl") else ())
+    out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
     if igemm.applies(geo, dtype, layout == "cl", math):
         if capable is None:
             capable = igemm.current_capable()
@@ -323,8 +304,6 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, f
     ``budget`` bytes (one image a chunk at least)."""
     if form == "implicit":
         return implicit_plan(geo, dtype, budget)
-    if form == "strided":
-        return strided_steps(geo, beta), {}
     per = forward_scratch(geo, form)
     parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)
     nb = max(nb for _, nb in parts)

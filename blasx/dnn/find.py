@@ -3,7 +3,7 @@ one convolution problem on a GPU, check each form's result against the first's, 
 in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its heuristic.
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
-"shifted", "implicit" and "strided" where they apply to the gather they run (conv_direct.forms); the weight
+"shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); the weight
 gradient runs "im2col", and "shifted" where it applies (weight_forms.py); depthwise problems run "depthwise"
 alone. A strided backward-data problem runs "col2im"
 alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with

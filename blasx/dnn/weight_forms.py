@@ -3,8 +3,8 @@
 - im2col (``conv_direct.weight_steps``): col(X) gathered per chunk of images, then dW^T += col dY^T;
 - shifted (channels-last, stride 1, no zero insertion, groups 1, a kernel window): X copied into the zero-padded
   grid ``xp`` and dY into ``yw``, the same grid with zeros outside the outputs; then per kernel tap
-  dW_t^T (C x K) += xp shifted by the tap (C x wide rows) . yw^T, the taps of one kernel row (all but the last
-  kernel dimension fixed) in one strided-batched GEMM. No im2col matrix: the scratch is about x and dY once.
+  dW_t^T (C x K) += xp shifted by the tap (C x wide rows) . yw^T, one GEMM a tap (batching a kernel row's taps
+  in one strided-batched GEMM gets far slower cuBLAS kernels). No im2col matrix: the scratch is about x and dY once.
   Its wide rows pair each tap with pixels outside its windows against yw's zeros, so a non-finite value of x
   reaches every tap's gradient as NaN (im2col: only the taps whose windows hold it).
 
@@ -48,17 +48,16 @@ def shifted_scratch(geo: ConvGeometry) -> int:
 
 def shifted_steps(geo: ConvGeometry, parts: list) -> list:
     """dW (``dw``, the ``(K, taps * C)`` channels-last matrix) by chunks ``parts``: Pad x into xp, Crop dY
-    into yw (both cleared before the first chunk), then per kernel row one GEMM batched over the row's taps
-    (beta 1 after the first chunk)."""
+    into yw (both cleared before the first chunk), then one GEMM per kernel tap (beta 1 after the first chunk)."""
     ip, C, K = cd.padded_size(geo), geo.c, geo.k
-    taps, last, dil = prod(geo.kernel), geo.kernel[-1], geo.dilation[-1]
+    taps = prod(geo.kernel)
     steps: list = []
     for i, (n0, nb) in enumerate(parts):
         beta = 0.0 if i == 0 else 1.0
         steps += [cd.Pad(n0, nb, i == 0), cd.Crop(n0, nb, False, i == 0)]
         rows = cd.wide_rows(geo, nb)
-        for r, lead in enumerate(np.ndindex(*geo.kernel[:-1])):  # dW_t^T (C x K, ld taps*C) += xp_t (C x rows) yw^T
-            off = cd._flat([*(t * d for t, d in zip(lead, geo.dilation)), 0], ip)
-            steps.append(cd.Gemm(("xp", off * C), ("yw", 0), ("dw", r * last * C), cd.OP_N, cd.OP_T, C, K, rows, C, K,
-                                 taps * C, dil * C, 0, C, last, beta))
+        for t, tap in enumerate(np.ndindex(*geo.kernel)):  # dW_t^T (C x K, ld taps*C) += xp_t (C x rows) yw^T
+            off = cd._flat([i * d for i, d in zip(tap, geo.dilation)], ip)
+            steps.append(cd.Gemm(("xp", off * C), ("yw", 0), ("dw", t * C), cd.OP_N, cd.OP_T, C, K, rows, C, K,
+                                 taps * C, 0, 0, 0, 1, beta))
     return steps
