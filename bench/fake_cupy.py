@@ -201,6 +201,14 @@ ReductionKernel = ElementwiseKernel
 
 
 _FUNCTIONS: dict = {}  # a RawKernel's function handle -> its name
+_POINTERS: dict = {}  # a RawKernel's function handle -> its leading pointer parameters (3 where its code is not known)
+
+
+def _leading_pointers(code, name) -> int:
+    if not code or f"{name}(" not in code:
+        return 3
+    params = code.split(f"{name}(", 1)[1].split(")", 1)[0].split(",")
+    return next((i for i, p in enumerate(params) if "*" not in p), len(params))
 
 
 class RawKernel:
@@ -213,6 +221,7 @@ class RawKernel:
         self.max_dynamic_shared_size_bytes = 0
         self.kernel = types.SimpleNamespace(ptr=id(self))
         _FUNCTIONS[id(self)] = name
+        _POINTERS[id(self)] = _leading_pointers(self.code, name)
 
     def __call__(self, grid, block, args, shared_mem=0, **kw):
         record("raw_kernel", self.name, tuple(grid), tuple(block), tuple(_describe(a) for a in args), shared_mem)
@@ -379,11 +388,11 @@ class OutOfMemoryError(MemoryError):
 
 
 def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-    """The driver's launch: records as a RawKernel call does, with the first three arguments read as
-    pointers (both kernels blasx launches this way have at least three 8-byte ones)."""
+    """The driver's launch: records as a RawKernel call does, with the leading pointer arguments read (the
+    first three where the kernel's code is not known)."""
     import ctypes
     slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-    args = tuple(("array", ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_uint64))[0]) for i in range(3))
+    args = tuple(("array", ctypes.cast(slots[i], ctypes.POINTER(ctypes.c_uint64))[0]) for i in range(_POINTERS[f]))
     record("raw_kernel", _FUNCTIONS[f], (gx, gy, gz), (bx, by, bz), args, smem)
 
 
@@ -463,7 +472,7 @@ def _kernel_tables() -> list:
     """The kernel caches the route fills (the fake's kernels must not outlive it)."""
     from blasx.dnn import depthwise, direct_cuda
     from blasx.runtime.devices import cuda_epilogue, cuda_lowp
-    return [direct_cuda._KERNELS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
+    return [direct_cuda._KERNELS, direct_cuda._GATHERS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
 
 
 def _clear_caches() -> None:

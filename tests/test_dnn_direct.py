@@ -50,20 +50,20 @@ def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
     return fn
 
 
+# a raw kernel's launch as one thread looping over every i
+_ONE_THREAD = ("#define __global__\nstruct blasx_dim3 { unsigned int x, y, z; };\n"
+               "static const blasx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, "
+               "gridDim = {1, 1, 1};\n")
+
+
 def host_gather(nd: int, insert: bool, udt: str = "uint64"):
-    """The real gather kernel's operation (conv_direct.gather_kernel_source, elements as their bits (``udt``),
-    int64 indices) compiled for the host as a loop over i; None without a C++ compiler."""
+    """The real gather kernel (conv_direct.gather_raw_source: elements as their bits (``udt``), int64 indices)
+    compiled for the host, launched as one thread; None without a C++ compiler."""
     def sources():
-        src, args = [], ", ".join(f"long long {a}" for a in cd.ARG_NAMES)
-        for u, ct in (("uint64", "unsigned long long"), ("uint16", "unsigned short")):
-            for d in (1, 2, 3):
-                for z in (False, True):
-                    _, _, op, name = cd.gather_kernel_source(u, "int64", d, z)
-                    src.append(f'extern "C" void {name}(const {ct}* x, {ct}* col, long long total, {args}) '
-                               f'{{ for (long long i = 0; i < total; ++i) {{ {op} }} }}')
-        return src
-    return _host_fn("gather", sources, cd.gather_kernel_source(udt, "int64", nd, insert)[3], 2,
-                    1 + len(cd.ARG_NAMES))
+        return [_ONE_THREAD] + [cd.gather_raw_source(u, "int64", d, z)[0] for u in ("uint64", "uint16")
+                                for d in (1, 2, 3) for z in (False, True)]
+    return _host_fn("gather", sources, cd.gather_raw_source(udt, "int64", nd, insert)[1], 2,
+                    len(cd.ARG_NAMES) + 1)
 
 
 def host_col2im(nd: int):
@@ -132,7 +132,7 @@ class NumpyOps:
         fn = host_gather(g.nd, any(z != 1 for z in g.insert))
         if fn is not None:
             got = np.full(col.size, np.nan)
-            fn(x.ctypes.data, got.ctypes.data, i.size, *(int(a) for a in cd.gather_args(g, self.cl, s)))
+            fn(x.ctypes.data, got.ctypes.data, *(int(a) for a in cd.gather_args(g, self.cl, s)), i.size)
             assert np.array_equal(got[dst], col[dst]), "the compiled gather differs from its numpy form"
             assert np.isnan(np.delete(got, dst)).all(), "the compiled gather wrote outside its elements"
 
@@ -586,10 +586,10 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
     for s in gathers:
         size = s.nb * geo.crs * geo.p
         want, got = np.zeros(size, np.uint16), np.zeros(size, np.uint16)
-        narrow(xb.ctypes.data, want.ctypes.data, size, *(int(a) for a in cd.gather_args(geo, True, s)))
+        narrow(xb.ctypes.data, want.ctypes.data, *(int(a) for a in cd.gather_args(geo, True, s)), size)
         wgeo, ws = cd.widened(geo, True, s, 4)
         assert wgeo.crs * 4 == geo.crs and wgeo.groups == geo.groups
-        wide(xb.ctypes.data, got.ctypes.data, size // 4, *(int(a) for a in cd.gather_args(wgeo, True, ws)))
+        wide(xb.ctypes.data, got.ctypes.data, *(int(a) for a in cd.gather_args(wgeo, True, ws)), size // 4)
         assert np.array_equal(got, want) and want.any()
         assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 8) is None  # NCHW; 4 % 8
 

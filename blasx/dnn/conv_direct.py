@@ -448,6 +448,21 @@ def gather_kernel_source(udt: str, index: str, nd: int, insert: bool) -> tuple[s
             f"blasx_conv_gather_{udt}_{index}_{nd}d{'_z' if insert else ''}")
 
 
+def gather_raw_source(udt: str, index: str, nd: int, insert: bool) -> tuple[str, str]:
+    """(code, name) of the gather as a raw kernel: ``(x, col, the ARG_NAMES of type index, total)``, the
+    operation of ``gather_kernel_source`` over i < total in a grid-stride loop (launched with its arguments
+    packed once: an element-wise kernel's call converts all 37 of them on every launch)."""
+    _, _, op, name = gather_kernel_source(udt, index, nd, insert)
+    head, body = op.split("\n", 1)
+    ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[udt]
+    it = "int" if index == "int32" else "long long"
+    args = ", ".join(f"{it} {n}" for n in ARG_NAMES)
+    code = (f"extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ col, "
+            f"{args}, long long total) {{\n{head}\nfor (long long i = blockIdx.x * (long long)blockDim.x + "
+            f"threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {{\n{body}}}\n}}\n")
+    return code, name
+
+
 # ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)
 
 def switches() -> tuple:

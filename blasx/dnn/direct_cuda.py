@@ -35,20 +35,39 @@ _KERNELS: dict = {}
 
 
 def _gather_kernel(udt, index: str, nd: int, insert: bool):
-    """The gather (``conv_direct.gather_kernel_source``) for elements of unsigned type ``udt``, indices of
+    """The gather (``conv_direct.gather_raw_source``) for elements of unsigned type ``udt``, indices of
     ``index`` ("int32" where every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
     key = (np.dtype(udt).name, index, nd, insert)
     k = _KERNELS.get(key)
     if k is None:
         import cupy
-        k = _KERNELS[key] = cupy.ElementwiseKernel(*cd.gather_kernel_source(*key))
+        k = _KERNELS[key] = cupy.RawKernel(*cd.gather_raw_source(*key))
     return k
+
+
+GATHER_THREADS = 256
+GATHER_MAX_BLOCKS = 1 << 20  # past this the grid-stride loop takes the rest
+_GATHERS: dict = {}
+
+
+def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
+    """Gather ``g``'s kernel on ``device`` with its arguments packed once: ``(stream, x, col)`` launches it."""
+    key = (g, device)
+    got = _GATHERS.get(key)
+    if got is None:
+        import ctypes
+        ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
+        blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
+        got = _GATHERS[key] = igemm.DriverLaunch(
+            _gather_kernel(_UINT[g.unit], g.index, g.nd, g.insert), (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 2,
+            (*(ct(a) for a in g.args), ctypes.c_int64(g.total)))
+    return got
 
 
 # ---------------------------------------------------------------- launches, prepared once per plan
 
 class GatherLaunch(NamedTuple):
-    """The gather kernel's integer arguments (numpy scalars of the index type), index type, threads, spatial
+    """The gather kernel's integer arguments (conv_direct.ARG_NAMES), index type, threads, spatial
     dimensions, whether it inserts zeros, the bytes a thread moves, and where that is more than an element,
     the element-wise launch (for x or col not aligned to it)."""
 
@@ -90,8 +109,7 @@ def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsi
 def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit: int) -> GatherLaunch:
     total = s.nb * geo.crs * geo.p
     index = "int32" if max(total, x_size) < 2**31 else "int64"
-    it = np.int32 if index == "int32" else np.int64
-    return GatherLaunch(tuple(it(a) for a in cd.gather_args(geo, cl, s)), index, total, geo.nd,
+    return GatherLaunch(tuple(int(a) for a in cd.gather_args(geo, cl, s)), index, total, geo.nd,
                         any(z != 1 for z in geo.insert), unit)
 
 
@@ -337,10 +355,10 @@ class CudaOps:
         self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size, self.bufs["x"].dtype.itemsize))
 
     def launch_gather(self, g: GatherLaunch) -> None:
-        if g.narrow is not None and (self._ptr("x") | self._ptr("col")) % g.unit:
+        x, col = self._ptr("x"), self._ptr("col")
+        if g.narrow is not None and (x | col) % g.unit:
             g = g.narrow
-        x = self._bits("x", g.unit)
-        _gather_kernel(x.dtype, g.index, g.nd, g.insert)(x, *g.args, self._bits("col", g.unit), size=g.total)
+        gather_launcher(g, self.device)(self.stream.ptr, x, col)
 
     def gemm(self, s: cd.Gemm) -> None:
         self.launch_gemm(gemm_launch(s, self.dtype))
