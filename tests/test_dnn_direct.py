@@ -18,6 +18,7 @@ from blasx.dnn import conv as conv_mod
 from blasx.dnn import col2im as c2
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn import gather_kernel as gk
 from blasx.dnn import weight_forms as wf
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
@@ -50,20 +51,35 @@ def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
     return fn
 
 
-# a raw kernel's launch as one thread looping over every i
-_ONE_THREAD = ("#define __global__\nstruct blasx_dim3 { unsigned int x, y, z; };\n"
+# a raw kernel's launch as one thread looping over every i, and the CUDA intrinsics it uses
+_ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n"
+               "struct blasx_dim3 { unsigned int x, y, z; };\n"
                "static const blasx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, "
-               "gridDim = {1, 1, 1};\n")
+               "gridDim = {1, 1, 1};\nstatic inline unsigned int __umulhi(unsigned int a, unsigned int b) "
+               "{ return (unsigned int)(((unsigned long long)a * b) >> 32); }\n")
 
 
-def host_gather(nd: int, insert: bool, udt: str = "uint64"):
-    """The real gather kernel (conv_direct.gather_raw_source: elements as their bits (``udt``), int64 indices)
-    compiled for the host, launched as one thread; None without a C++ compiler."""
-    def sources():
-        return [_ONE_THREAD] + [cd.gather_raw_source(u, "int64", d, z)[0] for u in ("uint64", "uint16")
-                                for d in (1, 2, 3) for z in (False, True)]
-    return _host_fn("gather", sources, cd.gather_raw_source(udt, "int64", nd, insert)[1], 2,
-                    len(cd.ARG_NAMES) + 1)
+def host_gather(nd: int, insert: bool, udt: str = "uint64", index: str = "int32"):
+    """The real gather kernel (gather_kernel.source: elements as their bits (``udt``), ``index`` indices)
+    compiled for the host and launched as one thread, as ``fn(x, col, args, total)`` (the divisors'
+    multipliers added); None without a C++ compiler."""
+    import ctypes
+    if "gather" not in _HOST:
+        _HOST["gather"] = compile_host([_ONE_THREAD] + [
+            gk.source(u, ix, d, z)[0] for u in ("uint64", "uint16") for ix in ("int32", "int64") for d in (1, 2, 3)
+            for z in (False, True)])
+    lib = _HOST["gather"]
+    if lib is None:
+        return None
+    fn = getattr(lib, gk.source(udt, index, nd, insert)[1])
+    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
+    fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(gk.ARG_NAMES) + [ctypes.c_uint] * len(gk.MAGIC_NAMES)
+                   + [ctypes.c_longlong])
+
+    def call(x, col, args, total):
+        args = tuple(int(a) for a in args)
+        fn(x, col, *args, *gk.magic_args(args), total)
+    return call
 
 
 def host_col2im(nd: int):
@@ -101,7 +117,7 @@ class NumpyOps:
             c[...] = prod + (s.beta * c if s.beta else 0.0)
 
     def gather(self, s):
-        """The kernel's body (conv_direct._KERNEL_BODY) on every i < nb * CRS * P."""
+        """The kernel's operation (gather_kernel.py) on every i < nb * CRS * P."""
         g = self.geo
         (P, CRS, KS, Cg, cl, pf, goff, K1, K2, O1, O2, st0, st1, st2, dl0, dl1, dl2, pl0, pl1, pl2, z0, z1, z2,
          I0, I1, I2, sn, sc, s0, s1, s2, n0, on, orr, op) = cd.gather_args(g, self.cl, s)
@@ -129,11 +145,13 @@ class NumpyOps:
         assert dst.max() < col.size and len(np.unique(dst)) == dst.size, "the gather's writes collide or overflow"
         assert src[ok].min(initial=0) >= 0 and src[ok].max(initial=0) < x.size
         col[dst] = np.where(ok, x[np.where(ok, src, 0)], 0.0)
-        fn = host_gather(g.nd, any(z != 1 for z in g.insert))
-        if fn is not None:
+        for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
+            fn = host_gather(g.nd, any(z != 1 for z in g.insert), "uint64", index)
+            if fn is None:
+                break
             got = np.full(col.size, np.nan)
-            fn(x.ctypes.data, got.ctypes.data, *(int(a) for a in cd.gather_args(g, self.cl, s)), i.size)
-            assert np.array_equal(got[dst], col[dst]), "the compiled gather differs from its numpy form"
+            fn(x.ctypes.data, got.ctypes.data, cd.gather_args(g, self.cl, s), i.size)
+            assert np.array_equal(got[dst], col[dst]), f"the compiled gather ({index}) differs from its numpy form"
             assert np.isnan(np.delete(got, dst)).all(), "the compiled gather wrote outside its elements"
 
     def col2im(self, s):
@@ -586,10 +604,10 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
     for s in gathers:
         size = s.nb * geo.crs * geo.p
         want, got = np.zeros(size, np.uint16), np.zeros(size, np.uint16)
-        narrow(xb.ctypes.data, want.ctypes.data, *(int(a) for a in cd.gather_args(geo, True, s)), size)
+        narrow(xb.ctypes.data, want.ctypes.data, cd.gather_args(geo, True, s), size)
         wgeo, ws = cd.widened(geo, True, s, 4)
         assert wgeo.crs * 4 == geo.crs and wgeo.groups == geo.groups
-        wide(xb.ctypes.data, got.ctypes.data, *(int(a) for a in cd.gather_args(wgeo, True, ws)), size // 4)
+        wide(xb.ctypes.data, got.ctypes.data, cd.gather_args(wgeo, True, ws), size // 4)
         assert np.array_equal(got, want) and want.any()
         assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 8) is None  # NCHW; 4 % 8
 
@@ -659,3 +677,23 @@ def test_shifted_weight_plan_exact_and_its_choice():
     for bad in (conv_geometry("conv", 2, x, w, 2, 1, 1, 1), conv_geometry("conv", 2, x, w[:, :32], 1, 1, 1, 2),
                 conv_geometry("conv", 2, x, w[:, :, :1, :1], 1, 0, 1, 1)):  # strided, grouped, 1x1
         assert wf.weight_forms(bad, "cl") == ("im2col",)
+
+
+def test_fast_divisor_quotients():
+    """a // d == (a * m >> 32) >> s for every a < 2**31: each d up to 4096, powers of two and their
+    neighbours, large d, against a spread of dividends with the edges of each quotient step."""
+    rng = np.random.default_rng(0)
+    ds = list(range(1, 4097)) + [v + e for b in range(12, 31) for v in (1 << b,) for e in (-1, 0, 1)] + \
+        [int(v) for v in rng.integers(4097, 2**31, 500)] + [2**31 - 1]
+    top = 2**31 - 1
+    for d in ds:
+        m, s = gk.fast_divisor(d)
+        assert 0 <= m < 2**32 and 0 <= s < 32
+        a = np.concatenate([rng.integers(0, 2**31, 200), [0, 1, d - 1, d, d + 1, top, top - 1],
+                            [q * d + e for q in (1, 2, 3, top // d) for e in (-1, 0, 1) if 0 <= q * d + e <= top]])
+        a = a.astype(object)
+        got = a if m == 0 else [((int(v) * m) >> 32) >> s for v in a]
+        assert list(got) == [int(v) // d for v in a], d
+    for bad in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="d: got"):
+            gk.fast_divisor(bad)

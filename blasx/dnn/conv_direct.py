@@ -383,7 +383,7 @@ def run(steps: list, ops) -> None:
 
 
 def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
-    """The gather kernel's integer arguments for step ``s`` (see ``_KERNEL_BODY``)."""
+    """The gather kernel's integer arguments (gather_kernel.ARG_NAMES) for step ``s``."""
     from .im2col import x_strides
     sn, sc, ssp = x_strides(geo, cl)
     pad = 3 - geo.nd
@@ -404,63 +404,6 @@ def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
         return None
     import dataclasses
     return dataclasses.replace(geo, c=geo.c // v), s._replace(on=s.on // v, op=s.op // v)
-
-
-ARG_NAMES = ("P CRS KS Cg cl pf goff K1 K2 O1 O2 st0 st1 st2 dl0 dl1 dl2 pl0 pl1 pl2 z0 z1 z2 I0 I1 I2 "
-             "sn sc s0 s1 s2 n0 on orr op").split()
-
-# One col element per thread (i < nb * CRS * P); x and col as element bits (type U), signed indices of type I
-# and the index arithmetic unsigned (UI: cheaper division). ND (1-3) and INSERT (a transposed convolution's
-# zero insertion) are constants of each compiled kernel (gather_kernel_source), so a 2-D forward convolution
-# does 10 divisions an element, not 20; the dimensions past ND are trivial (their arguments 1 or 0).
-_KERNEL_BODY = """
-UI ii = (UI)i, p, r, j, t;
-if (pf) { p = ii % (UI)P; t = ii / (UI)P; r = t % (UI)CRS; j = t / (UI)CRS; }
-else { r = ii % (UI)CRS; t = ii / (UI)CRS; p = t % (UI)P; j = t / (UI)P; }
-UI c, k;
-if (cl) { k = r / (UI)Cg; c = r % (UI)Cg; } else { c = r / (UI)KS; k = r % (UI)KS; }
-UI k0 = k, k1 = 0, k2 = 0, o0 = p, o1 = 0, o2 = 0;
-if (ND == 2) { k1 = k % (UI)K1; k0 = k / (UI)K1; o1 = p % (UI)O1; o0 = p / (UI)O1; }
-if (ND == 3) { k2 = k % (UI)K2; t = k / (UI)K2; k1 = t % (UI)K1; k0 = t / (UI)K1;
-               o2 = p % (UI)O2; t = p / (UI)O2; o1 = t % (UI)O1; o0 = t / (UI)O1; }
-I u0 = (I)(o0 * (UI)st0 + k0 * (UI)dl0) - pl0;
-I u1 = ND >= 2 ? (I)(o1 * (UI)st1 + k1 * (UI)dl1) - pl1 : 0;
-I u2 = ND == 3 ? (I)(o2 * (UI)st2 + k2 * (UI)dl2) - pl2 : 0;
-bool ok = u0 >= 0 && u1 >= 0 && u2 >= 0;
-if (INSERT) {
-  ok = ok && u0 % z0 == 0 && u1 % z1 == 0 && u2 % z2 == 0;
-  u0 /= z0; u1 /= z1; u2 /= z2;
-}
-ok = ok && u0 < I0 && u1 < I1 && u2 < I2;
-col[(I)(j * (UI)on + r * (UI)orr + p * (UI)op)] =
-    ok ? x[(I)((n0 + (I)j) * sn + (goff + (I)c) * sc) + u0 * s0 + u1 * s1 + u2 * s2] : (U)0;
-"""
-
-
-def gather_kernel_source(udt: str, index: str, nd: int, insert: bool) -> tuple[str, str, str, str]:
-    """(in_params, out_params, operation, name) of the gather ElementwiseKernel: elements as unsigned
-    ``udt`` ("uint16", "uint32", "uint64"), indices ``index`` ("int32" where every index fits, else "int64")."""
-    ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[udt]
-    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
-    head = (f"typedef {i} I; typedef {ui} UI; typedef {ctype} U; const int ND = {nd}; "
-            f"const bool INSERT = {str(insert).lower()};")
-    return (f"raw {udt} x, " + ", ".join(f"{index} {n}" for n in ARG_NAMES), f"raw {udt} col", head + _KERNEL_BODY,
-            f"blasx_conv_gather_{udt}_{index}_{nd}d{'_z' if insert else ''}")
-
-
-def gather_raw_source(udt: str, index: str, nd: int, insert: bool) -> tuple[str, str]:
-    """(code, name) of the gather as a raw kernel: ``(x, col, the ARG_NAMES of type index, total)``, the
-    operation of ``gather_kernel_source`` over i < total in a grid-stride loop (launched with its arguments
-    packed once: an element-wise kernel's call converts all 37 of them on every launch)."""
-    _, _, op, name = gather_kernel_source(udt, index, nd, insert)
-    head, body = op.split("\n", 1)
-    ctype = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}[udt]
-    it = "int" if index == "int32" else "long long"
-    args = ", ".join(f"{it} {n}" for n in ARG_NAMES)
-    code = (f"extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ col, "
-            f"{args}, long long total) {{\n{head}\nfor (long long i = blockIdx.x * (long long)blockDim.x + "
-            f"threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {{\n{body}}}\n}}\n")
-    return code, name
 
 
 # ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)

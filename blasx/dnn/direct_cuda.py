@@ -15,7 +15,7 @@ import numpy as np
 from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
-from . import direct_cache, igemm
+from . import direct_cache, gather_kernel, igemm
 from . import weight_forms as wf
 from . import cublas_call as cc
 from .geometry import ConvGeometry
@@ -35,13 +35,13 @@ _KERNELS: dict = {}
 
 
 def _gather_kernel(udt, index: str, nd: int, insert: bool):
-    """The gather (``conv_direct.gather_raw_source``) for elements of unsigned type ``udt``, indices of
+    """The gather (``gather_kernel.source``) for elements of unsigned type ``udt``, indices of
     ``index`` ("int32" where every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
     key = (np.dtype(udt).name, index, nd, insert)
     k = _KERNELS.get(key)
     if k is None:
         import cupy
-        k = _KERNELS[key] = cupy.RawKernel(*cd.gather_raw_source(*key))
+        k = _KERNELS[key] = cupy.RawKernel(*gather_kernel.source(*key))
     return k
 
 
@@ -60,16 +60,16 @@ def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
         blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
         got = _GATHERS[key] = igemm.DriverLaunch(
             _gather_kernel(_UINT[g.unit], g.index, g.nd, g.insert), (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 2,
-            (*(ct(a) for a in g.args), ctypes.c_int64(g.total)))
+            (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic), ctypes.c_int64(g.total)))
     return got
 
 
 # ---------------------------------------------------------------- launches, prepared once per plan
 
 class GatherLaunch(NamedTuple):
-    """The gather kernel's integer arguments (conv_direct.ARG_NAMES), index type, threads, spatial
-    dimensions, whether it inserts zeros, the bytes a thread moves, and where that is more than an element,
-    the element-wise launch (for x or col not aligned to it)."""
+    """The gather kernel's integer arguments (gather_kernel.ARG_NAMES), index type, threads, spatial
+    dimensions, whether it inserts zeros, the bytes a thread moves, where that is more than an element the
+    element-wise launch (for x or col not aligned to it), and the divisors' multipliers."""
 
     args: tuple
     index: str
@@ -78,6 +78,7 @@ class GatherLaunch(NamedTuple):
     insert: bool
     unit: int
     narrow: "GatherLaunch | None" = None
+    magic: tuple = ()
 
 
 GATHER_UNIT = 8  # bytes of consecutive channels a gather thread moves where it can (conv_direct.widened)
@@ -109,8 +110,9 @@ def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsi
 def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit: int) -> GatherLaunch:
     total = s.nb * geo.crs * geo.p
     index = "int32" if max(total, x_size) < 2**31 else "int64"
-    return GatherLaunch(tuple(int(a) for a in cd.gather_args(geo, cl, s)), index, total, geo.nd,
-                        any(z != 1 for z in geo.insert), unit)
+    args = tuple(int(a) for a in cd.gather_args(geo, cl, s))
+    return GatherLaunch(args, index, total, geo.nd, any(z != 1 for z in geo.insert), unit,
+                        magic=gather_kernel.magic_args(args))
 
 
 def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:

@@ -1,0 +1,88 @@
+"""The device route's im2col gather kernel (conv_direct.Gather steps): its CUDA source and the divisors'
+multipliers. A thread writes one col element (i < nb * CRS * P); x and col are element bits (type U),
+indices signed of type I, the index arithmetic unsigned (UI). ND (1-3) and INSERT (a transposed convolution's
+zero insertion) are constants of each compiled kernel; the dimensions past ND are trivial (arguments 1 or 0).
+
+With 32-bit indices every quotient is a multiply-high and a shift by the divisor's multiplier
+(``fast_divisor``, passed with the arguments): a hardware-less integer division costs some twenty
+instructions, and a 2-D gather does five of them an element, which made the kernel compute-bound.
+"""
+
+from __future__ import annotations
+
+ARG_NAMES = ("P CRS KS Cg cl pf goff K1 K2 O1 O2 st0 st1 st2 dl0 dl1 dl2 pl0 pl1 pl2 z0 z1 z2 I0 I1 I2 "
+             "sn sc s0 s1 s2 n0 on orr op").split()
+DIVISORS = ("P", "CRS", "KS", "Cg", "K1", "K2", "O1", "O2")  # the ARG_NAMES the index arithmetic divides by
+MAGIC_NAMES = [f"{d}_{v}" for d in DIVISORS for v in ("m", "s")]
+
+_HELPERS = """#ifndef BLASX_GATHER_QUO
+#define BLASX_GATHER_QUO
+__device__ __forceinline__ unsigned int blasx_quo(unsigned int a, unsigned int d, unsigned int m, unsigned int s)
+{ return m ? __umulhi(a, m) >> s : a; }
+__device__ __forceinline__ unsigned long long blasx_quo(unsigned long long a, unsigned long long d, unsigned int,
+                                                        unsigned int)
+{ return a / d; }
+#endif
+"""
+
+# Q(a, D): a / D (32-bit: by D's multiplier; 64-bit: a division)
+_BODY = """
+#define Q(a, D) blasx_quo((UI)(a), (UI)D, D##_m, D##_s)
+UI ii = (UI)i, p, r, j, t;
+if (pf) { t = Q(ii, P); p = ii - t * (UI)P; j = Q(t, CRS); r = t - j * (UI)CRS; }
+else { t = Q(ii, CRS); r = ii - t * (UI)CRS; j = Q(t, P); p = t - j * (UI)P; }
+UI c, k;
+if (cl) { k = Q(r, Cg); c = r - k * (UI)Cg; } else { c = Q(r, KS); k = r - c * (UI)KS; }
+UI k0 = k, k1 = 0, k2 = 0, o0 = p, o1 = 0, o2 = 0;
+if (ND == 2) { k0 = Q(k, K1); k1 = k - k0 * (UI)K1; o0 = Q(p, O1); o1 = p - o0 * (UI)O1; }
+if (ND == 3) { t = Q(k, K2); k2 = k - t * (UI)K2; k0 = Q(t, K1); k1 = t - k0 * (UI)K1;
+               t = Q(p, O2); o2 = p - t * (UI)O2; o0 = Q(t, O1); o1 = t - o0 * (UI)O1; }
+#undef Q
+I u0 = (I)(o0 * (UI)st0 + k0 * (UI)dl0) - pl0;
+I u1 = ND >= 2 ? (I)(o1 * (UI)st1 + k1 * (UI)dl1) - pl1 : 0;
+I u2 = ND == 3 ? (I)(o2 * (UI)st2 + k2 * (UI)dl2) - pl2 : 0;
+bool ok = u0 >= 0 && u1 >= 0 && u2 >= 0;
+if (INSERT) {
+  ok = ok && u0 % z0 == 0 && u1 % z1 == 0 && u2 % z2 == 0;
+  u0 /= z0; u1 /= z1; u2 /= z2;
+}
+ok = ok && u0 < I0 && u1 < I1 && u2 < I2;
+col[(I)(j * (UI)on + r * (UI)orr + p * (UI)op)] =
+    ok ? x[(I)((n0 + (I)j) * sn + (goff + (I)c) * sc) + u0 * s0 + u1 * s1 + u2 * s2] : (U)0;
+"""
+
+_CTYPES = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
+
+
+def source(udt: str, index: str, nd: int, insert: bool) -> tuple[str, str]:
+    """(code, name) of the gather for elements of unsigned type ``udt`` ("uint16", "uint32", "uint64") and
+    indices ``index`` ("int32" where every index fits, else "int64"): ``(x, col, ARG_NAMES of the index type,
+    MAGIC_NAMES (unsigned int), total)``, a grid-stride loop over i < total."""
+    ctype = _CTYPES[udt]
+    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
+    name = f"blasx_conv_gather_{udt}_{index}_{nd}d{'_z' if insert else ''}"
+    params = ", ".join([*(f"{i} {n}" for n in ARG_NAMES), *(f"unsigned int {n}" for n in MAGIC_NAMES)])
+    code = (f"{_HELPERS}extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ "
+            f"col, {params}, long long total) {{\ntypedef {i} I; typedef {ui} UI; typedef {ctype} U; "
+            f"const int ND = {nd}; const bool INSERT = {str(insert).lower()};\n"
+            f"for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; "
+            f"i += (long long)gridDim.x * blockDim.x) {{{_BODY}}}\n}}\n")
+    return code, name
+
+
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(multiplier, shift) with ``a // d == (a * multiplier >> 32) >> shift`` for every 0 <= a < 2**31
+    (multiplier 0: d is 1, the quotient is a)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"d: got {d}, need 1 <= d < 2**31")
+    if d == 1:
+        return 0, 0
+    log = (d - 1).bit_length()  # ceil(log2 d)
+    p = 31 + log
+    return ((1 << p) + d - 1) // d, p - 32
+
+
+def magic_args(args: tuple) -> tuple:
+    """The MAGIC_NAMES values for the ARG_NAMES values ``args``."""
+    named = dict(zip(ARG_NAMES, args))
+    return tuple(v for d in DIVISORS for v in fast_divisor(max(1, int(named[d]))))
