@@ -55,23 +55,24 @@ def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
 _ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n"
                "struct blasx_dim3 { unsigned int x, y, z; };\n"
                "static const blasx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, "
-               "gridDim = {1, 1, 1};\nstatic inline unsigned int __umulhi(unsigned int a, unsigned int b) "
+               "gridDim = {1, 1, 1};\nstruct ulonglong2 { unsigned long long x, y; };\n"
+               "static inline unsigned int __umulhi(unsigned int a, unsigned int b) "
                "{ return (unsigned int)(((unsigned long long)a * b) >> 32); }\n")
 
 
-def host_gather(nd: int, insert: bool, udt: str = "uint64", index: str = "int32"):
-    """The real gather kernel (gather_kernel.source: elements as their bits (``udt``), ``index`` indices)
+def host_gather(nd: int, insert: bool, unit: int = 8, index: str = "int32"):
+    """The real gather kernel (gather_kernel.source: ``unit``-byte elements, ``index`` indices)
     compiled for the host and launched as one thread, as ``fn(x, col, args, total)`` (the divisors'
     multipliers added); None without a C++ compiler."""
     import ctypes
     if "gather" not in _HOST:
         _HOST["gather"] = compile_host([_ONE_THREAD] + [
-            gk.source(u, ix, d, z)[0] for u in ("uint64", "uint16") for ix in ("int32", "int64") for d in (1, 2, 3)
+            gk.source(u, ix, d, z)[0] for u in (2, 8, 16) for ix in ("int32", "int64") for d in (1, 2, 3)
             for z in (False, True)])
     lib = _HOST["gather"]
     if lib is None:
         return None
-    fn = getattr(lib, gk.source(udt, index, nd, insert)[1])
+    fn = getattr(lib, gk.source(unit, index, nd, insert)[1])
     it = ctypes.c_int if index == "int32" else ctypes.c_longlong
     fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(gk.ARG_NAMES) + [ctypes.c_uint] * len(gk.MAGIC_NAMES)
                    + [ctypes.c_longlong])
@@ -146,7 +147,7 @@ class NumpyOps:
         assert src[ok].min(initial=0) >= 0 and src[ok].max(initial=0) < x.size
         col[dst] = np.where(ok, x[np.where(ok, src, 0)], 0.0)
         for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
-            fn = host_gather(g.nd, any(z != 1 for z in g.insert), "uint64", index)
+            fn = host_gather(g.nd, any(z != 1 for z in g.insert), 8, index)
             if fn is None:
                 break
             got = np.full(col.size, np.nan)
@@ -580,21 +581,21 @@ def test_front_end_shifted_forward_and_input(emulated_route, monkeypatch, layout
 @given(st.sampled_from([1, 2, 3]), st.integers(1, 2), st.integers(0, 2), st.integers(1, 2), st.sampled_from([1, 2]),
        st.sampled_from([1, 3]), st.booleans(), st.integers(0, 1000))
 def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks, transposed, seed):
-    """Channels-last gathers of 2-byte elements run over 8-byte units of four channels (conv_direct.widened):
-    the real kernel on the widened arguments writes the bytes the element-wise kernel writes, for forward,
+    """Channels-last gathers of 2-byte elements run over 8- and 16-byte units of four and eight channels
+    (conv_direct.widened): the real kernel on the widened arguments writes the bytes the element-wise kernel writes, for forward,
     transposed (zero-inserting) and backward-weight gathers. Where a group's channels do not come in whole
     units, there is no widened form."""
     rng = np.random.default_rng(seed)
-    x = np.zeros((2, 4 * groups, *(3,) * nd))
+    x = np.zeros((2, 8 * groups, *(3,) * nd))
     if transposed:
-        geo = transpose_geometry("t", nd, x, np.zeros((4 * groups, 2, *(ks,) * nd)), stride, min(pad, ks - 1),
+        geo = transpose_geometry("t", nd, x, np.zeros((8 * groups, 2, *(ks,) * nd)), stride, min(pad, ks - 1),
                                  stride - 1, groups, dil)
     else:
         try:
-            geo = conv_geometry("conv", nd, x, np.zeros((2 * groups, 4, *(ks,) * nd)), stride, pad, dil, groups)
+            geo = conv_geometry("conv", nd, x, np.zeros((2 * groups, 8, *(ks,) * nd)), stride, pad, dil, groups)
         except ValueError:
             return
-    narrow, wide = host_gather(nd, transposed, "uint16"), host_gather(nd, transposed, "uint64")
+    narrow, wide, wider = (host_gather(nd, transposed, u) for u in (2, 8, 16))
     if narrow is None:
         pytest.skip("no C++ compiler")
     xb = rng.integers(1, 1 << 16, geo.n * geo.c * int(np.prod(geo.in_size)), dtype=np.uint16)
@@ -605,11 +606,13 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
         size = s.nb * geo.crs * geo.p
         want, got = np.zeros(size, np.uint16), np.zeros(size, np.uint16)
         narrow(xb.ctypes.data, want.ctypes.data, cd.gather_args(geo, True, s), size)
-        wgeo, ws = cd.widened(geo, True, s, 4)
-        assert wgeo.crs * 4 == geo.crs and wgeo.groups == geo.groups
-        wide(xb.ctypes.data, got.ctypes.data, cd.gather_args(wgeo, True, ws), size // 4)
-        assert np.array_equal(got, want) and want.any()
-        assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 8) is None  # NCHW; 4 % 8
+        for fn, v in ((wide, 4), (wider, 8)):  # 8- and 16-byte units
+            wgeo, ws = cd.widened(geo, True, s, v)
+            assert wgeo.crs * v == geo.crs and wgeo.groups == geo.groups
+            got[:] = 0
+            fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(wgeo, True, ws), size // v)
+            assert np.array_equal(got, want) and want.any()
+        assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 16) is None  # NCHW; 8 % 16
 
 
 @pytest.mark.parametrize("c", [1, 2, 3, 5])

@@ -10,6 +10,7 @@ import pytest
 
 from bench import fake_cupy
 from blasx import dnn
+from blasx.dnn import gather_kernel as gk
 from blasx.dnn import conv as conv_mod
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import cublas_call, direct_cache, direct_cuda
@@ -48,19 +49,20 @@ def test_cached_plan_is_the_uncached_plan(dtype, cl, beta, budget):
         x_size = geo.n * geo.c * int(np.prod(geo.in_size))
         for s, launch in zip(steps, got.launches):
             if isinstance(s, cd.Gather):
-                wide = cd.widened(geo, cl, s, direct_cuda.GATHER_UNIT // dt.itemsize)
-                assert (launch.unit, launch.narrow is not None) == ((8, True) if wide else (dt.itemsize, False))
-                if wide:  # in units of GATHER_UNIT bytes; the element-wise launch kept for unaligned buffers
-                    narrow = launch.narrow
-                    assert (narrow.unit, narrow.total, narrow.narrow) == (dt.itemsize, s.nb * geo.crs * geo.p, None)
-                    assert [int(a) for a in narrow.args] == [int(a) for a in cd.gather_args(geo, cl, s)]
-                    assert [int(a) for a in launch.args] == [int(a) for a in cd.gather_args(wide[0], cl, wide[1])]
-                    assert launch.total * (8 // dt.itemsize) == s.nb * geo.crs * geo.p
-                    continue
-                want = [int(a) for a in cd.gather_args(geo, cl, s)]
-                assert [int(a) for a in launch.args] == want and launch.total == s.nb * geo.crs * geo.p
-                assert launch.index == ("int32" if max(launch.total, x_size) < 2**31 else "int64")
-                assert all(type(a) is int for a in launch.args)  # packed into ctypes of the index type once
+                # the widest unit that divides the group's channels, then each narrower one, then elements
+                units = [u for u in direct_cuda.GATHER_UNITS if u > dt.itemsize and cd.widened(geo, cl, s, u // dt.itemsize)]
+                chain = []
+                while launch is not None:
+                    chain.append(launch)
+                    launch = launch.narrow
+                assert [g.unit for g in chain] == units + [dt.itemsize]
+                for g in chain:
+                    v = g.unit // dt.itemsize
+                    wgeo, ws = cd.widened(geo, cl, s, v) if v > 1 else (geo, s)
+                    assert list(g.args) == [int(a) for a in cd.gather_args(wgeo, cl, ws)]
+                    assert g.total * v == s.nb * geo.crs * geo.p and g.magic == gk.magic_args(g.args)
+                    assert g.index == ("int32" if max(g.total, x_size // v) < 2**31 else "int64")
+                    assert all(type(a) is int for a in g.args)  # packed into ctypes of the index type once
             elif isinstance(s, cd.Gemm):
                 t = dtypes.CUDA_TYPE[dt]
                 assert launch.a == (s.a[0], s.a[1] * dt.itemsize, t) and launch.c == (s.c[0], s.c[1] * dt.itemsize, t)

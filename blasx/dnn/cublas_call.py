@@ -3,7 +3,8 @@
 strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo)`` returning the cublasStatus_t.
 
 It is the C extension ``blasx._cublas_call`` where the package build made it (the arguments cross in one
-C call), else ctypes (the same function, its 23 arguments converted by ctypes on every call). Either way the function is the libcublas CuPy loaded, and the GIL is released during the call.
+C call), else ctypes (the same function, its 23 arguments converted by ctypes on every call). Either way the
+function is the libcublas CuPy loaded, and the GIL is released during the call.
 
 ``issue`` makes such a call on a handle of this module's pool bound to the caller's stream; ``own_handle``
 gives a Workspace (a network worker's, whose GEMMs are captured into CUDA graphs) a handle of its own.

@@ -34,10 +34,10 @@ def _bits(a, unit: int | None = None):
 _KERNELS: dict = {}
 
 
-def _gather_kernel(udt, index: str, nd: int, insert: bool):
-    """The gather (``gather_kernel.source``) for elements of unsigned type ``udt``, indices of
-    ``index`` ("int32" where every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
-    key = (np.dtype(udt).name, index, nd, insert)
+def _gather_kernel(unit: int, index: str, nd: int, insert: bool):
+    """The gather (``gather_kernel.source``) over ``unit``-byte elements, indices of ``index`` ("int32" where
+    every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
+    key = (unit, index, nd, insert)
     k = _KERNELS.get(key)
     if k is None:
         import cupy
@@ -59,7 +59,7 @@ def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
         ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
         blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
         got = _GATHERS[key] = igemm.DriverLaunch(
-            _gather_kernel(_UINT[g.unit], g.index, g.nd, g.insert), (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 2,
+            _gather_kernel(g.unit, g.index, g.nd, g.insert), (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 2,
             (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic), ctypes.c_int64(g.total)))
     return got
 
@@ -69,7 +69,7 @@ def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
 class GatherLaunch(NamedTuple):
     """The gather kernel's integer arguments (gather_kernel.ARG_NAMES), index type, threads, spatial
     dimensions, whether it inserts zeros, the bytes a thread moves, where that is more than an element the
-    element-wise launch (for x or col not aligned to it), and the divisors' multipliers."""
+    launch in the next narrower unit (for x or col not aligned to this one), and the divisors' multipliers."""
 
     args: tuple
     index: str
@@ -81,7 +81,8 @@ class GatherLaunch(NamedTuple):
     magic: tuple = ()
 
 
-GATHER_UNIT = 8  # bytes of consecutive channels a gather thread moves where it can (conv_direct.widened)
+GATHER_UNIT = 8  # bytes of consecutive channels a copy moves where it can; conv1's channels are padded to it
+GATHER_UNITS = (16, 8)  # bytes of consecutive channels a gather thread moves where it can, widest first
 
 
 class GemmLaunch(NamedTuple):
@@ -98,13 +99,15 @@ class GemmLaunch(NamedTuple):
 
 
 def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsize: int) -> GatherLaunch:
-    """The launch of gather ``s`` over elements of ``itemsize`` bytes: in GATHER_UNIT-byte units where it can."""
-    wide = cd.widened(geo, cl, s, GATHER_UNIT // itemsize)
-    if wide is not None:
-        v = GATHER_UNIT // itemsize
-        return _gather_launch(wide[0], cl, wide[1], x_size // v, GATHER_UNIT)._replace(
-            narrow=_gather_launch(geo, cl, s, x_size, itemsize))
-    return _gather_launch(geo, cl, s, x_size, itemsize)
+    """The launch of gather ``s`` over elements of ``itemsize`` bytes: in the widest of GATHER_UNITS it can,
+    each with the next narrower launch (down to elements) for buffers not aligned to it."""
+    launch = _gather_launch(geo, cl, s, x_size, itemsize)
+    for unit in reversed(GATHER_UNITS):
+        v = unit // itemsize
+        wide = cd.widened(geo, cl, s, v) if unit > itemsize else None
+        if wide is not None:
+            launch = _gather_launch(wide[0], cl, wide[1], x_size // v, unit)._replace(narrow=launch)
+    return launch
 
 
 def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit: int) -> GatherLaunch:
@@ -358,7 +361,7 @@ class CudaOps:
 
     def launch_gather(self, g: GatherLaunch) -> None:
         x, col = self._ptr("x"), self._ptr("col")
-        if g.narrow is not None and (x | col) % g.unit:
+        while g.narrow is not None and (x | col) % g.unit:
             g = g.narrow
         gather_launcher(g, self.device)(self.stream.ptr, x, col)
 

@@ -1,5 +1,6 @@
 """The device route's im2col gather kernel (conv_direct.Gather steps): its CUDA source and the divisors'
-multipliers. A thread writes one col element (i < nb * CRS * P); x and col are element bits (type U),
+multipliers. A thread writes one col element (i < nb * CRS * P); x and col are element bits (type U: 2, 4,
+8 bytes, or 16 where a thread moves several channels: more bytes in flight a thread),
 indices signed of type I, the index arithmetic unsigned (UI). ND (1-3) and INSERT (a transposed convolution's
 zero insertion) are constants of each compiled kernel; the dimensions past ND are trivial (arguments 1 or 0).
 
@@ -48,25 +49,26 @@ if (INSERT) {
 }
 ok = ok && u0 < I0 && u1 < I1 && u2 < I2;
 col[(I)(j * (UI)on + r * (UI)orr + p * (UI)op)] =
-    ok ? x[(I)((n0 + (I)j) * sn + (goff + (I)c) * sc) + u0 * s0 + u1 * s1 + u2 * s2] : (U)0;
+    ok ? x[(I)((n0 + (I)j) * sn + (goff + (I)c) * sc) + u0 * s0 + u1 * s1 + u2 * s2] : zero;
 """
 
-_CTYPES = {"uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
+UNITS = (2, 4, 8, 16)  # bytes of element bits a thread moves
+_CTYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "ulonglong2"}
 
 
-def source(udt: str, index: str, nd: int, insert: bool) -> tuple[str, str]:
-    """(code, name) of the gather for elements of unsigned type ``udt`` ("uint16", "uint32", "uint64") and
-    indices ``index`` ("int32" where every index fits, else "int64"): ``(x, col, ARG_NAMES of the index type,
-    MAGIC_NAMES (unsigned int), total)``, a grid-stride loop over i < total."""
-    ctype = _CTYPES[udt]
+def source(unit: int, index: str, nd: int, insert: bool) -> tuple[str, str]:
+    """(code, name) of the gather over ``unit``-byte elements (UNITS) with indices ``index`` ("int32" where
+    every index fits, else "int64"): ``(x, col, ARG_NAMES of the index type, MAGIC_NAMES (unsigned int),
+    total)``, a grid-stride loop over i < total in the index type."""
+    ctype = _CTYPES[unit]
     i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
-    name = f"blasx_conv_gather_{udt}_{index}_{nd}d{'_z' if insert else ''}"
+    name = f"blasx_conv_gather_u{8 * unit}_{index}_{nd}d{'_z' if insert else ''}"
     params = ", ".join([*(f"{i} {n}" for n in ARG_NAMES), *(f"unsigned int {n}" for n in MAGIC_NAMES)])
     code = (f"{_HELPERS}extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ "
             f"col, {params}, long long total) {{\ntypedef {i} I; typedef {ui} UI; typedef {ctype} U; "
-            f"const int ND = {nd}; const bool INSERT = {str(insert).lower()};\n"
-            f"for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; "
-            f"i += (long long)gridDim.x * blockDim.x) {{{_BODY}}}\n}}\n")
+            f"const int ND = {nd}; const bool INSERT = {str(insert).lower()}; const U zero = {{}};\n"
+            f"for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)total; i += (I)(gridDim.x * blockDim.x))"
+            f" {{{_BODY}}}\n}}\n")
     return code, name
 
 
