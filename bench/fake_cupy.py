@@ -472,7 +472,7 @@ def _kernel_tables() -> list:
     """The kernel caches the route fills (the fake's kernels must not outlive it)."""
     from blasx.dnn import depthwise, direct_cuda
     from blasx.runtime.devices import cuda_epilogue, cuda_lowp
-    return [direct_cuda._KERNELS, direct_cuda._GATHERS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
+    return [direct_cuda._KERNELS, direct_cuda._GATHERS, direct_cuda._COL2IMS, depthwise._KERNELS, cuda_epilogue._KERNELS, cuda_lowp._KERNELS]
 
 
 def _clear_caches() -> None:

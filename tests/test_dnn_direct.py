@@ -83,15 +83,25 @@ def host_gather(nd: int, insert: bool, unit: int = 8, index: str = "int32"):
     return call
 
 
-def host_col2im(nd: int):
-    """col2im.py's kernel operation (T = A = double) compiled for the host as a loop over i; None without a
-    C++ compiler."""
-    def sources():
-        args = ", ".join(f"long long {a}" for a in c2.ARG_NAMES)
-        return [f'extern "C" void blasx_col2im_{d}d(const double* col, const double* bias, double* y, '
-                f'long long total, {args}) {{ for (long long i = 0; i < total; ++i) '
-                f'{{ {c2.kernel_source(np.float64, d)[2]} }} }}' for d in (1, 2, 3)]
-    return _host_fn("col2im", sources, f"blasx_col2im_{nd}d", 3, 1 + len(c2.ARG_NAMES))
+def host_col2im(nd: int, index: str = "int32"):
+    """col2im.py's kernel (T = A = double, ``index`` indices) compiled for the host and launched as one thread,
+    as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None without a C++ compiler."""
+    import ctypes
+    if "col2im" not in _HOST:
+        _HOST["col2im"] = compile_host([_ONE_THREAD] + [c2.source(np.float64, d, ix)[0] for d in (1, 2, 3)
+                                                         for ix in ("int32", "int64")])
+    lib = _HOST["col2im"]
+    if lib is None:
+        return None
+    fn = getattr(lib, c2.source(np.float64, nd, index)[1])
+    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
+    fn.argtypes = ([ctypes.c_void_p] * 3 + [it] * len(c2.ARG_NAMES) + [ctypes.c_uint] * 2 * len(c2.DIVISORS)
+                   + [ctypes.c_longlong])
+
+    def call(col, bias, y, args, total):
+        args = tuple(int(a) for a in args)
+        fn(col, bias, y, *args, *c2.magic_args(args), total)
+    return call
 
 
 class NumpyOps:
@@ -185,11 +195,13 @@ class NumpyOps:
             acc = np.moveaxis(acc, -1, 1)
         base = s.n0 * g.k * int(np.prod(g.out_size))
         y[base:base + acc.size] = acc.ravel()
-        fn = host_col2im(nd)
-        if fn is not None:
+        for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
+            fn = host_col2im(nd, index)
+            if fn is None:
+                break
             got = np.full(acc.size + base, np.nan)
-            fn(col.ctypes.data, (col if bias is None else np.asarray(bias, np.float64)).ctypes.data,
-               got.ctypes.data, acc.size, *c2.kernel_args(g, self.cl, s, bias is not None))
+            fn(col.ctypes.data, None if bias is None else np.asarray(bias, np.float64).ctypes.data,
+               got.ctypes.data, c2.kernel_args(g, self.cl, s), acc.size)
             assert np.isnan(got[:base]).all() and np.allclose(got[base:], acc.ravel(), rtol=1e-12, atol=1e-12)
 
     def copy_dy(self, s):

@@ -75,67 +75,93 @@ def _three(t, fill):
     return (*t, *(fill,) * (3 - len(t)))
 
 
-ARG_NAMES = ("K KG RS LD OUT O1 O2 I0 I1 I2 PIN K0 K1 K2 s0 s1 s2 d0 d1 d2 p0 p1 p2 cl wcl ybase has_bias").split()
+ARG_NAMES = ("K KG RS LD OUT O1 O2 I0 I1 I2 PIN K0 K1 K2 s0 s1 s2 d0 d1 d2 p0 p1 p2 cl wcl ybase").split()
+DIVISORS = ("K", "OUT", "O1", "O2", "KG", "s0", "s1", "s2")  # the ARG_NAMES the index arithmetic divides by
 
 
-def kernel_args(geo: ConvGeometry, cl: bool, s: Col2im, has_bias: bool) -> tuple[int, ...]:
+def kernel_args(geo: ConvGeometry, cl: bool, s: Col2im) -> tuple[int, ...]:
     """The kernel's integer arguments (ARG_NAMES) for step ``s``."""
     taps = prod(geo.kernel)
     out, ins = _three(geo.out_size, 1), _three(geo.in_size, 1)
     pad = tuple(d * (k - 1) - lo for d, k, lo in zip(geo.dilation, geo.kernel, geo.pad_lo))
     return (geo.k, geo.kg, taps, geo.k * taps, prod(geo.out_size), out[1], out[2], *ins, prod(geo.in_size),
             *_three(geo.kernel, 1), *_three(geo.insert, 1), *_three(geo.dilation, 1), *_three(pad, 0), int(cl),
-            int(s.wcl), s.n0 * geo.k * prod(geo.out_size), int(has_bias))
+            int(s.wcl), s.n0 * geo.k * prod(geo.out_size))
+
+
+def magic_args(args: tuple) -> tuple:
+    """The divisors' (multiplier, shift) pairs (gather_kernel.fast_divisor) for the ARG_NAMES values ``args``."""
+    from .gather_kernel import divisor_pair
+    named = dict(zip(ARG_NAMES, args))
+    return tuple(v for d in DIVISORS for v in divisor_pair(int(named[d])))
 
 
 def threads(geo: ConvGeometry, s: Col2im) -> int:
     return s.nb * geo.k * prod(geo.out_size)
 
 
+def index_type(geo: ConvGeometry, s: Col2im, col_size: int) -> str:
+    """"int32" where every index of the launch (y's, col's) fits, else "int64"."""
+    return "int32" if max(s.n0 * geo.k * prod(geo.out_size) + threads(geo, s), col_size) < 2**31 else "int64"
+
+
 # One y element per thread (i < nb * Cout * OUT of the chunk), in y's memory order, so y's index is ybase + i.
+# Q(a, D): a / D for a >= 0 (32-bit: by D's multiplier and shift; 64-bit: a division); a tap reaches an output
+# where (h + p - t*d) >= 0 is a multiple of the stride.
 _KERNEL_BODY = """
-typedef long long L;
-L ii = (L)i, co, o, j, t;
-if (cl) { co = ii % K; t = ii / K; o = t % OUT; j = t / OUT; }
-else { o = ii % OUT; t = ii / OUT; co = t % K; j = t / K; }
-L h0 = o, h1 = 0, h2 = 0;
-if (ND == 2) { h1 = o % O1; h0 = o / O1; }
-if (ND == 3) { h2 = o % O2; t = o / O2; h1 = t % O1; h0 = t / O1; }
-L cg = co % KG, rowbase = (co / KG) * KG * RS;
+#define Q(a, D) blasx_quo((UI)(a), (UI)D, D##_m, D##_s)
+UI ii = (UI)i, co, o, j, t;
+if (cl) { t = Q(ii, K); co = ii - t * (UI)K; j = Q(t, OUT); o = t - j * (UI)OUT; }
+else { t = Q(ii, OUT); o = ii - t * (UI)OUT; j = Q(t, K); co = t - j * (UI)K; }
+UI h0 = o, h1 = 0, h2 = 0;
+if (ND == 2) { h0 = Q(o, O1); h1 = o - h0 * (UI)O1; }
+if (ND == 3) { t = Q(o, O2); h2 = o - t * (UI)O2; h0 = Q(t, O1); h1 = t - h0 * (UI)O1; }
+UI gq = Q(co, KG), cg = co - gq * (UI)KG, rowbase = gq * (UI)KG * (UI)RS;
 A acc = 0;
-for (L r0 = 0; r0 < K0; ++r0) {
-  L n0 = h0 + p0 - r0 * d0;
-  if (n0 < 0 || n0 % s0) continue;
-  L i0 = n0 / s0;
-  if (i0 >= I0) continue;
-  for (L r1 = 0; r1 < K1; ++r1) {
-    L n1 = h1 + p1 - r1 * d1;
-    if (n1 < 0 || n1 % s1) continue;
-    L i1 = n1 / s1;
-    if (i1 >= I1) continue;
-    for (L r2 = 0; r2 < K2; ++r2) {
-      L n2 = h2 + p2 - r2 * d2;
-      if (n2 < 0 || n2 % s2) continue;
-      L i2 = n2 / s2;
-      if (i2 >= I2) continue;
-      L tap = (r0 * K1 + r1) * K2 + r2;
-      L row = rowbase + (wcl ? tap * KG + cg : cg * RS + tap);
-      acc += (A)col[(j * PIN + (i0 * I1 + i1) * I2 + i2) * LD + row];
+for (I r0 = 0; r0 < K0; ++r0) {
+  I n0 = (I)h0 + p0 - r0 * d0;
+  if (n0 < 0) continue;
+  UI i0 = Q(n0, s0);
+  if ((UI)n0 != i0 * (UI)s0 || i0 >= (UI)I0) continue;
+  for (I r1 = 0; r1 < K1; ++r1) {
+    I n1 = (I)h1 + p1 - r1 * d1;
+    if (n1 < 0) continue;
+    UI i1 = Q(n1, s1);
+    if ((UI)n1 != i1 * (UI)s1 || i1 >= (UI)I1) continue;
+    for (I r2 = 0; r2 < K2; ++r2) {
+      I n2 = (I)h2 + p2 - r2 * d2;
+      if (n2 < 0) continue;
+      UI i2 = Q(n2, s2);
+      if ((UI)n2 != i2 * (UI)s2 || i2 >= (UI)I2) continue;
+      UI tap = ((UI)r0 * (UI)K1 + (UI)r1) * (UI)K2 + (UI)r2;
+      UI row = rowbase + (wcl ? tap * (UI)KG + cg : cg * (UI)RS + tap);
+      acc += (A)col[(I)((j * (UI)PIN + (i0 * (UI)I1 + i1) * (UI)I2 + i2) * (UI)LD + row)];
     }
   }
 }
-if (has_bias) acc += (A)bias[co];
-y[ybase + ii] = (T)acc;
+#undef Q
+if (bias) acc += (A)bias[co];
+y[ybase + (I)ii] = (T)acc;
 """
 
-_CTYPE = {"float16": ("float16", "float"), "float32": ("float", "float"), "float64": ("double", "double")}
+_CTYPE = {"float16": ("__half", "float"), "float32": ("float", "float"), "float64": ("double", "double")}
 
 
-def kernel_source(dtype, nd: int) -> tuple[str, str, str, str]:
-    """(in_params, out_params, operation, name) of the col2im ElementwiseKernel for ``dtype`` (TYPES) and ``nd``
-    spatial dimensions: sums in float32 (float64 for float64)."""
+def source(dtype, nd: int, index: str) -> tuple[str, str]:
+    """(code, name) of the col2im kernel for ``dtype`` (TYPES), ``nd`` spatial dimensions and ``index``
+    ("int32" where every index fits, else "int64"): ``(col, bias (0: none), y, ARG_NAMES of the index type,
+    the divisors' multipliers and shifts (unsigned int), total)``, sums in float32 (float64 for float64)."""
+    from .gather_kernel import HELPERS
     name = np.dtype(dtype).name
     ctype, acc = _CTYPE[name]
-    head = f"typedef {ctype} T; typedef {acc} A; const int ND = {nd};"
-    params = f"raw {name} col, raw {name} bias, " + ", ".join(f"int64 {a}" for a in ARG_NAMES)
-    return params, f"raw {name} y", head + _KERNEL_BODY, f"blasx_col2im_{name}_{nd}d"
+    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
+    kname = f"blasx_col2im_{name}_{index}_{nd}d"
+    params = ", ".join([*(f"{i} {a}" for a in ARG_NAMES), *(f"unsigned int {d}_{v}" for d in DIVISORS
+                                                             for v in ("m", "s"))])
+    head = "#include <cuda_fp16.h>\n" if name == "float16" else ""
+    code = (f"{head}{HELPERS}extern \"C\" __global__ void {kname}(const {ctype}* __restrict__ col, const {ctype}* "
+            f"__restrict__ bias, {ctype}* __restrict__ y, {params}, long long total) {{\ntypedef {ctype} T; "
+            f"typedef {acc} A; typedef {i} I; typedef {ui} UI; const int ND = {nd};\n"
+            f"for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)total; i += (I)(gridDim.x * blockDim.x))"
+            f" {{{_KERNEL_BODY}}}\n}}\n")
+    return code, kname

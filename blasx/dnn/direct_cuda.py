@@ -143,6 +143,8 @@ def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list, dw_dtype=None) -> l
             out.append(gemm_launch(s, dtype, dw_dtype))
         elif isinstance(s, cd.Implicit):
             out.append(igemm.plan_launch(geo, s.type, s.config))
+        elif isinstance(s, c2.Col2im):
+            out.append(col2im_launch(geo, cl, s, dtype))
         else:
             out.append(None)
     return out
@@ -266,16 +268,45 @@ def transposed(geo: ConvGeometry, x, cl: bool, w, wcl: bool, y, bias, math: str)
     return plan
 
 
-_COL2IM: dict = {}
+class Col2imLaunch(NamedTuple):
+    """A Col2im step's kernel arguments (col2im.ARG_NAMES), the divisors' multipliers, index type, threads,
+    spatial dimensions and element type."""
+
+    args: tuple
+    magic: tuple
+    index: str
+    total: int
+    nd: int
+    dtype: str
 
 
-def _col2im_kernel(dtype, nd: int):
-    key = (np.dtype(dtype).name, nd)
-    k = _COL2IM.get(key)
-    if k is None:
+def col2im_launch(geo: ConvGeometry, cl: bool, s: c2.Col2im, dtype) -> Col2imLaunch:
+    args = tuple(int(a) for a in c2.kernel_args(geo, cl, s))
+    return Col2imLaunch(args, c2.magic_args(args), c2.index_type(geo, s, s.nb * c2.scratch_per_image(geo)),
+                        c2.threads(geo, s), geo.nd, np.dtype(dtype).name)
+
+
+def col2im_launcher(g: Col2imLaunch, device: int) -> "igemm.DriverLaunch":
+    """``g``'s kernel on ``device`` with its arguments packed once: ``(stream, col, bias or 0, y)`` launches it."""
+    key = (g, device)
+    got = _COL2IMS.get(key)
+    if got is None:
+        import ctypes
+
         import cupy
-        k = _COL2IM[key] = cupy.ElementwiseKernel(*c2.kernel_source(*key))
-    return k
+        kkey = (g.dtype, g.nd, g.index)
+        k = _KERNELS.get(kkey)
+        if k is None:
+            k = _KERNELS[kkey] = cupy.RawKernel(*c2.source(*kkey))
+        ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
+        blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
+        got = _COL2IMS[key] = igemm.DriverLaunch(
+            k, (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 3,
+            (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic), ctypes.c_int64(g.total)))
+    return got
+
+
+_COL2IMS: dict = {}
 
 
 _CONSTS = direct_cache.table(64)
@@ -353,6 +384,8 @@ class CudaOps:
                 self.launch_gemm(launch)
             elif type(launch) is igemm.Launch:
                 self.launch_implicit(launch)
+            elif type(launch) is Col2imLaunch:
+                self.launch_col2im(launch)
             else:
                 self.launch_gather(launch)
 
@@ -391,17 +424,12 @@ class CudaOps:
             y[...] = out
 
     def col2im(self, s: c2.Col2im) -> None:
-        bias = self.bufs.get("bias")
-        col, y = self._typed("col"), self._typed("y")
-        _col2im_kernel(self.dtype, self.geo.nd)(col, col if bias is None else bias,
-                                                *c2.kernel_args(self.geo, self.cl, s, bias is not None), y,
-                                                size=c2.threads(self.geo, s))
+        self.launch_col2im(col2im_launch(self.geo, self.cl, s, self.dtype))
 
-    def _typed(self, name: str):
-        """Buffer ``name``'s memory as a flat array of the operand type."""
-        import cupy
-        a = self.bufs[name]
-        return cupy.ndarray((a.size * a.itemsize // self.dtype.itemsize,), dtype=self.dtype, memptr=a.data)
+    def launch_col2im(self, g: Col2imLaunch) -> None:
+        bias = self.bufs.get("bias")
+        col2im_launcher(g, self.device)(self.stream.ptr, self._ptr("col"), 0 if bias is None else bias.data.ptr,
+                                        self._ptr("y"))
 
     def copy_dy(self, s: cd.CopyDy) -> None:
         g = self.geo

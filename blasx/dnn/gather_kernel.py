@@ -16,7 +16,7 @@ ARG_NAMES = ("P CRS KS Cg cl pf goff K1 K2 O1 O2 st0 st1 st2 dl0 dl1 dl2 pl0 pl1
 DIVISORS = ("P", "CRS", "KS", "Cg", "K1", "K2", "O1", "O2")  # the ARG_NAMES the index arithmetic divides by
 MAGIC_NAMES = [f"{d}_{v}" for d in DIVISORS for v in ("m", "s")]
 
-_HELPERS = """#ifndef BLASX_GATHER_QUO
+HELPERS = """#ifndef BLASX_GATHER_QUO
 #define BLASX_GATHER_QUO
 __device__ __forceinline__ unsigned int blasx_quo(unsigned int a, unsigned int d, unsigned int m, unsigned int s)
 { return m ? __umulhi(a, m) >> s : a; }
@@ -64,7 +64,7 @@ def source(unit: int, index: str, nd: int, insert: bool) -> tuple[str, str]:
     i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
     name = f"blasx_conv_gather_u{8 * unit}_{index}_{nd}d{'_z' if insert else ''}"
     params = ", ".join([*(f"{i} {n}" for n in ARG_NAMES), *(f"unsigned int {n}" for n in MAGIC_NAMES)])
-    code = (f"{_HELPERS}extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ "
+    code = (f"{HELPERS}extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ "
             f"col, {params}, long long total) {{\ntypedef {i} I; typedef {ui} UI; typedef {ctype} U; "
             f"const int ND = {nd}; const bool INSERT = {str(insert).lower()}; const U zero = {{}};\n"
             f"for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)total; i += (I)(gridDim.x * blockDim.x))"
@@ -87,4 +87,9 @@ def fast_divisor(d: int) -> tuple[int, int]:
 def magic_args(args: tuple) -> tuple:
     """The MAGIC_NAMES values for the ARG_NAMES values ``args``."""
     named = dict(zip(ARG_NAMES, args))
-    return tuple(v for d in DIVISORS for v in fast_divisor(max(1, int(named[d]))))
+    return tuple(v for d in DIVISORS for v in divisor_pair(int(named[d])))
+
+
+def divisor_pair(d: int) -> tuple[int, int]:
+    """fast_divisor(d) where a 32-bit launch can divide by d, else (0, 0) (only a 64-bit launch has such a d)."""
+    return fast_divisor(max(1, d)) if d < 2**31 else (0, 0)
