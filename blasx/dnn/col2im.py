@@ -90,10 +90,9 @@ def kernel_args(geo: ConvGeometry, cl: bool, s: Col2im) -> tuple[int, ...]:
 
 
 def magic_args(args: tuple) -> tuple:
-    """The divisors' (multiplier, shift) pairs (gather_kernel.fast_divisor) for the ARG_NAMES values ``args``."""
-    from .gather_kernel import divisor_pair
-    named = dict(zip(ARG_NAMES, args))
-    return tuple(v for d in DIVISORS for v in divisor_pair(int(named[d])))
+    """The DIVISORS' (multiplier, shift) pairs (gather_kernel.fast_divisor) for the ARG_NAMES values ``args``."""
+    from . import gather_kernel
+    return gather_kernel.magic_args(args, ARG_NAMES, DIVISORS)
 
 
 def threads(geo: ConvGeometry, s: Col2im) -> int:

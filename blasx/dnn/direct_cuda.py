@@ -45,22 +45,27 @@ def _gather_kernel(unit: int, index: str, nd: int, insert: bool):
     return k
 
 
-GATHER_THREADS = 256
-GATHER_MAX_BLOCKS = 1 << 20  # past this the grid-stride loop takes the rest
+THREADS = 256  # a block of the gather and col2im kernels
+MAX_BLOCKS = 1 << 20  # past this their grid-stride loops take the rest
 _GATHERS: dict = {}
+
+
+def _packed(kernel, g, pointers: int) -> "igemm.DriverLaunch":
+    """``kernel`` over ``g.total`` threads with ``pointers`` pointer arguments, then g's arguments (of its index
+    type), the divisors' multipliers and shifts and the thread count, packed once."""
+    import ctypes
+    ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
+    blocks = max(1, min(-(-g.total // THREADS), MAX_BLOCKS))
+    return igemm.DriverLaunch(kernel, (blocks, 1, 1), (THREADS, 1, 1), 0, pointers,
+                              (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic),
+                               ctypes.c_int64(g.total)))
 
 
 def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
     """Gather ``g``'s kernel on ``device`` with its arguments packed once: ``(stream, x, col)`` launches it."""
-    key = (g, device)
-    got = _GATHERS.get(key)
+    got = _GATHERS.get((g, device))
     if got is None:
-        import ctypes
-        ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
-        blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
-        got = _GATHERS[key] = igemm.DriverLaunch(
-            _gather_kernel(g.unit, g.index, g.nd, g.insert), (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 2,
-            (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic), ctypes.c_int64(g.total)))
+        got = _GATHERS[(g, device)] = _packed(_gather_kernel(g.unit, g.index, g.nd, g.insert), g, 2)
     return got
 
 
@@ -288,21 +293,14 @@ def col2im_launch(geo: ConvGeometry, cl: bool, s: c2.Col2im, dtype) -> Col2imLau
 
 def col2im_launcher(g: Col2imLaunch, device: int) -> "igemm.DriverLaunch":
     """``g``'s kernel on ``device`` with its arguments packed once: ``(stream, col, bias or 0, y)`` launches it."""
-    key = (g, device)
-    got = _COL2IMS.get(key)
+    got = _COL2IMS.get((g, device))
     if got is None:
-        import ctypes
-
         import cupy
-        kkey = (g.dtype, g.nd, g.index)
-        k = _KERNELS.get(kkey)
+        key = (g.dtype, g.nd, g.index)
+        k = _KERNELS.get(key)
         if k is None:
-            k = _KERNELS[kkey] = cupy.RawKernel(*c2.source(*kkey))
-        ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
-        blocks = max(1, min(-(-g.total // GATHER_THREADS), GATHER_MAX_BLOCKS))
-        got = _COL2IMS[key] = igemm.DriverLaunch(
-            k, (blocks, 1, 1), (GATHER_THREADS, 1, 1), 0, 3,
-            (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic), ctypes.c_int64(g.total)))
+            k = _KERNELS[key] = cupy.RawKernel(*c2.source(*key))
+        got = _COL2IMS[(g, device)] = _packed(k, g, 3)
     return got
 
 

@@ -84,10 +84,10 @@ def fast_divisor(d: int) -> tuple[int, int]:
     return ((1 << p) + d - 1) // d, p - 32
 
 
-def magic_args(args: tuple) -> tuple:
-    """The MAGIC_NAMES values for the ARG_NAMES values ``args``."""
-    named = dict(zip(ARG_NAMES, args))
-    return tuple(v for d in DIVISORS for v in divisor_pair(int(named[d])))
+def magic_args(args: tuple, names=ARG_NAMES, divisors=DIVISORS) -> tuple:
+    """The (multiplier, shift) pairs of ``divisors`` (the MAGIC_NAMES values) for the ``names`` values ``args``."""
+    named = dict(zip(names, args))
+    return tuple(v for d in divisors for v in divisor_pair(int(named[d])))
 
 
 def divisor_pair(d: int) -> tuple[int, int]:
