@@ -105,10 +105,8 @@ def index_type(geo: ConvGeometry, s: Col2im, col_size: int) -> str:
 
 
 # One y element per thread (i < nb * Cout * OUT of the chunk), in y's memory order, so y's index is ybase + i.
-# Q(a, D): a / D for a >= 0 (32-bit: by D's multiplier and shift; 64-bit: a division); a tap reaches an output
-# where (h + p - t*d) >= 0 is a multiple of the stride.
+# A tap reaches an output where (h + p - t*d) >= 0 is a multiple of the stride (Q: gather_kernel.grid_kernel).
 _KERNEL_BODY = """
-#define Q(a, D) blasx_quo((UI)(a), (UI)D, D##_m, D##_s)
 UI ii = (UI)i, co, o, j, t;
 if (cl) { t = Q(ii, K); co = ii - t * (UI)K; j = Q(t, OUT); o = t - j * (UI)OUT; }
 else { t = Q(ii, OUT); o = ii - t * (UI)OUT; j = Q(t, K); co = t - j * (UI)K; }
@@ -138,7 +136,6 @@ for (I r0 = 0; r0 < K0; ++r0) {
     }
   }
 }
-#undef Q
 if (bias) acc += (A)bias[co];
 y[ybase + (I)ii] = (T)acc;
 """
@@ -150,17 +147,11 @@ def source(dtype, nd: int, index: str) -> tuple[str, str]:
     """(code, name) of the col2im kernel for ``dtype`` (TYPES), ``nd`` spatial dimensions and ``index``
     ("int32" where every index fits, else "int64"): ``(col, bias (0: none), y, ARG_NAMES of the index type,
     the divisors' multipliers and shifts (unsigned int), total)``, sums in float32 (float64 for float64)."""
-    from .gather_kernel import HELPERS
+    from .gather_kernel import grid_kernel
     name = np.dtype(dtype).name
     ctype, acc = _CTYPE[name]
-    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
     kname = f"blasx_col2im_{name}_{index}_{nd}d"
-    params = ", ".join([*(f"{i} {a}" for a in ARG_NAMES), *(f"unsigned int {d}_{v}" for d in DIVISORS
-                                                             for v in ("m", "s"))])
-    head = "#include <cuda_fp16.h>\n" if name == "float16" else ""
-    code = (f"{head}{HELPERS}extern \"C\" __global__ void {kname}(const {ctype}* __restrict__ col, const {ctype}* "
-            f"__restrict__ bias, {ctype}* __restrict__ y, {params}, long long total) {{\ntypedef {ctype} T; "
-            f"typedef {acc} A; typedef {i} I; typedef {ui} UI; const int ND = {nd};\n"
-            f"for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)total; i += (I)(gridDim.x * blockDim.x))"
-            f" {{{_KERNEL_BODY}}}\n}}\n")
-    return code, kname
+    code = grid_kernel(kname, f"const {ctype}* __restrict__ col, const {ctype}* __restrict__ bias, {ctype}* "
+                       "__restrict__ y", ARG_NAMES, DIVISORS, index, f"typedef {ctype} T; typedef {acc} A; "
+                       f"const int ND = {nd};", _KERNEL_BODY)
+    return ("#include <cuda_fp16.h>\n" if name == "float16" else "") + code, kname

@@ -141,8 +141,8 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     "fwd", "bwd-data" (conv{nd}d_input) or "bwd-weight" (conv{nd}d_weight)) on CUDA GPU ``device`` with
     random CuPy operands in ``dtype`` and ``layout`` ("nchw" or "cl"), ``runs`` timed runs per form (each
     CALLS calls back to back) after one checked warm-up; store the fastest correct form in the find-db
-    (``db``: a PerfDb, a path, or None for the one the runtime reads) unless ``store`` is False. ``timer(run)``: seconds of ``run()`` (None:
-    CUDA events). Raises NoGpuError where CuPy finds no GPU, before anything is made.
+    (``db``: a PerfDb, a path, or None for the one the runtime reads) unless ``store`` is False.
+    ``timer(run)``: seconds of ``run()`` (None: CUDA events). Raises NoGpuError where CuPy finds no GPU, before anything is made.
 
     Returns a dict: key (ConvKey), text, forms, seconds ({form: [runs]}), best ({form: s}), errors
     ({form: relative error against the first form}), bad, form (the winner or None), storable (False where the

@@ -26,9 +26,7 @@ __device__ __forceinline__ unsigned long long blasx_quo(unsigned long long a, un
 #endif
 """
 
-# Q(a, D): a / D (32-bit: by D's multiplier; 64-bit: a division)
 _BODY = """
-#define Q(a, D) blasx_quo((UI)(a), (UI)D, D##_m, D##_s)
 UI ii = (UI)i, p, r, j, t;
 if (pf) { t = Q(ii, P); p = ii - t * (UI)P; j = Q(t, CRS); r = t - j * (UI)CRS; }
 else { t = Q(ii, CRS); r = ii - t * (UI)CRS; j = Q(t, P); p = t - j * (UI)P; }
@@ -38,7 +36,6 @@ UI k0 = k, k1 = 0, k2 = 0, o0 = p, o1 = 0, o2 = 0;
 if (ND == 2) { k0 = Q(k, K1); k1 = k - k0 * (UI)K1; o0 = Q(p, O1); o1 = p - o0 * (UI)O1; }
 if (ND == 3) { t = Q(k, K2); k2 = k - t * (UI)K2; k0 = Q(t, K1); k1 = t - k0 * (UI)K1;
                t = Q(p, O2); o2 = p - t * (UI)O2; o0 = Q(t, O1); o1 = t - o0 * (UI)O1; }
-#undef Q
 I u0 = (I)(o0 * (UI)st0 + k0 * (UI)dl0) - pl0;
 I u1 = ND >= 2 ? (I)(o1 * (UI)st1 + k1 * (UI)dl1) - pl1 : 0;
 I u2 = ND == 3 ? (I)(o2 * (UI)st2 + k2 * (UI)dl2) - pl2 : 0;
@@ -52,24 +49,32 @@ col[(I)(j * (UI)on + r * (UI)orr + p * (UI)op)] =
     ok ? x[(I)((n0 + (I)j) * sn + (goff + (I)c) * sc) + u0 * s0 + u1 * s1 + u2 * s2] : zero;
 """
 
-UNITS = (2, 4, 8, 16)  # bytes of element bits a thread moves
-_CTYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "ulonglong2"}
+_CTYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long", 16: "ulonglong2"}  # unit -> type
 
 
 def source(unit: int, index: str, nd: int, insert: bool) -> tuple[str, str]:
-    """(code, name) of the gather over ``unit``-byte elements (UNITS) with indices ``index`` ("int32" where
-    every index fits, else "int64"): ``(x, col, ARG_NAMES of the index type, MAGIC_NAMES (unsigned int),
-    total)``, a grid-stride loop over i < total in the index type."""
+    """(code, name) of the gather over ``unit``-byte elements (2, 4, 8 or 16) with indices ``index`` ("int32"
+    where every index fits, else "int64"): ``(x, col, ARG_NAMES, MAGIC_NAMES, total)``."""
     ctype = _CTYPES[unit]
-    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
     name = f"blasx_conv_gather_u{8 * unit}_{index}_{nd}d{'_z' if insert else ''}"
-    params = ", ".join([*(f"{i} {n}" for n in ARG_NAMES), *(f"unsigned int {n}" for n in MAGIC_NAMES)])
-    code = (f"{HELPERS}extern \"C\" __global__ void {name}(const {ctype}* __restrict__ x, {ctype}* __restrict__ "
-            f"col, {params}, long long total) {{\ntypedef {i} I; typedef {ui} UI; typedef {ctype} U; "
-            f"const int ND = {nd}; const bool INSERT = {str(insert).lower()}; const U zero = {{}};\n"
+    head = (f"typedef {ctype} U; const int ND = {nd}; const bool INSERT = {str(insert).lower()}; "
+            "const U zero = {};")
+    return grid_kernel(name, f"const {ctype}* __restrict__ x, {ctype}* __restrict__ col", ARG_NAMES, DIVISORS,
+                       index, head, _BODY), name
+
+
+def grid_kernel(name: str, pointers: str, names, divisors, index: str, head: str, body: str) -> str:
+    """The code of raw kernel ``name(pointers, names (of the index type), each divisor's D_m and D_s (unsigned
+    int), long long total)``: ``head``, then ``body`` for every i < total in a grid-stride loop; I and UI are
+    the index type signed and unsigned, and Q(a, D) is a / D for an a >= 0 (32-bit indices: by D's multiplier
+    and shift, fast_divisor; 64-bit: a division)."""
+    i, ui = ("int", "unsigned int") if index == "int32" else ("long long", "unsigned long long")
+    params = ", ".join([*(f"{i} {n}" for n in names), *(f"unsigned int {d}_{v}" for d in divisors
+                                                       for v in ("m", "s"))])
+    return (f"{HELPERS}extern \"C\" __global__ void {name}({pointers}, {params}, long long total) {{\n"
+            f"typedef {i} I; typedef {ui} UI; {head}\n#define Q(a, D) blasx_quo((UI)(a), (UI)D, D##_m, D##_s)\n"
             f"for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < (I)total; i += (I)(gridDim.x * blockDim.x))"
-            f" {{{_BODY}}}\n}}\n")
-    return code, name
+            f" {{{body}}}\n#undef Q\n}}\n")
 
 
 def fast_divisor(d: int) -> tuple[int, int]:

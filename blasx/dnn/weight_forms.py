@@ -57,7 +57,7 @@ def shifted_steps(geo: ConvGeometry, parts: list) -> list:
         steps += [cd.Pad(n0, nb, i == 0), cd.Crop(n0, nb, False, i == 0)]
         rows = cd.wide_rows(geo, nb)
         for t, tap in enumerate(np.ndindex(*geo.kernel)):  # dW_t^T (C x K, ld taps*C) += xp_t (C x rows) yw^T
-            off = cd._flat([i * d for i, d in zip(tap, geo.dilation)], ip)
+            off = cd._flat([v * d for v, d in zip(tap, geo.dilation)], ip)
             steps.append(cd.Gemm(("xp", off * C), ("yw", 0), ("dw", t * C), cd.OP_N, cd.OP_T, C, K, rows, C, K,
                                  taps * C, 0, 0, 0, 1, beta))
     return steps
