@@ -124,9 +124,9 @@ def empty(shape, dtype=float, order="C"):
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dt.itemsize
     alloc = getattr(_local, "allocator", None)
-    mem = alloc(nbytes).mem if alloc is not None else _Mem(nbytes, _current_device())
-    a = np.ndarray.__new__(ndarray, shape, dt, buffer=mem.raw)
-    a._mem = mem
+    p = alloc(nbytes) if alloc is not None else MemoryPointer(_Mem(nbytes, _current_device()))
+    a = np.ndarray.__new__(ndarray, shape, dt, buffer=p.mem.raw, offset=p.ptr - p.mem.ptr)
+    a._mem = p.mem
     return a
 
 
@@ -359,6 +359,11 @@ class MemoryPool:
         return MemoryPointer(_Mem(nbytes, _current_device()))
 
 
+def get_allocator():
+    alloc = getattr(_local, "allocator", None)
+    return alloc if alloc is not None else (lambda nbytes: MemoryPointer(_Mem(nbytes, _current_device())))
+
+
 def using_allocator(allocator=None):
     from blasx.threadlocal import setting
     return setting(_local, "allocator", allocator)
@@ -430,7 +435,7 @@ def _build_modules() -> dict:
     cupy.add = np.add  # (a ufunc on the stand-in's arrays: recorded by their __array_ufunc__)
     cuda = types.ModuleType("cupy.cuda")
     for name in ("Device", "Stream", "Event", "get_current_stream", "get_elapsed_time", "alloc_pinned_memory",
-                 "MemoryPointer", "UnownedMemory", "MemoryPool", "using_allocator", "Graph"):
+                 "MemoryPointer", "UnownedMemory", "MemoryPool", "get_allocator", "using_allocator", "Graph"):
         setattr(cuda, name, globals()[name])
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
                                          memcpyDeviceToHost=2, memcpyAsync=_memcpy_async,
@@ -492,7 +497,7 @@ def installed(record_calls: bool = False, copies: bool = False):
     saved = {k: sys.modules.get(k) for k in mods}
     from blasx.dnn import cublas_call
     saved_gemm = cublas_call.strided_batched_ex
-    saved_handles = dict(cublas_call._HANDLES), dict(cublas_call._SPARE)
+    saved_handles = dict(cublas_call._HANDLES), dict(cublas_call._SPARE), dict(cublas_call._RESERVED)
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
@@ -505,6 +510,7 @@ def installed(record_calls: bool = False, copies: bool = False):
     cublas_call.strided_batched_ex = lambda use_extension=True: stub
     cublas_call._HANDLES.clear()
     cublas_call._SPARE.clear()
+    cublas_call._RESERVED.clear()
     from blasx.runtime.devices import cublas_ctypes
     from blasx.dnn import rnn_layer
     saved_cc = (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
@@ -526,7 +532,7 @@ def installed(record_calls: bool = False, copies: bool = False):
         (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
          cublas_ctypes.gemm_ex) = saved_cc
         rnn_layer._strided_batched = saved_sb
-        for table, before in zip((cublas_call._HANDLES, cublas_call._SPARE), saved_handles):
+        for table, before in zip((cublas_call._HANDLES, cublas_call._SPARE, cublas_call._RESERVED), saved_handles):
             table.clear()
             table.update(before)
         for t, before in zip(kernel_tables, saved_kernels):

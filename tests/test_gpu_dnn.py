@@ -399,9 +399,7 @@ def test_implicit_form_vs_torch(direct_route, monkeypatch, dtype, math, case):
     rng = np.random.default_rng(c + k)
     geo = conv_geometry("t", nd, np.zeros((n, c, *size), np.float16), np.zeros((k, c, *(kern,) * nd), np.float16),
                         stride, pad, dil, 1)
-    point = conv_direct.pointwise(geo) and dtype == "float32"  # (TF32 1x1s keep cuBLAS; forced here)
-    if point:
-        monkeypatch.setattr(conv_direct, "FORM", "implicit")
+    monkeypatch.setattr(conv_direct, "FORM", "implicit")  # (the heuristic takes im2col for small grids and 1x1s)
     assert conv_direct.forward_form(geo, dt, conv_direct.FORM, "cl", math) == "implicit"
     fn, fwd = getattr(dnn, f"conv{nd}d"), getattr(F, f"conv{nd}d")
     for i in range(2):
@@ -430,3 +428,42 @@ def test_implicit_form_vs_torch(direct_route, monkeypatch, dtype, math, case):
         gi = getattr(dnn, f"conv{nd}d_input")(x.shape, wd, _device(dy, "cl"), 1, pad, dil, math=math)
         want = getattr(torch.nn.grad, f"conv{nd}d_input")(x.shape, wr, wide(dy), 1, pad, dil).numpy()
         assert rel(gi, want) < tol
+
+
+@pytest.mark.parametrize("dtype,math", [("float32", "ieee"), ("float32", "tf32"), ("float16", "ieee")])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 64), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])
+def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dtype, math, layout, kernel, stride,
+                                                               pad, groups, c):
+    """A loop over fixed operands rewritten in place (a training step's x, weight and dY): forward,
+    backward-data and backward-weight called with their outputs released each time (CuPy's pool hands the same
+    addresses back), so later calls launch CUDA graphs (call_graph.py); every result against torch in
+    float64, on a stream of the caller's."""
+    from blasx.dnn import conv_memo
+    rng = np.random.default_rng(11)
+    dt = np.dtype(dtype)
+    tol = DIRECT_TOL[(dtype, math)]
+    shape_x, shape_w = (4, c, 13, 11), (32, c // groups, kernel, kernel)
+    xs, ws = _device(np.zeros(shape_x, dt), layout), _device(np.zeros(shape_w, dt), layout)
+    ref_shape = F.conv2d(torch.zeros(shape_x), torch.zeros(shape_w), None, stride, pad, 1, groups).shape
+    dys = _device(np.zeros(tuple(ref_shape), dt), layout)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(6):
+            xh = rng.standard_normal(shape_x).astype(dt)
+            wh = (rng.standard_normal(shape_w) / 4).astype(dt)
+            dyh = rng.standard_normal(tuple(ref_shape)).astype(dt)
+            for dev, host in ((xs, xh), (ws, wh), (dys, dyh)):
+                dev[...] = cupy.asarray(host)  # in place: the same addresses every step
+            y = dnn.conv2d(xs, ws, None, stride, pad, 1, groups, math=math)
+            gi = dnn.conv2d_input(shape_x, ws, dys, stride, pad, 1, groups, math=math)
+            gw = dnn.conv2d_weight(xs, shape_w, dys, stride, pad, 1, groups, math=math)
+            stream.synchronize()
+            assert rel(y, F.conv2d(wide(xh), wide(wh), None, stride, pad, 1, groups).numpy()) < tol, i
+            want_i = torch.nn.grad.conv2d_input(shape_x, wide(wh), wide(dyh), stride, pad, 1, groups)
+            want_w = torch.nn.grad.conv2d_weight(wide(xh), shape_w, wide(dyh), stride, pad, 1, groups)
+            assert rel(gi, want_i.numpy()) < tol and rel(gw, want_w.numpy()) < tol, i
+            assert (cupy.moveaxis(gw, 1, -1) if layout == "cl" else gw).flags.c_contiguous  # the operands' layout
+            del y, gi, gw
+    replays = [getattr(r.run, "graphs", None) for r in conv_memo._TABLE.entries.values()]
+    assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)

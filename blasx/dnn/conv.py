@@ -476,10 +476,9 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)
 
-        def finish(dwm):  # the (K, CRS) matrix as the weight's shape, C-contiguous
+        def finish(dwm):  # the (K, CRS) matrix as the weight's shape, in the operands' layout
             if cl:
-                return xp.ascontiguousarray(dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1,
-                                                                                                *range(1, nd + 1)))
+                return dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1))
             return dwm.reshape(wsize)
         dwm, plan = conv_direct.weight(geo, xb, dy, cl, math)
         if memo is not None and plan is not None and xb is xb_in and dy is dy_in:
@@ -510,8 +509,8 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
                                 split=split[0] if scratch else 1, p0=len(views))
     dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 0.0, (crs, geo.k, _rows_hint(n * p)),
                             scratch=partials, math=math)
-    if cl:
-        return xp.ascontiguousarray(dwm.transpose(0, nd + 1, *range(1, nd + 1)))
+    if cl:  # a channels-last weight, as torch gives for channels-last operands
+        return dwm.transpose(0, nd + 1, *range(1, nd + 1))
     return dwm
 
 

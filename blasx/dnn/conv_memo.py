@@ -24,7 +24,7 @@ import numpy as np
 from .. import perfdb, precision
 from ..operands import is_cupy
 from ..runtime import dtypes
-from . import conv_direct, direct_cache
+from . import call_graph, conv_direct, direct_cache
 
 _TABLE = direct_cache.table(256)
 
@@ -113,11 +113,9 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         if issue is not None:
             return _gemm_replay(issue, make_y, weight_of, epilogue, flops)
 
-    def run(x, w, extras=None):
-        done = None if epilogue is None else epilogue(extras)
+    def launch(x, w, y):
         if weight_of is not None:
             w = weight_of(w)
-        y = make_y()
         g = geo
         if cpad is not None:  # x and the weight's (K, taps * C) rows padded as the full path pads them
             rows = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
@@ -126,10 +124,7 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
         direct_cuda.CudaOps(g, cl, bufs, dt, math).run(plan.steps, plan.launches)
-        if done is not None:
-            done(y)
-        return y
-    return Replay(run, flops)
+    return _launch_replay(launch, make_y, epilogue, flops)
 
 
 def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops) -> Replay:
@@ -148,7 +143,7 @@ def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops
             direct_cuda.CudaOps(geo, cl, {"x": x, "w": w, "y": y}, dt, math).run(plan.steps, plan.launches)
         else:
             go(stream_of().ptr, px, pw, py)
-    return _one_launch_replay(launch, make_y, weight_of, epilogue, flops)
+    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops)
 
 
 def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
@@ -159,42 +154,65 @@ def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
 
     def launch(x, w, y):
         issue(stream_of().ptr, x.data.device_id, x, w, y)
-    return _one_launch_replay(launch, make_y, weight_of, epilogue, flops)
+    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops)
 
 
-def _one_launch_replay(launch, make_y, weight_of, epilogue, flops) -> Replay:
-    """The replay that checks the epilogue's operands, makes the weight (``weight_of``) and y, runs
-    ``launch(x, w, y)``, then the epilogue."""
+def _weighted(launch, weight_of):
+    """``launch`` on the weight made by ``weight_of`` from the caller's (None: the caller's)."""
+    if weight_of is None:
+        return launch
+    return lambda x, w, y: launch(x, weight_of(w), y)
+
+
+def _launch_replay(launch, make_y, epilogue, flops) -> Replay:
+    """The replay that makes y and runs ``launch(x, w, y)`` (its scratch its own): from a CUDA graph keyed by the
+    operands' addresses where the call has no epilogue (call_graph.py), else eagerly after checking the
+    epilogue's operands, then the epilogue."""
+    if epilogue is None:
+        graphs = call_graph.Graphs(launch)
+
+        def run_plain(x, w, extras=None):
+            y = make_y()
+            graphs.run(x, w, y)
+            return y
+        run_plain.graphs = graphs
+        return Replay(run_plain, flops)
+
     def run(x, w, extras=None):
-        done = None if epilogue is None else epilogue(extras)
-        if weight_of is not None:
-            w = weight_of(w)
+        done = epilogue(extras)
         y = make_y()
         launch(x, w, y)
-        if done is not None:
-            done(y)
+        done(y)
         return y
     return Replay(run, flops)
 
 
-def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay | None:
+def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay:
     """The replay of a weight-gradient call that ran ``plan`` (direct_cuda.WeightPlan) on x and dY, its result
-    ``finish(dw)``; a plan of one GEMM without scratch issues it with its arguments packed once."""
+    ``finish(dw)`` of the ``(K, CRS)`` matrix ``dw``; from a CUDA graph keyed by the operands' addresses
+    (call_graph.py); a plan of one GEMM without scratch issues it with its arguments packed once."""
+    import cupy
+
     from . import direct_cuda
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs
+    dt = np.dtype(dtype)
     issue = None
-    if not plan.scratch and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch:
+    if not plan.scratch and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch \
+            and plan.dw_dtype == dt:
         issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "dy": 1, "dw": 2}, dtype, math)
     if issue is not None:
-        import cupy
-        stream_of, shape, dw_dtype = cupy.cuda.get_current_stream, (geo.k, geo.crs), plan.dw_dtype
+        stream_of = cupy.cuda.get_current_stream
 
-        def run_one(x, dy, extras=None):
-            dw = cupy.empty(shape, dtype=dw_dtype)
+        def launch(x, dy, dw):
             issue(stream_of().ptr, x.data.device_id, x, dy, dw)
-            return finish(direct_cuda.dw_result(dw, dtype))
-        return Replay(run_one, flops)
+    else:
+        def launch(x, dy, dw):
+            direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy, out=dw)
+    graphs, shape = call_graph.Graphs(launch), (geo.k, geo.crs)
 
     def run(x, dy, extras=None):
-        return finish(direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy))
+        dw = cupy.empty(shape, dtype=dt)
+        graphs.run(x, dy, dw)
+        return finish(dw)
+    run.graphs = graphs
     return Replay(run, flops)

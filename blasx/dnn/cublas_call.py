@@ -79,6 +79,9 @@ def _take_handle(device_id: int, stream: int):
     stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
     executor) keeps a workspace no other stream writes. Past MAX_STREAMS streams, handles are shared per device
     and their stream and workspace set whenever the stream changes."""
+    h = _RESERVED.get((device_id, stream)) if _RESERVED else None
+    if h is not None:
+        return (device_id, stream), h
     bound = (device_id, stream) in _HANDLES or len(_HANDLES) < MAX_STREAMS
     key = (device_id, stream) if bound else device_id
     try:
@@ -93,6 +96,20 @@ def _take_handle(device_id: int, stream: int):
     return key, h
 
 
+def reserve(device_id: int, stream: int) -> None:
+    """Give ``stream`` (a graph capture stream, call_graph.py) a handle of its own, bound to it with its own
+    workspace, made now (never inside a capture): GEMMs issued on it use that handle whatever
+    MAX_STREAMS says, so graphs captured there keep a workspace no other stream writes."""
+    key = (device_id, stream)
+    if key not in _RESERVED:
+        from ..runtime.devices import cublas_ctypes
+        h = _new_handle()
+        cublas_ctypes.set_stream(h[0], stream)
+        cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)
+        _RESERVED[key] = (h[0], h[1], stream)
+
+
+_RESERVED: dict = {}  # (device id, capture stream) -> its handle (one capture at a time: call_graph's lock)
 _SPARE: dict = {}  # device id -> handles of Workspaces that were dropped
 
 
@@ -132,4 +149,5 @@ def _new_handle() -> tuple:
 
 
 def _give_handle(key, h) -> None:
-    _HANDLES[key].append(h)
+    if _RESERVED.get(key) is not h:
+        _HANDLES[key].append(h)

@@ -220,28 +220,22 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
 _WEIGHT_PLANS = direct_cache.table(512)
 
 
-def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightPlan, x, dy):
-    """dW = ``plan`` run on x and dY: the ``(K, CRS)`` row-major matrix of x's type."""
+def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightPlan, x, dy, out=None):
+    """dW = ``plan`` run on x and dY: the ``(K, CRS)`` row-major matrix of x's type (written into ``out`` where
+    given)."""
     import cupy
     dt = np.dtype(dtype)
     bufs = {name: empty_bits(size, dt) for name, size in plan.scratch.items()}
-    dw = cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
+    if out is None:
+        out = cupy.empty((geo.k, geo.crs), dtype=dt)
+    dw = out if plan.dw_dtype == dt else cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
     bufs.update(x=x, dy=dy, dw=dw, y=dy)  # (the shifted form's Crop copies "y", here dY, into yw)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    return dw_result(dw, dt)
-
-
-def dw_result(dw, dtype):
-    """A weight gradient computed as ``dw`` (its plan's dw type) in the operand type ``dtype``."""
-    import cupy
-    dt = np.dtype(dtype)
-    if dw.dtype == dt:
-        return dw
-    out = cupy.empty(dw.shape, dtype=dt)
-    if dt == np.float16:
-        out[...] = dw
-    else:  # bfloat16: rounded to nearest even from float32's bits
-        round_bf16()(dw, _bits(out).reshape(dw.shape))
+    if dw is not out:  # rounded once, after the last chunk's GEMM
+        if dt == np.float16:
+            out[...] = dw
+        else:  # bfloat16: rounded to nearest even from float32's bits
+            round_bf16()(dw, _bits(out).reshape(dw.shape))
     return out
 
 

@@ -1,0 +1,193 @@
+"""Replayed convolution calls captured into CUDA graphs (call_graph.py), on the CPU stand-in for CuPy
+(bench/fake_cupy.py): a kept call whose operands come back to the same addresses is captured on its second
+sighting and launched from the graph after; the graph holds exactly the launches an eager replay makes (every
+pointer into the operands the same, scratch in the stream's arena); new addresses run eagerly; a failed
+capture falls back to the eager call; an arena that grows retires the graphs captured in the old one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench import fake_cupy
+from blasx.dnn import call_graph, conv_memo, cublas_call, direct_cache
+from blasx.dnn import conv_direct as cd
+from test_dnn_conv_memo import CASES, _arr, _call, _masked
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    direct_cache.clear()
+    yield
+    direct_cache.clear()
+
+
+def _same_addresses():
+    """An allocator handing out one block per size, whatever is still alive (a loop's pool in steady state)."""
+    blocks = {}
+
+    def alloc(nbytes):
+        if nbytes not in blocks:
+            blocks[nbytes] = fake_cupy.MemoryPointer(fake_cupy._Mem(nbytes, 0))
+        return blocks[nbytes]
+    return alloc
+
+
+def _graphs_of_the_one_kept_call():
+    (replay,) = conv_memo._TABLE.entries.values()
+    return replay.run.graphs
+
+
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(case, dtype, cl):
+    _, direction, c, k, kern, stride, pad, groups = case
+    dt = np.dtype(dtype)
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x = _arr(cupy, (4, c, 10, 10), dt, cl)
+            w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
+            side = (10 + 2 * pad - kern) // stride + 1
+            dy = _arr(cupy, (4, k, side, side), dt, cl)
+            named = {"x": x, "w": w, "dy": dy}
+            with cupy.cuda.using_allocator(_same_addresses()):
+                want = _call(direction, x, w, dy, stride, pad, groups)  # the full path
+                if not conv_memo._TABLE.entries:
+                    pytest.skip("not kept (the shifted form's NCHW weight transform)")
+                fake.log.clear()
+                eager_y = _call(direction, x, w, dy, stride, pad, groups)  # first sighting: eager
+                eager = _masked(fake.log, named)
+                fake.log.clear()
+                captured_y = _call(direction, x, w, dy, stride, pad, groups)  # second: captured, then launched
+                at_capture = list(fake.log)
+                fake.log.clear()
+                got = _call(direction, x, w, dy, stride, pad, groups)  # third: the graph alone
+                later = list(fake.log)
+            graphs = _graphs_of_the_one_kept_call()
+    ((graph, arena, generation, _),) = graphs.graphs.values()
+    stream = 0  # (the null stream, CuPy's default)
+    assert _masked(graph.entries, named) == eager and any(e[0] in ("gemm", "raw_kernel") for e in eager)
+    assert at_capture == later == [("graph_launch", len(graph.entries), stream)]
+    assert graphs.replays == 1 and graphs.fails == 0 and generation == arena.generation
+    for y in (eager_y, captured_y, got):
+        assert (y.shape, y.strides, y.dtype) == (want.shape, want.strides, want.dtype)
+    assert eager_y.data.ptr == captured_y.data.ptr == got.data.ptr
+
+
+def _graphs_world(cupy, need_bytes=1024, fail=None):
+    """A Graphs whose launch allocates ``need_bytes`` of scratch and records its pointers."""
+    calls = []
+
+    def launch(x, w, y):
+        scratch = cupy.empty(need_bytes, dtype=np.uint8)
+        capturing = cupy.cuda.get_current_stream().is_capturing()
+        if fail is not None and capturing and fail():
+            raise RuntimeError("capture invalidated")
+        calls.append((capturing, scratch.data.ptr))
+        fake_cupy.record("work", x.data.ptr, y.data.ptr)
+    return call_graph.Graphs(launch), calls
+
+
+def test_the_policy_eager_then_captured_then_launched_per_address_triple():
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            x, w = cupy.empty(8, dtype=np.float32), cupy.empty(8, dtype=np.float32)
+            ys = [cupy.empty(8, dtype=np.float32) for _ in range(call_graph.KEPT + 2)]
+            g, calls = _graphs_world(cupy)
+            g.run(x, w, ys[0])
+            assert calls == [(False, calls[0][1])] and fake.log[-1][0] == "work"  # eager
+            g.run(x, w, ys[0])
+            assert calls[-1][0] is True and fake.log[-1][0] == "graph_launch"  # captured, launched
+            n = len(calls)
+            g.run(x, w, ys[0])
+            assert len(calls) == n and fake.log[-1][0] == "graph_launch"  # the graph alone
+            g.run(x, w, ys[1])
+            assert calls[-1][0] is False  # a new output address: eager
+            a = call_graph.arena(0, 0)
+            for y in ys:
+                g.run(x, w, y)
+                g.run(x, w, y)
+            assert len(g.graphs) == call_graph.KEPT  # the least recently used dropped
+            lo, hi = a.buf.data.ptr, a.buf.data.ptr + a.size
+            assert all(lo <= p < hi for capturing, p in calls if capturing)  # scratch in the arena
+            call_graph.ENABLED = False
+            try:
+                n = len(calls)
+                g.run(x, w, ys[-1])
+                assert len(calls) == n + 1 and calls[-1][0] is False
+            finally:
+                call_graph.ENABLED = True
+
+
+def test_a_failed_capture_runs_eagerly_and_enough_failures_stop_capturing():
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            x, w, y = (cupy.empty(8, dtype=np.float32) for _ in range(3))
+            g, calls = _graphs_world(cupy, fail=lambda: True)
+            g.run(x, w, y)
+            for i in range(call_graph.TRIES):
+                fake.log.clear()
+                g.run(x, w, y)
+                assert [e[0] for e in fake.log] == ["work"] and g.fails == i + 1  # eager after the failure
+                assert not cupy.cuda.get_current_stream().is_capturing()
+            assert "capture invalidated" in g.error and not g.graphs
+            n = len(calls)
+            g.run(x, w, y)
+            assert len(calls) == n + 1 and calls[-1][0] is False  # no capture tried any more
+
+
+def test_a_grown_arena_retires_the_graphs_captured_in_the_old_one():
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            x, w, y = (cupy.empty(8, dtype=np.float32) for _ in range(3))
+            small, small_calls = _graphs_world(cupy, need_bytes=1024)
+            big, _ = _graphs_world(cupy, need_bytes=1 << 16)
+            for _ in range(2):
+                small.run(x, w, y)
+            a = call_graph.arena(0, 0)
+            first = a.generation
+            for _ in range(2):
+                big.run(x, w, y)
+            assert a.generation == first + 1 and a.size >= 1 << 16
+            n = len(small_calls)
+            small.run(x, w, y)  # its graph is of the old arena: captured again, not launched stale
+            assert len(small_calls) == n + 1 and small_calls[-1][0] is True
+            ((_, _, generation, _),) = small.graphs.values()
+            assert generation == a.generation
+
+
+def test_scratch_beyond_what_the_eager_run_allocated_comes_from_the_pool_and_stays_with_the_graph():
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            x, w, y = (cupy.empty(8, dtype=np.float32) for _ in range(3))
+            sizes = iter([512, 4096])
+
+            def launch(x, w, y):
+                cupy.empty(next(sizes), dtype=np.uint8)
+            g = call_graph.Graphs(launch)
+            g.run(x, w, y)
+            g.run(x, w, y)
+            ((_, a, _, (buf, overflow)),) = g.graphs.values()
+            assert buf is a.buf and len(overflow) == 1 and overflow[0].mem.raw.nbytes >= 4096
+
+
+def test_a_capture_stream_has_a_cublas_handle_of_its_own():
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            for s in range(cublas_call.MAX_STREAMS + 1):
+                key, h = cublas_call._take_handle(0, 0x9000 + s)
+                cublas_call._give_handle(key, h)
+            capture = call_graph.arena(0, 0).capture.ptr
+            key, h = cublas_call._take_handle(0, capture)
+            assert h is cublas_call._RESERVED[(0, capture)] and h[2] == capture
+            cublas_call._give_handle(key, h)
+            assert h not in cublas_call._HANDLES.get(key, [])
+            key2, h2 = cublas_call._take_handle(0, capture)
+            assert h2 is h
