@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from blasx.dnn import conv_direct as cd
-from blasx.dnn import igemm
+from blasx.dnn import call_graph, igemm
 from blasx.dnn.geometry import conv_geometry
 
 torch = pytest.importorskip("torch")
@@ -117,8 +117,8 @@ def test_plan_launch_by_exact_value():
     assert tf.smem == max(4 * 384 * 128, 128 * 260 * 4) + 1024 and tf.part == 0
 
 
-def test_applies_and_the_forms_it_joins():
-    geo = _geo(8, 64, 64, (14, 14), (3, 3), 1, 1)
+def test_applies_and_the_forms_it_joins(monkeypatch):
+    geo = _geo(64, 64, 64, (14, 14), (3, 3), 1, 1)  # 12,544 output pixels
     f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
     assert igemm.applies(geo, f16, True, None)
     assert not igemm.applies(geo, f16, False, None)  # NCHW
@@ -133,17 +133,23 @@ def test_applies_and_the_forms_it_joins():
     assert cd.forward_form(geo, f16, None, "cl", None, capable=True) == "implicit"
     assert cd.forward_form(geo, f16, None, "nchw", None, capable=True) == "im2col"
     assert cd.forward_form(geo, f16, "shifted", "cl", None, capable=True) == "shifted"
+    small = _geo(2, 64, 64, (14, 14), (3, 3), 1, 1)  # 392 output pixels: the grid is short of the SMs
+    assert cd.forward_form(small, f16, None, "cl", None, capable=True) == "im2col"
+    assert cd.forward_form(small, f16, "implicit", "cl", None, capable=True) == "implicit"
     point = _geo(8, 64, 64, (14, 14), (1, 1))
     assert cd.forward_form(point, f16, None, "cl", None, capable=True) == "im2col"  # a plain GEMM: cuBLAS
     assert cd.forward_form(point, f16, "implicit", "cl", None, capable=True) == "implicit"
-    # 1x1s the kernel takes (igemm.pays_pointwise): 2-byte types, 4 k-tiles or more, few pixels or channels
+    # 1x1s the kernel takes (igemm.pays_pointwise) where calls are issued one by one: 2-byte types, 4 k-tiles
+    # or more, few pixels or channels; from CUDA graphs (the default) cuBLAS's GEMM, whose GPU time is less
     deep = _geo(64, 1024, 256, (14, 14), (1, 1))
-    assert igemm.pays_pointwise(deep, f16) and cd.forward_form(deep, f16, None, "cl", None, capable=True) == "implicit"
+    assert igemm.pays_pointwise(deep, f16) and cd.forward_form(deep, f16, None, "cl", None, capable=True) == "im2col"
+    monkeypatch.setattr(call_graph, "ENABLED", False)
+    assert cd.forward_form(deep, f16, None, "cl", None, capable=True) == "implicit"
     assert not igemm.pays_pointwise(deep, f32) and cd.forward_form(deep, f32, None, "cl", "tf32", True) == "im2col"
     assert not igemm.pays_pointwise(_geo(64, 128, 512, (28, 28), (1, 1)), f16)  # 2 k-tiles
     assert not igemm.pays_pointwise(_geo(64, 256, 128, (56, 56), (1, 1)), f16)  # 200,704 pixels, 128 channels
     assert igemm.pays_pointwise(_geo(64, 256, 64, (56, 56), (1, 1)), f16)
-    assert cd.forward_form(_geo(8, 64, 64, (14, 14), (1, 1), 2), f16, None, "cl", None, capable=True) == "implicit"
+    assert cd.forward_form(_geo(64, 64, 64, (28, 28), (1, 1), 2), f16, None, "cl", None, capable=True) == "im2col"
 
 
 def test_split_partials_fall_back_within_the_budget():

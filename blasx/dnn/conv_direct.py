@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..threadlocal import setting
-from . import direct_cache, finddb, igemm
+from . import call_graph, direct_cache, finddb, igemm
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -169,8 +169,11 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     BLASX_CONV_FORM); the find-db's entry for the problem in ``layout`` and ``math`` on GPU ``device``
     (None: CuPy's current one; finddb.stored_form); the heuristic:
 
-    - implicit wherever it applies and the convolution has a kernel window or a stride; for a 1x1 stride-1
-      convolution (a plain GEMM on x) where igemm.pays_pointwise says it beats cuBLAS's GEMM;
+    - implicit where it applies, the convolution has a kernel window and at least IMPLICIT_MIN_PIXELS output
+      pixels (fewer leave the kernel's grid short of the GPU's SMs; the im2col GEMM is faster there); for a
+      1x1 stride-1 convolution (a plain GEMM on x) only where calls are issued one by one (no CUDA graphs:
+      call_graph.ENABLED off, no Workspace) and igemm.pays_pointwise says its launch beats cuBLAS's call on
+      the host; never for a strided 1x1 (its gather is a cheap subsample);
     - shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
       (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels,
       for 4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only
@@ -190,7 +193,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     stored = finddb.stored_form(geo, dtype, layout, math, device)
     if stored in applicable:
         return stored
-    if "implicit" in applicable and (not pointwise(geo) or igemm.pays_pointwise(geo, dtype)):
+    if "implicit" in applicable and _implicit_pays(geo, dtype):
         return "implicit"
     if "shifted" not in applicable:
         return "im2col"
@@ -198,6 +201,17 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     gpu_time = (np.dtype(dtype).itemsize >= 4 and math != "tf32") or direct_cache.workspace() is not None
     ok = gpu_time and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
+
+
+IMPLICIT_MIN_PIXELS = 8192  # output pixels (N * P) from which the implicit kernel beats im2col's gather + GEMM
+
+
+def _implicit_pays(geo: ConvGeometry, dtype) -> bool:
+    """The heuristic's implicit rule (see forward_form)."""
+    if pointwise(geo):
+        graphs = call_graph.ENABLED or direct_cache.workspace() is not None
+        return not graphs and igemm.pays_pointwise(geo, dtype)
+    return prod(geo.kernel) > 1 and geo.n * geo.p >= IMPLICIT_MIN_PIXELS
 
 
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
