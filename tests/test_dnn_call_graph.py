@@ -191,3 +191,14 @@ def test_a_capture_stream_has_a_cublas_handle_of_its_own():
             assert h not in cublas_call._HANDLES.get(key, [])
             key2, h2 = cublas_call._take_handle(0, capture)
             assert h2 is h
+
+
+def test_calls_on_a_per_thread_default_stream_stay_eager():
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cupy.cuda.Stream(ptr=2):  # cudaStreamPerThread: another stream per thread
+            x, w, y = (cupy.empty(8, dtype=np.float32) for _ in range(3))
+            g, calls = _graphs_world(cupy)
+            for _ in range(3):
+                g.run(x, w, y)
+            assert [c[0] for c in calls] == [False] * 3 and not g.graphs and not g.seen

@@ -16,6 +16,7 @@ Invariants:
   else issues on (cublas_call.reserve);
 - an arena that grows gets a new generation: graphs of an older one are captured again (each holds the memory
   it was captured with until it is dropped);
+- calls on a per-thread default stream run eagerly (its pointer names another stream in each thread);
 - only calls without an epilogue are captured (bias, scale, shift and residual stay eager: their device
   vectors are cached by contents, not by address).
 
@@ -80,6 +81,9 @@ class Arena:
         return p
 
 
+# stream pointers naming a different stream in each thread (cudaStreamPerThread; CuPy's null stream where CuPy
+# runs on per-thread default streams): graphs there could share an arena between threads' concurrent work
+_PER_THREAD = (2, 0) if os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1" else (2,)
 _ARENAS = direct_cache.table(64)  # (device, stream pointer) -> Arena; emptied with the other caches
 
 
@@ -104,6 +108,8 @@ class Graphs:
             return self.launch(x, w, y)
         import cupy
         stream = cupy.cuda.get_current_stream()
+        if stream.ptr in _PER_THREAD:  # one pointer for every thread's own stream: no shared arena
+            return self.launch(x, w, y)
         key = (stream.ptr, x.data.ptr, w.data.ptr, y.data.ptr)
         g = self.graphs.get(key)
         if g is not None:
