@@ -33,11 +33,9 @@ def _masked(log, named: dict):
             if lo <= p < hi:
                 return (n, p - lo)
         return "fresh"
-    out, streams = [], {}
+    out = []
     for e in log:
-        if e[0] in ("event_record", "wait_event"):  # streams by order of appearance (side streams are remade)
-            out.append((e[0], streams.setdefault(e[1], len(streams))))
-        elif e[0] == "gemm":
+        if e[0] == "gemm":
             args = list(e[1:])
             for i in (6, 10, 15):  # A, B, C
                 args[i] = ptr(args[i])

@@ -150,7 +150,7 @@ class NumpyOps:
         ok &= (np.fmod(u0, z0) == 0) & (np.fmod(u1, z1) == 0) & (np.fmod(u2, z2) == 0)
         u0, u1, u2 = np.trunc(u0 / z0).astype(int), np.trunc(u1 / z1).astype(int), np.trunc(u2 / z2).astype(int)
         ok &= (u0 < I0) & (u1 < I1) & (u2 < I2)
-        x, col = self.bufs["x"], self.bufs[s.buf]
+        x, col = self.bufs["x"], self.bufs["col"]
         src = (n0 + j) * sn + (goff + c) * sc + u0 * s0 + u1 * s1 + u2 * s2
         dst = j * on + r * orr + p * op
         assert dst.max() < col.size and len(np.unique(dst)) == dst.size, "the gather's writes collide or overflow"
@@ -204,9 +204,6 @@ class NumpyOps:
                got.ctypes.data, c2.kernel_args(g, self.cl, s), acc.size)
             assert np.isnan(got[:base]).all() and np.allclose(got[base:], acc.ravel(), rtol=1e-12, atol=1e-12)
 
-    def side_wait(self, s):  # (steps run in order here: the side stream's gathers are done)
-        pass
-
     def copy_dy(self, s):
         g = self.geo
         dy = self.bufs["dy"].reshape(g.n, g.k, g.p)
@@ -254,8 +251,11 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
         steps = wf.shifted_steps(geo, parts)
         scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
     else:
-        steps, scratch = cd.weight_plan(geo, cl, 8, budget)
-        parts = [(s.n0, s.nb) for s in steps if isinstance(s, cd.Gather) and s.group == 0] or [(0, geo.n)]
+        per = cd.weight_scratch(geo, cl)
+        parts = cd.chunks(geo.n, per * 8, budget)
+        nb = max(nb for _, nb in parts)
+        steps = cd.weight_steps(geo, cl, parts)
+        scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
     bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
@@ -329,10 +329,7 @@ def test_forward_and_weight_plans_vs_torch(case, budget):
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, pad, dil, groups).numpy()
     ymem = np.full(ref.size, np.nan)
     parts, _ = emulated_forward(geo, memory(x, cl), cl, _wrows(w, cl), ymem, None, budget, "im2col")
-    if cd.pipelined(geo, cl):  # (the chunks of a pipelined plan, two buffers of them within the budget)
-        assert parts == cd.pipeline_parts(geo.n, cd.forward_scratch(geo) * 8, budget)
-    else:
-        assert len(parts) // (1 if cd.pointwise(geo) else groups) == (1 if budget > 1 or cd.pointwise(geo) else geo.n)
+    assert len(parts) // (1 if cd.pointwise(geo) else groups) == (1 if budget > 1 or cd.pointwise(geo) else geo.n)
     assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
     dw, _ = emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, budget)
@@ -715,20 +712,3 @@ def test_fast_divisor_quotients():
     for bad in (0, -3, 2**31):
         with pytest.raises(ValueError, match="d: got"):
             gk.fast_divisor(bad)
-
-
-def test_a_pipelined_plan_gathers_two_chunks_ahead_into_two_buffers():
-    """cd.pipeline by exact value: gathers on the side stream (tagged by chunk) two ahead of the GEMMs, into
-    col and col2 in turn; each GEMM after a wait for its own gather; a gather issued after the GEMM that read
-    its buffer last; the chunks of PIPELINE_PARTS within the budget for two buffers."""
-    parts = [(0, 2), (2, 2), (4, 2), (6, 1)]
-    gather = lambda i, part, buf: cd.Gather(0, part[0], part[1], 1, 1, 1, False, buf)  # noqa: E731
-    gemm = lambda i, part, buf: ("gemm", i, buf)  # noqa: E731
-    g = [gather(i, p, ("col", "col2")[i % 2])._replace(side=i) for i, p in enumerate(parts)]
-    assert cd.pipeline(parts, gather, gemm) == [
-        g[0], g[1], cd.SideWait(0), ("gemm", 0, "col"), g[2], cd.SideWait(1), ("gemm", 1, "col2"), g[3],
-        cd.SideWait(2), ("gemm", 2, "col"), cd.SideWait(3), ("gemm", 3, "col2")]
-    assert cd.pipeline_parts(7, 100, 1 << 20) == parts
-    assert cd.pipeline_parts(7, 100, 400) == [(i, 2) for i in range(0, 6, 2)] + [(6, 1)]  # 2 x 2 images fit
-    assert cd.pipeline_parts(7, 100, 300) == [(i, 1) for i in range(7)]
-    assert cd.pipeline_parts(2, 100, 1 << 20) == [(0, 1), (1, 1)]

@@ -49,9 +49,8 @@ SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (ke
 
 class Gather(NamedTuple):
     """col's element (image j of the chunk, reduction row r, output pixel p) of group ``group`` for
-    images ``n0 .. n0 + nb - 1`` at ``j * on + r * orr + p * op`` of scratch ``buf``; threads run over p
-    fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x). ``side`` >= 0: on the side
-    stream, after the main stream's work so far, its completion marked for SideWait(side)."""
+    images ``n0 .. n0 + nb - 1`` at ``j * on + r * orr + p * op`` of ``col``; threads run over p
+    fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x)."""
 
     group: int
     n0: int
@@ -60,14 +59,6 @@ class Gather(NamedTuple):
     orr: int
     op: int
     pixel_fastest: bool
-    buf: str = "col"
-    side: int = -1
-
-
-class SideWait(NamedTuple):
-    """The main stream waits for the side stream's Gather ``tag``."""
-
-    tag: int
 
 
 class Gemm(NamedTuple):
@@ -130,36 +121,6 @@ def chunks(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:
     within ``budget`` bytes (one image at least)."""
     nb = n if per_image == 0 else max(1, min(n, budget // per_image))
     return [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-
-
-PIPELINE_PARTS = 4  # chunks of a pipelined plan: each chunk's gather overlaps the GEMM of the one before
-
-
-def pipelined(geo: ConvGeometry, cl: bool) -> bool:
-    """Whether an im2col plan gathers on a side stream while the GEMMs run (``pipeline``): channels-last, one
-    group, a kernel window or stride, two images or more, and calls replayed from CUDA graphs (call_graph:
-    the plan's extra launches would cost a call issued one by one more host time than the overlap saves)."""
-    return cl and geo.groups == 1 and geo.n >= 2 and not pointwise(geo) and call_graph.ENABLED
-
-
-def pipeline_parts(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:
-    """PIPELINE_PARTS chunks of ``n`` images (fewer where there are fewer images), two chunks' scratch
-    (``per_image`` bytes an image) within ``budget``."""
-    nb = max(1, min(-(-n // PIPELINE_PARTS), budget // max(1, 2 * per_image)))
-    return [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
-
-
-def pipeline(parts: list, gather, gemm) -> list:
-    """Steps of the chunks ``parts``: ``gather(i, part, buf)`` (a Gather) on the side stream two chunks ahead
-    of ``gemm(i, part, buf)`` (a Gemm reading it), into buffers col and col2 in turn. A gather waits for the
-    GEMMs issued before it (the one that read its buffer last among them), a GEMM for its own gather only."""
-    bufs = ("col", "col2")
-    steps = [gather(i, part, bufs[i % 2])._replace(side=i) for i, part in enumerate(parts[:2])]
-    for i, part in enumerate(parts):
-        steps += [SideWait(i), gemm(i, part, bufs[i % 2])]
-        if i + 2 < len(parts):
-            steps.append(gather(i + 2, parts[i + 2], bufs[i % 2])._replace(side=i + 2))
-    return steps
 
 
 def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list:
@@ -358,13 +319,6 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, f
     if form == "implicit":
         return implicit_plan(geo, dtype, budget)
     per = forward_scratch(geo, form)
-    if form == "im2col" and pipelined(geo, cl):  # y's columns of each chunk from its col
-        parts = pipeline_parts(geo.n, per * np.dtype(dtype).itemsize, budget)
-        nb, p, kg, crs, K = max(nb for _, nb in parts), geo.p, geo.kg, geo.crs, geo.k
-        steps = pipeline(parts, lambda i, part, buf: Gather(0, part[0], part[1], p * crs, 1, crs, False, buf),
-                         lambda i, part, buf: Gemm(("w", 0), (buf, 0), ("y", part[0] * p * K), OP_T, OP_N, kg,
-                                                   part[1] * p, crs, crs, crs, K, 0, 0, 0, 1, beta))
-        return steps, {"col": nb * per, "col2": nb * per}
     parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)
     nb = max(nb for _, nb in parts)
     if form == "shifted":
@@ -409,10 +363,6 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
     if cl and pointwise(geo):
         return [Gemm(("x", g * geo.cg), ("dy", g * kg), ("dw", g * kg * crs), OP_N, OP_T, crs, kg, geo.n * p,
                      geo.c, K, crs, 0, 0, 0, 1, 0.0) for g in range(G)]
-    if pipelined(geo, cl) and len(parts) > 1:  # dW^T (crs x K) += col_i (crs x nb*P) dY_i^T
-        return pipeline(parts, lambda i, part, buf: Gather(0, part[0], part[1], p * crs, 1, crs, False, buf),
-                        lambda i, part, buf: Gemm((buf, 0), ("dy", part[0] * p * K), ("dw", 0), OP_N, OP_T, crs, K,
-                                                  part[1] * p, crs, K, crs, 0, 0, 0, 1, 0.0 if i == 0 else 1.0))
     for i, (n0, nb) in enumerate(parts):
         beta = 0.0 if i == 0 else 1.0
         if not cl:
@@ -429,23 +379,6 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
     return steps
 
 
-def weight_plan(geo: ConvGeometry, cl: bool, itemsize: int, budget: int) -> tuple[list, dict]:
-    """(steps, scratch buffer name -> elements) of the im2col weight gradient with scratch of at most
-    ``budget`` bytes (elements of ``itemsize`` bytes; one image a chunk at least)."""
-    per = weight_scratch(geo, cl)
-    pipe = per and pipelined(geo, cl)
-    parts = (pipeline_parts if pipe else chunks)(geo.n, per * itemsize, budget)
-    steps, scratch = weight_steps(geo, cl, parts), {}
-    if per:
-        nb = max(nb for _, nb in parts)
-        scratch["col"] = geo.crs * geo.p * nb
-        if pipe and len(parts) > 1:
-            scratch["col2"] = scratch["col"]
-        if not cl:
-            scratch["dyc"] = nb * per - scratch["col"]
-    return steps, scratch
-
-
 def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     """Scratch elements per image of the weight plan (col, and dY's copy for NCHW)."""
     if cl and pointwise(geo):
@@ -453,8 +386,7 @@ def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
-_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit",
-        SideWait: "side_wait"}
+_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit"}
 
 
 def run(steps: list, ops) -> None:
@@ -492,7 +424,7 @@ def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
 
 def switches() -> tuple:
     """The module's settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
-    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, call_graph.ENABLED, PIPELINE_PARTS
+    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX
 
 
 def on_own_gpu():

@@ -7,8 +7,6 @@ per (type, math), the scratch budget per device, the epilogue's vectors per stre
 
 from __future__ import annotations
 
-import threading
-
 from math import prod
 from typing import NamedTuple
 
@@ -174,7 +172,7 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
     form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
     if form == "implicit" and beta:  # the kernel writes y; a sum into y takes the GEMMs
         form = "im2col"
-    key = (geo, cl, dt.str, beta, budget, form, cd.pipelined(geo, cl))
+    key = (geo, cl, dt.str, beta, budget, form)
 
     def make():
         steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
@@ -204,11 +202,19 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             steps = wf.shifted_steps(geo, parts)
             scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
         else:
-            steps, scratch = cd.weight_plan(geo, cl, dt.itemsize, budget)
+            per = cd.weight_scratch(geo, cl)
+            parts = cd.chunks(geo.n, per * dt.itemsize, budget)
+            steps = cd.weight_steps(geo, cl, parts)
+            scratch = {}
+            if per:
+                nb = max(nb for _, nb in parts)
+                scratch["col"] = geo.crs * geo.p * nb
+                if not cl:
+                    scratch["dyc"] = nb * per - scratch["col"]
         once = all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
         dw_dtype = dt if once else np.dtype(dtypes.gemm_of(dt).compute)
         return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype, form)
-    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form, cd.pipelined(geo, cl)), make)
+    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form), make)
 
 
 _WEIGHT_PLANS = direct_cache.table(512)
@@ -336,32 +342,6 @@ def gemm_issuer(g: GemmLaunch, names: dict, dtype, math: str):
 
 # ---------------------------------------------------------------- running steps
 
-class SideStream:
-    """A side stream of one (device, main stream, thread) with its events: ``fork`` (the main stream's position
-    a side launch waits for) and ``done(tag)`` (a side gather's completion a GEMM waits for). Events are
-    recorded anew each call: a wait takes the event's last record when it is issued."""
-
-    def __init__(self):
-        import cupy
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.fork = cupy.cuda.Event(disable_timing=True)
-        self.events: list = []
-
-    def done(self, tag: int):
-        import cupy
-        while len(self.events) <= tag:
-            self.events.append(cupy.cuda.Event(disable_timing=True))
-        return self.events[tag]
-
-
-_SIDES = direct_cache.table(64)
-
-
-def side_stream(device: int, stream) -> SideStream:
-    """This thread's side stream of ``stream`` on ``device`` (threads sharing a stream never share its events)."""
-    return _SIDES.get((device, stream.ptr, threading.get_ident()), SideStream)
-
-
 class CudaOps:
     """Runs plan steps on the current device and stream. ``bufs``: name -> compact CuPy array."""
 
@@ -398,33 +378,17 @@ class CudaOps:
                 self.launch_implicit(launch)
             elif type(launch) is Col2imLaunch:
                 self.launch_col2im(launch)
-            elif s.side >= 0:
-                self.launch_side_gather(launch, s)
             else:
-                self.launch_gather(launch, s.buf)
+                self.launch_gather(launch)
 
     def gather(self, s: cd.Gather) -> None:
-        launch = gather_launch(self.geo, self.cl, s, self.bufs["x"].size, self.bufs["x"].dtype.itemsize)
-        if s.side >= 0:
-            self.launch_side_gather(launch, s)
-        else:
-            self.launch_gather(launch, s.buf)
+        self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size, self.bufs["x"].dtype.itemsize))
 
-    def launch_gather(self, g: GatherLaunch, buf: str = "col", stream=None) -> None:
-        x, col = self._ptr("x"), self._ptr(buf)
+    def launch_gather(self, g: GatherLaunch) -> None:
+        x, col = self._ptr("x"), self._ptr("col")
         while g.narrow is not None and (x | col) % g.unit:
             g = g.narrow
-        gather_launcher(g, self.device)((stream or self.stream).ptr, x, col)
-
-    def launch_side_gather(self, g: GatherLaunch, s: cd.Gather) -> None:
-        """Gather ``s`` on this thread's side stream of the main one, after the main stream's work so far."""
-        side = side_stream(self.device, self.stream)
-        side.stream.wait_event(self.stream.record(side.fork))
-        self.launch_gather(g, s.buf, side.stream)
-        side.stream.record(side.done(s.side))
-
-    def side_wait(self, s: cd.SideWait) -> None:
-        self.stream.wait_event(side_stream(self.device, self.stream).done(s.tag))
+        gather_launcher(g, self.device)(self.stream.ptr, x, col)
 
     def gemm(self, s: cd.Gemm) -> None:
         self.launch_gemm(gemm_launch(s, self.dtype))
