@@ -79,7 +79,10 @@ class ndarray(np.ndarray):
 
     @property
     def data(self):
-        return MemoryPointer(self._mem, self.__array_interface__["data"][0] - self._mem.ptr)
+        p = self.__dict__.get("_data")  # (made once an array: CuPy keeps its pointer as an attribute too)
+        if p is None:
+            p = self.__dict__["_data"] = MemoryPointer(self._mem, self.__array_interface__["data"][0] - self._mem.ptr)
+        return p
 
     @property
     def device(self):
