@@ -108,12 +108,13 @@ class Graphs:
             return self.launch(x, w, y)
         import cupy
         stream = cupy.cuda.get_current_stream()
-        if stream.ptr in _PER_THREAD:  # one pointer for every thread's own stream: no shared arena
+        sp, yd = stream.ptr, y.data
+        if sp in _PER_THREAD:  # one pointer for every thread's own stream: no shared arena
             return self.launch(x, w, y)
-        key = (stream.ptr, x.data.ptr, w.data.ptr, y.data.ptr)
+        key = (sp, x.data.ptr, w.data.ptr, yd.ptr)
         g = self.graphs.get(key)
         if g is not None:
-            if g[1] is _ARENAS.entries.get((y.data.device_id, stream.ptr)) and g[2] == g[1].generation:
+            if g[1] is _ARENAS.entries.get((yd.device_id, sp)) and g[2] == g[1].generation:
                 g[0].launch(stream)
                 self.replays += 1
                 return

@@ -206,15 +206,20 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
 
 # ---------------------------------------------------------------- forward
 
+_CONV_NAMES = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
+_PLAIN = (None, None, None, None, None)  # a call's activation and epilogue operands: none
+
+
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
-    fn = f"conv{nd}d"
+    fn = _CONV_NAMES[nd]
     extras = (bias, scale, shift, residual)
     memo = None
     if out is None and getattr(x, "ndim", 0) == nd + 2 and (activation is None or type(activation) is str) and \
             (scale is None or residual is None):  # (a scale with a residual is folded into the weight: not replayed)
+        plain = activation is None and bias is None and scale is None and shift is None and residual is None
         memo = conv_memo.key(fn, nd, x, weight, (stride, padding, dilation, groups), math,
-                             (activation, *(conv_memo.operand_kind(v) for v in extras)))
+                             _PLAIN if plain else (activation, *(conv_memo.operand_kind(v) for v in extras)))
     y = conv_memo.replay(memo, x, weight, extras)
     if y is not None:
         return y

@@ -37,10 +37,6 @@ class Replay(NamedTuple):
     flops: float
 
 
-def _plain(v):
-    return v is None or type(v) is int or type(v) is str or (type(v) is tuple and all(type(e) is int for e in v))
-
-
 def operand_kind(v):
     """What a key tells of an optional operand: None, "host" (numpy, any shape: checked on every call), or a
     CuPy array's (shape, strides, type, device)."""
@@ -55,17 +51,38 @@ def key(kind: str, nd: int, a, b, args: tuple, math, extra: tuple = ()):
     """The memo key of a call of ``kind`` on CuPy arrays ``a`` and ``b`` with geometry arguments ``args``, or
     None where such a call is never replayed (not CuPy; a Workspace or a graph capture in charge; arguments
     that are not plain ints, tuples and strings; operands off the current device). ``extra``: what else
-    the plan depends on (the caller's plain values)."""
-    if not (is_cupy(a) and is_cupy(b)) or direct_cache.workspace() is not None or direct_cache.capture_active():
+    the plan depends on (the caller's plain values). Every call asks it first: kept lean."""
+    if not (type(a).__module__.startswith("cupy") and type(b).__module__.startswith("cupy")):
         return None
-    if not all(_plain(v) for v in args) or not (math is None or (type(math) is str and math in dtypes.MATH_MODES)):
+    local = direct_cache._local
+    if getattr(local, "workspace", None) is not None or getattr(local, "keep", None) is not None:
         return None
+    for v in args:
+        if not (v is None or type(v) is int or type(v) is str or (type(v) is tuple and _ints(v))):
+            return None
+    if math is None:
+        math = precision.default_math()
+    elif not (type(math) is str and math in dtypes.MATH_MODES):
+        return None
+    cupy = _cupy()
+    da, db = a.data, b.data
+    dev = da.device_id
+    if db.device_id != dev or cupy.cuda.runtime.getDevice() != dev:
+        return None
+    return (kind, nd, a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, args, math, dev,
+            cupy.cuda.get_current_stream().ptr, conv_direct.switches(), perfdb.generation(), extra)
+
+
+def _ints(t: tuple) -> bool:
+    for e in t:
+        if type(e) is not int:
+            return False
+    return True
+
+
+def _cupy():
     import cupy
-    dev = a.data.device_id
-    if b.data.device_id != dev or cupy.cuda.runtime.getDevice() != dev:
-        return None
-    return (kind, nd, a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, args, precision.check_math(math),
-            dev, cupy.cuda.get_current_stream().ptr, conv_direct.switches(), perfdb.generation(), extra)
+    return cupy
 
 
 def replay(k, a, b, extras=None):
