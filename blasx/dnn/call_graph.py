@@ -3,9 +3,9 @@ whose x, weight (or dY) and freshly made output lie where an earlier call's did 
 launch instead of the call's kernels and cuBLAS calls, each of which costs the host more than a small layer
 costs the GPU. A loop's arrays come back to the same addresses from CuPy's pool, so a loop's calls replay.
 
-Policy: a kept call's operands at a new (x, w, y) address triple run eagerly and are counted (``SIGHTINGS``);
-a triple seen before is captured on the next call and launched; each kept call holds its last ``KEPT`` graphs.
-A capture that fails leaves the call eager (``TRIES`` failures a kept call: eager for good).
+Policy: a kept call on a new (x, w, y) address triple runs eagerly once, the scratch it allocates counted; the
+next call on that triple is captured (its scratch in the arena) and launched; each kept call holds its last
+``KEPT`` graphs. A capture that fails leaves the call eager (``TRIES`` failures a kept call: eager for good).
 
 Invariants:
 - a graph reads and writes only x, w, y at the addresses of its key (read at launch: their contents then) and
@@ -33,7 +33,6 @@ from collections import OrderedDict
 from . import direct_cache
 
 ENABLED = os.environ.get("BLASX_CONV_GRAPHS", "1") != "0"  # off: every replay launches eagerly
-SIGHTINGS = 1  # eager runs of an address triple before its call is captured
 KEPT = 4  # graphs a kept call holds (a loop alternates its outputs between two or three addresses)
 TRIES = 3  # failed captures after which a kept call stays eager
 ARENA_MAX = 1 << 30  # bytes of scratch an arena may hold; a call needing more stays eager
