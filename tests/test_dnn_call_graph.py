@@ -12,7 +12,7 @@ import pytest
 from bench import fake_cupy
 from blasx.dnn import call_graph, conv_memo, cublas_call, direct_cache
 from blasx.dnn import conv_direct as cd
-from test_dnn_conv_memo import CASES, _arr, _call, _masked
+from test_dnn_conv_memo import _call, _masked, case_operands, each_case
 
 
 @pytest.fixture(autouse=True)
@@ -38,19 +38,14 @@ def _graphs_of_the_one_kept_call():
     return replay.run.graphs
 
 
-@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"])
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@each_case
 def test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(case, dtype, cl):
-    _, direction, c, k, kern, stride, pad, groups = case
+    _, direction, _, _, _, stride, pad, groups = case
     dt = np.dtype(dtype)
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
         with cupy.cuda.Device(0), cd.on_own_gpu():
-            x = _arr(cupy, (4, c, 10, 10), dt, cl)
-            w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
-            side = (10 + 2 * pad - kern) // stride + 1
-            dy = _arr(cupy, (4, k, side, side), dt, cl)
+            x, w, dy = case_operands(cupy, case, dt, cl)
             named = {"x": x, "w": w, "dy": dy}
             with cupy.cuda.using_allocator(_same_addresses()):
                 want = _call(direction, x, w, dy, stride, pad, groups)  # the full path

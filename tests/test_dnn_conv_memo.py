@@ -76,9 +76,25 @@ def _call(direction, x, w, dy, stride, padding, groups):
     return dnn.conv2d_weight(x, tuple(w.shape), dy, stride, padding, 1, groups)
 
 
-@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"])
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def case_operands(cupy, case, dt, cl):
+    """(x, w, dY) of a case of CASES: 4 images of 10 x 10."""
+    _, _, c, k, kern, stride, pad, groups = case
+    x = _arr(cupy, (4, c, 10, 10), dt, cl)
+    w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
+    side = (10 + 2 * pad - kern) // stride + 1
+    return x, w, _arr(cupy, (4, k, side, side), dt, cl)
+
+
+def each_case(test):
+    """``test`` for every case of CASES, in both layouts and both types."""
+    for mark in (pytest.mark.parametrize("cl", [False, True], ids=["nchw", "cl"]),
+                 pytest.mark.parametrize("dtype", ["float16", "float32"]),
+                 pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])):
+        test = mark(test)
+    return test
+
+
+@each_case
 def test_a_replay_launches_what_the_full_path_launches(case, dtype, cl):
     _, direction, c, k, kern, stride, pad, groups = case
     dt = np.dtype(dtype)
@@ -86,10 +102,7 @@ def test_a_replay_launches_what_the_full_path_launches(case, dtype, cl):
         cupy = fake.cupy
 
         def operands():
-            x = _arr(cupy, (4, c, 10, 10), dt, cl)
-            w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
-            side = (10 + 2 * pad - kern) // stride + 1
-            return x, w, _arr(cupy, (4, k, side, side), dt, cl)
+            return case_operands(cupy, case, dt, cl)
         with cupy.cuda.Device(0), cd.on_own_gpu():
             _call(direction, *operands(), stride, pad, groups)  # the full path, kept where it can be replayed
             kept = len(conv_memo._TABLE.entries)

@@ -152,31 +152,22 @@ def test_conv2d_on_numpy_takes_the_route(monkeypatch):
     assert sorted(e[1] for e in copies if e[2] == 2) == sorted(2 * 64 * 64 * (hi - lo) for lo, hi in spans)
 
 
-def test_calls_from_several_threads_keep_their_own_slots(monkeypatch):
+def test_calls_from_several_threads_keep_their_own_slots(monkeypatch, in_threads):
     """Four threads' runs at once: each gets slots of its own (never another call's buffers) and its own result."""
     monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)
     rng = np.random.default_rng(3)
     cases = [(rng.standard_normal((9, 4, 7, 7)).astype(np.float32),
               rng.standard_normal((5, 4, 3, 3)).astype(np.float32)) for _ in range(4)]
     outs = [np.full((9, 5, 5, 5), np.nan, np.float32) for _ in cases]
-    errors = []
     with fake_cupy.installed(copies=True):
         host_batch.release()
 
         def call(i):
-            try:
-                for _ in range(3):
-                    x, w = cases[i]
-                    host_batch.run(host_batch.Batch(x, outs[i], None, "nchw"), w, _body(1, 0, []), (0, 1))
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            for _ in range(3):
+                x, w = cases[i]
+                host_batch.run(host_batch.Batch(x, outs[i], None, "nchw"), w, _body(1, 0, []), (0, 1))
+        in_threads(call, 4)
         host_batch.release()
-    assert not errors
     for (x, w), y in zip(cases, outs):
         want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w)).numpy()
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

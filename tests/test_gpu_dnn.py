@@ -470,40 +470,31 @@ def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dty
 
 
 @pytest.mark.parametrize("streams", ["own", "null"])
-def test_graph_replays_from_threads_at_once(direct_route, streams):
+def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
     """Four threads each loop over their own operands of one shape (rewritten in place every step), on a
     stream of their own or all on the null stream (one shared arena for its graphs); every result against
     torch in float64: no thread ever reads another's scratch or result."""
-    import threading
     shape_x, shape_w = (4, 64, 13, 11), (32, 64, 3, 3)
     ref_shape = (4, 32, 13, 11)
-    errors, results = [], {}
+    results = {}
 
     def worker(t):
-        try:
-            r = np.random.default_rng(100 + t)
-            xs = _device(np.zeros(shape_x, np.float32), "cl")
-            ws = _device(np.zeros(shape_w, np.float32), "cl")
-            dys = _device(np.zeros(ref_shape, np.float32), "cl")
-            stream = cupy.cuda.Stream(non_blocking=True) if streams == "own" else cupy.cuda.Stream.null
-            with stream:
-                for i in range(8):
-                    xh, wh = r.standard_normal(shape_x), r.standard_normal(shape_w) / 8
-                    dyh = r.standard_normal(ref_shape)
-                    for dev, host in ((xs, xh), (ws, wh), (dys, dyh)):
-                        dev[...] = cupy.asarray(host.astype(np.float32))
-                    y = dnn.conv2d(xs, ws, None, 1, 1)
-                    gw = dnn.conv2d_weight(xs, shape_w, dys, 1, 1)
-                    stream.synchronize()
-                    results[(t, i)] = (xh, wh, dyh, cupy.asnumpy(y), cupy.asnumpy(gw))
-        except Exception as e:  # noqa: BLE001 - reported by the test thread
-            errors.append(e)
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+        r = np.random.default_rng(100 + t)
+        xs = _device(np.zeros(shape_x, np.float32), "cl")
+        ws = _device(np.zeros(shape_w, np.float32), "cl")
+        dys = _device(np.zeros(ref_shape, np.float32), "cl")
+        stream = cupy.cuda.Stream(non_blocking=True) if streams == "own" else cupy.cuda.Stream.null
+        with stream:
+            for i in range(8):
+                xh, wh = r.standard_normal(shape_x), r.standard_normal(shape_w) / 8
+                dyh = r.standard_normal(ref_shape)
+                for dev, host in ((xs, xh), (ws, wh), (dys, dyh)):
+                    dev[...] = cupy.asarray(host.astype(np.float32))
+                y = dnn.conv2d(xs, ws, None, 1, 1)
+                gw = dnn.conv2d_weight(xs, shape_w, dys, 1, 1)
+                stream.synchronize()
+                results[(t, i)] = (xh, wh, dyh, cupy.asnumpy(y), cupy.asnumpy(gw))
+    in_threads(worker, 4)
     for (t, i), (xh, wh, dyh, y, gw) in results.items():
         xf, wf = torch.from_numpy(xh.astype(np.float32)).double(), torch.from_numpy(wh.astype(np.float32)).double()
         dyf = torch.from_numpy(dyh.astype(np.float32)).double()
