@@ -15,7 +15,7 @@ import numpy as np
 from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
-from . import direct_cache, gather_kernel, igemm
+from . import direct_cache, driver_launch, gather_kernel, igemm
 from . import weight_forms as wf
 from . import cublas_call as cc
 from .geometry import ConvGeometry
@@ -50,18 +50,18 @@ MAX_BLOCKS = 1 << 20  # past this their grid-stride loops take the rest
 _GATHERS: dict = {}
 
 
-def _packed(kernel, g, pointers: int) -> "igemm.DriverLaunch":
+def _packed(kernel, g, pointers: int) -> "driver_launch.DriverLaunch":
     """``kernel`` over ``g.total`` threads with ``pointers`` pointer arguments, then g's arguments (of its index
     type), the divisors' multipliers and shifts and the thread count, packed once."""
     import ctypes
     ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
     blocks = max(1, min(-(-g.total // THREADS), MAX_BLOCKS))
-    return igemm.DriverLaunch(kernel, (blocks, 1, 1), (THREADS, 1, 1), 0, pointers,
+    return driver_launch.DriverLaunch(kernel, (blocks, 1, 1), (THREADS, 1, 1), 0, pointers,
                               (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic),
                                ctypes.c_int64(g.total)))
 
 
-def gather_launcher(g: "GatherLaunch", device: int) -> "igemm.DriverLaunch":
+def gather_launcher(g: "GatherLaunch", device: int) -> "driver_launch.DriverLaunch":
     """Gather ``g``'s kernel on ``device`` with its arguments packed once: ``(stream, x, col)`` launches it."""
     got = _GATHERS.get((g, device))
     if got is None:
@@ -285,7 +285,7 @@ def col2im_launch(geo: ConvGeometry, cl: bool, s: c2.Col2im, dtype) -> Col2imLau
                         c2.threads(geo, s), geo.nd, np.dtype(dtype).name)
 
 
-def col2im_launcher(g: Col2imLaunch, device: int) -> "igemm.DriverLaunch":
+def col2im_launcher(g: Col2imLaunch, device: int) -> "driver_launch.DriverLaunch":
     """``g``'s kernel on ``device`` with its arguments packed once: ``(stream, col, bias or 0, y)`` launches it."""
     got = _COL2IMS.get((g, device))
     if got is None:

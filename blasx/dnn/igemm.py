@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import driver_launch
 from .geometry import ConvGeometry
 
 ROW_BYTES = 128  # a k-tile row: one 128-byte swizzle atom
@@ -216,37 +217,6 @@ def aligned(*arrays) -> bool:
     return all(a.data.ptr % ALIGN == 0 for a in arrays)
 
 
-class DriverLaunch:
-    """A CuPy kernel launched by the driver's cuLaunchKernel (CuPy's binding) with its arguments packed
-    once: a call sets the ``pointers`` leading arguments and launches (CuPy's kernel call converts every
-    argument on each call). ``tail``: the ctypes values of the other arguments. Each thread packs into
-    buffers of its own."""
-
-    def __init__(self, kernel, grid: tuple, block: tuple, smem: int, pointers: int, tail: tuple) -> None:
-        import threading
-        self.fn, self.grid, self.block, self.smem = kernel.kernel.ptr, grid, block, smem
-        self.pointers, self.tail = pointers, tail
-        self._tls = threading.local()
-
-    def _buffers(self):
-        import ctypes
-
-        import cupy
-        ptrs = (ctypes.c_void_p * self.pointers)()
-        tail = [type(v)(v.value) for v in self.tail]
-        addrs = [ctypes.addressof(ptrs) + i * ctypes.sizeof(ctypes.c_void_p) for i in range(self.pointers)]
-        params = (ctypes.c_void_p * (self.pointers + len(tail)))(*addrs, *(ctypes.addressof(v) for v in tail))
-        self._tls.b = b = (ptrs, ctypes.addressof(params), cupy.cuda.driver.launchKernel, params, tail)
-        return b
-
-    def __call__(self, stream: int, *pointers: int) -> None:
-        b = getattr(self._tls, "b", None) or self._buffers()
-        ptrs = b[0]
-        for i, p in enumerate(pointers):
-            ptrs[i] = p
-        b[2](self.fn, *self.grid, *self.block, self.smem, stream, b[1], 0)
-
-
 class Launcher:
     """``launch``'s kernels on the current device, ready: ``(x, w, y, part)`` pointers in, launched on
     ``stream``."""
@@ -256,9 +226,9 @@ class Launcher:
         main, reduce = kernels(launch.type, launch.config)
         main.max_dynamic_shared_size_bytes = launch.smem  # (CuPy sets it on the current device's function)
         self.launch = launch
-        self.main = DriverLaunch(main, launch.grid, (THREADS, 1, 1), launch.smem, 4,
+        self.main = driver_launch.DriverLaunch(main, launch.grid, (THREADS, 1, 1), launch.smem, 4,
                                  tuple(ctypes.c_int32(int(v)) for v in launch.ints))
-        self.reduce = None if not launch.part else DriverLaunch(
+        self.reduce = None if not launch.part else driver_launch.DriverLaunch(
             reduce, (*launch.reduce_grid, 1, 1), (256, 1, 1), 0, 2,
             (ctypes.c_int64(launch.reduce_ints[0]), ctypes.c_int32(launch.reduce_ints[1])))
 
