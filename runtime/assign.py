@@ -67,7 +67,6 @@ class StreamAssign:
             act.steps = steps
             self.inflight += 1
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
-            self.inflight_work_of[task.call] = self.inflight_work_of.get(task.call, 0.0) + task.work
 
     def _score(self, task) -> int:
         """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an

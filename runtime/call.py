@@ -89,7 +89,6 @@ class Call:
         self.tokens = tuple(op.token for op in operands)
         self.tasks = tasks
         self.n_tasks = len(tasks)  # (kept after ``drop_tasks``)
-        self.work = float(sum(t.work for t in tasks))  # the share rule's measure of it (worker_base)
         self.dtype = np.dtype(dtype)  # the input operands' type (every operand's, unless mixed)
         self.itemsize = self.dtype.itemsize
         self.is_complex = self.dtype.kind == "c"

@@ -52,10 +52,6 @@ class Knobs:
     #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
     #: like any other input.
     stage_into_result: bool = True
-    #: The fair share of a call (``WorkerBase._leave_for_peer``) in flops instead of tasks: tasks of
-    #: unequal work (TRMM's and TRSM's lines, SYRK's diagonal) split evenly between the devices. Off:
-    #: an equal count of tasks each.
-    share_by_work: bool = False
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -59,7 +59,6 @@ class StreamWorker(StreamAssign, Worker):
         self.pending: list[deque[_Pending]] = [deque() for _ in range(device.n_all_streams)]
         self.inflight = 0  # tasks started and not yet retired
         self.inflight_of: dict = {}  # call -> its tasks among them (read lock-free by peers)
-        self.inflight_work_of: dict = {}  # call -> their Task.work, as inflight_of
         self.max_inflight = 2 * n
         self.issued_work = 0.0  # flops of issued kernels whose events have not retired
         self.seq = 0
@@ -165,16 +164,11 @@ class StreamWorker(StreamAssign, Worker):
         left = self.inflight_of[task.call] - 1
         if left:
             self.inflight_of[task.call] = left
-            self.inflight_work_of[task.call] -= task.work
         else:
             del self.inflight_of[task.call]
-            del self.inflight_work_of[task.call]
 
     def holding(self, call) -> int:
         return super().holding(call) + self.inflight_of.get(call, 0)
-
-    def held_work(self, call) -> float:
-        return super().held_work(call) + self.inflight_work_of.get(call, 0.0)
 
     def held_snapshot(self) -> tuple:
         slots = tuple(a.task for a in tuple(self.slots) if a is not None)  # before pending: tasks move on

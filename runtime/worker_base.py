@@ -60,29 +60,20 @@ class Worker(threading.Thread):
 
         Else a call smaller than one worker's station + streams goes wholly to the first worker to
         wake. A stream worker holding its share, max(1, tasks // eligible stream workers), leaves the
-        rest to a stream peer with room that holds less (which takes it at its next pull; with
-        ``Knobs.share_by_work`` the share and the holdings are flops, not tasks); never
+        rest to a stream peer with room that holds less (which takes it at its next pull); never
         while this worker has nothing it can run, so no device idles and no gated task's dependency
         waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
         if not self.dev.streamed:
             return False
         peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
-        by_work = self.engine.config.knobs.share_by_work
-        share = call.work / max(1, len(peers)) if by_work else max(1, call.n_tasks // max(1, len(peers)))
-
-        def held(w) -> float:
-            return w.held_work(call) if by_work else w.holding(call)
-        if held(self) < share or not self.has_runnable():
+        share = max(1, call.n_tasks // max(1, len(peers)))
+        if self.holding(call) < share or not self.has_runnable():
             return False
-        return any(w is not self and w.station.free_slots() > 0 and held(w) < share for w in peers)
+        return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
 
     def holding(self, call) -> int:
         """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
         return sum(1 for t in self.station.snapshot() if t.call is call)
-
-    def held_work(self, call) -> float:
-        """Their work (``Task.work``), as :meth:`holding`."""
-        return sum(t.work for t in self.station.snapshot() if t.call is call)
 
     def has_runnable(self) -> bool:
         """This worker holds a task it can run now (or is running one)."""

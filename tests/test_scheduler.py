@@ -697,7 +697,6 @@ def test_retire_loses_no_completed_entry_when_the_device_breaks():
     done_ev, stuck_ev = SimEvent(devs[0]), SimEvent(devs[0])
     done_ev._flag.set()
     w0.inflight, w0.inflight_of = 2, {call: 2}
-    w0.inflight_work_of = {call: tasks[0].flops + tasks[1].flops}
     w0.pending[0].append(_Pending(done_ev, 1, release=(peer_line,), task=tasks[0], finished=True, writeback=True))
     w0.pending[1].append(_Pending(stuck_ev, 2, task=tasks[1], finished=True, writeback=True))
     devs[0].error = RuntimeError("broken")
@@ -809,11 +808,11 @@ def test_abandon_lost_hands_back_a_waiter_whose_dependency_went_back_to_the_queu
         call.started(dep)
         call.started(waiter)
         w.slots[0] = _Active(waiter, waiter.steps)
-        w.inflight, w.inflight_of, w.inflight_work_of = 1, {call: 1}, {call: waiter.flops}
+        w.inflight, w.inflight_of = 1, {call: 1}
         assert not w._abandon_lost()  # the dependency is running: keep waiting
         call.unstarted(dep)  # its device failed: it went back to the queue
         assert w._abandon_lost()
-        assert w.slots[0] is None and w.inflight == 0 and w.inflight_of == {} == w.inflight_work_of
+        assert w.slots[0] is None and w.inflight == 0 and w.inflight_of == {}
         assert eng.queues["any"].peek() is waiter and waiter.worker == -1
         assert not call.is_startable(waiter)  # it waits for dep to start again
         assert len(w.pending[0]) == 1  # one event ends the issued work before the buffers go
@@ -852,35 +851,3 @@ def test_fair_share_counts_stream_devices_only():
         pass
     s1.alive = False  # a dead peer cannot take anything
     assert not s0._leave_for_peer(call)
-
-
-def test_fair_share_by_work_splits_unequal_tasks_evenly():
-    """With ``Knobs.share_by_work`` the share and holdings are flops: an in-place TRMM's 4 x 4 tiles have
-    rows of 3.5, 2.5, 1.5 and 0.5 GEMM steps' work (the diagonal step is half of one): 32 in all, a share
-    of 16. A device holding the top row (14) takes more; with one task of the next row (16.5) it leaves
-    the rest, where by count (5 of a share of 8) it would go on. Started tasks count as held."""
-    from blasx.runtime.engine import Engine, EngineConfig
-    from blasx.runtime.knobs import Knobs
-    from blasx.runtime.plans import plan_trmm
-    from blasx.runtime.worker import StreamWorker
-
-    devs = [SimDevice(i, nstreams=4, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
-    eng = Engine(EngineConfig(devices=devs, streams=4, knobs=Knobs(share_by_work=True)))
-    eng.workers = [StreamWorker(eng, devs[0], eng.stations[0]), StreamWorker(eng, devs[1], eng.stations[1])]
-    s0 = eng.workers[0]
-    tokens = TokenTable(2)
-    operands = [make_operand(np.ones((16, 16), order="F"), tokens) for _ in range(3)]
-    tasks = plan_trmm(16, 16, 4, 0, 0, OP_N, 0, in_place=True)  # left, upper: row i has 4 - i steps
-    call = Call("trmm", operands, tasks, np.float64, 1.0, 0.0, CallStats([DeviceInfo(i, "d", "sim") for i in range(2)]))
-    unit = 2.0 * 4 ** 3  # one GEMM step's flops
-    assert sorted(t.flops / unit for t in tasks) == [0.5] * 4 + [1.5] * 4 + [2.5] * 4 + [3.5] * 4
-    assert call.work == 32 * unit
-    by_work = sorted(tasks, key=lambda t: -t.flops)
-    for t in by_work[:3]:
-        eng.stations[0].push(t)
-    s0.inflight_of[call], s0.inflight_work_of[call] = 1, by_work[3].flops  # the top row, one of it started
-    assert s0.held_work(call) == 14 * unit and not s0._leave_for_peer(call)
-    eng.stations[0].push(by_work[4])
-    assert s0.held_work(call) == 16.5 * unit and s0._leave_for_peer(call)
-    eng.config.knobs = Knobs()  # by count: 5 of a share of 8
-    assert s0.holding(call) == 5 and not s0._leave_for_peer(call)
