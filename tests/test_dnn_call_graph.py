@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench import fake_cupy
+from blasx import dnn
 from blasx.dnn import call_graph, conv_memo, cublas_call, direct_cache
 from blasx.dnn import conv_direct as cd
 from test_dnn_conv_memo import _call, _masked, case_operands, each_case
@@ -197,3 +198,31 @@ def test_calls_on_a_per_thread_default_stream_stay_eager():
             for _ in range(3):
                 g.run(x, w, y)
             assert [c[0] for c in calls] == [False] * 3 and not g.graphs and not g.seen
+
+
+def test_a_call_with_an_epilogue_is_captured_with_it_and_keyed_by_its_operands_addresses():
+    """conv + bias + shift + residual + relu: the graph holds the GEMMs and the epilogue kernel an eager replay
+    launches (the residual read where it lies); another residual array (another address) runs eagerly."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x, w = cupy.empty((4, 16, 8, 8), dtype=np.float32), cupy.empty((8, 16, 3, 3), dtype=np.float32)
+            r1, r2 = (cupy.empty((4, 8, 8, 8), dtype=np.float32) for _ in range(2))
+            named = {"x": x, "w": w, "res": r1}
+
+            def call(res):
+                fake.log.clear()
+                dnn.conv2d(x, w, np.ones(8), 1, 1, shift=np.arange(8.0), residual=res, activation="relu")
+                return [e for e in fake.log if e[0] not in ("upload", "tile")]  # (cache fills aside)
+            with cupy.cuda.using_allocator(_same_addresses()):
+                call(r1)  # the full path
+                eager = _masked(call(r1), named)  # first sighting
+                at_capture, later = call(r1), call(r1)
+                other = call(r2)
+            graphs = _graphs_of_the_one_kept_call()
+    ((graph, _, _, _),) = graphs.graphs.values()
+    assert _masked(graph.entries, named) == eager
+    assert any(e[0] == "kernel" and any(type(a) is tuple and a[:2] == ("array", ("res", 0)) for a in e[2])
+               for e in eager)  # the epilogue reads the residual where it lies
+    assert at_capture == later == [("graph_launch", len(graph.entries), 0)]
+    assert other and not any(e[0] == "graph_launch" for e in other)  # a new residual address: eager

@@ -435,10 +435,11 @@ def test_implicit_form_vs_torch(direct_route, monkeypatch, dtype, math, case):
 @pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 64), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])
 def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dtype, math, layout, kernel, stride,
                                                                pad, groups, c):
-    """A loop over fixed operands rewritten in place (a training step's x, weight and dY): forward,
-    backward-data and backward-weight called with their outputs released each time (CuPy's pool hands the same
-    addresses back), so later calls launch CUDA graphs (call_graph.py); every result against torch in
-    float64, on a stream of the caller's."""
+    """A loop over fixed operands rewritten in place (a training step's x, weight and dY): forward (plain, and with
+    a numpy bias whose values change at step 5, a CuPy shift changed at step 6 and a residual), backward-data and
+    backward-weight called with their outputs released each time (CuPy's pool hands the same addresses back), so
+    later calls launch CUDA graphs (call_graph.py); every result against torch in float64, on a stream of the
+    caller's."""
     from blasx.dnn import conv_memo
     rng = np.random.default_rng(11)
     dt = np.dtype(dtype)
@@ -446,25 +447,33 @@ def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dty
     shape_x, shape_w = (4, c, 13, 11), (32, c // groups, kernel, kernel)
     xs, ws = _device(np.zeros(shape_x, dt), layout), _device(np.zeros(shape_w, dt), layout)
     ref_shape = F.conv2d(torch.zeros(shape_x), torch.zeros(shape_w), None, stride, pad, 1, groups).shape
-    dys = _device(np.zeros(tuple(ref_shape), dt), layout)
+    dys, res = (_device(np.zeros(tuple(ref_shape), dt), layout) for _ in range(2))
+    shift = cupy.zeros(32)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        for i in range(6):
+        for i in range(8):
             xh = rng.standard_normal(shape_x).astype(dt)
             wh = (rng.standard_normal(shape_w) / 4).astype(dt)
-            dyh = rng.standard_normal(tuple(ref_shape)).astype(dt)
-            for dev, host in ((xs, xh), (ws, wh), (dys, dyh)):
+            dyh, rh = (rng.standard_normal(tuple(ref_shape)).astype(dt) for _ in range(2))
+            for dev, host in ((xs, xh), (ws, wh), (dys, dyh), (res, rh)):
                 dev[...] = cupy.asarray(host)  # in place: the same addresses every step
+            bias = np.linspace(-1, 1, 32) * (1 if i < 5 else -2)  # the same values, then others
+            shift[...] = cupy.asarray(np.linspace(0, 1, 32) + (i >= 6))  # a CuPy vector, changed in place at 6
             y = dnn.conv2d(xs, ws, None, stride, pad, 1, groups, math=math)
+            yf = dnn.conv2d(xs, ws, bias, stride, pad, 1, groups, shift=shift, residual=res, activation="relu",
+                            math=math)
             gi = dnn.conv2d_input(shape_x, ws, dys, stride, pad, 1, groups, math=math)
             gw = dnn.conv2d_weight(xs, shape_w, dys, stride, pad, 1, groups, math=math)
             stream.synchronize()
-            assert rel(y, F.conv2d(wide(xh), wide(wh), None, stride, pad, 1, groups).numpy()) < tol, i
+            conv = F.conv2d(wide(xh), wide(wh), None, stride, pad, 1, groups)
+            assert rel(y, conv.numpy()) < tol, i
+            ch = torch.from_numpy(bias + cupy.asnumpy(shift))[:, None, None]
+            assert rel(yf, F.relu(conv + ch + wide(rh)).numpy()) < tol, i
             want_i = torch.nn.grad.conv2d_input(shape_x, wide(wh), wide(dyh), stride, pad, 1, groups)
             want_w = torch.nn.grad.conv2d_weight(wide(xh), shape_w, wide(dyh), stride, pad, 1, groups)
             assert rel(gi, want_i.numpy()) < tol and rel(gw, want_w.numpy()) < tol, i
             assert (cupy.moveaxis(gw, 1, -1) if layout == "cl" else gw).flags.c_contiguous  # the operands' layout
-            del y, gi, gw
+            del y, yf, gi, gw
     replays = [getattr(r.run, "graphs", None) for r in conv_memo._TABLE.entries.values()]
     assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)
 

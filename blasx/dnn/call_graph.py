@@ -8,17 +8,16 @@ next call on that triple is captured (its scratch in the arena) and launched; ea
 ``KEPT`` graphs. A capture that fails leaves the call eager (``TRIES`` failures a kept call: eager for good).
 
 Invariants:
-- a graph reads and writes only x, w, y at the addresses of its key (read at launch: their contents then) and
-  scratch in its stream's :class:`Arena`; the key is taken after the output is made, so a graph never writes an
-  array the caller did not get from this call;
+- a graph reads and writes only x, w, y and the epilogue's vectors and residual at the addresses of its key
+  (read at launch: their contents then) and scratch in its stream's :class:`Arena`; the key is taken after the
+  output and the epilogue's vectors are made, so a graph never writes an array the caller did not get from
+  this call and reads the vectors this call made (cached by contents: an address shows this call's values);
 - a stream's graphs run in its order, one after the other, so they share one arena (sized to the largest
   call's scratch) and one cuBLAS handle with its workspace, bound to the arena's capture stream, which nothing
   else issues on (cublas_call.reserve);
 - an arena that grows gets a new generation: graphs of an older one are captured again (each holds the memory
   it was captured with until it is dropped);
-- calls on a per-thread default stream run eagerly (its pointer names another stream in each thread);
-- only calls without an epilogue are captured (bias, scale, shift and residual stay eager: their device
-  vectors are cached by contents, not by address).
+- calls on a per-thread default stream run eagerly (its pointer names another stream in each thread).
 
 State: ``_ARENAS`` (device, stream pointer) -> Arena, a direct_cache table (emptied with the route's caches:
 graphs of a dropped arena are captured again). Per kept call (conv_memo.Replay): a :class:`Graphs`.
@@ -33,7 +32,7 @@ from collections import OrderedDict
 from . import direct_cache
 
 ENABLED = os.environ.get("BLASX_CONV_GRAPHS", "1") != "0"  # off: every replay launches eagerly
-KEPT = 4  # graphs a kept call holds (a loop alternates its outputs between two or three addresses)
+KEPT = 8  # graphs a kept call holds (a loop alternates its outputs, and fresh vectors, between a few addresses)
 TRIES = 3  # failed captures after which a kept call stays eager
 ARENA_MAX = 1 << 30  # bytes of scratch an arena may hold; a call needing more stays eager
 ALIGN = 512  # bytes each scratch allocation is rounded up to (as CuPy's pool rounds)
@@ -91,8 +90,9 @@ def arena(device: int, stream: int) -> Arena:
 
 
 class Graphs:
-    """The graphs of one kept call: ``run(x, w, y)`` does what ``launch(x, w, y)`` issues on the current stream,
-    from a graph where the triple's is kept, else eagerly (counting the triple) or by capturing it."""
+    """The graphs of one kept call: ``run(x, w, y, extra, after)`` does what ``launch(x, w, y)`` then ``after(y)``
+    issue on the current stream (``extra``: the addresses ``after`` reads), from a graph where the addresses' is
+    kept, else eagerly (counting them) or by capturing it."""
 
     def __init__(self, launch):
         self.launch = launch
@@ -102,15 +102,22 @@ class Graphs:
         self.error = ""
         self.replays = 0
 
-    def run(self, x, w, y) -> None:
+    def run(self, x, w, y, extra: tuple = (), after=None) -> None:
+        if after is None:
+            def work():
+                self.launch(x, w, y)
+        else:
+            def work():
+                self.launch(x, w, y)
+                after(y)
         if not ENABLED or self.fails >= TRIES:
-            return self.launch(x, w, y)
+            return work()
         import cupy
         stream = cupy.cuda.get_current_stream()
         sp, yd = stream.ptr, y.data
         if sp in _PER_THREAD:  # one pointer for every thread's own stream: no shared arena
-            return self.launch(x, w, y)
-        key = (sp, x.data.ptr, w.data.ptr, yd.ptr)
+            return work()
+        key = (sp, x.data.ptr, w.data.ptr, yd.ptr, *extra)
         g = self.graphs.get(key)
         if g is not None:
             if g[1] is _ARENAS.entries.get((yd.device_id, sp)) and g[2] == g[1].generation:
@@ -120,15 +127,15 @@ class Graphs:
             self.graphs.pop(key, None)
         need = self.seen.get(key)
         if need is None or need > ARENA_MAX:
-            self._eager(key, x, w, y)
+            self._eager(key, work)
             return
-        graph = self._capture(key, need, stream, x, w, y)
+        graph = self._capture(key, need, stream, yd.device_id, work)
         if graph is None:
-            self.launch(x, w, y)
+            work()
         else:
             graph.launch(stream)
 
-    def _eager(self, key, x, w, y) -> None:
+    def _eager(self, key, work) -> None:
         """The call eagerly, the bytes it allocates counted (an arena for its graph holds them)."""
         import cupy
         inner, total = cupy.cuda.get_allocator(), [0]
@@ -137,15 +144,15 @@ class Graphs:
             total[0] += _rounded(nbytes)
             return inner(nbytes)
         with cupy.cuda.using_allocator(counting):
-            self.launch(x, w, y)
+            work()
         self.seen[key] = total[0]
         while len(self.seen) > 4 * KEPT:
             self.seen.popitem(last=False)
 
-    def _capture(self, key, need: int, stream, x, w, y):
-        """The call captured on its stream's arena's capture stream (launching nothing), kept; None on failure."""
+    def _capture(self, key, need: int, stream, device: int, work):
+        """``work()`` captured on its stream's arena's capture stream (launching nothing), kept; None on failure."""
         import cupy
-        a = arena(y.data.device_id, stream.ptr)
+        a = arena(device, stream.ptr)
         with a.lock:
             try:
                 a.fit(need)
@@ -153,7 +160,7 @@ class Graphs:
                 with a.capture, cupy.cuda.using_allocator(a.alloc):
                     a.capture.begin_capture()
                     try:
-                        self.launch(x, w, y)
+                        work()
                     finally:
                         graph = a.capture.end_capture()  # (an invalidated capture ends with an error)
             except Exception as exc:  # noqa: BLE001 - the call runs eagerly; the reason is kept

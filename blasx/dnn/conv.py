@@ -255,11 +255,12 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
             (residual is None or residual is extras[3]):
         cl, k = lay == "cl", geo.k
 
-        def epilogue(extras, g=geo):  # the vectors checked as the full path checks them; then the kernel
+        def epilogue(extras, g=geo):  # the vectors checked as the full path checks them, then made on the device
             b, sc, sh = (_channel_vector(nm, v, k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
             res = extras[3]
-            affine = device_affine(b, sc, sh, act, res is not None)[0]
-            return lambda y: conv_direct.finish(g, cl, y, affine, res, False)
+            vectors = direct_cuda.epilogue_vectors(g, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
+            return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(g, cl, y, vectors, res),
+                                      (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
         plain = act is None and all(v is None for v in extras)
         conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
                                                       epilogue=None if plain else epilogue))

@@ -29,6 +29,14 @@ from . import call_graph, conv_direct, direct_cache
 _TABLE = direct_cache.table(256)
 
 
+class Epilogue(NamedTuple):
+    """A replayed call's epilogue, its operands checked and its vectors made on the device: ``launch(y)`` runs it on
+    the current stream; ``addresses``: the device memory it reads besides y (a graph's key holds them)."""
+
+    launch: Callable
+    addresses: tuple
+
+
 class Replay(NamedTuple):
     """What a kept call did: ``run(a, b)`` redoes it on new operands (x and w, or x and dY) and returns its
     result; ``flops`` is what the route check weighs."""
@@ -182,25 +190,22 @@ def _weighted(launch, weight_of):
 
 
 def _launch_replay(launch, make_y, epilogue, flops) -> Replay:
-    """The replay that makes y and runs ``launch(x, w, y)`` (its scratch its own): from a CUDA graph keyed by the
-    operands' addresses where the call has no epilogue (call_graph.py), else eagerly after checking the
-    epilogue's operands, then the epilogue."""
+    """The replay that makes y and runs ``launch(x, w, y)`` (its scratch its own), then the epilogue where the
+    call has one (``epilogue(extras)``: its operands checked before any launch, an :class:`Epilogue`): from a CUDA
+    graph keyed by the operands' addresses and the epilogue's (call_graph.py)."""
+    graphs = call_graph.Graphs(launch)
     if epilogue is None:
-        graphs = call_graph.Graphs(launch)
-
-        def run_plain(x, w, extras=None):
+        def run(x, w, extras=None):
             y = make_y()
             graphs.run(x, w, y)
             return y
-        run_plain.graphs = graphs
-        return Replay(run_plain, flops)
-
-    def run(x, w, extras=None):
-        done = epilogue(extras)
-        y = make_y()
-        launch(x, w, y)
-        done(y)
-        return y
+    else:
+        def run(x, w, extras=None):
+            done = epilogue(extras)
+            y = make_y()
+            graphs.run(x, w, y, done.addresses, done.launch)
+            return y
+    run.graphs = graphs
     return Replay(run, flops)
 
 
