@@ -3,9 +3,10 @@ whose x, weight (or dY) and freshly made output lie where an earlier call's did 
 launch instead of the call's kernels and cuBLAS calls, each of which costs the host more than a small layer
 costs the GPU. A loop's arrays come back to the same addresses from CuPy's pool, so a loop's calls replay.
 
-Policy: a kept call on a new (x, w, y) address triple runs eagerly once, the scratch it allocates counted; the
-next call on that triple is captured (its scratch in the arena) and launched; each kept call holds its last
-``KEPT`` graphs. A capture that fails leaves the call eager (``TRIES`` failures a kept call: eager for good).
+Policy: a kept call on new addresses (x, w, y and its epilogue's vectors and residual) runs eagerly once, the
+scratch it allocates counted; the next call on them is captured (its scratch in the arena) and launched; each
+kept call holds its last ``KEPT`` graphs. A capture that fails leaves the call eager (``TRIES`` failures a kept
+call: eager for good).
 
 Invariants:
 - a graph reads and writes only x, w, y and the epilogue's vectors and residual at the addresses of its key
@@ -96,8 +97,9 @@ class Graphs:
 
     def __init__(self, launch):
         self.launch = launch
-        self.graphs: OrderedDict = OrderedDict()  # (stream, x, w, y addresses) -> (graph, arena, generation, keep)
-        self.seen: OrderedDict = OrderedDict()  # triples run eagerly -> scratch bytes they allocated
+        # (stream, x, w, y addresses, the epilogue's) -> (graph, arena, generation, the memory it keeps)
+        self.graphs: OrderedDict = OrderedDict()
+        self.seen: OrderedDict = OrderedDict()  # address keys run eagerly -> scratch bytes they allocated
         self.fails = 0
         self.error = ""
         self.replays = 0
