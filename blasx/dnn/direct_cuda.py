@@ -57,8 +57,8 @@ def _packed(kernel, g, pointers: int) -> "driver_launch.DriverLaunch":
     ct = ctypes.c_int32 if g.index == "int32" else ctypes.c_int64
     blocks = max(1, min(-(-g.total // THREADS), MAX_BLOCKS))
     return driver_launch.DriverLaunch(kernel, (blocks, 1, 1), (THREADS, 1, 1), 0, pointers,
-                              (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic),
-                               ctypes.c_int64(g.total)))
+                                      (*(ct(a) for a in g.args), *(ctypes.c_uint32(v) for v in g.magic),
+                                       ctypes.c_int64(g.total)))
 
 
 def gather_launcher(g: "GatherLaunch", device: int) -> "driver_launch.DriverLaunch":

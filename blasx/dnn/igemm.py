@@ -227,7 +227,7 @@ class Launcher:
         main.max_dynamic_shared_size_bytes = launch.smem  # (CuPy sets it on the current device's function)
         self.launch = launch
         self.main = driver_launch.DriverLaunch(main, launch.grid, (THREADS, 1, 1), launch.smem, 4,
-                                 tuple(ctypes.c_int32(int(v)) for v in launch.ints))
+                                               tuple(ctypes.c_int32(int(v)) for v in launch.ints))
         self.reduce = None if not launch.part else driver_launch.DriverLaunch(
             reduce, (*launch.reduce_grid, 1, 1), (256, 1, 1), 0, 2,
             (ctypes.c_int64(launch.reduce_ints[0]), ctypes.c_int32(launch.reduce_ints[1])))
