@@ -103,4 +103,3 @@ def from_memory(flat, shape, cl: bool):
     if not cl:
         return flat.reshape(shape)
     return np.moveaxis(flat.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
-

@@ -88,12 +88,17 @@ def _take_handle(device_id: int, stream: int):
         h = _HANDLES.setdefault(key, []).pop()
     except IndexError:
         h = _new_handle()
-    if h[2] != stream:  # a new handle, or a shared one last used on another stream
-        from ..runtime.devices import cublas_ctypes
-        cublas_ctypes.set_stream(h[0], stream)
-        cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
-        h = (h[0], h[1], stream)
-    return key, h
+    return key, _bound(h, stream)  # (a new handle, or a shared one last used on another stream: bound again)
+
+
+def _bound(h: tuple, stream: int) -> tuple:
+    """Handle ``h`` bound to ``stream`` with its own workspace (set after the stream: setting it resets it)."""
+    if h[2] == stream:
+        return h
+    from ..runtime.devices import cublas_ctypes
+    cublas_ctypes.set_stream(h[0], stream)
+    cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)
+    return h[0], h[1], stream
 
 
 def reserve(device_id: int, stream: int) -> None:
@@ -102,11 +107,7 @@ def reserve(device_id: int, stream: int) -> None:
     MAX_STREAMS says, so graphs captured there keep a workspace no other stream writes."""
     key = (device_id, stream)
     if key not in _RESERVED:
-        from ..runtime.devices import cublas_ctypes
-        h = _new_handle()
-        cublas_ctypes.set_stream(h[0], stream)
-        cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)
-        _RESERVED[key] = (h[0], h[1], stream)
+        _RESERVED[key] = _bound(_new_handle(), stream)
 
 
 _RESERVED: dict = {}  # (device id, capture stream) -> its handle (one capture at a time: call_graph's lock)
@@ -121,12 +122,7 @@ def own_handle(ws, device_id: int, stream: int):
     if h is None or h[2] != stream:
         direct_cache.making("a cuBLAS handle")
         spare = _SPARE.setdefault(device_id, [])
-        h = spare.pop() if spare else _new_handle()
-        if h[2] != stream:
-            from ..runtime.devices import cublas_ctypes
-            cublas_ctypes.set_stream(h[0], stream)
-            cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)  # (setting the stream resets it)
-            h = (h[0], h[1], stream)
+        h = _bound(spare.pop() if spare else _new_handle(), stream)
         if ws.handle is None:
             weakref.finalize(ws, _drop_handle, ws.__dict__, spare)
         ws.handle = h
