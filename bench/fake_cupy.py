@@ -101,6 +101,8 @@ class ndarray(np.ndarray):
 
     def __setitem__(self, key, value):
         record("setitem", self.shape)
+        if _state["copies"]:  # (a device-to-device copy, made where copies are)
+            np.asarray(self).view(np.ndarray)[key] = np.asarray(value).view(np.ndarray)
 
     def fill(self, value):
         record("fill", self.shape)
@@ -228,6 +230,12 @@ class RawKernel:
 
     def __call__(self, grid, block, args, shared_mem=0, **kw):
         record("raw_kernel", self.name, tuple(grid), tuple(block), tuple(_describe(a) for a in args), shared_mem)
+        if _state["copies"] and self.name.startswith("blasx_transpose_"):  # a copy: made where copies are
+            src, dst, batch, rows, cols = args
+            flat = lambda a: np.ndarray((int(batch) * int(rows) * int(cols),), a.dtype, a._mem.raw,  # noqa: E731
+                                        a.__array_interface__["data"][0] - a._mem.ptr)
+            flat(dst).reshape(int(batch), int(cols), int(rows))[...] = \
+                flat(src).reshape(int(batch), int(rows), int(cols)).transpose(0, 2, 1)
 
 
 class RawModule:
@@ -494,8 +502,9 @@ def _clear_caches() -> None:
 @contextlib.contextmanager
 def installed(record_calls: bool = False, copies: bool = False):
     """The fake modules in sys.modules and the route's GEMM entry points stubbed; ``record_calls``:
-    every launch recorded in ``LOG`` (cleared on entry); ``copies``: ``runtime.memcpyAsync`` copies the bytes
-    (device arrays are host memory: a test's own code may compute on them)."""
+    every launch recorded in ``LOG`` (cleared on entry); ``copies``: ``runtime.memcpyAsync``, ``a[...] = b`` and
+    the transpose kernel (blasx.dnn.transpose_kernel) copy the bytes (device arrays are host memory: a test's own
+    code may compute on them)."""
     mods = _build_modules()
     saved = {k: sys.modules.get(k) for k in mods}
     from blasx.dnn import cublas_call

@@ -24,13 +24,16 @@ def fresh():
 
 
 def _same_addresses():
-    """An allocator handing out one block per size, whatever is still alive (a loop's pool in steady state)."""
-    blocks = {}
+    """An allocator giving a call's k-th request of a size the same block every call (a loop's pool in steady
+    state): ``alloc.reset()`` starts a call."""
+    blocks, taken = {}, {}
 
     def alloc(nbytes):
-        if nbytes not in blocks:
-            blocks[nbytes] = fake_cupy.MemoryPointer(fake_cupy._Mem(nbytes, 0))
-        return blocks[nbytes]
+        k = taken[nbytes] = taken.get(nbytes, -1) + 1
+        if (nbytes, k) not in blocks:
+            blocks[nbytes, k] = fake_cupy.MemoryPointer(fake_cupy._Mem(nbytes, 0))
+        return blocks[nbytes, k]
+    alloc.reset = taken.clear
     return alloc
 
 
@@ -48,18 +51,23 @@ def test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(c
         with cupy.cuda.Device(0), cd.on_own_gpu():
             x, w, dy = case_operands(cupy, case, dt, cl)
             named = {"x": x, "w": w, "dy": dy}
-            with cupy.cuda.using_allocator(_same_addresses()):
-                want = _call(direction, x, w, dy, stride, pad, groups)  # the full path
+            alloc = _same_addresses()
+
+            def call():
+                alloc.reset()
+                return _call(direction, x, w, dy, stride, pad, groups)
+            with cupy.cuda.using_allocator(alloc):
+                want = call()  # the full path
                 if not conv_memo._TABLE.entries:
                     pytest.skip("not kept (the shifted form's NCHW weight transform)")
                 fake.log.clear()
-                eager_y = _call(direction, x, w, dy, stride, pad, groups)  # first sighting: eager
+                eager_y = call()  # first sighting: eager
                 eager = _masked(fake.log, named)
                 fake.log.clear()
-                captured_y = _call(direction, x, w, dy, stride, pad, groups)  # second: captured, then launched
+                captured_y = call()  # second: captured, then launched
                 at_capture = list(fake.log)
                 fake.log.clear()
-                got = _call(direction, x, w, dy, stride, pad, groups)  # third: the graph alone
+                got = call()  # third: the graph alone
                 later = list(fake.log)
             graphs = _graphs_of_the_one_kept_call()
     ((graph, arena, generation, _),) = graphs.graphs.values()
@@ -210,11 +218,14 @@ def test_a_call_with_an_epilogue_is_captured_with_it_and_keyed_by_its_operands_a
             r1, r2 = (cupy.empty((4, 8, 8, 8), dtype=np.float32) for _ in range(2))
             named = {"x": x, "w": w, "res": r1}
 
+            alloc = _same_addresses()
+
             def call(res):
                 fake.log.clear()
+                alloc.reset()
                 dnn.conv2d(x, w, np.ones(8), 1, 1, shift=np.arange(8.0), residual=res, activation="relu")
                 return [e for e in fake.log if e[0] not in ("upload", "tile")]  # (cache fills aside)
-            with cupy.cuda.using_allocator(_same_addresses()):
+            with cupy.cuda.using_allocator(alloc):
                 call(r1)  # the full path
                 eager = _masked(call(r1), named)  # first sighting
                 at_capture, later = call(r1), call(r1)

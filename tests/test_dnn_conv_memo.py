@@ -117,7 +117,8 @@ def test_a_replay_launches_what_the_full_path_launches(case, dtype, cl):
             full = _masked(fake.log, named)
     geo = conv_geometry("conv2d", 2, np.empty((4, c, 10, 10), dt), np.empty((k, c // groups, kern, kern), dt),
                         stride, pad, 1, groups)
-    shifted_nchw = direction == "fwd" and not cl and cd.forward_form(geo, dt, cd.FORM, "nchw") == "shifted"
+    shifted_nchw = direction == "fwd" and not cl and cd.device_layout("nchw", geo, dt) == "nchw" and \
+        cd.forward_form(geo, dt, cd.FORM, "nchw") == "shifted"
     assert kept == (0 if shifted_nchw else 1)  # (the shifted form's NCHW weight is a transform: never kept)
     assert replayed == full and any(e[0] in ("gemm", "raw_kernel") for e in full)
     assert (got.shape, got.strides, got.dtype) == (want.shape, want.strides, want.dtype)

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from bench import fake_cupy  # noqa: E402
 from blasx.dnn import conv_direct, host_batch  # noqa: E402
+from blasx.dnn.geometry import conv_geometry, layout  # noqa: E402
 from blasx.runtime import hostmem  # noqa: E402
 
 MB = 1 << 20
@@ -36,6 +37,31 @@ def test_plan_by_exact_value():
     assert len({hi - lo for lo, hi in spans[:-1]}) == 1
 
 
+def test_device_layout_by_exact_value():
+    """conv_direct.device_layout: the layout a host batch's chunks (and CuPy operands) are convolved in."""
+    geo = conv_geometry("conv2d", 2, np.zeros((8, 16, 9, 9)), np.zeros((32, 16, 3, 3)), 1, 1, 1, 1)
+    assert conv_direct.device_layout("nchw", geo, np.float32) == "cl"
+    assert conv_direct.device_layout("nchw", geo, np.float16) == "cl"
+    assert conv_direct.device_layout("cl", geo, np.float16) == "cl"
+    assert conv_direct.device_layout("nchw", geo, np.float64) == "nchw"  # no channels-last forms measured faster
+    grouped = conv_geometry("conv2d", 2, np.zeros((8, 16, 9, 9)), np.zeros((32, 8, 3, 3)), 1, 1, 1, 2)
+    assert conv_direct.device_layout("nchw", grouped, np.float32) == "nchw"
+    pointwise = conv_geometry("conv2d", 2, np.zeros((8, 16, 12, 12)), np.zeros((32, 16, 1, 1)), 1, 0, 1, 1)
+    assert conv_direct.device_layout("nchw", pointwise, np.float16) == "nchw"  # a GEMM on x where it lies
+    strided = conv_geometry("conv2d", 2, np.zeros((8, 16, 24, 24)), np.zeros((32, 16, 1, 1)), 2, 0, 1, 1)
+    assert conv_direct.device_layout("nchw", strided, np.float16) == "nchw"  # gathers the strided pixels only
+    small = conv_geometry("conv2d", 2, np.zeros((8, 16, 7, 7)), np.zeros((32, 16, 1, 1)), 1, 0, 1, 1)
+    assert conv_direct.device_layout("nchw", small, np.float16) == "cl"  # 49-pixel GEMMs an image: one GEMM in CL
+    small = conv_geometry("conv2d", 2, np.zeros((8, 16, 14, 14)), np.zeros((32, 16, 1, 1)), 2, 0, 1, 1)
+    assert conv_direct.device_layout("nchw", small, np.float16) == "cl"
+    one_d = conv_geometry("conv1d", 1, np.zeros((8, 16, 9)), np.zeros((32, 16, 3)), 1, 1, 1, 1)
+    assert conv_direct.device_layout("nchw", one_d, np.float32) == "nchw"
+    for x, w in (((8, 1, 9, 9), (32, 1, 3, 3)), ((8, 3, 9, 9), (32, 3, 7, 7)), ((8, 16, 9, 9), (1, 16, 3, 3)),
+                 ((8, 16, 3, 3), (4, 16, 3, 3))):  # a first layer's few channels; one output channel or pixel
+        geo = conv_geometry("conv2d", 2, np.zeros(x), np.zeros(w), 1, 0, 1, 1)
+        assert conv_direct.device_layout("nchw", geo, np.float32) == "nchw"
+
+
 def test_applies(monkeypatch):
     x = np.zeros((4, 3, 8, 8), np.float32)
     monkeypatch.setattr(host_batch, "gpus", lambda: ())
@@ -51,13 +77,16 @@ def _cl(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
 
-def _body(stride, padding, calls, fail_at=None):
-    """A chunk's convolution by CPU torch, written into the slot's device array (host memory here)."""
+def _body(stride, padding, calls, fail_at=None, layouts=None):
+    """A chunk's convolution by CPU torch, written into the slot's device array (host memory here);
+    ``layouts`` collects the layouts the chunks' x, y and residual came in."""
     lock = threading.Lock()
 
     def body(xd, wd, yd, rd):
         with lock:
             calls.append(xd.shape[0])
+            if layouts is not None:
+                layouts.add(tuple(layout(a) for a in (xd, yd, rd) if a is not None))
             if fail_at is not None and len(calls) == fail_at:
                 raise RuntimeError("chunk failed")
         x = torch.from_numpy(np.asarray(xd).view(np.ndarray).copy())
@@ -69,10 +98,12 @@ def _body(stride, padding, calls, fail_at=None):
     return body
 
 
-@pytest.mark.parametrize("lay", ["nchw", "cl"])
+@pytest.mark.parametrize("lay,dlay", [("nchw", None), ("cl", None), ("nchw", "cl")])
 @pytest.mark.parametrize("devices", [(0,), (0, 1)])
 @pytest.mark.parametrize("pinned", [False, True])
-def test_run_matches_torch(monkeypatch, lay, devices, pinned):
+def test_run_matches_torch(monkeypatch, lay, dlay, devices, pinned):
+    """Every chunk convolved in the device layout (an NCHW batch converted to channels-last on the device and
+    back), the result in the batch's own layout, the caller's arrays untouched."""
     monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)  # small chunks: several on every slot
     rng = np.random.default_rng(1)
     x = rng.standard_normal((13, 8, 9, 9)).astype(np.float32)
@@ -90,9 +121,10 @@ def test_run_matches_torch(monkeypatch, lay, devices, pinned):
     with fake_cupy.installed(copies=True):
         host_batch.release()
         y = host_batch.in_layout(np.full(13 * 6 * 25, np.nan, np.float32), (13, 6, 5, 5), lay)
-        calls = []
-        host_batch.run(host_batch.Batch(x, y, res, lay), w, _body(2, 1, calls), devices)
+        calls, layouts = [], set()
+        host_batch.run(host_batch.Batch(x, y, res, lay, dlay), w, _body(2, 1, calls, layouts=layouts), devices)
         host_batch.release()
+    assert layouts == {((dlay or lay),) * 3}
     assert sorted(calls) == sorted(hi - lo for lo, hi in host_batch.plan(13, 4 * (8 * 81 + 2 * 6 * 25), len(devices)))
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     assert host_batch.memory_bytes(y, lay).size == y.nbytes  # y kept its layout
@@ -171,3 +203,53 @@ def test_calls_from_several_threads_keep_their_own_slots(monkeypatch, in_threads
     for (x, w), y in zip(cases, outs):
         want = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w)).numpy()
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kern,want", [(3, "cl"), (1, "nchw")])  # (144 pixels: a 1x1 stays)
+def test_cupy_nchw_operands_are_convolved_in_the_device_layout(monkeypatch, kern, want):
+    """An NCHW 3x3 conv2d of CuPy operands runs channels-last (x copied in, y copied back) and its replay
+    does the same; a pointwise one runs on x where it lies."""
+    import blasx.dnn as dnn
+    from blasx.dnn import conv, direct_cache
+    seen = []
+    inner = conv._forward_call
+    monkeypatch.setattr(conv, "_forward_call", lambda fn, geo, x, lay, *a, **k: (
+        seen.append((lay, layout(x))), inner(fn, geo, x, lay, *a, **k))[1])
+    with fake_cupy.installed(record_calls=True) as fake:
+        direct_cache.clear()
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), conv_direct.on_own_gpu():
+            x, w = cupy.empty((4, 64, 12, 12), dtype=np.float16), cupy.empty((32, 64, kern, kern), dtype=np.float16)
+            y = dnn.conv2d(x, w, padding=kern // 2)
+            fake.log.clear()
+            y2 = dnn.conv2d(x, w, padding=kern // 2)  # replayed
+            copies = [e for e in fake.log if e[0] == "raw_kernel" and e[1].startswith("blasx_transpose_")]
+        direct_cache.clear()
+    assert seen == [(want, want)]  # the full path once, in the device layout; then the replay
+    assert layout(y) == layout(y2) == "nchw"
+    assert len(copies) == (2 if want == "cl" else 0)  # x in, y out
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 40, 33, 2), (1, 64, 1, 70), (2, 5, 4, 3, 3)])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_transpose_kernel_geometry(shape, dtype):
+    """transpose_kernel by exact value: the matrices of both directions, a grid that covers every tile, and (on
+    the stand-in, which makes the copy) both directions against numpy."""
+    from blasx.dnn import transpose_kernel as tk
+    n, c, p = shape[0], shape[1], int(np.prod(shape[2:]))
+    assert tk.matrices(shape, True) == (n, c, p) and tk.matrices(shape, False) == (n, p, c)
+    gx, gy, _ = tk.grid(n, c, p)
+    assert gx == -(-c // tk.TILE) * -(-p // tk.TILE) and gy == n
+    assert tk.grid(10 ** 6, 1, 1)[1] == tk.MAX_BATCH_BLOCKS  # more images loop
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    with fake_cupy.installed(copies=True):
+        import cupy
+        xd = cupy.empty(shape, dtype=dtype)
+        np.asarray(xd).view(np.ndarray)[...] = x
+        cl = host_batch.in_layout(cupy.empty(xd.size, dtype=dtype), shape, "cl")
+        tk.copy(cl, xd, True)
+        back = cupy.empty(shape, dtype=dtype)
+        tk.copy(back, cl, False)
+        np.testing.assert_array_equal(np.asarray(cl).view(np.ndarray), x)
+        assert layout(cl) == "cl"
+        np.testing.assert_array_equal(np.asarray(back).view(np.ndarray), x)

@@ -510,3 +510,19 @@ def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
         assert rel(y, F.conv2d(xf, wf, None, 1, 1).numpy()) < 1e-5, (t, i)
         assert rel(gw, torch.nn.grad.conv2d_weight(xf, shape_w, dyf, 1, 1).numpy()) < 1e-5, (t, i)
     assert len(results) == 32
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 40, 33, 2), (1, 64, 1, 70), (5, 33, 31, 17), (2, 5, 4, 3, 3)])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8"])
+def test_transpose_kernel_both_ways(shape, dtype):
+    """The NCHW <-> channels-last copy (transpose_kernel) against CuPy's strided copy, into poisoned memory."""
+    from blasx.dnn import transpose_kernel
+    x = cupy.asarray((np.random.default_rng(1).standard_normal(shape) * 50).astype(dtype))
+    moved = (shape[0], *shape[2:], shape[1])
+    back = (0, len(shape) - 1, *range(1, len(shape) - 1))
+    c = cupy.full(moved, 77, dtype=dtype).transpose(back)
+    transpose_kernel.copy(c, x, True)
+    assert c.base.flags.c_contiguous and bool((c == x).all())
+    y = cupy.full(shape, 77, dtype=dtype)
+    transpose_kernel.copy(y, c, False)
+    assert bool((y == x).all())

@@ -23,7 +23,8 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, host_batch, phases
+from . import (col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, host_batch, phases,
+               transpose_kernel)
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
@@ -242,16 +243,26 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
     if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
         y = _batched(out, nd)[0] if out is not None else host_batch.empty(shape, dt, lay)
-        host_batch.run(host_batch.Batch(_as_layout(np, xb, lay), y, residual, lay), weight,
-                       lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, lay,
+        dlay = conv_direct.device_layout(lay, geo, dt)
+        host_batch.run(host_batch.Batch(_as_layout(np, xb, lay), y, residual, lay, dlay), weight,
+                       lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
                                                             wd, yd, rd, (*vecs, act), math, user_weight=True))
         return out if out is not None else (y[0] if unbatched else y)
+    dlay = lay if xp is np or (scale is not None and residual is not None) else conv_direct.device_layout(lay, geo, dt)
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
-        ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
-    # kept where x, the weight and a residual were read where they lie (not copied into a layout)
-    if memo is not None and ran is not None and xb is x and ran[1].data.ptr == weight.data.ptr and \
+        if dlay == lay:
+            ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
+        else:  # convolved in dlay, x converted on the device before and y after, then the epilogue on y
+            yc = conv_direct.layout_scratch("y_in_layout", shape, dt, dlay)
+            ran = _forward_call(fn, geo, conv_direct.in_layout(xb, "x_in_layout", dlay), dlay, weight, yc, None,
+                                _PLAIN[:4], math, user_weight=True)
+            transpose_kernel.copy(y, yc, False)
+            conv_direct.finish(geo, False, y, device_affine(*vecs, act, residual is not None)[0], residual, False)
+    # kept where x, the weight (or its matrix in dlay) and a residual were read where they lie
+    converted = dlay != lay
+    if memo is not None and ran is not None and xb is x and (converted or ran[1].data.ptr == weight.data.ptr) and \
             (residual is None or residual is extras[3]):
         cl, k = lay == "cl", geo.k
 
@@ -262,8 +273,13 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
             return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(g, cl, y, vectors, res),
                                       (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
         plain = act is None and all(v is None for v in extras)
-        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
-                                                      epilogue=None if plain else epilogue))
+        rows = None
+        if converted:  # the caller's weight as the matrix the plan read (kept beside the weight, direct_cache)
+            rows = lambda w: direct_cache.derived(w, ("rows", True), lambda: conv_direct.weight_rows(  # noqa: E731
+                xp, w, True, k, geo.crs))
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl or converted, dt, math, ran[0],
+                                                      _empty_maker(xp, shape, dt, lay), weight_of=rows,
+                                                      epilogue=None if plain else epilogue, converted=converted))
     if out is not None:
         return out
     return y[0] if unbatched else y

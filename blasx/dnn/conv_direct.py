@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..threadlocal import setting
-from . import call_graph, direct_cache, finddb, igemm
+from . import call_graph, direct_cache, finddb, igemm, transpose_kernel
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -44,6 +44,8 @@ _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on thei
 FORMS = ("im2col", "shifted", "implicit")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
+LAYOUT_MIN_C = 8  # NCHW operands with fewer input channels are convolved as they lie (device_layout)
+LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an image
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
 
 
@@ -114,6 +116,38 @@ def pointwise(geo: ConvGeometry) -> bool:
     """1x1, stride 1, unpadded, no zero insertion: col(X) is X itself."""
     return all(v == 1 for v in (*geo.kernel, *geo.stride, *geo.insert)) and not any(geo.pad_lo) and \
         geo.out_size == geo.in_size
+
+
+def device_layout(lay: str, geo: ConvGeometry, dtype) -> str:
+    """The layout the device route convolves operands of layout ``lay`` in: an NCHW 2-D convolution with a
+    kernel window (groups 1, not float64) in channels-last, x converted on the device before and y after
+    (transpose_kernel; its forms run faster there: the implicit kernel, the gather's 16-byte units); a 1x1
+    with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
+    the strided pixels only: NCHW's GEMMs are per image, too narrow below), so does a first layer (fewer
+    than ``LAYOUT_MIN_C`` channels: its large output's copy costs more than the form gains) and one whose y
+    is the same memory in both layouts."""
+    if lay != "nchw" or geo.nd != 2 or geo.groups != 1 or np.dtype(dtype) == np.float64:
+        return lay
+    if prod(geo.kernel) == 1 and prod(geo.out_size) >= LAYOUT_MIN_PIXELS:
+        return lay
+    if min(geo.k, prod(geo.in_size), prod(geo.out_size)) == 1 or geo.c < LAYOUT_MIN_C:
+        return lay
+    return "cl"
+
+
+def layout_scratch(name: str, shape: tuple, dtype, lay: str):
+    """An uninitialised device array of ``shape`` in layout ``lay``: scratch ``name`` of the call
+    (direct_cuda.scratch: the Workspace's buffer where there is one)."""
+    from . import direct_cuda, host_batch
+    flat = direct_cuda.scratch(name, prod(shape), dtype).view(np.dtype(dtype))
+    return host_batch.in_layout(flat, tuple(shape), lay)
+
+
+def in_layout(x, name: str, lay: str):
+    """A copy of the compact device array ``x`` in the other layout ``lay``, in scratch ``name``."""
+    out = layout_scratch(name, x.shape, x.dtype, lay)
+    transpose_kernel.copy(out, x, lay == "cl")
+    return out
 
 
 def chunks(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:

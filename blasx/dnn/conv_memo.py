@@ -24,7 +24,7 @@ import numpy as np
 from .. import perfdb, precision
 from ..operands import is_cupy
 from ..runtime import dtypes
-from . import call_graph, conv_direct, direct_cache
+from . import call_graph, conv_direct, direct_cache, transpose_kernel
 
 _TABLE = direct_cache.table(256)
 
@@ -116,12 +116,13 @@ def keep(k, r: Replay | None) -> None:
 
 
 def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None, epilogue=None,
-                   flops: float | None = None) -> Replay | None:
+                   flops: float | None = None, converted: bool = False) -> Replay | None:
     """The replay of a forward call that ran ``plan`` (direct_cuda.ForwardPlan) on x, the ``(K, CRS)`` weight
     matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``, then
     the epilogue where given (``epilogue(extras)`` checks the call's epilogue operands before any launch and
     returns what finishes y); None for the shifted form on NCHW operands (its tap-major weight is another
-    transform). ``flops``: what the full path's route check weighed (None: the gather's)."""
+    transform). ``flops``: what the full path's route check weighed (None: the gather's). ``converted``: the
+    plan ran on channels-last copies of the caller's NCHW x and y (conv_direct.device_layout), made again."""
     if plan.form == "shifted" and not cl:
         return None
     import cupy
@@ -132,11 +133,11 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
     cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)  # (channels-last only)
     if plan.form == "implicit" and not scratch and cpad is None:
-        return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops)
+        return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted)
     if not scratch and cpad is None and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch:
         issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "w": 1, "wt": 1, "y": 2}, dt, math)
         if issue is not None:
-            return _gemm_replay(issue, make_y, weight_of, epilogue, flops)
+            return _gemm_replay(issue, make_y, weight_of, epilogue, flops, converted)
 
     def launch(x, w, y):
         if weight_of is not None:
@@ -149,10 +150,10 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
         direct_cuda.CudaOps(g, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    return _launch_replay(launch, make_y, epilogue, flops)
+    return _launch_replay(launch, make_y, epilogue, flops, converted)
 
 
-def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops) -> Replay:
+def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted) -> Replay:
     """The replay of an implicit-form call without scratch: one launch through the driver with its arguments
     packed once (igemm.Launcher), on the current stream; operands off a 16-byte boundary take the plan's
     executor (which copies them)."""
@@ -168,10 +169,10 @@ def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops
             direct_cuda.CudaOps(geo, cl, {"x": x, "w": w, "y": y}, dt, math).run(plan.steps, plan.launches)
         else:
             go(stream_of().ptr, px, pw, py)
-    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops)
+    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops, converted)
 
 
-def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
+def _gemm_replay(issue, make_y, weight_of, epilogue, flops, converted) -> Replay:
     """The replay of a call whose plan is one GEMM on x, the weight matrix and y (a pointwise convolution):
     ``issue`` (direct_cuda.gemm_issuer) with its arguments packed once, on the current stream."""
     import cupy
@@ -179,7 +180,7 @@ def _gemm_replay(issue, make_y, weight_of, epilogue, flops) -> Replay:
 
     def launch(x, w, y):
         issue(stream_of().ptr, x.data.device_id, x, w, y)
-    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops)
+    return _launch_replay(_weighted(launch, weight_of), make_y, epilogue, flops, converted)
 
 
 def _weighted(launch, weight_of):
@@ -189,10 +190,13 @@ def _weighted(launch, weight_of):
     return lambda x, w, y: launch(x, weight_of(w), y)
 
 
-def _launch_replay(launch, make_y, epilogue, flops) -> Replay:
+def _launch_replay(launch, make_y, epilogue, flops, converted=False) -> Replay:
     """The replay that makes y and runs ``launch(x, w, y)`` (its scratch its own), then the epilogue where the
     call has one (``epilogue(extras)``: its operands checked before any launch, an :class:`Epilogue`): from a CUDA
-    graph keyed by the operands' addresses and the epilogue's (call_graph.py)."""
+    graph keyed by the operands' addresses and the epilogue's (call_graph.py). ``converted``: ``launch`` takes
+    channels-last x and y, the caller's are NCHW (copies made each run, in the graph)."""
+    if converted:
+        launch = _in_channels_last(launch)
     graphs = call_graph.Graphs(launch)
     if epilogue is None:
         def run(x, w, extras=None):
@@ -207,6 +211,15 @@ def _launch_replay(launch, make_y, epilogue, flops) -> Replay:
             return y
     run.graphs = graphs
     return Replay(run, flops)
+
+
+def _in_channels_last(launch):
+    """``launch(x, w, y)`` on NCHW x and y through channels-last copies of both (as the full path makes them)."""
+    def run(x, w, y):
+        yc = conv_direct.layout_scratch("y_in_layout", y.shape, y.dtype, "cl")
+        launch(conv_direct.in_layout(x, "x_in_layout", "cl"), w, yc)
+        transpose_kernel.copy(y, yc, False)
+    return run
 
 
 def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay:

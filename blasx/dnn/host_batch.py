@@ -34,7 +34,7 @@ import numpy as np
 
 from ..operands import is_cupy
 from ..runtime.devices.cupy_streams import on_stream
-from . import conv_direct, direct_cache
+from . import conv_direct, direct_cache, transpose_kernel
 
 SLOTS = 2  # streams a GPU keeps chunks in flight on
 CHUNKS_PER_SLOT = 4  # chunks each slot runs at least where the batch allows
@@ -164,6 +164,14 @@ class Slot:
                                       lambda size, dt: cupy.empty(size, dtype=dt))
         return in_layout(flat, shape, lay)
 
+    def converted(self, dev, name: str, lay: str, to: str):
+        """The device array ``dev`` (layout ``lay``) in layout ``to``: itself, or a copy in scratch ``name``."""
+        if to == lay:
+            return dev
+        out = self.device_array(name, dev.shape, dev.dtype, to)
+        transpose_kernel.copy(out, dev, to == "cl")
+        return out
+
     def copy_in(self, dev, host: np.ndarray, pinning, name: str) -> None:
         """``host`` (bytes in memory order) into the device array ``dev`` (compact) on this stream."""
         if pinning is None:
@@ -228,12 +236,17 @@ def release() -> None:
 
 @dataclasses.dataclass
 class Batch:
-    """A forward call's host operands in layout ``lay`` (compact): x, the output y, a residual or None."""
+    """A forward call's host operands in layout ``lay`` (compact): x, the output y, a residual or None;
+    ``device_lay``: the layout the chunks are convolved in on the GPUs (None: ``lay``), each chunk converted
+    there after its copy in and back before its copy out (the link carries the host layout)."""
 
     x: np.ndarray
     y: np.ndarray
     residual: np.ndarray | None
     lay: str
+    device_lay: str | None = None
+
+
 
 
 def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) -> None:
@@ -244,6 +257,7 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
     import cupy
     devices = tuple(devices or gpus())
     x, y, res, lay = batch.x, batch.y, batch.residual, batch.lay
+    dlay = batch.device_lay or lay
     n = x.shape[0]
     image = (x.nbytes + y.nbytes + (res.nbytes if res is not None else 0)) // max(1, n)
     spans = plan(n, image, len(devices))
@@ -276,12 +290,17 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
             with cupy.cuda.Device(d), on_stream(s.stream), conv_direct.on_own_gpu(), direct_cache.using(s.workspace):
                 xd = s.device_array("x", (hi - lo, *x.shape[1:]), x.dtype, lay)
                 s.copy_in(xd, memory_bytes(x[lo:hi], lay), px, "x")
+                xd = s.converted(xd, "xc", lay, dlay)
                 rd = None
                 if res is not None:
                     rd = s.device_array("r", (hi - lo, *res.shape[1:]), res.dtype, lay)
                     s.copy_in(rd, memory_bytes(res[lo:hi], lay), pr, "r")
+                    rd = s.converted(rd, "rc", lay, dlay)
                 yd = s.device_array("y", (hi - lo, *y.shape[1:]), y.dtype, lay)
-                body(xd, weights[d], yd, rd)
+                yc = yd if dlay == lay else s.device_array("yc", yd.shape, yd.dtype, dlay)
+                body(xd, weights[d], yc, rd)
+                if yc is not yd:
+                    transpose_kernel.copy(yd, yc, lay == "cl")
                 s.copy_out(memory_bytes(y[lo:hi], lay), yd, py)
                 s.issued()
     except BaseException as exc:  # noqa: BLE001 -- re-raised once nothing is in flight

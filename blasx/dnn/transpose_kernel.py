@@ -1,0 +1,78 @@
+"""A batched tiled transpose on the device: the copy between a compact NCHW array and its channels-last twin
+(per image, the C x P matrix to P x C, or back), where the device route convolves NCHW operands in
+channels-last (conv_direct.device_layout). CuPy's copy of a transposed view indexes every element through
+its strides and runs far below the memory's speed; a block here moves a 32 x 32 tile through shared memory,
+so both its reads and its writes are coalesced.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+TILE = 32  # a tile's side; a block is TILE x ROWS threads, each moving TILE / ROWS elements
+ROWS = 8
+MAX_BATCH_BLOCKS = 65535  # grid y: images; more loop
+
+_CTYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+
+_CODE = """
+extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, long long batch, int rows, int cols)
+{
+  __shared__ U tile[TILE][TILE + 1];
+  const int tiles_c = (cols + TILE - 1) / TILE;
+  const int r0 = (blockIdx.x / tiles_c) * TILE, c0 = (blockIdx.x % tiles_c) * TILE;
+  const long long size = (long long)rows * cols;
+  for (long long n = blockIdx.y; n < batch; n += gridDim.y) {
+    const U* s = src + n * size;
+    U* d = dst + n * size;
+    for (int j = threadIdx.y; j < TILE; j += ROWS) {
+      int r = r0 + j, c = c0 + threadIdx.x;
+      if (r < rows && c < cols) tile[j][threadIdx.x] = s[(long long)r * cols + c];
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < TILE; j += ROWS) {
+      int c = c0 + j, r = r0 + threadIdx.x;
+      if (r < rows && c < cols) d[(long long)c * rows + r] = tile[threadIdx.x][j];
+    }
+    __syncthreads();
+  }
+}
+"""
+
+
+def source(itemsize: int) -> tuple[str, str]:
+    """(code, name) of the transpose of ``itemsize``-byte elements: ``(src, dst, batch, rows, cols)`` makes
+    each of ``batch`` row-major ``rows x cols`` matrices of src into the ``cols x rows`` matrix in dst."""
+    name = f"blasx_transpose_u{8 * itemsize}"
+    head = f"typedef {_CTYPES[itemsize]} U; const int TILE = {TILE}; const int ROWS = {ROWS};"
+    return head + _CODE.replace("NAME", name), name
+
+
+def grid(batch: int, rows: int, cols: int) -> tuple:
+    """The launch's grid: x over the tiles of one matrix, y over the images (at most MAX_BATCH_BLOCKS)."""
+    tiles = -(-rows // TILE) * -(-cols // TILE)
+    return (max(1, tiles), max(1, min(batch, MAX_BATCH_BLOCKS)), 1)
+
+
+def matrices(shape: tuple, to_channels_last: bool) -> tuple[int, int, int]:
+    """(batch, rows, cols) of the transpose between an NC(spatial)-shaped array's NCHW memory and its
+    channels-last memory: per image C x P to P x C (``to_channels_last``), or back."""
+    n, c, p = shape[0], shape[1], prod(shape[2:])
+    return (n, c, p) if to_channels_last else (n, p, c)
+
+
+_KERNELS: dict = {}
+
+
+def copy(dst, src, to_channels_last: bool) -> None:
+    """``dst[...] = src`` on the current stream for compact CuPy arrays of one shape and type in opposite
+    layouts: src NCHW and dst channels-last (``to_channels_last``), or the other way."""
+    import cupy
+    import numpy as np
+    itemsize = src.dtype.itemsize
+    k = _KERNELS.get(itemsize)
+    if k is None:
+        k = _KERNELS[itemsize] = cupy.RawKernel(*source(itemsize))
+    batch, rows, cols = matrices(src.shape, to_channels_last)
+    if batch and rows and cols:
+        k(grid(batch, rows, cols), (TILE, ROWS, 1), (src, dst, np.int64(batch), np.int32(rows), np.int32(cols)))
