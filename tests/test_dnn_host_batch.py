@@ -205,29 +205,33 @@ def test_calls_from_several_threads_keep_their_own_slots(monkeypatch, in_threads
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("direction,copies", [("fwd", 2), ("bwd-data", 2), ("bwd-weight", 3)])
 @pytest.mark.parametrize("kern,want", [(3, "cl"), (1, "nchw")])  # (144 pixels: a 1x1 stays)
-def test_cupy_nchw_operands_are_convolved_in_the_device_layout(monkeypatch, kern, want):
-    """An NCHW 3x3 conv2d of CuPy operands runs channels-last (x copied in, y copied back) and its replay
-    does the same; a pointwise one runs on x where it lies."""
+def test_cupy_nchw_operands_are_convolved_in_the_device_layout(kern, want, direction, copies):
+    """NCHW CuPy operands of a 3x3 run channels-last: the inputs copied in (x, or dY, or both), the result copied
+    back into the caller's layout (y, dX, or dW as KCRS), the replay making the same copies; a pointwise
+    call runs on its operands where they lie."""
     import blasx.dnn as dnn
-    from blasx.dnn import conv, direct_cache
-    seen = []
-    inner = conv._forward_call
-    monkeypatch.setattr(conv, "_forward_call", lambda fn, geo, x, lay, *a, **k: (
-        seen.append((lay, layout(x))), inner(fn, geo, x, lay, *a, **k))[1])
+    from blasx.dnn import direct_cache
     with fake_cupy.installed(record_calls=True) as fake:
         direct_cache.clear()
         cupy = fake.cupy
         with cupy.cuda.Device(0), conv_direct.on_own_gpu():
             x, w = cupy.empty((4, 64, 12, 12), dtype=np.float16), cupy.empty((32, 64, kern, kern), dtype=np.float16)
-            y = dnn.conv2d(x, w, padding=kern // 2)
-            fake.log.clear()
-            y2 = dnn.conv2d(x, w, padding=kern // 2)  # replayed
-            copies = [e for e in fake.log if e[0] == "raw_kernel" and e[1].startswith("blasx_transpose_")]
+            dy = cupy.empty((4, 32, 12, 12), dtype=np.float16)
+            call = {"fwd": lambda: dnn.conv2d(x, w, padding=kern // 2),
+                    "bwd-data": lambda: dnn.conv2d_input(x.shape, w, dy, padding=kern // 2),
+                    "bwd-weight": lambda: dnn.conv2d_weight(x, w.shape, dy, padding=kern // 2)}[direction]
+            logs, outs = [], []
+            for _ in range(2):  # the full path, then its replay
+                fake.log.clear()
+                outs.append(call())
+                logs.append([e for e in fake.log if e[0] == "raw_kernel" and e[1].startswith("blasx_transpose_")])
         direct_cache.clear()
-    assert seen == [(want, want)]  # the full path once, in the device layout; then the replay
-    assert layout(y) == layout(y2) == "nchw"
-    assert len(copies) == (2 if want == "cl" else 0)  # x in, y out
+    assert [len(g) for g in logs] == [copies if want == "cl" else 0] * 2
+    assert all(o.flags.c_contiguous for o in outs)  # the caller's layout
+    assert outs[0].shape == outs[1].shape == (w.shape if direction == "bwd-weight" else x.shape if direction ==
+                                              "bwd-data" else dy.shape)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 40, 33, 2), (1, 64, 1, 70), (2, 5, 4, 3, 3)])

@@ -375,30 +375,38 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, alias=False)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
+    dlay = lay if xp is np else conv_direct.device_layout(lay, geo, dt)
+    converted, cl = dlay != lay, dlay == "cl"
     with _on_device_of(x):
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        xd, yd = xb, y  # what the route reads and writes: in dlay, converted on the device before and after
+        if converted:
+            xd, yd = conv_direct.in_layout(xb, "x_in_layout", dlay), conv_direct.layout_scratch("y_in_layout", shape,
+                                                                                                 dt, dlay)
         flops = 2.0 * geo.n * prod(geo.in_size) * geo.c * geo.kg * prod(geo.kernel)
+        plan = ran = None
         if col2im.applies(geo, dt) and not depthwise.applies(geo) and conv_direct.applies(xb, flops) and \
-                layout(y) == lay:  # one GEMM a group into columns and the col2im kernel, the weight as it lies
+                layout(yd) == dlay:  # one GEMM a group into columns and the col2im kernel, the weight as it lies
             wl = layout(weight)
             w = weight if wl is not None else xp.ascontiguousarray(weight)
-            plan = direct_cuda.transposed(geo, xb, lay == "cl", w, wl == "cl", y, b, math)
+            plan = direct_cuda.transposed(geo, xd, cl, w, wl == "cl", yd, b, math)
             if memo is not None and xb is x and w is weight:
-                conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, plan,
-                                                              _empty_maker(xp, shape, dt, lay), flops=flops))
-            return out if out is not None else y[0] if unbatched else y
-        wf = _flipped_transposed(xp, weight, geo.groups)
-        ran = None
-        if PHASES and phases.applies(geo):
-            _phase_calls(fn, geo, xp, xb, lay, wf, y, b, math)
+                conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, plan, _empty_maker(xp, shape, dt, lay),
+                                                              flops=flops, converted=converted))
         else:
-            ran = _forward_call(fn, geo, xb, lay, wf, y, None, (b, None, None, None), math)
+            wf = _flipped_transposed(xp, weight, geo.groups)
+            if PHASES and phases.applies(geo):
+                _phase_calls(fn, geo, xp, xd, dlay, wf, yd, b, math)
+            else:
+                ran = _forward_call(fn, geo, xd, dlay, wf, yd, None, (b, None, None, None), math)
+        if converted:
+            transpose_kernel.copy(y, yd, False)
     if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
         def rows(w, g=geo):
-            return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), lay == "cl", g.k, g.crs)
-        conv_memo.keep(memo, conv_memo.forward_replay(geo, lay == "cl", dt, math, ran[0],
-                                                      _empty_maker(xp, shape, dt, lay), rows))
+            return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), cl, g.k, g.crs)
+        conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
+                                                      rows, converted=converted))
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -497,14 +505,24 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)
+        converted = conv_direct.device_layout(lay, geo, dt) != lay  # x and dY copied channels-last, dW back
 
         def finish(dwm):  # the (K, CRS) matrix as the weight's shape, in the operands' layout
-            if cl:
-                return dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1))
-            return dwm.reshape(wsize)
-        dwm, plan = conv_direct.weight(geo, xb, dy, cl, math)
-        if memo is not None and plan is not None and xb is xb_in and dy is dy_in:
-            conv_memo.keep(memo, conv_memo.weight_replay(geo, cl, dt, math, plan, finish))
+            if cl or converted:
+                dwm = dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1))
+            if converted:
+                dw = xp.empty(wsize, dtype=dwm.dtype)
+                transpose_kernel.copy(dw, dwm, False)
+                return dw
+            return dwm if cl else dwm.reshape(wsize)
+        kept = memo is not None and xb is xb_in and dy is dy_in
+        if converted:
+            xb, dy = conv_direct.in_layout(xb, "x_in_layout", "cl"), conv_direct.in_layout(dy, "dy_in_layout", "cl")
+        dwm, plan = conv_direct.weight(geo, xb, dy, cl or converted, math)
+        if kept and plan is not None:
+            conv_memo.keep(memo, conv_memo.weight_replay(geo, cl or converted, dt, math, plan,
+                                                         (lambda dw: dw.reshape(wsize)) if converted else finish,
+                                                         converted))
         return finish(dwm)
     if cl:
         dyv = dy.transpose(0, *range(2, dy.ndim), 1).reshape(n * p, geo.k).T

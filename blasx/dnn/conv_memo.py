@@ -222,10 +222,11 @@ def _in_channels_last(launch):
     return run
 
 
-def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay:
+def weight_replay(geo, cl: bool, dtype, math: str, plan, finish, converted: bool = False) -> Replay:
     """The replay of a weight-gradient call that ran ``plan`` (direct_cuda.WeightPlan) on x and dY, its result
     ``finish(dw)`` of the ``(K, CRS)`` matrix ``dw``; from a CUDA graph keyed by the operands' addresses
-    (call_graph.py); a plan of one GEMM without scratch issues it with its arguments packed once."""
+    (call_graph.py); a plan of one GEMM without scratch issues it with its arguments packed once. ``converted``:
+    the plan ran on channels-last copies of the caller's NCHW x and dY, made again in the graph."""
     import cupy
 
     from . import direct_cuda
@@ -243,6 +244,14 @@ def weight_replay(geo, cl: bool, dtype, math: str, plan, finish) -> Replay:
     else:
         def launch(x, dy, dw):
             direct_cuda.run_weight_plan(geo, cl, dtype, math, plan, x, dy, out=dw)
+    if converted:  # dw: the NCHW weight's memory, copied from the channels-last result (as the full path does)
+        inner, nd = launch, geo.nd
+
+        def launch(x, dy, dw):
+            dwm = cupy.empty((geo.k, geo.crs), dtype=dt)
+            inner(conv_direct.in_layout(x, "x_in_layout", "cl"), conv_direct.in_layout(dy, "dy_in_layout", "cl"), dwm)
+            moved = dwm.reshape(geo.k, *geo.kernel, geo.cg).transpose(0, nd + 1, *range(1, nd + 1))
+            transpose_kernel.copy(dw.reshape(geo.k, geo.cg, *geo.kernel), moved, False)
     graphs, shape = call_graph.Graphs(launch), (geo.k, geo.crs)
 
     def run(x, dy, extras=None):
