@@ -245,6 +245,7 @@ def test_transpose_kernel_geometry(shape, dtype):
     gx, gy, _ = tk.grid(n, c, p)
     assert gx == -(-c // tk.TILE) * -(-p // tk.TILE) and gy == n
     assert tk.grid(10 ** 6, 1, 1)[1] == tk.MAX_BATCH_BLOCKS  # more images loop
+    assert tk.paired_grid(n, c, p)[0] == -(-c // 64) * -(-p // 64)
     x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
     with fake_cupy.installed(copies=True):
         import cupy
@@ -257,3 +258,23 @@ def test_transpose_kernel_geometry(shape, dtype):
         np.testing.assert_array_equal(np.asarray(cl).view(np.ndarray), x)
         assert layout(cl) == "cl"
         np.testing.assert_array_equal(np.asarray(back).view(np.ndarray), x)
+
+
+def test_the_paired_transpose_takes_even_two_byte_copies_on_four_byte_boundaries(monkeypatch):
+    from blasx.dnn import transpose_kernel as tk
+    assert not tk.paired(2, 4, 6, (0, 256))  # off unless PAIRED
+    monkeypatch.setattr(tk, "PAIRED", True)
+    assert tk.paired(2, 4, 6, (0, 256))
+    assert not tk.paired(4, 4, 6, (0, 256)) and not tk.paired(2, 3, 6, (0, 256)) and not tk.paired(2, 4, 5, (0, 256))
+    assert not tk.paired(2, 4, 6, (2, 256))
+    shape = (3, 40, 6, 11)  # P = 66: paired both ways; the stand-in makes the copy by the kernels' argument order
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float16)
+    with fake_cupy.installed(copies=True, record_calls=True) as fake:
+        import cupy
+        xd = cupy.empty(shape, dtype=np.float16)
+        np.asarray(xd).view(np.ndarray)[...] = x
+        cl = host_batch.in_layout(cupy.empty(xd.size, dtype=np.float16), shape, "cl")
+        tk.copy(cl, xd, True)
+        names = [e[1] for e in fake.log if e[0] == "raw_kernel"]
+        np.testing.assert_array_equal(np.asarray(cl).view(np.ndarray), x)
+    assert names == ["blasx_transpose_pair16"]
