@@ -10,8 +10,9 @@ norms, the same answer to "is the result the output argument itself", and the sa
 arguments written. ``ACCEPTED_DIFFERENCES`` lists where blasx may differ (scipy's behaviour
 undefined, or a bug of f2py's) and what is checked there instead.
 
-``BLASX_FUZZ_EXAMPLES=N`` sets every property's max_examples; ``--hypothesis-seed=N`` reproduces
-a run; ``--hypothesis-show-statistics`` prints the outcome counts (``event``) of each property.
+``BLASX_FUZZ_EXAMPLES=N`` sets every property's max_examples (100 a run; each run draws new examples);
+``--hypothesis-seed=N`` reproduces a run; ``--hypothesis-show-statistics`` prints the outcome counts
+(``event``) of each property.
 """
 
 from __future__ import annotations
@@ -664,7 +665,7 @@ ROUTINES = list(LEVEL3)
 
 
 @pytest.mark.parametrize("routine", ROUTINES)
-@fuzz_settings(200)
+@fuzz_settings(100)
 @given(data=st.data())
 def test_linalg_blas_matches_scipy(routine, device, data):
     """Every prefix of one level-3 routine, random argument forms, against scipy.linalg.blas."""
@@ -756,7 +757,7 @@ def _core(draw, n):
     return [draw(st.integers(0, 4)) for _ in range(n)]
 
 
-@fuzz_settings(200)
+@fuzz_settings(100)
 @given(data=st.data())
 def test_matmul_matches_numpy(device, data):
     """blasx.matmul vs np.matmul: 1-D..4-D operands, broadcast batches, dtypes, layouts, 0-size, out=."""
@@ -792,7 +793,7 @@ def test_matmul_matches_numpy(device, data):
     check_numpy_call("matmul", np.matmul, blasx.matmul, recipes, kwargs)
 
 
-@fuzz_settings(200)
+@fuzz_settings(100)
 @given(data=st.data())
 def test_dot_matches_numpy(device, data):
     """blasx.dot vs np.dot: 0-D..4-D operands (N-D . M-D), dtypes, layouts, 0-size, out=."""
@@ -816,7 +817,7 @@ def test_dot_matches_numpy(device, data):
     check_numpy_call("dot", np.dot, blasx.dot, recipes, {})
 
 
-@fuzz_settings(200)
+@fuzz_settings(100)
 @given(data=st.data())
 def test_tensordot_matches_numpy(device, data):
     """blasx.tensordot vs np.tensordot: 0-D..4-D operands, axes as an int, a pair of ints or of
