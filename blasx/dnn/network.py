@@ -119,7 +119,7 @@ class Network:
                                 a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
             with direct_cache.using(direct_cache.Workspace()):  # as the network's workers choose (each has one)
                 out[n.name] = "depthwise" if depthwise.applies(geo) else conv_direct.forward_form(
-                    geo, dt, conv_direct.FORM, self.layout, self.math, device)
+                    geo, dt, conv_direct.FORM, conv_direct.device_layout(self.layout, geo, dt), self.math, device)
         return out
 
     def _example_shape(self) -> tuple:
