@@ -139,7 +139,8 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
          db=None, store: bool = True, seed: int = 0, timer: Callable | None = None) -> dict:
     """Time every device-route form of conv{nd}d(x, weight, ...) (shapes as torch takes them; ``direction``
     "fwd", "bwd-data" (conv{nd}d_input) or "bwd-weight" (conv{nd}d_weight)) on CUDA GPU ``device`` with
-    random CuPy operands in ``dtype`` and ``layout`` ("nchw" or "cl"), ``runs`` timed runs per form (each
+    random CuPy operands in ``dtype`` and ``layout`` ("nchw" or "cl"; an NCHW problem the device route runs
+    channels-last, conv_direct.device_layout, is stored as channels-last), ``runs`` timed runs per form (each
     CALLS calls back to back) after one checked warm-up; store the fastest correct form in the find-db
     (``db``: a PerfDb, a path, or None for the one the runtime reads) unless ``store`` is False.
     ``timer(run)``: seconds of ``run()`` (None: CUDA events). Raises NoGpuError where CuPy finds no GPU, before anything is made.
@@ -159,12 +160,14 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     dt = dtypes.GEMM_BY_PREFIX[key.dtype].dtype
     rt = runtime_geometry(geo, direction)
     from . import igemm
+    given = key.layout  # the operands' layout; the key's is the one the device route runs the problem in
+    key = key._replace(layout=conv_direct.device_layout(given, rt, dt))
     forms = forms_for(geo, direction, dt, key.layout, key.math, igemm.capable(ordinal))
     alone = direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt)
     if alone:  # the one form strided backward-data runs: timed, nothing to choose
         forms = ("col2im",)
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
-        call = _caller(geo, direction, key.layout, dt, key.math, tuple(x_shape), tuple(weight_shape),
+        call = _caller(geo, direction, given, dt, key.math, tuple(x_shape), tuple(weight_shape),
                        (stride, padding, dilation, groups), seed)
         red = geo.crs if direction == "fwd" else geo.kg * int(np.prod(geo.kernel)) if direction == "bwd-data" \
             else geo.n * geo.p
