@@ -191,9 +191,10 @@ def _launches(log):
     anew where no Workspace keeps it), less what fills a cache (uploads, tiles, weight transforms)."""
     out = []
     for e in log:
-        if e[0] == "kernel":
-            out.append(("kernel", e[1], tuple(a[2:] if isinstance(a, tuple) and a[0] == "array" else a
-                                              for a in e[2]), e[3]))
+        if e[0] in ("kernel", "raw_kernel"):
+            at = 2 if e[0] == "kernel" else 4  # (a raw kernel's name, grid and block come first)
+            out.append((*e[:at], tuple(a[2:] if isinstance(a, tuple) and a[0] == "array" else a for a in e[at]),
+                        *e[at + 1:]))
         elif e[0] == "gemm":
             args = list(e[1:])
             for i in (5, 6, 10, 14, 15):  # alpha, A, B, beta, C
