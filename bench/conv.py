@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     h = p.add_argument_group("--host (bench.conv_host)")
     h.add_argument("--host", action="store_true", help="numpy batch in host memory, blasx on --devices vs torch on 1 GPU")
-    h.add_argument("--host-modes", default="pinned,pageable", help="comma list of pinned, pageable")
+    h.add_argument("--host-modes", default="pinned,pageable,fresh", help="comma list of pinned, pageable, fresh")
     h.add_argument("--torch-chunks", type=int, default=4, help="torch peer: batch chunks on 2 streams (1: serial)")
     h.add_argument("--check-images", type=int, default=4, help="images checked against float64 (default 4)")
     p.add_argument("--tag", default="", help="name part of the output files: conv-TAG-STAMP")
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.modes = _list(args.modes, MODES, "--modes")
         args.directions = _list(args.directions, CL.DIRECTIONS, "--directions")
-        args.host_modes = _list(args.host_modes, ("pinned", "pageable"), "--host-modes")
+        args.host_modes = _list(args.host_modes, ("pinned", "pageable", "fresh"), "--host-modes")
         args.devices = args.devices or ("cuda:0,1" if args.host else "cuda:0")
         args.gpu = args.devices.startswith("cuda")
         if not (args.gpu or args.devices.startswith("sim")):

@@ -5,7 +5,9 @@ against torch on one GPU doing copy in, conv, copy out from pinned memory.
 
 Per mode and layer (forward), x (batch N) and the output live in host memory, page-locked
 (``pinned``: registered before timing, as bench.gemm's registered mode) or not (``pageable``:
-blasx's own registrations are released before every run, so each run pays its pinning). The
+blasx's own registrations are released before every run, so each run pays its pinning; ``fresh``: each
+run's x is a copy blasx has never seen, made before the clock starts, and blasx makes the output, as a
+data loader's batches come: the one-shot case). The
 weights are where each contender keeps them between calls: host memory for blasx (a numpy array
 that owns its memory, as a user's would: blasx page-locks it in place on the first call), the GPU
 for torch. torch runs two ways on its first GPU from pinned tensors: ``serial`` (the whole batch
@@ -137,14 +139,16 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
     rows = []
     for hm in args.host_modes:
         y = _empty_out(x, layer)
-        out = {} if layer.transposed else {"out": y}
+        out = {} if layer.transposed or hm == "fresh" else {"out": y}
         row = dict(base, host_mode=hm, torch=peers, torch_best_s=best["seconds"], torch_err=torch_err)
+        fresh = [_owned(x) for _ in range(args.warmup + args.reps)] if hm == "fresh" else []
         try:
             with _pinned(side, [x, y]) if hm == "pinned" else contextlib.nullcontext():
                 def call():
                     if hm == "pageable":
                         _release([x, y])
-                    return C.conv_call(dnn, dnn, layer, "fwd", x, w, None, **out)
+                    xs = fresh.pop() if fresh else x
+                    return C.conv_call(dnn, dnn, layer, "fwd", xs, w, None, **out)
                 before = blasx.last_profile()
                 times, got = side.time_wall(call, args.warmup, args.reps)
             row["blasx_s"] = statistics.median(times)

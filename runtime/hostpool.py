@@ -245,3 +245,11 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 POOL = OutputPool()
+
+
+def stage_buffer(nbytes: int):
+    """A page-locked buffer of the pool (uint8, ``nbytes``) to stage an input in (hostmem.RegistrationCache.pin's
+    ``buffer``), or None: the pool is off, or could not keep three such buffers idle (an input's, another's, a
+    result's) after the call."""
+    limit = POOL.idle_limit
+    return None if limit is None or 3 * nbytes > limit else POOL.array((nbytes,), np.uint8)

@@ -172,9 +172,9 @@ def test_host_mode_runs_and_writes_its_files(tmp_path, dnn, layout):
                            "layer1.0.conv2,conv1d-k3,transposed4x4", "--out", str(tmp_path)], dnn=dnn) == 0
     doc, md = _doc(tmp_path, "convhost")
     assert {(r["mode"], r["host_mode"]) for r in doc["rows"]} == {
-        (m, h) for m in ("fp32", "fp16") for h in ("pinned", "pageable")}
+        (m, h) for m in ("fp32", "fp16") for h in ("pinned", "pageable", "fresh")}
     assert all(r["status"] == "ok" and r["blasx_images_s"] > 0 and math.isfinite(r["ratio"]) for r in doc["rows"])
-    assert len(doc["summary"]) == 4 and "goal 1.6x" in open(md, encoding="utf-8").read()
+    assert len(doc["summary"]) == 6 and "goal 1.6x" in open(md, encoding="utf-8").read()
     assert "## Convolution from host memory" in report.render(str(tmp_path))
 
 

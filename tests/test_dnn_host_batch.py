@@ -115,7 +115,7 @@ def test_run_matches_torch(monkeypatch, lay, dlay, devices, pinned):
                                       2, 1).numpy() + res
     x0, res0, w0 = x.copy(), res.copy(), w.copy()
     if pinned:  # the caller's memory page-locked: copied from and into as it is
-        monkeypatch.setattr(host_batch, "pinnings", lambda arrays, min_bytes=None: (
+        monkeypatch.setattr(host_batch, "pinnings", lambda arrays, min_bytes=None, readonly=(): (
             [None if a is None else hostmem.Pinning.whole(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays],
             None))
     with fake_cupy.installed(copies=True):

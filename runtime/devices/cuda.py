@@ -27,7 +27,7 @@ import numpy as np
 
 from ..hostmem import REGISTRY
 from ..stats import OpRecord
-from .. import faults
+from .. import faults, hostpool
 from .base import DerivedSource, DeviceError, PeerSource, StreamDevice, register_backend
 from .cuda_kernels import MEMCPY_DEFAULT, CudaKernels, _cublas
 from .cuda_lowp import DeviceCount, convert_tile, device_view, kernels
@@ -48,14 +48,6 @@ def _after_callers_streams(operands) -> None:
     for ordinal in sorted({op.device for op in operands if op.device >= 0}):
         with cupy.cuda.Device(ordinal):
             cupy.cuda.get_current_stream().synchronize()
-
-
-def _stage_buffer(nbytes: int):
-    """A page-locked buffer of the result pool (uint8, ``nbytes``) to stage an input in, or None: the pool
-    is off, or could not keep three such buffers idle (an input's, another's, a result's) after the call."""
-    from .. import hostpool
-    limit = hostpool.POOL.idle_limit
-    return None if limit is None or 3 * nbytes > limit else hostpool.POOL.array((nbytes,), np.uint8)
 
 
 def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
@@ -228,7 +220,7 @@ class CudaDevice(CudaKernels, StreamDevice):
                 readonly = ()
             pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
                                                   threads=(knobs.pin_threads if knobs else 0) or None,
-                                                  readonly=readonly, buffer=_stage_buffer,
+                                                  readonly=readonly, buffer=hostpool.stage_buffer,
                                                   on_demand=knobs is None or knobs.chunks_on_demand, into=into)
             for (_, op), p in zip(host, pinnings):
                 op.pinning = p
