@@ -124,8 +124,8 @@ def device_layout(lay: str, geo: ConvGeometry, dtype) -> str:
     (transpose_kernel; its forms run faster there: the implicit kernel, the gather's 16-byte units); a 1x1
     with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
     the strided pixels only: NCHW's GEMMs are per image, too narrow below), so does a first layer (fewer
-    than ``LAYOUT_MIN_C`` channels: its large output's copy costs more than the form gains) and one whose y
-    is the same memory in both layouts."""
+    than ``LAYOUT_MIN_C`` channels: its large output's copy costs more than the form gains) and one whose x or
+    y is the same memory in both layouts (one output channel, one pixel)."""
     if lay != "nchw" or geo.nd != 2 or geo.groups != 1 or np.dtype(dtype) == np.float64:
         return lay
     if prod(geo.kernel) == 1 and prod(geo.out_size) >= LAYOUT_MIN_PIXELS:

@@ -14,8 +14,8 @@ the pipeline), of ``MIN_CHUNK_BYTES`` to ``CHUNK_BYTES`` of input and output (:f
 at least ``hostmem.MIN_REGISTER_BYTES`` (weights: ``WEIGHT_REGISTER_BYTES``) are page-locked in place by the
 engine's registration cache (kept while the array lives), except inputs seen for the first time, which its
 threads copy into a pooled page-locked buffer instead (:func:`pinnings`); a caller's page-locked memory is
-copied from as it is; anything else goes through a slot's staging. Outputs blasx allocates are page-locked (CuPy's pinned pool) up to
-``PINNED_OUT_BYTES``.
+copied from as it is; anything else goes through a slot's staging. Outputs blasx allocates are page-locked
+(CuPy's pinned pool) up to ``PINNED_OUT_BYTES``.
 
 State: a :class:`Slot` (stream, Workspace, staging) belongs to one call at a time: a call takes idle slots
 from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
