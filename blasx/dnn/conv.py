@@ -248,8 +248,10 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
                        lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
                                                             wd, yd, rd, (*vecs, act), math, user_weight=True))
         return out if out is not None else (y[0] if unbatched else y)
-    dlay = lay if xp is np or (scale is not None and residual is not None) else conv_direct.device_layout(lay, geo, dt)
+    dlay = lay
     with _on_device_of(x):
+        if xp is not np and (scale is None or residual is None):  # (a scale with a residual: folded, not converted)
+            dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         if dlay == lay:
@@ -375,9 +377,11 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, alias=False)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
-    dlay = lay if xp is np else conv_direct.device_layout(lay, geo, dt)
-    converted, cl = dlay != lay, dlay == "cl"
+    dlay = lay
     with _on_device_of(x):
+        if xp is not np:
+            dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
+        converted, cl = dlay != lay, dlay == "cl"
         xb = _as_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         xd, yd = xb, y  # what the route reads and writes: in dlay, converted on the device before and after
@@ -505,7 +509,7 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)
-        converted = conv_direct.device_layout(lay, geo, dt) != lay  # x and dY copied channels-last, dW back
+        converted = conv_direct.run_layout(lay, geo, dt, (xb.size + dy.size) * dt.itemsize) != lay  # x, dY in; dW back
 
         def finish(dwm):  # the (K, CRS) matrix as the weight's shape, in the operands' layout
             if cl or converted:

@@ -135,6 +135,18 @@ def device_layout(lay: str, geo: ConvGeometry, dtype) -> str:
     return "cl"
 
 
+def run_layout(lay: str, geo: ConvGeometry, dtype, copy_bytes: int) -> str:
+    """:func:`device_layout`, where its copies (``copy_bytes`` of scratch) fit the current device's scratch
+    budget (direct_cuda.budget, free memory read again: a full call's cost, replays skip it); else ``lay``
+    (operands convolved where they lie need no copies)."""
+    to = device_layout(lay, geo, dtype)
+    if to != lay:
+        from . import direct_cuda
+        if copy_bytes > direct_cuda.budget(refresh=True):
+            return lay
+    return to
+
+
 def layout_scratch(name: str, shape: tuple, dtype, lay: str):
     """An uninitialised device array of ``shape`` in layout ``lay``: scratch ``name`` of the call
     (direct_cuda.scratch: the Workspace's buffer where there is one)."""
