@@ -288,3 +288,52 @@ def test_nchw_operands_stay_where_their_copies_would_not_fit(monkeypatch):
     assert conv_direct.run_layout("nchw", geo, np.float16, 1000) == "cl"
     assert conv_direct.run_layout("nchw", geo, np.float16, 1001) == "nchw"
     assert conv_direct.run_layout("cl", geo, np.float16, 10 ** 9) == "cl"
+
+
+@pytest.mark.parametrize("lay", ["nchw", "cl"])
+def test_a_one_shot_batch_is_staged_and_the_chunks_read_the_staged_bytes(monkeypatch, lay):
+    """A batch blasx has not seen (large enough to pin) is copied by hostmem's threads into a page-locked pool
+    buffer and every chunk's copy to the device reads from there (the result right); seen again, it is
+    registered in place and read where it lies."""
+    from blasx.runtime import hostmem, hostpool
+    monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 14)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 13)
+    monkeypatch.setattr(hostmem, "REGISTRY", hostmem.RegistrationCache())
+    staged = []
+
+    def buffer(nbytes):
+        staged.append(np.empty(nbytes, np.uint8))
+        return staged[-1]
+    monkeypatch.setattr(hostpool, "stage_buffer", buffer)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((13, 8, 9, 9)).astype(np.float32)  # 33 KB: four 8 KiB chunks
+    w = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    if lay == "cl":
+        x = _cl(x)
+    want = torch.nn.functional.conv2d(torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(w), None,
+                                      2, 1).numpy()
+    registered = []
+    with fake_cupy.installed(copies=True, record_calls=True) as fake:
+        import cupy
+        rt = cupy.cuda.runtime
+        rt.CUDARuntimeError = RuntimeError
+        rt.hostRegister = lambda start, size, flags: registered.append((start, size))
+        rt.hostUnregister = lambda start: None
+        sources = []
+        copy = rt.memcpyAsync
+        monkeypatch.setattr(rt, "memcpyAsync", lambda d, s, n, k, st: (sources.append((s, n, k)), copy(d, s, n, k, st)))
+        for seen in (False, True):
+            host_batch.release()
+            sources.clear()
+            y = host_batch.in_layout(np.full(13 * 6 * 25, np.nan, np.float32), (13, 6, 5, 5), lay)
+            host_batch.run(host_batch.Batch(x, y, None, lay), w, _body(2, 1, []), (0, 1))
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+            x_reads = [(s, n) for s, n, k in sources if k == 1 and n != w.nbytes]
+            buf = staged[0].ctypes.data
+            inside = [buf <= s and s + n <= buf + staged[0].nbytes for s, n in x_reads]
+            assert x_reads and all(inside) if not seen else not any(inside)
+        host_batch.release()
+        hostmem.REGISTRY.release(x)
+    assert len(staged) == 1  # staged once: the second call registered x in place
+    assert any(x.ctypes.data <= s < x.ctypes.data + x.nbytes for s, _ in registered)
