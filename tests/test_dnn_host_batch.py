@@ -282,12 +282,17 @@ def test_the_paired_transpose_takes_even_two_byte_copies_on_four_byte_boundaries
 
 def test_nchw_operands_stay_where_their_copies_would_not_fit(monkeypatch):
     """conv_direct.run_layout: channels-last only where the copies fit the scratch budget (free memory / 4)."""
-    from blasx.dnn import direct_cuda
+    from blasx.dnn import direct_cache, direct_cuda
     geo = conv_geometry("conv2d", 2, np.zeros((8, 16, 9, 9)), np.zeros((32, 16, 3, 3)), 1, 1, 1, 1)
-    monkeypatch.setattr(direct_cuda, "budget", lambda refresh=False: 1000)
+    reads = []
+    monkeypatch.setattr(direct_cuda, "budget", lambda refresh=False: reads.append(refresh) or 1000)
     assert conv_direct.run_layout("nchw", geo, np.float16, 1000) == "cl"
     assert conv_direct.run_layout("nchw", geo, np.float16, 1001) == "nchw"
     assert conv_direct.run_layout("cl", geo, np.float16, 10 ** 9) == "cl"
+    assert reads == [True, True]  # free memory read again (the layout already channels-last: nothing to copy)
+    with direct_cache.capturing([]):
+        assert conv_direct.run_layout("nchw", geo, np.float16, 1000) == "cl"
+    assert reads[-1] is False  # inside a graph capture: the last reading
 
 
 @pytest.mark.parametrize("lay", ["nchw", "cl"])

@@ -137,12 +137,12 @@ def device_layout(lay: str, geo: ConvGeometry, dtype) -> str:
 
 def run_layout(lay: str, geo: ConvGeometry, dtype, copy_bytes: int) -> str:
     """:func:`device_layout`, where its copies (``copy_bytes`` of scratch) fit the current device's scratch
-    budget (direct_cuda.budget, free memory read again: a full call's cost, replays skip it); else ``lay``
-    (operands convolved where they lie need no copies)."""
+    budget (direct_cuda.budget, free memory read again, a full call's cost that replays skip; inside a graph
+    capture the last reading); else ``lay`` (operands convolved where they lie need no copies)."""
     to = device_layout(lay, geo, dtype)
     if to != lay:
         from . import direct_cuda
-        if copy_bytes > direct_cuda.budget(refresh=True):
+        if copy_bytes > direct_cuda.budget(refresh=not direct_cache.capture_active()):
             return lay
     return to
 

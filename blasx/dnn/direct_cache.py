@@ -44,6 +44,11 @@ def making(what: str) -> None:
         raise CaptureMiss(f"{what} is not made yet; it cannot be made inside a CUDA graph capture")
 
 
+def capture_active() -> bool:
+    """Whether this thread is capturing a CUDA graph (inside :func:`capturing`)."""
+    return getattr(_local, "keep", None) is not None
+
+
 def kept(v):
     """``v``, handed out: kept by this thread's capture under way, if any."""
     keep = getattr(_local, "keep", None)
