@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "thread back from a CUDA call gets the interpreter from the others")
     p.add_argument("--eager", action="store_true", help="also the compiled runs with compile(graphs=False) (GPUs: "
                                                         "every chunk layer by layer, no CUDA graphs)")
+    p.add_argument("--layout", choices=("auto", "nchw", "cl"), default="auto",
+                   help="blasx's activations: nchw or cl (channels-last); auto: cl on GPUs, nchw on sims")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace of the last blasx run")
     p.add_argument("--tag", default="", help="name part of the output files: network-TAG-STAMP")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="directory of the .json and .md")
@@ -191,9 +193,9 @@ def bench_model(name: str, mode: str, args, log) -> dict:
     for gpus, fuse, graphs in configs:
         blasx.configure(devices=f"cuda:{','.join(map(str, gpus))}" if args.gpu else args.devices,
                         cache_bytes=int(args.cache_gib * (1 << 30)) if args.gpu else None)
+        lay = args.layout if args.layout != "auto" else "cl" if args.gpu else "nchw"
         net = dnn.from_torch(model, (1, 3, args.size, args.size)).compile(dtype=_np_dtype(mode), math=MATH[mode],
-                                                                          layout="cl" if args.gpu else "nchw",
-                                                                          fuse=fuse, graphs=graphs)
+                                                                          layout=lay, fuse=fuse, graphs=graphs)
         label = (f"blasx {'eager' if fuse and not graphs else 'compiled' if fuse else 'uncompiled'} "
                  f"x{len(gpus) if args.gpu else args.devices}")
         try:
@@ -207,7 +209,7 @@ def bench_model(name: str, mode: str, args, log) -> dict:
         prof = net.last_profile()
         graphs_seen = prof.graphs
         if args.gpu and graphs and fuse:  # replayed chunks are timed whole: the layers from one eager call
-            net.compile(dtype=_np_dtype(mode), math=MATH[mode], layout="cl", fuse=True, graphs=False)
+            net.compile(dtype=_np_dtype(mode), math=MATH[mode], layout=lay, fuse=True, graphs=False)
             net(x, chunk=args.chunk, progress=False)
             prof = net.last_profile()
         run = {"name": label, "devices": len(gpus) if args.gpu else 1, "compiled": fuse, "seconds": sec,

@@ -94,6 +94,21 @@ def test_unbatched_out_and_layout_kept():
     assert rel(dnn.conv2d(xs, w, padding=1)[0], F.conv2d(T(x), T(w), padding=1).numpy()) < 1e-12
 
 
+def test_a_channels_last_out_of_one_pixel_is_taken():
+    """A channels-last x whose output is one pixel an image: a channels-last out (whose memory is compact in
+    both layouts) is written in place, forward and transposed, as a channels-last network's buffers are."""
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(6)
+    x, w = cl(rand(rng, (2, 8, 2, 2))), rand(rng, (4, 8, 3, 3))
+    out = cl(np.full((2, 4, 1, 1), np.nan))
+    assert dnn.conv2d(x, w, stride=2, padding=1, out=out) is out
+    assert rel(out, F.conv2d(T(np.ascontiguousarray(x)), T(w), stride=2, padding=1).numpy()) < 1e-12
+    xt, wt = cl(rand(rng, (2, 8, 1, 1))), rand(rng, (8, 4, 1, 1))
+    out = cl(np.full((2, 4, 1, 1), np.nan))
+    assert dnn.conv_transpose2d(xt, wt, out=out) is out
+    assert rel(out, F.conv_transpose2d(T(np.ascontiguousarray(xt)), T(wt)).numpy()) < 1e-12
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 def test_dtypes(dtype, layout):

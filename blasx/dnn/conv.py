@@ -28,7 +28,7 @@ from . import (col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_c
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
-from .geometry import ConvGeometry, conv_geometry, layout, transpose_geometry
+from .geometry import ConvGeometry, conv_geometry, is_layout, layout, transpose_geometry
 from .im2col import Im2col
 
 MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU alone runs (one tile a call)
@@ -46,7 +46,7 @@ def _batched(x, nd: int):
 
 def _as_layout(xp, x, lay: str):
     """x in layout ``lay`` ("nchw" C-contiguous, "cl" channels-last), copied only if it is not."""
-    if layout(x) == lay:
+    if is_layout(x, lay):
         return x
     if lay == "nchw":
         return xp.ascontiguousarray(x)
@@ -97,7 +97,7 @@ _VECTORS = ("bias", "scale", "shift")
 
 def _check_layout(out, lay: str) -> None:
     """A batched ``out`` has x's layout (results are written in place, never copied back)."""
-    if layout(out) != lay:
+    if not is_layout(out, lay):
         want = "C-contiguous (NCHW)" if lay == "nchw" else "channels-last (an NCHW-shaped view of NHWC memory)"
         raise ValueError(f"out: must be {want}, like x; got strides {out.strides}")
 
@@ -157,7 +157,7 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     bias, scale, shift, act = epilogue_args
-    direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and layout(y) == lay
+    direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and is_layout(y, lay)
     if direct_route and depthwise.applies(geo):
         depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
         return
@@ -391,7 +391,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
         flops = 2.0 * geo.n * prod(geo.in_size) * geo.c * geo.kg * prod(geo.kernel)
         plan = ran = None
         if col2im.applies(geo, dt) and not depthwise.applies(geo) and conv_direct.applies(xb, flops) and \
-                layout(yd) == dlay:  # one GEMM a group into columns and the col2im kernel, the weight as it lies
+                is_layout(yd, dlay):  # one GEMM a group into columns and the col2im kernel, the weight as it lies
             wl = layout(weight)
             w = weight if wl is not None else xp.ascontiguousarray(weight)
             plan = direct_cuda.transposed(geo, xd, cl, w, wl == "cl", yd, b, math)

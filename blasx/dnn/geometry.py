@@ -161,6 +161,14 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
                         stride, out)
 
 
+def is_layout(x, lay: str) -> bool:
+    """Whether x's memory is compact in layout ``lay`` ("nchw" or "cl"): both hold where the two coincide
+    (one channel, or one pixel an image), which :func:`layout` reports as "nchw"."""
+    if lay == "nchw":
+        return bool(x.flags.c_contiguous)
+    return bool(x.transpose(0, *range(2, x.ndim), 1).flags.c_contiguous)
+
+
 def layout(x) -> str | None:
     """"nchw" for a C-contiguous array, "cl" for channels-last (an NCHW-shaped view of N(spatial)C memory,
     any spatial rank), else None (the front end copies it to C-contiguous)."""

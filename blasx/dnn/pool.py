@@ -23,7 +23,7 @@ import numpy as np
 from . import pool_kernels as kernels
 from .args import check_array, check_flag, check_out, check_shape
 from .arrays import on_device_of, xp_of
-from .geometry import layout
+from .geometry import is_layout, layout
 from .pool_geometry import adaptive, check_input, empty_windows, shape_of, window
 
 __all__ = [f"{p}{nd}d{s}" for p in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool")
@@ -48,7 +48,7 @@ def _view(a, nd: int, lay: str):
 
 def _working(xp, a, nd: int, lay: str):
     """The batched array ``a`` in layout ``lay`` (copied if it is not) as its working form."""
-    if layout(a) != lay:
+    if not is_layout(a, lay):
         moved = a.transpose(0, *range(2, nd + 2), 1) if lay == "cl" else a
         a = xp.ascontiguousarray(moved)
         a = a.transpose(0, nd + 1, *range(1, nd + 1)) if lay == "cl" else a
@@ -121,7 +121,7 @@ def _forward(fn: str, nd: int, x, geo_of, with_indices: bool, out):
 def _dest(xp, dest, n, c, size, lay, dtype):
     """(the working array a result is written to, whether it must then be copied to ``dest``): ``dest``'s own
     memory where it is in layout ``lay``, else a new array."""
-    if dest is not None and layout(dest) == lay:
+    if dest is not None and is_layout(dest, lay):
         return _view(dest, len(size), lay), False
     return xp.empty(_work_shape(n, c, size, lay), dtype=dtype), dest is not None
 
