@@ -109,6 +109,22 @@ def test_a_channels_last_out_of_one_pixel_is_taken():
     assert rel(out, F.conv_transpose2d(T(np.ascontiguousarray(xt)), T(wt)).numpy()) < 1e-12
 
 
+def test_an_input_compact_in_both_layouts_takes_its_outs():
+    """geometry.call_layout by exact value, and a one-channel channels-last x (memory compact in both layouts)
+    convolved into a channels-last out, as a channels-last network's buffers are."""
+    one = cl(np.zeros((2, 1, 4, 4)))
+    assert geometry.call_layout(one) == "nchw" and geometry.call_layout(one, cl(np.zeros((2, 6, 4, 4)))) == "cl"
+    assert geometry.call_layout(one, np.zeros((2, 6, 4, 4))) == "nchw"
+    assert geometry.call_layout(cl(np.zeros((2, 3, 4, 4))), np.zeros((2, 6, 4, 4))) == "cl"  # x's own layout
+    assert geometry.call_layout(np.zeros((2, 3, 8, 8))[:, :, ::2]) == "nchw"  # neither: copied
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(7)
+    x, w = cl(rand(rng, (2, 1, 4, 4))), rand(rng, (6, 1, 3, 3))
+    out = cl(np.full((2, 6, 4, 4), np.nan))
+    assert dnn.conv2d(x, w, padding=1, out=out) is out
+    assert rel(out, F.conv2d(T(np.ascontiguousarray(x)), T(w), padding=1).numpy()) < 1e-12
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 def test_dtypes(dtype, layout):

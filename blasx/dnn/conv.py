@@ -28,7 +28,7 @@ from . import (col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_c
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
-from .geometry import ConvGeometry, conv_geometry, is_layout, layout, transpose_geometry
+from .geometry import ConvGeometry, call_layout, conv_geometry, is_layout, layout, transpose_geometry
 from .im2col import Im2col
 
 MAX_ROWS_HINT = 2048  # pixel columns the tile choice sees at most where the CPU alone runs (one tile a call)
@@ -231,7 +231,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     dt = np.dtype(x.dtype)
     vecs = [_channel_vector(nm, v, geo.k, dt, xp) for nm, v in zip(_VECTORS, (bias, scale, shift))]
     xb, unbatched = _batched(x, nd)
-    lay = layout(xb) or "nchw"
+    lay = call_layout(xb, out if out is not None and out.ndim == nd + 2 else None)
     shape = (geo.n, geo.k, *geo.out_size)
     user_shape = shape[1:] if unbatched else shape
     if residual is not None:
@@ -372,7 +372,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     dt = np.dtype(x.dtype)
     b = _channel_vector("bias", bias, geo.k, dt, xp)
     xb, unbatched = _batched(x, nd)
-    lay = layout(xb) or "nchw"
+    lay = call_layout(xb, out if out is not None and out.ndim == nd + 2 else None)
     shape = (geo.n, geo.k, *geo.out_size)
     check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, alias=False)
     if out is not None and out.ndim == nd + 2:

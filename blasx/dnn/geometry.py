@@ -169,6 +169,17 @@ def is_layout(x, lay: str) -> bool:
     return bool(x.transpose(0, *range(2, x.ndim), 1).flags.c_contiguous)
 
 
+def call_layout(x, out=None) -> str:
+    """The layout a call on batched ``x`` works in: x's (:func:`layout`; "nchw" for an x in neither, which is
+    copied), except that an x compact in both layouts (one channel, or one pixel an image) takes that of
+    ``out`` (batched, or None), which it then keeps."""
+    lay = layout(x) or "nchw"
+    if out is not None and lay == "nchw" and is_layout(x, "cl") and not is_layout(out, "nchw") and \
+            is_layout(out, "cl"):
+        return "cl"
+    return lay
+
+
 def layout(x) -> str | None:
     """"nchw" for a C-contiguous array, "cl" for channels-last (an NCHW-shaped view of N(spatial)C memory,
     any spatial rank), else None (the front end copies it to C-contiguous)."""
