@@ -342,3 +342,25 @@ def test_a_one_shot_batch_is_staged_and_the_chunks_read_the_staged_bytes(monkeyp
         hostmem.REGISTRY.release(x)
     assert len(staged) == 1  # staged once: the second call registered x in place
     assert any(x.ctypes.data <= s < x.ctypes.data + x.nbytes for s, _ in registered)
+
+
+def test_to_layout_copies_only_what_is_not_in_the_layout():
+    """transpose_kernel.to_layout: an array already in the layout is returned; a CuPy array compact in the other
+    layout goes through the transpose kernel (values kept, on the stand-in); numpy arrays by numpy's copy."""
+    from blasx.dnn import transpose_kernel as tk
+    x = np.random.default_rng(3).standard_normal((2, 5, 3, 4)).astype(np.float32)
+    assert tk.to_layout(np, x, "nchw") is x
+    c = tk.to_layout(np, x, "cl")
+    assert layout(c) == "cl" and np.array_equal(c, x) and np.array_equal(tk.to_layout(np, c, "nchw"), x)
+    with fake_cupy.installed(copies=True, record_calls=True) as fake:
+        import cupy
+        xd = cupy.empty(x.shape, dtype=x.dtype)
+        np.asarray(xd).view(np.ndarray)[...] = x
+        cd = tk.to_layout(cupy, xd, "cl")
+        back = tk.to_layout(cupy, cd, "nchw")
+        assert tk.to_layout(cupy, cd, "cl") is cd
+        names = [e[1] for e in fake.log if e[0] == "raw_kernel"]
+        assert layout(cd) == "cl" and layout(back) == "nchw"
+        for got in (cd, back):
+            assert np.array_equal(np.asarray(got).view(np.ndarray), x)
+    assert names == ["blasx_transpose_u32"] * 2

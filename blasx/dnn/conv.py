@@ -44,15 +44,6 @@ def _batched(x, nd: int):
     return (x[None], True) if x.ndim == nd + 1 else (x, False)
 
 
-def _as_layout(xp, x, lay: str):
-    """x in layout ``lay`` ("nchw" C-contiguous, "cl" channels-last), copied only if it is not."""
-    if is_layout(x, lay):
-        return x
-    if lay == "nchw":
-        return xp.ascontiguousarray(x)
-    return xp.ascontiguousarray(x.transpose(0, *range(2, x.ndim), 1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
-
-
 def _x_view(x, lay: str):
     """X's memory as a compact column-major 2-D view (the im2col source)."""
     n, c = x.shape[:2]
@@ -236,7 +227,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     user_shape = shape[1:] if unbatched else shape
     if residual is not None:
         check_out(residual, user_shape, dt, x, name="residual")
-        residual = _as_layout(xp, _batched(residual, nd)[0], lay)
+        residual = transpose_kernel.to_layout(xp, _batched(residual, nd)[0], lay)
     check_out(out, user_shape, dt, x, x, weight, residual, alias=False)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
@@ -244,7 +235,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
         y = _batched(out, nd)[0] if out is not None else host_batch.empty(shape, dt, lay)
         dlay = conv_direct.device_layout(lay, geo, dt)
-        host_batch.run(host_batch.Batch(_as_layout(np, xb, lay), y, residual, lay, dlay), weight,
+        host_batch.run(host_batch.Batch(transpose_kernel.to_layout(np, xb, lay), y, residual, lay, dlay), weight,
                        lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
                                                             wd, yd, rd, (*vecs, act), math, user_weight=True))
         return out if out is not None else (y[0] if unbatched else y)
@@ -252,7 +243,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     with _on_device_of(x):
         if xp is not np and (scale is None or residual is None):  # (a scale with a residual: folded, not converted)
             dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
-        xb = _as_layout(xp, xb, lay)
+        xb = transpose_kernel.to_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         if dlay == lay:
             ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
@@ -382,7 +373,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
         if xp is not np:
             dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
         converted, cl = dlay != lay, dlay == "cl"
-        xb = _as_layout(xp, xb, lay)
+        xb = transpose_kernel.to_layout(xp, xb, lay)
         y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
         xd, yd = xb, y  # what the route reads and writes: in dlay, converted on the device before and after
         if converted:
@@ -502,8 +493,8 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
     nd = geo.nd
     lay = layout(xb) or "nchw"
     xb_in, dy_in = xb, dy
-    xb = _as_layout(xp, xb, lay)
-    dy = _as_layout(xp, dy, lay)
+    xb = transpose_kernel.to_layout(xp, xb, lay)
+    dy = transpose_kernel.to_layout(xp, dy, lay)
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):

@@ -21,7 +21,6 @@ from ..operands import is_cupy
 from ..runtime.devices.cupy_streams import on_stream
 from . import chunk_graph, direct_cache, host_batch, lanes, layers, transpose_kernel
 from .direct_cache import Workspace
-from .geometry import layout
 from .graph import Graph, flops, infer_shapes
 from .passes import BufferPlan
 
@@ -288,7 +287,7 @@ class Worker:
         if x.dtype != self.dtype:
             x = x.astype(self.dtype)
         if self.layout == "cl" and x.ndim >= 4:
-            return _to_cl(self.xp, x)
+            return transpose_kernel.to_layout(self.xp, x, "cl")
         return self.xp.ascontiguousarray(x)
 
     def run_chunk(self, xc, chunk: int, t_origin: float, host_in: bool, pinning=None):
@@ -315,7 +314,7 @@ class Worker:
             if self.pinned_out is None or self.pinned_out.size < y.size:
                 self.pinned_out = _pinned(y.size, y.dtype)
             host = self.pinned_out[:y.size].reshape(y.shape)
-            _compact(y).get(stream=self.stream, out=host)
+            transpose_kernel.to_layout(cupy, y, "nchw").get(stream=self.stream, out=host)
             self.stream.synchronize()
             return host
 
@@ -338,26 +337,6 @@ def _pin_batch(workers: list, x):
 
 def math_prod(shape) -> int:
     return int(math.prod(shape))
-
-
-def _to_cl(xp, x):
-    """x (N, C, spatial...) as a channels-last copy: on a GPU a compact x by the transpose kernel."""
-    if xp is not np and x.flags.c_contiguous:
-        out = host_batch.in_layout(xp.empty(x.size, dtype=x.dtype), x.shape, "cl")
-        transpose_kernel.copy(out, x, True)
-        return out
-    moved = xp.ascontiguousarray(x.transpose(0, *range(2, x.ndim), 1))
-    return moved.transpose(0, moved.ndim - 1, *range(1, moved.ndim - 1))
-
-
-def _compact(y):
-    """A CuPy output as a C-contiguous array: a channels-last one by the transpose kernel."""
-    import cupy
-    if y.ndim >= 3 and not y.flags.c_contiguous and layout(y) == "cl":
-        out = cupy.empty(y.shape, dtype=y.dtype)
-        transpose_kernel.copy(out, y, False)
-        return out
-    return cupy.ascontiguousarray(y)
 
 
 def _pinned(n: int, dtype):

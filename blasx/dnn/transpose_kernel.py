@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from math import prod
 
+import numpy as np
+
 TILE = 32  # a tile's side; a block is TILE x ROWS threads, each moving TILE / ROWS elements
 ROWS = 8
 MAX_BATCH_BLOCKS = 65535  # grid y: images; more loop
@@ -115,7 +117,6 @@ def copy(dst, src, to_channels_last: bool) -> None:
     """``dst[...] = src`` on the current stream for compact CuPy arrays of one shape and type in opposite
     layouts: src NCHW and dst channels-last (``to_channels_last``), or the other way."""
     import cupy
-    import numpy as np
     itemsize = src.dtype.itemsize
     batch, rows, cols = matrices(src.shape, to_channels_last)
     if not (batch and rows and cols):
@@ -129,3 +130,21 @@ def copy(dst, src, to_channels_last: bool) -> None:
         code = (_PAIRED_CODE, "blasx_transpose_pair16") if key == "pair16" else source(itemsize)
         k = _KERNELS[key] = cupy.RawKernel(*code)
     k(at, (TILE, ROWS, 1), (src, dst, np.int64(batch), np.int32(rows), np.int32(cols)))
+
+
+def to_layout(xp, x, lay: str):
+    """x (N, C, spatial...) in layout ``lay`` ("nchw" C-contiguous, "cl" channels-last), copied only if it is not:
+    a CuPy x compact in the other layout by :func:`copy`, anything else by the array module's copy."""
+    from .geometry import is_layout
+    if is_layout(x, lay):
+        return x
+    to_cl = lay == "cl"
+    if xp is not np and x.ndim >= 3 and is_layout(x, "nchw" if to_cl else "cl"):
+        moved = (x.shape[0], *x.shape[2:], x.shape[1]) if to_cl else x.shape
+        out = xp.empty(moved, dtype=x.dtype)
+        out = out.transpose(0, x.ndim - 1, *range(1, x.ndim - 1)) if to_cl else out
+        copy(out, x, to_cl)
+        return out
+    if not to_cl:
+        return xp.ascontiguousarray(x)
+    return xp.ascontiguousarray(x.transpose(0, *range(2, x.ndim), 1)).transpose(0, x.ndim - 1, *range(1, x.ndim - 1))
