@@ -212,29 +212,3 @@ def test_calls_in_several_threads_stage_one_c_into_their_own_results(rt, monkeyp
     in_threads(call, 4)
     assert all(p.delta == o.ctypes.data - c.ctypes.data for p, o in zip(got, outs))
     assert all(np.array_equal(o, c) for o in outs) and not rt.registered and id(c) not in reg._ours
-
-
-def test_a_host_batchs_inputs_are_staged_its_output_registered(rt, monkeypatch):
-    """host_batch.pinnings: a conv batch's x and residual seen for the first time are staged (the copy to the
-    device then reads the staged bytes), its output registered, the positions of absent operands kept."""
-    from blasx.dnn import host_batch
-    from blasx.runtime import hostpool
-    made = []
-    monkeypatch.setattr(hostpool, "stage_buffer", buffers(made))
-    monkeypatch.setattr(hostmem, "REGISTRY", RegistrationCache())
-    x, res, y = (np.random.default_rng(i).standard_normal((4, 8, 32, 32)).astype(np.float32) for i in range(3))
-    (px, pnone, pr, py), job = host_batch.pinnings([x, None, res, y], readonly=(0, 1, 2))
-    job.join()
-    assert pnone is None and px.staged is made[0] and pr.staged is made[1] and py.staged is None
-    assert rt.registered and all(y.ctypes.data <= s < y.ctypes.data + y.nbytes for s, _ in rt.registered)
-    copies = []
-    monkeypatch.setattr(rt, "memcpyHostToDevice", 1, raising=False)
-    monkeypatch.setattr(rt, "memcpyDeviceToHost", 2, raising=False)
-    monkeypatch.setattr(rt, "memcpyAsync", lambda *a: copies.append(a), raising=False)
-    host_batch.pinned_copy(0x1000, x.ctypes.data, x.nbytes, px, True, 7)
-    host_batch.pinned_copy(0x1000, y.ctypes.data, y.nbytes, py, False, 7)
-    assert copies[0] == (0x1000, made[0].ctypes.data, x.nbytes, 1, 7)  # from the staged copy
-    assert all(c[0] >= y.ctypes.data and c[3] == 2 for c in copies[1:])  # into y in place, in registered pieces
-    assert sum(c[2] for c in copies[1:]) == y.nbytes
-    for a in (x, res, y):
-        hostmem.REGISTRY.release(a)

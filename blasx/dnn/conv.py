@@ -500,7 +500,8 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)
-        converted = conv_direct.run_layout(lay, geo, dt, (xb.size + dy.size) * dt.itemsize) != lay  # x, dY in; dW back
+        converted = conv_direct.run_layout(lay, geo, dt, (xb.size + dy.size) * dt.itemsize,  # x, dY in; dW back
+                                           "bwd-weight") != lay
 
         def finish(dwm):  # the (K, CRS) matrix as the weight's shape, in the operands' layout
             if cl or converted:

@@ -44,8 +44,9 @@ _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on thei
 FORMS = ("im2col", "shifted", "implicit")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the forward form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
-LAYOUT_MIN_C = 8  # NCHW operands with fewer input channels are convolved as they lie (device_layout)
+LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)
 LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an image
+WEIGHT_MIN_PIXELS = {2: 0, 4: 128}  # an NCHW weight gradient's window converted from this many output pixels
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
 
 
@@ -118,28 +119,35 @@ def pointwise(geo: ConvGeometry) -> bool:
         geo.out_size == geo.in_size
 
 
-def device_layout(lay: str, geo: ConvGeometry, dtype) -> str:
+def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") -> str:
     """The layout the device route convolves operands of layout ``lay`` in: an NCHW 2-D convolution with a
     kernel window (groups 1, not float64) in channels-last, x converted on the device before and y after
     (transpose_kernel; its forms run faster there: the implicit kernel, the gather's 16-byte units); a 1x1
     with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
-    the strided pixels only: NCHW's GEMMs are per image, too narrow below), so does a first layer (fewer
-    than ``LAYOUT_MIN_C`` channels: its large output's copy costs more than the form gains) and one whose x or
-    y is the same memory in both layouts (one output channel, one pixel)."""
+    the strided pixels only: NCHW's GEMMs are per image, too narrow below), so does a layer with fewer than
+    ``LAYOUT_MIN_C`` input or output channels (a first layer, or its backward-data: the large image's copy
+    costs more than the form gains) and one whose x or y is the same memory in both layouts (one output
+    channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
+    a weight gradient (``direction`` "bwd-weight") converts kernel windows only, on maps of at least
+    ``WEIGHT_MIN_PIXELS`` output pixels."""
     if lay != "nchw" or geo.nd != 2 or geo.groups != 1 or np.dtype(dtype) == np.float64:
         return lay
-    if prod(geo.kernel) == 1 and prod(geo.out_size) >= LAYOUT_MIN_PIXELS:
+    window, pixels = prod(geo.kernel) > 1, prod(geo.out_size)
+    if direction == "bwd-weight":
+        if not window or pixels < WEIGHT_MIN_PIXELS.get(np.dtype(dtype).itemsize, 0):
+            return lay
+    elif not window and pixels >= LAYOUT_MIN_PIXELS:
         return lay
-    if min(geo.k, prod(geo.in_size), prod(geo.out_size)) == 1 or geo.c < LAYOUT_MIN_C:
+    if min(geo.k, prod(geo.in_size), pixels) == 1 or min(geo.c, geo.k) < LAYOUT_MIN_C:
         return lay
     return "cl"
 
 
-def run_layout(lay: str, geo: ConvGeometry, dtype, copy_bytes: int) -> str:
+def run_layout(lay: str, geo: ConvGeometry, dtype, copy_bytes: int, direction: str = "fwd") -> str:
     """:func:`device_layout`, where its copies (``copy_bytes`` of scratch) fit the current device's scratch
     budget (direct_cuda.budget, free memory read again, a full call's cost that replays skip; inside a graph
     capture the last reading); else ``lay`` (operands convolved where they lie need no copies)."""
-    to = device_layout(lay, geo, dtype)
+    to = device_layout(lay, geo, dtype, direction)
     if to != lay:
         from . import direct_cuda
         if copy_bytes > direct_cuda.budget(refresh=not direct_cache.capture_active()):

@@ -322,16 +322,14 @@ class Worker:
 def _pin_batch(workers: list, x):
     """(the batch's hostmem.Pinning or None, the job registering it or None): a host batch for GPU workers, of
     the run's type, C contiguous and large enough, is page-locked in place by the engine's registration cache
-    (kept while the array lives, so later calls on it copy straight from it), or, the first time blasx sees it,
-    copied by the job's threads into a page-locked pool buffer (hostmem's staging: a one-shot batch). The cache
-    locks a batch's whole root array: a batch that is a small part of a larger array (a slice of a data set) is
-    staged by the workers instead."""
-    from ..runtime import hostmem, hostpool
+    (kept while the array lives, so later calls on it copy straight from it). The cache locks a batch's whole
+    root array: a batch that is a small part of a larger array (a slice of a data set) is staged instead."""
+    from ..runtime import hostmem
     if is_cupy(x) or x.nbytes < hostmem.MIN_REGISTER_BYTES or not x.flags.c_contiguous:
         return None, None
     if workers[0].device is None or x.dtype != workers[0].dtype or hostmem.root_of(x).nbytes > 2 * x.nbytes:
         return None, None
-    (pinning,), job = hostmem.REGISTRY.pin([x], readonly={0}, buffer=hostpool.stage_buffer)
+    (pinning,), job = hostmem.REGISTRY.pin([x])
     return pinning, job
 
 

@@ -161,7 +161,7 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     rt = runtime_geometry(geo, direction)
     from . import igemm
     given = key.layout  # the operands' layout; the key's is the one the device route runs the problem in
-    key = key._replace(layout=conv_direct.device_layout(given, rt, dt))
+    key = key._replace(layout=conv_direct.device_layout(given, rt, dt, direction))
     forms = forms_for(geo, direction, dt, key.layout, key.math, igemm.capable(ordinal))
     alone = direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt)
     if alone:  # the one form strided backward-data runs: timed, nothing to choose

@@ -12,10 +12,10 @@ larger images.
 Policy: chunks of equal size, enough for every slot of every GPU to run ``CHUNKS_PER_SLOT`` (the first fills
 the pipeline), of ``MIN_CHUNK_BYTES`` to ``CHUNK_BYTES`` of input and output (:func:`plan`). Host operands of
 at least ``hostmem.MIN_REGISTER_BYTES`` (weights: ``WEIGHT_REGISTER_BYTES``) are page-locked in place by the
-engine's registration cache (kept while the array lives), except inputs seen for the first time, which its
-threads copy into a pooled page-locked buffer instead (:func:`pinnings`); a caller's page-locked memory is
-copied from as it is; anything else goes through a slot's staging. Outputs blasx allocates are page-locked
-(CuPy's pinned pool) up to ``PINNED_OUT_BYTES``.
+engine's registration cache (kept while the array lives; a one-shot batch too: registering it ran faster
+than copying it into a pooled page-locked buffer); a caller's page-locked memory is copied from as it is;
+anything else goes through a slot's staging. Outputs blasx allocates are page-locked (CuPy's pinned pool) up
+to ``PINNED_OUT_BYTES``.
 
 State: a :class:`Slot` (stream, Workspace, staging) belongs to one call at a time: a call takes idle slots
 from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
@@ -111,32 +111,27 @@ def memory_bytes(a, lay: str) -> np.ndarray:
 def pinned_copy(dev_ptr: int, host_ptr: int, nbytes: int, pinning, to_device: bool, stream_ptr: int) -> None:
     """``nbytes`` between device memory and (partly) page-locked host memory, asynchronous on the stream, in
     pieces that each lie in one registered (or pageable) region (hostmem: CUDA refuses a copy over a partly
-    registered range), once those regions are ready; a staged input is read from its page-locked copy."""
+    registered range), once those regions are ready."""
     from cupy.cuda import runtime as rt
-    src = host_ptr + pinning.delta if to_device else host_ptr
     for _, _, b0, b1 in pinning.pieces(host_ptr, nbytes, nbytes, 1):
         if to_device:
-            rt.memcpyAsync(dev_ptr + b0, src + b0, b1 - b0, rt.memcpyHostToDevice, stream_ptr)
+            rt.memcpyAsync(dev_ptr + b0, host_ptr + b0, b1 - b0, rt.memcpyHostToDevice, stream_ptr)
         else:
             rt.memcpyAsync(host_ptr + b0, dev_ptr + b0, b1 - b0, rt.memcpyDeviceToHost, stream_ptr)
 
 
-def pinnings(arrays: list, min_bytes: int | None = None, readonly=()) -> tuple[list, object]:
-    """(each host array's hostmem.Pinning or None, the job pinning them or None): an array whose root is at
-    most twice its size (and at least ``min_bytes``, default hostmem's) is page-locked in place (the
-    registration cache; memory pinned by others is used as it is), or, at the indices ``readonly`` (inputs)
-    and seen by blasx for the first time, copied by the job's threads into a page-locked buffer of the result
-    pool (hostmem's staging: cheaper than registering a one-shot batch); a part of a larger array goes through
-    a slot's staging (locking its whole root would cost more than the copy)."""
-    from ..runtime import hostmem, hostpool
-    picked = [(i, a) for i, a in enumerate(arrays) if a is not None and hostmem.root_of(a).nbytes <= 2 * a.nbytes]
+def pinnings(arrays: list, min_bytes: int | None = None) -> tuple[list, object]:
+    """(each host array's hostmem.Pinning or None, the registration job or None): an array whose root is
+    at most twice its size (and at least ``min_bytes``, default hostmem's) is page-locked in place (the
+    registration cache; memory pinned by others is used as it is); a part of a larger array is staged
+    (locking its whole root would cost more than the copy)."""
+    from ..runtime import hostmem
+    picked = [a for a in arrays if a is not None and hostmem.root_of(a).nbytes <= 2 * a.nbytes]
     if not picked:
         return [None] * len(arrays), None
-    got, job = hostmem.REGISTRY.pin([a for _, a in picked], min_bytes,
-                                    readonly={j for j, (i, _) in enumerate(picked) if i in readonly},
-                                    buffer=hostpool.stage_buffer)
-    of = {i: p for (i, _), p in zip(picked, got)}
-    return [of.get(i) for i in range(len(arrays))], job
+    got, job = hostmem.REGISTRY.pin(picked, min_bytes)
+    of = {id(a): p for a, p in zip(picked, got)}
+    return [of.get(id(a)) if a is not None else None for a in arrays], job
 
 
 # ---------------------------------------------------------------- one stream of one GPU
@@ -267,7 +262,7 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
     n = x.shape[0]
     image = (x.nbytes + y.nbytes + (res.nbytes if res is not None else 0)) // max(1, n)
     spans = plan(n, image, len(devices))
-    (px, pr, py), job = pinnings([x, res, y], readonly=(0, 1))
+    (px, pr, py), job = pinnings([x, res, y])
     w_host, pw, w_job = weight, None, None
     if weight.flags.c_contiguous:  # copied from in place, once page-locked (kept while the weight lives)
         (pw,), w_job = pinnings([weight], WEIGHT_REGISTER_BYTES)

@@ -64,7 +64,7 @@ def matrices(shape: tuple, to_channels_last: bool) -> tuple[int, int, int]:
     return (n, c, p) if to_channels_last else (n, p, c)
 
 
-PAIRED = False  # 2-byte elements through the paired kernel where both dimensions are even
+PAIRED = True  # 2-byte elements through the paired kernel where both dimensions are even
 
 _PAIRED_CODE = """
 extern "C" __global__ void blasx_transpose_pair16(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst,
