@@ -128,6 +128,33 @@ def test_channels_last_and_chunks_agree():
         assert _rel(net(x, chunk=chunk), ref) < 1e-12
 
 
+def test_the_default_layout_is_channels_last_on_gpus_and_nchw_on_the_host_engine():
+    blasx.configure(devices="sim:2", tile=16)
+    m = _bn_stats(ResNetish())
+    x = _x(3, seed=4)
+    net = dnn.from_torch(m, (1, 3, 8, 8)).compile()
+    assert net.layout == "auto" and net.run_layout(True) == "cl" and net.run_layout(False) == "nchw"
+    assert _rel(net(x), _torch64(m, x)) < 1e-12
+    assert [w.layout for ws in net._workers.values() for w in ws] == ["nchw"]  # the host engine's one lane
+    assert net.compile(layout="cl").run_layout(False) == "cl" and net.compile(layout="nchw").run_layout(True) == "nchw"
+
+
+def test_the_default_layout_runs_channels_last_on_a_gpu(monkeypatch):
+    """compile()'s default on a GPU (the CPU stand-in): the GPU's workers run channels-last, x and y NCHW."""
+    from bench import fake_cupy
+    from blasx import session
+    monkeypatch.setattr(session, "cuda_ordinals", lambda: [0])
+    m = _bn_stats(ResNetish())
+    try:
+        with fake_cupy.installed():
+            net = dnn.from_torch(m, (1, 3, 8, 8)).compile(dtype=np.float32, workers_per_gpu=1, graphs=False)
+            y = net(_x(4, seed=5).astype(np.float32), chunk=2)
+            assert [w.layout for ws in net._workers.values() for w in ws] == ["cl"]
+            assert y.shape == (4, 10) and y.flags.c_contiguous
+    finally:
+        blasx.shutdown()
+
+
 def test_builder_network_runs():
     blasx.configure(devices="cpu")
     r = np.random.default_rng(3)

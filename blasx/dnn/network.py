@@ -22,7 +22,7 @@ from .args import check_dtype, check_flag
 from .graph import Graph, infer_shapes
 from .layers import takes_out
 
-LAYOUTS = ("nchw", "cl")
+LAYOUTS = ("auto", "nchw", "cl")  # auto: channels-last on GPUs (its forms run faster), NCHW on the host engine
 CHUNK_MAX = 256  # images a default chunk at most: past it a GPU's layers gain little and its buffers grow
 CHUNK_MEMORY_SHARE = 0.5  # of a GPU's free memory, what its workers' default chunks may take together
 SCRATCH_FACTOR = 4  # a chunk's device memory over its planned activations (im2col scratch, temporaries)
@@ -46,7 +46,7 @@ class Network:
         self.graph = graph.validate()
         self.input_shape = tuple(input_shape) if input_shape is not None else None
         self.compiled: Graph | None = None
-        self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "nchw", None, 2, True
+        self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "auto", None, 2, True
         self._algos_key, self._algos_val = None, None  # _run_algos's
         self._lock = threading.Lock()
         self._weights: dict = {}
@@ -57,11 +57,12 @@ class Network:
 
     # ---------------------------------------------------------------- compile
 
-    def compile(self, dtype=None, math: str | None = None, layout: str = "nchw", fuse: bool = True,
+    def compile(self, dtype=None, math: str | None = None, layout: str = "auto", fuse: bool = True,
                 workers_per_gpu: int = 2, graphs: bool = True) -> "Network":
         """Run the graph passes (``fuse=False``: keep the graph as built) and fix the run's options:
         ``dtype`` (None: each call's x's), ``math`` (float32 GEMMs: "ieee" or "tf32"), ``layout`` of the
-        activations ("nchw" or "cl", channels-last), ``workers_per_gpu`` (chunks in flight per GPU),
+        activations inside ("nchw", "cl": channels-last, or "auto": channels-last on GPUs, NCHW on the host
+        engine; x and the output are NCHW either way), ``workers_per_gpu`` (chunks in flight per GPU),
         ``graphs``: on GPUs, each worker replays a chunk shape's layers from a CUDA graph captured on its
         second chunk (chunk_graph.py; the profile then times replayed chunks as a whole; False: every chunk
         layer by layer, each layer timed)."""
@@ -119,8 +120,14 @@ class Network:
                                 a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1), a.get("groups", 1))
             with direct_cache.using(direct_cache.Workspace()):  # as the network's workers choose (each has one)
                 out[n.name] = "depthwise" if depthwise.applies(geo) else conv_direct.forward_form(
-                    geo, dt, conv_direct.FORM, conv_direct.device_layout(self.layout, geo, dt), self.math, device)
+                    geo, dt, conv_direct.FORM, conv_direct.device_layout(self.run_layout(True), geo, dt), self.math,
+                    device)
         return out
+
+    def run_layout(self, on_gpus: bool) -> str:
+        """The activations' layout of a run on GPUs (``on_gpus``) or on the host engine: the compiled one, "auto"
+        resolved."""
+        return self.layout if self.layout != "auto" else "cl" if on_gpus else "nchw"
 
     def _example_shape(self) -> tuple:
         return (1, *self.graph.nodes[0].attrs.get("shape", ())) if self.input_shape is None else \
@@ -172,14 +179,15 @@ class Network:
 
     def _workers_for(self, devices, dtype, chunk_shape) -> list:
         lanes = [(None, 0)] if devices == [None] else [(d, i) for d in devices for i in range(self.workers_per_gpu)]
-        key = (tuple(lanes), np.dtype(dtype).str, tuple(chunk_shape), self.layout, self.graphs)
+        lay = self.run_layout(devices != [None])
+        key = (tuple(lanes), np.dtype(dtype).str, tuple(chunk_shape), lay, self.graphs)
         with self._lock:
             ws = self._workers.get(key)
         if ws is None:
             plan = self.buffer_plan(chunk_shape)
             g = self.compiled or self.graph
             ws = [executor.Worker(g, plan, chunk_shape, dtype, self.math, self._weights_on(d, dtype), d, lane,
-                                  self.layout, self.graphs) for d, lane in lanes]
+                                  lay, self.graphs) for d, lane in lanes]
             with self._lock:
                 self._workers = {key: ws}  # one configuration kept: buffers of another are freed
         return ws
