@@ -250,13 +250,17 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
         parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * 8, budget)
         steps = wf.shifted_steps(geo, parts)
         scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
+    elif form == "batched":
+        parts = cd.chunks(geo.n, geo.k * geo.c * 8, budget)
+        steps = wf.batched_steps(geo, parts)
+        scratch = {"dwp": max(nb for _, nb in parts) * geo.k * geo.c}
     else:
         per = cd.weight_scratch(geo, cl)
         parts = cd.chunks(geo.n, per * 8, budget)
         nb = max(nb for _, nb in parts)
         steps = cd.weight_steps(geo, cl, parts)
         scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
-    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
+    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan), "ones": np.ones(geo.n),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
     return bufs["dw"].reshape(geo.k, geo.crs), parts
@@ -692,6 +696,44 @@ def test_shifted_weight_plan_exact_and_its_choice():
     for bad in (conv_geometry("conv", 2, x, w, 2, 1, 1, 1), conv_geometry("conv", 2, x, w[:, :32], 1, 1, 1, 2),
                 conv_geometry("conv", 2, x, w[:, :, :1, :1], 1, 0, 1, 1)):  # strided, grouped, 1x1
         assert wf.weight_forms(bad, "cl") == ("im2col",)
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 1, 3 * 15 * 8])  # one chunk; an image a chunk; 3 images a chunk
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_batched_weight_plan_vs_torch_and_exact(budget, nd):
+    """The batched form (NCHW pointwise dW): X and dY read where they lie, the per-image partial sums summed by a
+    GEMM with ones, chunk by chunk; against torch, and its steps by exact value."""
+    rng = np.random.default_rng(nd)
+    x = rng.standard_normal((7, 5, *(4, 3, 2)[:nd]))
+    w = np.empty((3, 5, *(1,) * nd))
+    geo = conv_geometry("conv", nd, x, w, 1, 0, 1, 1)
+    dy = rng.standard_normal((7, 3, *geo.out_size))
+    ref = torch.nn.grad.__dict__[f"conv{nd}d_weight"](torch.from_numpy(x), w.shape, torch.from_numpy(dy)).numpy()
+    dw, parts = emulated_weight(geo, x.ravel().copy(), dy.ravel().copy(), False, budget, "batched")
+    assert _rel(dw.reshape(w.shape), ref) < 1e-13
+    assert len(parts) == {1 << 30: 1, 1: 7, 3 * 15 * 8: 3}[budget]
+    p = geo.p
+    assert wf.batched_steps(geo, [(0, 4), (4, 3)]) == [
+        cd.Gemm(("x", 0), ("dy", 0), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15, 4, 0.0),
+        cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 4, 15, 4, 15, 0, 0, 0, 1, 0.0),
+        cd.Gemm(("x", 4 * 5 * p), ("dy", 4 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
+                3, 0.0),
+        cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 3, 15, 3, 15, 0, 0, 0, 1, 1.0)]
+
+
+def test_the_batched_weight_form_and_its_choice():
+    big = conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 1, 1)), 1, 0, 1, 1)
+    small = conv_geometry("conv", 2, np.empty((2, 64, 14, 14)), np.empty((32, 64, 1, 1)), 1, 0, 1, 1)
+    assert wf.weight_forms(big, "nchw") == ("im2col", "batched") and wf.weight_forms(big, "cl") == ("im2col",)
+    assert wf.weight_form(big, np.float32, None, "nchw") == "batched"  # 784 pixels: by default
+    assert wf.weight_form(small, np.float32, None, "nchw") == "im2col"  # 196: per-image GEMMs too thin
+    assert wf.weight_form(small, np.float32, "batched", "nchw") == "batched"
+    assert wf.weight_form(big, np.float32, "im2col", "nchw") == "im2col"
+    for bad in (conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 1, 1)), 2, 0, 1, 1),
+                conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 32, 1, 1)), 1, 0, 1, 2),
+                conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 1, 1)), 1, 1, 1, 1),
+                conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 3, 3)), 1, 1, 1, 1)):
+        assert wf.weight_forms(bad, "nchw") == ("im2col",)  # strided, grouped, padded, a window
 
 
 def test_fast_divisor_quotients():

@@ -246,6 +246,29 @@ def test_cupy_nchw_operands_are_convolved_in_the_device_layout(kern, want, direc
                                               "bwd-data" else dy.shape)
 
 
+def test_an_nchw_pointwise_weight_gradient_runs_the_batched_form():
+    """NCHW CuPy operands of a 1x1 on 28x28 maps: dW by the batched form, no copy of x or dY (no transpose, no
+    gather), two GEMMs (every image's partial dW, then their sum), the replay issuing the same two."""
+    import blasx.dnn as dnn
+    from blasx.dnn import direct_cache
+    with fake_cupy.installed(record_calls=True) as fake:
+        direct_cache.clear()
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), conv_direct.on_own_gpu():
+            x, dy = cupy.empty((4, 64, 28, 28), dtype=np.float16), cupy.empty((4, 32, 28, 28), dtype=np.float16)
+            logs = []
+            for _ in range(2):  # the full path, then its replay
+                fake.log.clear()
+                dw = dnn.conv2d_weight(x, (32, 64, 1, 1), dy)
+                logs.append([e for e in fake.log if e[0] in ("gemm", "raw_kernel", "kernel")])
+        direct_cache.clear()
+    assert dw.shape == (32, 64, 1, 1)
+    for log in logs:
+        gemms = [e[3:6] for e in log if e[0] == "gemm"]
+        assert gemms == [(64, 32, 784), (64 * 32, 1, 4)]
+        assert not any(e[0] == "raw_kernel" and e[1].startswith(("blasx_transpose_", "blasx_gather")) for e in log)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 40, 33, 2), (1, 64, 1, 70), (2, 5, 4, 3, 3)])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_transpose_kernel_geometry(shape, dtype):

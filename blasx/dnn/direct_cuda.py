@@ -123,6 +123,9 @@ def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit:
                         magic=gather_kernel.magic_args(args))
 
 
+ACC_BUFFERS = ("dw", "dwp", "ones")  # a weight plan's buffers in dw's type (the batched form's partial sums)
+
+
 def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:
     """Every buffer but dw is of the operand type (scratch: as its bits); dw of ``dw_dtype`` (None: the
     accumulation type)."""
@@ -130,7 +133,7 @@ def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:
     acc = np.dtype(dtypes.gemm_of(dt).compute if dw_dtype is None else dw_dtype)
 
     def operand(ref):
-        t = acc if ref[0] == "dw" else dt
+        t = acc if ref[0] in ACC_BUFFERS else dt
         return ref[0], ref[1] * t.itemsize, dtypes.CUDA_TYPE[t]
     return GemmLaunch(operand(s.a), operand(s.b), operand(s.c), (s.op_a, s.op_b, s.m, s.n, s.k),
                       (s.lda, s.stride_a), (s.ldb, s.stride_b), (s.ldc, s.stride_c, s.batch), s.beta)
@@ -197,10 +200,15 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
     form = wf.weight_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
 
     def make():
+        acc = np.dtype(dtypes.gemm_of(dt).compute)
         if form == "shifted":
             parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * dt.itemsize, budget)
             steps = wf.shifted_steps(geo, parts)
             scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
+        elif form == "batched":  # dwp: nb partial sums in the accumulation type, as elements of dt
+            parts = cd.chunks(geo.n, geo.k * geo.c * acc.itemsize, budget)
+            steps = wf.batched_steps(geo, parts)
+            scratch = {"dwp": max(nb for _, nb in parts) * geo.k * geo.c * acc.itemsize // dt.itemsize}
         else:
             per = cd.weight_scratch(geo, cl)
             parts = cd.chunks(geo.n, per * dt.itemsize, budget)
@@ -211,8 +219,8 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
                 scratch["col"] = geo.crs * geo.p * nb
                 if not cl:
                     scratch["dyc"] = nb * per - scratch["col"]
-        once = all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
-        dw_dtype = dt if once else np.dtype(dtypes.gemm_of(dt).compute)
+        once = form != "batched" and all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
+        dw_dtype = dt if once else acc
         return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype, form)
     return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form), make)
 
@@ -230,6 +238,9 @@ def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightP
         out = cupy.empty((geo.k, geo.crs), dtype=dt)
     dw = out if plan.dw_dtype == dt else cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
     bufs.update(x=x, dy=dy, dw=dw, y=dy)  # (the shifted form's Crop copies "y", here dY, into yw)
+    if "dwp" in plan.scratch:  # the batched form's sum: a vector of ones as long as its largest chunk
+        nb = max(s.k for s in plan.steps if s.c[0] == "dw")
+        bufs["ones"] = direct_cache.device_vector(np.ones(nb), plan.dw_dtype)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     if dw is not out:  # rounded once, after the last chunk's GEMM
         if dt == np.float16:

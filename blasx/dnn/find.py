@@ -4,9 +4,8 @@ in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its 
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
 "shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); the weight
-gradient runs "im2col", and "shifted" where it applies (weight_forms.py); depthwise problems run "depthwise"
-alone. A strided backward-data problem runs "col2im"
-alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
+gradient runs "im2col", and "shifted" or "batched" where it applies (weight_forms.py); depthwise problems
+run "depthwise" alone. A strided backward-data problem runs "col2im" alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
 one form is still timed and stored (its time is worth having; nothing else is chosen). The
 form is forced through ``conv_direct.FORM`` during the runs, so run the find step while no other thread
 convolves.

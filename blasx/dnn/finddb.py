@@ -35,7 +35,7 @@ from .geometry import ConvGeometry, conv_geometry
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 LAYOUTS = ("nchw", "cl")
-FORMS = ("im2col", "shifted", "implicit", "depthwise")
+FORMS = ("im2col", "shifted", "implicit", "depthwise", "batched")
 _SEP = "|"
 _TAGS = ("n", "c", "k", "i", "o", "r", "s", "p", "d", "g")
 

@@ -7,10 +7,14 @@
   in one strided-batched GEMM gets far slower cuBLAS kernels). No im2col matrix: the scratch is about x and dY once.
   Its wide rows pair each tap with pixels outside its windows against yw's zeros, so a non-finite value of x
   reaches every tap's gradient as NaN (im2col: only the taps whose windows hold it).
+- batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; one
+  strided-batched GEMM makes every image's dW_n^T = X_n dY_n^T in the accumulation type (``dwp``), one GEMM
+  sums them (``dwp`` times a vector of ones). im2col copies X and dY pixel-major first.
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
-the find-db's entry for the problem's bwd-weight key, else im2col (the shifted form is taken only where the
-find step measured it faster).
+the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
+``BATCHED_MIN_PIXELS`` pixels, else im2col (the shifted form is taken only where the find step measured it
+faster).
 """
 
 from __future__ import annotations
@@ -23,22 +27,47 @@ from . import conv_direct as cd
 from . import finddb
 from .geometry import ConvGeometry
 
+BATCHED_MIN_PIXELS = 784  # the batched form by default from maps this large (fewer: its per-image GEMMs are thin)
+
+
+def batched_applies(geo: ConvGeometry) -> bool:
+    """Whether the batched form can run ``geo`` (NCHW operands): a pointwise convolution, groups 1."""
+    return geo.groups == 1 and cd.pointwise(geo)
+
 
 def weight_forms(geo: ConvGeometry, layout: str = "nchw") -> tuple[str, ...]:
     """The weight-gradient forms that can run ``geo`` in ``layout``, im2col first."""
-    return ("im2col",) + (("shifted",) if layout == "cl" and cd.shifted_applies(geo) else ())
+    if layout == "cl":
+        return ("im2col",) + (("shifted",) if cd.shifted_applies(geo) else ())
+    return ("im2col",) + (("batched",) if batched_applies(geo) else ())
 
 
 def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
                 device=None) -> str:
-    """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else im2col."""
+    """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else batched on
+    large maps where it applies, else im2col."""
     applicable = weight_forms(geo, layout)
     if len(applicable) == 1:
         return "im2col"
     if force in applicable:
         return force
     stored = finddb.stored_form(geo, dtype, layout, math, device, direction="bwd-weight")
-    return stored if stored in applicable else "im2col"
+    if stored in applicable:
+        return stored
+    return "batched" if "batched" in applicable and geo.p >= BATCHED_MIN_PIXELS else "im2col"
+
+
+def batched_steps(geo: ConvGeometry, parts: list) -> list:
+    """dW (``dw``, the ``(K, C)`` matrix) by chunks ``parts``: the chunk's images' dW_n^T (C x K) into ``dwp``
+    by one strided-batched GEMM over X and dY where they lie, then dW^T (C*K x 1) += dwp (C*K x nb) . ones."""
+    C, K, P = geo.c, geo.k, geo.p
+    steps: list = []
+    for i, (n0, nb) in enumerate(parts):
+        steps.append(cd.Gemm(("x", n0 * C * P), ("dy", n0 * K * P), ("dwp", 0), cd.OP_T, cd.OP_N, C, K, P, P, P, C,
+                             C * P, K * P, C * K, nb, 0.0))
+        steps.append(cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, C * K, 1, nb, C * K, nb, C * K,
+                             0, 0, 0, 1, 0.0 if i == 0 else 1.0))
+    return steps
 
 
 def shifted_scratch(geo: ConvGeometry) -> int:
