@@ -13,7 +13,7 @@ from bench import fake_cupy
 from blasx import dnn
 from blasx.dnn import call_graph, conv_memo, cublas_call, direct_cache
 from blasx.dnn import conv_direct as cd
-from test_dnn_conv_memo import _call, _masked, case_operands, each_case
+from test_dnn_conv_memo import CASES, _call, _masked, case_operands, each_case
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +78,15 @@ def test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(c
     for y in (eager_y, captured_y, got):
         assert (y.shape, y.strides, y.dtype) == (want.shape, want.strides, want.dtype)
     assert eager_y.data.ptr == captured_y.data.ptr == got.data.ptr
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_batched_weight_form_is_captured_too(monkeypatch, dtype):
+    """The NCHW pointwise weight gradient's batched form (its ones vector made by a plan step, inside the
+    graph): captured on the second sighting, launched after, as every kept call."""
+    monkeypatch.setattr(cd, "FORM", "batched")
+    case = next(c for c in CASES if c[:2] == ("pointwise", "bwd-weight"))
+    test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(case, dtype, False)
 
 
 def _graphs_world(cupy, need_bytes=1024, fail=None):

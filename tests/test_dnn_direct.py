@@ -118,6 +118,9 @@ class NumpyOps:
         assert off >= 0 and off + (cols - 1) * ld + rows <= buf.size, f"{ref[0]} read/written out of bounds"
         return np.lib.stride_tricks.as_strided(buf[off:], (rows, cols), (8, ld * 8), writeable=True)
 
+    def ones(self, s):
+        self.bufs[s.name][s.offset:s.offset + s.count] = 1.0
+
     def gemm(self, s):
         for b in range(s.batch):
             a = self._mat(s.a, *((s.m, s.k) if s.op_a == cd.OP_N else (s.k, s.m)), s.lda, b, s.stride_a)
@@ -251,16 +254,16 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
         steps = wf.shifted_steps(geo, parts)
         scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
     elif form == "batched":
-        parts = cd.chunks(geo.n, geo.k * geo.c * 8, budget)
+        parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * 8, budget)
         steps = wf.batched_steps(geo, parts)
-        scratch = {"dwp": max(nb for _, nb in parts) * geo.k * geo.c}
+        scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), np.float64)}
     else:
         per = cd.weight_scratch(geo, cl)
         parts = cd.chunks(geo.n, per * 8, budget)
         nb = max(nb for _, nb in parts)
         steps = cd.weight_steps(geo, cl, parts)
         scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
-    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan), "ones": np.ones(geo.n),
+    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
     return bufs["dw"].reshape(geo.k, geo.crs), parts
@@ -698,7 +701,7 @@ def test_shifted_weight_plan_exact_and_its_choice():
         assert wf.weight_forms(bad, "cl") == ("im2col",)
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 1, 3 * 15 * 8])  # one chunk; an image a chunk; 3 images a chunk
+@pytest.mark.parametrize("budget", [1 << 30, 1, 3 * 16 * 8])  # one chunk; an image a chunk; 3 images a chunk
 @pytest.mark.parametrize("nd", [1, 2, 3])
 def test_batched_weight_plan_vs_torch_and_exact(budget, nd):
     """The batched form (NCHW pointwise dW): X and dY read where they lie, the per-image partial sums summed by a
@@ -711,14 +714,17 @@ def test_batched_weight_plan_vs_torch_and_exact(budget, nd):
     ref = torch.nn.grad.__dict__[f"conv{nd}d_weight"](torch.from_numpy(x), w.shape, torch.from_numpy(dy)).numpy()
     dw, parts = emulated_weight(geo, x.ravel().copy(), dy.ravel().copy(), False, budget, "batched")
     assert _rel(dw.reshape(w.shape), ref) < 1e-13
-    assert len(parts) == {1 << 30: 1, 1: 7, 3 * 15 * 8: 3}[budget]
+    assert len(parts) == {1 << 30: 1, 1: 7, 3 * 16 * 8: 3}[budget]
     p = geo.p
     assert wf.batched_steps(geo, [(0, 4), (4, 3)]) == [
+        cd.Ones("dwp", 60, 4),
         cd.Gemm(("x", 0), ("dy", 0), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15, 4, 0.0),
-        cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 4, 15, 4, 15, 0, 0, 0, 1, 0.0),
+        cd.Gemm(("dwp", 0), ("dwp", 60), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 4, 15, 4, 15, 0, 0, 0, 1, 0.0),
         cd.Gemm(("x", 4 * 5 * p), ("dy", 4 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
                 3, 0.0),
-        cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 3, 15, 3, 15, 0, 0, 0, 1, 1.0)]
+        cd.Gemm(("dwp", 0), ("dwp", 60), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 3, 15, 3, 15, 0, 0, 0, 1, 1.0)]
+    assert wf.batched_scratch(geo, 4, np.float64) == 64 and wf.batched_scratch(geo, 4, np.float16) == 128
+    assert wf.batched_scratch(geo, 3, np.float32) == 48  # (3 * 16 = 48: even already)
 
 
 def test_the_batched_weight_form_and_its_choice():

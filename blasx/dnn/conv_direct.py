@@ -440,7 +440,17 @@ def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
-_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit"}
+class Ones(NamedTuple):
+    """Elements ``offset .. offset + count - 1`` of buffer ``name``, in dW's type, set to 1 (the batched
+    weight form's summing vector, made in the plan so a captured graph makes it too)."""
+
+    name: str
+    offset: int
+    count: int
+
+
+_OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit",
+        Ones: "ones"}
 
 
 def run(steps: list, ops) -> None:

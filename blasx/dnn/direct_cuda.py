@@ -123,7 +123,7 @@ def _gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, unit:
                         magic=gather_kernel.magic_args(args))
 
 
-ACC_BUFFERS = ("dw", "dwp", "ones")  # a weight plan's buffers in dw's type (the batched form's partial sums)
+ACC_BUFFERS = ("dw", "dwp")  # a weight plan's buffers in dw's type (dwp: the batched form's partial sums)
 
 
 def gemm_launch(s: cd.Gemm, dtype, dw_dtype=None) -> GemmLaunch:
@@ -205,10 +205,10 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * dt.itemsize, budget)
             steps = wf.shifted_steps(geo, parts)
             scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
-        elif form == "batched":  # dwp: nb partial sums in the accumulation type, as elements of dt
-            parts = cd.chunks(geo.n, geo.k * geo.c * acc.itemsize, budget)
+        elif form == "batched":  # dwp: the partial sums and ones in the accumulation type
+            parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * acc.itemsize, budget)
             steps = wf.batched_steps(geo, parts)
-            scratch = {"dwp": max(nb for _, nb in parts) * geo.k * geo.c * acc.itemsize // dt.itemsize}
+            scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), dt)}
         else:
             per = cd.weight_scratch(geo, cl)
             parts = cd.chunks(geo.n, per * dt.itemsize, budget)
@@ -238,9 +238,6 @@ def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightP
         out = cupy.empty((geo.k, geo.crs), dtype=dt)
     dw = out if plan.dw_dtype == dt else cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
     bufs.update(x=x, dy=dy, dw=dw, y=dy)  # (the shifted form's Crop copies "y", here dY, into yw)
-    if "dwp" in plan.scratch:  # the batched form's sum: a vector of ones as long as its largest chunk
-        nb = max(s.k for s in plan.steps if s.c[0] == "dw")
-        bufs["ones"] = direct_cache.device_vector(np.ones(nb), plan.dw_dtype)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     if dw is not out:  # rounded once, after the last chunk's GEMM
         if dt == np.float16:
@@ -391,6 +388,9 @@ class CudaOps:
                 self.launch_col2im(launch)
             else:
                 self.launch_gather(launch)
+
+    def ones(self, s: cd.Ones) -> None:
+        self.bufs[s.name].view(self.bufs["dw"].dtype)[s.offset:s.offset + s.count].fill(1)
 
     def gather(self, s: cd.Gather) -> None:
         self.launch_gather(gather_launch(self.geo, self.cl, s, self.bufs["x"].size, self.bufs["x"].dtype.itemsize))

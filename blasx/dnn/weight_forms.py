@@ -23,6 +23,7 @@ from math import prod
 
 import numpy as np
 
+from ..runtime import dtypes
 from . import conv_direct as cd
 from . import finddb
 from .geometry import ConvGeometry
@@ -58,16 +59,27 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
 
 
 def batched_steps(geo: ConvGeometry, parts: list) -> list:
-    """dW (``dw``, the ``(K, C)`` matrix) by chunks ``parts``: the chunk's images' dW_n^T (C x K) into ``dwp``
-    by one strided-batched GEMM over X and dY where they lie, then dW^T (C*K x 1) += dwp (C*K x nb) . ones."""
+    """dW (``dw``, the ``(K, C)`` matrix) by chunks ``parts``: a vector of ones after the partial sums in
+    ``dwp``; per chunk, its images' dW_n^T (C x K) into ``dwp`` by one strided-batched GEMM over X and dY
+    where they lie, then dW^T (C*K x 1) += dwp (C*K x nb) . ones."""
     C, K, P = geo.c, geo.k, geo.p
-    steps: list = []
+    ones = max(nb for _, nb in parts) * C * K
+    steps: list = [cd.Ones("dwp", ones, ones // (C * K))]
     for i, (n0, nb) in enumerate(parts):
         steps.append(cd.Gemm(("x", n0 * C * P), ("dy", n0 * K * P), ("dwp", 0), cd.OP_T, cd.OP_N, C, K, P, P, P, C,
                              C * P, K * P, C * K, nb, 0.0))
-        steps.append(cd.Gemm(("dwp", 0), ("ones", 0), ("dw", 0), cd.OP_N, cd.OP_N, C * K, 1, nb, C * K, nb, C * K,
+        steps.append(cd.Gemm(("dwp", 0), ("dwp", ones), ("dw", 0), cd.OP_N, cd.OP_N, C * K, 1, nb, C * K, nb, C * K,
                              0, 0, 0, 1, 0.0 if i == 0 else 1.0))
     return steps
+
+
+def batched_scratch(geo: ConvGeometry, nb: int, dtype) -> int:
+    """The batched plan's ``dwp`` (``nb`` images' partial sums and the ones, in the accumulation type) in
+    elements of ``dtype``, even (a view in the wider type needs whole elements)."""
+    dt = np.dtype(dtype)
+    acc = np.dtype(dtypes.gemm_of(dt).compute)
+    n = -(-nb * (geo.c * geo.k + 1) * acc.itemsize // dt.itemsize)
+    return n + n % 2
 
 
 def shifted_scratch(geo: ConvGeometry) -> int:
