@@ -89,6 +89,43 @@ def test_the_batched_weight_form_is_captured_too(monkeypatch, dtype):
     test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(case, dtype, False)
 
 
+@pytest.mark.parametrize("stride", [1, 2])  # the bias as an epilogue; col2im's kernel reading it
+@pytest.mark.parametrize("cupy_bias", [False, True])
+def test_a_transposed_call_with_a_bias_is_replayed_from_a_graph(stride, cupy_bias):
+    """conv_transpose2d with a bias is kept like any call: the bias checked and made before any launch, its address
+    in the graph's key (a CuPy bias col2im reads at a new address runs eagerly, never a stale graph); a bad bias on
+    a replay raises before any launch."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            x, w = cupy.empty((4, 64, 10, 10), dtype=np.float16), cupy.empty((64, 32, 3, 3), dtype=np.float16)
+            bias = cupy.empty(32, dtype=np.float16) if cupy_bias else np.ones(32, np.float16)
+            alloc = _same_addresses()
+            logs = []
+            with cupy.cuda.using_allocator(alloc):
+                for _ in range(4):  # the full path, eager, captured, launched
+                    alloc.reset()
+                    fake.log.clear()
+                    dnn.conv_transpose2d(x, w, bias, stride, 1)
+                    logs.append([e[0] for e in fake.log])
+                assert "gemm" in logs[1]  # (a CuPy vector is made anew each call: astype and the like first)
+                assert all(g[-1] == "graph_launch" and "gemm" not in g and "raw_kernel" not in g for g in logs[2:])
+                if cupy_bias:
+                    other = cupy.empty(32, dtype=np.float16)
+                    alloc.reset()
+                    fake.log.clear()
+                    dnn.conv_transpose2d(x, w, other, stride, 1)
+                    got = [e[0] for e in fake.log]
+                    if stride == 2:  # col2im reads the caller's vector: another address, eager
+                        assert "graph_launch" not in got
+                    else:  # the epilogue's vector is made from it first (astype), where the graph reads it
+                        assert got[0] == "astype" and got[-1] == "graph_launch"
+                fake.log.clear()
+                with pytest.raises(ValueError, match=r"bias: expected shape \(32,\)"):
+                    dnn.conv_transpose2d(x, w, (cupy.empty if cupy_bias else np.ones)(31, dtype=np.float16), stride, 1)
+                assert not any(e[0] in ("gemm", "raw_kernel", "graph_launch") for e in fake.log)
+
+
 def _graphs_world(cupy, need_bytes=1024, fail=None):
     """A Graphs whose launch allocates ``need_bytes`` of scratch and records its pointers."""
     calls = []

@@ -478,6 +478,38 @@ def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dty
     assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_transposed_replays_with_a_bias(direct_route, dtype, layout, stride):
+    """conv_transpose2d with a bias in a loop over fixed operands rewritten in place: a numpy bias whose values
+    change at step 5, and a CuPy bias changed in place at step 6; replayed (col2im's kernel reads the bias;
+    stride 1: the bias as an epilogue) and launched from CUDA graphs, every result against float64 torch."""
+    from blasx.dnn import conv_memo
+    rng = np.random.default_rng(12)
+    dt = np.dtype(dtype)
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    shape_x, shape_w = (4, 64, 9, 7), (64, 32, 3, 3)
+    xs, ws = _device(np.zeros(shape_x, dt), layout), _device(np.zeros(shape_w, dt), "nchw")
+    bias_d = cupy.zeros(32, dtype=dt)
+    for i in range(8):
+        xh = rng.standard_normal(shape_x).astype(dt)
+        wh = (rng.standard_normal(shape_w) / 8).astype(dt)
+        xs[...], ws[...] = cupy.asarray(xh), cupy.asarray(wh)
+        bias = (np.linspace(-1, 1, 32) * (1 if i < 5 else -2)).astype(dt)
+        bias_d[...] = cupy.asarray(np.linspace(0, 1, 32) + (i >= 6), dtype=dt)
+        y = dnn.conv_transpose2d(xs, ws, bias, stride, 1, stride - 1, math="ieee")
+        yd = dnn.conv_transpose2d(xs, ws, bias_d, stride, 1, stride - 1, math="ieee")
+        cupy.cuda.get_current_stream().synchronize()
+        plain = F.conv_transpose2d(wide(xh), wide(wh), None, stride, 1, stride - 1)
+        assert rel(y, (plain + torch.from_numpy(bias.astype(np.float64))[:, None, None]).numpy()) < tol, i
+        want_d = plain + torch.from_numpy(cupy.asnumpy(bias_d).astype(np.float64))[:, None, None]
+        assert rel(yd, want_d.numpy()) < tol, i
+        del y, yd
+    replays = [getattr(r.run, "graphs", None) for r in conv_memo._TABLE.entries.values()]
+    assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)
+
+
 @pytest.mark.parametrize("streams", ["own", "null"])
 def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
     """Four threads each loop over their own operands of one shape (rewritten in place every step), on a

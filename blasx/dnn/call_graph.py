@@ -9,7 +9,8 @@ kept call holds its last ``KEPT`` graphs. A capture that fails leaves the call e
 call: eager for good).
 
 Invariants:
-- a graph reads and writes only x, w, y and the epilogue's vectors and residual at the addresses of its key
+- a graph reads and writes only x, w, y, the epilogue's vectors and residual, and a transposed call's bias at
+  the addresses of its key
   (read at launch: their contents then) and scratch in its stream's :class:`Arena`; the key is taken after the
   output and the epilogue's vectors are made, so a graph never writes an array the caller did not get from
   this call and reads the vectors this call made (cached by contents: an address shows this call's values);
@@ -91,9 +92,9 @@ def arena(device: int, stream: int) -> Arena:
 
 
 class Graphs:
-    """The graphs of one kept call: ``run(x, w, y, extra, after)`` does what ``launch(x, w, y)`` then ``after(y)``
-    issue on the current stream (``extra``: the addresses ``after`` reads), from a graph where the addresses' is
-    kept, else eagerly (counting them) or by capturing it."""
+    """The graphs of one kept call: ``run(x, w, y, extra, after, operands)`` does what ``launch(x, w, y,
+    *operands)`` then ``after(y)`` issue on the current stream (``extra``: the addresses ``after`` and the
+    operands read), from a graph where the addresses' is kept, else eagerly (counting them) or by capturing it."""
 
     def __init__(self, launch):
         self.launch = launch
@@ -104,13 +105,13 @@ class Graphs:
         self.error = ""
         self.replays = 0
 
-    def run(self, x, w, y, extra: tuple = (), after=None) -> None:
+    def run(self, x, w, y, extra: tuple = (), after=None, operands: tuple = ()) -> None:
         if after is None:
             def work():
-                self.launch(x, w, y)
+                self.launch(x, w, y, *operands)
         else:
             def work():
-                self.launch(x, w, y)
+                self.launch(x, w, y, *operands)
                 after(y)
         if not ENABLED or self.fails >= TRIES:
             return work()

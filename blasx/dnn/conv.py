@@ -351,10 +351,11 @@ def _copy_into(xp, dst, src, lay: str) -> None:
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
-    plain = bias is None and out is None and getattr(x, "ndim", 0) == nd + 2
-    memo = conv_memo.key(fn, nd, x, weight, (stride, padding, output_padding, groups, dilation, output_size),
-                         math) if plain else None
-    y = conv_memo.replay(memo, x, weight)
+    memo = None
+    if out is None and getattr(x, "ndim", 0) == nd + 2:
+        memo = conv_memo.key(fn, nd, x, weight, (stride, padding, output_padding, groups, dilation, output_size),
+                             math, (conv_memo.operand_kind(bias),))
+    y = conv_memo.replay(memo, x, weight, (bias,))
     if y is not None:
         return y
     xp = _xp(x, weight, out)
@@ -387,8 +388,11 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
             w = weight if wl is not None else xp.ascontiguousarray(weight)
             plan = direct_cuda.transposed(geo, xd, cl, w, wl == "cl", yd, b, math)
             if memo is not None and xb is x and w is weight:
+                bias_of = None if b is None else (  # the col2im kernel adds it: checked and made as above
+                    lambda extras, k=geo.k: direct_cache.device_vector(_channel_vector("bias", extras[0], k, dt, xp),
+                                                                       dt))
                 conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, plan, _empty_maker(xp, shape, dt, lay),
-                                                              flops=flops, converted=converted))
+                                                              flops=flops, converted=converted, bias_of=bias_of))
         else:
             wf = _flipped_transposed(xp, weight, geo.groups)
             if PHASES and phases.applies(geo):
@@ -400,8 +404,14 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
         def rows(w, g=geo):
             return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), cl, g.k, g.crs)
+
+        def epilogue(extras, g=geo, ycl=lay == "cl"):  # the bias, as the forward's epilogue (on y where it lies)
+            vectors = direct_cuda.epilogue_vectors(g, ycl, dt, device_affine(
+                _channel_vector("bias", extras[0], g.k, dt, xp), None, None, None, False)[0])
+            return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(g, ycl, y, vectors),
+                                      tuple(v.data.ptr for v in vectors[:2]))
         conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
-                                                      rows, converted=converted))
+                                                      rows, None if b is None else epilogue, converted=converted))
     if out is not None:
         return out
     return y[0] if unbatched else y

@@ -116,13 +116,15 @@ def keep(k, r: Replay | None) -> None:
 
 
 def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None, epilogue=None,
-                   flops: float | None = None, converted: bool = False) -> Replay | None:
+                   flops: float | None = None, converted: bool = False, bias_of=None) -> Replay | None:
     """The replay of a forward call that ran ``plan`` (direct_cuda.ForwardPlan) on x, the ``(K, CRS)`` weight
     matrix (the caller's weight where it lies, or ``weight_of`` the caller's weight) and ``y = make_y()``, then
     the epilogue where given (``epilogue(extras)`` checks the call's epilogue operands before any launch and
     returns what finishes y); None for the shifted form on NCHW operands (its tap-major weight is another
     transform). ``flops``: what the full path's route check weighed (None: the gather's). ``converted``: the
-    plan ran on channels-last copies of the caller's NCHW x and y (conv_direct.device_layout), made again."""
+    plan ran on channels-last copies of the caller's NCHW x and y (conv_direct.device_layout), made again.
+    ``bias_of(extras)``: the bias vector on the device that the plan's own kernel reads (col2im's), checked
+    and made before any launch."""
     if plan.form == "shifted" and not cl:
         return None
     import cupy
@@ -132,14 +134,15 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     scratch = tuple(plan.scratch.items())
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
     cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)  # (channels-last only)
-    if plan.form == "implicit" and not scratch and cpad is None:
+    if plan.form == "implicit" and not scratch and cpad is None and bias_of is None:
         return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted)
-    if not scratch and cpad is None and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch:
+    if not scratch and cpad is None and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch \
+            and bias_of is None:
         issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "w": 1, "wt": 1, "y": 2}, dt, math)
         if issue is not None:
             return _gemm_replay(issue, make_y, weight_of, epilogue, flops, converted)
 
-    def launch(x, w, y):
+    def launch(x, w, y, bias=None):
         if weight_of is not None:
             w = weight_of(w)
         g = geo
@@ -147,10 +150,12 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
             rows = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
             g, x, w = conv_direct.pad_channels(geo, x, rows, cpad)
         bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
+        if bias is not None:
+            bufs["bias"] = bias
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
         direct_cuda.CudaOps(g, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    return _launch_replay(launch, make_y, epilogue, flops, converted)
+    return _launch_replay(launch, make_y, epilogue, flops, converted, bias_of)
 
 
 def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted) -> Replay:
@@ -190,15 +195,22 @@ def _weighted(launch, weight_of):
     return lambda x, w, y: launch(x, weight_of(w), y)
 
 
-def _launch_replay(launch, make_y, epilogue, flops, converted=False) -> Replay:
+def _launch_replay(launch, make_y, epilogue, flops, converted=False, bias_of=None) -> Replay:
     """The replay that makes y and runs ``launch(x, w, y)`` (its scratch its own), then the epilogue where the
     call has one (``epilogue(extras)``: its operands checked before any launch, an :class:`Epilogue`): from a CUDA
     graph keyed by the operands' addresses and the epilogue's (call_graph.py). ``converted``: ``launch`` takes
-    channels-last x and y, the caller's are NCHW (copies made each run, in the graph)."""
+    channels-last x and y, the caller's are NCHW (copies made each run, in the graph). ``bias_of(extras)``:
+    a vector ``launch`` takes after y (its address in the graph's key)."""
     if converted:
         launch = _in_channels_last(launch)
     graphs = call_graph.Graphs(launch)
-    if epilogue is None:
+    if bias_of is not None:
+        def run(x, w, extras=None):
+            b = bias_of(extras)
+            y = make_y()
+            graphs.run(x, w, y, (b.data.ptr,), None, (b,))
+            return y
+    elif epilogue is None:
         def run(x, w, extras=None):
             y = make_y()
             graphs.run(x, w, y)
@@ -215,9 +227,9 @@ def _launch_replay(launch, make_y, epilogue, flops, converted=False) -> Replay:
 
 def _in_channels_last(launch):
     """``launch(x, w, y)`` on NCHW x and y through channels-last copies of both (as the full path makes them)."""
-    def run(x, w, y):
+    def run(x, w, y, *operands):
         yc = conv_direct.layout_scratch("y_in_layout", y.shape, y.dtype, "cl")
-        launch(conv_direct.in_layout(x, "x_in_layout", "cl"), w, yc)
+        launch(conv_direct.in_layout(x, "x_in_layout", "cl"), w, yc, *operands)
         transpose_kernel.copy(y, yc, False)
     return run
 
