@@ -258,10 +258,10 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
         steps = wf.batched_steps(geo, parts)
         scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), np.float64)}
     else:
-        per = cd.weight_scratch(geo, cl)
+        per = wf.weight_scratch(geo, cl)
         parts = cd.chunks(geo.n, per * 8, budget)
         nb = max(nb for _, nb in parts)
-        steps = cd.weight_steps(geo, cl, parts)
+        steps = wf.weight_steps(geo, cl, parts)
         scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
     bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
@@ -618,7 +618,7 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
     if narrow is None:
         pytest.skip("no C++ compiler")
     xb = rng.integers(1, 1 << 16, geo.n * geo.c * int(np.prod(geo.in_size)), dtype=np.uint16)
-    gathers = [s for s in cd.forward_steps(geo, True, [(0, 1), (1, 1)], 0.0) + cd.weight_steps(geo, True,
+    gathers = [s for s in cd.forward_steps(geo, True, [(0, 1), (1, 1)], 0.0) + wf.weight_steps(geo, True,
                [(0, 2)]) if isinstance(s, cd.Gather)]
     assert gathers or cd.pointwise(geo)
     for s in gathers:

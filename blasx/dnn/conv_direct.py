@@ -15,7 +15,7 @@ forward pass takes one of two forms (``forward_form``):
 from the environment variable ``BLASX_CONV_FORM`` (``im2col``, ``shifted`` or ``implicit``), read once
 at import, so a bench can A/B the forms.
 
-Plans are pure data (``forward_steps``, ``weight_steps``): buffers are named and addressed by element
+Plans are pure data (``forward_steps``, weight_forms' ``weight_steps``): buffers are named and addressed by element
 offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
 ``w`` (the weight matrix ``(K, CRS)`` row-major, reduction order (c, r, s), or (r, s, c) channels-last),
 ``y`` (Y's memory), ``col`` (the im2col scratch), ``dy`` (dY's memory), ``dyc`` (a chunk of NCHW dY as
@@ -408,36 +408,6 @@ def tap_major(xp, geo: ConvGeometry, cl: bool, wmat):
     if cl:
         return wmat
     return xp.ascontiguousarray(wmat.reshape(geo.k, geo.c, -1).transpose(0, 2, 1))
-
-
-def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
-    """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first."""
-    G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
-    steps: list = []
-    if cl and pointwise(geo):
-        return [Gemm(("x", g * geo.cg), ("dy", g * kg), ("dw", g * kg * crs), OP_N, OP_T, crs, kg, geo.n * p,
-                     geo.c, K, crs, 0, 0, 0, 1, 0.0) for g in range(G)]
-    for i, (n0, nb) in enumerate(parts):
-        beta = 0.0 if i == 0 else 1.0
-        if not cl:
-            steps.append(CopyDy(n0, nb))
-        for g in range(G):
-            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
-                steps.append(Gather(g, n0, nb, p * crs, 1, crs, False))
-                steps.append(Gemm(("col", 0), ("dy", n0 * p * K + g * kg), ("dw", g * kg * crs), OP_N, OP_T, crs, kg,
-                                  nb * p, crs, K, crs, 0, 0, 0, 1, beta))
-            else:  # col (nb*P x crs, ld nb*P); dyc_g (nb*P x kg)
-                steps.append(Gather(g, n0, nb, p, nb * p, 1, True))
-                steps.append(Gemm(("col", 0), ("dyc", g * kg * nb * p), ("dw", g * kg * crs), OP_T, OP_N, crs, kg,
-                                  nb * p, nb * p, nb * p, crs, 0, 0, 0, 1, beta))
-    return steps
-
-
-def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
-    """Scratch elements per image of the weight plan (col, and dY's copy for NCHW)."""
-    if cl and pointwise(geo):
-        return 0
-    return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
 class Ones(NamedTuple):

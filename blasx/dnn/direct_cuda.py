@@ -210,9 +210,9 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             steps = wf.batched_steps(geo, parts)
             scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), dt)}
         else:
-            per = cd.weight_scratch(geo, cl)
+            per = wf.weight_scratch(geo, cl)
             parts = cd.chunks(geo.n, per * dt.itemsize, budget)
-            steps = cd.weight_steps(geo, cl, parts)
+            steps = wf.weight_steps(geo, cl, parts)
             scratch = {}
             if per:
                 nb = max(nb for _, nb in parts)

@@ -1,6 +1,6 @@
 """The weight gradient's forms on the device route (conv_direct.py plans the forward's):
 
-- im2col (``conv_direct.weight_steps``): col(X) gathered per chunk of images, then dW^T += col dY^T;
+- im2col (``weight_steps``): col(X) gathered per chunk of images, then dW^T += col dY^T;
 - shifted (channels-last, stride 1, no zero insertion, groups 1, a kernel window): X copied into the zero-padded
   grid ``xp`` and dY into ``yw``, the same grid with zeros outside the outputs; then per kernel tap
   dW_t^T (C x K) += xp shifted by the tap (C x wide rows) . yw^T, one GEMM a tap (batching a kernel row's taps
@@ -56,6 +56,36 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     if stored in applicable:
         return stored
     return "batched" if "batched" in applicable and geo.p >= BATCHED_MIN_PIXELS else "im2col"
+
+
+def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
+    """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first."""
+    G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
+    steps: list = []
+    if cl and cd.pointwise(geo):
+        return [cd.Gemm(("x", g * geo.cg), ("dy", g * kg), ("dw", g * kg * crs), cd.OP_N, cd.OP_T, crs, kg,
+                        geo.n * p, geo.c, K, crs, 0, 0, 0, 1, 0.0) for g in range(G)]
+    for i, (n0, nb) in enumerate(parts):
+        beta = 0.0 if i == 0 else 1.0
+        if not cl:
+            steps.append(cd.CopyDy(n0, nb))
+        for g in range(G):
+            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
+                steps.append(cd.Gather(g, n0, nb, p * crs, 1, crs, False))
+                steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K + g * kg), ("dw", g * kg * crs), cd.OP_N,
+                                     cd.OP_T, crs, kg, nb * p, crs, K, crs, 0, 0, 0, 1, beta))
+            else:  # col (nb*P x crs, ld nb*P); dyc_g (nb*P x kg)
+                steps.append(cd.Gather(g, n0, nb, p, nb * p, 1, True))
+                steps.append(cd.Gemm(("col", 0), ("dyc", g * kg * nb * p), ("dw", g * kg * crs), cd.OP_T,
+                                     cd.OP_N, crs, kg, nb * p, nb * p, nb * p, crs, 0, 0, 0, 1, beta))
+    return steps
+
+
+def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
+    """Scratch elements per image of the weight plan (col, and dY's copy for NCHW)."""
+    if cl and cd.pointwise(geo):
+        return 0
+    return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
 def batched_steps(geo: ConvGeometry, parts: list) -> list:
