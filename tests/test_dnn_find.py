@@ -228,6 +228,9 @@ def test_forms_per_direction():
     assert find_mod.forms_for(strided, "fwd") == ("im2col",) and find_mod.forms_for(strided, "bwd-data") == ("im2col",)
     dw = finddb.forward_geometry((8, 64, 56, 56), (64, 1, 3, 3), 1, 1, 1, 64, "s")
     assert all(find_mod.forms_for(dw, d) == ("depthwise",) for d in finddb.DIRECTIONS)
+    pw = finddb.forward_geometry((8, 64, 56, 56), (256, 64, 1, 1), 1, 0, 1, 1, "s")
+    assert find_mod.forms_for(pw, "bwd-weight") == ("im2col", "batched")  # NCHW
+    assert find_mod.forms_for(pw, "bwd-weight", layout="cl") == ("im2col",)
 
 
 def test_find_without_a_gpu_says_so_and_stores_nothing(cache, monkeypatch):
