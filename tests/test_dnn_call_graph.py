@@ -89,6 +89,33 @@ def test_the_batched_weight_form_is_captured_too(monkeypatch, dtype):
     test_a_graph_holds_what_an_eager_replay_launches_and_later_calls_launch_it(case, dtype, False)
 
 
+@pytest.mark.parametrize("cl", [False, True])
+def test_strided_backward_data_by_phases_is_replayed_from_a_graph(monkeypatch, cl):
+    """BLASX_CONV_FORM=phases: a strided backward-data call runs as stride-1 convolutions of the sub-kernels
+    (phases.py) instead of col2im, and its replays run the same calls, then from a CUDA graph."""
+    monkeypatch.setattr(cd, "FORM", "phases")
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0), cd.on_own_gpu():
+            w = cupy.empty((64, 32, 3, 3), dtype=np.float16)
+            dy = cupy.empty((4, 64, 10, 10), dtype=np.float16)
+            if cl:
+                dy = cupy.empty((4, 10, 10, 64), dtype=np.float16).transpose(0, 3, 1, 2)
+            alloc = _same_addresses()
+            logs = []
+            with cupy.cuda.using_allocator(alloc):
+                for _ in range(4):
+                    alloc.reset()
+                    fake.log.clear()
+                    gi = dnn.conv2d_input((4, 32, 20, 20), w, dy, 2, 1)
+                    logs.append([e[0] for e in fake.log])
+            (replay,) = conv_memo._TABLE.entries.values()
+            assert replay.run.graphs.fails == 0
+    assert gi.shape == (4, 32, 20, 20)
+    assert logs[0] == logs[1] and logs[0].count("gemm") == 4  # four phases (taps 2x2, 2x1, 1x2, 1x1), no col2im
+    assert logs[2] == logs[3] == ["graph_launch"]
+
+
 @pytest.mark.parametrize("stride", [1, 2])  # the bias as an epilogue; col2im's kernel reading it
 @pytest.mark.parametrize("cupy_bias", [False, True])
 def test_a_transposed_call_with_a_bias_is_replayed_from_a_graph(stride, cupy_bias):

@@ -480,6 +480,34 @@ def test_graph_replays_read_the_operands_contents_at_each_call(direct_route, dty
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_strided_backward_data_by_phases(direct_route, monkeypatch, dtype, layout):
+    """BLASX_CONV_FORM=phases: strided backward-data (and a transposed call) as stride-1 convolutions of the
+    sub-kernels, in a loop over operands rewritten in place (replayed, then from CUDA graphs), against torch."""
+    from blasx.dnn import conv_direct, conv_memo
+    monkeypatch.setattr(conv_direct, "FORM", "phases")
+    rng = np.random.default_rng(13)
+    dt = np.dtype(dtype)
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    shape_x, shape_w = (4, 64, 14, 13), (64, 64, 3, 3)
+    ref = F.conv2d(torch.zeros(shape_x), torch.zeros(shape_w), None, 2, 1)
+    dys, ws = _device(np.zeros(tuple(ref.shape), dt), layout), _device(np.zeros(shape_w, dt), "nchw")
+    for i in range(6):
+        dyh = rng.standard_normal(tuple(ref.shape)).astype(dt)
+        wh = (rng.standard_normal(shape_w) / 8).astype(dt)
+        dys[...], ws[...] = cupy.asarray(dyh), cupy.asarray(wh)
+        gi = dnn.conv2d_input(shape_x, ws, dys, 2, 1, math="ieee")
+        yt = dnn.conv_transpose2d(dys, ws, None, 2, 1, 1, math="ieee")
+        cupy.cuda.get_current_stream().synchronize()
+        want = torch.nn.grad.conv2d_input(shape_x, wide(wh), wide(dyh), 2, 1)
+        assert rel(gi, want.numpy()) < tol, i
+        assert rel(yt, F.conv_transpose2d(wide(dyh), wide(wh), None, 2, 1, 1).numpy()) < tol, i
+        del gi, yt
+    replays = [getattr(r.run, "graphs", None) for r in conv_memo._TABLE.entries.values()]
+    assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("stride", [1, 2])
 def test_transposed_replays_with_a_bias(direct_route, dtype, layout, stride):
     """conv_transpose2d with a bias in a loop over fixed operands rewritten in place: a numpy bias whose values

@@ -382,8 +382,10 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
                                                                                                  dt, dlay)
         flops = 2.0 * geo.n * prod(geo.in_size) * geo.c * geo.kg * prod(geo.kernel)
         plan = ran = None
+        phased = PHASES and phases.applies(geo)
         if col2im.applies(geo, dt) and not depthwise.applies(geo) and conv_direct.applies(xb, flops) and \
-                is_layout(yd, dlay):  # one GEMM a group into columns and the col2im kernel, the weight as it lies
+                is_layout(yd, dlay) and not (phased and conv_direct.FORM == "phases"):
+            # one GEMM a group into columns and the col2im kernel, the weight as it lies
             wl = layout(weight)
             w = weight if wl is not None else xp.ascontiguousarray(weight)
             plan = direct_cuda.transposed(geo, xd, cl, w, wl == "cl", yd, b, math)
@@ -395,8 +397,13 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
                                                               flops=flops, converted=converted, bias_of=bias_of))
         else:
             wf = _flipped_transposed(xp, weight, geo.groups)
-            if PHASES and phases.applies(geo):
+            if phased:
                 _phase_calls(fn, geo, xp, xd, dlay, wf, yd, b, math)
+                if memo is not None and xb is x and b is None and xp is not np:  # the same calls, in a graph
+                    def launch(xr, w, yr, g=geo, run_lay=dlay):
+                        _phase_calls(fn, g, xp, xr, run_lay, _flipped_transposed(xp, w, g.groups), yr, None, math)
+                    conv_memo.keep(memo, conv_memo.call_replay(launch, _empty_maker(xp, shape, dt, lay), flops,
+                                                               converted))
             else:
                 ran = _forward_call(fn, geo, xd, dlay, wf, yd, None, (b, None, None, None), math)
         if converted:

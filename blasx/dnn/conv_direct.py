@@ -41,7 +41,8 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted", "implicit", "batched")  # (batched: the NCHW pointwise weight gradient's)
+FORMS = ("im2col", "shifted", "implicit", "batched", "phases")  # (weight gradients: batched; strided transposed:
+# phases, stride-1 convolutions of the sub-kernels, instead of col2im)
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)

@@ -158,6 +158,12 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     return _launch_replay(launch, make_y, epilogue, flops, converted, bias_of)
 
 
+def call_replay(launch, make_y, flops: float, converted: bool = False) -> Replay:
+    """The replay of a call made of other calls (a strided transposed convolution's phases): ``launch(x, w, y)``
+    runs them again, eagerly and then from a CUDA graph as any replay (their plans cached by the first call)."""
+    return _launch_replay(launch, make_y, None, flops, converted)
+
+
 def _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted) -> Replay:
     """The replay of an implicit-form call without scratch: one launch through the driver with its arguments
     packed once (igemm.Launcher), on the current stream; operands off a 16-byte boundary take the plan's
