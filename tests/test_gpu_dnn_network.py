@@ -194,7 +194,7 @@ def test_other_network_kinds_on_gpus(name, dtype):
     m, shape = _nets()[name]
     x = np.random.default_rng(2).standard_normal((12, *shape)).astype(dtype)
     ref = _ref(m, x)
-    layout = "cl" if len(shape) == 3 else "nchw"
+    layout = "cl" if len(shape) == 3 else "auto"  # (auto on GPUs: channels-last, sequences as they are)
     for fuse in (False, True):
         net = dnn.from_torch(m, (1, *shape)).compile(dtype=dtype, layout=layout, fuse=fuse)
         for _ in range(2):  # the second call replays the captured chunks
