@@ -54,6 +54,11 @@ def test_device_layout_by_exact_value():
     assert conv_direct.device_layout("nchw", small, np.float16) == "cl"  # 49-pixel GEMMs an image: one GEMM in CL
     small = conv_geometry("conv2d", 2, np.zeros((8, 16, 14, 14)), np.zeros((32, 16, 1, 1)), 2, 0, 1, 1)
     assert conv_direct.device_layout("nchw", small, np.float16) == "cl"
+    from blasx.dnn.geometry import transpose_geometry  # a strided 1x1's backward-data: col2im over zero insertion
+    down = transpose_geometry("t", 2, np.zeros((8, 32, 7, 7)), np.zeros((32, 16, 1, 1)), 2, 0, 1, 1, 1)
+    assert down.out_size == (14, 14) and conv_direct.device_layout("nchw", down, np.float16) == "cl"  # 196 px
+    down = transpose_geometry("t", 2, np.zeros((8, 32, 14, 14)), np.zeros((32, 16, 1, 1)), 2, 0, 1, 1, 1)
+    assert conv_direct.device_layout("nchw", down, np.float16) == "nchw"  # 28 x 28
     one_d = conv_geometry("conv1d", 1, np.zeros((8, 16, 9)), np.zeros((32, 16, 3)), 1, 1, 1, 1)
     assert conv_direct.device_layout("nchw", one_d, np.float32) == "nchw"
     for x, w in (((8, 1, 9, 9), (32, 1, 3, 3)), ((8, 3, 9, 9), (32, 3, 7, 7)), ((8, 16, 9, 9), (1, 16, 3, 3)),

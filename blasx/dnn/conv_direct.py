@@ -47,6 +47,7 @@ FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the form where it app
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)
 LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an image
+INSERTED_MIN_PIXELS = 256  # ... or this many, for a 1x1 over a zero-inserted input (strided backward-data)
 WEIGHT_MIN_PIXELS = {2: 0, 4: 128}  # an NCHW weight gradient's window converted from this many output pixels
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
 
@@ -125,7 +126,8 @@ def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") ->
     kernel window (groups 1, not float64) in channels-last, x converted on the device before and y after
     (transpose_kernel; its forms run faster there: the implicit kernel, the gather's 16-byte units); a 1x1
     with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
-    the strided pixels only: NCHW's GEMMs are per image, too narrow below), so does a layer with fewer than
+    the strided pixels only: NCHW's GEMMs are per image, too narrow below; over a zero-inserted input, a
+    strided backward-data's col2im, ``INSERTED_MIN_PIXELS``), so does a layer with fewer than
     ``LAYOUT_MIN_C`` input or output channels (a first layer, or its backward-data: the large image's copy
     costs more than the form gains) and one whose x or y is the same memory in both layouts (one output
     channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
@@ -137,7 +139,7 @@ def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") ->
     if direction == "bwd-weight":
         if not window or pixels < WEIGHT_MIN_PIXELS.get(np.dtype(dtype).itemsize, 0):
             return lay
-    elif not window and pixels >= LAYOUT_MIN_PIXELS:
+    elif not window and pixels >= (INSERTED_MIN_PIXELS if max(geo.insert) > 1 else LAYOUT_MIN_PIXELS):
         return lay
     if min(geo.k, prod(geo.in_size), pixels) == 1 or min(geo.c, geo.k) < LAYOUT_MIN_C:
         return lay
