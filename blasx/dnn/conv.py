@@ -196,6 +196,18 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
                             (_rows_hint(n * p), geo.k, crs), math=math, epilogue=epi)
 
 
+def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):
+    """A replay's epilogue (conv_memo.Epilogue) from the call's (bias, scale, shift, residual): the vectors checked
+    as the full path checks them, then made on the device; applied on y in its layout (``cl``)."""
+    def epilogue(extras):
+        b, sc, sh = (_channel_vector(nm, v, geo.k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
+        res = extras[3]
+        vectors = direct_cuda.epilogue_vectors(geo, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
+        return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(geo, cl, y, vectors, res),
+                                  (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
+    return epilogue
+
+
 # ---------------------------------------------------------------- forward
 
 _CONV_NAMES = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
@@ -258,21 +270,15 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     if memo is not None and ran is not None and xb is x and (converted or ran[1].data.ptr == weight.data.ptr) and \
             (residual is None or residual is extras[3]):
         cl, k = lay == "cl", geo.k
-
-        def epilogue(extras, g=geo):  # the vectors checked as the full path checks them, then made on the device
-            b, sc, sh = (_channel_vector(nm, v, k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
-            res = extras[3]
-            vectors = direct_cuda.epilogue_vectors(g, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
-            return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(g, cl, y, vectors, res),
-                                      (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
         plain = act is None and all(v is None for v in extras)
         rows = None
         if converted:  # the caller's weight as the matrix the plan read (kept beside the weight, direct_cache)
             rows = lambda w: direct_cache.derived(w, ("rows", True), lambda: conv_direct.weight_rows(  # noqa: E731
                 xp, w, True, k, geo.crs))
+        epilogue = None if plain else _replay_epilogue(geo, cl, dt, xp, act)
         conv_memo.keep(memo, conv_memo.forward_replay(geo, cl or converted, dt, math, ran[0],
                                                       _empty_maker(xp, shape, dt, lay), weight_of=rows,
-                                                      epilogue=None if plain else epilogue, converted=converted))
+                                                      epilogue=epilogue, converted=converted))
     if out is not None:
         return out
     return y[0] if unbatched else y
@@ -355,7 +361,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     if out is None and getattr(x, "ndim", 0) == nd + 2:
         memo = conv_memo.key(fn, nd, x, weight, (stride, padding, output_padding, groups, dilation, output_size),
                              math, (conv_memo.operand_kind(bias),))
-    y = conv_memo.replay(memo, x, weight, (bias,))
+    y = conv_memo.replay(memo, x, weight, (bias, None, None, None))
     if y is not None:
         return y
     xp = _xp(x, weight, out)
@@ -411,14 +417,9 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
     if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
         def rows(w, g=geo):
             return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), cl, g.k, g.crs)
-
-        def epilogue(extras, g=geo, ycl=lay == "cl"):  # the bias, as the forward's epilogue (on y where it lies)
-            vectors = direct_cuda.epilogue_vectors(g, ycl, dt, device_affine(
-                _channel_vector("bias", extras[0], g.k, dt, xp), None, None, None, False)[0])
-            return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(g, ycl, y, vectors),
-                                      tuple(v.data.ptr for v in vectors[:2]))
+        epilogue = None if b is None else _replay_epilogue(geo, lay == "cl", dt, xp, None)  # the bias, on y
         conv_memo.keep(memo, conv_memo.forward_replay(geo, cl, dt, math, ran[0], _empty_maker(xp, shape, dt, lay),
-                                                      rows, None if b is None else epilogue, converted=converted))
+                                                      rows, epilogue, converted=converted))
     if out is not None:
         return out
     return y[0] if unbatched else y
