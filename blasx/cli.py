@@ -503,7 +503,8 @@ def _tune_conv(parser, args, db) -> int:
             if r["bad"] or (r["storable"] and not r["stored"]):
                 status = 1
     total = len(problems) * len(conv_types)
-    note = f" ({alone} strided backward-data problem(s) run col2im alone: timed, nothing to choose)" if alone else ""
+    note = f" ({alone} dilated strided backward-data problem(s) run col2im alone: timed, nothing to choose)" \
+        if alone else ""
     print(f"(!: differs from the first form, not a candidate)\nstored {stored} of {total} "
           f"entr{'y' if total == 1 else 'ies'} in {db.path}{note}")
     return status

@@ -182,6 +182,21 @@ def test_weight_form_precedence_force_then_db_then_im2col(cache):
     assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "im2col"  # another GPU model
 
 
+def test_strided_form_precedence_force_then_db_then_col2im(cache, monkeypatch):
+    """A strided transposed call (a strided backward-data) runs col2im unless forced or the find-db's entry for
+    the backward-data problem it is says phases."""
+    from blasx.dnn import conv
+    monkeypatch.setattr(finddb, "gpu_name", lambda ordinal=None: H200)
+    t, f32 = transpose_geometry("t", 2, shapes(8, 64, 14, 14), shapes(64, 32, 3, 3), 2, 1, 1, 1, 1), np.float32
+    assert conv._strided_form(t, f32, "cl", None) == "col2im"  # no entry
+    finddb.store(finddb.key_of(finddb.forward_of_transposed(t), "bwd-data", H200, f32, "cl"), "phases",
+                 {"col2im": 2.0, "phases": 1.0})
+    assert conv._strided_form(t, f32, "cl", None) == "phases"  # the db's
+    assert conv._strided_form(t, f32, "nchw", None) == "col2im"  # another layout's problem
+    monkeypatch.setattr(cd, "FORM", "col2im")
+    assert conv._strided_form(t, f32, "cl", None) == "col2im"  # a force over the db
+
+
 # --------------------------------------------------------------------------- the find step's logic
 
 def fake(times: dict, results: dict):
@@ -278,8 +293,8 @@ def test_cli_tune_conv_without_a_gpu_exits_1_with_a_message(capsys, cache, monke
 
 @pytest.mark.parametrize("bad, status", [(None, 0), ("wrong", 1), ("unstored", 1)])
 def test_cli_tune_conv_status_counts_col2im_problems_as_done(capsys, cache, monkeypatch, bad, status):
-    """A strided backward-data problem runs col2im alone and stores nothing by design: not a failure. A form
-    whose result differs, or a storable problem left unstored, is one (exit 1)."""
+    """A (dilated) strided backward-data problem runs col2im alone and stores nothing by design: not a failure. A
+    form whose result differs, or a storable problem left unstored, is one (exit 1)."""
     monkeypatch.setattr(find_mod, "_gpu", lambda device: 0)
     monkeypatch.setattr(finddb, "gpu_name", lambda ordinal: "Test GPU")
 
@@ -296,7 +311,7 @@ def test_cli_tune_conv_status_counts_col2im_problems_as_done(capsys, cache, monk
     assert cli.main(["tune", "--conv", "layer2.0.conv2,layer2.0.conv1", "--direction", "bwd-data"]) == status
     out = capsys.readouterr().out
     if bad is None:
-        assert "stored 1 of 2 entries" in out and "(1 strided backward-data problem(s) run col2im alone" in out
+        assert "stored 1 of 2 entries" in out and "(1 dilated strided backward-data problem(s) run col2im alone" in out
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -62,11 +62,17 @@ def test_find_times_the_find_only_forms_and_the_route_takes_the_stored_one():
 
 
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
-def test_find_strided_backward_data_times_col2im(layout):
-    """A stride-2 backward-data problem runs one form, GEMMs into columns and col2im: the find step times it
-    (checked) and stores nothing (nothing to choose)."""
+def test_find_strided_backward_data_times_col2im_and_phases(layout):
+    """A stride-2 backward-data problem runs GEMMs into columns and col2im, or its phases (stride-1 convolutions
+    of the sub-kernels): the find step times both (checked against each other), stores the faster, and the
+    route takes it; with dilation 2 (no phases) col2im alone is timed and nothing stored."""
+    from blasx.dnn import conv
     r = dnn.find((4, 64, 28, 28), (128, 64, 3, 3), 2, 1, direction="bwd-data", layout=layout, runs=1)
-    assert r["forms"] == ["col2im"] and r["form"] == "col2im" and not r["stored"] and r["bad"] == []
-    assert r["best"]["col2im"] > 0 and finddb.lookup(r["key"]) is None
+    assert r["forms"] == ["col2im", "phases"] and r["bad"] == [] and r["stored"]
+    assert finddb.lookup(r["key"]) == r["form"] and all(r["best"][f] > 0 for f in r["forms"])
+    t = conv.transpose_geometry("t", 2, np.empty((4, 128, 14, 14)), np.empty((128, 64, 3, 3)), 2, 1, 1, 1, 1)
+    assert conv._strided_form(t, np.float32, r["key"].layout, None) == r["form"]
+    r = dnn.find((4, 64, 28, 28), (128, 64, 3, 3), 2, 2, 2, direction="bwd-data", layout=layout, runs=1)
+    assert r["forms"] == ["col2im"] and not r["stored"] and finddb.lookup(r["key"]) is None
 
 

@@ -23,8 +23,8 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import (col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, host_batch, phases,
-               transpose_kernel)
+from . import (col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, finddb, host_batch,
+               phases, transpose_kernel)
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
@@ -328,6 +328,14 @@ def _flipped_transposed(xp, weight, groups: int):
     return xp.ascontiguousarray(w).reshape(groups * coutg, cin // groups, *k)
 
 
+def _strided_form(geo: ConvGeometry, dt, lay: str, math) -> str:
+    """A strided transposed call's form on the device route: "col2im" or "phases", forced
+    (conv_direct.FORM), else the find-db's (the backward-data problem it is), else col2im."""
+    if conv_direct.FORM in ("col2im", "phases"):
+        return conv_direct.FORM
+    return "phases" if finddb.stored_form(geo, dt, lay, math) == "phases" else "col2im"
+
+
 def _phase_calls(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math) -> None:
     """y = the transposed convolution ``geo`` (forward weight ``wf``) by its phases: each a stride-1
     convolution into a compact temporary copied to its strided view of y (so the bias lands once per
@@ -390,7 +398,7 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
         plan = ran = None
         phased = PHASES and phases.applies(geo)
         if col2im.applies(geo, dt) and not depthwise.applies(geo) and conv_direct.applies(xb, flops) and \
-                is_layout(yd, dlay) and not (phased and conv_direct.FORM == "phases"):
+                is_layout(yd, dlay) and not (phased and _strided_form(geo, dt, dlay, math) == "phases"):
             # one GEMM a group into columns and the col2im kernel, the weight as it lies
             wl = layout(weight)
             w = weight if wl is not None else xp.ascontiguousarray(weight)

@@ -13,8 +13,8 @@ forward pass takes one of two forms (``forward_form``):
 
 ``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts
 from the environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``: these three, the weight gradient's
-``batched`` (weight_forms.py) and a strided transposed call's ``phases`` (phases.py)), read once at
-import, so a bench can A/B the forms.
+``batched`` (weight_forms.py) and a strided transposed call's ``col2im`` or ``phases`` (phases.py)), read
+once at import, so a bench can A/B the forms.
 
 Plans are pure data (``forward_steps``, weight_forms' ``weight_steps``): buffers are named and addressed by
 element offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
@@ -43,7 +43,7 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted", "implicit", "batched", "phases")
+FORMS = ("im2col", "shifted", "implicit", "batched", "col2im", "phases")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)

@@ -5,10 +5,11 @@ in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
 "shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); the weight
 gradient runs "im2col", and "shifted" or "batched" where it applies (weight_forms.py); depthwise problems
-run "depthwise" alone. A strided backward-data problem runs "col2im" alone (col2im.py), timed and not stored: the runtime has nothing to choose there. Any other problem with
-one form is still timed and stored (its time is worth having; nothing else is chosen). The
-form is forced through ``conv_direct.FORM`` during the runs, so run the find step while no other thread
-convolves.
+run "depthwise" alone. A strided backward-data problem runs "col2im" (col2im.py) and "phases" (stride-1
+convolutions of the sub-kernels, phases.py; dilation 1); one with col2im alone (dilated) is timed and not
+stored: the runtime has nothing to choose there. Any other problem with one form is still timed and
+stored (its time is worth having; nothing else is chosen). The form is forced through ``conv_direct.FORM``
+during the runs, so run the find step while no other thread convolves.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import col2im, conv_direct, depthwise, finddb, weight_forms
+from . import col2im, conv_direct, depthwise, finddb, phases, weight_forms
 from .geometry import ConvGeometry
 
 
@@ -146,7 +147,7 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
 
     Returns a dict: key (ConvKey), text, forms, seconds ({form: [runs]}), best ({form: s}), errors
     ({form: relative error against the first form}), bad, form (the winner or None), storable (False where the
-    problem runs one form by design: strided backward-data's col2im), stored."""
+    problem runs one form by design: a dilated strided backward-data's col2im), stored."""
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
         raise ValueError(f"runs: got {runs!r}, need an int >= 1")
     key = finddb.problem_key(x_shape, weight_shape, stride, padding, dilation, groups, direction=direction,
@@ -162,9 +163,9 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     given = key.layout  # the operands' layout; the key's is the one the device route runs the problem in
     key = key._replace(layout=conv_direct.device_layout(given, rt, dt, direction))
     forms = forms_for(geo, direction, dt, key.layout, key.math, igemm.capable(ordinal))
-    alone = direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt)
-    if alone:  # the one form strided backward-data runs: timed, nothing to choose
-        forms = ("col2im",)
+    if direction == "bwd-data" and col2im.applies(rt, dt) and not depthwise.applies(rt):  # strided
+        forms = ("col2im", "phases") if phases.applies(rt) else ("col2im",)
+    alone = len(forms) == 1 and forms[0] == "col2im"  # (timed, nothing to choose)
     with cupy.cuda.Device(ordinal), conv_direct.on_own_gpu():
         call = _caller(geo, direction, given, dt, key.math, tuple(x_shape), tuple(weight_shape),
                        (stride, padding, dilation, groups), seed)
