@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blasx import dnn
-from blasx.dnn import conv as conv_mod
+from blasx.dnn import conv_transpose as conv_mod
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import depthwise as dw
 from blasx.dnn.geometry import conv_geometry, transpose_geometry

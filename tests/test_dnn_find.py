@@ -185,7 +185,7 @@ def test_weight_form_precedence_force_then_db_then_im2col(cache):
 def test_strided_form_precedence_force_then_db_then_col2im(cache, monkeypatch):
     """A strided transposed call (a strided backward-data) runs col2im unless forced or the find-db's entry for
     the backward-data problem it is says phases."""
-    from blasx.dnn import conv
+    from blasx.dnn import conv_transpose as conv
     monkeypatch.setattr(finddb, "gpu_name", lambda ordinal=None: H200)
     t, f32 = transpose_geometry("t", 2, shapes(8, 64, 14, 14), shapes(64, 32, 3, 3), 2, 1, 1, 1, 1), np.float32
     assert conv._strided_form(t, f32, "cl", None) == "col2im"  # no entry

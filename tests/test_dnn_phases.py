@@ -13,7 +13,7 @@ from torch.nn import grad as tgrad
 
 import blasx
 from blasx import dnn
-from blasx.dnn import conv, phases
+from blasx.dnn import conv_transpose as conv, phases
 from blasx.dnn.geometry import transpose_geometry
 from dnn_ref import cl, rel
 

@@ -165,7 +165,8 @@ def _emulated_fill(col, xs, ref, in_place):
 @given(st.sampled_from([1, 2, 3]), st.booleans(), st.integers(1, 3), st.integers(0, 2), st.integers(1, 2),
        st.sampled_from([1, 2]), st.booleans(), st.integers(0, 1000))
 def test_im2col_tiles_and_emulated_fill(nd, cl, stride, pad, dil, groups, transposed, seed):
-    from blasx.dnn.conv import _flipped_transposed, _x_view
+    from blasx.dnn.conv import _x_view
+    from blasx.dnn.conv_transpose import _flipped_transposed
     from blasx.dnn.geometry import transpose_geometry
     rng = np.random.default_rng(seed)
     size = (7, 5, 4)[:nd]

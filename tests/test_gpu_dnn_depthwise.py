@@ -51,7 +51,7 @@ def _engine():
 
 def _pattern(launches, *parts):
     """Whether ``launches`` is runs of ``parts``: (name, most) -- 1 to ``most`` launches of name in a row (a
-    strided backward-data or transposed convolution runs as up to stride^nd sub-pixel phases, conv.PHASES)."""
+    strided backward-data or transposed convolution runs as up to stride^nd sub-pixel phases, conv_transpose.PHASES)."""
     i = 0
     for name, most in parts:
         n = 0

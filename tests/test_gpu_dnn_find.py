@@ -66,7 +66,7 @@ def test_find_strided_backward_data_times_col2im_and_phases(layout):
     """A stride-2 backward-data problem runs GEMMs into columns and col2im, or its phases (stride-1 convolutions
     of the sub-kernels): the find step times both (checked against each other), stores the faster, and the
     route takes it; with dilation 2 (no phases) col2im alone is timed and nothing stored."""
-    from blasx.dnn import conv
+    from blasx.dnn import conv_transpose as conv
     r = dnn.find((4, 64, 28, 28), (128, 64, 3, 3), 2, 1, direction="bwd-data", layout=layout, runs=1)
     assert r["forms"] == ["col2im", "phases"] and r["bad"] == [] and r["stored"]
     assert finddb.lookup(r["key"]) == r["form"] and all(r["best"][f] > 0 for f in r["forms"])

@@ -21,8 +21,9 @@ accumulate in float32).
 """
 
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
-from .conv import (conv1d, conv1d_input, conv1d_weight, conv2d, conv2d_input, conv2d_weight, conv3d, conv3d_input,
-                   conv3d_weight, conv_bias_grad, conv_transpose1d, conv_transpose2d, conv_transpose3d, linear)
+from .conv import conv1d, conv1d_weight, conv2d, conv2d_weight, conv3d, conv3d_weight, conv_bias_grad, linear
+from .conv_transpose import (conv1d_input, conv2d_input, conv3d_input, conv_transpose1d, conv_transpose2d,
+                             conv_transpose3d)
 from .find import find
 from .from_torch import Network, from_torch
 from .norm import batch_norm, batch_norm_backward, group_norm, group_norm_backward, layer_norm, layer_norm_backward
