@@ -16,7 +16,7 @@ from .. import precision
 from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, finddb, phases, transpose_kernel
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .args import check_out
-from .conv import (_batched, _channel_vector, _check_layout, _empty, _empty_maker, _forward_call, _replay_epilogue)
+from .conv import _batched, _channel_vector, _check_layout, _empty, _empty_maker, _forward_call, _replay_epilogue
 from .geometry import ConvGeometry, call_layout, is_layout, layout, transpose_geometry
 
 # Strided transposed convolutions and backward-data (dilation 1) run as stride^d stride-1 phase
