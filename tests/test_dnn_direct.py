@@ -732,8 +732,10 @@ def test_the_batched_weight_form_and_its_choice():
     small = conv_geometry("conv", 2, np.empty((2, 64, 14, 14)), np.empty((32, 64, 1, 1)), 1, 0, 1, 1)
     assert wf.weight_forms(big, "nchw") == ("im2col", "batched") and wf.weight_forms(big, "cl") == ("im2col",)
     assert wf.weight_form(big, np.float32, None, "nchw") == "batched"  # 784 pixels: by default
-    assert wf.weight_form(small, np.float32, None, "nchw") == "im2col"  # 196: per-image GEMMs too thin
-    assert wf.weight_form(small, np.float32, "batched", "nchw") == "batched"
+    assert wf.weight_form(small, np.float32, None, "nchw") == "batched"  # 196 pixels: 4-byte ones too
+    assert wf.weight_form(small, np.float16, None, "nchw") == "im2col"  # 2-byte: per-image GEMMs too thin
+    assert wf.weight_form(small, np.float64, None, "nchw") == "im2col"  # other sizes: the largest threshold
+    assert wf.weight_form(small, np.float16, "batched", "nchw") == "batched"
     assert wf.weight_form(big, np.float32, "im2col", "nchw") == "im2col"
     for bad in (conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 1, 1)), 2, 0, 1, 1),
                 conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 32, 1, 1)), 1, 0, 1, 2),

@@ -182,17 +182,22 @@ def test_weight_form_precedence_force_then_db_then_im2col(cache):
     assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "im2col"  # another GPU model
 
 
-def test_strided_form_precedence_force_then_db_then_col2im(cache, monkeypatch):
-    """A strided transposed call (a strided backward-data) runs col2im unless forced or the find-db's entry for
-    the backward-data problem it is says phases."""
+def test_strided_form_precedence_force_then_db_then_default(cache, monkeypatch):
+    """A strided transposed call (a strided backward-data) runs as forced, else as the find-db's entry for the
+    backward-data problem it is says, else as phases.preferred says (col2im on 7x7 inputs)."""
     from blasx.dnn import conv_transpose as conv
     monkeypatch.setattr(finddb, "gpu_name", lambda ordinal=None: H200)
-    t, f32 = transpose_geometry("t", 2, shapes(8, 64, 14, 14), shapes(64, 32, 3, 3), 2, 1, 1, 1, 1), np.float32
+    t, f32 = transpose_geometry("t", 2, shapes(8, 64, 7, 7), shapes(64, 32, 3, 3), 2, 1, 1, 1, 1), np.float32
     assert conv._strided_form(t, f32, "cl", None) == "col2im"  # no entry
     finddb.store(finddb.key_of(finddb.forward_of_transposed(t), "bwd-data", H200, f32, "cl"), "phases",
                  {"col2im": 2.0, "phases": 1.0})
     assert conv._strided_form(t, f32, "cl", None) == "phases"  # the db's
     assert conv._strided_form(t, f32, "nchw", None) == "col2im"  # another layout's problem
+    big = transpose_geometry("t", 2, shapes(8, 64, 28, 28), shapes(64, 32, 3, 3), 2, 1, 1, 1, 1)
+    assert conv._strided_form(big, f32, "cl", None) == "phases"  # no entry, preferred
+    finddb.store(finddb.key_of(finddb.forward_of_transposed(big), "bwd-data", H200, f32, "cl"), "col2im",
+                 {"col2im": 1.0, "phases": 2.0})
+    assert conv._strided_form(big, f32, "cl", None) == "col2im"  # the db's over the default
     monkeypatch.setattr(cd, "FORM", "col2im")
     assert conv._strided_form(t, f32, "cl", None) == "col2im"  # a force over the db
 
@@ -231,6 +236,11 @@ def test_measure_rejects_a_form_whose_result_differs():
     assert find_mod.measure(("im2col", "shifted"), call, timer, 1, 1e-6)["form"] == "im2col"
     call, timer = fake({"im2col": 1.0, "shifted": 1.0}, {"im2col": ref, "shifted": ref})
     assert find_mod.measure(("im2col", "shifted"), call, timer, 1, 1e-6)["form"] == "im2col"  # a tie: the first
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_entry_points_are_the_public_functions(nd):
+    assert find_mod.entry_points(nd) == tuple(getattr(dnn, f"conv{nd}d{s}") for s in ("", "_input", "_weight"))
 
 
 def test_forms_per_direction():

@@ -70,6 +70,26 @@ def test_geometry_2d_and_flops():
     assert not phases.applies(_geo((5,), (3,), 2, 1, dilation=2))
 
 
+def _bwd_data(n, c, k, size, kernel, stride, padding):
+    """The transposed gather of the backward-data of the forward conv (C=c -> K=k, size, kernel, stride)."""
+    out = (size + 2 * padding - kernel) // stride + 1
+    x, w = np.zeros((n, k, out, out)), np.zeros((k, c, kernel, kernel))
+    op = size - ((out - 1) * stride - 2 * padding + kernel)
+    return transpose_geometry("conv_transpose2d", 2, x, w, stride, padding, op, 1, 1)
+
+
+@pytest.mark.parametrize("problem, preferred", [
+    ((64, 128, 128, 56, 3, 2, 1), True),   # ResNet-50 layer2.0.conv2: dY 28x28
+    ((64, 256, 256, 28, 3, 2, 1), True),   # layer3.0.conv2: dY 14x14 (196 pixels)
+    ((64, 512, 512, 14, 3, 2, 1), False),  # layer4.0.conv2: dY 7x7
+    ((64, 256, 512, 56, 1, 2, 0), False),  # layer2.0.downsample.0: three phases without taps
+    ((64, 3, 64, 224, 7, 2, 3), False),    # conv1: three output channels
+    ((64, 64, 64, 56, 3, 1, 1), False),    # stride 1: no phases
+])
+def test_preferred_on_resnet50_backward_data(problem, preferred):
+    assert phases.preferred(_bwd_data(*problem)) is preferred
+
+
 # ---------------------------------------------------------------- against torch
 
 @pytest.fixture(params=["cpu", "sim:2"])

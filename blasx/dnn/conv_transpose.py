@@ -34,10 +34,13 @@ def _flipped_transposed(xp, weight, groups: int):
 
 def _strided_form(geo: ConvGeometry, dt, lay: str, math) -> str:
     """A strided transposed call's form on the device route: "col2im" or "phases", forced
-    (conv_direct.FORM), else the find-db's (the backward-data problem it is), else col2im."""
+    (conv_direct.FORM), else the find-db's (the backward-data problem it is), else phases.preferred's."""
     if conv_direct.FORM in ("col2im", "phases"):
         return conv_direct.FORM
-    return "phases" if finddb.stored_form(geo, dt, lay, math) == "phases" else "col2im"
+    stored = finddb.stored_form(geo, dt, lay, math)
+    if stored in ("col2im", "phases"):
+        return stored
+    return "phases" if phases.preferred(geo) else "col2im"
 
 
 def _phase_calls(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math) -> None:

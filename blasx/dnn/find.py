@@ -192,18 +192,24 @@ def _operand(rng, shape, channels_last: bool, dt):
         raise ValueError(f"dtype: {dt} operands cannot be made on the GPU ({e})") from None
 
 
+def entry_points(nd: int) -> tuple:
+    """The public forward, backward-data and backward-weights functions of ``nd``-d convolution."""
+    from . import conv, conv_transpose
+    return (getattr(conv, f"conv{nd}d"), getattr(conv_transpose, f"conv{nd}d_input"),
+            getattr(conv, f"conv{nd}d_weight"))
+
+
 def _caller(geo, direction, layout, dt, math, x_shape, w_shape, conv_args, seed) -> Callable:
     """``call(form)``: the convolution of ``direction`` on random operands with ``form`` forced."""
     import cupy
 
-    from . import conv
     rng = cupy.random.default_rng(seed)
     nd = geo.nd
     cl = layout == "cl"
     x, w = _operand(rng, x_shape, cl, dt), _operand(rng, w_shape, False, dt)
     dy = _operand(rng, (geo.n, geo.k, *geo.out_size), cl, dt)
     stride, padding, dilation, groups = conv_args
-    fwd, data, weight = (getattr(conv, f"conv{nd}d{s}") for s in ("", "_input", "_weight"))
+    fwd, data, weight = entry_points(nd)
 
     def call(form):
         with forced(form):

@@ -32,6 +32,21 @@ def applies(geo: ConvGeometry) -> bool:
     return any(z > 1 for z in geo.insert) and all(d == 1 for d in geo.dilation)
 
 
+# The device route's default for a strided transposed call (the find step may choose otherwise): the phases where
+# every phase has taps, with this many output channels and input pixels an image; col2im (one GEMM) otherwise.
+MIN_CHANNELS = 8
+MIN_PIXELS = 196
+
+
+def preferred(geo: ConvGeometry) -> bool:
+    """Whether ``geo`` runs by its phases by default: no phase without taps (a 1x1 or a kernel smaller than the
+    stride leaves zero phases, one GEMM does better), ``MIN_CHANNELS`` output channels (a first layer's three
+    make each phase a thin GEMM) and ``MIN_PIXELS`` input pixels an image (fewer: the phases' launches and
+    copies cost more than col2im's scatter)."""
+    return applies(geo) and geo.k >= MIN_CHANNELS and _prod(geo.in_size) >= MIN_PIXELS and \
+        all(ph.geo is not None for ph in phases(geo))
+
+
 def _dim(pad_lo: int, k: int, s: int, out: int, r: int) -> tuple[slice, int, int, int]:
     """(taps, sub-kernel size, stride-1 pad_lo, outputs) of phase offset r in one spatial dim."""
     m0 = (pad_lo - r) % s

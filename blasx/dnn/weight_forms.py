@@ -13,8 +13,8 @@
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
 the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
-``BATCHED_MIN_PIXELS`` pixels, else im2col (the shifted form is taken only where the find step measured it
-faster).
+``BATCHED_MIN_PIXELS[itemsize]`` pixels, else im2col (the shifted form is taken only where the find step
+measured it faster).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from . import conv_direct as cd
 from . import finddb
 from .geometry import ConvGeometry
 
-BATCHED_MIN_PIXELS = 784  # the batched form by default from maps this large (fewer: its per-image GEMMs are thin)
+# the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin)
+BATCHED_MIN_PIXELS = {2: 784, 4: 196}
 
 
 def batched_applies(geo: ConvGeometry) -> bool:
@@ -55,7 +56,8 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     stored = finddb.stored_form(geo, dtype, layout, math, device, direction="bwd-weight")
     if stored in applicable:
         return stored
-    return "batched" if "batched" in applicable and geo.p >= BATCHED_MIN_PIXELS else "im2col"
+    large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values()))
+    return "batched" if "batched" in applicable and large else "im2col"
 
 
 def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
