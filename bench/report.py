@@ -270,7 +270,7 @@ def read_network(path: str) -> Table:
         for name, c in checks.items():
             if "exception" in c and not any(run["name"] == name for run in r["runs"]):
                 rows.append([r["model"], r["mode"], r["batch"], name, "-", "-", "ERROR " + c["exception"]])
-    return Table(machine, doc["date"][:13], doc["command"],
+    return Table(machine, _stamp_date(doc["date"]), doc["command"],
                  ["model", "mode", "batch", "contender", "images/s", "x torch", "check"], rows,
                  ["torch: one GPU, the host batch streamed in chunks with its copies; goal: blasx on two GPUs "
                   ">= 1.7x torch, on one >= 0.85x."])
@@ -323,6 +323,12 @@ def _devices(text: str) -> str:
     if text.strip() == "cpu":
         return "CPU only"
     return f"{len(names)}x {names[0]}" if names and names[0] else text
+
+
+def _stamp_date(stamp: str) -> str:
+    """A "YYYYMMDD-HHMMSS" stamp as "YYYY-MM-DD HH:MM" (an ISO date passes through, to the minute)."""
+    m = re.fullmatch(r"(\d{4})(\d{2})(\d{2})-(\d{2})(\d{2})\d*", stamp)
+    return f"{m[1]}-{m[2]}-{m[3]} {m[4]}:{m[5]}" if m else stamp[:16].replace("T", " ")
 
 
 def _file_date(path: str) -> str:

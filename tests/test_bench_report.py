@@ -31,6 +31,11 @@ def test_the_committed_page_is_the_script_output():
         assert f.read() == report.render(RESULTS), "run python -m bench.report and commit docs/performance.md"
 
 
+def test_dates_read_as_minutes():
+    assert report._stamp_date("20261127-161558") == "2026-11-27 16:15"
+    assert report._stamp_date("2026-11-27T16:15:58") == "2026-11-27 16:15"
+
+
 def test_only_the_latest_run_of_a_command_per_machine_is_shown(tmp_path):
     for name in ("level3-h200x1-20261123-130310.json", "gemm-h200x4-20261122-065327.json"):
         shutil.copy(os.path.join(RESULTS, name), tmp_path / name)
