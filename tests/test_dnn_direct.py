@@ -247,7 +247,7 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     return [(s.n0, s.nb) for s in steps if isinstance(s, (cd.Gather, cd.Pad))] or [(0, geo.n)], form
 
 
-def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
+def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col", slots=None):
     """The weight plan of ``form`` on numpy buffers: (dW as (K, CRS), the image chunks)."""
     if form == "shifted":
         parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * 8, budget)
@@ -255,8 +255,9 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col"):
         scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
     elif form == "batched":
         parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * 8, budget)
-        steps = wf.batched_steps(geo, parts)
-        scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), np.float64)}
+        slots = slots or max(nb for _, nb in parts)
+        steps = wf.batched_steps(geo, parts, slots)
+        scratch = {"dwp": wf.batched_scratch(geo, slots, np.float64)}
     else:
         per = wf.weight_scratch(geo, cl)
         parts = cd.chunks(geo.n, per * 8, budget)
@@ -714,6 +715,9 @@ def test_batched_weight_plan_vs_torch_and_exact(budget, nd):
     ref = torch.nn.grad.__dict__[f"conv{nd}d_weight"](torch.from_numpy(x), w.shape, torch.from_numpy(dy)).numpy()
     dw, parts = emulated_weight(geo, x.ravel().copy(), dy.ravel().copy(), False, budget, "batched")
     assert _rel(dw.reshape(w.shape), ref) < 1e-13
+    for slots in (1, 2, 3):  # images sharing partial sums
+        shared = emulated_weight(geo, x.ravel().copy(), dy.ravel().copy(), False, budget, "batched", slots)[0]
+        assert _rel(shared.reshape(w.shape), ref) < 1e-13
     assert len(parts) == {1 << 30: 1, 1: 7, 3 * 16 * 8: 3}[budget]
     p = geo.p
     assert wf.batched_steps(geo, [(0, 4), (4, 3)]) == [
@@ -723,8 +727,27 @@ def test_batched_weight_plan_vs_torch_and_exact(budget, nd):
         cd.Gemm(("x", 4 * 5 * p), ("dy", 4 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
                 3, 0.0),
         cd.Gemm(("dwp", 0), ("dwp", 60), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 3, 15, 3, 15, 0, 0, 0, 1, 1.0)]
+    assert wf.batched_steps(geo, [(0, 5), (5, 2)], 2) == [  # two partial sums: images 0-1, 2-3, 4 then 5-6
+        cd.Ones("dwp", 30, 2),
+        cd.Gemm(("x", 0), ("dy", 0), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15, 2, 0.0),
+        cd.Gemm(("x", 2 * 5 * p), ("dy", 2 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
+                2, 1.0),
+        cd.Gemm(("x", 4 * 5 * p), ("dy", 4 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
+                1, 1.0),
+        cd.Gemm(("dwp", 0), ("dwp", 30), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 2, 15, 2, 15, 0, 0, 0, 1, 0.0),
+        cd.Gemm(("x", 5 * 5 * p), ("dy", 5 * 3 * p), ("dwp", 0), cd.OP_T, cd.OP_N, 5, 3, p, p, p, 5, 5 * p, 3 * p, 15,
+                2, 0.0),
+        cd.Gemm(("dwp", 0), ("dwp", 30), ("dw", 0), cd.OP_N, cd.OP_N, 15, 1, 2, 15, 2, 15, 0, 0, 0, 1, 1.0)]
     assert wf.batched_scratch(geo, 4, np.float64) == 64 and wf.batched_scratch(geo, 4, np.float16) == 128
     assert wf.batched_scratch(geo, 3, np.float32) == 48  # (3 * 16 = 48: even already)
+
+
+def test_batched_slots_keep_the_partial_sums_within_their_budget():
+    g = conv_geometry("conv", 2, np.empty((64, 1024, 14, 14)), np.empty((512, 1024, 1, 1)), 1, 0, 1, 1)
+    assert wf.batched_slots(g, 64, 4) == 8  # 2 MiB a float32 partial sum: 8 in 16 MiB
+    assert wf.batched_slots(g, 64, 8) == 4 and wf.batched_slots(g, 3, 4) == 3  # the chunk's images if fewer
+    huge = conv_geometry("conv", 2, np.empty((2, 8192, 1, 1)), np.empty((8192, 8192, 1, 1)), 1, 0, 1, 1)
+    assert wf.batched_slots(huge, 2, 4) == 1  # at least one
 
 
 def test_the_batched_weight_form_and_its_choice():

@@ -286,6 +286,28 @@ def test_shifted_weight_form_vs_torch(direct_route, monkeypatch, math, dtype, nd
         assert rel(gw, ref) < DIRECT_TOL[(dtype, math)] * 2
 
 
+@pytest.mark.parametrize("partials", [1 << 30, 3 * 40 * 24 * 4])
+@pytest.mark.parametrize("math", ["ieee", "tf32"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_batched_weight_form_vs_torch(direct_route, monkeypatch, partials, math, dtype):
+    """The NCHW pointwise weight gradient's batched form (forced), one partial sum an image or three shared by
+    seven images (PARTIALS_BYTES), and its replay, against torch in float64."""
+    from blasx.dnn import conv_direct, direct_cache, weight_forms
+    if dtype == "float16" and math == "tf32":
+        return
+    monkeypatch.setattr(conv_direct, "FORM", "batched")
+    monkeypatch.setattr(weight_forms, "PARTIALS_BYTES", partials)
+    direct_cache.clear()  # plans and replays made under another budget
+    rng = np.random.default_rng(31)
+    dt = np.dtype(dtype)
+    x = rng.standard_normal((7, 40, 9, 11)).astype(dt)
+    dy = rng.standard_normal((7, 24, 9, 11)).astype(dt)
+    ref = torch.nn.grad.conv2d_weight(wide(x), (24, 40, 1, 1), wide(dy)).numpy()
+    for _ in range(3):  # the full path, then its replays
+        gw = dnn.conv2d_weight(cupy.asarray(x), (24, 40, 1, 1), cupy.asarray(dy), math=math)
+        assert gw.dtype == dt and rel(gw, ref) < DIRECT_TOL[(dtype, math)] * 2
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])

@@ -207,8 +207,9 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
         elif form == "batched":  # dwp: the partial sums and ones in the accumulation type
             parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * acc.itemsize, budget)
-            steps = wf.batched_steps(geo, parts)
-            scratch = {"dwp": wf.batched_scratch(geo, max(nb for _, nb in parts), dt)}
+            slots = wf.batched_slots(geo, max(nb for _, nb in parts), acc.itemsize)
+            steps = wf.batched_steps(geo, parts, slots)
+            scratch = {"dwp": wf.batched_scratch(geo, slots, dt)}
         else:
             per = wf.weight_scratch(geo, cl)
             parts = cd.chunks(geo.n, per * dt.itemsize, budget)

@@ -7,9 +7,10 @@
   in one strided-batched GEMM gets far slower cuBLAS kernels). No im2col matrix: the scratch is about x and dY once.
   Its wide rows pair each tap with pixels outside its windows against yw's zeros, so a non-finite value of x
   reaches every tap's gradient as NaN (im2col: only the taps whose windows hold it).
-- batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; one
-  strided-batched GEMM makes every image's dW_n^T = X_n dY_n^T in the accumulation type (``dwp``), one GEMM
-  sums them (``dwp`` times a vector of ones). im2col copies X and dY pixel-major first.
+- batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; strided-batched
+  GEMMs make the images' dW_n^T = X_n dY_n^T in the accumulation type (``dwp``: one partial sum an image while
+  they fit ``PARTIALS_BYTES``, else images share them, beta 1), one GEMM sums them (``dwp`` times a vector of
+  ones). im2col copies X and dY pixel-major first.
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
 the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
@@ -30,6 +31,7 @@ from .geometry import ConvGeometry
 
 # the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin)
 BATCHED_MIN_PIXELS = {2: 784, 4: 196}
+PARTIALS_BYTES = 16 << 20  # the batched form's partial sums kept within this (they stay in a GPU's L2)
 
 
 def batched_applies(geo: ConvGeometry) -> bool:
@@ -90,24 +92,34 @@ def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
     return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
 
 
-def batched_steps(geo: ConvGeometry, parts: list) -> list:
-    """dW (``dw``, the ``(K, C)`` matrix) by chunks ``parts``: a vector of ones after the partial sums in
-    ``dwp``; per chunk, its images' dW_n^T (C x K) into ``dwp`` by one strided-batched GEMM over X and dY
-    where they lie, then dW^T (C*K x 1) += dwp (C*K x nb) . ones."""
+def batched_slots(geo: ConvGeometry, nb: int, acc_itemsize: int) -> int:
+    """How many partial sums a chunk of ``nb`` images keeps: one an image while they fit ``PARTIALS_BYTES``,
+    else as many as fit (at least one); the images past them add into them (beta 1)."""
+    return max(1, min(nb, PARTIALS_BYTES // (geo.c * geo.k * acc_itemsize)))
+
+
+def batched_steps(geo: ConvGeometry, parts: list, slots: int | None = None) -> list:
+    """dW (``dw``, the ``(K, C)`` matrix) by chunks ``parts``: a vector of ones after the ``slots`` partial sums
+    in ``dwp`` (default: the largest chunk's image count); per chunk, its images' dW_n^T (C x K) by
+    strided-batched GEMMs over X and dY where they lie, ``slots`` images a GEMM (image j into partial j mod
+    slots), then dW^T (C*K x 1) += dwp (C*K x slots) . ones."""
     C, K, P = geo.c, geo.k, geo.p
-    ones = max(nb for _, nb in parts) * C * K
-    steps: list = [cd.Ones("dwp", ones, ones // (C * K))]
+    slots = slots or max(nb for _, nb in parts)
+    ones = slots * C * K
+    steps: list = [cd.Ones("dwp", ones, slots)]
     for i, (n0, nb) in enumerate(parts):
-        steps.append(cd.Gemm(("x", n0 * C * P), ("dy", n0 * K * P), ("dwp", 0), cd.OP_T, cd.OP_N, C, K, P, P, P, C,
-                             C * P, K * P, C * K, nb, 0.0))
-        steps.append(cd.Gemm(("dwp", 0), ("dwp", ones), ("dw", 0), cd.OP_N, cd.OP_N, C * K, 1, nb, C * K, nb, C * K,
-                             0, 0, 0, 1, 0.0 if i == 0 else 1.0))
+        for r in range(0, nb, slots):
+            steps.append(cd.Gemm(("x", (n0 + r) * C * P), ("dy", (n0 + r) * K * P), ("dwp", 0), cd.OP_T, cd.OP_N,
+                                 C, K, P, P, P, C, C * P, K * P, C * K, min(slots, nb - r), 0.0 if r == 0 else 1.0))
+        used = min(slots, nb)
+        steps.append(cd.Gemm(("dwp", 0), ("dwp", ones), ("dw", 0), cd.OP_N, cd.OP_N, C * K, 1, used, C * K, used,
+                             C * K, 0, 0, 0, 1, 0.0 if i == 0 else 1.0))
     return steps
 
 
 def batched_scratch(geo: ConvGeometry, nb: int, dtype) -> int:
-    """The batched plan's ``dwp`` (``nb`` images' partial sums and the ones, in the accumulation type) in
-    elements of ``dtype``, even (a view in the wider type needs whole elements)."""
+    """The batched plan's ``dwp`` (``nb`` partial sums and the ones, in the accumulation type) in elements of
+    ``dtype``, even (a view in the wider type needs whole elements)."""
     dt = np.dtype(dtype)
     acc = np.dtype(dtypes.gemm_of(dt).compute)
     n = -(-nb * (geo.c * geo.k + 1) * acc.itemsize // dt.itemsize)
