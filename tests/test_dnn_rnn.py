@@ -130,6 +130,29 @@ def test_dtypes(mode, dtype):
     compare(mode, layers=2, bidir=True, lengths=[5, 4, 1], dtype=dtype, T=6, B=3, I=8, H=16)
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_uninitialised_memory_never_reaches_a_result(monkeypatch, mode):
+    """Every numpy.empty / empty_like the call makes returns NaN (reused memory may hold anything): outputs and
+    gradients still match torch, variable lengths and a projection included (rows past a sequence's end are
+    never written)."""
+    real, real_like = np.empty, np.empty_like
+
+    def poisoned(shape, dtype=float, *a, **k):
+        out = real(shape, dtype, *a, **k)
+        if out.dtype.kind in "fc":
+            out.fill(np.nan)
+        return out
+
+    def poisoned_like(proto, dtype=None, *a, **k):
+        out = real_like(proto, dtype, *a, **k)
+        if out.dtype.kind in "fc":
+            out.fill(np.nan)
+        return out
+    monkeypatch.setattr(np, "empty", poisoned)
+    monkeypatch.setattr(np, "empty_like", poisoned_like)
+    compare(mode, layers=2, bidir=True, proj=3 if mode == "lstm" else 0, lengths=[5, 4, 2])
+
+
 def test_lstm_projection_half():
     compare("lstm", layers=2, proj=4, dtype="float16", H=8)
 

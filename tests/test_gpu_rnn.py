@@ -76,6 +76,29 @@ def test_lstm_projection_gpu():
     _case("lstm", "float32", proj=16)
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_uninitialised_memory_never_reaches_a_result_gpu(monkeypatch, mode):
+    """Every cupy.empty / empty_like returns NaN (the pool hands back memory holding anything): variable lengths,
+    a projection, graphs and their replay still match cuDNN."""
+    real, real_like = cupy.empty, cupy.empty_like
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        if out.dtype.kind in "fc":
+            out.fill(np.nan)
+        return out
+
+    def poisoned_like(*a, **k):
+        out = real_like(*a, **k)
+        if out.dtype.kind in "fc":
+            out.fill(np.nan)
+        return out
+    monkeypatch.setattr(cupy, "empty", poisoned)
+    monkeypatch.setattr(cupy, "empty_like", poisoned_like)
+    for _ in range(2):  # captured, then replayed
+        _case(mode, "float32", bidir=True, proj=16 if mode == "lstm" else 0, lengths=[20, 17, 17, 9, 5, 3, 1, 1])
+
+
 def test_graph_replay_equals_eager():
     rng = np.random.default_rng(0)
     m = torch.nn.LSTM(16, 32, num_layers=2)

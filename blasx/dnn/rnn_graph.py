@@ -74,8 +74,17 @@ def _sig(a):
     return None if a is None else (tuple(a.shape), str(a.dtype))
 
 
-def _like(xp, a):
-    return None if a is None else xp.empty(a.shape, dtype=a.dtype) if type(a) is Like else xp.empty_like(a)
+def _like(xp, a, zeros: bool = False):
+    """A buffer shaped as ``a`` (None for None); ``zeros``: zero-filled."""
+    if a is None:
+        return None
+    return (xp.zeros if zeros else xp.empty)(a.shape, dtype=a.dtype)
+
+
+def _forward_like(xp, st):
+    """An entry's forward buffers shaped as ``st``'s; R zeroed (rows past a step's active ones are never written,
+    and weight_hr's gradient reads them)."""
+    return rnn_layer.Forward(_like(xp, st.S), _like(xp, st.C), _like(xp, st.gates), _like(xp, st.R, True))
 
 
 class _Entry:
@@ -117,14 +126,14 @@ class _Fwd(_Entry):
     def __init__(self, xp, gx, w_hh, w_hr, bias, st, gh) -> None:
         super().__init__(xp)
         self.gx, self.w_hh, self.w_hr, self.bias, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bias, gh))
-        self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
+        self.st = _forward_like(xp, st)
 
 
 class _Bwd(_Entry):
     def __init__(self, ops, mode, st, w_hh, w_hr, dy, H) -> None:
         xp = ops.xp
         super().__init__(xp)
-        self.st = rnn_layer.Forward(*(_like(xp, a) for a in (st.S, st.C, st.gates, st.R)))
+        self.st = _forward_like(xp, st)
         self.w_hh, self.w_hr, self.dy = _like(xp, w_hh), _like(xp, w_hr), _like(xp, dy)
         self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, self.st, w_hh.shape[0], H,
                                                            rnn_layer.compute_type(w_hh.dtype), None, None,

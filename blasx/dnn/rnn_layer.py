@@ -317,10 +317,11 @@ def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool,
     """Empty buffers of a forward loop (``gates=False``: none for the saved activations, where a loop that
     needs none for its result runs without them)."""
     saved = rnn_cells.SAVED[mode] if gates else 0
+    # R zeroed: the loop writes only a step's active rows, and weight_hr's gradient reads all of them
     return Forward(S=xp.empty((T + 1, B, out), dtype=store),
                    C=xp.empty((T + 1, B, H), dtype=f) if mode == "lstm" else None,
                    gates=xp.empty((T, B, saved * H), dtype=f) if saved else None,
-                   R=xp.empty((T, B, H), dtype=store) if proj else None)
+                   R=xp.zeros((T, B, H), dtype=store) if proj else None)
 
 
 def forward_loop(ops, mode: str, gx, w_hh, w_hr, bias, st: Forward, gh, bs, reverse: bool, steps=None) -> None:
