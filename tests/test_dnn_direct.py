@@ -756,8 +756,13 @@ def test_the_batched_weight_form_and_its_choice():
     assert wf.weight_forms(big, "nchw") == ("im2col", "batched") and wf.weight_forms(big, "cl") == ("im2col",)
     assert wf.weight_form(big, np.float32, None, "nchw") == "batched"  # 784 pixels: by default
     assert wf.weight_form(small, np.float32, None, "nchw") == "batched"  # 196 pixels: 4-byte ones too
-    assert wf.weight_form(small, np.float16, None, "nchw") == "im2col"  # 2-byte: per-image GEMMs too thin
-    assert wf.weight_form(small, np.float64, None, "nchw") == "im2col"  # other sizes: the largest threshold
+    assert wf.weight_form(small, np.float16, None, "nchw") == "batched"  # 2-byte: C * K = 2048, small
+    assert wf.weight_form(small, np.float64, None, "nchw") == "batched"
+    wide = conv_geometry("conv", 2, np.empty((2, 1024, 14, 14)), np.empty((512, 1024, 1, 1)), 1, 0, 1, 1)
+    assert wf.weight_form(wide, np.float16, None, "nchw") == "im2col"  # 2-byte, C * K = 2 ** 19: im2col's GEMM pays
+    assert wf.weight_form(wide, np.float32, None, "nchw") == "batched"  # 4-byte: from 196 pixels
+    tiny = conv_geometry("conv", 2, np.empty((2, 64, 7, 7)), np.empty((32, 64, 1, 1)), 1, 0, 1, 1)
+    assert wf.weight_form(tiny, np.float32, None, "nchw") == "im2col"  # 49 pixels: per-image GEMMs too thin
     assert wf.weight_form(small, np.float16, "batched", "nchw") == "batched"
     assert wf.weight_form(big, np.float32, "im2col", "nchw") == "im2col"
     for bad in (conv_geometry("conv", 2, np.empty((2, 64, 28, 28)), np.empty((32, 64, 1, 1)), 2, 0, 1, 1),

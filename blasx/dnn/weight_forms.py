@@ -14,7 +14,7 @@
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
 the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
-``BATCHED_MIN_PIXELS[itemsize]`` pixels, else im2col (the shifted form is taken only where the find step
+``BATCHED_MIN_PIXELS[itemsize]`` pixels (or 196 with C * K at most ``BATCHED_SMALL_CK``), else im2col (the shifted form is taken only where the find step
 measured it faster).
 """
 
@@ -29,8 +29,10 @@ from . import conv_direct as cd
 from . import finddb
 from .geometry import ConvGeometry
 
-# the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin)
+# the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin) ...
 BATCHED_MIN_PIXELS = {2: 784, 4: 196}
+# ... and from 196 pixels where C * K is at most this (im2col's copies, ~C + K, weigh more against its GEMM)
+BATCHED_SMALL_CK = 1 << 18
 PARTIALS_BYTES = 16 << 20  # the batched form's partial sums kept within this (they stay in a GPU's L2)
 
 
@@ -58,7 +60,8 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     stored = finddb.stored_form(geo, dtype, layout, math, device, direction="bwd-weight")
     if stored in applicable:
         return stored
-    large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values()))
+    large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values())) or \
+        (geo.p >= min(BATCHED_MIN_PIXELS.values()) and geo.c * geo.k <= BATCHED_SMALL_CK)
     return "batched" if "batched" in applicable and large else "im2col"
 
 
