@@ -283,11 +283,14 @@ def test_pools(devices, nd, lay):
                                (3, 1, 1, 1, False)]:
         y, idx = same_when_poisoned(lambda: mp(x, k, s, p, dil, ceil, True))
         same_when_poisoned(lambda: mp(x, k, s, p, dil, ceil))
+        same_when_poisoned(lambda: mp(x, k, s, p, dil, ceil, True, out=(_lay(np.empty(y.shape), lay),
+                                                                          _lay(np.empty(y.shape, np.int64), lay))))
         gy = _lay(_r(rng, *y.shape), lay)
         same_when_poisoned(lambda: mpb(gy, x.shape, idx, k, s, p, dil, ceil))
         for cip in (True, False):
             extra = {} if nd == 1 else {"divisor_override": None}
             y = same_when_poisoned(lambda: ap(x, k, s, p, ceil, cip, **extra))
+            same_when_poisoned(lambda: ap(x, k, s, p, ceil, cip, **extra, out=_lay(np.empty(y.shape), lay)))
             gy = _lay(_r(rng, *y.shape), lay)
             same_when_poisoned(lambda: apb(gy, x.shape, k, s, p, ceil, cip, *([] if nd == 1 else [None])))
         if nd > 1:
@@ -323,6 +326,10 @@ def test_norms(devices, lay):
     same_when_poisoned(lambda: dnn.batch_norm_backward(dy, x, w, mean, invstd, True, 1e-5))
     same_when_poisoned(lambda: dnn.batch_norm_backward(dy, x, None, mean, invstd, True, 1e-5))
     same_when_poisoned(lambda: dnn.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5))
+    same_when_poisoned(lambda: dnn.batch_norm(x, rm, rv, w, b, False, 0.1, 1e-5, out=np.empty_like(x)))
+    same_when_poisoned(lambda: dnn.layer_norm(x, (5, 6), None, None, out=np.empty_like(x)))
+    same_when_poisoned(lambda: dnn.group_norm(x, 2, w, b, out=np.empty_like(x)))
+    same_when_poisoned(lambda: dnn.local_response_norm(x, 3, out=np.empty_like(x)))
     same_when_poisoned(lambda: dnn.batch_norm_backward(dy, x, w, mean, invstd, False, 1e-5, running_mean=rm,
                                                        running_var=rv))
     x2 = _r(rng, 6, 5)  # (N, C)
@@ -361,11 +368,14 @@ def test_elementwise(devices):
         y = same_when_poisoned(lambda: fwd(x, **kw))
         same_when_poisoned(lambda: bwd(gy, y if saved == "output" else x, **kw))
         same_when_poisoned(lambda: fwd(x.astype(np.float32), **kw))
+        same_when_poisoned(lambda: fwd(x, **kw, out=np.empty_like(x)))
+        same_when_poisoned(lambda: bwd(gy, y if saved == "output" else x, **kw, out=np.empty_like(x)))
     for dim in (0, 1, -1):
         for f, b in ((dnn.softmax, dnn.softmax_backward), (dnn.log_softmax, dnn.log_softmax_backward)):
             y = same_when_poisoned(lambda: f(x, dim))
             same_when_poisoned(lambda: b(gy, y, dim))
             same_when_poisoned(lambda: f(x.astype(np.float32), dim, np.float64))
+            same_when_poisoned(lambda: f(x, dim, out=np.empty_like(x)))
     y, mask = same_when_poisoned(lambda: dnn.dropout(x, 0.3, True, seed=7, return_mask=True))
     same_when_poisoned(lambda: dnn.dropout_backward(gy, mask, 0.3))
     same_when_poisoned(lambda: dnn.dropout(x, 1.0, True, seed=1))
@@ -373,6 +383,7 @@ def test_elementwise(devices):
     same_when_poisoned(lambda: dnn.add(x, other, alpha=0.5))
     same_when_poisoned(lambda: dnn.add_backward(gy, x.shape, other.shape, 0.5))
     same_when_poisoned(lambda: dnn.add(x, 2.0))
+    same_when_poisoned(lambda: dnn.add(x, other, out=np.empty_like(x)))
     parts = [_r(rng, 2, c, 4, 5) for c in (1, 3, 2)]
     same_when_poisoned(lambda: dnn.cat([x, *parts], 1))
     same_when_poisoned(lambda: dnn.cat([x.astype(np.float32), parts[0]], 1))
@@ -412,15 +423,23 @@ RNN_CASES = [
     ("rnn_relu", 1, False, 0, [4, 4, 1], False, False, False),
     ("lstm", 2, True, 3, [5, 4, 2], True, True, True, np.float32),
     ("gru", 2, False, 0, [5, 4, 2], False, True, True, np.float32),
+    ("lstm", 3, False, 0, [5, 4, 2], False, True, True, np.float64),  # sim:2: the diagonal placement
+    ("rnn_tanh", 1, False, 0, [5] * 65 + [3] * 65, False, True, True, np.float64, 130),  # sim:2: batch split
 ]
 
 
-@pytest.mark.parametrize("case", RNN_CASES, ids=lambda c: "-".join(getattr(v, "__name__", str(v)) for v in c)
-                         .replace(" ", ""))
+def _rnn_id(case):
+    def one(v):
+        return v.__name__ if isinstance(v, type) else f"lengths{len(v)}" if isinstance(v, list) and len(v) > 4 \
+            else str(v).replace(" ", "")
+    return "-".join(map(one, case))
+
+
+@pytest.mark.parametrize("case", RNN_CASES, ids=_rnn_id)
 def test_recurrent(devices, case):
-    mode, L, bidir, proj, lengths, bf, hx, bias, *dt = case
-    dt = dt[0] if dt else np.float64
-    T, B, I, H = 5, 3, 4, 6
+    mode, L, bidir, proj, lengths, bf, hx, bias, *rest = case
+    dt, B = (rest[0] if rest else np.float64), (rest[1] if len(rest) > 1 else 3)
+    T, I, H = 5, 4, 6
     rng = _rng("rnn", case)
     params = {k: v.astype(dt) for k, v in _rnn_params(mode, I, H, L, bidir, proj, rng, bias).items()}
     D, out = 2 if bidir else 1, proj or H
