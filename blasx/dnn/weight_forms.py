@@ -14,8 +14,8 @@
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
 the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
-``BATCHED_MIN_PIXELS[itemsize]`` pixels (or 196 with C * K at most ``BATCHED_SMALL_CK``), else im2col (the shifted form is taken only where the find step
-measured it faster).
+``BATCHED_MIN_PIXELS[itemsize]`` pixels (or 196 with C * K at most ``BATCHED_SMALL_CK``), else im2col (the
+shifted form is taken only where the find step measured it faster).
 """
 
 from __future__ import annotations
