@@ -81,10 +81,14 @@ def test_compute_bound_wall_time_is_near_the_cost_model_bound(no_numpy_kernels):
     flops = 2.0 * m * n * k
     rate, dilate = 5e6, 3.0  # 8 kernels of 65536 flops: 0.105 s x 3 = 0.31 s
     bound = flops / rate * dilate
-    devs, prof, wall = run_gemm(f"sim:1,timing=1,rate={rate:g},h2d=1e12,d2h=1e12,p2p=1e12,dilate={dilate:g}",
-                                m, n, k, 32)
-    assert bound <= prof.wall <= 1.5 * bound, (prof.wall, bound)
-    assert bound <= wall <= 1.5 * bound + 0.05, (wall, bound)
+    for attempt in range(3):  # a stall of the machine (a VM's) lengthens one run: the upper bounds get three
+        devs, prof, wall = run_gemm(f"sim:1,timing=1,rate={rate:g},h2d=1e12,d2h=1e12,p2p=1e12,dilate={dilate:g}",
+                                    m, n, k, 32)
+        assert bound <= prof.wall and bound <= wall, (prof.wall, wall, bound)  # never faster than the model
+        if prof.wall <= 1.5 * bound and wall <= 1.5 * bound + 0.05:
+            break
+    assert prof.wall <= 1.5 * bound, (prof.wall, bound)
+    assert wall <= 1.5 * bound + 0.05, (wall, bound)
     busy = prof.breakdown()[0].busy
     assert bound * 0.99 <= busy <= 1.2 * bound  # kernels hold the compute engine for their cost each
 
