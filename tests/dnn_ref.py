@@ -103,3 +103,15 @@ def from_memory(flat, shape, cl: bool):
     if not cl:
         return flat.reshape(shape)
     return np.moveaxis(flat.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
+
+
+def leaves(r, path="result"):
+    """(path, leaf) of every non-container value in nested dicts, tuples and lists (dict keys sorted)."""
+    if isinstance(r, dict):
+        for k in sorted(r, key=str):
+            yield from leaves(r[k], f"{path}[{k!r}]")
+    elif isinstance(r, (tuple, list)):
+        for i, v in enumerate(r):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, r

@@ -27,6 +27,7 @@ import blasx
 from blasx import dnn
 from blasx.dnn import direct_cache, rnn_graph
 from blasx.dnn.graph import Builder
+from dnn_ref import leaves
 
 # (id, spec, tile): the host engine as one host BLAS call, the host engine tiled, two sims tiled
 DEVICES = [("cpu", "cpu", None), ("cpu-tile8", "cpu", 8), ("sim2-tile8", "sim:2,mem=8Mi", 8)]
@@ -68,19 +69,8 @@ def _fresh():
     rnn_graph.clear()
 
 
-def _leaves(r, path="result"):
-    if isinstance(r, dict):
-        for k in sorted(r, key=str):
-            yield from _leaves(r[k], f"{path}[{k!r}]")
-    elif isinstance(r, (tuple, list)):
-        for i, v in enumerate(r):
-            yield from _leaves(v, f"{path}[{i}]")
-    else:
-        yield path, r
-
-
 def _compare(got, ref):
-    gl, rl = list(_leaves(got)), list(_leaves(ref))
+    gl, rl = list(leaves(got)), list(leaves(ref))
     assert [p for p, _ in gl] == [p for p, _ in rl]
     for (path, g), (_, r) in zip(gl, rl):
         if r is None or isinstance(r, (bool, int, float, str)):

@@ -34,7 +34,7 @@ import pytest
 
 import blasx
 from blasx import dnn
-from dnn_ref import cl
+from dnn_ref import cl, leaves, rel
 
 cupy = pytest.importorskip("cupy")
 NGPU = blasx.session._cuda_count()
@@ -179,24 +179,8 @@ def _run(fn, calls=CALLS, poison=False, workspaces=()):
     return out
 
 
-def _leaves(r, path="result"):
-    if isinstance(r, dict):
-        for k in sorted(r, key=str):
-            yield from _leaves(r[k], f"{path}[{k!r}]")
-    elif isinstance(r, (tuple, list)):
-        for i, v in enumerate(r):
-            yield from _leaves(v, f"{path}[{i}]")
-    else:
-        yield path, r
-
-
-def _rel(g, r) -> float:
-    g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-    return float(np.linalg.norm((g - r).ravel()) / max(np.linalg.norm(r.ravel()), 1e-300))
-
-
 def _compare(got, ref, tol, what):
-    gl, rl = list(_leaves(got)), list(_leaves(ref))
+    gl, rl = list(leaves(got)), list(leaves(ref))
     assert [p for p, _ in gl] == [p for p, _ in rl], what
     for (path, g), (_, r) in zip(gl, rl):
         if r is None or isinstance(r, (bool, int, float, str)):
@@ -211,7 +195,7 @@ def _compare(got, ref, tol, what):
         bad = ~np.isfinite(g)
         assert not bad.any(), (what, path, f"{int(bad.sum())} of {g.size} entries not finite, first at "
                                            f"{tuple(int(i) for i in np.argwhere(bad)[0])}")
-        err = _rel(g, r)
+        err = rel(g, r)
         assert err <= tol, (what, path, err, tol)
 
 
