@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="batch (default 64; --host: 512)")
     p.add_argument("--layout", choices=("nchw", "channels-last"), default="nchw",
                    help="memory layout of x, dY and the output on both sides (default nchw)")
+    p.add_argument("--weight-layout", choices=("same", "nchw"), default="same",
+                   help="the weight's memory layout on both sides: as x's (default), or contiguous NCHW whatever "
+                        "x's (torch's default weights beside channels-last activations)")
     p.add_argument("--shrink", type=int, default=1, help="divide channels and sizes by this (smoke runs, tests)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per contender (default 2)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per contender, median (default 5)")
@@ -273,18 +276,19 @@ def conv_call(nn, grad, layer, direction: str, x, w, dy, **out):
     return getattr(grad, f"conv{d}d_weight")(x, tuple(layer.w_shape), dy, s, p, dil, g)
 
 
-def make_inputs(torch, layer, mode: str, device, layout: str, seed: int) -> dict:
-    """x, w, dY: standard normal x and dY, w scaled by 1/sqrt(fan-in), in the mode's type."""
+def make_inputs(torch, layer, mode: str, device, layout: str, seed: int, weight_layout: str = "same") -> dict:
+    """x, w, dY: standard normal x and dY, w scaled by 1/sqrt(fan-in), in the mode's type; the weight in x's
+    layout, or contiguous NCHW (``weight_layout`` "nchw")."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, TORCH_DTYPE[mode])
     fan_in = math.prod(layer.w_shape[1:])
 
-    def rand(shape, scale=1.0):
+    def rand(shape, scale=1.0, lay=layout):
         t = (torch.randn(shape, generator=gen, device=device) * scale).to(dt)
-        if layout == "channels-last" and len(shape) in (4, 5):
+        if lay == "channels-last" and len(shape) in (4, 5):
             t = t.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
         return t
-    w = rand(layer.w_shape, 1.0 / math.sqrt(fan_in))
+    w = rand(layer.w_shape, 1.0 / math.sqrt(fan_in), layout if weight_layout == "same" else "nchw")
     return {"x": rand(layer.x_shape), "w": w, "dy": None if layer.transposed else rand(layer.y_shape)}
 
 
@@ -403,7 +407,8 @@ def run_device(args, dnn, log) -> tuple[list, str]:
             side.precision(mode)
             configure_blasx(args, mode, side)
             for i, layer in enumerate(layers):
-                inputs = make_inputs(side.torch, layer, mode, side.device, args.layout, args.seed + i)
+                inputs = make_inputs(side.torch, layer, mode, side.device, args.layout, args.seed + i,
+                                     args.weight_layout)
                 for direction in (d for d in layer.directions if d in args.directions):
                     row = run_case(side, dnn, layer, direction, mode, args, inputs)
                     rows.append(row)
@@ -449,7 +454,8 @@ def _f(x, digits=2) -> str:
 
 def markdown(doc: dict) -> str:
     lines = [f"# Convolution against cuDNN: {doc['machine']}, {doc['date']}", "", "```", doc["command"], "```", "",
-             f"blasx devices `{doc['devices']}`, peer {doc['peer']}; batch {doc['batch']}, layout {doc['layout']}, "
+             f"blasx devices `{doc['devices']}`, peer {doc['peer']}; batch {doc['batch']}, layout {doc['layout']}"
+             f"{'' if doc.get('weight_layout', 'same') == 'same' else ', weights contiguous NCHW'}, "
              f"calls issued back to back, {ROUNDS} rounds of {doc['reps']} after {doc['warmup']} warm-up(s), the median "
              f"round; ResNet-50 layers {doc['layer_source']}. "
              f"Versions: {', '.join(f'{k} {v}' for k, v in doc['versions'].items())}.", "",
@@ -519,7 +525,7 @@ def main(argv=None, dnn=None) -> int:
     doc = {"kind": "conv", "stamp": stamp, "date": date, "command": L3.command_line("bench.conv", argv),
            "machine": L3.machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
            "peer": "cuDNN through torch" if args.gpu else "torch on the CPU",
-           "batch": args.batch, "layout": args.layout, "shrink": args.shrink, "reps": args.reps, "warmup": args.warmup,
+           "batch": args.batch, "layout": args.layout, "weight_layout": args.weight_layout, "shrink": args.shrink, "reps": args.reps, "warmup": args.warmup,
            "layer_source": source, "modes": args.modes, "tolerance": TOLERANCE, "versions": versions(args.gpu),
            "geomeans": geomeans(rows), "rows": rows}
     md = markdown(doc)

@@ -151,6 +151,14 @@ def test_device_mode_runs_every_direction_and_writes_its_files(tmp_path, dnn, la
         "tf32", "fp32")
 
 
+def test_weights_contiguous_beside_channels_last_activations(tmp_path, dnn):
+    assert C.main(SMALL + ["--modes", "fp32", "--layers", "layer1.0.conv2,conv1", "--layout", "channels-last",
+                           "--weight-layout", "nchw", "--out", str(tmp_path)], dnn=dnn) == 0
+    doc, md = _doc(tmp_path, "conv")
+    assert doc["weight_layout"] == "nchw" and all(r["status"] == "ok" for r in doc["rows"])
+    assert "weights contiguous NCHW" in open(md, encoding="utf-8").read()
+
+
 def test_a_wrong_result_is_a_fail_and_an_exception_an_error(tmp_path):
     args = SMALL + ["--modes", "fp32", "--layers", "layer3.0.conv3,conv1d-k3", "--out"]
     assert C.main(args + [str(tmp_path / "a")], dnn=StandIn(scale=1.01)) == 1

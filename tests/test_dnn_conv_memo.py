@@ -76,11 +76,11 @@ def _call(direction, x, w, dy, stride, padding, groups):
     return dnn.conv2d_weight(x, tuple(w.shape), dy, stride, padding, 1, groups)
 
 
-def case_operands(cupy, case, dt, cl):
-    """(x, w, dY) of a case of CASES: 4 images of 10 x 10."""
+def case_operands(cupy, case, dt, cl, w_cl=None):
+    """(x, w, dY) of a case of CASES: 4 images of 10 x 10; the weight in ``w_cl``'s layout (default: x's)."""
     _, _, c, k, kern, stride, pad, groups = case
     x = _arr(cupy, (4, c, 10, 10), dt, cl)
-    w = _arr(cupy, (k, c // groups, kern, kern), dt, cl)
+    w = _arr(cupy, (k, c // groups, kern, kern), dt, cl if w_cl is None else w_cl)
     side = (10 + 2 * pad - kern) // stride + 1
     return x, w, _arr(cupy, (4, k, side, side), dt, cl)
 
@@ -96,13 +96,25 @@ def each_case(test):
 
 @each_case
 def test_a_replay_launches_what_the_full_path_launches(case, dtype, cl):
+    _replay_equals_full_path(case, dtype, cl)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] != "bwd-weight"], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_a_weight_in_the_other_layout_is_replayed(case):
+    """A weight not in x's layout (a contiguous weight with channels-last x, as torch's default weights): its
+    matrix is made again in the replay, which launches what the full path launches."""
+    for cl in (True, False):
+        _replay_equals_full_path(case, "float16", cl, w_cl=not cl)
+
+
+def _replay_equals_full_path(case, dtype, cl, w_cl=None):
     _, direction, c, k, kern, stride, pad, groups = case
     dt = np.dtype(dtype)
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
 
         def operands():
-            return case_operands(cupy, case, dt, cl)
+            return case_operands(cupy, case, dt, cl, w_cl)
         with cupy.cuda.Device(0), cd.on_own_gpu():
             _call(direction, *operands(), stride, pad, groups)  # the full path, kept where it can be replayed
             kept = len(conv_memo._TABLE.entries)

@@ -340,6 +340,33 @@ def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, s
     assert len(conv_memo._TABLE.entries) >= 2  # forward and weight at least (backward-data by phases is not kept)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64),
+                                                        (7, 2, 3, 1, 3)])
+def test_weight_in_the_other_layout_replayed_as_it_changes(direct_route, dtype, layout, kernel, stride, pad, groups,
+                                                           c):
+    """x in ``layout``, the weight in the other (a channels-last x with torch's default contiguous weight): the
+    replays (eager, captured, graph launches) make the weight's matrix again from its memory, so a weight changed
+    in place between calls (an optimizer step) is read anew; against torch every call."""
+    from blasx.dnn import conv_memo, direct_cache
+    direct_cache.clear()  # (the memo too: this test's one kept call is counted below)
+    rng = np.random.default_rng(8)
+    dt = np.dtype(dtype)
+    w = (rng.standard_normal((12, c // groups, kernel, kernel)) / 4).astype(dt)
+    wd = _device(w, "nchw" if layout == "cl" else "cl")
+    y = None
+    for i in range(6):
+        x = rng.standard_normal((3, c, 13, 11)).astype(dt)
+        wd *= wd.dtype.type(0.9)  # in place: the same address, new values
+        ref = F.conv2d(wide(x), wide(cupy.asnumpy(wd)), None, stride, pad, 1, groups)
+        del y  # the output's block back to the pool: the next call's output lies there (captured, then launched)
+        y = dnn.conv2d(_device(x, layout), wd, None, stride, pad, 1, groups)
+        assert rel(y, ref.numpy()) < DIRECT_TOL[(dtype, "ieee")], i
+    if layout == "cl":  # kept and replayed (an NCHW x's shifted form is not: its weight is another transform)
+        assert len(conv_memo._TABLE.entries) == 1
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("nd", [1, 2, 3])

@@ -261,16 +261,16 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
                                 _PLAIN[:4], math, user_weight=True)
             transpose_kernel.copy(y, yc, False)
             conv_direct.finish(geo, False, y, device_affine(*vecs, act, residual is not None)[0], residual, False)
-    # kept where x, the weight (or its matrix in dlay) and a residual were read where they lie
+    # kept where x and a residual were read where they lie; the weight too, or its matrix made from it again
     converted = dlay != lay
-    if memo is not None and ran is not None and xb is x and (converted or ran[1].data.ptr == weight.data.ptr) and \
-            (residual is None or residual is extras[3]):
+    if memo is not None and ran is not None and xb is x and (residual is None or residual is extras[3]):
         cl, k = lay == "cl", geo.k
         plain = act is None and all(v is None for v in extras)
         rows = None
-        if converted:  # the caller's weight as the matrix the plan read (kept beside the weight, direct_cache)
-            rows = lambda w: direct_cache.derived(w, ("rows", True), lambda: conv_direct.weight_rows(  # noqa: E731
-                xp, w, True, k, geo.crs))
+        if converted or ran[1].data.ptr != weight.data.ptr:  # the caller's weight as the matrix the plan read
+            rcl = cl or converted  # (kept beside the weight in a Workspace, direct_cache; made in the graph else)
+            rows = lambda w: direct_cache.derived(w, ("rows", rcl), lambda: conv_direct.weight_rows(  # noqa: E731
+                xp, w, rcl, k, geo.crs))
         epilogue = None if plain else _replay_epilogue(geo, cl, dt, xp, act)
         conv_memo.keep(memo, conv_memo.forward_replay(geo, cl or converted, dt, math, ran[0],
                                                       _empty_maker(xp, shape, dt, lay), weight_of=rows,
