@@ -5,6 +5,8 @@ is given), so the CPU and the GPU test files use the same helpers."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 try:
@@ -115,3 +117,15 @@ def leaves(r, path="result"):
             yield from leaves(v, f"{path}[{i}]")
     else:
         yield path, r
+
+
+@contextlib.contextmanager
+def poisoned_empty(module, poison):
+    """``module.empty`` / ``module.empty_like`` (numpy's or CuPy's) return ``poison(array)`` while it lasts."""
+    real, real_like = module.empty, module.empty_like
+    module.empty = lambda *a, **k: poison(real(*a, **k))
+    module.empty_like = lambda *a, **k: poison(real_like(*a, **k))
+    try:
+        yield
+    finally:
+        module.empty, module.empty_like = real, real_like

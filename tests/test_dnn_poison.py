@@ -27,7 +27,7 @@ import blasx
 from blasx import dnn
 from blasx.dnn import direct_cache, rnn_graph
 from blasx.dnn.graph import Builder
-from dnn_ref import leaves
+from dnn_ref import leaves, poisoned_empty
 
 # (id, spec, tile): the host engine as one host BLAS call, the host engine tiled, two sims tiled
 DEVICES = [("cpu", "cpu", None), ("cpu-tile8", "cpu", 8), ("sim2-tile8", "sim:2,mem=8Mi", 8)]
@@ -48,18 +48,8 @@ def _poison(out):
 
 @contextlib.contextmanager
 def poisoned():
-    real, real_like = np.empty, np.empty_like
-
-    def empty(shape, dtype=float, *a, **k):
-        return _poison(real(shape, dtype, *a, **k))
-
-    def empty_like(proto, dtype=None, *a, **k):
-        return _poison(real_like(proto, dtype, *a, **k))
-    np.empty, np.empty_like = empty, empty_like
-    try:
+    with poisoned_empty(np, _poison):
         yield
-    finally:
-        np.empty, np.empty_like = real, real_like
 
 
 def _fresh():

@@ -34,7 +34,7 @@ import pytest
 
 import blasx
 from blasx import dnn
-from dnn_ref import cl, leaves, rel
+from dnn_ref import cl, leaves, poisoned_empty, rel
 
 cupy = pytest.importorskip("cupy")
 NGPU = blasx.session._cuda_count()
@@ -86,18 +86,8 @@ def _memset(a):
 @contextlib.contextmanager
 def poisoned():
     """cupy.empty / cupy.empty_like hand out 0xFF bytes (NaN for every float type)."""
-    real, real_like = cupy.empty, cupy.empty_like
-
-    def empty(*a, **k):
-        return _memset(real(*a, **k))
-
-    def empty_like(*a, **k):
-        return _memset(real_like(*a, **k))
-    cupy.empty, cupy.empty_like = empty, empty_like
-    try:
+    with poisoned_empty(cupy, _memset):
         yield
-    finally:
-        cupy.empty, cupy.empty_like = real, real_like
 
 
 def _sync():
