@@ -193,10 +193,10 @@ def _operand(rng, shape, channels_last: bool, dt):
 
 
 def entry_points(nd: int) -> tuple:
-    """The public forward, backward-data and backward-weights functions of ``nd``-d convolution."""
-    from . import conv, conv_transpose
-    return (getattr(conv, f"conv{nd}d"), getattr(conv_transpose, f"conv{nd}d_input"),
-            getattr(conv, f"conv{nd}d_weight"))
+    """The public forward, backward-data and backward-weights functions of ``nd``-d convolution (by their names
+    in the package, whichever module defines them)."""
+    from .. import dnn
+    return tuple(getattr(dnn, f"conv{nd}d{s}") for s in ("", "_input", "_weight"))
 
 
 def _caller(geo, direction, layout, dt, math, x_shape, w_shape, conv_args, seed) -> Callable:

@@ -14,8 +14,8 @@
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
 the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
-``BATCHED_MIN_PIXELS[itemsize]`` pixels (or 196 with C * K at most ``BATCHED_SMALL_CK``), else im2col (the
-shifted form is taken only where the find step measured it faster).
+``BATCHED_MIN_PIXELS[itemsize]`` pixels (or ``BATCHED_SMALL_PIXELS`` with C * K at most ``BATCHED_SMALL_CK``),
+else im2col (the shifted form is taken only where the find step measured it faster).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from .geometry import ConvGeometry
 
 # the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin) ...
 BATCHED_MIN_PIXELS = {2: 784, 4: 196}
-# ... and from 196 pixels where C * K is at most this (im2col's copies, ~C + K, weigh more against its GEMM)
+# ... and from BATCHED_SMALL_PIXELS where C * K is at most BATCHED_SMALL_CK (im2col's copies, ~C + K, weigh more
+# against its GEMM there)
+BATCHED_SMALL_PIXELS = 196
 BATCHED_SMALL_CK = 1 << 18
 PARTIALS_BYTES = 16 << 20  # the batched form's partial sums kept within this (they stay in a GPU's L2)
 
@@ -61,7 +63,7 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     if stored in applicable:
         return stored
     large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values())) or \
-        (geo.p >= min(BATCHED_MIN_PIXELS.values()) and geo.c * geo.k <= BATCHED_SMALL_CK)
+        (geo.p >= BATCHED_SMALL_PIXELS and geo.c * geo.k <= BATCHED_SMALL_CK)
     return "batched" if "batched" in applicable and large else "im2col"
 
 
