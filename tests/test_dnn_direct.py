@@ -83,6 +83,27 @@ def host_gather(nd: int, insert: bool, unit: int = 8, index: str = "int32"):
     return call
 
 
+def host_run_gather(nd: int, itemsize: int = 8, index: str = "int32"):
+    """The run gather (gather_kernel.run_source) compiled for the host and launched as one thread, as
+    ``fn(x, col, args, total)``; None without a C++ compiler."""
+    import ctypes
+    if "run" not in _HOST:
+        _HOST["run"] = compile_host([_ONE_THREAD] + [gk.run_source(u, ix, d)[0] for u in (2, 4, 8)
+                                                     for ix in ("int32", "int64") for d in (1, 2, 3)])
+    lib = _HOST["run"]
+    if lib is None:
+        return None
+    fn = getattr(lib, gk.run_source(itemsize, index, nd)[1])
+    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
+    fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(gk.RUN_ARG_NAMES) + [ctypes.c_uint] * len(gk.RUN_MAGIC_NAMES)
+                   + [ctypes.c_longlong])
+
+    def call(x, col, args, total):
+        args = tuple(int(a) for a in args)
+        fn(x, col, *args, *gk.magic_args(args, gk.RUN_ARG_NAMES, gk.RUN_DIVISORS), total)
+    return call
+
+
 def host_col2im(nd: int, index: str = "int32"):
     """col2im.py's kernel (T = A = double, ``index`` indices) compiled for the host and launched as one thread,
     as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None without a C++ compiler."""
@@ -134,12 +155,20 @@ class NumpyOps:
         """The kernel's operation (gather_kernel.py) on every i < nb * CRS * P."""
         g = self.geo
         (P, CRS, KS, Cg, cl, pf, goff, K1, K2, O1, O2, st0, st1, st2, dl0, dl1, dl2, pl0, pl1, pl2, z0, z1, z2,
-         I0, I1, I2, sn, sc, s0, s1, s2, n0, on, orr, op) = cd.gather_args(g, self.cl, s)
-        i = np.arange(s.nb * g.crs * g.p)
-        if pf:
+         I0, I1, I2, sn, sc, s0, s1, s2, n0, on, orr, op) = cd.gather_args(g, self.cl, s)[:len(gk.ARG_NAMES)]
+        if s.run > 1:  # every element of the padded rows (op long): r past CRS is zero
+            assert cl and not pf and orr == 1 and op % s.run == 0 and on % s.run == 0 and op >= CRS
+            i = np.arange(s.nb * g.p * op)
+            r, t = i % op, i // op
+            p, j = t % P, t // P
+            real = r < CRS
+            r = np.minimum(r, CRS - 1)
+        elif pf:
+            i = np.arange(s.nb * g.crs * g.p)
             p, t = i % P, i // P
             r, j = t % CRS, t // CRS
         else:
+            i = np.arange(s.nb * g.crs * g.p)
             r, t = i % CRS, i // CRS
             p, j = t % P, t // P
         if cl:
@@ -155,10 +184,23 @@ class NumpyOps:
         ok &= (u0 < I0) & (u1 < I1) & (u2 < I2)
         x, col = self.bufs["x"], self.bufs["col"]
         src = (n0 + j) * sn + (goff + c) * sc + u0 * s0 + u1 * s1 + u2 * s2
+        if s.run > 1:
+            ok &= real
+            r = i % op
         dst = j * on + r * orr + p * op
         assert dst.max() < col.size and len(np.unique(dst)) == dst.size, "the gather's writes collide or overflow"
         assert src[ok].min(initial=0) >= 0 and src[ok].max(initial=0) < x.size
         col[dst] = np.where(ok, x[np.where(ok, src, 0)], 0.0)
+        if s.run > 1:  # (a float64 plan's runs: other element sizes, test_run_gather_moves_bits_...)
+            for index in ("int32", "int64") if s.run == gk.RUN_BYTES // 8 else ():
+                fn = host_run_gather(g.nd, 8, index)
+                if fn is None:
+                    break
+                got = np.full(col.size, np.nan)
+                fn(x.ctypes.data, got.ctypes.data, cd.gather_args(g, self.cl, s), i.size // s.run)
+                assert np.array_equal(got[dst], col[dst]), f"the run gather ({index}) differs from its numpy form"
+                assert np.isnan(np.delete(got, dst)).all(), "the run gather wrote outside its elements"
+            return
         for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
             fn = host_gather(g.nd, any(z != 1 for z in g.insert), 8, index)
             if fn is None:
@@ -238,7 +280,9 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     conv_direct's choice (``FORM`` included). Returns (image chunks, form)."""
     form = cd.forward_form(geo, np.float64, cd.FORM) if form is None else form
     steps, scratch = cd.forward_plan(geo, cl, np.float64, 0.0 if residual is None else 1.0, budget, form)
-    bufs = {"x": xmem, "w": wrows.ravel(), "y": ymem, **{k: np.full(v, np.nan) for k, v in scratch.items()}}
+    rows = cd.padded_rows(steps)
+    w = wrows if rows is None else cd.pad_reduction(np, wrows, rows)
+    bufs = {"x": xmem, "w": w.ravel(), "y": ymem, **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     if form == "shifted":
         bufs["wt"] = cd.tap_major(np, geo, cl, wrows).ravel()
     if residual is not None:
@@ -259,11 +303,12 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col", slots=None):
         steps = wf.batched_steps(geo, parts, slots)
         scratch = {"dwp": wf.batched_scratch(geo, slots, np.float64)}
     else:
-        per = wf.weight_scratch(geo, cl)
+        pad = cd.reduction_pad(geo, cl, 8)
+        per = wf.weight_scratch(geo, cl, pad)
         parts = cd.chunks(geo.n, per * 8, budget)
         nb = max(nb for _, nb in parts)
-        steps = wf.weight_steps(geo, cl, parts)
-        scratch = {"col": nb * geo.crs * geo.p, "dyc": nb * geo.k * geo.p}
+        steps = wf.weight_steps(geo, cl, parts, pad)
+        scratch = {"col": nb * (geo.crs if pad is None else pad[0]) * geo.p, "dyc": nb * geo.k * geo.p}
     bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
@@ -635,35 +680,74 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
         assert cd.widened(geo, False, s, 4) is None and cd.widened(geo, True, s, 16) is None  # NCHW; 8 % 16
 
 
-@pytest.mark.parametrize("c", [1, 2, 3, 5])
-def test_small_channel_counts_are_padded_to_whole_gather_units(c):
-    """A channels-last first layer (C = 3) runs on its input copied into zero channels up to a whole 8-byte unit
-    and its weight given zero rows (conv_direct.padded_channels, pad_weight_rows): the same convolution, and
-    its gathers widen. Grouped, NCHW, pointwise, transposed and whole-unit inputs are left as they are."""
-    import dataclasses
-    rng = np.random.default_rng(c)
-    x, w = rng.standard_normal((2, c, 9, 8)), rng.standard_normal((4, c, 3, 3))
-    geo = conv_geometry("conv2d", 2, x, w, 2, 1, 1, 1)
-    cpad = cd.padded_channels(geo, True, 2, 8)
-    assert cpad == (4 if c <= 4 else 8) and cd.padded_channels(geo, True, 4, 8) == (None if c % 2 == 0 else c + 1)
-    assert cd.padded_channels(geo, False, 2, 8) is None and cd.padded_channels(geo, True, 8, 8) is None
-    xpad = np.zeros((2, cpad, 9, 8))
-    xpad[:, :c] = x
-    wpad = cd.pad_weight_rows(np, _wrows(w, True), c, cpad)
-    assert wpad.shape == (4, 9 * cpad) and not wpad.reshape(4, 9, cpad)[:, :, c:].any()
-    geo2 = dataclasses.replace(geo, c=cpad)
-    ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, 2, 1).numpy()
+def test_which_calls_pad_their_rows():
+    """col's rows are padded (conv_direct.reduction_pad) for a channels-last ungrouped convolution with a kernel
+    window over at most PAD_C_MAX channels whose rows are not whole 16-byte runs; NCHW, grouped, pointwise,
+    transposed (zero insertion), whole-run and wider inputs are left as they are."""
+    def geo(c, ks=3, groups=1, size=(9, 8)):
+        return conv_geometry("conv2d", 2, np.zeros((2, c * groups, *size)), np.zeros((4, c, ks, ks)), 2, 1, 1, groups)
+    assert cd.reduction_pad(geo(3), True, 2) == (32, 8) and cd.reduction_pad(geo(3), True, 4) == (28, 4)
+    assert cd.reduction_pad(geo(1), True, 2) == (16, 8) and cd.reduction_pad(geo(5), True, 8) == (46, 2)
+    assert cd.reduction_pad(geo(7, 7), True, 2) == (344, 8)
+    pointwise = conv_geometry("conv2d", 2, np.zeros((2, 3, 9, 8)), np.zeros((4, 3, 1, 1)), 1, 0, 1, 1)
+    for g, itemsize in ((geo(8), 2), (geo(4), 4), (geo(2), 8), (geo(9), 2), (pointwise, 2), (geo(3, groups=2), 2)):
+        assert cd.reduction_pad(g, True, itemsize) is None
+    assert cd.reduction_pad(geo(3), False, 2) is None
+    t = transpose_geometry("t", 2, np.zeros((2, 3, 9, 8)), np.zeros((3, 4, 3, 3)), 2, 1, 1, 1, 1)
+    assert cd.reduction_pad(t, True, 2) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 3]), st.sampled_from([1, 3, 5]), st.integers(1, 2), st.integers(0, 3), st.integers(1, 2),
+       st.sampled_from([3, 5]), st.integers(0, 1000), st.sampled_from([1 << 30, 1]))
+def test_padded_rows_plans_vs_torch(nd, c, stride, pad, dil, ks, seed, budget):
+    """A channels-last convolution over a few input channels (an image's first layer) with col's rows padded to
+    whole runs (conv_direct.reduction_pad; float64's runs are 2 elements) and the weight matrix alike: forward
+    and weight gradient, every run gather also run compiled for the host; budget 1: one image a chunk."""
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((3, c, *(9, 8, 5)[:nd])), rng.standard_normal((4, c, *(ks,) * nd))
+    try:
+        geo = conv_geometry("conv", nd, x, w, stride, pad, dil, 1)
+    except ValueError:
+        return  # kernel larger than the padded input
+    assert cd.reduction_pad(geo, True, 8) == (geo.crs + 1, 2)  # (an odd CRS)
+    steps, _ = cd.forward_plan(geo, True, np.float64, 0.0, budget, "im2col")
+    assert cd.padded_rows(steps) == geo.crs + 1 and all(s.run == 2 for s in steps if isinstance(s, cd.Gather))
+    ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, pad, dil).numpy()
     ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo2, memory(xpad, True), True, wpad, ymem, None, 1 << 30, "im2col")
+    emulated_forward(geo, memory(x, True), True, _wrows(w, True), ymem, None, budget, "im2col")
     assert _rel(from_memory(ymem, ref.shape, True), ref) < 1e-13
-    gathers = [s for s in cd.forward_steps(geo2, True, [(0, 2)], 0.0) if isinstance(s, cd.Gather)]
-    assert gathers and all(cd.widened(geo2, True, s, 4) is not None for s in gathers)
-    for other in (conv_geometry("conv2d", 2, np.zeros((2, 2 * c, 9, 8)), np.zeros((4, c, 3, 3)), 1, 1, 1, 2),
-                  conv_geometry("conv2d", 2, x, np.zeros((4, c, 1, 1)), 1, 0, 1, 1),
-                  conv_geometry("conv2d", 2, np.zeros((2, 4, 9, 8)), np.zeros((4, 4, 3, 3)), 1, 1, 1, 1),
-                  conv_geometry("conv2d", 2, np.zeros((2, 9, 9, 8)), np.zeros((4, 9, 3, 3)), 1, 1, 1, 1),
-                  transpose_geometry("t", 2, x, np.zeros((c, 4, 3, 3)), 2, 1, 1, 1, 1)):
-        assert cd.padded_channels(other, True, 2, 8) is None
+    dy = rng.standard_normal(ref.shape)
+    dw, _ = emulated_weight(geo, memory(x, True), memory(dy, True), True, budget)
+    want = getattr(torch.nn.grad, f"conv{nd}d_weight")(torch.from_numpy(x), w.shape, torch.from_numpy(dy), stride,
+                                                        pad, dil).numpy()
+    assert _rel(np.moveaxis(dw.reshape(w.shape[0], *w.shape[2:], c), -1, 1), want) < 1e-13
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_run_gather_moves_bits_of_every_element_size(itemsize):
+    """ResNet's first layer (3 channels, 7x7, stride 2, pad 3) on a small map: its rows padded to whole 16-byte
+    runs (float16 147 -> 152, float32 148, float64 148); the run kernel compiled for the host moves the bits of
+    every element as the numpy form of the gather says, zeros past CRS, and writes nothing else."""
+    x = np.random.default_rng(itemsize).integers(1, 2**15, (2, 3, 13, 11)).astype(np.float64)
+    geo = conv_geometry("conv2d", 2, x, np.zeros((5, 3, 7, 7)), 2, 3, 1, 1)
+    rows, run = cd.reduction_pad(geo, True, itemsize)
+    assert run == 16 // itemsize and rows == {2: 152, 4: 148, 8: 148}[itemsize]
+    step = cd.forward_steps(geo, True, [(0, 2)], 0.0, (rows, run))[0]
+    assert step == cd.Gather(0, 0, 2, geo.p * rows, 1, rows, False, run)
+    want = np.full(2 * geo.p * rows, np.nan)
+    NumpyOps(geo, True, {"x": memory(x, True), "col": want}).gather(step)
+    fn = host_run_gather(2, itemsize)
+    if fn is None:
+        pytest.skip("no C++ compiler")
+    xb = memory(x, True).astype(f"u{itemsize}")
+    got = np.full(want.size + run, 2**15, dtype=f"u{itemsize}")  # one run more: nothing is written past col
+    fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(geo, True, step), want.size // run)
+    assert np.array_equal(got[:want.size].astype(np.float64), want) and (got[want.size:] == 2**15).all()
+    assert not want.reshape(-1, rows)[:, geo.crs:].any()
+    launch = direct_cuda.gather_launch(geo, True, step, x.size, itemsize)
+    assert (launch.run, launch.unit, launch.total, launch.narrow) == (run, itemsize, want.size // run, None)
+    assert launch.magic == gk.magic_args(launch.args, gk.RUN_ARG_NAMES, gk.RUN_DIVISORS)
 
 
 @settings(max_examples=60, deadline=None)

@@ -310,7 +310,8 @@ def test_batched_weight_form_vs_torch(direct_route, monkeypatch, partials, math,
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
-@pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64)])
+@pytest.mark.parametrize("kernel,stride,pad,groups,c", [(1, 1, 0, 1, 16), (3, 2, 1, 2, 8), (3, 1, 1, 1, 64),
+                                                        (7, 2, 3, 1, 3)])
 def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, stride, pad, groups, c):
     """Forward (plain, and with bias, residual and relu), backward-data and backward-weight called on new
     operands of one shape (later calls replay the first: conv_memo), every result against torch in float64, the
@@ -338,6 +339,36 @@ def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, s
         assert gw.dtype == dt and gw.shape == w.shape
         assert rel(gw, torch.nn.grad.conv2d_weight(wide(x), w.shape, wide(dy), stride, pad, 1, groups).numpy()) < tol
     assert len(conv_memo._TABLE.entries) >= 2  # forward and weight at least (backward-data by phases is not kept)
+
+
+@pytest.mark.parametrize("dtype,math", [*DIRECT_TOL, ("bfloat16", "ieee")])
+@pytest.mark.parametrize("nd,c", [(1, 3), (2, 1), (2, 3), (2, 5), (3, 3)])
+def test_few_channels_by_padded_rows_vs_torch(direct_route, dtype, math, nd, c):
+    """Channels-last x of a few channels (an image's first layer): col's rows padded to whole 16-byte runs by the
+    run gather and the weight matrix alike (conv_direct.reduction_pad): forward with the epilogue and the weight
+    gradient on new operands each call (later calls replay), against torch in float64."""
+    from blasx.dnn import conv_direct, direct_cuda
+    from blasx.dnn.geometry import conv_geometry
+    dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    tol = DIRECT_TOL.get((dtype, math), 3e-2)
+    rng = np.random.default_rng(c * nd)
+    size = ((45,), (23, 19), (9, 8, 7))[nd - 1]
+    fn, fwd, grad_w = (getattr(dnn, f"conv{nd}d"), getattr(F, f"conv{nd}d"),
+                       getattr(torch.nn.grad, f"conv{nd}d_weight"))
+    for i in range(3):
+        x = rng.standard_normal((4, c, *size)).astype(dt)
+        w = (rng.standard_normal((16, c, *(5,) * nd)) / 4).astype(dt)
+        b = rng.standard_normal(16)
+        ref = fwd(wide(x), wide(w), None, 2, 2)
+        y = fn(_device(x, "cl"), _device(w, "cl"), cupy.asarray(b), 2, 2, activation="relu", math=math)
+        assert y.dtype == dt and rel(y, F.relu(ref + torch.from_numpy(b)[(slice(None),) + (None,) * nd]).numpy()) < tol
+        dy = rng.standard_normal(tuple(ref.shape)).astype(dt)
+        gw = getattr(dnn, f"conv{nd}d_weight")(_device(x, "cl"), w.shape, _device(dy, "cl"), 2, 2, math=math)
+        assert gw.dtype == dt and rel(gw, grad_w(wide(x), w.shape, wide(dy), 2, 2).numpy()) < tol
+    geo = conv_geometry("t", nd, x, w, 2, 2, 1, 1)
+    rows, run = conv_direct.reduction_pad(geo, True, dt.itemsize)
+    plan = direct_cuda.forward_plan(geo, True, dt, 0.0, direct_cuda.budget(), math)
+    assert conv_direct.padded_rows(plan.steps) == rows and rows % run == 0 and rows - geo.crs < run
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..threadlocal import setting
-from . import call_graph, direct_cache, finddb, igemm, transpose_kernel
+from . import call_graph, direct_cache, finddb, gather_kernel, igemm, transpose_kernel
 from .geometry import ConvGeometry
 
 OP_N, OP_T = 0, 1
@@ -56,7 +56,9 @@ SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (ke
 class Gather(NamedTuple):
     """col's element (image j of the chunk, reduction row r, output pixel p) of group ``group`` for
     images ``n0 .. n0 + nb - 1`` at ``j * on + r * orr + p * op`` of ``col``; threads run over p
-    fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x)."""
+    fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x). ``run`` > 1: a thread writes
+    ``run`` consecutive r of a pixel (the run gather, channels-last, orr 1), whose rows are ``op`` long,
+    zero past CRS (``reduction_pad``)."""
 
     group: int
     n0: int
@@ -65,6 +67,7 @@ class Gather(NamedTuple):
     orr: int
     op: int
     pixel_fastest: bool
+    run: int = 1
 
 
 class Gemm(NamedTuple):
@@ -181,9 +184,28 @@ def chunks(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:
     return [(n0, min(nb, n - n0)) for n0 in range(0, n, nb)]
 
 
-def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list:
-    """y = conv(x, w) (+ beta y) by chunks ``parts`` of images (ignored for a pointwise conv)."""
+def reduction_pad(geo: ConvGeometry, cl: bool, itemsize: int) -> tuple[int, int] | None:
+    """(rows, run) where col's rows are padded: a channels-last ungrouped convolution with a kernel window over
+    at most PAD_C_MAX input channels whose CRS elements are not a whole number of RUN_BYTES; its rows padded
+    with zeros to ``rows`` (a multiple of ``run`` = RUN_BYTES / itemsize: the run gather's 16-byte stores, and
+    aligned rows for the GEMMs; the forward's weight matrix padded alike, ``pad_reduction``). Else None."""
+    run = gather_kernel.RUN_BYTES // itemsize
+    if not cl or geo.groups != 1 or geo.c > PAD_C_MAX or run <= 1 or geo.crs % run == 0 or pointwise(geo) \
+            or any(z != 1 for z in geo.insert):
+        return None
+    return -(-geo.crs // run) * run, run
+
+
+def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float, pad: tuple | None = None) -> list:
+    """y = conv(x, w) (+ beta y) by chunks ``parts`` of images (ignored for a pointwise conv); ``pad``: col's
+    rows and the weight matrix's padded (``reduction_pad``)."""
     G, kg, crs, p, K, C = geo.groups, geo.kg, geo.crs, geo.p, geo.k, geo.c
+    if pad is not None:  # (channels-last, one group)
+        rows, run = pad
+        return [step for n0, nb in parts for step in (
+            Gather(0, n0, nb, p * rows, 1, rows, False, run),
+            Gemm(("w", 0), ("col", 0), ("y", n0 * p * K), OP_T, OP_N, K, nb * p, rows, rows, rows, K, 0, 0, 0, 1,
+                 beta))]
     steps: list = []
     if pointwise(geo):
         for g in range(G):
@@ -207,11 +229,11 @@ def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float) -> list
     return steps
 
 
-def forward_scratch(geo: ConvGeometry, form: str = "im2col") -> int:
-    """Scratch elements per image of the forward plan of ``form`` (0: none)."""
+def forward_scratch(geo: ConvGeometry, form: str = "im2col", pad: tuple | None = None) -> int:
+    """Scratch elements per image of the forward plan of ``form`` (0: none); ``pad`` as forward_steps'."""
     if form == "shifted":
         return prod(padded_size(geo)) * (geo.c + geo.k)
-    return 0 if pointwise(geo) else geo.crs * geo.p
+    return 0 if pointwise(geo) else (geo.crs if pad is None else pad[0]) * geo.p
 
 
 # ---------------------------------------------------------------- the shifted form
@@ -376,12 +398,13 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, f
     ``budget`` bytes (one image a chunk at least)."""
     if form == "implicit":
         return implicit_plan(geo, dtype, budget)
-    per = forward_scratch(geo, form)
+    pad = reduction_pad(geo, cl, np.dtype(dtype).itemsize) if form == "im2col" else None
+    per = forward_scratch(geo, form, pad)
     parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)
     nb = max(nb for _, nb in parts)
     if form == "shifted":
         return shifted_steps(geo, cl, parts, beta), shifted_buffers(geo, cl, nb)
-    return forward_steps(geo, cl, parts, beta), ({"col": nb * per} if per else {})
+    return forward_steps(geo, cl, parts, beta, pad), ({"col": nb * per} if per else {})
 
 
 class Implicit(NamedTuple):
@@ -435,7 +458,8 @@ def run(steps: list, ops) -> None:
 
 
 def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
-    """The gather kernel's integer arguments (gather_kernel.ARG_NAMES) for step ``s``."""
+    """The gather kernel's integer arguments (gather_kernel.ARG_NAMES; RUN_ARG_NAMES for a run gather) for
+    step ``s``."""
     from .im2col import x_strides
     sn, sc, ssp = x_strides(geo, cl)
     pad = 3 - geo.nd
@@ -445,14 +469,14 @@ def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
     return (geo.p, geo.crs, prod(geo.kernel), geo.cg, int(cl), int(s.pixel_fastest), s.group * geo.cg,
             *three(geo.kernel, 1)[1:], *three(geo.out_size, 1)[1:], *three(geo.stride, 1), *three(geo.dilation, 1),
             *three(geo.pad_lo, 0), *three(geo.insert, 1), *three(geo.in_size, 1), sn, sc, *three(ssp, 0), s.n0,
-            s.on, s.orr, s.op)
+            s.on, s.orr, s.op, *((s.op // s.run,) if s.run > 1 else ()))
 
 
 def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
     """(geometry, step) of the gather ``s`` over units of ``v`` consecutive channels, one wider load and store
     a thread (channels-last x and col, where the channels of a group come in whole units); None where it
     cannot. Its arguments are the narrow gather's in units: the same kernel moves the same bytes."""
-    if v <= 1 or not cl or s.pixel_fastest or s.orr != 1 or geo.cg % v or s.on % v or s.op % v:
+    if v <= 1 or not cl or s.pixel_fastest or s.run > 1 or s.orr != 1 or geo.cg % v or s.on % v or s.op % v:
         return None
     import dataclasses
     return dataclasses.replace(geo, c=geo.c // v), s._replace(on=s.on // v, op=s.op // v)
@@ -487,18 +511,7 @@ def applies(x, flops: float) -> bool:
     return len(set(session.cuda_ordinals())) <= 1
 
 
-PAD_C_MAX = 7  # input channels padded up to a whole gather unit at most (an image's first layer: 1 or 3)
-
-
-def padded_channels(geo: ConvGeometry, cl: bool, itemsize: int, unit: int) -> int | None:
-    """The channel count a channels-last convolution's input is padded to (zero channels, zero weights), so
-    that its gather moves ``unit``-byte pieces and its GEMM's reduction rows are aligned: an ungrouped
-    convolution with a kernel window, at most PAD_C_MAX channels not filling whole units; else None."""
-    per = unit // itemsize
-    if not cl or geo.groups != 1 or per <= 1 or geo.c % per == 0 or geo.c > PAD_C_MAX or pointwise(geo) \
-            or any(z != 1 for z in geo.insert):
-        return None
-    return -(-geo.c // per) * per
+PAD_C_MAX = 7  # a channels-last call with at most this many input channels has its col rows padded (reduction_pad)
 
 
 def weight_rows(xp, wconv, cl: bool, k: int, crs: int):
@@ -508,29 +521,19 @@ def weight_rows(xp, wconv, cl: bool, k: int, crs: int):
     return xp.ascontiguousarray(wconv).reshape(k, crs)
 
 
-def pad_weight_rows(xp, wmat, c: int, cpad: int):
-    """The channels-last ``(K, taps * c)`` weight matrix with zero rows for channels c .. cpad - 1."""
-    k = wmat.shape[0]
-    out = xp.zeros((k, wmat.shape[1] // c, cpad), dtype=wmat.dtype)
-    out[:, :, :c] = wmat.reshape(k, -1, c)
-    return out.reshape(k, -1)
+def pad_reduction(xp, wmat, rows: int, out=None):
+    """The ``(K, rows)`` weight matrix (in ``out``, compact, where given): ``wmat``'s columns, then zeros
+    (``reduction_pad``)."""
+    k, crs = wmat.shape
+    out = xp.empty((k, rows), dtype=wmat.dtype) if out is None else out.reshape(k, rows)
+    out[:, crs:] = 0
+    out[:, :crs] = wmat
+    return out
 
 
-def pad_channels(geo: ConvGeometry, x, wmat, cpad: int):
-    """The padded problem of a channels-last call (``padded_channels``): x copied into ``cpad`` channels (the
-    rest zero), the weight given zero rows (kept per weight); returns its (geometry, x, weight matrix)."""
-    import dataclasses
-
-    import cupy
-
-    from . import direct_cache, direct_cuda
-    dt = np.dtype(x.dtype)
-    xpad = direct_cuda.scratch("xpad", geo.n * prod(geo.in_size) * cpad, dt)
-    pv = xpad.reshape(-1, cpad)
-    pv[:, geo.c:] = 0
-    pv[:, :geo.c] = direct_cuda._bits(x).reshape(-1, geo.c)
-    wpad = direct_cache.derived(wmat, ("pad_c", cpad), lambda: pad_weight_rows(cupy, wmat, geo.c, cpad))
-    return dataclasses.replace(geo, c=cpad), xpad.view(dt), wpad
+def padded_rows(steps: list) -> int | None:
+    """The padded length of col's rows in a forward plan's ``steps`` (the weight matrix's too), or None."""
+    return next((s.op for s in steps if isinstance(s, Gather) and s.run > 1), None)
 
 
 def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
@@ -543,9 +546,6 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
 
     from . import direct_cache, direct_cuda
     dt = np.dtype(x.dtype)
-    cpad = padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)
-    if cpad is not None:
-        geo, x, wmat = pad_channels(geo, x, wmat, cpad)
 
     # the residual is added by the epilogue kernel (one read), not copied into y for the GEMMs to accumulate on
     # (a copy, and the GEMMs reading y), unless it is y itself
@@ -555,6 +555,9 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
         plan = direct_cuda.forward_plan(geo, cl, dt, 1.0 if in_y else 0.0, budget, math)
         return plan, {name: direct_cuda.scratch(name, size, dt) for name, size in plan.scratch.items()}
     plan, scratch = direct_cuda.with_memory(attempt)
+    rows = padded_rows(plan.steps)
+    if rows is not None:
+        wmat = direct_cache.derived(wmat, ("pad_rows", rows), lambda: pad_reduction(cupy, wmat, rows))
     bufs = {"x": x, "w": wmat, "y": y, **scratch}
     if plan.form == "shifted":
         bufs["wt"] = direct_cache.derived(wmat, ("tap_major", cl, geo.k, geo.c),

@@ -133,10 +133,10 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     dt = np.dtype(dtype)
     scratch = tuple(plan.scratch.items())
     flops = 2.0 * geo.n * geo.p * geo.k * geo.crs if flops is None else flops
-    cpad = conv_direct.padded_channels(geo, cl, dt.itemsize, direct_cuda.GATHER_UNIT)  # (channels-last only)
-    if plan.form == "implicit" and not scratch and cpad is None and bias_of is None:
+    rows = conv_direct.padded_rows(plan.steps)
+    if plan.form == "implicit" and not scratch and bias_of is None:
         return _implicit_replay(geo, cl, dt, math, plan, make_y, weight_of, epilogue, flops, converted)
-    if not scratch and cpad is None and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch \
+    if not scratch and len(plan.launches) == 1 and type(plan.launches[0]) is direct_cuda.GemmLaunch \
             and bias_of is None:
         issue = direct_cuda.gemm_issuer(plan.launches[0], {"x": 0, "w": 1, "wt": 1, "y": 2}, dt, math)
         if issue is not None:
@@ -145,16 +145,15 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     def launch(x, w, y, bias=None):
         if weight_of is not None:
             w = weight_of(w)
-        g = geo
-        if cpad is not None:  # x and the weight's (K, taps * C) rows padded as the full path pads them
-            rows = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
-            g, x, w = conv_direct.pad_channels(geo, x, rows, cpad)
+        if rows is not None:  # the weight matrix padded as the full path pads it
+            wmat = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
+            w = conv_direct.pad_reduction(cupy, wmat, rows, direct_cuda.scratch("wpad", geo.k * rows, dt).view(dt))
         bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
         if bias is not None:
             bufs["bias"] = bias
         for name, size in scratch:
             bufs[name] = direct_cuda.empty_bits(size, dt)
-        direct_cuda.CudaOps(g, cl, bufs, dt, math).run(plan.steps, plan.launches)
+        direct_cuda.CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
     return _launch_replay(launch, make_y, epilogue, flops, converted, bias_of)
 
 

@@ -34,14 +34,16 @@ def _bits(a, unit: int | None = None):
 _KERNELS: dict = {}
 
 
-def _gather_kernel(unit: int, index: str, nd: int, insert: bool):
+def _gather_kernel(unit: int, index: str, nd: int, insert: bool, run: int = 1):
     """The gather (``gather_kernel.source``) over ``unit``-byte elements, indices of ``index`` ("int32" where
-    every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not."""
-    key = (unit, index, nd, insert)
+    every index fits, else "int64"), ``nd`` spatial dimensions, zero insertion or not; ``run`` > 1: the run
+    gather (``gather_kernel.run_source``) over ``unit``-byte elements."""
+    key = (unit, index, nd, insert, run)
     k = _KERNELS.get(key)
     if k is None:
         import cupy
-        k = _KERNELS[key] = cupy.RawKernel(*gather_kernel.source(*key))
+        src = gather_kernel.run_source(unit, index, nd) if run > 1 else gather_kernel.source(*key[:4])
+        k = _KERNELS[key] = cupy.RawKernel(*src)
     return k
 
 
@@ -65,7 +67,7 @@ def gather_launcher(g: "GatherLaunch", device: int) -> "driver_launch.DriverLaun
     """Gather ``g``'s kernel on ``device`` with its arguments packed once: ``(stream, x, col)`` launches it."""
     got = _GATHERS.get((g, device))
     if got is None:
-        got = _GATHERS[(g, device)] = _packed(_gather_kernel(g.unit, g.index, g.nd, g.insert), g, 2)
+        got = _GATHERS[(g, device)] = _packed(_gather_kernel(g.unit, g.index, g.nd, g.insert, g.run), g, 2)
     return got
 
 
@@ -74,7 +76,8 @@ def gather_launcher(g: "GatherLaunch", device: int) -> "driver_launch.DriverLaun
 class GatherLaunch(NamedTuple):
     """The gather kernel's integer arguments (gather_kernel.ARG_NAMES), index type, threads, spatial
     dimensions, whether it inserts zeros, the bytes a thread moves, where that is more than an element the
-    launch in the next narrower unit (for x or col not aligned to this one), and the divisors' multipliers."""
+    launch in the next narrower unit (for x or col not aligned to this one), the divisors' multipliers, and the
+    elements a thread writes (> 1: the run gather, ``unit`` the element size)."""
 
     args: tuple
     index: str
@@ -84,9 +87,10 @@ class GatherLaunch(NamedTuple):
     unit: int
     narrow: "GatherLaunch | None" = None
     magic: tuple = ()
+    run: int = 1
 
 
-GATHER_UNIT = 8  # bytes of consecutive channels a copy moves where it can; conv1's channels are padded to it
+GATHER_UNIT = 8  # bytes of consecutive elements a copy moves where it can (copy)
 GATHER_UNITS = (16, 8)  # bytes of consecutive channels a gather thread moves where it can, widest first
 
 
@@ -105,7 +109,15 @@ class GemmLaunch(NamedTuple):
 
 def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsize: int) -> GatherLaunch:
     """The launch of gather ``s`` over elements of ``itemsize`` bytes: in the widest of GATHER_UNITS it can,
-    each with the next narrower launch (down to elements) for buffers not aligned to it."""
+    each with the next narrower launch (down to elements) for buffers not aligned to it; a run gather as it is
+    (it reads elements, and col's runs are aligned)."""
+    if s.run > 1:
+        args = tuple(int(a) for a in cd.gather_args(geo, cl, s))
+        total = s.nb * geo.p * (s.op // s.run)
+        index = "int32" if max(s.nb * geo.p * s.op, x_size) < 2**31 else "int64"
+        return GatherLaunch(args, index, total, geo.nd, False, itemsize,
+                            magic=gather_kernel.magic_args(args, gather_kernel.RUN_ARG_NAMES,
+                                                           gather_kernel.RUN_DIVISORS), run=s.run)
     launch = _gather_launch(geo, cl, s, x_size, itemsize)
     for unit in reversed(GATHER_UNITS):
         v = unit // itemsize
@@ -211,13 +223,14 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             steps = wf.batched_steps(geo, parts, slots)
             scratch = {"dwp": wf.batched_scratch(geo, slots, dt)}
         else:
-            per = wf.weight_scratch(geo, cl)
+            pad = cd.reduction_pad(geo, cl, dt.itemsize)
+            per = wf.weight_scratch(geo, cl, pad)
             parts = cd.chunks(geo.n, per * dt.itemsize, budget)
-            steps = wf.weight_steps(geo, cl, parts)
+            steps = wf.weight_steps(geo, cl, parts, pad)
             scratch = {}
             if per:
                 nb = max(nb for _, nb in parts)
-                scratch["col"] = geo.crs * geo.p * nb
+                scratch["col"] = (geo.crs if pad is None else pad[0]) * geo.p * nb
                 if not cl:
                     scratch["dyc"] = nb * per - scratch["col"]
         once = form != "batched" and all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))

@@ -63,6 +63,56 @@ def source(unit: int, index: str, nd: int, insert: bool) -> tuple[str, str]:
                        index, head, _BODY), name
 
 
+RUN_ARG_NAMES = [*ARG_NAMES, "RU"]  # RU: units of V elements in a padded col row (its length op = RU * V)
+RUN_DIVISORS = ("P", "RU", "Cg", "K1", "K2", "O1", "O2")
+RUN_MAGIC_NAMES = [f"{d}_{v}" for d in RUN_DIVISORS for v in ("m", "s")]
+RUN_BYTES = 16  # what a thread of the run gather stores
+
+_RUN_BODY = """
+UI ii = (UI)i;
+UI t = Q(ii, RU), r = (ii - t * (UI)RU) * (UI)V, j = Q(t, P), p = t - j * (UI)P;
+UI k = Q(r, Cg), c = r - k * (UI)Cg;
+UI k0 = k, k1 = 0, k2 = 0, o0 = p, o1 = 0, o2 = 0;
+if (ND == 2) { k0 = Q(k, K1); k1 = k - k0 * (UI)K1; o0 = Q(p, O1); o1 = p - o0 * (UI)O1; }
+if (ND == 3) { t = Q(k, K2); k2 = k - t * (UI)K2; k0 = Q(t, K1); k1 = t - k0 * (UI)K1;
+               t = Q(p, O2); o2 = p - t * (UI)O2; o0 = Q(t, O1); o1 = t - o0 * (UI)O1; }
+I a0 = (I)(o0 * (UI)st0) - pl0, a1 = (I)(o1 * (UI)st1) - pl1, a2 = (I)(o2 * (UI)st2) - pl2;
+const E* xj = x + (I)((n0 + (I)j) * sn + goff * sc);
+union { U u; E e[V]; } out;
+#pragma unroll
+for (int e = 0; e < V; ++e) {
+  E v = 0;
+  if (r + (UI)e < (UI)CRS) {
+    I u0 = a0 + (I)(k0 * (UI)dl0), u1 = a1 + (I)(k1 * (UI)dl1), u2 = a2 + (I)(k2 * (UI)dl2);
+    if (u0 >= 0 && u1 >= 0 && u2 >= 0 && u0 < I0 && u1 < I1 && u2 < I2)
+      v = xj[(I)c * sc + u0 * s0 + u1 * s1 + u2 * s2];
+    if (++c == (UI)Cg) {
+      c = 0;
+      if (ND == 1) { ++k0; }
+      else if (ND == 2) { if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
+      else if (++k2 == (UI)K2) { k2 = 0; if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
+    }
+  }
+  out.e[e] = v;
+}
+*(U*)(col + (I)(j * (UI)on + r + p * (UI)op)) = out.u;
+"""
+
+
+def run_source(itemsize: int, index: str, nd: int) -> tuple[str, str]:
+    """(code, name) of the run gather: a thread writes V = RUN_BYTES / ``itemsize`` consecutive elements of one
+    pixel's col row (channels-last x, reduction order (r..., c), no zero insertion) in one 16-byte store, reading
+    them one by one: for a few input channels, whose rows are padded with zeros to a whole number of runs (their
+    length ``op``, a multiple of V; elements past CRS are zero). Arguments ``(x, col, RUN_ARG_NAMES,
+    RUN_MAGIC_NAMES, total)``, total = images * P * RU; col's offset of every run is a multiple of V."""
+    ctype = _CTYPES[itemsize]
+    v = RUN_BYTES // itemsize
+    name = f"blasx_conv_gather_run{v}_e{8 * itemsize}_{index}_{nd}d"
+    head = f"typedef {ctype} E; typedef ulonglong2 U; const int ND = {nd}; const int V = {v};"
+    return grid_kernel(name, f"const {ctype}* __restrict__ x, {ctype}* __restrict__ col", RUN_ARG_NAMES,
+                       RUN_DIVISORS, index, head, _RUN_BODY), name
+
+
 def grid_kernel(name: str, pointers: str, names, divisors, index: str, head: str, body: str) -> str:
     """The code of raw kernel ``name(pointers, names (of the index type), each divisor's D_m and D_s (unsigned
     int), long long total)``: ``head``, then ``body`` for every i < total in a grid-stride loop; I and UI are

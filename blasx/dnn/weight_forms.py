@@ -67,8 +67,9 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     return "batched" if "batched" in applicable and large else "im2col"
 
 
-def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
-    """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first."""
+def weight_steps(geo: ConvGeometry, cl: bool, parts: list, pad: tuple | None = None) -> list:
+    """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first;
+    ``pad``: col's rows padded (conv_direct.reduction_pad; dW is not)."""
     G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
     steps: list = []
     if cl and cd.pointwise(geo):
@@ -79,10 +80,11 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
         if not cl:
             steps.append(cd.CopyDy(n0, nb))
         for g in range(G):
-            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
-                steps.append(cd.Gather(g, n0, nb, p * crs, 1, crs, False))
+            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P, ld rows) dY_g^T
+                rows, run = pad or (crs, 1)
+                steps.append(cd.Gather(g, n0, nb, p * rows, 1, rows, False, run))
                 steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K + g * kg), ("dw", g * kg * crs), cd.OP_N,
-                                     cd.OP_T, crs, kg, nb * p, crs, K, crs, 0, 0, 0, 1, beta))
+                                     cd.OP_T, crs, kg, nb * p, rows, K, crs, 0, 0, 0, 1, beta))
             else:  # col (nb*P x crs, ld nb*P); dyc_g (nb*P x kg)
                 steps.append(cd.Gather(g, n0, nb, p, nb * p, 1, True))
                 steps.append(cd.Gemm(("col", 0), ("dyc", g * kg * nb * p), ("dw", g * kg * crs), cd.OP_T,
@@ -90,11 +92,11 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list) -> list:
     return steps
 
 
-def weight_scratch(geo: ConvGeometry, cl: bool) -> int:
-    """Scratch elements per image of the weight plan (col, and dY's copy for NCHW)."""
+def weight_scratch(geo: ConvGeometry, cl: bool, pad: tuple | None = None) -> int:
+    """Scratch elements per image of the weight plan (col, and dY's copy for NCHW); ``pad`` as weight_steps'."""
     if cl and cd.pointwise(geo):
         return 0
-    return geo.crs * geo.p + (0 if cl else geo.k * geo.p)
+    return (geo.crs if pad is None else pad[0]) * geo.p + (0 if cl else geo.k * geo.p)
 
 
 def batched_slots(geo: ConvGeometry, nb: int, acc_itemsize: int) -> int:
