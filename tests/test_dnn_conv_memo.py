@@ -237,8 +237,8 @@ def test_a_col2im_replay_weighs_the_flops_the_full_path_weighed():
 
 
 def test_a_transposed_call_with_few_channels_replays_its_padding():
-    """conv_transpose2d on 3 channels-last channels: x copied into padded channels and the flipped weight's rows
-    padded on every replay, launching what the full path launches."""
+    """conv_transpose2d on 3 channels-last channels: col's rows padded to whole runs (27 -> 32 elements) and the
+    flipped weight's matrix padded alike on every replay, launching what the full path launches."""
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy
         with cupy.cuda.Device(0), cd.on_own_gpu():
@@ -252,7 +252,8 @@ def test_a_transposed_call_with_few_channels_replays_its_padding():
             fake.log.clear()
             want = dnn.conv_transpose2d(x, w, None, 1, 1)
             full = _masked(fake.log, {"x": x, "w": w})
-    assert replayed == full and any(e[0] == "zeros" for e in full) and any(e[0] == "gemm" for e in full)
+    gemms = [e for e in full if e[0] == "gemm"]
+    assert replayed == full and gemms and all(32 in e[1:] and 27 not in e[1:] for e in gemms), gemms
     assert (got.shape, got.strides) == (want.shape, want.strides)
 
 

@@ -104,6 +104,11 @@ def host_run_gather(nd: int, itemsize: int = 8, index: str = "int32"):
     return call
 
 
+def run_threads(s, p: int) -> int:
+    """The run gather's thread count for step ``s`` over maps of ``p`` pixels."""
+    return -(-s.nb * p // gk.RUN_PIXELS) * (s.op // s.run)
+
+
 def host_col2im(nd: int, index: str = "int32"):
     """col2im.py's kernel (T = A = double, ``index`` indices) compiled for the host and launched as one thread,
     as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None without a C++ compiler."""
@@ -197,7 +202,7 @@ class NumpyOps:
                 if fn is None:
                     break
                 got = np.full(col.size, np.nan)
-                fn(x.ctypes.data, got.ctypes.data, cd.gather_args(g, self.cl, s), i.size // s.run)
+                fn(x.ctypes.data, got.ctypes.data, cd.gather_args(g, self.cl, s), run_threads(s, g.p))
                 assert np.array_equal(got[dst], col[dst]), f"the run gather ({index}) differs from its numpy form"
                 assert np.isnan(np.delete(got, dst)).all(), "the run gather wrote outside its elements"
             return
@@ -742,11 +747,11 @@ def test_run_gather_moves_bits_of_every_element_size(itemsize):
         pytest.skip("no C++ compiler")
     xb = memory(x, True).astype(f"u{itemsize}")
     got = np.full(want.size + run, 2**15, dtype=f"u{itemsize}")  # one run more: nothing is written past col
-    fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(geo, True, step), want.size // run)
+    fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(geo, True, step), run_threads(step, geo.p))
     assert np.array_equal(got[:want.size].astype(np.float64), want) and (got[want.size:] == 2**15).all()
     assert not want.reshape(-1, rows)[:, geo.crs:].any()
     launch = direct_cuda.gather_launch(geo, True, step, x.size, itemsize)
-    assert (launch.run, launch.unit, launch.total, launch.narrow) == (run, itemsize, want.size // run, None)
+    assert (launch.run, launch.unit, launch.total, launch.narrow) == (run, itemsize, run_threads(step, geo.p), None)
     assert launch.magic == gk.magic_args(launch.args, gk.RUN_ARG_NAMES, gk.RUN_DIVISORS)
 
 

@@ -469,7 +469,7 @@ def gather_args(geo: ConvGeometry, cl: bool, s: Gather) -> tuple:
     return (geo.p, geo.crs, prod(geo.kernel), geo.cg, int(cl), int(s.pixel_fastest), s.group * geo.cg,
             *three(geo.kernel, 1)[1:], *three(geo.out_size, 1)[1:], *three(geo.stride, 1), *three(geo.dilation, 1),
             *three(geo.pad_lo, 0), *three(geo.insert, 1), *three(geo.in_size, 1), sn, sc, *three(ssp, 0), s.n0,
-            s.on, s.orr, s.op, *((s.op // s.run,) if s.run > 1 else ()))
+            s.on, s.orr, s.op, *((s.op // s.run, s.nb * geo.p) if s.run > 1 else ()))
 
 
 def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):

@@ -113,7 +113,7 @@ def gather_launch(geo: ConvGeometry, cl: bool, s: cd.Gather, x_size: int, itemsi
     (it reads elements, and col's runs are aligned)."""
     if s.run > 1:
         args = tuple(int(a) for a in cd.gather_args(geo, cl, s))
-        total = s.nb * geo.p * (s.op // s.run)
+        total = -(-s.nb * geo.p // gather_kernel.RUN_PIXELS) * (s.op // s.run)
         index = "int32" if max(s.nb * geo.p * s.op, x_size) < 2**31 else "int64"
         return GatherLaunch(args, index, total, geo.nd, False, itemsize,
                             magic=gather_kernel.magic_args(args, gather_kernel.RUN_ARG_NAMES,

@@ -63,52 +63,77 @@ def source(unit: int, index: str, nd: int, insert: bool) -> tuple[str, str]:
                        index, head, _BODY), name
 
 
-RUN_ARG_NAMES = [*ARG_NAMES, "RU"]  # RU: units of V elements in a padded col row (its length op = RU * V)
+RUN_ARG_NAMES = [*ARG_NAMES, "RU", "NPIX"]  # RU: runs in a col row (its length op = RU * V); NPIX: the pixels
 RUN_DIVISORS = ("P", "RU", "Cg", "K1", "K2", "O1", "O2")
 RUN_MAGIC_NAMES = [f"{d}_{v}" for d in RUN_DIVISORS for v in ("m", "s")]
-RUN_BYTES = 16  # what a thread of the run gather stores
+RUN_BYTES = 16  # what a thread of the run gather stores at once
+RUN_PIXELS = 4  # pixels a thread of the run gather writes its run of
 
+# A thread takes run (r .. r + V - 1) of RUN_PIXELS consecutive pixels: the run's taps (x offsets, window
+# displacements and their extremes) are worked out once; a pixel whose window holds all of them reads without
+# bounds checks.
 _RUN_BODY = """
 UI ii = (UI)i;
-UI t = Q(ii, RU), r = (ii - t * (UI)RU) * (UI)V, j = Q(t, P), p = t - j * (UI)P;
-UI k = Q(r, Cg), c = r - k * (UI)Cg;
-UI k0 = k, k1 = 0, k2 = 0, o0 = p, o1 = 0, o2 = 0;
-if (ND == 2) { k0 = Q(k, K1); k1 = k - k0 * (UI)K1; o0 = Q(p, O1); o1 = p - o0 * (UI)O1; }
-if (ND == 3) { t = Q(k, K2); k2 = k - t * (UI)K2; k0 = Q(t, K1); k1 = t - k0 * (UI)K1;
-               t = Q(p, O2); o2 = p - t * (UI)O2; o0 = Q(t, O1); o1 = t - o0 * (UI)O1; }
-I a0 = (I)(o0 * (UI)st0) - pl0, a1 = (I)(o1 * (UI)st1) - pl1, a2 = (I)(o2 * (UI)st2) - pl2;
-const E* xj = x + (I)((n0 + (I)j) * sn + goff * sc);
-union { U u; E e[V]; } out;
+UI pg = Q(ii, RU), r = (ii - pg * (UI)RU) * (UI)V;
+UI k = Q(r, Cg), c = r - k * (UI)Cg, k0 = k, k1 = 0, k2 = 0, t;
+if (ND == 2) { k0 = Q(k, K1); k1 = k - k0 * (UI)K1; }
+if (ND == 3) { t = Q(k, K2); k2 = k - t * (UI)K2; k0 = Q(t, K1); k1 = t - k0 * (UI)K1; }
+const int rem = (int)((UI)CRS - r);  // the run's real elements (the rest are padding: zero)
+I off[V], d0[V], d1[V], d2[V];
+I lo0 = 0, hi0 = 0, lo1 = 0, hi1 = 0, lo2 = 0, hi2 = 0;
 #pragma unroll
 for (int e = 0; e < V; ++e) {
-  E v = 0;
-  if (r + (UI)e < (UI)CRS) {
-    I u0 = a0 + (I)(k0 * (UI)dl0), u1 = a1 + (I)(k1 * (UI)dl1), u2 = a2 + (I)(k2 * (UI)dl2);
-    if (u0 >= 0 && u1 >= 0 && u2 >= 0 && u0 < I0 && u1 < I1 && u2 < I2)
-      v = xj[(I)c * sc + u0 * s0 + u1 * s1 + u2 * s2];
-    if (++c == (UI)Cg) {
-      c = 0;
-      if (ND == 1) { ++k0; }
-      else if (ND == 2) { if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
-      else if (++k2 == (UI)K2) { k2 = 0; if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
+  d0[e] = (I)(k0 * (UI)dl0); d1[e] = (I)(k1 * (UI)dl1); d2[e] = (I)(k2 * (UI)dl2);
+  off[e] = (I)c * sc + d0[e] * s0 + d1[e] * s1 + d2[e] * s2;
+  if (e == 0) { lo0 = hi0 = d0[0]; lo1 = hi1 = d1[0]; lo2 = hi2 = d2[0]; }
+  else if (e < rem) { lo0 = d0[e] < lo0 ? d0[e] : lo0; hi0 = d0[e] > hi0 ? d0[e] : hi0;
+                      lo1 = d1[e] < lo1 ? d1[e] : lo1; hi1 = d1[e] > hi1 ? d1[e] : hi1;
+                      lo2 = d2[e] < lo2 ? d2[e] : lo2; hi2 = d2[e] > hi2 ? d2[e] : hi2; }
+  if (++c == (UI)Cg) {
+    c = 0;
+    if (ND == 1) { ++k0; }
+    else if (ND == 2) { if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
+    else if (++k2 == (UI)K2) { k2 = 0; if (++k1 == (UI)K1) { k1 = 0; ++k0; } }
+  }
+}
+for (int q = 0; q < PIXELS; ++q) {
+  UI tp = pg * (UI)PIXELS + (UI)q;
+  if (tp >= (UI)NPIX) break;
+  UI j = Q(tp, P), p = tp - j * (UI)P, o0 = p, o1 = 0, o2 = 0;
+  if (ND == 2) { o0 = Q(p, O1); o1 = p - o0 * (UI)O1; }
+  if (ND == 3) { t = Q(p, O2); o2 = p - t * (UI)O2; o0 = Q(t, O1); o1 = t - o0 * (UI)O1; }
+  I a0 = (I)(o0 * (UI)st0) - pl0, a1 = (I)(o1 * (UI)st1) - pl1, a2 = (I)(o2 * (UI)st2) - pl2;
+  const E* xp = x + ((n0 + (I)j) * sn + goff * sc + a0 * s0 + a1 * s1 + a2 * s2);
+  bool inside = a0 + lo0 >= 0 && a0 + hi0 < I0 && a1 + lo1 >= 0 && a1 + hi1 < I1 && a2 + lo2 >= 0 && a2 + hi2 < I2;
+  union { U u; E e[V]; } out;
+  if (inside) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out.e[e] = e < rem ? xp[off[e]] : (E)0;
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      I u0 = a0 + d0[e], u1 = a1 + d1[e], u2 = a2 + d2[e];
+      bool ok = e < rem && u0 >= 0 && u1 >= 0 && u2 >= 0 && u0 < I0 && u1 < I1 && u2 < I2;
+      out.e[e] = ok ? xp[off[e]] : (E)0;
     }
   }
-  out.e[e] = v;
+  *(U*)(col + (I)(j * (UI)on + r + p * (UI)op)) = out.u;
 }
-*(U*)(col + (I)(j * (UI)on + r + p * (UI)op)) = out.u;
 """
 
 
 def run_source(itemsize: int, index: str, nd: int) -> tuple[str, str]:
-    """(code, name) of the run gather: a thread writes V = RUN_BYTES / ``itemsize`` consecutive elements of one
-    pixel's col row (channels-last x, reduction order (r..., c), no zero insertion) in one 16-byte store, reading
-    them one by one: for a few input channels, whose rows are padded with zeros to a whole number of runs (their
-    length ``op``, a multiple of V; elements past CRS are zero). Arguments ``(x, col, RUN_ARG_NAMES,
-    RUN_MAGIC_NAMES, total)``, total = images * P * RU; col's offset of every run is a multiple of V."""
+    """(code, name) of the run gather: a thread writes V = RUN_BYTES / ``itemsize`` consecutive elements of a col
+    row (channels-last x, reduction order (r..., c), no zero insertion) in one 16-byte store, for RUN_PIXELS
+    consecutive pixels, reading the elements one by one: for a few input channels, whose rows are padded with
+    zeros to a whole number of runs (their length ``op``, a multiple of V; elements past CRS are zero).
+    Arguments ``(x, col, RUN_ARG_NAMES, RUN_MAGIC_NAMES, total)``, total = ceil(NPIX / RUN_PIXELS) * RU; col's
+    offset of every run is a multiple of V."""
     ctype = _CTYPES[itemsize]
     v = RUN_BYTES // itemsize
     name = f"blasx_conv_gather_run{v}_e{8 * itemsize}_{index}_{nd}d"
-    head = f"typedef {ctype} E; typedef ulonglong2 U; const int ND = {nd}; const int V = {v};"
+    head = (f"typedef {ctype} E; typedef ulonglong2 U; const int ND = {nd}; const int V = {v}; "
+            f"const int PIXELS = {RUN_PIXELS};")
     return grid_kernel(name, f"const {ctype}* __restrict__ x, {ctype}* __restrict__ col", RUN_ARG_NAMES,
                        RUN_DIVISORS, index, head, _RUN_BODY), name
 
