@@ -9,6 +9,8 @@ profile below), so a run is reproducible; convolutions run on the CPU device and
 
 from __future__ import annotations
 
+import os
+
 import math
 import re
 from contextlib import contextmanager
@@ -32,8 +34,11 @@ settings.register_profile("blasx-dnn-hypothesis", derandomize=True, deadline=Non
 PROFILE = settings.get_profile("blasx-dnn-hypothesis")
 
 
+SCALE = float(os.environ.get("BLASX_HYPOTHESIS_SCALE", "0.6"))  # examples per test: n x this (longer runs: > 1)
+
+
 def examples(n: int):
-    return settings(PROFILE, max_examples=n)
+    return settings(PROFILE, max_examples=max(10, round(n * SCALE)))
 
 
 F64, F32, F16, BF16 = (np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16))
