@@ -162,7 +162,7 @@ class NumpyOps:
         (P, CRS, KS, Cg, cl, pf, goff, K1, K2, O1, O2, st0, st1, st2, dl0, dl1, dl2, pl0, pl1, pl2, z0, z1, z2,
          I0, I1, I2, sn, sc, s0, s1, s2, n0, on, orr, op) = cd.gather_args(g, self.cl, s)[:len(gk.ARG_NAMES)]
         if s.run > 1:  # every element of the padded rows (op long): r past CRS is zero
-            assert cl and not pf and orr == 1 and op % s.run == 0 and on % s.run == 0 and op >= CRS
+            assert not pf and orr == 1 and op % s.run == 0 and on % s.run == 0 and op >= CRS
             i = np.arange(s.nb * g.p * op)
             r, t = i % op, i // op
             p, j = t % P, t // P
@@ -176,7 +176,7 @@ class NumpyOps:
             i = np.arange(s.nb * g.crs * g.p)
             r, t = i % CRS, i // CRS
             p, j = t % P, t // P
-        if cl:
+        if cl or s.run > 1:  # (a run gather's order is (r..., c) in both layouts)
             k, c = r // Cg, r % Cg
         else:
             c, k = r // KS, r % KS
@@ -286,7 +286,7 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     form = cd.forward_form(geo, np.float64, cd.FORM) if form is None else form
     steps, scratch = cd.forward_plan(geo, cl, np.float64, 0.0 if residual is None else 1.0, budget, form)
     rows = cd.padded_rows(steps)
-    w = wrows if rows is None else cd.pad_reduction(np, wrows, rows)
+    w = wrows if rows is None else cd.pad_reduction(np, wrows, rows, channels=0 if cl else geo.c)
     bufs = {"x": xmem, "w": w.ravel(), "y": ymem, **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     if form == "shifted":
         bufs["wt"] = cd.tap_major(np, geo, cl, wrows).ravel()
@@ -317,7 +317,10 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col", slots=None):
     bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
-    return bufs["dw"].reshape(geo.k, geo.crs), parts
+    dw = bufs["dw"].reshape(geo.k, geo.crs)
+    if not cl and cd.padded_rows(steps) is not None:  # made in the order (r..., c), as direct_cuda reorders it
+        dw = np.ascontiguousarray(dw.reshape(geo.k, -1, geo.c).transpose(0, 2, 1)).reshape(geo.k, geo.crs)
+    return dw, parts
 
 
 def emulated_transposed(geo, xmem, cl, wmem, wcl, ymem, bias, budget):
@@ -686,8 +689,8 @@ def test_a_widened_gather_moves_the_same_bytes(nd, stride, pad, dil, groups, ks,
 
 
 def test_which_calls_pad_their_rows():
-    """col's rows are padded (conv_direct.reduction_pad) for a channels-last ungrouped convolution with a kernel
-    window over at most PAD_C_MAX channels whose rows are not whole 16-byte runs; NCHW, grouped, pointwise,
+    """col's rows are padded (conv_direct.reduction_pad) for an ungrouped convolution with a kernel window over at
+    most PAD_C_MAX channels whose rows are not whole 16-byte runs, in either layout; grouped, pointwise,
     transposed (zero insertion), whole-run and wider inputs are left as they are."""
     def geo(c, ks=3, groups=1, size=(9, 8)):
         return conv_geometry("conv2d", 2, np.zeros((2, c * groups, *size)), np.zeros((4, c, ks, ks)), 2, 1, 1, groups)
@@ -697,60 +700,64 @@ def test_which_calls_pad_their_rows():
     pointwise = conv_geometry("conv2d", 2, np.zeros((2, 3, 9, 8)), np.zeros((4, 3, 1, 1)), 1, 0, 1, 1)
     for g, itemsize in ((geo(8), 2), (geo(4), 4), (geo(2), 8), (geo(9), 2), (pointwise, 2), (geo(3, groups=2), 2)):
         assert cd.reduction_pad(g, True, itemsize) is None
-    assert cd.reduction_pad(geo(3), False, 2) is None
+    assert cd.reduction_pad(geo(3), False, 2) == (32, 8)
     t = transpose_geometry("t", 2, np.zeros((2, 3, 9, 8)), np.zeros((3, 4, 3, 3)), 2, 1, 1, 1, 1)
     assert cd.reduction_pad(t, True, 2) is None
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([1, 2, 3]), st.sampled_from([1, 3, 5]), st.integers(1, 2), st.integers(0, 3), st.integers(1, 2),
-       st.sampled_from([3, 5]), st.integers(0, 1000), st.sampled_from([1 << 30, 1]))
-def test_padded_rows_plans_vs_torch(nd, c, stride, pad, dil, ks, seed, budget):
-    """A channels-last convolution over a few input channels (an image's first layer) with col's rows padded to
-    whole runs (conv_direct.reduction_pad; float64's runs are 2 elements) and the weight matrix alike: forward
-    and weight gradient, every run gather also run compiled for the host; budget 1: one image a chunk."""
+@given(st.sampled_from([1, 2, 3]), st.booleans(), st.sampled_from([1, 3, 5]), st.integers(1, 2), st.integers(0, 3),
+       st.integers(1, 2), st.sampled_from([3, 5]), st.integers(0, 1000), st.sampled_from([1 << 30, 1]))
+def test_padded_rows_plans_vs_torch(nd, cl, c, stride, pad, dil, ks, seed, budget):
+    """A convolution over a few input channels (an image's first layer), both layouts, with col's rows padded to
+    whole runs in the order (r..., c) (conv_direct.reduction_pad; float64's runs are 2 elements) and the weight
+    matrix alike: forward and weight gradient, every run gather also run compiled for the host; budget 1: one
+    image a chunk."""
     rng = np.random.default_rng(seed)
     x, w = rng.standard_normal((3, c, *(9, 8, 5)[:nd])), rng.standard_normal((4, c, *(ks,) * nd))
     try:
         geo = conv_geometry("conv", nd, x, w, stride, pad, dil, 1)
     except ValueError:
         return  # kernel larger than the padded input
-    assert cd.reduction_pad(geo, True, 8) == (geo.crs + 1, 2)  # (an odd CRS)
-    steps, _ = cd.forward_plan(geo, True, np.float64, 0.0, budget, "im2col")
+    assert cd.reduction_pad(geo, cl, 8) == (geo.crs + 1, 2)  # (an odd CRS)
+    steps, _ = cd.forward_plan(geo, cl, np.float64, 0.0, budget, "im2col")
     assert cd.padded_rows(steps) == geo.crs + 1 and all(s.run == 2 for s in steps if isinstance(s, cd.Gather))
     ref = getattr(F, f"conv{nd}d")(torch.from_numpy(x), torch.from_numpy(w), None, stride, pad, dil).numpy()
     ymem = np.full(ref.size, np.nan)
-    emulated_forward(geo, memory(x, True), True, _wrows(w, True), ymem, None, budget, "im2col")
-    assert _rel(from_memory(ymem, ref.shape, True), ref) < 1e-13
+    emulated_forward(geo, memory(x, cl), cl, _wrows(w, cl), ymem, None, budget, "im2col")
+    assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
     dy = rng.standard_normal(ref.shape)
-    dw, _ = emulated_weight(geo, memory(x, True), memory(dy, True), True, budget)
+    dw, _ = emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, budget)
     want = getattr(torch.nn.grad, f"conv{nd}d_weight")(torch.from_numpy(x), w.shape, torch.from_numpy(dy), stride,
                                                         pad, dil).numpy()
-    assert _rel(np.moveaxis(dw.reshape(w.shape[0], *w.shape[2:], c), -1, 1), want) < 1e-13
+    got = np.moveaxis(dw.reshape(w.shape[0], *w.shape[2:], c), -1, 1) if cl else dw.reshape(w.shape)
+    assert _rel(got, want) < 1e-13
 
 
+@pytest.mark.parametrize("cl", [True, False])
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
-def test_run_gather_moves_bits_of_every_element_size(itemsize):
+def test_run_gather_moves_bits_of_every_element_size(itemsize, cl):
     """ResNet's first layer (3 channels, 7x7, stride 2, pad 3) on a small map: its rows padded to whole 16-byte
     runs (float16 147 -> 152, float32 148, float64 148); the run kernel compiled for the host moves the bits of
-    every element as the numpy form of the gather says, zeros past CRS, and writes nothing else."""
+    every element as the numpy form of the gather says, zeros past CRS, and writes nothing else; x in either
+    layout (read by its strides)."""
     x = np.random.default_rng(itemsize).integers(1, 2**15, (2, 3, 13, 11)).astype(np.float64)
     geo = conv_geometry("conv2d", 2, x, np.zeros((5, 3, 7, 7)), 2, 3, 1, 1)
-    rows, run = cd.reduction_pad(geo, True, itemsize)
+    rows, run = cd.reduction_pad(geo, cl, itemsize)
     assert run == 16 // itemsize and rows == {2: 152, 4: 148, 8: 148}[itemsize]
-    step = cd.forward_steps(geo, True, [(0, 2)], 0.0, (rows, run))[0]
+    step = cd.forward_steps(geo, cl, [(0, 2)], 0.0, (rows, run))[0]
     assert step == cd.Gather(0, 0, 2, geo.p * rows, 1, rows, False, run)
     want = np.full(2 * geo.p * rows, np.nan)
-    NumpyOps(geo, True, {"x": memory(x, True), "col": want}).gather(step)
+    NumpyOps(geo, cl, {"x": memory(x, cl), "col": want}).gather(step)
     fn = host_run_gather(2, itemsize)
     if fn is None:
         pytest.skip("no C++ compiler")
-    xb = memory(x, True).astype(f"u{itemsize}")
+    xb = memory(x, cl).astype(f"u{itemsize}")
     got = np.full(want.size + run, 2**15, dtype=f"u{itemsize}")  # one run more: nothing is written past col
-    fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(geo, True, step), run_threads(step, geo.p))
+    fn(xb.ctypes.data, got.ctypes.data, cd.gather_args(geo, cl, step), run_threads(step, geo.p))
     assert np.array_equal(got[:want.size].astype(np.float64), want) and (got[want.size:] == 2**15).all()
     assert not want.reshape(-1, rows)[:, geo.crs:].any()
-    launch = direct_cuda.gather_launch(geo, True, step, x.size, itemsize)
+    launch = direct_cuda.gather_launch(geo, cl, step, x.size, itemsize)
     assert (launch.run, launch.unit, launch.total, launch.narrow) == (run, itemsize, run_threads(step, geo.p), None)
     assert launch.magic == gk.magic_args(launch.args, gk.RUN_ARG_NAMES, gk.RUN_DIVISORS)
 

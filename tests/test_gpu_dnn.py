@@ -342,11 +342,12 @@ def test_replayed_calls_on_fresh_operands(direct_route, dtype, layout, kernel, s
 
 
 @pytest.mark.parametrize("dtype,math", [*DIRECT_TOL, ("bfloat16", "ieee")])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("nd,c", [(1, 3), (2, 1), (2, 3), (2, 5), (3, 3)])
-def test_few_channels_by_padded_rows_vs_torch(direct_route, dtype, math, nd, c):
-    """Channels-last x of a few channels (an image's first layer): col's rows padded to whole 16-byte runs by the
-    run gather and the weight matrix alike (conv_direct.reduction_pad): forward with the epilogue and the weight
-    gradient on new operands each call (later calls replay), against torch in float64."""
+def test_few_channels_by_padded_rows_vs_torch(direct_route, dtype, math, nd, c, layout):
+    """x of a few channels (an image's first layer) in either layout: col's rows padded to whole 16-byte runs by
+    the run gather and the weight matrix alike (conv_direct.reduction_pad): forward with the epilogue and the
+    weight gradient on new operands each call (later calls replay), against torch in float64."""
     from blasx.dnn import conv_direct, direct_cuda
     from blasx.dnn.geometry import conv_geometry
     dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
@@ -360,14 +361,14 @@ def test_few_channels_by_padded_rows_vs_torch(direct_route, dtype, math, nd, c):
         w = (rng.standard_normal((16, c, *(5,) * nd)) / 4).astype(dt)
         b = rng.standard_normal(16)
         ref = fwd(wide(x), wide(w), None, 2, 2)
-        y = fn(_device(x, "cl"), _device(w, "cl"), cupy.asarray(b), 2, 2, activation="relu", math=math)
+        y = fn(_device(x, layout), _device(w, layout), cupy.asarray(b), 2, 2, activation="relu", math=math)
         assert y.dtype == dt and rel(y, F.relu(ref + torch.from_numpy(b)[(slice(None),) + (None,) * nd]).numpy()) < tol
         dy = rng.standard_normal(tuple(ref.shape)).astype(dt)
-        gw = getattr(dnn, f"conv{nd}d_weight")(_device(x, "cl"), w.shape, _device(dy, "cl"), 2, 2, math=math)
+        gw = getattr(dnn, f"conv{nd}d_weight")(_device(x, layout), w.shape, _device(dy, layout), 2, 2, math=math)
         assert gw.dtype == dt and rel(gw, grad_w(wide(x), w.shape, wide(dy), 2, 2).numpy()) < tol
     geo = conv_geometry("t", nd, x, w, 2, 2, 1, 1)
-    rows, run = conv_direct.reduction_pad(geo, True, dt.itemsize)
-    plan = direct_cuda.forward_plan(geo, True, dt, 0.0, direct_cuda.budget(), math)
+    rows, run = conv_direct.reduction_pad(geo, layout == "cl", dt.itemsize)
+    plan = direct_cuda.forward_plan(geo, layout == "cl", dt, 0.0, direct_cuda.budget(), math)
     assert conv_direct.padded_rows(plan.steps) == rows and rows % run == 0 and rows - geo.crs < run
 
 

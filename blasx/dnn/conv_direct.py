@@ -133,7 +133,7 @@ def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") ->
     the strided pixels only: NCHW's GEMMs are per image, too narrow below; over a zero-inserted input, a
     strided backward-data's col2im, ``INSERTED_MIN_PIXELS``), so does a layer with fewer than
     ``LAYOUT_MIN_C`` input or output channels (a first layer, or its backward-data: the large image's copy
-    costs more than the form gains) and one whose x or y is the same memory in both layouts (one output
+    costs more than the form gains; its col rows are padded where it lies, ``reduction_pad``) and one whose x or y is the same memory in both layouts (one output
     channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
     a weight gradient (``direction`` "bwd-weight") converts kernel windows only, on maps of at least
     ``WEIGHT_MIN_PIXELS`` output pixels."""
@@ -185,12 +185,13 @@ def chunks(n: int, per_image: int, budget: int) -> list[tuple[int, int]]:
 
 
 def reduction_pad(geo: ConvGeometry, cl: bool, itemsize: int) -> tuple[int, int] | None:
-    """(rows, run) where col's rows are padded: a channels-last ungrouped convolution with a kernel window over
-    at most PAD_C_MAX input channels whose CRS elements are not a whole number of RUN_BYTES; its rows padded
-    with zeros to ``rows`` (a multiple of ``run`` = RUN_BYTES / itemsize: the run gather's 16-byte stores, and
-    aligned rows for the GEMMs; the forward's weight matrix padded alike, ``pad_reduction``). Else None."""
+    """(rows, run) where col's rows are padded: an ungrouped convolution with a kernel window over at most
+    PAD_C_MAX input channels whose CRS elements are not a whole number of RUN_BYTES; its rows padded with zeros
+    to ``rows`` (a multiple of ``run`` = RUN_BYTES / itemsize: the run gather's 16-byte stores, and aligned rows
+    for the GEMMs; the forward's weight matrix padded alike, ``pad_reduction``). Else None. Padded rows are in
+    the channels-last reduction order (r..., c) whatever x's layout (the run gather reads x by its strides)."""
     run = gather_kernel.RUN_BYTES // itemsize
-    if not cl or geo.groups != 1 or geo.c > PAD_C_MAX or run <= 1 or geo.crs % run == 0 or pointwise(geo) \
+    if geo.groups != 1 or geo.c > PAD_C_MAX or run <= 1 or geo.crs % run == 0 or pointwise(geo) \
             or any(z != 1 for z in geo.insert):
         return None
     return -(-geo.crs // run) * run, run
@@ -200,12 +201,14 @@ def forward_steps(geo: ConvGeometry, cl: bool, parts: list, beta: float, pad: tu
     """y = conv(x, w) (+ beta y) by chunks ``parts`` of images (ignored for a pointwise conv); ``pad``: col's
     rows and the weight matrix's padded (``reduction_pad``)."""
     G, kg, crs, p, K, C = geo.groups, geo.kg, geo.crs, geo.p, geo.k, geo.c
-    if pad is not None:  # (channels-last, one group)
+    if pad is not None:  # (one group) col: a pixel's padded row of ``rows`` elements after another
         rows, run = pad
         return [step for n0, nb in parts for step in (
             Gather(0, n0, nb, p * rows, 1, rows, False, run),
             Gemm(("w", 0), ("col", 0), ("y", n0 * p * K), OP_T, OP_N, K, nb * p, rows, rows, rows, K, 0, 0, 0, 1,
-                 beta))]
+                 beta) if cl else  # Y (K x nb*P, ld K) = W^T col; NCHW: per image Y_n^T (P x K, ld P) = col_n^T W
+            Gemm(("col", 0), ("w", 0), ("y", n0 * K * p), OP_T, OP_N, p, K, rows, rows, rows, p, p * rows, 0, K * p,
+                 nb, beta))]
     steps: list = []
     if pointwise(geo):
         for g in range(G):
@@ -521,13 +524,16 @@ def weight_rows(xp, wconv, cl: bool, k: int, crs: int):
     return xp.ascontiguousarray(wconv).reshape(k, crs)
 
 
-def pad_reduction(xp, wmat, rows: int, out=None):
+def pad_reduction(xp, wmat, rows: int, out=None, channels: int = 0):
     """The ``(K, rows)`` weight matrix (in ``out``, compact, where given): ``wmat``'s columns, then zeros
-    (``reduction_pad``)."""
+    (``reduction_pad``); ``channels`` > 0: ``wmat``'s order is (c, r...) over that many channels, made (r..., c)."""
     k, crs = wmat.shape
     out = xp.empty((k, rows), dtype=wmat.dtype) if out is None else out.reshape(k, rows)
     out[:, crs:] = 0
-    out[:, :crs] = wmat
+    if channels:
+        out[:, :crs].reshape(k, crs // channels, channels)[...] = wmat.reshape(k, channels, -1).transpose(0, 2, 1)
+    else:
+        out[:, :crs] = wmat
     return out
 
 
@@ -557,7 +563,8 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
     plan, scratch = direct_cuda.with_memory(attempt)
     rows = padded_rows(plan.steps)
     if rows is not None:
-        wmat = direct_cache.derived(wmat, ("pad_rows", rows), lambda: pad_reduction(cupy, wmat, rows))
+        wmat = direct_cache.derived(wmat, ("pad_rows", rows, cl),
+                                    lambda: pad_reduction(cupy, wmat, rows, channels=0 if cl else geo.c))
     bufs = {"x": x, "w": wmat, "y": y, **scratch}
     if plan.form == "shifted":
         bufs["wt"] = direct_cache.derived(wmat, ("tap_major", cl, geo.k, geo.c),

@@ -145,9 +145,10 @@ def forward_replay(geo, cl: bool, dtype, math: str, plan, make_y, weight_of=None
     def launch(x, w, y, bias=None):
         if weight_of is not None:
             w = weight_of(w)
-        if rows is not None:  # the weight matrix padded as the full path pads it
-            wmat = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, True, geo.k, geo.crs)
-            w = conv_direct.pad_reduction(cupy, wmat, rows, direct_cuda.scratch("wpad", geo.k * rows, dt).view(dt))
+        if rows is not None:  # the weight matrix padded (in the order (r..., c)) as the full path pads it
+            wmat = w if w.ndim == 2 else conv_direct.weight_rows(cupy, w, cl, geo.k, geo.crs)
+            w = conv_direct.pad_reduction(cupy, wmat, rows, direct_cuda.scratch("wpad", geo.k * rows, dt).view(dt),
+                                          0 if cl else geo.c)
         bufs = {"x": x, "w": w, "wt": w, "y": y}  # (the shifted form's channels-last wt is w)
         if bias is not None:
             bufs["bias"] = bias

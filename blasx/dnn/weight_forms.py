@@ -69,7 +69,7 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
 
 def weight_steps(geo: ConvGeometry, cl: bool, parts: list, pad: tuple | None = None) -> list:
     """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first;
-    ``pad``: col's rows padded (conv_direct.reduction_pad; dW is not)."""
+    ``pad``: col's rows padded (conv_direct.reduction_pad; dW is not, and its order is (r..., c) in both layouts)."""
     G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
     steps: list = []
     if cl and cd.pointwise(geo):
@@ -79,12 +79,19 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list, pad: tuple | None = N
         beta = 0.0 if i == 0 else 1.0
         if not cl:
             steps.append(cd.CopyDy(n0, nb))
+        if pad is not None:  # (one group) dW^T (crs x K, order (r..., c)) += col (crs x nb*P, ld rows) dY^T
+            rows, run = pad
+            steps.append(cd.Gather(0, n0, nb, p * rows, 1, rows, False, run))
+            steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K), ("dw", 0), cd.OP_N, cd.OP_T, crs, K, nb * p, rows,
+                                 K, crs, 0, 0, 0, 1, beta) if cl else
+                         cd.Gemm(("col", 0), ("dyc", 0), ("dw", 0), cd.OP_N, cd.OP_N, crs, K, nb * p, rows, nb * p,
+                                 crs, 0, 0, 0, 1, beta))
+            continue
         for g in range(G):
-            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P, ld rows) dY_g^T
-                rows, run = pad or (crs, 1)
-                steps.append(cd.Gather(g, n0, nb, p * rows, 1, rows, False, run))
+            if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
+                steps.append(cd.Gather(g, n0, nb, p * crs, 1, crs, False))
                 steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K + g * kg), ("dw", g * kg * crs), cd.OP_N,
-                                     cd.OP_T, crs, kg, nb * p, rows, K, crs, 0, 0, 0, 1, beta))
+                                     cd.OP_T, crs, kg, nb * p, crs, K, crs, 0, 0, 0, 1, beta))
             else:  # col (nb*P x crs, ld nb*P); dyc_g (nb*P x kg)
                 steps.append(cd.Gather(g, n0, nb, p, nb * p, 1, True))
                 steps.append(cd.Gemm(("col", 0), ("dyc", g * kg * nb * p), ("dw", g * kg * crs), cd.OP_T,
