@@ -314,12 +314,17 @@ def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col", slots=None):
         nb = max(nb for _, nb in parts)
         steps = wf.weight_steps(geo, cl, parts, pad)
         scratch = {"col": nb * (geo.crs if pad is None else pad[0]) * geo.p, "dyc": nb * geo.k * geo.p}
-    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * geo.crs, np.nan),
+    rows = cd.padded_rows(steps)  # (K, rows) in the order (r..., c): as direct_cuda.run_weight_plan takes it
+    bufs = {"x": xmem, "dy": dymem, "y": dymem, "dw": np.full(geo.k * (rows or geo.crs), np.nan),
             **{k: np.full(v, np.nan) for k, v in scratch.items()}}
     cd.run(steps, NumpyOps(geo, cl, bufs))
-    dw = bufs["dw"].reshape(geo.k, geo.crs)
-    if not cl and cd.padded_rows(steps) is not None:  # made in the order (r..., c), as direct_cuda reorders it
-        dw = np.ascontiguousarray(dw.reshape(geo.k, -1, geo.c).transpose(0, 2, 1)).reshape(geo.k, geo.crs)
+    dw = bufs["dw"].reshape(geo.k, rows or geo.crs)
+    if rows is not None:
+        assert not dw[:, geo.crs:].any()  # the padding's columns: zero
+        dw = dw[:, :geo.crs]
+        if not cl:
+            dw = dw.reshape(geo.k, -1, geo.c).transpose(0, 2, 1)
+        dw = np.ascontiguousarray(dw).reshape(geo.k, geo.crs)
     return dw, parts
 
 

@@ -244,24 +244,33 @@ _WEIGHT_PLANS = direct_cache.table(512)
 
 def run_weight_plan(geo: ConvGeometry, cl: bool, dtype, math: str, plan: WeightPlan, x, dy, out=None):
     """dW = ``plan`` run on x and dY: the ``(K, CRS)`` row-major matrix of x's type (written into ``out`` where
-    given), in the reduction order of x's layout (an NCHW plan with padded rows makes it (r..., c): reordered)."""
+    given), in the reduction order of x's layout (a plan with padded rows makes ``(K, rows)`` in the order
+    (r..., c): its first CRS columns taken, reordered for NCHW)."""
     import cupy
     dt = np.dtype(dtype)
     bufs = {name: empty_bits(size, dt) for name, size in plan.scratch.items()}
     if out is None:
         out = cupy.empty((geo.k, geo.crs), dtype=dt)
-    reorder = not cl and cd.padded_rows(plan.steps) is not None
-    made = cupy.empty((geo.k, geo.crs), dtype=dt) if reorder else out
-    dw = made if plan.dw_dtype == dt else cupy.empty((geo.k, geo.crs), dtype=plan.dw_dtype)
+    rows = cd.padded_rows(plan.steps)
+    width = rows or geo.crs
+    direct = plan.dw_dtype == dt and rows is None  # the plan writes ``out`` itself
+    dw = out if direct else cupy.empty((geo.k, width), dtype=plan.dw_dtype)
     bufs.update(x=x, dy=dy, dw=dw, y=dy)  # (the shifted form's Crop copies "y", here dY, into yw)
     CudaOps(geo, cl, bufs, dt, math).run(plan.steps, plan.launches)
-    if dw is not made:  # rounded once, after the last chunk's GEMM
+    if direct:
+        return out
+    if plan.dw_dtype != dt:  # rounded once, after the last chunk's GEMM
+        made = cupy.empty((geo.k, width), dtype=dt)
         if dt == np.float16:
             made[...] = dw
         else:  # bfloat16: rounded to nearest even from float32's bits
             round_bf16()(dw, _bits(made).reshape(dw.shape))
-    if reorder:
-        out.reshape(geo.k, geo.c, -1)[...] = made.reshape(geo.k, -1, geo.c).transpose(0, 2, 1)
+        dw = made
+    dw = dw[:, :geo.crs]
+    if rows is not None and not cl:
+        out.reshape(geo.k, geo.c, -1)[...] = dw.reshape(geo.k, -1, geo.c).transpose(0, 2, 1)
+    else:
+        out[...] = dw
     return out
 
 

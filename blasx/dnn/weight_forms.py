@@ -69,7 +69,8 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
 
 def weight_steps(geo: ConvGeometry, cl: bool, parts: list, pad: tuple | None = None) -> list:
     """dW (``dw``) = sum over images of dY_n col_n^T by chunks ``parts``, accumulating after the first;
-    ``pad``: col's rows padded (conv_direct.reduction_pad; dW is not, and its order is (r..., c) in both layouts)."""
+    ``pad``: col's rows padded (conv_direct.reduction_pad): dW is ``(K, rows)`` then (its padding's columns zero:
+    the aligned GEMM runs faster than one of crs rows), in the order (r..., c) in both layouts."""
     G, kg, crs, p, K = geo.groups, geo.kg, geo.crs, geo.p, geo.k
     steps: list = []
     if cl and cd.pointwise(geo):
@@ -79,13 +80,13 @@ def weight_steps(geo: ConvGeometry, cl: bool, parts: list, pad: tuple | None = N
         beta = 0.0 if i == 0 else 1.0
         if not cl:
             steps.append(cd.CopyDy(n0, nb))
-        if pad is not None:  # (one group) dW^T (crs x K, order (r..., c)) += col (crs x nb*P, ld rows) dY^T
+        if pad is not None:  # (one group) dW^T (rows x K, order (r..., c), rows past crs zero) += col dY^T
             rows, run = pad
             steps.append(cd.Gather(0, n0, nb, p * rows, 1, rows, False, run))
-            steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K), ("dw", 0), cd.OP_N, cd.OP_T, crs, K, nb * p, rows,
-                                 K, crs, 0, 0, 0, 1, beta) if cl else
-                         cd.Gemm(("col", 0), ("dyc", 0), ("dw", 0), cd.OP_N, cd.OP_N, crs, K, nb * p, rows, nb * p,
-                                 crs, 0, 0, 0, 1, beta))
+            steps.append(cd.Gemm(("col", 0), ("dy", n0 * p * K), ("dw", 0), cd.OP_N, cd.OP_T, rows, K, nb * p, rows,
+                                 K, rows, 0, 0, 0, 1, beta) if cl else
+                         cd.Gemm(("col", 0), ("dyc", 0), ("dw", 0), cd.OP_N, cd.OP_N, rows, K, nb * p, rows, nb * p,
+                                 rows, 0, 0, 0, 1, beta))
             continue
         for g in range(G):
             if cl:  # dW_g^T (crs x kg) += col (crs x nb*P) dY_g^T
