@@ -57,8 +57,8 @@ class Gather(NamedTuple):
     """col's element (image j of the chunk, reduction row r, output pixel p) of group ``group`` for
     images ``n0 .. n0 + nb - 1`` at ``j * on + r * orr + p * op`` of ``col``; threads run over p
     fastest (``pixel_fastest``, NCHW x) or over r fastest (channels-last x). ``run`` > 1: a thread writes
-    ``run`` consecutive r of a pixel (the run gather, channels-last, orr 1), whose rows are ``op`` long,
-    zero past CRS (``reduction_pad``)."""
+    ``run`` consecutive r of a pixel (the run gather: orr 1, the order (r..., c) in either layout), whose rows
+    are ``op`` long, zero past CRS (``reduction_pad``)."""
 
     group: int
     n0: int
@@ -132,9 +132,9 @@ def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") ->
     with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
     the strided pixels only: NCHW's GEMMs are per image, too narrow below; over a zero-inserted input, a
     strided backward-data's col2im, ``INSERTED_MIN_PIXELS``), so does a layer with fewer than
-    ``LAYOUT_MIN_C`` input or output channels (a first layer, or its backward-data: the large image's copy
-    costs more than the form gains; its col rows are padded where it lies, ``reduction_pad``) and one whose x or y is the same memory in both layouts (one output
-    channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
+    ``LAYOUT_MIN_C`` input or output channels (a first layer, its col rows padded where it lies,
+    ``reduction_pad``; or its backward-data: the large image's copy costs more than the form gains) and one
+    whose x or y is the same memory in both layouts (one output channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
     a weight gradient (``direction`` "bwd-weight") converts kernel windows only, on maps of at least
     ``WEIGHT_MIN_PIXELS`` output pixels."""
     if lay != "nchw" or geo.nd != 2 or geo.groups != 1 or np.dtype(dtype) == np.float64:
@@ -514,7 +514,7 @@ def applies(x, flops: float) -> bool:
     return len(set(session.cuda_ordinals())) <= 1
 
 
-PAD_C_MAX = 7  # a channels-last call with at most this many input channels has its col rows padded (reduction_pad)
+PAD_C_MAX = 7  # a call with at most this many input channels has its col rows padded (reduction_pad)
 
 
 def weight_rows(xp, wconv, cl: bool, k: int, crs: int):
@@ -538,7 +538,7 @@ def pad_reduction(xp, wmat, rows: int, out=None, channels: int = 0):
 
 
 def padded_rows(steps: list) -> int | None:
-    """The padded length of col's rows in a forward plan's ``steps`` (the weight matrix's too), or None."""
+    """The padded length of col's rows in a plan's ``steps`` (a forward's weight matrix's too), or None."""
     return next((s.op for s in steps if isinstance(s, Gather) and s.run > 1), None)
 
 

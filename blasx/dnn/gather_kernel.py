@@ -3,6 +3,7 @@ multipliers. A thread writes one col element (i < nb * CRS * P); x and col are e
 8 bytes, or 16 where a thread moves several channels: more bytes in flight a thread),
 indices signed of type I, the index arithmetic unsigned (UI). ND (1-3) and INSERT (a transposed convolution's
 zero insertion) are constants of each compiled kernel; the dimensions past ND are trivial (arguments 1 or 0).
+The run gather (``run_source``) writes a run of a padded col row a thread instead (an image's first layer).
 
 With 32-bit indices every quotient is a multiply-high and a shift by the divisor's multiplier
 (``fast_divisor``, passed with the arguments): a hardware-less integer division costs some twenty
@@ -124,7 +125,7 @@ for (int q = 0; q < PIXELS; ++q) {
 
 def run_source(itemsize: int, index: str, nd: int) -> tuple[str, str]:
     """(code, name) of the run gather: a thread writes V = RUN_BYTES / ``itemsize`` consecutive elements of a col
-    row (channels-last x, reduction order (r..., c), no zero insertion) in one 16-byte store, for RUN_PIXELS
+    row (reduction order (r..., c), x read by its strides in either layout, no zero insertion) in one 16-byte store, for RUN_PIXELS
     consecutive pixels, reading the elements one by one: for a few input channels, whose rows are padded with
     zeros to a whole number of runs (their length ``op``, a multiple of V; elements past CRS are zero).
     Arguments ``(x, col, RUN_ARG_NAMES, RUN_MAGIC_NAMES, total)``, total = ceil(NPIX / RUN_PIXELS) * RU; col's
