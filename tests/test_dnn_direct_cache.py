@@ -13,7 +13,7 @@ from blasx import dnn
 from blasx.dnn import gather_kernel as gk
 from blasx.dnn import conv as conv_mod
 from blasx.dnn import conv_direct as cd
-from blasx.dnn import cublas_call, direct_cache, direct_cuda
+from blasx.dnn import cublas_call, direct_cache, direct_cuda, direct_epilogue
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from blasx.runtime import dtypes
 
@@ -158,16 +158,16 @@ def test_device_vectors_per_device_stream_type_and_contents():
             return sum(1 for e in fake.log if e[0] == "upload")
         s1, s2 = cupy.cuda.Stream(), cupy.cuda.Stream()
         with cupy.cuda.Device(0), s1:
-            a = direct_cache.device_vector(v, np.float32, direct_cuda._column)
-            assert direct_cache.device_vector(v.copy(), np.float32, direct_cuda._column) is a and uploads() == 1
+            a = direct_cache.device_vector(v, np.float32, direct_epilogue._column)
+            assert direct_cache.device_vector(v.copy(), np.float32, direct_epilogue._column) is a and uploads() == 1
             assert a.shape == (4, 1) and a.dtype == np.float32
-            assert direct_cache.device_vector(v, np.float64, direct_cuda._column) is not a
-            assert direct_cache.device_vector(v + 1, np.float32, direct_cuda._column) is not a
+            assert direct_cache.device_vector(v, np.float64, direct_epilogue._column) is not a
+            assert direct_cache.device_vector(v + 1, np.float32, direct_epilogue._column) is not a
             assert direct_cache.device_vector(v, np.float32) is not a  # another shape: another entry
         with cupy.cuda.Device(0), s2:
-            assert direct_cache.device_vector(v, np.float32, direct_cuda._column) is not a
+            assert direct_cache.device_vector(v, np.float32, direct_epilogue._column) is not a
         with cupy.cuda.Device(1), s1:
-            b = direct_cache.device_vector(v, np.float32, direct_cuda._column)
+            b = direct_cache.device_vector(v, np.float32, direct_epilogue._column)
             assert b is not a and b.device.id == 1
         assert uploads() == 6
         assert [e[3] for e in fake.log if e[0] == "upload"][0] == v.astype(np.float32).tobytes()

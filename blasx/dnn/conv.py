@@ -23,7 +23,7 @@ from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
-from . import conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, host_batch, transpose_kernel
+from . import conv_direct, conv_memo, depthwise, direct_cache, direct_epilogue, host_batch, transpose_kernel
 from .args import check_dtype, check_out
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
@@ -198,8 +198,8 @@ def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):
     def epilogue(extras):
         b, sc, sh = (_channel_vector(nm, v, geo.k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
         res = extras[3]
-        vectors = direct_cuda.epilogue_vectors(geo, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
-        return conv_memo.Epilogue(lambda y: direct_cuda.launch_epilogue(geo, cl, y, vectors, res),
+        vectors = direct_epilogue.epilogue_vectors(geo, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
+        return conv_memo.Epilogue(lambda y: direct_epilogue.launch_epilogue(geo, cl, y, vectors, res),
                                   (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
     return epilogue
 

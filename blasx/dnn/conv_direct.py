@@ -577,8 +577,8 @@ def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str
 def finish(geo: ConvGeometry, cl: bool, y, affine, residual, in_y: bool) -> None:
     """After the GEMMs: the epilogue kernel where there is one (``in_y``: the residual is y, already summed)."""
     if affine is not None or (residual is not None and not in_y):
-        from . import direct_cuda
-        direct_cuda.epilogue(geo, cl, y, affine, None if in_y else residual)
+        from . import direct_epilogue
+        direct_epilogue.epilogue(geo, cl, y, affine, None if in_y else residual)
 
 
 def weight(geo: ConvGeometry, x, dy, cl: bool, math: str):
