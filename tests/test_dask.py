@@ -1,7 +1,9 @@
-"""blasx.dask on a LocalCluster of two worker processes, each with one blasx engine on its CPU (the engine's
-devices are tested elsewhere; the threaded scheduler's test and test_dask_memory.py run it on sims):
-every routine and flag against scipy, chunkings that are irregular, unequal between the operands
-or single-chunk, zarr and memmap operands, offload, progress, argument errors and the memory budget."""
+"""blasx.dask against scipy. Every routine and flag, chunkings that are irregular, unequal between the operands
+or single-chunk, super-blocks and chains on dask's threads in this process with one blasx engine on its CPU
+(``threads``: the adapter's graphs and block calls; the engine's devices are tested elsewhere, and
+``test_local_threaded_scheduler`` runs the adapter on two sims); on a LocalCluster of two worker processes, each
+with one blasx engine on its CPU (``client``: what the cluster adds, at ~3 ms a task on 2 cores): shapes, mixed
+types, zarr and memmap operands, offload, progress, argument errors and the memory budget."""
 
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ import dask  # noqa: E402
 import blasx.dask as bd  # noqa: E402
 
 TOL = {np.dtype("f4"): 1e-5, np.dtype("f8"): 1e-12, np.dtype("c8"): 1e-5, np.dtype("c16"): 1e-12}
+
+
+@pytest.fixture
+def threads():
+    """dask.compute on dask's threads in this process (even beside a client), on one engine on its CPU."""
+    import blasx
+    blasx.configure(devices="cpu")
+    with dask.config.set(scheduler="threads"):
+        yield
+    blasx.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +85,14 @@ def _gemm_cases(rng, chunkings):
         yield args, dict(beta=beta, c=xc, trans_a=ta, trans_b=tb), ref, dt
 
 
-def test_gemm_chunkings_and_flags(client, rel_err):
+def test_gemm_chunkings_and_flags(threads, rel_err):
     chunkings = [(IRR, REG, REG, ONE), (ONE, ONE, ONE, ONE), (REG, IRR, (31, 29), (4, 56)), (IRR, IRR, IRR, IRR)]
     cases = list(_gemm_cases(np.random.default_rng(1), chunkings))
     _check(rel_err, [bd.gemm(*args, **kw) for args, kw, _, _ in cases], [c[2] for c in cases], [c[3] for c in cases])
 
 
 @pytest.mark.parametrize("group", [20, 100])
-def test_gemm_super_blocks_for_every_flag_and_chunking(client, rel_err, group):
+def test_gemm_super_blocks_for_every_flag_and_chunking(threads, rel_err, group):
     """blasx.dask.group merges output blocks into super-blocks (one call a step on their joined pieces): results
     as scipy's for every chunking and flag, C's old values never read; chunks follow the super-blocks where
     C is not read, the operands' own boundaries where it is (beta != 0)."""
@@ -148,9 +160,8 @@ def _level3_cases(rng):
             got = (getattr(bd, routine)(alpha, xa, xb, 0.4, xc, trans=trans, lower=lower) if two else
                    getattr(bd, routine)(alpha, xa, 0.4, xc, trans=trans, lower=lower))
             cases.append((got, ref, dt))
-    for routine, dt in [("trmm", "c16"), ("trsm", "c8")]:  # diag alternating (it does not change the blocks' plan)
-        for side, lower, trans in itertools.product((0, 1), (0, 1), (0, 1, 2)):
-            diag = (side + lower + trans) % 2
+    for routine, dt in [("trmm", "c16"), ("trsm", "c8")]:
+        for side, lower, trans, diag in itertools.product((0, 1), (0, 1), (0, 1, 2), (0, 1)):
             a = _tri(rng, n, dt)
             a[np.tril_indices(n, -1) if not lower else np.triu_indices(n, 1)] = np.nan  # never read
             b = _rand(rng, (n, m) if side == 0 else (m, n), dt)
@@ -163,7 +174,7 @@ def _level3_cases(rng):
     return cases
 
 
-def test_level3_every_routine_and_flag(client, rel_err):
+def test_level3_every_routine_and_flag(threads, rel_err):
     cases = _level3_cases(np.random.default_rng(3))
     _check(rel_err, [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases])
 
@@ -282,7 +293,7 @@ def test_memory_budget(client, tmp_path):
                        @ np.asarray(zarr.open_array(str(tmp_path / "b.zarr"))[:]))
 
 
-def test_chains_bound_the_dependency_bytes_of_a_task(client, rel_err):
+def test_chains_bound_the_dependency_bytes_of_a_task(threads, rel_err):
     """With blasx.dask.task-bytes smaller than a block's panels, each output block is a chain of
     tasks, none taking more than the limit of dependency blocks (or one step's); same results."""
     cases = _level3_cases(np.random.default_rng(9))[::7]
