@@ -513,6 +513,7 @@ def installed(record_calls: bool = False, copies: bool = False):
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
+    _local.__dict__.clear()  # this thread starts on device 0's null stream, whatever an earlier use left current
     _state["mem_info_calls"] = 0
     _state["free"] = 64 << 30
     _state["recording"] = record_calls
@@ -538,6 +539,7 @@ def installed(record_calls: bool = False, copies: bool = False):
     try:
         yield types.SimpleNamespace(cupy=mods["cupy"], log=LOG, state=_state)
     finally:
+        _local.__dict__.clear()
         _state["recording"] = False
         _state["copies"] = False
         cublas_call.strided_batched_ex = saved_gemm
