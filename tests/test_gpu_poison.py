@@ -329,6 +329,17 @@ def test_conv_forward_implicit(monkeypatch, geometry, dtype, math):
         same_when_poisoned(calls["input"], dtype, math, graphs=True)
 
 
+@pytest.mark.skipif(not _implicit_capable(), reason="the implicit kernels need compute capability 9.0")
+@pytest.mark.parametrize("size", [(12, 10), (33, 32)], ids=["one-split", "splits"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_conv_weight_implicit(monkeypatch, size, layout):
+    """The implicit weight-gradient kernel (forced; NCHW operands converted): dW written by the kernel, or
+    "splits" (2,112 output pixels: 33 k-tiles) with float32 partials in scratch "part"."""
+    _force(monkeypatch, "implicit")
+    calls = _conv_calls("float16", "ieee", layout, 2, 64, 128, size, 3, 1, 1, 1, seed=5)
+    same_when_poisoned(calls["weight"], "float16", "ieee", graphs=True)
+
+
 # ---------------------------------------------------------------- conv2d_input
 
 INPUT_CASES = {  # name: (form forced, n, c, k, size, kernel, stride, pad, groups)
@@ -528,6 +539,8 @@ STALE = {
                        (7, 40, 24, (9, 11), 1, 1, 0, 1)),
     "weight-im2col": ("im2col", None, "weight", "nchw", "float16", (4, 32, 32, (20, 18), 3, 1, 1, 1),
                       (2, 16, 24, (9, 7), 3, 2, 1, 2)),
+    "weight-implicit": ("implicit", None, "weight", "cl", "float16", (8, 64, 128, (20, 18), 3, 1, 1, 1),
+                        (4, 64, 128, (17, 16), 3, 1, 1, 1)),  # partials of 5 splits, then of 2
 }
 
 

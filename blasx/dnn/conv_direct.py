@@ -418,6 +418,14 @@ class Implicit(NamedTuple):
     config: tuple
 
 
+class ImplicitWeight(NamedTuple):
+    """dW = dY^T im2col(X) over the whole batch by the implicit weight-gradient kernel (igemm_weight.py) in
+    kernel type ``type`` with tile and split ``config``; split partials in scratch ``part``."""
+
+    type: str
+    config: tuple
+
+
 IMPLICIT_SMS = 132  # the multiprocessors a plan's split is sized for (H100 SXM and H200)
 
 
@@ -450,7 +458,7 @@ class Ones(NamedTuple):
 
 
 _OPS = {Gather: "gather", Gemm: "gemm", CopyDy: "copy_dy", Pad: "pad", Crop: "crop", Implicit: "implicit",
-        Ones: "ones"}
+        Ones: "ones", ImplicitWeight: "implicit_weight"}
 
 
 def run(steps: list, ops) -> None:

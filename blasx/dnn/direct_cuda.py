@@ -15,7 +15,7 @@ import numpy as np
 from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
-from . import direct_cache, driver_launch, gather_kernel, igemm
+from . import direct_cache, driver_launch, gather_kernel, igemm, igemm_weight
 from . import weight_forms as wf
 from . import cublas_call as cc
 from .geometry import ConvGeometry
@@ -163,6 +163,8 @@ def prepare(geo: ConvGeometry, cl: bool, dtype, steps: list, dw_dtype=None) -> l
             out.append(gemm_launch(s, dtype, dw_dtype))
         elif isinstance(s, cd.Implicit):
             out.append(igemm.plan_launch(geo, s.type, s.config))
+        elif isinstance(s, cd.ImplicitWeight):
+            out.append(igemm_weight.plan_launch(geo, s.type, s.config))
         elif isinstance(s, c2.Col2im):
             out.append(col2im_launch(geo, cl, s, dtype))
         else:
@@ -204,7 +206,7 @@ class WeightPlan(NamedTuple):
 
 
 def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | None = None) -> WeightPlan:
-    """The weight-gradient plan in its form (weight_forms.weight_form: a force, the find-db, im2col) with
+    """The weight-gradient plan in its form (weight_forms.weight_form: a force, the find-db, the heuristic) with
     scratch of at most ``budget`` bytes, made once per key: dW in the operand type where no GEMM accumulates
     into it (cuBLAS rounds its float32 sums once), else in the accumulation type (rounded after the last
     chunk, ``run_weight_plan``)."""
@@ -217,6 +219,9 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
             parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * dt.itemsize, budget)
             steps = wf.shifted_steps(geo, parts)
             scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))
+        elif form == "implicit":  # the kernel writes dW in the operand type
+            steps, scratch = wf.implicit_steps(geo, dt, budget)
+            return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dt), dt, form)
         elif form == "batched":  # dwp: the partial sums and ones in the accumulation type
             parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * acc.itemsize, budget)
             slots = wf.batched_slots(geo, max(nb for _, nb in parts), acc.itemsize)
@@ -411,6 +416,8 @@ class CudaOps:
                 self.launch_gemm(launch)
             elif type(launch) is igemm.Launch:
                 self.launch_implicit(launch)
+            elif type(launch) is igemm_weight.Launch:
+                self.launch_implicit_weight(launch)
             elif type(launch) is Col2imLaunch:
                 self.launch_col2im(launch)
             else:
@@ -452,6 +459,20 @@ class CudaOps:
         igemm.run(launch, x, w, out, self.bufs.get("part"))
         if out is not y:
             y[...] = out
+
+    def implicit_weight(self, s: cd.ImplicitWeight) -> None:
+        self.launch_implicit_weight(igemm_weight.plan_launch(self.geo, s.type, s.config))
+
+    def launch_implicit_weight(self, launch: igemm_weight.Launch) -> None:
+        """The implicit weight-gradient kernel on x, dY into dw; an operand off a 16-byte boundary (a view) is
+        copied to fresh memory first (and dw copied back)."""
+        import cupy
+        x, dy, dw = self.bufs["x"], self.bufs["dy"], self.bufs["dw"]
+        x, dy = (a if igemm.aligned(a) else cupy.array(a) for a in (x, dy))
+        out = dw if igemm.aligned(dw) else cupy.empty_like(dw)
+        igemm_weight.run(launch, x, dy, out, self.bufs.get("part"))
+        if out is not dw:
+            dw[...] = out
 
     def col2im(self, s: c2.Col2im) -> None:
         self.launch_col2im(col2im_launch(self.geo, self.cl, s, self.dtype))

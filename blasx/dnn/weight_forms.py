@@ -7,13 +7,17 @@
   in one strided-batched GEMM gets far slower cuBLAS kernels). No im2col matrix: the scratch is about x and dY once.
   Its wide rows pair each tap with pixels outside its windows against yw's zeros, so a non-finite value of x
   reaches every tap's gradient as NaN (im2col: only the taps whose windows hold it).
+- implicit (igemm_weight.py: Hopper GPUs, channels-last float16 or bfloat16, groups 1, C and K multiples of 64):
+  one kernel gathers X's im2col tiles into shared memory and multiplies them there with dY's, no col buffer;
+  pixel splits' float32 partials summed in order by a second kernel.
 - batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; strided-batched
   GEMMs make the images' dW_n^T = X_n dY_n^T in the accumulation type (``dwp``: one partial sum an image while
   they fit ``PARTIALS_BYTES``, else images share them, beta 1), one GEMM sums them (``dwp`` times a vector of
   ones). im2col copies X and dY pixel-major first.
 
 ``weight_form`` picks one as ``conv_direct.forward_form`` picks the forward's: a force (``conv_direct.FORM``),
-the find-db's entry for the problem's bwd-weight key, else batched where it applies to maps of at least
+the find-db's entry for the problem's bwd-weight key, else implicit where it applies to a kernel window over at
+least ``IMPLICIT_MIN_PIXELS`` output pixels, batched where it applies to maps of at least
 ``BATCHED_MIN_PIXELS[itemsize]`` pixels (or ``BATCHED_SMALL_PIXELS`` with C * K at most ``BATCHED_SMALL_CK``),
 else im2col (the shifted form is taken only where the find step measured it faster).
 """
@@ -26,7 +30,7 @@ import numpy as np
 
 from ..runtime import dtypes
 from . import conv_direct as cd
-from . import finddb
+from . import finddb, igemm, igemm_weight
 from .geometry import ConvGeometry
 
 # the batched form by default from maps this large, by element size (fewer: its per-image GEMMs are thin) ...
@@ -35,6 +39,9 @@ BATCHED_MIN_PIXELS = {2: 784, 4: 196}
 # against its GEMM there)
 BATCHED_SMALL_PIXELS = 196
 BATCHED_SMALL_CK = 1 << 18
+# the implicit kernel by default on a window over this many output pixels (fewer, ResNet-50's 7x7 maps: its
+# blocks are too few for the GPU and the im2col GEMM wins)
+IMPLICIT_MIN_PIXELS = 8192
 PARTIALS_BYTES = 16 << 20  # the batched form's partial sums kept within this (they stay in a GPU's L2)
 
 
@@ -43,18 +50,25 @@ def batched_applies(geo: ConvGeometry) -> bool:
     return geo.groups == 1 and cd.pointwise(geo)
 
 
-def weight_forms(geo: ConvGeometry, layout: str = "nchw") -> tuple[str, ...]:
-    """The weight-gradient forms that can run ``geo`` in ``layout``, im2col first."""
+def weight_forms(geo: ConvGeometry, layout: str = "nchw", dtype=None, capable: bool | None = None) -> tuple[str, ...]:
+    """The weight-gradient forms that can run ``geo`` in ``layout`` (and ``dtype``: None, the implicit form
+    left out), im2col first; ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device
+    is asked)."""
     if layout == "cl":
-        return ("im2col",) + (("shifted",) if cd.shifted_applies(geo) else ())
+        out = ("im2col",) + (("shifted",) if cd.shifted_applies(geo) else ())
+        if dtype is not None and igemm_weight.applies(geo, dtype, True):
+            if capable is None:
+                capable = igemm.current_capable()
+            out += ("implicit",) if capable else ()
+        return out
     return ("im2col",) + (("batched",) if batched_applies(geo) else ())
 
 
 def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
-                device=None) -> str:
-    """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else batched on
-    large maps where it applies, else im2col."""
-    applicable = weight_forms(geo, layout)
+                device=None, capable: bool | None = None) -> str:
+    """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else implicit on a
+    window over many pixels, batched on large maps where they apply, else im2col."""
+    applicable = weight_forms(geo, layout, dtype, capable)
     if len(applicable) == 1:
         return "im2col"
     if force in applicable:
@@ -62,6 +76,8 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     stored = finddb.stored_form(geo, dtype, layout, math, device, direction="bwd-weight")
     if stored in applicable:
         return stored
+    if "implicit" in applicable and prod(geo.kernel) > 1 and geo.n * geo.p >= IMPLICIT_MIN_PIXELS:
+        return "implicit"
     large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values())) or \
         (geo.p >= BATCHED_SMALL_PIXELS and geo.c * geo.k <= BATCHED_SMALL_CK)
     return "batched" if "batched" in applicable and large else "im2col"
@@ -161,3 +177,13 @@ def shifted_steps(geo: ConvGeometry, parts: list) -> list:
             steps.append(cd.Gemm(("xp", off * C), ("yw", 0), ("dw", t * C), cd.OP_N, cd.OP_T, C, K, rows, C, K,
                                  taps * C, 0, 0, 0, 1, beta))
     return steps
+
+
+def implicit_steps(geo: ConvGeometry, dtype, budget: int, sms: int = cd.IMPLICIT_SMS) -> tuple[list, dict]:
+    """(steps, scratch) of the implicit form: one ImplicitWeight step; its splits' float32 partials in ``part``
+    (in elements of ``dtype``), as many splits as fit ``budget`` bytes (none: dW written by the kernel)."""
+    cfg = igemm_weight.config(geo, sms)
+    per_split = geo.k * geo.crs * 4
+    split = max(1, min(cfg.split, budget // per_split))
+    step = cd.ImplicitWeight(igemm_weight.type_name(dtype), cfg._replace(split=split if split > 1 else 1))
+    return [step], ({"part": split * per_split // np.dtype(dtype).itemsize} if split > 1 else {})
