@@ -17,7 +17,8 @@ On GPUs (``--devices cuda:0``) both contenders get the same torch tensors, blasx
 CuPy arrays (no copy). Both (and the lowered cuBLAS GEMM) are timed alike, as the rate of a loop of calls:
 after ``--warmup`` calls, ROUNDS rounds of ``--reps`` calls issued back to back, the GPUs synchronized at the
 end of each round; a call's time is the median round's over ``--reps``. blasx's host time to issue a call is
-kept too: a layer whose issue time reaches its call time is host-bound (its limit says so).
+kept too: a layer whose issue time reaches its call time is host-bound (its limit says so). A first, untimed
+call records the device-route forms blasx chose (bench.conv_forms; "engine": tile tasks, the sims').
 Both results are compared with float64 torch on the same (rounded) inputs: blasx passes when its
 relative-norm error is within max(the mode's tolerance, 2x cuDNN's own error); a failing check is
 FAIL (an exception ERROR) and is left out of the geometric means, never silently. ``cuBLAS``
@@ -37,6 +38,7 @@ import time
 
 import numpy as np
 
+from . import conv_forms
 from . import conv_layers as CL
 from . import level3 as L3
 
@@ -330,6 +332,13 @@ def limit_note(row: dict) -> str:
         notes.append(f"host-bound ({1e6 * issue:.0f} us to issue a call"
                      + (f"; {allocs} cudaMalloc in the timed calls)" if allocs else ")"))
     m, n, k = row["gemm"]
+    forms = (row.get("form") or "engine").split("+")
+    if "channels-last copies" in forms:
+        notes.append("NCHW operands copied to channels-last and back")
+    if "implicit" in forms:
+        notes.append("the implicit kernel's tile loads")
+    if not {"im2col", "col2im", "engine"} & set(forms):  # no col buffer: the GEMM notes do not apply
+        return "; ".join(notes) or "-"
     if row["groups"] > 1:
         notes.append(f"{row['groups']} group GEMMs of m={m}, k={k}")
     elif min(m, n, k) < 128:
@@ -369,6 +378,9 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
         if ref is not None:
             try:
                 bx = {key: None if v is None else side.to_blasx(v) for key, v in inputs.items()}
+                with conv_forms.recorded([]) as forms:  # a first, untimed call: the forms it chooses
+                    conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"])
+                row["form"] = "+".join(forms) or "engine"
                 b_times, b_out, row["blasx_issue_s"] = side.time_calls(
                     lambda: conv_call(dnn, dnn, layer, direction, bx["x"], bx["w"], bx["dy"]), args.warmup, args.reps)
                 row["blasx_s"] = statistics.median(b_times)
@@ -466,8 +478,8 @@ def markdown(doc: dict) -> str:
                      f"{'met' if g['goal_met'] else 'NOT met'} |")
     lines += ["", "## Per layer", "",
               "| mode | dir | layer | x, kernel -> K | GEMM m x n x k | im2col MiB (x input) | cuDNN ms | cuDNN TFLOPS "
-              "| blasx ms | blasx TFLOPS | blasx / cuDNN | cuBLAS TFLOPS (lowered) | err blasx / cuDNN | check | limit |",
-              "| :-- | :-- | :-- | :-- | :-- | --: | --: | --: | --: | --: | --: | --: | :-- | :-- | :-- |"]
+              "| blasx ms | blasx TFLOPS | blasx / cuDNN | cuBLAS TFLOPS (lowered) | err blasx / cuDNN | check | form | limit |",
+              "| :-- | :-- | :-- | :-- | :-- | --: | --: | --: | --: | --: | --: | --: | :-- | :-- | :-- | :-- |"]
     for r in doc["rows"]:
         m, n, k = r["gemm"]
         g = f"{r['groups']} x " if r["groups"] > 1 else ""
@@ -476,7 +488,8 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {r['mode']} | {r['direction']} | {r['layer']} | {r['shape']} | {g}{m} x {n} x {k} | "
                      f"{_f(r['col_mib'], 1)} ({_f(r['expansion'], 1)}) | {ms(r['cudnn_s'])} | {_f(r['cudnn_tflops'])} | "
                      f"{ms(r['blasx_s'])} | {_f(r['blasx_tflops'])} | {_f(r['ratio'])} | {_f(r['cublas_tflops'])} | "
-                     f"{err(r.get('blasx_err'))} / {err(r['cudnn_err'])} | {r['status']} | {r['limit'] or '-'} |")
+                     f"{err(r.get('blasx_err'))} / {err(r['cudnn_err'])} | {r['status']} | {r.get('form', '-')} | "
+                     f"{r['limit'] or '-'} |")
     errors = [f"- {r['mode']} {r['direction']} {r['layer']}: {r['error']}" for r in doc["rows"] if r.get("error")]
     lines += ["", "Errors are relative-norm errors against float64 torch on the same inputs; a result passes within "
               "max(the mode's tolerance, 2x cuDNN's error): " + ", ".join(f"{m} {t:g}" for m, t in TOLERANCE.items())

@@ -142,6 +142,7 @@ def test_device_mode_runs_every_direction_and_writes_its_files(tmp_path, dnn, la
         (m, d) for m in modes.split(",") for d in CL.DIRECTIONS}
     assert len(doc["rows"]) == len(modes.split(",")) * (7 * 3 + 1)
     assert all(r["status"] == "ok" and r["blasx_err"] <= r["tolerance"] for r in doc["rows"])
+    assert "engine" in {r["form"] for r in doc["rows"]} <= {"engine", "phases"}  # sims: tile tasks (strided transposed: phases)
     assert {g["set"] for g in doc["geomeans"]} == {"ResNet-50", "all"}
     text = open(md, encoding="utf-8").read()
     assert "## Geometric means of blasx / cuDNN throughput" in text and "| transposed4x4 |" in text
@@ -206,3 +207,23 @@ def test_limit_names_a_host_bound_layer():
     assert C.limit_note({**row, "blasx_issue_s": 50e-6}) == "-"
     assert C.limit_note({**row, "blasx_device_allocs": 3}) == "host-bound (190 us to issue a call; 3 cudaMalloc in the timed calls)"
     assert C.limit_note({**row, "ratio": 0.9}) == ""
+    short = {**row, "blasx_issue_s": 50e-6, "expansion": 9.0}
+    assert C.limit_note({**short, "form": "im2col"}) == "im2col 9.0x its input"
+    assert C.limit_note({**short, "form": "channels-last copies+implicit"}) == \
+        "NCHW operands copied to channels-last and back; the implicit kernel's tile loads"
+    assert C.limit_note({**short, "form": "shifted"}) == "-"  # no col buffer: no lowered-GEMM notes
+
+
+def test_forms_recorded_from_the_route_s_plan_makers():
+    """bench.conv_forms: each form once, in the order met; the wrapped functions restored after the block."""
+    from bench import conv_forms
+    from blasx.dnn import direct_cuda
+    from blasx.dnn.geometry import conv_geometry
+    made = direct_cuda.forward_plan
+    geo = conv_geometry("conv2d", 2, np.empty((2, 8, 9, 9), np.float32), np.empty((4, 8, 3, 3), np.float32), 1, 1,
+                        1, 1)
+    with conv_forms.recorded([]) as forms:
+        direct_cuda.forward_plan(geo, True, np.float32, 0.0, 1 << 30, "ieee")
+        direct_cuda.weight_plan(geo, True, np.float32, 1 << 30, "ieee")
+        direct_cuda.forward_plan(geo, False, np.float32, 0.0, 1 << 30, "ieee")
+    assert forms == ["im2col"] and direct_cuda.forward_plan is made

@@ -126,7 +126,8 @@ def test_magic_divides_every_pixel_index(d):
     m, shift = iw.magic(d)
     assert 0 < m < 2 ** 32
     rng = np.random.default_rng(d)
-    n = np.concatenate([np.arange(4 * d), rng.integers(0, 2 ** 31, 4096), [2 ** 31 - 1]]).astype(object)
+    n = np.concatenate([np.arange(min(4 * d, 4096)), d * np.arange(1, 64) - 1, rng.integers(0, 2 ** 31, 4096),
+                        [2 ** 31 - 1]]).astype(object)
     assert all((v * m) >> shift == v // d for v in n)
 
 
