@@ -490,19 +490,21 @@ def test_shifted_transposed_stride1_vs_torch(nd, cl, pad, dil, seed):
 
 
 def test_forward_form_choice():
-    """Shifted where it applies, for 4-byte types in strict math or inside a Workspace, and C >= 64 with 16-byte rows and a wide grid
-    at most 1.5 times the output; a forced form only where shifted applies; a bad force names the switch."""
+    """Shifted where it applies, for tensor-core types inside a Workspace, and C >= 64 with 16-byte rows and a wide
+    grid at most 1.5 times the output; strict 4- and 8-byte types take im2col; a forced form only where shifted
+    applies; a bad force names the switch."""
     def geo(c=64, k=3, stride=1, pad=1, groups=1, size=14):
         return conv_geometry("conv", 2, np.zeros((2, c, size, size)), np.zeros((8, c // groups, k, k)), stride,
                              pad, 1, groups)
     f32, f16 = np.float32, np.float16
-    assert cd.forward_form(geo(), f32) == "shifted" and cd.forward_form(geo(), np.float64) == "shifted"
+    assert cd.forward_form(geo(), f32) == "im2col" and cd.forward_form(geo(), np.float64) == "im2col"
     assert cd.forward_form(geo(), f16) == "im2col" and cd.forward_form(geo(), f32, math="tf32") == "im2col"
     with direct_cache.using(direct_cache.Workspace()):  # a network's worker: GPU time alone decides
         assert cd.forward_form(geo(), f16) == "shifted" and cd.forward_form(geo(), f32, math="tf32") == "shifted"
-    assert cd.forward_form(geo(c=32), f32) == "im2col"  # k = C too small for cuBLAS
-    assert cd.forward_form(geo(c=68), f32) == "shifted" and cd.forward_form(geo(c=66), f32) == "im2col"  # 264-B rows
-    assert cd.forward_form(geo(size=4), f32) == "im2col"  # 6x6 wide grid for 4x4 outputs
+        assert cd.forward_form(geo(), f32) == "im2col"  # strict: the one GEMM at k = C R S
+        assert cd.forward_form(geo(c=32), f16) == "im2col"  # k = C too small for cuBLAS
+        assert cd.forward_form(geo(c=72), f16) == "shifted" and cd.forward_form(geo(c=68), f16) == "im2col"  # 136-B rows
+        assert cd.forward_form(geo(size=4), f16) == "im2col"  # 6x6 wide grid for 4x4 outputs
     for g in (geo(stride=2), geo(groups=2), geo(k=1, pad=0)):
         assert cd.forward_form(g, f32) == "im2col" and cd.forward_form(g, f32, "shifted") == "im2col"
     assert cd.forward_form(geo(c=8), f32, "shifted") == "shifted"

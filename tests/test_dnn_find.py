@@ -147,17 +147,17 @@ def test_a_perfdb_file_without_the_conv_table_reads_empty_and_takes_entries(cach
 
 def test_forward_form_precedence_force_then_db_then_heuristic(cache, monkeypatch):
     geo, f32 = geo3x3(), np.float32
-    assert cd.forward_form(geo, f32, device=H200) == "shifted"  # the heuristic
-    finddb.store(finddb.key_of(geo, "fwd", H200, f32), "im2col", {"im2col": 1.0, "shifted": 2.0})
-    assert cd.forward_form(geo, f32, device=H200) == "im2col"  # the db over the heuristic
-    assert cd.forward_form(geo, f32, "shifted", device=H200) == "shifted"  # a force over the db
-    assert cd.forward_form(geo, f32, device="NVIDIA A100") == "shifted"  # another GPU model: no entry
-    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"  # another layout
-    assert cd.forward_form(geo, f32) == "shifted"  # no CuPy here: no GPU, no entry
+    assert cd.forward_form(geo, f32, device=H200) == "im2col"  # the heuristic
+    finddb.store(finddb.key_of(geo, "fwd", H200, f32), "shifted", {"im2col": 2.0, "shifted": 1.0})
+    assert cd.forward_form(geo, f32, device=H200) == "shifted"  # the db over the heuristic
+    assert cd.forward_form(geo, f32, "im2col", device=H200) == "im2col"  # a force over the db
+    assert cd.forward_form(geo, f32, device="NVIDIA A100") == "im2col"  # another GPU model: no entry
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"  # another layout
+    assert cd.forward_form(geo, f32) == "im2col"  # no CuPy here: no GPU, no entry
     monkeypatch.setenv("BLASX_PERFDB", "off")
-    assert cd.forward_form(geo, f32, device=H200) == "shifted"
-    monkeypatch.delenv("BLASX_PERFDB")
     assert cd.forward_form(geo, f32, device=H200) == "im2col"
+    monkeypatch.delenv("BLASX_PERFDB")
+    assert cd.forward_form(geo, f32, device=H200) == "shifted"
     small = geo3x3(c=32)  # the heuristic's im2col; a bwd-data entry of the same gather decides it
     fwd = finddb.forward_of_transposed(small)
     finddb.store(finddb.key_of(fwd, "bwd-data", H200, f32), "shifted", {"im2col": 2.0, "shifted": 1.0})
@@ -173,10 +173,11 @@ def test_weight_form_precedence_force_then_db_then_im2col(cache):
     assert wf.weight_form(geo, f32, layout="cl", device=H200) == "im2col"  # no entry: im2col
     finddb.store(finddb.key_of(geo, "bwd-weight", H200, f32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # the db's
-    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"  # (the forward's heuristic, not that entry)
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"  # (the forward's heuristic, not that entry)
+    finddb.store(finddb.key_of(geo, "fwd", H200, f32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"
     finddb.store(finddb.key_of(geo, "fwd", H200, f32, "cl"), "im2col", {"im2col": 1.0, "shifted": 2.0})
     assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # a forward entry does not decide it
-    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"
     assert wf.weight_form(geo, f32, "im2col", "cl", device=H200) == "im2col"  # a force over the db
     assert wf.weight_form(geo, f32, layout="nchw", device=H200) == "im2col"  # shifted: channels-last only
     assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "im2col"  # another GPU model
@@ -355,9 +356,9 @@ def test_network_records_each_convs_algorithm(cache):
     assert set(net.algo.values()) == {"engine"}  # no GPU here: the host engine runs the layers
     assert "algo=engine" in net.summary()
     names = list(net.algo)
-    assert net.algos(device=H200) == dict(zip(names, ["im2col", "shifted", "depthwise", "im2col"]))
+    assert net.algos(device=H200) == dict(zip(names, ["im2col", "im2col", "depthwise", "im2col"]))
     geo = conv_geometry("t", 2, shapes(1, 64, 16, 16), shapes(64, 64, 3, 3), 1, 1, 1, 1)
     # (the NCHW network's 3x3 runs channels-last on the device: its entry is the channels-last problem's)
-    finddb.store(finddb.key_of(geo, "fwd", H200, np.float32, "cl"), "im2col", {"im2col": 1.0, "shifted": 2.0})
-    assert net.algos(device=H200)[names[1]] == "im2col"
-    assert net.algos((5, 3, 16, 16), device=H200)[names[1]] == "im2col"  # the nearest batch
+    finddb.store(finddb.key_of(geo, "fwd", H200, np.float32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
+    assert net.algos(device=H200)[names[1]] == "shifted"
+    assert net.algos((5, 3, 16, 16), device=H200)[names[1]] == "shifted"  # the nearest batch

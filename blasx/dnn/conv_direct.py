@@ -259,10 +259,10 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
       the host; never for a strided 1x1 (its gather is a cheap subsample);
     - shifted where C >= SHIFTED_MIN_C (cuBLAS's k = C efficient), a row of C elements is 16-byte aligned
       (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels,
-      for 4-byte and wider types in strict math, and for tensor-core GEMMs (float16, bfloat16, TF32) only
-      inside a Workspace: a network's worker, whose calls replay from CUDA graphs, pays the forms' GPU time
-      alone (the taps' GEMMs take less of it on large maps), a plain call pays the host time of the taps'
-      launches too (the one im2col GEMM wins there);
+      for tensor-core GEMMs (float16, bfloat16, TF32) inside a Workspace only: a network's worker, whose calls
+      replay from CUDA graphs, pays the forms' GPU time alone (the taps' GEMMs take less of it on large maps), a
+      plain call pays the host time of the taps' launches too (the one im2col GEMM wins there); strict float32
+      and float64 take im2col (its one GEMM with k = C R S runs faster than the taps' k = C GEMMs);
     - else im2col.
 
     ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device is asked)."""
@@ -281,8 +281,8 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     if "shifted" not in applicable:
         return "im2col"
     wide = np.prod(padded_size(geo)) / geo.p
-    gpu_time = (np.dtype(dtype).itemsize >= 4 and math != "tf32") or direct_cache.workspace() is not None
-    ok = gpu_time and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
+    tensor_core = np.dtype(dtype).itemsize < 4 or math == "tf32"
+    ok = tensor_core and direct_cache.workspace() is not None and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
 
 
