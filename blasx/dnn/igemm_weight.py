@@ -16,7 +16,6 @@ in split order (deterministic) into dW; without one the block rounds its sums in
 
 from __future__ import annotations
 
-from math import prod
 from typing import NamedTuple
 
 import numpy as np
