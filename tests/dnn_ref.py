@@ -27,6 +27,14 @@ ACTS = {
 }
 
 
+def geometry(n, c, k, size, kernel, stride=1, padding=0, dilation=1, dtype=np.float16):
+    """The ConvGeometry of a one-group convolution of (n, c, *size) by (k, c, *kernel), from broadcast zeros."""
+    from blasx.dnn.geometry import conv_geometry
+    x = np.broadcast_to(np.zeros((), dtype), (n, c, *size))
+    w = np.broadcast_to(np.zeros((), dtype), (k, c, *kernel))
+    return conv_geometry("conv", len(size), x, w, stride, padding, dilation, 1)
+
+
 def act_fn(name: str) -> str:
     """The blasx.dnn / torch function of an ACTS entry (gelu_tanh is gelu with approximate="tanh")."""
     return "gelu" if name == "gelu_tanh" else name

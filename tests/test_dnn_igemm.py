@@ -10,15 +10,9 @@ import pytest
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import call_graph, igemm
 from blasx.dnn.geometry import conv_geometry
+from dnn_ref import geometry
 
 torch = pytest.importorskip("torch")
-
-
-def _geo(n, c, k, size, kernel, stride=1, padding=0, dilation=1, dtype=np.float16):
-    nd = len(size)
-    x = np.broadcast_to(np.zeros((), dtype), (n, c, *size))
-    w = np.broadcast_to(np.zeros((), dtype), (k, c, *kernel))
-    return conv_geometry("conv", nd, x, w, stride, padding, dilation, 1)
 
 
 def emulate(launch: igemm.Launch, x_cl: np.ndarray, w_cl: np.ndarray) -> np.ndarray:
@@ -70,7 +64,7 @@ CASES = [  # (n, c, k, size, kernel, stride, padding, dilation, type)
 def test_the_kernels_addressing_computes_the_convolution(case):
     n, c, k, size, kernel, stride, padding, dilation, type_ = case
     nd = len(size)
-    geo = _geo(n, c, k, size, kernel, stride, padding, dilation)
+    geo = geometry(n, c, k, size, kernel, stride, padding, dilation)
     assert igemm.applies(geo, np.dtype(type_) if type_ != "bfloat16" else np.float16, True, "tf32")
     cfg = igemm.config(geo, type_, 132)
     launch = igemm.plan_launch(geo, type_, cfg)
@@ -88,22 +82,22 @@ def test_the_kernels_addressing_computes_the_convolution(case):
 
 def test_config_by_exact_value():
     """ResNet-50's 3x3 layers at batch 64 on 132 multiprocessors, and small problems that split."""
-    g = lambda c, k, s, stride=1: _geo(64, c, k, (s, s), (3, 3), stride, 1)  # noqa: E731
+    g = lambda c, k, s, stride=1: geometry(64, c, k, (s, s), (3, 3), stride, 1)  # noqa: E731
     assert igemm.config(g(64, 64, 56), "float16", 132) == igemm.Config(64, 0, 1)
     assert igemm.config(g(128, 128, 28), "float16", 132) == igemm.Config(128, 1, 1)
     assert igemm.config(g(256, 256, 14), "float16", 132) == igemm.Config(256, 1, 1)
     # 3136 pixels: 25 row blocks; BN 256 would leave 50 blocks (< 66), so 128: 100 blocks, no split
     assert igemm.config(g(512, 512, 7), "float16", 132) == igemm.Config(128, 1, 1)
     assert igemm.config(g(512, 512, 7), "float32", 132) == igemm.Config(128, 1, 1)
-    assert igemm.config(_geo(16, 512, 512, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(128, 1, 4)
+    assert igemm.config(geometry(16, 512, 512, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(128, 1, 4)
     # 98 pixels, one row block: 4 splits at most, each at least 8 k-tiles (9 * 512 * 2 / 128 = 72 k-tiles)
-    assert igemm.config(_geo(2, 512, 64, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 4)
+    assert igemm.config(geometry(2, 512, 64, (7, 7), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 4)
     # too few k-tiles to split (9 * 64 * 2 / 128 = 9)
-    assert igemm.config(_geo(1, 64, 64, (8, 8), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 1)
+    assert igemm.config(geometry(1, 64, 64, (8, 8), (3, 3), 1, 1), "float16", 132) == igemm.Config(64, 0, 1)
 
 
 def test_plan_launch_by_exact_value():
-    geo = _geo(64, 512, 512, (7, 7), (3, 3), 1, 1)
+    geo = geometry(64, 512, 512, (7, 7), (3, 3), 1, 1)
     launch = igemm.plan_launch(geo, "float16", igemm.Config(128, 1, 2))
     assert launch.grid == (25, 4, 2)
     assert launch.ints == (64, 1, 7, 7, 512, 512, 1, 3, 3, 1, 7, 7, 1, 1, 1, 0, 1, 1, 1, 1, 1, 36)
@@ -111,21 +105,21 @@ def test_plan_launch_by_exact_value():
     assert launch.reduce_grid == (-(-3136 * 512 // 1024),)
     assert launch.smem == 4 * 256 * 128 + 1024
     # 15 k-tiles over 4 splits of 4: the last has 3, and the grid has the 4 splits the tiles need
-    odd = igemm.plan_launch(_geo(1, 64, 64, (6, 5), (3, 5), 1, 0), "float16", igemm.Config(64, 0, 4))
+    odd = igemm.plan_launch(geometry(1, 64, 64, (6, 5), (3, 5), 1, 0), "float16", igemm.Config(64, 0, 4))
     assert odd.ints[-1] == 4 and odd.grid[2] == 4 and odd.config.split == 4
     tf = igemm.plan_launch(geo, "float32", igemm.Config(256, 1, 1))
     assert tf.smem == max(4 * 384 * 128, 128 * 260 * 4) + 1024 and tf.part == 0
 
 
 def test_applies_and_the_forms_it_joins(monkeypatch):
-    geo = _geo(64, 64, 64, (14, 14), (3, 3), 1, 1)  # 12,544 output pixels
+    geo = geometry(64, 64, 64, (14, 14), (3, 3), 1, 1)  # 12,544 output pixels
     f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
     assert igemm.applies(geo, f16, True, None)
     assert not igemm.applies(geo, f16, False, None)  # NCHW
     assert not igemm.applies(geo, f32, True, None) and igemm.applies(geo, f32, True, "tf32")
     assert not igemm.applies(geo, np.dtype(np.float64), True, None)
-    assert not igemm.applies(_geo(8, 48, 64, (14, 14), (3, 3), 1, 1), f16, True, None)  # C not whole k-tiles
-    assert not igemm.applies(_geo(8, 64, 60, (14, 14), (3, 3), 1, 1), f16, True, None)  # K not whole pieces
+    assert not igemm.applies(geometry(8, 48, 64, (14, 14), (3, 3), 1, 1), f16, True, None)  # C not whole k-tiles
+    assert not igemm.applies(geometry(8, 64, 60, (14, 14), (3, 3), 1, 1), f16, True, None)  # K not whole pieces
     grouped = conv_geometry("conv", 2, np.zeros((8, 128, 14, 14), f16), np.zeros((64, 64, 3, 3), f16), 1, 1, 1, 2)
     assert not igemm.applies(grouped, f16, True, None)
     assert cd.forms(geo, f16, "cl", None, capable=True) == ("im2col", "shifted", "implicit")
@@ -133,27 +127,27 @@ def test_applies_and_the_forms_it_joins(monkeypatch):
     assert cd.forward_form(geo, f16, None, "cl", None, capable=True) == "implicit"
     assert cd.forward_form(geo, f16, None, "nchw", None, capable=True) == "im2col"
     assert cd.forward_form(geo, f16, "shifted", "cl", None, capable=True) == "shifted"
-    small = _geo(2, 64, 64, (14, 14), (3, 3), 1, 1)  # 392 output pixels: the grid is short of the SMs
+    small = geometry(2, 64, 64, (14, 14), (3, 3), 1, 1)  # 392 output pixels: the grid is short of the SMs
     assert cd.forward_form(small, f16, None, "cl", None, capable=True) == "im2col"
     assert cd.forward_form(small, f16, "implicit", "cl", None, capable=True) == "implicit"
-    point = _geo(8, 64, 64, (14, 14), (1, 1))
+    point = geometry(8, 64, 64, (14, 14), (1, 1))
     assert cd.forward_form(point, f16, None, "cl", None, capable=True) == "im2col"  # a plain GEMM: cuBLAS
     assert cd.forward_form(point, f16, "implicit", "cl", None, capable=True) == "implicit"
     # 1x1s the kernel takes (igemm.pays_pointwise) where calls are issued one by one: 2-byte types, 4 k-tiles
     # or more, few pixels or channels; from CUDA graphs (the default) cuBLAS's GEMM, whose GPU time is less
-    deep = _geo(64, 1024, 256, (14, 14), (1, 1))
+    deep = geometry(64, 1024, 256, (14, 14), (1, 1))
     assert igemm.pays_pointwise(deep, f16) and cd.forward_form(deep, f16, None, "cl", None, capable=True) == "im2col"
     monkeypatch.setattr(call_graph, "ENABLED", False)
     assert cd.forward_form(deep, f16, None, "cl", None, capable=True) == "implicit"
     assert not igemm.pays_pointwise(deep, f32) and cd.forward_form(deep, f32, None, "cl", "tf32", True) == "im2col"
-    assert not igemm.pays_pointwise(_geo(64, 128, 512, (28, 28), (1, 1)), f16)  # 2 k-tiles
-    assert not igemm.pays_pointwise(_geo(64, 256, 128, (56, 56), (1, 1)), f16)  # 200,704 pixels, 128 channels
-    assert igemm.pays_pointwise(_geo(64, 256, 64, (56, 56), (1, 1)), f16)
-    assert cd.forward_form(_geo(64, 64, 64, (28, 28), (1, 1), 2), f16, None, "cl", None, capable=True) == "im2col"
+    assert not igemm.pays_pointwise(geometry(64, 128, 512, (28, 28), (1, 1)), f16)  # 2 k-tiles
+    assert not igemm.pays_pointwise(geometry(64, 256, 128, (56, 56), (1, 1)), f16)  # 200,704 pixels, 128 channels
+    assert igemm.pays_pointwise(geometry(64, 256, 64, (56, 56), (1, 1)), f16)
+    assert cd.forward_form(geometry(64, 64, 64, (28, 28), (1, 1), 2), f16, None, "cl", None, capable=True) == "im2col"
 
 
 def test_split_partials_fall_back_within_the_budget():
-    geo = _geo(2, 512, 64, (7, 7), (3, 3), 1, 1)
+    geo = geometry(2, 512, 64, (7, 7), (3, 3), 1, 1)
     steps, scratch = cd.implicit_plan(geo, np.float16, 1 << 30)
     assert steps[0].config.split == 4 and scratch == {"part": 4 * 98 * 64 * 2}
     steps, scratch = cd.implicit_plan(geo, np.float16, 4 * 98 * 64 * 4 - 1)
@@ -175,7 +169,7 @@ def test_driver_launches_pack_each_threads_pointers():
     import threading
 
     from bench import fake_cupy
-    geo = _geo(2, 64, 24, (11, 13), (3, 3), 1, 1)
+    geo = geometry(2, 64, 24, (11, 13), (3, 3), 1, 1)
     launch = igemm.plan_launch(geo, "float16", igemm.config(geo, "float16", 132))
     with fake_cupy.installed(record_calls=True) as fake:
         igemm._MODULES.clear()

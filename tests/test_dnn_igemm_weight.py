@@ -12,16 +12,10 @@ from blasx.dnn import igemm_weight as iw
 from blasx.dnn import weight_forms as wf
 from blasx.dnn.conv_sets import layers
 from blasx.dnn.geometry import conv_geometry
+from dnn_ref import geometry
 
 torch = pytest.importorskip("torch")
 f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
-
-
-def _geo(n, c, k, size, kernel, stride=1, padding=0, dilation=1, dtype=np.float16):
-    nd = len(size)
-    x = np.broadcast_to(np.zeros((), dtype), (n, c, *size))
-    w = np.broadcast_to(np.zeros((), dtype), (k, c, *kernel))
-    return conv_geometry("conv", nd, x, w, stride, padding, dilation, 1)
 
 
 def emulate(launch: iw.Launch, x_cl: np.ndarray, dy_cl: np.ndarray) -> np.ndarray:
@@ -73,7 +67,7 @@ CASES = [  # (n, c, k, size, kernel, stride, padding, dilation, type)
 @pytest.mark.parametrize("split", [None, 3])
 def test_emulated_addressing_matches_torch(case, split):
     n, c, k, size, kernel, stride, pad, dil, t = case
-    geo = _geo(n, c, k, size, kernel, stride, pad, dil)
+    geo = geometry(n, c, k, size, kernel, stride, pad, dil)
     assert iw.applies(geo, np.float16, True)
     cfg = iw.config(geo, 132)
     if split is not None:
@@ -105,18 +99,18 @@ def test_config_on_resnet50s_3x3s():
     assert got["layer2.1.conv2"] == iw.Config(2, 192, 4, 22)  # 6 tiles
     assert got["layer3.1.conv2"] == iw.Config(2, 192, 4, 5)  # 24 tiles
     assert got["layer4.1.conv2"] == iw.Config(2, 192, 4, 1)  # 96 tiles, 49 k-tiles
-    assert iw.config(_geo(1, 64, 64, (8, 8), (3, 3), 1, 1), 132).split == 1  # one k-tile
+    assert iw.config(geometry(1, 64, 64, (8, 8), (3, 3), 1, 1), 132).split == 1  # one k-tile
 
 
 def test_plan_launch_by_value():
-    geo = _geo(2, 64, 128, (9, 10), (3, 3), 2, (0, 2), (2, 1))
+    geo = geometry(2, 64, 128, (9, 10), (3, 3), 2, (0, 2), (2, 1))
     launch = iw.plan_launch(geo, "float16", iw.Config(2, 192, 4, 2))
     # out 3 x 6 = 18 pixels an image, 36 in all: one k-tile, so one split
     assert launch.grid == (3, 1, 1) and launch.threads == 256 and launch.part == 0
     assert launch.smem == 4 * 5 * 8192 + 1024 and launch.config.split == 1
     assert launch.ints[:22] == (2, 1, 9, 10, 64, 128, 1, 3, 3, 1, 3, 6, 1, 2, 2, 0, 0, 2, 1, 2, 1, 1)
     assert launch.ints[22:] == (*iw.magic(6), *iw.magic(3), *iw.magic(1))
-    big = _geo(64, 64, 64, (56, 56), (3, 3), 1, 1)
+    big = geometry(64, 64, 64, (56, 56), (3, 3), 1, 1)
     launch = iw.plan_launch(big, "bfloat16", iw.config(big, 132))
     assert launch.grid == (3, 1, 44) and launch.part == 44 * 64 * 576 and launch.reduce_ints == (64 * 576, 44)
 
@@ -132,23 +126,23 @@ def test_magic_divides_every_pixel_index(d):
 
 
 def test_applies_and_the_default_choice():
-    big = _geo(64, 64, 64, (56, 56), (3, 3), 1, 1)
+    big = geometry(64, 64, 64, (56, 56), (3, 3), 1, 1)
     assert iw.applies(big, f16, True) and not iw.applies(big, f16, False) and not iw.applies(big, f32, True)
-    assert not iw.applies(_geo(4, 48, 64, (9, 9), (3, 3)), f16, True)  # C not whole 64-channel chunks
+    assert not iw.applies(geometry(4, 48, 64, (9, 9), (3, 3)), f16, True)  # C not whole 64-channel chunks
     assert wf.weight_forms(big, "cl", f16, capable=True) == ("im2col", "shifted", "implicit")
     assert wf.weight_forms(big, "cl", f16, capable=False) == ("im2col", "shifted")
     assert wf.weight_forms(big, "cl") == ("im2col", "shifted")  # no dtype: not asked
     assert wf.weight_form(big, f16, None, "cl", capable=True) == "implicit"
     assert wf.weight_form(big, f16, "im2col", "cl", capable=True) == "im2col"  # a force
-    small = _geo(64, 512, 512, (7, 7), (3, 3), 1, 1)  # 3,136 output pixels: im2col
+    small = geometry(64, 512, 512, (7, 7), (3, 3), 1, 1)  # 3,136 output pixels: im2col
     assert wf.weight_form(small, f16, None, "cl", capable=True) == "im2col"
     assert wf.weight_form(small, f16, "implicit", "cl", capable=True) == "implicit"
-    point = _geo(64, 64, 64, (56, 56), (1, 1))
+    point = geometry(64, 64, 64, (56, 56), (1, 1))
     assert wf.weight_form(point, f16, None, "cl", capable=True) == "im2col"  # a 1x1 is one GEMM on x
 
 
 def test_split_partials_fall_back_within_the_budget():
-    geo = _geo(64, 256, 256, (14, 14), (3, 3), 1, 1)
+    geo = geometry(64, 256, 256, (14, 14), (3, 3), 1, 1)
     steps, scratch = wf.implicit_steps(geo, f16, 1 << 30)
     assert steps == [cd.ImplicitWeight("float16", iw.Config(2, 192, 4, 5))]
     assert scratch == {"part": 5 * 256 * 2304 * 2}

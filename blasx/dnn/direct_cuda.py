@@ -450,29 +450,24 @@ class CudaOps:
         self.launch_implicit(igemm.plan_launch(self.geo, s.type, s.config))
 
     def launch_implicit(self, launch: igemm.Launch) -> None:
-        """The implicit-GEMM kernel on x, w into y; an operand off a 16-byte boundary (a view) is copied to
-        fresh memory first (and y copied back)."""
-        import cupy
-        x, w, y = self.bufs["x"], self.bufs["w"], self.bufs["y"]
-        x, w = (a if igemm.aligned(a) else cupy.array(a) for a in (x, w))
-        out = y if igemm.aligned(y) else cupy.empty_like(y)
-        igemm.run(launch, x, w, out, self.bufs.get("part"))
-        if out is not y:
-            y[...] = out
+        self._launch_aligned(igemm.run, launch, ("x", "w", "y"))
 
     def implicit_weight(self, s: cd.ImplicitWeight) -> None:
         self.launch_implicit_weight(igemm_weight.plan_launch(self.geo, s.type, s.config))
 
     def launch_implicit_weight(self, launch: igemm_weight.Launch) -> None:
-        """The implicit weight-gradient kernel on x, dY into dw; an operand off a 16-byte boundary (a view) is
-        copied to fresh memory first (and dw copied back)."""
+        self._launch_aligned(igemm_weight.run, launch, ("x", "dy", "dw"))
+
+    def _launch_aligned(self, run, launch, names: tuple) -> None:
+        """``run(launch, a, b, out, part)`` on the buffers ``names``; an operand off a 16-byte boundary (a view)
+        is copied to fresh memory first (and the output copied back)."""
         import cupy
-        x, dy, dw = self.bufs["x"], self.bufs["dy"], self.bufs["dw"]
-        x, dy = (a if igemm.aligned(a) else cupy.array(a) for a in (x, dy))
-        out = dw if igemm.aligned(dw) else cupy.empty_like(dw)
-        igemm_weight.run(launch, x, dy, out, self.bufs.get("part"))
-        if out is not dw:
-            dw[...] = out
+        a, b, out = (self.bufs[n] for n in names)
+        a, b = (v if igemm.aligned(v) else cupy.array(v) for v in (a, b))
+        dst = out if igemm.aligned(out) else cupy.empty_like(out)
+        run(launch, a, b, dst, self.bufs.get("part"))
+        if dst is not out:
+            out[...] = dst
 
     def col2im(self, s: c2.Col2im) -> None:
         self.launch_col2im(col2im_launch(self.geo, self.cl, s, self.dtype))

@@ -149,12 +149,14 @@ def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
                   (-(-mk // 4 // 256),), (mk, split))
 
 
-def wgmma_source(n: int, row: TypeRow) -> str:
-    """``wgmma_n{n}(acc, desc_a, desc_b)``: acc (float32 m64 x n fragments) += A B on one warpgroup."""
+def wgmma_source(n: int, row: TypeRow, transpose: bool = False) -> str:
+    """``wgmma_n{n}(acc, desc_a, desc_b)``: acc (float32 m64 x n fragments) += A B on one warpgroup; operands
+    K-major, or both MN-major (``transpose``: 2-byte types only)."""
     regs = n // 2
     outs = ", ".join(f"%{i}" for i in range(regs))
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    imm = "p, 1, 1, 0, 0" if row.trans_imm else "p, 1, 1"
+    t = int(transpose)
+    imm = f"p, 1, 1, {t}, {t}" if row.trans_imm else "p, 1, 1"
     return (f"__device__ __forceinline__ void wgmma_n{n}(float (&d)[{regs}], unsigned long long da, "
             f"unsigned long long db) {{\n"
             f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
@@ -163,14 +165,22 @@ def wgmma_source(n: int, row: TypeRow) -> str:
             f'    : {cons} : "l"(da), "l"(db), "r"(1));\n}}\n')
 
 
+def source(defines: dict, wgmma: str, body_file: str, n: int) -> str:
+    """A kernel module's CUDA text: ``defines``, wgmma_common.cu, the wgmma function ``wgmma`` and
+    ``body_file`` with its WGMMA( calls naming it."""
+    from importlib import resources
+    files = resources.files(__package__)
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    body = files.joinpath(body_file).read_text().replace("WGMMA(", f"wgmma_n{n}(")
+    return head + files.joinpath("wgmma_common.cu").read_text() + wgmma + body
+
+
 def kernel_source(type_: str, cfg: Config) -> str:
     """The CUDA source of the main and reduce kernels for ``type_`` and ``cfg``'s tile (see igemm_kernel.cu)."""
-    from importlib import resources
     row = TYPES[type_]
-    body = resources.files(__package__).joinpath("igemm_kernel.cu").read_text()
-    head = (f"#define ELEM_BYTES {row.itemsize}\n#define BN {cfg.bn}\n#define STAGES {STAGES}\n"
-            f"#define PIPE {cfg.pipe}\n#define OUT_BF16 {int(type_ == 'bfloat16')}\n")
-    return head + wgmma_source(cfg.bn, row) + body.replace("WGMMA(", f"wgmma_n{cfg.bn}(")
+    defines = {"ELEM_BYTES": row.itemsize, "BN": cfg.bn, "STAGES": STAGES, "PIPE": cfg.pipe,
+               "OUT_BF16": int(type_ == "bfloat16")}
+    return source(defines, wgmma_source(cfg.bn, row), "igemm_kernel.cu", cfg.bn)
 
 
 _MODULES: dict = {}
@@ -184,7 +194,7 @@ def kernels(type_: str, cfg: Config):
     if got is None:
         import cupy
         mod = cupy.RawModule(code=kernel_source(type_, cfg), options=("-arch=sm_90a", "-std=c++17"))
-        got = _MODULES[key] = (mod.get_function("blasx_igemm"), mod.get_function("blasx_igemm_reduce"), mod)
+        got = _MODULES[key] = (mod.get_function("blasx_igemm"), mod.get_function("blasx_split_reduce"), mod)
     return got[0], got[1]
 
 
@@ -217,37 +227,44 @@ def aligned(*arrays) -> bool:
     return all(a.data.ptr % ALIGN == 0 for a in arrays)
 
 
-class Launcher:
-    """``launch``'s kernels on the current device, ready: ``(x, w, y, part)`` pointers in, launched on
-    ``stream``."""
+class Pair:
+    """A main kernel launched with its integer arguments packed once (``tail``, ctypes) and, where ``launch``
+    splits, the reduce kernel summing its partials: ``(a, b, y, part)`` pointers in, launched on ``stream``."""
 
-    def __init__(self, launch: Launch) -> None:
+    def __init__(self, main, reduce, launch, threads: int, tail: tuple) -> None:
         import ctypes
-        main, reduce = kernels(launch.type, launch.config)
         main.max_dynamic_shared_size_bytes = launch.smem  # (CuPy sets it on the current device's function)
         self.launch = launch
-        self.main = driver_launch.DriverLaunch(main, launch.grid, (THREADS, 1, 1), launch.smem, 4,
-                                               tuple(ctypes.c_int32(int(v)) for v in launch.ints))
+        self.main = driver_launch.DriverLaunch(main, launch.grid, (threads, 1, 1), launch.smem, 4, tail)
         self.reduce = None if not launch.part else driver_launch.DriverLaunch(
             reduce, (*launch.reduce_grid, 1, 1), (256, 1, 1), 0, 2,
             (ctypes.c_int64(launch.reduce_ints[0]), ctypes.c_int32(launch.reduce_ints[1])))
 
-    def __call__(self, stream: int, x: int, w: int, y: int, part: int = 0) -> None:
-        self.main(stream, x, w, y, part or y)
+    def __call__(self, stream: int, a: int, b: int, y: int, part: int = 0) -> None:
+        self.main(stream, a, b, y, part or y)
         if self.reduce is not None:
             self.reduce(stream, part, y)
+
+
+class Launcher(Pair):
+    """``launch``'s kernels on the current device, ready: ``(x, w, y, part)`` pointers in."""
+
+    def __init__(self, launch: Launch) -> None:
+        import ctypes
+        super().__init__(*kernels(launch.type, launch.config), launch, THREADS,
+                         tuple(ctypes.c_int32(int(v)) for v in launch.ints))
 
 
 _LAUNCHERS: dict = {}
 
 
-def launcher(launch: Launch) -> Launcher:
-    """The Launcher of ``launch`` on the current device, made once per device."""
+def launcher(launch, make=Launcher) -> Pair:
+    """``make(launch)`` (a Pair) on the current device, made once per launch and device."""
     import cupy
-    key = (launch, cupy.cuda.runtime.getDevice())
+    key = (type(launch), launch, cupy.cuda.runtime.getDevice())
     got = _LAUNCHERS.get(key)
     if got is None:
-        got = _LAUNCHERS[key] = Launcher(launch)
+        got = _LAUNCHERS[key] = make(launch)
     return got
 
 

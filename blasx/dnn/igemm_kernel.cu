@@ -1,8 +1,7 @@
 // Implicit-GEMM convolution forward on sm_90a (see igemm.py). Defined before this text: ELEM_BYTES (2 or 4),
-// BN, STAGES, PIPE, OUT_BF16, and wgmma_n<BN>(acc, desc_a, desc_b), called as WGMMA(.
+// BN, STAGES, PIPE, OUT_BF16, wgmma_common.cu, and wgmma_n<BN>(acc, desc_a, desc_b), called as WGMMA(.
 #define BM 128
 #define THREADS 256
-#define ROW 128                        // bytes of a k-tile row (one swizzle atom)
 #define BK (ROW / ELEM_BYTES)          // elements of a k-tile row
 #define CHE (16 / ELEM_BYTES)          // elements of a 16-byte piece
 #define A_IT (BM * 8 / THREADS)        // A pieces a thread loads per k-tile
@@ -11,35 +10,10 @@
 #define STAGE_BYTES ((BM + BN) * ROW)
 #define DIST (STAGES - 1 - PIPE)       // k-tiles loaded ahead
 
-#if ELEM_BYTES == 2
-typedef unsigned short T;
-#else
-typedef float T;
-#endif
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
-#if OUT_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
 // A K-major shared-memory matrix in the 128-byte swizzle: 8-row groups 1024 bytes apart.
 __device__ __forceinline__ unsigned long long desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-
-// Row `row`, 16-byte piece `ch` of a stage's tile, swizzled as wgmma's 128-byte mode reads it.
-__device__ __forceinline__ int tile_off(int row, int ch) { return row * ROW + ((ch ^ (row & 7)) << 4); }
 
 extern "C" __global__ void __launch_bounds__(THREADS) blasx_igemm(
     const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, float* __restrict__ part,
@@ -177,24 +151,4 @@ extern "C" __global__ void __launch_bounds__(THREADS) blasx_igemm(
             }
         }
     }
-}
-
-// y = the sum of the splits' float32 partials, in split order; four elements a thread (K % 4 == 0).
-extern "C" __global__ void blasx_igemm_reduce(const float* __restrict__ part, T* __restrict__ y, long long MK,
-                                              int splits) {
-    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
-    if (i >= MK) return;
-    float4 s = *reinterpret_cast<const float4*>(part + i);
-    for (int z = 1; z < splits; ++z) {
-        float4 t = *reinterpret_cast<const float4*>(part + z * MK + i);
-        s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
-    }
-#if ELEM_BYTES == 2
-    uint2 o;
-    o.x = pack2(s.x, s.y);
-    o.y = pack2(s.z, s.w);
-    *reinterpret_cast<uint2*>(y + i) = o;
-#else
-    *reinterpret_cast<float4*>(y + i) = s;
-#endif
 }

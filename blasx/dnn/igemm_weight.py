@@ -20,12 +20,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import driver_launch, igemm
+from . import igemm
 from .geometry import ConvGeometry
 
 CHANNELS = 64  # a chunk's channels (128 bytes of a 2-byte type), and pixels a k-tile
 CHUNK_BYTES = CHANNELS * 128
-TYPES = {"float16": "f16", "bfloat16": "bf16"}
+TYPES = ("float16", "bfloat16")
 PIPE = 1
 SMEM_MAX = 227 * 1024  # dynamic shared memory a block may take (sm_90)
 MIN_KTILES = 8  # pixel k-tiles a split covers at least
@@ -112,26 +112,12 @@ def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
                   (-(-mk // 4 // 256),), (mk, split))
 
 
-def wgmma_source(n: int, mma: str) -> str:
-    """``wgmma_n{n}(acc, desc_a, desc_b)``: acc (float32 m64 x n fragments) += A B, both MN-major."""
-    regs = n // 2
-    outs = ", ".join(f"%{i}" for i in range(regs))
-    cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    return (f"__device__ __forceinline__ void wgmma_n{n}(float (&d)[{regs}], unsigned long long da, "
-            f"unsigned long long db) {{\n"
-            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-            f'    "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{mma}.{mma} '
-            f'{{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1, 1, 1;\\n}}\\n"\n'
-            f'    : {cons} : "l"(da), "l"(db), "r"(1));\n}}\n')
-
-
 def kernel_source(type_: str, cfg: Config) -> str:
     """The CUDA source of the main and reduce kernels for ``type_`` and ``cfg``'s tile."""
-    from importlib import resources
-    body = resources.files(__package__).joinpath("igemm_weight_kernel.cu").read_text()
-    head = (f"#define WGM {cfg.wgm}\n#define BN {cfg.bn}\n#define STAGES {cfg.stages}\n#define PIPE {PIPE}\n"
-            f"#define OUT_BF16 {int(type_ == 'bfloat16')}\n")
-    return head + wgmma_source(cfg.bn, TYPES[type_]) + body.replace("WGMMA(", f"wgmma_n{cfg.bn}(")
+    defines = {"WGM": cfg.wgm, "BN": cfg.bn, "STAGES": cfg.stages, "PIPE": PIPE, "ELEM_BYTES": 2,
+               "OUT_BF16": int(type_ == "bfloat16")}
+    return igemm.source(defines, igemm.wgmma_source(cfg.bn, igemm.TYPES[type_], transpose=True),
+                        "igemm_weight_kernel.cu", cfg.bn)
 
 
 _MODULES: dict = {}
@@ -145,50 +131,24 @@ def kernels(type_: str, cfg: Config):
     if got is None:
         import cupy
         mod = cupy.RawModule(code=kernel_source(type_, cfg), options=("-arch=sm_90a", "-std=c++17"))
-        got = _MODULES[key] = (mod.get_function("blasx_igemm_wgrad"), mod.get_function("blasx_igemm_wgrad_reduce"),
-                               mod)
+        got = _MODULES[key] = (mod.get_function("blasx_igemm_wgrad"), mod.get_function("blasx_split_reduce"), mod)
     return got[0], got[1]
 
 
-class Launcher:
-    """``launch``'s kernels on the current device, ready: ``(x, dy, dw, part)`` pointers in, launched on
-    ``stream``."""
+class Launcher(igemm.Pair):
+    """``launch``'s kernels on the current device, ready: ``(x, dy, dw, part)`` pointers in."""
 
     def __init__(self, launch: Launch) -> None:
         import ctypes
-        main, reduce = kernels(launch.type, launch.config)
-        main.max_dynamic_shared_size_bytes = launch.smem
-        self.launch = launch
         n_signed = 22  # the geometry and k-tiles a split; then (multiplier unsigned, shift) pairs
         tail = tuple(ctypes.c_int32(int(v)) if i < n_signed or i % 2 else ctypes.c_uint32(int(v))
                      for i, v in enumerate(launch.ints))
-        self.main = driver_launch.DriverLaunch(main, launch.grid, (launch.threads, 1, 1), launch.smem, 4, tail)
-        self.reduce = None if not launch.part else driver_launch.DriverLaunch(
-            reduce, (*launch.reduce_grid, 1, 1), (256, 1, 1), 0, 2,
-            (ctypes.c_int64(launch.reduce_ints[0]), ctypes.c_int32(launch.reduce_ints[1])))
-
-    def __call__(self, stream: int, x: int, dy: int, dw: int, part: int = 0) -> None:
-        self.main(stream, x, dy, dw, part or dw)
-        if self.reduce is not None:
-            self.reduce(stream, part, dw)
-
-
-_LAUNCHERS: dict = {}
-
-
-def launcher(launch: Launch) -> Launcher:
-    """The Launcher of ``launch`` on the current device, made once per device."""
-    import cupy
-    key = (launch, cupy.cuda.runtime.getDevice())
-    got = _LAUNCHERS.get(key)
-    if got is None:
-        got = _LAUNCHERS[key] = Launcher(launch)
-    return got
+        super().__init__(*kernels(launch.type, launch.config), launch, launch.threads, tail)
 
 
 def run(launch: Launch, x, dy, dw, part) -> None:
     """The launches on the current device and stream: x, dy, dw CuPy arrays (compact, 16-byte aligned; dw
     ``(K, T*R*S*C)`` in x's type), ``part`` float32 scratch of ``launch.part`` elements (None: no split)."""
     import cupy
-    launcher(launch)(cupy.cuda.get_current_stream().ptr, x.data.ptr, dy.data.ptr, dw.data.ptr,
-                     0 if part is None else part.data.ptr)
+    igemm.launcher(launch, Launcher)(cupy.cuda.get_current_stream().ptr, x.data.ptr, dy.data.ptr, dw.data.ptr,
+                                     0 if part is None else part.data.ptr)

@@ -1,8 +1,7 @@
 // Implicit-GEMM weight gradient on sm_90a (see igemm_weight.py). Defined before this text: WGM (warpgroups,
-// along M), BN, STAGES, PIPE, OUT_BF16, and wgmma_n<BN>(acc, desc_a, desc_b) with both operands MN-major,
-// called as WGMMA(. 2-byte types only (wgmma transposes no 4-byte operand).
+// along M), BN, STAGES, PIPE, ELEM_BYTES (2: wgmma transposes no 4-byte operand), OUT_BF16, wgmma_common.cu, and
+// wgmma_n<BN>(acc, desc_a, desc_b) with both operands MN-major, called as WGMMA(.
 #define THREADS (128 * WGM)
-#define ROW 128                        // bytes of a pixel's row in a chunk: 64 channels
 #define CHUNK (64 * ROW)               // a chunk: 64 pixels x 64 channels, eight 1024-byte swizzle atoms
 #define NB (BN / 64)                   // B chunks
 #define RPT (512 / THREADS)            // pixel rows a thread loads per chunk
@@ -10,32 +9,12 @@
 #define STAGE_BYTES ((WGM + NB) * CHUNK)
 #define DIST (STAGES - 1 - PIPE)       // k-tiles loaded ahead
 
-typedef unsigned short T;
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    unsigned r;
-#if OUT_BF16
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
 // An MN-major operand in the 128-byte swizzle: 64-element MN blocks a chunk (LBO) apart, 8-row K groups
 // 1024 bytes (SBO) apart.
 __device__ __forceinline__ unsigned long long desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(CHUNK >> 4) << 16) |
            (64ull << 32) | (1ull << 62);
 }
-
-__device__ __forceinline__ int tile_off(int row, int ch) { return row * ROW + ((ch ^ (row & 7)) << 4); }
 
 // n / d for n < 2^31 by the multiplier m = ceil(2^(31 + l) / d) (igemm_weight.magic): q = n m >> shift
 __device__ __forceinline__ unsigned divm(unsigned n, unsigned m, int shift) {
@@ -152,20 +131,4 @@ extern "C" __global__ void __launch_bounds__(THREADS) blasx_igemm_wgrad(
                     make_float2(acc[4 * j + 2 * hlf], acc[4 * j + 2 * hlf + 1]);
         }
     }
-}
-
-// dW = the sum of the splits' float32 partials, in split order; four elements a thread (RSC % 4 == 0).
-extern "C" __global__ void blasx_igemm_wgrad_reduce(const float* __restrict__ part, T* __restrict__ dw,
-                                                    long long MK, int splits) {
-    long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
-    if (i >= MK) return;
-    float4 s = *reinterpret_cast<const float4*>(part + i);
-    for (int z = 1; z < splits; ++z) {
-        float4 t = *reinterpret_cast<const float4*>(part + z * MK + i);
-        s.x += t.x; s.y += t.y; s.z += t.z; s.w += t.w;
-    }
-    uint2 o;
-    o.x = pack2(s.x, s.y);
-    o.y = pack2(s.z, s.w);
-    *reinterpret_cast<uint2*>(dw + i) = o;
 }
