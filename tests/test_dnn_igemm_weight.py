@@ -141,6 +141,14 @@ def test_applies_and_the_default_choice():
     assert wf.weight_form(point, f16, None, "cl", capable=True) == "im2col"  # a 1x1 is one GEMM on x
 
 
+def test_the_find_step_times_the_kernel_where_it_applies():
+    from blasx.dnn.find import forms_for
+    big = geometry(64, 64, 64, (56, 56), (3, 3), 1, 1)
+    assert forms_for(big, "bwd-weight", f16, "cl", None, capable=True) == ("im2col", "shifted", "implicit")
+    assert forms_for(big, "bwd-weight", f16, "cl", None, capable=False) == ("im2col", "shifted")
+    assert forms_for(big, "bwd-weight", f32, "cl", "tf32", capable=True) == ("im2col", "shifted")
+
+
 def test_split_partials_fall_back_within_the_budget():
     geo = geometry(64, 256, 256, (14, 14), (3, 3), 1, 1)
     steps, scratch = wf.implicit_steps(geo, f16, 1 << 30)

@@ -61,6 +61,15 @@ def test_find_times_the_find_only_forms_and_the_route_takes_the_stored_one():
         assert weight_forms.weight_form(geo, np.float32, None, "cl", "ieee") == r["form"]
 
 
+def test_find_times_the_implicit_weight_kernel_on_hopper():
+    """A float16 3x3 weight gradient (NCHW operands, run channels-last) times im2col, shifted and, on sm_90,
+    the implicit weight-gradient kernel, each checked against the first."""
+    from blasx.dnn import igemm
+    r = dnn.find((8, 64, 28, 28), (128, 64, 3, 3), 1, 1, direction="bwd-weight", dtype=np.float16, runs=2)
+    want = ["im2col", "shifted"] + (["implicit"] if igemm.capable(0) else [])
+    assert r["forms"] == want and r["bad"] == [] and r["key"].layout == "cl"
+
+
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 def test_find_strided_backward_data_times_col2im_and_phases(layout):
     """A stride-2 backward-data problem runs GEMMs into columns and col2im, or its phases (stride-1 convolutions
