@@ -33,6 +33,9 @@ CHECK_ROWS = 32
 
 # ---------------------------------------------------------------- worker-side memory sampler
 
+CONTENDERS = ("blasx.dask", "dask.array", "blasx (one process)")
+
+
 def _sample_start(dask_worker, interval: float = 0.003) -> int:
     """Sample this worker's resident memory (and CuPy's pool, when CuPy is loaded) every few ms.
     (The state is kept on the worker object: this module may be pickled by value, globals too.)"""
@@ -299,7 +302,7 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("local", "per-gpu"), default="local",
                    help="per-gpu: one worker per GPU seeing only its own (then --devices cuda)")
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--contenders", default="blasx.dask,dask.array,blasx (one process)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of: " + ", ".join(CONTENDERS))
     p.add_argument("--gpu-chunks", action="store_true", help="CuPy chunks (GPU workers)")
     p.add_argument("--cache-bytes", help="blasx's tile cache per device, e.g. 24GiB (default: blasx's, half "
                                          "the free GPU memory; leave room for CuPy chunks)")
@@ -314,6 +317,9 @@ def main(argv=None) -> int:
                    "blasx.dask.group): auto, off or a number of elements (N: one call a worker)")
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
+    names = [s.strip() for s in args.contenders.split(",") if s.strip()]
+    if not names or any(n not in CONTENDERS for n in names):
+        p.error(f"--contenders: got {args.contenders!r}; allowed: a comma list of {', '.join(CONTENDERS)}")
     if args.group not in ("auto", "off"):
         try:
             args.group = int(args.group)
@@ -325,7 +331,7 @@ def main(argv=None) -> int:
     res = {"host": socket.gethostname(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
            "command": "python -m bench.dask " + " ".join(argv if argv is not None else sys.argv[1:]),
            "gpus": [g["name"] for g in env.get("gpus", [])], "env": env, "args": vars(args), "results": {}}
-    for name in [s.strip() for s in args.contenders.split(",") if s.strip()]:
+    for name in names:
         print(f"{name} ...", file=sys.stderr, flush=True)
         if name == "blasx (one process)":
             res["results"][name] = run_single(args)
@@ -342,6 +348,7 @@ def main(argv=None) -> int:
         kind += f"-g{args.group}" if args.group != "auto" else ""
         stem = os.path.join(args.out, f"dask-{kind}-w{args.workers}t{args.threads}-n{args.n}-b{args.block}-"
                                       f"{_dt.date.today():%Y%m%d}")
+        os.makedirs(args.out, exist_ok=True)
         with open(stem + ".json", "w") as f:
             json.dump(res, f, indent=1)
         with open(stem + ".md", "w") as f:

@@ -13,7 +13,8 @@ pytest.importorskip("distributed")
 def test_smoke_run_writes_checked_results(tmp_path, capsys):
     from bench import dask as bench_dask
     rc = bench_dask.main(["--n", "256", "--block", "64", "--devices", "cpu", "--workers", "1", "--group", "256",
-                          "--out", str(tmp_path)])
+                          "--out", str(tmp_path / "new")])  # (the directory made)
+    tmp_path = tmp_path / "new"
     assert rc == 0
     [js] = tmp_path.glob("dask-cpu-g256-w1t1-n256-b64-*.json")
     res = json.loads(js.read_text())
@@ -27,3 +28,12 @@ def test_group_must_be_auto_off_or_a_number():
     from bench import dask as bench_dask
     with pytest.raises(SystemExit):
         bench_dask.main(["--group", "several"])
+
+
+def test_contenders_must_be_known(capsys):
+    """A misspelt contender is refused before any cluster starts (once it ran dask.array under the wrong name)."""
+    from bench import dask as bench_dask
+    with pytest.raises(SystemExit):
+        bench_dask.main(["--contenders", "blasx.dask,blasx"])
+    assert "--contenders: got 'blasx.dask,blasx'; allowed: a comma list of blasx.dask, dask.array, blasx (one " \
+           "process)" in capsys.readouterr().err
