@@ -88,28 +88,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) blasx_igemm(
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
 
-#pragma unroll
-    for (int s = 0; s < DIST; ++s) {
-        if (s < KT) load(s, s);
-        asm volatile("cp.async.commit_group;\n" ::);
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-        asm volatile("cp.async.wait_group %0;\n" :: "n"(DIST - 1));
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes, seen by wgmma
-        __syncthreads();
-        if (kt + DIST < KT) load((kt + DIST) % STAGES, kt + DIST);
-        asm volatile("cp.async.commit_group;\n" ::);
-        const unsigned as = smem_u32(smem + (kt % STAGES) * STAGE_BYTES);
-        const unsigned bs = as + BM * ROW;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)  // 32 bytes of k per instruction
-            WGMMA(acc, desc(as + wg * 64 * ROW + kk * 32), desc(bs + kk * 32));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PIPE) : "memory");
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    // 32 bytes of k per instruction
+    WGMMA_K_LOOP(BM * ROW, WGMMA(acc, desc(as + wg * 64 * ROW + kk * 32), desc(bs + kk * 32)));
     __syncthreads();
 
     // fragment (row g / g + 8 of the warp's 16, columns 8j + 2 t4, +1) of the warpgroup's 64 x BN tile

@@ -27,6 +27,34 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // Row `row`, 16-byte piece `ch` of a tile, swizzled as wgmma's 128-byte mode reads it.
 __device__ __forceinline__ int tile_off(int row, int ch) { return row * ROW + ((ch ^ (row & 7)) << 4); }
 
+// The k-loop both kernels run (their `load(stage, kt)`, `KT`, `smem` and `acc` in scope): DIST k-tiles loaded
+// ahead into the STAGES-deep ring; per k-tile its loads awaited and made visible to wgmma, the ring refilled, and
+// MMA (four instructions over the stage's A at `as`, B at `bs` = as + B_OFFSET, index kk) issued as one wgmma
+// group with PIPE groups left in flight; all drained at the end.
+#define WGMMA_K_LOOP(B_OFFSET, MMA)                                                                  \
+    _Pragma("unroll")                                                                                \
+    for (int s = 0; s < DIST; ++s) {                                                                 \
+        if (s < KT) load(s, s);                                                                      \
+        asm volatile("cp.async.commit_group;\n" ::);                                                 \
+    }                                                                                                \
+    for (int kt = 0; kt < KT; ++kt) {                                                                \
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(DIST - 1));                                  \
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");                               \
+        __syncthreads();                                                                             \
+        if (kt + DIST < KT) load((kt + DIST) % STAGES, kt + DIST);                                   \
+        asm volatile("cp.async.commit_group;\n" ::);                                                 \
+        const unsigned as = smem_u32(smem + (kt % STAGES) * STAGE_BYTES);                            \
+        const unsigned bs = as + (B_OFFSET);                                                         \
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");                                    \
+        _Pragma("unroll")                                                                            \
+        for (int kk = 0; kk < 4; ++kk)                                                               \
+            MMA;                                                                                     \
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");                             \
+        asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PIPE) : "memory");                 \
+    }                                                                                                \
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");                                 \
+    asm volatile("cp.async.wait_group 0;\n" ::)
+
 // y = the sum of the splits' float32 partials, in split order; four elements a thread (MK % 4 == 0).
 extern "C" __global__ void blasx_split_reduce(const float* __restrict__ part, T* __restrict__ y, long long MK,
                                               int splits) {
