@@ -282,7 +282,8 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
         return "im2col"
     wide = np.prod(padded_size(geo)) / geo.p
     tensor_core = np.dtype(dtype).itemsize < 4 or math == "tf32"
-    ok = tensor_core and direct_cache.workspace() is not None and geo.c >= SHIFTED_MIN_C and geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
+    ok = tensor_core and direct_cache.workspace() is not None and geo.c >= SHIFTED_MIN_C and \
+        geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
     return "shifted" if ok else "im2col"
 
 

@@ -185,5 +185,5 @@ def implicit_steps(geo: ConvGeometry, dtype, budget: int, sms: int = cd.IMPLICIT
     cfg = igemm_weight.config(geo, sms)
     per_split = geo.k * geo.crs * 4
     split = max(1, min(cfg.split, budget // per_split))
-    step = cd.ImplicitWeight(igemm_weight.type_name(dtype), cfg._replace(split=split if split > 1 else 1))
+    step = cd.ImplicitWeight(igemm_weight.type_name(dtype), cfg._replace(split=split))
     return [step], ({"part": split * per_split // np.dtype(dtype).itemsize} if split > 1 else {})
