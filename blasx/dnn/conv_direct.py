@@ -128,15 +128,13 @@ def pointwise(geo: ConvGeometry) -> bool:
 def device_layout(lay: str, geo: ConvGeometry, dtype, direction: str = "fwd") -> str:
     """The layout the device route convolves operands of layout ``lay`` in: an NCHW 2-D convolution with a
     kernel window (groups 1, not float64) in channels-last, x converted on the device before and y after
-    (transpose_kernel; its forms run faster there: the implicit kernel, the gather's 16-byte units); a 1x1
-    with ``LAYOUT_MIN_PIXELS`` output pixels an image or more stays (a GEMM on x where it lies, or a gather of
-    the strided pixels only: NCHW's GEMMs are per image, too narrow below; over a zero-inserted input, a
-    strided backward-data's col2im, ``INSERTED_MIN_PIXELS``), so does a layer with fewer than
-    ``LAYOUT_MIN_C`` input or output channels (a first layer, its col rows padded where it lies,
-    ``reduction_pad``; or its backward-data: the large image's copy costs more than the form gains) and one
-    whose x or y is the same memory in both layouts (one output channel, one pixel). ``geo`` is the geometry the route runs (a backward-data call's transposed one);
-    a weight gradient (``direction`` "bwd-weight") converts kernel windows only, on maps of at least
-    ``WEIGHT_MIN_PIXELS`` output pixels."""
+    (transpose_kernel; its forms run faster there: the implicit kernels, the gather's 16-byte units). Staying
+    NCHW: a 1x1 with ``LAYOUT_MIN_PIXELS`` output pixels an image or more (a GEMM on x where it lies, or a gather
+    of the strided pixels; NCHW's per-image GEMMs are too narrow below; ``INSERTED_MIN_PIXELS`` over a
+    zero-inserted input: a strided backward-data's col2im); a layer with fewer than ``LAYOUT_MIN_C`` input or
+    output channels (a first layer, ``reduction_pad``; its backward-data's large image copy costs more than the
+    form gains); one whose x or y is the same memory in both layouts. ``geo``: the geometry the route runs; a
+    weight gradient (``direction`` "bwd-weight") converts windows only, on maps of ``WEIGHT_MIN_PIXELS`` or more."""
     if lay != "nchw" or geo.nd != 2 or geo.groups != 1 or np.dtype(dtype) == np.float64:
         return lay
     window, pixels = prod(geo.kernel) > 1, prod(geo.out_size)
@@ -281,9 +279,9 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     if "shifted" not in applicable:
         return "im2col"
     wide = np.prod(padded_size(geo)) / geo.p
-    tensor_core = np.dtype(dtype).itemsize < 4 or math == "tf32"
-    ok = tensor_core and direct_cache.workspace() is not None and geo.c >= SHIFTED_MIN_C and \
-        geo.c * np.dtype(dtype).itemsize % 16 == 0 and wide <= SHIFTED_MAX_WIDE
+    size = np.dtype(dtype).itemsize
+    ok = (size < 4 or math == "tf32") and direct_cache.workspace() is not None and geo.c >= SHIFTED_MIN_C and \
+        geo.c * size % 16 == 0 and wide <= SHIFTED_MAX_WIDE  # tensor-core types in a Workspace
     return "shifted" if ok else "im2col"
 
 
@@ -420,8 +418,7 @@ class Implicit(NamedTuple):
 
 
 class ImplicitWeight(NamedTuple):
-    """dW = dY^T im2col(X) over the whole batch by the implicit weight-gradient kernel (igemm_weight.py) in
-    kernel type ``type`` with tile and split ``config``; split partials in scratch ``part``."""
+    """dW = dY^T im2col(X) by the implicit weight-gradient kernel (igemm_weight.py), as ``Implicit``."""
 
     type: str
     config: tuple
