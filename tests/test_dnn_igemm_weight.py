@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from blasx.dnn import conv_direct as cd
+from blasx.dnn import gather_kernel as gk
 from blasx.dnn import igemm_weight as iw
 from blasx.dnn import weight_forms as wf
 from blasx.dnn.conv_sets import layers
@@ -16,6 +17,11 @@ from dnn_ref import geometry
 
 torch = pytest.importorskip("torch")
 f16, f32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def quo(a, m, s):
+    """The kernel's quotient by a fast_divisor pair (gather_kernel.HELPERS' blasx_quo) on int64 arrays."""
+    return (a * m >> 32) >> s if m else a
 
 
 def emulate(launch: iw.Launch, x_cl: np.ndarray, dy_cl: np.ndarray) -> np.ndarray:
@@ -39,9 +45,9 @@ def emulate(launch: iw.Launch, x_cl: np.ndarray, dy_cl: np.ndarray) -> np.ndarra
     for z in range(split):
         pix = np.arange(z * per * 64, min(kts, (z + 1) * per) * 64)
         pix = pix[pix < npix]
-        t1 = (pix * mq) >> shq
-        t2 = (t1 * mp) >> shp
-        n = (t2 * mo) >> sho
+        t1 = quo(pix, mq, shq)
+        t2 = quo(t1, mp, shp)
+        n = quo(t2, mo, sho)
         q, p, o = pix - t1 * Q, t1 - t2 * P, t2 - n * O
         assert (t1 == pix // Q).all() and (t2 == pix // (Q * P)).all() and (n == pix // (Q * P * O)).all()
         d0, h0, w0 = (o * sd - pd)[:, None], (p * sh - ph)[:, None], (q * sw - pw)[:, None]
@@ -109,20 +115,10 @@ def test_plan_launch_by_value():
     assert launch.grid == (3, 1, 1) and launch.threads == 256 and launch.part == 0
     assert launch.smem == 4 * 5 * 8192 + 1024 and launch.config.split == 1
     assert launch.ints[:22] == (2, 1, 9, 10, 64, 128, 1, 3, 3, 1, 3, 6, 1, 2, 2, 0, 0, 2, 1, 2, 1, 1)
-    assert launch.ints[22:] == (*iw.magic(6), *iw.magic(3), *iw.magic(1))
+    assert launch.ints[22:] == (*gk.fast_divisor(6), *gk.fast_divisor(3), 0, 0)  # output 3 x 6, depth 1
     big = geometry(64, 64, 64, (56, 56), (3, 3), 1, 1)
     launch = iw.plan_launch(big, "bfloat16", iw.config(big, 132))
     assert launch.grid == (3, 1, 44) and launch.part == 44 * 64 * 576 and launch.reduce_ints == (64 * 576, 44)
-
-
-@pytest.mark.parametrize("d", [1, 2, 3, 7, 14, 28, 56, 112, 3136, 12544, 65535, 1 << 20])
-def test_magic_divides_every_pixel_index(d):
-    m, shift = iw.magic(d)
-    assert 0 < m < 2 ** 32
-    rng = np.random.default_rng(d)
-    n = np.concatenate([np.arange(min(4 * d, 4096)), d * np.arange(1, 64) - 1, rng.integers(0, 2 ** 31, 4096),
-                        [2 ** 31 - 1]]).astype(object)
-    assert all((v * m) >> shift == v // d for v in n)
 
 
 def test_applies_and_the_default_choice():

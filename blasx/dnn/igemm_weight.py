@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import igemm
+from . import gather_kernel, igemm
 from .geometry import ConvGeometry
 
 CHANNELS = 64  # a chunk's channels (128 bytes of a 2-byte type), and pixels a k-tile
@@ -73,12 +73,6 @@ def config(geo: ConvGeometry, sms: int) -> Config:
     return Config(wgm, bn, 4, split)
 
 
-def magic(d: int) -> tuple[int, int]:
-    """(m, shift) with n // d == n * m >> shift for 0 <= n < 2^31 (the kernel's divisions by the output size)."""
-    l = (d - 1).bit_length()
-    return -(-(1 << (31 + l)) // d), 31 + l
-
-
 class Launch(NamedTuple):
     """One call's launches: the main kernel's grid, block, shared memory and integer arguments (the k-tiles a
     split covers and the divisions' multipliers last), the partials' float32 elements (0: none), and the
@@ -103,7 +97,7 @@ def plan_launch(geo: ConvGeometry, type_: str, cfg: Config) -> Launch:
     d, h, w = igemm._dims3(geo.in_size, 1)
     t, r, s = igemm._dims3(geo.kernel, 1)
     o, p, q = igemm._dims3(geo.out_size, 1)
-    (mq, sq), (mp, sp), (mo, so) = magic(q), magic(p), magic(o)
+    (mq, sq), (mp, sp), (mo, so) = (gather_kernel.fast_divisor(v) for v in (q, p, o))
     ints = (geo.n, d, h, w, geo.c, geo.k, t, r, s, o, p, q, *igemm._dims3(geo.stride, 1),
             *igemm._dims3(geo.pad_lo, 0), *igemm._dims3(geo.dilation, 1), per, mq, sq, mp, sp, mo, so)
     mk = geo.k * geo.crs
@@ -116,8 +110,8 @@ def kernel_source(type_: str, cfg: Config) -> str:
     """The CUDA source of the main and reduce kernels for ``type_`` and ``cfg``'s tile."""
     defines = {"WGM": cfg.wgm, "BN": cfg.bn, "STAGES": cfg.stages, "PIPE": PIPE, "ELEM_BYTES": 2,
                "OUT_BF16": int(type_ == "bfloat16")}
-    return igemm.source(defines, igemm.wgmma_source(cfg.bn, igemm.TYPES[type_], transpose=True),
-                        "igemm_weight_kernel.cu", cfg.bn)
+    wgmma = igemm.wgmma_source(cfg.bn, igemm.TYPES[type_], transpose=True)
+    return igemm.source(defines, gather_kernel.HELPERS + wgmma, "igemm_weight_kernel.cu", cfg.bn)
 
 
 _MODULES: dict = {}
@@ -140,7 +134,7 @@ class Launcher(igemm.Pair):
 
     def __init__(self, launch: Launch) -> None:
         import ctypes
-        n_signed = 22  # the geometry and k-tiles a split; then (multiplier unsigned, shift) pairs
+        n_signed = 22  # the geometry and k-tiles a split; then (multiplier unsigned, shift) pairs (fast_divisor)
         tail = tuple(ctypes.c_int32(int(v)) if i < n_signed or i % 2 else ctypes.c_uint32(int(v))
                      for i, v in enumerate(launch.ints))
         super().__init__(*kernels(launch.type, launch.config), launch, launch.threads, tail)

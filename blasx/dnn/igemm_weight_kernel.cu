@@ -1,6 +1,7 @@
 // Implicit-GEMM weight gradient on sm_90a (see igemm_weight.py). Defined before this text: WGM (warpgroups,
 // along M), BN, STAGES, PIPE, ELEM_BYTES (2: wgmma transposes no 4-byte operand), OUT_BF16, wgmma_common.cu, and
-// wgmma_n<BN>(acc, desc_a, desc_b) with both operands MN-major, called as WGMMA(.
+// wgmma_n<BN>(acc, desc_a, desc_b) with both operands MN-major, called as WGMMA(; gather_kernel.HELPERS'
+// blasx_quo (a quotient by its fast_divisor pair).
 #define THREADS (128 * WGM)
 #define CHUNK (64 * ROW)               // a chunk: 64 pixels x 64 channels, eight 1024-byte swizzle atoms
 #define NB (BN / 64)                   // B chunks
@@ -14,11 +15,6 @@
 __device__ __forceinline__ unsigned long long desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(CHUNK >> 4) << 16) |
            (64ull << 32) | (1ull << 62);
-}
-
-// n / d for n < 2^31 by the multiplier m = ceil(2^(31 + l) / d) (igemm_weight.magic): q = n m >> shift
-__device__ __forceinline__ unsigned divm(unsigned n, unsigned m, int shift) {
-    return (unsigned)(((unsigned long long)n * m) >> shift);
 }
 
 // dW (K, T*R*S*C) (+ float32 split partials) from channels-last X (N, D, H, W, C) and dY (N, O, P, Q, K):
@@ -65,9 +61,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) blasx_igemm_wgrad(
             unsigned pix = (unsigned)(kt0 + kt) * 64 + row;
             bool ok = pix < NPIX;
             unsigned pp = ok ? pix : 0;
-            unsigned t1 = divm(pp, mq, shq), q = pp - t1 * Q;
-            unsigned t2 = divm(t1, mp, shp), p = t1 - t2 * P;
-            unsigned n = divm(t2, mo, sho), o = t2 - n * O;
+            unsigned t1 = blasx_quo(pp, (unsigned)Q, mq, (unsigned)shq), q = pp - t1 * Q;
+            unsigned t2 = blasx_quo(t1, (unsigned)P, mp, (unsigned)shp), p = t1 - t2 * P;
+            unsigned n = blasx_quo(t2, (unsigned)O, mo, (unsigned)sho), o = t2 - n * O;
             int d0 = (int)o * sd - pd, h0 = (int)p * sh - ph, w0 = (int)q * sw - pw;
             long long xb = (((long long)n * D + d0) * H + h0) * (long long)W * C + (long long)w0 * C;
             const T* ay = dy + (long long)pp * K + m0 + my_ch * 8;
