@@ -186,16 +186,20 @@ def kernel_source(type_: str, cfg: Config) -> str:
 _MODULES: dict = {}
 
 
-def kernels(type_: str, cfg: Config):
-    """(main, reduce) CuPy functions for ``type_`` and ``cfg``'s tile, compiled once per process (CuPy
-    keeps the binary in its kernel cache across processes)."""
-    key = (type_, cfg.bn, cfg.pipe)
+def compiled(key, source, main: str):
+    """(``main``, the split reduce) CuPy functions of the CUDA text ``source()``, compiled once per ``key`` and
+    process (CuPy keeps the binary in its kernel cache across processes)."""
     got = _MODULES.get(key)
     if got is None:
         import cupy
-        mod = cupy.RawModule(code=kernel_source(type_, cfg), options=("-arch=sm_90a", "-std=c++17"))
-        got = _MODULES[key] = (mod.get_function("blasx_igemm"), mod.get_function("blasx_split_reduce"), mod)
+        mod = cupy.RawModule(code=source(), options=("-arch=sm_90a", "-std=c++17"))
+        got = _MODULES[key] = (mod.get_function(main), mod.get_function("blasx_split_reduce"), mod)
     return got[0], got[1]
+
+
+def kernels(type_: str, cfg: Config):
+    """(main, reduce) CuPy functions for ``type_`` and ``cfg``'s tile."""
+    return compiled(("fwd", type_, cfg.bn, cfg.pipe), lambda: kernel_source(type_, cfg), "blasx_igemm")
 
 
 _CAPABLE: dict = {}

@@ -114,19 +114,10 @@ def kernel_source(type_: str, cfg: Config) -> str:
     return igemm.source(defines, gather_kernel.HELPERS + wgmma, "igemm_weight_kernel.cu", cfg.bn)
 
 
-_MODULES: dict = {}
-
-
 def kernels(type_: str, cfg: Config):
-    """(main, reduce) CuPy functions for ``type_`` and ``cfg``'s tile, compiled once per process (CuPy keeps
-    the binary in its kernel cache across processes)."""
-    key = (type_, cfg.wgm, cfg.bn, cfg.stages)
-    got = _MODULES.get(key)
-    if got is None:
-        import cupy
-        mod = cupy.RawModule(code=kernel_source(type_, cfg), options=("-arch=sm_90a", "-std=c++17"))
-        got = _MODULES[key] = (mod.get_function("blasx_igemm_wgrad"), mod.get_function("blasx_split_reduce"), mod)
-    return got[0], got[1]
+    """(main, reduce) CuPy functions for ``type_`` and ``cfg``'s tile."""
+    return igemm.compiled(("wgrad", type_, cfg.wgm, cfg.bn, cfg.stages), lambda: kernel_source(type_, cfg),
+                          "blasx_igemm_wgrad")
 
 
 class Launcher(igemm.Pair):
