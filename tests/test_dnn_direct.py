@@ -52,7 +52,7 @@ def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
 
 
 # a raw kernel's launch as one thread looping over every i, and the CUDA intrinsics it uses
-_ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n"
+_ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __align__(n) alignas(n)\n"
                "struct blasx_dim3 { unsigned int x, y, z; };\n"
                "static const blasx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, "
                "gridDim = {1, 1, 1};\nstruct ulonglong2 { unsigned long long x, y; };\n"
@@ -109,17 +109,18 @@ def run_threads(s, p: int) -> int:
     return -(-s.nb * p // gk.RUN_PIXELS) * (s.op // s.run)
 
 
-def host_col2im(nd: int, index: str = "int32"):
-    """col2im.py's kernel (T = A = double, ``index`` indices) compiled for the host and launched as one thread,
-    as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None without a C++ compiler."""
+def host_col2im(nd: int, index: str = "int32", vec: int = 1):
+    """col2im.py's kernel (T = A = double, ``index`` indices, ``vec`` outputs a thread) compiled for the host and
+    launched as one thread, as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None
+    without a C++ compiler."""
     import ctypes
     if "col2im" not in _HOST:
-        _HOST["col2im"] = compile_host([_ONE_THREAD] + [c2.source(np.float64, d, ix)[0] for d in (1, 2, 3)
-                                                         for ix in ("int32", "int64")])
+        _HOST["col2im"] = compile_host([_ONE_THREAD] + [c2.source(np.float64, d, ix, v)[0] for d in (1, 2, 3)
+                                                         for ix in ("int32", "int64") for v in (1, 2)])
     lib = _HOST["col2im"]
     if lib is None:
         return None
-    fn = getattr(lib, c2.source(np.float64, nd, index)[1])
+    fn = getattr(lib, c2.source(np.float64, nd, index, vec)[1])
     it = ctypes.c_int if index == "int32" else ctypes.c_longlong
     fn.argtypes = ([ctypes.c_void_p] * 3 + [it] * len(c2.ARG_NAMES) + [ctypes.c_uint] * 2 * len(c2.DIVISORS)
                    + [ctypes.c_longlong])
@@ -215,6 +216,10 @@ class NumpyOps:
             assert np.array_equal(got[dst], col[dst]), f"the compiled gather ({index}) differs from its numpy form"
             assert np.isnan(np.delete(got, dst)).all(), "the compiled gather wrote outside its elements"
 
+    def weight_order(self, s):
+        g = self.geo
+        self.bufs["wt"][...] = self.bufs["w"].reshape(g.c, g.kg, -1).transpose(0, 2, 1).ravel()
+
     def col2im(self, s):
         """y's chunk summed from col tap by tap (an independent numpy form of col2im.py's kernel), and the real
         kernel's body compiled for the host (host_col2im), whose y must equal it to rounding."""
@@ -223,8 +228,12 @@ class NumpyOps:
         assert not np.isnan(col[:s.nb * g.k * int(np.prod(g.kernel)) * int(np.prod(g.in_size))]).any()
         nd, taps, pin = g.nd, int(np.prod(g.kernel)), int(np.prod(g.in_size))
         pad = [d * (k - 1) - lo for d, k, lo in zip(g.dilation, g.kernel, g.pad_lo)]
-        cols = col[:s.nb * pin * g.k * taps].reshape(s.nb, *g.in_size, g.groups, *(
-            (taps, g.kg) if s.wcl else (g.kg, taps)))  # (n, i..., group, rows of a group)
+        rows = (g.groups, *((taps, g.kg) if s.wcl else (g.kg, taps)))  # a group's rows
+        cols = col[:s.nb * pin * g.k * taps]
+        if self.cl:
+            cols = cols.reshape(s.nb, *g.in_size, *rows)  # (n, i..., group, rows of a group)
+        else:  # NCHW: (n, rows, i...) pixels contiguous
+            cols = np.moveaxis(cols.reshape(s.nb, *rows, *g.in_size), tuple(range(1, 4)), tuple(range(-3, 0)))
         if not s.wcl:
             cols = np.swapaxes(cols, -1, -2)  # (n, i..., group, tap, co)
         acc = np.zeros((s.nb, *g.out_size, g.groups, g.kg))
@@ -245,14 +254,18 @@ class NumpyOps:
             acc = np.moveaxis(acc, -1, 1)
         base = s.n0 * g.k * int(np.prod(g.out_size))
         y[base:base + acc.size] = acc.ravel()
-        for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
-            fn = host_col2im(nd, index)
-            if fn is None:
+        vec = c2.vector(g, self.cl, np.float64)
+        for index, v, off in (("int32", 1, 0), ("int64", 1, 0), ("int32", vec, 0), ("int32", vec, 1)):
+            fn = host_col2im(nd, index, v)  # divisions by multipliers and plain ones; runs of v outputs, y's
+            if fn is None:                  # start aligned to 16 bytes and not (off 1: the kernel's scalar stores)
                 break
-            got = np.full(acc.size + base, np.nan)
+            mem = np.full(acc.size + base + 2, np.nan)
+            mem = mem[(-mem.ctypes.data // 8) % 2 + off:]  # 16-byte aligned, then one element on where off
+            got = mem[:acc.size + base]
             fn(col.ctypes.data, None if bias is None else np.asarray(bias, np.float64).ctypes.data,
-               got.ctypes.data, c2.kernel_args(g, self.cl, s), acc.size)
+               got.ctypes.data, c2.kernel_args(g, self.cl, s), c2.threads(g, s, v))
             assert np.isnan(got[:base]).all() and np.allclose(got[base:], acc.ravel(), rtol=1e-12, atol=1e-12)
+            assert np.isnan(mem[acc.size + base:]).all(), "the col2im kernel wrote past y"
 
     def copy_dy(self, s):
         g = self.geo
@@ -332,7 +345,8 @@ def emulated_transposed(geo, xmem, cl, wmem, wcl, ymem, bias, budget):
     """direct_cuda.transposed's plan (col2im.py) on numpy buffers; returns the image chunks."""
     per = c2.scratch_per_image(geo)
     parts = cd.chunks(geo.n, per * 8, budget)
-    bufs = {"x": xmem, "w": wmem, "y": ymem, "col": np.full(max(nb for _, nb in parts) * per, np.nan)}
+    bufs = {"x": xmem, "w": wmem, "y": ymem, "col": np.full(max(nb for _, nb in parts) * per, np.nan),
+            "wt": np.full(wmem.size, np.nan)}
     if bias is not None:
         bufs["bias"] = np.asarray(bias, np.float64)
     cd.run(c2.steps(geo, cl, wcl, parts), NumpyOps(geo, cl, bufs))
@@ -351,9 +365,10 @@ def test_col2im_plans_vs_torch(case, budget):
     orders of the weight, groups, dilation, output padding, bias; budget 1: one image a chunk."""
     nd, cl, wcl, stride, pad, dil, groups, ks, with_bias, seed = case
     rng = np.random.default_rng(seed)
+    kg = 3 + seed % 2  # 4: channels-last runs of two outputs a thread (col2im.vector)
     x, _ = _case(rng, nd, groups, 2, 3, 3)
-    w = rng.standard_normal((2 * groups, 3, *(ks,) * nd))
-    b = rng.standard_normal(3 * groups) if with_bias else None
+    w = rng.standard_normal((2 * groups, kg, *(ks,) * nd))
+    b = rng.standard_normal(kg * groups) if with_bias else None
     opad = min(stride, dil) - 1 if (stride > 1 or dil > 1) else 0
     try:
         geo = transpose_geometry("t", nd, x, w, stride, pad, opad, groups, dil)

@@ -288,7 +288,10 @@ def transposed_plan(geo: ConvGeometry, cl: bool, wcl: bool, dtype, budget: int) 
         per = c2.scratch_per_image(geo)
         parts = cd.chunks(geo.n, per * dt.itemsize, budget)
         steps = c2.steps(geo, cl, wcl, parts)
-        return ForwardPlan("col2im", steps, {"col": max(nb for _, nb in parts) * per}, prepare(geo, cl, dt, steps))
+        scratch = {"col": max(nb for _, nb in parts) * per}
+        if c2.reorders(geo, cl, wcl):
+            scratch["wt"] = geo.c * geo.kg * prod(geo.kernel)
+        return ForwardPlan("col2im", steps, scratch, prepare(geo, cl, dt, steps))
     return _PLANS.get(("col2im", geo, cl, wcl, dt.str, budget), make)
 
 
@@ -317,12 +320,14 @@ class Col2imLaunch(NamedTuple):
     total: int
     nd: int
     dtype: str
+    vec: int
 
 
 def col2im_launch(geo: ConvGeometry, cl: bool, s: c2.Col2im, dtype) -> Col2imLaunch:
     args = tuple(int(a) for a in c2.kernel_args(geo, cl, s))
+    vec = c2.vector(geo, cl, dtype)
     return Col2imLaunch(args, c2.magic_args(args), c2.index_type(geo, s, s.nb * c2.scratch_per_image(geo)),
-                        c2.threads(geo, s), geo.nd, np.dtype(dtype).name)
+                        c2.threads(geo, s, vec), geo.nd, np.dtype(dtype).name, vec)
 
 
 def col2im_launcher(g: Col2imLaunch, device: int) -> "driver_launch.DriverLaunch":
@@ -330,7 +335,7 @@ def col2im_launcher(g: Col2imLaunch, device: int) -> "driver_launch.DriverLaunch
     got = _COL2IMS.get((g, device))
     if got is None:
         import cupy
-        key = (g.dtype, g.nd, g.index)
+        key = (g.dtype, g.nd, g.index, g.vec)
         k = _KERNELS.get(key)
         if k is None:
             k = _KERNELS[key] = cupy.RawKernel(*c2.source(*key))
@@ -468,6 +473,13 @@ class CudaOps:
         run(launch, a, b, dst, self.bufs.get("part"))
         if dst is not out:
             out[...] = dst
+
+    def weight_order(self, s: c2.WeightOrder) -> None:
+        from . import host_batch, transpose_kernel
+        g = self.geo
+        shape = (g.c, g.kg, prod(g.kernel))
+        transpose_kernel.copy(host_batch.in_layout(self.bufs["wt"][:prod(shape)], shape, "cl"),
+                              self.bufs["w"].reshape(shape), True)
 
     def col2im(self, s: c2.Col2im) -> None:
         self.launch_col2im(col2im_launch(self.geo, self.cl, s, self.dtype))

@@ -35,7 +35,7 @@ def applies(geo: ConvGeometry) -> bool:
 # The device route's default for a strided transposed call (the find step may choose otherwise): the phases where
 # every phase has taps, with this many output channels and input pixels an image; col2im (one GEMM) otherwise.
 MIN_CHANNELS = 8
-MIN_PIXELS = 196
+MIN_PIXELS = 784
 
 
 def preferred(geo: ConvGeometry) -> bool:
