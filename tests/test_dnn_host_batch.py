@@ -321,6 +321,19 @@ def test_the_paired_transpose_takes_even_two_byte_copies_on_four_byte_boundaries
     assert names == ["blasx_transpose_pair16"]
 
 
+def test_the_vector_transpose_takes_whole_vectors_on_sixteen_byte_boundaries(monkeypatch):
+    from blasx.dnn import transpose_kernel as tk
+    assert tk.vectored(2, 8, 16, (0, 256)) and tk.vectored(4, 4, 12, (0, 256))
+    assert not tk.vectored(2, 4, 16, (0, 256)) and not tk.vectored(4, 6, 12, (0, 256))  # part of a vector
+    assert not tk.vectored(8, 8, 8, (0, 256)) and not tk.vectored(1, 16, 16, (0, 256))  # other sizes
+    assert not tk.vectored(2, 8, 16, (8, 256))
+    monkeypatch.setattr(tk, "VECTOR", False)
+    assert not tk.vectored(2, 8, 16, (0, 256))
+    assert tk.vector_grid(3, 130, 64, 2) == (3 * 1, 3, 1) and tk.vector_grid(3, 130, 64, 4) == (5 * 2, 3, 1)
+    code, name = tk.vector_source(2)
+    assert name == "blasx_transpose_v16" and "const int E = 8; const int T = 64;" in code
+
+
 def test_nchw_operands_stay_where_their_copies_would_not_fit(monkeypatch):
     """conv_direct.run_layout: channels-last only where the copies fit the scratch budget (free memory / 4)."""
     from blasx.dnn import direct_cache, direct_cuda

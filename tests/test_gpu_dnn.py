@@ -653,15 +653,17 @@ def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
     assert len(results) == 32
 
 
-@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("kernel", ["plain", "paired", "vector"])
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 40, 33, 2), (1, 64, 1, 70), (5, 33, 31, 17), (2, 5, 4, 3, 3),
-                                   (3, 130, 10, 13), (2, 64, 66, 2)])
+                                   (3, 130, 10, 13), (2, 64, 66, 2), (2, 64, 8, 8), (3, 16, 12, 10), (2, 40, 7, 8),
+                                   (1, 136, 9, 8)])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8"])
-def test_transpose_kernel_both_ways(monkeypatch, shape, dtype, paired):
-    """The NCHW <-> channels-last copy (transpose_kernel, the paired kernel where it applies) against CuPy's
-    strided copy, into poisoned memory."""
+def test_transpose_kernel_both_ways(monkeypatch, shape, dtype, kernel):
+    """The NCHW <-> channels-last copy (transpose_kernel: the vector or the paired kernel where it applies, and
+    where switched on) against CuPy's strided copy, into poisoned memory; partial tiles both ways."""
     from blasx.dnn import transpose_kernel
-    monkeypatch.setattr(transpose_kernel, "PAIRED", paired)
+    monkeypatch.setattr(transpose_kernel, "PAIRED", kernel == "paired")
+    monkeypatch.setattr(transpose_kernel, "VECTOR", kernel == "vector")
     x = cupy.asarray((np.random.default_rng(1).standard_normal(shape) * 50).astype(dtype))
     moved = (shape[0], *shape[2:], shape[1])
     back = (0, len(shape) - 1, *range(1, len(shape) - 1))

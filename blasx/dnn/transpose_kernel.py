@@ -2,8 +2,11 @@
 (per image, the C x P matrix to P x C, or back), where the device route convolves NCHW operands in
 channels-last (conv_direct.device_layout). CuPy's copy of a transposed view indexes every element through
 its strides and runs far below the memory's speed; a block here moves a 32 x 32 tile through shared memory,
-so both its reads and its writes are coalesced. The paired kernel (2-byte elements, both dimensions even) moves
-a 64 x 64 tile in 4-byte units, two elements a thread on each side: taken where ``PAIRED`` is on.
+so both its reads and its writes are coalesced. The vector kernel (2- and 4-byte elements, both dimensions whole
+16-byte vectors, both arrays on 16-byte boundaries) moves a tile of 8 vectors a side in 16-byte units through a
+swizzled tile (no bank conflicts either way); else the paired kernel (2-byte elements, both dimensions even)
+moves a 64 x 64 tile in 4-byte units, two elements a thread on each side. Each is taken where its switch
+(``VECTOR``, ``PAIRED``) is on.
 """
 
 from __future__ import annotations
@@ -110,6 +113,67 @@ def paired_grid(batch: int, rows: int, cols: int) -> tuple:
     return (max(1, tiles), max(1, min(batch, MAX_BATCH_BLOCKS)), 1)
 
 
+VECTOR = True  # 2- and 4-byte elements through the vector kernel where it applies (vectored)
+VECTOR_THREADS = 256
+
+# A tile is T = 8 vectors of E elements a side, stored with vector j of row r at slot j ^ ((r + r / E) & 7): a
+# row's 8 vectors land in 8 slots (reads), and the 8 row groups a warp gathers one column from too (writes).
+_VECTOR_CODE = """
+extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, long long batch, int rows, int cols)
+{
+  __shared__ __align__(16) U tile[T * T];
+  const int tiles_c = (cols + T - 1) / T;
+  const int r0 = (blockIdx.x / tiles_c) * T, c0 = (blockIdx.x % tiles_c) * T;
+  const long long size = (long long)rows * cols;
+  for (long long n = blockIdx.y; n < batch; n += gridDim.y) {
+    const U* s = src + n * size;
+    U* d = dst + n * size;
+    for (int q = threadIdx.x; q < 8 * T; q += blockDim.x) {  // src's tile row q / 8, its vector q % 8
+      int r = q >> 3, v = q & 7, gr = r0 + r, gc = c0 + v * E;
+      if (gr < rows && gc < cols)
+        *(uint4*)(tile + r * T + (v ^ ((r + r / E) & 7)) * E) = *(const uint4*)(s + (long long)gr * cols + gc);
+    }
+    __syncthreads();
+    for (int q = threadIdx.x; q < 8 * T; q += blockDim.x) {  // dst's row: tile column q / 8, its vector q % 8
+      int c = q >> 3, g = q & 7, gc = c0 + c, gr = r0 + g * E;
+      if (gc < cols && gr < rows) {  // E elements packed into four words in registers
+        unsigned int w[4];
+#pragma unroll
+        for (int k = 0; k < E; ++k) {
+          int r = g * E + k;
+          unsigned int u = tile[r * T + ((c / E) ^ ((r + r / E) & 7)) * E + c % E];
+          if (E == 4) w[k] = u; else if (k % 2) w[k / 2] |= u << 16; else w[k / 2] = u;
+        }
+        *(uint4*)(d + (long long)gc * rows + gr) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    __syncthreads();
+  }
+}
+"""
+
+
+def vectored(itemsize: int, rows: int, cols: int, pointers: tuple) -> bool:
+    """Whether the vector kernel moves this copy: ``VECTOR`` on, 2- or 4-byte elements, both dimensions whole
+    16-byte vectors and both arrays on 16-byte boundaries."""
+    e = 16 // itemsize
+    return VECTOR and itemsize in (2, 4) and rows % e == 0 and cols % e == 0 and all(p % 16 == 0 for p in pointers)
+
+
+def vector_source(itemsize: int) -> tuple[str, str]:
+    """(code, name) of the vector kernel for ``itemsize``-byte elements (arguments as :func:`source`'s)."""
+    e = 16 // itemsize
+    name = f"blasx_transpose_v{8 * itemsize}"
+    head = f"typedef {_CTYPES[itemsize]} U; const int E = {e}; const int T = {8 * e};"
+    return head + _VECTOR_CODE.replace("NAME", name), name
+
+
+def vector_grid(batch: int, rows: int, cols: int, itemsize: int) -> tuple:
+    """The vector launch's grid: x over the tiles (8 vectors a side) of one matrix, y over the images."""
+    t = 8 * (16 // itemsize)
+    return (max(1, -(-rows // t) * -(-cols // t)), max(1, min(batch, MAX_BATCH_BLOCKS)), 1)
+
+
 _KERNELS: dict = {}
 
 
@@ -121,15 +185,19 @@ def copy(dst, src, to_channels_last: bool) -> None:
     batch, rows, cols = matrices(src.shape, to_channels_last)
     if not (batch and rows and cols):
         return
-    if paired(itemsize, rows, cols, (src.data.ptr, dst.data.ptr)):
-        key, at = "pair16", paired_grid(batch, rows, cols)
+    pointers = (src.data.ptr, dst.data.ptr)
+    if vectored(itemsize, rows, cols, pointers):
+        key, at, block = ("vector", itemsize), vector_grid(batch, rows, cols, itemsize), (VECTOR_THREADS, 1, 1)
+    elif paired(itemsize, rows, cols, pointers):
+        key, at, block = "pair16", paired_grid(batch, rows, cols), (TILE, ROWS, 1)
     else:
-        key, at = itemsize, grid(batch, rows, cols)
+        key, at, block = itemsize, grid(batch, rows, cols), (TILE, ROWS, 1)
     k = _KERNELS.get(key)
     if k is None:
-        code = (_PAIRED_CODE, "blasx_transpose_pair16") if key == "pair16" else source(itemsize)
+        code = (vector_source(itemsize) if key == ("vector", itemsize) else
+                (_PAIRED_CODE, "blasx_transpose_pair16") if key == "pair16" else source(itemsize))
         k = _KERNELS[key] = cupy.RawKernel(*code)
-    k(at, (TILE, ROWS, 1), (src, dst, np.int64(batch), np.int32(rows), np.int32(cols)))
+    k(at, block, (src, dst, np.int64(batch), np.int32(rows), np.int32(cols)))
 
 
 def to_layout(xp, x, lay: str):
