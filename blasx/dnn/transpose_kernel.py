@@ -21,16 +21,24 @@ MAX_BATCH_BLOCKS = 65535  # grid y: images; more loop
 
 _CTYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 
-_CODE = """
+# The frame both kernels share: SIDE x SIDE tiles of each of ``batch`` matrices, DECL the shared tile, BODY the
+# moves of one tile (src's rows ``s`` into the tile, then dst's ``d`` out of it).
+_FRAME = """
 extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, long long batch, int rows, int cols)
 {
-  __shared__ U tile[TILE][TILE + 1];
-  const int tiles_c = (cols + TILE - 1) / TILE;
-  const int r0 = (blockIdx.x / tiles_c) * TILE, c0 = (blockIdx.x % tiles_c) * TILE;
+  DECL
+  const int tiles_c = (cols + SIDE - 1) / SIDE;
+  const int r0 = (blockIdx.x / tiles_c) * SIDE, c0 = (blockIdx.x % tiles_c) * SIDE;
   const long long size = (long long)rows * cols;
   for (long long n = blockIdx.y; n < batch; n += gridDim.y) {
     const U* s = src + n * size;
     U* d = dst + n * size;
+BODY    __syncthreads();
+  }
+}
+"""
+
+_CODE = _FRAME.replace("DECL", "__shared__ U tile[TILE][TILE + 1];").replace("SIDE", "TILE").replace("BODY", """\
     for (int j = threadIdx.y; j < TILE; j += ROWS) {
       int r = r0 + j, c = c0 + threadIdx.x;
       if (r < rows && c < cols) tile[j][threadIdx.x] = s[(long long)r * cols + c];
@@ -40,10 +48,7 @@ extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, 
       int c = c0 + j, r = r0 + threadIdx.x;
       if (r < rows && c < cols) d[(long long)c * rows + r] = tile[threadIdx.x][j];
     }
-    __syncthreads();
-  }
-}
-"""
+""")
 
 
 def source(itemsize: int) -> tuple[str, str]:
@@ -118,16 +123,7 @@ VECTOR_THREADS = 256
 
 # A tile is T = 8 vectors of E elements a side, stored with vector j of row r at slot j ^ ((r + r / E) & 7): a
 # row's 8 vectors land in 8 slots (reads), and the 8 row groups a warp gathers one column from too (writes).
-_VECTOR_CODE = """
-extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, long long batch, int rows, int cols)
-{
-  __shared__ __align__(16) U tile[T * T];
-  const int tiles_c = (cols + T - 1) / T;
-  const int r0 = (blockIdx.x / tiles_c) * T, c0 = (blockIdx.x % tiles_c) * T;
-  const long long size = (long long)rows * cols;
-  for (long long n = blockIdx.y; n < batch; n += gridDim.y) {
-    const U* s = src + n * size;
-    U* d = dst + n * size;
+_VECTOR_CODE = _FRAME.replace("DECL", "__shared__ __align__(16) U tile[T * T];").replace("SIDE", "T").replace("BODY", """\
     for (int q = threadIdx.x; q < 8 * T; q += blockDim.x) {  // src's tile row q / 8, its vector q % 8
       int r = q >> 3, v = q & 7, gr = r0 + r, gc = c0 + v * E;
       if (gr < rows && gc < cols)
@@ -147,10 +143,7 @@ extern "C" __global__ void NAME(const U* __restrict__ src, U* __restrict__ dst, 
         *(uint4*)(d + (long long)gc * rows + gr) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
-    __syncthreads();
-  }
-}
-"""
+""")
 
 
 def vectored(itemsize: int, rows: int, cols: int, pointers: tuple) -> bool:
