@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
                     "the fastest per device model, device count, dtype and shape class in the perf-db,\n"
                     "which later calls read (the paper's Section V-B: the tile size is the only tuning\n"
                     "parameter). With --conv, the find step instead: time every form of each convolution\n"
-                    "layer's device route (im2col, shifted, implicit; weight gradients: batched; strided\n"
+                    "layer's device route (im2col, shifted, implicit, winograd; weight gradients: batched; strided\n"
                     "backward-data: col2im, phases) on a CUDA GPU with CuPy operands,\n"
                     "check them against each other, and store the fastest in the find-db (the same file),\n"
                     "which blasx.dnn's convolutions on that GPU model read.",

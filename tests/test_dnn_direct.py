@@ -20,6 +20,7 @@ from blasx.dnn import conv_direct as cd
 from blasx.dnn import direct_cache, direct_cuda
 from blasx.dnn import gather_kernel as gk
 from blasx.dnn import weight_forms as wf
+from blasx.dnn import winograd as wg
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
 from host_cc import compile_host
@@ -107,6 +108,23 @@ def host_run_gather(nd: int, itemsize: int = 8, index: str = "int32"):
 def run_threads(s, p: int) -> int:
     """The run gather's thread count for step ``s`` over maps of ``p`` pixels."""
     return -(-s.nb * p // gk.RUN_PIXELS) * (s.op // s.run)
+
+
+def host_wino(kind: str, index: str = "int32"):
+    """winograd.py's ``kind`` transform (float64, ``index`` indices) compiled for the host and launched as one
+    thread, as ``fn(read, written, args..., magic..., total)``; None without a C++ compiler."""
+    import ctypes
+    if "wino" not in _HOST:
+        _HOST["wino"] = compile_host([_ONE_THREAD] + [wg.source(k, np.float64, ix)[0] for k in wg.ARG_NAMES
+                                                       for ix in ("int32", "int64")])
+    lib = _HOST["wino"]
+    if lib is None:
+        return None
+    fn = getattr(lib, wg.source(kind, np.float64, index)[1])
+    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
+    fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(wg.ARG_NAMES[kind])
+                   + [ctypes.c_uint] * 2 * len(wg.DIVISORS[kind]) + [ctypes.c_longlong])
+    return fn
 
 
 def host_col2im(nd: int, index: str = "int32", vec: int = 1):
@@ -267,6 +285,52 @@ class NumpyOps:
             assert np.isnan(got[:base]).all() and np.allclose(got[base:], acc.ravel(), rtol=1e-12, atol=1e-12)
             assert np.isnan(mem[acc.size + base:]).all(), "the col2im kernel wrote past y"
 
+    def wino(self, s):
+        """A Winograd transform (winograd.py) in numpy from the matrices G, B^T, A^T, and the real kernel's body
+        compiled for the host (host_wino), whose output must equal it to rounding."""
+        g, b = self.geo, self.bufs
+        th, tw = wg.tiles(g)
+        G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
+        BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], float)
+        AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], float)
+        if s.kind == "filter":  # u[xi] (K x C) column-major: (xi, c, k)
+            w = b["w"][:g.k * g.crs].reshape(g.k, *((3, 3, g.c) if self.cl else (g.c, 3, 3)))
+            w = np.moveaxis(w, -1, 1) if self.cl else w
+            want = np.einsum("ar,kcrs,bs->abck", G, w, G).reshape(16, g.c, g.k).ravel()
+            dst, src = "u", "w"
+        elif s.kind == "input":  # v[xi] (C x Pc): (xi, n, th, tw, c)
+            x = from_memory(b["x"], (g.n, g.c, *g.in_size), self.cl)[s.n0:s.n0 + s.nb]
+            lo = g.pad_lo
+            hi = [2 * t + 2 - lo_ - n for t, lo_, n in zip((th, tw), lo, g.in_size)]
+            xp = np.pad(x, ((0, 0), (0, 0), *((max(0, a), max(0, z)) for a, z in zip(lo, hi))))
+            xp = xp[:, :, max(0, -lo[0]):, max(0, -lo[1]):]
+            d = np.lib.stride_tricks.sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2][:, :, :th, :tw]
+            want = np.einsum("ai,ncpqij,bj->abnpqc", BT, d, BT).ravel()
+            dst, src = "v", "x"
+        else:  # y's chunk from m[xi] (K x Pc): (xi, n, th, tw, k)
+            m = b["m"][:16 * g.k * s.nb * th * tw].reshape(4, 4, s.nb, th, tw, g.k)
+            out = np.einsum("ia,abnpqk,jb->nkpiqj", AT, m, AT).reshape(s.nb, g.k, 2 * th, 2 * tw)
+            out = out[:, :, :g.out_size[0], :g.out_size[1]]
+            base = s.n0 * g.k * g.p
+            want = memory(out, self.cl)
+            b["y"][base:base + want.size] = want
+            dst, src = None, "m"
+        if dst is not None:
+            b[dst][:want.size] = want
+        for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
+            fn = host_wino(s.kind, index)
+            if fn is None:
+                break
+            got = np.full((b["y"].size if dst is None else want.size) + 8, np.nan)
+            if dst is None:
+                got[:base] = b["y"][:base]
+            args = wg.kernel_args(g, self.cl, s)
+            fn(b[src].ctypes.data, got.ctypes.data, *args,
+               *gk.magic_args(args, wg.ARG_NAMES[s.kind], wg.DIVISORS[s.kind]), wg.threads(g, s))
+            ref = b["y"][:base + want.size] if dst is None else want
+            assert np.allclose(got[:ref.size], ref, rtol=1e-12, atol=1e-12), f"the {s.kind} kernel ({index})"
+            assert np.isnan(got[ref.size:]).all(), f"the {s.kind} kernel wrote past its output"
+
     def copy_dy(self, s):
         g = self.geo
         dy = self.bufs["dy"].reshape(g.n, g.k, g.p)
@@ -297,6 +361,8 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
     """conv_direct.forward's steps on numpy buffers (y's memory written in place); ``form`` None:
     conv_direct's choice (``FORM`` included). Returns (image chunks, form)."""
     form = cd.forward_form(geo, np.float64, cd.FORM) if form is None else form
+    if form in ("implicit", "winograd") and residual is not None:  # as direct_cuda.forward_plan: a sum into y
+        form = "im2col"
     steps, scratch = cd.forward_plan(geo, cl, np.float64, 0.0 if residual is None else 1.0, budget, form)
     rows = cd.padded_rows(steps)
     w = wrows if rows is None else cd.pad_reduction(np, wrows, rows, channels=0 if cl else geo.c)

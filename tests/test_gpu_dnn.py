@@ -257,6 +257,37 @@ def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, n
     assert rel(gi, want) < tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("pad, size", [(1, (13, 11)), (0, (12, 9)), (2, (7, 8))])
+def test_winograd_form_vs_torch(direct_route, monkeypatch, dtype, layout, pad, size):
+    """BLASX_CONV_FORM=winograd: 3x3 stride-1 forward with the epilogue (odd and even outputs: a partial last
+    tile), a residual (which takes im2col's sum into y), and a stride-1 backward-data, against torch in float64;
+    poisoned outputs."""
+    from blasx.dnn import conv_direct
+    from blasx.dnn.geometry import conv_geometry
+    monkeypatch.setattr(conv_direct, "FORM", "winograd")
+    rng = np.random.default_rng(pad)
+    dt = np.dtype(dtype)
+    x = rng.standard_normal((3, 40, *size)).astype(dt)
+    w = (rng.standard_normal((24, 40, 3, 3)) / 8).astype(dt)
+    assert conv_direct.forward_form(conv_geometry("t", 2, x, w, 1, pad, 1, 1), dt) == "winograd"
+    conv = F.conv2d(wide(x), wide(w), None, 1, pad)
+    b = rng.standard_normal(24)
+    out = cupy.full(tuple(conv.shape), np.nan, dtype=dt)
+    if layout == "cl":
+        out = cupy.full((conv.shape[0], *conv.shape[2:], conv.shape[1]), np.nan, dtype=dt).transpose(0, 3, 1, 2)
+    y = dnn.conv2d(_device(x, layout), cupy.asarray(w), cupy.asarray(b), 1, pad, activation="relu", out=out)
+    tol = DIRECT_TOL[(dtype, "ieee")]
+    assert y is out and rel(y, F.relu(conv + torch.from_numpy(b)[:, None, None]).numpy()) < tol
+    r = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    y = dnn.conv2d(_device(x, layout), cupy.asarray(w), None, 1, pad, residual=_device(r, layout))
+    assert rel(y, (conv + wide(r)).numpy()) < tol
+    dy = rng.standard_normal(tuple(conv.shape)).astype(dt)
+    gi = dnn.conv2d_input(x.shape, cupy.asarray(w), _device(dy, layout), 1, pad)
+    assert rel(gi, torch.nn.grad.conv2d_input(x.shape, wide(w), wide(dy), 1, pad).numpy()) < tol
+
+
 @pytest.mark.parametrize("math", ["ieee", "tf32"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("nd", [1, 2, 3])

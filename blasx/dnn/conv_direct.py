@@ -9,12 +9,12 @@ forward pass takes one of two forms (``forward_form``):
   shifted by the tap's offset (no gather) into a "wide" output ``yw`` over the padded grid, whose
   valid part is copied into y; the wide columns past the output are computed and dropped;
 - implicit (igemm.py: Hopper GPUs, channels-last float16, bfloat16 or TF32, groups 1): one kernel
-  gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch.
+  gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch;
+- winograd (winograd.py: 3x3 stride 1, strict float32 or float64): F(2x2, 3x3), 16 GEMMs at k = C.
 
-``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts
-from the environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``: these three, the weight gradient's
-``batched`` (weight_forms.py) and a strided transposed call's ``col2im`` or ``phases`` (phases.py)), read
-once at import, so a bench can A/B the forms.
+``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts from the
+environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``: these four, the weight gradient's ``batched``
+(weight_forms.py), a strided transposed call's ``col2im`` or ``phases`` (phases.py)), read once at import.
 
 Plans are pure data (``forward_steps``, weight_forms' ``weight_steps``): buffers are named and addressed by
 element offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
@@ -43,7 +43,7 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted", "implicit", "batched", "col2im", "phases")
+FORMS = ("im2col", "shifted", "implicit", "winograd", "batched", "col2im", "phases")
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)
@@ -298,14 +298,13 @@ def _implicit_pays(geo: ConvGeometry, dtype) -> bool:
 
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
           capable: bool | None = None) -> tuple[str, ...]:
-    """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first."""
+    """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first (winograd:
+    a force or the find-db's choice only)."""
+    from . import winograd
     out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
-    if igemm.applies(geo, dtype, layout == "cl", math):
-        if capable is None:
-            capable = igemm.current_capable()
-        if capable:
-            out += ("implicit",)
-    return out
+    if igemm.applies(geo, dtype, layout == "cl", math) and (igemm.current_capable() if capable is None else capable):
+        out += ("implicit",)
+    return out + (("winograd",) if winograd.applies(geo, dtype, math) else ())
 
 
 def padded_size(geo: ConvGeometry) -> tuple[int, ...]:
@@ -398,8 +397,9 @@ def crop_views(geo: ConvGeometry, cl: bool, s: Crop, y, yw) -> tuple:
 def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, form: str) -> tuple[list, dict]:
     """(steps, scratch buffer name -> elements) of the forward pass in ``form`` with scratch of at most
     ``budget`` bytes (one image a chunk at least)."""
-    if form == "implicit":
-        return implicit_plan(geo, dtype, budget)
+    if form in ("implicit", "winograd"):
+        from . import winograd
+        return implicit_plan(geo, dtype, budget) if form == "implicit" else winograd.plan(geo, dtype, budget, beta)
     pad = reduction_pad(geo, cl, np.dtype(dtype).itemsize) if form == "im2col" else None
     per = forward_scratch(geo, form, pad)
     parts = chunks(geo.n, per * np.dtype(dtype).itemsize, budget)

@@ -187,7 +187,7 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
     it, with its launches, made once per key."""
     dt = np.dtype(dtype)
     form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
-    if form == "implicit" and beta:  # the kernel writes y; a sum into y takes the GEMMs
+    if form in ("implicit", "winograd") and beta:  # their kernels write y; a sum into y takes the GEMMs
         form = "im2col"
     key = (geo, cl, dt.str, beta, budget, form)
 
@@ -480,6 +480,10 @@ class CudaOps:
         shape = (g.c, g.kg, prod(g.kernel))
         transpose_kernel.copy(host_batch.in_layout(self.bufs["wt"][:prod(shape)], shape, "cl"),
                               self.bufs["w"].reshape(shape), True)
+
+    def wino(self, s) -> None:
+        from . import winograd
+        winograd.launch(self, s)
 
     def col2im(self, s: c2.Col2im) -> None:
         self.launch_col2im(col2im_launch(self.geo, self.cl, s, self.dtype))

@@ -3,7 +3,7 @@ one convolution problem on a GPU, check each form's result against the first's, 
 in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its heuristic.
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
-"shifted" and "implicit" where they apply to the gather they run (conv_direct.forms); the weight
+"shifted", "implicit" and "winograd" where they apply to the gather they run (conv_direct.forms); the weight
 gradient runs "im2col", and "shifted", "batched" or "implicit" where it applies (weight_forms.py); depthwise
 problems run "depthwise" alone. A strided backward-data problem runs "col2im" (col2im.py) and "phases" (stride-1
 convolutions of the sub-kernels, phases.py; dilation 1); one with col2im alone (dilated) is timed and not

@@ -1,0 +1,133 @@
+"""The winograd forward form (winograd.py, F(2x2, 3x3)) on the CPU: its plan by exact value, its steps run by
+test_dnn_direct's numpy stand-in (each transform in numpy from G, B^T, A^T and by the real kernel's body
+compiled for the host), against torch in float64; where it applies and that only a force or the find-db
+chooses it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blasx.dnn import conv_direct as cd
+from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn import winograd as wg
+from blasx.dnn.geometry import conv_geometry, transpose_geometry
+from dnn_ref import from_memory, memory
+from blasx import dnn
+from test_dnn_direct import _cl, _rel, _wrows, emulated_forward, emulated_route  # noqa: F401 (a fixture)
+
+
+def _geo(n=2, c=4, k=3, size=(7, 6), kernel=3, stride=1, pad=1, dilation=1, groups=1):
+    x, w = np.zeros((n, c, *size)), np.zeros((k, c // groups, *(kernel,) * len(size)))
+    return conv_geometry("conv", len(size), x, w, stride, pad, dilation, groups)
+
+
+def test_where_it_applies():
+    g = _geo()
+    assert wg.applies(g, np.float32, None) and wg.applies(g, np.float64, None)
+    assert not wg.applies(g, np.float32, "tf32") and not wg.applies(g, np.float16, None)
+    for other in (_geo(stride=2), _geo(kernel=5, pad=2), _geo(dilation=2, pad=2), _geo(groups=2, c=4, k=4),
+                  _geo(size=(7,), pad=1), _geo(kernel=1, pad=0)):
+        assert not wg.applies(other, np.float32, None)
+    t = transpose_geometry("conv_transpose2d", 2, np.zeros((2, 4, 5, 5)), np.zeros((4, 3, 3, 3)), 1, 1, 0, 1, 1)
+    assert wg.applies(t, np.float32, None)  # a stride-1 backward-data's gather
+    assert "winograd" in cd.forms(g, np.float32) and "winograd" not in cd.forms(g, np.float32, math="tf32")
+
+
+def test_only_a_force_or_the_find_db_chooses_it(monkeypatch):
+    g = _geo(c=64, k=64, size=(14, 14))
+    assert cd.forward_form(g, np.float32) == "im2col" and cd.forward_form(g, np.float64) == "im2col"
+    with direct_cache.using(direct_cache.Workspace()):
+        assert cd.forward_form(g, np.float32) == "im2col"
+    assert cd.forward_form(g, np.float32, "winograd") == "winograd"
+    assert cd.forward_form(_geo(stride=2), np.float32, "winograd") == "im2col"  # where it applies only
+    monkeypatch.setattr(cd.finddb, "stored_form", lambda *a, **k: "winograd")
+    assert cd.forward_form(g, np.float32) == "winograd" and cd.forward_form(g, np.float16) == "im2col"
+
+
+def test_plan_exact(monkeypatch):
+    """The filter transform once, then per chunk: input transform, 16 GEMMs (M[xi] = U[xi] V[xi], column-major,
+    xi-major), output transform; v and m sized for the largest chunk."""
+    g = _geo(n=3, c=4, k=3, size=(7, 6))  # 4 x 3 tiles an image
+    assert wg.tiles(g) == (4, 3) and wg.scratch_per_image(g) == 16 * 7 * 12
+    steps, scratch = wg.plan(g, np.float64, 2 * 16 * 7 * 12 * 8)
+    assert [type(s).__name__ for s in steps] == ["Wino"] + ["Wino", "Gemm", "Wino"] * 2
+    assert steps[0] == wg.Wino("filter") and steps[1] == wg.Wino("input", 0, 2) and steps[3] == wg.Wino("output", 0, 2)
+    assert steps[2] == cd.Gemm(("u", 0), ("v", 0), ("m", 0), 0, 0, 3, 24, 4, 3, 4, 3, 12, 96, 72, 16, 0.0)
+    assert steps[5].n == 12 and steps[5].stride_b == 48 and steps[6] == wg.Wino("output", 2, 1)
+    assert scratch == {"u": 16 * 12, "v": 16 * 4 * 24, "m": 16 * 3 * 24}
+    assert wg.threads(g, steps[1]) == 4 * 24 and wg.threads(g, steps[3]) == 3 * 24 and wg.threads(g, steps[0]) == 12
+    assert wg.kernel_args(g, True, steps[4]) == (4, 7, 6, 4, 3, 12, 1, 1, 2, 7 * 6 * 4, 1, 6 * 4, 4)
+    assert wg.kernel_args(g, False, steps[3]) == (3, 7, 6, 4, 3, 24, 0, 3 * 42, 42, 6, 1)
+    with pytest.raises(ValueError, match="beta must be 0"):
+        wg.plan(g, np.float64, 1 << 30, 1.0)
+    monkeypatch.setattr(cd, "FORM", "winograd")  # forced: a sum into y (a residual that is y) takes im2col
+    assert direct_cuda.forward_plan(g, True, np.float64, 0.0, 1 << 30).form == "winograd"
+    assert direct_cuda.forward_plan(g, True, np.float64, 1.0, 1 << 30).form == "im2col"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.booleans(), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(3, 9), st.integers(3, 8),
+       st.sampled_from([0, 1, 2, (0, 2), (2, 1)]), st.sampled_from([1 << 30, 1]), st.integers(0, 1000))
+def test_plan_vs_torch(cl, n, c, k, h, w, pad, budget, seed):
+    """Odd and even output sizes (a partial last tile), padding 0-2 and asymmetric (torch given the padded
+    input), both layouts, one image a chunk (budget 1) or all."""
+    rng = np.random.default_rng(seed)
+    x, wt = rng.standard_normal((n, c, h, w)), rng.standard_normal((k, c, 3, 3))
+    if isinstance(pad, tuple):  # rows padded (lo, hi) = pad, columns 1 both sides
+        xt = np.pad(x, ((0, 0), (0, 0), pad, (1, 1)))
+        geo = conv_geometry("conv", 2, xt, wt, 1, 0, 1, 1)
+        geo = type(geo)(**{**geo.__dict__, "in_size": (h, w), "pad_lo": (pad[0], 1)})
+        ref = F.conv2d(torch.from_numpy(xt), torch.from_numpy(wt)).numpy()
+    else:
+        if min(h, w) + 2 * pad < 3:
+            return
+        geo = conv_geometry("conv", 2, x, wt, 1, pad, 1, 1)
+        ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(wt), None, 1, pad).numpy()
+    assert wg.applies(geo, np.float64, None) and geo.out_size == ref.shape[2:]
+    ymem = np.full(ref.size, np.nan)
+    parts, form = emulated_forward(geo, memory(x, cl), cl, _wrows(wt, cl), ymem, None, budget, "winograd")
+    assert form == "winograd"
+    assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
+
+
+def test_float32_error_stays_near_the_direct_sums(monkeypatch):
+    """In float32 the transforms' error is a small multiple of im2col's (both against float64)."""
+    rng = np.random.default_rng(3)
+    x, wt = rng.standard_normal((2, 64, 12, 12)).astype(np.float32), rng.standard_normal((32, 64, 3, 3)).astype(
+        np.float32)
+    geo = conv_geometry("conv", 2, x, wt, 1, 1, 1, 1)
+    ref = F.conv2d(torch.from_numpy(x).double(), torch.from_numpy(wt).double(), None, 1, 1).numpy()
+    G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], np.float32)
+    BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
+    AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float32)
+    u = np.einsum("ar,kcrs,bs->abkc", G, wt, G, dtype=np.float32)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    d = np.lib.stride_tricks.sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2]
+    v = np.einsum("ai,ncpqij,bj->abcnpq", BT, d, BT, dtype=np.float32)
+    m = np.einsum("abkc,abcnpq->abknpq", u, v, dtype=np.float32)
+    y = np.einsum("ia,abknpq,jb->nkpiqj", AT, m, AT, dtype=np.float32).reshape(ref.shape)
+    direct = F.conv2d(torch.from_numpy(x), torch.from_numpy(wt), None, 1, 1).numpy()
+    assert geo.out_size == (12, 12) and _rel(y, ref) < 4 * max(_rel(direct, ref), 1e-7)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_front_end_forward_and_input_gradient_forced(emulated_route, monkeypatch, layout):
+    """conv2d (bias, scale, activation on the epilogue) and conv2d_input of a stride-1 3x3 run winograd where
+    forced, against torch."""
+    monkeypatch.setattr(cd, "FORM", "winograd")
+    rng = np.random.default_rng(5)
+    lay = _cl if layout == "cl" else (lambda a: a)
+    x, w, b = rng.standard_normal((2, 5, 9, 7)), rng.standard_normal((4, 5, 3, 3)), rng.standard_normal(4)
+    y = dnn.conv2d(lay(x), w, b, padding=1, activation="relu")
+    ref = F.relu(F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), 1, 1)).numpy()
+    assert _rel(y, ref) < 1e-13
+    dy = rng.standard_normal(ref.shape)
+    dx = dnn.conv2d_input(x.shape, w, lay(dy), padding=1)
+    want = torch.nn.grad.conv2d_input(x.shape, torch.from_numpy(w), torch.from_numpy(dy), 1, 1).numpy()
+    assert _rel(dx, want) < 1e-13
+    assert emulated_route.forms == ["winograd", "winograd"]
