@@ -53,7 +53,8 @@ def _host_fn(lib_key: str, make_sources, name: str, pointers: int, ints: int):
 
 
 # a raw kernel's launch as one thread looping over every i, and the CUDA intrinsics it uses
-_ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n#define __align__(n) alignas(n)\n"
+_ONE_THREAD = ("#define __global__\n#define __device__\n#define __forceinline__ inline\n"
+               "#define __align__(n) alignas(n)\n"
                "struct blasx_dim3 { unsigned int x, y, z; };\n"
                "static const blasx_dim3 blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0}, blockDim = {1, 1, 1}, "
                "gridDim = {1, 1, 1};\nstruct ulonglong2 { unsigned long long x, y; };\n"
@@ -110,17 +111,17 @@ def run_threads(s, p: int) -> int:
     return -(-s.nb * p // gk.RUN_PIXELS) * (s.op // s.run)
 
 
-def host_wino(kind: str, index: str = "int32"):
-    """winograd.py's ``kind`` transform (float64, ``index`` indices) compiled for the host and launched as one
-    thread, as ``fn(read, written, args..., magic..., total)``; None without a C++ compiler."""
+def host_wino(kind: str, index: str = "int32", m: int = 2):
+    """winograd.py's ``kind`` transform of F(m x m, 3x3) (float64, ``index`` indices) compiled for the host and
+    launched as one thread, as ``fn(read, written, args..., magic..., total)``; None without a C++ compiler."""
     import ctypes
     if "wino" not in _HOST:
-        _HOST["wino"] = compile_host([_ONE_THREAD] + [wg.source(k, np.float64, ix)[0] for k in wg.ARG_NAMES
-                                                       for ix in ("int32", "int64")])
+        _HOST["wino"] = compile_host([_ONE_THREAD] + [wg.source(k, np.float64, ix, t)[0] for k in wg.ARG_NAMES
+                                                       for ix in ("int32", "int64") for t in wg.MATRICES])
     lib = _HOST["wino"]
     if lib is None:
         return None
-    fn = getattr(lib, wg.source(kind, np.float64, index)[1])
+    fn = getattr(lib, wg.source(kind, np.float64, index, m)[1])
     it = ctypes.c_int if index == "int32" else ctypes.c_longlong
     fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(wg.ARG_NAMES[kind])
                    + [ctypes.c_uint] * 2 * len(wg.DIVISORS[kind]) + [ctypes.c_longlong])
@@ -286,30 +287,29 @@ class NumpyOps:
             assert np.isnan(mem[acc.size + base:]).all(), "the col2im kernel wrote past y"
 
     def wino(self, s):
-        """A Winograd transform (winograd.py) in numpy from the matrices G, B^T, A^T, and the real kernel's body
-        compiled for the host (host_wino), whose output must equal it to rounding."""
-        g, b = self.geo, self.bufs
-        th, tw = wg.tiles(g)
-        G = np.array([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]])
-        BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], float)
-        AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], float)
+        """A Winograd transform (winograd.py) in numpy from its matrices, and the real kernel's body compiled for
+        the host (host_wino), whose output must equal it to rounding."""
+        g, b, m = self.geo, self.bufs, s.m
+        a = m + 2
+        th, tw = wg.tiles(g, m)
+        BT, G, AT = (np.array(mat, float) for mat in wg.MATRICES[m])
         if s.kind == "filter":  # u[xi] (K x C) column-major: (xi, c, k)
             w = b["w"][:g.k * g.crs].reshape(g.k, *((3, 3, g.c) if self.cl else (g.c, 3, 3)))
             w = np.moveaxis(w, -1, 1) if self.cl else w
-            want = np.einsum("ar,kcrs,bs->abck", G, w, G).reshape(16, g.c, g.k).ravel()
+            want = np.einsum("ar,kcrs,bs->abck", G, w, G).ravel()
             dst, src = "u", "w"
         elif s.kind == "input":  # v[xi] (C x Pc): (xi, n, th, tw, c)
             x = from_memory(b["x"], (g.n, g.c, *g.in_size), self.cl)[s.n0:s.n0 + s.nb]
             lo = g.pad_lo
-            hi = [2 * t + 2 - lo_ - n for t, lo_, n in zip((th, tw), lo, g.in_size)]
-            xp = np.pad(x, ((0, 0), (0, 0), *((max(0, a), max(0, z)) for a, z in zip(lo, hi))))
+            hi = [m * t + 2 - lo_ - n for t, lo_, n in zip((th, tw), lo, g.in_size)]
+            xp = np.pad(x, ((0, 0), (0, 0), *((max(0, q), max(0, z)) for q, z in zip(lo, hi))))
             xp = xp[:, :, max(0, -lo[0]):, max(0, -lo[1]):]
-            d = np.lib.stride_tricks.sliding_window_view(xp, (4, 4), axis=(2, 3))[:, :, ::2, ::2][:, :, :th, :tw]
+            d = np.lib.stride_tricks.sliding_window_view(xp, (a, a), axis=(2, 3))[:, :, ::m, ::m][:, :, :th, :tw]
             want = np.einsum("ai,ncpqij,bj->abnpqc", BT, d, BT).ravel()
             dst, src = "v", "x"
         else:  # y's chunk from m[xi] (K x Pc): (xi, n, th, tw, k)
-            m = b["m"][:16 * g.k * s.nb * th * tw].reshape(4, 4, s.nb, th, tw, g.k)
-            out = np.einsum("ia,abnpqk,jb->nkpiqj", AT, m, AT).reshape(s.nb, g.k, 2 * th, 2 * tw)
+            mm = b["m"][:a * a * g.k * s.nb * th * tw].reshape(a, a, s.nb, th, tw, g.k)
+            out = np.einsum("ia,abnpqk,jb->nkpiqj", AT, mm, AT).reshape(s.nb, g.k, m * th, m * tw)
             out = out[:, :, :g.out_size[0], :g.out_size[1]]
             base = s.n0 * g.k * g.p
             want = memory(out, self.cl)
@@ -318,7 +318,7 @@ class NumpyOps:
         if dst is not None:
             b[dst][:want.size] = want
         for index in ("int32", "int64"):  # divisions by multipliers, and plain ones
-            fn = host_wino(s.kind, index)
+            fn = host_wino(s.kind, index, m)
             if fn is None:
                 break
             got = np.full((b["y"].size if dst is None else want.size) + 8, np.nan)

@@ -257,16 +257,18 @@ def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, n
     assert rel(gi, want) < tol
 
 
+@pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("pad, size", [(1, (13, 11)), (0, (12, 9)), (2, (7, 8))])
-def test_winograd_form_vs_torch(direct_route, monkeypatch, dtype, layout, pad, size):
-    """BLASX_CONV_FORM=winograd: 3x3 stride-1 forward with the epilogue (odd and even outputs: a partial last
-    tile), a residual (which takes im2col's sum into y), and a stride-1 backward-data, against torch in float64;
-    poisoned outputs."""
-    from blasx.dnn import conv_direct
+def test_winograd_form_vs_torch(direct_route, monkeypatch, m, dtype, layout, pad, size):
+    """BLASX_CONV_FORM=winograd, F(2x2) and F(4x4): 3x3 stride-1 forward with the epilogue (outputs that are and
+    are not multiples of m: a partial last tile), a residual (which takes im2col's sum into y), and a stride-1
+    backward-data, against torch in float64; poisoned outputs."""
+    from blasx.dnn import conv_direct, winograd
     from blasx.dnn.geometry import conv_geometry
     monkeypatch.setattr(conv_direct, "FORM", "winograd")
+    monkeypatch.setattr(winograd, "TILE", m)
     rng = np.random.default_rng(pad)
     dt = np.dtype(dtype)
     x = rng.standard_normal((3, 40, *size)).astype(dt)

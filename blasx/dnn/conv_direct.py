@@ -298,8 +298,8 @@ def _implicit_pays(geo: ConvGeometry, dtype) -> bool:
 
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
           capable: bool | None = None) -> tuple[str, ...]:
-    """The forward forms that can run ``geo`` in ``dtype``, ``layout`` and ``math``, im2col first (winograd:
-    a force or the find-db's choice only)."""
+    """The forward forms that can run ``geo`` in ``dtype``, ``layout``, ``math``, im2col first (winograd: found
+    or forced only)."""
     from . import winograd
     out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
     if igemm.applies(geo, dtype, layout == "cl", math) and (igemm.current_capable() if capable is None else capable):
@@ -494,8 +494,9 @@ def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
 # ---------------------------------------------------------------- the route (its CUDA side: direct_cuda.py)
 
 def switches() -> tuple:
-    """The module's settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
-    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX
+    """The settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
+    from . import winograd
+    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, winograd.TILE
 
 
 def on_own_gpu():

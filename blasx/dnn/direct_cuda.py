@@ -189,7 +189,7 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
     form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
     if form in ("implicit", "winograd") and beta:  # their kernels write y; a sum into y takes the GEMMs
         form = "im2col"
-    key = (geo, cl, dt.str, beta, budget, form)
+    key = (geo, cl, dt.str, beta, budget, form, cd.switches()[-1] if form == "winograd" else 0)
 
     def make():
         steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)

@@ -1,20 +1,22 @@
-"""Winograd's minimal filtering F(2x2, 3x3) as a forward form of the device route (``winograd``): a 3x3
-stride-1 2-D convolution (groups 1, dilation 1) as 16 GEMMs over 4x4 input tiles taken every 2 pixels
-(Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", CVPR 2016):
+"""Winograd's minimal filtering F(m x m, 3x3) as a forward form of the device route (``winograd``): a 3x3
+stride-1 2-D convolution (groups 1, dilation 1) as a^2 GEMMs (a = m + 2) over a x a input tiles taken every m
+pixels (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", CVPR 2016):
 
     U[xi] (K x C)  = (G g G^T)[xi]   per output and input channel: the filter transform, once a call
     V[xi] (C x Pc) = (B^T d B)[xi]   per input channel and tile d of a chunk's Pc tiles: the input transform
-    M[xi] (K x Pc) = U[xi] V[xi]     16 GEMMs at k = C, one strided-batched cuBLAS call a chunk
-    y's 2x2 tile   = A^T M[.] A      per output channel and tile: the output transform
+    M[xi] (K x Pc) = U[xi] V[xi]     a^2 GEMMs at k = C, one strided-batched cuBLAS call a chunk
+    y's m x m tile = A^T M[.] A      per output channel and tile: the output transform
 
-2.25 times fewer multiplications than im2col's GEMM at k = 9C, for three passes over memory; for strict float32
-and float64, whose GEMMs have no tensor cores (the tensor-core types keep im2col and the implicit kernel). The
-transforms add a small constant to the direct sum's rounding error (their halves and sums).
+F(2x2) makes 2.25 times fewer multiplications than im2col's GEMM at k = 9C, F(4x4) 4 times, for three passes
+over memory; for strict float32 and float64, whose GEMMs have no tensor cores (the tensor-core types keep
+im2col and the implicit kernel). The transforms add to the direct sum's rounding error, a small constant for
+F(2x2), more for F(4x4) (its 1/6 and 1/24 and sums of up to 5 terms). ``TILE`` (m) picks one.
 
 Pure plan (steps as plain data; CudaOps.wino runs a step by :func:`launch`, the tests' numpy stand-in by
 its own form and by the kernels compiled for the host). Buffers: ``x``, ``w`` (the (K, CRS) weight matrix,
-reduction order (c, r, s), or (r, s, c) channels-last), ``y``; scratch ``u``, ``v``, ``m``: 16 column-major
-matrices each, xi-major (``u`` K x C, ``v`` C x Pc, ``m`` K x Pc).
+reduction order (c, r, s), or (r, s, c) channels-last), ``y``; scratch ``u``, ``v``, ``m``: a^2 column-major
+matrices each, xi-major (``u`` K x C, ``v`` C x Pc, ``m`` K x Pc). The transforms' code is generated from the
+matrices (``MATRICES``), a line per output value with its nonzero terms.
 """
 
 from __future__ import annotations
@@ -31,15 +33,29 @@ from .geometry import ConvGeometry
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double")}  # element and accumulation types
 THREADS = 256
 MAX_BLOCKS = 1 << 20  # past this the grid-stride loops take the rest
+TILE = 2  # m: output tiles m x m (2 or 4)
+
+# (B^T, G, A^T) of F(m x m, 3x3): a x a, a x 3, m x a (Lavin and Gray's, a = m + 2).
+MATRICES = {
+    2: (((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
+        ((1, 0, 0), (1 / 2, 1 / 2, 1 / 2), (1 / 2, -1 / 2, 1 / 2), (0, 0, 1)),
+        ((1, 1, 1, 0), (0, 1, -1, -1))),
+    4: (((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0),
+         (0, 4, 0, -5, 0, 1)),
+        ((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
+         (1 / 24, -1 / 12, 1 / 6), (0, 0, 1)),
+        ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1))),
+}
 
 
 class Wino(NamedTuple):
-    """A transform: ``kind`` "filter" (u from w), "input" (v from images n0 .. n0 + nb - 1 of x) or "output"
-    (those images of y from m)."""
+    """A transform of F(m x m, 3x3): ``kind`` "filter" (u from w), "input" (v from images n0 .. n0 + nb - 1 of
+    x) or "output" (those images of y from m)."""
 
     kind: str
     n0: int = 0
     nb: int = 0
+    m: int = 2  # F(m x m, 3x3)
 
 
 conv_direct._OPS[Wino] = "wino"
@@ -54,32 +70,37 @@ def applies(geo: ConvGeometry, dtype, math: str | None) -> bool:
         (name == "float64" or (name == "float32" and math != "tf32"))
 
 
-def tiles(geo: ConvGeometry) -> tuple[int, int]:
-    """The 2x2 output tiles of an image, per dim."""
-    return tuple(-(-o // 2) for o in geo.out_size)
+def tiles(geo: ConvGeometry, m: int | None = None) -> tuple[int, int]:
+    """The m x m output tiles of an image, per dim (m: ``TILE``)."""
+    m = m or TILE
+    return tuple(-(-o // m) for o in geo.out_size)
 
 
-def scratch_per_image(geo: ConvGeometry) -> int:
-    """v's and m's elements per image: 16 values a tile for each input and each output channel."""
-    return 16 * (geo.c + geo.k) * prod(tiles(geo))
+def scratch_per_image(geo: ConvGeometry, m: int | None = None) -> int:
+    """v's and m's elements per image: a^2 values a tile for each input and each output channel."""
+    a = (m or TILE) + 2
+    return a * a * (geo.c + geo.k) * prod(tiles(geo, m))
 
 
-def plan(geo: ConvGeometry, dtype, budget: int, beta: float = 0.0) -> tuple[list, dict]:
+def plan(geo: ConvGeometry, dtype, budget: int, beta: float = 0.0, m: int | None = None) -> tuple[list, dict]:
     """(steps, scratch buffer name -> elements) with v and m of at most ``budget`` bytes (one image at least):
-    the filter transform, then per chunk of images the input transform, the 16 GEMMs, the output transform.
+    the filter transform, then per chunk of images the input transform, the a^2 GEMMs, the output transform.
     The output transform writes y: ``beta`` (a sum into y) must be 0 (direct_cuda.forward_plan takes im2col)."""
     if beta:
         raise ValueError(f"winograd.plan: beta must be 0 (the output transform writes y), got {beta}")
-    parts = conv_direct.chunks(geo.n, scratch_per_image(geo) * np.dtype(dtype).itemsize, budget)
-    t, K, C = prod(tiles(geo)), geo.k, geo.c
-    steps: list = [Wino("filter")]
+    m = m or TILE
+    if m not in MATRICES:
+        raise ValueError(f"winograd.TILE: got {m}; allowed: {', '.join(map(str, MATRICES))}")
+    parts = conv_direct.chunks(geo.n, scratch_per_image(geo, m) * np.dtype(dtype).itemsize, budget)
+    t, K, C, aa = prod(tiles(geo, m)), geo.k, geo.c, (m + 2) ** 2
+    steps: list = [Wino("filter", m=m)]
     for n0, nb in parts:
-        pc = nb * t  # M[xi] (K x Pc, ld K) = U[xi] (K x C, ld K) V[xi] (C x Pc, ld C), xi < 16
-        steps += [Wino("input", n0, nb),
-                  Gemm(("u", 0), ("v", 0), ("m", 0), OP_N, OP_N, K, pc, C, K, C, K, K * C, C * pc, K * pc, 16, 0.0),
-                  Wino("output", n0, nb)]
+        pc = nb * t  # M[xi] (K x Pc, ld K) = U[xi] (K x C, ld K) V[xi] (C x Pc, ld C), xi < a^2
+        steps += [Wino("input", n0, nb, m),
+                  Gemm(("u", 0), ("v", 0), ("m", 0), OP_N, OP_N, K, pc, C, K, C, K, K * C, C * pc, K * pc, aa, 0.0),
+                  Wino("output", n0, nb, m)]
     nb = max(nb for _, nb in parts)
-    return steps, {"u": 16 * K * C, "v": 16 * C * nb * t, "m": 16 * K * nb * t}
+    return steps, {"u": aa * K * C, "v": aa * C * nb * t, "m": aa * K * nb * t}
 
 
 ARG_NAMES = {"filter": ("K", "C", "cl"),
@@ -96,7 +117,7 @@ def _strides(n_channels: int, size: tuple, cl: bool) -> tuple[int, int, int, int
 
 def kernel_args(geo: ConvGeometry, cl: bool, s: Wino) -> tuple[int, ...]:
     """The kernel's integer arguments (ARG_NAMES[s.kind]) for step ``s``."""
-    th, tw = tiles(geo)
+    th, tw = tiles(geo, s.m)
     if s.kind == "filter":
         return geo.k, geo.c, int(cl)
     if s.kind == "input":
@@ -107,84 +128,82 @@ def kernel_args(geo: ConvGeometry, cl: bool, s: Wino) -> tuple[int, ...]:
 
 def threads(geo: ConvGeometry, s: Wino) -> int:
     """One a (output, input) channel pair, a (channel, tile) or an (output channel, tile)."""
-    pc = s.nb * prod(tiles(geo))
+    pc = s.nb * prod(tiles(geo, s.m))
     return {"filter": geo.k * geo.c, "input": geo.c * pc, "output": geo.k * pc}[s.kind]
 
 
 def index_type(geo: ConvGeometry, s: Wino) -> str:
     """"int32" where every index of the launch fits (x's, y's, the scratch's), else "int64"."""
-    pc = s.nb * prod(tiles(geo))
-    largest = max(geo.n * geo.c * prod(geo.in_size), geo.n * geo.k * geo.p, 16 * geo.c * max(pc, geo.k),
-                  16 * geo.k * pc)
+    aa, pc = (s.m + 2) ** 2, s.nb * prod(tiles(geo, s.m))
+    largest = max(geo.n * geo.c * prod(geo.in_size), geo.n * geo.k * geo.p, aa * geo.c * max(pc, geo.k),
+                  aa * geo.k * pc)
     return "int32" if largest < 2**31 else "int64"
 
 
-# The transforms, per thread; Q(a, D) is a / D (gather_kernel.grid_kernel). Index 4a + b is row a, column b.
-_BODIES = {
-    "filter": """
-UI c = Q(i, K), k = (UI)i - c * (UI)K;
-A g[9], t[12];
-for (int r = 0; r < 9; ++r) g[r] = (A)w[(I)(k * 9 * (UI)C + (cl ? (UI)r * (UI)C + c : c * 9 + (UI)r))];
-for (int s = 0; s < 3; ++s) {  // t = G g: rows g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2
-  A a0 = g[s], a1 = g[3 + s], a2 = g[6 + s];
-  t[s] = a0; t[3 + s] = (a0 + a1 + a2) * (A)0.5; t[6 + s] = (a0 - a1 + a2) * (A)0.5; t[9 + s] = a2;
-}
-for (int a = 0; a < 4; ++a) {  // U = t G^T
-  A b0 = t[3 * a], b1 = t[3 * a + 1], b2 = t[3 * a + 2];
-  A r4[4] = {b0, (b0 + b1 + b2) * (A)0.5, (b0 - b1 + b2) * (A)0.5, b2};
-  for (int b = 0; b < 4; ++b) u[(I)(((UI)(4 * a + b) * (UI)C + c) * (UI)K + k)] = (T)r4[b];
-}
-""",
-    "input": """
-UI p = Q(i, C), c = (UI)i - p * (UI)C, t0 = Q(p, TW), tw = p - t0 * (UI)TW, j = Q(t0, TH), th = t0 - j * (UI)TH;
-I h0 = 2 * (I)th - P0, w0 = 2 * (I)tw - P1;
-A d[16], t[16];
-for (int a = 0; a < 4; ++a)
-  for (int b = 0; b < 4; ++b) {
-    I h = h0 + a, x1 = w0 + b;
-    d[4 * a + b] = (h >= 0 && h < H && x1 >= 0 && x1 < W) ?
-        (A)x[((I)n0 + (I)j) * sn + (I)c * sc + h * sh + x1 * sw] : (A)0;
-  }
-for (int b = 0; b < 4; ++b) {  // t = B^T d: rows d0 - d2, d1 + d2, d2 - d1, d1 - d3
-  t[b] = d[b] - d[8 + b]; t[4 + b] = d[4 + b] + d[8 + b]; t[8 + b] = d[8 + b] - d[4 + b];
-  t[12 + b] = d[4 + b] - d[12 + b];
-}
-for (int a = 0; a < 4; ++a) {  // V = t B: the same on the columns
-  A e0 = t[4 * a], e1 = t[4 * a + 1], e2 = t[4 * a + 2], e3 = t[4 * a + 3];
-  A r4[4] = {e0 - e2, e1 + e2, e2 - e1, e1 - e3};
-  for (int b = 0; b < 4; ++b) v[(I)(((UI)(4 * a + b) * (UI)PC + p) * (UI)C + c)] = (T)r4[b];
-}
-""",
-    "output": """
-UI p = Q(i, K), k = (UI)i - p * (UI)K, t0 = Q(p, TW), tw = p - t0 * (UI)TW, j = Q(t0, TH), th = t0 - j * (UI)TH;
-A q[16], t[8];
-for (int e = 0; e < 16; ++e) q[e] = (A)m[(I)(((UI)e * (UI)PC + p) * (UI)K + k)];
-for (int b = 0; b < 4; ++b) {  // t = A^T q: rows q0 + q1 + q2, q1 - q2 - q3
-  t[b] = q[b] + q[4 + b] + q[8 + b]; t[4 + b] = q[4 + b] - q[8 + b] - q[12 + b];
-}
-for (int a = 0; a < 2; ++a) {  // y's tile = t A: the same on the columns, where it lies in y
-  A r2[2] = {t[4 * a] + t[4 * a + 1] + t[4 * a + 2], t[4 * a + 1] - t[4 * a + 2] - t[4 * a + 3]};
-  I h = 2 * (I)th + a;
-  for (int b = 0; b < 2; ++b) {
-    I x1 = 2 * (I)tw + b;
-    if (h < OH && x1 < OW) y[((I)n0 + (I)j) * sn + (I)k * sc + h * sh + x1 * sw] = (T)r2[b];
-  }
-}
-""",
-}
+def _sum(coeffs, terms) -> str:
+    """C for sum(c * t) over the nonzero coefficients (+- 1 without a product); "(A)0" where all are zero."""
+    out = ""
+    for c, t in zip(coeffs, terms):
+        if c == 0:
+            continue
+        sign = "-" if c < 0 else "+" if out else ""
+        out += f" {sign} {t}" if abs(c) == 1 else f" {sign} {t} * (A){float(abs(c))!r}"
+    return out.strip() or "(A)0"
+
+
+def _sandwich(left, names: list) -> tuple[str, list]:
+    """(C declaring z = L S, the expressions of z L^T) for the matrix ``left`` L (r x n) and S (n x n) named
+    ``names`` (row-major): every transform is one (U = G g G^T, V = B^T d B, y = A^T q A)."""
+    n = len(left[0])
+    z = [_sum(row, [names[r * n + j] for r in range(n)]) for row in left for j in range(n)]
+    out = [_sum(left[j], [f"z{i * n + r}" for r in range(n)]) for i in range(len(left)) for j in range(len(left))]
+    return "".join(f"A z{e} = {x};\n" for e, x in enumerate(z)), out
+
+
+def _body(kind: str, m: int) -> str:
+    """The transform ``kind`` of F(m x m, 3x3) for one thread; Q(a, D) is a / D (gather_kernel.grid_kernel)."""
+    bt, g, at = MATRICES[m]
+    a = m + 2
+    if kind == "filter":
+        load = ("UI c = Q(i, K), k = (UI)i - c * (UI)K;\nA g[9];\nfor (int r = 0; r < 9; ++r) "
+                "g[r] = (A)w[(I)(k * 9 * (UI)C + (cl ? (UI)r * (UI)C + c : c * 9 + (UI)r))];\n")
+        z, out = _sandwich(g, [f"g[{e}]" for e in range(9)])
+        return load + z + "".join(f"u[(I)(((UI){e} * (UI)C + c) * (UI)K + k)] = (T)({x});\n" for e, x in enumerate(out))
+    decode = "t0 = Q(p, TW), tw = p - t0 * (UI)TW, j = Q(t0, TH), th = t0 - j * (UI)TH;\n"
+    if kind == "input":
+        load = (f"UI p = Q(i, C), c = (UI)i - p * (UI)C, {decode}"
+                f"I h0 = {m} * (I)th - P0, w0 = {m} * (I)tw - P1;\nA d[{a * a}];\n"
+                f"for (int r = 0; r < {a}; ++r)\n  for (int s = 0; s < {a}; ++s) {{\n"
+                "    I h = h0 + r, x1 = w0 + s;\n"
+                f"    d[{a} * r + s] = (h >= 0 && h < H && x1 >= 0 && x1 < W) ?\n"
+                "        (A)x[((I)n0 + (I)j) * sn + (I)c * sc + h * sh + x1 * sw] : (A)0;\n  }\n")
+        z, out = _sandwich(bt, [f"d[{e}]" for e in range(a * a)])
+        return load + z + "".join(f"v[(I)(((UI){e} * (UI)PC + p) * (UI)C + c)] = (T)({x});\n"
+                                  for e, x in enumerate(out))
+    load = (f"UI p = Q(i, K), k = (UI)i - p * (UI)K, {decode}A q[{a * a}];\n"
+            f"for (int e = 0; e < {a * a}; ++e) q[e] = (A)m[(I)(((UI)e * (UI)PC + p) * (UI)K + k)];\n"
+            f"I h0 = {m} * (I)th, w0 = {m} * (I)tw;\nT* yn = y + ((I)n0 + (I)j) * sn + (I)k * sc;\n")
+    z, out = _sandwich(at, [f"q[{e}]" for e in range(a * a)])  # y's tile, where it lies in y
+    return load + z + "".join(f"if (h0 + {e // m} < OH && w0 + {e % m} < OW) "
+                              f"yn[(h0 + {e // m}) * sh + (w0 + {e % m}) * sw] = (T)({x});\n"
+                              for e, x in enumerate(out))
+
+
 _POINTERS = {"filter": ("w", "u"), "input": ("x", "v"), "output": ("m", "y")}  # (read, written)
 
 
-def source(kind: str, dtype, index: str) -> tuple[str, str]:
-    """(code, name) of the ``kind`` transform for ``dtype`` (TYPES) and ``index`` ("int32" or "int64"):
-    ``(read, written, ARG_NAMES[kind] of the index type, the divisors' multipliers and shifts, total)``."""
+def source(kind: str, dtype, index: str, m: int | None = None) -> tuple[str, str]:
+    """(code, name) of the ``kind`` transform of F(m x m, 3x3) for ``dtype`` (TYPES) and ``index`` ("int32" or
+    "int64"): ``(read, written, ARG_NAMES[kind] of the index type, the divisors' multipliers and shifts,
+    total)``."""
+    m = m or TILE
     name = np.dtype(dtype).name
     ctype, acc = TYPES[name]
     src, dst = _POINTERS[kind]
-    kname = f"blasx_winograd_{kind}_{name}_{index}"
+    kname = f"blasx_winograd{m}_{kind}_{name}_{index}"
     code = gather_kernel.grid_kernel(kname, f"const {ctype}* __restrict__ {src}, {ctype}* __restrict__ {dst}",
                                      ARG_NAMES[kind], DIVISORS[kind], index, f"typedef {ctype} T; typedef {acc} A;",
-                                     _BODIES[kind])
+                                     _body(kind, m))
     return code, kname
 
 
@@ -196,7 +215,7 @@ def launch(ops, s: Wino) -> None:
     buffers)."""
     import cupy
     geo, index = ops.geo, index_type(ops.geo, s)
-    key = (s.kind, ops.dtype.name, index)
+    key = (s.kind, ops.dtype.name, index, s.m)
     k = _KERNELS.get(key)
     if k is None:
         k = _KERNELS[key] = cupy.RawKernel(*source(*key))
