@@ -307,6 +307,17 @@ class NumpyOps:
             d = np.lib.stride_tricks.sliding_window_view(xp, (a, a), axis=(2, 3))[:, :, ::m, ::m][:, :, :th, :tw]
             want = np.einsum("ai,ncpqij,bj->abnpqc", BT, d, BT).ravel()
             dst, src = "v", "x"
+        elif s.kind == "weight":  # dW (K, CRS) from u[xi] (K x C): (xi, c, k)
+            mm = b["u"][:a * a * g.c * g.k].reshape(a, a, g.c, g.k)
+            dw = np.einsum("ar,abck,bs->kcrs", G, mm, G)
+            want = (np.moveaxis(dw, 1, -1) if self.cl else dw).ravel()
+            dst, src = "dw", "u"
+        elif s.kind == "dy":  # e[xi] (K x Pc): (xi, n, th, tw, k) from dY's m x m tiles, zero past its end
+            dy = from_memory(b["dy"], (g.n, g.k, *g.out_size), self.cl)[s.n0:s.n0 + s.nb]
+            dy = np.pad(dy, ((0, 0), (0, 0), (0, m * th - g.out_size[0]), (0, m * tw - g.out_size[1])))
+            t = dy.reshape(s.nb, g.k, th, m, tw, m)
+            want = np.einsum("ia,nkpiqj,jb->abnpqk", AT, t, AT).ravel()
+            dst, src = "e", "dy"
         else:  # y's chunk from m[xi] (K x Pc): (xi, n, th, tw, k)
             mm = b["m"][:a * a * g.k * s.nb * th * tw].reshape(a, a, s.nb, th, tw, g.k)
             out = np.einsum("ia,abnpqk,jb->nkpiqj", AT, mm, AT).reshape(s.nb, g.k, m * th, m * tw)
@@ -377,7 +388,10 @@ def emulated_forward(geo, xmem, cl, wrows, ymem, residual, budget, form=None):
 
 def emulated_weight(geo, xmem, dymem, cl, budget, form="im2col", slots=None):
     """The weight plan of ``form`` on numpy buffers: (dW as (K, CRS), the image chunks)."""
-    if form == "shifted":
+    if form == "winograd":
+        steps, scratch = wg.weight_plan(geo, np.float64, budget)
+        parts = [(s.n0, s.nb) for s in steps if isinstance(s, wg.Wino) and s.kind == "input"]
+    elif form == "shifted":
         parts = cd.chunks(geo.n, wf.shifted_scratch(geo) * 8, budget)
         steps = wf.shifted_steps(geo, parts)
         scratch = cd.shifted_buffers(geo, True, max(nb for _, nb in parts))

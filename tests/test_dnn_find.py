@@ -248,8 +248,9 @@ def test_forms_per_direction():
     geo = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1, "s")
     assert find_mod.forms_for(geo, "fwd") == ("im2col", "shifted", "winograd")  # strict float32 3x3 stride 1
     assert find_mod.forms_for(geo, "bwd-data") == ("im2col", "shifted", "winograd")
-    assert find_mod.forms_for(geo, "bwd-weight") == ("im2col",)  # NCHW
-    assert find_mod.forms_for(geo, "bwd-weight", layout="cl") == ("im2col", "shifted")
+    assert find_mod.forms_for(geo, "bwd-weight") == ("im2col", "winograd")  # NCHW
+    assert find_mod.forms_for(geo, "bwd-weight", layout="cl") == ("im2col", "shifted", "winograd")
+    assert find_mod.forms_for(geo, "bwd-weight", np.float32, "cl", "tf32") == ("im2col", "shifted")
     strided = finddb.forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 2, 1, 1, 1, "s")
     assert find_mod.forms_for(strided, "fwd") == ("im2col",) and find_mod.forms_for(strided, "bwd-data") == ("im2col",)
     dw = finddb.forward_geometry((8, 64, 56, 56), (64, 1, 3, 3), 1, 1, 1, 64, "s")

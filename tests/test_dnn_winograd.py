@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import direct_cache, direct_cuda
+from blasx.dnn import weight_forms as wf
 from blasx.dnn import winograd as wg
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
 from blasx import dnn
-from test_dnn_direct import _cl, _rel, _wrows, emulated_forward, emulated_route  # noqa: F401 (a fixture)
+from test_dnn_direct import _cl, _rel, _wrows, emulated_forward, emulated_route, emulated_weight  # noqa: F401
 
 
 def _geo(n=2, c=4, k=3, size=(7, 6), kernel=3, stride=1, pad=1, dilation=1, groups=1):
@@ -108,6 +109,48 @@ def _plan_vs_torch(cl, n, c, k, h, w, pad, budget, seed):
     parts, form = emulated_forward(geo, memory(x, cl), cl, _wrows(wt, cl), ymem, None, budget, "winograd")
     assert form == "winograd"
     assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
+
+
+def test_weight_plan_exact_and_where_it_applies():
+    """Per chunk: the input and gradient transforms, a^2 GEMMs summing E V^T into u (beta 1 after the first),
+    then the weight transform; the weight forms list it for strict float32 and float64 only."""
+    g = _geo(n=3, c=4, k=3, size=(7, 6))
+    steps, scratch = wg.weight_plan(g, np.float64, 16 * 7 * 12 * 8)  # one image a chunk
+    assert [s.kind if isinstance(s, wg.Wino) else "gemm" for s in steps] == ["input", "dy", "gemm"] * 3 + ["weight"]
+    assert steps[2] == cd.Gemm(("e", 0), ("v", 0), ("u", 0), 0, 1, 3, 4, 12, 3, 4, 3, 36, 48, 12, 16, 0.0)
+    assert steps[5].beta == 1.0 and steps[4] == wg.Wino("dy", 1, 1, 2) and steps[-1] == wg.Wino("weight", m=2)
+    assert scratch == {"u": 16 * 12, "v": 16 * 4 * 12, "e": 16 * 3 * 12}
+    assert wg.kernel_args(g, True, steps[1]) == wg.kernel_args(g, True, wg.Wino("output", 0, 1))
+    assert wg.threads(g, steps[-1]) == 12 and wg.threads(g, steps[1]) == 3 * 12
+    assert wf.weight_forms(g, "cl", np.float32) == ("im2col", "shifted", "winograd")
+    assert wf.weight_forms(g, "nchw", np.float64) == ("im2col", "winograd")
+    assert wf.weight_forms(g, "cl", np.float32, math="tf32") == ("im2col", "shifted")
+    assert wf.weight_form(g, np.float32, None, "cl") == "im2col" and wf.weight_form(g, np.float32, "winograd") == \
+        "winograd"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([2, 4]), st.booleans(), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4),
+       st.integers(3, 11), st.integers(3, 10), st.sampled_from([0, 1, 2]), st.sampled_from([1 << 30, 1]),
+       st.integers(0, 1000))
+def test_weight_plan_vs_torch(m, cl, n, c, k, h, w, pad, budget, seed):
+    """dW by F(2x2) and F(4x4): outputs that are and are not multiples of m, padding 0-2, both layouts, one image
+    a chunk (u summed over chunks) or all, against torch in float64."""
+    if min(h, w) + 2 * pad < 3:
+        return
+    rng = np.random.default_rng(seed)
+    x, wt = rng.standard_normal((n, c, h, w)), np.zeros((k, c, 3, 3))
+    geo = conv_geometry("conv", 2, x, wt, 1, pad, 1, 1)
+    dy = rng.standard_normal((n, k, *geo.out_size))
+    ref = torch.nn.grad.conv2d_weight(torch.from_numpy(x), wt.shape, torch.from_numpy(dy), 1, pad).numpy()
+    tile, wg.TILE = wg.TILE, m
+    try:
+        dw, parts = emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, budget, "winograd")
+    finally:
+        wg.TILE = tile
+    assert len(parts) == (1 if budget > 1 else n)
+    got = (np.moveaxis(dw.reshape(k, 3, 3, c), -1, 1) if cl else dw.reshape(k, c, 3, 3))
+    assert _rel(got, ref) < 1e-13
 
 
 @pytest.mark.parametrize("m, bound", [(2, 3), (4, 12)])

@@ -263,8 +263,8 @@ def test_direct_forms_vs_torch(direct_route, monkeypatch, form, dtype, layout, n
 @pytest.mark.parametrize("pad, size", [(1, (13, 11)), (0, (12, 9)), (2, (7, 8))])
 def test_winograd_form_vs_torch(direct_route, monkeypatch, m, dtype, layout, pad, size):
     """BLASX_CONV_FORM=winograd, F(2x2) and F(4x4): 3x3 stride-1 forward with the epilogue (outputs that are and
-    are not multiples of m: a partial last tile), a residual (which takes im2col's sum into y), and a stride-1
-    backward-data, against torch in float64; poisoned outputs."""
+    are not multiples of m: a partial last tile), a residual (which takes im2col's sum into y), a stride-1
+    backward-data and the weight gradient, against torch in float64; poisoned outputs."""
     from blasx.dnn import conv_direct, winograd
     from blasx.dnn.geometry import conv_geometry
     monkeypatch.setattr(conv_direct, "FORM", "winograd")
@@ -288,6 +288,8 @@ def test_winograd_form_vs_torch(direct_route, monkeypatch, m, dtype, layout, pad
     dy = rng.standard_normal(tuple(conv.shape)).astype(dt)
     gi = dnn.conv2d_input(x.shape, cupy.asarray(w), _device(dy, layout), 1, pad)
     assert rel(gi, torch.nn.grad.conv2d_input(x.shape, wide(w), wide(dy), 1, pad).numpy()) < tol
+    gw = dnn.conv2d_weight(_device(x, layout), w.shape, _device(dy, layout), 1, pad)
+    assert rel(gw, torch.nn.grad.conv2d_weight(wide(x), w.shape, wide(dy), 1, pad).numpy()) < tol
 
 
 @pytest.mark.parametrize("math", ["ieee", "tf32"])

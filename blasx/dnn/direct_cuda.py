@@ -15,7 +15,7 @@ import numpy as np
 from ..runtime import dtypes
 from . import col2im as c2
 from . import conv_direct as cd
-from . import direct_cache, driver_launch, gather_kernel, igemm, igemm_weight
+from . import direct_cache, driver_launch, gather_kernel, igemm, igemm_weight, winograd
 from . import weight_forms as wf
 from . import cublas_call as cc
 from .geometry import ConvGeometry
@@ -222,6 +222,9 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
         elif form == "implicit":  # the kernel writes dW in the operand type
             steps, scratch = wf.implicit_steps(geo, dt, budget)
             return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dt), dt, form)
+        elif form == "winograd":  # its GEMMs sum into u; its last kernel writes dW in the operand type
+            steps, scratch = winograd.weight_plan(geo, dt, budget)
+            return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dt), dt, form)
         elif form == "batched":  # dwp: the partial sums and ones in the accumulation type
             parts = cd.chunks(geo.n, (geo.k * geo.c + 1) * acc.itemsize, budget)
             slots = wf.batched_slots(geo, max(nb for _, nb in parts), acc.itemsize)
@@ -241,7 +244,7 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
         once = form != "batched" and all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
         dw_dtype = dt if once else acc
         return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype, form)
-    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form), make)
+    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form, cd.switches()[-1] if form == "winograd" else 0), make)
 
 
 _WEIGHT_PLANS = direct_cache.table(512)
@@ -482,7 +485,6 @@ class CudaOps:
                               self.bufs["w"].reshape(shape), True)
 
     def wino(self, s) -> None:
-        from . import winograd
         winograd.launch(self, s)
 
     def col2im(self, s: c2.Col2im) -> None:

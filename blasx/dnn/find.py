@@ -4,7 +4,7 @@ in the find-db (finddb.py), which ``conv_direct.forward_form`` reads before its 
 
 Forms: forward and backward-data (a convolution of dY with the flipped kernel) run "im2col", and also
 "shifted", "implicit" and "winograd" where they apply to the gather they run (conv_direct.forms); the weight
-gradient runs "im2col", and "shifted", "batched" or "implicit" where it applies (weight_forms.py); depthwise
+gradient runs "im2col", and "shifted", "batched", "implicit" or "winograd" where it applies (weight_forms.py); depthwise
 problems run "depthwise" alone. A strided backward-data problem runs "col2im" (col2im.py) and "phases" (stride-1
 convolutions of the sub-kernels, phases.py; dilation 1); one with col2im alone (dilated) is timed and not
 stored: the runtime has nothing to choose there. Any other problem with one form is still timed and
@@ -45,7 +45,7 @@ def forms_for(geo: ConvGeometry, direction: str, dtype=np.float64, layout: str =
     if depthwise.applies(rt):
         return ("depthwise",)
     if direction == "bwd-weight":
-        return weight_forms.weight_forms(rt, layout, dtype, capable)
+        return weight_forms.weight_forms(rt, layout, dtype, capable, math)
     return conv_direct.forms(rt, dtype, layout, math, capable)
 
 

@@ -10,6 +10,8 @@
 - implicit (igemm_weight.py: Hopper GPUs, channels-last float16 or bfloat16, groups 1, C and K multiples of 64):
   one kernel gathers X's im2col tiles into shared memory and multiplies them there with dY's, no col buffer;
   pixel splits' float32 partials summed in order by a second kernel.
+- winograd (3x3 stride 1, strict float32 or float64; winograd.py): the forward's transforms transposed, a^2
+  GEMMs at k = the tiles; a force or the find step's choice only.
 - batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; strided-batched
   GEMMs make the images' dW_n^T = X_n dY_n^T in the accumulation type (``dwp``: one partial sum an image while
   they fit ``PARTIALS_BYTES``, else images share them, beta 1), one GEMM sums them (``dwp`` times a vector of
@@ -50,10 +52,14 @@ def batched_applies(geo: ConvGeometry) -> bool:
     return geo.groups == 1 and cd.pointwise(geo)
 
 
-def weight_forms(geo: ConvGeometry, layout: str = "nchw", dtype=None, capable: bool | None = None) -> tuple[str, ...]:
-    """The weight-gradient forms that can run ``geo`` in ``layout`` (and ``dtype``: None, the implicit form
-    left out), im2col first; ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device
-    is asked)."""
+def weight_forms(geo: ConvGeometry, layout: str = "nchw", dtype=None, capable: bool | None = None,
+                 math: str | None = None) -> tuple[str, ...]:
+    """The weight-gradient forms that can run ``geo`` in ``layout`` (and ``dtype`` and ``math``: dtype None,
+    the implicit and winograd forms left out), im2col first; ``capable``: whether the GPU runs the implicit
+    kernel (None: CuPy's current device is asked)."""
+    from . import winograd
+    if dtype is not None and winograd.applies(geo, dtype, math):
+        return weight_forms(geo, layout, None) + ("winograd",)
     if layout == "cl":
         out = ("im2col",) + (("shifted",) if cd.shifted_applies(geo) else ())
         if dtype is not None and igemm_weight.applies(geo, dtype, True):
@@ -68,7 +74,7 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
                 device=None, capable: bool | None = None) -> str:
     """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else implicit on a
     window over many pixels, batched on large maps where they apply, else im2col."""
-    applicable = weight_forms(geo, layout, dtype, capable)
+    applicable = weight_forms(geo, layout, dtype, capable, math)
     if len(applicable) == 1:
         return "im2col"
     if force in applicable:

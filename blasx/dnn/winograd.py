@@ -7,6 +7,12 @@ pixels (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", CVP
     M[xi] (K x Pc) = U[xi] V[xi]     a^2 GEMMs at k = C, one strided-batched cuBLAS call a chunk
     y's m x m tile = A^T M[.] A      per output channel and tile: the output transform
 
+The weight gradient is the forward's transpose (dL/dU = A dY A^T * V, summed over tiles, then dW = G^T (.) G):
+
+    E[xi] (K x Pc) = (A e A^T)[xi]   per output channel and m x m tile e of dY: the gradient transform
+    M[xi] (K x C) += E[xi] V[xi]^T   a^2 GEMMs at k = Pc, summed over the chunks
+    dW's 3x3       = G^T M[.] G      per output and input channel: the weight transform
+
 F(2x2) makes 2.25 times fewer multiplications than im2col's GEMM at k = 9C, F(4x4) 4 times, for three passes
 over memory; for strict float32 and float64, whose GEMMs have no tensor cores (the tensor-core types keep
 im2col and the implicit kernel). The transforms add to the direct sum's rounding error, a small constant for
@@ -27,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import conv_direct, gather_kernel
-from .conv_direct import OP_N, Gemm
+from .conv_direct import OP_N, OP_T, Gemm
 from .geometry import ConvGeometry
 
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double")}  # element and accumulation types
@@ -50,7 +56,8 @@ MATRICES = {
 
 class Wino(NamedTuple):
     """A transform of F(m x m, 3x3): ``kind`` "filter" (u from w), "input" (v from images n0 .. n0 + nb - 1 of
-    x) or "output" (those images of y from m)."""
+    x), "output" (those images of y from m); the weight gradient's "dy" (e from those images of dY) and "weight"
+    (dw from u)."""
 
     kind: str
     n0: int = 0
@@ -103,10 +110,30 @@ def plan(geo: ConvGeometry, dtype, budget: int, beta: float = 0.0, m: int | None
     return steps, {"u": aa * K * C, "v": aa * C * nb * t, "m": aa * K * nb * t}
 
 
+def weight_plan(geo: ConvGeometry, dtype, budget: int, m: int | None = None) -> tuple[list, dict]:
+    """The weight gradient's (steps, scratch): per chunk of images the input and gradient transforms and the
+    a^2 GEMMs summing into u (beta 1 after the first chunk), then the weight transform into ``dw``."""
+    m = m or TILE
+    if m not in MATRICES:
+        raise ValueError(f"winograd.TILE: got {m}; allowed: {', '.join(map(str, MATRICES))}")
+    parts = conv_direct.chunks(geo.n, scratch_per_image(geo, m) * np.dtype(dtype).itemsize, budget)
+    t, K, C, aa = prod(tiles(geo, m)), geo.k, geo.c, (m + 2) ** 2
+    steps: list = []
+    for i, (n0, nb) in enumerate(parts):
+        pc = nb * t  # M[xi] (K x C, ld K) (+)= E[xi] (K x Pc, ld K) V[xi]^T (V: C x Pc, ld C)
+        steps += [Wino("input", n0, nb, m), Wino("dy", n0, nb, m),
+                  Gemm(("e", 0), ("v", 0), ("u", 0), OP_N, OP_T, K, C, pc, K, C, K, K * pc, C * pc, K * C, aa,
+                       0.0 if i == 0 else 1.0)]
+    nb = max(nb for _, nb in parts)
+    return steps + [Wino("weight", m=m)], {"u": aa * K * C, "v": aa * C * nb * t, "e": aa * K * nb * t}
+
+
 ARG_NAMES = {"filter": ("K", "C", "cl"),
              "input": ("C", "H", "W", "TH", "TW", "PC", "P0", "P1", "n0", "sn", "sc", "sh", "sw"),
              "output": ("K", "OH", "OW", "TH", "TW", "PC", "n0", "sn", "sc", "sh", "sw")}
 DIVISORS = {"filter": ("K",), "input": ("C", "TW", "TH"), "output": ("K", "TW", "TH")}
+ARG_NAMES["dy"], ARG_NAMES["weight"] = ARG_NAMES["output"], ARG_NAMES["filter"]  # dY read as y is written
+DIVISORS["dy"], DIVISORS["weight"] = DIVISORS["output"], DIVISORS["filter"]
 
 
 def _strides(n_channels: int, size: tuple, cl: bool) -> tuple[int, int, int, int]:
@@ -118,7 +145,7 @@ def _strides(n_channels: int, size: tuple, cl: bool) -> tuple[int, int, int, int
 def kernel_args(geo: ConvGeometry, cl: bool, s: Wino) -> tuple[int, ...]:
     """The kernel's integer arguments (ARG_NAMES[s.kind]) for step ``s``."""
     th, tw = tiles(geo, s.m)
-    if s.kind == "filter":
+    if s.kind in ("filter", "weight"):
         return geo.k, geo.c, int(cl)
     if s.kind == "input":
         return (geo.c, *geo.in_size, th, tw, s.nb * th * tw, *geo.pad_lo, s.n0,
@@ -127,9 +154,11 @@ def kernel_args(geo: ConvGeometry, cl: bool, s: Wino) -> tuple[int, ...]:
 
 
 def threads(geo: ConvGeometry, s: Wino) -> int:
-    """One a (output, input) channel pair, a (channel, tile) or an (output channel, tile)."""
+    """One a (output, input) channel pair (filter, weight), an (input channel, tile) or an (output channel,
+    tile)."""
     pc = s.nb * prod(tiles(geo, s.m))
-    return {"filter": geo.k * geo.c, "input": geo.c * pc, "output": geo.k * pc}[s.kind]
+    return {"filter": geo.k * geo.c, "input": geo.c * pc, "output": geo.k * pc, "dy": geo.k * pc,
+            "weight": geo.k * geo.c}[s.kind]
 
 
 def index_type(geo: ConvGeometry, s: Wino) -> str:
@@ -169,7 +198,21 @@ def _body(kind: str, m: int) -> str:
                 "g[r] = (A)w[(I)(k * 9 * (UI)C + (cl ? (UI)r * (UI)C + c : c * 9 + (UI)r))];\n")
         z, out = _sandwich(g, [f"g[{e}]" for e in range(9)])
         return load + z + "".join(f"u[(I)(((UI){e} * (UI)C + c) * (UI)K + k)] = (T)({x});\n" for e, x in enumerate(out))
+    weights = "dw[(I)(k * 9 * (UI)C + (cl ? (UI){rs} * (UI)C + c : c * 9 + (UI){rs}))] = (T)({x});\n"
+    if kind == "weight":  # dW's 3x3 = G^T M G
+        load = (f"UI c = Q(i, K), k = (UI)i - c * (UI)K;\nA q[{a * a}];\nfor (int e = 0; e < {a * a}; ++e) "
+                "q[e] = (A)u[(I)(((UI)e * (UI)C + c) * (UI)K + k)];\n")
+        z, out = _sandwich([list(col) for col in zip(*g)], [f"q[{e}]" for e in range(a * a)])
+        return load + z + "".join(weights.format(rs=e, x=x) for e, x in enumerate(out))
     decode = "t0 = Q(p, TW), tw = p - t0 * (UI)TW, j = Q(t0, TH), th = t0 - j * (UI)TH;\n"
+    if kind == "dy":  # E = A e A^T, e dY's m x m tile (zero past its end)
+        load = (f"UI p = Q(i, K), k = (UI)i - p * (UI)K, {decode}I h0 = {m} * (I)th, w0 = {m} * (I)tw;\n"
+                f"const T* dn = dy + ((I)n0 + (I)j) * sn + (I)k * sc;\nA q[{m * m}];\n"
+                f"for (int r = 0; r < {m}; ++r)\n  for (int s = 0; s < {m}; ++s)\n"
+                f"    q[{m} * r + s] = (h0 + r < OH && w0 + s < OW) ? (A)dn[(h0 + r) * sh + (w0 + s) * sw] : (A)0;\n")
+        z, out = _sandwich([list(col) for col in zip(*at)], [f"q[{e}]" for e in range(m * m)])
+        return load + z + "".join(f"e[(I)(((UI){e} * (UI)PC + p) * (UI)K + k)] = (T)({x});\n"
+                                  for e, x in enumerate(out))
     if kind == "input":
         load = (f"UI p = Q(i, C), c = (UI)i - p * (UI)C, {decode}"
                 f"I h0 = {m} * (I)th - P0, w0 = {m} * (I)tw - P1;\nA d[{a * a}];\n"
@@ -189,7 +232,8 @@ def _body(kind: str, m: int) -> str:
                               for e, x in enumerate(out))
 
 
-_POINTERS = {"filter": ("w", "u"), "input": ("x", "v"), "output": ("m", "y")}  # (read, written)
+_POINTERS = {"filter": ("w", "u"), "input": ("x", "v"), "output": ("m", "y"), "dy": ("dy", "e"),
+             "weight": ("u", "dw")}  # (read, written)
 
 
 def source(kind: str, dtype, index: str, m: int | None = None) -> tuple[str, str]:
