@@ -337,6 +337,8 @@ def limit_note(row: dict) -> str:
         notes.append("NCHW operands copied to channels-last and back")
     if "implicit" in forms:
         notes.append("the implicit kernel's tile loads")
+    if "winograd" in forms:
+        notes.append("the Winograd transforms' passes over memory")
     if not {"im2col", "col2im", "engine"} & set(forms):  # no col buffer: the GEMM notes do not apply
         return "; ".join(notes) or "-"
     if row["groups"] > 1:

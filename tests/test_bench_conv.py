@@ -212,6 +212,7 @@ def test_limit_names_a_host_bound_layer():
     assert C.limit_note({**short, "form": "channels-last copies+implicit"}) == \
         "NCHW operands copied to channels-last and back; the implicit kernel's tile loads"
     assert C.limit_note({**short, "form": "shifted"}) == "-"  # no col buffer: no lowered-GEMM notes
+    assert C.limit_note({**short, "form": "winograd"}) == "the Winograd transforms' passes over memory"
 
 
 def test_forms_recorded_from_the_route_s_plan_makers():
