@@ -70,7 +70,7 @@ def test_plan_exact(monkeypatch):
     assert wg.tiles(g, 4) == (2, 2) and [s.m for s in four if isinstance(s, wg.Wino)] == [4, 4, 4]
     assert four[2] == cd.Gemm(("u", 0), ("v", 0), ("m", 0), 0, 0, 3, 12, 4, 3, 4, 3, 12, 48, 36, 36, 0.0)
     assert scratch == {"u": 36 * 12, "v": 36 * 4 * 12, "m": 36 * 3 * 12}
-    with pytest.raises(ValueError, match="winograd.TILE: got 3; allowed: 2, 4"):
+    with pytest.raises(ValueError, match=r"conv_direct.WINOGRAD_TILE \(m\): got 3; allowed: 2, 4"):
         wg.plan(g, np.float64, 1 << 30, m=3)
     monkeypatch.setattr(cd, "FORM", "winograd")  # forced: a sum into y (a residual that is y) takes im2col
     assert direct_cuda.forward_plan(g, True, np.float64, 0.0, 1 << 30).form == "winograd"
@@ -84,11 +84,11 @@ def test_plan_exact(monkeypatch):
 def test_plan_vs_torch(m, cl, n, c, k, h, w, pad, budget, seed):
     """F(2x2) and F(4x4); output sizes that are and are not multiples of m (a partial last tile), padding 0-2 and
     asymmetric (torch given the padded input), both layouts, one image a chunk (budget 1) or all."""
-    tile, wg.TILE = wg.TILE, m
+    tile, cd.WINOGRAD_TILE = cd.WINOGRAD_TILE, m
     try:
         _plan_vs_torch(cl, n, c, k, h, w, pad, budget, seed)
     finally:
-        wg.TILE = tile
+        cd.WINOGRAD_TILE = tile
 
 
 def _plan_vs_torch(cl, n, c, k, h, w, pad, budget, seed):
@@ -143,11 +143,11 @@ def test_weight_plan_vs_torch(m, cl, n, c, k, h, w, pad, budget, seed):
     geo = conv_geometry("conv", 2, x, wt, 1, pad, 1, 1)
     dy = rng.standard_normal((n, k, *geo.out_size))
     ref = torch.nn.grad.conv2d_weight(torch.from_numpy(x), wt.shape, torch.from_numpy(dy), 1, pad).numpy()
-    tile, wg.TILE = wg.TILE, m
+    tile, cd.WINOGRAD_TILE = cd.WINOGRAD_TILE, m
     try:
         dw, parts = emulated_weight(geo, memory(x, cl), memory(dy, cl), cl, budget, "winograd")
     finally:
-        wg.TILE = tile
+        cd.WINOGRAD_TILE = tile
     assert len(parts) == (1 if budget > 1 else n)
     got = (np.moveaxis(dw.reshape(k, 3, 3, c), -1, 1) if cl else dw.reshape(k, c, 3, 3))
     assert _rel(got, ref) < 1e-13

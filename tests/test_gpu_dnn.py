@@ -265,10 +265,10 @@ def test_winograd_form_vs_torch(direct_route, monkeypatch, m, dtype, layout, pad
     """BLASX_CONV_FORM=winograd, F(2x2) and F(4x4): 3x3 stride-1 forward with the epilogue (outputs that are and
     are not multiples of m: a partial last tile), a residual (which takes im2col's sum into y), a stride-1
     backward-data and the weight gradient, against torch in float64; poisoned outputs."""
-    from blasx.dnn import conv_direct, winograd
+    from blasx.dnn import conv_direct
     from blasx.dnn.geometry import conv_geometry
     monkeypatch.setattr(conv_direct, "FORM", "winograd")
-    monkeypatch.setattr(winograd, "TILE", m)
+    monkeypatch.setattr(conv_direct, "WINOGRAD_TILE", m)
     rng = np.random.default_rng(pad)
     dt = np.dtype(dtype)
     x = rng.standard_normal((3, 40, *size)).astype(dt)

@@ -51,6 +51,7 @@ LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an ima
 INSERTED_MIN_PIXELS = 256  # ... or this many, for a 1x1 over a zero-inserted input (strided backward-data)
 WEIGHT_MIN_PIXELS = {2: 0, 4: 128}  # an NCHW weight gradient's window converted from this many output pixels
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
+WINOGRAD_TILE = 2  # the winograd form's m x m output tiles: F(2x2, 3x3) or F(4x4, 3x3) (winograd.py)
 
 
 class Gather(NamedTuple):
@@ -495,8 +496,7 @@ def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
 
 def switches() -> tuple:
     """The settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
-    from . import winograd
-    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, winograd.TILE
+    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, WINOGRAD_TILE
 
 
 def on_own_gpu():

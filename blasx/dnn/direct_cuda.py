@@ -189,7 +189,7 @@ def forward_plan(geo: ConvGeometry, cl: bool, dtype, beta: float, budget: int, m
     form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw", math)
     if form in ("implicit", "winograd") and beta:  # their kernels write y; a sum into y takes the GEMMs
         form = "im2col"
-    key = (geo, cl, dt.str, beta, budget, form, cd.switches()[-1] if form == "winograd" else 0)
+    key = (geo, cl, dt.str, beta, budget, form, cd.WINOGRAD_TILE if form == "winograd" else 0)
 
     def make():
         steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
@@ -244,7 +244,7 @@ def weight_plan(geo: ConvGeometry, cl: bool, dtype, budget: int, math: str | Non
         once = form != "batched" and all(s.beta == 0.0 for s in steps if isinstance(s, cd.Gemm))
         dw_dtype = dt if once else acc
         return WeightPlan(steps, scratch, prepare(geo, cl, dt, steps, dw_dtype), dw_dtype, form)
-    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form, cd.switches()[-1] if form == "winograd" else 0), make)
+    return _WEIGHT_PLANS.get((geo, cl, dt.str, budget, form, cd.WINOGRAD_TILE if form == "winograd" else 0), make)
 
 
 _WEIGHT_PLANS = direct_cache.table(512)

@@ -16,7 +16,7 @@ The weight gradient is the forward's transpose (dL/dU = A dY A^T * V, summed ove
 F(2x2) makes 2.25 times fewer multiplications than im2col's GEMM at k = 9C, F(4x4) 4 times, for three passes
 over memory; for strict float32 and float64, whose GEMMs have no tensor cores (the tensor-core types keep
 im2col and the implicit kernel). The transforms add to the direct sum's rounding error, a small constant for
-F(2x2), more for F(4x4) (its 1/6 and 1/24 and sums of up to 5 terms). ``TILE`` (m) picks one.
+F(2x2), more for F(4x4) (its 1/6 and 1/24 and sums of up to 5 terms). ``conv_direct.WINOGRAD_TILE`` picks one.
 
 Pure plan (steps as plain data; CudaOps.wino runs a step by :func:`launch`, the tests' numpy stand-in by
 its own form and by the kernels compiled for the host). Buffers: ``x``, ``w`` (the (K, CRS) weight matrix,
@@ -39,7 +39,6 @@ from .geometry import ConvGeometry
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double")}  # element and accumulation types
 THREADS = 256
 MAX_BLOCKS = 1 << 20  # past this the grid-stride loops take the rest
-TILE = 2  # m: output tiles m x m (2 or 4)
 
 # (B^T, G, A^T) of F(m x m, 3x3): a x a, a x 3, m x a (Lavin and Gray's, a = m + 2).
 MATRICES = {
@@ -77,15 +76,23 @@ def applies(geo: ConvGeometry, dtype, math: str | None) -> bool:
         (name == "float64" or (name == "float32" and math != "tf32"))
 
 
+def tile(m: int | None = None) -> int:
+    """``m``, else ``conv_direct.WINOGRAD_TILE``: one of MATRICES'."""
+    m = m or conv_direct.WINOGRAD_TILE
+    if m not in MATRICES:
+        raise ValueError(f"conv_direct.WINOGRAD_TILE (m): got {m}; allowed: {', '.join(map(str, MATRICES))}")
+    return m
+
+
 def tiles(geo: ConvGeometry, m: int | None = None) -> tuple[int, int]:
-    """The m x m output tiles of an image, per dim (m: ``TILE``)."""
-    m = m or TILE
+    """The m x m output tiles of an image, per dim (m: :func:`tile`)."""
+    m = tile(m)
     return tuple(-(-o // m) for o in geo.out_size)
 
 
 def scratch_per_image(geo: ConvGeometry, m: int | None = None) -> int:
     """v's and m's elements per image: a^2 values a tile for each input and each output channel."""
-    a = (m or TILE) + 2
+    a = tile(m) + 2
     return a * a * (geo.c + geo.k) * prod(tiles(geo, m))
 
 
@@ -95,9 +102,7 @@ def plan(geo: ConvGeometry, dtype, budget: int, beta: float = 0.0, m: int | None
     The output transform writes y: ``beta`` (a sum into y) must be 0 (direct_cuda.forward_plan takes im2col)."""
     if beta:
         raise ValueError(f"winograd.plan: beta must be 0 (the output transform writes y), got {beta}")
-    m = m or TILE
-    if m not in MATRICES:
-        raise ValueError(f"winograd.TILE: got {m}; allowed: {', '.join(map(str, MATRICES))}")
+    m = tile(m)
     parts = conv_direct.chunks(geo.n, scratch_per_image(geo, m) * np.dtype(dtype).itemsize, budget)
     t, K, C, aa = prod(tiles(geo, m)), geo.k, geo.c, (m + 2) ** 2
     steps: list = [Wino("filter", m=m)]
@@ -113,9 +118,7 @@ def plan(geo: ConvGeometry, dtype, budget: int, beta: float = 0.0, m: int | None
 def weight_plan(geo: ConvGeometry, dtype, budget: int, m: int | None = None) -> tuple[list, dict]:
     """The weight gradient's (steps, scratch): per chunk of images the input and gradient transforms and the
     a^2 GEMMs summing into u (beta 1 after the first chunk), then the weight transform into ``dw``."""
-    m = m or TILE
-    if m not in MATRICES:
-        raise ValueError(f"winograd.TILE: got {m}; allowed: {', '.join(map(str, MATRICES))}")
+    m = tile(m)
     parts = conv_direct.chunks(geo.n, scratch_per_image(geo, m) * np.dtype(dtype).itemsize, budget)
     t, K, C, aa = prod(tiles(geo, m)), geo.k, geo.c, (m + 2) ** 2
     steps: list = []
@@ -193,21 +196,22 @@ def _body(kind: str, m: int) -> str:
     """The transform ``kind`` of F(m x m, 3x3) for one thread; Q(a, D) is a / D (gather_kernel.grid_kernel)."""
     bt, g, at = MATRICES[m]
     a = m + 2
+    pair = "UI c = Q(i, K), k = (UI)i - c * (UI)K;\n"  # (output, input) channel pair, and its tap rs in w / dw
+    tap = "(I)(k * 9 * (UI)C + (cl ? (UI){rs} * (UI)C + c : c * 9 + (UI){rs}))"
     if kind == "filter":
-        load = ("UI c = Q(i, K), k = (UI)i - c * (UI)K;\nA g[9];\nfor (int r = 0; r < 9; ++r) "
-                "g[r] = (A)w[(I)(k * 9 * (UI)C + (cl ? (UI)r * (UI)C + c : c * 9 + (UI)r))];\n")
+        load = f"{pair}A g[9];\nfor (int r = 0; r < 9; ++r) g[r] = (A)w[{tap.format(rs='r')}];\n"
         z, out = _sandwich(g, [f"g[{e}]" for e in range(9)])
         return load + z + "".join(f"u[(I)(((UI){e} * (UI)C + c) * (UI)K + k)] = (T)({x});\n" for e, x in enumerate(out))
-    weights = "dw[(I)(k * 9 * (UI)C + (cl ? (UI){rs} * (UI)C + c : c * 9 + (UI){rs}))] = (T)({x});\n"
     if kind == "weight":  # dW's 3x3 = G^T M G
-        load = (f"UI c = Q(i, K), k = (UI)i - c * (UI)K;\nA q[{a * a}];\nfor (int e = 0; e < {a * a}; ++e) "
+        load = (f"{pair}A q[{a * a}];\nfor (int e = 0; e < {a * a}; ++e) "
                 "q[e] = (A)u[(I)(((UI)e * (UI)C + c) * (UI)K + k)];\n")
         z, out = _sandwich([list(col) for col in zip(*g)], [f"q[{e}]" for e in range(a * a)])
-        return load + z + "".join(weights.format(rs=e, x=x) for e, x in enumerate(out))
+        return load + z + "".join(f"dw[{tap.format(rs=e)}] = (T)({x});\n" for e, x in enumerate(out))
     decode = "t0 = Q(p, TW), tw = p - t0 * (UI)TW, j = Q(t0, TH), th = t0 - j * (UI)TH;\n"
+    per_k = (f"UI p = Q(i, K), k = (UI)i - p * (UI)K, {decode}I h0 = {m} * (I)th, w0 = {m} * (I)tw;\n"
+             "const I at = ((I)n0 + (I)j) * sn + (I)k * sc;\n")  # (output channel, tile): its image and channel
     if kind == "dy":  # E = A e A^T, e dY's m x m tile (zero past its end)
-        load = (f"UI p = Q(i, K), k = (UI)i - p * (UI)K, {decode}I h0 = {m} * (I)th, w0 = {m} * (I)tw;\n"
-                f"const T* dn = dy + ((I)n0 + (I)j) * sn + (I)k * sc;\nA q[{m * m}];\n"
+        load = (f"{per_k}const T* dn = dy + at;\nA q[{m * m}];\n"
                 f"for (int r = 0; r < {m}; ++r)\n  for (int s = 0; s < {m}; ++s)\n"
                 f"    q[{m} * r + s] = (h0 + r < OH && w0 + s < OW) ? (A)dn[(h0 + r) * sh + (w0 + s) * sw] : (A)0;\n")
         z, out = _sandwich([list(col) for col in zip(*at)], [f"q[{e}]" for e in range(m * m)])
@@ -223,9 +227,8 @@ def _body(kind: str, m: int) -> str:
         z, out = _sandwich(bt, [f"d[{e}]" for e in range(a * a)])
         return load + z + "".join(f"v[(I)(((UI){e} * (UI)PC + p) * (UI)C + c)] = (T)({x});\n"
                                   for e, x in enumerate(out))
-    load = (f"UI p = Q(i, K), k = (UI)i - p * (UI)K, {decode}A q[{a * a}];\n"
-            f"for (int e = 0; e < {a * a}; ++e) q[e] = (A)m[(I)(((UI)e * (UI)PC + p) * (UI)K + k)];\n"
-            f"I h0 = {m} * (I)th, w0 = {m} * (I)tw;\nT* yn = y + ((I)n0 + (I)j) * sn + (I)k * sc;\n")
+    load = (f"{per_k}T* yn = y + at;\nA q[{a * a}];\n"
+            f"for (int e = 0; e < {a * a}; ++e) q[e] = (A)m[(I)(((UI)e * (UI)PC + p) * (UI)K + k)];\n")
     z, out = _sandwich(at, [f"q[{e}]" for e in range(a * a)])  # y's tile, where it lies in y
     return load + z + "".join(f"if (h0 + {e // m} < OH && w0 + {e % m} < OW) "
                               f"yn[(h0 + {e // m}) * sh + (w0 + {e % m}) * sw] = (T)({x});\n"
@@ -240,7 +243,7 @@ def source(kind: str, dtype, index: str, m: int | None = None) -> tuple[str, str
     """(code, name) of the ``kind`` transform of F(m x m, 3x3) for ``dtype`` (TYPES) and ``index`` ("int32" or
     "int64"): ``(read, written, ARG_NAMES[kind] of the index type, the divisors' multipliers and shifts,
     total)``."""
-    m = m or TILE
+    m = tile(m)
     name = np.dtype(dtype).name
     ctype, acc = TYPES[name]
     src, dst = _POINTERS[kind]
