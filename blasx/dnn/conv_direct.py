@@ -10,7 +10,7 @@ forward pass takes one of two forms (``forward_form``):
   valid part is copied into y; the wide columns past the output are computed and dropped;
 - implicit (igemm.py: Hopper GPUs, channels-last float16, bfloat16 or TF32, groups 1): one kernel
   gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch;
-- winograd (winograd.py: 3x3 stride 1, strict float32 or float64): F(2x2, 3x3), 16 GEMMs at k = C.
+- winograd (winograd.py: 3x3 stride 1, strict float32 or float64): F(m x m, 3x3), m = WINOGRAD_TILE, at k = C.
 
 ``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts from the
 environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``: these four, the weight gradient's ``batched``
