@@ -497,7 +497,8 @@ def _tune_conv(parser, args, db) -> int:
                 print(f"  {name:<28}{prob['direction']:<11}{p:<3}FAILED: {type(exc).__name__}: {exc}", flush=True)
                 status = 1
                 continue
-            cells = "  ".join(f"{f} {r['best'][f] * 1e3:.3f} ms{'!' if f in r['bad'] else ''}" for f in r["forms"])
+            cells = "  ".join(f"{f} FAILED ({r['failed'][f]})" if f in r["failed"] else
+                              f"{f} {r['best'][f] * 1e3:.3f} ms{'!' if f in r['bad'] else ''}" for f in r["forms"])
             print(f"  {name:<28}{prob['direction']:<11}{p:<3}{r['form'] or 'none':<11}{cells}", flush=True)
             stored += r["stored"]
             alone += not r["storable"]

@@ -239,6 +239,24 @@ def test_measure_rejects_a_form_whose_result_differs():
     assert find_mod.measure(("im2col", "shifted"), call, timer, 1, 1e-6)["form"] == "im2col"  # a tie: the first
 
 
+def test_measure_reports_a_form_that_raises_and_times_the_others():
+    """A form whose call raises (a kernel that does not build, a device error) is failed and bad, with its
+    exception as text; the next working form is the reference; no form working: no winner."""
+    ref = np.arange(1.0, 7.0)
+    call, timer = fake({"im2col": 2.0, "shifted": 1.0, "winograd": 0.5}, {"im2col": ref, "shifted": ref + 1e-9})
+
+    def failing(form):
+        if form == "winograd":
+            raise RuntimeError("nvrtc: no kernel")
+        return call(form)
+    r = find_mod.measure(("winograd", "im2col", "shifted"), failing, timer, 2, 1e-6)
+    assert r["failed"] == {"winograd": "RuntimeError: nvrtc: no kernel"} and r["bad"] == ["winograd"]
+    assert r["form"] == "shifted" and r["errors"]["im2col"] == 0.0 and r["errors"]["shifted"] < 1e-6
+    assert set(r["errors"]) == set(r["best"]) == {"im2col", "shifted"}
+    r = find_mod.measure(("winograd",), failing, timer, 1, 1e-6)
+    assert r["form"] is None and r["bad"] == ["winograd"]
+
+
 @pytest.mark.parametrize("nd", [1, 2, 3])
 def test_entry_points_are_the_public_functions(nd):
     assert find_mod.entry_points(nd) == tuple(getattr(dnn, f"conv{nd}d{s}") for s in ("", "_input", "_weight"))
@@ -313,7 +331,7 @@ def test_cli_tune_conv_status_counts_col2im_problems_as_done(capsys, cache, monk
     def fake_find(x_shape, weight_shape, *, direction, **kw):
         alone = direction == "bwd-data" and kw["stride"] != 1 and kw["stride"] != (1, 1)
         r = dict(forms=["col2im"] if alone else ["im2col"], best={"col2im" if alone else "im2col": 1e-3}, bad=[],
-                 form="col2im" if alone else "im2col", storable=not alone, stored=not alone)
+                 failed={}, form="col2im" if alone else "im2col", storable=not alone, stored=not alone)
         if bad == "wrong" and not alone:
             r["bad"] = ["im2col"]
         if bad == "unstored" and not alone:

@@ -58,14 +58,19 @@ def rel_err(a, b) -> float:
 
 def measure(forms, call: Callable, timer: Callable, runs: int, tol: float, compare: Callable = rel_err) -> dict:
     """Time each form: ``call(form)`` runs it once and returns its result (the first call per form
-    warms up and is checked against the first form's), ``timer(run)`` the seconds of ``run()``; a
-    form whose relative error exceeds ``tol`` (or is not finite) is never the winner. Returns seconds
-    ({form: [runs]}), best ({form: min}), errors ({form: error}), bad (forms) and form (the fastest
-    good one, ties: the earlier; None if none)."""
-    out = {"forms": list(forms), "seconds": {}, "best": {}, "errors": {}, "bad": [], "form": None}
+    warms up and is checked against the first working form's), ``timer(run)`` the seconds of ``run()``; a
+    form whose relative error exceeds ``tol`` (or is not finite), or whose first call raises, is never the
+    winner. Returns seconds ({form: [runs]}), best ({form: min}), errors ({form: error}), failed ({form: the
+    exception, as text}), bad (forms) and form (the fastest good one, ties: the earlier; None if none)."""
+    out = {"forms": list(forms), "seconds": {}, "best": {}, "errors": {}, "failed": {}, "bad": [], "form": None}
     ref = None
     for f in forms:
-        y = call(f)
+        try:
+            y = call(f)
+        except Exception as exc:  # noqa: BLE001 - a form that cannot run is reported, the others still timed
+            out["failed"][f] = f"{type(exc).__name__}: {exc}"
+            out["bad"].append(f)
+            continue
         if ref is None:
             ref, err = y, 0.0
         else:
@@ -146,8 +151,9 @@ def find(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1, *, dt
     ``timer(run)``: seconds of ``run()`` (None: CUDA events). Raises NoGpuError where CuPy finds no GPU, before anything is made.
 
     Returns a dict: key (ConvKey), text, forms, seconds ({form: [runs]}), best ({form: s}), errors
-    ({form: relative error against the first form}), bad, form (the winner or None), storable (False where the
-    problem runs one form by design: a dilated strided backward-data's col2im), stored."""
+    ({form: relative error against the first form}), failed ({form: its exception}), bad, form (the winner or
+    None), storable (False where the problem runs one form by design: a dilated strided backward-data's col2im),
+    stored."""
     if not isinstance(runs, int) or isinstance(runs, bool) or runs < 1:
         raise ValueError(f"runs: got {runs!r}, need an int >= 1")
     key = finddb.problem_key(x_shape, weight_shape, stride, padding, dilation, groups, direction=direction,
