@@ -1,7 +1,7 @@
-"""The winograd forward form (winograd.py, F(2x2, 3x3)) on the CPU: its plan by exact value, its steps run by
-test_dnn_direct's numpy stand-in (each transform in numpy from G, B^T, A^T and by the real kernel's body
-compiled for the host), against torch in float64; where it applies and that only a force or the find-db
-chooses it."""
+"""The winograd form (winograd.py: F(2x2, 3x3) and F(4x4, 3x3), forward and weight gradient) on the CPU: its
+plans by exact value, their steps run by test_dnn_direct's numpy stand-in (each transform in numpy from its
+matrices and by the real kernel's body compiled for the host), against torch in float64; where it applies and
+that only a force or the find-db chooses it."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from blasx import dnn
 from blasx.dnn import conv_direct as cd
 from blasx.dnn import direct_cache, direct_cuda
 from blasx.dnn import weight_forms as wf
 from blasx.dnn import winograd as wg
 from blasx.dnn.geometry import conv_geometry, transpose_geometry
 from dnn_ref import from_memory, memory
-from blasx import dnn
 from test_dnn_direct import _cl, _rel, _wrows, emulated_forward, emulated_route, emulated_weight  # noqa: F401
 
 
