@@ -111,38 +111,40 @@ def run_threads(s, p: int) -> int:
     return -(-s.nb * p // gk.RUN_PIXELS) * (s.op // s.run)
 
 
+def _host_grid(lib_key: str, make_sources, name: str, index: str, pointers: int, ints: int, divisors: int):
+    """Grid-stride kernel ``name`` of the host library ``lib_key`` (built once from ``make_sources()``, launched
+    as one thread): ``pointers`` pointers, ``ints`` of the ``index`` type, each divisor's multiplier and shift,
+    total; None without a C++ compiler."""
+    import ctypes
+    if lib_key not in _HOST:
+        _HOST[lib_key] = compile_host([_ONE_THREAD] + make_sources())
+    lib = _HOST[lib_key]
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
+    fn.argtypes = [ctypes.c_void_p] * pointers + [it] * ints + [ctypes.c_uint] * 2 * divisors + [ctypes.c_longlong]
+    return fn
+
+
 def host_wino(kind: str, index: str = "int32", m: int = 2):
     """winograd.py's ``kind`` transform of F(m x m, 3x3) (float64, ``index`` indices) compiled for the host and
     launched as one thread, as ``fn(read, written, args..., magic..., total)``; None without a C++ compiler."""
-    import ctypes
-    if "wino" not in _HOST:
-        _HOST["wino"] = compile_host([_ONE_THREAD] + [wg.source(k, np.float64, ix, t)[0] for k in wg.ARG_NAMES
-                                                       for ix in ("int32", "int64") for t in wg.MATRICES])
-    lib = _HOST["wino"]
-    if lib is None:
-        return None
-    fn = getattr(lib, wg.source(kind, np.float64, index, m)[1])
-    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
-    fn.argtypes = ([ctypes.c_void_p] * 2 + [it] * len(wg.ARG_NAMES[kind])
-                   + [ctypes.c_uint] * 2 * len(wg.DIVISORS[kind]) + [ctypes.c_longlong])
-    return fn
+    return _host_grid("wino", lambda: [wg.source(k, np.float64, ix, t)[0] for k in wg.ARG_NAMES
+                                       for ix in ("int32", "int64") for t in wg.MATRICES],
+                      wg.source(kind, np.float64, index, m)[1], index, 2, len(wg.ARG_NAMES[kind]),
+                      len(wg.DIVISORS[kind]))
 
 
 def host_col2im(nd: int, index: str = "int32", vec: int = 1):
     """col2im.py's kernel (T = A = double, ``index`` indices, ``vec`` outputs a thread) compiled for the host and
     launched as one thread, as ``fn(col, bias or 0, y, args, total)`` (the divisors' multipliers added); None
     without a C++ compiler."""
-    import ctypes
-    if "col2im" not in _HOST:
-        _HOST["col2im"] = compile_host([_ONE_THREAD] + [c2.source(np.float64, d, ix, v)[0] for d in (1, 2, 3)
-                                                         for ix in ("int32", "int64") for v in (1, 2)])
-    lib = _HOST["col2im"]
-    if lib is None:
+    fn = _host_grid("col2im", lambda: [c2.source(np.float64, d, ix, v)[0] for d in (1, 2, 3)
+                                       for ix in ("int32", "int64") for v in (1, 2)],
+                    c2.source(np.float64, nd, index, vec)[1], index, 3, len(c2.ARG_NAMES), len(c2.DIVISORS))
+    if fn is None:
         return None
-    fn = getattr(lib, c2.source(np.float64, nd, index, vec)[1])
-    it = ctypes.c_int if index == "int32" else ctypes.c_longlong
-    fn.argtypes = ([ctypes.c_void_p] * 3 + [it] * len(c2.ARG_NAMES) + [ctypes.c_uint] * 2 * len(c2.DIVISORS)
-                   + [ctypes.c_longlong])
 
     def call(col, bias, y, args, total):
         args = tuple(int(a) for a in args)

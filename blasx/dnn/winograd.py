@@ -37,8 +37,6 @@ from .conv_direct import OP_N, OP_T, Gemm
 from .geometry import ConvGeometry
 
 TYPES = {"float32": ("float", "float"), "float64": ("double", "double")}  # element and accumulation types
-THREADS = 256
-MAX_BLOCKS = 1 << 20  # past this the grid-stride loops take the rest
 
 # (B^T, G, A^T) of F(m x m, 3x3): a x a, a x 3, m x a (Lavin and Gray's, a = m + 2).
 MATRICES = {
@@ -254,23 +252,33 @@ def source(kind: str, dtype, index: str, m: int | None = None) -> tuple[str, str
     return code, kname
 
 
+class Launch(NamedTuple):
+    """A transform's kernel arguments (ARG_NAMES[kind]), the divisors' multipliers, index type and threads: what
+    direct_cuda's packed launch of a grid-stride kernel takes."""
+
+    args: tuple
+    magic: tuple
+    index: str
+    total: int
+
+
 _KERNELS: dict = {}
+_LAUNCHES: dict = {}
 
 
 def launch(ops, s: Wino) -> None:
     """Step ``s`` on the current stream for ``ops`` (direct_cuda.CudaOps: its geometry, layout, type and
-    buffers)."""
-    import cupy
-    geo, index = ops.geo, index_type(ops.geo, s)
-    key = (s.kind, ops.dtype.name, index, s.m)
-    k = _KERNELS.get(key)
-    if k is None:
-        k = _KERNELS[key] = cupy.RawKernel(*source(*key))
-    args = kernel_args(geo, ops.cl, s)
-    total = threads(geo, s)
-    it = np.int32 if index == "int32" else np.int64
-    blocks = max(1, min(-(-total // THREADS), MAX_BLOCKS))
-    k((blocks,), (THREADS,), (*(ops.bufs[b] for b in _POINTERS[s.kind]), *(it(a) for a in args),
-                              *(np.uint32(v) for v in gather_kernel.magic_args(args, ARG_NAMES[s.kind],
-                                                                                DIVISORS[s.kind])),
-                              np.int64(total)))
+    buffers), through direct_cuda's packed driver launch (as col2im's), packed once per launch and device."""
+    from . import direct_cuda
+    args = kernel_args(ops.geo, ops.cl, s)
+    g = Launch(args, gather_kernel.magic_args(args, ARG_NAMES[s.kind], DIVISORS[s.kind]), index_type(ops.geo, s),
+               threads(ops.geo, s))
+    key = (s.kind, ops.dtype.name, g.index, s.m)
+    packed = _LAUNCHES.get((key, g, ops.device))
+    if packed is None:
+        k = _KERNELS.get(key)
+        if k is None:
+            import cupy
+            k = _KERNELS[key] = cupy.RawKernel(*source(*key))
+        packed = _LAUNCHES[(key, g, ops.device)] = direct_cuda._packed(k, g, 2)
+    packed(ops.stream.ptr, *(ops._ptr(b) for b in _POINTERS[s.kind]))
