@@ -43,6 +43,7 @@ def test_cached_plan_is_the_uncached_plan(dtype, cl, beta, budget):
     for geo in _geos():
         got = direct_cuda.forward_plan(geo, cl, dt, beta, budget)
         form = cd.forward_form(geo, dt, cd.FORM, "cl" if cl else "nchw")
+        form = "im2col" if form in ("implicit", "winograd") and beta else form  # (their kernels write y)
         steps, scratch = cd.forward_plan(geo, cl, dt, beta, budget, form)
         assert (got.form, got.steps, got.scratch) == (form, steps, scratch)
         assert direct_cuda.forward_plan(geo, cl, dt, beta, budget) is got  # kept

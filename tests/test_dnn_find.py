@@ -122,8 +122,8 @@ def test_lookup_reloads_when_the_file_changes(cache):
 
 def test_store_rejects_bad_entries(cache):
     k = finddb.problem_key((2, 8, 9, 9), (8, 8, 3, 3), device=H200)
-    with pytest.raises(ValueError, match="form: got 'winograd'"):
-        finddb.store(k, "winograd", {"winograd": 1.0})
+    with pytest.raises(ValueError, match="form: got 'fft'"):
+        finddb.store(k, "fft", {"fft": 1.0})
     with pytest.raises(ValueError, match="seconds: got"):
         finddb.store(k, "im2col", {"shifted": 1.0})
     with pytest.raises(ValueError, match="seconds: got"):
@@ -147,18 +147,18 @@ def test_a_perfdb_file_without_the_conv_table_reads_empty_and_takes_entries(cach
 
 def test_forward_form_precedence_force_then_db_then_heuristic(cache, monkeypatch):
     geo, f32 = geo3x3(), np.float32
-    assert cd.forward_form(geo, f32, device=H200) == "im2col"  # the heuristic
+    assert cd.forward_form(geo, f32, device=H200) == "winograd"  # the heuristic (strict float32 3x3)
     finddb.store(finddb.key_of(geo, "fwd", H200, f32), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert cd.forward_form(geo, f32, device=H200) == "shifted"  # the db over the heuristic
     assert cd.forward_form(geo, f32, "im2col", device=H200) == "im2col"  # a force over the db
-    assert cd.forward_form(geo, f32, device="NVIDIA A100") == "im2col"  # another GPU model: no entry
-    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"  # another layout
-    assert cd.forward_form(geo, f32) == "im2col"  # no CuPy here: no GPU, no entry
+    assert cd.forward_form(geo, f32, device="NVIDIA A100") == "winograd"  # another GPU model: no entry
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "winograd"  # another layout
+    assert cd.forward_form(geo, f32) == "winograd"  # no CuPy here: no GPU, no entry
     monkeypatch.setenv("BLASX_PERFDB", "off")
-    assert cd.forward_form(geo, f32, device=H200) == "im2col"
+    assert cd.forward_form(geo, f32, device=H200) == "winograd"
     monkeypatch.delenv("BLASX_PERFDB")
     assert cd.forward_form(geo, f32, device=H200) == "shifted"
-    small = geo3x3(c=32)  # the heuristic's im2col; a bwd-data entry of the same gather decides it
+    small = geo3x3(c=8)  # the heuristic's im2col; a bwd-data entry of the same gather decides it
     fwd = finddb.forward_of_transposed(small)
     finddb.store(finddb.key_of(fwd, "bwd-data", H200, f32), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert cd.forward_form(small, f32, device=H200) == "shifted"
@@ -170,17 +170,23 @@ def test_forward_form_precedence_force_then_db_then_heuristic(cache, monkeypatch
 def test_weight_form_precedence_force_then_db_then_im2col(cache):
     from blasx.dnn import weight_forms as wf
     geo, f32 = geo3x3(), np.float32
-    assert wf.weight_form(geo, f32, layout="cl", device=H200) == "im2col"  # no entry: im2col
+    assert wf.weight_form(geo, f32, layout="cl", device=H200) == "winograd"  # no entry: the heuristic
     finddb.store(finddb.key_of(geo, "bwd-weight", H200, f32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # the db's
-    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "im2col"  # (the forward's heuristic, not that entry)
+    assert cd.forward_form(geo, f32, layout="cl", device=H200) == "winograd"  # (the forward's heuristic, not that entry)
     finddb.store(finddb.key_of(geo, "fwd", H200, f32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert cd.forward_form(geo, f32, layout="cl", device=H200) == "shifted"
     finddb.store(finddb.key_of(geo, "fwd", H200, f32, "cl"), "im2col", {"im2col": 1.0, "shifted": 2.0})
     assert wf.weight_form(geo, f32, layout="cl", device=H200) == "shifted"  # a forward entry does not decide it
     assert wf.weight_form(geo, f32, "im2col", "cl", device=H200) == "im2col"  # a force over the db
-    assert wf.weight_form(geo, f32, layout="nchw", device=H200) == "im2col"  # shifted: channels-last only
-    assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "im2col"  # another GPU model
+    assert wf.weight_form(geo, f32, layout="nchw", device=H200) == "winograd"  # the cl entry: not NCHW's
+    assert wf.weight_form(geo, f32, layout="cl", device="NVIDIA A100") == "winograd"  # another GPU model
+    pw = conv_geometry("t", 2, shapes(32, 64, 7, 7), shapes(64, 64, 1, 1), 1, 0, 1, 1)  # every stored form counts
+    for form in ("batched", "im2col"):
+        finddb.store(finddb.key_of(pw, "bwd-weight", H200, f32), form, {"im2col": 1.0, "batched": 1.0})
+        assert wf.weight_form(pw, f32, device=H200) == form
+    finddb.store(finddb.key_of(geo, "bwd-weight", H200, f32), "im2col", {"im2col": 1.0, "winograd": 2.0})
+    assert wf.weight_form(geo, f32, device=H200) == "im2col"
 
 
 def test_strided_form_precedence_force_then_db_then_default(cache, monkeypatch):
@@ -375,7 +381,7 @@ def test_network_records_each_convs_algorithm(cache):
     assert set(net.algo.values()) == {"engine"}  # no GPU here: the host engine runs the layers
     assert "algo=engine" in net.summary()
     names = list(net.algo)
-    assert net.algos(device=H200) == dict(zip(names, ["im2col", "im2col", "depthwise", "im2col"]))
+    assert net.algos(device=H200) == dict(zip(names, ["im2col", "winograd", "depthwise", "im2col"]))
     geo = conv_geometry("t", 2, shapes(1, 64, 16, 16), shapes(64, 64, 3, 3), 1, 1, 1, 1)
     # (the NCHW network's 3x3 runs channels-last on the device: its entry is the channels-last problem's)
     finddb.store(finddb.key_of(geo, "fwd", H200, np.float32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})

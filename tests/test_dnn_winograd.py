@@ -1,7 +1,7 @@
 """The winograd form (winograd.py: F(2x2, 3x3) and F(4x4, 3x3), forward and weight gradient) on the CPU: its
 plans by exact value, their steps run by test_dnn_direct's numpy stand-in (each transform in numpy from its
 matrices and by the real kernel's body compiled for the host), against torch in float64; where it applies and
-that only a force or the find-db chooses it."""
+where the heuristics choose it."""
 
 from __future__ import annotations
 
@@ -39,20 +39,29 @@ def test_where_it_applies():
     assert "winograd" in cd.forms(g, np.float32) and "winograd" not in cd.forms(g, np.float32, math="tf32")
 
 
-def test_only_a_force_or_the_find_db_chooses_it(monkeypatch):
+def test_where_the_heuristics_choose_it(monkeypatch):
+    """Where it applies with C and K >= winograd.MIN_CHANNELS (16 forward, 64 weight gradient), else a force or the
+    find-db only; never for the tensor-core types or TF32."""
     g = _geo(c=64, k=64, size=(14, 14))
-    assert cd.forward_form(g, np.float32) == "im2col" and cd.forward_form(g, np.float64) == "im2col"
+    assert cd.forward_form(g, np.float32) == "winograd" and cd.forward_form(g, np.float64) == "winograd"
     with direct_cache.using(direct_cache.Workspace()):
-        assert cd.forward_form(g, np.float32) == "im2col"
-    assert cd.forward_form(g, np.float32, "winograd") == "winograd"
+        assert cd.forward_form(g, np.float32) == "winograd"
+    assert cd.forward_form(g, np.float32, math="tf32") == "im2col" and cd.forward_form(g, np.float16) == "im2col"
+    thin = _geo(c=8, k=64, size=(14, 14))
+    assert cd.forward_form(thin, np.float32) == "im2col" and cd.forward_form(thin, np.float32, "winograd") == "winograd"
+    assert cd.forward_form(_geo(c=16, k=16), np.float32) == "winograd"
     assert cd.forward_form(_geo(stride=2), np.float32, "winograd") == "im2col"  # where it applies only
+    assert wf.weight_form(g, np.float32, None, "cl") == "winograd" and wf.weight_form(g, np.float64) == "winograd"
+    assert wf.weight_form(_geo(c=32, k=64), np.float32, None, "cl") == "im2col"
+    assert wf.weight_form(g, np.float32, None, "cl", "tf32") == "im2col"
     monkeypatch.setattr(cd.finddb, "stored_form", lambda *a, **k: "winograd")
-    assert cd.forward_form(g, np.float32) == "winograd" and cd.forward_form(g, np.float16) == "im2col"
+    assert cd.forward_form(thin, np.float32) == "winograd" and cd.forward_form(g, np.float16) == "im2col"
 
 
 def test_plan_exact(monkeypatch):
     """The filter transform once, then per chunk: input transform, 16 GEMMs (M[xi] = U[xi] V[xi], column-major,
     xi-major), output transform; v and m sized for the largest chunk."""
+    monkeypatch.setattr(cd, "WINOGRAD_TILE", 2)
     g = _geo(n=3, c=4, k=3, size=(7, 6))  # 4 x 3 tiles an image
     assert wg.tiles(g) == (4, 3) and wg.scratch_per_image(g) == 16 * 7 * 12
     steps, scratch = wg.plan(g, np.float64, 2 * 16 * 7 * 12 * 8)
@@ -111,9 +120,10 @@ def _plan_vs_torch(cl, n, c, k, h, w, pad, budget, seed):
     assert _rel(from_memory(ymem, ref.shape, cl), ref) < 1e-13
 
 
-def test_weight_plan_exact_and_where_it_applies():
+def test_weight_plan_exact_and_where_it_applies(monkeypatch):
     """Per chunk: the input and gradient transforms, a^2 GEMMs summing E V^T into u (beta 1 after the first),
     then the weight transform; the weight forms list it for strict float32 and float64 only."""
+    monkeypatch.setattr(cd, "WINOGRAD_TILE", 2)
     g = _geo(n=3, c=4, k=3, size=(7, 6))
     steps, scratch = wg.weight_plan(g, np.float64, 16 * 7 * 12 * 8)  # one image a chunk
     assert [s.kind if isinstance(s, wg.Wino) else "gemm" for s in steps] == ["input", "dy", "gemm"] * 3 + ["weight"]
@@ -126,7 +136,7 @@ def test_weight_plan_exact_and_where_it_applies():
     assert wf.weight_forms(g, "nchw", np.float64) == ("im2col", "winograd")
     assert wf.weight_forms(g, "cl", np.float32, math="tf32") == ("im2col", "shifted")
     assert wf.weight_form(g, np.float32, None, "cl") == "im2col" and wf.weight_form(g, np.float32, "winograd") == \
-        "winograd"
+        "winograd"  # (4 channels: im2col unless forced)
 
 
 @settings(max_examples=40, deadline=None)

@@ -273,7 +273,7 @@ def test_winograd_form_vs_torch(direct_route, monkeypatch, m, dtype, layout, pad
     dt = np.dtype(dtype)
     x = rng.standard_normal((3, 40, *size)).astype(dt)
     w = (rng.standard_normal((24, 40, 3, 3)) / 8).astype(dt)
-    assert conv_direct.forward_form(conv_geometry("t", 2, x, w, 1, pad, 1, 1), dt) == "winograd"
+    assert conv_direct.forward_form(conv_geometry("t", 2, x, w, 1, pad, 1, 1), dt, conv_direct.FORM) == "winograd"
     conv = F.conv2d(wide(x), wide(w), None, 1, pad)
     b = rng.standard_normal(24)
     out = cupy.full(tuple(conv.shape), np.nan, dtype=dt)

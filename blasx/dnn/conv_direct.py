@@ -1,6 +1,5 @@
-"""The device route of blasx.dnn: a convolution whose operands are CuPy arrays of one GPU, run there
-without tile tasks, all on the current stream, then the fused epilogue over the whole output. The
-forward pass takes one of two forms (``forward_form``):
+"""The device route of blasx.dnn: a convolution whose operands are CuPy arrays of one GPU, run there without
+tile tasks, all on the current stream, then the fused epilogue over the whole output, in a form (``forward_form``):
 
 - im2col: a chunk of images gathered into one col buffer (one kernel per chunk and group), then one
   cuBLAS GEMM per chunk and group (strided-batched over images for NCHW output);
@@ -12,9 +11,8 @@ forward pass takes one of two forms (``forward_form``):
   gathers each im2col tile into shared memory and multiplies it there (no col buffer), the whole batch;
 - winograd (winograd.py: 3x3 stride 1, strict float32 or float64): F(m x m, 3x3), m = WINOGRAD_TILE, at k = C.
 
-``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic); it starts from the
-environment variable ``BLASX_CONV_FORM`` (one of ``FORMS``: these four, the weight gradient's ``batched``
-(weight_forms.py), a strided transposed call's ``col2im`` or ``phases`` (phases.py)), read once at import.
+``FORM`` forces a form where it applies (None: the find-db's entry, else the heuristic), from ``BLASX_CONV_FORM``
+at import: one of ``FORMS`` (also weight_forms.py's ``batched``, phases.py's ``col2im`` and ``phases``).
 
 Plans are pure data (``forward_steps``, weight_forms' ``weight_steps``): buffers are named and addressed by
 element offsets, so a numpy stand-in can run them on the CPU (tests). Buffers: ``x`` (X's compact memory),
@@ -43,7 +41,7 @@ SPLIT_FLOPS = 1e12  # below this a CuPy call stays on its own GPU even where the
 BUDGET_FRACTION = 4  # the scratch of one call takes at most free device memory / this
 ROUTE = None  # tests: "direct" or "engine" forces a route for CuPy operands ("engine": host batches too); None chooses
 _local = threading.local()  # .on_own_gpu: this thread's CuPy calls stay on their operands' GPU (on_own_gpu())
-FORMS = ("im2col", "shifted", "implicit", "winograd", "batched", "col2im", "phases")
+FORMS = tuple(f for f in finddb.FORMS if f != "depthwise")  # the forms FORM can force (depthwise: its own route)
 FORM = os.environ.get("BLASX_CONV_FORM") or None  # forces the form where it applies
 SHIFTED_MIN_C = 64  # cuBLAS runs K = C well from here
 LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convolved as they lie (device_layout)
@@ -51,7 +49,7 @@ LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an ima
 INSERTED_MIN_PIXELS = 256  # ... or this many, for a 1x1 over a zero-inserted input (strided backward-data)
 WEIGHT_MIN_PIXELS = {2: 0, 4: 128}  # an NCHW weight gradient's window converted from this many output pixels
 SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
-WINOGRAD_TILE = 2  # the winograd form's m x m output tiles: F(2x2, 3x3) or F(4x4, 3x3) (winograd.py)
+WINOGRAD_TILE = 4  # the winograd form's m x m output tiles: F(2x2, 3x3) or F(4x4, 3x3) (winograd.py)
 
 
 class Gather(NamedTuple):
@@ -260,8 +258,8 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
       (every tap's A pointer and ld) and the wide grid is at most SHIFTED_MAX_WIDE times the output pixels,
       for tensor-core GEMMs (float16, bfloat16, TF32) inside a Workspace only: a network's worker, whose calls
       replay from CUDA graphs, pays the forms' GPU time alone (the taps' GEMMs take less of it on large maps), a
-      plain call pays the host time of the taps' launches too (the one im2col GEMM wins there); strict float32
-      and float64 take im2col (its one GEMM with k = C R S runs faster than the taps' k = C GEMMs);
+      plain call pays the host time of the taps' launches too (the one im2col GEMM wins there);
+    - winograd where it applies (strict float32 and float64) and winograd.pays (enough channels);
     - else im2col.
 
     ``capable``: whether the GPU runs the implicit kernel (None: CuPy's current device is asked)."""
@@ -275,8 +273,11 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     stored = finddb.stored_form(geo, dtype, layout, math, device)
     if stored in applicable:
         return stored
+    from . import winograd
     if "implicit" in applicable and _implicit_pays(geo, dtype):
         return "implicit"
+    if "winograd" in applicable and winograd.pays(geo):
+        return "winograd"
     if "shifted" not in applicable:
         return "im2col"
     wide = np.prod(padded_size(geo)) / geo.p
@@ -299,8 +300,7 @@ def _implicit_pays(geo: ConvGeometry, dtype) -> bool:
 
 def forms(geo: ConvGeometry, dtype, layout: str = "nchw", math: str | None = None,
           capable: bool | None = None) -> tuple[str, ...]:
-    """The forward forms that can run ``geo`` in ``dtype``, ``layout``, ``math``, im2col first (winograd: found
-    or forced only)."""
+    """The forward forms that can run ``geo`` in ``dtype``, ``layout``, ``math``, im2col first."""
     from . import winograd
     out = ("im2col",) + (("shifted",) if shifted_applies(geo) else ())
     if igemm.applies(geo, dtype, layout == "cl", math) and (igemm.current_capable() if capable is None else capable):

@@ -35,7 +35,7 @@ from .geometry import ConvGeometry, conv_geometry
 
 DIRECTIONS = ("fwd", "bwd-data", "bwd-weight")
 LAYOUTS = ("nchw", "cl")
-FORMS = ("im2col", "shifted", "implicit", "depthwise", "batched", "col2im", "phases")
+FORMS = ("im2col", "shifted", "implicit", "winograd", "depthwise", "batched", "col2im", "phases")  # every route form
 _SEP = "|"
 _TAGS = ("n", "c", "k", "i", "o", "r", "s", "p", "d", "g")
 
@@ -332,7 +332,7 @@ def stored_form(geo: ConvGeometry, dtype, layout: str = "nchw", math_=None, devi
             keys = []
         for k in keys:
             form = lookup(k)
-            if form in ("im2col", "shifted", "implicit", "col2im", "phases"):
+            if form in FORMS and form != "depthwise":
                 break
             form = None
         memo[mkey] = form

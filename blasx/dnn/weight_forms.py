@@ -11,7 +11,7 @@
   one kernel gathers X's im2col tiles into shared memory and multiplies them there with dY's, no col buffer;
   pixel splits' float32 partials summed in order by a second kernel.
 - winograd (3x3 stride 1, strict float32 or float64; winograd.py): the forward's transforms transposed, a^2
-  GEMMs at k = the tiles; a force or the find step's choice only.
+  GEMMs at k = the tiles; by default where C and K are both 64 or more (winograd.pays).
 - batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; strided-batched
   GEMMs make the images' dW_n^T = X_n dY_n^T in the accumulation type (``dwp``: one partial sum an image while
   they fit ``PARTIALS_BYTES``, else images share them, beta 1), one GEMM sums them (``dwp`` times a vector of
@@ -73,7 +73,8 @@ def weight_forms(geo: ConvGeometry, layout: str = "nchw", dtype=None, capable: b
 def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str = "nchw", math: str | None = None,
                 device=None, capable: bool | None = None) -> str:
     """The weight-gradient form of ``geo``: ``force`` where it applies, else the find-db's, else implicit on a
-    window over many pixels, batched on large maps where they apply, else im2col."""
+    window over many pixels, winograd where winograd.pays (C and K large enough), batched on large maps where
+    they apply, else im2col."""
     applicable = weight_forms(geo, layout, dtype, capable, math)
     if len(applicable) == 1:
         return "im2col"
@@ -84,6 +85,9 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
         return stored
     if "implicit" in applicable and prod(geo.kernel) > 1 and geo.n * geo.p >= IMPLICIT_MIN_PIXELS:
         return "implicit"
+    from . import winograd
+    if "winograd" in applicable and winograd.pays(geo, "bwd-weight"):
+        return "winograd"
     large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values())) or \
         (geo.p >= BATCHED_SMALL_PIXELS and geo.c * geo.k <= BATCHED_SMALL_CK)
     return "batched" if "batched" in applicable and large else "im2col"
