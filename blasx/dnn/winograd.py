@@ -16,8 +16,8 @@ The weight gradient is the forward's transpose (dL/dU = A dY A^T * V, summed ove
 F(2x2) makes 2.25 times fewer multiplications than im2col's GEMM at k = 9C, F(4x4) 4 times, for three passes
 over memory; for strict float32 and float64, whose GEMMs have no tensor cores (the tensor-core types keep
 im2col and the implicit kernel). The transforms add to the direct sum's rounding error, a small constant for
-F(2x2), more for F(4x4) (its 1/6 and 1/24 and sums of up to 5 terms; relative-norm errors ~3e-6 float32 against
-~5e-7 for im2col, within the ieee tolerance). ``conv_direct.WINOGRAD_TILE`` picks one (4: faster throughout).
+F(2x2), more for F(4x4) (its 1/6 and 1/24 and sums of up to 5 terms: several times im2col's error, within the
+ieee tolerance). ``conv_direct.WINOGRAD_TILE`` picks one (4 by default: the fewer multiplications).
 
 Pure plan (steps as plain data; CudaOps.wino runs a step by :func:`launch`, the tests' numpy stand-in by
 its own form and by the kernels compiled for the host). Buffers: ``x``, ``w`` (the (K, CRS) weight matrix,
