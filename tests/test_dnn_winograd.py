@@ -40,8 +40,8 @@ def test_where_it_applies():
 
 
 def test_where_the_heuristics_choose_it(monkeypatch):
-    """Where it applies with C and K >= winograd.MIN_CHANNELS (16 forward, 64 weight gradient), else a force or the
-    find-db only; never for the tensor-core types or TF32."""
+    """Where it applies with C and K >= winograd.MIN_CHANNELS (float32: 16 forward, 64 weight gradient; float64: 16),
+    else a force or the find-db only; never for the tensor-core types or TF32."""
     g = _geo(c=64, k=64, size=(14, 14))
     assert cd.forward_form(g, np.float32) == "winograd" and cd.forward_form(g, np.float64) == "winograd"
     with direct_cache.using(direct_cache.Workspace()):
@@ -53,6 +53,8 @@ def test_where_the_heuristics_choose_it(monkeypatch):
     assert cd.forward_form(_geo(stride=2), np.float32, "winograd") == "im2col"  # where it applies only
     assert wf.weight_form(g, np.float32, None, "cl") == "winograd" and wf.weight_form(g, np.float64) == "winograd"
     assert wf.weight_form(_geo(c=32, k=64), np.float32, None, "cl") == "im2col"
+    assert wf.weight_form(_geo(c=16, k=64), np.float64) == "winograd"  # float64: from 16 channels
+    assert cd.forward_form(_geo(c=8, k=64), np.float64) == "im2col"
     assert wf.weight_form(g, np.float32, None, "cl", "tf32") == "im2col"
     monkeypatch.setattr(cd.finddb, "stored_form", lambda *a, **k: "winograd")
     assert cd.forward_form(thin, np.float32) == "winograd" and cd.forward_form(g, np.float16) == "im2col"

@@ -276,7 +276,7 @@ def forward_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str
     from . import winograd
     if "implicit" in applicable and _implicit_pays(geo, dtype):
         return "implicit"
-    if "winograd" in applicable and winograd.pays(geo):
+    if "winograd" in applicable and winograd.pays(geo, dtype):
         return "winograd"
     if "shifted" not in applicable:
         return "im2col"

@@ -11,7 +11,7 @@
   one kernel gathers X's im2col tiles into shared memory and multiplies them there with dY's, no col buffer;
   pixel splits' float32 partials summed in order by a second kernel.
 - winograd (3x3 stride 1, strict float32 or float64; winograd.py): the forward's transforms transposed, a^2
-  GEMMs at k = the tiles; by default where C and K are both 64 or more (winograd.pays).
+  GEMMs at k = the tiles; by default where C and K are both 64 or more (float64: 16; winograd.pays).
 - batched (NCHW pointwise, groups 1): an image's X_n (C x P) and dY_n (K x P) lie as they are; strided-batched
   GEMMs make the images' dW_n^T = X_n dY_n^T in the accumulation type (``dwp``: one partial sum an image while
   they fit ``PARTIALS_BYTES``, else images share them, beta 1), one GEMM sums them (``dwp`` times a vector of
@@ -86,7 +86,7 @@ def weight_form(geo: ConvGeometry, dtype, force: str | None = None, layout: str 
     if "implicit" in applicable and prod(geo.kernel) > 1 and geo.n * geo.p >= IMPLICIT_MIN_PIXELS:
         return "implicit"
     from . import winograd
-    if "winograd" in applicable and winograd.pays(geo, "bwd-weight"):
+    if "winograd" in applicable and winograd.pays(geo, dtype, "bwd-weight"):
         return "winograd"
     large = geo.p >= BATCHED_MIN_PIXELS.get(np.dtype(dtype).itemsize, max(BATCHED_MIN_PIXELS.values())) or \
         (geo.p >= BATCHED_SMALL_PIXELS and geo.c * geo.k <= BATCHED_SMALL_CK)

@@ -76,13 +76,15 @@ def applies(geo: ConvGeometry, dtype, math: str | None) -> bool:
 
 
 MIN_CHANNELS = {"fwd": 16, "bwd-weight": 64}  # C and K from which the heuristics take this form (forms' docs)
+MIN_CHANNELS_F64 = 16  # float64 (no tensor cores for im2col's GEMM either): every direction from here
 
 
-def pays(geo: ConvGeometry, direction: str = "fwd") -> bool:
+def pays(geo: ConvGeometry, dtype, direction: str = "fwd") -> bool:
     """The heuristics' rule where the form applies: C and K at least MIN_CHANNELS[direction] (fewer input
-    channels leave the a^2 GEMMs too thin for the transforms' passes; the weight gradient's GEMMs, k = tiles,
-    m and n = K and C, need more of both)."""
-    return min(geo.c, geo.k) >= MIN_CHANNELS[direction]
+    channels leave the a^2 GEMMs too thin for the transforms' passes; the float32 weight gradient's GEMMs, k =
+    tiles, m and n = K and C, need more of both), MIN_CHANNELS_F64 for float64."""
+    least = MIN_CHANNELS_F64 if np.dtype(dtype) == np.float64 else MIN_CHANNELS[direction]
+    return min(geo.c, geo.k) >= least
 
 
 def tile(m: int | None = None) -> int:
