@@ -323,6 +323,62 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
         assert _err(grads[k].astype(cupy.float32), cupy.asnumpy(ref_grads[k].astype(cupy.float32))) < 2e-2, k
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first):
+    """A repeated one-layer float16 inference call on one GPU (rnn_fast.py): from the second call the entry's two
+    launches run; outputs and final states equal the general path's and torch's, with hx, after an in-place update
+    of a parameter; a new tensor in the mapping, lengths and a training call take the general path."""
+    from blasx.dnn import rnn_fast
+    torch.manual_seed(5)
+    cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
+    kw = dict(batch_first=batch_first)
+    m = (cls(32, 64, **kw) if cls else torch.nn.RNN(32, 64, nonlinearity="tanh", **kw)).cuda().half()
+    x = (torch.randn(8, 20, 32, device="cuda") * 0.5).half()
+    x = x if batch_first else x.transpose(0, 1).contiguous()
+    cx, p = cupy.from_dlpack(x), m.state_dict()
+    fn = {"lstm": dnn.lstm, "gru": dnn.gru}.get(mode) or (lambda *a, **k: dnn.rnn(*a, nonlinearity="tanh", **k))
+    h = torch.randn(1, 8, 64, device="cuda").half() * 0.5
+    thx = (h, torch.randn(1, 8, 64, device="cuda").half() * 0.5) if mode == "lstm" else h
+    chx = tuple(cupy.from_dlpack(t) for t in thx) if mode == "lstm" else cupy.from_dlpack(thx)
+
+    def flat(out):
+        return [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]
+
+    def check(out, hx=None):
+        with torch.no_grad():
+            ref = flat(m(x, hx))
+        for a, r in zip(flat(out), ref):
+            assert isinstance(a, cupy.ndarray) and a.dtype == cupy.float16 and a.shape == tuple(r.shape)
+            assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < TOL["float16"]
+
+    hits = rnn_fast.hits[0]
+    first = fn(cx, None, p, **kw)
+    assert rnn_fast.hits[0] == hits
+    second = fn(cx, None, p, **kw)
+    assert rnn_fast.hits[0] == hits + 1 and rnn_multi.last_run()["placement"].kind == "single"
+    for a, b in zip(flat(first), flat(second)):
+        assert _err(a.astype(cupy.float32), cupy.asnumpy(b.astype(cupy.float32))) < 1e-3
+    check(second)
+    fn(cx, chx, p, **kw)
+    check(fn(cx, chx, p, **kw), thx)
+    assert rnn_fast.hits[0] == hits + 2
+    with torch.no_grad():
+        p["weight_hh_l0"].mul_(0.5)  # in place: the same tensors, the entry stays
+    check(fn(cx, None, p, **kw))
+    assert rnn_fast.hits[0] == hits + 3
+    with torch.no_grad():  # a new tensor in the mapping: parsed anew, the general path
+        p["bias_ih_l0"] = p["bias_ih_l0"] + 0.25
+        m.bias_ih_l0.copy_(p["bias_ih_l0"])
+    check(fn(cx, None, p, **kw))
+    assert rnn_fast.hits[0] == hits + 3
+    fn(cx, None, p, lengths=[20] * 8, **kw)
+    fn(cx, None, p, training=True, **kw)
+    assert rnn_fast.hits[0] == hits + 3
+    check(fn(cx, None, p, **kw))  # the new mapping's entry
+    assert rnn_fast.hits[0] == hits + 4
+
+
 def test_torch_params_views_follow_in_place_updates():
     """Views of a state_dict's CUDA tensors are made once per tensor and reused (rnn_params._cuda_view): an
     in-place update of a parameter shows in the next call, and a tensor of a new shape gets a new view."""
