@@ -159,7 +159,7 @@ def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, p
             return res
         pb.spec = rnn_params.on_host(pb.spec)  # the host path after all: GPU-resident parameters read back
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
-    if key is not None and rnn_fast.eligible(pb, training):
+    if key is not None and rnn_fast.eligible(pb):
         rnn_fast.remember(key, pb, params)
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n

@@ -49,16 +49,15 @@ def signature(mode, x, params, num_layers, bidirectional, batch_first, lengths, 
     return (mode, id(params), x.shape, x.strides, x.dtype, x.device.id, bool(batch_first), hx is None, math)
 
 
-def eligible(pb, training) -> bool:
-    """Whether the general path ran ``pb`` as one launch of the projection and one of the persistent kernel on x's
-    GPU alone, the current device (rnn_exec.direction_forward's persistent branch, final states written by the
-    kernel, the projection a local GEMM: rnn_multi.run_forward with one device)."""
+def eligible(pb) -> bool:
+    """Whether the general path ran ``pb``, a call with a :func:`signature` (one layer and direction, CuPy,
+    inference, no lengths), as one launch of the projection and one of the persistent kernel on x's GPU alone, the
+    current device (rnn_exec.direction_forward's persistent branch, final states written by the kernel, the
+    projection a local GEMM: rnn_multi.run_forward with one device)."""
     from . import rnn_multi
-    spec, home = pb.spec, pb.x.device.id
-    return (not training and pb.xp is not np and pb.x.dtype == np.float16  # (rnn_persist's kernels: float16)
-            and pb.graphs and not pb.unbatched and pb.lengths is None and spec.num_layers == 1
-            and spec.num_dirs == 1 and not spec.proj_size and pb.xp.cuda.runtime.getDevice() == home
-            and rnn_multi.devices_for(pb) == [home])
+    home = pb.x.device.id
+    return (pb.x.dtype == np.float16 and pb.graphs  # (rnn_persist's kernels: float16)
+            and pb.xp.cuda.runtime.getDevice() == home and rnn_multi.devices_for(pb) == [home])
 
 
 def remember(key, pb, params) -> None:
