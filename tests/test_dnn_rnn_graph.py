@@ -254,6 +254,64 @@ def test_failed_capture_is_tried_again_then_left_eager(monkeypatch):
         assert ends["n"] == (captured_on or fail)
 
 
+@pytest.mark.parametrize("mode,proj", [("lstm", 0), ("lstm", 3), ("gru", 0)])
+def test_a_leased_forward_keeps_its_entry_until_collected(mode, proj):
+    """A training forward with lease=True copies out only S: C, gates and R are the entry's own, held by the
+    Forward (a second forward of the key takes another entry) until it is collected; the backward replays its
+    graph on those buffers in place (captured once per entry) and equals the plain loops; once the Forwards are
+    gone their entries serve the next calls without new captures."""
+    rng = np.random.default_rng(7 + proj)
+    bs = (3, 3, 2, 1)
+    T, B, H = len(bs), bs[0], 4
+    G, out = {"lstm": 4, "gru": 3}[mode], proj or H
+    rnn_graph.clear()
+    before = rnn_graph.stats()
+    w = _a(rng.standard_normal((G * H, out)))
+    wr = _a(rng.standard_normal((proj, H))) if proj else None
+
+    def train():
+        gx = _a(rng.standard_normal((T, B, G * H)))
+        ref = rnn_layer.forward_buffers(np, mode, T, B, H, out, bool(proj), np.float64, np.float64)
+        ref.S[0] = 0
+        if ref.C is not None:
+            ref.C[0] = 0
+        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w, wr, None, ref, np.empty((B, G * H)), bs, False)
+        st = rnn_layer.forward_buffers(XP, mode, T, B, H, out, bool(proj), np.float64, np.float64, lean=True)
+        assert isinstance(st.gates, rnn_layer.Like) and st.lease is None
+
+        def fill(e):
+            e.gx[...] = gx
+            e.st.S[0] = 0
+            if e.st.C is not None:
+                e.st.C[0] = 0
+        rnn_graph.run(_Ops(), mode, rnn_graph.Like(gx.shape, np.float64), w, wr, None, st,
+                      rnn_graph.Like((B, G * H), np.float64), bs, False, keep=True, fill=fill, lease=True)
+        e = st.lease
+        assert e is not None and st.gates is e.st.gates and st.S is not e.st.S
+        for name in ("S", "C", "R"):
+            if getattr(ref, name) is not None:
+                assert np.array_equal(getattr(st, name), getattr(ref, name)), name
+        assert all(np.array_equal(st.gates[t, :b], ref.gates[t, :b]) for t, b in enumerate(bs))  # (active rows)
+        dy = _a(rng.standard_normal((T, B, out)))
+        want = rnn_layer.backward_loop(rnn_layer.HostOps(), mode, ref, w, wr, np.asarray(dy), None, None, bs, False, H)
+        for _ in range(2):  # captured on the entry the first time, then replayed
+            got = rnn_graph.run_backward(_Ops(), mode, st, w, wr, dy, None, None, bs, False, H)
+            assert np.array_equal(got.dgx, want.dgx) and np.array_equal(got.dh, want.dh)
+        assert len(e.backs) == 1
+        return st
+    first = train()
+    second = train()
+    entries = [first.lease, second.lease]
+    assert entries[0] is not entries[1]  # the first Forward still held its entry
+    assert rnn_graph.stats()["captured"] == before["captured"] + 4  # a forward and a backward graph per entry
+    del first, second  # both collected: their entries are idle again
+    third = train()
+    assert third.lease in entries
+    after = rnn_graph.stats()
+    assert after["failures"] == before["failures"] and after["captured"] == before["captured"] + 4
+    rnn_graph.clear()
+
+
 def test_entries_belong_to_one_call_at_a_time():
     """Two calls of one key never share an entry: a second take while the first is out makes another; given
     back, entries are reused (most recent first) and at most MAX_GRAPHS idle ones are kept."""

@@ -265,6 +265,36 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
     in_threads(call, 4)
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_saved_states_held_at_once_in_threads(mode, in_threads):
+    """Training forwards keep their saved activations in their graph entries (rnn_graph.run(lease=True)): several
+    saved states of one shape alive at once, their backwards run in reverse order, from threads on their own
+    streams, each equal the eager answer; entries come back once the saved states are gone."""
+    rng = np.random.default_rng(5)
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(16, 32, num_layers=2)
+    p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
+    xs = [cupy.asarray(rng.standard_normal((30, 4, 16)).astype(np.float32)) for _ in range(3)]
+    gy = cupy.asarray(rng.standard_normal((30, 4, 32)).astype(np.float32))
+    f, bw = (dnn.lstm, dnn.lstm_backward) if mode == "lstm" else (dnn.gru, dnn.gru_backward)
+    with rnn_graph.eager():
+        refs = [bw(f(x, None, p, num_layers=2, training=True)[-1], gy) for x in xs]
+
+    def call(i):
+        with cupy.cuda.Stream(non_blocking=True):
+            for _ in range(3):
+                saved = [f(x, None, p, num_layers=2, training=True)[-1] for x in xs]
+                for j in (2, 1, 0):
+                    g = bw(saved[j], gy)
+                    for k in refs[j]:
+                        assert float(cupy.abs(g[k] - refs[j][k]).max()) == 0.0, (j, k)
+                del saved
+    before = rnn_graph.stats()
+    in_threads(call, 3)
+    after = rnn_graph.stats()
+    assert after["failures"] == before["failures"], after["failed"]
+    assert after["replayed"] > after["captured"] - before["captured"]
+
+
 @pytest.mark.parametrize("mode, H, B, bidir, lengths", [
     ("lstm", 64, 8, True, [20, 17, 17, 9, 5, 3, 1, 1]),
     ("lstm", 512, 80, False, None),  # two passes of 64 rows a step

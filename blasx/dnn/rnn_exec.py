@@ -69,11 +69,12 @@ def input_projection(pb, cell, inp, f, mm=None):
 
 
 def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None,
-                      finals=None) -> rnn_layer.Forward:
+                      finals=None, lease: bool = False) -> rnn_layer.Forward:
     """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
     a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
     device instead of the engine's. ``finals``: (h_n, c_n or None, written) of the whole stack: a persistent loop
-    of the whole batch on h_n's device writes its final states there itself and adds its index to ``written``."""
+    of the whole batch on h_n's device writes its final states there itself and adds its index to ``written``.
+    ``lease`` (training, on the caller's stream): a graph loop's saved states stay in its entry (rnn_graph.run)."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
@@ -81,8 +82,9 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     f = compute_type(store)
     host = xp is np
     pl = None if host or not pb.graphs else _persistent(pb, cell, store, B)
+    lease = lease and keep and pl is None and not host and pb.graphs
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
-                                   store, f, gates=keep or pl is None)
+                                   store, f, gates=keep or pl is None, lean=lease)
     k = layer * spec.num_dirs + d
     if pl is not None:  # the kernel adds the biases and writes zero initial states itself
         from . import rnn_persist
@@ -111,7 +113,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
             if e.st.C is not None:
                 e.st.C[0] = 0 if pb.c0 is None else pb.c0[k]
         rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr, bias, st,
-                      rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill)
+                      rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill, lease=lease)
         return st
     gx, bias = input_projection(pb, cell, inp, f, mm=mm)
     if pb.h0 is None:
@@ -165,7 +167,7 @@ def direction_output(pb, st: rnn_layer.Forward, reverse: bool):
 def forward(pb, keep: bool):
     """(y (T, B, D*out), h_n, c_n, saved layers) of the whole stack, all time-major; the loops placed by
     rnn_plan.py (rnn_multi.py runs them)."""
-    from . import rnn_diag, rnn_multi
+    from . import rnn_diag, rnn_graph, rnn_multi
     spec, xp = pb.spec, pb.xp
     T, B = pb.x.shape[:2]
     store = pb.x.dtype
@@ -179,8 +181,8 @@ def forward(pb, keep: bool):
     written: set = set()  # layer-directions whose loop wrote its final states into h_n / c_n
     finals = None if xp is np else (h_n, c_n, written)
     layers, y = rnn_multi.run_forward(
-        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None: direction_forward(lp, ops, layer, d, inp, keep=keep,
-                                                                               mm=mm, finals=finals),
+        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None, lease=False: direction_forward(
+            lp, ops, layer, d, inp, keep=keep, mm=mm, finals=finals, lease=lease),
         direction_output, keep)
     for layer, kept in enumerate(layers):
         for d, k in enumerate(kept):
@@ -189,6 +191,7 @@ def forward(pb, keep: bool):
             h_n[layer * dirs + d] = rnn_multi.at(xp, k.st.S[T], devs[0])
             if c_n is not None:
                 c_n[layer * dirs + d] = rnn_multi.at(xp, k.st.C[-1], devs[0])  # rounded to x's type as it is stored
+                rnn_graph.touched(k.st)
     return y, h_n, c_n, (layers if keep else None)
 
 
@@ -212,9 +215,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
     home = None if xp is np else pb.x.device.id
+    from . import rnn_graph
     loop = rnn_layer.backward_loop
     if xp is not np and pb.graphs:
-        from . import rnn_graph
         loop = rnn_graph.run_backward
     grads = {}
     dh0 = xp.empty((spec.num_layers * dirs, B, out), dtype=store)
@@ -285,6 +288,7 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                     return None if a is None else xp.ascontiguousarray(a, dtype=np.float32)
                 dgx, g16, dh, dc = rnn_persist.run_backward(pbw, st.gates, st.C, cell.w_hh, f32(dy_d), f32(gh_d),
                                                             f32(gc_d), pb.bs, rev)
+                rnn_graph.touched(st)  # (a graph entry's, when its forward leased them)
                 return consume(rnn_layer.Backward(dgx, dgx, None, dh, dc, g16), owned=True)
             args_d = (ops, spec.mode, st, w_loop, w_hr_f, dy_d, gh_d, gc_d, pb.bs, rev, hh)
             if loop is rnn_layer.backward_loop:

@@ -11,7 +11,10 @@ and then captures it; a capture that fails (another thread's synchronising call 
 again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says
 why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
 back with an event on its stream that the next taker's stream waits for, so concurrent calls of one shape never
-share buffers. Both runs issue their
+share buffers. A training forward on the caller's stream (``run(lease=True)``) copies out only S: its Forward
+keeps the entry's cell states and gates, holding the entry until the Forward is collected, and the backward
+replays its own graph on that same entry's buffers (no copies of the saved activations either way). Both runs
+issue their
 GEMMs through ctypes with the entry's own cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS
 wrappers refuse a capturing stream, and the graph keeps using that workspace at every replay.
 """
@@ -19,7 +22,8 @@ wrappers refuse a capturing stream, and the graph keeps using that workspace at 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -35,6 +39,7 @@ CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 
 _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries
+_returned: deque = deque()  # leased entries whose Forward was collected (appended by its finalizer, lock-free)
 _stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": ""}
 
 
@@ -61,13 +66,10 @@ def stats() -> dict:
 def clear() -> None:
     with _lock:
         _cache.clear()
+        _returned.clear()
 
 
-class Like:
-    """The shape and dtype of a buffer an entry holds, where the caller has no array of it (see :func:`run`)."""
-
-    def __init__(self, shape: tuple, dtype) -> None:
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+Like = rnn_layer.Like  # the shape and dtype of a buffer an entry holds, where the caller has no array of it
 
 
 def _sig(a):
@@ -100,6 +102,8 @@ class _Entry:
         self.fails: dict = {}  # part -> captures that failed
         self.key = None
         self.done = None  # event after the last call's work on the buffers (recorded when it gave the entry back)
+        self.lock = threading.Lock()  # a leased entry's backward calls, one at a time
+        self.backs: dict = {}  # a leased forward entry's backward buffers (:class:`_Back`) by backward key
 
 
 class Diag(_Entry):
@@ -129,20 +133,28 @@ class _Fwd(_Entry):
         self.st = _forward_like(xp, st)
 
 
-class _Bwd(_Entry):
+class _Back:
+    """A backward loop's own buffers (weights, dy, results, scratch) over the forward buffers ``st`` it reads."""
+
     def __init__(self, ops, mode, st, w_hh, w_hr, dy, H) -> None:
         xp = ops.xp
-        super().__init__(xp)
-        self.st = _forward_like(xp, st)
+        self.st = st
         self.w_hh, self.w_hr, self.dy = _like(xp, w_hh), _like(xp, w_hr), _like(xp, dy)
-        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, self.st, w_hh.shape[0], H,
+        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, st, w_hh.shape[0], H,
                                                            rnn_layer.compute_type(w_hh.dtype), None, None,
                                                            rnn_layer.half_of(w_hh))
+
+
+class _Bwd(_Entry):
+    def __init__(self, ops, mode, st, w_hh, w_hr, dy, H) -> None:
+        super().__init__(ops.xp)
+        self.back = _Back(ops, mode, _forward_like(ops.xp, st), w_hh, w_hr, dy, H)
 
 
 def _entry(key, make) -> _Entry:
     """Takes an idle entry of ``key`` (or makes one); the current stream waits for its last user's work."""
     with _lock:
+        _take_back()
         idle = _cache.get(key)
         e = idle.pop() if idle else None
     if e is None:
@@ -158,28 +170,50 @@ def release(e: _Entry) -> None:
     :data:`MAX_GRAPHS` are dropped."""
     e.done = e.xp.cuda.get_current_stream().record()
     with _lock:
-        _cache.setdefault(e.key, []).append(e)
-        _cache.move_to_end(e.key)
-        extra = sum(len(v) for v in _cache.values()) - MAX_GRAPHS
-        while extra > 0:
-            key, idle = next(iter(_cache.items()))
-            idle.pop(0)
-            extra -= 1
-            if not idle:
-                del _cache[key]
+        _take_back()
+        _idle(e)
+
+
+def _idle(e: _Entry) -> None:
+    """(under _lock) ``e`` idle in the cache, the least recently used beyond :data:`MAX_GRAPHS` dropped."""
+    _cache.setdefault(e.key, []).append(e)
+    _cache.move_to_end(e.key)
+    extra = sum(len(v) for v in _cache.values()) - MAX_GRAPHS
+    while extra > 0:
+        key, idle = next(iter(_cache.items()))
+        idle.pop(0)
+        extra -= 1
+        if not idle:
+            del _cache[key]
+
+
+def _take_back() -> None:
+    """(under _lock) Leased entries whose Forward was collected become idle; their ``done`` is their last user's."""
+    while _returned:
+        _idle(_returned.popleft())
+
+
+def touched(st) -> None:
+    """The current stream's work so far reads a leased Forward's buffers: the entry's next user waits for it."""
+    e = getattr(st, "lease", None)
+    if e is not None:
+        e.done = e.xp.cuda.get_current_stream().record()
 
 
 def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use_graph: bool = True,
-        keep: bool = True) -> None:
+        keep: bool = True, lease: bool = False) -> None:
     """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
     ``fill(e)`` writes the entry's inputs itself: ``e.gx`` (a projection straight into it, no copy), ``e.bias``,
     ``e.st.S[0]`` and ``e.st.C[0]``; ``gx``, ``bias`` and ``gh`` give only their shapes and dtypes (:class:`Like`
     or arrays). ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other
-    cell states are left as they were)."""
+    cell states are left as they were). ``lease`` (with keep): only ``st.S`` is written; ``st.C``, ``st.gates``
+    and ``st.R`` become the entry's own, which ``st`` holds (``st.lease``) until it is collected; whoever reads
+    them later on another call's stream calls :func:`touched` after."""
     xp = ops.xp
     key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bias), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
     e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bias, st, gh))
+    leased = False
     try:
         for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)):
             if src is not None:
@@ -188,13 +222,21 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
         _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
+        if keep and lease:
+            st.S[...] = e.st.S
+            st.C, st.gates, st.R, st.lease = e.st.C, e.st.gates, e.st.R, e
+            e.done = xp.cuda.get_current_stream().record()
+            weakref.finalize(st, _returned.append, e)
+            leased = True
+            return
         outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
             (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
         for dst, src in outs:
             if dst is not None:
                 dst[...] = src
     finally:
-        release(e)
+        if not leased:
+            release(e)
 
 
 def split_k(ops, gx, w_hh) -> bool:
@@ -221,29 +263,52 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
                  use_graph: bool = True, use=None):
     """rnn_layer.backward_loop's result through the graph of this shape (captured on first use); the arrays
     returned are the caller's own. ``use(bw)``: consumes the entry's own result buffers before the entry goes
-    back (its GEMMs read them in place, no copies) and its return value is returned instead."""
+    back (its GEMMs read them in place, no copies) and its return value is returned instead. A Forward leased
+    from a forward entry (``run(lease=True)``) is read in place: the backward's graph and buffers are that
+    entry's."""
     key = ("bwd", st.S.device.id, mode, _sig(st.S), _sig(st.C), _sig(st.gates), _sig(st.R), _sig(w_hh_f),
            _sig(w_hr_f), _sig(dy), tuple(bs), reverse, H, ops.math)
+    e = getattr(st, "lease", None)
+    if e is not None and use_graph:
+        with e.lock:
+            if e.done is not None:
+                ops.xp.cuda.get_current_stream().wait_event(e.done)
+            b = e.backs.get(key)
+            if b is None:
+                b = e.backs[key] = _Back(ops, mode, e.st, w_hh_f, w_hr_f, dy, H)
+            try:
+                return _backward(ops, mode, e, b, key, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse, use)
+            finally:
+                e.done = ops.xp.cuda.get_current_stream().record()
     e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
     try:
-        for dst, src in ((e.st.S, st.S), (e.st.C, st.C), (e.st.gates, st.gates), (e.st.R, st.R),
-                         (e.w_hh, w_hh_f), (e.w_hr, w_hr_f), (e.dy, dy)):
+        b = e.back
+        for dst, src in ((b.st.S, st.S), (b.st.C, st.C), (b.st.gates, st.gates), (b.st.R, st.R)):
             if src is not None:
                 dst[...] = src
-        bw = e.bw
-        bw.dh[...] = 0 if dh_n is None else dh_n
-        if bw.dc is not None:
-            bw.dc[...] = 0 if dc_n is None else dc_n
-        _execute(ops, e, w_hh_f.dtype, use_graph,
-                 lambda: rnn_layer.backward_steps(ops, mode, e.st, e.w_hh, e.w_hr, e.dy, bs, reverse, bw, e.scratch))
-        if use is not None:
-            return use(bw)
-        dgx = bw.dgx.copy()
-        return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
-                                  None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
-                                  None if bw.dc is None else bw.dc.copy(), None if bw.g16 is None else bw.g16.copy())
+        return _backward(ops, mode, e, b, 0, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse, use, use_graph)
     finally:
         release(e)
+
+
+def _backward(ops, mode, e, b: _Back, part, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse, use, use_graph=True):
+    """run_backward on entry ``e``'s graph ``part`` over the buffers ``b`` (its forward states already there)."""
+    for dst, src in ((b.w_hh, w_hh_f), (b.w_hr, w_hr_f), (b.dy, dy)):
+        if src is not None:
+            dst[...] = src
+    bw = b.bw
+    bw.dh[...] = 0 if dh_n is None else dh_n
+    if bw.dc is not None:
+        bw.dc[...] = 0 if dc_n is None else dc_n
+    _execute(ops, e, w_hh_f.dtype, use_graph,
+             lambda: rnn_layer.backward_steps(ops, mode, b.st, b.w_hh, b.w_hr, b.dy, bs, reverse, bw, b.scratch),
+             part)
+    if use is not None:
+        return use(bw)
+    dgx = bw.dgx.copy()
+    return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
+                              None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
+                              None if bw.dc is None else bw.dc.copy(), None if bw.g16 is None else bw.g16.copy())
 
 
 def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0, split: bool = True) -> None:

@@ -305,6 +305,14 @@ class Forward:
     C: object | None  # (T+1, B, H) F, LSTM
     gates: object | None  # (T, B, 4H) F, LSTM and GRU
     R: object | None  # (T, B, H) storage type, LSTM with a projection
+    lease: object = None  # the rnn_graph entry whose buffers C, gates and R are, held while this is alive
+
+
+class Like:
+    """The shape and dtype of a buffer, where there is no array of it (rnn_graph.py's entries make them)."""
+
+    def __init__(self, shape: tuple, dtype) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
 
 def order(T: int, reverse: bool):
@@ -313,15 +321,18 @@ def order(T: int, reverse: bool):
 
 
 def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool, store, f,
-                    gates: bool = True) -> Forward:
+                    gates: bool = True, lean: bool = False) -> Forward:
     """Empty buffers of a forward loop (``gates=False``: none for the saved activations, where a loop that
-    needs none for its result runs without them)."""
+    needs none for its result runs without them; ``lean``: S alone, the others as :class:`Like` for a graph
+    entry to lend, rnn_graph.run)."""
     saved = rnn_cells.SAVED[mode] if gates else 0
     # R zeroed: the loop writes only a step's active rows, and weight_hr's gradient reads all of them
+    empty, zeros = (Like, Like) if lean else (lambda s, dtype: xp.empty(s, dtype=dtype),
+                                              lambda s, dtype: xp.zeros(s, dtype=dtype))
     return Forward(S=xp.empty((T + 1, B, out), dtype=store),
-                   C=xp.empty((T + 1, B, H), dtype=f) if mode == "lstm" else None,
-                   gates=xp.empty((T, B, saved * H), dtype=f) if saved else None,
-                   R=xp.zeros((T, B, H), dtype=store) if proj else None)
+                   C=empty((T + 1, B, H), f) if mode == "lstm" else None,
+                   gates=empty((T, B, saved * H), f) if saved else None,
+                   R=zeros((T, B, H), store) if proj else None)
 
 
 def forward_loop(ops, mode: str, gx, w_hh, w_hr, bias, st: Forward, gh, bs, reverse: bool, steps=None) -> None:

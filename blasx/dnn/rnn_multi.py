@@ -251,7 +251,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                 lp = _local(pb, dev, home, only=((layer, d),))
                 inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
-                                              mm if len(set(used)) > 1 or alone else None)
+                                              mm if len(set(used)) > 1 or alone else None, lease=inline)
                 ran_on[(layer, d)] = dev
             if inline:
                 with xp.cuda.Device(home):
