@@ -154,6 +154,11 @@ def zeros(shape, dtype=float):
     return empty(shape, dtype)
 
 
+def ones(shape, dtype=float):
+    record("ones", shape)
+    return empty(shape, dtype)
+
+
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
@@ -436,9 +441,9 @@ def _mem_get_info():
 
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
-    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "asarray", "asnumpy",
-                 "ascontiguousarray", "tile", "copyto", "may_share_memory", "ElementwiseKernel", "ReductionKernel", "RawKernel", "RawModule",
-                 "get_default_memory_pool"):
+    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "ones", "asarray", "asnumpy",
+                 "ascontiguousarray", "tile", "copyto", "may_share_memory", "ElementwiseKernel", "ReductionKernel",
+                 "RawKernel", "RawModule", "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))

@@ -27,7 +27,7 @@ from ..operands import is_cupy
 from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_diag_cells, rnn_params
 from .rnn_diag_groups import Progress, give_back, hand_over, record, run_groups, wait_for
-from .rnn_layer import compute_type
+from .rnn_layer import col_sum, compute_type
 
 
 @dataclass
@@ -488,7 +488,7 @@ def _grads(xp, spec, layers, b: Bufs, T: int, B: int, f, store, mm, pb):
         else:
             dw = mm(dg.T, z)
             dwi, dwh = dw[:, :out], dw[:, out:]
-        db = dg.sum(axis=0)
+        db = col_sum(xp, dg)
         if gru:
             if layer:
                 grads["weight_ih" + s] = dwi[:3 * H].astype(store)

@@ -273,11 +273,12 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                 g["weight_ih" + s] = wgrad(gx_t.T, xin)
                 g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
                 if cell.b_ih is not None:
-                    g["bias_ih" + s] = dgx.sum(axis=0).astype(store)
+                    g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx).astype(store)
                     same = bw.dgh is bw.dgx  # (all but GRU: the two bias gradients are equal)
-                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else dgh.sum(axis=0).astype(store)
+                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh).astype(store)
                 if cell.w_hr is not None:
-                    g["weight_hr" + s] = mul(_f(xp, bw.dhs.reshape(T * B, -1), g_t).T, _flat(xp, st.R, g_t)).astype(store)
+                    dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
+                    g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)
                 dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
                 return g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
             pbw = _persistent_backward(lp, cell, store, st) if loop is not rnn_layer.backward_loop else None

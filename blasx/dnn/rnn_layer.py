@@ -298,6 +298,16 @@ class CudaOps(_Moves):
         return self._ph[f]
 
 
+def col_sum(xp, a):
+    """The column sums of a C-contiguous (r, n) ``a`` (bias gradients over all steps): on CUDA a ones-row GEMM in
+    IEEE math, which reads ``a`` at full memory bandwidth (CuPy's axis-0 reduction does not)."""
+    if xp is np:
+        return a.sum(axis=0)
+    out = xp.empty((1, a.shape[1]), dtype=a.dtype)
+    CudaOps("ieee").matmul(xp.ones((1, a.shape[0]), dtype=a.dtype), a, out)
+    return out[0]
+
+
 @dataclass
 class Forward:
     """What one direction's forward loop leaves: states by processing step (see the module docstring)."""
