@@ -353,23 +353,25 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
         assert _err(grads[k].astype(cupy.float32), cupy.asnumpy(ref_grads[k].astype(cupy.float32))) < 2e-2, k
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])  # the persistent kernel's loop, the graph loop
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first):
-    """A repeated one-layer float16 inference call on one GPU (rnn_fast.py): from the second call the entry's two
-    launches run; outputs and final states equal the general path's and torch's, with hx, after an in-place update
-    of a parameter; a new tensor in the mapping, lengths and a training call take the general path."""
+def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first, dtype):
+    """A repeated one-layer inference call on one GPU (rnn_fast.py): from the second call the entry runs it;
+    outputs and final states equal the general path's and torch's, with hx, after an in-place update of a
+    parameter; a new tensor in the mapping, lengths and a training call take the general path."""
     from blasx.dnn import rnn_fast
     torch.manual_seed(5)
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
     kw = dict(batch_first=batch_first)
-    m = (cls(32, 64, **kw) if cls else torch.nn.RNN(32, 64, nonlinearity="tanh", **kw)).cuda().half()
-    x = (torch.randn(8, 20, 32, device="cuda") * 0.5).half()
+    tdt = getattr(torch, dtype)
+    m = (cls(32, 64, **kw) if cls else torch.nn.RNN(32, 64, nonlinearity="tanh", **kw)).cuda().to(tdt)
+    x = (torch.randn(8, 20, 32, device="cuda") * 0.5).to(tdt)
     x = x if batch_first else x.transpose(0, 1).contiguous()
     cx, p = cupy.from_dlpack(x), m.state_dict()
     fn = {"lstm": dnn.lstm, "gru": dnn.gru}.get(mode) or (lambda *a, **k: dnn.rnn(*a, nonlinearity="tanh", **k))
-    h = torch.randn(1, 8, 64, device="cuda").half() * 0.5
-    thx = (h, torch.randn(1, 8, 64, device="cuda").half() * 0.5) if mode == "lstm" else h
+    h = torch.randn(1, 8, 64, device="cuda").to(tdt) * 0.5
+    thx = (h, torch.randn(1, 8, 64, device="cuda").to(tdt) * 0.5) if mode == "lstm" else h
     chx = tuple(cupy.from_dlpack(t) for t in thx) if mode == "lstm" else cupy.from_dlpack(thx)
 
     def flat(out):
@@ -379,8 +381,8 @@ def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first):
         with torch.no_grad():
             ref = flat(m(x, hx))
         for a, r in zip(flat(out), ref):
-            assert isinstance(a, cupy.ndarray) and a.dtype == cupy.float16 and a.shape == tuple(r.shape)
-            assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < TOL["float16"]
+            assert isinstance(a, cupy.ndarray) and a.dtype == np.dtype(dtype) and a.shape == tuple(r.shape)
+            assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < TOL[dtype]
 
     hits = rnn_fast.hits[0]
     first = fn(cx, None, p, **kw)

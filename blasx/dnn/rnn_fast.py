@@ -1,17 +1,17 @@
 """A repeated small recurrent inference call on one GPU, issued without the general path's layers of Python.
 
-A one-layer, one-direction call whose step loop is rnn_persist's kernel is two launches on the GPU (the input
-projection's GEMM, the persistent loop), yet the general path (validation, placement, the layer and direction
-machinery) costs the host several times their launch time, and a small call waits for it. After a general call
-that :func:`eligible` accepts, the signature's entry keeps what the general path derived from it (the parameters'
-Spec, the kernel's plan, the rows per step, the placement); a later call with the same signature
+A one-layer, one-direction inference call on one GPU is a few launches (the input projection's GEMM, then
+rnn_persist's loop kernel or the step loop's graph with its inputs and outputs), yet the general path (validation,
+placement, the layer and direction machinery) costs the host several times their launch time, and a small call
+waits for it. After a general call that :func:`eligible` accepts, the signature's entry keeps what the general path
+derived from it (the parameters' Spec, the rows per step, the placement); a later call with the same signature
 (:func:`signature`: mode, the params mapping, x's shape, strides, type and GPU, hx given or not, the flags) runs
-:func:`_run` straight away, the same two launches into the same buffers as the general path.
+rnn_exec.direction_forward on it straight away, as the general path would with one device.
 
 What can change between calls of one signature is checked on each: the parameters through rnn_params.parse
 (its cache: the same tensors, of unchanged storage; anything else parses anew, and a new Spec sends the call back
 to the general path), hx's shapes and types (rnn._check_state), the math mode, the engine (a reconfigured one
-goes back too) and the switches rnn_graph.enabled() and rnn_persist.ENABLED.
+goes back too), the current device and the graph switch (rnn_graph.enabled()).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-
-import numpy as np
 
 MAX_ENTRIES = 64
 _entries: dict = {}
@@ -35,7 +33,6 @@ class Entry:
     spec: weakref.ref  # to the rnn_params.Spec of the params
     math: str
     engine: weakref.ref
-    plan: object  # rnn_persist.Plan
     bs: tuple  # active rows per step (all B)
     placement: object  # rnn_plan.Placement, for rnn_multi.last_run()
 
@@ -51,29 +48,23 @@ def signature(mode, x, params, num_layers, bidirectional, batch_first, lengths, 
 
 def eligible(pb) -> bool:
     """Whether the general path ran ``pb``, a call with a :func:`signature` (one layer and direction, CuPy,
-    inference, no lengths), as one launch of the projection and one of the persistent kernel on x's GPU alone, the
-    current device (rnn_exec.direction_forward's persistent branch, final states written by the kernel, the
-    projection a local GEMM: rnn_multi.run_forward with one device)."""
+    inference, no lengths), as one direction_forward on x's GPU alone, the current device, with graphs on
+    (rnn_multi.run_forward with one device: its projection a local GEMM)."""
     from . import rnn_multi
     home = pb.x.device.id
-    return (pb.x.dtype == np.float16 and pb.graphs  # (rnn_persist's kernels: float16)
-            and pb.xp.cuda.runtime.getDevice() == home and rnn_multi.devices_for(pb) == [home])
+    return pb.graphs and pb.xp.cuda.runtime.getDevice() == home and rnn_multi.devices_for(pb) == [home]
 
 
 def remember(key, pb, params) -> None:
     """Keep ``pb``'s entry under ``key`` (a general call just ran it; see :func:`eligible`), where rnn_params.parse
-    keeps its Spec for ``params`` (CUDA torch tensors: a later call's check is a lookup) and the kernel applies."""
+    keeps its Spec for ``params`` (CUDA torch tensors: a later call's check is a lookup)."""
     from .. import session
-    from . import rnn_exec, rnn_params, rnn_plan
-    cell = pb.spec.cells[0][0]
+    from . import rnn_params, rnn_plan
     T, B, n_in = pb.x.shape
-    plan = rnn_exec._persistent(pb, cell, pb.x.dtype, B)
-    if plan is None or not (cell.w_ih.flags.c_contiguous or cell.w_ih.flags.f_contiguous) or rnn_params.parse(
-            params, pb.spec.mode, n_in, num_layers=1, bidirectional=False, proj_size=0, xp=pb.xp,
-            dtype=pb.x.dtype) is not pb.spec:
+    if rnn_params.parse(params, pb.spec.mode, n_in, num_layers=1, bidirectional=False, proj_size=0, xp=pb.xp,
+                        dtype=pb.x.dtype) is not pb.spec:
         return
-    entry = Entry(weakref.ref(pb.spec), pb.math, weakref.ref(session.engine()), plan, pb.bs,
-                  rnn_plan.plan(1, 1, B, T, 1))
+    entry = Entry(weakref.ref(pb.spec), pb.math, weakref.ref(session.engine()), pb.bs, rnn_plan.plan(1, 1, B, T, 1))
     with _lock:
         if len(_entries) >= MAX_ENTRIES:
             _entries.clear()
@@ -89,14 +80,14 @@ def call(key, x, hx, params, math):
     import cupy
 
     from .. import precision, session
-    from . import rnn_graph, rnn_params, rnn_persist
+    from . import rnn_graph, rnn_params
     from .rnn import _check_state
     mode, batch_first = key[0], key[6]
     xt = x.transpose(1, 0, 2) if batch_first else x
     spec = rnn_params.parse(params, mode, xt.shape[2], num_layers=1, bidirectional=False, proj_size=0, xp=cupy,
                             dtype=x.dtype)
     if spec is not entry.spec() or precision.check_math(math) != entry.math or session.engine() is not entry.engine() \
-            or not rnn_graph.enabled() or not rnn_persist.ENABLED or cupy.cuda.runtime.getDevice() != x.device.id:
+            or not rnn_graph.enabled() or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
     h0 = c0 = None
     if hx is not None:
@@ -113,25 +104,25 @@ def call(key, x, hx, params, math):
 
 
 def _run(entry: Entry, spec, mode: str, xt, h0, c0, batch_first: bool):
-    """rnn_exec.direction_forward's persistent branch for one layer-direction, then rnn.py's finish."""
+    """rnn_exec.forward's work for one layer-direction on one device (direction_forward with a local projection
+    GEMM, the final states), then rnn.py's finish."""
     import cupy
 
-    from . import rnn_layer, rnn_multi, rnn_persist
-    cell = spec.cells[0][0]
-    T, B, n_in = xt.shape
+    from . import rnn_exec, rnn_layer, rnn_multi
+    from .rnn import Problem
+    T, B = xt.shape[:2]
     H, store = spec.hidden_size, xt.dtype
-    f = rnn_layer.compute_type(store)
+    pb = Problem(spec, cupy, xt, h0, c0, entry.bs, None, batch_first, False, entry.math, True)
     h_n = cupy.empty((1, B, H), dtype=store)
     c_n = cupy.empty((1, B, H), dtype=store) if mode == "lstm" else None
-    st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, store, f, gates=False)
-    if h0 is not None:
-        st.S[0] = h0[0]
-    if c0 is not None:
-        st.C[0] = c0[0]
-    gx = cupy.empty((T * B, spec.gates * H), dtype=f)  # the input projection (rnn_exec.project, a local GEMM)
-    rnn_layer.CudaOps(entry.math).matmul(cupy.ascontiguousarray(xt).reshape(T * B, n_in), cell.w_ih.T, gx)
-    rnn_persist.run(entry.plan, mode, gx.reshape(T, B, -1), cell.b_ih, cell.b_hh, cell.w_hh, st, entry.bs, False,
-                    h0 is not None, c0 is not None, hn=h_n[0], cn=None if c_n is None else c_n[0])
+    written: set = set()
+    st = rnn_exec.direction_forward(pb, rnn_layer.CudaOps(entry.math), 0, 0, xt, keep=False,
+                                    mm=rnn_multi.local_mm(cupy, rnn_layer.compute_type(store), entry.math),
+                                    finals=(h_n, c_n, written))
+    if not written:  # (the graph loop: its final states are S's and C's last)
+        h_n[0] = st.S[T]
+        if c_n is not None:
+            c_n[0] = st.C[-1]
     y = st.S[1:] if not batch_first else cupy.ascontiguousarray(st.S[1:].transpose(1, 0, 2))
     rnn_multi._last.run = {"placement": entry.placement, "ran_on": {(0, 0): xt.device.id}}
     return (y, (h_n, c_n)) if mode == "lstm" else (y, h_n)

@@ -73,7 +73,7 @@ Like = rnn_layer.Like  # the shape and dtype of a buffer an entry holds, where t
 
 
 def _sig(a):
-    return None if a is None else (tuple(a.shape), str(a.dtype))
+    return None if a is None else (tuple(a.shape), a.dtype)
 
 
 def _like(xp, a, zeros: bool = False):
