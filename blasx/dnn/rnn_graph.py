@@ -32,6 +32,8 @@ from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_layer
 
 MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
+MAX_LEASES = 2  # entries of one key out on lease at once (a training loop's current and previous saved state);
+#                 more saved states alive copy their activations out as before (an entry holds more than they do)
 # forward loops of float32 (IEEE) layers at most this small run their GEMMs without split-k: cuBLAS splits those
 # skinny products and adds a reduction launch a step, which costs more than it saves there
 NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
@@ -40,6 +42,7 @@ CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries
 _returned: deque = deque()  # leased entries whose Forward was collected (appended by its finalizer, lock-free)
+_leased: dict = {}  # key -> its entries out on lease
 _stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": ""}
 
 
@@ -66,7 +69,6 @@ def stats() -> dict:
 def clear() -> None:
     with _lock:
         _cache.clear()
-        _returned.clear()
 
 
 Like = rnn_layer.Like  # the shape and dtype of a buffer an entry holds, where the caller has no array of it
@@ -190,7 +192,19 @@ def _idle(e: _Entry) -> None:
 def _take_back() -> None:
     """(under _lock) Leased entries whose Forward was collected become idle; their ``done`` is their last user's."""
     while _returned:
-        _idle(_returned.popleft())
+        e = _returned.popleft()
+        _leased[e.key] -= 1
+        _idle(e)
+
+
+def _lend(e: _Entry) -> bool:
+    """Whether ``e`` may go out on lease (fewer than :data:`MAX_LEASES` of its key are); counts it if so."""
+    with _lock:
+        _take_back()
+        if _leased.get(e.key, 0) >= MAX_LEASES:
+            return False
+        _leased[e.key] = _leased.get(e.key, 0) + 1
+        return True
 
 
 def touched(st) -> None:
@@ -222,13 +236,15 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
         _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
-        if keep and lease:
+        if keep and lease and _lend(e):
             st.S[...] = e.st.S
             st.C, st.gates, st.R, st.lease = e.st.C, e.st.gates, e.st.R, e
             e.done = xp.cuda.get_current_stream().record()
             weakref.finalize(st, _returned.append, e)
             leased = True
             return
+        if lease:  # (no lease to be had: the caller's lean buffers made here, then copied into as below)
+            st.C, st.gates, st.R = (_like(xp, a) for a in (st.C, st.gates, st.R))
         outs = ((st.S, e.st.S), (st.C, e.st.C), (st.gates, e.st.gates), (st.R, e.st.R)) if keep else (
             (st.S, e.st.S), (None if st.C is None else st.C[-1], None if st.C is None else e.st.C[-1]))
         for dst, src in outs:
