@@ -14,10 +14,9 @@ back with an event on its stream that the next taker's stream waits for, so conc
 share buffers. A training forward on the caller's stream (``run(lease=True)``) copies out only S: its Forward
 keeps the entry's cell states and gates, holding the entry until the Forward is collected (at most
 :data:`MAX_LEASES` of a key at once), and the backward replays its own graph on that same entry's buffers (no
-copies of the saved activations either way). Both runs
-issue their
-GEMMs through ctypes with the entry's own cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS
-wrappers refuse a capturing stream, and the graph keeps using that workspace at every replay.
+copies of the saved activations either way). Both runs issue their GEMMs through ctypes with the entry's own
+cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS wrappers refuse a capturing stream, and the graph
+keeps using that workspace at every replay.
 """
 
 from __future__ import annotations
