@@ -237,10 +237,15 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
         if keep and lease and _lend(e):
-            st.S[...] = e.st.S
-            st.C, st.gates, st.R, st.lease = e.st.C, e.st.gates, e.st.R, e
-            e.done = xp.cuda.get_current_stream().record()
-            weakref.finalize(st, _returned.append, e)
+            try:
+                st.S[...] = e.st.S
+                st.C, st.gates, st.R, st.lease = e.st.C, e.st.gates, e.st.R, e
+                e.done = xp.cuda.get_current_stream().record()
+                weakref.finalize(st, _returned.append, e)
+            except BaseException:  # (Ctrl-C too) the entry goes back below, its lease uncounted
+                with _lock:
+                    _leased[e.key] -= 1
+                raise
             leased = True
             return
         if lease:  # (no lease to be had: the caller's lean buffers made here, then copied into as below)
