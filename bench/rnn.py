@@ -7,8 +7,9 @@
     python -m bench.rnn --host --layers 2                 # numpy x, the model resident (torch: copies x up, y down)
     python -m bench.rnn --devices sim:2 --peer cpu --hidden 32 --batch 4 --steps 5   # CPU smoke run
 
-Per case (mode, H, B, T, dtype, math, phase): the best of ``--runs`` wall times of blasx and of the peer
-(synchronised, after one untimed call each), their ratio, the placement blasx used (rnn_plan: single,
+Per case (mode, H, B, T, dtype, math, phase): the best wall times of blasx and of the peer (synchronised,
+after one untimed call each, the two timed alternately: at least ``--runs`` calls each, more while either
+side's timed total is under ``--min-time``, up to 100: short calls are judged on many), their ratio, the placement blasx used (rnn_plan: single,
 directions, diagonal, wavefront or batch, and its device count), and the check: y and h_n (inference), and
 also the input and every parameter gradient (training) against the peer's, relative Frobenius error under the
 dtype's tolerance. ``--overhead`` adds the per-step cost of the step loop launched from Python and replayed from
@@ -55,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="host data: blasx gets numpy x (and returns numpy outputs and gradients), the parameters "
                         "resident on the GPU as the peer's model; the peer copies x to its device and its outputs "
                         "(and the input gradient) back")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="timed calls of each side, at least")
+    p.add_argument("--min-time", type=float, default=0.1,
+                   help="seconds of timed calls each side gets at least (up to 100 calls)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default="run")
     a = p.parse_args(argv)
@@ -99,6 +102,30 @@ def _best(fn, runs: int, sync) -> tuple[list[float], object]:
     return times, res
 
 
+MAX_RUNS = 100
+
+
+def _paired(peer, mine, runs: int, sync, min_time: float) -> tuple[list, object, list, object]:
+    """(peer's times, its last result, mine's times, its last result): one untimed call each, then the two
+    timed alternately, at least ``runs`` calls each and more until each side's timed total reaches
+    ``min_time`` (at most :data:`MAX_RUNS`), so both sides of a short call are judged on many calls in the
+    same windows."""
+    peer()
+    mine()
+    times: tuple = ([], [])
+    last = [None, None]
+    while len(times[0]) < MAX_RUNS:
+        for i, fn in enumerate((peer, mine)):
+            sync()
+            t0 = time.perf_counter()
+            last[i] = fn()
+            sync()
+            times[i].append(time.perf_counter() - t0)
+        if len(times[0]) >= max(1, runs) and min(sum(times[0]), sum(times[1])) >= min_time:
+            break
+    return times[0], last[0], times[1], last[1]
+
+
 def _release_pools() -> None:
     """Both sides' cached GPU memory handed back between cases: a sweep's earlier shapes must not leave one
     allocator failing and retrying on every call of a later one."""
@@ -108,7 +135,7 @@ def _release_pools() -> None:
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def run_case(c: dict, peer: str, runs: int) -> dict:
+def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
     """Time blasx and the peer on one case and check blasx's results against the peer's."""
     import torch
 
@@ -168,8 +195,7 @@ def run_case(c: dict, peer: str, runs: int) -> dict:
 
     if gpu:
         _release_pools()
-    peer_runs, (ty, tst) = _best(peer_run, runs, sync)
-    blasx_runs, (out, grads) = _best(blasx_run, runs, sync)
+    peer_runs, (ty, tst), blasx_runs, (out, grads) = _paired(peer_run, blasx_run, runs, sync, min_time)
     t_peer, t_blasx = min(peer_runs), min(blasx_runs)
     from blasx.dnn import rnn_multi
     pl = rnn_multi.last_run().get("placement")
@@ -257,7 +283,7 @@ def main(argv=None) -> int:
            "command": shlex.join([os.path.basename(sys.executable), "-m", "bench.rnn", *argv]),
            "devices": devices, "peer": peer, "env": env, "results": [], "overhead": None, "host": args.host}
     for c in cases(args):
-        r = run_case(c, peer, args.runs)
+        r = run_case(c, peer, args.runs, args.min_time)
         rep["results"].append(r)
         print(f"{r['mode']} H={r['hidden']} B={r['batch']} T={r['steps']} {r['dtype']}/{r['math']} {r['phase']}: "
               f"blasx {1e3 * r['blasx_s']:.2f} ms, peer {1e3 * r['peer_s']:.2f} ms, ratio {r['ratio']:.2f}, "

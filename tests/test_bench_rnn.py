@@ -25,7 +25,7 @@ def test_options_and_cases():
 def test_checked_run_on_sims(tmp_path):
     rc = R.main(["--devices", "sim:2", "--peer", "cpu", "--modes", "lstm,gru", "--hidden", "8", "--batch", "3",
                  "--steps", "4", "--dtypes", "float32", "--math", "ieee", "--runs", "1", "--layers", "2",
-                 "--out", str(tmp_path), "--tag", "t"])
+                 "--min-time", "0", "--out", str(tmp_path), "--tag", "t"])
     assert rc == 0
     js = list(tmp_path.glob("rnn-t-*.json"))
     md = list(tmp_path.glob("rnn-t-*.md"))
@@ -37,6 +37,23 @@ def test_checked_run_on_sims(tmp_path):
     assert train and all(r["max_err"] < r["tol"] for r in train)
     assert "| lstm | 8 | 3 | 4 |" in md[0].read_text()
     assert all(r["placement"] == "diagonal x2" for r in rep["results"]) and "diagonal x2 |" in md[0].read_text()
+
+
+def test_paired_timing_alternates_and_runs_short_calls_longer():
+    """bench.rnn._paired: one untimed call each, then peer and blasx alternately; at least ``runs`` each, more
+    while either side's timed total is under min_time, at most MAX_RUNS; the last results come back."""
+    order = []
+
+    def side(name):
+        def fn():
+            order.append(name)
+            return len(order)
+        return fn
+    tp, rp, tm, rm = R._paired(side("p"), side("m"), 3, lambda: None, 0.0)
+    assert order == ["p", "m"] * 4 and len(tp) == len(tm) == 3 and (rp, rm) == (7, 8)
+    order.clear()
+    tp, _, tm, _ = R._paired(side("p"), side("m"), 1, lambda: None, 10.0)  # never reached: the cap
+    assert len(tp) == len(tm) == R.MAX_RUNS and order[:4] == ["p", "m", "p", "m"]
 
 
 def test_step_cost_split_into_fixed_and_per_step():
