@@ -343,3 +343,22 @@ def test_entries_belong_to_one_call_at_a_time():
     assert rnn_graph.diag_entry("k", make) not in (a, b)  # both dropped: least recently used
     assert rnn_graph.diag_entry(("other", 0), make) is others[0]
     rnn_graph.clear()
+
+
+def test_ones_rows_for_column_sums_are_kept_per_device_and_type():
+    """rnn_layer._ones (col_sum's GEMM operand on CUDA): a C-contiguous (1, n) row cut from one kept per device
+    and type, made again only when a longer one is asked for; numpy's col_sum is its axis-0 sum."""
+    from bench import fake_cupy
+    a = np.arange(12.0).reshape(4, 3)
+    assert np.array_equal(rnn_layer.col_sum(np, a), a.sum(axis=0))
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        rnn_layer._ONES.clear()
+        r5 = rnn_layer._ones(cupy, 5, np.float32)
+        r3 = rnn_layer._ones(cupy, 3, np.float32)
+        assert r5.shape == (1, 5) and r3.shape == (1, 3) and r3.flags.c_contiguous and r5.dtype == np.float32
+        kept = rnn_layer._ONES[(0, np.dtype(np.float32))]
+        assert kept.shape == (1024,) and rnn_layer._ones(cupy, 2000, np.float32).shape == (1, 2000)
+        assert rnn_layer._ONES[(0, np.dtype(np.float32))] is not kept  # grown
+        assert rnn_layer._ones(cupy, 3, np.float64).dtype == np.float64 and len(rnn_layer._ONES) == 2
+        rnn_layer._ONES.clear()

@@ -245,8 +245,8 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
 
             def wgrad(a, b):
-                """A weight gradient in the storage type: float16 operands give it straight from the GEMM
-                (float32 accumulation, rounded once), others through F."""
+                """A weight gradient (or the stack's input gradient) in the storage type: float16 operands give
+                it straight from the GEMM (float32 accumulation, rounded once), others through F."""
                 if g_t == f:
                     return mul(a, b).astype(store)
                 if mm is None:
@@ -280,7 +280,8 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                     dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
                     g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)
                 dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
-                return g, mul(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
+                final = layer == 0 and dirs == 1 and g_t != f  # the input gradient itself: no F copy first
+                return g, (wgrad if final else mul)(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
             pbw = _persistent_backward(lp, cell, store, st) if loop is not rnn_layer.backward_loop else None
             if pbw is not None:  # the whole loop in one launch (rnn_persist_bwd)
                 from . import rnn_persist
@@ -306,7 +307,7 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             if dc0 is not None:
                 dc0[layer * dirs + d] = rnn_multi.at(xp, dc, home)
         dy = dx
-    grads["input"] = dy.astype(store)
+    grads["input"] = dy if dy.dtype == store else dy.astype(store)  # (dy: this call's own array)
     grads["h0"] = dh0
     if dc0 is not None:
         grads["c0"] = dc0

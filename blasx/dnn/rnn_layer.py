@@ -304,8 +304,23 @@ def col_sum(xp, a):
     if xp is np:
         return a.sum(axis=0)
     out = xp.empty((1, a.shape[1]), dtype=a.dtype)
-    CudaOps("ieee").matmul(xp.ones((1, a.shape[0]), dtype=a.dtype), a, out)
+    CudaOps("ieee").matmul(_ones(xp, a.shape[0], a.dtype), a, out)
     return out[0]
+
+
+_ONES: dict = {}  # (device, dtype) -> the longest ones row made there
+
+
+def _ones(xp, n: int, dtype):
+    """A (1, n) row of ones on the current device, cut from one kept per device and type (made, and waited
+    for, the first time a longer one is asked for: any stream may read it after)."""
+    key = (xp.cuda.Device().id, np.dtype(dtype))
+    row = _ONES.get(key)
+    if row is None or row.shape[0] < n:
+        row = xp.ones(max(n, 1024), dtype=dtype)
+        xp.cuda.get_current_stream().synchronize()
+        _ONES[key] = row
+    return row[:n].reshape(1, n)
 
 
 @dataclass
