@@ -97,8 +97,8 @@ class _Ops(rnn_layer.HostOps):
     def forward(self, *args):
         self._do(lambda: rnn_cells.np_forward(*args))
 
-    def backward_step(self, *args):
-        self._do(lambda: rnn_cells.np_backward_step(*args))
+    def backward_step(self, *args, **kw):
+        self._do(lambda: rnn_cells.np_backward_step(*args, **kw))
 
     def placeholder(self, f):
         return self._ph.setdefault(np.dtype(f), XP.zeros(1, dtype=f))
@@ -362,3 +362,35 @@ def test_ones_rows_for_column_sums_are_kept_per_device_and_type():
         assert rnn_layer._ONES[(0, np.dtype(np.float32))] is not kept  # grown
         assert rnn_layer._ones(cupy, 3, np.float64).dtype == np.float64 and len(rnn_layer._ONES) == 2
         rnn_layer._ONES.clear()
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_narrow_half_backward_keeps_only_the_rounded_gradients(mode, monkeypatch):
+    """rnn_layer.NARROW (CUDA float16 loops, here the stand-in): no gate gradients in F, only dgh rounded (g16)
+    and GRU's dgx rounded (x16), each equal to the full form's rounding; dh and dc as the full form's."""
+    monkeypatch.setattr(rnn_layer, "NARROW", True)
+    rng = np.random.default_rng(11)
+    bs = (3, 3, 2)
+    T, B, H = len(bs), bs[0], 4
+    G = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode]
+    w16 = (rng.standard_normal((G * H, H)) * 0.3).astype(np.float16)
+    st = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float16, np.float32)
+    st.S[0] = 0
+    if st.C is not None:
+        st.C[0] = 0
+    rnn_layer.forward_loop(rnn_layer.HostOps(), mode, rng.standard_normal((T, B, G * H)).astype(np.float32),
+                           w16.astype(np.float32), None, None, st, np.empty((B, G * H), np.float32), bs, False)
+    dy = rng.standard_normal((T, B, H)).astype(np.float32)
+    full = rnn_layer.backward_loop(rnn_layer.HostOps(), mode, st, w16, None, dy, None, None, bs, False, H)
+    view = rnn_layer.Forward(*(None if a is None else _a(a) for a in (st.S, st.C, st.gates, st.R)))
+    ops = _Ops()
+    got, scratch = rnn_layer.backward_buffers(ops, mode, view, G * H, H, np.float32, None, None, np.float16)
+    rnn_layer.backward_steps(ops, mode, view, _a(w16), None, _a(dy), bs, False, got, scratch)
+    assert got.dgx is None and got.dgh is None and full.dgx is not None
+    assert np.array_equal(got.g16, full.g16) and np.array_equal(got.dh, full.dh)
+    if mode == "gru":
+        assert np.array_equal(got.x16, full.dgx.astype(np.float16))
+    else:
+        assert got.x16 is None
+    if mode == "lstm":
+        assert np.array_equal(got.dc, full.dc)

@@ -72,6 +72,17 @@ def test_vs_cudnn(mode, dtype):
     _case(mode, dtype, bidir=True, lengths=[20, 17, 17, 9, 5, 3, 1, 1])
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_narrow_float16_backward_vs_cudnn(mode, monkeypatch):
+    """rnn_layer.NARROW: the float16 backward loop keeps its gate gradients only rounded to float16 (the bias
+    gradients summed from them in float32); the graph loops (persistent kernels off), one layer and two."""
+    from blasx.dnn import rnn_layer, rnn_persist
+    monkeypatch.setattr(rnn_layer, "NARROW", True)
+    monkeypatch.setattr(rnn_persist, "ENABLED", False)
+    _case(mode, "float16", layers=1)
+    _case(mode, "float16", layers=2, bidir=True)
+
+
 def test_lstm_projection_gpu():
     _case("lstm", "float32", proj=16)
 

@@ -84,19 +84,26 @@ def np_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh
         dgx[...] = dh * (h > 0)
 
 
-def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None) -> None:
+def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None,
+                     x16=None) -> None:
     """One step of a layer's backward loop over all B rows (rnn_layer.backward_steps): rows ``< a`` as
     :func:`np_backward` with ``dh + dy`` (``dy`` None: no add), writing ``dgx``/``dgh``, ``dc_out`` (LSTM) and, GRU,
-    ``dh_out`` = the part of dh_prev not through W_hh (the recurrent GEMM then adds to it), and ``dgh`` rounded
-    to the storage type into ``g16`` when given; rows ``>= a`` carry ``dh`` and ``dc`` over into ``dh_out`` and
-    ``dc_out``."""
+    ``dh_out`` = the part of dh_prev not through W_hh (the recurrent GEMM then adds to it), and ``dgh`` (``dgx``)
+    rounded to the storage type into ``g16`` (``x16``) when given; rows ``>= a`` carry ``dh`` and ``dc`` over into
+    ``dh_out`` and ``dc_out``. ``dgx`` and ``dgh`` None (CUDA's narrow form, rnn_layer.backward_buffers): only
+    the rounded copies are kept."""
     d = dh[:a] + dy[:a] if dy is not None else dh[:a]
     lstm = mode == "lstm"
+    if dgx is None:
+        dgx = np.empty(dh.shape[:1] + g16.shape[1:], dtype=dh.dtype)
+        dgh = np.empty_like(dgx) if mode == "gru" else dgx
     np_backward(mode, d, dc[:a] if lstm else None, gates[:a] if gates is not None else None,
                 c[:a] if lstm else None, c_prev[:a] if lstm else None, h[:a], h_prev[:a], dgx[:a], dgh[:a],
                 dc_out[:a] if lstm else None, dh_out[:a] if mode == "gru" else None)
     if g16 is not None:
         g16[:a] = dgh[:a]
+    if x16 is not None:
+        x16[:a] = dgx[:a]
     dh_out[a:] = dh[a:]
     if lstm:
         dc_out[a:] = dc[a:]
@@ -128,8 +135,9 @@ _FWD = {
     "rnn_relu": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)(s > 0 ? s : (F)0);",
 }
 
+# half: 0 the gradients in F only, 1 also dgh rounded into g16, 2 only the rounded g16 (and GRU's dgx into x16)
 _STEP_ARGS = ("raw F dh, raw F dy, int32 has_dy, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, "
-              "int32 H, int32 a, int32 half", "raw F dgx, raw F dgh, raw F dcn, raw F dhn, raw S g16")
+              "int32 H, int32 a, int32 half", "raw F dgx, raw F dgh, raw F dcn, raw F dhn, raw S g16, raw S x16")
 _STEP = {  # np_backward_step over every row: i = b * H + j
     "lstm": """
         if (i / H >= a) { dhn[i] = dh[i]; dcn[i] = dc[i]; } else {
@@ -139,7 +147,7 @@ _STEP = {  # np_backward_step over every row: i = b * H + j
         F tc = tanh(c[i]); F dct = dc[i] + d * og * (1 - tc * tc);
         F d0 = dct * gg * ig * (1 - ig), d1 = dct * cp[i] * fg * (1 - fg), d2 = dct * ig * (1 - gg * gg),
           d3 = d * tc * og * (1 - og);
-        dgx[k] = d0; dgx[k + H] = d1; dgx[k + 2 * H] = d2; dgx[k + 3 * H] = d3;
+        if (half != 2) { dgx[k] = d0; dgx[k + H] = d1; dgx[k + 2 * H] = d2; dgx[k + 3 * H] = d3; }
         if (half) { g16[k] = (S)d0; g16[k + H] = (S)d1; g16[k + 2 * H] = (S)d2; g16[k + 3 * H] = (S)d3; }
         dcn[i] = dct * fg; }""",
     "gru": """
@@ -149,17 +157,18 @@ _STEP = {  # np_backward_step over every row: i = b * H + j
         F r = gates[q], z = gates[q + H], n = gates[q + 2 * H], ghn = gates[q + 3 * H];
         F dsn = d * (1 - z) * (1 - n * n), dsr = dsn * ghn * r * (1 - r),
           dsz = d * ((F)hp[i] - n) * z * (1 - z);
-        dgx[k] = dsr; dgx[k + H] = dsz; dgx[k + 2 * H] = dsn;
-        dgh[k] = dsr; dgh[k + H] = dsz; dgh[k + 2 * H] = dsn * r;
+        if (half != 2) { dgx[k] = dsr; dgx[k + H] = dsz; dgx[k + 2 * H] = dsn;
+                         dgh[k] = dsr; dgh[k + H] = dsz; dgh[k + 2 * H] = dsn * r; }
         if (half) { g16[k] = (S)dsr; g16[k + H] = (S)dsz; g16[k + 2 * H] = (S)(dsn * r); }
+        if (half == 2) { x16[k] = (S)dsr; x16[k + H] = (S)dsz; x16[k + 2 * H] = (S)dsn; }
         dhn[i] = d * z; }""",
     "rnn_tanh": """
         if (i / H >= a) { dhn[i] = dh[i]; } else {
-        F d = has_dy ? dh[i] + dy[i] : dh[i]; F y = (F)h[i]; F v = d * (1 - y * y); dgx[i] = v;
+        F d = has_dy ? dh[i] + dy[i] : dh[i]; F y = (F)h[i]; F v = d * (1 - y * y); if (half != 2) dgx[i] = v;
         if (half) g16[i] = (S)v; }""",
     "rnn_relu": """
         if (i / H >= a) { dhn[i] = dh[i]; } else {
-        F d = has_dy ? dh[i] + dy[i] : dh[i]; F v = (F)h[i] > 0 ? d : (F)0; dgx[i] = v;
+        F d = has_dy ? dh[i] + dy[i] : dh[i]; F v = (F)h[i] > 0 ? d : (F)0; if (half != 2) dgx[i] = v;
         if (half) g16[i] = (S)v; }""",
 }
 
@@ -185,10 +194,11 @@ def cupy_forward(mode, gx, gh, bias, c_prev, h_prev, gates, c_out, h_out) -> Non
                              np.int32(hh), gates, c_out, h_out, size=rows * hh)
 
 
-def cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16, half: bool
-                       ) -> None:
+def cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16, x16,
+                       half: int) -> None:
     """:func:`np_backward_step` as one CUDA kernel on the current stream (absent arguments are placeholders; ``dy``
-    None: no add; ``half``: write the rounded copy into ``g16``, else a placeholder of the storage type)."""
+    None: no add; ``half`` as _STEP_ARGS says: 0 F only, 1 F and ``g16``, 2 ``g16`` and GRU's ``x16`` only)."""
     rows, hh = dh.shape
     cupy_kernel("step", mode)(dh, dh if dy is None else dy, np.int32(dy is not None), dc, gates, c, c_prev, h, h_prev,
-                              np.int32(hh), np.int32(a), np.int32(half), dgx, dgh, dc_out, dh_out, g16, size=rows * hh)
+                              np.int32(hh), np.int32(a), np.int32(half), dgx, dgh, dc_out, dh_out, g16, x16,
+                              size=rows * hh)

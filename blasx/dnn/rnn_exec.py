@@ -261,21 +261,26 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                 """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read
                 in place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
                 s, g = rnn_params.suffix(layer, d), {}
-                dgx = bw.dgx.reshape(T * B, -1)
-                dgh = bw.dgh.reshape(T * B, -1)
-                if bw.g16 is not None:  # the rounded dgh the loop kept
+                same = bw.dgh is bw.dgx  # (all but GRU: one gate gradient for both sides)
+                if bw.dgx is None:  # the narrow form: only the rounded gradients (GRU's input side in x16)
+                    gh_t = bw.g16.reshape(T * B, -1)
+                    gx_t = gh_t if bw.x16 is None else bw.x16.reshape(T * B, -1)
+                    same = bw.x16 is None
+                    dgx, dgh = gx_t, gh_t  # (their column sums accumulate in F)
+                elif bw.g16 is not None:  # the rounded dgh the loop kept
+                    dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
                     gh_t = bw.g16.reshape(T * B, -1)
                     gx_t = gh_t if bw.dgh is bw.dgx else _f(xp, dgx, g_t)
                 else:
+                    dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
                     gx_t = _f(xp, dgx, g_t)
                     gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
                 xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
                 g["weight_ih" + s] = wgrad(gx_t.T, xin)
                 g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
                 if cell.b_ih is not None:
-                    g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx).astype(store)
-                    same = bw.dgh is bw.dgx  # (all but GRU: the two bias gradients are equal)
-                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh).astype(store)
+                    g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
+                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh, f).astype(store)
                 if cell.w_hr is not None:
                     dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
                     g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)

@@ -326,10 +326,11 @@ def _backward(ops, mode, e, b: _Back, part, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, 
              part)
     if use is not None:
         return use(bw)
-    dgx = bw.dgx.copy()
-    return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else bw.dgh.copy(),
-                              None if bw.dhs is None else bw.dhs.copy(), bw.dh.copy(),
-                              None if bw.dc is None else bw.dc.copy(), None if bw.g16 is None else bw.g16.copy())
+    def cp(a):
+        return None if a is None else a.copy()
+    dgx = cp(bw.dgx)
+    return rnn_layer.Backward(dgx, dgx if bw.dgh is bw.dgx else cp(bw.dgh), cp(bw.dhs), bw.dh.copy(), cp(bw.dc),
+                              cp(bw.g16), cp(bw.x16))
 
 
 def _execute(ops, e: _Entry, f, use_graph: bool, loop, part=0, split: bool = True) -> None:

@@ -144,10 +144,15 @@ class CudaOps(_Moves):
     a capturing stream, and a captured GEMM must not use a workspace that dies with CuPy's per-thread handle."""
     forward = staticmethod(rnn_cells.cupy_forward)
 
-    def backward_step(self, mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None):
-        """rnn_cells.cupy_backward_step (``g16`` None: a placeholder of the storage type stands in)."""
-        rnn_cells.cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out,
-                                     self.placeholder(h.dtype) if g16 is None else g16, g16 is not None)
+    def backward_step(self, mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None,
+                      x16=None):
+        """rnn_cells.cupy_backward_step; placeholders stand in for absent ``g16``/``x16`` (storage type) and
+        ``dgx``/``dgh`` (F: the narrow form, only the rounded copies written)."""
+        ph, phf = self.placeholder(h.dtype), self.placeholder(dh.dtype)
+        half = 0 if g16 is None else 2 if dgx is None else 1
+        rnn_cells.cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev,
+                                     phf if dgx is None else dgx, phf if dgh is None else dgh, dc_out, dh_out,
+                                     ph if g16 is None else g16, ph if x16 is None else x16, half)
 
     def __init__(self, math: str = "ieee") -> None:
         import cupy
@@ -298,12 +303,17 @@ class CudaOps(_Moves):
         return self._ph[f]
 
 
-def col_sum(xp, a):
-    """The column sums of a C-contiguous (r, n) ``a`` (bias gradients over all steps): on CUDA a ones-row GEMM in
-    IEEE math, which reads ``a`` at full memory bandwidth (CuPy's axis-0 reduction does not)."""
+NARROW = False  # CUDA float16 backward loops keep their gate gradients only rounded (backward_buffers); off until
+#                measured on a GPU
+
+
+def col_sum(xp, a, out_dtype=None):
+    """The column sums of a C-contiguous (r, n) ``a`` (bias gradients over all steps), in ``out_dtype`` (default
+    a's; float32 for float16 ``a``: accumulated in float32): on CUDA a ones-row GEMM in IEEE math, which reads
+    ``a`` at full memory bandwidth (CuPy's axis-0 reduction does not)."""
     if xp is np:
-        return a.sum(axis=0)
-    out = xp.empty((1, a.shape[1]), dtype=a.dtype)
+        return a.sum(axis=0, dtype=out_dtype)
+    out = xp.empty((1, a.shape[1]), dtype=out_dtype or a.dtype)
     CudaOps("ieee").matmul(_ones(xp, a.shape[0], a.dtype), a, out)
     return out[0]
 
@@ -396,6 +406,7 @@ class Backward:
     dh: object  # (B, out): the gradient of h0 on exit
     dc: object | None  # (B, H): of c0
     g16: object | None = None  # (T, B, G*H): dgh rounded to the float16 storage type, where the loop's GEMMs take it
+    x16: object | None = None  # (T, B, G*H): GRU's dgx rounded likewise, in the narrow form (dgx, dgh None)
 
 
 @dataclass
@@ -410,12 +421,15 @@ class BackwardScratch:
 
 def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n, half=None) -> tuple:
     """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`;
-    rows a loop never reaches stay zero. ``half`` (a 2-byte dtype): the loop's GEMMs take dgh rounded to it."""
+    rows a loop never reaches stay zero. ``half`` (a 2-byte dtype): the loop's GEMMs take dgh rounded to it; on
+    CUDA with :data:`NARROW` the gate gradients are kept only so rounded (``dgx``, ``dgh`` None; GRU's dgx in
+    ``x16``), as every GEMM after the loop reads them in that type."""
     xp = ops.xp
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     out = st.S.shape[2]
-    dgx = xp.zeros((T, B, g), dtype=f)
-    dgh = xp.zeros((T, B, g), dtype=f) if mode == "gru" else dgx
+    narrow = NARROW and half is not None and xp is not np and st.R is None
+    dgx = None if narrow else xp.zeros((T, B, g), dtype=f)
+    dgh = xp.zeros((T, B, g), dtype=f) if mode == "gru" and not narrow else dgx
     dhs = xp.zeros((T, B, out), dtype=f) if st.R is not None else None
     dh = xp.zeros((B, out), dtype=f) if dh_n is None else dh_n.astype(f, copy=True)
     dc = None
@@ -427,7 +441,8 @@ def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n,
                               dc2=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
                               carry=xp.empty((B, H), dtype=f) if proj else ops.placeholder(f))
     g16 = xp.zeros((T, B, g), dtype=half) if half is not None else None
-    return Backward(dgx, dgh, dhs, dh, dc, g16), scratch
+    x16 = xp.zeros((T, B, g), dtype=half) if narrow and mode == "gru" else None
+    return Backward(dgx, dgh, dhs, dh, dc, g16, x16), scratch
 
 
 def half_of(w_hh):
@@ -455,7 +470,7 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
     projection a step is one fused cell kernel (dy added, inactive rows carried over) and one GEMM into the
     other dh buffer (GRU: accumulating onto the cell's part not through W_hh)."""
     T, B = st.S.shape[0] - 1, st.S.shape[1]
-    f = bw.dgx.dtype
+    f = bw.dh.dtype
     ph = ops.placeholder(f)
     dhs = (bw.dh, scratch.dh2)
     dcs = (bw.dc, scratch.dc2) if bw.dc is not None else (ph, ph)
@@ -468,9 +483,11 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
         c, c_prev = (st.C[p + 1], st.C[p]) if st.C is not None else (ph, ph)
         if st.R is None:
             g16 = None if bw.g16 is None else bw.g16[p]
+            narrow = {} if bw.dgx is not None else {"x16": None if bw.x16 is None else bw.x16[p]}
             ops.backward_step(mode, a, dh, None if dy is None else dy[t], dc, gates, c, c_prev,
-                              ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]), bw.dgx[p], bw.dgh[p], dc_next,
-                              dh_next, g16)
+                              ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]),
+                              None if bw.dgx is None else bw.dgx[p], None if bw.dgh is None else bw.dgh[p], dc_next,
+                              dh_next, g16, **narrow)
             ops.gemm((bw.dgh if g16 is None else bw.g16)[p, :a], w_hh_f, dh_next[:a], False,
                      beta=1.0 if mode == "gru" else 0.0)
             continue
