@@ -284,19 +284,24 @@ class PerfDb:
         shape, tile, results ({tile: TFLOPS}), date, version."""
         return self._rows(None, None)
 
-    def _rows(self, device, ndev) -> list[dict]:
+    def _select(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """The rows of a query; empty when the db (or the table: a file of an older blasx) is missing or
+        unreadable."""
         conn = self._read()
         if conn is None:
             return []
         try:
-            sql, args = f"SELECT {_COLS} FROM entries", ()
-            if device is not None and ndev is not None:
-                sql, args = sql + " WHERE device=? AND ndev=?", (device, ndev)
-            rows = conn.execute(sql + " ORDER BY device, ndev, dtype, routine, m, n, k", args).fetchall()
+            return conn.execute(sql, args).fetchall()
         except sqlite3.Error:
             return []
         finally:
             conn.close()
+
+    def _rows(self, device, ndev) -> list[dict]:
+        sql, args = f"SELECT {_COLS} FROM entries", ()
+        if device is not None and ndev is not None:
+            sql, args = sql + " WHERE device=? AND ndev=?", (device, ndev)
+        rows = self._select(sql + " ORDER BY device, ndev, dtype, routine, m, n, k", args)
         out = []
         for device_, ndev_, dtype, routine, m, n, k, tile, results, date, version in rows:
             try:
@@ -312,15 +317,7 @@ class PerfDb:
     def conv_rows(self) -> list[tuple]:
         """The find-db's rows as (key, device, direction, form, results JSON, date, version), by key;
         empty when the db (or its conv table) is missing or unreadable. :mod:`blasx.dnn.finddb` parses them."""
-        conn = self._read()
-        if conn is None:
-            return []
-        try:
-            return conn.execute(f"SELECT {_CONV_COLS} FROM conv_entries ORDER BY key").fetchall()
-        except sqlite3.Error:  # a file of a blasx before the find-db: no conv table
-            return []
-        finally:
-            conn.close()
+        return self._select(f"SELECT {_CONV_COLS} FROM conv_entries ORDER BY key")
 
     # -- writes (raise PerfDbError when the file cannot take them) --
 

@@ -22,6 +22,21 @@ from .activations import parse_activation
 from .devices.cupy_streams import on_stream
 
 
+def _on_device(cache: dict, lock, dev, key, make):
+    """``cache[key]``, made by ``make(cupy)`` on ``dev`` the first time and waited for there (any stream of the
+    device may read it after)."""
+    got = cache.get(key)
+    if got is None:
+        import cupy
+        with lock, cupy.cuda.Device(dev.ordinal):
+            got = cache.get(key)
+            if got is None:
+                got = make(cupy)
+                cupy.cuda.get_current_stream().synchronize()
+                cache[key] = got
+    return got
+
+
 class Dequantize:
     """int8 gemm's epilogue: the int32 tile -> float32 ``tile * row_scale[i] * col_scale[j]`` in
     place (the scales of the quantized operands, on the canonical C's rows and columns)."""
@@ -60,16 +75,8 @@ class Dequantize:
 
     def _device_scales(self, dev):
         """The scales on ``dev`` (copied once per device, the first time it finishes a tile)."""
-        got = self._on_device.get(dev.index)
-        if got is None:
-            import cupy
-            with self._lock, cupy.cuda.Device(dev.ordinal):
-                got = self._on_device.get(dev.index)
-                if got is None:
-                    got = (cupy.asarray(self.row_scale), cupy.asarray(self.col_scale))
-                    cupy.cuda.get_current_stream().synchronize()
-                    self._on_device[dev.index] = got
-        return got
+        return _on_device(self._on_device, self._lock, dev, dev.index,
+                          lambda cupy: (cupy.asarray(self.row_scale), cupy.asarray(self.col_scale)))
 
 
 class ChannelAffine:
@@ -180,18 +187,9 @@ class ChannelAffine:
     def _device_vectors(self, dev, ct: np.dtype):
         """The vectors on ``dev`` in the compute type ``ct`` (copied once per device, the first
         time it finishes a tile); a vector not given is a (1, 1) one or zero."""
-        key = (dev.index, ct)
-        got = self._on_device.get(key)
-        if got is None:
-            import cupy
-            with self._lock, cupy.cuda.Device(dev.ordinal):
-                got = self._on_device.get(key)
-                if got is None:
-                    got = (cupy.asarray(self.scale, dtype=ct) if self.scale is not None else cupy.ones((1, 1), ct),
-                           cupy.asarray(self.shift, dtype=ct) if self.shift is not None else cupy.zeros((1, 1), ct))
-                    cupy.cuda.get_current_stream().synchronize()
-                    self._on_device[key] = got
-        return got
+        return _on_device(self._on_device, self._lock, dev, (dev.index, ct), lambda cupy: (
+            cupy.asarray(self.scale, dtype=ct) if self.scale is not None else cupy.ones((1, 1), ct),
+            cupy.asarray(self.shift, dtype=ct) if self.shift is not None else cupy.zeros((1, 1), ct)))
 
 
 class PerSlot:

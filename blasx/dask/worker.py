@@ -21,6 +21,7 @@ import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blasx
+from blasx.operands import array_module, is_cupy
 
 
 class Ref(NamedTuple):
@@ -130,14 +131,6 @@ def memory_stats(reset: bool = False) -> dict:
 
 
 # ---------------------------------------------------------------- the block task
-
-def _array_module(deps):
-    for d in deps:
-        if type(d).__module__.startswith("cupy"):
-            import cupy
-            return cupy
-    return np
-
 
 def _read(ref: Ref, deps, stores, xp):
     if ref.slot >= 0:
@@ -290,7 +283,7 @@ def _join_runs(steps: list, xp) -> list:
 
 def run_block(plan: Block, deps: list):
     """The task: the output block of ``plan`` from the dependency blocks ``deps``."""
-    xp = _array_module(deps)
+    xp = array_module(any(is_cupy(d) for d in deps))
     held = sum(d.nbytes for d in {id(d): d for d in deps}.values() if id(d) not in _outputs)
     _add(held)
     acc = None
