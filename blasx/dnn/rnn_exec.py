@@ -74,7 +74,8 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
     device instead of the engine's. ``finals``: (h_n, c_n or None, written) of the whole stack: a persistent loop
     of the whole batch on h_n's device writes its final states there itself and adds its index to ``written``.
-    ``lease`` (training, on the caller's stream): a graph loop's saved states stay in its entry (rnn_graph.run)."""
+    ``lease`` (training, on x's device: the caller's stream, or a pool stream it then waits for): a graph loop's
+    saved states stay in its entry (rnn_graph.run)."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]

@@ -11,7 +11,7 @@ and then captures it; a capture that fails (another thread's synchronising call 
 again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says
 why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
 back with an event on its stream that the next taker's stream waits for, so concurrent calls of one shape never
-share buffers. A training forward on the caller's stream (``run(lease=True)``) copies out only S: its Forward
+share buffers. A training forward on x's device (``run(lease=True)``) copies out only S: its Forward
 keeps the entry's cell states and gates, holding the entry until the Forward is collected (at most
 :data:`MAX_LEASES` of a key at once), and the backward replays its own graph on that same entry's buffers (no
 copies of the saved activations either way). Both runs issue their GEMMs through ctypes with the entry's own

@@ -246,12 +246,13 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
             used = [devs[pl.cells[layer][d]] for d in range(spec.num_dirs)]
             inputs = [None] * spec.num_dirs
             inline = xp is not np and used == [home]  # one direction on x's device: the caller's thread and stream
+            lease = xp is not np and set(used) == {home}  # saved states left in their graph entries (rnn_graph.run)
 
-            def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs):
+            def one(d, dev, inp=inp, layer=layer, states=states, inputs=inputs, lease=lease):
                 lp = _local(pb, dev, home, only=((layer, d),))
                 inputs[d] = _here(xp, inp)
                 states[d] = direction_forward(lp, ops_for(xp, pb.math), layer, d, inputs[d],
-                                              mm if len(set(used)) > 1 or alone else None, lease=inline)
+                                              mm if len(set(used)) > 1 or alone else None, lease=lease)
                 ran_on[(layer, d)] = dev
             if inline:
                 with xp.cuda.Device(home):
