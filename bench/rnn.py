@@ -9,10 +9,10 @@
 
 Per case (mode, H, B, T, dtype, math, phase): the best wall times of blasx and of the peer (synchronised,
 after one untimed call each, the two timed alternately: at least ``--runs`` calls each, more while either
-side's timed total is under ``--min-time``, up to 100: short calls are judged on many), their ratio, the placement blasx used (rnn_plan: single,
-directions, diagonal, wavefront or batch, and its device count), and the check: y and h_n (inference), and
-also the input and every parameter gradient (training) against the peer's, relative Frobenius error under the
-dtype's tolerance. ``--overhead`` adds the per-step cost of the step loop launched from Python and replayed from
+side's timed total is under ``--min-time``, up to 100: short calls are judged on many), their ratio, the
+placement blasx used (rnn_plan: single, directions, diagonal, wavefront or batch, and its device count), and
+the check: y and h_n (inference), and also the input and every parameter gradient (training) against the
+peer's, relative Frobenius error under the dtype's tolerance. ``--overhead`` adds the per-step cost of the step loop launched from Python and replayed from
 a CUDA graph. Outputs ``bench/results/rnn-<tag>-<stamp>.{json,md}`` with the command, machine and date.
 """
 
