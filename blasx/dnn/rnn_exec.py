@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import numpy_api
-from . import rnn_layer
+from . import rnn_cells, rnn_layer
 from .rnn_layer import CudaOps, HostOps, compute_type
 
 
@@ -83,9 +83,12 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     f = compute_type(store)
     host = xp is np
     pl = None if host or not pb.graphs else _persistent(pb, cell, store, B)
-    lease = lease and keep and pl is None and not host and pb.graphs
+    graph = pl is None and not host and pb.graphs
+    lease = lease and keep and graph
     st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
-                                   store, f, gates=keep or pl is None, lean=lease)
+                                   store, f, gates=keep or (pl is None and not graph), lean=lease)
+    if graph and not keep and rnn_cells.SAVED[spec.mode]:  # the graph entry's own gates (no copy comes back)
+        st.gates = rnn_layer.Like((T, B, rnn_cells.SAVED[spec.mode] * spec.hidden_size), f)
     k = layer * spec.num_dirs + d
     if pl is not None:  # the kernel adds the biases and writes zero initial states itself
         from . import rnn_persist
