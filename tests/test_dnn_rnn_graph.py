@@ -394,3 +394,36 @@ def test_narrow_half_backward_keeps_only_the_rounded_gradients(mode, monkeypatch
         assert got.x16 is None
     if mode == "lstm":
         assert np.array_equal(got.dc, full.dc)
+
+
+def test_an_interrupted_lease_gives_its_entry_back_uncounted(monkeypatch):
+    """Ctrl-C while a training forward takes its lease (here: in registering the finalizer): the call raises,
+    the entry is idle again and not counted as lent, and the next forward takes it on lease."""
+    rng = np.random.default_rng(3)
+    T, B, H, G = 3, 2, 4, 4
+    rnn_graph.clear()
+    w = _a(rng.standard_normal((G * H, H)))
+
+    def forward():
+        st = rnn_layer.forward_buffers(XP, "lstm", T, B, H, H, False, np.float64, np.float64, lean=True)
+
+        def fill(e):
+            e.gx[...] = rng.standard_normal((T, B, G * H))
+            e.st.S[0] = 0
+            e.st.C[0] = 0
+        rnn_graph.run(_Ops(), "lstm", rnn_graph.Like((T, B, G * H), np.float64), w, None, None, st,
+                      rnn_graph.Like((B, G * H), np.float64), (B,) * T, False, keep=True, fill=fill, lease=True)
+        return st
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(rnn_graph.weakref, "finalize", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            forward()
+    assert sum(rnn_graph._leased.values()) == 0 and sum(len(v) for v in rnn_graph._cache.values()) == 1
+    idle = next(iter(rnn_graph._cache.values()))[0]
+    st = forward()
+    assert st.lease is idle and sum(rnn_graph._leased.values()) == 1
+    del st
+    rnn_graph.clear()

@@ -67,7 +67,9 @@ def stats() -> dict:
 
 
 def clear() -> None:
+    """Drops every idle entry (those out on lease come back when their Forward is collected)."""
     with _lock:
+        _take_back()
         _cache.clear()
 
 
