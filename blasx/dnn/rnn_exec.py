@@ -265,20 +265,20 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                 """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read
                 in place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
                 s, g = rnn_params.suffix(layer, d), {}
-                same = bw.dgh is bw.dgx  # (all but GRU: one gate gradient for both sides)
                 if bw.dgx is None:  # the narrow form: only the rounded gradients (GRU's input side in x16)
+                    same = bw.x16 is None  # (all but GRU: one gate gradient for both sides)
                     gh_t = bw.g16.reshape(T * B, -1)
-                    gx_t = gh_t if bw.x16 is None else bw.x16.reshape(T * B, -1)
-                    same = bw.x16 is None
+                    gx_t = gh_t if same else bw.x16.reshape(T * B, -1)
                     dgx, dgh = gx_t, gh_t  # (their column sums accumulate in F)
-                elif bw.g16 is not None:  # the rounded dgh the loop kept
-                    dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
-                    gh_t = bw.g16.reshape(T * B, -1)
-                    gx_t = gh_t if bw.dgh is bw.dgx else _f(xp, dgx, g_t)
                 else:
+                    same = bw.dgh is bw.dgx
                     dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
-                    gx_t = _f(xp, dgx, g_t)
-                    gh_t = gx_t if bw.dgh is bw.dgx else _f(xp, dgh, g_t)
+                    if bw.g16 is not None:  # the rounded dgh the loop kept
+                        gh_t = bw.g16.reshape(T * B, -1)
+                        gx_t = gh_t if same else _f(xp, dgx, g_t)
+                    else:
+                        gx_t = _f(xp, dgx, g_t)
+                        gh_t = gx_t if same else _f(xp, dgh, g_t)
                 xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
                 g["weight_ih" + s] = wgrad(gx_t.T, xin)
                 g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))

@@ -482,12 +482,11 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
         gates = st.gates[p] if st.gates is not None else ph
         c, c_prev = (st.C[p + 1], st.C[p]) if st.C is not None else (ph, ph)
         if st.R is None:
-            g16 = None if bw.g16 is None else bw.g16[p]
-            narrow = {} if bw.dgx is not None else {"x16": None if bw.x16 is None else bw.x16[p]}
+            g16, x16 = (None if v is None else v[p] for v in (bw.g16, bw.x16))
             ops.backward_step(mode, a, dh, None if dy is None else dy[t], dc, gates, c, c_prev,
                               ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]),
                               None if bw.dgx is None else bw.dgx[p], None if bw.dgh is None else bw.dgh[p], dc_next,
-                              dh_next, g16, **narrow)
+                              dh_next, g16, x16)
             ops.gemm((bw.dgh if g16 is None else bw.g16)[p, :a], w_hh_f, dh_next[:a], False,
                      beta=1.0 if mode == "gru" else 0.0)
             continue
