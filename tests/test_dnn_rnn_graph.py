@@ -308,6 +308,7 @@ def test_a_leased_forward_keeps_its_entry_until_collected(mode, proj):
     entries = [first.lease, second.lease]
     assert entries[0] is not entries[1]  # the first Forward still held its entry
     assert rnn_graph.stats()["captured"] == before["captured"] + 4  # a forward and a backward graph per entry
+    assert rnn_graph.stats()["leased"] == before["leased"] + 2
     third = train(leased=False)  # two out on lease: copied out, its backward on a backward entry of its own
     captured = rnn_graph.stats()["captured"]
     del first, second, third  # collected: the leased entries are idle again

@@ -276,24 +276,26 @@ def test_threads_calling_one_shape_at_once(layers, in_threads):
     in_threads(call, 4)
 
 
+@pytest.mark.parametrize("bidir", [False, True])
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_saved_states_held_at_once_in_threads(mode, in_threads):
-    """Training forwards keep their saved activations in their graph entries (rnn_graph.run(lease=True)): several
-    saved states of one shape alive at once, their backwards run in reverse order, from threads on their own
-    streams, each equal the eager answer; entries come back once the saved states are gone."""
+def test_saved_states_held_at_once_in_threads(mode, bidir, in_threads):
+    """Training forwards keep their saved activations in their graph entries (rnn_graph.run(lease=True), a
+    bidirectional layer's directions too): several saved states of one shape alive at once (more than
+    MAX_LEASES: the rest copied out), their backwards run in reverse order, from threads on their own streams,
+    each equal the eager answer; entries come back once the saved states are gone."""
     rng = np.random.default_rng(5)
-    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(16, 32, num_layers=2)
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(16, 32, bidirectional=bidir)
     p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}
     xs = [cupy.asarray(rng.standard_normal((30, 4, 16)).astype(np.float32)) for _ in range(3)]
-    gy = cupy.asarray(rng.standard_normal((30, 4, 32)).astype(np.float32))
+    gy = cupy.asarray(rng.standard_normal((30, 4, 64 if bidir else 32)).astype(np.float32))
     f, bw = (dnn.lstm, dnn.lstm_backward) if mode == "lstm" else (dnn.gru, dnn.gru_backward)
     with rnn_graph.eager():
-        refs = [bw(f(x, None, p, num_layers=2, training=True)[-1], gy) for x in xs]
+        refs = [bw(f(x, None, p, bidirectional=bidir, training=True)[-1], gy) for x in xs]
 
     def call(i):
         with cupy.cuda.Stream(non_blocking=True):
             for _ in range(3):
-                saved = [f(x, None, p, num_layers=2, training=True)[-1] for x in xs]
+                saved = [f(x, None, p, bidirectional=bidir, training=True)[-1] for x in xs]
                 for j in (2, 1, 0):
                     g = bw(saved[j], gy)
                     for k in refs[j]:
@@ -303,7 +305,7 @@ def test_saved_states_held_at_once_in_threads(mode, in_threads):
     in_threads(call, 3)
     after = rnn_graph.stats()
     assert after["failures"] == before["failures"], after["failed"]
-    assert after["replayed"] > after["captured"] - before["captured"]
+    assert after["replayed"] > after["captured"] - before["captured"] and after["leased"] > before["leased"]
 
 
 @pytest.mark.parametrize("mode, H, B, bidir, lengths", [

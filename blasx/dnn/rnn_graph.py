@@ -43,7 +43,7 @@ _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries
 _returned: deque = deque()  # leased entries whose Forward was collected (appended by its finalizer, lock-free)
 _leased: dict = {}  # key -> its entries out on lease
-_stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": ""}
+_stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": "", "leased": 0}
 
 
 _local = threading.local()
@@ -61,7 +61,7 @@ def eager():
 
 
 def stats() -> dict:
-    """Counts of captures, replays, eager runs and failed captures, and the last failure's message."""
+    """Counts of captures, replays, eager runs, failed captures and leases, and the last failure's message."""
     with _lock:
         return dict(_stats)
 
@@ -206,6 +206,7 @@ def _lend(e: _Entry) -> bool:
         if _leased.get(e.key, 0) >= MAX_LEASES:
             return False
         _leased[e.key] = _leased.get(e.key, 0) + 1
+        _stats["leased"] += 1
         return True
 
 
