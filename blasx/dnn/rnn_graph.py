@@ -243,7 +243,7 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
             try:
                 st.S[...] = e.st.S
                 st.C, st.gates, st.R, st.lease = e.st.C, e.st.gates, e.st.R, e
-                e.done = xp.cuda.get_current_stream().record()
+                touched(st)
                 weakref.finalize(st, _returned.append, e)
             except BaseException:  # (Ctrl-C too) the entry goes back below, its lease uncounted
                 with _lock:
@@ -303,7 +303,7 @@ def run_backward(ops, mode, st, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse: boo
             try:
                 return _backward(ops, mode, e, b, key, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, reverse, use)
             finally:
-                e.done = ops.xp.cuda.get_current_stream().record()
+                touched(st)
     e = _entry(key, lambda: _Bwd(ops, mode, st, w_hh_f, w_hr_f, dy, H))
     try:
         b = e.back
@@ -329,6 +329,7 @@ def _backward(ops, mode, e, b: _Back, part, w_hh_f, w_hr_f, dy, dh_n, dc_n, bs, 
              part)
     if use is not None:
         return use(bw)
+
     def cp(a):
         return None if a is None else a.copy()
     dgx = cp(bw.dgx)
