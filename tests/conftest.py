@@ -97,14 +97,21 @@ def run_bounded():
 
 
 def _in_threads(fn, n: int) -> None:
-    """``fn(i)`` for i < n on n threads at once; the first error any raised is raised here."""
+    """``fn(i)`` for i < n on n threads at once; the first error any raised is raised here. The threads end
+    together: a thread's end destroys its CuPy cuBLAS handle, a device-wide synchronisation that would
+    invalidate a CUDA graph capture still running in another."""
     errors = []
+    done = threading.Barrier(n)
 
     def body(i):
         try:
             fn(i)
         except BaseException as exc:  # noqa: BLE001 - raised in the test
             errors.append(exc)
+        try:
+            done.wait(timeout=600)
+        except threading.BrokenBarrierError:
+            pass
     threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()

@@ -4,6 +4,7 @@ calls (instead of running them) and whose graph replays them. Forward and backwa
 
 from __future__ import annotations
 
+import os
 import types
 
 import numpy as np
@@ -348,7 +349,8 @@ def test_entries_belong_to_one_call_at_a_time():
 
 def test_ones_rows_for_column_sums_are_kept_per_device_and_type():
     """rnn_layer._ones (col_sum's GEMM operand on CUDA): a C-contiguous (1, n) row cut from one kept per device
-    and type, made again only when a longer one is asked for; numpy's col_sum is its axis-0 sum."""
+    and type, a longer one (at least twice as long) made only when a longer one is asked for, the shorter ones
+    kept (another stream's GEMM may still read them); numpy's col_sum is its axis-0 sum."""
     from bench import fake_cupy
     a = np.arange(12.0).reshape(4, 3)
     assert np.array_equal(rnn_layer.col_sum(np, a), a.sum(axis=0))
@@ -358,9 +360,10 @@ def test_ones_rows_for_column_sums_are_kept_per_device_and_type():
         r5 = rnn_layer._ones(cupy, 5, np.float32)
         r3 = rnn_layer._ones(cupy, 3, np.float32)
         assert r5.shape == (1, 5) and r3.shape == (1, 3) and r3.flags.c_contiguous and r5.dtype == np.float32
-        kept = rnn_layer._ONES[(0, np.dtype(np.float32))]
-        assert kept.shape == (1024,) and rnn_layer._ones(cupy, 2000, np.float32).shape == (1, 2000)
-        assert rnn_layer._ONES[(0, np.dtype(np.float32))] is not kept  # grown
+        rows = rnn_layer._ONES[(0, np.dtype(np.float32))]
+        assert [r.shape for r in rows] == [(1024,)] and rnn_layer._ones(cupy, 2000, np.float32).shape == (1, 2000)
+        assert rnn_layer._ones(cupy, 2100, np.float32).shape == (1, 2100)
+        assert [r.shape for r in rows] == [(1024,), (2048,), (4096,)]  # grown, shorter ones kept (maybe in use)
         assert rnn_layer._ones(cupy, 3, np.float64).dtype == np.float64 and len(rnn_layer._ONES) == 2
         rnn_layer._ONES.clear()
 
@@ -428,3 +431,20 @@ def test_an_interrupted_lease_gives_its_entry_back_uncounted(monkeypatch):
     assert st.lease is idle and sum(rnn_graph._leased.values()) == 1
     del st
     rnn_graph.clear()
+
+
+def test_graphs_switched_off_for_the_process(monkeypatch):
+    """BLASX_RNN_GRAPHS=0 (rnn_graph.ENABLED): every thread's step loops launch eagerly; eager() still applies."""
+    import subprocess
+    import sys
+    code = "from blasx.dnn import rnn_graph; print(rnn_graph.ENABLED, rnn_graph.enabled())"
+    for value, want in (("0", "False False"), ("1", "True True")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "BLASX_RNN_GRAPHS": value},
+                             capture_output=True, text=True, check=True).stdout.split("\n")[-2]
+        assert out == want
+    monkeypatch.setattr(rnn_graph, "ENABLED", False)
+    assert not rnn_graph.enabled()
+    with rnn_graph.eager():
+        assert not rnn_graph.enabled()
+    monkeypatch.setattr(rnn_graph, "ENABLED", True)
+    assert rnn_graph.enabled()

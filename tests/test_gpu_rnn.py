@@ -73,11 +73,13 @@ def test_vs_cudnn(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_narrow_float16_backward_vs_cudnn(mode, monkeypatch):
-    """rnn_layer.NARROW: the float16 backward loop keeps its gate gradients only rounded to float16 (the bias
-    gradients summed from them in float32); the graph loops (persistent kernels off), one layer and two."""
+@pytest.mark.parametrize("narrow", [True, False])
+def test_narrow_float16_backward_vs_cudnn(mode, narrow, monkeypatch):
+    """rnn_layer.NARROW (the default) and not: the float16 backward loop keeps its gate gradients only rounded
+    to float16 (the bias gradients summed from them in float32), or in float32 too; the graph loops (persistent
+    kernels off), one layer and two."""
     from blasx.dnn import rnn_layer, rnn_persist
-    monkeypatch.setattr(rnn_layer, "NARROW", True)
+    monkeypatch.setattr(rnn_layer, "NARROW", narrow)
     monkeypatch.setattr(rnn_persist, "ENABLED", False)
     _case(mode, "float16", layers=1)
     _case(mode, "float16", layers=2, bidir=True)

@@ -7,9 +7,9 @@ and owns the buffers its launches were captured with: a call writes its inputs t
 straight into the entry's gx, ``run(fill=)``; the weights are copied in), replays the graph on the current stream
 and copies the states out (in inference only h and the last cell state). The first call of a
 key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
-and then captures it; a capture that fails (another thread's synchronising call can invalidate it) is tried
-again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says
-why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
+and then captures it; a capture that fails (another thread's device-wide synchronisation invalidates it: its
+cudaDeviceSynchronize, or its end destroying its CuPy cuBLAS handle) is tried again on the key's next calls,
+:data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
 back with an event on its stream that the next taker's stream waits for, so concurrent calls of one shape never
 share buffers. A training forward on x's device (``run(lease=True)``) copies out only S: its Forward
 keeps the entry's cell states and gates, holding the entry until the Forward is collected (at most
@@ -21,6 +21,7 @@ keeps using that workspace at every replay.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -38,6 +39,8 @@ MAX_LEASES = 2  # entries of one key out on lease at once (a training loop's cur
 # skinny products and adds a reduction launch a step, which costs more than it saves there
 NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
 CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
+# off: every thread's step loops launch from Python (a capture fails another thread's device-wide synchronisation)
+ENABLED = os.environ.get("BLASX_RNN_GRAPHS", "1") != "0"
 
 _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries
@@ -50,8 +53,8 @@ _local = threading.local()
 
 
 def enabled() -> bool:
-    """Whether this thread's recurrent calls replay graphs (on by default; see :func:`eager`)."""
-    return getattr(_local, "on", True)
+    """Whether this thread's recurrent calls replay graphs (:data:`ENABLED` by default; see :func:`eager`)."""
+    return getattr(_local, "on", ENABLED)
 
 
 def eager():

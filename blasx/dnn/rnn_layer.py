@@ -303,8 +303,8 @@ class CudaOps(_Moves):
         return self._ph[f]
 
 
-NARROW = False  # CUDA float16 backward loops keep their gate gradients only rounded (backward_buffers); off until
-#                measured on a GPU
+NARROW = True  # CUDA float16 backward loops keep their gate gradients only rounded (backward_buffers): less memory
+#               traffic; False keeps them in float32 too
 
 
 def col_sum(xp, a, out_dtype=None):
@@ -318,19 +318,24 @@ def col_sum(xp, a, out_dtype=None):
     return out[0]
 
 
-_ONES: dict = {}  # (device, dtype) -> the longest ones row made there
+_ONES: dict = {}  # (device, dtype) -> the ones rows made there, shortest first (none freed: a GEMM queued on
+#                  another stream may still read a shorter one; each new one at least twice as long)
+_ONES_LOCK = threading.Lock()
 
 
 def _ones(xp, n: int, dtype):
-    """A (1, n) row of ones on the current device, cut from one kept per device and type (made, and waited
-    for, the first time a longer one is asked for: any stream may read it after)."""
+    """A (1, n) row of ones on the current device, cut from the longest kept per device and type (made, and
+    waited for, the first time a longer one is asked for: any stream may read it after)."""
     key = (xp.cuda.Device().id, np.dtype(dtype))
-    row = _ONES.get(key)
-    if row is None or row.shape[0] < n:
-        row = xp.ones(max(n, 1024), dtype=dtype)
-        xp.cuda.get_current_stream().synchronize()
-        _ONES[key] = row
-    return row[:n].reshape(1, n)
+    rows = _ONES.get(key)
+    if not rows or rows[-1].shape[0] < n:
+        with _ONES_LOCK:
+            rows = _ONES.setdefault(key, [])
+            if not rows or rows[-1].shape[0] < n:
+                row = xp.ones(max(n, 1024, 2 * rows[-1].shape[0] if rows else 0), dtype=dtype)
+                xp.cuda.get_current_stream().synchronize()
+                rows.append(row)
+    return rows[-1][:n].reshape(1, n)
 
 
 @dataclass
