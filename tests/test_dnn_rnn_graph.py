@@ -95,6 +95,9 @@ class _Ops(rnn_layer.HostOps):
     def add(self, dst, src):
         self._do(lambda: rnn_layer.HostOps.add(dst, src))
 
+    def bias(self, *args):
+        self._do(lambda: rnn_layer.HostOps.bias(*args))
+
     def forward(self, *args):
         self._do(lambda: rnn_cells.np_forward(*args))
 
@@ -448,3 +451,60 @@ def test_graphs_switched_off_for_the_process(monkeypatch):
         assert not rnn_graph.enabled()
     monkeypatch.setattr(rnn_graph, "ENABLED", True)
     assert rnn_graph.enabled()
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_a_captured_prologue_reads_the_parameters_where_they_lie(mode):
+    """rnn_graph.run(prologue=): x copied into the entry, the weights' copies, the projection, the bias and zero
+    first states replayed from a graph of their own, captured for the parameters' addresses: results equal the
+    plain loop's on every call (new values in the same arrays included, as a training step's in-place update);
+    parameters at new addresses capture it anew, past CAPTURE_TRIES such changes it stays eager."""
+    rng = np.random.default_rng(9)
+    T, B, H, n_in = 4, 3, 5, 6
+    G = {"lstm": 4, "gru": 3}[mode]
+    nb = (G + (mode == "gru")) * H
+    rnn_graph.clear()
+
+    def params():
+        return [_a(rng.standard_normal(sh)) for sh in ((G * H, n_in), (G * H, H), (G * H,), (G * H,))]
+    p = params()
+    pro = []
+    for call in range(10):
+        if call == 3:
+            for a in p:  # in place, same addresses: the captured prologue reads the new values
+                a[...] = rng.standard_normal(a.shape)
+        if call >= 5:  # new arrays every call: captured anew until CAPTURE_TRIES changes, then eager
+            p = params()
+        w_ih, w_hh, b_ih, b_hh = p
+        x = _a(rng.standard_normal((T, B, n_in)))
+        ref = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float64, np.float64)
+        ref.S[0] = 0
+        if ref.C is not None:
+            ref.C[0] = 0
+        bias = np.empty(nb)
+        rnn_layer.HostOps.bias(bias, b_ih, b_hh, mode == "gru")
+        gx = (x.reshape(T * B, n_in) @ w_ih.T).reshape(T, B, G * H)
+        rnn_layer.forward_loop(rnn_layer.HostOps(), mode, gx, w_hh, None, bias, ref, np.empty((B, G * H)), (B,) * T,
+                               False)
+        st = rnn_layer.forward_buffers(XP, mode, T, B, H, H, False, np.float64, np.float64)
+        st.S[...] = np.nan
+        ops = _Ops()
+
+        def prologue(e):
+            ops.gemm(e.x.reshape(T * B, -1), w_ih, e.gx.reshape(T * B, -1), True)
+            ops.bias(e.bias, b_ih, b_hh, mode == "gru")
+            ops.copy(e.st.S[0], 0)
+            if e.st.C is not None:
+                ops.copy(e.st.C[0], 0)
+        sources = tuple(id(a) for a in p)
+        rnn_graph.run(ops, mode, rnn_graph.Like((T, B, G * H), np.float64), w_hh, None, rnn_graph.Like((nb,), np.float64),
+                      st, rnn_graph.Like((B, G * H), np.float64), (B,) * T, False, fill=lambda e: None, x=x,
+                      prologue=prologue, sources=sources)
+        assert np.array_equal(st.S, ref.S), call
+        e = rnn_graph._cache[next(iter(rnn_graph._cache))][0]
+        pro.append(("pro" in e.graphs, e.moved))
+    tries = rnn_graph.CAPTURE_TRIES
+    assert pro[:5] == [(True, 0)] * 5  # captured on the first call (after its eager run), replayed after
+    assert pro[5:5 + tries] == [(True, m) for m in range(1, tries)] + [(False, tries)]
+    assert all(p == (False, m) for p, m in zip(pro[5 + tries:], range(tries + 1, 10)))
+    rnn_graph.clear()

@@ -186,6 +186,28 @@ def cupy_kernel(direction: str, mode: str):
     return _KERNELS[key]
 
 
+_BIAS = ("raw T a, raw T b, int32 h, int32 gru", "F out",
+         "if (gru && i >= 2 * h) out = i < 3 * h ? (F)a[i] : (F)b[i - h]; else out = (F)a[i] + (F)b[i];")
+
+
+def bias_sum(out, b_ih, b_hh, gru: bool) -> None:
+    """The step cell's bias ``out`` (in its type F) from a layer's two: ``b_ih + b_hh`` summed in F; GRU (``out``
+    4H from two 3H): the r and z parts summed, then b_in, then b_hn (it stays inside the reset product). One
+    kernel on CUDA, which allocates nothing (a captured graph may run it)."""
+    if isinstance(out, np.ndarray):
+        n = out.shape[0] // 2 if gru else out.shape[0]
+        np.add(b_ih[:n], b_hh[:n], out=out[:n], dtype=out.dtype)
+        if gru:
+            out[n:n + n // 2] = b_ih[n:]
+            out[n + n // 2:] = b_hh[n:]
+        return
+    key = ("bias",)
+    if key not in _KERNELS:
+        import cupy
+        _KERNELS[key] = cupy.ElementwiseKernel(*_BIAS, "blasx_rnn_bias")
+    _KERNELS[key](b_ih, b_hh, np.int32(out.shape[0] // 4), np.int32(gru), out)
+
+
 def cupy_forward(mode, gx, gh, bias, c_prev, h_prev, gates, c_out, h_out) -> None:
     """:func:`np_forward` as one CUDA kernel on the current stream (every argument a CuPy array; absent
     ones are one-element placeholders of the compute type; ``bias`` None: no bias)."""

@@ -49,17 +49,12 @@ def biases(pb, cell, f, out=None):
     """The step cell's bias in F (rnn_cells: the kernel adds it): ``b_ih + b_hh`` (G*H); GRU ``(b_ir + b_hr,
     b_iz + b_hz, b_in, b_hn)`` (4*H: b_hn sits inside the reset product); None for a layer without biases.
     ``out``: the F buffer to write (a graph entry's)."""
-    xp, h = pb.xp, pb.spec.hidden_size
     if cell.b_ih is None:
         return None
-    b_ih, b_hh = _f(xp, cell.b_ih, f), _f(xp, cell.b_hh, f)
-    if pb.spec.mode != "gru":
-        return xp.add(b_ih, b_hh, out=out)
+    gru = pb.spec.mode == "gru"
     if out is None:
-        out = xp.empty(4 * h, dtype=f)
-    xp.add(b_ih[:2 * h], b_hh[:2 * h], out=out[:2 * h])
-    out[2 * h:3 * h] = b_ih[2 * h:]
-    out[3 * h:] = b_hh[2 * h:]
+        out = pb.xp.empty(cell.b_ih.shape[0] // 3 * 4 if gru else cell.b_ih.shape[0], dtype=f)
+    rnn_cells.bias_sum(out, cell.b_ih, cell.b_hh, gru)
     return out
 
 
@@ -109,15 +104,31 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
         n_bias = (spec.gates + (spec.mode == "gru")) * spec.hidden_size  # (biases(): GRU's b_hn too)
         bias = None if cell.b_ih is None else rnn_graph.Like((n_bias,), f)
 
-        def fill(e):
-            project(pb, cell, inp, f, mm=mm, into=e.gx)
-            if e.bias is not None:
-                biases(pb, cell, f, out=e.bias)
-            e.st.S[0] = 0 if pb.h0 is None else pb.h0[k]
-            if e.st.C is not None:
+        small = _small_prologue(mm, cell, inp)
+
+        def fill(e):  # (with the prologue: only the first states given)
+            if not small:
+                project(pb, cell, inp, f, mm=mm, into=e.gx)
+                if e.bias is not None:
+                    biases(pb, cell, f, out=e.bias)
+            if pb.h0 is not None or not small:
+                e.st.S[0] = 0 if pb.h0 is None else pb.h0[k]
+            if e.st.C is not None and (pb.c0 is not None or not small):
                 e.st.C[0] = 0 if pb.c0 is None else pb.c0[k]
+
+        def prologue(e):  # the projection of e.x, the bias and zero first states, on e's buffers (no allocation)
+            ops.gemm(e.x.reshape(T * B, -1), cell.w_ih, e.gx.reshape(T * B, -1), True)
+            if e.bias is not None:
+                ops.bias(e.bias, cell.b_ih, cell.b_hh, spec.mode == "gru")
+            if pb.h0 is None:
+                ops.copy(e.st.S[0], 0)
+            if e.st.C is not None and pb.c0 is None:
+                ops.copy(e.st.C[0], 0)
+        sources = (tuple(None if a is None else (a.data.ptr, a.strides) for a in
+                         (cell.w_ih, cell.w_hh, cell.w_hr, cell.b_ih, cell.b_hh)), pb.h0 is None, pb.c0 is None)
         rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr, bias, st,
-                      rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill, lease=lease)
+                      rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill, lease=lease,
+                      x=inp if small else None, prologue=prologue if small else None, sources=sources)
         return st
     gx, bias = input_projection(pb, cell, inp, f, mm=mm)
     if pb.h0 is None:
@@ -135,6 +146,18 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     else:
         rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bias, st, gh, pb.bs, d == 1)
     return st
+
+
+PROLOGUE_BYTES = 8 << 20  # inputs at most this large are copied into a graph entry, whose graph projects them
+
+
+def _small_prologue(mm, cell, inp) -> bool:
+    """Whether a graph loop's projection, bias and zero first states replay from a graph of their own
+    (rnn_graph.run's ``prologue``): a local GEMM (``mm``) of one type on contiguous weights, a small input (the
+    copy into the entry costs the GPU little, the launches it saves cost the host more)."""
+    w = cell.w_ih
+    return mm is not None and inp.nbytes <= PROLOGUE_BYTES and w.dtype == inp.dtype \
+        and (w.flags.c_contiguous or w.flags.f_contiguous)
 
 
 def _persistent(pb, cell, store, B: int):

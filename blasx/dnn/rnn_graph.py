@@ -134,10 +134,13 @@ def run_part(ops, e: _Entry, part, f, loop, use_graph: bool = True) -> None:
 
 
 class _Fwd(_Entry):
-    def __init__(self, xp, gx, w_hh, w_hr, bias, st, gh) -> None:
+    def __init__(self, xp, gx, w_hh, w_hr, bias, st, gh, x=None) -> None:
         super().__init__(xp)
         self.gx, self.w_hh, self.w_hr, self.bias, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bias, gh))
         self.st = _forward_like(xp, st)
+        self.x = _like(xp, x)  # the layer's input, copied in (a captured prologue projects it)
+        self.src = None  # the addresses the prologue's graph reads the parameters at
+        self.moved = 0  # times they changed since (past CAPTURE_TRIES the prologue stays eager)
 
 
 class _Back:
@@ -221,24 +224,42 @@ def touched(st) -> None:
 
 
 def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use_graph: bool = True,
-        keep: bool = True, lease: bool = False) -> None:
+        keep: bool = True, lease: bool = False, x=None, prologue=None, sources=None) -> None:
     """rnn_layer.forward_loop's effect on ``st``, through the graph of this shape (captured on first use).
     ``fill(e)`` writes the entry's inputs itself: ``e.gx`` (a projection straight into it, no copy), ``e.bias``,
     ``e.st.S[0]`` and ``e.st.C[0]``; ``gx``, ``bias`` and ``gh`` give only their shapes and dtypes (:class:`Like`
     or arrays). ``keep=False`` (inference): only ``st.S`` and ``st.C[T]`` are written back (gates, R and the other
     cell states are left as they were). ``lease`` (with keep): only ``st.S`` is written; ``st.C``, ``st.gates``
     and ``st.R`` become the entry's own, which ``st`` holds (``st.lease``) until it is collected; whoever reads
-    them later on another call's stream calls :func:`touched` after."""
+    them later on another call's stream calls :func:`touched` after.
+
+    ``prologue(e)`` (with ``x``, the layer's input, and ``sources``, the addresses of the parameters it reads):
+    what ``fill`` would do besides the first states given, on e's buffers through ``ops`` and allocating nothing:
+    x is copied into ``e.x``, then the weights' copies and the prologue replay from a graph of their own, captured
+    for those addresses (a call with others captures it anew; past :data:`CAPTURE_TRIES` changes it runs
+    eagerly), so a small call issues two graph launches and a few copies."""
     xp = ops.xp
     key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bias), _sig(st.S), _sig(st.C),
-           _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math)
-    e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bias, st, gh))
+           _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math, _sig(x))
+    e = _entry(key, lambda: _Fwd(xp, gx, w_hh, w_hr, bias, st, gh, x))
     leased = False
     try:
-        for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)):
-            if src is not None:
-                dst[...] = src
+        def weights():
+            for dst, src in ((e.w_hh, w_hh), (e.w_hr, w_hr)):
+                if src is not None:
+                    ops.copy(dst, src)
+        if prologue is None:
+            weights()
+        else:
+            e.x[...] = x
+            if e.src != sources:
+                e.moved += e.src is not None
+                e.src = sources
+                e.graphs.pop("pro", None)
         fill(e)
+        if prologue is not None:
+            _execute(ops, e, e.gx.dtype, use_graph and e.moved < CAPTURE_TRIES, lambda: (weights(), prologue(e)),
+                     "pro")
         _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))

@@ -43,6 +43,11 @@ class _Moves:
         """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
         dst += src
 
+    @staticmethod
+    def bias(out, b_ih, b_hh, gru: bool) -> None:
+        """The step cell's bias from a layer's two (rnn_cells.bias_sum)."""
+        rnn_cells.bias_sum(out, b_ih, b_hh, gru)
+
 
 class HostOps(_Moves):
     """numpy primitives (host BLAS for the per-step GEMMs)."""
