@@ -39,6 +39,7 @@ MAX_LEASES = 2  # entries of one key out on lease at once (a training loop's cur
 # skinny products and adds a reduction launch a step, which costs more than it saves there
 NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
 CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
+PROLOGUES = 4  # prologue graphs an entry keeps (one per set of parameter addresses; hx given or not counts too)
 # off: every thread's step loops launch from Python (a capture fails another thread's device-wide synchronisation)
 ENABLED = os.environ.get("BLASX_RNN_GRAPHS", "1") != "0"
 
@@ -139,8 +140,7 @@ class _Fwd(_Entry):
         self.gx, self.w_hh, self.w_hr, self.bias, self.gh = (_like(xp, a) for a in (gx, w_hh, w_hr, bias, gh))
         self.st = _forward_like(xp, st)
         self.x = _like(xp, x)  # the layer's input, copied in (a captured prologue projects it)
-        self.src = None  # the addresses the prologue's graph reads the parameters at
-        self.moved = 0  # times they changed since (past CAPTURE_TRIES the prologue stays eager)
+        self.moved = 0  # prologue graphs dropped for parameters at new addresses (see _prologue_part)
 
 
 class _Back:
@@ -236,8 +236,9 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
     ``prologue(e)`` (with ``x``, the layer's input, and ``sources``, the addresses of the parameters it reads):
     what ``fill`` would do besides the first states given, on e's buffers through ``ops`` and allocating nothing:
     x is copied into ``e.x``, then the weights' copies and the prologue replay from a graph of their own, captured
-    for those addresses (a call with others captures it anew; past :data:`CAPTURE_TRIES` changes it runs
-    eagerly), so a small call issues two graph launches and a few copies."""
+    for those addresses (a call with others captures another; past :data:`PROLOGUES` the oldest goes, and past
+    :data:`CAPTURE_TRIES` such drops new addresses run it
+    eagerly; see :func:`_prologue_part`), so a small call issues two graph launches and a few copies."""
     xp = ops.xp
     key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bias), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math, _sig(x))
@@ -252,14 +253,10 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
             weights()
         else:
             e.x[...] = x
-            if e.src != sources:
-                e.moved += e.src is not None
-                e.src = sources
-                e.graphs.pop("pro", None)
         fill(e)
         if prologue is not None:
-            _execute(ops, e, e.gx.dtype, use_graph and e.moved < CAPTURE_TRIES, lambda: (weights(), prologue(e)),
-                     "pro")
+            part, ok = _prologue_part(e, sources)
+            _execute(ops, e, e.gx.dtype, use_graph and ok, lambda: (weights(), prologue(e)), part)
         _execute(ops, e, e.gx.dtype, use_graph,
                  lambda: rnn_layer.forward_loop(ops, mode, e.gx, e.w_hh, e.w_hr, e.bias, e.st, e.gh, bs, reverse),
                  split=split_k(ops, e.gx, w_hh))
@@ -285,6 +282,23 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
     finally:
         if not leased:
             release(e)
+
+
+def _prologue_part(e: _Fwd, sources) -> tuple:
+    """(e's graph part of a prologue reading the parameters at ``sources``, whether it may replay or be captured):
+    at most :data:`PROLOGUES` such graphs an entry, the oldest dropped for a new one :data:`CAPTURE_TRIES` times;
+    after that, parameters at addresses without a graph run the prologue eagerly."""
+    part = ("pro", sources)
+    if part in e.graphs:
+        return part, True
+    pros = [p for p in e.graphs if isinstance(p, tuple)]
+    if len(pros) < PROLOGUES:
+        return part, True
+    if e.moved >= CAPTURE_TRIES:
+        return part, False
+    e.moved += 1
+    del e.graphs[pros[0]]
+    return part, True
 
 
 def split_k(ops, gx, w_hh) -> bool:
