@@ -499,9 +499,10 @@ def test_a_captured_prologue_reads_the_parameters_where_they_lie(mode, monkeypat
             if e.st.C is not None:
                 ops.copy(e.st.C[0], 0)
         sources = tuple(id(a) for a in p)
-        rnn_graph.run(ops, mode, rnn_graph.Like((T, B, G * H), np.float64), w_hh, None, rnn_graph.Like((nb,), np.float64),
-                      st, rnn_graph.Like((B, G * H), np.float64), (B,) * T, False, fill=lambda e: None, x=x,
-                      prologue=prologue, sources=sources)
+        like = rnn_graph.Like
+        rnn_graph.run(ops, mode, like((T, B, G * H), np.float64), w_hh, None, like((nb,), np.float64), st,
+                      like((B, G * H), np.float64), (B,) * T, False, fill=lambda e: None, x=x, prologue=prologue,
+                      sources=sources)
         assert np.array_equal(st.S, ref.S), call
         e = rnn_graph._cache[next(iter(rnn_graph._cache))][0]
         pro.append((("pro", sources) in e.graphs, sum(isinstance(k, tuple) for k in e.graphs), e.moved))

@@ -1,22 +1,24 @@
 """A layer-direction's CUDA step loop captured once per shape into a CUDA graph and replayed.
 
-The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launched from Python each costs a
-few microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
-everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math)
-and owns the buffers its launches were captured with: a call writes its inputs there (a forward layer projects
-straight into the entry's gx, ``run(fill=)``; the weights are copied in), replays the graph on the current stream
-and copies the states out (in inference only h and the last cell state). The first call of a
-key runs the loop eagerly on those buffers (which also compiles the kernels, so the capture allocates nothing)
-and then captures it; a capture that fails (another thread's device-wide synchronisation invalidates it: its
-cudaDeviceSynchronize, or its end destroying its CuPy cuBLAS handle) is tried again on the key's next calls,
-:data:`CAPTURE_TRIES` times in all, then the key stays eager (``stats()`` says why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes one) and gives it
-back with an event on its stream that the next taker's stream waits for, so concurrent calls of one shape never
-share buffers. A training forward on x's device (``run(lease=True)``) copies out only S: its Forward
-keeps the entry's cell states and gates, holding the entry until the Forward is collected (at most
+The loop (rnn_layer.forward_loop) is T recurrent GEMMs and T cell kernels; launched from Python each costs a few
+microseconds of interpreter and launch time, more than the work itself at small sizes. A graph is keyed by
+everything the loop's launches depend on (device, mode, shapes, dtypes, active rows per step, direction, math) and
+owns the buffers its launches were captured with: a call writes its inputs there (a forward layer projects straight
+into the entry's gx, ``run(fill=)``; the weights are copied in), replays the graph on the current stream and copies
+the states out (in inference only h and the last cell state). A small input is copied into the entry instead, and
+the weights' copies, its projection, the bias sum and zero first states replay from a second graph captured for the
+parameters' addresses (``run(prologue=)``). The first call of a key runs the loop eagerly on those buffers (which
+also compiles the kernels, so the capture allocates nothing) and then captures it; a capture that fails (another
+thread's device-wide synchronisation invalidates it: its cudaDeviceSynchronize, or its end destroying its CuPy
+cuBLAS handle) is tried again on the key's next calls, :data:`CAPTURE_TRIES` times in all, then the key stays eager
+(``stats()`` says why). An entry belongs to one call at a time: a call takes an idle entry of its key (or makes
+one) and gives it back with an event on its stream that the next taker's stream waits for, so concurrent calls of
+one shape never share buffers. A training forward on x's device (``run(lease=True)``) copies out only S: its
+Forward keeps the entry's cell states and gates, holding the entry until the Forward is collected (at most
 :data:`MAX_LEASES` of a key at once), and the backward replays its own graph on that same entry's buffers (no
-copies of the saved activations either way). Both runs issue their GEMMs through ctypes with the entry's own
-cuBLAS workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS wrappers refuse a capturing stream, and the graph
-keeps using that workspace at every replay.
+copies of the saved activations either way). Both runs issue their GEMMs through ctypes with the entry's own cuBLAS
+workspace (rnn_layer.CudaOps.workspace): CuPy's cuBLAS wrappers refuse a capturing stream, and the graph keeps
+using that workspace at every replay.
 """
 
 from __future__ import annotations
@@ -236,9 +238,8 @@ def run(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool, *, fill, use
     ``prologue(e)`` (with ``x``, the layer's input, and ``sources``, the addresses of the parameters it reads):
     what ``fill`` would do besides the first states given, on e's buffers through ``ops`` and allocating nothing:
     x is copied into ``e.x``, then the weights' copies and the prologue replay from a graph of their own, captured
-    for those addresses (a call with others captures another; past :data:`PROLOGUES` the oldest goes, and past
-    :data:`CAPTURE_TRIES` such drops new addresses run it
-    eagerly; see :func:`_prologue_part`), so a small call issues two graph launches and a few copies."""
+    for those addresses (see :func:`_prologue_part`), so a small call issues two graph launches and a few
+    copies."""
     xp = ops.xp
     key = ("fwd", xp.cuda.Device().id, mode, _sig(gx), _sig(w_hh), _sig(w_hr), _sig(bias), _sig(st.S), _sig(st.C),
            _sig(st.gates), _sig(st.R), tuple(bs), reverse, ops.math, _sig(x))
