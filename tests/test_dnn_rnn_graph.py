@@ -510,3 +510,51 @@ def test_a_captured_prologue_reads_the_parameters_where_they_lie(mode, monkeypat
     assert pro[:5] == [(True, 1, 0)] * 5  # captured on the first call (after its eager run), replayed after
     assert pro[5:] == [(True, 2, 0), (True, 2, 1), (True, 2, 2), (True, 2, 3), (False, 2, 3)]
     rnn_graph.clear()
+
+
+def test_ctrl_c_during_a_capture_ends_it_and_leaves_the_key_usable(monkeypatch):
+    """A KeyboardInterrupt raised while a loop is being captured: the capture is ended before it propagates
+    (no stream left capturing), nothing is counted as a failure, and the next call of the key captures and
+    then replays with the right result."""
+    rng = np.random.default_rng(11)
+    mode, T, B, H = "gru", 3, 2, 4
+    ends = []
+    real_end = _Stream.end_capture
+    monkeypatch.setattr(_Stream, "end_capture", lambda self: ends.append(1) or real_end(self))
+    real_forward = rnn_layer.forward_loop
+    hit = {"on": True}
+
+    def forward_loop(*a, **k):
+        if _rec["ops"] is not None and hit["on"]:
+            hit["on"] = False
+            raise KeyboardInterrupt
+        return real_forward(*a, **k)
+    monkeypatch.setattr(rnn_layer, "forward_loop", forward_loop)
+    rnn_graph.clear()
+    before = rnn_graph.stats()
+    w = _a(rng.standard_normal((3 * H, H)))
+    for call in range(3):
+        gx = _a(rng.standard_normal((T, B, 3 * H)))
+        ref = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float64, np.float64)
+        ref.S[0] = 0
+        real_forward(rnn_layer.HostOps(), mode, gx, w, None, None, ref, np.empty((B, 3 * H)), (B,) * T, False)
+        st = rnn_layer.forward_buffers(XP, mode, T, B, H, H, False, np.float64, np.float64)
+
+        def fill(e, gx=gx):
+            e.gx[...] = gx
+            e.st.S[0] = 0
+
+        def go():
+            rnn_graph.run(_Ops(), mode, rnn_graph.Like(gx.shape, np.float64), w, None, None, st,
+                          rnn_graph.Like((B, 3 * H), np.float64), (B,) * T, False, fill=fill)
+        if call == 0:
+            with pytest.raises(KeyboardInterrupt):
+                go()
+            assert _rec["ops"] is None and len(ends) == 1  # the capture was ended
+            continue
+        go()
+        assert np.array_equal(st.S, ref.S)
+    after = rnn_graph.stats()
+    assert after["failures"] == before["failures"] and after["captured"] == before["captured"] + 1
+    assert after["replayed"] == before["replayed"] + 1 and len(ends) == 2
+    rnn_graph.clear()

@@ -416,10 +416,11 @@ def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
             loop()
         except Exception as exc:  # noqa: BLE001 - the key stays eager; the reason is kept for stats()
             err = exc
-        try:
-            graph = cap.end_capture()
-        except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
-            err = err or exc
+        finally:  # (Ctrl-C too: the capture ends before it propagates)
+            try:
+                graph = cap.end_capture()
+            except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
+                err = err or exc
     if err is None:
         e.graphs[part], e.ph = graph, ph
         _count("captured")
