@@ -124,8 +124,9 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
                 ops.copy(e.st.S[0], 0)
             if e.st.C is not None and pb.c0 is None:
                 ops.copy(e.st.C[0], 0)
-        sources = (tuple(None if a is None else (a.data.ptr, a.strides, a.dtype) for a in
-                         (cell.w_ih, cell.w_hh, cell.w_hr, cell.b_ih, cell.b_hh)), pb.h0 is None, pb.c0 is None)
+        sources = None if not small else (
+            tuple(None if a is None else (a.data.ptr, a.strides, a.dtype)
+                  for a in (cell.w_ih, cell.w_hh, cell.w_hr, cell.b_ih, cell.b_hh)), pb.h0 is None, pb.c0 is None)
         rnn_graph.run(ops, spec.mode, rnn_graph.Like((T, B, gates), f), cell.w_hh, cell.w_hr, bias, st,
                       rnn_graph.Like((B, gates), f), pb.bs, d == 1, keep=keep, fill=fill, lease=lease,
                       x=inp if small else None, prologue=prologue if small else None, sources=sources)
