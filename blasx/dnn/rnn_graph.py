@@ -292,7 +292,7 @@ def _prologue_part(e: _Fwd, sources) -> tuple:
     part = ("pro", sources)
     if part in e.graphs:
         return part, True
-    pros = [p for p in e.graphs if isinstance(p, tuple)]
+    pros = [p for p in e.graphs if isinstance(p, tuple) and p[0] == "pro"]  # (a leased entry's backward keys too)
     if len(pros) < PROLOGUES:
         return part, True
     if e.moved >= CAPTURE_TRIES:
