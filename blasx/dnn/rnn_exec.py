@@ -53,7 +53,7 @@ def biases(pb, cell, f, out=None):
         return None
     gru = pb.spec.mode == "gru"
     if out is None:
-        out = pb.xp.empty(cell.b_ih.shape[0] // 3 * 4 if gru else cell.b_ih.shape[0], dtype=f)
+        out = pb.xp.empty((pb.spec.gates + gru) * pb.spec.hidden_size, dtype=f)
     rnn_cells.bias_sum(out, cell.b_ih, cell.b_hh, gru)
     return out
 
