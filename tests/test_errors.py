@@ -259,3 +259,30 @@ def test_auto_tile_shrinks_to_fit_a_small_cache(rand, rel_err, expect):
 
 def test_device_error_is_exported():
     assert blasx.DeviceError is DeviceError and issubclass(DeviceError, RuntimeError)
+
+
+def test_device_arrays_are_compared_by_bounds_before_the_exact_test(monkeypatch):
+    """CuPy's exact shares_memory makes and sorts a pointer per element of both arrays on the GPU: it runs only
+    where the arrays' byte bounds overlap; a host array and a device array never share memory."""
+    import sys
+    import types
+    from blasx import checks
+    calls = []
+    fake = types.ModuleType("cupy")
+    fake.may_share_memory = lambda x, y: calls.append("bounds") or x.lo < y.hi and y.lo < x.hi
+    fake.shares_memory = lambda x, y: calls.append("exact") or x.exact
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    Dev = type("ndarray", (), {"__module__": "cupy._core.core"})
+
+    def dev(lo, hi, exact=True):
+        x = Dev()
+        x.lo, x.hi, x.exact = lo, hi, exact
+        return x
+    assert not checks.shares_memory(dev(0, 10), dev(10, 20)) and calls == ["bounds"]
+    calls.clear()
+    assert checks.shares_memory(dev(0, 10), dev(5, 20)) and calls == ["bounds", "exact"]
+    calls.clear()
+    assert not checks.shares_memory(dev(0, 10, exact=False), dev(5, 20)) and calls == ["bounds", "exact"]
+    calls.clear()
+    assert not checks.shares_memory(dev(0, 10), np.zeros(3)) and not checks.shares_memory(np.zeros(3), dev(0, 1))
+    assert calls == []
