@@ -76,6 +76,36 @@ def test_a_grid_step_multiplies_the_joined_pieces(ta, tb):
     assert W.memory_stats()["held"] == held  # joined copies counted only while they live
 
 
+def test_a_join_keeps_its_pieces_layout():
+    """C-contiguous pieces join into a C-ordered matrix (whole-row copies); any other mix into an F-ordered one."""
+    rng = np.random.default_rng(1)
+    whole = rng.standard_normal((7, 9))
+    grid = [[whole[:3, :4].copy(), whole[:3, 4:].copy()], [whole[3:, :4].copy(), whole[3:, 4:].copy()]]
+    got = W._joined(np, grid)
+    assert W.join_order(grid) == "C" and got.flags.c_contiguous and np.array_equal(got, whole)
+    grid[1][0] = np.asfortranarray(grid[1][0])
+    got = W._joined(np, grid)
+    assert W.join_order(grid) == "F" and got.flags.f_contiguous and np.array_equal(got, whole)
+    assert W.join_order([[whole[:, :1].copy()]]) == "F"  # a column is both: F, as before
+
+
 def test_grid_steps_reading_storage_are_not_joined():
     st = ("gemm_grid", 1.0, ((Ref(-1, 0, 1, 0, 1),),), 0, ((Ref(0, 0, 1, 0, 1),),), 0)
     assert W._join_runs([st, st], xp=object()) == [st, st]
+
+
+@pytest.mark.parametrize("op", ["gemm", "gemm_grid"])
+def test_a_fresh_accumulator_is_overwritten_not_read(op):
+    """A block whose init is zeros starts from uninitialised memory: its first gemm step overwrites it (beta 0),
+    so whatever the memory held (NaN here) never reaches the result."""
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((5, 4)), rng.standard_normal((4, 3))
+    plan = W.Block((5, 3), "<f8", ("zeros",), ())
+    acc = W._init(plan, [], np, fresh=True)
+    acc[...] = np.nan
+    ref = (Ref(0, 0, 5, 0, 4), Ref(1, 0, 4, 0, 3))
+    step = (("gemm", 2.0, ref[0], 0, ref[1], 0, 1.0) if op == "gemm"
+            else ("gemm_grid", 2.0, ((ref[0],),), 0, ((ref[1],),), 0))
+    got = W._apply(step, [x, y], acc, np, fresh=True)
+    np.testing.assert_allclose(got, 2.0 * x @ y, rtol=1e-13)
+    assert not W._init(plan, [], np).any()  # not fresh: zeros

@@ -180,13 +180,20 @@ def _filled(a, p):
     return a
 
 
+def join_order(grid) -> str:
+    """The layout of a join: C where every piece is C-contiguous (each piece's copy is then whole rows, not a
+    transposing copy), else F."""
+    return "C" if all(p.flags.c_contiguous and not p.flags.f_contiguous for row in grid for p in row) else "F"
+
+
 def _joined(xp, grid):
-    """A matrix from a grid (rows of pieces): the piece itself where there is one, else one F-ordered copy,
-    each piece written into its place (no row panels made first: a join holds only its result)."""
+    """A matrix from a grid (rows of pieces): the piece itself where there is one, else one copy in the pieces'
+    layout (:func:`join_order`), each piece written into its place (no row panels made first: a join holds only
+    its result)."""
     if len(grid) == 1 and len(grid[0]) == 1:
         return grid[0][0]
     heights, widths = [row[0].shape[0] for row in grid], [p.shape[1] for p in grid[0]]
-    out = xp.empty((sum(heights), sum(widths)), dtype=grid[0][0].dtype, order="F")
+    out = xp.empty((sum(heights), sum(widths)), dtype=grid[0][0].dtype, order=join_order(grid))
     r0 = 0
     for row, h in zip(grid, heights):
         c0 = 0
@@ -197,9 +204,9 @@ def _joined(xp, grid):
     return out
 
 
-def _grid_gemm(args, acc, xp):
-    """acc += alpha op(A) op(B) where A is the grid xs[k][i] (k: pieces of the shared dimension, i: of acc's
-    rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it."""
+def _grid_gemm(args, acc, xp, beta=1.0):
+    """acc = alpha op(A) op(B) + beta acc where A is the grid xs[k][i] (k: pieces of the shared dimension, i: of
+    acc's rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it."""
     alpha, xs, ta, ys, tb = args
     K, R, C = range(len(xs)), range(len(xs[0])), range(len(ys[0]))
     a = _joined(xp, [[xs[k][i] for k in K] for i in R] if ta == 0 else [[xs[k][i] for i in R] for k in K])
@@ -207,20 +214,21 @@ def _grid_gemm(args, acc, xp):
     made = sum(x.nbytes for x, one in ((a, len(K) * len(R) == 1), (b, len(K) * len(C) == 1)) if not one)
     _add(made)
     try:
-        return blasx.gemm(alpha, a, b, beta=1.0, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
+        return blasx.gemm(alpha, a, b, beta=beta, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
     finally:
         _add(-made)
 
 
-def _apply(step, pieces, acc, xp):
-    """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place)."""
+def _apply(step, pieces, acc, xp, fresh: bool = False):
+    """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place). ``fresh``: acc
+    is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read)."""
     op, p = step[0], iter(pieces)
     args = [_filled(a, p) for a in step[1:]]
     if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B joined from grids of pieces
-        return _grid_gemm(args, acc, xp)
+        return _grid_gemm(args, acc, xp, 0.0 if fresh else 1.0)
     if op == "gemm":  # acc = alpha op(x) op(y) + beta acc
         alpha, x, ta, y, tb, beta = args
-        return blasx.gemm(alpha, x, y, beta=beta, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
+        return blasx.gemm(alpha, x, y, beta=0.0 if fresh else beta, c=acc, trans_a=ta, trans_b=tb, overwrite_c=True)
     if op in ("symm", "hemm"):
         alpha, x, y, beta, side, lower = args
         return getattr(blasx, op)(alpha, x, y, beta=beta, c=acc, side=side, lower=lower, overwrite_c=True)
@@ -240,10 +248,12 @@ def _apply(step, pieces, acc, xp):
     raise ValueError(f"step: unknown operation {op!r}")
 
 
-def _init(plan: Block, deps, xp):
+def _init(plan: Block, deps, xp, fresh: bool = False):
+    """The block's accumulator: zeros (uninitialised where ``fresh``: its first step overwrites it), or a scaled
+    copy of c's piece."""
     dtype = np.dtype(plan.dtype)
     if plan.init[0] == "zeros":
-        return xp.zeros(plan.shape, dtype=dtype, order="F")
+        return (xp.empty if fresh else xp.zeros)(plan.shape, dtype=dtype, order="F")
     _, ref, scale = plan.init
     acc = xp.array(_read(ref, deps, plan.stores, xp), dtype=dtype, order="F", copy=True)
     if scale != 1:
@@ -288,9 +298,10 @@ def run_block(plan: Block, deps: list):
     _add(held)
     acc = None
     try:
-        acc = _init(plan, deps, xp)
-        _add(acc.nbytes)
         steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps], xp)
+        fresh = plan.init[0] == "zeros" and bool(steps) and steps[0][0] in ("gemm", "gemm_grid")
+        acc = _init(plan, deps, xp, fresh)
+        _add(acc.nbytes)
         pool = ThreadPoolExecutor(1) if plan.stores and len(steps) > 1 else None
         try:
             nxt = None
@@ -299,7 +310,7 @@ def run_block(plan: Block, deps: list):
                 nxt = (pool.submit(_load, steps[i + 1], deps, plan.stores, xp)
                        if pool is not None and i + 1 < len(steps) else None)
                 try:
-                    acc = _apply(step, pieces, acc, xp)
+                    acc = _apply(step, pieces, acc, xp, fresh and i == 0)
                 finally:
                     _release(step, pieces)
                     del pieces
