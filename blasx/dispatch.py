@@ -313,30 +313,34 @@ _ENGINE_ATTEMPTS = 3
 
 
 def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, int],
-                   scratch=None, **options) -> None:
+                   scratch=None, tile_fit=None, **options) -> None:
     """Run one planned call on the engine: choose the tile, make the operands, plan, submit, keep the profile.
 
     ``plan(tile, block)`` returns the tasks on ``views``; ``dims = (m, n, k)`` sizes the call for the
     tile choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the planner
     writes and reads (None: none), made where :func:`_scratch_home` says and planned with
     ``plan(tile, block, True)``. ``options``: ``out_dtype``, ``math`` and ``epilogue`` as
-    :class:`~blasx.runtime.call.Call` takes them. Raises the call's error. A call whose engine was shut
-    down before its tasks were queued (configure() in another thread) runs on its replacement.
+    :class:`~blasx.runtime.call.Call` takes them. ``tile_fit(tile)``, if given, returns the tile to
+    use instead of the chosen one (no larger: it fits where that one did). Raises the call's error. A
+    call whose engine was shut down before its tasks were queued (configure() in another thread) runs
+    on its replacement.
     """
     dtype = np.dtype(dtype)
     for attempt in range(_ENGINE_ATTEMPTS):
         try:
-            _submit_on(session.engine(), name, views, plan, dtype, alpha, beta, dims, scratch, options)
+            _submit_on(session.engine(), name, views, plan, dtype, alpha, beta, dims, scratch, options, tile_fit)
             return
         except EngineClosed:
             if attempt == _ENGINE_ATTEMPTS - 1:
                 raise
 
 
-def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, options) -> None:
+def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, options, tile_fit=None) -> None:
     """:func:`submit_planned` on the engine ``eng`` (raises EngineClosed from eng.submit)."""
     tile = choose_tile(eng, *dims, dtype, name if name in ROUTINES else name[1:],  # "dtrsm" -> "trsm"
                        options.get("math", "ieee"))
+    if tile_fit is not None:
+        tile = min(tile, tile_fit(tile))
     shape = scratch(eng, tile) if scratch is not None else None
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)

@@ -22,6 +22,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 import blasx
 from blasx.operands import array_module, is_cupy
+from blasx.pieces import gemm_pieces
 
 
 class Ref(NamedTuple):
@@ -209,6 +210,8 @@ def _grid_gemm(args, acc, xp, beta=1.0):
     acc's rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it."""
     alpha, xs, ta, ys, tb = args
     K, R, C = range(len(xs)), range(len(xs[0])), range(len(ys[0]))
+    if xp is not np and gemm_pieces(alpha, [[xs[k][i] for k in K] for i in R], ta, ys, tb, beta, acc):
+        return acc  # GPU pieces read in place, no joined copy (host pieces: one BLAS call on a join is faster)
     a = _joined(xp, [[xs[k][i] for k in K] for i in R] if ta == 0 else [[xs[k][i] for i in R] for k in K])
     b = _joined(xp, [[ys[k][j] for j in C] for k in K] if tb == 0 else [[ys[k][j] for k in K] for j in C])
     made = sum(x.nbytes for x, one in ((a, len(K) * len(R) == 1), (b, len(K) * len(C) == 1)) if not one)
@@ -270,8 +273,9 @@ def _with_empties(step, xp, dtype):
 def _join_runs(steps: list, xp) -> list:
     """CuPy blocks: each run of gemm steps (plain or a super-block's ``gemm_grid``) with one (alpha, trans_a,
     trans_b) reading dependency blocks becomes one ``gemm_grid`` step: one engine call over the run's whole k,
-    its pieces joined on the GPU, whose C tiles get every k step (and split-k where they are few) instead of one
-    call per k interval; a run of one keeps its step. Host blocks keep their steps: joining would add the
+    its pieces read in place (``blasx.pieces``; joined on the GPU where their bounds do not tile), whose C tiles
+    get every k step (and split-k where they are few) instead of one call per k interval; a run of one keeps
+    its step. Host blocks keep their steps: joining would add the
     panels' bytes to the worker's bounded host memory."""
     if xp is np:
         return steps
