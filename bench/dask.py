@@ -9,7 +9,8 @@
 Each contender runs on a fresh LocalCluster (so each worker's memory is its own): the operands are
 made on the workers and persisted first, then the product is persisted and timed; a sampler
 thread in each worker records its resident memory every few ms, and the peak above the level
-before the call is reported. Every result is checked on random rows against numpy. ``--zarr``
+before the call is reported (each run starts once the workers have let the last run's product
+go). Every result is checked on random rows against numpy. ``--zarr``
 writes operands of ``--ram-factor`` times this node's memory into zarr arrays and times
 ``to_zarr(blasx.dask.matmul(from_zarr(a), from_zarr(b)))`` (``--memory-limit``: per worker, and
 then the operands are ``--ram-factor`` times the workers' limits together).
@@ -135,9 +136,23 @@ def _sync_devices() -> None:
                 cupy.cuda.runtime.deviceSynchronize()
 
 
+def _forget(client, keys, timeout: float = 60.0) -> None:
+    """Wait until no worker holds any of ``keys`` (a result let go) and collect garbage there, so the next
+    run's memory base holds no earlier result that would be freed during that run (and offset its peak)."""
+    import gc
+    want = {str(k) for k in keys}
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if not any(str(k) in want for held in client.has_what().values() for k in held):
+            break
+        time.sleep(0.05)
+    client.run(gc.collect)
+
+
 def run_cluster(args, method: str) -> dict:
     import dask
     import dask.array as da
+    from dask.core import flatten
     from distributed import wait
     import blasx.dask as bd
     cluster, client = _cluster(args)
@@ -167,7 +182,9 @@ def run_cluster(args, method: str) -> dict:
                 err = _check(a, b, c, args.n)
             peak = max(m["peak"] - m["base"] for m in mem.values())
             dev = max(m["dev_peak"] - m["dev_base"] for m in mem.values())
+            keys = list(flatten(c.__dask_keys__()))
             del c
+            _forget(client, keys)
             run = {"seconds": dt, "gflops": 2 * args.n ** 3 / dt / 1e9, "peak_worker_bytes": peak,
                    "peak_worker_gpu_pool_bytes": dev, "rel_err": err}
             best = run if best is None or dt < best["seconds"] else best
@@ -277,8 +294,10 @@ def markdown(res: dict) -> str:
     r = res["results"]
     if "blasx.dask" in r and "dask.array" in r:
         d, x = r["dask.array"], r["blasx.dask"]
-        lines += ["", f"blasx.dask vs dask.array: {d['seconds'] / x['seconds']:.2f}x faster, peak memory "
-                      f"{x['peak_worker_bytes'] / max(d['peak_worker_bytes'], 1):.2f} of dask.array's"]
+        mem, where = (("peak_worker_gpu_pool_bytes", "CuPy pool") if a["gpu_chunks"]  # CuPy chunks: device memory
+                      else ("peak_worker_bytes", "host"))
+        lines += ["", f"blasx.dask vs dask.array: {d['seconds'] / x['seconds']:.2f}x faster, peak memory ({where}) "
+                      f"{x[mem] / max(d[mem], 1):.2f} of dask.array's"]
     if "blasx.dask" in r and "blasx (one process)" in r:
         lines.append(f"Dask layer cost vs blasx in one process: "
                      f"{r['blasx.dask']['seconds'] / r['blasx (one process)']['seconds'] - 1:+.1%}")
