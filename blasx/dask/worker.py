@@ -275,8 +275,8 @@ def _join_runs(steps: list, xp) -> list:
     trans_b) reading dependency blocks becomes one ``gemm_grid`` step: one engine call over the run's whole k,
     its pieces read in place (``blasx.pieces``; joined on the GPU where their bounds do not tile), whose C tiles
     get every k step (and split-k where they are few) instead of one call per k interval; a run of one keeps
-    its step. Host blocks keep their steps: joining would add the
-    panels' bytes to the worker's bounded host memory."""
+    its step. Host blocks keep their steps: joining would add the panels' bytes to the worker's bounded host
+    memory."""
     if xp is np:
         return steps
     out: list = []  # [step, the plain gemm step it stands for while a run of one, joinable]
