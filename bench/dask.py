@@ -164,7 +164,8 @@ def run_cluster(args, method: str) -> dict:
         for _ in range(args.runs):
             client.run(_sample_start)
             t = time.perf_counter()
-            with dask.config.set({"blasx.dask.group": args.group}):
+            with dask.config.set({"blasx.dask.group": args.group,
+                                  **({"blasx.dask.task-bytes": args.task_bytes} if args.task_bytes else {})}):
                 c = bd.matmul(a, b) if method == "blasx" else da.matmul(a, b)
             if args.sink == "sum":  # C streams into its sum: no block is kept
                 total = float(c.sum().compute())
@@ -334,6 +335,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit", default="auto", help="worker memory limit of the zarr run")
     p.add_argument("--group", default="auto", help="blasx.dask's output super-block side (dask config "
                    "blasx.dask.group): auto, off or a number of elements (N: one call a worker)")
+    p.add_argument("--task-bytes", help="blasx.dask's most dependency bytes a task takes (dask config "
+                   "blasx.dask.task-bytes, e.g. 16GiB; default blasx's): a larger output block is a chain of tasks")
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
     names = [s.strip() for s in args.contenders.split(",") if s.strip()]
@@ -344,6 +347,12 @@ def main(argv=None) -> int:
             args.group = int(args.group)
         except ValueError:
             p.error(f"--group: got {args.group!r}; allowed: auto, off or a number of elements")
+    if args.task_bytes:
+        from dask.utils import parse_bytes
+        try:
+            parse_bytes(args.task_bytes)
+        except ValueError:
+            p.error(f"--task-bytes: got {args.task_bytes!r}; allowed: a size such as 4GiB or 500MB")
     import blasx
     from bench.gemm import collect_env
     env = collect_env(list(range(blasx.session._cuda_count())))
@@ -365,6 +374,7 @@ def main(argv=None) -> int:
         kind += "-cupy" if args.gpu_chunks else ""
         kind += "-sum" if args.sink == "sum" else ""
         kind += f"-g{args.group}" if args.group != "auto" else ""
+        kind += f"-tb{args.task_bytes}" if args.task_bytes else ""
         stem = os.path.join(args.out, f"dask-{kind}-w{args.workers}t{args.threads}-n{args.n}-b{args.block}-"
                                       f"{_dt.date.today():%Y%m%d}")
         os.makedirs(args.out, exist_ok=True)

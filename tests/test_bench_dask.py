@@ -13,10 +13,10 @@ pytest.importorskip("distributed")
 def test_smoke_run_writes_checked_results(tmp_path, capsys):
     from bench import dask as bench_dask
     rc = bench_dask.main(["--n", "256", "--block", "64", "--devices", "cpu", "--workers", "1", "--group", "256",
-                          "--out", str(tmp_path / "new")])  # (the directory made)
+                          "--task-bytes", "300KB", "--out", str(tmp_path / "new")])  # (the directory made)
     tmp_path = tmp_path / "new"
     assert rc == 0
-    [js] = tmp_path.glob("dask-cpu-g256-w1t1-n256-b64-*.json")
+    [js] = tmp_path.glob("dask-cpu-g256-tb300KB-w1t1-n256-b64-*.json")  # (a chain of links: 1 MB of blocks)
     res = json.loads(js.read_text())
     assert set(res["results"]) == {"blasx.dask", "dask.array", "blasx (one process)"}
     assert all(r["rel_err"] < 1e-10 for r in res["results"].values())
@@ -28,6 +28,13 @@ def test_group_must_be_auto_off_or_a_number():
     from bench import dask as bench_dask
     with pytest.raises(SystemExit):
         bench_dask.main(["--group", "several"])
+
+
+def test_task_bytes_must_be_a_size(capsys):
+    from bench import dask as bench_dask
+    with pytest.raises(SystemExit):
+        bench_dask.main(["--task-bytes", "lots"])
+    assert "--task-bytes: got 'lots'; allowed: a size" in capsys.readouterr().err
 
 
 def test_contenders_must_be_known(capsys):
