@@ -24,6 +24,10 @@ from .runtime.tiling import OP_N
 LEAST_TILE = 512
 
 
+class _Untiled(Exception):
+    """The engine's tile for the call is over twice the largest that divides the pieces' bounds."""
+
+
 def _bounds(sizes) -> tuple[int, ...]:
     out = [0]
     for s in sizes:
@@ -60,7 +64,8 @@ def gemm_pieces(alpha, a_grid, trans_a: int, b_grid, trans_b: int, beta, c, *, l
     lining up), in one engine call that reads each tile from its piece. ``c``: F-contiguous, aliasing
     no piece; every piece and c of one BLAS type and one array kind. Returns False, having done
     nothing, where the pieces cannot be read in place: their canonical forms differ in op, c is not
-    F-contiguous, or the pieces' interior bounds have no common divisor of at least ``least`` (LEAST_TILE)."""
+    F-contiguous, or the pieces' interior bounds have no common divisor of at least ``least`` (LEAST_TILE)
+    and at least half the tile the engine chooses for the call (smaller tiles run slower than a join)."""
     pieces = [p for row in a_grid for p in row] + [p for row in b_grid for p in row]
     dtype = np.dtype(c.dtype)
     if dtype not in dtypes.BY_DTYPE or any(p.dtype != dtype or is_cupy(p) != is_cupy(c) for p in pieces):
@@ -94,6 +99,14 @@ def gemm_pieces(alpha, a_grid, trans_a: int, b_grid, trans_b: int, beta, c, *, l
                                    is_complex=dtype.kind == "c", block=block, split=split[0] if scratch else 1),
                          a_bounds, b_bounds, tile)
 
-    submit_planned("gemm", [*a_views, *b_views, c], plan, dtype, alpha, beta, (m, n, k), partials,
-                   tile_fit=lambda tile: pieces_tile(tile, every))
+    def fit(tile):  # the engine's tile, cut to divide the bounds; declined (before any work) if over halved
+        t = pieces_tile(tile, every)
+        if 2 * t < tile:
+            raise _Untiled
+        return t
+
+    try:
+        submit_planned("gemm", [*a_views, *b_views, c], plan, dtype, alpha, beta, (m, n, k), partials, tile_fit=fit)
+    except _Untiled:
+        return False
     return True

@@ -109,8 +109,12 @@ def test_declined_cases_do_nothing(sim2, monkeypatch):
     assert not P.gemm_pieces(1.0, mixed, 0, bg, 0, 0.0, c)
     assert not P.gemm_pieces(1.0, ag, 0, bg, 0, 0.0, np.zeros((48, 48)))  # c C-ordered
     assert not P.gemm_pieces(1.0, ag, 0, bg, 0, 0.0, c, least=32)  # bounds' gcd 16 < 32
+    blasx.configure(devices="sim:2", tile=64)
+    assert not P.gemm_pieces(1.0, ag, 0, bg, 0, 0.0, c)  # the engine's tile 64 over twice the bounds' 16
+    blasx.configure(devices="sim:2", tile=32)
     assert not P.gemm_pieces(1.0, [[p.astype(np.float32) for p in row] for row in ag], 0, bg, 0, 0.0, c)
     assert not c.any()
+    assert P.gemm_pieces(1.0, ag, 0, bg, 0, 0.0, c)  # tile 32: 16 is half of it
     with pytest.raises(ValueError, match="do not make c"):
         P.gemm_pieces(1.0, ag, 0, bg, 0, 0.0, np.zeros((48, 40), order="F"))
 
