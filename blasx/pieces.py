@@ -35,13 +35,28 @@ def _bounds(sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _layouts(p) -> dict:
+    """The column-major views of piece ``p``: {transposed: (V, transposed)} (a row or a column has both)."""
+    out = {}
+    for x, flip in ((p, False), (p.T, True)):
+        cm = column_major_view(x)
+        if cm is not None:
+            out[cm[1] != flip] = (cm[0], cm[1] != flip)
+    return out
+
+
 def _stored(grid, op_flag: int):
     """(canonical views in the stored operand's grid, row-major; its op; its row and column bounds) of
     the grid ``grid[r][c]`` of stored pieces whose op_flag(piece) is the logical operand's piece (r, c);
-    None where the pieces' canonical forms differ in op."""
-    views = [[canonical(p, op_flag, False) for p in row] for row in grid]
+    None where the pieces have no layout in common (or one has none: arbitrary strides)."""
+    layouts = [[_layouts(p) for p in row] for row in grid]
+    common = set.intersection(*(set(x) for row in layouts for x in row))
+    if not common:
+        return None
+    t = min(common)  # (False first: both layouts of every piece only where all are rows or columns)
+    views = [[canonical(p, op_flag, False, cm=x[t]) for p, x in zip(prow, lrow)] for prow, lrow in zip(grid, layouts)]
     ops = {op for row in views for _, op in row}
-    if len(ops) != 1:
+    if len(ops) != 1:  # (one layout t gives every piece the same op: a guard)
         return None
     (op,) = ops
     rows = _bounds(v.shape[0] if op == OP_N else v.shape[1] for v, _ in (row[0] for row in views))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import blasx
 from blasx import pieces as P
@@ -132,3 +134,33 @@ def test_a_gpu_workers_grid_step_reads_its_pieces_in_place(sim2, monkeypatch):
     got = W._grid_gemm((2.0, xs, 1, bg, 0), acc, xp=object(), beta=0.0)
     assert got is acc and np.abs(acc - 2.0 * A @ B).max() < 1e-11
     assert W.memory_stats()["held"] == held
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data(), tile=st.sampled_from((4, 6, 8)), ta=st.sampled_from((0, 1, 2)), tb=st.sampled_from((0, 1, 2)),
+       order=st.sampled_from("CF"), dtype=st.sampled_from((np.float32, np.float64, np.complex64, np.complex128)),
+       beta=st.sampled_from((0.0, 1.0, -0.5)))
+def test_gemm_pieces_property(monkeypatch, data, tile, ta, tb, order, dtype, beta):
+    """Random grids (pieces of whole tiles, the last of each dimension ragged) against numpy in float64/complex128;
+    a beta-0 c is NaN-poisoned."""
+    monkeypatch.setattr(P, "LEAST_TILE", 1)
+    blasx.configure(devices="sim:3", tile=tile)
+    try:
+        def sizes(label):
+            n = data.draw(st.integers(1, 3), label=label)
+            whole = [tile * data.draw(st.integers(1, 3)) for _ in range(n - 1)]
+            return tuple(whole + [data.draw(st.integers(1, 2 * tile))])
+        ms, ks, ns = sizes("m"), sizes("k"), sizes("n")
+        rng = np.random.default_rng(len(ms) * 100 + len(ks) * 10 + len(ns))
+        A, B, ag, bg = _case(rng, ta, tb, order, dtype, ms, ks, ns)
+        c = np.asfortranarray(_case(rng, 0, 0, "F", dtype, ms, (1,), ns)[0] @ np.ones((1, sum(ns)), dtype))
+        wide = np.complex128 if np.dtype(dtype).kind == "c" else np.float64
+        want = 0.75 * A.astype(wide) @ B.astype(wide) + (beta * c.astype(wide) if beta else 0)
+        if beta == 0:
+            c[...] = np.nan
+        assert P.gemm_pieces(0.75, ag, ta, bg, tb, beta, c)
+        tol = 1e-4 if np.dtype(dtype).itemsize <= 8 and np.dtype(dtype).kind != "c" or dtype == np.complex64 else 1e-12
+        assert np.linalg.norm(c - want) / np.linalg.norm(want) < tol
+    finally:
+        blasx.configure()
