@@ -8,6 +8,7 @@ the tile chosen to divide the pieces' bounds.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -29,10 +30,7 @@ class _Untiled(Exception):
 
 
 def _bounds(sizes) -> tuple[int, ...]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return tuple(out)
+    return tuple(itertools.accumulate(sizes, initial=0))
 
 
 def _layouts(p) -> dict:
