@@ -323,9 +323,9 @@ def test_local_threaded_scheduler(rel_err):
 
 
 def test_gemm_runs_joined_along_k_for_device_blocks():
-    """With CuPy blocks a task's run of gemm steps (one alpha and trans pair, dependency pieces) is one call
-    over the whole k (a grid step), the pieces joined along k; a storage piece or another routine's step ends a run; host
-    blocks keep their steps. The joined call equals the steps' sum (run here on numpy)."""
+    """With CuPy blocks (or host blocks on an engine with devices) a task's run of gemm steps (one alpha and trans
+    pair, dependency pieces) is one call over the whole k (a grid step); a storage piece or another routine's step
+    ends a run; the CPU alone keeps the steps. The grid step equals the steps' sum (run here on numpy)."""
     from blasx.dask import worker as W
     rng = np.random.default_rng(3)
     deps = [rng.standard_normal((6, 9)), rng.standard_normal((9, 5)), rng.standard_normal((9, 6))]
@@ -335,13 +335,12 @@ def test_gemm_runs_joined_along_k_for_device_blocks():
     store = W.Ref(-1, 0, 6, 0, 4)
     steps = [("gemm", 2.0, a0, 0, b0, 0, 1.0), ("gemm", 2.0, a1, 0, b1, 0, 1.0), ("gemm", 1.0, at0, 1, b0, 0, 1.0),
              ("gemm", 1.0, at1, 1, b1, 0, 1.0), ("gemm", 1.0, store, 0, b0, 0, 1.0), ("trsm", a0, 0, 0, 0)]
-    device = object()  # any array module but numpy
-    assert W._join_runs(steps, np) == steps
-    joined = W._join_runs(steps, device)
+    assert W._join_runs(steps, False) == steps
+    joined = W._join_runs(steps, True)
     assert joined == [("gemm_grid", 2.0, ((a0,), (a1,)), 0, ((b0,), (b1,)), 0),
                       ("gemm_grid", 1.0, ((at0,), (at1,)), 1, ((b0,), (b1,)), 0),
                       ("gemm", 1.0, store, 0, b0, 0, 1.0), ("trsm", a0, 0, 0, 0)]
-    assert W._join_runs(steps[:1] + steps[4:], device) == steps[:1] + steps[4:]  # a run of one stays a gemm
+    assert W._join_runs(steps[:1] + steps[4:], True) == steps[:1] + steps[4:]  # a run of one stays a gemm
     acc = np.asfortranarray(rng.standard_normal((6, 5)))
     want = acc + 2.0 * deps[0] @ deps[1]
     got = W._apply(joined[0], W._load(joined[0], deps, (), np), acc.copy(order="F"), np)

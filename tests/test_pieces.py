@@ -164,3 +164,31 @@ def test_gemm_pieces_property(monkeypatch, data, tile, ta, tb, order, dtype, bet
         assert np.linalg.norm(c - want) / np.linalg.norm(want) < tol
     finally:
         blasx.configure()
+
+
+@pytest.mark.parametrize("devices", ["sim:2", "cpu"])
+def test_host_blocks_are_one_call_on_an_engine_with_devices(monkeypatch, devices):
+    """blasx.dask's host blocks on an engine with devices: a task's k steps are one engine call on its blocks in
+    place (no join, no call a k interval); the CPU alone keeps one host BLAS call a k interval."""
+    import dask.array as da
+
+    import blasx.dask as bd
+    monkeypatch.setattr(P, "LEAST_TILE", 16)
+    blasx.configure(devices=devices, **({"tile": 16} if devices != "cpu" else {}))
+    calls = {"pieces": 0, "gemm": 0}
+    real_pieces, real_gemm = W.gemm_pieces, blasx.gemm
+    monkeypatch.setattr(W, "gemm_pieces", lambda *a, **k: calls.__setitem__("pieces", calls["pieces"] + 1)
+                        or real_pieces(*a, **k))
+    monkeypatch.setattr(blasx, "gemm", lambda *a, **k: calls.__setitem__("gemm", calls["gemm"] + 1)
+                        or real_gemm(*a, **k))
+    try:
+        rng = np.random.default_rng(9)
+        a, b = rng.standard_normal((48, 64)), rng.standard_normal((64, 32))
+        got = bd.matmul(da.from_array(a, chunks=16), da.from_array(b, chunks=16)).compute(scheduler="threads")
+        assert np.abs(got - a @ b).max() < 1e-11
+        if devices == "cpu":
+            assert calls == {"pieces": 0, "gemm": 3 * 2 * 4}  # 6 blocks, 4 k intervals each
+        else:
+            assert calls == {"pieces": 6, "gemm": 0}
+    finally:
+        blasx.configure()

@@ -207,11 +207,25 @@ def _joined(xp, grid):
 
 def _grid_gemm(args, acc, xp, beta=1.0):
     """acc = alpha op(A) op(B) + beta acc where A is the grid xs[k][i] (k: pieces of the shared dimension, i: of
-    acc's rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it."""
+    acc's rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it: one
+    engine call reading the pieces in place (``blasx.pieces``) where the engine has devices and the pieces tile,
+    else one call on their joins (device pieces) or one call a k interval (host pieces: a join of the whole k
+    would add its panels to the worker's bounded host memory)."""
     alpha, xs, ta, ys, tb = args
+    K, R = range(len(xs)), range(len(xs[0]))
+    if (xp is not np or not blasx.engine().inline) and \
+            gemm_pieces(alpha, [[xs[k][i] for k in K] for i in R], ta, ys, tb, beta, acc):
+        return acc
+    if xp is np:
+        for k in K:
+            acc = _joined_gemm(alpha, xs[k:k + 1], ta, ys[k:k + 1], tb, acc, xp, beta if k == 0 else 1.0)
+        return acc
+    return _joined_gemm(alpha, xs, ta, ys, tb, acc, xp, beta)
+
+
+def _joined_gemm(alpha, xs, ta, ys, tb, acc, xp, beta):
+    """:func:`_grid_gemm` as one blasx call on the grids' joins (a grid of one piece is that piece)."""
     K, R, C = range(len(xs)), range(len(xs[0])), range(len(ys[0]))
-    if xp is not np and gemm_pieces(alpha, [[xs[k][i] for k in K] for i in R], ta, ys, tb, beta, acc):
-        return acc  # GPU pieces read in place, no joined copy (host pieces: one BLAS call on a join is faster)
     a = _joined(xp, [[xs[k][i] for k in K] for i in R] if ta == 0 else [[xs[k][i] for i in R] for k in K])
     b = _joined(xp, [[ys[k][j] for j in C] for k in K] if tb == 0 else [[ys[k][j] for k in K] for j in C])
     made = sum(x.nbytes for x, one in ((a, len(K) * len(R) == 1), (b, len(K) * len(C) == 1)) if not one)
@@ -270,14 +284,13 @@ def _with_empties(step, xp, dtype):
                  for a in step)
 
 
-def _join_runs(steps: list, xp) -> list:
-    """CuPy blocks: each run of gemm steps (plain or a super-block's ``gemm_grid``) with one (alpha, trans_a,
-    trans_b) reading dependency blocks becomes one ``gemm_grid`` step: one engine call over the run's whole k,
-    its pieces read in place (``blasx.pieces``; joined on the GPU where their bounds do not tile), whose C tiles
-    get every k step (and split-k where they are few) instead of one call per k interval; a run of one keeps
-    its step. Host blocks keep their steps: joining would add the panels' bytes to the worker's bounded host
-    memory."""
-    if xp is np:
+def _join_runs(steps: list, join: bool) -> list:
+    """With ``join`` (CuPy blocks, or host blocks on an engine with devices): each run of gemm steps (plain or a
+    super-block's ``gemm_grid``) with one (alpha, trans_a, trans_b) reading dependency blocks becomes one
+    ``gemm_grid`` step (:func:`_grid_gemm`): one engine call over the run's whole k, whose C tiles get every k
+    step (and split-k where they are few) instead of one call per k interval; a run of one keeps its step.
+    Without: the steps as they are (the CPU alone runs each as one host BLAS call)."""
+    if not join:
         return steps
     out: list = []  # [step, the plain gemm step it stands for while a run of one, joinable]
     for s in steps:
@@ -302,7 +315,8 @@ def run_block(plan: Block, deps: list):
     _add(held)
     acc = None
     try:
-        steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps], xp)
+        steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps],
+                           xp is not np or not blasx.engine().inline)
         fresh = plan.init[0] == "zeros" and bool(steps) and steps[0][0] in ("gemm", "gemm_grid")
         acc = _init(plan, deps, xp, fresh)
         _add(acc.nbytes)
