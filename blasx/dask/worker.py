@@ -205,6 +205,12 @@ def _joined(xp, grid):
     return out
 
 
+def _engine_runs(xp) -> bool:
+    """Whether a task's gemm runs are each one engine call: CuPy blocks, or an engine with devices (the CPU
+    alone runs each step as one host BLAS call)."""
+    return xp is not np or not blasx.engine().inline
+
+
 def _grid_gemm(args, acc, xp, beta=1.0):
     """acc = alpha op(A) op(B) + beta acc where A is the grid xs[k][i] (k: pieces of the shared dimension, i: of
     acc's rows) and B the grid ys[k][j] (j: of acc's columns), each piece stored as the operand stores it: one
@@ -213,8 +219,7 @@ def _grid_gemm(args, acc, xp, beta=1.0):
     would add its panels to the worker's bounded host memory)."""
     alpha, xs, ta, ys, tb = args
     K, R = range(len(xs)), range(len(xs[0]))
-    if (xp is not np or not blasx.engine().inline) and \
-            gemm_pieces(alpha, [[xs[k][i] for k in K] for i in R], ta, ys, tb, beta, acc):
+    if _engine_runs(xp) and gemm_pieces(alpha, [[xs[k][i] for k in K] for i in R], ta, ys, tb, beta, acc):
         return acc
     if xp is np:
         for k in K:
@@ -241,7 +246,7 @@ def _apply(step, pieces, acc, xp, fresh: bool = False):
     is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read)."""
     op, p = step[0], iter(pieces)
     args = [_filled(a, p) for a in step[1:]]
-    if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B joined from grids of pieces
+    if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B grids of pieces
         return _grid_gemm(args, acc, xp, 0.0 if fresh else 1.0)
     if op == "gemm":  # acc = alpha op(x) op(y) + beta acc
         alpha, x, ta, y, tb, beta = args
@@ -285,11 +290,10 @@ def _with_empties(step, xp, dtype):
 
 
 def _join_runs(steps: list, join: bool) -> list:
-    """With ``join`` (CuPy blocks, or host blocks on an engine with devices): each run of gemm steps (plain or a
-    super-block's ``gemm_grid``) with one (alpha, trans_a, trans_b) reading dependency blocks becomes one
-    ``gemm_grid`` step (:func:`_grid_gemm`): one engine call over the run's whole k, whose C tiles get every k
-    step (and split-k where they are few) instead of one call per k interval; a run of one keeps its step.
-    Without: the steps as they are (the CPU alone runs each as one host BLAS call)."""
+    """With ``join`` (:func:`_engine_runs`): each run of gemm steps (plain or a super-block's ``gemm_grid``) with
+    one (alpha, trans_a, trans_b) reading dependency blocks becomes one ``gemm_grid`` step (:func:`_grid_gemm`):
+    one engine call over the run's whole k, whose C tiles get every k step (and split-k where they are few)
+    instead of one call per k interval; a run of one keeps its step. Without: the steps as they are."""
     if not join:
         return steps
     out: list = []  # [step, the plain gemm step it stands for while a run of one, joinable]
@@ -315,8 +319,7 @@ def run_block(plan: Block, deps: list):
     _add(held)
     acc = None
     try:
-        steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps],
-                           xp is not np or not blasx.engine().inline)
+        steps = _join_runs([_with_empties(s, xp, np.dtype(plan.dtype)) for s in plan.steps], _engine_runs(xp))
         fresh = plan.init[0] == "zeros" and bool(steps) and steps[0][0] in ("gemm", "gemm_grid")
         acc = _init(plan, deps, xp, fresh)
         _add(acc.nbytes)
