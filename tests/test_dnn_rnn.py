@@ -222,6 +222,24 @@ def test_plan_rules():
                                                                                               (128, 192), (192, 256)))
     assert rnn_plan.plan(1, 1, 130, 100, 4) == rnn_plan.Placement("batch", 2, ((0,),), rows=((0, 65), (65, 130)))
     assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
+    # layered: a unidirectional stack (a projection or not) layer after layer on x's device; others unchanged
+    assert rnn_plan.plan(4, 1, 64, 100, 2, layered=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, layered=True).kind == "single"
+    assert rnn_plan.plan(2, 2, 64, 100, 4, layered=True).kind == "directions"
+    assert rnn_plan.plan(1, 1, 256, 100, 4, layered=True).kind == "batch"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "tf32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+def test_layered_stacks_vs_torch(monkeypatch, devices, mode, dtype):
+    """rnn_plan.LAYERED_WIDE: a unidirectional stack in tensor-core math runs layer after layer on one device
+    ("single"), float32 IEEE stays diagonal; both match torch, forward and backward."""
+    monkeypatch.setattr(rnn_plan, "LAYERED_WIDE", True)
+    blasx.configure(devices=devices)
+    compare(mode, layers=3, dtype=dtype, T=6, B=3, I=8, H=16)
+    want = "diagonal" if dtype == "float32" else "single"
+    assert rnn_multi.last_run()["placement"].kind == want
 
 
 def test_diagonal_order(monkeypatch):
