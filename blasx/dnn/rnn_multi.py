@@ -198,7 +198,7 @@ def placement(pb):
     devs = devices_for(pb)
     wide = pb.math == "tf32" or np.dtype(pb.x.dtype).itemsize == 2  # tensor-core math (float16, bfloat16, TF32)
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       layered=wide and rnn_plan.LAYERED_WIDE)
+                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 
