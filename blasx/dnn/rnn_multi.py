@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from ..runtime.devices.cupy_streams import on_stream
+from ..tile import wide_class
 from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
 
@@ -196,7 +197,7 @@ def placement(pb):
     spec = pb.spec
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
-    wide = pb.math == "tf32" or np.dtype(pb.x.dtype).itemsize == 2  # tensor-core math (float16, bfloat16, TF32)
+    wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
                        one_device=wide and rnn_plan.ONE_DEVICE_WIDE)
     _last.run = {"placement": pl, "ran_on": {}}
