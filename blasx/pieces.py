@@ -9,7 +9,6 @@ the tile chosen to divide the pieces' bounds.
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from .dispatch import gemm_split, submit_planned
 from .operands import canonical, column_major_view, is_cupy
 from .runtime import dtypes
 from .runtime.plans import partial_shape, plan_gemm
-from .runtime.plans.pieces import on_pieces, pieces_tile
+from .runtime.plans.pieces import common_divisor, on_pieces, pieces_tile
 from .runtime.tiling import OP_N
 
 #: The least common divisor of the pieces' interior bounds taken in place (a smaller one would force
@@ -95,7 +94,7 @@ def gemm_pieces(alpha, a_grid, trans_a: int, b_grid, trans_b: int, beta, c, *, l
         raise ValueError(f"gemm_pieces: op(A) {m}x{ka} and op(B) {kb}x{n} pieces do not make c's {c.shape}")
     k = ka
     every = (*a_bounds, *b_bounds)
-    g = math.gcd(*(x for bs in every for x in bs[1:-1]))
+    g = common_divisor(every)
     if 0 < g < (LEAST_TILE if least is None else least):
         return False
     if m == 0 or n == 0:

@@ -22,10 +22,16 @@ from .gemm import SLOT_A, SLOT_B
 _FIRST_OTHER = SLOT_B + 1
 
 
+def common_divisor(bounds) -> int:
+    """The greatest common divisor of the interior bounds in ``bounds`` (each a sequence of piece bounds, first
+    0, last the extent); 0 when none is interior."""
+    return math.gcd(*(x for b in bounds for x in b[1:-1]))
+
+
 def pieces_tile(tile: int, bounds) -> int:
-    """The largest tile <= ``tile`` that divides every bound in ``bounds`` (each a sequence of piece
-    bounds, first 0, last the extent; the last is not needed to divide): ``tile`` when none is interior."""
-    g = math.gcd(*(x for b in bounds for x in b[1:-1]))
+    """The largest tile <= ``tile`` that divides every bound in ``bounds`` (as :func:`common_divisor` takes them;
+    the last is not needed to divide): ``tile`` when none is interior."""
+    g = common_divisor(bounds)
     if g == 0:
         return tile
     return max(d for d in range(1, min(g, tile) + 1) if g % d == 0)
