@@ -51,11 +51,15 @@ def biases(pb, cell, f, out=None):
     ``out``: the F buffer to write (a graph entry's)."""
     if cell.b_ih is None:
         return None
-    gru = pb.spec.mode == "gru"
     if out is None:
-        out = pb.xp.empty((pb.spec.gates + gru) * pb.spec.hidden_size, dtype=f)
-    rnn_cells.bias_sum(out, cell.b_ih, cell.b_hh, gru)
+        out = pb.xp.empty(bias_size(pb.spec), dtype=f)
+    rnn_cells.bias_sum(out, cell.b_ih, cell.b_hh, pb.spec.mode == "gru")
     return out
+
+
+def bias_size(spec) -> int:
+    """Elements of the step cell's bias (:func:`biases`): G*H, GRU 4*H (its b_hn kept apart)."""
+    return (spec.gates + (spec.mode == "gru")) * spec.hidden_size
 
 
 def input_projection(pb, cell, inp, f, mm=None):
@@ -101,8 +105,7 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     if not host and pb.graphs:  # projection, biases and first states straight into the graph's buffers
         from . import rnn_graph
         gates = spec.gates * spec.hidden_size
-        n_bias = (spec.gates + (spec.mode == "gru")) * spec.hidden_size  # (biases(): GRU's b_hn too)
-        bias = None if cell.b_ih is None else rnn_graph.Like((n_bias,), f)
+        bias = None if cell.b_ih is None else rnn_graph.Like((bias_size(spec),), f)
 
         small = _small_prologue(mm, cell, inp)
 
