@@ -15,7 +15,6 @@ import threading
 import numpy as np
 
 from ..runtime.devices.cupy_streams import on_stream
-from ..tile import wide_class
 from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
 
@@ -197,9 +196,7 @@ def placement(pb):
     spec = pb.spec
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
-    wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
-    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE)
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size))
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 
