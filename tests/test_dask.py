@@ -312,6 +312,25 @@ def test_chains_bound_the_dependency_bytes_of_a_task(threads, rel_err):
     _check(rel_err, [g] + [c[0] for c in again], [a @ b] + [c[1] for c in cases], ["f8"] + [c[2] for c in cases])
 
 
+def test_task_bytes_config():
+    """blasx.dask.task-bytes: "auto" bounds a task's dependency bytes at DEVICE_TASK_BYTES where every dask
+    operand's chunks are CuPy arrays (read in place on a GPU), else TASK_BYTES; a size as given; else an error
+    naming the setting before any graph is built."""
+    from types import SimpleNamespace as NS
+    from blasx.dask import graph
+    CupyLike = type("ndarray", (), {"__module__": "cupy._core.core"})
+    dev, host = NS(x=NS(_meta=CupyLike())), NS(x=NS(_meta=np.empty((0, 0))))
+    assert graph.task_bytes([dev, dev, None]) == graph.DEVICE_TASK_BYTES == 16 << 30
+    assert graph.task_bytes([dev, host]) == graph.task_bytes([host]) == graph.TASK_BYTES == 4 << 30
+    assert graph.task_bytes([NS(x=None)]) == graph.TASK_BYTES
+    with dask.config.set({"blasx.dask.task-bytes": "300KB"}):
+        assert graph.task_bytes([dev]) == 300_000
+    a = da.ones((40, 40), chunks=20)
+    for bad in ("lots", 0, None, True):
+        with dask.config.set({"blasx.dask.task-bytes": bad}), pytest.raises(ValueError, match="task-bytes: got"):
+            bd.gemm(1.0, a, a)
+
+
 def test_local_threaded_scheduler(rel_err):
     """Without a distributed client the graph runs on dask's threads, on this process's engine."""
     import blasx

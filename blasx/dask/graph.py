@@ -22,9 +22,12 @@ from dask.highlevelgraph import HighLevelGraph
 from .worker import Block, Ref, Storage, refs_of, run_block
 
 
-#: the default of dask.config's ``blasx.dask.task-bytes``: the most bytes of dependency blocks one
-#: task takes; an output block whose steps read more is a chain of tasks (each with the last's block)
+#: dask.config's ``blasx.dask.task-bytes`` "auto" (the default): the most bytes of dependency blocks one task
+#: takes; an output block whose steps read more is a chain of tasks (each link starts from a copy of the last's
+#: block). CuPy blocks get the larger bound: they are read in place on GPUs of tens of GB, where the links'
+#: copies cost more device memory than the larger bound does.
 TASK_BYTES = 4 << 30
+DEVICE_TASK_BYTES = 16 << 30
 
 
 def bounds_of(chunks) -> tuple[int, ...]:
@@ -190,7 +193,7 @@ def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Ar
     """The dask array of one call: ``block(i, j, r, c, builder)`` returns the (init, steps) of
     output block (i, j), whose rows are the interval r and columns c."""
     rows, cols = (b if len(b) > 1 else (0, 0) for b in (rows, cols))  # a zero-length dimension: one empty block
-    limit = parse_bytes(dask.config.get("blasx.dask.task-bytes", TASK_BYTES))
+    limit = task_bytes(operands)
     name = f"blasx-{routine}-" + tokenize(routine, rows, cols, np.dtype(dtype).str, *token_args)
     dsk = {}
     for (i, r), (j, c) in itertools.product(enumerate(spans(rows)), enumerate(spans(cols))):
@@ -201,6 +204,24 @@ def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Ar
     graph = HighLevelGraph.from_collections(name, dsk, dependencies=deps)
     chunks = (tuple(np.diff(rows).tolist()), tuple(np.diff(cols).tolist()))
     return da.Array(graph, name, chunks, meta=_meta(operands, dtype))
+
+
+def task_bytes(operands) -> int:
+    """The dependency bytes a task may take (``dask.config``'s ``blasx.dask.task-bytes``): "auto" gives
+    DEVICE_TASK_BYTES where every dask operand's chunks are CuPy arrays, else TASK_BYTES; or a size."""
+    v = dask.config.get("blasx.dask.task-bytes", "auto")
+    if v == "auto":
+        xs = [op.x for op in operands if op is not None and op.x is not None]
+        cupy = bool(xs) and all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs)
+        return DEVICE_TASK_BYTES if cupy else TASK_BYTES
+    try:
+        n = parse_bytes(v)
+    except (AttributeError, TypeError, ValueError):
+        n = -1
+    if isinstance(v, bool) or n <= 0:
+        raise ValueError(f"dask config blasx.dask.task-bytes: got {v!r}; allowed: 'auto' or a size in bytes > 0 "
+                         f"(such as 4GiB)")
+    return n
 
 
 def _meta(operands, dtype):
