@@ -222,6 +222,31 @@ def test_plan_rules():
                                                                                               (128, 192), (192, 256)))
     assert rnn_plan.plan(1, 1, 130, 100, 4) == rnn_plan.Placement("batch", 2, ((0,),), rows=((0, 65), (65, 130)))
     assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
+    # one_device: a stack (a projection or not) or a bidirectional layer on x's device alone, its GEMMs local
+    # there too; one layer unchanged
+    assert rnn_plan.plan(4, 1, 64, 100, 2, one_device=True) == rnn_plan.Placement("single", 1, ((0,),) * 4,
+                                                                                   local=True)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, one_device=True).kind == "single"
+    assert rnn_plan.plan(2, 2, 64, 100, 4, one_device=True) == rnn_plan.Placement("single", 1, ((0, 0), (0, 0)),
+                                                                                   local=True)
+    assert not rnn_plan.plan(1, 1, 64, 100, 1).local and not rnn_plan.plan(2, 2, 64, 100, 1).local
+    assert rnn_plan.plan(1, 1, 256, 100, 4, one_device=True).kind == "batch"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "tf32", "float16", "bfloat16"])
+@pytest.mark.parametrize("mode,layers,bidir", [("lstm", 3, False), ("gru", 3, False), ("lstm", 2, True)])
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+def test_one_device_wide_vs_torch(monkeypatch, devices, mode, layers, bidir, dtype):
+    """rnn_plan.ONE_DEVICE_WIDE: a stack or a bidirectional layer in tensor-core math runs on x's device alone
+    ("single"), float32 IEEE as before (diagonal, or a direction per device); all match torch, both passes."""
+    monkeypatch.setattr(rnn_plan, "ONE_DEVICE_WIDE", True)
+    blasx.configure(devices=devices)
+    compare(mode, layers=layers, bidir=bidir, dtype=dtype, T=6, B=3, I=8, H=16)
+    kind = rnn_multi.last_run()["placement"].kind
+    if dtype != "float32":
+        assert kind == "single"
+    else:
+        assert kind == ("diagonal" if not bidir else "directions" if devices == "sim:2" else "single")
 
 
 def test_diagonal_order(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 import blasx
 from blasx import dnn
-from blasx.dnn import rnn_graph, rnn_multi
+from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -229,6 +229,25 @@ def test_diagonal_vs_cudnn(ngpu, layers, mode, dtype, lengths):
     run = rnn_multi.last_run()
     assert run["placement"].kind == "diagonal" and run["placement"].devices == ngpu
     assert sorted(set(run["ran_on"].values())) == list(range(ngpu))
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+@pytest.mark.parametrize("layers,bidir", [(3, False), (2, True)])
+@pytest.mark.parametrize("mode,dtype", [("lstm", "float16"), ("gru", "float16"), ("lstm", "float32")])
+def test_one_device_wide_vs_cudnn(ngpu, layers, bidir, mode, dtype, monkeypatch):
+    """rnn_plan.ONE_DEVICE_WIDE: a float16 stack or bidirectional layer on GPU 0 alone (its GEMMs local there),
+    forward and backward; float32 IEEE keeps its placement."""
+    if ngpu > NGPU:
+        pytest.skip("needs 2 GPUs")
+    monkeypatch.setattr(rnn_plan, "ONE_DEVICE_WIDE", True)
+    blasx.configure(devices="cuda:0" if ngpu == 1 else "cuda:0,1")
+    _case(mode, dtype, layers=layers, bidir=bidir, lengths=None)
+    run = rnn_multi.last_run()
+    if dtype == "float16":
+        assert run["placement"].kind == "single" and run["placement"].local
+        assert set(run["ran_on"].values()) == set(run["backward_on"].values()) == {0}
+    else:
+        assert run["placement"].kind == ("diagonal" if not bidir else "directions" if ngpu == 2 else "single")
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])

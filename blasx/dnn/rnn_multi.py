@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from ..runtime.devices.cupy_streams import on_stream
+from ..tile import wide_class
 from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
 
@@ -32,10 +33,12 @@ def last_run() -> dict:
 @dataclasses.dataclass
 class Kept:
     """One layer-direction's forward as training keeps it: the device its loop ran on, its input there (None
-    without training) and its states (rnn_layer.Forward) there."""
+    without training) and its states (rnn_layer.Forward) there; ``local``: its backward's GEMMs stay on that
+    device (not engine calls over every device)."""
     dev: object
     inp: object
     st: rnn_layer.Forward
+    local: bool = False
 
 
 def devices_for(pb) -> list:
@@ -196,7 +199,9 @@ def placement(pb):
     spec = pb.spec
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
-    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size))
+    wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
+                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 
@@ -235,7 +240,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
     if pl.kind == "wavefront":
         return _wavefront(pb, pl, devs, ran_on)
     mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
-    alone = len(devs) == 1  # one device: nothing to spread a projection over, so no engine round trip
+    alone = len(devs) == 1 or pl.local  # one device (or kept on one): projections local, no engine round trip
     layers, inp = [], pb.x
     for layer in range(spec.num_layers):
         states = [None] * spec.num_dirs
@@ -263,11 +268,11 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
                     pool.start(used[d], one, d, used[d])
                 pool.join()
             if keep:
-                kept = [Kept(used[d], inputs[d], states[d]) for d in range(spec.num_dirs)]
+                kept = [Kept(used[d], inputs[d], states[d], alone) for d in range(spec.num_dirs)]
                 states = [_home_s(xp, st, home) for st in states]
             else:
                 states = [_home(xp, st, home, keep) for st in states]
-                kept = [Kept(home, None, st) for st in states]
+                kept = [Kept(home, None, st, alone) for st in states]
         layers.append(kept)
         inp = _layer_output(pb, states, direction_output, keep)
     return layers, inp
@@ -292,7 +297,8 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
     out = [None] * len(kept)
     mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
     if len(set(devs)) == 1:
-        alone = len(devices_for(pb)) == 1  # no other device the engine could spread the GEMMs over
+        # no other device the engine could spread the GEMMs over, or the forward kept them local
+        alone = len(devices_for(pb)) == 1 or all(k.local for k in kept)
         for d, k in enumerate(kept):
             out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k, mm if alone else None)
             on[(layer, d)] = k.dev

@@ -3,13 +3,16 @@
 The recurrence serialises the steps of one layer-direction, so extra devices help only by running *different*
 loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices):
 
-* a unidirectional stack of L >= 2 layers without a projection, on any number of devices: the diagonal form
+* a unidirectional stack of L >= 2 layers without a projection, on any number of devices (unless ``one_device``):
+  the diagonal form
   ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a group advance
   together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per step: L times
   fewer launches than layer after layer, and a GEMM of L times the rows' work, which fills a GPU that one
   small-batch recurrent GEMM leaves mostly idle. The layers are cut into n = min(devices, L) contiguous groups,
   group g on device g, each a chunk behind the one below; h crosses once per chunk;
-* one device otherwise: everything on it ("single");
+* one device otherwise, or a stack or bidirectional layer with ``one_device`` (tensor-core math, where
+  :data:`ONE_DEVICE_WIDE` says so: layer after layer on x's device through the one-layer loops, a bidirectional
+  layer's directions side by side there, every GEMM of the call local to it): everything on it ("single");
 * a bidirectional stack: the two directions of every layer side by side, direction d on device d ("directions";
   layers stay in sequence, since a bidirectional layer needs all of the layer below before its reverse pass);
 * a unidirectional stack of L >= 2 layers with a projection (proj_size): a wavefront ("wavefront"): the layers
@@ -33,6 +36,9 @@ from dataclasses import dataclass
 
 MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
 MAX_CHUNK = 8  # wavefront steps per hand-off at most
+#: Stacks and bidirectional layers in tensor-core math (float16, bfloat16, TF32) run on x's device alone ("single")
+#: instead of diagonally or a direction per device (off until measured against those in one run).
+ONE_DEVICE_WIDE = False
 
 
 @dataclass(frozen=True)
@@ -42,17 +48,20 @@ class Placement:
     cells: tuple  # cells[layer][direction] = device (0 .. devices-1)
     rows: tuple = ()  # "batch": the (lo, hi) batch rows of each device
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
+    local: bool = False  # "single" by choice (``one_device``): projections and gradient GEMMs on that device too
 
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False) -> Placement:
+         projection: bool = False, one_device: bool = False) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
     n = max(1, min(n_devices, num_layers))
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
+    if one_device and (stacked or num_dirs == 2):
+        return Placement("single", 1, one, local=True)
     if stacked and not projection:
         return Placement("diagonal", n, cells, chunk=chunk)
     if n_devices <= 1:
