@@ -155,7 +155,7 @@ def run_cluster(args, method: str) -> dict:
     from dask.core import flatten
     from distributed import wait
     import blasx.dask as bd
-    cluster, client = _cluster(args)
+    cluster, client = _cluster(args, memory_limit=args.memory_limit)
     try:
         a, b = _operands(args, args.gpu_chunks)
         a, b = a.persist(), b.persist()
@@ -332,7 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--zarr", help="a directory: also run the zarr-backed GEMM there")
     p.add_argument("--zarr-n", type=int, help="its N (default: from --ram-factor)")
     p.add_argument("--ram-factor", type=float, default=2.0)
-    p.add_argument("--memory-limit", default="auto", help="worker memory limit of the zarr run")
+    p.add_argument("--memory-limit", default="auto", help="each worker's memory limit, e.g. 200GB (Dask's auto: "
+                   "the node's memory times the worker's share of its cores)")
     p.add_argument("--group", default="auto", help="blasx.dask's output super-block side (dask config "
                    "blasx.dask.group): auto, off or a number of elements (N: one call a worker)")
     p.add_argument("--task-bytes", help="blasx.dask's most dependency bytes a task takes (dask config "
@@ -347,12 +348,13 @@ def main(argv=None) -> int:
             args.group = int(args.group)
         except ValueError:
             p.error(f"--group: got {args.group!r}; allowed: auto, off or a number of elements")
-    if args.task_bytes:
-        from dask.utils import parse_bytes
+    from dask.utils import parse_bytes
+    for opt, v in (("--task-bytes", args.task_bytes), ("--memory-limit", args.memory_limit)):
         try:
-            parse_bytes(args.task_bytes)
+            if v not in (None, "auto"):
+                parse_bytes(v)
         except ValueError:
-            p.error(f"--task-bytes: got {args.task_bytes!r}; allowed: a size such as 4GiB or 500MB")
+            p.error(f"{opt}: got {v!r}; allowed: a size such as 4GiB or 500MB")
     import blasx
     from bench.gemm import collect_env
     env = collect_env(list(range(blasx.session._cuda_count())))
@@ -375,6 +377,7 @@ def main(argv=None) -> int:
         kind += "-sum" if args.sink == "sum" else ""
         kind += f"-g{args.group}" if args.group != "auto" else ""
         kind += f"-tb{args.task_bytes}" if args.task_bytes else ""
+        kind += f"-ml{args.memory_limit}" if args.memory_limit != "auto" else ""
         stem = os.path.join(args.out, f"dask-{kind}-w{args.workers}t{args.threads}-n{args.n}-b{args.block}-"
                                       f"{_dt.date.today():%Y%m%d}")
         os.makedirs(args.out, exist_ok=True)

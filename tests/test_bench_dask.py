@@ -30,11 +30,12 @@ def test_group_must_be_auto_off_or_a_number():
         bench_dask.main(["--group", "several"])
 
 
-def test_task_bytes_must_be_a_size(capsys):
+@pytest.mark.parametrize("opt", ["--task-bytes", "--memory-limit"])
+def test_sizes_must_be_sizes(capsys, opt):
     from bench import dask as bench_dask
     with pytest.raises(SystemExit):
-        bench_dask.main(["--task-bytes", "lots"])
-    assert "--task-bytes: got 'lots'; allowed: a size" in capsys.readouterr().err
+        bench_dask.main([opt, "lots"])
+    assert f"{opt}: got 'lots'; allowed: a size" in capsys.readouterr().err
 
 
 def test_contenders_must_be_known(capsys):
