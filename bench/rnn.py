@@ -13,7 +13,7 @@ side's timed total is under ``--min-time``, up to 100: short calls are judged on
 placement blasx used (rnn_plan: single, directions, diagonal, wavefront or batch, and its device count), and
 the check: y and h_n (inference), and also the input and every parameter gradient (training) against the
 peer's, relative Frobenius error under the dtype's tolerance. ``--overhead`` adds the per-step cost of the step loop launched from Python and replayed from
-a CUDA graph. Outputs ``bench/results/rnn-<tag>-<stamp>.{json,md}`` with the command, machine and date.
+a CUDA graph. Outputs ``bench/results/rnn-<tag>-<machine>-<stamp>.{json,md}`` with the command, machine and date.
 """
 
 from __future__ import annotations
@@ -268,6 +268,16 @@ def markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_tag(devices: str) -> str:
+    """The result files' machine part: 'h200' for one GPU, 'h200x2' for two; 'sim' or 'cpu' without CUDA."""
+    import blasx
+    from bench.level3 import gpu_tag
+    n = len(blasx.session.cuda_ordinals())
+    if not n:
+        return devices.split(":")[0]
+    return gpu_tag(n).removesuffix("x1")
+
+
 def main(argv=None) -> int:
     import blasx
     from bench.gemm import collect_env, jsonable
@@ -291,7 +301,7 @@ def main(argv=None) -> int:
     if args.overhead and peer == "cuda":
         rep["overhead"] = step_overhead()
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"rnn-{args.tag}-{now.strftime('%Y%m%d-%H%M%S')}")
+    base = os.path.join(args.out, f"rnn-{args.tag}-{machine_tag(devices)}-{now.strftime('%Y%m%d-%H%M%S')}")
     with open(base + ".json", "w") as f:
         json.dump(jsonable(rep), f, indent=1)
     with open(base + ".md", "w") as f:

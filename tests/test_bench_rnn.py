@@ -27,7 +27,7 @@ def test_checked_run_on_sims(tmp_path):
                  "--steps", "4", "--dtypes", "float32", "--math", "ieee", "--runs", "1", "--layers", "2",
                  "--min-time", "0", "--out", str(tmp_path), "--tag", "t"])
     assert rc == 0
-    js = list(tmp_path.glob("rnn-t-*.json"))
+    js = list(tmp_path.glob("rnn-t-sim-*.json"))  # the machine part: sim here, h200x2 on two H200s
     md = list(tmp_path.glob("rnn-t-*.md"))
     assert len(js) == 1 and len(md) == 1
     rep = json.loads(js[0].read_text())
