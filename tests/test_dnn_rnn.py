@@ -230,7 +230,21 @@ def test_plan_rules():
     assert rnn_plan.plan(2, 2, 64, 100, 4, one_device=True) == rnn_plan.Placement("single", 1, ((0, 0), (0, 0)),
                                                                                    local=True)
     assert not rnn_plan.plan(1, 1, 64, 100, 1).local and not rnn_plan.plan(2, 2, 64, 100, 1).local
+    # local: a one-layer call left on one device of several keeps its GEMMs there; other placements unchanged
+    assert rnn_plan.plan(1, 1, 64, 100, 2, local=True) == rnn_plan.Placement("single", 1, ((0,),), local=True)
+    assert rnn_plan.plan(1, 1, 256, 100, 2, local=True).kind == "batch"
+    assert rnn_plan.plan(4, 1, 64, 100, 2, local=True) == rnn_plan.plan(4, 1, 64, 100, 2)
     assert rnn_plan.plan(1, 1, 256, 100, 4, one_device=True).kind == "batch"
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_local_gemms_vs_torch(monkeypatch, mode):
+    """rnn_plan.LOCAL_GEMMS: a one-layer call too small to split over two devices runs on x's device with its GEMMs
+    ("single", local); forward and backward match torch."""
+    monkeypatch.setattr(rnn_plan, "LOCAL_GEMMS", True)
+    blasx.configure(devices="sim:2")
+    compare(mode, T=6, B=3, I=8, H=16, dtype="float32")
+    assert rnn_multi.last_run()["placement"] == rnn_plan.Placement("single", 1, ((0,),), local=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "tf32", "float16", "bfloat16"])

@@ -175,6 +175,25 @@ def test_two_gpus(layers, bidir, B, kind):
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode,dtype", [("lstm", "float16"), ("gru", "float32")])
+def test_two_gpus_local_gemms(mode, dtype, monkeypatch):
+    """rnn_plan.LOCAL_GEMMS on two GPUs: a one-layer call too small to split runs on GPU 0 with local GEMMs (training
+    against cuDNN), and a repeated inference call takes rnn_fast's path there."""
+    from blasx.dnn import rnn_fast
+    monkeypatch.setattr(rnn_plan, "LOCAL_GEMMS", True)
+    blasx.configure(devices="cuda:0,1")
+    _case(mode, dtype, layers=1)
+    assert rnn_multi.last_run()["placement"].local and rnn_multi.last_run()["backward_on"] == {(0, 0): 0}
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(32, 64).cuda().to(getattr(torch, dtype))
+    x = cupy.asarray(np.random.default_rng(2).standard_normal((20, 8, 32)) * 0.5, dtype=dtype)
+    fn = dnn.lstm if mode == "lstm" else dnn.gru
+    p, hits = m.state_dict(), rnn_fast.hits[0]
+    first, second = fn(x, None, p)[0], fn(x, None, p)[0]
+    assert rnn_fast.hits[0] == hits + 1
+    assert _err(first.astype(cupy.float32), cupy.asnumpy(second.astype(cupy.float32))) < 1e-3
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("mode,dtype", [("lstm", "float32"), ("gru", "float32"), ("lstm", "float64")])
 def test_two_gpus_bidirectional_training(mode, dtype):
     """Bidirectional training on two GPUs: each direction's forward and backward on its own GPU, every gradient

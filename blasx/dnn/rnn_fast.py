@@ -49,10 +49,12 @@ def signature(mode, x, params, num_layers, bidirectional, batch_first, lengths, 
 def eligible(pb) -> bool:
     """Whether the general path ran ``pb``, a call with a :func:`signature` (one layer and direction, CuPy,
     inference, no lengths), as one direction_forward on x's GPU alone, the current device, with graphs on
-    (rnn_multi.run_forward with one device: its projection a local GEMM)."""
+    (rnn_multi.run_forward with one device, or a placement kept local to it: its projection a local GEMM)."""
     from . import rnn_multi
     home = pb.x.device.id
-    return pb.graphs and pb.xp.cuda.runtime.getDevice() == home and rnn_multi.devices_for(pb) == [home]
+    pl = rnn_multi.last_run().get("placement")
+    alone = rnn_multi.devices_for(pb) == [home] or (pl is not None and pl.local)
+    return pb.graphs and pb.xp.cuda.runtime.getDevice() == home and alone
 
 
 def remember(key, pb, params) -> None:

@@ -201,7 +201,7 @@ def placement(pb):
     devs = devices_for(pb)
     wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE)
+                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE, local=rnn_plan.LOCAL_GEMMS)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 

@@ -20,7 +20,7 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
   states handed over once per chunk;
 * one unidirectional layer with a large batch (at least :data:`MIN_ROWS` rows per device): the batch rows split
   into contiguous ranges, one per device ("batch"); a smaller batch stays on one device, where a per-step GEMM of
-  fewer rows would not run faster.
+  fewer rows would not run faster (its projection and gradient GEMMs too with ``local``, :data:`LOCAL_GEMMS`).
 
 A chunk (diagonal and wavefront) is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in
 (n-1) chunks (about 1/8 of the run) and each hand-off is amortised over several steps; on one device the diagonal
@@ -39,6 +39,10 @@ MAX_CHUNK = 8  # wavefront steps per hand-off at most
 #: Stacks and bidirectional layers in tensor-core math (float16, bfloat16, TF32) run on x's device alone ("single")
 #: instead of diagonally or a direction per device (off until measured against those in one run).
 ONE_DEVICE_WIDE = False
+#: A one-layer call left on one device of several ("single": a batch too small to split) runs its projection and
+#: gradient GEMMs there too, and a repeated small inference call takes rnn_fast's path. Off (until measured against
+#: it in one run): those GEMMs are engine calls over every device.
+LOCAL_GEMMS = False
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,12 @@ class Placement:
     cells: tuple  # cells[layer][direction] = device (0 .. devices-1)
     rows: tuple = ()  # "batch": the (lo, hi) batch rows of each device
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
-    local: bool = False  # "single" by choice (``one_device``): projections and gradient GEMMs on that device too
+    local: bool = False  # "single" by choice (``one_device``, ``local``): every GEMM of the call on that device too
 
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False, one_device: bool = False) -> Placement:
+         projection: bool = False, one_device: bool = False, local: bool = False) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
@@ -74,4 +78,4 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     if n >= 2:
         cuts = [batch * i // n for i in range(n + 1)]
         return Placement("batch", n, one, rows=tuple((cuts[i], cuts[i + 1]) for i in range(n)))
-    return Placement("single", 1, one)
+    return Placement("single", 1, one, local=local)
