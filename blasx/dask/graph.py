@@ -206,14 +206,18 @@ def build(routine: str, rows, cols, dtype, operands, block, token_args) -> da.Ar
     return da.Array(graph, name, chunks, meta=_meta(operands, dtype))
 
 
+def cupy_chunks(*xs) -> bool:
+    """Every one of the dask arrays ``xs`` has CuPy chunks."""
+    return all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs)
+
+
 def task_bytes(operands) -> int:
     """The dependency bytes a task may take (``dask.config``'s ``blasx.dask.task-bytes``): "auto" gives
     DEVICE_TASK_BYTES where every dask operand's chunks are CuPy arrays, else TASK_BYTES; or a size."""
     v = dask.config.get("blasx.dask.task-bytes", "auto")
     if v == "auto":
         xs = [op.x for op in operands if op is not None and op.x is not None]
-        cupy = bool(xs) and all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs)
-        return DEVICE_TASK_BYTES if cupy else TASK_BYTES
+        return DEVICE_TASK_BYTES if xs and cupy_chunks(*xs) else TASK_BYTES
     try:
         n = parse_bytes(v)
     except (AttributeError, TypeError, ValueError):

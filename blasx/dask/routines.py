@@ -15,7 +15,7 @@ import dask
 import numpy as np
 
 from ..linalg import find_best_blas_type
-from .graph import Operand, as_dask, build, group_bounds, inside, spans, union
+from .graph import Operand, as_dask, build, cupy_chunks, group_bounds, inside, spans, union
 
 #: blasx.dask.group's "auto" side for CuPy chunks: a super-block's call is about a 16384^2 GEMM or more
 GROUP_EXTENT = 16384
@@ -129,7 +129,7 @@ def group_extent(*xs) -> int:
     for any chunks (host super-blocks copy their pieces together each step)."""
     v = dask.config.get("blasx.dask.group", "auto")
     if v == "auto":
-        return GROUP_EXTENT if all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs) else 0
+        return GROUP_EXTENT if cupy_chunks(*xs) else 0
     if v in (None, False, "off"):
         return 0
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, str)) or not str(v).isdigit():
