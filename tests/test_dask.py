@@ -312,12 +312,13 @@ def test_chains_bound_the_dependency_bytes_of_a_task(threads, rel_err):
     _check(rel_err, [g] + [c[0] for c in again], [a @ b] + [c[1] for c in cases], ["f8"] + [c[2] for c in cases])
 
 
-def test_task_bytes_config():
+def test_task_bytes_config(monkeypatch):
     """blasx.dask.task-bytes: "auto" bounds a task's dependency bytes at DEVICE_TASK_BYTES where every dask
-    operand's chunks are CuPy arrays (read in place on a GPU), else TASK_BYTES; a size as given; else an error
-    naming the setting before any graph is built."""
+    operand's chunks are CuPy arrays (read in place on a GPU), else TASK_BYTES (no client's workers to fit:
+    the next test); a size as given; else an error naming the setting before any graph is built."""
     from types import SimpleNamespace as NS
     from blasx.dask import graph
+    monkeypatch.setattr(graph, "_least_worker_memory", lambda: None)
     CupyLike = type("ndarray", (), {"__module__": "cupy._core.core"})
     dev, host = NS(x=NS(_meta=CupyLike())), NS(x=NS(_meta=np.empty((0, 0))))
     assert graph.task_bytes([dev, dev, None]) == graph.DEVICE_TASK_BYTES == 16 << 30
@@ -329,6 +330,21 @@ def test_task_bytes_config():
     for bad in ("lots", 0, None, True):
         with dask.config.set({"blasx.dask.task-bytes": bad}), pytest.raises(ValueError, match="task-bytes: got"):
             bd.gemm(1.0, a, a)
+
+
+def test_task_bytes_within_the_workers_memory(client):
+    """With a distributed client, "auto" fits the smallest worker memory limit (Dask errs a task whose dependencies
+    exceed its worker's): at most that limit for CuPy blocks, half of it for host blocks; a size set is used as
+    it is."""
+    from types import SimpleNamespace as NS
+    from blasx.dask import graph
+    least = min(w["memory_limit"] for w in client.scheduler_info()["workers"].values())
+    CupyLike = type("ndarray", (), {"__module__": "cupy._core.core"})
+    dev, host = NS(x=NS(_meta=CupyLike())), NS(x=NS(_meta=np.empty((0, 0))))
+    assert graph.task_bytes([dev]) == min(graph.DEVICE_TASK_BYTES, least)
+    assert graph.task_bytes([host]) == min(graph.TASK_BYTES, least // 2)
+    with dask.config.set({"blasx.dask.task-bytes": "64GiB"}):
+        assert graph.task_bytes([dev]) == 64 << 30
 
 
 def test_local_threaded_scheduler(rel_err):

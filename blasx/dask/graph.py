@@ -213,11 +213,17 @@ def cupy_chunks(*xs) -> bool:
 
 def task_bytes(operands) -> int:
     """The dependency bytes a task may take (``dask.config``'s ``blasx.dask.task-bytes``): "auto" gives
-    DEVICE_TASK_BYTES where every dask operand's chunks are CuPy arrays, else TASK_BYTES; or a size."""
+    DEVICE_TASK_BYTES where every dask operand's chunks are CuPy arrays, else TASK_BYTES, within the smallest worker
+    memory limit of the current distributed client (Dask errs a task whose dependencies exceed its worker's limit,
+    counting CuPy blocks too): at most that limit for CuPy blocks (they take no host memory), half of it for host
+    blocks (the task's accumulator and the worker's other tasks need the rest); or a size."""
     v = dask.config.get("blasx.dask.task-bytes", "auto")
     if v == "auto":
         xs = [op.x for op in operands if op is not None and op.x is not None]
-        return DEVICE_TASK_BYTES if xs and cupy_chunks(*xs) else TASK_BYTES
+        device = bool(xs) and cupy_chunks(*xs)
+        limit = _least_worker_memory()
+        fit = 1 << 62 if limit is None else limit if device else limit // 2
+        return min(DEVICE_TASK_BYTES if device else TASK_BYTES, fit)
     try:
         n = parse_bytes(v)
     except (AttributeError, TypeError, ValueError):
@@ -226,6 +232,28 @@ def task_bytes(operands) -> int:
         raise ValueError(f"dask config blasx.dask.task-bytes: got {v!r}; allowed: 'auto' or a size in bytes > 0 "
                          f"(such as 4GiB)")
     return n
+
+
+def _least_worker_memory() -> int | None:
+    """The smallest memory limit among the current distributed client's workers (None: no synchronous client, or
+    no limits)."""
+    try:
+        from distributed import default_client
+        client = default_client()
+    except (ImportError, ValueError):  # no distributed, or no client: dask's local schedulers
+        return None
+    if client.asynchronous:
+        return None
+    try:
+        try:
+            info = client.scheduler_info(n_workers=-1)
+        except TypeError:  # a distributed before n_workers=: every worker
+            info = client.scheduler_info()
+    except OSError:  # the scheduler went away: the call's own compute reports it
+        return None
+    limits = [w.get("memory_limit") for w in info.get("workers", {}).values()]
+    limits = [int(x) for x in limits if x]
+    return min(limits) if limits else None
 
 
 def _meta(operands, dtype):
