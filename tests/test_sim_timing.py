@@ -121,14 +121,19 @@ def test_shared_host_link_caps_the_aggregate_rate(no_numpy_kernels):
     # their host copies, both directions, share one 2 MB/s channel.
     m, n, k = 128, 128, 32  # 16 one-step tasks on 8 KiB tiles: 128 KiB of C goes out
     common = "sim:2,timing=1,peers=0,rate=1e12,h2d=2e6,d2h=2e6"
+    # Each run's bound from its own host bytes: a tile both devices read crosses twice, and which tasks each
+    # device took varies from run to run.
+    least = (m * k + k * n + m * n) * 8  # A and B in, C out, once each
     devs, indep, _ = run_gemm(common, m, n, k, 32)
     host = sum(d.bytes_in + d.bytes_out for d in devs)
     devs, shared, _ = run_gemm(common + ",host=2e6", m, n, k, 32)
-    assert sum(d.bytes_in + d.bytes_out for d in devs) == host
+    shared_host = sum(d.bytes_in + d.bytes_out for d in devs)
+    assert host >= least and shared_host >= least
     assert devs[0].host_link is devs[1].host_link
-    bound = host / 2e6  # all host bytes through one 2 MB/s channel
+    bound = shared_host / 2e6  # all its host bytes through one 2 MB/s channel
     assert shared.wall >= 0.98 * bound, (shared.wall, bound)
-    assert indep.wall < 0.75 * bound, (indep.wall, bound)  # 2 links, 2 directions each: up to 4x the rate
+    indep_bound = host / 2e6
+    assert indep.wall < 0.75 * indep_bound, (indep.wall, indep_bound)  # 2 links, 2 directions each: up to 4x
 
 
 def test_host_link_reservations():
