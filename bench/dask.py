@@ -10,9 +10,9 @@ Each contender runs on a fresh LocalCluster (so each worker's memory is its own)
 made on the workers and persisted first, then the product is persisted and timed; a sampler
 thread in each worker records its resident memory every few ms, and the peak above the level
 before the call is reported, the highest of the runs (each run starts once the workers have let
-the last run's product go; the time is the fastest run's). Every result is checked on random rows against numpy. ``--zarr``
-writes operands of ``--ram-factor`` times this node's memory into zarr arrays and times
-``to_zarr(blasx.dask.matmul(from_zarr(a), from_zarr(b)))`` (``--memory-limit``: per worker, and
+the last run's product go; the time is the fastest run's). Every result is checked on random rows
+against numpy. ``--zarr`` writes operands of ``--ram-factor`` times this node's memory into zarr
+arrays and times ``to_zarr(blasx.dask.matmul(from_zarr(a), from_zarr(b)))`` (``--memory-limit``: per worker, and
 then the operands are ``--ram-factor`` times the workers' limits together).
 """
 

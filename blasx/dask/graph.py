@@ -221,9 +221,11 @@ def task_bytes(operands) -> int:
     if v == "auto":
         xs = [op.x for op in operands if op is not None and op.x is not None]
         device = bool(xs) and cupy_chunks(*xs)
+        bound = DEVICE_TASK_BYTES if device else TASK_BYTES
         limit = _least_worker_memory()
-        fit = 1 << 62 if limit is None else limit if device else limit // 2
-        return min(DEVICE_TASK_BYTES if device else TASK_BYTES, fit)
+        if limit is not None:
+            bound = min(bound, limit if device else limit // 2)
+        return bound
     try:
         n = parse_bytes(v)
     except (AttributeError, TypeError, ValueError):
