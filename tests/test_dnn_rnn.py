@@ -167,11 +167,12 @@ def test_sims_placements(devices, mode, layers, bidir, B, proj, kind):
     compare(mode, layers=layers, bidir=bidir, B=B, H=5, proj=proj, lengths=lengths,
             dtype="float32" if B > 3 else "float64")
     run = rnn_multi.last_run()
-    assert run["placement"].kind == (kind if devices != "sim:1" or kind == "diagonal" else "single")
+    assert run["placement"].kind == (kind if devices != "sim:1" else "single")
     if kind == "directions" and devices != "sim:1":
         assert {run["ran_on"][(0, 0)], run["ran_on"][(0, 1)]} == {0, 1}
     if kind in ("wavefront", "diagonal") and devices == "sim:3":
-        assert [run["ran_on"][(layer, 0)] for layer in range(layers)] == [layer * 3 // layers for layer in range(layers)]
+        want = [layer * 3 // layers for layer in range(layers)]
+        assert [run["ran_on"][(layer, 0)] for layer in range(layers)] == want
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
@@ -210,7 +211,7 @@ def test_bidirectional_backward_on_two_sims(mode):
 
 
 def test_plan_rules():
-    assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("diagonal", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 1) == rnn_plan.Placement("single", 1, ((0,),) * 4)
     assert rnn_plan.plan(4, 1, 64, 100, 1, projection=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
     assert rnn_plan.plan(4, 1, 64, 100, 2) == rnn_plan.Placement("diagonal", 2, ((0,), (0,), (1,), (1,)), chunk=7)
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True) == rnn_plan.Placement(
@@ -222,26 +223,23 @@ def test_plan_rules():
                                                                                               (128, 192), (192, 256)))
     assert rnn_plan.plan(1, 1, 130, 100, 4) == rnn_plan.Placement("batch", 2, ((0,),), rows=((0, 65), (65, 130)))
     assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
-    # one_device: a stack (a projection or not) or a bidirectional layer on x's device alone, its GEMMs local
-    # there too; one layer unchanged
-    assert rnn_plan.plan(4, 1, 64, 100, 2, one_device=True) == rnn_plan.Placement("single", 1, ((0,),) * 4,
-                                                                                   local=True)
-    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, one_device=True).kind == "single"
-    assert rnn_plan.plan(2, 2, 64, 100, 4, one_device=True) == rnn_plan.Placement("single", 1, ((0, 0), (0, 0)),
-                                                                                   local=True)
+    # wide (tensor-core math): a stack without a projection layer after layer on x's device, its GEMMs local there
+    # on several devices; a projection, a bidirectional layer and one layer as in float32 IEEE
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide=True) == rnn_plan.Placement("single", 1, ((0,),) * 4, local=True)
+    assert rnn_plan.plan(4, 1, 64, 100, 1, wide=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, wide=True) == rnn_plan.plan(4, 1, 64, 100, 2,
+                                                                                       projection=True)
+    assert rnn_plan.plan(2, 2, 64, 100, 4, wide=True) == rnn_plan.plan(2, 2, 64, 100, 4)
+    assert rnn_plan.plan(1, 1, 256, 100, 4, wide=True).kind == "batch"
+    # a one-layer call left on one device of several keeps its GEMMs there; on one device there is nothing to keep
+    assert rnn_plan.plan(1, 1, 64, 100, 2) == rnn_plan.Placement("single", 1, ((0,),), local=True)
     assert not rnn_plan.plan(1, 1, 64, 100, 1).local and not rnn_plan.plan(2, 2, 64, 100, 1).local
-    # local: a one-layer call left on one device of several keeps its GEMMs there; other placements unchanged
-    assert rnn_plan.plan(1, 1, 64, 100, 2, local=True) == rnn_plan.Placement("single", 1, ((0,),), local=True)
-    assert rnn_plan.plan(1, 1, 256, 100, 2, local=True).kind == "batch"
-    assert rnn_plan.plan(4, 1, 64, 100, 2, local=True) == rnn_plan.plan(4, 1, 64, 100, 2)
-    assert rnn_plan.plan(1, 1, 256, 100, 4, one_device=True).kind == "batch"
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_local_gemms_vs_torch(monkeypatch, mode):
-    """rnn_plan.LOCAL_GEMMS: a one-layer call too small to split over two devices runs on x's device with its GEMMs
-    ("single", local); forward and backward match torch."""
-    monkeypatch.setattr(rnn_plan, "LOCAL_GEMMS", True)
+def test_local_gemms_vs_torch(mode):
+    """A one-layer call too small to split over two devices runs on x's device with its GEMMs ("single", local);
+    forward and backward match torch."""
     blasx.configure(devices="sim:2")
     compare(mode, T=6, B=3, I=8, H=16, dtype="float32")
     assert rnn_multi.last_run()["placement"] == rnn_plan.Placement("single", 1, ((0,),), local=True)
@@ -250,21 +248,20 @@ def test_local_gemms_vs_torch(monkeypatch, mode):
 @pytest.mark.parametrize("dtype", ["float32", "tf32", "float16", "bfloat16"])
 @pytest.mark.parametrize("mode,layers,bidir", [("lstm", 3, False), ("gru", 3, False), ("lstm", 2, True)])
 @pytest.mark.parametrize("devices", ["cpu", "sim:2"])
-def test_one_device_wide_vs_torch(monkeypatch, devices, mode, layers, bidir, dtype):
-    """rnn_plan.ONE_DEVICE_WIDE: a stack or a bidirectional layer in tensor-core math runs on x's device alone
-    ("single"), float32 IEEE as before (diagonal, or a direction per device); all match torch, both passes."""
-    monkeypatch.setattr(rnn_plan, "ONE_DEVICE_WIDE", True)
+def test_wide_stack_vs_torch(devices, mode, layers, bidir, dtype):
+    """A stack in tensor-core math runs on x's device alone ("single"), float32 IEEE diagonally over several
+    devices, a bidirectional stack a direction per device in every math; all match torch, both passes."""
     blasx.configure(devices=devices)
     compare(mode, layers=layers, bidir=bidir, dtype=dtype, T=6, B=3, I=8, H=16)
     kind = rnn_multi.last_run()["placement"].kind
-    if dtype != "float32":
-        assert kind == "single"
+    if bidir:
+        assert kind == ("directions" if devices == "sim:2" else "single")
     else:
-        assert kind == ("diagonal" if not bidir else "directions" if devices == "sim:2" else "single")
+        assert kind == ("diagonal" if dtype == "float32" and devices == "sim:2" else "single")
 
 
 def test_diagonal_order(monkeypatch):
-    """Each diagonal step advances every layer of the group at once: layer l at step s works on time s - l
+    """Each diagonal step (one group, on one device) advances every layer of the group at once: layer l at step s works on time s - l
     (idle outside 0..T-1), and the backward visits the same (step, layer, time) triples in reverse."""
     from blasx.dnn import rnn_diag_cells, rnn_layer
     seen = {"fwd": [], "bwd": []}
@@ -279,6 +276,7 @@ def test_diagonal_order(monkeypatch):
         real_b(mode, en, ec, ext, dhn, dc, g, c, cp, d, dp, dg, act, s, T)
     monkeypatch.setattr(rnn_layer.HostOps, "diag_forward", staticmethod(fwd))
     monkeypatch.setattr(rnn_layer.HostOps, "diag_backward", staticmethod(bwd))
+    monkeypatch.setattr(rnn_plan, "plan", lambda *a, **k: rnn_plan.Placement("diagonal", 1, ((0,),) * 3))
     compare("lstm", layers=3, T=4, B=3, lengths=[4, 2, 1])
     bs = (3, 2, 1, 1)
     want = [tuple(bs[s - l] if 0 <= s - l < 4 else -1 for l in range(3)) for s in range(6)]

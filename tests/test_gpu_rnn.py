@@ -9,7 +9,7 @@ import pytest
 
 import blasx
 from blasx import dnn
-from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
+from blasx.dnn import rnn_graph, rnn_multi
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -176,11 +176,10 @@ def test_two_gpus(layers, bidir, B, kind):
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("mode,dtype", [("lstm", "float16"), ("gru", "float32")])
-def test_two_gpus_local_gemms(mode, dtype, monkeypatch):
-    """rnn_plan.LOCAL_GEMMS on two GPUs: a one-layer call too small to split runs on GPU 0 with local GEMMs (training
-    against cuDNN), and a repeated inference call takes rnn_fast's path there."""
+def test_two_gpus_local_gemms(mode, dtype):
+    """On two GPUs a one-layer call too small to split runs on GPU 0 with local GEMMs (training against cuDNN), and
+    a repeated inference call takes rnn_fast's path there."""
     from blasx.dnn import rnn_fast
-    monkeypatch.setattr(rnn_plan, "LOCAL_GEMMS", True)
     blasx.configure(devices="cuda:0,1")
     _case(mode, dtype, layers=1)
     assert rnn_multi.last_run()["placement"].local and rnn_multi.last_run()["backward_on"] == {(0, 0): 0}
@@ -234,16 +233,15 @@ def test_two_gpus_bidirectional_equals_one(mode):
             assert g[k].device.id == 0 and _err(g[k], cupy.asnumpy(ref[k])) < 1e-12, k
 
 
-@pytest.mark.parametrize("ngpu", [1, 2])
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layers", [2, 4])
 @pytest.mark.parametrize("mode,dtype,lengths", [("lstm", "float32", None), ("gru", "float32", None),
-                                                ("lstm", "float64", [20, 17, 17, 9, 5, 3, 1, 1]),
-                                                ("lstm", "float16", None)])
-def test_diagonal_vs_cudnn(ngpu, layers, mode, dtype, lengths):
-    """Unidirectional stacks run diagonally (one group on one GPU, two groups on two), forward and backward."""
-    if ngpu > NGPU:
-        pytest.skip("needs 2 GPUs")
-    blasx.configure(devices="cuda:0" if ngpu == 1 else "cuda:0,1")
+                                                ("lstm", "float64", [20, 17, 17, 9, 5, 3, 1, 1])])
+def test_diagonal_vs_cudnn(layers, mode, dtype, lengths):
+    """Unidirectional stacks in float32 IEEE and float64 on two GPUs run diagonally, a group on each, forward and
+    backward."""
+    ngpu = 2
+    blasx.configure(devices="cuda:0,1")
     _case(mode, dtype, layers=layers, lengths=lengths)
     run = rnn_multi.last_run()
     assert run["placement"].kind == "diagonal" and run["placement"].devices == ngpu
@@ -253,28 +251,26 @@ def test_diagonal_vs_cudnn(ngpu, layers, mode, dtype, lengths):
 @pytest.mark.parametrize("ngpu", [1, 2])
 @pytest.mark.parametrize("layers,bidir", [(3, False), (2, True)])
 @pytest.mark.parametrize("mode,dtype", [("lstm", "float16"), ("gru", "float16"), ("lstm", "float32")])
-def test_one_device_wide_vs_cudnn(ngpu, layers, bidir, mode, dtype, monkeypatch):
-    """rnn_plan.ONE_DEVICE_WIDE: a float16 stack or bidirectional layer on GPU 0 alone (its GEMMs local there),
-    forward and backward; float32 IEEE keeps its placement."""
+def test_wide_stack_vs_cudnn(ngpu, layers, bidir, mode, dtype):
+    """A float16 stack on GPU 0 alone (its GEMMs local there with two GPUs), forward and backward; on two GPUs
+    float32 IEEE stacks run diagonally, bidirectional layers a direction per GPU."""
     if ngpu > NGPU:
         pytest.skip("needs 2 GPUs")
-    monkeypatch.setattr(rnn_plan, "ONE_DEVICE_WIDE", True)
     blasx.configure(devices="cuda:0" if ngpu == 1 else "cuda:0,1")
     _case(mode, dtype, layers=layers, bidir=bidir, lengths=None)
     run = rnn_multi.last_run()
-    if dtype == "float16":
-        assert run["placement"].kind == "single" and run["placement"].local
+    if ngpu == 1 or (dtype == "float16" and not bidir):
+        assert run["placement"].kind == "single" and run["placement"].local == (ngpu == 2)
         assert set(run["ran_on"].values()) == set(run["backward_on"].values()) == {0}
     else:
-        assert run["placement"].kind == ("diagonal" if not bidir else "directions" if ngpu == 2 else "single")
+        assert run["placement"].kind == ("directions" if bidir else "diagonal")
 
 
-@pytest.mark.parametrize("ngpu", [1, 2])
-def test_diagonal_graphs_equal_eager(ngpu):
-    """The diagonal loops replayed from their per-chunk graphs give the eager loops' results bit for bit."""
-    if ngpu > NGPU:
-        pytest.skip("needs 2 GPUs")
-    blasx.configure(devices="cuda:0" if ngpu == 1 else "cuda:0,1")
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_diagonal_graphs_equal_eager():
+    """The diagonal loops (two GPUs) replayed from their per-chunk graphs give the eager loops' results bit for
+    bit."""
+    blasx.configure(devices="cuda:0,1")
     rng = np.random.default_rng(2)
     m = torch.nn.LSTM(16, 32, num_layers=4)
     p = {k: cupy.asarray(v.detach().numpy()) for k, v in m.state_dict().items()}

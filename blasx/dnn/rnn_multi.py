@@ -200,8 +200,7 @@ def placement(pb):
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
     wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
-    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       one_device=wide and rnn_plan.ONE_DEVICE_WIDE, local=rnn_plan.LOCAL_GEMMS)
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size), wide=wide)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 

@@ -3,16 +3,17 @@
 The recurrence serialises the steps of one layer-direction, so extra devices help only by running *different*
 loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices):
 
-* a unidirectional stack of L >= 2 layers without a projection, on any number of devices (unless ``one_device``):
-  the diagonal form
-  ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a group advance
-  together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per step: L times
-  fewer launches than layer after layer, and a GEMM of L times the rows' work, which fills a GPU that one
-  small-batch recurrent GEMM leaves mostly idle. The layers are cut into n = min(devices, L) contiguous groups,
+* a unidirectional stack of L >= 2 layers without a projection, on one device or in tensor-core math (float16,
+  bfloat16, TF32; ``wide``): layer after layer on x's device through the one-layer loops, every GEMM of the call
+  local to it ("single", ``local`` with several devices): there a layer's step is short enough that the diagonal's
+  batched GEMM and hand-offs cost more than they save;
+* a unidirectional stack of L >= 2 layers without a projection in float32 IEEE or float64 on several devices: the
+  diagonal form ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a
+  group advance together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per
+  step: L times fewer launches than layer after layer, and a GEMM of L times the rows' work, which fills a GPU that
+  one small-batch recurrent GEMM leaves mostly idle. The layers are cut into n = min(devices, L) contiguous groups,
   group g on device g, each a chunk behind the one below; h crosses once per chunk;
-* one device otherwise, or a stack or bidirectional layer with ``one_device`` (tensor-core math, where
-  :data:`ONE_DEVICE_WIDE` says so: layer after layer on x's device through the one-layer loops, a bidirectional
-  layer's directions side by side there, every GEMM of the call local to it): everything on it ("single");
+* one device otherwise: everything on it ("single");
 * a bidirectional stack: the two directions of every layer side by side, direction d on device d ("directions";
   layers stay in sequence, since a bidirectional layer needs all of the layer below before its reverse pass);
 * a unidirectional stack of L >= 2 layers with a projection (proj_size): a wavefront ("wavefront"): the layers
@@ -20,11 +21,11 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
   states handed over once per chunk;
 * one unidirectional layer with a large batch (at least :data:`MIN_ROWS` rows per device): the batch rows split
   into contiguous ranges, one per device ("batch"); a smaller batch stays on one device, where a per-step GEMM of
-  fewer rows would not run faster (its projection and gradient GEMMs too with ``local``, :data:`LOCAL_GEMMS`).
+  fewer rows would not run faster, its projection and gradient GEMMs local there too ("single", ``local``).
 
 A chunk (diagonal and wavefront) is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in
-(n-1) chunks (about 1/8 of the run) and each hand-off is amortised over several steps; on one device the diagonal
-loop is one chunk (chunk 0). Layer 0's input projection and the weight-gradient GEMMs are single GEMMs.
+(n-1) chunks (about 1/8 of the run) and each hand-off is amortised over several steps. Layer 0's input projection
+and the weight-gradient GEMMs are single GEMMs.
 rnn_multi.py executes a placement.
 """
 
@@ -36,13 +37,6 @@ from dataclasses import dataclass
 
 MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
 MAX_CHUNK = 8  # wavefront steps per hand-off at most
-#: Stacks and bidirectional layers in tensor-core math (float16, bfloat16, TF32) run on x's device alone ("single")
-#: instead of diagonally or a direction per device (off until measured against those in one run).
-ONE_DEVICE_WIDE = False
-#: A one-layer call left on one device of several ("single": a batch too small to split) runs its projection and
-#: gradient GEMMs there too, and a repeated small inference call takes rnn_fast's path. Off (until measured against
-#: it in one run): those GEMMs are engine calls over every device.
-LOCAL_GEMMS = False
 
 
 @dataclass(frozen=True)
@@ -52,20 +46,20 @@ class Placement:
     cells: tuple  # cells[layer][direction] = device (0 .. devices-1)
     rows: tuple = ()  # "batch": the (lo, hi) batch rows of each device
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
-    local: bool = False  # "single" by choice (``one_device``, ``local``): every GEMM of the call on that device too
+    local: bool = False  # "single" on one device of several: every GEMM of the call on that device too
 
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False, one_device: bool = False, local: bool = False) -> Placement:
-    """The placement of a stack (pure; see the module docstring for the rules)."""
+         projection: bool = False, wide: bool = False) -> Placement:
+    """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
     n = max(1, min(n_devices, num_layers))
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
-    if one_device and (stacked or num_dirs == 2):
-        return Placement("single", 1, one, local=True)
+    if stacked and not projection and (wide or n_devices <= 1):
+        return Placement("single", 1, one, local=n_devices > 1)
     if stacked and not projection:
         return Placement("diagonal", n, cells, chunk=chunk)
     if n_devices <= 1:
@@ -78,4 +72,4 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     if n >= 2:
         cuts = [batch * i // n for i in range(n + 1)]
         return Placement("batch", n, one, rows=tuple((cuts[i], cuts[i + 1]) for i in range(n)))
-    return Placement("single", 1, one, local=local)
+    return Placement("single", 1, one, local=True)
