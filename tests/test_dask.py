@@ -7,6 +7,7 @@ types, zarr and memmap operands, offload, progress, argument errors and the memo
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -382,3 +383,32 @@ def test_gemm_runs_joined_along_k_for_device_blocks():
     assert np.abs(got - want).max() < 1e-12
     got = W._apply(joined[1], W._load(joined[1], deps, (), np), acc.copy(order="F"), np)
     assert np.abs(got - (acc + deps[2].T @ deps[1])).max() < 1e-12
+
+
+def test_host_accumulators_come_from_the_result_pool_on_gpus(monkeypatch):
+    """On an engine with GPUs a task's large host accumulator is page-locked memory from blasx's result pool (as
+    blasx's own results are), zeros or a scaled copy of c's piece; elsewhere a plain array."""
+    from blasx import session
+    from blasx.dask import worker as W
+    from blasx.runtime import hostmem, hostpool
+    live = []
+
+    def alloc(nbytes):
+        live.append((ctypes.c_byte * nbytes)())
+        return ctypes.addressof(live[-1])
+    pool = hostpool.OutputPool(alloc, lambda ptr: None, idle_limit=1 << 30)
+    monkeypatch.setattr(hostpool, "POOL", pool)
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 0)
+    c = np.arange(12.0).reshape(3, 4)
+    zeros = W.Block((3, 4), "float64", ("zeros",), ())
+    copy = W.Block((3, 4), "float64", ("copy", W.Ref(0, 0, 3, 0, 4), 2.0), ())
+    monkeypatch.setattr(session, "on_cuda", lambda: False)
+    assert W._init(zeros, [c], np).base is None and pool.handed == 0
+    monkeypatch.setattr(session, "on_cuda", lambda: True)
+    kept = []  # (a buffer goes back to the pool when its array dies)
+    for plan, want in ((zeros, np.zeros((3, 4))), (copy, 2 * c)):
+        kept.append(W._init(plan, [c], np))
+        assert pool.handed == len(kept) and kept[-1].flags.f_contiguous and kept[-1].dtype == np.float64
+        assert np.array_equal(kept[-1], want)
+    kept.append(W._init(zeros, [c], np, fresh=True))
+    assert kept[-1].shape == (3, 4) and pool.handed == 3

@@ -21,6 +21,7 @@ import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import blasx
+from blasx.blas3 import new_array
 from blasx.operands import array_module, is_cupy
 from blasx.pieces import gemm_pieces
 
@@ -272,12 +273,14 @@ def _apply(step, pieces, acc, xp, fresh: bool = False):
 
 def _init(plan: Block, deps, xp, fresh: bool = False):
     """The block's accumulator: zeros (uninitialised where ``fresh``: its first step overwrites it), or a scaled
-    copy of c's piece."""
+    copy of c's piece. A large host block on GPUs is page-locked memory from blasx's result pool, as a result
+    blasx makes is (``new_array``): the engine's copies into it then lock no fresh pages."""
     dtype = np.dtype(plan.dtype)
     if plan.init[0] == "zeros":
-        return (xp.empty if fresh else xp.zeros)(plan.shape, dtype=dtype, order="F")
+        return new_array(xp, plan.shape, dtype, None, zeros=not fresh)
     _, ref, scale = plan.init
-    acc = xp.array(_read(ref, deps, plan.stores, xp), dtype=dtype, order="F", copy=True)
+    acc = new_array(xp, plan.shape, dtype, None)
+    acc[...] = _read(ref, deps, plan.stores, xp)
     if scale != 1:
         acc *= scale
     return acc
