@@ -317,6 +317,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_contenders(devices: str, gpu_chunks: bool) -> list[str]:
+    """Every contender, but dask.array where GPU workers get host chunks (it computes numpy chunks on the workers'
+    CPUs: not the peer of a GPU run, and hours at its sizes)."""
+    host_on_gpus = devices.startswith("cuda") and not gpu_chunks
+    return [c for c in CONTENDERS if not (host_on_gpus and c == "dask.array")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=8192)
@@ -327,7 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("local", "per-gpu"), default="local",
                    help="per-gpu: one worker per GPU seeing only its own (then --devices cuda)")
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of: " + ", ".join(CONTENDERS))
+    p.add_argument("--contenders", help="comma list of: " + ", ".join(CONTENDERS) + " (default: all; with GPU "
+                   "devices and host chunks not dask.array, which computes numpy chunks on the workers' CPUs)")
     p.add_argument("--gpu-chunks", action="store_true", help="CuPy chunks (GPU workers)")
     p.add_argument("--cache-bytes", help="blasx's tile cache per device, e.g. 24GiB (default: blasx's, half "
                                          "the free GPU memory; leave room for CuPy chunks)")
@@ -345,6 +353,8 @@ def main(argv=None) -> int:
                    "blasx.dask.task-bytes, e.g. 16GiB; default blasx's): a larger output block is a chain of tasks")
     p.add_argument("--out", default=None, help="directory for the JSON and markdown")
     args = p.parse_args(argv)
+    if args.contenders is None:
+        args.contenders = ",".join(default_contenders(args.devices, args.gpu_chunks))
     names = [s.strip() for s in args.contenders.split(",") if s.strip()]
     if not names or any(n not in CONTENDERS for n in names):
         p.error(f"--contenders: got {args.contenders!r}; allowed: a comma list of {', '.join(CONTENDERS)}")

@@ -45,3 +45,14 @@ def test_contenders_must_be_known(capsys):
         bench_dask.main(["--contenders", "blasx.dask,blasx"])
     assert "--contenders: got 'blasx.dask,blasx'; allowed: a comma list of blasx.dask, dask.array, blasx (one " \
            "process)" in capsys.readouterr().err
+
+
+def test_default_contenders():
+    """All three, except dask.array where GPU workers get host chunks (it would compute them on the CPUs)."""
+    from bench import dask as bench_dask
+    everyone = ["blasx.dask", "dask.array", "blasx (one process)"]
+    assert bench_dask.default_contenders("cpu", False) == everyone
+    assert bench_dask.default_contenders("sim:2", False) == everyone
+    assert bench_dask.default_contenders("cuda", True) == everyone
+    assert bench_dask.default_contenders("cuda", False) == ["blasx.dask", "blasx (one process)"]
+    assert bench_dask.default_contenders("cuda:{name}", False) == ["blasx.dask", "blasx (one process)"]
