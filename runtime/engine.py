@@ -16,7 +16,8 @@ Policy
   tile in its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which
   later tasks wait for) goes first. **Fair share of small calls**: a stream worker holding
   max(1, tasks // stream workers) of a call leaves the rest to a stream peer with room that holds
-  less, unless it has nothing else to run (``Worker._leave_for_peer``).
+  less, unless it has nothing else to run (``Worker._leave_for_peer``); with ``Knobs.line_homes`` an
+  in-place TRMM or a TRSM of at most two lines a device leaves each line to one device (``_leave_for_home``).
 * Each stream runs one task; a worker issues one k-step of every active task in turn, with at most
   ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
   cannot move, so what each device has committed when the queues run dry is the call's tail).

@@ -52,6 +52,10 @@ class Knobs:
     #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
     #: like any other input.
     stage_into_result: bool = True
+    #: The lines of in-place TRMM and TRSM (``Task.line``: columns of B that depend on no other) each on one stream
+    #: device (line i of n on device i * devices // n, a task left at the queue's head for its device while that
+    #: one has room), at most two lines a device. Off (default until a GPU A/B decides): any device, any task.
+    line_homes: bool = False
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":

@@ -76,6 +76,9 @@ class Task:
     # Started ahead of Eq. 3's choice in a station (it reads no A/B tile, so Eq. 3 would rank it
     # last): later tasks of the call wait for it (TRSM's inversions of the diagonal blocks).
     urgent: bool = False
+    # (index, count): the task's line (a column of B, or a row for side right, in in-place TRMM and TRSM), whose
+    # tasks wait only on each other; with ``Knobs.line_homes`` line i's tasks go to stream device i * n // count.
+    line: tuple[int, int] = ()
     call: Any = field(default=None, repr=False)
     worker: int = -1
 

@@ -43,7 +43,20 @@ class Worker(threading.Thread):
 
     def _takes(self, task) -> bool:
         """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
-        return not self._leave_for_peer(task.call)
+        return not self._leave_for_peer(task.call) and not self._leave_for_home(task)
+
+    def _leave_for_home(self, task) -> bool:
+        """With ``Knobs.line_homes``: True if ``task``'s line (``Task.line``) belongs to another stream worker that is alive and
+        has room (never while this worker has nothing it can run, as the fair share). Only for a call of at most
+        two lines a device: with more, the steals at the tail balance better than whole lines."""
+        if not task.line or not self.dev.streamed or not self.engine.config.knobs.line_homes:
+            return False
+        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, task.call)]
+        index, count = task.line
+        if count > 2 * len(peers):
+            return False
+        home = peers[index * len(peers) // count]
+        return home is not self and home.alive and home.station.free_slots() > 0 and self.has_runnable()
 
     def _may_steal(self, task) -> bool:
         """This worker may steal ``task`` from a peer's station (one it can run)."""

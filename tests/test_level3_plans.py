@@ -169,15 +169,18 @@ def test_plan_trmm_in_place_orders_writes_after_reads():
     tasks = plan_trmm(6, 5, 4, 0, 1, OP_N, 0, in_place=True)
     assert [(t.c.bi, t.c.bj) for t in tasks] == [(1, 0), (1, 1), (0, 0), (0, 1)]
     assert [t.deps for t in tasks] == [(), (), (0,), (1,)]
+    assert [t.line for t in tasks] == [(0, 2), (1, 2), (0, 2), (1, 2)]  # (column, columns): the gated lines
     assert trmm_levels(6, 5, 4, 0, 1, OP_N) == [1, 0] and trmm_levels(6, 5, 4, 0, 1, OP_T) == [0, 1]
     # right side, lower op(A): C_ij reads B_ik for k >= j, so the left column is written first
     assert trmm_levels(5, 9, 4, 1, 1, OP_N) == [0, 1, 2] and trmm_levels(5, 9, 4, 1, 0, OP_N) == [2, 1, 0]
     tasks = plan_trmm(5, 9, 4, 1, 0, OP_N, 0, in_place=True)  # upper: right column first
     assert [(t.c.bi, t.c.bj) for t in tasks] == [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0)]
     assert [t.deps for t in tasks] == [(), (), (0,), (1,), (0, 2), (1, 3)]
+    assert [t.line for t in tasks] == [(0, 2), (1, 2)] * 3  # right side: (row, rows)
     # the same steps as out of place, and alpha == 0 needs no order
     flat = {(t.c.bi, t.c.bj): t.steps for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0)}
     assert {(t.c.bi, t.c.bj): t.steps for t in tasks} == flat
+    assert not any(t.line for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0))
     assert not any(t.deps for t in plan_trmm(5, 9, 4, 1, 0, OP_N, 0, alpha_zero=True, in_place=True))
 
 
@@ -318,6 +321,7 @@ def test_plan_trsm_left_lower_hand_computed():
     assert t3.steps[0].b == TileRef(TRSM_X, 0, 1, 0, 4, 4, 1)
     assert t2.flops == 2 * 2 * 4 * 4 + 2 * 2 * 4
     assert sum(t.flops for t in tasks) == 6 * 6 * 5  # m^2 n, the whole TRSM
+    assert [t.line for t in tasks] == [(0, 2), (1, 2), (0, 2), (1, 2)]  # (column, columns): independent solves
 
 
 def test_plan_trsm_with_inverses_hand_computed():
@@ -343,6 +347,7 @@ def test_plan_trsm_with_inverses_hand_computed():
     assert t21.steps[-1] == Step("invmm", v2, None, OP_N, OP_N, 2, 1, 2, SC_ONE, SC_ONE, 0, 1, 0)
     assert t21.deps == (3, 5, 1) and t21.gates == ((3,), (5,), (1,), ())
     assert not any(t.urgent for t in tasks[2:])
+    assert i1.line == i2.line == () and [t.line for t in tasks[2:]] == [(0, 2), (1, 2)] * 3  # inversions: shared
     # the solve's flops, plus n^3 / 3 per inverted block
     assert sum(t.flops for t in tasks) == 10 * 10 * 5 + (4 ** 3 + 2 ** 3) / 3
 
@@ -375,6 +380,7 @@ def test_plan_trsm_right_upper_transposed_is_backward():
         Step("trsm", TileRef(TRSM_A, 0, 0, 0, 0, 4, 4), None, OP_T, OP_N, 3, 4, 4, SC_ONE, SC_ONE, 1, 0, 1),
     )
     assert mid.deps == (0,) and last.deps == (0, 1)
+    assert [t.line for t in tasks] == [(0, 1)] * 3  # right side: rows
     assert [t.keep_c for t in tasks] == [True, True, False]
 
 

@@ -851,3 +851,43 @@ def test_fair_share_counts_stream_devices_only():
         pass
     s1.alive = False  # a dead peer cannot take anything
     assert not s0._leave_for_peer(call)
+
+
+@pytest.mark.parametrize("lines", [4, 5])
+def test_line_homes_leave_a_line_for_its_device(lines):
+    """``Worker._leave_for_home`` (``Knobs.line_homes``) on constructed workers (2 sims, none started): an
+    in-place TRMM task of line j of 4 belongs to sim j * 2 // 4; another sim leaves it at the queue's head while
+    that one is alive with room and the asker holds a task it can run; never with more than two lines a
+    device (5), nor with the knob off."""
+    from blasx.runtime.engine import Engine, EngineConfig
+    from blasx.runtime.knobs import Knobs
+    from blasx.runtime.plans import plan_trmm
+    from blasx.runtime.worker import StreamWorker
+
+    def engine(on):
+        devs = [SimDevice(i, nstreams=2, cache_bytes=1 << 16, name=f"sim:{i}", trace=False) for i in range(2)]
+        eng = Engine(EngineConfig(devices=devs, streams=2, knobs=Knobs(line_homes=on)))
+        eng.workers = [StreamWorker(eng, devs[i], eng.stations[i]) for i in range(2)]
+        return eng
+    n = 2 * lines
+    tasks = plan_trmm(n, n, 2, 0, 1, OP_N, 0, in_place=True)  # lower, left: lines are B's columns
+    assert {t.line for t in tasks} == {(j, lines) for j in range(lines)}
+    tokens = TokenTable(2)
+    operands = [make_operand(np.ones((n, n), order="F"), tokens) for _ in range(3)]
+    Call("trmm", operands, tasks, np.float64, 1.0, 0.0, CallStats([DeviceInfo(i, "d", "sim") for i in range(2)]))
+    first = [t for t in tasks if not t.deps]  # the first level: runnable at once
+    mine, theirs = (next(t for t in first if t.line[0] == j) for j in (0, lines - 1))
+    eng = engine(True)
+    s0, s1 = eng.workers
+    assert not s0._leave_for_home(theirs)  # nothing runnable held: it takes the head
+    eng.stations[0].push(mine)
+    assert s0._leave_for_home(theirs) == (lines == 4) and not s0._leave_for_home(mine)
+    while eng.stations[1].free_slots() > 0:
+        eng.stations[1].push(theirs)
+    assert not s0._leave_for_home(theirs)  # its home has no room
+    eng.stations[1].drain()
+    s1.alive = False  # a dead home cannot take it
+    assert not s0._leave_for_home(theirs)
+    eng = engine(False)
+    eng.stations[0].push(mine)
+    assert not eng.workers[0]._leave_for_home(theirs)

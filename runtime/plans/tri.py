@@ -125,8 +125,9 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
         tid_of[(i, j)] = len(tasks)
         # The gemm steps after the diagonal one commute: devices start them at different k
         # (rotatable, fixed=1), so that two devices loading one row of A split it between them.
+        line = ((i, tm) if side == SIDE_RIGHT else (j, tn)) if gates else ()
         tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates,
-                          war=bool(gates), rotatable=len(steps) > 2, fixed=1))
+                          war=bool(gates), rotatable=len(steps) > 2, fixed=1, line=line))
     return tasks
 
 
@@ -236,5 +237,6 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
             gates = tuple((d,) for d in deps) + (diag_gate, ())
             deps.extend(diag_gate)
             tasks.append(Task(len(tasks), c, True, steps, task_flops(steps, is_complex), deps=tuple(deps),
-                              keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile), gates=gates))
+                              keep_c=depth < last, c_init=tile_ref(TRSM_B, i, j, m, n, tile), gates=gates,
+                              line=(o, len(others))))
     return tasks
