@@ -46,12 +46,12 @@ class Worker(threading.Thread):
         return not self._leave_for_peer(task.call) and not self._leave_for_home(task)
 
     def _leave_for_home(self, task) -> bool:
-        """With ``Knobs.line_homes``: True if ``task``'s line (``Task.line``) belongs to another stream worker that is alive and
-        has room (never while this worker has nothing it can run, as the fair share). Only for a call of at most
-        two lines a device: with more, the steals at the tail balance better than whole lines."""
+        """With ``Knobs.line_homes``: True if ``task``'s line (``Task.line``) belongs to another stream worker that
+        is alive and has room (never while this worker has nothing it can run, as the fair share). Only for a call
+        of at most two lines a device: with more, the steals at the tail balance better than whole lines."""
         if not task.line or not self.dev.streamed or not self.engine.config.knobs.line_homes:
             return False
-        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, task.call)]
+        peers = self._stream_peers(task.call)
         index, count = task.line
         if count > 2 * len(peers):
             return False
@@ -78,11 +78,15 @@ class Worker(threading.Thread):
         waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
         if not self.dev.streamed:
             return False
-        peers = [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
+        peers = self._stream_peers(call)
         share = max(1, call.n_tasks // max(1, len(peers)))
         if self.holding(call) < share or not self.has_runnable():
             return False
         return any(w is not self and w.station.free_slots() > 0 and w.holding(call) < share for w in peers)
+
+    def _stream_peers(self, call) -> list:
+        """The stream workers (this one too) that can run ``call``, in engine order."""
+        return [w for w in self.engine.workers if w.dev.streamed and self.engine.can_run(w, call)]
 
     def holding(self, call) -> int:
         """Tasks of ``call`` this worker holds (station and started); read by peers, lock-free."""
