@@ -261,8 +261,9 @@ def test_wide_stack_vs_torch(devices, mode, layers, bidir, dtype):
 
 
 def test_diagonal_order(monkeypatch):
-    """Each diagonal step (one group, on one device) advances every layer of the group at once: layer l at step s works on time s - l
-    (idle outside 0..T-1), and the backward visits the same (step, layer, time) triples in reverse."""
+    """Each diagonal step (one group, on one device) advances every layer of the group at once: layer l at step s
+    works on time s - l (idle outside 0..T-1), and the backward visits the same (step, layer, time) triples in
+    reverse."""
     from blasx.dnn import rnn_diag_cells, rnn_layer
     seen = {"fwd": [], "bwd": []}
     real_f, real_b = rnn_diag_cells.np_forward, rnn_diag_cells.np_backward
