@@ -171,7 +171,7 @@ def backward_bufs(xp, b: Bufs, mode: str) -> Bufs:
                 Din=xp.empty((T, B, out), dtype=f))
 
 
-def layer0_projection(pb, f, into=None):
+def layer0_projection(pb, into=None):
     """x . W_ih_l0^T for all steps (T, B, G*H) in F (biases are in Bufs). Host arrays: one engine GEMM over every
     device; CuPy (``into``, group 0's buffer on x's device): one local GEMM on the calling stream, since the
     operands already sit there and an engine call would wait for both devices."""
@@ -184,8 +184,7 @@ def layer0_projection(pb, f, into=None):
     if into is not None:  # (x and W_ih have one dtype: rnn_params checks it)
         CudaOps(pb.math).matmul(x2, xp.ascontiguousarray(w).T, into.reshape(T * B, -1))
         return into
-    half = pb.x.dtype.itemsize < 4
-    return _mm(x2, w.T, pb, out_dtype=np.float32 if half else None).reshape(T, B, -1).astype(f, copy=False)
+    return _mm(x2, w.T, pb).reshape(T, B, -1)  # (float32 IEEE or float64 only: F is x's type)
 
 
 class _Layer0:
@@ -267,7 +266,7 @@ def forward(pb, pl, devs, keep: bool):
     # an engine GEMM for host arrays, and inside a caller's graph capture (a network's chunk graph), where the local
     # GEMM's CuPy handle refuses to run; otherwise each group's own (rnn_multi.local_mm, _Layer0)
     capturing = xp is not np and xp.cuda.get_current_stream().is_capturing()
-    P0 = layer0_projection(pb, f) if xp is np or capturing else None
+    P0 = layer0_projection(pb) if xp is np or capturing else None
     progress = [Progress(0) for _ in groups]
     ys = [None] * len(groups)  # each group's last layer's y (T, B, out): its buffers' Y, on its device
     done = [None] * len(groups)
@@ -294,7 +293,7 @@ def forward(pb, pl, devs, keep: bool):
                 if len(parts) > 1:
                     l0 = _Layer0(lp, f, b.P0, parts)
                 else:
-                    layer0_projection(lp, f, into=b.P0)
+                    layer0_projection(lp, into=b.P0)
             fill(b, lp, lp.spec.cells, layers, P0 if first else None, lp.h0, lp.c0)
             ys[g] = b.Y
             got, sent = 0, 0

@@ -27,10 +27,6 @@ def gate_width(mode: str, H: int) -> int:
 
 # ---------------------------------------------------------------- numpy
 
-def _f(a):
-    return a.astype(np.float32) if a.dtype.itemsize < 4 else a
-
-
 def np_forward(mode, o, bias, p0, c_prev, c_out, gates, d_prev, d_out, act, first) -> None:
     n, B, _ = o.shape
     H = d_out.shape[2]
@@ -49,9 +45,9 @@ def np_forward(mode, o, bias, p0, c_prev, c_out, gates, d_prev, d_out, act, firs
         if mode == "gru":
             gh = np.zeros((a, 3 * H), dtype=pre.dtype)
             gh[:, 2 * H:] = pre[:, 3 * H:]
-            rnn_cells.np_forward(mode, pre[:, :3 * H], gh, None, cp, _f(hp[:a]), g, co, ho[:a])
+            rnn_cells.np_forward(mode, pre[:, :3 * H], gh, None, cp, hp[:a], g, co, ho[:a])
         else:
-            rnn_cells.np_forward(mode, pre, 0.0, None, cp, _f(hp[:a]), g, co, ho[:a])
+            rnn_cells.np_forward(mode, pre, 0.0, None, cp, hp[:a], g, co, ho[:a])
         ho[a:] = hp[a:]
         if lstm:
             c_out[l, a:] = c_prev[l, a:]
@@ -78,12 +74,12 @@ def np_backward(mode, e_next, e_cur, ext, dhn, dc, gates, c, c_prev, d, d_prev, 
         g = gates[l, :a] if gru or lstm else None
         if gru:
             dgh = np.empty((a, 3 * H), dtype=dg.dtype)
-            rnn_cells.np_backward(mode, dh, None, g, None, None, None, _f(d_prev[:a, l + 1]), dg[l, :a, :3 * H],
+            rnn_cells.np_backward(mode, dh, None, g, None, None, None, d_prev[:a, l + 1], dg[l, :a, :3 * H],
                                   dgh, None, e_cur[l, :a, H:])
             dg[l, :a, 3 * H:] = dgh[:, 2 * H:]
         else:
             rnn_cells.np_backward(mode, dh, dc[l, :a] if lstm else None, g, c[l, :a] if lstm else None,
-                                  c_prev[l, :a] if lstm else None, _f(d[:a, l + 1]), None, dg[l, :a], dg[l, :a],
+                                  c_prev[l, :a] if lstm else None, d[:a, l + 1], None, dg[l, :a], dg[l, :a],
                                   dc[l, :a] if lstm else None, None)
 
 

@@ -256,10 +256,10 @@ class CudaOps(_Moves):
         GemmEx per layer, each on its own side stream forked from and joined to the current one by events (so a
         capture turns them into parallel graph branches), each on its own 1/n of the workspace (rnn_graph.Diag
         holds one default-sized piece per layer; a fresh one when none is set, so eager and captured loops pick
-        the same kernels; without a workspace cuBLAS picks far slower ones here); tensor-core math keeps the
-        batched call."""
+        the same kernels; without a workspace cuBLAS picks far slower ones here); float64 keeps the batched call
+        (rnn_plan runs tensor-core math layer after layer, never diagonally)."""
         nb = a.shape[0]
-        if nb == 1 or not (a.dtype == np.float32 and self.math == "ieee"):
+        if nb == 1 or a.dtype != np.float32:
             self.gemm_batched(a, w, out, trans_w, beta)
             return
         import cupy
