@@ -175,6 +175,19 @@ def test_sims_placements(devices, mode, layers, bidir, B, proj, kind):
         assert [run["ran_on"][(layer, 0)] for layer in range(layers)] == want
 
 
+@pytest.mark.parametrize("mode,proj", [("lstm", 0), ("lstm", 3), ("gru", 0), ("rnn_tanh", 0)])
+@pytest.mark.parametrize("hx", [True, False])
+def test_wavefront_pieces_every_mode(monkeypatch, mode, proj, hx):
+    """A wavefront of 3 layers on sim:2 in pieces of 2 steps (the last of 1), each piece a one-layer loop from the
+    states the piece before left: outputs and gradients as torch's, with and without initial states."""
+    blasx.configure(devices="sim:2")
+    pl = rnn_plan.Placement("wavefront", 2, ((0,), (0,), (1,)), chunk=2)
+    monkeypatch.setattr(rnn_plan, "plan", lambda *a, **k: pl)
+    compare(mode, layers=3, T=7, B=4, H=5, proj=proj, hx=hx, lengths=[7, 6, 6, 3])
+    run = rnn_multi.last_run()
+    assert run["placement"] is pl and [run["ran_on"][(layer, 0)] for layer in range(3)] == [0, 0, 1]
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_bidirectional_backward_on_two_sims(mode):
     """On sim:2 each direction's backward runs on the device its forward ran on (the two at once); every gradient
@@ -215,7 +228,7 @@ def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 100, 1, projection=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
     assert rnn_plan.plan(4, 1, 64, 100, 2) == rnn_plan.Placement("diagonal", 2, ((0,), (0,), (1,), (1,)), chunk=7)
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True) == rnn_plan.Placement(
-        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=7)
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=25)  # 4 pieces: 2 a group
     assert rnn_plan.plan(3, 1, 64, 100, 8) == rnn_plan.Placement("diagonal", 3, ((0,), (1,), (2,)), chunk=5)
     assert rnn_plan.plan(2, 1, 8, 1000, 2).chunk == rnn_plan.MAX_CHUNK
     assert rnn_plan.plan(2, 2, 64, 100, 4) == rnn_plan.Placement("directions", 2, ((0, 1), (0, 1)))
@@ -225,12 +238,18 @@ def test_plan_rules():
     assert rnn_plan.plan(1, 1, 100, 100, 4).kind == "single"
     # wide (tensor-core math): a stack without a projection layer after layer on x's device, its GEMMs local there
     # on several devices; a projection, a bidirectional layer and one layer as in float32 IEEE
-    assert rnn_plan.plan(4, 1, 64, 100, 2, wide=True) == rnn_plan.Placement("single", 1, ((0,),) * 4, local=True)
-    assert rnn_plan.plan(4, 1, 64, 100, 1, wide=True) == rnn_plan.Placement("single", 1, ((0,),) * 4)
-    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, wide=True) == rnn_plan.plan(4, 1, 64, 100, 2,
-                                                                                       projection=True)
-    assert rnn_plan.plan(2, 2, 64, 100, 4, wide=True) == rnn_plan.plan(2, 2, 64, 100, 4)
-    assert rnn_plan.plan(1, 1, 256, 100, 4, wide=True).kind == "batch"
+    for wide in ("reduced", "tf32"):
+        assert rnn_plan.plan(4, 1, 64, 100, 2, wide=wide) == rnn_plan.Placement("single", 1, ((0,),) * 4, local=True)
+        assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide) == rnn_plan.Placement("single", 1, ((0,),) * 4)
+    # TF32 inference on several devices: a wavefront of 2 pieces a group
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", training=False) == rnn_plan.Placement(
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=25)
+    assert rnn_plan.plan(4, 1, 64, 100, 1, wide="tf32", training=False).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", training=False).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, wide="tf32") == rnn_plan.plan(4, 1, 64, 100, 2,
+                                                                                         projection=True)
+    assert rnn_plan.plan(2, 2, 64, 100, 4, wide="tf32") == rnn_plan.plan(2, 2, 64, 100, 4)
+    assert rnn_plan.plan(1, 1, 256, 100, 4, wide="tf32").kind == "batch"
     # a one-layer call left on one device of several keeps its GEMMs there; on one device there is nothing to keep
     assert rnn_plan.plan(1, 1, 64, 100, 2) == rnn_plan.Placement("single", 1, ((0,),), local=True)
     assert not rnn_plan.plan(1, 1, 64, 100, 1).local and not rnn_plan.plan(2, 2, 64, 100, 1).local
@@ -258,6 +277,25 @@ def test_wide_stack_vs_torch(devices, mode, layers, bidir, dtype):
         assert kind == ("directions" if devices == "sim:2" else "single")
     else:
         assert kind == ("diagonal" if dtype == "float32" and devices == "sim:2" else "single")
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_tf32_inference_stack_runs_as_a_wavefront(mode):
+    """TF32 inference of a stack on two devices: the wavefront (training keeps it on x's device); outputs as
+    torch's."""
+    blasx.configure(devices="sim:2")
+    compare(mode, layers=3, dtype="tf32", T=9, B=3, I=8, H=16, backward=False)
+    assert rnn_multi.last_run()["placement"].kind == "single"  # (compare calls with training=True)
+    rng = np.random.default_rng(0)
+    m = _module(mode, 8, 16, 3, False, True, 0, False, 0)
+    params = {k: v.numpy().astype(np.float32) for k, v in m.state_dict().items()}
+    x = rng.standard_normal((9, 3, 8)).astype(np.float32)
+    fn = dnn.lstm if mode == "lstm" else dnn.gru
+    y = fn(x, None, params, num_layers=3, math="tf32")[0]
+    assert rnn_multi.last_run()["placement"].kind == "wavefront"
+    with torch.no_grad():
+        ref = m(torch.from_numpy(x.astype(np.float64)))[0].numpy()
+    assert _err(y, ref) < TOL["tf32"]
 
 
 def test_diagonal_order(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 
 import blasx
 from blasx import dnn
-from blasx.dnn import rnn_graph, rnn_multi
+from blasx.dnn import rnn_graph, rnn_multi, rnn_plan
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
@@ -264,6 +264,26 @@ def test_wide_stack_vs_cudnn(ngpu, layers, bidir, mode, dtype):
         assert set(run["ran_on"].values()) == set(run["backward_on"].values()) == {0}
     else:
         assert run["placement"].kind == ("directions" if bidir else "diagonal")
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mode,dtype,proj,lengths", [
+    ("lstm", "float32", 16, None), ("lstm", "float16", 0, None), ("gru", "float32", 0, [20, 17, 17, 9, 5, 3, 1, 1]),
+    ("lstm", "float64", 0, [20, 17, 17, 9, 5, 3, 1, 1])])
+def test_wavefront_on_two_gpus_vs_cudnn(mode, dtype, proj, lengths, monkeypatch):
+    """A 4-layer stack as a wavefront of time pieces, layers 0-1 on GPU 0 and 2-3 on GPU 1 (a projection stack's
+    own plan, the others' forced), forward and backward against cuDNN, twice (graphs replayed): each layer's
+    backward on its forward's GPU, every gradient home on GPU 0."""
+    blasx.configure(devices="cuda:0,1")
+    if not proj:
+        pl = rnn_plan.Placement("wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=3)
+        monkeypatch.setattr(rnn_plan, "plan", lambda *a, **k: pl)
+    for _ in range(2):
+        g = _case(mode, dtype, layers=4, proj=proj, lengths=lengths)
+        run = rnn_multi.last_run()
+        assert run["placement"].kind == "wavefront"
+        assert run["ran_on"] == run["backward_on"] == {(layer, 0): layer // 2 for layer in range(4)}
+        assert all(v.device.id == 0 for v in g.values())
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")

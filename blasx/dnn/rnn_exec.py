@@ -27,8 +27,7 @@ def _f(xp, a, f):
 
 
 def project(pb, cell, inp, f, mm=None, into=None):
-    """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's
-    (a wavefront chunk). ``into``: the F buffer to write (a local GEMM writes it directly)."""
+    """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's. ``into``: the F buffer to write (a local GEMM writes it directly)."""
     xp = pb.xp
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
@@ -68,13 +67,14 @@ def input_projection(pb, cell, inp, f, mm=None):
 
 
 def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=None,
-                      finals=None, lease: bool = False) -> rnn_layer.Forward:
+                      finals=None, lease: bool = False, into=None) -> rnn_layer.Forward:
     """One layer-direction's forward: projection, buffers with h0/c0, the step loop. ``keep=False`` (inference):
     a CUDA graph hands back only what the output needs (rnn_graph.run). ``mm``: the projection's GEMM on this
     device instead of the engine's. ``finals``: (h_n, c_n or None, written) of the whole stack: a persistent loop
     of the whole batch on h_n's device writes its final states there itself and adds its index to ``written``.
     ``lease`` (training, on x's device: the caller's stream, or a pool stream it then waits for): a graph loop's
-    saved states stay in its entry (rnn_graph.run)."""
+    saved states stay in its entry (rnn_graph.run). ``into``: the Forward to write (views of a whole layer's
+    buffers: a wavefront piece), with gates wherever the loop needs them."""
     spec, xp = pb.spec, pb.xp
     cell = spec.cells[layer][d]
     T, B = inp.shape[:2]
@@ -83,9 +83,10 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     host = xp is np
     pl = None if host or not pb.graphs else _persistent(pb, cell, store, B)
     graph = pl is None and not host and pb.graphs
-    lease = lease and keep and graph
-    st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
-                                   store, f, gates=keep or (pl is None and not graph), lean=lease)
+    lease = lease and keep and graph and into is None
+    st = into if into is not None else rnn_layer.forward_buffers(
+        xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size), store, f,
+        gates=keep or (pl is None and not graph), lean=lease)
     if graph and not keep and rnn_cells.SAVED[spec.mode]:  # the graph entry's own gates (no copy comes back)
         st.gates = rnn_layer.Like((T, B, rnn_cells.SAVED[spec.mode] * spec.hidden_size), f)
     k = layer * spec.num_dirs + d
@@ -203,7 +204,7 @@ def forward(pb, keep: bool):
     T, B = pb.x.shape[:2]
     store = pb.x.dtype
     dirs = spec.num_dirs
-    pl, devs = rnn_multi.placement(pb)
+    pl, devs = rnn_multi.placement(pb, training=keep)
     if pl.kind == "diagonal":
         rnn_multi.last_run()["ran_on"].update({(layer, 0): devs[row[0]] for layer, row in enumerate(pl.cells)})
         return rnn_diag.forward(pb, pl, devs, keep)
@@ -212,8 +213,9 @@ def forward(pb, keep: bool):
     written: set = set()  # layer-directions whose loop wrote its final states into h_n / c_n
     finals = None if xp is np else (h_n, c_n, written)
     layers, y = rnn_multi.run_forward(
-        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None, lease=False: direction_forward(
-            lp, ops, layer, d, inp, keep=keep, mm=mm, finals=finals, lease=lease),
+        pb, pl, devs, lambda lp, ops, layer, d, inp, mm=None, lease=False, into=None: direction_forward(
+            lp, ops, layer, d, inp, keep=keep, mm=mm, finals=finals if into is None else None, lease=lease,
+            into=into),
         direction_output, keep)
     for layer, kept in enumerate(layers):
         for d, k in enumerate(kept):

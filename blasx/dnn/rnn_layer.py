@@ -380,16 +380,15 @@ def forward_buffers(xp, mode: str, T: int, B: int, H: int, out: int, proj: bool,
                    R=zeros((T, B, H), store) if proj else None)
 
 
-def forward_loop(ops, mode: str, gx, w_hh, w_hr, bias, st: Forward, gh, bs, reverse: bool, steps=None) -> None:
+def forward_loop(ops, mode: str, gx, w_hh, w_hr, bias, st: Forward, gh, bs, reverse: bool) -> None:
     """The step loop: ``gx`` (T, B, G*H) in time order (F, the projection alone), ``bias`` the cell's (rnn_cells:
     the kernel adds it) or None, ``st.S[0]`` (and
-    ``st.C[0]``) hold h0 (c0) on entry; ``gh`` is a (B, G*H) F scratch; ``bs[t]`` the active rows at time t;
-    ``steps``: the processing steps to run (all by default; a wavefront runs them chunk by chunk)."""
+    ``st.C[0]``) hold h0 (c0) on entry; ``gh`` is a (B, G*H) F scratch; ``bs[t]`` the active rows at time t."""
     T, B = gx.shape[:2]
     f = gx.dtype
     ph = ops.placeholder(f)
     times = order(T, reverse)
-    for p in (range(T) if steps is None else steps):
+    for p in range(T):
         t = times[p]
         a = bs[t]
         hp = st.S[p, :a]

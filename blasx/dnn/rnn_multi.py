@@ -3,8 +3,8 @@
 Host arrays: one thread per device used (the threads stand for the sims or the CPU; all buffers in host memory).
 CuPy arrays: the calling thread issues each device's work on that device's own stream (parameters and inputs
 copied there, outputs copied back to x's device, the caller's streams ordered after it by events); batch splits
-(their projections are engine calls, which block) and wavefronts (which hand chunks between layers) keep a thread
-per device. A job's exception is re-raised in the caller once no queued work touches a buffer.
+(their projections are engine calls, which block) keep a thread per device; a wavefront's time pieces are issued
+from the calling thread in piece order. A job's exception is re-raised in the caller once no queued work touches a buffer.
 """
 
 from __future__ import annotations
@@ -194,13 +194,13 @@ def at(xp, a, dev):
         return a.copy()
 
 
-def placement(pb):
+def placement(pb, training: bool = True):
     """(the plan of ``pb``'s stack, the device labels it indexes), recorded for :func:`last_run`."""
     spec = pb.spec
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
-    wide = wide_class(pb.x.dtype, pb.math) is not None  # tensor-core math: float16, bfloat16, TF32
-    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size), wide=wide)
+    pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
+                       wide=wide_class(pb.x.dtype, pb.math), training=training)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 
@@ -237,7 +237,7 @@ def run_forward(pb, pl, devs, direction_forward, direction_output, keep: bool = 
     ran_on = _last.run["ran_on"]
     home = devs[0]
     if pl.kind == "wavefront":
-        return _wavefront(pb, pl, devs, ran_on)
+        return _wavefront(pb, pl, devs, ran_on, direction_forward, keep)
     mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
     alone = len(devs) == 1 or pl.local  # one device (or kept on one): projections local, no engine round trip
     layers, inp = [], pb.x
@@ -292,10 +292,11 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
     from .rnn_exec import ops_for
     xp = pb.xp
     devs = [k.dev for k in kept]
+    home = None if xp is np else pb.x.device.id
     on = last_run().setdefault("backward_on", {})
     out = [None] * len(kept)
     mm = None if xp is np else local_mm(xp, compute_type(pb.x.dtype), pb.math)
-    if len(set(devs)) == 1:
+    if len(set(devs)) == 1 and (xp is np or devs[0] == home):
         # no other device the engine could spread the GEMMs over, or the forward kept them local
         alone = len(devices_for(pb)) == 1 or all(k.local for k in kept)
         for d, k in enumerate(kept):
@@ -304,9 +305,9 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
         return out
 
     def one(d, k):
-        out[d] = direction_backward(_local(pb, k.dev, devs[0], only=((layer, d),)), ops_for(xp, pb.math), d, k, mm)
+        out[d] = direction_backward(_local(pb, k.dev, home, only=((layer, d),)), ops_for(xp, pb.math), d, k, mm)
         on[(layer, d)] = k.dev
-    pool = _pool(pb, devs)
+    pool = _pool(pb, devs if xp is np else devs + [home])  # (CuPy: ordered after, and home after, x's stream)
     for d, k in enumerate(kept):
         pool.start(k.dev, one, d, k)
     pool.join()
@@ -368,87 +369,89 @@ def _batch_split(pb, pl, devs, layer, inp, direction_forward, ran_on, keep: bool
     return rnn_layer.Forward(cat("S"), cat("C"), cat("gates"), cat("R"))
 
 
-def _wavefront(pb, pl, devs, ran_on):
-    """A unidirectional stack as a wavefront: layer l runs chunk c once layer l-1 has finished it."""
-    from .rnn_exec import input_projection, ops_for
+def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
+    """A unidirectional stack as a wavefront over pieces of time: the layers in contiguous groups (group g on device
+    g), each layer's loop cut into pieces of ``pl.chunk`` steps, each piece a one-layer loop (replayed from its graph
+    on CUDA) from the states the piece before left; layer l's piece p is issued once layer l-1's piece p is, so group
+    g works on piece p while group g+1 works on piece p-1. Pieces write views of their layer's whole buffers on its
+    device, so nothing is stitched after. CuPy: issued from this thread, one pool stream a device, events where a
+    piece's input comes from another device; host arrays: in order on this thread."""
+    from .rnn_exec import ops_for
     xp, spec = pb.xp, pb.spec
     T, B = pb.x.shape[:2]
-    home = devs[0]
-    chunks = [(t0, min(T, t0 + pl.chunk)) for t0 in range(0, T, pl.chunk)]
-    done = [[threading.Event() for _ in chunks] for _ in range(spec.num_layers)]
-    ys = [None] * spec.num_layers  # each layer's y (T, B, out) on its device
-    states = [None] * spec.num_layers
-    events = [[None] * len(chunks) for _ in range(spec.num_layers)]  # CUDA events of finished chunks
-    store = pb.x.dtype
-    f = compute_type(store)
+    home, cuda = devs[0], xp is not np
+    store, f = pb.x.dtype, compute_type(pb.x.dtype)
+    pieces = [(t0, min(T, t0 + pl.chunk)) for t0 in range(0, T, pl.chunk)]
+    on = [devs[pl.cells[layer][0]] for layer in range(spec.num_layers)]
+    used = list(dict.fromkeys(on))
+    streams, ready = {}, []
+    for dev in used if cuda else ():
+        with xp.cuda.Device(dev):
+            streams[dev] = _stream(xp, dev, 0)
+            ready.append(xp.cuda.get_current_stream().record())
+    mm = local_mm(xp, f, pb.math) if cuda else None
+    gates = keep or not cuda or not pb.graphs  # (an eager loop writes them even in inference)
+    lps, sts, inps, events = [], [], [], {}
 
-    def local_mm(a, b, out_dtype=None):
-        return xp.matmul(a.astype(f), b.astype(f))
+    def issue(dev, fn):
+        if not cuda:
+            return fn()
+        with xp.cuda.Device(dev), on_stream(streams[dev]):
+            return fn()
 
-    def run_group(g, dev):
-        mine = [layer for layer in range(spec.num_layers) if pl.cells[layer][0] == g]
-        lp = _local(pb, dev, home, only=[(layer, 0) for layer in mine])
-        ops = ops_for(xp, pb.math)
-        bufs = {}
-        for layer in mine:
-            cell = lp.spec.cells[layer][0]
-            n_in = spec.input_size if layer == 0 else spec.out_size
-            st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size,
-                                           bool(spec.proj_size), store, f)
-            st.S[0] = 0 if lp.h0 is None else lp.h0[layer]
-            if st.C is not None:
-                st.C[0] = 0 if lp.c0 is None else lp.c0[layer]
-            inp = _here(xp, pb.x) if layer == 0 else xp.empty((T, B, n_in), dtype=store)
-            host = xp is np
-            w_hh = cell.w_hh.astype(f) if host else cell.w_hh
-            w_hr = None if cell.w_hr is None else (cell.w_hr.astype(f) if host else cell.w_hr)
-            bufs[layer] = (cell, st, inp, w_hh, w_hr, xp.empty((T, B, spec.gates * spec.hidden_size), dtype=f),
-                           xp.empty((B, spec.gates * spec.hidden_size), dtype=f))
-            states[layer] = st
-            ys[layer] = xp.empty((T, B, spec.out_size), dtype=store)
+    def setup(layer, dev):
+        lp = _local(pb, dev, home, only=((layer, 0),))
+        st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
+                                       store, f, gates=gates)
+        if layer == 0:
+            inp = _here(xp, pb.x)
+        elif on[layer - 1] == dev:
+            inp = sts[layer - 1].S[1:]
+        else:
+            inp = xp.empty((T, B, spec.out_size), dtype=store)
+        return lp, st, inp
+
+    def piece(layer, p, t0, t1):
+        dev, lp, st, inp = on[layer], lps[layer], sts[layer], inps[layer]
+        if layer and on[layer - 1] != dev:
+            if cuda:
+                streams[dev].wait_event(events[(layer - 1, p)])
+            inp[t0:t1] = _here(xp, sts[layer - 1].S[t0 + 1:t1 + 1])
+        view = rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
+                                   for i, a in enumerate((st.S, st.C, st.gates, st.R))))
+        first = {layer: st.S[t0]}, None if st.C is None else {layer: st.C[t0]}  # h0[k], c0[k] of the piece
+        sub = dataclasses.replace(lp, x=inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None,
+                                  h0=lp.h0 if p == 0 else first[0], c0=lp.c0 if p == 0 else first[1])
+        direction_forward(sub, ops_for(xp, pb.math), layer, 0, inp[t0:t1], mm=mm, into=view)
+        if cuda and layer + 1 < spec.num_layers and on[layer + 1] != dev:
+            events[(layer, p)] = streams[dev].record()
+
+    try:
+        for dev in streams:
+            for ev in ready:
+                streams[dev].wait_event(ev)
+        for layer, dev in enumerate(on):
+            lp, st, inp = issue(dev, lambda layer=layer, dev=dev: setup(layer, dev))
+            lps.append(lp)
+            sts.append(st)
+            inps.append(inp)
             ran_on[(layer, 0)] = dev
-        for c, (t0, t1) in enumerate(chunks):
-            for layer in mine:
-                cell, st, inp, w_hh, w_hr, gx, gh = bufs[layer]
-                if layer > 0:
-                    done[layer - 1][c].wait()
-                    if _last_error(pool):
-                        return
-                    src = ys[layer - 1][t0:t1]
-                    if xp is not np:
-                        xp.cuda.get_current_stream().wait_event(events[layer - 1][c])
-                    inp[t0:t1] = _here(xp, src) if xp is not np else src
-                part, bias = input_projection(lp, cell, inp[t0:t1], f, mm=local_mm)
-                gx[t0:t1] = part
-                rnn_layer.forward_loop(ops, spec.mode, gx, w_hh, w_hr, bias, st, gh, pb.bs, False,
-                                       steps=range(t0, t1))
-                ys[layer][t0:t1] = st.S[t0 + 1:t1 + 1]
-                if xp is not np:
-                    events[layer][c] = xp.cuda.get_current_stream().record()
-                done[layer][c].set()
-
-    pool = _Threads(pb, devs[:pl.devices])
-    for g in range(pl.devices):
-        pool.start(devs[g], _guard(run_group, done), g, devs[g])
-    pool.join()
-    layers = [[_home(xp, st, home)] for st in states]
+        for p, (t0, t1) in enumerate(pieces):
+            for layer, dev in enumerate(on):
+                issue(dev, lambda layer=layer: piece(layer, p, t0, t1))
+    except BaseException:
+        for st in streams.values():
+            st.synchronize()
+        raise
+    if cuda:
+        done = []
+        for dev in used:
+            with xp.cuda.Device(dev):
+                done.append(streams[dev].record())
+        for dev in used:
+            with xp.cuda.Device(dev):
+                for ev in done:
+                    xp.cuda.get_current_stream().wait_event(ev)
     from .rnn_exec import direction_output
-    inputs = [pb.x] + [_layer_output(pb, states, direction_output) for states in layers]
-    return [[Kept(home, inputs[layer], st)] for layer, (st,) in enumerate(layers)], inputs[-1]
-
-
-def _last_error(pool) -> bool:
-    return bool(pool.errors)
-
-
-def _guard(fn, done):
-    """fn, releasing every waiting thread when it fails (their waits would otherwise never end)."""
-    def run(*args):
-        try:
-            fn(*args)
-        except BaseException:
-            for row in done:
-                for ev in row:
-                    ev.set()
-            raise
-    return run
+    y = _layer_output(pb, [_home_s(xp, sts[-1], home)], direction_output, keep)
+    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True)] for layer in range(spec.num_layers)], y

@@ -6,7 +6,9 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
 * a unidirectional stack of L >= 2 layers without a projection, on one device or in tensor-core math (float16,
   bfloat16, TF32; ``wide``): layer after layer on x's device through the one-layer loops, every GEMM of the call
   local to it ("single", ``local`` with several devices): there a layer's step is short enough that the diagonal's
-  batched GEMM and hand-offs cost more than they save;
+  batched GEMM and hand-offs cost more than they save; except TF32 inference on several devices, a wavefront
+  (below): its pieces keep the float32 GEMMs' devices busy side by side, where training's backward, serial over
+  the layers, and float16's persistent loops gain nothing from it;
 * a unidirectional stack of L >= 2 layers without a projection in float32 IEEE or float64 on several devices: the
   diagonal form ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a
   group advance together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per
@@ -17,15 +19,16 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
 * a bidirectional stack: the two directions of every layer side by side, direction d on device d ("directions";
   layers stay in sequence, since a bidirectional layer needs all of the layer below before its reverse pass);
 * a unidirectional stack of L >= 2 layers with a projection (proj_size): a wavefront ("wavefront"): the layers
-  in groups as above; layer l runs chunk c of the time steps as soon as layer l-1 has finished chunk c, the
-  states handed over once per chunk;
+  in groups as above, each layer's loop in pieces of ``chunk`` steps (:data:`PIECES` a group); layer l runs
+  piece p as soon as layer l-1 has finished it, its input crossing once per piece;
 * one unidirectional layer with a large batch (at least :data:`MIN_ROWS` rows per device): the batch rows split
   into contiguous ranges, one per device ("batch"); a smaller batch stays on one device, where a per-step GEMM of
   fewer rows would not run faster, its projection and gradient GEMMs local there too ("single", ``local``).
 
-A chunk (diagonal and wavefront) is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in
-(n-1) chunks (about 1/8 of the run) and each hand-off is amortised over several steps. Layer 0's input projection
-and the weight-gradient GEMMs are single GEMMs.
+A diagonal chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1) chunks
+(about 1/8 of the run) and each hand-off is amortised over several steps. A wavefront piece is a whole one-layer
+call (its projection, its loop's graph), so pieces are fewer: ``ceil(T / (PIECES n))`` steps. Layer 0's input
+projection and the weight-gradient GEMMs are single GEMMs.
 rnn_multi.py executes a placement.
 """
 
@@ -36,7 +39,8 @@ import math
 from dataclasses import dataclass
 
 MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
-MAX_CHUNK = 8  # wavefront steps per hand-off at most
+MAX_CHUNK = 8  # diagonal steps per hand-off at most
+PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's host time)
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,16 @@ class Placement:
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False, wide: bool = False) -> Placement:
-    """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math."""
+         projection: bool = False, wide: str | None = None, training: bool = True) -> Placement:
+    """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math, its
+    class ("reduced" or "tf32", tile.wide_class)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
     n = max(1, min(n_devices, num_layers))
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
+    if stacked and not projection and wide == "tf32" and not training and n_devices > 1:
+        return Placement("wavefront", n, cells, chunk=math.ceil(steps / (PIECES * n)))
     if stacked and not projection and (wide or n_devices <= 1):
         return Placement("single", 1, one, local=n_devices > 1)
     if stacked and not projection:
@@ -67,7 +74,7 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     if num_dirs == 2:
         return Placement("directions", 2, tuple((0, 1) for _ in range(num_layers)))
     if stacked:
-        return Placement("wavefront", n, cells, chunk=chunk)
+        return Placement("wavefront", n, cells, chunk=math.ceil(steps / (PIECES * n)))
     n = min(n_devices, batch // MIN_ROWS)
     if n >= 2:
         cuts = [batch * i // n for i in range(n + 1)]
