@@ -54,8 +54,8 @@ class Knobs:
     stage_into_result: bool = True
     #: The lines of in-place TRMM and TRSM (``Task.line``: columns of B that depend on no other) each on one stream
     #: device (line i of n on device i * devices // n, a task left at the queue's head for its device while that
-    #: one has room), at most two lines a device. Off (default until a GPU A/B decides): any device, any task.
-    line_homes: bool = False
+    #: one has room), at most two lines a device: fewer tiles cross between devices. Off: any device, any task.
+    line_homes: bool = True
 
     @classmethod
     def from_env(cls, text: str | None = None) -> "Knobs":
