@@ -245,6 +245,8 @@ def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", training=False) == rnn_plan.Placement(
         "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=25)
     assert rnn_plan.plan(4, 1, 64, 100, 1, wide="tf32", training=False).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 76, 2, wide="tf32", training=False).kind == "single"  # pieces of 19 steps
+    assert rnn_plan.plan(4, 1, 64, 80, 2, wide="tf32", training=False).chunk == 20
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", training=False).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, wide="tf32") == rnn_plan.plan(4, 1, 64, 100, 2,
                                                                                          projection=True)
@@ -280,19 +282,24 @@ def test_wide_stack_vs_torch(devices, mode, layers, bidir, dtype):
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_tf32_inference_stack_runs_as_a_wavefront(mode):
+def test_tf32_inference_stack_runs_as_a_wavefront(mode, monkeypatch):
     """TF32 inference of a stack on two devices: the wavefront (training keeps it on x's device); outputs as
     torch's."""
     blasx.configure(devices="sim:2")
-    compare(mode, layers=3, dtype="tf32", T=9, B=3, I=8, H=16, backward=False)
-    assert rnn_multi.last_run()["placement"].kind == "single"  # (compare calls with training=True)
-    rng = np.random.default_rng(0)
-    m = _module(mode, 8, 16, 3, False, True, 0, False, 0)
-    params = {k: v.numpy().astype(np.float32) for k, v in m.state_dict().items()}
-    x = rng.standard_normal((9, 3, 8)).astype(np.float32)
-    fn = dnn.lstm if mode == "lstm" else dnn.gru
-    y = fn(x, None, params, num_layers=3, math="tf32")[0]
-    assert rnn_multi.last_run()["placement"].kind == "wavefront"
+    monkeypatch.setattr(rnn_plan, "MIN_PIECE_STEPS", 1)  # (pieces of 3 steps here)
+    rnn_plan.plan.cache_clear()
+    try:
+        compare(mode, layers=3, dtype="tf32", T=9, B=3, I=8, H=16, backward=False)
+        assert rnn_multi.last_run()["placement"].kind == "single"  # (compare calls with training=True)
+        rng = np.random.default_rng(0)
+        m = _module(mode, 8, 16, 3, False, True, 0, False, 0)
+        params = {k: v.numpy().astype(np.float32) for k, v in m.state_dict().items()}
+        x = rng.standard_normal((9, 3, 8)).astype(np.float32)
+        fn = dnn.lstm if mode == "lstm" else dnn.gru
+        y = fn(x, None, params, num_layers=3, math="tf32")[0]
+        assert rnn_multi.last_run()["placement"].kind == "wavefront"
+    finally:
+        rnn_plan.plan.cache_clear()
     with torch.no_grad():
         ref = m(torch.from_numpy(x.astype(np.float64)))[0].numpy()
     assert _err(y, ref) < TOL["tf32"]

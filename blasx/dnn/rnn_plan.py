@@ -6,9 +6,9 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
 * a unidirectional stack of L >= 2 layers without a projection, on one device or in tensor-core math (float16,
   bfloat16, TF32; ``wide``): layer after layer on x's device through the one-layer loops, every GEMM of the call
   local to it ("single", ``local`` with several devices): there a layer's step is short enough that the diagonal's
-  batched GEMM and hand-offs cost more than they save; except TF32 inference on several devices, a wavefront
-  (below): its pieces keep the float32 GEMMs' devices busy side by side, where training's backward, serial over
-  the layers, and float16's persistent loops gain nothing from it;
+  batched GEMM and hand-offs cost more than they save; except TF32 inference on several devices with pieces of
+  :data:`MIN_PIECE_STEPS` steps or more, a wavefront (below): its pieces keep the float32 GEMMs' devices busy side
+  by side, where training's backward, serial over the layers, and float16's persistent loops gain nothing from it;
 * a unidirectional stack of L >= 2 layers without a projection in float32 IEEE or float64 on several devices: the
   diagonal form ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a
   group advance together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
 MAX_CHUNK = 8  # diagonal steps per hand-off at most
-PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's host time)
+PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's host time) ...
+MIN_PIECE_STEPS = 20  # ... of at least this many steps for TF32 inference (fewer: single, whose loops the host outruns)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     n = max(1, min(n_devices, num_layers))
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
-    if stacked and not projection and wide == "tf32" and not training and n_devices > 1:
-        return Placement("wavefront", n, cells, chunk=math.ceil(steps / (PIECES * n)))
+    piece = math.ceil(steps / (PIECES * n))
+    if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
+        return Placement("wavefront", n, cells, chunk=piece)
     if stacked and not projection and (wide or n_devices <= 1):
         return Placement("single", 1, one, local=n_devices > 1)
     if stacked and not projection:
@@ -74,7 +76,7 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     if num_dirs == 2:
         return Placement("directions", 2, tuple((0, 1) for _ in range(num_layers)))
     if stacked:
-        return Placement("wavefront", n, cells, chunk=math.ceil(steps / (PIECES * n)))
+        return Placement("wavefront", n, cells, chunk=piece)
     n = min(n_devices, batch // MIN_ROWS)
     if n >= 2:
         cuts = [batch * i // n for i in range(n + 1)]
