@@ -27,7 +27,8 @@ def _f(xp, a, f):
 
 
 def project(pb, cell, inp, f, mm=None, into=None):
-    """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's. ``into``: the F buffer to write (a local GEMM writes it directly)."""
+    """``inp . W_ih^T`` for all steps at once: (T, B, G*H) in F. ``mm``: a local GEMM instead of the engine's.
+    ``into``: the F buffer to write (a local GEMM writes it directly)."""
     xp = pb.xp
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)

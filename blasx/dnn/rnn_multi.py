@@ -4,7 +4,8 @@ Host arrays: one thread per device used (the threads stand for the sims or the C
 CuPy arrays: the calling thread issues each device's work on that device's own stream (parameters and inputs
 copied there, outputs copied back to x's device, the caller's streams ordered after it by events); batch splits
 (their projections are engine calls, which block) keep a thread per device; a wavefront's time pieces are issued
-from the calling thread in piece order. A job's exception is re-raised in the caller once no queued work touches a buffer.
+from the calling thread in piece order. A job's exception is re-raised in the caller once no queued work touches a
+buffer.
 """
 
 from __future__ import annotations
