@@ -202,7 +202,7 @@ def placement(pb, training: bool = True):
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       wide=wide_class(pb.x.dtype, pb.math), training=training, hidden=spec.hidden_size)
+                       wide=wide_class(pb.x.dtype, pb.math), training=training)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 

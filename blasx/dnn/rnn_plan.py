@@ -6,10 +6,9 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
 * a unidirectional stack of L >= 2 layers without a projection, on one device or in tensor-core math (float16,
   bfloat16, TF32; ``wide``): layer after layer on x's device through the one-layer loops, every GEMM of the call
   local to it ("single", ``local`` with several devices): there a layer's step is short enough that the diagonal's
-  batched GEMM and hand-offs cost more than they save; except TF32 on several devices with pieces of
-  :data:`MIN_PIECE_STEPS` steps or more (in training, with steps of at least :data:`MIN_TRAINING_WORK` B*H^2), a
-  wavefront (below): its pieces keep the float32 GEMMs' devices busy side by side, where float16's persistent
-  loops gain nothing from it and a smaller training step's piece costs more host time than its loops save;
+  batched GEMM and hand-offs cost more than they save; except TF32 inference on several devices with pieces of
+  :data:`MIN_PIECE_STEPS` steps or more, a wavefront (below): its pieces keep the float32 GEMMs' devices busy side
+  by side, where training's backward, serial over the layers, and float16's persistent loops gain nothing from it;
 * a unidirectional stack of L >= 2 layers without a projection in float32 IEEE or float64 on several devices: the
   diagonal form ("diagonal", rnn_diag.py): at diagonal step s layer l computes time t = s - l, so all layers of a
   group advance together as one batched GEMM (K = input + hidden for every layer) and one fused cell kernel per
@@ -42,8 +41,7 @@ from dataclasses import dataclass
 MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
 MAX_CHUNK = 8  # diagonal steps per hand-off at most
 PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's host time) ...
-MIN_PIECE_STEPS = 20  # ... of at least this many steps for TF32 (fewer: single, whose loops the host outruns)
-MIN_TRAINING_WORK = 1 << 26  # batch * hidden^2 of a step from which TF32 training runs as a wavefront
+MIN_PIECE_STEPS = 20  # ... of at least this many steps for TF32 inference (fewer: single, whose loops the host outruns)
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class Placement:
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False, wide: str | None = None, training: bool = True, hidden: int = 0) -> Placement:
+         projection: bool = False, wide: str | None = None, training: bool = True) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math, its
     class ("reduced" or "tf32", tile.wide_class)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
@@ -67,8 +65,7 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
     piece = math.ceil(steps / (PIECES * n))
-    if stacked and not projection and wide == "tf32" and n > 1 and piece >= MIN_PIECE_STEPS and (
-            not training or batch * hidden ** 2 >= MIN_TRAINING_WORK):
+    if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
         return Placement("wavefront", n, cells, chunk=piece)
     if stacked and not projection and (wide or n_devices <= 1):
         return Placement("single", 1, one, local=n_devices > 1)
