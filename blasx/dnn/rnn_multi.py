@@ -40,7 +40,6 @@ class Kept:
     inp: object
     st: rnn_layer.Forward
     local: bool = False
-    pieces: tuple = ()  # a wavefront layer's time pieces ((t0, t1), ...), its backward's too
 
 
 def devices_for(pb) -> list:
@@ -419,7 +418,8 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             if cuda:
                 streams[dev].wait_event(events[(layer - 1, p)])
             inp[t0:t1] = _here(xp, sts[layer - 1].S[t0 + 1:t1 + 1])
-        view = _piece_view(st, t0, t1)
+        view = rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
+                                   for i, a in enumerate((st.S, st.C, st.gates, st.R))))
         first = {layer: st.S[t0]}, None if st.C is None else {layer: st.C[t0]}  # h0[k], c0[k] of the piece
         sub = dataclasses.replace(lp, x=inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None,
                                   h0=lp.h0 if p == 0 else first[0], c0=lp.c0 if p == 0 else first[1])
@@ -444,112 +444,15 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
         for st in streams.values():
             st.synchronize()
         raise
-    _join_streams(xp, streams)
+    if cuda:
+        done = []
+        for dev in used:
+            with xp.cuda.Device(dev):
+                done.append(streams[dev].record())
+        for dev in used:
+            with xp.cuda.Device(dev):
+                for ev in done:
+                    xp.cuda.get_current_stream().wait_event(ev)
     from .rnn_exec import direction_output
     y = _layer_output(pb, [_home_s(xp, sts[-1], home)], direction_output, keep)
-    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True, tuple(pieces))]
-             for layer in range(spec.num_layers)], y
-
-
-def _piece_view(st, t0: int, t1: int):
-    """The Forward of steps t0..t1-1 as views of a whole layer's (S and C with the state before t0)."""
-    return rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
-                               for i, a in enumerate((st.S, st.C, st.gates, st.R))))
-
-
-def wavefront_backward(pb, layers, dy, gh, gc, direction):
-    """A wavefront's backward in its time pieces, the last first: layer l's piece p on the device its forward ran on
-    once layer l+1's piece p has given its input gradient, from the state gradients piece p+1 left
-    (``direction(lp, ops, layer, kept_piece, mm, (dy, dh, dc))`` -> (weight grads, dx, dh, dc)); so the upper
-    group works on piece p-1 while the lower one works on piece p. A layer's weight gradients are summed over its
-    pieces on its device. Issued as the forward (one pool stream a device, events across devices). Returns (the
-    weight gradients, the stack's input gradient, dh0 and dc0 by layer), on x's device."""
-    from .rnn_exec import ops_for
-    xp, spec = pb.xp, pb.spec
-    T, B = pb.x.shape[:2]
-    cuda = xp is not np
-    home = pb.x.device.id if cuda else None
-    L = spec.num_layers
-    on = [layers[layer][0].dev for layer in range(L)]
-    pieces = layers[0][0].pieces
-    streams, ready = {}, []
-    for dev in dict.fromkeys(on) if cuda else ():
-        with xp.cuda.Device(dev):
-            streams[dev] = _stream(xp, dev, 0)
-            ready.append(xp.cuda.get_current_stream().record())
-    mm = local_mm(xp, compute_type(pb.x.dtype), pb.math) if cuda else None
-    lps, sums, outs, events, carry = {}, [None] * L, {}, {}, {}
-    dx = [None]
-    backward_on = last_run().setdefault("backward_on", {})
-
-    def issue(dev, fn):
-        if not cuda:
-            return fn()
-        with xp.cuda.Device(dev), on_stream(streams[dev]):
-            return fn()
-
-    def piece(layer, p, t0, t1):
-        dev, k = on[layer], layers[layer][0]
-        if layer not in lps:
-            lps[layer] = _local(pb, dev, home, only=((layer, 0),))
-        if layer == L - 1:
-            dy_p = None if dy is None else dy[t0:t1]
-        elif on[layer + 1] == dev:
-            dy_p = outs[(layer + 1, p)]
-        else:
-            if cuda:
-                streams[dev].wait_event(events[(layer + 1, p)])
-            dy_p = _here(xp, outs[(layer + 1, p)])
-        last = p == len(pieces) - 1
-        dh, dc = ((None if gh is None else gh[layer], None if gc is None else gc[layer]) if last
-                  else carry[layer])
-        sub = dataclasses.replace(lps[layer], x=k.inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None)
-        kp = Kept(dev, k.inp[t0:t1], _piece_view(k.st, t0, t1), True)
-        g, dxp, dh, dc = direction(sub, ops_for(xp, pb.math), layer, kp, mm, (dy_p, dh, dc))
-        carry[layer] = (dh, dc)
-        if sums[layer] is None:
-            sums[layer] = g
-        else:
-            for name, a in g.items():
-                sums[layer][name] += a
-        if layer:
-            outs[(layer, p)] = dxp  # (held to the end: another device's stream may still read it)
-            if cuda and on[layer - 1] != dev:
-                events[(layer, p)] = streams[dev].record()
-        else:
-            if dx[0] is None:
-                dx[0] = xp.empty((T,) + dxp.shape[1:], dtype=dxp.dtype)
-            dx[0][t0:t1] = dxp
-
-    try:
-        for dev in streams:
-            for ev in ready:
-                streams[dev].wait_event(ev)
-        for p in range(len(pieces) - 1, -1, -1):
-            t0, t1 = pieces[p]
-            for layer in range(L - 1, -1, -1):
-                issue(on[layer], lambda layer=layer: piece(layer, p, t0, t1))
-    except BaseException:
-        for st in streams.values():
-            st.synchronize()
-        raise
-    _join_streams(xp, streams)
-    grads = {}
-    for layer in range(L):
-        grads.update({name: at(xp, a, home) for name, a in sums[layer].items()})
-        backward_on[(layer, 0)] = on[layer]
-    dhs = [at(xp, carry[layer][0], home) for layer in range(L)]
-    dcs = [None if carry[layer][1] is None else at(xp, carry[layer][1], home) for layer in range(L)]
-    return grads, dx[0], dhs, dcs
-
-
-def _join_streams(xp, streams) -> None:
-    """Every device's current stream ordered after each of ``streams`` (CuPy; a dict device -> stream)."""
-    done = []
-    for dev, st in streams.items():
-        with xp.cuda.Device(dev):
-            done.append(st.record())
-    for dev in streams:
-        with xp.cuda.Device(dev):
-            for ev in done:
-                xp.cuda.get_current_stream().wait_event(ev)
+    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True)] for layer in range(spec.num_layers)], y
