@@ -42,16 +42,20 @@ class Worker(threading.Thread):
         return None, None, False
 
     def _takes(self, task) -> bool:
-        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer."""
-        return not self._leave_for_peer(task.call) and not self._leave_for_home(task)
+        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer (the stream peers listed
+        once for both rules)."""
+        if not self.dev.streamed:
+            return True
+        peers = self._stream_peers(task.call)
+        return not self._leave_for_peer(task.call, peers) and not self._leave_for_home(task, peers)
 
-    def _leave_for_home(self, task) -> bool:
+    def _leave_for_home(self, task, peers=None) -> bool:
         """With ``Knobs.line_homes``: True if ``task``'s line (``Task.line``) belongs to another stream worker that
         is alive and has room (never while this worker has nothing it can run, as the fair share). Only for a call
         of at most two lines a device: with more, the steals at the tail balance better than whole lines."""
         if not task.line or not self.dev.streamed or not self.engine.config.knobs.line_homes:
             return False
-        peers = self._stream_peers(task.call)
+        peers = self._stream_peers(task.call) if peers is None else peers
         index, count = task.line
         if count > 2 * len(peers):
             return False
@@ -68,7 +72,7 @@ class Worker(threading.Thread):
         q, _, takes = self._head()
         return q.get() if takes else None
 
-    def _leave_for_peer(self, call) -> bool:
+    def _leave_for_peer(self, call, peers=None) -> bool:
         """The fair-share rule for small calls: True if this worker should not take more of ``call`` now.
 
         Else a call smaller than one worker's station + streams goes wholly to the first worker to
@@ -78,7 +82,7 @@ class Worker(threading.Thread):
         waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
         if not self.dev.streamed:
             return False
-        peers = self._stream_peers(call)
+        peers = self._stream_peers(call) if peers is None else peers
         share = max(1, call.n_tasks // max(1, len(peers)))
         if self.holding(call) < share or not self.has_runnable():
             return False

@@ -420,9 +420,10 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             inp[t0:t1] = _here(xp, sts[layer - 1].S[t0 + 1:t1 + 1])
         view = rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
                                    for i, a in enumerate((st.S, st.C, st.gates, st.R))))
-        first = {layer: st.S[t0]}, None if st.C is None else {layer: st.C[t0]}  # h0[k], c0[k] of the piece
-        sub = dataclasses.replace(lp, x=inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None,
-                                  h0=lp.h0 if p == 0 else first[0], c0=lp.c0 if p == 0 else first[1])
+        # the piece's h0[k] and c0[k]: the call's for the first, else the states the piece before left
+        h0 = lp.h0 if p == 0 else {layer: st.S[t0]}
+        c0 = lp.c0 if p == 0 else (None if st.C is None else {layer: st.C[t0]})
+        sub = dataclasses.replace(lp, x=inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None, h0=h0, c0=c0)
         direction_forward(sub, ops_for(xp, pb.math), layer, 0, inp[t0:t1], mm=mm, into=view)
         if cuda and layer + 1 < spec.num_layers and on[layer + 1] != dev:
             events[(layer, p)] = streams[dev].record()
