@@ -348,6 +348,24 @@ def test_task_bytes_within_the_workers_memory(client):
         assert graph.task_bytes([dev]) == 64 << 30
 
 
+def test_auto_groups_host_blocks_on_gpu_workers(client, monkeypatch):
+    """"auto" reads host blocks as from GPUs where every worker's engine has GPUs: super-blocks of GROUP_EXTENT and
+    the device bound on a task's dependencies (host blocks: within half the workers' least memory limit); this
+    cluster's CPU workers say they have none, so their host chunks keep their own blocks."""
+    from types import SimpleNamespace as NS
+    from blasx.dask import graph, routines
+    host = np.empty((0, 0))
+    xs = [da.ones((40, 40), chunks=20)]
+    assert not graph._gpu_workers() and not graph.device_blocks(*xs)
+    assert routines.group_extent(*xs) == 0
+    least = min(w["memory_limit"] for w in client.scheduler_info()["workers"].values())
+    assert graph.task_bytes([NS(x=NS(_meta=host))]) == min(graph.TASK_BYTES, least // 2)
+    monkeypatch.setattr(graph, "_gpu_workers", lambda: True)
+    assert routines.group_extent(*xs) == routines.GROUP_EXTENT == 16384
+    assert graph.task_bytes([NS(x=NS(_meta=host))]) == min(graph.DEVICE_TASK_BYTES, least // 2)
+    assert graph.device_blocks() is False  # no dask operand (storage alone): nothing is read from blocks
+
+
 def test_local_threaded_scheduler(rel_err):
     """Without a distributed client the graph runs on dask's threads, on this process's engine."""
     import blasx

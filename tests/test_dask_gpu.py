@@ -44,6 +44,9 @@ def test_host_chunks_on_every_gpu_of_one_worker(client):
     a, b = _problem()
     xa, xb = da.from_array(a, chunks=(1000, 700)), da.from_array(b, chunks=(900, 1000))
     tri = np.tril(a[:2500, :2500]) / 2500 + np.eye(2500)  # diagonally dominant: a well-conditioned solve
+    from blasx.dask import graph
+    assert graph._gpu_workers()  # host blocks read from the GPUs: "auto" makes the product one super-block
+    assert bd.matmul(xa, xb).numblocks == (1, 1)
     c, s, x = dask.compute(bd.matmul(xa, xb), bd.syrk(1.0, xa, lower=1),
                            bd.trsm(1.0, da.from_array(tri, chunks=800), xb, lower=1))
     assert _rel(c, a @ b) < 1e-12

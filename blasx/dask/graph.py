@@ -19,7 +19,7 @@ from dask.base import tokenize
 from dask.utils import parse_bytes
 from dask.highlevelgraph import HighLevelGraph
 
-from .worker import Block, Ref, Storage, refs_of, run_block
+from .worker import Block, Ref, Storage, engine_has_gpus, refs_of, run_block
 
 
 #: dask.config's ``blasx.dask.task-bytes`` "auto" (the default): the most bytes of dependency blocks one task
@@ -211,20 +211,28 @@ def cupy_chunks(*xs) -> bool:
     return all(type(x._meta).__module__.split(".")[0] == "cupy" for x in xs)
 
 
+def device_blocks(*xs) -> bool:
+    """Whether a task's engine call reads the blocks of the dask arrays ``xs`` from GPUs: every one has CuPy
+    chunks, or every worker of the current distributed client runs its engine on GPUs (host blocks are then read
+    in place by a call that copies each tile to a GPU once)."""
+    return bool(xs) and (cupy_chunks(*xs) or _gpu_workers())
+
+
 def task_bytes(operands) -> int:
     """The dependency bytes a task may take (``dask.config``'s ``blasx.dask.task-bytes``): "auto" gives
-    DEVICE_TASK_BYTES where every dask operand's chunks are CuPy arrays, else TASK_BYTES, within the smallest worker
-    memory limit of the current distributed client (Dask errs a task whose dependencies exceed its worker's limit,
-    counting CuPy blocks too): at most that limit for CuPy blocks (they take no host memory), half of it for host
-    blocks (the task's accumulator and the worker's other tasks need the rest); or a size."""
+    DEVICE_TASK_BYTES where the dask operands' blocks are read from GPUs (:func:`device_blocks`), else TASK_BYTES,
+    within the smallest worker memory limit of the current distributed client (Dask errs a task whose dependencies
+    exceed its worker's limit, counting CuPy blocks too): at most that limit for CuPy blocks (they take no host
+    memory), half of it for host blocks (the task's accumulator and the worker's other tasks need the rest); or a
+    size."""
     v = dask.config.get("blasx.dask.task-bytes", "auto")
     if v == "auto":
         xs = [op.x for op in operands if op is not None and op.x is not None]
-        device = bool(xs) and cupy_chunks(*xs)
-        bound = DEVICE_TASK_BYTES if device else TASK_BYTES
+        cupy = bool(xs) and cupy_chunks(*xs)
+        bound = DEVICE_TASK_BYTES if device_blocks(*xs) else TASK_BYTES
         limit = _least_worker_memory()
         if limit is not None:
-            bound = min(bound, limit if device else limit // 2)
+            bound = min(bound, limit if cupy else limit // 2)
         return bound
     try:
         n = parse_bytes(v)
@@ -236,13 +244,13 @@ def task_bytes(operands) -> int:
     return n
 
 
-def _least_worker_memory() -> int | None:
-    """The smallest memory limit among the current distributed client's workers (None: no synchronous client, or
-    no limits)."""
+def _workers():
+    """(the current synchronous distributed client, its scheduler's worker records), or None: no distributed, no
+    client (dask's local schedulers), an asynchronous one, or a scheduler gone (the call's compute reports it)."""
     try:
         from distributed import default_client
         client = default_client()
-    except (ImportError, ValueError):  # no distributed, or no client: dask's local schedulers
+    except (ImportError, ValueError):
         return None
     if client.asynchronous:
         return None
@@ -251,11 +259,36 @@ def _least_worker_memory() -> int | None:
             info = client.scheduler_info(n_workers=-1)
         except TypeError:  # a distributed before n_workers=: every worker
             info = client.scheduler_info()
-    except OSError:  # the scheduler went away: the call's own compute reports it
+    except OSError:
         return None
-    limits = [w.get("memory_limit") for w in info.get("workers", {}).values()]
-    limits = [int(x) for x in limits if x]
+    return client, info.get("workers", {})
+
+
+def _least_worker_memory() -> int | None:
+    """The smallest memory limit among the current distributed client's workers (None: no synchronous client, or
+    no limits)."""
+    found = _workers()
+    limits = [int(x) for x in (w.get("memory_limit") for w in found[1].values()) if x] if found else []
     return min(limits) if limits else None
+
+
+_gpu_sets: dict = {}  # (scheduler address, worker addresses) -> whether every worker's engine has GPUs
+
+
+def _gpu_workers() -> bool:
+    """Whether every worker of the current distributed client runs its blasx engine on GPUs (asked of the workers
+    once per set of them; False without a synchronous client or workers)."""
+    found = _workers()
+    if not found or not found[1]:
+        return False
+    client, workers = found
+    key = (client.scheduler.address, tuple(sorted(workers)))
+    if key not in _gpu_sets:
+        try:
+            _gpu_sets[key] = all(client.run(engine_has_gpus, workers=list(workers)).values())
+        except Exception:  # noqa: BLE001 - a worker went away or its engine failed (its tasks will say): ask again
+            return False
+    return _gpu_sets[key]
 
 
 def _meta(operands, dtype):

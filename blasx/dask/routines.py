@@ -15,9 +15,10 @@ import dask
 import numpy as np
 
 from ..linalg import find_best_blas_type
-from .graph import Operand, as_dask, build, cupy_chunks, group_bounds, inside, spans, union
+from .graph import Operand, as_dask, build, device_blocks, group_bounds, inside, spans, union
 
-#: blasx.dask.group's "auto" side for CuPy chunks: a super-block's call is about a 16384^2 GEMM or more
+#: blasx.dask.group's "auto" side where blocks are read from GPUs: a super-block's call is about a 16384^2 GEMM or
+#: more, and reads each operand tile once for all of its output blocks
 GROUP_EXTENT = 16384
 
 _BLAS = {np.dtype(t) for t in ("f4", "f8", "c8", "c16")}
@@ -124,12 +125,13 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype):
 
 def group_extent(*xs) -> int:
     """Output blocks' least side in elements (``dask.config``'s ``blasx.dask.group``): ``"auto"`` (default)
-    gives GROUP_EXTENT where every operand's chunks are CuPy arrays (one call a step on a GPU worker should fill
-    its GPUs) and 0 (the chunks' own blocks) otherwise; ``"off"`` or 0: the chunks' blocks; a number: that side
-    for any chunks (host super-blocks copy their pieces together each step)."""
+    gives GROUP_EXTENT where the blocks are read from GPUs (graph.device_blocks: CuPy chunks, or workers whose
+    engines have GPUs; a call should fill them, and every output block of a call shares its copies of the
+    operands' tiles) and 0 (the chunks' own blocks) otherwise; ``"off"`` or 0: the chunks' blocks; a number:
+    that side for any chunks (on the CPU alone, a super-block's pieces are copied together each step)."""
     v = dask.config.get("blasx.dask.group", "auto")
     if v == "auto":
-        return GROUP_EXTENT if cupy_chunks(*xs) else 0
+        return GROUP_EXTENT if device_blocks(*xs) else 0
     if v in (None, False, "off"):
         return 0
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (numbers.Integral, str)) or not str(v).isdigit():

@@ -375,3 +375,8 @@ class BlasxPlugin(WorkerPlugin):
     def teardown(self, worker=None):
         blasx.shutdown()
 
+
+def engine_has_gpus() -> bool:
+    """Whether this process's blasx engine (started here if it is not yet) runs on GPUs."""
+    return any(getattr(d, "kind", "") == "cuda" for d in blasx.engine().devices)
+
