@@ -30,8 +30,7 @@ DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
                 "(default: $BLASX_DEVICES, else all CUDA GPUs, else cpu)")
 
 
-# ------------------------------------------------------------------------------------------------
-# argument types: each error names what was received and what is allowed
+# ---------------------------------------------------------------- argument types
 
 def _arg_type(convert, need: str, ok=lambda v: True):
     """An argparse type: ``convert(text)`` (ValueError: not valid) passing ``ok``; errors say what
@@ -108,8 +107,7 @@ def _bytes(text: str) -> int:
     return v
 
 
-# ------------------------------------------------------------------------------------------------
-# the parser
+# ---------------------------------------------------------------- the parser
 
 # Descriptions and epilogs keep their line breaks; option help is wrapped.
 _Formatter = functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=30)
@@ -129,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
     p.add_argument("--version", action="version", version=f"blasx {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
-    p.commands = {}
+    p.commands = sub.choices  # command -> its parser, for its errors
 
     g = sub.add_parser(
         "gemm", formatter_class=_Formatter,
@@ -143,7 +141,6 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
                "  blasx gemm --n 2048 --devices sim:2 --trace t.json   simulated GPUs, Chrome trace\n"
                "\nexit status: 0 checked ok, 1 wrong result or device failure, 2 bad options.")
-    p.commands["gemm"] = g
     size = g.add_argument_group("problem")
     size.add_argument("--n", type=_positive, default=4096, metavar="N",
                       help="columns of C, and M and K unless given (default 4096)")
@@ -180,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
                     "        peer link (256 MiB), cuBLAS DGEMM and SGEMM (N = 8192): about a second per GPU;\n"
                     "  sim   the configured cost model (not measured);\n"
                     "  cpu   numpy's DGEMM and SGEMM.")
-    p.commands["info"] = i
     i.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     i.add_argument("--measure", action="store_true",
                    help="measure bandwidths and GEMM rates (about a second per GPU)")
@@ -205,7 +201,6 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx tune --conv shapes.json          [{\"x\": [32, 64, 56, 56], \"weight\": [64, 64, 3, 3],\n"
                "                                         \"padding\": 1}, ...]\n"
                "  blasx tune --show                      list the entries")
-    p.commands["tune"] = t
     t.add_argument("--n", type=_positive_list, metavar="N[,N...]",
                    help="sizes N, comma-separated (M = K = N unless given); default by backend "
                         "(cuda 8192,16384)")
@@ -243,8 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# ------------------------------------------------------------------------------------------------
-# main
+# ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -456,8 +450,7 @@ def _tune_conv(parser, args, db) -> int:
     find = importlib.import_module("blasx.dnn.find")  # (blasx.dnn.find is the function)
 
     given = [o for o, v in (("--n", args.n), ("--m", args.m), ("--k", args.k), ("--tiles", args.tiles),
-                            ("--devices", args.devices), ("--cache-bytes", args.cache_bytes)) if v] + \
-        (["--cpu"] if args.cpu else [])
+                            ("--devices", args.devices), ("--cache-bytes", args.cache_bytes), ("--cpu", args.cpu)) if v]
     if given:
         parser.error(f"argument --conv: {', '.join(given)} tune GEMM tiles, not convolutions; drop them")
     conv_types = args.dtype or ["s"]

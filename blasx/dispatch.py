@@ -60,10 +60,8 @@ _running_lock = threading.Lock()
 
 
 def running_call(thread_ident: int):
-    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None.
-
-    Read-only, for progress displays: ``call.n_tasks - call.remaining`` tasks are accounted
-    for. Safe to call from any thread."""
+    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None
+    (from any thread; read-only, for progress displays)."""
     with _running_lock:
         return _running.get(thread_ident)
 
@@ -75,7 +73,7 @@ def last_profile():
         return None
     if type(stats) is tuple:
         stats = _tls.stats = _host_stats(*stats)
-    if _tls.profile is None or _tls.profile_of is not stats:
+    if _tls.profile_of is not stats:
         _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
         _tls.profile_of = stats
     return _tls.profile
@@ -165,13 +163,11 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
     if given, computes the same on the host BLAS into the output views: with the CPU alone and numpy
     operands it runs instead of the engine, recorded as one host task of ``flops`` real flops.
     """
-    if host is not None and type(views[0]) is np.ndarray:
-        dev = host_device()
-        if dev is not None:
-            t0 = clock()
-            host()
-            _tls.stats = (dev, t0, clock(), dtype, flops)
-            return
+    if host is not None and type(views[0]) is np.ndarray and (dev := host_device()) is not None:
+        t0 = clock()
+        host()
+        record_host(dev, t0, dtype, flops)
+        return
     submit_planned(name, views, plan, dtype, alpha, beta, dims, scratch, **options)
 
 
@@ -303,8 +299,7 @@ def warn_overflow(count: int, size: int) -> None:
 
 def block_shape(eng) -> tuple[int, int]:
     """Blocks of C tiles in queue order (``Knobs.block_order``): 2 x (streams / 2), else single tiles."""
-    streams = eng.config.streams
-    return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
+    return (2, max(1, eng.config.streams // 2)) if eng.config.knobs.block_order else (1, 1)
 
 
 # Engines a call tries when each is shut down before it was queued: enough for a configure()

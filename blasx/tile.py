@@ -41,8 +41,8 @@ def tiles_needed(streams: int) -> int:
 
 def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math: str = "ieee") -> int:
     """The tile of an m x n x k call of ``dtype`` (``math`` the float32 math it runs in) on ``eng``."""
-    row = dtypes.gemm_of(dtype)
-    itemsize = _tile_itemsize(row, dtype)
+    row = dtypes.gemm_of(dtype)  # a reduced type's C tiles accumulate wider
+    itemsize = np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
         tile = eng.config.tile
@@ -90,7 +90,7 @@ def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: in
         if _tasks(m, n, k, big, False) >= per_stream * streams * workers:  # C tiles alone
             return big
     floor = MIN_TILE[kind]
-    tile = min(DEFAULT_TILE[kind], max(floor, _pow2_at_least(max(m, n, k))))
+    tile = min(DEFAULT_TILE[kind], max(floor, 1 << max(0, max(m, n, k) - 1).bit_length()))  # a power of 2
     while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:
         tile //= 2
     if small_n and kind in SMALL_N:
@@ -122,16 +122,6 @@ def _tasks(m: int, n: int, k: int, tile: int, split: bool) -> int:
     return tiles * max(1, -(-k // tile) // MIN_PART_TILES) if split else tiles
 
 
-def _tile_itemsize(row, dtype) -> int:
-    """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider
-    (``row``: the type's dtypes.gemm_of row, or None)."""
-    return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
-
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
 def _fits(devices, tile: int, itemsize: int) -> bool:
     need = tile * tile * itemsize * tiles_needed(max((d.nstreams for d in devices), default=1))
     return all(d.cache_capacity() >= need for d in devices)
@@ -160,17 +150,10 @@ def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | 
     Never raises: a missing or unreadable db, or anything odd in it, means no entry.
     """
     try:
-        if perfdb.disabled():
+        if perfdb.disabled() or not (table := _table(eng)):
             return None
-        table = _table(eng)
-        if not table:
-            return None
-        dt = perfdb.dtype_char(dtype)
-        shape = perfdb.shape_class(m, n, k)
-        tile = table.get((dt, routine, shape))
-        if tile is None and routine != "gemm":
-            tile = table.get((dt, "gemm", shape))
-        return tile
+        dt, shape = perfdb.dtype_char(dtype), perfdb.shape_class(m, n, k)
+        return table.get((dt, routine, shape)) or table.get((dt, "gemm", shape))
     except Exception:  # noqa: BLE001 - the perf-db is advice: never break a BLAS call over it
         return None
 

@@ -77,8 +77,7 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     try:
         session.configure(**dataclasses.asdict(base))  # validates the device spec
         devs = session.engine().devices
-        streamed = [d for d in devs if d.streamed]
-        kind = streamed[0].kind if streamed else "cpu"
+        kind = next((d.kind for d in devs if d.streamed), "cpu")
         if problems is None:
             problems = [(s, s, s) for s in DEFAULT_SIZES[kind]]
         rng = np.random.default_rng(seed)
@@ -166,11 +165,9 @@ def _check_sizes(sizes) -> list[tuple[int, int, int]] | None:
 
 def _check_dtypes(dtypes) -> list[str]:
     given = dtypes
-    if isinstance(dtypes, str):
-        if "," in dtypes or " " in dtypes:
-            dtypes = dtypes.replace(",", " ").split()
-        else:  # "ds", or one name: "i8", "float64"
-            dtypes = list(dtypes) if set(dtypes) <= set(blas_types.PREFIXES) else [dtypes]
+    if isinstance(dtypes, str):  # "d,s", "d s", "ds", or one name: "i8", "float64"
+        words = dtypes.replace(",", " ").split()
+        dtypes = list(dtypes) if len(words) == 1 and set(dtypes) <= set(blas_types.PREFIXES) else words
     try:
         items = list(dtypes)
     except TypeError:

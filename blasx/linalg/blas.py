@@ -1,14 +1,9 @@
 """``scipy.linalg.blas`` with the level-3 routines running on blasx: ``from blasx.linalg import blas``.
 
-The level-3 wrappers (``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm ?trsm``, the prefixes scipy
-has) take scipy's names, positional order, keywords and defaults, convert their arguments as f2py does
-(arrays and lists to the routine's dtype, 0-/1-/N-D arrays to matrices, alpha/beta and the int flags
-by f2py's rules, None as the default) and return what scipy returns: a new F-ordered array, or c (b)
-itself where scipy writes it in place. Where scipy hands a bad value to BLAS (``zherk(trans=1)``,
-inconsistent shapes) blasx raises ValueError naming it; scipy's own errors are raised as there.
-``get_blas_funcs`` and ``find_best_blas_type`` pick the prefix as scipy's do; every other name
-(level 1 and 2, ``HAS_ILP64``, ...) is scipy's own object, so this module stands in for scipy's whole.
-There is no size threshold (:func:`blasx.offload` has one). docs/usage.md has the details.
+The level-3 functions (``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm ?trsm``) take scipy's
+signatures, convert their arguments as f2py does and return what scipy returns; where scipy hands a
+bad value to BLAS (``zherk(trans=1)``, inconsistent shapes) blasx raises ValueError naming it. Every
+other name (level 1 and 2, ``HAS_ILP64``, ...) is scipy's own object. docs/usage.md has the details.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import numpy as np
 import scipy.linalg.blas as _sp
 
 from .. import blas3, level3, shortcut
-from ..checks import BY_SCORE, TYPE_SCORE, writable
+from ..checks import BY_SCORE, TYPE_SCORE
 from ..operands import is_cupy
 from ..runtime import dtypes
 
@@ -113,14 +108,16 @@ def _number(name: str, value, dtype: np.dtype):
 _INT_MAX = 2**31 - 1
 
 
-def _flag(name: str, value) -> int:
-    """An int flag as f2py converts it: int() of a number or numeric string, a complex's real part,
-    a sequence's first element (None, meaning the default, is handled by the caller)."""
-    if type(value) is not int:
-        value = _int_of(name, value)
+def _c_int(name: str, value: int) -> int:
     if not -_INT_MAX - 1 <= value <= _INT_MAX:
         raise OverflowError(f"{name}: {value} does not fit a C int")
     return value
+
+
+def _flag(name: str, value) -> int:
+    """An int flag as f2py converts it: int() of a number or numeric string, a complex's real part,
+    a sequence's first element (None, meaning the default, is handled by the caller)."""
+    return _c_int(name, value if type(value) is int else _int_of(name, value))
 
 
 def _int_of(name: str, value) -> int:
@@ -144,12 +141,9 @@ def _int_of(name: str, value) -> int:
 def _overwrite(name: str, value) -> int:
     """``overwrite_*`` as f2py reads it: an int by ``__index__`` (no floats, no None)."""
     try:
-        value = operator.index(value)
+        return _c_int(name, operator.index(value))
     except TypeError:
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int") from None
-    if not -_INT_MAX - 1 <= value <= _INT_MAX:
-        raise OverflowError(f"{name}: {value} does not fit a C int")
-    return value
 
 
 def _array(name: str, x, dtype: np.dtype):
@@ -187,11 +181,6 @@ def _matrix(name: str, x):
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {tuple(x.shape)}; allowed: a matrix "
                          f"(0-, 1- or 2-D, or N-D with at most two dimensions other than 1, none of them 0)")
     return x.reshape(*rest, *(1,) * (2 - len(rest)))
-
-
-def _in_place(x, dtype, overwrite: int) -> bool:
-    """scipy writes c (b) in place when asked to and it is F-contiguous, writable, of the routine's dtype."""
-    return bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
 # ---------------------------------------------------------------- the routines
@@ -245,7 +234,7 @@ def _make(prefix: str, routine: str):
             if k == out_name:
                 out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
-            v["overwrite_c"] = out is not None and _in_place(out, dtype, v["overwrite_c"])
+            v["overwrite_c"] = blas3.written_in_place(out, dtype, v["overwrite_c"])
         if routine == "trmm":
             a, b = v["a"], v["b"]
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
@@ -285,13 +274,8 @@ def _fortran(x) -> bool:
 
 
 def find_best_blas_type(arrays=(), dtype=None):
-    """(prefix, dtype, prefer_fortran) for these arrays, as scipy.linalg.blas.find_best_blas_type.
-
-    The most generic type of the arrays wins (float32 < float64 < complex64 <
-    complex128, with scipy's scores for the other types; float64 with complex64
-    gives complex128); with no arrays, ``dtype`` decides. prefer_fortran is True when
-    the array of the winning type is F-contiguous.
-    """
+    """(prefix, dtype, prefer_fortran) for these arrays (with none, ``dtype`` decides), by scipy's type
+    scores (``checks.TYPE_SCORE``), as scipy.linalg.blas.find_best_blas_type."""
     dtype = np.dtype(dtype)
     max_score = TYPE_SCORE.get(dtype.char, 5)
     prefer_fortran = False
@@ -309,12 +293,8 @@ _ILP64 = {}
 
 
 def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
-    """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs; level-3 ones are blasx's.
-
-    ``names`` is a str (one function returned) or a sequence (a list). The
-    prefix comes from :func:`find_best_blas_type`. Names blasx does not
-    provide come from scipy (which raises ValueError for unknown ones).
-    """
+    """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs: the level-3 ones
+    blasx's, the others scipy's (which raises ValueError for unknown names)."""
     if isinstance(ilp64, str):
         if ilp64 != "preferred":
             raise ValueError(f"ilp64: got {ilp64!r}; allowed: True, False or 'preferred'")
@@ -323,8 +303,7 @@ def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
         raise RuntimeError("ilp64: BLAS ILP64 routine requested, but scipy was compiled only with 32-bit BLAS "
                            "(scipy.linalg.blas.HAS_ILP64 is False)")
     unpack = isinstance(names, str)
-    if unpack:
-        names = (names,)
+    names = (names,) if unpack else names
     prefix, _, _ = find_best_blas_type(arrays, dtype)
     funcs = []
     for name in names:
