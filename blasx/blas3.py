@@ -121,7 +121,7 @@ def _rank_view(x, trans: int, allowed: tuple[int, ...], xp):
 
 # ---------------------------------------------------------------- SYMM / HEMM
 
-def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, name):
+def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, name, dtype=None):
     check_matrix("a", a)
     check_matrix("b", b)
     if c is not None:
@@ -175,7 +175,7 @@ def symm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     """
     if (res := _plain("symm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, dtype=None, name="symm")
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, name="symm")
 
 
 def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
@@ -183,7 +183,7 @@ def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     the imaginary part of its diagonal are not read."""
     if (res := _plain("hemm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, dtype=None, name="hemm")
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, name="hemm")
 
 
 # ---------------------------------------------------------------- SYRK / HERK / SYR2K / HER2K
@@ -201,7 +201,7 @@ def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
     return 1 if trans == 2 else trans  # real: C is T
 
 
-def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dtype, name):
+def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, name, dtype=None):
     check_matrix("a", a)
     if two:
         check_matrix("b", b)
@@ -267,8 +267,7 @@ def syrk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """
     if (res := _plain("syrk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, dtype=None,
-                 name="syrk")
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, name="syrk")
 
 
 def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
@@ -279,8 +278,7 @@ def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """
     if (res := _plain("herk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, dtype=None,
-                 name="herk")
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, name="herk")
 
 
 def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
@@ -288,8 +286,7 @@ def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     triangle, as scipy.linalg.blas.?syr2k (a and b have the same shape; trans as for :func:`syrk`)."""
     if (res := _plain("syr2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, dtype=None,
-                 name="syr2k")
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, name="syr2k")
 
 
 def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
@@ -297,13 +294,12 @@ def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     triangle, as scipy.linalg.blas.?her2k: beta real, trans 0 or 2 (as for :func:`herk`)."""
     if (res := _plain("her2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, dtype=None,
-                 name="her2k")
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, name="her2k")
 
 
 # ---------------------------------------------------------------- TRMM / TRSM
 
-def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, name):
+def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, name, dtype=None):
     check_matrix("a", a)
     check_matrix("b", b)
     on_gpu = same_place(a=a, b=b)
@@ -368,7 +364,7 @@ def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     """
     if (res := _plain("trmm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
         return res
-    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, name="trmm")
 
 
 def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
@@ -379,7 +375,7 @@ def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     """
     if (res := _plain("trsm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
         return res
-    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, dtype=None, name="trsm")
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, name="trsm")
 
 
 # ---------------------------------------------------------------- prefixed names (s/d/c/z)

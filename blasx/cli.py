@@ -241,7 +241,6 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
     import blasx
@@ -383,8 +382,7 @@ def _info(blasx, parser, args) -> int:
     facts = probe.device_facts(devices)
     links = probe.peer_links(devices)
     print(_versions(blasx))
-    for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
-        print(line)
+    print("\n".join(probe.format_devices(eng.spec, facts) + probe.format_links(facts, links)))
     print(f"math: float32 gemm in {blasx.session.settings().math} "
           f"(blasx.configure(math='tf32') or a call's math='tf32': TF32 tensor cores); gemm types "
           f"{', '.join(dtypes.GEMM_PREFIXES)} ({dtypes.gemm_combinations()})")
@@ -444,8 +442,6 @@ def _tune(blasx, parser, args) -> int:
 
 def _tune_conv(parser, args, db) -> int:
     """``blasx tune --conv``: the find step over a layer set (exit 1 where a layer failed or no GPU exists)."""
-    import importlib
-
     from .dnn import conv_sets, finddb
     find = importlib.import_module("blasx.dnn.find")  # (blasx.dnn.find is the function)
 

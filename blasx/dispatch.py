@@ -1,10 +1,9 @@
 """The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
 
-Every front end validates its arguments and makes its output first (nothing is written before a
-call is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call
-to :func:`run`. With the CPU alone and no fixed tile (``Engine.inline``, :func:`host_device`) the
-call is scipy's or numpy's own routine in the caller's thread, else it is planned and submitted
-(:func:`submit_planned`); either way it becomes this thread's call for :func:`last_profile`.
+Every front end validates its arguments and makes its output first (nothing is written before a call
+is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call to
+:func:`run`: with the CPU alone (:func:`host_device`) scipy's or numpy's own routine in the caller's
+thread, else planned and submitted (:func:`submit_planned`), and this thread's :func:`last_profile`.
 """
 
 from __future__ import annotations
@@ -149,8 +148,7 @@ def whole(writes_caller: bool):
 
 
 def as_operand(x, dtype):
-    """``x`` of ``dtype``: itself, or one compact copy (of any strides: a broadcast view is
-    copied once, never twice)."""
+    """``x`` of ``dtype``: itself, or one compact copy (a broadcast view is copied once, never twice)."""
     return x if x.dtype == dtype else x.astype(dtype)
 
 
@@ -313,12 +311,11 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
 
     ``plan(tile, block)`` returns the tasks on ``views``; ``dims = (m, n, k)`` sizes the call for the
     tile choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the planner
-    writes and reads (None: none), made where :func:`_scratch_home` says and planned with
-    ``plan(tile, block, True)``. ``options``: ``out_dtype``, ``math`` and ``epilogue`` as
-    :class:`~blasx.runtime.call.Call` takes them. ``tile_fit(tile)``, if given, returns the tile to
-    use instead of the chosen one (no larger: it fits where that one did). Raises the call's error. A
-    call whose engine was shut down before its tasks were queued (configure() in another thread) runs
-    on its replacement.
+    writes and reads (None: none), then planned with ``plan(tile, block, True)``. ``options``:
+    ``out_dtype``, ``math`` and ``epilogue`` as :class:`~blasx.runtime.call.Call` takes them.
+    ``tile_fit(tile)``, if given, returns the tile to use instead of the chosen one (no larger: it fits
+    where that one did). Raises the call's error. A call whose engine was shut down before its tasks
+    were queued (configure() in another thread) runs on its replacement.
     """
     dtype = np.dtype(dtype)
     for attempt in range(_ENGINE_ATTEMPTS):
@@ -340,14 +337,17 @@ def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, option
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)
         return
+    # The scratch, in the accumulation type (split-k's partials): on the GPU of CuPy operands, else on the
+    # engine's first GPU (its tiles then never cross the host link, and no host memory is page-locked for
+    # it), else (sims, the CPU) in host memory.
     like = next(v for v in views if isinstance(v, np.ndarray) or is_cupy(v))  # (views may hold derivations)
-    home, acc = _scratch_home(eng, like), _acc(dtype)  # (in the accumulation type: split-k's partials)
+    home = like.device.id if is_cupy(like) else next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
     if home is None:
-        extra = np.empty(shape, dtype=acc, order="F")
+        extra = np.empty(shape, dtype=_acc(dtype), order="F")
     else:
         import cupy
         with cupy.cuda.Device(home):
-            extra = cupy.empty(shape, dtype=acc, order="F")
+            extra = cupy.empty(shape, dtype=_acc(dtype), order="F")
     _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile,
                   **options)
 
@@ -356,15 +356,6 @@ def _acc(dtype) -> np.dtype:
     """The accumulation type of ``dtype``'s calls (a reduced type's compute type, else itself)."""
     row = dtypes.gemm_of(dtype)
     return np.dtype(dtype) if row is None else row.compute
-
-
-def _scratch_home(eng, like) -> int | None:
-    """Where a planner's scratch operand lives: on the GPU of CuPy operands, else on the engine's
-    first GPU (its tiles then never cross the host link, and no host memory is page-locked for
-    it), else (sim and CPU devices) in host memory (None)."""
-    if not isinstance(like, np.ndarray):
-        return like.device.id
-    return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
 def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math="ieee",

@@ -22,10 +22,7 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False,
     returned; else into a new array. Nothing is written when the arguments are rejected.
 
     Reduced precision (:mod:`blasx.precision`): a and b both float16, both bfloat16 or both int8
-    accumulate in float32 (int8: exactly in int32, with integer alpha and beta) and give float16,
-    bfloat16, int32 by default (or c's type, where it is one of theirs); ``out_dtype=np.float32``
-    keeps half/bfloat16's float32 result. ``math="tf32"`` (or ``blasx.configure(math="tf32")``)
-    runs float32 on TF32 tensor cores.
+    (int8: integer alpha and beta), ``out_dtype``; ``math="tf32"`` runs float32 on TF32 tensor cores.
     """
     if out_dtype is None and math is None and (fast := _FAST.get(getattr(a, "dtype", None))) is not None:
         if (res := fast(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)) is not shortcut.NO:

@@ -1,12 +1,9 @@
 """numpy-style ``matmul``, ``dot`` and ``tensordot`` on blasx, with numpy's semantics and errors.
 
-A call whose result type (or ``dtype=``) is float32, float64, complex64 or complex128, or of two
-float16, bfloat16 or int8 operands (:mod:`blasx.precision`; ``out_dtype``, ``math``), runs on blasx;
-any other, and subclasses, array-likes overriding ufuncs and keywords blasx does not handle, is
-numpy's own function. With the CPU alone a call of operands of the computation type is numpy's own
-function on the host BLAS, recorded for ``blasx.last_profile()``; else it becomes gemms
-(:func:`blasx.dispatch.gemm`): a batch whose one operand is shared is one larger gemm, else one gemm
-per item. CuPy operands give CuPy results.
+The calls of BLAS types, or of two float16, bfloat16 or int8 operands (:mod:`blasx.precision`:
+``out_dtype``, ``math``), run on blasx (docs/usage.md's dtype rule); the others are numpy's own
+function. With the CPU alone a call of operands of the computation type is numpy's function on the
+host BLAS; else it becomes gemms: one for a batch whose one operand is shared, else one per item.
 """
 
 from __future__ import annotations
@@ -110,8 +107,6 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
     if out is not None and (tuple(out.shape) != final or final == ()):
         return _fallback(_np_matmul, x1, x2, out=out, **kwargs)  # numpy's output-shape error (or a 0-d out)
-    a1 = dispatch.as_operand(a1, it)
-    b1 = dispatch.as_operand(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
     res = out if direct else new_array(xp, final, ct, None, order="C")
     if final == ():
@@ -119,8 +114,8 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     else:
         c = res[..., None, :] if a.ndim == 1 else res
         c = c[..., :, None] if b.ndim == 1 else c
-    a3 = xp.broadcast_to(a1, batch + (n, k))
-    b3 = xp.broadcast_to(b1, batch + (k, m))
+    a3 = xp.broadcast_to(dispatch.as_operand(a1, it), batch + (n, k))  # (cast before broadcast: one copy)
+    b3 = xp.broadcast_to(dispatch.as_operand(b1, it), batch + (k, m))
     with dispatch.whole(direct):
         run_batch(a3, b3, c, xp)
     if out is not None:
@@ -222,8 +217,7 @@ def _dot(a, b, out, out_dtype):
         return _fallback(_np_dot, a, b, out)
     it, ct = types
     k = x.shape[-1]
-    kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
-    if k != kb:
+    if k != (y.shape[0] if y.ndim == 1 else y.shape[-2]):
         return _fallback(_np_dot, a, b, out)  # numpy's "shapes not aligned" error
     final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
     if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous):
@@ -417,14 +411,12 @@ def _stack_rows(x):
     """A 2-D view (prod(shape[:-1]), shape[-1]) of x without a copy, or None when its rows
     do not lie at one stride."""
     dims = [(d, s) for d, s in zip(x.shape[:-1], x.strides[:-1]) if d != 1]
-    rows = math.prod(x.shape[:-1])
-    for (d0, s0), (d1, s1) in zip(dims, dims[1:]):
-        if s0 != s1 * d1:
-            return None
+    if any(s0 != s1 * d1 for (_, s0), (d1, s1) in zip(dims, dims[1:])):
+        return None
     row_stride = dims[-1][1] if dims else x.itemsize * max(1, x.shape[-1])
     if dims and row_stride == 0:
         return None
-    return np.lib.stride_tricks.as_strided(x, (rows, x.shape[-1]), (row_stride, x.strides[-1]),
+    return np.lib.stride_tricks.as_strided(x, (math.prod(x.shape[:-1]), x.shape[-1]), (row_stride, x.strides[-1]),
                                            writeable=x.flags.writeable)
 
 

@@ -181,10 +181,8 @@ def offload_disable() -> None:
 
 class offload(contextlib.ContextDecorator):
     """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside.
-
     threshold: for the calling thread inside the block (None: the enclosing block's, else the
-    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads.
-    """
+    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads."""
 
     def __init__(self, threshold=None, matmul=True) -> None:
         self.threshold = _check_threshold(threshold)
@@ -341,13 +339,15 @@ def _bypass() -> bool:
     return _tls.busy > 0 or threading.current_thread().name.startswith("blasx-")
 
 
-@contextlib.contextmanager
-def _busy():
+def _offloaded(kind: str, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on blasx (the thread's calls inside it stay on numpy), counted as ``kind``."""
     _tls.busy += 1
     try:
-        yield
+        res = fn(*args, **kwargs)
     finally:
         _tls.busy -= 1
+    _stats[kind] += 1
+    return res
 
 
 def _failed(what: str, err: BaseException) -> None:
@@ -366,9 +366,7 @@ def _matmul_hook(a, b, c) -> bool:
     if _bypass():
         return False
     try:
-        with _busy():
-            numpy_api.run_batch(a, b, c)
-        _stats["matmul"] += 1
+        _offloaded("matmul", numpy_api.run_batch, a, b, c)
         return True
     except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
         _failed(f"matmul ({c.dtype.name})", e)
@@ -390,10 +388,7 @@ def _dot_wrapper(a, b, out=None):
         # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads
         if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass():
             try:
-                with _busy():
-                    res = numpy_api.dot(a, b, out)
-                _stats["dot"] += 1
-                return res
+                return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
                 _failed("np.dot", e)
     return _dot_next(a, b, out)
@@ -465,10 +460,7 @@ def _scipy_wrapper(name: str, original, ours):
                 and (flops := _scipy_flops(family, spec, is_complex, args, kwargs)) and flops >= thr
                 and not _bypass()):
             try:
-                with _busy():
-                    res = ours(*args, **kwargs)
-                _stats["scipy"] += 1
-                return res
+                return _offloaded("scipy", ours, *args, **kwargs)
             except (TypeError, ValueError):
                 pass  # rejected before anything was written: scipy's own behaviour follows
         return original(*args, **kwargs)

@@ -1,8 +1,6 @@
-"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream.
-
-A monitor thread reads the calling thread's running call (:func:`blasx.level3.running_call`) a few
-times a second and redraws the line in place; ``with Progress(sys.stderr, label="run 0", flops=f):``
-ends the line and joins the thread, also on error. :func:`render` is pure.
+"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream: inside
+``with Progress(sys.stderr, label="run 0", flops=f):`` a monitor thread reads the calling thread's
+running call (:func:`blasx.level3.running_call`) a few times a second and redraws the line in place.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""The process-wide engine: ``configure``, ``shutdown`` and lazy start.
+"""The process-wide engine serving every calling thread: ``configure``, ``shutdown`` and lazy start.
 
-One engine serves every calling thread. It is built on first use from
-``configure()`` arguments, else from ``BLASX_DEVICES``, else from what the
-machine has (all CUDA GPUs, or the CPU). ``configure`` replaces it (after
-the running calls finish); ``shutdown`` stops it, and runs at exit.
+It is built on first use from ``configure()``'s settings, else ``$BLASX_DEVICES``, else what the
+machine has (all CUDA GPUs, or the CPU); ``configure`` replaces it once the running calls finish.
 """
 
 from __future__ import annotations

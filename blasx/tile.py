@@ -20,22 +20,20 @@ from .runtime.tiling import n_tiles
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
-#: kind -> (granule, least, per_stream) of ``Knobs.small_n_tiles``: tiles in multiples of the granule
-#: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
-#: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
+#: kind -> (granule, least, per_stream) of ``Knobs.small_n_tiles``: tiles in multiples of the granule (cuBLAS
+#: runs those at its full rate), never below ``least`` (a smaller tile step costs more host time to issue
+#: than it computes), for ``per_stream`` tasks per stream of every device.
 SMALL_N = {"cuda": (512, 2048, 2)}
-#: (kind, class) -> (tile, per_stream): the tile of a tensor-core call where every device still gets
-#: ``per_stream`` tasks per stream at it; class "reduced" (h, b, i8) or "tf32" (float32 in TF32 math).
-#: Such a call's kernel on a 4096 tile is short against its copies and issue, and runs well below
-#: cuBLAS's in-core rate; twice the side halves the traffic per flop. TF32's kernels are slower than
-#: the 2-byte types', so fewer tasks per stream still hide the fill and drain.
+#: (kind, class) -> (tile, per_stream): the tile of a tensor-core call ("reduced": h, b, i8; "tf32": float32
+#: in TF32 math) where every device still gets ``per_stream`` tasks per stream. On a 4096 tile its kernel is
+#: short against its copies and issue; twice the side halves the traffic per flop. TF32's kernels are
+#: slower than the 2-byte types', so fewer tasks per stream still hide the fill and drain.
 WIDE_TILE = {("cuda", "reduced"): (8192, 4), ("cuda", "tf32"): (8192, 2)}
 
 
 def tiles_needed(streams: int) -> int:
-    """Tiles a device's cache must hold to always make progress: a C buffer and
-    a late-C buffer per in-flight task (2 tasks per stream), A and B of the step
-    being issued, and slack for fragmentation."""
+    """Tiles a device's cache must hold to always make progress: a C and a late-C buffer per in-flight
+    task (2 tasks per stream), A and B of the step being issued, and slack for fragmentation."""
     return 5 * streams + 4
 
 
@@ -101,10 +99,9 @@ def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: in
 
 def small_n_tile(m: int, n: int, k: int, tile: int, target: int, granule: int, least: int,
                  split: bool = False) -> int:
-    """``tile``, or, where it gives fewer than ``target`` tasks, the largest multiple of ``granule``
-    from ``least`` up that gives them (else ``least``), evened out: the smallest multiple of
-    ``granule`` with the same C grid, so no thin last row or column of tiles. Small calls then fill
-    and drain every stream in small pieces."""
+    """``tile``, or, where it gives fewer than ``target`` tasks, the largest multiple of ``granule`` from
+    ``least`` up that gives them (else ``least``), evened out to the smallest multiple of ``granule``
+    with the same C grid (no thin last row or column of tiles): small calls fill every stream."""
     if tile <= least or _tasks(m, n, k, tile, split) >= target:
         return tile
     t = tile - tile % granule
@@ -146,9 +143,7 @@ _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | None:
     """The perf-db's tile for this call on ``eng`` (the routine's own entry, else gemm's), or None.
-
-    Never raises: a missing or unreadable db, or anything odd in it, means no entry.
-    """
+    Never raises: a missing or unreadable db, or anything odd in it, means no entry."""
     try:
         if perfdb.disabled() or not (table := _table(eng)):
             return None

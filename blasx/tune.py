@@ -1,9 +1,8 @@
 """``blasx.tune``: measure the candidate tile sizes and store the winners in the perf-db.
 
 The tile is BLASX's one tuning parameter (Section V-B): large tiles saturate the GPU and the link,
-small ones give more parallelism. Per dtype and size: random host arrays; per candidate, an engine
-with that tile, a warm-up call and ``runs`` timed ``blasx.gemm`` calls (the best counts), a check of
-a few rows against numpy; the fastest correct candidate is stored (:mod:`blasx.perfdb`). Tuning
+small ones give more parallelism. Per candidate: an engine with that tile, a warm-up and ``runs``
+timed ``blasx.gemm`` calls on random host arrays, a check of a few rows against numpy. Tuning
 reconfigures the process-wide engine (run it while no other thread uses blasx) and restores the
 previous settings at the end, also when it fails.
 """

@@ -43,10 +43,7 @@ _PARAMS = {
 }
 _FAMILY = {"gemm": "gemm", "symm": "symm", "hemm": "symm", "syrk": "syrk", "herk": "syrk",
            "syr2k": "syr2k", "her2k": "syr2k", "trmm": "trmm", "trsm": "trmm"}
-_ARRAYS = ("a", "b", "c")
-_FLAGS = ("trans_a", "trans_b", "trans", "side", "lower", "diag")
 _FLAG_MAX = {"trans_a": 2, "trans_b": 2, "trans": 2, "side": 1, "lower": 1, "diag": 1}  # f2py's checks
-_OVERWRITE = ("overwrite_c", "overwrite_b")
 
 
 def signature_of(routine: str) -> inspect.Signature:
@@ -192,9 +189,9 @@ def _make(prefix: str, routine: str):
     hermitian = routine in ("herk", "her2k")
     impl = (level3.PREFIXED if routine == "gemm" else blas3.PREFIXED)[name]
     out_name = "b" if _FAMILY[routine] == "trmm" else "c"
-    flags = tuple((k, _FLAG_MAX[k]) for k in _FLAGS if k in sig.parameters)
-    overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
-    arrays = tuple(k for k in _ARRAYS if k in sig.parameters)
+    flags = tuple((k, top) for k, top in _FLAG_MAX.items() if k in sig.parameters)
+    overwrite = "overwrite_" + out_name
+    arrays = tuple(k for k in ("a", "b", "c") if k in sig.parameters)
     real_alpha = routine == "herk"
     fast, no = shortcut.make(routine, dtype), shortcut.NO
 
@@ -226,13 +223,11 @@ def _make(prefix: str, routine: str):
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
         out = None
         for k in arrays:
-            x = v[k]
-            if x is None:
-                continue
-            x = _array(k, x, dtype)
-            v[k] = _matrix(k, x)
-            if k == out_name:
-                out = x
+            if v[k] is not None:
+                x = _array(k, v[k], dtype)
+                v[k] = _matrix(k, x)
+                if k == out_name:
+                    out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
             v["overwrite_c"] = blas3.written_in_place(out, dtype, v["overwrite_c"])
         if routine == "trmm":
