@@ -1,10 +1,9 @@
 """SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
-The generic functions take scipy's signatures and pick the BLAS type as scipy's find_best_blas_type
-(the Hermitian routines: the complex type of the same precision); the prefixed ones (``dsyrk``,
-``zhemm``, ...) cast every array to their type. Outputs, layouts, in-place writes and BLAS's rules
-for alpha = 0 and beta = 0 are as in docs/usage.md; input errors name the parameter, the value and
-what is allowed, and nothing is written when the arguments are rejected.
+The generic functions pick the BLAS type as scipy's find_best_blas_type (the Hermitian routines: the
+complex type of the same precision), the prefixed ones (``dsyrk``, ...) cast every array to theirs;
+the rest is as docs/usage.md says. Input errors name the parameter, the value and what is allowed,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -436,7 +435,6 @@ def _prefixed(prefix: str, routine: str):
                 return res
             return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     f.__name__ = f.__qualname__ = name
-    f.__module__ = __name__
     f.__doc__ = (f"{routine.upper()} in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to "
                  f"{dtype.name} first.\n\n" + (generic.__doc__ or ""))
     return f

@@ -423,7 +423,6 @@ def _tune(blasx, parser, args) -> int:
     rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
                 check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
-    status = 0
     for r in rows:
         marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}
         cells = [f"{t}: -" if t in r["skipped"] else f"{t}: {r['tflops'][t]:.4g}{marks[t]}"
@@ -431,13 +430,11 @@ def _tune(blasx, parser, args) -> int:
         best = str(r["tile"]) if r["tile"] is not None else "none"
         mnk, shape = f"{r['m']}x{r['n']}x{r['k']}", "x".join(map(str, r["shape"]))
         print(f"{r['dtype']:<6}{mnk:<22}{shape:<22}{best:>6}  {'  '.join(cells)}")
-        if r["tile"] is None or r["bad"] or not r["stored"]:
-            status = 1
     if any(r["skipped"] or r["bad"] for r in rows):
         print("(-: tile too big for the tile cache; !: wrong result, not a candidate)")
     stored = sum(r["stored"] for r in rows)
     print(f"stored {stored} of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {db.path}")
-    return status
+    return int(any(r["tile"] is None or r["bad"] or not r["stored"] for r in rows))  # 1: not every size stored
 
 
 def _tune_conv(parser, args, db) -> int:

@@ -3,7 +3,7 @@
 Every front end validates its arguments and makes its output first (nothing is written before a call
 is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call to
 :func:`run`: with the CPU alone (:func:`host_device`) scipy's or numpy's own routine in the caller's
-thread, else planned and submitted (:func:`submit_planned`), and this thread's :func:`last_profile`.
+thread, else planned and submitted (:func:`submit_planned`); either way the thread's :func:`last_profile`.
 """
 
 from __future__ import annotations
@@ -100,9 +100,8 @@ def _host_stats(dev, t0: float, t1: float, dtype, real_flops: float) -> CallStat
 # ---------------------------------------------------------------- host or engine
 
 def host_device():
-    """The CPU device when every call runs on the host BLAS in its caller's thread (the CPU alone,
-    no fixed tile), else None. Starts the engine on first use, so the first call is routed as
-    every later one."""
+    """The CPU device when every call runs on the host BLAS in its caller's thread, else None; starts
+    the engine on first use, so the first call is routed as every later one."""
     dev = session.host_device
     if dev is None:
         session.engine()  # publishes session.host_device when the engine runs on the host
@@ -130,11 +129,9 @@ def whole(writes_caller: bool):
     engine is not cut short by Ctrl-C: the interrupt takes effect once the call returns, as with
     numpy's and scipy's own calls, so that array is fully written (calls into fresh arrays are
     cancelled at once instead, the caller's arrays untouched). Main thread only; else a no-op."""
-    if not writes_caller or session.host_device is not None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(signal.SIGINT)
-    if not callable(old):
+    main = writes_caller and session.host_device is None and threading.current_thread() is threading.main_thread()
+    old = signal.getsignal(signal.SIGINT) if main else None
+    if not callable(old):  # (also a handler that is not Python's: SIG_IGN, SIG_DFL)
         yield
         return
     hit = []

@@ -210,11 +210,8 @@ def _dot(a, b, out, out_dtype):
     xp, x, y = arrays
     if xp is np and y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
         y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
-    if x.ndim == 0 or y.ndim == 0:
-        return _fallback(_np_dot, a, b, out)  # a product with a scalar: numpy's multiply
-    types = _engine_types(x, y, out_dtype)
-    if types is None:
-        return _fallback(_np_dot, a, b, out)
+    if x.ndim == 0 or y.ndim == 0 or (types := _engine_types(x, y, out_dtype)) is None:
+        return _fallback(_np_dot, a, b, out)  # (a product with a scalar: numpy's multiply)
     it, ct = types
     k = x.shape[-1]
     if k != (y.shape[0] if y.ndim == 1 else y.shape[-2]):
@@ -266,14 +263,9 @@ def _tensordot(a, b, axes, out_dtype):
     if arrays is None:
         return _fallback(_np_tensordot, a, b, axes)
     xp, x, y = arrays
-    types = _engine_types(x, y, out_dtype)
-    if types is None:
-        return _fallback(_np_tensordot, a, b, axes)
-    it, ct = types
-    parsed = _tensordot_axes(x, y, axes)
-    if parsed is None:
-        return _fallback(_np_tensordot, a, b, axes)  # numpy's own error for bad axes or shapes
-    axes_a, axes_b = parsed
+    if (types := _engine_types(x, y, out_dtype)) is None or (parsed := _tensordot_axes(x, y, axes)) is None:
+        return _fallback(_np_tensordot, a, b, axes)  # (bad axes or shapes: numpy's own error)
+    (it, ct), (axes_a, axes_b) = types, parsed
     free_a = [i for i in range(x.ndim) if i not in axes_a]
     free_b = [i for i in range(y.ndim) if i not in axes_b]
     kdim = math.prod(x.shape[i] for i in axes_a)

@@ -409,35 +409,32 @@ _dot_wrapper.__wrapped__ = numpy_api._np_dot
 _dot_wrapper.__name__ = _dot_wrapper.__qualname__ = "dot"  # what it stands in for, as the scipy wrappers
 
 
-def _arg(args, kwargs, spec, name):
-    i, default = spec[name]
-    return args[i] if i < len(args) else kwargs.get(name, default)
-
-
 def _scipy_flops(family: str, spec: dict, is_complex: bool, args, kwargs) -> float:
     """The flop count of a scipy level-3 call on plain 2-D ndarrays, else 0 (then scipy runs it)."""
     if len(args) > len(spec):
         return 0.0
+
+    def arg(name):
+        i, default = spec[name]
+        return args[i] if i < len(args) else kwargs.get(name, default)
+
     try:
-        a = _arg(args, kwargs, spec, "a")
-        b = _arg(args, kwargs, spec, "b") if "b" in spec else a
+        a = arg("a")
+        b = arg("b") if "b" in spec else a
         if not (type(a) is _ndarray and a.ndim == 2 and type(b) is _ndarray and b.ndim == 2):
             return 0.0
         if family == "gemm":
-            m, k = a.shape if int(_arg(args, kwargs, spec, "trans_a")) == 0 else a.shape[::-1]
-            n = b.shape[1] if int(_arg(args, kwargs, spec, "trans_b")) == 0 else b.shape[0]
+            m, k = a.shape if int(arg("trans_a")) == 0 else a.shape[::-1]
+            n = b.shape[1] if int(arg("trans_b")) == 0 else b.shape[0]
             flops = 2.0 * m * n * k
         elif family in ("symm", "trmm"):
             m, n = b.shape
-            flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(_arg(args, kwargs, spec, "side")) == 0
-                                                                    else n)
+            flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(arg("side")) == 0 else n)
         else:
-            n, k = a.shape if int(_arg(args, kwargs, spec, "trans")) == 0 else a.shape[::-1]
+            n, k = a.shape if int(arg("trans")) == 0 else a.shape[::-1]
             flops = (2.0 if family == "syr2k" else 1.0) * n * n * k
-        if "c" in spec:
-            c = _arg(args, kwargs, spec, "c")
-            if c is not None and type(c) is not _ndarray:
-                return 0.0
+        if "c" in spec and (c := arg("c")) is not None and type(c) is not _ndarray:
+            return 0.0
     except (TypeError, ValueError, KeyError, IndexError):
         return 0.0
     return flops * 4.0 if is_complex else flops

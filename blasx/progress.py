@@ -91,9 +91,7 @@ class Progress:
         self.updates += 1
 
     def _snapshot(self, state: str = "") -> str | None:
-        call = running_call(self.thread_ident)
-        if call is not None:
-            self._call = call
+        self._call = running_call(self.thread_ident) or self._call  # (the last call seen, once it has ended)
         if self._call is None:
             return None
         done, total = call_counts(self._call)

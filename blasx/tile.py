@@ -20,9 +20,9 @@ from .runtime.tiling import n_tiles
 
 DEFAULT_TILE = {"cuda": 4096, "sim": 256, "cpu": 2048}
 MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
-#: kind -> (granule, least, per_stream) of ``Knobs.small_n_tiles``: tiles in multiples of the granule (cuBLAS
-#: runs those at its full rate), never below ``least`` (a smaller tile step costs more host time to issue
-#: than it computes), for ``per_stream`` tasks per stream of every device.
+#: kind -> (granule, least, per_stream) of ``Knobs.small_n_tiles``: tiles in multiples of the granule
+#: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
+#: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
 SMALL_N = {"cuda": (512, 2048, 2)}
 #: (kind, class) -> (tile, per_stream): the tile of a tensor-core call ("reduced": h, b, i8; "tf32": float32
 #: in TF32 math) where every device still gets ``per_stream`` tasks per stream. On a 4096 tile its kernel is
@@ -43,9 +43,8 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math:
     itemsize = np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
-        tile = eng.config.tile
-        _check_fits(streamed, tile, itemsize)
-        return tile
+        _check_fits(streamed, eng.config.tile, itemsize)
+        return eng.config.tile
     if not streamed:
         # The CPU alone: its BLAS already uses every core, so tiling only adds copies and
         # hand-offs; one task per call keeps blasx at numpy's speed.

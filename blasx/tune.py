@@ -48,11 +48,10 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     check_rows: rows of C compared against numpy after each candidate (0: no check).
     progress: called with one line of text per measured candidate.
 
-    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape
-    (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed
-    runs]}), errors ({tile: relative error of the checked rows}), bad (tiles that failed the check:
-    never winners), skipped ({tile: why}, e.g. too big for the tile cache), tile (the winner, or
-    None) and stored (True once in the db).
+    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape (the
+    shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed runs]}),
+    errors ({tile: relative error of the checked rows}), bad (tiles that failed the check: never
+    winners), skipped ({tile: why}), tile (the winner, or None) and stored (True once in the db).
     """
     problems = _check_sizes(sizes)
     dtype_chars = _check_dtypes(dtypes)

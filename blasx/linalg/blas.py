@@ -243,7 +243,6 @@ def _make(prefix: str, routine: str):
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
-    f.__module__ = __name__
     f.__doc__ = (f"{name} on blasx, with scipy.linalg.blas.{name}'s signature and conversions "
                  f"(see blasx.linalg.blas).\n\n" + (getattr(getattr(_sp, name, None), "__doc__", None) or ""))
     f.typecode = f.prefix = prefix
@@ -284,9 +283,6 @@ def find_best_blas_type(arrays=(), dtype=None):
     return dtypes.prefix(dt), dt, prefer_fortran
 
 
-_ILP64 = {}
-
-
 def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
     """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs: the level-3 ones
     blasx's, the others scipy's (which raises ValueError for unknown names)."""
@@ -300,15 +296,9 @@ def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
     unpack = isinstance(names, str)
     names = (names,) if unpack else names
     prefix, _, _ = find_best_blas_type(arrays, dtype)
-    funcs = []
-    for name in names:
-        if name in LEVEL3 and prefix in LEVEL3[name]:
-            fn = FUNCTIONS[prefix + name]
-            if ilp64:
-                fn = _ILP64.get(fn.__name__) or _ILP64.setdefault(fn.__name__, _with_int64(fn))
-            funcs.append(fn)
-        else:
-            funcs.append(_sp.get_blas_funcs(name, arrays, dtype, ilp64=ilp64))
+    ours = _ILP64 if ilp64 else FUNCTIONS
+    funcs = [ours[prefix + name] if name in LEVEL3 and prefix in LEVEL3[name]
+             else _sp.get_blas_funcs(name, arrays, dtype, ilp64=ilp64) for name in names]
     return funcs[0] if unpack else funcs
 
 
@@ -318,6 +308,10 @@ def _with_int64(fn):
         return fn(*args, **kwargs)
     g.int_dtype = np.dtype(np.int64)
     return g
+
+
+#: the level-3 functions an ILP64 request gets (``int_dtype`` int64)
+_ILP64 = {name: _with_int64(fn) for name, fn in FUNCTIONS.items()}
 
 
 # ---------------------------------------------------------------- everything else: scipy's
