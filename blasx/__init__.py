@@ -17,19 +17,15 @@ Devices come from ``blasx.configure(devices=...)`` or ``$BLASX_DEVICES``
 (``cuda``, ``cuda:0,1``, ``sim:4``, ``cpu``); by default all CUDA GPUs, else the CPU.
 """
 
-from . import blas3
-from .blas3 import PREFIXED as _PREFIXED
-from .blas3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
+from .blas3 import PREFIXED as _PREFIXED, hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from . import linalg
-from .level3 import PREFIXED as _PREFIXED_GEMM
-from .level3 import gemm, last_profile
+from .level3 import PREFIXED as _PREFIXED_GEMM, gemm, last_profile
 from .numpy_api import dot, matmul, tensordot
 from . import precision
 from .precision import Float16OverflowWarning, gemm_int8, quantize
 from .offload import offload, offload_disable, offload_enable, offload_threshold  # the module: importlib.import_module("blasx.offload")
 from .runtime.devices.base import DeviceError
-from .session import configure, engine, shutdown
-from .session import reset
+from .session import configure, engine, reset, shutdown
 from .tune import tune  # the function; the module is importlib.import_module("blasx.tune")
 
 __version__ = "0.1.0"

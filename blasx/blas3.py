@@ -1,10 +1,9 @@
 """SYMM, HEMM, SYRK, HERK, SYR2K, HER2K, TRMM and TRSM with scipy.linalg.blas semantics, through :mod:`blasx.dispatch`.
 
-The generic functions take scipy's signatures and pick the BLAS type as scipy's find_best_blas_type
-(the Hermitian routines: the complex type of the same precision); the prefixed ones (``dsyrk``,
-``zhemm``, ...) cast every array to their type. Outputs, layouts, in-place writes and BLAS's rules
-for alpha = 0 and beta = 0 are as in docs/usage.md; input errors name the parameter, the value and
-what is allowed, and nothing is written when the arguments are rejected.
+The generic functions pick the BLAS type as scipy's find_best_blas_type (the Hermitian routines: the
+complex type of the same precision), the prefixed ones (``dsyrk``, ...) cast every array to theirs;
+the rest is as docs/usage.md says. Input errors name the parameter, the value and what is allowed,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
 
 # ---------------------------------------------------------------- operands and outputs
 
-def _writable_in_place(x, dtype, overwrite) -> bool:
-    """f2py's rule: x is written in place when asked to, if it is F-contiguous with the right dtype."""
+def written_in_place(x, dtype, overwrite) -> bool:
+    """f2py's rule: x is written in place when asked to, if it is F-contiguous, writable, of ``dtype``."""
     return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
 
 
@@ -72,10 +71,9 @@ def new_array(xp, shape, dtype, like, zeros=False, order="F"):
     write-back needs no locking of fresh pages."""
     make = xp.zeros if zeros else xp.empty
     if xp is np:
-        if math.prod(shape) * np.dtype(dtype).itemsize >= hostmem.MIN_REGISTER_BYTES and session.on_cuda():
-            out = hostpool.POOL.array(shape, dtype, order, zeros)
-            if out is not None:
-                return out
+        if (math.prod(shape) * np.dtype(dtype).itemsize >= hostmem.MIN_REGISTER_BYTES and session.on_cuda()
+                and (out := hostpool.POOL.array(shape, dtype, order, zeros)) is not None):
+            return out
     elif like is not None and is_cupy(like):
         with like.device:
             return make(shape, dtype=dtype, order=order)
@@ -86,7 +84,7 @@ def _output_c(c, dtype, shape, overwrite_c, keep_other, xp, like, **inputs):
     """The c the routine writes: c itself (overwrite_c, F-contiguous, right dtype; aliasing none
     of ``inputs``), else a new F-ordered array holding c's values where they survive
     (``keep_other``: the whole of c, for triangle-only routines or beta != 0), or zeros when c is None."""
-    if _writable_in_place(c, dtype, overwrite_c):
+    if written_in_place(c, dtype, overwrite_c):
         check_no_alias("c", c, **inputs)
         return c
     if c is None:
@@ -103,33 +101,26 @@ def _f_view(x, xp, dtype=None):
     if dtype is not None and x.dtype != dtype:
         return x.astype(dtype, order="F")
     cm = column_major_view(x)
-    if cm is not None and not cm[1]:
-        return x
-    return xp.asfortranarray(x)
+    return x if cm is not None and not cm[1] else xp.asfortranarray(x)
 
 
-def _tri_view(a, op: int, lower: int, xp):
+def _tri_view(a, op: int, lower: int):
     """(V, op', lower'): op'(V) == op(a), V column-major, lower' the triangle of V holding a's."""
     cm = column_major_view(a)
-    if cm is None:
-        a = xp.asfortranarray(a)
-        cm = (a, False)
-    v, op2 = canonical(a, op, False, cm)
+    v, op2 = canonical(a, op, False, cm)  # (an a of other strides: an F copy)
     # a C-ordered a is V^T (or conj(V^T) materialised): its lower triangle is V's upper one.
-    return v, op2, (1 - lower) if cm[1] else lower
+    return v, op2, (1 - lower) if cm is not None and cm[1] else lower
 
 
 def _rank_view(x, trans: int, allowed: tuple[int, ...], xp):
     """(V, op) with op(V) == op_trans(x) and op in ``allowed``; falls back to an F copy."""
     v, op = canonical(x, trans, False)
-    if op in allowed:
-        return v, op
-    return _f_view(x, xp), trans
+    return (v, op) if op in allowed else (_f_view(x, xp), trans)
 
 
 # ---------------------------------------------------------------- SYMM / HEMM
 
-def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, name):
+def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, name, dtype=None):
     check_matrix("a", a)
     check_matrix("b", b)
     if c is not None:
@@ -178,14 +169,12 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, dtype, n
 def symm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     """c = alpha S b + beta c (side=0) or alpha b S + beta c (side=1), as scipy.linalg.blas.?symm.
 
-    S is the symmetric matrix defined by the ``lower`` (else upper) triangle of
-    the square a (m x m for side 0, n x n for side 1, b and c being m x n); the
-    other triangle of a is not read. See the module docstring for dtypes,
-    outputs and layouts.
+    S is the symmetric matrix defined by the ``lower`` (else upper) triangle of the square a (m x m
+    for side 0, n x n for side 1, b and c being m x n); the other triangle of a is not read.
     """
     if (res := _plain("symm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, dtype=None, name="symm")
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=False, name="symm")
 
 
 def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
@@ -193,7 +182,7 @@ def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
     the imaginary part of its diagonal are not read."""
     if (res := _plain("hemm", a, alpha, a, b, beta, c, side, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, dtype=None, name="hemm")
+    return _symm(alpha, a, b, beta, c, side, lower, overwrite_c, hermitian=True, name="hemm")
 
 
 # ---------------------------------------------------------------- SYRK / HERK / SYR2K / HER2K
@@ -211,7 +200,7 @@ def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
     return 1 if trans == 2 else trans  # real: C is T
 
 
-def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dtype, name):
+def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, name, dtype=None):
     check_matrix("a", a)
     if two:
         check_matrix("b", b)
@@ -272,27 +261,23 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, dt
 def syrk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(a)^T + beta c on the ``lower`` (else upper) triangle, as scipy.linalg.blas.?syrk.
 
-    op(a) = a (trans=0) or a^T (trans=1; 2 means 1 for real types and is an
-    error for complex ones). The other triangle of c keeps its values (zeros if
-    c is None). See the module docstring for dtypes, outputs and layouts.
+    op(a) = a (trans=0) or a^T (trans=1; 2 means 1 for real types and is an error for complex ones).
+    The other triangle of c keeps its values (zeros if c is None).
     """
     if (res := _plain("syrk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, dtype=None,
-                 name="syrk")
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=False, two=False, name="syrk")
 
 
 def herk(alpha, a, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     """c = alpha op(a) op(a)^H + beta c on the ``lower`` (else upper) triangle, as scipy.linalg.blas.?herk.
 
-    alpha and beta are real; trans is 0 (op(a) = a) or 2 (op(a) = a^H); trans=1
-    raises ValueError (scipy's zherk returns zeros). The diagonal's imaginary
-    part is set to 0 (unless alpha == 0 and beta == 1: then c is untouched, as in BLAS).
+    alpha and beta are real; trans is 0 (op(a) = a) or 2 (op(a) = a^H), 1 raises ValueError. The
+    diagonal's imaginary part is set to 0 (unless alpha == 0 and beta == 1: c is untouched, as in BLAS).
     """
     if (res := _plain("herk", a, alpha, a, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, dtype=None,
-                 name="herk")
+    return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, hermitian=True, two=False, name="herk")
 
 
 def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
@@ -300,8 +285,7 @@ def syr2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     triangle, as scipy.linalg.blas.?syr2k (a and b have the same shape; trans as for :func:`syrk`)."""
     if (res := _plain("syr2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, dtype=None,
-                 name="syr2k")
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=False, two=True, name="syr2k")
 
 
 def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
@@ -309,13 +293,12 @@ def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
     triangle, as scipy.linalg.blas.?her2k: beta real, trans 0 or 2 (as for :func:`herk`)."""
     if (res := _plain("her2k", a, alpha, a, b, beta, c, trans, lower, overwrite_c)) is not shortcut.NO:
         return res
-    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, dtype=None,
-                 name="her2k")
+    return _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, hermitian=True, two=True, name="her2k")
 
 
 # ---------------------------------------------------------------- TRMM / TRSM
 
-def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, name):
+def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, name, dtype=None):
     check_matrix("a", a)
     check_matrix("b", b)
     on_gpu = same_place(a=a, b=b)
@@ -331,14 +314,14 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
                  lambda: f"the square triangular factor: with side={side} it has b's "
                          f"{'rows' if side == 0 else 'columns'}, b.shape={tuple(b.shape)}")
     xp = array_module(on_gpu)
-    in_place = _writable_in_place(b, dtype, overwrite_b)
+    in_place = written_in_place(b, dtype, overwrite_b)
     if in_place:
         check_no_alias("b", b, a=a)
     if m == 0 or n == 0:
         return b if in_place else new_array(xp, (m, n), dtype, a)
     a = as_operand(a, dtype)
     vb = b if in_place else _f_view(b, xp, dtype)
-    va, op, lower_v = _tri_view(a, trans_a, lower, xp)
+    va, op, lower_v = _tri_view(a, trans_a, lower)
     # In place, both write over B tile by tile, ordered by dependencies (TRSM: a tile is read
     # once solved; TRMM: a tile is overwritten once its old value has been read by every task).
     # Otherwise both write a new array (TRMM with no dependencies; TRSM starts each tile from B's).
@@ -374,28 +357,24 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, dtype, 
 def trmm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     """b = alpha op(A) b (side=0) or alpha b op(A) (side=1), as scipy.linalg.blas.?trmm.
 
-    A is the ``lower`` (else upper) triangle of the square a, with a unit
-    diagonal (not read) if ``diag``; op is N, T or C for ``trans_a`` 0, 1, 2.
-    The positional order is scipy's: (alpha, a, b, side, lower, trans_a, diag,
-    overwrite_b). With ``overwrite_b`` and b F-contiguous of the right dtype,
-    the product is written over b tile by tile (each tile once every task
-    reading its old value is done); otherwise into a new array.
+    A is the ``lower`` (else upper) triangle of the square a, with a unit diagonal (not read) if
+    ``diag``; op is N, T or C for ``trans_a`` 0, 1, 2. With ``overwrite_b`` and b F-contiguous of
+    the right dtype, the product is written over b tile by tile; otherwise into a new array.
     """
     if (res := _plain("trmm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
         return res
-    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, dtype=None, name="trmm")
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=False, name="trmm")
 
 
 def trsm(alpha, a, b, side=0, lower=0, trans_a=0, diag=0, overwrite_b=False):
     """x with op(A) x = alpha b (side=0) or x op(A) = alpha b (side=1), as scipy.linalg.blas.?trsm.
 
-    A as for :func:`trmm` (positional order as scipy's). With ``overwrite_b``
-    and b F-contiguous of the right dtype, x is written over b, tile by tile.
-    No singularity check is made (BLAS semantics: a zero pivot gives inf/nan).
+    A and ``overwrite_b`` as for :func:`trmm`. No singularity check is made (BLAS semantics: a zero
+    pivot gives inf/nan).
     """
     if (res := _plain("trsm", a, alpha, a, b, side, lower, trans_a, diag, overwrite_b)) is not shortcut.NO:
         return res
-    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, dtype=None, name="trsm")
+    return _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, solve=True, name="trsm")
 
 
 # ---------------------------------------------------------------- prefixed names (s/d/c/z)
@@ -456,16 +435,12 @@ def _prefixed(prefix: str, routine: str):
                 return res
             return _rank(alpha, a, None, beta, c, trans, lower, overwrite_c, dtype=dtype, name=name, **kw)
     f.__name__ = f.__qualname__ = name
-    f.__module__ = __name__
     f.__doc__ = (f"{routine.upper()} in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to "
                  f"{dtype.name} first.\n\n" + (generic.__doc__ or ""))
     return f
 
 
-PREFIXED = {}
-for _routine, (_g, _i, _kw, _prefixes) in _TABLE.items():
-    for _p in _prefixes:
-        PREFIXED[_p + _routine] = globals()[_p + _routine] = _prefixed(_p, _routine)
-del _routine, _g, _i, _kw, _prefixes, _p
+PREFIXED = {p + r: _prefixed(p, r) for r, ps in ROUTINE_PREFIXES.items() for p in ps}
+globals().update(PREFIXED)
 
 __all__ = list(_TABLE) + sorted(PREFIXED)

@@ -11,8 +11,6 @@ import scipy.linalg.blas as _sp
 from .operands import is_cupy
 from .runtime import dtypes
 
-TRANS_ALLOWED = (0, 1, 2)
-
 
 def check_matrix(name: str, x) -> None:
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
@@ -22,7 +20,7 @@ def check_matrix(name: str, x) -> None:
 
 
 def check_trans(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral,)) or int(value) not in TRANS_ALLOWED:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) not in (0, 1, 2):
         raise ValueError(f"{name}: got {value!r}, allowed: 0 (N), 1 (T), 2 (C, conjugate transpose)")
     return int(value)
 

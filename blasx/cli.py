@@ -30,8 +30,7 @@ DEVICES_HELP = ("device spec: cuda, cuda:0,1, sim:4, sim:2,slow=4, cpu "
                 "(default: $BLASX_DEVICES, else all CUDA GPUs, else cpu)")
 
 
-# ------------------------------------------------------------------------------------------------
-# argument types: each error names what was received and what is allowed
+# ---------------------------------------------------------------- argument types
 
 def _arg_type(convert, need: str, ok=lambda v: True):
     """An argparse type: ``convert(text)`` (ValueError: not valid) passing ``ok``; errors say what
@@ -108,8 +107,7 @@ def _bytes(text: str) -> int:
     return v
 
 
-# ------------------------------------------------------------------------------------------------
-# the parser
+# ---------------------------------------------------------------- the parser
 
 # Descriptions and epilogs keep their line breaks; option help is wrapped.
 _Formatter = functools.partial(argparse.RawDescriptionHelpFormatter, max_help_position=30)
@@ -129,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
     p.add_argument("--version", action="version", version=f"blasx {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
-    p.commands = {}
+    p.commands = sub.choices  # command -> its parser, for its errors
 
     g = sub.add_parser(
         "gemm", formatter_class=_Formatter,
@@ -143,7 +141,6 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx gemm --m 30000 --n 20000 --k 10000 --dtype s --devices cuda:0\n"
                "  blasx gemm --n 2048 --devices sim:2 --trace t.json   simulated GPUs, Chrome trace\n"
                "\nexit status: 0 checked ok, 1 wrong result or device failure, 2 bad options.")
-    p.commands["gemm"] = g
     size = g.add_argument_group("problem")
     size.add_argument("--n", type=_positive, default=4096, metavar="N",
                       help="columns of C, and M and K unless given (default 4096)")
@@ -180,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
                     "        peer link (256 MiB), cuBLAS DGEMM and SGEMM (N = 8192): about a second per GPU;\n"
                     "  sim   the configured cost model (not measured);\n"
                     "  cpu   numpy's DGEMM and SGEMM.")
-    p.commands["info"] = i
     i.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     i.add_argument("--measure", action="store_true",
                    help="measure bandwidths and GEMM rates (about a second per GPU)")
@@ -205,7 +201,6 @@ def _parser() -> argparse.ArgumentParser:
                "  blasx tune --conv shapes.json          [{\"x\": [32, 64, 56, 56], \"weight\": [64, 64, 3, 3],\n"
                "                                         \"padding\": 1}, ...]\n"
                "  blasx tune --show                      list the entries")
-    p.commands["tune"] = t
     t.add_argument("--n", type=_positive_list, metavar="N[,N...]",
                    help="sizes N, comma-separated (M = K = N unless given); default by backend "
                         "(cuda 8192,16384)")
@@ -243,11 +238,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# ------------------------------------------------------------------------------------------------
-# main
+# ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = parser.parse_args(argv)
     import blasx
@@ -389,8 +382,7 @@ def _info(blasx, parser, args) -> int:
     facts = probe.device_facts(devices)
     links = probe.peer_links(devices)
     print(_versions(blasx))
-    for line in probe.format_devices(eng.spec, facts) + probe.format_links(facts, links):
-        print(line)
+    print("\n".join(probe.format_devices(eng.spec, facts) + probe.format_links(facts, links)))
     print(f"math: float32 gemm in {blasx.session.settings().math} "
           f"(blasx.configure(math='tf32') or a call's math='tf32': TF32 tensor cores); gemm types "
           f"{', '.join(dtypes.GEMM_PREFIXES)} ({dtypes.gemm_combinations()})")
@@ -431,7 +423,6 @@ def _tune(blasx, parser, args) -> int:
     rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
                 check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
-    status = 0
     for r in rows:
         marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}
         cells = [f"{t}: -" if t in r["skipped"] else f"{t}: {r['tflops'][t]:.4g}{marks[t]}"
@@ -439,25 +430,20 @@ def _tune(blasx, parser, args) -> int:
         best = str(r["tile"]) if r["tile"] is not None else "none"
         mnk, shape = f"{r['m']}x{r['n']}x{r['k']}", "x".join(map(str, r["shape"]))
         print(f"{r['dtype']:<6}{mnk:<22}{shape:<22}{best:>6}  {'  '.join(cells)}")
-        if r["tile"] is None or r["bad"] or not r["stored"]:
-            status = 1
     if any(r["skipped"] or r["bad"] for r in rows):
         print("(-: tile too big for the tile cache; !: wrong result, not a candidate)")
     stored = sum(r["stored"] for r in rows)
     print(f"stored {stored} of {len(rows)} entr{'y' if len(rows) == 1 else 'ies'} in {db.path}")
-    return status
+    return int(any(r["tile"] is None or r["bad"] or not r["stored"] for r in rows))  # 1: not every size stored
 
 
 def _tune_conv(parser, args, db) -> int:
     """``blasx tune --conv``: the find step over a layer set (exit 1 where a layer failed or no GPU exists)."""
-    import importlib
-
     from .dnn import conv_sets, finddb
     find = importlib.import_module("blasx.dnn.find")  # (blasx.dnn.find is the function)
 
     given = [o for o, v in (("--n", args.n), ("--m", args.m), ("--k", args.k), ("--tiles", args.tiles),
-                            ("--devices", args.devices), ("--cache-bytes", args.cache_bytes)) if v] + \
-        (["--cpu"] if args.cpu else [])
+                            ("--devices", args.devices), ("--cache-bytes", args.cache_bytes), ("--cpu", args.cpu)) if v]
     if given:
         parser.error(f"argument --conv: {', '.join(given)} tune GEMM tiles, not convolutions; drop them")
     conv_types = args.dtype or ["s"]

@@ -1,10 +1,9 @@
 """The one path of every blasx call: validated canonical operands -> the host BLAS or the engine.
 
-Every front end validates its arguments and makes its output first (nothing is written before a
-call is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call
-to :func:`run`. With the CPU alone and no fixed tile (``Engine.inline``, :func:`host_device`) the
-call is scipy's or numpy's own routine in the caller's thread, else it is planned and submitted
-(:func:`submit_planned`); either way it becomes this thread's call for :func:`last_profile`.
+Every front end validates its arguments and makes its output first (nothing is written before a call
+is known to be good), casts each operand at most once (:func:`as_operand`) and hands the call to
+:func:`run`: with the CPU alone (:func:`host_device`) scipy's or numpy's own routine in the caller's
+thread, else planned and submitted (:func:`submit_planned`); either way the thread's :func:`last_profile`.
 """
 
 from __future__ import annotations
@@ -60,10 +59,8 @@ _running_lock = threading.Lock()
 
 
 def running_call(thread_ident: int):
-    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None.
-
-    Read-only, for progress displays: ``call.n_tasks - call.remaining`` tasks are accounted
-    for. Safe to call from any thread."""
+    """The :class:`~blasx.runtime.call.Call` that thread ``thread_ident`` is running now, or None
+    (from any thread; read-only, for progress displays)."""
     with _running_lock:
         return _running.get(thread_ident)
 
@@ -75,7 +72,7 @@ def last_profile():
         return None
     if type(stats) is tuple:
         stats = _tls.stats = _host_stats(*stats)
-    if _tls.profile is None or _tls.profile_of is not stats:
+    if _tls.profile_of is not stats:
         _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
         _tls.profile_of = stats
     return _tls.profile
@@ -103,9 +100,8 @@ def _host_stats(dev, t0: float, t1: float, dtype, real_flops: float) -> CallStat
 # ---------------------------------------------------------------- host or engine
 
 def host_device():
-    """The CPU device when every call runs on the host BLAS in its caller's thread (the CPU alone,
-    no fixed tile), else None. Starts the engine on first use, so the first call is routed as
-    every later one."""
+    """The CPU device when every call runs on the host BLAS in its caller's thread, else None; starts
+    the engine on first use, so the first call is routed as every later one."""
     dev = session.host_device
     if dev is None:
         session.engine()  # publishes session.host_device when the engine runs on the host
@@ -133,11 +129,9 @@ def whole(writes_caller: bool):
     engine is not cut short by Ctrl-C: the interrupt takes effect once the call returns, as with
     numpy's and scipy's own calls, so that array is fully written (calls into fresh arrays are
     cancelled at once instead, the caller's arrays untouched). Main thread only; else a no-op."""
-    if not writes_caller or session.host_device is not None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(signal.SIGINT)
-    if not callable(old):
+    main = writes_caller and session.host_device is None and threading.current_thread() is threading.main_thread()
+    old = signal.getsignal(signal.SIGINT) if main else None
+    if not callable(old):  # (also a handler that is not Python's: SIG_IGN, SIG_DFL)
         yield
         return
     hit = []
@@ -151,8 +145,7 @@ def whole(writes_caller: bool):
 
 
 def as_operand(x, dtype):
-    """``x`` of ``dtype``: itself, or one compact copy (of any strides: a broadcast view is
-    copied once, never twice)."""
+    """``x`` of ``dtype``: itself, or one compact copy (a broadcast view is copied once, never twice)."""
     return x if x.dtype == dtype else x.astype(dtype)
 
 
@@ -165,13 +158,11 @@ def run(name: str, views: list, plan, dtype, alpha, beta, dims: tuple[int, int, 
     if given, computes the same on the host BLAS into the output views: with the CPU alone and numpy
     operands it runs instead of the engine, recorded as one host task of ``flops`` real flops.
     """
-    if host is not None and type(views[0]) is np.ndarray:
-        dev = host_device()
-        if dev is not None:
-            t0 = clock()
-            host()
-            _tls.stats = (dev, t0, clock(), dtype, flops)
-            return
+    if host is not None and type(views[0]) is np.ndarray and (dev := host_device()) is not None:
+        t0 = clock()
+        host()
+        record_host(dev, t0, dtype, flops)
+        return
     submit_planned(name, views, plan, dtype, alpha, beta, dims, scratch, **options)
 
 
@@ -303,8 +294,7 @@ def warn_overflow(count: int, size: int) -> None:
 
 def block_shape(eng) -> tuple[int, int]:
     """Blocks of C tiles in queue order (``Knobs.block_order``): 2 x (streams / 2), else single tiles."""
-    streams = eng.config.streams
-    return (2, max(1, streams // 2)) if eng.config.knobs.block_order else (1, 1)
+    return (2, max(1, eng.config.streams // 2)) if eng.config.knobs.block_order else (1, 1)
 
 
 # Engines a call tries when each is shut down before it was queued: enough for a configure()
@@ -318,12 +308,11 @@ def submit_planned(name: str, views: list, plan, dtype, alpha, beta, dims: tuple
 
     ``plan(tile, block)`` returns the tasks on ``views``; ``dims = (m, n, k)`` sizes the call for the
     tile choice. ``scratch(engine, tile)``, if given, returns the shape of one more operand the planner
-    writes and reads (None: none), made where :func:`_scratch_home` says and planned with
-    ``plan(tile, block, True)``. ``options``: ``out_dtype``, ``math`` and ``epilogue`` as
-    :class:`~blasx.runtime.call.Call` takes them. ``tile_fit(tile)``, if given, returns the tile to
-    use instead of the chosen one (no larger: it fits where that one did). Raises the call's error. A
-    call whose engine was shut down before its tasks were queued (configure() in another thread) runs
-    on its replacement.
+    writes and reads (None: none), then planned with ``plan(tile, block, True)``. ``options``:
+    ``out_dtype``, ``math`` and ``epilogue`` as :class:`~blasx.runtime.call.Call` takes them.
+    ``tile_fit(tile)``, if given, returns the tile to use instead of the chosen one (no larger: it fits
+    where that one did). Raises the call's error. A call whose engine was shut down before its tasks
+    were queued (configure() in another thread) runs on its replacement.
     """
     dtype = np.dtype(dtype)
     for attempt in range(_ENGINE_ATTEMPTS):
@@ -345,14 +334,17 @@ def _submit_on(eng, name, views, plan, dtype, alpha, beta, dims, scratch, option
     if shape is None:
         _submit_tasks(eng, name, views, plan(tile, block_shape(eng)), dtype, alpha, beta, tile, **options)
         return
+    # The scratch, in the accumulation type (split-k's partials): on the GPU of CuPy operands, else on the
+    # engine's first GPU (its tiles then never cross the host link, and no host memory is page-locked for
+    # it), else (sims, the CPU) in host memory.
     like = next(v for v in views if isinstance(v, np.ndarray) or is_cupy(v))  # (views may hold derivations)
-    home, acc = _scratch_home(eng, like), _acc(dtype)  # (in the accumulation type: split-k's partials)
+    home = like.device.id if is_cupy(like) else next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
     if home is None:
-        extra = np.empty(shape, dtype=acc, order="F")
+        extra = np.empty(shape, dtype=_acc(dtype), order="F")
     else:
         import cupy
         with cupy.cuda.Device(home):
-            extra = cupy.empty(shape, dtype=acc, order="F")
+            extra = cupy.empty(shape, dtype=_acc(dtype), order="F")
     _submit_tasks(eng, name, [*views, extra], plan(tile, block_shape(eng), True), dtype, alpha, beta, tile,
                   **options)
 
@@ -361,15 +353,6 @@ def _acc(dtype) -> np.dtype:
     """The accumulation type of ``dtype``'s calls (a reduced type's compute type, else itself)."""
     row = dtypes.gemm_of(dtype)
     return np.dtype(dtype) if row is None else row.compute
-
-
-def _scratch_home(eng, like) -> int | None:
-    """Where a planner's scratch operand lives: on the GPU of CuPy operands, else on the engine's
-    first GPU (its tiles then never cross the host link, and no host memory is page-locked for
-    it), else (sim and CPU devices) in host memory (None)."""
-    if not isinstance(like, np.ndarray):
-        return like.device.id
-    return next((d.ordinal for d in eng.devices if d.kind == "cuda"), None)
 
 
 def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math="ieee",

@@ -14,30 +14,20 @@ from .runtime import dtypes
 from .runtime.tiling import OP_N
 
 
-
 def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False, *, out_dtype=None, math=None):
     """C = alpha op(a) op(b) + beta c, as scipy.linalg.blas.?gemm, on every configured device.
 
-    The dtype is the BLAS type of a, b (and c), chosen as scipy chooses it (see the module
-    docstring). numpy arrays give a result in host memory (F-ordered, as scipy's); cupy arrays
-    give a result on a's device. With ``overwrite_c`` and a writable c of that dtype, the
-    result is written into c (whatever its layout) and c is returned; a read-only c is copied,
-    as scipy copies it. Nothing is written when the arguments are rejected.
+    numpy arrays give an F-ordered host result, cupy arrays one on a's device. With ``overwrite_c``
+    and a writable c of the call's dtype, the result is written into c (whatever its layout) and c is
+    returned; else into a new array. Nothing is written when the arguments are rejected.
 
     Reduced precision (:mod:`blasx.precision`): a and b both float16, both bfloat16 or both int8
-    accumulate in float32 (int8: exactly in int32, with integer alpha and beta) and give float16,
-    bfloat16, int32 by default (or c's type, where it is one of theirs); ``out_dtype=np.float32``
-    keeps half/bfloat16's float32 result. ``math="tf32"`` (or ``blasx.configure(math="tf32")``)
-    runs float32 on TF32 tensor cores.
+    (int8: integer alpha and beta), ``out_dtype``; ``math="tf32"`` runs float32 on TF32 tensor cores.
     """
     if out_dtype is None and math is None and (fast := _FAST.get(getattr(a, "dtype", None))) is not None:
         if (res := fast(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c)) is not shortcut.NO:
             return res
     return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm", out_dtype, math)
-
-
-def _op_shape(x, op: int) -> tuple[int, int]:
-    return x.shape if op == OP_N else (x.shape[1], x.shape[0])
 
 
 def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_dtype=None, math=None):
@@ -51,43 +41,28 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     trans_a = check_trans("trans_a", trans_a)
     trans_b = check_trans("trans_b", trans_b)
     math = precision.check_math(math)
-    if dtype is None:
-        dtype, out_type = precision.gemm_types(a, b, c, out_dtype)
-    else:
-        out_type = dtype
+    dtype, out_type = precision.gemm_types(a, b, c, out_dtype) if dtype is None else (dtype, dtype)
     alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)
     beta = precision.check_gemm_scalar("beta", check_scalar("beta", beta, dtype), dtype)
-    m, ka = _op_shape(a, trans_a)
-    kb, n = _op_shape(b, trans_b)
+    m, ka = a.shape if trans_a == OP_N else a.shape[::-1]
+    kb, n = b.shape if trans_b == OP_N else b.shape[::-1]
     if ka != kb:
         raise ValueError(f"a, b: op(a) is {m}x{ka} (a.shape={a.shape}, trans_a={trans_a}) but op(b) is "
                          f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
     if c is not None and c.shape != (m, n):
         raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
+    # c itself is written (any layout) when asked to and writable, of the result type; else a new array
+    in_place = c is not None and bool(overwrite_c) and c.dtype == out_type and writable(c)
+    if in_place:
+        check_no_alias("c", c, a=a, b=b)
     if c is None:
         beta = 0
-    elif _in_place(c, out_type, overwrite_c):
-        check_no_alias("c", c, a=a, b=b)
-    xp = dispatch.array_module(on_gpu)
-    out = _output(c, out_type, (m, n), overwrite_c, xp, a if on_gpu else None)
+    out = c if in_place else blas3.new_array(dispatch.array_module(on_gpu), (m, n), out_type, a if on_gpu else None)
     c_src = c if c is not None and out is not c and beta != 0 else None  # a new result starting from c's values
     with dispatch.whole(out is c):
         dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,
                       trans_a, trans_b, dtype, ka, name, math=math, c_src=c_src)
     return out
-
-
-def _in_place(c, dtype, overwrite_c) -> bool:
-    """blasx.gemm writes into c itself when asked to and c is writable, of ``dtype`` (any layout)."""
-    return bool(overwrite_c) and c.dtype == dtype and writable(c)
-
-
-def _output(c, dtype, shape, overwrite_c, xp, like):
-    """Where the result goes: c itself (overwrite_c, c writable and of ``dtype``), else a new
-    F-ordered array (its first contents, c's values where beta != 0, come from ``dispatch.gemm``)."""
-    if c is not None and _in_place(c, dtype, overwrite_c):
-        return c
-    return blas3.new_array(xp, shape, dtype, like)
 
 
 def _prefixed(prefix: str):

@@ -1,14 +1,9 @@
-"""numpy-style ``matmul``, ``dot`` and ``tensordot`` on blasx.
+"""numpy-style ``matmul``, ``dot`` and ``tensordot`` on blasx, with numpy's semantics and errors.
 
-numpy's semantics (shapes, broadcasting, 1-D operands, result dtypes, ``out=``, errors) and numpy's
-dtype rule: a call whose result type (or ``dtype=``) is float32, float64, complex64 or complex128 runs
-on blasx, any other one is numpy's own function, except the reduced types (:mod:`blasx.precision`:
-two float16, bfloat16 or int8 operands run on blasx). With the CPU alone a call of operands of the
-computation type is numpy's own function on the host BLAS, recorded for ``blasx.last_profile()``;
-every other call becomes gemms (:func:`blasx.dispatch.gemm`): a batch whose one operand is shared is
-one larger gemm, on a view where the layout allows; else one gemm per item. Subclasses, array-likes
-overriding ufuncs, the keywords blasx does not handle and invalid calls go to numpy unchanged (a
-read-only ``out`` raises ValueError naming it first). CuPy operands give CuPy results.
+The calls of BLAS types, or of two float16, bfloat16 or int8 operands (:mod:`blasx.precision`:
+``out_dtype``, ``math``), run on blasx (docs/usage.md's dtype rule); the others are numpy's own
+function. With the CPU alone a call of operands of the computation type is numpy's function on the
+host BLAS; else it becomes gemms: one for a batch whose one operand is shared, else one per item.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ _np_tensordot = np.tensordot
 __all__ = ["matmul", "dot", "tensordot"]
 
 # matmul keyword arguments handled here; any other one goes to np.matmul as given.
-_MATMUL_DEFAULTS = {"casting": "same_kind", "dtype": None}
+_MATMUL_KEYWORDS = frozenset(("casting", "dtype"))
 
 #: numpy's matmul copies operands BLAS cannot read as they are and runs BLAS on the copies from
 #: 2.3.1; before, it runs BLAS on C- or F-contiguous operands only
@@ -66,11 +61,8 @@ def _check_out(out) -> None:
 def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
     """``np.matmul(x1, x2, out=out, **kwargs)`` with the BLAS-type products run on blasx.
 
-    Batch dimensions broadcast; a 1-D first operand is a row (its dimension is
-    removed from the result), a 1-D second operand a column; ``dtype=`` and
-    ``casting=`` select the computation type as numpy's; ``out`` may have any
-    dtype the result can be cast to under ``casting``. A 1-D @ 1-D product
-    returns a numpy scalar, as np.matmul does. ``out_dtype`` and ``math``: see the module docstring.
+    ``dtype=`` and ``casting=`` select the computation type as numpy's; ``out`` may have any dtype
+    the result can be cast to under ``casting``. ``out_dtype`` and ``math``: see the module docstring.
     """
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
@@ -115,8 +107,6 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     final = batch + ((n,) if a.ndim > 1 else ()) + ((m,) if b.ndim > 1 else ())
     if out is not None and (tuple(out.shape) != final or final == ()):
         return _fallback(_np_matmul, x1, x2, out=out, **kwargs)  # numpy's output-shape error (or a 0-d out)
-    a1 = dispatch.as_operand(a1, it)
-    b1 = dispatch.as_operand(b1, it)
     direct = (out is not None and out.dtype == ct and not _aliases(out, a, b))
     res = out if direct else new_array(xp, final, ct, None, order="C")
     if final == ():
@@ -124,24 +114,21 @@ def _matmul(x1, x2, out, out_dtype, kwargs):
     else:
         c = res[..., None, :] if a.ndim == 1 else res
         c = c[..., :, None] if b.ndim == 1 else c
-    a3 = xp.broadcast_to(a1, batch + (n, k))
-    b3 = xp.broadcast_to(b1, batch + (k, m))
+    a3 = xp.broadcast_to(dispatch.as_operand(a1, it), batch + (n, k))  # (cast before broadcast: one copy)
+    b3 = xp.broadcast_to(dispatch.as_operand(b1, it), batch + (k, m))
     with dispatch.whole(direct):
         run_batch(a3, b3, c, xp)
     if out is not None:
         if not direct:
             xp.copyto(out, res, casting=casting)
         return out
-    if final == ():
-        return res[()]  # numpy returns a scalar for 1-D @ 1-D
-    return res
+    return res[()] if final == () else res  # numpy returns a scalar for 1-D @ 1-D
 
 
 def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
     """(a, b, out, result dtype, casting, xp, input dtype) when blasx computes this matmul, else
     None (numpy does)."""
-    extra = set(kwargs) - set(_MATMUL_DEFAULTS)
-    if extra:
+    if not _MATMUL_KEYWORDS.issuperset(kwargs):
         return None
     casting = kwargs.get("casting", "same_kind")
     if isinstance(out, tuple):
@@ -159,12 +146,8 @@ def _matmul_plan(x1, x2, out, kwargs, out_dtype=None):
         reduced = precision.result_type(a.dtype, b.dtype, out_dtype or kwargs.get("dtype"))
     except TypeError:
         return None
-    it = ct
-    if reduced is not None:
-        it, ct = reduced
-    elif out_dtype is not None:
-        return None
-    if (ct not in dtypes.BY_DTYPE and reduced is None) or not isinstance(casting, str):
+    it, ct = reduced if reduced is not None else (ct, ct)
+    if (reduced is None and (out_dtype is not None or ct not in dtypes.BY_DTYPE)) or not isinstance(casting, str):
         return None
     try:
         if not (np.can_cast(a.dtype, ct, casting) and np.can_cast(b.dtype, ct, casting)):
@@ -204,13 +187,9 @@ def _reject_out_dtype(x1, x2, out_dtype) -> None:
 # ---------------------------------------------------------------- dot
 
 def dot(a, b, out=None, *, out_dtype=None, math=None):
-    """``np.dot(a, b, out=out)`` with the BLAS-type products run on blasx as one gemm.
-
-    N-D operands follow np.dot: ``dot(a, b)[i, j, k, m] = sum(a[i, j, :] * b[k, :, m])``,
-    computed as ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out``
-    must be what np.dot requires: C-contiguous, of the exact result dtype and shape.
-    ``out_dtype`` and ``math``: see the module docstring.
-    """
+    """``np.dot(a, b, out=out)`` with the BLAS-type products run on blasx as one gemm,
+    ``a.reshape(-1, K) @ moveaxis(b, -2, 0).reshape(K, -1)``. ``out_dtype`` and ``math``: see the
+    module docstring."""
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _dot(a, b, out, out_dtype)
@@ -224,23 +203,18 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
 
 
 def _dot(a, b, out, out_dtype):
-    if out is not None:
-        _check_out(out)
+    _check_out(out)
     arrays = _arrays(a, b, out)
     if arrays is None:
         return _fallback(_np_dot, a, b, out)
     xp, x, y = arrays
     if xp is np and y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
         y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
-    if x.ndim == 0 or y.ndim == 0:
-        return _fallback(_np_dot, a, b, out)  # a product with a scalar: numpy's multiply
-    types = _engine_types(x, y, out_dtype)
-    if types is None:
-        return _fallback(_np_dot, a, b, out)
+    if x.ndim == 0 or y.ndim == 0 or (types := _engine_types(x, y, out_dtype)) is None:
+        return _fallback(_np_dot, a, b, out)  # (a product with a scalar: numpy's multiply)
     it, ct = types
     k = x.shape[-1]
-    kb = y.shape[0] if y.ndim == 1 else y.shape[-2]
-    if k != kb:
+    if k != (y.shape[0] if y.ndim == 1 else y.shape[-2]):
         return _fallback(_np_dot, a, b, out)  # numpy's "shapes not aligned" error
     final = tuple(x.shape[:-1]) + (tuple(y.shape[:-2]) + tuple(y.shape[-1:]) if y.ndim >= 2 else ())
     if out is not None and (out.dtype != ct or tuple(out.shape) != final or not out.flags.c_contiguous):
@@ -264,20 +238,14 @@ def _dot(a, b, out, out_dtype):
         if not direct:
             out[...] = res
         return out
-    if final == ():
-        return res[()]  # numpy returns a scalar for 1-D . 1-D
-    return res
+    return res[()] if final == () else res  # numpy returns a scalar for 1-D . 1-D
 
 
 # ---------------------------------------------------------------- tensordot
 
 def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
     """``np.tensordot(a, b, axes)`` with the BLAS-type contraction run on blasx as one gemm.
-
-    ``axes`` is an int N (the last N axes of a with the first N of b) or a pair
-    of axis sequences (or single axes); the free axes of a, then of b, make
-    the result, as numpy's. ``out_dtype`` and ``math``: see the module docstring.
-    """
+    ``out_dtype`` and ``math``: see the module docstring."""
     if math is not None or out_dtype is not None:
         with precision.math_mode(math):
             return _tensordot(a, b, axes, out_dtype)
@@ -295,14 +263,9 @@ def _tensordot(a, b, axes, out_dtype):
     if arrays is None:
         return _fallback(_np_tensordot, a, b, axes)
     xp, x, y = arrays
-    types = _engine_types(x, y, out_dtype)
-    if types is None:
-        return _fallback(_np_tensordot, a, b, axes)
-    it, ct = types
-    parsed = _tensordot_axes(x, y, axes)
-    if parsed is None:
-        return _fallback(_np_tensordot, a, b, axes)  # numpy's own error for bad axes or shapes
-    axes_a, axes_b = parsed
+    if (types := _engine_types(x, y, out_dtype)) is None or (parsed := _tensordot_axes(x, y, axes)) is None:
+        return _fallback(_np_tensordot, a, b, axes)  # (bad axes or shapes: numpy's own error)
+    (it, ct), (axes_a, axes_b) = types, parsed
     free_a = [i for i in range(x.ndim) if i not in axes_a]
     free_b = [i for i in range(y.ndim) if i not in axes_b]
     kdim = math.prod(x.shape[i] for i in axes_a)
@@ -323,28 +286,24 @@ def _tensordot(a, b, axes, out_dtype):
 
 def _tensordot_axes(x, y, axes):
     """numpy's axes rules, as normalized lists (axes_a, axes_b); None when numpy would raise."""
-    n = axes if type(axes) is int else None  # (an int without iter()'s TypeError)
-    if n is None:
-        try:
-            iter(axes)
-        except TypeError:
+    try:
+        n = axes if type(axes) is int else None  # (an int without iter()'s TypeError)
+        if n is None:
             try:
-                n = operator.index(axes)
+                iter(axes)
             except TypeError:
+                n = operator.index(axes)
+        if n is not None:
+            if n < 0 or n > x.ndim or n > y.ndim:
                 return None
-    if n is not None:
-        if n < 0 or n > x.ndim or n > y.ndim:
-            return None
-        axes_a, axes_b = list(range(x.ndim - n, x.ndim)), list(range(n))
-    else:
-        try:
+            axes_a, axes_b = range(x.ndim - n, x.ndim), range(n)
+        else:
             axes_a, axes_b = axes
-        except (TypeError, ValueError):
-            return None
-        axes_a = _axis_list(axes_a)
-        axes_b = _axis_list(axes_b)
-        if axes_a is None or axes_b is None or len(axes_a) != len(axes_b):
-            return None
+            axes_a, axes_b = _axis_list(axes_a), _axis_list(axes_b)
+            if len(axes_a) != len(axes_b):
+                return None
+    except (TypeError, ValueError):
+        return None
     norm_a, norm_b = [], []
     for i, j in zip(axes_a, axes_b):
         if not (-x.ndim <= i < x.ndim and -y.ndim <= j < y.ndim):
@@ -360,14 +319,12 @@ def _tensordot_axes(x, y, axes):
     return norm_a, norm_b
 
 
-def _axis_list(v):
+def _axis_list(v) -> list[int]:
+    """A sequence of axes, or one axis, as a list (TypeError: neither)."""
     try:
         return [operator.index(i) for i in v]
     except TypeError:
-        try:
-            return [operator.index(v)]
-        except TypeError:
-            return None
+        return [operator.index(v)]
 
 
 # ---------------------------------------------------------------- the gemm building blocks
@@ -375,10 +332,7 @@ def _axis_list(v):
 def gemm_into(a2, b2, c2) -> None:
     """``c2[...] = a2 @ b2`` on the engine; 2-D operands of one BLAS dtype (or of a reduced type,
     c2 of its output type), c2 aliasing neither."""
-    m, k = a2.shape
-    n = b2.shape[1]
-    if m == 0 or n == 0:
-        return
+    k = a2.shape[1]
     if k == 0:
         c2[...] = 0
         return
@@ -386,12 +340,8 @@ def gemm_into(a2, b2, c2) -> None:
 
 
 def run_batch(a, b, c, xp=np) -> None:
-    """``c[i] = a[i] @ b[i]`` over the common batch dimensions of a (..., n, k), b (..., k, m), c (..., n, m).
-
-    a and b may be broadcast views (zero batch strides); c must be writable
-    and alias neither. One gemm when the batch stacks (see the module
-    docstring), else one gemm per batch item.
-    """
+    """``c[i] = a[i] @ b[i]`` over the common batch dimensions of a (..., n, k), b (..., k, m), c (..., n, m):
+    a and b may be broadcast views (zero batch strides), c is writable and aliases neither."""
     batch = tuple(c.shape[:-2])
     n, k = a.shape[-2:]
     m = b.shape[-1]
@@ -401,12 +351,11 @@ def run_batch(a, b, c, xp=np) -> None:
     if k == 0:
         c[...] = 0
         return
+    z = (0,) * len(batch)  # the first item
     if count == 1:
-        z = (0,) * len(batch)
         gemm_into(a[z], b[z], c[z])
         return
     if xp is np:
-        z = (0,) * len(batch)
         shared_a, shared_b = _batch_shared(a), _batch_shared(b)
         if shared_a and shared_b:  # every item is the same product
             gemm_into(a[z], b[z], c[z])
@@ -454,14 +403,12 @@ def _stack_rows(x):
     """A 2-D view (prod(shape[:-1]), shape[-1]) of x without a copy, or None when its rows
     do not lie at one stride."""
     dims = [(d, s) for d, s in zip(x.shape[:-1], x.strides[:-1]) if d != 1]
-    rows = math.prod(x.shape[:-1])
-    for (d0, s0), (d1, s1) in zip(dims, dims[1:]):
-        if s0 != s1 * d1:
-            return None
+    if any(s0 != s1 * d1 for (_, s0), (d1, s1) in zip(dims, dims[1:])):
+        return None
     row_stride = dims[-1][1] if dims else x.itemsize * max(1, x.shape[-1])
     if dims and row_stride == 0:
         return None
-    return np.lib.stride_tricks.as_strided(x, (rows, x.shape[-1]), (row_stride, x.strides[-1]),
+    return np.lib.stride_tricks.as_strided(x, (math.prod(x.shape[:-1]), x.shape[-1]), (row_stride, x.strides[-1]),
                                            writeable=x.flags.writeable)
 
 

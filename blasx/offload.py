@@ -2,11 +2,9 @@
 
 While offload is on, ``a @ b`` (numpy's matmul loops replaced by the C extension
 ``blasx._matmul_loops``), ``np.dot`` and scipy.linalg.blas's level-3 functions run on the engine when
-their flop count reaches the threshold, else exactly as before (behind the extension's C forwarder,
-which calls the original at once when ``8 a.size b.size`` is below it). Enables and blocks nest; the
-patches go in with the first and come out, exactly restored, with the last. blasx's own threads and
-calls already inside blasx stay on numpy; a call that fails on blasx is computed by numpy (``@``,
-``np.dot``, with a RuntimeWarning) or scipy. docs/usage.md has every option.
+their flop count reaches the threshold, else as before (the extension's C forwarder calls the original
+at once when ``8 a.size b.size`` is below it). The patches go in with the first enable or block and
+come out, exactly restored, with the last. docs/usage.md has every option.
 """
 
 from __future__ import annotations
@@ -29,10 +27,8 @@ try:
 except ImportError:  # installed without a C compiler: np.dot and scipy only
     _ext = None
 
-#: Default offload thresholds in flops, per device kind of the blasx configuration.
-#: cpu: the CPU device runs numpy's own BLAS plus scheduling, so offloading to it never pays;
-#: sim: a test stand-in slower than numpy; cuda: where blasx on GPUs starts to beat the host BLAS
-#: (``python -m bench.offload_threshold --devices cuda`` measures it).
+#: Default offload thresholds in flops, per device kind: never on cpu (numpy's own BLAS plus scheduling)
+#: and sim (slower than numpy); cuda: where GPUs beat the host BLAS (``bench.offload_threshold`` measures it).
 DEFAULT_THRESHOLDS = {"cpu": math.inf, "sim": math.inf, "cuda": 2.0 * 2048 ** 3}
 
 ENV_THRESHOLD = "BLASX_OFFLOAD_THRESHOLD"
@@ -65,7 +61,7 @@ _default: float = math.inf      # resolved when the first entry comes in
 
 
 class _ThreadState(threading.local):
-    """Per thread: ``stack`` of (entry, threshold or None) of its ``with offload()`` blocks, ``local`` the
+    """Per thread: ``stack`` of the entries of its ``with offload()`` blocks, ``local`` the
     override in force (None: the process-wide threshold), ``busy`` the depth of blasx calls it is in."""
 
     def __init__(self) -> None:
@@ -103,15 +99,6 @@ def _check_threshold(value):
     return float(value)
 
 
-def _device_kind() -> str:
-    from . import session
-    from .runtime.config import parse_devices
-    spec = session.settings().devices or os.environ.get("BLASX_DEVICES")
-    if not spec:
-        spec = "cuda" if session._cuda_count() else "cpu"
-    return parse_devices(spec).kind
-
-
 def default_threshold() -> float:
     """``$BLASX_OFFLOAD_THRESHOLD`` if set, else ``DEFAULT_THRESHOLDS`` for the configured device kind."""
     env = os.environ.get(ENV_THRESHOLD, "").strip()
@@ -123,7 +110,10 @@ def default_threshold() -> float:
         if not value >= 0:
             raise ValueError(f"{ENV_THRESHOLD}: got {env!r}; allowed: a number of flops >= 0 or 'inf'")
         return value
-    return DEFAULT_THRESHOLDS.get(_device_kind(), math.inf)
+    from . import session
+    from .runtime.config import parse_devices
+    spec = session.settings().devices or os.environ.get("BLASX_DEVICES") or ("cuda" if session._cuda_count() else "cpu")
+    return DEFAULT_THRESHOLDS.get(parse_devices(spec).kind, math.inf)
 
 
 def _global_threshold() -> float:
@@ -133,15 +123,7 @@ def _global_threshold() -> float:
 
 def _local_threshold():
     """The calling thread's innermost block's threshold, else None."""
-    return next((thr for _, thr in reversed(_tls.stack) if thr is not None), None)
-
-
-def _sync_global() -> None:
-    """Publish the process-wide threshold to the wrappers and the extension (under _lock)."""
-    global _global_now
-    _global_now = _global_threshold()
-    if _ext is not None:
-        _ext.set_global(_global_now)
+    return next((e.threshold for e in reversed(_tls.stack) if e.threshold is not None), None)
 
 
 def _sync_local() -> None:
@@ -199,10 +181,8 @@ def offload_disable() -> None:
 
 class offload(contextlib.ContextDecorator):
     """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside.
-
     threshold: for the calling thread inside the block (None: the enclosing block's, else the
-    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads.
-    """
+    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads."""
 
     def __init__(self, threshold=None, matmul=True) -> None:
         self.threshold = _check_threshold(threshold)
@@ -211,16 +191,15 @@ class offload(contextlib.ContextDecorator):
     def __enter__(self):
         entry = _Entry("context", self.threshold, self.matmul)
         _add(entry)
-        _tls.stack.append((entry, self.threshold))
+        _tls.stack.append(entry)
         _sync_local()
         return self
 
     def __exit__(self, *exc) -> None:
-        stack = _tls.stack
-        if not stack:
+        if not _tls.stack:
             raise RuntimeError("offload: leaving a block this thread did not enter (the __exit__ of a "
                                "`with blasx.offload()` must run in the thread that ran its __enter__)")
-        entry, _ = stack.pop()
+        entry = _tls.stack.pop()
         _sync_local()
         with _lock:
             _entries.remove(entry)
@@ -250,7 +229,10 @@ def _add(entry: _Entry) -> None:
 def _reconcile() -> None:
     """Bring the patches in line with ``_entries`` (under _lock): np.dot and scipy while any entry is
     active, numpy's matmul loops while any active entry asked for them."""
-    _sync_global()
+    global _global_now
+    _global_now = _global_threshold()  # published to the wrappers and the extension
+    if _ext is not None:
+        _ext.set_global(_global_now)
     if _entries and not _saved:
         _patch_all()
     want_loops = any(e.matmul for e in _entries)
@@ -357,13 +339,15 @@ def _bypass() -> bool:
     return _tls.busy > 0 or threading.current_thread().name.startswith("blasx-")
 
 
-@contextlib.contextmanager
-def _busy():
+def _offloaded(kind: str, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on blasx (the thread's calls inside it stay on numpy), counted as ``kind``."""
     _tls.busy += 1
     try:
-        yield
+        res = fn(*args, **kwargs)
     finally:
         _tls.busy -= 1
+    _stats[kind] += 1
+    return res
 
 
 def _failed(what: str, err: BaseException) -> None:
@@ -382,9 +366,7 @@ def _matmul_hook(a, b, c) -> bool:
     if _bypass():
         return False
     try:
-        with _busy():
-            numpy_api.run_batch(a, b, c)
-        _stats["matmul"] += 1
+        _offloaded("matmul", numpy_api.run_batch, a, b, c)
         return True
     except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
         _failed(f"matmul ({c.dtype.name})", e)
@@ -406,10 +388,7 @@ def _dot_wrapper(a, b, out=None):
         # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads
         if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass():
             try:
-                with _busy():
-                    res = numpy_api.dot(a, b, out)
-                _stats["dot"] += 1
-                return res
+                return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
                 _failed("np.dot", e)
     return _dot_next(a, b, out)
@@ -430,41 +409,32 @@ _dot_wrapper.__wrapped__ = numpy_api._np_dot
 _dot_wrapper.__name__ = _dot_wrapper.__qualname__ = "dot"  # what it stands in for, as the scipy wrappers
 
 
-def _arg(args, kwargs, spec, name):
-    i, default = spec[name]
-    if i < len(args):
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _is_matrix(x) -> bool:
-    return type(x) is _ndarray and x.ndim == 2
-
-
 def _scipy_flops(family: str, spec: dict, is_complex: bool, args, kwargs) -> float:
     """The flop count of a scipy level-3 call on plain 2-D ndarrays, else 0 (then scipy runs it)."""
     if len(args) > len(spec):
         return 0.0
+
+    def arg(name):
+        i, default = spec[name]
+        return args[i] if i < len(args) else kwargs.get(name, default)
+
     try:
-        a = _arg(args, kwargs, spec, "a")
-        b = _arg(args, kwargs, spec, "b") if "b" in spec else a
-        if not (_is_matrix(a) and _is_matrix(b)):
+        a = arg("a")
+        b = arg("b") if "b" in spec else a
+        if not (type(a) is _ndarray and a.ndim == 2 and type(b) is _ndarray and b.ndim == 2):
             return 0.0
         if family == "gemm":
-            m, k = a.shape if int(_arg(args, kwargs, spec, "trans_a")) == 0 else a.shape[::-1]
-            n = b.shape[1] if int(_arg(args, kwargs, spec, "trans_b")) == 0 else b.shape[0]
+            m, k = a.shape if int(arg("trans_a")) == 0 else a.shape[::-1]
+            n = b.shape[1] if int(arg("trans_b")) == 0 else b.shape[0]
             flops = 2.0 * m * n * k
         elif family in ("symm", "trmm"):
             m, n = b.shape
-            flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(_arg(args, kwargs, spec, "side")) == 0
-                                                                    else n)
+            flops = (2.0 if family == "symm" else 1.0) * m * n * (m if int(arg("side")) == 0 else n)
         else:
-            n, k = a.shape if int(_arg(args, kwargs, spec, "trans")) == 0 else a.shape[::-1]
+            n, k = a.shape if int(arg("trans")) == 0 else a.shape[::-1]
             flops = (2.0 if family == "syr2k" else 1.0) * n * n * k
-        if "c" in spec:
-            c = _arg(args, kwargs, spec, "c")
-            if c is not None and type(c) is not _ndarray:
-                return 0.0
+        if "c" in spec and (c := arg("c")) is not None and type(c) is not _ndarray:
+            return 0.0
     except (TypeError, ValueError, KeyError, IndexError):
         return 0.0
     return flops * 4.0 if is_complex else flops
@@ -475,7 +445,6 @@ def _scipy_wrapper(name: str, original, ours):
     family = _FAMILY[name[1:]]
     spec = {p: (i, d) for i, (p, d) in enumerate(_PARAMS[family])}
     is_complex = name[0] in "cz"
-
     rank1 = family == "syrk"
 
     def wrapper(*args, **kwargs):
@@ -488,10 +457,7 @@ def _scipy_wrapper(name: str, original, ours):
                 and (flops := _scipy_flops(family, spec, is_complex, args, kwargs)) and flops >= thr
                 and not _bypass()):
             try:
-                with _busy():
-                    res = ours(*args, **kwargs)
-                _stats["scipy"] += 1
-                return res
+                return _offloaded("scipy", ours, *args, **kwargs)
             except (TypeError, ValueError):
                 pass  # rejected before anything was written: scipy's own behaviour follows
         return original(*args, **kwargs)

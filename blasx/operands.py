@@ -140,7 +140,7 @@ class TokenTable:
         tok = self._seen.get(geom)
         if tok is not None:
             return tok
-        root = None if is_cupy(v) else frozen_root(v)
+        root = frozen_root(v)
         if root is not None:
             tok = (READONLY.base_of(root), geom[0] - int(root.ctypes.data)) + geom[1:]
         else:

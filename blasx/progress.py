@@ -1,8 +1,6 @@
-"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream.
-
-A monitor thread reads the calling thread's running call (:func:`blasx.level3.running_call`) a few
-times a second and redraws the line in place; ``with Progress(sys.stderr, label="run 0", flops=f):``
-ends the line and joins the thread, also on error. :func:`render` is pure.
+"""A progress line for blasx calls (tiles done / total, rate, elapsed) on a text stream: inside
+``with Progress(sys.stderr, label="run 0", flops=f):`` a monitor thread reads the calling thread's
+running call (:func:`blasx.level3.running_call`) a few times a second and redraws the line in place.
 """
 
 from __future__ import annotations
@@ -64,20 +62,16 @@ def call_counts(call) -> tuple[int, int]:
 
 
 class Progress:
-    """Draw a progress line on ``stream`` while the calling thread runs blasx calls.
-
-    A context manager; ``enabled=False`` makes it do nothing. ``thread``: the ident of the
-    thread whose calls are shown (default: the thread that enters). Calls made inside the
-    block replace each other on the line (the count is the current call's). The monitor
-    thread is a daemon and is always joined in ``__exit__``.
-    """
+    """A context manager drawing a progress line on ``stream`` while the thread that enters runs
+    blasx calls (each call inside the block replaces the previous one on the line); ``enabled=False``
+    makes it do nothing."""
 
     def __init__(self, stream=None, label: str = "", flops: float | None = None, enabled: bool = True,
-                 interval: float | None = None, thread: int | None = None, clock=time.perf_counter) -> None:
+                 interval: float | None = None) -> None:
         if interval is not None and not interval > 0:
             raise ValueError(f"interval: got {interval!r}, need a number of seconds > 0")
         self.stream = stream if stream is not None else sys.stderr
-        self.label, self.flops, self.enabled, self.thread_ident, self.clock = label, flops, enabled, thread, clock
+        self.label, self.flops, self.enabled, self.thread_ident = label, flops, enabled, None
         self.interval = interval if interval is not None else INTERVAL_S
         self.updates = 0  # lines drawn (intermediate and final)
         self._stop = threading.Event()
@@ -97,13 +91,11 @@ class Progress:
         self.updates += 1
 
     def _snapshot(self, state: str = "") -> str | None:
-        call = running_call(self.thread_ident)
-        if call is not None:
-            self._call = call
+        self._call = running_call(self.thread_ident) or self._call  # (the last call seen, once it has ended)
         if self._call is None:
             return None
         done, total = call_counts(self._call)
-        return render(self.label, done, total, self.clock() - self._t0, self.flops, state)
+        return render(self.label, done, total, time.perf_counter() - self._t0, self.flops, state)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -115,9 +107,7 @@ class Progress:
     def __enter__(self) -> "Progress":
         if not self.enabled:
             return self
-        if self.thread_ident is None:
-            self.thread_ident = threading.get_ident()
-        self._t0 = self.clock()
+        self.thread_ident, self._t0 = threading.get_ident(), time.perf_counter()
         self._stop.clear()
         self._monitor = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._monitor.start()

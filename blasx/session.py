@@ -1,9 +1,7 @@
-"""The process-wide engine: ``configure``, ``shutdown`` and lazy start.
+"""The process-wide engine serving every calling thread: ``configure``, ``shutdown`` and lazy start.
 
-One engine serves every calling thread. It is built on first use from
-``configure()`` arguments, else from ``BLASX_DEVICES``, else from what the
-machine has (all CUDA GPUs, or the CPU). ``configure`` replaces it (after
-the running calls finish); ``shutdown`` stops it, and runs at exit.
+It is built on first use from ``configure()``'s settings, else ``$BLASX_DEVICES``, else what the
+machine has (all CUDA GPUs, or the CPU); ``configure`` replaces it once the running calls finish.
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ _lock = threading.RLock()
 _settings = Settings()
 _engine: Engine | None = None
 
-#: The CPU device of the running engine while that engine runs every call in its caller's thread
-#: on the host BLAS with no fixed tile (the CPU alone: ``Engine.inline``, ``tile=None``), else None:
-#: blasx.dispatch reads it to choose a call's route. engine() sets it once that engine has started;
-#: shutdown() (and so configure()) clears it before stopping the engine.
+#: The CPU device of the running engine while it runs every call on the host BLAS in the caller's thread
+#: (the CPU alone, ``tile=None``), else None: blasx.dispatch's route for a call. Set by engine() once its
+#: engine has started; cleared by shutdown() before it stops one.
 host_device = None
 
 
@@ -55,11 +52,9 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
     tile: tile size T (None: chosen per call).
     streams: streams (and concurrent tasks) per GPU, the paper's 4 by default.
     cache_bytes: tile-cache heap per device (None: most of the free GPU memory; 64 MiB per sim).
-    cpu: the CPU worker beside the GPUs. None (default): beside CUDA GPUs in auto mode, where
-        it takes a task only when it is predicted to finish it before the GPUs would finish
-        the rest of the call (``blasx/runtime/admission.py``); none beside sims; with no GPU
-        the CPU is the device. ``"auto"``: auto mode beside any GPUs or sims. True: always,
-        taking tasks by demand. False: never.
+    cpu: the CPU worker beside the GPUs. None (default): auto mode beside CUDA GPUs (a task only where
+        predicted to finish before the GPUs would finish the rest, runtime/admission.py), none beside
+        sims. ``"auto"``: auto mode beside any GPUs or sims. True: always, by demand. False: never.
     trace: keep a per-operation timeline in the profiles.
     math: float32 gemm's math, ``"ieee"`` (default: float32 products) or ``"tf32"`` (tensor cores:
         inputs rounded to 10 mantissa bits, float32 accumulation); a call's ``math=`` overrides it.
@@ -123,6 +118,8 @@ def shutdown() -> None:
 
 
 def _stop(cancel: bool) -> None:
+    """Stop the engine and free what blasx holds idle; ``cancel`` (interpreter exit): the calls still in
+    flight are cancelled (their threads are about to vanish), the tasks already on devices end."""
     global _engine, host_device
     with _lock:
         eng, _engine = _engine, None
@@ -144,8 +141,8 @@ def _stop(cancel: bool) -> None:
 # hooks: register where concurrent.futures does, so shutdown runs first (a script that never
 # calls blasx.shutdown() must still exit). atexit stays as a fallback for other runtimes.
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(lambda: _shutdown_at_exit())
-atexit.register(lambda: _shutdown_at_exit())
+    threading._register_atexit(lambda: _stop(cancel=True))
+atexit.register(lambda: _stop(cancel=True))
 
 
 def _retire_readonly(base: int) -> None:
@@ -241,13 +238,7 @@ def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:
 
 
 def reset() -> None:
-    """Bring failed devices back: stop the engine (after the calls running on it end) so that the
-    next call starts a fresh one with the same ``configure()`` settings, every device opened again
-    and the tile cache empty. The next call does this by itself when every device has failed."""
+    """Bring failed devices back: the next call starts a fresh engine with the same settings (as it
+    does by itself once every device has failed)."""
     shutdown()
 
-
-def _shutdown_at_exit() -> None:
-    """Interpreter exit: cancel the calls still in flight (their threads are about to vanish), let
-    the tasks already on devices end, and stop the workers."""
-    _stop(cancel=True)

@@ -1,13 +1,12 @@
 """The CPU alone: a level-3 call in its plain form is one call of scipy's own routine.
 
-A call is plain when its arrays are numpy matrices of the routine's own dtype in column-major
-layout (gemm also takes row-major operands, as transposes, and blocks of larger arrays, through gilfree.py), the shapes agree and are non-empty,
-alpha is a nonzero Python number, beta a Python number (real where BLAS reads it as real), the
-flags are ints in range and an output written in place aliases no input. Such a call's result is
-scipy's (the same output array, the same in-place rule), so :func:`make` hands it to scipy's
-function as it is, with no checks, copies or closures built per call, and records it for
-``last_profile()``. Any other call gets :data:`NO` and takes the full path (:mod:`blasx.dispatch`),
-which converts, checks and raises.
+A call is plain when its arrays are numpy matrices of the routine's dtype in column-major layout
+(gemm also takes row-major operands, as transposes, and blocks of larger arrays, through gilfree.py),
+the shapes agree and are non-empty, alpha is a nonzero Python number, beta a Python number (real
+where BLAS reads it as real), the flags are ints in range and an output written in place aliases no
+input. Its result is scipy's, so :func:`make` hands it to scipy's function as it is, with nothing
+built per call, and records it for ``last_profile()``. Any other call gets :data:`NO` and takes the
+full path (:mod:`blasx.dispatch`), which converts, checks and raises.
 """
 
 from __future__ import annotations

@@ -24,30 +24,27 @@ MIN_TILE = {"cuda": 512, "sim": 16, "cpu": 256}
 #: (cuBLAS runs those at its full rate), never below ``least`` (a smaller tile step costs more host
 #: time to issue than it computes), for ``per_stream`` tasks per stream of every device.
 SMALL_N = {"cuda": (512, 2048, 2)}
-#: (kind, class) -> (tile, per_stream): the tile of a tensor-core call where every device still gets
-#: ``per_stream`` tasks per stream at it; class "reduced" (h, b, i8) or "tf32" (float32 in TF32 math).
-#: Such a call's kernel on a 4096 tile is short against its copies and issue, and runs well below
-#: cuBLAS's in-core rate; twice the side halves the traffic per flop. TF32's kernels are slower than
-#: the 2-byte types', so fewer tasks per stream still hide the fill and drain.
+#: (kind, class) -> (tile, per_stream): the tile of a tensor-core call ("reduced": h, b, i8; "tf32": float32
+#: in TF32 math) where every device still gets ``per_stream`` tasks per stream. On a 4096 tile its kernel is
+#: short against its copies and issue; twice the side halves the traffic per flop. TF32's kernels are
+#: slower than the 2-byte types', so fewer tasks per stream still hide the fill and drain.
 WIDE_TILE = {("cuda", "reduced"): (8192, 4), ("cuda", "tf32"): (8192, 2)}
 
 
 def tiles_needed(streams: int) -> int:
-    """Tiles a device's cache must hold to always make progress: a C buffer and
-    a late-C buffer per in-flight task (2 tasks per stream), A and B of the step
-    being issued, and slack for fragmentation."""
+    """Tiles a device's cache must hold to always make progress: a C and a late-C buffer per in-flight
+    task (2 tasks per stream), A and B of the step being issued, and slack for fragmentation."""
     return 5 * streams + 4
 
 
 def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math: str = "ieee") -> int:
     """The tile of an m x n x k call of ``dtype`` (``math`` the float32 math it runs in) on ``eng``."""
-    row = dtypes.gemm_of(dtype)
-    itemsize = _tile_itemsize(row, dtype)
+    row = dtypes.gemm_of(dtype)  # a reduced type's C tiles accumulate wider
+    itemsize = np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
     streamed = [d for d in eng.devices if d.streamed]
     if eng.config.tile is not None:
-        tile = eng.config.tile
-        _check_fits(streamed, tile, itemsize)
-        return tile
+        _check_fits(streamed, eng.config.tile, itemsize)
+        return eng.config.tile
     if not streamed:
         # The CPU alone: its BLAS already uses every core, so tiling only adds copies and
         # hand-offs; one task per call keeps blasx at numpy's speed.
@@ -90,7 +87,7 @@ def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: in
         if _tasks(m, n, k, big, False) >= per_stream * streams * workers:  # C tiles alone
             return big
     floor = MIN_TILE[kind]
-    tile = min(DEFAULT_TILE[kind], max(floor, _pow2_at_least(max(m, n, k))))
+    tile = min(DEFAULT_TILE[kind], max(floor, 1 << max(0, max(m, n, k) - 1).bit_length()))  # a power of 2
     while tile > floor and _tasks(m, n, k, tile, split) < 2 * workers:
         tile //= 2
     if small_n and kind in SMALL_N:
@@ -101,10 +98,9 @@ def default_tile(m: int, n: int, k: int, kind: str, *, workers: int, streams: in
 
 def small_n_tile(m: int, n: int, k: int, tile: int, target: int, granule: int, least: int,
                  split: bool = False) -> int:
-    """``tile``, or, where it gives fewer than ``target`` tasks, the largest multiple of ``granule``
-    from ``least`` up that gives them (else ``least``), evened out: the smallest multiple of
-    ``granule`` with the same C grid, so no thin last row or column of tiles. Small calls then fill
-    and drain every stream in small pieces."""
+    """``tile``, or, where it gives fewer than ``target`` tasks, the largest multiple of ``granule`` from
+    ``least`` up that gives them (else ``least``), evened out to the smallest multiple of ``granule``
+    with the same C grid (no thin last row or column of tiles): small calls fill every stream."""
     if tile <= least or _tasks(m, n, k, tile, split) >= target:
         return tile
     t = tile - tile % granule
@@ -120,16 +116,6 @@ def _tasks(m: int, n: int, k: int, tile: int, split: bool) -> int:
     split-k is on (a tall-skinny product keeps its large tile and splits k instead)."""
     tiles = -(-m // tile) * -(-n // tile)
     return tiles * max(1, -(-k // tile) // MIN_PART_TILES) if split else tiles
-
-
-def _tile_itemsize(row, dtype) -> int:
-    """Bytes per element a tile may take on a device: a reduced type's C tiles accumulate wider
-    (``row``: the type's dtypes.gemm_of row, or None)."""
-    return np.dtype(dtype).itemsize if row is None else max(row.itemsize, row.compute.itemsize)
-
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def _fits(devices, tile: int, itemsize: int) -> bool:
@@ -156,21 +142,12 @@ _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def db_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm") -> int | None:
     """The perf-db's tile for this call on ``eng`` (the routine's own entry, else gemm's), or None.
-
-    Never raises: a missing or unreadable db, or anything odd in it, means no entry.
-    """
+    Never raises: a missing or unreadable db, or anything odd in it, means no entry."""
     try:
-        if perfdb.disabled():
+        if perfdb.disabled() or not (table := _table(eng)):
             return None
-        table = _table(eng)
-        if not table:
-            return None
-        dt = perfdb.dtype_char(dtype)
-        shape = perfdb.shape_class(m, n, k)
-        tile = table.get((dt, routine, shape))
-        if tile is None and routine != "gemm":
-            tile = table.get((dt, "gemm", shape))
-        return tile
+        dt, shape = perfdb.dtype_char(dtype), perfdb.shape_class(m, n, k)
+        return table.get((dt, routine, shape)) or table.get((dt, "gemm", shape))
     except Exception:  # noqa: BLE001 - the perf-db is advice: never break a BLAS call over it
         return None
 

@@ -1,9 +1,8 @@
 """``blasx.tune``: measure the candidate tile sizes and store the winners in the perf-db.
 
 The tile is BLASX's one tuning parameter (Section V-B): large tiles saturate the GPU and the link,
-small ones give more parallelism. Per dtype and size: random host arrays; per candidate, an engine
-with that tile, a warm-up call and ``runs`` timed ``blasx.gemm`` calls (the best counts), a check of
-a few rows against numpy; the fastest correct candidate is stored (:mod:`blasx.perfdb`). Tuning
+small ones give more parallelism. Per candidate: an engine with that tile, a warm-up and ``runs``
+timed ``blasx.gemm`` calls on random host arrays, a check of a few rows against numpy. Tuning
 reconfigures the process-wide engine (run it while no other thread uses blasx) and restores the
 previous settings at the end, also when it fails.
 """
@@ -49,11 +48,10 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     check_rows: rows of C compared against numpy after each candidate (0: no check).
     progress: called with one line of text per measured candidate.
 
-    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape
-    (the shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed
-    runs]}), errors ({tile: relative error of the checked rows}), bad (tiles that failed the check:
-    never winners), skipped ({tile: why}, e.g. too big for the tile cache), tile (the winner, or
-    None) and stored (True once in the db).
+    Returns one dict per (dtype, size): key (text), device, ndev, dtype, routine, m, n, k, shape (the
+    shape class), tiles (the candidates), tflops ({tile: best TFLOPS}), seconds ({tile: [timed runs]}),
+    errors ({tile: relative error of the checked rows}), bad (tiles that failed the check: never
+    winners), skipped ({tile: why}), tile (the winner, or None) and stored (True once in the db).
     """
     problems = _check_sizes(sizes)
     dtype_chars = _check_dtypes(dtypes)
@@ -77,8 +75,7 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     try:
         session.configure(**dataclasses.asdict(base))  # validates the device spec
         devs = session.engine().devices
-        streamed = [d for d in devs if d.streamed]
-        kind = streamed[0].kind if streamed else "cpu"
+        kind = next((d.kind for d in devs if d.streamed), "cpu")
         if problems is None:
             problems = [(s, s, s) for s in DEFAULT_SIZES[kind]]
         rng = np.random.default_rng(seed)
@@ -166,11 +163,9 @@ def _check_sizes(sizes) -> list[tuple[int, int, int]] | None:
 
 def _check_dtypes(dtypes) -> list[str]:
     given = dtypes
-    if isinstance(dtypes, str):
-        if "," in dtypes or " " in dtypes:
-            dtypes = dtypes.replace(",", " ").split()
-        else:  # "ds", or one name: "i8", "float64"
-            dtypes = list(dtypes) if set(dtypes) <= set(blas_types.PREFIXES) else [dtypes]
+    if isinstance(dtypes, str):  # "d,s", "d s", "ds", or one name: "i8", "float64"
+        words = dtypes.replace(",", " ").split()
+        dtypes = list(dtypes) if len(words) == 1 and set(dtypes) <= set(blas_types.PREFIXES) else words
     try:
         items = list(dtypes)
     except TypeError:

@@ -1,14 +1,9 @@
 """``scipy.linalg.blas`` with the level-3 routines running on blasx: ``from blasx.linalg import blas``.
 
-The level-3 wrappers (``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm ?trsm``, the prefixes scipy
-has) take scipy's names, positional order, keywords and defaults, convert their arguments as f2py does
-(arrays and lists to the routine's dtype, 0-/1-/N-D arrays to matrices, alpha/beta and the int flags
-by f2py's rules, None as the default) and return what scipy returns: a new F-ordered array, or c (b)
-itself where scipy writes it in place. Where scipy hands a bad value to BLAS (``zherk(trans=1)``,
-inconsistent shapes) blasx raises ValueError naming it; scipy's own errors are raised as there.
-``get_blas_funcs`` and ``find_best_blas_type`` pick the prefix as scipy's do; every other name
-(level 1 and 2, ``HAS_ILP64``, ...) is scipy's own object, so this module stands in for scipy's whole.
-There is no size threshold (:func:`blasx.offload` has one). docs/usage.md has the details.
+The level-3 functions (``?gemm ?symm ?hemm ?syrk ?herk ?syr2k ?her2k ?trmm ?trsm``) take scipy's
+signatures, convert their arguments as f2py does and return what scipy returns; where scipy hands a
+bad value to BLAS (``zherk(trans=1)``, inconsistent shapes) blasx raises ValueError naming it. Every
+other name (level 1 and 2, ``HAS_ILP64``, ...) is scipy's own object. docs/usage.md has the details.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import numpy as np
 import scipy.linalg.blas as _sp
 
 from .. import blas3, level3, shortcut
-from ..checks import BY_SCORE, TYPE_SCORE, writable
+from ..checks import BY_SCORE, TYPE_SCORE
 from ..operands import is_cupy
 from ..runtime import dtypes
 
@@ -48,10 +43,7 @@ _PARAMS = {
 }
 _FAMILY = {"gemm": "gemm", "symm": "symm", "hemm": "symm", "syrk": "syrk", "herk": "syrk",
            "syr2k": "syr2k", "her2k": "syr2k", "trmm": "trmm", "trsm": "trmm"}
-_ARRAYS = ("a", "b", "c")
-_FLAGS = ("trans_a", "trans_b", "trans", "side", "lower", "diag")
 _FLAG_MAX = {"trans_a": 2, "trans_b": 2, "trans": 2, "side": 1, "lower": 1, "diag": 1}  # f2py's checks
-_OVERWRITE = ("overwrite_c", "overwrite_b")
 
 
 def signature_of(routine: str) -> inspect.Signature:
@@ -113,14 +105,16 @@ def _number(name: str, value, dtype: np.dtype):
 _INT_MAX = 2**31 - 1
 
 
-def _flag(name: str, value) -> int:
-    """An int flag as f2py converts it: int() of a number or numeric string, a complex's real part,
-    a sequence's first element (None, meaning the default, is handled by the caller)."""
-    if type(value) is not int:
-        value = _int_of(name, value)
+def _c_int(name: str, value: int) -> int:
     if not -_INT_MAX - 1 <= value <= _INT_MAX:
         raise OverflowError(f"{name}: {value} does not fit a C int")
     return value
+
+
+def _flag(name: str, value) -> int:
+    """An int flag as f2py converts it: int() of a number or numeric string, a complex's real part,
+    a sequence's first element (None, meaning the default, is handled by the caller)."""
+    return _c_int(name, value if type(value) is int else _int_of(name, value))
 
 
 def _int_of(name: str, value) -> int:
@@ -144,12 +138,9 @@ def _int_of(name: str, value) -> int:
 def _overwrite(name: str, value) -> int:
     """``overwrite_*`` as f2py reads it: an int by ``__index__`` (no floats, no None)."""
     try:
-        value = operator.index(value)
+        return _c_int(name, operator.index(value))
     except TypeError:
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int") from None
-    if not -_INT_MAX - 1 <= value <= _INT_MAX:
-        raise OverflowError(f"{name}: {value} does not fit a C int")
-    return value
 
 
 def _array(name: str, x, dtype: np.dtype):
@@ -189,11 +180,6 @@ def _matrix(name: str, x):
     return x.reshape(*rest, *(1,) * (2 - len(rest)))
 
 
-def _in_place(x, dtype, overwrite: int) -> bool:
-    """scipy writes c (b) in place when asked to and it is F-contiguous, writable, of the routine's dtype."""
-    return bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
-
-
 # ---------------------------------------------------------------- the routines
 
 def _make(prefix: str, routine: str):
@@ -203,9 +189,9 @@ def _make(prefix: str, routine: str):
     hermitian = routine in ("herk", "her2k")
     impl = (level3.PREFIXED if routine == "gemm" else blas3.PREFIXED)[name]
     out_name = "b" if _FAMILY[routine] == "trmm" else "c"
-    flags = tuple((k, _FLAG_MAX[k]) for k in _FLAGS if k in sig.parameters)
-    overwrite = next(k for k in _OVERWRITE if k in sig.parameters)
-    arrays = tuple(k for k in _ARRAYS if k in sig.parameters)
+    flags = tuple((k, top) for k, top in _FLAG_MAX.items() if k in sig.parameters)
+    overwrite = "overwrite_" + out_name
+    arrays = tuple(k for k in ("a", "b", "c") if k in sig.parameters)
     real_alpha = routine == "herk"
     fast, no = shortcut.make(routine, dtype), shortcut.NO
 
@@ -237,15 +223,13 @@ def _make(prefix: str, routine: str):
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
         out = None
         for k in arrays:
-            x = v[k]
-            if x is None:
-                continue
-            x = _array(k, x, dtype)
-            v[k] = _matrix(k, x)
-            if k == out_name:
-                out = x
+            if v[k] is not None:
+                x = _array(k, v[k], dtype)
+                v[k] = _matrix(k, x)
+                if k == out_name:
+                    out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
-            v["overwrite_c"] = out is not None and _in_place(out, dtype, v["overwrite_c"])
+            v["overwrite_c"] = blas3.written_in_place(out, dtype, v["overwrite_c"])
         if routine == "trmm":
             a, b = v["a"], v["b"]
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
@@ -259,7 +243,6 @@ def _make(prefix: str, routine: str):
 
     f.__name__ = f.__qualname__ = name
     f.__signature__ = sig
-    f.__module__ = __name__
     f.__doc__ = (f"{name} on blasx, with scipy.linalg.blas.{name}'s signature and conversions "
                  f"(see blasx.linalg.blas).\n\n" + (getattr(getattr(_sp, name, None), "__doc__", None) or ""))
     f.typecode = f.prefix = prefix
@@ -285,13 +268,8 @@ def _fortran(x) -> bool:
 
 
 def find_best_blas_type(arrays=(), dtype=None):
-    """(prefix, dtype, prefer_fortran) for these arrays, as scipy.linalg.blas.find_best_blas_type.
-
-    The most generic type of the arrays wins (float32 < float64 < complex64 <
-    complex128, with scipy's scores for the other types; float64 with complex64
-    gives complex128); with no arrays, ``dtype`` decides. prefer_fortran is True when
-    the array of the winning type is F-contiguous.
-    """
+    """(prefix, dtype, prefer_fortran) for these arrays (with none, ``dtype`` decides), by scipy's type
+    scores (``checks.TYPE_SCORE``), as scipy.linalg.blas.find_best_blas_type."""
     dtype = np.dtype(dtype)
     max_score = TYPE_SCORE.get(dtype.char, 5)
     prefer_fortran = False
@@ -305,16 +283,9 @@ def find_best_blas_type(arrays=(), dtype=None):
     return dtypes.prefix(dt), dt, prefer_fortran
 
 
-_ILP64 = {}
-
-
 def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
-    """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs; level-3 ones are blasx's.
-
-    ``names`` is a str (one function returned) or a sequence (a list). The
-    prefix comes from :func:`find_best_blas_type`. Names blasx does not
-    provide come from scipy (which raises ValueError for unknown ones).
-    """
+    """BLAS functions by name without prefix, as scipy.linalg.blas.get_blas_funcs: the level-3 ones
+    blasx's, the others scipy's (which raises ValueError for unknown names)."""
     if isinstance(ilp64, str):
         if ilp64 != "preferred":
             raise ValueError(f"ilp64: got {ilp64!r}; allowed: True, False or 'preferred'")
@@ -323,18 +294,11 @@ def get_blas_funcs(names, arrays=(), dtype=None, ilp64=False):
         raise RuntimeError("ilp64: BLAS ILP64 routine requested, but scipy was compiled only with 32-bit BLAS "
                            "(scipy.linalg.blas.HAS_ILP64 is False)")
     unpack = isinstance(names, str)
-    if unpack:
-        names = (names,)
+    names = (names,) if unpack else names
     prefix, _, _ = find_best_blas_type(arrays, dtype)
-    funcs = []
-    for name in names:
-        if name in LEVEL3 and prefix in LEVEL3[name]:
-            fn = FUNCTIONS[prefix + name]
-            if ilp64:
-                fn = _ILP64.get(fn.__name__) or _ILP64.setdefault(fn.__name__, _with_int64(fn))
-            funcs.append(fn)
-        else:
-            funcs.append(_sp.get_blas_funcs(name, arrays, dtype, ilp64=ilp64))
+    ours = _ILP64 if ilp64 else FUNCTIONS
+    funcs = [ours[prefix + name] if name in LEVEL3 and prefix in LEVEL3[name]
+             else _sp.get_blas_funcs(name, arrays, dtype, ilp64=ilp64) for name in names]
     return funcs[0] if unpack else funcs
 
 
@@ -344,6 +308,10 @@ def _with_int64(fn):
         return fn(*args, **kwargs)
     g.int_dtype = np.dtype(np.int64)
     return g
+
+
+#: the level-3 functions an ILP64 request gets (``int_dtype`` int64)
+_ILP64 = {name: _with_int64(fn) for name, fn in FUNCTIONS.items()}
 
 
 # ---------------------------------------------------------------- everything else: scipy's
