@@ -4,14 +4,11 @@
 before its heuristic. A key is the device model (``device_key``: mixed models join with ``+``, a
 CPU worker beside GPUs, not in auto mode, adds ``+cpu``), the number of GPUs, the dtype prefix,
 the routine (other level-3 routines fall back to ``gemm``) and the shape class (:func:`shape_class`);
-text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. The file is ``perfdb.sqlite`` in
-:func:`cache_dir`. A missing, corrupt, locked or foreign-version file reads as "no entry" (a BLAS
-call never fails because of it); writers use one connection per operation and ``BEGIN IMMEDIATE``.
-``BLASX_PERFDB=off`` makes the runtime ignore the db (``tune`` still writes it).
-
-The same file holds the convolution find-db (table ``conv_entries``: text key -> winning form and the
-seconds of each form; keys and lookups in :mod:`blasx.dnn.finddb`). The table was added without a
-schema version bump: a file of either kind reads and writes in both, and an older blasx ignores it.
+text form ``"NVIDIA H200|2|d|gemm|4096x4096x4096"``. A missing, corrupt, locked or foreign-version
+file reads as "no entry" (a BLAS call never fails because of it); writers use one connection per
+operation and ``BEGIN IMMEDIATE``. The same file holds the convolution find-db (table ``conv_entries``,
+keys and lookups in :mod:`blasx.dnn.finddb`), added without a schema version bump: an older blasx
+ignores the table.
 """
 
 from __future__ import annotations
@@ -69,9 +66,7 @@ class PerfKey(NamedTuple):
         parts = text.split(_SEP) if isinstance(text, str) else []
         try:
             device, ndev, dtype, routine, shape = parts
-            dims = tuple(int(x) for x in shape.split("x"))
-            if len(dims) != 3:
-                raise ValueError
+            dims = tuple(int(x) for x in shape.split("x"))  # not 3 of them: _checked_key refuses it
             return _checked_key(cls(device, int(ndev), dtype, routine, dims))
         except ValueError:
             raise ValueError(f"key: got {text!r}, expected 'device|ndev|dtype|routine|MxNxK' "
@@ -243,29 +238,12 @@ class PerfDb:
 
     # -- connections: one per operation --
 
-    def _read(self) -> sqlite3.Connection | None:
-        """A read-only connection to a db of this schema version, or None (no file, corrupt, foreign)."""
-        if not self.path.is_file():
-            return None
-        conn = None
-        try:
-            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=READ_TIMEOUT_S)
-            row = conn.execute("SELECT version FROM schema").fetchone()
-            if row is not None and row[0] == SCHEMA_VERSION:
-                return conn
-        except (sqlite3.Error, OSError, ValueError):
-            pass
-        if conn is not None:
-            conn.close()
-        return None
-
     def _write(self) -> sqlite3.Connection:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(str(self.path), timeout=TIMEOUT_S, isolation_level=None)
+            return sqlite3.connect(str(self.path), timeout=TIMEOUT_S, isolation_level=None)
         except (sqlite3.Error, OSError) as e:
             raise PerfDbError(f"perf-db {self.path}: cannot open it for writing: {e}") from e
-        return conn
 
     # -- reads (never raise for a bad file) --
 
@@ -285,17 +263,20 @@ class PerfDb:
         return self._rows(None, None)
 
     def _select(self, sql: str, args: tuple = ()) -> list[tuple]:
-        """The rows of a query; empty when the db (or the table: a file of an older blasx) is missing or
-        unreadable."""
-        conn = self._read()
-        if conn is None:
+        """The rows of a query on a read-only connection; empty when the db (or the table: a file of an
+        older blasx) is missing, corrupt, of another schema version or unreadable."""
+        if not self.path.is_file():
             return []
+        conn = None
         try:
-            return conn.execute(sql, args).fetchall()
-        except sqlite3.Error:
+            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=READ_TIMEOUT_S)
+            row = conn.execute("SELECT version FROM schema").fetchone()
+            return conn.execute(sql, args).fetchall() if row is not None and row[0] == SCHEMA_VERSION else []
+        except (sqlite3.Error, OSError, ValueError):
             return []
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
     def _rows(self, device, ndev) -> list[dict]:
         sql, args = f"SELECT {_COLS} FROM entries", ()
@@ -324,11 +305,7 @@ class PerfDb:
     def store_conv(self, key: str, device: str, direction: str, form: str, results: dict[str, float]) -> None:
         """Record ``form`` as the fastest for the find-db key ``key`` (text; validated by the caller,
         :func:`blasx.dnn.finddb.store`), with the seconds of every form measured; replaces an older entry."""
-        from . import __version__
-
-        row = (key, device, direction, form, json.dumps(results),
-               datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
-        self._insert(f"INSERT OR REPLACE INTO conv_entries ({_CONV_COLS}) VALUES (?,?,?,?,?,?,?)", row, key)
+        self._insert("conv_entries", _CONV_COLS, (key, device, direction, form, json.dumps(results)), key)
 
     def store(self, key: PerfKey, tile: int, results: dict[int, float]) -> None:
         """Record ``tile`` as the best for ``key``, with the TFLOPS measured for every candidate
@@ -347,19 +324,20 @@ class PerfDb:
             clean[str(int(t))] = float(v)
         if clean and str(tile) not in clean:
             raise ValueError(f"tile: {tile} is not among the measured tiles {sorted(int(t) for t in clean)}")
+        self._insert("entries", _COLS, (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile),
+                                        json.dumps(clean)), key.text)
+
+    def _insert(self, table: str, cols: str, row: tuple, what: str) -> None:
+        """``row``, then the date and blasx's version, into ``table`` (replacing a row of its key), in its own
+        transaction (PerfDbError naming ``what`` when the file refuses it)."""
         from . import __version__
 
-        row = (key.device, key.ndev, key.dtype, key.routine, *key.shape, int(tile), json.dumps(clean),
-               datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
-        self._insert(f"INSERT OR REPLACE INTO entries ({_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)", row, key.text)
-
-    def _insert(self, sql: str, row: tuple, what: str) -> None:
-        """One row written in its own transaction (PerfDbError naming ``what`` when the file refuses it)."""
+        row += (datetime.now(timezone.utc).isoformat(timespec="seconds"), __version__)
         conn = self._write()
         try:
             conn.execute("BEGIN IMMEDIATE")
             self._ensure_schema(conn)
-            conn.execute(sql, row)
+            conn.execute(f"INSERT OR REPLACE INTO {table} ({cols}) VALUES ({','.join('?' * len(row))})", row)
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             _rollback(conn)

@@ -43,11 +43,9 @@ class DeviceFacts:
 
 @dataclass(frozen=True)
 class Rate:
-    """One measured (or modelled) rate of one device.
-
-    ``what``: ``"H2D"``, ``"D2H"``, ``"P2P"`` (bytes/s) or ``"DGEMM"``, ``"SGEMM"``, ``"GEMM"``
-    (flop/s). ``value`` None: the measurement failed and ``how`` says why. ``peer``: for P2P,
-    the worker index of the device read from."""
+    """One measured (or modelled) rate of one device: ``what`` is ``"H2D"``, ``"D2H"``, ``"P2P"`` (bytes/s)
+    or ``"DGEMM"``, ``"SGEMM"``, ``"GEMM"`` (flop/s); ``value`` None: the measurement failed and ``how``
+    says why; ``peer``: for P2P, the worker index of the device read from."""
 
     device: int
     what: str
@@ -62,29 +60,14 @@ class Rate:
 def host_memory() -> tuple[int | None, int | None]:
     """(total, available) host memory in bytes, None where unknown."""
     info = {}
-    try:
-        with open("/proc/meminfo") as f:
-            info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
-                    if k in ("MemTotal", "MemAvailable")}
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        info = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
+                if k in ("MemTotal", "MemAvailable")}
     total, avail = info.get("MemTotal"), info.get("MemAvailable")
     if total is None:
-        try:
+        with contextlib.suppress(ValueError, OSError, AttributeError):
             total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            total = None
     return total, avail
-
-
-def _cuda_memory(ordinal: int) -> tuple[int | None, int | None]:
-    try:
-        import cupy
-        with cupy.cuda.Device(ordinal):
-            free, total = cupy.cuda.runtime.memGetInfo()
-        return int(total), int(free)
-    except Exception:  # noqa: BLE001 - a fact we cannot read is shown as unknown
-        return None, None
 
 
 def device_facts(devices) -> list[DeviceFacts]:
@@ -93,7 +76,12 @@ def device_facts(devices) -> list[DeviceFacts]:
     for d in devices:
         total = free = None
         if d.kind == "cuda":
-            total, free = _cuda_memory(d.ordinal)
+            try:
+                import cupy
+                with cupy.cuda.Device(d.ordinal):
+                    free, total = map(int, cupy.cuda.runtime.memGetInfo())
+            except Exception:  # noqa: BLE001 - a fact we cannot read is shown as unknown
+                total = free = None
         elif d.kind == "cpu":
             total, free = host_memory()
         cache = d.cache_capacity() if d.streamed else None
@@ -117,17 +105,14 @@ def _failed(device: int, what: str, exc: BaseException, peer: int | None = None)
 
 def measure(devices, links=None, *, copy_bytes: int = COPY_BYTES, gemm_n: int = GEMM_N,
             dtypes: tuple[str, ...] = ("d", "s"), reps: int = GPU_REPS) -> list[Rate]:
-    """Rates of each device (Device objects of an engine, which may be shut down).
-
-    ``links``: the peer links to measure (default :func:`peer_links`). Never raises for a
-    failed measurement: it becomes a :class:`Rate` with ``value=None``."""
+    """Rates of each device (Device objects of an engine, which may be shut down) and of the peer
+    ``links`` (default :func:`peer_links`); a failed measurement is a :class:`Rate` with ``value=None``."""
     devices = list(devices)
     links = peer_links(devices) if links is None else list(links)
     for name, v in (("copy_bytes", copy_bytes), ("gemm_n", gemm_n), ("reps", reps)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}: got {v!r}, need a positive int")
-    bad = [x for x in dtypes if x not in ("s", "d")]
-    if bad or not dtypes:
+    if not dtypes or any(x not in ("s", "d") for x in dtypes):
         raise ValueError(f"dtypes: got {dtypes!r}, need 's' and/or 'd'")
     by_index = {d.index: d for d in devices}
     rates: list[Rate] = []
@@ -153,24 +138,21 @@ def _sim_rates(dev, peers: list[int]) -> list[Rate]:
     return out
 
 
-def _cpu_gemm_rate(dtype, sizes=None, target_s: float | None = None,
-                   reps: int = 3, clock=time.perf_counter) -> tuple[float, int]:
-    """(flop/s, n): numpy's n x n GEMM at the first size of ``sizes`` (default CPU_GEMM_SIZES)
-    whose best of ``reps`` calls takes ``target_s`` (default CPU_GEMM_TARGET_S), else the last."""
-    sizes = tuple(CPU_GEMM_SIZES if sizes is None else sizes)
-    target_s = CPU_GEMM_TARGET_S if target_s is None else target_s
+def _cpu_gemm_rate(dtype, reps: int = 3) -> tuple[float, int]:
+    """(flop/s, n): numpy's n x n GEMM at the first of CPU_GEMM_SIZES whose best of ``reps`` calls
+    takes CPU_GEMM_TARGET_S, else at the last."""
     rng = np.random.default_rng(0)
-    for n in sizes:
+    for n in CPU_GEMM_SIZES:
         a = rng.standard_normal((n, n)).astype(dtype)
         b = rng.standard_normal((n, n)).astype(dtype)
         c = np.empty((n, n), dtype)
         np.matmul(a, b, out=c)  # warm-up (thread pool start)
         best = math.inf
         for _ in range(reps):
-            t = clock()
+            t = time.perf_counter()
             np.matmul(a, b, out=c)
-            best = min(best, clock() - t)
-        if best >= target_s:
+            best = min(best, time.perf_counter() - t)
+        if best >= CPU_GEMM_TARGET_S:
             break
     return 2.0 * n ** 3 / max(best, 1e-9), n
 
@@ -210,18 +192,6 @@ def _best_gpu_seconds(issue, stream, reps: int, warm_s: float | None = None) -> 
     return best
 
 
-def _enable_peer(ordinal: int, peer: int) -> None:
-    import cupy
-    from cupy.cuda import runtime
-
-    with cupy.cuda.Device(ordinal):
-        try:
-            runtime.deviceEnablePeerAccess(peer)
-        except runtime.CUDARuntimeError as exc:
-            if "PeerAccessAlreadyEnabled" not in str(exc):
-                raise
-
-
 def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: int, n: int,
                 dtypes, reps: int) -> list[Rate]:
     try:
@@ -253,10 +223,14 @@ def _cuda_rates(index: int, ordinal: int, peers: list[tuple[int, int]], nbytes: 
 
     def peer_copy(j: int, peer_ordinal: int):
         # The reader (this device) copies from the peer's memory, as the engine's L2 reads do.
-        _enable_peer(ordinal, peer_ordinal)
         with cupy.cuda.Device(peer_ordinal):
             src = cupy.empty(nbytes, dtype=cupy.uint8)
         with cupy.cuda.Device(ordinal):
+            try:
+                runtime.deviceEnablePeerAccess(peer_ordinal)
+            except runtime.CUDARuntimeError as exc:
+                if "PeerAccessAlreadyEnabled" not in str(exc):
+                    raise
             dst = cupy.empty(nbytes, dtype=cupy.uint8)
             stream = cupy.cuda.Stream(non_blocking=True)
             t = _best_gpu_seconds(lambda: runtime.memcpyPeerAsync(dst.data.ptr, ordinal, src.data.ptr,

@@ -70,12 +70,11 @@ class OffsetHeap:
         """Forget every allocation: one free block spanning the arena."""
         self._head = _Block(0, self._capacity, True, None, None)
         self._used: dict[int, _Block] = {}
-        n_classes = (self._capacity >> self._shift).bit_length() + 1
-        self._buckets: list[list[int]] = [[] for _ in range(n_classes)]
+        self._buckets: list[list[int]] = [[] for _ in range((self._capacity >> self._shift).bit_length() + 1)]
         self._nonempty = 0
-        self._bucket_add(n_classes - 1, 0)  # the whole arena is the top class
-        self._free: dict[int, _Block] = {0: self._head}
-        self._free_sizes: list[int] = [self._capacity]
+        self._free: dict[int, _Block] = {}
+        self._free_sizes: list[int] = []
+        self._list(self._head)  # the whole arena, in the top class
         self._bytes_used = 0
 
     # ----------------------------------------------------------------- hot path
@@ -85,54 +84,36 @@ class OffsetHeap:
         if nbytes.__class__ is not int or nbytes <= 0:
             nbytes = _positive_int("nbytes", nbytes, "a positive int (bytes to allocate)")
         size = (nbytes + self._mask) & ~self._mask
-        free_sizes = self._free_sizes
-        if not free_sizes or size > free_sizes[-1]:
+        if size > self.largest_free:
             return None  # fast refusal: larger than the largest hole
         buckets = self._buckets
-        shift = self._shift
-        c = (size >> shift).bit_length()
+        c = (size >> self._shift).bit_length()
         # Every block of a larger class fits: the candidate is the lowest head among those buckets.
         best = self._capacity
-        kb = i = -1
         m = self._nonempty >> (c + 1) << (c + 1)
         while m:
             low = m & -m
-            k = low.bit_length() - 1
-            head = buckets[k][0]
-            if head < best:
-                best, kb, i = head, k, 0
+            best = min(best, buckets[low.bit_length() - 1][0])
             m ^= low
         # The request's own class may hold smaller blocks: walk it, below the candidate only.
         free = self._free
-        for j, off in enumerate(buckets[c]):
+        for off in buckets[c]:
             if off >= best:
                 break
             if free[off].size >= size:
-                best, kb, i = off, c, j
+                best = off
                 break
         # A block was found: the largest free block fits (checked above).
-        blk = free.pop(best)
-        del free_sizes[bisect_left(free_sizes, blk.size)]
+        blk = free[best]
+        self._unlist(blk)
         rest = blk.size - size
-        if rest:
-            # The remainder stays free, right after; in the same class it takes the block's bucket slot.
-            tail_off = best + size
-            nxt = blk.next
-            tail = _Block(tail_off, rest, True, blk, nxt)
-            if nxt is not None:
-                nxt.prev = tail
+        if rest:  # the remainder stays free, right after
+            tail = _Block(best + size, rest, True, blk, blk.next)
+            if blk.next is not None:
+                blk.next.prev = tail
             blk.next = tail
             blk.size = size
-            free[tail_off] = tail
-            insort(free_sizes, rest)
-            kt = (rest >> shift).bit_length()
-            if kt == kb:
-                buckets[kb][i] = tail_off
-            else:
-                self._bucket_del(kb, i)
-                self._bucket_add(kt, tail_off)
-        else:
-            self._bucket_del(kb, i)
+            self._list(tail)
         blk.free = False
         self._used[best] = blk
         self._bytes_used += size
@@ -140,24 +121,13 @@ class OffsetHeap:
 
     def free(self, offset: int) -> None:
         """Release the allocation at ``offset``, coalescing; ValueError if it is not allocated."""
-        try:
-            blk = self._used.pop(offset, None)
-        except TypeError:  # unhashable: certainly not an offset we returned
-            blk = None
+        blk = self._used.pop(offset, None) if offset.__hash__ else None  # unhashable: not an offset
         if blk is None:
             raise ValueError(self._why_not_allocated(offset))
         self._bytes_used -= blk.size
-        free = self._free
-        free_sizes = self._free_sizes
-        buckets = self._buckets
-        shift = self._shift
         right = blk.next
-        kr = j = -1  # class and bucket slot of an absorbed right neighbour
-        if right is not None and right.free:
-            del free[right.off]
-            del free_sizes[bisect_left(free_sizes, right.size)]
-            kr = (right.size >> shift).bit_length()
-            j = bisect_left(buckets[kr], right.off)
+        if right is not None and right.free:  # absorb the right neighbour
+            self._unlist(right)
             blk.size += right.size
             blk.next = right.next
             if right.next is not None:
@@ -165,39 +135,30 @@ class OffsetHeap:
         left = blk.prev
         if left is not None and left.free:
             # Merge into the left neighbour, which keeps its offset (the head is never dropped).
-            if kr >= 0:
-                self._bucket_del(kr, j)
-            del free_sizes[bisect_left(free_sizes, left.size)]
-            kl = (left.size >> shift).bit_length()
+            self._unlist(left)
             left.size += blk.size
             left.next = blk.next
             if blk.next is not None:
                 blk.next.prev = left
-            insort(free_sizes, left.size)
-            k = (left.size >> shift).bit_length()
-            if k != kl:
-                self._bucket_del(kl, bisect_left(buckets[kl], left.off))
-                self._bucket_add(k, left.off)
-        else:
-            blk.free = True
-            free[blk.off] = blk
-            insort(free_sizes, blk.size)
-            k = (blk.size >> shift).bit_length()
-            if k == kr:
-                # No free block lies between: blk takes its old right neighbour's bucket slot.
-                buckets[k][j] = blk.off
-            else:
-                if kr >= 0:
-                    self._bucket_del(kr, j)
-                self._bucket_add(k, blk.off)
+            blk = left
+        self._list(blk)
 
-    def _bucket_add(self, k: int, off: int) -> None:
-        insort(self._buckets[k], off)
+    def _list(self, blk: _Block) -> None:
+        """Enter ``blk`` in the empty list: free, in the free map, the sorted sizes and its class's bucket."""
+        blk.free = True
+        self._free[blk.off] = blk
+        insort(self._free_sizes, blk.size)
+        k = (blk.size >> self._shift).bit_length()
+        insort(self._buckets[k], blk.off)
         self._nonempty |= 1 << k
 
-    def _bucket_del(self, k: int, i: int) -> None:
+    def _unlist(self, blk: _Block) -> None:
+        """Take the free ``blk`` out of the empty list: the free map, the sorted sizes, its class's bucket."""
+        del self._free[blk.off]
+        del self._free_sizes[bisect_left(self._free_sizes, blk.size)]
+        k = (blk.size >> self._shift).bit_length()
         bucket = self._buckets[k]
-        del bucket[i]
+        del bucket[bisect_left(bucket, blk.off)]
         if not bucket:
             self._nonempty &= ~(1 << k)
 
@@ -206,8 +167,7 @@ class OffsetHeap:
     def can_fit(self, nbytes: int) -> bool:
         """Whether ``alloc(nbytes)`` would succeed right now."""
         nbytes = _positive_int("nbytes", nbytes, "a positive int (bytes to allocate)")
-        size = (nbytes + self._mask) & ~self._mask
-        return bool(self._free_sizes) and size <= self._free_sizes[-1]
+        return (nbytes + self._mask) & ~self._mask <= self.largest_free
 
     def size_of(self, offset: int) -> int:
         """Rounded size of the allocation at ``offset`` (ValueError if none)."""

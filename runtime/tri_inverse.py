@@ -8,8 +8,8 @@ stored triangle:
     upper:  [[U11, U12], [0, U22]]^-1 = [[X11, -X11 U12 X22], [0, X22]]
 
 down to blocks of at most ``leaf``, inverted directly. Only the stored triangle is read and written
-(``diag`` as given), but a leaf may overwrite the rest of its block: the buffer is scratch. Pure: :func:`tri_inverse_ops` lists the operations in order; a backend
-runs them with its kernels, the tests with numpy against ``numpy.linalg.inv``.
+(``diag`` as given), but a leaf may overwrite the rest of its block: the buffer is scratch. Pure:
+:func:`tri_inverse_ops` lists the operations in order, which a backend runs with its kernels.
 """
 
 from __future__ import annotations
@@ -37,11 +37,8 @@ class Product(NamedTuple):
 
 
 def tri_inverse_ops(size: int, lower: int, leaf: int) -> list:
-    """The leaf inversions and products that invert a ``size`` triangle in place, in order.
-
-    Halves are split at a multiple of ``leaf`` when the size allows (aligned sub-blocks),
-    else at the middle; ``lower`` names the stored triangle (1 lower, 0 upper).
-    """
+    """The leaf inversions and products that invert a ``size`` triangle in place, in order; halves are
+    split by :func:`~.trsm_blocks.split`; ``lower`` names the stored triangle (1 lower, 0 upper)."""
     if leaf < 1:
         raise ValueError(f"leaf: got {leaf!r}, need an int >= 1")
     if size < 0:
@@ -53,18 +50,12 @@ def tri_inverse_ops(size: int, lower: int, leaf: int) -> list:
             ops.append(Leaf(lo, hi - lo))
             return
         h = split(lo, hi, leaf)
-        if lower:  # W21 = -X22 (L21 X11)
-            blk = (h, lo, hi - h, h - lo)
-            invert(lo, h)
-            ops.append(Product(1, lo, h - lo, blk, False))
-            invert(h, hi)
-            ops.append(Product(0, h, hi - h, blk, True))
-        else:  # W12 = (-X11 U12) X22
-            blk = (lo, h, h - lo, hi - h)
-            invert(lo, h)
-            ops.append(Product(0, lo, h - lo, blk, True))
-            invert(h, hi)
-            ops.append(Product(1, h, hi - h, blk, False))
+        # The off-diagonal block, times X11 then X22: lower W21 = -X22 (L21 X11), upper W12 = (-X11 U12) X22.
+        blk = (h, lo, hi - h, h - lo) if lower else (lo, h, h - lo, hi - h)
+        invert(lo, h)
+        ops.append(Product(1 if lower else 0, lo, h - lo, blk, not lower))
+        invert(h, hi)
+        ops.append(Product(0 if lower else 1, h, hi - h, blk, bool(lower)))
 
     if size:
         invert(0, size)

@@ -46,21 +46,20 @@ def stored_block(a: tuple[int, int, int, int], op: int) -> tuple[int, int, int, 
 
 
 def split(lo: int, hi: int, leaf: int) -> int:
-    """Where [lo, hi) is halved: at a multiple of ``leaf`` from lo when the size allows, else the middle."""
+    """Where [lo, hi) is halved: at a multiple of ``leaf`` from lo when the size allows (aligned
+    sub-blocks), else the middle."""
     half = (hi - lo) // 2
     return lo + (half - half % leaf if half >= leaf else half)
 
 
 def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> list:
-    """The sub-solves and updates of one tile solve, in execution order.
-
-    A tile whose triangle is at most ``leaf`` (or 1) is one :class:`Solve`. Halves are split at a
-    multiple of ``leaf`` when the size allows (aligned sub-blocks), else at the middle.
-    """
+    """The sub-solves and updates of one tile solve, in execution order; a tile whose triangle is at
+    most ``leaf`` (or 1) is one :class:`Solve`, larger ones are halved by :func:`split`."""
     if leaf < 1:
         raise ValueError(f"leaf: got {leaf!r}, need an int >= 1")
     size = m if side == 0 else n
-    lower_op = effective_lower(lower, op)
+    # Forward when the solved part comes first in the product order: left/lower, right/upper.
+    forward = bool(effective_lower(lower, op)) == (side == 0)
     ops: list = []
 
     def b_rows(lo, hi):  # the part of B a solve of op(A)[lo:hi, lo:hi] touches
@@ -68,12 +67,9 @@ def trsm_tile_ops(m: int, n: int, side: int, lower: int, op: int, leaf: int) -> 
 
     def solve(lo: int, hi: int, first: bool) -> None:
         if hi - lo <= leaf:
-            r0, c0, rows, cols = b_rows(lo, hi)
-            ops.append(Solve(lo, hi - lo, r0, c0, rows, cols, first))
+            ops.append(Solve(lo, hi - lo, *b_rows(lo, hi), first))
             return
         h = split(lo, hi, leaf)
-        # Forward when the solved part comes first in the product order: left/lower, right/upper.
-        forward = lower_op if side == 0 else not lower_op
         done, rest = ((lo, h), (h, hi)) if forward else ((h, hi), (lo, h))
         solve(*done, first)
         if side == 0:  # B_rest -= op(A)[rest, done] X_done

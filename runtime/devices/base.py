@@ -172,7 +172,6 @@ class StreamDevice(Device):
     def cache_limit(self) -> int | None:
         """Bytes the tile cache may hold now, below its capacity when other allocations took
         device memory since it opened (None: all of it)."""
-        return None
 
     # -- topology --
     def can_read_from(self, other: Device) -> bool:
@@ -230,8 +229,7 @@ class StreamDevice(Device):
 
     # -- tracing --
     def begin_op(self, s: int) -> Any:
-        """Mark the start of a traced operation; returns a handle for ``end_op``."""
-        return None
+        """Mark the start of a traced operation; returns a handle for ``end_op`` (None: not traced)."""
 
     def end_op(self, s: int, handle: Any, kind: str, nbytes: int, flops: float, task: Any) -> None:
         """Mark the end of a traced operation."""

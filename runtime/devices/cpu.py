@@ -106,11 +106,9 @@ class CpuDevice(HostDevice):
         """Solve one C tile in place on the host (all steps, then the write)."""
         call = task.call
         t0 = time.perf_counter()
-        c_op = call.operands[task.c.slot]
-        cref = task.c
         # The host is this device's memory: compute in C's own tile, no copy in or out.
         # (Only this task writes it; TRSM reads only tiles whose tasks have finished.)
-        home = acc = c_op.array[cref.r0:cref.r0 + cref.rows, cref.c0:cref.c0 + cref.cols]
+        home = acc = _tile(call, task.c)
         if call.mixed:  # accumulate in the wider type (half: float32), round once at the end
             acc = np.empty(home.shape, dtype=call.acc_dtype, order="F")
             if task.load_c:
@@ -136,9 +134,8 @@ class CpuDevice(HostDevice):
 
 
 def _tile(call, ref):
-    if ref is None:
-        return None
-    return host_tile(call, call.operands[ref.slot], ref)  # a view, or a derived tile's values
+    """Tile ``ref`` of ``call`` (None: None): a view of host memory, or a derived tile's values."""
+    return None if ref is None else host_tile(call, call.operands[ref.slot], ref)
 
 
 def _release_blas_control() -> None:

@@ -33,15 +33,12 @@ SIGNATURES = {
 def libcublas() -> ctypes.CDLL:
     """The libcublas already mapped into this process (CuPy loads it first)."""
     from cupy_backends.cuda.libs import cublas  # noqa: F401 - makes sure it is loaded
-    paths = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.split()[-1]
-            if "/libcublas.so" in path and path not in paths:
-                paths.append(path)
-    if not paths:
-        raise OSError("libcublas is not loaded in this process (looked in /proc/self/maps)")
-    return ctypes.CDLL(paths[0])
+            if "/libcublas.so" in path:
+                return ctypes.CDLL(path)
+    raise OSError("libcublas is not loaded in this process (looked in /proc/self/maps)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,21 +1,17 @@
 """``cuda``: one NVIDIA GPU through CuPy's low-level runtime and cuBLAS bindings.
 
-Per device: one arena from a single ``cudaMalloc`` carved by the offset heap
-(no cudaMalloc/cudaFree in the hot path), ``streams`` non-blocking streams
-with one cuBLAS handle each, pooled events, and peer access to every GPU
-that allows it. Copies are ``cudaMemcpy2DAsync`` (host tiles are pitched
-sub-blocks of the pinned host array) or ``cudaMemcpyPeerAsync``; kernels are
-cuBLAS ``?gemm`` with host-pointer scalars taken from the call's scalar
-table, accumulating in place (beta = 1 after the first step): no temporary
-is made per k-step.
+Per device: one arena from a single ``cudaMalloc`` carved by the offset heap (no cudaMalloc/cudaFree
+in the hot path), ``streams`` non-blocking streams with one cuBLAS handle each, pooled events, and
+peer access to every GPU that allows it. Copies are ``cudaMemcpy2DAsync`` (host tiles are pitched
+sub-blocks of the page-locked host array) or ``cudaMemcpyPeerAsync``; kernels (``cuda_kernels``) are
+cuBLAS calls with host-pointer scalars from the call's scalar table, accumulating in place (beta 1
+after the first step: no temporary per k-step).
 
-Reduced precision (a *mixed* call, runtime/call.py): gemm is ``cublasGemmEx`` with half,
-bfloat16 or int8 A/B and the C tile in the accumulation type (float32; int32 for int8), compute
-type 32F or 32I; TF32 math runs float32 gemm with compute type 32F_FAST_TF32. A C tile that is
-loaded or written back in another type is staged in a per-stream scratch block and converted
-there by a CuPy kernel on the copy's own stream; one rounded to float16 adds its overflows to a
-per-call counter in device memory. int8 tiles go to cuBLAS in the form its int8 kernels take.
-The kernels and conversions of these types: ``cuda_lowp``; the cuBLAS tile kernels: ``cuda_kernels``.
+A *mixed* call (runtime/call.py) runs gemm as ``cublasGemmEx``: half, bfloat16 or int8 A/B, the C
+tile in the accumulation type (float32; int32 for int8), compute type 32F or 32I; TF32 math is
+float32 gemm with compute type 32F_FAST_TF32. A C tile loaded or written back in another type is
+converted in a per-stream scratch block by a CuPy kernel on the copy's stream (float16 overflows
+counted per call in device memory); ``cuda_lowp`` holds these conversions and the int8 forms cuBLAS takes.
 """
 
 from __future__ import annotations
@@ -38,21 +34,6 @@ NOT_READY = 600  # cudaErrorNotReady
 RESERVE_BYTES = 2 << 30  # left free for cuBLAS workspaces and the user's own CuPy arrays
 DEFAULT_CACHE_FRACTION = 0.5
 MIN_CACHE_BYTES = 16 << 20  # below this a device does not start (a few tiles of any useful size)
-
-
-
-def _after_callers_streams(operands) -> None:
-    """Let the work the caller queued on CuPy's current stream of each device holding an operand
-    finish: the engine's streams do not wait for it, and would read an operand not yet written."""
-    import cupy
-    for ordinal in sorted({op.device for op in operands if op.device >= 0}):
-        with cupy.cuda.Device(ordinal):
-            cupy.cuda.get_current_stream().synchronize()
-
-
-def _tile_bytes(rows: int, cols: int, ld: int, isz: int) -> int:
-    """Bytes from a column-major tile's first element to just past its last (ld in elements)."""
-    return ((cols - 1) * ld + rows) * isz
 
 
 @register_backend
@@ -79,8 +60,13 @@ class CudaDevice(CudaKernels, StreamDevice):
         self._open_records: list = []
         self._peers: set[int] = set()
         self._anchor = (0, 0.0)
-        self._kernels = {}
-        self._blas = {}
+        self._kernels = {"gemm": self._k_gemm, "scale": self._k_scale, "axpby": self._k_axpby,
+                         "syrk": self._k_rank_k, "herk": self._k_rank_k,
+                         "syr2k": self._k_rank_2k, "her2k": self._k_rank_2k,
+                         "symm": self._k_symm, "hemm": self._k_symm,
+                         "trmm": self._k_trmm, "trsm": self._k_trsm,
+                         "invmm": self._k_invmm, "trtri": self._k_trtri, "add": self._k_add}
+        self._blas = {}  # cuBLAS functions by (name, dtype), and the int8 path's flag
         self._scratches: dict = {}  # compute stream -> CuPy buffer for out-of-place tile kernels
 
     # ------------------------------------------------------------ lifecycle
@@ -96,13 +82,6 @@ class CudaDevice(CudaKernels, StreamDevice):
             h = cublas.create()
             cublas.setStream(h, st.ptr)
             self.handles.append(h)
-        self._kernels = {"gemm": self._k_gemm, "scale": self._k_scale, "axpby": self._k_axpby,
-                         "syrk": self._k_rank_k, "herk": self._k_rank_k,
-                         "syr2k": self._k_rank_2k, "her2k": self._k_rank_2k,
-                         "symm": self._k_symm, "hemm": self._k_symm,
-                         "trmm": self._k_trmm, "trsm": self._k_trsm,
-                         "invmm": self._k_invmm, "trtri": self._k_trtri, "add": self._k_add}
-        self._blas = {}
         for peer in range(runtime.getDeviceCount()):
             if peer != self.ordinal and runtime.deviceCanAccessPeer(self.ordinal, peer):
                 try:
@@ -115,7 +94,6 @@ class CudaDevice(CudaKernels, StreamDevice):
 
     def close(self) -> None:
         from cupy.cuda import runtime
-        cublas = _cublas()
         try:
             for p in self.stream_ptrs:
                 runtime.streamSynchronize(p)
@@ -126,7 +104,7 @@ class CudaDevice(CudaKernels, StreamDevice):
                     runtime.eventDestroy(ev)
             self._events, self._timing_events, self._open_records = [], [], []
             for h in self.handles:
-                cublas.destroy(h)
+                _cublas().destroy(h)
             self.handles = []
             self.streams, self.stream_ptrs = [], []
             if self.base:
@@ -134,18 +112,15 @@ class CudaDevice(CudaKernels, StreamDevice):
                 self.base = 0
 
     def _alloc_arena(self, runtime) -> int:
-        """The tile cache's one allocation, sized from the memory free now (others may hold most
-        of it): half of it, leaving a reserve; when the allocation fails (another allocation
-        won the race), CuPy's cached blocks are given back and half as much is tried, down to
-        MIN_CACHE_BYTES; then DeviceError says what was needed and what was free."""
+        """The tile cache's one allocation, sized from the memory free now (others may hold most of it):
+        half of it, leaving a reserve; when it fails (another allocation won the race), CuPy's cached
+        blocks are given back and half as much is tried, down to MIN_CACHE_BYTES, then DeviceError."""
         import cupy
-        tried = []
-        want = None
+        tried, want = [], self._want_cache
         while True:
             free, _total = runtime.memGetInfo()
-            reserve = min(RESERVE_BYTES, free // 4)
-            cap = max(0, free - reserve)
-            want = min(self._want_cache or int(free * DEFAULT_CACHE_FRACTION), cap) if want is None else min(want, cap)
+            cap = max(0, free - min(RESERVE_BYTES, free // 4))
+            want = min(want or int(free * DEFAULT_CACHE_FRACTION), cap)
             if want < MIN_CACHE_BYTES:
                 raise DeviceError(f"{self.name}: a tile cache needs at least {MIN_CACHE_BYTES} bytes; {free} bytes "
                                   f"of device memory are free (tried {tried or 'nothing'})")
@@ -199,31 +174,33 @@ class CudaDevice(CudaKernels, StreamDevice):
     def prepare_call(self, call) -> None:
         """Start page-locking the host operands (hostmem.py): the call's tile copies wait only
         for the chunks they touch, so its first tiles move while the rest is registered."""
+        import cupy
         faults.at("register", self)
-        _after_callers_streams(call.operands)
+        # Let the work the caller queued on CuPy's current stream of each device holding an operand finish:
+        # the engine's streams do not wait for it, and would read an operand not yet written.
+        for ordinal in sorted({op.device for op in call.operands if op.device >= 0}):
+            with cupy.cuda.Device(ordinal):
+                cupy.cuda.get_current_stream().synchronize()
         host = [(slot, op) for slot, op in enumerate(call.operands) if op.on_host]
-        if host:
-            def late():  # outputs and late C sources: their chunks after the inputs' (worked out only when needed)
-                later = call.written_only() | call.late_inputs()
-                return {i for i, (slot, _) in enumerate(host) if slot in later}
-            knobs = getattr(self, "knobs", None)
-            stage = knobs is None or knobs.stage_inputs
-            into = {}
-            if stage:
-                written = call.written_slots()
-                readonly = {i for i, (slot, _) in enumerate(host) if slot not in written}
-                if knobs is None or knobs.stage_into_result:  # a new result's first contents, copied into it
-                    where = {slot: i for i, (slot, _) in enumerate(host)}
-                    into = {where[s]: call.operands[d].array for s, d in call.init_targets().items()
-                            if s in where and d in where}
-            else:
-                readonly = ()
-            pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
-                                                  threads=(knobs.pin_threads if knobs else 0) or None,
-                                                  readonly=readonly, buffer=hostpool.stage_buffer,
-                                                  on_demand=knobs is None or knobs.chunks_on_demand, into=into)
-            for (_, op), p in zip(host, pinnings):
-                op.pinning = p
+        if not host:
+            return
+        where = {slot: i for i, (slot, _) in enumerate(host)}  # an operand's slot -> its index in host
+
+        def late():  # outputs and late C sources: their chunks after the inputs' (worked out only when needed)
+            return {where[s] for s in call.written_only() | call.late_inputs() if s in where}
+        knobs, readonly, into = self.knobs, (), {}
+        if knobs.stage_inputs:
+            written = call.written_slots()
+            readonly = {i for slot, i in where.items() if slot not in written}
+            if knobs.stage_into_result:  # a new result's first contents, copied into it
+                into = {where[s]: call.operands[d].array for s, d in call.init_targets().items()
+                        if s in where and d in where}
+        pinnings, call.pin_job = REGISTRY.pin([op.array for _, op in host], late=late,
+                                              threads=knobs.pin_threads or None, readonly=readonly,
+                                              buffer=hostpool.stage_buffer, on_demand=knobs.chunks_on_demand,
+                                              into=into)
+        for (_, op), p in zip(host, pinnings):
+            op.pinning = p
 
     def finish_call(self, call) -> None:
         job = getattr(call, "pin_job", None)
@@ -315,16 +292,13 @@ class CudaDevice(CudaKernels, StreamDevice):
             for c0, n, b0, b1 in pieces:
                 runtime.memcpy2DAsync(dst + c0 * dpitch + b0, dpitch, src + c0 * spitch + b0, spitch, b1 - b0, n,
                                       MEMCPY_DEFAULT, self.stream_ptrs[s])
-        except runtime.CUDARuntimeError as exc:
-            raise self._copy_error(direction, exc, operand, host, pitch // isz, rows, cols, isz) from exc
-
-    def _copy_error(self, direction, exc, operand, ptr, ld, rows, cols, isz) -> DeviceError:
-        """A refused tile copy, with what the driver saw of the memory (CUDA says only 'invalid argument')."""
-        span = _tile_bytes(rows, cols, ld, isz)
-        where = (REGISTRY.describe(ptr, ptr + span) if operand.on_host
-                 else f"device {operand.device} bytes [{ptr:#x}, {ptr + span:#x})")
-        return DeviceError(f"{self.name}: tile copy {direction} of {rows}x{cols} elements (ld {ld}, "
-                           f"{isz} bytes each) refused: {exc}; {where}")
+        except runtime.CUDARuntimeError as exc:  # CUDA says only 'invalid argument': add what it saw of the memory
+            ld = pitch // isz
+            end = host + ((cols - 1) * ld + rows) * isz  # just past the tile's last element
+            where = (REGISTRY.describe(host, end) if operand.on_host
+                     else f"device {operand.device} bytes [{host:#x}, {end:#x})")
+            raise DeviceError(f"{self.name}: tile copy {direction} of {rows}x{cols} elements (ld {ld}, "
+                              f"{isz} bytes each) refused: {exc}; {where}") from exc
 
     def run_step(self, s, step, call, a, b, c, task=None, out=None):
         faults.at("compute", self, task)
@@ -364,25 +338,20 @@ class CudaDevice(CudaKernels, StreamDevice):
         runtime.eventSynchronize(event)
 
     # ------------------------------------------------------------ tracing
-    def _timing_event(self):
+    def _timing_event(self, s: int):
+        """A pooled timing event, recorded on stream ``s``."""
         from cupy.cuda import runtime
-        return self._timing_events.pop() if self._timing_events else runtime.eventCreate()
-
-    def begin_op(self, s):
-        if not self.trace:
-            return None
-        from cupy.cuda import runtime
-        ev = self._timing_event()
+        ev = self._timing_events.pop() if self._timing_events else runtime.eventCreate()
         runtime.eventRecord(ev, self.stream_ptrs[s])
         return ev
 
+    def begin_op(self, s):
+        return self._timing_event(s) if self.trace else None
+
     def end_op(self, s, handle, kind, nbytes, flops, task):
-        if handle is None:
-            return
-        from cupy.cuda import runtime
-        ev = self._timing_event()
-        runtime.eventRecord(ev, self.stream_ptrs[s])
-        self._open_records.append((task.call.stats, task.tid, kind, s, nbytes, flops, handle, ev))
+        if handle is not None:
+            end = self._timing_event(s)
+            self._open_records.append((task.call.stats, task.tid, kind, s, nbytes, flops, handle, end))
 
     def take_records(self) -> list:
         if not self._open_records:

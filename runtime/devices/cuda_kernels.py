@@ -24,14 +24,6 @@ def _cublas():
     return cublas
 
 
-def cublas_routine(name: str, dtype):
-    """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm): CuPy's binding, else the
-    same libcublas through ctypes."""
-    from .cublas_ctypes import routine
-    prefix = blas_prefix(dtype)
-    return getattr(_cublas(), prefix + name, None) or routine(prefix, name)
-
-
 def _gemm_ex():
     """cublasGemmEx: CuPy's binding, else the same libcublas through ctypes."""
     from .cublas_ctypes import gemm_ex
@@ -43,10 +35,9 @@ class CudaKernels:
         if call.mixed or call.math == "tf32":
             self._k_gemm_ex(s, step, call, a, b, c)
             return
-        sc, isz = call.scalars.ctypes.data, call.itemsize
+        alpha, beta = self._ptrs(call, step, False, False)
         self._routine("gemm", call.dtype)(self.handles[s], step.op_a, step.op_b, step.m, step.n, step.k,
-                               sc + step.alpha * isz, a[0], a[1], b[0], b[1],
-                               sc + step.beta * isz, c[0], c[1])
+                                          alpha, a[0], a[1], b[0], b[1], beta, c[0], c[1])
 
     def _k_gemm_ex(self, s, step, call, a, b, c) -> None:
         """cublasGemmEx: A and B in the call's type, C in the accumulation type, alpha and beta
@@ -60,9 +51,10 @@ class CudaKernels:
         m, k, op_a, op_b, ta, tb = step.m, step.k, step.op_a, step.op_b, a, b
         if call.pad_ld == 4:
             if self._blas.get("int8_refused"):
-                self._int8_exact(s, step, call, a, b, c)
+                int8_exact(on_stream(self.streams[s]), step, call, a, b, c)
                 return
-            m, k, op_a, op_b, ta, tb = self._imma_operands(s, step, a, b)
+            m, k, op_a, op_b, ta, tb = imma_operands(lambda nbytes: self._scratch(s, nbytes),
+                                                     on_stream(self.streams[s]), step, a, b)
         try:
             fn(self.handles[s], op_a, op_b, m, step.n, k, sc + step.alpha * ssz,
                ta[0], t_in, ta[1], tb[0], t_in, tb[1], sc + step.beta * ssz, c[0], t_acc, c[1], compute,
@@ -71,23 +63,20 @@ class CudaKernels:
             if call.pad_ld != 4 or not ("NOT_SUPPORTED" in str(exc) or str(exc).endswith("cublasStatus_t 15")):
                 raise
             self._blas["int8_refused"] = True  # refused before any work: this device takes the exact path from now on
-            self._int8_exact(s, step, call, a, b, c)
+            int8_exact(on_stream(self.streams[s]), step, call, a, b, c)
 
-    def _int8_exact(self, s, step, call, a, b, c) -> None:
-        int8_exact(on_stream(self.streams[s]), step, call, a, b, c)
-
-    def _imma_operands(self, s, step, a, b):
-        return imma_operands(lambda nbytes: self._scratch(s, nbytes), on_stream(self.streams[s]), step, a, b)
-
-    # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill
-    # mode is LOWER = 0, UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op
-    # codes agree with BLAS. herk's alpha/beta and her2k's beta are real: their pointers go
-    # into the call's real scalar table.
+    # Level-3 tile kernels: the contract is runtime/devices/numpy_kernels.py. cuBLAS's fill mode is LOWER = 0,
+    # UPPER = 1, the reverse of Step.uplo (1 = lower); side, diag and op codes agree with BLAS. herk's alpha/beta
+    # and her2k's beta are real: their pointers go into the call's real scalar table.
     def _routine(self, name: str, dtype):
+        """cuBLAS's ``?name`` for ``dtype`` (``"gemm"``, float64 -> dgemm), cached: CuPy's binding, else
+        the same libcublas through ctypes."""
         key = (name, dtype)
         fn = self._blas.get(key)
         if fn is None:
-            fn = self._blas[key] = cublas_routine(name, dtype)
+            from .cublas_ctypes import routine
+            prefix = blas_prefix(dtype)
+            fn = self._blas[key] = getattr(_cublas(), prefix + name, None) or routine(prefix, name)
         return fn
 
     @staticmethod
@@ -103,10 +92,7 @@ class CudaKernels:
         """(pointer, ld) of each input tile; a step with k == 0 has none (alpha == 0 or an
         empty inner dimension: only C = beta C on the triangle), so pass C's pointer, which
         cuBLAS does not read then, with a valid leading dimension."""
-        if step.k == 0:
-            dummy = (c[0], max(1, step.n))
-            return tuple(dummy for _ in tiles)
-        return tiles
+        return tiles if step.k else ((c[0], max(1, step.n)),) * len(tiles)
 
     def _k_rank_k(self, s, step, call, a, b, c) -> None:
         herm = step.kernel == "herk"
@@ -131,9 +117,8 @@ class CudaKernels:
         self._routine("trmm", call.dtype)(self.handles[s], step.side, 1 - step.uplo, step.op_a, step.diag,
                                           step.m, step.n, alpha, a[0], a[1], b[0], b[1], c[0], c[1])
 
-    #: Largest triangle one cuBLAS trsm call solves; bigger diagonal tiles are split
-    #: recursively (runtime/trsm_blocks.py) so most of their flops run as GEMMs, which cuBLAS
-    #: runs about three times as fast as a large solve.
+    #: Largest triangle one cuBLAS trsm call solves; bigger diagonal tiles are split recursively
+    #: (runtime/trsm_blocks.py) so most of their flops run as GEMMs, faster than a large solve.
     TRSM_LEAF = 1024
 
     def _k_trsm(self, s, step, call, a, b, c) -> None:
@@ -168,15 +153,13 @@ class CudaKernels:
 
     def _k_trtri(self, s, step, call, a, b, c) -> None:
         """TRSM's inversion task (plans.plan_trsm with ``inverse``): c's stored triangle -> its inverse."""
-        isz = call.itemsize
         invert_triangle(self.handles[s], c[0], c[1], step.m, call.dtype, step.uplo, step.diag, self.INVERSE_LEAF,
-                        self._routine, self._scratch(s, step.m * step.m * isz), self.stream_ptrs[s])
+                        self._routine, self._scratch(s, step.m * step.m * call.itemsize), self.stream_ptrs[s])
 
     def _k_invmm(self, s, step, call, a, b, c, out=None) -> None:
         """c = alpha op(V) c (side 0) or alpha c op(V) (side 1), V a diagonal block's inverse, out of
-        place: into ``out`` when the worker gives one (a fresh heap block), else into the stream's
-        scratch tile, then copied back: cuBLAS's in-place TRMM runs at about half the speed of
-        its out-of-place form."""
+        place (cuBLAS's in-place TRMM is slower): into ``out`` when the worker gives one (a fresh heap
+        block), else into the stream's scratch tile, then copied back."""
         from cupy.cuda import runtime
         alpha, _ = self._ptrs(call, step, False, False)
         isz = call.itemsize
@@ -209,9 +192,9 @@ class CudaKernels:
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
         """c = alpha c + beta b (cuBLAS geam, in place on c)."""
-        sc, isz = call.scalars.ctypes.data, call.itemsize
-        self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, sc + step.alpha * isz, c[0], c[1],
-                               sc + step.beta * isz, b[0], b[1], c[0], c[1])
+        alpha, beta = self._ptrs(call, step, False, False)
+        self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, alpha, c[0], c[1], beta, b[0], b[1],
+                                          c[0], c[1])
 
     def _k_add(self, s, step, call, a, b, c) -> None:
         """c = alpha a + beta c in the C tile's type (split-k's reduction; numpy_kernels.add): a
@@ -252,13 +235,12 @@ class CudaKernels:
 
 def invert_triangle(handle, ptr: int, ld: int, size: int, dtype, lower: int, diag: int, leaf: int, routine,
                     scratch: int, stream: int) -> None:
-    """Replace the stored triangle of the ``size`` x ``size`` column-major matrix at ``ptr``
-    (leading dimension ``ld``) by its inverse (tri_inverse.py's ops), on ``stream``, which must be
-    ``handle``'s; ``routine(name, dtype)`` gives the cuBLAS function; ``scratch`` points to a device
-    buffer of size^2 elements that only this stream uses. Leaves are solved against an identity in
-    the scratch block and copied in; products go out of place into it and are copied back
-    (in-place TRMM runs at half speed). Only cuBLAS calls and pitched copies are issued: they are
-    cheap to issue, so the GPU does not wait for the host between them."""
+    """Replace the stored triangle of the ``size`` x ``size`` column-major matrix at ``ptr`` (leading
+    dimension ``ld``) by its inverse (tri_inverse.py's ops), on ``stream``, ``handle``'s; ``routine(name,
+    dtype)`` gives the cuBLAS function; ``scratch``: a device buffer of size^2 elements for this stream
+    alone. Leaves are solved against an identity in the scratch block and copied in; products go out of
+    place into it and are copied back. Only cuBLAS calls and pitched copies, cheap to issue, so the GPU
+    does not wait for the host between them."""
     from cupy.cuda import runtime
     dtype = np.dtype(dtype)
     isz = dtype.itemsize

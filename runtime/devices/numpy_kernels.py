@@ -44,13 +44,19 @@ def _accumulate(c, prod, alpha, beta) -> None:
 
 
 def gemm(step, scalars, a, b, c) -> None:
-    gemm_views(a, b, c, step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta])
-
-
-def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
-    """c = alpha op_a(a) op_b(b) + beta c in place (the gemm kernel, without a Step)."""
+    """c = alpha op_a(a) op_b(b) + beta c in place."""
+    op_a, op_b, alpha, beta = step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta]
     if a.dtype != c.dtype:
-        _gemm_widened(a, b, c, op_a, op_b, alpha, beta)
+        # Inputs narrower than C: the product, alpha and beta in float32 (float64 for integers: exact),
+        # stored once to C's type.
+        wide = np.float64 if a.dtype.kind in "iu" else np.float32
+        prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
+        with np.errstate(all="ignore"):
+            if alpha != 1:
+                prod *= wide(alpha)
+            if beta != 0:
+                prod += wide(beta) * c.astype(wide)
+        c[...] = prod
         return
     if beta == 0:  # straight into c: no temporary the size of C
         np.matmul(OPS[op_a](a), OPS[op_b](b), out=c)
@@ -63,19 +69,6 @@ def gemm_views(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
         _accumulate(c, prod, alpha, beta)
 
 
-def _gemm_widened(a, b, c, op_a: int, op_b: int, alpha, beta) -> None:
-    """gemm with inputs narrower than C: the product in float32 (or float64 for integers,
-    exact), then alpha and beta in that type, stored once to C's type."""
-    wide = np.float64 if a.dtype.kind in "iu" else np.float32
-    prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
-    with np.errstate(all="ignore"):
-        if alpha != 1:
-            prod *= wide(alpha)
-        if beta != 0:
-            prod += wide(beta) * c.astype(wide)
-    c[...] = prod
-
-
 def to_tf32(x):
     """float32 ``x`` rounded to TF32 (10 mantissa bits, nearest, ties away from zero), as
     tensor cores read it; inf and NaN unchanged."""
@@ -86,7 +79,7 @@ def to_tf32(x):
 
 def gemm_tf32(step, scalars, a, b, c) -> None:
     """gemm under TF32 math: A and B rounded to TF32, products accumulated in float32."""
-    gemm_views(to_tf32(a), to_tf32(b), c, step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta])
+    gemm(step, scalars, to_tf32(a), to_tf32(b), c)
 
 
 def round_into(dst, src) -> int:
@@ -137,45 +130,35 @@ def add(step, scalars, a, b, c) -> None:
 
 # ---------------------------------------------------------------- rank-k updates (diagonal tiles)
 
-def _tri_update(c, prod, beta, uplo: int) -> None:
-    """c = prod + beta c on the ``uplo`` triangle of the square c (beta == 0: c not read)."""
-    idx = np.tril_indices(c.shape[0]) if uplo else np.triu_indices(c.shape[0])
+def _rank(step, c, a, b, alpha, alpha2, beta, herm: bool) -> None:
+    """c = alpha op(a) op(b)^T (+ alpha2 op(b) op(a)^T when b is given) + beta c on the ``uplo`` triangle
+    of the square c (beta == 0: c not read); ``herm``: ^H, and the diagonal's imaginary part set to 0.
+    k == 0 (a is None): c_tri = beta c_tri."""
+    if step.k == 0 or a is None:
+        prod = np.zeros_like(c)
+    else:
+        x = OPS[step.op_a](a)
+        y = x if b is None else OPS[step.op_a](b)
+        t = (lambda z: z.conj().T) if herm else (lambda z: z.T)
+        prod = x @ t(y)
+        prod *= alpha
+        if b is not None:
+            prod += alpha2 * (y @ t(x))
+    idx = np.tril_indices(c.shape[0]) if step.uplo else np.triu_indices(c.shape[0])
     if beta == 0:
         c[idx] = prod[idx]
     else:
         c[idx] = beta * c[idx] + prod[idx]
-
-
-def _zero_diag_imag(c) -> None:
-    d = np.arange(c.shape[0])
-    c[d, d] = c[d, d].real
-
-
-def _rank_product(step, a, b, alpha, alpha2, conj: bool):
-    """alpha op(a) op(b)^T (+ alpha2 op(b) op(a)^T when b is given); ^H when conj; zeros for k == 0."""
-    if step.k == 0 or a is None:
-        return None
-    x = OPS[step.op_a](a)
-    y = x if b is None else OPS[step.op_a](b)
-    t = (lambda z: z.conj().T) if conj else (lambda z: z.T)
-    prod = x @ t(y)
-    prod *= alpha
-    if b is not None:
-        prod += alpha2 * (y @ t(x))
-    return prod
-
-
-def _rank_update(step, c, prod, beta) -> None:
-    if prod is None:  # k == 0: C_tri = beta C_tri
-        prod = np.zeros_like(c)
-    _tri_update(c, prod, beta, step.uplo)
+    if herm:
+        d = np.arange(c.shape[0])
+        c[d, d] = c[d, d].real
 
 
 @_quiet
 def syrk(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(a)^T + beta c on the uplo triangle; op_a in {N, T}; n = step.n, k = step.k.
     k == 0 (a is None): c_tri = beta c_tri. (cublasXsyrk(uplo, trans=op_a, n, k, alpha, a, lda, beta, c, ldc))"""
-    _rank_update(step, c, _rank_product(step, a, None, scalars[step.alpha], 0, False), scalars[step.beta])
+    _rank(step, c, a, None, scalars[step.alpha], 0, scalars[step.beta], False)
 
 
 @_quiet
@@ -183,9 +166,7 @@ def herk(step, scalars, a, b, c) -> None:
     """c = alpha op(a) op(a)^H + beta c on the uplo triangle, op_a in {N, C}, alpha and beta
     real (the real parts of the scalars); the diagonal's imaginary part is set to 0.
     k == 0 (a is None): c_tri = beta c_tri, imaginary diagonal zeroed. (cublasXherk)"""
-    alpha, beta = scalars[step.alpha].real, scalars[step.beta].real
-    _rank_update(step, c, _rank_product(step, a, None, alpha, 0, True), beta)
-    _zero_diag_imag(c)
+    _rank(step, c, a, None, scalars[step.alpha].real, 0, scalars[step.beta].real, True)
 
 
 @_quiet
@@ -194,7 +175,7 @@ def syr2k(step, scalars, a, b, c) -> None:
     (for both a and b). k == 0: c_tri = beta c_tri.
     (cublasXsyr2k(uplo, trans=op_a, n, k, alpha, a, lda, b, ldb, beta, c, ldc))"""
     alpha = scalars[step.alpha]
-    _rank_update(step, c, _rank_product(step, a, b, alpha, alpha, False), scalars[step.beta])
+    _rank(step, c, a, b, alpha, alpha, scalars[step.beta], False)
 
 
 @_quiet
@@ -203,25 +184,18 @@ def her2k(step, scalars, a, b, c) -> None:
     {N, C}, beta real; the diagonal's imaginary part is set to 0. k == 0: c_tri = beta c_tri.
     (cublasXher2k)"""
     alpha = scalars[step.alpha]
-    _rank_update(step, c, _rank_product(step, a, b, alpha, np.conj(alpha), True), scalars[step.beta].real)
-    _zero_diag_imag(c)
+    _rank(step, c, a, b, alpha, np.conj(alpha), scalars[step.beta].real, True)
 
 
 # ---------------------------------------------------------------- symmetric / Hermitian multiply
 
-def _full_symmetric(a, uplo: int, hermitian: bool):
-    """The symmetric (Hermitian) matrix defined by the uplo triangle of the square a; the other
-    triangle is not read, nor (Hermitian) the diagonal's imaginary part (BLAS: assumed 0)."""
-    tri = np.tril(a) if uplo else np.triu(a)
-    strict = np.tril(a, -1) if uplo else np.triu(a, 1)
-    full = tri + (strict.conj().T if hermitian else strict.T)
-    if hermitian:
-        np.fill_diagonal(full, a.diagonal().real)
-    return full
-
-
 def _symm(step, scalars, a, b, c, hermitian: bool) -> None:
-    s = _full_symmetric(a, step.uplo, hermitian)
+    """symm/hemm with S the symmetric (Hermitian) matrix of the uplo triangle of the square a; the other
+    triangle is not read, nor (Hermitian) the diagonal's imaginary part (BLAS: assumed 0)."""
+    strict = np.tril(a, -1) if step.uplo else np.triu(a, 1)
+    s = (np.tril(a) if step.uplo else np.triu(a)) + (strict.conj().T if hermitian else strict.T)
+    if hermitian:
+        np.fill_diagonal(s, a.diagonal().real)
     _accumulate(c, s @ b if step.side == 0 else b @ s, scalars[step.alpha], scalars[step.beta])
 
 
@@ -241,18 +215,15 @@ def hemm(step, scalars, a, b, c) -> None:
 
 # ---------------------------------------------------------------- triangular multiply / solve
 
-def _triangle(a, uplo: int, unit: int):
-    """The uplo triangle of the square a (unit diagonal, a's not read, if unit)."""
-    if unit:
-        t = np.tril(a, -1) if uplo else np.triu(a, 1)
-        np.fill_diagonal(t, 1)
-        return t
-    return np.tril(a) if uplo else np.triu(a)
-
-
 def _tri_product(step, scalars, a, x):
-    """alpha op(T) x (side 0) or alpha x op(T) (side 1), a new array; T the uplo triangle of a."""
-    t = OPS[step.op_a](_triangle(a, step.uplo, step.diag))
+    """alpha op(T) x (side 0) or alpha x op(T) (side 1), a new array; T the uplo triangle of the square a
+    (unit diagonal, a's not read, if diag)."""
+    if step.diag:
+        t = np.tril(a, -1) if step.uplo else np.triu(a, 1)
+        np.fill_diagonal(t, 1)
+    else:
+        t = np.tril(a) if step.uplo else np.triu(a)
+    t = OPS[step.op_a](t)
     prod = t @ x if step.side == 0 else x @ t
     prod *= scalars[step.alpha]
     return prod

@@ -41,11 +41,7 @@ class SimModel:
     krate: tuple[tuple[str, float], ...] = ()
 
     def kernel_time(self, flops: float, kernel: str = "gemm") -> float:
-        rate = self.rate
-        for name, factor in self.krate:
-            if name == kernel:
-                rate *= factor
-        return flops / rate * self.slow * self.dilate
+        return flops / (self.rate * dict(self.krate).get(kernel, 1.0)) * self.slow * self.dilate
 
     def copy_time(self, nbytes: int, engine: str) -> float:
         return nbytes / getattr(self, engine) * self.slow * self.dilate
@@ -55,19 +51,13 @@ class SimModel:
 
 
 class HostLink:
-    """A host-side bandwidth cap shared by the host copies of several sims.
-
-    Every H2D/D2H copy reserves ``nbytes / bandwidth * dilate`` seconds on the link, first
-    come first served; it ends no earlier than its reservation. With ``duplex`` the two
-    directions have separate reservations (a PCIe link); else they share one (host memory).
-    """
+    """A host-side bandwidth cap shared by the host copies of several sims (``bandwidth`` and ``dilate``
+    passed the sim spec's checks): every H2D/D2H copy reserves ``nbytes / bandwidth * dilate`` seconds
+    on the link, first come first served, and ends no earlier than its reservation. With ``duplex`` the
+    two directions have separate reservations (a PCIe link); else they share one (host memory)."""
 
     def __init__(self, bandwidth: float, *, dilate: float = 1.0, duplex: bool = False,
                  name: str = "host") -> None:
-        if not bandwidth > 0:
-            raise ValueError(f"host: got bandwidth {bandwidth!r}, need bytes/s > 0")
-        if not dilate > 0:
-            raise ValueError(f"dilate: got {dilate!r}, need a number > 0")
         self.bandwidth = float(bandwidth)
         self.dilate = float(dilate)
         self.duplex = duplex
@@ -153,7 +143,6 @@ class _Stream:
 
     def __init__(self, dev: "SimDevice", idx: int) -> None:
         self.dev = dev
-        self.idx = idx
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"blasx-{dev.name}-s{idx}")
         self.thread.start()
@@ -192,8 +181,7 @@ class SimDevice(StreamDevice):
         self.host_link = host_link  # shared host cap of H2D/D2H copies, or None
         self.arena: np.ndarray | None = None
         self.streams: list[_Stream] = []
-        self._compute = threading.Lock()
-        self._engines = {"h2d": threading.Lock(), "d2h": threading.Lock(), "p2p": threading.Lock()}
+        self._engines = {kind: threading.Lock() for kind in ("kernel", "h2d", "d2h", "p2p")}  # one op at a time each
         self._records: list = []
         self._rec_lock = threading.Lock()
         self._kernels_run = 0
@@ -242,16 +230,16 @@ class SimDevice(StreamDevice):
                           strides=(dt.itemsize, ld * dt.itemsize))
 
     # -- operations --
-    def _timed(self, s: int, kind: str, lock, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
-        """Queue an operation on stream ``s``: it holds ``lock`` (its engine) for at least
-        ``cost`` seconds (and, for host copies with a shared host link, until its booking
-        there ends), doing ``work`` (None: nothing, in timing mode) meanwhile."""
+    def _timed(self, s: int, kind: str, cost: float, work, task=None, nbytes=0, flops=0.0) -> None:
+        """Queue an operation on stream ``s``: it holds its engine (``kind``) for at least ``cost``
+        seconds (and, for host copies with a shared host link, until its booking there ends), doing
+        ``work`` (None: nothing, in timing mode) meanwhile."""
         link = self.host_link if kind in ("h2d", "d2h") else None
 
         def op():
             if task is not None and kind in ("kernel", "d2h") and task.call.failed:
                 return  # a failed call's tile ops are skipped, so a cancel is prompt (loads still fill lines)
-            with lock:
+            with self._engines[kind]:
                 t0 = time.perf_counter()
                 if work is not None:
                     work()
@@ -274,11 +262,11 @@ class SimDevice(StreamDevice):
         after = None
         if type(src) is HostSource:
             view = None if self.timing else _host_tile(src.operand, src.ref)
-            engine, rec_kind = "h2d", "h2d"
+            engine = "h2d"
         elif type(src) is DerivedSource:  # made on the stream (a numpy gather), from host memory
-            view, engine, rec_kind = None, "h2d", "h2d"
+            view, engine = None, "h2d"
         elif type(src) is PeerSource:
-            view, engine, rec_kind, after = src.loc, "p2p", "p2p", src.after
+            view, engine, after = src.loc, "p2p", src.after
         else:
             raise DeviceError(f"{self.name}: sim devices cannot read a {type(src).__name__}")
         nbytes = rows * cols * np.dtype(dtype).itemsize  # in the source's type (a load may convert)
@@ -286,28 +274,25 @@ class SimDevice(StreamDevice):
         if after is not None:
             # A stream waiting on an event holds no engine (as on a GPU): wait first, then copy.
             def wait_op():
-                peer_ok[0] = _wait_peer(after)
+                peer_ok[0] = _wait_event(after)
             self.streams[s].submit(wait_op)
-
-        timing = self.timing
 
         def work():
             if not peer_ok[0]:
                 # The peer broke before its fill completed: read the tile's home instead,
                 # so one device's failure never corrupts or stalls another.
-                if not timing:
+                if not self.timing:
                     dst[...] = (_host_tile(src.operand, src.ref) if src.operand.derive is None
                                 else host_tile(task.call, src.operand, src.ref))
                 self.bytes_in += nbytes
                 return
-            if not timing:
+            if not self.timing:
                 dst[...] = view if view is not None else src.operand.derive.host_tile(src.source, src.ref)
             if engine == "p2p":
                 self.bytes_p2p += nbytes
             else:
                 self.bytes_in += nbytes
-        self._timed(s, rec_kind, self._engines[engine], self.model.copy_time(nbytes, engine), work,
-                    task, nbytes)
+        self._timed(s, engine, self.model.copy_time(nbytes, engine), work, task, nbytes)
         self._launch_cost()
 
     def copy_out(self, s, operand, ref, src, task=None):
@@ -327,7 +312,7 @@ class SimDevice(StreamDevice):
                 if over and task is not None:
                     task.call.count_overflow(over)
             self.bytes_out += nbytes
-        self._timed(s, "d2h", self._engines["d2h"], self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
+        self._timed(s, "d2h", self.model.copy_time(nbytes, "d2h"), work, task, nbytes)
         self._launch_cost()
 
     def run_step(self, s, step, call, a, b, c, task=None, out=None):
@@ -349,7 +334,7 @@ class SimDevice(StreamDevice):
 
             def work():
                 kern(step, call.scalars, a, b, c, **extra)
-        self._timed(s, "kernel", self._compute, self.model.kernel_time(flops, step.kernel), work, task, 0, flops)
+        self._timed(s, "kernel", self.model.kernel_time(flops, step.kernel), work, task, 0, flops)
         self._launch_cost()
 
     def _launch_cost(self) -> None:
@@ -365,9 +350,8 @@ class SimDevice(StreamDevice):
 
     def wait(self, s, event):
         def op():
-            while not event._flag.wait(0.05):
-                if event.device.error is not None:
-                    raise DeviceError(f"{self.name}: waited on an event of broken {event.device.name}")
+            if not _wait_event(event):
+                raise DeviceError(f"{self.name}: waited on an event of broken {event.device.name}")
         self.streams[s].submit(op)
 
     def done(self, event) -> bool:
@@ -379,8 +363,7 @@ class SimDevice(StreamDevice):
 
     def sync(self, event) -> None:
         while not event._flag.wait(0.05):
-            if self.error is not None:
-                raise DeviceError(f"{self.name} failed: {self.error!r}") from self.error
+            self.done(event)  # raises once this device broke
 
     def take_records(self) -> list:
         with self._rec_lock:
@@ -388,8 +371,8 @@ class SimDevice(StreamDevice):
         return out
 
 
-def _wait_peer(event: SimEvent) -> bool:
-    """Wait for a peer's event; False if the peer broke before it fired."""
+def _wait_event(event: SimEvent) -> bool:
+    """Wait for ``event``; False if its device broke before it fired."""
     while not event._flag.wait(0.05):
         if event.device.error is not None:
             return event._flag.is_set()
@@ -415,7 +398,7 @@ def build_sim_devices(spec, *, streams: int, cache_bytes: int | None = None,
         raise ValueError(f"cache_bytes: got {cache_bytes!r}, but the device spec sets mem={opts['mem']} "
                          f"({ts.mem} bytes); give one of them")
     heap_bytes = cache_bytes if cache_bytes is not None else (ts.mem if ts.mem is not None else DEFAULT_SIM_CACHE)
-    base = SimModel(**{k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts})
+    rates = {k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts}
     fail_dev, fail_at = None, None
     if "fail" in opts:
         d, _, n = opts["fail"].partition("@")
@@ -432,7 +415,7 @@ def build_sim_devices(spec, *, streams: int, cache_bytes: int | None = None,
                 links[i] = link
     devs = []
     for i, f in enumerate(factors):
-        model = SimModel(base.rate, base.h2d, base.d2h, base.p2p, f, ts.issue, ts.dilate, ts.krate)
+        model = SimModel(**rates, slow=f, issue=ts.issue, dilate=ts.dilate, krate=ts.krate)
         name = f"sim:{i}" + (f" (slow={f:g})" if f != 1 else "")
         devs.append(SimDevice(i, nstreams=streams, cache_bytes=heap_bytes, name=name, model=model,
                               fail_at=fail_at if i == fail_dev else None,

@@ -7,23 +7,15 @@ triangle read (A of SYMM/HEMM, TRMM, TRSM) or written (C of SYRK/HERK/SYR2K/HER2
 Operand slots are in ``common.py``. Diagonal tiles run the matching tile kernel
 (``devices/numpy_kernels.py``); every other contribution is a ``gemm`` step on a *stored* tile, the
 mirror tile (k, i) with op T (C when Hermitian) standing for (i, k). A task's ``flops`` sums its
-steps' (``call.STEP_FLOPS``; complex x4).
-
-Scheduling flags:
+steps' (``call.STEP_FLOPS``; complex x4). Scheduling flags:
 
 * ``rotatable``: every step is a full-tile accumulation; not for diagonal tiles of the triangle-only
   routines (the late-C fold would clobber the kept triangle); TRMM rotates its gemm steps only.
 * A partly written C tile has ``load_c=True`` even with ``beta == 0`` (its untouched triangle is
   written back as loaded); its kernels still get ``SC_ZERO``.
-* TRSM tasks ``deps`` on the tasks solving the X tiles they read (``keep_c``), start from B's tile
-  (``c_init``) and are listed level by level; in-place TRMM tasks have the mirror ``deps`` (write
-  after read: ``Task.war``), listed by ``trmm_order``. Both carry ``gates``: TRSM's step k waits
-  only for the X tile it reads, TRMM's write-back alone waits.
-* TRSM with ``inverse``: one task per diagonal block inverts A's triangle (``trtri``, into V) and
-  each diagonal solve becomes a multiply by it (``invmm``), listed two levels ahead of its users.
-* GEMM with ``split``: partial tasks (``keep_c``) into a scratch operand, then per C tile a
-  reduction task gated on them step by step (``add`` steps, in a fixed order); ``choose_split``
-  picks the split from the devices' streams and caches.
+* ``deps`` and ``gates``: TRSM's on the tasks solving the X tiles it reads (``keep_c``), step by step;
+  in-place TRMM's mirror ones (write after read: ``Task.war``), for its write-back alone; GEMM's split-k
+  reductions on their partial tasks (``choose_split`` picks the split from the devices' streams and caches).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..call import step_flops
-from ..tasks import SC_ALPHA, SC_BETA, SC_ZERO, Step
-from ..tiling import OP_C, OP_N, OP_T
+from ..tasks import SC_ALPHA, Step
+from ..tiling import OP_N
 
 # Operand slots, per routine. TRMM_C is B itself in place; TRSM_B is each task's initial C, TRSM_X may be
 # B, TRSM_V (with ``inverse``) the scratch inverses of A's diagonal blocks (``inverse_ref``).
@@ -24,17 +24,9 @@ def task_flops(steps: Iterable[Step], is_complex: bool) -> float:
     return float(sum(step_flops(s, is_complex) for s in steps))
 
 
-def _first_beta(beta_zero: bool) -> int:
-    return SC_ZERO if beta_zero else SC_BETA
-
-
 def _scale(c, beta_ix: int) -> Step:
     return Step("scale", None, None, OP_N, OP_N, c.rows, c.cols, 0, SC_ALPHA, beta_ix)
 
 
 def _width(index: int, extent: int, tile: int) -> int:
     return min(tile, extent - index * tile)
-
-
-def _mirror_op(hermitian: bool) -> int:
-    return OP_C if hermitian else OP_T

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from ..tasks import SC_ALPHA, SC_ONE, SC_ZERO, Step, Task
+from ..tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, Task
 from ..tiling import OP_N, TileRef, n_tiles, op_tile, tile_ref
-from .common import _first_beta, _scale, _width
+from .common import _scale, _width
 
 # Operand slots of the GEMM planner; SLOT_P is split-k's scratch of partial sums (``partial_ref``).
 # With ``c_init`` C's first contents come from SLOT_C0 (the caller's c, the result being a new array)
@@ -24,19 +24,16 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
               split: int = 1, c_init: bool = False) -> list[Task]:
     """Tasks of ``C = alpha op_a(A) op_b(B) + beta C`` in canonical (column-major) form.
 
-    ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``; likewise
-    ``B``. With ``alpha == 0`` or ``k == 0`` only ``C = beta C`` remains (A and B not read, as in
-    BLAS); with ``beta == 0`` C is never read, so NaNs in C do not leak into the result. Tasks are
-    listed by ``tile_order``: ``block = (bm, bn)`` lists C tiles in blocks of bm x bn tiles, so a
-    device that pulls one block shares A row panels and B column panels (bm + bn panels a round).
+    ``C`` is ``m x n``; ``A`` is stored ``m x k`` when ``op_a`` is N, else ``k x m``; likewise ``B``.
+    With ``alpha == 0`` or ``k == 0`` only ``C = beta C`` remains (A and B not read); with ``beta == 0``
+    C is never read (NaNs in C do not leak in). Tasks follow ``tile_order``: ``block = (bm, bn)`` lists
+    C tiles in blocks of bm x bn, so a device pulling a block shares A row and B column panels.
 
-    ``split = S > 1`` (at most the k tiles; ignored with ``alpha == 0`` or ``k == 0``): per C tile,
-    S partial tasks ``P_s = alpha op_a(A) op_b(B)`` over the s-th of S contiguous k-tile ranges, in
-    fixed order (not rotatable), into the scratch operand SLOT_P (``partial_shape``) and kept cached
-    (``keep_c``), then the tile's reduction task, gated step by step on them, with ``add`` steps
-    ``C = P_0 + beta C``, then ``C += P_s`` for s = 1..S-1. Each tile's tasks are listed together, so
-    the queue's fair share of a call gives every device partials, not one device the reductions.
-    The sum order never depends on the schedule: results are identical run to run.
+    ``split = S > 1`` (at most the k tiles; ignored with ``alpha == 0`` or ``k == 0``): per C tile, S
+    partial tasks ``P_s = alpha op_a(A) op_b(B)`` over the s-th of S contiguous k-tile ranges (not
+    rotatable) into the scratch SLOT_P (``partial_shape``, ``keep_c``), then a reduction task gated on them:
+    ``C = P_0 + beta C``, then ``C += P_s`` in that order (identical results run to run). A tile's tasks
+    are listed together, so the queue's fair share gives every device partials, not one the reductions.
 
     ``c_init`` (with beta != 0): each C tile starts from the same tile of operand SLOT_C0 instead of
     C's own (``Task.c_init``), so a new result need not hold C's values before the call.
@@ -47,7 +44,7 @@ def plan_gemm(m: int, n: int, k: int, tile: int, op_a: int, op_b: int, *, alpha_
     product = not alpha_zero and k > 0
     if not isinstance(split, int) or split < 1 or (product and split > tk):
         raise ValueError(f"split: got {split!r}, need an int from 1 to {max(1, tk)} (the k tiles)")
-    first = _first_beta(beta_zero)
+    first = SC_ZERO if beta_zero else SC_BETA
     order = tile_order(tm, tn, block)
     p_slot = SLOT_P + 1 if c_init else SLOT_P
 

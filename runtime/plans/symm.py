@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..tasks import SC_ALPHA, SC_ONE, Step, Task
-from ..tiling import OP_N, n_tiles, tile_ref
-from .common import SIDE_LEFT, SYMM_A, SYMM_B, SYMM_C, _first_beta, _mirror_op, _scale, _width, task_flops
+from ..tasks import SC_ALPHA, SC_BETA, SC_ONE, SC_ZERO, Step, Task
+from ..tiling import OP_C, OP_N, OP_T, n_tiles, tile_ref
+from .common import SIDE_LEFT, SYMM_A, SYMM_B, SYMM_C, _scale, _width, task_flops
 from .gemm import tile_order
 
 def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bool = False,
@@ -12,18 +12,17 @@ def plan_symm(m: int, n: int, tile: int, side: int, lower: int, *, hermitian: bo
               block: tuple[int, int] = (1, 1)) -> list[Task]:
     """Tasks of ``C = alpha S B + beta C`` (side 0) or ``C = alpha B S + beta C`` (side 1).
 
-    C and B are m x n; S is the symmetric (``hermitian``: Hermitian) matrix
-    defined by the ``lower`` (else upper) triangle of the stored square A
-    (m x m for side 0, n x n for side 1). Eq. 1f: C_ij sums S_ik B_kj over k;
-    the diagonal S_ii is a ``symm``/``hemm`` step on A(i, i), a stored S_ik is
-    a gemm on A(i, k) with op N, an unstored one a gemm on the mirror A(k, i)
-    with op T (C). Steps run in k order; the first takes the task's beta.
+    C and B are m x n; S is the symmetric (``hermitian``: Hermitian) matrix defined by the ``lower``
+    (else upper) triangle of the stored square A (m x m for side 0, n x n for side 1). Eq. 1f: C_ij
+    sums S_ik B_kj over k; the diagonal S_ii is a ``symm``/``hemm`` step on A(i, i), a stored S_ik a
+    gemm on A(i, k) with op N, an unstored one a gemm on the mirror A(k, i) with op T (C). Steps run
+    in k order; the first takes the task's beta.
     """
     kernel = "hemm" if hermitian else "symm"
-    mirror = _mirror_op(hermitian)
+    mirror = OP_C if hermitian else OP_T
     s_dim = m if side == SIDE_LEFT else n
     tm, tn, ts = n_tiles(m, tile), n_tiles(n, tile), n_tiles(s_dim, tile)
-    first = _first_beta(beta_zero)
+    first = SC_ZERO if beta_zero else SC_BETA
     tasks: list[Task] = []
     for i, j in tile_order(tm, tn, block):
         c = tile_ref(SYMM_C, i, j, m, n, tile)

@@ -9,23 +9,18 @@ from .common import (SIDE_LEFT, SIDE_RIGHT, TRMM_A, TRMM_B, TRMM_C, TRSM_A, TRSM
 from .gemm import tile_order
 
 def trmm_levels(m: int, n: int, tile: int, side: int, lower: int, op: int) -> list[int]:
-    """Block rows (side 0) or block columns (side 1) of B in the order an in-place TRMM writes them.
-
-    A row (column) is written only after every task that reads its old value:
-    left side, lower op(A): C_ij reads B_kj for k <= i, so the bottom row goes
-    first; upper: the top row first; right side, lower op(A): C_ij reads B_ik
-    for k >= j, so the left column first; upper: the right column first. That is TRSM's solve
-    order reversed (a solved tile is read by the ones after it, an old one by those before it).
-    """
+    """Block rows (side 0) or block columns (side 1) of B in the order an in-place TRMM writes them: a
+    row (column) after every task that reads its old value (left, lower op(A): C_ij reads B_kj for k <= i,
+    so the bottom row first). That is TRSM's solve order reversed (a solved tile is read by the ones
+    after it, an old one by those before it)."""
     return trsm_levels(m, n, tile, side, lower, op)[::-1]
 
 
 #: Order families of in-place TRMM tasks (:func:`trmm_order`); ``wave`` and ``blocks`` take a number.
 TRMM_ORDERS = ("auto", "levels", "wave", "blocks")
-#: ``auto`` lists level by level when the grid has at most this many tiles, else in blocks of 2 x 2
-#: (blocks beat the wave on large grids). On small grids the devices hold the whole call at once and
-#: the order only decides which device gets which tasks: level by level, one device takes level 0
-#: and the other level 1, and they share B's tiles. The threshold follows the 2-GPU case.
+#: ``auto`` lists level by level when the grid has at most this many tiles (the devices hold the whole
+#: call at once: level by level, one takes level 0 and the other level 1, sharing B's tiles), else in
+#: blocks of 2 x 2 (blocks beat the wave on large grids).
 AUTO_LEVELS_MAX_TILES = 16
 
 
@@ -78,22 +73,18 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               block: tuple[int, int] = (1, 1), in_place: bool = False, order: str = "auto") -> list[Task]:
     """Tasks of ``C = alpha op(A) B`` (side 0) or ``C = alpha B op(A)`` (side 1) (Eq. 1d).
 
-    A is the ``lower`` (else upper) triangle of the stored square A, unit diagonal if ``unit``.
-    Task (i, j) runs the diagonal ``trmm`` step first (it initialises C: no beta, load_c False),
-    then gemm steps over the nonzero tiles of op(A) with beta SC_ONE, which rotate (``fixed=1``).
-    With ``alpha == 0``, C = 0 and A, B are not read.
-
-    Out of place (default), C (slot 2) is a separate output and tasks follow ``tile_order``.
-    ``in_place``: slot 2 is B, so each task depends on the tasks of the earlier levels
-    (:func:`trmm_levels`) of its line, and only its write-back waits for them (``war``, ``gates``);
-    tasks are listed in ``order`` (:func:`trmm_order`), which does not change the dependencies.
+    A is the ``lower`` (else upper) triangle of the stored square A, unit diagonal if ``unit``. Task
+    (i, j) runs the diagonal ``trmm`` step first (it initialises C: no beta, load_c False), then gemm
+    steps over the nonzero tiles of op(A) with beta SC_ONE, which rotate (``fixed=1``). With ``alpha ==
+    0``, C = 0 and A, B are not read. Out of place (default), C (slot 2) is a separate output and tasks
+    follow ``tile_order``. ``in_place``: slot 2 is B, so each task depends on the tasks of the earlier
+    levels (:func:`trmm_levels`) of its line, and only its write-back waits for them (``war``,
+    ``gates``); tasks are listed in ``order`` (:func:`trmm_order`), which leaves the dependencies alone.
     """
     eff_lower = effective_lower(lower, op)
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
-    if in_place and not alpha_zero:
-        cells = trmm_order(m, n, tile, side, lower, op, order)
-    else:
-        cells = list(tile_order(tm, tn, block))
+    war = bool(in_place) and not alpha_zero  # B's tiles are overwritten: write after read
+    cells = trmm_order(m, n, tile, side, lower, op, order) if war else tile_order(tm, tn, block)
     tasks: list[Task] = []
     tid_of: dict[tuple[int, int], int] = {}
     for i, j in cells:
@@ -101,33 +92,30 @@ def plan_trmm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
         if alpha_zero:
             steps = (_scale(c, SC_ZERO),)
         elif side == SIDE_LEFT:  # C_ij = sum_k op(A)_ik B_kj, k <= i (lower) or k >= i (upper)
-            steps = [Step("trmm", tile_ref(TRMM_A, i, i, m, m, tile), tile_ref(TRMM_B, i, j, m, n, tile),
-                          op, OP_N, c.rows, c.cols, c.rows, SC_ALPHA, SC_ZERO, side, lower, unit)]
-            for k in (range(i) if eff_lower else range(i + 1, tm)):
-                steps.append(Step("gemm", op_tile(TRMM_A, op, i, k, m, m, tile), tile_ref(TRMM_B, k, j, m, n, tile),
-                                  op, OP_N, c.rows, c.cols, _width(k, m, tile), SC_ALPHA, SC_ONE))
-            steps = tuple(steps)
+            steps = (Step("trmm", tile_ref(TRMM_A, i, i, m, m, tile), tile_ref(TRMM_B, i, j, m, n, tile),
+                          op, OP_N, c.rows, c.cols, c.rows, SC_ALPHA, SC_ZERO, side, lower, unit),
+                     *(Step("gemm", op_tile(TRMM_A, op, i, k, m, m, tile), tile_ref(TRMM_B, k, j, m, n, tile),
+                            op, OP_N, c.rows, c.cols, _width(k, m, tile), SC_ALPHA, SC_ONE)
+                       for k in (range(i) if eff_lower else range(i + 1, tm))))
         else:  # C_ij = sum_k B_ik op(A)_kj, k >= j (lower) or k <= j (upper)
-            steps = [Step("trmm", tile_ref(TRMM_A, j, j, n, n, tile), tile_ref(TRMM_B, i, j, m, n, tile),
-                          op, OP_N, c.rows, c.cols, c.cols, SC_ALPHA, SC_ZERO, side, lower, unit)]
-            for k in (range(j + 1, tn) if eff_lower else range(j)):
-                steps.append(Step("gemm", tile_ref(TRMM_B, i, k, m, n, tile), op_tile(TRMM_A, op, k, j, n, n, tile),
-                                  OP_N, op, c.rows, c.cols, _width(k, n, tile), SC_ALPHA, SC_ONE))
-            steps = tuple(steps)
-        deps: tuple[int, ...] = ()
-        gates: tuple[tuple[int, ...], ...] = ()
-        if in_place and not alpha_zero:
+            steps = (Step("trmm", tile_ref(TRMM_A, j, j, n, n, tile), tile_ref(TRMM_B, i, j, m, n, tile),
+                          op, OP_N, c.rows, c.cols, c.cols, SC_ALPHA, SC_ZERO, side, lower, unit),
+                     *(Step("gemm", tile_ref(TRMM_B, i, k, m, n, tile), op_tile(TRMM_A, op, k, j, n, n, tile),
+                            OP_N, op, c.rows, c.cols, _width(k, n, tile), SC_ALPHA, SC_ONE)
+                       for k in (range(j + 1, tn) if eff_lower else range(j))))
+        deps, gates, line = (), (), ()
+        if war:
             # Every task that reads B_ij's old value sits in an earlier level of this column (row).
             # Only the write-back waits for them: the task reads nothing they write.
-            line = [(i, jj) for jj in range(tn)] if side == SIDE_RIGHT else [(ii, j) for ii in range(tm)]
-            deps = tuple(sorted(tid_of[x] for x in line if x in tid_of))
+            peers = [(i, jj) for jj in range(tn)] if side == SIDE_RIGHT else [(ii, j) for ii in range(tm)]
+            deps = tuple(sorted(tid_of[x] for x in peers if x in tid_of))
             gates = ((),) * len(steps) + (deps,)
+            line = (i, tm) if side == SIDE_RIGHT else (j, tn)
         tid_of[(i, j)] = len(tasks)
         # The gemm steps after the diagonal one commute: devices start them at different k
         # (rotatable, fixed=1), so that two devices loading one row of A split it between them.
-        line = ((i, tm) if side == SIDE_RIGHT else (j, tn)) if gates else ()
         tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex), deps, gates=gates,
-                          war=bool(gates), rotatable=len(steps) > 2, fixed=1, line=line))
+                          war=war, rotatable=len(steps) > 2, fixed=1, line=line))
     return tasks
 
 
@@ -158,29 +146,27 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
               alpha_zero: bool = False, is_complex: bool = False, inverse: bool = False) -> list[Task]:
     """Tasks of the solve ``op(A) X = alpha B`` (side 0) or ``X op(A) = alpha B`` (side 1).
 
-    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored square A, unit
-    diagonal if ``unit``. Forward case, left side (Eq. 1c; reversed for backward):
-    ``X_ij = op(A)_ii^-1 (alpha B_ij - sum_{k before i} op(A)_ik X_kj)``. Task (i, j) starts from
-    B_ij (``c_init``), runs one gemm step per solved tile (the first with beta SC_ALPHA: it scales
-    B), then the diagonal ``trsm`` step; ``deps`` are the tasks solving the X tiles it reads
-    (slot 2), whose tasks ``keep_c``. Tasks are listed level by level in solve order. With
-    ``alpha == 0``: ``scale`` tasks, A and B not read.
+    X and B are m x n; A is the ``lower`` (else upper) triangle of the stored square A, unit diagonal
+    if ``unit``. Forward, left side (Eq. 1c; reversed for backward): ``X_ij = op(A)_ii^-1 (alpha B_ij -
+    sum_{k before i} op(A)_ik X_kj)``. Task (i, j) starts from B_ij (``c_init``), runs one gemm step per
+    solved tile (the first with beta SC_ALPHA: it scales B), then the diagonal ``trsm`` step; ``deps``:
+    the tasks solving the X tiles it reads (slot 2, ``keep_c``). Tasks are listed level by level in
+    solve order. With ``alpha == 0``: ``scale`` tasks, A and B not read.
 
     ``inverse``: each level's diagonal block but the first is inverted once by a task of its own
-    (``trtri`` on V's tile ``inverse_ref``, loaded from A's; ``keep_c``, ``urgent``), listed two
-    levels ahead of its use, and the diagonal step becomes ``invmm`` by it, gated on that task.
-    The first level keeps ``trsm`` steps, so no device idles waiting for an inversion at the start.
+    (``trtri`` on V's tile ``inverse_ref``, loaded from A's; ``keep_c``, ``urgent``), listed two levels
+    ahead of its use; the diagonal step becomes ``invmm`` by it, gated on that task. The first level
+    keeps ``trsm`` steps, so no device idles waiting for an inversion at the start.
     """
     tm, tn = n_tiles(m, tile), n_tiles(n, tile)
     s_dim = m if side == SIDE_LEFT else n
     levels = trsm_levels(m, n, tile, side, lower, op)
     tasks: list[Task] = []
     if alpha_zero:
-        for i in range(tm):
-            for j in range(tn):
-                c = tile_ref(TRSM_X, i, j, m, n, tile)
-                steps = (_scale(c, SC_ZERO),)
-                tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
+        for i, j in tile_order(tm, tn):
+            c = tile_ref(TRSM_X, i, j, m, n, tile)
+            steps = (_scale(c, SC_ZERO),)
+            tasks.append(Task(len(tasks), c, False, steps, task_flops(steps, is_complex)))
         return tasks
     tid_of: dict[tuple[int, int], int] = {}
     inv_of: dict[int, int] = {}
@@ -220,16 +206,11 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
                     steps.append(Step("gemm", x, a, OP_N, op, c.rows, c.cols, kw, SC_MINUS_ONE, beta_ix))
                     deps.append(tid_of[(i, k)])
             scale = SC_ONE if steps else SC_ALPHA
-            if inverse and depth:
-                diag = inverse_ref(lv, s_dim, tile)
-                steps.append(Step("invmm", diag, None, op, OP_N, c.rows, c.cols, diag.rows, scale, SC_ONE,
-                                  side, lower, unit))
-                diag_gate = (inv_of[lv],)
-            else:
-                diag = tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile)
-                steps.append(Step("trsm", diag, None, op, OP_N, c.rows, c.cols, diag.rows, scale, SC_ONE,
-                                  side, lower, unit))
-                diag_gate = ()
+            inv = inverse and depth > 0  # a multiply by the block's inverse, gated on its inversion task
+            diag = inverse_ref(lv, s_dim, tile) if inv else tile_ref(TRSM_A, lv, lv, s_dim, s_dim, tile)
+            steps.append(Step("invmm" if inv else "trsm", diag, None, op, OP_N, c.rows, c.cols, diag.rows, scale,
+                              SC_ONE, side, lower, unit))
+            diag_gate = (inv_of[lv],) if inv else ()
             steps = tuple(steps)
             tid_of[(i, j)] = len(tasks)
             # Step by step: each update waits only for the X tile it reads, so a task starts (loads B_ij
