@@ -1,28 +1,26 @@
 """When the CPU worker takes a task beside the GPUs (the paper's Fig. 9).
 
-Beside GPUs the CPU is orders of magnitude slower per task, so taking work by demand (``cpu=True``)
-makes every call wait for its CPU task. In auto mode (``cpu=None`` beside CUDA GPUs, ``cpu="auto"``
-beside any stream devices) it takes a task only when :func:`decide` predicts the call then ends no
-later: always with no GPU; never for a call with dependencies (TRSM) or one the GPUs hold at once
-(stations + compute streams), nor while a rate is unknown or the call's host operands are still being
-page-locked (the GPUs then wait on registration; their tasks of that time are no rate samples); else iff
+Beside GPUs the CPU is orders of magnitude slower per task, so by demand (``cpu=True``) every call waits
+for its CPU task. In auto mode (``cpu=None`` beside CUDA GPUs, ``cpu="auto"`` beside any stream devices) it
+takes a task only when :func:`decide` predicts the call then ends no later: always with no GPU; never for a
+call with dependencies (TRSM) or one the GPUs hold at once (stations + compute streams), nor while a rate
+is unknown or the call's host operands are being page-locked (their tasks then are no rate samples); else iff
 
     cpu_s = margin * t.flops / r_cpu  <  gpu_s = (waiting - t.flops + RUNNING_LEFT * running) / sum(r_g)
 
 (``waiting``: flops of the call's unstarted tasks, ``t`` included; ``running``: those started and
-unfinished). Other calls' work is left out, so the rule errs towards the GPUs. Rates per worker and
-dtype (:class:`RateMeter`) are the flops of its last ``WINDOW`` tasks over the busy seconds they took;
-a GPU's counts once it has finished as many tasks as it has streams (an unknown one counts as the
-fastest known); the CPU's is first probed with a small GEMM (``CpuDevice.probe``).
+unfinished). Other calls' work is left out, so the rule errs towards the GPUs. Rates per worker and dtype
+(:class:`RateMeter`) are the flops of its last ``WINDOW`` tasks over the busy seconds they took; a GPU's
+counts once it has finished as many tasks as it has streams (an unknown one counts as the fastest known);
+the CPU's is first probed with a small GEMM (``CpuDevice.probe``).
 
 State: a RateMeter window is written by its worker's thread only (the CPU worker reads ``_sums``
-lock-free); ``Call.flops_waiting``/``flops_running`` are kept under the call's lock;
-``Admission.counts`` and ``last`` are written by the CPU worker alone.
+lock-free); ``Call.flops_waiting``/``flops_running`` under the call's lock; ``Admission.counts`` and
+``last`` by the CPU worker alone.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -35,26 +33,16 @@ RUNNING_LEFT = 0.5
 WINDOW = 16
 
 # Decision reasons (the keys of Admission.counts). Only ALONE and SOONER take the task.
-ALONE = "alone"
-DEPS = "deps"
-SMALL = "small"
-NO_GPU_RATE = "gpu rate unknown"
-NO_CPU_RATE = "cpu rate unknown"
-REGISTERING = "inputs registering"
-SOONER = "sooner"
-LATER = "later"
-#: Reasons that hold for the whole call, whatever the rates: nothing to look at again until
-#: another call is posted.
+ALONE, DEPS, SMALL, SOONER, LATER = "alone", "deps", "small", "sooner", "later"
+NO_GPU_RATE, NO_CPU_RATE, REGISTERING = "gpu rate unknown", "cpu rate unknown", "inputs registering"
+#: Reasons that hold for the whole call, whatever the rates (nothing to look at again until another call).
 NEVER_FOR_THE_CALL = frozenset({DEPS, SMALL})
 REASONS = (ALONE, REGISTERING, DEPS, SMALL, NO_GPU_RATE, NO_CPU_RATE, SOONER, LATER)
-
-clock = time.perf_counter
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What :func:`decide` answered, and why. ``cpu_s`` / ``gpu_s``: the two predicted finish
-    times (seconds from now) when the rates were known, else None."""
+    """What :func:`decide` answered and why, with the predicted finish times (s from now) when rates were known."""
 
     admit: bool
     reason: str
@@ -65,11 +53,9 @@ class Decision:
 def decide(task_flops: float, call_tasks: int, has_deps: bool, gpu_hold: int,
            cpu_rate: float | None, gpu_rates: list, waiting_flops: float, running_flops: float,
            *, margin: float = MARGIN, running_left: float = RUNNING_LEFT, registering: bool = False) -> Decision:
-    """The admission rule (module docstring): may the CPU worker take this task now?
-
-    ``gpu_rates``: one entry per live stream worker that can run the call (None: not measured
-    yet); empty when there is none. ``waiting_flops`` includes the task itself. ``registering``:
-    the call's host operands are still being page-locked."""
+    """The admission rule (module docstring): may the CPU worker take this task now? ``gpu_rates``: one
+    per live stream worker that can run the call (None: not measured yet). ``waiting_flops`` includes the
+    task itself. ``registering``: the call's host operands are still being page-locked."""
     if not gpu_rates:
         return Decision(True, ALONE)
     if registering:
@@ -91,10 +77,8 @@ def decide(task_flops: float, call_tasks: int, has_deps: bool, gpu_hold: int,
 
 
 class RateMeter:
-    """Per-worker flop rates from finished tasks (module docstring).
-
-    ``busy(w)`` says whether worker ``w`` runs any task at the moment one of its tasks starts
-    (that task not counted); it is only asked from ``w``'s own thread."""
+    """Per-worker flop rates from finished tasks (module docstring). ``busy(w)``: worker ``w`` runs a task
+    as one of its tasks starts (that one not counted); asked from ``w``'s own thread only."""
 
     def __init__(self, nworkers: int, busy: Callable[[int], bool], window: int = WINDOW) -> None:
         if not isinstance(window, int) or window < 1:
@@ -112,8 +96,7 @@ class RateMeter:
             self._mark[w] = t
 
     def finished(self, w: int, key: str, flops: float, t: float, sample: bool = True) -> None:
-        """Worker ``w`` finished a task of ``flops`` in dtype ``key`` at time ``t`` (``sample=False``: its
-        interval is not a rate sample, e.g. it waited on host registration)."""
+        """Worker ``w`` finished a task of ``flops`` in dtype ``key`` at ``t`` (``sample``: a rate sample)."""
         mark = self._mark[w]
         self._mark[w] = t
         if mark is not None and sample:  # (never seen starting: no interval to measure)
@@ -126,9 +109,7 @@ class RateMeter:
 
     def _add(self, w: int, key: str, flops: float, seconds: float) -> None:
         k = (w, key)
-        win = self._window.get(k)
-        if win is None:
-            win = self._window[k] = deque(maxlen=self.window)
+        win = self._window.setdefault(k, deque(maxlen=self.window))
         win.append((float(flops), float(seconds)))
         self._sums[k] = (sum(f for f, _ in win), sum(s for _, s in win))
         self.samples[k] = self.samples.get(k, 0) + 1
@@ -144,12 +125,9 @@ class RateMeter:
 class Admission:
     """The engine's admission rule for its auto-mode CPU worker (one per engine)."""
 
-    def __init__(self, engine, *, margin: float = MARGIN, running_left: float = RUNNING_LEFT,
-                 window: int = WINDOW) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
-        self.margin = margin
-        self.running_left = running_left
-        self.meter = RateMeter(len(engine.devices), self._busy, window)
+        self.meter = RateMeter(len(engine.devices), self._busy)
         self.counts = dict.fromkeys(REASONS, 0)
         self.last: Decision | None = None
 
@@ -164,23 +142,20 @@ class Admission:
         call = task.call
         if call.failed:
             return True  # its call failed: taking it drops it at once
-        eng = self.engine
+        eng, meter, key = self.engine, self.meter, call.dtype.char
         gpus = [w for w in eng.workers if w.dev.streamed and eng.can_run(w, call)]
-        key = call.dtype.char
-        meter = self.meter
-        args = (task.flops, call.n_tasks, call.has_deps,
-                sum(w.station.capacity + w.dev.nstreams for w in gpus))
+        gpu_hold = sum(w.station.capacity + w.dev.nstreams for w in gpus)
         gpu_rates = [meter.rate(w.idx, key) if meter.samples.get((w.idx, key), 0) >= w.dev.nstreams else None
                      for w in gpus]  # (one burst first: module docstring)
-        d = self._decide(args, meter.rate(cpu_worker.idx, key), gpu_rates, call)
+
+        def rule() -> Decision:
+            return decide(task.flops, call.n_tasks, call.has_deps, gpu_hold, meter.rate(cpu_worker.idx, key),
+                          gpu_rates, call.flops_waiting, call.flops_running, registering=call.registering)
+
+        d = rule()
         if d.reason == NO_CPU_RATE:
-            flops, seconds = cpu_worker.dev.probe(call.dtype)
-            meter.seed(cpu_worker.idx, key, flops, seconds)
-            d = self._decide(args, meter.rate(cpu_worker.idx, key), gpu_rates, call)
+            meter.seed(cpu_worker.idx, key, *cpu_worker.dev.probe(call.dtype))
+            d = rule()
         self.counts[d.reason] += 1
         self.last = d
         return d.admit
-
-    def _decide(self, args, cpu_rate, gpu_rates, call) -> Decision:
-        return decide(*args, cpu_rate, gpu_rates, call.flops_waiting, call.flops_running,
-                      margin=self.margin, running_left=self.running_left, registering=call.registering)

@@ -1,9 +1,7 @@
 """Assign: which task a stream device starts next (Algorithm 1, lines 10-16, and Eq. 3).
 
-A mixin of :class:`~blasx.runtime.worker.StreamWorker`: each free stream gets the station's best
-ready task by Eq. 3 (an ``urgent`` one first), within ``2 * streams`` tasks in flight and, with
-``Knobs.commit_steps``, a horizon of committed flops; a rotatable task's k-steps start at this
-device's share of k.
+Each free stream gets the station's best ready task by Eq. 3 (an ``urgent`` one first), within ``2 * streams``
+tasks in flight and ``Knobs.commit_steps``; a rotatable task's k-steps start at this device's share of k.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ URGENT_SCORE = 1 << 30  # above any Eq. 3 sum
 
 
 class StreamAssign:
-    """The assign step of a stream worker (uses its ``slots``, ``station``, ``inflight``, ``directory``)."""
+    """The assign step: a mixin of StreamWorker (uses its ``slots``, ``station``, ``inflight``, ``directory``)."""
 
     @staticmethod
     def ready(task) -> bool:
@@ -29,15 +27,12 @@ class StreamAssign:
         return self.engine.config.knobs.commit_steps
 
     def committed(self) -> float:
-        """Flops this device has committed and not yet run: its issued, unretired kernels and the
-        unissued steps of its active tasks (``Knobs.commit_steps``; asked only when it is set)."""
+        """Flops committed here and not yet run: issued, unretired kernels and active tasks' unissued steps."""
         return self.issued_work + sum(a.task.call.step_flops(st) for a in self.slots if a is not None
                                       for st in a.steps[a.k:])
 
     def _within_horizon(self, task, committed: float) -> bool:
-        """``task`` may be committed to a stream on top of ``committed`` flops (the horizon of
-        ``Knobs.commit_steps`` full steps of its call; an idle device, and an urgent task, one
-        that others wait for, always may)."""
+        """``task`` fits on ``committed`` flops (``Knobs.commit_steps``); always on an idle device, or urgent."""
         if self.inflight == 0 or not self.commit_steps or task.urgent:
             return True
         return committed <= 0 or committed < self.commit_steps * task.call.full_step
@@ -60,8 +55,7 @@ class StreamAssign:
             task.call.started(task)
             steps = task.steps
             if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
-                # Device d starts at the d-th share of k (see Task.rotatable); only a
-                # write-back gate (in-place TRMM) is unaffected by the order of the steps.
+                # Device d starts at the d-th share of k; only a write-back gate (in-place TRMM) ignores their order.
                 head, body = steps[:task.fixed], steps[task.fixed:]
                 steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)
             act.steps = steps
@@ -69,14 +63,10 @@ class StreamAssign:
             self.inflight_of[task.call] = self.inflight_of.get(task.call, 0) + 1
 
     def _score(self, task) -> int:
-        """Eq. 3 for this device (a lock-free read: a stale answer only costs locality); an
-        ``urgent`` task outranks every other."""
+        """Eq. 3 for this device (lock-free: a stale answer only costs locality); ``urgent`` tasks first."""
         if task.urgent:
             return URGENT_SCORE
-        call = task.call
-        where = self.directory.where
-        tokens = call.tokens
-        me = self.idx
+        call, where, tokens, me = task.call, self.directory.where, task.call.tokens, self.idx
         total = 0
         for ref in task.input_tiles():
             if self.dev.holds_array(call.operands[ref.slot]):

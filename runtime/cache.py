@@ -1,12 +1,9 @@
 """L1 tile cache: the Approximate LRU of Algorithm 2, one per device.
 
-A line maps a tile key to a heap block. ``readers`` counts the issued, unfinished operations using
-it (line 22): raised when a step reading it is issued, lowered when that step's event completes.
-Eviction takes the least recent line *with no readers* (lines 11-18): approximately the LRU one.
-
-Peers change reader counts (L2 copies) and the directory lists every device's lines, so all line
-metadata is read and written under the directory lock, which every method here expects the caller
-to hold. The heap behind the lines is touched by the owning worker alone.
+A line maps a tile key to a heap block; ``readers`` counts the issued, unfinished operations using it (line
+22). Eviction takes the least recent line *with no readers* (lines 11-18). Peers change reader counts (L2
+copies), so line metadata is used under the directory lock, which every method here expects the caller to
+hold; the heap behind the lines is touched by the owning worker alone.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ class Line:
     readers: int = 0
     ready: Any = None  # event that ends the copy filling the line; None once it is known done
     dead: bool = False  # its data may no longer be read (token retired); evict first
-    # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this
-    # fill is done, so a peer can tell how much host traffic is still ahead of it. Else None.
+    # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this fill is done,
+    # so a peer can tell how much host traffic is still ahead of it. Else None.
     fill_mark: int | None = None
 
     def __repr__(self) -> str:
@@ -38,10 +35,8 @@ class Line:
 
 
 class ALRU:
-    """Lines of one device in recency order (least recent first).
-
-    Dead lines (``bury``) are kept apart, in the order they died, and go first: a live line of
-    the same tile may then be cached beside a dead one whose readers have not finished."""
+    """Lines of one device, least recent first. Dead lines (``bury``) are kept apart, in the order they
+    died, and go first: a live line of the tile may be cached beside a dead one still read."""
 
     __slots__ = ("device", "_lines", "_dead")
 

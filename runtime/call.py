@@ -1,12 +1,9 @@
 """One submitted BLAS call: its operands, tasks, scalars and completion state.
 
-The calling thread builds a :class:`Call`, the engine queues its tasks, and
-workers *account* for every task exactly once: done, cancelled (never
-started, its call having failed) or abandoned (on a broken device). The call
-completes when every task is accounted for, so no worker can still be
-writing into the caller's memory when ``wait`` returns, with or without an
-error. Accounting a task twice is a no-op, so a cancelling caller may sweep
-up tasks that no worker holds (``Engine._cancel``) without racing a worker.
+Workers *account* for every task exactly once (done, cancelled or abandoned); the call completes when all
+are, so no worker still writes into the caller's memory when ``wait`` returns, with or without an error.
+Accounting a task twice is a no-op, so a cancelling caller may sweep up tasks that no worker holds
+(``Engine._cancel``) without racing a worker.
 """
 
 from __future__ import annotations
@@ -26,17 +23,14 @@ from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, S
                     Step, Task)
 
 _call_ids = itertools.count(1)
-
-
-class CallCancelled(Exception):
-    """The call's caller stopped waiting for it (KeyboardInterrupt or another exception in its
-    thread, or an exit-time shutdown): its queued tasks were dropped and the caller re-raises."""
-
 _clock = time.perf_counter
 
 
-# Real flops of one step by kernel (times 4 for complex types), for the stats and the sim's cost
-# model; a kernel not listed counts as gemm's 2 m n k.
+class CallCancelled(Exception):
+    """The caller stopped waiting (KeyboardInterrupt or another exception in its thread, or exit): tasks dropped."""
+
+
+# Real flops of one step by kernel (times 4 if complex; not listed: gemm's 2 m n k), for stats and the sim.
 STEP_FLOPS = {
     "scale": lambda s: float(s.m * s.n),
     **dict.fromkeys(("syrk", "herk"), lambda s: 1.0 * s.n * (s.n + 1) * s.k),
@@ -64,8 +58,8 @@ class Operand:
     device: int  # -1: host memory; else the CUDA ordinal holding it
     token: Hashable  # first part of every tile key of this operand
     pinning: Any = None  # how its host memory is page-locked (hostmem.Pinning; set by the cuda backend)
-    # A derived operand (runtime/derived.py): no memory (array None, device -1); its tiles are made
-    # on the device that needs them from another operand of the call.
+    # A derived operand (runtime/derived.py) has no memory (array None, device -1): its tiles are made
+    # from another operand of the call on the device that needs them.
     derive: Any = None
 
     @property
@@ -97,9 +91,8 @@ class Call:
         if derived and any(t.c.slot in derived for t in tasks):
             raise ValueError(f"{name}: a C tile of a derived operand (derived operands are read-only)")
         self._typed(out_dtype, epilogue, tasks)
-        # Scalar tables indexed by SC_*, in the accumulation type; kept alive for the call so
-        # devices may pass pointers into them. ``real_scalars`` holds the real parts, for kernels
-        # whose BLAS scalars are real (herk's alpha and beta, her2k's beta).
+        # Scalar tables indexed by SC_*, in the accumulation type, alive with the call so devices may pass
+        # pointers into them; ``real_scalars``: the real parts (herk's alpha and beta, her2k's beta).
         self.scalars = np.zeros(N_SCALARS, dtype=self.compute)
         self.scalars[SC_ALPHA], self.scalars[SC_BETA] = alpha, beta
         self.scalars[SC_ZERO], self.scalars[SC_ONE], self.scalars[SC_MINUS_ONE] = 0, 1, -1
@@ -110,27 +103,25 @@ class Call:
         self.epilogue = epilogue
         self.device_only = any(op.device >= 0 for op in operands)
         self.has_deps = any(t.deps for t in tasks)  # some task waits for others (TRSM)
-        # The engine's rate meter and this call's flops not started / running, kept only when
-        # the engine has a CPU admission rule (``meter_with``; runtime/admission.py).
+        # The engine's rate meter and the flops not started / running, with a CPU admission rule (``meter_with``).
         self.meter = None
         self.pin_job = None  # a backend's job page-locking the host operands (``prepare_call``), or None
         self._full_step: float | None = None  # flops of the largest step (``full_step``)
         self.flops_waiting = 0.0
         self.flops_running = 0.0
         self._lock = threading.Lock()
-        self._remaining = len(tasks)
         self._finished_tids: set[int] = set()
         self._accounted_tids: set[int] = set()
         self._started_tids: set[int] = set()  # assigned to a worker and not handed back (gates)
-        # Write-after-read gates (``Task.war``): tasks whose kernels are done, and those among
-        # them whose readers' write-backs were let through on that (they can never run again).
+        # Write-after-read gates (``Task.war``): tasks whose kernels are done, and those among them whose
+        # readers' write-backs were let through on that (they can never run again).
         self.war_gated = any(t.war for t in tasks)
         self._computed_tids: set[int] = set()
         self._relied_tids: set[int] = set()
         self._done = threading.Event()
         self.error: BaseException | None = None
-        # float16 results that overflowed where a device rounded C (finite accumulator, inf result):
-        # counted on the host (sim, cpu), or in counters in device memory read after the call (cuda)
+        # float16 results that overflowed where a device rounded C (finite accumulator, inf result): counted
+        # on the host (sim, cpu), or in counters in device memory read after the call (cuda)
         self._overflows = 0
         self._overflow_counters: dict = {}
         for t in tasks:
@@ -140,11 +131,10 @@ class Call:
         faults.at("plan")
 
     def _typed(self, out_dtype, epilogue, tasks) -> None:
-        """The element types of a call. A *mixed* call (reduced-precision gemm: half, bfloat16,
-        int8 inputs, or an output type other than the inputs') keeps every C tile on a device in
-        the accumulation type ``acc_dtype`` across its k-steps; the write-back converts it to C's
-        type at home (``out_dtype``), or an epilogue with a ``dtype`` attribute converts it in
-        place first (int8 dequantization: int32 -> float32). Otherwise every type is ``dtype``."""
+        """The element types of a call. A *mixed* call (half, bfloat16 or int8 inputs, or an output type
+        other than the inputs') keeps C tiles on a device in the accumulation type ``acc_dtype``; the
+        write-back converts them to C's type at home (``out_dtype``), or an epilogue with a ``dtype``
+        attribute converts them in place first (int8 dequantization). Otherwise every type is ``dtype``."""
         row = _dtypes.gemm_of(self.dtype)
         self.compute = row.compute if row is not None else self.dtype
         self.out_dtype = self.dtype if out_dtype is None else np.dtype(out_dtype)
@@ -164,9 +154,8 @@ class Call:
         return frozenset(t.c.slot for t in self.tasks)
 
     def late_inputs(self) -> frozenset[int]:
-        """Slots read only as the first contents of rotatable tasks' C (a new GEMM result starting from the
-        caller's c): under ``Knobs.late_c`` their tiles are fetched near a task's end, so they are page-locked
-        after the inputs' too."""
+        """Slots read only as the first contents of rotatable tasks' C: under ``Knobs.late_c`` their tiles
+        are fetched near a task's end, so they are page-locked after the inputs' too."""
         init = {t.c_init.slot for t in self.tasks if t.c_init is not None and t.rotatable}
         if init:
             init -= {t.c_init.slot for t in self.tasks if t.c_init is not None and not t.rotatable}
@@ -175,8 +164,8 @@ class Call:
 
     def init_targets(self) -> dict[int, int]:
         """{C source's slot: the slot it starts}, where neither is a step's operand, every task writing the
-        latter starts from the same tile of the source, and the source starts nothing else: each tile there
-        is read before it is written, so the source's values may be staged straight into it."""
+        latter starts from the same tile of the source, and the source starts nothing else (so its values
+        may be staged straight into it: each tile there is read before it is written)."""
         read = step_slots(self.tasks)
         targets = {}
         for d in {t.c.slot for t in self.tasks} - read:
@@ -189,8 +178,7 @@ class Call:
         return {s: d for s, d in targets.items() if s not in elsewhere}
 
     def written_only(self) -> frozenset[int]:
-        """Slots of the operands the call only writes (and reads back as C, never as a step's operand): their
-        memory is needed after the inputs', so it is page-locked after theirs (hostmem.RegistrationCache.pin)."""
+        """Slots of the operands the call only writes (never a step's operand): page-locked after the inputs'."""
         return frozenset({t.c.slot for t in self.tasks} - step_slots(self.tasks))
 
     def home_dtype(self, slot: int) -> np.dtype:
@@ -203,8 +191,6 @@ class Call:
 
     def tile_ld(self, slot: int, rows: int) -> int:
         """Leading dimension of a ``rows``-row tile of operand ``slot`` in a device's heap."""
-        if self.pad_ld == 1:
-            return rows
         return -(-rows // self.pad_ld) * self.pad_ld
 
     def tile_nbytes(self, slot: int, rows: int, cols: int) -> int:
@@ -222,8 +208,7 @@ class Call:
                 self._overflows += n
 
     def overflow_counter(self, device: int, make: Callable[[], Any]):
-        """Device ``device``'s overflow counter for this call, made by ``make()`` on first use;
-        it is read after the call with ``int(counter)``."""
+        """Device ``device``'s overflow counter for this call (``int(counter)``), made by ``make()`` on first use."""
         counter = self._overflow_counters.get(device)
         if counter is None:
             with self._lock:
@@ -245,8 +230,7 @@ class Call:
 
     @property
     def full_step(self) -> float:
-        """Flops of the call's largest k-step, a full tile step: the unit of ``Knobs.commit_steps``
-        (computed once, by whichever worker asks first; the value is the same for all)."""
+        """Flops of the largest k-step, the unit of ``Knobs.commit_steps`` (racing first askers get the same)."""
         f = self._full_step
         if f is None:
             f = self._full_step = max((self.step_flops(st) for t in self.tasks for st in t.steps), default=0.0)
@@ -267,11 +251,9 @@ class Call:
         return all(d in fin or d in started for d in task.deps)
 
     def gate_open(self, task: Task, k: int) -> bool:
-        """Step ``k`` (the write-back for ``k == len(steps)``) of a gated task may be issued.
-
-        A write-after-read gate (``task.war``) needs its tasks' kernels done, not their
-        write-backs; once it opens, they are *relied on*: they read the old tile that is now
-        overwritten, so none of them may be recomputed (``recompute_safe``)."""
+        """Step ``k`` (the write-back for ``k == len(steps)``) of a gated task may be issued. A write-after-
+        read gate (``task.war``) needs its tasks' kernels done, not their write-backs; once it opens they are
+        *relied on* (they read the old tile, now overwritten) and may not be recomputed (``recompute_safe``)."""
         if not task.gates or self.error is not None:
             return True
         gate = task.gates[k]
@@ -286,17 +268,15 @@ class Call:
             return True
 
     def computed(self, task: Task) -> None:
-        """Every kernel of ``task`` is done (its write-back may still be in flight); opens the
-        write-after-read gates that wait for it."""
+        """Every kernel of ``task`` is done (maybe not its write-back): opens the WAR gates waiting for it."""
         with self._lock:
             self._computed_tids.add(task.tid)
         if self.on_finish is not None:
             self.on_finish()
 
     def recompute_safe(self, task: Task) -> bool:
-        """``task`` may run again from the start (its device failed before it finished): False
-        once a write-after-read gate relied on its kernels, since the tiles it read may have been
-        overwritten. When True, it no longer counts as computed."""
+        """``task`` may run again from the start (its device failed before it finished): False once a
+        write-after-read gate relied on its kernels. When True, it no longer counts as computed."""
         if not self.war_gated:
             return True
         with self._lock:
@@ -312,16 +292,14 @@ class Call:
 
     @property
     def registering(self) -> bool:
-        """Host operands are still being page-locked beside the call: until then the GPUs' tasks wait on
-        registration, and their rates say nothing of their compute."""
+        """Host operands are still being page-locked beside the call: the GPUs' tasks wait on it, so their
+        times meanwhile are no rate samples."""
         job = self.pin_job
         return job is not None and not job.done
 
     def meter_with(self, meter) -> None:
-        """Report starts and finishes to ``meter`` (an ``admission.RateMeter``) and keep the
-        flops waiting / running; before any task is queued."""
+        """Before any task is queued: report to ``meter`` (``admission.RateMeter``), keep the flops left."""
         self.flops_waiting = float(sum(t.flops for t in self.tasks))
-        self.flops_running = 0.0
         self.meter = meter
 
     def started(self, task: Task) -> None:
@@ -362,8 +340,7 @@ class Call:
                     self.flops_running -= task.flops
                 else:
                     self.flops_waiting -= task.flops
-            self._remaining -= 1
-            last = self._remaining == 0
+            last = len(self._accounted_tids) == self.n_tasks
         if meter is not None and worker is not None:
             meter.finished(worker, self.dtype.char, task.flops, _clock(), sample=not self.registering)
         if last:
@@ -372,27 +349,23 @@ class Call:
         elif self.on_finish is not None and worker is not None:
             self.on_finish()
 
-    def fail(self, exc: BaseException) -> bool:
-        """Record the first error; returns True if this call just failed."""
+    def fail(self, exc: BaseException) -> None:
+        """Record the first error."""
         with self._lock:
-            if self.error is not None:
-                return False
-            self.error = exc
-            return True
+            if self.error is None:
+                self.error = exc
 
     @property
     def remaining(self) -> int:
-        return self._remaining
+        return self.n_tasks - len(self._accounted_tids)
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
     def drop_tasks(self) -> None:
-        """After a completed call: forget its tasks. Each task refers back to its call, so without this the
-        call, its operands and the caller's arrays form a cycle that only the cyclic garbage collector frees,
-        some time later (a result's page-locked buffer, a registration of pages). A task a worker still holds
-        keeps the call alive as before."""
+        """After a completed call: forget its tasks, which refer back to it (a cycle holding the operands and
+        the caller's arrays until the cyclic garbage collector runs)."""
         if self.done:
             self.tasks = ()
 

@@ -1,12 +1,11 @@
 """The L2 tile cache: a MESI-X directory over every device's L1 (Fig. 3).
 
-A tile is **I** (no holder: loaded from its home), **E** (one holder: others copy it over the peer
-link, an L2 hit), **S** (several: a reader picks any ready holder it can reach) or **M** (just
-written: written back at once and I again, or kept as a clean E line when the routine reads its
-own output, as TRSM). Inputs are never written during a call, so nothing is invalidated inside one;
-across calls, tile keys start with never-reused tokens (engine invariant 3), and retired tokens mark
-their lines dead, evicted first. One lock guards the directory and every ALRU's metadata; no device
-call is made while holding it.
+A tile is **I** (no holder: loaded from its home), **E** (one holder: others copy it over the peer link, an
+L2 hit), **S** (several: a reader picks any ready holder it can reach) or **M** (just written: written back at
+once and I again, or kept as a clean E line when the routine reads its own output, as TRSM). Nothing is
+invalidated: inputs are not written during a call, tile keys start with never-reused tokens (engine invariant
+3), and retired tokens' lines are dead, evicted first. One lock guards the directory and every ALRU's
+metadata; no device call is made while holding it.
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ class Directory:
         return self._holders.get(key, {})
 
     def peer_source(self, key: Hashable, device: int, can_read, filling=None, soon=None) -> Line | None:
-        """A line of another device that ``device`` can copy from (``can_read(holder)``): a complete
-        one first, else one whose fill is in flight (the reader waits for its event) if ``soon(line)``;
-        never one whose fill is not recorded yet (``ready is filling``)."""
+        """A line of another device that ``device`` can copy from (``can_read(holder)``): a complete one
+        first, else one whose fill is in flight if ``soon(line)``; never one not recorded yet (``filling``)."""
         holders = self._holders.get(key)
         if not holders:
             return None

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-
 from . import faults
 from .admission import NEVER_FOR_THE_CALL
 from .worker_base import Worker
 
 
 class CpuWorker(Worker):
-    """The CPU computation thread (Section IV-C.2): one task at a time, multithreaded BLAS per tile.
-
-    By demand (``configure(cpu=True)``) it takes the queue's head whenever idle and steals when the
-    queue is empty. In auto mode it takes a task (queued or stationed) only when
-    ``engine.admission`` admits it; declined on rates, it asks again after a short sleep, else it
-    sleeps until work changes.
-    """
+    """The CPU computation thread (Section IV-C.2), multithreaded BLAS per tile. By demand (``cpu=True``) it takes
+    the queue's head whenever idle, steals when it is empty; in auto mode only what ``engine.admission`` admits."""
 
     current = None  # the task being solved (it writes C in place)
 
@@ -26,9 +20,8 @@ class CpuWorker(Worker):
     _may_steal = _takes  # a stationed task is admitted as a queued one
 
     def _pull(self):
-        """As ``Worker._pull``; in auto mode, a task that is not the head it admitted (a peer
-        took that one between the look and the take) is put back unless admitted too, so the
-        CPU never runs a task it did not decide on."""
+        """As ``Worker._pull``; in auto mode a task other than the head it admitted (a peer took that one
+        meanwhile) is put back unless admitted too: the CPU never runs a task it did not decide on."""
         q, head, takes = self._head()
         if not takes:
             return None
@@ -65,33 +58,28 @@ class CpuWorker(Worker):
             task = self.station.pop_best(lambda t: 0, self.ready)
             if task is not None:
                 self.current = task  # held before the check (a canceller's sweep)
-                if task.call.failed:
-                    self.current = None
-                    task.call.account(task)
-                    continue
-                task.worker = self.idx
-                task.call.started(task)
-                try:
-                    faults.at("cpu", self.dev, task)
-                    self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
-                    self.dev.run_task(task)
-                except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
-                    if self.device_error(exc):
-                        raise
-                    self.current = None
-                    task.call.fail(exc)
-                    task.call.account(task)
-                    continue
+                solved_by = None  # stays None for a failed call's task: it is dropped
+                if not task.call.failed:
+                    task.worker = self.idx
+                    task.call.started(task)
+                    try:
+                        faults.at("cpu", self.dev, task)
+                        self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
+                        self.dev.run_task(task)
+                        solved_by = self.idx
+                    except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
+                        if self.device_error(exc):
+                            raise
+                        task.call.fail(exc)
                 self.current = None
-                task.call.account(task, self.idx)
+                task.call.account(task, solved_by)
                 continue
             if self.stopping:
                 return
             if self._work_waiting():
                 continue
-            # Auto mode: a task left in the queue may be admitted once rates are known or the GPUs'
-            # work shrinks, so look again soon; not for a call that can never be admitted (then a
-            # small GPU call does not share the GIL with a thread that keeps waking).
+            # Auto mode: a declined task may be admitted once rates are known or the GPUs' work shrinks, so
+            # look again soon; not for a call never admitted (no thread keeps waking beside a small GPU call).
             adm = eng.admission
             declined = adm is not None and any(len(q) for q in eng.queues_for(self)) and not (
                 adm.last is not None and adm.last.reason in NEVER_FOR_THE_CALL)

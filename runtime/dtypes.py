@@ -1,12 +1,9 @@
-"""The one table of BLAS types: prefix, numpy dtype, precision, flop factor, cuBLAS type ids.
+"""The one table of BLAS types: prefix (``s d c z``), numpy dtype, type names a user types (``float64``,
+``double``), precision, flop factor, cuBLAS/CUDA type ids.
 
-Every module that maps between a BLAS prefix (``s d c z``), a numpy dtype, a type name a user
-types (``float64``, ``double``) or a cuBLAS/CUDA type id reads it from here.
-
-Two kinds of rows: the level-3 types ``s d c z`` (every routine; :data:`TYPES`), and the
-reduced-precision GEMM types ``h`` (float16), ``b`` (bfloat16, only when ``ml_dtypes`` imports)
-and ``i8`` (int8), which have gemm alone and accumulate in a wider type (:data:`GEMM_TYPES`
-holds both kinds). :data:`GEMM_OUT` lists each input type's output types.
+:data:`TYPES`: the level-3 types ``s d c z``; :data:`GEMM_TYPES` adds the reduced-precision types ``h``
+(float16), ``b`` (bfloat16, where ``ml_dtypes`` imports) and ``i8`` (int8), which have gemm alone and
+accumulate in a wider type. :data:`GEMM_OUT` lists each input type's output types.
 """
 
 from __future__ import annotations
@@ -112,20 +109,18 @@ _BY_NAME: dict[str, BlasType] = {**GEMM_BY_PREFIX, **{n: t for t in GEMM_TYPES f
 CUDA_TYPE: dict[np.dtype, int] = {**{t.dtype: t.cuda_type for t in GEMM_TYPES}, np.dtype(np.int32): CUDA_R_32I}
 
 
-def of(dtype) -> BlasType | None:
-    """The level-3 row of a numpy dtype (or anything np.dtype takes), None if it is no level-3 type."""
-    try:
-        return BY_DTYPE.get(np.dtype(dtype))
-    except TypeError:
-        return None
-
-
 def gemm_of(dtype) -> BlasType | None:
-    """The row of a dtype gemm takes (level-3 and reduced types), None otherwise."""
+    """The row of a dtype gemm takes (level-3 and reduced types; anything np.dtype takes), None otherwise."""
     try:
         return GEMM_BY_DTYPE.get(np.dtype(dtype))
     except TypeError:
         return None
+
+
+def of(dtype) -> BlasType | None:
+    """The level-3 row of a numpy dtype (or anything np.dtype takes), None if it is no level-3 type."""
+    row = gemm_of(dtype)
+    return row if row is not None and row.level3 else None
 
 
 def parse(text: str, gemm: bool = False) -> BlasType:
@@ -145,9 +140,7 @@ def prefix(dtype) -> str:
 
 def compute_type(row: BlasType, math: str = "ieee") -> int:
     """cublasGemmEx's compute type for ``row`` under ``math`` (TF32 applies to float32 alone)."""
-    if math == "tf32" and row.prefix == "s":
-        return CUBLAS_COMPUTE_32F_FAST_TF32
-    return row.cuda_compute
+    return CUBLAS_COMPUTE_32F_FAST_TF32 if math == "tf32" and row.prefix == "s" else row.cuda_compute
 
 
 def gemm_combinations() -> str:

@@ -1,116 +1,102 @@
 """The blasx scheduler: a long-lived multi-device service (the BLASX runtime).
 
-This docstring is the design doc. It follows Algorithm 1 of the BLASX paper (Wang et al., "BLASX:
-A High Performance Level-3 BLAS Library for Heterogeneous Multi-GPU Computing", ICS 2016): the tile
-caches of Section IV-B, the scheduling of IV-C (Fig. 4), the stream overlap of IV-D, the heap of IV-E.
+This docstring is the design doc. It follows Algorithm 1 of the BLASX paper (Wang et al., "BLASX: A High
+Performance Level-3 BLAS Library for Heterogeneous Multi-GPU Computing", ICS 2016): the tile caches of
+Section IV-B, the scheduling of IV-C (Fig. 4), the stream overlap of IV-D, the heap of IV-E.
 
 Policy
 ------
-* A pure planner splits a call into tasks, one per output tile C_ij, each a list of k-steps. They
-  go to a **global queue** that never blocks (``queue.py``): host operands to the queue every
-  worker serves, CuPy operands to the one only CUDA workers serve.
-* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for stream
-  devices, ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks. It
-  pulls when it has room (demand-driven balance), steals the newest task of the most loaded
-  station when the queue is empty, and starts the task of highest **Eq. 3 priority** (2 per input
-  tile in its L1, 1 per tile in a peer's L1); an ``urgent`` task (TRSM's diagonal inversions, which
-  later tasks wait for) goes first. **Fair share of small calls**: a stream worker holding
-  max(1, tasks // stream workers) of a call leaves the rest to a stream peer with room that holds
-  less, unless it has nothing else to run (``Worker._leave_for_peer``); with ``Knobs.line_homes`` an
-  in-place TRMM or a TRSM of at most two lines a device leaves each line to one device (``_leave_for_home``).
-* Each stream runs one task; a worker issues one k-step of every active task in turn, with at most
-  ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
-  cannot move, so what each device has committed when the queues run dry is the call's tail).
-* Tiles are read through the **two-level cache**: L1 is the device's ALRU (Algorithm 2) over its
-  heap; L2 is the other devices' L1, found through the **MESI-X directory** (``coherence.py``) and
-  copied over peer links. A peer's line still filling from the host is waited for only if the
-  host bytes ahead of it do not exceed this device's own backlog plus the tile
-  (``Knobs.peer_wait_if_sooner``). A written C tile is M and is written back at once (-> I).
-* The **CPU worker** takes whole tasks and solves each with the host BLAS, its threads limited so
-  every GPU worker keeps a core: by demand with ``cpu=True``; in **auto mode** (``cpu=None``
-  beside CUDA GPUs, ``cpu="auto"``) only when ``admission.py`` predicts it finishes the task before
-  the GPUs finish the rest of the call, never for a call with dependencies or one the GPUs hold at
-  once, nor while the call's host operands are still being page-locked. With the CPU as the only
-  device, tasks run in the calling thread (``Engine.inline``).
+* A pure planner splits a call into tasks (one per output tile C_ij, each a list of k-steps) on a
+  non-blocking **global queue** (``queue.py``); tasks with CuPy operands go to one only CUDA workers serve.
+* One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for stream devices,
+  ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks: it pulls when it has
+  room (demand-driven balance), steals the newest task of the most loaded station when the queue is empty,
+  and starts the task of highest **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's
+  L1), an ``urgent`` one (TRSM's diagonal inversions, which later tasks wait for) first. **Fair share of
+  small calls**: a stream worker holding max(1, tasks // stream workers) of a call leaves the rest to a
+  stream peer with room that holds less, unless it has nothing else to run (``Worker._leave_for_peer``);
+  with ``Knobs.line_homes`` each line of an in-place TRMM or a TRSM of at most two lines a device goes to
+  one device (``_leave_for_home``).
+* Each stream runs one task; a worker issues one k-step of every active task in turn, at most
+  ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task cannot
+  move, so what each device has committed when the queues run dry is the call's tail).
+* Tiles are read through the **two-level cache**: L1 is the device's ALRU (Algorithm 2) over its heap; L2
+  the other devices' L1, found through the **MESI-X directory** (``coherence.py``), copied over peer links.
+  A peer's line still filling from the host is waited for only if the host bytes ahead of it are at most
+  this device's own backlog plus the tile (``Knobs.peer_wait_if_sooner``). A written C tile is M and is
+  written back at once (-> I).
+* The **CPU worker** solves whole tasks with the host BLAS, its threads limited so every GPU worker keeps
+  a core: by demand with ``cpu=True``; in **auto mode** (``cpu=None`` beside CUDA GPUs, ``cpu="auto"``)
+  only when ``admission.py`` predicts it finishes the task before the GPUs finish the rest of the call,
+  never for a call with dependencies or one the GPUs hold at once, nor while the call's host operands are
+  being page-locked. With the CPU as the only device, tasks run in the calling thread (``Engine.inline``).
 
 Invariants
 ----------
-1. Every task of a call is accounted exactly once (done, cancelled or abandoned); a call returns
-   only then, so no device writes into the caller's memory after ``submit`` returns or raises.
-2. A line's reader count is the number of issued, unfinished operations that read it; only lines
-   with no readers are evicted, and a heap block is freed only by its device's worker after the
-   event that ends its last use.
-3. A tile key begins with a token that is never reused: per call for host arrays that may be
-   written; for life for read-only arrays (whole base chain read-only). No stale tile is read.
-4. Cross-device waits target an event recorded before the wait is issued (a peer's fill event,
-   read under the directory lock while holding a reader count), so waits cannot form a cycle. If
-   the peer breaks before its fill completes, the sim copies from the tile's home instead.
-5. No exception escapes a worker. A call's own error fails that call; any other is the device's:
-   its tasks go to live workers, unless their write-back was in flight and the task reads its own
-   tile, or a write-after-read gate already let a tile it read be overwritten
-   (``Call.recompute_safe``): then the call fails. With no live worker able to run a call, it fails.
-6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker on the queue and joins
-   them (and the sim stream threads). An inline engine starts no thread.
-7. No finalizer waits for a lock (it may run inside a critical section of that lock): their locks
-   are re-entrant, and ``retire_base`` only tries the directory lock, leaving the base in
-   ``_retired`` otherwise.
+1. Every task of a call is accounted exactly once (done, cancelled or abandoned); a call returns only
+   then, so no device writes into the caller's memory after ``submit`` returns or raises.
+2. A line's reader count is the number of issued, unfinished operations that read it; only lines with no
+   readers are evicted; a heap block is freed only by its device's worker after the event ending its last use.
+3. A tile key begins with a token that is never reused: per call for host arrays that may be written; for
+   life for read-only arrays (whole base chain read-only). No stale tile is read.
+4. Cross-device waits target an event recorded before the wait is issued (a peer's fill event, read under
+   the directory lock while holding a reader count), so waits cannot form a cycle. If the peer breaks
+   before its fill completes, the sim copies from the tile's home instead.
+5. No exception escapes a worker. A call's own error fails that call; any other is the device's: its tasks
+   go to live workers, unless their write-back was in flight and the task reads its own tile, or a
+   write-after-read gate already let a tile it read be overwritten (``Call.recompute_safe``): then the
+   call fails, as does a call no live worker can run.
+6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker on the queue and joins them
+   (and the sim stream threads). An inline engine starts no thread.
+7. No finalizer waits for a lock (it may run inside a critical section of that lock): their locks are
+   re-entrant; ``retire_base`` only tries the directory lock, else leaves the base in ``_retired``.
 
 Failure model
 -------------
 * **Bad input** raises in the caller before a Call exists; nothing is queued.
-* **Interrupt** (any exception in the caller's thread while its call is planned, registered, queued
-  or waited for) cancels the call (``_cancel``): no worker starts another of its tasks, queued and
-  stationed tasks are taken back, tasks on devices stop at their next step, then the interrupt is
-  re-raised (in the main thread a second Ctrl-C meanwhile is ignored). Lines are marked ready only
-  when filled and the call's tokens are retired, so no later call reads a half-filled line; other
-  calls go on and the next call works.
-* **The caller's arrays**: inputs are never written. A call that returns a new array leaves all of
-  them untouched (it is cancelled as above); one that writes into the caller's array
-  (``overwrite_c``/``overwrite_b`` with a usable array, ``out=``) holds Ctrl-C back until it returns
-  (``blasx.dispatch.whole``, main thread), as numpy's and scipy's calls do, so that output is fully
-  written when KeyboardInterrupt is raised. (An async exception injected into another thread still
-  cancels such a call and may leave its output partly written.)
+* **Interrupt** (any exception in the caller's thread while its call is planned, registered, queued or
+  waited for) cancels the call (``_cancel``): no worker starts another of its tasks, queued and stationed
+  tasks are taken back, tasks on devices stop at their next step, then the interrupt is re-raised (in the
+  main thread a second Ctrl-C meanwhile is ignored). Lines are marked ready only when filled and the call's
+  tokens are retired, so no later call reads a half-filled line; other calls go on, the next call works.
+* **The caller's arrays**: inputs are never written. A call returning a new array leaves all of them
+  untouched (it is cancelled as above); one writing into the caller's array (``overwrite_c``/``overwrite_b``
+  with a usable array, ``out=``) holds Ctrl-C back until it returns (``blasx.dispatch.whole``, main
+  thread), as numpy's and scipy's calls do, so that output is fully written when KeyboardInterrupt is
+  raised (an async exception injected into another thread still cancels it, maybe partly written).
 * **An error of one call** (a refused write-back, ``CacheFull``, anything not a device error,
   ``Worker.device_error``) fails that call; its tasks stop as on an interrupt; the device goes on.
-* **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of
-  memory, a dying worker thread): that worker stops, its lines are dropped, the peer lines it read
-  unpinned, its tasks go to live workers or fail their calls. A waiting caller checks every
-  ``WAIT_POLL`` that a live worker can still run its call. ``blasx.reset()`` restarts the engine;
-  the next call does so by itself once every device is dead.
-* **Out of memory**: a heap is sized from the memory free at open (cuda: half, retried at half the
-  size; sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start,
-  naming needed and free bytes. Memory taken by others mid-run shrinks the cache
-  (``Device.cache_limit``); a block that still does not fit fails the call with ``CacheFull``. A
-  cuda scratch buffer that cannot be had fails the call (MemoryError); a host chunk that cannot be
-  registered is copied as pageable memory; one that could not be staged fails the copies reading it.
-* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish; interpreter exit cancels
-  the calls in flight first (``shutdown(cancel=True)``), so it returns promptly.
+* **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of memory, a
+  dying worker thread): that worker stops, its lines are dropped, the peer lines it read unpinned, its
+  tasks go to live workers or fail their calls. A waiting caller checks every ``WAIT_POLL`` that a live
+  worker can still run its call. ``blasx.reset()`` restarts the engine; the next call does so by itself
+  once every device is dead.
+* **Out of memory**: a heap is sized from the memory free at open (cuda: half, retried at half the size;
+  sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start, naming needed
+  and free bytes. Memory taken by others mid-run shrinks the cache (``Device.cache_limit``); a block that
+  still does not fit fails the call with ``CacheFull``, as a cuda scratch buffer that cannot be had does
+  (MemoryError). A host chunk that cannot be registered is copied as pageable memory; one that could not
+  be staged fails the copies reading it.
+* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish; interpreter exit cancels the
+  calls in flight first (``shutdown(cancel=True)``), so it returns promptly.
 
 State (each field has one owner)
 --------------------------------
-``devices``, ``workers``, ``stations``
-    Fixed at start. A station is pushed/popped by its worker, stolen from under its own lock.
-``queues``
-    ``{"any": TaskQueue, "gpu": TaskQueue}``; any thread puts, workers get.
-``directory``
-    MESI-X directory and every ALRU, under ``directory.lock``; heap blocks belong to their worker.
-``work_generation``, ``_cv``
-    Bumped and notified when work appears (submit, re-queue, failure, shutdown); idle workers
-    sleep on ``_cv`` until it changes.
-``_calls``
-    Calls in progress, so a failure with no live worker can fail them all; added and copied under
-    ``_calls_lock`` (``_live_calls``).
-``_retired``
-    Bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7); any
-    thread appends, the holder of the directory lock drains.
-``_switching``
-    Python's switch interval while calls are in flight (``switching.py``).
-``admission``
-    The auto-mode CPU worker's rule and rate meter (``admission.py``), or None.
-Per worker, written by that worker alone
-    ``slots``, ``pending`` (events per stream), ``inflight`` / ``inflight_of``, ``h2d_issued`` /
-    ``h2d_done``. Peers read ``inflight_of``, the station length and ``h2d_*`` without a lock: a
-    stale value only costs balance, never correctness.
+* ``devices``, ``workers``, ``stations``: fixed at start. A station is pushed/popped by its worker, stolen
+  from under its own lock.
+* ``queues``: ``{"any": TaskQueue, "gpu": TaskQueue}``; any thread puts, workers get.
+* ``directory``: MESI-X directory and every ALRU, under ``directory.lock``; heap blocks belong to their worker.
+* ``work_generation``, ``_cv``: bumped and notified when work appears (submit, re-queue, failure, shutdown);
+  idle workers sleep on ``_cv`` until it changes.
+* ``_calls``: calls in progress, so a failure with no live worker can fail them all; added and copied under
+  ``_calls_lock`` (``_live_calls``).
+* ``_retired``: bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7);
+  any thread appends, the holder of the directory lock drains.
+* ``_switching``: Python's switch interval while calls are in flight (``switching.py``); ``admission``: the
+  auto-mode CPU worker's rule and rate meter (``admission.py``), or None.
+* Per worker, written by that worker alone: ``slots``, ``pending`` (events per stream), ``inflight`` /
+  ``inflight_of``, ``h2d_issued`` / ``h2d_done``. Peers read ``inflight_of``, the station length and
+  ``h2d_*`` without a lock: a stale value only costs balance, never correctness.
 """
 
 from __future__ import annotations
@@ -189,8 +175,7 @@ class Engine:
         self._closed = False
         self.failures: list[tuple[str, BaseException]] = []
         self._switching = SwitchInterval(config.switch_interval)
-        # The CPU worker's admission rule (admission.py), when a CPU device in auto mode sits
-        # beside stream devices; None: the CPU worker (if any) takes work by demand.
+        # The CPU worker's rule (admission.py) for an auto-mode CPU device beside stream devices; else None.
         auto_cpu = any(not d.streamed and getattr(d, "auto", False) for d in self.devices)
         self.admission = Admission(self) if auto_cpu and any(d.streamed for d in self.devices) else None
 
@@ -206,10 +191,10 @@ class Engine:
                 self._started = True
                 return
             ncores = os.cpu_count() or 1
+            bind = self.config.bind_threads and ncores > len(self.devices)
             for d, st in zip(self.devices, self.stations):
-                core = (d.index % ncores) if (self.config.bind_threads and d.binds_thread and ncores > len(self.devices)) else None
-                cls = StreamWorker if d.streamed else CpuWorker
-                self.workers.append(cls(self, d, st, core))
+                core = d.index % ncores if bind and d.binds_thread else None
+                self.workers.append((StreamWorker if d.streamed else CpuWorker)(self, d, st, core))
             for w in self.workers:
                 w.start()
             for w in self.workers:
@@ -222,8 +207,7 @@ class Engine:
             raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
 
     def shutdown(self, cancel: bool = False) -> None:
-        """Stop the workers once the queued work is done; with ``cancel`` (interpreter exit), fail
-        the calls in flight first, so only the tasks already on devices run to their end."""
+        """Stop the workers once the queued work is done; ``cancel`` (interpreter exit) fails the calls in flight."""
         with self._lock:
             if self._closed:
                 return
@@ -259,12 +243,10 @@ class Engine:
         return worker.alive and (not call.device_only or worker.dev.reads_device_arrays)
 
     def wait_for_work(self, seen_generation: int, poll: float | None = None) -> None:
-        """Sleep until work changes; at most ``poll`` seconds (None: no bound), or 2 ms while a
-        station holds tasks (they may be stolen)."""
+        """Sleep until work changes: at most ``poll`` s (None: no bound), 2 ms while a station holds tasks to steal."""
         with self._cv:
             if self.work_generation != seen_generation:
                 return
-            # Tasks waiting in another station may be stolen: look again soon.
             timeout = 0.002 if any(len(st) for st in self.stations) else poll
             self._cv.wait(timeout)
 
@@ -275,10 +257,8 @@ class Engine:
 
     # ------------------------------------------------------------ calls
     def submit(self, call: Call) -> None:
-        """Run ``call`` to completion on the workers; raise its error, if any.
-
-        An exception in this thread while the call runs (KeyboardInterrupt, an async exception)
-        cancels it (``_cancel``) and is re-raised once no device works for the call any more."""
+        """Run ``call`` to completion; raise its error, if any. An exception in this thread meanwhile
+        (KeyboardInterrupt, an async one) cancels it (``_cancel``), re-raised once no device works for it."""
         self.start()
         if self._retired:
             self._drain_retired()
@@ -333,8 +313,7 @@ class Engine:
         return len(self.devices) == 1 and not self.devices[0].streamed
 
     def _run_inline(self, call: Call) -> None:
-        """Run ``call``'s tasks on the CPU device in the calling thread, in plan order (dependencies
-        first); an error fails this call only, every task accounted either way (invariant 1)."""
+        """Run ``call``'s tasks in plan order in the calling thread; an error fails this call only (invariant 1)."""
         dev = self.devices[0]
         tasks = iter(call.tasks)
         try:
@@ -358,11 +337,10 @@ class Engine:
                 raise  # KeyboardInterrupt and the like reach the caller as they are
 
     def _cancel(self, call: Call, exc: BaseException) -> None:
-        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it so no worker starts
-        another of its tasks, take its queued and stationed tasks back, and wait until the tasks
-        already on devices end (each stops at its next step, invariant 1). A task that nobody
-        holds in two sweeps in a row (the interrupt came before it was queued) is accounted here.
-        In the main thread, a second Ctrl-C meanwhile is ignored: the first one is re-raised."""
+        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it (no worker starts another
+        of its tasks), take its queued and stationed tasks back, and wait until those on devices end (each
+        stops at its next step). A task nobody holds in two sweeps in a row (the interrupt came before it was
+        queued) is accounted here. In the main thread a second Ctrl-C meanwhile is ignored."""
         call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} in its calling thread"))
         self._poke()
         restore = _defer_sigint()
@@ -383,18 +361,13 @@ class Engine:
 
     def _take_back(self, call: Call) -> None:
         """Account the tasks of ``call`` (failed) that sit in a queue or a station."""
-        mine = lambda t: t is not self.SENTINEL and t.call is call  # noqa: E731
-        for q in self.queues.values():
-            for t in q.remove_if(mine):
-                call.account(t)
-        for st in self.stations:
-            for t in st.remove_if(mine):
+        for held in (*self.queues.values(), *self.stations):
+            for t in held.remove_if(lambda t: t is not self.SENTINEL and t.call is call):
                 call.account(t)
 
     @property
     def dead(self) -> bool:
-        """Started, and no worker is alive (every device failed): ``blasx.reset()`` or the next
-        call (``blasx.session.engine``) replaces the engine."""
+        """Started, and every device failed: ``blasx.reset()`` or the next call replaces the engine."""
         return self._started and not self.inline and not any(w.alive for w in self.workers)
 
     def leaks(self) -> list[str]:
@@ -403,9 +376,8 @@ class Engine:
         return leaks(self)
 
     def retire_base(self, base: int) -> None:
-        """Tiles of token base ``base`` may never be read again (a read-only array died). Called by a
-        finalizer, which may run under the directory lock in this thread, so it never waits for it: a
-        base it cannot retire now waits in ``_retired`` (at the latest for the next submit)."""
+        """Tiles of token base ``base`` may never be read again (a read-only array died). Called by finalizers, so
+        it never waits for the directory lock (invariant 7): a base it cannot retire waits in ``_retired``."""
         self._retired.append(base)
         self._drain_retired()
 
@@ -458,7 +430,7 @@ class Engine:
                     self.queue_of(call).put_front(task)
                     continue
                 if err is not None:
-                    self._fail_call(call, DeviceError(err), exc)
+                    self._fail_call(call, err, exc)
                 call.account(task)
         self._fail_unrunnable()
         self._poke()
@@ -472,9 +444,9 @@ class Engine:
         self.queue_of(task.call).put_front(task)
         self._poke()
 
-    def _fail_call(self, call: Call, err: BaseException, cause: BaseException | None) -> None:
-        if cause is not None and err.__cause__ is None:
-            err.__cause__ = cause
+    def _fail_call(self, call: Call, message: str, cause: BaseException | None) -> None:
+        err = DeviceError(message)
+        err.__cause__ = cause
         call.fail(err)
 
     def _live_calls(self) -> list:
@@ -486,7 +458,7 @@ class Engine:
         for call in self._live_calls():
             if not call.failed and not self._runnable(call):
                 cause = self.failures[-1][1] if self.failures else None
-                self._fail_call(call, DeviceError(self._unrunnable_message(call)), cause)
+                self._fail_call(call, self._unrunnable_message(call), cause)
         dead_stations = [st for st, w in zip(self.stations, self.workers) if not w.alive]
         for st in dead_stations:
             for t in st.drain():
@@ -504,9 +476,7 @@ def _defer_sigint():
     """In the main thread, hold SIGINT (Ctrl-C) back until the returned function is called: the
     caller is already cleaning up after one. Elsewhere (or with no Python handler) a no-op."""
     import signal
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    old = signal.getsignal(signal.SIGINT)
+    old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     if old is None:
         return lambda: None
     signal.signal(signal.SIGINT, lambda signum, frame: None)

@@ -1,18 +1,17 @@
 """Pinning host arrays for asynchronous copies: a registration cache, filled while calls run.
 
-Pageable copies overlap nothing, so blasx page-locks host operands in place (``cudaHostRegister``):
-the root of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYTES``) is registered
-once while it lives, its whole pages only; memory pinned by others is used as is, smaller arrays
-are copied pageable. Registration costs about a pass over the data, so ``PIN_THREADS`` threads per
-call register ``CHUNK_BYTES`` chunks in the order the call reads them (each takes the next chunk;
-an output the call only writes after its inputs), and a tile copy waits only for the chunks it
-touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly registered range);
-a chunk a copy waits for is taken next (``PinJob.hurry``).
+Pageable copies overlap nothing, so blasx page-locks host operands in place (``cudaHostRegister``): the root
+of an array (the ndarray owning the memory, at least ``MIN_REGISTER_BYTES``) is registered once while it
+lives, its whole pages only; memory pinned by others is used as is, smaller arrays are copied pageable.
+Registration costs about a pass over the data, so ``PIN_THREADS`` threads per call register ``CHUNK_BYTES``
+chunks in the order the call reads them (an output it only writes after its inputs); a tile copy waits only
+for the chunks it touches, split at chunk boundaries (``split_2d``: CUDA refuses a copy over a partly
+registered range), and a chunk it waits for is taken next (``PinJob.hurry``).
 
-Staging: an input the call only reads, seen by blasx for the first time, is copied instead into a
-page-locked buffer of the result pool (the same threads and chunk order; copies read the buffer,
-``Pinning.delta``): with the buffer idle in the pool, a pass of copying is cheaper than registering an
-array and later unregistering it. An array seen again is registered in place: it is being reused.
+Staging: an input the call only reads, seen for the first time, is copied instead into a page-locked buffer
+of the result pool (same threads and chunk order; copies read the buffer, ``Pinning.delta``): with the buffer
+idle in the pool, a pass of copying is cheaper than registering an array and later unregistering it. An
+array seen again is registered in place: it is being reused.
 """
 
 from __future__ import annotations
@@ -83,10 +82,9 @@ def split_2d(ptr: int, pitch: int, width: int, cols: int, cuts) -> list[tuple[in
 
 
 class Pinning:
-    """The page-locked state of one root's memory: chunks [start, end) registered (or being
-    registered) by blasx, or the whole root pinned by someone else (``foreign``). The rest of
-    the root is pageable. A chunk's state is written by the one thread registering it, before
-    its event is set; readers wait on the events."""
+    """The page-locked state of one root's memory: chunks [start, end) registered (or being registered) by
+    blasx, or the whole root pinned by someone else (``foreign``); the rest is pageable. A chunk's state is
+    written by the one thread registering it before its event is set; readers wait on the events."""
 
     def __init__(self, lo: int, hi: int, chunks: list[tuple[int, int]], foreign: bool = False,
                  staged=None, source=None) -> None:
@@ -110,8 +108,7 @@ class Pinning:
         return cls(lo, hi, [(lo, hi)], foreign=True)
 
     def wait(self, lo: int, hi: int) -> None:
-        """Until every chunk overlapping bytes [lo, hi) is registered or has failed; a chunk not
-        done after ``WAIT_SECONDS`` raises (a copy must never wait forever)."""
+        """Until every chunk overlapping bytes [lo, hi) is registered or failed; raises after ``WAIT_SECONDS``."""
         for i, ((s, e), ev) in enumerate(zip(self.chunks, self.ready)):
             if s < hi and lo < e and not ev.is_set() and (job := self.owner[i]) is not None:
                 job.hurry(self, i)  # wanted now: its job takes it next
@@ -144,29 +141,27 @@ def root_of(x: np.ndarray) -> np.ndarray:
 
 class RegistrationCache:
     def __init__(self) -> None:
-        # Re-entrant: a root's finalizer (``_unregister``) runs wherever the garbage collector
-        # frees the root, which may be inside this very class's critical section in the same
-        # thread (a GC pass in ``Pinning.__init__`` under ``_pinning``'s lock may free an earlier
-        # call's array: a plain Lock would deadlock).
+        # Re-entrant: a root's finalizer (``_unregister``) runs wherever the garbage collector frees the root,
+        # maybe inside this class's critical section in the same thread (a GC pass in ``Pinning.__init__``
+        # under ``_pinning``'s lock may free an earlier call's array: a plain Lock would deadlock).
         self._lock = threading.RLock()
         self._ours: dict[int, Pinning] = {}  # id(root) -> what blasx registered (or is registering) in it
         self._seen: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()  # roots staged once
 
     def pin(self, arrays, min_bytes: int | None = None, late=(), threads: int | None = None,
             readonly=(), buffer=None, on_demand: bool = True, into=None) -> tuple[list, "PinJob | None"]:
-        """Start pinning the roots of one call's host operands (roots of at least ``min_bytes``, default
-        ``MIN_REGISTER_BYTES``), chunks round-robin in address order (the order its tasks read them), those of
-        the arrays at the indices ``late`` (outputs the call only writes; or a function giving them, called only
-        when there is something to register) after all the others'. Returns each array's :class:`Pinning`
-        (None: pageable) and the job registering the missing chunks on its own threads (None: nothing to do),
-        which the caller joins when the call is over; ``threads``: its thread count (default ``PIN_THREADS``,
-        ``STAGE_THREADS`` when it stages). The arrays at the indices ``readonly`` (inputs only read) may be
-        staged: ``buffer(nbytes)`` gives a page-locked uint8 array of that size or None. ``into``: {index: array}
-        of read-only inputs staged straight into that page-locked array (a new result starting from the input's
-        values, which lie there byte for byte: :func:`_bytes_like`) whether seen before or not. ``on_demand``:
-        a chunk a tile copy waits for is taken next (``PinJob.hurry``), ahead of the order."""
+        """Start pinning the roots (of at least ``min_bytes``, default ``MIN_REGISTER_BYTES``) of one call's host
+        operands, chunks round-robin in address order (the order its tasks read them), those of the arrays at the
+        indices ``late`` (outputs the call only writes; or a function giving them, called only if needed) after
+        the others'. Returns each array's :class:`Pinning` (None: pageable) and the job registering the missing
+        chunks on ``threads`` threads (default ``PIN_THREADS``, ``STAGE_THREADS`` when staging), which the caller
+        joins after the call (None: nothing to do). The arrays at the indices ``readonly`` (inputs only read) may
+        be staged into ``buffer(nbytes)`` (a page-locked uint8 array, or None); ``into``: {index: page-locked
+        array} where a read-only input is staged straight, its values lying there byte for byte (a new result
+        starting from them: :func:`_bytes_like`), seen before or not. ``on_demand``: ``PinJob.hurry`` is on."""
         from cupy.cuda import runtime
 
+        min_bytes = MIN_REGISTER_BYTES if min_bytes is None else min_bytes
         # a root the call also writes is never staged (its copy would go stale)
         into = into or {}
         staging = {id(root_of(x)): None for i, x in enumerate(arrays) if i not in readonly} if buffer or into else {}
@@ -194,19 +189,18 @@ class RegistrationCache:
         job.start()
         return pinnings, job
 
-    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int | None, into=None):
-        """A staged Pinning for x's root (shared by the call's operands on that root), or None: the root
-        is small, pinned already or before, seen by blasx before, a view of a part of it, or ``buffer``
-        has none. With ``into`` (a page-locked array): staged there if x lies in it byte for byte, seen
-        before or not (else as any input). Its chunks are copied by the call's job."""
+    def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int, into=None):
+        """A staged Pinning for x's root (shared by the call's operands on that root; its chunks copied by
+        the call's job), or None: the root is small, pinned already or before, seen by blasx before, a view
+        of a part of it, or ``buffer`` has none. With ``into`` (a page-locked array): staged there if x lies
+        in it byte for byte, seen before or not."""
         root = root_of(x)
         key = id(root)
         if key in staging:
             return staging[key]
         lo = int(root.ctypes.data)
         p = None
-        if (root.base is None and x.nbytes == root.nbytes
-                and root.nbytes >= (MIN_REGISTER_BYTES if min_bytes is None else min_bytes)
+        if (root.base is None and x.nbytes == root.nbytes and root.nbytes >= min_bytes
                 and not (_is_pinned(runtime, lo) or _is_pinned(runtime, lo + root.nbytes - 1))):
             with self._lock:  # seen now, whatever follows: of calls racing on it, one stages it
                 first = self._seen.get(key) is not root and key not in self._ours
@@ -222,7 +216,7 @@ class RegistrationCache:
         staging[key] = p
         return p
 
-    def _pinning(self, runtime, x, min_bytes: int | None = None):
+    def _pinning(self, runtime, x, min_bytes: int):
         """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
         root = root_of(x)
         if root.nbytes == 0:
@@ -234,7 +228,7 @@ class RegistrationCache:
             if p is None:
                 if _both_ends_pinned(runtime, lo, hi):
                     return Pinning.whole(lo, hi), []
-                if root.base is not None or root.nbytes < (MIN_REGISTER_BYTES if min_bytes is None else min_bytes):
+                if root.base is not None or root.nbytes < min_bytes:
                     return None, []
                 start, end = interior_pages(lo, root.nbytes)  # never a byte of a neighbouring array
                 p = self._ours[id(root)] = Pinning(lo, hi, chunk_spans(start, end, CHUNK_BYTES))
@@ -245,8 +239,7 @@ class RegistrationCache:
         return p, [(p, i) for i in mine]
 
     def register_chunk(self, p: Pinning, i: int) -> None:
-        """Register chunk i of p (called by one of its PinJob's threads); always sets its event. A staged
-        p's chunk is copied into its buffer instead."""
+        """Register (or, staged, copy) chunk i of p, on a thread of its PinJob; always sets its event."""
         if p.staged is not None:
             stage_chunk(p, i)
             return
@@ -262,8 +255,7 @@ class RegistrationCache:
             p.ready[i].set()
 
     def release(self, x: np.ndarray) -> bool:
-        """Unregister now what blasx registered under ``x``'s root (True if there was such a
-        registration). The next call on it pins again; memory pinned by others is left alone."""
+        """Unregister now what blasx registered under ``x``'s root (True if any); the next call pins it again."""
         root = root_of(x)
         with self._lock:
             p = self._ours.get(id(root))
@@ -285,8 +277,7 @@ class RegistrationCache:
                     runtime.hostUnregister(start)
 
     def describe(self, lo: int, hi: int) -> str:
-        """Why a copy from host bytes [lo, hi) may have been refused: their pinned state and the
-        blasx registrations overlapping them (for error messages)."""
+        """For error messages: the pinned state of host bytes [lo, hi) and blasx registrations overlapping them."""
         try:
             from cupy.cuda import runtime
             ends = f"pinned at first byte: {_is_pinned(runtime, lo)}, at last byte: {_is_pinned(runtime, hi - 1)}"
@@ -322,10 +313,9 @@ def stage_chunk(p: Pinning, i: int) -> None:
 
 
 class PinJob:
-    """One call's chunks, registered (or staged) by ``PIN_THREADS`` threads of its own, each taking the
-    chunk a tile copy waits for, if any (``hurry``), else the next in the call's order (not daemons: the
-    call joins the job before returning, so no registration outlives the call that holds the arrays).
-    ``_lock`` guards what is taken and the hurried chunks; each chunk is taken once."""
+    """One call's chunks, registered (or staged) by threads of its own, each taking the chunk a tile copy
+    waits for, if any (``hurry``), else the next in order; each chunk is taken once (under ``_lock``). Not
+    daemons: the call joins the job before returning, so no registration outlives the call's arrays."""
 
     def __init__(self, cache: RegistrationCache, chunks: list, threads: int | None = None) -> None:
         self.cache, self.chunks = cache, chunks
@@ -356,13 +346,11 @@ class PinJob:
     def _take(self) -> int | None:
         """The chunk this thread does next (marked taken), or None when every chunk is taken."""
         with self._lock:
-            while self._hurried:
-                n = self._hurried.popleft()
-                if not self._taken[n]:
-                    self._taken[n] = True
-                    return n
-            while self._cursor < len(self.chunks):
-                n, self._cursor = self._cursor, self._cursor + 1
+            while self._hurried or self._cursor < len(self.chunks):
+                if self._hurried:
+                    n = self._hurried.popleft()
+                else:
+                    n, self._cursor = self._cursor, self._cursor + 1
                 if not self._taken[n]:
                     self._taken[n] = True
                     return n
@@ -398,15 +386,13 @@ class PinJob:
         """Every thread has ended (each appends its end time last)."""
         return len(self._ends) == len(self._threads)
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes this job registered (its chunks that succeeded)."""
-        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is None)
+    def _done_bytes(self, staged: bool) -> int:
+        """Bytes of this job's chunks that succeeded: copied into staging buffers, or registered."""
+        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks
+                   if p.ok[i] and (p.staged is not None) == staged)
 
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes this job copied into staging buffers."""
-        return sum(p.chunks[i][1] - p.chunks[i][0] for p, i in self.chunks if p.ok[i] and p.staged is not None)
+    pinned_bytes = property(lambda self: self._done_bytes(False))
+    staged_bytes = property(lambda self: self._done_bytes(True))
 
 
 def _both_ends_pinned(runtime, lo: int, hi: int) -> bool:

@@ -34,8 +34,8 @@ class _Active:
 
 @dataclass(slots=True, eq=False)
 class _StepWork:
-    """What one step has taken so far (lines with a reader count, fills not yet flushed, blocks
-    not yet owned by the task), so an error of the call mid-step can give them back."""
+    """What one step has taken so far (lines with a reader count, fills not yet flushed, blocks not yet
+    owned by the task), so an error of the call mid-step can give them back."""
 
     release: list = field(default_factory=list)
     fills: dict = field(default_factory=dict)

@@ -9,52 +9,42 @@ from dataclasses import dataclass, fields, replace
 
 @dataclass(frozen=True)
 class Knobs:
-    #: Queue GEMM's C tiles in blocks of 2 x (streams / 2) tiles: one round on a device shares
-    #: both A row panels and B column panels.
+    #: Queue GEMM's C tiles in blocks of 2 x (streams / 2): a round on a device shares A row and B column panels.
     block_order: bool = True
-    #: Run a device's kernels one at a time in issue order (an event chain across its streams), so
-    #: they finish staggered and the write-backs overlap the kernels still running.
+    #: One kernel at a time per device, in issue order (an event chain): write-backs overlap the kernels still running.
     chain_kernels: bool = True
-    #: For beta != 0, fetch the old C tile only for the last steps (then C += beta * old): C's host
-    #: traffic leaves the start, where A and B loads already saturate the host link.
+    #: For beta != 0, fetch the old C tile for the last steps (C += beta * old), off the start's busy host link.
     late_c: bool = True
-    #: Wait for a peer's in-flight host load of a tile only when it will arrive before a load on
-    #: this device's own link would. Off: always wait for the peer's fill.
+    #: Wait for a peer's in-flight host load of a tile only if it arrives before one on this device's link would.
     peer_wait_if_sooner: bool = True
-    #: TRSM through explicit inverses of A's diagonal blocks (``plan_trsm(inverse=True)``): one
-    #: inversion task per block, shared through the tile cache, then triangular multiplies, which
-    #: cuBLAS runs faster than solves. Used with GPU or sim devices. Off: cuBLAS trsm per tile.
+    #: TRSM through explicit inverses of A's diagonal blocks (``plan_trsm(inverse=True)``, a task per block,
+    #: shared through the tile cache), then triangular multiplies (faster than solves in cuBLAS); GPU or sim.
     trsm_inverse: bool = True
-    #: TRSM's ``invmm`` writes into a fresh heap block that becomes C, instead of a scratch tile
-    #: copied back over C (kept where C is the caller's device array). Off: scratch and copy back.
+    #: TRSM's ``invmm`` writes into a fresh heap block that becomes C, instead of a scratch tile copied back
+    #: over C (kept where C is the caller's device array).
     invmm_new_block: bool = True
     #: Split-k for GEMMs whose C has fewer tiles than the devices have streams and whose k is long
-    #: (``plans.choose_split``): partial sums over k ranges, reduced in a fixed order. Off: one task per C tile.
+    #: (``plans.choose_split``): partial sums over k ranges, reduced in a fixed order.
     split_k: bool = True
-    #: Tiles for small calls (``blasx.tile.small_n_tile``): where the default tile gives a GPU fewer
-    #: than 2 x streams tasks, the largest multiple of 512 (down to 2048) that does, evened out over
-    #: C. Off (default until a GPU A/B decides; only the timing model has seen it win): the default tile
-    #: alone (power-of-two halving while a device gets fewer than 2 tasks).
+    #: Tiles for small calls (``blasx.tile.small_n_tile``): where the default tile gives a GPU fewer than
+    #: 2 x streams tasks, the largest multiple of 512 (down to 2048) that does, evened out over C. Off: the
+    #: default tile alone (power-of-two halving while a device gets fewer than 2 tasks).
     small_n_tiles: bool = False
-    #: A GPU starts another task only while its committed, unrun kernels add up to less than this
-    #: many full tile steps (2 T^3 flops, 8 T^3 complex), besides the cap of 2 x streams tasks in
-    #: flight; this bounds the tail imbalance. 0 (default): the cap alone.
+    #: A GPU starts another task only while its committed, unrun kernels add up to less than this many full
+    #: tile steps (2 T^3 flops, 8 T^3 complex), bounding the tail imbalance. 0: the 2 x streams cap alone.
     commit_steps: int = 0
-    #: Threads page-locking one call's host operands beside it (``hostmem.PinJob``). 0 (default):
-    #: ``hostmem.PIN_THREADS``.
+    #: Threads page-locking one call's host operands (``hostmem.PinJob``). 0: ``hostmem.PIN_THREADS``.
     pin_threads: int = 0
-    #: Stage inputs seen for the first time through page-locked pool buffers instead of registering them
-    #: in place (``hostmem``'s staging).
+    #: Stage inputs seen for the first time through page-locked pool buffers instead of registering them.
     stage_inputs: bool = True
-    #: A chunk a tile copy waits for is page-locked (or staged) next, ahead of the call's order. Off: in order.
+    #: A chunk a tile copy waits for is page-locked (or staged) next, ahead of the call's order.
     chunks_on_demand: bool = True
-    #: A new result starting from the caller's c (``Task.c_init``) gets c's values staged straight into its own
-    #: page-locked memory by the call's copy threads (``Call.init_targets``). Off: c is staged or registered
-    #: like any other input.
+    #: A new result starting from the caller's c (``Task.c_init``) gets c's values staged straight into its
+    #: own page-locked memory (``Call.init_targets``). Off: c is staged or registered like any other input.
     stage_into_result: bool = True
-    #: The lines of in-place TRMM and TRSM (``Task.line``: columns of B that depend on no other) each on one stream
-    #: device (line i of n on device i * devices // n, a task left at the queue's head for its device while that
-    #: one has room), at most two lines a device: fewer tiles cross between devices. Off: any device, any task.
+    #: Each line of in-place TRMM and TRSM (``Task.line``) on one stream device (line i of n on device
+    #: i * devices // n, left at the queue's head for it while it has room), at most two lines a device:
+    #: fewer tiles cross between devices.
     line_homes: bool = True
 
     @classmethod

@@ -1,8 +1,5 @@
-"""The global task queue (Algorithm 1, line 2).
-
-The paper uses Michael and Scott's non-blocking queue; in CPython ``deque.append`` and ``popleft``
-are atomic under the GIL, so no thread waits on another to enqueue or dequeue. Waiting for work is
-the engine's business (a condition variable off the hot path).
+"""The global task queue (Algorithm 1, line 2): in place of the paper's Michael and Scott queue, a deque,
+whose ``append`` and ``popleft`` are atomic under the GIL. Waiting for work is the engine's business.
 """
 
 from __future__ import annotations
@@ -45,10 +42,7 @@ class TaskQueue(Generic[T]):
             return None
 
     def remove_if(self, pred) -> list[T]:
-        """Take out every item matching ``pred`` (used to cancel a failed call's tasks).
-
-        Not on the hot path; it drains and refills, so items keep their order.
-        """
+        """Take out every item matching ``pred`` (a failed call's tasks), keeping the others' order."""
         kept, taken = [], []
         while (item := self.get()) is not None:
             (taken if pred(item) else kept).append(item)

@@ -1,10 +1,9 @@
 """Reservation stations (Section IV-C, Fig. 4) and the Eq. 3 priority.
 
-Each worker owns a station: tasks pulled from the global queue, not yet started. It starts the
-task of highest Eq. 3 priority on its device ``d``: the sum over the task's input tiles of 2 if
-the tile is in d's L1, 1 if in a peer's (L2), else 0; refreshed at every pick (the cache changes),
-ties to the task pulled first (the planner's locality order). Peers steal from it when the queue
-is empty, so its list is guarded by a lock.
+Each worker owns a station of tasks pulled from the global queue, not yet started, and starts the one of
+highest Eq. 3 priority on its device ``d``: the sum over its input tiles of 2 if in d's L1, 1 if in a peer's
+(L2), else 0, refreshed at every pick; ties go to the task pulled first (the planner's locality order).
+Peers steal from it, so its list is guarded by a lock.
 """
 
 from __future__ import annotations
@@ -63,9 +62,7 @@ class ReservationStation:
                 s = score(t)
                 if s > best_s:
                     best_i, best_s = i, s
-            if best_i < 0:
-                return None
-            return self._tasks.pop(best_i)
+            return self._tasks.pop(best_i) if best_i >= 0 else None
 
     def steal(self, ready: Callable[[Task], bool] | None = None) -> Task | None:
         """Take the most recently pulled ready task (the one its owner would start last)."""
@@ -92,8 +89,7 @@ class ReservationStation:
 
 
 def most_loaded(stations: Iterable[ReservationStation], exclude: int) -> ReservationStation | None:
-    """The station holding the most waiting work (flops, so two heavy tasks outweigh three light
-    ones), other than ``exclude``'s: the steal target; None when none holds any."""
+    """The steal target: the station, not ``exclude``'s, holding the most waiting flops; None if none holds any."""
     load, best = max(((st.load(), st) for st in stations if st.owner != exclude), key=lambda x: x[0],
                      default=(0.0, None))
     return best if load > 0 else None

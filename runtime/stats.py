@@ -26,8 +26,6 @@ __all__ = [
 COUNTER_FIELDS = ("tasks", "steps", "flops", "steals", "l1_hits", "l2_hits", "misses", "evictions",
                   "bytes_h2d", "bytes_d2h", "bytes_p2p")
 
-_FIELDS = frozenset(COUNTER_FIELDS)
-
 #: The breakdown class of each record kind.
 KIND_CLASS = {"kernel": "compute", "host": "compute", "h2d": "copy", "d2h": "copy", "p2p": "copy"}
 
@@ -59,8 +57,7 @@ class DeviceInfo:
     kind: str              # "cuda" | "sim" | "cpu"
 
 
-# ---------------------------------------------------------------------------------------------
-# intervals
+# ------------------------------------------------------------------------------- intervals
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted, disjoint union of the intervals [s, e); empty ones are dropped. O(n log n)."""
@@ -86,32 +83,21 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
-def _number(n) -> int | float:
-    """Plain int/float (numpy scalars would not serialise to JSON)."""
-    if type(n) is int or type(n) is float:
-        return n
-    return int(n) if isinstance(n, numbers.Integral) else float(n)
-
-
 def human_bytes(n: float) -> str:
     """1234567 -> '1.23 MB' (decimal units, like GB/s link rates)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
-    raise AssertionError("unreachable")
+    return f"{n:.2f} TB"
 
 
-# ---------------------------------------------------------------------------------------------
-# collector
+# ------------------------------------------------------------------------------- collector
 
 class CallStats:
-    """Thread-safe collector for one call (or one profiling window).
-
-    Workers of several devices add to it concurrently. `device` arguments and `OpRecord.device`
-    are worker indices: positions in `devices`. The window starts at construction unless `start`
-    is called; an unfinished window ends when `profile` is called.
-    """
+    """Thread-safe collector for one call (or profiling window), fed by several devices' workers. `device`
+    arguments and `OpRecord.device` are worker indices: positions in `devices`. The window starts at
+    construction unless `start` is called; an unfinished window ends when `profile` is called."""
 
     def __init__(self, devices: Sequence[DeviceInfo], keep_records: bool = True):
         self.devices = tuple(devices)
@@ -121,8 +107,7 @@ class CallStats:
         self._records: list[OpRecord] = []
         self._start = clock()
         self._finish: float | None = None
-        # Host-side work of the call outside the devices' timelines (set by the backends):
-        # "pin_seconds" registering host memory, beside the call; "pinned_bytes".
+        # Host-side work outside the devices' timelines (set by the backends): "pin_seconds", "pinned_bytes".
         self.host: dict[str, float] = {}
 
     def _check_device(self, device: int) -> None:
@@ -130,10 +115,11 @@ class CallStats:
             raise IndexError(f"device {device} out of range for {len(self.devices)} devices")
 
     def count(self, device: int, field: str, n: int | float = 1) -> None:
-        if field not in _FIELDS:
+        if field not in COUNTER_FIELDS:
             raise ValueError(f"unknown counter {field!r}; expected one of {COUNTER_FIELDS}")
         self._check_device(device)
-        n = _number(n)
+        if type(n) is not int and type(n) is not float:  # numpy scalars would not serialise to JSON
+            n = int(n) if isinstance(n, numbers.Integral) else float(n)
         with self._lock:
             self._counters[device][field] += n
 
@@ -142,17 +128,14 @@ class CallStats:
         self._check_device(device)
         return self._counters[device]
 
-    def _check_record(self, rec: OpRecord) -> None:
+    def add_record(self, rec: OpRecord) -> None:
+        if not self.keep_records:
+            return
         self._check_device(rec.device)
         if rec.kind not in KIND_CLASS:
             raise ValueError(f"unknown record kind {rec.kind!r}; expected one of {tuple(KIND_CLASS)}")
         if rec.end < rec.start:
             raise ValueError(f"record ends before it starts: {rec}")
-
-    def add_record(self, rec: OpRecord) -> None:
-        if not self.keep_records:
-            return
-        self._check_record(rec)
         with self._lock:
             self._records.append(rec)
 
@@ -175,21 +158,16 @@ class CallStats:
     def __exit__(self, *exc) -> None:
         self.finish()
 
-    def _snapshot(self) -> tuple[float, float | None, list[dict], tuple[OpRecord, ...]]:
-        with self._lock:
-            return (self._start, self._finish, [dict(c) for c in self._counters],
-                    tuple(self._records))
-
     def profile(self) -> Profile:
         """Snapshot; an unfinished window ends now."""
-        start, finish, counters, records = self._snapshot()
-        return Profile(devices=self.devices, start=start,
-                       finish=clock() if finish is None else finish,
+        with self._lock:
+            start, finish = self._start, self._finish
+            counters, records = [dict(c) for c in self._counters], tuple(self._records)
+        return Profile(devices=self.devices, start=start, finish=clock() if finish is None else finish,
                        counters=dict(enumerate(counters)), records=records, host=dict(self.host))
 
 
-# ---------------------------------------------------------------------------------------------
-# snapshot and its views
+# ------------------------------------------------------------------- snapshot and its views
 
 @dataclass(frozen=True)
 class DeviceBreakdown:
@@ -292,9 +270,8 @@ class Profile:
                 for b, info in zip(bd, self.devices)]
 
     def summary(self) -> dict:
-        """JSON-serialisable summary. Hit rates are fractions of all tile lookups
-        (l1_hits + l2_hits + misses); per-device tflops are device flops / wall, so they sum
-        to the total; share is the device's fraction of all tasks."""
+        """JSON-serialisable summary. Hit rates are fractions of all tile lookups; per-device tflops are
+        device flops / wall, so they sum to the total; share is the device's fraction of all tasks."""
         t = self.totals()
         lookups = t["l1_hits"] + t["l2_hits"] + t["misses"]
         return {
@@ -335,8 +312,7 @@ class Profile:
         return "\n".join([head, *lines])
 
     def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:
-        """Chrome trace-event JSON (chrome://tracing, Perfetto): pid = device, tid = stream
-        (HOST_TID for host work), "X" events with ts/dur in µs from start."""
+        """Chrome trace-event JSON (Perfetto): pid = device, tid = stream or HOST_TID, ts/dur in µs from start."""
         events, threads = [], set()
         for r, s, e in self.clipped():
             tid = _tid(r)

@@ -1,9 +1,8 @@
 """Python's thread switch interval while calls run (an experiment switch, off by default).
 
-Workers are Python threads: one that wants to issue waits for the GIL until its holder blocks or
-the switch interval ends, so a shorter interval while calls are in flight bounds that wait. It is
-process-wide: set when the first concurrent call starts, put back when the last ends (unless
-changed meanwhile).
+A worker that wants to issue waits for the GIL until its holder blocks or the switch interval ends, so a
+shorter interval while calls are in flight bounds that wait. Process-wide: set when the first concurrent
+call starts, put back when the last ends (unless changed meanwhile).
 """
 
 from __future__ import annotations
@@ -38,7 +37,5 @@ class SwitchInterval:
         if self.seconds is not None:
             with self._lock:
                 self._users -= 1
-                if self._users == 0:
-                    if sys.getswitchinterval() == self._ours:  # not changed by anyone else since
-                        sys.setswitchinterval(self._saved)
-                    self._saved = None
+                if self._users == 0 and sys.getswitchinterval() == self._ours:  # not changed by anyone since
+                    sys.setswitchinterval(self._saved)

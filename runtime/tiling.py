@@ -1,8 +1,7 @@
 """Virtual tiling of column-major matrices (the paper's Section III-A): pure integer arithmetic.
 
-Operands come in canonical (column-major) form; a stored ``rows x cols`` matrix is cut into
-``T x T`` tiles, edge tiles smaller. ``op(A)`` tile ``(i, k)`` is the stored tile ``(i, k)`` for
-op N and ``(k, i)`` for T or C: the kernel transposes the tile (Section III-C).
+A stored ``rows x cols`` matrix is cut into ``T x T`` tiles, edge tiles smaller. ``op(A)`` tile ``(i, k)`` is
+the stored tile ``(i, k)`` for op N and ``(k, i)`` for T or C: the kernel transposes it (Section III-C).
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ def tile_ref(slot: int, bi: int, bj: int, rows: int, cols: int, tile: int) -> Ti
 
 def op_tile(slot: int, op: int, i: int, k: int, stored_rows: int, stored_cols: int, tile: int) -> TileRef:
     """Stored tile holding tile (i, k) of op(X), where X is stored_rows x stored_cols."""
-    if op == OP_N:
-        return tile_ref(slot, i, k, stored_rows, stored_cols, tile)
-    return tile_ref(slot, k, i, stored_rows, stored_cols, tile)
+    bi, bj = (i, k) if op == OP_N else (k, i)
+    return tile_ref(slot, bi, bj, stored_rows, stored_cols, tile)
 
 
 def effective_lower(lower: int, op: int) -> bool:

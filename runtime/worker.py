@@ -1,17 +1,12 @@
 """The stream worker: Algorithm 1, lines 8-25 (``ComputingKernel``), for ``cuda`` and ``sim`` devices.
 
-One thread per device (the queue side is :mod:`.worker_base`, the assign step :mod:`.assign`, the
-in-flight records :mod:`.inflight`, the CPU thread :mod:`.cpu_worker`). Its loop, per the engine's
-design doc: **retire** what completed events end (reader counts, ready lines, buffers, tasks done);
-**fill** the reservation station from the queues, or steal; **assign** each free stream the
-station's best task (Eq. 3) within ``2 * streams`` tasks in flight (and ``Knobs.commit_steps``);
-**issue** one k-step of every active task, round robin: acquire A and B through the cache (L1 hit,
-L2 peer copy or host load), launch the kernel, record one event; after the last step, epilogue,
-write-back (M -> I) and the task's completion event.
-
-Only allocation blocks, when every line is busy. An error of one call fails that call alone
-(:meth:`StreamWorker._drop_task`); a device error ends in :meth:`Worker.fail`, which hands the
-unfinished tasks to the engine.
+One thread per device (queue side: :mod:`.worker_base`; assign step: :mod:`.assign`; in-flight records:
+:mod:`.inflight`; the CPU thread: :mod:`.cpu_worker`). Its loop: **retire** what completed events end;
+**fill** the station from the queues, or steal; **assign** free streams their tasks (Eq. 3); **issue** one
+k-step of every active task in turn: acquire A and B through the cache (L1 hit, L2 peer copy or host load),
+launch the kernel, record one event; after the last step, epilogue, write-back (M -> I) and completion event.
+Only allocation blocks, when every line is busy. An error of one call fails that call alone (``issue``);
+a device error ends in ``Worker.fail``, which hands the unfinished tasks to the engine.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ __all__ = ["CacheFull", "CpuWorker", "StreamWorker", "Worker"]
 
 
 def _loc(dev, offset: int, call, slot: int, rows: int, cols: int, dtype=None):
-    """Where a heap block of ``dev`` holds a tile of operand ``slot`` of ``call``: in the tile's
-    type on a device (``dtype`` overrides it) and leading dimension (padded for int8)."""
+    """The Loc of a tile of ``call``'s operand ``slot`` in a heap block: its device type (or ``dtype``) and ld."""
     dt = call.tile_dtype(slot) if dtype is None else dtype
     ld = call.tile_ld(slot, rows)
     if ld == rows:
@@ -67,16 +61,13 @@ class StreamWorker(StreamAssign, Worker):
         streamed = [d for d in engine.devices if d.streamed]
         self.n_devices = len(streamed)
         self.rank = streamed.index(device)
-        knobs = engine.config.knobs
-        self.chain_kernels = knobs.chain_kernels
-        self.late_c = knobs.late_c
+        self.knobs = engine.config.knobs  # for chain_kernels, late_c, peer_wait_if_sooner: read at start
         self._chain = None  # (event after the last kernel issued, its stream)
-        # Host-link backlog, in bytes: issued host loads, and those retired. Peers read them
-        # (lock-free ints) to decide whether to wait for a tile this device is still loading.
+        # Host-link backlog in bytes, issued and retired: peers read it (lock-free) to decide whether to wait
+        # for a tile this device is still loading.
         self.h2d_issued = 0
         self.h2d_done = 0
         self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
-        self.peer_wait_if_sooner = knobs.peer_wait_if_sooner
         self._work: _StepWork | None = None  # what the step being issued holds (issue)
 
     # ---------------------------------------------------------------- loop
@@ -89,13 +80,11 @@ class StreamWorker(StreamAssign, Worker):
             self.assign()
             active = [s for s, a in enumerate(self.slots) if a is not None]
             if active:
-                progressed = False
-                for s in active:
-                    progressed |= self.issue(s)
-                if progressed or self._abandon_lost():
+                progressed = [self.issue(s) for s in active]  # one step of every active task
+                if any(progressed) or self._abandon_lost():
                     continue
-                # Every active task waits at a gate (a dependency still running): sleep until
-                # this device's oldest operation ends, or until another device finishes a task.
+                # Every active task waits at a gate: sleep until this device's oldest operation ends, or
+                # until another device finishes a task.
             if any(self.pending):
                 self.wait_oldest()
                 continue
@@ -113,8 +102,7 @@ class StreamWorker(StreamAssign, Worker):
                 while dq and self.dev.done(dq[0].event):
                     finished.append(dq.popleft())
         finally:
-            # Even if done() raised (the device broke), what completed is completed: its
-            # tasks are accounted and its peer reads released before the failure is handled.
+            # Even if done() raised (the device broke), completed tasks are accounted, their peer reads released.
             if finished:
                 # Records first: a call may complete below, and its caller then reads the profile.
                 for stats, rec in self.dev.take_records():
@@ -161,10 +149,8 @@ class StreamWorker(StreamAssign, Worker):
     def _ended(self, task) -> None:
         """``task`` is retired from this device, or handed back."""
         self.inflight -= 1
-        left = self.inflight_of[task.call] - 1
-        if left:
-            self.inflight_of[task.call] = left
-        else:
+        self.inflight_of[task.call] -= 1
+        if not self.inflight_of[task.call]:
             del self.inflight_of[task.call]
 
     def holding(self, call) -> int:
@@ -180,9 +166,7 @@ class StreamWorker(StreamAssign, Worker):
 
     # ---------------------------------------------------------------- issue
     def issue(self, s: int) -> bool:
-        """Issue the next k-step (or the write-back) of the task on stream ``s``; False if it
-        waits at a gate. An error of the call (not of the device) fails the call and ends the
-        task here (``_drop_task``)."""
+        """Issue the next k-step (or write-back) of stream ``s``'s task; False at a gate. A call's own error ends it."""
         act = self.slots[s]
         work = self._work = _StepWork()
         try:
@@ -190,23 +174,16 @@ class StreamWorker(StreamAssign, Worker):
         except Exception as exc:  # noqa: BLE001 - a device error goes on to fail(); a call error stops here
             if self.device_error(exc):
                 raise  # self._work stays: held_tasks unpins the peer lines it read
-            self._drop_task(s, act, work, exc)
+            act.task.call.fail(exc)  # its other tasks stop too; this step's lines and buffers go with the task
+            self._flush(s, work.fills)
+            self._stop_task(s, act, tuple(work.release), tuple(work.extra))
             progressed = True
         self._work = None
         return progressed
 
-    def _drop_task(self, s: int, act: _Active, work: "_StepWork", exc: BaseException) -> None:
-        """End the task on stream ``s`` after an error of its call: the call fails (so its other
-        tasks stop too), what this step had issued is completed (fills flushed) and its lines and
-        buffers are released at an event after it; the task is accounted at that event."""
-        act.task.call.fail(exc)
-        if work.fills:
-            self._flush(s, work.fills)
-        self._stop_task(s, act, tuple(work.release), tuple(work.extra))
-
     def _stop_task(self, s: int, act: _Active, release: tuple = (), extra: tuple = ()) -> None:
-        """Take the task off stream ``s``: its lines and buffers are released, and it is accounted,
-        at an event after what was issued (a C or late-C copy may still be filling a buffer)."""
+        """Take the task off stream ``s``: its lines and buffers are released, and it is accounted, at an
+        event after what was issued (a C or late-C copy may still be filling a buffer)."""
         dev = self.dev
         self.slots[s] = None
         h2d = dev.record(dev.h2d_stream)
@@ -215,9 +192,7 @@ class StreamWorker(StreamAssign, Worker):
         self._push(s, dev.record(s), release=release, free=act.buffers() + extra, task=act.task, finished=True)
 
     def _issue(self, s: int, act: _Active, work: "_StepWork") -> bool:
-        task = act.task
-        call = task.call
-        dev = self.dev
+        task, call, dev = act.task, act.task.call, self.dev
         if call.failed:  # stop early; free the buffers once the issued work is done
             self._stop_task(s, act)
             return True
@@ -236,7 +211,7 @@ class StreamWorker(StreamAssign, Worker):
             src = task.c_init or task.c
             act.old_off = self._alloc(call.tile_nbytes(src.slot, src.rows, src.cols), call)
             act.old_loc = _loc(dev, act.old_off, call, src.slot, src.rows, src.cols)
-            cs = self._load(act.old_loc, call.operands[src.slot], src, None, call, task)
+            cs = self._load(act.old_loc, src, call, task)
             act.old_ready = dev.record(cs)
             self._push(cs, act.old_ready)
         step = act.steps[act.k]
@@ -246,8 +221,7 @@ class StreamWorker(StreamAssign, Worker):
         self._flush(s, fills)
         out_off, freed = None, ()
         if step.kernel in dev.OUT_OF_PLACE and act.c_off is not None and self.engine.config.knobs.invmm_new_block:
-            # The product goes into a fresh block, which becomes C: no copy back over the old C
-            # (Knobs.invmm_new_block); the old block is freed once this kernel has read it.
+            # Knobs.invmm_new_block: the product's fresh block becomes C (no copy back); the old one is freed.
             out_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
             work.extra.append(out_off)
         chain = self._chain
@@ -271,7 +245,7 @@ class StreamWorker(StreamAssign, Worker):
         act.k += 1
         self.issued_work += flops
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
-        if self.chain_kernels:
+        if self.knobs.chain_kernels:
             self._chain = (ev, s)
         last = act.k == nsteps
         self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=flops,
@@ -283,8 +257,7 @@ class StreamWorker(StreamAssign, Worker):
         return True
 
     def _finish(self, s: int, act: _Active, ev) -> None:
-        """After the last step (whose event on ``s`` is ``ev``; None: record one now): epilogue,
-        write-back (M -> I) and the task's completion event."""
+        """After the last step (its event on ``s``: ``ev``, or None): epilogue, write-back (M -> I), completion."""
         task, call, dev = act.task, act.task.call, self.dev
         row = call.stats.owned_row(self.idx)
         if call.epilogue is not None:
@@ -295,14 +268,13 @@ class StreamWorker(StreamAssign, Worker):
         if ev is None:
             ev = dev.record(s)
             self._push(s, ev)
-        c_op = call.operands[task.c.slot]
         out = s
         if act.c_off is not None:
             # Write-back on the D2H stream, after this kernel: the compute stream goes on.
             out = dev.d2h_stream
             dev.wait(out, ev)
             h = dev.begin_op(out)
-            dev.copy_out(out, c_op, task.c, act.c_loc, task)
+            dev.copy_out(out, call.operands[task.c.slot], task.c, act.c_loc, task)
             nbytes = call.home_nbytes(task.c)
             dev.end_op(out, h, "d2h", nbytes, 0.0, task)
             row["bytes_d2h"] += nbytes
@@ -311,8 +283,7 @@ class StreamWorker(StreamAssign, Worker):
         ev = dev.record(out)
         free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
-            # M -> E instead of M -> I: later tasks of the call read this tile (TRSM).
-            # One reader: its kernel and write-back are still queued, so it is not evictable until ev.
+            # M -> E, not I: later tasks read it (TRSM). One reader: its kernel and write-back are queued until ev.
             ref = task.c
             line = Line((call.tokens[ref.slot], ref.bi, ref.bj), self.idx, act.c_off,
                         call.tile_nbytes(ref.slot, ref.rows, ref.cols), ref.rows, ref.cols, readers=1, ready=ev)
@@ -330,11 +301,9 @@ class StreamWorker(StreamAssign, Worker):
             if act is None or not act.task.gates:
                 continue
             task, call = act.task, act.task.call
-            if call.gate_open(task, act.k) or not call.gate_lost(task, act.k):
-                continue
-            if not call.recompute_safe(task):
-                # A write-after-read gate let a tile it read be overwritten: it must finish here
-                # (its lost dependency runs in another slot), never run again from the start.
+            # Not once a write-after-read gate let a tile it read be overwritten: it must finish here (its lost
+            # dependency runs in another slot), never run again from the start.
+            if call.gate_open(task, act.k) or not call.gate_lost(task, act.k) or not call.recompute_safe(task):
                 continue
             self.slots[s] = None
             self._push(s, self.dev.record(s), free=act.buffers())  # after the steps already issued
@@ -354,28 +323,27 @@ class StreamWorker(StreamAssign, Worker):
             if task.load_c and src is not None and (call.tokens[src.slot], src.bi, src.bj) != (
                     call.tokens[task.c.slot], task.c.bi, task.c.bj):
                 # C starts from another tile (TRSM's inversions start from A's): copy it in first
-                cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
+                cs = self._load(act.c_loc, src, call, task)
                 fills.setdefault(cs, ([], []))
             return
         act.c_off = self._alloc(call.tile_nbytes(task.c.slot, task.c.rows, task.c.cols), call)
         act.c_loc = _loc(dev, act.c_off, call, task.c.slot, task.c.rows, task.c.cols)
         if not task.load_c:
             return
-        if self.late_c and task.rotatable and len(act.steps) >= 2 and not call.mixed:
+        if self.knobs.late_c and task.rotatable and len(act.steps) >= 2 and not call.mixed:
             # Knobs.late_c: start from beta = 0; the old C is fetched near the end and folded in.
             act.late = True
             act.steps = (act.steps[0]._replace(beta=SC_ZERO),) + act.steps[1:]
             return
         src = task.c_init or task.c  # TRSM starts from B's tile, written to X's
-        cs = self._load(act.c_loc, call.operands[src.slot], src, None, call, task)
+        cs = self._load(act.c_loc, src, call, task)
         fills.setdefault(cs, ([], []))  # the step's kernel waits for this copy too
 
-    def _load(self, dst, operand, ref, peer_line, call, task, peer_wait=None) -> int:
-        """Issue the copy that fills ``dst`` with tile ``ref``, on the device's copy stream
-        for its source: from a peer line (after its fill event ``peer_wait``, if still in
-        flight), from the tile's home, or (a derived operand) made from the operand it derives
-        from. Returns the copy stream."""
-        dev = self.dev
+    def _load(self, dst, ref, call, task, peer_line=None, peer_wait=None) -> int:
+        """Issue the copy filling ``dst`` with tile ``ref`` on the copy stream for its source, and return
+        that stream: from a peer line (after its fill event ``peer_wait``, if still in flight), from the
+        tile's home, or (a derived operand) made from the operand it derives from."""
+        dev, operand = self.dev, call.operands[ref.slot]
         if peer_line is not None:
             nbytes, dtype = call.tile_nbytes(ref.slot, ref.rows, ref.cols), call.tile_dtype(ref.slot)
             peer = self.engine.devices[peer_line.device]
@@ -404,8 +372,7 @@ class StreamWorker(StreamAssign, Worker):
         return cs
 
     def _flush(self, s: int, fills: dict) -> None:
-        """One event per copy stream used by this step: it marks the new lines ready,
-        releases the peer lines read, and stream ``s`` waits for it before the kernel."""
+        """An event per copy stream of this step: new lines ready, peer lines released, and ``s`` waits for it."""
         dev = self.dev
         for cs, (lines, peers) in fills.items():
             ev = dev.record(cs)
@@ -420,12 +387,9 @@ class StreamWorker(StreamAssign, Worker):
         fills.clear()
 
     def _acquire(self, s, call, ref, release, fills, task):
-        """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``.
-
-        An L1 hit makes stream ``s`` wait for the line's fill if it is still in flight; a
-        miss allocates a line and issues its copy (peer or home) on a copy stream, noted in
-        ``fills`` for ``_flush``. Every line used is added to ``release`` (its reader count
-        drops when this step's kernel is done)."""
+        """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``. An L1 hit makes
+        ``s`` wait for a fill still in flight; a miss allocates a line and issues its copy (peer or home), noted
+        in ``fills``. Every line used goes to ``release`` (its readers drop when this step's kernel is done)."""
         dev = self.dev
         operand = call.operands[ref.slot]
         row = call.stats.owned_row(self.idx)
@@ -435,19 +399,17 @@ class StreamWorker(StreamAssign, Worker):
         key = (call.tokens[ref.slot], ref.bi, ref.bj)
         directory = self.directory
         with directory.lock:
-            line = self.alru.get(key)
+            line, peer_line, peer_wait = self.alru.get(key), None, None
             if line is not None and not line.dead:
                 line.readers += 1
                 wait_for = line.ready
-                peer_line = None
             else:
                 line = None
                 peer_line = directory.peer_source(key, self.idx, self._can_read, FILLING,
-                                                  self._peer_fill_sooner if self.peer_wait_if_sooner else None)
+                                                  self._peer_fill_sooner if self.knobs.peer_wait_if_sooner else None)
                 if peer_line is not None:
                     peer_line.readers += 1
-                    # Read under the lock: the owner clears ``ready`` (and only then
-                    # reuses the event) under it too.
+                    # Under the lock: the owner clears ``ready`` (then reuses the event) under it too.
                     peer_wait = peer_line.ready
         if line is not None:
             if wait_for is not None and wait_for is not FILLING:
@@ -460,7 +422,7 @@ class StreamWorker(StreamAssign, Worker):
             nbytes = call.tile_nbytes(ref.slot, ref.rows, ref.cols)
             off = self._alloc(nbytes, call)
             loc = _loc(dev, off, call, ref.slot, ref.rows, ref.cols)
-            cs = self._load(loc, operand, ref, peer_line, call, task, peer_wait if peer_line is not None else None)
+            cs = self._load(loc, ref, call, task, peer_line, peer_wait)
         except BaseException:
             if off is not None:
                 dev.heap.free(off)  # nothing was queued into it
@@ -481,11 +443,9 @@ class StreamWorker(StreamAssign, Worker):
         return loc
 
     def _peer_fill_sooner(self, line) -> bool:
-        """Wait for a peer's in-flight host load of ``line`` only if it will be done before a
-        load of it on this device's own host link: the host bytes still ahead of it on the
-        peer's link are at most those ahead of a load issued here now (equal link speeds).
-        Otherwise two devices that start a call together queue every shared tile on one link
-        while the other idles."""
+        """Wait for a peer's in-flight host load of ``line`` only if it is done before a load on this device's
+        link (equal speeds: at most as many host bytes ahead of it there as ahead of a load issued here now);
+        else two devices starting a call together queue every shared tile on one link while the other idles."""
         mark = line.fill_mark
         if mark is None:
             return True  # filled over a peer link: no host backlog ahead of it
@@ -496,10 +456,9 @@ class StreamWorker(StreamAssign, Worker):
         return self.dev.can_read_from(self.engine.devices[holder]) and self.engine.workers[holder].alive
 
     def _alloc(self, nbytes: int, call) -> int:
-        """A heap block, evicting idle lines (Algorithm 2, Dequeue); waits, never aborts, while work
-        is pending. Below the device's ``cache_limit`` (other allocations took device memory): the
-        cache shrinks to it by eviction. When nothing more can be freed, raises CacheFull (the call
-        fails, the device goes on)."""
+        """A heap block, evicting idle lines (Algorithm 2, Dequeue) down to the device's ``cache_limit``
+        (other allocations took device memory); waits while work is pending, and raises CacheFull (the
+        call fails, the device goes on) when nothing more can be freed."""
         heap, directory, dev = self.dev.heap, self.directory, self.dev
         spins = 0
         while True:
@@ -516,10 +475,9 @@ class StreamWorker(StreamAssign, Worker):
                 heap.free(victim.offset)
                 call.stats.owned_row(self.idx)["evictions"] += 1
                 continue
-            if self.retire():
-                continue
             if any(self.pending):
-                self.wait_oldest()
+                if not self.retire():
+                    self.wait_oldest()
                 continue
             own = self._work.release if self._work is not None else ()  # this step's own readers
             with directory.lock:
@@ -537,11 +495,8 @@ class StreamWorker(StreamAssign, Worker):
 
     # ---------------------------------------------------------------- failure
     def held_tasks(self):
-        out = [(t, False) for t in self.station.drain()]
-        for s, act in enumerate(self.slots):
-            if act is not None:
-                out.append((act.task, False))
-                self.slots[s] = None
+        out = super().held_tasks() + [(a.task, False) for a in self.slots if a is not None]
+        self.slots = [None] * len(self.slots)
         peer_reads = []
         if self._work is not None:  # the step being issued when the device broke
             peer_reads += [line for _lines, peers in self._work.fills.values() for line in peers]

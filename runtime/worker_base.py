@@ -11,8 +11,6 @@ from .station import most_loaded
 
 
 class Worker(threading.Thread):
-    """Common part: queue/station/steal logic, failure hand-off, thread lifecycle."""
-
     def __init__(self, engine, device, station, core=None) -> None:
         super().__init__(name=f"blasx-worker-{device.name}")
         self.engine = engine
@@ -32,9 +30,8 @@ class Worker(threading.Thread):
         return task.call.is_ready(task)
 
     def _head(self):
-        """(queue, head) of the first queue this worker serves that holds anything, and whether
-        this worker takes that head now (a sentinel always; a task unless it is left for a
-        peer, :meth:`_leave_for_peer`); (None, None, False) when every queue is empty."""
+        """(queue, head, whether this worker takes that head now) of the first queue it serves that holds
+        anything (a sentinel is always taken); (None, None, False) when every queue is empty."""
         for q in self.engine.queues_for(self):
             head = q.peek()
             if head is not None:
@@ -42,17 +39,14 @@ class Worker(threading.Thread):
         return None, None, False
 
     def _takes(self, task) -> bool:
-        """This worker takes ``task`` (a queue's head) now: unless it is left for a peer (the stream peers listed
-        once for both rules)."""
-        if not self.dev.streamed:
-            return True
+        """A stream worker takes ``task`` (a queue's head) now unless it is left for a peer or its line's home."""
         peers = self._stream_peers(task.call)
         return not self._leave_for_peer(task.call, peers) and not self._leave_for_home(task, peers)
 
     def _leave_for_home(self, task, peers=None) -> bool:
         """With ``Knobs.line_homes``: True if ``task``'s line (``Task.line``) belongs to another stream worker that
-        is alive and has room (never while this worker has nothing it can run, as the fair share). Only for a call
-        of at most two lines a device: with more, the steals at the tail balance better than whole lines."""
+        is alive and has room, unless this worker has nothing it can run. Only for a call of at most two lines a
+        device: with more, the steals at the tail balance better than whole lines."""
         if not task.line or not self.dev.streamed or not self.engine.config.knobs.line_homes:
             return False
         peers = self._stream_peers(task.call) if peers is None else peers
@@ -67,19 +61,15 @@ class Worker(threading.Thread):
         return True
 
     def _pull(self):
-        """Next task from the global queues this worker serves; None when they are empty, when
-        the head is left for a peer, or when another worker took it first."""
+        """Next task from the queues this worker serves; None when empty, left for a peer, or taken first."""
         q, _, takes = self._head()
         return q.get() if takes else None
 
     def _leave_for_peer(self, call, peers=None) -> bool:
-        """The fair-share rule for small calls: True if this worker should not take more of ``call`` now.
-
-        Else a call smaller than one worker's station + streams goes wholly to the first worker to
-        wake. A stream worker holding its share, max(1, tasks // eligible stream workers), leaves the
-        rest to a stream peer with room that holds less (which takes it at its next pull); never
-        while this worker has nothing it can run, so no device idles and no gated task's dependency
-        waits. Nothing is left for the CPU worker, far slower per tile (it has ``admission.py``)."""
+        """The fair share of small calls (else one goes wholly to the first worker to wake): True if this stream
+        worker holds max(1, tasks // eligible stream workers) of ``call`` and a stream peer with room holds
+        less; never while this worker has nothing it can run, so no device idles and no gated task's
+        dependency waits. Nothing is left for the CPU worker, far slower per tile (``admission.py``)."""
         if not self.dev.streamed:
             return False
         peers = self._stream_peers(call) if peers is None else peers
@@ -102,9 +92,8 @@ class Worker(threading.Thread):
 
     def fill_station(self) -> None:
         st = self.station
-        # Up to capacity; beyond it only while nothing held is ready, so a station full of
-        # tasks waiting on dependencies cannot starve the tasks they wait for (a dependency
-        # handed back by a failed device sits at the queue's head, behind any number of them).
+        # Beyond capacity only while nothing held is ready, so a station full of tasks waiting on dependencies
+        # cannot starve the tasks they wait for (handed back by a failed device, at the queue's head).
         while not self.stopping and (st.free_slots() > 0 or not st.any_ready(self.ready)):
             t = self._pull()
             if t is None:
@@ -116,19 +105,17 @@ class Worker(threading.Thread):
                 t.call.account(t)  # cancelled: its call already failed
                 continue
             st.push(t)
-        if len(st) == 0 and not self.stopping:
-            self._steal()
-
-    def _steal(self) -> None:
+        if len(st) > 0 or self.stopping:
+            return
+        # Steal any task this worker can run, even with no stream free now: the one whose station empties
+        # first (the faster device) claims the tail's tasks early (taking only what it could start at once
+        # balanced worse).
         victim = most_loaded(self.engine.stations_for(self), self.idx)
         if victim is None:
             return
-        # Any task this worker can run, even with no stream free now: the one whose station
-        # empties first (the faster device) claims the tail's tasks early. Stealing only a task
-        # it could start at once left the tail to commitment order, which balanced worse.
         t = victim.steal(lambda task: self.engine.can_run(self, task.call) and self._may_steal(task))
         if t is not None:
-            self.station.push(t)
+            st.push(t)
             t.call.stats.count(self.idx, "steals")
 
     # -- thread body --
@@ -152,18 +139,15 @@ class Worker(threading.Thread):
                 self.dev.close()
 
     def _work_waiting(self) -> bool:
-        """True if a queue this worker serves holds a task this worker would take now, and the
-        station has room for it."""
+        """A queue this worker serves holds a task it would take now, and the station has room for it."""
         return self.station.free_slots() > 0 and self._head()[2]
 
     def device_error(self, exc: BaseException) -> bool:
-        """``exc`` means the device is broken (it then dies and its tasks go to others), not that
-        one call went wrong (then only that call fails)."""
+        """``exc`` means the device is broken (it dies, its tasks go to others), not one call (that fails)."""
         return isinstance(exc, DeviceError) or self.dev.error is not None or self.dev.is_device_error(exc)
 
     def held_snapshot(self) -> tuple:
-        """Tasks this worker holds now, for a cancelling caller's sweep (a lock-free read: a task
-        is held here before the worker checks whether its call failed)."""
+        """Tasks held now, for a cancelling caller's sweep (lock-free: a task is held before its call is checked)."""
         return self.station.snapshot()
 
     def fail(self, exc: BaseException) -> None:
