@@ -132,8 +132,7 @@ class Admission:
         self.last: Decision | None = None
 
     def _busy(self, w: int) -> bool:
-        # A stream worker's ``inflight`` counts its started, unretired tasks (read lock-free, as
-        # peers do for the fair-share rule); the CPU worker runs one task at a time.
+        # ``inflight``: a stream worker's started, unretired tasks (read lock-free); the CPU worker runs one at a time.
         workers = self.engine.workers
         return w < len(workers) and getattr(workers[w], "inflight", 0) > 0
 

@@ -26,8 +26,7 @@ class Line:
     readers: int = 0
     ready: Any = None  # event that ends the copy filling the line; None once it is known done
     dead: bool = False  # its data may no longer be read (token retired); evict first
-    # Filled from the host: the holder's h2d byte count (StreamWorker.h2d_issued) once this fill is done,
-    # so a peer can tell how much host traffic is still ahead of it. Else None.
+    # Filled from the host: the holder's ``h2d_issued`` once this fill is done (host traffic ahead of it); else None.
     fill_mark: int | None = None
 
     def __repr__(self) -> str:

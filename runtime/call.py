@@ -120,8 +120,7 @@ class Call:
         self._relied_tids: set[int] = set()
         self._done = threading.Event()
         self.error: BaseException | None = None
-        # float16 results that overflowed where a device rounded C (finite accumulator, inf result): counted
-        # on the host (sim, cpu), or in counters in device memory read after the call (cuda)
+        # float16 results that overflowed where a device rounded C: counted on the host or in device counters
         self._overflows = 0
         self._overflow_counters: dict = {}
         for t in tasks:

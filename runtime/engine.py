@@ -132,8 +132,7 @@ def _reads_own_tile(task) -> bool:
 
 
 class EngineClosed(RuntimeError):
-    """The engine was shut down before a call's tasks were queued: nothing of the call ran, and
-    it may run on another engine (``blasx.dispatch.submit_planned`` does so on the new one)."""
+    """Shut down before a call's tasks were queued: nothing of it ran (``dispatch.submit_planned`` reruns it)."""
 
 
 class _Sentinel:

@@ -63,8 +63,7 @@ class StreamWorker(StreamAssign, Worker):
         self.rank = streamed.index(device)
         self.knobs = engine.config.knobs  # for chain_kernels, late_c, peer_wait_if_sooner: read at start
         self._chain = None  # (event after the last kernel issued, its stream)
-        # Host-link backlog in bytes, issued and retired: peers read it (lock-free) to decide whether to wait
-        # for a tile this device is still loading.
+        # Host-link backlog in bytes, issued and retired: peers read it to decide whether to wait for our fills.
         self.h2d_issued = 0
         self.h2d_done = 0
         self._h2d_pushed = 0  # h2d_issued as of the last event pushed on the h2d stream
@@ -83,8 +82,7 @@ class StreamWorker(StreamAssign, Worker):
                 progressed = [self.issue(s) for s in active]  # one step of every active task
                 if any(progressed) or self._abandon_lost():
                     continue
-                # Every active task waits at a gate: sleep until this device's oldest operation ends, or
-                # until another device finishes a task.
+                # Every active task waits at a gate: sleep until our oldest operation or another device's task ends.
             if any(self.pending):
                 self.wait_oldest()
                 continue
