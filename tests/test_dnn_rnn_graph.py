@@ -562,3 +562,29 @@ def test_ctrl_c_during_a_capture_ends_it_and_leaves_the_key_usable(monkeypatch):
     assert after["failures"] == before["failures"] and after["captured"] == before["captured"] + 1
     assert after["replayed"] == before["replayed"] + 1 and len(ends) == 2
     rnn_graph.clear()
+
+
+def test_no_entries_inside_a_callers_capture():
+    """A recurrent call made while its stream is capturing (a network chunk's graph being captured) runs its loop
+    into that capture: no entry is taken (an entry's events and graphs cannot cross into another capture)."""
+    from bench import fake_cupy
+    import importlib
+    rnn = importlib.import_module("blasx.dnn.rnn")  # the module (blasx.dnn.rnn names the function)
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        x = cupy.asarray(np.zeros((3, 2, 4), np.float32))
+        params = {"weight_ih_l0": cupy.asarray(np.zeros((8, 4), np.float32)),
+                  "weight_hh_l0": cupy.asarray(np.zeros((8, 8), np.float32))}
+
+        def graphs():
+            return rnn._problem("rnn_tanh", x, None, params, 1, False, False, None, 0, None).graphs
+        assert graphs() and rnn_graph.usable(cupy)
+        stream = cupy.cuda.get_current_stream()
+        stream.begin_capture()
+        try:
+            assert not graphs() and not rnn_graph.usable(cupy)
+        finally:
+            stream.end_capture()
+        assert graphs()
+        with rnn_graph.eager():
+            assert not graphs()

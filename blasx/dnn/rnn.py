@@ -129,7 +129,8 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
     lens = _check_lengths(lengths, T, B)
     bs = (B,) * T if lens is None else tuple(int(sum(1 for v in lens if v > t)) for t in range(T))
     from . import rnn_graph
-    return Problem(spec, xp, xt, h0, c0, bs, lens, bool(batch_first), unbatched, math, rnn_graph.enabled())
+    return Problem(spec, xp, xt, h0, c0, bs, lens, bool(batch_first), unbatched, math,
+                   rnn_graph.enabled() if xp is np else rnn_graph.usable(xp))
 
 
 # ---------------------------------------------------------------- forward

@@ -60,6 +60,13 @@ def enabled() -> bool:
     return getattr(_local, "on", ENABLED)
 
 
+def usable(xp) -> bool:
+    """Whether a call on ``xp``'s current stream may replay entries: :func:`enabled` and that stream not capturing
+    (inside a caller's capture, a network chunk's graph, the loop's launches are captured into it instead; an
+    entry's events and graphs cannot cross into another capture)."""
+    return enabled() and not xp.cuda.get_current_stream().is_capturing()
+
+
 def eager():
     """``with rnn_graph.eager():`` runs this thread's CUDA step loops from Python, launch by launch (to compare
     or measure the per-step overhead a graph removes)."""
