@@ -10,6 +10,7 @@ import threading
 import time
 
 from .level3 import running_call
+from .runtime.latch import Latch
 
 INTERVAL_S = 0.2  # between redraws: a few updates a second
 BAR_WIDTH = 24
@@ -74,7 +75,7 @@ class Progress:
         self.label, self.flops, self.enabled, self.thread_ident = label, flops, enabled, None
         self.interval = interval if interval is not None else INTERVAL_S
         self.updates = 0  # lines drawn (intermediate and final)
-        self._stop = threading.Event()
+        self._stop = Latch()
         self._monitor: threading.Thread | None = None
         self._call, self._t0, self._width = None, 0.0, 0
 
@@ -97,8 +98,8 @@ class Progress:
         done, total = call_counts(self._call)
         return render(self.label, done, total, time.perf_counter() - self._t0, self.flops, state)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+    def _run(self, stop: Latch) -> None:
+        while not stop.wait(self.interval):
             line = self._snapshot()
             if line is not None and self.enabled:
                 self._draw(line)
@@ -108,8 +109,8 @@ class Progress:
         if not self.enabled:
             return self
         self.thread_ident, self._t0 = threading.get_ident(), time.perf_counter()
-        self._stop.clear()
-        self._monitor = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._stop = Latch()  # a fresh one a use (a Latch is one-shot)
+        self._monitor = threading.Thread(target=self._run, args=(self._stop,), name=THREAD_NAME, daemon=True)
         self._monitor.start()
         return self
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import dtypes as _dtypes
 from . import faults
+from .latch import Latch
 from .stats import CallStats
 from .tasks import (N_SCALARS, SC_ALPHA, SC_ALPHA_CONJ, SC_BETA, SC_MINUS_ONE, SC_ONE, SC_ZERO,
                     Step, Task)
@@ -118,7 +119,7 @@ class Call:
         self.war_gated = any(t.war for t in tasks)
         self._computed_tids: set[int] = set()
         self._relied_tids: set[int] = set()
-        self._done = threading.Event()
+        self._done = Latch()
         self.error: BaseException | None = None
         # float16 results that overflowed where a device rounded C: counted on the host or in device counters
         self._overflows = 0

@@ -59,6 +59,8 @@ Failure model
   tasks are taken back, tasks on devices stop at their next step, then the interrupt is re-raised (in the
   main thread a second Ctrl-C meanwhile is ignored). Lines are marked ready only when filled and the call's
   tokens are retired, so no later call reads a half-filled line; other calls go on, the next call works.
+  What a caller waits on or wakes workers with is entered at C level (``latch.Latch``, ``_cv_lock``): an
+  interrupt landing between a Python-level acquire and its ``try`` would leave that lock held for good.
 * **The caller's arrays**: inputs are never written. A call returning a new array leaves all of them
   untouched (it is cancelled as above); one writing into the caller's array (``overwrite_c``/``overwrite_b``
   with a usable array, ``out=``) holds Ctrl-C back until it returns (``blasx.dispatch.whole``, main
@@ -165,7 +167,9 @@ class Engine:
         self.stations = [ReservationStation(d.index, max(1, d.nstreams)) for d in self.devices]
         self.workers = []
         self.work_generation = 0
-        self._cv = threading.Condition()
+        # entered through the lock itself, never Condition.__enter__ (see Failure model: Interrupt)
+        self._cv_lock = threading.Lock()
+        self._cv = threading.Condition(self._cv_lock)
         self._lock = threading.Lock()
         self._retired: collections.deque[int] = collections.deque()  # retire_base's backlog
         self._calls: "weakref.WeakSet[Call]" = weakref.WeakSet()
@@ -243,14 +247,14 @@ class Engine:
 
     def wait_for_work(self, seen_generation: int, poll: float | None = None) -> None:
         """Sleep until work changes: at most ``poll`` s (None: no bound), 2 ms while a station holds tasks to steal."""
-        with self._cv:
+        with self._cv_lock:
             if self.work_generation != seen_generation:
                 return
             timeout = 0.002 if any(len(st) for st in self.stations) else poll
             self._cv.wait(timeout)
 
     def _poke(self) -> None:
-        with self._cv:
+        with self._cv_lock:
             self.work_generation += 1
             self._cv.notify_all()
 

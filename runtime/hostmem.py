@@ -26,6 +26,8 @@ import weakref
 
 import numpy as np
 
+from .latch import Latch
+
 PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
 CHUNK_BYTES = 256 << 20  # one registration: short next to a call, few per GiB
@@ -90,7 +92,7 @@ class Pinning:
                  staged=None, source=None) -> None:
         self.lo, self.hi, self.chunks, self.foreign = lo, hi, chunks, foreign
         self.ok = [foreign] * len(chunks)  # registered (by blasx), or copied into the staging buffer
-        self.ready = [threading.Event() for _ in chunks]
+        self.ready = [Latch() for _ in chunks]
         self.claimed = [staged is not None] * len(chunks)  # a thread has taken it on (under the cache's lock)
         self.owner: list = [None] * len(chunks)  # the PinJob doing it until done (a waiter hurries it)
         if foreign:

@@ -7,6 +7,7 @@ import contextlib
 import threading
 
 from .devices.base import DeviceError
+from .latch import Latch
 from .station import most_loaded
 
 
@@ -20,7 +21,7 @@ class Worker(threading.Thread):
         self.core = core
         self.alive = True
         self.stopping = False
-        self.opened = threading.Event()
+        self.opened = Latch()
         self.open_error: BaseException | None = None
 
     # -- work intake --

@@ -58,6 +58,7 @@ def lookups(tasks, worker=None):
 # =========================================================================== balance and stealing
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_heterogeneous_devices_share_tasks_by_speed(rand, rel_err):
     """Demand-driven balance: each device's share of tasks is within 15% (relative) of its
     speed share (1/f_i) / sum_j (1/f_j). The simulated kernel time (6.5 ms per 32^3 step on a

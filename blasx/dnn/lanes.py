@@ -11,6 +11,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from ..runtime.latch import Latch
+
 MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
 
 _lock = threading.Lock()
@@ -22,7 +24,7 @@ class Job:
     """One callable on a lane: ``join()`` waits for it; ``error`` is what it raised (None when it returned)."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = Latch()
         self.error: BaseException | None = None
 
     def join(self) -> None:

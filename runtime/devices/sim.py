@@ -22,6 +22,7 @@ import numpy as np
 from .. import faults
 from ..stats import OpRecord
 from ..derived import host_tile
+from ..latch import Latch
 from .base import DerivedSource, DeviceError, HostSource, PeerSource, StreamDevice, register_backend
 from .numpy_kernels import KERNELS, kernel_for, round_into
 
@@ -134,7 +135,7 @@ class SimEvent:
     __slots__ = ("_flag", "device")
 
     def __init__(self, device: "SimDevice") -> None:
-        self._flag = threading.Event()
+        self._flag = Latch()
         self.device = device
 
 

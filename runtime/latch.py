@@ -1,0 +1,50 @@
+"""A one-shot flag that waiters hit by an asynchronous exception cannot wedge.
+
+``threading.Event`` enters its Condition through Python frames (``Condition.__enter__`` / ``__exit__``); an
+asynchronous exception (Ctrl-C in the main thread, ``PyThreadState_SetAsyncExc`` in another) raised right after
+the inner acquire leaves the Event's lock held for good, and the worker that later sets the Event blocks forever.
+A :class:`Latch` holds no lock while it is open: ``set`` raises a flag and releases a raw lock that waiters only
+try with a bounded timeout, so a waiter interrupted anywhere costs at most one poll to the others, never the setter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+POLL = 0.05  # s: a waiter rechecks the flag at least this often (only matters after an interrupted waiter)
+
+
+class Latch:
+    """``set()`` once; ``is_set()``; ``wait(timeout)`` -> whether set (the ``threading.Event`` subset used here)."""
+
+    __slots__ = ("_flag", "_gate")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released by set: a waiter's acquire returns at once from then on
+
+    def set(self) -> None:
+        if not self._flag:
+            self._flag = True  # first: a waiter that finds the gate taken by another waiter still sees the flag
+            try:
+                self._gate.release()
+            except RuntimeError:  # another thread's set released it first
+                pass
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag:
+            left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+            if left <= 0:
+                break
+            if self._gate.acquire(timeout=left):
+                try:
+                    self._gate.release()  # open for the next waiter
+                except RuntimeError:  # a racing second set() released it for us
+                    pass
+        return self._flag
