@@ -425,11 +425,13 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])  # the persistent kernel's loop, the graph loop
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first, dtype):
-    """A repeated one-layer inference call on one GPU (rnn_fast.py): from the second call the entry runs it;
-    outputs and final states equal the general path's and torch's, with hx, after an in-place update of a
-    parameter; a new tensor in the mapping, lengths and a training call take the general path."""
-    from blasx.dnn import rnn_fast
+def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first, dtype, monkeypatch):
+    """A repeated one-layer inference call on one GPU (rnn_fast.py, with whole-call graphs off): from the second
+    call the entry runs it; outputs and final states equal the general path's and torch's, with hx, after an
+    in-place update of a parameter; a new tensor in the mapping, lengths and a training call take the general
+    path."""
+    from blasx.dnn import rnn_fast, rnn_replay
+    monkeypatch.setattr(rnn_replay, "ENABLED", False)
     torch.manual_seed(5)
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
     kw = dict(batch_first=batch_first)
@@ -606,3 +608,80 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
         assert _err(y, ty.detach().double().cpu().numpy()) < TOL["float32"]
     finally:
         cupy.cuda.Stream.null.use()
+
+
+@pytest.mark.parametrize("mode,dtype,layers,bidir,ngpu,extra", [
+    ("lstm", "float16", 1, False, 1, {}),
+    ("gru", "float32", 2, False, 1, {"batch_first": True}),
+    ("lstm", "float32", 1, True, 2, {"math": "tf32"}),
+    ("lstm", "float32", 1, True, 2, {}),
+    ("gru", "float16", 2, False, 2, {}),
+    ("lstm", "float32", 2, False, 1, {"lengths": [20, 17, 17, 9, 5, 5, 2, 1]}),
+])
+def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, bidir, ngpu, extra):
+    """rnn_replay: the second call of a signature is captured (over every GPU it uses) and checked, later
+    calls replay it; every call's outputs and final states match cuDNN's for that call's own x and hx, fresh
+    arrays each, after in-place parameter updates too (the graph reads the parameters where they lie); a new
+    tensor in the mapping starts a new entry."""
+    from blasx.dnn import rnn_replay
+    if NGPU < ngpu:
+        pytest.skip(f"needs {ngpu} GPUs")
+    blasx.configure(devices="cuda" if ngpu > 1 else "cuda:0")
+    math = extra.get("math")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
+    tol = 2e-3 if math == "tf32" else TOL[dtype]
+    torch.manual_seed(7)
+    tdt = getattr(torch, dtype)
+    cls = torch.nn.LSTM if mode == "lstm" else torch.nn.GRU
+    bf = extra.get("batch_first", False)
+    m = cls(32, 64, num_layers=layers, bidirectional=bidir, batch_first=bf).cuda().to(tdt)
+    p = m.state_dict()
+    fn = dnn.lstm if mode == "lstm" else dnn.gru
+    kw = dict(num_layers=layers, bidirectional=bidir, batch_first=bf, lengths=extra.get("lengths"), math=math)
+    lengths = extra.get("lengths")
+    before = rnn_replay.stats()
+    results = []
+    for i in range(5):
+        x = (torch.randn(8, 20, 32, device="cuda") * 0.5).to(tdt)
+        x = x if bf else x.transpose(0, 1).contiguous()
+        ld = layers * (2 if bidir else 1)
+        h = (torch.randn(ld, 8, 64, device="cuda") * 0.5).to(tdt)
+        thx = (h, (torch.randn(ld, 8, 64, device="cuda") * 0.5).to(tdt)) if mode == "lstm" else h
+        with_hx = i % 2 == 1
+        chx = None if not with_hx else (tuple(cupy.from_dlpack(t) for t in thx) if mode == "lstm"
+                                         else cupy.from_dlpack(thx))
+        if i == 3:
+            with torch.no_grad():
+                p["weight_hh_l0"].mul_(0.5)  # in place: the same tensors, the graph reads the new values
+        out = fn(cupy.from_dlpack(x), chx, p, **kw)
+        with torch.no_grad():
+            if lengths is not None:
+                pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=bf)
+                ty, tst = m(pk, thx if with_hx else None)
+                ty = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first=bf, total_length=20)[0]
+            else:
+                ty, tst = m(x, thx if with_hx else None)
+        refs = [ty, *(tst if mode == "lstm" else (tst,))]
+        got = [out[0], *(out[1] if mode == "lstm" else (out[1],))]
+        for a, r in zip(got, refs):
+            assert isinstance(a, cupy.ndarray) and a.shape == tuple(r.shape)
+            assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < tol, i
+        results.append(got[0])
+    st = rnn_replay.stats()
+    # two signatures (hx given or not): each general once, captured on its second call, then replayed
+    assert st["captured"] - before["captured"] == 2 and st["failures"] == before["failures"], st["failed"]
+    assert st["replayed"] - before["replayed"] >= 1
+    with torch.no_grad():  # a new tensor in the mapping: parsed anew, a new entry
+        p["weight_ih_l0"] = p["weight_ih_l0"] * 0.5
+        m.weight_ih_l0.copy_(p["weight_ih_l0"])
+    x = (torch.randn(8, 20, 32, device="cuda") * 0.5).to(tdt)
+    x = x if bf else x.transpose(0, 1).contiguous()
+    for _ in range(3):
+        out = fn(cupy.from_dlpack(x), None, p, **kw)
+        with torch.no_grad():
+            if lengths is not None:
+                pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=bf)
+                ty = torch.nn.utils.rnn.pad_packed_sequence(m(pk)[0], batch_first=bf, total_length=20)[0]
+            else:
+                ty = m(x)[0]
+        assert _err(out[0].astype(cupy.float32), ty.float().cpu().numpy()) < tol

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from . import rnn_exec, rnn_fast, rnn_host, rnn_params
+from . import rnn_exec, rnn_fast, rnn_host, rnn_params, rnn_replay
 from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
@@ -145,6 +145,17 @@ def _finish(pb: Problem, y, h_n, c_n):
 
 
 def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
+    key = rnn_replay.signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size,
+                               training, math)
+    if key is not None:  # a repeated inference call on CuPy arrays: one graph of the whole call (rnn_replay.py)
+        res = rnn_replay.call(key, x, hx, params, lambda xc, hc: _general(
+            mode, xc, hc, params, num_layers, bidirectional, batch_first, lengths, proj_size, False, math))
+        if res is not None:
+            return res
+    return _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math)
+
+
+def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     key = rnn_fast.signature(mode, x, params, num_layers, bidirectional, batch_first, lengths, proj_size, training,
                              hx, math)
     if key is not None:  # a repeated small call on one GPU: its two launches straight away (rnn_fast.py)

@@ -18,6 +18,8 @@ def ops_for(xp, math: str):
 
 def _mm(a, b, pb, out_dtype=None):
     """a . b on the engine (every configured device); float32 products in the call's math mode."""
+    if rnn_layer.capturing_whole_call():  # the engine's workers would run it once, outside the graph
+        raise rnn_layer.NotCapturable("an engine GEMM cannot be part of a captured call")
     f32 = a.dtype == np.float32 or out_dtype is not None
     return numpy_api.matmul(a, b, out_dtype=out_dtype, math=pb.math if f32 else None)
 
@@ -33,6 +35,9 @@ def project(pb, cell, inp, f, mm=None, into=None):
     T, B, n_in = inp.shape
     x2 = xp.ascontiguousarray(inp).reshape(T * B, n_in)
     w = cell.w_ih
+    if mm is None and rnn_layer.capturing_whole_call():  # on x's device's stream, into the graph
+        from .rnn_multi import local_mm
+        mm = local_mm(xp, f, pb.math)
     if mm is not None and into is None:
         return mm(x2, w.T).reshape(T, B, -1)
     if mm is not None:  # (rnn_multi.local_mm: the GEMM writes into it)
@@ -82,7 +87,8 @@ def direction_forward(pb, ops, layer: int, d: int, inp, keep: bool = True, mm=No
     store = inp.dtype
     f = compute_type(store)
     host = xp is np
-    pl = None if host or not pb.graphs else _persistent(pb, cell, store, B)
+    # (persistent loops also inside a caller's capture, where the graph entries are off)
+    pl = None if host or not (pb.graphs or _capturing_with_graphs(xp)) else _persistent(pb, cell, store, B)
     graph = pl is None and not host and pb.graphs
     lease = lease and keep and graph and into is None
     st = into if into is not None else rnn_layer.forward_buffers(
@@ -164,6 +170,11 @@ def _small_prologue(mm, cell, inp) -> bool:
     w = cell.w_ih
     return mm is not None and inp.nbytes <= PROLOGUE_BYTES and w.dtype == inp.dtype \
         and (w.flags.c_contiguous or w.flags.f_contiguous)
+
+
+def _capturing_with_graphs(xp) -> bool:
+    from . import rnn_graph
+    return rnn_graph.enabled() and xp.cuda.get_current_stream().is_capturing()
 
 
 def _persistent(pb, cell, store, B: int):

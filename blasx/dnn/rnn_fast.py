@@ -11,7 +11,7 @@ rnn_exec.direction_forward on it straight away, as the general path would with o
 What can change between calls of one signature is checked on each: the parameters through rnn_params.parse
 (its cache: the same tensors, of unchanged storage; anything else parses anew, and a new Spec sends the call back
 to the general path), hx's shapes and types (rnn._check_state), the math mode, the engine (a reconfigured one
-goes back too), the current device and the graph switch (rnn_graph.enabled()).
+goes back too), the current device and the graph switch (rnn_graph.usable(): on, and no capture under way).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def call(key, x, hx, params, math):
     spec = rnn_params.parse(params, mode, xt.shape[2], num_layers=1, bidirectional=False, proj_size=0, xp=cupy,
                             dtype=x.dtype)
     if spec is not entry.spec() or precision.check_math(math) != entry.math or session.engine() is not entry.engine() \
-            or not rnn_graph.enabled() or cupy.cuda.runtime.getDevice() != x.device.id:
+            or not rnn_graph.usable(cupy) or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
     h0 = c0 = None
     if hx is not None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import rnn_cells, rnn_diag_cells
 from ..runtime import dtypes
+from ..threadlocal import setting
 from .cublas_call import check, strided_batched_ex
 from .direct_cuda import gemm_consts
 
@@ -117,6 +118,22 @@ def _shared_handle(dev: int):
 
 
 _side = threading.local()  # per thread: (device id, key) -> a non-blocking side stream
+_whole = threading.local()  # .ws: {device id: cuBLAS workspace} while this thread captures a whole call
+
+
+class NotCapturable(RuntimeError):
+    """Raised inside a whole-call capture by work that cannot be captured (the call then runs eagerly)."""
+
+
+def whole_call_capture(workspaces: dict):
+    """Within it this thread captures a whole call (rnn_replay.py): every CudaOps GEMM without a workspace of
+    its own issues through ctypes with ``workspaces[device]`` (owned by the graph), and GEMMs that would go to
+    the engine (rnn_exec) are local or refused."""
+    return setting(_whole, "ws", workspaces)
+
+
+def capturing_whole_call() -> bool:
+    return getattr(_whole, "ws", None) is not None
 
 
 def _side_stream(dev: int, key):
@@ -165,8 +182,21 @@ class CudaOps(_Moves):
         self.math = math
         self._fn = None
         self._ph: dict = {}
-        self.workspace = None
+        self._workspace = None
         self.split_k = True  # False: the workspace GEMMs get none, so cuBLAS picks no split-k (no reduction launch)
+
+    @property
+    def workspace(self):
+        """The GEMMs' own workspace (set by rnn_graph.py), else a whole-call capture's for this device, else None
+        (CuPy's handle)."""
+        ws = self._workspace
+        if ws is None and (table := getattr(_whole, "ws", None)) is not None:
+            ws = table.get(self.xp.cuda.Device().id)
+        return ws
+
+    @workspace.setter
+    def workspace(self, ws) -> None:
+        self._workspace = ws
 
     diag_forward = staticmethod(rnn_diag_cells.cupy_forward)
     diag_backward = staticmethod(rnn_diag_cells.cupy_backward)

@@ -48,11 +48,16 @@ def devices_for(pb) -> list:
     from .. import session
     devs = session.engine().devices
     if pb.xp is not np:
-        home = pb.x.device.id
-        ords = [d.ordinal for d in devs if getattr(d, "kind", "") == "cuda"]
-        return [home] + [o for o in ords if o != home]
+        return cuda_devices(pb.x.device.id)
     sims = [d.index for d in devs if getattr(d, "kind", "") == "sim"]
     return sims or [None]
+
+
+def cuda_devices(home: int) -> list:
+    """The CUDA ordinals a call on device ``home`` may use: ``home``, then the engine's other GPUs."""
+    from .. import session
+    ords = [d.ordinal for d in session.engine().devices if getattr(d, "kind", "") == "cuda"]
+    return [home] + [o for o in ords if o != home]
 
 
 _streams: dict = {}  # (device, k) -> the non-blocking stream of a pool's k-th thread on that device
@@ -128,6 +133,13 @@ class _Issued:
         self.done: list = []
         self.used: list = []
         self.ready = []
+        cur = self.xp.cuda.get_current_stream()
+        # inside a capture every device's work forks from, and joins back into, the capturing stream (work ordered
+        # after another stream would run outside the graph)
+        self.capture = cur if cur.is_capturing() else None
+        if self.capture is not None:
+            self.ready.append(cur.record())
+            return
         for d in self.devs:
             with self.xp.cuda.Device(d):
                 self.ready.append(self.xp.cuda.get_current_stream().record())
@@ -136,7 +148,8 @@ class _Issued:
         xp = self.xp
         k = self.count[dev] = self.count.get(dev, -1) + 1
         with xp.cuda.Device(dev):
-            st = _stream(xp, dev, k)
+            # (a capture takes in every launch onto its streams, another thread's too: this thread's own then)
+            st = _stream(xp, dev, k) if self.capture is None else rnn_layer._side_stream(dev, ("issued", k))
             self.used.append(st)
             for ev in self.ready:
                 st.wait_event(ev)
@@ -150,6 +163,10 @@ class _Issued:
             self.done.append(st.record())
 
     def join(self, prefer=None) -> None:
+        if self.capture is not None:
+            for ev in self.done:
+                self.capture.wait_event(ev)
+            return
         for d in self.devs:
             with self.xp.cuda.Device(d):
                 cur = self.xp.cuda.get_current_stream()

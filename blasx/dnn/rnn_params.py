@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..operands import is_cupy
+from ..threadlocal import setting
 
 #: Gate count per mode.
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -157,6 +158,9 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
     mapping holds the same names bound to the same tensor objects of unchanged storage, shape, strides and
     dtype (the conditions on which :func:`_cuda_view` reuses its views); an entry goes when one of its tensors
     does."""
+    given = getattr(_given, "v", None)
+    if given is not None and given[0] is params:
+        return given[1]
     key = None
     if xp is not np:
         key = (id(params), mode, input_size, num_layers, bidirectional, proj_size, np.dtype(dtype))
@@ -168,6 +172,15 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
     if key is not None:
         _remember(key, spec, params)
     return spec
+
+
+_given = threading.local()  # .v: (params, its Spec) that parse returns as it is (a whole-call capture's)
+
+
+def given(params, spec: Spec):
+    """Within it, this thread's :func:`parse` of ``params`` returns ``spec`` (checked just before): a capture
+    makes no views (DLPack orders the capturing stream after torch's, which a capture refuses)."""
+    return setting(_given, "v", (params, spec))
 
 
 def _layout(t) -> tuple:

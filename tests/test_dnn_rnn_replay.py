@@ -1,0 +1,205 @@
+"""rnn_replay's policy on a minimal stand-in for CuPy (numpy arrays; streams whose capture records the calls it
+is given and whose graphs re-run them): which calls get a signature, the first call general, the second captured
+and checked, later ones replayed with fresh outputs; a capture whose graph does not reproduce the general path
+on another input is never used (every call still gets the general path's answer). GPU tests: test_gpu_rnn.py."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from blasx.dnn import rnn_layer, rnn_replay
+
+
+class _Array(np.ndarray):
+    device = types.SimpleNamespace(id=0)
+
+
+_Array.__module__ = "cupy"  # (what signature() looks at)
+
+
+class _Stream:
+    count = 0
+
+    def __init__(self, non_blocking=False, null=False):
+        _Stream.count += 1
+        self.ptr = 0 if null else _Stream.count
+        self.capture = None  # the ops recorded while capturing
+
+    def is_capturing(self):
+        return self.capture is not None
+
+    def begin_capture(self):
+        self.capture = []
+
+    def end_capture(self):
+        ops, self.capture = self.capture, None
+        return _Graph(ops)
+
+    def record(self):
+        return object()
+
+    def wait_event(self, ev):
+        pass
+
+    def __enter__(self):
+        _mini.stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _mini.stack.pop()
+
+
+class _Graph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        for op in self.ops:
+            op()
+
+
+def _current():
+    return _mini.stack[-1]
+
+
+_mini = types.SimpleNamespace(stack=[_Stream(null=True)])
+
+
+@pytest.fixture
+def mini(monkeypatch):
+    cupy = types.ModuleType("cupy")
+    cupy.empty_like = lambda a: np.empty_like(a).view(_Array)
+    cupy.asnumpy = lambda a: np.asarray(a).view(np.ndarray).copy()
+    cupy.negative = lambda a: (-np.asarray(a)).view(_Array)
+    cupy.uint8 = np.uint8
+    cupy.empty = lambda n, dtype=None: np.empty(n, dtype).view(_Array)
+    cupy.cuda = types.SimpleNamespace(
+        Stream=_Stream, get_current_stream=_current, MemoryPool=lambda: types.SimpleNamespace(malloc=None),
+        using_allocator=lambda m: contextlib.nullcontext(),
+        Device=lambda d=0: types.SimpleNamespace(compute_capability="90", __enter__=lambda: None,
+                                                 __exit__=lambda *a: None),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0))
+
+    class _Dev:
+        def __init__(self, d=0):
+            self.compute_capability = "90"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            pass
+    cupy.cuda.Device = _Dev
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    spec = object()
+    monkeypatch.setattr(rnn_replay, "_spec", lambda key, x, params: spec)  # (parse's cache: the same Spec)
+    monkeypatch.setattr(rnn_layer, "_shared_handle", lambda d: None)
+    from blasx.dnn import rnn_multi
+    monkeypatch.setattr(rnn_multi, "cuda_devices", lambda home: [home])
+    rnn_replay.clear()
+    yield cupy
+    rnn_replay.clear()
+
+
+def _x(v):
+    return np.full((3, 2, 4), v, np.float32).view(_Array)
+
+
+def _key(x, **kw):
+    args = dict(mode="lstm", x=x, hx=None, params={}, num_layers=1, bidirectional=False, batch_first=False,
+                lengths=None, proj_size=0, training=False, math=None)
+    args.update(kw)
+    return rnn_replay.signature(**args)
+
+
+def test_signature_only_for_cupy_inference_outside_a_capture(mini, monkeypatch):
+    x = _x(1.0)
+    key = _key(x)
+    assert key is not None and key[2] == (3, 2, 4) and key[-1] == _current().ptr
+    assert _key(x, training=True) is None
+    assert _key(np.ones((3, 2, 4), np.float32)) is None
+    assert _key(x, lengths=[3, 1]) != key and _key(x, bidirectional=True) != key
+    h = np.zeros((1, 2, 4), np.float32).view(_Array)
+    assert _key(x, hx=(h, h))[10] == (((1, 2, 4), "<f4", "cupy"),) * 2
+    with _Stream(non_blocking=True) as s:
+        assert _key(x)[-1] == s.ptr != key[-1]
+        s.begin_capture()
+        assert _key(x) is None  # (a caller's own capture: its launches go into that graph)
+        s.end_capture()
+    monkeypatch.setattr(rnn_replay, "ENABLED", False)
+    assert _key(x) is None
+
+
+def _general(runs, capturing_records: bool):
+    """A stand-in for the general path: y = 2 x, h_n = x's first step, fresh arrays each run; inside a capture
+    its work is recorded for the graph when ``capturing_records`` (a capturable call), else done once there and
+    then (work outside the graph: what the check must catch)."""
+    def general(xc, hc):
+        runs.append(float(np.asarray(xc).ravel()[0]))
+        y, h = np.empty_like(xc).view(_Array), np.empty_like(xc[:1]).view(_Array)
+
+        def work():
+            y[...] = 2 * np.asarray(xc)
+            h[...] = np.asarray(xc)[:1]
+        s = _current()
+        if s.is_capturing() and capturing_records:
+            s.capture.append(work)
+        else:
+            work()
+        return y, (h, None)
+    return general
+
+
+def test_a_capture_whose_graph_does_not_reproduce_the_call_is_never_used(mini):
+    """Work done outside the graph during the capture: the check sees the capture-time outputs, not the
+    probe's, so the capture is dropped; every call gets the general path (None: its caller runs it), TRIES
+    captures in all."""
+    runs: list = []
+    general = _general(runs, capturing_records=False)
+    key = _key(_x(1.0))
+    before = rnn_replay.stats()
+    for i in range(6):
+        assert rnn_replay.call(key, _x(i + 1.0), None, {}, general) is None
+    after = rnn_replay.stats()
+    assert after["captured"] == before["captured"] and after["replayed"] == before["replayed"]
+    assert after["failures"] - before["failures"] == rnn_replay.TRIES
+    assert "differs from the general path" in after["failed"]
+    assert runs == [2.0, -2.0, 3.0, -3.0, 4.0, -4.0]  # capture (on the call's x) and check (on -x), 3 times
+
+
+def test_replays_copy_in_and_out_and_follow_new_inputs(mini):
+    """A capturable call: the second call captures and checks, every later call replays; each result is a
+    fresh array holding that call's answer."""
+    runs: list = []
+    general = _general(runs, capturing_records=True)
+    key = _key(_x(1.0))
+    before = rnn_replay.stats()
+    assert rnn_replay.call(key, _x(1.0), None, {}, general) is None  # the first call: general
+    got = [rnn_replay.call(key, _x(v), None, {}, general) for v in (2.0, 3.0, 5.0, 7.0)]
+    st = {k: v - before[k] for k, v in rnn_replay.stats().items() if k != "failed"}
+    assert st == {"captured": 1, "replayed": 4, "failures": 0}
+    assert runs == [2.0, -2.0]  # captured once, checked once on -x; no general run after
+    for v, (y, (h, c)) in zip((2.0, 3.0, 5.0, 7.0), got):
+        assert (y == 2 * v).all() and (h == v).all() and c is None and y.shape == (3, 2, 4)
+    e = next(iter(rnn_replay._entries.values()))
+    assert all(r[0] is not e.out[0] for r in got) and len({id(r[0]) for r in got}) == 4
+
+
+def test_a_new_spec_or_engine_starts_a_new_entry(mini, monkeypatch):
+    """The parameters parsed to another Spec (new arrays, or changed ones) or a reconfigured engine: the graph
+    of the old ones is not replayed (the call is general again, then captured anew)."""
+    runs: list = []
+    general = _general(runs, capturing_records=True)
+    key = _key(_x(1.0))
+    rnn_replay.call(key, _x(1.0), None, {}, general)
+    assert rnn_replay.call(key, _x(2.0), None, {}, general) is not None
+    other = object()
+    monkeypatch.setattr(rnn_replay, "_spec", lambda key, x, params: other)
+    assert rnn_replay.call(key, _x(3.0), None, {}, general) is None  # general: a new entry's first call
+    assert rnn_replay.call(key, _x(4.0), None, {}, general) is not None
+    assert runs[-2:] == [4.0, -4.0]
