@@ -617,6 +617,7 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
     ("lstm", "float32", 1, True, 2, {}),
     ("gru", "float16", 2, False, 2, {}),
     ("lstm", "float32", 2, False, 1, {"lengths": [20, 17, 17, 9, 5, 5, 2, 1]}),
+    ("lstm", "float32", 3, False, 2, {"math": "tf32", "T": 100}),  # the wavefront's pieces over both GPUs
 ])
 def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, bidir, ngpu, extra):
     """rnn_replay: the second call of a signature is captured (over every GPU it uses) and checked, later
@@ -638,11 +639,11 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
     p = m.state_dict()
     fn = dnn.lstm if mode == "lstm" else dnn.gru
     kw = dict(num_layers=layers, bidirectional=bidir, batch_first=bf, lengths=extra.get("lengths"), math=math)
-    lengths = extra.get("lengths")
+    lengths, T = extra.get("lengths"), extra.get("T", 20)
     before = rnn_replay.stats()
     results = []
     for i in range(5):
-        x = (torch.randn(8, 20, 32, device="cuda") * 0.5).to(tdt)
+        x = (torch.randn(8, T, 32, device="cuda") * 0.5).to(tdt)
         x = x if bf else x.transpose(0, 1).contiguous()
         ld = layers * (2 if bidir else 1)
         h = (torch.randn(ld, 8, 64, device="cuda") * 0.5).to(tdt)
@@ -658,7 +659,7 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
             if lengths is not None:
                 pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=bf)
                 ty, tst = m(pk, thx if with_hx else None)
-                ty = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first=bf, total_length=20)[0]
+                ty = torch.nn.utils.rnn.pad_packed_sequence(ty, batch_first=bf, total_length=T)[0]
             else:
                 ty, tst = m(x, thx if with_hx else None)
         refs = [ty, *(tst if mode == "lstm" else (tst,))]
@@ -667,6 +668,8 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
             assert isinstance(a, cupy.ndarray) and a.shape == tuple(r.shape)
             assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < tol, i
         results.append(got[0])
+    if "T" in extra:
+        assert rnn_multi.last_run()["placement"].kind == "wavefront"
     st = rnn_replay.stats()
     # two signatures (hx given or not): each general once, captured on its second call, then replayed
     assert st["captured"] - before["captured"] == 2 and st["failures"] == before["failures"], st["failed"]
@@ -674,14 +677,14 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
     with torch.no_grad():  # a new tensor in the mapping: parsed anew, a new entry
         p["weight_ih_l0"] = p["weight_ih_l0"] * 0.5
         m.weight_ih_l0.copy_(p["weight_ih_l0"])
-    x = (torch.randn(8, 20, 32, device="cuda") * 0.5).to(tdt)
+    x = (torch.randn(8, T, 32, device="cuda") * 0.5).to(tdt)
     x = x if bf else x.transpose(0, 1).contiguous()
     for _ in range(3):
         out = fn(cupy.from_dlpack(x), None, p, **kw)
         with torch.no_grad():
             if lengths is not None:
                 pk = torch.nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=bf)
-                ty = torch.nn.utils.rnn.pad_packed_sequence(m(pk)[0], batch_first=bf, total_length=20)[0]
+                ty = torch.nn.utils.rnn.pad_packed_sequence(m(pk)[0], batch_first=bf, total_length=T)[0]
             else:
                 ty = m(x)[0]
         assert _err(out[0].astype(cupy.float32), ty.float().cpu().numpy()) < tol

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..operands import is_cupy
 from ..runtime.devices.cupy_streams import on_stream
-from . import rnn_diag_cells, rnn_params
+from . import rnn_diag_cells, rnn_layer, rnn_params
 from .rnn_diag_groups import Progress, give_back, hand_over, record, run_groups, wait_for
 from .rnn_layer import col_sum, compute_type
 
@@ -257,6 +257,8 @@ def forward(pb, pl, devs, keep: bool):
     from . import rnn_graph
     from .rnn_exec import ops_for
     from .rnn_multi import _here, _local
+    if rnn_layer.capturing_whole_call():
+        raise rnn_layer.NotCapturable("the diagonal's groups issue from threads of their own")
     xp, spec = pb.xp, pb.spec
     T, B = pb.x.shape[:2]
     store, out, L = pb.x.dtype, spec.out_size, spec.num_layers

@@ -157,7 +157,7 @@ class _Issued:
                 with on_stream(st):
                     fn(*args)
             except BaseException:
-                for s in self.used:
+                for s in self.used if self.capture is None else ():  # (a capture ran nothing)
                     s.synchronize()
                 raise
             self.done.append(st.record())
@@ -189,19 +189,28 @@ def _local(pb, dev, home, only=None):
     def moved(c, at):
         if only is not None and at not in only:
             return c
-        return dataclasses.replace(c, **{k: (None if getattr(c, k) is None else getattr(c, k).copy())
+        return dataclasses.replace(c, **{k: (None if getattr(c, k) is None else _here(pb.xp, getattr(c, k)))
                                          for k in ("w_ih", "w_hh", "b_ih", "b_hh", "w_hr")})
     cells = tuple(tuple(moved(c, (layer, d)) for d, c in enumerate(row)) for layer, row in enumerate(spec.cells))
     return dataclasses.replace(pb, spec=dataclasses.replace(spec, cells=cells),
-                               h0=None if pb.h0 is None else pb.h0.copy(),
-                               c0=None if pb.c0 is None else pb.c0.copy())
+                               h0=None if pb.h0 is None else _here(pb.xp, pb.h0),
+                               c0=None if pb.c0 is None else _here(pb.xp, pb.c0))
 
 
 def _here(xp, a):
-    """``a`` on the current device (a copy when it lives elsewhere)."""
+    """``a`` on the current device (a copy when it lives elsewhere; inside a capture one cudaMemcpyAsync, which
+    a capture takes in where CuPy's peer copy is refused)."""
     if xp is np or a.device.id == xp.cuda.Device().id:
         return a
-    return a.copy()
+    stream = xp.cuda.get_current_stream()
+    if not stream.is_capturing():
+        return a.copy()
+    if not a.flags.c_contiguous:
+        raise rnn_layer.NotCapturable(f"a strided copy between devices (shape {a.shape}, strides {a.strides})")
+    out = xp.empty(a.shape, dtype=a.dtype)
+    if a.nbytes:
+        xp.cuda.runtime.memcpyAsync(out.data.ptr, a.data.ptr, a.nbytes, 4, stream.ptr)  # 4: cudaMemcpyDefault
+    return out
 
 
 def at(xp, a, dev):
@@ -209,7 +218,7 @@ def at(xp, a, dev):
     if xp is np or a.device.id == dev:
         return a
     with xp.cuda.Device(dev):
-        return a.copy()
+        return _here(xp, a)
 
 
 def placement(pb, training: bool = True):
@@ -403,10 +412,15 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
     on = [devs[pl.cells[layer][0]] for layer in range(spec.num_layers)]
     used = list(dict.fromkeys(on))
     streams, ready = {}, []
+    cap = xp.cuda.get_current_stream() if cuda else None
+    cap = cap if cap is not None and cap.is_capturing() else None  # (forks from and joins into it, as _Issued)
     for dev in used if cuda else ():
         with xp.cuda.Device(dev):
-            streams[dev] = _stream(xp, dev, 0)
-            ready.append(xp.cuda.get_current_stream().record())
+            streams[dev] = _stream(xp, dev, 0) if cap is None else rnn_layer._side_stream(dev, ("wave", 0))
+            if cap is None:
+                ready.append(xp.cuda.get_current_stream().record())
+    if cap is not None:
+        ready.append(cap.record())
     mm = local_mm(xp, f, pb.math) if cuda else None
     gates = keep or not cuda or not pb.graphs  # (an eager loop writes them even in inference)
     lps, sts, inps, events = [], [], [], {}
@@ -459,7 +473,7 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             for layer, dev in enumerate(on):
                 issue(dev, lambda layer=layer: piece(layer, p, t0, t1))
     except BaseException:
-        for st in streams.values():
+        for st in streams.values() if cap is None else ():  # (a capture ran nothing)
             st.synchronize()
         raise
     if cuda:
@@ -467,7 +481,9 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
         for dev in used:
             with xp.cuda.Device(dev):
                 done.append(streams[dev].record())
-        for dev in used:
+        for ev in done if cap is not None else ():
+            cap.wait_event(ev)
+        for dev in used if cap is None else ():
             with xp.cuda.Device(dev):
                 for ev in done:
                     xp.cuda.get_current_stream().wait_event(ev)

@@ -191,10 +191,12 @@ def _capture(e: _Entry, x, hx, params, general) -> bool:
     except Exception as exc:  # noqa: BLE001 - the call runs the general path; the reason is kept
         e.fails += 1
         e.x = e.hx = None
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
+        tb, where = exc.__traceback__, ""
+        while tb is not None:  # the innermost blasx frame
+            name = tb.tb_frame.f_code.co_filename
+            if "blasx" in name or "/dnn/" in name:
+                where = f" ({name.rsplit('/', 1)[-1]}:{tb.tb_lineno})"
             tb = tb.tb_next
-        where = "" if tb is None else f" ({tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno})"
         with _lock:
             _stats["failures"] += 1
             _stats["failed"] = f"{type(exc).__name__}: {exc}{where}"
