@@ -252,6 +252,17 @@ def test_plan_rules():
                                                                                          projection=True)
     assert rnn_plan.plan(2, 2, 64, 100, 4, wide="tf32") == rnn_plan.plan(2, 2, 64, 100, 4)
     assert rnn_plan.plan(1, 1, 256, 100, 4, wide="tf32").kind == "batch"
+    # captured whole (rnn_replay): float32 and float64 inference stacks as a wavefront of 4 pieces a group
+    for wide in (None, "tf32"):
+        assert rnn_plan.plan(4, 1, 64, 100, 2, wide=wide, training=False, captured=True) == rnn_plan.Placement(
+            "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
+    assert rnn_plan.plan(4, 1, 64, 56, 2, training=False, captured=True).kind == "diagonal"  # pieces of 7 steps
+    assert rnn_plan.plan(4, 1, 64, 64, 2, training=False, captured=True).chunk == 8
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", training=False, captured=True).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 100, 2, captured=True).kind == "diagonal"  # (training is never captured)
+    assert rnn_plan.plan(4, 1, 64, 100, 1, training=False, captured=True).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, training=False, captured=True).chunk == 25
+    assert rnn_plan.plan(2, 2, 64, 100, 2, training=False, captured=True).kind == "directions"
     # a one-layer call left on one device of several keeps its GEMMs there; on one device there is nothing to keep
     assert rnn_plan.plan(1, 1, 64, 100, 2) == rnn_plan.Placement("single", 1, ((0,),), local=True)
     assert not rnn_plan.plan(1, 1, 64, 100, 1).local and not rnn_plan.plan(2, 2, 64, 100, 1).local

@@ -618,6 +618,7 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
     ("gru", "float16", 2, False, 2, {}),
     ("lstm", "float32", 2, False, 1, {"lengths": [20, 17, 17, 9, 5, 5, 2, 1]}),
     ("lstm", "float32", 3, False, 2, {"math": "tf32", "T": 100}),  # the wavefront's pieces over both GPUs
+    ("gru", "float32", 3, False, 2, {"T": 100}),  # general: the diagonal; captured: a wavefront
 ])
 def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, bidir, ngpu, extra):
     """rnn_replay: the second call of a signature is captured (over every GPU it uses) and checked, later

@@ -227,7 +227,8 @@ def placement(pb, training: bool = True):
     T, B = pb.x.shape[:2]
     devs = devices_for(pb)
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
-                       wide=wide_class(pb.x.dtype, pb.math), training=training)
+                       wide=wide_class(pb.x.dtype, pb.math), training=training,
+                       captured=rnn_layer.capturing_whole_call())
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 

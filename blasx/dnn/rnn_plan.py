@@ -25,6 +25,10 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
   into contiguous ranges, one per device ("batch"); a smaller batch stays on one device, where a per-step GEMM of
   fewer rows would not run faster, its projection and gradient GEMMs local there too ("single", ``local``).
 
+A call captured whole into one graph (rnn_replay.py) costs no host time a piece: its unidirectional stacks
+without a projection in float32 (IEEE or TF32) or float64 run as a wavefront of :data:`CAPTURED_PIECES` pieces a
+group in inference, where the diagonal (whose groups issue from threads) cannot be captured.
+
 A diagonal chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1) chunks
 (about 1/8 of the run) and each hand-off is amortised over several steps. A wavefront piece is a whole one-layer
 call (its projection, its loop's graph), so pieces are fewer: ``ceil(T / (PIECES n))`` steps. Layer 0's input
@@ -42,6 +46,8 @@ MIN_ROWS = 64  # batch rows per device below which a batch split is not worth it
 MAX_CHUNK = 8  # diagonal steps per hand-off at most
 PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's host time) ...
 MIN_PIECE_STEPS = 20  # ... of at least this many steps for TF32 inference (fewer: single, whose loops the host outruns)
+CAPTURED_PIECES = 4  # pieces per group of an inference stack captured whole (rnn_replay: no host time a piece) ...
+MIN_CAPTURED_STEPS = 8  # ... of at least this many steps
 
 
 @dataclass(frozen=True)
@@ -56,15 +62,20 @@ class Placement:
 
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
-         projection: bool = False, wide: str | None = None, training: bool = True) -> Placement:
+         projection: bool = False, wide: str | None = None, training: bool = True,
+         captured: bool = False) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math, its
-    class ("reduced" or "tf32", tile.wide_class)."""
+    class ("reduced" or "tf32", tile.wide_class); ``captured``: the call is being captured whole (rnn_replay)."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
     n = max(1, min(n_devices, num_layers))
     cells = tuple((layer * n // num_layers,) for layer in range(num_layers))
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
     piece = math.ceil(steps / (PIECES * n))
+    short = math.ceil(steps / (CAPTURED_PIECES * n))
+    if stacked and not projection and wide != "reduced" and captured and not training and n > 1 and \
+            short >= MIN_CAPTURED_STEPS:
+        return Placement("wavefront", n, cells, chunk=short)
     if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
         return Placement("wavefront", n, cells, chunk=piece)
     if stacked and not projection and (wide or n_devices <= 1):
