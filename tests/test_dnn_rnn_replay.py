@@ -41,7 +41,7 @@ class _Stream:
         return _Graph(ops)
 
     def record(self):
-        return object()
+        return types.SimpleNamespace(synchronize=lambda: _mini.synced.append(self.ptr))
 
     def wait_event(self, ev):
         pass
@@ -67,7 +67,7 @@ def _current():
     return _mini.stack[-1]
 
 
-_mini = types.SimpleNamespace(stack=[_Stream(null=True)])
+_mini = types.SimpleNamespace(stack=[_Stream(null=True)], synced=[])
 
 
 @pytest.fixture
@@ -79,7 +79,8 @@ def mini(monkeypatch):
     cupy.uint8 = np.uint8
     cupy.empty = lambda n, dtype=None: np.empty(n, dtype).view(_Array)
     cupy.cuda = types.SimpleNamespace(
-        Stream=_Stream, get_current_stream=_current, MemoryPool=lambda: types.SimpleNamespace(malloc=None),
+        Stream=_Stream, get_current_stream=_current,
+        MemoryPool=lambda: types.SimpleNamespace(malloc=None, total_bytes=lambda: 1000),
         using_allocator=lambda m: contextlib.nullcontext(),
         Device=lambda d=0: types.SimpleNamespace(compute_capability="90", __enter__=lambda: None,
                                                  __exit__=lambda *a: None),
@@ -203,3 +204,27 @@ def test_a_new_spec_or_engine_starts_a_new_entry(mini, monkeypatch):
     assert rnn_replay.call(key, _x(3.0), None, {}, general) is None  # general: a new entry's first call
     assert rnn_replay.call(key, _x(4.0), None, {}, general) is not None
     assert runs[-2:] == [4.0, -4.0]
+
+
+def test_least_recently_used_entries_dropped_past_the_bounds(mini, monkeypatch):
+    """At most MAX_ENTRIES signatures and MAX_BYTES of graph memory: the least recently used goes first, once
+    its last replay is done (its event synchronised); its next call is general again, then captured anew."""
+    runs: list = []
+    general = _general(runs, capturing_records=True)
+    monkeypatch.setattr(rnn_replay, "MAX_ENTRIES", 2)
+    keys = [_key(_x(1.0), lengths=[3] * (i + 1)) for i in range(3)]  # three signatures
+
+    def twice(k, v):
+        rnn_replay.call(k, _x(v), None, {}, general)
+        return rnn_replay.call(k, _x(v), None, {}, general)
+    assert twice(keys[0], 1.0) is not None and twice(keys[1], 2.0) is not None
+    assert rnn_replay.call(keys[0], _x(3.0), None, {}, general) is not None  # keys[0] used last: keys[1] goes
+    _mini.synced.clear()
+    assert twice(keys[2], 4.0) is not None
+    assert list(rnn_replay._entries) == [keys[0], keys[2]] and _mini.synced  # (keys[1]'s last replay waited for)
+    assert rnn_replay.call(keys[1], _x(5.0), None, {}, general) is None  # dropped: general, then captured again
+    # the bytes bound: each entry holds 1000 bytes of pool and its buffers; a bound of one entry keeps the newest
+    monkeypatch.setattr(rnn_replay, "MAX_ENTRIES", 16)
+    monkeypatch.setattr(rnn_replay, "MAX_BYTES", 1500)
+    assert rnn_replay.call(keys[1], _x(6.0), None, {}, general) is not None
+    assert list(rnn_replay._entries) == [keys[1]]

@@ -20,23 +20,27 @@ Invariants:
 
 Policy: the first call of a signature runs the general path; the second captures; a capture that fails or does
 not match is tried again on later calls, :data:`TRIES` in all, then the signature stays on the general path
-(``stats()`` says why). ``BLASX_RNN_REPLAY=0`` turns the path off.
+(``stats()`` says why). At most :data:`MAX_ENTRIES` signatures and :data:`MAX_BYTES` of graph memory (pools,
+workspaces, input buffers) are kept, the least recently used dropped first once its last replay has finished.
+``BLASX_RNN_REPLAY=0`` turns the path off.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
 ENABLED = os.environ.get("BLASX_RNN_REPLAY", "1") != "0"
 TRIES = 3  # captures tried per signature
-MAX_ENTRIES = 16  # signatures kept (their graphs and buffers); the least recently made dropped
+MAX_ENTRIES = 16  # signatures kept (their graphs and buffers); the least recently used dropped ...
+MAX_BYTES = 4 << 30  # ... also while the graphs' memory in all is over this
 CHECK_TOL = {np.dtype(np.float16): 3e-2, np.dtype(np.float32): 1e-3, np.dtype(np.float64): 1e-9}
 
 _lock = threading.Lock()
-_entries: dict = {}
+_entries: OrderedDict = OrderedDict()  # key -> _Entry, least recently used first
 _stats = {"captured": 0, "replayed": 0, "failures": 0, "failed": ""}
 
 
@@ -47,9 +51,36 @@ def stats() -> dict:
 
 
 def clear() -> None:
-    """Drops every entry (their graphs, pools and buffers)."""
+    """Drops every entry (their graphs, pools and buffers) once its last replay has finished."""
     with _lock:
+        gone = list(_entries.values())
         _entries.clear()
+    for e in gone:
+        _drop(e)
+
+
+def _drop(e) -> None:
+    """Frees e's graph and memory after the GPU is done with them (its last replay's event)."""
+    with e.lock:
+        if e.done is not None:
+            e.done.synchronize()
+        e.graph = e.out = e.x = e.hx = e.done = None
+        e.keep, e.nbytes = [], 0
+
+
+def _admit(key, e) -> None:
+    """``e`` under ``key``, most recently used; the least recently used others dropped while over the bounds."""
+    gone = []
+    with _lock:
+        old = _entries.pop(key, None)
+        if old is not None and old is not e:
+            gone.append(old)
+        _entries[key] = e
+        while len(_entries) > MAX_ENTRIES or (len(_entries) > 1 and
+                                              sum(v.nbytes for v in _entries.values()) > MAX_BYTES):
+            gone.append(_entries.popitem(last=False)[1])
+    for g in gone:
+        _drop(g)
 
 
 def _sig(a):
@@ -80,6 +111,7 @@ class _Entry:
         self.graph = None
         self.keep: list = []  # the graph's pool, workspaces, stream and buffers
         self.x = self.hx = self.out = self.done = self.run = None
+        self.nbytes = 0  # graph memory held (pool, workspaces, input buffers)
 
 
 def call(key, x, hx, params, general):
@@ -91,16 +123,15 @@ def call(key, x, hx, params, general):
     from . import rnn_params
     with _lock:
         e = _entries.get(key)
+        if e is not None:
+            _entries.move_to_end(key)
     spec = _spec(key, x, params)
     if spec is None or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
     if e is None or e.spec is not spec or e.engine is not session.engine() or \
             e.math != precision.check_math(key[11]):
         e = _Entry(spec, session.engine(), precision.check_math(key[11]))
-        with _lock:
-            if len(_entries) >= MAX_ENTRIES:
-                _entries.pop(next(iter(_entries)))
-            _entries[key] = e
+        _admit(key, e)
     if e.graph is None:
         if e.seen == 0 or e.fails >= TRIES:
             e.seen += 1
@@ -108,6 +139,7 @@ def call(key, x, hx, params, general):
         with e.lock:
             if e.graph is None and not _capture(e, x, hx, params, general):
                 return None
+        _admit(key, e)  # (its memory counted now)
     return _replay(e, x, hx)
 
 
@@ -203,6 +235,8 @@ def _capture(e: _Entry, x, hx, params, general) -> bool:
         return False
     e.graph, e.out, e.run = graph, out, run
     e.keep = [pool, workspaces, stream]
+    ins = [e.x, *(e.hx if isinstance(e.hx, tuple) else (e.hx,) if e.hx is not None else ())]
+    e.nbytes = pool.total_bytes() + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
     e.done = caller.record()
     with _lock:
         _stats["captured"] += 1
@@ -244,6 +278,8 @@ def _replay(e: _Entry, x, hx):
     from . import rnn_multi
     stream = cupy.cuda.get_current_stream()
     with e.lock:
+        if e.graph is None:  # dropped meanwhile (the bounds, clear()): the general path runs the call
+            return None
         stream.wait_event(e.done)
         _copy_in(e, x, hx)
         e.graph.launch(stream)
