@@ -6,6 +6,7 @@ on another input is never used (every call still gets the general path's answer)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 
@@ -121,14 +122,14 @@ def _key(x, **kw):
 def test_signature_only_for_cupy_inference_outside_a_capture(mini, monkeypatch):
     x = _x(1.0)
     key = _key(x)
-    assert key is not None and key[2] == (3, 2, 4) and key[-1] == _current().ptr
-    assert _key(x, training=True) is None
+    assert key is not None and key[2] == (3, 2, 4) and key[12] == _current().ptr and key[13] is False
+    assert _key(x, training=True) == key[:13] + (True,)
     assert _key(np.ones((3, 2, 4), np.float32)) is None
     assert _key(x, lengths=[3, 1]) != key and _key(x, bidirectional=True) != key
     h = np.zeros((1, 2, 4), np.float32).view(_Array)
     assert _key(x, hx=(h, h))[10] == (((1, 2, 4), "<f4", "cupy"),) * 2
     with _Stream(non_blocking=True) as s:
-        assert _key(x)[-1] == s.ptr != key[-1]
+        assert _key(x)[12] == s.ptr != key[12]
         s.begin_capture()
         assert _key(x) is None  # (a caller's own capture: its launches go into that graph)
         s.end_capture()
@@ -188,7 +189,7 @@ def test_replays_copy_in_and_out_and_follow_new_inputs(mini):
     for v, (y, (h, c)) in zip((2.0, 3.0, 5.0, 7.0), got):
         assert (y == 2 * v).all() and (h == v).all() and c is None and y.shape == (3, 2, 4)
     e = next(iter(rnn_replay._entries.values()))
-    assert all(r[0] is not e.out[0] for r in got) and len({id(r[0]) for r in got}) == 4
+    assert all(r[0] is not e.slots[0].out[0] for r in got) and len({id(r[0]) for r in got}) == 4
 
 
 def test_a_new_spec_or_engine_starts_a_new_entry(mini, monkeypatch):
@@ -228,3 +229,45 @@ def test_least_recently_used_entries_dropped_past_the_bounds(mini, monkeypatch):
     monkeypatch.setattr(rnn_replay, "MAX_BYTES", 1500)
     assert rnn_replay.call(keys[1], _x(6.0), None, {}, general) is not None
     assert list(rnn_replay._entries) == [keys[1]]
+
+
+@dataclasses.dataclass
+class _Problem:
+    x: object
+    graphs: bool = False
+
+
+@dataclasses.dataclass
+class _Saved:
+    problem: _Problem
+    layers: list
+
+
+def test_training_calls_lease_a_slot_to_their_saved_state(mini):
+    """A training call's saved state reads its slot's buffers (here its x) in place: the slot is leased until
+    the state is collected, a second slot is captured while the first is out, MAX_LEASES at most (then the
+    general path), and a slot comes back for the next call once its state is gone."""
+    import gc
+    runs: list = []
+    inner = _general(runs, capturing_records=True)
+
+    def general(xc, hc):
+        y, st = inner(xc, hc)
+        return y, st, _Saved(_Problem(xc), [])
+
+    def backward(saved, gy):  # reads the saved state's x where it lies
+        return {"input": 3 * np.asarray(saved.problem.x).view(_Array)}
+    key = _key(_x(1.0), training=True)
+    before = rnn_replay.stats()
+    assert rnn_replay.call(key, _x(1.0), None, {}, general, backward) is None  # general
+    y2, _, s2 = rnn_replay.call(key, _x(2.0), None, {}, general, backward)  # slot A captured, leased to s2
+    y3, _, s3 = rnn_replay.call(key, _x(3.0), None, {}, general, backward)  # slot B (A is out)
+    assert (y2 == 4).all() and (y3 == 6).all() and s2.problem.graphs is not False
+    assert (backward(s2, None)["input"] == 6).all() and (backward(s3, None)["input"] == 9).all()
+    assert rnn_replay.call(key, _x(4.0), None, {}, general, backward) is None  # both out: general
+    del s2
+    gc.collect()
+    y5, _, s5 = rnn_replay.call(key, _x(5.0), None, {}, general, backward)  # slot A again
+    assert (y5 == 10).all() and (backward(s5, None)["input"] == 15).all() and (backward(s3, None)["input"] == 9).all()
+    st = {k: v - before[k] for k, v in rnn_replay.stats().items() if k != "failed"}
+    assert st == {"captured": 2, "replayed": 3, "failures": 0}

@@ -689,3 +689,48 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
             else:
                 ty = m(x)[0]
         assert _err(out[0].astype(cupy.float32), ty.float().cpu().numpy()) < tol
+
+
+@pytest.mark.parametrize("mode,dtype,layers,bidir,ngpu,math", [
+    ("lstm", "float16", 1, False, 1, None),
+    ("gru", "float32", 2, False, 1, None),
+    ("lstm", "float32", 1, True, 2, "tf32"),
+])
+def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers, bidir, ngpu, math):
+    """rnn_replay with training=True: a loop of forward + backward steps, each step's saved state kept until
+    the next step's forward returns (as a training loop holds it): from the second step the forward replays a
+    graph leased to its saved state (two slots alternate); outputs and every gradient match torch's autograd
+    through cuDNN for that step's own x and grad_y, after an in-place parameter update too."""
+    from blasx.dnn import rnn_replay
+    if NGPU < ngpu:
+        pytest.skip(f"needs {ngpu} GPUs")
+    blasx.configure(devices="cuda" if ngpu > 1 else "cuda:0")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
+    tol = 2e-3 if math == "tf32" else TOL[dtype]
+    torch.manual_seed(11)
+    tdt = getattr(torch, dtype)
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(32, 64, num_layers=layers,
+                                                             bidirectional=bidir).cuda().to(tdt)
+    p = m.state_dict()
+    fn, bw = (dnn.lstm, dnn.lstm_backward) if mode == "lstm" else (dnn.gru, dnn.gru_backward)
+    before = rnn_replay.stats()
+    saved = None
+    for i in range(6):
+        if i == 4:
+            with torch.no_grad():
+                p["weight_hh_l0"].mul_(0.5)  # in place: the graph reads the new values
+        x = (torch.randn(20, 8, 32, device="cuda") * 0.5).to(tdt).requires_grad_(True)
+        y, st, saved = fn(cupy.from_dlpack(x.detach()), None, p, num_layers=layers, bidirectional=bidir,
+                          training=True, math=math)
+        m.zero_grad()
+        ty, _ = m(x)
+        gy = torch.randn_like(ty)
+        ty.backward(gy)
+        assert _err(y.astype(cupy.float32), ty.detach().float().cpu().numpy()) < tol, i
+        g = bw(saved, cupy.from_dlpack(gy))
+        assert _err(g["input"].astype(cupy.float32), x.grad.float().cpu().numpy()) < 5 * tol, i
+        for k, prm in m.named_parameters():
+            assert _err(g[k].astype(cupy.float32), prm.grad.float().cpu().numpy()) < 5 * tol, (i, k)
+    st = rnn_replay.stats()
+    assert st["captured"] - before["captured"] == 2 and st["failures"] == before["failures"], st["failed"]
+    assert st["replayed"] - before["replayed"] >= 4

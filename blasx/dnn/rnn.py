@@ -147,9 +147,10 @@ def _finish(pb: Problem, y, h_n, c_n):
 def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     key = rnn_replay.signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size,
                                training, math)
-    if key is not None:  # a repeated inference call on CuPy arrays: one graph of the whole call (rnn_replay.py)
+    if key is not None:  # a repeated call on CuPy arrays: one graph of the whole forward (rnn_replay.py)
         res = rnn_replay.call(key, x, hx, params, lambda xc, hc: _general(
-            mode, xc, hc, params, num_layers, bidirectional, batch_first, lengths, proj_size, False, math))
+            mode, xc, hc, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math),
+            (lambda s, gy: _backward((mode,), s, gy, None, None)) if training else None)
         if res is not None:
             return res
     return _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math)

@@ -1,40 +1,49 @@
-"""A repeated recurrent inference call on CuPy arrays replayed from one CUDA graph of the whole call.
+"""A repeated recurrent call on CuPy arrays replayed from one CUDA graph of the whole forward.
 
 A recurrent call issues tens to hundreds of launches (projections, step loops or their graphs, copies between
 GPUs, final states) from Python, and at small sizes, or with layers spread over GPUs, the host's issue time
 sets the call's time. A call signature (:func:`signature`: mode, the params mapping, x's shape and type and GPU,
-hx's, the flags, the math mode and the caller's stream) gets an entry on its second call: the call is captured
-once into a graph on the entry's own stream, over every GPU it uses, reading the entry's copies of x and hx and
-writing outputs the graph owns; later calls copy x and hx in, launch the graph on the caller's stream and copy
-the outputs out (a fresh array each, as the general path returns).
+hx's, the flags, training or not, the math mode and the caller's stream) gets an entry on its first call; from
+its second the forward is captured into a graph (a *slot*) on a stream of its own, over every GPU it uses,
+reading the slot's copies of x and hx and writing outputs and activations the graph owns; a call then copies x
+and hx in, launches the graph on the caller's stream and copies the outputs out (fresh arrays, as the general
+path returns). An inference entry has one slot. A training call returns a saved state that reads its slot's
+activations (and x) in place, so its slot is leased until that state is collected: an entry has up to
+:data:`MAX_LEASES` slots (a training loop holds the previous step's state while it calls the next forward);
+with every slot out the call takes the general path. The backward runs the general path on the slot's buffers,
+on the caller's stream.
 
 Invariants:
-- a graph reads only the entry's x and hx buffers, the parameters' arrays (held by the entry's Spec, which
+- a graph reads only its slot's x and hx buffers, the parameters' arrays (held by the entry's Spec, which
   rnn_params.parse returns again only for the same arrays unchanged) and memory of its own pool and workspaces;
   each call checks the Spec, the math mode, the engine and the device before replaying (else the general path);
 - nothing of a captured call runs outside its graph: engine GEMMs and uncaptured streams refuse or fail the
-  capture (rnn_layer.whole_call_capture, rnn_multi._Issued), and a capture is kept only after its graph, run on
-  another input (x negated), matched the general path's result on that input (:data:`CHECK_TOL`);
-- one call at a time uses an entry's buffers: its lock covers the issue of copy-in, launch and copy-out, and the
-  next caller's stream waits for the last one's event.
+  capture (rnn_layer.whole_call_capture, rnn_multi._Issued), and a slot is kept only after its graph, run on
+  another input (x negated), matched the general path's outputs there (:data:`CHECK_TOL`) and, for training,
+  the backward from its activations matched the backward from the general path's;
+- one call at a time uses a slot's buffers: inference calls take its lock around copy-in, launch and copy-out,
+  and the next caller's stream waits for the last one's event; a training slot is leased to one saved state.
 
 Policy: the first call of a signature runs the general path; the second captures; a capture that fails or does
 not match is tried again on later calls, :data:`TRIES` in all, then the signature stays on the general path
 (``stats()`` says why). At most :data:`MAX_ENTRIES` signatures and :data:`MAX_BYTES` of graph memory (pools,
-workspaces, input buffers) are kept, the least recently used dropped first once its last replay has finished.
-``BLASX_RNN_REPLAY=0`` turns the path off.
+workspaces, input buffers) are kept, the least recently used dropped first once its last replay has finished
+(a leased slot's memory lives on with its saved state). ``BLASX_RNN_REPLAY=0`` turns the path off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
 
 ENABLED = os.environ.get("BLASX_RNN_REPLAY", "1") != "0"
-TRIES = 3  # captures tried per signature
+TRIES = 3  # failed captures per signature after which it stays on the general path
+MAX_LEASES = 2  # slots of a training signature (saved states alive at once that replay)
 MAX_ENTRIES = 16  # signatures kept (their graphs and buffers); the least recently used dropped ...
 MAX_BYTES = 4 << 30  # ... also while the graphs' memory in all is over this
 CHECK_TOL = {np.dtype(np.float16): 3e-2, np.dtype(np.float32): 1e-3, np.dtype(np.float64): 1e-9}
@@ -59,16 +68,62 @@ def clear() -> None:
         _drop(e)
 
 
-def _drop(e) -> None:
-    """Frees e's graph and memory after the GPU is done with them (its last replay's event)."""
-    with e.lock:
-        if e.done is not None:
-            e.done.synchronize()
-        e.graph = e.out = e.x = e.hx = e.done = None
-        e.keep, e.nbytes = [], 0
+def _sig(a):
+    return None if a is None else (tuple(a.shape), a.dtype.str, type(a).__module__.split(".")[0])
 
 
-def _admit(key, e) -> None:
+def signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
+    """The entry's key of a call, or None where this path never applies (host x, off, or a capture of the
+    caller's under way)."""
+    if not ENABLED or type(x).__module__.split(".")[0] != "cupy":
+        return None
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return None
+    hs = tuple(_sig(h) for h in hx) if isinstance(hx, (tuple, list)) else _sig(hx)
+    return (mode, id(params), tuple(x.shape), x.dtype.str, x.device.id, int(num_layers), bool(bidirectional),
+            bool(batch_first), None if lengths is None else tuple(int(v) for v in lengths), int(proj_size), hs, math,
+            stream.ptr, bool(training))
+
+
+class _Slot:
+    """One captured graph with the buffers it reads and writes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.graph = self.out = self.saved = self.x = self.hx = self.done = None
+        self.keep: list = []  # the graph's pool, workspaces and stream
+        self.nbytes = 0
+        self.leased = False  # a training call's saved state reads this slot's buffers (set and cleared atomically)
+
+
+class _Entry:
+    def __init__(self, spec, engine, math, training: bool) -> None:
+        self.lock = threading.Lock()  # one capture at a time
+        self.spec, self.engine, self.math, self.training = spec, engine, math, training
+        self.seen = 0  # general-path calls before the first capture
+        self.fails = 0
+        self.slots: list = []
+        self.run = None  # rnn_multi.last_run() of the captured call
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+def _drop(e: _Entry) -> None:
+    """Frees e's graphs and memory after the GPU is done with them (each slot's last replay); a leased slot's
+    memory stays with its saved state."""
+    for s in e.slots:
+        with s.lock:
+            if s.done is not None:
+                s.done.synchronize()
+            s.graph = s.out = s.saved = s.x = s.hx = s.done = None
+            s.keep, s.nbytes = [], 0
+
+
+def _admit(key, e: _Entry) -> None:
     """``e`` under ``key``, most recently used; the least recently used others dropped while over the bounds."""
     gone = []
     with _lock:
@@ -83,44 +138,13 @@ def _admit(key, e) -> None:
         _drop(g)
 
 
-def _sig(a):
-    return None if a is None else (tuple(a.shape), a.dtype.str, type(a).__module__.split(".")[0])
-
-
-def signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
-    """The entry's key of a call, or None where this path never applies (host x, training, off, or a capture of
-    the caller's under way)."""
-    if training or not ENABLED or type(x).__module__.split(".")[0] != "cupy":
-        return None
-    import cupy
-    stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
-        return None
-    hs = tuple(_sig(h) for h in hx) if isinstance(hx, (tuple, list)) else _sig(hx)
-    return (mode, id(params), tuple(x.shape), x.dtype.str, x.device.id, int(num_layers), bool(bidirectional),
-            bool(batch_first), None if lengths is None else tuple(int(v) for v in lengths), int(proj_size), hs, math,
-            stream.ptr)
-
-
-class _Entry:
-    def __init__(self, spec, engine, math) -> None:
-        self.lock = threading.Lock()
-        self.spec, self.engine, self.math = spec, engine, math
-        self.seen = 0  # general-path calls so far
-        self.fails = 0
-        self.graph = None
-        self.keep: list = []  # the graph's pool, workspaces, stream and buffers
-        self.x = self.hx = self.out = self.done = self.run = None
-        self.nbytes = 0  # graph memory held (pool, workspaces, input buffers)
-
-
-def call(key, x, hx, params, general):
-    """The call's result from its graph, or None (the general path runs it). ``general(x, hx)``: the general
-    path on other arrays (for the capture and its check)."""
+def call(key, x, hx, params, general, backward=None):
+    """The call's result from a graph, or None (the general path runs it). ``general(x, hx)``: the general path
+    on other arrays (for the capture and its check); ``backward(saved, grad_y)`` (training): the general
+    backward, for the check."""
     import cupy
 
     from .. import precision, session
-    from . import rnn_params
     with _lock:
         e = _entries.get(key)
         if e is not None:
@@ -128,19 +152,35 @@ def call(key, x, hx, params, general):
     spec = _spec(key, x, params)
     if spec is None or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
-    if e is None or e.spec is not spec or e.engine is not session.engine() or \
-            e.math != precision.check_math(key[11]):
-        e = _Entry(spec, session.engine(), precision.check_math(key[11]))
+    math = precision.check_math(key[11])
+    if e is None or e.spec is not spec or e.engine is not session.engine() or e.math != math:
+        e = _Entry(spec, session.engine(), math, key[13])
         _admit(key, e)
-    if e.graph is None:
-        if e.seen == 0 or e.fails >= TRIES:
+    slot = _take(e)
+    if slot is None:
+        if len(e.slots) >= (MAX_LEASES if e.training else 1) or e.seen == 0 or e.fails >= TRIES:
             e.seen += 1
             return None
         with e.lock:
-            if e.graph is None and not _capture(e, x, hx, params, general):
-                return None
+            slot = _capture(e, x, hx, params, general, backward)
+        if slot is None:
+            return None
         _admit(key, e)  # (its memory counted now)
-    return _replay(e, x, hx)
+    return _replay(e, slot, x, hx)
+
+
+def _take(e: _Entry):
+    """A slot of e ready to replay (training: one not on lease, leased now), or None."""
+    with _lock:
+        for s in e.slots:
+            if s.graph is not None and not s.leased:
+                s.leased = e.training
+                return s
+    return None
+
+
+def _give_back(slot: _Slot) -> None:
+    slot.leased = False  # (a finalizer: no lock taken)
 
 
 def _spec(key, x, params):
@@ -149,46 +189,44 @@ def _spec(key, x, params):
     import cupy
 
     from . import rnn_params
-    mode, num_layers, bidirectional, batch_first, proj_size = key[0], key[5], key[6], key[7], key[9]
-    n_in = x.shape[-1]
+    mode, num_layers, bidirectional, proj_size = key[0], key[5], key[6], key[9]
     try:
-        return rnn_params.parse(params, mode, n_in, num_layers=num_layers, bidirectional=bidirectional,
+        return rnn_params.parse(params, mode, x.shape[-1], num_layers=num_layers, bidirectional=bidirectional,
                                 proj_size=proj_size, xp=cupy, dtype=x.dtype)
     except (KeyError, ValueError, TypeError):
         return None
 
 
-def _copy_in(e, x, hx) -> None:
-    e.x[...] = x
+def _copy_in(s: _Slot, x, hx) -> None:
+    s.x[...] = x
     if hx is None:
         return
     if isinstance(hx, (tuple, list)):
-        for buf, h in zip(e.hx, hx):
+        for buf, h in zip(s.hx, hx):
             buf[...] = h
     else:
-        e.hx[...] = hx
+        s.hx[...] = hx
 
 
 def _copy_out(out):
     return tuple(_copy_out(o) if isinstance(o, tuple) else (None if o is None else o.copy()) for o in out)
 
 
-def _capture(e: _Entry, x, hx, params, general) -> bool:
-    """Captures the call into e's graph on a stream of its own, then checks it (module docstring); False when
-    either failed (counted; the call runs the general path)."""
+def _capture(e: _Entry, x, hx, params, general, backward):
+    """A new slot of e: the call captured on a stream of its own, then checked (module docstring); None when
+    either failed (counted; the call runs the general path). A training slot comes back leased."""
     import cupy
 
-    from . import rnn_layer, rnn_multi, rnn_params
     from ..runtime.devices.cublas_ctypes import workspace_bytes
-    dev = x.device.id
+    from . import rnn_layer, rnn_multi, rnn_params
+    s = _Slot()
     caller = cupy.cuda.get_current_stream()
     stream = cupy.cuda.Stream(non_blocking=True)
-    e.x = cupy.empty_like(x)
-    e.hx = None if hx is None else (tuple(cupy.empty_like(h) for h in hx) if isinstance(hx, (tuple, list))
+    s.x = cupy.empty_like(x)
+    s.hx = None if hx is None else (tuple(cupy.empty_like(h) for h in hx) if isinstance(hx, (tuple, list))
                                      else cupy.empty_like(hx))
-    devs = rnn_multi.cuda_devices(dev)
     workspaces = {}
-    for d in devs:  # made before the capture (no allocation or handle creation inside it)
+    for d in rnn_multi.cuda_devices(x.device.id):  # made before the capture (nothing is made inside it)
         with cupy.cuda.Device(d):
             cc = int(cupy.cuda.Device(d).compute_capability) // 10
             workspaces[d] = cupy.empty(workspace_bytes(cc), dtype=cupy.uint8)
@@ -197,50 +235,74 @@ def _capture(e: _Entry, x, hx, params, general) -> bool:
     stream.wait_event(caller.record())
     try:
         with stream:
-            _copy_in(e, x, hx)
+            _copy_in(s, x, hx)
             with cupy.cuda.using_allocator(pool.malloc), rnn_layer.whole_call_capture(workspaces), \
                     rnn_params.given(params, e.spec):
                 stream.begin_capture()
                 try:
-                    out = general(e.x, e.hx)
+                    out = general(s.x, s.hx)
                 except BaseException:
                     _end_quietly(stream)  # (its error would hide the first one)
                     raise
                 graph = stream.end_capture()  # an invalidated capture ends with an error
         run = dict(rnn_multi.last_run())
-        # the check: the graph on another input against the general path's result there
-        probe = _probe(x)
-        want = general(probe, hx)
-        with stream:
-            stream.wait_event(caller.record())
-            _copy_in(e, probe, hx)
-            graph.launch(stream)
-        caller.wait_event(stream.record())
-        tol = CHECK_TOL.get(np.dtype(x.dtype), 1e-3)
-        err = _worst(out, want)
-        if not err <= tol:
-            raise rnn_layer.NotCapturable(f"the replayed graph differs from the general path by {err:.2e}")
+        _check(e, s, graph, stream, caller, out, x, hx, general, backward)
     except Exception as exc:  # noqa: BLE001 - the call runs the general path; the reason is kept
         e.fails += 1
-        e.x = e.hx = None
-        tb, where = exc.__traceback__, ""
-        while tb is not None:  # the innermost blasx frame
-            name = tb.tb_frame.f_code.co_filename
-            if "blasx" in name or "/dnn/" in name:
-                where = f" ({name.rsplit('/', 1)[-1]}:{tb.tb_lineno})"
-            tb = tb.tb_next
-        with _lock:
-            _stats["failures"] += 1
-            _stats["failed"] = f"{type(exc).__name__}: {exc}{where}"
-        return False
-    e.graph, e.out, e.run = graph, out, run
-    e.keep = [pool, workspaces, stream]
-    ins = [e.x, *(e.hx if isinstance(e.hx, tuple) else (e.hx,) if e.hx is not None else ())]
-    e.nbytes = pool.total_bytes() + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
-    e.done = caller.record()
+        _failed(exc)
+        return None
+    s.graph, s.out, s.saved = graph, out[:2], (_saved(out[2]) if e.training else None)
+    s.keep = [pool, workspaces, stream]
+    ins = [s.x, *(s.hx if isinstance(s.hx, tuple) else (s.hx,) if s.hx is not None else ())]
+    s.nbytes = pool.total_bytes() + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
+    s.done = caller.record()
+    s.leased = e.training
+    e.run = run
     with _lock:
+        e.slots.append(s)
         _stats["captured"] += 1
-    return True
+    return s
+
+
+def _check(e: _Entry, s: _Slot, graph, stream, caller, out, x, hx, general, backward) -> None:
+    """The graph on another input against the general path there (outputs; for training also the backward
+    from the slot's activations against the backward from the general path's); raises when they differ."""
+    from . import rnn_layer
+    probe = _probe(x)
+    want = general(probe, hx)
+    with stream:
+        stream.wait_event(caller.record())
+        _copy_in(s, probe, hx)
+        graph.launch(stream)
+    caller.wait_event(stream.record())
+    tol = CHECK_TOL.get(np.dtype(x.dtype), 1e-3)
+    err = _worst(out[:2], want[:2])
+    if e.training and backward is not None and err <= tol:
+        gy = want[0]
+        got_g = backward(_saved(out[2]), gy)
+        want_g = backward(want[2], gy)
+        names = sorted(want_g)
+        err = max(err, _worst(tuple(got_g[k] for k in names), tuple(want_g[k] for k in names)) / 10)
+    if not err <= tol:
+        raise rnn_layer.NotCapturable(f"the replayed graph differs from the general path by {err:.2e}")
+
+
+def _saved(saved):
+    """The captured call's saved state as a backward should see it: graph loops on (the capture had them off)."""
+    from . import rnn_graph
+    return dataclasses.replace(saved, problem=dataclasses.replace(saved.problem, graphs=rnn_graph.enabled()))
+
+
+def _failed(exc) -> None:
+    tb, where = exc.__traceback__, ""
+    while tb is not None:  # the innermost blasx frame
+        name = tb.tb_frame.f_code.co_filename
+        if "blasx" in name or "/dnn/" in name:
+            where = f" ({name.rsplit('/', 1)[-1]}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    with _lock:
+        _stats["failures"] += 1
+        _stats["failed"] = f"{type(exc).__name__}: {exc}{where}"
 
 
 def _end_quietly(stream) -> None:
@@ -271,20 +333,27 @@ def _worst(got, want) -> float:
     return worst
 
 
-def _replay(e: _Entry, x, hx):
-    """Copy in, launch, copy out on the caller's stream (after the entry's previous user)."""
+def _replay(e: _Entry, s: _Slot, x, hx):
+    """Copy in, launch, copy out on the caller's stream (after the slot's previous user); a training call's
+    saved state holds the slot (and its memory) until it is collected."""
     import cupy
 
     from . import rnn_multi
     stream = cupy.cuda.get_current_stream()
-    with e.lock:
-        if e.graph is None:  # dropped meanwhile (the bounds, clear()): the general path runs the call
+    with s.lock:
+        if s.graph is None:  # dropped meanwhile (the bounds, clear()): the general path runs the call
+            s.leased = False
             return None
-        stream.wait_event(e.done)
-        _copy_in(e, x, hx)
-        e.graph.launch(stream)
-        res = _copy_out(e.out)
-        e.done = stream.record()
+        stream.wait_event(s.done)
+        _copy_in(s, x, hx)
+        s.graph.launch(stream)
+        res = _copy_out(s.out)
+        s.done = stream.record()
+        if e.training:
+            saved = dataclasses.replace(s.saved)  # (a new object: its own lease)
+            saved.replay_memory = s.keep  # the slot's pool outlives a drop of the entry while this state lives
+            weakref.finalize(saved, _give_back, s)
+            res = (*res, saved)
     rnn_multi._last.run = dict(e.run)
     with _lock:
         _stats["replayed"] += 1
