@@ -47,6 +47,9 @@ class _Stream:
     def wait_event(self, ev):
         pass
 
+    def synchronize(self):
+        _mini.synced.append(self.ptr)
+
     def __enter__(self):
         _mini.stack.append(self)
         return self
@@ -224,11 +227,21 @@ def test_least_recently_used_entries_dropped_past_the_bounds(mini, monkeypatch):
     assert twice(keys[2], 4.0) is not None
     assert list(rnn_replay._entries) == [keys[0], keys[2]] and _mini.synced  # (keys[1]'s last replay waited for)
     assert rnn_replay.call(keys[1], _x(5.0), None, {}, general) is None  # dropped: general, then captured again
-    # the bytes bound: each entry holds 1000 bytes of pool and its buffers; a bound of one entry keeps the newest
+    # the bytes bound: room for one entry and a half keeps the newest alone
+    one = rnn_replay._entries[keys[2]].nbytes
+    assert one > 1000  # (its pool, workspace and x buffer)
     monkeypatch.setattr(rnn_replay, "MAX_ENTRIES", 16)
-    monkeypatch.setattr(rnn_replay, "MAX_BYTES", 1500)
+    monkeypatch.setattr(rnn_replay, "MAX_BYTES", one * 3 // 2)
     assert rnn_replay.call(keys[1], _x(6.0), None, {}, general) is not None
     assert list(rnn_replay._entries) == [keys[1]]
+    # a signature whose graph alone would pass the bound stays on the general path for good
+    monkeypatch.setattr(rnn_replay, "MAX_BYTES", one // 2)
+    before = rnn_replay.stats()
+    for v in (7.0, 8.0, 9.0, 10.0):
+        assert rnn_replay.call(keys[0], _x(v), None, {}, general) is None
+    after = rnn_replay.stats()
+    assert after["failures"] - before["failures"] == 1 and "would pass MAX_BYTES" in after["failed"]
+    assert after["captured"] == before["captured"]
 
 
 @dataclasses.dataclass
@@ -267,7 +280,15 @@ def test_training_calls_lease_a_slot_to_their_saved_state(mini):
     assert rnn_replay.call(key, _x(4.0), None, {}, general, backward) is None  # both out: general
     del s2
     gc.collect()
+    slot_b = s3.replay_slot
+    rnn_replay.touched(s3)  # (its backward's reads: the slot's next replay waits for them)
+    assert len(slot_b.reads) == 1
     y5, _, s5 = rnn_replay.call(key, _x(5.0), None, {}, general, backward)  # slot A again
     assert (y5 == 10).all() and (backward(s5, None)["input"] == 15).all() and (backward(s3, None)["input"] == 9).all()
     st = {k: v - before[k] for k, v in rnn_replay.stats().items() if k != "failed"}
     assert st == {"captured": 2, "replayed": 3, "failures": 0}
+    assert s5.replay_slot is not slot_b and len(slot_b.reads) == 1
+    del s3
+    gc.collect()
+    r6 = rnn_replay.call(key, _x(6.0), None, {}, general, backward)  # slot B again: it waited for those reads
+    assert r6[2].replay_slot is slot_b and slot_b.reads == [] and slot_b.leased

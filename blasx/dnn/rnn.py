@@ -253,6 +253,7 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
     elif gy is not None and pb.batch_first:
         gy = gy.transpose(1, 0, 2)
     grads = rnn_exec.backward(pb, saved.layers, gy, gh, gc)
+    rnn_replay.touched(saved)  # (a replayed forward's graph buffers: read until now on this stream)
     if pb.unbatched:
         grads["input"] = grads["input"][:, 0]
         grads["h0"] = grads["h0"][:, 0]

@@ -10,8 +10,8 @@ and hx in, launches the graph on the caller's stream and copies the outputs out 
 path returns). An inference entry has one slot. A training call returns a saved state that reads its slot's
 activations (and x) in place, so its slot is leased until that state is collected: an entry has up to
 :data:`MAX_LEASES` slots (a training loop holds the previous step's state while it calls the next forward);
-with every slot out the call takes the general path. The backward runs the general path on the slot's buffers,
-on the caller's stream.
+with every slot out the call takes the general path. The backward runs the general path on the slot's buffers
+(:func:`touched` after it: the slot's next replay waits for those reads, on whichever stream they ran).
 
 Invariants:
 - a graph reads only its slot's x and hx buffers, the parameters' arrays (held by the entry's Spec, which
@@ -28,7 +28,8 @@ Policy: the first call of a signature runs the general path; the second captures
 not match is tried again on later calls, :data:`TRIES` in all, then the signature stays on the general path
 (``stats()`` says why). At most :data:`MAX_ENTRIES` signatures and :data:`MAX_BYTES` of graph memory (pools,
 workspaces, input buffers) are kept, the least recently used dropped first once its last replay has finished
-(a leased slot's memory lives on with its saved state). ``BLASX_RNN_REPLAY=0`` turns the path off.
+(a leased slot's memory lives on with its saved state); a signature whose graphs alone would pass
+:data:`MAX_BYTES` stays on the general path. ``BLASX_RNN_REPLAY=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class _Slot:
         self.keep: list = []  # the graph's pool, workspaces and stream
         self.nbytes = 0
         self.leased = False  # a training call's saved state reads this slot's buffers (set and cleared atomically)
+        self.reads: list = []  # events after backwards that read the slot's buffers (the next replay waits for them)
 
 
 class _Entry:
@@ -183,6 +185,17 @@ def _give_back(slot: _Slot) -> None:
     slot.leased = False  # (a finalizer: no lock taken)
 
 
+def touched(saved) -> None:
+    """The current stream's work so far read ``saved``'s buffers (its backward): if they are a slot's, the slot's
+    next replay, on whichever stream, waits for it."""
+    s = getattr(saved, "replay_slot", None)
+    if s is not None:
+        import cupy
+        ev = cupy.cuda.get_current_stream().record()
+        with s.lock:
+            s.reads.append(ev)
+
+
 def _spec(key, x, params):
     """The call's Spec from rnn_params.parse (its cache: the same one for the same unchanged arrays), or None
     when parsing fails (the general path says why)."""
@@ -255,6 +268,11 @@ def _capture(e: _Entry, x, hx, params, general, backward):
     s.keep = [pool, workspaces, stream]
     ins = [s.x, *(s.hx if isinstance(s.hx, tuple) else (s.hx,) if s.hx is not None else ())]
     s.nbytes = pool.total_bytes() + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
+    if e.nbytes + s.nbytes > MAX_BYTES:  # kept, it would hold more than all entries may: the general path for good
+        e.fails = TRIES
+        _failed(MemoryError(f"the graph's memory ({s.nbytes} bytes) would pass MAX_BYTES ({MAX_BYTES})"))
+        caller.synchronize()  # (its check ran on this memory)
+        return None
     s.done = caller.record()
     s.leased = e.training
     e.run = run
@@ -345,6 +363,9 @@ def _replay(e: _Entry, s: _Slot, x, hx):
             s.leased = False
             return None
         stream.wait_event(s.done)
+        for ev in s.reads:
+            stream.wait_event(ev)
+        s.reads.clear()
         _copy_in(s, x, hx)
         s.graph.launch(stream)
         res = _copy_out(s.out)
@@ -352,6 +373,7 @@ def _replay(e: _Entry, s: _Slot, x, hx):
         if e.training:
             saved = dataclasses.replace(s.saved)  # (a new object: its own lease)
             saved.replay_memory = s.keep  # the slot's pool outlives a drop of the entry while this state lives
+            saved.replay_slot = s  # (touched)
             weakref.finalize(saved, _give_back, s)
             res = (*res, saved)
     rnn_multi._last.run = dict(e.run)
