@@ -118,3 +118,36 @@ def test_host_calls_and_array_values_are_not_kept(parsed):
     with pytest.raises(TypeError, match="pass cupy arrays"):
         parse(mixed)  # (a numpy array for a GPU call)
     assert len(calls) == 3 and rnn_params._specs == {}
+
+
+class FakeCupy(np.ndarray):
+    """What parse reads of a CuPy array (module name, device pointer, layout)."""
+    device = types.SimpleNamespace(id=0)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+FakeCupy.__module__ = "cupy.fake"
+
+
+def test_a_mapping_of_cupy_arrays_is_kept_on_any_stream(parsed):
+    """CuPy arrays are held by the Spec as they are (no views, no stream hand-over): the Spec is handed out
+    again while the mapping holds the same array objects of unchanged memory and layout, on any stream; an
+    in-place write keeps it (the Spec reads the array itself), a new array or a reshape in place does not."""
+    parse, calls, streams = parsed
+    p = {k: t.arr.view(FakeCupy) for k, t in _params().items()}
+    s1 = parse(p)
+    streams["default"] = False  # (only torch tensors' views depend on it)
+    assert parse(p) is s1 and len(calls) == 1 and s1.cells[0][0].w_hh is p["weight_hh_l0"]
+    p["weight_hh_l0"] *= 2  # in place: the same Spec, which reads the new values
+    assert parse(p) is s1 and len(calls) == 1
+    p["bias_hh_l0"] = (p["bias_hh_l0"] + 1).view(FakeCupy)
+    s2 = parse(p)
+    assert s2 is not s1 and len(calls) == 2 and s2.cells[0][0].b_hh is p["bias_hh_l0"]
+    w = p["weight_ih_l0"]
+    w.shape = (H, 4 * H)  # reshaped in place: the same object, another layout
+    with pytest.raises(ValueError):
+        parse(p)
+    assert len(calls) == 3

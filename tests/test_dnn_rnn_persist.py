@@ -174,9 +174,12 @@ def test_sync_words_are_kept_per_device_and_stream(monkeypatch):
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_a_small_inference_call_is_a_gemm_and_one_launch(monkeypatch, mode):
     """A float16 layer's inference on the CPU stand-in for CuPy: the projection's GEMM and the persistent kernel,
-    which writes the final states into the returned h_n (and c_n) itself: no copies, no other launches."""
+    which writes the final states into the returned h_n (and c_n) itself: no copies, no other launches (the
+    general path: whole-call graphs off)."""
     from bench import fake_cupy
     from blasx import dnn
+    from blasx.dnn import rnn_replay
+    monkeypatch.setattr(rnn_replay, "ENABLED", False)
     for name in ("_kernels", "_smem_set", "_counts", "_SMS", "_syncs"):
         monkeypatch.setattr(rnn_persist, name, {})
     with fake_cupy.installed(record_calls=True) as fake:

@@ -619,6 +619,8 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
     ("lstm", "float32", 2, False, 1, {"lengths": [20, 17, 17, 9, 5, 5, 2, 1]}),
     ("lstm", "float32", 3, False, 2, {"math": "tf32", "T": 100}),  # the wavefront's pieces over both GPUs
     ("gru", "float32", 3, False, 2, {"T": 100}),  # general: the diagonal; captured: a wavefront
+    ("lstm", "float16", 1, False, 1, {"cupy_params": True}),  # a mapping of CuPy arrays (views of the tensors)
+    ("gru", "float32", 1, True, 2, {"cupy_params": True}),
 ])
 def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, bidir, ngpu, extra):
     """rnn_replay: the second call of a signature is captured (over every GPU it uses) and checked, later
@@ -638,6 +640,8 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
     bf = extra.get("batch_first", False)
     m = cls(32, 64, num_layers=layers, bidirectional=bidir, batch_first=bf).cuda().to(tdt)
     p = m.state_dict()
+    if extra.get("cupy_params"):  # (views: the module's in-place updates show in them)
+        p = {k: cupy.from_dlpack(v) for k, v in p.items()}
     fn = dnn.lstm if mode == "lstm" else dnn.gru
     kw = dict(num_layers=layers, bidirectional=bidir, batch_first=bf, lengths=extra.get("lengths"), math=math)
     lengths, T = extra.get("lengths"), extra.get("T", 20)
@@ -654,7 +658,7 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
                                          else cupy.from_dlpack(thx))
         if i == 3:
             with torch.no_grad():
-                p["weight_hh_l0"].mul_(0.5)  # in place: the same tensors, the graph reads the new values
+                m.weight_hh_l0.mul_(0.5)  # in place: the same memory, the graph reads the new values
         out = fn(cupy.from_dlpack(x), chx, p, **kw)
         with torch.no_grad():
             if lengths is not None:
@@ -675,9 +679,9 @@ def test_repeated_calls_replay_one_graph_of_the_whole_call(mode, dtype, layers, 
     # two signatures (hx given or not): each general once, captured on its second call, then replayed
     assert st["captured"] - before["captured"] == 2 and st["failures"] == before["failures"], st["failed"]
     assert st["replayed"] - before["replayed"] >= 1
-    with torch.no_grad():  # a new tensor in the mapping: parsed anew, a new entry
+    with torch.no_grad():  # a new array in the mapping: parsed anew, a new entry
         p["weight_ih_l0"] = p["weight_ih_l0"] * 0.5
-        m.weight_ih_l0.copy_(p["weight_ih_l0"])
+        m.weight_ih_l0.copy_(torch.from_dlpack(p["weight_ih_l0"]) if extra.get("cupy_params") else p["weight_ih_l0"])
     x = (torch.randn(8, T, 32, device="cuda") * 0.5).to(tdt)
     x = x if bf else x.transpose(0, 1).contiguous()
     for _ in range(3):

@@ -154,10 +154,10 @@ def parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional:
 
     The hidden size comes from ``weight_ih_l0`` (its rows / G); biases are all present or all absent.
 
-    With a CuPy ``xp`` and CUDA torch tensors as every value, the Spec is kept and handed out again while the
-    mapping holds the same names bound to the same tensor objects of unchanged storage, shape, strides and
-    dtype (the conditions on which :func:`_cuda_view` reuses its views); an entry goes when one of its tensors
-    does."""
+    With a CuPy ``xp`` and CUDA torch tensors or CuPy arrays as every value, the Spec is kept and handed out
+    again while the mapping holds the same names bound to the same objects of unchanged memory, shape, strides
+    and dtype (for tensors, the conditions on which :func:`_cuda_view` reuses its views); an entry goes when
+    one of its arrays does."""
     given = getattr(_given, "v", None)
     if given is not None and given[0] is params:
         return given[1]
@@ -184,10 +184,18 @@ def given(params, spec: Spec):
 
 
 def _layout(t) -> tuple:
+    if is_cupy(t):
+        return (t.data.ptr, tuple(t.shape), tuple(t.strides), t.dtype)
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _torch_cuda(v) -> bool:
+    return (type(v).__module__ or "").startswith("torch") and v.device.type == "cuda"
+
+
 def _unchanged(params, entries, devices, xp) -> bool:
+    """Whether ``params`` holds the same arrays, of unchanged layout, as when its Spec was kept (torch tensors:
+    also both libraries on the default stream, where their views were made; ``devices``: theirs)."""
     if len(params) != len(entries) or not all(_default_streams(d, xp) for d in devices):
         return False
     for name, ref, layout in entries:
@@ -201,10 +209,10 @@ def _unchanged(params, entries, devices, xp) -> bool:
 
 
 def _remember(key, spec: Spec, params) -> None:
-    """Keep ``spec`` for :func:`parse` when every value of ``params`` is a CUDA torch tensor."""
+    """Keep ``spec`` for :func:`parse` when every value of ``params`` is a CUDA torch tensor or a CuPy array
+    (the Spec holds them, or views of them, as they are: no copies)."""
     values = [(name, params[name]) for name in params.keys()]
-    if not values or not hasattr(params, "__len__") or not all(
-            (type(v).__module__ or "").startswith("torch") and v.device.type == "cuda" for _, v in values):
+    if not values or not hasattr(params, "__len__") or not all(_torch_cuda(v) or is_cupy(v) for _, v in values):
         return
 
     def drop(ref):
@@ -213,7 +221,7 @@ def _remember(key, spec: Spec, params) -> None:
             if hit is not None and any(r is ref for _, r, _ in hit[1]):
                 del _specs[key]
     entries = tuple((name, weakref.ref(v, drop), _layout(v)) for name, v in values)
-    devices = tuple(sorted({v.device.index for _, v in values}))
+    devices = tuple(sorted({v.device.index for _, v in values if _torch_cuda(v)}))
     with _views_lock:
         if len(_specs) >= MAX_SPECS:
             _specs.clear()
