@@ -129,6 +129,7 @@ def test_signature_only_for_cupy_inference_outside_a_capture(mini, monkeypatch):
     assert _key(x, training=True) == key[:13] + (True,)
     assert _key(np.ones((3, 2, 4), np.float32)) is None
     assert _key(x, lengths=[3, 1]) != key and _key(x, bidirectional=True) != key
+    assert _key(x, lengths=np.array([3, 1])) is None  # (lengths given as an array: the general path reads it)
     h = np.zeros((1, 2, 4), np.float32).view(_Array)
     assert _key(x, hx=(h, h))[10] == (((1, 2, 4), "<f4", "cupy"),) * 2
     with _Stream(non_blocking=True) as s:

@@ -76,7 +76,8 @@ def _sig(a):
 def signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     """The entry's key of a call, or None where this path never applies (host x, off, or a capture of the
     caller's under way)."""
-    if not ENABLED or type(x).__module__.split(".")[0] != "cupy":
+    if not ENABLED or type(x).__module__.split(".")[0] != "cupy" or not (
+            lengths is None or isinstance(lengths, (list, tuple))):
         return None
     import cupy
     stream = cupy.cuda.get_current_stream()
