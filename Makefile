@@ -15,12 +15,15 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c blasx/_cublas_call.c
 
 # the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone; test modules
 # compiled with pytest's assertion rewriting are kept (__pycache__) even where PYTHONDONTWRITEBYTECODE is set,
-# so the second pass and later runs do not rewrite them again (~10 s a process on 2 cores)
+# so the second pass and later runs do not rewrite them again (~10 s a process on 2 cores). The second pass
+# collects only the test files that name the serial marker (grep -w serial: a file that applies it names it),
+# not all of tests/ (~6 s of imports for 4 tests); with no such file it collects everything, as before.
 JOBS ?= 2
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
+SERIAL_FILES = $(shell grep -lw serial tests/test_*.py)
 test: $(STAMP)
 	$(PYTEST) -n $(JOBS) -m "not serial"
-	$(PYTEST) -m serial
+	$(PYTEST) -m serial $(SERIAL_FILES)
 
 # Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
 # into a log). The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"
