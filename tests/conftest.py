@@ -16,6 +16,8 @@ hypothesis tests may use them too).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import threading
 
 import numpy as np
@@ -147,6 +149,16 @@ def tol():
     def _tol(dtype) -> float:
         return 1e-5 if np.dtype(dtype) in (np.dtype(np.float32), np.dtype(np.complex64)) else 1e-12
     return _tol
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_xdist_worker():
+    """Under pytest-xdist (make test: one worker per core), torch -- the CPU reference of the DNN tests,
+    never the code under test -- computes on one thread: with its default of one OpenMP thread per core in
+    every worker, the workers' threads spin against each other (~25% more CPU time on 2 cores). Only where
+    a test module has imported torch already (nothing is imported here); a lone pytest keeps torch's default."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
