@@ -161,6 +161,58 @@ def _one_torch_thread_per_xdist_worker():
         sys.modules["torch"].set_num_threads(1)
 
 
+def _release_blas_control():
+    """Let this thread set OpenBLAS's thread count whichever thread set it last (threadpoolctl lets only
+    that one; blasx's CPU device clears it the same way)."""
+    from threadpoolctl import OpenBLASController
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+
+
+def _blas_limit(n):
+    """threadpoolctl's limiter of the BLAS pools at ``n`` threads (set from this thread)."""
+    from threadpoolctl import threadpool_limits
+    _release_blas_control()
+    limiter = threadpool_limits(limits=n, user_api="blas")
+    _release_blas_control()
+    return limiter
+
+
+def _blas_restore(limiter):
+    _release_blas_control()
+    limiter.restore_original_limits()
+    _release_blas_control()
+
+
+@pytest.fixture(scope="session")
+def _xdist_blas_limit():
+    """Under pytest-xdist (make test: one worker per core) numpy's BLAS runs one thread in each worker (a
+    holder of its limiter; None elsewhere): with one thread per core in every worker -- the sims' tile
+    kernels and the references are numpy -- the workers' BLAS threads spin against each other (~25% more
+    CPU time on 2 cores). blasx's CPU device sets its own limit for its calls and restores what it found,
+    as before. Tests that look at the BLAS thread counts are marked ``blas_threads``: they run with the
+    process's own counts. A lone pytest (make test's serial pass) keeps the default."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield None
+        return
+    holder = [_blas_limit(1)]
+    yield holder
+    _blas_restore(holder[0])
+
+
+@pytest.fixture(autouse=True)
+def _blas_threads(request, _xdist_blas_limit):
+    """See ``_xdist_blas_limit``: a ``blas_threads`` test runs on the process's own BLAS thread counts."""
+    if _xdist_blas_limit is None or request.node.get_closest_marker("blas_threads") is None:
+        yield
+        return
+    _blas_restore(_xdist_blas_limit[0])  # back to the counts found before the session's limit...
+    yield
+    blasx.shutdown()  # (its CPU device puts back what it limited first)
+    _xdist_blas_limit[0] = _blas_limit(1)  # ...and one thread again for the tests after it
+
+
 @pytest.fixture(autouse=True)
 def _no_perfdb(monkeypatch):
     """A developer's own `blasx tune` entries must not change the tile sizes tests rely on."""
@@ -197,6 +249,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs through CuPy (skipped where there are none)")
     config.addinivalue_line("markers", "slow: longer stress tests")
     config.addinivalue_line("markers", "serial: asserts wall-clock bounds; make test runs these after the others, alone")
+    config.addinivalue_line("markers", "blas_threads: looks at the BLAS thread counts; runs on the process's own "
+                                       "counts under pytest-xdist too (see _xdist_blas_limit in conftest)")
 
 
 def pytest_collection_modifyitems(items):

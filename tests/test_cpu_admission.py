@@ -427,6 +427,7 @@ def test_auto_engines_shut_down_cleanly(rand):
     assert threads() == before
 
 
+@pytest.mark.blas_threads  # (conftest: the process's own BLAS thread counts under xdist too)
 def test_auto_cpu_limits_its_blas_threads_after_another_engine_did(rand, monkeypatch):
     """threadpoolctl lets only the thread that first set OpenBLAS's thread count set it again;
     a cpu=True engine sets it from the calling thread, an auto one from its worker thread: the

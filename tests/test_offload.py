@@ -362,6 +362,7 @@ def test_engine_workers_stay_on_numpy(rand):
     _close(c, a @ b)
 
 
+@pytest.mark.blas_threads  # (conftest: the process's own BLAS thread counts under xdist too)
 def test_blas_thread_settings_are_left_as_found(rand):
     from threadpoolctl import threadpool_info
 
