@@ -261,13 +261,21 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.skip(reason=_NO_BENCH))
 
 
-def pytest_collection_finish(session):
-    """What collection made (torch, dask, scipy, the test modules: ~230,000 objects) lives until the end:
-    moved out of the collector's sight (gc.freeze), so that every full collection during the tests -- the
-    automatic ones and the tests' own gc.collect() -- looks at the objects made since, not at them again
-    (~0.2 s each). Objects the tests make are collected as before."""
-    gc.collect()
-    gc.freeze()
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection (importing torch, dask, scipy, the test modules) runs without the garbage collector: what
+    it makes lives until the end, and the collector walked the growing heap again and again (~1.5 s a
+    worker). After it, what it made is moved out of the collector's sight (gc.freeze; ~230,000 objects), so
+    that every full collection during the tests -- the automatic ones and the tests' own gc.collect() --
+    looks at the objects made since, not at them again (~0.2 s each). Objects the tests make are collected
+    as before."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.enable()
+        gc.collect()
+        gc.freeze()
 
 
 class FakeRuntime:
