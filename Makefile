@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml setup.py blasx/_matmul_loops.c blasx/_cublas_call.c
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# the suite in JOBS processes (pytest-xdist), then the tests with wall-clock bounds alone; test modules
+# the suite in JOBS processes (pytest-xdist; worksteal: a worker that runs out takes half of what another has
+# left, so the run does not end on one worker, as the load scheduler's last handouts could, by ~20 s), then the
+# tests with wall-clock bounds alone; test modules
 # compiled with pytest's assertion rewriting are kept (__pycache__) even where PYTHONDONTWRITEBYTECODE is set,
 # so the second pass and later runs do not rewrite them again (~10 s a process on 2 cores). The second pass
 # collects only the test files that name the serial marker (grep -w serial: a file that applies it names it),
@@ -22,7 +24,7 @@ JOBS ?= 2
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
 SERIAL_FILES = $(shell grep -lw serial tests/test_*.py)
 test: $(STAMP)
-	$(PYTEST) -n $(JOBS) -m "not serial"
+	$(PYTEST) -n $(JOBS) --dist worksteal -m "not serial"
 	$(PYTEST) -m serial $(SERIAL_FILES)
 
 # Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
