@@ -163,12 +163,9 @@ def _one_torch_thread_per_xdist_worker():
 
 
 def _release_blas_control():
-    """Let this thread set OpenBLAS's thread count whichever thread set it last (threadpoolctl lets only
-    that one; blasx's CPU device clears it the same way)."""
-    from threadpoolctl import OpenBLASController
-    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
-    if clear is not None:
-        clear(force=True)
+    """Let this thread set OpenBLAS's thread count whichever thread set it last (blasx's CPU device's own)."""
+    from blasx.runtime.devices.cpu import _release_blas_control as release
+    release()
 
 
 def _blas_limit(n):
