@@ -263,6 +263,9 @@ class _Pool:
     def free_bytes(self) -> int:
         return 0
 
+    def free_all_blocks(self, stream=None) -> None:
+        _state["pool_frees"] = _state.get("pool_frees", 0) + 1
+
 
 _POOL = _Pool()
 

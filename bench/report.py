@@ -246,11 +246,8 @@ def read_rnn(path: str) -> Table:
             for (d, m, ph), v in groups.items()) + ".")
     o = doc.get("overhead")
     if o:
-        fixed = (f"; fixed cost a call {o['eager_us_fixed']:.0f} / {o['graph_us_fixed']:.0f} us"
-                 if "graph_us_fixed" in o else " (each with the call's fixed cost spread over the steps)")
-        notes.append(f"Per-step cost (H={o['hidden']}, B={o['batch']}, T={o['steps']}): "
-                     f"{o['eager_us_per_step']:.1f} us launched from Python, {o['graph_us_per_step']:.1f} us "
-                     f"replayed from a CUDA graph{fixed}.")
+        from bench.rnn import step_costs
+        notes.append(f"Per-step cost (H={o['hidden']}, B={o['batch']}, T={o['steps']}): {step_costs(o)}.")
     return Table(machine, doc["date"][:16], doc["command"],
                  ["mode", "H", "B", "T", "layers", "dirs", "dtype", "math", "phase", "blasx ms", "cuDNN ms",
                   "ratio", "check"], rows, notes)

@@ -211,7 +211,22 @@ def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
     tol = TOL["tf32" if c["math"] == "tf32" else c["dtype"]]
     worst = max(errs, key=errs.get)
     return dict(c, blasx_s=t_blasx, peer_s=t_peer, ratio=t_blasx / t_peer, max_err=errs[worst], worst=worst,
-                tol=tol, ok=errs[worst] < tol, placement=placement, blasx_runs=blasx_runs, peer_runs=peer_runs)
+                tol=tol, ok=errs[worst] < tol, placement=placement, blasx_runs=blasx_runs, peer_runs=peer_runs,
+                memory=_memory() if gpu else None)
+
+
+def _memory() -> dict:
+    """GiB on the current GPU after a case: free, CuPy's default pool, torch's reserve, blasx's RNN caches (what
+    a sweep's earlier shapes leave held)."""
+    import cupy
+    import torch
+
+    from blasx.dnn import rnn_graph, rnn_replay
+    g = 1 << 30
+    return {"free": cupy.cuda.runtime.memGetInfo()[0] / g,
+            "cupy_pool": cupy.get_default_memory_pool().total_bytes() / g,
+            "torch_reserved": torch.cuda.memory_reserved() / g,
+            "replay": rnn_replay.held_bytes() / g, "graphs": rnn_graph.held_bytes() / g}
 
 
 def split_cost(t1: float, t2: float, steps: int) -> tuple[float, float]:
@@ -221,28 +236,51 @@ def split_cost(t1: float, t2: float, steps: int) -> tuple[float, float]:
 
 
 def step_overhead(hidden: int = 256, batch: int = 16, steps: int = 100, runs: int = 5) -> dict:
-    """One LSTM layer's cost launched from Python vs replayed from its graph (CUDA), each split into a fixed
-    cost a call and a cost a step by timing ``steps`` and ``2 * steps`` steps."""
+    """One LSTM layer's cost three ways (CUDA): launched from Python step by step, its step loop replayed from
+    the layer's graph, the whole call replayed from one graph (rnn_replay); each split into a fixed cost a call
+    and a cost a step by timing ``steps`` and ``2 * steps`` steps."""
     import cupy
     import torch
 
     from blasx import dnn
-    from blasx.dnn import rnn_graph
+    from blasx.dnn import rnn_graph, rnn_replay
+
+    @contextlib.contextmanager
+    def whole_call(on: bool):
+        was, rnn_replay.ENABLED = rnn_replay.ENABLED, on
+        try:
+            yield
+        finally:
+            rnn_replay.ENABLED = was
+
+    @contextlib.contextmanager
+    def eager():
+        with whole_call(False), rnn_graph.eager():
+            yield
     m = torch.nn.LSTM(hidden, hidden).cuda()
     p = m.state_dict()
     xs = [cupy.random.standard_normal((t, batch, hidden), dtype=cupy.float32) for t in (steps, 2 * steps)]
     sync = cupy.cuda.Device().synchronize
     out = {}
-    for name, ctx in (("eager", rnn_graph.eager), ("graph", contextlib.nullcontext)):
+    for name, ctx in (("eager", eager), ("graph", lambda: whole_call(False)), ("replay", lambda: whole_call(True))):
         with ctx():
             (t1, y1), (t2, _) = ((min(t), y) for t, y in (_best(lambda x=x: dnn.lstm(x, None, p)[0], runs, sync)
                                                           for x in xs))
         out[name] = (split_cost(t1, t2, steps), y1)
-    (fe, se), ye = out["eager"]
-    (fg, sg), yg = out["graph"]
-    return dict(hidden=hidden, batch=batch, steps=steps, eager_us_per_step=1e6 * se, graph_us_per_step=1e6 * sg,
-                eager_us_fixed=1e6 * fe, graph_us_fixed=1e6 * fg, same=float(cupy.abs(ye - yg).max()) == 0.0,
-                graph_stats=rnn_graph.stats())
+    res = dict(hidden=hidden, batch=batch, steps=steps, graph_stats=rnn_graph.stats(), replay_stats=rnn_replay.stats())
+    for name, ((fixed, per), _) in out.items():
+        res[f"{name}_us_per_step"], res[f"{name}_us_fixed"] = 1e6 * per, 1e6 * fixed
+    ye = out["eager"][1]
+    res["same"] = all(float(cupy.abs(ye - out[k][1]).max()) == 0.0 for k in ("graph", "replay"))
+    return res
+
+
+def step_costs(o: dict) -> str:
+    """The overhead record in words: a step's cost and a call's fixed cost for each way measured."""
+    ways = [("eager", "launched from Python"), ("graph", "with the layer's step loop replayed from its CUDA graph"),
+            ("replay", "with the whole call replayed from one CUDA graph")]
+    return "; ".join(f"{o[k + '_us_per_step']:.1f} us a step and {o[k + '_us_fixed']:.0f} us a call {words}"
+                     for k, words in ways if k + "_us_per_step" in o and k + "_us_fixed" in o)
 
 
 def markdown(rep: dict) -> str:
@@ -262,9 +300,7 @@ def markdown(rep: dict) -> str:
     if rep.get("overhead"):
         o = rep["overhead"]
         lines += ["", f"Step cost (LSTM H={o['hidden']}, B={o['batch']}, T={o['steps']} and {2 * o['steps']}): "
-                  f"{o['eager_us_per_step']:.1f} us a step launched from Python, {o['graph_us_per_step']:.1f} "
-                  f"us a step replayed from a CUDA graph; fixed cost a call {o.get('eager_us_fixed', 0):.0f} / "
-                  f"{o.get('graph_us_fixed', 0):.0f} us (same result: {o['same']})."]
+                  + step_costs(o) + f" (same result: {o['same']})."]
     return "\n".join(lines) + "\n"
 
 
@@ -297,7 +333,9 @@ def main(argv=None) -> int:
         rep["results"].append(r)
         print(f"{r['mode']} H={r['hidden']} B={r['batch']} T={r['steps']} {r['dtype']}/{r['math']} {r['phase']}: "
               f"blasx {1e3 * r['blasx_s']:.2f} ms, peer {1e3 * r['peer_s']:.2f} ms, ratio {r['ratio']:.2f}, "
-              f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}, placement {r['placement']}", flush=True)
+              f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}, placement {r['placement']}"
+              + (", GiB " + " ".join(f"{k} {v:.1f}" for k, v in r["memory"].items()) if r.get("memory") else ""),
+              flush=True)
     if args.overhead and peer == "cuda":
         rep["overhead"] = step_overhead()
     os.makedirs(args.out, exist_ok=True)

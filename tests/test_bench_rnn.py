@@ -61,3 +61,13 @@ def test_step_cost_split_into_fixed_and_per_step():
     split_cost = R.split_cost
     fixed, per = split_cost(1.5e-3 + 100 * 4e-6, 1.5e-3 + 200 * 4e-6, 100)
     assert abs(fixed - 1.5e-3) < 1e-12 and abs(per - 4e-6) < 1e-15
+
+
+def test_step_costs_name_each_way_measured():
+    """The overhead line: every way a record holds (older records: Python and the layer graph), in order."""
+    from bench.rnn import step_costs
+    old = dict(eager_us_per_step=42.4, eager_us_fixed=1995, graph_us_per_step=6.9, graph_us_fixed=93)
+    assert step_costs(old) == ("42.4 us a step and 1995 us a call launched from Python; 6.9 us a step and 93 us a "
+                               "call with the layer's step loop replayed from its CUDA graph")
+    new = dict(old, replay_us_per_step=7.0, replay_us_fixed=37)
+    assert step_costs(new).endswith("; 7.0 us a step and 37 us a call with the whole call replayed from one CUDA graph")

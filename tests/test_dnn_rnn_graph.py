@@ -5,6 +5,7 @@ calls (instead of running them) and whose graph replays them. Forward and backwa
 from __future__ import annotations
 
 import os
+import sys
 import types
 
 import numpy as np
@@ -588,3 +589,65 @@ def test_no_entries_inside_a_callers_capture():
         assert graphs()
         with rnn_graph.eager():
             assert not graphs()
+
+
+def test_idle_entries_are_bounded_by_their_bytes(monkeypatch):
+    """Idle entries past MAX_IDLE_BYTES go, least recently used first (the one just given back stays, however
+    large); held_bytes counts each distinct buffer once (views of one array are one buffer)."""
+    rnn_graph.clear()
+    entries = [rnn_graph.Diag(XP, None) for _ in range(4)]
+    for e in entries:
+        e.b = (np.zeros(1000, np.float32), np.zeros(1000, np.float32)[10:])  # a buffer and a view of another
+    one = rnn_graph.buffer_bytes(entries[0])
+    assert one == entries[0].workspace.nbytes + 2 * 4000
+    monkeypatch.setattr(rnn_graph, "MAX_IDLE_BYTES", int(2.5 * one))
+    for i, e in enumerate(entries):
+        e.key = ("k", i)
+        rnn_graph.release(e)
+    assert rnn_graph.held_bytes() == 2 * one
+    fresh = rnn_graph.Diag(XP, None)
+    assert rnn_graph.diag_entry(("k", 0), lambda: fresh) is fresh  # dropped
+    assert rnn_graph.diag_entry(("k", 3), lambda: fresh) is entries[3]
+    monkeypatch.setattr(rnn_graph, "MAX_IDLE_BYTES", one // 2)
+    rnn_graph.release(entries[3])
+    assert rnn_graph.held_bytes() == one  # alone over the bound: kept
+    rnn_graph.clear()
+    assert rnn_graph.held_bytes() == 0
+
+
+def test_a_call_that_ran_out_of_gpu_memory_runs_again_after_the_caches_are_released(monkeypatch):
+    """dnn's recurrent calls: a CuPy out-of-memory error while the caches hold memory drops them (idle graph
+    entries, whole-call graphs, CuPy's cached blocks) and runs the call once more; with nothing held, or a second
+    failure, the error reaches the caller."""
+    from bench import fake_cupy
+    import importlib
+    from blasx.dnn import rnn_replay
+    rnn = importlib.import_module("blasx.dnn.rnn")  # (blasx.dnn.rnn is also the function)
+    with fake_cupy.installed():
+        oom = sys.modules["cupy"].cuda.memory.OutOfMemoryError
+        calls = []
+
+        def flaky(n):
+            calls.append(n)
+            if len(calls) == 1:
+                raise oom("out of memory allocating 294,912,000 bytes")
+            return n * 2
+        cleared = []
+        monkeypatch.setattr(rnn_graph, "held_bytes", lambda: 1 << 30)
+        monkeypatch.setattr(rnn_graph, "clear", lambda: cleared.append("graphs"))
+        monkeypatch.setattr(rnn_replay, "clear", lambda: cleared.append("replay"))
+        assert rnn._retrying(flaky, 21) == 42 and calls == [21, 21] and cleared == ["graphs", "replay"]
+        calls.clear()
+        monkeypatch.setattr(rnn_graph, "held_bytes", lambda: 0)
+        with pytest.raises(MemoryError, match="294,912,000"):
+            rnn._retrying(flaky, 1)  # nothing was held: not run again
+        assert calls == [1]
+
+        def always(n):
+            calls.append(n)
+            raise oom("still out of memory")
+        calls.clear()
+        monkeypatch.setattr(rnn_graph, "held_bytes", lambda: 1 << 30)
+        with pytest.raises(MemoryError, match="still"):
+            rnn._retrying(always, 1)
+        assert calls == [1, 1]

@@ -71,7 +71,26 @@ def _current():
     return _mini.stack[-1]
 
 
-_mini = types.SimpleNamespace(stack=[_Stream(null=True)], synced=[])
+class _Pool:
+    """A private pool of 1000 bytes on the current device; free_all_blocks hands them back unless ``in_use``
+    (arrays of it still alive)."""
+    made: list = []
+
+    def __init__(self):
+        self.held, self.in_use, self.frees = 1000, False, []
+        self.malloc = None
+        _Pool.made.append(self)
+
+    def total_bytes(self):
+        return self.held if _mini.device == 0 else 0
+
+    def free_all_blocks(self):
+        self.frees.append(_mini.device)
+        if not self.in_use and _mini.device == 0:
+            self.held = 0
+
+
+_mini = types.SimpleNamespace(stack=[_Stream(null=True)], synced=[], device=0)
 
 
 @pytest.fixture
@@ -84,7 +103,7 @@ def mini(monkeypatch):
     cupy.empty = lambda n, dtype=None: np.empty(n, dtype).view(_Array)
     cupy.cuda = types.SimpleNamespace(
         Stream=_Stream, get_current_stream=_current,
-        MemoryPool=lambda: types.SimpleNamespace(malloc=None, total_bytes=lambda: 1000),
+        MemoryPool=_Pool,
         using_allocator=lambda m: contextlib.nullcontext(),
         Device=lambda d=0: types.SimpleNamespace(compute_capability="90", __enter__=lambda: None,
                                                  __exit__=lambda *a: None),
@@ -93,19 +112,21 @@ def mini(monkeypatch):
     class _Dev:
         def __init__(self, d=0):
             self.compute_capability = "90"
+            self.d = d
 
         def __enter__(self):
+            self.was, _mini.device = _mini.device, self.d
             return self
 
         def __exit__(self, *a):
-            pass
+            _mini.device = self.was
     cupy.cuda.Device = _Dev
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     spec = object()
     monkeypatch.setattr(rnn_replay, "_spec", lambda key, x, params: spec)  # (parse's cache: the same Spec)
     monkeypatch.setattr(rnn_layer, "_shared_handle", lambda d: None)
     from blasx.dnn import rnn_multi
-    monkeypatch.setattr(rnn_multi, "cuda_devices", lambda home: [home])
+    monkeypatch.setattr(rnn_multi, "cuda_devices", lambda home: [home, 1])
     rnn_replay.clear()
     yield cupy
     rnn_replay.clear()
@@ -243,6 +264,30 @@ def test_least_recently_used_entries_dropped_past_the_bounds(mini, monkeypatch):
     after = rnn_replay.stats()
     assert after["failures"] - before["failures"] == 1 and "would pass MAX_BYTES" in after["failed"]
     assert after["captured"] == before["captured"]
+
+
+def test_dropped_slots_pools_go_back_to_the_gpu_once_unused(mini, monkeypatch):
+    """A dropped slot's private pool is retired: its blocks freed on every GPU, the pool let go once it holds
+    nothing; one whose arrays are still in use (a saved state reading it) stays counted in held_bytes and is freed
+    on a later sweep. A capture over MAX_BYTES retires its pool too."""
+    runs: list = []
+    general = _general(runs, capturing_records=True)
+    _Pool.made.clear()
+    keys = [_key(_x(1.0), lengths=[3] * (i + 1)) for i in range(2)]
+    for k in keys:
+        rnn_replay.call(k, _x(1.0), None, {}, general)
+        assert rnn_replay.call(k, _x(1.0), None, {}, general) is not None
+    first, second = _Pool.made
+    second.in_use = True
+    held = rnn_replay.held_bytes()
+    rnn_replay.clear()
+    assert first.frees == [0, 1] and first.held == 0 and [p for p, _ in rnn_replay._retired] == [second]
+    assert rnn_replay.held_bytes() == 1000 < held
+    second.in_use = False
+    assert rnn_replay.held_bytes() == 0 and rnn_replay._retired == [] and second.held == 0
+    monkeypatch.setattr(rnn_replay, "MAX_BYTES", 10)
+    rnn_replay.call(keys[0], _x(1.0), None, {}, general)
+    assert rnn_replay.call(keys[0], _x(1.0), None, {}, general) is None and _Pool.made[-1].held == 0
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from . import rnn_exec, rnn_fast, rnn_host, rnn_params, rnn_replay
+from . import rnn_exec, rnn_fast, rnn_graph, rnn_host, rnn_params, rnn_replay
 from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
@@ -144,7 +144,42 @@ def _finish(pb: Problem, y, h_n, c_n):
     return y, h_n, c_n
 
 
-def _run(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
+def _retrying(fn, *args):
+    """``fn(*args)``, run once more if a GPU ran out of memory in it while the recurrent caches (idle step-loop
+    graphs, whole-call graphs, CuPy's cached blocks) held memory: those are handed back first, so what was kept for
+    earlier shapes never fails a new one. A call writes only fresh arrays, so running it again is safe."""
+    try:
+        return fn(*args)
+    except MemoryError:  # (CuPy's OutOfMemoryError is one)
+        if not _release_caches():
+            raise
+    return fn(*args)
+
+
+def _release_caches() -> bool:
+    """Drops the recurrent caches and frees CuPy's cached blocks on this GPU and the engine's; whether any of it
+    held memory."""
+    import sys
+    cupy = sys.modules.get("cupy")
+    if cupy is None or cupy.cuda.get_current_stream().is_capturing():  # (a caller's capture is broken already)
+        return False
+    held = rnn_graph.held_bytes() + rnn_replay.held_bytes()
+    rnn_graph.clear()
+    rnn_replay.clear()
+    from .. import session
+    pool = cupy.get_default_memory_pool()
+    for d in {cupy.cuda.runtime.getDevice(), *session.cuda_ordinals()}:
+        with cupy.cuda.Device(d):
+            held += pool.free_bytes()
+            pool.free_all_blocks()
+    return held > 0
+
+
+def _run(*args):
+    return _retrying(_run_once, *args)
+
+
+def _run_once(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
     key = rnn_replay.signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size,
                                training, math)
     if key is not None:  # a repeated call on CuPy arrays: one graph of the whole forward (rnn_replay.py)
@@ -165,7 +200,7 @@ def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, length
             return res
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
-        res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run(mode, xd, hd, pd, num_layers, bidirectional, bf,
+        res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run_once(mode, xd, hd, pd, num_layers, bidirectional, bf,
                                                              lens, proj_size, training, math),
                            pb, x, hx, lengths, bool(training))
         if res is not None:
@@ -267,14 +302,14 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
 def lstm_backward(saved, grad_y, grad_h_n=None, grad_c_n=None) -> dict:
     """Gradients of an :func:`lstm` forward run with ``training=True``: a dict with ``"input"``, ``"h0"``,
     ``"c0"`` and every parameter under torch's name, in x's dtype. A None gradient counts as zeros."""
-    return _backward(("lstm",), saved, grad_y, grad_h_n, grad_c_n)
+    return _retrying(_backward, ("lstm",), saved, grad_y, grad_h_n, grad_c_n)
 
 
 def gru_backward(saved, grad_y, grad_h_n=None) -> dict:
     """Gradients of a :func:`gru` forward run with ``training=True`` (``"input"``, ``"h0"``, parameters)."""
-    return _backward(("gru",), saved, grad_y, grad_h_n, None)
+    return _retrying(_backward, ("gru",), saved, grad_y, grad_h_n, None)
 
 
 def rnn_backward(saved, grad_y, grad_h_n=None) -> dict:
     """Gradients of an :func:`rnn` forward run with ``training=True`` (``"input"``, ``"h0"``, parameters)."""
-    return _backward(("rnn_tanh", "rnn_relu"), saved, grad_y, grad_h_n, None)
+    return _retrying(_backward, ("rnn_tanh", "rnn_relu"), saved, grad_y, grad_h_n, None)

@@ -34,7 +34,8 @@ from ..threadlocal import setting
 from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_layer
 
-MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped)
+MAX_GRAPHS = 16  # idle entries kept per process (least recently used dropped) ...
+MAX_IDLE_BYTES = 8 << 30  # ... also while their buffers in all are over this (a sweep of large shapes)
 MAX_LEASES = 2  # entries of one key out on lease at once (a training loop's current and previous saved state);
 #                 more saved states alive copy their activations out as before (an entry holds more than they do)
 # forward loops of float32 (IEEE) layers at most this small run their GEMMs without split-k: cuBLAS splits those
@@ -79,6 +80,35 @@ def stats() -> dict:
         return dict(_stats)
 
 
+def held_bytes() -> int:
+    """Bytes of the buffers that idle entries hold (the least recently used go past :data:`MAX_IDLE_BYTES`)."""
+    with _lock:
+        return sum(e.nbytes for idle in _cache.values() for e in idle)
+
+
+def buffer_bytes(obj, _seen=None, _depth: int = 0) -> int:
+    """Bytes of the distinct device arrays that ``obj`` holds: through its attributes (blasx objects), tuples,
+    lists and dicts, a few levels down (an entry's buffers, its backward's, a Forward's)."""
+    seen = set() if _seen is None else _seen
+    if hasattr(obj, "nbytes") and hasattr(obj, "data") and hasattr(obj, "device"):
+        base = obj.base if getattr(obj, "base", None) is not None else obj
+        if id(base) in seen:
+            return 0
+        seen.add(id(base))
+        return int(base.nbytes)
+    if _depth > 4:
+        return 0
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (tuple, list)):
+        items = obj
+    elif (type(obj).__module__ or "").startswith("blasx") and hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return 0
+    return sum(buffer_bytes(v, seen, _depth + 1) for v in items)
+
+
 def clear() -> None:
     """Drops every idle entry (those out on lease come back when their Forward is collected)."""
     with _lock:
@@ -121,6 +151,7 @@ class _Entry:
         self.done = None  # event after the last call's work on the buffers (recorded when it gave the entry back)
         self.lock = threading.Lock()  # a leased entry's backward calls, one at a time
         self.backs: dict = {}  # a leased forward entry's backward buffers (:class:`_Back`) by backward key
+        self.nbytes = 0  # its buffers' bytes (counted when it goes idle)
 
 
 class Diag(_Entry):
@@ -195,13 +226,15 @@ def release(e: _Entry) -> None:
 
 def _idle(e: _Entry) -> None:
     """(under _lock) ``e`` idle in the cache, the least recently used beyond :data:`MAX_GRAPHS` dropped."""
+    e.nbytes = buffer_bytes(e)
     _cache.setdefault(e.key, []).append(e)
     _cache.move_to_end(e.key)
-    extra = sum(len(v) for v in _cache.values()) - MAX_GRAPHS
-    while extra > 0:
+    count = sum(len(v) for v in _cache.values())
+    held = sum(i.nbytes for v in _cache.values() for i in v)
+    while count > MAX_GRAPHS or (count > 1 and held > MAX_IDLE_BYTES):
         key, idle = next(iter(_cache.items()))
-        idle.pop(0)
-        extra -= 1
+        held -= idle.pop(0).nbytes
+        count -= 1
         if not idle:
             del _cache[key]
 

@@ -29,7 +29,9 @@ not match is tried again on later calls, :data:`TRIES` in all, then the signatur
 (``stats()`` says why). At most :data:`MAX_ENTRIES` signatures and :data:`MAX_BYTES` of graph memory (pools,
 workspaces, input buffers) are kept, the least recently used dropped first once its last replay has finished
 (a leased slot's memory lives on with its saved state); a signature whose graphs alone would pass
-:data:`MAX_BYTES` stays on the general path. ``BLASX_RNN_REPLAY=0`` turns the path off.
+:data:`MAX_BYTES` stays on the general path. A dropped slot's or failed capture's private pool is retired: its
+blocks go back to the GPU once nothing uses them (a pool let go with its blocks split among arrays would keep
+them for good). ``BLASX_RNN_REPLAY=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ CHECK_TOL = {np.dtype(np.float16): 3e-2, np.dtype(np.float32): 1e-3, np.dtype(np
 
 _lock = threading.Lock()
 _entries: OrderedDict = OrderedDict()  # key -> _Entry, least recently used first
+_retired: list = []  # pools of dropped slots and failed captures whose blocks are not all handed back yet
 _stats = {"captured": 0, "replayed": 0, "failures": 0, "failed": ""}
 
 
@@ -60,6 +63,14 @@ def stats() -> dict:
         return dict(_stats)
 
 
+def held_bytes() -> int:
+    """Bytes of the kept entries' graph memory (pools, workspaces, input buffers) and of dropped slots' pools
+    that saved states still read."""
+    _sweep()
+    with _lock:
+        return sum(e.nbytes for e in _entries.values()) + sum(_pool_bytes(*p) for p in _retired)
+
+
 def clear() -> None:
     """Drops every entry (their graphs, pools and buffers) once its last replay has finished."""
     with _lock:
@@ -67,6 +78,41 @@ def clear() -> None:
         _entries.clear()
     for e in gone:
         _drop(e)
+    _sweep()
+
+
+def _pool_bytes(pool, devices) -> int:
+    """A private pool's bytes on ``devices`` (CuPy's pool counts the current device's alone)."""
+    import cupy
+    total = 0
+    for d in devices:
+        with cupy.cuda.Device(d):
+            total += pool.total_bytes()
+    return total
+
+
+def _retire(pool, devices) -> None:
+    """``pool`` is no slot's any more: its blocks are handed back by :func:`_sweep` once nothing uses them (CuPy
+    frees a pool's blocks only when asked, and a pool let go with blocks split among arrays never frees them)."""
+    with _lock:
+        _retired.append((pool, tuple(devices)))
+
+
+def _sweep() -> None:
+    """Hands the retired pools' unused blocks back to the GPU; a pool goes once it holds nothing."""
+    import cupy
+    with _lock:
+        pools = list(_retired)
+    done = []
+    for item in pools:
+        pool, devices = item
+        for d in devices:
+            with cupy.cuda.Device(d):
+                pool.free_all_blocks()
+        if _pool_bytes(pool, devices) == 0:
+            done.append(item)
+    with _lock:
+        _retired[:] = [p for p in _retired if not any(p is q for q in done)]
 
 
 def _sig(a):
@@ -97,6 +143,7 @@ class _Slot:
         self.graph = self.out = self.saved = self.x = self.hx = self.done = None
         self.keep: list = []  # the graph's pool, workspaces and stream
         self.nbytes = 0
+        self.devices: list = []  # the GPUs its pool may hold memory on
         self.leased = False  # a training call's saved state reads this slot's buffers (set and cleared atomically)
         self.reads: list = []  # events after backwards that read the slot's buffers (the next replay waits for them)
 
@@ -123,6 +170,8 @@ def _drop(e: _Entry) -> None:
             if s.done is not None:
                 s.done.synchronize()
             s.graph = s.out = s.saved = s.x = s.hx = s.done = None
+            if s.keep:
+                _retire(s.keep[0], s.devices)
             s.keep, s.nbytes = [], 0
 
 
@@ -139,6 +188,8 @@ def _admit(key, e: _Entry) -> None:
             gone.append(_entries.popitem(last=False)[1])
     for g in gone:
         _drop(g)
+    if gone:
+        _sweep()
 
 
 def call(key, x, hx, params, general, backward=None):
@@ -167,6 +218,7 @@ def call(key, x, hx, params, general, backward=None):
         with e.lock:
             slot = _capture(e, x, hx, params, general, backward)
         if slot is None:
+            _sweep()  # (the failed capture's pool, its arrays gone with its frames)
             return None
         _admit(key, e)  # (its memory counted now)
     return _replay(e, slot, x, hx)
@@ -240,7 +292,8 @@ def _capture(e: _Entry, x, hx, params, general, backward):
     s.hx = None if hx is None else (tuple(cupy.empty_like(h) for h in hx) if isinstance(hx, (tuple, list))
                                      else cupy.empty_like(hx))
     workspaces = {}
-    for d in rnn_multi.cuda_devices(x.device.id):  # made before the capture (nothing is made inside it)
+    s.devices = rnn_multi.cuda_devices(x.device.id)
+    for d in s.devices:  # made before the capture (nothing is made inside it)
         with cupy.cuda.Device(d):
             cc = int(cupy.cuda.Device(d).compute_capability) // 10
             workspaces[d] = cupy.empty(workspace_bytes(cc), dtype=cupy.uint8)
@@ -264,15 +317,18 @@ def _capture(e: _Entry, x, hx, params, general, backward):
     except Exception as exc:  # noqa: BLE001 - the call runs the general path; the reason is kept
         e.fails += 1
         _failed(exc)
+        _retire(pool, s.devices)
         return None
     s.graph, s.out, s.saved = graph, out[:2], (_saved(out[2]) if e.training else None)
     s.keep = [pool, workspaces, stream]
     ins = [s.x, *(s.hx if isinstance(s.hx, tuple) else (s.hx,) if s.hx is not None else ())]
-    s.nbytes = pool.total_bytes() + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
+    s.nbytes = _pool_bytes(pool, s.devices) + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
     if e.nbytes + s.nbytes > MAX_BYTES:  # kept, it would hold more than all entries may: the general path for good
         e.fails = TRIES
         _failed(MemoryError(f"the graph's memory ({s.nbytes} bytes) would pass MAX_BYTES ({MAX_BYTES})"))
         caller.synchronize()  # (its check ran on this memory)
+        s.graph = s.out = s.saved = None
+        _retire(pool, s.devices)
         return None
     s.done = caller.record()
     s.leased = e.training
