@@ -49,7 +49,9 @@ Invariants
 6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker on the queue and joins them
    (and the sim stream threads). An inline engine starts no thread.
 7. No finalizer waits for a lock (it may run inside a critical section of that lock): their locks are
-   re-entrant; ``retire_base`` only tries the directory lock, else leaves the base in ``_retired``.
+   re-entrant; ``retire_base`` takes none, it leaves the base in ``_retired``, which ``submit`` drains (at a
+   call's start and end, in a ``with`` block: no asynchronous exception can land between the directory lock's
+   acquire and release there, as one can after a bare ``acquire``).
 
 Failure model
 -------------
@@ -93,7 +95,7 @@ State (each field has one owner)
 * ``_calls``: calls in progress, so a failure with no live worker can fail them all; added and copied under
   ``_calls_lock`` (``_live_calls``).
 * ``_retired``: bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7);
-  any thread appends, the holder of the directory lock drains.
+  any thread appends (finalizers, submit), submit drains under the directory lock.
 * ``_switching``: Python's switch interval while calls are in flight (``switching.py``); ``admission``: the
   auto-mode CPU worker's rule and rate meter (``admission.py``), or None.
 * Per worker, written by that worker alone: ``slots``, ``pending`` (events per stream), ``inflight`` /
@@ -293,6 +295,8 @@ class Engine:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again
                     self.retire_base(op.token[0])
+            if self._retired:
+                self._drain_retired()
         err = call.error
         if err is None:
             return
@@ -380,19 +384,14 @@ class Engine:
 
     def retire_base(self, base: int) -> None:
         """Tiles of token base ``base`` may never be read again (a read-only array died). Called by finalizers, so
-        it never waits for the directory lock (invariant 7): a base it cannot retire waits in ``_retired``."""
+        it takes no lock (invariant 7): the base waits in ``_retired`` for the next submission's drain."""
         self._retired.append(base)
-        self._drain_retired()
 
     def _drain_retired(self) -> None:
-        lock = self.directory.lock
-        if not lock.acquire(blocking=False):
-            return
-        try:
+        """Retires the waiting bases (a caller's thread, never inside a directory critical section)."""
+        with self.directory.lock:
             while self._retired:
                 self.directory.retire_base(self._retired.popleft())
-        finally:
-            lock.release()
 
     def _runnable(self, call: Call) -> bool:
         return any(self.can_run(w, call) for w in self.workers)

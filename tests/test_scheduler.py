@@ -227,7 +227,8 @@ def lines_of_base(directory, base: int, live_only: bool = True) -> int:
 
 def test_collected_read_only_array_tiles_are_retired(rand):
     """Regression: READONLY.on_retire was never set, so lines of collected read-only arrays
-    stayed live (listed, not evicted first) forever."""
+    stayed live (listed, not evicted first) forever. The finalizer takes no lock: the base waits
+    for the next call's submission, which retires it before planning."""
     from blasx.operands import READONLY
 
     blasx.configure(devices="sim:1", tile=16)
@@ -235,11 +236,29 @@ def test_collected_read_only_array_tiles_are_retired(rand):
     a.flags.writeable = False
     blasx.gemm(1.0, a, rand((32, 32), seed=1))
     base = READONLY.base_of(a)
-    directory = blasx.engine().directory
-    assert lines_of_base(directory, base) == 4
+    eng = blasx.engine()
+    assert lines_of_base(eng.directory, base) == 4
     del a
     gc.collect()
-    assert lines_of_base(directory, base) == 0
+    assert list(eng._retired) == [base]
+    blasx.gemm(1.0, rand((8, 8)), rand((8, 8), seed=1))
+    assert lines_of_base(eng.directory, base) == 0 and not eng._retired
+
+
+def test_retire_base_never_takes_the_directory_lock():
+    """A finalizer's retire_base returns at once even while this thread holds the directory lock (no
+    try-acquire either: an asynchronous exception right after a bare acquire would leak the lock); a
+    call's own per-call tokens are retired by the time it returns."""
+    blasx.configure(devices="sim:1", tile=16)
+    eng = blasx.engine()
+    a = np.ones((32, 32))
+    blasx.gemm(1.0, a, a)  # (writable: per-call tokens)
+    assert not eng._retired and eng.leaks() == []
+    with eng.directory.lock:
+        eng.retire_base(-12345)
+    assert list(eng._retired) == [-12345]
+    blasx.gemm(1.0, a, a)
+    assert not eng._retired
 
 
 def test_a_read_only_array_collected_under_the_directory_lock_is_retired_later(rand):
