@@ -209,7 +209,7 @@ def test_replays_copy_in_and_out_and_follow_new_inputs(mini):
     assert rnn_replay.call(key, _x(1.0), None, {}, general) is None  # the first call: general
     got = [rnn_replay.call(key, _x(v), None, {}, general) for v in (2.0, 3.0, 5.0, 7.0)]
     st = {k: v - before[k] for k, v in rnn_replay.stats().items() if k != "failed"}
-    assert st == {"captured": 1, "replayed": 4, "failures": 0}
+    assert st == {"captured": 1, "replayed": 4, "failures": 0, "backward_captured": 0, "backward_replayed": 0}
     assert runs == [2.0, -2.0]  # captured once, checked once on -x; no general run after
     for v, (y, (h, c)) in zip((2.0, 3.0, 5.0, 7.0), got):
         assert (y == 2 * v).all() and (h == v).all() and c is None and y.shape == (3, 2, 4)
@@ -332,9 +332,97 @@ def test_training_calls_lease_a_slot_to_their_saved_state(mini):
     y5, _, s5 = rnn_replay.call(key, _x(5.0), None, {}, general, backward)  # slot A again
     assert (y5 == 10).all() and (backward(s5, None)["input"] == 15).all() and (backward(s3, None)["input"] == 9).all()
     st = {k: v - before[k] for k, v in rnn_replay.stats().items() if k != "failed"}
-    assert st == {"captured": 2, "replayed": 3, "failures": 0}
+    assert st == {"captured": 2, "replayed": 3, "failures": 0, "backward_captured": 0, "backward_replayed": 0}
     assert s5.replay_slot is not slot_b and len(slot_b.reads) == 1
     del s3
     gc.collect()
     r6 = rnn_replay.call(key, _x(6.0), None, {}, general, backward)  # slot B again: it waited for those reads
     assert r6[2].replay_slot is slot_b and slot_b.reads == [] and slot_b.leased
+
+
+def _backward_general(runs, capturing_records: bool = True):
+    """A stand-in for the general backward: grads["input"] = 3 x + grad_y (x: the saved state's, read where it
+    lies), a fresh array each run; recorded into a capture as _general's work is."""
+    def general(saved, grads):
+        gy = grads[0]
+        runs.append(None if gy is None else float(np.asarray(gy).ravel()[0]))
+        out = np.empty_like(saved.problem.x).view(_Array)
+
+        def work():
+            out[...] = 3 * np.asarray(saved.problem.x) + (0 if gy is None else np.asarray(gy))
+        s = _current()
+        if s.is_capturing() and capturing_records:
+            s.capture.append(work)
+        else:
+            work()
+        return {"input": out}
+    return general
+
+
+def _trained(x_value: float):
+    """A training call replayed from its slot (the signature's second call): its saved state."""
+    runs: list = []
+    inner = _general(runs, capturing_records=True)
+
+    def general(xc, hc):
+        y, st = inner(xc, hc)
+        return y, st, _Saved(_Problem(xc), [])
+    key = _key(_x(1.0), training=True)
+    rnn_replay.call(key, _x(x_value), None, {}, general, lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})
+    return rnn_replay.call(key, _x(x_value), None, {}, general,
+                           lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})[2]
+
+
+def test_a_replayed_forwards_backward_is_captured_on_its_second_call_and_replayed_after(mini):
+    """rnn_replay_backward: per slot and gradients' signature the first backward is general (None), the second
+    general too (its answer returned) and captured, checked on the same gradients; later ones replay with fresh
+    outputs following new gradients; a signature with another gradient given is apart; a saved state of no
+    slot, host gradients and a dropped slot take the general path."""
+    from blasx.dnn import rnn_replay_backward as rb
+    saved = _trained(2.0)
+    assert saved.replay_slot is not None
+    runs: list = []
+    general = _backward_general(runs)
+    before = rnn_replay.stats()
+
+    def gy(v):
+        return np.full((3, 2, 4), v, np.float32).view(_Array)
+    assert rb.call(saved, (gy(1.0), None, None), general) is None  # first: the caller runs the general path
+    got = rb.call(saved, (gy(1.0), None, None), general)  # second: general, then captured
+    assert (got["input"] == 7.0).all() and runs[0] == 1.0 and np.isnan(runs[1])  # (captured on NaN gradients)
+    outs = [rb.call(saved, (gy(v), None, None), general) for v in (5.0, 9.0)]
+    assert [float(o["input"].ravel()[0]) for o in outs] == [11.0, 15.0] and len(runs) == 2
+    assert outs[0]["input"] is not outs[1]["input"]  # fresh arrays
+    st = rnn_replay.stats()
+    assert st["backward_captured"] - before["backward_captured"] == 1
+    assert st["backward_replayed"] - before["backward_replayed"] == 2 and st["failures"] == before["failures"]
+    # grad_h_n given: another signature (general twice, then replayed)
+    h = np.zeros((1, 2, 4), np.float32).view(_Array)
+    assert rb.call(saved, (gy(1.0), h, None), general) is None
+    assert rb.call(saved, (None, None, None), general) is None
+    assert rb.call(np.float32(0), (gy(1.0), None, None), general) is None  # no slot
+    assert rb.call(saved, (np.ones((3, 2, 4), np.float32), None, None), general) is None  # host gradient
+    slot = saved.replay_slot
+    assert len(slot.backs) == 1 and slot.nbytes > 0
+    rnn_replay.clear()  # the slot dropped: its backward graph goes (its pool retired), the general path after
+    assert slot.backs == {} and rb.call(saved, (gy(1.0), None, None), general) is None
+
+
+def test_a_backward_capture_that_does_not_reproduce_the_call_is_never_used(mini):
+    """Backward work done outside its graph: the check on the same gradients sees the capture-time answer
+    missing from the graph's outputs, so the capture is dropped (TRIES in all); every call gets the general
+    path's answer."""
+    from blasx.dnn import rnn_replay_backward as rb
+    saved = _trained(2.0)
+    runs: list = []
+    general = _backward_general(runs, capturing_records=False)
+    before = rnn_replay.stats()
+    g = np.full((3, 2, 4), 1.0, np.float32).view(_Array)
+    results = [rb.call(saved, (g, None, None), general) for _ in range(2 + rnn_replay.TRIES)]
+    assert results[0] is None and all((r["input"] == 7.0).all() for r in results[1:1 + rnn_replay.TRIES])
+    assert results[-1] is None  # given up: the caller runs the general path
+    after = rnn_replay.stats()
+    assert after["backward_captured"] == before["backward_captured"]
+    assert after["failures"] - before["failures"] == rnn_replay.TRIES
+    nan = np.array([np.nan, 1.0]).view(_Array)
+    assert rnn_replay._worst((nan,), (nan,)) == float("inf")  # (NaN never passes a check, not even against NaN)

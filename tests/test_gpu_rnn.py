@@ -706,7 +706,8 @@ def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers
     """rnn_replay with training=True: a loop of forward + backward steps, each step's saved state kept until
     the next step's forward returns (as a training loop holds it): from the second step the forward replays a
     graph leased to its saved state (two slots alternate); outputs and every gradient match torch's autograd
-    through cuDNN for that step's own x and grad_y, after an in-place parameter update too."""
+    through cuDNN for that step's own x and grad_y, after an in-place parameter update too; from a slot's second
+    backward the backward replays its own graph, with the same gradients."""
     from blasx.dnn import rnn_replay
     if NGPU < ngpu:
         pytest.skip(f"needs {ngpu} GPUs")
@@ -740,3 +741,6 @@ def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers
     st = rnn_replay.stats()
     assert st["captured"] - before["captured"] == 2 and st["failures"] == before["failures"], st["failed"]
     assert st["replayed"] - before["replayed"] >= 4
+    # each slot's backward: general, then captured (rnn_replay_backward), then replayed (slot A's third)
+    assert st["backward_captured"] - before["backward_captured"] == 2
+    assert st["backward_replayed"] - before["backward_replayed"] >= 1

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from . import rnn_exec, rnn_fast, rnn_graph, rnn_host, rnn_params, rnn_replay
+from . import rnn_exec, rnn_fast, rnn_graph, rnn_host, rnn_params, rnn_replay, rnn_replay_backward
 from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
@@ -268,9 +268,18 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
             return {k: cupy.asnumpy(v) for k, v in grads.items()}
     if not isinstance(saved, Saved):
         raise TypeError(f"saved: expected the state a forward with training=True returned, got {type(saved).__name__}")
+    if saved.problem.spec.mode not in modes:
+        raise ValueError(f"saved: comes from a {saved.problem.spec.mode} forward; use the matching *_backward")
+    grads = (grad_y, grad_h_n, grad_c_n)
+    res = rnn_replay_backward.call(saved, grads, lambda sv, g: _backward_general(sv, *g))
+    if res is None:  # (a replayed forward's saved state: one graph of its backward, rnn_replay_backward.py)
+        res = _backward_general(saved, *grads)
+    rnn_replay.touched(saved)  # (a replayed forward's graph buffers: read until now on this stream)
+    return res
+
+
+def _backward_general(saved, grad_y, grad_h_n, grad_c_n):
     pb = saved.problem
-    if pb.spec.mode not in modes:
-        raise ValueError(f"saved: comes from a {pb.spec.mode} forward; use the matching *_backward")
     spec, (T, B, _) = pb.spec, pb.x.shape
     dtype = pb.x.dtype
     ld = spec.num_layers * spec.num_dirs
@@ -288,7 +297,6 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
     elif gy is not None and pb.batch_first:
         gy = gy.transpose(1, 0, 2)
     grads = rnn_exec.backward(pb, saved.layers, gy, gh, gc)
-    rnn_replay.touched(saved)  # (a replayed forward's graph buffers: read until now on this stream)
     if pb.unbatched:
         grads["input"] = grads["input"][:, 0]
         grads["h0"] = grads["h0"][:, 0]

@@ -332,7 +332,9 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                 dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
                 final = layer == 0 and dirs == 1 and g_t != f  # the input gradient itself: no F copy first
                 return g, (wgrad if final else mul)(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
-            pbw = _persistent_backward(lp, cell, store, st) if loop is not rnn_layer.backward_loop else None
+            # (persistent loops also inside a whole-call capture of the backward, where the graph entries are off)
+            pbw = _persistent_backward(lp, cell, store, st) \
+                if loop is not rnn_layer.backward_loop or (xp is not np and _capturing_with_graphs(xp)) else None
             if pbw is not None:  # the whole loop in one launch (rnn_persist_bwd)
                 from . import rnn_persist
 

@@ -328,7 +328,8 @@ def run_backward(pb, layer: int, kept, direction_backward) -> list:
         # no other device the engine could spread the GEMMs over, or the forward kept them local
         alone = len(devices_for(pb)) == 1 or all(k.local for k in kept)
         for d, k in enumerate(kept):
-            out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k, mm if alone else None)
+            out[d] = direction_backward(pb, ops_for(xp, pb.math), d, k,
+                                        mm if alone or rnn_layer.capturing_whole_call() else None)
             on[(layer, d)] = k.dev
         return out
 

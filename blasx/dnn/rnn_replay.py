@@ -10,8 +10,9 @@ and hx in, launches the graph on the caller's stream and copies the outputs out 
 path returns). An inference entry has one slot. A training call returns a saved state that reads its slot's
 activations (and x) in place, so its slot is leased until that state is collected: an entry has up to
 :data:`MAX_LEASES` slots (a training loop holds the previous step's state while it calls the next forward);
-with every slot out the call takes the general path. The backward runs the general path on the slot's buffers
-(:func:`touched` after it: the slot's next replay waits for those reads, on whichever stream they ran).
+with every slot out the call takes the general path. The backward reads the slot's buffers, by the general path
+or, from a slot's second backward of one gradients' signature, from a graph of its own (rnn_replay_backward.py);
+:func:`touched` after it: the slot's next replay waits for those reads, on whichever stream they ran.
 
 Invariants:
 - a graph reads only its slot's x and hx buffers, the parameters' arrays (held by the entry's Spec, which
@@ -54,7 +55,7 @@ CHECK_TOL = {np.dtype(np.float16): 3e-2, np.dtype(np.float32): 1e-3, np.dtype(np
 _lock = threading.Lock()
 _entries: OrderedDict = OrderedDict()  # key -> _Entry, least recently used first
 _retired: list = []  # pools of dropped slots and failed captures whose blocks are not all handed back yet
-_stats = {"captured": 0, "replayed": 0, "failures": 0, "failed": ""}
+_stats = {"captured": 0, "replayed": 0, "failures": 0, "failed": "", "backward_captured": 0, "backward_replayed": 0}
 
 
 def stats() -> dict:
@@ -146,6 +147,9 @@ class _Slot:
         self.devices: list = []  # the GPUs its pool may hold memory on
         self.leased = False  # a training call's saved state reads this slot's buffers (set and cleared atomically)
         self.reads: list = []  # events after backwards that read the slot's buffers (the next replay waits for them)
+        self.backs: dict = {}  # gradients' signature -> its captured backward (rnn_replay_backward._Back)
+        self.back_seen: dict = {}  # gradients' signature -> backward calls of it seen
+        self.back_fails: dict = {}  # gradients' signature -> its failed backward captures
 
 
 class _Entry:
@@ -167,12 +171,13 @@ def _drop(e: _Entry) -> None:
     memory stays with its saved state."""
     for s in e.slots:
         with s.lock:
-            if s.done is not None:
-                s.done.synchronize()
+            for ev in [s.done, *(b.done for b in s.backs.values())]:
+                if ev is not None:
+                    ev.synchronize()
             s.graph = s.out = s.saved = s.x = s.hx = s.done = None
-            if s.keep:
-                _retire(s.keep[0], s.devices)
-            s.keep, s.nbytes = [], 0
+            for pool in [s.keep[0]] * bool(s.keep) + [b.keep[0] for b in s.backs.values()]:
+                _retire(pool, s.devices)
+            s.keep, s.nbytes, s.backs = [], 0, {}
 
 
 def _admit(key, e: _Entry) -> None:
@@ -395,7 +400,7 @@ def _probe(x):
 
 def _worst(got, want) -> float:
     """The largest relative-norm difference over the outputs (nested tuples of arrays), in float64 on the host
-    (once per capture)."""
+    (once per capture); infinite where either holds a NaN or an infinity (no check passes on those)."""
     import cupy
     worst = 0.0
     for g, w in zip(got, want):
@@ -403,6 +408,8 @@ def _worst(got, want) -> float:
             worst = max(worst, _worst(g, w))
         elif g is not None:
             g64, w64 = cupy.asnumpy(g).astype(np.float64), cupy.asnumpy(w).astype(np.float64)
+            if not (np.isfinite(g64).all() and np.isfinite(w64).all()):
+                return float("inf")
             den = float(np.linalg.norm(w64)) or 1.0
             worst = max(worst, float(np.linalg.norm(g64 - w64)) / den)
     return worst
