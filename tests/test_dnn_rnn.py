@@ -259,7 +259,11 @@ def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 56, 2, training=False, captured=True).kind == "diagonal"  # pieces of 7 steps
     assert rnn_plan.plan(4, 1, 64, 64, 2, training=False, captured=True).chunk == 8
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", training=False, captured=True).kind == "single"
-    assert rnn_plan.plan(4, 1, 64, 100, 2, captured=True).kind == "diagonal"  # (training is never captured)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, captured=True).kind == "diagonal"  # (float32 IEEE training: not captured)
+    # TF32 training captured whole: the wavefront too (its captured backward runs in the same pieces)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True) == rnn_plan.Placement(
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
+    assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", captured=True).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 1, training=False, captured=True).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, training=False, captured=True).chunk == 25
     assert rnn_plan.plan(2, 2, 64, 100, 2, training=False, captured=True).kind == "directions"
@@ -391,3 +395,42 @@ def test_fast_path_signature():
         assert rnn_fast.signature("lstm", x, p, layers, bidir, False, lengths, proj, training, None, None) is None
     assert rnn_fast.signature("lstm", np.zeros((5, 2, 3), np.float16), p, 1, False, False, None, 0, False, None,
                               None) is None
+
+
+@pytest.mark.parametrize("lengths", [None, [7, 5, 5, 2]])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_wavefront_backward_in_pieces_vs_torch(dtype, lengths, monkeypatch):
+    """rnn_wave_backward (taken inside whole-call captures; here everywhere): a projected stack's wavefront backward
+    in its time pieces over two devices (the last piece first, state gradients carried between pieces, weight
+    gradients summed over them) gives torch's gradients."""
+    from blasx.dnn import rnn_wave_backward
+    monkeypatch.setattr(rnn_wave_backward, "ALWAYS", True)
+    calls = []
+    real = rnn_wave_backward.run
+    monkeypatch.setattr(rnn_wave_backward, "run", lambda *a: calls.append(a[1][0][0].pieces) or real(*a))
+    blasx.configure(devices="sim:2")
+    compare("lstm", T=7, B=4, layers=3, proj=3, lengths=lengths, dtype=dtype)
+    assert rnn_multi.last_run()["placement"].kind == "wavefront"
+    assert calls == [((0, 2), (2, 4), (4, 6), (6, 7))]
+    assert rnn_multi.last_run()["backward_on"] == {(0, 0): 0, (1, 0): 0, (2, 0): 1}
+
+
+def test_wavefront_backward_stays_layer_after_layer_outside_captures_and_in_half_types():
+    """Pieces only where no host time is spent a piece (a whole-call capture), never for 2-byte types."""
+    from blasx.dnn import rnn_wave_backward
+
+    class _K:
+        pieces = ((0, 2), (2, 4))
+
+    class _Pb:
+        xp = np
+        x = np.zeros((4, 1, 1), np.float32)
+    assert not rnn_wave_backward.applies(_Pb, [[_K()]])
+    rnn_wave_backward.ALWAYS = True
+    try:
+        assert rnn_wave_backward.applies(_Pb, [[_K()]])
+        _Pb.x = np.zeros((4, 1, 1), np.float16)
+        assert not rnn_wave_backward.applies(_Pb, [[_K()]])
+        assert not rnn_wave_backward.applies(_Pb, [[_K(), _K()]])  # (a direction each: not a wavefront)
+    finally:
+        rnn_wave_backward.ALWAYS = False

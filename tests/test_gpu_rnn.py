@@ -744,3 +744,50 @@ def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers
     # each slot's backward: general, then captured (rnn_replay_backward), then replayed (slot A's third)
     assert st["backward_captured"] - before["backward_captured"] == 2
     assert st["backward_replayed"] - before["backward_replayed"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces(mode):
+    """A 4-layer TF32 training loop on two GPUs: the replayed forward is a wavefront over both (plan(captured=
+    True)), each slot's backward is captured from its second call with the layers' time pieces on both GPUs
+    (rnn_wave_backward) and replayed after; outputs and every gradient within TF32's tolerance of torch's."""
+    from blasx.dnn import rnn_replay, rnn_wave_backward
+    if NGPU < 2:
+        pytest.skip("needs 2 GPUs")
+    blasx.configure(devices="cuda")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(13)
+    m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(64, 64, num_layers=4).cuda()
+    p = m.state_dict()
+    fn, bw = (dnn.lstm, dnn.lstm_backward) if mode == "lstm" else (dnn.gru, dnn.gru_backward)
+    pieces = []
+    real = rnn_wave_backward.run
+
+    def spy(*a):
+        pieces.append(a[1][0][0].pieces)
+        return real(*a)
+    before = rnn_replay.stats()
+    saved = None
+    try:
+        rnn_wave_backward.run = spy
+        for i in range(7):
+            x = (torch.randn(64, 16, 64, device="cuda") * 0.5).requires_grad_(True)
+            y, st, saved = fn(cupy.from_dlpack(x.detach()), None, p, num_layers=4, training=True, math="tf32")
+            m.zero_grad()
+            ty, _ = m(x)
+            gy = torch.randn_like(ty)
+            ty.backward(gy)
+            assert _err(y, ty.detach().cpu().numpy()) < 2e-3, i
+            g = bw(saved, cupy.from_dlpack(gy))
+            assert _err(g["input"], x.grad.cpu().numpy()) < 1e-2, i
+            for k, prm in m.named_parameters():
+                assert _err(g[k], prm.grad.cpu().numpy()) < 1e-2, (i, k)
+    finally:
+        rnn_wave_backward.run = real
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    st = rnn_replay.stats()
+    assert st["failures"] == before["failures"], st["failed"]
+    assert st["backward_captured"] - before["backward_captured"] == 2
+    assert st["backward_replayed"] - before["backward_replayed"] >= 2
+    assert pieces and all(len(ps) >= 4 for ps in pieces)  # (the captures: the wavefront's pieces)
+    assert rnn_multi.last_run()["placement"].kind == "wavefront"

@@ -247,20 +247,17 @@ def _flat(xp, a, f):
 def backward(pb, layers, gy, gh, gc) -> dict:
     """Every gradient (MIOpen eq. 15-21): step loops in reverse (on CUDA replayed from graphs, rnn_graph.py),
     then one GEMM per weight and per input. A layer's directions run on the devices their forward ran on (at once
-    when those differ, rnn_multi.run_backward); only the gradients come home."""
-    from . import rnn_diag, rnn_multi, rnn_params
+    when those differ, rnn_multi.run_backward); only the gradients come home. A wavefront's stack inside a
+    whole-call capture runs in its time pieces (rnn_wave_backward.py)."""
+    from . import rnn_diag, rnn_graph, rnn_multi, rnn_params, rnn_wave_backward
     if isinstance(layers, rnn_diag.Saved):
         return rnn_diag.backward(pb, layers, gy, gh, gc)
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
     f = compute_type(store)
-    # the weight and input gradients' GEMMs take float16 operands (the gate gradients rounded once, as cuDNN keeps
-    # them; float32 accumulation and result): tensor-core GEMMs instead of float32 ones on twice the bytes
-    g_t = store if store == np.float16 else f
     T, B = pb.x.shape[:2]
     out, dirs, hh = spec.out_size, spec.num_dirs, spec.hidden_size
     home = None if xp is np else pb.x.device.id
-    from . import rnn_graph
     loop = rnn_layer.backward_loop
     if xp is not np and pb.graphs:
         loop = rnn_graph.run_backward
@@ -274,80 +271,25 @@ def backward(pb, layers, gy, gh, gc) -> dict:
         """A slice another device will read: contiguous, so that it copies there in one piece."""
         return a if a is None or xp is np or k.dev == home else xp.ascontiguousarray(a)
 
-    for layer in range(spec.num_layers - 1, -1, -1):
+    if rnn_wave_backward.applies(pb, layers):
+        g, dy, dhs, dcs = rnn_wave_backward.run(
+            pb, layers, dy, gh, gc, lambda lp, ops, layer, k, mm, args: direction_backward(
+                pb, loop, layer, lp, ops, 0, k, mm, args))
+        grads.update(g)
+        for layer in range(spec.num_layers):
+            dh0[layer] = dhs[layer]
+            if dc0 is not None:
+                dc0[layer] = dcs[layer]
+        layers = []
+    for layer in range(len(layers) - 1, -1, -1):
         kept = layers[layer]
-        n_in = kept[0].inp.shape[2]
         args = [tuple(away(a, k) for a in (None if dy is None else dy[..., d * out:(d + 1) * out],
                                            None if gh is None else gh[layer * dirs + d],
                                            None if gc is None else gc[layer * dirs + d]))
                 for d, k in enumerate(kept)]
 
         def direction(lp, ops, d, k, mm, layer=layer, args=args):
-            """One direction's loop and GEMMs on its device: (weight grads, dx in processing order, dh0, dc0)."""
-            here = rnn_multi._here
-            cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
-            dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args[d])
-            mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
-
-            def wgrad(a, b):
-                """A weight gradient (or the stack's input gradient) in the storage type: float16 operands give
-                it straight from the GEMM (float32 accumulation, rounded once), others through F."""
-                if g_t == f:
-                    return mul(a, b).astype(store)
-                if mm is None:
-                    return _mm(a, b, pb)
-                return mm(a, b, out=xp.empty((a.shape[0], b.shape[1]), dtype=store))
-            # float16 on CUDA: the loop's GEMMs take dgh rounded to float16 and the weights as stored (tensor cores)
-            half = xp is not np and store == np.float16 and cell.w_hr is None
-            w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
-            w_hr_f = None if cell.w_hr is None else _f(xp, cell.w_hr, f)
-
-            def consume(bw, owned: bool = False):
-                """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read
-                in place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
-                s, g = rnn_params.suffix(layer, d), {}
-                if bw.dgx is None:  # the narrow form: only the rounded gradients (GRU's input side in x16)
-                    same = bw.x16 is None  # (all but GRU: one gate gradient for both sides)
-                    gh_t = bw.g16.reshape(T * B, -1)
-                    gx_t = gh_t if same else bw.x16.reshape(T * B, -1)
-                    dgx, dgh = gx_t, gh_t  # (their column sums accumulate in F)
-                else:
-                    same = bw.dgh is bw.dgx
-                    dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
-                    if bw.g16 is not None:  # the rounded dgh the loop kept
-                        gh_t = bw.g16.reshape(T * B, -1)
-                        gx_t = gh_t if same else _f(xp, dgx, g_t)
-                    else:
-                        gx_t = _f(xp, dgx, g_t)
-                        gh_t = gx_t if same else _f(xp, dgh, g_t)
-                xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
-                g["weight_ih" + s] = wgrad(gx_t.T, xin)
-                g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
-                if cell.b_ih is not None:
-                    g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
-                    g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh, f).astype(store)
-                if cell.w_hr is not None:
-                    dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
-                    g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)
-                dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
-                final = layer == 0 and dirs == 1 and g_t != f  # the input gradient itself: no F copy first
-                return g, (wgrad if final else mul)(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
-            # (persistent loops also inside a whole-call capture of the backward, where the graph entries are off)
-            pbw = _persistent_backward(lp, cell, store, st) \
-                if loop is not rnn_layer.backward_loop or (xp is not np and _capturing_with_graphs(xp)) else None
-            if pbw is not None:  # the whole loop in one launch (rnn_persist_bwd)
-                from . import rnn_persist
-
-                def f32(a):
-                    return None if a is None else xp.ascontiguousarray(a, dtype=np.float32)
-                dgx, g16, dh, dc = rnn_persist.run_backward(pbw, st.gates, st.C, cell.w_hh, f32(dy_d), f32(gh_d),
-                                                            f32(gc_d), pb.bs, rev)
-                rnn_graph.touched(st)  # (a graph entry's, when its forward leased them)
-                return consume(rnn_layer.Backward(dgx, dgx, None, dh, dc, g16), owned=True)
-            args_d = (ops, spec.mode, st, w_loop, w_hr_f, dy_d, gh_d, gc_d, pb.bs, rev, hh)
-            if loop is rnn_layer.backward_loop:
-                return consume(loop(*args_d), owned=True)
-            return loop(*args_d, use=consume)
+            return direction_backward(pb, loop, layer, lp, ops, d, k, mm, args[d])
 
         dx = None
         for d, (g, dxd, dh, dc) in enumerate(rnn_multi.run_backward(pb, layer, kept, direction)):
@@ -364,3 +306,83 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     if dc0 is not None:
         grads["c0"] = dc0
     return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
+
+
+def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args):
+    """One layer-direction's backward loop and GEMMs on its device: (weight grads, dx in processing order, dh0,
+    dc0). ``k``: its rnn_multi.Kept (states and input; a wavefront piece: views of its time slice), ``args``: (dy,
+    the gradients of its final h and c) on its device or another, ``loop``: rnn_layer.backward_loop or
+    rnn_graph.run_backward; ``mm``: a GEMM on this device (None: the engine's)."""
+    from . import rnn_graph, rnn_multi, rnn_params
+    spec, xp = pb.spec, pb.xp
+    store = pb.x.dtype
+    f = compute_type(store)
+    # the weight and input gradients' GEMMs take float16 operands (the gate gradients rounded once, as cuDNN keeps
+    # them; float32 accumulation and result): tensor-core GEMMs instead of float32 ones on twice the bytes
+    g_t = store if store == np.float16 else f
+    T, B, n_in = k.inp.shape
+    dirs, hh = spec.num_dirs, spec.hidden_size
+    here = rnn_multi._here
+    cell, st, rev = lp.spec.cells[layer][d], k.st, d == 1
+    dy_d, gh_d, gc_d = (None if a is None else here(xp, a) for a in args)
+    mul = (lambda a, b: _mm(a, b, pb, out_dtype=f if g_t != f else None)) if mm is None else mm
+
+    def wgrad(a, b):
+        """A weight gradient (or the stack's input gradient) in the storage type: float16 operands give it
+        straight from the GEMM (float32 accumulation, rounded once), others through F."""
+        if g_t == f:
+            return mul(a, b).astype(store)
+        if mm is None:
+            return _mm(a, b, pb)
+        return mm(a, b, out=xp.empty((a.shape[0], b.shape[1]), dtype=store))
+    # float16 on CUDA: the loop's GEMMs take dgh rounded to float16 and the weights as stored (tensor cores)
+    half = xp is not np and store == np.float16 and cell.w_hr is None
+    w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
+    w_hr_f = None if cell.w_hr is None else _f(xp, cell.w_hr, f)
+
+    def consume(bw, owned: bool = False):
+        """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read in
+        place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
+        s, g = rnn_params.suffix(layer, d), {}
+        if bw.dgx is None:  # the narrow form: only the rounded gradients (GRU's input side in x16)
+            same = bw.x16 is None  # (all but GRU: one gate gradient for both sides)
+            gh_t = bw.g16.reshape(T * B, -1)
+            gx_t = gh_t if same else bw.x16.reshape(T * B, -1)
+            dgx, dgh = gx_t, gh_t  # (their column sums accumulate in F)
+        else:
+            same = bw.dgh is bw.dgx
+            dgx, dgh = bw.dgx.reshape(T * B, -1), bw.dgh.reshape(T * B, -1)
+            if bw.g16 is not None:  # the rounded dgh the loop kept
+                gh_t = bw.g16.reshape(T * B, -1)
+                gx_t = gh_t if same else _f(xp, dgx, g_t)
+            else:
+                gx_t = _f(xp, dgx, g_t)
+                gh_t = gx_t if same else _f(xp, dgh, g_t)
+        xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
+        g["weight_ih" + s] = wgrad(gx_t.T, xin)
+        g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
+        if cell.b_ih is not None:
+            g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
+            g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh, f).astype(store)
+        if cell.w_hr is not None:
+            dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
+            g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)
+        dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
+        final = layer == 0 and dirs == 1 and g_t != f  # the input gradient itself: no F copy first
+        return g, (wgrad if final else mul)(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc
+    # (persistent loops also inside a whole-call capture of the backward, where the graph entries are off)
+    pbw = _persistent_backward(lp, cell, store, st) \
+        if loop is not rnn_layer.backward_loop or (xp is not np and _capturing_with_graphs(xp)) else None
+    if pbw is not None:  # the whole loop in one launch (rnn_persist_bwd)
+        from . import rnn_persist
+
+        def f32(a):
+            return None if a is None else xp.ascontiguousarray(a, dtype=np.float32)
+        dgx, g16, dh, dc = rnn_persist.run_backward(pbw, st.gates, st.C, cell.w_hh, f32(dy_d), f32(gh_d),
+                                                    f32(gc_d), lp.bs, rev)
+        rnn_graph.touched(st)  # (a graph entry's, when its forward leased them)
+        return consume(rnn_layer.Backward(dgx, dgx, None, dh, dc, g16), owned=True)
+    args_d = (ops, spec.mode, st, w_loop, w_hr_f, dy_d, gh_d, gc_d, lp.bs, rev, hh)
+    if loop is rnn_layer.backward_loop:
+        return consume(loop(*args_d), owned=True)
+    return loop(*args_d, use=consume)

@@ -40,6 +40,7 @@ class Kept:
     inp: object
     st: rnn_layer.Forward
     local: bool = False
+    pieces: tuple = ()  # a wavefront layer's time pieces ((t0, t1), ...), which its backward may run in too
 
 
 def devices_for(pb) -> list:
@@ -413,16 +414,7 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
     pieces = [(t0, min(T, t0 + pl.chunk)) for t0 in range(0, T, pl.chunk)]
     on = [devs[pl.cells[layer][0]] for layer in range(spec.num_layers)]
     used = list(dict.fromkeys(on))
-    streams, ready = {}, []
-    cap = xp.cuda.get_current_stream() if cuda else None
-    cap = cap if cap is not None and cap.is_capturing() else None  # (forks from and joins into it, as _Issued)
-    for dev in used if cuda else ():
-        with xp.cuda.Device(dev):
-            streams[dev] = _stream(xp, dev, 0) if cap is None else rnn_layer._side_stream(dev, ("wave", 0))
-            if cap is None:
-                ready.append(xp.cuda.get_current_stream().record())
-    if cap is not None:
-        ready.append(cap.record())
+    streams, cap = fork_streams(xp, used, "wave") if cuda else ({}, None)
     mm = local_mm(xp, f, pb.math) if cuda else None
     gates = keep or not cuda or not pb.graphs  # (an eager loop writes them even in inference)
     lps, sts, inps, events = [], [], [], {}
@@ -451,8 +443,7 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             if cuda:
                 streams[dev].wait_event(events[(layer - 1, p)])
             inp[t0:t1] = _here(xp, sts[layer - 1].S[t0 + 1:t1 + 1])
-        view = rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
-                                   for i, a in enumerate((st.S, st.C, st.gates, st.R))))
+        view = piece_view(st, t0, t1)
         # the piece's h0[k] and c0[k]: the call's for the first, else the states the piece before left
         h0 = lp.h0 if p == 0 else {layer: st.S[t0]}
         c0 = lp.c0 if p == 0 else (None if st.C is None else {layer: st.C[t0]})
@@ -462,9 +453,6 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             events[(layer, p)] = streams[dev].record()
 
     try:
-        for dev in streams:
-            for ev in ready:
-                streams[dev].wait_event(ev)
         for layer, dev in enumerate(on):
             lp, st, inp = issue(dev, lambda layer=layer, dev=dev: setup(layer, dev))
             lps.append(lp)
@@ -479,16 +467,49 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
             st.synchronize()
         raise
     if cuda:
-        done = []
-        for dev in used:
-            with xp.cuda.Device(dev):
-                done.append(streams[dev].record())
-        for ev in done if cap is not None else ():
-            cap.wait_event(ev)
-        for dev in used if cap is None else ():
-            with xp.cuda.Device(dev):
-                for ev in done:
-                    xp.cuda.get_current_stream().wait_event(ev)
+        join_streams(xp, streams, cap)
     from .rnn_exec import direction_output
     y = _layer_output(pb, [_home_s(xp, sts[-1], home)], direction_output, keep)
-    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True)] for layer in range(spec.num_layers)], y
+    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True, tuple(pieces))]
+            for layer in range(spec.num_layers)], y
+
+
+def piece_view(st, t0: int, t1: int):
+    """The Forward of steps t0..t1-1 as views of a whole layer's (S and C with the state before t0)."""
+    return rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
+                               for i, a in enumerate((st.S, st.C, st.gates, st.R))))
+
+
+def fork_streams(xp, used, key):
+    """(a stream per device of ``used``, the capture under way or None): pool streams after every device's current
+    work; inside a capture this thread's side streams ``key``, forked from it (as _Issued)."""
+    cap = xp.cuda.get_current_stream()
+    cap = cap if cap.is_capturing() else None
+    streams, ready = {}, []
+    for dev in used:
+        with xp.cuda.Device(dev):
+            streams[dev] = _stream(xp, dev, 0) if cap is None else rnn_layer._side_stream(dev, (key, 0))
+            if cap is None:
+                ready.append(xp.cuda.get_current_stream().record())
+    if cap is not None:
+        ready.append(cap.record())
+    for dev, st in streams.items():
+        for ev in ready:
+            st.wait_event(ev)
+    return streams, cap
+
+
+def join_streams(xp, streams, cap) -> None:
+    """The capture (or every device's current stream) ordered after each of ``streams``."""
+    done = []
+    for dev, st in streams.items():
+        with xp.cuda.Device(dev):
+            done.append(st.record())
+    if cap is not None:
+        for ev in done:
+            cap.wait_event(ev)
+        return
+    for dev in streams:
+        with xp.cuda.Device(dev):
+            for ev in done:
+                xp.cuda.get_current_stream().wait_event(ev)

@@ -27,7 +27,9 @@ loops at once. :func:`plan` decides, from (layers, directions, batch, T, devices
 
 A call captured whole into one graph (rnn_replay.py) costs no host time a piece: its unidirectional stacks
 without a projection in float32 (IEEE or TF32) or float64 run as a wavefront of :data:`CAPTURED_PIECES` pieces a
-group in inference, where the diagonal (whose groups issue from threads) cannot be captured.
+group in inference, where the diagonal (whose groups issue from threads) cannot be captured, and in TF32 training
+too, whose backward, captured in turn, then runs in the same pieces (rnn_wave_backward.py) with the groups' devices
+side by side.
 
 A diagonal chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1) chunks
 (about 1/8 of the run) and each hand-off is amortised over several steps. A wavefront piece is a whole one-layer
@@ -73,8 +75,8 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     chunk = 0 if n == 1 else max(1, min(MAX_CHUNK, math.ceil(steps / (8 * n))))
     piece = math.ceil(steps / (PIECES * n))
     short = math.ceil(steps / (CAPTURED_PIECES * n))
-    if stacked and not projection and wide != "reduced" and captured and not training and n > 1 and \
-            short >= MIN_CAPTURED_STEPS:
+    if stacked and not projection and wide != "reduced" and captured and (not training or wide == "tf32") and \
+            n > 1 and short >= MIN_CAPTURED_STEPS:
         return Placement("wavefront", n, cells, chunk=short)
     if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
         return Placement("wavefront", n, cells, chunk=piece)
