@@ -195,7 +195,13 @@ def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
 
     if gpu:
         _release_pools()
+    from blasx.dnn import rnn_replay
+    before = rnn_replay.stats()
     peer_runs, (ty, tst), blasx_runs, (out, grads) = _paired(peer_run, blasx_run, runs, sync, min_time)
+    after = rnn_replay.stats()
+    replay = {k: after[k] - before[k] for k in after if k != "failed"}
+    if replay["failures"]:
+        replay["failed"] = after["failed"]
     t_peer, t_blasx = min(peer_runs), min(blasx_runs)
     from blasx.dnn import rnn_multi
     pl = rnn_multi.last_run().get("placement")
@@ -212,7 +218,7 @@ def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
     worst = max(errs, key=errs.get)
     return dict(c, blasx_s=t_blasx, peer_s=t_peer, ratio=t_blasx / t_peer, max_err=errs[worst], worst=worst,
                 tol=tol, ok=errs[worst] < tol, placement=placement, blasx_runs=blasx_runs, peer_runs=peer_runs,
-                memory=_memory() if gpu else None)
+                memory=_memory() if gpu else None, replay=replay)
 
 
 def _memory() -> dict:
@@ -334,7 +340,8 @@ def main(argv=None) -> int:
         print(f"{r['mode']} H={r['hidden']} B={r['batch']} T={r['steps']} {r['dtype']}/{r['math']} {r['phase']}: "
               f"blasx {1e3 * r['blasx_s']:.2f} ms, peer {1e3 * r['peer_s']:.2f} ms, ratio {r['ratio']:.2f}, "
               f"err {r['max_err']:.1e} {'ok' if r['ok'] else 'FAILED'}, placement {r['placement']}"
-              + (", GiB " + " ".join(f"{k} {v:.1f}" for k, v in r["memory"].items()) if r.get("memory") else ""),
+              + (", GiB " + " ".join(f"{k} {v:.1f}" for k, v in r["memory"].items()) if r.get("memory") else "")
+              + ", replay " + " ".join(f"{k} {v}" for k, v in r["replay"].items()),
               flush=True)
     if args.overhead and peer == "cuda":
         rep["overhead"] = step_overhead()
