@@ -8,6 +8,8 @@ from math import gcd
 import numpy as np
 import pytest
 
+import blasx
+
 from blasx.dnn import rnn_persist
 from blasx.dnn.rnn_persist import Plan
 
@@ -175,7 +177,7 @@ def test_sync_words_are_kept_per_device_and_stream(monkeypatch):
 def test_a_small_inference_call_is_a_gemm_and_one_launch(monkeypatch, mode):
     """A float16 layer's inference on the CPU stand-in for CuPy: the projection's GEMM and the persistent kernel,
     which writes the final states into the returned h_n (and c_n) itself: no copies, no other launches (the
-    general path: whole-call graphs off)."""
+    general path: whole-call graphs off); the engine is never started."""
     from bench import fake_cupy
     from blasx import dnn
     from blasx.dnn import rnn_replay
@@ -196,6 +198,7 @@ def test_a_small_inference_call_is_a_gemm_and_one_launch(monkeypatch, mode):
         kinds = sorted(e[0] for e in fake_cupy.LOG)
         (launch,) = [e for e in fake_cupy.LOG if e[0] == "raw_kernel"]
     assert kinds == ["gemm_ex", "raw_kernel"]
+    assert blasx.session._engine is None  # (nothing of the call needed it: no tile cache taken from the GPU)
     got = dict(zip(_kernel_params(), launch[4]))
     h_n, c_n = state if mode == "lstm" else (state, None)
     assert got["hn_out"][1] == h_n.data.ptr and got["S"][1] == y.data.ptr - B * H * 2  # y is S[1:]

@@ -10,7 +10,7 @@ rnn_exec.direction_forward on it straight away, as the general path would with o
 
 What can change between calls of one signature is checked on each: the parameters through rnn_params.parse
 (its cache: the same tensors, of unchanged storage; anything else parses anew, and a new Spec sends the call back
-to the general path), hx's shapes and types (rnn._check_state), the math mode, the engine (a reconfigured one
+to the general path), hx's shapes and types (rnn._check_state), the math mode, the configured GPUs (a reconfigured one
 goes back too), the current device and the graph switch (rnn_graph.usable(): on, and no capture under way).
 """
 
@@ -28,11 +28,11 @@ hits = [0]  # calls run by this path (tests)
 
 @dataclass(frozen=True)
 class Entry:
-    """What a signature's calls share; the Spec and the engine by weak reference (an entry keeps neither the
-    parameters' memory nor a shut-down engine alive)."""
+    """What a signature's calls share; the Spec by weak reference (an entry keeps no parameters' memory alive), the
+    GPUs configured (session.cuda_ordinals(): the engine itself is never started for this path)."""
     spec: weakref.ref  # to the rnn_params.Spec of the params
     math: str
-    engine: weakref.ref
+    gpus: tuple
     bs: tuple  # active rows per step (all B)
     placement: object  # rnn_plan.Placement, for rnn_multi.last_run()
 
@@ -66,7 +66,7 @@ def remember(key, pb, params) -> None:
     if rnn_params.parse(params, pb.spec.mode, n_in, num_layers=1, bidirectional=False, proj_size=0, xp=pb.xp,
                         dtype=pb.x.dtype) is not pb.spec:
         return
-    entry = Entry(weakref.ref(pb.spec), pb.math, weakref.ref(session.engine()), pb.bs, rnn_plan.plan(1, 1, B, T, 1))
+    entry = Entry(weakref.ref(pb.spec), pb.math, session.cuda_ordinals(), pb.bs, rnn_plan.plan(1, 1, B, T, 1))
     with _lock:
         if len(_entries) >= MAX_ENTRIES:
             _entries.clear()
@@ -88,7 +88,7 @@ def call(key, x, hx, params, math):
     xt = x.transpose(1, 0, 2) if batch_first else x
     spec = rnn_params.parse(params, mode, xt.shape[2], num_layers=1, bidirectional=False, proj_size=0, xp=cupy,
                             dtype=x.dtype)
-    if spec is not entry.spec() or precision.check_math(math) != entry.math or session.engine() is not entry.engine() \
+    if spec is not entry.spec() or precision.check_math(math) != entry.math or session.cuda_ordinals() != entry.gpus \
             or not rnn_graph.usable(cupy) or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
     h0 = c0 = None

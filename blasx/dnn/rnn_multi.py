@@ -47,18 +47,17 @@ def devices_for(pb) -> list:
     """Device labels the step loops may use: CUDA ordinals (x's first) for CuPy x, the engine's sims for host
     x, else one (None)."""
     from .. import session
-    devs = session.engine().devices
     if pb.xp is not np:
         return cuda_devices(pb.x.device.id)
-    sims = [d.index for d in devs if getattr(d, "kind", "") == "sim"]
+    sims = [d.index for d in session.engine().devices if getattr(d, "kind", "") == "sim"]
     return sims or [None]
 
 
 def cuda_devices(home: int) -> list:
-    """The CUDA ordinals a call on device ``home`` may use: ``home``, then the engine's other GPUs."""
+    """The CUDA ordinals a call on device ``home`` may use: ``home``, then the engine's other GPUs (as configured: the
+    engine is not started for it, nor its tile cache, which takes most of a GPU's free memory)."""
     from .. import session
-    ords = [d.ordinal for d in session.engine().devices if getattr(d, "kind", "") == "cuda"]
-    return [home] + [o for o in ords if o != home]
+    return [home] + [o for o in session.cuda_ordinals() if o != home]
 
 
 _streams: dict = {}  # (device, k) -> the non-blocking stream of a pool's k-th thread on that device

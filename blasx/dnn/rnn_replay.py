@@ -17,7 +17,8 @@ or, from a slot's second backward of one gradients' signature, from a graph of i
 Invariants:
 - a graph reads only its slot's x and hx buffers, the parameters' arrays (held by the entry's Spec, which
   rnn_params.parse returns again only for the same arrays unchanged) and memory of its own pool and workspaces;
-  each call checks the Spec, the math mode, the engine and the device before replaying (else the general path);
+  each call checks the Spec, the math mode, the configured GPUs and the device before replaying (else the general
+  path);
 - nothing of a captured call runs outside its graph: engine GEMMs and uncaptured streams refuse or fail the
   capture (rnn_layer.whole_call_capture, rnn_multi._Issued), and a slot is kept only after its graph, run on
   another input (x negated), matched the general path's outputs there (:data:`CHECK_TOL`) and, for training,
@@ -153,9 +154,9 @@ class _Slot:
 
 
 class _Entry:
-    def __init__(self, spec, engine, math, training: bool) -> None:
+    def __init__(self, spec, gpus: tuple, math, training: bool) -> None:
         self.lock = threading.Lock()  # one capture at a time
-        self.spec, self.engine, self.math, self.training = spec, engine, math, training
+        self.spec, self.gpus, self.math, self.training = spec, gpus, math, training  # gpus: session.cuda_ordinals()
         self.seen = 0  # general-path calls before the first capture
         self.fails = 0
         self.slots: list = []
@@ -212,8 +213,9 @@ def call(key, x, hx, params, general, backward=None):
     if spec is None or cupy.cuda.runtime.getDevice() != x.device.id:
         return None
     math = precision.check_math(key[11])
-    if e is None or e.spec is not spec or e.engine is not session.engine() or e.math != math:
-        e = _Entry(spec, session.engine(), math, key[13])
+    gpus = session.cuda_ordinals()  # (not the engine: a call that needs none must not start it, nor its cache)
+    if e is None or e.spec is not spec or e.gpus != gpus or e.math != math:
+        e = _Entry(spec, gpus, math, key[13])
         _admit(key, e)
     slot = _take(e)
     if slot is None:
