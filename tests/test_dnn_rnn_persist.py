@@ -149,6 +149,31 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
         ("int32", T), ("int32", B), ("int32", H), ("int32", int(reverse)), ("int32", int(not h0)), ("int32", 1)]
 
 
+def test_active_rows_are_kept_and_inside_a_capture_filled_by_kernels(monkeypatch):
+    """The kernel's active rows per step: one array per device and rows outside captures; inside one, fresh
+    arrays written by one fill per run of equal counts (the graph replays them; no copy from host memory, which
+    a capture cannot take and whose buffer would be gone at a replay), never kept."""
+    from bench import fake_cupy
+    monkeypatch.setattr(rnn_persist, "_counts", {})
+    with fake_cupy.installed(record_calls=True, copies=True) as fake:
+        cupy = fake.cupy
+        fake_cupy.LOG.clear()
+        a = rnn_persist._active(cupy, (4, 4, 3, 1), 0)
+        assert [e for e in fake_cupy.LOG if e[0] == "upload"] == [
+            ("upload", (4,), "int32", np.array([4, 4, 3, 1], np.int32).tobytes())]
+        assert rnn_persist._active(cupy, (4, 4, 3, 1), 0) is a
+        side = cupy.cuda.Stream(non_blocking=True)
+        fake_cupy.LOG.clear()
+        with side:
+            side.begin_capture()
+            b = rnn_persist._active(cupy, (5, 5, 5, 2, 2), 0)
+            c = rnn_persist._active(cupy, (4, 4, 3, 1), 0)
+            side.end_capture()
+        assert list(np.asarray(b)) == [5, 5, 5, 2, 2] and b.dtype == np.int32 and c is not a
+        assert list(np.asarray(c)) == [4, 4, 3, 1] and not [e for e in fake_cupy.LOG if e[0] == "upload"]
+        assert list(rnn_persist._counts) == [(0, (4, 4, 3, 1))]
+
+
 def test_sync_words_are_kept_per_device_and_stream(monkeypatch):
     """The step wait's words (zeroed once; each launch leaves them zero) are one buffer per device and stream,
     the stream held with them; a capturing stream gets fresh zeroed words of its own."""

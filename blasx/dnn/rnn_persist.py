@@ -203,6 +203,17 @@ def _sms(device) -> int:
 
 
 def _active(xp, bs, device_id: int):
+    """The active rows of each step on the device, kept per device and rows; inside a stream capture written by
+    fill kernels the graph replays (a copy from host memory cannot be captured) and not kept (its memory is the
+    graph's)."""
+    if xp.cuda.get_current_stream().is_capturing():
+        a = xp.empty(len(bs), dtype=np.int32)
+        start = 0
+        for i in range(1, len(bs) + 1):  # (rows are non-increasing: a fill per run of equal counts)
+            if i == len(bs) or bs[i] != bs[start]:
+                a[start:i] = bs[start]
+                start = i
+        return a
     key = (device_id, tuple(bs))
     with _lock:
         a = _counts.get(key)
