@@ -426,3 +426,31 @@ def test_a_backward_capture_that_does_not_reproduce_the_call_is_never_used(mini)
     assert after["failures"] - before["failures"] == rnn_replay.TRIES
     nan = np.array([np.nan, 1.0]).view(_Array)
     assert rnn_replay._worst((nan,), (nan,)) == float("inf")  # (NaN never passes a check, not even against NaN)
+
+
+def test_a_replay_that_fails_gives_its_training_slot_back(mini, monkeypatch):
+    """An error while replaying (out of memory copying the outputs out) leaves no slot leased to a saved state
+    that never came: the next call replays from the same slot."""
+    runs: list = []
+    inner = _general(runs, capturing_records=True)
+
+    def general(xc, hc):
+        y, st = inner(xc, hc)
+        return y, st, _Saved(_Problem(xc), [])
+    key = _key(_x(1.0), training=True)
+    back = (lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})
+    rnn_replay.call(key, _x(1.0), None, {}, general, back)
+    slot = rnn_replay.call(key, _x(2.0), None, {}, general, back)[2].replay_slot  # captured, its state dropped
+    import gc
+    gc.collect()
+    real = rnn_replay._copy_out
+
+    def failing(out):
+        raise MemoryError("out of memory allocating 1,024 bytes")
+    monkeypatch.setattr(rnn_replay, "_copy_out", failing)
+    with pytest.raises(MemoryError):
+        rnn_replay.call(key, _x(3.0), None, {}, general, back)
+    assert not slot.leased
+    monkeypatch.setattr(rnn_replay, "_copy_out", real)
+    y, _, saved = rnn_replay.call(key, _x(4.0), None, {}, general, back)
+    assert saved.replay_slot is slot and (y == 8.0).all()

@@ -228,7 +228,11 @@ def call(key, x, hx, params, general, backward=None):
             _sweep()  # (the failed capture's pool, its arrays gone with its frames)
             return None
         _admit(key, e)  # (its memory counted now)
-    return _replay(e, slot, x, hx)
+    try:
+        return _replay(e, slot, x, hx)
+    except BaseException:  # (out of memory copying out, an interrupt): no saved state holds the slot
+        slot.leased = False
+        raise
 
 
 def _take(e: _Entry):
