@@ -434,3 +434,65 @@ def test_wavefront_backward_stays_layer_after_layer_outside_captures_and_in_half
         assert not rnn_wave_backward.applies(_Pb, [[_K(), _K()]])  # (a direction each: not a wavefront)
     finally:
         rnn_wave_backward.ALWAYS = False
+
+
+def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins_into_it(monkeypatch):
+    """rnn_wave_backward.run inside a whole-call capture (the CPU stand-in for CuPy): the pieces last-first, each
+    piece top layer first, each layer on its forward's device and that device's side stream (forked from the
+    capture: they wait for its event), state gradients carried from the piece after, an event where a piece's
+    input gradient crosses to the other device and a wait for it there, both streams joined into the capture;
+    weight gradients summed over the pieces and brought home."""
+    import dataclasses
+    import types
+
+    from bench import fake_cupy
+    from blasx.dnn import rnn_layer, rnn_wave_backward
+    monkeypatch.setattr(rnn_multi, "_local", lambda pb, dev, home, only=None: pb)
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        L, T, B, O = 3, 6, 2, 4
+        pieces = ((0, 2), (2, 4), (4, 6))
+        on = [0, 0, 1]
+
+        def arr(shape, dev):
+            with cupy.cuda.Device(dev):
+                return cupy.zeros(shape, dtype=np.float32)
+        layers = [[rnn_multi.Kept(d, arr((T, B, O), d), rnn_layer.Forward(arr((T + 1, B, O), d), None,
+                                                                           arr((T, B, 4 * O), d), None),
+                                  True, pieces)] for d in on]
+        @dataclasses.dataclass
+        class _Pb:
+            xp: object
+            spec: object
+            x: object
+            bs: tuple
+            math: str
+            lengths: object = None
+        pb = _Pb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O), 0), (B,) * T, "tf32")
+        seen = []
+
+        def direction(lp, ops, layer, k, mm, args):
+            seen.append((layer, k.inp.shape[0], cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr,
+                         args[0] is not None, args[1] is not None))
+            return ({f"weight_hh_l{layer}": cupy.zeros((2, 2), np.float32)}, arr((k.inp.shape[0], B, O), on[layer]),
+                    arr((B, O), on[layer]), None)
+        cap = cupy.cuda.Stream(non_blocking=True)
+        with cap, rnn_layer.whole_call_capture({0: None, 1: None}):
+            cap.begin_capture()
+            assert rnn_wave_backward.applies(pb, layers)
+            grads, dx, dhs, dcs = rnn_wave_backward.run(pb, layers, arr((T, B, O), 0), None, None, direction)
+            graph = cap.end_capture()
+    order = [(layer, dev) for layer, _, dev, _, _, _ in seen]
+    assert order == [(2, 1), (1, 0), (0, 0)] * 3 and [n for _, n, _, _, _, _ in seen] == [2] * 9
+    streams = {dev: {s for _, _, d, s, _, _ in seen if d == dev} for dev in (0, 1)}
+    assert all(len(v) == 1 for v in streams.values()) and cap.ptr not in streams[0] | streams[1]
+    assert streams[0] != streams[1]
+    # dy into every piece of every layer; the final states' gradients only into the last piece (none given)
+    assert all(has_dy for *_, has_dy, _ in seen) and [has_dh for *_, has_dh in seen] == [False] * 3 + [True] * 6
+    (s0,), (s1,) = streams[0], streams[1]
+    ops = [(e[0], e[1]) for e in graph.entries if e[0] in ("event_record", "wait_event")]
+    assert ops[:3] == [("event_record", cap.ptr), ("wait_event", s0), ("wait_event", s1)]  # forked
+    assert ops[3:9] == [("event_record", s1), ("wait_event", s0)] * 3  # a crossing a piece, layer 2 -> layer 1
+    assert ops[-2:] == [("wait_event", cap.ptr), ("wait_event", cap.ptr)]  # joined
+    assert sorted(grads) == ["weight_hh_l0", "weight_hh_l1", "weight_hh_l2"] and dx.shape == (T, B, O)
+    assert len(dhs) == L and dcs == [None] * L
