@@ -359,18 +359,21 @@ def _backward_general(runs, capturing_records: bool = True):
     return general
 
 
-def _trained(x_value: float):
-    """A training call replayed from its slot (the signature's second call): its saved state."""
-    runs: list = []
-    inner = _general(runs, capturing_records=True)
+def _training():
+    """A training call's stand-ins: (its general path, its signature, its backward reading x where it lies)."""
+    inner = _general([], capturing_records=True)
 
     def general(xc, hc):
         y, st = inner(xc, hc)
         return y, st, _Saved(_Problem(xc), [])
-    key = _key(_x(1.0), training=True)
-    rnn_replay.call(key, _x(x_value), None, {}, general, lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})
-    return rnn_replay.call(key, _x(x_value), None, {}, general,
-                           lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})[2]
+    return general, _key(_x(1.0), training=True), (lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})
+
+
+def _trained(x_value: float):
+    """A training call replayed from its slot (the signature's second call): its saved state."""
+    general, key, back = _training()
+    rnn_replay.call(key, _x(x_value), None, {}, general, back)
+    return rnn_replay.call(key, _x(x_value), None, {}, general, back)[2]
 
 
 def test_a_replayed_forwards_backward_is_captured_on_its_second_call_and_replayed_after(mini):
@@ -431,14 +434,7 @@ def test_a_backward_capture_that_does_not_reproduce_the_call_is_never_used(mini)
 def test_a_replay_that_fails_gives_its_training_slot_back(mini, monkeypatch):
     """An error while replaying (out of memory copying the outputs out) leaves no slot leased to a saved state
     that never came: the next call replays from the same slot."""
-    runs: list = []
-    inner = _general(runs, capturing_records=True)
-
-    def general(xc, hc):
-        y, st = inner(xc, hc)
-        return y, st, _Saved(_Problem(xc), [])
-    key = _key(_x(1.0), training=True)
-    back = (lambda s, gy: {"input": 3 * np.asarray(s.problem.x)})
+    general, key, back = _training()
     rnn_replay.call(key, _x(1.0), None, {}, general, back)
     slot = rnn_replay.call(key, _x(2.0), None, {}, general, back)[2].replay_slot  # captured, its state dropped
     import gc
