@@ -176,7 +176,7 @@ def _drop(e: _Entry) -> None:
                 if ev is not None:
                     ev.synchronize()
             s.graph = s.out = s.saved = s.x = s.hx = s.done = None
-            for pool in [s.keep[0]] * bool(s.keep) + [b.keep[0] for b in s.backs.values()]:
+            for pool in ([s.keep[0]] if s.keep else []) + [b.keep[0] for b in s.backs.values()]:
                 _retire(pool, s.devices)
             s.keep, s.nbytes, s.backs = [], 0, {}
 
