@@ -103,6 +103,9 @@ def _best(fn, runs: int, sync) -> tuple[list[float], object]:
 
 
 MAX_RUNS = 100
+# untimed blasx calls before a case's timed ones (one of them _paired's): a repeated call's whole-call graph is
+# captured on its second call; training's two slots on calls 2 and 3, their backward graphs on calls 4 and 5
+WARM_CALLS = {False: 2, True: 6}
 
 
 def _paired(peer, mine, runs: int, sync, min_time: float) -> tuple[list, object, list, object]:
@@ -197,6 +200,10 @@ def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
         _release_pools()
     from blasx.dnn import rnn_replay
     before = rnn_replay.stats()
+    held = None  # (the last call's result kept through the next, as a training loop and _paired hold it)
+    for _ in range(WARM_CALLS[training] - 1 if gpu else 0):  # blasx's captures: its first calls, untimed
+        held = blasx_run()
+    del held
     peer_runs, (ty, tst), blasx_runs, (out, grads) = _paired(peer_run, blasx_run, runs, sync, min_time)
     after = rnn_replay.stats()
     replay = {k: after[k] - before[k] for k in after if k != "failed"}
