@@ -427,6 +427,7 @@ def test_a_backward_capture_that_does_not_reproduce_the_call_is_never_used(mini)
     after = rnn_replay.stats()
     assert after["backward_captured"] == before["backward_captured"]
     assert after["failures"] - before["failures"] == rnn_replay.TRIES
+    assert rnn_replay._retired == []  # (the failed captures' pools swept at once)
     nan = np.array([np.nan, 1.0]).view(_Array)
     assert rnn_replay._worst((nan,), (nan,)) == float("inf")  # (NaN never passes a check, not even against NaN)
 

@@ -418,12 +418,6 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
     gates = keep or not cuda or not pb.graphs  # (an eager loop writes them even in inference)
     lps, sts, inps, events = [], [], [], {}
 
-    def issue(dev, fn):
-        if not cuda:
-            return fn()
-        with xp.cuda.Device(dev), on_stream(streams[dev]):
-            return fn()
-
     def setup(layer, dev):
         lp = _local(pb, dev, home, only=((layer, 0),))
         st = rnn_layer.forward_buffers(xp, spec.mode, T, B, spec.hidden_size, spec.out_size, bool(spec.proj_size),
@@ -453,14 +447,14 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
 
     try:
         for layer, dev in enumerate(on):
-            lp, st, inp = issue(dev, lambda layer=layer, dev=dev: setup(layer, dev))
+            lp, st, inp = issue_on(xp, streams, dev, lambda layer=layer, dev=dev: setup(layer, dev))
             lps.append(lp)
             sts.append(st)
             inps.append(inp)
             ran_on[(layer, 0)] = dev
         for p, (t0, t1) in enumerate(pieces):
             for layer, dev in enumerate(on):
-                issue(dev, lambda layer=layer: piece(layer, p, t0, t1))
+                issue_on(xp, streams, dev, lambda layer=layer: piece(layer, p, t0, t1))
     except BaseException:
         for st in streams.values() if cap is None else ():  # (a capture ran nothing)
             st.synchronize()
@@ -477,6 +471,14 @@ def piece_view(st, t0: int, t1: int):
     """The Forward of steps t0..t1-1 as views of a whole layer's (S and C with the state before t0)."""
     return rnn_layer.Forward(*(None if a is None else a[t0:t1 + (i < 2)]
                                for i, a in enumerate((st.S, st.C, st.gates, st.R))))
+
+
+def issue_on(xp, streams, dev, fn):
+    """``fn()`` with ``dev`` and its stream of ``streams`` current (CuPy), or as it is (host arrays)."""
+    if xp is np:
+        return fn()
+    with xp.cuda.Device(dev), on_stream(streams[dev]):
+        return fn()
 
 
 def fork_streams(xp, used, key):

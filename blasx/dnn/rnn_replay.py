@@ -289,12 +289,26 @@ def _copy_out(out):
     return tuple(_copy_out(o) if isinstance(o, tuple) else (None if o is None else o.copy()) for o in out)
 
 
+def _workspaces(devices) -> dict:
+    """A graph's own cuBLAS workspace on each of ``devices``, and their workspace handles, made before a capture
+    (nothing is made inside one)."""
+    import cupy
+
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    from . import rnn_layer
+    out = {}
+    for d in devices:
+        with cupy.cuda.Device(d):
+            out[d] = cupy.empty(workspace_bytes(int(cupy.cuda.Device(d).compute_capability) // 10), dtype=cupy.uint8)
+            rnn_layer._shared_handle(d)
+    return out
+
+
 def _capture(e: _Entry, x, hx, params, general, backward):
     """A new slot of e: the call captured on a stream of its own, then checked (module docstring); None when
     either failed (counted; the call runs the general path). A training slot comes back leased."""
     import cupy
 
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
     from . import rnn_layer, rnn_multi, rnn_params
     s = _Slot()
     caller = cupy.cuda.get_current_stream()
@@ -302,13 +316,8 @@ def _capture(e: _Entry, x, hx, params, general, backward):
     s.x = cupy.empty_like(x)
     s.hx = None if hx is None else (tuple(cupy.empty_like(h) for h in hx) if isinstance(hx, (tuple, list))
                                      else cupy.empty_like(hx))
-    workspaces = {}
     s.devices = rnn_multi.cuda_devices(x.device.id)
-    for d in s.devices:  # made before the capture (nothing is made inside it)
-        with cupy.cuda.Device(d):
-            cc = int(cupy.cuda.Device(d).compute_capability) // 10
-            workspaces[d] = cupy.empty(workspace_bytes(cc), dtype=cupy.uint8)
-            rnn_layer._shared_handle(d)
+    workspaces = _workspaces(s.devices)
     pool = cupy.cuda.MemoryPool()
     stream.wait_event(caller.record())
     try:

@@ -69,7 +69,9 @@ def call(saved, grads, general):
         return _replay(s, b, grads)
     if seen == 0 or s.back_fails.get(k, 0) >= rnn_replay.TRIES:
         return None
-    return _capture(s, k, saved, grads, general)
+    res = _capture(s, k, saved, grads, general)
+    rnn_replay._sweep()  # (a failed capture's pool, its arrays gone with its frames, as rnn_replay.call does)
+    return res
 
 
 def _replay(s, b: _Back, grads) -> dict:
@@ -103,18 +105,12 @@ def _capture(s, k, saved, grads, general) -> dict:
     kept as ``s.backs[k]`` if it gives the same answer."""
     import cupy
 
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
     from . import rnn_layer, rnn_replay
     caller = cupy.cuda.get_current_stream()
     want = general(saved, grads)  # (also builds what the capture needs: kernels, the ones rows)
     stream = cupy.cuda.Stream(non_blocking=True)
     ins = tuple(None if g is None else cupy.empty_like(g) for g in grads)
-    workspaces = {}
-    for d in s.devices:
-        with cupy.cuda.Device(d):
-            workspaces[d] = cupy.empty(workspace_bytes(int(cupy.cuda.Device(d).compute_capability) // 10),
-                                       dtype=cupy.uint8)
-            rnn_layer._shared_handle(d)
+    workspaces = rnn_replay._workspaces(s.devices)
     pool = cupy.cuda.MemoryPool()
     plain = _eager(saved)
     stream.wait_event(caller.record())

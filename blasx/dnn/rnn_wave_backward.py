@@ -19,7 +19,6 @@ import dataclasses
 
 import numpy as np
 
-from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_layer
 from .rnn_layer import compute_type
 
@@ -54,12 +53,6 @@ def run(pb, layers, dy, gh, gc, direction):
     mm = rnn_multi.local_mm(xp, compute_type(pb.x.dtype), pb.math) if cuda else None
     lps, sums, outs, events, carry = {}, [None] * L, {}, {}, {}
     dx = [None]
-
-    def issue(dev, fn):
-        if not cuda:
-            return fn()
-        with xp.cuda.Device(dev), on_stream(streams[dev]):
-            return fn()
 
     def piece(layer, p, t0, t1):
         dev, k = on[layer], layers[layer][0]
@@ -98,7 +91,7 @@ def run(pb, layers, dy, gh, gc, direction):
         for p in range(len(pieces) - 1, -1, -1):
             t0, t1 = pieces[p]
             for layer in range(L - 1, -1, -1):
-                issue(on[layer], lambda layer=layer: piece(layer, p, t0, t1))
+                rnn_multi.issue_on(xp, streams, on[layer], lambda layer=layer: piece(layer, p, t0, t1))
     except BaseException:
         for st in streams.values() if cap is None else ():  # (a capture ran nothing)
             st.synchronize()
