@@ -374,29 +374,6 @@ def test_random_configs(mode, layers, bidir, bf, T, B, seed):
     compare(mode, T=T, B=B, layers=layers, bidir=bidir, bf=bf, lengths=lengths, seed=seed)
 
 
-def test_fast_path_signature():
-    """rnn_fast.signature: a key only for a one-layer, one-direction 3-D CuPy inference call without lengths or a
-    projection, naming what its entry was derived from (the GPU path itself: test_gpu_rnn.py)."""
-    import types
-
-    from blasx.dnn import rnn_fast
-
-    class Cupyish:  # what signature reads of a CuPy array
-        ndim, shape, strides, dtype = 3, (5, 2, 3), (12, 6, 2), np.dtype(np.float16)
-        device = types.SimpleNamespace(id=1)
-    Cupyish.__module__ = "cupy._core.core"
-    x, p = Cupyish(), {}
-    key = rnn_fast.signature("gru", x, p, 1, False, True, None, 0, False, None, "ieee")
-    assert key == ("gru", id(p), (5, 2, 3), (12, 6, 2), np.dtype(np.float16), 1, True, True, "ieee")
-    assert rnn_fast.signature("gru", x, p, 1, False, True, None, 0, False, object(), "ieee")[7] is False
-    for args in ((2, False, None, 0, False), (1, True, None, 0, False), (1, False, [5, 5], 0, False),
-                 (1, False, None, 4, False), (1, False, None, 0, True)):
-        layers, bidir, lengths, proj, training = args
-        assert rnn_fast.signature("lstm", x, p, layers, bidir, False, lengths, proj, training, None, None) is None
-    assert rnn_fast.signature("lstm", np.zeros((5, 2, 3), np.float16), p, 1, False, False, None, 0, False, None,
-                              None) is None
-
-
 @pytest.mark.parametrize("lengths", [None, [7, 5, 5, 2]])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_wavefront_backward_in_pieces_vs_torch(dtype, lengths, monkeypatch):

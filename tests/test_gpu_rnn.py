@@ -180,18 +180,21 @@ def test_two_gpus(layers, bidir, B, kind):
 @pytest.mark.parametrize("mode,dtype", [("lstm", "float16"), ("gru", "float32")])
 def test_two_gpus_local_gemms(mode, dtype):
     """On two GPUs a one-layer call too small to split runs on GPU 0 with local GEMMs (training against cuDNN), and
-    a repeated inference call takes rnn_fast's path there."""
-    from blasx.dnn import rnn_fast
+    a repeated inference call is captured and replayed there."""
+    from blasx.dnn import rnn_replay
     blasx.configure(devices="cuda:0,1")
     _case(mode, dtype, layers=1)
     assert rnn_multi.last_run()["placement"].local and rnn_multi.last_run()["backward_on"] == {(0, 0): 0}
     m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(32, 64).cuda().to(getattr(torch, dtype))
     x = cupy.asarray(np.random.default_rng(2).standard_normal((20, 8, 32)) * 0.5, dtype=dtype)
     fn = dnn.lstm if mode == "lstm" else dnn.gru
-    p, hits = m.state_dict(), rnn_fast.hits[0]
-    first, second = fn(x, None, p)[0], fn(x, None, p)[0]
-    assert rnn_fast.hits[0] == hits + 1
-    assert _err(first.astype(cupy.float32), cupy.asnumpy(second.astype(cupy.float32))) < 1e-3
+    p, before = m.state_dict(), rnn_replay.stats()
+    first, second, third = (fn(x, None, p)[0] for _ in range(3))
+    st = rnn_replay.stats()
+    assert st["captured"] == before["captured"] + 1 and st["replayed"] == before["replayed"] + 2, st["failed"]
+    assert rnn_multi.last_run()["placement"].local
+    for later in (second, third):
+        assert _err(first.astype(cupy.float32), cupy.asnumpy(later.astype(cupy.float32))) < 1e-3
 
 
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
@@ -427,13 +430,12 @@ def test_persistent_equals_graph_loop(mode, H, B, bidir, lengths, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])  # the persistent kernel's loop, the graph loop
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first, dtype, monkeypatch):
-    """A repeated one-layer inference call on one GPU (rnn_fast.py, with whole-call graphs off): from the second
-    call the entry runs it; outputs and final states equal the general path's and torch's, with hx, after an
-    in-place update of a parameter; a new tensor in the mapping, lengths and a training call take the general
-    path."""
-    from blasx.dnn import rnn_fast, rnn_replay
-    monkeypatch.setattr(rnn_replay, "ENABLED", False)
+def test_a_repeated_small_call_replays(mode, batch_first, dtype):
+    """A repeated one-layer inference call on one GPU (rnn_replay.py): captured on its signature's second call
+    (hx given or not: two signatures), replayed after; outputs and final states equal the general path's and
+    torch's, with hx, after an in-place update of a parameter and after a new tensor in the mapping; lengths and
+    a training call in between change nothing."""
+    from blasx.dnn import rnn_replay
     torch.manual_seed(5)
     cls = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}.get(mode)
     kw = dict(batch_first=batch_first)
@@ -457,31 +459,29 @@ def test_a_repeated_small_call_takes_the_fast_path(mode, batch_first, dtype, mon
             assert isinstance(a, cupy.ndarray) and a.dtype == np.dtype(dtype) and a.shape == tuple(r.shape)
             assert _err(a.astype(cupy.float32), r.float().cpu().numpy()) < TOL[dtype]
 
-    hits = rnn_fast.hits[0]
-    first = fn(cx, None, p, **kw)
-    assert rnn_fast.hits[0] == hits
-    second = fn(cx, None, p, **kw)
-    assert rnn_fast.hits[0] == hits + 1 and rnn_multi.last_run()["placement"].kind == "single"
-    for a, b in zip(flat(first), flat(second)):
-        assert _err(a.astype(cupy.float32), cupy.asnumpy(b.astype(cupy.float32))) < 1e-3
-    check(second)
+    before = rnn_replay.stats()
+    first, second, third = (fn(cx, None, p, **kw) for _ in range(3))  # general, captured (and run), replayed
+    for later in (second, third):
+        for a, b in zip(flat(first), flat(later)):
+            assert _err(a.astype(cupy.float32), cupy.asnumpy(b.astype(cupy.float32))) < 1e-3
+    check(third)
+    fn(cx, chx, p, **kw)
     fn(cx, chx, p, **kw)
     check(fn(cx, chx, p, **kw), thx)
-    assert rnn_fast.hits[0] == hits + 2
     with torch.no_grad():
-        p["weight_hh_l0"].mul_(0.5)  # in place: the same tensors, the entry stays
+        p["weight_hh_l0"].mul_(0.5)  # in place: the same tensors, read where they lie
     check(fn(cx, None, p, **kw))
-    assert rnn_fast.hits[0] == hits + 3
-    with torch.no_grad():  # a new tensor in the mapping: parsed anew, the general path
+    st = rnn_replay.stats()
+    assert st["captured"] - before["captured"] == 2 and st["replayed"] - before["replayed"] == 5, st["failed"]
+    with torch.no_grad():  # a new tensor in the mapping: parsed anew, a new entry
         p["bias_ih_l0"] = p["bias_ih_l0"] + 0.25
         m.bias_ih_l0.copy_(p["bias_ih_l0"])
     check(fn(cx, None, p, **kw))
-    assert rnn_fast.hits[0] == hits + 3
     fn(cx, None, p, lengths=[20] * 8, **kw)
     fn(cx, None, p, training=True, **kw)
-    assert rnn_fast.hits[0] == hits + 3
-    check(fn(cx, None, p, **kw))  # the new mapping's entry
-    assert rnn_fast.hits[0] == hits + 4
+    check(fn(cx, None, p, **kw))
+    check(fn(cx, None, p, **kw))
+    assert rnn_replay.stats()["failures"] == before["failures"], rnn_replay.stats()["failed"]
 
 
 def test_torch_params_views_follow_in_place_updates():

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import precision
 from ..operands import array_module, is_cupy
-from . import rnn_exec, rnn_fast, rnn_graph, rnn_host, rnn_params, rnn_replay, rnn_replay_backward
+from . import rnn_exec, rnn_graph, rnn_host, rnn_params, rnn_replay, rnn_replay_backward
 from .args import check_dtype, check_kind
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
@@ -192,12 +192,6 @@ def _run_once(mode, x, hx, params, num_layers, bidirectional, batch_first, lengt
 
 
 def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
-    key = rnn_fast.signature(mode, x, params, num_layers, bidirectional, batch_first, lengths, proj_size, training,
-                             hx, math)
-    if key is not None:  # a repeated small call on one GPU: its two launches straight away (rnn_fast.py)
-        res = rnn_fast.call(key, x, hx, params, math)
-        if res is not None:
-            return res
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
         res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run_once(mode, xd, hd, pd, num_layers, bidirectional, bf,
@@ -207,8 +201,6 @@ def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, length
             return res
         pb.spec = rnn_params.on_host(pb.spec)  # the host path after all: GPU-resident parameters read back
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
-    if key is not None and rnn_fast.eligible(pb):
-        rnn_fast.remember(key, pb, params)
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n
     if training:
