@@ -43,7 +43,12 @@ import numpy as np
 from blasx.runtime import dtypes
 from blasx.runtime.knobs import Knobs
 
-from . import level3 as L3
+from .level3 import parse_routines
+from .level3_check import compare, make_arrays, parallel_copy, reference, sample_rows, tolerance
+from .level3_contenders import run_blasx
+from .level3_routines import ALL_ROUTINES, ALPHA, BETA, C_ROUTINES, FLOPS, ROUTINE_DTYPES, scalars
+from .machine import machine_name
+from .result_files import command_line, finite, utc_stamp, write_json_md
 
 #: Knobs the stream workers read when they start; any other knob is read per call or step and
 #: can be switched on a running engine.
@@ -120,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="configuration A (default: blasx's defaults)")
     p.add_argument("--b", dest="configs", action="append", metavar="KNOBS", help="configuration B")
     p.add_argument("--config", dest="configs", action="append", metavar="KNOBS", help="one more configuration")
-    p.add_argument("--routine", default="gemm", help=f"comma list of {', '.join(L3.ALL_ROUTINES)} (default gemm)")
+    p.add_argument("--routine", default="gemm", help=f"comma list of {', '.join(ALL_ROUTINES)} (default gemm)")
     p.add_argument("--n", default="8192", help="matrix sizes N, comma list (every operand N x N)")
     p.add_argument("--dtype", default="d", help="s, d, c or z (a type name too; default d)")
     p.add_argument("--runs", type=int, default=3, help="timed rounds (default 3)")
@@ -151,10 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.configs = [parse_config(chr(ord("A") + i), t) for i, t in enumerate(texts)]
         args.n = _ints(args.n, "--n")
         args.dtype = dtypes.parse(args.dtype).prefix
-        args.routines = L3.parse_routines(args.routine)
+        args.routines = parse_routines(args.routine)
         if args.runs < 1:
             raise ValueError(f"--runs: got {args.runs}, need an int >= 1")
-        bad = [r for r in args.routines if args.dtype not in L3.ROUTINE_DTYPES[r]]
+        bad = [r for r in args.routines if args.dtype not in ROUTINE_DTYPES[r]]
         if bad:
             raise ValueError(f"--routine: got {', '.join(bad)} with --dtype {args.dtype}; those are complex-only")
         if args.model:
@@ -196,7 +201,7 @@ def _check_model_args(args) -> None:
 
 
 def flops(routine: str, n: int, dtype: str) -> float:
-    return L3.FLOPS[routine] * dtypes.BY_PREFIX[dtype].flop_factor * float(n) ** 3
+    return FLOPS[routine] * dtypes.BY_PREFIX[dtype].flop_factor * float(n) ** 3
 
 
 def rounds(configs: list, runs: int):
@@ -239,26 +244,26 @@ def run_devices(args, log) -> list[dict]:
     switch = Switcher(blasx, args.devices)
     try:
         for n in args.n:
-            A, B, C0, out = L3.make_arrays(n, args.dtype)
-            rows = L3.sample_rows(n)
+            A, B, C0, out = make_arrays(n, args.dtype)
+            rows = sample_rows(n)
             refs: dict = {}
             for r, cfg in rounds(args.configs, args.runs):
                 for rt in args.routines:
-                    alpha, beta = L3.scalars(args.dtype, rt)
+                    alpha, beta = scalars(args.dtype, rt)
                     if switch.use(cfg) and r:  # a new engine's first call opens its devices: untimed
-                        L3.run_blasx(blasx, args.dtype, rt, n, A, B, C0, out, alpha, beta)
-                    L3.parallel_copy(out, C0 if rt in L3.C_ROUTINES else B)
+                        run_blasx(blasx, args.dtype, rt, n, A, B, C0, out, alpha, beta)
+                    parallel_copy(out, C0 if rt in C_ROUTINES else B)
                     t = time.perf_counter()
-                    L3.run_blasx(blasx, args.dtype, rt, n, A, B, C0, out, alpha, beta)
+                    run_blasx(blasx, args.dtype, rt, n, A, B, C0, out, alpha, beta)
                     t = time.perf_counter() - t
                     if rt not in refs:
-                        refs[rt] = L3.reference(rt, A, B, C0, alpha, beta, rows)
-                    err = L3.compare(rt, A, out, rows, refs[rt])
-                    ok = bool(err <= L3.tolerance(args.dtype, n))
+                        refs[rt] = reference(rt, A, B, C0, alpha, beta, rows)
+                    err = compare(rt, A, out, rows, refs[rt])
+                    ok = bool(err <= tolerance(args.dtype, n))
                     prof = blasx.last_profile()
                     devs = prof.summary()["devices"] if prof is not None else []
                     rec = {"n": n, "round": r, "config": cfg.label, "routine": rt, "seconds": t,
-                           "tflops": flops(rt, n, args.dtype) / t / 1e12, "rel_err": L3.finite(err), "ok": ok,
+                           "tflops": flops(rt, n, args.dtype) / t / 1e12, "rel_err": finite(err), "ok": ok,
                            "devices": [{k: d[k] for k in ("name", "tasks", "busy", "comm", "idle")} for d in devs]}
                     log(_run_line(rec, "warm-up" if not r else f"run {r}")
                         + ("" if ok else f" WRONG (rel err {err:.1e})"))
@@ -317,7 +322,7 @@ def model_once(args, cfg: Config, routine: str, n: int) -> dict:
     spec = (S.spec_for(args.gpus, "d", model, S.cuda_heap_bytes(model.gpu_mem), args.dilate, "independent")
             + (f",krate={args.krate}" if args.krate else "") + (f",speeds={args.speeds}" if args.speeds else ""))
     dtype, tile = np.dtype(np.float64), args.tile
-    alpha, beta = L3.scalars("d", routine)
+    alpha, beta = scalars("d", routine)
 
     def make_call(eng, devs):
         tasks, slots = plan_model_case(routine, n, tile, block_shape(eng), cfg.knobs)
@@ -348,7 +353,7 @@ def _model(args):
     from . import scaling_sim as S
     m = S.MODEL
     return S.Model(rate=m.rate, h2d=S.FITTED_LINK, d2h=S.FITTED_LINK, p2p=m.p2p, gpu_mem=m.gpu_mem,
-                   streams=m.streams, alpha=L3.ALPHA, beta=L3.BETA, issue=m.issue if args.issue is None else args.issue)
+                   streams=m.streams, alpha=ALPHA, beta=BETA, issue=m.issue if args.issue is None else args.issue)
 
 
 def run_model(args, log) -> list[dict]:
@@ -414,21 +419,21 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))  # noqa: E731
-    stamp, date = L3.utc_stamp()
+    stamp, date = utc_stamp()
     records = run_model(args, log) if args.model else run_devices(args, log)
     doc = {"kind": "ab", "prediction": bool(args.model), "stamp": stamp, "date": date,
            "where": (f"{args.gpus} simulated H200s (timing mode)" if args.model
                      else f"devices {args.devices or 'default'}"),
-           "command": L3.command_line("bench.ab", argv), "dtype": args.dtype, "runs": args.runs,
+           "command": command_line("bench.ab", argv), "dtype": args.dtype, "runs": args.runs,
            "configs": [{"label": c.label, "text": c.text, "knobs": vars(c.knobs), "settings": dict(c.settings)}
                        for c in args.configs],
            "model": {"gpus": args.gpus, "speeds": args.speeds, "krate": args.krate, "tile": args.tile,
                      "dilate": args.dilate} if args.model else None,
-           "summary": summarize(records, args.configs), "records": records, "host": L3.machine_name()}
+           "summary": summarize(records, args.configs), "records": records, "host": machine_name()}
     md = markdown(doc)
     if args.out:
         base = os.path.join(args.out, "ab-" + (f"{args.tag}-" if args.tag else "") + stamp)
-        for path in L3.write_json_md(base, doc, md):
+        for path in write_json_md(base, doc, md):
             log(f"wrote {path}")
     else:
         print(md)

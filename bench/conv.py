@@ -40,7 +40,8 @@ import numpy as np
 
 from . import conv_forms
 from . import conv_layers as CL
-from . import level3 as L3
+from .machine import machine_name
+from .result_files import command_line, utc_stamp, write_json_md
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
 #: the blasx math mode and the operand type of each mode
@@ -521,7 +522,7 @@ def versions(side_gpu: bool) -> dict:
 
 def write(args, doc: dict, md: str, prefix: str, log) -> tuple[str, str]:
     base = os.path.join(args.out, f"{prefix}-" + (f"{args.tag}-" if args.tag else "") + doc["stamp"])
-    paths = L3.write_json_md(base, doc, md)
+    paths = write_json_md(base, doc, md)
     for path in paths:
         log(f"wrote {path}")
     return paths
@@ -535,10 +536,10 @@ def main(argv=None, dnn=None) -> int:
     if args.host:
         from . import conv_host
         return conv_host.main(args, argv, dnn, log)
-    stamp, date = L3.utc_stamp()
+    stamp, date = utc_stamp()
     rows, source = run_device(args, dnn, log)
-    doc = {"kind": "conv", "stamp": stamp, "date": date, "command": L3.command_line("bench.conv", argv),
-           "machine": L3.machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
+    doc = {"kind": "conv", "stamp": stamp, "date": date, "command": command_line("bench.conv", argv),
+           "machine": machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
            "peer": "cuDNN through torch" if args.gpu else "torch on the CPU",
            "batch": args.batch, "layout": args.layout, "weight_layout": args.weight_layout, "shrink": args.shrink, "reps": args.reps, "warmup": args.warmup,
            "layer_source": source, "modes": args.modes, "tolerance": TOLERANCE, "versions": versions(args.gpu),

@@ -26,7 +26,8 @@ import statistics
 import numpy as np
 
 from . import conv as C
-from . import level3 as L3
+from .machine import machine_name
+from .result_files import command_line, utc_stamp
 from .tallskinny import traffic
 
 GOAL = 1.6  # the goal: >= 1.6x torch on one GPU
@@ -247,7 +248,7 @@ def main(args, argv, dnn, log) -> int:
     import blasx
     side = C.Side(args)
     layers, _ = C.select_layers(args)
-    stamp, date = L3.utc_stamp()
+    stamp, date = utc_stamp()
     rows = []
     try:
         for mode in args.modes:
@@ -259,8 +260,8 @@ def main(args, argv, dnn, log) -> int:
     finally:
         blasx.shutdown()
     chunks = f"serial, and {args.torch_chunks} chunks on 2 streams" if args.torch_chunks > 1 else "serial"
-    doc = {"kind": "conv-host", "stamp": stamp, "date": date, "command": L3.command_line("bench.conv", argv),
-           "machine": L3.machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
+    doc = {"kind": "conv-host", "stamp": stamp, "date": date, "command": command_line("bench.conv", argv),
+           "machine": machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
            "peer": f"one GPU, copy in + conv + copy out, {chunks}" if args.gpu else "torch on the CPU", "batch": args.batch,
            "layout": args.layout, "reps": args.reps, "warmup": args.warmup, "versions": C.versions(args.gpu),
            "summary": summarize(rows), "rows": rows}

@@ -372,7 +372,7 @@ def main(argv=None) -> int:
         except ValueError:
             p.error(f"{opt}: got {v!r}; allowed: a size such as 4GiB or 500MB")
     import blasx
-    from bench.gemm import collect_env
+    from bench.machine import collect_env
     env = collect_env(list(range(blasx.session._cuda_count())))
     res = {"host": socket.gethostname(), "date": _dt.datetime.now().isoformat(timespec="seconds"),
            "command": "python -m bench.dask " + " ".join(argv if argv is not None else sys.argv[1:]),

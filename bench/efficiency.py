@@ -38,15 +38,18 @@ import numpy as np
 
 from blasx.runtime.dtypes import BY_PREFIX
 
-from .level3 import (
-    DTYPE_NAMES, ArgError, blasx_routine, command_line, dtype_words, finite, gpu_tag, machine_name,
-    parse_dtypes, parse_positive_list, positive_int, random_matrix, rows64, rows_times, sample_rows, tolerance,
-    utc_stamp, write_json_md, CHECK_ROWS, _column_chunks, _parallel,
+from .level3 import ArgError, parse_dtypes, parse_positive_list, positive_int
+from .level3_check import (
+    CHECK_ROWS, _column_chunks, _parallel, random_matrix, rows64, rows_times, sample_rows, tolerance,
 )
+from .level3_contenders import blasx_routine
+from .level3_table import DTYPE_NAMES, dtype_words
+from .machine import gpu_tag, machine_name
+from .result_files import command_line, finite, utc_stamp, write_json_md
 
 BACKENDS = ("cuda", "sim", "cpu")
 PIN_MODES = ("auto", "on", "off")
-DEFAULT_TAG = {"sim": "sim", "cpu": "cpu"}  # cuda: the GPU model and count, level3.gpu_tag
+DEFAULT_TAG = {"sim": "sim", "cpu": "cpu"}  # cuda: the GPU model and count, machine.gpu_tag
 #: seed offsets of A, B, C
 _WHICH = {"a": 0, "b": 1, "c": 2}
 

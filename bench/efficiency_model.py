@@ -159,7 +159,7 @@ def markdown(report: dict, rows: list[dict], E) -> str:
 
 def run(args, argv, E) -> int:
     """The sweep in the model; writes efficiency-model-<tag>-<stamp>.{json,md}. ``E``: bench.efficiency."""
-    from .level3 import command_line, utc_stamp, write_json_md
+    from .result_files import command_line, utc_stamp, write_json_md
     stamp, date = utc_stamp()
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # the simulated GPUs' threads interleave finely

@@ -76,7 +76,7 @@ def incore_gemm_ex(p, device: int, math: str) -> tuple[float, float]:
 def sample_reference(a: np.ndarray, b: np.ndarray, rows: int, alpha, beta, c_init, chunk: int = 4096):
     """float64 ``alpha a[:rows] @ b + beta c_init[:rows]`` by column chunks of b, each widened on a thread
     pool (the widening, not the product, is most of the time)."""
-    from .level3 import _parallel
+    from .level3_check import _parallel
     a64 = a[:rows].astype(np.float64)
     ref = np.empty((a64.shape[0], b.shape[1]), dtype=np.float64, order="F")
     wide = np.empty((b.shape[0], min(chunk, b.shape[1])), dtype=np.float64, order="F")

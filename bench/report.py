@@ -24,7 +24,7 @@ from typing import Callable
 
 from blasx.runtime.dtypes import GEMM_BY_PREFIX, PREFIXES
 
-from .level3 import ALL_ROUTINES
+from .level3_routines import ALL_ROUTINES
 
 
 @dataclass

@@ -320,7 +320,7 @@ def markdown(rep: dict) -> str:
 def machine_tag(devices: str) -> str:
     """The result files' machine part: 'h200' for one GPU, 'h200x2' for two; 'sim' or 'cpu' without CUDA."""
     import blasx
-    from bench.level3 import gpu_tag
+    from bench.machine import gpu_tag
     n = len(blasx.session.cuda_ordinals())
     if not n:
         return devices.split(":")[0]
@@ -329,7 +329,8 @@ def machine_tag(devices: str) -> str:
 
 def main(argv=None) -> int:
     import blasx
-    from bench.gemm import collect_env, jsonable
+    from bench.gemm import jsonable
+    from bench.machine import collect_env
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     ngpu = blasx.session._cuda_count()

@@ -31,7 +31,10 @@ import numpy as np
 from blasx.runtime import dtypes
 
 from . import gemm_lp
-from . import level3 as L3
+from .level3 import parse_dtypes, parse_positive_list
+from .level3_check import random_matrix
+from .machine import machine_name
+from .result_files import command_line, utc_stamp, write_json_md
 
 GOAL = 1.2  # the issue's goal: blasx within 1.2x of the host-link bound
 MODES = ("registered", "pageable")
@@ -66,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     try:
-        args.n = L3.parse_positive_list(args.n, "--n")
-        args.dtypes = L3.parse_dtypes(args.dtypes, "--dtypes", allowed=("d", "s"))
+        args.n = parse_positive_list(args.n, "--n")
+        args.dtypes = parse_dtypes(args.dtypes, "--dtypes", allowed=("d", "s"))
         args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not args.modes or any(m not in MODES for m in args.modes):
             raise ValueError(f"--modes: got {','.join(args.modes)!r}; allowed: {', '.join(MODES)}")
@@ -121,8 +124,8 @@ def make_x(n: int, cols: int, dtype: str, order: str, seed: int) -> np.ndarray:
     """Standard normal X (n x cols) in ``order``, drawn in parallel without a float64 copy."""
     dt = dtypes.BY_PREFIX[dtype].dtype
     if order == "F":
-        return L3.random_matrix(n, cols, dt, [seed, n])
-    return L3.random_matrix(cols, n, dt, [seed, n]).T  # C order: the transpose of an F-ordered matrix
+        return random_matrix(n, cols, dt, [seed, n])
+    return random_matrix(cols, n, dt, [seed, n]).T  # C order: the transpose of an F-ordered matrix
 
 
 def sample_block(cols: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -220,7 +223,7 @@ def run_case(args, blasx, dtype: str, n: int, rates: dict, gpus: list, log) -> l
     ia, ib = sample_block(cols, args.check, args.seed)
     ref = reference_block(x, ia, ib)
     ref_norm = float(np.linalg.norm(ref))
-    from .gemm import tolerance
+    from .gemm_problem import tolerance
     tol = tolerance(dtype, n)
     c_bytes = cols * cols * x.itemsize
     bound = gemm_lp.link_bound(rates, x.nbytes, c_bytes)
@@ -300,7 +303,7 @@ def main(argv=None) -> int:
     import blasx
     gpus = gpu_ids(args.devices)
     rates = gemm_lp.link_rates(gpus) if gpus else {}
-    stamp, date = L3.utc_stamp()
+    stamp, date = utc_stamp()
     blasx.configure(devices=args.devices, cache_bytes=cache_bytes(gpus, args.cache_gib))
     rows = []
     try:
@@ -309,12 +312,12 @@ def main(argv=None) -> int:
                 rows += run_case(args, blasx, dtype, n, rates, gpus, log)
     finally:
         blasx.shutdown()
-    doc = {"kind": "tallskinny", "stamp": stamp, "date": date, "command": L3.command_line("bench.tallskinny", argv),
-           "machine": L3.machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
+    doc = {"kind": "tallskinny", "stamp": stamp, "date": date, "command": command_line("bench.tallskinny", argv),
+           "machine": machine_name() if args.gpu else f"{args.devices} (CPU)", "devices": args.devices,
            "cols": args.cols, "order": args.order, "runs": args.runs, "warmup": args.warmup, "blasx_kw": args.kw,
            "link_rates": rates, "rows": rows}
     base = os.path.join(args.out, "tallskinny-" + (f"{args.tag}-" if args.tag else "") + stamp)
-    for path in L3.write_json_md(base, doc, markdown(doc)):
+    for path in write_json_md(base, doc, markdown(doc)):
         log(f"wrote {path}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bench import ab
+from bench import ab, level3_contenders
 from blasx.runtime.knobs import Knobs
 
 
@@ -66,8 +66,8 @@ def test_on_sims_every_configuration_runs_and_is_checked(tmp_path, monkeypatch, 
     monkeypatch.setattr(engine_mod.Engine, "__init__", init)
     monkeypatch.setenv("BLASX_KNOBS", "late_c=1")
     seen = []
-    run = ab.L3.run_blasx
-    monkeypatch.setattr(ab.L3, "run_blasx", lambda bx, *a: seen.append(bx.session.engine().config.knobs) or run(bx, *a))
+    run = level3_contenders.run_blasx
+    monkeypatch.setattr(ab, "run_blasx", lambda bx, *a: seen.append(bx.session.engine().config.knobs) or run(bx, *a))
     status = ab.main(["--devices", "sim:2", "--routine", "gemm,trsm,syrk", "--n", "256", "--a", "commit_steps=0",
                       "--b", "commit_steps=8", "--config", "late_c=0,tile=64", "--runs", "2", "--quiet",
                       "--out", str(tmp_path), "--tag", "t"])
@@ -89,13 +89,13 @@ def test_on_sims_every_configuration_runs_and_is_checked(tmp_path, monkeypatch, 
 
 
 def test_a_wrong_result_makes_the_status_1(monkeypatch, capsys):
-    run = ab.L3.run_blasx
+    run = level3_contenders.run_blasx
 
     def wrong(bx, dtype, rt, n, A, B, C0, out, alpha, beta):
         run(bx, dtype, rt, n, A, B, C0, out, alpha, beta)
         out[0, 0] += 1.0
 
-    monkeypatch.setattr(ab.L3, "run_blasx", wrong)
+    monkeypatch.setattr(ab, "run_blasx", wrong)
     assert ab.main(["--devices", "sim:1", "--n", "128", "--runs", "1"]) == 1
     assert "WRONG (rel err" in capsys.readouterr().out
 

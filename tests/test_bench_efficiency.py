@@ -17,7 +17,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import efficiency as E  # noqa: E402
-from bench import level3 as L  # noqa: E402
+from bench import level3_check as LC  # noqa: E402
+from bench import level3_contenders as LX  # noqa: E402
 
 import blasx  # noqa: E402
 
@@ -94,12 +95,12 @@ def test_blasx_gemm_on_views_of_larger_f_arrays_on_sim(dtype):
     before = {k: v.copy(order="F") for k, v in arrs.items()}
     a, b, c = E.views(arrs, 48)
     assert not c.flags.f_contiguous and c.strides[1] == 80 * c.itemsize   # a view with ld 80
-    fn = L.blasx_routine(blasx, dtype, "gemm")
+    fn = LX.blasx_routine(blasx, dtype, "gemm")
     res = fn(1.5, a, b, beta=0.5, c=c, overwrite_c=True)
     assert res is c or np.shares_memory(res, c)
     A64, B64, C64 = (before[k][:48, :48].astype(np.float64) for k in "abc")
     ref = 1.5 * A64 @ B64 + 0.5 * C64
-    assert L.rel_err(arrs["c"][:48, :48], ref) < (1e-14 if dtype == "d" else 1e-6)
+    assert LC.rel_err(arrs["c"][:48, :48], ref) < (1e-14 if dtype == "d" else 1e-6)
     assert np.array_equal(arrs["c"][48:], before["c"][48:])           # outside the view: untouched
     assert np.array_equal(arrs["c"][:48, 48:], before["c"][:48, 48:])
     assert all(np.array_equal(arrs[k], before[k]) for k in "ab")
@@ -130,9 +131,9 @@ class FakeBlasx:
 def test_checked_gemm(mode, ok):
     arrs = E.allocate(40, "d", seed=2)
     a, b, c = E.views(arrs, 32)
-    rows = L.sample_rows(32, 8)
+    rows = LC.sample_rows(32, 8)
     ab = E.product_rows(a, b, rows)
-    r = E.checked_gemm(FakeBlasx(mode), "d", a, b, c, 1.5, 0.5, rows, ab, L.tolerance("d", 32))
+    r = E.checked_gemm(FakeBlasx(mode), "d", a, b, c, 1.5, 0.5, rows, ab, LC.tolerance("d", 32))
     assert r["ok"] is ok and r["seconds"] >= 0
     assert r["in_place"] is (mode != "copy")
     assert "profile_error" in r and "profile" not in r
@@ -144,10 +145,10 @@ def test_checked_gemm_float32_tolerance_and_profile():
     blasx.configure(devices="sim:2", tile=16)
     arrs = E.allocate(64, "s", seed=3)
     a, b, c = E.views(arrs, 64)
-    rows = L.sample_rows(64, 16)
+    rows = LC.sample_rows(64, 16)
     ab = E.product_rows(a, b, rows)
     for _ in range(3):                   # C accumulates call after call; every call checks out
-        r = E.checked_gemm(blasx, "s", a, b, c, 1.5, 0.5, rows, ab, L.tolerance("s", 64))
+        r = E.checked_gemm(blasx, "s", a, b, c, 1.5, 0.5, rows, ab, LC.tolerance("s", 64))
         assert r["ok"] and 0 < r["rel_err"] < 1e-5
     prof = r["profile"]
     assert [d["kind"] for d in prof["devices"]] == ["sim", "sim"]
@@ -283,7 +284,7 @@ def test_blasx_gemm_on_contiguous_layout_on_sim():
     a, b, c = E.views(arrs, 40, "contiguous")
     A, B, C = (x.copy() for x in (a, b, c))
     blasx.gemm(1.5, a, b, beta=0.5, c=c, overwrite_c=True)
-    assert L.rel_err(c, 1.5 * A @ B + 0.5 * C) < 1e-14
+    assert LC.rel_err(c, 1.5 * A @ B + 0.5 * C) < 1e-14
     tail = before["c"].ravel(order="F")[40 * 40:]
     assert np.array_equal(arrs["c"].ravel(order="F")[40 * 40:], tail)   # beyond the N x N array: untouched
 

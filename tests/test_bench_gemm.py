@@ -1,7 +1,8 @@
-"""CPU-only tests of the GEMM benchmark driver (bench/gemm.py) and of the cuBLAS-XT layout
-planning (bench/cublasxt.py): argument parsing, summaries, tables, markdown, the run loop
-with fake contenders, and the column-major call plan checked by a NumPy emulation of
-cuBLAS. Nothing here needs a GPU or imports CuPy."""
+"""CPU-only tests of the GEMM benchmark driver (bench/gemm.py and its gemm_problem.py,
+gemm_contenders.py, gemm_table.py) and of the cuBLAS-XT layout planning (bench/cublasxt.py):
+argument parsing, summaries, tables, markdown, the run loop with fake contenders, and the
+column-major call plan checked by a NumPy emulation of cuBLAS. Nothing here needs a GPU or
+imports CuPy."""
 
 import itertools
 import json
@@ -18,6 +19,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import gemm as G  # noqa: E402
+from bench import gemm_contenders as GC  # noqa: E402
+from bench import gemm_lp  # noqa: E402
+from bench import gemm_problem as GP  # noqa: E402
+from bench import gemm_table as GT  # noqa: E402
 from bench.cublasxt import (  # noqa: E402
     CUBLAS_OP_C, CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_STATUS, _check, plan_gemm,
 )
@@ -67,8 +72,8 @@ def test_quick_defaults_and_explicit_values_win():
 def test_complex_scalars_only_with_complex_dtypes():
     args = G.parse_args(["--dtypes", "z", "--alpha", "1.5+0.5j"])
     assert args.alpha == complex(1.5, 0.5)
-    assert G.typed_scalar(args.alpha, "z") == complex(1.5, 0.5)
-    assert G.typed_scalar(complex(2), "d") == 2.0 and isinstance(G.typed_scalar(2, "s"), float)
+    assert GP.typed_scalar(args.alpha, "z") == complex(1.5, 0.5)
+    assert GP.typed_scalar(complex(2), "d") == 2.0 and isinstance(GP.typed_scalar(2, "s"), float)
     with pytest.raises(SystemExit):
         G.parse_args(["--dtypes", "d,z", "--alpha", "1+1j"])
 
@@ -100,19 +105,19 @@ def test_importing_does_not_import_cupy():
 # --------------------------------------------------------------------------- numbers
 
 def test_flops_tflops_tolerance():
-    assert G.flop_count("d", 2, 3, 4) == 48 and G.flop_count("z", 2, 3, 4) == 192
-    assert G.tflops("s", 1000, 1000, 1000, 1e-3) == pytest.approx(2.0)
-    assert G.tflops("s", 10, 10, 10, None) is None and G.tflops("s", 10, 10, 10, 0.0) is None
-    assert G.tolerance("s", 4096) == 1e-4 and G.tolerance("d", 8192) == 1e-10
-    assert G.tolerance("c", 32768) == pytest.approx(2e-4)
+    assert GP.flop_count("d", 2, 3, 4) == 48 and GP.flop_count("z", 2, 3, 4) == 192
+    assert GP.tflops("s", 1000, 1000, 1000, 1e-3) == pytest.approx(2.0)
+    assert GP.tflops("s", 10, 10, 10, None) is None and GP.tflops("s", 10, 10, 10, 0.0) is None
+    assert GP.tolerance("s", 4096) == 1e-4 and GP.tolerance("d", 8192) == 1e-10
+    assert GP.tolerance("c", 32768) == pytest.approx(2e-4)
 
 
 def test_random_matrix_is_f_ordered_seeded_and_complex():
     rng = lambda: np.random.default_rng([0, 1])  # noqa: E731
-    x = G.random_matrix(rng(), 37, 23, np.complex64)
+    x = GP.random_matrix(rng(), 37, 23, np.complex64)
     assert x.flags.f_contiguous and x.dtype == np.complex64 and x.shape == (37, 23)
     assert np.all(np.abs(x.real) <= 1) and np.abs(x.imag).max() > 0
-    assert np.array_equal(x, G.random_matrix(rng(), 37, 23, np.complex64))
+    assert np.array_equal(x, GP.random_matrix(rng(), 37, 23, np.complex64))
 
 
 def test_rel_error_chunked_matches_numpy():
@@ -120,12 +125,12 @@ def test_rel_error_chunked_matches_numpy():
     ref = rng.standard_normal((300, 70))
     res = (ref + 1e-6 * rng.standard_normal(ref.shape)).astype(np.float32)
     expect = np.linalg.norm(res.astype(np.float64) - ref) / np.linalg.norm(ref)
-    assert G.rel_error(res, ref, G.frobenius(ref)) == pytest.approx(expect, rel=1e-9)
+    assert GP.rel_error(res, ref, GP.frobenius(ref)) == pytest.approx(expect, rel=1e-9)
     bad = res.copy()
     bad[3, 4] = np.nan
-    assert math.isnan(G.rel_error(bad, ref, 1.0))
-    assert G.rel_error(None, ref, 1.0) == math.inf
-    assert G.rel_error(res[:, :5], ref, 1.0) == math.inf
+    assert math.isnan(GP.rel_error(bad, ref, 1.0))
+    assert GP.rel_error(None, ref, 1.0) == math.inf
+    assert GP.rel_error(res[:, :5], ref, 1.0) == math.inf
 
 
 # --------------------------------------------------------------------------- fake records
@@ -133,7 +138,7 @@ def test_rel_error_chunked_matches_numpy():
 def rec(label, mode, seconds, err=1e-15, ok=True, dtype="d", n=1000, run=0, contender=None,
         variant=None, failure=None, warmup=False, extra=None):
     contender = contender or label.split("[")[0].split("+")[0]
-    return G.Record(label, contender, variant, mode, dtype, n, n, n, run, seconds, err, ok,
+    return GT.Record(label, contender, variant, mode, dtype, n, n, n, run, seconds, err, ok,
                     failure, warmup, extra or {})
 
 
@@ -162,7 +167,7 @@ def fake_records():
 
 
 def test_summarize_best_median_status_and_order():
-    rows = G.summarize(fake_records())
+    rows = GT.summarize(fake_records())
     keys = [(r.dtype, r.mode, r.label) for r in rows]
     assert keys[:5] == [("d", "registered", "blasx"), ("d", "registered", "cublasxt[b=512]"),
                         ("d", "registered", "cublasxt[b=4096]"), ("d", "registered", "cupy"),
@@ -180,22 +185,22 @@ def test_summarize_best_median_status_and_order():
 
 
 def test_ratios():
-    rows = G.summarize(fake_records())
-    ratios = {r["mode"]: r for r in G.compute_ratios(rows, n_gpus=2)}
+    rows = GT.summarize(fake_records())
+    ratios = {r["mode"]: r for r in GT.compute_ratios(rows, n_gpus=2)}
     reg = ratios["registered"]
     assert reg["xt_label"] == "cublasxt[b=4096]"
     assert reg["blasx_over_xt_best"] == pytest.approx(2.0)
     assert reg["blasx_over_xt_median"] == pytest.approx(2.0)
     assert reg["blasx_over_cupy_x_gpus_best"] == pytest.approx(0.08 / 0.10 / 2)
     assert set(ratios) == {"registered", "pageable"}     # the failed s case has none
-    lines = G.format_ratios(G.compute_ratios(rows, 2))
+    lines = GT.format_ratios(GT.compute_ratios(rows, 2))
     assert any("blasx / cuBLAS-XT (b=4096): 2.00x best" in x for x in lines)
     assert any("(in-core cupy x 2 GPUs): 0.40 best" in x for x in lines)
 
 
 def test_text_table():
-    rows = G.summarize(fake_records())
-    table = G.format_table(rows)
+    rows = GT.summarize(fake_records())
+    table = GT.format_table(rows)
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["contender", "mode", "dtype", "N"]
     assert set(lines[1]) <= {"-", " "}
@@ -211,7 +216,7 @@ def test_text_table():
 
 
 def fake_report():
-    rows = G.summarize(fake_records())
+    rows = GT.summarize(fake_records())
     return {
         "tag": "h200x2", "date": "2025-01-01T00:00:00+00:00", "stamp": "20250101-000000",
         "command": "python -m bench.gemm --n 1000 --gpus 2",
@@ -228,12 +233,12 @@ def fake_report():
                    "modes": {"registered": {"registration": {
                        "gib": 0.0224, "seconds": 0.01, "seconds_per_gib": 0.4464,
                        "unregister_seconds": 0.002}}}}],
-        "records": [], "summary": rows, "ratios": G.compute_ratios(rows, 2),
+        "records": [], "summary": rows, "ratios": GT.compute_ratios(rows, 2),
     }
 
 
 def test_markdown():
-    md = G.format_markdown(fake_report())
+    md = GT.format_markdown(fake_report())
     assert md.startswith("# GEMM benchmark: h200x2 2025-01-01")
     assert "```\npython -m bench.gemm --n 1000 --gpus 2\n```" in md
     assert "cuda:0 NVIDIA H200 (140 GiB)" in md and "CUDA driver 13.0" in md
@@ -262,7 +267,7 @@ def test_report_round_trips_through_json(tmp_path):
     assert len(data["records"]) == len(fake_records())
     assert data["summary"][-1]["status"] == "FAILED"
     # the markdown can be regenerated from the JSON alone
-    assert G.format_markdown(data) == open(md_path).read()
+    assert GT.format_markdown(data) == open(md_path).read()
 
 
 def test_jsonable():
@@ -275,7 +280,7 @@ def test_jsonable():
 
 # --------------------------------------------------------------------------- the run loop (CPU)
 
-class NumpyLike(G.Contender):
+class NumpyLike(GC.Contender):
     """A CPU contender: correct, or wrong, or raising."""
 
     def __init__(self, args, name, behaviour="ok"):
@@ -295,16 +300,16 @@ class NumpyLike(G.Contender):
         res = p.alpha * (p.a @ p.b) + (p.beta * p.c_out if p.c_init is not None else 0)
         if self.behaviour == "wrong":
             res = res * (1 + 1e-6)
-        return G.Outcome({self.labels(variant)[0]: 0.01}, res)
+        return GC.Outcome({self.labels(variant)[0]: 0.01}, res)
 
 
 @pytest.mark.parametrize("beta", ["0.5", "0"])
 def test_run_mode_with_fake_contenders(beta):
     args = G.parse_args(["--quick", "--runs", "2", "--beta", beta, "--dtypes", "d"])
-    p = G.make_problem(args, "d", 40, 30, 20, [0])
+    p = GP.make_problem(args, "d", 40, 30, 20, [0])
     assert (p.c_init is None) == (beta == "0")
-    p.ref = G._reference_cpu(p, np.dtype(np.float64))
-    p.ref_norm = G.frobenius(p.ref)
+    p.ref = GC._reference_cpu(p, np.dtype(np.float64))
+    p.ref_norm = GP.frobenius(p.ref)
     p.mode = "pageable"
     good, wrong = NumpyLike(args, "good"), NumpyLike(args, "wrong", "wrong")
     boom, multi = NumpyLike(args, "boom", "raise"), NumpyLike(args, "multi")
@@ -312,7 +317,7 @@ def test_run_mode_with_fake_contenders(beta):
     assert skipped == {}
     assert len(good.calls) == 1 + 2 and len(multi.calls) == 2 * (1 + 2)
     assert len(boom.calls) == 1                        # failed in warm-up: not run again
-    rows = {r.label: r for r in G.summarize(records)}
+    rows = {r.label: r for r in GT.summarize(records)}
     assert rows["good"].status == "ok" and rows["good"].runs == 2
     assert rows["good"].error < 1e-14
     assert rows["wrong"].status == "WRONG"
@@ -329,9 +334,9 @@ def test_pageable_runs_start_from_unpinned_arrays(monkeypatch):
     released = []
     monkeypatch.setattr(hostmem.REGISTRY, "release", lambda x: released.append(x) or False)
     args = G.parse_args(["--quick", "--dtypes", "d"])
-    p = G.make_problem(args, "d", 40, 30, 20, [0])
-    p.ref = G._reference_cpu(p, np.dtype(np.float64))
-    p.ref_norm = G.frobenius(p.ref)
+    p = GP.make_problem(args, "d", 40, 30, 20, [0])
+    p.ref = GC._reference_cpu(p, np.dtype(np.float64))
+    p.ref_norm = GP.frobenius(p.ref)
     for mode, expect in (("registered", []), ("pageable", [p.a, p.b, p.c_init, p.c_out])):
         p.mode = mode
         released.clear()
@@ -345,28 +350,29 @@ def test_fresh_runs_get_new_input_arrays_of_the_same_values(monkeypatch):
     monkeypatch.setattr(hostmem.REGISTRY, "release", lambda x: released.append(x) or False)
     args = G.parse_args(["--quick", "--dtypes", "d", "--modes", "fresh"])
     assert args.modes == ["fresh"]
-    p = G.make_problem(args, "d", 40, 30, 20, [0])
-    p.ref = G._reference_cpu(p, np.dtype(np.float64))
-    p.ref_norm = G.frobenius(p.ref)
+    p = GP.make_problem(args, "d", 40, 30, 20, [0])
+    p.ref = GC._reference_cpu(p, np.dtype(np.float64))
+    p.ref_norm = GP.frobenius(p.ref)
     p.mode = "fresh"
     a0, b0 = p.a, p.b
     (rec,) = G.execute(NumpyLike(args, "good"), None, p, 0)
     assert rec.ok and p.a is not a0 and p.b is not b0 and not np.shares_memory(p.a, a0)
     assert (p.a == a0).all() and (p.b == b0).all() and p.a.flags.f_contiguous == a0.flags.f_contiguous
     assert len(released) == 4  # blasx's registrations of the old arrays released first
-    xt = G.CublasXtContender(args)
+    xt = GC.CublasXtContender(args)
     assert xt.pinning("fresh") and xt.pinning("pageable") and not xt.pinning("registered")
 
 
 def test_host_bytes_count_the_fresh_copies():
-    base = G.host_bytes_needed("d", 100, 200, 300, 0.5, None)
+    base = GP.host_bytes_needed("d", 100, 200, 300, 0.5, None)
     assert base == (100 * 300 + 300 * 200) * 8 + 2 * 100 * 200 * 8 + 100 * 200 * 8
-    assert G.host_bytes_needed("d", 100, 200, 300, 0.5, None, fresh=True) == base + (100 * 300 + 300 * 200) * 8 + 100 * 200 * 8
+    assert (GP.host_bytes_needed("d", 100, 200, 300, 0.5, None, fresh=True)
+            == base + (100 * 300 + 300 * 200) * 8 + 100 * 200 * 8)
 
 
 def test_schedule_is_shuffled_and_seeded():
     args = G.parse_args(["--runs", "4"])
-    p = G.make_problem(args, "s", 4, 4, 4, [0])
+    p = GP.make_problem(args, "s", 4, 4, 4, [0])
     p.mode = "registered"
     cs = [NumpyLike(args, name) for name in ("a", "b", "c", "multi")]
     first = [(c.name, v, r) for c, v, r in G.schedule(cs, p, 4, seed=0)]
@@ -378,11 +384,11 @@ def test_schedule_is_shuffled_and_seeded():
 
 def test_poison():
     args = G.parse_args(["--beta", "0"])
-    p = G.make_problem(args, "s", 3, 3, 3, [0])
+    p = GP.make_problem(args, "s", 3, 3, 3, [0])
     p.poison()
     assert np.isnan(p.c_out).all()
     args = G.parse_args([])
-    p = G.make_problem(args, "z", 3, 3, 3, [0])
+    p = GP.make_problem(args, "z", 3, 3, 3, [0])
     p.c_out[...] = 7
     p.poison()
     assert np.array_equal(p.c_out, p.c_init) and p.c_out is not p.c_init
@@ -491,7 +497,7 @@ def test_status_names():
 def test_half_random_matrices_are_float32_draws_rounded_once():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     for dt in (np.float16, ml_dtypes.bfloat16):
-        a = G.random_matrix(np.random.default_rng(3), 70, 50, dt)
+        a = GP.random_matrix(np.random.default_rng(3), 70, 50, dt)
         (g,) = np.random.default_rng(3).spawn(1)  # one column chunk: the first spawned generator's draws
         x = g.random((70, 50), dtype=np.float32) * 2 - 1
         assert a.dtype == np.dtype(dt) and a.flags.f_contiguous
@@ -500,11 +506,11 @@ def test_half_random_matrices_are_float32_draws_rounded_once():
 
 def test_random_matrices_do_not_depend_on_the_thread_count(monkeypatch):
     """Chunk i comes from the i-th spawned generator: one thread or several, the same matrix (several chunks)."""
-    from bench import level3
-    many = G.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
-    monkeypatch.setattr(level3, "_threads", lambda: 1)
-    one = G.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
-    assert len(G._column_chunks(1 << 12, 3000)) > 2 and np.array_equal(many, one)
+    from bench import level3_check
+    many = GP.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
+    monkeypatch.setattr(level3_check, "_threads", lambda: 1)
+    one = GP.random_matrix(np.random.default_rng(5), 1 << 12, 3000, np.float32)
+    assert len(GP._column_chunks(1 << 12, 3000)) > 2 and np.array_equal(many, one)
     assert not np.array_equal(many[:, :1024], many[:, 1024:2048])
 
 
@@ -512,7 +518,7 @@ def test_the_row_reference_is_the_float64_product():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(6)
     for dt in (np.float16, ml_dtypes.bfloat16, np.int8):
-        a, b, c = (G.random_matrix(rng, 300, 300, dt) for _ in range(3))
+        a, b, c = (GP.random_matrix(rng, 300, 300, dt) for _ in range(3))
         want = 1.5 * a[:7].astype(np.float64) @ b.astype(np.float64) + 0.5 * c[:7].astype(np.float64)
-        got = G.gemm_lp.sample_reference(a, b, 7, 1.5, 0.5, c, chunk=128)
+        got = gemm_lp.sample_reference(a, b, 7, 1.5, 0.5, c, chunk=128)
         assert got.shape == (7, 300) and np.allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -6,24 +6,26 @@ import numpy as np
 import pytest
 
 from bench import gemm as G
+from bench import gemm_contenders as GC
 from bench import gemm_lp as L
+from bench import gemm_problem as GP
 
 
 def test_options_take_the_reduced_types_and_tf32():
     args = G.parse_args(["--dtypes", "h,b,i8,s", "--math", "tf32", "--n", "64", "--beta", "0"])
     assert args.dtypes == ["h", "b", "i8", "s"] and args.math == "tf32"
     assert [L.reduced(d, "tf32") for d in "sd"] == [True, False] and L.reduced("h", "ieee")
-    assert G.tolerance("i8", 4096) == 0 and G.typed_scalar(1.5, "i8") == 2
-    assert 1e-3 < G.tolerance("h", 4096) < 5e-3 and G.tolerance("d", 4096) == 1e-10
+    assert GP.tolerance("i8", 4096) == 0 and GP.typed_scalar(1.5, "i8") == 2
+    assert 1e-3 < GP.tolerance("h", 4096) < 5e-3 and GP.tolerance("d", 4096) == 1e-10
 
 
 @pytest.mark.parametrize("dtype", ["h", "i8"])
 def test_problem_and_row_sampled_reference(dtype):
     args = G.parse_args(["--dtypes", dtype, "--n", "48", "--beta", "2", "--alpha", "1"])
-    p = G.make_problem(args, dtype, 48, 40, 36, [0])
+    p = GP.make_problem(args, dtype, 48, 40, 36, [0])
     out = np.dtype(np.float16 if dtype == "h" else np.int32)
     assert p.c_out.dtype == out and p.c_init.dtype == out and p.ref_rows == 48
-    ref, info = G.compute_reference(p)
+    ref, info = GC.compute_reference(p)
     assert info["where"] == "cpu" and ref.shape == (48, 40)
     want = p.alpha * (p.a.astype(np.float64) @ p.b.astype(np.float64)) + p.beta * p.c_init.astype(np.float64)
     np.testing.assert_allclose(ref, want, rtol=1e-12)

@@ -1,6 +1,6 @@
-"""CPU tests of bench/level3.py: options, arrays, the per-dtype checks, the cuBLAS-XT call table,
-the tables, and the run loop itself on sim devices with cuBLAS-XT and page-locking replaced by
-numpy stand-ins (nothing here needs a GPU or CuPy)."""
+"""CPU tests of bench/level3.py and its level3_*.py modules: options, arrays, the per-dtype checks,
+the cuBLAS-XT call table, the tables, and the run loop itself on sim devices with cuBLAS-XT and
+page-locking replaced by numpy stand-ins (nothing here needs a GPU or CuPy)."""
 
 import contextlib
 import ctypes
@@ -16,15 +16,21 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import level3 as L  # noqa: E402
+from bench import level3_check as LC  # noqa: E402
+from bench import level3_contenders as LX  # noqa: E402
+from bench import level3_routines as LR  # noqa: E402
+from bench import level3_table as LT  # noqa: E402
+from bench import machine  # noqa: E402
 
 import blasx  # noqa: E402
+from blasx.runtime.dtypes import BY_PREFIX  # noqa: E402
 
 
 # --------------------------------------------------------------------------- options
 
 def test_defaults_and_dtypes():
     args = L.parse_args([])
-    assert args.dtypes == ["d", "s"] and args.n == [8192, 16384] and args.routines == list(L.ROUTINES)
+    assert args.dtypes == ["d", "s"] and args.n == [8192, 16384] and args.routines == list(LR.ROUTINES)
     args = L.parse_args(["--dtypes", "s", "--n", "32768", "--routines", "gemm,trsm"])
     assert args.dtypes == ["s"] and args.n == [32768] and args.routines == ["gemm", "trsm"]
     assert L.parse_dtypes(" d , s ,d") == ["d", "s"]
@@ -55,18 +61,19 @@ def test_parse_dtypes_raises_value_error_outside_argparse():
 
 
 def test_complex_dtypes_and_default_routines_per_dtype():
-    assert L.ALL_ROUTINES == ("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm")
-    assert L.ROUTINES == ("gemm", "symm", "syrk", "syr2k", "trmm", "trsm") and L.HERMITIAN == ("hemm", "herk", "her2k")
+    assert LR.ALL_ROUTINES == ("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", "trmm", "trsm")
+    assert LR.ROUTINES == ("gemm", "symm", "syrk", "syr2k", "trmm", "trsm")
+    assert LR.HERMITIAN == ("hemm", "herk", "her2k")
     args = L.parse_args(["--dtypes", "z,c"])
-    assert args.dtypes == ["z", "c"] and args.routines == list(L.ALL_ROUTINES)   # default: + the Hermitian ones
-    assert L.parse_args(["--dtypes", "d,z"]).routines == list(L.ALL_ROUTINES)
-    assert L.parse_args(["--dtypes", "s"]).routines == list(L.ROUTINES)          # as before for real dtypes
+    assert args.dtypes == ["z", "c"] and args.routines == list(LR.ALL_ROUTINES)   # default: + the Hermitian ones
+    assert L.parse_args(["--dtypes", "d,z"]).routines == list(LR.ALL_ROUTINES)
+    assert L.parse_args(["--dtypes", "s"]).routines == list(LR.ROUTINES)          # as before for real dtypes
     args = L.parse_args(["--n", "16384,32768", "--dtypes", "z,c", "--gpus", "1", "--runs", "1",
                          "--routines", "gemm,symm,hemm,syrk,herk,syr2k,her2k,trmm,trsm"])
-    assert args.routines == list(L.ALL_ROUTINES) and args.gpus == 1 and args.n == [16384, 32768]
+    assert args.routines == list(LR.ALL_ROUTINES) and args.gpus == 1 and args.n == [16384, 32768]
     args = L.parse_args(["--dtypes", "d,z", "--routines", "herk,gemm"])          # mixed: herk for z only
     assert args.routines == ["herk", "gemm"]
-    assert L.routines_for("d", args.routines) == ["gemm"] and L.routines_for("z", args.routines) == ["herk", "gemm"]
+    assert LR.routines_for("d", args.routines) == ["gemm"] and LR.routines_for("z", args.routines) == ["herk", "gemm"]
 
 
 def test_dtype_and_routine_errors_outside_argparse():
@@ -87,39 +94,39 @@ def test_dtype_and_routine_errors_outside_argparse():
 # --------------------------------------------------------------------------- arrays
 
 def test_random_matrix_float32_is_the_float64_draws_cast():
-    d = L.random_matrix(300, 600, np.float64, [1, 2], scale=0.5)
-    s = L.random_matrix(300, 600, np.float32, [1, 2], scale=0.5)
+    d = LC.random_matrix(300, 600, np.float64, [1, 2], scale=0.5)
+    s = LC.random_matrix(300, 600, np.float32, [1, 2], scale=0.5)
     assert d.flags.f_contiguous and s.flags.f_contiguous and s.dtype == np.float32
     assert np.array_equal(d.astype(np.float32), s)
-    assert np.array_equal(d, L.random_matrix(300, 600, np.float64, [1, 2], scale=0.5, threads=1))
-    assert not np.array_equal(d, L.random_matrix(300, 600, np.float64, [1, 3], scale=0.5))
+    assert np.array_equal(d, LC.random_matrix(300, 600, np.float64, [1, 2], scale=0.5, threads=1))
+    assert not np.array_equal(d, LC.random_matrix(300, 600, np.float64, [1, 3], scale=0.5))
     assert 0.45 < d.std() < 0.55
 
 
 def test_sample_rows_spread():
-    r = L.sample_rows(1000, 64)
+    r = LC.sample_rows(1000, 64)
     assert len(r) == 64 and r[0] == 0 and r[-1] == 999 and np.all(np.diff(r) > 0)
-    assert np.array_equal(L.sample_rows(10, 64), np.arange(10))
-    assert np.array_equal(r, L.sample_rows(1000, 64))
+    assert np.array_equal(LC.sample_rows(10, 64), np.arange(10))
+    assert np.array_equal(r, LC.sample_rows(1000, 64))
 
 
 def test_make_arrays_and_parallel_copy():
-    A, B, C0, out = L.make_arrays(40, "s", seed=3)
+    A, B, C0, out = LC.make_arrays(40, "s", seed=3)
     assert all(x.dtype == np.float32 and x.flags.f_contiguous for x in (A, B, C0, out))
     assert np.all(np.diag(A) > 3)
-    L.parallel_copy(out, C0, threads=3)
+    LC.parallel_copy(out, C0, threads=3)
     assert np.array_equal(out, C0)
     with pytest.raises(ValueError, match="shape"):
-        L.parallel_copy(out[:3], C0)
+        LC.parallel_copy(out[:3], C0)
 
 
 def test_rows_times_chunks_and_strided_right():
     rng = np.random.default_rng(0)
     a = np.asfortranarray(rng.standard_normal((50, 70)).astype(np.float32))
     left = rng.standard_normal((5, 50))
-    np.testing.assert_allclose(L.rows_times(left, a, width=7), left @ a.astype(np.float64), rtol=1e-12)
+    np.testing.assert_allclose(LC.rows_times(left, a, width=7), left @ a.astype(np.float64), rtol=1e-12)
     b = np.asfortranarray(rng.standard_normal((70, 50)))
-    np.testing.assert_allclose(L.rows_times(left, b.T, width=9), left @ b.T, rtol=1e-12)
+    np.testing.assert_allclose(LC.rows_times(left, b.T, width=9), left @ b.T, rtol=1e-12)
 
 
 def test_symmetric_and_triangular_rows():
@@ -127,21 +134,21 @@ def test_symmetric_and_triangular_rows():
     a = rng.standard_normal((9, 9))
     rows = [0, 4, 8]
     sym = np.triu(a) + np.triu(a, 1).T
-    assert np.array_equal(L.symmetric_rows(a, rows), sym[rows])
-    assert np.array_equal(L.triu_rows(a, rows), np.triu(a)[rows])
+    assert np.array_equal(LC.symmetric_rows(a, rows), sym[rows])
+    assert np.array_equal(LC.triu_rows(a, rows), np.triu(a)[rows])
 
 
 def test_random_matrix_complex_parts_and_make_arrays():
-    z = L.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5)
-    c = L.random_matrix(30, 600, np.complex64, [1, 2], scale=0.5)
+    z = LC.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5)
+    c = LC.random_matrix(30, 600, np.complex64, [1, 2], scale=0.5)
     assert z.flags.f_contiguous and c.flags.f_contiguous and c.dtype == np.complex64
     assert np.array_equal(z.astype(np.complex64), c)
-    assert np.array_equal(z.real, L.random_matrix(30, 600, np.float64, [1, 2], scale=0.5))  # real parts: the d draws
+    assert np.array_equal(z.real, LC.random_matrix(30, 600, np.float64, [1, 2], scale=0.5))  # real parts: the d draws
     assert np.all(z.imag != 0) and 0.45 < z.imag.std() < 0.55 and not np.array_equal(z.real, z.imag)
-    assert np.array_equal(z, L.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5, threads=1))
+    assert np.array_equal(z, LC.random_matrix(30, 600, np.complex128, [1, 2], scale=0.5, threads=1))
     for d in "zc":
-        A, B, C0, out = L.make_arrays(40, d, seed=3)
-        assert all(x.dtype == L.BY_PREFIX[d].dtype and x.flags.f_contiguous for x in (A, B, C0, out))
+        A, B, C0, out = LC.make_arrays(40, d, seed=3)
+        assert all(x.dtype == BY_PREFIX[d].dtype and x.flags.f_contiguous for x in (A, B, C0, out))
         assert np.all(np.diag(A).real > 3) and all(np.all(x.real != 0) and np.all(x.imag != 0) for x in (A, B, C0))
 
 
@@ -150,16 +157,16 @@ def test_complex_rows_times_and_hermitian_rows():
     b = np.asfortranarray((rng.standard_normal((70, 50)) + 1j * rng.standard_normal((70, 50))).astype(np.complex64))
     left = rng.standard_normal((5, 50)) + 1j * rng.standard_normal((5, 50))
     b128 = b.astype(np.complex128)
-    got = L.rows_times(left, b.T, width=9)
+    got = LC.rows_times(left, b.T, width=9)
     assert got.dtype == np.complex128
     np.testing.assert_allclose(got, left @ b128.T, rtol=1e-12)
-    np.testing.assert_allclose(L.rows_times_h(left, b, width=7), left @ b128.conj().T, rtol=1e-12)
-    assert L.rows_times(rng.standard_normal((2, 70)), b).dtype == np.complex128
+    np.testing.assert_allclose(LC.rows_times_h(left, b, width=7), left @ b128.conj().T, rtol=1e-12)
+    assert LC.rows_times(rng.standard_normal((2, 70)), b).dtype == np.complex128
     a = rng.standard_normal((9, 9)) + 1j * rng.standard_normal((9, 9))
     rows = [0, 4, 8]
     her = np.triu(a, 1) + np.triu(a, 1).conj().T + np.diag(np.diag(a).real)
-    assert np.array_equal(L.symmetric_rows(a, rows, hermitian=True), her[rows])
-    assert np.array_equal(L.symmetric_rows(a, rows), (np.triu(a) + np.triu(a, 1).T)[rows])   # csymm: no conjugate
+    assert np.array_equal(LC.symmetric_rows(a, rows, hermitian=True), her[rows])
+    assert np.array_equal(LC.symmetric_rows(a, rows), (np.triu(a) + np.triu(a, 1).T)[rows])   # csymm: no conjugate
 
 
 # --------------------------------------------------------------------------- checks
@@ -185,83 +192,83 @@ def numpy_result(routine, A, B, C0, alpha, beta):
     return np.asfortranarray(res.astype(A.dtype))
 
 
-@pytest.mark.parametrize("routine, dtype", [(rt, d) for d in "dszc" for rt in L.routines_for(d, L.ALL_ROUTINES)])
+@pytest.mark.parametrize("routine, dtype", [(rt, d) for d in "dszc" for rt in LR.routines_for(d, LR.ALL_ROUTINES)])
 def test_check_accepts_right_and_catches_wrong(routine, dtype):
     """The check passes numpy's result and catches one wrong element (imaginary for c and z) in the
     upper triangle (seen by the rank-k routines too), and a row of NaN."""
     n = 40
-    A, B, C0, _ = L.make_arrays(n, dtype, seed=1)
-    rows = L.sample_rows(n, 8)
-    alpha, beta = L.scalars(dtype, routine)
+    A, B, C0, _ = LC.make_arrays(n, dtype, seed=1)
+    rows = LC.sample_rows(n, 8)
+    alpha, beta = LR.scalars(dtype, routine)
     out = numpy_result(routine, A, B, C0, alpha, beta)
-    err = L.check(routine, A, B, C0, out, alpha, beta, rows)
-    assert err <= L.tolerance(dtype, n)
+    err = LC.check(routine, A, B, C0, out, alpha, beta, rows)
+    assert err <= LC.tolerance(dtype, n)
     assert err < (1e-13 if dtype in "dz" else 1e-5)
     wrong = out.copy(order="F")
     i = rows[2]
     wrong[i, min(n - 1, i + 1)] += (0.05j if dtype in "cz" else 0.05) * np.abs(out[i]).max() * 40
-    assert L.check(routine, A, B, C0, wrong, alpha, beta, rows) > L.tolerance(dtype, n)
+    assert LC.check(routine, A, B, C0, wrong, alpha, beta, rows) > LC.tolerance(dtype, n)
     wrong[...] = out
     wrong[i, :] = np.nan
-    assert not L.check(routine, A, B, C0, wrong, alpha, beta, rows) <= L.tolerance(dtype, n)
+    assert not LC.check(routine, A, B, C0, wrong, alpha, beta, rows) <= LC.tolerance(dtype, n)
 
 
 def test_complex_references_equal_numpy_on_every_row():
     """reference() against the full numpy computation, all rows, complex128: what each routine reads
     (the upper triangle; HEMM: no imaginary diagonal) and writes (HERK / HER2K: a real diagonal)."""
     n = 24
-    A, B, C0, _ = L.make_arrays(n, "z", seed=5)
+    A, B, C0, _ = LC.make_arrays(n, "z", seed=5)
     rows = np.arange(n)
-    for rt in L.ALL_ROUTINES:
-        alpha, beta = L.scalars("z", rt)
-        ref = L.reference(rt, A, B, C0, alpha, beta, rows)
+    for rt in LR.ALL_ROUTINES:
+        alpha, beta = LR.scalars("z", rt)
+        ref = LC.reference(rt, A, B, C0, alpha, beta, rows)
         want = alpha * B if rt == "trsm" else numpy_result(rt, A, B, C0, alpha, beta)
         np.testing.assert_allclose(ref, want, rtol=0, atol=1e-12 * np.abs(want).max(), err_msg=rt)
     A2 = A.copy(order="F")
     A2[np.diag_indices(n)] += 3j        # HEMM does not read the imaginary part of A's diagonal ...
-    al, be = L.scalars("z", "hemm")
-    assert np.array_equal(L.reference("hemm", A2, B, C0, al, be, rows), L.reference("hemm", A, B, C0, al, be, rows))
-    assert not np.allclose(L.reference("symm", A2, B, C0, al, be, rows),   # ... CSYMM/ZSYMM do
-                           L.reference("symm", A, B, C0, al, be, rows))
+    al, be = LR.scalars("z", "hemm")
+    assert np.array_equal(LC.reference("hemm", A2, B, C0, al, be, rows), LC.reference("hemm", A, B, C0, al, be, rows))
+    assert not np.allclose(LC.reference("symm", A2, B, C0, al, be, rows),   # ... CSYMM/ZSYMM do
+                           LC.reference("symm", A, B, C0, al, be, rows))
 
 
 def test_complex_checks_tell_the_hermitian_routines_from_their_symmetric_twins():
     n = 40
-    A, B, C0, _ = L.make_arrays(n, "z", seed=4)
-    rows = L.sample_rows(n, 10)
-    tol = L.tolerance("z", n)
+    A, B, C0, _ = LC.make_arrays(n, "z", seed=4)
+    rows = LC.sample_rows(n, 10)
+    tol = LC.tolerance("z", n)
     for her, sym in (("hemm", "symm"), ("herk", "syrk"), ("her2k", "syr2k")):
-        al, be = L.scalars("z", her)
-        assert L.check(her, A, B, C0, numpy_result(sym, A, B, C0, al, be), al, be, rows) > tol, her
-        al, be = L.scalars("z", sym)
-        assert L.check(sym, A, B, C0, numpy_result(her, A, B, C0, al, be), al, be, rows) > tol, sym
+        al, be = LR.scalars("z", her)
+        assert LC.check(her, A, B, C0, numpy_result(sym, A, B, C0, al, be), al, be, rows) > tol, her
+        al, be = LR.scalars("z", sym)
+        assert LC.check(sym, A, B, C0, numpy_result(her, A, B, C0, al, be), al, be, rows) > tol, sym
     for rt in ("herk", "her2k"):   # a diagonal left with beta * Im(C0) fails
-        al, be = L.scalars("z", rt)
+        al, be = LR.scalars("z", rt)
         out = numpy_result(rt, A, B, C0, al, be)
         out[np.diag_indices(n)] += 1j * be * np.diag(C0).imag
-        assert L.check(rt, A, B, C0, out, al, be, rows) > tol, rt
-    al, be = L.scalars("z", "her2k")   # alpha for conj(alpha) in the second term fails
+        assert LC.check(rt, A, B, C0, out, al, be, rows) > tol, rt
+    al, be = LR.scalars("z", "her2k")   # alpha for conj(alpha) in the second term fails
     A64 = A.astype(np.complex128)
     bad = al * (A64 @ B.conj().T + B @ A64.conj().T) + be * C0
     bad[np.diag_indices(n)] = np.diag(bad).real
-    assert L.check("her2k", A, B, C0, np.asfortranarray(bad), al, be, rows) > tol
+    assert LC.check("her2k", A, B, C0, np.asfortranarray(bad), al, be, rows) > tol
 
 
 def test_scalars_per_dtype_and_routine():
-    assert L.scalars("d", "gemm") == (1.5, 0.5) and L.scalars("s", "syrk") == (1.5, 0.5)
-    assert L.scalars("z", "gemm") == (1.5 - 0.5j, 0.5 + 0.25j) == L.scalars("c", "trsm")
-    assert L.scalars("z", "hemm") == (1.5 - 0.5j, 0.5 + 0.25j)
-    al, be = L.scalars("c", "herk")
+    assert LR.scalars("d", "gemm") == (1.5, 0.5) and LR.scalars("s", "syrk") == (1.5, 0.5)
+    assert LR.scalars("z", "gemm") == (1.5 - 0.5j, 0.5 + 0.25j) == LR.scalars("c", "trsm")
+    assert LR.scalars("z", "hemm") == (1.5 - 0.5j, 0.5 + 0.25j)
+    al, be = LR.scalars("c", "herk")
     assert (al, be) == (1.5, 0.5) and type(al) is float and type(be) is float        # BLAS: real alpha, beta
-    al, be = L.scalars("z", "her2k")
+    al, be = LR.scalars("z", "her2k")
     assert al == 1.5 - 0.5j and be == 0.5 and type(be) is float                      # real beta
-    assert {d: L.BY_PREFIX[d].flop_factor for d in "sdcz"} == {"s": 1, "d": 1, "c": 4, "z": 4}
-    assert {r: L.FLOPS[r] for r in L.HERMITIAN} == {"hemm": 2, "herk": 1, "her2k": 2}
+    assert {d: BY_PREFIX[d].flop_factor for d in "sdcz"} == {"s": 1, "d": 1, "c": 4, "z": 4}
+    assert {r: LR.FLOPS[r] for r in LR.HERMITIAN} == {"hemm": 2, "herk": 1, "her2k": 2}
 
 
 def test_tolerance_per_dtype():
-    assert L.tolerance("d", 4096) == 1e-9 and L.tolerance("s", 8192) == 1e-4
-    assert L.tolerance("s", 32768) == pytest.approx(2e-4)
+    assert LC.tolerance("d", 4096) == 1e-9 and LC.tolerance("s", 8192) == 1e-4
+    assert LC.tolerance("s", 32768) == pytest.approx(2e-4)
 
 
 @pytest.mark.parametrize("dtype", ["d", "s", "z", "c"])
@@ -269,33 +276,33 @@ def test_blasx_routines_on_sim_pass_the_check(dtype):
     """Every routine of the dtype (the Hermitian ones for c and z), with its scalars, on 2 sims."""
     blasx.configure(devices="sim:2", tile=16)
     n = 48
-    A, B, C0, out = L.make_arrays(n, dtype, seed=2)
-    rows = L.sample_rows(n, 12)
-    for rt in L.routines_for(dtype, L.ALL_ROUTINES):
-        alpha, beta = L.scalars(dtype, rt)
-        L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
-        L.run_blasx(blasx, dtype, rt, n, A, B, C0, out, alpha, beta)
-        assert L.check(rt, A, B, C0, out, alpha, beta, rows) <= L.tolerance(dtype, n), rt
-        assert out.dtype == L.BY_PREFIX[dtype].dtype
+    A, B, C0, out = LC.make_arrays(n, dtype, seed=2)
+    rows = LC.sample_rows(n, 12)
+    for rt in LR.routines_for(dtype, LR.ALL_ROUTINES):
+        alpha, beta = LR.scalars(dtype, rt)
+        LC.parallel_copy(out, C0 if rt in LR.C_ROUTINES else B)
+        LX.run_blasx(blasx, dtype, rt, n, A, B, C0, out, alpha, beta)
+        assert LC.check(rt, A, B, C0, out, alpha, beta, rows) <= LC.tolerance(dtype, n), rt
+        assert out.dtype == BY_PREFIX[dtype].dtype
 
 
 # --------------------------------------------------------------------------- cuBLAS-XT table
 
 def test_xt_symbols_scalars_and_argument_counts():
-    assert L.xt_symbol("s", "gemm") == "cublasXtSgemm" and L.xt_symbol("d", "syr2k") == "cublasXtDsyr2k"
-    al, be = L.xt_scalars("s", 1.5, 0.5)
+    assert LX.xt_symbol("s", "gemm") == "cublasXtSgemm" and LX.xt_symbol("d", "syr2k") == "cublasXtDsyr2k"
+    al, be = LX.xt_scalars("s", 1.5, 0.5)
     assert type(al) is ctypes.c_float and type(be) is ctypes.c_float and al.value == 1.5 and be.value == 0.5
-    al, be = L.xt_scalars("d", 1.5, 0.5)
+    al, be = LX.xt_scalars("d", 1.5, 0.5)
     assert type(al) is ctypes.c_double and al.value == 1.5
-    for rt in L.ROUTINES:
-        args = L.xt_args(rt, 7, 101, 102, 103, 104, 105)
-        assert len(args) + 1 == len(L.XT_ARGTYPES[rt]), rt  # + the handle
+    for rt in LR.ROUTINES:
+        args = LX.xt_args(rt, 7, 101, 102, 103, 104, 105)
+        assert len(args) + 1 == len(LX.XT_ARGTYPES[rt]), rt  # + the handle
         assert args.count(7) >= 3 and 105 in args and 101 in args
         assert (104 in args) == (rt not in ("trmm", "trsm"))  # beta only where the routine has one
     with pytest.raises(ValueError, match="dtype: got 'q'"):
-        L.xt_symbol("q", "gemm")
+        LX.xt_symbol("q", "gemm")
     with pytest.raises(ValueError, match="routine: got 'gemv'"):
-        L.xt_symbol("d", "gemv")
+        LX.xt_symbol("d", "gemv")
 
 
 #: cublasXt.h: each level-3 entry point's parameters (the handle first); HEMM's are SYMM's, HERK's SYRK's,
@@ -335,16 +342,16 @@ def read_scalar(dtype, routine, which, address):
 
 
 def test_xt_table_of_every_dtype_and_routine():
-    names = {L.xt_symbol(d, rt) for rt in L.ALL_ROUTINES for d in L.ROUTINE_DTYPES[rt]}
-    assert {x for x in names if x[8] in "CZ" and x[9:] in L.HERMITIAN} == {
+    names = {LX.xt_symbol(d, rt) for rt in LR.ALL_ROUTINES for d in LR.ROUTINE_DTYPES[rt]}
+    assert {x for x in names if x[8] in "CZ" and x[9:] in LR.HERMITIAN} == {
         "cublasXtChemm", "cublasXtCherk", "cublasXtCher2k", "cublasXtZhemm", "cublasXtZherk", "cublasXtZher2k"}
     assert len(names) == 6 * 4 + 3 * 2
-    assert [ctypes.sizeof(L.xt_scalar_types(d)[0]) for d in "sdcz"] == [4, 8, 8, 16]
-    assert [ctypes.sizeof(t) for t in L.xt_scalar_types("z", "herk")] == [8, 8]  # HERK's real alpha, beta
-    for rt in L.ALL_ROUTINES:
-        assert L.XT_ARGTYPES[rt] == header_argtypes(rt), rt
+    assert [ctypes.sizeof(LX.xt_scalar_types(d)[0]) for d in "sdcz"] == [4, 8, 8, 16]
+    assert [ctypes.sizeof(t) for t in LX.xt_scalar_types("z", "herk")] == [8, 8]  # HERK's real alpha, beta
+    for rt in LR.ALL_ROUTINES:
+        assert LX.XT_ARGTYPES[rt] == header_argtypes(rt), rt
         params = XT_HEADER[rt].split()[1:]
-        args = L.xt_args(rt, 7, 101, 102, 103, 104, 105)
+        args = LX.xt_args(rt, 7, 101, 102, 103, 104, 105)
         assert len(args) == len(params), rt
         got = dict(zip(params, args))
         assert got["alpha"] == 101 and got["A"] == 102 and got.get("beta", 104) == 104
@@ -353,15 +360,15 @@ def test_xt_table_of_every_dtype_and_routine():
                                                                                    "transb", "diag"))
         assert all(v == 7 for p, v in got.items() if p in XT_SIZES)
         for d in "sdcz":
-            if d not in L.ROUTINE_DTYPES[rt]:
+            if d not in LR.ROUTINE_DTYPES[rt]:
                 with pytest.raises(ValueError,
                                    match=f"routine: got '{rt}' for dtype '{d}'; {rt} exists for dtypes c, z"):
-                    L.xt_symbol(d, rt)
+                    LX.xt_symbol(d, rt)
                 continue
-            assert L.xt_symbol(d, rt) == f"cublasXt{d.upper()}{rt}"
-            alpha, beta = L.scalars(d, rt)
-            scal = L.xt_scalars(d, alpha, beta, rt)
-            assert tuple(type(x) for x in scal) == L.xt_scalar_types(d, rt)
+            assert LX.xt_symbol(d, rt) == f"cublasXt{d.upper()}{rt}"
+            alpha, beta = LR.scalars(d, rt)
+            scal = LX.xt_scalars(d, alpha, beta, rt)
+            assert tuple(type(x) for x in scal) == LX.xt_scalar_types(d, rt)
             for which, value, obj in zip(("alpha", "beta"), (alpha, beta), scal):
                 prec, cplx = header_scalar_type(d, rt, which)
                 if cplx:
@@ -370,15 +377,15 @@ def test_xt_table_of_every_dtype_and_routine():
                     assert type(obj) is prec
                 assert read_scalar(d, rt, which, ctypes.addressof(obj)) == value, (d, rt, which)
     with pytest.raises(ValueError, match=r"alpha: got \(1.5-0.5j\); allowed: a real value for zherk"):
-        L.xt_scalars("z", 1.5 - 0.5j, 0.5, "herk")
+        LX.xt_scalars("z", 1.5 - 0.5j, 0.5, "herk")
     with pytest.raises(ValueError, match=r"beta: got \(0.5\+0.25j\); allowed: a real value for cher2k"):
-        L.xt_scalars("c", 1.5 - 0.5j, 0.5 + 0.25j, "her2k")
+        LX.xt_scalars("c", 1.5 - 0.5j, 0.5 + 0.25j, "her2k")
 
 
 def test_blasx_routine_names():
-    assert L.blasx_routine(blasx, "s", "syrk") is blasx.ssyrk
-    assert L.blasx_routine(blasx, "d", "trsm") is blasx.dtrsm
-    gemm = L.blasx_routine(blasx, "s", "gemm")
+    assert LX.blasx_routine(blasx, "s", "syrk") is blasx.ssyrk
+    assert LX.blasx_routine(blasx, "d", "trsm") is blasx.dtrsm
+    gemm = LX.blasx_routine(blasx, "s", "gemm")
     assert gemm is getattr(blasx, "sgemm", blasx.gemm)
 
 
@@ -392,13 +399,13 @@ def fake_results():
                 for k, extra in ((1, 0.01), (2, 0.0)):
                     sec = (t + extra) / scale
                     out.append({"who": who, "routine": rt, "dtype": d, "n": 10000, "run": k, "seconds": sec,
-                                "rel_err": 1e-12, "tflops": L.FLOPS[rt] * 1e12 / sec / 1e12,
+                                "rel_err": 1e-12, "tflops": LR.FLOPS[rt] * 1e12 / sec / 1e12,
                                 "ok": not (d == "s" and rt == "syrk" and who == "cublasxt" and k == 1)})
     return out
 
 
 def test_format_table_has_dtype_column_and_per_dtype_gemm_share():
-    text = L.format_table(fake_results(), ["gemm", "syrk"], ["d", "s"])
+    text = LT.format_table(fake_results(), ["gemm", "syrk"], ["d", "s"])
     lines = text.splitlines()
     assert lines[0].startswith("| N | dtype | routine | blasx TFLOPS | cuBLAS-XT TFLOPS |")
     assert all(x.count("|") == lines[0].count("|") for x in lines)
@@ -415,8 +422,8 @@ def test_format_table_has_dtype_column_and_per_dtype_gemm_share():
 def test_markdown_header_states_dtypes():
     report = {"tag": "t", "date": "2026-01-01 00:00:00", "command": "python -m bench.level3 --dtypes d,s",
               "machine": "box: 2x GPU", "dtypes": ["d", "s"], "runs": 2, "alpha": 1.5, "beta": 0.5,
-              "table": L.format_table(fake_results(), ["gemm"], ["d", "s"])}
-    md = L.format_markdown(report)
+              "table": LT.format_table(fake_results(), ["gemm"], ["d", "s"])}
+    md = LT.format_markdown(report)
     first = md.splitlines()[0]
     assert first.startswith("# Level-3 routines: blasx vs cuBLAS-XT (t, ") and "double (d), single (s)" in first
     assert "1e-09 (d), 0.0001 (s)" in md and "| N | dtype | routine |" in md
@@ -447,8 +454,8 @@ def fake_registered(*arrays):
 def numpy_xt(xt, dtype, routine, n, A, B, C0, out, alpha, beta):
     """cuBLAS-XT's effect on `out`, by numpy (out holds C0 for the C routines, B for TRMM/TRSM)."""
     assert isinstance(xt, FakeXt)
-    al, be = L.xt_scalars(dtype, alpha, beta)
-    assert type(al) is L.xt_scalar_types(dtype)[0]
+    al, be = LX.xt_scalars(dtype, alpha, beta)
+    assert type(al) is LX.xt_scalar_types(dtype)[0]
     if routine == "trsm":
         out[...] = numpy_result("trsm", A, out, C0, alpha, beta)
     elif routine == "trmm":      # out of place: C = alpha A B
@@ -503,13 +510,13 @@ class FakeXtFn:
 
     def __call__(self, handle, *args):
         d, rt = self.name[8].lower(), self.name[9:]
-        assert handle == FakeXtSession._handle and d in L.ROUTINE_DTYPES[rt], self.name
+        assert handle == FakeXtSession._handle and d in LR.ROUTINE_DTYPES[rt], self.name
         assert self.argtypes == header_argtypes(rt) and self.restype is ctypes.c_int, self.name
         v = dict(zip(XT_HEADER[rt].split()[1:], args, strict=True))
         assert v.get("uplo", 1) == 1 and all(v.get(p, 0) == 0 for p in ("side", "trans", "transa", "transb", "diag"))
         n = v["n"]
         assert all(v[p] == n for p in XT_SIZES if p in v)
-        dtype = L.BY_PREFIX[d].dtype
+        dtype = BY_PREFIX[d].dtype
 
         def mat(p):
             buf = (ctypes.c_char * (n * n * dtype.itemsize)).from_address(p)
@@ -546,14 +553,14 @@ def test_run_xt_calls_every_routine_as_the_header_declares(dtype):
     n = 24
     lib = FakeXtLib()
     xt = FakeXtSession(lib)
-    A, B, C0, out = L.make_arrays(n, dtype, seed=6)
+    A, B, C0, out = LC.make_arrays(n, dtype, seed=6)
     rows = np.arange(n)
-    routines = L.routines_for(dtype, L.ALL_ROUTINES)
+    routines = LR.routines_for(dtype, LR.ALL_ROUTINES)
     for rt in routines:
-        alpha, beta = L.scalars(dtype, rt)
-        L.parallel_copy(out, C0 if rt in L.C_ROUTINES else B)
-        L.run_xt(xt, dtype, rt, n, A, B, C0, out, alpha, beta)
-        assert L.check(rt, A, B, C0, out, alpha, beta, rows) < (1e-13 if dtype in "dz" else 1e-5), rt
+        alpha, beta = LR.scalars(dtype, rt)
+        LC.parallel_copy(out, C0 if rt in LR.C_ROUTINES else B)
+        LX.run_xt(xt, dtype, rt, n, A, B, C0, out, alpha, beta)
+        assert LC.check(rt, A, B, C0, out, alpha, beta, rows) < (1e-13 if dtype in "dz" else 1e-5), rt
     assert lib.calls == [f"cublasXt{dtype.upper()}{rt}" for rt in routines]
 
 
@@ -574,10 +581,10 @@ def test_main_loop_complex_on_sim_through_the_fake_library(tmp_path, monkeypatch
     data = json.loads(js.read_text())
     res = data["results"]
     assert len(res) == 2 * 9 * 2 and all(r["ok"] for r in res)
-    assert {(r["dtype"], r["routine"]) for r in res} == {(d, rt) for d in "zc" for rt in L.ALL_ROUTINES}
-    assert sorted(lib.calls) == sorted(f"cublasXt{d}{rt}" for d in "ZC" for rt in L.ALL_ROUTINES for _ in range(2))
+    assert {(r["dtype"], r["routine"]) for r in res} == {(d, rt) for d in "zc" for rt in LR.ALL_ROUTINES}
+    assert sorted(lib.calls) == sorted(f"cublasXt{d}{rt}" for d in "ZC" for rt in LR.ALL_ROUTINES for _ in range(2))
     for r in res:   # complex rates: 4x the real flops
-        assert r["tflops"] == pytest.approx(4 * L.FLOPS[r["routine"]] * 40**3 / r["seconds"] / 1e12)
+        assert r["tflops"] == pytest.approx(4 * LR.FLOPS[r["routine"]] * 40**3 / r["seconds"] / 1e12)
     assert data["dtypes"] == ["z", "c"] and data["flop_factor"] == {"z": 4, "c": 4}
     assert data["scalars"]["z"]["gemm"] == [[1.5, -0.5], [0.5, 0.25]]
     assert data["scalars"]["c"]["herk"] == [1.5, 0.5] and data["scalars"]["z"]["her2k"] == [[1.5, -0.5], 0.5]
@@ -586,7 +593,7 @@ def test_main_loop_complex_on_sim_through_the_fake_library(tmp_path, monkeypatch
     assert "alpha 1.5-0.5j, beta 0.5+0.25j (herk: alpha 1.5, beta 0.5; her2k: beta 0.5)" in md
     assert "1e-09 (z), 0.0001 (c)" in md and "complex128" in md and "WRONG" not in md
     body = table_rows(md)
-    assert list(body) == [d + rt for d in "zc" for rt in L.ALL_ROUTINES]
+    assert list(body) == [d + rt for d in "zc" for rt in LR.ALL_ROUTINES]
     assert all(row[5].endswith("x") and row[6] != "-" and row[7] == "ok" for row in body.values())
     assert body["zgemm"][6] == "1.00" and body["cher2k"][1] == "c"
 
@@ -633,12 +640,12 @@ def test_failed_rows_in_table():
             "tflops": None, "ok": False, "failure": "MemoryError: x"},
            {"who": "cublasxt", "routine": "gemm", "dtype": "d", "n": 8, "run": 1, "seconds": 0.1, "rel_err": 0.0,
             "tflops": 1.0, "ok": True}]
-    line = L.format_table(res, ["gemm"], ["d"]).splitlines()[2]
+    line = LT.format_table(res, ["gemm"], ["d"]).splitlines()[2]
     assert line == "| 8 | d | dgemm | - | 1.0 | - | - | FAILED (blasx) |"
 
 
 def test_gpu_tag_names_the_model_and_count():
-    assert L.gpu_tag(2, ["NVIDIA H200", "NVIDIA H200"]) == "h200x2"
-    assert L.gpu_tag(1, ["NVIDIA H100 80GB HBM3"]) == "h100x1"
-    assert L.gpu_tag(4, ["NVIDIA L40S"]) == "l40sx4"
-    assert L.gpu_tag(1, []) == "gpux1"
+    assert machine.gpu_tag(2, ["NVIDIA H200", "NVIDIA H200"]) == "h200x2"
+    assert machine.gpu_tag(1, ["NVIDIA H100 80GB HBM3"]) == "h100x1"
+    assert machine.gpu_tag(4, ["NVIDIA L40S"]) == "l40sx4"
+    assert machine.gpu_tag(1, []) == "gpux1"
