@@ -188,6 +188,21 @@ def test_wavefront_pieces_every_mode(monkeypatch, mode, proj, hx):
     assert run["placement"] is pl and [run["ran_on"][(layer, 0)] for layer in range(3)] == [0, 0, 1]
 
 
+def test_wavefront_of_lanes_on_one_device(monkeypatch):
+    """A wavefront of 3 layers on one device in lanes (a stream a layer on CUDA) and pieces of 2 steps, its backward
+    in the same pieces: outputs and gradients as torch's; each layer keeps its lane for the backward."""
+    from blasx.dnn import rnn_wave_backward
+    monkeypatch.setattr(rnn_wave_backward, "ALWAYS", True)
+    lanes = []
+    real = rnn_wave_backward.run
+    monkeypatch.setattr(rnn_wave_backward, "run", lambda *a: lanes.append([k[0].lane for k in a[1]]) or real(*a))
+    blasx.configure(devices="sim:1")
+    pl = rnn_plan.Placement("wavefront", 1, ((0,),) * 3, chunk=2, lanes=(0, 1, 2))
+    monkeypatch.setattr(rnn_plan, "plan", lambda *a, **k: pl)
+    compare("lstm", layers=3, T=7, B=4, H=5, lengths=[7, 6, 6, 3])
+    assert rnn_multi.last_run()["placement"] is pl and lanes == [[0, 1, 2]]
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_bidirectional_backward_on_two_sims(mode):
     """On sim:2 each direction's backward runs on the device its forward ran on (the two at once); every gradient
@@ -264,7 +279,15 @@ def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True) == rnn_plan.Placement(
         "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", captured=True).kind == "single"
-    assert rnn_plan.plan(4, 1, 64, 100, 1, training=False, captured=True).kind == "single"
+    # ... and on one device as a wavefront of lanes (a stream a layer, at most 4), 8 pieces a layer
+    for wide, training in ((None, False), ("tf32", False), ("tf32", True)):
+        assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True) == rnn_plan.Placement(
+            "wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
+    assert rnn_plan.plan(6, 1, 64, 100, 1, training=False, captured=True).lanes == (0, 0, 1, 2, 2, 3)
+    assert rnn_plan.plan(4, 1, 64, 56, 1, training=False, captured=True).kind == "single"  # pieces of 7 steps
+    assert rnn_plan.plan(4, 1, 64, 100, 1, captured=True).kind == "single"  # (float32 IEEE training)
+    assert rnn_plan.plan(4, 1, 64, 100, 1, wide="reduced", training=False, captured=True).kind == "single"
+    assert rnn_plan.plan(4, 1, 64, 100, 1, training=False).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, training=False, captured=True).chunk == 25
     assert rnn_plan.plan(2, 2, 64, 100, 2, training=False, captured=True).kind == "directions"
     # a one-layer call left on one device of several keeps its GEMMs there; on one device there is nothing to keep
@@ -473,3 +496,57 @@ def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins
     assert ops[-2:] == [("wait_event", cap.ptr), ("wait_event", cap.ptr)]  # joined
     assert sorted(grads) == ["weight_hh_l0", "weight_hh_l1", "weight_hh_l2"] and dx.shape == (T, B, O)
     assert len(dhs) == L and dcs == [None] * L
+
+
+def test_wavefront_lanes_of_one_device_inside_a_capture_each_have_a_stream_and_a_workspace(monkeypatch):
+    """rnn_wave_backward.run of a one-device wavefront of lanes (rnn_plan.Placement.lanes; the CPU stand-in for
+    CuPy): each layer on its lane's own side stream of device 0, an event and a wait where a piece's input gradient
+    crosses lanes (no copy: one device), the second and third lanes with a cuBLAS workspace of their own in the
+    capture's table (the first uses the device's), every lane joined into the capture."""
+    import dataclasses
+    import types
+
+    from bench import fake_cupy
+    from blasx.dnn import rnn_layer, rnn_wave_backward
+    monkeypatch.setattr(rnn_multi, "_local", lambda pb, dev, home, only=None: pb)
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        L, T, B, O = 3, 4, 2, 4
+        pieces = ((0, 2), (2, 4))
+
+        def arr(shape):
+            return cupy.zeros(shape, dtype=np.float32)
+        layers = [[rnn_multi.Kept(0, arr((T, B, O)), rnn_layer.Forward(arr((T + 1, B, O)), None,
+                                                                        arr((T, B, 4 * O)), None),
+                                  True, pieces, lane)] for lane in range(L)]
+
+        @dataclasses.dataclass
+        class _Pb:
+            xp: object
+            spec: object
+            x: object
+            bs: tuple
+            math: str
+            lengths: object = None
+        pb = _Pb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O)), (B,) * T, "tf32")
+        seen, dys = [], []
+        table = {0: "device 0's"}
+
+        def direction(lp, ops, layer, k, mm, args):
+            seen.append((layer, cupy.cuda.get_current_stream().ptr))
+            dys.append(args[0])
+            return ({f"weight_hh_l{layer}": arr((2, 2))}, arr((k.inp.shape[0], B, O)), arr((B, O)), None)
+        cap = cupy.cuda.Stream(non_blocking=True)
+        with cap, rnn_layer.whole_call_capture(table):
+            cap.begin_capture()
+            rnn_wave_backward.run(pb, layers, arr((T, B, O)), None, None, direction)
+            graph = cap.end_capture()
+    lane = {layer: {s for ly, s in seen if ly == layer} for layer in range(L)}
+    assert all(len(v) == 1 for v in lane.values()) and len(set().union(*lane.values()) | {cap.ptr}) == L + 1
+    assert sorted(k for k in table if k != 0) == sorted((0, s) for layer in (1, 2) for s in lane[layer])
+    assert [(ly, s) for ly, s in seen] == [(ly, *lane[ly]) for ly in (2, 1, 0)] * 2
+    ops = [(e[0], e[1]) for e in graph.entries if e[0] in ("event_record", "wait_event")]
+    s0, s1, s2 = (next(iter(lane[ly])) for ly in range(L))
+    assert ops[:4] == [("event_record", cap.ptr), ("wait_event", s0), ("wait_event", s1), ("wait_event", s2)]
+    assert ops[4:8] == [("event_record", s2), ("wait_event", s1), ("event_record", s1), ("wait_event", s0)]
+    assert ops[-3:] == [("wait_event", cap.ptr)] * 3

@@ -621,6 +621,8 @@ def test_a_callers_stream_set_by_use_stays_current_and_orders_the_call():
     ("lstm", "float32", 2, False, 1, {"lengths": [20, 17, 17, 9, 5, 5, 2, 1]}),
     ("lstm", "float32", 3, False, 2, {"math": "tf32", "T": 100}),  # the wavefront's pieces over both GPUs
     ("gru", "float32", 3, False, 2, {"T": 100}),  # general: the diagonal; captured: a wavefront
+    ("lstm", "float32", 3, False, 1, {"T": 100}),  # one GPU: captured as a wavefront of lanes
+    ("gru", "float32", 4, False, 1, {"math": "tf32", "T": 100}),
     ("lstm", "float16", 1, False, 1, {"cupy_params": True}),  # a mapping of CuPy arrays (views of the tensors)
     ("gru", "float32", 1, True, 2, {"cupy_params": True}),
 ])
@@ -746,15 +748,17 @@ def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers
     assert st["backward_replayed"] - before["backward_replayed"] >= 1
 
 
+@pytest.mark.parametrize("ngpu", [1, 2])
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces(mode):
-    """A 4-layer TF32 training loop on two GPUs: the replayed forward is a wavefront over both (plan(captured=
-    True)), each slot's backward is captured from its second call with the layers' time pieces on both GPUs
-    (rnn_wave_backward) and replayed after; outputs and every gradient within TF32's tolerance of torch's."""
+def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces(mode, ngpu):
+    """A 4-layer TF32 training loop on two GPUs, or on one GPU's lanes (a stream a layer): the replayed forward is
+    a wavefront (plan(captured=True)), each slot's backward is captured from its second call (on two GPUs in the
+    layers' time pieces, rnn_wave_backward; on one, layer after layer) and replayed after; outputs and every
+    gradient within TF32's tolerance of torch's."""
     from blasx.dnn import rnn_replay, rnn_wave_backward
-    if NGPU < 2:
-        pytest.skip("needs 2 GPUs")
-    blasx.configure(devices="cuda")
+    if NGPU < ngpu:
+        pytest.skip(f"needs {ngpu} GPUs")
+    blasx.configure(devices="cuda" if ngpu > 1 else "cuda:0")
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(13)
     m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(64, 64, num_layers=4).cuda()
@@ -789,5 +793,6 @@ def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces
     assert st["failures"] == before["failures"], st["failed"]
     assert st["backward_captured"] - before["backward_captured"] == 2
     assert st["backward_replayed"] - before["backward_replayed"] >= 2
-    assert pieces and all(len(ps) >= 4 for ps in pieces)  # (the captures: the wavefront's pieces)
+    assert (pieces and all(len(ps) >= 4 for ps in pieces)) if ngpu > 1 else not pieces  # (one GPU: layer by layer)
     assert rnn_multi.last_run()["placement"].kind == "wavefront"
+    assert rnn_multi.last_run()["placement"].lanes == ((0, 1, 2, 3) if ngpu == 1 else ())

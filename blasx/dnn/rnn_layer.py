@@ -118,7 +118,7 @@ def _shared_handle(dev: int):
 
 
 _side = threading.local()  # per thread: (device id, key) -> a non-blocking side stream
-_whole = threading.local()  # .ws: {device id: cuBLAS workspace} while this thread captures a whole call
+_whole = threading.local()  # .ws: {device id, or (id, stream ptr): cuBLAS workspace} while capturing a whole call
 
 
 class NotCapturable(RuntimeError):
@@ -134,6 +134,17 @@ def whole_call_capture(workspaces: dict):
 
 def capturing_whole_call() -> bool:
     return getattr(_whole, "ws", None) is not None
+
+
+def lane_workspace(stream) -> None:
+    """Inside a whole-call capture: a cuBLAS workspace of ``stream``'s own (the current device's, made on it) for
+    the GEMMs issued there, so that two streams of one device running side by side never share one. It is kept in
+    the capture's table, which the graph holds."""
+    import cupy
+
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    dev = cupy.cuda.Device()
+    _whole.ws[(dev.id, stream.ptr)] = cupy.empty(workspace_bytes(int(dev.compute_capability) // 10), dtype=cupy.uint8)
 
 
 def _side_stream(dev: int, key):
@@ -191,7 +202,9 @@ class CudaOps(_Moves):
         (CuPy's handle)."""
         ws = self._workspace
         if ws is None and (table := getattr(_whole, "ws", None)) is not None:
-            ws = table.get(self.xp.cuda.Device().id)
+            dev = self.xp.cuda.Device().id
+            ws = table.get((dev, self.xp.cuda.get_current_stream().ptr))
+            ws = table.get(dev) if ws is None else ws
         return ws
 
     @workspace.setter

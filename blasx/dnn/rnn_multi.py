@@ -41,6 +41,7 @@ class Kept:
     st: rnn_layer.Forward
     local: bool = False
     pieces: tuple = ()  # a wavefront layer's time pieces ((t0, t1), ...), which its backward may run in too
+    lane: int = 0  # the wavefront's stream of ``dev`` that the layer ran on (rnn_plan.Placement.lanes)
 
 
 def devices_for(pb) -> list:
@@ -412,8 +413,8 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
     store, f = pb.x.dtype, compute_type(pb.x.dtype)
     pieces = [(t0, min(T, t0 + pl.chunk)) for t0 in range(0, T, pl.chunk)]
     on = [devs[pl.cells[layer][0]] for layer in range(spec.num_layers)]
-    used = list(dict.fromkeys(on))
-    streams, cap = fork_streams(xp, used, "wave") if cuda else ({}, None)
+    lanes = [(pl.lanes[layer] if pl.lanes else 0, on[layer]) for layer in range(spec.num_layers)]
+    streams, cap = fork_streams(xp, list(dict.fromkeys(lanes)), "wave") if cuda else ({}, None)
     mm = local_mm(xp, f, pb.math) if cuda else None
     gates = keep or not cuda or not pb.graphs  # (an eager loop writes them even in inference)
     lps, sts, inps, events = [], [], [], {}
@@ -432,9 +433,9 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
 
     def piece(layer, p, t0, t1):
         dev, lp, st, inp = on[layer], lps[layer], sts[layer], inps[layer]
+        if layer and lanes[layer - 1] != lanes[layer] and cuda:
+            streams[lanes[layer]].wait_event(events[(layer - 1, p)])
         if layer and on[layer - 1] != dev:
-            if cuda:
-                streams[dev].wait_event(events[(layer - 1, p)])
             inp[t0:t1] = _here(xp, sts[layer - 1].S[t0 + 1:t1 + 1])
         view = piece_view(st, t0, t1)
         # the piece's h0[k] and c0[k]: the call's for the first, else the states the piece before left
@@ -442,19 +443,19 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
         c0 = lp.c0 if p == 0 else (None if st.C is None else {layer: st.C[t0]})
         sub = dataclasses.replace(lp, x=inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None, h0=h0, c0=c0)
         direction_forward(sub, ops_for(xp, pb.math), layer, 0, inp[t0:t1], mm=mm, into=view)
-        if cuda and layer + 1 < spec.num_layers and on[layer + 1] != dev:
-            events[(layer, p)] = streams[dev].record()
+        if cuda and layer + 1 < spec.num_layers and lanes[layer + 1] != lanes[layer]:
+            events[(layer, p)] = streams[lanes[layer]].record()
 
     try:
         for layer, dev in enumerate(on):
-            lp, st, inp = issue_on(xp, streams, dev, lambda layer=layer, dev=dev: setup(layer, dev))
+            lp, st, inp = issue_on(xp, streams, lanes[layer], lambda layer=layer, dev=dev: setup(layer, dev))
             lps.append(lp)
             sts.append(st)
             inps.append(inp)
             ran_on[(layer, 0)] = dev
         for p, (t0, t1) in enumerate(pieces):
             for layer, dev in enumerate(on):
-                issue_on(xp, streams, dev, lambda layer=layer: piece(layer, p, t0, t1))
+                issue_on(xp, streams, lanes[layer], lambda layer=layer: piece(layer, p, t0, t1))
     except BaseException:
         for st in streams.values() if cap is None else ():  # (a capture ran nothing)
             st.synchronize()
@@ -463,7 +464,7 @@ def _wavefront(pb, pl, devs, ran_on, direction_forward, keep: bool):
         join_streams(xp, streams, cap)
     from .rnn_exec import direction_output
     y = _layer_output(pb, [_home_s(xp, sts[-1], home)], direction_output, keep)
-    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True, tuple(pieces))]
+    return [[Kept(on[layer], inps[layer] if keep else None, sts[layer], True, tuple(pieces), lanes[layer][0])]
             for layer in range(spec.num_layers)], y
 
 
@@ -473,25 +474,30 @@ def piece_view(st, t0: int, t1: int):
                                for i, a in enumerate((st.S, st.C, st.gates, st.R))))
 
 
-def issue_on(xp, streams, dev, fn):
-    """``fn()`` with ``dev`` and its stream of ``streams`` current (CuPy), or as it is (host arrays)."""
+def issue_on(xp, streams, lane, fn):
+    """``fn()`` with ``lane``'s device and stream of ``streams`` current (CuPy), or as it is (host arrays)."""
     if xp is np:
         return fn()
-    with xp.cuda.Device(dev), on_stream(streams[dev]):
+    with xp.cuda.Device(lane[1]), on_stream(streams[lane]):
         return fn()
 
 
 def fork_streams(xp, used, key):
-    """(a stream per device of ``used``, the capture under way or None): pool streams after every device's current
-    work; inside a capture this thread's side streams ``key``, forked from it (as _Issued)."""
+    """(a stream per lane (index, device) of ``used``, the capture under way or None): pool streams after every
+    device's current work; inside a capture this thread's side streams ``key``, forked from it (as _Issued), the
+    second and later lanes of a device each with a cuBLAS workspace of its own (rnn_layer.lane_workspace)."""
     cap = xp.cuda.get_current_stream()
     cap = cap if cap.is_capturing() else None
     streams, ready = {}, []
-    for dev in used:
+    for lane in used:
+        i, dev = lane
         with xp.cuda.Device(dev):
-            streams[dev] = _stream(xp, dev, 0) if cap is None else rnn_layer._side_stream(dev, (key, 0))
-            if cap is None:
+            streams[lane] = _stream(xp, dev, i) if cap is None else rnn_layer._side_stream(dev, (key, i))
+            if cap is None and i == min(j for j, d in used if d == dev):
                 ready.append(xp.cuda.get_current_stream().record())
+            if cap is not None and i:
+                with on_stream(streams[lane]):
+                    rnn_layer.lane_workspace(streams[lane])
     if cap is not None:
         ready.append(cap.record())
     for dev, st in streams.items():
@@ -503,14 +509,14 @@ def fork_streams(xp, used, key):
 def join_streams(xp, streams, cap) -> None:
     """The capture (or every device's current stream) ordered after each of ``streams``."""
     done = []
-    for dev, st in streams.items():
+    for (_, dev), st in streams.items():
         with xp.cuda.Device(dev):
             done.append(st.record())
     if cap is not None:
         for ev in done:
             cap.wait_event(ev)
         return
-    for dev in streams:
+    for dev in dict.fromkeys(d for _, d in streams):
         with xp.cuda.Device(dev):
             for ev in done:
                 xp.cuda.get_current_stream().wait_event(ev)

@@ -304,6 +304,11 @@ def _workspaces(devices) -> dict:
     return out
 
 
+def _own_bytes(workspaces: dict) -> int:
+    """Bytes of the workspaces made before a capture (a lane's, keyed by (device, stream), is in its pool)."""
+    return sum(w.nbytes for k, w in workspaces.items() if not isinstance(k, tuple))
+
+
 def _capture(e: _Entry, x, hx, params, general, backward):
     """A new slot of e: the call captured on a stream of its own, then checked (module docstring); None when
     either failed (counted; the call runs the general path). A training slot comes back leased."""
@@ -342,7 +347,7 @@ def _capture(e: _Entry, x, hx, params, general, backward):
     s.graph, s.out, s.saved = graph, out[:2], (_saved(out[2]) if e.training else None)
     s.keep = [pool, workspaces, stream]
     ins = [s.x, *(s.hx if isinstance(s.hx, tuple) else (s.hx,) if s.hx is not None else ())]
-    s.nbytes = _pool_bytes(pool, s.devices) + sum(w.nbytes for w in workspaces.values()) + sum(a.nbytes for a in ins)
+    s.nbytes = _pool_bytes(pool, s.devices) + _own_bytes(workspaces) + sum(a.nbytes for a in ins)
     if e.nbytes + s.nbytes > MAX_BYTES:  # kept, it would hold more than all entries may: the general path for good
         e.fails = TRIES
         _failed(MemoryError(f"the graph's memory ({s.nbytes} bytes) would pass MAX_BYTES ({MAX_BYTES})"))

@@ -143,7 +143,7 @@ def _capture(s, k, saved, grads, general) -> dict:
         rnn_replay._failed(exc)
         rnn_replay._retire(pool, s.devices)
         return want
-    nbytes = rnn_replay._pool_bytes(pool, s.devices) + sum(w.nbytes for w in workspaces.values()) + \
+    nbytes = rnn_replay._pool_bytes(pool, s.devices) + rnn_replay._own_bytes(workspaces) + \
         sum(a.nbytes for a in ins if a is not None)
     b = _Back(graph, ins, out, [pool, workspaces, stream], nbytes)
     b.done = caller.record()

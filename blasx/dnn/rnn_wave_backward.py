@@ -2,13 +2,15 @@
 
 Layer l's backward over steps t0..t1-1 needs the gradient of its output there, which is layer l+1's input
 gradient over the same steps, and the state gradients its steps after t1 left. Run piece by piece, the last piece
-first: layer l's piece p runs on the device its forward ran on once layer l+1's piece p has given its input
-gradient, from the state gradients of its own piece p+1; so the upper group works on piece p-1 while the lower one
-works on piece p. A layer's weight gradients are summed over its pieces on its device.
+first: layer l's piece p runs on the device and lane (stream) its forward ran on once layer l+1's piece p has
+given its input gradient, from the state gradients of its own piece p+1; so the upper group works on piece p-1
+while the lower one works on piece p. A layer's weight gradients are summed over its pieces on its device.
 
 Each piece is a one-layer backward (rnn_exec.direction_backward), so the pieces cost the host several times the
 launches of a layer's backward: worth it where no host time is spent per piece, inside a whole-call capture of the
-backward (rnn_replay_backward.py), which is where :func:`applies` takes it. Float16 and bfloat16 keep one weight
+backward (rnn_replay_backward.py), which is where :func:`applies` takes it, for stacks over several devices (one
+device's lanes run the backward layer after layer: there the pieces' weight-gradient GEMMs cost more than the
+lanes save). Float16 and bfloat16 keep one weight
 GEMM a layer (their gradients rounded once, as cuDNN's) and run layer after layer. :data:`ALWAYS` takes it outside captures too
 (tests: it gives the layer-after-layer answer up to the order of the weight-gradient sums).
 """
@@ -30,7 +32,8 @@ def applies(pb, layers) -> bool:
     if not layers or not layers[0] or not layers[0][0].pieces or len(layers[0]) != 1 or \
             np.dtype(pb.x.dtype).itemsize < 4:
         return False
-    return ALWAYS or (pb.xp is not np and rnn_layer.capturing_whole_call())
+    # (one device's lanes: the pieces' weight-gradient GEMMs cost more than they gain)
+    return ALWAYS or (pb.xp is not np and rnn_layer.capturing_whole_call() and len({k[0].dev for k in layers}) > 1)
 
 
 def run(pb, layers, dy, gh, gc, direction):
@@ -48,8 +51,9 @@ def run(pb, layers, dy, gh, gc, direction):
     home = pb.x.device.id if cuda else None
     L = spec.num_layers
     on = [layers[layer][0].dev for layer in range(L)]
+    lanes = [(layers[layer][0].lane, on[layer]) for layer in range(L)]
     pieces = layers[0][0].pieces
-    streams, cap = rnn_multi.fork_streams(xp, list(dict.fromkeys(on)), "wave_back") if cuda else ({}, None)
+    streams, cap = rnn_multi.fork_streams(xp, list(dict.fromkeys(lanes)), "wave_back") if cuda else ({}, None)
     mm = rnn_multi.local_mm(xp, compute_type(pb.x.dtype), pb.math) if cuda else None
     lps, sums, outs, events, carry = {}, [None] * L, {}, {}, {}
     dx = [None]
@@ -60,12 +64,10 @@ def run(pb, layers, dy, gh, gc, direction):
             lps[layer] = rnn_multi._local(pb, dev, home, only=((layer, 0),))
         if layer == L - 1:
             dy_p = None if dy is None else dy[t0:t1]
-        elif on[layer + 1] == dev:
-            dy_p = outs[(layer + 1, p)]
         else:
-            if cuda:
-                streams[dev].wait_event(events[(layer + 1, p)])
-            dy_p = rnn_multi._here(xp, outs[(layer + 1, p)])
+            if cuda and lanes[layer + 1] != lanes[layer]:
+                streams[lanes[layer]].wait_event(events[(layer + 1, p)])
+            dy_p = outs[(layer + 1, p)] if on[layer + 1] == dev else rnn_multi._here(xp, outs[(layer + 1, p)])
         last = p == len(pieces) - 1
         dh, dc = ((None if gh is None else gh[layer], None if gc is None else gc[layer]) if last
                   else carry[layer])
@@ -80,8 +82,8 @@ def run(pb, layers, dy, gh, gc, direction):
                 sums[layer][name] += a
         if layer:
             outs[(layer, p)] = dxp  # (held to the end: another device's stream may still read it)
-            if cuda and on[layer - 1] != dev:
-                events[(layer, p)] = streams[dev].record()
+            if cuda and lanes[layer - 1] != lanes[layer]:
+                events[(layer, p)] = streams[lanes[layer]].record()
         else:
             if dx[0] is None:
                 dx[0] = xp.empty((T,) + dxp.shape[1:], dtype=dxp.dtype)
@@ -91,7 +93,7 @@ def run(pb, layers, dy, gh, gc, direction):
         for p in range(len(pieces) - 1, -1, -1):
             t0, t1 = pieces[p]
             for layer in range(L - 1, -1, -1):
-                rnn_multi.issue_on(xp, streams, on[layer], lambda layer=layer: piece(layer, p, t0, t1))
+                rnn_multi.issue_on(xp, streams, lanes[layer], lambda layer=layer: piece(layer, p, t0, t1))
     except BaseException:
         for st in streams.values() if cap is None else ():  # (a capture ran nothing)
             st.synchronize()
