@@ -159,6 +159,14 @@ def ones(shape, dtype=float):
     return empty(shape, dtype)
 
 
+def concatenate(arrays, axis=0):
+    arrays = list(arrays)
+    shape = list(arrays[0].shape)
+    shape[axis] = sum(a.shape[axis] for a in arrays)
+    record("concatenate", tuple(shape))
+    return empty(shape, arrays[0].dtype)
+
+
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
@@ -444,9 +452,9 @@ def _mem_get_info():
 
 def _build_modules() -> dict:
     cupy = types.ModuleType("cupy")
-    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "ones", "asarray", "asnumpy",
-                 "ascontiguousarray", "tile", "copyto", "may_share_memory", "ElementwiseKernel", "ReductionKernel",
-                 "RawKernel", "RawModule", "get_default_memory_pool"):
+    for name in ("ndarray", "empty", "empty_like", "zeros_like", "full", "zeros", "ones", "concatenate", "asarray",
+                 "asnumpy", "ascontiguousarray", "tile", "copyto", "may_share_memory", "ElementwiseKernel",
+                 "ReductionKernel", "RawKernel", "RawModule", "get_default_memory_pool"):
         setattr(cupy, name, globals()[name])
     for name in ("uint8", "uint16", "uint32", "uint64", "int32", "int64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))

@@ -471,11 +471,11 @@ def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins
         pb = _Pb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O), 0), (B,) * T, "tf32")
         seen = []
 
-        def direction(lp, ops, layer, k, mm, args):
+        def direction(lp, ops, layer, k, mm, args, defer):
             seen.append((layer, k.inp.shape[0], cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr,
                          args[0] is not None, args[1] is not None))
-            return ({f"weight_hh_l{layer}": cupy.zeros((2, 2), np.float32)}, arr((k.inp.shape[0], B, O), on[layer]),
-                    arr((B, O), on[layer]), None)
+            defer.append(((arr((2, 2), on[layer]), None), lambda ops: {f"weight_hh_l{layer}": ops[0]}))
+            return {}, arr((k.inp.shape[0], B, O), on[layer]), arr((B, O), on[layer]), None
         cap = cupy.cuda.Stream(non_blocking=True)
         with cap, rnn_layer.whole_call_capture({0: None, 1: None}):
             cap.begin_capture()
@@ -495,6 +495,7 @@ def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins
     assert ops[3:9] == [("event_record", s1), ("wait_event", s0)] * 3  # a crossing a piece, layer 2 -> layer 1
     assert ops[-2:] == [("wait_event", cap.ptr), ("wait_event", cap.ptr)]  # joined
     assert sorted(grads) == ["weight_hh_l0", "weight_hh_l1", "weight_hh_l2"] and dx.shape == (T, B, O)
+    assert all(g.shape == (2 * len(pieces), 2) for g in grads.values())  # (each one GEMM over its pieces' rows)
     assert len(dhs) == L and dcs == [None] * L
 
 
@@ -532,10 +533,11 @@ def test_wavefront_lanes_of_one_device_inside_a_capture_each_have_a_stream_and_a
         seen, dys = [], []
         table = {0: "device 0's"}
 
-        def direction(lp, ops, layer, k, mm, args):
+        def direction(lp, ops, layer, k, mm, args, defer):
             seen.append((layer, cupy.cuda.get_current_stream().ptr))
             dys.append(args[0])
-            return ({f"weight_hh_l{layer}": arr((2, 2))}, arr((k.inp.shape[0], B, O)), arr((B, O)), None)
+            defer.append(((arr((2, 2)),), lambda ops: {f"weight_hh_l{layer}": ops[0]}))
+            return {}, arr((k.inp.shape[0], B, O)), arr((B, O)), None
         cap = cupy.cuda.Stream(non_blocking=True)
         with cap, rnn_layer.whole_call_capture(table):
             cap.begin_capture()

@@ -273,8 +273,8 @@ def backward(pb, layers, gy, gh, gc) -> dict:
 
     if rnn_wave_backward.applies(pb, layers):
         g, dy, dhs, dcs = rnn_wave_backward.run(
-            pb, layers, dy, gh, gc, lambda lp, ops, layer, k, mm, args: direction_backward(
-                pb, loop, layer, lp, ops, 0, k, mm, args))
+            pb, layers, dy, gh, gc, lambda lp, ops, layer, k, mm, args, defer: direction_backward(
+                pb, loop, layer, lp, ops, 0, k, mm, args, defer))
         grads.update(g)
         for layer in range(spec.num_layers):
             dh0[layer] = dhs[layer]
@@ -308,11 +308,13 @@ def backward(pb, layers, gy, gh, gc) -> dict:
     return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
 
 
-def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args):
+def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args, defer=None):
     """One layer-direction's backward loop and GEMMs on its device: (weight grads, dx in processing order, dh0,
     dc0). ``k``: its rnn_multi.Kept (states and input; a wavefront piece: views of its time slice), ``args``: (dy,
     the gradients of its final h and c) on its device or another, ``loop``: rnn_layer.backward_loop or
-    rnn_graph.run_backward; ``mm``: a GEMM on this device (None: the engine's)."""
+    rnn_graph.run_backward; ``mm``: a GEMM on this device (None: the engine's). ``defer`` (a list): the weight
+    and bias gradients are not computed; (their operands, a function of the operands of several pieces joined in
+    time order that gives them) is appended instead, and an empty dict returned in their place."""
     from . import rnn_graph, rnn_multi, rnn_params
     spec, xp = pb.spec, pb.xp
     store = pb.x.dtype
@@ -340,10 +342,25 @@ def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args):
     w_loop = xp.ascontiguousarray(cell.w_hh) if half else _f(xp, cell.w_hh, f)
     w_hr_f = None if cell.w_hr is None else _f(xp, cell.w_hr, f)
 
+    def weights(parts) -> dict:
+        """The weight and bias gradients from (input, gate gradients as the GEMMs take them (x side, h side), h
+        before each step, the gate gradients in F (x side, h side or None: the same), the projection's output
+        gradient and R or None), each with its time steps' rows."""
+        xin, gx_t, gh_t, s_in, dgx, dgh, dhs, r = parts
+        s, g = rnn_params.suffix(layer, d), {}
+        g["weight_ih" + s] = wgrad(gx_t.T, xin)
+        g["weight_hh" + s] = wgrad(gh_t.T, s_in)
+        if cell.b_ih is not None:
+            g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
+            g["bias_hh" + s] = g["bias_ih" + s].copy() if dgh is None else rnn_layer.col_sum(xp, dgh, f).astype(store)
+        if dhs is not None:
+            g["weight_hr" + s] = mul(dhs.T, r).astype(store)
+        return g
+
     def consume(bw, owned: bool = False):
         """The weight, bias and input gradients from the loop's result (a graph entry's own buffers, read in
         place before the entry goes back); dh and dc copied unless ``owned`` (arrays of this call's)."""
-        s, g = rnn_params.suffix(layer, d), {}
+        g = {}
         if bw.dgx is None:  # the narrow form: only the rounded gradients (GRU's input side in x16)
             same = bw.x16 is None  # (all but GRU: one gate gradient for both sides)
             gh_t = bw.g16.reshape(T * B, -1)
@@ -358,15 +375,14 @@ def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args):
             else:
                 gx_t = _f(xp, dgx, g_t)
                 gh_t = gx_t if same else _f(xp, dgh, g_t)
-        xin = _flat(xp, k.inp[::-1] if rev else k.inp, g_t)
-        g["weight_ih" + s] = wgrad(gx_t.T, xin)
-        g["weight_hh" + s] = wgrad(gh_t.T, _flat(xp, st.S[:T], g_t))
-        if cell.b_ih is not None:
-            g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
-            g["bias_hh" + s] = g["bias_ih" + s].copy() if same else rnn_layer.col_sum(xp, dgh, f).astype(store)
-        if cell.w_hr is not None:
-            dhs = _f(xp, bw.dhs.reshape(T * B, -1), g_t)
-            g["weight_hr" + s] = mul(dhs.T, _flat(xp, st.R, g_t)).astype(store)
+        parts = (_flat(xp, k.inp[::-1] if rev else k.inp, g_t), gx_t, gh_t, _flat(xp, st.S[:T], g_t), dgx,
+                 None if same else dgh,
+                 None if cell.w_hr is None else _f(xp, bw.dhs.reshape(T * B, -1), g_t),
+                 None if cell.w_hr is None else _flat(xp, st.R, g_t))
+        if defer is None:
+            g = weights(parts)
+        else:
+            defer.append((parts if owned else tuple(None if a is None else a.copy() for a in parts), weights))
         dh, dc = (bw.dh, bw.dc) if owned else (bw.dh.copy(), None if bw.dc is None else bw.dc.copy())
         final = layer == 0 and dirs == 1 and g_t != f  # the input gradient itself: no F copy first
         return g, (wgrad if final else mul)(gx_t, _f(xp, cell.w_ih, g_t)).reshape(T, B, n_in), dh, dc

@@ -4,15 +4,16 @@ Layer l's backward over steps t0..t1-1 needs the gradient of its output there, w
 gradient over the same steps, and the state gradients its steps after t1 left. Run piece by piece, the last piece
 first: layer l's piece p runs on the device and lane (stream) its forward ran on once layer l+1's piece p has
 given its input gradient, from the state gradients of its own piece p+1; so the upper group works on piece p-1
-while the lower one works on piece p. A layer's weight gradients are summed over its pieces on its device.
+while the lower one works on piece p. A layer's weight gradients are one GEMM each on its device after its first
+piece, over the rows of all its pieces (their gate gradients kept until then).
 
 Each piece is a one-layer backward (rnn_exec.direction_backward), so the pieces cost the host several times the
 launches of a layer's backward: worth it where no host time is spent per piece, inside a whole-call capture of the
 backward (rnn_replay_backward.py), which is where :func:`applies` takes it, for stacks over several devices (one
-device's lanes run the backward layer after layer: there the pieces' weight-gradient GEMMs cost more than the
-lanes save). Float16 and bfloat16 keep one weight
-GEMM a layer (their gradients rounded once, as cuDNN's) and run layer after layer. :data:`ALWAYS` takes it outside captures too
-(tests: it gives the layer-after-layer answer up to the order of the weight-gradient sums).
+device's lanes run their backward layer after layer: the backward's loops overlap less than the forward's, and
+the pieces cost more than that gains; bench/results/NOTES.md). Float16 and bfloat16 keep one weight GEMM a layer
+(their gradients rounded once, as cuDNN's) and run layer after layer. :data:`ALWAYS` takes it outside captures
+too (tests: it gives the layer-after-layer answer up to the order of the input-gradient sums).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ def applies(pb, layers) -> bool:
     if not layers or not layers[0] or not layers[0][0].pieces or len(layers[0]) != 1 or \
             np.dtype(pb.x.dtype).itemsize < 4:
         return False
-    # (one device's lanes: the pieces' weight-gradient GEMMs cost more than they gain)
+    # (one device's lanes: layer after layer is faster, the backward's loops gaining less from overlapping)
     return ALWAYS or (pb.xp is not np and rnn_layer.capturing_whole_call() and len({k[0].dev for k in layers}) > 1)
 
 
 def run(pb, layers, dy, gh, gc, direction):
     """The backward of a wavefront stack in its pieces (module docstring). ``direction(lp, ops, layer, kept_piece,
-    mm, (dy, dh, dc))`` -> (weight grads, dx, dh, dc) runs one piece of one layer on the current device; ``dy`` the
+    mm, (dy, dh, dc), defer)`` -> (_, dx, dh, dc) runs one piece of one layer on the current device, its weight
+    gradients deferred (rnn_exec.direction_backward's ``defer``) to one GEMM each over the pieces; ``dy`` the
     top layer's output gradient in F (time-major) or None, ``gh``/``gc`` the final states' gradients or None.
     CuPy: issued from this thread, a stream a device (forked from the capture inside one), events where a piece's
     output gradient comes from another device. Returns (the weight gradients, the stack's input gradient, dh0 and
@@ -56,6 +58,7 @@ def run(pb, layers, dy, gh, gc, direction):
     streams, cap = rnn_multi.fork_streams(xp, list(dict.fromkeys(lanes)), "wave_back") if cuda else ({}, None)
     mm = rnn_multi.local_mm(xp, compute_type(pb.x.dtype), pb.math) if cuda else None
     lps, sums, outs, events, carry = {}, [None] * L, {}, {}, {}
+    parts = [[] for _ in range(L)]  # by layer: its pieces' weight-gradient operands, last piece first
     dx = [None]
 
     def piece(layer, p, t0, t1):
@@ -73,13 +76,13 @@ def run(pb, layers, dy, gh, gc, direction):
                   else carry[layer])
         sub = dataclasses.replace(lps[layer], x=k.inp[t0:t1], bs=tuple(pb.bs[t0:t1]), lengths=None)
         kp = rnn_multi.Kept(dev, k.inp[t0:t1], rnn_multi.piece_view(k.st, t0, t1), True)
-        g, dxp, dh, dc = direction(sub, ops_for(xp, pb.math), layer, kp, mm, (dy_p, dh, dc))
+        _, dxp, dh, dc = direction(sub, ops_for(xp, pb.math), layer, kp, mm, (dy_p, dh, dc), parts[layer])
         carry[layer] = (dh, dc)
-        if sums[layer] is None:
-            sums[layer] = g
-        else:
-            for name, a in g.items():
-                sums[layer][name] += a
+        if p == 0:  # the layer's weight gradients: one GEMM each over its pieces' rows, in time order
+            ops_of = parts[layer][::-1]
+            joined = tuple(None if ops_of[0][0][i] is None else xp.concatenate([o[i] for o, _ in ops_of])
+                           for i in range(len(ops_of[0][0])))
+            sums[layer] = ops_of[0][1](joined)
         if layer:
             outs[(layer, p)] = dxp  # (held to the end: another device's stream may still read it)
             if cuda and lanes[layer - 1] != lanes[layer]:
