@@ -280,12 +280,11 @@ def test_plan_rules():
         "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", captured=True).kind == "single"
     # ... and on one device as a wavefront of lanes (a stream a layer, at most 4), 8 pieces a layer
-    for wide, training in ((None, False), ("tf32", False), ("tf32", True)):
+    for wide, training in ((None, False), (None, True), ("tf32", False), ("tf32", True)):
         assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True) == rnn_plan.Placement(
             "wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
     assert rnn_plan.plan(6, 1, 64, 100, 1, training=False, captured=True).lanes == (0, 0, 1, 2, 2, 3)
     assert rnn_plan.plan(4, 1, 64, 56, 1, training=False, captured=True).kind == "single"  # pieces of 7 steps
-    assert rnn_plan.plan(4, 1, 64, 100, 1, captured=True).kind == "single"  # (float32 IEEE training)
     assert rnn_plan.plan(4, 1, 64, 100, 1, wide="reduced", training=False, captured=True).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 1, training=False).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 2, projection=True, training=False, captured=True).chunk == 25

@@ -31,10 +31,10 @@ group in inference, where the diagonal (whose groups issue from threads) cannot 
 too, whose backward, captured in turn, then runs in the same pieces (rnn_wave_backward.py) with the groups' devices
 side by side.
 
-On one device, a captured stack of that kind runs its layers as a wavefront of *lanes* instead: layer l on
-stream l of the device (``lanes``; at most :data:`MAX_LANES`), in :data:`LANE_PIECES` pieces, each lane waiting
-for the one below by an event: a step's GEMM of a small batch fills a fraction of the GPU's SMs, so the layers'
-loops run side by side (1.4-1.6x the throughput of one loop after another, four layers on an H200).
+On one device, such a stack captured whole (in training too, float32 IEEE included: no diagonal there) runs its
+layers as a wavefront of *lanes*: layer l on stream l of the device (``lanes``; at most :data:`MAX_LANES`), in
+:data:`LANE_PIECES` pieces, each lane waiting for the one below by an event: a step's GEMM of a small batch fills
+a fraction of the GPU's SMs, so the layers' loops run side by side.
 
 A diagonal chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1) chunks
 (about 1/8 of the run) and each hand-off is amortised over several steps. A wavefront piece is a whole one-layer
@@ -87,8 +87,8 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
             n > 1 and short >= MIN_CAPTURED_STEPS:
         return Placement("wavefront", n, cells, chunk=short)
     lanes = min(MAX_LANES, num_layers)
-    if stacked and not projection and wide != "reduced" and captured and (not training or wide == "tf32") and \
-            n_devices <= 1 and math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS:
+    if stacked and not projection and wide != "reduced" and captured and n_devices <= 1 and \
+            math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS:
         return Placement("wavefront", 1, one, chunk=math.ceil(steps / LANE_PIECES),
                          lanes=tuple(layer * lanes // num_layers for layer in range(num_layers)))
     if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
