@@ -18,8 +18,8 @@ from .machine import gib
 
 
 @dataclass
-class Record:
-    """One timed (or failed) run of one label."""
+class Case:
+    """Which label ran on which problem: the fields a run and a summary row share."""
     label: str
     contender: str
     variant: object
@@ -28,6 +28,11 @@ class Record:
     m: int
     n: int
     k: int
+
+
+@dataclass
+class Record(Case):
+    """One timed (or failed) run of one label."""
     run: int
     seconds: float | None
     error: float | None
@@ -41,16 +46,8 @@ class Record:
 
 
 @dataclass
-class Row:
+class Row(Case):
     """The runs of one label in one (mode, dtype, size): best/median and the check."""
-    label: str
-    contender: str
-    variant: object
-    mode: str
-    dtype: str
-    m: int
-    n: int
-    k: int
     runs: int
     best: float | None
     median: float | None

@@ -7,6 +7,8 @@ bfloat16 6e-2, both with float32 accumulation and cell state, y and h stored in 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -435,13 +437,23 @@ def test_wavefront_backward_stays_layer_after_layer_outside_captures_and_in_half
         rnn_wave_backward.ALWAYS = False
 
 
+@dataclasses.dataclass
+class _WavePb:
+    """What rnn_wave_backward.run reads of a problem (the tests on the CPU stand-in for CuPy)."""
+    xp: object
+    spec: object
+    x: object
+    bs: tuple
+    math: str
+    lengths: object = None
+
+
 def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins_into_it(monkeypatch):
     """rnn_wave_backward.run inside a whole-call capture (the CPU stand-in for CuPy): the pieces last-first, each
     piece top layer first, each layer on its forward's device and that device's side stream (forked from the
     capture: they wait for its event), state gradients carried from the piece after, an event where a piece's
     input gradient crosses to the other device and a wait for it there, both streams joined into the capture;
     weight gradients summed over the pieces and brought home."""
-    import dataclasses
     import types
 
     from bench import fake_cupy
@@ -459,15 +471,7 @@ def test_wavefront_backward_inside_a_capture_forks_a_stream_per_device_and_joins
         layers = [[rnn_multi.Kept(d, arr((T, B, O), d), rnn_layer.Forward(arr((T + 1, B, O), d), None,
                                                                            arr((T, B, 4 * O), d), None),
                                   True, pieces)] for d in on]
-        @dataclasses.dataclass
-        class _Pb:
-            xp: object
-            spec: object
-            x: object
-            bs: tuple
-            math: str
-            lengths: object = None
-        pb = _Pb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O), 0), (B,) * T, "tf32")
+        pb = _WavePb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O), 0), (B,) * T, "tf32")
         seen = []
 
         def direction(lp, ops, layer, k, mm, args, defer):
@@ -503,7 +507,6 @@ def test_wavefront_lanes_of_one_device_inside_a_capture_each_have_a_stream_and_a
     CuPy): each layer on its lane's own side stream of device 0, an event and a wait where a piece's input gradient
     crosses lanes (no copy: one device), the second and third lanes with a cuBLAS workspace of their own in the
     capture's table (the first uses the device's), every lane joined into the capture."""
-    import dataclasses
     import types
 
     from bench import fake_cupy
@@ -519,16 +522,7 @@ def test_wavefront_lanes_of_one_device_inside_a_capture_each_have_a_stream_and_a
         layers = [[rnn_multi.Kept(0, arr((T, B, O)), rnn_layer.Forward(arr((T + 1, B, O)), None,
                                                                         arr((T, B, 4 * O)), None),
                                   True, pieces, lane)] for lane in range(L)]
-
-        @dataclasses.dataclass
-        class _Pb:
-            xp: object
-            spec: object
-            x: object
-            bs: tuple
-            math: str
-            lengths: object = None
-        pb = _Pb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O)), (B,) * T, "tf32")
+        pb = _WavePb(cupy, types.SimpleNamespace(num_layers=L), arr((T, B, O)), (B,) * T, "tf32")
         seen, dys = [], []
         table = {0: "device 0's"}
 
