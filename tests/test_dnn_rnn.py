@@ -283,9 +283,13 @@ def test_plan_rules():
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", captured=True).kind == "single"
     # ... and on one device as a wavefront of lanes (a stream a layer, at most 4), 8 pieces a layer
     for wide, training in ((None, False), (None, True), ("tf32", False), ("tf32", True)):
-        assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True) == rnn_plan.Placement(
-            "wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
+        assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True, hidden=1024) == \
+            rnn_plan.Placement("wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
     assert rnn_plan.plan(6, 1, 64, 100, 1, training=False, captured=True).lanes == (0, 0, 1, 2, 2, 3)
+    # float32 IEEE and float64 steps past 128 x 1024 fill the GPU alone: no lanes; TF32 keeps them
+    assert rnn_plan.plan(4, 1, 128, 100, 1, training=False, captured=True, hidden=1024).kind == "wavefront"
+    assert rnn_plan.plan(4, 1, 128, 100, 1, training=False, captured=True, hidden=2048).kind == "single"
+    assert rnn_plan.plan(4, 1, 128, 100, 1, wide="tf32", captured=True, hidden=2048).kind == "wavefront"
     assert rnn_plan.plan(4, 1, 64, 56, 1, training=False, captured=True).kind == "single"  # pieces of 7 steps
     assert rnn_plan.plan(4, 1, 64, 100, 1, wide="reduced", training=False, captured=True).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 1, training=False).kind == "single"

@@ -229,7 +229,7 @@ def placement(pb, training: bool = True):
     devs = devices_for(pb)
     pl = rnn_plan.plan(spec.num_layers, spec.num_dirs, B, T, len(devs), projection=bool(spec.proj_size),
                        wide=wide_class(pb.x.dtype, pb.math), training=training,
-                       captured=rnn_layer.capturing_whole_call())
+                       captured=rnn_layer.capturing_whole_call(), hidden=spec.hidden_size)
     _last.run = {"placement": pl, "ran_on": {}}
     return pl, devs
 

@@ -55,8 +55,9 @@ PIECES = 2  # wavefront pieces per group (each piece costs a one-layer call's ho
 MIN_PIECE_STEPS = 20  # ... of at least this many steps for TF32 inference (fewer: single, whose loops the host outruns)
 CAPTURED_PIECES = 4  # pieces per group of an inference stack captured whole (rnn_replay: no host time a piece) ...
 MIN_CAPTURED_STEPS = 8  # ... of at least this many steps
-MAX_LANES = 4  # streams of one device a captured stack's layers run on side by side ...
-LANE_PIECES = 8  # ... in this many pieces a layer
+MAX_LANES = 4  # streams of one device a captured stack's layers run on side by side (1: none) ...
+LANE_PIECES = 8  # ... in this many pieces a layer; in float32 IEEE and float64 only while a step's batch x hidden
+LANE_MAX_WORK = 128 * 1024  # is at most this (larger steps' GEMMs fill the GPU alone: lanes gain nothing)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ class Placement:
 @functools.lru_cache(maxsize=1024)
 def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
          projection: bool = False, wide: str | None = None, training: bool = True,
-         captured: bool = False) -> Placement:
+         captured: bool = False, hidden: int = 0) -> Placement:
     """The placement of a stack (pure; see the module docstring for the rules); ``wide``: tensor-core math, its
-    class ("reduced" or "tf32", tile.wide_class); ``captured``: the call is being captured whole (rnn_replay)."""
+    class ("reduced" or "tf32", tile.wide_class); ``captured``: the call is being captured whole (rnn_replay);
+    ``hidden``: the hidden size."""
     one = tuple(tuple(0 for _ in range(num_dirs)) for _ in range(num_layers))
     stacked = num_dirs == 1 and num_layers >= 2
     n = max(1, min(n_devices, num_layers))
@@ -87,8 +89,8 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
             n > 1 and short >= MIN_CAPTURED_STEPS:
         return Placement("wavefront", n, cells, chunk=short)
     lanes = min(MAX_LANES, num_layers)
-    if stacked and not projection and wide != "reduced" and captured and n_devices <= 1 and \
-            math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS:
+    if stacked and not projection and wide != "reduced" and captured and n_devices <= 1 and lanes > 1 and \
+            math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS and (wide or batch * hidden <= LANE_MAX_WORK):
         return Placement("wavefront", 1, one, chunk=math.ceil(steps / LANE_PIECES),
                          lanes=tuple(layer * lanes // num_layers for layer in range(num_layers)))
     if stacked and not projection and wide == "tf32" and not training and n > 1 and piece >= MIN_PIECE_STEPS:
