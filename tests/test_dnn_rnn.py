@@ -190,19 +190,22 @@ def test_wavefront_pieces_every_mode(monkeypatch, mode, proj, hx):
     assert run["placement"] is pl and [run["ran_on"][(layer, 0)] for layer in range(3)] == [0, 0, 1]
 
 
-def test_wavefront_of_lanes_on_one_device(monkeypatch):
-    """A wavefront of 3 layers on one device in lanes (a stream a layer on CUDA) and pieces of 2 steps, its backward
-    in the same pieces: outputs and gradients as torch's; each layer keeps its lane for the backward."""
+@pytest.mark.parametrize("devices,cells,lanes", [("sim:1", ((0,),) * 3, (0, 1, 2)),
+                                                  ("sim:2", ((0,), (0,), (1,)), (0, 1, 0))])
+def test_wavefront_of_lanes(monkeypatch, devices, cells, lanes):
+    """A wavefront of 3 layers in lanes (a stream a layer of a device on CUDA; on one device, or two lanes on the
+    first of two) and pieces of 2 steps, its backward in the same pieces: outputs and gradients as torch's; each
+    layer keeps its lane for the backward."""
     from blasx.dnn import rnn_wave_backward
     monkeypatch.setattr(rnn_wave_backward, "ALWAYS", True)
-    lanes = []
+    seen = []
     real = rnn_wave_backward.run
-    monkeypatch.setattr(rnn_wave_backward, "run", lambda *a: lanes.append([k[0].lane for k in a[1]]) or real(*a))
-    blasx.configure(devices="sim:1")
-    pl = rnn_plan.Placement("wavefront", 1, ((0,),) * 3, chunk=2, lanes=(0, 1, 2))
+    monkeypatch.setattr(rnn_wave_backward, "run", lambda *a: seen.append([k[0].lane for k in a[1]]) or real(*a))
+    blasx.configure(devices=devices)
+    pl = rnn_plan.Placement("wavefront", len({c[0] for c in cells}), cells, chunk=2, lanes=lanes)
     monkeypatch.setattr(rnn_plan, "plan", lambda *a, **k: pl)
     compare("lstm", layers=3, T=7, B=4, H=5, lengths=[7, 6, 6, 3])
-    assert rnn_multi.last_run()["placement"] is pl and lanes == [[0, 1, 2]]
+    assert rnn_multi.last_run()["placement"] is pl and seen == [list(lanes)]
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
@@ -286,6 +289,16 @@ def test_plan_rules():
         assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True, hidden=1024) == \
             rnn_plan.Placement("wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
     assert rnn_plan.plan(6, 1, 64, 100, 1, training=False, captured=True).lanes == (0, 0, 1, 2, 2, 3)
+    # several devices with GPU_LANES lanes each (off by default): the layers of each device's group in runs
+    rnn_plan.GPU_LANES = 2
+    rnn_plan.plan.cache_clear()
+    try:
+        assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True) == rnn_plan.Placement(
+            "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13, lanes=(0, 1, 0, 1))
+        assert rnn_plan.plan(5, 1, 64, 100, 2, wide="tf32", captured=True).lanes == (0, 0, 1, 0, 1)
+    finally:
+        rnn_plan.GPU_LANES = 1
+        rnn_plan.plan.cache_clear()
     # float32 IEEE and float64 steps past 128 x 1024 fill the GPU alone: no lanes; TF32 keeps them
     assert rnn_plan.plan(4, 1, 128, 100, 1, training=False, captured=True, hidden=1024).kind == "wavefront"
     assert rnn_plan.plan(4, 1, 128, 100, 1, training=False, captured=True, hidden=2048).kind == "single"

@@ -58,6 +58,7 @@ MIN_CAPTURED_STEPS = 8  # ... of at least this many steps
 MAX_LANES = 4  # streams of one device a captured stack's layers run on side by side (1: none) ...
 LANE_PIECES = 8  # ... in this many pieces a layer; in float32 IEEE and float64 only while a step's batch x hidden
 LANE_MAX_WORK = 128 * 1024  # is at most this (larger steps' GEMMs fill the GPU alone: lanes gain nothing)
+GPU_LANES = 1  # lanes a device of a captured several-device wavefront (1: none; above 1 not yet measured)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,17 @@ class Placement:
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
     local: bool = False  # "single" on one device of several: every GEMM of the call on that device too
     lanes: tuple = ()  # "wavefront" on one device: each layer's stream (0 .. lanes-1); () one per device
+
+
+def _group_lanes(cells) -> tuple:
+    """Each layer's lane within its device's group of layers: the group's layers in :data:`GPU_LANES` contiguous
+    runs."""
+    groups = [c[0] for c in cells]
+    out = []
+    for layer, g in enumerate(groups):
+        first, size = groups.index(g), groups.count(g)
+        out.append((layer - first) * min(GPU_LANES, size) // size)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,7 +99,7 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     short = math.ceil(steps / (CAPTURED_PIECES * n))
     if stacked and not projection and wide != "reduced" and captured and (not training or wide == "tf32") and \
             n > 1 and short >= MIN_CAPTURED_STEPS:
-        return Placement("wavefront", n, cells, chunk=short)
+        return Placement("wavefront", n, cells, chunk=short, lanes=_group_lanes(cells) if GPU_LANES > 1 else ())
     lanes = min(MAX_LANES, num_layers)
     if stacked and not projection and wide != "reduced" and captured and n_devices <= 1 and lanes > 1 and \
             math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS and (wide or batch * hidden <= LANE_MAX_WORK):
