@@ -69,7 +69,7 @@ class Placement:
     rows: tuple = ()  # "batch": the (lo, hi) batch rows of each device
     chunk: int = 0  # "diagonal" and "wavefront": steps per hand-off (0: no hand-off)
     local: bool = False  # "single" on one device of several: every GEMM of the call on that device too
-    lanes: tuple = ()  # "wavefront" on one device: each layer's stream (0 .. lanes-1); () one per device
+    lanes: tuple = ()  # "wavefront": each layer's stream (lane) on its device; (): one a device
 
 
 def _group_lanes(cells) -> tuple:
