@@ -11,7 +11,7 @@ Each piece is a one-layer backward (rnn_exec.direction_backward), so the pieces 
 launches of a layer's backward: worth it where no host time is spent per piece, inside a whole-call capture of the
 backward (rnn_replay_backward.py), which is where :func:`applies` takes it, for stacks over several devices (one
 device's lanes run their backward layer after layer: the backward's loops overlap less than the forward's, and
-the pieces cost more than that gains; bench/results/NOTES.md). Float16 and bfloat16 keep one weight GEMM a layer
+the pieces cost more than that gains). Float16 and bfloat16 keep one weight GEMM a layer
 (their gradients rounded once, as cuDNN's) and run layer after layer. :data:`ALWAYS` takes it outside captures
 too (tests: it gives the layer-after-layer answer up to the order of the input-gradient sums).
 """
