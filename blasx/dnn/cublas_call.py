@@ -134,14 +134,18 @@ def _drop_handle(state: dict, spare: list) -> None:
         spare.append(state["handle"])
 
 
+def device_workspace(xp, count: int = 1):
+    """``count`` cuBLAS workspaces of the default size for the current device's architecture, back to back, in
+    one byte array on it."""
+    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    return xp.empty(count * workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=np.uint8)
+
+
 def _new_handle() -> tuple:
     """(handle, its workspace, the stream it is bound to: none yet)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
-
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
-    ws = cupy.empty(workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), dtype=np.uint8)
-    return cublas.create(), ws, None
+    return cublas.create(), device_workspace(cupy), None
 
 
 def _give_handle(key, h) -> None:

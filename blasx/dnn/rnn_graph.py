@@ -140,10 +140,9 @@ class _Entry:
     """A key's buffers, cuBLAS workspace and graphs (one per part of the loop: a diagonal loop's chunks)."""
 
     def __init__(self, xp, parts: int = 1) -> None:
-        from ..runtime.devices.cublas_ctypes import workspace_bytes
+        from .cublas_call import device_workspace
         self.xp = xp
-        size = workspace_bytes(int(xp.cuda.Device().compute_capability) // 10)
-        self.workspace = xp.empty(parts * size, dtype=xp.uint8)  # parts: one default-sized piece per GEMM branch
+        self.workspace = device_workspace(xp, parts)  # parts: one default-sized piece per GEMM branch
         self.graphs: dict = {}
         self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
         self.fails: dict = {}  # part -> captures that failed
@@ -351,10 +350,10 @@ def split_k(ops, gx, w_hh) -> bool:
 def run_eager(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse: bool) -> None:
     """rnn_layer.forward_loop launched from Python with the GEMM settings of its graph (a workspace, split-k or
     not), so an eager run gives the bits a replay gives."""
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
+    from .cublas_call import device_workspace
     xp = ops.xp
     old = ops.workspace, ops.split_k
-    ops.workspace = xp.empty(workspace_bytes(int(xp.cuda.Device().compute_capability) // 10), dtype=xp.uint8)
+    ops.workspace = device_workspace(xp)
     ops.split_k = split_k(ops, gx, w_hh)
     try:
         rnn_layer.forward_loop(ops, mode, gx, w_hh, w_hr, bias, st, gh, bs, reverse)

@@ -23,7 +23,7 @@ import numpy as np
 from . import rnn_cells, rnn_diag_cells
 from ..runtime import dtypes
 from ..threadlocal import setting
-from .cublas_call import check, strided_batched_ex
+from .cublas_call import check, device_workspace, strided_batched_ex
 from .direct_cuda import gemm_consts
 
 
@@ -141,10 +141,7 @@ def lane_workspace(stream) -> None:
     the GEMMs issued there, so that two streams of one device running side by side never share one. It is kept in
     the capture's table, which the graph holds."""
     import cupy
-
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
-    dev = cupy.cuda.Device()
-    _whole.ws[(dev.id, stream.ptr)] = cupy.empty(workspace_bytes(int(dev.compute_capability) // 10), dtype=cupy.uint8)
+    _whole.ws[(cupy.cuda.Device().id, stream.ptr)] = device_workspace(cupy)
 
 
 def _side_stream(dev: int, key):
@@ -317,7 +314,7 @@ class CudaOps(_Moves):
             self.gemm_batched(a, w, out, trans_w, beta)
             return
         if ws is None:  # freed to the current stream's pool: reused only after the joins below
-            ws = cupy.empty(nb * cc.workspace_bytes(int(cupy.cuda.Device().compute_capability) // 10), cupy.uint8)
+            ws = device_workspace(cupy, nb)
         piece = (ws.nbytes // nb) & ~255 if self.split_k else 0
         handle, lock = _shared_handle(dev)
         fork = main.record()

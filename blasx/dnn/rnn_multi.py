@@ -488,19 +488,20 @@ def fork_streams(xp, used, key):
     second and later lanes of a device each with a cuBLAS workspace of its own (rnn_layer.lane_workspace)."""
     cap = xp.cuda.get_current_stream()
     cap = cap if cap.is_capturing() else None
-    streams, ready = {}, []
+    streams, ready, forked = {}, [], set()
     for lane in used:
         i, dev = lane
         with xp.cuda.Device(dev):
             streams[lane] = _stream(xp, dev, i) if cap is None else rnn_layer._side_stream(dev, (key, i))
-            if cap is None and i == min(j for j, d in used if d == dev):
+            if cap is None and dev not in forked:  # (each device's current work once)
+                forked.add(dev)
                 ready.append(xp.cuda.get_current_stream().record())
             if cap is not None and i:
                 with on_stream(streams[lane]):
                     rnn_layer.lane_workspace(streams[lane])
     if cap is not None:
         ready.append(cap.record())
-    for dev, st in streams.items():
+    for st in streams.values():
         for ev in ready:
             st.wait_event(ev)
     return streams, cap

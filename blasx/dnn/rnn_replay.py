@@ -294,12 +294,12 @@ def _workspaces(devices) -> dict:
     (nothing is made inside one)."""
     import cupy
 
-    from ..runtime.devices.cublas_ctypes import workspace_bytes
     from . import rnn_layer
+    from .cublas_call import device_workspace
     out = {}
     for d in devices:
         with cupy.cuda.Device(d):
-            out[d] = cupy.empty(workspace_bytes(int(cupy.cuda.Device(d).compute_capability) // 10), dtype=cupy.uint8)
+            out[d] = device_workspace(cupy)
             rnn_layer._shared_handle(d)
     return out
 
