@@ -651,3 +651,31 @@ def test_a_call_that_ran_out_of_gpu_memory_runs_again_after_the_caches_are_relea
         with pytest.raises(MemoryError, match="still"):
             rnn._retrying(always, 1)
         assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_cuda_step_loops_allocate_nothing(mode, monkeypatch):
+    """forward_loop and backward_steps with CudaOps (the fake CuPy): kernels and GEMMs only, no allocation once
+    the placeholders exist, since rnn_graph captures them into graphs whose replays write the captured addresses
+    (memory freed after a capture would be written by every replay)."""
+    from bench import fake_cupy
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        ops = rnn_layer.CudaOps("ieee")
+        T, B, H = 5, 4, 8
+        g = {"lstm": 4, "gru": 3}.get(mode, 1) * H
+        st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, np.float32, np.float32)
+        gx, w_hh, gh = (cupy.empty(s, dtype=np.float32) for s in ((T, B, g), (g, H), (B, g)))
+        bias, dy = cupy.empty((4 * H,), dtype=np.float32), cupy.empty((T, B, H), dtype=np.float32)
+        bs = [4, 4, 3, 2, 1]
+        bw, scratch = rnn_layer.backward_buffers(ops, mode, st, g, H, np.float32, None, None)
+
+        def loops():
+            rnn_layer.forward_loop(ops, mode, gx, w_hh, None, bias, st, gh, bs, False)
+            rnn_layer.backward_steps(ops, mode, st, w_hh, None, dy, bs, False, bw, scratch)
+        loops()  # (the placeholders made)
+        made = []
+        real = fake_cupy.empty
+        monkeypatch.setattr(fake_cupy, "empty", lambda *a, **k: made.append(a) or real(*a, **k))
+        loops()
+        assert made == []
