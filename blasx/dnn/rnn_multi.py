@@ -25,8 +25,7 @@ _last = threading.local()
 
 def last_run() -> dict:
     """This thread's last forward placement: ``{"placement": Placement, "ran_on": {(layer, dir): device}}``, and
-    after a backward of a non-diagonal stack ``"backward_on": {(layer, dir): device}`` and ``"weights_beside"``
-    (how many layers' weight gradients went to a side stream, rnn_exec._side_weights)."""
+    after a backward of a non-diagonal stack ``"backward_on": {(layer, dir): device}``."""
     if not hasattr(_last, "run"):
         _last.run = {}
     return _last.run
