@@ -13,7 +13,7 @@ def _find(points, **kw):
 
 def markdown(doc: dict) -> str:
     """The report of a ``bench.scaling_sim`` run (its JSON document) as markdown."""
-    from .scaling_sim import MAX_INFLATION, PREDICTION, RETRIES
+    from .scaling_sim import MAX_INFLATION, PREDICTION, RETRIES  # (here: scaling_sim imports this module)
     m = doc["model"]
     L = [f"# GEMM scaling prediction (sim, timing mode): {doc['stamp']}", "",
          f"**{PREDICTION}**", "", "```", doc["command"], "```", "",
