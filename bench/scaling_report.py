@@ -7,7 +7,8 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f}"
 
 
-def _find(points, **kw):
+def find_point(points, **kw):
+    """The first point (a dict) with all of ``kw``'s values, or None."""
     return next((p for p in points if all(p.get(k) == v for k, v in kw.items())), None)
 
 
@@ -66,7 +67,7 @@ def markdown(doc: dict) -> str:
               "best estimate below; the nominal one is the issue's model, an upper bound."]
     # summary: TFLOPS and efficiency per (model, scenario, dtype) column
     cols = [(mo, sc, dt) for mo in doc["models"] for sc in doc["scenarios"] for dt in doc["dtypes"]
-            if _find(doc["points"], model=mo, scenario=sc, dtype=dt)]
+            if find_point(doc["points"], model=mo, scenario=sc, dtype=dt)]
     L += ["", "## Summary: predicted TFLOPS (parallel efficiency vs 1 GPU)", "",
           "| N | GPUs | " + " | ".join(f"{dt.upper()}GEMM {mo}, {sc}" for mo, sc, dt in cols) + " |",
           "| --: | --: | " + " | ".join("--:" for _ in cols) + " |"]
@@ -74,7 +75,7 @@ def markdown(doc: dict) -> str:
         for g in doc["gpus"]:
             cells = []
             for mo, sc, dt in cols:
-                p = _find(doc["points"], model=mo, scenario=sc, dtype=dt, n=n, gpus=g)
+                p = find_point(doc["points"], model=mo, scenario=sc, dtype=dt, n=n, gpus=g)
                 star = " *" if p is not None and p["busy_inflation"] > MAX_INFLATION else ""
                 cells.append("-" if p is None else f"{p['tflops']:.0f} ({p['efficiency']:.0%}){star}")
             L.append(f"| {n} | {g} | " + " | ".join(cells) + " |")

@@ -71,7 +71,7 @@ from blasx.runtime.plans import choose_split, gemm_flops, plan_gemm
 from blasx.runtime.tiling import OP_N
 from blasx.tile import MIN_TILE, default_tile, tiles_needed
 
-from .scaling_report import LIMITS, markdown
+from .scaling_report import LIMITS, find_point, markdown
 
 PREDICTION = ("PREDICTION, NOT A MEASUREMENT: simulated GPUs (blasx `sim` backend, data-free timing "
               "mode) with a cost model taken from the 2x H200 measurement; no 4- or 8-GPU machine was used.")
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for dt in (dts if not shared else [d for d in dts if d in shared_dts]):
                     for n in ns:
                         for g in gpus_list:
-                            base = _find(points, model=mo, scenario="independent", dtype=dt, n=n, gpus=g)
+                            base = find_point(points, model=mo, scenario="independent", dtype=dt, n=n, gpus=g)
                             if shared and base is not None and not cap_binds(g, model, scen):
                                 # the cap cannot slow anything down here: the independent result holds
                                 points.append({**base, "scenario": scen, "reused": True})
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         sys.setswitchinterval(old_switch)
     for p in points:
-        one = _find(points, model=p["model"], scenario=p["scenario"], dtype=p["dtype"], n=p["n"], gpus=1)
+        one = find_point(points, model=p["model"], scenario=p["scenario"], dtype=p["dtype"], n=p["n"], gpus=1)
         p["speedup"] = one["time"] / p["time"] if one else float("nan")
         p["efficiency"] = p["speedup"] / p["gpus"] if one else float("nan")
     nominal = model_of("nominal")
