@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from blasx.dnn import rnn_cells, rnn_diag, rnn_diag_cells, rnn_graph, rnn_layer
+from blasx.dnn.rnn_params import GATES
 
 _rec = {"ops": None}  # the calls recorded while a stand-in stream captures
 
@@ -122,7 +123,7 @@ class _Ops(rnn_layer.HostOps):
 def test_graph_entries_equal_plain_loops(mode, proj, bs, reverse):
     rng = np.random.default_rng(len(bs) + proj)
     T, B, H = len(bs), bs[0], 5
-    G, out = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode], proj or H
+    G, out = GATES[mode], proj or H
     rnn_graph.clear()
     before = rnn_graph.stats()
     for call in range(4):
@@ -189,7 +190,7 @@ def test_diag_parts_equal_plain_loop(mode):
     the plain loop over all steps."""
     rng = np.random.default_rng(3)
     n, T, B, H = 3, 5, 2, 4
-    G, gw = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode], rnn_diag_cells.gate_width(mode, H)
+    G, gw = GATES[mode], rnn_diag_cells.gate_width(mode, H)
     S = T + n - 1
 
     def bufs(xp):
@@ -269,7 +270,7 @@ def test_a_leased_forward_keeps_its_entry_until_collected(mode, proj):
     rng = np.random.default_rng(7 + proj)
     bs = (3, 3, 2, 1)
     T, B, H = len(bs), bs[0], 4
-    G, out = {"lstm": 4, "gru": 3}[mode], proj or H
+    G, out = GATES[mode], proj or H
     rnn_graph.clear()
     before = rnn_graph.stats()
     w = _a(rng.standard_normal((G * H, out)))
@@ -380,7 +381,7 @@ def test_narrow_half_backward_keeps_only_the_rounded_gradients(mode, monkeypatch
     rng = np.random.default_rng(11)
     bs = (3, 3, 2)
     T, B, H = len(bs), bs[0], 4
-    G = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode]
+    G = GATES[mode]
     w16 = (rng.standard_normal((G * H, H)) * 0.3).astype(np.float16)
     st = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float16, np.float32)
     st.S[0] = 0
@@ -464,7 +465,7 @@ def test_a_captured_prologue_reads_the_parameters_where_they_lie(mode, monkeypat
     monkeypatch.setattr(rnn_graph, "PROLOGUES", 2)
     rng = np.random.default_rng(9)
     T, B, H, n_in = 4, 3, 5, 6
-    G = {"lstm": 4, "gru": 3}[mode]
+    G = GATES[mode]
     nb = (G + (mode == "gru")) * H
     rnn_graph.clear()
 
@@ -663,7 +664,7 @@ def test_cuda_step_loops_allocate_nothing(mode, monkeypatch):
         cupy = fake.cupy
         ops = rnn_layer.CudaOps("ieee")
         T, B, H = 5, 4, 8
-        g = {"lstm": 4, "gru": 3}.get(mode, 1) * H
+        g = GATES[mode] * H
         st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, np.float32, np.float32)
         gx, w_hh, gh = (cupy.empty(s, dtype=np.float32) for s in ((T, B, g), (g, H), (B, g)))
         bias, dy = cupy.empty((4 * H,), dtype=np.float32), cupy.empty((T, B, H), dtype=np.float32)
