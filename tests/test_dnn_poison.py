@@ -27,6 +27,7 @@ import blasx
 from blasx import dnn
 from blasx.dnn import direct_cache, rnn_graph
 from blasx.dnn.graph import Builder
+from blasx.dnn.rnn_params import GATES
 from dnn_ref import leaves, poisoned_empty
 
 # (id, spec, tile): the host engine as one host BLAS call, the host engine tiled, two sims tiled
@@ -376,7 +377,7 @@ def test_elementwise(devices):
 # ---------------------------------------------------------------- recurrent layers
 
 def _rnn_params(mode, I, H, L, bidir, proj, rng, bias=True):
-    gates = {"lstm": 4, "gru": 3}.get(mode, 1)
+    gates = GATES[mode]
     out = proj or H
     p = {}
     for layer in range(L):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from blasx.dnn.rnn_layer import gemm_ex_layout
+from blasx.dnn.rnn_params import GATES
 
 
 def _col_major(mem, rows: int, cols: int, ld: int):
@@ -50,7 +51,7 @@ def test_backward_loop_with_half_weights_takes_rounded_gate_gradients(mode):
     rng = np.random.default_rng(5)
     bs = (4, 4, 3, 2, 1)
     T, B, H = len(bs), 4, 8
-    G = {"lstm": 4, "gru": 3, "rnn_tanh": 1}[mode]
+    G = GATES[mode]
     ops = rnn_layer.HostOps()
     st = rnn_layer.forward_buffers(np, mode, T, B, H, H, False, np.float16, np.float32)
     st.S[0] = rng.standard_normal((B, H)) * 0.5
@@ -79,7 +80,7 @@ def test_forward_cell_adds_its_bias(mode):
     from blasx.dnn import rnn_cells
     rng = np.random.default_rng(7)
     a, H = 3, 4
-    G = {"lstm": 4, "gru": 3}.get(mode, 1)
+    G = GATES[mode]
     gx, gh = rng.standard_normal((a, G * H)), rng.standard_normal((a, G * H))
     bias = rng.standard_normal((G + (mode == "gru")) * H)
     cp, hp = rng.standard_normal((a, H)), rng.standard_normal((a, H))
