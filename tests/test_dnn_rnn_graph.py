@@ -680,3 +680,34 @@ def test_cuda_step_loops_allocate_nothing(mode, monkeypatch):
         monkeypatch.setattr(fake_cupy, "empty", lambda *a, **k: made.append(a) or real(*a, **k))
         loops()
         assert made == []
+
+
+def test_dropped_entries_live_until_their_last_users_work_is_done(monkeypatch):
+    """An idle entry dropped past MAX_GRAPHS (or by clear) keeps its buffers until the event of its last user's
+    work has completed: freed at once they would go back to the stream that allocated them, free for its next
+    allocation while another stream may still be using them."""
+    class Done:
+        def __init__(self, done):
+            self.done = done
+
+    class Entry:
+        def __init__(self, key, done):
+            self.key, self.done = key, Done(done)
+    monkeypatch.setattr(rnn_graph, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(rnn_graph, "_cache", type(rnn_graph._cache)())
+    monkeypatch.setattr(rnn_graph, "_draining", [])
+    running, finished = Entry("a", False), Entry("b", True)
+    with rnn_graph._lock:
+        rnn_graph._idle(running)
+        rnn_graph._idle(finished)  # drops "a", whose work still runs
+        assert rnn_graph._draining == [running] and rnn_graph._cache == {"b": [finished]}
+        rnn_graph._idle(Entry("c", True))  # drops "b", done: freed at once
+        assert rnn_graph._draining == [running]
+        running.done.done = True
+        rnn_graph._take_back()
+        assert rnn_graph._draining == []
+    late = Entry("d", False)
+    with rnn_graph._lock:
+        rnn_graph._idle(late)
+    rnn_graph.clear()
+    assert rnn_graph._cache == {} and rnn_graph._draining == [late]

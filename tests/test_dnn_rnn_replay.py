@@ -380,7 +380,8 @@ def test_a_replayed_forwards_backward_is_captured_on_its_second_call_and_replaye
     """rnn_replay_backward: per slot and gradients' signature the first backward is general (None), the second
     general too (its answer returned) and captured, checked on the same gradients; later ones replay with fresh
     outputs following new gradients; a signature with another gradient given is apart; a saved state of no
-    slot, host gradients and a dropped slot take the general path."""
+    slot, host gradients and a dropped slot (also one dropped between the lookup and the replay) take the
+    general path."""
     from blasx.dnn import rnn_replay_backward as rb
     saved = _trained(2.0)
     assert saved.replay_slot is not None
@@ -407,8 +408,10 @@ def test_a_replayed_forwards_backward_is_captured_on_its_second_call_and_replaye
     assert rb.call(saved, (np.ones((3, 2, 4), np.float32), None, None), general) is None  # host gradient
     slot = saved.replay_slot
     assert len(slot.backs) == 1 and slot.nbytes > 0
+    (k, b), = slot.backs.items()
     rnn_replay.clear()  # the slot dropped: its backward graph goes (its pool retired), the general path after
     assert slot.backs == {} and rb.call(saved, (gy(1.0), None, None), general) is None
+    assert rb._replay(slot, k, b, (gy(1.0), None, None)) is None  # (looked up before the drop, replayed after)
 
 
 def test_a_backward_capture_that_does_not_reproduce_the_call_is_never_used(mini):

@@ -50,6 +50,7 @@ _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries
 _returned: deque = deque()  # leased entries whose Forward was collected (appended by its finalizer, lock-free)
 _leased: dict = {}  # key -> its entries out on lease
+_draining: list = []  # dropped entries whose last user's work may still run: kept until their event is done
 _stats = {"captured": 0, "replayed": 0, "eager": 0, "failures": 0, "failed": "", "leased": 0}
 
 
@@ -113,6 +114,9 @@ def clear() -> None:
     """Drops every idle entry (those out on lease come back when their Forward is collected)."""
     with _lock:
         _take_back()
+        for idle in _cache.values():
+            for e in idle:
+                _drop(e)
         _cache.clear()
 
 
@@ -232,10 +236,21 @@ def _idle(e: _Entry) -> None:
     held = sum(i.nbytes for v in _cache.values() for i in v)
     while count > MAX_GRAPHS or (count > 1 and held > MAX_IDLE_BYTES):
         key, idle = next(iter(_cache.items()))
-        held -= idle.pop(0).nbytes
+        old = idle.pop(0)
+        held -= old.nbytes
         count -= 1
+        _drop(old)
         if not idle:
             del _cache[key]
+
+
+def _drop(e) -> None:
+    """(under _lock) ``e`` leaves the cache; its buffers are freed once its last user's work is done, checked
+    now and at each later drop (freed at once they would go back to the stream that allocated them, free for its
+    next allocation while another stream's last use may still run). ``None``: only the check."""
+    if e is not None and e.done is not None:
+        _draining.append(e)
+    _draining[:] = [d for d in _draining if not d.done.done]
 
 
 def _take_back() -> None:
@@ -244,6 +259,8 @@ def _take_back() -> None:
         e = _returned.popleft()
         _leased[e.key] -= 1
         _idle(e)
+    if _draining:
+        _drop(None)
 
 
 def _lend(e: _Entry) -> bool:

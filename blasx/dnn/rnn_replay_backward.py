@@ -66,7 +66,7 @@ def call(saved, grads, general):
         if b is None:
             s.back_seen[k] = seen + 1
     if b is not None:
-        return _replay(s, b, grads)
+        return _replay(s, k, b, grads)
     if seen == 0 or s.back_fails.get(k, 0) >= rnn_replay.TRIES:
         return None
     res = _capture(s, k, saved, grads, general)
@@ -74,12 +74,16 @@ def call(saved, grads, general):
     return res
 
 
-def _replay(s, b: _Back, grads) -> dict:
+def _replay(s, k, b: _Back, grads):
+    """b's gradients for ``grads``, or None when the slot lost b since it was looked up (dropped, its pool freed):
+    the general path runs the call."""
     import cupy
 
     from . import rnn_replay
     stream = cupy.cuda.get_current_stream()
     with s.lock:
+        if s.backs.get(k) is not b:
+            return None
         for ev in (s.done, b.done):  # the forward's replay, this graph's last user
             if ev is not None:
                 stream.wait_event(ev)
