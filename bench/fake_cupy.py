@@ -121,7 +121,10 @@ class ndarray(np.ndarray):
         shapes = [np.shape(i) for i in inputs]
         dt = np.result_type(*[i.dtype if hasattr(i, "dtype") else i for i in inputs])
         record("ufunc", ufunc.__name__)
-        return empty(np.broadcast_shapes(*shapes), dt)
+        out = kwargs.get("out")
+        if method == "__call__" and out is not None and len(out) == 1:  # in place (a += b): one kernel, no array
+            return out[0]
+        return empty(np.broadcast_shapes(*shapes), dt)  # (reductions too: CuPy's may take scratch, e.g. CUB's)
 
 
 def empty(shape, dtype=float, order="C"):

@@ -208,6 +208,37 @@ def test_wavefront_of_lanes(monkeypatch, devices, cells, lanes):
     assert rnn_multi.last_run()["placement"] is pl and seen == [list(lanes)]
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_backward_recurrent_gemm_in_k_slices(monkeypatch, mode, splits):
+    """rnn_layer.backward_steps with the recurrent GEMM in k slices (CUDA's step_splits, forced on the host): the
+    partial sums ping-pong as stacks the next cell sums (GRU's own part in the last), carried rows past a
+    sequence's end in the first part; every gradient as torch's, with variable lengths and both directions."""
+    from blasx.dnn import rnn_layer
+    calls = []
+
+    def splits_of(f, k, h):
+        calls.append(k)
+        return splits
+    monkeypatch.setattr(rnn_layer.HostOps, "step_splits", staticmethod(splits_of))
+    compare(mode, layers=2, bidir=True, T=6, B=4, H=6, lengths=[6, 5, 3, 1])
+    assert calls and all(k % splits == 0 for k in calls)
+
+
+def test_step_splits_rule():
+    """CudaOps.step_splits: STEP_SPLITS slices of 256+ for float32 gradients (TF32 at any size, IEEE up to hidden
+    1024), none for other types, narrow k or uneven slices."""
+    from blasx.dnn import rnn_layer
+    ops = rnn_layer.CudaOps.__new__(rnn_layer.CudaOps)
+    n = rnn_layer.STEP_SPLITS
+    for math, f, k, h, want in [("tf32", np.float32, 4096, 1024, n), ("tf32", np.float32, 8192, 2048, n),
+                                ("ieee", np.float32, 4096, 1024, n), ("ieee", np.float32, 8192, 2048, 1),
+                                ("tf32", np.float64, 4096, 1024, 1), ("tf32", np.float32, 1024, 1024, 1),
+                                ("tf32", np.float32, 3 * 683, 683, 1), ("ieee", np.float32, 3 * 1024, 1024, n)]:
+        ops.math = math
+        assert ops.step_splits(np.dtype(f), k, h) == want, (math, f, k, h)
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_bidirectional_backward_on_two_sims(mode):
     """On sim:2 each direction's backward runs on the device its forward ran on (the two at once); every gradient

@@ -654,8 +654,9 @@ def test_a_call_that_ran_out_of_gpu_memory_runs_again_after_the_caches_are_relea
         assert calls == [1, 1]
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_cuda_step_loops_allocate_nothing(mode, monkeypatch):
+def test_cuda_step_loops_allocate_nothing(mode, splits, monkeypatch):
     """forward_loop and backward_steps with CudaOps (the fake CuPy): kernels and GEMMs only, no allocation once
     the placeholders exist, since rnn_graph captures them into graphs whose replays write the captured addresses
     (memory freed after a capture would be written by every replay)."""
@@ -663,6 +664,7 @@ def test_cuda_step_loops_allocate_nothing(mode, monkeypatch):
     with fake_cupy.installed() as fake:
         cupy = fake.cupy
         ops = rnn_layer.CudaOps("ieee")
+        monkeypatch.setattr(rnn_layer.CudaOps, "step_splits", lambda self, f, k, h: splits)  # (k slices too)
         T, B, H = 5, 4, 8
         g = GATES[mode] * H
         st = rnn_layer.forward_buffers(cupy, mode, T, B, H, H, False, np.float32, np.float32)
@@ -706,6 +708,10 @@ def test_dropped_entries_live_until_their_last_users_work_is_done(monkeypatch):
         running.done.done = True
         rnn_graph._take_back()
         assert rnn_graph._draining == []
+        rnn_graph._cache["c"].pop()  # (taken by a call: its key's list left empty, the least recently used)
+        rnn_graph._idle(Entry("e", True))
+        rnn_graph._idle(Entry("f", True))
+        assert rnn_graph._cache == {"f": [rnn_graph._cache["f"][0]]}
     late = Entry("d", False)
     with rnn_graph._lock:
         rnn_graph._idle(late)

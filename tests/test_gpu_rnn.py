@@ -359,8 +359,8 @@ def test_saved_states_held_at_once_in_threads(mode, bidir, in_threads):
                 saved = [f(x, None, p, bidirectional=bidir, training=True)[-1] for x in xs]
                 for j in (2, 1, 0):
                     g = bw(saved[j], gy)
-                    for k in refs[j]:
-                        assert float(cupy.abs(g[k] - refs[j][k]).max()) == 0.0, (j, k)
+                    wrong = {k: float(cupy.abs(g[k] - refs[j][k]).max()) for k in refs[j]}  # (all: which are off)
+                    assert not any(wrong.values()), (j, {k: v for k, v in wrong.items() if v})
                 del saved
     before = rnn_graph.stats()
     in_threads(call, 3)

@@ -91,7 +91,13 @@ def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh,
     ``dh_out`` = the part of dh_prev not through W_hh (the recurrent GEMM then adds to it), and ``dgh`` (``dgx``)
     rounded to the storage type into ``g16`` (``x16``) when given; rows ``>= a`` carry ``dh`` and ``dc`` over into
     ``dh_out`` and ``dc_out``. ``dgx`` and ``dgh`` None (CUDA's narrow form, rnn_layer.backward_buffers): only
-    the rounded copies are kept."""
+    the rounded copies are kept. ``dh`` and ``dh_out`` may be (n, B, out) stacks of partial sums (the recurrent
+    GEMM in k slices, rnn_layer.backward_steps): dh is their sum; carried rows go to ``dh_out[0]`` (the other
+    parts zeroed) and GRU's part not through W_hh to ``dh_out[-1]``."""
+    stack = dh.ndim == 3
+    if stack:
+        dh, parts = dh.sum(axis=0), dh_out
+        dh_out = parts[-1]
     d = dh[:a] + dy[:a] if dy is not None else dh[:a]
     lstm = mode == "lstm"
     if dgx is None:
@@ -104,7 +110,11 @@ def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh,
         g16[:a] = dgh[:a]
     if x16 is not None:
         x16[:a] = dgx[:a]
-    dh_out[a:] = dh[a:]
+    if stack:
+        parts[:, a:] = 0
+        parts[0, a:] = dh[a:]
+    else:
+        dh_out[a:] = dh[a:]
     if lstm:
         dc_out[a:] = dc[a:]
 
@@ -136,13 +146,17 @@ _FWD = {
 }
 
 # half: 0 the gradients in F only, 1 also dgh rounded into g16, 2 only the rounded g16 (and GRU's dgx into x16)
+# dh and dhn: ``np`` parts of ``part`` elements each (np_backward_step's stacks; one part: plain arrays)
 _STEP_ARGS = ("raw F dh, raw F dy, int32 has_dy, raw F dc, raw F gates, raw F c, raw F cp, raw S h, raw S hp, "
-              "int32 H, int32 a, int32 half", "raw F dgx, raw F dgh, raw F dcn, raw F dhn, raw S g16, raw S x16")
+              "int32 H, int32 a, int32 half, int32 np, int64 part",
+              "raw F dgx, raw F dgh, raw F dcn, raw F dhn, raw S g16, raw S x16")
+_SUM = "F dhs = dh[i]; for (int q = 1; q < np; ++q) dhs += dh[q * part + i];"
+_CARRY = "dhn[i] = dhs; for (int q = 1; q < np; ++q) dhn[q * part + i] = 0;"
 _STEP = {  # np_backward_step over every row: i = b * H + j
-    "lstm": """
-        if (i / H >= a) { dhn[i] = dh[i]; dcn[i] = dc[i]; } else {
+    "lstm": _SUM + """
+        if (i / H >= a) { """ + _CARRY + """ dcn[i] = dc[i]; } else {
         int b = i / H, j = i % H; long k = (long)b * 4 * H + j;
-        F d = has_dy ? dh[i] + dy[i] : dh[i];
+        F d = has_dy ? dhs + dy[i] : dhs;
         F ig = gates[k], fg = gates[k + H], gg = gates[k + 2 * H], og = gates[k + 3 * H];
         F tc = tanh(c[i]); F dct = dc[i] + d * og * (1 - tc * tc);
         F d0 = dct * gg * ig * (1 - ig), d1 = dct * cp[i] * fg * (1 - fg), d2 = dct * ig * (1 - gg * gg),
@@ -150,10 +164,10 @@ _STEP = {  # np_backward_step over every row: i = b * H + j
         if (half != 2) { dgx[k] = d0; dgx[k + H] = d1; dgx[k + 2 * H] = d2; dgx[k + 3 * H] = d3; }
         if (half) { g16[k] = (S)d0; g16[k + H] = (S)d1; g16[k + 2 * H] = (S)d2; g16[k + 3 * H] = (S)d3; }
         dcn[i] = dct * fg; }""",
-    "gru": """
-        if (i / H >= a) { dhn[i] = dh[i]; } else {
+    "gru": _SUM + """
+        if (i / H >= a) { """ + _CARRY + """ } else {
         int b = i / H, j = i % H; long q = (long)b * 4 * H + j, k = (long)b * 3 * H + j;
-        F d = has_dy ? dh[i] + dy[i] : dh[i];
+        F d = has_dy ? dhs + dy[i] : dhs;
         F r = gates[q], z = gates[q + H], n = gates[q + 2 * H], ghn = gates[q + 3 * H];
         F dsn = d * (1 - z) * (1 - n * n), dsr = dsn * ghn * r * (1 - r),
           dsz = d * ((F)hp[i] - n) * z * (1 - z);
@@ -161,14 +175,14 @@ _STEP = {  # np_backward_step over every row: i = b * H + j
                          dgh[k] = dsr; dgh[k + H] = dsz; dgh[k + 2 * H] = dsn * r; }
         if (half) { g16[k] = (S)dsr; g16[k + H] = (S)dsz; g16[k + 2 * H] = (S)(dsn * r); }
         if (half == 2) { x16[k] = (S)dsr; x16[k + H] = (S)dsz; x16[k + 2 * H] = (S)dsn; }
-        dhn[i] = d * z; }""",
-    "rnn_tanh": """
-        if (i / H >= a) { dhn[i] = dh[i]; } else {
-        F d = has_dy ? dh[i] + dy[i] : dh[i]; F y = (F)h[i]; F v = d * (1 - y * y); if (half != 2) dgx[i] = v;
+        dhn[(np - 1) * part + i] = d * z; }""",
+    "rnn_tanh": _SUM + """
+        if (i / H >= a) { """ + _CARRY + """ } else {
+        F d = has_dy ? dhs + dy[i] : dhs; F y = (F)h[i]; F v = d * (1 - y * y); if (half != 2) dgx[i] = v;
         if (half) g16[i] = (S)v; }""",
-    "rnn_relu": """
-        if (i / H >= a) { dhn[i] = dh[i]; } else {
-        F d = has_dy ? dh[i] + dy[i] : dh[i]; F v = (F)h[i] > 0 ? d : (F)0; if (half != 2) dgx[i] = v;
+    "rnn_relu": _SUM + """
+        if (i / H >= a) { """ + _CARRY + """ } else {
+        F d = has_dy ? dhs + dy[i] : dhs; F v = (F)h[i] > 0 ? d : (F)0; if (half != 2) dgx[i] = v;
         if (half) g16[i] = (S)v; }""",
 }
 
@@ -220,7 +234,8 @@ def cupy_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dg
                        half: int) -> None:
     """:func:`np_backward_step` as one CUDA kernel on the current stream (absent arguments are placeholders; ``dy``
     None: no add; ``half`` as _STEP_ARGS says: 0 F only, 1 F and ``g16``, 2 ``g16`` and GRU's ``x16`` only)."""
-    rows, hh = dh.shape
+    rows, hh = dh.shape[-2:]
+    n = dh.shape[0] if dh.ndim == 3 else 1
     cupy_kernel("step", mode)(dh, dh if dy is None else dy, np.int32(dy is not None), dc, gates, c, c_prev, h, h_prev,
-                              np.int32(hh), np.int32(a), np.int32(half), dgx, dgh, dc_out, dh_out, g16, x16,
-                              size=rows * hh)
+                              np.int32(hh), np.int32(a), np.int32(half), np.int32(n), np.int64(rows * hh),
+                              dgx, dgh, dc_out, dh_out, g16, x16, size=rows * hh)

@@ -236,6 +236,9 @@ def _idle(e: _Entry) -> None:
     held = sum(i.nbytes for v in _cache.values() for i in v)
     while count > MAX_GRAPHS or (count > 1 and held > MAX_IDLE_BYTES):
         key, idle = next(iter(_cache.items()))
+        if not idle:  # (a key whose entries are all taken)
+            del _cache[key]
+            continue
         old = idle.pop(0)
         held -= old.nbytes
         count -= 1

@@ -40,6 +40,11 @@ class _Moves:
         dst[...] = src
 
     @staticmethod
+    def zero(dst) -> None:
+        """dst = 0 in place (CuPy: a memset on contiguous memory, no scalar array made)."""
+        dst.fill(0)
+
+    @staticmethod
     def add(dst, src) -> None:
         """dst += src in place (on a view: ``a[:k] += b`` would also copy the view onto itself)."""
         dst += src
@@ -85,6 +90,11 @@ class HostOps(_Moves):
     def gemm_layers(self, a, w, out, trans_w: bool, beta: float) -> None:
         """A diagonal step's layers: :meth:`gemm_batched` (CudaOps may fork them)."""
         self.gemm_batched(a, w, out, trans_w, beta)
+
+    @staticmethod
+    def step_splits(f, k: int, h: int) -> int:
+        """The backward loop's recurrent GEMM in k slices (:func:`backward_steps`): none on the host."""
+        return 1
 
     diag_forward = staticmethod(rnn_diag_cells.np_forward)
     diag_backward = staticmethod(rnn_diag_cells.np_backward)
@@ -264,6 +274,16 @@ class CudaOps(_Moves):
             cc.set_pointer_mode(handle, 0)
             (fn or cc.gemm_ex())(handle, *args)
 
+    def step_splits(self, f, k: int, h: int) -> int:
+        """How many k slices the backward loop's recurrent GEMM (dh = dgates . W_hh, k = the gates' width) takes
+        as one strided-batched GEMM whose partial sums the next cell kernel adds (:func:`backward_steps`), in
+        place of cuBLAS's split-k and its reduction launch: :data:`STEP_SPLITS` for float32 gradients with
+        slices of 256+ (TF32; IEEE up to hidden size 1024, above which cuBLAS's split-k is faster), else 1."""
+        if (np.dtype(f) != np.float32 or k % STEP_SPLITS or k // STEP_SPLITS < 256
+                or (self.math != "tf32" and h > 1024)):
+            return 1
+        return STEP_SPLITS
+
     def gemm_batched(self, a, w, out, trans_w: bool, beta: float) -> None:
         """out[i] (m, n) = a[i] (m, k) . w[i]^T (trans_w) or a[i] . w[i], plus ``beta`` * out[i] (0 or 1): one
         cublasGemmStridedBatchedEx on the current stream. Rows of a and out may be strided (the last axis
@@ -350,6 +370,7 @@ class CudaOps(_Moves):
 
 NARROW = True  # CUDA float16 backward loops keep their gate gradients only rounded (backward_buffers): less memory
 #               traffic; False keeps them in float32 too
+STEP_SPLITS = 8  # k slices of a CUDA backward step's recurrent GEMM (CudaOps.step_splits; 1: cuBLAS's split-k)
 
 
 def col_sum(xp, a, out_dtype=None):
@@ -466,6 +487,8 @@ class BackwardScratch:
     dh2: object  # (B, out): the other dh
     dc2: object  # (B, H): the other dc (LSTM)
     carry: object  # (B, H): where a projection step's cell carries inactive rows (unused; projection only)
+    parts: tuple | None = None  # two (n, B, out) stacks of dh's partial sums in place of dh / dh2 (k slices)
+    splits: int = 1  # k slices of the recurrent GEMM: n = splits (GRU: + 1, the part not through W_hh)
 
 
 def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n, half=None) -> tuple:
@@ -485,10 +508,14 @@ def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n,
     if mode == "lstm":
         dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
     proj = st.R is not None
+    splits = 1 if proj or half is not None else ops.step_splits(f, g, H)
+    n = splits + (mode == "gru")
     scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if proj else None,
                               dh2=xp.empty((B, out), dtype=f),
                               dc2=xp.empty((B, H), dtype=f) if mode == "lstm" else ops.placeholder(f),
-                              carry=xp.empty((B, H), dtype=f) if proj else ops.placeholder(f))
+                              carry=xp.empty((B, H), dtype=f) if proj else ops.placeholder(f),
+                              parts=(xp.zeros((n, B, out), dtype=f), xp.zeros((n, B, out), dtype=f))
+                              if splits > 1 else None, splits=splits)
     g16 = xp.zeros((T, B, g), dtype=half) if half is not None else None
     x16 = xp.zeros((T, B, g), dtype=half) if narrow and mode == "gru" else None
     return Backward(dgx, dgh, dhs, dh, dc, g16, x16), scratch
@@ -517,11 +544,21 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
     """The backward step loop on buffers from :func:`backward_buffers` (``dy`` C-contiguous or None): kernels
     and GEMMs only (no allocation), so on CUDA it can be captured into a graph like the forward loop. Without a
     projection a step is one fused cell kernel (dy added, inactive rows carried over) and one GEMM into the
-    other dh buffer (GRU: accumulating onto the cell's part not through W_hh)."""
+    other dh buffer (GRU: accumulating onto the cell's part not through W_hh). With ``scratch.splits`` > 1 the
+    GEMM is a strided-batched one over k slices of the gate gradients, each slice's product in its own part of a
+    stack that the next cell kernel sums as its dh (GRU: the cell's own part in the stack's last), so a step has
+    no reduction launch."""
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     f = bw.dh.dtype
     ph = ops.placeholder(f)
     dhs = (bw.dh, scratch.dh2)
+    sp = scratch.splits
+    if scratch.parts is not None and st.R is None and w_hh_f.flags.c_contiguous:  # (slices as views, no copy)
+        dhs = scratch.parts
+        ops.copy(dhs[0][0], bw.dh)
+        ops.zero(dhs[0][1:])
+    else:
+        sp = 1
     dcs = (bw.dc, scratch.dc2) if bw.dc is not None else (ph, ph)
     times = list(order(T, reverse))
     for n, p in enumerate(range(T - 1, -1, -1)):
@@ -536,8 +573,13 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
                               ops.state_in(st.S[p + 1]), ops.state_in(st.S[p]),
                               None if bw.dgx is None else bw.dgx[p], None if bw.dgh is None else bw.dgh[p], dc_next,
                               dh_next, g16, x16)
-            ops.gemm((bw.dgh if g16 is None else bw.g16)[p, :a], w_hh_f, dh_next[:a], False,
-                     beta=1.0 if mode == "gru" else 0.0)
+            dg = (bw.dgh if g16 is None else bw.g16)[p, :a]
+            if sp == 1:
+                ops.gemm(dg, w_hh_f, dh_next[:a], False, beta=1.0 if mode == "gru" else 0.0)
+            else:
+                k = dg.shape[1] // sp
+                ops.gemm_batched(dg.reshape(a, sp, k).transpose(1, 0, 2), w_hh_f.reshape(sp, k, -1),
+                                 dh_next[:sp, :a], False, 0.0)
             continue
         if dy is not None:  # projection (LSTM): dh is the projected h's gradient
             ops.add(dh[:a], dy[t, :a])
@@ -548,9 +590,14 @@ def backward_steps(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, bs, reverse:
         ops.gemm(bw.dgh[p, :a], w_hh_f, dh_next[:a], False)
         if a < B:
             ops.copy(dh_next[a:], dh[a:])
-    if T % 2:  # the last step wrote the second buffers
+    if sp > 1:  # dh0's parts summed by copies and in-place adds (a reduction may allocate, e.g. CUB's scratch)
+        last = dhs[T % 2]
+        ops.copy(bw.dh, last[0])
+        for q in range(1, last.shape[0]):
+            ops.add(bw.dh, last[q])
+    elif T % 2:  # the last step wrote the second buffers
         ops.copy(bw.dh, scratch.dh2)
-        if bw.dc is not None:
-            ops.copy(bw.dc, scratch.dc2)
+    if T % 2 and bw.dc is not None:
+        ops.copy(bw.dc, scratch.dc2)
 
 
