@@ -344,6 +344,7 @@ class Stream:
 
 
 _NULL = Stream(null=True)
+Stream.null = _NULL
 
 
 def get_current_stream():

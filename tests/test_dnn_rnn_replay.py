@@ -42,10 +42,10 @@ class _Stream:
         return _Graph(ops)
 
     def record(self):
-        return types.SimpleNamespace(synchronize=lambda: _mini.synced.append(self.ptr))
+        return types.SimpleNamespace(synchronize=lambda: _mini.synced.append(self.ptr), src=self.ptr)
 
     def wait_event(self, ev):
-        pass
+        _mini.waits.append((self.ptr, ev.src))
 
     def synchronize(self):
         _mini.synced.append(self.ptr)
@@ -90,7 +90,7 @@ class _Pool:
             self.held = 0
 
 
-_mini = types.SimpleNamespace(stack=[_Stream(null=True)], synced=[], device=0)
+_mini = types.SimpleNamespace(stack=[_Stream(null=True)], synced=[], waits=[], device=0)
 
 
 @pytest.fixture
@@ -197,6 +197,27 @@ def test_a_capture_whose_graph_does_not_reproduce_the_call_is_never_used(mini):
     assert after["failures"] - before["failures"] == rnn_replay.TRIES
     assert "differs from the general path" in after["failed"]
     assert runs == [2.0, -2.0, 3.0, -3.0, 4.0, -4.0]  # capture (on the call's x) and check (on -x), 3 times
+
+
+def test_a_capture_that_raises_orders_the_caller_after_its_stream(mini):
+    """A capture that fails (here the general path raising inside it) leaves the call to the general path; the
+    slot's input buffer, made on the caller's stream and freed then, had a copy queued on the capture's stream:
+    the caller's stream waits for that stream first."""
+    runs: list = []
+    plain = _general(runs, capturing_records=True)
+
+    def general(xc, hc):
+        if _current().is_capturing():
+            raise RuntimeError("not capturable")
+        return plain(xc, hc)
+    key = _key(_x(1.0))
+    before = rnn_replay.stats()
+    assert rnn_replay.call(key, _x(1.0), None, {}, general) is None  # (first: general)
+    _mini.waits.clear()
+    assert rnn_replay.call(key, _x(2.0), None, {}, general) is None  # (second: the capture fails)
+    assert rnn_replay.stats()["failures"] - before["failures"] == 1
+    caller = _current().ptr
+    assert any(w == caller and src != caller for w, src in _mini.waits)
 
 
 def test_replays_copy_in_and_out_and_follow_new_inputs(mini):

@@ -4,8 +4,9 @@ Host arrays: one thread per device used (the threads stand for the sims or the C
 CuPy arrays: the calling thread issues each device's work on that device's own stream (parameters and inputs
 copied there, outputs copied back to x's device, the caller's streams ordered after it by events); batch splits
 (their projections are engine calls, which block) keep a thread per device; a wavefront's time pieces are issued
-from the calling thread in piece order. A job's exception is re-raised in the caller once no queued work touches a
-buffer.
+from the calling thread in piece order. The devices' streams are kept per caller's stream (:func:`_stream`: the
+arrays a job makes are freed after reads on that stream). A job's exception is re-raised in the caller once no
+queued work touches a buffer.
 """
 
 from __future__ import annotations
@@ -61,17 +62,34 @@ def cuda_devices(home: int) -> list:
     return [home] + [o for o in session.cuda_ordinals() if o != home]
 
 
-_streams: dict = {}  # (device, k) -> the non-blocking stream of a pool's k-th thread on that device
+_streams: dict = {}  # (device, k, caller) -> the non-blocking stream of a pool's k-th job on that device
+_callers: set = set()  # the callers' streams (_caller) that have pool streams
 _streams_lock = threading.Lock()
+MAX_CALLERS = 64  # callers' streams given pool streams; a later caller's jobs run on its own stream
+_PER_THREAD = 2  # cudaStreamPerThread's handle: another stream in each thread under one number
 
 
-def _stream(xp, dev, k: int):
-    """A non-blocking stream of ``dev`` kept for the process (CuPy's memory pool keeps freed blocks per stream,
-    so a fresh stream per call would strand them)."""
+def _caller(xp) -> tuple:
+    """The current device's current stream as a key: its handle (and the thread, for the per-thread stream)."""
+    ptr = xp.cuda.get_current_stream().ptr
+    return ptr, threading.get_ident() if ptr == _PER_THREAD else 0
+
+
+def _stream(xp, dev, k: int, caller):
+    """The non-blocking stream of ``dev`` for the k-th job forked from the caller's stream ``caller``
+    (:func:`_caller`), kept for the process (never destroyed, so its handle is never another stream's); None
+    past :data:`MAX_CALLERS`. One set per caller's stream: CuPy's pool gives a freed block back to the stream
+    that allocated it, and a job's arrays are read on the caller's stream after the join, so only jobs ordered
+    after that stream (forked from it again) may have them next."""
     with _streams_lock:
-        if (dev, k) not in _streams:
-            _streams[(dev, k)] = xp.cuda.Stream(non_blocking=True)
-        return _streams[(dev, k)]
+        key = (dev, k, caller)
+        if key not in _streams:
+            if caller not in _callers:
+                if len(_callers) >= MAX_CALLERS:
+                    return None
+                _callers.add(caller)
+            _streams[key] = xp.cuda.Stream(non_blocking=True)
+        return _streams[key]
 
 
 class _Threads:
@@ -96,12 +114,16 @@ class _Threads:
     def start(self, dev, fn, *args) -> None:
         xp = self.pb.xp
         k = self.count[dev] = self.count.get(dev, -1) + 1
+        st = None
+        if xp is not np:  # past MAX_CALLERS the caller's stream (for the per-thread one, which is another stream in
+            with xp.cuda.Device(dev):  # the job's thread, the legacy stream, which it is ordered with)
+                cur = xp.cuda.get_current_stream()
+                st = _stream(xp, dev, k, _caller(xp)) or (xp.cuda.Stream.null if cur.ptr == _PER_THREAD else cur)
 
         def body():
             try:
                 if xp is not np:
                     with xp.cuda.Device(dev):
-                        st = _stream(xp, dev, k)
                         for ev in self.ready:
                             st.wait_event(ev)
                         with on_stream(st):
@@ -122,9 +144,10 @@ class _Threads:
 
 class _Issued:
     """:class:`_Threads`' interface for CuPy work that only issues (loops replayed from graphs, local GEMMs, copies):
-    each job is issued at once from the calling thread on its device's pool stream, ordered after what the caller
-    had queued on ``devs``; ``join()`` orders the caller's streams on ``devs`` after every job. The devices run
-    their jobs side by side without a thread each (threads fought over the GIL and each ended in a synchronize).
+    each job is issued at once from the calling thread on its device's pool stream (the caller's stream's,
+    :func:`_stream`), ordered after what the caller had queued on ``devs``; ``join()`` orders the caller's
+    streams on ``devs`` after every job. The devices run their jobs side by side without a thread each (threads
+    fought over the GIL and each ended in a synchronize).
     A job's error synchronises every stream used so far, then is raised: no queued work then touches a buffer."""
 
     def __init__(self, pb, devs=()) -> None:
@@ -150,7 +173,13 @@ class _Issued:
         k = self.count[dev] = self.count.get(dev, -1) + 1
         with xp.cuda.Device(dev):
             # (a capture takes in every launch onto its streams, another thread's too: this thread's own then)
-            st = _stream(xp, dev, k) if self.capture is None else rnn_layer._side_stream(dev, ("issued", k))
+            if self.capture is None:  # (past MAX_CALLERS the caller's own stream: the jobs one after another)
+                st = _stream(xp, dev, k, _caller(xp)) or xp.cuda.get_current_stream()
+            else:
+                st = rnn_layer._side_stream(dev, ("issued", k))
+                if k and rnn_layer.capturing_whole_call():  # (beside the device's first job in the graph: a cuBLAS
+                    with on_stream(st):  # workspace of its own, as fork_streams gives a lane)
+                        rnn_layer.lane_workspace(st)
             self.used.append(st)
             for ev in self.ready:
                 st.wait_event(ev)
@@ -492,7 +521,10 @@ def fork_streams(xp, used, key):
     for lane in used:
         i, dev = lane
         with xp.cuda.Device(dev):
-            streams[lane] = _stream(xp, dev, i) if cap is None else rnn_layer._side_stream(dev, (key, i))
+            if cap is None:  # (past MAX_CALLERS the caller's own stream)
+                streams[lane] = _stream(xp, dev, i, _caller(xp)) or xp.cuda.get_current_stream()
+            else:
+                streams[lane] = rnn_layer._side_stream(dev, (key, i))
             if cap is None and dev not in forked:  # (each device's current work once)
                 forked.add(dev)
                 ready.append(xp.cuda.get_current_stream().record())

@@ -340,6 +340,7 @@ def _capture(e: _Entry, x, hx, params, general, backward):
         run = dict(rnn_multi.last_run())
         _check(e, s, graph, stream, caller, out, x, hx, general, backward)
     except Exception as exc:  # noqa: BLE001 - the call runs the general path; the reason is kept
+        caller.wait_event(stream.record())  # (s.x, of the caller's stream, freed now: after the copy queued into it)
         e.fails += 1
         _failed(exc)
         _retire(pool, s.devices)

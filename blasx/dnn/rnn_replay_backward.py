@@ -142,6 +142,7 @@ def _capture(s, k, saved, grads, general) -> dict:
         if not err <= tol:
             raise rnn_layer.NotCapturable(f"the replayed backward differs from the general path by {err:.2e}")
     except Exception as exc:  # noqa: BLE001 - the general path's answer stands; the reason is kept
+        caller.wait_event(stream.record())  # (ins, of the caller's stream, freed now: after the fills queued there)
         with s.lock:
             s.back_fails[k] = s.back_fails.get(k, 0) + 1
         rnn_replay._failed(exc)
