@@ -593,3 +593,21 @@ def test_wavefront_lanes_of_one_device_inside_a_capture_each_have_a_stream_and_a
     assert ops[:4] == [("event_record", cap.ptr), ("wait_event", s0), ("wait_event", s1), ("wait_event", s2)]
     assert ops[4:8] == [("event_record", s2), ("wait_event", s1), ("event_record", s1), ("wait_event", s0)]
     assert ops[-3:] == [("wait_event", cap.ptr)] * 3
+
+
+def test_a_backward_that_raises_still_marks_its_saved_state_read(monkeypatch):
+    """lstm_backward marks the saved state's replay slot read (rnn_replay.touched) even when the backward raises
+    (a Ctrl-C in it): work it queued may still read the slot, and the slot's next replay must wait for it."""
+    from blasx.dnn import rnn_replay, rnn_replay_backward
+    rng = np.random.default_rng(0)
+    p = {k: v.detach().numpy() for k, v in _module("lstm", 3, 4, 1, False, True, 0, False).state_dict().items()}
+    _, _, saved = dnn.lstm(rng.standard_normal((2, 1, 3)), None, p, training=True)
+    marked = []
+
+    def interrupt(*a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rnn_replay_backward, "call", interrupt)
+    monkeypatch.setattr(rnn_replay, "touched", marked.append)
+    with pytest.raises(KeyboardInterrupt):
+        dnn.lstm_backward(saved, np.ones((2, 1, 4)))
+    assert marked == [saved]

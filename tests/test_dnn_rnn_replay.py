@@ -475,3 +475,15 @@ def test_a_replay_that_fails_gives_its_training_slot_back(mini, monkeypatch):
     monkeypatch.setattr(rnn_replay, "_copy_out", real)
     y, _, saved = rnn_replay.call(key, _x(4.0), None, {}, general, back)
     assert saved.replay_slot is slot and (y == 8.0).all()
+
+
+def test_a_dropped_slot_waits_for_backwards_that_read_it_elsewhere(mini):
+    """A saved state's backward on another stream marks the slot read (rnn_replay.touched); dropping the slot
+    (clear, the bounds) waits for those reads too before its graph's memory goes."""
+    saved = _trained(2.0)
+    other = _Stream(non_blocking=True)
+    with other:
+        rnn_replay.touched(saved)
+    _mini.synced.clear()
+    rnn_replay.clear()
+    assert other.ptr in _mini.synced

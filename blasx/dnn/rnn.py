@@ -263,10 +263,12 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
     if saved.problem.spec.mode not in modes:
         raise ValueError(f"saved: comes from a {saved.problem.spec.mode} forward; use the matching *_backward")
     grads = (grad_y, grad_h_n, grad_c_n)
-    res = rnn_replay_backward.call(saved, grads, lambda sv, g: _backward_general(sv, *g))
-    if res is None:  # (a replayed forward's saved state: one graph of its backward, rnn_replay_backward.py)
-        res = _backward_general(saved, *grads)
-    rnn_replay.touched(saved)  # (a replayed forward's graph buffers: read until now on this stream)
+    try:
+        res = rnn_replay_backward.call(saved, grads, lambda sv, g: _backward_general(sv, *g))
+        if res is None:  # (a replayed forward's saved state: one graph of its backward, rnn_replay_backward.py)
+            res = _backward_general(saved, *grads)
+    finally:  # (an error too: what was queued may still read them)
+        rnn_replay.touched(saved)  # (a replayed forward's graph buffers: read until now on this stream)
     return res
 
 

@@ -172,7 +172,7 @@ def _drop(e: _Entry) -> None:
     memory stays with its saved state."""
     for s in e.slots:
         with s.lock:
-            for ev in [s.done, *(b.done for b in s.backs.values())]:
+            for ev in [s.done, *s.reads, *(b.done for b in s.backs.values())]:  # (reads: backwards elsewhere)
                 if ev is not None:
                     ev.synchronize()
             s.graph = s.out = s.saved = s.x = s.hx = s.done = None
