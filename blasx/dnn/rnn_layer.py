@@ -275,14 +275,11 @@ class CudaOps(_Moves):
             (fn or cc.gemm_ex())(handle, *args)
 
     def step_splits(self, f, k: int, h: int) -> int:
-        """How many k slices the backward loop's recurrent GEMM (dh = dgates . W_hh, k = the gates' width) takes
-        as one strided-batched GEMM whose partial sums the next cell kernel adds (:func:`backward_steps`), in
-        place of cuBLAS's split-k and its reduction launch: :data:`STEP_SPLITS` for float32 gradients with
-        slices of 256+ (TF32; IEEE up to hidden size 1024, above which cuBLAS's split-k is faster), else 1."""
-        if (np.dtype(f) != np.float32 or k % STEP_SPLITS or k // STEP_SPLITS < 256
-                or (self.math != "tf32" and h > 1024)):
-            return 1
-        return STEP_SPLITS
+        """k slices of the backward loop's recurrent GEMM (dh = dgates . W_hh, k the gates' width) as one strided-
+        batched GEMM whose partial sums the next cell kernel adds (:func:`backward_steps`), not cuBLAS's split-k
+        and its reduction: :data:`STEP_SPLITS` for float32 with slices of 256+ (IEEE only up to H = 1024), else 1."""
+        ok = np.dtype(f) == np.float32 and k % STEP_SPLITS == 0 and k // STEP_SPLITS >= 256
+        return STEP_SPLITS if ok and (self.math == "tf32" or h <= 1024) else 1
 
     def gemm_batched(self, a, w, out, trans_w: bool, beta: float) -> None:
         """out[i] (m, n) = a[i] (m, k) . w[i]^T (trans_w) or a[i] . w[i], plus ``beta`` * out[i] (0 or 1): one
