@@ -148,7 +148,7 @@ class _Entry:
         self.xp = xp
         self.workspace = device_workspace(xp, parts)  # parts: one default-sized piece per GEMM branch
         self.graphs: dict = {}
-        self.ph = None  # the placeholder the captured launches point at (kept alive with the graph)
+        self.ph: dict = {}  # part -> the placeholders its graph's launches point at (kept alive with the graph)
         self.fails: dict = {}  # part -> captures that failed
         self.key = None
         self.done = None  # event after the last call's work on the buffers (recorded when it gave the entry back)
@@ -358,6 +358,7 @@ def _prologue_part(e: _Fwd, sources) -> tuple:
         return part, False
     e.moved += 1
     del e.graphs[pros[0]]
+    e.ph.pop(pros[0], None)
     return part, True
 
 
@@ -481,7 +482,7 @@ def _capture(ops, e: _Entry, loop, stream, ph, part=0) -> None:
             except Exception as exc:  # noqa: BLE001 - as above (an invalidated capture ends with an error)
                 err = err or exc
     if err is None:
-        e.graphs[part], e.ph = graph, ph
+        e.graphs[part], e.ph[part] = graph, (ph, dict(getattr(ops, "_ph", {})))  # (every type's: a cell's too)
         _count("captured")
     else:
         e.fails[part] = e.fails.get(part, 0) + 1
