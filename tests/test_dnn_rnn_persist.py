@@ -150,7 +150,7 @@ def test_run_launches_what_the_kernel_declares(monkeypatch, mode, bias, h0, reve
 
 
 def test_active_rows_are_kept_and_inside_a_capture_filled_by_kernels(monkeypatch):
-    """The kernel's active rows per step: one array per device and rows outside captures; inside one, fresh
+    """The kernel's active rows per step: one array per device, rows and stream outside captures; inside one, fresh
     arrays written by one fill per run of equal counts (the graph replays them; no copy from host memory, which
     a capture cannot take and whose buffer would be gone at a replay), never kept."""
     from bench import fake_cupy
@@ -171,7 +171,10 @@ def test_active_rows_are_kept_and_inside_a_capture_filled_by_kernels(monkeypatch
             side.end_capture()
         assert list(np.asarray(b)) == [5, 5, 5, 2, 2] and b.dtype == np.int32 and c is not a
         assert list(np.asarray(c)) == [4, 4, 3, 1] and not [e for e in fake_cupy.LOG if e[0] == "upload"]
-        assert list(rnn_persist._counts) == [(0, (4, 4, 3, 1))]
+        assert list(rnn_persist._counts) == [(0, (4, 4, 3, 1), 0, 0)]
+        with side:  # another stream: its own copy (copied in and freed on the stream whose kernels read it)
+            d = rnn_persist._active(cupy, (4, 4, 3, 1), 0)
+        assert d is not a and rnn_persist._counts[(0, (4, 4, 3, 1), side.ptr, 0)] == (side, d)
 
 
 def test_sync_words_are_kept_per_device_and_stream(monkeypatch):

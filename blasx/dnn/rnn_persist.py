@@ -155,7 +155,7 @@ def _shape_backward(batch: int, hidden: int, smem: int, j: int) -> Plan | None:
 _lock = threading.Lock()
 _kernels: dict = {}  # (mode, NT, KW, KT, MT, flags[, "bwd"]) -> RawKernel
 _smem_set: dict = {}  # (kernel, device) -> dynamic shared memory allowed so far
-_counts: dict = {}  # (device, active rows by time) -> the rows as a device array
+_counts: dict = {}  # (device, active rows by time, stream) -> (the stream, the rows as a device array) (_active)
 _launches = [0]
 _NULL = np.uint64(0)
 
@@ -203,10 +203,12 @@ def _sms(device) -> int:
 
 
 def _active(xp, bs, device_id: int):
-    """The active rows of each step on the device, kept per device and rows; inside a stream capture written by
-    fill kernels the graph replays (a copy from host memory cannot be captured) and not kept (its memory is the
-    graph's)."""
-    if xp.cuda.get_current_stream().is_capturing():
+    """The active rows of each step on the device, kept per device, rows and stream (copied in and freed on the
+    stream whose kernels read it: no other stream's kernel reads it before the copy lands or after it is freed);
+    inside a stream capture written by fill kernels the graph replays (a copy from host memory cannot be
+    captured) and not kept (its memory is the graph's)."""
+    stream = xp.cuda.get_current_stream()
+    if stream.is_capturing():
         a = xp.empty(len(bs), dtype=np.int32)
         start = 0
         for i in range(1, len(bs) + 1):  # (rows are non-increasing: a fill per run of equal counts)
@@ -214,16 +216,16 @@ def _active(xp, bs, device_id: int):
                 a[start:i] = bs[start]
                 start = i
         return a
-    key = (device_id, tuple(bs))
+    key = (device_id, tuple(bs), stream.ptr, threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0)
     with _lock:
-        a = _counts.get(key)
-    if a is None:
-        a = xp.asarray(np.asarray(bs, dtype=np.int32))
+        hit = _counts.get(key)
+    if hit is None:
+        hit = stream, xp.asarray(np.asarray(bs, dtype=np.int32))  # (the stream held: its handle not reused meanwhile)
         with _lock:
             if len(_counts) > 64:
                 _counts.clear()
-            _counts[key] = a
-    return a
+            _counts[key] = hit
+    return hit[1]
 
 
 _syncs: dict = {}  # (device, stream, thread where streams are per thread) -> (the stream, its zeroed sync words)
