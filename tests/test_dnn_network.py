@@ -319,3 +319,61 @@ def test_profile_algorithms_are_worked_out_once_per_configuration(monkeypatch):
     net.compile()
     net(_x(4), chunk=1)  # compile forgets it
     assert [a[0] for a in calls if a] == [(2, 3, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8)]  # (compile's own: no args)
+
+
+def test_a_gpu_call_orders_its_workers_after_the_callers_stream_and_calls_run_one_at_a_time(monkeypatch):
+    """CuPy x (the CPU stand-in): every worker's stream waits for an event of the caller's stream before it
+    reads x, and its output is made on the caller's stream (the workers' streams are the network's, shared by
+    its calls); two threads calling one network run one call at a time."""
+    import threading
+
+    from bench import fake_cupy
+    from blasx import session
+    from blasx.dnn import executor
+    monkeypatch.setattr(session, "cuda_ordinals", lambda: [0])
+    m = _bn_stats(ResNetish())
+    try:
+        with fake_cupy.installed(record_calls=True) as fake:
+            cupy = fake.cupy
+            net = dnn.from_torch(m, (1, 3, 8, 8)).compile(dtype=np.float32, workers_per_gpu=1, graphs=False)
+            x = cupy.asarray(_x(4, seed=5).astype(np.float32))
+            made_on = []
+            real_empty = cupy.empty
+
+            def empty(*a, **k):
+                made = real_empty(*a, **k)
+                made_on.append((tuple(made.shape), cupy.cuda.get_current_stream().ptr))
+                return made
+            caller = cupy.cuda.Stream(non_blocking=True)
+            with caller:
+                net(x, chunk=2)  # (workers made: their first call)
+                fake_cupy.LOG.clear()
+                monkeypatch.setattr(cupy, "empty", empty)
+                y = net(x, chunk=2)
+                monkeypatch.setattr(cupy, "empty", real_empty)
+            (w,) = [w for ws in net._workers.values() for w in ws]
+            log = [e[:2] for e in fake_cupy.LOG]
+            first_wait = log.index(("wait_event", w.stream.ptr))
+            assert ("event_record", caller.ptr) in log[:first_wait]
+            assert y.shape == (4, 10) and [p for shape, p in made_on if shape == (4, 10)] == [caller.ptr]
+            inside, most, lock = [0], [0], threading.Lock()
+            real_run = executor.run
+
+            def run(*a, **k):
+                with lock:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                try:
+                    return real_run(*a, **k)
+                finally:
+                    with lock:
+                        inside[0] -= 1
+            monkeypatch.setattr(executor, "run", run)
+            ts = [threading.Thread(target=lambda: net(x, chunk=2)) for _ in range(3)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert most[0] == 1
+    finally:
+        blasx.shutdown()

@@ -167,6 +167,8 @@ class Worker:
                 self.stream = cupy.cuda.Stream(non_blocking=True)
                 self.buffers = [cupy.empty(s, dtype=self.dtype) for s in plan.sizes]
                 self.x_dev = cupy.empty(math_prod(chunk_shape), dtype=self.dtype)
+                # (blocks of the current stream's pool, whose last users there may still be queued)
+                self.stream.wait_event(cupy.cuda.get_current_stream().record())
             self.pinned_in = _pinned(math_prod(chunk_shape), self.dtype)
             self.pinned_out = None
         self.workspace = Workspace()  # this worker's (stream's) weight transforms and scratch
@@ -370,13 +372,20 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
         w.reset()
     t0 = time.perf_counter()
     pinning, pin_job = _pin_batch(workers, x) if batch_axis == 0 else (None, None)
+    caller = None
+    if not host_in:  # the workers read x after the caller's queued work; the output is made on its stream
+        with workers[0].xp.cuda.Device(x.device.id):
+            caller = workers[0].xp.cuda.get_current_stream()
+            ready = caller.record()
+        for w in workers:
+            w.stream.wait_event(ready)
 
     def put(w: Worker, k: int, y) -> None:
         lo, hi = spans[k]
         xp = np if host_in else w.xp
         with lock:
             if state["out"] is None:
-                with w.context():
+                with w.context(), on_stream(caller) if caller is not None else contextlib.nullcontext():
                     state["out"] = xp.empty((n if batch_axis == 0 else y.shape[0], *y.shape[1:]), dtype=y.dtype)
         with w.context():
             if batch_axis == 0:

@@ -49,6 +49,7 @@ class Network:
         self.math, self.layout, self.dtype, self.workers_per_gpu, self.graphs = None, "auto", None, 2, True
         self._algos_key, self._algos_val = None, None  # _run_algos's
         self._lock = threading.Lock()
+        self._calls = threading.Lock()  # one call at a time runs the workers (their streams and buffers)
         self._weights: dict = {}
         self._workers: dict = {}
         self._profile = None
@@ -196,7 +197,8 @@ class Network:
         """Inference on the batch ``x`` (numpy on the host, of any size, or CuPy on one GPU): chunks of
         ``chunk`` images (None: :func:`default_chunk`, bounded by device memory) through all GPUs of
         the engine (host x), x's GPU (CuPy x) or the host (no GPU: numpy layers on the engine's devices).
-        ``progress``: a progress line on stderr (None: only when stderr is a terminal)."""
+        ``progress``: a progress line on stderr (None: only when stderr is a terminal). Calls from several
+        threads run one at a time (the workers' streams and buffers are one call's)."""
         from ..progress import wanted
         self._check_x(x)
         b = self.graph.batch_axis
@@ -213,13 +215,14 @@ class Network:
             chunk = self._default_chunk(x, n, lanes, dtype, gpus) if gpus and b == 0 else n
         chunk = min(chunk, n) if b == 0 else n
         chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
-        workers = self._workers_for(devices, dtype, chunk_shape)
-        self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
         import sys
-        out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
-        algo = self._run_algos()
-        for st in self._profile.layers:
-            st.algo = algo.get(st.name, "")
+        with self._calls:
+            workers = self._workers_for(devices, dtype, chunk_shape)
+            self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
+            out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
+            algo = self._run_algos()
+            for st in self._profile.layers:
+                st.algo = algo.get(st.name, "")
         return out
 
     def _run_algos(self) -> dict:
@@ -355,4 +358,6 @@ def _to(v: np.ndarray, dtype, device):
         return a
     import cupy
     with cupy.cuda.Device(device):
-        return cupy.asarray(a)
+        out = cupy.asarray(a)
+        cupy.cuda.get_current_stream().synchronize()  # (read by every worker's stream; made once)
+        return out
