@@ -5,6 +5,8 @@ launches the same kernels and GEMMs, with the same arguments, from cold caches a
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -172,6 +174,17 @@ def test_device_vectors_per_device_stream_type_and_contents():
             assert b is not a and b.device.id == 1
         assert uploads() == 6
         assert [e[3] for e in fake.log if e[0] == "upload"][0] == v.astype(np.float32).tobytes()
+        got = []  # the per-thread default stream: one handle, another stream in each thread, so an entry each
+        ptds = cupy.cuda.Stream(ptr=2)
+
+        def vector():
+            with cupy.cuda.Device(0), ptds:
+                got.append(direct_cache.device_vector(v, np.float32, direct_epilogue._column))
+        vector()
+        t = threading.Thread(target=vector)
+        t.start()
+        t.join()
+        assert got[0] is not got[1] and uploads() == 8
 
 
 def test_free_memory_read_once_per_device():

@@ -124,8 +124,10 @@ def device_vector(values, dtype, shape_of=None):
         v = values.astype(dtype, copy=False)
         return v if shape_of is None else shape_of(cupy, v)
     host = np.ascontiguousarray(values, dtype=dtype)
+    from .call_graph import _PER_THREAD
     stream = cupy.cuda.get_current_stream()
-    key = (cupy.cuda.Device().id, stream.ptr, host.dtype.str, host.shape, host.tobytes(), _identity(shape_of))
+    own = threading.get_ident() if stream.ptr in _PER_THREAD else 0  # (one handle, a stream per thread)
+    key = (cupy.cuda.Device().id, stream.ptr, own, host.dtype.str, host.shape, host.tobytes(), _identity(shape_of))
 
     def make():
         v = cupy.asarray(host)
