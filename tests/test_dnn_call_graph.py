@@ -270,6 +270,24 @@ def test_a_capture_stream_has_a_cublas_handle_of_its_own():
             assert h2 is h
 
 
+def test_per_thread_default_streams_get_handles_per_thread():
+    """cudaStreamPerThread is one pointer for another stream in each thread: its bound handles (and their
+    workspaces) are kept per thread, never handed to a thread whose stream may run beside the first's."""
+    import threading
+    with fake_cupy.installed():
+        keys = []
+
+        def take():
+            key, h = cublas_call._take_handle(0, 2)
+            cublas_call._give_handle(key, h)
+            keys.append((key, h))
+        take()
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        assert keys[0][0] != keys[1][0] and keys[0][1] is not keys[1][1]
+
+
 def test_calls_on_a_per_thread_default_stream_stay_eager():
     with fake_cupy.installed(record_calls=True) as fake:
         cupy = fake.cupy

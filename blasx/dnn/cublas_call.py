@@ -13,6 +13,7 @@ gives a Workspace (a network worker's, whose GEMMs are captured into CUDA graphs
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import numpy as np
@@ -77,13 +78,16 @@ def _take_handle(device_id: int, stream: int):
     """A cuBLAS handle (host pointer mode) that issues on ``stream``, the caller's until :func:`_give_handle`:
     threads issuing GEMMs at once each hold their own, never waiting on a lock. A handle is bound to one
     stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
-    executor) keeps a workspace no other stream writes. Past MAX_STREAMS streams, handles are shared per device
-    and their stream and workspace set whenever the stream changes."""
+    executor) keeps a workspace no other stream writes (the per-thread default stream: one per thread). Past
+    MAX_STREAMS streams, handles are shared per device and their stream and workspace set whenever the stream
+    changes."""
     h = _RESERVED.get((device_id, stream)) if _RESERVED else None
     if h is not None:
         return (device_id, stream), h
-    bound = (device_id, stream) in _HANDLES or len(_HANDLES) < MAX_STREAMS
-    key = (device_id, stream) if bound else device_id
+    from .call_graph import _PER_THREAD
+    own = threading.get_ident() if stream in _PER_THREAD else 0  # (one pointer, another stream in each thread)
+    bound = (device_id, stream, own) in _HANDLES or len(_HANDLES) < MAX_STREAMS
+    key = (device_id, stream, own) if bound else device_id
     try:
         h = _HANDLES.setdefault(key, []).pop()
     except IndexError:
