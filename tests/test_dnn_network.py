@@ -377,3 +377,29 @@ def test_a_gpu_call_orders_its_workers_after_the_callers_stream_and_calls_run_on
             assert most[0] == 1
     finally:
         blasx.shutdown()
+
+
+def test_a_failing_gpu_worker_synchronises_its_stream_before_the_error_is_raised(monkeypatch):
+    """A chunk that raises on a GPU worker (the CPU stand-in): its stream is synchronised first (its queued work
+    done before a compile() or new parameters can drop its buffers), then the error reaches the caller."""
+    from bench import fake_cupy
+    from blasx import session
+    from blasx.dnn import executor
+    monkeypatch.setattr(session, "cuda_ordinals", lambda: [0])
+    m = _bn_stats(ResNetish())
+    try:
+        with fake_cupy.installed(record_calls=True) as fake:
+            net = dnn.from_torch(m, (1, 3, 8, 8)).compile(dtype=np.float32, workers_per_gpu=1, graphs=False)
+            x = fake.cupy.asarray(_x(4, seed=5).astype(np.float32))
+            net(x, chunk=2)
+            (w,) = [w for ws in net._workers.values() for w in ws]
+
+            def fail(*a, **k):
+                raise RuntimeError("a broken chunk")
+            monkeypatch.setattr(executor.Worker, "run_chunk", fail)
+            fake_cupy.LOG.clear()
+            with pytest.raises(RuntimeError, match="a broken chunk"):
+                net(x, chunk=2)
+            assert ("synchronize", w.stream.ptr) in [e[:2] for e in fake_cupy.LOG]
+    finally:
+        blasx.shutdown()

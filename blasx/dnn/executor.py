@@ -408,6 +408,11 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
                 put(w, k, y)
                 bar.chunk_done(hi - lo)
         except BaseException as e:  # noqa: BLE001 -- a worker never leaks: the caller re-raises the first
+            if w.stream is not None:  # (its queued work done before the caller may drop its buffers)
+                try:
+                    w.stream.synchronize()
+                except Exception:  # noqa: BLE001 -- a broken device: the first error is the one raised
+                    pass
             with lock:
                 if state["error"] is None:
                     state["error"] = e
