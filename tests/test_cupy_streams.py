@@ -32,3 +32,17 @@ def test_an_error_in_the_block_gives_the_stream_back_too():
                 pass
             assert cupy.cuda.get_current_stream() is mine
         assert cupy.cuda.get_current_stream() is before
+
+
+def test_stream_key_tells_threads_apart_only_on_per_thread_handles():
+    """cudaStreamPerThread's handle (2) is another stream in each thread: its key carries the thread; any other
+    handle's key is the handle alone."""
+    import threading
+
+    from blasx.runtime.devices.cupy_streams import PER_THREAD, stream_key
+    assert 2 in PER_THREAD and stream_key(7) == (7, 0)
+    here, there = stream_key(2), []
+    t = threading.Thread(target=lambda: there.append(stream_key(2)))
+    t.start()
+    t.join()
+    assert here == (2, threading.get_ident()) and there[0][0] == 2 and there[0] != here

@@ -92,8 +92,8 @@ def test_pool_streams_are_per_callers_stream(fake, monkeypatch):
     first = run_from(a)
     assert run_from(a) == first and run_from(b) not in (first, a.ptr, b.ptr)
     assert rnn_multi._callers == {(a.ptr, 0), (b.ptr, 0)}
-    with cupy.cuda.Stream(ptr=rnn_multi._PER_THREAD):  # (one handle, a stream per thread)
-        assert rnn_multi._caller(cupy) == (rnn_multi._PER_THREAD, threading.get_ident())
+    with cupy.cuda.Stream(ptr=2):  # (cudaStreamPerThread: one handle, a stream per thread)
+        assert rnn_multi._caller(cupy) == (2, threading.get_ident())
     assert rnn_multi._caller(cupy) == NULL
     monkeypatch.setattr(rnn_multi, "MAX_CALLERS", 2)
     c = cupy.cuda.Stream(non_blocking=True)

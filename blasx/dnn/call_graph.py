@@ -31,6 +31,7 @@ import os
 import threading
 from collections import OrderedDict
 
+from ..runtime.devices.cupy_streams import PER_THREAD
 from . import direct_cache
 
 ENABLED = os.environ.get("BLASX_CONV_GRAPHS", "1") != "0"  # off: every replay launches eagerly
@@ -83,7 +84,6 @@ class Arena:
 
 # stream pointers naming a different stream in each thread (cudaStreamPerThread; CuPy's null stream where CuPy
 # runs on per-thread default streams): graphs there could share an arena between threads' concurrent work
-_PER_THREAD = (2, 0) if os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1" else (2,)
 _ARENAS = direct_cache.table(64)  # (device, stream pointer) -> Arena; emptied with the other caches
 
 
@@ -118,7 +118,7 @@ class Graphs:
         import cupy
         stream = cupy.cuda.get_current_stream()
         sp, yd = stream.ptr, y.data
-        if sp in _PER_THREAD:  # one pointer for every thread's own stream: no shared arena
+        if sp in PER_THREAD:  # one pointer for every thread's own stream: no shared arena
             return work()
         key = (sp, x.data.ptr, w.data.ptr, yd.ptr, *extra)
         g = self.graphs.get(key)

@@ -13,11 +13,11 @@ gives a Workspace (a network worker's, whose GEMMs are captured into CUDA graphs
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 
 import numpy as np
 
+from ..runtime.devices.cupy_streams import stream_key
 from . import direct_cache
 
 
@@ -84,10 +84,8 @@ def _take_handle(device_id: int, stream: int):
     h = _RESERVED.get((device_id, stream)) if _RESERVED else None
     if h is not None:
         return (device_id, stream), h
-    from .call_graph import _PER_THREAD
-    own = threading.get_ident() if stream in _PER_THREAD else 0  # (one pointer, another stream in each thread)
-    bound = (device_id, stream, own) in _HANDLES or len(_HANDLES) < MAX_STREAMS
-    key = (device_id, stream, own) if bound else device_id
+    bound = (device_id, *stream_key(stream)) in _HANDLES or len(_HANDLES) < MAX_STREAMS
+    key = (device_id, *stream_key(stream)) if bound else device_id
     try:
         h = _HANDLES.setdefault(key, []).pop()
     except IndexError:

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from ..runtime.devices.cupy_streams import stream_key
 from ..threadlocal import setting
 
 _local = threading.local()  # .workspace: the Workspace of this thread's calls; .keep: the capture's list
@@ -124,10 +125,9 @@ def device_vector(values, dtype, shape_of=None):
         v = values.astype(dtype, copy=False)
         return v if shape_of is None else shape_of(cupy, v)
     host = np.ascontiguousarray(values, dtype=dtype)
-    from .call_graph import _PER_THREAD
     stream = cupy.cuda.get_current_stream()
-    own = threading.get_ident() if stream.ptr in _PER_THREAD else 0  # (one handle, a stream per thread)
-    key = (cupy.cuda.Device().id, stream.ptr, own, host.dtype.str, host.shape, host.tobytes(), _identity(shape_of))
+    key = (cupy.cuda.Device().id, *stream_key(stream.ptr), host.dtype.str, host.shape, host.tobytes(),
+           _identity(shape_of))
 
     def make():
         v = cupy.asarray(host)

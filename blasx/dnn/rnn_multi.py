@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from ..runtime.devices.cupy_streams import on_stream
+from ..runtime.devices.cupy_streams import PER_THREAD, on_stream, stream_key
 from ..tile import wide_class
 from . import lanes, rnn_layer, rnn_plan
 from .rnn_layer import compute_type
@@ -66,13 +66,11 @@ _streams: dict = {}  # (device, k, caller) -> the non-blocking stream of a pool'
 _callers: set = set()  # the callers' streams (_caller) that have pool streams
 _streams_lock = threading.Lock()
 MAX_CALLERS = 64  # callers' streams given pool streams; a later caller's jobs run on its own stream
-_PER_THREAD = 2  # cudaStreamPerThread's handle: another stream in each thread under one number
 
 
 def _caller(xp) -> tuple:
     """The current device's current stream as a key: its handle (and the thread, for the per-thread stream)."""
-    ptr = xp.cuda.get_current_stream().ptr
-    return ptr, threading.get_ident() if ptr == _PER_THREAD else 0
+    return stream_key(xp.cuda.get_current_stream().ptr)
 
 
 def _stream(xp, dev, k: int, caller):
@@ -118,7 +116,7 @@ class _Threads:
         if xp is not np:  # past MAX_CALLERS the caller's stream (for the per-thread one, which is another stream in
             with xp.cuda.Device(dev):  # the job's thread, the legacy stream, which it is ordered with)
                 cur = xp.cuda.get_current_stream()
-                st = _stream(xp, dev, k, _caller(xp)) or (xp.cuda.Stream.null if cur.ptr == _PER_THREAD else cur)
+                st = _stream(xp, dev, k, _caller(xp)) or (xp.cuda.Stream.null if cur.ptr in PER_THREAD else cur)
 
         def body():
             try:

@@ -28,6 +28,7 @@ from math import gcd
 
 import numpy as np
 
+from ..runtime.devices.cupy_streams import stream_key
 from .rnn_params import GATES
 
 MODES = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
@@ -216,7 +217,7 @@ def _active(xp, bs, device_id: int):
                 a[start:i] = bs[start]
                 start = i
         return a
-    key = (device_id, tuple(bs), stream.ptr, threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0)
+    key = (device_id, tuple(bs), *stream_key(stream.ptr))
     with _lock:
         hit = _counts.get(key)
     if hit is None:
@@ -230,7 +231,6 @@ def _active(xp, bs, device_id: int):
 
 _syncs: dict = {}  # (device, stream, thread where streams are per thread) -> (the stream, its zeroed sync words)
 MAX_SYNCS = 64
-_PER_THREAD_STREAM = 2  # cudaStreamPerThread's handle: one stream per thread under one number
 
 
 def _sync_words(cupy, dev_id: int, sms: int):
@@ -241,7 +241,7 @@ def _sync_words(cupy, dev_id: int, sms: int):
     stream = cupy.cuda.get_current_stream()
     if stream.is_capturing():
         return cupy.zeros(sms + 1, dtype=cupy.uint32)
-    key = (dev_id, stream.ptr, threading.get_ident() if stream.ptr == _PER_THREAD_STREAM else 0)
+    key = (dev_id, *stream_key(stream.ptr))
     hit = _syncs.get(key)
     if hit is None:
         with _lock:

@@ -7,7 +7,19 @@ unordered with non-blocking streams. :func:`on_stream` restores whatever was cur
 
 from __future__ import annotations
 
+import os
+import threading
 from contextlib import contextmanager
+
+# handles that name another stream in each thread: cudaStreamPerThread, and the default stream when CuPy runs
+# with per-thread default streams
+PER_THREAD = (2, 0) if os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "0") == "1" else (2,)
+
+
+def stream_key(ptr: int) -> tuple:
+    """A stream handle as a cache key: (handle, the thread where the handle is another stream in each thread,
+    else 0)."""
+    return ptr, threading.get_ident() if ptr in PER_THREAD else 0
 
 
 @contextmanager
