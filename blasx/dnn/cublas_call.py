@@ -84,8 +84,8 @@ def _take_handle(device_id: int, stream: int):
     h = _RESERVED.get((device_id, stream)) if _RESERVED else None
     if h is not None:
         return (device_id, stream), h
-    bound = (device_id, *stream_key(stream)) in _HANDLES or len(_HANDLES) < MAX_STREAMS
-    key = (device_id, *stream_key(stream)) if bound else device_id
+    own = (device_id, *stream_key(stream))
+    key = own if own in _HANDLES or len(_HANDLES) < MAX_STREAMS else device_id
     try:
         h = _HANDLES.setdefault(key, []).pop()
     except IndexError:
