@@ -239,6 +239,24 @@ def test_step_splits_rule():
         assert ops.step_splits(np.dtype(f), k, h) == want, (math, f, k, h)
 
 
+def test_weight_gradients_beside_only_in_a_one_device_whole_call_capture(monkeypatch):
+    """rnn_exec._side_weights: a layer's weight GEMMs leave the critical path only inside a whole-call capture
+    (where the side stream is part of the graph), with every direction on the caller's device, and on CuPy."""
+    from types import SimpleNamespace as NS
+
+    from blasx.dnn import rnn_exec, rnn_layer
+    cupy_like = NS()
+    pb = NS(xp=cupy_like)
+    here, there = [[NS(dev=0)], [NS(dev=0), NS(dev=0)]], [[NS(dev=0)], [NS(dev=1)]]
+    assert not rnn_exec._side_weights(pb, here, 0)  # not capturing
+    with rnn_layer.whole_call_capture({}):
+        assert rnn_exec._side_weights(pb, here, 0)
+        assert not rnn_exec._side_weights(pb, there, 0)  # a direction on another GPU
+        assert not rnn_exec._side_weights(NS(xp=np), here, None)  # host arrays
+        monkeypatch.setattr(rnn_exec, "SIDE_WEIGHTS", False)
+        assert not rnn_exec._side_weights(pb, here, 0)
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_bidirectional_backward_on_two_sims(mode):
     """On sim:2 each direction's backward runs on the device its forward ran on (the two at once); every gradient

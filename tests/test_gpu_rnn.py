@@ -753,9 +753,9 @@ def test_training_steps_replay_the_forward_with_leased_slots(mode, dtype, layers
 def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces(mode, ngpu):
     """A 4-layer TF32 training loop on two GPUs, or on one GPU's lanes (a stream a layer): the replayed forward is
     a wavefront (plan(captured=True)), each slot's backward is captured from its second call (on two GPUs in the
-    layers' time pieces, rnn_wave_backward; on one, layer after layer) and replayed after; outputs and every
-    gradient within TF32's tolerance of torch's."""
-    from blasx.dnn import rnn_replay, rnn_wave_backward
+    layers' time pieces, rnn_wave_backward; on one, layer after layer, each layer's weight gradients on a side
+    stream) and replayed after; outputs and every gradient within TF32's tolerance of torch's."""
+    from blasx.dnn import rnn_exec, rnn_replay, rnn_wave_backward
     if NGPU < ngpu:
         pytest.skip(f"needs {ngpu} GPUs")
     blasx.configure(devices="cuda" if ngpu > 1 else "cuda:0")
@@ -764,16 +764,20 @@ def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces
     m = (torch.nn.LSTM if mode == "lstm" else torch.nn.GRU)(64, 64, num_layers=4).cuda()
     p = m.state_dict()
     fn, bw = (dnn.lstm, dnn.lstm_backward) if mode == "lstm" else (dnn.gru, dnn.gru_backward)
-    pieces = []
-    real = rnn_wave_backward.run
+    pieces, beside = [], []
+    real, real_side = rnn_wave_backward.run, rnn_exec._side_weights
 
     def spy(*a):
         pieces.append(a[1][0][0].pieces)
         return real(*a)
+
+    def side(*a):
+        beside.append(real_side(*a))
+        return beside[-1]
     before = rnn_replay.stats()
     saved = None
     try:
-        rnn_wave_backward.run = spy
+        rnn_wave_backward.run, rnn_exec._side_weights = spy, side
         for i in range(7):
             x = (torch.randn(64, 16, 64, device="cuda") * 0.5).requires_grad_(True)
             y, st, saved = fn(cupy.from_dlpack(x.detach()), None, p, num_layers=4, training=True, math="tf32")
@@ -787,12 +791,13 @@ def test_tf32_training_stack_captured_as_a_wavefront_with_its_backward_in_pieces
             for k, prm in m.named_parameters():
                 assert _err(g[k], prm.grad.cpu().numpy()) < 1e-2, (i, k)
     finally:
-        rnn_wave_backward.run = real
+        rnn_wave_backward.run, rnn_exec._side_weights = real, real_side
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     st = rnn_replay.stats()
     assert st["failures"] == before["failures"], st["failed"]
     assert st["backward_captured"] - before["backward_captured"] == 2
     assert st["backward_replayed"] - before["backward_replayed"] >= 2
     assert (pieces and all(len(ps) >= 4 for ps in pieces)) if ngpu > 1 else not pieces  # (one GPU: layer by layer)
+    assert ngpu > 1 or True in beside  # (one GPU: captured with the weight gradients on a side stream)
     assert rnn_multi.last_run()["placement"].kind == "wavefront"
     assert rnn_multi.last_run()["placement"].lanes == ((0, 1, 2, 3) if ngpu == 1 else ())

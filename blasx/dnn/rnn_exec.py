@@ -281,6 +281,8 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             if dc0 is not None:
                 dc0[layer] = dcs[layer]
         layers = []
+    side = _side_weights(pb, layers, home)
+    deferred, held, forked = [], [], None
     for layer in range(len(layers) - 1, -1, -1):
         kept = layers[layer]
         args = [tuple(away(a, k) for a in (None if dy is None else dy[..., d * out:(d + 1) * out],
@@ -289,7 +291,7 @@ def backward(pb, layers, gy, gh, gc) -> dict:
                 for d, k in enumerate(kept)]
 
         def direction(lp, ops, d, k, mm, layer=layer, args=args):
-            return direction_backward(pb, loop, layer, lp, ops, d, k, mm, args[d])
+            return direction_backward(pb, loop, layer, lp, ops, d, k, mm, args[d], deferred if side else None)
 
         dx = None
         for d, (g, dxd, dh, dc) in enumerate(rnn_multi.run_backward(pb, layer, kept, direction)):
@@ -300,12 +302,34 @@ def backward(pb, layers, gy, gh, gc) -> dict:
             dh0[layer * dirs + d] = rnn_multi.at(xp, dh, home)
             if dc0 is not None:
                 dc0[layer * dirs + d] = rnn_multi.at(xp, dc, home)
+        if deferred:  # this layer's weight GEMMs on a side stream, beside the layers below (operands held to the join)
+            batch = list(deferred)
+            deferred.clear()
+            held.append(batch)
+            if forked is None:
+                forked = rnn_multi.fork_streams(xp, [(1, home)], "weights")
+            else:  # (the side stream after this layer's work too)
+                forked[0][(1, home)].wait_event(forked[1].record())
+            rnn_multi.issue_on(xp, forked[0], (1, home), lambda b=batch: [grads.update(fn(p)) for p, fn in b])
         dy = dx
+    if forked is not None:
+        rnn_multi.join_streams(xp, *forked)
+    rnn_multi.last_run()["weights_beside"] = len(held)
     grads["input"] = dy if dy.dtype == store else dy.astype(store)  # (dy: this call's own array)
     grads["h0"] = dh0
     if dc0 is not None:
         grads["c0"] = dc0
     return {k: grads[k] for k in ["input", "h0"] + (["c0"] if dc0 is not None else []) + rnn_params.names(spec)}
+
+
+SIDE_WEIGHTS = True  # (a switch for A/Bs)
+
+
+def _side_weights(pb, layers, home) -> bool:
+    """Whether each layer's weight gradients go to a side stream, off the path of the layers below it (whose step
+    loops leave most SMs idle): inside a whole-call capture, with every direction on the caller's device."""
+    return (SIDE_WEIGHTS and pb.xp is not np and rnn_layer.capturing_whole_call()
+            and all(k.dev == home for kept in layers for k in kept))
 
 
 def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args, defer=None):

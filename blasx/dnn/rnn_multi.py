@@ -26,7 +26,8 @@ _last = threading.local()
 
 def last_run() -> dict:
     """This thread's last forward placement: ``{"placement": Placement, "ran_on": {(layer, dir): device}}``, and
-    after a backward of a non-diagonal stack ``"backward_on": {(layer, dir): device}``."""
+    after a backward of a non-diagonal stack ``"backward_on": {(layer, dir): device}`` and ``"weights_beside"``
+    (how many layers' weight gradients went to a side stream, rnn_exec._side_weights)."""
     if not hasattr(_last, "run"):
         _last.run = {}
     return _last.run
