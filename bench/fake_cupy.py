@@ -27,6 +27,7 @@ LOG: list = []
 _state = {"recording": False, "mem_info_calls": 0, "free": 64 << 30, "copies": False}
 _local = threading.local()
 _stream_ids = itertools.count(0x1000, 0x10)
+_event_ids = itertools.count(0x5000, 0x10)
 
 
 def record(*entry) -> None:
@@ -402,7 +403,7 @@ def using_allocator(allocator=None):
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        pass
+        self.ptr = next(_event_ids)
 
     def record(self, stream=None):
         pass
@@ -474,7 +475,11 @@ def _build_modules() -> dict:
         setattr(cuda, name, globals()[name])
     cuda.runtime = types.SimpleNamespace(memGetInfo=_mem_get_info, getDevice=_current_device, memcpyHostToDevice=1,
                                          memcpyDeviceToHost=2, memcpyAsync=_memcpy_async,
-                                         memcpyPeerAsync=_memcpy_peer_async)
+                                         memcpyPeerAsync=_memcpy_peer_async,
+                                         eventRecord=lambda event, stream: record("event_record", stream, event),
+                                         streamWaitEvent=lambda stream, event, flags=0: record("wait_event", stream,
+                                                                                                event),
+                                         streamIsCapturing=lambda stream: _is_capturing(None))
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cuda.driver = types.SimpleNamespace(launchKernel=_launch_kernel)
     cupy.cuda = cuda
@@ -533,7 +538,8 @@ def installed(record_calls: bool = False, copies: bool = False):
     saved = {k: sys.modules.get(k) for k in mods}
     from blasx.dnn import cublas_call
     saved_gemm = cublas_call.strided_batched_ex
-    saved_handles = dict(cublas_call._HANDLES), dict(cublas_call._SPARE), dict(cublas_call._RESERVED)
+    tables = cublas_call._HANDLES, cublas_call._HELD, cublas_call._SPARE, cublas_call._RESERVED
+    saved_handles = [dict(t) for t in tables]
     kernel_tables = _kernel_tables()
     saved_kernels = [dict(t) for t in kernel_tables]
     LOG.clear()
@@ -545,9 +551,8 @@ def installed(record_calls: bool = False, copies: bool = False):
     sys.modules.update(mods)
     stub = _gemm_stub()
     cublas_call.strided_batched_ex = lambda use_extension=True: stub
-    cublas_call._HANDLES.clear()
-    cublas_call._SPARE.clear()
-    cublas_call._RESERVED.clear()
+    for t in tables:
+        t.clear()
     from blasx.runtime.devices import cublas_ctypes
     from blasx.dnn import rnn_layer
     saved_cc = (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
@@ -570,7 +575,7 @@ def installed(record_calls: bool = False, copies: bool = False):
         (cublas_ctypes.set_stream, cublas_ctypes.set_workspace, cublas_ctypes.set_pointer_mode,
          cublas_ctypes.gemm_ex) = saved_cc
         rnn_layer._strided_batched = saved_sb
-        for table, before in zip((cublas_call._HANDLES, cublas_call._SPARE, cublas_call._RESERVED), saved_handles):
+        for table, before in zip(tables, saved_handles):
             table.clear()
             table.update(before)
         for t, before in zip(kernel_tables, saved_kernels):

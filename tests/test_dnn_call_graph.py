@@ -183,7 +183,7 @@ def test_the_policy_eager_then_captured_then_launched_per_address_triple():
             assert len(calls) == n and fake.log[-1][0] == "graph_launch"  # the graph alone
             g.run(x, w, ys[1])
             assert calls[-1][0] is False  # a new output address: eager
-            a = call_graph.arena(0, 0)
+            a = call_graph.arena(0, cupy.cuda.Stream.null)
             for y in ys:
                 g.run(x, w, y)
                 g.run(x, w, y)
@@ -226,7 +226,7 @@ def test_a_grown_arena_retires_the_graphs_captured_in_the_old_one():
             big, _ = _graphs_world(cupy, need_bytes=1 << 16)
             for _ in range(2):
                 small.run(x, w, y)
-            a = call_graph.arena(0, 0)
+            a = call_graph.arena(0, cupy.cuda.Stream.null)
             first = a.generation
             for _ in range(2):
                 big.run(x, w, y)
@@ -261,7 +261,7 @@ def test_a_capture_stream_has_a_cublas_handle_of_its_own():
             for s in range(cublas_call.MAX_STREAMS + 1):
                 key, h = cublas_call._take_handle(0, 0x9000 + s)
                 cublas_call._give_handle(key, h)
-            capture = call_graph.arena(0, 0).capture.ptr
+            capture = call_graph.arena(0, cupy.cuda.Stream.null).capture.ptr
             key, h = cublas_call._take_handle(0, capture)
             assert h is cublas_call._RESERVED[(0, capture)] and h[2] == capture
             cublas_call._give_handle(key, h)
@@ -286,6 +286,78 @@ def test_per_thread_default_streams_get_handles_per_thread():
         t.start()
         t.join()
         assert keys[0][0] != keys[1][0] and keys[0][1] is not keys[1][1]
+
+
+def _own_keys_taken(cupy):
+    """Every own-stream handle key used up (MAX_STREAMS streams, each with its handle given back)."""
+    for s in range(cublas_call.MAX_STREAMS):
+        key, h = cublas_call._take_handle(0, 0x9000 + s)
+        cublas_call._give_handle(key, h)
+
+
+def test_a_shared_handle_orders_its_next_stream_after_its_last_gemm():
+    """Past MAX_STREAMS, handles are shared per device: a handle given back records an event on the stream it
+    issued on, and a stream that takes it from another waits for that event before its GEMM writes the
+    workspace (the last GEMM may still be running)."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            _own_keys_taken(cupy)
+            fake.log.clear()
+            key, h = cublas_call._take_handle(0, 0xA000)
+            assert key == 0 and h[2] == 0xA000 and h[3] is None
+            cublas_call._give_handle(key, h)
+            (event,) = [e for e in fake.log if e[0] == "event_record"]
+            assert event[1] == 0xA000
+            fake.log.clear()
+            key, h2 = cublas_call._take_handle(0, 0xB000)
+            assert key == 0 and h2[0] == h[0] and h2[2] == 0xB000
+            assert fake.log == [("wait_event", 0xB000, event[2])]
+            cublas_call._give_handle(key, h2)
+            fake.log.clear()
+            key, h3 = cublas_call._take_handle(0, 0xB000)  # (the same stream again: no wait)
+            assert h3[2] == 0xB000 and not [e for e in fake.log if e[0] == "wait_event"]
+
+
+def test_a_capturing_stream_never_takes_a_shared_handle():
+    """A graph keeps the workspace it was captured with: a capturing stream gets a handle of its own even past
+    MAX_STREAMS (none recorded or waited on)."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            _own_keys_taken(cupy)
+            s = cupy.cuda.Stream(non_blocking=True)
+            s.begin_capture()
+            try:
+                key, h = cublas_call._take_handle(0, s.ptr)
+                cublas_call._give_handle(key, h)
+            finally:
+                s.end_capture()
+            assert key == (0, s.ptr, 0) and h in cublas_call._HANDLES[key]
+
+
+def test_a_handle_or_arena_keyed_by_a_stream_holds_that_stream():
+    """An own-stream handle's key and an arena's name a stream by its handle: the stream is held, so a destroyed
+    stream's handle never comes back as a new stream's while the first one's GEMMs or graphs may run."""
+    import gc
+    import weakref
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        with cupy.cuda.Device(0):
+            s = cupy.cuda.Stream(non_blocking=True)
+            alive = weakref.ref(s)
+            with s:
+                key, h = cublas_call._take_handle(0, s.ptr)
+                cublas_call._give_handle(key, h)
+            del s
+            gc.collect()
+            assert alive() is not None and cublas_call._HELD[key] is alive()
+            s2 = cupy.cuda.Stream(non_blocking=True)
+            alive = weakref.ref(s2)
+            a = call_graph.arena(0, s2)
+            del s2
+            gc.collect()
+            assert alive() is a.stream and call_graph.arena(0, a.stream) is a
 
 
 def test_calls_on_a_per_thread_default_stream_stay_eager():

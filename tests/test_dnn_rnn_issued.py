@@ -17,7 +17,7 @@ from blasx.dnn import rnn_multi
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(rnn_multi, "_streams", {})  # the pool streams made here are the stand-in's
-    monkeypatch.setattr(rnn_multi, "_callers", set())
+    monkeypatch.setattr(rnn_multi, "_callers", {})
     with fake_cupy.installed(record_calls=True) as f:
         yield f
 
@@ -91,7 +91,7 @@ def test_pool_streams_are_per_callers_stream(fake, monkeypatch):
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     first = run_from(a)
     assert run_from(a) == first and run_from(b) not in (first, a.ptr, b.ptr)
-    assert rnn_multi._callers == {(a.ptr, 0), (b.ptr, 0)}
+    assert rnn_multi._callers == {(a.ptr, 0): a, (b.ptr, 0): b}  # (each held: its handle never reused meanwhile)
     with cupy.cuda.Stream(ptr=2):  # (cudaStreamPerThread: one handle, a stream per thread)
         assert rnn_multi._caller(cupy) == (2, threading.get_ident())
     assert rnn_multi._caller(cupy) == NULL

@@ -654,13 +654,20 @@ def test_transposed_replays_with_a_bias(direct_route, dtype, layout, stride):
     assert sum(g.replays for g in replays if g is not None) > 0 and all(g.fails == 0 for g in replays if g)
 
 
-@pytest.mark.parametrize("streams", ["own", "null"])
-def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
+@pytest.mark.parametrize("streams", ["own", "null", "shared"])
+def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams, monkeypatch):
     """Four threads each loop over their own operands of one shape (rewritten in place every step), on a
-    stream of their own or all on the null stream (one shared arena for its graphs); every result against
-    torch in float64: no thread ever reads another's scratch or result."""
-    shape_x, shape_w = (4, 64, 13, 11), (32, 64, 3, 3)
-    ref_shape = (4, 32, 13, 11)
+    stream of their own or all on the null stream (one shared arena for its graphs), or on streams of their own
+    past cublas_call.MAX_STREAMS, eagerly (cuBLAS handles and workspaces shared, a weight-gradient GEMM long in k);
+    every result against torch in float64: no thread ever reads another's scratch or result."""
+    from blasx.dnn import call_graph, cublas_call
+    hw = (13, 11)
+    if streams == "shared":  # (every call eager: its GEMMs on the shared handles, none on a capture stream's)
+        monkeypatch.setattr(cublas_call, "MAX_STREAMS", 0)
+        monkeypatch.setattr(call_graph, "ENABLED", False)
+        hw = (56, 48)
+    shape_x, shape_w = (4, 64, *hw), (32, 64, 3, 3)
+    ref_shape = (4, 32, *hw)
     results = {}
 
     def worker(t):
@@ -668,7 +675,7 @@ def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
         xs = _device(np.zeros(shape_x, np.float32), "cl")
         ws = _device(np.zeros(shape_w, np.float32), "cl")
         dys = _device(np.zeros(ref_shape, np.float32), "cl")
-        stream = cupy.cuda.Stream(non_blocking=True) if streams == "own" else cupy.cuda.Stream.null
+        stream = cupy.cuda.Stream.null if streams == "null" else cupy.cuda.Stream(non_blocking=True)
         with stream:
             for i in range(8):
                 xh, wh = r.standard_normal(shape_x), r.standard_normal(shape_w) / 8
@@ -686,6 +693,7 @@ def test_graph_replays_from_threads_at_once(direct_route, in_threads, streams):
         assert rel(y, F.conv2d(xf, wf, None, 1, 1).numpy()) < 1e-5, (t, i)
         assert rel(gw, torch.nn.grad.conv2d_weight(xf, shape_w, dyf, 1, 1).numpy()) < 1e-5, (t, i)
     assert len(results) == 32
+    assert streams != "shared" or cublas_call._HANDLES.get(0)  # (the device's shared handles were used)
 
 
 @pytest.mark.parametrize("kernel", ["plain", "paired", "vector"])

@@ -48,14 +48,15 @@ def _rounded(n: int) -> int:
 class Arena:
     """One (device, stream)'s scratch for its graphs: a buffer handed out from its start by a bump allocator
     during each capture, the stream the graphs are captured on, its generation and a lock (one capture at a
-    time)."""
+    time); it holds the stream its graphs are launched on."""
 
-    def __init__(self, device: int):
+    def __init__(self, device: int, stream):
         import cupy
 
         from . import cublas_call
         self.lock = threading.Lock()
         self.device = device
+        self.stream = stream  # (held: its handle never names another stream while this arena lives)
         self.capture = cupy.cuda.Stream(non_blocking=True)
         cublas_call.reserve(device, self.capture.ptr)
         self.buf, self.size, self.offset, self.generation = None, 0, 0, 0
@@ -87,8 +88,9 @@ class Arena:
 _ARENAS = direct_cache.table(64)  # (device, stream pointer) -> Arena; emptied with the other caches
 
 
-def arena(device: int, stream: int) -> Arena:
-    return _ARENAS.get((device, stream), lambda: Arena(device))
+def arena(device: int, stream) -> Arena:
+    """The arena of ``stream`` (a CuPy stream) on ``device``."""
+    return _ARENAS.get((device, stream.ptr), lambda: Arena(device, stream))
 
 
 class Graphs:
@@ -155,7 +157,7 @@ class Graphs:
     def _capture(self, key, need: int, stream, device: int, work):
         """``work()`` captured on its stream's arena's capture stream (launching nothing), kept; None on failure."""
         import cupy
-        a = arena(device, stream.ptr)
+        a = arena(device, stream)
         with a.lock:
             try:
                 a.fit(need)

@@ -17,7 +17,7 @@ import weakref
 
 import numpy as np
 
-from ..runtime.devices.cupy_streams import stream_key
+from ..runtime.devices.cupy_streams import PER_THREAD, stream_key
 from . import direct_cache
 
 
@@ -69,7 +69,8 @@ def issue(fn, device: int, stream: int, args: tuple, what=None) -> None:
 
 # ---------------------------------------------------------------- handles
 
-_HANDLES: dict = {}
+_HANDLES: dict = {}  # key (own: (device, stream key); shared: device id) -> idle handles
+_HELD: dict = {}  # own key -> the stream it names (held, so its handle is never another stream's meanwhile)
 
 MAX_STREAMS = 16  # streams per process whose handles are bound to them; the rest share per-device handles
 
@@ -79,28 +80,51 @@ def _take_handle(device_id: int, stream: int):
     threads issuing GEMMs at once each hold their own, never waiting on a lock. A handle is bound to one
     stream with its own workspace, set once, so a GEMM captured into a CUDA graph on that stream (the network
     executor) keeps a workspace no other stream writes (the per-thread default stream: one per thread). Past
-    MAX_STREAMS streams, handles are shared per device and their stream and workspace set whenever the stream
-    changes."""
+    MAX_STREAMS streams, handles are shared per device: one bound to another stream is bound again, ``stream``
+    ordered after the last GEMM issued with it (whose workspace it is about to write)."""
     h = _RESERVED.get((device_id, stream)) if _RESERVED else None
     if h is not None:
         return (device_id, stream), h
     own = (device_id, *stream_key(stream))
     key = own if own in _HANDLES or len(_HANDLES) < MAX_STREAMS else device_id
+    if key is not own and _capturing(stream):  # a graph keeps the workspace it captured: never a shared one
+        key = own
+    pool = _HANDLES.get(key)
+    if pool is None:
+        pool = _HANDLES.setdefault(key, [])
+        if key is own:
+            _HELD.setdefault(key, _current_stream(stream))
     try:
-        h = _HANDLES.setdefault(key, []).pop()
+        h = pool.pop()
     except IndexError:
         h = _new_handle()
     return key, _bound(h, stream)  # (a new handle, or a shared one last used on another stream: bound again)
 
 
+def _capturing(stream: int) -> bool:
+    import cupy
+    return bool(cupy.cuda.runtime.streamIsCapturing(stream))
+
+
+def _current_stream(ptr: int):
+    """The current stream's object where its handle is ``ptr`` (None otherwise, and for the per-thread stream)."""
+    import cupy
+    cur = cupy.cuda.get_current_stream()
+    return cur if cur.ptr == ptr and ptr not in PER_THREAD else None
+
+
 def _bound(h: tuple, stream: int) -> tuple:
-    """Handle ``h`` bound to ``stream`` with its own workspace (set after the stream: setting it resets it)."""
+    """Handle ``h`` bound to ``stream`` with its own workspace (set after the stream: setting it resets it); a
+    handle last used on another stream (shared: its event recorded when given back) orders ``stream`` after it."""
     if h[2] == stream:
         return h
     from ..runtime.devices import cublas_ctypes
+    if h[3] is not None:
+        import cupy
+        cupy.cuda.runtime.streamWaitEvent(stream, h[3].ptr)
     cublas_ctypes.set_stream(h[0], stream)
     cublas_ctypes.set_workspace(h[0], h[1].data.ptr, h[1].nbytes)
-    return h[0], h[1], stream
+    return h[0], h[1], stream, h[3]
 
 
 def reserve(device_id: int, stream: int) -> None:
@@ -144,12 +168,18 @@ def device_workspace(xp, count: int = 1):
 
 
 def _new_handle() -> tuple:
-    """(handle, its workspace, the stream it is bound to: none yet)."""
+    """(handle, its workspace, the stream it is bound to: none yet, its give-back event: none yet)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
-    return cublas.create(), device_workspace(cupy), None
+    return cublas.create(), device_workspace(cupy), None, None
 
 
 def _give_handle(key, h) -> None:
-    if _RESERVED.get(key) is not h:
-        _HANDLES[key].append(h)
+    if _RESERVED.get(key) is h:
+        return
+    if type(key) is int:  # shared: the next stream to take it waits for this GEMM (its workspace's last user)
+        import cupy
+        if h[3] is None:
+            h = h[:3] + (cupy.cuda.Event(disable_timing=True),)
+        cupy.cuda.runtime.eventRecord(h[3].ptr, h[2])
+    _HANDLES[key].append(h)

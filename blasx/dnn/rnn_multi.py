@@ -64,7 +64,7 @@ def cuda_devices(home: int) -> list:
 
 
 _streams: dict = {}  # (device, k, caller) -> the non-blocking stream of a pool's k-th job on that device
-_callers: set = set()  # the callers' streams (_caller) that have pool streams
+_callers: dict = {}  # the callers' streams (_caller) that have pool streams -> the stream (held: its handle kept)
 _streams_lock = threading.Lock()
 MAX_CALLERS = 64  # callers' streams given pool streams; a later caller's jobs run on its own stream
 
@@ -86,7 +86,8 @@ def _stream(xp, dev, k: int, caller):
             if caller not in _callers:
                 if len(_callers) >= MAX_CALLERS:
                     return None
-                _callers.add(caller)
+                cur = xp.cuda.get_current_stream()
+                _callers[caller] = cur if cur.ptr == caller[0] else None
             _streams[key] = xp.cuda.Stream(non_blocking=True)
         return _streams[key]
 
