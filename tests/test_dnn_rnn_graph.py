@@ -393,7 +393,7 @@ def test_narrow_half_backward_keeps_only_the_rounded_gradients(mode, monkeypatch
     full = rnn_layer.backward_loop(rnn_layer.HostOps(), mode, st, w16, None, dy, None, None, bs, False, H)
     view = rnn_layer.Forward(*(None if a is None else _a(a) for a in (st.S, st.C, st.gates, st.R)))
     ops = _Ops()
-    got, scratch = rnn_layer.backward_buffers(ops, mode, view, G * H, H, np.float32, None, None, np.float16)
+    got, scratch = rnn_layer.backward_buffers(ops, mode, view, _a(w16), H, np.float32, None, None, np.float16)
     rnn_layer.backward_steps(ops, mode, view, _a(w16), None, _a(dy), bs, False, got, scratch)
     assert got.dgx is None and got.dgh is None and full.dgx is not None
     assert np.array_equal(got.g16, full.g16) and np.array_equal(got.dh, full.dh)
@@ -673,7 +673,7 @@ def test_cuda_step_loops_allocate_nothing(mode, splits, monkeypatch):
         gx, w_hh, gh = (cupy.empty(s, dtype=np.float32) for s in ((T, B, g), (g, H), (B, g)))
         bias, dy = cupy.empty((4 * H,), dtype=np.float32), cupy.empty((T, B, H), dtype=np.float32)
         bs = [4, 4, 3, 2, 1]
-        bw, scratch = rnn_layer.backward_buffers(ops, mode, st, g, H, np.float32, None, None)
+        bw, scratch = rnn_layer.backward_buffers(ops, mode, st, w_hh, H, np.float32, None, None)
 
         def loops():
             rnn_layer.forward_loop(ops, mode, gx, w_hh, None, bias, st, gh, bs, False)
@@ -684,6 +684,23 @@ def test_cuda_step_loops_allocate_nothing(mode, splits, monkeypatch):
         monkeypatch.setattr(fake_cupy, "empty", lambda *a, **k: made.append(a) or real(*a, **k))
         loops()
         assert made == []
+
+
+def test_k_slice_stacks_only_for_a_contiguous_recurrent_weight(monkeypatch):
+    """backward_buffers makes the k slices' partial-sum stacks only where backward_steps can slice the weight
+    as views (C-contiguous W_hh); a transposed view takes cuBLAS's split-k and no stacks."""
+    from bench import fake_cupy
+    with fake_cupy.installed() as fake:
+        cupy = fake.cupy
+        ops = rnn_layer.CudaOps("ieee")
+        monkeypatch.setattr(rnn_layer.CudaOps, "step_splits", lambda self, f, k, h: 2)
+        T, B, H = 3, 4, 8
+        st = rnn_layer.forward_buffers(cupy, "lstm", T, B, H, H, False, np.float32, np.float32)
+        dense = cupy.empty((4 * H, H), dtype=np.float32)
+        viewed = cupy.empty((H, 4 * H), dtype=np.float32).T
+        _, a = rnn_layer.backward_buffers(ops, "lstm", st, dense, H, np.float32, None, None)
+        _, b = rnn_layer.backward_buffers(ops, "lstm", st, viewed, H, np.float32, None, None)
+        assert (a.splits, b.splits) == (2, 1) and a.parts is not None and b.parts is None
 
 
 def test_dropped_entries_live_until_their_last_users_work_is_done(monkeypatch):

@@ -193,7 +193,7 @@ class _Back:
         xp = ops.xp
         self.st = st
         self.w_hh, self.w_hr, self.dy = _like(xp, w_hh), _like(xp, w_hr), _like(xp, dy)
-        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, st, w_hh.shape[0], H,
+        self.bw, self.scratch = rnn_layer.backward_buffers(ops, mode, st, self.w_hh, H,
                                                            rnn_layer.compute_type(w_hh.dtype), None, None,
                                                            rnn_layer.half_of(w_hh))
 

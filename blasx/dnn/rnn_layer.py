@@ -488,12 +488,12 @@ class BackwardScratch:
     splits: int = 1  # k slices of the recurrent GEMM: n = splits (GRU: + 1, the part not through W_hh)
 
 
-def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n, half=None) -> tuple:
-    """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`;
-    rows a loop never reaches stay zero. ``half`` (a 2-byte dtype): the loop's GEMMs take dgh rounded to it; on
-    CUDA with :data:`NARROW` the gate gradients are kept only so rounded (``dgx``, ``dgh`` None; GRU's dgx in
-    ``x16``), as every GEMM after the loop reads them in that type."""
-    xp = ops.xp
+def backward_buffers(ops, mode: str, st: Forward, w_hh, H: int, f, dh_n, dc_n, half=None) -> tuple:
+    """(Backward with zeroed gradients and dh/dc set from dh_n/dc_n, its BackwardScratch) for :func:`backward_steps`
+    on the recurrent weight ``w_hh``; rows a loop never reaches stay zero. ``half`` (a 2-byte dtype): the loop's
+    GEMMs take dgh rounded to it; on CUDA with :data:`NARROW` the gate gradients are kept only so rounded (``dgx``,
+    ``dgh`` None; GRU's dgx in ``x16``), as every GEMM after the loop reads them in that type."""
+    xp, g = ops.xp, w_hh.shape[0]
     T, B = st.S.shape[0] - 1, st.S.shape[1]
     out = st.S.shape[2]
     narrow = NARROW and half is not None and xp is not np and st.R is None
@@ -505,7 +505,7 @@ def backward_buffers(ops, mode: str, st: Forward, g: int, H: int, f, dh_n, dc_n,
     if mode == "lstm":
         dc = xp.zeros((B, H), dtype=f) if dc_n is None else dc_n.astype(f, copy=True)
     proj = st.R is not None
-    splits = 1 if proj or half is not None else ops.step_splits(f, g, H)
+    splits = 1 if proj or half is not None or not w_hh.flags.c_contiguous else ops.step_splits(f, g, H)
     n = splits + (mode == "gru")
     scratch = BackwardScratch(dr=xp.empty((B, H), dtype=f) if proj else None,
                               dh2=xp.empty((B, out), dtype=f),
@@ -529,8 +529,7 @@ def backward_loop(ops, mode: str, st: Forward, w_hh_f, w_hr_f, dy, dh_n, dc_n, b
     """Eq. 15 step by step in reverse processing order; ``dy`` (T, B, out) F in time order (or None),
     ``dh_n``/``dc_n`` (B, out)/(B, H) F or None. Weights are in F, or ``w_hh_f`` in float16 (see :func:`half_of`;
     no projection)."""
-    bw, scratch = backward_buffers(ops, mode, st, w_hh_f.shape[0], H, compute_type(w_hh_f.dtype), dh_n, dc_n,
-                                   half_of(w_hh_f))
+    bw, scratch = backward_buffers(ops, mode, st, w_hh_f, H, compute_type(w_hh_f.dtype), dh_n, dc_n, half_of(w_hh_f))
     dy = None if dy is None else ops.xp.ascontiguousarray(dy)
     backward_steps(ops, mode, st, w_hh_f, w_hr_f, dy, bs, reverse, bw, scratch)
     return bw
