@@ -201,6 +201,45 @@ def test_conv2d_on_numpy_takes_the_route(monkeypatch):
     assert sorted(e[1] for e in copies if e[2] == 2) == sorted(2 * 64 * 64 * (hi - lo) for lo, hi in spans)
 
 
+@pytest.mark.parametrize("view", ["channels-last", "strided"])
+def test_an_unbatched_out_not_compact_in_xs_layout_is_written(monkeypatch, view):
+    """An unbatched call's ``out`` in another layout than x's (a channels-last image, or every other column of a
+    wider buffer) gets the route's result through a buffer; its columns outside the view stay untouched."""
+    import blasx.dnn as dnn
+    from blasx.dnn import conv
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0,))
+
+    def forward(fn, geo, xd, lay, wd, yd, rd, *rest, **kwargs):  # (the chunk's convolution by CPU torch)
+        x = torch.from_numpy(np.ascontiguousarray(np.asarray(xd).view(np.ndarray)))
+        w = torch.from_numpy(np.ascontiguousarray(np.asarray(wd).view(np.ndarray)))
+        np.copyto(yd.view(np.ndarray), torch.nn.functional.conv2d(x, w).numpy())
+    monkeypatch.setattr(conv, "_forward_call", forward)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    if view == "channels-last":
+        buf = np.full((7, 7, 6), np.nan, np.float32)
+        out = buf.transpose(2, 0, 1)
+    else:
+        buf = np.full((6, 7, 14), np.nan, np.float32)
+        out = buf[:, :, ::2]
+    with fake_cupy.installed(copies=True):
+        host_batch.release()
+        got = dnn.conv2d(x, w, out=out)
+        host_batch.release()
+    want = torch.nn.functional.conv2d(torch.from_numpy(x[None]), torch.from_numpy(w)).numpy()[0]
+    assert got is out and np.allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert view == "channels-last" or np.isnan(buf[:, :, 1::2]).all()
+
+
+def test_host_bytes_are_never_a_copy():
+    """memory_bytes refuses an array not compact in the layout (its bytes would be a copy, taking the writes)."""
+    a = np.zeros((2, 3, 4, 5), np.float32)
+    assert np.shares_memory(host_batch.memory_bytes(a, "nchw"), a)
+    with pytest.raises(RuntimeError, match="not compact"):
+        host_batch.memory_bytes(a, "cl")
+
+
 def test_calls_from_several_threads_keep_their_own_slots(monkeypatch, in_threads):
     """Four threads' runs at once: each gets slots of its own (never another call's buffers) and its own result."""
     monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)

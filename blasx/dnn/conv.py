@@ -241,11 +241,15 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
         _check_layout(out, lay)
     image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
     if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
-        y = _batched(out, nd)[0] if out is not None else host_batch.empty(shape, dt, lay)
+        given = _batched(out, nd)[0] if out is not None else None
+        # (the route copies whole images: an unbatched out not compact in x's layout gets them through a buffer)
+        y = given if given is not None and is_layout(given, lay) else host_batch.empty(shape, dt, lay)
         dlay = conv_direct.device_layout(lay, geo, dt)
         host_batch.run(host_batch.Batch(transpose_kernel.to_layout(np, xb, lay), y, residual, lay, dlay), weight,
                        lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
                                                             wd, yd, rd, (*vecs, act), math, user_weight=True))
+        if given is not None and y is not given:
+            np.copyto(given, y)
         return out if out is not None else (y[0] if unbatched else y)
     dlay = lay
     with _on_device_of(x):

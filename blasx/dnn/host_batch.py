@@ -103,8 +103,11 @@ def in_layout(flat, shape: tuple, lay: str):
 
 
 def memory_bytes(a, lay: str) -> np.ndarray:
-    """The bytes of a compact host array in layout ``lay``, in memory order (a view)."""
+    """The bytes of a compact host array in layout ``lay``, in memory order (a view: never a copy, which would
+    take the route's writes)."""
     stored = a if lay == "nchw" else a.transpose(0, *range(2, a.ndim), 1)
+    if not stored.flags.c_contiguous:
+        raise RuntimeError(f"host_batch: an array of strides {a.strides} is not compact in layout {lay!r}")
     return stored.reshape(-1).view(np.uint8)
 
 
