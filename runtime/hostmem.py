@@ -167,29 +167,43 @@ class RegistrationCache:
         # a root the call also writes is never staged (its copy would go stale)
         into = into or {}
         staging = {id(root_of(x)): None for i, x in enumerate(arrays) if i not in readonly} if buffer or into else {}
-        pinnings, chunks = [], []
-        for i, x in enumerate(arrays):
-            stage = i in readonly and (buffer is not None or i in into)
-            p = self._staging(runtime, x, staging, buffer, min_bytes, into.get(i)) if stage else None
-            if p is not None:  # (a root read twice is staged once: its chunks listed with its first operand)
-                mine = [] if any(q is p for q in pinnings) else [(p, k) for k in range(len(p.chunks))]
-            else:
-                p, mine = self._pinning(runtime, x, min_bytes)
-            pinnings.append(p)
-            chunks.append(mine)
-        if not any(chunks):
-            return pinnings, None
-        late = late() if callable(late) else late
-        order = (round_robin([c for i, c in enumerate(chunks) if i not in late])
-                 + round_robin([c for i, c in enumerate(chunks) if i in late]))
-        if threads is None and any(p.staged is not None for p, _ in order):
-            threads = STAGE_THREADS
-        job = PinJob(self, order, threads)
-        if on_demand:
-            for p, i in order:
-                p.owner[i] = job
-        job.start()
+        pinnings, chunks, job = [], [], None
+        try:
+            for i, x in enumerate(arrays):
+                stage = i in readonly and (buffer is not None or i in into)
+                p = self._staging(runtime, x, staging, buffer, min_bytes, into.get(i)) if stage else None
+                if p is not None:  # (a root read twice is staged once: its chunks listed with its first operand)
+                    mine = [] if any(q is p for q in pinnings) else [(p, k) for k in range(len(p.chunks))]
+                else:
+                    p, mine = self._pinning(runtime, x, min_bytes)
+                pinnings.append(p)
+                chunks.append(mine)
+            if not any(chunks):
+                return pinnings, None
+            late = late() if callable(late) else late
+            order = (round_robin([c for i, c in enumerate(chunks) if i not in late])
+                     + round_robin([c for i, c in enumerate(chunks) if i in late]))
+            if threads is None and any(p.staged is not None for p, _ in order):
+                threads = STAGE_THREADS
+            job = PinJob(self, order, threads)
+            if on_demand:
+                for p, i in order:
+                    p.owner[i] = job
+            job.start()
+        except BaseException:  # (Ctrl-C, or no memory for a staging buffer): what no thread took on is free again
+            if job is None or not job.started:
+                self._unclaim(chunks)
+            raise
         return pinnings, job
+
+    def _unclaim(self, chunks: list) -> None:
+        """Chunks this call claimed and will not register, claimable again (a later call registers them)."""
+        with self._lock:
+            for mine in chunks:
+                for p, i in mine:
+                    if p.staged is None:
+                        p.claimed[i] = False
+                        p.owner[i] = None
 
     def _staging(self, runtime, x, staging: dict, buffer, min_bytes: int, into=None):
         """A staged Pinning for x's root (shared by the call's operands on that root; its chunks copied by
@@ -336,6 +350,11 @@ class PinJob:
         self._t0 = time.perf_counter()
         for t in self._threads:
             t.start()
+
+    @property
+    def started(self) -> bool:
+        """A thread has started (it takes every chunk nobody took before it ends)."""
+        return any(t.ident is not None for t in self._threads)
 
     def hurry(self, p: Pinning, i: int) -> None:
         """Chunk i of p is wanted now: the next thread free takes it (if this job has it, not yet taken)."""

@@ -67,19 +67,26 @@ class LockedMemory:
     def alloc(self, nbytes: int) -> int:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = None
+        registering = False
         try:
             view = np.frombuffer(m, dtype=np.uint8)
             ptr = view.ctypes.data
             zero(view)
             view = None  # no export left: the mapping can close
+            registering = True
             self._register(ptr, nbytes)
+            with self._lock:
+                self._maps[ptr] = m
         except BaseException:
             view = None
+            if registering:  # (a Ctrl-C raised as the registration returned: never unmap registered pages)
+                with contextlib.suppress(Exception):
+                    self._unregister(ptr)
+                with self._lock:
+                    self._maps.pop(ptr, None)
             with contextlib.suppress(BufferError):  # a zeroing thread still at it (interrupted): unmapped with it
                 m.close()
             raise
-        with self._lock:
-            self._maps[ptr] = m
         return ptr
 
     def free(self, ptr: int) -> None:

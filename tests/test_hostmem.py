@@ -316,6 +316,29 @@ def test_a_root_freed_inside_the_cache_lock_unregisters_without_hanging(fake_cud
     assert start in rt.unregistered and registered(reg) == 0
 
 
+def test_an_interrupted_pin_leaves_no_chunk_claimed(fake_cuda, monkeypatch):
+    """Ctrl-C while a call makes a later operand's staging buffer, after it claimed an earlier operand's chunks:
+    those chunks are claimable again, so the next call registers them (they would otherwise wait for a job that
+    never ran, each copy stalling WAIT_SECONDS and failing)."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    rt = fake_cuda()
+    reg = RegistrationCache()
+    a, b = np.ones((1 << 15,)), np.ones((1 << 15,))
+    reg._seen[id(a)] = a  # (seen before: pinned in place, its chunks claimed first)
+
+    def interrupted(nbytes):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        reg.pin([a, b], readonly=(0, 1), buffer=interrupted)
+    p = reg._ours[id(a)]
+    assert not any(p.claimed) and p.owner == [None] * len(p.chunks) and not rt.registered
+    (again, _), job = reg.pin([a, b])
+    job.join()
+    assert again is p and all(p.ok) and all(ev.is_set() for ev in p.ready)
+
+
 def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     """CudaDevice.prepare_call (on the CPU stand-in for CuPy) hands the registration cache the host operands in slot
     order and, as ``late``, the host index of the operand the call only writes (device operands are not pinned)."""

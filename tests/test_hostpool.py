@@ -221,6 +221,20 @@ def test_locked_memory_zeroes_registers_whole_and_unmaps_on_free(monkeypatch):
     assert mem.live == 0
 
 
+def test_an_interrupt_as_the_registration_returns_unregisters_before_unmapping():
+    """Ctrl-C raised as cudaHostRegister returns (the range registered): the range is unregistered before it is
+    unmapped (registered pages unmapped would let a later allocation there pass for page-locked)."""
+    calls = []
+
+    def register(p, n):
+        calls.append(("register", p))
+        raise KeyboardInterrupt
+    mem = hostpool.LockedMemory(register, lambda p: calls.append(("unregister", p)))
+    with pytest.raises(KeyboardInterrupt):
+        mem.alloc(16 * PAGE)
+    assert [c[0] for c in calls] == ["register", "unregister"] and calls[0][1] == calls[1][1] and mem.live == 0
+
+
 @pytest.mark.parametrize("order", ["F", "C"])
 def test_copy_into_in_parts_equals_assignment(monkeypatch, order):
     """copy_into cuts the outermost axis into parts (several threads): the same values as ``dst[...] = src``,
