@@ -193,6 +193,10 @@ class RegistrationCache:
         except BaseException:  # (Ctrl-C, or no memory for a staging buffer): what no thread took on is free again
             if job is None or not job.started:
                 self._unclaim(chunks)
+            else:  # (interrupted while starting its threads: they end before the call does)
+                job.cancel()
+                with contextlib.suppress(BaseException):
+                    job.join()
             raise
         return pinnings, job
 
@@ -345,6 +349,7 @@ class PinJob:
         self._threads = [threading.Thread(target=self._run, name="blasx-pin", daemon=False) for _ in range(n)]
         self._t0 = 0.0
         self._ends: list[float] = []  # each thread's end (list.append is atomic under the GIL)
+        self._cancelled = False
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
@@ -364,10 +369,15 @@ class PinJob:
                 if not self._taken[n]:
                     self._hurried.append(n)
 
+    def cancel(self) -> None:
+        """Take no more chunks (a failed or interrupted call): each thread ends after the chunk it is doing; the
+        chunks nobody took are left pageable for this call and claimable by the next (:meth:`_run`)."""
+        self._cancelled = True
+
     def _take(self) -> int | None:
-        """The chunk this thread does next (marked taken), or None when every chunk is taken."""
+        """The chunk this thread does next (marked taken), or None when every chunk is taken (or cancelled)."""
         with self._lock:
-            while self._hurried or self._cursor < len(self.chunks):
+            while not self._cancelled and (self._hurried or self._cursor < len(self.chunks)):
                 if self._hurried:
                     n = self._hurried.popleft()
                 else:
@@ -385,18 +395,42 @@ class PinJob:
                     self.cache.register_chunk(p, k)  # sets the chunk's event whatever happens
                 finally:
                     p.owner[k] = None  # (no pinning keeps a finished job, and the call's arrays, alive)
-        finally:  # after an unexpected error the chunks nobody took stay pageable: no copy waits for them
-            while (n := self._take()) is not None:
+        finally:  # after an unexpected error or a cancel the chunks nobody took stay pageable: no copy waits
+            self._cancelled = True  # for them; a later call may claim them again
+            for n in self._untaken():
                 p, k = self.chunks[n]
                 p.owner[k] = None
+                if p.staged is None:
+                    with self.cache._lock:
+                        p.claimed[k] = False
                 p.ready[k].set()
             self._ends.append(time.perf_counter())
 
+    def _untaken(self) -> list[int]:
+        """The chunks no thread took, now marked taken."""
+        with self._lock:
+            out = [n for n, taken in enumerate(self._taken) if not taken]
+            for n in out:
+                self._taken[n] = True
+        return out
+
     def join(self) -> None:
-        """Until every thread is done; ``seconds`` is then the registering time (start to the last thread's end)."""
+        """Until every thread is done; ``seconds`` is then the registering time (start to the last thread's end).
+        A Ctrl-C while waiting cancels the job, waits all the same (further Ctrl-Cs held back: no registration
+        outlives the call that holds the arrays) and is raised after."""
+        pending = None
         for t in self._threads:
-            t.join()
+            while True:
+                try:
+                    t.join()
+                    break
+                except BaseException as exc:  # noqa: BLE001 - raised once every thread has ended
+                    if pending is None:
+                        pending = exc
+                        self.cancel()
         self.seconds = max(self._ends, default=self._t0) - self._t0
+        if pending is not None:
+            raise pending
 
     @property
     def threads(self) -> int:

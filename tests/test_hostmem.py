@@ -256,6 +256,62 @@ def test_a_pin_thread_dying_leaves_the_untaken_chunks_pageable(fake_cuda, monkey
     assert all(ev.is_set() for i, ev in enumerate(p.ready) if i != 1)  # chunk 1 was the failing call's own
 
 
+def test_a_cancelled_job_ends_after_its_chunk_and_leaves_the_rest_claimable(fake_cuda, monkeypatch):
+    """A failed or interrupted call cancels its job: the thread ends after the chunk it is registering; the
+    chunks nobody took are released to the copies as pageable and claimable again, so the next call on the array
+    registers them."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)
+    rt = fake_cuda()
+    reg = RegistrationCache()
+    a = np.ones((1 << 16,))
+    inside, go = threading.Event(), threading.Event()
+    real = reg.register_chunk
+
+    def slow(p, i):
+        inside.set()
+        go.wait(10)
+        real(p, i)
+    monkeypatch.setattr(reg, "register_chunk", slow)
+    (p,), job = reg.pin([a])
+    assert inside.wait(10) and len(p.chunks) > 2
+    job.cancel()
+    go.set()
+    job.join()
+    assert p.ok[0] and not any(p.ok[1:]) and all(ev.is_set() for ev in p.ready)
+    assert p.claimed == [True] + [False] * (len(p.chunks) - 1) and len(rt.registered) == 1
+    monkeypatch.setattr(reg, "register_chunk", real)
+    (again,), job2 = reg.pin([a])
+    job2.join()
+    assert again is p and all(p.ok) and len(rt.registered) == len(p.chunks)
+
+
+def test_a_ctrl_c_while_joining_cancels_the_job_and_still_waits_for_it(fake_cuda, monkeypatch):
+    """Ctrl-C in the call's join: the job is cancelled, every thread is waited for (no registration outlives the
+    call), then the interrupt is raised."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "PIN_THREADS", 1)
+    fake_cuda()
+    reg = RegistrationCache()
+    (p,), job = reg.pin([np.ones((1 << 16,))])
+    (thread,) = job._threads
+    real_join, joins = thread.join, []
+
+    def interrupted_once():
+        joins.append(1)
+        if len(joins) == 1:
+            raise KeyboardInterrupt
+        real_join()
+    monkeypatch.setattr(thread, "join", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        job.join()
+    assert len(joins) == 2 and job.done and job._cancelled and all(ev.is_set() for ev in p.ready)
+
+
 def test_a_failed_chunk_is_copied_as_pageable_memory(fake_cuda, monkeypatch):
     from blasx.runtime import hostmem
     monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)

@@ -205,6 +205,8 @@ class CudaDevice(CudaKernels, StreamDevice):
     def finish_call(self, call) -> None:
         job = getattr(call, "pin_job", None)
         if job is not None:  # registration never outlives the call that holds the arrays
+            if call.failed:  # (cancelled, or failed: its chunks not yet taken are left for a later call)
+                job.cancel()
             job.join()
             call.stats.host["pin_seconds"] = job.seconds
             call.stats.host["pinned_bytes"] = job.pinned_bytes
