@@ -153,6 +153,8 @@ class Worker(threading.Thread):
 
     def fail(self, exc: BaseException) -> None:
         self.alive = False
+        with contextlib.suppress(BaseException):  # (its queued write-backs land before its tasks are redone)
+            self.dev.quiesce()
         if self.dev.error is None:
             self.dev.error = exc
         self.engine.worker_failed(self, exc, self.held_tasks())

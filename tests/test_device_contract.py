@@ -282,6 +282,44 @@ def test_stream_device_rejects_unknown_kernels_and_sources_and_closes(kind):
         dev.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_quiesce_waits_for_the_work_issued_on_every_stream(kind):
+    """A failing worker quiesces its device before its tasks go to others: the copies and kernels already issued
+    (a write-back among them) have completed when quiesce returns."""
+    dev = _stream_device(kind)
+    call, _ = _gemm_call([dev], TILE, TILE, TILE, np.float64)
+    ref = call.tasks[0].steps[0].a
+    dev.open()
+    try:
+        _, loc = _alloc_tile(dev, call, ref)
+        dev.copy_in(dev.h2d_stream, loc, HostSource(call.operands[ref.slot], ref), ref.rows, ref.cols, call.dtype)
+        loaded = dev.record(dev.h2d_stream)
+        dev.quiesce()
+        assert dev.done(loaded)
+        dev.release_event(loaded)
+    finally:
+        dev.close()
+
+
+def test_a_failing_worker_quiesces_its_device_before_handing_its_tasks_on():
+    """Worker.fail: the device's queued work is waited for (a broken device's error suppressed) before the
+    engine hands the worker's tasks to other devices or fails their calls."""
+    from types import SimpleNamespace as NS
+
+    from blasx.runtime.worker_base import Worker
+    order = []
+
+    def quiesce():
+        order.append("quiesce")
+        raise DeviceError("a broken device cannot wait")
+    dev = NS(error=None, quiesce=quiesce)
+    engine = NS(worker_failed=lambda w, exc, held: order.append(("handed on", w.dev.error, held)))
+    me = NS(alive=True, dev=dev, engine=engine, held_tasks=lambda: ["t"])
+    exc = RuntimeError("tile copy refused")
+    Worker.fail(me, exc)
+    assert order == ["quiesce", ("handed on", exc, ["t"])] and not me.alive
+
+
 def test_sim_fault_breaks_the_device_and_close_still_works():
     dev = _sim(0, fail_at=1)
     call, _ = _gemm_call([dev], TILE, TILE, TILE, np.float64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -97,6 +98,10 @@ class Device(ABC):
     def close(self) -> None:
         """Release everything ``open`` took; must be safe after a failure."""
 
+    def quiesce(self) -> None:
+        """Wait (bounded) for the work already issued to the device: a failing worker's, before its tasks go to
+        other devices or fail their calls. Nothing to wait for here."""
+
     def is_device_error(self, exc: BaseException) -> bool:
         """``exc``, raised by one of this device's hooks, means the device is broken (besides
         ``DeviceError``, which always does); anything else fails only the call it came from."""
@@ -159,6 +164,22 @@ class StreamDevice(Device):
         self.n_all_streams = nstreams + 3
         self.cache_bytes = cache_bytes
         self.heap: OffsetHeap | None = None
+
+    QUIESCE_SECONDS = 10.0  # the longest a failing worker waits for its streams' work
+
+    def quiesce(self) -> None:
+        """Wait, at most QUIESCE_SECONDS, for the work issued on every stream: a write-back still queued must not
+        land after another device's redone tile, or in C after its call has returned. A broken device's error
+        ends the wait (its work is lost anyway)."""
+        deadline = time.monotonic() + self.QUIESCE_SECONDS
+        events = [self.record(s) for s in range(self.n_all_streams)]
+        try:
+            for ev in events:
+                while not self.done(ev) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+        finally:
+            for ev in events:
+                self.release_event(ev)
 
     def _make_heap(self, nbytes: int, alignment: int = 256) -> OffsetHeap:
         nbytes -= nbytes % alignment
