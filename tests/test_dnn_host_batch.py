@@ -232,6 +232,50 @@ def test_an_unbatched_out_not_compact_in_xs_layout_is_written(monkeypatch, view)
     assert view == "channels-last" or np.isnan(buf[:, :, 1::2]).all()
 
 
+def test_an_interrupt_before_the_chunks_still_joins_the_registrations(monkeypatch):
+    """Ctrl-C while the call takes its slots (on a first call: making the CUDA contexts), after x's and y's
+    registrations started: run raises only once no registration thread is left (none outlives the call)."""
+    import time
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0,))
+    x = np.ones((64, 1024, 1024), np.uint8)  # (64 MiB each: registered in place)
+    y = np.zeros((64, 1024, 1024), np.uint8)
+    w = np.ones((1, 1024, 1, 1), np.uint8)
+    with fake_cupy.installed(copies=True) as fake:
+        rt = fake.cupy.cuda.runtime
+        rt.CUDARuntimeError = RuntimeError
+        rt.pointerGetAttributes = lambda p: (_ for _ in ()).throw(RuntimeError("pageable"))
+        rt.hostRegister = lambda p, n, f: time.sleep(0.05)
+        rt.hostUnregister = lambda p: None
+
+        def interrupted(device, count):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(host_batch, "take", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            host_batch.run(host_batch.Batch(x, y, None, "nchw"), w, lambda *a: None, (0,))
+        assert not [t for t in threading.enumerate() if t.name == "blasx-pin"]
+        from blasx.runtime import hostmem
+        hostmem.REGISTRY.release(x)
+        hostmem.REGISTRY.release(y)
+
+
+def test_a_slot_is_settled_through_a_ctrl_c():
+    """Cleanup after an error: a Ctrl-C while waiting for a slot's stream is held back and the wait done again
+    (its page-locked buffers may still be in flight), the slot then reusable and the interrupt raised after."""
+    from types import SimpleNamespace as NS
+    calls = []
+
+    def synchronize():
+        calls.append("sync")
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+    slot = NS(stream=NS(synchronize=synchronize), drain=lambda: calls.append("drain"))
+    usable, exc = host_batch._settle(slot)
+    assert usable and isinstance(exc, KeyboardInterrupt) and calls == ["sync", "sync", "drain"]
+    broken = NS(stream=NS(synchronize=lambda: (_ for _ in ()).throw(RuntimeError("device lost"))), drain=None)
+    usable, exc = host_batch._settle(broken)
+    assert not usable and isinstance(exc, RuntimeError)
+
+
 def test_host_bytes_are_never_a_copy():
     """memory_bytes refuses an array not compact in the layout (its bytes would be a copy, taking the writes)."""
     a = np.zeros((2, 3, 4, 5), np.float32)

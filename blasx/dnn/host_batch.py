@@ -265,17 +265,19 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
     n = x.shape[0]
     image = (x.nbytes + y.nbytes + (res.nbytes if res is not None else 0)) // max(1, n)
     spans = plan(n, image, len(devices))
-    (px, pr, py), job = pinnings([x, res, y])
-    w_host, pw, w_job = weight, None, None
-    if weight.flags.c_contiguous:  # copied from in place, once page-locked (kept while the weight lives)
-        (pw,), w_job = pinnings([weight], WEIGHT_REGISTER_BYTES)
-    if pw is None:  # staged once for every GPU
-        w_host = pinned(weight.nbytes, weight.dtype)[:weight.size].reshape(weight.shape)
-        np.copyto(w_host, weight)
-        pw = hostmem_whole(w_host)
-    used = {d: take(d, min(SLOTS, -(-len(spans) // len(devices)))) for d in devices[:len(spans)]}
-    failed = None
+    job = w_job = failed = None
+    used = {}  # device -> the slots taken (each given back, or dropped, however the call ends)
     try:
+        (px, pr, py), job = pinnings([x, res, y])
+        w_host, pw = weight, None
+        if weight.flags.c_contiguous:  # copied from in place, once page-locked (kept while the weight lives)
+            (pw,), w_job = pinnings([weight], WEIGHT_REGISTER_BYTES)
+        if pw is None:  # staged once for every GPU
+            w_host = pinned(weight.nbytes, weight.dtype)[:weight.size].reshape(weight.shape)
+            np.copyto(w_host, weight)
+            pw = hostmem_whole(w_host)
+        for d in devices[:len(spans)]:
+            used[d] = take(d, min(SLOTS, -(-len(spans) // len(devices))))
         weights = {}
         for d, slots in used.items():
             with cupy.cuda.Device(d):
@@ -313,18 +315,34 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
         for slots in used.values():
             done = []
             for s in slots:
-                try:
-                    s.stream.synchronize()  # a chunk cut short by an error has copies in flight too
-                    s.drain()
+                usable, exc = _settle(s)
+                failed = failed or exc
+                if usable:
                     done.append(s)
-                except BaseException as exc:  # noqa: BLE001 -- a slot that fails here is not reused
-                    failed = failed or exc
             give_back(done)
         for j in (job, w_job):
             if j is not None:
-                j.join()  # no registration outlives the call
+                try:
+                    j.join()  # no registration outlives the call (a Ctrl-C there waits for it, then is raised)
+                except BaseException as exc:  # noqa: BLE001 -- raised after the other job is joined too
+                    failed = failed or exc
     if failed is not None:
         raise failed
+
+
+def _settle(s) -> tuple:
+    """Wait for slot ``s``'s work, a Ctrl-C held back until it is done (a chunk cut short has copies in flight,
+    into and out of its page-locked buffers): (whether the slot can be reused, the exception to raise or None)."""
+    interrupt = None
+    while True:
+        try:
+            s.stream.synchronize()
+            s.drain()
+            return True, interrupt
+        except KeyboardInterrupt as exc:  # waited for again
+            interrupt = interrupt or exc
+        except BaseException as exc:  # noqa: BLE001 -- a slot that fails here is not reused
+            return False, interrupt or exc
 
 
 def hostmem_whole(a: np.ndarray):
