@@ -400,10 +400,10 @@ class PinJob:
             for n in self._untaken():
                 p, k = self.chunks[n]
                 p.owner[k] = None
+                p.ready[k].set()  # (before the cache's lock: a caller may hold it while it waits for no chunk)
                 if p.staged is None:
                     with self.cache._lock:
                         p.claimed[k] = False
-                p.ready[k].set()
             self._ends.append(time.perf_counter())
 
     def _untaken(self) -> list[int]:

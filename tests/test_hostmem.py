@@ -395,6 +395,21 @@ def test_an_interrupted_pin_leaves_no_chunk_claimed(fake_cuda, monkeypatch):
     assert again is p and all(p.ok) and all(ev.is_set() for ev in p.ready)
 
 
+def test_a_registered_root_cannot_move(fake_cuda, monkeypatch):
+    """The registry's finalizer holds a weak reference to every root it pins, which numpy's ndarray.resize
+    refuses: a root's memory never moves under its Pinning."""
+    from blasx.runtime import hostmem
+    monkeypatch.setattr(hostmem, "MIN_REGISTER_BYTES", 1 << 16)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1 << 16)
+    fake_cuda()
+    reg = RegistrationCache()
+    a = np.ones((1 << 15,))
+    (p,), job = reg.pin([a])
+    job.join()
+    with pytest.raises(ValueError):
+        a.resize((1 << 17,), refcheck=False)
+
+
 def test_the_cuda_backend_pins_a_calls_output_after_its_inputs(monkeypatch):
     """CudaDevice.prepare_call (on the CPU stand-in for CuPy) hands the registration cache the host operands in slot
     order and, as ``late``, the host index of the operand the call only writes (device operands are not pinned)."""
