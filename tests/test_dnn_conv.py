@@ -94,6 +94,67 @@ def test_unbatched_out_and_layout_kept():
     assert rel(dnn.conv2d(xs, w, padding=1)[0], F.conv2d(T(x), T(w), padding=1).numpy()) < 1e-12
 
 
+OUT_VIEWS = {  # an unbatched out (C, H, W) of (4, 5, 5) in memory of another shape: buffer, view
+    "interior": (lambda: np.full((4, 7, 7), np.nan), lambda b: b[:, 1:-1, 1:-1]),
+    "crop": (lambda: np.full((4, 5, 8), np.nan), lambda b: b[:, :, :5]),
+    "reversed": (lambda: np.full((4, 5, 5), np.nan), lambda b: b[:, ::-1]),
+    "channels-last": (lambda: np.full((5, 5, 4), np.nan), lambda b: b.transpose(2, 0, 1)),
+    "every-other": (lambda: np.full((4, 5, 10), np.nan), lambda b: b[:, :, ::2]),
+}
+
+
+@pytest.mark.parametrize("view", sorted(OUT_VIEWS))
+@pytest.mark.parametrize("fn", ["conv2d", "conv_transpose2d"])
+@pytest.mark.parametrize("where", ["sim:2", "cpu"])
+def test_an_unbatched_out_of_any_strides_is_written(view, fn, where):
+    """An unbatched out that is not compact in x's layout (a padded buffer's interior, a crop, reversed rows, a
+    channels-last or every-other-column view) holds the result, and the memory around it is untouched."""
+    blasx.configure(devices=where, tile=16)
+    rng = np.random.default_rng(5)
+    x = rand(rng, (3, 5, 5))
+    w = rand(rng, (4, 3, 3, 3)) if fn == "conv2d" else rand(rng, (3, 4, 3, 3))
+    make, view_of = OUT_VIEWS[view]
+    buf = make()
+    out = view_of(buf)
+    got = getattr(dnn, fn)(x, w, padding=1, out=out)
+    want = getattr(F, fn)(T(x[None]), T(w), padding=1).numpy()[0]
+    assert got is out and rel(out, want) < 1e-12
+    assert np.isnan(buf).sum() == buf.size - out.size
+
+
+@pytest.mark.parametrize("view", ["channels-last", "every-other"])
+def test_an_unbatched_cupy_out_converted_on_the_device_is_written(monkeypatch, view):
+    """The device route convolving in another layout than x's (an NCHW 3x3 of 8 channels: channels-last on the
+    device) converts into compact memory: an out not compact in x's layout gets it through a buffer (it got
+    transposed garbage, and memory beside an every-other-column view was written)."""
+    from bench import fake_cupy
+    from blasx.dnn import conv, conv_direct
+
+    def forward(fn_, geo, xd, lay, wd, yd, rd, *rest, **kwargs):  # (the route's convolution by CPU torch)
+        xh = torch.from_numpy(np.ascontiguousarray(np.asarray(xd).view(np.ndarray)))
+        wh = torch.from_numpy(np.ascontiguousarray(np.asarray(wd).view(np.ndarray)))
+        yd.view(np.ndarray)[...] = F.conv2d(xh, wh, padding=1).numpy()
+    rng = np.random.default_rng(6)
+    xh = rng.standard_normal((8, 6, 6)).astype(np.float32)
+    wh = rng.standard_normal((8, 8, 3, 3)).astype(np.float32)
+    with fake_cupy.installed(copies=True) as fake:
+        cp = fake.cupy
+        monkeypatch.setattr(conv, "_forward_call", forward)
+        def device(host):  # (the stand-in's arrays are host memory: filled in place)
+            a = cp.empty(host.shape, dtype=host.dtype)
+            a.view(np.ndarray)[...] = host
+            return a
+        with cp.cuda.Device(0), conv_direct.on_own_gpu():
+            x, w = device(xh), device(wh)
+            shape = (6, 6, 8) if view == "channels-last" else (8, 6, 12)
+            buf = device(np.full(shape, np.nan, np.float32))
+            out = buf.transpose(2, 0, 1) if view == "channels-last" else buf[:, :, ::2]
+            got = dnn.conv2d(x, w, padding=1, out=out)
+            o, b = np.asarray(out).view(np.ndarray), np.asarray(buf).view(np.ndarray)
+    want = F.conv2d(T(xh[None]).double(), T(wh).double(), padding=1).numpy()[0]
+    assert got is out and rel(o, want) < 1e-5 and np.isnan(b).sum() == b.size - o.size
+
+
 def test_a_channels_last_out_of_one_pixel_is_taken():
     """A channels-last x whose output is one pixel an image: a channels-last out (whose memory is compact in
     both layouts) is written in place, forward and transposed, as a channels-last network's buffers are."""

@@ -325,6 +325,8 @@ ERRORS = [
     (lambda: dnn.max_pool2d(X2, 2, out=np.broadcast_to(G2[:1], G2.shape)), ValueError, "read-only"),
     (lambda: dnn.max_pool2d(X2, 2, return_indices=True, out=(G2.copy(), G2.copy())), TypeError, r"out\[1\]"),
     (lambda: dnn.max_pool2d(X2, 2, return_indices=True, out=(G2.copy(),)), ValueError, "pair"),
+    (lambda: dnn.max_pool2d(X2.astype(np.float64), 2, return_indices=True,
+                            out=(lambda v: (v, v.view(np.int64)))(G2.astype(np.float64))), ValueError, "overlap"),
     (lambda: dnn.avg_pool2d(X2, 2, 2, 0, False, True, None, out=X2.reshape(-1)[:96].reshape(G2.shape)),
      ValueError, "overlaps"),
     (lambda: dnn.max_pool2d_backward(G2, X2.shape, I2[:, :, :3], 2), ValueError, "indices: expected shape"),

@@ -59,6 +59,30 @@ def test_forward(nd, layout, where, monkeypatch):
     assert rel(y, ref) < 1e-12
 
 
+@pytest.mark.parametrize("view", ["interior", "channels-last", "every-other"])
+@pytest.mark.parametrize("fn", ["conv2d", "conv_transpose2d"])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_an_unbatched_out_of_any_strides_is_written(view, fn, where):
+    """An unbatched out not compact in x's layout (a padded buffer's interior, a channels-last or every-other-
+    column view), on the device route (which converts an NCHW 3x3 of 8 channels to channels-last) and the host
+    batch route: it holds the result and the memory around it is untouched."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8, 6, 6)).astype(np.float32)
+    w = (rng.standard_normal((8, 8, 3, 3)) / 8).astype(np.float32)
+    shape = {"interior": (8, 8, 8), "channels-last": (6, 6, 8), "every-other": (8, 6, 12)}[view]
+    buf = np.full(shape, np.nan, np.float32)
+    xp = cupy if where == "device" else np
+    xin, win, buf = (xp.asarray(a) for a in (x, w, buf))
+    out = {"interior": lambda b: b[:, 1:-1, 1:-1], "channels-last": lambda b: b.transpose(2, 0, 1),
+           "every-other": lambda b: b[:, :, ::2]}[view](buf)
+    got = getattr(dnn, fn)(xin, win, padding=1, out=out, math="ieee")
+    want = getattr(F, fn)(wide(x[None]), wide(w), padding=1).numpy()[0]
+    host_out = cupy.asnumpy(out) if where == "device" else out
+    host_buf = cupy.asnumpy(buf) if where == "device" else buf
+    assert got is out and rel(host_out, want) < 1e-5
+    assert np.isnan(host_buf).sum() == host_buf.size - host_out.size
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_dtypes_residual_epilogue(dtype):
     dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)

@@ -240,15 +240,16 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
     image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
+    # the routes write compact memory: an unbatched out not compact in x's layout gets the result through a buffer
+    given = _batched(out, nd)[0] if out is not None else None
+    direct = given is not None and is_layout(given, lay)
     if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
-        given = _batched(out, nd)[0] if out is not None else None
-        # (the route copies whole images: an unbatched out not compact in x's layout gets them through a buffer)
-        y = given if given is not None and is_layout(given, lay) else host_batch.empty(shape, dt, lay)
+        y = given if direct else host_batch.empty(shape, dt, lay)
         dlay = conv_direct.device_layout(lay, geo, dt)
         host_batch.run(host_batch.Batch(transpose_kernel.to_layout(np, xb, lay), y, residual, lay, dlay), weight,
                        lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
                                                             wd, yd, rd, (*vecs, act), math, user_weight=True))
-        if given is not None and y is not given:
+        if given is not None and not direct:
             np.copyto(given, y)
         return out if out is not None else (y[0] if unbatched else y)
     dlay = lay
@@ -256,7 +257,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
         if xp is not np and (scale is None or residual is None):  # (a scale with a residual: folded, not converted)
             dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
         xb = transpose_kernel.to_layout(xp, xb, lay)
-        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        y = given if direct else _empty(xp, shape, dt, lay)
         if dlay == lay:
             ran = _forward_call(fn, geo, xb, lay, weight, y, residual, (*vecs, act), math, user_weight=True)
         else:  # convolved in dlay, x converted on the device before and y after, then the epilogue on y
@@ -265,6 +266,8 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
                                 _PLAIN[:4], math, user_weight=True)
             transpose_kernel.copy(y, yc, False)
             conv_direct.finish(geo, False, y, device_affine(*vecs, act, residual is not None)[0], residual, False)
+        if given is not None and not direct:
+            given[...] = y
     # kept where x and a residual were read where they lie; the weight too, or its matrix made from it again
     converted = dlay != lay
     if memo is not None and ran is not None and xb is x and (residual is None or residual is extras[3]):

@@ -96,7 +96,9 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
             dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
         converted, cl = dlay != lay, dlay == "cl"
         xb = transpose_kernel.to_layout(xp, xb, lay)
-        y = _batched(out, nd)[0] if out is not None else _empty(xp, shape, dt, lay)
+        given = _batched(out, nd)[0] if out is not None else None
+        direct = given is not None and is_layout(given, lay)  # (else through a buffer: the routes write compact y)
+        y = given if direct else _empty(xp, shape, dt, lay)
         xd, yd = xb, y  # what the route reads and writes: in dlay, converted on the device before and after
         if converted:
             xd, yd = conv_direct.in_layout(xb, "x_in_layout", dlay), conv_direct.layout_scratch("y_in_layout", shape,
@@ -129,6 +131,8 @@ def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_paddin
                 ran = _forward_call(fn, geo, xd, dlay, wf, yd, None, (b, None, None, None), math)
         if converted:
             transpose_kernel.copy(y, yd, False)
+        if given is not None and not direct:
+            given[...] = y
     if memo is not None and ran is not None and xb is x:  # replays flip the weight anew (it changes per step)
         def rows(w, g=geo):
             return conv_direct.weight_rows(xp, _flipped_transposed(xp, w, g.groups), cl, g.k, g.crs)

@@ -20,6 +20,7 @@ from math import prod
 
 import numpy as np
 
+from ..checks import shares_memory
 from . import pool_kernels as kernels
 from .args import check_array, check_flag, check_out, check_shape
 from .arrays import on_device_of, xp_of
@@ -82,6 +83,8 @@ def _outs(out, with_indices: bool, shape, dtype, x):
                             "got a None in the pair")
         check_out(out[0], shape, dtype, x, x, alias=False, name="out[0]")
         check_out(out[1], shape, np.int64, x, x, alias=False, name="out[1]")
+        if shares_memory(out[0], out[1]):
+            raise ValueError("out: the values array out[0] and the indices array out[1] overlap")
         return out[0], out[1]
     check_out(out, shape, dtype, x, x, alias=False)
     return out, None
