@@ -61,8 +61,9 @@ def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
 # ---------------------------------------------------------------- operands and outputs
 
 def written_in_place(x, dtype, overwrite) -> bool:
-    """f2py's rule: x is written in place when asked to, if it is F-contiguous, writable, of ``dtype``."""
-    return x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and writable(x)
+    """f2py's rule: x is written in place when asked to, if it is F-contiguous, aligned, writable, of ``dtype``."""
+    return (x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and x.flags.aligned
+            and writable(x))
 
 
 def new_array(xp, shape, dtype, like, zeros=False, order="F"):

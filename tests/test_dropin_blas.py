@@ -149,6 +149,34 @@ def test_overwrite_c_like_scipy(order, dtype, rand):
     np.testing.assert_allclose(results[1][2], results[0][2], rtol=1e-12)
 
 
+def test_overwrite_c_of_a_misaligned_c_like_scipy():
+    """A misaligned c (F-contiguous, writable) is not written in place, as f2py copies it: a new array comes
+    back and c is left alone."""
+    for mod in (S, B):
+        buf = np.zeros(16 * 8 + 1, np.uint8)
+        c = np.ndarray((4, 4), np.float64, buffer=buf[1:], order="F")
+        c[...] = 1
+        r = mod.dgemm(1.0, np.eye(4), np.eye(4), 1.0, c, overwrite_c=1)
+        assert r is not c and (c == 1).all() and (r == np.eye(4) + 1).all()
+
+
+@pytest.mark.parametrize("engine", ["sim:2", "cpu"])
+def test_beta_one_leaves_a_complex_inf_as_it_is(engine):
+    """C = 0 A B + 1 C and a rank-k update with beta 1: c's values are not multiplied by 1 (inf + 0j would
+    become inf + nanj), as BLAS returns at once or skips the scaling."""
+    blasx.configure(devices=engine, tile=16)
+    a, b = np.ones((4, 3), complex, order="F"), np.ones((3, 5), complex, order="F")
+    c = np.ones((4, 5), complex, order="F")
+    c[0, 0] = np.inf
+    for alpha, aa, bb in ((0.0, a, b), (1.0, a[:, :0], b[:0])):
+        got, want = B.zgemm(alpha, aa, bb, 1.0, c)[0, 0], S.zgemm(alpha, aa, bb, 1.0, c)[0, 0]
+        assert got == want == complex(np.inf, 0) and not np.isnan(got.imag)
+    s = np.ones((4, 4), complex, order="F")
+    s[0, 0] = np.inf
+    got = B.zsyrk(1.0, a, 1.0, s)[0, 0]
+    assert got.real == np.inf and got.imag == S.zsyrk(1.0, a, 1.0, s)[0, 0].imag == 0
+
+
 @pytest.mark.parametrize("name", ["dsyrk", "zherk", "dsymm", "zher2k"])
 def test_overwrite_c_other_routines(name, rand):
     prefix = name[0]

@@ -100,10 +100,10 @@ def scale(step, scalars, a, b, c) -> None:
 
 @_quiet
 def scale_views(c, beta) -> None:
-    """c = beta c in place; beta 0: c is not read (NaNs do not survive)."""
+    """c = beta c in place; beta 0: c is not read (NaNs do not survive); beta 1: c is left as it is."""
     if beta == 0:
         c[...] = 0
-    else:
+    elif beta != 1:
         c *= beta
 
 
@@ -147,6 +147,8 @@ def _rank(step, c, a, b, alpha, alpha2, beta, herm: bool) -> None:
     idx = np.tril_indices(c.shape[0]) if step.uplo else np.triu_indices(c.shape[0])
     if beta == 0:
         c[idx] = prod[idx]
+    elif beta == 1:  # (not scaled: 1 * (inf + 0j) is inf + nanj)
+        c[idx] = c[idx] + prod[idx]
     else:
         c[idx] = beta * c[idx] + prod[idx]
     if herm:
