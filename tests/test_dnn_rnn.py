@@ -324,29 +324,32 @@ def test_plan_rules():
     # captured whole (rnn_replay): float32 and float64 inference stacks as a wavefront of 4 pieces a group
     for wide in (None, "tf32"):
         assert rnn_plan.plan(4, 1, 64, 100, 2, wide=wide, training=False, captured=True) == rnn_plan.Placement(
-            "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
+            "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13, lanes=(0, 1, 0, 1))
     assert rnn_plan.plan(4, 1, 64, 56, 2, training=False, captured=True).kind == "diagonal"  # pieces of 7 steps
     assert rnn_plan.plan(4, 1, 64, 64, 2, training=False, captured=True).chunk == 8
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", training=False, captured=True).kind == "single"
     assert rnn_plan.plan(4, 1, 64, 100, 2, captured=True).kind == "diagonal"  # (float32 IEEE training: not captured)
-    # TF32 training captured whole: the wavefront too (its captured backward runs in the same pieces)
+    # TF32 training captured whole: the wavefront too (its captured backward runs in the same pieces), each device's
+    # group of layers in GPU_LANES lanes (contiguous runs)
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True) == rnn_plan.Placement(
-        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13, lanes=(0, 1, 0, 1))
+    assert rnn_plan.plan(5, 1, 64, 100, 2, wide="tf32", captured=True).lanes == (0, 0, 1, 0, 1)
     assert rnn_plan.plan(4, 1, 64, 100, 2, wide="reduced", captured=True).kind == "single"
     # ... and on one device as a wavefront of lanes (a stream a layer, at most 4), 8 pieces a layer
     for wide, training in ((None, False), (None, True), ("tf32", False), ("tf32", True)):
         assert rnn_plan.plan(4, 1, 64, 100, 1, wide=wide, training=training, captured=True, hidden=1024) == \
             rnn_plan.Placement("wavefront", 1, ((0,),) * 4, chunk=13, lanes=(0, 1, 2, 3))
     assert rnn_plan.plan(6, 1, 64, 100, 1, training=False, captured=True).lanes == (0, 0, 1, 2, 2, 3)
-    # several devices with GPU_LANES lanes each (off by default): the layers of each device's group in runs
-    rnn_plan.GPU_LANES = 2
+    # float32 IEEE inference on several devices: lanes within the work bound only; GPU_LANES 1: none
+    assert rnn_plan.plan(4, 1, 64, 100, 2, training=False, captured=True, hidden=1024).lanes == (0, 1, 0, 1)
+    assert rnn_plan.plan(4, 1, 128, 100, 2, training=False, captured=True, hidden=2048) == rnn_plan.Placement(
+        "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13)
+    rnn_plan.GPU_LANES = 1
     rnn_plan.plan.cache_clear()
     try:
-        assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True) == rnn_plan.Placement(
-            "wavefront", 2, ((0,), (0,), (1,), (1,)), chunk=13, lanes=(0, 1, 0, 1))
-        assert rnn_plan.plan(5, 1, 64, 100, 2, wide="tf32", captured=True).lanes == (0, 0, 1, 0, 1)
+        assert rnn_plan.plan(4, 1, 64, 100, 2, wide="tf32", captured=True).lanes == ()
     finally:
-        rnn_plan.GPU_LANES = 1
+        rnn_plan.GPU_LANES = 2
         rnn_plan.plan.cache_clear()
     # float32 IEEE and float64 steps past 128 x 1024 fill the GPU alone: no lanes; TF32 keeps them
     assert rnn_plan.plan(4, 1, 128, 100, 1, training=False, captured=True, hidden=1024).kind == "wavefront"

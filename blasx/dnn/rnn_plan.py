@@ -34,7 +34,8 @@ side by side.
 On one device, such a stack captured whole (in training too, float32 IEEE included: no diagonal there) runs its
 layers as a wavefront of *lanes*: layer l on stream l of the device (``lanes``; at most :data:`MAX_LANES`), in
 :data:`LANE_PIECES` pieces, each lane waiting for the one below by an event: a step's GEMM of a small batch fills
-a fraction of the GPU's SMs, so the layers' loops run side by side.
+a fraction of the GPU's SMs, so the layers' loops run side by side. A several-device captured wavefront runs each
+device's group of layers in :data:`GPU_LANES` lanes the same way (within the same work bound for float32 IEEE).
 
 A diagonal chunk is ``ceil(T / (8 n))`` steps, at most :data:`MAX_CHUNK`: the pipeline fills in (n-1) chunks
 (about 1/8 of the run) and each hand-off is amortised over several steps. A wavefront piece is a whole one-layer
@@ -58,7 +59,7 @@ MIN_CAPTURED_STEPS = 8  # ... of at least this many steps
 MAX_LANES = 4  # streams of one device a captured stack's layers run on side by side (1: none) ...
 LANE_PIECES = 8  # ... in this many pieces a layer; in float32 IEEE and float64 only while a step's batch x hidden
 LANE_MAX_WORK = 128 * 1024  # is at most this (larger steps' GEMMs fill the GPU alone: lanes gain nothing)
-GPU_LANES = 1  # lanes a device of a captured several-device wavefront (1: none; above 1 not yet measured)
+GPU_LANES = 2  # lanes a device of a captured several-device wavefront (1: none), within LANE_MAX_WORK as above
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def plan(num_layers: int, num_dirs: int, batch: int, steps: int, n_devices: int,
     short = math.ceil(steps / (CAPTURED_PIECES * n))
     if stacked and not projection and wide != "reduced" and captured and (not training or wide == "tf32") and \
             n > 1 and short >= MIN_CAPTURED_STEPS:
-        return Placement("wavefront", n, cells, chunk=short, lanes=_group_lanes(cells) if GPU_LANES > 1 else ())
+        laned = GPU_LANES > 1 and (wide or batch * hidden <= LANE_MAX_WORK)
+        return Placement("wavefront", n, cells, chunk=short, lanes=_group_lanes(cells) if laned else ())
     lanes = min(MAX_LANES, num_layers)
     if stacked and not projection and wide != "reduced" and captured and n_devices <= 1 and lanes > 1 and \
             math.ceil(steps / LANE_PIECES) >= MIN_CAPTURED_STEPS and (wide or batch * hidden <= LANE_MAX_WORK):
