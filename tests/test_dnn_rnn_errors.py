@@ -70,6 +70,11 @@ def test_dtype_mismatch_and_bad_x():
     _raises(TypeError, "hx[0]", "float32", call=lambda: dnn.lstm(
         np.ones((5, 2, 3)), (np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4))), p))
     _raises(TypeError, "x", "int64", call=lambda: dnn.lstm(np.ones((5, 2, 3), np.int64), None, p))
+    t = torch.zeros(1, 2, 4, dtype=torch.float64)  # a tensor where a numpy array like x is expected
+    _raises(TypeError, "hx[0]", "numpy array like x", "Tensor",
+            call=lambda: dnn.lstm(np.ones((5, 2, 3)), (t, np.zeros((1, 2, 4))), p))
+    g = {k: v.detach().numpy().copy() for k, v in torch.nn.GRU(3, 4).double().state_dict().items()}
+    _raises(TypeError, "hx", "numpy array like x", "Tensor", call=lambda: dnn.gru(np.ones((5, 2, 3)), t, g))
     _raises(ValueError, "x", "3 dimensions", call=lambda: dnn.lstm(np.ones((5, 2, 3, 1)), None, p))
     _raises(ValueError, "math", call=lambda: dnn.lstm(np.ones((5, 2, 3)), None, p, math="fast"))
 
@@ -86,5 +91,6 @@ def test_backward_errors_and_nothing_written():
     _raises(ValueError, "grad_c_n", "(1, 2, 4)", call=lambda: dnn.lstm_backward(saved, y, None, np.ones((2, 2, 4))))
     _raises(ValueError, "lstm", call=lambda: dnn.gru_backward(saved, y))
     _raises(TypeError, "saved", call=lambda: dnn.lstm_backward(None, y))
+    _raises(TypeError, "grad_y", "numpy array like x", call=lambda: dnn.lstm_backward(saved, torch.from_numpy(y)))
     g = dnn.lstm_backward(saved, np.ones_like(y))  # the engine (and saved) still usable after the errors
     assert g["input"].shape == x.shape

@@ -52,7 +52,7 @@ class Saved:
     """The opaque training state ``*_backward`` takes."""
     problem: Problem
     layers: list  # per layer: [rnn_multi.Kept per direction] (or rnn_diag.Saved)
-    used: bool = False
+    versions: tuple = ()  # rnn_params.versions of the call's torch weights, checked by the backward
 
 
 # ---------------------------------------------------------------- validation
@@ -67,11 +67,16 @@ def _check_x(x):
         raise ValueError(f"x: got shape {tuple(x.shape)}; every dimension must be positive")
 
 
+def _like_x(v, xp) -> bool:
+    """Whether ``v`` is an array of x's kind (a numpy x takes numpy arrays only: no tensors)."""
+    return is_cupy(v) if xp is not np else isinstance(v, np.ndarray)
+
+
 def _check_state(name: str, v, shape: tuple, xp, dtype, unbatched: bool):
     if v is None:
         return None
     want = shape[:1] + shape[2:] if unbatched else shape
-    if is_cupy(v) != (xp is not np) or not hasattr(v, "shape"):
+    if not _like_x(v, xp):
         raise TypeError(f"{name}: expected a {'cupy' if xp is not np else 'numpy'} array like x, got "
                         f"{type(v).__name__}")
     if tuple(v.shape) != want:
@@ -179,27 +184,37 @@ def _run(*args):
     return _retrying(_run_once, *args)
 
 
-def _run_once(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
+def _run_once(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math,
+              owned=False):
+    """The forward; ``owned``: x is the call's own copy (a training state may keep it as it is)."""
     key = rnn_replay.signature(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size,
                                training, math)
+    res = None
     if key is not None:  # a repeated call on CuPy arrays: one graph of the whole forward (rnn_replay.py)
         res = rnn_replay.call(key, x, hx, params, lambda xc, hc: _general(
-            mode, xc, hc, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math),
+            mode, xc, hc, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math, True),
             (lambda s, gy: _backward((mode,), s, gy, None, None)) if training else None)
-        if res is not None:
-            return res
-    return _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math)
+    if res is None:
+        res = _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training,
+                       math, owned)
+    if training and isinstance(res[2], Saved):
+        res[2].versions = rnn_params.versions(params, res[2].problem.spec)
+    return res
 
 
-def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math):
+def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math,
+             owned=False):
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
         res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run_once(mode, xd, hd, pd, num_layers, bidirectional, bf,
-                                                             lens, proj_size, training, math),
+                                                             lens, proj_size, training, math, True),
                            pb, x, hx, lengths, bool(training))
         if res is not None:
             return res
         pb.spec = rnn_params.on_host(pb.spec)  # the host path after all: GPU-resident parameters read back
+    if training:  # the saved state keeps what this forward reads, not the caller's arrays (rnn_params.stash)
+        pb.spec = rnn_params.stash(pb.spec, params)
+        pb.x = pb.x if owned else pb.x.copy()
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n
@@ -238,7 +253,7 @@ def rnn(x, hx=None, params=None, *, nonlinearity="tanh", num_layers=1, bidirecti
 def _check_grad(name: str, g, shape: tuple, pb: Problem, dtype):
     if g is None:
         return None
-    if is_cupy(g) != (pb.xp is not np) or not hasattr(g, "shape"):
+    if not _like_x(g, pb.xp):
         raise TypeError(f"{name}: expected a {'cupy' if pb.xp is not np else 'numpy'} array like x, got "
                         f"{type(g).__name__}")
     if tuple(g.shape) != shape:
@@ -262,6 +277,7 @@ def _backward(modes, saved, grad_y, grad_h_n, grad_c_n):
         raise TypeError(f"saved: expected the state a forward with training=True returned, got {type(saved).__name__}")
     if saved.problem.spec.mode not in modes:
         raise ValueError(f"saved: comes from a {saved.problem.spec.mode} forward; use the matching *_backward")
+    rnn_params.check_versions(saved.versions)
     grads = (grad_y, grad_h_n, grad_c_n)
     try:
         res = rnn_replay_backward.call(saved, grads, lambda sv, g: _backward_general(sv, *g))

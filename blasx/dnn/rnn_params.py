@@ -285,6 +285,47 @@ def names(spec: Spec) -> list[str]:
     return list(arrays(spec))
 
 
+_WEIGHTS = (("w_ih", "weight_ih"), ("w_hh", "weight_hh"), ("w_hr", "weight_hr"))  # what a backward reads
+
+
+def _is_torch(v) -> bool:
+    return (type(v).__module__ or "").startswith("torch")
+
+
+def stash(spec: Spec, params) -> Spec:
+    """``spec`` for a training forward: the weights its backward reads (w_ih, w_hh, w_hr; no bias) copied, so its
+    saved state keeps the values the forward ran with whatever the caller writes into its arrays later; a torch
+    tensor's is kept as it is, its version counter checked instead (:func:`versions`)."""
+    def kept(cell, layer, d):
+        s = suffix(layer, d)
+        return dataclasses.replace(cell, **{f: a if a is None or _is_torch(params[name + s]) else a.copy()
+                                            for f, name in _WEIGHTS for a in (getattr(cell, f),)})
+    return dataclasses.replace(spec, cells=tuple(tuple(kept(c, layer, d) for d, c in enumerate(row))
+                                                 for layer, row in enumerate(spec.cells)))
+
+
+def versions(params, spec: Spec) -> tuple:
+    """(name, tensor, its version counter) of each torch tensor among the weights a backward reads."""
+    got = []
+    for layer, row in enumerate(spec.cells):
+        for d, cell in enumerate(row):
+            for f, name in _WEIGHTS:
+                v = params[name + suffix(layer, d)] if getattr(cell, f) is not None else None
+                if _is_torch(v):
+                    got.append((name + suffix(layer, d), v, v._version))
+    return tuple(got)
+
+
+def check_versions(got: tuple) -> None:
+    """Raises (before any work) where a torch weight of :func:`versions` was written in place since."""
+    for name, v, version in got:
+        if v._version != version:
+            raise RuntimeError(f"params[{name!r}]: written in place after the forward (training=True) whose saved "
+                               f"state this is (torch version {version}, now {v._version}); its backward needs the "
+                               f"values that forward used: run the backward before updating the parameters, or "
+                               f"the forward again (torch's autograd raises here too)")
+
+
 def arrays(spec: Spec) -> dict:
     """Every parameter of ``spec`` by torch's name (the parsed arrays), in state_dict order."""
     got = {}
