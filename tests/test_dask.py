@@ -195,6 +195,22 @@ def test_alpha_zero_and_k_zero(client, rel_err):
     assert not got[3].any()
 
 
+@pytest.mark.parametrize("group", ["off", 4])
+def test_empty_dimensions(client, group):
+    """An output with a zero dimension (chunked other dimensions, super-blocks or not; TRSM whose later blocks
+    read its own output) is an empty array of the right shape, with no error."""
+    tri = da.from_array(np.triu(np.ones((6, 6))) + 5 * np.eye(6), chunks=2)
+    with dask.config.set({"blasx.dask.group": group}):
+        got = dask.compute(bd.matmul(da.ones((6, 3), chunks=2), da.ones((3, 0), chunks=3)),
+                           bd.matmul(da.ones((0, 3), chunks=2), da.ones((3, 6), chunks=3)),
+                           bd.gemm(1.0, da.ones((6, 0), chunks=(2, 0)), da.ones((0, 6), chunks=(0, 2))),
+                           bd.trsm(1.0, tri, da.ones((6, 0), chunks=(2, 0))),
+                           bd.trsm(1.0, tri, da.ones((0, 6), chunks=(0, 2)), side=1),
+                           bd.trmm(1.0, tri, da.ones((6, 0), chunks=(2, 0))))
+    assert [g.shape for g in got] == [(6, 0), (0, 6), (6, 6), (6, 0), (0, 6), (6, 0)]
+    assert not got[2].any()
+
+
 def test_matmul_and_offload(client, rel_err):
     rng = np.random.default_rng(5)
     a, b, v = _rand(rng, (50, 40), "f4"), _rand(rng, (40, 30), "f8"), _rand(rng, (40,), "f8")
@@ -208,10 +224,13 @@ def test_matmul_and_offload(client, rel_err):
     assert (bd.matmul(ints, ints.T).compute() == m @ m.T).all()
     with bd.offload():
         exprs = [xa @ xb, da.matmul(xa, xb), da.dot(xa, xb), da.tensordot(xa, xb, axes=1),
-                 da.tensordot(xb, xa, axes=([0], [1])), np.asarray(b).T @ xa.T]
+                 da.tensordot(xb, xa, axes=([0], [1])), np.asarray(b).T @ xa.T,
+                 da.tensordot(xa, xb, axes=np.int64(1)), da.tensordot(xb, xa, axes=(np.int64(-2), [np.int32(1)]))]
+        with pytest.raises((ValueError, IndexError, np.exceptions.AxisError)):  # out of range: dask's own error
+            da.tensordot(xa, xb, axes=(3, 0))
     assert all(e.name.startswith("blasx-gemm") for e in exprs)
     assert not (xa @ xb).name.startswith("blasx")  # restored on exit
-    refs = [a @ b] * 4 + [b.T @ a.T, b.T @ a.T]
+    refs = [a @ b] * 4 + [b.T @ a.T, b.T @ a.T, a @ b, b.T @ a.T]
     for g, r in zip(dask.compute(*exprs), refs):
         assert rel_err(g, r) < 1e-6
 

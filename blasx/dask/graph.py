@@ -111,8 +111,9 @@ class Operand:
 
     @classmethod
     def output(cls, key: str, rows, cols, dtype) -> "Operand":
-        """The output of the call itself, read by its later blocks (TRSM)."""
-        op = cls("out", (rows, cols))
+        """The output of the call itself, read by its later blocks (TRSM); a zero-length dimension one empty
+        block, as :func:`build` makes it."""
+        op = cls("out", tuple(b if len(b) > 1 else (0, 0) for b in (rows, cols)))
         op.key, op.itemsize = key, np.dtype(dtype).itemsize
         return op
 

@@ -4,6 +4,7 @@ run on blasx.dask; any other call (N-D, non-BLAS types) runs dask's own function
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 
 import dask.array as da
@@ -31,16 +32,38 @@ def _dot(a, b):
     return _ORIG["dot"](a, b)
 
 
+def _index(v):
+    """``v`` as a Python int if it is an integer (numpy's too), else None."""
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _contracted(axes):
+    """(a's axis, b's axis) of a 2-D tensordot contracting one axis of each, or None (any other ``axes``, an axis
+    out of range included: dask's own function takes it, and raises where it must)."""
+    if _index(axes) == 1:
+        return 1, 0
+    if not isinstance(axes, (tuple, list)) or len(axes) != 2:
+        return None
+    pair = []
+    for v in axes:
+        if _index(v) is None:
+            if not isinstance(v, (tuple, list)) or len(v) != 1:
+                return None
+            v = v[0]
+        i = _index(v)
+        if i is None or not -2 <= i <= 1:
+            return None
+        pair.append(i % 2)
+    return tuple(pair)
+
+
 def _tensordot(a, b, axes=2):
     """2-D tensordot contracting one axis of each is one gemm (a transpose flag per operand)."""
     if getattr(a, "ndim", 0) == 2 and getattr(b, "ndim", 0) == 2:
-        pair = None
-        if axes == 1:
-            pair = (1, 0)
-        elif isinstance(axes, (tuple, list)) and len(axes) == 2:
-            x, y = ([v] if isinstance(v, int) else list(v) for v in axes)
-            if len(x) == 1 and len(y) == 1:
-                pair = (x[0] % 2, y[0] % 2)
+        pair = _contracted(axes)
         if pair is not None:
             return _matmul(a if pair[0] == 1 else a.T, b if pair[1] == 0 else b.T)
     return _ORIG["tensordot"](a, b, axes=axes)

@@ -112,6 +112,8 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype):
 
     def block(i, j, r, cc, bb, name):
         sub_r, sub_c = (inside(rows, r), inside(cols, cc)) if g else ([r], [cc])
+        if g and (r[0] == r[1] or cc[0] == cc[1]):  # an empty output (a dimension of zero): nothing to compute
+            return ("zeros",), []
         if len(sub_r) > 1 or len(sub_c) > 1:  # a super-block: its pieces joined into one call a step
             return ("zeros",), [("gemm_grid", alpha, (tuple(_op(bb, A, ta, x, kk) for x in sub_r),), ta,
                                  (tuple(_op(bb, B, tb, kk, y) for y in sub_c),), tb) for kk in ks]
