@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from .latch import Latch
+from .latch import Latch, wait_through
 
 PAGE = 4096
 MIN_REGISTER_BYTES = 32 << 20  # glibc's largest dynamic mmap threshold
@@ -420,14 +420,7 @@ class PinJob:
         outlives the call that holds the arrays) and is raised after."""
         pending = None
         for t in self._threads:
-            while True:
-                try:
-                    t.join()
-                    break
-                except BaseException as exc:  # noqa: BLE001 - raised once every thread has ended
-                    if pending is None:
-                        pending = exc
-                        self.cancel()
+            pending = wait_through(t.join, pending, lambda _exc: self.cancel())
         self.seconds = max(self._ends, default=self._t0) - self._t0
         if pending is not None:
             raise pending

@@ -5,6 +5,9 @@ asynchronous exception (Ctrl-C in the main thread, ``PyThreadState_SetAsyncExc``
 the inner acquire leaves the Event's lock held for good, and the worker that later sets the Event blocks forever.
 A :class:`Latch` holds no lock while it is open: ``set`` raises a flag and releases a raw lock that waiters only
 try with a bounded timeout, so a waiter interrupted anywhere costs at most one poll to the others, never the setter.
+
+:func:`wait_through` is the waiter's side of the same rule: a call that must not return while its work still
+touches the caller's buffers waits again through a Ctrl-C and raises it after.
 """
 
 from __future__ import annotations
@@ -48,3 +51,19 @@ class Latch:
                 except RuntimeError:  # a racing second set() released it for us
                     pass
         return self._flag
+
+
+def wait_through(wait, pending=None, on_first=None, held=BaseException):
+    """Calls ``wait()`` again until it returns, keeping any ``held`` exception it raised (a Ctrl-C) instead of
+    letting it out: returns the first one kept (or ``pending``, one kept by an earlier wait of the same call),
+    for the caller to raise once all its waits are done. ``on_first(exc)`` runs once, when the first is kept
+    (to make the awaited work stop early). An exception not ``held`` propagates."""
+    while True:
+        try:
+            wait()
+            return pending
+        except held as exc:  # noqa: BLE001 - kept, raised by the caller after its waits
+            if pending is None:
+                pending = exc
+                if on_first is not None:
+                    on_first(exc)

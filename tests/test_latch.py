@@ -1,11 +1,13 @@
 """runtime.latch.Latch: a one-shot flag whose waiters, interrupted anywhere, never wedge the setter or the other
-waiters (threading.Event's Condition can be left locked by an asynchronous exception)."""
+waiters (threading.Event's Condition can be left locked by an asynchronous exception); wait_through."""
 
 from __future__ import annotations
 
 import ctypes
 import threading
 import time
+
+import pytest
 
 from blasx.runtime import latch
 from blasx.runtime.latch import Latch
@@ -71,3 +73,25 @@ def test_async_exceptions_at_random_points_never_wedge_it():
         for t in threads:
             t.join(5)
         assert not any(t.is_alive() for t in threads) and len(seen) == 4 and a.wait(1)
+
+
+def test_wait_through_keeps_the_first_interrupt_and_waits_again():
+    """wait_through: a held exception is kept and the wait called again until it returns; on_first runs once;
+    an earlier kept one wins; an exception not held propagates."""
+    calls, first = [], []
+    script = [KeyboardInterrupt("a"), KeyboardInterrupt("b"), None]
+
+    def wait():
+        calls.append(1)
+        e = script.pop(0)
+        if e is not None:
+            raise e
+    got = latch.wait_through(wait, on_first=first.append)
+    assert len(calls) == 3 and str(got) == "a" and [str(e) for e in first] == ["a"]
+    earlier = RuntimeError("earlier")
+    script[:] = [KeyboardInterrupt("c"), None]
+    assert latch.wait_through(wait, earlier, on_first=first.append) is earlier and len(first) == 1
+    assert latch.wait_through(lambda: None) is None
+    script[:] = [ValueError("not held")]
+    with pytest.raises(ValueError):
+        latch.wait_through(wait, held=KeyboardInterrupt)

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..operands import is_cupy
 from ..runtime.devices.cupy_streams import on_stream
+from ..runtime.latch import wait_through
 from . import conv_direct, direct_cache, transpose_kernel
 
 SLOTS = 2  # streams a GPU keeps chunks in flight on
@@ -333,16 +334,15 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
 def _settle(s) -> tuple:
     """Wait for slot ``s``'s work, a Ctrl-C held back until it is done (a chunk cut short has copies in flight,
     into and out of its page-locked buffers): (whether the slot can be reused, the exception to raise or None)."""
-    interrupt = None
-    while True:
-        try:
-            s.stream.synchronize()
-            s.drain()
-            return True, interrupt
-        except KeyboardInterrupt as exc:  # waited for again
-            interrupt = interrupt or exc
-        except BaseException as exc:  # noqa: BLE001 -- a slot that fails here is not reused
-            return False, interrupt or exc
+    kept = []
+
+    def wait():
+        s.stream.synchronize()
+        s.drain()
+    try:
+        return True, wait_through(wait, on_first=kept.append, held=KeyboardInterrupt)
+    except BaseException as exc:  # noqa: BLE001 -- a slot that fails here is not reused
+        return False, kept[0] if kept else exc
 
 
 def hostmem_whole(a: np.ndarray):

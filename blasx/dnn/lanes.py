@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from ..runtime.latch import Latch
+from ..runtime.latch import Latch, wait_through
 
 MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
 
@@ -74,15 +74,7 @@ def join_all(jobs, on_interrupt=None) -> None:
     caller gets it, no job still touches the caller's buffers."""
     pending = None
     for job in jobs:
-        while True:
-            try:
-                job.join()
-                break
-            except BaseException as exc:  # noqa: BLE001 - held back until every job has stopped
-                if pending is None:
-                    pending = exc
-                    if on_interrupt is not None:
-                        on_interrupt(exc)
+        pending = wait_through(job.join, pending, on_interrupt)
     if pending is not None:
         raise pending
 
