@@ -338,6 +338,22 @@ def test_pointwise_is_a_plain_gemm(layout):
     assert blasx.last_profile().totals()["bytes_h2d"] == x.nbytes + w.nbytes + r.nbytes
 
 
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+def test_a_read_only_residual_is_taken(devices):
+    """The residual is only read: a read-only one (a broadcast view, a read-only mapping) is accepted, every call
+    the same answer."""
+    blasx.configure(devices=devices, tile=16)
+    rng = np.random.default_rng(15)
+    x, w, r = rand(rng, (2, 4, 9, 9)), rand(rng, (5, 4, 3, 3)), rand(rng, (2, 5, 9, 9))
+    ref = F.relu(F.conv2d(T(x), T(w), padding=1) + T(r)).numpy()
+    r.flags.writeable = False
+    for _ in range(2):
+        assert rel(dnn.conv2d(x, w, padding=1, residual=r, activation="relu"), ref) < 1e-12
+    row = np.broadcast_to(r[:1], r.shape)  # read-only, zero strides
+    ref = F.conv2d(T(x), T(w), padding=1) + T(np.ascontiguousarray(row))
+    assert rel(dnn.conv2d(x, w, padding=1, residual=row), ref.numpy()) < 1e-12
+
+
 def test_read_only_input_stays_cached_and_no_leaks():
     """col(X) of a read-only X keys on X's life-long token: a second call finds its expanded tiles
     cached (no host bytes at all); per-call tiles are retired (the idle audit finds nothing)."""

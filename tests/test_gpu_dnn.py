@@ -106,8 +106,8 @@ HOST_BATCH_TOL = {("float32", "ieee"): 1e-5, ("float32", "tf32"): 5e-3, ("float1
 @pytest.mark.parametrize("memory", ["pageable", "pinned", "registered"])
 @pytest.mark.parametrize("kernel,stride,pad,c", [(3, 1, 1, 64), (1, 2, 0, 32), (3, 2, 1, 8)])
 def test_host_batch_vs_torch(monkeypatch, dtype, math, layout, memory, kernel, stride, pad, c):
-    """A numpy batch on every GPU in chunks (host_batch), epilogue and residual included, into a given out and
-    into one blasx makes; the caller's arrays untouched."""
+    """A numpy batch on every GPU in chunks (host_batch), epilogue and (read-only) residual included, into a given
+    out and into one blasx makes; the caller's arrays untouched."""
     from blasx.dnn import host_batch
     from blasx.runtime import hostmem
     monkeypatch.setattr(host_batch, "CHUNK_BYTES", 1 << 20)  # many chunks on every GPU
@@ -131,6 +131,7 @@ def test_host_batch_vs_torch(monkeypatch, dtype, math, layout, memory, kernel, s
             return host
         x, r = pinned_copy(x), pinned_copy(r)
     x0, r0 = x.copy(), r.copy()
+    r.flags.writeable = False  # (the residual is only read)
     t = torch.from_numpy
     ref = F.relu((conv + t(b)[:, None, None]) * t(sc)[:, None, None] + t(sh)[:, None, None] + wide(r)).numpy()
     y = dnn.conv2d(x, w, b, stride, pad, scale=sc, shift=sh, residual=r, activation="relu", math=math)

@@ -85,10 +85,11 @@ def _same_view(a, b) -> bool:
     return a.shape == b.shape and a.strides == b.strides and ptr(a) == ptr(b)
 
 
-def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = "out") -> None:
+def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = "out", write: bool = True) -> None:
     """``out`` (None: not given) is a writable array of ``like``'s kind with this shape and dtype that
     overlaps none of ``inputs`` -- except, with ``alias``, by being one of them exactly (a result that is
-    written element by element after reading the same element may go back into its input)."""
+    written element by element after reading the same element may go back into its input). ``write=False``:
+    an extra operand only read (read-only allowed)."""
     if out is None:
         return
     if type(out) is not type(like):
@@ -98,7 +99,7 @@ def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = 
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
     if np.dtype(out.dtype) != np.dtype(dtype):
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
-    if not writable(out):
+    if write and not writable(out):
         raise ValueError(f"{name}: is read-only")
     for x in inputs:
         if x is not None and hasattr(x, "shape") and shares_memory(out, x) and not (alias and _same_view(out, x)):

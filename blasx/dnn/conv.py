@@ -234,7 +234,7 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
     shape = (geo.n, geo.k, *geo.out_size)
     user_shape = shape[1:] if unbatched else shape
     if residual is not None:
-        check_out(residual, user_shape, dt, x, name="residual")
+        check_out(residual, user_shape, dt, x, name="residual", write=False)  # (only read: may be read-only)
         residual = transpose_kernel.to_layout(xp, _batched(residual, nd)[0], lay)
     check_out(out, user_shape, dt, x, x, weight, residual, alias=False)
     if out is not None and out.ndim == nd + 2:
