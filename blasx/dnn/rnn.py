@@ -12,7 +12,9 @@ Inputs: numpy (host) or CuPy arrays of float64, float32 (``math="tf32"`` for TF3
 (numpy only: CuPy has no bfloat16); with GPUs a host call runs on them (rnn_host.py). Half types accumulate and
 keep the cell state in float32 and store y and h in their own type. ``lengths`` (as ``pack_padded_sequence``:
 sorted decreasing, each in 1..T) ends each sequence at its length: later outputs are zero and its final state is
-taken at its last step.
+taken at its last step. A training forward's saved state keeps its own copies of x and of numpy / CuPy weights (a
+torch tensor weight's version counter is checked by the backward instead, as torch's autograd does), so the caller
+may write into its arrays before the backward.
 """
 
 from __future__ import annotations
