@@ -280,6 +280,7 @@ def _errors():
         (lambda a: dnn.batch_norm(a[X], a["rm"], a["rv"], training=1), TypeError, "training: got 1"),
         (lambda a: train(a, momentum="0.1"), TypeError, "momentum: got '0.1'"),
         (lambda a: train(a, eps=-1.0), ValueError, "eps: got -1.0"),
+        (lambda a: train(a, eps=0.0), ValueError, "eps: must be positive during training, got 0.0"),
         (lambda a: train(a, eps=float("nan")), TypeError, "eps: got nan"),
         (lambda a: dnn.batch_norm(a[X], a["rm"], None, training=True), ValueError, "both be None"),
         (lambda a: dnn.batch_norm(a[X], None, None), ValueError, "evaluation mode"),

@@ -123,6 +123,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     training = check_flag("training", training)
     return_stats = check_flag("return_stats", return_stats)
     eps = check_real("eps", eps, 0.0, finite=True)
+    if training and eps <= 0:  # (a constant channel would divide by zero; torch refuses it too)
+        raise ValueError(f"eps: must be positive during training, got {eps}")
     if momentum is not None:
         momentum = check_real("momentum", momentum, finite=True)
     if (running_mean is None) != (running_var is None):

@@ -12,6 +12,8 @@ Forwards take a keyword-only ``out`` (written and returned; with ``return_indice
 Backward passes take what forward took plus, for max pools, the indices it returned (call forward with
 ``return_indices=True``); ``input_shape`` is the forward input's shape or the input itself (its values are not
 read). They return the input's gradient in the input's layout where the input is given, else in grad_output's.
+A max-pool window over padding alone (possible with ceil_mode, dilation and padding) has no input position: its
+gradient goes nowhere (torch adds it at the wrapped index its forward gave).
 """
 
 from __future__ import annotations
