@@ -103,6 +103,13 @@ class _ReadOnlyRegistry:
             weakref.finalize(root, self._retire, id(root), base)
             return base
 
+    def drop(self, root) -> None:
+        """``root`` was seen writable again: its base (and the base's cached tiles) retired, if it has one."""
+        with self._lock:
+            hit = self._by_id.get(id(root))
+        if hit is not None and hit[0]() is root:
+            self._retire(id(root), hit[1])
+
     def _retire(self, key: int, base: int) -> None:
         with self._lock:
             hit = self._by_id.get(key)
@@ -128,6 +135,13 @@ def frozen_root(x):
     return node if node.base is None or isinstance(node.base, bytes) else None
 
 
+def _top(x):
+    """The last ndarray of ``x``'s base chain."""
+    while isinstance(x.base, np.ndarray):
+        x = x.base
+    return x
+
+
 class TokenTable:
     """Tokens of one call: the same memory with the same geometry gets the same token."""
 
@@ -144,6 +158,8 @@ class TokenTable:
         if root is not None:
             tok = (READONLY.base_of(root), geom[0] - int(root.ctypes.data)) + geom[1:]
         else:
+            if not is_cupy(v):  # a root read-only before and writable now: its cached tiles may be stale
+                READONLY.drop(_top(v))
             tok = (next(_call_bases),) + geom[1:]
         self._seen[geom] = tok
         return tok

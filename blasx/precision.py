@@ -78,14 +78,17 @@ def takes(a_dtype, b_dtype, out_dtype=None) -> bool:
 
 def gemm_types(a, b, c=None, out_dtype=None) -> tuple[np.dtype, np.dtype]:
     """(computation type, output type) of ``blasx.gemm`` on these arrays: the reduced-type rules
-    when :func:`takes` says so (the output: ``out_dtype``, else c's type where it is one of the
+    when :func:`takes` says so (the output: ``out_dtype``, else c's type, which must be one of the
     input type's outputs, else the default), else scipy's BLAS type for both."""
     if not takes(a.dtype, b.dtype, out_dtype):
         dt = compute_dtype(a, b) if c is None else compute_dtype(a, b, c)
         return dt, dt
-    if out_dtype is None and c is not None and c.dtype in dtypes.GEMM_OUT.get(np.dtype(a.dtype), ()):
-        out_dtype = c.dtype
     row, out = check_types(a.dtype, b.dtype, out_dtype)
+    if out_dtype is None and c is not None:
+        if c.dtype not in dtypes.GEMM_OUT[row.dtype]:  # (cast into the output, its values would be cut)
+            raise TypeError(f"c: got dtype {np.dtype(c.dtype).name} for {row.dtype.name} inputs; the output types "
+                            f"allowed: {dtypes.gemm_combinations()}")
+        out = np.dtype(c.dtype)
     return row.dtype, out
 
 

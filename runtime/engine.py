@@ -128,10 +128,11 @@ SWEEP_POLL = 0.05  # seconds between a cancelling caller's sweeps for tasks nobo
 
 
 def _reads_own_tile(task) -> bool:
-    """The task reads the memory it writes: C itself (beta != 0), or its tile of B in place."""
-    if task.load_c:
-        return True
+    """The task reads the memory it writes: C itself (beta != 0, its first contents from C's own memory, not a
+    ``c_init`` elsewhere such as the caller's untouched c), or its tile of B in place."""
     tokens, c = task.call.tokens, task.c
+    if task.load_c and (task.c_init is None or tokens[task.c_init.slot] == tokens[c.slot]):
+        return True
     return any(tokens[r.slot] == tokens[c.slot] and (r.bi, r.bj) == (c.bi, c.bj) for r in task.input_tiles())
 
 

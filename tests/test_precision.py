@@ -78,6 +78,7 @@ def test_perfdb_keys_per_dtype():
 
 def test_rejected_combinations_list_the_allowed_ones():
     a16, a8 = np.ones((4, 4), np.float16), np.ones((4, 4), np.int8)
+    c_float = np.full((4, 4), 0.75)
     for call, exc, frag in [
         (lambda: blasx.matmul(a16, a16.astype(np.float32), out_dtype=np.float16), TypeError,
          "float16 -> float16 or float32"),
@@ -88,12 +89,20 @@ def test_rejected_combinations_list_the_allowed_ones():
         (lambda: blasx.matmul(a16, a16, math="fast"), ValueError, "allowed: 'ieee', 'tf32'"),
         (lambda: blasx.gemm(1.0, np.ones((4, 3), np.float16), a16), ValueError, "inner dimensions must match"),
         (lambda: blasx.gemm(0.5, a8, a8), ValueError, "integer alpha"),
+        # a c of a type the pair cannot output: refused, not cast (fractions cut, values wrapped)
+        (lambda: blasx.gemm(1, a8, a8, 1, c_float), TypeError, "c: got dtype float64 for int8 inputs"),
+        (lambda: blasx.gemm(1.0, a16, a16, 1.0, c_float.astype(np.complex128)), TypeError,
+         "c: got dtype complex128 for float16"),
     ]:
+        c0 = c_float.copy()
         with pytest.raises(exc, match=frag):
             call()
+        assert np.array_equal(c_float, c0)
     # mixed types follow the old rules (scipy's for gemm, numpy's for matmul); TF32 is float32's alone
     assert blasx.gemm(1.0, a16, a16.astype(np.float32)).dtype == np.float32
     assert blasx.matmul(a16, a16.astype(np.float32)).dtype == np.float32
+    assert blasx.gemm(1, a8, a8, 1, np.ones((4, 4), np.int32)).dtype == np.int32  # (c of an allowed type)
+    assert blasx.gemm(1.0, a16, a16, 1.0, np.ones((4, 4), np.float32)).dtype == np.float32
     d = _normal((30, 30), np.float64)
     assert np.abs(blasx.gemm(1.0, d, d, math="tf32") - d @ d).max() < 1e-12
 

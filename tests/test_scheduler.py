@@ -219,6 +219,24 @@ def test_a_new_read_only_array_never_sees_old_tiles(rand, rel_err):
         gc.collect()
 
 
+def test_a_read_only_array_seen_writable_again_drops_its_tiles(rand, rel_err):
+    """Read-only, then writable (a call sees it so), rewritten through itself, read-only again: a new base, the
+    old one's lines retired, the new values used. (With no call while writable blasx cannot see the write:
+    usage.md states the promise.)"""
+    from blasx.operands import READONLY
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = rand((40, 40), seed=1), rand((40, 40), seed=2)
+    a.flags.writeable = False
+    blasx.gemm(1.0, a, b)
+    old = READONLY.base_of(a)
+    a.flags.writeable = True
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    a[...] = rand((40, 40), seed=3)
+    a.flags.writeable = False
+    assert rel_err(blasx.gemm(1.0, a, b), a @ b) < 1e-12
+    assert READONLY.base_of(a) != old and lines_of_base(blasx.engine().directory, old) == 0
+
+
 def lines_of_base(directory, base: int, live_only: bool = True) -> int:
     """Cached lines of token base ``base`` on every device (dead ones too unless ``live_only``)."""
     return sum(1 for alru in directory.alrus for line in alru
@@ -381,6 +399,25 @@ def test_fail_over_with_beta_is_right_or_loud(rand, rel_err):
         else:
             assert isinstance(exc, blasx.DeviceError), repr(exc)
             assert "sim:0" in str(exc)
+        blasx.shutdown()
+
+
+def test_fail_over_of_a_new_result_from_the_callers_c_is_recomputed(rand, rel_err):
+    """A new result that starts from the caller's c (scipy's dgemm, beta != 0, no overwrite; TRSM into a new X
+    from B): a task cut short in its write-back is redone from c, which nobody writes: right, never an error."""
+    from blasx.linalg import blas as bb
+    a, b, c = rand((70, 60)), rand((60, 50), seed=1), np.asfortranarray(rand((70, 50), seed=2))
+    t = np.triu(rand((70, 70), seed=3)) + 70 * np.eye(70)
+    for fail_at in (3, 7, 11, 17, 23):
+        blasx.configure(devices=f"sim:3,fail=0@{fail_at}", tile=16)
+        out, exc, _ = _run_with_timeout(lambda: bb.dgemm(1.0, a, b, 0.5, c))
+        assert exc is None, repr(exc)
+        assert rel_err(out, a @ b + 0.5 * c) < 1e-12
+        blasx.shutdown()
+        blasx.configure(devices=f"sim:3,fail=0@{fail_at}", tile=16)
+        out, exc, _ = _run_with_timeout(lambda: bb.dtrsm(1.0, t, c))
+        assert exc is None, repr(exc)
+        assert rel_err(t @ out, c) < 1e-12
         blasx.shutdown()
 
 
