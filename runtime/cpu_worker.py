@@ -74,7 +74,7 @@ class CpuWorker(Worker):
                 self.current = None
                 task.call.account(task, solved_by)
                 continue
-            if self.stopping:
+            if self.stopping and len(self.station) == 0:
                 return
             if self._work_waiting():
                 continue

@@ -81,8 +81,12 @@ Failure model
   still does not fit fails the call with ``CacheFull``, as a cuda scratch buffer that cannot be had does
   (MemoryError). A host chunk that cannot be registered is copied as pageable memory; one that could not
   be staged fails the copies reading it.
-* **Shutdown**: ``shutdown()`` and ``configure()`` let queued work finish; interpreter exit cancels the
-  calls in flight first (``shutdown(cancel=True)``), so it returns promptly.
+* **Shutdown**: ``shutdown()`` and ``configure()`` let the calls in flight finish (a Ctrl-C meanwhile cancels
+  them) before any worker takes its sentinel: a worker that stopped mid-call would leave its peers reading
+  lines of a closed device, or tasks handed on to nobody; interpreter exit cancels the calls in flight first
+  (``shutdown(cancel=True)``), so it returns promptly. A worker that leaves its loop counts as dead.
+* **Start**: a Ctrl-C while the workers open their devices is held back until they have, then raised with
+  the engine started.
 
 State (each field has one owner)
 --------------------------------
@@ -117,6 +121,7 @@ from .call import Call, CallCancelled
 from .coherence import Directory
 from .devices.base import DeviceError
 from .knobs import Knobs
+from .latch import wait_through
 from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
@@ -125,6 +130,15 @@ from .worker import CpuWorker, StreamWorker
 
 WAIT_POLL = 0.1  # seconds between a waiting caller's checks that its call can still run
 SWEEP_POLL = 0.05  # seconds between a cancelling caller's sweeps for tasks nobody holds
+
+
+def _start_once(w) -> None:
+    """``w.start()``, unless an interrupted earlier try already started the thread."""
+    if w.ident is None and not w.is_alive():
+        try:
+            w.start()
+        except RuntimeError:  # (it had started after all: "threads can only be started once")
+            pass
 
 
 def _reads_own_tile(task) -> bool:
@@ -198,14 +212,20 @@ class Engine:
                 return
             ncores = os.cpu_count() or 1
             bind = self.config.bind_threads and ncores > len(self.devices)
-            for d, st in zip(self.devices, self.stations):
-                core = d.index % ncores if bind and d.binds_thread else None
-                self.workers.append((StreamWorker if d.streamed else CpuWorker)(self, d, st, core))
-            for w in self.workers:
-                w.start()
-            for w in self.workers:
-                w.opened.wait()
+            workers = [(StreamWorker if d.streamed else CpuWorker)(self, d, st, core)
+                       for d, st in zip(self.devices, self.stations)
+                       for core in [d.index % ncores if bind and d.binds_thread else None]]
+            self.workers = workers
+            # A Ctrl-C meanwhile is held back until every worker has opened its device (CUDA: seconds), then
+            # raised with the engine started: half-started workers would be started twice, or never stopped.
+            pending = None
+            for w in workers:
+                pending = wait_through(lambda w=w: _start_once(w), pending)
+            for w in workers:
+                pending = wait_through(w.opened.wait, pending)
             self._started = True
+        if pending is not None:
+            raise pending
         errors = [(w.dev.name, w.open_error) for w in self.workers if w.open_error is not None]
         if errors and not any(w.alive for w in self.workers):
             self.shutdown()
@@ -227,10 +247,27 @@ class Engine:
         if started and self.inline:
             self.devices[0].close()
         elif started:
-            self.queues["any"].put_many([self.SENTINEL] * len(self.workers))
-            self._poke()
-            for w in self.workers:
-                w.join()
+            try:  # the calls queued before ``_closed`` run to their end first: a worker that stopped meanwhile
+                self._finish_calls()  # would leave its peers reading lines of a closed device
+            finally:  # (interrupted: the calls left are cancelled, then the workers stopped all the same)
+                self.queues["any"].put_many([self.SENTINEL] * len(self.workers))
+                self._poke()
+                for w in self.workers:
+                    wait_through(w.join)
+
+    def _finish_calls(self) -> None:
+        """Wait for every call in flight (failing those no live worker can run); an exception meanwhile (Ctrl-C)
+        cancels the ones left, then is raised."""
+        try:
+            for call in self._live_calls():
+                while not call.wait(WAIT_POLL):
+                    if not self._runnable(call):
+                        self._fail_unrunnable()
+        except BaseException as exc:
+            for call in self._live_calls():
+                if not call.done:
+                    self._cancel(call, exc)
+            raise
 
     @property
     def closed(self) -> bool:

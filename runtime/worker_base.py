@@ -133,6 +133,7 @@ class Worker(threading.Thread):
         self.opened.set()
         try:
             self.loop()
+            self.alive = False  # stopped (shutdown): no call may count on this worker any more
         except BaseException as exc:  # noqa: BLE001 - travels to the callers whose tasks we held
             self.fail(exc)
         finally:

@@ -1,0 +1,136 @@
+"""The engine's lifecycle against calls in flight: shutdown() / configure() from another thread lets the calls
+finish before any worker stops (a stopped worker's closed device was read by its peers: wrong tiles; its
+re-queued tasks served by nobody: a hang), and a Ctrl-C while the workers open their devices leaves a usable
+engine, not a half-started one."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+
+import blasx
+from blasx.runtime import faults
+from blasx.runtime.devices import sim
+
+
+def _in_thread(fn):
+    out = {}
+
+    def body():
+        try:
+            out["v"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["e"] = exc
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_shutdown_during_a_call_lets_it_finish_right():
+    """sim:1 held on its first load while shutdown() runs: sim:0 must not stop (and close its arena, whose lines
+    sim:1 then reads as a peer) before the call is done."""
+    for seed in range(3):
+        blasx.configure(devices="sim:2", tile=32, streams=1)
+        rng = np.random.default_rng(seed)
+        a, b = rng.random((64, 128)), rng.random((128, 256))
+        go, fired = threading.Event(), threading.Event()
+
+        def hook(phase, dev, task):
+            if phase == "load" and dev.index == 1 and not fired.is_set():
+                fired.set()
+                go.wait(10)
+        faults.install(hook)
+        try:
+            t, out = _in_thread(lambda: blasx.gemm(1.0, a, b))
+            assert fired.wait(10)
+            s, _ = _in_thread(blasx.shutdown)
+            time.sleep(0.2)  # (before the fix sim:0 had stopped and closed its device by now)
+            go.set()
+            t.join(20)
+            s.join(20)
+        finally:
+            faults.install(None)
+        assert not t.is_alive() and not s.is_alive()
+        assert "e" not in out, repr(out.get("e"))
+        np.testing.assert_allclose(out["v"], a @ b, rtol=1e-12)
+
+
+def test_a_device_failing_while_shutdown_waits_hands_its_tasks_on():
+    blasx.configure(devices="sim:2", tile=32, streams=1)
+    a, b = np.random.default_rng(1).random((64, 64)), np.random.default_rng(2).random((64, 64))
+    go, fired = threading.Event(), threading.Event()
+
+    def hook(phase, dev, task):
+        if phase == "load" and dev.index == 1 and not fired.is_set():
+            fired.set()
+            go.wait(10)
+            raise blasx.DeviceError("injected: sim:1 breaks during shutdown")
+    faults.install(hook)
+    try:
+        t, out = _in_thread(lambda: blasx.gemm(1.0, a, b))
+        assert fired.wait(10)
+        s, _ = _in_thread(blasx.shutdown)
+        time.sleep(0.2)
+        go.set()
+        t.join(20)
+        s.join(20)
+    finally:
+        faults.install(None)
+    assert not t.is_alive() and not s.is_alive()
+    np.testing.assert_allclose(out["v"], a @ b, rtol=1e-12)
+
+
+def test_shutdown_during_a_trsm_with_the_cpu_worker_holding_a_chain():
+    blasx.configure(devices="sim:1", tile=32, streams=1, cpu=True)
+    rng = np.random.default_rng(3)
+    n = 192
+    a, b = np.triu(rng.random((n, n))) + n * np.eye(n), rng.random((n, 32))
+    held = threading.Event()
+
+    def hook(phase, dev, task):
+        if phase == "compute" and not held.is_set():
+            held.set()
+            time.sleep(0.5)
+    faults.install(hook)
+    try:
+        t, out = _in_thread(lambda: blasx.trsm(1.0, a, b))
+        assert held.wait(10)
+        s, _ = _in_thread(blasx.shutdown)
+        t.join(20)
+        s.join(20)
+    finally:
+        faults.install(None)
+    assert not t.is_alive() and not s.is_alive()
+    np.testing.assert_allclose(a @ out["v"], b, rtol=1e-10, atol=1e-12)
+
+
+def test_ctrl_c_while_the_workers_open_leaves_a_started_engine(monkeypatch):
+    """A KeyboardInterrupt while the devices open (a CUDA context takes ~0.1-1 s; a slow sim here) is raised
+    once they have: later calls work, and shutdown stops every worker."""
+    opened = sim.SimDevice.open
+
+    def slow_open(self):
+        time.sleep(0.4)
+        opened(self)
+    monkeypatch.setattr(sim.SimDevice, "open", slow_open)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        blasx.configure(devices="sim:2", tile=32)
+        a = np.random.default_rng(4).random((64, 64))
+        timer = threading.Timer(0.15, lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            blasx.gemm(1.0, a, a)
+        except KeyboardInterrupt:
+            pass
+        timer.join()
+        for _ in range(2):
+            np.testing.assert_allclose(blasx.gemm(1.0, a, a), a @ a, rtol=1e-12)
+        eng = blasx.engine()
+        blasx.shutdown()
+        assert not any(w.is_alive() for w in eng.workers)
+    finally:
+        signal.signal(signal.SIGINT, old)
