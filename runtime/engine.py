@@ -306,6 +306,8 @@ class Engine:
         if self._retired:
             self._drain_retired()
         if not self.inline:  # workers run it: they may fail, and need waking for dependents
+            if self._closed:  # (its stopped workers count as dead: say why, so the call reruns on the new engine)
+                raise EngineClosed(self._closed_message(call))
             if not self._runnable(call):
                 raise DeviceError(self._unrunnable_message(call))
             with self._calls_lock:
@@ -347,10 +349,14 @@ class Engine:
         the sentinels would never run. Under the lock that shutdown() sets ``_closed`` with."""
         with self._lock:
             if self._closed:
-                raise EngineClosed(f"{call.name}: this blasx engine was shut down (configure() or shutdown() "
-                                   f"ran) before the call was queued; nothing of it ran")
+                raise EngineClosed(self._closed_message(call))
             self.queue_of(call).put_many(call.tasks)
         self._poke()
+
+    @staticmethod
+    def _closed_message(call: Call) -> str:
+        return (f"{call.name}: this blasx engine was shut down (configure() or shutdown() ran) before the call was "
+                f"queued; nothing of it ran")
 
     @property
     def inline(self) -> bool:
