@@ -339,6 +339,18 @@ def test_pointwise_is_a_plain_gemm(layout):
 
 
 @pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_weight_gradient_of_an_empty_batch_is_zero(devices, nd):
+    """N = 0: a sum of nothing, zeros as torch gives (no route writes an empty product), both layouts."""
+    blasx.configure(devices=devices, tile=16)
+    x, dy = np.ones((0, 4) + (6,) * nd), np.ones((0, 5) + (4,) * nd)
+    fn = getattr(dnn, f"conv{nd}d_weight")
+    for lay in ((lambda a: a), cl) if nd == 2 else ((lambda a: a),):
+        dw = fn(lay(x), (5, 4) + (3,) * nd, lay(dy))
+        assert dw.shape == (5, 4) + (3,) * nd and not dw.any()
+
+
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
 def test_a_read_only_residual_is_taken(devices):
     """The residual is only read: a read-only one (a broadcast view, a read-only mapping) is accepted, every call
     the same answer."""

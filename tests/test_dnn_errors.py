@@ -52,6 +52,24 @@ CASES = [
     (ValueError, ("grad_output", "(2, 6, 6, 6)"),
      lambda: dnn.conv2d_weight(X, W.shape, np.ones((2, 6, 7, 6)), groups=2)),
     (ValueError, ("weight_size",), lambda: dnn.conv2d_weight(X, (6, 2, 3), np.ones((2, 6, 6, 6)), groups=2)),
+    # empty sums torch refuses too (the result would be left unwritten), sizes that are not counts
+    (ValueError, ("weight", "kernel size must be positive", "(6, 2, 0, 3)"),
+     lambda: dnn.conv2d(X, np.ones((6, 2, 0, 3)), groups=2)),
+    (ValueError, ("weight", "kernel size must be positive"), lambda: dnn.conv_transpose2d(X, np.ones((4, 3, 3, 0)))),
+    (ValueError, ("x", "spatial size must be positive", "(2, 4, 0, 8)"),
+     lambda: dnn.conv2d(np.ones((2, 4, 0, 8)), W, padding=2, groups=2)),
+    (ValueError, ("x", "spatial size must be positive"),
+     lambda: dnn.conv_transpose2d(np.ones((2, 4, 8, 0)), np.ones((4, 3, 3, 3)), padding=1)),
+    (ValueError, ("weight_size", "(6, 2, 3.5, 3)", "non-negative ints"),
+     lambda: dnn.conv2d_weight(X, (6, 2, 3.5, 3), np.ones((2, 6, 6, 6)), groups=2)),
+    (ValueError, ("input_size", "(2.7, 4, 8, 8)"), lambda: dnn.conv2d_input((2.7, 4, 8, 8), W, np.ones((2, 6, 6, 6)))),
+    # an input size whose forward gives another output size (dilation 2 > stride 1), a batch not grad_output's
+    (ValueError, ("input_size", "cannot be reached", "[0, stride)"),
+     lambda: dnn.conv1d_input((1, 3, 7), np.ones((4, 3, 3)), np.ones((1, 4, 2)), dilation=2)),
+    (ValueError, ("input_size", "batch 3 differs from grad_output's 2"),
+     lambda: dnn.conv2d_input((3, 4, 8, 8), W, np.ones((2, 6, 6, 6)), groups=2)),
+    (TypeError, ("bias", "complex128", "real"), lambda: dnn.conv2d(X, W, np.ones(6, complex), groups=2)),
+    (TypeError, ("scale", "object"), lambda: dnn.conv2d(X, W, groups=2, scale=np.array([None] * 6))),
 ]
 
 

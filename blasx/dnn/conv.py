@@ -24,7 +24,7 @@ from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
 from . import conv_direct, conv_memo, depthwise, direct_cache, direct_epilogue, host_batch, transpose_kernel
-from .args import check_dtype, check_out
+from .args import check_dtype, check_out, check_shape
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import device_affine, make_epilogue
 from .geometry import ConvGeometry, call_layout, conv_geometry, is_layout, layout
@@ -76,7 +76,10 @@ def _channel_vector(name: str, v, k: int, dtype, xp):
         if v.dtype.kind not in "fiu":
             raise TypeError(f"{name}: got a cupy array of {v.dtype.name}; allowed: a real (integer or floating) vector")
         return v
-    return np.asarray(v)
+    a = np.asarray(v)
+    if a.dtype.kind not in "fiu" and not (a.dtype.kind == "V" and a.dtype.itemsize == 2):  # (V2: bfloat16)
+        raise TypeError(f"{name}: got an array of {a.dtype}; allowed: a real (integer or floating) vector")
+    return a
 
 
 _VECTORS = ("bias", "scale", "shift")
@@ -333,7 +336,7 @@ def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation
         return dw
     xp = _xp(x, grad_output)
     dt = check_dtype("input", x)
-    wsize = tuple(int(v) for v in weight_size)
+    wsize = check_shape("weight_size", weight_size)
     if len(wsize) != nd + 2:
         raise ValueError(f"weight_size: expected {nd + 2} sizes (out, in/groups, k...), got {tuple(weight_size)}")
     geo = conv_geometry(fn, nd, x, np.broadcast_to(np.zeros((), dt), wsize), stride, padding, dilation, groups)
@@ -360,6 +363,9 @@ def _weight_call(fn, geo: ConvGeometry, xp, xb, dy, wsize, dt, math, memo=None):
     dy = transpose_kernel.to_layout(xp, dy, lay)
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
+    if n * p == 0:  # an empty batch: a sum of nothing (no route would write the result)
+        dw = xp.zeros((geo.k, *geo.kernel, geo.cg) if cl else wsize, dtype=dt)
+        return dw.transpose(0, nd + 1, *range(1, nd + 1)) if cl else dw
     if conv_direct.applies(xb, 2.0 * n * p * geo.k * crs):
         if depthwise.applies(geo):
             return depthwise.weight(geo, xb, dy, cl)

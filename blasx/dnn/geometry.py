@@ -88,12 +88,17 @@ def _shapes(fn: str, nd: int, x, weight):
 
 
 def _channels(c: int, k: int, x, weight) -> None:
-    """x has input channels and weight output channels (as torch requires; an empty sum would leave the
-    output unwritten)."""
+    """x has input channels and spatial extent, weight output channels and kernel extent (as torch requires; an
+    empty sum would leave the output unwritten)."""
     if c == 0:
         raise ValueError(f"x: expected at least 1 channel, got x.shape={tuple(x.shape)}")
     if k == 0:
         raise ValueError(f"weight: expected at least 1 output channel, got weight.shape={tuple(weight.shape)}")
+    if 0 in tuple(weight.shape)[2:]:
+        raise ValueError(f"weight: every kernel size must be positive, got weight.shape={tuple(weight.shape)}")
+    if 0 in tuple(x.shape)[-(weight.ndim - 2):]:
+        raise ValueError(f"x: every spatial size must be positive (only the batch may be 0), got "
+                         f"x.shape={tuple(x.shape)}")
 
 
 def conv_geometry(fn: str, nd: int, x, weight, stride, padding, dilation, groups) -> ConvGeometry:
@@ -144,9 +149,9 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
     if output_size is not None:
         want = tuple(output_size)[-nd:]
         opad = tuple(w - b for w, b in zip(want, base))
-        if any(not 0 <= o < max(s, d) for o, s, d in zip(opad, stride, dilation)):
+        if any(not 0 <= o < s for o, s in zip(opad, stride)):  # (its forward gives grad_output's size)
             raise ValueError(f"input_size: {tuple(output_size)} cannot be reached from grad_output's spatial size "
-                             f"{tuple(size)} (possible sizes per dim: {base} + [0, max(stride, dilation)))")
+                             f"{tuple(size)} (possible sizes per dim: {base} + [0, stride))")
     else:
         opad = ints("output_padding", output_padding, nd, 0)
         for o, s, d in zip(opad, stride, dilation):
