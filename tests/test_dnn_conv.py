@@ -351,6 +351,24 @@ def test_weight_gradient_of_an_empty_batch_is_zero(devices, nd):
 
 
 @pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+@pytest.mark.parametrize("sc", [1e4, 2e-4])
+def test_float16_scale_with_a_residual_keeps_torchs_range(devices, sc):
+    """float16 with scale and residual: not folded into the weights (w * 1e4 overflows float16, w * 2e-4 goes
+    subnormal), so the result is as accurate as without the residual."""
+    blasx.configure(devices=devices, tile=16)
+    rng = np.random.default_rng(16)
+    big = sc > 1
+    x = (rng.standard_normal((2, 4, 9, 9)) * (1e-3 if big else 1.0)).astype(np.float16)
+    w = (rng.standard_normal((5, 4, 3, 3)) * (20 if big else 1e-2)).astype(np.float16)
+    r = (rng.standard_normal((2, 5, 9, 9)) * (1.0 if big else 1e-6)).astype(np.float16)
+    scale = np.full(5, sc)
+    ref = F.relu(F.conv2d(T(x).double(), T(w).double(), padding=1) * sc + T(r).double()).numpy()
+    y = dnn.conv2d(x, w, padding=1, scale=scale, residual=r, activation="relu")
+    assert y.dtype == np.float16 and np.isfinite(y).all()
+    assert rel(y.astype(np.float64), ref) < 3e-3
+
+
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
 def test_a_read_only_residual_is_taken(devices):
     """The residual is only read: a read-only one (a broadcast view, a read-only mapping) is accepted, every call
     the same answer."""

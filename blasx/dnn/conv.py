@@ -26,7 +26,7 @@ from ..runtime.tiling import n_tiles
 from . import conv_direct, conv_memo, depthwise, direct_cache, direct_epilogue, host_batch, transpose_kernel
 from .args import check_dtype, check_out, check_shape
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
-from .epilogue import device_affine, make_epilogue
+from .epilogue import Affine, device_affine, make_epilogue
 from .geometry import ConvGeometry, call_layout, conv_geometry, is_layout, layout
 from .im2col import Im2col
 
@@ -147,6 +147,12 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     bias, scale, shift, act = epilogue_args
+    if dt == np.float16 and residual is not None and scale is not None:
+        # a scale folded into float16 weights (as a residual otherwise makes it) may overflow or go subnormal:
+        # the conv with its affine map first, then the residual and activation (torch's roundings)
+        _forward_call(fn, geo, x, lay, wconv, y, None, (bias, scale, shift, None), math, user_weight)
+        _add_residual(geo, cl, y, residual, act)
+        return None
     direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and is_layout(y, lay)
     if direct_route and depthwise.applies(geo):
         depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
@@ -193,6 +199,17 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
                                                  res0=res0, direct=direct and not cl)
     dispatch.submit_planned(_name(dt, fn), views, plan, dt, 1.0, 1.0 if residual is not None else 0.0,
                             (_rows_hint(n * p), geo.k, crs), math=math, epilogue=epi)
+
+
+def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
+    """y = act(y + residual), computed in float32 and rounded once into y (on y's device)."""
+    if is_cupy(y):
+        from . import direct_epilogue
+        direct_epilogue.epilogue(geo, cl, y, None if act is None else Affine(None, None, act), residual)
+        return
+    v = y.astype(np.float32)
+    v += residual
+    y[...] = v if act is None else act.host(v)
 
 
 def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):
