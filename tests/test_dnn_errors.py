@@ -70,6 +70,11 @@ CASES = [
      lambda: dnn.conv2d_input((3, 4, 8, 8), W, np.ones((2, 6, 6, 6)), groups=2)),
     (TypeError, ("bias", "complex128", "real"), lambda: dnn.conv2d(X, W, np.ones(6, complex), groups=2)),
     (TypeError, ("scale", "object"), lambda: dnn.conv2d(X, W, groups=2, scale=np.array([None] * 6))),
+    (TypeError, ("x: got list",), lambda: dnn.conv2d(X.tolist(), W, groups=2)),
+    (TypeError, ("out: got list",), lambda: dnn.conv2d(X, W, groups=2, out=[0.0])),
+    (TypeError, ("weight: got list",), lambda: dnn.conv_transpose2d(X, np.ones((4, 3, 3, 3)).tolist())),
+    (TypeError, ("padding", "'same'", "int or a tuple"),
+     lambda: dnn.conv_transpose2d(X, np.ones((4, 3, 3, 3)), padding="same")),
 ]
 
 

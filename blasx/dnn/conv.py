@@ -24,7 +24,7 @@ from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
 from . import conv_direct, conv_memo, depthwise, direct_cache, direct_epilogue, host_batch, transpose_kernel
-from .args import check_dtype, check_out, check_shape
+from .args import check_dtype, check_kind, check_out, check_shape
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import Affine, device_affine, make_epilogue
 from .geometry import ConvGeometry, call_layout, conv_geometry, is_layout, layout
@@ -201,6 +201,14 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
                             (_rows_hint(n * p), geo.k, crs), math=math, epilogue=epi)
 
 
+def _check_kinds(x, weight, out) -> None:
+    """x, weight (and out) are numpy or CuPy arrays, named where not (before any attribute is read)."""
+    check_kind("x", x)
+    check_kind("weight", weight)
+    if out is not None:
+        check_kind("out", out)
+
+
 def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
     """y = act(y + residual), computed in float32 and rounded once into y (on y's device)."""
     if is_cupy(y):
@@ -233,6 +241,7 @@ _PLAIN = (None, None, None, None, None)  # a call's activation and epilogue oper
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
     fn = _CONV_NAMES[nd]
+    _check_kinds(x, weight, out)
     extras = (bias, scale, shift, residual)
     memo = None
     if out is None and getattr(x, "ndim", 0) == nd + 2 and (activation is None or type(activation) is str) and \

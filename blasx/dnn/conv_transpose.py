@@ -16,7 +16,8 @@ from .. import precision
 from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, finddb, phases, transpose_kernel
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .args import check_out, check_shape
-from .conv import _batched, _channel_vector, _check_layout, _empty, _empty_maker, _forward_call, _replay_epilogue
+from .conv import (_batched, _channel_vector, _check_kinds, _check_layout, _empty, _empty_maker, _forward_call,
+                   _replay_epilogue)
 from .geometry import ConvGeometry, call_layout, is_layout, layout, transpose_geometry
 
 # Strided transposed convolutions and backward-data (dilation 1) run as stride^d stride-1 phase
@@ -72,6 +73,9 @@ def _copy_into(xp, dst, src, lay: str) -> None:
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
+    _check_kinds(x, weight, out)
+    if output_size is None and isinstance(padding, str):  # (backward-data takes its forward's padding)
+        raise TypeError(f"padding: got {padding!r}; {fn} takes an int or a tuple of {nd} ints (as torch)")
     memo = None
     if out is None and getattr(x, "ndim", 0) == nd + 2:
         memo = conv_memo.key(fn, nd, x, weight, (stride, padding, output_padding, groups, dilation, output_size),
