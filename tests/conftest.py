@@ -78,8 +78,8 @@ def _shutdown_blasx(monkeypatch):
     blasx.shutdown()
 
 
-def _run_bounded(fn, seconds=60):
-    """``{"value": fn()}`` or ``{"error": exc}`` from a thread, asserting the call ends within ``seconds``."""
+def _start_in_thread(fn):
+    """(the thread running ``fn``, the dict that gets ``{"value": fn()}`` or ``{"error": exc}``)."""
     out = {}
 
     def body():
@@ -87,8 +87,14 @@ def _run_bounded(fn, seconds=60):
             out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             out["error"] = exc
-    t = threading.Thread(target=body)
+    t = threading.Thread(target=body, daemon=True)
     t.start()
+    return t, out
+
+
+def _run_bounded(fn, seconds=60):
+    """``{"value": fn()}`` or ``{"error": exc}`` from a thread, asserting the call ends within ``seconds``."""
+    t, out = _start_in_thread(fn)
     t.join(seconds)
     assert not t.is_alive(), "the call hung"
     return out
@@ -97,6 +103,11 @@ def _run_bounded(fn, seconds=60):
 @pytest.fixture(scope="session")
 def run_bounded():
     return _run_bounded
+
+
+@pytest.fixture(scope="session")
+def start_in_thread():
+    return _start_in_thread
 
 
 def _in_threads(fn, n: int) -> None:

@@ -16,95 +16,66 @@ from blasx.runtime import faults
 from blasx.runtime.devices import sim
 
 
-def _in_thread(fn):
-    out = {}
-
-    def body():
-        try:
-            out["v"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["e"] = exc
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    return t, out
-
-
-def test_shutdown_during_a_call_lets_it_finish_right():
-    """sim:1 held on its first load while shutdown() runs: sim:0 must not stop (and close its arena, whose lines
-    sim:1 then reads as a peer) before the call is done."""
-    for seed in range(3):
-        blasx.configure(devices="sim:2", tile=32, streams=1)
-        rng = np.random.default_rng(seed)
-        a, b = rng.random((64, 128)), rng.random((128, 256))
-        go, fired = threading.Event(), threading.Event()
-
-        def hook(phase, dev, task):
-            if phase == "load" and dev.index == 1 and not fired.is_set():
-                fired.set()
-                go.wait(10)
-        faults.install(hook)
-        try:
-            t, out = _in_thread(lambda: blasx.gemm(1.0, a, b))
-            assert fired.wait(10)
-            s, _ = _in_thread(blasx.shutdown)
-            time.sleep(0.2)  # (before the fix sim:0 had stopped and closed its device by now)
-            go.set()
-            t.join(20)
-            s.join(20)
-        finally:
-            faults.install(None)
-        assert not t.is_alive() and not s.is_alive()
-        assert "e" not in out, repr(out.get("e"))
-        np.testing.assert_allclose(out["v"], a @ b, rtol=1e-12)
-
-
-def test_a_device_failing_while_shutdown_waits_hands_its_tasks_on():
-    blasx.configure(devices="sim:2", tile=32, streams=1)
-    a, b = np.random.default_rng(1).random((64, 64)), np.random.default_rng(2).random((64, 64))
+def _shutdown_mid_call(start_in_thread, fn, when, then=None):
+    """fn()'s result, run in a thread while shutdown() runs in another: the first task operation ``when(phase,
+    dev)`` holds its device until shutdown has been asked for (0.2 s more), then runs ``then()`` (a fault)."""
     go, fired = threading.Event(), threading.Event()
 
     def hook(phase, dev, task):
-        if phase == "load" and dev.index == 1 and not fired.is_set():
+        if when(phase, dev) and not fired.is_set():
             fired.set()
             go.wait(10)
-            raise blasx.DeviceError("injected: sim:1 breaks during shutdown")
+            if then is not None:
+                then()
     faults.install(hook)
     try:
-        t, out = _in_thread(lambda: blasx.gemm(1.0, a, b))
+        t, out = start_in_thread(fn)
         assert fired.wait(10)
-        s, _ = _in_thread(blasx.shutdown)
-        time.sleep(0.2)
+        s, _ = start_in_thread(blasx.shutdown)
+        time.sleep(0.2)  # (before the fix the other worker had stopped and closed its device by now)
         go.set()
         t.join(20)
         s.join(20)
     finally:
         faults.install(None)
     assert not t.is_alive() and not s.is_alive()
-    np.testing.assert_allclose(out["v"], a @ b, rtol=1e-12)
+    assert "error" not in out, repr(out.get("error"))
+    return out["value"]
 
 
-def test_shutdown_during_a_trsm_with_the_cpu_worker_holding_a_chain():
+def _on_sim1_load(phase, dev):
+    return phase == "load" and dev.index == 1
+
+
+def test_shutdown_during_a_call_lets_it_finish_right(start_in_thread):
+    """sim:1 held on its first load while shutdown() runs: sim:0 must not stop (and close its arena, whose lines
+    sim:1 then reads as a peer) before the call is done."""
+    for seed in range(3):
+        blasx.configure(devices="sim:2", tile=32, streams=1)
+        rng = np.random.default_rng(seed)
+        a, b = rng.random((64, 128)), rng.random((128, 256))
+        got = _shutdown_mid_call(start_in_thread, lambda: blasx.gemm(1.0, a, b), _on_sim1_load)
+        np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+
+
+def test_a_device_failing_while_shutdown_waits_hands_its_tasks_on(start_in_thread):
+    blasx.configure(devices="sim:2", tile=32, streams=1)
+    a, b = np.random.default_rng(1).random((64, 64)), np.random.default_rng(2).random((64, 64))
+
+    def fail():
+        raise blasx.DeviceError("injected: sim:1 breaks during shutdown")
+    got = _shutdown_mid_call(start_in_thread, lambda: blasx.gemm(1.0, a, b), _on_sim1_load, fail)
+    np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+
+
+def test_shutdown_during_a_trsm_with_the_cpu_worker_holding_a_chain(start_in_thread):
     blasx.configure(devices="sim:1", tile=32, streams=1, cpu=True)
     rng = np.random.default_rng(3)
     n = 192
     a, b = np.triu(rng.random((n, n))) + n * np.eye(n), rng.random((n, 32))
-    held = threading.Event()
-
-    def hook(phase, dev, task):
-        if phase in ("compute", "cpu") and not held.is_set():  # (the first task, whichever device took it)
-            held.set()
-            time.sleep(0.5)
-    faults.install(hook)
-    try:
-        t, out = _in_thread(lambda: blasx.trsm(1.0, a, b))
-        assert held.wait(10)
-        s, _ = _in_thread(blasx.shutdown)
-        t.join(20)
-        s.join(20)
-    finally:
-        faults.install(None)
-    assert not t.is_alive() and not s.is_alive()
-    np.testing.assert_allclose(a @ out["v"], b, rtol=1e-10, atol=1e-12)
+    x = _shutdown_mid_call(start_in_thread, lambda: blasx.trsm(1.0, a, b),
+                           lambda phase, dev: phase in ("compute", "cpu"))  # (the first task, on either device)
+    np.testing.assert_allclose(a @ x, b, rtol=1e-10, atol=1e-12)
 
 
 def test_ctrl_c_while_the_workers_open_leaves_a_started_engine(monkeypatch):
