@@ -29,7 +29,7 @@ def test_fold_batchnorm_exact():
     c = b.conv(b.x, w, bias, padding=1, name="c")
     out = b.batch_norm(c, eps=1e-3, name="bn", **p)
     g = b.network(out).graph
-    folded = passes.fold_batchnorm(g)
+    folded = passes.fold_batchnorm(g, infer_shapes(g, (1, 3, 5, 5)))
     assert [n.name for n in folded.nodes] == ["x", "c"] and folded.output == "c"
     s = p["weight"] / np.sqrt(p["running_var"] + 1e-3)
     node = folded.by_name()["c"]
@@ -45,7 +45,8 @@ def test_fold_batchnorm_linear_without_bias_and_affine():
     p = _bn_params(4)
     p.pop("weight"), p.pop("bias")
     out = b.batch_norm(b.linear(b.x, w, name="fc"), name="bn", **p)
-    node = passes.fold_batchnorm(b.network(out).graph).by_name()["fc"]
+    g = b.network(out).graph
+    node = passes.fold_batchnorm(g, infer_shapes(g, (1, 6))).by_name()["fc"]
     s = 1 / np.sqrt(p["running_var"] + 1e-5)
     np.testing.assert_array_equal(node.params["weight"], w * s[:, None])
     np.testing.assert_array_equal(node.params["bias"], -p["running_mean"] * s)
@@ -56,7 +57,15 @@ def test_no_fold_where_the_conv_output_has_another_user():
     c = b.conv(b.x, _w(3, 3, 1, 1), name="c")
     out = b.add(b.batch_norm(c, **_bn_params(3)), c)
     g = b.network(out).graph
-    assert passes.fold_batchnorm(g).nodes == g.nodes
+    assert passes.fold_batchnorm(g, infer_shapes(g, (1, 3, 5, 5))).nodes == g.nodes
+
+
+def test_no_fold_into_a_linear_with_a_3d_output():
+    """Linear on (N, L, in) gives (N, L, out): batch norm's channels are L, not the linear's features."""
+    b = Builder((5, 6))
+    out = b.batch_norm(b.linear(b.x, _w(4, 6), name="fc"), name="bn", **_bn_params(5))
+    g = b.network(out).graph
+    assert passes.fold_batchnorm(g, infer_shapes(g, (1, 5, 6))).nodes == g.nodes
 
 
 def _block():

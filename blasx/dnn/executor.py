@@ -387,6 +387,9 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
             if state["out"] is None:
                 with w.context(), on_stream(caller) if caller is not None else contextlib.nullcontext():
                     state["out"] = xp.empty((n if batch_axis == 0 else y.shape[0], *y.shape[1:]), dtype=y.dtype)
+        if batch_axis == 0 and y.shape[0] != hi - lo:  # (an op across the batch: refused by from_torch)
+            raise RuntimeError(f"a chunk of {hi - lo} images gave {y.shape[0]} outputs: the network mixes its "
+                               f"batch's images")
         with w.context():
             if batch_axis == 0:
                 state["out"][lo:hi] = y

@@ -107,6 +107,11 @@ def _module_table(nn):
     return table
 
 
+def _softmax(op, a, k):
+    b = _bind(a[1:], k, ["dim", "_stacklevel", "dtype"])
+    return None if b.get("dtype") is not None else (op, {"dim": b.get("dim")}, {})
+
+
 def _bind(args, kwargs, names):
     """torch's positional ``args`` + ``kwargs`` as a dict by parameter name (``names`` in torch's order)."""
     out = dict(zip(names, args))
@@ -143,12 +148,12 @@ def _function_table(torch):
                                              "training": _bind(a[1:], k, ["p", "training"]).get("training", True)},
                                  {}),
         torch.flatten: lambda a, k: ("reshape", {}, {}),
-        F.softmax: lambda a, k: ("softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
-        F.log_softmax: lambda a, k: ("log_softmax", {"dim": _bind(a[1:], k, ["dim"])["dim"]}, {}),
+        F.softmax: lambda a, k: _softmax("softmax", a, k),
+        F.log_softmax: lambda a, k: _softmax("log_softmax", a, k),
         F.local_response_norm: lambda a, k: ("lrn", _bind(a[1:], k, ["size", "alpha", "beta", "k"]), {}),
         operator.add: lambda a, k: ("add", {}, {}), operator.iadd: lambda a, k: ("add", {}, {}),
         torch.add: lambda a, k: None if k.get("alpha", 1) != 1 else ("add", {}, {}),
-        torch.cat: lambda a, k: ("cat", {"dim": _bind(a[1:], k, ["dim"]).get("dim", 0)}, {}),
+        torch.cat: lambda a, k: ("cat", {"dim": k.get("axis", _bind(a[1:], k, ["dim"]).get("dim", 0))}, {}),
         operator.getitem: lambda a, k: ("getitem", {"index": a[1]}, {}),
     }
     for nd in (1, 2, 3):
@@ -162,6 +167,79 @@ _METHODS = {
     "relu": ("act", {"fn": "relu", "kwargs": {}}), "sigmoid": ("act", {"fn": "sigmoid", "kwargs": {}}),
     "tanh": ("act", {"fn": "tanh", "kwargs": {}}), "add": ("add", {}), "__add__": ("add", {}),
 }
+
+
+def _traced_matches(torch, module, gm, shape, dtype) -> bool:
+    """Whether the fx trace gives the module's own output on a random input (no gradients; the module's buffers
+    as they were)."""
+    probe = torch.randn((max(2, shape[0]), *shape[1:]), generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64).to(dtype)  # (2 images: a training-mode batch norm takes 1 per channel)
+
+    kept = [b.detach().clone() for b in module.buffers()]  # (a batch norm in training mode updates its own)
+
+    def run(f):
+        with torch.random.fork_rng(devices=[]):  # (random ops draw the same on both sides; the caller's RNG kept)
+            torch.manual_seed(0)
+            try:
+                return f(probe.clone())
+            finally:
+                for b, k in zip(module.buffers(), kept):
+                    b.copy_(k)
+    try:
+        want = run(module)
+    except Exception:  # noqa: BLE001 - the module itself does not run on the probe: nothing to compare
+        return True
+    got = run(gm)
+    if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)) or want.shape != got.shape:
+        return isinstance(want, torch.Tensor) == isinstance(got, torch.Tensor)
+    want, got = torch.nan_to_num(want.double()), torch.nan_to_num(got.double())
+    return bool((want - got).norm() <= 1e-6 * want.norm())
+
+
+def _resolve(alias: dict, name: str) -> str:
+    while name in alias:
+        name = alias[name]
+    return name
+
+
+def _in_place(n, modules) -> bool:
+    """The fx node writes its first tensor argument (``inplace=True``, ``+=``): torch's later readers of that
+    tensor see the result, so they read this node."""
+    import inspect
+    if n.op == "call_module":
+        return bool(getattr(modules[n.target], "inplace", False))
+    if n.op == "call_function":
+        if n.target is operator.iadd:
+            return True
+        try:
+            return bool(inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments.get("inplace", False))
+        except (TypeError, ValueError):
+            return bool(n.kwargs.get("inplace", False))
+    return False
+
+
+def _softmax_dim(dim, ndim: int) -> int:
+    """torch's dim of a softmax (None: its legacy choice, 0 for 0-, 1- and 3-D inputs, else 1)."""
+    if dim is None:
+        return 0 if ndim in (0, 1, 3) else 1
+    return dim % ndim if ndim else dim
+
+
+def _batch_axis_use(n, mapped, batch_axis: int) -> str | None:
+    """Why the mapped node mixes or selects the batch's images (along ``batch_axis``), which the network's
+    per-chunk runs cannot do; None where it does not."""
+    op, attrs = mapped[0], mapped[1]
+    ndim = len(_shape_of(n) or ())
+    if op in ("softmax", "log_softmax") and ndim and _softmax_dim(attrs["dim"], ndim) == batch_axis:
+        return f"over the batch axis (dim {batch_axis})"
+    if op == "cat" and ndim and attrs["dim"] % ndim == batch_axis:
+        return f"along the batch axis (dim {batch_axis})"
+    if op == "getitem" and n.args and _shape_of(n.args[0]) is not None:  # (a tensor's items, not a tuple's)
+        index = attrs["index"] if isinstance(attrs["index"], tuple) else (attrs["index"],)
+        if Ellipsis not in index[:batch_axis + 1] and None not in index and len(index) > batch_axis \
+                and index[batch_axis] != slice(None):
+            return f"indexing the batch axis ({attrs['index']!r})"
+    return None
 
 
 def _shape_of(node):
@@ -196,12 +274,18 @@ def from_torch(module, example_input_shape):
         module.eval()
         gm.eval()
         with torch.no_grad():
-            ShapeProp(gm).propagate(torch.zeros(shape, dtype=next(module.parameters(), torch.zeros(())).dtype))
+            first = next(module.parameters(), None)
+            first = next(module.buffers(), None) if first is None else first  # (a module of buffers alone)
+            dtype = (torch.zeros(()) if first is None else first).dtype
+            ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+            module.train(was_training)  # (the mode the trace took its flags from)
+            gm.train(was_training)
+            faithful = _traced_matches(torch, module, gm, shape, dtype)
     finally:
         module.train(was_training)
     modules = dict(gm.named_modules())
     mtable, ftable = _module_table(torch.nn), _function_table(torch)
-    nodes, bad, skipped, output, batch_axis, shared = [], [], set(), None, 0, {}
+    nodes, bad, skipped, output, batch_axis, shared, alias = [], [], set(), None, 0, {}, {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if nodes:
@@ -230,12 +314,18 @@ def from_torch(module, example_input_shape):
             mapped = f(n.args, n.kwargs) if f is not None else None
         elif n.op == "call_method":
             kind = f"call_method Tensor.{n.target}"
-            if n.target in _METHODS:
+            if n.target in _METHODS and not (n.target == "add" and (n.kwargs.get("alpha", 1) != 1 or len(n.args) > 2)):
                 op, attrs = _METHODS[n.target]
                 mapped = op, dict(attrs), {}
         else:
             kind = n.op
-        ins = [a.name for a in _tensor_inputs(n) if a.name not in skipped]
+        ins = [_resolve(alias, a.name) for a in _tensor_inputs(n) if a.name not in skipped]
+        why = None if mapped is None else _batch_axis_use(n, mapped, batch_axis)
+        if why is not None:
+            bad.append((n.name, f"{kind} {why}"))
+            continue
+        if mapped is not None and mapped[0] in ("softmax", "log_softmax"):
+            mapped = mapped[0], {"dim": _softmax_dim(mapped[1]["dim"], len(_shape_of(n) or ()))}, {}
         if mapped is not None and mapped[0] == "reshape":
             out_shape, in_shape = _shape_of(n), shape
             if out_shape is None or out_shape[0] != in_shape[0]:
@@ -262,6 +352,13 @@ def from_torch(module, example_input_shape):
                 params = shared[n.target]
             shared.setdefault(n.target, params)
         nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs, params))
+        if ins and _in_place(n, modules):  # later readers of the written tensor read this node's value
+            alias[ins[0]] = n.name
+    if output is not None:
+        output = _resolve(alias, output)
+    if not faithful:
+        bad.append(("forward", "the traced graph computes otherwise than the module (torch.fx records `y += x` "
+                               "as `y + x`: an in-place update of a tensor read again, or code it cannot follow)"))
     if bad:
         raise UnsupportedError(bad)
     graph = Graph(nodes, output, batch_axis).validate()

@@ -78,7 +78,7 @@ class Network:
         g = self.graph
         if fuse:
             g = passes.drop_identities(g)
-            g = passes.fold_batchnorm(g)
+            g = passes.fold_batchnorm(g, infer_shapes(g, self._example_shape()))
             g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
         self.compiled = passes.remove_dead(g).validate()
         self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu

@@ -73,9 +73,11 @@ def _sole_user(graph: Graph, users: dict, name: str) -> str | None:
     return u[0] if len(u) == 1 and u[0] else None
 
 
-def fold_batchnorm(graph: Graph) -> Graph:
+def fold_batchnorm(graph: Graph, shapes: dict) -> Graph:
     """Each batch_norm whose input is a conv/linear read by nothing else folds into its weight and bias:
-    ``w' = w * s`` (per output channel), ``b' = (b - mean) * s + beta``, ``s = gamma / sqrt(var + eps)``."""
+    ``w' = w * s`` (per output channel), ``b' = (b - mean) * s + beta``, ``s = gamma / sqrt(var + eps)``.
+    A linear folds only where its output is 2-D (its features are batch norm's channels, axis 1; on a 3-D
+    output batch norm normalises axis 1, not the features). ``shapes``: infer_shapes of the graph."""
     while True:
         users, by = graph.users(), graph.by_name()
         for bn in graph.nodes:
@@ -83,6 +85,8 @@ def fold_batchnorm(graph: Graph) -> Graph:
                 continue
             layer = by[bn.inputs[0]]
             if not _absorbs(layer) or _sole_user(graph, users, layer.name) != bn.name:
+                continue
+            if layer.op == "linear" and len(shapes.get(layer.name) or ()) != 2:
                 continue
             p = bn.params
             w = layer.params["weight"]

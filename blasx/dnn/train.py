@@ -86,9 +86,10 @@ def _linear_b(n, g, x, w, ctx):
 def _bn_f(n, args, w, ctx):
     a = n.attrs
     momentum = a.get("momentum", 0.1)
-    ctx.batches[n.name] = ctx.batches.get(n.name, a.get("num_batches_tracked", 0)) + 1
+    key = a.get("module", n.name)  # (torch counts per module: one called twice counts twice)
+    ctx.batches[key] = ctx.batches.get(key, a.get("num_batches_tracked", 0)) + 1
     if momentum is None:  # torch's cumulative average
-        momentum = 1.0 / ctx.batches[n.name]
+        momentum = 1.0 / ctx.batches[key]
     y, mean, invstd = _dnn().batch_norm(args[0], w["running_mean"], w["running_var"], w.get("weight"),
                                         w.get("bias"), True, momentum, a.get("eps", 1e-5), return_stats=True)
     return y, (args[0], mean, invstd)

@@ -1,0 +1,127 @@
+"""blasx.dnn.from_torch's conversion rules against torch on the CPU: in-place operations, operations across the
+batch's images, a linear's batch norm, a module called twice, a module of buffers alone. Each case either
+converts to a network that gives torch's answer or is refused naming the node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blasx
+from blasx import dnn
+from blasx.dnn.from_torch import UnsupportedError
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _engine():
+    blasx.configure(devices="sim:2", tile=16)
+    yield
+    blasx.shutdown()
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _same(m, shape, chunk=None, seed=0):
+    """The converted network's inference output against the module's own (float64, eval mode)."""
+    m = m.double().eval()
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal(shape))
+    ref = m(x.clone()).detach().numpy()
+    got = dnn.from_torch(m, (1, *shape[1:])).compile()(x.numpy(), **({} if chunk is None else {"chunk": chunk}))
+    assert _rel(got, ref) < 1e-12
+
+
+class _Conv(nn.Module):
+    def __init__(self, body, **more):
+        super().__init__()
+        self.c, self.body = nn.Conv2d(3, 3, 3, padding=1), body
+        for k, v in more.items():
+            setattr(self, k, v)
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+def test_an_in_place_activation_is_seen_by_the_tensors_later_readers():
+    """y + relu_(y) is 2 relu(y) in torch: the reader of y after the in-place ReLU reads its result."""
+    _same(_Conv(lambda s, x: (lambda y: y + s.r(y))(s.c(x)), r=nn.ReLU(inplace=True)), (2, 3, 5, 5))
+    _same(_Conv(lambda s, x: (lambda y: F.relu(y, inplace=True) + y)(s.c(x))), (2, 3, 5, 5))
+
+
+def test_a_trace_that_differs_from_the_module_is_refused():
+    """`y += x` traces as `y + x` (torch.fx): a reader of the old y would see the sum in torch, not here."""
+    def body(s, x):
+        y = s.c(x)
+        skip = y
+        y += x
+        return torch.cat([y, skip], 1)
+    with pytest.raises(UnsupportedError, match="traced graph computes otherwise"):
+        dnn.from_torch(_Conv(body).double(), (1, 3, 5, 5))
+
+
+@pytest.mark.parametrize("body,why", [
+    (lambda s, x: F.softmax(s.c(x), dim=0), "softmax .* over the batch axis"),
+    (lambda s, x: s.ls(s.c(x).flatten(2)), "LogSoftmax over the batch axis"),  # implicit dim 0 on 3-D
+    (lambda s, x: torch.cat([s.c(x), x]), "cat .* along the batch axis"),
+    (lambda s, x: torch.cat([s.c(x), x], axis=0), "cat .* along the batch axis"),
+    (lambda s, x: s.c(x)[:1], "getitem .* indexing the batch axis"),
+    (lambda s, x: s.c(x).add(x, alpha=2), "Tensor.add"),
+    (lambda s, x: F.softmax(s.c(x), dim=1, dtype=torch.float32), "softmax"),
+])
+def test_operations_across_the_batch_or_unsupported_arguments_are_refused(body, why):
+    """A chunk of the batch is run at a time: an op mixing or selecting images cannot be; an argument the
+    network would drop (alpha, dtype) is refused, not ignored."""
+    with pytest.raises(UnsupportedError, match=why):
+        dnn.from_torch(_Conv(body, ls=nn.LogSoftmax()).double(), (1, 3, 5, 5))
+
+
+def test_implicit_softmax_dim_and_channel_items_convert():
+    _same(_Conv(lambda s, x: s.sm(s.c(x)), sm=nn.Softmax()), (4, 3, 5, 5), chunk=2)  # implicit dim 1 on 4-D
+    _same(_Conv(lambda s, x: s.c(x)[:, 1:]), (4, 3, 5, 5), chunk=2)
+    m = _Conv(lambda s, x: s.sm(s.c(x)), sm=nn.Softmax())
+    net = dnn.from_torch(m.double().train(), (2, 3, 5, 5))
+    y = net.forward_train(np.ones((2, 3, 5, 5)))
+    assert net.backward(np.ones_like(y)).shape == (2, 3, 5, 5)  # (dim resolved: the backward runs)
+
+
+def test_a_linear_on_3d_input_keeps_its_batch_norm():
+    """BatchNorm1d after a Linear on (N, L, in) normalises L, not the linear's features: not folded."""
+    _same(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(5)).apply(_stats), (4, 5, 6))
+    _same(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)).apply(_stats), (4, 6))  # 2-D: folded, same answer
+
+
+def _stats(mod):
+    if isinstance(mod, nn.BatchNorm1d):
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            mod.running_mean.copy_(torch.randn(mod.running_mean.shape, generator=g))
+            mod.running_var.copy_(torch.rand(mod.running_var.shape, generator=g) + 0.5)
+
+
+def test_a_batch_norm_called_twice_counts_twice():
+    """momentum=None (a cumulative average): torch counts batches per module, so a module called twice in a
+    forward averages with 1/1 then 1/2."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3, momentum=None)
+
+        def forward(self, x):
+            return self.bn(F.relu(self.bn(x)))
+    m = M().double().train()
+    net = dnn.from_torch(m, (2, 3))
+    for step in range(3):
+        x = torch.from_numpy(np.random.default_rng(step).standard_normal((8, 3)))
+        m(x)
+        net.forward_train(x.numpy())
+        np.testing.assert_allclose(net.buffers()["bn.running_mean"], m.bn.running_mean.numpy(), rtol=1e-12)
+
+
+def test_a_module_of_buffers_alone_converts_in_its_dtype():
+    m = nn.BatchNorm2d(3, affine=False).double().eval()
+    _same(nn.Sequential(m), (2, 3, 4, 4))
