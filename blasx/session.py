@@ -16,7 +16,7 @@ from .operands import READONLY
 from .runtime.config import DeviceSpec, parse_devices
 from .runtime.devices.base import backend
 from .runtime.dtypes import MATH_MODES
-from .runtime.engine import Engine, EngineConfig
+from .runtime.engine import Engine, EngineClosed, EngineConfig
 
 DEFAULT_STREAMS = 4
 
@@ -84,13 +84,19 @@ def settings() -> Settings:
 def engine() -> Engine:
     """The running engine, started on first use."""
     global _engine
-    with _lock:
-        if _engine is not None and _engine.dead:  # every device failed: start them again
-            _engine.shutdown()
-        if _engine is None or _engine.closed:
-            _engine = _build(_settings)
-        eng = _engine
-    eng.start()
+    for attempt in range(3):  # (configure() in another thread may close the one built here before it starts)
+        with _lock:
+            if _engine is not None and _engine.dead:  # every device failed: start them again
+                _engine.shutdown()
+            if _engine is None or _engine.closed:
+                _engine = _build(_settings)
+            eng = _engine
+        try:
+            eng.start()
+            break
+        except EngineClosed:
+            if attempt == 2:
+                raise
     if host_device is None and eng.inline and eng.config.tile is None:  # the CPU alone, no fixed tile
         _publish_host(eng)
     return eng
@@ -121,11 +127,19 @@ def _stop(cancel: bool) -> None:
     """Stop the engine and free what blasx holds idle; ``cancel`` (interpreter exit): the calls still in
     flight are cancelled (their threads are about to vanish), the tasks already on devices end."""
     global _engine, host_device
-    with _lock:
-        eng, _engine = _engine, None
-        host_device = None
-    if eng is not None:
-        eng.shutdown(cancel=cancel)
+    eng = None
+    try:
+        with _lock:
+            eng, _engine = _engine, None
+            host_device = None
+    finally:  # (an interrupt after the swap still stops the engine: nothing else refers to it)
+        if eng is not None:
+            try:
+                eng.shutdown(cancel=cancel)
+            except KeyboardInterrupt:
+                if not eng.closed:  # (it came before shutdown began: once more, then raised)
+                    eng.shutdown(cancel=cancel)
+                raise
     pool = sys.modules.get("blasx.runtime.hostpool")  # idle page-locked result buffers
     if pool is not None and not cancel:
         pool.POOL.clear()

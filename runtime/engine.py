@@ -86,7 +86,9 @@ Failure model
   lines of a closed device, or tasks handed on to nobody; interpreter exit cancels the calls in flight first
   (``shutdown(cancel=True)``), so it returns promptly. A worker that leaves its loop counts as dead.
 * **Start**: a Ctrl-C while the workers open their devices is held back until they have, then raised with
-  the engine started.
+  the engine started. An engine closed before it started raises ``EngineClosed`` (the session builds another).
+  A call is listed in ``_calls`` inside the block whose interrupt cancels it: shutdown never waits for a call
+  nobody runs.
 
 State (each field has one owner)
 --------------------------------
@@ -204,8 +206,9 @@ class Engine:
         with self._lock:
             if self._started:
                 return
-            if self._closed:
-                raise RuntimeError("this blasx engine was shut down; blasx.configure() makes a new one")
+            if self._closed:  # (a call that raced configure(): EngineClosed reruns it on the new engine)
+                raise EngineClosed("this blasx engine was shut down before it started; blasx.configure() makes a "
+                                   "new one")
             if self.inline:  # calls run in their own threads: no worker thread to start
                 self.devices[0].open()
                 self._started = True
@@ -234,26 +237,29 @@ class Engine:
 
     def shutdown(self, cancel: bool = False) -> None:
         """Stop the workers once the queued work is done; ``cancel`` (interpreter exit) fails the calls in flight."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            started = self._started
-        if cancel and started and not self.inline:
-            for call in self._live_calls():
-                if not call.done:
-                    call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
-                    self._take_back(call)
-        if started and self.inline:
-            self.devices[0].close()
-        elif started:
-            try:  # the calls queued before ``_closed`` run to their end first: a worker that stopped meanwhile
-                self._finish_calls()  # would leave its peers reading lines of a closed device
-            finally:  # (interrupted: the calls left are cancelled, then the workers stopped all the same)
+        started = False
+        try:  # (from before ``_closed`` is set: an interrupt anywhere after it still stops the workers)
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                started = self._started
+            if cancel and started and not self.inline:
+                for call in self._live_calls():
+                    if not call.done:
+                        call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
+                        self._take_back(call)
+            if started and self.inline:
+                self.devices[0].close()
+            elif started:  # the calls queued before ``_closed`` run to their end first: a worker that stopped
+                self._finish_calls()  # meanwhile would leave its peers reading lines of a closed device
+        finally:  # (interrupted: the calls left are cancelled, then the workers stopped all the same)
+            if started and not self.inline:
                 self.queues["any"].put_many([self.SENTINEL] * len(self.workers))
                 self._poke()
                 for w in self.workers:
-                    wait_through(w.join)
+                    if w is not threading.current_thread():
+                        wait_through(w.join)
 
     def _finish_calls(self) -> None:
         """Wait for every call in flight (failing those no live worker can run); an exception meanwhile (Ctrl-C)
@@ -310,27 +316,28 @@ class Engine:
                 raise EngineClosed(self._closed_message(call))
             if not self._runnable(call):
                 raise DeviceError(self._unrunnable_message(call))
-            with self._calls_lock:
-                self._calls.add(call)
-            if call.has_deps:
-                call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
-            if self.admission is not None:
-                call.meter_with(self.admission.meter)  # rates and the call's flops left, for the CPU
-        call.stats.start()
         try:
+            if not self.inline:  # (listed inside the try: an interrupt anywhere after cancels it, so no
+                with self._calls_lock:  # shutdown waits for a call nobody runs)
+                    self._calls.add(call)
+                if call.has_deps:
+                    call.on_finish = self._poke  # finished tasks free their dependents: wake idle workers
+                if self.admission is not None:
+                    call.meter_with(self.admission.meter)  # rates and the call's flops left, for the CPU
+            call.stats.start()
             if self.inline:
                 self._run_inline(call)
             else:
                 with self._switching:
-                    try:
-                        faults.at("submit")
-                        self._enqueue(call)
-                        while not call.wait(WAIT_POLL):
-                            if not self._runnable(call):
-                                self._fail_unrunnable()
-                    except BaseException as exc:
-                        self._cancel(call, exc)
-                        raise
+                    faults.at("submit")
+                    self._enqueue(call)
+                    while not call.wait(WAIT_POLL):
+                        if not self._runnable(call):
+                            self._fail_unrunnable()
+        except BaseException as exc:
+            if not self.inline and not call.done:
+                self._cancel(call, exc)
+            raise
         finally:
             for op in call.operands:
                 if op.token[0] < 0:  # per-call token: its tiles may never be read again

@@ -105,3 +105,57 @@ def test_ctrl_c_while_the_workers_open_leaves_a_started_engine(monkeypatch):
         assert not any(w.is_alive() for w in eng.workers)
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_call_interrupted_before_it_was_queued_does_not_hold_shutdown(monkeypatch, start_in_thread):
+    """A Ctrl-C landing as a call is being listed (here in its stats' start) cancels it: shutdown() does not wait
+    for a call nobody runs, even while the traceback keeps the call alive."""
+    from blasx.runtime import stats
+    blasx.configure(devices="sim:2", tile=16)
+    a = np.random.default_rng(5).random((64, 64))
+    start = stats.CallStats.start
+    armed = [True]
+
+    def interrupted(self, t=None):
+        if armed[0] and t is None:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return start(self, t)
+    monkeypatch.setattr(stats.CallStats, "start", interrupted)
+    try:
+        blasx.gemm(1.0, a, a)
+    except KeyboardInterrupt as exc:
+        kept = exc.__traceback__  # (as a REPL keeps it: the call stays alive)
+    monkeypatch.setattr(stats.CallStats, "start", start)
+    eng = blasx.engine()
+    assert all(c.done for c in eng._live_calls()) and eng.leaks() == []
+    np.testing.assert_allclose(blasx.gemm(1.0, a, a), a @ a, rtol=1e-12)
+    s, _ = start_in_thread(blasx.shutdown)
+    s.join(10)
+    assert not s.is_alive() and kept is not None
+
+
+def test_an_engine_closed_before_it_started_is_replaced(monkeypatch, start_in_thread):
+    """configure() in another thread closes the engine a call fetched before the call started it: the call runs
+    on the new one (session.engine tries again), not an error."""
+    from blasx.runtime import engine as E
+    blasx.configure(devices="sim:2", tile=16)
+    a = np.random.default_rng(6).random((64, 64))
+    start = E.Engine.start
+
+    def slow(self):
+        if threading.current_thread().name == "caller" and not self._started:
+            time.sleep(0.2)  # (the caller loses the GIL right after fetching it)
+        return start(self)
+    monkeypatch.setattr(E.Engine, "start", slow)
+    out = {}
+
+    def caller():
+        out["value"] = blasx.gemm(1.0, a, a)
+    t = threading.Thread(target=caller, name="caller", daemon=True)
+    t.start()
+    time.sleep(0.05)
+    blasx.configure(devices="sim:3", tile=16)
+    t.join(20)
+    assert not t.is_alive()
+    np.testing.assert_allclose(out["value"], a @ a, rtol=1e-12)
