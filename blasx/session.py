@@ -154,9 +154,18 @@ def _stop(cancel: bool) -> None:
 # Workers are non-daemon threads, and the interpreter joins those *before* running atexit
 # hooks: register where concurrent.futures does, so shutdown runs first (a script that never
 # calls blasx.shutdown() must still exit). atexit stays as a fallback for other runtimes.
+_exiting = False  # the exit hook ran: an engine threads still calling start then has daemon threads
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    _stop(cancel=True)
+
+
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(lambda: _stop(cancel=True))
-atexit.register(lambda: _stop(cancel=True))
+    threading._register_atexit(_at_exit)
+atexit.register(_at_exit)
 
 
 def _retire_readonly(base: int) -> None:
@@ -208,7 +217,8 @@ def _build(s: Settings) -> Engine:
         si = float(si) if si else None
     except ValueError:
         raise ValueError(f"BLASX_SWITCH_INTERVAL: got {si!r}, need seconds, e.g. 0.0002") from None
-    eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams, switch_interval=si))
+    eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams, switch_interval=si,
+                              daemon_threads=_exiting))
     eng.spec = spec_text
     return eng
 

@@ -47,7 +47,9 @@ Invariants
    write-after-read gate already let a tile it read be overwritten (``Call.recompute_safe``): then the
    call fails, as does a call no live worker can run.
 6. Workers are non-daemon threads; ``shutdown`` puts one sentinel per worker on the queue and joins them
-   (and the sim stream threads). An inline engine starts no thread.
+   (and the sim stream threads). An inline engine starts no thread. An engine started after the exit hook
+   stopped the last one (threads still calling at interpreter exit) has daemon threads
+   (``EngineConfig.daemon_threads``): the interpreter's join of non-daemon threads would wait for them forever.
 7. No finalizer waits for a lock (it may run inside a critical section of that lock): their locks are
    re-entrant; ``retire_base`` takes none, it leaves the base in ``_retired``, which ``submit`` drains (at a
    call's start and end, in a ``with`` block: no asynchronous exception can land between the directory lock's
@@ -169,6 +171,7 @@ class EngineConfig:
     bind_threads: bool = True
     knobs: Knobs = field(default_factory=Knobs.from_env)
     switch_interval: float | None = None  # Python's switch interval while calls run (switching.py)
+    daemon_threads: bool = False  # an engine started after the interpreter's exit hook: its threads not joined
 
 
 class Engine:
@@ -181,6 +184,7 @@ class Engine:
             raise ValueError("devices: got an empty list, need at least one device")
         for d in self.devices:
             d.knobs = config.knobs
+            d.daemon_threads = config.daemon_threads
         self.directory = Directory(len(self.devices))
         self.queues = {"any": TaskQueue(), "gpu": TaskQueue()}
         self.stations = [ReservationStation(d.index, max(1, d.nstreams)) for d in self.devices]

@@ -13,7 +13,7 @@ from .station import most_loaded
 
 class Worker(threading.Thread):
     def __init__(self, engine, device, station, core=None) -> None:
-        super().__init__(name=f"blasx-worker-{device.name}")
+        super().__init__(name=f"blasx-worker-{device.name}", daemon=engine.config.daemon_threads)
         self.engine = engine
         self.dev = device
         self.idx = device.index

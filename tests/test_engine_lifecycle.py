@@ -159,3 +159,34 @@ def test_an_engine_closed_before_it_started_is_replaced(monkeypatch, start_in_th
     t.join(20)
     assert not t.is_alive()
     np.testing.assert_allclose(out["value"], a @ a, rtol=1e-12)
+
+
+def test_the_interpreter_exits_while_non_daemon_threads_still_call(tmp_path):
+    """The main thread ends while three threads keep calling: the exit hook stops the engine, their later calls
+    start one whose threads are daemons (not joined), and the process exits with every result right."""
+    import subprocess
+    import sys
+    script = tmp_path / "exit_threads.py"
+    script.write_text(
+        "import threading, time\n"
+        "import numpy as np\n"
+        "import blasx\n"
+        "blasx.configure(devices='sim:2', tile=16)\n"
+        "a = np.random.default_rng(0).random((64, 64))\n"
+        "wrong = []\n"
+        "def work():\n"
+        "    for _ in range(20):\n"
+        "        try:\n"
+        "            if not np.allclose(blasx.gemm(1.0, a, a), a @ a):\n"
+        "                wrong.append(1)\n"
+        "        except blasx.runtime.call.CallCancelled:\n"
+        "            pass  # (a call in flight when the exit hook ran)\n"
+        "ts = [threading.Thread(target=work) for _ in range(3)]\n"
+        "for t in ts:\n"
+        "    t.start()\n"
+        "time.sleep(0.05)\n"
+        "import atexit\n"
+        "atexit.register(lambda: print('wrong', len(wrong), flush=True))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrong 0" in done.stdout

@@ -145,7 +145,8 @@ class _Stream:
     def __init__(self, dev: "SimDevice", idx: int) -> None:
         self.dev = dev
         self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name=f"blasx-{dev.name}-s{idx}")
+        self.thread = threading.Thread(target=self._run, name=f"blasx-{dev.name}-s{idx}",
+                                       daemon=getattr(dev, "daemon_threads", False))
         self.thread.start()
 
     def submit(self, fn) -> None:
