@@ -84,11 +84,13 @@ def gemm_types(a, b, c=None, out_dtype=None) -> tuple[np.dtype, np.dtype]:
         dt = compute_dtype(a, b) if c is None else compute_dtype(a, b, c)
         return dt, dt
     row, out = check_types(a.dtype, b.dtype, out_dtype)
-    if out_dtype is None and c is not None:
+    if c is not None and out_dtype is None:
         if c.dtype not in dtypes.GEMM_OUT[row.dtype]:  # (cast into the output, its values would be cut)
             raise TypeError(f"c: got dtype {np.dtype(c.dtype).name} for {row.dtype.name} inputs; the output types "
                             f"allowed: {dtypes.gemm_combinations()}")
         out = np.dtype(c.dtype)
+    elif c is not None and np.dtype(c.dtype) != out:  # (rounded to the output type before beta scaled it)
+        raise TypeError(f"c: got dtype {np.dtype(c.dtype).name}; with out_dtype={out.name} c must be {out.name}")
     return row.dtype, out
 
 
@@ -96,7 +98,8 @@ def check_gemm_scalar(name: str, value, dtype):
     """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I); other types' pass as they are."""
     if np.dtype(dtype).kind not in "iu":
         return value
-    if value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31 or getattr(value, "imag", 0) != 0:
+    if not np.isfinite(value.real) or value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31 or \
+            getattr(value, "imag", 0) != 0:
         raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
     return int(value.real)
 
@@ -167,7 +170,7 @@ def quantize(x, dtype=np.int8, axis=None):
         raise TypeError(f"x: got {type(x).__name__}, need a numpy or cupy array")
     if np.dtype(dtype) != np.int8:
         raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
-    if x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None:
+    if x.dtype.kind == "c" or (x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None):
         raise TypeError(f"x: got {x.dtype.name}, need a real type")
     xp = dispatch.array_module(is_cupy(x))
     xf = x.astype(np.float32) if x.dtype != np.float64 else x
@@ -182,6 +185,9 @@ def quantize(x, dtype=np.int8, axis=None):
     if not bool(xp.isfinite(amax).all()):
         raise ValueError("x: holds inf or NaN; quantize takes finite values")
     scales = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    if not bool((xp.isfinite(scales) & (scales > 0)).all()):  # (float64 data past float32's range)
+        raise ValueError("x: its largest magnitudes give scales outside float32's range (max|x| / 127 must lie "
+                         "between float32's smallest and largest positive values)")
     shape = [1] * x.ndim
     if axis is not None:
         shape[axis] = x.shape[axis]
@@ -222,7 +228,10 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
 
 def _scales(name: str, s, count: int, what: str) -> np.ndarray:
     """A float32 vector of ``count`` scales from a scalar or a vector of ``count``."""
-    arr = np.asarray(s.get() if is_cupy(s) else s, dtype=np.float32)
+    raw = np.asarray(s.get() if is_cupy(s) else s)
+    if raw.dtype.kind not in "fiu":
+        raise TypeError(f"{name}: got {raw.dtype if s is not None else None}; need real scales (quantize's)")
+    arr = raw.astype(np.float32)
     if arr.ndim == 0 or arr.size == 1:
         return np.full(count, float(arr.reshape(())), dtype=np.float32)
     if arr.ndim != 1 or arr.shape[0] != count:

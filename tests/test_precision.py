@@ -93,6 +93,15 @@ def test_rejected_combinations_list_the_allowed_ones():
         (lambda: blasx.gemm(1, a8, a8, 1, c_float), TypeError, "c: got dtype float64 for int8 inputs"),
         (lambda: blasx.gemm(1.0, a16, a16, 1.0, c_float.astype(np.complex128)), TypeError,
          "c: got dtype complex128 for float16"),
+        # ... nor one other than out_dtype (rounded to float16 before beta scaled it: 1e5 -> inf)
+        (lambda: blasx.gemm(1.0, a16, a16, 0.1, c_float * 1e5, out_dtype=np.float16), TypeError,
+         "with out_dtype=float16 c must be float16"),
+        (lambda: blasx.gemm(1, a8, a8, np.nan, np.zeros((4, 4), np.int32)), ValueError, "beta: got nan"),
+        (lambda: blasx.quantize(np.array([[5j, 1]])), TypeError, "x: got complex128, need a real type"),
+        (lambda: blasx.quantize(np.array([1.0, 1e300])), ValueError, "outside float32's range"),
+        (lambda: blasx.quantize(np.array([1e-44, -1e-45])), ValueError, "outside float32's range"),
+        (lambda: blasx.gemm_int8(a8, None, a8, 1.0), TypeError, "a_scale: got None"),
+        (lambda: blasx.gemm_int8(a8, 1.0, a8, "x"), TypeError, "b_scale"),
     ]:
         c0 = c_float.copy()
         with pytest.raises(exc, match=frag):
@@ -102,6 +111,7 @@ def test_rejected_combinations_list_the_allowed_ones():
     assert blasx.gemm(1.0, a16, a16.astype(np.float32)).dtype == np.float32
     assert blasx.matmul(a16, a16.astype(np.float32)).dtype == np.float32
     assert blasx.gemm(1, a8, a8, 1, np.ones((4, 4), np.int32)).dtype == np.int32  # (c of an allowed type)
+    assert blasx.gemm(1.0, a16, a16, 0.5, np.ones((4, 4), np.float32), out_dtype=np.float32).dtype == np.float32
     assert blasx.gemm(1.0, a16, a16, 1.0, np.ones((4, 4), np.float32)).dtype == np.float32
     d = _normal((30, 30), np.float64)
     assert np.abs(blasx.gemm(1.0, d, d, math="tf32") - d @ d).max() < 1e-12
@@ -487,3 +497,19 @@ def test_offload_sends_float16_at_operator_to_the_engine():
         assert O.offload_stats()["matmul"] == before + 1
     assert c.dtype == np.float16 and c.flags.c_contiguous and small.dtype == np.float16
     assert np.linalg.norm(c.astype(np.float64) - _ref(a, b)) / np.linalg.norm(_ref(a, b)) <= P.tolerance(np.float16, 30)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_int32_sums_past_the_range_wrap_as_cublas(dev):
+    """An int8 product past int32's range wraps modulo 2^32 on every device (the GPU's cuBLAS does; a float64 ->
+    int32 cast gave INT_MIN or device-dependent values)."""
+    _configure(dev)
+    a, b = np.full((1, 140000), 127, np.int8), np.full((140000, 1), 127, np.int8)
+    want = (127 * 127 * 140000 + 2 ** 31) % 2 ** 32 - 2 ** 31
+    assert int(blasx.gemm(1, a, b)[0, 0]) == want
+
+
+def test_configure_takes_math_in_any_case():
+    blasx.configure(devices="cpu", math="TF32")
+    assert blasx.session.settings().math == "tf32"
+    blasx.configure(devices="cpu")

@@ -56,6 +56,8 @@ def gemm(step, scalars, a, b, c) -> None:
                 prod *= wide(alpha)
             if beta != 0:
                 prod += wide(beta) * c.astype(wide)
+        if c.dtype.kind in "iu":  # int32 sums past its range wrap as cuBLAS's do (a float64 -> int32 cast is invalid)
+            prod = (prod.astype(np.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31
         c[...] = prod
         return
     if beta == 0:  # straight into c: no temporary the size of C
