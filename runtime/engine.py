@@ -141,8 +141,9 @@ def _start_once(w) -> None:
     if w.ident is None and not w.is_alive():
         try:
             w.start()
-        except RuntimeError:  # (it had started after all: "threads can only be started once")
-            pass
+        except RuntimeError:
+            if w.ident is None and not w.is_alive():  # (not "threads can only be started once": a real failure)
+                raise
 
 
 def _reads_own_tile(task) -> bool:
@@ -227,7 +228,7 @@ class Engine:
             # raised with the engine started: half-started workers would be started twice, or never stopped.
             pending = None
             for w in workers:
-                pending = wait_through(lambda w=w: _start_once(w), pending)
+                pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
             for w in workers:
                 pending = wait_through(w.opened.wait, pending)
             self._started = True
