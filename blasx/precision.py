@@ -107,11 +107,14 @@ def check_gemm_scalar(name: str, value, dtype):
 def result_type(a_dtype, b_dtype, out_dtype=None):
     """(input type, output type) of a numpy-front-end product on the reduced path, or None when
     it is not one (numpy's rules then apply): A and B of one reduced type, the output its
-    default or ``out_dtype`` (numpy's ``dtype=``) when that combination exists."""
+    default or ``out_dtype`` (numpy's ``dtype=``) when that combination exists; A and B of one
+    other BLAS type with ``out_dtype`` that type."""
     a, b = np.dtype(a_dtype), np.dtype(b_dtype)
     row = dtypes.gemm_of(a)
-    if a != b or row is None or not row.reduced:
+    if a != b or row is None:
         return None
+    if not row.reduced:  # (a BLAS type: out_dtype may only name itself, as gemm takes it)
+        return (a, a) if out_dtype is not None and np.dtype(out_dtype) == a else None
     out = row.out if out_dtype is None else np.dtype(out_dtype)
     return (a, out) if out in dtypes.GEMM_OUT[a] else None
 

@@ -513,3 +513,13 @@ def test_configure_takes_math_in_any_case():
     blasx.configure(devices="cpu", math="TF32")
     assert blasx.session.settings().math == "tf32"
     blasx.configure(devices="cpu")
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64, np.complex64])
+def test_front_ends_take_out_dtype_naming_the_blas_type_itself(dt):
+    """matmul / dot / tensordot take ``out_dtype`` equal to a BLAS input type (gemm does): the same result."""
+    _configure("sim:2")
+    a = _normal((5, 7), dt)
+    for f in (blasx.matmul, blasx.dot, lambda x, y, **k: blasx.tensordot(x, y, 1, **k)):
+        got = f(a, a.T, out_dtype=dt)
+        assert got.dtype == dt and np.allclose(got, a @ a.T, rtol=1e-5)
