@@ -26,6 +26,7 @@ from .runtime.devices.numpy_kernels import scale_views
 from .runtime.engine import EngineClosed
 from .runtime.plans import choose_split, partial_shape, plan_gemm
 from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
+from .threadlocal import setting
 from .tile import choose_tile
 
 _F16 = np.dtype(np.float16)
@@ -279,13 +280,32 @@ def _scale_mixed(c, dtype, beta) -> None:
         warn_overflow(int((xp.isinf(c) & xp.isfinite(scaled)).sum()), c.size)
 
 
+_overflow = threading.local()  # .tally: [count, size] while overflow_tallied() collects this thread's
+
+
+@contextlib.contextmanager
+def overflow_tallied():
+    """Inside, this thread's float16 overflow warnings are summed, not issued; one warning for the whole
+    after (a batched product: one per call, not one per item)."""
+    tally = [0, 0]
+    with setting(_overflow, "tally", tally):
+        yield
+    warn_overflow(*tally)
+
+
 def warn_overflow(count: int, size: int) -> None:
     """Warn, in the calling thread, that ``count`` of ``size`` float16 results overflowed (the
     caller's line named: the first frame outside blasx)."""
+    tally = getattr(_overflow, "tally", None)
+    if tally is not None:
+        tally[0] += count
+        tally[1] += size
+        return
     if not count:
         return
     level, frame = 2, sys._getframe(1)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("blasx."):
+    while frame is not None and (str(frame.f_globals.get("__name__", "")).startswith("blasx.")
+                                 or frame.f_globals.get("__name__") == "contextlib"):
         level, frame = level + 1, frame.f_back
     warnings.warn(f"float16 overflow: {count} of {size} result values exceed float16's range "
                   f"(+-65504) and are inf; pass out_dtype=np.float32 to keep them",

@@ -202,6 +202,11 @@ def test_float16_overflow_counts_each_rounded_value(dev):
     with warnings.catch_warnings():
         warnings.simplefilter("error", P.Float16OverflowWarning)
         blasx.gemm(1.0, a[1:5], b, out_dtype=np.float32)  # a float32 output never overflows
+    with warnings.catch_warnings(record=True) as got:  # a batch of separate items: one warning for the call
+        warnings.simplefilter("always")
+        blasx.matmul(np.stack([a, a]), np.stack([b, b * 0.5]))
+    assert [str(w.message).split(" result")[0] for w in got] == ["float16 overflow: 80 of 3200"]
+    assert got[0].filename == __file__
 
 
 def _line_of(text: str) -> int:
