@@ -65,6 +65,16 @@ def math_mode(math):
         yield
 
 
+def _dtype(name: str, value, allowed: str | None = None) -> np.dtype:
+    """``np.dtype(value)``, a value numpy does not know named as ``name``'s (``allowed``: default the gemm
+    combinations)."""
+    try:
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name}: got {value!r}, not a data type; allowed: "
+                        f"{allowed or dtypes.gemm_combinations()}") from None
+
+
 def takes(a_dtype, b_dtype, out_dtype=None) -> bool:
     """A gemm on these types takes the reduced-type rules (:func:`check_types`), not scipy's: A
     and B of one reduced type (float16, bfloat16, int8), or an explicit ``out_dtype``."""
@@ -114,8 +124,8 @@ def result_type(a_dtype, b_dtype, out_dtype=None):
     if a != b or row is None:
         return None
     if not row.reduced:  # (a BLAS type: out_dtype may only name itself, as gemm takes it)
-        return (a, a) if out_dtype is not None and np.dtype(out_dtype) == a else None
-    out = row.out if out_dtype is None else np.dtype(out_dtype)
+        return (a, a) if out_dtype is not None and _dtype("out_dtype", out_dtype) == a else None
+    out = row.out if out_dtype is None else _dtype("out_dtype", out_dtype)
     return (a, out) if out in dtypes.GEMM_OUT[a] else None
 
 
@@ -127,7 +137,7 @@ def check_types(a_dtype, b_dtype, out_dtype=None) -> tuple[dtypes.BlasType, np.d
         raise TypeError(f"a, b: got {np.dtype(a_dtype).name} and {np.dtype(b_dtype).name}; gemm takes A and B "
                         f"of one type: {dtypes.gemm_combinations()}")
     allowed = dtypes.GEMM_OUT[row.dtype]
-    out = allowed[0] if out_dtype is None else np.dtype(out_dtype)
+    out = allowed[0] if out_dtype is None else _dtype("out_dtype", out_dtype)
     if out not in allowed:
         raise TypeError(f"out_dtype: got {out.name} for {row.dtype.name} inputs; allowed: "
                         f"{dtypes.gemm_combinations()}")
@@ -150,7 +160,7 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
         raise TypeError(f"dtype: got {dtype!r}, allowed: {dtypes.GEMM_ALLOWED}")
     if row.dtype.kind in "iu":
         return 0.0
-    out = row.out if out_dtype is None else np.dtype(out_dtype)
+    out = row.out if out_dtype is None else _dtype("out_dtype", out_dtype)
     acc = row.real if row.is_complex else row.compute
     u_out = UNIT_ROUNDOFF[row.real if out.kind == "c" else out]
     tol = u_out + 2.0 * np.sqrt(max(k, 1)) * UNIT_ROUNDOFF[acc]
@@ -171,7 +181,7 @@ def quantize(x, dtype=np.int8, axis=None):
     scale step. ``x``: a real numpy or cupy array of finite values."""
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
         raise TypeError(f"x: got {type(x).__name__}, need a numpy or cupy array")
-    if np.dtype(dtype) != np.int8:
+    if _dtype("dtype", dtype, "int8") != np.int8:
         raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
     if x.dtype.kind == "c" or (x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None):
         raise TypeError(f"x: got {x.dtype.name}, need a real type")

@@ -102,6 +102,9 @@ def test_rejected_combinations_list_the_allowed_ones():
         (lambda: blasx.quantize(np.array([1e-44, -1e-45])), ValueError, "outside float32's range"),
         (lambda: blasx.gemm_int8(a8, None, a8, 1.0), TypeError, "a_scale: got None"),
         (lambda: blasx.gemm_int8(a8, 1.0, a8, "x"), TypeError, "b_scale"),
+        (lambda: blasx.matmul(a16, a16, out_dtype="bogus"), TypeError, "out_dtype: got 'bogus', not a data type"),
+        (lambda: blasx.quantize(np.ones(3), dtype="foo"), TypeError,
+         "dtype: got 'foo', not a data type; allowed: int8"),
     ]:
         c0 = c_float.copy()
         with pytest.raises(exc, match=frag):
