@@ -183,7 +183,7 @@ def quantize(x, dtype=np.int8, axis=None):
         raise TypeError(f"x: got {type(x).__name__}, need a numpy or cupy array")
     if _dtype("dtype", dtype, "int8") != np.int8:
         raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
-    if x.dtype.kind == "c" or (x.dtype.kind not in "fiu" and dtypes.gemm_of(x.dtype) is None):
+    if not dtypes.is_real(x.dtype):
         raise TypeError(f"x: got {x.dtype.name}, need a real type")
     xp = dispatch.array_module(is_cupy(x))
     xf = x.astype(np.float32) if x.dtype != np.float64 else x

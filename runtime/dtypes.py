@@ -117,6 +117,13 @@ def gemm_of(dtype) -> BlasType | None:
         return None
 
 
+def is_real(dtype) -> bool:
+    """A real number type: numpy's integers and floats, or a real reduced type of the table (bfloat16)."""
+    dt = np.dtype(dtype)
+    row = gemm_of(dt)
+    return dt.kind in "fiu" or (row is not None and not row.is_complex)
+
+
 def of(dtype) -> BlasType | None:
     """The level-3 row of a numpy dtype (or anything np.dtype takes), None if it is no level-3 type."""
     row = gemm_of(dtype)

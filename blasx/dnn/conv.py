@@ -73,11 +73,11 @@ def _channel_vector(name: str, v, k: int, dtype, xp):
     if is_cupy(v):
         if xp is np:
             raise TypeError(f"{name}: got a cupy array; x is numpy (a numpy vector serves a cupy x too)")
-        if v.dtype.kind not in "fiu":
+        if not dtypes.is_real(v.dtype):
             raise TypeError(f"{name}: got a cupy array of {v.dtype.name}; allowed: a real (integer or floating) vector")
         return v
     a = np.asarray(v)
-    if a.dtype.kind not in "fiu" and not (a.dtype.kind == "V" and a.dtype.itemsize == 2):  # (V2: bfloat16)
+    if not dtypes.is_real(a.dtype):
         raise TypeError(f"{name}: got an array of {a.dtype}; allowed: a real (integer or floating) vector")
     return a
 
@@ -212,7 +212,6 @@ def _check_kinds(x, weight, out) -> None:
 def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
     """y = act(y + residual), computed in float32 and rounded once into y (on y's device)."""
     if is_cupy(y):
-        from . import direct_epilogue
         direct_epilogue.epilogue(geo, cl, y, None if act is None else Affine(None, None, act), residual)
         return
     v = y.astype(np.float32)

@@ -230,7 +230,7 @@ def _batch_axis_use(n, mapped, batch_axis: int) -> str | None:
     per-chunk runs cannot do; None where it does not."""
     op, attrs = mapped[0], mapped[1]
     ndim = len(_shape_of(n) or ())
-    if op in ("softmax", "log_softmax") and ndim and _softmax_dim(attrs["dim"], ndim) == batch_axis:
+    if op in ("softmax", "log_softmax") and ndim and attrs["dim"] == batch_axis:  # (its dim resolved)
         return f"over the batch axis (dim {batch_axis})"
     if op == "cat" and ndim and attrs["dim"] % ndim == batch_axis:
         return f"along the batch axis (dim {batch_axis})"
@@ -320,12 +320,12 @@ def from_torch(module, example_input_shape):
         else:
             kind = n.op
         ins = [_resolve(alias, a.name) for a in _tensor_inputs(n) if a.name not in skipped]
+        if mapped is not None and mapped[0] in ("softmax", "log_softmax"):
+            mapped = mapped[0], {"dim": _softmax_dim(mapped[1]["dim"], len(_shape_of(n) or ()))}, {}
         why = None if mapped is None else _batch_axis_use(n, mapped, batch_axis)
         if why is not None:
             bad.append((n.name, f"{kind} {why}"))
             continue
-        if mapped is not None and mapped[0] in ("softmax", "log_softmax"):
-            mapped = mapped[0], {"dim": _softmax_dim(mapped[1]["dim"], len(_shape_of(n) or ()))}, {}
         if mapped is not None and mapped[0] == "reshape":
             out_shape, in_shape = _shape_of(n), shape
             if out_shape is None or out_shape[0] != in_shape[0]:
