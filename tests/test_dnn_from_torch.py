@@ -4,6 +4,8 @@ converts to a network that gives torch's answer or is refused naming the node.""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,16 @@ def test_implicit_softmax_dim_and_channel_items_convert():
     net = dnn.from_torch(m.double().train(), (2, 3, 5, 5))
     y = net.forward_train(np.ones((2, 3, 5, 5)))
     assert net.backward(np.ones_like(y)).shape == (2, 3, 5, 5)  # (dim resolved: the backward runs)
+
+
+def test_an_implicit_softmax_dim_on_an_input_of_unknown_rank_is_refused(monkeypatch):
+    """torch's implicit dim follows the input's rank (0 on 1- and 3-D, else 1): without the rank the network
+    cannot tell whether it is the batch axis, so the softmax is refused, not given dim 0."""
+    ft = importlib.import_module("blasx.dnn.from_torch")
+    known = ft._shape_of
+    monkeypatch.setattr(ft, "_shape_of", lambda n: None if n.name == "sm" else known(n))
+    with pytest.raises(UnsupportedError, match="implicit dim on an input of unknown rank"):
+        dnn.from_torch(_Conv(lambda s, x: s.sm(s.c(x)), sm=nn.Softmax()).double(), (1, 3, 5, 5))
 
 
 def test_a_linear_on_3d_input_keeps_its_batch_norm():

@@ -321,6 +321,9 @@ def from_torch(module, example_input_shape):
             kind = n.op
         ins = [_resolve(alias, a.name) for a in _tensor_inputs(n) if a.name not in skipped]
         if mapped is not None and mapped[0] in ("softmax", "log_softmax"):
+            if mapped[1]["dim"] is None and _shape_of(n) is None:  # (torch's implicit dim follows the rank)
+                bad.append((n.name, f"{kind} with an implicit dim on an input of unknown rank"))
+                continue
             mapped = mapped[0], {"dim": _softmax_dim(mapped[1]["dim"], len(_shape_of(n) or ()))}, {}
         why = None if mapped is None else _batch_axis_use(n, mapped, batch_axis)
         if why is not None:

@@ -357,7 +357,7 @@ def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args, defer
         """A weight gradient (or the stack's input gradient) in the storage type: float16 operands give it
         straight from the GEMM (float32 accumulation, rounded once), others through F."""
         if g_t == f:
-            return mul(a, b).astype(store)
+            return mul(a, b).astype(store, copy=False)  # (a fresh array: no copy when F is the store)
         if mm is None:
             return _mm(a, b, pb)
         return mm(a, b, out=xp.empty((a.shape[0], b.shape[1]), dtype=store))
@@ -375,10 +375,11 @@ def direction_backward(pb, loop, layer: int, lp, ops, d: int, k, mm, args, defer
         g["weight_ih" + s] = wgrad(gx_t.T, xin)
         g["weight_hh" + s] = wgrad(gh_t.T, s_in)
         if cell.b_ih is not None:
-            g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store)
-            g["bias_hh" + s] = g["bias_ih" + s].copy() if dgh is None else rnn_layer.col_sum(xp, dgh, f).astype(store)
+            g["bias_ih" + s] = rnn_layer.col_sum(xp, dgx, f).astype(store, copy=False)
+            g["bias_hh" + s] = g["bias_ih" + s].copy() if dgh is None else \
+                rnn_layer.col_sum(xp, dgh, f).astype(store, copy=False)
         if dhs is not None:
-            g["weight_hr" + s] = mul(dhs.T, r).astype(store)
+            g["weight_hr" + s] = mul(dhs.T, r).astype(store, copy=False)
         return g
 
     def consume(bw, owned: bool = False):
