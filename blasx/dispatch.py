@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ import numpy as np
 import scipy.linalg.blas as _sp_blas
 
 from . import session
-from .operands import TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand
+from .operands import READONLY, TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand
 from .runtime import dtypes, hostpool
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
@@ -57,6 +58,16 @@ _tls = _ThreadCalls()
 # Written only by the calling thread, under the lock.
 _running: dict = {}
 _running_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's calls are not the child's; a parent thread may have held the lock at the fork."""
+    global _running, _running_lock
+    _running, _running_lock = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def running_call(thread_ident: int):
@@ -384,6 +395,8 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
     where the devices rounded it warns here, once, after the call."""
     if math != "ieee" and (eng.inline or dtype != _F32):
         math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
+    written = [views[i] for i in {t.c.slot for t in tasks}]
+    READONLY.drop_written(written)
     tokens = TokenTable(tile)
     operands = [make_operand(v, tokens) for v in views]
     stats = CallStats([DeviceInfo(d.index, d.name, d.kind) for d in eng.devices],
@@ -406,6 +419,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
             warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols
                                                 for i in call.c_slots - call.acc_slots))
     finally:
+        READONLY.drop_written(written)  # (the writes are done: a root cached meanwhile is stale now)
         with _running_lock:
             if outer is None:
                 _running.pop(ident, None)

@@ -11,10 +11,16 @@ whose whole base chain is read-only (its tiles stay cached across calls).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 
 import numpy as np
+
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds
 
 from .runtime.call import Operand
 from .runtime.derived import Derivation
@@ -89,7 +95,7 @@ class _ReadOnlyRegistry:
         # Re-entrant: ``_retire`` is a finalizer, run wherever the garbage collector frees a root,
         # also inside ``base_of``'s critical section in the same thread.
         self._lock = threading.RLock()
-        self._by_id: dict[int, tuple[weakref.ref, int]] = {}
+        self._by_id: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id -> (root, base, memory lo, hi)
         self._next = itertools.count(1)
         self.on_retire = None  # engine hook: retire the base's cached tiles
 
@@ -99,9 +105,22 @@ class _ReadOnlyRegistry:
             if hit is not None and hit[0]() is root:
                 return hit[1]
             base = next(self._next)
-            self._by_id[id(root)] = (weakref.ref(root), base)
+            self._by_id[id(root)] = (weakref.ref(root), base, *byte_bounds(root))
             weakref.finalize(root, self._retire, id(root), base)
             return base
+
+    def drop_written(self, arrays) -> None:
+        """Retire every root whose memory one of ``arrays`` (host arrays a call writes) overlaps: a write
+        through an alias whose base chain never reaches the root (``np.frombuffer`` of its buffer, ctypes)
+        changes what its cached tiles hold. A writing call does this before it starts and again when it ends
+        (a call in another thread may have cached the root meanwhile)."""
+        if not self._by_id:
+            return
+        spans = [byte_bounds(a) for a in arrays if isinstance(a, np.ndarray) and a.size]
+        with self._lock:
+            hits = [(key, e[1]) for key, e in self._by_id.items() if any(lo < e[3] and e[2] < hi for lo, hi in spans)]
+        for key, base in hits:
+            self._retire(key, base)
 
     def drop(self, root) -> None:
         """``root`` was seen writable again: its base (and the base's cached tiles) retired, if it has one."""
@@ -120,6 +139,8 @@ class _ReadOnlyRegistry:
 
 
 READONLY = _ReadOnlyRegistry()
+if hasattr(os, "register_at_fork"):  # (a parent thread may hold the lock at the fork)
+    os.register_at_fork(after_in_child=lambda: setattr(READONLY, "_lock", threading.RLock()))
 
 
 def frozen_root(x):
@@ -131,8 +152,8 @@ def frozen_root(x):
         node = node.base
         if node.flags.writeable:
             return None
-    # an ndarray owning its memory, or over an immutable Python buffer
-    return node if node.base is None or isinstance(node.base, bytes) else None
+    # an ndarray owning its memory (not a C extension's window on foreign memory), or over an immutable buffer
+    return node if (node.base is None and node.flags.owndata) or isinstance(node.base, bytes) else None
 
 
 def _top(x):

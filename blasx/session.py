@@ -169,6 +169,18 @@ if hasattr(threading, "_register_atexit"):
 atexit.register(_at_exit)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's worker threads (nor a usable CUDA context): it forgets the
+    parent's engine, unstopped, and builds its own at its first call (sims and the CPU work there; CUDA then
+    raises CUDA's own initialization error). The lock is made anew: another parent thread may have held it."""
+    global _engine, host_device, _lock
+    _engine, host_device, _lock = None, None, threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _retire_readonly(base: int) -> None:
     """A read-only array was collected: its cached tiles become dead in the running engine."""
     eng = _engine

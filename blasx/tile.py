@@ -52,7 +52,7 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math:
     kind = streamed[0].kind
     floor = MIN_TILE[kind]
     tile = db_tile(eng, m, n, k, dtype, routine)
-    if tile is not None:
+    if tile is not None and tile >= floor:  # (a smaller one, hand-edited or of another version: not used)
         while tile > floor and not _fits(streamed, tile, itemsize):
             tile //= 2
         if _fits(streamed, tile, itemsize):

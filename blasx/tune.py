@@ -19,6 +19,7 @@ import numpy as np
 
 from . import perfdb, precision, session
 from .runtime import dtypes as blas_types
+from .tile import MIN_TILE
 
 #: Candidate tiles per backend (capped by the problem's largest dimension).
 DEFAULT_TILES = {"cuda": (2048, 3072, 4096, 6144, 8192), "sim": (32, 64, 128, 256), "cpu": (256, 512, 1024, 2048)}
@@ -76,6 +77,8 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
         session.configure(**dataclasses.asdict(base))  # validates the device spec
         devs = session.engine().devices
         kind = next((d.kind for d in devs if d.streamed), "cpu")
+        if candidates is not None and min(candidates) < MIN_TILE[kind]:
+            raise ValueError(f"tiles: got {tiles!r}; {kind} devices take tiles of at least {MIN_TILE[kind]}")
         if problems is None:
             problems = [(s, s, s) for s in DEFAULT_SIZES[kind]]
         rng = np.random.default_rng(seed)

@@ -141,6 +141,12 @@ def root_of(x: np.ndarray) -> np.ndarray:
     return node
 
 
+def _one_block(root: np.ndarray) -> bool:
+    """Whether ``root``'s memory is the one block [data, data + nbytes): an array numpy allocated is, but a C
+    extension's array with no base (blasx.offload's view of np.matmul's operand) may be a strided window."""
+    return root.flags.c_contiguous or root.flags.f_contiguous
+
+
 class RegistrationCache:
     def __init__(self) -> None:
         # Re-entrant: a root's finalizer (``_unregister``) runs wherever the garbage collector frees the root,
@@ -220,7 +226,7 @@ class RegistrationCache:
             return staging[key]
         lo = int(root.ctypes.data)
         p = None
-        if (root.base is None and x.nbytes == root.nbytes and root.nbytes >= min_bytes
+        if (root.base is None and _one_block(root) and x.nbytes == root.nbytes and root.nbytes >= min_bytes
                 and not (_is_pinned(runtime, lo) or _is_pinned(runtime, lo + root.nbytes - 1))):
             with self._lock:  # seen now, whatever follows: of calls racing on it, one stages it
                 first = self._seen.get(key) is not root and key not in self._ours
@@ -239,7 +245,7 @@ class RegistrationCache:
     def _pinning(self, runtime, x, min_bytes: int):
         """(the Pinning of x's root, the list of (pinning, chunk index) this call must register)."""
         root = root_of(x)
-        if root.nbytes == 0:
+        if root.nbytes == 0 or not _one_block(root):  # (a strided window of foreign memory: pageable)
             return None, []
         lo = int(root.ctypes.data)
         hi = lo + root.nbytes
@@ -460,3 +466,15 @@ def _is_pinned(runtime, ptr: int) -> bool:
 
 
 REGISTRY = RegistrationCache()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child registered nothing of its own: the parent's registrations are forgotten (their
+    finalizers then do nothing) and the lock made anew (a parent thread may have held it)."""
+    REGISTRY._lock = threading.RLock()
+    REGISTRY._ours = {}
+    REGISTRY._seen = weakref.WeakValueDictionary()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

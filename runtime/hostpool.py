@@ -254,6 +254,16 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 POOL = OutputPool()
 
 
+def _after_fork_in_child() -> None:
+    """Locks a parent thread may have held at the fork, made anew in the child (the buffers are its copies)."""
+    POOL._lock = threading.RLock()
+    _LOCKED._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def stage_buffer(nbytes: int):
     """A page-locked buffer of the pool (uint8, ``nbytes``) to stage an input in (hostmem.RegistrationCache.pin's
     ``buffer``), or None: the pool is off, or could not keep three such buffers idle (an input's, another's, a

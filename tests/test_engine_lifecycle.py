@@ -190,3 +190,33 @@ def test_the_interpreter_exits_while_non_daemon_threads_still_call(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wrong 0" in done.stdout
+
+
+def test_a_forked_child_builds_its_own_engine(tmp_path):
+    """fork() after the engine started (multiprocessing's fork start method): the child has none of its
+    parent's worker threads, so it forgets that engine and builds its own; parent and child both answer
+    right, while another parent thread is calling at the fork."""
+    import subprocess
+    import sys
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import multiprocessing as mp, threading\n"
+        "import numpy as np\n"
+        "import blasx\n"
+        "blasx.configure(devices='sim:2', tile=16)\n"
+        "a = np.random.default_rng(0).random((64, 64))\n"
+        "def ok(_):\n"
+        "    return bool(np.allclose(blasx.gemm(1.0, a, a), a @ a))\n"
+        "stop = threading.Event()\n"
+        "def busy():\n"
+        "    while not stop.is_set():\n"
+        "        ok(0)\n"
+        "t = threading.Thread(target=busy)\n"
+        "t.start()\n"
+        "with mp.get_context('fork').Pool(2) as pool:\n"
+        "    got = pool.map_async(ok, range(4)).get(timeout=60)\n"
+        "stop.set(); t.join()\n"
+        "print('children', got, 'parent', ok(0), flush=True)\n")
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "children [True, True, True, True] parent True" in done.stdout

@@ -212,3 +212,38 @@ def test_calls_in_several_threads_stage_one_c_into_their_own_results(rt, monkeyp
     in_threads(call, 4)
     assert all(p.delta == o.ctypes.data - c.ctypes.data for p, o in zip(got, outs))
     assert all(np.array_equal(o, c) for o in outs) and not rt.registered and id(c) not in reg._ours
+
+
+def test_a_strided_window_with_no_base_is_neither_staged_nor_registered(rt):
+    """blasx.offload's view of np.matmul's operand (a C extension's array with no base that does not own its
+    memory) of A[:, :k]: its nbytes is not its extent, so staging its "whole root" would copy the wrong bytes
+    and registering [data, data + nbytes) the wrong range. It stays pageable."""
+    import blasx
+    from blasx import numpy_api
+    from blasx.operands import canonical
+    from blasx.runtime.tiling import OP_N
+    pytest.importorskip("blasx._matmul_loops")
+    seen = {}
+    real = numpy_api.run_batch
+
+    def spy(a, b, c, xp=np):
+        seen.setdefault("a", a)
+        return real(a, b, c, xp)
+    numpy_api.run_batch = spy
+    try:
+        blasx.configure(devices="sim:1", tile=32)
+        a, b = np.random.default_rng(0).random((256, 300)), np.random.default_rng(1).random((200, 64))
+        with blasx.offload(threshold=0):
+            got = a[:, :200] @ b
+    finally:
+        numpy_api.run_batch = real
+        blasx.shutdown()
+    assert np.allclose(got, a[:, :200] @ b)
+    x, _ = canonical(seen["a"][0], OP_N, False)
+    assert hostmem.root_of(x).base is None and not hostmem.root_of(x).flags.owndata
+    reg = RegistrationCache()
+    assert reg._staging(rt, x, {}, lambda n: np.zeros(n, np.uint8), min_bytes=0) is None
+    assert reg._pinning(rt, x, 0) == (None, [])
+    from blasx.operands import frozen_root
+    x.flags.writeable = False  # (foreign memory: never cached for its life, whatever its flag says)
+    assert frozen_root(x) is None

@@ -17,7 +17,7 @@ import blasx
 import blasx.cli
 from blasx import perfdb
 from blasx.perfdb import PerfDb, PerfDbError, PerfKey, key_for, shape_class
-from blasx.tile import choose_tile
+from blasx.tile import MIN_TILE, choose_tile
 
 tune_module = importlib.import_module("blasx.tune")  # blasx.tune is the function
 
@@ -246,6 +246,14 @@ def test_choose_tile_shrinks_a_db_tile_that_does_not_fit_the_cache():
     blasx.gemm(1.0, np.ones((256, 256)), np.ones((256, 256)))
 
 
+def test_choose_tile_ignores_a_db_tile_below_the_backends_floor():
+    """A tile of 2 (a hand-edited db, another version's) would run a 128^3 call in ~16,000 tasks."""
+    blasx.configure(devices="sim:2")
+    eng = blasx.engine()
+    PerfDb().store(key_for(eng.devices, np.float64, 128, 128, 128), 2, {2: 1.0})
+    assert choose_tile(eng, 128, 128, 128, np.float64) >= MIN_TILE["sim"]
+
+
 def test_choose_tile_reads_the_db_once_per_engine(monkeypatch):
     blasx.configure(devices="sim:2")
     eng = blasx.engine()
@@ -330,6 +338,7 @@ def test_tune_restores_the_configuration_when_it_fails(monkeypatch):
     (dict(dtypes="q"), "dtypes: got 'q'"),
     (dict(dtypes=()), "dtypes: got ()"),
     (dict(tiles=[16, 0]), r"tiles: got \[16, 0\]"),
+    (dict(tiles=[8, 32]), r"tiles: got \[8, 32\]; sim devices take tiles of at least 16"),
     (dict(runs=0), "runs: got 0"),
     (dict(check_rows=-1), "check_rows: got -1"),
     (dict(db=3), "db: got 3"),

@@ -237,6 +237,58 @@ def test_a_read_only_array_seen_writable_again_drops_its_tiles(rand, rel_err):
     assert READONLY.base_of(a) != old and lines_of_base(blasx.engine().directory, old) == 0
 
 
+def test_blasx_writing_a_read_only_arrays_memory_through_an_alias_drops_its_tiles(rand, rel_err):
+    """c written in place through an alias whose base chain never reaches the read-only root (np.frombuffer
+    of its buffer, ctypes): the root's tiles are retired by the write, not kept stale."""
+    import ctypes
+    blasx.configure(devices="sim:2", tile=16)
+    n = 48
+    eye = np.eye(n)
+    eye.flags.writeable = False
+    for how in ("frombuffer", "ctypes"):
+        r = np.asfortranarray(rand((n, n), seed=4))
+        if how == "frombuffer":
+            alias = np.frombuffer(memoryview(r.reshape(-1, order="F")), dtype=r.dtype).reshape((n, n), order="F")
+        else:
+            alias = np.ctypeslib.as_array((ctypes.c_double * (n * n)).from_address(r.ctypes.data))
+            alias = alias.reshape((n, n), order="F")
+        r.flags.writeable = False
+        blasx.gemm(1.0, r, eye)  # r's tiles cached for its life
+        x, y = rand((n, n), seed=5), rand((n, n), seed=6)
+        blasx.gemm(1.0, x, y, 0.0, alias, overwrite_c=True)  # blasx writes r's memory
+        assert rel_err(r, x @ y) < 1e-12
+        assert rel_err(blasx.gemm(1.0, r, eye), x @ y) < 1e-12
+
+
+def test_a_read_only_array_cached_while_another_thread_writes_it_is_dropped_after(rand, rel_err, monkeypatch):
+    """A call caching a read-only root while a call of another thread writes its memory (through a view made
+    before the flag was cleared): the writer retires the root again when it ends, so no stale tile outlives it."""
+    from blasx import dispatch
+    blasx.configure(devices="sim:2", tile=16)
+    n = 48
+    r = np.asfortranarray(rand((n, n), seed=7))
+    v = r[:]
+    r.flags.writeable = False
+    eye = np.eye(n)
+    x, y = rand((n, n), seed=8), rand((n, n), seed=9)
+    real = dispatch._backends
+    started, cached = threading.Event(), threading.Event()
+
+    def backends(eng):  # the writer's call, paused after it started until the reader cached r
+        if threading.current_thread().name == "writer":
+            started.set()
+            cached.wait(10)
+        return real(eng)
+    monkeypatch.setattr(dispatch, "_backends", backends)
+    w = threading.Thread(target=lambda: blasx.gemm(1.0, x, y, 0.0, v, overwrite_c=True), name="writer")
+    w.start()
+    started.wait(10)
+    blasx.gemm(1.0, r, eye)  # caches r (old values) while the writer is under way
+    cached.set()
+    w.join()
+    assert rel_err(blasx.gemm(1.0, r, eye), x @ y) < 1e-12
+
+
 def lines_of_base(directory, base: int, live_only: bool = True) -> int:
     """Cached lines of token base ``base`` on every device (dead ones too unless ``live_only``)."""
     return sum(1 for alru in directory.alrus for line in alru
