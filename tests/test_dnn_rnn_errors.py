@@ -47,6 +47,17 @@ def test_missing_and_misshaped_params():
     _raises(ValueError, "weight_ih_l0", "3*hidden_size", call=lambda: dnn.gru(x, None, p))
     _raises(TypeError, "proj_size", call=lambda: dnn.gru(x, None, p, proj_size=2))
     _raises(TypeError, "params", call=lambda: dnn.lstm(x))
+    for scalar in (np.array(1.0), np.float64(1.0), torch.tensor(1.0, dtype=torch.float64)):  # (was IndexError)
+        _raises(ValueError, "weight_ih_l0", "(4*hidden_size, 3)", "got ()",
+                call=lambda s=scalar: dnn.lstm(x, None, dict(p, weight_ih_l0=s)))
+    _raises(ValueError, "proj_size: got 0", "weight_hr_l0", call=lambda: dnn.lstm(x, None, _lstm_params(proj=2)))
+
+
+def test_matrix_parameters_run_as_plain_arrays():
+    x = np.random.default_rng(0).standard_normal((5, 2, 3))
+    p = _lstm_params()
+    q = {k: np.asmatrix(v) if v.ndim == 2 else v for k, v in p.items()}
+    np.testing.assert_array_equal(dnn.lstm(x, None, q)[0], dnn.lstm(x, None, p)[0])
 
 
 def test_bad_states_and_lengths():
@@ -60,6 +71,8 @@ def test_bad_states_and_lengths():
     _raises(ValueError, "lengths", "1..5", call=lambda: dnn.lstm(x, None, p, lengths=[6, 2]))
     _raises(ValueError, "lengths", "1..5", call=lambda: dnn.lstm(x, None, p, lengths=[5, 0]))
     _raises(ValueError, "lengths", "2 integers", call=lambda: dnn.lstm(x, None, p, lengths=[5]))
+    _raises(ValueError, "lengths", "decreasing", call=lambda: dnn.lstm(x, None, p, lengths=np.array([2, 5], np.uint8)))
+    assert dnn.lstm(x, None, p, lengths=np.array([5, 2], np.uint8))[0].shape == (5, 2, 4)  # (unsigned: no wrap)
     _raises(ValueError, "nonlinearity", call=lambda: dnn.rnn(x, None, {}, nonlinearity="gelu"))
 
 
@@ -77,6 +90,9 @@ def test_dtype_mismatch_and_bad_x():
     _raises(TypeError, "hx", "numpy array like x", "Tensor", call=lambda: dnn.gru(np.ones((5, 2, 3)), t, g))
     _raises(ValueError, "x", "3 dimensions", call=lambda: dnn.lstm(np.ones((5, 2, 3, 1)), None, p))
     _raises(ValueError, "math", call=lambda: dnn.lstm(np.ones((5, 2, 3)), None, p, math="fast"))
+    big = {"x": np.ones((5, 2, 3), ">f8"), "hx": (np.zeros((1, 2, 4), ">f8"), np.zeros((1, 2, 4)))}
+    _raises(TypeError, "x:", "non-native byte order", "'>f8'", call=lambda: dnn.lstm(big["x"], None, p))
+    _raises(TypeError, "hx[0]", "non-native byte order", call=lambda: dnn.lstm(np.ones((5, 2, 3)), big["hx"], p))
 
 
 def test_backward_errors_and_nothing_written():

@@ -91,3 +91,31 @@ def test_biases_written_after_the_forward_need_no_check():
     got = dnn.gru_backward(saved, gy)
     for k in ref:
         np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+
+
+@pytest.mark.parametrize("_engine", ["cpu", "sim:2"], indirect=True)
+@pytest.mark.parametrize("mode,layers,bidir,batch_first", [("lstm", 1, False, False), ("gru", 2, True, True),
+                                                           ("lstm", 2, False, True)])
+def test_nan_in_x_past_a_sequences_end_never_reaches_a_gradient(_engine, mode, layers, bidir, batch_first):
+    """Padding (t >= lengths[b]) is never read by torch's packed sequences: a NaN or inf there (np.empty's
+    garbage, NaN-padded data) must not make the input weights' gradient NaN; x itself is left as it was."""
+    m = _model(mode, layers, bidir)
+    params = {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+    rng = np.random.default_rng(1)
+    T, B, lengths = 6, 3, np.array([6, 3, 1], dtype=np.uint8)  # (unsigned lengths are valid too)
+    x = rng.standard_normal((T, B, 5))
+    for b, n in enumerate(lengths):
+        x[n:, b] = np.nan if b % 2 else np.inf
+    xin = np.ascontiguousarray(x.transpose(1, 0, 2)) if batch_first else x
+    kept = xin.copy()
+    kw = dict(num_layers=layers, bidirectional=bidir, batch_first=batch_first, lengths=lengths, training=True)
+    y, _, saved = (dnn.lstm if mode == "lstm" else dnn.gru)(xin, None, params, **kw)
+    gy = rng.standard_normal(y.shape)
+    got = _backward(mode, saved, gy)
+    np.testing.assert_array_equal(xin, kept)
+    xt = torch.tensor(np.nan_to_num(x, nan=0.0, posinf=0.0), requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(xt, torch.tensor(lengths.astype(np.int64)))
+    ty = torch.nn.utils.rnn.pad_packed_sequence(m(packed)[0], total_length=T)[0]
+    ty.backward(torch.from_numpy(gy.transpose(1, 0, 2) if batch_first else gy))
+    for name, p in m.named_parameters():
+        np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)

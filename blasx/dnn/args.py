@@ -25,12 +25,22 @@ def allowed_dtypes() -> dict:
     return out
 
 
+def dtype_text(dt) -> str:
+    """A dtype as errors name it: a non-native byte order said so (``float64 in non-native byte order ('>f8');
+    .astype('=f8') converts it``), which its name alone hides."""
+    dt = np.dtype(dt)
+    if dt.isnative:
+        return str(dt)
+    native = dt.newbyteorder("=")
+    return f"{native} in non-native byte order ({dt.str!r}; .astype({native.str!r}) converts it)"
+
+
 def check_dtype(name: str, x) -> np.dtype:
     """x's dtype, one of :func:`allowed_dtypes`."""
     dt = np.dtype(x.dtype)
     allowed = allowed_dtypes()
     if dt not in allowed:
-        raise TypeError(f"{name}: dtype {dt} is not supported; allowed: {', '.join(allowed.values())}")
+        raise TypeError(f"{name}: dtype {dtype_text(dt)} is not supported; allowed: {', '.join(allowed.values())}")
     return dt
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from .. import precision
 from ..operands import array_module, is_cupy
 from . import rnn_exec, rnn_graph, rnn_host, rnn_params, rnn_replay, rnn_replay_backward
-from .args import check_dtype, check_kind
+from .args import check_dtype, check_kind, dtype_text
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
 
@@ -85,7 +85,7 @@ def _check_state(name: str, v, shape: tuple, xp, dtype, unbatched: bool):
         raise ValueError(f"{name}: expected shape {want} (num_layers*num_directions, "
                          f"{'' if unbatched else 'batch, '}features), got {tuple(v.shape)}")
     if v.dtype != dtype:
-        raise TypeError(f"{name}: dtype {v.dtype} differs from x's {dtype}")
+        raise TypeError(f"{name}: dtype {dtype_text(v.dtype)} differs from x's {dtype}")
     return v[:, None] if unbatched else v
 
 
@@ -100,6 +100,7 @@ def _check_lengths(lengths, T: int, B: int):
     if arr.ndim != 1 or arr.shape[0] != B or arr.dtype.kind not in "iu":
         raise ValueError(f"lengths: expected {B} integers (one per sequence), got "
                          f"{arr.shape if arr.ndim != 1 or arr.shape[0] != B else arr.dtype}")
+    arr = arr.astype(np.int64)  # (unsigned lengths: their differences below would wrap)
     if arr.min() < 1 or arr.max() > T:
         raise ValueError(f"lengths: each must be in 1..{T} (T, x's time dimension), got {arr.tolist()}")
     if np.any(np.diff(arr) > 0):
@@ -217,12 +218,28 @@ def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, length
     if training:  # the saved state keeps what this forward reads, not the caller's arrays (rnn_params.stash)
         pb.spec = rnn_params.stash(pb.spec, params)
         pb.x = pb.x if owned else pb.x.copy()
+        _zero_padding(pb)
     y, h_n, c_n, layers = rnn_exec.forward(pb, keep=bool(training))
     y, h_n, c_n = _finish(pb, y, h_n, c_n)
     state = (h_n, c_n) if mode == "lstm" else h_n
     if training:
         return y, state, Saved(pb, layers)
     return y, state
+
+
+def _zero_padding(pb: Problem) -> None:
+    """Zeros in the saved x's rows past each sequence's end (the call's own copy; torch's packed sequences
+    never read them): the input weights' gradient multiplies x by gate gradients that are zero there, and a
+    NaN or inf left in the padding would make it NaN. One fill per run of steps with the same active rows."""
+    T, B = len(pb.bs), pb.x.shape[1]
+    t = 0
+    while t < T:
+        end = t
+        while end < T and pb.bs[end] == pb.bs[t]:
+            end += 1
+        if pb.bs[t] < B:
+            pb.x[t:end, pb.bs[t]:] = 0
+        t = end
 
 
 def lstm(x, hx=None, params=None, *, num_layers=1, bidirectional=False, batch_first=False, lengths=None,
@@ -261,7 +278,7 @@ def _check_grad(name: str, g, shape: tuple, pb: Problem, dtype):
     if tuple(g.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape} (the forward output's), got {tuple(g.shape)}")
     if g.dtype != dtype:
-        raise TypeError(f"{name}: dtype {g.dtype} differs from the forward's {dtype}")
+        raise TypeError(f"{name}: dtype {dtype_text(g.dtype)} differs from the forward's {dtype}")
     return g
 
 

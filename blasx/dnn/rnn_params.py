@@ -19,6 +19,7 @@ import numpy as np
 
 from ..operands import is_cupy
 from ..threadlocal import setting
+from .args import dtype_text
 
 #: Gate count per mode.
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
@@ -72,9 +73,9 @@ MAX_VIEWS = 4096
 
 def _cuda_view(t, xp):
     """A CuPy view of the CUDA torch tensor ``t`` (DLPack through torch is the costliest part of a small call's
-    checks). The view made for this tensor object is reused while its storage, shape, strides and dtype are unchanged and both torch and
-    CuPy issue on the legacy default stream, where DLPack's stream hand-over orders nothing (so none is
-    skipped). An entry goes when its tensor does (the view holds the tensor's memory)."""
+    checks). The view made for this tensor object is reused while its storage, shape, strides and dtype are
+    unchanged and both torch and CuPy issue on the legacy default stream, where DLPack's stream hand-over orders
+    nothing (so none is skipped). An entry goes when its tensor does (the view holds the tensor's memory)."""
     key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
     with _views_lock:
         hit = _views.get(id(t))
@@ -125,7 +126,7 @@ def as_array(name: str, v, xp, resident: bool = False):
             return v if resident else v.get()
         if not isinstance(v, np.ndarray):
             raise TypeError(f"params[{name!r}]: expected an array, got {type(v).__name__}")
-        return v
+        return v if type(v) is np.ndarray else np.asarray(v)  # (np.matrix and other subclasses: a plain view)
     if not is_cupy(v):
         raise TypeError(f"params[{name!r}]: got {type(v).__name__} for a cupy x; pass cupy arrays on x's device")
     return v
@@ -138,7 +139,7 @@ def _get(params, name: str, shape: tuple, xp, dtype, why: str, resident: bool = 
     if tuple(a.shape) != shape:
         raise ValueError(f"params[{name!r}]: expected shape {shape} ({why}), got {tuple(a.shape)}")
     if a.dtype != dtype:
-        raise TypeError(f"params[{name!r}]: dtype {a.dtype} differs from x's {np.dtype(dtype)}; "
+        raise TypeError(f"params[{name!r}]: dtype {dtype_text(a.dtype)} differs from x's {np.dtype(dtype)}; "
                         f"every parameter must have x's dtype")
     return a
 
@@ -242,11 +243,15 @@ def _parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional
     first = "weight_ih_l0"
     if first not in params:
         raise KeyError(f"params: missing {first!r}, expected shape ({g}*hidden_size, {input_size})")
-    rows = tuple(params[first].shape)[0] if hasattr(params[first], "shape") else \
-        tuple(as_array(first, params[first], xp).shape)[0]
+    shape0 = tuple(params[first].shape) if hasattr(params[first], "shape") else \
+        tuple(as_array(first, params[first], xp).shape)
+    rows = shape0[0] if len(shape0) == 2 else 0
     if rows % g or rows == 0:
         raise ValueError(f"params[{first!r}]: expected shape ({g}*hidden_size, {input_size}) for {mode}, "
-                         f"got {tuple(params[first].shape)}")
+                         f"got {shape0}")
+    if "weight_hr_l0" in params and not proj_size:
+        raise ValueError("proj_size: got 0, but params has 'weight_hr_l0' (an LSTM with a projection): pass "
+                         "proj_size=weight_hr_l0.shape[0]")
     h = rows // g
     if proj_size >= h:
         raise ValueError(f"proj_size: got {proj_size}, expected less than hidden_size {h}")
