@@ -24,8 +24,9 @@ from .runtime.tiling import OP_C, OP_N, OP_T
 
 # ---------------------------------------------------------------- checks
 
-def _check_flag(name: str, value, meaning: tuple[str, str]) -> int:
-    """A 0/1 flag (bools allowed): side, lower, diag."""
+def check_flag(name: str, value, meaning: tuple[str, str]) -> int:
+    """A 0/1 flag (bools allowed): side, lower, diag, overwrite_c / overwrite_b (a truthy string or 2 refused:
+    it would write the caller's array where it was not asked to)."""
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if not isinstance(value, numbers.Integral) or int(value) not in (0, 1):
@@ -37,6 +38,7 @@ SIDE = ("left: op(a) on the left of b", "right: b on the left of op(a)")
 LOWER = ("upper triangle of a is used", "lower triangle is used")
 LOWER_C = ("upper triangle of c is written", "lower triangle is written")
 DIAG = ("non-unit diagonal, read from a", "unit diagonal, a's diagonal is not read")
+OVERWRITE = ("a new array is returned", "written in place where it can be")
 
 
 def _check_real(name: str, value, routine: str):
@@ -122,13 +124,14 @@ def _rank_view(x, trans: int, allowed: tuple[int, ...], xp):
 # ---------------------------------------------------------------- SYMM / HEMM
 
 def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, name, dtype=None):
+    overwrite_c = check_flag("overwrite_c", overwrite_c, OVERWRITE)
     check_matrix("a", a)
     check_matrix("b", b)
     if c is not None:
         check_matrix("c", c)
     on_gpu = same_place(a=a, b=b, c=c)
-    side = _check_flag("side", side, SIDE)
-    lower = _check_flag("lower", lower, LOWER)
+    side = check_flag("side", side, SIDE)
+    lower = check_flag("lower", lower, LOWER)
     dtype = _dtype(dtype, a, b, c)
     if hermitian:
         dtype = dtypes.BY_DTYPE[dtype].complex
@@ -202,13 +205,14 @@ def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
 
 
 def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, name, dtype=None):
+    overwrite_c = check_flag("overwrite_c", overwrite_c, OVERWRITE)
     check_matrix("a", a)
     if two:
         check_matrix("b", b)
     if c is not None:
         check_matrix("c", c)
     on_gpu = same_place(a=a, b=b, c=c)
-    lower = _check_flag("lower", lower, LOWER_C)
+    lower = check_flag("lower", lower, LOWER_C)
     dtype = _dtype(dtype, a, b, c)
     if hermitian:
         dtype = dtypes.BY_DTYPE[dtype].complex
@@ -300,13 +304,14 @@ def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 # ---------------------------------------------------------------- TRMM / TRSM
 
 def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, name, dtype=None):
+    overwrite_b = check_flag("overwrite_b", overwrite_b, OVERWRITE)
     check_matrix("a", a)
     check_matrix("b", b)
     on_gpu = same_place(a=a, b=b)
-    side = _check_flag("side", side, SIDE)
-    lower = _check_flag("lower", lower, LOWER)
+    side = check_flag("side", side, SIDE)
+    lower = check_flag("lower", lower, LOWER)
     trans_a = check_trans("trans_a", trans_a)
-    diag = _check_flag("diag", diag, DIAG)
+    diag = check_flag("diag", diag, DIAG)
     dtype = _dtype(dtype, a, b)
     alpha = check_scalar("alpha", alpha, dtype)
     m, n = b.shape

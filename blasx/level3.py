@@ -40,6 +40,7 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     on_gpu = same_place(a=a, b=b, c=c)
     trans_a = check_trans("trans_a", trans_a)
     trans_b = check_trans("trans_b", trans_b)
+    overwrite_c = blas3.check_flag("overwrite_c", overwrite_c, blas3.OVERWRITE)
     math = precision.check_math(math)
     dtype, out_type = precision.gemm_types(a, b, c, out_dtype) if dtype is None else (dtype, dtype)
     alpha = precision.check_gemm_scalar("alpha", check_scalar("alpha", alpha, dtype), dtype)

@@ -113,6 +113,25 @@ def test_bad_trans_flags(sim2, abc, name, value, expect):
     assert c.tobytes() == before
 
 
+@pytest.mark.parametrize("value", ["no", "0", [0], -1, 2, 0.5, None])
+@pytest.mark.parametrize("routine", ["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"])
+def test_bad_overwrite_flags_raise_and_leave_the_array_alone(sim2, rand, routine, value, expect):
+    """overwrite_c / overwrite_b take False / True or 0 / 1: a truthy "no" or 2 wrote the caller's array."""
+    a = rand((12, 12), seed=1) + 12 * np.eye(12)
+    b, c = np.asfortranarray(rand((12, 12), seed=2)), np.asfortranarray(rand((12, 12), seed=3))
+    name = "overwrite_b" if routine in ("trmm", "trsm") else "overwrite_c"
+    call = {"gemm": lambda: blasx.gemm(1.0, a, b, 1.0, c, overwrite_c=value),
+            "symm": lambda: blasx.symm(1.0, a, b, 1.0, c, overwrite_c=value),
+            "syrk": lambda: blasx.syrk(1.0, a, 1.0, c, overwrite_c=value),
+            "syr2k": lambda: blasx.syr2k(1.0, a, b, 1.0, c, overwrite_c=value),
+            "trmm": lambda: blasx.trmm(1.0, a, b, overwrite_b=value),
+            "trsm": lambda: blasx.trsm(1.0, a, b, overwrite_b=value)}[routine]
+    before = (b.copy(), c.copy())
+    expect(ValueError, f"{name}:", repr(value), "allowed: 0", call=call)
+    np.testing.assert_array_equal(b, before[0])
+    np.testing.assert_array_equal(c, before[1])
+
+
 def test_numpy_integer_trans_flags_are_accepted(sim2, abc, rel_err):
     a, b, _, _ = abc
     out = blasx.gemm(1.0, a.T.copy(), b, trans_a=np.int64(1), trans_b=np.uint8(0))

@@ -217,7 +217,7 @@ def _make(prefix: str, routine: str):
                 if not 0 <= x <= top:
                     raise ValueError(f"{k}: got {x}; allowed: 0 to {top}")
                 v[k] = x
-        v[overwrite] = _overwrite(overwrite, v[overwrite])
+        v[overwrite] = int(_overwrite(overwrite, v[overwrite]) != 0)  # (f2py: any nonzero int asks for it)
         v["alpha"] = _scalar("alpha", v["alpha"], dtype, real_alpha)
         if "beta" in v:
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
