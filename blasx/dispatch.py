@@ -414,7 +414,9 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
         for d in _backends(eng):
             prepared.append(d)
             d.prepare_call(call)
-        eng.submit(call)
+        off = sys.modules.get("blasx.offload") if eng.inline else None
+        with off.inside_blasx() if off is not None else contextlib.nullcontext():  # (kernels in this thread)
+            eng.submit(call)
         if call.out_dtype == _F16 and call.mixed:
             warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols
                                                 for i in call.c_slots - call.acc_slots))

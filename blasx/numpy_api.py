@@ -237,7 +237,7 @@ def _dot(a, b, out, out_dtype):
     if out is not None:
         if not direct:
             out[...] = res
-        return out
+        return out[()] if final == () else out  # (numpy's dot gives the scalar, also with a 0-d out)
     return res[()] if final == () else res  # numpy returns a scalar for 1-D . 1-D
 
 

@@ -116,14 +116,32 @@ def default_threshold() -> float:
     return DEFAULT_THRESHOLDS.get(parse_devices(spec).kind, math.inf)
 
 
+def _enabled_threshold() -> float | None:
+    """The latest active enable's threshold (the default where it gave none), or None with no enable active."""
+    enables = [e for e in _entries if e.kind == "enable"]
+    if not enables:
+        return None
+    return next((e.threshold for e in reversed(enables) if e.threshold is not None), _default)
+
+
 def _global_threshold() -> float:
-    """The latest enable's threshold, else the default."""
-    return next((e.threshold for e in reversed(_entries) if e.kind == "enable" and e.threshold is not None), _default)
+    """The threshold of threads outside every block: an enable's (process-wide), else never (math.inf): a
+    ``with offload()`` block turns offload on for its own thread alone."""
+    t = _enabled_threshold()
+    return math.inf if t is None else t
 
 
 def _local_threshold():
-    """The calling thread's innermost block's threshold, else None."""
-    return next((e.threshold for e in reversed(_tls.stack) if e.threshold is not None), None)
+    """The calling thread's innermost block's threshold (a block that gave none: the enable's in force when
+    it began, else the default), or None outside every block."""
+    if not _tls.stack:
+        return None
+    own = next((e.threshold for e in reversed(_tls.stack) if e.threshold is not None), None)
+    if own is not None:
+        return own
+    with _lock:
+        t = _enabled_threshold()
+    return _default if t is None else t
 
 
 def _sync_local() -> None:
@@ -180,26 +198,34 @@ def offload_disable() -> None:
 
 
 class offload(contextlib.ContextDecorator):
-    """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside.
-    threshold: for the calling thread inside the block (None: the enclosing block's, else the
-    process-wide one). matmul: as for :func:`offload_enable`. Re-entrant, nested or from threads."""
+    """``with blasx.offload(threshold=None, matmul=True):`` (or ``@blasx.offload(...)``): offload on inside,
+    for the calling thread. threshold: the thread's inside the block (None: the enclosing block's, else an
+    active enable's, else the default). matmul: as for :func:`offload_enable`. Re-entrant, nested or from
+    threads; a thread's blocks may end out of order (each takes away its own)."""
 
     def __init__(self, threshold=None, matmul=True) -> None:
         self.threshold = _check_threshold(threshold)
         self.matmul = _check_matmul(matmul)
+        self._open: dict = {}  # thread ident -> the entries of this object's open blocks there, innermost last
 
     def __enter__(self):
         entry = _Entry("context", self.threshold, self.matmul)
         _add(entry)
         _tls.stack.append(entry)
+        self._open.setdefault(entry.thread, []).append(entry)
         _sync_local()
         return self
 
     def __exit__(self, *exc) -> None:
-        if not _tls.stack:
+        ident = threading.get_ident()
+        mine = self._open.get(ident)
+        if not mine:
             raise RuntimeError("offload: leaving a block this thread did not enter (the __exit__ of a "
                                "`with blasx.offload()` must run in the thread that ran its __enter__)")
-        entry = _tls.stack.pop()
+        entry = mine.pop()
+        if not mine:
+            del self._open[ident]
+        _tls.stack.remove(entry)  # its own entry: a generator's or an asyncio task's block may end out of order
         _sync_local()
         with _lock:
             _entries.remove(entry)
@@ -339,6 +365,17 @@ def _bypass() -> bool:
     return _tls.busy > 0 or threading.current_thread().name.startswith("blasx-")
 
 
+@contextlib.contextmanager
+def inside_blasx():
+    """The calling thread runs blasx's own work meanwhile (an inline engine's tile kernels: their ``@`` and
+    np.dot stay on numpy, not offloaded back into blasx)."""
+    _tls.busy += 1
+    try:
+        yield
+    finally:
+        _tls.busy -= 1
+
+
 def _offloaded(kind: str, fn, /, *args, **kwargs):
     """``fn(*args, **kwargs)`` on blasx (the thread's calls inside it stay on numpy), counted as ``kind``."""
     _tls.busy += 1
@@ -386,12 +423,20 @@ def _dot_wrapper(a, b, out=None):
         local = _tls.local
         thr = _global_now if local is None else local
         # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads
-        if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass():
+        if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass() \
+                and (out is None or _dot_out_ok(a, b, out)):  # (numpy's own error for an out it rejects)
             try:
                 return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
                 _failed("np.dot", e)
     return _dot_next(a, b, out)
+
+
+def _dot_out_ok(a, b, out) -> bool:
+    """Whether numpy's dot takes ``out``: a C-contiguous ndarray of the result's exact shape and dtype."""
+    shape = a.shape[:-1] + (b.shape[:-2] + b.shape[-1:] if b.ndim >= 2 else ())
+    return (type(out) is _ndarray and out.flags.c_contiguous and out.shape == shape
+            and out.dtype == np.result_type(a, b))
 
 
 def _dot_flops(a, b) -> float:

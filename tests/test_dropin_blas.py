@@ -237,6 +237,15 @@ def test_conversions_like_f2py(rand, rel_err):
         assert rel_err(got, ref) < (1e-5 if got.dtype == np.float32 else 1e-12), name
 
 
+def test_masked_scalars_convert_as_scipy_converts_them(rand):
+    """A masked alpha (np.ma.masked is its own element: the conversion recursed forever) is NaN, as in scipy."""
+    a, b = rand((M, K), seed=1), rand((K, N), seed=2)
+    with pytest.warns(UserWarning):
+        ref = S.dgemm(np.ma.masked, a, b)
+    assert np.isnan(ref).all() and np.isnan(B.dgemm(np.ma.masked, a, b)).all()
+    np.testing.assert_allclose(B.dgemm(np.ma.array([2.0]), a, b), S.dgemm(2.0, a, b), rtol=1e-12)
+
+
 def test_complex_to_real_discards_imaginary_part_with_a_warning(rand):
     a, b = rand((M, K), seed=1), rand((K, N), seed=2)
     with pytest.warns(np.exceptions.ComplexWarning):

@@ -245,6 +245,9 @@ def test_dot_scalars_out_and_errors(rand):
     v = np.arange(4.0)
     r = blasx.dot(v, v)
     assert type(r) is np.float64 and r == 14.0
+    o = np.empty(())
+    r = blasx.dot(v, v, out=o)  # numpy's dot gives the scalar with a 0-d out too
+    assert type(r) is type(np.dot(v, v, np.empty(()))) is np.float64 and r == 14.0 and o == 14.0
 
 
 # ---------------------------------------------------------------- tensordot

@@ -476,3 +476,76 @@ def test_bench_offload_mode_runs(capsys):
     assert not O.offload_active()
     assert [bench.verdict(x, 0.02) for x in (1.01, 0.99, 1.03, 0.97)] == ["noise", "noise", "SLOWER", "faster"]
 
+
+
+def test_blocks_of_one_thread_may_end_out_of_order():
+    """A generator's block stays open across its yields, so the caller's block can end first: each block's end
+    takes away its own threshold (it took the innermost one, the generator's)."""
+    def gen():
+        with blasx.offload(threshold=1e30):
+            yield
+    g = gen()
+    with blasx.offload(threshold=0):
+        next(g)  # the generator's block opens inside the caller's
+    assert O.offload_threshold() == 1e30  # the caller's (0) is gone; the generator's is still open
+    g.close()
+    assert O.offload_threshold() == math.inf
+    _assert_restored()
+
+
+def test_a_blasx_call_inside_a_block_keeps_its_own_kernels_on_numpy(rand):
+    """An engine running its tile kernels in the calling thread (the CPU with a tile size): their products are
+    blasx's own work, not numpy calls to send back into blasx (each tile was a nested blasx call)."""
+    blasx.configure(devices="cpu", tile=4)
+    a, b = rand((32, 32), seed=1), rand((32, 32), seed=2)
+    with blasx.offload(threshold=0):
+        before = O.offload_stats()["matmul"]
+        got = blasx.gemm(1.0, a, b)
+        assert O.offload_stats()["matmul"] == before
+        a @ b  # (a numpy call in the block itself still goes to blasx)
+        assert O.offload_stats()["matmul"] == before + 1
+    np.testing.assert_allclose(got, a @ b, rtol=1e-12)
+
+
+def test_a_block_turns_offload_on_for_its_own_thread_only(rand, monkeypatch):
+    """While another thread sits in a block, a thread outside every block stays on numpy (even where the
+    default threshold would offload its call); offload_enable() is what turns it on process-wide."""
+    monkeypatch.setenv("BLASX_OFFLOAD_THRESHOLD", "0")
+    a, b = _ab(rand)
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        with blasx.offload():
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        inside.wait(10)
+        assert O.offload_active() and O.offload_threshold() == math.inf
+        m = _mark()
+        a @ b
+        assert blasx.last_profile() is m  # not offloaded
+        blasx.offload_enable()
+        try:
+            assert O.offload_threshold() == 0
+            m = _mark()
+            a @ b
+            assert _offloaded(m)
+        finally:
+            blasx.offload_disable()
+    finally:
+        done.set()
+        t.join()
+
+
+def test_an_out_numpy_rejects_gets_numpys_error_and_no_fallback_warning(rand):
+    """np.dot with an out numpy does not take: numpy's ValueError, not a blasx failure warned and counted."""
+    import warnings
+    a, b = _ab(rand)
+    with blasx.offload(threshold=0), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = O.offload_stats()["fallback"]
+        with pytest.raises(ValueError, match="output array is not acceptable"):
+            np.dot(a, b, out=np.empty((a.shape[0], b.shape[1]), np.float32))
+        assert O.offload_stats()["fallback"] == before

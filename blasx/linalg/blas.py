@@ -87,6 +87,8 @@ def _number(name: str, value, dtype: np.dtype):
     if is_cupy(value):
         value = value.get()
     if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray:  # (a masked array's element of a masked one is itself again)
+            value = np.asarray(value.filled(np.nan) if isinstance(value, np.ma.MaskedArray) else value)
         if value.size == 0:
             raise IndexError(f"{name}: got an empty array; expected a number (or an array holding one)")
         if value.ndim == 0 and value.dtype.kind == "c" and dtype.kind != "c":
