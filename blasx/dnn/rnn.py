@@ -247,7 +247,8 @@ def lstm(x, hx=None, params=None, *, num_layers=1, bidirectional=False, batch_fi
     """``torch.nn.LSTM``'s forward: returns ``(y, (h_n, c_n))`` (and the saved state with ``training=True``).
 
     x: (T, B, in), (B, T, in) with batch_first, or (T, in); hx: (h0, c0) of shapes (L*D, B, P or H) and
-    (L*D, B, H), or None for zeros; params: torch's names (biases optional, ``weight_hr_l*`` with proj_size)."""
+    (L*D, B, H), or None for zeros (either of the pair may be None: zeros; torch wants both); params: torch's
+    names (biases optional, ``weight_hr_l*`` with proj_size)."""
     return _run("lstm", x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math)
 
 
