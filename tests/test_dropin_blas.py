@@ -237,6 +237,21 @@ def test_conversions_like_f2py(rand, rel_err):
         assert rel_err(got, ref) < (1e-5 if got.dtype == np.float32 else 1e-12), name
 
 
+def test_objects_that_say_they_are_numbers_convert_as_in_scipy(rand, rel_err):
+    class Index:
+        def __index__(self):
+            return 1
+
+    class Real:
+        def __float__(self):
+            return 2.0
+    a, b = rand((M, K), seed=1), rand((K, N), seed=2)
+    assert rel_err(B.dgemm(Real(), a.T.copy(), b, trans_a=Index()), S.dgemm(2.0, a, b)) < 1e-12
+    for lib in (S, B):
+        with pytest.raises(IndexError):
+            lib.dgemm(1.0, a, b, trans_a=[])
+
+
 def test_masked_scalars_convert_as_scipy_converts_them(rand):
     """A masked alpha (np.ma.masked is its own element: the conversion recursed forever) is NaN, as in scipy."""
     a, b = rand((M, K), seed=1), rand((K, N), seed=2)

@@ -101,6 +101,9 @@ def _number(name: str, value, dtype: np.dtype):
         if not value:
             raise IndexError(f"{name}: got an empty {type(value).__name__}; expected a number")
         return _number(name, value[0], dtype)
+    for method, convert in (("__index__", operator.index), ("__float__", float), ("__complex__", complex)):
+        if hasattr(value, method):  # (an object that says it is a number, as f2py asks it)
+            return convert(value)
     raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected a number")
 
 
@@ -132,8 +135,12 @@ def _int_of(name: str, value) -> int:
             pass
     if isinstance(value, numbers.Complex):
         return _int_of(name, value.real)
-    if isinstance(value, (list, tuple, np.ndarray)) and len(value):
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if not len(value):
+            raise IndexError(f"{name}: got an empty {type(value).__name__}; expected an int")
         return _int_of(name, value[0])
+    if hasattr(value, "__index__"):  # (an object that says it is an int, as f2py asks it)
+        return operator.index(value)
     raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; expected an int")
 
 
