@@ -245,18 +245,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import blasx
 
+    from .perfdb import PerfDbError
     from .runtime.devices.base import DeviceError
 
     prev = blasx.session.settings()
     sub = parser.commands[args.cmd]
     try:
         return {"gemm": _gemm, "info": _info, "tune": _tune}[args.cmd](blasx, sub, args)
-    except DeviceError as exc:  # not the options' fault: one line on stderr, status 1
+    except (DeviceError, PerfDbError) as exc:  # not the options' fault: one line on stderr, status 1
         print(f"{sub.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{sub.prog}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # (`blasx info | head`: the reader left; Python's documented way out)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return 0 if args.cmd == "info" else 1  # (gemm's check and tune's stores may not have run)
     finally:
         blasx.configure(**dataclasses.asdict(prev))  # the settings before, and no engine left running
 
@@ -286,11 +290,15 @@ def _start(blasx, parser, **settings):
 def _check_output_path(parser, option: str, path: str | None) -> None:
     if path is None:
         return
+    if not path.strip():
+        parser.error(f"argument {option}: got an empty file name")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         parser.error(f"argument {option}: got {path!r}, but its folder {folder} does not exist")
     if os.path.isdir(path):
         parser.error(f"argument {option}: got {path!r}, which is a folder; need a file name")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        parser.error(f"argument {option}: got {path!r}, which cannot be written")
 
 
 def _gemm(blasx, parser, args) -> int:
@@ -342,7 +350,9 @@ def _gemm(blasx, parser, args) -> int:
     prof = blasx.last_profile()
     print(prof.report())
     status, verdict = 0, "not checked"
-    if args.check_rows:
+    if any(getattr(d, "timing", False) for d in eng.devices):
+        verdict = "not checked (timing-mode sims compute no data)"
+    elif args.check_rows:
         rows = min(args.check_rows, m)
         err, tol = precision.check_rows(c[:rows], a[:rows], b, blas_type, prof.host.get("math", "ieee"))
         ok = (out_dtype.kind in "iu" or bool(np.isfinite(c).all())) and err <= tol
@@ -351,12 +361,20 @@ def _gemm(blasx, parser, args) -> int:
     best = min(times)
     print(f"result: best of {len(times)} run(s) {best:.3f} s, {flops / best / 1e12:.3f} TFLOPS, {verdict}",
           flush=True)
-    if args.trace:
-        prof.to_chrome_trace(args.trace)
-        print(f"trace: {args.trace}")
-    if args.profile:
-        prof.plot(args.profile)
-        print(f"profile plot: {args.profile}")
+    failed = blasx.engine().failures
+    if failed:  # (the call was run again on the devices left: its answer stands, the failure is reported)
+        print("device failure: " + "; ".join(f"{name}: {exc!r}" for name, exc in failed), file=sys.stderr)
+        status = 1
+    try:
+        if args.trace:
+            prof.to_chrome_trace(args.trace)
+            print(f"trace: {args.trace}")
+        if args.profile:
+            prof.plot(args.profile)
+            print(f"profile plot: {args.profile}")
+    except OSError as exc:
+        print(f"{parser.prog}: error: writing {exc.filename or 'the output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return status
 
 
@@ -420,8 +438,12 @@ def _tune(blasx, parser, args) -> int:
                  cpu=True if args.cpu else None)
     names = ", ".join(d.name for d in eng.devices)
     print(f"blasx tune: {eng.spec} ({names}); perf-db {db.path}")
-    rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
-                check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
+    try:
+        rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
+                    check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
+    except ValueError as exc:  # (tiles below the devices' floor: known once the engine runs)
+        msg = str(exc)
+        parser.error("argument --tiles:" + msg[len("tiles:"):] if msg.startswith("tiles:") else msg)
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
     for r in rows:
         marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}

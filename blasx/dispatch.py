@@ -140,19 +140,25 @@ def whole(writes_caller: bool):
     """A call that writes the caller's own array (``overwrite_c``, ``overwrite_b``, ``out=``) on the
     engine is not cut short by Ctrl-C: the interrupt takes effect once the call returns, as with
     numpy's and scipy's own calls, so that array is fully written (calls into fresh arrays are
-    cancelled at once instead, the caller's arrays untouched). Main thread only; else a no-op."""
+    cancelled at once instead, the caller's arrays untouched). A second Ctrl-C meanwhile stops the call at
+    once (the array then partly written). Main thread only; else a no-op."""
     main = writes_caller and session.host_device is None and threading.current_thread() is threading.main_thread()
     old = signal.getsignal(signal.SIGINT) if main else None
     if not callable(old):  # (also a handler that is not Python's: SIG_IGN, SIG_DFL)
         yield
         return
     hit = []
-    signal.signal(signal.SIGINT, lambda signum, frame: hit.append((signum, frame)))
+
+    def held(signum, frame):
+        hit.append((signum, frame))
+        if len(hit) > 1:  # the user insists
+            old(signum, frame)
+    signal.signal(signal.SIGINT, held)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
-    if hit:
+    if len(hit) == 1:
         old(*hit[0])  # the deferred Ctrl-C: Python's handler raises KeyboardInterrupt here
 
 

@@ -349,9 +349,12 @@ class PerfDb:
 
     def clear(self) -> int:
         """Remove every entry (tiles and the find-db's); returns how many there were. A damaged or
-        foreign-version file is deleted."""
+        foreign-version file is deleted when it is blasx's: the default perf-db, or an SQLite file with a
+        ``schema`` table (a blasx perf-db of another version); any other file is left alone (PerfDbError)."""
         if not self.path.exists():
             return 0
+        if not self.path.is_file():
+            raise PerfDbError(f"perf-db {self.path}: not a file; left alone")
         conn = self._write()
         damaged = False
         try:
@@ -367,12 +370,31 @@ class PerfDb:
         finally:
             conn.close()
         if damaged:
+            if not self._blasx_file():
+                raise PerfDbError(f"perf-db {self.path}: not a blasx perf-db (nor the default one); left alone")
             try:
                 self.path.unlink(missing_ok=True)
             except OSError as e:
                 raise PerfDbError(f"perf-db {self.path}: damaged and cannot be removed: {e}") from e
         _bump()
         return max(n, 0)
+
+    def _blasx_file(self) -> bool:
+        """Whether the file is blasx's to delete: the default perf-db, or SQLite with a ``schema`` table."""
+        try:
+            if self.path.resolve() == default_path().resolve():
+                return True
+            with open(self.path, "rb") as f:
+                if f.read(16) != b"SQLite format 3\x00":
+                    return False
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=TIMEOUT_S)
+            try:
+                return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema'").fetchone() \
+                    is not None
+            finally:
+                conn.close()
+        except (OSError, sqlite3.Error):
+            return False
 
     def _ensure_schema(self, conn: sqlite3.Connection) -> None:
         for stmt in _SCHEMA:

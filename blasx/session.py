@@ -69,6 +69,8 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         raise ValueError(f"cache_bytes: got {cache_bytes!r}, need an int >= 65536 (or None)")
     if not (cpu is None or isinstance(cpu, bool) or (isinstance(cpu, str) and cpu == "auto")):
         raise ValueError(f"cpu: got {cpu!r}, need True, False, 'auto' or None")
+    if not isinstance(trace, bool):
+        raise ValueError(f"trace: got {trace!r}, need True or False")
     math = math.lower() if isinstance(math, str) else math  # (as a call's math= takes it)
     if math not in MATH_MODES:
         raise ValueError(f"math: got {math!r}, allowed: {', '.join(map(repr, MATH_MODES))}")

@@ -32,6 +32,9 @@ class DeviceSpec:
     options: dict = field(default_factory=dict)
 
 
+MAX_SIMS = 64  # sims an engine may have (each runs a worker and its streams' threads)
+
+
 def parse_devices(spec: str) -> DeviceSpec:
     """Parse a device spec string; errors name the parameter, the value and the grammar."""
     if not isinstance(spec, str) or not spec.strip():
@@ -45,6 +48,8 @@ def parse_devices(spec: str) -> DeviceSpec:
     for item in filter(None, (x.strip() for x in rest.split(","))):
         if "=" in item:
             k, _, v = item.partition("=")
+            if k.strip() in options:
+                raise ValueError(f"devices: option {k.strip()!r} given twice in {spec!r}")
             options[k.strip()] = v.strip()
         else:
             try:
@@ -56,8 +61,8 @@ def parse_devices(spec: str) -> DeviceSpec:
     if kind == "sim":
         if len(ids) > 1:
             raise ValueError(f"devices: 'sim:N' takes one count, got {spec!r}")
-        if ids and ids[0] < 1:
-            raise ValueError(f"devices: sim count must be >= 1, got {ids[0]} in {spec!r}")
+        if ids and not 1 <= ids[0] <= MAX_SIMS:
+            raise ValueError(f"devices: sim count must be from 1 to {MAX_SIMS}, got {ids[0]} in {spec!r}")
         _check_sim_options(options, spec)
         n = ids[0] if ids else 2
         if "speeds" in options and len(options["speeds"].split("/")) != n:
@@ -84,7 +89,10 @@ def parse_size(value: str) -> float:
     if m is None:
         raise ValueError(f"got {value!r}; expected a number with an optional suffix "
                          f"K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024), e.g. 141G or 64Mi")
-    return float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
+    size = float(m.group(1)) * _SUFFIX[(m.group(2) or "").lower()]
+    if not size < float("inf"):  # (1e400 reads as inf)
+        raise ValueError(f"got {value!r}; expected a finite size")
+    return size
 
 
 def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
@@ -102,9 +110,9 @@ def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
 
 #: Each sim option's check (True, or ValueError, when good) and what it allows (None: not spelled out).
 _SIM_RULES = {
-    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: not float(v) <= 0, None)),
-    "speeds": (lambda v: not any(float(x) <= 0 for x in v.split("/")), None),
-    "fail": (lambda v: [int(x) for x in v.partition("@")[::2]] is not None, None),
+    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: 0 < float(v) < float("inf"), "a finite number > 0")),
+    "speeds": (lambda v: all(0 < float(x) < float("inf") for x in v.split("/")), "finite factors > 0 joined by '/'"),
+    "fail": (lambda v: all(int(x) >= 0 for x in v.partition("@")[::2]), "DEVICE@KERNEL_COUNT, ints >= 0"),
     "peers": (lambda v: v in ("0", "1"), None),
     **dict.fromkeys(("timing", "data", "hostduplex"), (lambda v: v in ("0", "1"), "0 or 1")),
     "mem": (lambda v: parse_size(v) >= MIN_SIM_MEM and parse_size(v) == int(parse_size(v)),

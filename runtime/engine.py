@@ -226,12 +226,19 @@ class Engine:
             self.workers = workers
             # A Ctrl-C meanwhile is held back until every worker has opened its device (CUDA: seconds), then
             # raised with the engine started: half-started workers would be started twice, or never stopped.
-            pending = None
-            for w in workers:
-                pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
-            for w in workers:
+            pending = failed = None
+            try:
+                for w in workers:
+                    pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
+            except Exception as exc:  # a thread could not start (out of threads): those that did are stopped below
+                failed = exc
+                self.workers = [w for w in workers if w.ident is not None]
+            for w in self.workers:
                 pending = wait_through(w.opened.wait, pending)
             self._started = True
+        if failed is not None:
+            self.shutdown()
+            raise failed
         if pending is not None:
             raise pending
         errors = [(w.dev.name, w.open_error) for w in self.workers if w.open_error is not None]

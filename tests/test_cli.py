@@ -79,7 +79,7 @@ def test_version(capsys):
     (["gemm", "--m", "x"], "argument --m: got 'x', need a positive integer"),
     (["gemm", "--dtype", "q"], "argument --dtype: got 'q', need one of s, d, c, z, h, b, i8"),
     (["gemm", "--devices", "gpu"], "argument --devices: unknown backend 'gpu' in 'gpu'; allowed: cuda, sim, cpu"),
-    (["gemm", "--devices", "sim:0"], "argument --devices: sim count must be >= 1"),
+    (["gemm", "--devices", "sim:0"], "argument --devices: sim count must be from 1 to 64"),
     (["gemm", "--devices", "cpu:1"], "argument --devices: 'cpu' takes no arguments"),
     (["gemm", "--cache-bytes", "10"], "argument --cache-bytes: got '10' (10 bytes), need at least 65536"),
     (["gemm", "--cache-bytes", "lots"], "argument --cache-bytes: got 'lots', need a byte count"),
@@ -90,6 +90,14 @@ def test_version(capsys):
     (["gemm", "--n", "10000000", "--devices", "sim:1"], "of host memory is available"),
     (["info", "--devices", "sim:2,speeds=1"], "argument --devices: speeds lists 1 factors for 2 sim devices"),
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["gemm", "--devices", "sim:65"], "argument --devices: sim count must be from 1 to 64"),
+    (["gemm", "--devices", "sim:2,mem=1e400"], "bad value '1e400' for sim option 'mem'"),
+    (["gemm", "--devices", "sim:2,slow=inf"], "bad value 'inf' for sim option 'slow'"),
+    (["gemm", "--devices", "sim:2,rate=nan"], "bad value 'nan' for sim option 'rate'"),
+    (["gemm", "--devices", "sim:2,speeds=1/nan"], "bad value '1/nan' for sim option 'speeds'"),
+    (["gemm", "--devices", "sim:2,slow=2,slow=3"], "option 'slow' given twice"),
+    (["gemm", "--trace", ""], "argument --trace: got an empty file name"),
+    (["tune", "--devices", "sim:2", "--n", "64", "--tiles", "8"], "argument --tiles: got [8]; sim devices take"),
     (["tune", "--m", "64"], "arguments --m/--k: need --n"),
     (["tune", "--check-rows", "-2"], "argument --check-rows: got -2, need an integer >= 0"),
     (["tune", "--dtype", "d,q"], "argument --dtype: got 'd,q'"),
@@ -535,3 +543,23 @@ def test_info_into_a_pipe_closed_early(cache):
             "sys.exit(cli.main(['info', '--devices', 'sim:2']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr and "Broken" not in proc.stderr, proc.stderr
+
+
+def test_clear_leaves_a_file_that_is_not_a_perf_db_alone(capsys, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert cli.main(["tune", "--db", str(notes), "--clear"]) == 1
+    assert notes.read_text() == "mine"
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not a blasx perf-db" in err
+
+
+def test_a_device_failure_is_reported_with_status_1(capsys):
+    assert cli.main(["gemm", "--n", "256", "--devices", "sim:2,fail=0@1", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "check ok" in captured.out and "device failure: sim:0" in captured.err
+
+
+def test_timing_mode_sims_are_not_checked(capsys):
+    assert cli.main(["gemm", "--n", "256", "--devices", "sim:2,timing=1", "--no-progress"]) == 0
+    assert "not checked (timing-mode sims compute no data)" in capsys.readouterr().out

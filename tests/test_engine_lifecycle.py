@@ -220,3 +220,30 @@ def test_a_forked_child_builds_its_own_engine(tmp_path):
     done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "children [True, True, True, True] parent True" in done.stdout
+
+
+def test_a_worker_thread_that_cannot_start_leaves_no_thread_running(monkeypatch):
+    """Out of threads while the workers start: the start raises, the workers that did start are stopped (their
+    threads would hold the process from exiting), and the next call starts a whole engine."""
+    from blasx.runtime import engine as engine_mod
+    real, count = engine_mod._start_once, [0]
+
+    def start_once(w):
+        count[0] += 1
+        if count[0] == 2:
+            raise RuntimeError("can't start new thread")
+        real(w)
+    monkeypatch.setattr(engine_mod, "_start_once", start_once)
+    before = {t.ident for t in threading.enumerate()}
+    blasx.configure(devices="sim:3", tile=16)
+    try:
+        blasx.engine()
+        raise AssertionError("the start should have failed")
+    except RuntimeError as exc:
+        assert "can't start new thread" in str(exc)
+    time.sleep(0.2)
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before  # nothing left running
+    monkeypatch.setattr(engine_mod, "_start_once", real)
+    a = np.random.default_rng(0).random((48, 48))
+    np.testing.assert_allclose(blasx.gemm(1.0, a, a), a @ a, rtol=1e-12)
+    blasx.shutdown()

@@ -256,3 +256,19 @@ def test_interrupt_on_the_cpu_alone_reraises_and_the_next_call_works(rand, rel_e
         routines["gemm"][0]()
     faults.install(None)
     assert rel_err(routines["gemm"][0](), routines["gemm"][1]()) < 1e-12
+
+
+def test_a_second_ctrl_c_during_an_in_place_call_stops_it_at_once():
+    """The first Ctrl-C of a call writing the caller's array waits for the call's end; a second one does not."""
+    import signal
+    from blasx import dispatch
+    blasx.configure(devices="sim:2", tile=TILE)
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with dispatch.whole(True):
+            signal.raise_signal(signal.SIGINT)  # held back
+            reached.append(1)
+            signal.raise_signal(signal.SIGINT)  # raised now
+            reached.append(2)
+    assert reached == [1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
