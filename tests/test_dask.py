@@ -449,3 +449,43 @@ def test_host_accumulators_come_from_the_result_pool_on_gpus(monkeypatch):
         assert np.array_equal(kept[-1], want)
     kept.append(W._init(zeros, [c], np, fresh=True))
     assert kept[-1].shape == (3, 4) and pool.handed == 3
+
+
+def test_memmaps_whose_data_is_not_their_files_and_rewritten_files(threads, rel_err, tmp_path):
+    """A copy-on-write memmap (mode 'c': its changes live in this process) and a memmap's copy are read as
+    arrays, not from the file; a file rewritten between two calls is new data (the second call's key differs)."""
+    n = 24
+    path = tmp_path / "m.dat"
+    np.memmap(path, dtype="f8", mode="w+", shape=(n, n))[:] = 1.0
+    eye = np.eye(n)
+    cow = np.memmap(path, dtype="f8", mode="c", shape=(n, n))
+    cow[:] = 5.0
+    assert rel_err(bd.matmul(cow, eye).compute(), cow) < 1e-12
+    assert rel_err(bd.matmul(cow.copy(), eye).compute(), cow) < 1e-12
+    m = np.memmap(path, dtype="f8", mode="r+", shape=(n, n))
+    first = bd.matmul(m, eye).persist()
+    assert rel_err(first.compute(), np.ones((n, n))) < 1e-12
+    m[:] = 3.0
+    m.flush()
+    second = bd.matmul(m, eye)
+    assert second.name != first.name and rel_err(second.compute(), 3 * np.ones((n, n))) < 1e-12
+
+
+def test_masked_int8_and_progress_without_a_client(threads, rel_err, monkeypatch):
+    a = np.arange(36, dtype="i1").reshape(6, 6)
+    x = da.from_array(a, chunks=3)
+    for call in (bd.gemm(1.0, x, x), bd.syrk(1.0, x), bd.trmm(1.0, x, x)):  # int8: float32 by scipy's rule
+        assert call.dtype == np.float32
+        call.compute()
+    assert rel_err(bd.gemm(1.0, x, x).compute(), a.astype("f4") @ a.astype("f4")) < 1e-6
+    with pytest.raises(TypeError, match="a: got a masked array"):
+        bd.matmul(np.ma.masked_less(a.astype("f8"), 3), a.astype("f8"))
+    with pytest.raises(TypeError, match="b: got a masked array"):
+        bd.gemm(1.0, x.astype("f8"), da.ma.masked_less(x.astype("f8"), 3))
+    def no_client():
+        raise ValueError("No clients found")
+    monkeypatch.setattr(distributed, "default_client", no_client)  # (the module's cluster may still run)
+    with pytest.raises(ValueError, match="progress: True needs a distributed Client"):
+        bd.gemm(1.0, x, x, progress=True)
+    with pytest.raises(TypeError, match="progress: got 'no'"):
+        bd.gemm(1.0, x, x, progress="no")

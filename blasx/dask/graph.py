@@ -65,10 +65,17 @@ def inside(b, interval) -> list:
 def as_dask(name: str, x):
     """x as a 2-D dask array: a dask array as it is, any other array (numpy, zarr, memmap)
     through ``da.from_array``. Anything else raises TypeError naming the parameter."""
+    if isinstance(x, np.ma.MaskedArray) or isinstance(getattr(x, "_meta", None), np.ma.MaskedArray):
+        raise TypeError(f"{name}: got a masked array; blasx.dask would ignore its mask (pass .filled(0), or an "
+                        f"unmasked array)")
     if not isinstance(x, da.Array):
         if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "__getitem__")):
             raise TypeError(f"{name}: got {type(x).__name__}; need a dask array (or a numpy, zarr or memmap array)")
-        x = da.from_array(Storage(x) if isinstance(x, np.memmap) else x)
+        if np.dtype(x.dtype).kind not in "biufc":
+            raise TypeError(f"{name}: got dtype {x.dtype}; allowed: numeric types")
+        # a memmap read by the tasks from its file: only one whose data is the file's (mode 'c' keeps its
+        # changes in this process; a copy or a strided view has no file mapping of its own)
+        x = da.from_array(Storage(x) if Storage.reads_file(x) else np.asarray(x) if isinstance(x, np.memmap) else x)
     if x.ndim != 2:
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {x.shape}; need a matrix (2-D)")
     if any(np.isnan(n) for n in x.shape):

@@ -63,9 +63,17 @@ def _shape(name: str, x, shape, why: str) -> None:
 
 
 def _finish(x, progress: bool):
-    """The call's array; with ``progress``, persisted now with distributed's terminal bar."""
+    """The call's array; with ``progress``, persisted now with distributed's terminal bar (which needs a
+    distributed client: checked before anything runs)."""
+    if not isinstance(progress, (bool, np.bool_)):
+        raise TypeError(f"progress: got {progress!r}; allowed: True or False")
     if progress:
-        from distributed import progress as bar
+        from distributed import default_client, progress as bar
+        try:
+            default_client()
+        except ValueError:
+            raise ValueError("progress: True needs a distributed Client (the terminal bar follows its tasks); "
+                             "none is running: make one, or pass progress=False") from None
         x = x.persist()
         bar(x)
     return x

@@ -10,8 +10,8 @@ so a task holds its block plus at most two steps' storage pieces at a time.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
+import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,11 +41,20 @@ class Storage:
     np.memmap (as its file, offset, dtype, shape and order: a memmap pickles as its whole data,
     and ``da.from_array`` copies one into the graph, so blasx.dask wraps a memmap in this first)."""
 
+    @staticmethod
+    def reads_file(arr) -> bool:
+        """Whether a memmap's data is its file's, read back by offset: mapped (not a copy), contiguous, and
+        not copy-on-write (mode 'c' keeps writes in this process)."""
+        return (isinstance(arr, np.memmap) and arr._mmap is not None and arr.mode != "c"
+                and (arr.flags.c_contiguous or arr.flags.f_contiguous))
+
     def __init__(self, arr):
         self.obj, self.file = None, None
+        self.token = uuid.uuid4().hex  # every wrap is new data: a file or array rewritten in place is never
+        #                                taken for an earlier call's (its mtime need not change)
         if isinstance(arr, np.memmap):
-            if not (arr.flags.c_contiguous or arr.flags.f_contiguous) or arr._mmap is None:
-                raise ValueError("a memmap operand must be C- or F-contiguous")
+            if not Storage.reads_file(arr):
+                raise ValueError("a memmap operand must be a contiguous, file-backed mapping (not mode 'c')")
             base = np.frombuffer(arr._mmap, np.uint8).ctypes.data
             start = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY
             offset = start + (arr.ctypes.data - base)
@@ -60,9 +69,7 @@ class Storage:
         return {**self.__dict__, "_open": None}
 
     def __dask_tokenize__(self):
-        if self.file:  # the file as it is now: a rewritten file is new data
-            return ("blasx-storage", self.file, os.stat(self.file[0]).st_mtime_ns)
-        return ("blasx-storage", id(self.obj))
+        return ("blasx-storage", self.token)
 
     def _array(self):
         if self.obj is not None:
@@ -245,6 +252,8 @@ def _joined_gemm(alpha, xs, ta, ys, tb, acc, xp, beta):
 def _apply(step, pieces, acc, xp, fresh: bool = False):
     """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place). ``fresh``: acc
     is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read)."""
+    # int8 pieces in the call's type (scipy's rule, float32): blasx's own int8 path wants an int32 result
+    pieces = [x.astype(acc.dtype) if x.dtype == np.int8 else x for x in pieces]
     op, p = step[0], iter(pieces)
     args = [_filled(a, p) for a in step[1:]]
     if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B grids of pieces
