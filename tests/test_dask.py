@@ -489,3 +489,14 @@ def test_masked_int8_and_progress_without_a_client(threads, rel_err, monkeypatch
         bd.gemm(1.0, x, x, progress=True)
     with pytest.raises(TypeError, match="progress: got 'no'"):
         bd.gemm(1.0, x, x, progress="no")
+
+
+def test_a_configure_the_workers_cannot_start_leaves_them_as_they_were(client, rel_err):
+    """Settings a worker cannot start (a GPU it lacks) raise, and the workers keep the settings they had: later
+    calls run (they failed on every worker until configure was called again)."""
+    bd.configure(client, devices="cpu")
+    with pytest.raises(Exception):
+        bd.configure(client, devices="cuda:63")
+    assert all(d == "cpu" for d in client.run(lambda: __import__("blasx").session.settings().devices).values())
+    a = np.random.default_rng(3).random((16, 16))
+    assert rel_err(bd.matmul(da.from_array(a, chunks=8), da.from_array(a, chunks=8)).compute(), a @ a) < 1e-12

@@ -12,6 +12,8 @@
 Install with ``pip install 'blasx[dask]'``.
 """
 
+import contextlib
+
 from .offload import offload
 from .level3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from .routines import gemm, matmul
@@ -29,7 +31,12 @@ def configure(client, **settings) -> None:
     devices = settings.get("devices")
     if isinstance(devices, str):
         parse_devices(devices.format(name=0) if "{" in devices else devices)
-    client.register_plugin(BlasxPlugin(**settings))
+    try:
+        client.register_plugin(BlasxPlugin(**settings))
+    except BaseException:  # (a worker could not start these settings: workers joining later must not take them)
+        with contextlib.suppress(Exception):
+            client.unregister_worker_plugin(BlasxPlugin.name)
+        raise
 
 
 def memory_peaks(client, reset: bool = True) -> dict:

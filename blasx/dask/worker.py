@@ -9,6 +9,7 @@ so a task holds its block plus at most two steps' storage pieces at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import threading
 import uuid
@@ -378,8 +379,13 @@ class BlasxPlugin(WorkerPlugin):
         kw = dict(self.settings)
         if isinstance(kw.get("devices"), str) and "{" in kw["devices"]:
             kw["devices"] = kw["devices"].format(name=getattr(worker, "name", 0))
-        blasx.configure(**kw)
-        blasx.engine()
+        before = dataclasses.asdict(blasx.session.settings())
+        try:
+            blasx.configure(**kw)
+            blasx.engine()
+        except BaseException:  # (devices this worker lacks: it keeps the settings it had, not broken ones)
+            blasx.configure(**before)
+            raise
 
     def teardown(self, worker=None):
         blasx.shutdown()
