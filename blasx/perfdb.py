@@ -19,6 +19,7 @@ import math
 import os
 import sqlite3
 import threading
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .runtime import dtypes
-from .runtime.config import OFF_WORDS
+from .runtime.config import env_switch
 
 SCHEMA_VERSION = 1
 FILENAME = "perfdb.sqlite"
@@ -84,13 +85,23 @@ def _bump() -> None:
 
 
 def disabled() -> bool:
-    """True when ``$BLASX_PERFDB`` is off/0/no/false: the runtime ignores the db."""
-    return os.environ.get("BLASX_PERFDB", "").strip().lower() in OFF_WORDS
+    """True when ``$BLASX_PERFDB`` is off/0/no/false: the runtime ignores the db. Another word warns (once
+    per value) and leaves the db on: the perf-db is advice, never a reason for a BLAS call to fail."""
+    try:
+        return not env_switch("BLASX_PERFDB")
+    except ValueError as exc:
+        if str(exc) not in _warned:
+            _warned.add(str(exc))
+            warnings.warn(f"{exc}; the perf-db stays on", RuntimeWarning, stacklevel=2)
+        return False
+
+
+_warned: set = set()
 
 
 def cache_dir() -> Path:
     """``$BLASX_CACHE_DIR``, else ``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``."""
-    d = os.environ.get("BLASX_CACHE_DIR")
+    d = os.environ.get("BLASX_CACHE_DIR", "").strip()
     if d:
         return Path(d).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "blasx"

@@ -7,6 +7,7 @@ GPUs) with options (cost model, speeds, fault injection, peers, the timing mode 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -80,6 +81,19 @@ def parse_devices(spec: str) -> DeviceSpec:
 
 #: what turns a switch given in the environment off (``BLASX_PERFDB``, ``BLASX_RESULT_POOL``), lower case
 OFF_WORDS = ("0", "off", "no", "false")
+ON_WORDS = ("1", "on", "yes", "true")
+
+
+def env_switch(name: str, default: bool = True) -> bool:
+    """An on/off switch read from the environment variable ``name`` (unset or empty: ``default``); any word but
+    those of OFF_WORDS / ON_WORDS raises ValueError naming the variable (a typo must not leave it as it was)."""
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in OFF_WORDS or text in ON_WORDS:
+        return text in ON_WORDS
+    raise ValueError(f"${name}: got {os.environ[name]!r}; allowed: {', '.join(ON_WORDS)} (on) or "
+                     f"{', '.join(OFF_WORDS)} (off)")
 
 
 def parse_size(value: str) -> float:

@@ -55,9 +55,11 @@ class Knobs:
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, _, value = item.partition("=")
             kind = kinds.get(key)
+            if key in changes:
+                raise ValueError(f"BLASX_KNOBS: {key!r} given twice in {text!r}")
             if kind is bool and value in ("0", "1"):
                 changes[key] = value == "1"
-            elif kind is int and value.isdigit():
+            elif kind is int and value.isascii() and value.isdigit():  # (isdigit alone takes '²')
                 changes[key] = int(value)
             else:
                 switches = sorted(k for k, t in kinds.items() if t is bool)

@@ -33,10 +33,23 @@ def test_knobs_parse_counts_and_switches():
 
 
 @pytest.mark.parametrize("text", ["commit_steps=x", "commit_steps=-1", "commit_steps=1.5", "late_c=2",
-                                  "nosuch=1"])
+                                  "nosuch=1", "commit_steps=\u00b2"])
 def test_knobs_reject_bad_values_naming_what_is_allowed(text, expect):
     msg = str(expect(ValueError, "BLASX_KNOBS", repr(text), call=lambda: Knobs.from_env(text)))
     assert "'commit_steps'" in msg and "'late_c'" in msg and "int >= 0" in msg
+
+
+def test_a_knob_given_twice_is_refused(expect):
+    expect(ValueError, "BLASX_KNOBS", "'late_c' given twice", call=lambda: Knobs.from_env("late_c=0,late_c=1"))
+
+
+def test_switches_read_from_the_environment(monkeypatch, expect):
+    from blasx.runtime.config import env_switch
+    for text, want in (("", True), (" off ", False), ("NO", False), ("yes", True), ("1", True)):
+        monkeypatch.setenv("BLASX_TEST_SWITCH", text)
+        assert env_switch("BLASX_TEST_SWITCH") is want
+    monkeypatch.setenv("BLASX_TEST_SWITCH", "of")
+    expect(ValueError, "$BLASX_TEST_SWITCH: got 'of'", call=lambda: env_switch("BLASX_TEST_SWITCH"))
 
 
 @pytest.mark.parametrize("dtype, factor", [(np.float64, 2), (np.complex128, 8)])

@@ -27,14 +27,14 @@ graphs of a dropped arena are captured again). Per kept call (conv_memo.Replay):
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 
+from ..runtime.config import env_switch
 from ..runtime.devices.cupy_streams import PER_THREAD
 from . import direct_cache
 
-ENABLED = os.environ.get("BLASX_CONV_GRAPHS", "1") != "0"  # off: every replay launches eagerly
+ENABLED = env_switch("BLASX_CONV_GRAPHS")  # off: every replay launches eagerly
 KEPT = 8  # graphs a kept call holds (a loop alternates its outputs, and fresh vectors, between a few addresses)
 TRIES = 3  # failed captures after which a kept call stays eager
 ARENA_MAX = 1 << 30  # bytes of scratch an arena may hold; a call needing more stays eager

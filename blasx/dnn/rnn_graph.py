@@ -23,7 +23,6 @@ using that workspace at every replay.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -31,6 +30,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from ..threadlocal import setting
+from ..runtime.config import env_switch
 from ..runtime.devices.cupy_streams import on_stream
 from . import rnn_layer
 
@@ -44,7 +44,7 @@ NO_SPLIT_ROWS, NO_SPLIT_K = 16, 512
 CAPTURE_TRIES = 3  # captures tried per loop part before it stays eager
 PROLOGUES = 4  # prologue graphs an entry keeps (one per set of parameter addresses; hx given or not counts too)
 # off: every thread's step loops launch from Python (a capture fails another thread's device-wide synchronisation)
-ENABLED = os.environ.get("BLASX_RNN_GRAPHS", "1") != "0"
+ENABLED = env_switch("BLASX_RNN_GRAPHS")
 
 _lock = threading.Lock()
 _cache: OrderedDict = OrderedDict()  # key -> its idle entries

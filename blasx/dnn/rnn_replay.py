@@ -39,14 +39,15 @@ them for good). ``BLASX_RNN_REPLAY=0`` turns the path off.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-ENABLED = os.environ.get("BLASX_RNN_REPLAY", "1") != "0"
+from ..runtime.config import env_switch
+
+ENABLED = env_switch("BLASX_RNN_REPLAY")
 TRIES = 3  # failed captures per signature after which it stays on the general path
 MAX_LEASES = 2  # slots of a training signature (saved states alive at once that replay)
 MAX_ENTRIES = 16  # signatures kept (their graphs and buffers); the least recently used dropped ...
