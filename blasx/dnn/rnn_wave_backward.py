@@ -37,6 +37,16 @@ def applies(pb, layers) -> bool:
     return ALWAYS or (pb.xp is not np and rnn_layer.capturing_whole_call() and len({k[0].dev for k in layers}) > 1)
 
 
+def _same(a, b) -> bool:
+    """Whether a and b are the same view of the same memory (a piece's gate gradient serves several operands)."""
+    if a is None or b is None:
+        return a is b
+    if a is b:
+        return True
+    ptr = (lambda x: x.ctypes.data) if isinstance(a, np.ndarray) else (lambda x: x.data.ptr)
+    return a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype and ptr(a) == ptr(b)
+
+
 def run(pb, layers, dy, gh, gc, direction):
     """The backward of a wavefront stack in its pieces (module docstring). ``direction(lp, ops, layer, kept_piece,
     mm, (dy, dh, dc), defer)`` -> (_, dx, dh, dc) runs one piece of one layer on the current device, its weight
@@ -80,9 +90,12 @@ def run(pb, layers, dy, gh, gc, direction):
         carry[layer] = (dh, dc)
         if p == 0:  # the layer's weight gradients: one GEMM each over its pieces' rows, in time order
             ops_of = parts[layer][::-1]
-            joined = tuple(None if ops_of[0][0][i] is None else xp.concatenate([o[i] for o, _ in ops_of])
-                           for i in range(len(ops_of[0][0])))
-            sums[layer] = ops_of[0][1](joined)
+            joined = []
+            for i in range(len(ops_of[0][0])):  # (operands that are one array in every piece: joined once)
+                j = next((j for j in range(i) if all(_same(o[j], o[i]) for o, _ in ops_of)), None)
+                joined.append(None if ops_of[0][0][i] is None else joined[j] if j is not None else
+                              xp.concatenate([o[i] for o, _ in ops_of]))
+            sums[layer] = ops_of[0][1](tuple(joined))
         if layer:
             outs[(layer, p)] = dxp  # (held to the end: another device's stream may still read it)
             if cuda and lanes[layer - 1] != lanes[layer]:
