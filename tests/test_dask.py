@@ -500,3 +500,15 @@ def test_a_configure_the_workers_cannot_start_leaves_them_as_they_were(client, r
     assert all(d == "cpu" for d in client.run(lambda: __import__("blasx").session.settings().devices).values())
     a = np.random.default_rng(3).random((16, 16))
     assert rel_err(bd.matmul(da.from_array(a, chunks=8), da.from_array(a, chunks=8)).compute(), a @ a) < 1e-12
+
+
+def test_matmul_operands_that_are_not_arrays_and_1d_storage(threads, rel_err, tmp_path):
+    a = np.random.default_rng(4).random((5, 6))
+    x = da.from_array(a, chunks=2)
+    for bad in (None, "abc"):
+        with pytest.raises(TypeError, match="a: got"):
+            bd.matmul(bad, x)
+    zarr = pytest.importorskip("zarr")
+    z = zarr.open_array(str(tmp_path / "v.zarr"), mode="w", shape=(6,), chunks=(4,), dtype="f8")
+    z[:] = np.arange(6.0)
+    assert rel_err(bd.matmul(x, z).compute(), a @ np.arange(6.0)) < 1e-12

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numbers
 
 import dask
+import dask.array as da
 import numpy as np
 
 from ..linalg import find_best_blas_type
@@ -155,9 +156,14 @@ def matmul(a, b, *, progress=False):
     run on blasx, any other result type (integers, bool, float16 ...) and N-D operands run
     ``dask.array.matmul`` itself."""
     from .offload import original_matmul  # (the package's name ``offload`` is the function)
+    for name, x in (("a", a), ("b", b)):
+        if x is None or isinstance(x, (str, bytes)):
+            raise TypeError(f"{name}: got {type(x).__name__}; need an array (dask, numpy, zarr or memmap)")
     a, b = (x if hasattr(x, "ndim") else np.asarray(x) for x in (a, b))
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError("matmul: a 0-d operand is not allowed (numpy's rule); use multiplication")
+    # a 1-D operand as a dask array first (a zarr array cannot be indexed with None)
+    a, b = (x if isinstance(x, da.Array) or x.ndim != 1 else da.from_array(x) for x in (a, b))
     dtype = np.result_type(a.dtype, b.dtype)
     if a.ndim > 2 or b.ndim > 2 or dtype not in _BLAS:
         return original_matmul(a, b)
