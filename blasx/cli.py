@@ -395,6 +395,7 @@ def _info(blasx, parser, args) -> int:
     from . import probe
     from .perfdb import PerfDb, device_key, disabled
 
+    _check_db(parser, args.db, write=False)
     eng = _start(blasx, parser, devices=args.devices)
     devices = list(eng.devices)
     facts = probe.device_facts(devices)
@@ -409,9 +410,24 @@ def _info(blasx, parser, args) -> int:
         print("measuring...", file=sys.stderr, flush=True)
         rates = probe.measure(devices, links)
         print("\n".join(probe.format_rates(facts, rates)))
-    db = PerfDb(args.db)
+    db = PerfDb(args.db)  # (--db checked before the engine started)
     print("\n".join(probe.format_perfdb(db.path, db.entries(), device_key(devices), disabled())))
     return 0
+
+
+def _check_db(parser, path: str | None, write: bool) -> None:
+    """A --db the user named: not a folder, not a file of something else, and (to be written) in a folder that
+    exists; a missing file is an empty db."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        parser.error(f"argument --db: got {path!r}, which is a folder; need a perf-db file")
+    if os.path.isfile(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                parser.error(f"argument --db: got {path!r}, which is not a blasx perf-db (not an SQLite file)")
+    if write:
+        _check_output_path(parser, "--db", path)
 
 
 def _tune(blasx, parser, args) -> int:
@@ -419,6 +435,7 @@ def _tune(blasx, parser, args) -> int:
     from .probe import format_perfdb
     from .tune import tune
 
+    _check_db(parser, args.db, write=not args.show and not args.clear)
     db = PerfDb(args.db)
     if args.show:
         from .dnn import finddb

@@ -548,10 +548,15 @@ def test_info_into_a_pipe_closed_early(cache):
 def test_clear_leaves_a_file_that_is_not_a_perf_db_alone(capsys, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    assert cli.main(["tune", "--db", str(notes), "--clear"]) == 1
-    assert notes.read_text() == "mine"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--db", str(notes), "--clear"])
+    assert e.value.code == 2 and notes.read_text() == "mine"
     err = capsys.readouterr().err
     assert "Traceback" not in err and "not a blasx perf-db" in err
+    from blasx.perfdb import PerfDb, PerfDbError
+    with pytest.raises(PerfDbError, match="not a blasx perf-db"):  # (the API refuses it too)
+        PerfDb(notes).clear()
+    assert notes.read_text() == "mine"
 
 
 def test_a_device_failure_is_reported_with_status_1(capsys):
@@ -563,3 +568,17 @@ def test_a_device_failure_is_reported_with_status_1(capsys):
 def test_timing_mode_sims_are_not_checked(capsys):
     assert cli.main(["gemm", "--n", "256", "--devices", "sim:2,timing=1", "--no-progress"]) == 0
     assert "not checked (timing-mode sims compute no data)" in capsys.readouterr().out
+
+
+def test_a_db_that_is_a_folder_or_another_file_is_a_usage_error(capsys, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for argv, fragment in ((["info", "--devices", "sim:2", "--db", str(tmp_path)], "which is a folder"),
+                           (["tune", "--show", "--db", str(notes)], "not a blasx perf-db"),
+                           (["tune", "--devices", "sim:2", "--n", "64", "--db", str(notes)], "not a blasx perf-db"),
+                           (["tune", "--devices", "sim:2", "--n", "64", "--db", str(tmp_path / "no" / "x.db")],
+                            "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and fragment in capsys.readouterr().err
+    assert notes.read_text() == "mine" and not (tmp_path / "no").exists()
