@@ -53,6 +53,7 @@ def test_missing_and_misshaped_params():
     _raises(ValueError, "proj_size: got 0", "weight_hr_l0", call=lambda: dnn.lstm(x, None, _lstm_params(proj=2)))
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
 def test_matrix_parameters_run_as_plain_arrays():
     x = np.random.default_rng(0).standard_normal((5, 2, 3))
     p = _lstm_params()
