@@ -418,14 +418,13 @@ def _info(blasx, parser, args) -> int:
 def _check_db(parser, path: str | None, write: bool) -> None:
     """A --db the user named: not a folder, not a file of something else, and (to be written) in a folder that
     exists; a missing file is an empty db."""
+    from .perfdb import is_sqlite
     if path is None:
         return
     if os.path.isdir(path):
         parser.error(f"argument --db: got {path!r}, which is a folder; need a perf-db file")
-    if os.path.isfile(path) and os.path.getsize(path):
-        with open(path, "rb") as f:
-            if f.read(16) != b"SQLite format 3\x00":
-                parser.error(f"argument --db: got {path!r}, which is not a blasx perf-db (not an SQLite file)")
+    if os.path.isfile(path) and os.path.getsize(path) and not is_sqlite(path):
+        parser.error(f"argument --db: got {path!r}, which is not a blasx perf-db (not an SQLite file)")
     if write:
         _check_output_path(parser, "--db", path)
 

@@ -107,6 +107,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "blasx"
 
 
+def is_sqlite(path) -> bool:
+    """Whether the file at ``path`` begins as an SQLite database does (an empty one: not yet, False)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
 def default_path() -> Path:
     return cache_dir() / FILENAME
 
@@ -395,9 +404,8 @@ class PerfDb:
         try:
             if self.path.resolve() == default_path().resolve():
                 return True
-            with open(self.path, "rb") as f:
-                if f.read(16) != b"SQLite format 3\x00":
-                    return False
+            if not is_sqlite(self.path):
+                return False
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=TIMEOUT_S)
             try:
                 return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema'").fetchone() \
