@@ -175,6 +175,12 @@ def test_beta_one_leaves_a_complex_inf_as_it_is(engine):
     s[0, 0] = np.inf
     got = B.zsyrk(1.0, a, 1.0, s)[0, 0]
     assert got.real == np.inf and got.imag == S.zsyrk(1.0, a, 1.0, s)[0, 0].imag == 0
+    # a product with C tiles folded in afterwards (late C: the old tile added to the product, beta 1)
+    a2, c2 = np.full((64, 64), 0.01 + 0j, order="F"), np.zeros((64, 64), complex, order="F")
+    c2[0, 0] = np.inf
+    with np.errstate(all="ignore"):
+        got, want = B.zgemm(1.0, a2, a2, 1.0, c2)[0, 0], S.zgemm(1.0, a2, a2, 1.0, c2)[0, 0]
+    assert got == want == complex(np.inf, 0)
 
 
 @pytest.mark.parametrize("name", ["dsyrk", "zherk", "dsymm", "zher2k"])

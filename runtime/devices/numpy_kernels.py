@@ -111,8 +111,10 @@ def scale_views(c, beta) -> None:
 
 @_quiet
 def axpby(step, scalars, a, b, c) -> None:
-    """c += beta * b: folds the old C tile (b) into a product computed with beta = 0."""
-    c += scalars[step.beta] * b
+    """c += beta * b: folds the old C tile (b) into a product computed with beta = 0 (beta 1: b itself, not
+    1 * b, which turns a complex infinity into inf+nanj)."""
+    beta = scalars[step.beta]
+    c += b if beta == 1 else beta * b
 
 
 @_quiet
