@@ -375,6 +375,8 @@ class PerfDb:
             return 0
         if not self.path.is_file():
             raise PerfDbError(f"perf-db {self.path}: not a file; left alone")
+        if self.path.stat().st_size and is_sqlite(self.path) and not self._blasx_file():  # (another program's)
+            raise PerfDbError(f"perf-db {self.path}: an SQLite database that is not a blasx perf-db; left alone")
         conn = self._write()
         damaged = False
         try:

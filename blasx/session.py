@@ -59,8 +59,7 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
     math: float32 gemm's math, ``"ieee"`` (default: float32 products) or ``"tf32"`` (tensor cores:
         inputs rounded to 10 mantissa bits, float32 accumulation); a call's ``math=`` overrides it.
     """
-    if devices is not None:
-        parse_devices(devices)  # validate now, so a bad spec fails here and not at the first call
+    spec = parse_devices(devices) if devices is not None else None  # validated now, not at the first call
     if tile is not None and (not isinstance(tile, int) or isinstance(tile, bool) or tile < 1):
         raise ValueError(f"tile: got {tile!r}, need a positive int (or None to choose per call)")
     if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= 32:
@@ -71,6 +70,8 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         raise ValueError(f"cpu: got {cpu!r}, need True, False, 'auto' or None")
     if not isinstance(trace, bool):
         raise ValueError(f"trace: got {trace!r}, need True or False")
+    if spec is not None:
+        _check_sim_settings(spec, cache_bytes, cpu)
     math = math.lower() if isinstance(math, str) else math  # (as a call's math= takes it)
     if math not in MATH_MODES:
         raise ValueError(f"math: got {math!r}, allowed: {', '.join(map(repr, MATH_MODES))}")
@@ -243,6 +244,7 @@ def _make_devices(spec: DeviceSpec, s: Settings) -> list:
         return [backend("cpu")(0, name="cpu", trace=s.trace)]
     if spec.kind == "sim":
         from .runtime.devices.sim import build_sim_devices
+        _check_sim_settings(spec, s.cache_bytes, s.cpu)  # ($BLASX_DEVICES: first read here)
         devs = build_sim_devices(spec, streams=s.streams, cache_bytes=s.cache_bytes, trace=s.trace)
     else:
         from .runtime.devices import cuda  # noqa: F401 - registers the backend (needs CuPy)
@@ -256,14 +258,23 @@ def _make_devices(spec: DeviceSpec, s: Settings) -> list:
         devs = [backend("cuda")(w, ordinal=i, nstreams=s.streams, cache_bytes=s.cache_bytes, trace=s.trace)
                 for w, i in enumerate(ids)]
     mode = cpu_mode(s.cpu, spec.kind)
-    if mode and spec.kind == "sim" and devs and devs[0].timing:
-        raise ValueError("cpu: a CPU worker cannot run beside timing-mode sims (timing=1 / data=0): "
-                         "their operands hold no data; use cpu=False")
     if mode:
         from .runtime.devices.cpu import default_threads
         devs.append(backend("cpu")(len(devs), name="cpu", threads=default_threads(len(devs)), trace=s.trace,
                                    auto=mode == "auto"))
     return devs
+
+
+def _check_sim_settings(spec, cache_bytes, cpu) -> None:
+    """A sim spec's options against configure's other settings: mem= and cache_bytes both set the heap (give
+    one), and no CPU worker computes beside timing-mode sims (their operands hold no data)."""
+    if spec.kind != "sim":
+        return
+    from .runtime.config import check_sim_heap, sim_settings
+    check_sim_heap(spec, cache_bytes)
+    if sim_settings(spec).timing and cpu_mode(cpu, spec.kind):
+        raise ValueError("cpu: a CPU worker cannot run beside timing-mode sims (timing=1 / data=0): "
+                         "their operands hold no data; use cpu=False")
 
 
 def cpu_mode(cpu: bool | str | None, kind: str) -> str | None:

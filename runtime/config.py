@@ -186,6 +186,14 @@ class SimSettings:
     krate: tuple[tuple[str, float], ...] = ()  # (kernel, rate factor) pairs; others run at ``rate``
 
 
+def check_sim_heap(spec: DeviceSpec, cache_bytes: int | None) -> None:
+    """configure's cache_bytes and a sim spec's mem= both set the heap: given both, they must agree."""
+    mem = sim_settings(spec).mem
+    if cache_bytes is not None and mem is not None and cache_bytes != mem:
+        raise ValueError(f"cache_bytes: got {cache_bytes!r}, but the device spec sets mem={spec.options['mem']} "
+                         f"({mem} bytes); give one of them")
+
+
 def sim_settings(spec: DeviceSpec) -> SimSettings:
     """Typed timing-mode and host-link options of a parsed sim spec."""
     o = spec.options

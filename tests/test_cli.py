@@ -557,6 +557,13 @@ def test_clear_leaves_a_file_that_is_not_a_perf_db_alone(capsys, tmp_path):
     with pytest.raises(PerfDbError, match="not a blasx perf-db"):  # (the API refuses it too)
         PerfDb(notes).clear()
     assert notes.read_text() == "mine"
+    import sqlite3
+    other = tmp_path / "other.sqlite"  # another program's database: not touched
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    assert cli.main(["tune", "--db", str(other), "--clear"]) == 1
+    with sqlite3.connect(other) as conn:
+        assert conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall() == [("t",)]
 
 
 def test_a_device_failure_is_reported_with_status_1(capsys):

@@ -277,10 +277,11 @@ def test_configure_cpu_modes(tmp_path):
     for bad in ("yes", 1, "Auto"):
         with pytest.raises(ValueError, match=r"cpu: got .*need True, False, 'auto' or None"):
             blasx.configure(cpu=bad)
-    for cpu in ("auto", True):
-        blasx.configure(devices="sim:2,timing=1", cpu=cpu)
+    for cpu in ("auto", True):  # refused by configure itself (it was at the first call)
         with pytest.raises(ValueError, match="cannot run beside timing-mode sims"):
-            blasx.engine()
+            blasx.configure(devices="sim:2,timing=1", cpu=cpu)
+    with pytest.raises(ValueError, match="give one of them"):
+        blasx.configure(devices="sim:2,mem=64Mi", cache_bytes=1 << 20)
     assert session.cpu_mode(None, "cuda") == "auto" and session.cpu_mode(None, "sim") is None
     assert session.cpu_mode("auto", "sim") == "auto" and session.cpu_mode(True, "cuda") == "always"
     assert session.cpu_mode(False, "cuda") is None

@@ -72,3 +72,9 @@ def test_without_the_extension_offload_of_matmul_says_what_is_missing(tmp_path):
     """
     r = _run(code, cwd=tmp_path, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_the_dnn_errors_users_catch_are_public():
+    from blasx import dnn
+    assert issubclass(dnn.NoGpuError, RuntimeError) and issubclass(dnn.UnsupportedError, ValueError)
+    assert {"NoGpuError", "UnsupportedError"} <= set(dnn.__all__)

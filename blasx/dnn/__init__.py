@@ -24,8 +24,8 @@ from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import conv1d, conv1d_weight, conv2d, conv2d_weight, conv3d, conv3d_weight, conv_bias_grad, linear
 from .conv_transpose import (conv1d_input, conv2d_input, conv3d_input, conv_transpose1d, conv_transpose2d,
                              conv_transpose3d)
-from .find import find
-from .from_torch import Network, from_torch
+from .find import NoGpuError, find
+from .from_torch import Network, UnsupportedError, from_torch
 from .norm import batch_norm, batch_norm_backward, group_norm, group_norm_backward, layer_norm, layer_norm_backward
 from . import dropout_ops, lrn, pointwise, pool, softmax_ops, tensors
 from .dropout_ops import *  # noqa: F401,F403  (each module's __all__)
@@ -38,6 +38,6 @@ from .tensors import *  # noqa: F401,F403
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
            "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
            "conv_bias_grad", "linear", "lstm", "lstm_backward", "gru", "gru_backward", "rnn", "rnn_backward",
-           "Network", "from_torch", "find", "batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward",
+           "Network", "from_torch", "UnsupportedError", "find", "NoGpuError", "batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward",
            "group_norm", "group_norm_backward",
            *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__, *pool.__all__]

@@ -392,13 +392,11 @@ def build_sim_devices(spec, *, streams: int, cache_bytes: int | None = None,
                       trace: bool = True) -> list[SimDevice]:
     """The sim devices of a parsed ``sim`` spec, every option applied; ``cache_bytes`` (configure's)
     and ``mem=`` both set the heap: give one."""
-    from ..config import sim_factors, sim_settings
+    from ..config import check_sim_heap, sim_factors, sim_settings
 
     opts = spec.options
     ts = sim_settings(spec)
-    if cache_bytes is not None and ts.mem is not None and cache_bytes != ts.mem:
-        raise ValueError(f"cache_bytes: got {cache_bytes!r}, but the device spec sets mem={opts['mem']} "
-                         f"({ts.mem} bytes); give one of them")
+    check_sim_heap(spec, cache_bytes)
     heap_bytes = cache_bytes if cache_bytes is not None else (ts.mem if ts.mem is not None else DEFAULT_SIM_CACHE)
     rates = {k: float(opts[k]) for k in ("rate", "h2d", "d2h", "p2p") if k in opts}
     fail_dev, fail_at = None, None
