@@ -127,7 +127,7 @@ _SIM_RULES = {
     **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: 0 < float(v) < float("inf"), "a finite number > 0")),
     "speeds": (lambda v: all(0 < float(x) < float("inf") for x in v.split("/")), "finite factors > 0 joined by '/'"),
     "fail": (lambda v: all(int(x) >= 0 for x in v.partition("@")[::2]), "DEVICE@KERNEL_COUNT, ints >= 0"),
-    "peers": (lambda v: v in ("0", "1"), None),
+    "peers": (lambda v: v in ("0", "1"), "0 or 1"),
     **dict.fromkeys(("timing", "data", "hostduplex"), (lambda v: v in ("0", "1"), "0 or 1")),
     "mem": (lambda v: parse_size(v) >= MIN_SIM_MEM and parse_size(v) == int(parse_size(v)),
             f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9"),
