@@ -137,3 +137,60 @@ def test_a_batch_norm_called_twice_counts_twice():
 def test_a_module_of_buffers_alone_converts_in_its_dtype():
     m = nn.BatchNorm2d(3, affine=False).double().eval()
     _same(nn.Sequential(m), (2, 3, 4, 4))
+
+
+def test_compile_and_set_parameters_wait_for_a_call_of_another_thread(monkeypatch):
+    """compile() / set_parameters() from one thread while another thread's call runs: the call finishes on the
+    graph and weights it started with (compile dropped its run record mid-call: TypeError; new weights could
+    be missed by workers stored after the clear), and the next call uses the new ones."""
+    import threading
+    import time
+    from blasx.dnn import executor
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).double().eval()
+    net = dnn.from_torch(m, (1, 3, 8, 8)).compile()
+    x = np.random.default_rng(0).standard_normal((2, 3, 8, 8))
+    net(x)
+    real = executor.run
+
+    def slow(*a, **k):  # (the call's window widened)
+        out = real(*a, **k)
+        time.sleep(0.2)
+        return out
+    monkeypatch.setattr(executor, "run", slow)
+    got, err = [], []
+    t = threading.Thread(target=lambda: got.append(net(x)))
+    t.start()
+    time.sleep(0.05)
+    try:
+        net.compile()
+        new = {k: v.detach().numpy() * 2 for k, v in m.state_dict().items()}
+        net.set_parameters(new)
+    except Exception as exc:  # noqa: BLE001
+        err.append(exc)
+    t.join()
+    assert not err and len(got) == 1
+    ref = m(torch.from_numpy(x)).detach().numpy()
+    assert _rel(got[0], ref) < 1e-12
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2)
+    assert _rel(net(x), m(torch.from_numpy(x)).detach().numpy()) < 1e-12
+
+
+def test_conversion_never_runs_or_switches_the_users_module():
+    """The trace and its probe run on a copy: a thread training the module meanwhile never sees it in eval mode,
+    its batch norm's running statistics are never put back, and its forward is never called by from_torch."""
+    class Seen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn, self.modes = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), []
+
+        def forward(self, x):
+            if not torch.fx._symbolic_trace.is_fx_tracing():
+                self.modes.append(self.training)
+            return self.bn(self.c(x))
+    m = Seen().double().train()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    dnn.from_torch(m, (2, 3, 5, 5))
+    assert m.modes == [] and m.training and m.bn.training
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())

@@ -10,7 +10,9 @@ Supported: the modules in ``_MODULES`` and the functions / methods in ``_FUNCTIO
 
 from __future__ import annotations
 
+import copy
 import operator
+import threading
 
 from .graph import Graph, Node
 from .network import Network
@@ -255,6 +257,18 @@ def _tensor_inputs(fx_node) -> list:
     return out
 
 
+_tracing = threading.Lock()
+
+
+def _private_copy(torch, module):
+    """A deep copy of ``module`` to trace (the module itself where it cannot be copied: then traced in place,
+    its mode put back after)."""
+    try:
+        return copy.deepcopy(module)
+    except Exception:  # noqa: BLE001 - an attribute that does not copy
+        return module
+
+
 def from_torch(module, example_input_shape):
     """A :class:`blasx.dnn.Network` of ``module`` (a torch.nn.Module taking one tensor), traced with
     torch.fx and shape-checked on a zero input of ``example_input_shape`` (batch first). Weights are copied;
@@ -268,21 +282,25 @@ def from_torch(module, example_input_shape):
     shape = tuple(int(v) for v in example_input_shape)
     if len(shape) < 2 or min(shape) < 1:
         raise ValueError(f"example_input_shape: got {tuple(example_input_shape)}; need (batch, ...) of positive sizes")
-    gm = fx.symbolic_trace(module)
-    was_training = module.training
-    try:
-        module.eval()
-        gm.eval()
-        with torch.no_grad():
-            first = next(module.parameters(), None)
-            first = next(module.buffers(), None) if first is None else first  # (a module of buffers alone)
-            dtype = (torch.zeros(()) if first is None else first).dtype
-            ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
-            module.train(was_training)  # (the mode the trace took its flags from)
-            gm.train(was_training)
-            faithful = _traced_matches(torch, module, gm, shape, dtype)
-    finally:
-        module.train(was_training)
+    # A copy is traced and probed, not the module: its mode, buffers and running statistics stay as they are
+    # for a thread using it meanwhile; one trace at a time (torch.fx patches nn.Module.__call__ process-wide).
+    module = _private_copy(torch, module)
+    with _tracing:
+        gm = fx.symbolic_trace(module)
+        was_training = module.training
+        try:
+            module.eval()
+            gm.eval()
+            with torch.no_grad():
+                first = next(module.parameters(), None)
+                first = next(module.buffers(), None) if first is None else first  # (a module of buffers alone)
+                dtype = (torch.zeros(()) if first is None else first).dtype
+                ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+                module.train(was_training)  # (the mode the trace took its flags from)
+                gm.train(was_training)
+                faithful = _traced_matches(torch, module, gm, shape, dtype)
+        finally:
+            module.train(was_training)
     modules = dict(gm.named_modules())
     mtable, ftable = _module_table(torch.nn), _function_table(torch)
     nodes, bad, skipped, output, batch_axis, shared, alias = [], [], set(), None, 0, {}, {}

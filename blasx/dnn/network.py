@@ -75,6 +75,11 @@ class Network:
         if not isinstance(workers_per_gpu, int) or workers_per_gpu < 1:
             raise ValueError(f"workers_per_gpu: got {workers_per_gpu!r}; need an int >= 1")
         graphs = check_flag("graphs", graphs)
+        with self._calls:  # (a call of another thread under way keeps the graph it started with)
+            return self._compile(dtype, math, layout, fuse, workers_per_gpu, graphs)
+
+    def _compile(self, dtype, math, layout, fuse, workers_per_gpu, graphs) -> "Network":
+        """:meth:`compile` on checked arguments, with ``_calls`` held."""
         g = self.graph
         if fuse:
             g = passes.drop_identities(g)
@@ -205,18 +210,18 @@ class Network:
         n = x.shape[b]
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
             raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
-        if self.compiled is None:
-            self.compile(fuse=False)
-        dtype = self.dtype or np.dtype(x.dtype)
-        gpus = self._gpus(x)
-        devices = gpus if gpus else [None]
-        lanes = len(devices) * (self.workers_per_gpu if gpus else 1)
-        if chunk is None:
-            chunk = self._default_chunk(x, n, lanes, dtype, gpus) if gpus and b == 0 else n
-        chunk = min(chunk, n) if b == 0 else n
-        chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
         import sys
-        with self._calls:
+        with self._calls:  # (compile() and set_parameters() from other threads wait for the call)
+            if self.compiled is None:
+                self._compile(None, self.math, self.layout, False, self.workers_per_gpu, self.graphs)
+            dtype = self.dtype or np.dtype(x.dtype)
+            gpus = self._gpus(x)
+            devices = gpus if gpus else [None]
+            lanes = len(devices) * (self.workers_per_gpu if gpus else 1)
+            if chunk is None:
+                chunk = self._default_chunk(x, n, lanes, dtype, gpus) if gpus and b == 0 else n
+            chunk = min(chunk, n) if b == 0 else n
+            chunk_shape = (chunk, *x.shape[1:]) if b == 0 else tuple(x.shape)
             workers = self._workers_for(devices, dtype, chunk_shape)
             self._run = (chunk_shape, dtype, gpus[0] if gpus else None)
             out, self._profile = executor.run(workers, x, b, chunk, wanted(progress, sys.stderr))
@@ -339,10 +344,11 @@ class Network:
             if tuple(getattr(v, "shape", ())) != want or getattr(v, "dtype", np.dtype(object)).kind not in "fiu":
                 raise ValueError(f"values[{k!r}]: expected a real array of shape {want}, got "
                                  f"{type(v).__name__} of shape {getattr(v, 'shape', None)}")
-        for k, v in values.items():
-            for node, key in table[k]:
-                by[node].params[key][...] = v.get() if is_cupy(v) else v
-        self._weights_changed()
+        with self._calls:  # (not while a call of another thread reads them)
+            for k, v in values.items():
+                for node, key in table[k]:
+                    by[node].params[key][...] = v.get() if is_cupy(v) else v
+            self._weights_changed()
 
     def _weights_changed(self) -> None:
         self.compiled = None
