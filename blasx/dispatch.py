@@ -136,13 +136,15 @@ def written(out, res) -> None:
 
 
 @contextlib.contextmanager
-def whole(writes_caller: bool):
+def whole(writes_caller: bool, steps: bool = False):
     """A call that writes the caller's own array (``overwrite_c``, ``overwrite_b``, ``out=``) on the
     engine is not cut short by Ctrl-C: the interrupt takes effect once the call returns, as with
     numpy's and scipy's own calls, so that array is fully written (calls into fresh arrays are
     cancelled at once instead, the caller's arrays untouched). A second Ctrl-C meanwhile stops the call at
-    once (the array then partly written). Main thread only; else a no-op."""
-    main = writes_caller and session.host_device is None and threading.current_thread() is threading.main_thread()
+    once (the array then partly written). Main thread only; else a no-op. ``steps``: the work is several steps
+    in Python (a layer of blasx.dnn), held also with the CPU alone (one host BLAS call is not interruptible)."""
+    main = writes_caller and (steps or session.host_device is None) and \
+        threading.current_thread() is threading.main_thread()
     old = signal.getsignal(signal.SIGINT) if main else None
     if not callable(old):  # (also a handler that is not Python's: SIG_IGN, SIG_DFL)
         yield

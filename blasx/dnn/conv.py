@@ -239,6 +239,13 @@ _PLAIN = (None, None, None, None, None)  # a call's activation and epilogue oper
 
 def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual, out,
           math):
+    with dispatch.whole(out is not None, steps=True):  # (Ctrl-C: the caller's out is written whole first)
+        return _conv_steps(nd, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift,
+                           residual, out, math)
+
+
+def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual,
+                out, math):
     fn = _CONV_NAMES[nd]
     _check_kinds(x, weight, out)
     extras = (bias, scale, shift, residual)

@@ -12,7 +12,7 @@ from math import prod
 
 import numpy as np
 
-from .. import precision
+from .. import dispatch, precision
 from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, finddb, phases, transpose_kernel
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .args import check_out, check_shape
@@ -73,6 +73,13 @@ def _copy_into(xp, dst, src, lay: str) -> None:
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
+    with dispatch.whole(out is not None, steps=True):  # (Ctrl-C: the caller's out is written whole first)
+        return _transpose_steps(nd, fn, x, weight, bias, stride, padding, output_padding, groups, dilation,
+                                output_size, out, math)
+
+
+def _transpose_steps(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
+                     output_size, out, math):
     _check_kinds(x, weight, out)
     if output_size is None and isinstance(padding, str):  # (backward-data takes its forward's padding)
         raise TypeError(f"padding: got {padding!r}; {fn} takes an int or a tuple of {nd} ints (as torch)")
