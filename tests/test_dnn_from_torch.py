@@ -194,3 +194,19 @@ def test_conversion_never_runs_or_switches_the_users_module():
     dnn.from_torch(m, (2, 3, 5, 5))
     assert m.modes == [] and m.training and m.bn.training
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_a_backward_after_another_threads_forward_train_is_refused():
+    """One network's tape is one: A's forward, B's forward, A's backward gave A B's input gradient (silent)."""
+    import threading
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).double().train()
+    net = dnn.from_torch(m, (2, 3, 5, 5))
+    x = np.random.default_rng(1).standard_normal((2, 3, 5, 5))
+    y = net.forward_train(x)
+    t = threading.Thread(target=lambda: net.forward_train(2 * x))
+    t.start()
+    t.join()
+    with pytest.raises(RuntimeError, match="ran in another thread"):
+        net.backward(np.ones_like(y))
+    y = net.forward_train(x)  # (this thread's own forward: its backward runs)
+    assert net.backward(np.ones_like(y)).shape == x.shape

@@ -10,6 +10,7 @@ graph's float64 arrays (the truth), cast to x's type on x's device once per forw
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -461,6 +462,7 @@ class Trainer:
         self.step = 0
         self.batches: dict = {}
         self.tape: Tape | None = None
+        self.owner = None  # the thread of the last forward: its backward alone may take the tape
         self.masks: dict = {}
         self.grads: dict = {}
 
@@ -475,7 +477,7 @@ class Trainer:
         self.step += 1
         with _on_device(x):
             y, self.tape = forward(remove_dead(graph), x, ctx)
-        self.masks = ctx.masks
+        self.masks, self.owner = ctx.masks, threading.get_ident()
         return y
 
     def backward(self, grad_out, table: dict):
@@ -484,6 +486,9 @@ class Trainer:
         if tape is None:
             raise RuntimeError("backward: no forward_train to differentiate (each forward_train allows one "
                                "backward)")
+        if self.owner != threading.get_ident():  # (another thread's forward_train replaced this thread's tape)
+            raise RuntimeError("backward: the last forward_train of this network ran in another thread; a network "
+                               "trains in one thread at a time (its tape, step and grads are one)")
         want = tape.out_like
         if isinstance(want, tuple):
             raise TypeError("backward: the network's output is a tuple; only one array output is differentiated")
