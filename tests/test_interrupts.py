@@ -278,7 +278,8 @@ def test_a_second_ctrl_c_during_an_in_place_call_stops_it_at_once():
 @pytest.mark.parametrize("devices", ["sim:3,slow=4", "cpu"])
 def test_ctrl_c_during_a_convolution_into_out_writes_it_whole(devices):
     """blasx.dnn layers writing the caller's out= follow the in-place rule: Ctrl-C takes effect once out is
-    whole (it was left 24-86% unwritten), on the CPU alone too (a layer is several steps there)."""
+    whole (it was left 24-86% unwritten), on the CPU alone too (a layer is several steps there); out is whole
+    and right, or untouched where the interrupt came before the call."""
     import _thread
     from blasx import dnn
     blasx.configure(devices=devices, tile=16 if devices.startswith("sim") else None)
@@ -302,4 +303,6 @@ def test_ctrl_c_during_a_convolution_into_out_writes_it_whole(devices):
             except KeyboardInterrupt:
                 pass
             timer.join()
-            np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)  # (sims: summation order)
+            if np.isnan(out).all():  # (the interrupt came before the call began: out untouched)
+                continue
+            np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)  # whole, never part (sims: sum order)
