@@ -73,7 +73,10 @@ def _copy_into(xp, dst, src, lay: str) -> None:
 
 def _transpose(nd: int, fn: str, x, weight, bias, stride, padding, output_padding, groups, dilation,
                output_size=None, out=None, math=None):
-    with dispatch.whole(out is not None, steps=True):  # (Ctrl-C: the caller's out is written whole first)
+    if out is None:  # (the replayed calls' path: no handler to install)
+        return _transpose_steps(nd, fn, x, weight, bias, stride, padding, output_padding, groups, dilation,
+                                output_size, out, math)
+    with dispatch.whole(True, steps=True):  # (Ctrl-C: the caller's out is written whole first)
         return _transpose_steps(nd, fn, x, weight, bias, stride, padding, output_padding, groups, dilation,
                                 output_size, out, math)
 
