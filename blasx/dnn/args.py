@@ -90,7 +90,8 @@ def check_same_device(x, **arrays) -> None:
             raise ValueError(f"{name}: is on GPU {a.device.id} but input is on GPU {x.device.id}")
 
 
-def _same_view(a, b) -> bool:
+def same_view(a, b) -> bool:
+    """Whether a and b view the same memory with the same shape and strides."""
     ptr = (lambda v: v.data.ptr) if is_cupy(a) else (lambda v: v.__array_interface__["data"][0])
     return a.shape == b.shape and a.strides == b.strides and ptr(a) == ptr(b)
 
@@ -112,7 +113,7 @@ def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = 
     if write and not writable(out):
         raise ValueError(f"{name}: is read-only")
     for x in inputs:
-        if x is not None and hasattr(x, "shape") and shares_memory(out, x) and not (alias and _same_view(out, x)):
+        if x is not None and hasattr(x, "shape") and shares_memory(out, x) and not (alias and same_view(out, x)):
             raise ValueError(f"{name}: overlaps an input array{' (it may only be one exactly)' if alias else ''}")
 
 
