@@ -266,3 +266,16 @@ def test_cupy_operand_written_on_the_callers_stream_is_read_after_it():
         y = blasx.gemm(1.0, x, a[:, :512])
         ref = x @ a[:, :512]
         assert float(cupy.linalg.norm(y - ref) / cupy.linalg.norm(ref)) < 1e-12
+
+
+def test_beta_one_leaves_a_complex_inf_as_it_is_on_cuda():
+    """A late C tile folded in with beta 1 is added (CUDA's geam path), not multiplied by 1: a complex
+    infinity in c stays inf + 0j, as scipy's zgemm gives (test_dropin_blas has the host engines)."""
+    from scipy.linalg import blas as S
+    from blasx.linalg import blas as B
+    blasx.configure(devices="cuda", tile=16)
+    a2, c2 = np.full((64, 64), 0.01 + 0j, order="F"), np.zeros((64, 64), complex, order="F")
+    c2[0, 0] = np.inf
+    with np.errstate(all="ignore"):
+        got, want = B.zgemm(1.0, a2, a2, 1.0, c2)[0, 0], S.zgemm(1.0, a2, a2, 1.0, c2)[0, 0]
+    assert got == want == complex(np.inf, 0)

@@ -275,7 +275,7 @@ def test_a_second_ctrl_c_during_an_in_place_call_stops_it_at_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.parametrize("devices", ["sim:3,slow=4", "cpu"])
+@pytest.mark.parametrize("devices", ["sim:3,slow=4", "cpu", pytest.param("cuda", marks=ON_GPUS)])
 def test_ctrl_c_during_a_convolution_into_out_writes_it_whole(devices):
     """blasx.dnn layers writing the caller's out= follow the in-place rule: Ctrl-C takes effect once out is
     whole (it was left 24-86% unwritten), on the CPU alone too (a layer is several steps there); out is whole

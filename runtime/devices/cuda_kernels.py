@@ -191,7 +191,13 @@ class CudaKernels:
         return buf.data.ptr
 
     def _k_axpby(self, s, step, call, a, b, c) -> None:
-        """c = alpha c + beta b (cuBLAS geam, in place on c)."""
+        """c = alpha c + beta b (cuBLAS geam, in place on c); complex with alpha = beta = 1: a plain sum (geam's
+        1 * b turns a complex infinity into inf+nanj, numpy_kernels.axpby adds b itself)."""
+        if call.dtype.kind == "c" and call.scalars[step.alpha] == 1 and call.scalars[step.beta] == 1:
+            with on_stream(self.streams[s]):
+                cv = device_view(c[0], step.m, step.n, c[1], call.dtype)
+                cv += device_view(b[0], step.m, step.n, b[1], call.dtype)
+            return
         alpha, beta = self._ptrs(call, step, False, False)
         self._routine("geam", call.dtype)(self.handles[s], 0, 0, step.m, step.n, alpha, c[0], c[1], beta, b[0], b[1],
                                           c[0], c[1])
