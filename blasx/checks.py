@@ -50,8 +50,10 @@ def compute_dtype(*arrays) -> np.dtype:
     picks it: the highest score wins, complex64 with float64 gives complex128. Non-numeric
     arrays (object, strings, datetimes) raise TypeError naming ``dtype``."""
     scores = []
-    for a in arrays:
-        score = TYPE_SCORE.get(a.dtype.char, 2 if a.dtype.kind in "biuf" else None)  # unlisted numeric: as float64
+    bf16 = dtypes.GEMM_BY_PREFIX.get("b")
+    for a in arrays:  # unlisted numeric (bfloat16 too): as float64, scipy's fallback
+        numeric = a.dtype.kind in "biuf" or (bf16 is not None and a.dtype == bf16.dtype)
+        score = TYPE_SCORE.get(a.dtype.char, 2 if numeric else None)
         if score is None:
             got = ", ".join(str(x.dtype) for x in arrays)
             raise TypeError(f"dtype: got {got}; allowed: float32, float64, complex64, complex128 (and the "

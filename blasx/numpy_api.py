@@ -80,6 +80,10 @@ def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
 
 def _matmul(x1, x2, out, out_dtype, kwargs):
     _check_out(out)
+    if out_dtype is not None and kwargs.get("dtype") is not None and \
+            np.dtype(kwargs["dtype"]) != precision.out_type(out_dtype):
+        raise TypeError(f"dtype, out_dtype: got {np.dtype(kwargs['dtype']).name} and "
+                        f"{precision.out_type(out_dtype).name}; give one, or the same type")
     plan = _matmul_plan(x1, x2, out, kwargs, out_dtype)
     if plan is None:
         if out_dtype is not None:
@@ -204,6 +208,10 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
 
 def _dot(a, b, out, out_dtype):
     _check_out(out)
+    if out_dtype is not None and out is not None and hasattr(out, "dtype") and \
+            np.dtype(out.dtype) != precision.out_type(out_dtype):
+        raise TypeError(f"out: got dtype {np.dtype(out.dtype).name}; with out_dtype="
+                        f"{precision.out_type(out_dtype).name} out must be that type (np.dot does not cast out)")
     arrays = _arrays(a, b, out)
     if arrays is None:
         return _fallback(_np_dot, a, b, out)

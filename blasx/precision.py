@@ -75,6 +75,11 @@ def _dtype(name: str, value, allowed: str | None = None) -> np.dtype:
                         f"{allowed or dtypes.gemm_combinations()}") from None
 
 
+def out_type(out_dtype) -> np.dtype:
+    """``out_dtype`` as a numpy dtype (a value numpy does not know: TypeError naming ``out_dtype``)."""
+    return _dtype("out_dtype", out_dtype)
+
+
 def takes(a_dtype, b_dtype, out_dtype=None) -> bool:
     """A gemm on these types takes the reduced-type rules (:func:`check_types`), not scipy's: A
     and B of one reduced type (float16, bfloat16, int8), or an explicit ``out_dtype``."""
@@ -158,9 +163,9 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     row = dtypes.gemm_of(dtype)
     if row is None:
         raise TypeError(f"dtype: got {dtype!r}, allowed: {dtypes.GEMM_ALLOWED}")
+    row, out = check_types(row.dtype, row.dtype, out_dtype)  # (a pair gemm does not take: TypeError)
     if row.dtype.kind in "iu":
         return 0.0
-    out = row.out if out_dtype is None else _dtype("out_dtype", out_dtype)
     acc = row.real if row.is_complex else row.compute
     u_out = UNIT_ROUNDOFF[row.real if out.kind == "c" else out]
     tol = u_out + 2.0 * np.sqrt(max(k, 1)) * UNIT_ROUNDOFF[acc]
@@ -186,10 +191,13 @@ def quantize(x, dtype=np.int8, axis=None):
     if not dtypes.is_real(x.dtype):
         raise TypeError(f"x: got {x.dtype.name}, need a real type")
     xp = dispatch.array_module(is_cupy(x))
-    xf = x.astype(np.float32) if x.dtype != np.float64 else x
+    wide = x.dtype.kind == "f" and x.dtype.itemsize > 8  # (longdouble: float64, not float32's range)
+    xf = x if x.dtype == np.float64 else x.astype(np.float64 if wide else np.float32)
     if axis is None:
         amax = xp.abs(xf).max() if xf.size else xp.asarray(0.0)
     else:
+        if x.ndim == 0 and axis is not None:
+            raise ValueError(f"axis: got {axis!r} for a 0-d x; need None (one scale for the tensor)")
         if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not -x.ndim <= axis < x.ndim:
             raise ValueError(f"axis: got {axis!r}, need None or an int in [{-x.ndim}, {x.ndim})")
         axis = int(axis) % x.ndim
@@ -197,7 +205,8 @@ def quantize(x, dtype=np.int8, axis=None):
         amax = xp.abs(xf).max(axis=others) if xf.size else xp.zeros(x.shape[axis])
     if not bool(xp.isfinite(amax).all()):
         raise ValueError("x: holds inf or NaN; quantize takes finite values")
-    scales = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    with np.errstate(over="ignore"):  # (past float32's range: the error below, not numpy's cast warning)
+        scales = xp.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     if not bool((xp.isfinite(scales) & (scales > 0)).all()):  # (float64 data past float32's range)
         raise ValueError("x: its largest magnitudes give scales outside float32's range (max|x| / 127 must lie "
                          "between float32's smallest and largest positive values)")
@@ -208,6 +217,9 @@ def quantize(x, dtype=np.int8, axis=None):
     return values, scales
 
 
+K_EXACT = (2 ** 31 - 1) // (128 * 128)  # the longest k whose int32 sum of int8 products cannot wrap: 131071
+
+
 def gemm_int8(a_q, a_scale, b_q, b_scale):
     """``(a_q * a_scale) @ (b_q * b_scale)`` in float32 from int8 operands (numpy semantics for
     2-d operands: a C-ordered m x n result): the int8 product accumulates exactly in int32 on
@@ -216,7 +228,8 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
     ``a_scale``: a scalar or one scale per row of ``a_q`` (shape ``(m,)``, from
     ``quantize(a, axis=0)``); ``b_scale``: a scalar or one per column of ``b_q`` (``(n,)``,
     ``quantize(b, axis=1)``). Scales along k cannot be factored out of the sum: not accepted.
-    The int32 sum is exact: the error against the unquantized product is :func:`quantize`'s."""
+    The int32 sum is exact (a k past :data:`K_EXACT`, where int32 could wrap, is summed in pieces of that
+    length, each exact, added in float32): the error against the unquantized product is :func:`quantize`'s."""
     check_matrix("a_q", a_q)
     check_matrix("b_q", b_q)
     if is_cupy(a_q) != is_cupy(b_q):
@@ -235,7 +248,12 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
     if k == 0:
         result[...] = 0
         return result
-    dispatch.gemm(1, a_q, b_q, 0, result, 0, 0, np.int8, k, epilogue=Dequantize(rs, cs))
+    for k0 in range(0, k, K_EXACT):
+        k1 = min(k, k0 + K_EXACT)
+        part = result if k0 == 0 else xp.empty((m, n), dtype=np.float32)
+        dispatch.gemm(1, a_q[:, k0:k1], b_q[k0:k1], 0, part, 0, 0, np.int8, k1 - k0, epilogue=Dequantize(rs, cs))
+        if k0:
+            result += part
     return result
 
 
@@ -244,7 +262,11 @@ def _scales(name: str, s, count: int, what: str) -> np.ndarray:
     raw = np.asarray(s.get() if is_cupy(s) else s)
     if raw.dtype.kind not in "fiu":
         raise TypeError(f"{name}: got {raw.dtype if s is not None else None}; need real scales (quantize's)")
-    arr = raw.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = raw.astype(np.float32)
+    if not np.isfinite(arr).all():
+        bad = raw.reshape(-1)[~np.isfinite(arr.reshape(-1))][0]
+        raise ValueError(f"{name}: holds {float(bad)!r}; need finite scales within float32's range (quantize's)")
     if arr.ndim == 0 or arr.size == 1:
         return np.full(count, float(arr.reshape(())), dtype=np.float32)
     if arr.ndim != 1 or arr.shape[0] != count:

@@ -515,6 +515,21 @@ def test_int32_sums_past_the_range_wrap_as_cublas(dev):
     a, b = np.full((1, 140000), 127, np.int8), np.full((140000, 1), 127, np.int8)
     want = (127 * 127 * 140000 + 2 ** 31) % 2 ** 32 - 2 ** 31
     assert int(blasx.gemm(1, a, b)[0, 0]) == want
+    # int32 arithmetic: alpha times the sum wraps too, exactly (alpha * sum past 2^53 was formed in float64)
+    a, b = a[:, :301], b[:301]
+    alpha = 2 ** 31 - 1
+    assert int(blasx.gemm(alpha, a, b)[0, 0]) == (alpha * 127 * 127 * 301 + 2 ** 31) % 2 ** 32 - 2 ** 31
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gemm_int8_past_the_int32_range_sums_in_exact_pieces(dev):
+    """gemm_int8's float32 result stays right where an int32 sum would wrap (k > K_EXACT, here at its worst,
+    every product 127 * 127): the k pieces are each exact, added in float32."""
+    _configure(dev)
+    k = P.K_EXACT + 2000
+    a, b = np.full((2, k), 127, np.int8), np.full((k, 3), -127, np.int8)
+    c = P.gemm_int8(a, np.float32(0.5), b, np.float32(0.25))
+    assert c.shape == (2, 3) and np.allclose(c, -127 * 127 * k * 0.125, rtol=1e-6)
 
 
 def test_configure_takes_math_in_any_case():
@@ -531,3 +546,41 @@ def test_front_ends_take_out_dtype_naming_the_blas_type_itself(dt):
     for f in (blasx.matmul, blasx.dot, lambda x, y, **k: blasx.tensordot(x, y, 1, **k)):
         got = f(a, a.T, out_dtype=dt)
         assert got.dtype == dt and np.allclose(got, a @ a.T, rtol=1e-5)
+
+
+def test_conflicting_out_types_and_bad_scales_are_refused():
+    """out_dtype beside a dot's out of another type, or beside matmul's dtype= naming another, is a TypeError
+    (out_dtype was ignored, or dtype= was); non-finite gemm_int8 scales, a 0-d quantize with an axis and a
+    tolerance for a pair gemm does not take name their argument."""
+    _configure("sim:2")
+    a, b = np.ones((4, 3), np.float16), np.ones((3, 2), np.float16)
+    out = np.zeros((4, 2), np.float16)
+    with pytest.raises(TypeError, match="out: got dtype float16; with out_dtype=float32"):
+        blasx.dot(a, b, out=out, out_dtype=np.float32)
+    assert (out == 0).all()
+    with pytest.raises(TypeError, match="dtype, out_dtype: got float32 and float16"):
+        blasx.matmul(a, b, dtype=np.float32, out_dtype=np.float16)
+    assert blasx.matmul(a, b, dtype=np.float32, out_dtype=np.float32).dtype == np.float32
+    q = np.ones((2, 3), np.int8)
+    for bad in (np.nan, np.inf, 1e300):
+        with pytest.raises(ValueError, match="a_scale: holds .*need finite scales"):
+            P.gemm_int8(q, bad, q.T.copy(), 1.0)
+    with pytest.raises(ValueError, match="axis: got 0 for a 0-d x"):
+        P.quantize(np.array(1.0, np.float32), axis=0)
+    with pytest.raises(TypeError, match="out_dtype: got float64 for float16"):
+        P.tolerance(np.float16, 100, out_dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no numpy cast warning before quantize's own error)
+        with pytest.raises(ValueError, match="outside float32's range"):
+            P.quantize(np.array([1e300, 1.0]))
+
+
+@pytest.mark.skipif(bfloat16 is None, reason="needs ml_dtypes")
+def test_gemm_takes_bfloat16_beside_another_type_as_scipy_does():
+    """bfloat16 beside another type follows scipy's rule (an unlisted numeric type: float64), as float16 beside
+    float32 does; the TypeError claimed such types were converted."""
+    _configure("sim:2")
+    a, b = np.ones((2, 3), bfloat16), np.ones((3, 2), np.float32)
+    c = blasx.gemm(1.0, a, b)
+    assert c.dtype == np.float64 and (c == 3).all()
+    assert blasx.gemm(1.0, a, b.astype(np.complex64)).dtype == np.complex128

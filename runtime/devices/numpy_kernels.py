@@ -51,13 +51,17 @@ def gemm(step, scalars, a, b, c) -> None:
         # stored once to C's type.
         wide = np.float64 if a.dtype.kind in "iu" else np.float32
         prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
+        if c.dtype.kind in "iu":  # int32 arithmetic: the (exact) float64 sum times alpha, plus beta c, in int64,
+            prod = prod.astype(np.int64) * np.int64(alpha)  # wrapping past int32's range as cuBLAS's does
+            if beta != 0:
+                prod += np.int64(beta) * c.astype(np.int64)
+            c[...] = (prod + 2 ** 31) % 2 ** 32 - 2 ** 31
+            return
         with np.errstate(all="ignore"):
             if alpha != 1:
                 prod *= wide(alpha)
             if beta != 0:
                 prod += wide(beta) * c.astype(wide)
-        if c.dtype.kind in "iu":  # int32 sums past its range wrap as cuBLAS's do (a float64 -> int32 cast is invalid)
-            prod = (prod.astype(np.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31
         c[...] = prod
         return
     if beta == 0:  # straight into c: no temporary the size of C
