@@ -131,6 +131,16 @@ def test_gemm_int8_scales_on_the_device(spec):
     assert _rel(got, a.astype(np.float64) @ b) < 1.5e-2
 
 
+def test_gemm_int8_past_the_int32_range_on_the_device(spec):
+    """A k where int32 could wrap (every product 127 * 127) in exact pieces, host and CuPy operands."""
+    k = P.K_EXACT + 2000
+    a, b = np.full((64, k), 127, np.int8), np.full((k, 48), -127, np.int8)
+    want = -127 * 127 * k * 0.125
+    assert np.allclose(blasx.gemm_int8(a, np.float32(0.5), b, np.float32(0.25)), want, rtol=1e-6)
+    got = blasx.gemm_int8(cupy.asarray(a), np.float32(0.5), cupy.asarray(b), np.float32(0.25))
+    assert np.allclose(cupy.asnumpy(got), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dt", HALF + [np.int8], ids=lambda t: np.dtype(t).name)
 def test_cupy_operands(spec, dt):
     """Operands already on a GPU (in-core: C accumulates in a tile-cache buffer, then converts)."""
