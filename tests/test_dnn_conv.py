@@ -251,6 +251,22 @@ def test_linear():
     assert rel(y, torch.tanh(F.linear(T(x), T(w), T(b))).numpy()) < 1e-12
 
 
+def test_linear_checks_features_and_types_before_its_empty_shortcuts():
+    """In-features that do not match raise as torch's linear does, an empty side too (it returned the bias, or
+    an empty array); a list or mismatched types are named errors."""
+    blasx.configure(devices="sim:2", tile=16)
+    f32 = np.float32
+    for x, w in ((np.ones((2, 0), f32), np.ones((3, 4), f32)), (np.ones((2, 6), f32), np.ones((0, 5), f32)),
+                 (np.ones((2, 6), f32), np.ones((3, 5), f32))):
+        with pytest.raises(ValueError, match="must equal weight's in-features"):
+            dnn.linear(x, w, np.arange(w.shape[0], dtype=f32))
+    with pytest.raises(TypeError, match="input: got list"):
+        dnn.linear([[1.0]], np.ones((1, 1), f32))
+    with pytest.raises(TypeError, match="input is float32 but weight is float64"):
+        dnn.linear(np.ones((2, 3), f32), np.ones((0, 3)))
+    assert dnn.linear(np.ones((2, 0), f32), np.ones((3, 0), f32), np.arange(3, dtype=f32)).tolist() == [[0, 1, 2]] * 2
+
+
 # ---------------------------------------------------------------- transposed, backward
 
 @settings(max_examples=15, deadline=None)

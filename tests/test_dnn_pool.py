@@ -344,6 +344,7 @@ ERRORS = [
     (lambda: dnn.avg_pool2d_backward(G2, X2.shape, 2, padding=3), ValueError, "at most half"),
     (lambda: dnn.avg_pool2d_backward(G2, X2.shape, 3), ValueError, "grad_output: expected shape"),
     (lambda: dnn.adaptive_avg_pool2d_backward(G2, (2, 4, 8, 8)), ValueError, "grad_output: expected shape"),
+    (lambda: dnn.adaptive_avg_pool2d_backward(G2[0, 0, 0], X2.shape), ValueError, "grad_output must be 3-D or 4-D"),
     (lambda: dnn.adaptive_max_pool2d_backward(G2, X2, None), TypeError, "indices is required"),
 ]
 

@@ -345,9 +345,15 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, a
 
 def linear(x, weight, bias=None, *, activation=None, math=None):
     """torch.nn.functional.linear (y = x W^T + b) with an optional activation: a 1-wide conv1d."""
+    dt = check_dtype("input", check_kind("input", x))
+    if check_dtype("weight", check_kind("weight", weight)) != dt:
+        raise TypeError(f"linear: input is {dt} but weight is {np.dtype(weight.dtype)}; they must match")
     if x.ndim < 1 or weight.ndim != 2:
         raise ValueError(f"linear: x must be at least 1-D and weight 2-D, got shapes {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x's last dimension ({x.shape[-1]}) must equal weight's in-features "
+                         f"(weight.shape[1] = {weight.shape[1]}); got shapes {tuple(x.shape)}, {tuple(weight.shape)}")
     lead = x.shape[:-1]
     if weight.shape[0] == 0:  # no outputs (a convolution takes none)
         return _xp(x, weight).empty((*lead, 0), dtype=x.dtype)

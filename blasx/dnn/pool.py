@@ -359,5 +359,8 @@ def adaptive_max_pool3d_backward(grad_output, input_shape, indices):
 
 def _adaptive_backward(fn, nd, reduce, grad_output, input_shape, indices=None):
     check_array("grad_output", grad_output)
+    if grad_output.ndim not in (nd + 1, nd + 2):
+        raise ValueError(f"{fn}: grad_output must be {nd + 1}-D or {nd + 2}-D (the pool's output, unbatched or "
+                         f"batched), got shape {tuple(grad_output.shape)}")
     out_size = tuple(grad_output.shape)[-nd:]
     return _backward(fn, nd, grad_output, input_shape, _adaptive_geo(fn, nd, reduce, out_size), indices)
