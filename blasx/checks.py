@@ -17,10 +17,15 @@ def check_matrix(name: str, x) -> None:
         raise TypeError(f"{name}: got {type(x).__name__}, expected a numpy or cupy array")
     if x.ndim != 2:
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {x.shape}, expected a 2-D matrix")
+    bf16 = dtypes.GEMM_BY_PREFIX.get("b")
+    if x.dtype.kind not in "biufc" and not (bf16 is not None and x.dtype == bf16.dtype):
+        raise TypeError(f"{name}: got an array of dtype: {x.dtype}; allowed: float32, float64, complex64, complex128 "
+                        f"(and the other numeric types, converted as scipy converts them)")
 
 
 def check_trans(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or int(value) not in (0, 1, 2):
+    """0, 1 or 2 (a bool as 0 or 1, as scipy's drop-in and the other flags take it)."""
+    if not isinstance(value, (numbers.Integral, np.bool_)) or int(value) not in (0, 1, 2):
         raise ValueError(f"{name}: got {value!r}, allowed: 0 (N), 1 (T), 2 (C, conjugate transpose)")
     return int(value)
 
@@ -57,7 +62,7 @@ def compute_dtype(*arrays) -> np.dtype:
         if score is None:
             got = ", ".join(str(x.dtype) for x in arrays)
             raise TypeError(f"dtype: got {got}; allowed: float32, float64, complex64, complex128 (and the "
-                            f"other numeric types, converted to one of them as scipy converts them)")
+                            f"other numeric types, converted as scipy converts them)")
         scores.append(score)
     best = max(scores)
     if best == 3 and 2 in scores:
@@ -68,6 +73,19 @@ def compute_dtype(*arrays) -> np.dtype:
 def writable(x) -> bool:
     """Whether x may be written in place (numpy's flag; a CuPy array always may)."""
     return getattr(x.flags, "writeable", True)
+
+
+def overlaps_itself(x) -> bool:
+    """Whether two elements of x may share memory (``as_strided`` views): a conservative test on the strides,
+    each dimension's stride past the bytes spanned by the smaller ones."""
+    if 0 in x.shape:
+        return False
+    reach = x.dtype.itemsize
+    for stride, n in sorted((abs(s), n) for s, n in zip(x.strides, x.shape) if n > 1):
+        if stride < reach:
+            return True
+        reach += stride * (n - 1)
+    return False
 
 
 def same_place(a=None, b=None, c=None) -> bool:

@@ -8,7 +8,7 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 from __future__ import annotations
 
 from . import blas3, dispatch, precision, shortcut
-from .checks import check_matrix, check_no_alias, check_scalar, check_trans, same_place, writable
+from .checks import check_matrix, check_no_alias, check_scalar, check_trans, overlaps_itself, same_place, writable
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
@@ -52,8 +52,9 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
                          f"{kb}x{n} (b.shape={b.shape}, trans_b={trans_b}); their inner dimensions must match")
     if c is not None and c.shape != (m, n):
         raise ValueError(f"c: got shape {c.shape}, expected ({m}, {n}) = rows of op(a) x columns of op(b)")
-    # c itself is written (any layout) when asked to and writable, of the result type; else a new array
-    in_place = c is not None and bool(overwrite_c) and c.dtype == out_type and writable(c)
+    # c itself is written (any layout) when asked to and writable, of the result type, with no two elements
+    # sharing memory; else a new array (as f2py copies such a c)
+    in_place = c is not None and bool(overwrite_c) and c.dtype == out_type and writable(c) and not overlaps_itself(c)
     if in_place:
         check_no_alias("c", c, a=a, b=b)
     if c is None:
