@@ -396,6 +396,19 @@ def _acc(dtype) -> np.dtype:
     return np.dtype(dtype) if row is None else row.compute
 
 
+def retires_written(fn):
+    """``fn`` (a front end) returns the array it wrote, the caller's or a new one: read-only roots that array
+    overlaps are retired when it returns, as the engine's calls retire those of the views they write (the front
+    end's own copy-backs, fills and casts into the caller's array write outside that window)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        res = fn(*args, **kwargs)
+        if type(res) is np.ndarray:
+            READONLY.drop_written([res])
+        return res
+    return call
+
+
 def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math="ieee",
                   epilogue=None) -> None:
     """Make the call and run it; ``out_dtype``, ``math`` and ``epilogue`` as ``Call`` takes them

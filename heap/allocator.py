@@ -121,7 +121,8 @@ class OffsetHeap:
 
     def free(self, offset: int) -> None:
         """Release the allocation at ``offset``, coalescing; ValueError if it is not allocated."""
-        blk = self._used.pop(offset, None) if offset.__hash__ else None  # unhashable: not an offset
+        key = _offset_key(offset)
+        blk = None if key is None else self._used.pop(key, None)
         if blk is None:
             raise ValueError(self._why_not_allocated(offset))
         self._bytes_used -= blk.size
@@ -171,14 +172,16 @@ class OffsetHeap:
 
     def size_of(self, offset: int) -> int:
         """Rounded size of the allocation at ``offset`` (ValueError if none)."""
-        blk = self._used.get(offset) if offset.__hash__ else None  # unhashable: not an offset
+        key = _offset_key(offset)
+        blk = None if key is None else self._used.get(key)
         if blk is None:
             raise ValueError(self._why_not_allocated(offset))
         return blk.size
 
     def is_allocated(self, offset: int) -> bool:
-        """Whether an allocation starts at ``offset``."""
-        return offset in self._used
+        """Whether an allocation starts at ``offset`` (an int; anything else names none)."""
+        key = _offset_key(offset)
+        return key is not None and key in self._used
 
     @property
     def capacity(self) -> int:
@@ -293,3 +296,13 @@ class OffsetHeap:
             fail("the sorted free-size list does not match the free blocks of the list")
         if self._bytes_used != used_bytes:
             fail(f"bytes_used is {self._bytes_used} but allocated blocks sum to {used_bytes}")
+
+
+def _offset_key(offset):
+    """``offset`` as the int that names an allocation, or None where it is no int (a float or bool equal to an
+    offset, which the table's hashing would match, names none)."""
+    if type(offset) is int:
+        return offset
+    if isinstance(offset, bool) or not hasattr(offset, "__index__"):
+        return None
+    return operator.index(offset)

@@ -70,6 +70,22 @@ def test_numpy_ints_accepted():
     assert h.blocks() == [(0, 4096, True)]
 
 
+def test_a_float_or_bool_equal_to_an_offset_names_no_allocation():
+    """0.0, False and np.float64(0) hash like 0, and True like 1: free() took them for those offsets."""
+    h = OffsetHeap(4096, 1)
+    assert h.alloc(1) == 0 and h.alloc(1) == 1
+    for bad in (0.0, False, np.float64(0), True, 1.0):
+        with pytest.raises(ValueError, match="offsets are the ints that alloc"):
+            h.free(bad)
+        with pytest.raises(ValueError, match="offsets are the ints that alloc"):
+            h.size_of(bad)
+        assert not h.is_allocated(bad)
+    assert h.is_allocated(np.int64(1)) and h.size_of(0) == 1
+    h.free(0)
+    h.free(np.int32(1))
+    assert h.blocks() == [(0, 4096, True)]
+
+
 def test_heap_exhausted_is_a_memory_error():
     assert issubclass(HeapExhausted, MemoryError)
 

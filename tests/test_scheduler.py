@@ -260,6 +260,36 @@ def test_blasx_writing_a_read_only_arrays_memory_through_an_alias_drops_its_tile
         assert rel_err(blasx.gemm(1.0, r, eye), x @ y) < 1e-12
 
 
+def test_front_end_writes_into_a_read_only_arrays_memory_drop_its_tiles(rand, rel_err):
+    """The front ends' own writes into the caller's array (a strided c's copy-back, a cast into out, a k = 0
+    fill, a mixed call's beta scaling) retire the read-only root it aliases, as the engine's writes do."""
+    blasx.configure(devices="sim:2", tile=16, cache_bytes=1 << 20)
+    n = 64
+    eye = np.eye(n)
+    eye.flags.writeable = False
+    f = lambda *s: rand(s, seed=sum(s))  # noqa: E731
+    writes = (
+        (lambda r: r[::2, ::2], lambda w: blasx.gemm(1.0, f(32, 8), f(8, 32), 0.0, w, overwrite_c=True)),
+        (lambda r: r[::2, ::2], lambda w: blasx.matmul(f(32, 8), f(8, 32), out=w)),
+        (lambda r: r[:32, :32], lambda w: blasx.matmul(f(32, 8).astype(np.float32), f(8, 32).astype(np.float32),
+                                                       out=w)),
+        (lambda r: r[:32, :32], lambda w: blasx.matmul(f(32, 0), f(0, 32), out=w)),
+    )
+    for alias, write in writes:
+        r = np.asfortranarray(rand((n, n), seed=10))
+        w = alias(r)
+        r.flags.writeable = False
+        assert rel_err(blasx.gemm(1.0, r, eye), r) < 1e-12  # r's tiles cached for its life
+        write(w)
+        assert rel_err(blasx.gemm(1.0, r, eye), np.array(r)) < 1e-12
+    r16 = np.asfortranarray(rand((n, n), seed=11)).astype(np.float16)
+    w16, e16 = r16[:32, :32], np.eye(n, dtype=np.float16)
+    r16.flags.writeable = False
+    blasx.matmul(r16, e16)
+    blasx.gemm(0.0, f(32, 8).astype(np.float16), f(8, 32).astype(np.float16), 0.0, w16, overwrite_c=True)
+    assert not blasx.matmul(r16, e16)[:32, :32].any()
+
+
 def test_a_read_only_array_cached_while_another_thread_writes_it_is_dropped_after(rand, rel_err, monkeypatch):
     """A call caching a read-only root while a call of another thread writes its memory (through a view made
     before the flag was cleared): the writer retires the root again when it ends, so no stale tile outlives it."""

@@ -195,7 +195,7 @@ class SimDevice(StreamDevice):
     def open(self) -> None:
         free = self.cache_bytes - taken(self.index)  # the heap is the sim's device memory, less what is taken
         if free < 1 << 16:
-            raise DeviceError(f"{self.name}: {free} bytes of device memory free of {self.cache_bytes} "
+            raise DeviceError(f"{self.name}: {max(free, 0)} bytes of device memory free of {self.cache_bytes} "
                               f"({taken(self.index)} taken by other allocations); a tile cache needs at least 65536")
         heap = self._make_heap(free)
         # Timing mode: the heap runs over the full size, but no byte of it is allocated.
