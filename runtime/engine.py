@@ -69,7 +69,9 @@ Failure model
   untouched (it is cancelled as above); one writing into the caller's array (``overwrite_c``/``overwrite_b``
   with a usable array, ``out=``) holds Ctrl-C back until it returns (``blasx.dispatch.whole``, main
   thread), as numpy's and scipy's calls do, so that output is fully written when KeyboardInterrupt is
-  raised (an async exception injected into another thread still cancels it, maybe partly written).
+  raised (an async exception injected into another thread still cancels it, maybe partly written; one
+  injected while that thread starts the engine's workers can, on CPython 3.11, land in the new thread before
+  it reports itself started and leave the caller in ``Thread.start()``: a CPython limit, not Ctrl-C's case).
 * **An error of one call** (a refused write-back, ``CacheFull``, anything not a device error,
   ``Worker.device_error``) fails that call; its tasks stop as on an interrupt; the device goes on.
 * **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of memory, a
