@@ -24,7 +24,7 @@ from ..runtime.plans import plan_conv_forward, plan_conv_weight
 from ..runtime.activations import parse_activation
 from ..runtime.tiling import n_tiles
 from . import conv_direct, conv_memo, depthwise, direct_cache, direct_epilogue, host_batch, transpose_kernel
-from .args import check_dtype, check_kind, check_out, check_shape
+from .args import check_count, check_dtype, check_kind, check_out, check_shape
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .epilogue import Affine, device_affine, make_epilogue
 from .geometry import ConvGeometry, call_layout, conv_geometry, is_layout, layout
@@ -365,6 +365,39 @@ def linear(x, weight, bias=None, *, activation=None, math=None):
     return y[:, :, 0].reshape(*lead, weight.shape[0])
 
 
+# ---------------------------------------------------------------- the backwards' arguments
+
+def check_backward(fn: str, nd: int, sizes: tuple, grad_output, groups, *, weight=None,
+                   x=None) -> None:
+    """torch.nn.grad's checks of a backward, named as its arguments, before any work: ``grad_output`` and the
+    array given (``weight`` for the input gradient, ``input`` x for the weight gradient) arrays of one type,
+    ``groups`` a count, and the ranks and channels of ``sizes`` (``input_size`` or ``weight_size``), the array
+    and grad_output agreeing. (Geometry, stride, padding: conv_geometry's checks.)"""
+    arr, arr_name = (weight, "weight") if weight is not None else (x, "input")
+    dt = check_dtype(arr_name, check_kind(arr_name, arr))
+    if check_dtype("grad_output", check_kind("grad_output", grad_output)) != dt:
+        raise TypeError(f"{fn}: {arr_name} is {dt} but grad_output is {np.dtype(grad_output.dtype)}; they must match")
+    groups = check_count("groups", groups)
+    go = tuple(grad_output.shape)
+    data = tuple(sizes) if weight is not None else tuple(x.shape)  # the input's shape (given, or x's)
+    if len(data) not in (nd + 1, nd + 2) or len(go) != len(data):
+        raise ValueError(f"{fn}: {'input_size' if weight is not None else 'input'} {data} and grad_output {go} must "
+                         f"both be {nd + 2}-D (batched) or both {nd + 1}-D (unbatched)")
+    if len(data) == nd + 2 and data[0] != go[0]:
+        raise ValueError(f"{'input_size' if weight is not None else 'input'}: batch {data[0]} differs from "
+                         f"grad_output's {go[0]} (shape {go})")
+    w = tuple(weight.shape) if weight is not None else tuple(sizes)
+    if len(w) != nd + 2:
+        raise ValueError(f"{'weight' if weight is not None else 'weight_size'}: expected {nd + 2} sizes "
+                         f"(out, in/groups, k...), got {w}")
+    if w[0] % groups or data[-nd - 1] != w[1] * groups:
+        raise ValueError(f"{'weight' if weight is not None else 'weight_size'} {w} with groups={groups} takes "
+                         f"{w[1] * groups} input channels ({w[0]} outputs, a multiple of groups); the input "
+                         f"{data} has {data[-nd - 1]}")
+    if go[-nd - 1] != w[0]:
+        raise ValueError(f"grad_output: {go} has {go[-nd - 1]} channels; the weight {w} gives {w[0]}")
+
+
 # ---------------------------------------------------------------- backward-weights
 
 def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation, groups, math):
@@ -375,14 +408,11 @@ def _weight_grad(nd: int, x, weight_size, grad_output, stride, padding, dilation
     dw = conv_memo.replay(memo, x, grad_output)
     if dw is not None:
         return dw
-    xp = _xp(x, grad_output)
-    dt = check_dtype("input", x)
     wsize = check_shape("weight_size", weight_size)
-    if len(wsize) != nd + 2:
-        raise ValueError(f"weight_size: expected {nd + 2} sizes (out, in/groups, k...), got {tuple(weight_size)}")
+    check_backward(fn, nd, wsize, grad_output, groups, x=x)
+    xp = _xp(x, grad_output)
+    dt = np.dtype(x.dtype)
     geo = conv_geometry(fn, nd, x, np.broadcast_to(np.zeros((), dt), wsize), stride, padding, dilation, groups)
-    if np.dtype(grad_output.dtype) != dt:
-        raise TypeError(f"{fn}: input is {dt} but grad_output is {np.dtype(grad_output.dtype)}; they must match")
     math = precision.check_math(math)
     xb, unbatched = _batched(x, nd)
     want = (geo.n, geo.k, *geo.out_size)
@@ -477,7 +507,7 @@ def conv3d_weight(input, weight_size, grad_output, stride=1, padding=0, dilation
 
 def conv_bias_grad(grad_output):
     """The gradient of a convolution's bias: grad_output summed over every dim but the channels (1)."""
-    dt = check_dtype("grad_output", grad_output)
+    dt = check_dtype("grad_output", check_kind("grad_output", grad_output))
     if grad_output.ndim < 3:
         raise ValueError(f"grad_output: expected (N, K, spatial...), got shape {tuple(grad_output.shape)}")
     acc = dtypes.gemm_of(dt).compute

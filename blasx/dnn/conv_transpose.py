@@ -16,8 +16,8 @@ from .. import dispatch, precision
 from . import col2im, conv_direct, conv_memo, depthwise, direct_cache, direct_cuda, finddb, phases, transpose_kernel
 from .arrays import on_device_of as _on_device_of, xp_of as _xp
 from .args import check_out, check_shape
-from .conv import (_batched, _channel_vector, _check_kinds, _check_layout, _empty, _empty_maker, _forward_call,
-                   _replay_epilogue)
+from .conv import (check_backward, _batched, _channel_vector, _check_kinds, _check_layout, _empty, _empty_maker,
+                   _forward_call, _replay_epilogue)
 from .geometry import ConvGeometry, call_layout, is_layout, layout, transpose_geometry
 
 # Strided transposed convolutions and backward-data (dilation 1) run as stride^d stride-1 phase
@@ -184,12 +184,7 @@ def _input_grad(nd: int, input_size, weight, grad_output, stride, padding, dilat
     size = check_shape("input_size", input_size)
     if len(size) not in (nd + 1, nd + 2):
         raise ValueError(f"input_size: expected {nd + 2} sizes (N, C, spatial...), got {tuple(input_size)}")
-    go = getattr(grad_output, "shape", None)
-    if len(size) == nd + 2 and go is not None and len(go) == nd + 2 and size[0] != go[0]:
-        raise ValueError(f"input_size: batch {size[0]} differs from grad_output's {go[0]} (shape {tuple(go)})")
-    if weight.ndim == nd + 2 and size[-nd - 1] != weight.shape[1] * (groups if isinstance(groups, int) else 1):
-        raise ValueError(f"input_size: {size} has {size[-nd - 1]} channels; weight {tuple(weight.shape)} with "
-                         f"groups={groups} takes {weight.shape[1] * groups}")
+    check_backward(fn, nd, size, grad_output, groups, weight=weight)
     y = _transpose(nd, fn, grad_output, weight, None, stride, padding, 0, groups, dilation, output_size=size,
                    math=math)
     if tuple(y.shape) != size:

@@ -343,7 +343,7 @@ class Network:
             want = by[table[k][0][0]].params[table[k][0][1]].shape
             if tuple(getattr(v, "shape", ())) != want or getattr(v, "dtype", np.dtype(object)).kind not in "fiu":
                 dt = getattr(v, "dtype", None)
-                raise ValueError(f"values[{k!r}]: expected a real (integer or floating) array of shape {want}, got "
+                raise ValueError(f"values[{k!r}]: expected a real array of shape {want} (integer or floating), got "
                                  f"{type(v).__name__} of shape {getattr(v, 'shape', None)}"
                                  f"{'' if dt is None else f' and dtype {np.dtype(dt)}'}")
         with self._calls:  # (not while a call of another thread reads them)
