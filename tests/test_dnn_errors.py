@@ -85,6 +85,9 @@ CASES = [
     (ValueError, ("input (4, 8, 8) and grad_output (1, 6, 6, 6) must both be",),
      lambda: dnn.conv2d_weight(X[0], W.shape, np.ones((1, 6, 6, 6)), groups=2)),
     (TypeError, ("grad_output: got list",), lambda: dnn.conv_bias_grad(np.ones((2, 6, 6, 6)).tolist())),
+    # out= the residual is refused whatever the residual's layout (a strided one was taken: checked on its copy)
+    (ValueError, ("out: overlaps an input array",),
+     lambda: (lambda v: dnn.conv2d(X[0], W, groups=2, residual=v, out=v))(np.zeros((6, 6, 12))[..., ::2])),
     (TypeError, ("bias", "complex128", "real"), lambda: dnn.conv2d(X, W, np.ones(6, complex), groups=2)),
     (TypeError, ("scale", "object"), lambda: dnn.conv2d(X, W, groups=2, scale=np.array([None] * 6))),
     (TypeError, ("x: got list",), lambda: dnn.conv2d(X.tolist(), W, groups=2)),

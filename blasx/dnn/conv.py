@@ -271,10 +271,11 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
     lay = call_layout(xb, out if out is not None and out.ndim == nd + 2 else None)
     shape = (geo.n, geo.k, *geo.out_size)
     user_shape = shape[1:] if unbatched else shape
+    given_residual = residual
     if residual is not None:
         check_out(residual, user_shape, dt, x, name="residual", write=False)  # (only read: may be read-only)
         residual = transpose_kernel.to_layout(xp, _batched(residual, nd)[0], lay)
-    check_out(out, user_shape, dt, x, x, weight, residual, alias=False)
+    check_out(out, user_shape, dt, x, x, weight, given_residual, residual, alias=False)  # (any layout of residual)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
     image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
