@@ -100,7 +100,7 @@ def compute_reference(p: Problem) -> tuple[np.ndarray, dict]:
     if p.ref_rows is not None:  # a row sample, in float64 on the CPU
         t0 = time.perf_counter()
         ref = gemm_lp.sample_reference(p.a, p.b, p.ref_rows, p.alpha, p.beta, p.c_init)
-        return ref, {"dtype": "float64", "where": "cpu", "rows": p.ref_rows,
+        return ref, {"dtype": "float64", "where": "cpu", "rows": len(p.ref_rows), "sampled": "first, last, random",
                      "seconds": time.perf_counter() - t0}
     device = p.gpus[0]
     need = (p.m * p.k + p.k * p.n + p.m * p.n) * ref_dtype.itemsize + max(p.a.nbytes, p.b.nbytes)

@@ -73,11 +73,11 @@ def incore_gemm_ex(p, device: int, math: str) -> tuple[float, float]:
         return cupy.cuda.get_elapsed_time(start, end) / 1e3, total
 
 
-def sample_reference(a: np.ndarray, b: np.ndarray, rows: int, alpha, beta, c_init, chunk: int = 4096):
-    """float64 ``alpha a[:rows] @ b + beta c_init[:rows]`` by column chunks of b, each widened on a thread
-    pool (the widening, not the product, is most of the time)."""
+def sample_reference(a: np.ndarray, b: np.ndarray, rows, alpha, beta, c_init, chunk: int = 4096):
+    """float64 ``alpha a[rows] @ b + beta c_init[rows]`` (``rows``: row indices) by column chunks of b, each
+    widened on a thread pool (the widening, not the product, is most of the time)."""
     from .level3_check import _parallel
-    a64 = a[:rows].astype(np.float64)
+    a64 = a[rows].astype(np.float64)
     ref = np.empty((a64.shape[0], b.shape[1]), dtype=np.float64, order="F")
     wide = np.empty((b.shape[0], min(chunk, b.shape[1])), dtype=np.float64, order="F")
     for j in range(0, b.shape[1], chunk):
@@ -87,7 +87,7 @@ def sample_reference(a: np.ndarray, b: np.ndarray, rows: int, alpha, beta, c_ini
         np.matmul(a64, w, out=ref[:, j:j + w.shape[1]])
     ref *= float(np.real(alpha))
     if c_init is not None:
-        ref += float(np.real(beta)) * c_init[:rows].astype(np.float64)
+        ref += float(np.real(beta)) * c_init[rows].astype(np.float64)
     return ref
 
 

@@ -13,7 +13,7 @@ from blasx.runtime.dtypes import GEMM_BY_PREFIX as BY_PREFIX
 from blasx.runtime.dtypes import GEMM_PREFIXES as PREFIXES
 
 from . import gemm_lp
-from .level3_check import _parallel
+from .level3_check import _parallel, sample_rows
 
 #: how a Problem's host arrays are held while the contenders run (bench/README.md)
 MODES = ("registered", "pageable", "fresh")
@@ -140,7 +140,7 @@ class Problem:
     ref: np.ndarray | None = None
     ref_norm: float = 0.0
     mode: str = ""
-    ref_rows: int | None = None    # the reference covers these first rows of C (None: all)
+    ref_rows: np.ndarray | None = None  # the rows of C the reference covers (sample_rows; None: all)
     math: str = "ieee"
 
     @property
@@ -172,7 +172,8 @@ def make_problem(args: argparse.Namespace, dtype: str, m: int, n: int, k: int,
     lp = gemm_lp.reduced(dtype, args.math)
     rows = args.check_rows if args.check_rows is not None else (256 if lp else None)
     return Problem(dtype, m, n, k, typed_scalar(args.alpha, dtype), beta, a, b, c_init, c_out,
-                   list(gpus), tolerance(dtype, k, args.math), ref_rows=None if rows is None else min(rows, m),
+                   list(gpus), tolerance(dtype, k, args.math),
+                   ref_rows=None if rows is None else sample_rows(m, min(rows, m), args.seed),
                    math=args.math)
 
 

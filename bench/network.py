@@ -9,7 +9,8 @@ torch (eval mode, the mode's precision, channels-last on GPUs, cudnn.benchmark o
 the host batch streamed through it in ``--chunk`` chunks including its copies (pinned host memory, one
 stream), the same way blasx is fed. blasx runs the batch on the first GPU alone and on all of ``--devices``,
 compiled (graph passes) and uncompiled (the graph as traced). Every output is compared with float64 torch
-on the CPU for ``--check-images`` images: a contender passes when its relative-norm error is within
+on the CPU for ``--check-images`` images (the first, the last and random ones, so every GPU's chunks are
+sampled): a contender passes when its relative-norm error is within
 max(the mode's tolerance, 2x torch's own); a failing check is FAIL and is reported, never hidden. With
 sims (``--devices sim:N``) torch on the CPU is the peer. Writes network-TAG-STAMP.md/.json to ``--out``.
 """
@@ -29,6 +30,7 @@ import numpy as np
 
 from . import network_models as NM
 from .conv import _list  # comma lists checked against the allowed names
+from .level3_check import sample_rows
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
 MATH = {"fp32": "ieee", "tf32": "tf32", "fp16": "ieee", "bf16": "ieee"}
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shrink", type=int, default=1, help="divide the channel widths by this (smoke runs)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per contender (default 1)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per contender, median (default 3)")
-    p.add_argument("--check-images", type=int, default=4, help="images checked against float64 torch (default 4)")
+    p.add_argument("--check-images", type=int, default=4,
+                   help="images checked against float64 torch: the first, the last and random ones (default 4)")
     p.add_argument("--cache-gib", type=float, default=0.5,
                    help="blasx's tile cache per GPU in GiB (default 0.5: the layers run on their GPU, off the cache)")
     p.add_argument("--no-uncompiled", action="store_true", help="skip the uncompiled blasx runs")
@@ -159,9 +162,8 @@ def torch_runner(torch, model, mode: str, args, x: np.ndarray):
     return run
 
 
-def _check(name: str, y, ref, tol: float, torch_err: float | None) -> dict:
-    k = ref.shape[0]
-    err = _rel(y[:k], ref)
+def _check(name: str, y, ref, images, tol: float, torch_err: float | None) -> dict:
+    err = _rel(y[images], ref)
     limit = tol if torch_err is None else max(tol, 2 * torch_err)
     return {"name": name, "error": err, "limit": limit, "ok": bool(np.isfinite(err) and err <= limit)}
 
@@ -174,15 +176,15 @@ def bench_model(name: str, mode: str, args, log) -> dict:
     model, source = NM.build(name, shrink=args.shrink, seed=args.seed)
     shape = (args.batch, 3, args.size, args.size)
     x = np.random.default_rng(args.seed).standard_normal(shape, dtype=np.float32).astype(_np_dtype(mode))
-    k = min(args.check_images, args.batch)
+    images = sample_rows(args.batch, min(args.check_images, args.batch), args.seed)  # every GPU's chunks sampled
     with torch.no_grad():
         import copy
-        ref = copy.deepcopy(model).double()(_to_torch(torch, x[:k]).double()).numpy()
+        ref = copy.deepcopy(model).double()(_to_torch(torch, x[images]).double()).numpy()
     tol = TOLERANCE[mode]
     row = {"model": name, "source": source, "mode": mode, "batch": args.batch, "size": args.size, "runs": [],
            "checks": []}
     t_sec, t_times, y = _timed(torch_runner(torch, model, mode, args, x), args.warmup, args.reps)
-    torch_chk = _check("torch", y, ref, tol, None)
+    torch_chk = _check("torch", y, ref, images, tol, None)
     row["checks"].append(torch_chk)
     row["runs"].append({"name": "torch", "devices": 1, "seconds": t_sec, "images_per_s": args.batch / t_sec,
                         "times": t_times})
@@ -204,7 +206,7 @@ def bench_model(name: str, mode: str, args, log) -> dict:
             row["checks"].append({"name": label, "error": None, "limit": tol, "ok": False, "exception": repr(e)})
             log(f"{name} {mode} {label}: ERROR {e!r}")
             continue
-        chk = _check(label, y, ref, tol, torch_chk["error"])
+        chk = _check(label, y, ref, images, tol, torch_chk["error"])
         row["checks"].append(chk)
         prof = net.last_profile()
         graphs_seen = prof.graphs

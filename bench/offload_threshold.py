@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import math
 import platform
+import shlex
 import statistics
 import sys
 import time
 import timeit
 
 import numpy as np
+
+from blasx.precision import tolerance
 
 DTYPES = {"s": np.float32, "d": np.float64, "c": np.complex64, "z": np.complex128}
 # the six orders of three timings in a round (ours, the peer, the peer again): each is first, second
@@ -81,8 +85,11 @@ def measure(sizes, dtype, runs: int) -> list[dict]:
         for _ in range(reps):
             t_np = min(t_np, best_time(lambda: a @ b, 1))
             t_bx = min(t_bx, best_time(lambda: blasx.matmul(a, b), 1))
+        got = blasx.matmul(a, b)  # (a call after the timed ones checked too: the engine's steady state)
+        err = max(err, float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300)))
+        tol = 2 * tolerance(dtype, n)  # (both sides round: twice one gemm's bound against the exact product)
         rows.append({"n": n, "flops": flops(n, dtype), "numpy_s": t_np, "blasx_s": t_bx,
-                     "speedup": t_np / t_bx, "rel_err": err})
+                     "speedup": t_np / t_bx, "rel_err": err, "tolerance": tol, "ok": bool(err <= tol)})
     return rows
 
 
@@ -251,7 +258,8 @@ def main(argv=None) -> int:
     blas = threadpoolctl.threadpool_info()
     blas_txt = ", ".join(f"{i.get('internal_api')} {i.get('version')} x{i.get('num_threads')}" for i in blas
                          if i.get("user_api") == "blas")
-    print(f"# command: python -m bench.offload_threshold {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# command: python -m bench.offload_threshold {shlex.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, numpy {np.__version__} "
           f"({blas_txt}), blasx devices: {devices}")
     limits = blas_thread_limits(args.blas_threads)
@@ -259,26 +267,31 @@ def main(argv=None) -> int:
         with limits:
             if args.offload:
                 return _offload_mode(args, sizes)
-            _threshold_mode(args, sizes)
+            return _threshold_mode(args, sizes)
     finally:
         blasx.shutdown()
-    return 0
 
 
-def _threshold_mode(args, sizes) -> None:
+def _threshold_mode(args, sizes) -> int:
+    """The timing table per dtype, each blasx result checked against numpy's: 1 (WRONG printed) if one is off."""
+    wrong = 0
     for code in args.dtypes.split(","):
         dtype = DTYPES[code.strip()]
         rows = measure(sizes, dtype, args.runs)
         print(f"\n{np.dtype(dtype).name}:")
-        print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9}")
+        print(f"{'N':>6} {'flops':>10} {'numpy ms':>10} {'blasx ms':>10} {'speedup':>8} {'rel err':>9} check")
         for r in rows:
             print(f"{r['n']:>6} {r['flops']:>10.3g} {r['numpy_s'] * 1e3:>10.3f} {r['blasx_s'] * 1e3:>10.3f} "
-                  f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e}")
+                  f"{r['speedup']:>8.2f} {r['rel_err']:>9.1e} {'ok' if r['ok'] else 'WRONG'}")
+            wrong += not r["ok"]
         x = crossover(rows)
         if math.isinf(x):
             print(f"crossover ({np.dtype(dtype).name}): blasx never wins at these sizes -> threshold inf")
         else:
             print(f"crossover ({np.dtype(dtype).name}): blasx wins from {x:.3g} flops on")
+    if wrong:
+        print(f"WRONG: {wrong} result(s) off numpy's by more than the tolerance", file=sys.stderr)
+    return 1 if wrong else 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

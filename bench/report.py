@@ -65,6 +65,14 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
+def _checks_note(bad: list[str], total: int) -> str:
+    """One line saying every timed result was checked and right, or listing those that were not (a failed or
+    wrong result is never left out of the page without a word)."""
+    if not bad:
+        return f"Every timed result checked against its reference: {total} ok."
+    return f"NOT ok ({len(bad)} of {total}, left out of the figures above): " + "; ".join(bad) + "."
+
+
 # --------------------------------------------------------------------------- readers
 
 
@@ -92,11 +100,13 @@ def read_gemm(path: str) -> Table:
                      _f(cp and cp["tflops_best"]),
                      _f(bx["tflops_best"] / (g * cp["tflops_best"]), 2) if bx and cp else "-",
                      _f(np_ and np_["tflops_best"], 2)])
+    bad = [f"{s['label']} {s['dtype']} {s['mode']} {s['n']}: {s['status']}" for s in doc["summary"]
+           if s["status"] != "ok"]
     return Table(machine, doc["date"][:16].replace("T", " "), doc["command"],
                  ["dtype", "mode", "N", "blasx", "cuBLAS-XT (block)", "blasx / XT", "cupy in-core, 1 GPU",
                   "blasx / (cupy x GPUs)", "numpy"], rows,
                  [f"TFLOPS of the best of {doc['config']['runs']} run(s); alpha {doc['config']['alpha']}, "
-                  f"beta {doc['config']['beta']}."])
+                  f"beta {doc['config']['beta']}.", _checks_note(bad, len(doc["summary"]))])
 
 
 def read_level3(path: str) -> Table:
@@ -115,7 +125,9 @@ def read_level3(path: str) -> Table:
     return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
                  ["dtype", "N", "routine", "blasx", "cuBLAS-XT", "blasx / XT", "of blasx GEMM"], rows,
                  [f"TFLOPS of the best of {doc['runs']} run(s) (complex: 4x the real flops); upper, left, "
-                  f"no transpose, TRMM and TRSM in place."])
+                  f"no transpose, TRMM and TRSM in place.",
+                  _checks_note([f"{r['who']} {r['dtype']}{r['routine']} {r['n']}" for r in doc["results"]
+                                if not r.get("ok")], len(doc["results"]))])
 
 
 def read_efficiency(path: str) -> Table:
@@ -180,7 +192,14 @@ def read_ab(path: str) -> Table:
     rows = [[r["n"], r["routine"], r["config"], f"{r['median_s']:.4f}", _f(r["tflops"]), _f(r["vs_a"], 3),
              _f(r["of_gemm"], 3)] for r in doc["summary"]]
     notes = ["Configurations: " + "; ".join(f"{c['label']} = `{c['text'] or 'defaults'}`" for c in doc["configs"])]
-    return Table(doc["where"], doc["date"][:16], doc["command"],
+    if doc.get("prediction"):
+        notes.append("A timing-model prediction (no GPU ran): nothing to check.")
+    else:
+        notes.append(_checks_note([f"{r['config']} {r['routine']} {r['n']} round {r['round']}" for r in doc["records"]
+                                   if not r.get("ok")], len(doc["records"])))
+    measured = doc.get("host") and not doc.get("prediction")
+    where = f"{_machine(doc['host'])}, {doc['where']}" if measured else doc["where"]
+    return Table(where, doc["date"][:16], doc["command"],
                  ["N", "routine", "config", "median s", "TFLOPS", "vs A", "of GEMM"], rows, notes)
 
 
@@ -232,7 +251,9 @@ def read_tallskinny(path: str) -> Table:
 def read_rnn(path: str) -> Table:
     doc = _load(path)
     gpus = doc["env"].get("gpus") or []
-    machine = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "CPU only"
+    used = str(doc.get("devices") or "")
+    count = len(used.split(",")) if used.startswith("cuda:") else len(gpus)  # the GPUs the run used, not all seen
+    machine = f"{count}x {gpus[0]['name']}" if gpus else "CPU only"
     rows = [[r["mode"], r["hidden"], r["batch"], r["steps"], r["layers"], 2 if r["bidirectional"] else 1,
              r["dtype"], r["math"], r["phase"], _f(r["blasx_s"] * 1e3, 2), _f(r["peer_s"] * 1e3, 2),
              _f(r["ratio"], 2), "ok" if r["ok"] else "FAIL"] for r in doc["results"]]
@@ -256,7 +277,8 @@ def read_rnn(path: str) -> Table:
 def read_network(path: str) -> Table:
     doc = _load(path)
     gpus = doc["machine"].get("gpus") or []
-    machine = f"{len(gpus)}x {gpus[0]}" if gpus else "CPU only"
+    used = (doc.get("args") or {}).get("gpus") if (doc.get("args") or {}).get("gpu") else None
+    machine = f"{len(gpus)}x {gpus[0]}" if gpus else (f"{len(used)} GPUs (names not recorded)" if used else "CPU only")
     rows = []
     for r in doc["rows"]:
         checks = {c["name"]: c for c in r.get("checks", [])}
@@ -288,7 +310,7 @@ def read_dask(path: str) -> Table:
     rows = [[name, _f(r["seconds"], 2), _f(r["gflops"] / 1e3, 1),
              "-" if r.get("peak_worker_bytes") is None else _f(r["peak_worker_bytes"] / 2**20, 0),
              "-" if r.get("peak_worker_gpu_pool_bytes") is None else _f(r["peak_worker_gpu_pool_bytes"] / 2**20, 0),
-             f"{r['rel_err']:.1e}"] for name, r in res.items()]
+             f"{r['rel_err']:.1e}", "ok" if r.get("ok", r["rel_err"] < 1e-10) else "WRONG"] for name, r in res.items()]
     notes = []
     bx, da_, one = res.get("blasx.dask"), res.get("dask.array"), res.get("blasx (one process)")
     if bx and da_:
@@ -298,7 +320,8 @@ def read_dask(path: str) -> Table:
         notes.append(f"Dask layer cost against blasx in one process: {bx['seconds'] / one['seconds'] - 1:+.0%} "
                      "(goal <= 10%).")
     return Table(machine, doc["date"][:16], command,
-                 ["contender", "seconds", "TFLOPS", "peak worker host MiB", "peak worker GPU pool MiB", "rel. error"],
+                 ["contender", "seconds", "TFLOPS", "peak worker host MiB", "peak worker GPU pool MiB", "rel. error",
+                  "check (<= 1e-10)"],
                  rows, notes)
 
 

@@ -4,6 +4,7 @@ one-process run are checked, the files are written, ``--group`` reaches blasx.da
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -12,16 +13,34 @@ pytest.importorskip("distributed")
 
 def test_smoke_run_writes_checked_results(tmp_path, capsys):
     from bench import dask as bench_dask
-    rc = bench_dask.main(["--n", "256", "--block", "64", "--devices", "cpu", "--workers", "1", "--group", "256",
-                          "--task-bytes", "300KB", "--out", str(tmp_path / "new")])  # (the directory made)
+    argv = ["--n", "256", "--block", "64", "--devices", "cpu", "--workers", "1", "--group", "256", "--task-bytes",
+            "300KB", "--contenders", "blasx.dask,dask.array,blasx (one process)", "--out", str(tmp_path / "new")]
+    rc = bench_dask.main(argv)  # (the directory made)
     tmp_path = tmp_path / "new"
     assert rc == 0
     [js] = tmp_path.glob("dask-cpu-g256-tb300KB-w1t1-n256-b64-*.json")  # (a chain of links: 1 MB of blocks)
     res = json.loads(js.read_text())
     assert set(res["results"]) == {"blasx.dask", "dask.array", "blasx (one process)"}
-    assert all(r["rel_err"] < 1e-10 for r in res["results"].values())
-    assert res["args"]["group"] == 256 and "--group 256" in res["command"]
+    assert all(r["rel_err"] < 1e-10 and r["ok"] and r["tolerance"] == 1e-10 for r in res["results"].values())
+    assert res["args"]["group"] == 256 and shlex.split(res["command"])[3:] == argv  # (pasted, it runs the same)
+    assert "| ok |" in js.with_suffix(".md").read_text()
     assert js.with_suffix(".md").exists()
+
+
+def test_the_check_catches_a_transposed_or_summed_c(capsys):
+    """Rows of C against a numpy reference that no contender computes: a transposed C (which a checksum of the
+    whole C accepts) is caught; the recorded command can be pasted (a contender name with spaces quoted)."""
+    import dask.array as da
+    import numpy as np
+    from bench import dask as bench_dask
+    rng = np.random.default_rng(0)
+    a, b = (da.from_array(rng.random((96, 96)), chunks=32) for _ in range(2))
+    rows = bench_dask.check_rows(96)
+    assert rows[0] == 0 and rows[-1] == 95
+    ref = bench_dask.reference_rows(a, b, rows)
+    c = a @ b
+    assert bench_dask._check(c, rows, ref) < 1e-12
+    assert bench_dask._check(c.T, rows, ref) > 1e-3 and abs(float(c.T.sum() - c.sum())) < 1e-9
 
 
 def test_group_must_be_auto_off_or_a_number():
