@@ -27,8 +27,7 @@ test: $(STAMP)
 	$(PYTEST) -n $(JOBS) --dist worksteal -m "not serial"
 	$(PYTEST) -m serial $(SERIAL_FILES)
 
-# Runs on all GPUs found, else on the CPU; prints its settings first and its result last (also
-# into a log). The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"
+# Runs on all GPUs found, else on the CPU; prints its settings first and its result last. The default size takes seconds on a 2-core CPU. GPU sizes: ARGS="--n 16384"
 # (in core), ARGS="--n 32768 --cache-bytes 4G" (out of core); sims: ARGS="--devices sim:4 --n 2048".
 ARGS ?= --n 4096
 run: $(STAMP)

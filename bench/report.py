@@ -121,7 +121,8 @@ def read_level3(path: str) -> Table:
                    key=lambda k: (PREFIXES.index(k[1]), k[0], ALL_ROUTINES.index(k[2])))
     for n, d, rt, _ in order:
         tf, xt, gemm = best[(n, d, rt, "blasx")], best.get((n, d, rt, "cublasxt")), best.get((n, d, "gemm", "blasx"))
-        rows.append([_dtype(d), n, rt, _f(tf), _f(xt), _f(tf / xt, 2) if xt else "-", _f(tf / gemm, 2) if gemm else "-"])
+        rows.append([_dtype(d), n, rt, _f(tf), _f(xt), _f(tf / xt, 2) if xt else "-",
+                     _f(tf / gemm, 2) if gemm else "-"])
     return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
                  ["dtype", "N", "routine", "blasx", "cuBLAS-XT", "blasx / XT", "of blasx GEMM"], rows,
                  [f"TFLOPS of the best of {doc['runs']} run(s) (complex: 4x the real flops); upper, left, "
@@ -156,9 +157,10 @@ def read_cpu_worker(path: str) -> Table:
             row += [_f(r.get("tflops")), _f(100 * r["cpu_flop_share"], 1) if "cpu_flop_share" in r else "-"]
         rows.append(row)
     return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
-                 ["dtype", "N", "GPUs", "GPUs only"] + [x for m in modes for x in (f"+ CPU ({m})", f"CPU flops % ({m})")],
-                 rows, ["TFLOPS of the best run; the CPU worker is now compared with "
-                        "`python -m bench.ab --a cpu=False --b cpu=auto`."])
+                 ["dtype", "N", "GPUs", "GPUs only"]
+                 + [x for m in modes for x in (f"+ CPU ({m})", f"CPU flops % ({m})")],
+                 rows, ["TFLOPS of the best run; `bench.cpu_worker`, the command above, is retired: the CPU worker "
+                        "is now compared with `python -m bench.ab --a cpu=False --b cpu=auto`."])
 
 
 def read_scaling_sim(path: str) -> Table:

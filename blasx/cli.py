@@ -442,8 +442,10 @@ def _tune(blasx, parser, args) -> int:
         print("\n".join(finddb.format_entries(finddb.entries(db))))
         return 0
     if args.clear:
+        existed = db.path.exists()
         n = db.clear()
-        print(f"perf-db {db.path}: removed {n} entr{'y' if n == 1 else 'ies'}")
+        print(f"perf-db {db.path}: " + ("damaged or of another version: deleted" if existed and not db.path.exists()
+                                        else f"removed {n} entr{'y' if n == 1 else 'ies'}"))
         return 0
     if args.conv is not None:
         return _tune_conv(parser, args, db)

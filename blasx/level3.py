@@ -80,8 +80,9 @@ def _prefixed(prefix: str):
         return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name)
 
     f.__name__ = f.__qualname__ = name
-    f.__doc__ = (f"GEMM in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to {dtype.name} "
-                 f"first.\n\n" + (gemm.__doc__ or ""))
+    f.__doc__ = (f"GEMM in {dtype.name} (scipy.linalg.blas.{name}): every array is cast to {dtype.name} first; "
+                 f"no out_dtype or math (the math mode is blasx.configure's).\n\n"
+                 + (gemm.__doc__ or "").split("\n\n    Reduced precision")[0] + "\n    ")
     return f
 
 

@@ -159,7 +159,7 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     float32's: a product of two half or bfloat16 values is exact in float32, so only the k
     additions round, and their errors add up like a random walk (factor 2 of margin). TF32 cuts
     each input to 11 significant bits, rounding or truncating (u_tf32 = 2^-10, one ulp: cuBLAS's
-    kernels may do either). int8 -> int32: 0 (exact). float64: 2 sqrt(k) 2^-53."""
+    kernels may do either). int8 -> int32: 0 (exact). float64: 2^-53 + 2 sqrt(k) 2^-53."""
     row = dtypes.gemm_of(dtype)
     if row is None:
         raise TypeError(f"dtype: got {dtype!r}, allowed: {dtypes.GEMM_ALLOWED}")

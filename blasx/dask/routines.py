@@ -152,9 +152,9 @@ def group_extent(*xs) -> int:
 
 
 def matmul(a, b, *, progress=False):
-    """``a @ b`` with numpy's shape and dtype rules for 1-D and 2-D operands: the four BLAS types
-    run on blasx, any other result type (integers, bool, float16 ...) and N-D operands run
-    ``dask.array.matmul`` itself."""
+    """``a @ b`` with numpy's shape rules for 1-D and 2-D operands: the four BLAS types run on blasx, any other
+    result type (integers, bool, float16 ...) and N-D operands run ``dask.array.matmul`` itself, with its
+    result type (int8 @ int8 is int64 there)."""
     from .offload import original_matmul  # (the package's name ``offload`` is the function)
     for name, x in (("a", a), ("b", b)):
         if x is None or isinstance(x, (str, bytes)):
