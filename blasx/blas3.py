@@ -346,7 +346,8 @@ def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, name, d
 
     def inverses(eng, tile):
         """TRSM's scratch for the diagonal blocks' inverses (Knobs.trsm_inverse), on engines with
-        a stream device: a GPU solves a diagonal tile twice as fast by multiplying with it."""
+        a stream device: a multiply by a block's inverse has no row-to-row dependence, so a GPU runs it
+        faster than a triangular solve (not a solve numerically: docs/design.md, TRSM by inverses)."""
         if (not solve or alpha == 0 or s_dim <= tile or not eng.config.knobs.trsm_inverse
                 or not any(d.streamed for d in eng.devices)):
             return None  # (a single level solves with trsm steps: nothing to invert)

@@ -51,7 +51,8 @@ def configure(devices: str | None = None, tile: int | None = None, streams: int 
         None means ``$BLASX_DEVICES``, else all CUDA GPUs, else the CPU.
     tile: tile size T (None: chosen per call).
     streams: streams (and concurrent tasks) per GPU, the paper's 4 by default.
-    cache_bytes: tile-cache heap per device (None: most of the free GPU memory; 64 MiB per sim).
+    cache_bytes: tile-cache heap per device (None: half the GPU memory free when the engine starts; 64 MiB
+        per sim).
     cpu: the CPU worker beside the GPUs. None (default): auto mode beside CUDA GPUs (a task only where
         predicted to finish before the GPUs would finish the rest, runtime/admission.py), none beside
         sims. ``"auto"``: auto mode beside any GPUs or sims. True: always, by demand. False: never.

@@ -9,17 +9,27 @@ Policy
 * A pure planner splits a call into tasks (one per output tile C_ij, each a list of k-steps) on a
   non-blocking **global queue** (``queue.py``); tasks with CuPy operands go to one only CUDA workers serve.
 * One **worker thread per device** (``worker_base.py``; ``worker.py`` and ``assign.py`` for stream devices,
-  ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``streams`` tasks: it pulls when it has
-  room (demand-driven balance), steals the newest task of the most loaded station when the queue is empty,
-  and starts the task of highest **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's
+  ``cpu_worker.py`` for the CPU) keeps a **reservation station** of ``nstreams`` tasks: it pulls while it has
+  room (demand-driven balance), and past that while no task it holds is ready (tasks waiting on dependencies
+  must not starve those they wait for). If its station is still empty after pulling, it steals the newest task
+  it can run from the station holding the most waiting flops, even while the queue holds tasks left for others
+  (below); it starts the task of highest **Eq. 3 priority** (2 per input tile in its L1, 1 per tile in a peer's
   L1), an ``urgent`` one (TRSM's diagonal inversions, which later tasks wait for) first. **Fair share of
   small calls**: a stream worker holding max(1, tasks // stream workers) of a call leaves the rest to a
   stream peer with room that holds less, unless it has nothing else to run (``Worker._leave_for_peer``);
   with ``Knobs.line_homes`` each line of an in-place TRMM or a TRSM of at most two lines a device goes to
   one device (``_leave_for_home``).
-* Each stream runs one task; a worker issues one k-step of every active task in turn, at most
-  ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task cannot
-  move, so what each device has committed when the queues run dry is the call's tail).
+* A stream device has ``nstreams`` compute streams and three copy streams (host loads, peer loads,
+  write-backs). Each active task holds a compute stream; a worker issues one k-step of every active task in
+  turn, at most ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
+  cannot move, so what each device has committed when the queues run dry is the call's tail). With
+  ``Knobs.chain_kernels`` each kernel waits for the device's previous one: kernels run one at a time in issue
+  order, and the streams overlap copies and write-backs with them, not kernels with each other.
+* A rotatable task's k-steps start at its device's share of k (``assign.py``), so its summation order depends
+  on the device that ran it: on several stream devices results are not bit-identical run to run (split-k's
+  reduction order is fixed). ``Knobs.late_c`` folds beta * C in at a task's end. Every knob, the queue order
+  (``Knobs.block_order``), TRSM's inverses (``Knobs.trsm_inverse``) and the details: docs/design.md,
+  *Scheduling details*.
 * Tiles are read through the **two-level cache**: L1 is the device's ALRU (Algorithm 2) over its heap; L2
   the other devices' L1, found through the **MESI-X directory** (``coherence.py``), copied over peer links.
   A peer's line still filling from the host is waited for only if the host bytes ahead of it are at most
@@ -37,8 +47,9 @@ Invariants
    then, so no device writes into the caller's memory after ``submit`` returns or raises.
 2. A line's reader count is the number of issued, unfinished operations that read it; only lines with no
    readers are evicted; a heap block is freed only by its device's worker after the event ending its last use.
-3. A tile key begins with a token that is never reused: per call for host arrays that may be written; for
-   life for read-only arrays (whole base chain read-only). No stale tile is read.
+3. A tile key begins with a token that is never reused: per call for host arrays that may be written and
+   for device (CuPy) arrays; for life for read-only host arrays (whole base chain read-only). No stale tile
+   is read.
 4. Cross-device waits target an event recorded before the wait is issued (a peer's fill event, read under
    the directory lock while holding a reader count), so waits cannot form a cycle. If the peer breaks
    before its fill completes, the sim copies from the tile's home instead.
@@ -82,8 +93,9 @@ Failure model
 * **Out of memory**: a heap is sized from the memory free at open (cuda: half, retried at half the size;
   sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start, naming needed
   and free bytes. Memory taken by others mid-run shrinks the cache (``Device.cache_limit``); a block that
-  still does not fit fails the call with ``CacheFull``, as a cuda scratch buffer that cannot be had does
-  (MemoryError). A host chunk that cannot be registered is copied as pageable memory; one that could not
+  still does not fit once the worker's own work has retired fails the call with ``CacheFull`` (while peers
+  still read its lines, after polling up to about 40 s for them to end), as a cuda scratch buffer that cannot
+  be had does (MemoryError). A host chunk that cannot be registered is copied as pageable memory; one that could not
   be staged fails the copies reading it.
 * **Shutdown**: ``shutdown()`` and ``configure()`` let the calls in flight finish (a Ctrl-C meanwhile cancels
   them) before any worker takes its sentinel: a worker that stopped mid-call would leave its peers reading
@@ -94,14 +106,20 @@ Failure model
   A call is listed in ``_calls`` inside the block whose interrupt cancels it: shutdown never waits for a call
   nobody runs.
 
-State (each field has one owner)
---------------------------------
+State (who changes each field)
+------------------------------
 * ``devices``, ``workers``, ``stations``: fixed at start. A station is pushed/popped by its worker, stolen
-  from under its own lock.
-* ``queues``: ``{"any": TaskQueue, "gpu": TaskQueue}``; any thread puts, workers get.
+  from by peers, emptied of a cancelled call's tasks by its caller (``_take_back``) and, once its worker is
+  dead, drained by whichever thread runs ``_fail_unrunnable``; all under the station's lock.
+* ``queues``: ``{"any": TaskQueue, "gpu": TaskQueue}`` (deque operations, atomic under the GIL); any thread
+  puts, workers get; a cancelling caller removes its call's tasks (``remove_if``), as ``_fail_unrunnable``
+  removes all once no worker lives.
 * ``directory``: MESI-X directory and every ALRU, under ``directory.lock``; heap blocks belong to their worker.
+  It remembers the last 4096 retired token bases, so a line filled late for one of them is born dead (one
+  filled late for an older base is never read either: tokens are not reused; ALRU evicts it in its turn).
 * ``work_generation``, ``_cv``: bumped and notified when work appears (submit, re-queue, failure, shutdown);
-  idle workers sleep on ``_cv`` until it changes.
+  idle workers sleep on ``_cv`` until it changes, at most 2 ms while any station holds tasks (a station filling
+  notifies nobody, and a steal must not wait for the next call).
 * ``_calls``: calls in progress, so a failure with no live worker can fail them all; added and copied under
   ``_calls_lock`` (``_live_calls``).
 * ``_retired``: bases of collected read-only arrays whose tiles are still to be marked dead (invariant 7);
@@ -226,7 +244,7 @@ class Engine:
                        for d, st in zip(self.devices, self.stations)
                        for core in [d.index % ncores if bind and d.binds_thread else None]]
             self.workers = workers
-            # A Ctrl-C meanwhile is held back until every worker has opened its device (CUDA: seconds), then
+            # A Ctrl-C meanwhile is held back until every worker has opened its device (CUDA contexts: slow), then
             # raised with the engine started: half-started workers would be started twice, or never stopped.
             pending = failed = None
             try:

@@ -9,8 +9,8 @@ up to ``idle_limit`` bytes (the oldest freed are released first).
 ``$BLASX_RESULT_POOL``: ``off`` (or 0, no, false) for plain numpy results, or the idle limit (``8G``).
 
 A new buffer is anonymous memory whose pages several threads touch first, then one
-``cudaHostRegister``: ``cudaHostAlloc`` faults and zeroes the pages on one thread, an order of
-magnitude slower for buffers of GiBs.
+``cudaHostRegister``: ``cudaHostAlloc`` faults and zeroes every page on one thread, work that the
+first touches spread over several threads.
 
 Ownership: the pool's lock guards the free lists and the idle count; a handed-out buffer belongs
 to the arrays viewing it (a ctypes object is their base, and its finalizer returns the buffer).

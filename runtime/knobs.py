@@ -1,4 +1,5 @@
-"""Scheduling switches for A/B measurements; defaults are the choices that won them.
+"""Scheduling switches, each turning one mechanism on or off for A/B runs (bench/); the defaults are blasx's
+behaviour, described in docs/design.md (*Scheduling details*, *Knobs*).
 ``BLASX_KNOBS`` (``"chain_kernels=0,late_c=1,commit_steps=64"``) changes them without touching code."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class Knobs:
     #: Wait for a peer's in-flight host load of a tile only if it arrives before one on this device's link would.
     peer_wait_if_sooner: bool = True
     #: TRSM through explicit inverses of A's diagonal blocks (``plan_trsm(inverse=True)``, a task per block,
-    #: shared through the tile cache), then triangular multiplies (faster than solves in cuBLAS); GPU or sim.
+    #: shared through the tile cache), then multiplies by them (no row-to-row dependence, unlike a solve; not
+    #: a triangular solve numerically: docs/design.md); on engines with a stream device.
     trsm_inverse: bool = True
     #: TRSM's ``invmm`` writes into a fresh heap block that becomes C, instead of a scratch tile copied back
     #: over C (kept where C is the caller's device array).

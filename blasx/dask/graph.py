@@ -24,8 +24,9 @@ from .worker import Block, Ref, Storage, engine_has_gpus, refs_of, run_block
 
 #: dask.config's ``blasx.dask.task-bytes`` "auto" (the default): the most bytes of dependency blocks one task
 #: takes; an output block whose steps read more is a chain of tasks (each link starts from a copy of the last's
-#: block). CuPy blocks get the larger bound: they are read in place on GPUs of tens of GB, where the links'
-#: copies cost more device memory than the larger bound does.
+#: block). Blocks read from GPUs (:func:`device_blocks`: CuPy blocks, or host blocks where every worker's engine
+#: has GPUs) get the larger bound: a call reads them in place, tile by tile, onto GPUs of tens of GB, where the
+#: links' copies would cost more memory than the larger bound does.
 TASK_BYTES = 4 << 30
 DEVICE_TASK_BYTES = 16 << 30
 

@@ -8,11 +8,12 @@ and a transposed convolution's zero insertion; it is then an ordinary cache line
 evicted, and the im2col matrix never exists in host memory nor crosses the host link. NCHW output is the
 column-major ``P x N*K`` matrix, so its C tiles are pixel ranges of one image by channel ranges
 (``Y_n^T = col(X_n)^T W^T``); channels-last output is ``K x N*P`` and its tiles span images. Transposed
-convolutions and backward-data are convolutions of the (virtually zero-inserted) input with the flipped,
-transposed kernel; backward-weights is the long-k GEMM ``dW = dY . col(X)^T`` (planners in
-runtime/plans/conv.py). The fused epilogue (bias, per-channel scale and shift, residual, activation) runs on
-each finished output tile on the device (epilogue.py); a residual initialises the C tile, with the scale
-folded into the weights.
+convolutions and backward-data are convolutions of the input with the flipped, transposed kernel: strided
+ones (dilation 1) as stride^d stride-1 convolutions, one per phase of the output (conv_transpose.PHASES), so
+the zero-inserted input's zeros are skipped; with dilation, one convolution of the virtually zero-inserted input.
+Backward-weights is the long-k GEMM ``dW = dY . col(X)^T`` (planners in runtime/plans/conv.py). The fused
+epilogue (bias, per-channel scale and shift, residual, activation) runs on each finished output tile on the
+device (epilogue.py); a residual initialises the C tile, with the scale folded into the weights.
 
 Inputs are numpy (host; may exceed a GPU's memory) or CuPy arrays (result on the same device), C-contiguous
 NCHW or channels-last (an NCHW-shaped view of NHWC memory; the output keeps the layout; any other strides are

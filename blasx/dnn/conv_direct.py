@@ -48,7 +48,7 @@ LAYOUT_MIN_C = 8  # NCHW operands with fewer input or output channels are convol
 LAYOUT_MIN_PIXELS = 128  # ... and NCHW 1x1s with this many output pixels an image
 INSERTED_MIN_PIXELS = 256  # ... or this many, for a 1x1 over a zero-inserted input (strided backward-data)
 WEIGHT_MIN_PIXELS = {2: 0, 4: 128}  # an NCHW weight gradient's window converted from this many output pixels
-SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most (7x7 maps, 1.65, lose)
+SHIFTED_MAX_WIDE = 1.5  # the wide grid's pixels (computed) per output pixel (kept), at most: the taps' extra work
 WINOGRAD_TILE = 4  # the winograd form's m x m output tiles: F(2x2, 3x3) or F(4x4, 3x3) (winograd.py)
 
 

@@ -12,8 +12,8 @@ larger images.
 Policy: chunks of equal size, enough for every slot of every GPU to run ``CHUNKS_PER_SLOT`` (the first fills
 the pipeline), of ``MIN_CHUNK_BYTES`` to ``CHUNK_BYTES`` of input and output (:func:`plan`). Host operands of
 at least ``hostmem.MIN_REGISTER_BYTES`` (weights: ``WEIGHT_REGISTER_BYTES``) are page-locked in place by the
-engine's registration cache (kept while the array lives; a one-shot batch too: registering it ran faster
-than copying it into a pooled page-locked buffer); a caller's page-locked memory is copied from as it is;
+engine's registration cache (kept while the array lives; a one-shot batch too: registered in place, it needs
+no copy through a pooled page-locked buffer); a caller's page-locked memory is copied from as it is;
 anything else goes through a slot's staging. Outputs blasx allocates are page-locked (CuPy's pinned pool) up
 to ``PINNED_OUT_BYTES``.
 

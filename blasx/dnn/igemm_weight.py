@@ -63,9 +63,9 @@ def k_tiles(geo: ConvGeometry) -> int:
 
 def config(geo: ConvGeometry, sms: int) -> Config:
     """The tile and split for ``geo`` on a GPU of ``sms`` multiprocessors (one block each, the tiles'
-    registers and shared memory allow no more): two warpgroups (128 rows) where K allows, 192 columns (measured
-    on ResNet-50's 3x3s on H100, the fastest of 64-256 with two warpgroups; one warpgroup runs best at 256);
-    then as many pixel splits as fill one wave of blocks, each at least MIN_KTILES k-tiles."""
+    registers and shared memory allow no more): two warpgroups (128 rows) where K allows, with 192 columns (one
+    warpgroup: 256, the tuned widths); then as many pixel splits as fill one wave of blocks, each at least
+    MIN_KTILES k-tiles."""
     wgm = 2 if geo.k % 128 == 0 else 1
     bn = 192 if wgm == 2 else 256
     tiles = -(-geo.crs // bn) * (geo.k // (64 * wgm))

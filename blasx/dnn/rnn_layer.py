@@ -309,7 +309,7 @@ class CudaOps(_Moves):
 
     def gemm_layers(self, a, w, out, trans_w: bool, beta: float) -> None:
         """:meth:`gemm_batched`'s result for a diagonal step's layers. float32 IEEE (SIMT kernels, where cuBLAS's
-        batched choice for these small-row shapes runs at about half the rate of separate calls) issues one
+        batched call picks a slower kernel for these small-row shapes than separate calls get) issues one
         GemmEx per layer, each on its own side stream forked from and joined to the current one by events (so a
         capture turns them into parallel graph branches), each on its own 1/n of the workspace (rnn_graph.Diag
         holds one default-sized piece per layer; a fresh one when none is set, so eager and captured loops pick

@@ -318,7 +318,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
 
 #if BWD && MODE == 0
 // The inputs of one (row b, unit j) cell gradient at step p: i, f, g, o, c, c_prev, dy (0 without dy), all loaded
-// before any is used (measured faster than loads beside the arithmetic).
+// before any is used, so their latencies overlap instead of each load stalling the arithmetic after it.
 __device__ __forceinline__ void cell_inputs(float* v, const float* gates, const float* C, const float* dy, int p,
                                             int t, int b, int j, int B, int H) {
     const size_t k = ((size_t)p * B + b) * 4 * H + j, o = (size_t)b * H + j, BH = (size_t)B * H;

@@ -3,7 +3,7 @@ on CuPy arrays (CuPy has no bfloat16) without a projection.
 
 The step loop of rnn_layer.py costs a GEMM and a cell kernel a step; replayed from a CUDA graph that is still
 two dependent launches a step, and at small batch and hidden sizes their fixed costs, not the work, set the time
-(cuDNN's persistent kernels are what it is measured against there). Here each block owns J hidden units (all
+(the case cuDNN's persistent kernels address too). Here each block owns J hidden units (all
 gates of each unit, so the cell needs no other block's result) and its warps hold those units' weight rows in
 registers for the whole loop, each warp a share of the k range; a step is: each warp loads its slice of h_prev
 from L2 into its tensor-core fragments, the products, the warps' partial sums, the cell, write the block's slice

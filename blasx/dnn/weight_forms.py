@@ -41,8 +41,8 @@ BATCHED_MIN_PIXELS = {2: 784, 4: 196}
 # against its GEMM there)
 BATCHED_SMALL_PIXELS = 196
 BATCHED_SMALL_CK = 1 << 18
-# the implicit kernel by default on a window over this many output pixels (fewer, ResNet-50's 7x7 maps: its
-# blocks are too few for the GPU and the im2col GEMM wins)
+# the implicit kernel by default on a window over this many output pixels (fewer, as on ResNet-50's 7x7 maps:
+# its blocks are too few to fill the GPU, and the im2col GEMM runs instead)
 IMPLICIT_MIN_PIXELS = 8192
 PARTIALS_BYTES = 16 << 20  # the batched form's partial sums kept within this (they stay in a GPU's L2)
 

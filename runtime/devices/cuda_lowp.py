@@ -101,7 +101,7 @@ def imma_operands(scratch, stream, step, a, b):
     """int8 operands in the one form cuBLAS runs on its int8 tensor-core kernels (IMMA): "TN", A
     transposed and B not (both k-major), m and k multiples of 4, leading dimensions multiples of 4,
     aligned pointers. Other forms are refused (CUBLAS_STATUS_NOT_SUPPORTED) or run on kernels
-    about ten times slower. An operand not already in that form is copied to it (transposed,
+    without IMMA. An operand not already in that form is copied to it (transposed,
     zero-padded to m4 x k4 and k4 x n: zeros add nothing) into this stream's scratch; C's rows
     m..m4 then lie in its ld padding (a multiple of 4) and are never read. Returns
     (m, k, op_a, op_b, a, b)."""
