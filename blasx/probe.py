@@ -331,6 +331,9 @@ def format_perfdb(path, entries: list[dict], this_key: tuple[str, int] | None = 
     """The perf-db table (as ``blasx tune --show``); ``this_key`` (device model, GPUs): entries
     that calls on these devices would use are marked ``*``."""
     note = " (ignored by the runtime: BLASX_PERFDB is off)" if disabled else ""
+    host_only = this_key is not None and tuple(this_key) == ("cpu", 1)
+    if host_only:  # (a CPU-only engine makes one host BLAS call a gemm: it reads no entry)
+        this_key = None
     if not entries:
         return [f"perf-db {path}: no entries{note}"]
     n = len(entries)
@@ -349,4 +352,6 @@ def format_perfdb(path, entries: list[dict], this_key: tuple[str, int] | None = 
     if this_key is not None:
         lines.append(f"(* {mine} entr{'y' if mine == 1 else 'ies'} for these devices: "
                      f"{this_key[0]}, {this_key[1]} GPU{'s' if this_key[1] != 1 else ''})")
+    if host_only:
+        lines.append("(the CPU alone: each gemm is one host BLAS call, which reads no entry)")
     return lines

@@ -391,6 +391,10 @@ def test_format_perfdb():
     assert lines[-1] == "(* 1 entry for these devices: NVIDIA H200, 2 GPUs)"
     assert probe.format_perfdb("p", [], disabled=True) == ["perf-db p: no entries (ignored by the runtime: "
                                                            "BLASX_PERFDB is off)"]
+    # the CPU alone reads no entry (one host BLAS call a gemm): none is marked as used
+    cpu = dict(e, device="cpu", ndev=1)
+    lines = probe.format_perfdb("p", [cpu], ("cpu", 1))
+    assert lines[2].startswith("  cpu") and lines[-1].startswith("(the CPU alone: each gemm is one host BLAS call")
 
 
 # --------------------------------------------------------------------------- no bench command
