@@ -14,6 +14,12 @@ Install with ``pip install 'blasx[dask]'``.
 
 import contextlib
 
+try:
+    import dask.array  # noqa: F401 - blasx.dask is an optional extra
+except ModuleNotFoundError as _e:
+    raise ModuleNotFoundError(f"blasx.dask needs dask[array] and distributed ({_e}); install them with "
+                              f"pip install 'blasx[dask]'", name=_e.name) from _e
+
 from .offload import offload
 from .level3 import hemm, her2k, herk, symm, syr2k, syrk, trmm, trsm
 from .routines import gemm, matmul
