@@ -109,8 +109,8 @@ def make_arrays(n: int, dtype: str, seed: int = 0):
 def sample_rows(n: int, count: int = CHECK_ROWS, seed: int = 0) -> np.ndarray:
     """Sorted distinct row indices spread over [0, n): the first and last row and random ones
     (so that every block row of tiles is likely to be checked); all rows when n <= count."""
-    if n <= count:
-        return np.arange(n)
+    if n <= count or count < 2:  # (fewer than two: the first rows)
+        return np.arange(min(n, max(count, 0)))
     rng = np.random.default_rng([seed, n])
     inner = rng.choice(np.arange(1, n - 1), size=count - 2, replace=False)
     return np.sort(np.concatenate([[0, n - 1], inner])).astype(np.intp)

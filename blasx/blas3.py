@@ -194,7 +194,7 @@ def hemm(alpha, a, b, beta=0.0, c=None, side=0, lower=0, overwrite_c=False):
 
 def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
     if hermitian:
-        if isinstance(trans, (bool, np.bool_)) or not isinstance(trans, numbers.Integral) or int(trans) not in (0, 2):
+        if not isinstance(trans, (numbers.Integral, np.bool_)) or int(trans) not in (0, 2):  # (a bool as 0 / 1)
             raise ValueError(f"trans: got {trans!r}; {routine} allows 0 (N: op(a) = a) or 2 (C: op(a) = a^H); "
                              f"1 (T) is not a Hermitian update")
         return int(trans)

@@ -17,10 +17,13 @@ def check_matrix(name: str, x) -> None:
         raise TypeError(f"{name}: got {type(x).__name__}, expected a numpy or cupy array")
     if x.ndim != 2:
         raise ValueError(f"{name}: got a {x.ndim}-D array of shape {x.shape}, expected a 2-D matrix")
-    bf16 = dtypes.GEMM_BY_PREFIX.get("b")
-    if x.dtype.kind not in "biufc" and not (bf16 is not None and x.dtype == bf16.dtype):
-        raise TypeError(f"{name}: got an array of dtype: {x.dtype}; allowed: float32, float64, complex64, complex128 "
-                        f"(and the other numeric types, converted as scipy converts them)")
+    if x.dtype.kind in "OUS":  # objects and strings: taken where they convert to numbers, as scipy casts them
+        try:
+            x.astype(np.complex128)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name}: got an array of dtype: {x.dtype} that does not convert to numbers ({e}); "
+                            f"allowed: float32, float64, complex64, complex128 (and the other numeric types, "
+                            f"converted as scipy converts them)") from None
 
 
 def check_trans(name: str, value) -> int:

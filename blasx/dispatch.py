@@ -397,13 +397,14 @@ def _acc(dtype) -> np.dtype:
 
 
 def retires_written(fn):
-    """``fn`` (a front end) returns the array it wrote, the caller's or a new one: read-only roots that array
-    overlaps are retired when it returns, as the engine's calls retire those of the views they write (the front
-    end's own copy-backs, fills and casts into the caller's array write outside that window)."""
+    """``fn`` (a front end) returns the array it wrote: when that is one of the caller's arrays it was passed
+    (c, b, out), the read-only roots it overlaps are retired as it returns, as the engine's calls retire those of
+    the views they write (the front end's own copy-backs, fills and casts write outside that window). A new
+    result overlaps no root: nothing to scan."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         res = fn(*args, **kwargs)
-        if type(res) is np.ndarray:
+        if type(res) is np.ndarray and (any(res is x for x in args) or any(res is x for x in kwargs.values())):
             READONLY.drop_written([res])
         return res
     return call

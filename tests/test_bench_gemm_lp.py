@@ -27,6 +27,8 @@ def test_problem_and_row_sampled_reference(dtype):
     assert p.c_out.dtype == out and p.c_init.dtype == out and list(p.ref_rows) == list(range(48))
     big = GP.make_problem(G.parse_args(["--dtypes", dtype, "--n", "48", "--check-rows", "5"]), dtype, 600, 8, 8, [0])
     assert len(big.ref_rows) == 5 and big.ref_rows[0] == 0 and big.ref_rows[-1] == 599  # spread over C
+    one = GP.make_problem(G.parse_args(["--dtypes", dtype, "--n", "48", "--check-rows", "1"]), dtype, 600, 8, 8, [0])
+    assert list(one.ref_rows) == [0]  # (a sample of one: the first row)
     ref, info = GC.compute_reference(p)
     assert info["where"] == "cpu" and ref.shape == (48, 40)
     want = p.alpha * (p.a.astype(np.float64) @ p.b.astype(np.float64)) + p.beta * p.c_init.astype(np.float64)

@@ -139,18 +139,24 @@ def test_numpy_integer_trans_flags_are_accepted(sim2, abc, rel_err):
     # bools as 0 / 1, as scipy's drop-in and the other flags take them
     out = blasx.gemm(1.0, a.T.copy(), b, trans_a=True, trans_b=np.bool_(False))
     assert rel_err(out, a @ b) < 1e-12
+    h = a.astype(complex)
+    assert rel_err(np.triu(blasx.herk(1.0, h, trans=False)), np.triu(h @ h.conj().T)) < 1e-12
 
 
 @pytest.mark.parametrize("routine", ["dgemm", "dsyrk", "dsymm", "dtrsm"])
 def test_prefixed_routines_name_a_non_numeric_array(sim2, routine, expect):
-    """The prefixed front ends cast to their type: an object or string array is named before the cast (numpy's
-    bare conversion error came out)."""
+    """The prefixed front ends cast to their type: an object or string array that does not convert to numbers is
+    named before the cast (numpy's bare conversion error came out); one of numbers converts, as scipy's does."""
     a = np.ones((4, 4))
-    for bad in (a.astype(object), np.full((4, 4), "x")):
+    junk = np.empty((4, 4), object)
+    junk[...] = [[object()] * 4] * 4
+    for bad in (junk, np.full((4, 4), "x")):
         args = {"dgemm": (1.0, bad, a), "dsyrk": (1.0, bad), "dsymm": (1.0, bad, a), "dtrsm": (1.0, bad, a)}
-        expect(TypeError, "a: got an array of dtype:", str(bad.dtype), call=lambda: getattr(blasx, routine)(
-            *args[routine]))
-    assert (np.triu(blasx.dsyrk(1.0, a)) == np.triu(np.full((4, 4), 4.0))).all()
+        expect(TypeError, "a: got an array of dtype:", str(bad.dtype), "does not convert to numbers",
+               call=lambda: getattr(blasx, routine)(*args[routine]))
+    for fine in (a.astype(object), a.astype(str)):
+        args = {"dgemm": (1.0, fine, a), "dsyrk": (1.0, fine), "dsymm": (1.0, fine, a), "dtrsm": (1.0, fine, a)}
+        assert getattr(blasx, routine)(*args[routine]).dtype == np.float64
 
 
 def test_gemm_into_a_c_whose_elements_share_memory_returns_a_new_array(sim2, rand):
