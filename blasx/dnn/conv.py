@@ -374,27 +374,25 @@ def check_backward(fn: str, nd: int, sizes: tuple, grad_output, groups, *, weigh
     array given (``weight`` for the input gradient, ``input`` x for the weight gradient) arrays of one type,
     ``groups`` a count, and the ranks and channels of ``sizes`` (``input_size`` or ``weight_size``), the array
     and grad_output agreeing. (Geometry, stride, padding: conv_geometry's checks.)"""
-    arr, arr_name = (weight, "weight") if weight is not None else (x, "input")
+    given = weight is not None  # (the input gradient: weight given, input_size; else input given, weight_size)
+    arr, arr_name = (weight, "weight") if given else (x, "input")
+    data_name, w_name = ("input_size", "weight") if given else ("input", "weight_size")
     dt = check_dtype(arr_name, check_kind(arr_name, arr))
     if check_dtype("grad_output", check_kind("grad_output", grad_output)) != dt:
         raise TypeError(f"{fn}: {arr_name} is {dt} but grad_output is {np.dtype(grad_output.dtype)}; they must match")
     groups = check_count("groups", groups)
     go = tuple(grad_output.shape)
-    data = tuple(sizes) if weight is not None else tuple(x.shape)  # the input's shape (given, or x's)
+    data, w = (tuple(sizes), tuple(weight.shape)) if given else (tuple(x.shape), tuple(sizes))
     if len(data) not in (nd + 1, nd + 2) or len(go) != len(data):
-        raise ValueError(f"{fn}: {'input_size' if weight is not None else 'input'} {data} and grad_output {go} must "
-                         f"both be {nd + 2}-D (batched) or both {nd + 1}-D (unbatched)")
+        raise ValueError(f"{fn}: {data_name} {data} and grad_output {go} must both be {nd + 2}-D (batched) or both "
+                         f"{nd + 1}-D (unbatched)")
     if len(data) == nd + 2 and data[0] != go[0]:
-        raise ValueError(f"{'input_size' if weight is not None else 'input'}: batch {data[0]} differs from "
-                         f"grad_output's {go[0]} (shape {go})")
-    w = tuple(weight.shape) if weight is not None else tuple(sizes)
+        raise ValueError(f"{data_name}: batch {data[0]} differs from grad_output's {go[0]} (shape {go})")
     if len(w) != nd + 2:
-        raise ValueError(f"{'weight' if weight is not None else 'weight_size'}: expected {nd + 2} sizes "
-                         f"(out, in/groups, k...), got {w}")
+        raise ValueError(f"{w_name}: expected {nd + 2} sizes (out, in/groups, k...), got {w}")
     if w[0] % groups or data[-nd - 1] != w[1] * groups:
-        raise ValueError(f"{'weight' if weight is not None else 'weight_size'} {w} with groups={groups} takes "
-                         f"{w[1] * groups} input channels ({w[0]} outputs, a multiple of groups); the input "
-                         f"{data} has {data[-nd - 1]}")
+        raise ValueError(f"{w_name} {w} with groups={groups} takes {w[1] * groups} input channels ({w[0]} outputs, "
+                         f"a multiple of groups); the input {data} has {data[-nd - 1]}")
     if go[-nd - 1] != w[0]:
         raise ValueError(f"grad_output: {go} has {go[-nd - 1]} channels; the weight {w} gives {w[0]}")
 
