@@ -112,3 +112,44 @@ def test_out_untouched_on_error_and_engine_usable(expect):
     expect(ValueError, "overlaps", call=lambda: dnn.conv2d(X, np.ones((4, 4, 1, 1)), out=X))
     y = dnn.conv2d(X, W, groups=2, out=out)
     assert y is out and np.allclose(out, 18.0)
+
+
+def test_batch_norm_leaves_its_running_stats_alone_when_one_is_read_only():
+    """Training updates running_mean, running_var and num_batches_tracked in place: a read-only one is named
+    before any is written (running_mean and the batch count were updated, then numpy's unnamed error came)."""
+    blasx.configure(devices="sim:2", tile=16)
+    x = np.random.default_rng(0).random((4, 3, 5, 5)).astype(np.float32)
+    rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
+    rv.flags.writeable = False
+    with pytest.raises(ValueError, match="running_var: is read-only"):
+        dnn.batch_norm(x, rm, rv, None, None, True, 0.1, 1e-5)
+    assert (rm == 0).all()
+    rm, rv, nbt = np.zeros(3, np.float32), np.ones(3, np.float32), np.array([0])
+    rm.flags.writeable = False
+    with pytest.raises(ValueError, match="running_mean: is read-only"):
+        dnn.batch_norm(x, rm, rv, None, None, True, None, 1e-5, num_batches_tracked=nbt)
+    assert nbt[0] == 0
+    dnn.batch_norm(x, rm, rv, None, None, False, 0.1, 1e-5)  # (evaluation reads them only)
+
+
+def test_masked_arrays_flags_and_network_options_are_named():
+    """A masked array is refused (its mask was ignored); the recurrent layers' flags are booleans (a string was
+    taken as True); Network.compile names a dtype numpy does not know and takes fuse as a flag; a numpy integer
+    chunk is taken."""
+    import torch
+    blasx.configure(devices="sim:2", tile=16)
+    xm = np.ma.masked_array(np.ones((1, 3, 4, 4), np.float32), mask=True)
+    with pytest.raises(TypeError, match="x: got a masked array"):
+        dnn.conv2d(xm, np.ones((1, 3, 3, 3), np.float32))
+    lstm = torch.nn.LSTM(4, 5)
+    params = {k: v.detach().numpy() for k, v in lstm.state_dict().items()}
+    seq = np.ones((3, 2, 4), np.float32)
+    for flag in ("batch_first", "bidirectional", "training"):
+        with pytest.raises(TypeError, match=f"{flag}: got 'no'"):
+            dnn.lstm(seq, None, params, **{flag: "no"})
+    net = dnn.from_torch(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), (1, 3, 6, 6))
+    with pytest.raises(TypeError, match="dtype: got 'float8'"):
+        net.compile(dtype="float8")
+    with pytest.raises(TypeError, match="fuse: got 'no'"):
+        net.compile(fuse="no")
+    assert net(np.ones((4, 3, 6, 6), np.float32), chunk=np.int64(2)).shape == (4, 4, 4, 4)

@@ -59,9 +59,12 @@ def check_dtype_arg(name: str, value) -> np.dtype:
 # ---------------------------------------------------------------- arrays
 
 def check_kind(name: str, x):
-    """x is a numpy or CuPy array (of any dtype); x."""
+    """x is a numpy or CuPy array (of any dtype), not a masked one (its mask would be ignored); x."""
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
         raise TypeError(f"{name}: got {type(x).__name__}, expected a numpy or cupy array")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name}: got a masked array, whose mask blasx.dnn would ignore; pass x.filled(value) or "
+                        f"x.data")
     return x
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from .. import precision
 from ..operands import is_cupy
 from . import executor, passes
-from .args import check_dtype, check_flag
+from .args import check_dtype, check_dtype_arg, check_flag, is_int
 from .graph import Graph, infer_shapes
 from .layers import takes_out
 
@@ -68,13 +68,13 @@ class Network:
         second chunk (chunk_graph.py; the profile then times replayed chunks as a whole; False: every chunk
         layer by layer, each layer timed)."""
         if dtype is not None:
-            dtype = check_dtype("dtype", np.empty(0, dtype=dtype))
+            dtype = check_dtype_arg("dtype", dtype)
         math = precision.check_math(math)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: got {layout!r}; allowed: {', '.join(map(repr, LAYOUTS))}")
         if not isinstance(workers_per_gpu, int) or workers_per_gpu < 1:
             raise ValueError(f"workers_per_gpu: got {workers_per_gpu!r}; need an int >= 1")
-        graphs = check_flag("graphs", graphs)
+        graphs, fuse = check_flag("graphs", graphs), check_flag("fuse", fuse)
         with self._calls:  # (a call of another thread under way keeps the graph it started with)
             return self._compile(dtype, math, layout, fuse, workers_per_gpu, graphs)
 
@@ -208,8 +208,9 @@ class Network:
         self._check_x(x)
         b = self.graph.batch_axis
         n = x.shape[b]
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
+        chunk = None if chunk is None else int(chunk)
         import sys
         with self._calls:  # (compile() and set_parameters() from other threads wait for the call)
             if self.compiled is None:

@@ -143,6 +143,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if updating and momentum is None and num_batches_tracked is None:
         raise ValueError("momentum: None (cumulative average) needs num_batches_tracked (a one-element integer "
                          "array, incremented in place) to count the batches")
+    if training and running_mean is not None:  # (updated in place: all writable before any is written)
+        for name, v in (("running_mean", running_mean), ("running_var", running_var),
+                        ("num_batches_tracked", num_batches_tracked)):
+            if v is not None and not getattr(v.flags, "writeable", True):
+                raise ValueError(f"{name}: is read-only; batch_norm updates it in place when training")
     check_out(out, x.shape, x.dtype, x, x)
     check_same_device(x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias,
                  num_batches_tracked=num_batches_tracked, out=out)

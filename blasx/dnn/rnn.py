@@ -26,7 +26,7 @@ import numpy as np
 from .. import precision
 from ..operands import array_module, is_cupy
 from . import rnn_exec, rnn_graph, rnn_host, rnn_params, rnn_replay, rnn_replay_backward
-from .args import check_dtype, check_kind, dtype_text
+from .args import check_dtype, check_flag, check_kind, dtype_text
 
 __all__ = ["lstm", "gru", "rnn", "lstm_backward", "gru_backward", "rnn_backward"]
 
@@ -116,6 +116,7 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
         raise TypeError("params: required (a mapping of torch's parameter names to arrays, e.g. a state_dict)")
     _check_x(x)
     math = precision.check_math(math)
+    bidirectional, batch_first = check_flag("bidirectional", bidirectional), check_flag("batch_first", batch_first)
     xp = array_module(is_cupy(x))
     unbatched = x.ndim == 2
     xt = x[:, None] if unbatched else (x.transpose(1, 0, 2) if batch_first else x)
@@ -207,6 +208,7 @@ def _run_once(mode, x, hx, params, num_layers, bidirectional, batch_first, lengt
 
 def _general(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, training, math,
              owned=False):
+    training = check_flag("training", training)
     pb = _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, lengths, proj_size, math)
     if rnn_host.applies(pb):  # host arrays, GPUs: the CuPy path on the first GPU (None: keep the host path)
         res = rnn_host.run(lambda xd, hd, pd, lens, bf: _run_once(mode, xd, hd, pd, num_layers, bidirectional, bf,
