@@ -153,3 +153,16 @@ def test_masked_arrays_flags_and_network_options_are_named():
     with pytest.raises(TypeError, match="fuse: got 'no'"):
         net.compile(fuse="no")
     assert net(np.ones((4, 3, 6, 6), np.float32), chunk=np.int64(2)).shape == (4, 4, 4, 4)
+
+
+def test_from_torch_names_a_bad_example_shape():
+    """A float size was taken as an int; a shape the module cannot run on gave torch.fx's ShapeProp error (a
+    RuntimeError naming a graph node): both name example_input_shape, the second with torch's own reason."""
+    import torch
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match="example_input_shape: got \\(1, 3, 6.0, 6\\)"):
+        dnn.from_torch(m, (1, 3, 6.0, 6))
+    with pytest.raises(ValueError, match="example_input_shape: the module does not run on an input of shape "
+                                         "\\(1, 5, 6, 6\\): .*to have 3 channels"):
+        dnn.from_torch(m, (1, 5, 6, 6))
+    assert dnn.from_torch(m, (1, 3, 6, 6)) is not None

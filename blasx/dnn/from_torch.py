@@ -14,6 +14,7 @@ import copy
 import operator
 import threading
 
+from .args import is_int
 from .graph import Graph, Node
 from .network import Network
 
@@ -279,9 +280,13 @@ def from_torch(module, example_input_shape):
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    shape = tuple(int(v) for v in example_input_shape)
-    if len(shape) < 2 or min(shape) < 1:
-        raise ValueError(f"example_input_shape: got {tuple(example_input_shape)}; need (batch, ...) of positive sizes")
+    try:
+        given = tuple(example_input_shape)
+    except TypeError:
+        given = None
+    if given is None or len(given) < 2 or not all(is_int(v) and v >= 1 for v in given):
+        raise ValueError(f"example_input_shape: got {example_input_shape!r}; need (batch, ...) of positive ints")
+    shape = tuple(int(v) for v in given)
     # A copy is traced and probed, not the module: its mode, buffers and running statistics stay as they are
     # for a thread using it meanwhile; one trace at a time (torch.fx patches nn.Module.__call__ process-wide).
     module = _private_copy(torch, module)
@@ -295,7 +300,12 @@ def from_torch(module, example_input_shape):
                 first = next(module.parameters(), None)
                 first = next(module.buffers(), None) if first is None else first  # (a module of buffers alone)
                 dtype = (torch.zeros(()) if first is None else first).dtype
-                ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+                try:
+                    ShapeProp(gm).propagate(torch.zeros(shape, dtype=dtype))
+                except RuntimeError as e:  # (a shape the module cannot take: torch's own message, named)
+                    why = str(e.__cause__ or e).strip().splitlines()
+                    raise ValueError(f"example_input_shape: the module does not run on an input of shape {shape}: "
+                                     f"{why[-1] if why else type(e).__name__}") from None
                 module.train(was_training)  # (the mode the trace took its flags from)
                 gm.train(was_training)
                 faithful = _traced_matches(torch, module, gm, shape, dtype)

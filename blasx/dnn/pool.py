@@ -8,7 +8,8 @@ float64, float32, float16 or bfloat16 (numpy only: CuPy has no bfloat16); half t
 round once. Results equal torch's: output sizes and checks, ceil_mode, the average's divisor, the max pools'
 indices (int64 flat positions in the input's spatial plane of each (n, c)) and NaN handling (NaN wins).
 
-Forwards take a keyword-only ``out`` (written and returned; with ``return_indices`` a (values, indices) pair).
+Forwards take a keyword-only ``out`` (written and returned; with ``return_indices`` an array for the values or a
+(values, indices) pair).
 Backward passes take what forward took plus, for max pools, the indices it returned (call forward with
 ``return_indices=True``); ``input_shape`` is the forward input's shape or the input itself (its values are not
 read). They return the input's gradient in the input's layout where the input is given, else in grad_output's.
