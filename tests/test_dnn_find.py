@@ -387,3 +387,11 @@ def test_network_records_each_convs_algorithm(cache):
     finddb.store(finddb.key_of(geo, "fwd", H200, np.float32, "cl"), "shifted", {"im2col": 2.0, "shifted": 1.0})
     assert net.algos(device=H200)[names[1]] == "shifted"
     assert net.algos((5, 3, 16, 16), device=H200)[names[1]] == "shifted"  # the nearest batch
+
+
+def test_store_names_a_key_that_is_not_a_conv_key(tmp_path):
+    """The key's text (or any non-tuple) is named (ConvKey(*text) gave a TypeError about 70 arguments)."""
+    db = perfdb.PerfDb(tmp_path / "db.sqlite")
+    with pytest.raises(TypeError, match="key: got str; need a ConvKey"):
+        finddb.store("H200|fwd|s|ieee|nchw", "im2col", {"im2col": 1.0}, db)
+    assert finddb.entries(db) == []

@@ -200,6 +200,9 @@ def _db(db) -> perfdb.PerfDb:
 
 def store(key: ConvKey, form: str, seconds: dict, db=None) -> None:
     """Record ``form`` as the fastest for ``key``, with the best seconds of every form measured."""
+    if not isinstance(key, tuple) or len(key) != len(ConvKey._fields):
+        raise TypeError(f"key: got {type(key).__name__}; need a ConvKey (problem_key's), or a tuple of its "
+                        f"{len(ConvKey._fields)} fields")
     key = _checked(ConvKey(*key))
     if form not in FORMS:
         raise ValueError(f"form: got {form!r}, need one of {', '.join(FORMS)}")
