@@ -314,21 +314,25 @@ def overflow_tallied():
 
 def warn_overflow(count: int, size: int) -> None:
     """Warn, in the calling thread, that ``count`` of ``size`` float16 results overflowed (the
-    caller's line named: the first frame outside blasx)."""
+    caller's line named: the first frame outside blasx), as the caller's ``np.errstate(over=...)`` asks:
+    "ignore" says nothing, "raise" raises FloatingPointError (the result written, as numpy's)."""
     tally = getattr(_overflow, "tally", None)
     if tally is not None:
         tally[0] += count
         tally[1] += size
         return
-    if not count:
+    mode = np.geterr()["over"]
+    if not count or mode == "ignore":
         return
+    text = (f"float16 overflow: {count} of {size} result values exceed float16's range (+-65504) and are inf; "
+            f"pass out_dtype=np.float32 to keep them")
+    if mode == "raise":
+        raise FloatingPointError(text)
     level, frame = 2, sys._getframe(1)
     while frame is not None and (str(frame.f_globals.get("__name__", "")).startswith("blasx.")
                                  or frame.f_globals.get("__name__") == "contextlib"):
         level, frame = level + 1, frame.f_back
-    warnings.warn(f"float16 overflow: {count} of {size} result values exceed float16's range "
-                  f"(+-65504) and are inf; pass out_dtype=np.float32 to keep them",
-                  Float16OverflowWarning, stacklevel=level)
+    warnings.warn(text, Float16OverflowWarning, stacklevel=level)
 
 
 # ---------------------------------------------------------------- the engine

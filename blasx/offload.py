@@ -406,7 +406,8 @@ def _matmul_hook(a, b, c) -> bool:
         _offloaded("matmul", numpy_api.run_batch, a, b, c)
         return True
     except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
-        _failed(f"matmul ({c.dtype.name})", e)
+        if not isinstance(e, FloatingPointError):  # (np.errstate's "raise": numpy's loop raises it itself)
+            _failed(f"matmul ({c.dtype.name})", e)
         if isinstance(e, KeyboardInterrupt):
             import _thread
             _thread.interrupt_main()
@@ -428,14 +429,15 @@ def _dot_wrapper(a, b, out=None):
             try:
                 return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
-                _failed("np.dot", e)
+                if not isinstance(e, FloatingPointError):  # (np.errstate's "raise": numpy raises it again)
+                    _failed("np.dot", e)
     return _dot_next(a, b, out)
 
 
 def _dot_out_ok(a, b, out) -> bool:
-    """Whether numpy's dot takes ``out``: a C-contiguous ndarray of the result's exact shape and dtype."""
+    """Whether numpy's dot takes ``out``: a writable C-contiguous ndarray of the result's exact shape and dtype."""
     shape = a.shape[:-1] + (b.shape[:-2] + b.shape[-1:] if b.ndim >= 2 else ())
-    return (type(out) is _ndarray and out.flags.c_contiguous and out.shape == shape
+    return (type(out) is _ndarray and out.flags.c_contiguous and out.flags.writeable and out.shape == shape
             and out.dtype == np.result_type(a, b))
 
 

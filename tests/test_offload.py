@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -549,3 +550,18 @@ def test_an_out_numpy_rejects_gets_numpys_error_and_no_fallback_warning(rand):
         with pytest.raises(ValueError, match="output array is not acceptable"):
             np.dot(a, b, out=np.empty((a.shape[0], b.shape[1]), np.float32))
         assert O.offload_stats()["fallback"] == before
+
+
+def test_np_dot_into_a_read_only_out_is_numpys_error_with_no_fallback(rand):
+    """A read-only out is left to numpy's dot (its own ValueError), not tried on blasx first (which failed, warned
+    of a fallback and counted one)."""
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = rand((32, 32)), rand((32, 32))
+    out = np.zeros((32, 32))
+    out.flags.writeable = False
+    before = O.offload_stats()["fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with blasx.offload(threshold=0), pytest.raises(ValueError):
+            np.dot(a, b, out)
+    assert O.offload_stats()["fallback"] == before and not out.any()

@@ -584,3 +584,21 @@ def test_gemm_takes_bfloat16_beside_another_type_as_scipy_does():
     c = blasx.gemm(1.0, a, b)
     assert c.dtype == np.float64 and (c == 3).all()
     assert blasx.gemm(1.0, a, b.astype(np.complex64)).dtype == np.complex128
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_float16_overflow_follows_the_callers_errstate(dev):
+    """np.errstate(over="ignore") silences the overflow warning and "raise" raises FloatingPointError after the
+    call, as numpy's float16 matmul does; under offload numpy's own error comes, with no fallback warning."""
+    _configure(dev)
+    a = np.full((4, 4), 300, np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with np.errstate(over="ignore"):
+            assert np.isinf(blasx.matmul(a, a)).all()
+        with np.errstate(over="raise"), pytest.raises(FloatingPointError, match="float16 overflow"):
+            blasx.matmul(a, a)
+        with blasx.offload(threshold=0), np.errstate(over="raise"), pytest.raises(FloatingPointError):
+            a @ a
+    with pytest.warns(blasx.Float16OverflowWarning):
+        blasx.matmul(a, a)
