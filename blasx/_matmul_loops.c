@@ -312,6 +312,18 @@ static void forwarder_dealloc(PyObject *self)
     Py_TYPE(self)->tp_free(self);
 }
 
+/* pickled by reference, as the function it stands in for: its __module__ and __qualname__ (numpy.dot), which
+   resolve to the forwarder here and to whatever numpy.dot is in the process that unpickles it */
+static PyObject *forwarder_reduce(PyObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyObject_GetAttrString(self, "__qualname__");
+}
+
+static PyMethodDef forwarder_methods[] = {
+    {"__reduce__", forwarder_reduce, METH_NOARGS, "The forwarder's qualified name: pickled by reference."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject forwarder_type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "blasx._matmul_loops.forwarder",
@@ -322,6 +334,7 @@ static PyTypeObject forwarder_type = {
     .tp_getattro = PyObject_GenericGetAttr,
     .tp_setattro = PyObject_GenericSetAttr,
     .tp_dictoffset = offsetof(forwarder, dict),
+    .tp_methods = forwarder_methods,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "A blasx.offload wrapper: the original function below the threshold, the Python wrapper above.",
 };

@@ -336,6 +336,7 @@ def _forwarded(original, wrapper, a: tuple[int, str], b: tuple[int, str] | None)
     fwd = _ext.forwarder(original, wrapper, a[0], a[1], ib, name_b)
     for attr in ("__name__", "__qualname__", "__doc__", "__wrapped__", "__module__"):
         setattr(fwd, attr, getattr(wrapper, attr))
+    fwd.__module__ = getattr(original, "__module__", None) or wrapper.__module__  # (pickled as numpy.dot is)
     return fwd
 
 

@@ -565,3 +565,13 @@ def test_np_dot_into_a_read_only_out_is_numpys_error_with_no_fallback(rand):
         with blasx.offload(threshold=0), pytest.raises(ValueError):
             np.dot(a, b, out)
     assert O.offload_stats()["fallback"] == before and not out.any()
+
+
+def test_np_dot_pickles_by_reference_inside_offload():
+    """Code pickling np.dot itself (multiprocessing, joblib) works inside offload: the forwarder pickles as
+    numpy.dot, which unpickles to whatever numpy.dot is there (it could not be pickled)."""
+    import pickle
+    with blasx.offload():
+        data = pickle.dumps(np.dot)
+        assert pickle.loads(data) is np.dot
+    assert pickle.loads(data) is np.dot
