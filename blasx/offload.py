@@ -401,7 +401,7 @@ def _failed(what: str, err: BaseException) -> None:
 def _matmul_hook(a, b, c) -> bool:
     """Called by the trampoline at or above the threshold with (N, n, k), (N, k, m), (N, n, m) views:
     True when blasx wrote ``c``, False to let numpy's loop do it. Never raises."""
-    if _bypass():
+    if _bypass() or _items_below_threshold(a, b, c):
         return False
     try:
         _offloaded("matmul", numpy_api.run_batch, a, b, c)
@@ -413,6 +413,17 @@ def _matmul_hook(a, b, c) -> bool:
             import _thread
             _thread.interrupt_main()
         return False
+
+
+def _items_below_threshold(a, b, c) -> bool:
+    """A batch blasx would run as one gemm an item (no operand shared by the items, so not one stacked gemm)
+    whose items are each below the threshold: numpy's loop runs them faster than a blasx call each."""
+    count = c.shape[0]
+    if count <= 1 or numpy_api._batch_shared(a) or numpy_api._batch_shared(b):
+        return False
+    thr = _global_now if _tls.local is None else _tls.local
+    n, k = a.shape[-2:]
+    return (8.0 if c.dtype.kind == "c" else 2.0) * n * k * b.shape[-1] < thr
 
 
 _BLAS_CHARS = frozenset("fdFD")

@@ -575,3 +575,18 @@ def test_np_dot_pickles_by_reference_inside_offload():
         data = pickle.dumps(np.dot)
         assert pickle.loads(data) is np.dot
     assert pickle.loads(data) is np.dot
+
+
+def test_a_batch_of_small_independent_items_stays_with_numpy(rand):
+    """A stacked a @ b above the threshold whose items share no operand and are each below it runs in numpy's
+    loop (blasx would make a call an item: far slower); with a shared operand it is one stacked gemm, offloaded."""
+    blasx.configure(devices="sim:2", tile=16)
+    a, b = rand((50, 8, 8)), rand((50, 8, 8))  # 2 * 8^3 = 1024 flops an item, 51,200 in all
+    with blasx.offload(threshold=10_000):
+        before = O.offload_stats()["matmul"]
+        np.testing.assert_allclose(a @ b, np.matmul(a, b))
+        assert O.offload_stats()["matmul"] == before
+        got = a @ b[0]  # b shared: one (400, 8) @ (8, 8) gemm
+        assert O.offload_stats()["matmul"] == before + 1
+        ref = np.einsum("nij,jk->nik", a, b[0])
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-12
