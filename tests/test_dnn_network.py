@@ -403,3 +403,14 @@ def test_a_failing_gpu_worker_synchronises_its_stream_before_the_error_is_raised
             assert ("synchronize", w.stream.ptr) in [e[:2] for e in fake_cupy.LOG]
     finally:
         blasx.shutdown()
+
+
+def test_an_empty_batch_gives_torchs_empty_output():
+    """net(x) of an empty batch returns torch's empty output (shape and the compiled dtype) without running."""
+    import torch
+    blasx.configure(devices="sim:2", tile=16)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16, 5))
+    net = dnn.from_torch(m.eval(), (1, 3, 4, 4))
+    y = net(np.zeros((0, 3, 4, 4), np.float32))
+    assert y.shape == tuple(m(torch.zeros(0, 3, 4, 4)).shape) == (0, 5) and y.dtype == np.float32
+    assert net.compile(dtype=np.float16)(np.zeros((0, 3, 4, 4), np.float32)).dtype == np.float16

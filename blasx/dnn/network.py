@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from .. import precision
-from ..operands import is_cupy
+from ..operands import array_module, is_cupy
 from . import executor, passes
 from .args import check_dtype, check_dtype_arg, check_flag, is_int
 from .graph import Graph, infer_shapes
@@ -151,7 +151,7 @@ class Network:
 
     # ---------------------------------------------------------------- run
 
-    def _check_x(self, x):
+    def _check_x(self, x, empty: bool = False):
         if not (isinstance(x, np.ndarray) or is_cupy(x)):
             raise TypeError(f"x: expected a numpy or cupy array, got {type(x).__name__}")
         check_dtype("x", x)
@@ -160,7 +160,7 @@ class Network:
         got = tuple(x.shape[:b]) + tuple(x.shape[b + 1:]) if x.ndim > b else None
         if want is not None and got != tuple(want):
             raise ValueError(f"x: expected shape {(*want[:b], 'N', *want[b:])} (N images), got {tuple(x.shape)}")
-        if x.shape[b] == 0:
+        if x.shape[b] == 0 and not empty:
             raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)})")
 
     def _gpus(self, x) -> list:
@@ -205,9 +205,16 @@ class Network:
         ``progress``: a progress line on stderr (None: only when stderr is a terminal). Calls from several
         threads run one at a time (the workers' streams and buffers are one call's)."""
         from ..progress import wanted
-        self._check_x(x)
+        self._check_x(x, empty=True)
         b = self.graph.batch_axis
         n = x.shape[b]
+        if n == 0:  # torch's empty output, of the shape an image gives
+            g = self.compiled or self.graph
+            shape = infer_shapes(g, (1, *x.shape[1:]) if b == 0 else tuple(x.shape)).get(g.output)
+            if shape is None or b != 0:
+                raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)}); this network's output shape "
+                                 f"(recurrent layers) is not known without running it")
+            return array_module(is_cupy(x)).empty((0, *shape[1:]), dtype=self.dtype or x.dtype)
         if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
         chunk = None if chunk is None else int(chunk)
