@@ -21,7 +21,7 @@ Policy
   one device (``_leave_for_home``).
 * A stream device has ``nstreams`` compute streams and three copy streams (host loads, peer loads,
   write-backs). Each active task holds a compute stream; a worker issues one k-step of every active task in
-  turn, at most ``2 * streams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
+  turn, at most ``2 * nstreams`` tasks in flight (``Knobs.commit_steps`` adds a horizon in flops: a started task
   cannot move, so what each device has committed when the queues run dry is the call's tail). With
   ``Knobs.chain_kernels`` each kernel waits for the device's previous one: kernels run one at a time in issue
   order, and the streams overlap copies and write-backs with them, not kernels with each other.
@@ -94,7 +94,7 @@ Failure model
   sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start, naming needed
   and free bytes. Memory taken by others mid-run shrinks the cache (``Device.cache_limit``); a block that
   still does not fit once the worker's own work has retired fails the call with ``CacheFull`` (while peers
-  still read its lines, after polling up to about 40 s for them to end), as a cuda scratch buffer that cannot
+  still read its lines, after up to 200,000 sleeps of 0.2 ms for them to end), as a cuda scratch buffer that cannot
   be had does (MemoryError). A host chunk that cannot be registered is copied as pageable memory; one that could not
   be staged fails the copies reading it.
 * **Shutdown**: ``shutdown()`` and ``configure()`` let the calls in flight finish (a Ctrl-C meanwhile cancels
