@@ -155,7 +155,7 @@ def plan_trsm(m: int, n: int, tile: int, side: int, lower: int, op: int, unit: i
 
     ``inverse``: each level's diagonal block but the first is inverted once by a task of its own
     (``trtri`` on V's tile ``inverse_ref``, loaded from A's; ``keep_c``, ``urgent``), listed before the
-    tiles of the level three below it (those of levels 1 and 2 first); the diagonal step becomes ``invmm``
+    tiles of the level solved three earlier (those of levels 1 and 2 first); the diagonal step becomes ``invmm``
     by it, gated on that task. The first level keeps ``trsm`` steps, so no device idles waiting for an
     inversion at the start.
     """
