@@ -34,6 +34,8 @@ def check_trans(name: str, value) -> int:
 
 
 def check_scalar(name: str, value, dtype: np.dtype):
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iufc":  # (scipy takes a 0-d array)
+        value = value[()]
     if not isinstance(value, numbers.Number) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}, expected a number")
     if dtype.kind != "c" and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):

@@ -512,3 +512,25 @@ def test_matmul_operands_that_are_not_arrays_and_1d_storage(threads, rel_err, tm
     z = zarr.open_array(str(tmp_path / "v.zarr"), mode="w", shape=(6,), chunks=(4,), dtype="f8")
     z[:] = np.arange(6.0)
     assert rel_err(bd.matmul(x, z).compute(), a @ np.arange(6.0)) < 1e-12
+
+
+def test_float16_operands_take_a_wider_result_type(threads, rel_err):
+    """float16 operands computed in a wider type by scipy's rule (a float64 c, or complex for the Hermitian
+    routines) are converted like int8 ones: the tasks failed with an error naming a c the caller never passed."""
+    rng = np.random.default_rng(3)
+    a16 = rng.standard_normal((40, 30)).astype(np.float16)
+    a = da.from_array(a16, chunks=(16, 12))
+    c = da.from_array(rng.standard_normal((40, 40)), chunks=16)
+    a64 = a16.astype(np.float64)
+    got = bd.gemm(1.0, a, a.T, beta=1.0, c=c).compute()
+    assert got.dtype == np.float64 and rel_err(got, a64 @ a64.T + c.compute()) < 1e-12
+    h = bd.herk(1.0, a).compute()
+    assert h.dtype == np.complex64 and rel_err(np.triu(h), np.triu(a64 @ a64.T)) < 1e-6
+
+
+def test_matmul_falling_back_to_dask_honours_progress():
+    """bd.matmul's fallback to dask.array (integers here) checks progress as the blasx path does: no client
+    is a named error (it was ignored)."""
+    a = da.ones((8, 8), dtype=np.int64, chunks=4)
+    with pytest.raises(ValueError, match="progress: True needs a distributed Client"):
+        bd.matmul(a, a, progress=True)

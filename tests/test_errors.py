@@ -171,6 +171,12 @@ def test_gemm_into_a_c_whose_elements_share_memory_returns_a_new_array(sim2, ran
     np.testing.assert_allclose(r, a @ b, rtol=1e-12)
 
 
+def test_zero_d_array_scalars_are_taken_as_scipy_takes_them(sim2, abc, rel_err):
+    a, b, c, _ = abc
+    out = blasx.gemm(np.array(1.5), a, b, np.array(0.5), c)
+    assert rel_err(out, 1.5 * a @ b + 0.5 * c) < 1e-12
+
+
 @pytest.mark.parametrize("name", ["alpha", "beta"])
 @pytest.mark.parametrize("value", ["2.0", None, [1.0], np.ones(1), True])
 def test_non_numeric_scalars(sim2, abc, name, value, expect):

@@ -166,7 +166,7 @@ def matmul(a, b, *, progress=False):
     a, b = (x if isinstance(x, da.Array) or x.ndim != 1 else da.from_array(x) for x in (a, b))
     dtype = np.result_type(a.dtype, b.dtype)
     if a.ndim > 2 or b.ndim > 2 or dtype not in _BLAS:
-        return original_matmul(a, b)
+        return _finish(original_matmul(a, b), progress)
     va, vb = a.ndim == 1, b.ndim == 1
     a2 = as_dask("a", a[None, :] if va else a)
     b2 = as_dask("b", b[:, None] if vb else b)

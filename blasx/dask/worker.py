@@ -250,11 +250,15 @@ def _joined_gemm(alpha, xs, ta, ys, tb, acc, xp, beta):
         _add(-made)
 
 
+_REDUCED = (np.dtype(np.int8), np.dtype(np.float16))
+
+
 def _apply(step, pieces, acc, xp, fresh: bool = False):
     """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place). ``fresh``: acc
     is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read)."""
-    # int8 pieces in the call's type (scipy's rule, float32): blasx's own int8 path wants an int32 result
-    pieces = [x.astype(acc.dtype) if x.dtype == np.int8 else x for x in pieces]
+    # int8 and float16 pieces in the call's type (scipy's rule): blasx's own reduced paths want an int32 or a
+    # float16 / float32 result, not acc's
+    pieces = [x.astype(acc.dtype) if x.dtype in _REDUCED else x for x in pieces]
     op, p = step[0], iter(pieces)
     args = [_filled(a, p) for a in step[1:]]
     if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B grids of pieces
