@@ -528,9 +528,14 @@ def test_float16_operands_take_a_wider_result_type(threads, rel_err):
     assert h.dtype == np.complex64 and rel_err(np.triu(h), np.triu(a64 @ a64.T)) < 1e-6
 
 
-def test_matmul_falling_back_to_dask_honours_progress():
+def test_matmul_falling_back_to_dask_honours_progress(monkeypatch):
     """bd.matmul's fallback to dask.array (integers here) checks progress as the blasx path does: no client
     is a named error (it was ignored)."""
+    import distributed
+
+    def no_client():
+        raise ValueError("No clients found")
+    monkeypatch.setattr(distributed, "default_client", no_client)  # (another test's client may still be up)
     a = da.ones((8, 8), dtype=np.int64, chunks=4)
     with pytest.raises(ValueError, match="progress: True needs a distributed Client"):
         bd.matmul(a, a, progress=True)
