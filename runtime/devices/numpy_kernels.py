@@ -43,7 +43,6 @@ def _accumulate(c, prod, alpha, beta) -> None:
         c += prod
 
 
-@_quiet
 def gemm(step, scalars, a, b, c) -> None:
     """c = alpha op_a(a) op_b(b) + beta c in place."""
     op_a, op_b, alpha, beta = step.op_a, step.op_b, scalars[step.alpha], scalars[step.beta]
