@@ -210,8 +210,8 @@ class Network:
         n = x.shape[b]
         if n == 0:  # torch's empty output, of the shape an image gives
             g = self.compiled or self.graph
-            shape = infer_shapes(g, (1, *x.shape[1:]) if b == 0 else tuple(x.shape)).get(g.output)
-            if shape is None or b != 0:
+            shape = infer_shapes(g, (1, *x.shape[1:])).get(g.output) if b == 0 else None
+            if shape is None:
                 raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)}); this network's output shape "
                                  f"(recurrent layers) is not known without running it")
             return array_module(is_cupy(x)).empty((0, *shape[1:]), dtype=self.dtype or x.dtype)
