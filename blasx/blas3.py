@@ -123,7 +123,7 @@ def _rank_view(x, trans: int, allowed: tuple[int, ...], xp):
 
 # ---------------------------------------------------------------- SYMM / HEMM
 
-@dispatch.retires_written
+@dispatch.front_end
 def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, name, dtype=None):
     overwrite_c = check_flag("overwrite_c", overwrite_c, OVERWRITE)
     check_matrix("a", a)
@@ -205,7 +205,7 @@ def _check_rank_trans(trans, dtype, hermitian: bool, routine: str) -> int:
     return 1 if trans == 2 else trans  # real: C is T
 
 
-@dispatch.retires_written
+@dispatch.front_end
 def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, name, dtype=None):
     overwrite_c = check_flag("overwrite_c", overwrite_c, OVERWRITE)
     check_matrix("a", a)
@@ -305,7 +305,7 @@ def her2k(alpha, a, b, beta=0.0, c=None, trans=0, lower=0, overwrite_c=False):
 
 # ---------------------------------------------------------------- TRMM / TRSM
 
-@dispatch.retires_written
+@dispatch.front_end
 def _tri(alpha, a, b, side, lower, trans_a, diag, overwrite_b, *, solve, name, dtype=None):
     overwrite_b = check_flag("overwrite_b", overwrite_b, OVERWRITE)
     check_matrix("a", a)

@@ -400,15 +400,18 @@ def _acc(dtype) -> np.dtype:
     return np.dtype(dtype) if row is None else row.compute
 
 
-def retires_written(fn):
-    """``fn`` (a front end) returns the array it wrote: when that is one of the caller's arrays it was passed
-    (c, b, out), the read-only roots it overlaps are retired as it returns, as the engine's calls retire those of
-    the views they write (the front end's own copy-backs, fills and casts write outside that window). A new
-    result overlaps no root: nothing to scan."""
+def front_end(fn):
+    """``fn`` (a front end returning the array it wrote) with what ends a call there: float16 overflows reported
+    once, when the caller's array is whole (an ``np.errstate`` "raise" after the front end's copy-back, as
+    numpy's); and when the result is one of the caller's arrays it was passed (c, b, out, or numpy's ``out=(o,)``),
+    the read-only roots it overlaps retired, as the engine's calls retire those of the views they write (the front
+    end's own copy-backs, fills and casts write outside that window). A new result overlaps no root."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        res = fn(*args, **kwargs)
-        if type(res) is np.ndarray and (any(res is x for x in args) or any(res is x for x in kwargs.values())):
+        with overflow_tallied():
+            res = fn(*args, **kwargs)
+        if type(res) is np.ndarray and any(res is x or (type(x) is tuple and any(res is y for y in x))
+                                           for x in (*args, *kwargs.values())):
             READONLY.drop_written([res])
         return res
     return call

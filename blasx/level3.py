@@ -30,7 +30,7 @@ def gemm(alpha, a, b, beta=0.0, c=None, trans_a=0, trans_b=0, overwrite_c=False,
     return _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, None, "gemm", out_dtype, math)
 
 
-@dispatch.retires_written
+@dispatch.front_end
 def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_dtype=None, math=None):
     """gemm in ``dtype`` (None: the arrays' type by :func:`blasx.precision.gemm_types`, with
     ``out_dtype``): validate, make the output, dispatch."""

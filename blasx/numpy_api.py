@@ -78,7 +78,7 @@ def matmul(x1, x2, /, out=None, *, out_dtype=None, math=None, **kwargs):
     return _matmul(x1, x2, out, None, kwargs)
 
 
-@dispatch.retires_written
+@dispatch.front_end
 def _matmul(x1, x2, out, out_dtype, kwargs):
     _check_out(out)
     if out_dtype is not None and kwargs.get("dtype") is not None and \
@@ -207,7 +207,7 @@ def dot(a, b, out=None, *, out_dtype=None, math=None):
     return _dot(a, b, out, None)
 
 
-@dispatch.retires_written
+@dispatch.front_end
 def _dot(a, b, out, out_dtype):
     _check_out(out)
     if out_dtype is not None and out is not None and hasattr(out, "dtype") and \

@@ -602,3 +602,8 @@ def test_float16_overflow_follows_the_callers_errstate(dev):
             a @ a
     with pytest.warns(blasx.Float16OverflowWarning):
         blasx.matmul(a, a)
+    # "raise" comes once the caller's array is whole: a strided out written through a copy-back
+    big = np.zeros((8, 8), np.float16)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError):
+        blasx.matmul(a, a, out=big[::2, ::2])
+    assert np.isinf(big[::2, ::2]).all()

@@ -271,6 +271,7 @@ def test_front_end_writes_into_a_read_only_arrays_memory_drop_its_tiles(rand, re
     writes = (
         (lambda r: r[::2, ::2], lambda w: blasx.gemm(1.0, f(32, 8), f(8, 32), 0.0, w, overwrite_c=True)),
         (lambda r: r[::2, ::2], lambda w: blasx.matmul(f(32, 8), f(8, 32), out=w)),
+        (lambda r: r[::2, ::2], lambda w: blasx.matmul(f(32, 8), f(8, 32), out=(w,))),  # (numpy's tuple form)
         (lambda r: r[:32, :32], lambda w: blasx.matmul(f(32, 8).astype(np.float32), f(8, 32).astype(np.float32),
                                                        out=w)),
         (lambda r: r[:32, :32], lambda w: blasx.matmul(f(32, 0), f(0, 32), out=w)),

@@ -208,6 +208,8 @@ class Network:
         self._check_x(x, empty=True)
         b = self.graph.batch_axis
         n = x.shape[b]
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
+            raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
         if n == 0:  # torch's empty output, of the shape an image gives
             g = self.compiled or self.graph
             shape = infer_shapes(g, (1, *x.shape[1:])).get(g.output) if b == 0 else None
@@ -215,8 +217,6 @@ class Network:
                 raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)}); this network's output shape "
                                  f"(recurrent layers) is not known without running it")
             return array_module(is_cupy(x)).empty((0, *shape[1:]), dtype=self.dtype or x.dtype)
-        if chunk is not None and (not is_int(chunk) or chunk < 1):
-            raise ValueError(f"chunk: got {chunk!r}; need an int >= 1 (images a chunk) or None")
         chunk = None if chunk is None else int(chunk)
         import sys
         with self._calls:  # (compile() and set_parameters() from other threads wait for the call)
