@@ -26,6 +26,7 @@ import statistics
 import numpy as np
 
 from . import conv as C
+from .level3_check import sample_rows
 from .machine import machine_name
 from .result_files import command_line, utc_stamp
 from .tallskinny import traffic
@@ -77,12 +78,8 @@ def torch_peer(side, layer, x_pin, y_pin, w, chunks: int):
 
 
 def sample_images(n: int, count: int, seed: int) -> list[int]:
-    """Sorted distinct images: the first, the last and random ones."""
-    if n <= max(count, 2):
-        return list(range(n))
-    rng = np.random.default_rng(seed)
-    inner = rng.choice(np.arange(1, n - 1), size=max(count, 2) - 2, replace=False).tolist()
-    return sorted({0, n - 1, *inner})
+    """Sorted distinct images: the first, the last and random ones (level3_check.sample_rows, at least two)."""
+    return sample_rows(n, max(count, 2), seed).tolist()
 
 
 def check(side, layer, x_host, w, got, images) -> float:
