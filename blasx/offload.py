@@ -389,6 +389,10 @@ def _offloaded(kind: str, fn, /, *args, **kwargs):
 
 
 def _failed(what: str, err: BaseException) -> None:
+    """A blasx failure numpy recomputes: kept in offload_stats() and warned of; not np.errstate's "raise" (a
+    FloatingPointError: numpy's own call raises it again, nothing failed)."""
+    if isinstance(err, FloatingPointError):
+        return
     global _last_error
     _last_error = err
     _stats["fallback"] += 1
@@ -407,8 +411,7 @@ def _matmul_hook(a, b, c) -> bool:
         _offloaded("matmul", numpy_api.run_batch, a, b, c)
         return True
     except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
-        if not isinstance(e, FloatingPointError):  # (np.errstate's "raise": numpy's loop raises it itself)
-            _failed(f"matmul ({c.dtype.name})", e)
+        _failed(f"matmul ({c.dtype.name})", e)
         if isinstance(e, KeyboardInterrupt):
             import _thread
             _thread.interrupt_main()
@@ -441,8 +444,7 @@ def _dot_wrapper(a, b, out=None):
             try:
                 return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)
-                if not isinstance(e, FloatingPointError):  # (np.errstate's "raise": numpy raises it again)
-                    _failed("np.dot", e)
+                _failed("np.dot", e)
     return _dot_next(a, b, out)
 
 
