@@ -25,6 +25,7 @@ from typing import Callable
 from blasx.runtime.dtypes import GEMM_BY_PREFIX, PREFIXES
 
 from .level3_routines import ALL_ROUTINES
+from .level3_table import worst_share
 
 
 @dataclass
@@ -116,17 +117,18 @@ def read_level3(path: str) -> Table:
         if r.get("ok") and r.get("tflops"):
             key = (r["n"], r["dtype"], r["routine"], r["who"])
             best[key] = max(best.get(key, 0.0), r["tflops"])
-    rows = []
+    worst, rows = worst_share(doc["results"]), []
     order = sorted((k for k in best if k[3] == "blasx"),
                    key=lambda k: (PREFIXES.index(k[1]), k[0], ALL_ROUTINES.index(k[2])))
     for n, d, rt, _ in order:
         tf, xt, gemm = best[(n, d, rt, "blasx")], best.get((n, d, rt, "cublasxt")), best.get((n, d, "gemm", "blasx"))
         rows.append([_dtype(d), n, rt, _f(tf), _f(xt), _f(tf / xt, 2) if xt else "-",
-                     _f(tf / gemm, 2) if gemm else "-"])
+                     _f(tf / gemm, 2) if gemm else "-", _f(worst.get((n, d, rt)), 2)])
     return Table(_machine(doc["machine"]), doc["date"][:16], doc["command"],
-                 ["dtype", "N", "routine", "blasx", "cuBLAS-XT", "blasx / XT", "of blasx GEMM"], rows,
+                 ["dtype", "N", "routine", "blasx", "cuBLAS-XT", "blasx / XT", "of blasx GEMM", "worst run"], rows,
                  [f"TFLOPS of the best of {doc['runs']} run(s) (complex: 4x the real flops); upper, left, "
-                  f"no transpose, TRMM and TRSM in place.",
+                  f"no transpose, TRMM and TRSM in place; worst run: the lowest over run numbers of the run's "
+                  f"TFLOPS over the same run's GEMM.",
                   _checks_note([f"{r['who']} {r['dtype']}{r['routine']} {r['n']}" for r in doc["results"]
                                 if not r.get("ok")], len(doc["results"]))])
 

@@ -416,7 +416,18 @@ def test_format_table_has_dtype_column_and_per_dtype_gemm_share():
     assert body["sgemm"][3] == "40.0"                       # best of the runs, own dtype
     assert body["dsyrk"][6] == "0.50" and body["ssyrk"][6] == "0.50"   # vs the same dtype's GEMM
     assert body["dsyrk"][5] == "1.25x"
-    assert body["ssyrk"][7] == "WRONG" and body["dsyrk"][7] == "ok"
+    assert body["dsyrk"][7] == "0.50"                       # run by run: syrk over gemm, the lower of two runs
+    assert body["ssyrk"][8] == "WRONG" and body["dsyrk"][8] == "ok"
+
+
+def test_worst_share_pairs_runs_and_counts_failed_runs_as_zero():
+    def rec(rt, k, tf, ok=True):
+        return {"who": "blasx", "routine": rt, "dtype": "d", "n": 8, "run": k, "tflops": tf, "ok": ok}
+    res = [rec("gemm", 1, 100.0), rec("gemm", 2, 80.0), rec("syrk", 1, 90.0), rec("syrk", 2, 76.0),
+           rec("trmm", 1, 50.0), rec("trmm", 2, 79.0, ok=False), rec("trsm", 3, 70.0),
+           {"who": "cublasxt", "routine": "syrk", "dtype": "d", "n": 8, "run": 1, "tflops": 1.0, "ok": True}]
+    worst = LT.worst_share(res)
+    assert worst == {(8, "d", "gemm"): 1.0, (8, "d", "syrk"): 0.9, (8, "d", "trmm"): 0.0}  # trsm: no run 3 GEMM
 
 
 def test_markdown_header_states_dtypes():
@@ -594,7 +605,7 @@ def test_main_loop_complex_on_sim_through_the_fake_library(tmp_path, monkeypatch
     assert "1e-09 (z), 0.0001 (c)" in md and "complex128" in md and "WRONG" not in md
     body = table_rows(md)
     assert list(body) == [d + rt for d in "zc" for rt in LR.ALL_ROUTINES]
-    assert all(row[5].endswith("x") and row[6] != "-" and row[7] == "ok" for row in body.values())
+    assert all(row[5].endswith("x") and row[6] != "-" and row[7] != "-" and row[8] == "ok" for row in body.values())
     assert body["zgemm"][6] == "1.00" and body["cher2k"][1] == "c"
 
 
@@ -641,7 +652,7 @@ def test_failed_rows_in_table():
            {"who": "cublasxt", "routine": "gemm", "dtype": "d", "n": 8, "run": 1, "seconds": 0.1, "rel_err": 0.0,
             "tflops": 1.0, "ok": True}]
     line = LT.format_table(res, ["gemm"], ["d"]).splitlines()[2]
-    assert line == "| 8 | d | dgemm | - | 1.0 | - | - | FAILED (blasx) |"
+    assert line == "| 8 | d | dgemm | - | 1.0 | - | - | - | FAILED (blasx) |"
 
 
 def test_gpu_tag_names_the_model_and_count():
