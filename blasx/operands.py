@@ -109,6 +109,9 @@ class _ReadOnlyRegistry:
             weakref.finalize(root, self._retire, id(root), base)
             return base
 
+    def holds_roots(self) -> bool:
+        return bool(self._by_id)
+
     def drop_written(self, arrays) -> None:
         """Retire every root whose memory one of ``arrays`` (host arrays a call writes) overlaps: a write
         through an alias whose base chain never reaches the root (``np.frombuffer`` of its buffer, ctypes)
@@ -152,8 +155,9 @@ def frozen_root(x):
         node = node.base
         if node.flags.writeable:
             return None
-    # an ndarray owning its memory (not a C extension's window on foreign memory), or over an immutable buffer
-    return node if (node.base is None and node.flags.owndata) or isinstance(node.base, bytes) else None
+    # an ndarray owning its memory; not a window on foreign memory (a C extension's, or a bytes object's:
+    # numpy's unpickling hands out writable arrays over bytes)
+    return node if node.base is None and node.flags.owndata else None
 
 
 def _top(x):

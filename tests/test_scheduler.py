@@ -260,6 +260,21 @@ def test_blasx_writing_a_read_only_arrays_memory_through_an_alias_drops_its_tile
         assert rel_err(blasx.gemm(1.0, r, eye), x @ y) < 1e-12
 
 
+def test_a_read_only_array_over_bytes_is_not_cached_between_calls(rand, rel_err):
+    """bytes are not immutable to numpy: unpickling gives a writable array over a bytes object, so a read-only
+    array over the same bytes can change without a write blasx sees; its tiles live for one call only."""
+    import pickle
+    blasx.configure(devices="sim:2", tile=16)
+    n = 48
+    y = pickle.loads(pickle.dumps(rand((n, n), seed=8)))
+    assert isinstance(y.base, bytes) and y.flags.writeable
+    z = np.frombuffer(y.base, dtype=np.float64)[-n * n:].reshape(n, n)
+    b = rand((n, n), seed=9)
+    assert rel_err(blasx.gemm(1.0, z, b), z @ b) < 1e-12
+    y += 1.0
+    assert rel_err(blasx.gemm(1.0, z, b), np.array(z) @ b) < 1e-12
+
+
 def test_front_end_writes_into_a_read_only_arrays_memory_drop_its_tiles(rand, rel_err):
     """The front ends' own writes into the caller's array (a strided c's copy-back, a cast into out, a k = 0
     fill, a mixed call's beta scaling) retire the read-only root it aliases, as the engine's writes do."""

@@ -21,6 +21,10 @@ copied to C-contiguous first), of float64, float32 (TF32 with math="tf32"), floa
 accumulate in float32).
 """
 
+import inspect
+import sys
+
+from .writes import retires_writes
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import conv1d, conv1d_weight, conv2d, conv2d_weight, conv3d, conv3d_weight, conv_bias_grad, linear
 from .conv_transpose import (conv1d_input, conv2d_input, conv3d_input, conv_transpose1d, conv_transpose2d,
@@ -42,3 +46,13 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "Network", "from_torch", "UnsupportedError", "find", "NoGpuError", "batch_norm", "batch_norm_backward", "layer_norm", "layer_norm_backward",
            "group_norm", "group_norm_backward",
            *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__, *pool.__all__]
+
+# The front ends writing a caller's array outside the engine retire the read-only roots it overlaps (writes.py),
+# here and in the modules defining them (their own callers then go through it too).
+for _name in __all__:
+    _fn = globals()[_name]
+    if inspect.isfunction(_fn) and (_wrapped := retires_writes(_fn)) is not _fn:
+        globals()[_name] = _wrapped
+        if getattr(sys.modules[_fn.__module__], _name, None) is _fn:
+            setattr(sys.modules[_fn.__module__], _name, _wrapped)
+del _name, _fn, _wrapped

@@ -1,0 +1,54 @@
+"""blasx.dnn's own writes into a caller's array (out=, inplace, running statistics) retire the read-only roots
+that memory belongs to, as the engine's writes do: a cached tile of it is never served after the write."""
+
+import inspect
+
+import numpy as np
+import pytest
+
+import blasx
+import blasx.dnn as dnn
+from blasx.dnn.writes import WRITTEN
+
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((4, 16, 16))
+W = RNG.standard_normal((8, 4, 3, 3))
+WT = RNG.standard_normal((4, 8, 3, 3))
+N = 64
+
+WRITES = {
+    "conv2d strided out": lambda f: dnn.conv2d(X, W, padding=1, out=f[:8 * 16 * 18].reshape(8, 16, 18)[:, :, :16]),
+    "conv_transpose2d out": lambda f: dnn.conv_transpose2d(X[:, :8, :8], WT, out=f[:8 * 10 * 12].reshape(
+        8, 10, 12)[..., :10]),
+    "relu out": lambda f: dnn.relu(RNG.standard_normal(N * N), out=f),
+    "relu inplace": lambda f: dnn.relu(f, inplace=True),
+    "softmax out": lambda f: dnn.softmax(RNG.standard_normal((N, N)), dim=1, out=f.reshape(N, N)),
+    "layer_norm out": lambda f: dnn.layer_norm(RNG.standard_normal((N, N)), (N,), out=f.reshape(N, N)),
+    "batch_norm running_mean": lambda f: dnn.batch_norm(RNG.standard_normal((8, 4, 5)), f[:4], np.ones(4),
+                                                        training=True),
+    "max_pool2d out": lambda f: dnn.max_pool2d(RNG.standard_normal((2, 4, 16, 16)), 2, out=f[:512].reshape(
+        2, 4, 8, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_dnn_write_through_an_alias_retires_the_cached_root(name, rel_err):
+    blasx.configure(devices="sim:2", tile=32)
+    b = RNG.standard_normal((N, N))
+    root = np.asfortranarray(RNG.standard_normal((N, N)))
+    flat = root.reshape(-1, order="F")  # a writable view made before the freeze: blasx writes through it
+    root.flags.writeable = False
+    assert rel_err(blasx.gemm(1.0, root, b), root @ b) < 1e-12  # root's tiles cached for its life
+    before = root.copy()
+    WRITES[name](flat)
+    assert not np.array_equal(before, root)
+    assert rel_err(blasx.gemm(1.0, root, b), np.array(root) @ b) < 1e-12
+
+
+def test_every_front_end_writing_a_callers_array_is_wrapped():
+    for name in dnn.__all__:
+        fn = getattr(dnn, name)
+        if inspect.isfunction(fn):
+            params = inspect.signature(fn).parameters
+            writes = "inplace" in params or any(p in params for p in WRITTEN)
+            assert writes == hasattr(fn, "__wrapped__"), name
