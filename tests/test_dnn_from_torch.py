@@ -210,3 +210,31 @@ def test_a_backward_after_another_threads_forward_train_is_refused():
         net.backward(np.ones_like(y))
     y = net.forward_train(x)  # (this thread's own forward: its backward runs)
     assert net.backward(np.ones_like(y)).shape == x.shape
+
+
+def test_a_time_major_recurrent_network_takes_its_modules_own_input_shape():
+    """batch_first=False: the batch is dim 1, so the example (T, B, F) and inputs of the module's own shape are
+    taken, any batch size, and the stored per-image shape leaves out dim 1."""
+    blasx.configure(devices="sim:2")
+
+    class G(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.fc = torch.nn.GRU(4, 5), torch.nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.fc(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    m = G().double().eval()
+    x = np.random.default_rng(1).standard_normal((6, 3, 4))
+    with torch.no_grad():
+        ref = m(torch.tensor(x)).numpy()
+    for example in ((6, 1, 4), (6, 3, 4)):
+        net = dnn.from_torch(m, example)
+        net.compile()
+        y = net(x)
+        assert y.shape == (6, 3, 2) and np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-12
+        assert net(x[:, :1]).shape == (6, 1, 2)
+    with pytest.raises(ValueError, match=r"expected shape \(6, 'N', 4\)"):
+        net(x[:5])

@@ -359,8 +359,8 @@ def from_torch(module, example_input_shape):
             continue
         if mapped is not None and mapped[0] == "reshape":
             out_shape, in_shape = _shape_of(n), shape
-            if out_shape is None or out_shape[0] != in_shape[0]:
-                mapped = None  # a reshape that moves the batch dim
+            if out_shape is None or batch_axis or out_shape[0] != in_shape[0]:
+                mapped = None  # a reshape that moves the batch dim (or of a time-major network: not followed)
             else:
                 mapped = "reshape", {"shape": out_shape[1:]}, {}
         if mapped is not None and mapped[0] == "getitem" and any(isinstance(v, fx.Node) for v in
@@ -392,5 +392,7 @@ def from_torch(module, example_input_shape):
                                "as `y + x`: an in-place update of a tensor read again, or code it cannot follow)"))
     if bad:
         raise UnsupportedError(bad)
+    if batch_axis and nodes:  # time-major: the input's per-image shape leaves out dim 1, not dim 0
+        nodes[0] = Node(nodes[0].name, "input", (), {"shape": shape[:batch_axis] + shape[batch_axis + 1:]})
     graph = Graph(nodes, output, batch_axis).validate()
     return Network(graph, input_shape=shape)

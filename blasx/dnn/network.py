@@ -136,8 +136,12 @@ class Network:
         return self.layout if self.layout != "auto" else "cl" if on_gpus else "nchw"
 
     def _example_shape(self) -> tuple:
-        return (1, *self.graph.nodes[0].attrs.get("shape", ())) if self.input_shape is None else \
-            (1, *self.input_shape[1:])
+        """An input of one image: the batch axis (1 for a time-major recurrent network) of length 1."""
+        b = self.graph.batch_axis
+        if self.input_shape is not None:
+            return (*self.input_shape[:b], 1, *self.input_shape[b + 1:])
+        want = tuple(self.graph.nodes[0].attrs.get("shape", ()))
+        return (*want[:b], 1, *want[b:])
 
     @property
     def nodes(self) -> list:
