@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sqlite3
+import tempfile
 import threading
 import warnings
 from datetime import datetime, timezone
@@ -100,11 +101,19 @@ _warned: set = set()
 
 
 def cache_dir() -> Path:
-    """``$BLASX_CACHE_DIR``, else ``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``."""
+    """``$BLASX_CACHE_DIR``, else ``$XDG_CACHE_HOME/blasx``, else ``~/.cache/blasx``; with no home directory to
+    be found (a container's user without one), ``blasx-cache-<uid>`` in the temporary folder."""
     d = os.environ.get("BLASX_CACHE_DIR", "").strip()
     if d:
         return Path(d).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "blasx"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "blasx"
+    try:
+        return Path.home() / ".cache" / "blasx"
+    except RuntimeError:  # (Path.home: no $HOME and no password entry)
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        return Path(tempfile.gettempdir()) / f"blasx-cache-{uid}"
 
 
 def is_sqlite(path) -> bool:
@@ -308,6 +317,8 @@ class PerfDb:
             try:
                 key = _checked_key((device_, ndev_, dtype, routine, (m, n, k)))
                 res = {int(t): float(v) for t, v in json.loads(results).items()}
+                if type(tile) is not int or not isinstance(date, str) or not isinstance(version, str):
+                    raise TypeError("tile, date, version")
             except (ValueError, TypeError, AttributeError):
                 continue  # a row some other tool wrote badly: skip it, keep the rest
             out.append({"key": key, "text": key.text, "device": device_, "ndev": ndev_, "dtype": dtype,
@@ -408,7 +419,7 @@ class PerfDb:
                 return True
             if not is_sqlite(self.path):
                 return False
-            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=TIMEOUT_S)
+            conn = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True, timeout=TIMEOUT_S)
             try:
                 return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema'").fetchone() \
                     is not None

@@ -103,6 +103,48 @@ def test_default_path_follows_the_cache_dir_variables(cache, monkeypatch, tmp_pa
     assert perfdb.default_path() == xdg / ".cache" / "blasx" / "perfdb.sqlite"
 
 
+def test_no_home_directory_places_the_db_in_the_temporary_folder(monkeypatch):
+    """A container's user with no $HOME and no password entry: Path.home() raises; the db goes to a per-user
+    folder in the temporary folder instead of failing every caller (info, tune, the find-db's readers)."""
+    import pathlib
+    import tempfile
+    monkeypatch.delenv("BLASX_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    path = perfdb.default_path()
+    assert path.parent.parent == pathlib.Path(tempfile.gettempdir()) and path.parent.name.startswith("blasx-cache-")
+
+
+def test_rows_of_a_foreign_type_are_skipped_by_every_reader(cache):
+    """A tile stored as a BLOB, a date or version that is not text (another tool's row): skipped, as a
+    bad key is; `entries` (blasx info, tune --show) and lookups keep the good rows."""
+    db = PerfDb()
+    db.store(key(), 64, {64: 1.0})
+    db.store(key((128, 128, 128)), 64, {64: 1.0})
+    db.store(key((256, 256, 256)), 64, {64: 1.0})
+    conn = sqlite3.connect(str(db.path))
+    conn.execute("UPDATE entries SET tile=X'4142' WHERE m=64")
+    conn.execute("UPDATE entries SET date=X'00' WHERE m=128")
+    conn.commit()
+    conn.close()
+    rows = db.entries()
+    assert [r["shape"] for r in rows] == [(256, 256, 256)]
+    from blasx.probe import format_perfdb
+    assert "256x256x256" in "\n".join(format_perfdb(db.path, db.entries()))
+
+
+def test_clear_takes_a_db_whose_path_needs_quoting_in_a_uri(tmp_path):
+    for name in ("run #1", "q?x", "p%41x"):
+        folder = tmp_path / name
+        folder.mkdir()
+        db = PerfDb(folder / "perf.sqlite")
+        db.store(key(), 64, {64: 1.0})
+        assert db.clear() == 1 and db.entries() == []
+
+
 def test_store_lookup_round_trip(cache):
     db = PerfDb()
     assert db.lookup(key()) is None
