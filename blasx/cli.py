@@ -255,6 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     except (DeviceError, PerfDbError) as exc:  # not the options' fault: one line on stderr, status 1
         print(f"{sub.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a $BLASX_* variable read where a module loads (blasx.dnn's): the user's setting
+        if not str(exc).startswith("$BLASX_"):
+            raise
+        print(f"{sub.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:  # (host memory the estimate before the work could not see: a cgroup's, ulimit's)
+        print(f"{sub.prog}: error: out of host memory{': ' + str(exc) if str(exc) else ''}; try smaller sizes",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{sub.prog}: interrupted", file=sys.stderr)
         return 130
@@ -302,7 +311,7 @@ def _check_output_path(parser, option: str, path: str | None) -> None:
 
 
 def _gemm(blasx, parser, args) -> int:
-    from . import probe
+    from . import precision, probe
     from .progress import Progress, wanted
     from .tile import choose_tile
 
@@ -315,10 +324,11 @@ def _gemm(blasx, parser, args) -> int:
         parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
                      f"which is not installed (pip install 'blasx[plot]')")
     nbytes = (m * k + k * n) * dtype.itemsize + m * n * out_dtype.itemsize
+    peak = precision.operands_peak_bytes(m, n, k, dtype, out_dtype)
     _total, avail = probe.host_memory()
-    if avail is not None and nbytes > avail:
+    if avail is not None and peak > avail:
         parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
-                     f"{probe.format_bytes(nbytes)}, but only {probe.format_bytes(avail)} of host memory is available")
+                     f"{probe.format_bytes(peak)} while they are made, but only {probe.format_bytes(avail)} of host memory is available")
     eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
                  cpu=True if args.cpu else None)
     rng = np.random.default_rng(0)
@@ -459,9 +469,12 @@ def _tune(blasx, parser, args) -> int:
     try:
         rows = tune(sizes=sizes, dtypes=args.dtype or ["d", "s"], tiles=args.tiles, runs=args.runs or 2, db=db,
                     check_rows=args.check_rows, progress=lambda line: print("  " + line, flush=True))
-    except ValueError as exc:  # (tiles below the devices' floor: known once the engine runs)
+    except ValueError as exc:  # (tiles below the devices' floor, sizes over the host memory: known once it runs)
         msg = str(exc)
-        parser.error("argument --tiles:" + msg[len("tiles:"):] if msg.startswith("tiles:") else msg)
+        for word, option in (("tiles:", "argument --tiles:"), ("sizes:", "arguments --m/--n/--k:")):
+            if msg.startswith(word):
+                msg = option + msg[len(word):]
+        parser.error(msg)
     print(f"{'dtype':<6}{'M x N x K':<22}{'shape class':<22}{'best':>6}  TFLOPS per tile (* best)")
     for r in rows:
         marks = {t: "*" if t == r["tile"] else "!" if t in r["bad"] else "" for t in r["tflops"]}

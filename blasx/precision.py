@@ -289,6 +289,17 @@ def random_operand(rng, shape, dtype) -> np.ndarray:
     return np.asfortranarray(x.astype(dt))
 
 
+def operands_peak_bytes(m: int, n: int, k: int, dtype, out_dtype=None) -> int:
+    """Host bytes at the peak of making a gemm's a (m x k) and b (k x n) with :func:`random_operand` beside an
+    m x n output: the three arrays, plus the larger operand's temporaries while it is made (a float64 draw, the
+    cast, the F-ordered copy; complex: two draws and their sum)."""
+    dt = np.dtype(dtype)
+    its = dt.itemsize
+    held = (m * k + k * n) * its + m * n * np.dtype(out_dtype or dt).itemsize
+    per = its if dt.kind in "iu" else max(40, 16 + 2 * its) - its if dt.kind == "c" else 8 + its
+    return held + max(m * k, k * n) * per
+
+
 def check_rows(c_rows, a_rows, b, row: dtypes.BlasType, math: str = "ieee") -> tuple[float, float]:
     """(relative Frobenius error of ``c_rows`` against ``a_rows @ b`` in the wide reference type,
     its tolerance): 4 :func:`tolerance` of the call, at least 1e-4 (4-byte types) or 1e-10;

@@ -3,6 +3,7 @@
 ``sim`` and ``cpu`` backends; the CUDA measurements only show that they fail politely here."""
 
 import io
+import os
 import sys
 import threading
 import time
@@ -101,6 +102,8 @@ def test_version(capsys):
     (["tune", "--m", "64"], "arguments --m/--k: need --n"),
     (["tune", "--check-rows", "-2"], "argument --check-rows: got -2, need an integer >= 0"),
     (["tune", "--dtype", "d,q"], "argument --dtype: got 'd,q'"),
+    (["tune", "--devices", "sim:2", "--n", "200000", "--tiles", "64", "--dtype", "i8"],
+     "arguments --m/--n/--k: 200000x200000x200000 int8 operands take"),
     (["frob"], "invalid choice: 'frob'"),
     ([], "the following arguments are required: COMMAND"),
 ])
@@ -122,6 +125,26 @@ def test_a_bad_blasx_devices_variable_is_named(capsys, monkeypatch):
         cli.main(["info"])
     assert e.value.code == 2
     assert "blasx info: error: $BLASX_DEVICES: unknown backend 'gpu'" in capsys.readouterr().err
+
+
+def test_running_out_of_host_memory_is_one_line_with_status_1(capsys, monkeypatch):
+    """A limit the estimate cannot see (a cgroup's, ulimit's): numpy's MemoryError, said in one line."""
+    def no_memory(*args):
+        raise MemoryError("Unable to allocate 1.07 GiB")
+    monkeypatch.setattr(blasx.precision, "random_operand", no_memory)
+    assert cli.main(["gemm", "--devices", "sim:2", "--n", "64", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip() == ("blasx gemm: error: out of host memory: Unable to allocate "
+                                                      "1.07 GiB; try smaller sizes")
+
+
+def test_a_bad_variable_read_where_blasx_dnn_loads_is_one_line_with_status_2(tmp_path):
+    import subprocess
+    env = {**os.environ, "BLASX_RNN_REPLAY": "maybe", "BLASX_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "blasx.cli", "tune", "--show"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("blasx tune: error: $BLASX_RNN_REPLAY: got 'maybe'")
 
 
 def test_missing_cuda_is_a_usage_error(capsys, monkeypatch):

@@ -427,3 +427,16 @@ def test_cli_tune_rejects_bad_lists(capsys):
     with pytest.raises(SystemExit):
         blasx.cli.main(["tune", "--dtype", "d,q"])
     assert "--dtype: got 'd,q'" in capsys.readouterr().err
+
+
+def test_tune_checks_progress_and_host_memory_before_measuring(monkeypatch):
+    before = blasx.session.settings()
+    measured = []
+    monkeypatch.setattr(tune_module, "_tune_one", lambda *a: measured.append(a))
+    with pytest.raises(TypeError, match="progress: got int, need a function"):
+        tune_module.tune(sizes=[64], dtypes="d", devices="sim:2", progress=123)
+    from blasx import probe
+    monkeypatch.setattr(probe, "host_memory", lambda: (1 << 30, 1 << 20))
+    with pytest.raises(ValueError, match=r"sizes: 512x512x512 float64 operands take .* but only 1.00 MiB"):
+        tune_module.tune(sizes=[64, 512], dtypes="d", devices="sim:2")
+    assert not measured and blasx.session.settings() == before

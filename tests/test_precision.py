@@ -607,3 +607,24 @@ def test_float16_overflow_follows_the_callers_errstate(dev):
     with np.errstate(over="raise"), pytest.raises(FloatingPointError):
         blasx.matmul(a, a, out=big[::2, ::2])
     assert np.isinf(big[::2, ::2]).all()
+
+
+@pytest.mark.parametrize("prefix", ["d", "s", "z", "c", "h", "i8"])
+def test_operands_peak_bytes_bounds_what_making_them_allocates(prefix):
+    """The CLI's and tune's host-memory check: the estimate is at least the traced peak of making a and b with
+    random_operand beside an output (the draws, casts and copies included), and not far above it."""
+    import tracemalloc
+    m, n, k = 300, 200, 400
+    row = dtypes.GEMM_BY_PREFIX[prefix]
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    try:
+        c = np.empty((m, n), row.out, order="F")
+        a = P.random_operand(rng, (m, k), row.dtype)
+        b = P.random_operand(rng, (k, n), row.dtype)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    del a, b, c
+    est = P.operands_peak_bytes(m, n, k, row.dtype, row.out)
+    assert peak <= est <= 1.5 * peak + (1 << 16), (peak, est)
