@@ -319,6 +319,23 @@ def test_layer_set_from_json(tmp_path):
     assert p["x_shape"] == (8, 64, 28, 28) and p["padding"] == (1, 1) and p["name"] == "shapes.json[0]"
 
 
+@pytest.mark.parametrize("items, fragment", [
+    ([{"x": 5, "weight": [8, 4, 3, 3]}], "item 0: 'x' must be a list of sizes, got 5"),
+    ([{"x": [1, 4, 8, 8], "weight": None}], "item 0: 'weight' must be a list of sizes, got None"),
+    ([{"x": [1, 4, 8, 8], "weight": [8, 4, 3, 3], "strides": 2, "pading": 1}],
+     "item 0: unknown key(s) 'pading', 'strides'; allowed: dilation, groups, name, padding, stride, weight, x"),
+    ([], "names no layer"),
+])
+def test_a_json_layer_set_is_checked_key_by_key(tmp_path, items, fragment):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps(items))
+    with pytest.raises(ValueError) as e:
+        conv_sets.problems(str(path), 8)
+    assert fragment in str(e.value)
+    with pytest.raises(ValueError, match="',' names no layer"):
+        conv_sets.problems(",", 8)
+
+
 def test_cli_tune_conv_without_a_gpu_exits_1_with_a_message(capsys, cache, monkeypatch):
     monkeypatch.setattr(blasx.session, "_cuda_count", lambda: 0)
     assert cli.main(["tune", "--conv", "resnet50"]) == 1

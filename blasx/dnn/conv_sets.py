@@ -103,6 +103,13 @@ def _from_json(path: str, batch: int) -> list[dict]:
         raise ValueError(f"layers: {path!r} must hold a JSON list of objects with 'x' and 'weight' shapes")
     out = []
     for j, it in enumerate(items):
+        unknown = sorted(set(it) - JSON_KEYS)
+        if unknown:
+            raise ValueError(f"layers: {path!r} item {j}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"allowed: {', '.join(sorted(JSON_KEYS))}")
+        for name in ("x", "weight"):
+            if not isinstance(it[name], list):
+                raise ValueError(f"layers: {path!r} item {j}: {name!r} must be a list of sizes, got {it[name]!r}")
         x = list(it["x"])
         x[0] = batch if x and x[0] is None else x[0]
         out.append({"name": str(it.get("name", f"{os.path.basename(path)}[{j}]")), "x_shape": tuple(x),
@@ -110,6 +117,10 @@ def _from_json(path: str, batch: int) -> list[dict]:
                     "padding": _arg(it.get("padding", 0)), "dilation": _arg(it.get("dilation", 1)),
                     "groups": it.get("groups", 1), "transposed": False})
     return out
+
+
+#: the keys of a JSON layer
+JSON_KEYS = frozenset({"x", "weight", "stride", "padding", "dilation", "groups", "name"})
 
 
 def _arg(v):
@@ -139,6 +150,8 @@ def problems(spec: str, batch: int = 32, directions=("fwd",)) -> list[dict]:
         else:
             raise ValueError(f"layers: {item!r} is not {', '.join(SETS)}, all, a JSON file nor a layer of those "
                              f"sets (such as 'layer1.0.conv2', 'depthwise3x3')")
+    if not chosen:
+        raise ValueError(f"layers: {spec!r} names no layer")
     out = []
     for lay in chosen:
         for d in directions:
