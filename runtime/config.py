@@ -116,27 +116,39 @@ def parse_krate(value: str) -> tuple[tuple[str, float], ...]:
         name, sep, factor = item.partition(":")
         name = name.strip()
         f = float(factor) if sep else float("nan")  # ValueError for a non-number
-        if name not in SIM_KERNELS or name in out or not 0 < f < float("inf"):
+        if name not in SIM_KERNELS or name in out or not FACTOR_RANGE[0] <= f <= FACTOR_RANGE[1]:
             raise ValueError(f"krate: bad item {item!r}")
         out[name] = f
     return tuple(out.items())
 
 
+#: The range of a sim's slowdown and rate factors (beyond it a tile op's duration overflows a sleep).
+FACTOR_RANGE = (1e-6, 1e6)
+
+
+def _factor(v) -> bool:
+    return FACTOR_RANGE[0] <= float(v) <= FACTOR_RANGE[1]
+
+
+_FACTORS = f"a number from {FACTOR_RANGE[0]:g} to {FACTOR_RANGE[1]:g}"
+
 #: Each sim option's check (True, or ValueError, when good) and what it allows (None: not spelled out).
 _SIM_RULES = {
-    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: 0 < float(v) < float("inf"), "a finite number > 0")),
-    "speeds": (lambda v: all(0 < float(x) < float("inf") for x in v.split("/")), "finite factors > 0 joined by '/'"),
+    **dict.fromkeys(SIM_FLOAT_OPTIONS, (lambda v: 1 <= float(v) < float("inf"), "a finite rate >= 1 (per second)")),
+    "slow": (_factor, _FACTORS),
+    "speeds": (lambda v: all(_factor(x) for x in v.split("/")), f"factors joined by '/', each {_FACTORS}"),
     "fail": (lambda v: all(int(x) >= 0 for x in v.partition("@")[::2]), "DEVICE@KERNEL_COUNT, ints >= 0"),
     "peers": (lambda v: v in ("0", "1"), "0 or 1"),
     **dict.fromkeys(("timing", "data", "hostduplex"), (lambda v: v in ("0", "1"), "0 or 1")),
     "mem": (lambda v: parse_size(v) >= MIN_SIM_MEM and parse_size(v) == int(parse_size(v)),
             f"a byte count >= {MIN_SIM_MEM}, e.g. 70G, 64Mi or 1e9"),
-    "dilate": (lambda v: float(v) > 0 and float(v) != float("inf"), "a number > 0"),
+    "dilate": (_factor, _FACTORS),
     "issue": (lambda v: 0 <= float(v) < 1, "seconds, at least 0 and below 1, e.g. 2e-5"),
-    "host": (lambda v: 0 < parse_size(v) < float("inf"), "a bandwidth in bytes/s > 0, e.g. 200G or 5.5e10"),
+    "host": (lambda v: 1 <= parse_size(v) < float("inf"), "a bandwidth in bytes/s >= 1, e.g. 200G or 5.5e10"),
     "hostgroup": (lambda v: int(v) >= 1, "an int >= 1"),
     "krate": (lambda v: parse_krate(v) is not None,
-              f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors > 0, kernels of {', '.join(SIM_KERNELS)}"),
+              f"KERNEL:FACTOR pairs joined by '/', each kernel once, factors {FACTOR_RANGE[0]:g} to "
+              f"{FACTOR_RANGE[1]:g}, kernels of {', '.join(SIM_KERNELS)}"),
 }
 
 

@@ -238,15 +238,22 @@ def test_timing_mode_kernels_take_their_own_rate(no_numpy_kernels):
     ("sim:2,mem=12X", "mem", "a byte count >= 65536"),
     ("sim:2,mem=1K", "mem", "a byte count >= 65536"),
     ("sim:2,mem=100000.5", "mem", "a byte count"),
-    ("sim:2,dilate=0", "dilate", "a number > 0"),
-    ("sim:2,dilate=abc", "dilate", "a number > 0"),
+    ("sim:2,dilate=0", "dilate", "a number from 1e-06 to 1e+06"),
+    ("sim:2,dilate=abc", "dilate", "a number from 1e-06 to 1e+06"),
+    ("sim:2,dilate=1e300", "dilate", "a number from 1e-06 to 1e+06"),
+    ("sim:2,slow=1e300", "slow", "a number from 1e-06 to 1e+06"),
+    ("sim:2,speeds=1/1e-300", "speeds", "factors joined by '/', each a number from 1e-06 to 1e+06"),
+    ("sim:2,rate=1e-300", "rate", "a finite rate >= 1 (per second)"),
+    ("sim:2,h2d=0.5", "h2d", "a finite rate >= 1 (per second)"),
     ("sim:2,issue=-1e-5", "issue", "seconds"),
-    ("sim:2,host=0", "host", "a bandwidth in bytes/s > 0"),
-    ("sim:2,host=fast", "host", "a bandwidth in bytes/s > 0"),
+    ("sim:2,host=0", "host", "a bandwidth in bytes/s >= 1"),
+    ("sim:2,host=1e-300", "host", "a bandwidth in bytes/s >= 1"),
+    ("sim:2,host=fast", "host", "a bandwidth in bytes/s >= 1"),
     ("sim:2,host=1G,hostgroup=0", "hostgroup", "an int >= 1"),
     ("sim:2,host=1G,hostduplex=2", "hostduplex", "0 or 1"),
     ("sim:2,krate=trsm", "krate", "KERNEL:FACTOR pairs"),
     ("sim:2,krate=trsm:0", "krate", "KERNEL:FACTOR pairs"),
+    ("sim:2,krate=gemm:1e-300", "krate", "KERNEL:FACTOR pairs joined by '/', each kernel once, factors 1e-06 to 1e+06"),
     ("sim:2,krate=trsm:x", "krate", "KERNEL:FACTOR pairs"),
     ("sim:2,krate=potrf:0.5", "krate", "KERNEL:FACTOR pairs"),
     ("sim:2,krate=trsm:0.3/trsm:0.4", "krate", "KERNEL:FACTOR pairs joined by '/', each kernel once"),
@@ -299,3 +306,16 @@ def test_the_engine_hands_its_knobs_to_every_device():
     knobs = Knobs(trsm_inverse=False)
     Engine(EngineConfig(devices=devs, streams=1, knobs=knobs))
     assert all(d.knobs is knobs for d in devs)
+
+
+def test_a_sim_tile_cache_beyond_host_memory_is_named_at_the_first_call():
+    import blasx
+    from blasx.runtime.devices.base import DeviceError
+    blasx.configure(devices="sim:2", cache_bytes=2 ** 60)
+    try:
+        with pytest.raises(DeviceError, match=r"tile cache \(configure's cache_bytes, or the sim's mem=\) does not "
+                                              r"fit in host memory"):
+            blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))
+    finally:
+        blasx.configure(devices="sim:2")
+    assert blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))[0, 0] == 8

@@ -199,7 +199,11 @@ class SimDevice(StreamDevice):
                               f"({taken(self.index)} taken by other allocations); a tile cache needs at least 65536")
         heap = self._make_heap(free)
         # Timing mode: the heap runs over the full size, but no byte of it is allocated.
-        self.arena = None if self.timing else np.empty(heap.capacity, dtype=np.uint8)
+        try:
+            self.arena = None if self.timing else np.empty(heap.capacity, dtype=np.uint8)
+        except MemoryError:
+            raise MemoryError(f"{self.name}: its {heap.capacity}-byte tile cache (configure's cache_bytes, or the "
+                              f"sim's mem=) does not fit in host memory") from None
         self.streams = [_Stream(self, s) for s in range(self.n_all_streams)]
 
     def close(self) -> None:
