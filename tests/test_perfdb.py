@@ -429,7 +429,7 @@ def test_cli_tune_rejects_bad_lists(capsys):
     assert "--dtype: got 'd,q'" in capsys.readouterr().err
 
 
-def test_tune_checks_progress_and_host_memory_before_measuring(monkeypatch):
+def test_tune_checks_progress_host_memory_and_db_before_measuring(monkeypatch, tmp_path):
     before = blasx.session.settings()
     measured = []
     monkeypatch.setattr(tune_module, "_tune_one", lambda *a: measured.append(a))
@@ -439,4 +439,10 @@ def test_tune_checks_progress_and_host_memory_before_measuring(monkeypatch):
     monkeypatch.setattr(probe, "host_memory", lambda: (1 << 30, 1 << 20))
     with pytest.raises(ValueError, match=r"sizes: 512x512x512 float64 operands take .* but only 1.00 MiB"):
         tune_module.tune(sizes=[64, 512], dtypes="d", devices="sim:2")
+    monkeypatch.setattr(probe, "host_memory", lambda: (1 << 30, None))
+    with pytest.raises(ValueError, match="is a folder; need a perf-db file"):
+        tune_module.tune(sizes=[64], dtypes="d", devices="sim:2", db=tmp_path)
+    (tmp_path / "junk").write_bytes(b"not a db")
+    with pytest.raises(ValueError, match="is not a blasx perf-db"):
+        tune_module.tune(sizes=[64], dtypes="d", devices="sim:2", db=tmp_path / "junk")
     assert not measured and blasx.session.settings() == before
