@@ -616,3 +616,9 @@ def test_a_db_that_is_a_folder_or_another_file_is_a_usage_error(capsys, tmp_path
             cli.main(argv)
         assert e.value.code == 2 and fragment in capsys.readouterr().err
     assert notes.read_text() == "mine" and not (tmp_path / "no").exists()
+
+
+def test_python_dash_m_blasx_is_the_command():
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "blasx", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and blasx.__version__ in r.stdout
