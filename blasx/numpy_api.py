@@ -52,7 +52,7 @@ def _check_out(out) -> None:
     """numpy's rule, checked before any work: an ``out`` must be writable."""
     if isinstance(out, tuple) and len(out) == 1:
         out = out[0]
-    if out is not None and hasattr(out, "flags") and not writable(out):
+    if (isinstance(out, np.ndarray) or is_cupy(out)) and not writable(out):  # (not an array: numpy's TypeError)
         raise ValueError("out: the output array is read-only; pass a writable array (or no out)")
 
 
@@ -218,8 +218,8 @@ def _dot(a, b, out, out_dtype):
     if arrays is None:
         return _fallback(_np_dot, a, b, out)
     xp, x, y = arrays
-    if xp is np and y.size == 0 and not isinstance(b, (np.ndarray, np.generic)):
-        y = y.astype(x.dtype)  # np.dot: an empty sequence as b takes a's type
+    if xp is np and y.size == 0 and isinstance(b, (list, tuple)):
+        y = y.astype(x.dtype)  # np.dot: an empty Python sequence as b takes a's type (an array-like keeps its own)
     if x.ndim == 0 or y.ndim == 0 or (types := _engine_types(x, y, out_dtype)) is None:
         return _fallback(_np_dot, a, b, out)  # (a product with a scalar: numpy's multiply)
     it, ct = types

@@ -280,3 +280,27 @@ def test_tensordot_errors_and_fallbacks(rand):
             blasx.tensordot(a, b, axes)
     ai = np.arange(20).reshape(4, 5)
     np.testing.assert_array_equal(blasx.tensordot(ai, ai, ([0], [0])), np.tensordot(ai, ai, ([0], [0])))
+
+
+def test_dot_with_an_empty_array_like_keeps_its_dtype_as_numpy():
+    """numpy gives an empty Python list or tuple b a's type; an array-like (``__array__``, a memoryview) keeps
+    its own."""
+    class Like:
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+    a = np.ones((2, 0), np.float32)
+    for b in (Like(np.zeros(0)), memoryview(np.zeros(0)), Like(np.zeros(0, np.complex128)), [], ()):
+        want = np.dot(a, b)
+        got = blasx.dot(a, b)
+        assert got.dtype == want.dtype and got.shape == want.shape
+
+
+@pytest.mark.parametrize("fn, message", [(lambda o: blasx.dot(np.ones(3), np.ones(3), o), "'out' must be an array"),
+                                         (lambda o: blasx.matmul(np.ones(3), np.ones(3), out=o),
+                                          "return arrays must be of ArrayType")])
+def test_a_numpy_scalar_as_out_is_numpys_type_error(fn, message):
+    with pytest.raises(TypeError, match=message):
+        fn(np.float64(0))
