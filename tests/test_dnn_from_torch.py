@@ -238,3 +238,31 @@ def test_a_time_major_recurrent_network_takes_its_modules_own_input_shape():
         assert net(x[:, :1]).shape == (6, 1, 2)
     with pytest.raises(ValueError, match=r"expected shape \(6, 'N', 4\)"):
         net(x[:5])
+
+
+def test_a_time_major_recurrent_layer_after_row_wise_layers_chunks_along_dim_1():
+    """Layers before a batch_first=False LSTM / GRU that work row by row (Linear, Dropout, activations) keep dim 1
+    the batch, so a chunked run splits images, not time steps; one that may mix dim 1 is refused, named."""
+    blasx.configure(devices="sim:2", tile=16)
+
+    class M(torch.nn.Module):
+        def __init__(self, pre):
+            super().__init__()
+            self.pre, self.rnn = pre, torch.nn.GRU(4, 5)
+
+        def forward(self, x):
+            return self.rnn(self.pre(x))[0]
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((6, 3, 4))
+    for pre in (torch.nn.Dropout(0.1), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())):
+        m = M(pre).double().eval()
+        with torch.no_grad():
+            ref = m(torch.tensor(x)).numpy()
+        net = dnn.from_torch(m, (6, 3, 4))
+        assert net.graph.batch_axis == 1
+        for chunk in (None, 1, 2):
+            y = net(x, chunk=chunk) if chunk else net(x)
+            assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-12
+    with pytest.raises(UnsupportedError, match="batch_first=False after"):
+        dnn.from_torch(M(torch.nn.LayerNorm([3, 4])).double().eval(), (6, 3, 4))

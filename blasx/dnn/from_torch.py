@@ -228,6 +228,10 @@ def _softmax_dim(dim, ndim: int) -> int:
     return dim % ndim if ndim else dim
 
 
+#: ops that act on each row of the last dim alone: any leading dim may be the batch
+ROW_WISE = frozenset({"linear", "dropout", "act", "identity", "add"})
+
+
 def _batch_axis_use(n, mapped, batch_axis: int) -> str | None:
     """Why the mapped node mixes or selects the batch's images (along ``batch_axis``), which the network's
     per-chunk runs cannot do; None where it does not."""
@@ -371,7 +375,13 @@ def from_torch(module, example_input_shape):
             bad.append((n.name, kind))
             continue
         op, attrs, params = mapped
-        if op in ("lstm", "gru") and not attrs["batch_first"] and ins == [nodes[0].name]:
+        if op in ("lstm", "gru") and not attrs["batch_first"] and batch_axis == 0:
+            # time-major: the batch is dim 1 from the input on, if every node before works row by row
+            mixing = [m.name for m in nodes[1:] if m.op not in ROW_WISE]
+            if mixing or not nodes:
+                bad.append((n.name, f"{kind} with batch_first=False after {', '.join(mixing)}, which may mix its "
+                                    f"batch dim 1 (put it first, after row-wise layers only, or use batch_first=True)"))
+                continue
             batch_axis = 1
         if op in ("add", "cat") and len(ins) < 2:
             bad.append((n.name, f"{kind} with a non-tensor operand"))
