@@ -260,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{sub.prog}: error: {exc}", file=sys.stderr)
         return 2
-    except MemoryError as exc:  # (host memory the estimate before the work could not see: a cgroup's, ulimit's)
-        print(f"{sub.prog}: error: out of host memory{': ' + str(exc) if str(exc) else ''}; try smaller sizes",
-              file=sys.stderr)
+    except MemoryError as exc:  # numpy's: host memory the estimate could not see (a cgroup's, ulimit's); else a
+        text = str(exc).rstrip(".")  # device's (the tile cache full, CuPy out of memory), said as it is
+        what = "out of host memory" + (f": {text}" if text else "") + "; try smaller sizes" \
+            if type(exc) is MemoryError or "Unable to allocate" in text else text or type(exc).__name__
+        print(f"{sub.prog}: error: {what}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{sub.prog}: interrupted", file=sys.stderr)

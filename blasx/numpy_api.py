@@ -218,8 +218,8 @@ def _dot(a, b, out, out_dtype):
     if arrays is None:
         return _fallback(_np_dot, a, b, out)
     xp, x, y = arrays
-    if xp is np and y.size == 0 and isinstance(b, (list, tuple)):
-        y = y.astype(x.dtype)  # np.dot: an empty Python sequence as b takes a's type (an array-like keeps its own)
+    if xp is np and y.size == 0 and not isinstance(b, np.ndarray):
+        return _fallback(_np_dot, a, b, out)  # (numpy's type rules for an empty sequence or array-like b; no work)
     if x.ndim == 0 or y.ndim == 0 or (types := _engine_types(x, y, out_dtype)) is None:
         return _fallback(_np_dot, a, b, out)  # (a product with a scalar: numpy's multiply)
     it, ct = types

@@ -138,6 +138,18 @@ def test_running_out_of_host_memory_is_one_line_with_status_1(capsys, monkeypatc
                                                       "1.07 GiB; try smaller sizes")
 
 
+def test_a_device_memory_error_is_said_as_it_is(capsys, monkeypatch):
+    """A MemoryError of the devices (the tile cache full, CuPy's out of memory) is not host memory."""
+    class CacheFull(MemoryError):
+        pass
+
+    def full(*args):
+        raise CacheFull("cuda:0: the tile cache is full")
+    monkeypatch.setattr(blasx.precision, "random_operand", full)
+    assert cli.main(["gemm", "--devices", "sim:2", "--n", "64", "--no-progress"]) == 1
+    assert capsys.readouterr().err.strip() == "blasx gemm: error: cuda:0: the tile cache is full"
+
+
 def test_a_bad_variable_read_where_blasx_dnn_loads_is_one_line_with_status_2(tmp_path):
     import subprocess
     env = {**os.environ, "BLASX_RNN_REPLAY": "maybe", "BLASX_CACHE_DIR": str(tmp_path)}

@@ -292,7 +292,9 @@ def test_dot_with_an_empty_array_like_keeps_its_dtype_as_numpy():
         def __array__(self, dtype=None, copy=None):
             return self.a
     a = np.ones((2, 0), np.float32)
-    for b in (Like(np.zeros(0)), memoryview(np.zeros(0)), Like(np.zeros(0, np.complex128)), [], ()):
+    import collections
+    for b in (Like(np.zeros(0)), memoryview(np.zeros(0)), Like(np.zeros(0, np.complex128)), [], (), range(0),
+              collections.deque(), (np.empty((0, 2)),)):
         want = np.dot(a, b)
         got = blasx.dot(a, b)
         assert got.dtype == want.dtype and got.shape == want.shape
