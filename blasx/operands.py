@@ -97,6 +97,7 @@ class _ReadOnlyRegistry:
         self._lock = threading.RLock()
         self._by_id: dict[int, tuple[weakref.ref, int, int, int]] = {}  # id -> (root, base, memory lo, hi)
         self._next = itertools.count(1)
+        self._spans = None  # (keys, bases, lo, hi) arrays of _by_id for drop_written; None: made again
         self.on_retire = None  # engine hook: retire the base's cached tiles
 
     def base_of(self, root) -> int:
@@ -106,6 +107,7 @@ class _ReadOnlyRegistry:
                 return hit[1]
             base = next(self._next)
             self._by_id[id(root)] = (weakref.ref(root), base, *byte_bounds(root))
+            self._spans = None
             weakref.finalize(root, self._retire, id(root), base)
             return base
 
@@ -120,8 +122,20 @@ class _ReadOnlyRegistry:
         if not self._by_id:
             return
         spans = [byte_bounds(a) for a in arrays if isinstance(a, np.ndarray) and a.size]
+        if not spans:
+            return
         with self._lock:
-            hits = [(key, e[1]) for key, e in self._by_id.items() if any(lo < e[3] and e[2] < hi for lo, hi in spans)]
+            if self._spans is None:  # (one vectorised test per written array, not a Python loop over the roots)
+                rows = [(key, e[1], e[2], e[3]) for key, e in self._by_id.items()]
+                self._spans = tuple(np.array(c, dtype=np.uint64 if i else object) for i, c in enumerate(zip(*rows))) \
+                    if rows else None
+            if self._spans is None:
+                return
+            keys, bases, los, his = self._spans
+            hit = np.zeros(len(keys), dtype=bool)
+            for lo, hi in spans:
+                hit |= (los < hi) & (lo < his)
+            hits = list(zip(keys[hit].tolist(), bases[hit].tolist()))
         for key, base in hits:
             self._retire(key, base)
 
@@ -137,6 +151,7 @@ class _ReadOnlyRegistry:
             hit = self._by_id.get(key)
             if hit is not None and hit[1] == base:
                 del self._by_id[key]
+                self._spans = None
         if self.on_retire is not None:
             self.on_retire(base)
 

@@ -52,3 +52,24 @@ def test_every_front_end_writing_a_callers_array_is_wrapped():
             params = inspect.signature(fn).parameters
             writes = "inplace" in params or any(p in params for p in WRITTEN)
             assert writes == hasattr(fn, "__wrapped__"), name
+
+
+def test_wrapped_front_ends_pickle_by_reference():
+    import pickle
+    assert pickle.loads(pickle.dumps(dnn.relu)) is dnn.relu and dnn.relu.__module__ == "blasx.dnn"
+
+
+def test_drop_written_retires_exactly_the_roots_a_write_overlaps(monkeypatch):
+    from blasx.operands import _ReadOnlyRegistry
+    reg, retired = _ReadOnlyRegistry(), []
+    reg.on_retire = retired.append
+    roots = [np.zeros(100 + i) for i in range(50)]
+    bases = [reg.base_of(r) for r in roots]
+    reg.drop_written([np.zeros(3)])  # memory of no root
+    assert retired == []
+    alias = np.frombuffer(memoryview(roots[10])[8:16], dtype=np.float64)  # one element of root 10, not a view
+    reg.drop_written([alias, roots[20][:0]])  # (an empty array writes nothing)
+    assert retired == [bases[10]]
+    reg.drop_written([roots[30][5:], roots[31]])
+    assert sorted(retired) == sorted([bases[10], bases[30], bases[31]])
+    assert reg.base_of(roots[10]) not in bases  # a new base after retirement

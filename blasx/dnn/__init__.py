@@ -22,7 +22,6 @@ accumulate in float32).
 """
 
 import inspect
-import sys
 
 from .writes import retires_writes
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
@@ -47,12 +46,11 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "group_norm", "group_norm_backward",
            *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__, *pool.__all__]
 
-# The front ends writing a caller's array outside the engine retire the read-only roots it overlaps (writes.py),
-# here and in the modules defining them (their own callers then go through it too).
+# The front ends writing a caller's array outside the engine retire the read-only roots it overlaps (writes.py):
+# the package's names (the API); the modules' own callers write only arrays of their own.
 for _name in __all__:
     _fn = globals()[_name]
     if inspect.isfunction(_fn) and (_wrapped := retires_writes(_fn)) is not _fn:
+        _wrapped.__module__, _wrapped.__qualname__ = __name__, _name  # (pickled by reference: blasx.dnn.<name>)
         globals()[_name] = _wrapped
-        if getattr(sys.modules[_fn.__module__], _name, None) is _fn:
-            setattr(sys.modules[_fn.__module__], _name, _wrapped)
 del _name, _fn, _wrapped

@@ -13,18 +13,23 @@ from ..operands import READONLY
 
 #: parameters naming a caller's array that a front end may write
 WRITTEN = ("out", "running_mean", "running_var", "num_batches_tracked")
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def retires_writes(fn):
     """``fn`` with the host arrays it may have written (its ``WRITTEN`` arguments, and its first argument when
     ``inplace`` is true) retired from the read-only registry when it returns or raises; ``fn`` unchanged when
-    it takes none of them."""
-    sig = inspect.signature(fn)
-    names = [p for p in WRITTEN if p in sig.parameters]
-    inplace = "inplace" in sig.parameters
-    if not names and not inplace:
+    it takes none of them. The arguments are found by position or keyword, worked out once here."""
+    params = list(inspect.signature(fn).parameters.values())
+
+    def spot(name):
+        p = next((q for q in params if q.name == name), None)
+        return None if p is None else (name, params.index(p) if p.kind in _POSITIONAL else None)
+    spots = [s for s in map(spot, WRITTEN) if s is not None]
+    flag = spot("inplace")
+    if not spots and flag is None:
         return fn
-    first = next(iter(sig.parameters))
+    first = (params[0].name, 0)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -32,20 +37,20 @@ def retires_writes(fn):
             return fn(*args, **kwargs)
         finally:
             if READONLY.holds_roots():
-                READONLY.drop_written(_targets(sig, names, inplace, first, args, kwargs))
+                found = [_given(args, kwargs, s) for s in spots]
+                if flag is not None and _true(_given(args, kwargs, flag)):
+                    found.append(_given(args, kwargs, first))
+                flat = [y for x in found for y in (x if isinstance(x, (tuple, list)) else (x,))
+                        if isinstance(y, np.ndarray)]
+                if flat:
+                    READONLY.drop_written(flat)
     return call
 
 
-def _targets(sig, names, inplace, first, args, kwargs) -> list:
-    try:
-        given = sig.bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        return []  # (the call itself raised for these arguments, before any write)
-    found = [given.get(n) for n in names]
-    flag = given.get("inplace")
-    if inplace and (flag is True or (isinstance(flag, np.bool_) and flag)):
-        found.append(given.get(first))
-    flat = []
-    for x in found:
-        flat.extend(x if isinstance(x, (tuple, list)) else (x,))
-    return [x for x in flat if isinstance(x, np.ndarray)]
+def _given(args, kwargs, spot):
+    name, pos = spot
+    return args[pos] if pos is not None and pos < len(args) else kwargs.get(name)
+
+
+def _true(flag) -> bool:
+    return flag is True or (isinstance(flag, np.bool_) and bool(flag))
