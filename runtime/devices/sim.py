@@ -240,6 +240,10 @@ class SimDevice(StreamDevice):
         """Queue an operation on stream ``s``: it holds its engine (``kind``) for at least ``cost``
         seconds (and, for host copies with a shared host link, until its booking there ends), doing
         ``work`` (None: nothing, in timing mode) meanwhile."""
+        if not cost <= MAX_OP_SECONDS:  # (the options' product: each within its range, together a hang)
+            raise DeviceError(f"{self.name}: one {kind} of {nbytes or flops:.3g} {'bytes' if nbytes else 'flops'} "
+                              f"would take {cost:.3g} s, past the longest simulated operation ({MAX_OP_SECONDS:g} "
+                              f"s): raise the sim's rate / bandwidths or lower slow, speeds, dilate, krate")
         link = self.host_link if kind in ("h2d", "d2h") else None
 
         def op():
@@ -389,6 +393,7 @@ def _host_tile(operand, ref) -> np.ndarray:
     return operand.array[ref.r0:ref.r0 + ref.rows, ref.c0:ref.c0 + ref.cols]
 
 
+MAX_OP_SECONDS = 3600.0  # the longest one simulated tile operation may take
 DEFAULT_SIM_CACHE = 64 << 20  # tile-cache heap per sim when neither mem= nor cache_bytes says
 
 
