@@ -219,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--check-rows", type=_nonnegative, default=64, metavar="ROWS",
                    help="rows checked against numpy (default 64; 0: no check)")
     t.add_argument("--db", metavar="FILE", help="perf-db file (default: perfdb.sqlite in $BLASX_CACHE_DIR, "
-                                                "$XDG_CACHE_HOME/blasx or ~/.cache/blasx, the one blasx calls read)")
+                                                "$XDG_CACHE_HOME/blasx or ~/.cache/blasx (no home: a private "
+                                                "temporary folder), the one blasx calls read)")
     conv = t.add_argument_group("convolutions (the find step, on a CUDA GPU)")
     conv.add_argument("--conv", metavar="LAYERS",
                       help="layers to time: resnet50, mobilenet_v2, own, all, layer names of those sets "

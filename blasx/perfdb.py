@@ -112,8 +112,23 @@ def cache_dir() -> Path:
     try:
         return Path.home() / ".cache" / "blasx"
     except RuntimeError:  # (Path.home: no $HOME and no password entry)
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        return Path(tempfile.gettempdir()) / f"blasx-cache-{uid}"
+        return _private_temp_dir()
+
+
+def _private_temp_dir() -> Path:
+    """``blasx-cache-<uid>`` in the temporary folder, made private (0700) to this user; if another user made
+    it, or anyone may write it, a fresh private folder for this process instead (no db planted by another)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    d = Path(tempfile.gettempdir()) / f"blasx-cache-{uid if uid is not None else 'user'}"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
+        import stat
+        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and not st.st_mode & 0o022:
+            return d
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="blasx-cache-"))
 
 
 def is_sqlite(path) -> bool:
@@ -386,7 +401,7 @@ class PerfDb:
             return 0
         if not self.path.is_file():
             raise PerfDbError(f"perf-db {self.path}: not a file; left alone")
-        if self.path.stat().st_size and is_sqlite(self.path) and not self._blasx_file():  # (another program's)
+        if self.path.stat().st_size and is_sqlite(self.path) and not self.is_blasx_file():  # (another program's)
             raise PerfDbError(f"perf-db {self.path}: an SQLite database that is not a blasx perf-db; left alone")
         conn = self._write()
         damaged = False
@@ -403,7 +418,7 @@ class PerfDb:
         finally:
             conn.close()
         if damaged:
-            if not self._blasx_file():
+            if not self.is_blasx_file():
                 raise PerfDbError(f"perf-db {self.path}: not a blasx perf-db (nor the default one); left alone")
             try:
                 self.path.unlink(missing_ok=True)
@@ -412,7 +427,7 @@ class PerfDb:
         _bump()
         return max(n, 0)
 
-    def _blasx_file(self) -> bool:
+    def is_blasx_file(self) -> bool:
         """Whether the file is blasx's to delete: the default perf-db, or SQLite with a ``schema`` table."""
         try:
             if self.path.resolve() == default_path().resolve():

@@ -69,9 +69,10 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
         raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
     if pdb.path.is_dir():  # (found before measuring, not when the first winner is stored)
         raise ValueError(f"db: {str(pdb.path)!r} is a folder; need a perf-db file")
-    if pdb.path.is_file() and pdb.path.stat().st_size and not perfdb.is_sqlite(pdb.path):
-        raise ValueError(f"db: {str(pdb.path)!r} is not a blasx perf-db (not an SQLite file); "
-                         f"`blasx tune --clear` removes a damaged default one")
+    if pdb.path.is_file() and pdb.path.stat().st_size and not (perfdb.is_sqlite(pdb.path) and pdb.is_blasx_file()):
+        raise ValueError(f"db: {str(pdb.path)!r} is not a blasx perf-db (" + (
+            "an SQLite database of another program" if perfdb.is_sqlite(pdb.path) else "not an SQLite file") +
+            "); `blasx tune --clear` removes a damaged default one")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: got {type(progress).__name__}, need a function taking a line of text, or None")
     say = progress or (lambda line: None)

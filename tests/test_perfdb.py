@@ -7,6 +7,7 @@ points the user cache at its own temporary directory.
 from __future__ import annotations
 
 import importlib
+import os
 import sqlite3
 import threading
 
@@ -103,7 +104,7 @@ def test_default_path_follows_the_cache_dir_variables(cache, monkeypatch, tmp_pa
     assert perfdb.default_path() == xdg / ".cache" / "blasx" / "perfdb.sqlite"
 
 
-def test_no_home_directory_places_the_db_in_the_temporary_folder(monkeypatch):
+def test_no_home_directory_places_the_db_in_a_private_temporary_folder(monkeypatch, tmp_path):
     """A container's user with no $HOME and no password entry: Path.home() raises; the db goes to a per-user
     folder in the temporary folder instead of failing every caller (info, tune, the find-db's readers)."""
     import pathlib
@@ -114,8 +115,12 @@ def test_no_home_directory_places_the_db_in_the_temporary_folder(monkeypatch):
     def no_home():
         raise RuntimeError("Could not determine home directory.")
     monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     path = perfdb.default_path()
-    assert path.parent.parent == pathlib.Path(tempfile.gettempdir()) and path.parent.name.startswith("blasx-cache-")
+    assert path.parent == tmp_path / f"blasx-cache-{os.getuid()}" and path.parent.stat().st_mode & 0o777 == 0o700
+    path.parent.chmod(0o777)  # (as another user could have left it): not used
+    other = perfdb.default_path()
+    assert other.parent.parent == tmp_path and other.parent != path.parent and other.parent.stat().st_mode & 0o077 == 0
 
 
 def test_rows_of_a_foreign_type_are_skipped_by_every_reader(cache):
@@ -445,4 +450,11 @@ def test_tune_checks_progress_host_memory_and_db_before_measuring(monkeypatch, t
     (tmp_path / "junk").write_bytes(b"not a db")
     with pytest.raises(ValueError, match="is not a blasx perf-db"):
         tune_module.tune(sizes=[64], dtypes="d", devices="sim:2", db=tmp_path / "junk")
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(str(other))
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(ValueError, match="an SQLite database of another program"):
+        tune_module.tune(sizes=[64], dtypes="d", devices="sim:2", db=other)
     assert not measured and blasx.session.settings() == before
