@@ -308,27 +308,21 @@ def test_the_engine_hands_its_knobs_to_every_device():
     assert all(d.knobs is knobs for d in devs)
 
 
-def test_a_sim_tile_cache_beyond_host_memory_is_named_at_the_first_call():
+@pytest.mark.parametrize("settings, n, message", [
+    # a tile cache beyond host memory names the parameter
+    ({"devices": "sim:2", "cache_bytes": 2 ** 60}, 8,
+     r"tile cache \(configure's cache_bytes, or the sim's mem=\) does not fit in host memory"),
+    # each option within its range, together a kernel of 1.7e10 s: named, not an overflowing sleep
+    ({"devices": "sim:1,timing=1,rate=1,mem=1G", "tile": 2048}, 2048,
+     r"one kernel of 1.72e\+10 flops would take 1.72e\+10 s, past the longest simulated operation \(3600 s\)"),
+])
+def test_sims_that_cannot_run_fail_at_the_first_call_saying_why(settings, n, message):
     import blasx
     from blasx.runtime.devices.base import DeviceError
-    blasx.configure(devices="sim:2", cache_bytes=2 ** 60)
+    blasx.configure(**settings)
     try:
-        with pytest.raises(DeviceError, match=r"tile cache \(configure's cache_bytes, or the sim's mem=\) does not "
-                                              r"fit in host memory"):
-            blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))
+        with pytest.raises(DeviceError, match=message):
+            blasx.gemm(1.0, np.ones((n, n)), np.ones((n, n)))
     finally:
         blasx.configure(devices="sim:2")
     assert blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))[0, 0] == 8
-
-
-def test_a_simulated_operation_past_an_hour_fails_named_not_overflowing_the_sleep():
-    """Each option within its range, together a kernel of 1.7e10 s: the device fails saying which options."""
-    import blasx
-    from blasx.runtime.devices.base import DeviceError
-    blasx.configure(devices="sim:1,timing=1,rate=1,mem=1G", tile=2048)
-    try:
-        with pytest.raises(DeviceError, match=r"one kernel of 1.72e\+10 flops would take 1.72e\+10 s, past the "
-                                              r"longest simulated operation \(3600 s\)"):
-            blasx.gemm(1.0, np.ones((2048, 2048)), np.ones((2048, 2048)))
-    finally:
-        blasx.configure(devices="sim:2")
