@@ -71,7 +71,16 @@ static int call_hook(int slot, char **args, npy_intp const *d, npy_intp const *s
     if (res != NULL) {
         done = PyObject_IsTrue(res) == 1;
     }
-    if (PyErr_Occurred()) PyErr_WriteUnraisable(h);
+    if (PyErr_Occurred()) {
+        /* numpy's loop cannot raise: a Ctrl-C is re-armed for the caller (raised once the ufunc returns,
+           numpy's loop having written c), anything else reported */
+        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            PyErr_Clear();
+            PyErr_SetInterrupt();
+        } else {
+            PyErr_WriteUnraisable(h);
+        }
+    }
     Py_XDECREF(res); Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c);
     Py_DECREF(h);
 out:

@@ -404,17 +404,17 @@ def _failed(what: str, err: BaseException) -> None:
 
 def _matmul_hook(a, b, c) -> bool:
     """Called by the trampoline at or above the threshold with (N, n, k), (N, k, m), (N, n, m) views:
-    True when blasx wrote ``c``, False to let numpy's loop do it. Never raises."""
+    True when blasx wrote ``c``, False to let numpy's loop do it. Raises only KeyboardInterrupt, which the
+    trampoline re-arms for the caller (``_matmul_loops.c``: numpy's loop writes c, then it is raised)."""
     if _bypass() or _items_below_threshold(a, b, c):
         return False
     try:
         _offloaded("matmul", numpy_api.run_batch, a, b, c)
         return True
-    except BaseException as e:  # noqa: BLE001 - nothing may escape into numpy's loop
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - nothing else may escape into numpy's loop
         _failed(f"matmul ({c.dtype.name})", e)
-        if isinstance(e, KeyboardInterrupt):
-            import _thread
-            _thread.interrupt_main()
         return False
 
 

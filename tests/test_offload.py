@@ -590,3 +590,27 @@ def test_a_batch_of_small_independent_items_stays_with_numpy(rand):
         assert O.offload_stats()["matmul"] == before + 1
         ref = np.einsum("nij,jk->nik", a, b[0])
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-12
+
+
+def test_a_ctrl_c_inside_an_offloaded_matmul_reaches_the_caller(monkeypatch):
+    """numpy's loop cannot raise: the trampoline re-arms the Ctrl-C, which the caller gets once the ufunc
+    returns (numpy's loop having written the result); not a failed call, no fallback counted."""
+    if not O.matmul_available():
+        pytest.skip("the matmul trampoline (blasx._matmul_loops) is not built")
+    blasx.configure(devices="sim:2")
+    x = np.random.default_rng(0).standard_normal((64, 64))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(O.numpy_api, "run_batch", interrupted)
+    before = O.offload_stats()["fallback"]
+    with pytest.raises(KeyboardInterrupt):
+        with blasx.offload(threshold=0):
+            y = x @ x
+            for _ in range(1000):  # (the re-armed signal is raised at the next bytecode check)
+                pass
+    assert O.offload_stats()["fallback"] == before
+    monkeypatch.undo()
+    with blasx.offload(threshold=0):
+        assert np.allclose(x @ x, np.dot(x, x))
+    del y
