@@ -134,6 +134,7 @@ State (who changes each field)
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import weakref
@@ -246,13 +247,20 @@ class Engine:
             self.workers = workers
             # A Ctrl-C meanwhile is held back until every worker has opened its device (CUDA contexts: slow), then
             # raised with the engine started: half-started workers would be started twice, or never stopped.
+            # In the main thread a SIGINT is recorded, not raised, while threads start: one raised inside
+            # Thread.start() after the thread was launched looks like one never started (started again: twins).
             pending = failed = None
+            with _sigint_recorded() as replay:
+                try:
+                    for w in workers:
+                        pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
+                except Exception as exc:  # a thread could not start (out of threads): those that did are stopped
+                    failed = exc
+                    self.workers = [w for w in workers if w.ident is not None]
             try:
-                for w in workers:
-                    pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
-            except Exception as exc:  # a thread could not start (out of threads): those that did are stopped below
-                failed = exc
-                self.workers = [w for w in workers if w.ident is not None]
+                replay()  # (the recorded SIGINT's handler: Python's raises KeyboardInterrupt, kept for later)
+            except KeyboardInterrupt as exc:
+                pending = pending or exc
             for w in self.workers:
                 pending = wait_through(w.opened.wait, pending)
             self._started = True
@@ -555,6 +563,24 @@ class Engine:
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):
                     t.call.account(t)
+
+
+@contextlib.contextmanager
+def _sigint_recorded():
+    """In the main thread (with a Python SIGINT handler), a SIGINT inside the block is recorded instead of
+    handled; yields a function that runs the handler for it, if one came (Python's raises KeyboardInterrupt).
+    Elsewhere, or with SIGINT ignored or defaulted, a no-op."""
+    import signal
+    old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(old):
+        yield lambda: None
+        return
+    got: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield lambda: old(signal.SIGINT, got[0]) if got else None
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _defer_sigint():

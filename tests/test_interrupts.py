@@ -306,3 +306,32 @@ def test_ctrl_c_during_a_convolution_into_out_writes_it_whole(devices):
             if np.isnan(out).all():  # (the interrupt came before the call began: out untouched)
                 continue
             np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)  # whole, never part (sims: sum order)
+
+
+def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
+    """Thread.start() interrupted after it launched the thread looks unstarted, and was started again (a twin
+    that shutdown never joins): the engine's start records a SIGINT and raises it once every worker runs."""
+    import signal
+    from blasx.runtime import engine as E
+    with E._sigint_recorded() as replay:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # (bytecodes where a raised KeyboardInterrupt would surface)
+            pass
+    with pytest.raises(KeyboardInterrupt):
+        replay()
+    real = E._start_once
+
+    def interrupted_start(w):
+        signal.raise_signal(signal.SIGINT)
+        real(w)
+    E._start_once = interrupted_start
+    try:
+        blasx.configure(devices="sim:2")
+        with pytest.raises(KeyboardInterrupt):
+            blasx.engine().start()
+    finally:
+        E._start_once = real
+    workers = blasx.engine().workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    blasx.shutdown()
+    assert not any(w.is_alive() for w in workers)
