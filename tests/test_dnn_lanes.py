@@ -103,3 +103,23 @@ def test_network_run_stops_its_workers_before_ctrl_c_reaches_the_caller(monkeypa
     with pytest.raises(KeyboardInterrupt):
         executor.run([Stub(0), Stub(1)], np.ones((40, 3)), 0, 1, False)
     assert active == [] and len(ran) < 40
+
+
+def test_a_forked_child_starts_lanes_of_its_own():
+    """The parent's idle lanes do not exist in a forked child: a job there runs on a new lane (it hung on one)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import os, faulthandler\n"
+        "from blasx.dnn import lanes\n"
+        "lanes.start(lambda: None).join()\n"  # one idle lane in the parent
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    faulthandler.dump_traceback_later(20, exit=True)\n"
+        "    lanes.start(lambda: None).join()\n"
+        "    os._exit(0)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "BLASX_DEVICES": "cpu"})
+    assert r.stdout.strip() == "0", r.stdout + r.stderr

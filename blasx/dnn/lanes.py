@@ -8,6 +8,7 @@ only when all are busy (a job may wait on another job's progress, so none ever q
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -18,6 +19,17 @@ MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
 _lock = threading.Lock()
 _idle: list = []
 _started = [0]
+
+
+def _after_fork_in_child() -> None:
+    """The parent's lanes do not exist in a forked child (and its lock may have been held at the fork)."""
+    global _lock
+    _lock = threading.Lock()
+    _idle.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Job:
