@@ -326,3 +326,18 @@ def test_sims_that_cannot_run_fail_at_the_first_call_saying_why(settings, n, mes
     finally:
         blasx.configure(devices="sim:2")
     assert blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))[0, 0] == 8
+
+
+def test_warnings_as_errors_do_not_break_a_sim_on_a_calls_inf():
+    """A sim's stream threads ignore floating-point warnings, as a GPU signals none: a caller's warning filter
+    (-W error, applied in every thread) turning inf - inf into an exception there broke the device."""
+    import warnings
+    import blasx
+    blasx.configure(devices="sim:2", tile=16)
+    a = np.ones((32, 32))
+    a[3] = np.inf
+    a[4, ::2], a[4, 1::2] = np.inf, -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = blasx.gemm(1.0, a, np.ones((32, 32)))
+    assert np.isnan(c[4]).all() and np.isinf(c[3]).all() and not blasx.engine().failures

@@ -7,8 +7,9 @@ rules: ``beta == 0`` overwrites C unread). Op codes 0 N, 1 T, 2 C apply to the t
 is touched, so NaNs elsewhere neither leak in nor get overwritten. Mixed calls (half, bfloat16,
 int8 A and B) take the product in float32, or exactly in float64 for int8, into C's accumulation
 type; TF32 math first rounds float32 A and B to 10 mantissa bits. gemm's product warns as numpy's
-matmul does; every other kernel runs under ``np.errstate(all="ignore")``, as BLAS reports no
-floating-point exceptions.
+matmul does in the thread running it (the cpu device's: the caller's; a sim's stream threads ignore them, as
+GPUs); every other kernel runs under ``np.errstate(all="ignore")``, as BLAS reports no floating-point
+exceptions.
 """
 
 from __future__ import annotations

@@ -153,6 +153,9 @@ class _Stream:
         self.q.put(fn)
 
     def _run(self) -> None:
+        # A GPU's kernels signal no floating-point exceptions: numpy's warnings here (which a caller's warning
+        # filter can turn into errors, in every thread) would break the device on a call's inf or NaN.
+        np.seterr(all="ignore")  # (numpy's error state is per thread)
         while True:
             op = self.q.get()
             if op is None:
