@@ -312,7 +312,7 @@ class Engine:
         except BaseException as exc:
             for call in self._live_calls():
                 if not call.done:
-                    self._cancel(call, exc)
+                    self._cancel(call, exc, "in a thread shutting the engine down (blasx.shutdown / configure)")
             raise
 
     @property
@@ -434,12 +434,12 @@ class Engine:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and the like reach the caller as they are
 
-    def _cancel(self, call: Call, exc: BaseException) -> None:
-        """The caller stops waiting for ``call`` (``exc`` in its thread): fail it (no worker starts another
-        of its tasks), take its queued and stationed tasks back, and wait until those on devices end (each
-        stops at its next step). A task nobody holds in two sweeps in a row (the interrupt came before it was
-        queued) is accounted here. In the main thread a second Ctrl-C meanwhile is ignored."""
-        call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} in its calling thread"))
+    def _cancel(self, call: Call, exc: BaseException, where: str = "in its calling thread") -> None:
+        """The caller stops waiting for ``call`` (``exc`` in its thread; ``where`` says so in the error): fail it
+        (no worker starts another of its tasks), take its queued and stationed tasks back, and wait until those
+        on devices end (each stops at its next step). A task nobody holds in two sweeps in a row (the interrupt
+        came before it was queued) is accounted here. In the main thread a second Ctrl-C meanwhile is ignored."""
+        call.fail(CallCancelled(f"{call.name} was cancelled by {type(exc).__name__} {where}"))
         self._poke()
         restore = _defer_sigint()
         try:

@@ -335,3 +335,32 @@ def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
     assert len(workers) == 2 and all(w.is_alive() for w in workers)
     blasx.shutdown()
     assert not any(w.is_alive() for w in workers)
+
+
+def test_a_call_cancelled_by_a_ctrl_c_during_shutdown_says_so():
+    """The Ctrl-C came in the thread shutting the engine down, not in the call's own thread."""
+    blasx.configure(devices="sim:2,slow=50")
+    a = np.random.default_rng(0).random((600, 600))
+    blasx.gemm(1.0, a[:64, :64], a[:64, :64])
+    out = []
+
+    def other():
+        try:
+            blasx.gemm(1.0, a, a)
+            out.append("finished")
+        except Exception as e:  # noqa: BLE001
+            out.append(str(e))
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.2)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            blasx.shutdown()
+    finally:
+        timer.join()
+        t.join(60)
+    assert out == ["gemm was cancelled by KeyboardInterrupt in a thread shutting the engine down "
+                   "(blasx.shutdown / configure)"]
+    blasx.configure(devices="sim:2")
