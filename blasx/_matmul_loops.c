@@ -72,11 +72,12 @@ static int call_hook(int slot, char **args, npy_intp const *d, npy_intp const *s
         done = PyObject_IsTrue(res) == 1;
     }
     if (PyErr_Occurred()) {
-        /* numpy's loop cannot raise: a Ctrl-C is re-armed for the caller (raised once the ufunc returns,
-           numpy's loop having written c), anything else reported */
+        /* numpy's loop cannot raise: a Ctrl-C is raised again in this thread once the ufunc returns (numpy's
+           loop having written c; an asynchronous exception, so no SIGINT handler runs twice), anything else
+           reported */
         if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
             PyErr_Clear();
-            PyErr_SetInterrupt();
+            PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), PyExc_KeyboardInterrupt);
         } else {
             PyErr_WriteUnraisable(h);
         }

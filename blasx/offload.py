@@ -405,7 +405,7 @@ def _failed(what: str, err: BaseException) -> None:
 def _matmul_hook(a, b, c) -> bool:
     """Called by the trampoline at or above the threshold with (N, n, k), (N, k, m), (N, n, m) views:
     True when blasx wrote ``c``, False to let numpy's loop do it. Raises only KeyboardInterrupt, which the
-    trampoline re-arms for the caller (``_matmul_loops.c``: numpy's loop writes c, then it is raised)."""
+    trampoline raises again in this thread once the ufunc returns (``_matmul_loops.c``: numpy's loop writes c)."""
     if _bypass() or _items_below_threshold(a, b, c):
         return False
     try:

@@ -259,7 +259,7 @@ class Engine:
                     self.workers = [w for w in workers if w.ident is not None]
             try:
                 replay()  # (the recorded SIGINT's handler: Python's raises KeyboardInterrupt, kept for later)
-            except KeyboardInterrupt as exc:
+            except BaseException as exc:  # noqa: BLE001 - a handler's SystemExit too: raised once workers run
                 pending = pending or exc
             for w in self.workers:
                 pending = wait_through(w.opened.wait, pending)

@@ -364,3 +364,34 @@ def test_a_call_cancelled_by_a_ctrl_c_during_shutdown_says_so():
     assert out == ["gemm was cancelled by KeyboardInterrupt in a thread shutting the engine down "
                    "(blasx.shutdown / configure)"]
     blasx.configure(devices="sim:2")
+
+
+def test_a_sigint_handler_raising_something_else_while_workers_start_leaves_a_started_engine():
+    """A user's handler (a Ctrl-C that quits: SystemExit) runs once the workers run, and its exception is raised
+    with the engine started, not halfway (workers twice, and a shutdown that hung)."""
+    from blasx.runtime import engine as E
+    calls = []
+
+    def quits(signum, frame):
+        calls.append(signum)
+        raise SystemExit(3)
+    old = signal.signal(signal.SIGINT, quits)
+    real = E._start_once
+
+    def interrupted_start(w):
+        signal.raise_signal(signal.SIGINT)
+        real(w)
+    E._start_once = interrupted_start
+    try:
+        blasx.configure(devices="sim:2")
+        with pytest.raises(SystemExit):
+            blasx.engine().start()
+    finally:
+        E._start_once = real
+        signal.signal(signal.SIGINT, old)
+    workers = blasx.engine().workers
+    assert len(calls) == 1 and len(workers) == 2 and all(w.is_alive() for w in workers)
+    assert blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))[0, 0] == 8 and blasx.engine().workers == workers
+    blasx.shutdown()
+    assert not any(w.is_alive() for w in workers)
+    blasx.configure(devices="sim:2")

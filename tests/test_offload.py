@@ -614,3 +614,33 @@ def test_a_ctrl_c_inside_an_offloaded_matmul_reaches_the_caller(monkeypatch):
     with blasx.offload(threshold=0):
         assert np.allclose(x @ x, np.dot(x, x))
     del y
+
+
+def test_a_ctrl_c_inside_an_offloaded_matmul_of_another_thread_stays_in_that_thread(monkeypatch):
+    """Raised again in the thread whose matmul it was (an asynchronous exception), not faked as a SIGINT for the
+    main thread (whose handler would also run twice)."""
+    if not O.matmul_available():
+        pytest.skip("the matmul trampoline (blasx._matmul_loops) is not built")
+    blasx.configure(devices="sim:2")
+    x = np.random.default_rng(0).standard_normal((64, 64))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(O.numpy_api, "run_batch", interrupted)
+    got = []
+
+    def other():
+        try:
+            with blasx.offload(threshold=0):
+                x @ x
+                for _ in range(1000):
+                    pass
+            got.append("nothing")
+        except KeyboardInterrupt:
+            got.append("KeyboardInterrupt")
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(60)
+    for _ in range(1000):  # (a KeyboardInterrupt faked for the main thread would surface here)
+        pass
+    assert got == ["KeyboardInterrupt"]
