@@ -308,17 +308,10 @@ def test_ctrl_c_during_a_convolution_into_out_writes_it_whole(devices):
             np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)  # whole, never part (sims: sum order)
 
 
-def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
-    """Thread.start() interrupted after it launched the thread looks unstarted, and was started again (a twin
-    that shutdown never joins): the engine's start records a SIGINT and raises it once every worker runs."""
-    import signal
+def _start_with_a_sigint(raises):
+    """A new sim:2 engine started with a SIGINT arriving as each worker thread starts; ``raises`` comes out of
+    start(). Returns its workers, checked running."""
     from blasx.runtime import engine as E
-    with E._sigint_recorded() as replay:
-        signal.raise_signal(signal.SIGINT)
-        for _ in range(1000):  # (bytecodes where a raised KeyboardInterrupt would surface)
-            pass
-    with pytest.raises(KeyboardInterrupt):
-        replay()
     real = E._start_once
 
     def interrupted_start(w):
@@ -327,12 +320,26 @@ def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
     E._start_once = interrupted_start
     try:
         blasx.configure(devices="sim:2")
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(raises):
             blasx.engine().start()
     finally:
         E._start_once = real
     workers = blasx.engine().workers
     assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    return workers
+
+
+def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
+    """Thread.start() interrupted after it launched the thread looks unstarted, and was started again (a twin
+    that shutdown never joins): the engine's start records a SIGINT and raises it once every worker runs."""
+    from blasx.runtime import engine as E
+    with E._sigint_recorded() as replay:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(1000):  # (bytecodes where a raised KeyboardInterrupt would surface)
+            pass
+    with pytest.raises(KeyboardInterrupt):
+        replay()
+    workers = _start_with_a_sigint(KeyboardInterrupt)
     blasx.shutdown()
     assert not any(w.is_alive() for w in workers)
 
@@ -369,28 +376,17 @@ def test_a_call_cancelled_by_a_ctrl_c_during_shutdown_says_so():
 def test_a_sigint_handler_raising_something_else_while_workers_start_leaves_a_started_engine():
     """A user's handler (a Ctrl-C that quits: SystemExit) runs once the workers run, and its exception is raised
     with the engine started, not halfway (workers twice, and a shutdown that hung)."""
-    from blasx.runtime import engine as E
     calls = []
 
     def quits(signum, frame):
         calls.append(signum)
         raise SystemExit(3)
     old = signal.signal(signal.SIGINT, quits)
-    real = E._start_once
-
-    def interrupted_start(w):
-        signal.raise_signal(signal.SIGINT)
-        real(w)
-    E._start_once = interrupted_start
     try:
-        blasx.configure(devices="sim:2")
-        with pytest.raises(SystemExit):
-            blasx.engine().start()
+        workers = _start_with_a_sigint(SystemExit)
     finally:
-        E._start_once = real
         signal.signal(signal.SIGINT, old)
-    workers = blasx.engine().workers
-    assert len(calls) == 1 and len(workers) == 2 and all(w.is_alive() for w in workers)
+    assert len(calls) == 1
     assert blasx.gemm(1.0, np.ones((8, 8)), np.ones((8, 8)))[0, 0] == 8 and blasx.engine().workers == workers
     blasx.shutdown()
     assert not any(w.is_alive() for w in workers)

@@ -592,22 +592,28 @@ def test_a_batch_of_small_independent_items_stays_with_numpy(rand):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-12
 
 
-def test_a_ctrl_c_inside_an_offloaded_matmul_reaches_the_caller(monkeypatch):
-    """numpy's loop cannot raise: the trampoline re-arms the Ctrl-C, which the caller gets once the ufunc
-    returns (numpy's loop having written the result); not a failed call, no fallback counted."""
+@pytest.fixture
+def hook_interrupted(monkeypatch):
+    """A sim:2 engine whose offloaded matmuls raise KeyboardInterrupt inside the hook; a 64 x 64 operand."""
     if not O.matmul_available():
         pytest.skip("the matmul trampoline (blasx._matmul_loops) is not built")
     blasx.configure(devices="sim:2")
-    x = np.random.default_rng(0).standard_normal((64, 64))
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(O.numpy_api, "run_batch", interrupted)
+    return np.random.default_rng(0).standard_normal((64, 64))
+
+
+def test_a_ctrl_c_inside_an_offloaded_matmul_reaches_the_caller(hook_interrupted, monkeypatch):
+    """numpy's loop cannot raise: the trampoline raises the Ctrl-C again once the ufunc returns (numpy's loop
+    having written the result); not a failed call, no fallback counted."""
+    x = hook_interrupted
     before = O.offload_stats()["fallback"]
     with pytest.raises(KeyboardInterrupt):
         with blasx.offload(threshold=0):
             y = x @ x
-            for _ in range(1000):  # (the re-armed signal is raised at the next bytecode check)
+            for _ in range(1000):  # (the exception is raised at the next bytecode check)
                 pass
     assert O.offload_stats()["fallback"] == before
     monkeypatch.undo()
@@ -616,17 +622,10 @@ def test_a_ctrl_c_inside_an_offloaded_matmul_reaches_the_caller(monkeypatch):
     del y
 
 
-def test_a_ctrl_c_inside_an_offloaded_matmul_of_another_thread_stays_in_that_thread(monkeypatch):
+def test_a_ctrl_c_inside_an_offloaded_matmul_of_another_thread_stays_in_that_thread(hook_interrupted):
     """Raised again in the thread whose matmul it was (an asynchronous exception), not faked as a SIGINT for the
     main thread (whose handler would also run twice)."""
-    if not O.matmul_available():
-        pytest.skip("the matmul trampoline (blasx._matmul_loops) is not built")
-    blasx.configure(devices="sim:2")
-    x = np.random.default_rng(0).standard_normal((64, 64))
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(O.numpy_api, "run_batch", interrupted)
+    x = hook_interrupted
     got = []
 
     def other():
