@@ -331,7 +331,8 @@ def _gemm(blasx, parser, args) -> int:
     _total, avail = probe.host_memory()
     if avail is not None and peak > avail:
         parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
-                     f"{probe.format_bytes(peak)} while they are made, but only {probe.format_bytes(avail)} of host memory is available")
+                     f"{probe.format_bytes(peak)} while they are made, but only {probe.format_bytes(avail)} of host "
+                     f"memory is available")
     eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
                  cpu=True if args.cpu else None)
     rng = np.random.default_rng(0)
