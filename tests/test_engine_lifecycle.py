@@ -60,7 +60,8 @@ def test_shutdown_during_a_call_lets_it_finish_right(start_in_thread):
 
 def test_a_device_failing_while_shutdown_waits_hands_its_tasks_on(start_in_thread):
     blasx.configure(devices="sim:2", tile=32, streams=1)
-    a, b = np.random.default_rng(1).random((64, 64)), np.random.default_rng(2).random((64, 64))
+    # 16 tasks: sim:1 surely loads a tile (with 4, a loaded machine's sim:0 could take them all, the hook unfired)
+    a, b = np.random.default_rng(1).random((128, 64)), np.random.default_rng(2).random((64, 128))
 
     def fail():
         raise blasx.DeviceError("injected: sim:1 breaks during shutdown")
