@@ -327,12 +327,10 @@ def _gemm(blasx, parser, args) -> int:
         parser.error(f"argument --profile: got {args.profile!r}, but the plot needs matplotlib, "
                      f"which is not installed (pip install 'blasx[plot]')")
     nbytes = (m * k + k * n) * dtype.itemsize + m * n * out_dtype.itemsize
-    peak = precision.operands_peak_bytes(m, n, k, dtype, out_dtype)
-    _total, avail = probe.host_memory()
-    if avail is not None and peak > avail:
-        parser.error(f"arguments --m/--n/--k: {m}x{n}x{k} {dtype.name} operands take "
-                     f"{probe.format_bytes(peak)} while they are made, but only {probe.format_bytes(avail)} of host "
-                     f"memory is available")
+    try:
+        precision.check_host_memory([(m, n, k)], [blas_type])
+    except ValueError as exc:
+        parser.error("arguments --m/--n/--k:" + str(exc).removeprefix("sizes:"))
     eng = _start(blasx, parser, devices=args.devices, tile=args.tile, cache_bytes=args.cache_bytes,
                  cpu=True if args.cpu else None)
     rng = np.random.default_rng(0)
@@ -432,13 +430,12 @@ def _info(blasx, parser, args) -> int:
 def _check_db(parser, path: str | None, write: bool) -> None:
     """A --db the user named: not a folder, not a file of something else, and (to be written) in a folder that
     exists; a missing file is an empty db."""
-    from .perfdb import is_sqlite
+    from .perfdb import file_problem
     if path is None:
         return
-    if os.path.isdir(path):
-        parser.error(f"argument --db: got {path!r}, which is a folder; need a perf-db file")
-    if os.path.isfile(path) and os.path.getsize(path) and not is_sqlite(path):
-        parser.error(f"argument --db: got {path!r}, which is not a blasx perf-db (not an SQLite file)")
+    why = file_problem(path)
+    if why is not None:
+        parser.error(f"argument --db: got {path!r}, which {why}")
     if write:
         _check_output_path(parser, "--db", path)
 

@@ -125,12 +125,12 @@ class _ReadOnlyRegistry:
         if not spans:
             return
         with self._lock:
-            if self._spans is None:  # (one vectorised test per written array, not a Python loop over the roots)
-                rows = [(key, e[1], e[2], e[3]) for key, e in self._by_id.items()]
-                self._spans = tuple(np.array(c, dtype=np.uint64 if i else object) for i, c in enumerate(zip(*rows))) \
-                    if rows else None
-            if self._spans is None:
+            if not self._by_id:
                 return
+            if self._spans is None:  # (one vectorised test per written array, not a Python loop over the roots)
+                keys = list(self._by_id)
+                bases, los, his = (np.array([self._by_id[key][i] for key in keys], dtype=np.uint64) for i in (1, 2, 3))
+                self._spans = np.array(keys, dtype=object), bases, los, his
             keys, bases, los, his = self._spans
             hit = np.zeros(len(keys), dtype=bool)
             for lo, hi in spans:

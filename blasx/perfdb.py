@@ -140,6 +140,21 @@ def is_sqlite(path) -> bool:
         return False
 
 
+def file_problem(path, foreign: bool = False) -> str | None:
+    """Why the file at ``path`` cannot be a blasx perf-db ("is a folder; ...", "is not a blasx perf-db (...)"), or
+    None (a missing or empty file is an empty db); ``foreign``: another program's SQLite database counts too."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder; need a perf-db file"
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    if not is_sqlite(path):
+        return "is not a blasx perf-db (not an SQLite file)"
+    if foreign and not PerfDb(path).is_blasx_file():
+        return "is not a blasx perf-db (an SQLite database of another program)"
+    return None
+
+
 def default_path() -> Path:
     return cache_dir() / FILENAME
 

@@ -300,6 +300,21 @@ def operands_peak_bytes(m: int, n: int, k: int, dtype, out_dtype=None) -> int:
     return held + max(m * k, k * n) * per
 
 
+def check_host_memory(sizes, types) -> None:
+    """ValueError ("sizes: ...") where making a gemm's operands for an (m, n, k) of ``sizes`` and a BLAS type of
+    ``types`` (:func:`operands_peak_bytes`) needs more host memory than is available now: checked before work."""
+    from .probe import format_bytes, host_memory
+    _total, avail = host_memory()
+    if avail is None:
+        return
+    for row in types:
+        for m, n, k in sizes:
+            need = operands_peak_bytes(m, n, k, row.dtype, row.out)
+            if need > avail:
+                raise ValueError(f"sizes: {m}x{n}x{k} {row.dtype.name} operands take {format_bytes(need)} while they "
+                                 f"are made, but only {format_bytes(avail)} of host memory is available")
+
+
 def check_rows(c_rows, a_rows, b, row: dtypes.BlasType, math: str = "ieee") -> tuple[float, float]:
     """(relative Frobenius error of ``c_rows`` against ``a_rows @ b`` in the wide reference type,
     its tolerance): 4 :func:`tolerance` of the call, at least 1e-4 (4-byte types) or 1e-10;

@@ -67,12 +67,10 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
         pdb = perfdb.PerfDb(db)
     else:
         raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
-    if pdb.path.is_dir():  # (found before measuring, not when the first winner is stored)
-        raise ValueError(f"db: {str(pdb.path)!r} is a folder; need a perf-db file")
-    if pdb.path.is_file() and pdb.path.stat().st_size and not (perfdb.is_sqlite(pdb.path) and pdb.is_blasx_file()):
-        raise ValueError(f"db: {str(pdb.path)!r} is not a blasx perf-db (" + (
-            "an SQLite database of another program" if perfdb.is_sqlite(pdb.path) else "not an SQLite file") +
-            "); `blasx tune --clear` removes a damaged default one")
+    why = perfdb.file_problem(pdb.path, foreign=True)  # (found before measuring, not when a winner is stored)
+    if why is not None:
+        raise ValueError(f"db: {str(pdb.path)!r} {why}" + ("" if why.startswith("is a folder") else
+                                                            "; `blasx tune --clear` removes a damaged default one"))
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: got {type(progress).__name__}, need a function taking a line of text, or None")
     say = progress or (lambda line: None)
@@ -89,7 +87,7 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
             raise ValueError(f"tiles: got {tiles!r}; {kind} devices take tiles of at least {MIN_TILE[kind]}")
         if problems is None:
             problems = [(s, s, s) for s in DEFAULT_SIZES[kind]]
-        _check_host_memory(problems, dtype_chars)
+        precision.check_host_memory(problems, [blas_types.GEMM_BY_PREFIX[dc] for dc in dtype_chars])
         rng = np.random.default_rng(seed)
         for dc in dtype_chars:
             for m, n, k in problems:
@@ -105,21 +103,6 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     finally:
         session.configure(**dataclasses.asdict(prev))
     return rows
-
-
-def _check_host_memory(problems, dtype_chars) -> None:
-    """Every size's operands fit the host memory available now, checked before any is measured."""
-    from .probe import format_bytes, host_memory
-    _total, avail = host_memory()
-    if avail is None:
-        return
-    for dc in dtype_chars:
-        row = blas_types.GEMM_BY_PREFIX[dc]
-        for m, n, k in problems:
-            need = precision.operands_peak_bytes(m, n, k, row.dtype, row.out)
-            if need > avail:
-                raise ValueError(f"sizes: {m}x{n}x{k} {row.dtype.name} operands take {format_bytes(need)} while they "
-                                 f"are made, but only {format_bytes(avail)} of host memory is available")
 
 
 def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, say) -> dict:

@@ -378,7 +378,7 @@ def from_torch(module, example_input_shape):
         if op in ("lstm", "gru") and not attrs["batch_first"] and batch_axis == 0:
             # time-major: the batch is dim 1 from the input on, if every node before works row by row
             mixing = [m.name for m in nodes[1:] if m.op not in ROW_WISE]
-            if mixing or not nodes:
+            if mixing:
                 bad.append((n.name, f"{kind} with batch_first=False after {', '.join(mixing)}, which may mix its "
                                     f"batch dim 1 (put it first, after row-wise layers only, or use batch_first=True)"))
                 continue
