@@ -134,7 +134,6 @@ State (who changes each field)
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
 import weakref
@@ -146,7 +145,7 @@ from .call import Call, CallCancelled
 from .coherence import Directory
 from .devices.base import DeviceError
 from .knobs import Knobs
-from .latch import wait_through
+from .latch import sigint_recorded, wait_through
 from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
@@ -250,7 +249,7 @@ class Engine:
             # In the main thread a SIGINT is recorded, not raised, while threads start: one raised inside
             # Thread.start() after the thread was launched looks like one never started (started again: twins).
             pending = failed = None
-            with _sigint_recorded() as replay:
+            with sigint_recorded() as replay:
                 try:
                     for w in workers:
                         pending = wait_through(lambda w=w: _start_once(w), pending, held=KeyboardInterrupt)
@@ -563,24 +562,6 @@ class Engine:
             for q in self.queues.values():
                 for t in q.remove_if(lambda t: t is not self.SENTINEL):
                     t.call.account(t)
-
-
-@contextlib.contextmanager
-def _sigint_recorded():
-    """In the main thread (with a Python SIGINT handler), a SIGINT inside the block is recorded instead of
-    handled; yields a function that runs the handler for it, if one came (Python's raises KeyboardInterrupt).
-    Elsewhere, or with SIGINT ignored or defaulted, a no-op."""
-    import signal
-    old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if not callable(old):
-        yield lambda: None
-        return
-    got: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
-    try:
-        yield lambda: old(signal.SIGINT, got[0]) if got else None
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def _defer_sigint():

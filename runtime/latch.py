@@ -7,11 +7,13 @@ A :class:`Latch` holds no lock while it is open: ``set`` raises a flag and relea
 try with a bounded timeout, so a waiter interrupted anywhere costs at most one poll to the others, never the setter.
 
 :func:`wait_through` is the waiter's side of the same rule: a call that must not return while its work still
-touches the caller's buffers waits again through a Ctrl-C and raises it after.
+touches the caller's buffers waits again through a Ctrl-C and raises it after; :func:`sigint_recorded` holds a
+Ctrl-C back while threads start (one raised inside ``Thread.start()`` or between two starts would orphan them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -67,3 +69,21 @@ def wait_through(wait, pending=None, on_first=None, held=BaseException):
                 pending = exc
                 if on_first is not None:
                     on_first(exc)
+
+
+@contextlib.contextmanager
+def sigint_recorded():
+    """In the main thread (with a Python SIGINT handler), a SIGINT inside the block is recorded instead of
+    handled; yields a function that runs the handler for it, if one came (Python's raises KeyboardInterrupt).
+    Elsewhere, or with SIGINT ignored or defaulted, a no-op."""
+    import signal
+    old = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(old):
+        yield lambda: None
+        return
+    got: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield lambda: old(signal.SIGINT, got[0]) if got else None
+    finally:
+        signal.signal(signal.SIGINT, old)

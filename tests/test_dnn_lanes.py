@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import pytest
@@ -74,34 +75,104 @@ def test_ctrl_c_while_joining_waits_for_the_jobs_then_raises(monkeypatch):
     assert stopped == [KeyboardInterrupt] and sorted(done) == [0, 1, 2]  # every job ended before the raise
 
 
+def _sigint_after_first_start(monkeypatch):
+    """lanes.start raises SIGINT (a Ctrl-C) right after it started the first job, between two starts."""
+    real, seen = lanes.start, []
+
+    def start(fn):
+        job = real(fn)
+        if not seen:
+            seen.append(1)
+            signal.raise_signal(signal.SIGINT)
+        return job
+    monkeypatch.setattr(lanes, "start", start)
+
+
+def test_run_all_holds_a_ctrl_c_until_every_job_started_then_waits_for_them(monkeypatch):
+    release, done, stopped, lanes_used = threading.Event(), [], [], []
+
+    def job(i):
+        lanes_used.append(threading.current_thread())
+        release.wait(10)
+        done.append(i)
+    _sigint_after_first_start(monkeypatch)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lanes.run_all([lambda i=i: job(i) for i in range(3)], lambda exc: (stopped.append(type(exc)), release.set()))
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert stopped == [KeyboardInterrupt] and sorted(done) == [0, 1, 2]  # all started, all ended before the raise
+    for _ in range(200):  # (a lane returns itself to the pool just before it sets its job done)
+        if all(lane in lanes._idle for lane in lanes_used):
+            break
+        threading.Event().wait(0.01)
+    assert len(set(lanes_used)) == 3 and all(lane in lanes._idle for lane in lanes_used)  # none lost from the pool
+
+
+def test_run_all_a_lane_that_cannot_start(monkeypatch):
+    real, calls, ran, stopped = lanes.start, [], [], []
+
+    def start(fn):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("can't start new thread")
+        return real(fn)
+    monkeypatch.setattr(lanes, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        lanes.run_all([lambda: (threading.Event().wait(0.05), ran.append(1))] * 3, stopped.append)
+    assert ran == [1] and [type(e) for e in stopped] == [RuntimeError]  # the started job ran to its end first
+
+
+def test_network_run_with_a_ctrl_c_between_its_workers_starts(monkeypatch):
+    """A Ctrl-C after the first worker's lane started: before, it reached the caller with that worker running."""
+    import numpy as np
+
+    from blasx.dnn import executor
+    active, ran = [], []
+    _sigint_after_first_start(monkeypatch)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            executor.run([_Stub(0, active, ran), _Stub(1, active, ran)], np.ones((40, 3)), 0, 1, False)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    seen = (list(active), len(ran))
+    threading.Event().wait(0.1)  # (an orphaned worker would go on taking chunks)
+    assert seen == ([], len(ran)) and len(ran) < 40
+
+
+class _Stub:
+    """A network worker of executor.run: each chunk takes 20 ms; ``active`` lists the lanes inside one."""
+
+    def __init__(self, lane, active, ran):
+        self.lane, self.label, self.graphs, self.chunk_graphs = lane, "cuda:0", False, {}
+        self.stats, self.events, self.active, self.ran = {}, [], active, ran
+
+    def reset(self):
+        pass
+
+    def context(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def run_chunk(self, xc, k, t0, host_in, pinning=None):
+        self.active.append(self.lane)
+        threading.Event().wait(0.02)
+        self.ran.append(k)
+        self.active.remove(self.lane)
+        return xc * 2.0
+
+
 def test_network_run_stops_its_workers_before_ctrl_c_reaches_the_caller(monkeypatch):
     """A Ctrl-C in net(x) on several workers: they take no more chunks, and none still runs when it is raised."""
     import numpy as np
 
     from blasx.dnn import executor
-
-    class Stub:
-        def __init__(self, lane):
-            self.lane, self.label, self.graphs, self.chunk_graphs = lane, "cuda:0", False, {}
-            self.stats, self.events = {}, []
-
-        def reset(self):
-            pass
-
-        def context(self):
-            import contextlib
-            return contextlib.nullcontext()
-
-        def run_chunk(self, xc, k, t0, host_in, pinning=None):
-            active.append(self.lane)
-            threading.Event().wait(0.02)
-            ran.append(k)
-            active.remove(self.lane)
-            return xc * 2.0
     active, ran = [], []
     _interrupt_first_join(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        executor.run([Stub(0), Stub(1)], np.ones((40, 3)), 0, 1, False)
+        executor.run([_Stub(0, active, ran), _Stub(1, active, ran)], np.ones((40, 3)), 0, 1, False)
     assert active == [] and len(ran) < 40
 
 

@@ -332,8 +332,8 @@ def _start_with_a_sigint(raises):
 def test_a_ctrl_c_while_workers_start_is_recorded_then_raised_once_they_run():
     """Thread.start() interrupted after it launched the thread looks unstarted, and was started again (a twin
     that shutdown never joins): the engine's start records a SIGINT and raises it once every worker runs."""
-    from blasx.runtime import engine as E
-    with E._sigint_recorded() as replay:
+    from blasx.runtime.latch import sigint_recorded
+    with sigint_recorded() as replay:
         signal.raise_signal(signal.SIGINT)
         for _ in range(1000):  # (bytecodes where a raised KeyboardInterrupt would surface)
             pass

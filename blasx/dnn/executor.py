@@ -427,7 +427,7 @@ def run(workers: list, x, batch_axis: int, chunk: int, progress: bool):
                 with lock:
                     if state["error"] is None:
                         state["error"] = exc
-            lanes.join_all([lanes.start(lambda w=w: loop(w)) for w in workers], stop)
+            lanes.run_all([lambda w=w: loop(w) for w in workers], stop)
     finally:
         if pin_job is not None:
             pin_job.join()  # no registration outlives the call

@@ -4,6 +4,8 @@ A thread that ends takes CuPy's per-thread library handles with it, and a cuBLAS
 thread captures a CUDA graph invalidates that capture; a fresh thread also pays for new handles on its first
 call. So these loops run on threads kept until ``blasx.shutdown()``: an idle lane is reused and a new one starts
 only when all are busy (a job may wait on another job's progress, so none ever queues behind a busy lane).
+Callers run their jobs through :func:`run_all`: a Ctrl-C while they start is held until all have started, so no
+job runs unjoined and no lane is lost from the pool.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import queue
 import threading
 
-from ..runtime.latch import Latch, wait_through
+from ..runtime.latch import Latch, sigint_recorded, wait_through
 
 MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
 
@@ -68,7 +70,8 @@ class _Lane(threading.Thread):
 
 
 def start(fn) -> Job:
-    """Runs ``fn()`` on an idle lane (a new one when none is idle) and returns its job."""
+    """Runs ``fn()`` on an idle lane (a new one when none is idle) and returns its job. Not safe against a
+    Ctrl-C arriving inside (the lane or the job may be lost): :func:`run_all` holds it back."""
     job = Job()
     with _lock:
         lane = _idle.pop() if _idle else None
@@ -78,6 +81,30 @@ def start(fn) -> Job:
             lane.start()
     lane.jobs.put((fn, job))
     return job
+
+
+def run_all(fns, on_interrupt=None) -> None:
+    """Runs each of ``fns`` on a lane of its own and waits for them all, as :func:`join_all`. In the main thread a
+    Ctrl-C while they start is held until every one has started, then handled as one arriving while they run (a
+    job left unjoined could still write the caller's buffers after the caller got its KeyboardInterrupt). A lane
+    that cannot start (out of threads): ``on_interrupt(exc)``, the started jobs waited for, then ``exc`` raised."""
+    jobs, pending = [], None
+    with sigint_recorded() as replay:
+        try:
+            for fn in fns:
+                jobs.append(start(fn))
+        except Exception as exc:  # noqa: BLE001 - raised once the started jobs are done
+            pending = exc
+    try:
+        replay()  # (the held SIGINT's handler: Python's raises KeyboardInterrupt)
+    except BaseException as exc:  # noqa: BLE001 - a handler's SystemExit too: raised once the jobs are done
+        pending = pending or exc
+    if pending is not None and on_interrupt is not None:
+        on_interrupt(pending)
+    for job in jobs:
+        pending = wait_through(job.join, pending, on_interrupt)
+    if pending is not None:
+        raise pending
 
 
 def join_all(jobs, on_interrupt=None) -> None:

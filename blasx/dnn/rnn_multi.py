@@ -93,8 +93,8 @@ def _stream(xp, dev, k: int, caller):
 
 
 class _Threads:
-    """Runs callables on lanes (lanes.py: long-lived threads), each inside its device's context; re-raises the
-    first failure.
+    """Runs callables on lanes (lanes.py: long-lived threads), each inside its device's context: ``start`` adds one,
+    ``join`` runs them all (a Ctrl-C held while they start) and waits; re-raises the first failure.
 
     CuPy: each thread issues its work on its own non-blocking stream, ordered after what the caller had queued
     on ``devs`` (events recorded at construction), so loops on different devices never meet in a legacy default
@@ -103,7 +103,7 @@ class _Threads:
     def __init__(self, pb, devs=()) -> None:
         self.pb = pb
         self.errors: list = []
-        self.threads: list = []
+        self.jobs: list = []  # the callables start() added, run by join()
         self.ready: list = []
         self.count: dict = {}
         if pb.xp is not np:
@@ -133,11 +133,12 @@ class _Threads:
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in join()
                 self.errors.append(exc)
-        self.threads.append(lanes.start(body))
+        self.jobs.append(body)
 
     def join(self, prefer=None) -> None:
-        """Waits for every thread; re-raises the first error (the first one ``prefer`` accepts, if any)."""
-        lanes.join_all(self.threads)  # (a Ctrl-C waits for the loops, which run to their end)
+        """Runs the started callables, each on a lane, and waits for them all; re-raises the first error (the first
+        one ``prefer`` accepts, if any)."""
+        lanes.run_all(self.jobs)  # (a Ctrl-C waits for the loops, which run to their end)
         if self.errors:
             raise next((e for e in self.errors if prefer is None or prefer(e)), self.errors[0])
 
