@@ -149,6 +149,7 @@ from .latch import sigint_recorded, wait_through
 from .queue import TaskQueue
 from .station import ReservationStation
 from .switching import SwitchInterval
+from .tasks import SC_ZERO
 from .worker import CpuWorker, StreamWorker
 
 
@@ -168,9 +169,12 @@ def _start_once(w) -> None:
 
 def _reads_own_tile(task) -> bool:
     """The task reads the memory it writes: C itself (beta != 0, its first contents from C's own memory, not a
-    ``c_init`` elsewhere such as the caller's untouched c), or its tile of B in place."""
+    ``c_init`` elsewhere such as the caller's untouched c), or its tile of B in place. A loaded tile whose first
+    step does not read it (beta 0: SYRK's diagonal tile, loaded for the triangle it keeps and writes back as
+    loaded) reads none of what the task writes anew: a partial write-back left the kept part as it was."""
     tokens, c = task.call.tokens, task.c
-    if task.load_c and (task.c_init is None or tokens[task.c_init.slot] == tokens[c.slot]):
+    if task.load_c and (task.c_init is None or tokens[task.c_init.slot] == tokens[c.slot]) \
+            and task.steps[0].beta != SC_ZERO:
         return True
     return any(tokens[r.slot] == tokens[c.slot] and (r.bi, r.bj) == (c.bi, c.bj) for r in task.input_tiles())
 
