@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from . import precision
+from . import dispatch, precision
 from .runtime import dtypes
 
 MIN_CACHE_BYTES = 1 << 16
@@ -341,7 +341,8 @@ def _gemm(blasx, parser, args) -> int:
     names = ", ".join(d.name for d in eng.devices)
     tiles = -(-m // tile) * -(-n // tile)
     kind = dtype.name if out_dtype == dtype else f"{dtype.name} -> {out_dtype.name}"
-    math = f", {args.math} math" if blas_type.prefix == "s" else ""
+    runs = dispatch.math_that_runs(eng, args.math)
+    math = f", {runs} math{'' if runs == args.math else ' (the CPU has no TF32)'}" if blas_type.prefix == "s" else ""
     # Said before the arrays are made and the runs start, so a log shows what runs at once.
     print(f"blasx gemm: {m}x{n}x{k} {kind} ({args.dtype}){math}, {probe.format_bytes(nbytes)} of operands, "
           f"on {eng.spec} ({names}), tile {tile} ({tiles} tile(s) of C), {args.runs} run(s)", flush=True)
@@ -414,7 +415,9 @@ def _info(blasx, parser, args) -> int:
     links = probe.peer_links(devices)
     print(_versions(blasx))
     print("\n".join(probe.format_devices(eng.spec, facts) + probe.format_links(facts, links)))
-    print(f"math: float32 gemm in {blasx.session.settings().math} "
+    asked = blasx.session.settings().math
+    runs = dispatch.math_that_runs(eng, asked)
+    print(f"math: float32 gemm in {runs}{'' if runs == asked else f' ({asked} configured: the CPU has no TF32)'} "
           f"(blasx.configure(math='tf32') or a call's math='tf32': TF32 tensor cores); gemm types "
           f"{', '.join(dtypes.GEMM_PREFIXES)} ({dtypes.gemm_combinations()})")
     if args.measure:

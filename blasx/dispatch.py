@@ -417,13 +417,18 @@ def front_end(fn):
     return call
 
 
+def math_that_runs(eng, math: str, dtype=_F32) -> str:
+    """The math mode a call of ``dtype`` asking for ``math`` runs in on ``eng``: TF32 is float32's, on GPUs (and
+    the sims standing in for them); the CPU alone has no TF32 units."""
+    return "ieee" if math != "ieee" and (eng.inline or np.dtype(dtype) != _F32) else math
+
+
 def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtype=None, math="ieee",
                   epilogue=None) -> None:
     """Make the call and run it; ``out_dtype``, ``math`` and ``epilogue`` as ``Call`` takes them
     (the math mode that ran is the profile's ``host["math"]``). A float16 result that overflowed
     where the devices rounded it warns here, once, after the call."""
-    if math != "ieee" and (eng.inline or dtype != _F32):
-        math = "ieee"  # TF32 is float32's, on GPUs: the CPU alone has no TF32 units
+    math = math_that_runs(eng, math, dtype)
     written = [views[i] for i in {t.c.slot for t in tasks}]
     READONLY.drop_written(written)
     tokens = TokenTable(tile)

@@ -171,7 +171,9 @@ def _engine_types(x, y, out_dtype):
         return x.dtype, x.dtype
     try:
         ct = np.result_type(x.dtype, y.dtype)
-    except TypeError:
+    except TypeError:  # no common type (float16 and bfloat16): numpy's error, or out_dtype's
+        if out_dtype is not None:
+            _reject_out_dtype(x, y, out_dtype)
         return None
     reduced = precision.result_type(x.dtype, y.dtype, out_dtype)
     if reduced is not None:

@@ -66,10 +66,10 @@ def math_mode(math):
 
 
 def _dtype(name: str, value, allowed: str | None = None) -> np.dtype:
-    """``np.dtype(value)``, a value numpy does not know named as ``name``'s (``allowed``: default the gemm
-    combinations)."""
+    """``np.dtype(value)`` in native byte order, a value numpy does not know named as ``name``'s (``allowed``:
+    default the gemm combinations)."""
     try:
-        return np.dtype(value)
+        return dtypes.native(value)
     except TypeError:
         raise TypeError(f"{name}: got {value!r}, not a data type; allowed: "
                         f"{allowed or dtypes.gemm_combinations()}") from None
@@ -85,9 +85,9 @@ def takes(a_dtype, b_dtype, out_dtype=None) -> bool:
     and B of one reduced type (float16, bfloat16, int8), or an explicit ``out_dtype``."""
     if out_dtype is not None:
         return True
-    if a_dtype != b_dtype:
+    if dtypes.native(a_dtype) != dtypes.native(b_dtype):
         return False
-    row = dtypes.GEMM_BY_DTYPE.get(a_dtype)
+    row = dtypes.gemm_of(a_dtype)
     return row is not None and row.reduced
 
 
@@ -100,11 +100,11 @@ def gemm_types(a, b, c=None, out_dtype=None) -> tuple[np.dtype, np.dtype]:
         return dt, dt
     row, out = check_types(a.dtype, b.dtype, out_dtype)
     if c is not None and out_dtype is None:
-        if c.dtype not in dtypes.GEMM_OUT[row.dtype]:  # (cast into the output, its values would be cut)
+        if dtypes.native(c.dtype) not in dtypes.GEMM_OUT[row.dtype]:  # (cast into the output, its values would be cut)
             raise TypeError(f"c: got dtype {np.dtype(c.dtype).name} for {row.dtype.name} inputs; the output types "
                             f"allowed: {dtypes.gemm_combinations()}")
-        out = np.dtype(c.dtype)
-    elif c is not None and np.dtype(c.dtype) != out:  # (rounded to the output type before beta scaled it)
+        out = dtypes.native(c.dtype)
+    elif c is not None and dtypes.native(c.dtype) != out:  # (rounded to the output type before beta scaled it)
         raise TypeError(f"c: got dtype {np.dtype(c.dtype).name}; with out_dtype={out.name} c must be {out.name}")
     return row.dtype, out
 
@@ -113,10 +113,10 @@ def check_gemm_scalar(name: str, value, dtype):
     """int8 gemm's alpha and beta are int32 (cuBLAS compute type 32I); other types' pass as they are."""
     if np.dtype(dtype).kind not in "iu":
         return value
-    if not np.isfinite(value.real) or value != int(value.real) or not -2 ** 31 <= value.real < 2 ** 31 or \
-            getattr(value, "imag", 0) != 0:
+    v = complex(value)  # (Python's: a float16 value compared with 2**31 would overflow float16)
+    if not np.isfinite(v.real) or v.imag != 0 or v.real != int(v.real) or not -2 ** 31 <= v.real < 2 ** 31:
         raise ValueError(f"{name}: got {value!r}; int8 gemm takes integer alpha and beta (int32)")
-    return int(value.real)
+    return int(v.real)
 
 
 def result_type(a_dtype, b_dtype, out_dtype=None):
@@ -124,7 +124,7 @@ def result_type(a_dtype, b_dtype, out_dtype=None):
     it is not one (numpy's rules then apply): A and B of one reduced type, the output its
     default or ``out_dtype`` (numpy's ``dtype=``) when that combination exists; A and B of one
     other BLAS type with ``out_dtype`` that type."""
-    a, b = np.dtype(a_dtype), np.dtype(b_dtype)
+    a, b = dtypes.native(a_dtype), dtypes.native(b_dtype)
     row = dtypes.gemm_of(a)
     if a != b or row is None:
         return None
@@ -138,7 +138,7 @@ def check_types(a_dtype, b_dtype, out_dtype=None) -> tuple[dtypes.BlasType, np.d
     """(row of A's type, C's type) of a gemm on these types; TypeError listing what exists.
     (TF32 math applies to float32 alone; other types ignore it.)"""
     row = dtypes.gemm_of(a_dtype)
-    if row is None or np.dtype(a_dtype) != np.dtype(b_dtype):
+    if row is None or dtypes.native(a_dtype) != dtypes.native(b_dtype):
         raise TypeError(f"a, b: got {np.dtype(a_dtype).name} and {np.dtype(b_dtype).name}; gemm takes A and B "
                         f"of one type: {dtypes.gemm_combinations()}")
     allowed = dtypes.GEMM_OUT[row.dtype]
@@ -169,7 +169,7 @@ def tolerance(dtype, k: int, out_dtype=None, math: str = "ieee") -> float:
     acc = row.real if row.is_complex else row.compute
     u_out = UNIT_ROUNDOFF[row.real if out.kind == "c" else out]
     tol = u_out + 2.0 * np.sqrt(max(k, 1)) * UNIT_ROUNDOFF[acc]
-    if math == "tf32" and row.prefix == "s":
+    if check_math(math) == "tf32" and row.prefix == "s":
         tol += 2.0 * TF32_UNIT
     return float(tol)
 
@@ -192,7 +192,7 @@ def quantize(x, dtype=np.int8, axis=None):
         raise TypeError(f"x: got {x.dtype.name}, need a real type")
     xp = dispatch.array_module(is_cupy(x))
     wide = x.dtype.kind == "f" and x.dtype.itemsize > 8  # (longdouble: float64, not float32's range)
-    xf = x if x.dtype == np.float64 else x.astype(np.float64 if wide else np.float32)
+    xf = x if dtypes.native(x.dtype) == np.float64 else x.astype(np.float64 if wide else np.float32)
     if axis is None:
         amax = xp.abs(xf).max() if xf.size else xp.asarray(0.0)
     else:
@@ -260,12 +260,14 @@ def gemm_int8(a_q, a_scale, b_q, b_scale):
 def _scales(name: str, s, count: int, what: str) -> np.ndarray:
     """A float32 vector of ``count`` scales from a scalar or a vector of ``count``."""
     raw = np.asarray(s.get() if is_cupy(s) else s)
-    if raw.dtype.kind not in "fiu":
+    if raw.dtype.kind == "b" or not dtypes.is_real(raw.dtype):
         raise TypeError(f"{name}: got {raw.dtype if s is not None else None}; need real scales (quantize's)")
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         arr = raw.astype(np.float32)
-    if not np.isfinite(arr).all():
-        bad = raw.reshape(-1)[~np.isfinite(arr.reshape(-1))][0]
+    # (a nonzero scale that float32 makes 0 would zero its rows or columns)
+    lost = ~np.isfinite(arr) | ((arr == 0) & (raw != 0))
+    if lost.any():
+        bad = raw.reshape(-1)[lost.reshape(-1)][0]
         raise ValueError(f"{name}: holds {float(bad)!r}; need finite scales within float32's range (quantize's)")
     if arr.ndim == 0 or arr.size == 1:
         return np.full(count, float(arr.reshape(())), dtype=np.float32)

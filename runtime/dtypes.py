@@ -109,10 +109,17 @@ _BY_NAME: dict[str, BlasType] = {**GEMM_BY_PREFIX, **{n: t for t in GEMM_TYPES f
 CUDA_TYPE: dict[np.dtype, int] = {**{t.dtype: t.cuda_type for t in GEMM_TYPES}, np.dtype(np.int32): CUDA_R_32I}
 
 
+def native(dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (a byte-swapped array holds the same type: its row of the table)."""
+    dt = np.dtype(dtype)
+    return dt if dt.isnative else dt.newbyteorder("=")
+
+
 def gemm_of(dtype) -> BlasType | None:
-    """The row of a dtype gemm takes (level-3 and reduced types; anything np.dtype takes), None otherwise."""
+    """The row of a dtype gemm takes (level-3 and reduced types, either byte order; anything np.dtype takes),
+    None otherwise."""
     try:
-        return GEMM_BY_DTYPE.get(np.dtype(dtype))
+        return GEMM_BY_DTYPE.get(native(dtype))
     except TypeError:
         return None
 

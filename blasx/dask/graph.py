@@ -39,6 +39,12 @@ def union(*bounds) -> tuple[int, ...]:
     return tuple(sorted(set().union(*bounds)))
 
 
+def out_bounds(*bounds) -> tuple[int, ...]:
+    """An output dimension's block boundaries: the one chunking all of ``bounds`` share as it is (its empty chunks
+    kept, as dask.array's own result keeps them), else their union."""
+    return tuple(bounds[0]) if all(tuple(b) == tuple(bounds[0]) for b in bounds) else union(*bounds)
+
+
 def spans(b):
     """The intervals between consecutive boundaries."""
     return list(zip(b[:-1], b[1:]))

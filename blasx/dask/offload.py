@@ -1,5 +1,6 @@
 """``with blasx.dask.offload():``: dask.array's matmul, ``@``, dot and tensordot on 2-D arrays
-run on blasx.dask; any other call (N-D, non-BLAS types) runs dask's own function."""
+run on blasx.dask; any other call (N-D, non-BLAS types, unknown chunk sizes, masked arrays) runs dask's own
+function."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import threading
 import dask.array as da
 import dask.array.routines as _routines
 
-_Array = da.Array
-_ORIG = {"matmul": _routines.matmul, "dot": _routines.dot, "tensordot": _routines.tensordot,
-         "__matmul__": _Array.__matmul__, "__rmatmul__": _Array.__rmatmul__}
+# (``a @ b`` needs no patch: dask's ``Array.__matmul__`` calls ``dask.array.routines.matmul`` as it is at call time,
+# after its check for an operand type it defers to)
+_ORIG = {"matmul": _routines.matmul, "dot": _routines.dot, "tensordot": _routines.tensordot}
 _lock = threading.Lock()
 _depth = 0
 
@@ -26,8 +27,14 @@ def _matmul(a, b):
     return matmul(a, b)
 
 
+def _takes(a, b) -> bool:
+    """blasx.dask runs this product (:func:`routines.blas_operands`): else dask's own function, with its type."""
+    from .routines import blas_operands
+    return blas_operands(a, b)
+
+
 def _dot(a, b):
-    if getattr(a, "ndim", 0) in (1, 2) and getattr(b, "ndim", 0) in (1, 2):
+    if getattr(a, "ndim", 0) in (1, 2) and getattr(b, "ndim", 0) in (1, 2) and _takes(a, b):
         return _matmul(a, b)
     return _ORIG["dot"](a, b)
 
@@ -62,25 +69,20 @@ def _contracted(axes):
 
 def _tensordot(a, b, axes=2):
     """2-D tensordot contracting one axis of each is one gemm (a transpose flag per operand)."""
-    if getattr(a, "ndim", 0) == 2 and getattr(b, "ndim", 0) == 2:
+    if getattr(a, "ndim", 0) == 2 and getattr(b, "ndim", 0) == 2 and _takes(a, b):
         pair = _contracted(axes)
         if pair is not None:
             return _matmul(a if pair[0] == 1 else a.T, b if pair[1] == 0 else b.T)
     return _ORIG["tensordot"](a, b, axes=axes)
 
 
-_PATCH = {"matmul": _matmul, "dot": _dot, "tensordot": _tensordot,
-          "__matmul__": lambda self, other: _matmul(self, other),
-          "__rmatmul__": lambda self, other: _matmul(other, self)}
+_PATCH = {"matmul": _matmul, "dot": _dot, "tensordot": _tensordot}
 
 
 def _install(on: bool) -> None:
     for name, f in (_PATCH if on else _ORIG).items():
-        if name.startswith("__"):
-            setattr(_Array, name, f)
-        else:
-            setattr(da, name, f)
-            setattr(_routines, name, f)
+        setattr(da, name, f)
+        setattr(_routines, name, f)
 
 
 @contextlib.contextmanager

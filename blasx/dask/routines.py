@@ -16,7 +16,7 @@ import dask.array as da
 import numpy as np
 
 from ..linalg import find_best_blas_type
-from .graph import Operand, as_dask, build, device_blocks, group_bounds, inside, spans, union
+from .graph import Operand, as_dask, build, device_blocks, group_bounds, inside, out_bounds, spans, union
 
 #: blasx.dask.group's "auto" side where blocks are read from GPUs: a super-block's call is about a 16384^2 GEMM or
 #: more, and reads each operand tile once for all of its output blocks
@@ -37,6 +37,8 @@ def _flag(name: str, value, allowed=(0, 1)) -> int:
 
 
 def _scalar(name: str, value, dtype, real: bool = False):
+    if isinstance(value, np.ndarray) and value.ndim == 0:  # scipy's routines take a 0-d array too
+        value = value[()]
     if not isinstance(value, numbers.Number) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: got {type(value).__name__} {value!r}; need a number")
     if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real) and value.imag != 0:
@@ -113,8 +115,8 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, dtype):
     _shape("c", c, (m, n), "op(a) rows x op(b) columns")
     A, B = Operand("a", a), Operand("b", b)
     C = Operand("c", c) if c is not None else None
-    rows = union(A.rows if ta == 0 else A.cols, *([C.rows] if C else []))
-    cols = union(B.cols if tb == 0 else B.rows, *([C.cols] if C else []))
+    rows = out_bounds(A.rows if ta == 0 else A.cols, *([C.rows] if C else []))
+    cols = out_bounds(B.cols if tb == 0 else B.rows, *([C.cols] if C else []))
     ks = [] if alpha == 0 else spans(union(A.cols if ta == 0 else A.rows, B.rows if tb == 0 else B.cols))
 
     g = group_extent(a, b) if C is None or beta == 0 else 0  # super-blocks: C's old values are not read
@@ -151,10 +153,23 @@ def group_extent(*xs) -> int:
     return int(v)
 
 
+def blas_operands(a, b) -> bool:
+    """The product of arrays ``a`` and ``b`` is one blasx.dask runs: its type one of the four BLAS types, every
+    chunk size known, neither masked. Any other runs dask's own function (matmul, dot, tensordot), which
+    handles them (NaN chunks, masks, integer types)."""
+    try:
+        dtype = np.result_type(a.dtype, b.dtype)
+    except (TypeError, AttributeError):
+        return False
+    return dtype in _BLAS and not any(
+        any(np.isnan(n) for n in x.shape) or isinstance(x, np.ma.MaskedArray)
+        or isinstance(getattr(x, "_meta", None), np.ma.MaskedArray) for x in (a, b))
+
+
 def matmul(a, b, *, progress=False):
     """``a @ b`` with numpy's shape rules for 1-D and 2-D operands: the four BLAS types run on blasx, any other
-    result type (integers, bool, float16 ...) and N-D operands run ``dask.array.matmul`` itself, with its
-    result type (int8 @ int8 is int64 there)."""
+    result type (integers, bool, float16 ...), N-D operands, unknown chunk sizes and masked arrays run
+    ``dask.array.matmul`` itself, with its result type (int8 @ int8 is int64 there)."""
     from .offload import original_matmul  # (the package's name ``offload`` is the function)
     for name, x in (("a", a), ("b", b)):
         if x is None or isinstance(x, (str, bytes)):
@@ -162,11 +177,11 @@ def matmul(a, b, *, progress=False):
     a, b = (x if hasattr(x, "ndim") else np.asarray(x) for x in (a, b))
     if a.ndim == 0 or b.ndim == 0:
         raise ValueError("matmul: a 0-d operand is not allowed (numpy's rule); use multiplication")
+    if a.ndim > 2 or b.ndim > 2 or not blas_operands(a, b):
+        return _finish(original_matmul(a, b), progress)
     # a 1-D operand as a dask array first (a zarr array cannot be indexed with None)
     a, b = (x if isinstance(x, da.Array) or x.ndim != 1 else da.from_array(x) for x in (a, b))
     dtype = np.result_type(a.dtype, b.dtype)
-    if a.ndim > 2 or b.ndim > 2 or dtype not in _BLAS:
-        return _finish(original_matmul(a, b), progress)
     va, vb = a.ndim == 1, b.ndim == 1
     a2 = as_dask("a", a[None, :] if va else a)
     b2 = as_dask("b", b[:, None] if vb else b)
