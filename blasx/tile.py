@@ -61,7 +61,7 @@ def choose_tile(eng, m: int, n: int, k: int, dtype, routine: str = "gemm", math:
     knobs = eng.config.knobs
     tile = default_tile(m, n, k, kind, workers=workers, streams=max(d.nstreams for d in streamed),
                         split=knobs.split_k, small_n=knobs.small_n_tiles, wide=wide_class(dtype, math))
-    while tile > floor and not _fits(streamed, tile, itemsize):
+    while tile > 1 and not _fits(streamed, tile, itemsize):  # (below the floor too: a cache too small for it)
         tile //= 2
     _check_fits(streamed, tile, itemsize)
     return tile
