@@ -452,3 +452,45 @@ def test_arguments_bind_as_scipys_and_bad_bindings_name_the_signature(rand, rel_
                          ((1.0, a, b, 0.0, None, 0, 0, 0, 9), {})):
         with pytest.raises(TypeError, match="dgemm\\(\\): .*; the signature is dgemm\\(alpha, a, b"):
             B.dgemm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("devices,tile", [("sim:2", 16), ("cpu", 16), ("cpu", None)])
+def test_masked_arrays_are_read_and_written_as_their_data(devices, tile):
+    """f2py reads a masked array's data and writes c / b in place into it, the mask left alone, and gives the
+    masked array back (blasx computed on the masked values' view: wrong values, crashes, cleared masks)."""
+    blasx.configure(devices=devices, tile=tile)
+    rng = np.random.default_rng(7)
+    data = np.asfortranarray(rng.random((20, 20)) + 4 * np.eye(20))
+    a, b = np.ma.masked_greater(data, 0.8), np.asfortranarray(rng.random((20, 20)))
+    assert np.abs(B.dsyrk(1.5, a) - S.dsyrk(1.5, data)).max() < 1e-12
+    for name, args in (("dgemm", (1.0, data, b, 1.0)), ("dtrmm", (1.0, data))):
+        mine = np.ma.masked_greater(np.asfortranarray(rng.random((20, 20))), 0.5)
+        theirs, mask = np.ma.array(np.asfortranarray(mine.data), mask=mine.mask.copy(), copy=True), mine.mask.copy()
+        kw = {"c" if name == "dgemm" else "b": mine, "overwrite_" + ("c" if name == "dgemm" else "b"): 1}
+        res = getattr(B, name)(*args, **kw)
+        ref = getattr(S, name)(*args, **{**kw, ("c" if name == "dgemm" else "b"): theirs})
+        assert res is mine and ref is theirs and np.array_equal(mine.mask, mask)
+        assert np.abs(mine.data - theirs.data).max() < 1e-12
+
+
+def test_herk_does_not_read_the_imaginary_part_of_cs_diagonal(rel_err):
+    """BLAS: those values need not be set; with beta not 0 or 1 a NaN there made the diagonal NaN."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((40, 9)) + 1j * rng.standard_normal((40, 9))
+    c = np.asfortranarray(rng.standard_normal((40, 40)) + 0j)
+    clean = c.copy(order="F")
+    c[np.diag_indices(40)] += complex(0, np.nan)
+    c[0, 0] = complex(1.0, np.inf)
+    clean[0, 0] = 1.0
+    for name, args in (("zherk", (1.0, a)), ("zher2k", (1.0, a, a[::-1]))):
+        for lower in (0, 1):
+            got = getattr(B, name)(*args, beta=0.5, c=c.copy(order="F"), lower=lower)
+            ref = getattr(S, name)(*args, beta=0.5, c=clean.copy(order="F"), lower=lower)
+            assert np.isfinite(got).all() and rel_err(got, ref) < 1e-12
+
+
+def test_shape_errors_name_the_shapes_given():
+    with pytest.raises(ValueError, match=r"c: got shape \(3, 1\).*\(c of shape \(3,\) taken as \(3, 1\), as f2py"):
+        B.dgemm(1.0, np.ones((1, 2)), np.ones((2, 3)), beta=1.0, c=np.ones(3))
+    with pytest.raises(ValueError, match=r"\(a of shape \(4,\) taken as \(4, 1\), as f2py takes them\)"):
+        B.dsyrk(1.0, np.ones(4), c=np.ones((2, 2)))

@@ -158,6 +158,8 @@ def _array(name: str, x, dtype: np.dtype):
     as f2py makes it (a list of complex numbers for a real routine is a TypeError, as there)."""
     if is_cupy(x):
         return x
+    if isinstance(x, np.ma.MaskedArray):  # f2py reads (and writes) its data, the mask left alone
+        x = x.data
     if not isinstance(x, np.ndarray):
         try:
             return np.asarray(x, dtype=dtype)
@@ -231,10 +233,14 @@ def _make(prefix: str, routine: str):
         if "beta" in v:
             v["beta"] = _scalar("beta", 0.0 if v["beta"] is None else v["beta"], dtype, hermitian)
         out = None
+        given = v.get(out_name)
+        taken = []  # (name, shape given, matrix shape taken) of arguments of another rank
         for k in arrays:
-            if v[k] is not None:
+            if v[k] is not None or k in ("a", "b"):  # (a and b are required: None is no array)
                 x = _array(k, v[k], dtype)
                 v[k] = _matrix(k, x)
+                if x.ndim != 2:
+                    taken.append(f"{k} of shape {x.shape} taken as {v[k].shape}")
                 if k == out_name:
                     out = x
         if routine == "gemm":  # blasx.dgemm writes into a c of any layout: scipy only into an F one
@@ -244,7 +250,14 @@ def _make(prefix: str, routine: str):
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
-        res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
+        try:
+            res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
+        except ValueError as e:  # (raised before any work) the shapes it names are the matrices taken
+            if not taken:
+                raise
+            raise ValueError(f"{e} ({'; '.join(taken)}, as f2py takes them)") from None
+        if isinstance(given, np.ma.MaskedArray) and res is v[out_name]:
+            return given  # its data written in place: the caller's masked array back, as f2py gives it
         if out is None or out.ndim == 2:
             return res
         # f2py gives an output argument of another rank back in its own shape (itself when written in place)

@@ -154,6 +154,9 @@ def _rank(step, c, a, b, alpha, alpha2, beta, herm: bool) -> None:
         if b is not None:
             prod += alpha2 * (y @ t(x))
     idx = np.tril_indices(c.shape[0]) if step.uplo else np.triu_indices(c.shape[0])
+    if herm and beta != 0:  # the diagonal's imaginary part is not read (BLAS: assumed zero)
+        d = np.arange(c.shape[0])
+        c[d, d] = c[d, d].real
     if beta == 0:
         c[idx] = prod[idx]
     elif beta == 1:  # (not scaled: 1 * (inf + 0j) is inf + nanj)
