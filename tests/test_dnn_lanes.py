@@ -99,7 +99,8 @@ def test_run_all_holds_a_ctrl_c_until_every_job_started_then_waits_for_them(monk
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            lanes.run_all([lambda i=i: job(i) for i in range(3)], lambda exc: (stopped.append(type(exc)), release.set()))
+            lanes.run_all([lambda i=i: job(i) for i in range(3)],
+                          lambda exc: (stopped.append(type(exc)), release.set()))
     finally:
         signal.signal(signal.SIGINT, old)
     assert stopped == [KeyboardInterrupt] and sorted(done) == [0, 1, 2]  # all started, all ended before the raise
