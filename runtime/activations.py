@@ -59,16 +59,17 @@ class _Form(NamedTuple):
     backward: Callable
 
 
-# name -> its form; every form keeps its arrays' floating type and passes NaN through, as torch's do.
+# name -> its form; every form keeps its arrays' floating type and passes NaN through, as torch's do (a NaN input's
+# gradient: NaN, or relu6's 0, as torch's vectorised kernels give them).
 _TABLE = {
     "relu": _Form(None, None, lambda x, p: np.maximum(x, 0),
                   "output", lambda g, v, p: np.where(v <= 0, g.dtype.type(0), g)),
     "relu6": _Form(None, None, lambda x, p: _relu6(x),
-                   "input", lambda g, v, p: np.where((v <= 0) | (v >= 6), g.dtype.type(0), g)),
+                   "input", lambda g, v, p: np.where((v > 0) & (v < 6), g, g.dtype.type(0))),
     "leaky_relu": _Form("negative_slope", 0.01, lambda x, p: np.where(x < 0, x * x.dtype.type(p), x),
                         "input", lambda g, v, p: np.where(v > 0, g, g * g.dtype.type(p))),
     "elu": _Form("alpha", 1.0, lambda x, p: np.where(x > 0, x, x.dtype.type(p) * np.expm1(np.minimum(x, 0))),
-                 "input", lambda g, v, p: np.where(v <= 0, g * g.dtype.type(p) * np.exp(np.minimum(v, 0)), g)),
+                 "input", lambda g, v, p: np.where(v > 0, g, g * g.dtype.type(p) * np.exp(np.minimum(v, 0)))),
     "sigmoid": _Form(None, None, lambda x, p: special.expit(x),  # stable for large |x|
                      "output", lambda g, v, p: g * (1 - v) * v),
     "tanh": _Form(None, None, lambda x, p: np.tanh(x),
@@ -80,7 +81,7 @@ _TABLE = {
                        "input", _gelu_tanh_grad),
     "hardswish": _Form(None, None, lambda x, p: x * _relu6(x + 3) / 6,
                        "input", lambda g, v, p: np.where(v <= -3, g.dtype.type(0),
-                                                         np.where(v < 3, g * (v / 3 + v.dtype.type(0.5)), g))),
+                                                         np.where(v >= 3, g, g * (v / 3 + v.dtype.type(0.5))))),
     "silu": _Form(None, None, lambda x, p: x * special.expit(x),
                   "input", _silu_grad),
     "hardsigmoid": _Form(None, None, lambda x, p: _relu6(x + 3) / 6,

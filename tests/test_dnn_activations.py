@@ -78,6 +78,18 @@ def test_edge_values_and_nan_follow_torch(name):
     np.testing.assert_allclose(dx[fin], np.array(want)[fin], rtol=rtol, atol=1e-300)
 
 
+@pytest.mark.parametrize("name", list(ACTS))
+def test_a_nan_inputs_gradient_follows_torchs_vectorised_kernels(name):
+    """64 NaNs (torch's vectorised path, what a tensor of any size meets): relu6's gradient 0, elu's and
+    hardswish's NaN (all three gave grad_output)."""
+    args, table = ACTS[name]
+    x, g = np.full(64, np.nan), np.linspace(-2, 2, 64)
+    xt = wide(x, grad=True)
+    getattr(F, _fn(name))(xt, **args).backward(torch.from_numpy(g))
+    saved = getattr(dnn, _fn(name))(x, **args) if Activation(table).saves == "output" else x
+    np.testing.assert_array_equal(getattr(dnn, f"{_fn(name)}_backward")(g, saved, **args), xt.grad.numpy())
+
+
 @pytest.mark.parametrize("name", [n for n in ACTS if n not in ("gelu", "gelu_tanh", "sigmoid", "tanh")])
 @pytest.mark.parametrize("dt", [np.float32, np.float16], ids=_name)
 def test_inplace_writes_the_input_and_returns_it(name, dt):

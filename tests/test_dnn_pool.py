@@ -222,6 +222,9 @@ def test_windows_over_padding_alone(nd, lay):
     gb = getattr(dnn, f"max_pool{nd}d_backward")(gin, xin, ib, k, s, p, d, True)
     assert np.array_equal(gb, xt.grad.numpy()) and not gb.any()
     assert empty_windows(window("max_pool", nd, (5,) * nd, "max", k, s, p, d, True)) is None
+    g[0, 0], g[1, 2] = np.inf, np.nan  # dropped too (inf * 0 put NaN at position 0)
+    gin = cl(g) if lay == "cl" else g
+    assert not getattr(dnn, f"max_pool{nd}d_backward")(gin, xin, ib, k, s, p, d, True).any()
 
 
 def test_nan_last_wins_and_inf_average():

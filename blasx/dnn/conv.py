@@ -505,7 +505,8 @@ def conv3d_weight(input, weight_size, grad_output, stride=1, padding=0, dilation
 
 
 def conv_bias_grad(grad_output):
-    """The gradient of a convolution's bias: grad_output summed over every dim but the channels (1)."""
+    """The gradient of a convolution's bias: grad_output summed over every dim but the channels (1). An unbatched
+    convolution's (K, spatial...) grad_output is read as batched: pass ``grad_output[None]``."""
     dt = check_dtype("grad_output", check_kind("grad_output", grad_output))
     if grad_output.ndim < 3:
         raise ValueError(f"grad_output: expected (N, K, spatial...), got shape {tuple(grad_output.shape)}")

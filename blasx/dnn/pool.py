@@ -167,7 +167,10 @@ def _backward(fn: str, nd: int, grad_output, input_shape, geo_of, indices=None):
             if empty is not None:
                 keep = xp.asarray(~empty)
                 indices = xp.where(keep, indices, 0)
-                grad_output = xp.multiply(grad_output, keep.astype(grad_output.dtype), out=xp.empty_like(grad_output))
+                cleared = xp.empty_like(grad_output)  # (its layout kept; zeros put, not multiplied: inf * 0 is NaN)
+                cleared[...] = grad_output
+                xp.copyto(cleared, grad_output.dtype.type(0), where=~keep)
+                grad_output = cleared
             lo, hi = (int(indices.min()), int(indices.max())) if indices.size else (0, 0)
         if indices.size and not (0 <= lo and hi < plane):
             raise ValueError(f"indices: values must lie in [0, {plane}) (positions in the input's spatial plane "

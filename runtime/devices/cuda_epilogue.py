@@ -38,9 +38,9 @@ EXPRESSIONS = {
 # or the output, as ``Activation.saves`` says) as a CUDA expression: torch's backward formulas.
 GRADIENTS = {
     "relu": "v <= (F)0 ? (F)0 : g",
-    "relu6": "(v <= (F)0 || v >= (F)6) ? (F)0 : g",
+    "relu6": "(v > (F)0 && v < (F)6) ? g : (F)0",
     "leaky_relu": "v > (F)0 ? g : g * p",
-    "elu": "v <= (F)0 ? g * p * {exp}(v) : g",
+    "elu": "v > (F)0 ? g : g * p * {exp}(v)",
     "sigmoid": "g * ((F)1 - v) * v",
     "tanh": "g * ((F)1 - v * v)",
     "gelu": "g * ((F)0.5 * ((F)1 + {erf}(v * (F)0.70710678118654752440))"
@@ -49,7 +49,7 @@ GRADIENTS = {
                  " + (F)0.5 * v * ((F)1 - {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v))"
                  " * {tanh}((F)0.79788456080286535588 * (v + (F)0.044715 * v * v * v)))"
                  " * (F)0.79788456080286535588 * ((F)1 + (F)0.134145 * v * v))",
-    "hardswish": "v <= (F)-3 ? (F)0 : (v < (F)3 ? g * (v / (F)3 + (F)0.5) : g)",
+    "hardswish": "v <= (F)-3 ? (F)0 : (v >= (F)3 ? g : g * (v / (F)3 + (F)0.5))",
     "silu": "g / ((F)1 + {exp}(-v)) * ((F)1 + v * ((F)1 - (F)1 / ((F)1 + {exp}(-v))))",
     "hardsigmoid": "(v > (F)-3 && v < (F)3) ? g / (F)6 : (F)0",
 }
