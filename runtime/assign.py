@@ -54,7 +54,8 @@ class StreamAssign:
             task.worker = self.idx
             task.call.started(task)
             steps = task.steps
-            if task.rotatable and self.n_devices > 1 and not any(task.gates[:len(steps)]):
+            if task.rotatable and self.n_devices > 1 and self.engine.config.knobs.rotate_steps \
+                    and not any(task.gates[:len(steps)]):
                 # Device d starts at the d-th share of k; only a write-back gate (in-place TRMM) ignores their order.
                 head, body = steps[:task.fixed], steps[task.fixed:]
                 steps = head + rotated_steps(body, (len(body) * self.rank) // self.n_devices)

@@ -25,6 +25,10 @@ class Knobs:
     #: TRSM's ``invmm`` writes into a fresh heap block that becomes C, instead of a scratch tile copied back
     #: over C (kept where C is the caller's device array).
     invmm_new_block: bool = True
+    #: A rotatable task's k-steps start at the running device's share of k (devices starting together load
+    #: different tiles). Off: every task sums in the plan's order on any device, so results are bit-identical run
+    #: to run on GPUs alone (docs/design.md, *Multi-device results*).
+    rotate_steps: bool = True
     #: Split-k for GEMMs whose C has fewer tiles than the devices have streams and whose k is long
     #: (``plans.choose_split``): partial sums over k ranges, reduced in a fixed order.
     split_k: bool = True

@@ -384,3 +384,19 @@ def test_cpu_only_fast_path_without_c(rand, rel_err, tol, dtype):
     assert blasx.last_profile().totals()["tasks"] == 1
     with pytest.raises(ValueError, match="inner dimensions must match"):
         blasx.gemm(1.0, rand((3, 4), dtype, 5), rand((5, 3), dtype, 6))
+
+
+@pytest.mark.parametrize("routine", ["gemm", "syrk", "trmm"])
+def test_rotate_steps_off_gives_the_same_bits_on_any_schedule(monkeypatch, rand, routine):
+    """Knobs.rotate_steps=0: every task sums in the plan's order whichever device runs it, so differently paced
+    devices (other schedules, steals) give bit-identical results; with rotation they may differ in the last bits."""
+    monkeypatch.setenv("BLASX_KNOBS", "rotate_steps=0")
+    a, b = rand((96, 200), np.float64, 1), rand((200, 80), np.float64, 2)
+    t = np.triu(rand((96, 96), np.float64, 3)) + 4 * np.eye(96)
+    run = {"gemm": lambda: blasx.gemm(1.0, a, b), "syrk": lambda: blasx.dsyrk(1.0, a),
+           "trmm": lambda: blasx.dtrmm(1.0, t, a)}[routine]
+    results = []
+    for spec in ("sim:2", "sim:2,speeds=1/7", "sim:3,speeds=5/1/2", "sim:2,speeds=9/1"):
+        blasx.configure(devices=spec, tile=16)
+        results += [run(), run()]
+    assert all(np.array_equal(results[0], r) for r in results[1:])
