@@ -111,3 +111,43 @@ def test_backward_errors_and_nothing_written():
     _raises(TypeError, "grad_y", "numpy array like x", call=lambda: dnn.lstm_backward(saved, torch.from_numpy(y)))
     g = dnn.lstm_backward(saved, np.ones_like(y))  # the engine (and saved) still usable after the errors
     assert g["input"].shape == x.shape
+
+
+def test_a_wrong_input_size_names_x_and_a_stray_projection_names_params():
+    x = np.zeros((5, 2, 4))  # the model takes 3 features
+    _raises(ValueError, "x: got 4 features (its last dim)", "input_size is 3", call=lambda: dnn.lstm(x, None,
+                                                                                                    _lstm_params()))
+    gru = {k: v.detach().numpy() for k, v in torch.nn.GRU(3, 4).double().state_dict().items()}
+    gru["weight_hr_l0"] = np.zeros((2, 4))
+    _raises(ValueError, "params: unexpected 'weight_hr_l0' for gru", call=lambda: dnn.gru(x[..., :3], None, gru))
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix's own)
+def test_edge_values_follow_torch_and_need_no_warning():
+    """relu RNN's backward selects (0 * inf was NaN, a NaN h's gradient was dropped); a gate pre-activation far
+    below zero warned of exp's overflow (an error under -W error); an np.matrix x failed in training."""
+    import warnings
+    m = torch.nn.RNN(1, 2, nonlinearity="relu").double()
+    with torch.no_grad():
+        m.weight_ih_l0[:] = torch.tensor([[1.0], [-2.0]])
+        for w in (m.weight_hh_l0, m.bias_ih_l0, m.bias_hh_l0):
+            w.zero_()
+    params = {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+    for x, gy in ((np.array([[[1.0]]]), np.array([[[1.0, np.inf]]])), (np.array([[[np.nan]]]), np.ones((1, 1, 2)))):
+        xt = torch.tensor(x, requires_grad=True)
+        m(xt)[0].backward(torch.tensor(gy))
+        _, _, saved = dnn.rnn(x, None, params, nonlinearity="relu", training=True)
+        g = dnn.rnn_backward(saved, gy)
+        np.testing.assert_array_equal(g["input"], xt.grad.numpy())
+        np.testing.assert_array_equal(g["weight_ih_l0"], m.weight_ih_l0.grad.numpy())
+        m.zero_grad()
+    lstm = _lstm_params()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = dnn.lstm(np.full((2, 1, 3), -1e4), None, lstm)[0]
+    assert np.isfinite(y).all()
+    xm = np.asmatrix(np.random.default_rng(0).standard_normal((5, 3)))
+    y, _, saved = dnn.lstm(xm, None, lstm, training=True)
+    y_ref = dnn.lstm(np.asarray(xm), None, lstm)[0]
+    np.testing.assert_array_equal(y, y_ref)
+    assert dnn.lstm_backward(saved, np.ones_like(y_ref))["input"].shape == (5, 3)

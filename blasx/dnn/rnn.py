@@ -115,6 +115,8 @@ def _problem(mode, x, hx, params, num_layers, bidirectional, batch_first, length
     if params is None:
         raise TypeError("params: required (a mapping of torch's parameter names to arrays, e.g. a state_dict)")
     _check_x(x)
+    if isinstance(x, np.matrix):  # (2-D whatever it is indexed with): its plain array
+        x = np.asarray(x)
     math = precision.check_math(math)
     bidirectional, batch_first = check_flag("bidirectional", bidirectional), check_flag("batch_first", batch_first)
     xp = array_module(is_cupy(x))

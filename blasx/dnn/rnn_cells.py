@@ -24,7 +24,8 @@ SAVED = {"lstm": 4, "gru": 4, "rnn_tanh": 0, "rnn_relu": 0}  # gate blocks saved
 
 
 def _sig(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # (exp(-x) of a large negative x is inf: the sigmoid is 0, exactly)
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 # ---------------------------------------------------------------- numpy
@@ -81,7 +82,7 @@ def np_backward(mode, dh, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_prev, dh
     elif mode == "rnn_tanh":
         dgx[...] = dh * (1.0 - h * h)
     else:
-        dgx[...] = dh * (h > 0)
+        dgx[...] = np.where(h <= 0, 0, dh)  # (selected, not multiplied: 0 * inf is NaN; a NaN h passes, as torch's)
 
 
 def np_backward_step(mode, a, dh, dy, dc, gates, c, c_prev, h, h_prev, dgx, dgh, dc_out, dh_out, g16=None,
@@ -142,7 +143,7 @@ _FWD = {
         h[i] = (S)((1 - z) * n + z * (F)hp[i]);
         gates[q] = r; gates[q + H] = z; gates[q + 2 * H] = n; gates[q + 3 * H] = ghn;""",
     "rnn_tanh": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)tanh(s);",
-    "rnn_relu": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)(s > 0 ? s : (F)0);",
+    "rnn_relu": "F s = gx[i] + gh[i]; if (hb) s += bias[i % H]; h[i] = (S)(s <= (F)0 ? (F)0 : s);",
 }
 
 # half: 0 the gradients in F only, 1 also dgh rounded into g16, 2 only the rounded g16 (and GRU's dgx into x16)
@@ -182,7 +183,7 @@ _STEP = {  # np_backward_step over every row: i = b * H + j
         if (half) g16[i] = (S)v; }""",
     "rnn_relu": _SUM + """
         if (i / H >= a) { """ + _CARRY + """ } else {
-        F d = has_dy ? dhs + dy[i] : dhs; F v = (F)h[i] > 0 ? d : (F)0; if (half != 2) dgx[i] = v;
+        F d = has_dy ? dhs + dy[i] : dhs; F v = (F)h[i] <= 0 ? (F)0 : d; if (half != 2) dgx[i] = v;
         if (half) g16[i] = (S)v; }""",
 }
 

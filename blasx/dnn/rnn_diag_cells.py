@@ -115,7 +115,7 @@ _FWD = {
     "rnn_relu": """
         long k = ((long)l * B + b) * H + j;
         F sr = o[k] + bias[(long)l * H + j] + (x0 ? p0[(long)b * H + j] : (F)0);
-        h[hs] = (S)(sr > 0 ? sr : (F)0);""",
+        h[hs] = (S)(sr <= (F)0 ? (F)0 : sr);""",
 }
 
 _BWD = {
@@ -131,7 +131,7 @@ _BWD = {
           dsz = d * ((F)hp[hs] - ng) * zg * (1 - zg);
         dg[k] = dsr; dg[k + H] = dsz; dg[k + 2 * H] = dsn; dg[k + 3 * H] = dsn * rg; ec[eo + H] = d * zg;""",
     "rnn_tanh": "F y = (F)h[hs]; dg[k] = d * (1 - y * y); ec[eo + H] = 0;",
-    "rnn_relu": "dg[k] = (F)h[hs] > 0 ? d : (F)0; ec[eo + H] = 0;",
+    "rnn_relu": "dg[k] = (F)h[hs] <= 0 ? (F)0 : d; ec[eo + H] = 0;",
 }
 
 _KERNELS: dict = {}

@@ -249,6 +249,11 @@ def _parse(params, mode: str, input_size: int, *, num_layers: int, bidirectional
     if rows % g or rows == 0:
         raise ValueError(f"params[{first!r}]: expected shape ({g}*hidden_size, {input_size}) for {mode}, "
                          f"got {shape0}")
+    if len(shape0) == 2 and shape0[1] != input_size:
+        raise ValueError(f"x: got {input_size} features (its last dim), but params[{first!r}] has shape {shape0}: "
+                         f"the model's input_size is {shape0[1]}")
+    if "weight_hr_l0" in params and mode != "lstm":
+        raise ValueError(f"params: unexpected 'weight_hr_l0' for {mode} (an LSTM's projection; {mode} has none)")
     if "weight_hr_l0" in params and not proj_size:
         raise ValueError("proj_size: got 0, but params has 'weight_hr_l0' (an LSTM with a projection): pass "
                          "proj_size=weight_hr_l0.shape[0]")

@@ -293,7 +293,7 @@ rnn_persist_fwd(const float* __restrict__ gx, const STYPE* __restrict__ b_ih, co
                 if (hf) hf[o] = hn[o];
 #else
                 float v = xv[0] + s[0];
-                put(hn + o, v > 0.f ? v : 0.f);
+                put(hn + o, v <= 0.f ? 0.f : v);
                 if (hf) hf[o] = hn[o];
 #endif
             }
