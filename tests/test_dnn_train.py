@@ -86,7 +86,7 @@ def _check(model, x, dtype, tol=None, hook=None, net=None):
     for k, p in params.items():
         assert net.grads[k].dtype == dtype
         assert _err(net.grads[k], p.grad) < tol, k
-    buffers = {k: v for k, v in model.named_buffers() if "running" in k}
+    buffers = dict(model.named_buffers())  # (running statistics and num_batches_tracked)
     assert sorted(net.buffers()) == sorted(buffers)
     for k, v in buffers.items():
         assert _err(net.buffers()[k], v) < tol, k
@@ -240,7 +240,7 @@ def test_a_network_built_in_code_names_parameters_by_node():
     h = b.flatten(b.act(h, "tanh"))
     net = b.network(b.linear(h, rng.standard_normal((2, 80)), name="fc"))
     assert sorted(net.parameters()) == ["bn.bias", "bn.weight", "c.bias", "c.weight", "fc.weight"]
-    assert sorted(net.buffers()) == ["bn.running_mean", "bn.running_var"]
+    assert sorted(net.buffers()) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
     x = rng.standard_normal((3, 3, 4, 4))
     y = net.forward_train(x)
     gx = net.backward(np.ones_like(y))
@@ -306,7 +306,8 @@ def test_errors_before_any_work():
     with pytest.raises(ValueError, match="values: unknown names"):
         net.set_parameters({"nope.weight": np.zeros(3)})
     before = net.parameters()["fc2.bias"].copy()
-    with pytest.raises(ValueError, match=r"values\['fc1.bias'\]: expected a real array of shape \(12,\)"):
+    with pytest.raises(ValueError, match=r"values\['fc1.bias'\]: expected a real numpy or CuPy array of shape "
+                                         r"\(12,\)"):
         net.set_parameters({"fc2.bias": np.zeros(3), "fc1.bias": np.zeros(5)})
     assert (net.parameters()["fc2.bias"] == before).all()  # nothing written
     net.seed = -1
@@ -329,3 +330,43 @@ def test_unsupported_kinds_are_named_before_any_work():
     fused = dnn.Network(dnn.from_torch(ResNetish().double(), (2, 3, 8, 8)).compile().compiled)
     with pytest.raises(NotImplementedError, match=r"node 'stem' \(conv\): a fused epilogue"):
         fused.forward_train(np.zeros((2, 3, 8, 8)))
+
+
+def test_the_tape_keeps_what_its_forward_used():
+    """In float64 the tape held the network's own weights (an SGD step before backward gave the new weights'
+    gradient), and the output returned was the one a sigmoid's backward reads (``y -= target`` rewrote it)."""
+    torch.manual_seed(9)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Sigmoid()).double()
+    net = dnn.from_torch(m, (3, 6))
+    x, target = np.random.default_rng(9).standard_normal((2, 3, 6))[0], np.full((3, 5), 0.5)
+    xt = torch.from_numpy(x).requires_grad_()
+    yt = m(xt)
+    yt.backward(yt.detach() - torch.from_numpy(target))
+    y = net.forward_train(x)
+    for p in net.parameters().values():
+        p += 1.0  # between forward_train and backward
+    y -= target
+    gx = net.backward(y)
+    assert _err(gx, xt.grad) < 1e-12 and _err(net.grads["0.weight"], m[0].weight.grad) < 1e-12
+
+
+def test_a_state_dict_round_trips_with_its_batch_counts():
+    """num_batches_tracked (a momentum=None batch norm's divisor) is a buffer: read, and set by set_parameters."""
+    torch.manual_seed(10)
+    m = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.BatchNorm2d(3, momentum=None)).double().train()
+    net = dnn.from_torch(m, (2, 2, 5, 5))
+    xs = np.random.default_rng(10).standard_normal((3, 2, 2, 5, 5))
+    start = {k: v.clone() for k, v in m.state_dict().items()}
+    for x in xs[:2]:
+        net.forward_train(x)
+        m(torch.from_numpy(x))
+    assert int(net.buffers()["1.num_batches_tracked"]) == 2
+    net.set_parameters({k: v.numpy() for k, v in start.items()})  # back to the start, counts too
+    m.load_state_dict(start)
+    net.forward_train(xs[2])
+    m(torch.from_numpy(xs[2]))
+    for k, v in m.state_dict().items():
+        assert _err(net.buffers().get(k, net.parameters().get(k)), v) < 1e-12, k
+    with pytest.raises(ValueError, match=r"values\['1.bias'\]: expected a real numpy or CuPy array of shape \(3,\), "
+                                         r"got Tensor"):
+        net.set_parameters({"1.bias": torch.zeros(3)})

@@ -334,32 +334,43 @@ class Network:
         return {k: by[locs[0][0]].params[locs[0][1]] for k, locs in param_table(self.graph).items()}
 
     def buffers(self) -> dict:
-        """torch's name -> the float64 running statistics of each batch norm (live, as parameters())."""
-        from .train import param_table
+        """torch's name -> the float64 running statistics of each batch norm (live, as parameters()), and its
+        ``num_batches_tracked`` (an int64 0-d copy; set_parameters sets it)."""
+        from .train import batch_counts, param_table
         by = self.graph.by_name()
-        return {k: by[locs[0][0]].params[locs[0][1]] for k, locs in param_table(self.graph, True).items()}
+        live = {k: by[locs[0][0]].params[locs[0][1]] for k, locs in param_table(self.graph, True).items()}
+        counts = batch_counts(self.graph, self._trainer())
+        return {**live, **{k: np.array(v, dtype=np.int64) for k, v in counts.items()}}
 
     def set_parameters(self, values: dict) -> None:
         """Parameters and buffers by torch's name set from ``values`` (numpy or CuPy arrays of their
         shapes, any float type; all checked before any is written); the compiled graph is dropped."""
-        from .train import param_table
+        from .train import batch_counts, param_table
         if not hasattr(values, "items"):
             raise TypeError(f"values: expected a mapping name -> array, got {type(values).__name__}")
         table = {**param_table(self.graph), **param_table(self.graph, True)}
+        counts = batch_counts(self.graph, self._trainer())
         by = self.graph.by_name()
-        unknown = [k for k in values if k not in table]
+        unknown = [k for k in values if k not in table and k not in counts]
         if unknown:
             raise ValueError(f"values: unknown names {unknown[:5]}; known: {', '.join(list(table)[:8])}"
                              f"{', ...' if len(table) > 8 else ''}")
         for k, v in values.items():
-            want = by[table[k][0][0]].params[table[k][0][1]].shape
-            if tuple(getattr(v, "shape", ())) != want or getattr(v, "dtype", np.dtype(object)).kind not in "fiu":
+            want = () if k in counts else by[table[k][0][0]].params[table[k][0][1]].shape
+            try:
+                kind = np.dtype(getattr(v, "dtype", object)).kind
+            except TypeError:  # (a torch tensor's dtype: pass .numpy())
+                kind = "O"
+            if tuple(getattr(v, "shape", ())) != want or kind not in ("iu" if k in counts else "fiu"):
                 dt = getattr(v, "dtype", None)
-                raise ValueError(f"values[{k!r}]: expected a real array of shape {want} (integer or floating), got "
-                                 f"{type(v).__name__} of shape {getattr(v, 'shape', None)}"
-                                 f"{'' if dt is None else f' and dtype {np.dtype(dt)}'}")
+                what = "an integer array" if k in counts else "a real numpy or CuPy array"
+                raise ValueError(f"values[{k!r}]: expected {what} of shape {want}, got {type(v).__name__} of shape "
+                                 f"{getattr(v, 'shape', None)}{'' if dt is None else f' and dtype {dt}'}")
         with self._calls:  # (not while a call of another thread reads them)
             for k, v in values.items():
+                if k in counts:
+                    self._trainer().batches[k.rsplit(".", 1)[0]] = int(v)
+                    continue
                 for node, key in table[k]:
                     by[node].params[key][...] = v.get() if is_cupy(v) else v
             self._weights_changed()

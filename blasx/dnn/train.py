@@ -346,6 +346,17 @@ def param_table(graph: Graph, buffers: bool = False) -> dict:
     return out
 
 
+def batch_counts(graph: Graph, trainer) -> dict:
+    """torch's "<module>.num_batches_tracked" -> the batches each batch norm has counted (a module called twice
+    counts twice): ``trainer``'s count, else the module's own at conversion."""
+    out: dict = {}
+    for n in graph.nodes:
+        if "running_mean" in n.params:
+            key = n.attrs.get("module", n.name)
+            out[f"{key}.num_batches_tracked"] = trainer.batches.get(key, n.attrs.get("num_batches_tracked", 0))
+    return out
+
+
 # ---------------------------------------------------------------- the tape, forward and backward
 
 @dataclass
@@ -380,18 +391,21 @@ class Tape:
 
 def _weights(graph: Graph, x) -> dict:
     """node -> {param: array in x's type on x's device}, one per graph array (a module called twice shares
-    them); on the host in float64 the graph's own arrays (running statistics then update in place)."""
+    them): copies, so the tape keeps the weights its forward used whatever the caller does to them before
+    backward (an SGD step in place); on the host in float64 the running statistics are the graph's own arrays
+    (updated in place)."""
     dt, made = np.dtype(x.dtype), {}
 
-    def cast(v):
+    def cast(k, v):
         if id(v) not in made:
-            made[id(v)] = cupy.asarray(v.astype(dt)) if is_cupy(x) else np.asarray(v, dtype=dt)
+            made[id(v)] = cupy.asarray(v.astype(dt)) if is_cupy(x) else \
+                np.asarray(v, dtype=dt) if k in BUFFERS else np.array(v, dtype=dt)
         return made[id(v)]
     cupy = None
     if is_cupy(x):
         import cupy
     with _on_device(x):
-        return {n.name: {k: cast(v) for k, v in n.params.items()} for n in graph.nodes if n.params}
+        return {n.name: {k: cast(k, v) for k, v in n.params.items()} for n in graph.nodes if n.params}
 
 
 def forward(graph: Graph, x, ctx: Context):
@@ -477,6 +491,9 @@ class Trainer:
         self.step += 1
         with _on_device(x):
             y, self.tape = forward(remove_dead(graph), x, ctx)
+            # the caller's own copy: the tape may hold y itself (an output-reading last layer), which
+            # ``y -= target; backward(y)`` would otherwise rewrite
+            y = tuple(v.copy(order="K") for v in y) if isinstance(y, tuple) else y.copy(order="K")
         self.masks, self.owner = ctx.masks, threading.get_ident()
         return y
 
