@@ -370,3 +370,30 @@ def test_a_state_dict_round_trips_with_its_batch_counts():
     with pytest.raises(ValueError, match=r"values\['1.bias'\]: expected a real numpy or CuPy array of shape \(3,\), "
                                          r"got Tensor"):
         net.set_parameters({"1.bias": torch.zeros(3)})
+
+
+def test_a_batch_norm_off_the_outputs_path_still_counts_its_batches():
+    """torch's train mode runs a module whose result is dropped (an auxiliary head): its running statistics
+    update; forward_train pruned it (they stayed 0 and 1). Its parameters get no gradient, as torch's (None)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn, self.aux = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            y = self.c(x)
+            self.aux(y)
+            return self.bn(y)
+    torch.manual_seed(11)
+    m = M().double().train()
+    x = np.random.default_rng(11).standard_normal((2, 2, 5, 5))
+    g = np.random.default_rng(12).standard_normal((2, 3, 3, 3))
+    net = dnn.from_torch(m, x.shape)
+    xt = torch.from_numpy(x).requires_grad_()
+    m(xt).backward(torch.from_numpy(g))
+    net.forward_train(x)
+    assert _err(net.backward(g), xt.grad) < 1e-12
+    for k, v in m.named_buffers():
+        assert _err(net.buffers()[k], v) < 1e-12, k
+    for k, p in m.named_parameters():
+        assert (k in net.grads) == (p.grad is not None) and (p.grad is None or _err(net.grads[k], p.grad) < 1e-12)

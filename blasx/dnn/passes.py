@@ -140,9 +140,10 @@ def fuse_epilogues(graph: Graph, shapes: dict) -> Graph:
             return graph
 
 
-def remove_dead(graph: Graph) -> Graph:
-    """Only the nodes the output depends on (and the input) are kept, in their order."""
-    by, live, todo = graph.by_name(), set(), [graph.output]
+def remove_dead(graph: Graph, keep=()) -> Graph:
+    """Only the nodes the output depends on (and the input) are kept, in their order; and those ``keep`` names
+    depend on (training: a batch norm off the output's path still updates its running statistics, as torch's)."""
+    by, live, todo = graph.by_name(), set(), [graph.output, *keep]
     while todo:
         name = todo.pop()
         if name not in live:

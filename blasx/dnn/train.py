@@ -490,7 +490,8 @@ class Trainer:
         ctx = Context(xp, math, seed, self.step, self.batches)
         self.step += 1
         with _on_device(x):
-            y, self.tape = forward(remove_dead(graph), x, ctx)
+            stats = [n.name for n in graph.nodes if "running_mean" in n.params]  # (updated even off the path)
+            y, self.tape = forward(remove_dead(graph, stats), x, ctx)
             # the caller's own copy: the tape may hold y itself (an output-reading last layer), which
             # ``y -= target; backward(y)`` would otherwise rewrite
             y = tuple(v.copy(order="K") for v in y) if isinstance(y, tuple) else y.copy(order="K")
