@@ -91,3 +91,4 @@ _FAST = {t.dtype: shortcut.make("gemm", t.dtype) for t in dtypes.TYPES}
 
 #: sgemm, dgemm, cgemm, zgemm
 PREFIXED = {p + "gemm": _prefixed(p) for p in dtypes.PREFIXES}
+globals().update(PREFIXED)  # (module attributes: pickle finds them by name)

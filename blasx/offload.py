@@ -252,6 +252,23 @@ def _add(entry: _Entry) -> None:
             raise
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: a lock another parent thread held is made anew, and the
+    entries of the other threads' ``with offload()`` blocks (which will never end here) are dropped."""
+    global _lock
+    _lock = threading.RLock()
+    me = threading.get_ident()
+    gone = [e for e in _entries if e.kind == "context" and e.thread != me]
+    if gone:
+        for e in gone:
+            _entries.remove(e)
+        _reconcile()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _reconcile() -> None:
     """Bring the patches in line with ``_entries`` (under _lock): np.dot and scipy while any entry is
     active, numpy's matmul loops while any active entry asked for them."""

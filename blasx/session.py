@@ -128,9 +128,10 @@ def shutdown() -> None:
     _stop(cancel=False)
 
 
-def _stop(cancel: bool) -> None:
+def _stop(cancel: bool, keep=frozenset()) -> None:
     """Stop the engine and free what blasx holds idle; ``cancel`` (interpreter exit): the calls still in
-    flight are cancelled (their threads are about to vanish), the tasks already on devices end."""
+    flight are cancelled (their threads are about to vanish), the tasks already on devices end; those in
+    ``keep`` finish."""
     global _engine, host_device
     eng = None
     try:
@@ -140,10 +141,10 @@ def _stop(cancel: bool) -> None:
     finally:  # (an interrupt after the swap still stops the engine: nothing else refers to it)
         if eng is not None:
             try:
-                eng.shutdown(cancel=cancel)
+                eng.shutdown(cancel=cancel, keep=keep)
             except KeyboardInterrupt:
                 if not eng.closed:  # (it came before shutdown began: once more, then raised)
-                    eng.shutdown(cancel=cancel)
+                    eng.shutdown(cancel=cancel, keep=keep)
                 raise
     pool = sys.modules.get("blasx.runtime.hostpool")  # idle page-locked result buffers
     if pool is not None and not cancel:
@@ -165,7 +166,19 @@ _exiting = False  # the exit hook ran: an engine threads still calling start the
 def _at_exit() -> None:
     global _exiting
     _exiting = True
-    _stop(cancel=True)
+    _stop(cancel=True, keep=_calls_the_interpreter_waits_for())
+
+
+def _calls_the_interpreter_waits_for() -> frozenset:
+    """The calls in flight of live non-daemon threads: the interpreter joins those threads after this hook, so
+    their calls finish (daemon threads' are cancelled: those threads vanish)."""
+    dispatch = sys.modules.get("blasx.dispatch")
+    if dispatch is None:
+        return frozenset()
+    me = threading.current_thread()
+    alive = {t.ident for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()}
+    with dispatch._running_lock:
+        return frozenset(c for ident, c in dispatch._running.items() if ident in alive)
 
 
 if hasattr(threading, "_register_atexit"):
@@ -217,11 +230,21 @@ def cuda_ordinals() -> tuple[int, ...]:
 _ORDINALS: dict = {}  # (device spec, GPUs seen) -> cuda_ordinals' answer (a spec parses the same every time)
 
 
+_NO_CUPY: list = []  # [True] once CuPy failed to import: not tried again (a failed import takes CPython's
+# module lock each time, and a child forked while another thread held it would hang on its own first try)
+
+
 def _cuda_count() -> int:
+    if _NO_CUPY:
+        return 0
     try:
         import cupy
+    except Exception:  # noqa: BLE001 - no CuPy (or a broken one): no CUDA here
+        _NO_CUPY.append(True)
+        return 0
+    try:
         return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001 - no CuPy, no driver or no GPU all mean: no CUDA here
+    except Exception:  # noqa: BLE001 - no driver or no GPU: no CUDA here
         return 0
 
 

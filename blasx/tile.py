@@ -8,6 +8,7 @@ in-flight tasks need would not fit.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -136,6 +137,8 @@ def _check_fits(devices, tile: int, itemsize: int) -> None:
 # ---------------------------------------------------------------- perf-db look-up
 
 _db_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):  # (a parent thread may hold it at the fork)
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_db_lock", threading.Lock()))
 # engine -> ((db generation, db location), {(dtype, routine, shape): tile}) of its device model and count
 _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

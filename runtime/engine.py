@@ -278,8 +278,9 @@ class Engine:
             name, exc = errors[0]
             raise DeviceError(f"no device could start; {name}: {exc!r}") from exc
 
-    def shutdown(self, cancel: bool = False) -> None:
-        """Stop the workers once the queued work is done; ``cancel`` (interpreter exit) fails the calls in flight."""
+    def shutdown(self, cancel: bool = False, keep=frozenset()) -> None:
+        """Stop the workers once the queued work is done; ``cancel`` (interpreter exit) fails the calls in flight
+        but those in ``keep`` (of threads the interpreter still waits for)."""
         started = False
         try:  # (from before ``_closed`` is set: an interrupt anywhere after it still stops the workers)
             with self._lock:
@@ -289,7 +290,7 @@ class Engine:
                 started = self._started
             if cancel and started and not self.inline:
                 for call in self._live_calls():
-                    if not call.done:
+                    if not call.done and call not in keep:
                         call.fail(CallCancelled(f"{call.name}: blasx was shut down while the call ran"))
                         self._take_back(call)
             if started and self.inline:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
 import threading
 
 from .args import is_int
@@ -263,6 +264,8 @@ def _tensor_inputs(fx_node) -> list:
 
 
 _tracing = threading.Lock()
+if hasattr(os, "register_at_fork"):  # (a parent thread may hold it at the fork)
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_tracing", threading.Lock()))
 
 
 def _private_copy(torch, module):

@@ -11,7 +11,9 @@ type), chunks through the workers -> output, and ``last_profile()``.
 from __future__ import annotations
 
 import math
+import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -37,6 +39,19 @@ def default_chunk(n: int, lanes: int, per_image: int, free: int, workers_per_gpu
     return max(1, min(math.ceil(n / lanes), CHUNK_MAX, fit))
 
 
+#: Every Network: a forked child makes their locks anew (a parent thread may have held one at the fork).
+_NETWORKS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for net in list(_NETWORKS):
+        net._lock, net._calls = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Network:
     """A network of blasx.dnn layers; ``net(x)`` runs inference (see the module docstring)."""
 
@@ -50,6 +65,7 @@ class Network:
         self._algos_key, self._algos_val = None, None  # _run_algos's
         self._lock = threading.Lock()
         self._calls = threading.Lock()  # one call at a time runs the workers (their streams and buffers)
+        _NETWORKS.add(self)
         self._weights: dict = {}
         self._workers: dict = {}
         self._profile = None
