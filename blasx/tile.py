@@ -137,8 +137,16 @@ def _check_fits(devices, tile: int, itemsize: int) -> None:
 # ---------------------------------------------------------------- perf-db look-up
 
 _db_lock = threading.Lock()
-if hasattr(os, "register_at_fork"):  # (a parent thread may hold it at the fork)
-    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_db_lock", threading.Lock()))
+
+
+def _after_fork_in_child() -> None:
+    global _db_lock
+    _db_lock = threading.Lock()  # (a parent thread may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 # engine -> ((db generation, db location), {(dtype, routine, shape): tile}) of its device model and count
 _db_tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -100,7 +100,8 @@ Failure model
 * **Shutdown**: ``shutdown()`` and ``configure()`` let the calls in flight finish (a Ctrl-C meanwhile cancels
   them) before any worker takes its sentinel: a worker that stopped mid-call would leave its peers reading
   lines of a closed device, or tasks handed on to nobody; interpreter exit cancels the calls in flight first
-  (``shutdown(cancel=True)``), so it returns promptly. A worker that leaves its loop counts as dead.
+  (``shutdown(cancel=True)``), so it returns promptly, but those of non-daemon threads (``keep``: the
+  interpreter waits for those threads anyway). A worker that leaves its loop counts as dead.
 * **Start**: a Ctrl-C while the workers open their devices is held back until they have, then raised with
   the engine started. An engine closed before it started raises ``EngineClosed`` (the session builds another).
   A call is listed in ``_calls`` inside the block whose interrupt cancels it: shutdown never waits for a call

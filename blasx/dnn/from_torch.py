@@ -264,8 +264,15 @@ def _tensor_inputs(fx_node) -> list:
 
 
 _tracing = threading.Lock()
-if hasattr(os, "register_at_fork"):  # (a parent thread may hold it at the fork)
-    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_tracing", threading.Lock()))
+
+
+def _after_fork_in_child() -> None:
+    global _tracing
+    _tracing = threading.Lock()  # (a parent thread may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _private_copy(torch, module):
