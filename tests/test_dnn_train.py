@@ -397,3 +397,18 @@ def test_a_batch_norm_off_the_outputs_path_still_counts_its_batches():
         assert _err(net.buffers()[k], v) < 1e-12, k
     for k, p in m.named_parameters():
         assert (k in net.grads) == (p.grad is not None) and (p.grad is None or _err(net.grads[k], p.grad) < 1e-12)
+
+
+def test_a_call_after_training_compiles_as_the_last_compile():
+    """After forward_train (or set_parameters) the next net(x) compiled again with dtype None and no fusion."""
+    torch.manual_seed(12)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).double().train()
+    net = dnn.from_torch(m, (2, 3, 6, 6)).compile(dtype=np.float32)
+    x = np.random.default_rng(12).standard_normal((2, 3, 6, 6))
+    assert net(x).dtype == np.float32
+    net.forward_train(x)
+    m(torch.from_numpy(x))
+    y = net(x)
+    m.eval()
+    assert y.dtype == np.float32 and _err(y, m(torch.from_numpy(x))) < 1e-5
+    assert len(net.compiled.nodes) < len(net.graph.nodes)  # fused again: batch norm folded, relu in the conv

@@ -71,6 +71,7 @@ class Network:
         self._profile = None
         self.algo: dict = {}
         self._run = None  # (chunk shape, dtype, GPU or None) of the last call: what algos() reports
+        self._fuse = False  # the last compile()'s: a call after training or new weights compiles again alike
 
     # ---------------------------------------------------------------- compile
 
@@ -103,6 +104,7 @@ class Network:
             g = passes.fuse_epilogues(g, infer_shapes(g, self._example_shape()))
         self.compiled = passes.remove_dead(g).validate()
         self.dtype, self.math, self.layout, self.workers_per_gpu = dtype, math, layout, workers_per_gpu
+        self._fuse = fuse
         self.graphs, self._algos_key = graphs, None
         self._run = None
         self.algo = self.algos()
@@ -240,8 +242,8 @@ class Network:
         chunk = None if chunk is None else int(chunk)
         import sys
         with self._calls:  # (compile() and set_parameters() from other threads wait for the call)
-            if self.compiled is None:
-                self._compile(None, self.math, self.layout, False, self.workers_per_gpu, self.graphs)
+            if self.compiled is None:  # (never compiled, or dropped by new weights: as the last compile())
+                self._compile(self.dtype, self.math, self.layout, self._fuse, self.workers_per_gpu, self.graphs)
             dtype = self.dtype or np.dtype(x.dtype)
             gpus = self._gpus(x)
             devices = gpus if gpus else [None]
@@ -313,8 +315,8 @@ class Network:
         the graph as built (no folding or fusion), the whole batch at once on x's device (numpy: the host,
         layers on the engine; CuPy: x's GPU), parameters cast to x's type; batch norm normalises with the
         batch's statistics and updates the running ones (in the graph); dropout masks come from
-        :attr:`seed`. The compiled graph is dropped (its folded weights would be stale): compile() again
-        for fast inference."""
+        :attr:`seed`. The compiled graph is dropped (its folded weights would be stale): the next call
+        compiles again with the last compile()'s options."""
         self._check_x(x)
         math = precision.check_math(math if math is not None else self.math)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
