@@ -335,3 +335,14 @@ def test_overlapping_out_is_refused_and_nothing_is_written(expect):
     expect(ValueError, "out: overlaps an input", call=lambda: dnn.softmax(buf[:, :6], 1, out=buf[:, 2:]))
     expect(ValueError, "out: overlaps an input", call=lambda: dnn.add(a, b, out=buf[:, 1:5]))
     np.testing.assert_array_equal(buf, 1)
+
+
+def test_dropout_of_infinities_follows_torch_without_a_warning():
+    """inf * a dropped position is NaN, as torch's; numpy's "invalid value" warning was an error under -W error."""
+    g = np.array([[np.inf, np.nan, 1.0, -np.inf]])
+    mask = np.array([[False, True, False, True]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = dnn.dropout_backward(g, mask, 0.5)
+    want = torch.from_numpy(g) * torch.from_numpy(mask) * 2.0
+    np.testing.assert_array_equal(got, want.numpy())

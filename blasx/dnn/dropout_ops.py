@@ -48,8 +48,9 @@ _KERNEL = {}  # compute type -> its kernel
 def _apply(xp, x, mask, scale, y):
     """y = x * mask * scale (computed in scale's type, rounded once to y's)."""
     if xp is np:
-        r = x.astype(compute_dtype(x.dtype), copy=False) * mask
-        r *= scale
+        with np.errstate(invalid="ignore", over="ignore"):  # (inf * 0 is NaN, as torch's, without a warning)
+            r = x.astype(compute_dtype(x.dtype), copy=False) * mask
+            r *= scale
         y[...] = r
         return y
     ct = compute_dtype(x.dtype)
