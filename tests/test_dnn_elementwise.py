@@ -346,3 +346,21 @@ def test_dropout_of_infinities_follows_torch_without_a_warning():
         got = dnn.dropout_backward(g, mask, 0.5)
     want = torch.from_numpy(g) * torch.from_numpy(mask) * 2.0
     np.testing.assert_array_equal(got, want.numpy())
+
+
+def test_layers_on_infinities_give_torchs_nans_without_numpys_warnings():
+    """softmax / norms / lrn / add of inputs holding +-inf warned "invalid value" (an error under -W error or the
+    caller's np.errstate(invalid="raise")); torch's results, silently."""
+    x = np.random.default_rng(0).standard_normal((2, 4, 5, 5))
+    x[0, 0, 0, 0], x[1, 2, 2, 2] = np.inf, -np.inf
+    xt = torch.from_numpy(x)
+    cases = [(lambda: dnn.softmax(x, 1), lambda: torch.softmax(xt, 1)),
+             (lambda: dnn.log_softmax(x, 1), lambda: torch.log_softmax(xt, 1)),
+             (lambda: dnn.layer_norm(x, (5, 5)), lambda: torch.nn.functional.layer_norm(xt, (5, 5))),
+             (lambda: dnn.group_norm(x, 2), lambda: torch.nn.functional.group_norm(xt, 2)),
+             (lambda: dnn.add(x, -x), lambda: xt + (-xt))]
+    with warnings.catch_warnings(), np.errstate(invalid="raise"):
+        warnings.simplefilter("error")
+        got = [f() for f, _ in cases]
+    for g, (_, ref) in zip(got, cases):
+        np.testing.assert_allclose(g, ref().numpy(), rtol=1e-12, atol=1e-12)

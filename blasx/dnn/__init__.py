@@ -23,6 +23,7 @@ accumulate in float32).
 
 import inspect
 
+from .fp_rules import torch_fp_rules
 from .writes import retires_writes
 from .rnn import gru, gru_backward, lstm, lstm_backward, rnn, rnn_backward
 from .conv import conv1d, conv1d_weight, conv2d, conv2d_weight, conv3d, conv3d_weight, conv_bias_grad, linear
@@ -46,11 +47,13 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "group_norm", "group_norm_backward",
            *pointwise.__all__, *softmax_ops.__all__, *lrn.__all__, *dropout_ops.__all__, *tensors.__all__, *pool.__all__]
 
-# The front ends writing a caller's array outside the engine retire the read-only roots it overlaps (writes.py):
-# the package's names (the API); the modules' own callers write only arrays of their own.
+# The package's names (the API): the front ends writing a caller's array outside the engine retire the read-only
+# roots it overlaps (writes.py; the modules' own callers write only arrays of their own), and every one computes
+# under torch's floating-point rules (fp_rules.py: inf - inf is NaN without numpy's warning).
 for _name in __all__:
     _fn = globals()[_name]
-    if inspect.isfunction(_fn) and (_wrapped := retires_writes(_fn)) is not _fn:
+    if inspect.isfunction(_fn) and _fn.__module__.startswith(__name__ + "."):
+        _wrapped = torch_fp_rules(retires_writes(_fn))
         _wrapped.__module__, _wrapped.__qualname__ = __name__, _name  # (pickled by reference: blasx.dnn.<name>)
         globals()[_name] = _wrapped
-del _name, _fn, _wrapped
+del _name, _fn
