@@ -14,6 +14,8 @@ import os
 import queue
 import threading
 
+import numpy as np
+
 from ..runtime.latch import Latch, sigint_recorded, wait_through
 
 MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
@@ -57,7 +59,8 @@ class _Lane(threading.Thread):
                 return
             fn, job = item
             try:
-                fn()
+                with np.errstate(invalid="ignore", divide="ignore"):  # (blasx.dnn's rules: fp_rules.py)
+                    fn()
             except BaseException as exc:  # noqa: BLE001 - handed to whoever joins the job
                 job.error = exc
             with _lock:
