@@ -412,3 +412,18 @@ def test_a_call_after_training_compiles_as_the_last_compile():
     m.eval()
     assert y.dtype == np.float32 and _err(y, m(torch.from_numpy(x))) < 1e-5
     assert len(net.compiled.nodes) < len(net.graph.nodes)  # fused again: batch norm folded, relu in the conv
+
+
+def test_a_network_on_infinities_gives_torchs_nans_without_numpys_warnings():
+    """A softmax over an inf in a network run in the caller's thread (the CPU): its layers are blasx.dnn's, under
+    torch's floating-point rules (no "invalid value" warning, an error under -W error)."""
+    import warnings
+    blasx.configure(devices="cpu")
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Softmax(1)).double()
+    net = dnn.from_torch(m, (2, 4))
+    x = np.array([[np.inf, 1, 2, 3], [1, 2, 3, 4.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = net(x)
+        net.backward(np.ones_like(net.forward_train(x)))
+    np.testing.assert_allclose(y, m(torch.from_numpy(x)).detach().numpy(), rtol=1e-12)
