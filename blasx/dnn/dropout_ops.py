@@ -48,9 +48,8 @@ _KERNEL = {}  # compute type -> its kernel
 def _apply(xp, x, mask, scale, y):
     """y = x * mask * scale (computed in scale's type, rounded once to y's)."""
     if xp is np:
-        with np.errstate(invalid="ignore"):  # (inf * 0 is NaN, as torch's, without a warning)
-            r = x.astype(compute_dtype(x.dtype), copy=False) * mask
-            r *= scale
+        r = x.astype(compute_dtype(x.dtype), copy=False) * mask
+        r *= scale
         y[...] = r
         return y
     ct = compute_dtype(x.dtype)

@@ -14,9 +14,8 @@ import os
 import queue
 import threading
 
-import numpy as np
-
 from ..runtime.latch import Latch, sigint_recorded, wait_through
+from .fp_rules import torch_fp_rules
 
 MAX_IDLE = 32  # idle lanes kept; a lane finding this many idle ones ends
 
@@ -59,8 +58,7 @@ class _Lane(threading.Thread):
                 return
             fn, job = item
             try:
-                with np.errstate(invalid="ignore", divide="ignore"):  # (blasx.dnn's rules: fp_rules.py)
-                    fn()
+                torch_fp_rules(fn)()  # (blasx.dnn's floating-point rules on its threads too)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever joins the job
                 job.error = exc
             with _lock:
