@@ -20,7 +20,7 @@ import numpy as np
 import scipy.linalg.blas as _sp_blas
 
 from . import session
-from .operands import READONLY, TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand
+from .operands import READONLY, TokenTable, array_module, canonical, column_major_view, is_cupy, make_operand, top_array
 from .runtime import dtypes, hostpool
 from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
@@ -408,6 +408,8 @@ def front_end(fn):
     end's own copy-backs, fills and casts write outside that window). A new result overlaps no root."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if READONLY.holds_roots():  # (the engine may be handed copies or other views of them)
+            seen_writable((*args, *kwargs.values()))
         with overflow_tallied():
             res = fn(*args, **kwargs)
         if type(res) is np.ndarray and any(res is x or (type(x) is tuple and any(res is y for y in x))
@@ -415,6 +417,16 @@ def front_end(fn):
             READONLY.drop_written([res])
         return res
     return call
+
+
+def seen_writable(values) -> None:
+    """A call sees the caller's arrays among ``values`` (and in tuples of them): the read-only roots of those that
+    are writable again are retired, whatever the call hands the engine (a cast or strided copy, another view)."""
+    for v in values:
+        if type(v) is tuple:
+            seen_writable(v)
+        elif isinstance(v, np.ndarray) and v.flags.writeable:
+            READONLY.drop(top_array(v))
 
 
 def math_that_runs(eng, math: str, dtype=_F32) -> str:

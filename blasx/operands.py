@@ -175,7 +175,7 @@ def frozen_root(x):
     return node if node.base is None and node.flags.owndata else None
 
 
-def _top(x):
+def top_array(x):
     """The last ndarray of ``x``'s base chain."""
     while isinstance(x.base, np.ndarray):
         x = x.base
@@ -199,7 +199,7 @@ class TokenTable:
             tok = (READONLY.base_of(root), geom[0] - int(root.ctypes.data)) + geom[1:]
         else:
             if not is_cupy(v):  # a root read-only before and writable now: its cached tiles may be stale
-                READONLY.drop(_top(v))
+                READONLY.drop(top_array(v))
             tok = (next(_call_bases),) + geom[1:]
         self._seen[geom] = tok
         return tok
