@@ -465,7 +465,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
             eng.submit(call)
         if call.out_dtype == _F16 and call.mixed:
             warn_overflow(call.overflows(), sum(operands[i].rows * operands[i].cols
-                                                for i in call.c_slots - call.acc_slots))
+                                                for i in call.written_slots() - call.acc_slots))
     finally:
         READONLY.drop_written(written)  # (the writes are done: a root cached meanwhile is stale now)
         with _running_lock:

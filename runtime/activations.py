@@ -131,10 +131,14 @@ def _param(name: str, value, given):
         return default
     if pname is None:
         raise _error(value, f" ({name} takes no parameter)")
-    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(given):
+    try:
+        real = not isinstance(given, (bool, np.bool_)) and isinstance(given, (int, float, np.integer, np.floating)) \
+            and np.isfinite(number := float(given))
+    except OverflowError:  # (an int beyond float's range)
+        real = False
+    if not real:
         raise _error(value, f" ({name}'s {pname} must be a finite real number)")
-    return float(given)
+    return number
 
 
 def parse_activation(value) -> Activation | None:
@@ -145,9 +149,11 @@ def parse_activation(value) -> Activation | None:
     with torch's parameter names (negative_slope, alpha, approximate), or an Activation. Raises
     TypeError or ValueError naming ``activation``, what it got and what is allowed.
     """
-    if value is None or isinstance(value, Activation):
+    if value is None:
         return value
-    if isinstance(value, str):
+    if isinstance(value, Activation):  # (checked as any other: its name known, its parameter or the default)
+        name, given = value.name, value.param
+    elif isinstance(value, str):
         name, given = value, None
     elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
         name, given = value

@@ -348,9 +348,9 @@ def test_pointwise_is_a_plain_gemm(layout):
     rng = np.random.default_rng(13)
     x, w, r = rand(rng, (3, 8, 10, 10)), rand(rng, (6, 4, 1, 1)), rand(rng, (3, 6, 10, 10))
     lay = cl if layout == "cl" else (lambda a: a)
-    sc = rng.uniform(0.5, 2, 6)
-    y = dnn.conv2d(lay(x), w, groups=2, scale=sc, residual=lay(r))
-    assert rel(y, (F.conv2d(T(x), T(w), groups=2) * T(sc)[:, None, None] + T(r)).numpy()) < 1e-12
+    sh = rng.uniform(0.5, 2, 6)
+    y = dnn.conv2d(lay(x), w, groups=2, shift=sh, residual=lay(r))
+    assert rel(y, (F.conv2d(T(x), T(w), groups=2) + T(sh)[:, None, None] + T(r)).numpy()) < 1e-12
     assert blasx.last_profile().totals()["bytes_h2d"] == x.nbytes + w.nbytes + r.nbytes
 
 

@@ -610,3 +610,25 @@ def test_in_place_trmm_trsm_survive_device_failures():
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("lower", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float64, np.complex64])
+def test_trsm_with_a_zero_pivot_gives_inf_or_nan_as_a_solve(lower, dtype):
+    """A singular triangle over several tiles (trsm by inverses of the diagonal blocks, knob trsm_inverse): a
+    zero pivot gives inf / NaN wherever scipy's solve does (LAPACK's trtri stops at it; a finite wrong answer was
+    returned), and where the answer is finite it is scipy's."""
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(7)
+    n = 64
+    a = rng.random((n, n)).astype(dtype)
+    a = (np.tril(a) if lower else np.triu(a)) + 4 * np.eye(n, dtype=dtype)
+    a[37, 37] = 0
+    b = rng.random((n, 5)).astype(dtype)
+    with np.errstate(all="ignore"):
+        want = {np.float64: sblas.dtrsm, np.complex64: sblas.ctrsm}[dtype](1.0, a, b, lower=lower)
+    got = blasx.trsm(1.0, a, b, lower=lower)
+    bad = ~np.isfinite(want)
+    assert bad.any() and not np.isfinite(got[bad]).any()
+    ok = np.isfinite(got)
+    assert np.allclose(got[ok], want[ok], rtol=1e-4)

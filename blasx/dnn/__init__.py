@@ -13,7 +13,8 @@ ones (dilation 1) as stride^d stride-1 convolutions, one per phase of the output
 the zero-inserted input's zeros are skipped; with dilation, one convolution of the virtually zero-inserted input.
 Backward-weights is the long-k GEMM ``dW = dY . col(X)^T`` (planners in runtime/plans/conv.py). The fused
 epilogue (bias, per-channel scale and shift, residual, activation) runs on each finished output tile on the
-device (epilogue.py); a residual initialises the C tile, with the scale folded into the weights.
+device (epilogue.py); a residual initialises the C tile (with a scale too: the conv and its affine map first,
+then the residual and activation in a pass of their own).
 
 Inputs are numpy (host; may exceed a GPU's memory) or CuPy arrays (result on the same device), C-contiguous
 NCHW or channels-last (an NCHW-shaped view of NHWC memory; the output keeps the layout; any other strides are

@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from ..checks import shares_memory, writable
+from ..checks import overlaps_itself, shares_memory, writable
 from ..operands import is_cupy
 from ..runtime import dtypes
 
@@ -106,7 +106,8 @@ def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = 
     an extra operand only read (read-only allowed)."""
     if out is None:
         return
-    if type(out) is not type(like):
+    if not (isinstance(out, np.ndarray) or is_cupy(out)) or is_cupy(out) != is_cupy(like) \
+            or isinstance(out, np.ma.MaskedArray):  # (an ndarray subclass, np.memmap say, is host memory as any)
         raise TypeError(f"{name}: got a {type(out).__module__}.{type(out).__name__}; the input is a "
                         f"{type(like).__module__}.{type(like).__name__}")
     if tuple(out.shape) != tuple(shape):
@@ -115,6 +116,9 @@ def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = 
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
     if write and not writable(out):
         raise ValueError(f"{name}: is read-only")
+    if write and overlaps_itself(out):
+        raise ValueError(f"{name}: more than one of its elements refers to a single memory location (strides "
+                         f"{tuple(out.strides)} for shape {tuple(out.shape)})")
     for x in inputs:
         if x is not None and hasattr(x, "shape") and shares_memory(out, x) and not (alias and same_view(out, x)):
             raise ValueError(f"{name}: overlaps an input array{' (it may only be one exactly)' if alias else ''}")

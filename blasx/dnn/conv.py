@@ -6,7 +6,7 @@ Every function validates everything first (geometry.py; nothing is computed or w
 caller's arrays are never modified), lays the operands out as the planners want them (runtime/plans/conv.py)
 and submits one engine call for all groups (transposed convolutions and backward-data:
 conv_transpose.py). Weights are small: they are reshaped, permuted (channels-last:
-reduction order (r, s, c)), flipped (transposed convolutions) or scaled (a folded scale) on the host side
+reduction order (r, s, c)) or flipped (transposed convolutions) on the host side
 of the call; activations are only read, through the derived im2col operand (im2col.py).
 """
 
@@ -147,9 +147,9 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     cl = lay == "cl"
     G, kg, crs, n, p = geo.groups, geo.kg, geo.crs, geo.n, geo.p
     bias, scale, shift, act = epilogue_args
-    if dt == np.float16 and residual is not None and scale is not None:
-        # a scale folded into float16 weights (as a residual otherwise makes it) may overflow or go subnormal:
-        # the conv with its affine map first, then the residual and activation (torch's roundings)
+    if residual is not None and scale is not None:
+        # the residual starts the C tile, and a scale folded into the weights would round (bfloat16: 2**-8), overflow
+        # or make inf * 0: the conv with its affine map first, then the residual and activation (torch's roundings)
         _forward_call(fn, geo, x, lay, wconv, y, None, (bias, scale, shift, None), math, user_weight)
         _add_residual(geo, cl, y, residual, act)
         return None
@@ -158,15 +158,13 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
         depthwise.forward(geo, x, cl, wconv, y, residual, epilogue_args)  # one kernel, epilogue included
         return
     if direct_route:
-        epi, fold = device_affine(bias, scale, shift, act, residual is not None)
-        if fold is None and user_weight:  # a matrix of the weight alone: kept where the caller allows
+        epi = device_affine(bias, scale, shift, act)
+        if user_weight:  # a matrix of the weight alone: kept where the caller allows
             wrows = direct_cache.derived(wconv, ("rows", cl), lambda: conv_direct.weight_rows(xp, wconv, cl, geo.k, crs))
         else:
             wrows = conv_direct.weight_rows(xp, wconv, cl, geo.k, crs)
-        if fold is not None:
-            wrows = (wrows.astype(np.float64) * xp.asarray(fold)[:, None]).astype(dt)
         plan = conv_direct.forward(geo, x, cl, wrows, y, residual, epi, math)
-        return (plan, wrows) if plan is not None and fold is None else None
+        return (plan, wrows) if plan is not None else None
     if cl:
         wconv = wconv.transpose(0, *range(2, wconv.ndim), 1)
     wmat = xp.ascontiguousarray(wconv).reshape(geo.k, crs).T
@@ -187,9 +185,7 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
             return [mat[g * kg:(g + 1) * kg] for g in range(G)]
         return [arr.reshape(n * geo.k, p).T]
     slots = {y0 + g: (0, g * kg, kg) for g in range(G)} if cl else {y0: (1, 0, geo.k)}
-    epi, fold = make_epilogue(bias, scale, shift, act, residual is not None, slots)
-    if fold is not None:
-        ws = [(w.astype(np.float64) * xp.asarray(fold[g * kg:(g + 1) * kg])).astype(dt) for g, w in enumerate(ws)]
+    epi = make_epilogue(bias, scale, shift, act, slots)
     views = [*ws, *cols, *ys_of(y), xs]
     res0 = None
     if residual is not None:
@@ -210,13 +206,20 @@ def _check_kinds(x, weight, out) -> None:
 
 
 def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
-    """y = act(y + residual), computed in float32 and rounded once into y (on y's device)."""
+    """y = act(y + residual), computed in y's compute type (float32 for the 2-byte types) and rounded once into y
+    (on y's device); float16 results beyond its range are reported as the engine reports them."""
     if is_cupy(y):
         direct_epilogue.epilogue(geo, cl, y, None if act is None else Affine(None, None, act), residual)
         return
-    v = y.astype(np.float32)
+    row = dtypes.gemm_of(y.dtype)
+    v = y.astype(row.compute if row is not None else y.dtype)
     v += residual
-    y[...] = v if act is None else act.host(v)
+    if act is not None:
+        v = act.host(v)
+    with np.errstate(over="ignore"):
+        y[...] = v
+    if y.dtype == np.float16:
+        dispatch.warn_overflow(int(np.count_nonzero(np.isinf(y) & np.isfinite(v))), y.size)
 
 
 def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):
@@ -225,7 +228,7 @@ def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):
     def epilogue(extras):
         b, sc, sh = (_channel_vector(nm, v, geo.k, dt, xp) for nm, v in zip(_VECTORS, extras[:3]))
         res = extras[3]
-        vectors = direct_epilogue.epilogue_vectors(geo, cl, dt, device_affine(b, sc, sh, act, res is not None)[0])
+        vectors = direct_epilogue.epilogue_vectors(geo, cl, dt, device_affine(b, sc, sh, act))
         return conv_memo.Epilogue(lambda y: direct_epilogue.launch_epilogue(geo, cl, y, vectors, res),
                                   (*(v.data.ptr for v in vectors[:2]), 0 if res is None else res.data.ptr))
     return epilogue
@@ -254,7 +257,7 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
     extras = (bias, scale, shift, residual)
     memo = None
     if out is None and getattr(x, "ndim", 0) == nd + 2 and (activation is None or type(activation) is str) and \
-            (scale is None or residual is None):  # (a scale with a residual is folded into the weight: not replayed)
+            (scale is None or residual is None):  # (a scale with a residual runs in two passes: not replayed)
         plain = activation is None and bias is None and scale is None and shift is None and residual is None
         memo = conv_memo.key(fn, nd, x, weight, (stride, padding, dilation, groups), math,
                              _PLAIN if plain else (activation, *(conv_memo.operand_kind(v) for v in extras)))
@@ -275,7 +278,8 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
     if residual is not None:
         check_out(residual, user_shape, dt, x, name="residual", write=False)  # (only read: may be read-only)
         residual = transpose_kernel.to_layout(xp, _batched(residual, nd)[0], lay)
-    check_out(out, user_shape, dt, x, x, weight, given_residual, residual, alias=False)  # (any layout of residual)
+    check_out(out, user_shape, dt, x, x, weight, given_residual, residual, bias, scale, shift,  # (vectors are read
+              alias=False)  # after out's first tiles are written; any layout of residual)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
     image_bytes = (prod(xb.shape[1:]) + prod(shape[1:]) * (1 if residual is None else 2)) * dt.itemsize
@@ -293,7 +297,7 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
         return out if out is not None else (y[0] if unbatched else y)
     dlay = lay
     with _on_device_of(x):
-        if xp is not np and (scale is None or residual is None):  # (a scale with a residual: folded, not converted)
+        if xp is not np and (scale is None or residual is None):  # (a scale with a residual: two passes, not converted)
             dlay = conv_direct.run_layout(lay, geo, dt, (xb.size + prod(shape)) * dt.itemsize)
         xb = transpose_kernel.to_layout(xp, xb, lay)
         y = given if direct else _empty(xp, shape, dt, lay)
@@ -304,7 +308,7 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
             ran = _forward_call(fn, geo, conv_direct.in_layout(xb, "x_in_layout", dlay), dlay, weight, yc, None,
                                 _PLAIN[:4], math, user_weight=True)
             transpose_kernel.copy(y, yc, False)
-            conv_direct.finish(geo, False, y, device_affine(*vecs, act, residual is not None)[0], residual, False)
+            conv_direct.finish(geo, False, y, device_affine(*vecs, act), residual, False)
         if given is not None and not direct:
             given[...] = y
     # kept where x and a residual were read where they lie; the weight too, or its matrix made from it again
@@ -356,8 +360,10 @@ def linear(x, weight, bias=None, *, activation=None, math=None):
         raise ValueError(f"linear: x's last dimension ({x.shape[-1]}) must equal weight's in-features "
                          f"(weight.shape[1] = {weight.shape[1]}); got shapes {tuple(x.shape)}, {tuple(weight.shape)}")
     lead = x.shape[:-1]
-    if weight.shape[0] == 0:  # no outputs (a convolution takes none)
-        return _xp(x, weight).empty((*lead, 0), dtype=x.dtype)
+    if weight.shape[0] == 0:  # no outputs (a convolution takes none); its other arguments checked all the same
+        xp = _xp(x, weight)
+        _activation(activation), precision.check_math(math), _channel_vector("bias", bias, 0, dt, xp)
+        return xp.empty((*lead, 0), dtype=x.dtype)
     if x.shape[-1] == 0:  # an empty sum: one zero input feature gives torch's result (bias, activation)
         xp = _xp(x, weight)
         x, weight = xp.zeros((*lead, 1), dtype=x.dtype), xp.zeros((weight.shape[0], 1), dtype=weight.dtype)

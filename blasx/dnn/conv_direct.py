@@ -551,8 +551,8 @@ def padded_rows(steps: list) -> int | None:
 
 def forward(geo: ConvGeometry, x, cl: bool, wmat, y, residual, affine, math: str):
     """y = epilogue(conv(x, w) (+ residual)) on x's device: ``wmat`` the ``(K, CRS)`` weight matrix
-    (scale already folded where there is a residual), ``affine`` the per-output-channel map (epilogue.Affine:
-    scale, shift, activation) or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
+    (no scale with a residual: conv.py), ``affine`` the per-output-channel map (epilogue.Affine: scale, shift,
+    activation) or None; x, y, residual compact in the layout ``cl`` says. Returns the plan it ran
     (direct_cuda.ForwardPlan) where the GEMMs read x (or its channel-padded copy) and wmat and wrote y
     (conv_memo can replay it, then :func:`finish`), else None."""
     import cupy

@@ -101,7 +101,7 @@ def _transpose_steps(nd: int, fn: str, x, weight, bias, stride, padding, output_
     xb, unbatched = _batched(x, nd)
     lay = call_layout(xb, out if out is not None and out.ndim == nd + 2 else None)
     shape = (geo.n, geo.k, *geo.out_size)
-    check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, alias=False)
+    check_out(out, shape[1:] if unbatched else shape, dt, x, x, weight, bias, alias=False)
     if out is not None and out.ndim == nd + 2:
         _check_layout(out, lay)
     dlay = lay

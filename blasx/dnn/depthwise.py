@@ -218,7 +218,7 @@ def index_type(params: dict, sizes) -> str:
 def affine_vectors(k: int, bias, scale, shift) -> tuple:
     """(s, t) in float64 with the epilogue's y = conv * s + t (+ residual): s = scale (1), t = bias * scale + shift;
     CuPy arrays where any vector is one (computed on its device, never read on the host)."""
-    s, t, _ = parts(bias, scale, shift, False)
+    s, t = parts(bias, scale, shift)
     xp = vector_module(bias, scale, shift)
     return (xp.ones(k) if s is None else s), (xp.zeros(k) if t is None else t)
 

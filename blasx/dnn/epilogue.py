@@ -18,10 +18,10 @@ class Affine(NamedTuple):
     activation: object
 
 
-def parts(bias, scale, shift, residual: bool) -> tuple:
-    """(scale, shift, weight factor) of the epilogue, float64, computed where the vectors are (CuPy where any is:
-    a CuPy vector is never read on the host). With a residual the C tile starts from it, so scale is folded into
-    the weights (the factor) and bias*scale + shift is the shift."""
+def parts(bias, scale, shift) -> tuple:
+    """(scale, shift) of the epilogue y = conv * scale + shift, float64, computed where the vectors are (CuPy where
+    any is: a CuPy vector is never read on the host): shift = bias * scale + shift. (A residual starts the C tile,
+    so a call with a residual has no scale here: conv.py runs such a call's scale in a pass of its own.)"""
     xp = vector_module(bias, scale, shift)
 
     def f64(v):
@@ -32,29 +32,29 @@ def parts(bias, scale, shift, residual: bool) -> tuple:
         total = total * scale
     if shift is not None:
         total = shift if total is None else total + shift
-    return (None if residual else scale), total, (scale if residual else None)
+    return scale, total
 
 
-def device_affine(bias, scale, shift, act, residual: bool):
-    """(Affine or None, weight factor or None) of the device route (see :func:`parts`)."""
-    epi_scale, total, fold = parts(bias, scale, shift, residual)
+def device_affine(bias, scale, shift, act):
+    """The device route's Affine, or None where there is nothing to do (see :func:`parts`)."""
+    epi_scale, total = parts(bias, scale, shift)
     if epi_scale is None and total is None and act is None:
-        return None, fold
-    return Affine(epi_scale, total, act), fold
+        return None
+    return Affine(epi_scale, total, act)
 
 
-def make_epilogue(bias, scale, shift, act, residual: bool, slots: dict):
-    """(the engine's epilogue or None, per-channel weight factor or None). ``slots`` maps each C slot of the call
-    to (axis, first channel, channels): its rows (axis 0) or columns (axis 1) take the values of
-    channels ``first .. first + channels - 1``, repeating (see :func:`parts`)."""
-    epi_scale, total, fold = parts(*(_host(v) for v in (bias, scale, shift)), residual)
+def make_epilogue(bias, scale, shift, act, slots: dict):
+    """The engine's epilogue, or None where there is nothing to do. ``slots`` maps each C slot of the call to
+    (axis, first channel, channels): its rows (axis 0) or columns (axis 1) take the values of channels
+    ``first .. first + channels - 1``, repeating (see :func:`parts`)."""
+    epi_scale, total = parts(*(_host(v) for v in (bias, scale, shift)))
     if epi_scale is None and total is None and act is None:
-        return None, fold
+        return None
 
     def part(v, first, n):
         return None if v is None else v[first:first + n]
     return PerSlot({slot: ChannelAffine(axis, part(epi_scale, first, n), part(total, first, n), act)
-                    for slot, (axis, first, n) in slots.items()}), fold
+                    for slot, (axis, first, n) in slots.items()})
 
 
 def _host(v):
