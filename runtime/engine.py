@@ -87,8 +87,9 @@ Failure model
   ``Worker.device_error``) fails that call; its tasks stop as on an interrupt; the device goes on.
 * **A device error** (``DeviceError``, a broken stream, a CUDA/cuBLAS error other than out of memory, a
   dying worker thread): that worker stops, its lines are dropped, the peer lines it read unpinned, its
-  tasks go to live workers or fail their calls. A waiting caller checks every ``WAIT_POLL`` that a live
-  worker can still run its call. ``blasx.reset()`` restarts the engine; the next call does so by itself
+  tasks go to live workers or fail their calls; its memory is freed only once peers' copies from its lines,
+  picked before they were dropped, are done (``Directory.lent``). A waiting caller checks every ``WAIT_POLL``
+  that a live worker can still run its call. ``blasx.reset()`` restarts the engine; the next call does so by itself
   once every device is dead.
 * **Out of memory**: a heap is sized from the memory free at open (cuda: half, retried at half the size;
   sim: ``mem=`` less ``sim.take_memory``); a device that cannot get a minimum does not start, naming needed

@@ -116,9 +116,12 @@ class StreamWorker(StreamAssign, Worker):
 
     def _complete(self, p: _Pending) -> None:
         if p.release or p.ready:
-            with self.directory.lock:
+            directory = self.directory
+            with directory.lock:
                 for line in p.release:
                     line.readers -= 1
+                    if line.device != self.idx:
+                        directory.lent[line.device] -= 1
                 for line in p.ready:
                     if line.ready is p.event:
                         line.ready = None
@@ -407,6 +410,7 @@ class StreamWorker(StreamAssign, Worker):
                                                   self._peer_fill_sooner if self.knobs.peer_wait_if_sooner else None)
                 if peer_line is not None:
                     peer_line.readers += 1
+                    directory.lent[peer_line.device] += 1
                     # Under the lock: the owner clears ``ready`` (then reuses the event) under it too.
                     peer_wait = peer_line.ready
         if line is not None:
@@ -427,6 +431,7 @@ class StreamWorker(StreamAssign, Worker):
             if peer_line is not None:
                 with directory.lock:
                     peer_line.readers -= 1
+                    directory.lent[peer_line.device] -= 1
             raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
         # FILLING until _flush records the fill event; only this thread sees it meanwhile
@@ -492,6 +497,13 @@ class StreamWorker(StreamAssign, Worker):
                 f"by this device's active tasks. Free device memory, raise cache_bytes or lower the tile size.")
 
     # ---------------------------------------------------------------- failure
+    def until_peers_done(self, timeout: float = 30.0) -> None:
+        """Peers' copies from this device's lines, picked before its lines were dropped, are done before its
+        memory is freed (a copy from a freed arena would read garbage); bounded, as a broken peer never reports."""
+        deadline = time.monotonic() + timeout
+        while self.directory.lent[self.idx] > 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     def held_tasks(self):
         out = super().held_tasks() + [(a.task, False) for a in self.slots if a is not None]
         self.slots = [None] * len(self.slots)
@@ -509,6 +521,7 @@ class StreamWorker(StreamAssign, Worker):
         with self.directory.lock:
             for line in peer_reads:  # our copies from peers will never complete: unpin their lines
                 line.readers -= 1
+                self.directory.lent[line.device] -= 1
             for line in list(self.alru):
                 self.directory.drop(line)
         return out

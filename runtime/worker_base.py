@@ -138,7 +138,11 @@ class Worker(threading.Thread):
             self.fail(exc)
         finally:
             with contextlib.suppress(BaseException):  # closing a broken device may fail too
+                self.until_peers_done()
                 self.dev.close()
+
+    def until_peers_done(self) -> None:
+        """Before the device's memory is freed: peers' copies from it that are under way finish (none here)."""
 
     def _work_waiting(self) -> bool:
         """A queue this worker serves holds a task it would take now, and the station has room for it."""

@@ -235,6 +235,8 @@ class SimDevice(StreamDevice):
         ld = rows if ld is None else ld
         if self.timing:
             return TimingLoc(offset, rows, cols, dt.itemsize, ld)
+        if self.arena is None:  # (numpy would make a fresh, uninitialised buffer: never hand that out as a tile)
+            raise RuntimeError(f"{self.name}: closed; its memory is gone")
         return np.ndarray((rows, cols), dtype=dt, buffer=self.arena, offset=offset,
                           strides=(dt.itemsize, ld * dt.itemsize))
 
