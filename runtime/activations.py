@@ -166,8 +166,8 @@ def parse_activation(value) -> Activation | None:
         given = rest.get(pname)
     else:
         raise TypeError(f"activation: got {value!r} of type {type(value).__name__}; allowed: {ALLOWED}")
-    if name == "gelu" and isinstance(given, str):  # torch's F.gelu(x, approximate=...)
-        if given not in ("none", "tanh"):
+    if name == "gelu" and given is not None:  # torch's F.gelu(x, approximate=...)
+        if not isinstance(given, str) or given not in ("none", "tanh"):
             raise _error(value, " (gelu's approximate is 'none' or 'tanh')")
         name, given = ("gelu_tanh" if given == "tanh" else "gelu"), None
     if name not in _TABLE:

@@ -84,6 +84,8 @@ def test_an_activation_object_is_checked_as_a_name_is():
         parse_activation(Activation("relu", 2.0))
     with pytest.raises(ValueError, match="activation: .*negative_slope must be a finite real number"):
         parse_activation(("leaky_relu", 10 ** 400))
+    with pytest.raises(ValueError, match="gelu's approximate is 'none' or 'tanh'"):
+        parse_activation({"name": "gelu", "approximate": 3})
 
 
 @pytest.mark.parametrize("devices", ["cpu", "sim:2"])
