@@ -172,4 +172,5 @@ def parse_activation(value) -> Activation | None:
         name, given = ("gelu_tanh" if given == "tanh" else "gelu"), None
     if name not in _TABLE:
         raise _error(value, f" (unknown name {name!r})")
-    return Activation(name, _param(name, value, given))
+    act = Activation(name, _param(name, value, given))
+    return value if act == value and isinstance(value, Activation) else act  # (a checked object comes back itself)
