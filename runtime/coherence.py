@@ -27,7 +27,7 @@ class Directory:
         # Recently retired tokens, so a line filled late for a finished call is born dead.
         self._dead_tokens: dict = {}
         # Per device: peers' copies from its lines not yet done (readers it lent); a failed device frees its memory
-        # only once they are (its lines are dropped first, so the count only falls).
+        # only once they are (its lines are dropped first, so its count only falls then).
         self.lent = [0] * n_devices
 
     # -- queries (caller holds the lock, or accepts a racy answer for priorities) --

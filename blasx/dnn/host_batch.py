@@ -41,7 +41,7 @@ from . import conv_direct, direct_cache, transpose_kernel
 SLOTS = 2  # streams a GPU keeps chunks in flight on
 CHUNKS_PER_SLOT = 4  # chunks each slot runs at least where the batch allows
 CHUNK_BYTES = 64 << 20  # a chunk's input + output bytes at most (each slot's staging and device buffers)
-MIN_CHUNK_BYTES = 32 << 20  # ... and at least, where the batch allows: a chunk's host-side issue must not outlast its copies
+MIN_CHUNK_BYTES = 32 << 20  # ... and at least, where the batch allows: each chunk costs the issuing thread host time
 PINNED_OUT_BYTES = 4 << 30  # outputs blasx allocates are page-locked up to this size
 WEIGHT_REGISTER_BYTES = 1 << 20  # weights from this size are page-locked in place (kept while they live)
 
