@@ -375,7 +375,8 @@ class StreamWorker(StreamAssign, Worker):
     def _flush(self, s: int, fills: dict) -> None:
         """An event per copy stream of this step: new lines ready, peer lines released, and ``s`` waits for it."""
         dev = self.dev
-        for cs, (lines, peers) in fills.items():
+        for cs in list(fills):
+            lines, peers = fills[cs]
             ev = dev.record(cs)
             if lines:
                 mark = self.h2d_issued if cs == dev.h2d_stream else None
@@ -384,8 +385,8 @@ class StreamWorker(StreamAssign, Worker):
                         line.ready = ev
                         line.fill_mark = mark
             self._push(cs, ev, ready=tuple(lines), release=tuple(peers))
+            del fills[cs]  # (pushed: a device error from here on unpins its peer lines once, through pending)
             dev.wait(s, ev)
-        fills.clear()
 
     def _acquire(self, s, call, ref, release, fills, task):
         """Algorithm 2's Translate plus Algorithm 1 lines 22-23: a Loc holding tile ``ref``. An L1 hit makes

@@ -66,3 +66,46 @@ def test_a_closed_sims_memory_is_never_handed_out():
     d.close()
     with pytest.raises(RuntimeError, match="closed"):
         d.arena_loc(0, 4, 4, np.float64)
+
+
+def test_a_device_error_inside_a_steps_flush_unpins_its_peer_lines_once(monkeypatch):
+    """The copy stream's entry is pushed (its peer lines released when it completes or is handed back), then the
+    stream's wait raises: the same lines stayed in the step's fills too and were unpinned twice (a lending device's
+    ``lent`` went negative, so its memory could be freed under a live peer copy)."""
+    from blasx.runtime.devices import sim
+    blasx.configure(devices="sim:2", tile=16, streams=1)
+    eng = blasx.engine()
+    state = {"armed": False, "fired": False}
+    flush = W.StreamWorker._flush
+
+    def flushing(self, s, fills):
+        if state["armed"] and not state["fired"] and any(peers for _lines, peers in fills.values()):
+            state["fired"] = True
+            self.dev.boom = True  # the first wait of this flush raises, after its _push
+        return flush(self, s, fills)
+    monkeypatch.setattr(W.StreamWorker, "_flush", flushing)
+    wait = sim.SimDevice.wait
+
+    def waiting(self, s, event):
+        if getattr(self, "boom", False):
+            self.boom = False
+            raise DeviceError(f"{self.name}: injected at a stream wait")
+        return wait(self, s, event)
+    monkeypatch.setattr(sim.SimDevice, "wait", waiting)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((128, 128))
+    a.flags.writeable = False
+    blasx.gemm(1.0, a, rng.standard_normal((128, 16)))  # a's tiles cached, spread over both sims
+    state["armed"] = True
+    for _ in range(20):
+        b = rng.standard_normal((128, 128))
+        assert np.abs(blasx.gemm(1.0, a, b) - a @ b).max() < 1e-10
+        if state["fired"]:
+            break
+    assert state["fired"]
+    deadline = time.monotonic() + 10
+    while any(eng.directory.lent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with eng.directory.lock:
+        assert eng.directory.lent == [0, 0]
+        assert not [line for alru in eng.directory.alrus for line in alru if line.readers < 0]
