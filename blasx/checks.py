@@ -80,6 +80,19 @@ def writable(x) -> bool:
     return getattr(x.flags, "writeable", True)
 
 
+def elements_share_memory(x, exact_up_to: int = 1 << 20) -> bool:
+    """Whether two elements of x share memory: :func:`overlaps_itself`'s test, then, for at most ``exact_up_to``
+    elements, the elements' byte offsets compared (interleaved strides may be disjoint); beyond that, conservative."""
+    if not overlaps_itself(x):
+        return False
+    if x.size > exact_up_to:
+        return True
+    offsets = sum(np.arange(n, dtype=np.int64).reshape((-1,) + (1,) * (x.ndim - 1 - d)) * s
+                  for d, (n, s) in enumerate(zip(x.shape, x.strides)))
+    starts = np.unique(np.ravel(offsets))
+    return starts.size < x.size or bool((np.diff(starts) < x.dtype.itemsize).any())
+
+
 def overlaps_itself(x) -> bool:
     """Whether two elements of x may share memory (``as_strided`` views): a conservative test on the strides,
     each dimension's stride past the bytes spanned by the smaller ones."""

@@ -303,6 +303,14 @@ _overflow = threading.local()  # .tally: [count, size] while overflow_tallied() 
 
 
 @contextlib.contextmanager
+def overflow_unreported():
+    """Inside, this thread's float16 overflow reports are dropped: an intermediate result, its caller judging the
+    final one (a two-pass convolution)."""
+    with setting(_overflow, "tally", [0, 0]):
+        yield
+
+
+@contextlib.contextmanager
 def overflow_tallied():
     """Inside, this thread's float16 overflow warnings are summed, not issued; one warning for the whole
     after (a batched product: one per call, not one per item)."""
@@ -420,10 +428,11 @@ def front_end(fn):
 
 
 def seen_writable(values) -> None:
-    """A call sees the caller's arrays among ``values`` (and in tuples of them): the read-only roots of those that
-    are writable again are retired, whatever the call hands the engine (a cast or strided copy, another view)."""
+    """A call sees the caller's arrays among ``values`` (and in tuples and lists of them): the read-only roots of
+    those that are writable again are retired, whatever the call hands the engine (a cast or strided copy, another
+    view)."""
     for v in values:
-        if type(v) is tuple:
+        if type(v) is tuple or type(v) is list:
             seen_writable(v)
         elif isinstance(v, np.ndarray) and v.flags.writeable:
             READONLY.drop(top_array(v))

@@ -271,6 +271,7 @@ def tensordot(a, b, axes=2, *, out_dtype=None, math=None):
     return _tensordot(a, b, axes, None)
 
 
+@dispatch.front_end
 def _tensordot(a, b, axes, out_dtype):
     arrays = _arrays(a, b)
     if arrays is None:

@@ -186,6 +186,7 @@ def quantize(x, dtype=np.int8, axis=None):
     scale step. ``x``: a real numpy or cupy array of finite values."""
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
         raise TypeError(f"x: got {type(x).__name__}, need a numpy or cupy array")
+    dispatch.seen_writable((x,))  # (a blasx call seeing x writable: its read-only tiles are stale)
     if _dtype("dtype", dtype, "int8") != np.int8:
         raise TypeError(f"dtype: got {np.dtype(dtype).name}, allowed: int8")
     if not dtypes.is_real(x.dtype):

@@ -129,6 +129,11 @@ def test_a_self_overlapping_out_is_refused():
     out = np.lib.stride_tricks.as_strided(np.zeros(7 * 7 + 4), (4, 7, 7), (8, 56, 8), writeable=True)
     with pytest.raises(ValueError, match="out: more than one of its elements refers to a single memory location"):
         dnn.conv2d(x, w, out=out)
+    # interleaved strides whose elements are all distinct (offsets 0, 24, 16, 40, 32, 56 bytes): taken
+    x1 = np.random.default_rng(0).standard_normal((1, 3, 2))
+    out = np.lib.stride_tricks.as_strided(np.zeros(16), (1, 3, 2), (8, 16, 24), writeable=True)
+    dnn.conv2d(x1, np.full((1, 1, 1, 1), 2.0), out=out)
+    assert np.array_equal(out, 2 * x1)
 
 
 @pytest.mark.parametrize("devices", ["cpu", "sim:2"])
@@ -152,3 +157,29 @@ def test_bias_overlap_through_a_foreign_alias_is_seen():
     alias = np.ctypeslib.as_array((ctypes.c_double * 4).from_address(out.ctypes.data))
     with pytest.raises(ValueError, match="out: overlaps"):
         dnn.conv2d(np.ones((1, 2, 6, 6)), np.ones((4, 2, 3, 3)), alias, out=out)
+
+
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+def test_float16_two_pass_overflow_is_judged_on_the_result(devices):
+    """scale with residual runs in two passes: an intermediate beyond float16 that the activation brings back
+    (tanh) is no overflow; under errstate "raise" out is written whole before the error; one warning a call."""
+    blasx.configure(devices=devices, tile=16)
+    x = np.ones((1, 1, 4, 4), np.float16)
+    x[0, 0, 0, 0] = 60000
+    w, s, sh = np.ones((2, 1, 1, 1), np.float16), np.array([2.0, 1.0]), np.zeros(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = dnn.conv2d(x, w, scale=s, shift=sh, residual=np.full((1, 2, 4, 4), 0.5, np.float16), activation="tanh")
+        with np.errstate(over="raise"):
+            dnn.conv2d(x, w, scale=s, shift=sh, residual=np.full((1, 2, 4, 4), 0.5, np.float16), activation="tanh")
+    assert np.isfinite(y).all()
+    out = np.zeros((1, 2, 4, 4), np.float16)
+    with np.errstate(over="raise"), pytest.raises(FloatingPointError, match="float16 overflow: 1 of 32"):
+        dnn.conv2d(x, w, scale=s, shift=sh, residual=np.full((1, 2, 4, 4), 5.0, np.float16), out=out,
+                   activation="relu")
+    assert out[0, 0, 0, 0] == np.inf and out[0, 0, 0, 1] == 7 and out[0, 1, 0, 0] == 60000 + 5
+    x[0, 0, 0, 0] = 40000
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        dnn.conv2d(x, w, scale=s, shift=sh, residual=np.full((1, 2, 4, 4), 40000, np.float16))
+    assert [str(m.message)[:39] for m in got] == ["float16 overflow: 2 of 32 result values"]

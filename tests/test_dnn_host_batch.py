@@ -20,8 +20,10 @@ MB = 1 << 20
 def test_plan_by_exact_value():
     # 2 MB images, 2 GPUs: 2 slots x 4 chunks each -> 16 chunks of 32 (each 64 MB: within both bounds)
     assert host_batch.plan(512, 2_000_000, 2) == [(i, i + 32) for i in range(0, 512, 32)]
-    # 800 kB images: chunks of at least 32 MiB (42 images) -> 13 chunks of 40 (the last 32)
-    assert host_batch.plan(512, 800_000, 2) == [(i, min(512, i + 40)) for i in range(0, 512, 40)]
+    # 800 kB images: chunks of at least 32 MiB (42 images) -> 12 chunks (6 a GPU) of 43 (the last 39)
+    assert host_batch.plan(512, 800_000, 2) == [(i, min(512, i + 43)) for i in range(0, 512, 43)]
+    # ... on one GPU, 43 of them: one chunk (a second would be under 32 MiB)
+    assert host_batch.plan(43, 800_000, 1) == [(0, 43)]
     # 100 kB images: at least 336 images a chunk, but every GPU gets one -> 2 chunks of 256
     assert host_batch.plan(512, 100_000, 2) == [(0, 256), (256, 512)]
     # tiny images: one chunk a GPU

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import blasx
+import blasx.dnn as dnn
 
 
 def _rewritten_then_read_only(a, rand, call_while_writable):
@@ -22,7 +23,8 @@ def _rewritten_then_read_only(a, rand, call_while_writable):
     a.flags.writeable = False
 
 
-@pytest.mark.parametrize("how", ["strided view", "other type", "batched matmul", "quick return"])
+@pytest.mark.parametrize("how", ["strided view", "other type", "batched matmul", "quick return", "tensordot cast",
+                                 "tensordot", "quantize", "conv2d strided", "linear"])
 def test_a_call_seeing_the_array_writable_retires_its_tiles_whatever_the_engine_gets(rand, rel_err, how):
     """The front end hands the engine a copy (a cast, non-column-major strides), a view whose base chain never
     reaches the array (batched matmul's rows), or nothing at all (alpha 0, beta 1): the call still saw the
@@ -32,7 +34,12 @@ def test_a_call_seeing_the_array_writable_retires_its_tiles_whatever_the_engine_
     seen = {"strided view": lambda a: blasx.gemm(1.0, a[0, :, ::2], b[:32]),
             "other type": lambda a: blasx.sgemm(1.0, a[0], b),
             "batched matmul": lambda a: blasx.matmul(a, b),
-            "quick return": lambda a: blasx.gemm(0.0, a[0], b, 1.0, np.zeros((64, 64)), overwrite_c=True)}[how]
+            "quick return": lambda a: blasx.gemm(0.0, a[0], b, 1.0, np.zeros((64, 64)), overwrite_c=True),
+            "tensordot cast": lambda a: blasx.tensordot(a, b.astype(np.complex128), axes=1),
+            "tensordot": lambda a: blasx.tensordot(a, b, axes=([1], [0])),
+            "quantize": lambda a: blasx.quantize(a[0]),
+            "conv2d strided": lambda a: dnn.conv2d(a[None, :, :, ::2], np.ones((3, 2, 3, 3))),
+            "linear": lambda a: dnn.linear(a, b)}[how]
     a = np.ascontiguousarray(rand((2, 64, 64), seed=1))
     _rewritten_then_read_only(a, rand, seen)
     assert rel_err(blasx.gemm(1.0, a[0], b), a[0] @ b) < 1e-12

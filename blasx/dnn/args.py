@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from ..checks import overlaps_itself, shares_memory, writable
+from ..checks import elements_share_memory, shares_memory, writable
 from ..operands import is_cupy
 from ..runtime import dtypes
 
@@ -116,7 +116,7 @@ def check_out(out, shape, dtype, like, *inputs, alias: bool = True, name: str = 
         raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(out.dtype)}")
     if write and not writable(out):
         raise ValueError(f"{name}: is read-only")
-    if write and overlaps_itself(out):
+    if write and elements_share_memory(out):
         raise ValueError(f"{name}: more than one of its elements refers to a single memory location (strides "
                          f"{tuple(out.strides)} for shape {tuple(out.shape)})")
     for x in inputs:

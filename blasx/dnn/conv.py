@@ -150,8 +150,10 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
     if residual is not None and scale is not None:
         # the residual starts the C tile, and a scale folded into the weights would round (bfloat16: 2**-8), overflow
         # or make inf * 0: the conv with its affine map first, then the residual and activation (torch's roundings)
-        _forward_call(fn, geo, x, lay, wconv, y, None, (bias, scale, shift, None), math, user_weight)
-        _add_residual(geo, cl, y, residual, act)
+        with dispatch.overflow_unreported():  # (judged on the result)
+            _forward_call(fn, geo, x, lay, wconv, y, None, (bias, scale, shift, None), math, user_weight)
+        _add_residual(geo, cl, y, residual, act, dt != np.float16 or (bool(xp.isfinite(x).all())
+                                                                     and bool(xp.isfinite(wconv).all())))
         return None
     direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and is_layout(y, lay)
     if direct_route and depthwise.applies(geo):
@@ -205,9 +207,10 @@ def _check_kinds(x, weight, out) -> None:
         check_kind("out", out)
 
 
-def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
+def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act, finite_sources: bool = True) -> None:
     """y = act(y + residual), computed in y's compute type (float32 for the 2-byte types) and rounded once into y
-    (on y's device); float16 results beyond its range are reported as the engine reports them."""
+    (on y's device); float16 results beyond its range are reported as the engine reports them: an inf from a
+    finite residual where the conv's inputs were finite (``finite_sources``; y's own inf was then an overflow)."""
     if is_cupy(y):
         direct_epilogue.epilogue(geo, cl, y, None if act is None else Affine(None, None, act), residual)
         return
@@ -219,7 +222,8 @@ def _add_residual(geo: ConvGeometry, cl: bool, y, residual, act) -> None:
     with np.errstate(over="ignore"):
         y[...] = v
     if y.dtype == np.float16:
-        dispatch.warn_overflow(int(np.count_nonzero(np.isinf(y) & np.isfinite(v))), y.size)
+        over = np.isinf(y) & np.isfinite(residual) & (True if finite_sources else np.isfinite(v))
+        dispatch.warn_overflow(int(np.count_nonzero(over)), y.size)
 
 
 def _replay_epilogue(geo: ConvGeometry, cl: bool, dt, xp, act):

@@ -51,13 +51,18 @@ WEIGHT_REGISTER_BYTES = 1 << 20  # weights from this size are page-locked in pla
 def plan(n: int, image_bytes: int, gpus: int, slots: int = SLOTS) -> list[tuple[int, int]]:
     """Spans [lo, hi) of the batch's ``n`` images (``image_bytes`` of input and output an image), of equal
     size (the last may be smaller): as many as every slot of every GPU needs to run ``CHUNKS_PER_SLOT``, but
-    chunks of at least ``MIN_CHUNK_BYTES`` while every GPU still gets one, and of at most ``CHUNK_BYTES``."""
+    chunks of at least ``MIN_CHUNK_BYTES`` while every GPU still gets one, and of at most ``CHUNK_BYTES``. Evened
+    out by rounding the count down (to a multiple of the GPUs where there are that many), not the size."""
     if n <= 0:
         return []
     image_bytes = max(1, image_bytes)
-    per = max(-(-n // (gpus * slots * CHUNKS_PER_SLOT)), -(-MIN_CHUNK_BYTES // image_bytes))
-    per = max(1, min(per, -(-n // gpus), CHUNK_BYTES // image_bytes))
-    count = -(-n // per)
+    most = max(1, min(-(-n // gpus), CHUNK_BYTES // image_bytes))
+    per = max(1, min(max(-(-n // (gpus * slots * CHUNKS_PER_SLOT)), -(-MIN_CHUNK_BYTES // image_bytes)), most))
+    count = max(1, n // per)
+    if count >= gpus:
+        count -= count % gpus
+    while -(-n // count) > most:
+        count += 1
     per = -(-n // count)
     return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 

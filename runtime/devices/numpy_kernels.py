@@ -281,8 +281,8 @@ _trtri_of = functools.cache(lambda dtype: get_lapack_funcs("trtri", dtype=dtype)
 def trtri(step, scalars, a, b, c) -> None:
     """Replace the uplo triangle of the square c by its inverse (unit diagonal, not read or
     written, if diag); the other triangle is left as it is. a and b are not used. No
-    singularity check (as trsm): a zero pivot gives inf / NaN as a solve would (LAPACK ?trtri stops there, leaving
-    the block; then the inverse is solved for). (LAPACK ?trtri; on GPUs runtime.devices.cuda_kernels.invert_triangle)"""
+    singularity check (as trsm): a zero pivot gives inf / NaN (LAPACK ?trtri stops there, leaving the block; then
+    the inverse is solved for), spreading over the block's rows further than a direct solve's may. (LAPACK ?trtri; on GPUs runtime.devices.cuda_kernels.invert_triangle)"""
     inv, info = _trtri_of(c.dtype)(c, lower=step.uplo, unitdiag=step.diag)
     if info > 0:  # singular: T^-1 = T \ I, dividing by the zero pivot
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
