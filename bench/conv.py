@@ -225,14 +225,20 @@ class Side:
         self.issue_trace = {"issue_max_s": slowest, "device_allocs": allocs.count}
         return times, out, min(issue)
 
-    def time_wall(self, fn, warmup: int, reps: int) -> tuple[list, object]:
+    def time_wall(self, fn, warmup: int, reps: int, before=None) -> tuple[list, object]:
         """Wall seconds of each timed call, the GPUs synchronized before and after; the last result (host
-        batches, bench.conv_host: a call's copies in and out are part of it)."""
+        batches, bench.conv_host: a call's copies in and out are part of it). ``before()``, untimed, runs before
+        every call (an output poisoned, registrations released)."""
         for _ in range(warmup):
+            if before is not None:
+                before()
             fn()
         self.sync()
         times, out = [], None
         for _ in range(reps):
+            if before is not None:
+                before()
+                self.sync()
             t = time.perf_counter()
             out = fn()
             self.sync()

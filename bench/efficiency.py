@@ -322,7 +322,8 @@ def gemm_tflops(dtype: str, n: int, seconds: float) -> float | None:
 
 def summarize(records: list[dict], gpus: list[int]) -> list[dict]:
     """One row per (dtype, N): per g the best / median timed seconds, best TFLOPS, efficiency
-    against the smallest g, and whether every call (warm-ups included) was correct."""
+    against the smallest g (None where a call of either was wrong), and whether every call (warm-ups
+    included) was correct."""
     g0 = min(gpus)
     keys = sorted({(r["dtype"], r["n"]) for r in records}, key=lambda k: ("ds".index(k[0]), k[1]))
     rows = []
@@ -337,9 +338,10 @@ def summarize(records: list[dict], gpus: list[int]) -> list[dict]:
             row["per_g"][g] = {"best": best, "median": statistics.median(timed) if timed else None,
                                "tflops": gemm_tflops(dtype, n, best) if best else None,
                                "ok": all(r["ok"] for r in mine), "calls": len(mine)}
-        base = row["per_g"].get(g0, {}).get("best")
-        for g, e in row["per_g"].items():
-            e["efficiency"] = (g0 * base) / (g * e["best"]) if base and e["best"] else None
+        base = row["per_g"].get(g0, {})
+        base = base.get("best") if base.get("ok") else None
+        for g, e in row["per_g"].items():  # (a wrong call anywhere in a pair: no efficiency, not in the mean)
+            e["efficiency"] = (g0 * base) / (g * e["best"]) if base and e["best"] and e["ok"] else None
         row["ok"] = all(e["ok"] for e in row["per_g"].values())
         rows.append(row)
     return rows

@@ -173,14 +173,14 @@ def test_summarize_and_averages():
     assert r0[1]["best"] == 2.0 and r0[2]["best"] == 1.25 and r0[2]["efficiency"] == pytest.approx(0.8)
     assert r0[1]["efficiency"] == pytest.approx(1.0) and r0[1]["median"] == pytest.approx(2.1)
     assert r0[1]["calls"] == 3 and rows[0]["ok"] and not rows[1]["ok"]
-    assert rows[1]["per_g"][2]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["per_g"][2]["efficiency"] is None  # a wrong call there: no efficiency, not in the mean
     avg = E.average_efficiency(rows, [1, 2])
-    assert avg["d"][2]["mean"] == pytest.approx(0.9) and avg["d"][2]["sizes"] == 2 and avg["s"][2]["mean"] == 1.0
+    assert avg["d"][2]["mean"] == pytest.approx(0.8) and avg["d"][2]["sizes"] == 1 and avg["s"][2]["mean"] == 1.0
     table = E.format_table(rows, [1, 2]).splitlines()
     assert table[0] == "| dtype | N | 1 GPU s | 1 GPU TFLOPS | 2 GPU s | 2 GPU TFLOPS | eff. 2 GPUs | checked |"
     assert all(x.count("|") == table[0].count("|") for x in table)
     assert table[2].endswith("| 0.800 | ok |") and table[3].endswith("| WRONG |")
-    assert E.format_averages(avg, [1, 2])[0].startswith("double (d), 2 GPUs vs 1: mean 0.900 over 2 sizes")
+    assert E.format_averages(avg, [1, 2])[0].startswith("double (d), 2 GPUs vs 1: mean 0.800 over 1 sizes")
     # a sweep without 1 GPU: efficiency against the smallest count
     rows = E.summarize([rec("d", 100, 2, 1.0), rec("d", 100, 4, 0.6)], [2, 4])
     assert rows[0]["per_g"][4]["efficiency"] == pytest.approx(2 * 1.0 / (4 * 0.6))
