@@ -122,8 +122,8 @@ def read_gemm(path: str) -> Table:
                      _f(np_ and np_["tflops_best"], 2)])
     bad = [f"{s['label']} {s['dtype']} {s['mode']} {s['n']}: {s['status']}" for s in doc["summary"]
            if s["status"] != "ok"]
-    first_rows = [c["reference"]["rows"] for c in doc.get("cases", [])
-                  if isinstance(c.get("reference"), dict) and "rows" in c["reference"] and "sampled" not in c["reference"]]
+    refs = [c.get("reference") for c in doc.get("cases", [])]
+    first_rows = [r["rows"] for r in refs if isinstance(r, dict) and "rows" in r and "sampled" not in r]
     return Table(machine, doc["date"][:16].replace("T", " "), doc["command"],
                  ["dtype", "mode", "N", "blasx", "cuBLAS-XT (block)", "blasx / XT", "cupy in-core, 1 GPU",
                   "blasx / (cupy x GPUs)", "numpy"], rows,
