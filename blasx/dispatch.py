@@ -26,7 +26,7 @@ from .runtime.call import Call
 from .runtime.devices.numpy_kernels import scale_views
 from .runtime.engine import EngineClosed
 from .runtime.plans import choose_split, partial_shape, plan_gemm
-from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock
+from .runtime.stats import CallStats, DeviceInfo, OpRecord, clock, combined
 from .threadlocal import setting
 from .tile import choose_tile
 
@@ -45,11 +45,13 @@ ROUTINES = frozenset(("gemm", "symm", "hemm", "syrk", "herk", "syr2k", "her2k", 
 # ---------------------------------------------------------------- this thread's last call
 
 class _ThreadCalls(threading.local):
-    """Per thread: ``stats`` of its last call (a CallStats, or a host record ``(device, t0, t1,
-    dtype, real flops)``), and that call's ``profile`` once made."""
+    """Per thread: ``stats`` of its last call (a CallStats, a host record ``(device, t0, t1, dtype, real
+    flops)``, or a list of those for a batched front end's items, ``batch`` while it runs), and that call's
+    ``profile`` once made."""
     stats = None
     profile = None
     profile_of = None
+    batch = None
 
 
 _tls = _ThreadCalls()
@@ -84,16 +86,37 @@ def last_profile():
         return None
     if type(stats) is tuple:
         stats = _tls.stats = _host_stats(*stats)
-    if _tls.profile_of is not stats:
-        _tls.profile = stats.profile()  # made on demand: a small call need not pay for it
+    if _tls.profile_of is not stats:  # made on demand: a small call need not pay for it
+        _tls.profile = stats.profile() if type(stats) is not list else combined(
+            [(_host_stats(*s) if type(s) is tuple else s).profile() for s in stats])
         _tls.profile_of = stats
     return _tls.profile
+
+
+@contextlib.contextmanager
+def one_profile():
+    """Inside, this thread's blasx calls make one profile together (a batched front end's items)."""
+    outer, _tls.batch = _tls.batch, []
+    try:
+        yield
+    finally:
+        items, _tls.batch = _tls.batch, outer
+        if items:
+            _set_stats(items if len(items) > 1 else items[0])
+
+
+def _set_stats(stats) -> None:
+    """``stats`` (a CallStats or a host record) is this thread's last call, or one item of its batch."""
+    if _tls.batch is not None:
+        _tls.batch.append(stats)
+    else:
+        _tls.stats = stats
 
 
 def record_host(dev, t0: float, dtype, real_flops: float) -> None:
     """A call the host BLAS ran in this thread from ``t0`` until now becomes this thread's last
     call. ``real_flops`` counts a real call's flops (a complex one counts 4 times that)."""
-    _tls.stats = (dev, t0, clock(), dtype, real_flops)
+    _set_stats((dev, t0, clock(), dtype, real_flops))
 
 
 def _host_stats(dev, t0: float, t1: float, dtype, real_flops: float) -> CallStats:
@@ -418,6 +441,8 @@ def front_end(fn):
     def call(*args, **kwargs):
         if READONLY.holds_roots():  # (the engine may be handed copies or other views of them)
             seen_writable((*args, *kwargs.values()))
+        if _tls.batch is None:
+            _tls.stats = None  # (a call that runs nothing has no profile, not the last one's)
         with overflow_tallied():
             res = fn(*args, **kwargs)
         if type(res) is np.ndarray and any(res is x or (type(x) is tuple and any(res is y for y in x))
@@ -486,7 +511,7 @@ def _submit_tasks(eng, name, views, tasks, dtype, alpha, beta, tile, *, out_dtyp
             d.finish_call(call)
         if not stats.finished:  # a call that failed before its last task ends now
             stats.finish()
-        _tls.stats = stats
+        _set_stats(stats)
         call.drop_tasks()
 
 

@@ -342,7 +342,9 @@ class Call:
                     self.flops_waiting -= task.flops
             last = len(self._accounted_tids) == self.n_tasks
         if meter is not None and worker is not None:
-            meter.finished(worker, self.dtype.char, task.flops, _clock(), sample=not self.registering)
+            # (a failed call's task may have stopped early: its time is no rate sample)
+            meter.finished(worker, self.dtype.char, task.flops, _clock(),
+                           sample=not self.registering and not self.failed)
         if last:
             self.stats.finish()
             self._done.set()

@@ -12,6 +12,7 @@ class CpuWorker(Worker):
     the queue's head whenever idle, steals when it is empty; in auto mode only what ``engine.admission`` admits."""
 
     current = None  # the task being solved (it writes C in place)
+    writing = False  # ... and its solve has begun (C may be partly written)
 
     def _takes(self, task) -> bool:
         adm = self.engine.admission
@@ -46,7 +47,7 @@ class CpuWorker(Worker):
     def held_tasks(self):
         out = super().held_tasks()
         if self.current is not None:
-            out.append((self.current, True))  # C may be partly written: as an issued write-back
+            out.append((self.current, self.writing))  # once C may be partly written: as an issued write-back
             self.current = None
         return out
 
@@ -65,13 +66,14 @@ class CpuWorker(Worker):
                     try:
                         faults.at("cpu", self.dev, task)
                         self.dev.engage()  # auto mode: the BLAS thread limit, from the first task run
+                        self.writing = True
                         self.dev.run_task(task)
                         solved_by = self.idx
                     except Exception as exc:  # noqa: BLE001 - a call's own error fails that call only
                         if self.device_error(exc):
                             raise
                         task.call.fail(exc)
-                self.current = None
+                self.current, self.writing = None, False
                 task.call.account(task, solved_by)
                 continue
             if self.stopping and len(self.station) == 0:

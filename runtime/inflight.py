@@ -57,3 +57,4 @@ class _Pending:
     h2d_bytes: int = 0  # host-to-device bytes this event ends (the h2d backlog)
     computed: Any = None  # a task whose last kernel this event ends (write-after-read gates)
     work: float = 0.0  # flops of the kernel this event ends (the device's committed work drops)
+    step_of: Any = None  # the task one of whose k-steps this event ends (the profile counts the step then)

@@ -219,6 +219,20 @@ def _thread_name(tid: int) -> str:
     return "host" if tid == HOST_TID else f"stream {tid}"
 
 
+def combined(profiles: list["Profile"]) -> "Profile":
+    """One profile of several calls on the same devices (a batched front end's items): counters summed, records
+    joined, from the first start to the last finish; host figures summed where numbers, else the last's."""
+    first = profiles[0]
+    counters = {d: {f: sum(p.counters[d][f] for p in profiles) for f in COUNTER_FIELDS} for d in first.counters}
+    host: dict = {}
+    for p in profiles:
+        for k, v in p.host.items():
+            host[k] = host.get(k, 0) + v if isinstance(v, (int, float)) and isinstance(host.get(k, 0), (int, float)) \
+                else v
+    return Profile(first.devices, min(p.start for p in profiles), max(p.finish for p in profiles), counters,
+                   tuple(r for p in profiles for r in p.records), host)
+
+
 @dataclass(frozen=True)
 class Profile:
     """Snapshot of a CallStats. All views clip records to [start, finish]."""

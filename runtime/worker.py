@@ -131,6 +131,14 @@ class StreamWorker(StreamAssign, Worker):
         self.issued_work -= p.work
         if p.computed is not None:
             p.computed.call.computed(p.computed)
+        # Steps, tasks and flops count as they complete, for a call still running (a task handed on from a broken
+        # device counts once, where it completes; a cancelled call's skipped work not at all).
+        if p.step_of is not None and not p.step_of.call.failed:
+            p.step_of.call.stats.owned_row(self.idx)["steps"] += 1
+        if p.finished and not p.task.call.failed:
+            row = p.task.call.stats.owned_row(self.idx)
+            row["tasks"] += 1
+            row["flops"] += p.task.flops
         if p.finished:
             self._ended(p.task)
             p.task.call.account(p.task, self.idx)
@@ -242,7 +250,6 @@ class StreamWorker(StreamAssign, Worker):
             dev.run_step(s, act.fold_step(), call, None, act.old_loc, act.c_loc, task)
         flops = call.step_flops(step)
         dev.end_op(s, h, "kernel", 0, flops, task)
-        row["steps"] += 1
         act.k += 1
         self.issued_work += flops
         ev = dev.record(s)  # ends this step's kernel: its A/B readers are released here
@@ -250,7 +257,7 @@ class StreamWorker(StreamAssign, Worker):
             self._chain = (ev, s)
         last = act.k == nsteps
         self._push(s, ev, release=tuple(release), computed=task if last and call.war_gated else None, work=flops,
-                   free=freed)
+                   free=freed, step_of=task)
         release.clear()  # handed to that event
         if not last or (task.gates and not call.gate_open(task, nsteps)):
             return True
@@ -279,8 +286,6 @@ class StreamWorker(StreamAssign, Worker):
             nbytes = call.home_nbytes(task.c)
             dev.end_op(out, h, "d2h", nbytes, 0.0, task)
             row["bytes_d2h"] += nbytes
-        row["tasks"] += 1
-        row["flops"] += task.flops
         ev = dev.record(out)
         free, kept = act.buffers(), ()
         if task.keep_c and act.c_off is not None:
