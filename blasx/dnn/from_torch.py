@@ -206,6 +206,25 @@ def _resolve(alias: dict, name: str) -> str:
     return name
 
 
+#: mapped ops whose value is its input's memory in torch (eval-mode dropout returns its input itself)
+_VIEWS = frozenset({"reshape", "getitem", "identity", "dropout"})
+
+
+def _shared_reader(views: dict, name: str, fx_nodes: dict, order: dict, writer) -> str | None:
+    """Another value sharing ``name``'s memory (its base, a view of it or of its base) that a node after
+    ``writer`` reads, or None."""
+    def root(v):
+        while v in views:
+            v = views[v]
+        return v
+    base = root(name)
+    for v in {base, *views}:
+        if v != name and root(v) == base and v in fx_nodes \
+                and any(order[u.name] > order[writer.name] for u in fx_nodes[v].users):
+            return v
+    return None
+
+
 def _in_place(n, modules) -> bool:
     """The fx node writes its first tensor argument (``inplace=True``, ``+=``): torch's later readers of that
     tensor see the result, so they read this node."""
@@ -244,9 +263,17 @@ def _batch_axis_use(n, mapped, batch_axis: int) -> str | None:
         return f"along the batch axis (dim {batch_axis})"
     if op == "getitem" and n.args and _shape_of(n.args[0]) is not None:  # (a tensor's items, not a tuple's)
         index = attrs["index"] if isinstance(attrs["index"], tuple) else (attrs["index"],)
-        if Ellipsis not in index[:batch_axis + 1] and None not in index and len(index) > batch_axis \
-                and index[batch_axis] != slice(None):
-            return f"indexing the batch axis ({attrs['index']!r})"
+        axis = 0  # the input's axis the next item indexes
+        for item in index:
+            if item is Ellipsis:
+                break  # (the axes after it are counted from the end)
+            if item is None:
+                if axis <= batch_axis:
+                    return f"inserting an axis before the batch axis ({attrs['index']!r})"
+                continue
+            if axis == batch_axis and item != slice(None):
+                return f"indexing the batch axis ({attrs['index']!r})"
+            axis += 1
     return None
 
 
@@ -328,6 +355,8 @@ def from_torch(module, example_input_shape):
     modules = dict(gm.named_modules())
     mtable, ftable = _module_table(torch.nn), _function_table(torch)
     nodes, bad, skipped, output, batch_axis, shared, alias = [], [], set(), None, 0, {}, {}
+    views, fx_nodes = {}, {x.name: x for x in gm.graph.nodes}  # views: a value -> the value it views
+    order = {name: i for i, name in enumerate(fx_nodes)}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if nodes:
@@ -348,6 +377,9 @@ def from_torch(module, example_input_shape):
         if n.op == "call_module":
             m = modules[n.target]
             kind = f"{type(m).__module__}.{type(m).__qualname__}"
+            if m._forward_hooks or m._forward_pre_hooks:  # (the trace runs them; the network would not)
+                bad.append((n.name, f"{kind} with forward hooks or pre-hooks (not converted; remove them first)"))
+                continue
             f = mtable.get(type(m))
             mapped = f(m) if f is not None else None
         elif n.op == "call_function":
@@ -403,7 +435,13 @@ def from_torch(module, example_input_shape):
                 params = shared[n.target]
             shared.setdefault(n.target, params)
         nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs, params))
+        if op in _VIEWS and ins:
+            views[n.name] = ins[0]
         if ins and _in_place(n, modules):  # later readers of the written tensor read this node's value
+            other = _shared_reader(views, ins[0], fx_nodes, order, n)
+            if other is not None:
+                bad.append((n.name, f"{kind}: an in-place update of a tensor sharing memory with {other}, read "
+                                    "later (torch's readers of it see the write)"))
             alias[ins[0]] = n.name
     if output is not None:
         output = _resolve(alias, output)

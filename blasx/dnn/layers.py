@@ -5,6 +5,7 @@ buffer of the plan, or None). Views (reshape, getitem, dropout, identity) are do
 
 from __future__ import annotations
 
+from ..operands import is_cupy
 from .graph import Node, function_name
 
 
@@ -20,10 +21,18 @@ def _linear(dnn, node: Node, args, w, out, math):
     lead = x.shape[:-1]
     x3 = x.reshape(-1, c)[:, :, None]
     res = args[1].reshape(-1, k)[:, :, None] if node.attrs.get("residual") else None
-    o3 = None if out is None else out.reshape(-1, k)[:, :, None]
+    o2 = None if out is None else out.reshape(-1, k)
     y = dnn.conv1d(x3, w["weight"][:, :, None], w.get("bias"), activation=node.attrs.get("activation"),
-                   residual=res, out=o3, math=math)
-    return out if out is not None else y[:, :, 0].reshape(*lead, k)
+                   residual=res, out=None if o2 is None else o2[:, :, None], math=math)
+    if out is None:
+        return y[:, :, 0].reshape(*lead, k)
+    if _start(o2) != _start(out):  # (a channels-last out: its rows reshaped are a copy; a pointer test, as a
+        out[...] = o2.reshape(out.shape)  # CUDA graph capture allows no exact overlap test)
+    return out
+
+
+def _start(a) -> int:
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
 
 
 def _act(dnn, node: Node, x, out):
