@@ -152,8 +152,8 @@ def _forward_call(fn: str, geo: ConvGeometry, x, lay: str, wconv, y, residual, e
         # or make inf * 0: the conv with its affine map first, then the residual and activation (torch's roundings)
         with dispatch.overflow_unreported():  # (judged on the result)
             _forward_call(fn, geo, x, lay, wconv, y, None, (bias, scale, shift, None), math, user_weight)
-        _add_residual(geo, cl, y, residual, act, dt != np.float16 or (bool(xp.isfinite(x).all())
-                                                                     and bool(xp.isfinite(wconv).all())))
+        _add_residual(geo, cl, y, residual, act, dt != np.float16 or xp is not np  # (the host path counts)
+                      or (bool(np.isfinite(x).all()) and bool(np.isfinite(wconv).all())))
         return None
     direct_route = conv_direct.applies(x, 2.0 * n * p * geo.k * crs) and is_layout(y, lay)
     if direct_route and depthwise.applies(geo):
