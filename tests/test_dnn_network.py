@@ -414,3 +414,30 @@ def test_an_empty_batch_gives_torchs_empty_output():
     y = net(np.zeros((0, 3, 4, 4), np.float32))
     assert y.shape == tuple(m(torch.zeros(0, 3, 4, 4)).shape) == (0, 5) and y.dtype == np.float32
     assert net.compile(dtype=np.float16)(np.zeros((0, 3, 4, 4), np.float32)).dtype == np.float16
+
+
+def test_an_empty_batch_through_indexing_or_a_recurrent_layer_gives_torchs_empty_output():
+    """Output shapes the graph does not infer (a channel slice, a batch-first LSTM): one image of zeros is run for
+    the shape (an empty batch was refused, blaming recurrent layers for the slice)."""
+    import torch
+
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(3, 6, 3, padding=1)
+
+        def forward(self, x):
+            return self.c(x)[:, 1:4]
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r = torch.nn.LSTM(4, 5, batch_first=True)
+
+        def forward(self, x):
+            return self.r(x)[0]
+    blasx.configure(devices="sim:2", tile=16)
+    for m, shape in ((Sliced(), (3, 5, 5)), (Recurrent(), (7, 4))):
+        m = m.double().eval()
+        want = tuple(m(torch.zeros((0, *shape), dtype=torch.float64)).shape)
+        assert dnn.from_torch(m, (1, *shape))(np.zeros((0, *shape))).shape == want

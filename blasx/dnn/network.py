@@ -235,10 +235,13 @@ class Network:
         if n == 0:  # torch's empty output, of the shape an image gives
             g = self.compiled or self.graph
             shape = infer_shapes(g, (1, *x.shape[1:])).get(g.output) if b == 0 else None
+            xp = array_module(is_cupy(x))
+            if shape is None and b == 0:  # (recurrent layers, indexing: one image of zeros run for the shape)
+                shape = self(xp.zeros((1, *x.shape[1:]), dtype=x.dtype), progress=False).shape
             if shape is None:
-                raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)}); this network's output shape "
-                                 f"(recurrent layers) is not known without running it")
-            return array_module(is_cupy(x)).empty((0, *shape[1:]), dtype=self.dtype or x.dtype)
+                raise ValueError(f"x: got an empty batch (shape {tuple(x.shape)}); this time-major network's "
+                                 f"output shape is not known without running it")
+            return xp.empty((0, *shape[1:]), dtype=self.dtype or x.dtype)
         chunk = None if chunk is None else int(chunk)
         import sys
         with self._calls:  # (compile() and set_parameters() from other threads wait for the call)
