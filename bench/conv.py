@@ -41,7 +41,7 @@ import numpy as np
 from . import conv_forms
 from . import conv_layers as CL
 from .machine import machine_name
-from .result_files import command_line, utc_stamp, write_json_md
+from .result_files import beside_peer, command_line, utc_stamp, write_json_md
 
 MODES = ("fp32", "tf32", "fp16", "bf16")
 #: the blasx math mode and the operand type of each mode
@@ -395,7 +395,7 @@ def run_case(side, dnn, layer, direction: str, mode: str, args, inputs: dict) ->
                 row["blasx_s"] = statistics.median(b_times)
                 row.update({f"blasx_{k}": v for k, v in side.issue_trace.items()})
                 row["blasx_err"] = rel_error(torch, side.from_blasx(b_out), ref)
-                row["tolerance"] = max(TOLERANCE[mode], 2 * row["cudnn_err"])
+                row["tolerance"] = beside_peer(TOLERANCE[mode], row["cudnn_err"])
                 row["status"] = "ok" if row["blasx_err"] <= row["tolerance"] else "FAIL"
             except Exception as e:  # noqa: BLE001 - reported as ERROR, the run goes on
                 row.update(status="ERROR", error=f"{type(e).__name__}: {e}"[:300])

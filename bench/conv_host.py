@@ -28,7 +28,7 @@ import numpy as np
 from . import conv as C
 from .level3_check import sample_rows
 from .machine import machine_name
-from .result_files import command_line, utc_stamp
+from .result_files import beside_peer, command_line, utc_stamp
 from .tallskinny import traffic
 
 GOAL = 1.6  # the goal: >= 1.6x torch on one GPU
@@ -158,7 +158,7 @@ def run_layer(side, dnn, layer, mode: str, args, seed: int, log) -> list[dict]:
             row["blasx_s"] = statistics.median(times)
             row.update(traffic(blasx, before), x_bytes=x.nbytes)
             row["blasx_err"] = check(side, layer, x_t, w_t, side.from_host(got), images)
-            row["tolerance"] = max(C.TOLERANCE[mode], 2 * torch_err)
+            row["tolerance"] = beside_peer(C.TOLERANCE[mode], torch_err)
             row["status"] = "ok" if row["blasx_err"] <= row["tolerance"] else "FAIL"
         except Exception as e:  # noqa: BLE001 - reported as ERROR, the run goes on
             row.update(blasx_s=None, blasx_err=None, status="ERROR", error=f"{type(e).__name__}: {e}"[:300])

@@ -460,7 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_outputs(report, args.out)
     print(format_text_report(report))
     print(f"\nwrote {paths[0]}\n      {paths[1]}")
-    return 1 if any(r.status == "WRONG" for r in report["summary"]) else 0
+    # (a peer that cannot run a size, out of memory say, is reported; blasx failing one is the run's failure)
+    return 1 if any(r.status == "WRONG" or (r.status == "FAILED" and r.label == "blasx")
+                    for r in report["summary"]) else 0
 
 
 if __name__ == "__main__":

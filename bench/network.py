@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from . import network_models as NM
+from .result_files import beside_peer
 from .conv import _list  # comma lists checked against the allowed names
 from .level3_check import sample_rows
 
@@ -164,7 +165,7 @@ def torch_runner(torch, model, mode: str, args, x: np.ndarray):
 
 def _check(name: str, y, ref, images, tol: float, torch_err: float | None) -> dict:
     err = _rel(y[images], ref)
-    limit = tol if torch_err is None else max(tol, 2 * torch_err)
+    limit = beside_peer(tol, torch_err)
     return {"name": name, "error": err, "limit": limit, "ok": bool(np.isfinite(err) and err <= limit)}
 
 

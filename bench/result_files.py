@@ -49,6 +49,18 @@ def jsonable(x):
     return repr(x)
 
 
+#: a peer's error widens a tolerance at most this many times (a broken peer must not let anything pass)
+PEER_WIDENING = 10
+
+
+def beside_peer(tol: float, peer_err) -> float:
+    """The tolerance of a result checked beside a peer's: ``tol``, or twice the peer's error where larger (its
+    own rounding), at most PEER_WIDENING x ``tol``; a missing or non-finite peer error widens nothing."""
+    if peer_err is None or not math.isfinite(peer_err):
+        return tol
+    return max(tol, min(2 * peer_err, PEER_WIDENING * tol))
+
+
 def finite(x):
     """NaN / inf -> None (strict JSON)."""
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
