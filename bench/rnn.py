@@ -158,7 +158,9 @@ def run_case(c: dict, peer: str, runs: int, min_time: float = 0.0) -> dict:
         import cupy
         bx = x.cpu().numpy() if host else cupy.from_dlpack(x)
         to_np = cupy.asnumpy
-        sync = torch.cuda.synchronize
+        def sync():  # every GPU: blasx's lanes may run on another than the current one
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
     else:
         bx, to_np, sync = x.numpy(), np.asarray, (lambda: None)
     params = m.state_dict()  # (with --host too: the model stays resident, as the peer's)
