@@ -130,7 +130,10 @@ def read_gemm(path: str) -> Table:
                  [f"TFLOPS of the best of {doc['config']['runs']} run(s); alpha {doc['config']['alpha']}, "
                   f"beta {doc['config']['beta']}.", _checks_note(bad, len(doc["summary"]))]
                  + ([f"(The older check: C's first {max(first_rows)} rows only, not rows spread over C; a rerun is "
-                     "owed.)"] if first_rows else []))
+                     "owed.)"] if first_rows else [])
+                 + (["fresh: inputs never seen before; blasx's new result comes from its page-locked pool (locked "
+                     "at the first call), while cuBLAS-XT page-locks and unlocks the caller's C in every call."]
+                    if any(s["mode"] == "fresh" for s in doc["summary"]) else []))
 
 
 def read_level3(path: str) -> Table:
