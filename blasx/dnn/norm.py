@@ -242,11 +242,11 @@ def _layer_shape(x, normalized_shape):
 
 def _affine_norm_args(x, weight, bias, shape, eps, return_stats, out) -> tuple:
     """(array module, eps, return_stats) of layer_norm / group_norm, every argument checked before any work:
-    weight and bias of ``shape``, eps a finite real >= 0, out x's shape and type overlapping no input, all
-    on x's device."""
+    weight and bias of ``shape``, eps a finite real (torch's take a negative one too: where var + eps < 0, NaN),
+    out x's shape and type overlapping no input, all on x's device."""
     _params(np.dtype(x.dtype), weight=(weight, shape), bias=(bias, shape))
     xp = xp_of(x, weight, bias, out)
-    eps = check_real("eps", eps, 0.0, finite=True)
+    eps = check_real("eps", eps, finite=True)
     return_stats = check_flag("return_stats", return_stats)
     check_out(out, x.shape, x.dtype, x, x)
     check_same_device(x, weight=weight, bias=bias, out=out)

@@ -51,7 +51,13 @@ def add(input, other, *, alpha=1, out=None):
         scalar = True
     else:
         scalar = False
-        dt = promote(dt, check_array("other", other))
+        dt_other = check_array("other", other)
+        if other.ndim == 0 and input.ndim:  # (torch: a 0-d tensor of the same kind promotes no dimensioned one)
+            pass
+        elif input.ndim == 0 and other.ndim:
+            dt = dt_other
+        else:
+            dt = promote(dt, dt_other)
     alpha = check_real("alpha", alpha)
     xp = xp_of(input, None if scalar else other, out)
     try:
