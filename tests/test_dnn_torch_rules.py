@@ -35,3 +35,17 @@ def test_layer_and_group_norm_take_a_negative_eps_as_torch(devices):
         want = want.numpy()
         assert np.array_equal(np.isnan(got), np.isnan(want))
         assert np.allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("devices", ["cpu", "sim:2"])
+def test_linear_takes_torchs_1d_weight_and_one_value_bias(devices):
+    blasx.configure(devices=devices, tile=16)
+    rng = np.random.default_rng(2)
+    x, w1, w2 = rng.standard_normal((3, 4)), rng.standard_normal(4), rng.standard_normal((2, 4))
+    t = torch.from_numpy
+    assert np.allclose(dnn.linear(x, w1), F.linear(t(x), t(w1)).numpy())
+    for b in (np.array(0.5), np.array([0.5])):
+        got, want = dnn.linear(x, w2, b), F.linear(t(x), t(w2), t(b)).numpy()
+        assert got.shape == want.shape and np.allclose(got, want)
+    with pytest.raises(ValueError, match="bias"):
+        dnn.linear(x, w2, np.ones(3))

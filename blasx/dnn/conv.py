@@ -353,13 +353,20 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, a
 
 
 def linear(x, weight, bias=None, *, activation=None, math=None):
-    """torch.nn.functional.linear (y = x W^T + b) with an optional activation: a 1-wide conv1d."""
+    """torch.nn.functional.linear (y = x W^T + b) with an optional activation: a 1-wide conv1d. As torch's: a 1-D
+    weight gives one output feature, dropped from y's shape; a bias of one value (shape () or (1,)) is every
+    feature's."""
     dt = check_dtype("input", check_kind("input", x))
     if check_dtype("weight", check_kind("weight", weight)) != dt:
         raise TypeError(f"linear: input is {dt} but weight is {np.dtype(weight.dtype)}; they must match")
-    if x.ndim < 1 or weight.ndim != 2:
-        raise ValueError(f"linear: x must be at least 1-D and weight 2-D, got shapes {tuple(x.shape)}, "
+    if x.ndim < 1 or weight.ndim not in (1, 2):
+        raise ValueError(f"linear: x must be at least 1-D and weight 1-D or 2-D, got shapes {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
+    if weight.ndim == 1:
+        y = linear(x, weight[None], bias, activation=activation, math=math)
+        return y[..., 0]
+    if bias is not None and hasattr(bias, "shape") and tuple(bias.shape) in ((), (1,)) and weight.shape[0] != 1:
+        bias = array_module(is_cupy(bias)).broadcast_to(bias.reshape(1), (weight.shape[0],))
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x's last dimension ({x.shape[-1]}) must equal weight's in-features "
                          f"(weight.shape[1] = {weight.shape[1]}); got shapes {tuple(x.shape)}, {tuple(weight.shape)}")
