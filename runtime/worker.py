@@ -323,8 +323,10 @@ class StreamWorker(StreamAssign, Worker):
     def _start_c(self, s: int, act: _Active, fills: dict) -> None:
         task, call, dev = act.task, act.task.call, self.dev
         c_op = call.operands[task.c.slot]
-        if dev.holds_array(c_op) and not call.mixed:  # (a mixed call accumulates in a wider buffer)
-            act.c_loc = dev.array_loc(c_op, task.c)  # in-core: compute into the array itself
+        # In-core: compute into the array itself; not a mixed call (it accumulates in a wider buffer), nor a task
+        # whose tile other tasks still read (in-place TRMM's write-after-read gates hold back its write-back only).
+        if dev.holds_array(c_op) and not call.mixed and not task.war:
+            act.c_loc = dev.array_loc(c_op, task.c)
             src = task.c_init
             if task.load_c and src is not None and (call.tokens[src.slot], src.bi, src.bj) != (
                     call.tokens[task.c.slot], task.c.bi, task.c.bj):

@@ -138,3 +138,20 @@ def test_trsm_diagonal_tiles(monkeypatch, solve, dtype, side, lower, trans, diag
     out = getattr(blasx, p + "trsm")(1.5, a, b2, lower=lower, trans_a=trans, side=side, diag=diag, overwrite_b=True)
     assert out is b2 and rel_err(b2, ref) < TOL[dtype] * 10
 
+
+
+@pytest.mark.parametrize("side,lower", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_in_place_trmm_of_a_cupy_b_on_its_gpu(side, lower):
+    """A GPU holding B computed every task into B itself, so a task overwrote tiles other tasks had still to
+    read (the write-after-read gates hold back write-backs only)."""
+    blasx.configure(tile=256)
+    rng = np.random.default_rng(3)
+    m, n = 900, 700
+    s = m if side == 0 else n
+    a = np.asfortranarray(np.triu(rng.random((s, s))) + np.eye(s))
+    a = a.T.copy(order="F") if lower else a
+    b = np.asfortranarray(rng.random((m, n)))
+    ref = sblas.dtrmm(1.5, a, b, side=side, lower=lower)
+    bd = cupy.asfortranarray(cupy.asarray(b))
+    out = blasx.dtrmm(1.5, cupy.asarray(a), bd, side=side, lower=lower, overwrite_b=True)
+    assert out is bd and rel_err(cupy.asnumpy(bd), ref) < 1e-12

@@ -81,3 +81,27 @@ def test_in_place_trmm_right_or_loud_under_fault_injection():
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_in_place_trmm_on_a_device_holding_b_computes_gated_tasks_in_a_buffer(monkeypatch):
+    """A device holding B (CUDA with a CuPy B on it; emulated: sims whose array view is the operand's own memory)
+    computed every task into B itself, so a task's first kernel overwrote a tile other tasks had still to read
+    (the write-after-read gates hold back write-backs only): wrong results every time."""
+    import numpy as np
+    import scipy.linalg.blas as sb
+
+    import blasx
+    from blasx.runtime.devices import sim
+    monkeypatch.setattr(sim.SimDevice, "holds_array",
+                        lambda self, op: op.array is not None and op.device < 0 and op.array.flags.writeable)
+    monkeypatch.setattr(sim.SimDevice, "array_loc",
+                        lambda self, op, ref: op.array[ref.r0:ref.r0 + ref.rows, ref.c0:ref.c0 + ref.cols])
+    rng = np.random.default_rng(0)
+    for spec in ("sim:1", "sim:2", "sim:2,speeds=1/4"):
+        blasx.configure(devices=spec, tile=8, streams=4)
+        a = np.asfortranarray(np.triu(rng.random((48, 48))) + np.eye(48))
+        b = np.asfortranarray(rng.random((48, 40)))
+        want = sb.dtrmm(1.0, a, b)
+        got = blasx.dtrmm(1.0, a, b, overwrite_b=True)
+        assert got is b and np.abs(got - want).max() < 1e-10, spec
+    blasx.shutdown()
