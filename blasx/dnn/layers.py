@@ -5,7 +5,7 @@ buffer of the plan, or None). Views (reshape, getitem, dropout, identity) are do
 
 from __future__ import annotations
 
-from ..operands import is_cupy
+from ..operands import address
 from .graph import Node, function_name
 
 
@@ -26,13 +26,9 @@ def _linear(dnn, node: Node, args, w, out, math):
                    residual=res, out=None if o2 is None else o2[:, :, None], math=math)
     if out is None:
         return y[:, :, 0].reshape(*lead, k)
-    if _start(o2) != _start(out):  # (a channels-last out: its rows reshaped are a copy; a pointer test, as a
+    if address(o2) != address(out):  # (a channels-last out: its rows reshaped are a copy; a pointer test, as a
         out[...] = o2.reshape(out.shape)  # CUDA graph capture allows no exact overlap test)
     return out
-
-
-def _start(a) -> int:
-    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
 
 
 def _act(dnn, node: Node, x, out):
