@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from .checks import check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
+from .checks import aligned, check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
 from . import dispatch, session, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
@@ -64,7 +64,7 @@ def _check_shape(name: str, x, shape: tuple[int, int], why) -> None:
 
 def written_in_place(x, dtype, overwrite) -> bool:
     """f2py's rule: x is written in place when asked to, if it is F-contiguous, aligned, writable, of ``dtype``."""
-    return (x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and x.flags.aligned
+    return (x is not None and bool(overwrite) and x.dtype == dtype and x.flags.f_contiguous and aligned(x)
             and writable(x))
 
 

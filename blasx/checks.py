@@ -80,6 +80,12 @@ def writable(x) -> bool:
     return getattr(x.flags, "writeable", True)
 
 
+def aligned(x) -> bool:
+    """Whether x's elements are aligned (numpy's flag; a CuPy array's pointer on its type's alignment)."""
+    flag = getattr(x.flags, "aligned", None)
+    return flag if flag is not None else x.data.ptr % x.dtype.alignment == 0
+
+
 def elements_share_memory(x, exact_up_to: int = 1 << 20) -> bool:
     """Whether two elements of x share memory: :func:`overlaps_itself`'s test, then, for at most ``exact_up_to``
     elements, the elements' byte offsets compared (interleaved strides may be disjoint); beyond that, conservative."""

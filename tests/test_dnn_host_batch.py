@@ -479,3 +479,112 @@ def test_a_one_shot_batch_is_registered_and_the_chunks_read_it_in_place(monkeypa
     lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
     x_regs = [(a, n) for a, n in registered if a < hi and a + n > lo]
     assert x_regs and sum(n for _, n in x_regs) <= x.nbytes + 2 * 4096  # registered once (page-rounded)
+
+
+def _graph_counts():
+    """{key: (eager, replays, failures)} over the idle slots' graphs."""
+    return {(s.device, k): (g.eager, g.replays, g.fails) for slots in host_batch._IDLE.values() for s in slots
+            for k, g in s.graphs.items()}
+
+
+def _pinned_everywhere(monkeypatch):
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0, 1))
+    monkeypatch.setattr(host_batch, "pinnings", lambda arrays, min_bytes=None: (
+        [None if a is None else hostmem.Pinning.whole(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays],
+        None))
+
+
+def test_conv_chunks_replay_graphs_across_calls_and_new_epilogue_values_get_their_own(monkeypatch):
+    """conv2d of a host batch: a key's first chunk eager, the next captured and replayed, and later calls of the
+    same layer replay (one graph launch a chunk); a new bias is a new key; off (GRAPHS), nothing is captured."""
+    import blasx.dnn as dnn
+    _pinned_everywhere(monkeypatch)
+    x = np.zeros((16, 64, 8, 8), np.float16)
+    w = np.zeros((64, 64, 3, 3), np.float16)
+    with fake_cupy.installed():
+        host_batch.release()
+        for _ in range(3):
+            dnn.conv2d(x, w, padding=1)
+        counts = _graph_counts()
+        assert len(counts) == 2 and all(c == (1, 2, 0) for c in counts.values())  # one chunk a GPU a call
+        dnn.conv2d(x, w, np.ones(64, np.float32), padding=1, activation="relu")
+        assert len(_graph_counts()) == 4
+        dnn.conv2d(x, w, np.ones(64, np.float32), padding=1, activation="relu")
+        assert sorted(_graph_counts().values()) == [(1, 1, 0)] * 2 + [(1, 2, 0)] * 2  # (captured, then replayed)
+        host_batch.release()
+        monkeypatch.setattr(host_batch, "GRAPHS", False)
+        dnn.conv2d(x, w, padding=1)
+        dnn.conv2d(x, w, padding=1)
+        assert _graph_counts() == {}
+        host_batch.release()
+
+
+def test_a_scale_with_a_residual_is_never_captured(monkeypatch):
+    """Its two passes judge overflow on the host: the body names no key, so its chunks run eagerly."""
+    import blasx.dnn as dnn
+    _pinned_everywhere(monkeypatch)
+    keys = []
+    run = host_batch.run
+    monkeypatch.setattr(host_batch, "run", lambda *a, body_key=None, **k: (keys.append(body_key), run(*a, **k)))
+    x = np.zeros((16, 8, 8, 8), np.float32)
+    w = np.zeros((8, 8, 3, 3), np.float32)
+    with fake_cupy.installed():
+        dnn.conv2d(x, w, padding=1, scale=np.ones(8), residual=np.zeros((16, 8, 8, 8), np.float32))
+        dnn.conv2d(x, w, padding=1, scale=np.ones(8))
+        host_batch.release()
+    assert keys[0] is None and keys[1] is not None
+
+
+def test_a_slot_drops_its_least_recent_graph_after_synchronizing(monkeypatch):
+    """Beyond GRAPHS_KEPT keys a slot drops a graph only once its stream is synchronized (it may be in flight)."""
+    monkeypatch.setattr(host_batch, "GRAPHS_KEPT", 2)
+    with fake_cupy.installed(record_calls=True) as fake:
+        s = host_batch.Slot(0)
+        ran = []
+        for key in ("a", "a", "a", "b", "b", "c"):
+            s.compute(lambda k=key: ran.append(k), key)
+        assert list(s.graphs) == ["b", "c"]
+        assert [e for e in fake.log if e[0] == "synchronize"] == [("synchronize", s.stream.ptr)]
+        assert s.graphs["b"].graph is not None and s.graphs["c"].eager == 1
+
+
+def test_an_interrupted_capture_is_ended_and_the_interrupt_raised():
+    """A Ctrl-C inside a capture ends the capture (the stream usable) and is raised as it is."""
+    from blasx.dnn import chunk_graph
+
+    def forward():
+        raise KeyboardInterrupt
+    with fake_cupy.installed() as fake:
+        stream = fake.cupy.cuda.Stream(non_blocking=True)
+        g = chunk_graph.ChunkGraph()
+        with pytest.raises(KeyboardInterrupt):
+            g.capture(fake.cupy, stream, forward)
+        assert not stream.is_capturing() and g.graph is None
+
+
+def test_weights_in_graph_makes_every_transform_anew():
+    """Inside weights_in_graph a Workspace never hands out a kept transform: made each time, kept by the capture."""
+    from blasx.dnn import direct_cache
+    ws = direct_cache.Workspace()
+    w = np.zeros(4)
+    made = []
+    assert ws.derived(w, "t", lambda: made.append(1) or "kept") == "kept"
+    keep = []
+    with direct_cache.capturing(keep), direct_cache.weights_in_graph():
+        assert ws.derived(w, "t", lambda: made.append(2) or "fresh") == "fresh"
+    assert made == [1, 2] and keep == ["fresh"] and ws.derived(w, "t", lambda: "again") == "kept"
+
+
+def test_slots_come_back_in_the_same_roles_call_after_call():
+    """take gives a device's idle slots in the order give_back left them: chunk k meets the same slot (its
+    graphs, and the first slot's weight buffer) call after call."""
+    with fake_cupy.installed():
+        host_batch.release()
+        first = host_batch.take(0, 2)
+        host_batch.give_back(first)
+        for _ in range(3):
+            again = host_batch.take(0, 2)
+            assert again == first
+            host_batch.give_back(again)
+        assert host_batch.take(0, 1) == first[:1]
+        host_batch.release()

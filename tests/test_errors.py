@@ -346,3 +346,17 @@ def test_device_arrays_are_compared_by_bounds_before_the_exact_test(monkeypatch)
     calls.clear()
     assert not checks.shares_memory(dev(0, 10), np.zeros(3)) and not checks.shares_memory(np.zeros(3), dev(0, 1))
     assert calls == []
+
+
+def test_in_place_rule_takes_cupy_flags_which_lack_aligned():
+    """CuPy's flags have no ``aligned``: asking for it failed every CuPy TRMM / TRSM with overwrite_b=True."""
+    from types import SimpleNamespace
+
+    from blasx.blas3 import written_in_place
+    dt = np.dtype(np.float64)
+
+    def like(ptr):
+        return SimpleNamespace(dtype=dt, flags=SimpleNamespace(f_contiguous=True, c_contiguous=False),
+                               data=SimpleNamespace(ptr=ptr))
+    assert written_in_place(like(4096), dt, 1) and not written_in_place(like(4097), dt, 1)
+    assert not written_in_place(like(4096), dt, 0)

@@ -144,6 +144,46 @@ def test_host_batch_vs_torch(monkeypatch, dtype, math, layout, memory, kernel, s
     np.testing.assert_array_equal(r, r0)
 
 
+@pytest.mark.parametrize("dtype,math", [("float16", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"),
+                                        ("float64", "ieee")])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_host_batch_graph_replays_read_each_calls_weights_and_epilogue(monkeypatch, dtype, math, layout):
+    """Chunks replayed from CUDA graphs across calls (host_batch.GRAPHS): calls of one shape with new weights,
+    biases, activations and residuals, between calls of a larger layer that regrows the slots' buffers, each
+    against torch; the weights' transforms are remade inside the graphs from the refilled weight buffer."""
+    from blasx.dnn import host_batch
+    monkeypatch.setattr(host_batch, "CHUNK_BYTES", 1 << 20)  # several chunks a slot: a call replays its own graphs
+    monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)
+    host_batch.release()
+    dt = _bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(5)
+    tol = HOST_BATCH_TOL[(dtype, math)]
+    t = torch.from_numpy
+
+    def case(n, c, k, hw, ksize, with_bias, act, with_res):
+        x = rng.standard_normal((n, c, hw, hw)).astype(dt)
+        w = (rng.standard_normal((k, c, ksize, ksize)) / np.sqrt(c * ksize * ksize)).astype(dt)
+        b = rng.standard_normal(k) if with_bias else None
+        conv = F.conv2d(wide(x), wide(w), None if b is None else t(b), 1, ksize // 2)
+        r = rng.standard_normal(tuple(conv.shape)).astype(dt) if with_res else None
+        ref = conv + (wide(r) if r is not None else 0)
+        ref = {"relu": F.relu, "silu": F.silu, None: lambda v: v}[act](ref).numpy()
+        if layout == "cl":
+            x = cl(x)
+            r = None if r is None else cl(r)
+        y = dnn.conv2d(x, w, b, 1, ksize // 2, activation=act, residual=r, math=math)
+        assert y.dtype == dt and rel(y, ref) < tol, (n, c, k, hw, ksize, with_bias, act, with_res)
+
+    for i in range(3):
+        for with_bias, act, with_res in [(False, None, False), (True, "relu", False), (True, "silu", True)]:
+            case(24, 16, 24, 12, 3, with_bias, act, with_res)
+            case(24, 16, 24, 12, 1, with_bias, act, with_res)
+        case(20 + 4 * i, 32, 40, 16, 3, True, "relu", False)  # larger: the slots' buffers grow
+    replays = sum(g.replays for slots in host_batch._IDLE.values() for s in slots for g in s.graphs.values())
+    assert replays > 0
+    host_batch.release()
+
+
 def test_transposed_and_backward():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((3, 8, 40, 30))

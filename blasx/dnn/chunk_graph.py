@@ -35,18 +35,25 @@ class ChunkGraph:
     def wants_capture(self) -> bool:
         return self.graph is None and self.eager > 0 and self.fails < TRIES
 
-    def capture(self, xp, stream, forward) -> bool:
+    def capture(self, xp, stream, forward, fresh_weights: bool = False) -> bool:
         """``forward()`` (the layers on the worker's fixed input buffer) captured on ``stream``, the current
-        stream; True when it worked (nothing ran: replay it for this chunk)."""
-        from .direct_cache import capturing
+        stream; True when it worked (nothing ran: replay it for this chunk). ``fresh_weights``: the weights'
+        transforms are made inside the graph (direct_cache.weights_in_graph), from the weights at each replay."""
+        import contextlib
+
+        from .direct_cache import capturing, weights_in_graph
         pool, keep = xp.cuda.MemoryPool(), []
         try:
-            with xp.cuda.using_allocator(pool.malloc), capturing(keep):
+            with xp.cuda.using_allocator(pool.malloc), capturing(keep), \
+                    weights_in_graph() if fresh_weights else contextlib.nullcontext():
                 stream.begin_capture()
                 try:
                     y = forward()
-                finally:
-                    graph = stream.end_capture()  # an invalidated capture ends with an error
+                except BaseException:  # the capture ended, the error raised (a Ctrl-C never turned into another)
+                    with contextlib.suppress(Exception):
+                        stream.end_capture()
+                    raise
+                graph = stream.end_capture()  # an invalidated capture ends with an error
         except Exception as exc:  # noqa: BLE001 - the shape runs eagerly; the reason is kept
             self.fails += 1
             self.error = f"{type(exc).__name__}: {exc}"

@@ -254,6 +254,15 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
                            residual, out, math)
 
 
+def _chunk_key(fn: str, geo: ConvGeometry, dt, dlay: str, vecs: list, act, math: str) -> tuple:
+    """All that a host batch's chunk body depends on besides its arrays (host_batch.run's ``body_key``): the
+    geometry but for the batch size, the type, device layout, math, the epilogue's values, the route's switches."""
+    from .. import perfdb
+    return ("conv", fn, host_batch.chunk_geometry(geo, 0), dt.str, dlay, math, act,
+            tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in vecs),
+            conv_direct.switches(), perfdb.generation())
+
+
 def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, activation, scale, shift, residual,
                 out, math):
     fn = _CONV_NAMES[nd]
@@ -293,9 +302,12 @@ def _conv_steps(nd: int, x, weight, bias, stride, padding, dilation, groups, act
     if xp is np and host_batch.applies(xb, image_bytes):  # a host batch on the GPUs: chunks on the device route
         y = given if direct else host_batch.empty(shape, dt, lay)
         dlay = conv_direct.device_layout(lay, geo, dt)
+        # (a scale with a residual runs in two passes, judging overflow on the host: never in a CUDA graph)
+        key = None if scale is not None and residual is not None else _chunk_key(fn, geo, dt, dlay, vecs, act, math)
         host_batch.run(host_batch.Batch(transpose_kernel.to_layout(np, xb, lay), y, residual, lay, dlay), weight,
                        lambda xd, wd, yd, rd: _forward_call(fn, host_batch.chunk_geometry(geo, xd.shape[0]), xd, dlay,
-                                                            wd, yd, rd, (*vecs, act), math, user_weight=True))
+                                                            wd, yd, rd, (*vecs, act), math, user_weight=True),
+                       body_key=key)
         if given is not None and not direct:
             np.copyto(given, y)
         return out if out is not None else (y[0] if unbatched else y)

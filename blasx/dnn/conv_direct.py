@@ -496,7 +496,7 @@ def widened(geo: ConvGeometry, cl: bool, s: Gather, v: int):
 
 def switches() -> tuple:
     """The settings a plan depends on (tests and benches change them): a replayed call's key holds them."""
-    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, WINOGRAD_TILE
+    return FORM, BUDGET_FRACTION, SHIFTED_MIN_C, SHIFTED_MAX_WIDE, PAD_C_MAX, WINOGRAD_TILE, IMPLICIT_MIN_PIXELS
 
 
 def on_own_gpu():

@@ -13,7 +13,8 @@ depends on.
 Inside :func:`capturing` (a CUDA graph being captured on this thread) nothing is made: a value the caches
 lack raises :class:`CaptureMiss` (made there, it would exist only once the graph ran), and every value handed
 out is appended to the capture's ``keep`` list, so the graph holds the memory it reads and writes however the
-caches change later.
+caches change later. Inside :func:`weights_in_graph` too, weights' transforms are made anew (never looked up):
+a graph whose weight buffer is refilled between replays (host_batch.py) makes them from what it holds then.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def capturing(keep: list):
     """Within it, this thread captures a CUDA graph: cache misses raise CaptureMiss and every value handed
     out is appended to ``keep``."""
     return setting(_local, "keep", keep)
+
+
+def weights_in_graph():
+    """Within it (a capture), Workspace.derived makes each weight transform inside the graph, kept by it."""
+    return setting(_local, "fresh_weights", True)
 
 
 def making(what: str) -> None:
@@ -163,6 +169,8 @@ class Workspace:
         self.handle = None  # (cuBLAS handle, its workspace, its stream), made on the first GEMM
 
     def derived(self, weight, kind, make):
+        if getattr(_local, "fresh_weights", False):
+            return kept(make())
         base, ident = _array_identity(weight)
         key = (ident, kind)
         got = self.weights.get(key)

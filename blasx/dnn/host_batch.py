@@ -17,9 +17,20 @@ no copy through a pooled page-locked buffer); a caller's page-locked memory is c
 anything else goes through a slot's staging. Outputs blasx allocates are page-locked (CuPy's pinned pool) up
 to ``PINNED_OUT_BYTES``.
 
-State: a :class:`Slot` (stream, Workspace, staging) belongs to one call at a time: a call takes idle slots
-from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
-(:meth:`Slot.drain`).
+Graphs (``GRAPHS``, where the caller names its body: ``body_key``): a chunk's device work between its copies
+(layout conversions, the convolution, its epilogue) is captured into a CUDA graph on its slot's stream and
+replayed for later chunks and later calls with the same key, one launch instead of the body's Python. The
+key holds the body's key (everything the body depends on besides the arrays it is given: geometry, types,
+math, epilogue values, the route's switches), the chunk's images and the addresses of the slot buffers the
+copies fill and empty (x, residual, y, the weight), so a replay reads and writes where this chunk's copies
+do; what the graph uses inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing);
+weights' transforms are made inside the graph from the weight buffer, refilled each call
+(direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
+uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES.
+
+State: a :class:`Slot` (stream, Workspace, staging, graphs) belongs to one call at a time: a call takes idle
+slots from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
+(:meth:`Slot.drain`); a graph it drops (beyond ``GRAPHS_KEPT`` keys) only after its stream is synchronized.
 
 Failure: the first exception (Ctrl-C included) stops the issuing; every slot is synchronized and drained
 before the call re-raises it, so no copy still reads or writes the caller's arrays when it returns.
@@ -28,15 +39,18 @@ before the call re-raises it, so no copy still reads or writes the caller's arra
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
+from collections import OrderedDict
 from math import prod
 
 import numpy as np
 
 from ..operands import is_cupy
+from ..runtime.config import env_switch
 from ..runtime.devices.cupy_streams import on_stream
 from ..runtime.latch import wait_through
-from . import conv_direct, direct_cache, transpose_kernel
+from . import chunk_graph, conv_direct, direct_cache, transpose_kernel
 
 SLOTS = 2  # streams a GPU keeps chunks in flight on
 CHUNKS_PER_SLOT = 4  # chunks each slot runs at least where the batch allows
@@ -44,6 +58,8 @@ CHUNK_BYTES = 64 << 20  # a chunk's input + output bytes at most (each slot's st
 MIN_CHUNK_BYTES = 32 << 20  # ... and at least, where the batch allows: each chunk costs the issuing thread host time
 PINNED_OUT_BYTES = 4 << 30  # outputs blasx allocates are page-locked up to this size
 WEIGHT_REGISTER_BYTES = 1 << 20  # weights from this size are page-locked in place (kept while they live)
+GRAPHS = env_switch("BLASX_HOST_BATCH_GRAPHS")  # off: every chunk's body runs eagerly
+GRAPHS_KEPT = 16  # keys a slot keeps graphs of (a network's layers in turn, each with its last chunk's size)
 
 
 # ---------------------------------------------------------------- the plan (pure)
@@ -161,6 +177,7 @@ class Slot:
         self.staging: dict = {}
         self.staged = False
         self.owed = None
+        self.graphs: OrderedDict = OrderedDict()  # chunk key -> chunk_graph.ChunkGraph, least recently used first
 
     def stage(self, name: str, nbytes: int) -> np.ndarray:
         buf = self.staging.get(name)
@@ -201,6 +218,27 @@ class Slot:
             host, pinning = st, hostmem_whole(st)
         pinned_copy(dev.data.ptr, host.ctypes.data, host.nbytes, pinning, False, self.stream.ptr)
 
+    def compute(self, segment, key) -> None:
+        """``segment()`` (a chunk's device work on this slot's buffers) on this stream: replayed from the graph of
+        ``key``, captured first where its key ran eagerly before; eagerly where ``key`` is None or captures
+        fail."""
+        if key is None:
+            segment()
+            return
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = chunk_graph.ChunkGraph()
+            if len(self.graphs) > GRAPHS_KEPT:
+                self.stream.synchronize()  # (the dropped graph may be in flight on it)
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        if g.graph is None and not (g.wants_capture() and g.capture(_cupy(), self.stream, segment,
+                                                                     fresh_weights=True)):
+            segment()
+            g.eager += 1
+            return
+        g.replay(self.stream)
+
     def issued(self) -> None:
         self.event.record(self.stream)
 
@@ -221,9 +259,12 @@ _lock = threading.Lock()
 
 
 def take(device: int, count: int) -> list:
+    """``count`` slots of ``device``: idle ones first, in the order they were given back (so a call's chunks
+    meet the slots, and their graphs, of the last call in the same roles), then new ones."""
     with _lock:
         idle = _IDLE.setdefault(device, [])
-        got = [idle.pop() for _ in range(min(count, len(idle)))]
+        got = idle[:count]
+        del idle[:count]
     return got + [Slot(device) for _ in range(count - len(got))]
 
 
@@ -259,13 +300,38 @@ class Batch:
 
 
 
-def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) -> None:
+_BODY_IDS: dict = {}  # a body's key -> a small number naming it in chunk keys (never reused)
+_body_numbers = itertools.count()
+
+
+def body_id(body_key) -> int | None:
+    """The number naming ``body_key`` in the slots' graph keys (None: no graphs for it)."""
+    if body_key is None or not GRAPHS:
+        return None
+    with _lock:
+        got = _BODY_IDS.get(body_key)
+        if got is None:
+            if len(_BODY_IDS) >= 4096:
+                _BODY_IDS.clear()
+            got = _BODY_IDS[body_key] = next(_body_numbers)
+    return got
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None, body_key=None) -> None:
     """y = body per chunk, on every GPU: ``body(xd, wd, yd, rd)`` computes a chunk's output ``yd`` from its
     input ``xd`` (and residual ``rd`` or None) and the weight on that GPU ``wd``, on the current device and
     stream (CuPy arrays in the batch's layout). Everything is issued from the calling thread, chunk k to GPU
-    k mod G (every operation is asynchronous; only staging waits)."""
+    k mod G (every operation is asynchronous; only staging waits). ``body_key``: a hashable value naming all
+    that ``body`` depends on besides its arrays, where its chunks may replay CUDA graphs (see the module's
+    docstring); None: eager."""
     import cupy
     devices = tuple(devices or gpus())
+    bid = body_id(body_key)
     x, y, res, lay = batch.x, batch.y, batch.residual, batch.lay
     dlay = batch.device_lay or lay
     n = x.shape[0]
@@ -273,6 +339,13 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
     spans = plan(n, image, len(devices))
     job = w_job = failed = None
     used = {}  # device -> the slots taken (each given back, or dropped, however the call ends)
+    views = {}  # (slot, buffer, images) -> its device array: a slot's buffers keep their size within a call
+
+    def view(s, name, shape, dtype, lay):
+        got = views.get((s, name, shape[0]))
+        if got is None:
+            got = views[s, name, shape[0]] = s.device_array(name, shape, dtype, lay)
+        return got
     try:
         (px, pr, py), job = pinnings([x, res, y])
         w_host, pw = weight, None
@@ -300,19 +373,17 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
             s = slots[(k // len(devices)) % len(slots)]
             s.drain()
             with cupy.cuda.Device(d), on_stream(s.stream), conv_direct.on_own_gpu(), direct_cache.using(s.workspace):
-                xd = s.device_array("x", (hi - lo, *x.shape[1:]), x.dtype, lay)
+                xd = view(s, "x", (hi - lo, *x.shape[1:]), x.dtype, lay)
                 s.copy_in(xd, memory_bytes(x[lo:hi], lay), px, "x")
-                xd = s.converted(xd, "xc", lay, dlay)
                 rd = None
                 if res is not None:
-                    rd = s.device_array("r", (hi - lo, *res.shape[1:]), res.dtype, lay)
+                    rd = view(s, "r", (hi - lo, *res.shape[1:]), res.dtype, lay)
                     s.copy_in(rd, memory_bytes(res[lo:hi], lay), pr, "r")
-                    rd = s.converted(rd, "rc", lay, dlay)
-                yd = s.device_array("y", (hi - lo, *y.shape[1:]), y.dtype, lay)
-                yc = yd if dlay == lay else s.device_array("yc", yd.shape, yd.dtype, dlay)
-                body(xd, weights[d], yc, rd)
-                if yc is not yd:
-                    transpose_kernel.copy(yd, yc, lay == "cl")
+                yd = view(s, "y", (hi - lo, *y.shape[1:]), y.dtype, lay)
+                wd = weights[d]
+                key = None if bid is None else (bid, hi - lo, xd.data.ptr, None if rd is None else rd.data.ptr,
+                                                yd.data.ptr, wd.data.ptr)
+                s.compute(lambda: _chunk_body(s, body, lay, dlay, xd, wd, yd, rd), key)
                 s.copy_out(memory_bytes(y[lo:hi], lay), yd, py)
                 s.issued()
     except BaseException as exc:  # noqa: BLE001 -- re-raised once nothing is in flight
@@ -334,6 +405,16 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None) ->
                     failed = failed or exc
     if failed is not None:
         raise failed
+
+
+def _chunk_body(s: Slot, body, lay: str, dlay: str, xd, wd, yd, rd) -> None:
+    """A chunk's device work on slot ``s``: x (and the residual) into the device layout, ``body``, y back."""
+    xc = s.converted(xd, "xc", lay, dlay)
+    rc = None if rd is None else s.converted(rd, "rc", lay, dlay)
+    yc = yd if dlay == lay else s.device_array("yc", yd.shape, yd.dtype, dlay)
+    body(xc, wd, yc, rc)
+    if yc is not yd:
+        transpose_kernel.copy(yd, yc, lay == "cl")
 
 
 def _settle(s) -> tuple:
