@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import fake_cupy  # noqa: E402
-from blasx.dnn import conv_direct, host_batch  # noqa: E402
+from blasx.dnn import conv_direct, direct_cache, host_batch  # noqa: E402
 from blasx.dnn.geometry import conv_geometry, layout  # noqa: E402
 from blasx.runtime import hostmem  # noqa: E402
 
@@ -588,3 +588,21 @@ def test_slots_come_back_in_the_same_roles_call_after_call():
             host_batch.give_back(again)
         assert host_batch.take(0, 1) == first[:1]
         host_batch.release()
+
+
+def test_graphs_holding_a_replaced_scratch_buffer_are_dropped_at_the_next_capture():
+    """A slot's Workspace grows a scratch buffer for a larger chunk: graphs still holding the old one are dropped
+    (after the stream is synchronized) when the slot next captures, so they do not keep old buffers alive."""
+    with fake_cupy.installed(record_calls=True) as fake:
+        s = host_batch.Slot(0)
+
+        def seg(n):
+            return lambda: s.device_array("xc", (n, 4), np.float32, "nchw")
+        with direct_cache.using(s.workspace):
+            for key, n in (("a", 10), ("a", 10), ("b", 20)):
+                s.compute(seg(n), key)
+            assert s.graphs["a"].graph is not None and len(s.graphs["a"].buffers) == 1
+            fake.log.clear()
+            s.compute(seg(20), "b")  # captured: "a" holds the 10-row buffer the Workspace replaced
+        assert list(s.graphs) == ["b"] and s.graphs["b"].graph is not None
+        assert [e for e in fake.log if e[0] == "synchronize"] == [("synchronize", s.stream.ptr)]

@@ -30,6 +30,7 @@ class ChunkGraph:
         self.graph = None
         self.pool = None
         self.keep: list = []  # the cached device values the graph reads or writes
+        self.buffers: list = []  # those of them its owner's Workspace held as scratch when captured (host_batch)
         self.y = None
 
     def wants_capture(self) -> bool:

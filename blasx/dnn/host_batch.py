@@ -26,7 +26,8 @@ copies fill and empty (x, residual, y, the weight), so a replay reads and writes
 do; what the graph uses inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing);
 weights' transforms are made inside the graph from the weight buffer, refilled each call
 (direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
-uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES.
+uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES. A graph
+holding a scratch buffer its slot's Workspace has replaced is dropped at the slot's next capture.
 
 State: a :class:`Slot` (stream, Workspace, staging, graphs) belongs to one call at a time: a call takes idle
 slots from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
@@ -232,12 +233,25 @@ class Slot:
                 self.stream.synchronize()  # (the dropped graph may be in flight on it)
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        if g.graph is None and not (g.wants_capture() and g.capture(_cupy(), self.stream, segment,
-                                                                     fresh_weights=True)):
+        if g.graph is None and not (g.wants_capture() and self._captured(g, segment)):
             segment()
             g.eager += 1
             return
         g.replay(self.stream)
+
+    def _captured(self, g, segment) -> bool:
+        """``segment`` captured into ``g``; then the graphs holding a scratch buffer the Workspace has since
+        replaced (grown) are dropped, so old buffers are not kept alive by graphs (each is captured again)."""
+        if not g.capture(_cupy(), self.stream, segment, fresh_weights=True):
+            return False
+        live = {id(b): b for b in self.workspace.buffers.values()}
+        g.buffers = [b for b in g.keep if live.get(id(b)) is b]
+        stale = [k for k, o in self.graphs.items() if any(live.get(id(b)) is not b for b in o.buffers)]
+        if stale:
+            self.stream.synchronize()  # (a dropped graph may be in flight on it)
+            for k in stale:
+                del self.graphs[k]
+        return True
 
     def issued(self) -> None:
         self.event.record(self.stream)
