@@ -606,3 +606,21 @@ def test_graphs_holding_a_replaced_scratch_buffer_are_dropped_at_the_next_captur
             s.compute(seg(20), "b")  # captured: "a" holds the 10-row buffer the Workspace replaced
         assert list(s.graphs) == ["b"] and s.graphs["b"].graph is not None
         assert [e for e in fake.log if e[0] == "synchronize"] == [("synchronize", s.stream.ptr)]
+
+
+def test_a_chunk_key_holds_the_batch_layout(monkeypatch):
+    """Channels-last and NCHW batches of one layer convolve in one device layout on slot buffers at the same
+    addresses, but only NCHW chunks have layout copies around the body: they never share a graph."""
+    import blasx.dnn as dnn
+    _pinned_everywhere(monkeypatch)
+    monkeypatch.setattr(host_batch, "gpus", lambda: (0,))
+    x = np.zeros((16, 64, 8, 8), np.float16)
+    xcl = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    w = np.zeros((64, 64, 3, 3), np.float16)
+    with fake_cupy.installed():
+        host_batch.release()
+        dnn.conv2d(xcl, w, padding=1)
+        dnn.conv2d(xcl, w, padding=1)
+        dnn.conv2d(x, w, padding=1)
+        assert sorted(_graph_counts().values()) == [(1, 0, 0), (1, 1, 0)]  # the NCHW call ran eagerly
+        host_batch.release()

@@ -149,8 +149,9 @@ def test_host_batch_vs_torch(monkeypatch, dtype, math, layout, memory, kernel, s
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 def test_host_batch_graph_replays_read_each_calls_weights_and_epilogue(monkeypatch, dtype, math, layout):
     """Chunks replayed from CUDA graphs across calls (host_batch.GRAPHS): calls of one shape with new weights,
-    biases, activations and residuals, between calls of a larger layer that regrows the slots' buffers, each
-    against torch; the weights' transforms are remade inside the graphs from the refilled weight buffer."""
+    biases, activations, residuals and the other layout, between calls of a larger layer that regrows the slots'
+    buffers, each against torch; the weights' transforms are remade inside the graphs from the refilled weight
+    buffer."""
     from blasx.dnn import host_batch
     monkeypatch.setattr(host_batch, "CHUNK_BYTES", 1 << 20)  # several chunks a slot: a call replays its own graphs
     monkeypatch.setattr(host_batch, "MIN_CHUNK_BYTES", 1)
@@ -160,7 +161,7 @@ def test_host_batch_graph_replays_read_each_calls_weights_and_epilogue(monkeypat
     tol = HOST_BATCH_TOL[(dtype, math)]
     t = torch.from_numpy
 
-    def case(n, c, k, hw, ksize, with_bias, act, with_res):
+    def case(n, c, k, hw, ksize, with_bias, act, with_res, lay=layout):
         x = rng.standard_normal((n, c, hw, hw)).astype(dt)
         w = (rng.standard_normal((k, c, ksize, ksize)) / np.sqrt(c * ksize * ksize)).astype(dt)
         b = rng.standard_normal(k) if with_bias else None
@@ -168,7 +169,7 @@ def test_host_batch_graph_replays_read_each_calls_weights_and_epilogue(monkeypat
         r = rng.standard_normal(tuple(conv.shape)).astype(dt) if with_res else None
         ref = conv + (wide(r) if r is not None else 0)
         ref = {"relu": F.relu, "silu": F.silu, None: lambda v: v}[act](ref).numpy()
-        if layout == "cl":
+        if lay == "cl":
             x = cl(x)
             r = None if r is None else cl(r)
         y = dnn.conv2d(x, w, b, 1, ksize // 2, activation=act, residual=r, math=math)
@@ -178,6 +179,7 @@ def test_host_batch_graph_replays_read_each_calls_weights_and_epilogue(monkeypat
         for with_bias, act, with_res in [(False, None, False), (True, "relu", False), (True, "silu", True)]:
             case(24, 16, 24, 12, 3, with_bias, act, with_res)
             case(24, 16, 24, 12, 1, with_bias, act, with_res)
+            case(24, 16, 24, 12, 3, with_bias, act, with_res, "nchw" if layout == "cl" else "cl")  # the other layout
         case(20 + 4 * i, 32, 40, 16, 3, True, "relu", False)  # larger: the slots' buffers grow
     replays = sum(g.replays for slots in host_batch._IDLE.values() for s in slots for g in s.graphs.values())
     assert replays > 0

@@ -47,10 +47,10 @@ class ChunkGraph:
         try:
             with xp.cuda.using_allocator(pool.malloc), capturing(keep), \
                     weights_in_graph() if fresh_weights else contextlib.nullcontext():
-                stream.begin_capture()
                 try:
+                    stream.begin_capture()
                     y = forward()
-                except BaseException:  # the capture ended, the error raised (a Ctrl-C never turned into another)
+                except BaseException:  # the capture ended (if it began), the error raised: a Ctrl-C stays one
                     with contextlib.suppress(Exception):
                         stream.end_capture()
                     raise

@@ -21,9 +21,9 @@ Graphs (``GRAPHS``, where the caller names its body: ``body_key``): a chunk's de
 (layout conversions, the convolution, its epilogue) is captured into a CUDA graph on its slot's stream and
 replayed for later chunks and later calls with the same key, one launch instead of the body's Python. The
 key holds the body's key (everything the body depends on besides the arrays it is given: geometry, types,
-math, epilogue values, the route's switches), the chunk's images and the addresses of the slot buffers the
-copies fill and empty (x, residual, y, the weight), so a replay reads and writes where this chunk's copies
-do; what the graph uses inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing);
+math, epilogue values, the route's switches), the batch's layout and the device layout (the layout copies
+around the body), the chunk's images and the addresses of the slot buffers the copies fill and empty (x,
+residual, y, the weight), so a replay reads and writes where this chunk's copies do; what the graph uses inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing);
 weights' transforms are made inside the graph from the weight buffer, refilled each call
 (direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
 uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES. A graph
@@ -60,7 +60,7 @@ MIN_CHUNK_BYTES = 32 << 20  # ... and at least, where the batch allows: each chu
 PINNED_OUT_BYTES = 4 << 30  # outputs blasx allocates are page-locked up to this size
 WEIGHT_REGISTER_BYTES = 1 << 20  # weights from this size are page-locked in place (kept while they live)
 GRAPHS = env_switch("BLASX_HOST_BATCH_GRAPHS")  # off: every chunk's body runs eagerly
-GRAPHS_KEPT = 16  # keys a slot keeps graphs of (a network's layers in turn, each with its last chunk's size)
+GRAPHS_KEPT = 32  # keys a slot keeps graphs of (a network's layers in turn, some with their last chunk's size)
 
 
 # ---------------------------------------------------------------- the plan (pure)
@@ -395,8 +395,8 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None, bo
                     s.copy_in(rd, memory_bytes(res[lo:hi], lay), pr, "r")
                 yd = view(s, "y", (hi - lo, *y.shape[1:]), y.dtype, lay)
                 wd = weights[d]
-                key = None if bid is None else (bid, hi - lo, xd.data.ptr, None if rd is None else rd.data.ptr,
-                                                yd.data.ptr, wd.data.ptr)
+                key = None if bid is None else (bid, lay, dlay, hi - lo, xd.data.ptr,  # (_chunk_body's layouts)
+                                                None if rd is None else rd.data.ptr, yd.data.ptr, wd.data.ptr)
                 s.compute(lambda: _chunk_body(s, body, lay, dlay, xd, wd, yd, rd), key)
                 s.copy_out(memory_bytes(y[lo:hi], lay), yd, py)
                 s.issued()
