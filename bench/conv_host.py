@@ -12,7 +12,8 @@ weights are where each contender keeps them between calls: host memory for blasx
 that owns its memory, as a user's would: blasx page-locks it in place on the first call), the GPU
 for torch. torch runs two ways on its first GPU from pinned tensors: ``serial`` (the whole batch
 copied in, convolved, copied out) and ``overlapped`` (``--torch-chunks`` chunks on two streams, so
-one chunk's copies overlap another's conv); the ratio is taken against the faster. Figures:
+one chunk's copies overlap another's conv); the ratio is taken against the faster. Both sides' outputs
+are poisoned (NaN, by the host, untimed) before every call. Figures:
 images/s (N / wall seconds), blasx / torch, checked on ``--check-images`` sampled images against
 float64 torch. With sims, torch on the CPU is the peer and nothing is page-locked.
 """
