@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (on the CPU and sims here) and give right answers."""
+"""The README's Python examples run as written (on the CPU and sims here) and give right answers; the usage
+guide documents every environment variable the code reads."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def test_readme_example_runs(i, tmp_path, monkeypatch):
             assert np.linalg.norm(c - a @ b) <= 1e-12 * np.linalg.norm(a @ b)
     if "net" in space:
         assert space["y"].shape == (256, 10) and space["z"].shape == (8, 16, 16, 16)
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_usage_table():
+    """Each BLASX_* name in blasx, runtime and heap has its row in docs/usage.md (a new switch came undocumented)."""
+    root = README.parent
+    names = {m for d in ("blasx", "runtime", "heap") for p in (root / d).rglob("*.py")
+             for m in re.findall(r'"(BLASX_[A-Z0-9_]+)"', p.read_text())}
+    usage = (root / "docs" / "usage.md").read_text()
+    assert names and not [n for n in sorted(names) if f"`{n}`" not in usage]
