@@ -13,7 +13,8 @@ import numbers
 
 import numpy as np
 
-from .checks import aligned, check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place, writable
+from .checks import (aligned, check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place,
+                     writable)
 from . import dispatch, session, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy

@@ -23,9 +23,9 @@ replayed for later chunks and later calls with the same key, one launch instead 
 key holds the body's key (everything the body depends on besides the arrays it is given: geometry, types,
 math, epilogue values, the route's switches), the batch's layout and the device layout (the layout copies
 around the body), the chunk's images and the addresses of the slot buffers the copies fill and empty (x,
-residual, y, the weight), so a replay reads and writes where this chunk's copies do; what the graph uses inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing);
-weights' transforms are made inside the graph from the weight buffer, refilled each call
-(direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
+residual, y, the weight), so a replay reads and writes where this chunk's copies do; what the graph uses
+inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing); weights' transforms are
+made inside the graph from the weight buffer, refilled each call (direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
 uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES. A graph
 holding a scratch buffer its slot's Workspace has replaced is dropped at the slot's next capture.
 
@@ -375,7 +375,7 @@ def run(batch: Batch, weight: np.ndarray, body, devices: tuple | None = None, bo
         for d, slots in used.items():
             with cupy.cuda.Device(d):
                 first = slots[0]
-                with on_stream(first.stream):  # the weight in a buffer of this GPU's own: the same address call after call
+                with on_stream(first.stream):  # the weight in this GPU's own buffer: one address call after call
                     wd = weights[d] = first.device_array("w", w_host.shape, w_host.dtype, "nchw")
                     first.copy_in(wd, w_host.reshape(-1).view(np.uint8), pw, "w")
                 first.event.record(first.stream)
