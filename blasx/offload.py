@@ -423,7 +423,7 @@ def _matmul_hook(a, b, c) -> bool:
     """Called by the trampoline at or above the threshold with (N, n, k), (N, k, m), (N, n, m) views:
     True when blasx wrote ``c``, False to let numpy's loop do it. Raises only KeyboardInterrupt, which the
     trampoline raises again in this thread once the ufunc returns (``_matmul_loops.c``: numpy's loop writes c)."""
-    if _bypass() or _items_below_threshold(a, b, c):
+    if _bypass() or _items_below_threshold(a, b, c) or _fp_checked(c.dtype):
         return False
     try:
         _offloaded("matmul", numpy_api.run_batch, a, b, c)
@@ -433,6 +433,15 @@ def _matmul_hook(a, b, c) -> bool:
     except BaseException as e:  # noqa: BLE001 - nothing else may escape into numpy's loop
         _failed(f"matmul ({c.dtype.name})", e)
         return False
+
+
+def _fp_checked(*dtypes) -> bool:
+    """Whether numpy's own product of these types would raise or call on a floating-point error (np.errstate's
+    "raise" / "call" for over or invalid): then numpy computes it (blasx's GPU tiles set no FP flags)."""
+    if not any(dt.kind in "fc" for dt in dtypes):
+        return False
+    err = np.geterr()
+    return err["over"] in ("raise", "call") or err["invalid"] in ("raise", "call")
 
 
 def _items_below_threshold(a, b, c) -> bool:
@@ -455,9 +464,10 @@ def _dot_wrapper(a, b, out=None):
     if type(a) is _ndarray and type(b) is _ndarray:
         local = _tls.local
         thr = _global_now if local is None else local
-        # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads
-        if 8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass() \
-                and (out is None or _dot_out_ok(a, b, out)):  # (numpy's own error for an out it rejects)
+        # 8 a.size b.size bounds the flop count: small calls leave after these few attribute reads; numpy keeps
+        # an out it rejects (its own error) and products whose FP errors raise (its own FloatingPointError)
+        if (8.0 * a.size * b.size >= thr and (flops := _dot_flops(a, b)) and flops >= thr and not _bypass()
+                and (out is None or _dot_out_ok(a, b, out)) and not _fp_checked(a.dtype, b.dtype)):
             try:
                 return _offloaded("dot", numpy_api.dot, a, b, out)
             except Exception as e:  # noqa: BLE001 - numpy recomputes it all (out is only written)

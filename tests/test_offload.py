@@ -643,3 +643,26 @@ def test_a_ctrl_c_inside_an_offloaded_matmul_of_another_thread_stays_in_that_thr
     for _ in range(1000):  # (a KeyboardInterrupt faked for the main thread would surface here)
         pass
     assert got == ["KeyboardInterrupt"]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.complex128, np.float16])
+@pytest.mark.parametrize("setting", [{"over": "raise"}, {"invalid": "raise"}, {"over": "call"}])
+def test_products_whose_fp_errors_raise_stay_on_numpy(dtype, setting):
+    """Under np.errstate(over / invalid = "raise" or "call") `@` and np.dot of float types are numpy's own, which
+    raise FloatingPointError (or call) as numpy does: blasx's GPU tiles set no floating-point flags."""
+    big = np.full((40, 30), np.finfo(dtype).max / 4, dtype) if setting.get("over") else np.full((40, 30), np.inf, dtype)
+    other = np.full((30, 20), 4, dtype) if setting.get("over") else np.zeros((30, 20), dtype)
+    calls = []
+    with blasx.offload(threshold=T):
+        with np.errstate(**{"all": "ignore", **setting}, call=lambda kind, flag: calls.append(kind)):
+            before = _mark()
+            for product in (lambda: big @ other, lambda: np.dot(big, other)):
+                if "call" in setting.values():
+                    product()
+                else:
+                    with pytest.raises(FloatingPointError):
+                        product()
+            assert not _offloaded(before)
+        np.ones((40, 30), dtype) @ other  # numpy's default errstate again: offloaded
+        assert _offloaded(before)
+    assert len(calls) == (2 if "call" in setting.values() else 0)
