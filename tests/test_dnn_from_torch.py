@@ -266,3 +266,39 @@ def test_a_time_major_recurrent_layer_after_row_wise_layers_chunks_along_dim_1()
             assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-12
     with pytest.raises(UnsupportedError, match="batch_first=False after"):
         dnn.from_torch(M(torch.nn.LayerNorm([3, 4])).double().eval(), (6, 3, 4))
+
+
+def test_a_batch_first_recurrent_layers_states_have_the_batch_at_dim_1():
+    """h_n / c_n of a batch-first LSTM or GRU are (layers x directions, N, H): h_n[-1] (a classifier's last
+    layer) is taken and chunks right; h_n returned whole, indexed along its batch dim or read by another op is
+    refused, named (it was taken as batch-first: a garbled, transposed output)."""
+    blasx.configure(devices="sim:2", tile=16)
+
+    class M(torch.nn.Module):
+        def __init__(self, kind, pick):
+            super().__init__()
+            self.rnn = getattr(torch.nn, kind)(5, 7, batch_first=True, num_layers=2, bidirectional=True)
+            self.fc, self.pick, self.lstm = torch.nn.Linear(7, 3), pick, kind == "LSTM"
+
+        def forward(self, x):
+            if self.lstm:
+                _, (h, c) = self.rnn(x)
+            else:
+                _, h = self.rnn(x)
+            return self.pick(self, h)
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((5, 6, 5))
+    for kind in ("LSTM", "GRU"):
+        for pick in (lambda s, h: s.fc(h[-1]), lambda s, h: s.fc(h[-2:][0]) + s.fc(h[1])):
+            m = M(kind, pick).double().eval()
+            with torch.no_grad():
+                ref = m(torch.tensor(x)).numpy()
+            net = dnn.from_torch(m, (2, 6, 5))
+            for chunk in (None, 1, 4):
+                y = net(x, chunk=chunk) if chunk else net(x)
+                assert y.shape == ref.shape and np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-12
+        for pick, why in ((lambda s, h: h, "output: a recurrent layer's h_n"), (lambda s, h: s.fc(h[:, 0]),
+                          "indexing the batch axis"), (lambda s, h: s.fc(h), "on a recurrent layer's h_n")):
+            with pytest.raises(UnsupportedError, match=why):
+                dnn.from_torch(M(kind, pick).double().eval(), (2, 6, 5))

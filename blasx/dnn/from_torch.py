@@ -356,6 +356,7 @@ def from_torch(module, example_input_shape):
     mtable, ftable = _module_table(torch.nn), _function_table(torch)
     nodes, bad, skipped, output, batch_axis, shared, alias = [], [], set(), None, 0, {}, {}
     views, fx_nodes = {}, {x.name: x for x in gm.graph.nodes}  # views: a value -> the value it views
+    ops, states = {}, {}  # a node -> its op; a batch-first recurrent layer's states -> "tuple" / "tensor" (batch dim 1)
     order = {name: i for i, name in enumerate(fx_nodes)}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -399,7 +400,12 @@ def from_torch(module, example_input_shape):
                 bad.append((n.name, f"{kind} with an implicit dim on an input of unknown rank"))
                 continue
             mapped = mapped[0], {"dim": _softmax_dim(mapped[1]["dim"], len(_shape_of(n) or ()))}, {}
-        why = None if mapped is None else _batch_axis_use(n, mapped, batch_axis)
+        state = states.get(ins[0]) if ins else None
+        if any(i in states for i in ins[1:]) or (state and (mapped is None or mapped[0] != "getitem")):
+            bad.append((n.name, f"{kind} on a recurrent layer's h_n / c_n, whose batch is dim 1 in a batch-first "
+                                f"network (select a layer first: h_n[-1])"))
+            continue
+        why = None if mapped is None else _batch_axis_use(n, mapped, 1 if state == "tensor" else batch_axis)
         if why is not None:
             bad.append((n.name, f"{kind} {why}"))
             continue
@@ -434,6 +440,14 @@ def from_torch(module, example_input_shape):
             if n.target in shared:  # a module called twice: its nodes share the arrays
                 params = shared[n.target]
             shared.setdefault(n.target, params)
+        if op == "getitem" and batch_axis == 0 and ins:
+            index = attrs["index"]
+            first = index[0] if isinstance(index, tuple) and index else index
+            if ops.get(ins[0]) in ("lstm", "gru") and index in (1, -1):  # (h_n, c_n) of an LSTM, h_n of a GRU
+                states[n.name] = "tuple" if _shape_of(n) is None else "tensor"
+            elif state == "tuple" or (state == "tensor" and type(first) is not int):  # (an int drops the layers' dim)
+                states[n.name] = "tensor"
+        ops[n.name] = op
         nodes.append(Node(n.name, op, tuple(ins[:1] if op in ("reshape", "getitem") else ins), attrs, params))
         if op in _VIEWS and ins:
             views[n.name] = ins[0]
@@ -445,6 +459,9 @@ def from_torch(module, example_input_shape):
             alias[ins[0]] = n.name
     if output is not None:
         output = _resolve(alias, output)
+        if output in states:
+            bad.append((output, "output: a recurrent layer's h_n / c_n, whose batch is dim 1 in a batch-first network "
+                                "(return h_n[-1], or the layer's output sequence)"))
     if not faithful:
         bad.append(("forward", "the traced graph computes otherwise than the module (torch.fx records `y += x` "
                                "as `y + x`: an in-place update of a tensor read again, or code it cannot follow)"))
