@@ -13,8 +13,8 @@ import numbers
 
 import numpy as np
 
-from .checks import (aligned, check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, same_place,
-                     writable)
+from .checks import (aligned, check_matrix, check_no_alias, check_scalar, check_trans, compute_dtype, finite_scalar,
+                     same_place, writable)
 from . import dispatch, session, shortcut
 from .dispatch import array_module, as_operand, written
 from .operands import canonical, column_major_view, is_cupy
@@ -148,7 +148,7 @@ def _symm(alpha, a, b, beta, c, side, lower, overwrite_c, *, hermitian, name, dt
     if c is not None:
         _check_shape("c", c, (m, n), "c has b's shape")
     xp = array_module(on_gpu)
-    if c is None:
+    if c is None and finite_scalar(beta):  # (f2py's c is zeros: an inf or NaN beta makes the result NaN)
         beta = 0
     out = _output_c(c, dtype, (m, n), overwrite_c, beta != 0, xp, a, a=a, b=b)
     if m == 0 or n == 0 or (alpha == 0 and beta == 1):
@@ -233,7 +233,7 @@ def _rank(alpha, a, b, beta, c, trans, lower, overwrite_c, *, hermitian, two, na
     if c is not None:
         _check_shape("c", c, (n, n), lambda: f"n x n with n = rows of op(a), a.shape={tuple(a.shape)}, trans={trans}")
     xp = array_module(on_gpu)
-    if c is None:
+    if c is None and finite_scalar(beta):  # (f2py's c is zeros: an inf or NaN beta makes the result NaN)
         beta = 0
     out = _output_c(c, dtype, (n, n), overwrite_c, True, xp, a, a=a, b=b)
     if n == 0 or ((alpha == 0 or k == 0) and beta == 1):

@@ -80,6 +80,11 @@ def writable(x) -> bool:
     return getattr(x.flags, "writeable", True)
 
 
+def finite_scalar(x) -> bool:
+    """Whether the number x is finite (a complex one in both parts)."""
+    return x == x and abs(x) != float("inf")
+
+
 def aligned(x) -> bool:
     """Whether x's elements are aligned (numpy's flag; a CuPy array's pointer on its type's alignment)."""
     flag = getattr(x.flags, "aligned", None)

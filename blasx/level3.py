@@ -8,7 +8,8 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 from __future__ import annotations
 
 from . import blas3, dispatch, precision, shortcut
-from .checks import check_matrix, check_no_alias, check_scalar, check_trans, overlaps_itself, same_place, writable
+from .checks import (check_matrix, check_no_alias, check_scalar, check_trans, finite_scalar, overlaps_itself, same_place,
+                     writable)
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N
@@ -58,9 +59,10 @@ def _gemm(alpha, a, b, beta, c, trans_a, trans_b, overwrite_c, dtype, name, out_
     in_place = c is not None and bool(overwrite_c) and c.dtype == out_type and writable(c) and not overlaps_itself(c)
     if in_place:
         check_no_alias("c", c, a=a, b=b)
-    if c is None:
+    if c is None and finite_scalar(beta):  # (f2py's c is zeros: an inf or NaN beta makes the result NaN)
         beta = 0
-    out = c if in_place else blas3.new_array(dispatch.array_module(on_gpu), (m, n), out_type, a if on_gpu else None)
+    out = c if in_place else blas3.new_array(dispatch.array_module(on_gpu), (m, n), out_type, a if on_gpu else None,
+                                             zeros=c is None and beta != 0)
     c_src = c if c is not None and out is not c and beta != 0 else None  # a new result starting from c's values
     with dispatch.whole(out is c):
         dispatch.gemm(alpha, dispatch.as_operand(a, dtype), dispatch.as_operand(b, dtype), beta, out,

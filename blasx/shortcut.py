@@ -16,6 +16,7 @@ from threading import get_ident
 import numpy as np
 
 from . import dispatch, gilfree, session
+from .checks import finite_scalar
 from .operands import column_major_view
 from .runtime.stats import clock
 
@@ -90,6 +91,8 @@ def make(routine: str, dtype: np.dtype):
                 b, strided = v[0], strided or not b.flags.c_contiguous
                 trans_b = (1 if trans_b == 0 else 0) if v[1] else trans_b
             if c is None:
+                if not finite_scalar(beta):  # (f2py's c is zeros: the full path makes the result NaN)
+                    return NO
                 beta = 0.0
             elif not _out_ok(c, dtype, (m, n), overwrite_c, a, b):  # (a, b: the same memory as given)
                 return NO
@@ -123,6 +126,8 @@ def make(routine: str, dtype: np.dtype):
             s = m if side == 0 else n
             if a.shape != (s, s) or not (m and n) or (c is not None and not _out_ok(c, dtype, (m, n), overwrite_c, a, b)):
                 return NO
+            if c is None and not finite_scalar(beta):
+                return NO
             t0 = clock()
             res = fn(alpha, a, b, 0.0 if c is None else beta, c, side, lower, overwrite_c)
             tls.stats = (dev, t0, clock(), dtype, 2.0 * m * n * s)
@@ -147,7 +152,8 @@ def make(routine: str, dtype: np.dtype):
             if two and (type(b) is not _nd or b.dtype is not dtype or b.shape != a.shape or not b.flags.f_contiguous):
                 return NO
             n, k = a.shape if trans == 0 else a.shape[::-1]
-            if not (n and k) or (c is not None and not _out_ok(c, dtype, (n, n), overwrite_c, a, b)):
+            if not (n and k) or (c is not None and not _out_ok(c, dtype, (n, n), overwrite_c, a, b)) or (
+                    c is None and not finite_scalar(beta)):
                 return NO
             op = 1 if trans == 2 and real else trans
             t0 = clock()

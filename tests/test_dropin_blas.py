@@ -183,6 +183,36 @@ def test_beta_one_leaves_a_complex_inf_as_it_is(engine):
     assert got == want == complex(np.inf, 0)
 
 
+@pytest.mark.parametrize("engine", ["sim:2", "cpu"])
+@pytest.mark.parametrize("beta", [np.inf, np.nan, -np.inf])
+def test_a_non_finite_beta_without_c_gives_nan_where_scipy_writes(engine, beta, rand):
+    """f2py makes c zeros, and BLAS's beta * 0 is NaN: every entry it writes is NaN (a rank-k update's triangle
+    alone), as scipy's; blasx dropped beta with c and returned the bare product."""
+    blasx.configure(devices=engine, tile=16)
+    a, b = _arr(rand, (M, K), "d", 1, "F"), _arr(rand, (K, N), "d", 2, "F")
+    s, z = _arr(rand, (M, M), "d", 3, "F"), _arr(rand, (M, K), "z", 4, "F")
+    for name, args in (("dgemm", (1.0, a, b)), ("dsymm", (1.0, s, _arr(rand, (M, N), "d", 5, "F"))),
+                       ("dsyrk", (1.0, a)), ("dsyr2k", (1.0, a, a)), ("zherk", (1.0, z)), ("zher2k", (1.0, z, z)),
+                       ("zgemm", (1.0, z, np.asfortranarray(z.T)))):
+        with np.errstate(invalid="ignore"):
+            got, want = getattr(B, name)(*args, beta=beta), getattr(S, name)(*args, beta=beta)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=name)
+        assert np.isnan(want).any()
+
+
+@pytest.mark.parametrize("trans", [0, 1])
+def test_syr2k_takes_the_leading_block_of_a_longer_b_as_scipy(trans, rand, rel_err, tol):
+    """scipy's ?syr2k / ?her2k wrappers take b with more rows (trans=0) or columns (else) than a: its leading
+    block is read."""
+    a = _arr(rand, (M, K) if trans == 0 else (K, M), "d", 1, "F")
+    b = _arr(rand, (M + 5, K) if trans == 0 else (K, M + 5), "d", 2, "F")
+    _same(rel_err, tol, B.dsyr2k(1.0, a, b, trans=trans), S.dsyr2k(1.0, a, b, trans=trans), "d")
+    z = _arr(rand, a.shape, "z", 3, "F")
+    zb = _arr(rand, b.shape, "z", 4, "F")
+    t = 2 if trans else 0
+    _same(rel_err, tol, B.zher2k(1.0, z, zb, trans=t), S.zher2k(1.0, z, zb, trans=t), "z")
+
+
 @pytest.mark.parametrize("name", ["dsyrk", "zherk", "dsymm", "zher2k"])
 def test_overwrite_c_other_routines(name, rand):
     prefix = name[0]

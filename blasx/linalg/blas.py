@@ -250,6 +250,12 @@ def _make(prefix: str, routine: str):
             need = b.shape[0] if v["side"] == 0 else b.shape[1]
             if a.shape != (need, need) and need <= a.shape[1] <= a.shape[0]:
                 v["a"] = a[:need, :need]  # scipy's wrapper: the leading block of a larger a
+        if _FAMILY[routine] == "syr2k":  # scipy's wrapper: the leading block of a b with more rows (trans=0), or
+            a, b = v["a"], v["b"]  # with more columns (trans != 0), than a
+            longer = (b.shape[1] == a.shape[1] and b.shape[0] > a.shape[0]) if v["trans"] == 0 else (
+                b.shape[0] == a.shape[0] and b.shape[1] > a.shape[1])
+            if longer:
+                v["b"] = b[:a.shape[0], :a.shape[1]]
         try:
             res = impl(*v.values())  # (v is in the signature's order, which impl's positional one is)
         except ValueError as e:  # (raised before any work) the shapes it names are the matrices taken
