@@ -417,3 +417,20 @@ def test_read_only_input_stays_cached_and_no_leaks():
     dnn.conv2d(cl(xw), w, padding=1)
     dnn.conv2d_weight(xw, w.shape, first, padding=1)
     assert blasx.engine().leaks() == []
+
+
+def test_a_one_element_tuple_stands_for_every_dim_as_in_torch():
+    """torch's convolutions take stride / padding / dilation / output_padding as a 1-element tuple or list for
+    every spatial dim (they were refused)."""
+    import torch
+    F = torch.nn.functional
+    blasx.configure(devices="sim:2", tile=16)
+    rng = np.random.default_rng(0)
+    x, w, wt = rng.random((1, 2, 8, 8)), rng.random((3, 2, 3, 3)), rng.random((2, 3, 3, 3))
+    for kw in ({"stride": (2,)}, {"padding": [1]}, {"dilation": (2,)}):
+        want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), **kw).numpy()
+        np.testing.assert_allclose(dnn.conv2d(x, w, **kw), want, rtol=1e-12)
+    want = F.conv_transpose2d(torch.from_numpy(x), torch.from_numpy(wt), stride=(2,), output_padding=(1,)).numpy()
+    np.testing.assert_allclose(dnn.conv_transpose2d(x, wt, stride=(2,), output_padding=(1,)), want, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"stride: got \(2, 2, 2\), expected an int or a tuple of 1 or 2 ints"):
+        dnn.conv2d(x, w, stride=(2, 2, 2))

@@ -184,12 +184,13 @@ def check_dim(name: str, dim, ndim: int) -> int:
 
 # ---------------------------------------------------------------- int tuples and shapes
 
-def ints(name: str, value, nd: int, minimum: int, *, one: bool = False) -> tuple[int, ...]:
+def ints(name: str, value, nd: int, minimum: int, *, one: bool = False, single: bool = False) -> tuple[int, ...]:
     """An int or a sequence of ``nd`` ints, each >= ``minimum``, as ``nd`` ints. ``one``: torch's pooling
     form -- also a 1-element tuple or list, and a value that is neither an int, a tuple nor a list is a
-    ValueError like every other malformed one (without ``one`` a non-iterable is a TypeError)."""
+    ValueError like every other malformed one (without ``one`` a non-iterable is a TypeError). ``single``:
+    torch's convolution form -- also a 1-element sequence, for every dim."""
     vals = (value,) * (1 if one else nd) if isinstance(value, numbers.Integral) else value
-    allowed = f"an int or a tuple of {'1 or ' if one and nd > 1 else ''}{nd} int{'s' if nd > 1 else ''}"
+    allowed = f"an int or a tuple of {'1 or ' if (one or single) and nd > 1 else ''}{nd} int{'s' if nd > 1 else ''}"
     if one:
         if not isinstance(vals, (tuple, list)):
             raise ValueError(f"{name}: got {value!r}, expected {allowed}")
@@ -198,7 +199,7 @@ def ints(name: str, value, nd: int, minimum: int, *, one: bool = False) -> tuple
             vals = tuple(vals)
         except TypeError:
             raise TypeError(f"{name}: got {value!r}, expected {allowed}") from None
-    if len(vals) not in ((1, nd) if one else (nd,)) or not all(is_int(v) for v in vals):
+    if len(vals) not in ((1, nd) if one or single else (nd,)) or not all(is_int(v) for v in vals):
         raise ValueError(f"{name}: got {value!r}, expected {allowed}")
     vals = tuple(int(v) for v in vals) * (nd // len(vals))
     if any(v < minimum for v in vals):

@@ -32,7 +32,7 @@ def padding_pairs(padding, nd: int, kernel, dilation, stride) -> tuple[tuple[int
     if isinstance(padding, (tuple, list)) and len(padding) == nd and all(isinstance(p, (tuple, list)) for p in padding):
         pairs = tuple(ints("padding", tuple(p), 2, 0) for p in padding)
         return pairs
-    return tuple((p, p) for p in ints("padding", padding, nd, 0))
+    return tuple((p, p) for p in ints("padding", padding, nd, 0, single=True))
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ def conv_geometry(fn: str, nd: int, x, weight, stride, padding, dilation, groups
     (n, c, *size), (k, cg, *kernel) = _shapes(fn, nd, x, weight)
     _channels(c, weight.shape[0], x, weight)
     groups = check_count("groups", groups)
-    stride = ints("stride", stride, nd, 1)
-    dilation = ints("dilation", dilation, nd, 1)
+    stride = ints("stride", stride, nd, 1, single=True)
+    dilation = ints("dilation", dilation, nd, 1, single=True)
     pads = padding_pairs(padding, nd, kernel, dilation, stride)
     if c % groups:
         raise ValueError(f"groups: input channels {c} (x.shape={tuple(x.shape)}) are not divisible by groups={groups}")
@@ -137,8 +137,8 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
     (n, c, *size), (cw, kg, *kernel) = _shapes(fn, nd, x, weight)
     _channels(c, weight.shape[1], x, weight)
     groups = check_count("groups", groups)
-    stride = ints("stride", stride, nd, 1)
-    dilation = ints("dilation", dilation, nd, 1)
+    stride = ints("stride", stride, nd, 1, single=True)
+    dilation = ints("dilation", dilation, nd, 1, single=True)
     pads = padding_pairs(padding, nd, kernel, dilation, stride)
     if cw != c:
         raise ValueError(f"weight: expected weight.shape[0] == {c} (x's channels), "
@@ -153,7 +153,7 @@ def transpose_geometry(fn: str, nd: int, x, weight, stride, padding, output_padd
             raise ValueError(f"input_size: {tuple(output_size)} cannot be reached from grad_output's spatial size "
                              f"{tuple(size)} (possible sizes per dim: {base} + [0, stride))")
     else:
-        opad = ints("output_padding", output_padding, nd, 0)
+        opad = ints("output_padding", output_padding, nd, 0, single=True)
         for o, s, d in zip(opad, stride, dilation):
             if o >= s and o >= d:
                 raise ValueError(f"output_padding: got {output_padding!r}; it must be smaller than either stride "
