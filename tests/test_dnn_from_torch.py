@@ -5,6 +5,7 @@ converts to a network that gives torch's answer or is refused naming the node.""
 from __future__ import annotations
 
 import importlib
+import re
 
 import numpy as np
 import pytest
@@ -302,3 +303,22 @@ def test_a_batch_first_recurrent_layers_states_have_the_batch_at_dim_1():
                           "indexing the batch axis"), (lambda s, h: s.fc(h), "on a recurrent layer's h_n")):
             with pytest.raises(UnsupportedError, match=why):
                 dnn.from_torch(M(kind, pick).double().eval(), (2, 6, 5))
+
+
+def test_modules_refused_for_their_settings_say_which():
+    """A module whose settings are not converted is named with them (a bare "unsupported node" said nothing)."""
+    blasx.configure(devices="sim:2")
+    cases = ((nn.BatchNorm2d(3, track_running_stats=False), (2, 3, 4, 4), "track_running_stats=False"),
+             (nn.Conv2d(3, 3, 3, padding_mode="reflect", padding=1), (2, 3, 4, 4), "padding_mode='reflect'"),
+             (nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True), (2, 5, 3), "dropout=0.5"))
+    for module, shape, why in cases:
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = module
+
+            def forward(self, x):
+                y = self.m(x)
+                return y[0] if isinstance(self.m, nn.LSTM) else y
+        with pytest.raises(UnsupportedError, match=re.escape(why)):
+            dnn.from_torch(M().eval(), shape)

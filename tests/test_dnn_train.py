@@ -427,3 +427,18 @@ def test_a_network_on_infinities_gives_torchs_nans_without_numpys_warnings():
         y = net(x)
         net.backward(np.ones_like(net.forward_train(x)))
     np.testing.assert_allclose(y, m(torch.from_numpy(x)).detach().numpy(), rtol=1e-12)
+
+
+def test_the_input_gradient_never_shares_the_callers_dy():
+    """A network of views alone (flatten, identity): its input gradient is an array of its own, as torch's
+    x.grad (it was dy reshaped: writing one wrote the other)."""
+    blasx.configure(devices="sim:2", tile=16)
+
+    class Flat(torch.nn.Module):
+        def forward(self, x):
+            return torch.flatten(x, 1)
+    net = dnn.from_torch(Flat(), (1, 2, 3))
+    y = net.forward_train(np.ones((4, 2, 3)))
+    dy = np.arange(y.size, dtype=y.dtype).reshape(y.shape)
+    gx = net.backward(dy)
+    assert not np.may_share_memory(gx, dy) and (gx.reshape(dy.shape) == dy).all()

@@ -38,16 +38,16 @@ def _act(fn, **kwargs):
 
 
 def _module_table(nn):
-    """torch module class -> f(module) -> (op, attrs, params), or None where the module's settings are not supported."""
+    """torch module class -> f(module) -> (op, attrs, params), or why the module's settings are not supported."""
     def conv(m, nd):
         if m.padding_mode != "zeros":
-            return None
+            return f"padding_mode={m.padding_mode!r} (only 'zeros')"
         return "conv", {"nd": nd, "stride": m.stride, "padding": m.padding, "dilation": m.dilation,
                         "groups": m.groups}, {"weight": _array(m.weight), "bias": _array(m.bias)}
 
     def bn(m):
         if m.running_mean is None:
-            return None
+            return "track_running_stats=False (each batch normalised by its own statistics: it mixes its images)"
         nbt = getattr(m, "num_batches_tracked", None)
         return "batch_norm", {"eps": m.eps, "momentum": m.momentum,
                               "num_batches_tracked": 0 if nbt is None else int(nbt)}, {
@@ -58,7 +58,7 @@ def _module_table(nn):
     def pool(kind, nd):
         def f(m):
             if kind == "max_pool" and m.return_indices:
-                return None
+                return "return_indices=True (not converted)"
             attrs = {"nd": nd, "kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
                      "ceil_mode": m.ceil_mode}
             if kind == "max_pool":
@@ -73,7 +73,7 @@ def _module_table(nn):
     def rnn(kind):
         def f(m):
             if getattr(m, "proj_size", 0) or m.dropout:
-                return None
+                return f"proj_size={getattr(m, 'proj_size', 0)}, dropout={m.dropout} (converted: neither)"
             return kind, {"num_layers": m.num_layers, "bidirectional": m.bidirectional,
                           "batch_first": m.batch_first}, {k: _array(v) for k, v in m.state_dict().items()}
         return f
@@ -383,6 +383,9 @@ def from_torch(module, example_input_shape):
                 continue
             f = mtable.get(type(m))
             mapped = f(m) if f is not None else None
+            if type(mapped) is str:  # (the module's settings, and why they are not supported)
+                bad.append((n.name, f"{kind} with {mapped}"))
+                continue
         elif n.op == "call_function":
             kind = f"call_function {getattr(n.target, '__module__', '')}.{getattr(n.target, '__name__', n.target)}"
             f = ftable.get(n.target)

@@ -455,6 +455,8 @@ def backward(tape: Tape, grad_out):
             if pgrads:
                 params[n.name] = pgrads
     gx = grads.get(graph.nodes[0].name)
+    if gx is not None and ctx.xp.may_share_memory(gx, grad_out):  # (views only between: its own array, as torch's)
+        gx = gx.copy()
     return (ctx.xp.zeros(*tape.x_like) if gx is None else gx), params
 
 
