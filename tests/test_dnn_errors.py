@@ -31,7 +31,7 @@ CASES = [
     (ValueError, ("padding", "non-negative"), lambda: dnn.conv2d(X, W, padding=-1, groups=2)),
     (ValueError, ("padding", "'same'", "strided"), lambda: dnn.conv2d(X, W, padding="same", stride=2, groups=2)),
     (ValueError, ("padding", "'full'", "'valid'"), lambda: dnn.conv2d(X, W, padding="full", groups=2)),
-    (ValueError, ("stride", "tuple of 2 ints"), lambda: dnn.conv2d(X, W, stride=(1, 1, 1), groups=2)),
+    (ValueError, ("stride", "tuple of 1 or 2 ints"), lambda: dnn.conv2d(X, W, stride=(1, 1, 1), groups=2)),
     (TypeError, ("x is float64 but weight is float32",), lambda: dnn.conv2d(X, W.astype(np.float32), groups=2)),
     (TypeError, ("dtype int64", "allowed: float64, float32, float16"), lambda: dnn.conv2d(X.astype(np.int64), W)),
     (TypeError, ("complex128",), lambda: dnn.conv2d(X.astype(complex), W.astype(complex), groups=2)),
