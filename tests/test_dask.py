@@ -575,3 +575,22 @@ def test_matmul_falling_back_to_dask_honours_progress(monkeypatch):
     a = da.ones((8, 8), dtype=np.int64, chunks=4)
     with pytest.raises(ValueError, match="progress: True needs a distributed Client"):
         bd.matmul(a, a, progress=True)
+
+
+def test_pieces_converted_to_the_results_type_are_counted(threads):
+    """Pieces of another type than the result (int64 -> float64 by scipy's rule) are converted a step at a time
+    and counted while the step runs (they were made unseen, inside blasx.gemm or by the step for int8 and
+    float16, so memory_peaks read less than the worker held)."""
+    from blasx.dask import worker
+    rng = np.random.default_rng(3)
+    n, blk = 200, 100
+    piece = blk * blk * 8
+    peaks = {}
+    for dt in ("f8", "i8"):
+        a = da.from_array((rng.uniform(-9, 9, (n, 2 * n))).astype(dt), chunks=blk).persist(scheduler="sync")
+        b = da.from_array((rng.uniform(-9, 9, (2 * n, n))).astype(dt), chunks=blk).persist(scheduler="sync")
+        worker.memory_stats(reset=True)
+        got = bd.gemm(1.0, a, b).compute(scheduler="sync")
+        peaks[dt] = worker.memory_stats()["peak"]
+        assert got.dtype == np.float64 and np.allclose(got, a.compute().astype("f8") @ b.compute().astype("f8"))
+    assert peaks["i8"] >= peaks["f8"] + 2 * piece  # an A and a B piece converted while a step runs

@@ -250,15 +250,23 @@ def _joined_gemm(alpha, xs, ta, ys, tb, acc, xp, beta):
         _add(-made)
 
 
-_REDUCED = (np.dtype(np.int8), np.dtype(np.float16))
-
-
 def _apply(step, pieces, acc, xp, fresh: bool = False):
     """One step: a blasx call on the pieces, accumulating into acc (F-ordered, written in place). ``fresh``: acc
-    is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read)."""
-    # int8 and float16 pieces in the call's type (scipy's rule): blasx's own reduced paths want an int32 or a
-    # float16 / float32 result, not acc's
-    pieces = [x.astype(acc.dtype) if x.dtype in _REDUCED else x for x in pieces]
+    is uninitialised and the step a gemm, which then overwrites it (beta 0: its old contents are not read).
+    Pieces of another type are converted to acc's here, counted while the step runs (scipy's rule: int8 and
+    float16 too, whose reduced paths in blasx want an int32 or float16 / float32 result, not acc's)."""
+    converted = [x.dtype != acc.dtype for x in pieces]
+    pieces = [x.astype(acc.dtype) if c else x for x, c in zip(pieces, converted)]
+    made = sum(x.nbytes for x, c in zip(pieces, converted) if c)
+    _add(made)
+    try:
+        return _step(step, pieces, acc, xp, fresh)
+    finally:
+        _add(-made)
+
+
+def _step(step, pieces, acc, xp, fresh: bool):
+    """:func:`_apply`'s call, its pieces of acc's type."""
     op, p = step[0], iter(pieces)
     args = [_filled(a, p) for a in step[1:]]
     if op == "gemm_grid":  # acc += alpha op(A) op(B), A and B grids of pieces
