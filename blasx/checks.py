@@ -38,6 +38,12 @@ def check_scalar(name: str, value, dtype: np.dtype):
         value = value[()]
     if not isinstance(value, numbers.Number) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}, expected a number")
+    if type(value) is int and value.bit_length() > 1000:
+        try:
+            float(value)
+        except OverflowError:  # (as scipy's: no float64 holds it)
+            raise OverflowError(f"{name}: got an int of {value.bit_length()} bits; it cannot be converted to a "
+                                f"float (at most about 1.8e308 in magnitude)") from None
     if dtype.kind != "c" and isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
         if value.imag != 0:
             raise TypeError(f"{name}: got complex {value!r} for a real {dtype.name} computation")

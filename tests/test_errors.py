@@ -360,3 +360,14 @@ def test_in_place_rule_takes_cupy_flags_which_lack_aligned():
                                data=SimpleNamespace(ptr=ptr))
     assert written_in_place(like(4096), dt, 1) and not written_in_place(like(4097), dt, 1)
     assert not written_in_place(like(4096), dt, 0)
+
+
+def test_an_int_scalar_no_float_holds_is_named(sim2, expect):
+    """alpha = 10**400 raised Python's bare OverflowError from deep in the call (float16 / int8 paths): now the
+    parameter is named before any work, as scipy names it."""
+    for dt in (np.float64, np.float16, np.int8):
+        x = np.ones((3, 3), dt)
+        expect(OverflowError, "alpha:", "cannot be converted to a float", call=lambda: blasx.gemm(10 ** 400, x, x))
+        cd = np.int32 if dt is np.int8 else dt
+        expect(OverflowError, "beta:", call=lambda: blasx.gemm(1.0, x, x, -(10 ** 400), np.zeros((3, 3), cd)))
+    assert blasx.gemm(2 ** 1000, np.ones((2, 2)), np.ones((2, 2)))[0, 0] == 2.0 * 2 ** 1000

@@ -83,3 +83,19 @@ def test_the_math_said_is_the_math_that_runs():
     assert P.tolerance(np.float32, 100, math="TF32") == P.tolerance(np.float32, 100, math="tf32")
     with pytest.raises(ValueError, match="math: got 'fast'"):
         P.tolerance(np.float32, 100, math="fast")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_inf_input_on_the_cpu_raises_no_false_floating_point_error(dtype):
+    """The CPU device computes float16 / bfloat16 products through the host BLAS in float32, whose kernels
+    flagged "invalid" on an inf input (lanes no result reads): under np.errstate(invalid="raise") the call
+    failed before writing out, where numpy's own float16 matmul and the GPUs raise nothing."""
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    blasx.configure(devices="cpu", tile=16)
+    x = np.ones((8, 8), dt)
+    x[5, 3] = np.inf
+    out = np.full((8, 8), -1, dt)
+    with np.errstate(invalid="raise"):
+        blasx.matmul(x, np.ones((8, 8), dt), out=out)
+    assert np.isinf(out[5].astype(np.float32)).all() and (out[:5].astype(np.float32) == 8).all()

@@ -51,7 +51,8 @@ def gemm(step, scalars, a, b, c) -> None:
         # Inputs narrower than C: the product, alpha and beta in float32 (float64 for integers: exact),
         # stored once to C's type.
         wide = np.float64 if a.dtype.kind in "iu" else np.float32
-        prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
+        with np.errstate(all="ignore"):  # (the host BLAS's kernels flag lanes no result reads; GPUs raise none)
+            prod = OPS[op_a](a).astype(wide) @ OPS[op_b](b).astype(wide)
         if c.dtype.kind in "iu":  # int32 arithmetic: the (exact) float64 sum times alpha, plus beta c, in int64,
             prod = prod.astype(np.int64) * np.int64(alpha)  # wrapping past int32's range as cuBLAS's does
             if beta != 0:
