@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -68,9 +69,10 @@ def tune(sizes=None, dtypes=("d", "s"), tiles=None, runs: int = 2, devices: str 
     else:
         raise ValueError(f"db: got {db!r}, need a blasx.perfdb.PerfDb, a file path, or None for the user perf-db")
     why = perfdb.file_problem(pdb.path, foreign=True)  # (found before measuring, not when a winner is stored)
-    if why is not None:
-        raise ValueError(f"db: {str(pdb.path)!r} {why}" + ("" if why.startswith("is a folder") else
-                                                            "; `blasx tune --clear` removes a damaged default one"))
+    if why is not None:  # (--clear removes a damaged default perf-db, never another file)
+        default = Path(pdb.path).resolve() == perfdb.default_path().resolve()
+        raise ValueError(f"db: {str(pdb.path)!r} {why}" + ("; `blasx tune --clear` removes it" if default and not
+                                                            why.startswith("is a folder") else ""))
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: got {type(progress).__name__}, need a function taking a line of text, or None")
     say = progress or (lambda line: None)
@@ -116,7 +118,8 @@ def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, 
     c = np.empty((m, n), blas_type.out, order="F")
     poison = np.iinfo(c.dtype).min if c.dtype.kind in "iu" else np.nan
     flops = 2 * blas_type.flop_factor * m * n * k
-    rows = min(check_rows, m)
+    timing = any(getattr(d, "timing", False) for d in devs)  # (timing-mode sims compute no data: nothing to check)
+    rows = 0 if timing else min(check_rows, m)
     out = {"key": key.text, "device": key.device, "ndev": key.ndev, "dtype": dc, "routine": key.routine,
            "m": m, "n": n, "k": k, "shape": key.shape, "tiles": list(cands), "tflops": {}, "seconds": {},
            "errors": {}, "skipped": {}, "bad": [], "tile": None, "stored": False}
@@ -137,7 +140,7 @@ def _tune_one(base, devs, kind, dc, m, n, k, candidates, runs, check_rows, rng, 
         best = min(times)
         out["seconds"][t] = times
         out["tflops"][t] = flops / best / 1e12
-        note = ""
+        note = ", not checked (timing-mode sims compute no data)" if timing else ""
         if rows:
             err, tol = precision.check_rows(c[:rows], a[:rows], b, blas_type, session.settings().math)
             out["errors"][t] = err

@@ -611,9 +611,14 @@ def test_a_device_failure_is_reported_with_status_1(capsys):
     assert "check ok" in captured.out and "device failure: sim:0" in captured.err
 
 
-def test_timing_mode_sims_are_not_checked(capsys):
+def test_timing_mode_sims_are_not_checked(capsys, tmp_path):
     assert cli.main(["gemm", "--n", "256", "--devices", "sim:2,timing=1", "--no-progress"]) == 0
     assert "not checked (timing-mode sims compute no data)" in capsys.readouterr().out
+    # tune too (it called each tile WRONG and stored nothing, exit 1)
+    db = str(tmp_path / "t.sqlite")
+    assert cli.main(["tune", "--devices", "sim:2,timing=1", "--n", "256", "--tiles", "64,128", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "not checked (timing-mode sims compute no data)" in out and "WRONG" not in out
 
 
 def test_a_db_that_is_a_folder_or_another_file_is_a_usage_error(capsys, tmp_path):
