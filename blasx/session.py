@@ -250,13 +250,20 @@ def _cuda_count() -> int:
 
 def _build(s: Settings) -> Engine:
     spec_text = s.devices or os.environ.get("BLASX_DEVICES") or ("cuda" if _cuda_count() else "cpu")
-    spec = parse_devices(spec_text)
-    devices = _make_devices(spec, s)
-    si = os.environ.get("BLASX_SWITCH_INTERVAL")  # an experiment switch (runtime/switching.py)
     try:
-        si = float(si) if si else None
+        spec = parse_devices(spec_text)
+    except ValueError as e:  # (a spec from the environment: the variable named)
+        if s.devices:
+            raise
+        raise ValueError(f"$BLASX_DEVICES: {str(e).removeprefix('devices: ')}") from None
+    devices = _make_devices(spec, s)
+    text = os.environ.get("BLASX_SWITCH_INTERVAL")  # an experiment switch (runtime/switching.py)
+    try:
+        si = float(text) if text else None
     except ValueError:
-        raise ValueError(f"BLASX_SWITCH_INTERVAL: got {si!r}, need seconds, e.g. 0.0002") from None
+        si = -1.0
+    if si is not None and not 0 < si < 1:
+        raise ValueError(f"BLASX_SWITCH_INTERVAL: got {text!r}, need seconds in (0, 1), e.g. 0.0002")
     eng = Engine(EngineConfig(devices=devices, tile=s.tile, streams=s.streams, switch_interval=si,
                               daemon_threads=_exiting))
     eng.spec = spec_text

@@ -371,3 +371,19 @@ def test_an_int_scalar_no_float_holds_is_named(sim2, expect):
         cd = np.int32 if dt is np.int8 else dt
         expect(OverflowError, "beta:", call=lambda: blasx.gemm(1.0, x, x, -(10 ** 400), np.zeros((3, 3), cd)))
     assert blasx.gemm(2 ** 1000, np.ones((2, 2)), np.ones((2, 2)))[0, 0] == 2.0 * 2 ** 1000
+
+
+def test_bad_environment_settings_name_their_variable(monkeypatch, expect):
+    """A device spec from $BLASX_DEVICES and a BLASX_SWITCH_INTERVAL out of range name the variable (they
+    named a 'devices' argument never given, and an internal 'switch_interval')."""
+    blasx.shutdown()
+    monkeypatch.setenv("BLASX_DEVICES", "bogus")
+    blasx.configure(devices=None)
+    expect(ValueError, "$BLASX_DEVICES: unknown backend 'bogus'", call=blasx.engine)
+    monkeypatch.setenv("BLASX_DEVICES", "sim:2")
+    for bad in ("-1", "2", "abc"):
+        monkeypatch.setenv("BLASX_SWITCH_INTERVAL", bad)
+        expect(ValueError, f"BLASX_SWITCH_INTERVAL: got {bad!r}", "(0, 1)", call=blasx.engine)
+    monkeypatch.delenv("BLASX_SWITCH_INTERVAL")
+    assert blasx.engine() is not None
+    blasx.shutdown()
