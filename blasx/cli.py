@@ -154,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     run.add_argument("--tile", type=_positive, metavar="T", help="tile size (default: perf-db, else chosen per call)")
     run.add_argument("--cache-bytes", type=_bytes, metavar="BYTES",
-                     help="tile cache per device, e.g. 8G (default: half the free GPU memory; 64M per sim)")
+                     help="tile cache per device, e.g. 8G (binary units: 8G = 8 GiB; a sim spec's mem= reads "
+                          "K M G T as decimal, Ki Mi Gi Ti as binary; default: half the free GPU memory; 64M per sim)")
     run.add_argument("--cpu", action="store_true", help=CPU_HELP)
     run.add_argument("--runs", type=_positive, default=2, metavar="R", help="timed calls (default 2)")
     run.add_argument("--check-rows", type=_nonnegative, default=256, metavar="ROWS",
@@ -212,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
-    t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G")
+    t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G (binary units, as gemm's)")
     t.add_argument("--cpu", action="store_true", help=CPU_HELP)
     t.add_argument("--runs", type=_positive, metavar="R",
                    help="timed calls per tile (--conv: per form) after one warm-up (default 2; --conv 3)")
@@ -289,13 +290,11 @@ def _start(blasx, parser, **settings):
         raise
     except (ValueError, RuntimeError) as exc:
         msg = str(exc)
-        if not msg.startswith("devices:"):
-            if isinstance(exc, RuntimeError):
-                raise
-        elif settings.get("devices") is not None:
-            msg = "argument --devices:" + msg[len("devices:"):]
-        elif merged["devices"] is None and os.environ.get("BLASX_DEVICES"):
-            msg = "$BLASX_DEVICES:" + msg[len("devices:"):]
+        if isinstance(exc, RuntimeError) and not msg.startswith("devices:"):
+            raise
+        for name, option in (("devices", "--devices"), ("cache_bytes", "--cache-bytes")):  # (the flag given)
+            if msg.startswith(name + ":") and settings.get(name) is not None:
+                msg = f"argument {option}:" + msg[len(name) + 1:]
         parser.error(msg)
 
 
@@ -337,7 +336,7 @@ def _gemm(blasx, parser, args) -> int:
     try:
         tile = choose_tile(eng, m, n, k, dtype, math=args.math)
     except ValueError as exc:  # the tile (given or the smallest) does not fit the tile cache
-        parser.error(f"argument --tile: {exc}" if args.tile else str(exc))
+        parser.error(f"argument --tile: {str(exc).removeprefix('tile: ')}" if args.tile else str(exc))
     names = ", ".join(d.name for d in eng.devices)
     tiles = -(-m // tile) * -(-n // tile)
     kind = dtype.name if out_dtype == dtype else f"{dtype.name} -> {out_dtype.name}"

@@ -173,6 +173,18 @@ def test_byte_counts(text, value):
     assert cli._bytes(text) == value
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--tile", "100000"], "argument --tile: 100000 needs a tile cache"),
+    (["--devices", "sim:2,mem=64M", "--cache-bytes", "64M"], "argument --cache-bytes: got 67108864, but the device "
+                                                            "spec sets mem=64M")])
+def test_setting_errors_name_the_flag_once(args, want, capsys):
+    """A setting refused when the engine starts names the flag that gave it, once ('argument --tile: tile:' and a
+    bare 'cache_bytes:' before)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["gemm", "--n", "256", "--devices", "sim:2", *args])
+    assert e.value.code == 2 and want in capsys.readouterr().err
+
+
 def test_dtype_names():
     assert [cli._dtype(x) for x in ("s", "D", "float64", "complex64", "double")] == ["s", "d", "d", "c", "d"]
     assert cli._dtype_list("d,float32,d") == ["d", "s"]
