@@ -213,7 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--devices", type=_devices, metavar="SPEC", help=DEVICES_HELP)
     t.add_argument("--tiles", type=_positive_list, metavar="T[,T...]",
                    help="candidate tiles, comma-separated (default by backend: cuda 2048,3072,4096,6144,8192)")
-    t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES", help="tile cache per device, e.g. 8G (binary units, as gemm's)")
+    t.add_argument("--cache-bytes", type=_bytes, metavar="BYTES",
+                   help="tile cache per device, e.g. 8G (binary units, as gemm's)")
     t.add_argument("--cpu", action="store_true", help=CPU_HELP)
     t.add_argument("--runs", type=_positive, metavar="R",
                    help="timed calls per tile (--conv: per form) after one warm-up (default 2; --conv 3)")

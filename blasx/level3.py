@@ -8,8 +8,8 @@ to their type. Both run through :func:`blasx.dispatch.gemm`.
 from __future__ import annotations
 
 from . import blas3, dispatch, precision, shortcut
-from .checks import (check_matrix, check_no_alias, check_scalar, check_trans, finite_scalar, overlaps_itself, same_place,
-                     writable)
+from .checks import (check_matrix, check_no_alias, check_scalar, check_trans, finite_scalar, overlaps_itself,
+                     same_place, writable)
 from .dispatch import last_profile, running_call  # noqa: F401 - blasx.last_profile, progress displays
 from .runtime import dtypes
 from .runtime.tiling import OP_N

@@ -25,9 +25,10 @@ math, epilogue values, the route's switches), the batch's layout and the device 
 around the body), the chunk's images and the addresses of the slot buffers the copies fill and empty (x,
 residual, y, the weight), so a replay reads and writes where this chunk's copies do; what the graph uses
 inside (layout copies, scratch, channel vectors) it keeps (direct_cache.capturing); weights' transforms are
-made inside the graph from the weight buffer, refilled each call (direct_cache.weights_in_graph). A key's first chunk runs eagerly (kernels compiled, scratch sized, vectors
-uploaded), the next is captured; a capture that fails leaves the key eager after chunk_graph.TRIES. A graph
-holding a scratch buffer its slot's Workspace has replaced is dropped at the slot's next capture.
+made inside the graph from the weight buffer, refilled each call (direct_cache.weights_in_graph). A key's
+first chunk runs eagerly (kernels compiled, scratch sized, vectors uploaded), the next is captured; a capture
+that fails leaves the key eager after chunk_graph.TRIES. A graph holding a scratch buffer its slot's
+Workspace has replaced is dropped at the slot's next capture.
 
 State: a :class:`Slot` (stream, Workspace, staging, graphs) belongs to one call at a time: a call takes idle
 slots from ``_IDLE`` and puts them back. A slot's staging is reused only after its last chunk's event
