@@ -434,3 +434,16 @@ def test_a_one_element_tuple_stands_for_every_dim_as_in_torch():
     np.testing.assert_allclose(dnn.conv_transpose2d(x, wt, stride=(2,), output_padding=(1,)), want, rtol=1e-12)
     with pytest.raises(ValueError, match=r"stride: got \(2, 2, 2\), expected an int or a tuple of 1 or 2 ints"):
         dnn.conv2d(x, w, stride=(2, 2, 2))
+
+
+def test_a_strided_transposed_float16_call_warns_of_overflow_once():
+    """Its phases are engine calls of their own: each warned of its overflow (three warnings, none of the call's
+    count); now one warning for the call, its phases' counts summed."""
+    import warnings
+    blasx.configure(devices="sim:2", tile=16)
+    x, w = np.full((1, 64, 4, 4), 30, np.float16), np.full((64, 2, 3, 3), 30, np.float16)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        y = dnn.conv_transpose2d(x, w, None, 2)
+    over = [str(g.message) for g in got if g.category.__name__ == "Float16OverflowWarning"]
+    assert len(over) == 1 and f"{int(np.isinf(y).sum())} of {y.size} result values" in over[0], over

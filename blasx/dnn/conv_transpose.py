@@ -47,7 +47,12 @@ def _strided_form(geo: ConvGeometry, dt, lay: str, math) -> str:
 def _phase_calls(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math) -> None:
     """y = the transposed convolution ``geo`` (forward weight ``wf``) by its phases: each a stride-1
     convolution into a compact temporary copied to its strided view of y (so the bias lands once per
-    pixel); a phase with no taps gets the bias, or zeros."""
+    pixel); a phase with no taps gets the bias, or zeros. float16 overflow is warned of once, for the call."""
+    with dispatch.overflow_tallied():
+        _phases_into(fn, geo, xp, x, lay, wf, y, bias, math)
+
+
+def _phases_into(fn: str, geo: ConvGeometry, xp, x, lay: str, wf, y, bias, math) -> None:
     for ph in phases.phases(geo):
         view = y[(slice(None), slice(None), *(slice(r, None, s) for r, s in zip(ph.offset, geo.insert)))]
         if ph.geo is None:
