@@ -30,6 +30,16 @@ class Directory:
         # only once they are (its lines are dropped first, so its count only falls then).
         self.lent = [0] * n_devices
 
+    def lend(self, line: Line) -> None:
+        """A peer's copy from ``line`` begins (caller holds the lock): the line pinned, counted against its device."""
+        line.readers += 1
+        self.lent[line.device] += 1
+
+    def unlend(self, line: Line) -> None:
+        """That copy is done, or will never be (caller holds the lock)."""
+        line.readers -= 1
+        self.lent[line.device] -= 1
+
     # -- queries (caller holds the lock, or accepts a racy answer for priorities) --
 
     def where(self, key: Hashable, device: int) -> int:

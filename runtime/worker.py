@@ -119,9 +119,10 @@ class StreamWorker(StreamAssign, Worker):
             directory = self.directory
             with directory.lock:
                 for line in p.release:
-                    line.readers -= 1
                     if line.device != self.idx:
-                        directory.lent[line.device] -= 1
+                        directory.unlend(line)
+                    else:
+                        line.readers -= 1
                 for line in p.ready:
                     if line.ready is p.event:
                         line.ready = None
@@ -417,8 +418,7 @@ class StreamWorker(StreamAssign, Worker):
                 peer_line = directory.peer_source(key, self.idx, self._can_read, FILLING,
                                                   self._peer_fill_sooner if self.knobs.peer_wait_if_sooner else None)
                 if peer_line is not None:
-                    peer_line.readers += 1
-                    directory.lent[peer_line.device] += 1
+                    directory.lend(peer_line)
                     # Under the lock: the owner clears ``ready`` (then reuses the event) under it too.
                     peer_wait = peer_line.ready
         if line is not None:
@@ -438,8 +438,7 @@ class StreamWorker(StreamAssign, Worker):
                 dev.heap.free(off)  # nothing was queued into it
             if peer_line is not None:
                 with directory.lock:
-                    peer_line.readers -= 1
-                    directory.lent[peer_line.device] -= 1
+                    directory.unlend(peer_line)
             raise
         row["l2_hits" if peer_line is not None else "misses"] += 1
         # FILLING until _flush records the fill event; only this thread sees it meanwhile
@@ -528,8 +527,7 @@ class StreamWorker(StreamAssign, Worker):
         self.issued_work = 0.0
         with self.directory.lock:
             for line in peer_reads:  # our copies from peers will never complete: unpin their lines
-                line.readers -= 1
-                self.directory.lent[line.device] -= 1
+                self.directory.unlend(line)
             for line in list(self.alru):
                 self.directory.drop(line)
         return out
