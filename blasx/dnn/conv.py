@@ -17,7 +17,7 @@ from math import prod
 
 import numpy as np
 
-from .. import dispatch, precision
+from .. import dispatch, perfdb, precision
 from ..operands import array_module, is_cupy
 from ..runtime import dtypes
 from ..runtime.plans import plan_conv_forward, plan_conv_weight
@@ -257,7 +257,6 @@ def _conv(nd: int, x, weight, bias, stride, padding, dilation, groups, activatio
 def _chunk_key(fn: str, geo: ConvGeometry, dt, dlay: str, vecs: list, act, math: str) -> tuple:
     """All that a host batch's chunk body depends on besides its arrays (host_batch.run's ``body_key``): the
     geometry but for the batch size, the type, device layout, math, the epilogue's values, the route's switches."""
-    from .. import perfdb
     return ("conv", fn, host_batch.chunk_geometry(geo, 0), dt.str, dlay, math, act,
             tuple(None if v is None else (v.dtype.str, v.shape, v.tobytes()) for v in vecs),
             conv_direct.switches(), perfdb.generation())

@@ -315,7 +315,7 @@ class Batch:
 
 
 
-_BODY_IDS: dict = {}  # a body's key -> a small number naming it in chunk keys (never reused)
+_BODY_IDS = direct_cache.table(4096)  # a body's key -> a small number naming it in chunk keys (never reused)
 _body_numbers = itertools.count()
 
 
@@ -323,13 +323,7 @@ def body_id(body_key) -> int | None:
     """The number naming ``body_key`` in the slots' graph keys (None: no graphs for it)."""
     if body_key is None or not GRAPHS:
         return None
-    with _lock:
-        got = _BODY_IDS.get(body_key)
-        if got is None:
-            if len(_BODY_IDS) >= 4096:
-                _BODY_IDS.clear()
-            got = _BODY_IDS[body_key] = next(_body_numbers)
-    return got
+    return _BODY_IDS.get(body_key, lambda: next(_body_numbers))
 
 
 def _cupy():
